@@ -1,0 +1,56 @@
+# kvrouter — build, test and run. `make help` lists the targets.
+GO        ?= go
+BIN       ?= bin
+PKGS      ?= ./...
+FUZZTIME  ?= 30s
+# Brief fuzzing inside `make test`; `make fuzz` runs longer.
+TESTFUZZTIME ?= 5s
+BINARIES  := kvrouter kvbridge kvsim kvbench kvctl
+
+.PHONY: help build test test-short vet lint fmt bench fuzz fuzz-brief run demo clean deps-test
+
+help: ## list targets
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+build: ## build every binary into ./bin
+	@mkdir -p $(BIN)
+	@for b in $(BINARIES); do \
+		if [ -n "$$(ls cmd/$$b/*.go 2>/dev/null)" ]; then $(GO) build -o $(BIN)/$$b ./cmd/$$b || exit 1; fi; \
+	done
+
+vet: ## go vet
+	$(GO) vet $(PKGS)
+
+lint: vet ## gofmt check + go vet
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+
+fmt: ## gofmt -w
+	gofmt -w $$(git ls-files '*.go')
+
+deps-test: ## make sure what the tests need is installed (redis-server)
+	@./scripts/ensure-test-deps.sh
+
+test: lint deps-test ## vet, gofmt, race tests, brief fuzzing
+	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+	@$(MAKE) --no-print-directory fuzz-brief
+
+test-short: ## quick tests without the race detector
+	$(GO) test -count=1 -short $(PKGS)
+
+fuzz-brief:
+	@./scripts/fuzz.sh $(TESTFUZZTIME)
+
+fuzz: ## run every fuzz target for FUZZTIME each (default 30s)
+	@./scripts/fuzz.sh $(FUZZTIME)
+
+bench: ## Go benchmarks of the hot paths
+	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)
+
+run: build ## run kvrouter with examples/router.yaml
+	$(BIN)/kvrouter --config examples/router.yaml
+
+demo: build ## embedded NATS + 4 simulated vLLM instances + bridges + router; compares strategies
+	$(BIN)/kvbench demo
+
+clean:
+	rm -rf $(BIN)

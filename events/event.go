@@ -1,0 +1,77 @@
+// Package events decodes and encodes vLLM's KV-cache event batches (both the
+// array-era and map-era msgpack encodings) and carries them over ZMQ and NATS.
+package events
+
+// Kind is the type of a KV-cache event.
+type Kind uint8
+
+const (
+	// BlockStored: blocks entered a tier of the engine's cache.
+	BlockStored Kind = iota + 1
+	// BlockRemoved: blocks left one tier of the engine's cache.
+	BlockRemoved
+	// AllBlocksCleared: the engine dropped its whole cache (reset, sleep, restart).
+	AllBlocksCleared
+)
+
+func (k Kind) String() string {
+	switch k {
+	case BlockStored:
+		return "BlockStored"
+	case BlockRemoved:
+		return "BlockRemoved"
+	case AllBlocksCleared:
+		return "AllBlocksCleared"
+	}
+	return "Unknown"
+}
+
+// Event is one decoded KV-cache event. It is a flat struct rather than an
+// interface so that decoding a batch does not allocate per event.
+//
+// Block hashes are the engine's own (sha256 or builtin, low 64 bits, or the
+// last 8 bytes big-endian when the engine sends bytes); the router never
+// recomputes them, it maps them to its own block keys (package kvindex).
+type Event struct {
+	Kind Kind
+
+	// BlockHashes: stored or removed blocks, in chain order for stores.
+	BlockHashes []uint64
+	// ParentHash is the engine hash of the block before BlockHashes[0];
+	// HasParent is false when the chain starts at block 0 (nil, or 0 as
+	// some engines send).
+	ParentHash uint64
+	HasParent  bool
+	// TokenIDs covers the stored full blocks only (len = len(BlockHashes)*BlockSize
+	// for GPU stores; empty for CPU-tier stores).
+	TokenIDs  []uint32
+	BlockSize int
+
+	// LoRA adapter, when the blocks belong to one.
+	LoraID    int64
+	HasLoraID bool
+	LoraName  string
+
+	// Medium as the engine wrote it ("GPU", "CPU", ...); see tiers.FromMedium.
+	Medium string
+
+	// CacheSalt from the first block's extra_keys, when present.
+	CacheSalt string
+
+	// GroupIdx is the KV-cache group; only group 0 (full attention) is indexed.
+	GroupIdx int
+	// SpecKind is kv_cache_spec_kind when present (e.g. "full_attention",
+	// "sliding_window"); SlidingWindow is kv_cache_spec_sliding_window.
+	SpecKind      string
+	SlidingWindow int
+}
+
+// Batch is one EventBatch: [ts, events, data_parallel_rank].
+type Batch struct {
+	TS     float64
+	Events []Event
+	// DPRank is the data-parallel rank; HasDPRank is false for engines that
+	// send a two-element batch or nil.
+	DPRank    int
+	HasDPRank bool
+}

@@ -1,0 +1,144 @@
+// Package testenv starts the real services tests need: a redis-server on a
+// free port (unless REDIS_ADDR names one) and an embedded NATS server with
+// JetStream (unless NATS_URL names one). Tests that share a server must use
+// their own key prefix, subjects and stream names; see UniqueName.
+package testenv
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+)
+
+var seq atomic.Uint64
+
+// UniqueName returns a name unique to this test process and call, safe for
+// Redis key prefixes, NATS subject tokens and stream names.
+func UniqueName(t testing.TB) string {
+	n := strings.NewReplacer("/", "_", " ", "_", ".", "_", "*", "_", ">", "_").Replace(t.Name())
+	if len(n) > 40 {
+		n = n[:40]
+	}
+	return fmt.Sprintf("t%d_%d_%s", os.Getpid(), seq.Add(1), n)
+}
+
+// FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
+func FreePort(t testing.TB) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("testenv: free port: %v", err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// Redis returns the address of a Redis server for the test: REDIS_ADDR when
+// set, else a redis-server started on a free port and stopped at cleanup.
+// It fails the test with a clear message when neither is possible.
+func Redis(t testing.TB) string {
+	t.Helper()
+	if a := os.Getenv("REDIS_ADDR"); a != "" {
+		return a
+	}
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		t.Fatalf("testenv: no REDIS_ADDR and no redis-server on PATH (run `make deps-test` or set REDIS_ADDR): %v", err)
+	}
+	port := FreePort(t)
+	dir := t.TempDir()
+	cmd := exec.Command(bin, "--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir, "--loglevel", "warning")
+	stdout, _ := cmd.StdoutPipe()
+	cmd.Stderr = cmd.Stdout
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("testenv: start redis-server: %v", err)
+	}
+	go func() {
+		s := bufio.NewScanner(stdout)
+		for s.Scan() {
+		}
+	}()
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	addr := fmt.Sprintf("127.0.0.1:%d", port)
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		c, err := net.DialTimeout("tcp", addr, 200*time.Millisecond)
+		if err == nil {
+			c.Close()
+			return addr
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Fatalf("testenv: redis-server on %s did not start within 10s", addr)
+	return ""
+}
+
+// NATSServer is an embedded NATS server with JetStream for one test.
+type NATSServer struct {
+	*server.Server
+	StoreDir string
+	Port     int
+}
+
+// StartNATS starts an embedded NATS server with JetStream on a free port;
+// it is shut down at cleanup. Pass the same storeDir and port to Restart it.
+func StartNATS(t testing.TB) *NATSServer {
+	t.Helper()
+	return startNATS(t, t.TempDir(), -1)
+}
+
+func startNATS(t testing.TB, dir string, port int) *NATSServer {
+	t.Helper()
+	if port < 0 {
+		port = FreePort(t)
+	}
+	opts := &server.Options{Host: "127.0.0.1", Port: port, JetStream: true, StoreDir: dir, NoSigs: true, NoLog: true}
+	s, err := server.NewServer(opts)
+	if err != nil {
+		t.Fatalf("testenv: nats server: %v", err)
+	}
+	go s.Start()
+	if !s.ReadyForConnections(10 * time.Second) {
+		t.Fatalf("testenv: nats server not ready within 10s")
+	}
+	ns := &NATSServer{Server: s, StoreDir: dir, Port: port}
+	t.Cleanup(func() { s.Shutdown(); s.WaitForShutdown() })
+	return ns
+}
+
+// URL is the client URL of the server.
+func (n *NATSServer) URL() string { return fmt.Sprintf("nats://127.0.0.1:%d", n.Port) }
+
+// Restart shuts the server down and starts a new one on the same port and
+// store directory (JetStream state survives), as an operator restart would.
+func (n *NATSServer) Restart(t testing.TB) *NATSServer {
+	t.Helper()
+	n.Shutdown()
+	n.WaitForShutdown()
+	return startNATS(t, n.StoreDir, n.Port)
+}
+
+// NATSURL returns NATS_URL when set, else starts an embedded server.
+func NATSURL(t testing.TB) string {
+	t.Helper()
+	if u := os.Getenv("NATS_URL"); u != "" {
+		return u
+	}
+	return StartNATS(t).URL()
+}
+
+// Context returns a context cancelled at test cleanup, with a deadline.
+func Context(t testing.TB, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
