@@ -1,0 +1,178 @@
+// Package tokenizer turns a request into the token ids a model server will see: it renders
+// chat messages through the model's chat template and encodes the result the way vLLM does
+// (add_special_tokens=false, special tokens written in the text matched as specials).
+//
+// It is a leaf package (it imports nothing else from kvrouter) because three programs need
+// the same answer from it: the router computes block keys from these ids, kvsim stores blocks
+// under them, and kvctl lets an operator check a model's files against the engine. If the
+// router and the engine disagree on a single token, every block key after it differs and
+// exact cache-state routing silently degrades to guessing.
+//
+// Implementations: Simple (the llm-d-inference-sim dummy tokenizer; no model files), HF
+// (a pure-Go loader of Hugging Face tokenizer.json + tokenizer_config.json: byte-level BPE
+// and SentencePiece-style BPE, with a Jinja chat template) and Remote (a vLLM /tokenize
+// endpoint behind an LRU cache).
+package tokenizer
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Tokenizer encodes text to token ids with add_special_tokens=false: no BOS/EOS is added,
+// but special tokens written in the text (e.g. "<|eot_id|>") are matched as special tokens,
+// as vLLM does for rendered chat prompts. Implementations are safe for concurrent use.
+type Tokenizer interface {
+	Encode(text string) ([]uint32, error)
+}
+
+// ChatTemplate renders chat messages into the prompt text the engine tokenizes.
+// Implementations are safe for concurrent use.
+type ChatTemplate interface {
+	Render(msgs []Message, opts RenderOptions) (string, error)
+}
+
+// ChatTokenizer is what a request path needs from one model: plain text encoding for
+// completions and template rendering for chats. Simple, HF and Remote implement it.
+type ChatTokenizer interface {
+	Tokenizer
+	ChatTemplate
+}
+
+// EncodeChat renders msgs with t and encodes the result; it returns the rendered prompt too.
+func EncodeChat(t ChatTokenizer, msgs []Message, opts RenderOptions) ([]uint32, string, error) {
+	text, err := t.Render(msgs, opts)
+	if err != nil {
+		return nil, "", err
+	}
+	ids, err := t.Encode(text)
+	if err != nil {
+		return nil, text, err
+	}
+	return ids, text, nil
+}
+
+// RenderOptions are the per-request inputs of a chat template besides the messages.
+// The zero value renders without a generation prompt, tools or extra variables.
+type RenderOptions struct {
+	// AddGenerationPrompt appends the assistant turn header (OpenAI chat requests: true by
+	// default in vLLM; callers pass the request's add_generation_prompt).
+	AddGenerationPrompt bool
+	// Tools are the request's tool definitions (OpenAI "tools" array), passed to the
+	// template as `tools`; nil means the template sees none.
+	Tools []map[string]any
+	// Vars are extra template variables (vLLM's chat_template_kwargs, e.g. enable_thinking).
+	// They cannot override messages, tools, add_generation_prompt, bos_token or eos_token.
+	Vars map[string]any
+	// Now is the clock behind strftime_now; nil means time.Now.
+	Now func() time.Time
+}
+
+// Message is one chat message as OpenAI-compatible requests carry it.
+type Message struct {
+	Role string `json:"role"`
+	// Content is the message text. When the request sent content as a list of parts, Parts
+	// holds them and Content is the concatenation of their text parts.
+	Content string `json:"-"`
+	// Parts is non-nil when content was a list of parts ({"type":"text","text":...}).
+	Parts []ContentPart `json:"-"`
+	// ContentNull records that content was JSON null or absent (assistant tool-call turns).
+	ContentNull bool `json:"-"`
+
+	Name       string     `json:"name,omitempty"`
+	ToolCalls  []ToolCall `json:"tool_calls,omitempty"`
+	ToolCallID string     `json:"tool_call_id,omitempty"`
+	// ReasoningContent is the assistant's thinking text (Qwen3 templates read it).
+	ReasoningContent string `json:"reasoning_content,omitempty"`
+}
+
+// ContentPart is one element of a list-valued message content.
+type ContentPart struct {
+	Type string `json:"type"`
+	Text string `json:"text,omitempty"`
+	// Raw keeps the whole part so templates see non-text parts (images) unchanged.
+	Raw map[string]any `json:"-"`
+}
+
+// ToolCall is one assistant tool call. Arguments is kept as sent: OpenAI sends a JSON
+// string; some clients send an object. Templates see an object when the string is JSON.
+type ToolCall struct {
+	ID       string `json:"id,omitempty"`
+	Type     string `json:"type,omitempty"`
+	Function struct {
+		Name      string          `json:"name"`
+		Arguments json.RawMessage `json:"arguments,omitempty"`
+	} `json:"function"`
+}
+
+// ErrBadMessage reports a chat message this package cannot interpret.
+var ErrBadMessage = errors.New("tokenizer: bad message")
+
+// UnmarshalJSON accepts content as a string, null, or a list of parts.
+func (m *Message) UnmarshalJSON(b []byte) error {
+	type plain Message
+	var aux struct {
+		plain
+		Content json.RawMessage `json:"content"`
+	}
+	if err := json.Unmarshal(b, &aux); err != nil {
+		return fmt.Errorf("%w: %w", ErrBadMessage, err)
+	}
+	*m = Message(aux.plain)
+	c := bytes.TrimSpace(aux.Content)
+	switch {
+	case len(c) == 0 || bytes.Equal(c, []byte("null")):
+		m.ContentNull = true
+	case c[0] == '"':
+		if err := json.Unmarshal(c, &m.Content); err != nil {
+			return fmt.Errorf("%w: content: %w", ErrBadMessage, err)
+		}
+	case c[0] == '[':
+		var raws []map[string]any
+		if err := json.Unmarshal(c, &raws); err != nil {
+			return fmt.Errorf("%w: content parts: %w", ErrBadMessage, err)
+		}
+		m.Parts = make([]ContentPart, 0, len(raws))
+		var text bytes.Buffer
+		for _, r := range raws {
+			p := ContentPart{Raw: r}
+			p.Type, _ = r["type"].(string)
+			p.Text, _ = r["text"].(string)
+			if p.Type == "text" {
+				text.WriteString(p.Text)
+			}
+			m.Parts = append(m.Parts, p)
+		}
+		m.Content = text.String()
+	default:
+		return fmt.Errorf("%w: content must be a string, null or a list of parts", ErrBadMessage)
+	}
+	return nil
+}
+
+// MarshalJSON writes content back in the shape it arrived in.
+func (m Message) MarshalJSON() ([]byte, error) {
+	type plain Message
+	var content any = m.Content
+	switch {
+	case m.Parts != nil:
+		parts := make([]any, len(m.Parts))
+		for i, p := range m.Parts {
+			if p.Raw != nil {
+				parts[i] = p.Raw
+			} else {
+				parts[i] = map[string]any{"type": p.Type, "text": p.Text}
+			}
+		}
+		content = parts
+	case m.ContentNull:
+		content = nil
+	}
+	return json.Marshal(struct {
+		plain
+		Content any `json:"content"`
+	}{plain(m), content})
+}
