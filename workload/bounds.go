@@ -1,0 +1,134 @@
+package workload
+
+import "fmt"
+
+// Bound is the hit rate a cache reaches on a trace when every request is
+// served from one shared cache: counting, per request, the leading blocks
+// already cached (a prefix cache stops at the first miss), then inserting
+// the request's blocks — no timing, no routing.
+type Bound struct {
+	// CapacityTokens is the cache size; 0 means infinite.
+	CapacityTokens int64 `json:"capacity_tokens"`
+	HitBlocks      int64 `json:"hit_blocks"`
+	Blocks         int64 `json:"blocks"`
+	// HitTokens counts hit blocks × 512, capped at each request's input length.
+	HitTokens   int64 `json:"hit_tokens"`
+	InputTokens int64 `json:"input_tokens"`
+}
+
+// BlockRatio is HitBlocks / Blocks.
+func (b Bound) BlockRatio() float64 { return ratio(b.HitBlocks, b.Blocks) }
+
+// TokenRatio is HitTokens / InputTokens.
+func (b Bound) TokenRatio() float64 { return ratio(b.HitTokens, b.InputTokens) }
+
+func ratio(a, b int64) float64 {
+	if b == 0 {
+		return 0
+	}
+	return float64(a) / float64(b)
+}
+
+// InfiniteBound is the hit rate of an infinite shared cache.
+func InfiniteBound(recs []TraceRecord) Bound {
+	b, _ := PooledBound(recs, 0)
+	return b
+}
+
+// PooledBound is the hit rate of a single LRU cache of capacityTokens
+// (whole 512-token blocks; 0 = infinite) — a perfect router over a fleet
+// whose caches were pooled into one. A request's blocks, hit or not, become
+// the most recently used in prompt order, last block most recent.
+func PooledBound(recs []TraceRecord, capacityTokens int64) (Bound, error) {
+	if capacityTokens < 0 {
+		return Bound{}, fmt.Errorf("%w: bound: capacity %d must be >= 0", ErrInvalid, capacityTokens)
+	}
+	capBlocks := capacityTokens / TraceBlockTokens
+	if capacityTokens > 0 && capBlocks == 0 {
+		return Bound{}, fmt.Errorf("%w: bound: capacity %d is under one %d-token block", ErrInvalid, capacityTokens, TraceBlockTokens)
+	}
+	b := Bound{CapacityTokens: capacityTokens}
+	lru := newLRU(capBlocks)
+	for _, r := range recs {
+		hit := 0
+		for _, h := range r.HashIDs {
+			if !lru.contains(h) {
+				break
+			}
+			hit++
+		}
+		for _, h := range r.HashIDs {
+			lru.touch(h)
+		}
+		b.HitBlocks += int64(hit)
+		b.Blocks += int64(len(r.HashIDs))
+		b.HitTokens += int64(min(hit*TraceBlockTokens, r.InputLength))
+		b.InputTokens += int64(r.InputLength)
+	}
+	return b, nil
+}
+
+// lru is a set of ids with least-recently-used eviction, as a doubly linked
+// list over slot indices (no per-entry allocation). capacity 0 = unbounded.
+type lru struct {
+	capacity   int64
+	slot       map[int64]int32
+	id         []int64
+	prev, next []int32
+	head, tail int32 // most and least recently used; -1 when empty
+}
+
+func newLRU(capacity int64) *lru {
+	return &lru{capacity: capacity, slot: map[int64]int32{}, head: -1, tail: -1}
+}
+
+func (l *lru) contains(h int64) bool { _, ok := l.slot[h]; return ok }
+
+func (l *lru) unlink(s int32) {
+	p, n := l.prev[s], l.next[s]
+	if p >= 0 {
+		l.next[p] = n
+	} else {
+		l.head = n
+	}
+	if n >= 0 {
+		l.prev[n] = p
+	} else {
+		l.tail = p
+	}
+}
+
+func (l *lru) pushFront(s int32) {
+	l.prev[s], l.next[s] = -1, l.head
+	if l.head >= 0 {
+		l.prev[l.head] = s
+	}
+	l.head = s
+	if l.tail < 0 {
+		l.tail = s
+	}
+}
+
+// touch makes h the most recently used, inserting it (and evicting the
+// least recently used when full) if absent.
+func (l *lru) touch(h int64) {
+	if s, ok := l.slot[h]; ok {
+		l.unlink(s)
+		l.pushFront(s)
+		return
+	}
+	var s int32
+	if l.capacity > 0 && int64(len(l.slot)) >= l.capacity {
+		s = l.tail
+		l.unlink(s)
+		delete(l.slot, l.id[s])
+		l.id[s] = h
+	} else {
+		s = int32(len(l.id))
+		l.id = append(l.id, h)
+		l.prev = append(l.prev, -1)
+		l.next = append(l.next, -1)
+	}
+	l.slot[h] = s
+	l.pushFront(s)
+}

@@ -1,0 +1,524 @@
+package workload
+
+import (
+	"fmt"
+	"math"
+	"time"
+)
+
+// seg makes a segment whose seed is derived from the run seed, a label and numbers.
+func seg(base uint64, label string, n uint64, length int, role string) Segment {
+	return Segment{Seed: derive(base, label, n), Len: length, Role: role}
+}
+
+func positive(what string, vals map[string]int) error {
+	for k, v := range vals {
+		if v <= 0 {
+			return fmt.Errorf("%w: %s: %s = %d must be positive", ErrInvalid, what, k, v)
+		}
+	}
+	return nil
+}
+
+// LongContext is SageMaker's long-context benchmark shape: groups of
+// requests that share a long prefix (a document, a system prompt) and each
+// ask a short question. The zero value means the defaults documented on each
+// field.
+type LongContext struct {
+	// Groups is the number of distinct shared prefixes (default 200).
+	Groups int `json:"groups,omitempty" yaml:"groups"`
+	// RequestsPerGroup (default 5). With 7 instances, random placement of 5
+	// requests per prefix gives an expected hit rate of about 25% and sticky
+	// placement 80% (4 of 5) — the published shape; see docs/kvbench.md.
+	RequestsPerGroup int `json:"requests_per_group,omitempty" yaml:"requests_per_group"`
+	// PrefixTokens is the shared prefix length (default 8,000, as SageMaker).
+	PrefixTokens int `json:"prefix_tokens,omitempty" yaml:"prefix_tokens"`
+	// QuestionTokens is the per-request suffix (default 50, as SageMaker).
+	QuestionTokens int `json:"question_tokens,omitempty" yaml:"question_tokens"`
+	// OutputTokens per request (default 100; not published, our choice).
+	OutputTokens int `json:"output_tokens,omitempty" yaml:"output_tokens"`
+	// Arrivals: Poisson, default 7 req/s (one per instance per second on 7).
+	Arrivals Arrivals `json:"arrivals" yaml:"arrivals"`
+}
+
+func (c LongContext) withDefaults() LongContext {
+	def(&c.Groups, 200)
+	def(&c.RequestsPerGroup, 5)
+	def(&c.PrefixTokens, 8000)
+	def(&c.QuestionTokens, 50)
+	def(&c.OutputTokens, 100)
+	c.Arrivals = c.Arrivals.withDefault(7)
+	return c
+}
+
+func def(p *int, v int) {
+	if *p == 0 {
+		*p = v
+	}
+}
+
+func defF(p *float64, v float64) {
+	if *p == 0 {
+		*p = v
+	}
+}
+
+// Generate builds the workload; the same seed gives the same workload.
+func (c LongContext) Generate(seed int64) (*Workload, error) {
+	c = c.withDefaults()
+	const name = "long-context"
+	if err := positive(name, map[string]int{"groups": c.Groups, "requests_per_group": c.RequestsPerGroup,
+		"prefix_tokens": c.PrefixTokens, "question_tokens": c.QuestionTokens, "output_tokens": c.OutputTokens}); err != nil {
+		return nil, err
+	}
+	if err := c.Arrivals.validate(name); err != nil {
+		return nil, err
+	}
+	rng := newRNG(seed, name)
+	base := derive(uint64(seed), name, 0)
+	n := c.Groups * c.RequestsPerGroup
+	order := rng.Perm(n)
+	arr := poisson{rng: rng, rate: c.Arrivals.Rate}
+	w := &Workload{Name: name, ClosedLoop: c.Arrivals.Concurrency}
+	for k, i := range order {
+		g := i / c.RequestsPerGroup
+		w.Requests = append(w.Requests, Request{
+			At:      arr.next(),
+			Session: fmt.Sprintf("g%d", g),
+			Prompt: []Segment{
+				seg(base, "prefix", uint64(g), c.PrefixTokens, "system"),
+				seg(base, "question", uint64(k), c.QuestionTokens, "user"),
+			},
+			OutputTokens: c.OutputTokens,
+		})
+	}
+	return w.finish(), nil
+}
+
+// Chat is multi-turn chat in the style of ShareGPT: each session's prompt
+// is its whole history (every earlier question and answer) plus the new
+// question, so it grows turn by turn.
+type Chat struct {
+	// Sessions (default 300).
+	Sessions int `json:"sessions,omitempty" yaml:"sessions"`
+	// MinTurns and MaxTurns bound the turns per session, drawn uniformly
+	// (default 2 and 6; vLLM's ShareGPT sampler keeps conversations of at
+	// least two turns).
+	MinTurns int `json:"min_turns,omitempty" yaml:"min_turns"`
+	MaxTurns int `json:"max_turns,omitempty" yaml:"max_turns"`
+	// SystemTokens is a system prompt shared by every session (default 0,
+	// as ShareGPT conversations have none).
+	SystemTokens int `json:"system_tokens,omitempty" yaml:"system_tokens"`
+	// Input is each user turn's length (default: mean 202, sigma 1, in
+	// [4, 1024] — vLLM's ShareGPT sample, FACTS §5).
+	Input LengthDist `json:"input" yaml:"input"`
+	// Output is each reply's length (default: mean 179, sigma 1, in [4, 2048]).
+	Output LengthDist `json:"output" yaml:"output"`
+	// MaxPairTokens drops and redraws a question/answer pair longer than
+	// this in total (default 2,048, vLLM's is_valid_sequence).
+	MaxPairTokens int `json:"max_pair_tokens,omitempty" yaml:"max_pair_tokens"`
+	// ThinkTime is the mean (exponential) gap between a session's turns
+	// (default 10 s).
+	ThinkTime time.Duration `json:"think_time,omitempty" yaml:"think_time"`
+	// Arrivals: the request rate (default 5 req/s); sessions start as a
+	// Poisson process at Rate / mean turns.
+	Arrivals Arrivals `json:"arrivals" yaml:"arrivals"`
+}
+
+func (c Chat) withDefaults() Chat {
+	def(&c.Sessions, 300)
+	def(&c.MinTurns, 2)
+	def(&c.MaxTurns, 6)
+	if c.Input == (LengthDist{}) {
+		c.Input = LengthDist{Mean: 202, Sigma: 1, Min: 4, Max: 1024}
+	}
+	if c.Output == (LengthDist{}) {
+		c.Output = LengthDist{Mean: 179, Sigma: 1, Min: 4, Max: 2048}
+	}
+	def(&c.MaxPairTokens, 2048)
+	if c.ThinkTime == 0 {
+		c.ThinkTime = 10 * time.Second
+	}
+	c.Arrivals = c.Arrivals.withDefault(5)
+	return c
+}
+
+// Generate builds the workload; the same seed gives the same workload.
+func (c Chat) Generate(seed int64) (*Workload, error) {
+	c = c.withDefaults()
+	const name = "chat"
+	if err := positive(name, map[string]int{"sessions": c.Sessions, "min_turns": c.MinTurns,
+		"max_turns": c.MaxTurns, "max_pair_tokens": c.MaxPairTokens}); err != nil {
+		return nil, err
+	}
+	if c.MaxTurns < c.MinTurns || c.SystemTokens < 0 || c.ThinkTime < 0 {
+		return nil, fmt.Errorf("%w: %s: need min_turns <= max_turns, system_tokens >= 0, think_time >= 0", ErrInvalid, name)
+	}
+	if err := c.Input.validate(name + " input"); err != nil {
+		return nil, err
+	}
+	if err := c.Output.validate(name + " output"); err != nil {
+		return nil, err
+	}
+	if err := c.Arrivals.validate(name); err != nil {
+		return nil, err
+	}
+	rng := newRNG(seed, name)
+	base := derive(uint64(seed), name, 0)
+	in, out := newSampler(c.Input), newSampler(c.Output)
+	meanTurns := float64(c.MinTurns+c.MaxTurns) / 2
+	starts := poisson{rng: rng, rate: c.Arrivals.Rate / meanTurns}
+	w := &Workload{Name: name, ClosedLoop: c.Arrivals.Concurrency}
+	for s := 0; s < c.Sessions; s++ {
+		at := starts.next()
+		turns := c.MinTurns + rng.IntN(c.MaxTurns-c.MinTurns+1)
+		var hist []Segment
+		if c.SystemTokens > 0 {
+			hist = append(hist, seg(base, "system", 0, c.SystemTokens, "system"))
+		}
+		for t := 0; t < turns; t++ {
+			q, a := in.draw(rng), out.draw(rng)
+			for q+a > c.MaxPairTokens {
+				q, a = in.draw(rng), out.draw(rng)
+			}
+			id := uint64(s)<<16 | uint64(t)
+			hist = append(hist, seg(base, "user", id, q, "user"))
+			w.Requests = append(w.Requests, Request{
+				At: at, Session: fmt.Sprintf("s%d", s), Turn: t,
+				Prompt: append([]Segment(nil), hist...), OutputTokens: a,
+			})
+			// The reply joins the history as the engine would see it in the
+			// next turn's prompt.
+			hist = append(hist, seg(base, "assistant", id, a, "assistant"))
+			at += expDur(rng, c.ThinkTime)
+		}
+	}
+	return w.finish(), nil
+}
+
+// RAG is retrieval-augmented generation over a document set whose
+// popularity follows a Zipf law: each prompt is a shared system prompt, the
+// TopK retrieved documents in retrieval order (most relevant first), and a
+// question. Requests share a prefix as far as their leading documents agree.
+type RAG struct {
+	// Documents in the corpus (default 2,000).
+	Documents int `json:"documents,omitempty" yaml:"documents"`
+	// DocumentTokens per retrieved chunk (default 1,000).
+	DocumentTokens int `json:"document_tokens,omitempty" yaml:"document_tokens"`
+	// TopK documents per prompt (default 3).
+	TopK int `json:"top_k,omitempty" yaml:"top_k"`
+	// ZipfS is the Zipf exponent of document popularity, > 1 (default 1.1).
+	ZipfS float64 `json:"zipf_s,omitempty" yaml:"zipf_s"`
+	// SystemTokens (default 300), QuestionTokens (default 50), OutputTokens (default 200).
+	SystemTokens   int `json:"system_tokens,omitempty" yaml:"system_tokens"`
+	QuestionTokens int `json:"question_tokens,omitempty" yaml:"question_tokens"`
+	OutputTokens   int `json:"output_tokens,omitempty" yaml:"output_tokens"`
+	// Requests (default 3,000).
+	Requests int `json:"requests,omitempty" yaml:"requests"`
+	// Arrivals: Poisson, default 8 req/s.
+	Arrivals Arrivals `json:"arrivals" yaml:"arrivals"`
+}
+
+func (c RAG) withDefaults() RAG {
+	def(&c.Documents, 2000)
+	def(&c.DocumentTokens, 1000)
+	def(&c.TopK, 3)
+	defF(&c.ZipfS, 1.1)
+	def(&c.SystemTokens, 300)
+	def(&c.QuestionTokens, 50)
+	def(&c.OutputTokens, 200)
+	def(&c.Requests, 3000)
+	c.Arrivals = c.Arrivals.withDefault(8)
+	return c
+}
+
+// Generate builds the workload; the same seed gives the same workload.
+func (c RAG) Generate(seed int64) (*Workload, error) {
+	c = c.withDefaults()
+	const name = "rag"
+	if err := positive(name, map[string]int{"documents": c.Documents, "document_tokens": c.DocumentTokens,
+		"top_k": c.TopK, "system_tokens": c.SystemTokens, "question_tokens": c.QuestionTokens,
+		"output_tokens": c.OutputTokens, "requests": c.Requests}); err != nil {
+		return nil, err
+	}
+	if c.TopK > c.Documents || !(c.ZipfS > 1) || math.IsInf(c.ZipfS, 0) {
+		return nil, fmt.Errorf("%w: %s: need top_k <= documents and zipf_s > 1", ErrInvalid, name)
+	}
+	if err := c.Arrivals.validate(name); err != nil {
+		return nil, err
+	}
+	rng := newRNG(seed, name)
+	base := derive(uint64(seed), name, 0)
+	zipf := newZipf(rng, c.ZipfS, c.Documents)
+	arr := poisson{rng: rng, rate: c.Arrivals.Rate}
+	w := &Workload{Name: name, ClosedLoop: c.Arrivals.Concurrency}
+	for i := 0; i < c.Requests; i++ {
+		p := []Segment{seg(base, "system", 0, c.SystemTokens, "system")}
+		seen := map[int]bool{}
+		for len(seen) < c.TopK {
+			d := zipf.draw()
+			if seen[d] {
+				continue
+			}
+			seen[d] = true
+			p = append(p, seg(base, "doc", uint64(d), c.DocumentTokens, "user"))
+		}
+		p = append(p, seg(base, "question", uint64(i), c.QuestionTokens, "user"))
+		w.Requests = append(w.Requests, Request{At: arr.next(), Prompt: p, OutputTokens: c.OutputTokens})
+	}
+	return w.finish(), nil
+}
+
+// Code is code completion over open files: each user's prompt is a shared
+// system prompt, the user's other open files, then the file being edited up
+// to the cursor. Each request appends an edit to that file; now and then the
+// user moves to a fresh file.
+type Code struct {
+	// Users (default 40), each a session.
+	Users int `json:"users,omitempty" yaml:"users"`
+	// RequestsPerUser (default 25).
+	RequestsPerUser int `json:"requests_per_user,omitempty" yaml:"requests_per_user"`
+	// OpenFiles other than the edited one (default 3), each FileTokens long (default 1,500).
+	OpenFiles  int `json:"open_files,omitempty" yaml:"open_files"`
+	FileTokens int `json:"file_tokens,omitempty" yaml:"file_tokens"`
+	// SystemTokens (default 500), EditTokens appended per request (default 20),
+	// OutputTokens (default 48).
+	SystemTokens int `json:"system_tokens,omitempty" yaml:"system_tokens"`
+	EditTokens   int `json:"edit_tokens,omitempty" yaml:"edit_tokens"`
+	OutputTokens int `json:"output_tokens,omitempty" yaml:"output_tokens"`
+	// SwitchProb is the chance per request that the user starts editing a
+	// fresh file (default 0.1).
+	SwitchProb float64 `json:"switch_prob,omitempty" yaml:"switch_prob"`
+	// ThinkTime is the mean gap between a user's requests (default 4 s).
+	ThinkTime time.Duration `json:"think_time,omitempty" yaml:"think_time"`
+	// Arrivals: the request rate (default 6 req/s); users start as a Poisson
+	// process at Rate / RequestsPerUser.
+	Arrivals Arrivals `json:"arrivals" yaml:"arrivals"`
+}
+
+func (c Code) withDefaults() Code {
+	def(&c.Users, 40)
+	def(&c.RequestsPerUser, 25)
+	def(&c.OpenFiles, 3)
+	def(&c.FileTokens, 1500)
+	def(&c.SystemTokens, 500)
+	def(&c.EditTokens, 20)
+	def(&c.OutputTokens, 48)
+	defF(&c.SwitchProb, 0.1)
+	if c.ThinkTime == 0 {
+		c.ThinkTime = 4 * time.Second
+	}
+	c.Arrivals = c.Arrivals.withDefault(6)
+	return c
+}
+
+// Generate builds the workload; the same seed gives the same workload.
+func (c Code) Generate(seed int64) (*Workload, error) {
+	c = c.withDefaults()
+	const name = "code"
+	if err := positive(name, map[string]int{"users": c.Users, "requests_per_user": c.RequestsPerUser,
+		"open_files": c.OpenFiles, "file_tokens": c.FileTokens, "system_tokens": c.SystemTokens,
+		"edit_tokens": c.EditTokens, "output_tokens": c.OutputTokens}); err != nil {
+		return nil, err
+	}
+	if c.SwitchProb < 0 || c.SwitchProb > 1 || c.ThinkTime < 0 {
+		return nil, fmt.Errorf("%w: %s: need 0 <= switch_prob <= 1 and think_time >= 0", ErrInvalid, name)
+	}
+	if err := c.Arrivals.validate(name); err != nil {
+		return nil, err
+	}
+	rng := newRNG(seed, name)
+	base := derive(uint64(seed), name, 0)
+	starts := poisson{rng: rng, rate: c.Arrivals.Rate / float64(c.RequestsPerUser)}
+	w := &Workload{Name: name, ClosedLoop: c.Arrivals.Concurrency}
+	for u := 0; u < c.Users; u++ {
+		at := starts.next()
+		ctx := []Segment{seg(base, "system", 0, c.SystemTokens, "system")}
+		for f := 0; f < c.OpenFiles; f++ {
+			ctx = append(ctx, seg(base, "file", uint64(u)<<16|uint64(f), c.FileTokens, "user"))
+		}
+		file := 0
+		active := []Segment{seg(base, "active", uint64(u)<<16, c.FileTokens, "user")}
+		for r := 0; r < c.RequestsPerUser; r++ {
+			if r > 0 && rng.Float64() < c.SwitchProb {
+				file++
+				active = []Segment{seg(base, "active", uint64(u)<<16|uint64(file), c.FileTokens, "user")}
+			}
+			active = append(active, seg(base, "edit", uint64(u)<<32|uint64(r), c.EditTokens, "user"))
+			p := append(append([]Segment(nil), ctx...), active...)
+			w.Requests = append(w.Requests, Request{At: at, Session: fmt.Sprintf("u%d", u), Turn: r,
+				Prompt: p, OutputTokens: c.OutputTokens})
+			at += expDur(rng, c.ThinkTime)
+		}
+	}
+	return w.finish(), nil
+}
+
+// MultiTenant has tenants that send the same system prompt under different
+// tenant keys: a router that isolates tenants keeps their prefixes apart,
+// and with a per-tenant cache salt the engines do too.
+type MultiTenant struct {
+	// Tenants (default 8), keyed "tenant-0".."tenant-N-1".
+	Tenants int `json:"tenants,omitempty" yaml:"tenants"`
+	// SystemTokens is the system prompt every tenant sends (default 4,000).
+	SystemTokens int `json:"system_tokens,omitempty" yaml:"system_tokens"`
+	// QuestionTokens (default 100), OutputTokens (default 100), Requests (default 2,000).
+	QuestionTokens int `json:"question_tokens,omitempty" yaml:"question_tokens"`
+	OutputTokens   int `json:"output_tokens,omitempty" yaml:"output_tokens"`
+	Requests       int `json:"requests,omitempty" yaml:"requests"`
+	// Arrivals: Poisson, default 8 req/s; tenants drawn uniformly.
+	Arrivals Arrivals `json:"arrivals" yaml:"arrivals"`
+}
+
+func (c MultiTenant) withDefaults() MultiTenant {
+	def(&c.Tenants, 8)
+	def(&c.SystemTokens, 4000)
+	def(&c.QuestionTokens, 100)
+	def(&c.OutputTokens, 100)
+	def(&c.Requests, 2000)
+	c.Arrivals = c.Arrivals.withDefault(8)
+	return c
+}
+
+// Generate builds the workload; the same seed gives the same workload.
+func (c MultiTenant) Generate(seed int64) (*Workload, error) {
+	c = c.withDefaults()
+	const name = "multi-tenant"
+	if err := positive(name, map[string]int{"tenants": c.Tenants, "system_tokens": c.SystemTokens,
+		"question_tokens": c.QuestionTokens, "output_tokens": c.OutputTokens, "requests": c.Requests}); err != nil {
+		return nil, err
+	}
+	if err := c.Arrivals.validate(name); err != nil {
+		return nil, err
+	}
+	rng := newRNG(seed, name)
+	base := derive(uint64(seed), name, 0)
+	arr := poisson{rng: rng, rate: c.Arrivals.Rate}
+	w := &Workload{Name: name, ClosedLoop: c.Arrivals.Concurrency}
+	for i := 0; i < c.Requests; i++ {
+		t := rng.IntN(c.Tenants)
+		w.Requests = append(w.Requests, Request{
+			At: arr.next(), Tenant: fmt.Sprintf("tenant-%d", t),
+			Prompt: []Segment{
+				seg(base, "system", 0, c.SystemTokens, "system"),
+				seg(base, "question", uint64(i), c.QuestionTokens, "user"),
+			},
+			OutputTokens: c.OutputTokens,
+		})
+	}
+	return w.finish(), nil
+}
+
+// DefaultFleetTokens is the GPU KV capacity of 8 instances of Llama 3.1 70B
+// BF16 on one 8×H100 node each: 8 × 1.35M tokens (FACTS §3, derived).
+const DefaultFleetTokens = 8 * 1_350_000
+
+// CachePressure makes a working set larger than the fleet's GPU cache, in
+// the shape of llm-d's capacity benchmark (groups of users sharing a long
+// prompt, a long question, a long answer): Groups = ceil(Demand ×
+// FleetTokens / PrefixTokens).
+type CachePressure struct {
+	// FleetTokens is the whole fleet's GPU KV capacity in tokens (default DefaultFleetTokens).
+	FleetTokens int64 `json:"fleet_tokens,omitempty" yaml:"fleet_tokens"`
+	// Demand is the distinct shared-prefix tokens over FleetTokens (default 1.5).
+	Demand float64 `json:"demand,omitempty" yaml:"demand"`
+	// PrefixTokens (default 6,000), QuestionTokens (default 1,200),
+	// OutputTokens (default 1,000): llm-d's 73-capacity shape (FACTS §6).
+	PrefixTokens   int `json:"prefix_tokens,omitempty" yaml:"prefix_tokens"`
+	QuestionTokens int `json:"question_tokens,omitempty" yaml:"question_tokens"`
+	OutputTokens   int `json:"output_tokens,omitempty" yaml:"output_tokens"`
+	// RequestsPerGroup (default 5, llm-d's users per group; each sends once).
+	RequestsPerGroup int `json:"requests_per_group,omitempty" yaml:"requests_per_group"`
+	// Arrivals: Poisson, default 10 req/s; groups drawn uniformly.
+	Arrivals Arrivals `json:"arrivals" yaml:"arrivals"`
+}
+
+func (c CachePressure) withDefaults() CachePressure {
+	if c.FleetTokens == 0 {
+		c.FleetTokens = DefaultFleetTokens
+	}
+	defF(&c.Demand, 1.5)
+	def(&c.PrefixTokens, 6000)
+	def(&c.QuestionTokens, 1200)
+	def(&c.OutputTokens, 1000)
+	def(&c.RequestsPerGroup, 5)
+	c.Arrivals = c.Arrivals.withDefault(10)
+	return c
+}
+
+// Groups is the number of prefix groups the configuration makes.
+func (c CachePressure) Groups() int {
+	c = c.withDefaults()
+	return int(math.Ceil(c.Demand * float64(c.FleetTokens) / float64(c.PrefixTokens)))
+}
+
+// Generate builds the workload; the same seed gives the same workload.
+func (c CachePressure) Generate(seed int64) (*Workload, error) {
+	c = c.withDefaults()
+	const name = "cache-pressure"
+	if err := positive(name, map[string]int{"prefix_tokens": c.PrefixTokens, "question_tokens": c.QuestionTokens,
+		"output_tokens": c.OutputTokens, "requests_per_group": c.RequestsPerGroup}); err != nil {
+		return nil, err
+	}
+	if c.FleetTokens <= 0 || !(c.Demand > 0) || math.IsInf(c.Demand, 0) {
+		return nil, fmt.Errorf("%w: %s: need fleet_tokens > 0 and demand > 0", ErrInvalid, name)
+	}
+	if err := c.Arrivals.validate(name); err != nil {
+		return nil, err
+	}
+	groups := c.Groups()
+	if groups > 10_000_000 {
+		return nil, fmt.Errorf("%w: %s: %d groups is too many", ErrInvalid, name, groups)
+	}
+	rng := newRNG(seed, name)
+	base := derive(uint64(seed), name, 0)
+	n := groups * c.RequestsPerGroup
+	order := rng.Perm(n)
+	arr := poisson{rng: rng, rate: c.Arrivals.Rate}
+	w := &Workload{Name: name, ClosedLoop: c.Arrivals.Concurrency}
+	for k, i := range order {
+		g := i / c.RequestsPerGroup
+		w.Requests = append(w.Requests, Request{
+			At: arr.next(), Session: fmt.Sprintf("g%d", g),
+			Prompt: []Segment{
+				seg(base, "prefix", uint64(g), c.PrefixTokens, "system"),
+				seg(base, "question", uint64(k), c.QuestionTokens, "user"),
+			},
+			OutputTokens: c.OutputTokens,
+		})
+	}
+	return w.finish(), nil
+}
+
+// Scale adds a scale-out and a scale-in to a workload, at fractions of its
+// duration. The zero value means: add 2 instances at 1/3, remove 2 at 2/3.
+type Scale struct {
+	OutAt float64 `json:"out_at,omitempty" yaml:"out_at"`
+	OutBy int     `json:"out_by,omitempty" yaml:"out_by"`
+	InAt  float64 `json:"in_at,omitempty" yaml:"in_at"`
+	InBy  int     `json:"in_by,omitempty" yaml:"in_by"`
+}
+
+// Apply returns a copy of w with the scale events added (a value < 0 for
+// OutBy or InBy leaves that event out).
+func (s Scale) Apply(w *Workload) (*Workload, error) {
+	defF(&s.OutAt, 1.0/3)
+	defF(&s.InAt, 2.0/3)
+	def(&s.OutBy, 2)
+	def(&s.InBy, 2)
+	if s.OutAt < 0 || s.OutAt > 1 || s.InAt < 0 || s.InAt > 1 {
+		return nil, fmt.Errorf("%w: scale: out_at and in_at must be fractions in [0, 1]", ErrInvalid)
+	}
+	out := *w
+	out.Name = w.Name + "+scale"
+	out.Fleet = append([]FleetEvent(nil), w.Fleet...)
+	d := w.Duration()
+	if s.OutBy > 0 {
+		out.Fleet = append(out.Fleet, FleetEvent{At: time.Duration(s.OutAt * float64(d)), Kind: ScaleOut, Instances: s.OutBy})
+	}
+	if s.InBy > 0 {
+		out.Fleet = append(out.Fleet, FleetEvent{At: time.Duration(s.InAt * float64(d)), Kind: ScaleIn, Instances: s.InBy})
+	}
+	out.finish()
+	return &out, nil
+}
