@@ -64,6 +64,15 @@ type Event struct {
 	// "sliding_window"); SlidingWindow is kv_cache_spec_sliding_window.
 	SpecKind      string
 	SlidingWindow int
+
+	// ExtraKeys is the event's extra_keys value exactly as received
+	// (msgpack, one entry per block: LoRA name, multimodal hashes, the
+	// cache salt on block 0), or nil. CacheSalt is decoded from it.
+	ExtraKeys []byte
+
+	// Layout records the wire layout for byte-exact re-encoding (see
+	// EventLayout); the zero value means the modern vLLM form.
+	Layout EventLayout
 }
 
 // Batch is one EventBatch: [ts, events, data_parallel_rank].
@@ -74,4 +83,12 @@ type Batch struct {
 	// send a two-element batch or nil.
 	DPRank    int
 	HasDPRank bool
+
+	// Encoding the events arrived in (of the first event); 0 for a batch
+	// built by hand.
+	Encoding Encoding
+	// Unknown counts events of unknown type that Decode skipped.
+	Unknown int
+	// Layout records the envelope's wire layout (see BatchLayout).
+	Layout BatchLayout
 }

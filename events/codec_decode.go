@@ -1,0 +1,598 @@
+package events
+
+import (
+	"bytes"
+	"fmt"
+	"math"
+)
+
+// Decode parses one vLLM EventBatch payload (msgpack). It accepts both event
+// encodings, detected per event: tagged positional arrays of any length
+// (missing trailing fields take their defaults, extra ones are skipped) and
+// tagged maps (missing keys take their defaults, unknown keys are skipped).
+// The batch may be [ts, events], [ts, events, rank|nil] or a map with those
+// keys. Block hashes may be integers (negative ones, from engines that used
+// Python's hash(), are taken as two's complement) or bytes, of which the last
+// min(8, len) are read big-endian (an empty bin is an error). A parent hash
+// of nil or 0 means no parent.
+//
+// Events of unknown type are skipped and counted in Batch.Unknown; events of
+// non-full-attention groups are kept (see Event.FullAttention). Anything
+// else that does not fit returns an error wrapping ErrMalformed; no input
+// panics, and no allocation exceeds a small multiple of len(payload).
+//
+// The returned batch does not alias payload.
+func Decode(payload []byte) (Batch, error) {
+	d := decoder{r: reader{b: payload}}
+	b, err := d.batch()
+	if err != nil {
+		return Batch{}, fmt.Errorf("%w (at byte %d)", err, d.r.off)
+	}
+	return b, nil
+}
+
+type decoder struct {
+	r reader
+	// lastLora caches the previous LoRA name so a batch of events for one
+	// adapter allocates it once.
+	lastLora string
+}
+
+func (d *decoder) batch() (Batch, error) {
+	var b Batch
+	t, err := d.r.peek()
+	if err != nil {
+		return b, err
+	}
+	haveTS, haveEvents := false, false
+	switch t {
+	case mpArray:
+		n, err := d.r.arrayHeader(1)
+		if err != nil {
+			return b, err
+		}
+		if n < 2 {
+			return b, fmt.Errorf("%w: batch has %d elements, want [ts, events(, rank)]", ErrMalformed, n)
+		}
+		b.Layout.N = clampU8(n)
+		for i := 0; i < n; i++ {
+			switch i {
+			case 0:
+				err = d.ts(&b)
+			case 1:
+				err = d.events(&b)
+			case 2:
+				err = d.rank(&b)
+			default:
+				err = d.r.skip()
+			}
+			if err != nil {
+				return b, err
+			}
+		}
+		haveTS, haveEvents = true, true
+	case mpMap:
+		n, err := d.r.mapHeader()
+		if err != nil {
+			return b, err
+		}
+		b.Layout.Map = true
+		for i := 0; i < n; i++ {
+			key, isStr, err := d.key()
+			if err != nil {
+				return b, err
+			}
+			id := -1
+			if isStr {
+				switch string(key) {
+				case "ts":
+					id, haveTS, err = 0, true, d.ts(&b)
+				case "events":
+					id, haveEvents, err = 1, true, d.events(&b)
+				case "data_parallel_rank":
+					id, err = 2, d.rank(&b)
+				}
+			}
+			if id < 0 {
+				err = d.r.skip()
+			} else if b.Layout.N < 4 {
+				b.Layout.Order |= uint8(id) << (2 * b.Layout.N)
+				b.Layout.N++
+			}
+			if err != nil {
+				return b, err
+			}
+		}
+	default:
+		return b, fmt.Errorf("%w: batch is a %s, want array or map", ErrMalformed, t)
+	}
+	if !haveTS || !haveEvents {
+		return b, fmt.Errorf("%w: batch lacks ts or events", ErrMalformed)
+	}
+	if d.r.remaining() != 0 {
+		return b, fmt.Errorf("%w: %d trailing bytes after the batch", ErrMalformed, d.r.remaining())
+	}
+	if b.Encoding == 0 {
+		// No event told us: an empty batch reads the same either way.
+		b.Encoding = EncodingArray
+	}
+	return b, nil
+}
+
+// key reads a map key; non-string keys are reported so the caller skips them.
+func (d *decoder) key() ([]byte, bool, error) {
+	t, err := d.r.peek()
+	if err != nil {
+		return nil, false, err
+	}
+	if t != mpStr {
+		return nil, false, d.r.skip()
+	}
+	k, err := d.r.readStr()
+	return k, true, err
+}
+
+func (d *decoder) ts(b *Batch) error {
+	f, f32, err := d.r.readFloat()
+	if err != nil {
+		return fmt.Errorf("ts: %w", err)
+	}
+	b.TS, b.Layout.TSFloat32 = f, f32
+	return nil
+}
+
+func (d *decoder) rank(b *Batch) error {
+	if d.r.readNil() {
+		b.Layout.RankNil = true
+		return nil
+	}
+	v, err := d.int("data_parallel_rank", 0, math.MaxInt32)
+	if err != nil {
+		return err
+	}
+	b.DPRank, b.HasDPRank = int(v), true
+	return nil
+}
+
+// minEventBytes is the smallest encoding of a known event
+// (["BlockStored"]: a fixarray header and a 12-byte fixstr); it bounds the
+// capacity hint taken from a claimed event count.
+const minEventBytes = 13
+
+func (d *decoder) events(b *Batch) error {
+	n, err := d.r.arrayHeader(1)
+	if err != nil {
+		return fmt.Errorf("events: %w", err)
+	}
+	hint := min(n, d.r.remaining()/minEventBytes, 1024)
+	b.Events = make([]Event, 0, hint)
+	for i := 0; i < n; i++ {
+		var e Event
+		known, enc, err := d.event(&e)
+		if err != nil {
+			return fmt.Errorf("event %d: %w", i, err)
+		}
+		if b.Encoding == 0 {
+			b.Encoding = enc
+		}
+		if !known {
+			b.Unknown++
+			continue
+		}
+		b.Events = append(b.Events, e)
+	}
+	return nil
+}
+
+// kindOf maps a tag to a Kind (0 for an unknown tag).
+func kindOf(tag []byte) Kind {
+	switch string(tag) {
+	case "BlockStored":
+		return BlockStored
+	case "BlockRemoved":
+		return BlockRemoved
+	case "AllBlocksCleared":
+		return AllBlocksCleared
+	}
+	return 0
+}
+
+// event decodes one event into e. known is false for an unknown tag (the
+// event has been skipped).
+func (d *decoder) event(e *Event) (known bool, enc Encoding, err error) {
+	t, err := d.r.peek()
+	if err != nil {
+		return false, 0, err
+	}
+	var extra []byte
+	switch t {
+	case mpArray:
+		enc = EncodingArray
+		known, extra, err = d.arrayEvent(e)
+	case mpMap:
+		enc = EncodingMap
+		known, extra, err = d.mapEvent(e)
+	default:
+		return false, 0, fmt.Errorf("%w: event is a %s, want array or map", ErrMalformed, t)
+	}
+	if err != nil || !known {
+		return known, enc, err
+	}
+	e.Layout.Encoding = enc
+	if len(extra) > 0 {
+		e.ExtraKeys = bytes.Clone(extra)
+		e.CacheSalt = cacheSalt(extra, e)
+	}
+	return true, enc, nil
+}
+
+func (d *decoder) tag() (Kind, error) {
+	tag, err := d.r.readStr()
+	if err != nil {
+		return 0, fmt.Errorf("event tag: %w", err)
+	}
+	return kindOf(tag), nil
+}
+
+func (d *decoder) arrayEvent(e *Event) (bool, []byte, error) {
+	n, err := d.r.arrayHeader(1)
+	if err != nil {
+		return false, nil, err
+	}
+	if n == 0 {
+		return false, nil, fmt.Errorf("%w: empty event array", ErrMalformed)
+	}
+	k, err := d.tag()
+	if err != nil {
+		return false, nil, err
+	}
+	if k == 0 {
+		for i := 1; i < n; i++ {
+			if err := d.r.skip(); err != nil {
+				return false, nil, err
+			}
+		}
+		return false, nil, nil
+	}
+	e.Kind = k
+	e.Layout.N = clampU8(n)
+	fields := kindFields(k)
+	var st fieldState
+	for i := 1; i < n; i++ {
+		if i >= len(fields) {
+			if err := d.r.skip(); err != nil {
+				return false, nil, err
+			}
+			continue
+		}
+		if err := d.field(e, fields[i], &st); err != nil {
+			return false, nil, err
+		}
+	}
+	st.finish(e)
+	return true, st.extra, nil
+}
+
+func (d *decoder) mapEvent(e *Event) (bool, []byte, error) {
+	n, err := d.r.mapHeader()
+	if err != nil {
+		return false, nil, err
+	}
+	start := d.r.off
+	// The tag normally comes first (msgspec writes it first); otherwise
+	// find it in a first pass, so fields are read knowing the event type.
+	k, found, err := d.findTag(n)
+	if err != nil {
+		return false, nil, err
+	}
+	if !found {
+		return false, nil, fmt.Errorf("%w: event map has no \"type\"", ErrMalformed)
+	}
+	d.r.off = start
+	if k == 0 {
+		for i := 0; i < 2*n; i++ {
+			if err := d.r.skip(); err != nil {
+				return false, nil, err
+			}
+		}
+		return false, nil, nil
+	}
+	e.Kind = k
+	mask := kindMask(k)
+	var st fieldState
+	for i := 0; i < n; i++ {
+		key, isStr, err := d.key()
+		if err != nil {
+			return false, nil, err
+		}
+		f := -1
+		if isStr {
+			f = fieldID(key)
+		}
+		if f < 0 || mask&(1<<f) == 0 {
+			if err := d.r.skip(); err != nil {
+				return false, nil, err
+			}
+			continue
+		}
+		if f == fType {
+			if _, err := d.r.readStr(); err != nil {
+				return false, nil, err
+			}
+		} else if err := d.field(e, uint8(f), &st); err != nil {
+			return false, nil, err
+		}
+		if e.Layout.N < 16 {
+			e.Layout.Order |= uint64(f) << (4 * e.Layout.N)
+			e.Layout.N++
+		}
+	}
+	st.finish(e)
+	return true, st.extra, nil
+}
+
+// findTag scans n map entries for "type" and returns its kind.
+func (d *decoder) findTag(n int) (Kind, bool, error) {
+	for i := 0; i < n; i++ {
+		key, isStr, err := d.key()
+		if err != nil {
+			return 0, false, err
+		}
+		if isStr && string(key) == "type" {
+			k, err := d.tag()
+			return k, true, err
+		}
+		if err := d.r.skip(); err != nil {
+			return 0, false, err
+		}
+	}
+	return 0, false, nil
+}
+
+func fieldID(key []byte) int {
+	for i, name := range fieldNames {
+		if string(key) == name {
+			return i
+		}
+	}
+	return -1
+}
+
+// fieldState accumulates per-event facts that span several fields.
+type fieldState struct {
+	extra []byte // raw extra_keys, aliasing the payload
+	// Integer-width observations, turned into layout flags by finish.
+	hashInts, hashFixed, hashBin int
+	tokens, tokenFixed           int
+}
+
+func (st *fieldState) finish(e *Event) {
+	if st.hashInts > 0 && st.hashFixed == st.hashInts && st.hashBin == 0 {
+		e.Layout.Flags |= FlagHashFixed64
+	}
+	if st.hashBin > 0 {
+		e.Layout.Flags |= FlagHashBin
+	}
+	if st.tokens > 0 && st.tokenFixed == st.tokens {
+		e.Layout.Flags |= FlagTokenFixed32
+	}
+}
+
+func (d *decoder) field(e *Event, f uint8, st *fieldState) error {
+	if d.r.readNil() {
+		e.Layout.Nil |= 1 << f
+		return nil
+	}
+	var err error
+	switch f {
+	case fHashes:
+		err = d.hashes(e, st)
+	case fParent:
+		var h uint64
+		h, err = d.hash(st)
+		e.ParentHash, e.HasParent = h, h != 0
+	case fTokens:
+		err = d.tokens(e, st)
+	case fBlockSize:
+		var v int64
+		v, err = d.int("block_size", 0, math.MaxInt32)
+		e.BlockSize = int(v)
+	case fLoraID:
+		e.LoraID, err = d.int("lora_id", math.MinInt64, math.MaxInt64)
+		e.HasLoraID = err == nil
+	case fMedium:
+		e.Medium, err = d.str("medium")
+	case fLoraName:
+		e.LoraName, err = d.str("lora_name")
+	case fExtraKeys:
+		start := d.r.off
+		err = d.r.skip()
+		st.extra = d.r.b[start:d.r.off]
+	case fGroupIdx:
+		var v int64
+		v, err = d.int("group_idx", 0, math.MaxInt32)
+		e.GroupIdx = int(v)
+	case fSpecKind:
+		e.SpecKind, err = d.str("kv_cache_spec_kind")
+	case fSlidingWindow:
+		var v int64
+		v, err = d.int("kv_cache_spec_sliding_window", 0, math.MaxInt32)
+		e.SlidingWindow = int(v)
+	}
+	if err != nil {
+		return fmt.Errorf("%s: %w", fieldNames[f], err)
+	}
+	return nil
+}
+
+func (d *decoder) hashes(e *Event, st *fieldState) error {
+	n, err := d.r.arrayHeader(1)
+	if err != nil {
+		return err
+	}
+	e.BlockHashes = make([]uint64, n)
+	for i := range e.BlockHashes {
+		if e.BlockHashes[i], err = d.hash(st); err != nil {
+			return fmt.Errorf("[%d]: %w", i, err)
+		}
+	}
+	return nil
+}
+
+// hash reads one engine block hash: an integer, or digest bytes of which
+// the last min(8, len) are read big-endian (vLLM's maybe_convert_block_hash
+// keeps int.from_bytes(digest, "big") & (2**64-1)).
+func (d *decoder) hash(st *fieldState) (uint64, error) {
+	if d.r.off >= len(d.r.b) {
+		return 0, errTruncated
+	}
+	c := d.r.peekByte()
+	switch typeOf(c) {
+	case mpInt:
+		v, _, _, err := d.r.readInt()
+		st.hashInts++
+		if c == 0xcf {
+			st.hashFixed++
+		}
+		return v, err
+	case mpBin:
+		b, err := d.r.readBin()
+		if err != nil {
+			return 0, err
+		}
+		if len(b) == 0 {
+			return 0, fmt.Errorf("%w: empty hash bytes", ErrMalformed)
+		}
+		st.hashBin++
+		var v uint64
+		for _, x := range b[max(0, len(b)-8):] {
+			v = v<<8 | uint64(x)
+		}
+		return v, nil
+	}
+	return 0, wrongType("int or bin hash", c)
+}
+
+func (d *decoder) tokens(e *Event, st *fieldState) error {
+	n, err := d.r.arrayHeader(1)
+	if err != nil {
+		return err
+	}
+	e.TokenIDs = make([]uint32, n)
+	for i := range e.TokenIDs {
+		// Fast path: the 0xce form every capture and most engines use.
+		if d.r.remaining() >= 5 && d.r.b[d.r.off] == 0xce {
+			d.r.off++
+			e.TokenIDs[i] = d.r.u32()
+			st.tokens++
+			st.tokenFixed++
+			continue
+		}
+		v, neg, _, err := d.r.readInt()
+		if err != nil {
+			return fmt.Errorf("[%d]: %w", i, err)
+		}
+		if neg || v > math.MaxUint32 {
+			return fmt.Errorf("%w: [%d]: token id %d out of uint32 range", ErrMalformed, i, int64(v))
+		}
+		e.TokenIDs[i] = uint32(v)
+		st.tokens++
+	}
+	return nil
+}
+
+// int reads an integer field and checks it lies in [lo, hi].
+func (d *decoder) int(name string, lo, hi int64) (int64, error) {
+	v, neg, _, err := d.r.readInt()
+	if err != nil {
+		return 0, err
+	}
+	if !neg && v > math.MaxInt64 {
+		return 0, fmt.Errorf("%w: %s %d overflows int64", ErrMalformed, name, v)
+	}
+	x := int64(v)
+	if x < lo || x > hi {
+		return 0, fmt.Errorf("%w: %s %d out of range [%d, %d]", ErrMalformed, name, x, lo, hi)
+	}
+	return x, nil
+}
+
+// str reads a string field, interning the values engines repeat in every
+// event so that decoding them does not allocate.
+func (d *decoder) str(name string) (string, error) {
+	b, err := d.r.readStr()
+	if err != nil {
+		return "", err
+	}
+	switch string(b) {
+	case "GPU":
+		return "GPU", nil
+	case "CPU":
+		return "CPU", nil
+	case "full_attention":
+		return "full_attention", nil
+	case "sliding_window":
+		return "sliding_window", nil
+	case d.lastLora:
+		return d.lastLora, nil
+	}
+	s := string(b)
+	if name == "lora_name" {
+		d.lastLora = s
+	}
+	return s, nil
+}
+
+// cacheSalt extracts the request's cache_salt from extra_keys. vLLM builds
+// each block's extra keys as lora_name + multimodal keys + [cache_salt]
+// (block 0 only) + prompt-embedding hashes
+// (vllm/v1/core/kv_cache_utils.py generate_block_hash_extra_keys), so the
+// salt is the last string of the first block's tuple, once the LoRA name is
+// set aside, and only when the event starts at block 0 (no parent).
+// Engines that sent multimodal hashes as bare strings make this ambiguous;
+// anything unexpected yields "".
+func cacheSalt(extra []byte, e *Event) string {
+	if e.HasParent {
+		return ""
+	}
+	r := reader{b: extra}
+	if n, err := r.arrayHeader(1); err != nil || n == 0 {
+		return ""
+	}
+	if r.readNil() {
+		return ""
+	}
+	n, err := r.arrayHeader(1)
+	if err != nil {
+		return ""
+	}
+	var salt []byte
+	for i := 0; i < n; i++ {
+		t, err := r.peek()
+		if err != nil {
+			return ""
+		}
+		if t != mpStr {
+			if r.skip() != nil {
+				return ""
+			}
+			continue
+		}
+		s, err := r.readStr()
+		if err != nil {
+			return ""
+		}
+		if i == 0 && e.LoraName != "" && string(s) == e.LoraName {
+			continue
+		}
+		salt = s
+	}
+	return string(salt)
+}
+
+func clampU8(n int) uint8 {
+	if n > math.MaxUint8 {
+		return math.MaxUint8
+	}
+	return uint8(n)
+}
