@@ -61,9 +61,10 @@ type RenderOptions struct {
 	// AddGenerationPrompt appends the assistant turn header (OpenAI chat requests: true by
 	// default in vLLM; callers pass the request's add_generation_prompt).
 	AddGenerationPrompt bool
-	// Tools are the request's tool definitions (OpenAI "tools" array), passed to the
-	// template as `tools`; nil means the template sees none.
-	Tools []map[string]any
+	// Tools is the request's raw "tools" JSON array, passed to the template as `tools`
+	// with key order kept (tojson output, hence tokens, depends on it); nil or an empty
+	// array means the template sees no tools.
+	Tools json.RawMessage
 	// Vars are extra template variables (vLLM's chat_template_kwargs, e.g. enable_thinking).
 	// They cannot override messages, tools, add_generation_prompt, bos_token or eos_token.
 	Vars map[string]any
@@ -75,7 +76,8 @@ type RenderOptions struct {
 type Message struct {
 	Role string `json:"role"`
 	// Content is the message text. When the request sent content as a list of parts, Parts
-	// holds them and Content is the concatenation of their text parts.
+	// holds them and Content is their text parts joined with "\n", which is what vLLM
+	// passes to templates that take content as a string.
 	Content string `json:"-"`
 	// Parts is non-nil when content was a list of parts ({"type":"text","text":...}).
 	Parts []ContentPart `json:"-"`
@@ -137,11 +139,16 @@ func (m *Message) UnmarshalJSON(b []byte) error {
 		}
 		m.Parts = make([]ContentPart, 0, len(raws))
 		var text bytes.Buffer
+		nText := 0
 		for _, r := range raws {
 			p := ContentPart{Raw: r}
 			p.Type, _ = r["type"].(string)
 			p.Text, _ = r["text"].(string)
 			if p.Type == "text" {
+				if nText > 0 {
+					text.WriteByte('\n')
+				}
+				nText++
 				text.WriteString(p.Text)
 			}
 			m.Parts = append(m.Parts, p)

@@ -1,0 +1,251 @@
+package tokenizer
+
+import (
+	"container/heap"
+	"hash/maphash"
+	"strings"
+	"sync"
+	"unicode/utf8"
+)
+
+// bpe is a BPE model whose vocabulary is keyed by the raw bytes a token stands for: for
+// byte-level models the ByteLevel alphabet (Ġ for space, ...) is undone at load time, so
+// a piece of input text is looked up and merged without converting it.
+type bpe struct {
+	vocab map[string]uint32
+	// merges maps a pair of symbol ids (left<<32 | right) to rank<<32 | merged id.
+	merges map[uint64]uint64
+	// byteIDs is the initial symbol of each byte (byte-level models only).
+	byteIDs   [256]uint32
+	byteLevel bool
+	// ignoreMerges: a piece that is itself a vocabulary entry is emitted as one token
+	// (Llama 3's "ignore_merges": true).
+	ignoreMerges bool
+	// byteFallback: a character missing from the vocabulary becomes its <0xNN> byte tokens.
+	byteFallback bool
+	byteFallIDs  [256]uint32
+	unk          uint32
+	hasUnk       bool
+	fuseUnk      bool
+}
+
+// naiveLimit is the piece length (in symbols) up to which the quadratic merge loop is used;
+// longer pieces go through a heap so pathological inputs stay O(n log n).
+const naiveLimit = 48
+
+// encodePiece appends the ids of one pre-token piece to dst.
+func (m *bpe) encodePiece(dst []uint32, piece string) []uint32 {
+	if m.ignoreMerges {
+		if id, ok := m.vocab[piece]; ok {
+			return append(dst, id)
+		}
+	}
+	var buf [naiveLimit]uint32
+	syms := m.initialSymbols(buf[:0], piece)
+	if len(syms) <= naiveLimit {
+		syms = m.mergeNaive(syms)
+	} else {
+		syms = m.mergeHeap(syms)
+	}
+	return append(dst, syms...)
+}
+
+// initialSymbols splits piece into its starting symbols: bytes for byte-level models,
+// characters (or byte fallback tokens, or unk) otherwise.
+func (m *bpe) initialSymbols(syms []uint32, piece string) []uint32 {
+	if m.byteLevel {
+		for i := 0; i < len(piece); i++ {
+			syms = append(syms, m.byteIDs[piece[i]])
+		}
+		return syms
+	}
+	prevUnk := false
+	for i := 0; i < len(piece); {
+		_, w := utf8.DecodeRuneInString(piece[i:])
+		ch := piece[i : i+w]
+		i += w
+		if id, ok := m.vocab[ch]; ok {
+			syms = append(syms, id)
+			prevUnk = false
+			continue
+		}
+		if m.byteFallback {
+			for j := 0; j < len(ch); j++ {
+				syms = append(syms, m.byteFallIDs[ch[j]])
+			}
+			prevUnk = false
+			continue
+		}
+		if m.hasUnk && !(m.fuseUnk && prevUnk) {
+			syms = append(syms, m.unk)
+		}
+		prevUnk = m.hasUnk
+	}
+	return syms
+}
+
+// mergeNaive applies merges lowest rank first, leftmost first among equal ranks (equal
+// ranks only occur for the same pair, and Hugging Face's heap orders them by position).
+func (m *bpe) mergeNaive(syms []uint32) []uint32 {
+	for len(syms) > 1 {
+		best, bestRank, bestID := -1, uint32(0), uint32(0)
+		for i := 0; i+1 < len(syms); i++ {
+			v, ok := m.merges[uint64(syms[i])<<32|uint64(syms[i+1])]
+			if !ok {
+				continue
+			}
+			if r := uint32(v >> 32); best < 0 || r < bestRank {
+				best, bestRank, bestID = i, r, uint32(v)
+			}
+		}
+		if best < 0 {
+			break
+		}
+		syms[best] = bestID
+		syms = append(syms[:best+1], syms[best+2:]...)
+	}
+	return syms
+}
+
+// mergeCand is a possible merge of the symbol at pos with its right neighbour.
+type mergeCand struct {
+	pos, rank int
+	left      uint32 // the left id when queued, to detect stale entries
+	right     uint32
+	id        uint32
+}
+
+type mergeHeap []mergeCand
+
+func (h mergeHeap) Len() int { return len(h) }
+func (h mergeHeap) Less(i, j int) bool {
+	if h[i].rank != h[j].rank {
+		return h[i].rank < h[j].rank
+	}
+	return h[i].pos < h[j].pos
+}
+func (h mergeHeap) Swap(i, j int) { h[i], h[j] = h[j], h[i] }
+func (h *mergeHeap) Push(x any)   { *h = append(*h, x.(mergeCand)) }
+func (h *mergeHeap) Pop() any {
+	old := *h
+	x := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return x
+}
+
+// mergeHeap gives the same result as mergeNaive in O(n log n): symbols form a linked list
+// and candidate merges sit in a heap ordered by (rank, position); entries made stale by an
+// earlier merge are recognised by comparing the ids they were queued with.
+func (m *bpe) mergeHeap(syms []uint32) []uint32 {
+	n := len(syms)
+	next := make([]int, n)
+	prev := make([]int, n)
+	alive := make([]bool, n)
+	for i := range syms {
+		next[i], prev[i], alive[i] = i+1, i-1, true
+	}
+	h := make(mergeHeap, 0, n)
+	cand := func(i int) (mergeCand, bool) {
+		j := next[i]
+		if j >= n {
+			return mergeCand{}, false
+		}
+		v, ok := m.merges[uint64(syms[i])<<32|uint64(syms[j])]
+		return mergeCand{pos: i, rank: int(v >> 32), left: syms[i], right: syms[j], id: uint32(v)}, ok
+	}
+	for i := 0; i+1 < n; i++ {
+		if c, ok := cand(i); ok {
+			h = append(h, c)
+		}
+	}
+	heap.Init(&h)
+	for h.Len() > 0 {
+		c := heap.Pop(&h).(mergeCand)
+		i := c.pos
+		if !alive[i] || syms[i] != c.left {
+			continue
+		}
+		j := next[i]
+		if j >= n || syms[j] != c.right {
+			continue
+		}
+		syms[i] = c.id
+		alive[j] = false
+		next[i] = next[j]
+		if next[j] < n {
+			prev[next[j]] = i
+		}
+		if p := prev[i]; p >= 0 {
+			if c, ok := cand(p); ok {
+				heap.Push(&h, c)
+			}
+		}
+		if c, ok := cand(i); ok {
+			heap.Push(&h, c)
+		}
+	}
+	out := syms[:0]
+	for i := 0; i < n; i = next[i] {
+		out = append(out, syms[i])
+	}
+	return out
+}
+
+// pieceCache memoises piece → ids. It is sharded to keep lock contention low on the
+// request path; a full shard is simply cleared, which bounds memory without LRU
+// bookkeeping (hot pieces come straight back).
+type pieceCache struct {
+	seed     maphash.Seed
+	perShard int
+	shards   [cacheShards]cacheShard
+}
+
+const cacheShards = 32
+
+type cacheShard struct {
+	mu sync.RWMutex // guards m
+	m  map[string][]uint32
+}
+
+func newPieceCache(entries int) *pieceCache {
+	c := &pieceCache{seed: maphash.MakeSeed(), perShard: max(1, entries/cacheShards)}
+	for i := range c.shards {
+		c.shards[i].m = make(map[string][]uint32)
+	}
+	return c
+}
+
+func (c *pieceCache) shard(key string) *cacheShard {
+	return &c.shards[maphash.String(c.seed, key)%cacheShards]
+}
+
+func (c *pieceCache) get(key string) ([]uint32, bool) {
+	s := c.shard(key)
+	s.mu.RLock()
+	ids, ok := s.m[key]
+	s.mu.RUnlock()
+	return ids, ok
+}
+
+func (c *pieceCache) put(key string, ids []uint32) {
+	s := c.shard(key)
+	s.mu.Lock()
+	if len(s.m) >= c.perShard {
+		clear(s.m)
+	}
+	// Clone: key is usually a substring of a request body, which must not stay pinned.
+	s.m[strings.Clone(key)] = ids
+	s.mu.Unlock()
+}
+
+// len reports the number of cached pieces.
+func (c *pieceCache) len() int {
+	n := 0
+	for i := range c.shards {
+		s := &c.shards[i]
+		s.mu.RLock()
+		n += len(s.m)
+		s.mu.RUnlock()
+	}
+	return n
+}

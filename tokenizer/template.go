@@ -1,0 +1,322 @@
+package tokenizer
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"regexp"
+	"strings"
+	"time"
+
+	"github.com/ardanlabs/jinja"
+)
+
+// ErrTemplate wraps failures to compile or render a chat template (including the
+// template's own raise_exception calls, e.g. "roles must alternate").
+var ErrTemplate = errors.New("tokenizer: chat template")
+
+// TemplateConfig is what a chat template reads besides the request.
+type TemplateConfig struct {
+	// BOSToken and EOSToken are tokenizer_config.json's bos_token and eos_token, exposed to
+	// the template as bos_token and eos_token ("" when the model has none).
+	BOSToken, EOSToken string
+}
+
+// JinjaTemplate is a compiled Hugging Face chat template, rendered with
+// github.com/ardanlabs/jinja (chosen over gonja/v2: both render the Llama 3.1 and Qwen3
+// vectors exactly, but this one has no dependencies, keeps dict insertion order for tojson,
+// and is built for chat templates). Safe for concurrent use.
+type JinjaTemplate struct {
+	t   *jinja.Template
+	cfg TemplateConfig
+	// partsContent: the template iterates over message content, so content goes in as a
+	// list of parts (vLLM's "openai" content format); otherwise as one string.
+	partsContent bool
+}
+
+var _ ChatTemplate = (*JinjaTemplate)(nil)
+
+// partsLoop detects templates that loop over a message's content, which is how vLLM's
+// content-format detection decides between "string" and "openai" formats.
+var partsLoop = regexp.MustCompile(`for\s+\w+\s+in\s+\w+(?:\.content|\[\s*['"]content['"]\s*\])`)
+
+// NewJinjaTemplate compiles a chat template source.
+func NewJinjaTemplate(src string, cfg TemplateConfig) (*JinjaTemplate, error) {
+	t, err := jinja.Compile(src)
+	if err != nil {
+		return nil, fmt.Errorf("%w: compile: %w", ErrTemplate, err)
+	}
+	return &JinjaTemplate{t: t, cfg: cfg, partsContent: partsLoop.MatchString(src)}, nil
+}
+
+// Render implements ChatTemplate. The template sees messages, add_generation_prompt,
+// bos_token, eos_token, tools (when given), opts.Vars, and strftime_now on opts.Now.
+func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, error) {
+	data := make(map[string]jinja.Value, 8+len(opts.Vars))
+	for k, v := range opts.Vars {
+		data[k] = jinja.FromGoValue(v)
+	}
+	list := make([]jinja.Value, len(msgs))
+	for i := range msgs {
+		v, err := j.messageValue(&msgs[i])
+		if err != nil {
+			return "", err
+		}
+		list[i] = v
+	}
+	data["messages"] = jinja.NewList(list)
+	data["add_generation_prompt"] = jinja.NewBool(opts.AddGenerationPrompt)
+	data["bos_token"] = jinja.NewString(j.cfg.BOSToken)
+	data["eos_token"] = jinja.NewString(j.cfg.EOSToken)
+	if len(opts.Tools) > 0 && string(opts.Tools) != "null" {
+		tools, err := jsonValue(opts.Tools)
+		if err != nil {
+			return "", fmt.Errorf("%w: tools: %w", ErrBadMessage, err)
+		}
+		if tools.IsList() && tools.AsList().Len() > 0 {
+			data["tools"] = tools
+		}
+	}
+	now := opts.Now
+	if now == nil {
+		now = time.Now
+	}
+	data["strftime_now"] = jinja.NewCallable("strftime_now", func(args []jinja.Value, _ map[string]jinja.Value) (jinja.Value, error) {
+		if len(args) == 0 || !args[0].IsString() {
+			return jinja.Undefined(), fmt.Errorf("strftime_now: want a format string")
+		}
+		return jinja.NewString(strftime(now(), args[0].AsString())), nil
+	})
+	out, err := j.t.RenderValues(data)
+	if err != nil {
+		return "", fmt.Errorf("%w: render: %w", ErrTemplate, err)
+	}
+	return out, nil
+}
+
+// messageValue builds the dict a template sees for one message, with keys in the order
+// an OpenAI request carries them; optional keys are absent (not none) when unset, so
+// `is defined` tests behave as with vLLM.
+func (j *JinjaTemplate) messageValue(m *Message) (jinja.Value, error) {
+	v := jinja.NewDict()
+	d := v.AsDict()
+	d.Set("role", jinja.NewString(m.Role))
+	switch {
+	case m.ContentNull && m.Parts == nil:
+		d.Set("content", jinja.None())
+	case j.partsContent:
+		var parts []jinja.Value
+		if m.Parts == nil {
+			parts = []jinja.Value{textPart(m.Content)}
+		} else {
+			for _, p := range m.Parts {
+				if p.Raw != nil {
+					parts = append(parts, jinja.FromGoValue(p.Raw))
+				} else {
+					parts = append(parts, textPart(p.Text))
+				}
+			}
+		}
+		d.Set("content", jinja.NewList(parts))
+	default:
+		d.Set("content", jinja.NewString(m.Content))
+	}
+	if m.Name != "" {
+		d.Set("name", jinja.NewString(m.Name))
+	}
+	if m.ReasoningContent != "" {
+		d.Set("reasoning_content", jinja.NewString(m.ReasoningContent))
+	}
+	if len(m.ToolCalls) > 0 {
+		calls := make([]jinja.Value, len(m.ToolCalls))
+		for i, tc := range m.ToolCalls {
+			c := jinja.NewDict()
+			cd := c.AsDict()
+			if tc.ID != "" {
+				cd.Set("id", jinja.NewString(tc.ID))
+			}
+			typ := tc.Type
+			if typ == "" {
+				typ = "function"
+			}
+			cd.Set("type", jinja.NewString(typ))
+			fn := jinja.NewDict()
+			fd := fn.AsDict()
+			fd.Set("name", jinja.NewString(tc.Function.Name))
+			args, err := toolArguments(tc.Function.Arguments)
+			if err != nil {
+				return jinja.Value{}, fmt.Errorf("%w: tool call %q arguments: %w", ErrBadMessage, tc.Function.Name, err)
+			}
+			fd.Set("arguments", args)
+			cd.Set("function", fn)
+			calls[i] = c
+		}
+		d.Set("tool_calls", jinja.NewList(calls))
+	}
+	if m.ToolCallID != "" {
+		d.Set("tool_call_id", jinja.NewString(m.ToolCallID))
+	}
+	return v, nil
+}
+
+func textPart(s string) jinja.Value {
+	p := jinja.NewDict()
+	p.AsDict().Set("type", jinja.NewString("text"))
+	p.AsDict().Set("text", jinja.NewString(s))
+	return p
+}
+
+// toolArguments follows vLLM, which parses a JSON-string arguments value into an object
+// before rendering (templates such as Llama 3.1's call tojson on it); anything else is
+// passed through as sent.
+func toolArguments(raw json.RawMessage) (jinja.Value, error) {
+	if len(raw) == 0 {
+		return jinja.NewDict(), nil
+	}
+	v, err := jsonValue(raw)
+	if err != nil {
+		return jinja.Value{}, err
+	}
+	if v.IsString() {
+		s := strings.TrimSpace(v.AsString())
+		if strings.HasPrefix(s, "{") {
+			if obj, err := jsonValue([]byte(s)); err == nil {
+				return obj, nil
+			}
+		}
+	}
+	return v, nil
+}
+
+// jsonValue decodes JSON into a template value, keeping object key order (Go maps would
+// lose it, and tojson output — hence the tokens — depends on it).
+func jsonValue(raw []byte) (jinja.Value, error) {
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.UseNumber()
+	v, err := decodeValue(dec, 0)
+	if err != nil {
+		return jinja.Value{}, err
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return jinja.Value{}, errors.New("trailing data after JSON value")
+	}
+	return v, nil
+}
+
+// maxJSONDepth bounds nesting so hostile input cannot exhaust the stack.
+const maxJSONDepth = 64
+
+func decodeValue(dec *json.Decoder, depth int) (jinja.Value, error) {
+	if depth > maxJSONDepth {
+		return jinja.Value{}, errors.New("JSON nested too deeply")
+	}
+	tok, err := dec.Token()
+	if err != nil {
+		return jinja.Value{}, err
+	}
+	switch t := tok.(type) {
+	case json.Delim:
+		switch t {
+		case '[':
+			var items []jinja.Value
+			for dec.More() {
+				v, err := decodeValue(dec, depth+1)
+				if err != nil {
+					return jinja.Value{}, err
+				}
+				items = append(items, v)
+			}
+			if _, err := dec.Token(); err != nil {
+				return jinja.Value{}, err
+			}
+			if items == nil {
+				items = []jinja.Value{}
+			}
+			return jinja.NewList(items), nil
+		case '{':
+			obj := jinja.NewDict()
+			d := obj.AsDict()
+			for dec.More() {
+				kt, err := dec.Token()
+				if err != nil {
+					return jinja.Value{}, err
+				}
+				k, _ := kt.(string)
+				v, err := decodeValue(dec, depth+1)
+				if err != nil {
+					return jinja.Value{}, err
+				}
+				d.Set(k, v)
+			}
+			if _, err := dec.Token(); err != nil {
+				return jinja.Value{}, err
+			}
+			return obj, nil
+		}
+		return jinja.Value{}, fmt.Errorf("unexpected %v", t)
+	default:
+		return jinja.FromGoValue(tok), nil
+	}
+}
+
+// strftime formats t with the Python strftime directives chat templates use (Llama 3.x
+// writes "%d %b %Y"); unknown directives are kept verbatim.
+func strftime(t time.Time, format string) string {
+	var b strings.Builder
+	for i := 0; i < len(format); i++ {
+		c := format[i]
+		if c != '%' || i+1 == len(format) {
+			b.WriteByte(c)
+			continue
+		}
+		i++
+		switch format[i] {
+		case 'Y':
+			fmt.Fprintf(&b, "%04d", t.Year())
+		case 'y':
+			fmt.Fprintf(&b, "%02d", t.Year()%100)
+		case 'm':
+			fmt.Fprintf(&b, "%02d", int(t.Month()))
+		case 'd':
+			fmt.Fprintf(&b, "%02d", t.Day())
+		case 'e':
+			fmt.Fprintf(&b, "%2d", t.Day())
+		case 'H':
+			fmt.Fprintf(&b, "%02d", t.Hour())
+		case 'I':
+			h := t.Hour() % 12
+			if h == 0 {
+				h = 12
+			}
+			fmt.Fprintf(&b, "%02d", h)
+		case 'M':
+			fmt.Fprintf(&b, "%02d", t.Minute())
+		case 'S':
+			fmt.Fprintf(&b, "%02d", t.Second())
+		case 'p':
+			b.WriteString(t.Format("PM"))
+		case 'b', 'h':
+			b.WriteString(t.Format("Jan"))
+		case 'B':
+			b.WriteString(t.Format("January"))
+		case 'a':
+			b.WriteString(t.Format("Mon"))
+		case 'A':
+			b.WriteString(t.Format("Monday"))
+		case 'j':
+			fmt.Fprintf(&b, "%03d", t.YearDay())
+		case 'Z':
+			b.WriteString(t.Format("MST"))
+		case 'z':
+			b.WriteString(t.Format("-0700"))
+		case '%':
+			b.WriteByte('%')
+		default:
+			b.WriteByte('%')
+			b.WriteByte(format[i])
+		}
+	}
+	return b.String()
+}
