@@ -1,0 +1,228 @@
+// Command kvrouter is the KV-cache-aware request router for vLLM fleets:
+// an OpenAI-compatible (and SageMaker raw-invoke) HTTP proxy that routes
+// each request with a per-pool strategy. See docs/configuration.md.
+//
+//	kvrouter --config router.yaml [--listen :8080] [--admin-listen :8081] ...
+//
+// Secrets come from the environment: KVROUTER_ADMIN_TOKEN (bearer token of
+// the admin API), KVROUTER_REDIS_PASSWORD. SIGHUP reloads the config file;
+// SIGINT/SIGTERM drain and stop.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/kvrouter/kvrouter/router"
+)
+
+func main() {
+	if err := run(context.Background(), os.Args[1:], os.Stderr, os.Getenv); err != nil {
+		fmt.Fprintln(os.Stderr, "kvrouter:", err)
+		os.Exit(1)
+	}
+}
+
+// flags are command-line overrides; a zero value leaves the file's value.
+type flags struct {
+	config               string
+	listen               string
+	adminListen          string
+	logLevel             string
+	logFormat            string
+	maxBodyBytes         int64
+	defaultPool          string
+	strategy             string
+	prefixLength         int
+	concurrencyThreshold int
+	checkConfig          bool
+	shutdownTimeout      time.Duration
+}
+
+func parseFlags(args []string, stderr io.Writer) (flags, error) {
+	var f flags
+	fs := flag.NewFlagSet("kvrouter", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&f.config, "config", "", "path to the YAML configuration (required)")
+	fs.StringVar(&f.listen, "listen", "", "data-plane listen address (overrides listen)")
+	fs.StringVar(&f.adminListen, "admin-listen", "", "admin API and /metrics listen address (overrides admin_listen)")
+	fs.StringVar(&f.logLevel, "log-level", "", "debug|info|warn|error (overrides log.level)")
+	fs.StringVar(&f.logFormat, "log-format", "", "json|text (overrides log.format)")
+	fs.Int64Var(&f.maxBodyBytes, "max-body-bytes", 0, "request body limit in bytes (overrides max_body_bytes)")
+	fs.StringVar(&f.defaultPool, "default-pool", "", "pool for requests that name none (overrides default_pool)")
+	fs.StringVar(&f.strategy, "strategy", "", "routing strategy of every pool (overrides pools[].routing.strategy)")
+	fs.IntVar(&f.prefixLength, "prefix-length", 0, "prefix length of every pool (overrides pools[].routing.prefix_length)")
+	fs.IntVar(&f.concurrencyThreshold, "concurrency-threshold", 0, "concurrency threshold of every pool (overrides pools[].routing.concurrency_threshold)")
+	fs.BoolVar(&f.checkConfig, "check-config", false, "validate the configuration and exit")
+	fs.DurationVar(&f.shutdownTimeout, "shutdown-timeout", 30*time.Second, "how long to drain in-flight requests on SIGTERM")
+	if err := fs.Parse(args); err != nil {
+		return f, err
+	}
+	if fs.NArg() > 0 {
+		return f, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if f.config == "" {
+		return f, errors.New("--config is required")
+	}
+	return f, nil
+}
+
+// loadConfig reads the file and applies flags and environment, in that order
+// of precedence: environment secrets, then flags, then the file.
+func loadConfig(f flags, getenv func(string) string) (router.Config, error) {
+	cfg, err := router.LoadConfig(f.config)
+	if err != nil {
+		return cfg, err
+	}
+	if f.listen != "" {
+		cfg.Listen = f.listen
+	}
+	if f.adminListen != "" {
+		cfg.AdminListen = f.adminListen
+	}
+	if f.logLevel != "" {
+		cfg.Log.Level = f.logLevel
+	}
+	if f.logFormat != "" {
+		cfg.Log.Format = f.logFormat
+	}
+	if f.maxBodyBytes != 0 {
+		cfg.MaxBodyBytes = f.maxBodyBytes
+	}
+	if f.defaultPool != "" {
+		cfg.DefaultPool = f.defaultPool
+	}
+	for i := range cfg.Pools {
+		r := &cfg.Pools[i].Routing
+		if f.strategy != "" {
+			r.Strategy = f.strategy
+		}
+		if f.prefixLength != 0 {
+			r.PrefixLength = f.prefixLength
+		}
+		if f.concurrencyThreshold != 0 {
+			r.ConcurrencyThreshold = f.concurrencyThreshold
+		}
+	}
+	cfg.AdminToken = getenv("KVROUTER_ADMIN_TOKEN")
+	if cfg.Index != nil && cfg.Index.Redis != nil {
+		cfg.Index.Redis.Password = getenv("KVROUTER_REDIS_PASSWORD")
+	}
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return cfg, fmt.Errorf("%s: %w", f.config, err)
+	}
+	return cfg, nil
+}
+
+func newLogger(cfg router.LogConfig, w io.Writer) *slog.Logger {
+	var lvl slog.Level
+	_ = lvl.UnmarshalText([]byte(cfg.Level))
+	opts := &slog.HandlerOptions{Level: lvl}
+	if cfg.Format == "text" {
+		return slog.New(slog.NewTextHandler(w, opts))
+	}
+	return slog.New(slog.NewJSONHandler(w, opts))
+}
+
+func run(ctx context.Context, args []string, stderr io.Writer, getenv func(string) string) error {
+	f, err := parseFlags(args, stderr)
+	if err != nil {
+		return err
+	}
+	cfg, err := loadConfig(f, getenv)
+	if err != nil {
+		return err
+	}
+	if f.checkConfig {
+		fmt.Fprintln(stderr, "configuration ok")
+		return nil
+	}
+	log := newLogger(cfg.Log, stderr)
+	srv, err := router.NewServer(cfg, router.Options{Logger: log})
+	if err != nil {
+		return err
+	}
+
+	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+
+	dataLn, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return fmt.Errorf("listen %s: %w", cfg.Listen, err)
+	}
+	servers := []*http.Server{{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}}
+	listeners := []net.Listener{dataLn}
+	if cfg.AdminListen != "" {
+		adminLn, err := net.Listen("tcp", cfg.AdminListen)
+		if err != nil {
+			dataLn.Close()
+			return fmt.Errorf("listen %s: %w", cfg.AdminListen, err)
+		}
+		servers = append(servers, &http.Server{Handler: srv.AdminHandler(), ReadHeaderTimeout: 10 * time.Second})
+		listeners = append(listeners, adminLn)
+	}
+	// Print the bound addresses (":0" in tests picks a free port).
+	attrs := []any{"listen", dataLn.Addr().String()}
+	if len(listeners) > 1 {
+		attrs = append(attrs, "admin_listen", listeners[1].Addr().String())
+	}
+	log.Info("kvrouter listening", attrs...)
+
+	runCtx, cancelRun := context.WithCancel(context.Background())
+	runDone := make(chan struct{})
+	go func() { defer close(runDone); _ = srv.Run(runCtx) }()
+
+	errc := make(chan error, len(servers))
+	for i, hs := range servers {
+		go func() {
+			if err := hs.Serve(listeners[i]); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				errc <- err
+			}
+		}()
+	}
+
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+
+	var serveErr error
+loop:
+	for {
+		select {
+		case <-ctx.Done():
+			break loop
+		case serveErr = <-errc:
+			break loop
+		case <-hup:
+			ncfg, err := loadConfig(f, getenv)
+			if err == nil {
+				err = srv.Reload(ncfg)
+			}
+			if err != nil {
+				log.Error("reload failed; keeping the running configuration", "err", err)
+				continue
+			}
+			log.Info("reloaded", "config", f.config)
+		}
+	}
+	log.Info("shutting down", "drain", f.shutdownTimeout)
+	sctx, cancel := context.WithTimeout(context.Background(), f.shutdownTimeout)
+	defer cancel()
+	for _, hs := range servers {
+		_ = hs.Shutdown(sctx)
+	}
+	cancelRun()
+	<-runDone
+	return serveErr
+}

@@ -1,0 +1,136 @@
+package router
+
+import (
+	"bytes"
+	"crypto/subtle"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+func (s *Server) addAdminRoutes(mux *http.ServeMux) {
+	mux.Handle("GET /metrics", promhttp.HandlerFor(s.reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /admin/pools", s.auth(s.serveListPools))
+	mux.HandleFunc("GET /admin/pools/{pool}", s.auth(s.serveGetPool))
+	mux.HandleFunc("GET /admin/pools/{pool}/routing", s.auth(s.serveGetRouting))
+	mux.HandleFunc("PUT /admin/pools/{pool}/routing", s.auth(s.servePutRouting))
+}
+
+// auth requires "Authorization: Bearer <admin token>" when a token is set.
+func (s *Server) auth(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if tok := *s.adminToken.Load(); tok != "" {
+			got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+			if !ok || subtle.ConstantTimeCompare([]byte(got), []byte(tok)) != 1 {
+				w.Header().Set("WWW-Authenticate", `Bearer realm="kvrouter-admin"`)
+				writeError(w, http.StatusUnauthorized, "admin API: missing or wrong bearer token")
+				return
+			}
+		}
+		h(w, r)
+	}
+}
+
+// PoolStatus is the admin view of a pool.
+type PoolStatus struct {
+	Name      string           `json:"name"`
+	Model     string           `json:"model"`
+	Adapters  []string         `json:"adapters"`
+	Routing   RoutingConfig    `json:"routing"`
+	Instances []InstanceStatus `json:"instances"`
+}
+
+// InstanceStatus is the admin view of an instance.
+type InstanceStatus struct {
+	ID       string   `json:"id"`
+	URL      string   `json:"url"`
+	Healthy  bool     `json:"healthy"`
+	InFlight int      `json:"in_flight"`
+	Adapters []string `json:"adapters"`
+}
+
+// Status reports the pool's live state.
+func (p *Pool) Status() PoolStatus {
+	rc, _ := p.Routing()
+	ps := PoolStatus{Name: p.Name(), Model: p.Model(), Adapters: p.Adapters(), Routing: rc}
+	for _, in := range p.instances {
+		ps.Instances = append(ps.Instances, InstanceStatus{ID: in.ID(), URL: in.URL().String(), Healthy: in.Healthy(), InFlight: in.InFlight(), Adapters: in.Adapters()})
+	}
+	return ps
+}
+
+func writeJSON(w http.ResponseWriter, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v)
+}
+
+func (s *Server) serveListPools(w http.ResponseWriter, _ *http.Request) {
+	out := []PoolStatus{}
+	for _, p := range s.state.Load().pools {
+		out = append(out, p.Status())
+	}
+	writeJSON(w, out)
+}
+
+func (s *Server) poolFromPath(w http.ResponseWriter, r *http.Request) *Pool {
+	p, ok := s.Pool(r.PathValue("pool"))
+	if !ok {
+		writeError(w, http.StatusNotFound, fmt.Sprintf("no pool %q", r.PathValue("pool")))
+		return nil
+	}
+	return p
+}
+
+func (s *Server) serveGetPool(w http.ResponseWriter, r *http.Request) {
+	if p := s.poolFromPath(w, r); p != nil {
+		writeJSON(w, p.Status())
+	}
+}
+
+func (s *Server) serveGetRouting(w http.ResponseWriter, r *http.Request) {
+	if p := s.poolFromPath(w, r); p != nil {
+		rc, _ := p.Routing()
+		writeJSON(w, rc)
+	}
+}
+
+// servePutRouting switches a pool's routing at runtime. The JSON body is
+// merged onto the current routing (fields left out keep their values); the
+// result is validated before it is swapped in. A SIGHUP reload replaces it
+// with the file's routing again.
+func (s *Server) servePutRouting(w http.ResponseWriter, r *http.Request) {
+	p := s.poolFromPath(w, r)
+	if p == nil {
+		return
+	}
+	body, err := io.ReadAll(io.LimitReader(r.Body, 64<<10))
+	if err != nil {
+		writeError(w, http.StatusBadRequest, "reading body: "+err.Error())
+		return
+	}
+	rc, _ := p.Routing()
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&rc); err != nil {
+		writeError(w, http.StatusBadRequest, "routing: malformed JSON: "+err.Error())
+		return
+	}
+	if err := p.SetRouting(rc); err != nil {
+		msg := err.Error()
+		if errors.Is(err, ErrInvalidConfig) {
+			msg = strings.TrimPrefix(msg, ErrInvalidConfig.Error()+": ")
+		}
+		writeError(w, http.StatusBadRequest, msg)
+		return
+	}
+	nrc, _ := p.Routing()
+	s.log.Info("routing changed", "pool", p.Name(), "strategy", nrc.Strategy, "prefix_length", nrc.PrefixLength, "concurrency_threshold", nrc.ConcurrencyThreshold)
+	writeJSON(w, nrc)
+}

@@ -1,0 +1,523 @@
+package router
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net/url"
+	"os"
+	"strings"
+	"time"
+
+	"gopkg.in/yaml.v3"
+)
+
+// ErrInvalidConfig wraps every configuration validation error.
+var ErrInvalidConfig = errors.New("router: invalid config")
+
+// Config is the whole router configuration (YAML file, see docs/configuration.md).
+// The zero value of every field means its documented default; Validate checks
+// ranges and WithDefaults fills the defaults in.
+type Config struct {
+	// Listen is the data-plane address. Default ":8080".
+	Listen string `yaml:"listen" json:"listen"`
+	// AdminListen serves the admin API and /metrics; empty = served on Listen.
+	AdminListen string `yaml:"admin_listen" json:"admin_listen,omitempty"`
+	// AdminToken, when set, is required as "Authorization: Bearer <token>" on
+	// /admin/*. It is a secret: never in the file, only from the environment
+	// (KVROUTER_ADMIN_TOKEN) or a flag; yaml:"-" so a file cannot set it.
+	AdminToken string `yaml:"-" json:"-"`
+	// MaxBodyBytes caps request bodies (413 above). Default 32 MiB.
+	MaxBodyBytes int64 `yaml:"max_body_bytes" json:"max_body_bytes,omitempty"`
+	// DefaultPool serves raw /invocations requests without a pool header and
+	// OpenAI requests without a "model". Empty = the first pool for the raw
+	// path; OpenAI requests without a model are then rejected.
+	DefaultPool string `yaml:"default_pool" json:"default_pool,omitempty"`
+	// Log configures structured logging.
+	Log LogConfig `yaml:"log" json:"log"`
+	// Proxy configures the upstream HTTP client and retries.
+	Proxy ProxyConfig `yaml:"proxy" json:"proxy"`
+	// Index and Events are reserved for exact KV-aware routing (later issues):
+	// parsed and validated for shape, not used by the heuristic strategies.
+	Index  *IndexConfig  `yaml:"index,omitempty" json:"index,omitempty"`
+	Events *EventsConfig `yaml:"events,omitempty" json:"events,omitempty"`
+	// Pools are the model deployments, one per served base model.
+	Pools []PoolConfig `yaml:"pools" json:"pools"`
+}
+
+// LogConfig configures log/slog output.
+type LogConfig struct {
+	// Level: debug | info | warn | error. Default info.
+	Level string `yaml:"level" json:"level,omitempty"`
+	// Format: json | text. Default json (machine-readable in production).
+	Format string `yaml:"format" json:"format,omitempty"`
+}
+
+// ProxyConfig configures forwarding to instances.
+type ProxyConfig struct {
+	// DisableRetry turns off the one retry on the next candidate when an
+	// upstream fails before any byte reached the client.
+	DisableRetry bool `yaml:"disable_retry" json:"disable_retry,omitempty"`
+	// RetryStatuses are upstream statuses treated as "failed before any byte":
+	// the response is discarded and the request retried once elsewhere.
+	// Default [502, 503, 504] (gateway errors and overload; a 500 from vLLM is
+	// usually the request's fault and would fail again). Set [0] for none.
+	RetryStatuses []int `yaml:"retry_statuses" json:"retry_statuses,omitempty"`
+	// DialTimeout bounds connecting to an instance. Default 2s.
+	DialTimeout time.Duration `yaml:"dial_timeout" json:"dial_timeout,omitempty"`
+	// ResponseHeaderTimeout bounds the wait for response headers (prefill of a
+	// long prompt under load can take minutes). Default 0 = no limit.
+	ResponseHeaderTimeout time.Duration `yaml:"response_header_timeout" json:"response_header_timeout,omitempty"`
+	// MaxIdleConnsPerHost keeps connections to each instance warm. Default 256.
+	MaxIdleConnsPerHost int `yaml:"max_idle_conns_per_host" json:"max_idle_conns_per_host,omitempty"`
+}
+
+// IndexConfig selects the KV block index backend (used by kv_aware routing, a later issue).
+type IndexConfig struct {
+	// Backend: memory | redis. Default memory.
+	Backend string `yaml:"backend" json:"backend,omitempty"`
+	// Capacity bounds the memory backend in (block, instance) entries; 0 = backend default.
+	Capacity int `yaml:"capacity" json:"capacity,omitempty"`
+	// Redis configures the redis backend.
+	Redis *RedisConfig `yaml:"redis,omitempty" json:"redis,omitempty"`
+}
+
+// RedisConfig configures a Redis (or Redis Cluster) index backend.
+type RedisConfig struct {
+	Addrs     []string      `yaml:"addrs" json:"addrs,omitempty"`
+	DB        int           `yaml:"db" json:"db,omitempty"`
+	KeyPrefix string        `yaml:"key_prefix" json:"key_prefix,omitempty"`
+	TTL       time.Duration `yaml:"ttl" json:"ttl,omitempty"`
+	TLS       bool          `yaml:"tls" json:"tls,omitempty"`
+	// Password comes from KVROUTER_REDIS_PASSWORD, never from the file.
+	Password string `yaml:"-" json:"-"`
+}
+
+// EventsConfig configures where KV events come from (a later issue).
+type EventsConfig struct {
+	NATS NATSConfig `yaml:"nats" json:"nats"`
+}
+
+// NATSConfig configures the NATS connection for KV events.
+type NATSConfig struct {
+	// URL of the NATS server(s), comma separated.
+	URL string `yaml:"url" json:"url,omitempty"`
+	// CredsFile is a NATS credentials file path.
+	CredsFile string `yaml:"creds_file" json:"creds_file,omitempty"`
+	// TLS client settings.
+	TLS *TLSConfig `yaml:"tls,omitempty" json:"tls,omitempty"`
+	// Embedded starts an in-process NATS server with JetStream (single machine).
+	Embedded bool `yaml:"embedded" json:"embedded,omitempty"`
+	// Stream is the JetStream stream name over kv.events.>. Default KV_EVENTS.
+	Stream string `yaml:"stream" json:"stream,omitempty"`
+}
+
+// TLSConfig names certificate files.
+type TLSConfig struct {
+	CAFile   string `yaml:"ca_file" json:"ca_file,omitempty"`
+	CertFile string `yaml:"cert_file" json:"cert_file,omitempty"`
+	KeyFile  string `yaml:"key_file" json:"key_file,omitempty"`
+}
+
+// TokenizerConfig configures how a pool turns prompts into token ids (a later issue).
+type TokenizerConfig struct {
+	// Source: simple | files | engine | none. Default none (heuristic only).
+	Source string `yaml:"source" json:"source,omitempty"`
+	// Path to a directory with tokenizer.json and tokenizer_config.json.
+	Path string `yaml:"path" json:"path,omitempty"`
+}
+
+// PoolConfig is one model deployment: a set of instances serving one base
+// model (and possibly LoRA adapters on top).
+type PoolConfig struct {
+	// Name identifies the pool in metrics, admin paths and the pool header.
+	Name string `yaml:"name" json:"name"`
+	// Model is the served model name; OpenAI requests select the pool by it.
+	Model string `yaml:"model" json:"model"`
+	// Adapters are LoRA adapter names served by the pool (in addition to
+	// those discovered from instances' /v1/models).
+	Adapters []string `yaml:"adapters" json:"adapters,omitempty"`
+	// AdapterFallback: what to do when no eligible instance holds the
+	// requested adapter: "none" (503) or "all" (route among all instances,
+	// vLLM may load the adapter on demand). Default none.
+	AdapterFallback string `yaml:"adapter_fallback" json:"adapter_fallback,omitempty"`
+	// InvokePath is the upstream path for POST /invocations. Default /invocations.
+	InvokePath string `yaml:"invoke_path" json:"invoke_path,omitempty"`
+	// InvokeStreamPath is the upstream path for POST
+	// /invocations-response-stream. Default /invocations (vLLM's SageMaker
+	// endpoint streams when the body asks for it).
+	InvokeStreamPath string `yaml:"invoke_stream_path" json:"invoke_stream_path,omitempty"`
+	// CanonicalizeJSON re-serialises JSON bodies on the raw path (sorted
+	// keys, no insignificant whitespace) before taking the routing prefix, so
+	// equal requests serialised differently route together.
+	CanonicalizeJSON bool `yaml:"canonicalize_json" json:"canonicalize_json,omitempty"`
+	// Routing is the strategy and its parameters; changeable at runtime.
+	Routing RoutingConfig `yaml:"routing" json:"routing"`
+	// Health configures active health checks.
+	Health HealthConfig `yaml:"health" json:"health"`
+	// Discovery configures adapter discovery from instances' /v1/models.
+	Discovery DiscoveryConfig `yaml:"discovery" json:"discovery"`
+	// Tokenizer is reserved for kv_aware routing (a later issue).
+	Tokenizer *TokenizerConfig `yaml:"tokenizer,omitempty" json:"tokenizer,omitempty"`
+	// Instances is the static instance list.
+	Instances []InstanceConfig `yaml:"instances" json:"instances"`
+}
+
+// InstanceConfig is one model server.
+type InstanceConfig struct {
+	ID  string `yaml:"id" json:"id"`
+	URL string `yaml:"url" json:"url"`
+	// Adapters held by this instance, known up front.
+	Adapters []string `yaml:"adapters" json:"adapters,omitempty"`
+}
+
+// Strategy names.
+const (
+	StrategyRandom           = "random"
+	StrategyRoundRobin       = "round_robin"
+	StrategyLeastOutstanding = "least_outstanding"
+	StrategyPrefixAware      = "prefix_aware"
+)
+
+// Routing parameter ranges (issue 2; the SageMaker PREFIX_AWARE ranges).
+const (
+	MinPrefixLength          = 1024
+	MaxPrefixLength          = 65536
+	DefaultPrefixLength      = 8192
+	MinConcurrencyThreshold  = 1
+	MaxConcurrencyThreshold  = 1024
+	DefaultConcurrencyThresh = 64
+	DefaultStrategy          = StrategyPrefixAware
+)
+
+// RoutingConfig selects a pool's strategy. Zero values mean the defaults:
+// prefix_aware, 8192, 64.
+type RoutingConfig struct {
+	// Strategy: random | round_robin | least_outstanding | prefix_aware.
+	Strategy string `yaml:"strategy" json:"strategy,omitempty"`
+	// PrefixLength: characters (OpenAI path) or bytes (raw path) of the
+	// prompt that form the routing text, 1024..65536. Default 8192.
+	PrefixLength int `yaml:"prefix_length" json:"prefix_length,omitempty"`
+	// ConcurrencyThreshold: in-flight requests at which an instance counts as
+	// full and requests overflow, 1..1024. Default 64.
+	ConcurrencyThreshold int `yaml:"concurrency_threshold" json:"concurrency_threshold,omitempty"`
+	// KV is reserved for the kv_aware strategy's scoring constants (a later issue).
+	KV *KVScoringConfig `yaml:"kv,omitempty" json:"kv,omitempty"`
+}
+
+// KVScoringConfig holds the kv_aware scoring constants (ARCHITECTURE "Scoring").
+type KVScoringConfig struct {
+	// PrefillTokensPerSecond is P.
+	PrefillTokensPerSecond float64 `yaml:"prefill_tokens_per_second" json:"prefill_tokens_per_second,omitempty"`
+	// CPULoadTokensPerSecond is X_cpu.
+	CPULoadTokensPerSecond float64 `yaml:"cpu_load_tokens_per_second" json:"cpu_load_tokens_per_second,omitempty"`
+	// SharedLoadTokensPerSecond is X_shared.
+	SharedLoadTokensPerSecond float64 `yaml:"shared_load_tokens_per_second" json:"shared_load_tokens_per_second,omitempty"`
+	// BlockSize overrides the block size learned from events.
+	BlockSize int `yaml:"block_size" json:"block_size,omitempty"`
+}
+
+// WithDefaults returns r with zero fields replaced by their defaults.
+func (r RoutingConfig) WithDefaults() RoutingConfig {
+	if r.Strategy == "" {
+		r.Strategy = DefaultStrategy
+	}
+	if r.PrefixLength == 0 {
+		r.PrefixLength = DefaultPrefixLength
+	}
+	if r.ConcurrencyThreshold == 0 {
+		r.ConcurrencyThreshold = DefaultConcurrencyThresh
+	}
+	return r
+}
+
+// Validate checks r (after defaults) and names the offending field and its range.
+func (r RoutingConfig) Validate() error { return r.validate("routing") }
+
+func (r RoutingConfig) validate(f string) error {
+	r = r.WithDefaults()
+	if !knownStrategy(r.Strategy) {
+		return fmt.Errorf("%w: %s.strategy %q: want one of %s", ErrInvalidConfig, f, r.Strategy, strings.Join(StrategyNames(), ", "))
+	}
+	if r.PrefixLength < MinPrefixLength || r.PrefixLength > MaxPrefixLength {
+		return fmt.Errorf("%w: %s.prefix_length %d out of range %d..%d", ErrInvalidConfig, f, r.PrefixLength, MinPrefixLength, MaxPrefixLength)
+	}
+	if r.ConcurrencyThreshold < MinConcurrencyThreshold || r.ConcurrencyThreshold > MaxConcurrencyThreshold {
+		return fmt.Errorf("%w: %s.concurrency_threshold %d out of range %d..%d", ErrInvalidConfig, f, r.ConcurrencyThreshold, MinConcurrencyThreshold, MaxConcurrencyThreshold)
+	}
+	if k := r.KV; k != nil {
+		if k.PrefillTokensPerSecond < 0 || k.CPULoadTokensPerSecond < 0 || k.SharedLoadTokensPerSecond < 0 {
+			return fmt.Errorf("%w: %s.kv throughputs must be >= 0", ErrInvalidConfig, f)
+		}
+		if k.BlockSize < 0 || k.BlockSize > 1024 {
+			return fmt.Errorf("%w: %s.kv.block_size %d out of range 0..1024", ErrInvalidConfig, f, k.BlockSize)
+		}
+	}
+	return nil
+}
+
+// HealthConfig configures active health checks of a pool's instances.
+type HealthConfig struct {
+	// Disable turns active checks off; instances are then always healthy.
+	Disable bool `yaml:"disable" json:"disable,omitempty"`
+	// Path probed with GET; 2xx = success. Default /health (vLLM's).
+	Path string `yaml:"path" json:"path,omitempty"`
+	// Interval between probes of one instance. Default 5s.
+	Interval time.Duration `yaml:"interval" json:"interval,omitempty"`
+	// Timeout of one probe. Default 2s.
+	Timeout time.Duration `yaml:"timeout" json:"timeout,omitempty"`
+	// UnhealthyThreshold consecutive failures eject an instance. Default 3.
+	UnhealthyThreshold int `yaml:"unhealthy_threshold" json:"unhealthy_threshold,omitempty"`
+	// HealthyThreshold consecutive successes re-admit it. Default 2.
+	HealthyThreshold int `yaml:"healthy_threshold" json:"healthy_threshold,omitempty"`
+}
+
+// WithDefaults returns h with zero fields replaced by their defaults.
+func (h HealthConfig) WithDefaults() HealthConfig {
+	if h.Path == "" {
+		h.Path = "/health"
+	}
+	if h.Interval == 0 {
+		h.Interval = 5 * time.Second
+	}
+	if h.Timeout == 0 {
+		h.Timeout = 2 * time.Second
+	}
+	if h.UnhealthyThreshold == 0 {
+		h.UnhealthyThreshold = 3
+	}
+	if h.HealthyThreshold == 0 {
+		h.HealthyThreshold = 2
+	}
+	return h
+}
+
+// DiscoveryConfig configures LoRA adapter discovery from GET /v1/models.
+type DiscoveryConfig struct {
+	// Disable stops polling /v1/models; only configured adapters count.
+	Disable bool `yaml:"disable" json:"disable,omitempty"`
+	// Interval between polls. Default 30s (adapters change rarely).
+	Interval time.Duration `yaml:"interval" json:"interval,omitempty"`
+}
+
+// WithDefaults fills defaults into every zero field of c (pools included).
+func (c Config) WithDefaults() Config {
+	if c.Listen == "" {
+		c.Listen = ":8080"
+	}
+	if c.MaxBodyBytes == 0 {
+		c.MaxBodyBytes = 32 << 20
+	}
+	if c.Log.Level == "" {
+		c.Log.Level = "info"
+	}
+	if c.Log.Format == "" {
+		c.Log.Format = "json"
+	}
+	if c.Proxy.RetryStatuses == nil {
+		c.Proxy.RetryStatuses = []int{502, 503, 504}
+	}
+	if c.Proxy.DialTimeout == 0 {
+		c.Proxy.DialTimeout = 2 * time.Second
+	}
+	if c.Proxy.MaxIdleConnsPerHost == 0 {
+		c.Proxy.MaxIdleConnsPerHost = 256
+	}
+	pools := make([]PoolConfig, len(c.Pools))
+	for i, p := range c.Pools {
+		if p.AdapterFallback == "" {
+			p.AdapterFallback = "none"
+		}
+		if p.InvokePath == "" {
+			p.InvokePath = "/invocations"
+		}
+		if p.InvokeStreamPath == "" {
+			p.InvokeStreamPath = "/invocations"
+		}
+		p.Routing = p.Routing.WithDefaults()
+		p.Health = p.Health.WithDefaults()
+		if p.Discovery.Interval == 0 {
+			p.Discovery.Interval = 30 * time.Second
+		}
+		pools[i] = p
+	}
+	c.Pools = pools
+	return c
+}
+
+// Validate checks c (after defaults) and returns the first problem, naming
+// the field by its YAML path.
+func (c Config) Validate() error {
+	c = c.WithDefaults()
+	bad := func(format string, a ...any) error {
+		return fmt.Errorf("%w: "+format, append([]any{ErrInvalidConfig}, a...)...)
+	}
+	if c.MaxBodyBytes < 1024 || c.MaxBodyBytes > 1<<30 {
+		return bad("max_body_bytes %d out of range 1024..%d", c.MaxBodyBytes, 1<<30)
+	}
+	switch c.Log.Level {
+	case "debug", "info", "warn", "error":
+	default:
+		return bad("log.level %q: want debug, info, warn or error", c.Log.Level)
+	}
+	switch c.Log.Format {
+	case "json", "text":
+	default:
+		return bad("log.format %q: want json or text", c.Log.Format)
+	}
+	for i, s := range c.Proxy.RetryStatuses {
+		if s != 0 && (s < 400 || s > 599) {
+			return bad("proxy.retry_statuses[%d] %d out of range 400..599 (or 0 for none)", i, s)
+		}
+	}
+	if c.Proxy.DialTimeout < 0 || c.Proxy.ResponseHeaderTimeout < 0 {
+		return bad("proxy timeouts must be >= 0")
+	}
+	if c.Proxy.MaxIdleConnsPerHost < 0 || c.Proxy.MaxIdleConnsPerHost > 100000 {
+		return bad("proxy.max_idle_conns_per_host %d out of range 0..100000", c.Proxy.MaxIdleConnsPerHost)
+	}
+	if c.Index != nil {
+		switch c.Index.Backend {
+		case "", "memory":
+		case "redis":
+			if c.Index.Redis == nil || len(c.Index.Redis.Addrs) == 0 {
+				return bad("index.redis.addrs: required when index.backend is redis")
+			}
+		default:
+			return bad("index.backend %q: want memory or redis", c.Index.Backend)
+		}
+		if c.Index.Capacity < 0 {
+			return bad("index.capacity %d must be >= 0", c.Index.Capacity)
+		}
+	}
+	if len(c.Pools) == 0 {
+		return bad("pools: at least one pool is required")
+	}
+	names := map[string]bool{}
+	models := map[string]string{}
+	for i, p := range c.Pools {
+		f := fmt.Sprintf("pools[%d]", i)
+		if !validName(p.Name) {
+			return bad("%s.name %q: want 1-64 characters of [A-Za-z0-9_.-]", f, p.Name)
+		}
+		if names[p.Name] {
+			return bad("%s.name %q: duplicate pool name", f, p.Name)
+		}
+		names[p.Name] = true
+		if p.Model == "" {
+			return bad("%s.model: required", f)
+		}
+		if other, ok := models[p.Model]; ok {
+			return bad("%s.model %q: already served by pool %q", f, p.Model, other)
+		}
+		models[p.Model] = p.Name
+		for _, a := range p.Adapters {
+			if other, ok := models[a]; ok && other != p.Name {
+				return bad("%s.adapters %q: already served by pool %q", f, a, other)
+			}
+			models[a] = p.Name
+		}
+		switch p.AdapterFallback {
+		case "none", "all":
+		default:
+			return bad("%s.adapter_fallback %q: want none or all", f, p.AdapterFallback)
+		}
+		for _, path := range []struct{ name, v string }{{"invoke_path", p.InvokePath}, {"invoke_stream_path", p.InvokeStreamPath}, {"health.path", p.Health.Path}} {
+			if !strings.HasPrefix(path.v, "/") {
+				return bad("%s.%s %q: must start with /", f, path.name, path.v)
+			}
+		}
+		if err := p.Routing.validate(f + ".routing"); err != nil {
+			return err
+		}
+		h := p.Health
+		if h.Interval < 100*time.Millisecond || h.Interval > time.Hour {
+			return bad("%s.health.interval %v out of range 100ms..1h", f, h.Interval)
+		}
+		if h.Timeout < 10*time.Millisecond || h.Timeout > time.Minute {
+			return bad("%s.health.timeout %v out of range 10ms..1m", f, h.Timeout)
+		}
+		if h.UnhealthyThreshold < 1 || h.UnhealthyThreshold > 100 {
+			return bad("%s.health.unhealthy_threshold %d out of range 1..100", f, h.UnhealthyThreshold)
+		}
+		if h.HealthyThreshold < 1 || h.HealthyThreshold > 100 {
+			return bad("%s.health.healthy_threshold %d out of range 1..100", f, h.HealthyThreshold)
+		}
+		if p.Discovery.Interval < time.Second || p.Discovery.Interval > 24*time.Hour {
+			return bad("%s.discovery.interval %v out of range 1s..24h", f, p.Discovery.Interval)
+		}
+		if t := p.Tokenizer; t != nil {
+			switch t.Source {
+			case "", "none", "simple", "files", "engine":
+			default:
+				return bad("%s.tokenizer.source %q: want none, simple, files or engine", f, t.Source)
+			}
+		}
+		if len(p.Instances) == 0 {
+			return bad("%s.instances: at least one instance is required", f)
+		}
+		ids := map[string]bool{}
+		for j, in := range p.Instances {
+			fi := fmt.Sprintf("%s.instances[%d]", f, j)
+			if !validName(in.ID) {
+				return bad("%s.id %q: want 1-64 characters of [A-Za-z0-9_.-]", fi, in.ID)
+			}
+			if ids[in.ID] {
+				return bad("%s.id %q: duplicate instance id in pool", fi, in.ID)
+			}
+			ids[in.ID] = true
+			u, err := url.Parse(in.URL)
+			if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+				return bad("%s.url %q: want an absolute http(s) URL", fi, in.URL)
+			}
+		}
+	}
+	if c.DefaultPool != "" && !names[c.DefaultPool] {
+		return bad("default_pool %q: no such pool", c.DefaultPool)
+	}
+	return nil
+}
+
+// validName accepts names safe in metrics labels, URLs and NATS subjects.
+func validName(s string) bool {
+	if len(s) == 0 || len(s) > 64 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		b := s[i]
+		if !(b >= 'a' && b <= 'z' || b >= 'A' && b <= 'Z' || b >= '0' && b <= '9' || b == '_' || b == '-' || b == '.') {
+			return false
+		}
+	}
+	return true
+}
+
+// ParseConfig decodes a YAML configuration; unknown fields are errors, so a
+// typo fails loudly instead of silently meaning a default. It does not
+// validate (flags may still override fields); call Validate.
+func ParseConfig(r io.Reader) (Config, error) {
+	var c Config
+	dec := yaml.NewDecoder(r)
+	dec.KnownFields(true)
+	if err := dec.Decode(&c); err != nil {
+		if errors.Is(err, io.EOF) {
+			return c, nil
+		}
+		return c, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	return c, nil
+}
+
+// LoadConfig reads and parses a YAML configuration file.
+func LoadConfig(path string) (Config, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return Config{}, fmt.Errorf("router: read config: %w", err)
+	}
+	c, err := ParseConfig(bytes.NewReader(b))
+	if err != nil {
+		return c, fmt.Errorf("%s: %w", path, err)
+	}
+	return c, nil
+}

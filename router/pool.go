@@ -1,0 +1,144 @@
+package router
+
+import (
+	"fmt"
+	"slices"
+	"sync/atomic"
+)
+
+// Pool is one model deployment: its instances and its current routing.
+// The routing (config and strategy) is swapped atomically, so a switch at
+// runtime never blocks or tears a request.
+type Pool struct {
+	cfg       PoolConfig
+	instances []*Instance
+	byID      map[string]*Instance
+	routing   atomic.Pointer[poolRouting]
+}
+
+type poolRouting struct {
+	cfg   RoutingConfig
+	strat Strategy
+}
+
+// NewPool builds a pool from its config (defaults applied), reusing
+// instances from prev with the same id and URL so that in-flight counts and
+// health survive a reload. prev may be nil.
+func NewPool(cfg PoolConfig, prev *Pool) (*Pool, error) {
+	p := &Pool{cfg: cfg, byID: make(map[string]*Instance, len(cfg.Instances))}
+	for _, ic := range cfg.Instances {
+		var in *Instance
+		if prev != nil {
+			if old := prev.byID[ic.ID]; old != nil && old.url.String() == ic.URL && slices.Equal(old.configured, ic.Adapters) {
+				in = old
+			}
+		}
+		if in == nil {
+			var err error
+			if in, err = NewInstance(ic.ID, ic.URL, ic.Adapters...); err != nil {
+				return nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
+			}
+		}
+		if cfg.Health.Disable {
+			in.SetHealthy(true) // nothing would ever re-admit it
+		}
+		p.instances = append(p.instances, in)
+		p.byID[in.id] = in
+	}
+	if err := p.SetRouting(cfg.Routing); err != nil {
+		return nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
+	}
+	return p, nil
+}
+
+// Name is the pool's name.
+func (p *Pool) Name() string { return p.cfg.Name }
+
+// Model is the pool's base model name.
+func (p *Pool) Model() string { return p.cfg.Model }
+
+// Config is the pool's configuration as loaded (routing as at load time;
+// see Routing for the current one).
+func (p *Pool) Config() PoolConfig { return p.cfg }
+
+// Instances lists the pool's instances in configuration order.
+func (p *Pool) Instances() []*Instance { return slices.Clone(p.instances) }
+
+// Routing returns the current routing config and strategy.
+func (p *Pool) Routing() (RoutingConfig, Strategy) {
+	r := p.routing.Load()
+	return r.cfg, r.strat
+}
+
+// SetRouting validates rc, builds its strategy and swaps it in.
+func (p *Pool) SetRouting(rc RoutingConfig) error {
+	rc = rc.WithDefaults()
+	if err := rc.Validate(); err != nil {
+		return err
+	}
+	st, err := NewStrategy(rc.Strategy, rc)
+	if err != nil {
+		return err
+	}
+	p.routing.Store(&poolRouting{cfg: rc, strat: st})
+	return nil
+}
+
+// ServesAdapter reports whether name is an adapter of this pool, configured
+// or held by any instance.
+func (p *Pool) ServesAdapter(name string) bool {
+	if slices.Contains(p.cfg.Adapters, name) {
+		return true
+	}
+	for _, in := range p.instances {
+		if in.HasAdapter(name) {
+			return true
+		}
+	}
+	return false
+}
+
+// Adapters lists the adapters served by the pool, sorted, without duplicates.
+func (p *Pool) Adapters() []string {
+	set := map[string]bool{}
+	for _, a := range p.cfg.Adapters {
+		set[a] = true
+	}
+	for _, in := range p.instances {
+		for _, a := range in.Adapters() {
+			set[a] = true
+		}
+	}
+	out := make([]string, 0, len(set))
+	for a := range set {
+		out = append(out, a)
+	}
+	slices.Sort(out)
+	return out
+}
+
+// Candidates appends to dst the healthy instances eligible for a request
+// for adapter ("" = base model), skipping those in exclude. When no healthy
+// instance holds the adapter and adapter_fallback is "all", every healthy
+// instance is eligible (fellBack reports it).
+func (p *Pool) Candidates(dst []*Instance, adapter string, exclude *Instance) (cands []*Instance, fellBack bool) {
+	dst = dst[:0]
+	for _, in := range p.instances {
+		if in == exclude || !in.Healthy() {
+			continue
+		}
+		if adapter != "" && !in.HasAdapter(adapter) {
+			continue
+		}
+		dst = append(dst, in)
+	}
+	if len(dst) == 0 && adapter != "" && p.cfg.AdapterFallback == "all" {
+		for _, in := range p.instances {
+			if in != exclude && in.Healthy() {
+				dst = append(dst, in)
+			}
+		}
+		return dst, len(dst) > 0
+	}
+	return dst, false
+}

@@ -1,0 +1,440 @@
+package router
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httputil"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// Response headers explaining a decision.
+const (
+	HeaderInstance   = "X-Kvrouter-Instance"
+	HeaderStrategy   = "X-Kvrouter-Strategy"
+	HeaderReason     = "X-Kvrouter-Reason"
+	HeaderOverheadUS = "X-Kvrouter-Overhead-Us"
+	HeaderAttempts   = "X-Kvrouter-Attempts"
+	// HeaderPool selects the pool on the raw invoke path (else default_pool).
+	HeaderPool = "X-Kvrouter-Pool"
+	// HeaderAdapter names a LoRA adapter on the raw invoke path.
+	HeaderAdapter = "X-Kvrouter-Adapter"
+)
+
+// attempt is one try of a request against one instance; it travels in the
+// request context from the handler to the ReverseProxy hooks.
+type attempt struct {
+	pool     *Pool
+	dec      Decision
+	path     string // upstream path
+	ready    time.Time
+	sent     time.Time
+	n        int // 1-based attempt number
+	canRetry bool
+
+	// Set by the hooks (same goroutine as ServeHTTP).
+	retry     bool  // failed before any byte reached the client: try the next candidate
+	err       error // the failure
+	status    int
+	streamErr bool
+}
+
+type attemptKey struct{}
+
+func attemptFrom(ctx context.Context) *attempt {
+	a, _ := ctx.Value(attemptKey{}).(*attempt)
+	return a
+}
+
+// errRetryStatus marks an upstream status that is retried elsewhere.
+type errRetryStatus int
+
+func (e errRetryStatus) Error() string { return fmt.Sprintf("upstream answered %d", int(e)) }
+
+// readBody reads the whole body (it is needed to route, and kept to retry);
+// on failure it has answered and returns the status.
+func (s *Server) readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, int) {
+	if r.ContentLength > limit {
+		writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body of %d bytes exceeds the limit of %d bytes", r.ContentLength, limit))
+		return nil, http.StatusRequestEntityTooLarge
+	}
+	var buf bytes.Buffer
+	if r.ContentLength > 0 {
+		buf.Grow(int(r.ContentLength))
+	}
+	_, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, limit))
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", limit))
+			return nil, http.StatusRequestEntityTooLarge
+		}
+		writeError(w, http.StatusBadRequest, "reading request body: "+err.Error())
+		return nil, http.StatusBadRequest
+	}
+	return buf.Bytes(), 0
+}
+
+// tenantFromHeader validates the tenant header; ok is false after a 400.
+func tenantFromHeader(w http.ResponseWriter, r *http.Request) (key string, present, ok bool) {
+	vals := r.Header.Values(TenantHeader)
+	if len(vals) == 0 {
+		return "", false, true
+	}
+	if len(vals) > 1 || !ValidTenantKey(vals[0]) {
+		writeError(w, http.StatusBadRequest, TenantHeader+": want one value of 1-64 printable ASCII characters")
+		return "", true, false
+	}
+	return vals[0], true, true
+}
+
+func (s *Server) serveOpenAI(ep Endpoint) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		st := s.state.Load()
+		body, status := s.readBody(w, r, st.cfg.MaxBodyBytes)
+		if status != 0 {
+			s.m.requests.WithLabelValues("", "", "", "", strconv.Itoa(status)).Inc()
+			return
+		}
+		ready := time.Now()
+		fail := func(pool string, status int, msg string) {
+			writeError(w, status, msg)
+			s.m.requests.WithLabelValues(pool, "", "", "", strconv.Itoa(status)).Inc()
+		}
+		parsed, err := ParseOpenAI(ep, body)
+		if err != nil {
+			fail("", http.StatusBadRequest, strings.TrimPrefix(err.Error(), ErrBadRequest.Error()+": "))
+			return
+		}
+		tenant, present, ok := tenantFromHeader(w, r)
+		if !ok {
+			s.m.requests.WithLabelValues("", "", "", "", "400").Inc()
+			return
+		}
+		if !present {
+			tenant = parsed.PromptCacheKey
+		}
+		var pool *Pool
+		adapter := ""
+		switch {
+		case parsed.Model == "" && st.defaultPool != nil:
+			pool = st.defaultPool
+		case parsed.Model == "":
+			fail("", http.StatusBadRequest, "model: required")
+			return
+		default:
+			if pool = st.byModel[parsed.Model]; pool == nil {
+				for _, p := range st.pools {
+					if p.ServesAdapter(parsed.Model) {
+						pool, adapter = p, parsed.Model
+						break
+					}
+				}
+			}
+		}
+		if pool == nil {
+			fail("", http.StatusNotFound, fmt.Sprintf("the model %q does not exist", parsed.Model))
+			return
+		}
+		rc, strat := pool.Routing()
+		req := &Request{
+			Endpoint:     ep,
+			Pool:         pool.Name(),
+			Model:        parsed.Model,
+			Adapter:      adapter,
+			RoutingText:  OpenAIRoutingText(parsed, rc.PrefixLength),
+			TenantKey:    tenant,
+			Body:         body,
+			Parsed:       parsed,
+			PromptTokens: firstTokens(parsed.Prompt),
+			Stream:       parsed.Stream,
+		}
+		s.route(w, r, st, pool, strat, req, r.URL.Path, ready)
+	}
+}
+
+func (s *Server) serveInvoke(ep Endpoint) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		st := s.state.Load()
+		body, status := s.readBody(w, r, st.cfg.MaxBodyBytes)
+		if status != 0 {
+			s.m.requests.WithLabelValues("", "", "", "", strconv.Itoa(status)).Inc()
+			return
+		}
+		ready := time.Now()
+		fail := func(pool string, status int, msg string) {
+			writeError(w, status, msg)
+			s.m.requests.WithLabelValues(pool, "", "", "", strconv.Itoa(status)).Inc()
+		}
+		tenant, _, ok := tenantFromHeader(w, r)
+		if !ok {
+			s.m.requests.WithLabelValues("", "", "", "", "400").Inc()
+			return
+		}
+		pool := st.defaultPool
+		if name := r.Header.Get(HeaderPool); name != "" {
+			if pool = st.byName[name]; pool == nil {
+				fail("", http.StatusNotFound, fmt.Sprintf("%s: no pool %q", HeaderPool, name))
+				return
+			}
+		} else if pool == nil {
+			pool = st.pools[0]
+		}
+		adapter := r.Header.Get(HeaderAdapter)
+		if adapter != "" && !pool.ServesAdapter(adapter) && pool.cfg.AdapterFallback != "all" {
+			fail(pool.Name(), http.StatusNotFound, fmt.Sprintf("the adapter %q does not exist in pool %q", adapter, pool.Name()))
+			return
+		}
+		rc, strat := pool.Routing()
+		path := pool.cfg.InvokePath
+		if ep == EndpointInvokeStream {
+			path = pool.cfg.InvokeStreamPath
+		}
+		req := &Request{
+			Endpoint:    ep,
+			Pool:        pool.Name(),
+			Model:       pool.Model(),
+			Adapter:     adapter,
+			RoutingText: RawRoutingText(body, rc.PrefixLength, pool.cfg.CanonicalizeJSON),
+			TenantKey:   tenant,
+			Body:        body,
+			Stream:      ep == EndpointInvokeStream,
+		}
+		if adapter != "" {
+			req.Model = adapter
+		}
+		s.route(w, r, st, pool, strat, req, path, ready)
+	}
+}
+
+// route picks an instance and proxies, retrying once on the next candidate
+// when the first fails before any byte reached the client.
+func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *Pool, strat Strategy, req *Request, path string, ready time.Time) {
+	var buf [32]*Instance // candidates live on the stack for typical pools
+	var exclude *Instance
+	var prev *attempt
+	maxAttempts := 2
+	if st.cfg.Proxy.DisableRetry {
+		maxAttempts = 1
+	}
+	for n := 1; n <= maxAttempts; n++ {
+		t0 := time.Now()
+		cands, _ := pool.Candidates(buf[:0], req.Adapter, exclude)
+		dec, err := strat.Pick(r.Context(), req, cands)
+		s.m.decision.WithLabelValues(pool.Name(), strat.Name()).Observe(time.Since(t0).Seconds())
+		if err != nil {
+			if prev != nil {
+				// The retry has nowhere to go: report the first failure.
+				s.setDecisionHeaders(w.Header(), prev)
+				writeError(w, http.StatusBadGateway, fmt.Sprintf("instance %s failed: %v", prev.dec.Instance.ID(), prev.err))
+				s.m.requests.WithLabelValues(pool.Name(), prev.dec.Instance.ID(), strat.Name(), string(prev.dec.Reason), "502").Inc()
+				return
+			}
+			w.Header().Set("Retry-After", "1")
+			w.Header().Set(HeaderStrategy, strat.Name())
+			msg := fmt.Sprintf("no eligible instance in pool %q", pool.Name())
+			if req.Adapter != "" {
+				msg += fmt.Sprintf(" holding adapter %q", req.Adapter)
+			}
+			writeError(w, http.StatusServiceUnavailable, msg)
+			s.m.requests.WithLabelValues(pool.Name(), "", strat.Name(), "", "503").Inc()
+			return
+		}
+		if dec.Reason == ReasonOverflow || dec.Reason == ReasonSaturated {
+			s.m.overflows.WithLabelValues(pool.Name(), strat.Name(), string(dec.Reason)).Inc()
+		}
+		a := &attempt{pool: pool, dec: dec, path: path, ready: ready, n: n, canRetry: n < maxAttempts && len(cands) > 1}
+		out := r.WithContext(context.WithValue(r.Context(), attemptKey{}, a))
+		out.Body = io.NopCloser(bytes.NewReader(req.Body))
+		out.ContentLength = int64(len(req.Body))
+		out.Header.Del("Content-Length") // ReverseProxy writes it from ContentLength
+		dec.Instance.Acquire()
+		s.proxy.ServeHTTP(w, out)
+		dec.Instance.Release()
+		if !a.retry {
+			s.m.requests.WithLabelValues(pool.Name(), dec.Instance.ID(), strat.Name(), string(dec.Reason), strconv.Itoa(a.status)).Inc()
+			s.log.Debug("request", "pool", pool.Name(), "instance", dec.Instance.ID(), "strategy", strat.Name(), "reason", dec.Reason, "status", a.status, "attempt", n, "stream", req.Stream)
+			return
+		}
+		s.m.retries.WithLabelValues(pool.Name(), dec.Instance.ID()).Inc()
+		s.log.Warn("upstream failed before responding; retrying on the next candidate", "pool", pool.Name(), "instance", dec.Instance.ID(), "err", a.err)
+		exclude, prev = dec.Instance, a
+	}
+}
+
+func (s *Server) setDecisionHeaders(h http.Header, a *attempt) {
+	h.Set(HeaderInstance, a.dec.Instance.ID())
+	h.Set(HeaderStrategy, a.dec.Strategy)
+	h.Set(HeaderReason, string(a.dec.Reason))
+	if !a.sent.IsZero() {
+		h.Set(HeaderOverheadUS, strconv.FormatInt(a.sent.Sub(a.ready).Microseconds(), 10))
+	}
+	if a.n > 1 {
+		h.Set(HeaderAttempts, strconv.Itoa(a.n))
+	}
+	if e := a.dec.Explain; e != nil {
+		for t, n := range e.MatchedTokens {
+			if n > 0 {
+				h.Set("X-Kvrouter-Matched-Tokens-"+tiers.Tier(t).String(), strconv.Itoa(n))
+			}
+		}
+		if e.PredictedTTFT > 0 {
+			h.Set("X-Kvrouter-Predicted-Ttft-Ms", strconv.FormatFloat(float64(e.PredictedTTFT)/1e6, 'f', 2, 64))
+		}
+	}
+}
+
+// rewrite points the outbound request at the attempt's instance.
+func (s *Server) rewrite(pr *httputil.ProxyRequest) {
+	a := attemptFrom(pr.In.Context())
+	u := a.dec.Instance.URL()
+	pr.Out.URL.Scheme = u.Scheme
+	pr.Out.URL.Host = u.Host
+	pr.Out.URL.Path = strings.TrimSuffix(u.Path, "/") + a.path
+	pr.Out.URL.RawPath = ""
+	pr.Out.Host = ""
+	pr.SetXForwarded()
+	a.sent = time.Now()
+}
+
+// modifyResponse turns retryable statuses into errors (so the request is
+// retried elsewhere), adds the decision headers and wraps the body to time
+// its first byte and end a broken stream with an error event.
+func (s *Server) modifyResponse(resp *http.Response) error {
+	a := attemptFrom(resp.Request.Context())
+	a.status = resp.StatusCode
+	if a.canRetry && s.state.Load().retryStatus[resp.StatusCode] {
+		return errRetryStatus(resp.StatusCode)
+	}
+	s.setDecisionHeaders(resp.Header, a)
+	ct := resp.Header.Get("Content-Type")
+	resp.Body = &upstreamBody{
+		rc:  resp.Body,
+		s:   s,
+		a:   a,
+		ctx: resp.Request.Context(),
+		sse: strings.HasPrefix(ct, "text/event-stream") && resp.ContentLength < 0,
+	}
+	return nil
+}
+
+// errorHandler runs when the upstream failed before its response reached
+// the client: nothing has been written, so the request may be retried.
+func (s *Server) errorHandler(w http.ResponseWriter, r *http.Request, err error) {
+	a := attemptFrom(r.Context())
+	a.err = err
+	if r.Context().Err() != nil {
+		a.status = 499 // client closed request: nobody to answer
+		return
+	}
+	if a.canRetry {
+		a.retry = true
+		return
+	}
+	var rs errRetryStatus
+	status := http.StatusBadGateway
+	if errors.As(err, &rs) {
+		status = int(rs)
+	} else if errors.Is(err, context.DeadlineExceeded) {
+		status = http.StatusGatewayTimeout
+	}
+	a.status = status
+	s.setDecisionHeaders(w.Header(), a)
+	s.log.Warn("upstream failed", "pool", a.pool.Name(), "instance", a.dec.Instance.ID(), "err", err)
+	writeError(w, status, fmt.Sprintf("instance %s failed: %v", a.dec.Instance.ID(), err))
+}
+
+// upstreamBody wraps an upstream response body.
+type upstreamBody struct {
+	rc   io.ReadCloser
+	s    *Server
+	a    *attempt
+	ctx  context.Context
+	sse  bool
+	got  bool    // first byte seen
+	last [2]byte // last two bytes passed on: is the stream at an event boundary?
+	tail []byte  // pending error event
+	done bool
+}
+
+func (b *upstreamBody) Read(p []byte) (int, error) {
+	if b.tail != nil {
+		n := copy(p, b.tail)
+		b.tail = b.tail[n:]
+		if len(b.tail) == 0 {
+			b.tail, b.done = nil, true
+		}
+		return n, nil
+	}
+	if b.done {
+		return 0, io.EOF
+	}
+	n, err := b.rc.Read(p)
+	if n > 0 {
+		if !b.got {
+			b.got = true
+			b.s.m.ttfb.WithLabelValues(b.a.pool.Name(), b.a.dec.Instance.ID()).Observe(time.Since(b.a.sent).Seconds())
+		}
+		if n >= 2 {
+			b.last = [2]byte{p[n-2], p[n-1]}
+		} else {
+			b.last = [2]byte{b.last[1], p[0]}
+		}
+	}
+	if err == nil || err == io.EOF || b.ctx.Err() != nil {
+		return n, err
+	}
+	b.a.streamErr = true
+	b.s.m.streamErr.WithLabelValues(b.a.pool.Name(), b.a.dec.Instance.ID()).Inc()
+	b.s.log.Warn("upstream failed mid-response", "pool", b.a.pool.Name(), "instance", b.a.dec.Instance.ID(), "sse", b.sse, "err", err)
+	if !b.sse {
+		return n, err // the client sees a truncated body (connection aborted)
+	}
+	var tail []byte
+	switch {
+	case !b.got || b.last == [2]byte{'\n', '\n'}:
+	case b.last[1] == '\n':
+		tail = append(tail, '\n')
+	default:
+		tail = append(tail, "\n\n"...)
+	}
+	b.tail = append(tail, sseErrorEvent(fmt.Sprintf("instance %s failed mid-stream: %v", b.a.dec.Instance.ID(), err))...)
+	return n, nil
+}
+
+func (b *upstreamBody) Close() error { return b.rc.Close() }
+
+// serveModels lists the union of what the pools serve, in OpenAI's shape.
+func (s *Server) serveModels(w http.ResponseWriter, _ *http.Request) {
+	type model struct {
+		ID      string  `json:"id"`
+		Object  string  `json:"object"`
+		Created int64   `json:"created"`
+		OwnedBy string  `json:"owned_by"`
+		Root    string  `json:"root"`
+		Parent  *string `json:"parent"`
+	}
+	st := s.state.Load()
+	out := struct {
+		Object string  `json:"object"`
+		Data   []model `json:"data"`
+	}{Object: "list", Data: []model{}}
+	created := s.started.Unix()
+	for _, p := range st.pools {
+		base := p.Model()
+		out.Data = append(out.Data, model{ID: base, Object: "model", Created: created, OwnedBy: "kvrouter", Root: base})
+		for _, a := range p.Adapters() {
+			out.Data = append(out.Data, model{ID: a, Object: "model", Created: created, OwnedBy: "kvrouter", Root: a, Parent: &base})
+		}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(out)
+}

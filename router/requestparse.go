@@ -1,0 +1,293 @@
+package router
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"unicode/utf8"
+)
+
+// ErrBadRequest wraps every request-parsing error; the HTTP edge answers 400.
+var ErrBadRequest = errors.New("router: bad request")
+
+// TenantHeader carries the tenant key on the raw invoke path (SageMaker's
+// name, so clients written for PREFIX_AWARE routing work unchanged).
+const TenantHeader = "X-Amzn-SageMaker-Prefix-Aware-Id"
+
+// OpenAIRequest is the part of an OpenAI chat or completions body the router
+// reads. The body is forwarded as received, never re-serialised.
+type OpenAIRequest struct {
+	Model          string        `json:"model"`
+	Messages       []ChatMessage `json:"messages"`
+	Prompt         *Prompt       `json:"prompt"`
+	Stream         bool          `json:"stream"`
+	PromptCacheKey string        `json:"prompt_cache_key"`
+}
+
+// ChatMessage is one chat message; Content holds the text of a string
+// content or of the "text" parts of an array content, in order.
+type ChatMessage struct {
+	Role    string         `json:"role"`
+	Content MessageContent `json:"content"`
+}
+
+// MessageContent is the text of a message's content.
+type MessageContent struct {
+	Parts []string
+}
+
+// UnmarshalJSON accepts a string, null, or an array of content parts (only
+// parts with a "text" field contribute; images and audio do not route).
+func (m *MessageContent) UnmarshalJSON(b []byte) error {
+	b = bytes.TrimSpace(b)
+	switch {
+	case len(b) == 0 || string(b) == "null":
+		m.Parts = nil
+		return nil
+	case b[0] == '"':
+		var s string
+		if err := json.Unmarshal(b, &s); err != nil {
+			return err
+		}
+		m.Parts = []string{s}
+		return nil
+	case b[0] == '[':
+		var parts []struct {
+			Text *string `json:"text"`
+		}
+		if err := json.Unmarshal(b, &parts); err != nil {
+			return err
+		}
+		m.Parts = m.Parts[:0]
+		for _, p := range parts {
+			if p.Text != nil {
+				m.Parts = append(m.Parts, *p.Text)
+			}
+		}
+		return nil
+	}
+	return fmt.Errorf("content: want a string or an array of parts")
+}
+
+// Prompt is a completions prompt: a string, a list of strings, a token-id
+// array, or a list of token-id arrays.
+type Prompt struct {
+	Texts  []string
+	Tokens [][]uint32
+}
+
+// UnmarshalJSON decodes every OpenAI prompt shape; token ids must fit uint32.
+func (p *Prompt) UnmarshalJSON(b []byte) error {
+	b = bytes.TrimSpace(b)
+	if len(b) == 0 || string(b) == "null" {
+		return nil
+	}
+	if b[0] == '"' {
+		var s string
+		if err := json.Unmarshal(b, &s); err != nil {
+			return err
+		}
+		p.Texts = []string{s}
+		return nil
+	}
+	if b[0] != '[' {
+		return fmt.Errorf("prompt: want a string, a list of strings or token ids")
+	}
+	var items []json.RawMessage
+	if err := json.Unmarshal(b, &items); err != nil {
+		return err
+	}
+	if len(items) == 0 {
+		return fmt.Errorf("prompt: empty list")
+	}
+	first := bytes.TrimSpace(items[0])
+	switch {
+	case len(first) > 0 && first[0] == '"':
+		p.Texts = make([]string, len(items))
+		for i, it := range items {
+			if err := json.Unmarshal(it, &p.Texts[i]); err != nil {
+				return fmt.Errorf("prompt[%d]: %w", i, err)
+			}
+		}
+	case len(first) > 0 && first[0] == '[':
+		p.Tokens = make([][]uint32, len(items))
+		for i, it := range items {
+			var ids []uint32
+			if err := json.Unmarshal(it, &ids); err != nil {
+				return fmt.Errorf("prompt[%d]: want token ids (0..4294967295): %w", i, err)
+			}
+			p.Tokens[i] = ids
+		}
+	default:
+		var ids []uint32
+		if err := json.Unmarshal(b, &ids); err != nil {
+			return fmt.Errorf("prompt: want token ids (0..4294967295): %w", err)
+		}
+		p.Tokens = [][]uint32{ids}
+	}
+	return nil
+}
+
+// ParseOpenAI decodes an OpenAI chat or completions body and checks that it
+// carries what the endpoint needs.
+func ParseOpenAI(ep Endpoint, body []byte) (*OpenAIRequest, error) {
+	var r OpenAIRequest
+	if err := json.Unmarshal(body, &r); err != nil {
+		return nil, fmt.Errorf("%w: malformed JSON body: %w", ErrBadRequest, err)
+	}
+	switch ep {
+	case EndpointChatCompletions:
+		if len(r.Messages) == 0 {
+			return nil, fmt.Errorf("%w: messages: required, at least one message", ErrBadRequest)
+		}
+	case EndpointCompletions:
+		if r.Prompt == nil || (len(r.Prompt.Texts) == 0 && len(r.Prompt.Tokens) == 0) {
+			return nil, fmt.Errorf("%w: prompt: required", ErrBadRequest)
+		}
+	}
+	return &r, nil
+}
+
+// textBuilder collects at most limit characters (runes) of text.
+type textBuilder struct {
+	sb    strings.Builder
+	left  int
+	began bool
+}
+
+func newTextBuilder(limit int) *textBuilder {
+	tb := &textBuilder{left: limit}
+	return tb
+}
+
+func (t *textBuilder) full() bool { return t.left <= 0 }
+
+// add appends s (after a "\n" separator from earlier pieces), cut at the limit.
+func (t *textBuilder) add(s string) {
+	if t.began {
+		t.put("\n")
+	}
+	t.began = true
+	t.put(s)
+}
+
+func (t *textBuilder) put(s string) {
+	if t.left <= 0 {
+		return
+	}
+	if len(s) <= t.left { // runes <= bytes: it all fits
+		t.sb.WriteString(s)
+		t.left -= utf8.RuneCountInString(s)
+		return
+	}
+	i, n := 0, 0
+	for i < len(s) && n < t.left {
+		_, size := utf8.DecodeRuneInString(s[i:])
+		i += size
+		n++
+	}
+	t.sb.WriteString(s[:i])
+	t.left -= n
+}
+
+// OpenAIRoutingText is the routing text of an OpenAI request: the first
+// limit characters of the messages' text (or the prompt), in order, pieces
+// joined by "\n". A token-id prompt routes by its ids written in decimal,
+// space separated.
+func OpenAIRoutingText(r *OpenAIRequest, limit int) string {
+	tb := newTextBuilder(limit)
+	for _, m := range r.Messages {
+		for _, p := range m.Content.Parts {
+			if tb.full() {
+				return tb.sb.String()
+			}
+			tb.add(p)
+		}
+	}
+	if r.Prompt != nil {
+		for _, s := range r.Prompt.Texts {
+			if tb.full() {
+				break
+			}
+			tb.add(s)
+		}
+		var num [12]byte
+		for _, ids := range r.Prompt.Tokens {
+			for j, id := range ids {
+				if tb.full() {
+					return tb.sb.String()
+				}
+				if j == 0 {
+					tb.add(string(strconv.AppendUint(num[:0], uint64(id), 10)))
+				} else {
+					tb.put(" ")
+					tb.put(string(strconv.AppendUint(num[:0], uint64(id), 10)))
+				}
+			}
+		}
+	}
+	return tb.sb.String()
+}
+
+// RawRoutingText is the routing text of a raw invoke body: its first limit
+// bytes, after canonicalising JSON when asked (and when the body is JSON).
+func RawRoutingText(body []byte, limit int, canonicalize bool) string {
+	if canonicalize {
+		if c, err := CanonicalJSON(body); err == nil {
+			body = c
+		}
+	}
+	if len(body) > limit {
+		body = body[:limit]
+	}
+	return string(body)
+}
+
+// CanonicalJSON re-serialises a JSON document with sorted object keys, no
+// insignificant whitespace, numbers as written and no HTML escaping, so that
+// equal documents serialised differently compare equal.
+func CanonicalJSON(body []byte) ([]byte, error) {
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.UseNumber()
+	var v any
+	if err := dec.Decode(&v); err != nil {
+		return nil, err
+	}
+	if dec.More() {
+		return nil, errors.New("trailing data after JSON value")
+	}
+	var buf bytes.Buffer
+	buf.Grow(len(body))
+	enc := json.NewEncoder(&buf)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil { // maps encode with sorted keys
+		return nil, err
+	}
+	return bytes.TrimSuffix(buf.Bytes(), []byte("\n")), nil
+}
+
+// ValidTenantKey reports whether s is 1-64 printable ASCII characters, the
+// form SageMaker accepts for X-Amzn-SageMaker-Prefix-Aware-Id.
+func ValidTenantKey(s string) bool {
+	if len(s) == 0 || len(s) > 64 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] < 0x20 || s[i] > 0x7e {
+			return false
+		}
+	}
+	return true
+}
+
+// firstTokens is the token ids of a prompt's first sequence: a batch of
+// token prompts is routed, as a whole, by its first member.
+func firstTokens(p *Prompt) []uint32 {
+	if p == nil || len(p.Tokens) == 0 {
+		return nil
+	}
+	return p.Tokens[0]
+}

@@ -1,0 +1,271 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Options are the dependencies of a Server. The zero value is usable.
+type Options struct {
+	// Logger receives structured logs; nil = slog.Default().
+	Logger *slog.Logger
+	// Registry receives the router's metrics and is served at /metrics;
+	// nil = a new registry of the server's own (never the global one).
+	Registry *prometheus.Registry
+}
+
+// Server is the router: the HTTP data plane, the admin API and the
+// background health checks. Build it with NewServer, serve Handler (and
+// AdminHandler), and run Run for the health checks.
+type Server struct {
+	log     *slog.Logger
+	reg     *prometheus.Registry
+	m       *metrics
+	proxy   *httputil.ReverseProxy
+	probe   *http.Client
+	started time.Time
+	// adminToken is read on each admin request; swapped on reload.
+	adminToken atomic.Pointer[string]
+	// adminOnData: admin routes are served on the data listener too.
+	adminOnData bool
+
+	state atomic.Pointer[state]
+
+	// loopMu guards runCtx, stopLoops and loopWG: the background loops of
+	// the current state, restarted on reload.
+	loopMu    sync.Mutex
+	runCtx    context.Context
+	stopLoops context.CancelFunc
+	loopWG    sync.WaitGroup
+}
+
+// state is one loaded configuration: immutable once published, replaced
+// whole on reload.
+type state struct {
+	cfg         Config
+	pools       []*Pool
+	byName      map[string]*Pool
+	byModel     map[string]*Pool
+	defaultPool *Pool
+	retryStatus map[int]bool
+}
+
+// NewServer validates cfg and builds a Server. It starts no goroutines:
+// call Run for health checks and adapter discovery.
+func NewServer(cfg Config, opts Options) (*Server, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	s := &Server{log: opts.Logger, reg: opts.Registry, started: time.Now(), adminOnData: cfg.AdminListen == ""}
+	if s.log == nil {
+		s.log = slog.Default()
+	}
+	if s.reg == nil {
+		s.reg = prometheus.NewRegistry()
+	}
+	tok := cfg.AdminToken
+	s.adminToken.Store(&tok)
+	st, err := buildState(cfg, nil)
+	if err != nil {
+		return nil, err
+	}
+	s.state.Store(st)
+	if s.m, err = newMetrics(s.reg, s); err != nil {
+		return nil, fmt.Errorf("router: register metrics: %w", err)
+	}
+	dialer := &net.Dialer{Timeout: cfg.Proxy.DialTimeout, KeepAlive: 30 * time.Second}
+	transport := &http.Transport{
+		Proxy:                 nil, // instances are addressed directly, never through an HTTP proxy from the environment
+		DialContext:           dialer.DialContext,
+		MaxIdleConns:          0,
+		MaxIdleConnsPerHost:   cfg.Proxy.MaxIdleConnsPerHost,
+		IdleConnTimeout:       90 * time.Second,
+		ResponseHeaderTimeout: cfg.Proxy.ResponseHeaderTimeout,
+		ForceAttemptHTTP2:     false, // vLLM serves HTTP/1.1; h2c is not negotiated
+	}
+	s.proxy = &httputil.ReverseProxy{
+		Rewrite:        s.rewrite,
+		Transport:      transport,
+		ModifyResponse: s.modifyResponse,
+		ErrorHandler:   s.errorHandler,
+		// Streams (text/event-stream, or no Content-Length) are flushed per
+		// write by ReverseProxy itself; other responses are small.
+		FlushInterval: 0,
+		ErrorLog:      slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+	}
+	s.probe = &http.Client{Transport: &http.Transport{Proxy: nil, DialContext: dialer.DialContext, MaxIdleConnsPerHost: 2}}
+	return s, nil
+}
+
+func buildState(cfg Config, prev *state) (*state, error) {
+	st := &state{cfg: cfg, byName: map[string]*Pool{}, byModel: map[string]*Pool{}, retryStatus: map[int]bool{}}
+	for _, c := range cfg.Proxy.RetryStatuses {
+		if c != 0 {
+			st.retryStatus[c] = true
+		}
+	}
+	for _, pc := range cfg.Pools {
+		var old *Pool
+		if prev != nil {
+			old = prev.byName[pc.Name]
+		}
+		p, err := NewPool(pc, old)
+		if err != nil {
+			return nil, err
+		}
+		st.pools = append(st.pools, p)
+		st.byName[p.Name()] = p
+		st.byModel[p.Model()] = p
+	}
+	if cfg.DefaultPool != "" {
+		st.defaultPool = st.byName[cfg.DefaultPool]
+	}
+	return st, nil
+}
+
+// Pools lists the current pools.
+func (s *Server) Pools() []*Pool { return slices.Clone(s.state.Load().pools) }
+
+// Pool returns the named pool.
+func (s *Server) Pool(name string) (*Pool, bool) {
+	p, ok := s.state.Load().byName[name]
+	return p, ok
+}
+
+// Registry is the registry the server's metrics are on.
+func (s *Server) Registry() *prometheus.Registry { return s.reg }
+
+// Reload applies a new configuration: pools, instances, routing, limits and
+// the admin token. Instances with the same pool, id and URL keep their
+// in-flight counts and health. Listen addresses and proxy transport settings
+// are fixed at start; a change to them is logged and ignored. On error the
+// running configuration is kept.
+func (s *Server) Reload(cfg Config) error {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	s.loopMu.Lock()
+	defer s.loopMu.Unlock()
+	old := s.state.Load()
+	if cfg.Listen != old.cfg.Listen || cfg.AdminListen != old.cfg.AdminListen {
+		s.log.Warn("reload: listen addresses change only on restart", "listen", old.cfg.Listen, "admin_listen", old.cfg.AdminListen)
+	}
+	st, err := buildState(cfg, old)
+	if err != nil {
+		return err
+	}
+	tok := cfg.AdminToken
+	s.adminToken.Store(&tok)
+	s.state.Store(st)
+	if s.runCtx != nil {
+		s.stopLoopsLocked()
+		s.startLoopsLocked()
+	}
+	s.log.Info("configuration reloaded", "pools", len(st.pools))
+	return nil
+}
+
+// Run runs health checks and adapter discovery until ctx ends.
+func (s *Server) Run(ctx context.Context) error {
+	s.loopMu.Lock()
+	if s.runCtx != nil {
+		s.loopMu.Unlock()
+		return errors.New("router: server already running")
+	}
+	s.runCtx = ctx
+	s.startLoopsLocked()
+	s.loopMu.Unlock()
+	<-ctx.Done()
+	s.loopMu.Lock()
+	s.stopLoopsLocked()
+	s.runCtx = nil
+	s.loopMu.Unlock()
+	return nil
+}
+
+func (s *Server) startLoopsLocked() {
+	ctx, cancel := context.WithCancel(s.runCtx)
+	s.stopLoops = cancel
+	for _, p := range s.state.Load().pools {
+		if !p.cfg.Health.Disable {
+			s.loopWG.Go(func() { s.healthLoop(ctx, p) })
+		}
+		if !p.cfg.Discovery.Disable {
+			s.loopWG.Go(func() { s.discoveryLoop(ctx, p) })
+		}
+	}
+}
+
+func (s *Server) stopLoopsLocked() {
+	if s.stopLoops != nil {
+		s.stopLoops()
+		s.stopLoops = nil
+	}
+	s.loopWG.Wait()
+}
+
+// Handler serves the data plane (/v1/..., /invocations..., /healthz,
+// /readyz) and, when admin_listen is empty, the admin API and /metrics.
+func (s *Server) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/chat/completions", s.serveOpenAI(EndpointChatCompletions))
+	mux.HandleFunc("POST /v1/completions", s.serveOpenAI(EndpointCompletions))
+	mux.HandleFunc("GET /v1/models", s.serveModels)
+	mux.HandleFunc("POST /invocations", s.serveInvoke(EndpointInvoke))
+	mux.HandleFunc("POST /invocations-response-stream", s.serveInvoke(EndpointInvokeStream))
+	mux.HandleFunc("GET /healthz", s.serveHealthz)
+	mux.HandleFunc("GET /readyz", s.serveReadyz)
+	mux.HandleFunc("GET /ping", s.serveReadyz) // SageMaker's health path
+	if s.adminOnData {
+		s.addAdminRoutes(mux)
+	}
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
+	})
+	return mux
+}
+
+// AdminHandler serves the admin API, /metrics, /healthz and /readyz (for a
+// separate admin listener).
+func (s *Server) AdminHandler() http.Handler {
+	mux := http.NewServeMux()
+	s.addAdminRoutes(mux)
+	mux.HandleFunc("GET /healthz", s.serveHealthz)
+	mux.HandleFunc("GET /readyz", s.serveReadyz)
+	return mux
+}
+
+func (s *Server) serveHealthz(w http.ResponseWriter, _ *http.Request) {
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	_, _ = io.WriteString(w, "ok\n")
+}
+
+// serveReadyz is ready when at least one pool has a healthy instance: a
+// router that can serve some model should stay in its load balancer.
+func (s *Server) serveReadyz(w http.ResponseWriter, _ *http.Request) {
+	st := s.state.Load()
+	for _, p := range st.pools {
+		for _, in := range p.instances {
+			if in.Healthy() {
+				w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+				_, _ = io.WriteString(w, "ready\n")
+				return
+			}
+		}
+	}
+	writeError(w, http.StatusServiceUnavailable, "no healthy instance in any pool")
+}

@@ -1,0 +1,179 @@
+package router
+
+import (
+	"context"
+	"sync/atomic"
+)
+
+// Interface guards.
+var (
+	_ Strategy = (*Random)(nil)
+	_ Strategy = (*RoundRobin)(nil)
+	_ Strategy = (*LeastOutstanding)(nil)
+	_ Strategy = (*PrefixAware)(nil)
+)
+
+// Random picks uniformly among candidates under Threshold; when all are
+// full, the least outstanding.
+type Random struct {
+	Threshold int
+	rnd       func(n uint64) uint64
+}
+
+// Name implements Strategy.
+func (*Random) Name() string { return StrategyRandom }
+
+// Pick implements Strategy.
+func (s *Random) Pick(_ context.Context, _ *Request, cands []*Instance) (Decision, error) {
+	if len(cands) == 0 {
+		return Decision{}, ErrNoCandidates
+	}
+	// Reservoir-sample among the available ones in one pass, no allocation.
+	var pick *Instance
+	n := uint64(0)
+	for _, c := range cands {
+		if c.Full(s.Threshold) {
+			continue
+		}
+		n++
+		if s.rnd(n) == 0 {
+			pick = c
+		}
+	}
+	if pick == nil {
+		return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: StrategyRandom, Reason: ReasonSaturated}, nil
+	}
+	return Decision{Instance: pick, Strategy: StrategyRandom, Reason: ReasonRandom}, nil
+}
+
+// RoundRobin cycles through candidates, skipping full ones; when all are
+// full, the least outstanding. With a changing candidate set the cycle is
+// over positions, which is as even as a shared counter can be.
+type RoundRobin struct {
+	Threshold int
+	next      atomic.Uint64
+	rnd       func(n uint64) uint64
+}
+
+// Name implements Strategy.
+func (*RoundRobin) Name() string { return StrategyRoundRobin }
+
+// Pick implements Strategy.
+func (s *RoundRobin) Pick(_ context.Context, _ *Request, cands []*Instance) (Decision, error) {
+	if len(cands) == 0 {
+		return Decision{}, ErrNoCandidates
+	}
+	start := s.next.Add(1) - 1
+	for k := range uint64(len(cands)) {
+		c := cands[(start+k)%uint64(len(cands))]
+		if !c.Full(s.Threshold) {
+			return Decision{Instance: c, Strategy: StrategyRoundRobin, Reason: ReasonRoundRobin}, nil
+		}
+	}
+	return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: StrategyRoundRobin, Reason: ReasonSaturated}, nil
+}
+
+// LeastOutstanding picks the candidate with the fewest router-local
+// requests in flight, ties broken at random.
+type LeastOutstanding struct {
+	rnd func(n uint64) uint64
+}
+
+// Name implements Strategy.
+func (*LeastOutstanding) Name() string { return StrategyLeastOutstanding }
+
+// Pick implements Strategy.
+func (s *LeastOutstanding) Pick(_ context.Context, _ *Request, cands []*Instance) (Decision, error) {
+	if len(cands) == 0 {
+		return Decision{}, ErrNoCandidates
+	}
+	return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: StrategyLeastOutstanding, Reason: ReasonLeastOutstanding}, nil
+}
+
+// leastOutstanding returns the candidate with the fewest in flight, a
+// uniformly random one among ties. cands must not be empty.
+func leastOutstanding(cands []*Instance, rnd func(uint64) uint64) *Instance {
+	var best *Instance
+	bestN, ties := 0, uint64(0)
+	for _, c := range cands {
+		n := c.InFlight()
+		switch {
+		case best == nil || n < bestN:
+			best, bestN, ties = c, n, 1
+		case n == bestN:
+			ties++
+			if rnd(ties) == 0 {
+				best = c
+			}
+		}
+	}
+	return best
+}
+
+// PrefixAware is rendezvous (highest-random-weight) hashing of the
+// request's (routing text, tenant key) over the candidates: each candidate
+// scores fmix64(requestHash ^ instanceHash) and the highest wins. Equal
+// prefixes land on the same instance; adding an instance moves only the
+// prefixes it now wins (~1/n), removing one moves only its own.
+//
+// When the winner has Threshold requests in flight, the next instance in the
+// request's rendezvous order that is under the threshold takes it, so
+// overflow of a hot prefix is itself deterministic (it warms one second
+// instance, not all). When all are full, the least outstanding.
+type PrefixAware struct {
+	Threshold int
+	rnd       func(n uint64) uint64
+}
+
+// Name implements Strategy.
+func (*PrefixAware) Name() string { return StrategyPrefixAware }
+
+// Pick implements Strategy. One pass, no allocation: the request's hash is
+// computed once (Request.RoutingHash) and mixed with each instance's.
+func (s *PrefixAware) Pick(_ context.Context, req *Request, cands []*Instance) (Decision, error) {
+	if len(cands) == 0 {
+		return Decision{}, ErrNoCandidates
+	}
+	h := req.RoutingHash()
+	var top, avail *Instance
+	var topScore, availScore uint64
+	for _, c := range cands {
+		sc := rendezvousScore(h, c.hash)
+		if top == nil || sc > topScore {
+			top, topScore = c, sc
+		}
+		if !c.Full(s.Threshold) && (avail == nil || sc > availScore) {
+			avail, availScore = c, sc
+		}
+	}
+	switch {
+	case avail == top:
+		return Decision{Instance: top, Strategy: StrategyPrefixAware, Reason: ReasonHash}, nil
+	case avail != nil:
+		return Decision{Instance: avail, Strategy: StrategyPrefixAware, Reason: ReasonOverflow}, nil
+	}
+	return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: StrategyPrefixAware, Reason: ReasonSaturated}, nil
+}
+
+// rendezvousScore is the weight of an instance for a request hash.
+func rendezvousScore(reqHash, instHash uint64) uint64 { return fmix64(reqHash ^ instHash) }
+
+// RendezvousOrder returns cands sorted by descending rendezvous score for
+// req: the order prefix_aware overflows through. For tests, tools and
+// explanations; Pick does not allocate it.
+func RendezvousOrder(req *Request, cands []*Instance) []*Instance {
+	h := req.RoutingHash()
+	out := make([]*Instance, len(cands))
+	copy(out, cands)
+	scores := make(map[*Instance]uint64, len(cands))
+	for _, c := range cands {
+		scores[c] = rendezvousScore(h, c.hash)
+	}
+	// Insertion sort: candidate lists are small.
+	for i := 1; i < len(out); i++ {
+		for j := i; j > 0 && scores[out[j]] > scores[out[j-1]]; j-- {
+			out[j], out[j-1] = out[j-1], out[j]
+		}
+	}
+	return out
+}

@@ -1,0 +1,230 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// ErrNoCandidates is returned by a Strategy given no instance to pick from;
+// the HTTP edge turns it into 503 with Retry-After.
+var ErrNoCandidates = errors.New("router: no eligible instance")
+
+// ErrUnknownStrategy is returned by NewStrategy for a name it does not know.
+var ErrUnknownStrategy = errors.New("router: unknown strategy")
+
+// ErrNoTokens is returned by Request.TokenIDs when the request carries no
+// token ids and no TokenSource is configured.
+var ErrNoTokens = errors.New("router: no token ids for request")
+
+// Strategy picks one instance for a request among candidates. The candidates
+// are healthy, serve the request's model and hold its adapter; they may be
+// Full — honouring the concurrency threshold is the strategy's job, so that
+// overflow stays in the strategy's own order.
+//
+// Pick is called concurrently from many requests; implementations keep
+// their own state safe. It must not retain cands.
+type Strategy interface {
+	// Name is the strategy's configured name (the x-kvrouter-strategy header).
+	Name() string
+	// Pick returns the decision, or ErrNoCandidates when cands is empty.
+	Pick(ctx context.Context, req *Request, cands []*Instance) (Decision, error)
+}
+
+// Reason says why a decision picked its instance (the x-kvrouter-reason header).
+type Reason string
+
+// Reasons. ReasonKVMatch and ReasonFallback are for the kv_aware strategy.
+const (
+	ReasonHash             Reason = "hash"              // prefix_aware: first in rendezvous order
+	ReasonOverflow         Reason = "overflow"          // prefix_aware: first in rendezvous order was full
+	ReasonSaturated        Reason = "saturated"         // every candidate full: least outstanding
+	ReasonRandom           Reason = "random"            // random
+	ReasonRoundRobin       Reason = "round_robin"       // round_robin
+	ReasonLeastOutstanding Reason = "least_outstanding" // least_outstanding
+	ReasonKVMatch          Reason = "kv-match"          // kv_aware: best predicted TTFT from cached blocks
+	ReasonFallback         Reason = "fallback"          // kv_aware: fell back to the heuristic
+)
+
+// Decision is a strategy's pick and its explanation.
+type Decision struct {
+	Instance *Instance
+	Strategy string
+	Reason   Reason
+	// Explain, when set, carries what an exact strategy knew (headers
+	// x-kvrouter-matched-tokens-<tier>, x-kvrouter-predicted-ttft-ms).
+	Explain *Explanation
+}
+
+// Explanation is the optional detail of a kv-aware decision.
+type Explanation struct {
+	// MatchedTokens per tier: tokens of the prompt held by the instance in
+	// that tier beyond those held in faster tiers.
+	MatchedTokens [tiers.Count]int
+	PromptTokens  int
+	PredictedTTFT time.Duration
+}
+
+// Endpoint is the kind of request being routed.
+type Endpoint uint8
+
+// Endpoints.
+const (
+	EndpointChatCompletions Endpoint = iota + 1 // POST /v1/chat/completions
+	EndpointCompletions                         // POST /v1/completions
+	EndpointInvoke                              // POST /invocations
+	EndpointInvokeStream                        // POST /invocations-response-stream
+)
+
+// TokenSource turns a request's prompt into the token ids the engine will
+// see (chat template rendered, add_special_tokens=false). Implemented by the
+// tokenizer integration of a later issue.
+type TokenSource interface {
+	Tokens(ctx context.Context, req *Request) ([]uint32, error)
+}
+
+// Request is what a strategy knows about a request. The proxy fills it from
+// the HTTP request; simulators build it directly.
+type Request struct {
+	Endpoint Endpoint
+	Pool     string
+	// Model is the requested model name (the pool's model or an adapter).
+	Model string
+	// Adapter is the LoRA adapter named by the request, "" for the base model.
+	Adapter string
+	// RoutingText is the prompt prefix that routes (already cut to prefix_length).
+	RoutingText string
+	// TenantKey isolates placements of equal prompts of different tenants.
+	TenantKey string
+	// Body is the body as forwarded; Parsed is set on the OpenAI paths.
+	Body   []byte
+	Parsed *OpenAIRequest
+	// PromptTokens are token ids given in the request (/v1/completions with
+	// an int array prompt), else nil.
+	PromptTokens []uint32
+	// Stream is true when the client asked for server-sent events.
+	Stream bool
+	// Tokenizer, when set, produces token ids on demand (see TokenIDs).
+	Tokenizer TokenSource
+
+	hashOnce bool
+	hash     uint64
+	tokOnce  sync.Once
+	tokens   []uint32
+	tokErr   error
+}
+
+// RoutingHash is xxhash64 of (RoutingText, TenantKey), computed once.
+// Strategies call it rather than hashing the text again (32 KiB costs ~2 µs).
+// It is not safe to call concurrently for one Request (one request is routed
+// by one goroutine).
+func (r *Request) RoutingHash() uint64 {
+	if !r.hashOnce {
+		h := xxhash.Sum64String(r.RoutingText)
+		if r.TenantKey != "" {
+			// Mix rather than concatenate: no copy of the text is needed, and
+			// fmix64 spreads the tenant's bits over the whole word.
+			h = fmix64(h ^ fmix64(xxhash.Sum64String(r.TenantKey)+0x9e3779b97f4a7c15))
+		}
+		r.hash, r.hashOnce = h, true
+	}
+	return r.hash
+}
+
+// TokenIDs returns the prompt's token ids: those given in the request, else
+// from the Tokenizer (once, cached), else ErrNoTokens.
+func (r *Request) TokenIDs(ctx context.Context) ([]uint32, error) {
+	if r.PromptTokens != nil {
+		return r.PromptTokens, nil
+	}
+	r.tokOnce.Do(func() {
+		if r.Tokenizer == nil {
+			r.tokErr = ErrNoTokens
+			return
+		}
+		r.tokens, r.tokErr = r.Tokenizer.Tokens(ctx, r)
+	})
+	return r.tokens, r.tokErr
+}
+
+// fmix64 is MurmurHash3's 64-bit finaliser: a bijection with full avalanche,
+// cheap enough to run once per candidate.
+func fmix64(k uint64) uint64 {
+	k ^= k >> 33
+	k *= 0xff51afd7ed558ccd
+	k ^= k >> 33
+	k *= 0xc4ceb9fe1a85ec53
+	k ^= k >> 33
+	return k
+}
+
+// StrategyNames lists the strategies NewStrategy knows.
+func StrategyNames() []string {
+	return []string{StrategyRandom, StrategyRoundRobin, StrategyLeastOutstanding, StrategyPrefixAware}
+}
+
+func knownStrategy(name string) bool {
+	for _, n := range StrategyNames() {
+		if n == name {
+			return true
+		}
+	}
+	return false
+}
+
+// StrategyOption adjusts a strategy built by NewStrategy.
+type StrategyOption func(*strategyOptions)
+
+type strategyOptions struct {
+	rnd func(n uint64) uint64
+}
+
+// WithSeed makes the random choices (random strategy, least-outstanding
+// ties) a deterministic function of seed, for simulations and tests.
+func WithSeed(seed uint64) StrategyOption {
+	return func(o *strategyOptions) {
+		var mu sync.Mutex // guards r: rand.Rand is not safe for concurrent use
+		r := rand.New(rand.NewPCG(seed, seed^0x5851f42d4c957f2d))
+		o.rnd = func(n uint64) uint64 {
+			mu.Lock()
+			defer mu.Unlock()
+			return r.Uint64N(n)
+		}
+	}
+}
+
+// NewStrategy builds the named strategy with cfg (defaults applied). It
+// needs no network and no server: simulators call it directly.
+func NewStrategy(name string, cfg RoutingConfig, opts ...StrategyOption) (Strategy, error) {
+	cfg.Strategy = name
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		if !knownStrategy(cfg.Strategy) {
+			return nil, fmt.Errorf("%w %q", ErrUnknownStrategy, name)
+		}
+		return nil, err
+	}
+	o := strategyOptions{rnd: rand.Uint64N}
+	for _, f := range opts {
+		f(&o)
+	}
+	thr := cfg.ConcurrencyThreshold
+	switch cfg.Strategy {
+	case StrategyRandom:
+		return &Random{Threshold: thr, rnd: o.rnd}, nil
+	case StrategyRoundRobin:
+		return &RoundRobin{Threshold: thr, rnd: o.rnd}, nil
+	case StrategyLeastOutstanding:
+		return &LeastOutstanding{rnd: o.rnd}, nil
+	case StrategyPrefixAware:
+		return &PrefixAware{Threshold: thr, rnd: o.rnd}, nil
+	}
+	return nil, fmt.Errorf("%w %q", ErrUnknownStrategy, name)
+}
