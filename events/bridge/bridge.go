@@ -1,0 +1,526 @@
+// Package bridge carries one engine's KV events from its ZMQ PUB socket(s)
+// to NATS JetStream, as kvbridge does: per-rank sequence tracking, gap
+// repair from the engine's replay socket (else a synthetic clear), a live
+// block table answered as snapshots, heartbeats and eviction records.
+package bridge
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// Source is one engine publisher (one data-parallel rank) and the
+// instance name its events are published under.
+type Source struct {
+	// Instance is the NATS instance token (see events.ValidToken).
+	Instance string
+	// Rank is the data-parallel rank, sent in headers and heartbeats.
+	Rank int
+	// Endpoint is the engine's PUB endpoint; Bind listens on it instead
+	// (for engines that dial).
+	Endpoint string
+	Bind     bool
+	// ReplayEndpoint is the engine's replay ROUTER endpoint; "" means the
+	// engine has no replay, so every gap becomes a clear.
+	ReplayEndpoint string
+	// Topic is the ZMQ subscription prefix ("" = all).
+	Topic string
+	// URL is the instance's HTTP base URL, advertised in heartbeats.
+	URL string
+}
+
+// Config configures a Bridge. Zero values mean the documented defaults.
+type Config struct {
+	// Pool is the pool (model deployment) token; required.
+	Pool string
+	// Model is the served model name (headers, heartbeats).
+	Model string
+	// BlockSize is advertised in heartbeats until learned from events.
+	BlockSize int
+	// Adapters are the LoRA adapters the instance serves (heartbeats).
+	Adapters []string
+	// Sources lists the engine's publishers; at least one.
+	Sources []Source
+	// Conn is the NATS connection; required. Configure it to reconnect
+	// forever (nats.MaxReconnects(-1)); the bridge retries publishes.
+	Conn *nats.Conn
+	// Stream is the events stream, created when missing.
+	Stream events.StreamConfig
+	// Bucket is the snapshot key-value bucket, created when missing.
+	Bucket events.BucketConfig
+	// MaxBlocks bounds each instance's block table; set it to the
+	// engine's number of KV blocks (GPU plus offload tiers). Default 1<<20.
+	MaxBlocks int
+	// Buffer is the number of engine messages held while NATS is
+	// unreachable (default 10000, vLLM's replay buffer_steps: beyond that
+	// the replay could not fill the hole anyway). Messages beyond it are
+	// dropped, counted, and the gap repaired from replay on reconnect.
+	Buffer int
+	// HeartbeatInterval defaults to 5s.
+	HeartbeatInterval time.Duration
+	// SnapshotInterval is how often the snapshot bucket is refreshed
+	// (default 30s); keep it well below the stream's MaxAge.
+	SnapshotInterval time.Duration
+	// ReplayTimeout bounds one replay request (default 5s).
+	ReplayTimeout time.Duration
+	// PublishTimeout bounds one publish attempt (default 5s).
+	PublishTimeout time.Duration
+	// MaxBlocksPerMessage bounds a synthetic resync message (default 4096
+	// blocks, ~400 KB with 16-token blocks: under NATS's 1 MB max payload).
+	MaxBlocksPerMessage int
+	// Registerer receives the bridge's metrics (nil: not registered).
+	Registerer prometheus.Registerer
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+// Bridge runs one instance pipeline per Source.
+type Bridge struct {
+	cfg   Config
+	js    jetstream.JetStream
+	m     *metrics
+	runID string
+	insts []*instance
+	ready atomic.Bool
+}
+
+// New validates cfg; Run starts the work.
+func New(cfg Config) (*Bridge, error) {
+	if err := events.ValidToken("pool", cfg.Pool); err != nil {
+		return nil, fmt.Errorf("bridge: %w", err)
+	}
+	if cfg.Conn == nil {
+		return nil, errors.New("bridge: no NATS connection")
+	}
+	if len(cfg.Sources) == 0 {
+		return nil, errors.New("bridge: no sources (engine endpoints)")
+	}
+	if cfg.MaxBlocks == 0 {
+		cfg.MaxBlocks = 1 << 20
+	}
+	if cfg.Buffer == 0 {
+		cfg.Buffer = 10000
+	}
+	if cfg.HeartbeatInterval == 0 {
+		cfg.HeartbeatInterval = 5 * time.Second
+	}
+	if cfg.SnapshotInterval == 0 {
+		cfg.SnapshotInterval = 30 * time.Second
+	}
+	if cfg.ReplayTimeout == 0 {
+		cfg.ReplayTimeout = 5 * time.Second
+	}
+	if cfg.PublishTimeout == 0 {
+		cfg.PublishTimeout = 5 * time.Second
+	}
+	if cfg.MaxBlocksPerMessage == 0 {
+		cfg.MaxBlocksPerMessage = 4096
+	}
+	if cfg.MaxBlocks < 0 || cfg.Buffer < 0 || cfg.HeartbeatInterval < 0 || cfg.SnapshotInterval < 0 ||
+		cfg.ReplayTimeout < 0 || cfg.PublishTimeout < 0 || cfg.MaxBlocksPerMessage < 0 || cfg.BlockSize < 0 {
+		return nil, errors.New("bridge: negative size or interval in config")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	m, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, fmt.Errorf("bridge: metrics: %w", err)
+	}
+	js, err := jetstream.New(cfg.Conn)
+	if err != nil {
+		return nil, fmt.Errorf("bridge: jetstream: %w", err)
+	}
+	var id [6]byte
+	_, _ = rand.Read(id[:])
+	b := &Bridge{cfg: cfg, js: js, m: m, runID: hex.EncodeToString(id[:])}
+	seen := map[string]bool{}
+	for _, s := range cfg.Sources {
+		if seen[s.Instance] {
+			return nil, fmt.Errorf("bridge: instance %q listed twice", s.Instance)
+		}
+		seen[s.Instance] = true
+		in, err := newInstance(b, s)
+		if err != nil {
+			return nil, err
+		}
+		b.insts = append(b.insts, in)
+	}
+	return b, nil
+}
+
+// Ready reports whether every instance has finished its start-up resync
+// and NATS is connected: the health endpoint's answer.
+func (b *Bridge) Ready() bool {
+	if !b.ready.Load() || !b.cfg.Conn.IsConnected() {
+		return false
+	}
+	for _, in := range b.insts {
+		if !in.started.Load() {
+			return false
+		}
+	}
+	return true
+}
+
+// Run ensures the stream and bucket, then runs every instance until ctx is
+// done. It returns ctx.Err(), or an error if the stream or bucket cannot be
+// made (a configuration problem, not an outage: outages are retried).
+func (b *Bridge) Run(ctx context.Context) error {
+	var kv jetstream.KeyValue
+	backoff := 100 * time.Millisecond
+	for {
+		var err error
+		if _, err = events.EnsureStream(ctx, b.js, b.cfg.Stream); err == nil {
+			kv, err = events.EnsureBucket(ctx, b.js, b.cfg.Bucket)
+		}
+		if err == nil {
+			break
+		}
+		b.cfg.Logger.Warn("bridge: stream or bucket not ready, retrying", "err", err, "backoff", backoff)
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, 5*time.Second)
+	}
+	b.ready.Store(true)
+	var wg sync.WaitGroup
+	for _, in := range b.insts {
+		in.kv = kv
+		sub, err := b.cfg.Conn.Subscribe(in.snapSubj, in.serveSnapshot)
+		if err != nil {
+			return fmt.Errorf("bridge: subscribe %s: %w", in.snapSubj, err)
+		}
+		defer func() { _ = sub.Unsubscribe() }()
+		wg.Add(3)
+		go func() { defer wg.Done(); _ = in.sub.Run(ctx, in.enqueue) }()
+		go func() { defer wg.Done(); in.process(ctx) }()
+		go func() { defer wg.Done(); in.periodic(ctx) }()
+	}
+	wg.Wait()
+	return ctx.Err()
+}
+
+// Stats is one instance's counters, for tests and the health page.
+type Stats struct {
+	Instance       string
+	Published      uint64 // messages published (engine and synthetic)
+	Gaps           uint64
+	Replays        uint64 // replays that filled a gap
+	ReplayFailures uint64
+	Clears         uint64 // synthetic clears (gap, restart, resync)
+	Dropped        uint64 // dropped for a full buffer
+	Malformed      uint64
+	Blocks         int
+	EngineSeq      uint64
+	HasSeq         bool
+	StreamSeq      uint64
+}
+
+// Stats returns every instance's counters.
+func (b *Bridge) Stats() []Stats {
+	out := make([]Stats, 0, len(b.insts))
+	for _, in := range b.insts {
+		out = append(out, in.stats())
+	}
+	return out
+}
+
+// instance is the pipeline of one Source.
+type instance struct {
+	b         *Bridge
+	src       Source
+	log       *slog.Logger
+	sub       *events.Subscriber
+	replay    events.ReplayConfig
+	kv        jetstream.KeyValue
+	subj      string
+	evictSubj string
+	hbSubj    string
+	snapSubj  string
+	key       string
+	in        chan events.Message
+	started   atomic.Bool
+
+	// Owned by the process goroutine.
+	tracker  events.SeqTracker
+	msgCount uint64
+	encoding events.Encoding
+	replayed map[uint64][]byte // start-up replay payloads by seq, until live passes them
+
+	published, gaps, replays, replayFails, clears, dropped, malformed atomic.Uint64
+
+	mu        sync.Mutex // guards table, engineSeq, hasSeq, streamSeq, storedSeq
+	table     *Table
+	engineSeq uint64
+	hasSeq    bool
+	streamSeq uint64
+	storedSeq uint64 // streamSeq of the last snapshot put in the bucket
+}
+
+func newInstance(b *Bridge, s Source) (*instance, error) {
+	if err := events.ValidToken("instance", s.Instance); err != nil {
+		return nil, fmt.Errorf("bridge: %w", err)
+	}
+	sub, err := events.NewSubscriber(events.SubscriberConfig{Endpoint: s.Endpoint, Bind: s.Bind, Topic: s.Topic, Logger: b.cfg.Logger})
+	if err != nil {
+		return nil, fmt.Errorf("bridge: instance %s: %w", s.Instance, err)
+	}
+	in := &instance{
+		b:        b,
+		src:      s,
+		log:      b.cfg.Logger.With("instance", s.Instance, "rank", s.Rank),
+		sub:      sub,
+		replay:   events.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
+		in:       make(chan events.Message, b.cfg.Buffer),
+		table:    NewTable(b.cfg.MaxBlocks),
+		encoding: events.EncodingMap,
+	}
+	pool := b.cfg.Pool
+	in.subj, _ = events.EventsSubject(pool, s.Instance)
+	in.evictSubj, _ = events.EvictionsSubject(pool, s.Instance)
+	in.hbSubj, _ = events.InstancesSubject(pool, s.Instance)
+	in.snapSubj, _ = events.SnapshotSubject(pool, s.Instance)
+	in.key, _ = events.SnapshotKey(pool, s.Instance)
+	return in, nil
+}
+
+func (in *instance) stats() Stats {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return Stats{
+		Instance: in.src.Instance, Published: in.published.Load(), Gaps: in.gaps.Load(), Replays: in.replays.Load(),
+		ReplayFailures: in.replayFails.Load(), Clears: in.clears.Load(), Dropped: in.dropped.Load(),
+		Malformed: in.malformed.Load(), Blocks: in.table.Len(), EngineSeq: in.engineSeq, HasSeq: in.hasSeq, StreamSeq: in.streamSeq,
+	}
+}
+
+// enqueue runs on the subscriber goroutine and never blocks it: a full
+// buffer drops the message, and the hole is repaired as a gap.
+func (in *instance) enqueue(m events.Message) {
+	select {
+	case in.in <- m:
+	default:
+		in.dropped.Add(1)
+		in.b.m.drops.WithLabelValues(in.src.Instance, "buffer_full").Inc()
+	}
+}
+
+func (in *instance) process(ctx context.Context) {
+	if err := in.resync(ctx); err != nil {
+		return // ctx done
+	}
+	in.started.Store(true)
+	depth := in.b.m.bufferDepth.WithLabelValues(in.src.Instance)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case m := <-in.in:
+			depth.Set(float64(len(in.in)))
+			if err := in.handle(ctx, m); err != nil {
+				return
+			}
+		}
+	}
+}
+
+// handle publishes one live message after repairing what precedes it.
+func (in *instance) handle(ctx context.Context, m events.Message) error {
+	if in.duplicate(m) {
+		return nil
+	}
+	st, from := in.tracker.Observe(m.Seq)
+	switch st {
+	case events.SeqGap:
+		in.gaps.Add(1)
+		in.b.m.gaps.WithLabelValues(in.src.Instance).Inc()
+		if err := in.fillGap(ctx, from, m.Seq); err != nil {
+			return err
+		}
+	case events.SeqRestart:
+		in.log.Info("engine restarted: clearing instance", "seq", m.Seq)
+		if err := in.clear(ctx, events.SyntheticRestart); err != nil {
+			return err
+		}
+	}
+	return in.publishEngine(ctx, m)
+}
+
+func (in *instance) fillGap(ctx context.Context, from, to uint64) error {
+	if in.src.ReplayEndpoint != "" {
+		msgs, err := events.ReplayRange(ctx, in.replay, from, to)
+		if err == nil {
+			in.replays.Add(1)
+			in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
+			in.log.Info("gap filled from replay", "from", from, "to", to)
+			for _, m := range msgs {
+				if err := in.publishEngine(ctx, m); err != nil {
+					return err
+				}
+			}
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		in.log.Warn("gap: replay failed, clearing instance", "from", from, "to", to, "err", err)
+	} else {
+		in.log.Warn("gap: no replay endpoint, clearing instance", "from", from, "to", to)
+	}
+	in.replayFails.Add(1)
+	in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
+	return in.clear(ctx, events.SyntheticGap)
+}
+
+// publishEngine publishes an engine message unchanged and folds it into
+// the table once JetStream has it.
+func (in *instance) publishEngine(ctx context.Context, m events.Message) error {
+	batch, derr := events.Decode(m.Payload)
+	h := events.EventHeaders{Seq: m.Seq, HasSeq: true, Rank: in.src.Rank, Pool: in.b.cfg.Pool, Instance: in.src.Instance, Model: in.b.cfg.Model}
+	if derr == nil && batch.Encoding != 0 {
+		h.Encoding = batch.Encoding.String()
+		in.encoding = batch.Encoding
+	}
+	seq, err := in.publish(ctx, m.Payload, h)
+	if err != nil {
+		return err
+	}
+	if derr != nil {
+		// Published anyway: the payload is the engine's, and consumers
+		// count what they cannot read. The table cannot use it.
+		in.malformed.Add(1)
+		in.b.m.malformed.WithLabelValues(in.src.Instance).Inc()
+		in.log.Warn("malformed engine payload (published unchanged)", "seq", m.Seq, "err", derr)
+	}
+	in.mu.Lock()
+	res := in.table.Apply(batch.Events)
+	in.engineSeq, in.hasSeq, in.streamSeq = m.Seq, true, seq
+	n := in.table.Len()
+	in.mu.Unlock()
+	in.b.m.tableBlocks.WithLabelValues(in.src.Instance).Set(float64(n))
+	in.countEvents(batch.Events)
+	now := time.Now().UTC()
+	for _, rm := range res.Removed {
+		in.evict(events.EvictionRecord{Tier: rm.Tier.String(), Blocks: len(rm.Hashes), Hashes: rm.Hashes, Time: now, Reason: events.ReasonEvicted})
+	}
+	if res.Cleared > 0 {
+		in.evict(events.EvictionRecord{Tier: events.TierAll, Blocks: res.Cleared, Time: now, Reason: events.ReasonCleared})
+	}
+	return nil
+}
+
+func (in *instance) countEvents(evs []events.Event) {
+	for i := range evs {
+		e := &evs[i]
+		tier := events.TierAll
+		if e.Kind != events.AllBlocksCleared {
+			t, _ := tiers.FromMedium(e.Medium)
+			tier = t.String()
+		}
+		k := e.Kind.String()
+		in.b.m.events.WithLabelValues(k, tier).Inc()
+		if n := len(e.BlockHashes); n > 0 {
+			in.b.m.blocks.WithLabelValues(k, tier).Add(float64(n))
+		}
+	}
+}
+
+func (in *instance) evict(rec events.EvictionRecord) {
+	rec.Pool, rec.Instance = in.b.cfg.Pool, in.src.Instance
+	if len(rec.Hashes) > events.MaxEvictionHashes {
+		rec.Hashes = rec.Hashes[:events.MaxEvictionHashes]
+	}
+	data, err := json.Marshal(rec)
+	if err != nil {
+		return
+	}
+	// Core NATS, best effort: eviction records are for dashboards.
+	_ = in.b.cfg.Conn.Publish(in.evictSubj, data)
+}
+
+// clear publishes a synthetic AllBlocksCleared and empties the table.
+func (in *instance) clear(ctx context.Context, reason string) error {
+	payload, err := events.Encode(nil, events.Batch{
+		TS:        float64(time.Now().UnixNano()) / 1e9,
+		Events:    []events.Event{{Kind: events.AllBlocksCleared}},
+		DPRank:    in.src.Rank,
+		HasDPRank: true,
+	}, in.encoding)
+	if err != nil {
+		return fmt.Errorf("bridge: encode clear: %w", err)
+	}
+	seq, err := in.publish(ctx, payload, events.EventHeaders{Rank: in.src.Rank, Encoding: in.encoding.String(),
+		Pool: in.b.cfg.Pool, Instance: in.src.Instance, Model: in.b.cfg.Model, Synthetic: reason})
+	if err != nil {
+		return err
+	}
+	in.mu.Lock()
+	n := in.table.Clear()
+	in.streamSeq = seq
+	in.mu.Unlock()
+	in.b.m.tableBlocks.WithLabelValues(in.src.Instance).Set(0)
+	in.clears.Add(1)
+	in.b.m.clears.WithLabelValues(in.src.Instance, reason).Inc()
+	in.evict(events.EvictionRecord{Tier: events.TierAll, Blocks: n, Time: time.Now().UTC(), Reason: reason})
+	return nil
+}
+
+// publish sends one message to the instance's subject, retrying with the
+// same message id (JetStream drops duplicates) until it is acknowledged or
+// ctx is done, and returns its stream sequence.
+func (in *instance) publish(ctx context.Context, payload []byte, h events.EventHeaders) (uint64, error) {
+	in.msgCount++
+	id := fmt.Sprintf("%s.%s.%s.%d", in.b.cfg.Pool, in.src.Instance, in.b.runID, in.msgCount)
+	msg := &nats.Msg{Subject: in.subj, Data: payload, Header: h.Header()}
+	backoff := 50 * time.Millisecond
+	for attempt := 0; ; attempt++ {
+		pctx, cancel := context.WithTimeout(ctx, in.b.cfg.PublishTimeout)
+		start := time.Now()
+		ack, err := in.b.js.PublishMsg(pctx, msg, jetstream.WithMsgID(id))
+		cancel()
+		if err == nil {
+			in.b.m.publishSecs.Observe(time.Since(start).Seconds())
+			in.published.Add(1)
+			in.b.m.batches.WithLabelValues(in.src.Instance).Inc()
+			if attempt > 0 {
+				in.log.Info("publish recovered", "attempts", attempt+1)
+			}
+			return ack.Sequence, nil
+		}
+		if ctx.Err() != nil {
+			return 0, ctx.Err()
+		}
+		in.b.m.retries.Inc()
+		if attempt == 0 {
+			in.log.Warn("publish failed, retrying (engine messages are buffered)", "err", err)
+		}
+		if errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders) {
+			// The stream may have been deleted: make it again.
+			_, _ = events.EnsureStream(ctx, in.b.js, in.b.cfg.Stream)
+		}
+		select {
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, 2*time.Second)
+	}
+}

@@ -1,0 +1,323 @@
+package bridge
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvrouter/kvrouter/events"
+)
+
+// HeaderError is set on a snapshot reply that carries no snapshot (the
+// bridge is still starting); its value says why.
+const HeaderError = "Kv-Error"
+
+// resync runs once at start: recover the table from the bucket's snapshot,
+// catch up from the engine's replay (or give up what cannot be vouched
+// for), then publish a clear followed by the whole table, so consumers
+// hold exactly the bridge's table whatever a previous bridge published.
+func (in *instance) resync(ctx context.Context) error {
+	var snap *events.Snapshot
+	if e, err := in.kv.Get(ctx, in.key); err == nil {
+		s, err := events.UnmarshalSnapshot(e.Value())
+		if err == nil && s.Instance == in.src.Instance && s.HasSeq {
+			if b, err := events.Decode(s.Batch); err == nil {
+				in.table.Apply(b.Events)
+				if b.Encoding != 0 {
+					in.encoding = b.Encoding
+				}
+				snap = &s
+				in.tracker.Set(s.EngineSeq)
+				in.log.Info("recovered block table from snapshot", "blocks", in.table.Len(), "engine_seq", s.EngineSeq)
+			}
+		}
+		if snap == nil {
+			in.log.Warn("ignoring unusable snapshot in bucket", "key", in.key, "err", err)
+		}
+	}
+	if in.src.ReplayEndpoint != "" {
+		from := uint64(0)
+		if snap != nil {
+			from = snap.EngineSeq + 1
+		}
+		var msgs []events.Message
+		err := events.Replay(ctx, in.replay, from, func(m events.Message) bool {
+			msgs = append(msgs, m)
+			return true
+		})
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if err == nil && contiguous(msgs, from, snap == nil) {
+			for _, m := range msgs {
+				b, err := events.Decode(m.Payload)
+				if err != nil {
+					in.malformed.Add(1)
+					continue
+				}
+				in.table.Apply(b.Events)
+				in.tracker.Set(m.Seq)
+			}
+			in.replayed = make(map[uint64][]byte, len(msgs))
+			for _, m := range msgs {
+				in.replayed[m.Seq] = m.Payload
+			}
+			in.replays.Add(1)
+			in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
+			in.log.Info("caught up from replay", "from", from, "messages", len(msgs), "blocks", in.table.Len())
+		} else {
+			in.replayFails.Add(1)
+			in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
+			if snap != nil {
+				in.log.Warn("replay cannot close the gap since the snapshot: starting empty", "from", from, "err", err)
+				in.table.Clear()
+				in.tracker.Reset()
+			} else {
+				in.log.Info("no snapshot and no full replay: starting empty", "err", err)
+			}
+		}
+	} else if snap != nil {
+		in.log.Info("no replay endpoint: the first live message decides whether the snapshot still holds")
+	}
+	if last, ok := in.tracker.Last(); ok {
+		in.mu.Lock()
+		in.engineSeq, in.hasSeq = last, true
+		in.mu.Unlock()
+	}
+	if err := in.publishResync(ctx); err != nil {
+		return err
+	}
+	in.storeSnapshot(ctx)
+	return nil
+}
+
+// contiguous reports whether msgs are consecutive from `from` (or, for an
+// engine seen for the first time, from its first message: seq 0 or 1).
+func contiguous(msgs []events.Message, from uint64, fresh bool) bool {
+	if len(msgs) == 0 {
+		return true
+	}
+	first := msgs[0].Seq
+	if first != from && !(fresh && first <= 1) {
+		return false
+	}
+	for i := 1; i < len(msgs); i++ {
+		if msgs[i].Seq != msgs[i-1].Seq+1 {
+			return false
+		}
+	}
+	return true
+}
+
+// publishResync publishes a clear and then the table, in chunks.
+func (in *instance) publishResync(ctx context.Context) error {
+	in.mu.Lock()
+	evs := in.table.Events()
+	in.mu.Unlock()
+	h := events.EventHeaders{Rank: in.src.Rank, Encoding: in.encoding.String(), Pool: in.b.cfg.Pool,
+		Instance: in.src.Instance, Model: in.b.cfg.Model, Synthetic: events.SyntheticResync}
+	// The clear goes through clear() so it is counted, but the table must
+	// survive it: publish it, then the table.
+	payload, err := events.Encode(nil, events.Batch{TS: now(), Events: []events.Event{{Kind: events.AllBlocksCleared}},
+		DPRank: in.src.Rank, HasDPRank: true}, in.encoding)
+	if err != nil {
+		return fmt.Errorf("bridge: encode clear: %w", err)
+	}
+	seq, err := in.publish(ctx, payload, h)
+	if err != nil {
+		return err
+	}
+	in.clears.Add(1)
+	in.b.m.clears.WithLabelValues(in.src.Instance, events.SyntheticResync).Inc()
+	for _, chunk := range chunkEvents(evs, in.b.cfg.MaxBlocksPerMessage) {
+		payload, err := events.Encode(nil, events.Batch{TS: now(), Events: chunk, DPRank: in.src.Rank, HasDPRank: true}, in.encoding)
+		if err != nil {
+			return fmt.Errorf("bridge: encode resync: %w", err)
+		}
+		if seq, err = in.publish(ctx, payload, h); err != nil {
+			return err
+		}
+	}
+	in.mu.Lock()
+	in.streamSeq = seq
+	n := in.table.Len()
+	in.mu.Unlock()
+	in.b.m.tableBlocks.WithLabelValues(in.src.Instance).Set(float64(n))
+	in.log.Info("published resync", "blocks", n, "stream_seq", seq)
+	return nil
+}
+
+func now() float64 { return float64(time.Now().UnixNano()) / 1e9 }
+
+// chunkEvents splits evs into groups of at most max blocks, splitting a
+// long store (its tail continues from the last block of its head).
+func chunkEvents(evs []events.Event, max int) [][]events.Event {
+	var out [][]events.Event
+	var cur []events.Event
+	n := 0
+	flush := func() {
+		if len(cur) > 0 {
+			out = append(out, cur)
+			cur, n = nil, 0
+		}
+	}
+	for _, e := range evs {
+		for len(e.BlockHashes) > 0 {
+			room := max - n
+			if room <= 0 {
+				flush()
+				room = max
+			}
+			if len(e.BlockHashes) <= room {
+				cur = append(cur, e)
+				n += len(e.BlockHashes)
+				break
+			}
+			head := e
+			head.BlockHashes = e.BlockHashes[:room]
+			tail := e
+			tail.BlockHashes = e.BlockHashes[room:]
+			if e.Kind == events.BlockStored && len(e.TokenIDs) > 0 && e.BlockSize > 0 {
+				head.TokenIDs = e.TokenIDs[:room*e.BlockSize]
+				tail.TokenIDs = e.TokenIDs[room*e.BlockSize:]
+				tail.ParentHash, tail.HasParent = head.BlockHashes[room-1], true
+				tail.CacheSalt = ""
+			}
+			cur = append(cur, head)
+			n += room
+			e = tail
+		}
+		if len(e.BlockHashes) == 0 && e.Kind == events.AllBlocksCleared {
+			cur = append(cur, e)
+		}
+	}
+	flush()
+	return out
+}
+
+// snapshot renders the table and the seqs it is current to.
+func (in *instance) snapshot() (events.Snapshot, error) {
+	in.mu.Lock()
+	evs := in.table.Events()
+	s := events.Snapshot{Pool: in.b.cfg.Pool, Instance: in.src.Instance, Model: in.b.cfg.Model,
+		BlockSize: in.table.BlockSize(), Blocks: in.table.Len(), EngineSeq: in.engineSeq, HasSeq: in.hasSeq,
+		StreamSeq: in.streamSeq, Taken: time.Now().UTC()}
+	in.mu.Unlock()
+	b, err := events.Encode(nil, events.Batch{TS: now(), Events: evs, DPRank: in.src.Rank, HasDPRank: true}, in.encoding)
+	if err != nil {
+		return events.Snapshot{}, fmt.Errorf("bridge: encode snapshot: %w", err)
+	}
+	s.Batch = b
+	return s, nil
+}
+
+// serveSnapshot answers kv.snapshot.<pool>.<instance> requests.
+func (in *instance) serveSnapshot(msg *nats.Msg) {
+	reply := nats.NewMsg(msg.Reply)
+	if !in.started.Load() {
+		reply.Header.Set(HeaderError, "starting")
+		_ = msg.RespondMsg(reply)
+		in.b.m.snapshots.WithLabelValues("request", "error").Inc()
+		return
+	}
+	s, err := in.snapshot()
+	if err == nil {
+		reply.Data, err = s.MarshalBinary()
+	}
+	if err != nil {
+		reply.Header.Set(HeaderError, err.Error())
+		in.b.m.snapshots.WithLabelValues("request", "error").Inc()
+	} else {
+		in.b.m.snapshots.WithLabelValues("request", "ok").Inc()
+	}
+	_ = msg.RespondMsg(reply)
+}
+
+// storeSnapshot puts the current snapshot in the bucket unless the bucket
+// already has this stream position.
+func (in *instance) storeSnapshot(ctx context.Context) {
+	in.mu.Lock()
+	cur, stored := in.streamSeq, in.storedSeq
+	in.mu.Unlock()
+	if cur == stored && cur != 0 {
+		return
+	}
+	s, err := in.snapshot()
+	var data []byte
+	if err == nil {
+		data, err = s.MarshalBinary()
+	}
+	if err == nil {
+		_, err = in.kv.Put(ctx, in.key, data)
+	}
+	if err != nil {
+		in.b.m.snapshots.WithLabelValues("store", "error").Inc()
+		in.log.Warn("snapshot store failed", "err", err)
+		return
+	}
+	in.b.m.snapshots.WithLabelValues("store", "ok").Inc()
+	in.mu.Lock()
+	in.storedSeq = s.StreamSeq
+	in.mu.Unlock()
+}
+
+// periodic publishes heartbeats and refreshes the bucket's snapshot.
+func (in *instance) periodic(ctx context.Context) {
+	hb := time.NewTicker(in.b.cfg.HeartbeatInterval)
+	defer hb.Stop()
+	snap := time.NewTicker(in.b.cfg.SnapshotInterval)
+	defer snap.Stop()
+	in.heartbeat()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-hb.C:
+			in.heartbeat()
+		case <-snap.C:
+			if in.started.Load() {
+				in.storeSnapshot(ctx)
+			}
+		}
+	}
+}
+
+func (in *instance) heartbeat() {
+	in.mu.Lock()
+	h := events.Heartbeat{Pool: in.b.cfg.Pool, Instance: in.src.Instance, URL: in.src.URL, Model: in.b.cfg.Model,
+		BlockSize: in.table.BlockSize(), Adapters: in.b.cfg.Adapters, Rank: in.src.Rank, Blocks: in.table.Len(),
+		EngineSeq: in.engineSeq, StreamSeq: in.streamSeq, Time: time.Now().UTC(),
+		IntervalMS: in.b.cfg.HeartbeatInterval.Milliseconds()}
+	in.mu.Unlock()
+	if h.BlockSize == 0 {
+		h.BlockSize = in.b.cfg.BlockSize
+	}
+	data, err := json.Marshal(h)
+	if err != nil {
+		return
+	}
+	_ = in.b.cfg.Conn.Publish(in.hbSubj, data)
+}
+
+// duplicate reports whether a live message repeats one the start-up replay
+// already folded in (the subscriber was connected during the replay), and
+// forgets replayed messages the live stream has passed.
+func (in *instance) duplicate(m events.Message) bool {
+	if in.replayed == nil {
+		return false
+	}
+	p, ok := in.replayed[m.Seq]
+	for s := range in.replayed {
+		if s <= m.Seq {
+			delete(in.replayed, s)
+		}
+	}
+	if len(in.replayed) == 0 {
+		in.replayed = nil
+	}
+	return ok && bytes.Equal(p, m.Payload)
+}

@@ -1,0 +1,270 @@
+package bridge
+
+import (
+	"container/list"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// block is one engine block the instance holds, with what a consumer needs
+// to place it again from scratch: its parent, its tokens and the root
+// inputs (LoRA adapter, cache salt) of its key chain.
+type block struct {
+	parent    uint64
+	hasParent bool
+	tokens    []uint32
+	blockSize int
+	loraName  string
+	loraID    int64
+	hasLoraID bool
+	salt      string
+	tiers     tiers.Set
+	elem      *list.Element // in Table.order, oldest first
+}
+
+// Removal is one tier's blocks removed by an event, for eviction records.
+type Removal struct {
+	Tier   tiers.Tier
+	Hashes []uint64
+}
+
+// TableResult counts what Apply did.
+type TableResult struct {
+	Stored   int       // (block, tier) placements added
+	Removed  []Removal // per event, blocks actually removed from a tier
+	Cleared  int       // blocks dropped by AllBlocksCleared
+	Skipped  int       // events of non-full-attention groups
+	Unplaced int       // tokenless stores of blocks never stored with tokens
+	Evicted  int       // blocks dropped because the table was full
+	Unknown  int       // media not in tiers.FromMedium's table (mapped, counted)
+}
+
+// Table is the live block table of one instance: engine hash → block. It is
+// bounded by a maximum number of blocks (the engine's cache size, so it
+// normally never fills; when it does, the oldest block goes). Not safe for
+// concurrent use; the bridge guards it.
+type Table struct {
+	max       int
+	blocks    map[uint64]*block
+	order     *list.List // of uint64 engine hashes, insertion order
+	blockSize int
+}
+
+// NewTable returns an empty table holding at most max blocks.
+func NewTable(max int) *Table {
+	return &Table{max: max, blocks: make(map[uint64]*block), order: list.New()}
+}
+
+// Len is the number of blocks held.
+func (t *Table) Len() int { return len(t.blocks) }
+
+// BlockSize is the last block size seen in a store (0 before any).
+func (t *Table) BlockSize() int { return t.blockSize }
+
+// Clear drops every block and returns how many there were.
+func (t *Table) Clear() int {
+	n := len(t.blocks)
+	clear(t.blocks)
+	t.order.Init()
+	return n
+}
+
+// Apply folds one batch's events into the table, in order.
+func (t *Table) Apply(evs []events.Event) TableResult {
+	var r TableResult
+	for i := range evs {
+		e := &evs[i]
+		if !e.FullAttention() {
+			r.Skipped++
+			continue
+		}
+		switch e.Kind {
+		case events.AllBlocksCleared:
+			r.Cleared += t.Clear()
+		case events.BlockStored:
+			t.store(e, &r)
+		case events.BlockRemoved:
+			tier, ok := tiers.FromMedium(e.Medium)
+			if !ok {
+				r.Unknown++
+			}
+			rm := Removal{Tier: tier}
+			for _, h := range e.BlockHashes {
+				b := t.blocks[h]
+				if b == nil || !b.tiers.Has(tier) {
+					continue
+				}
+				b.tiers &^= tier.Bit()
+				if b.tiers == 0 {
+					t.order.Remove(b.elem)
+					delete(t.blocks, h)
+				}
+				rm.Hashes = append(rm.Hashes, h)
+			}
+			if len(rm.Hashes) > 0 {
+				r.Removed = append(r.Removed, rm)
+			}
+		}
+	}
+	return r
+}
+
+func (t *Table) store(e *events.Event, r *TableResult) {
+	tier, ok := tiers.FromMedium(e.Medium)
+	if !ok {
+		r.Unknown++
+	}
+	bs := e.BlockSize
+	if bs > 0 {
+		t.blockSize = bs
+	}
+	parent, hasParent := e.ParentHash, e.HasParent
+	for i, h := range e.BlockHashes {
+		var toks []uint32
+		if bs > 0 && len(e.TokenIDs) >= (i+1)*bs {
+			toks = append([]uint32(nil), e.TokenIDs[i*bs:(i+1)*bs]...)
+		}
+		b := t.blocks[h]
+		switch {
+		case b != nil:
+			if !b.tiers.Has(tier) {
+				r.Stored++
+			}
+			b.tiers |= tier.Bit()
+			if b.tokens == nil && toks != nil {
+				t.fill(b, e, toks, parent, hasParent, i == 0)
+			}
+		case toks == nil:
+			// A tokenless (offload-tier) store of a block never seen
+			// with tokens: nobody can place it in a key chain.
+			r.Unplaced++
+		default:
+			if t.max > 0 && len(t.blocks) >= t.max {
+				oldest := t.order.Front()
+				delete(t.blocks, oldest.Value.(uint64))
+				t.order.Remove(oldest)
+				r.Evicted++
+			}
+			b = &block{tiers: tier.Bit()}
+			t.fill(b, e, toks, parent, hasParent, i == 0)
+			b.elem = t.order.PushBack(h)
+			t.blocks[h] = b
+			r.Stored++
+		}
+		parent, hasParent = h, true
+	}
+}
+
+func (t *Table) fill(b *block, e *events.Event, toks []uint32, parent uint64, hasParent, first bool) {
+	b.tokens, b.blockSize = toks, e.BlockSize
+	b.parent, b.hasParent = parent, hasParent
+	b.loraName, b.loraID, b.hasLoraID = e.LoraName, e.LoraID, e.HasLoraID
+	if first && !hasParent {
+		// vLLM puts the cache salt in the extra keys of a chain's first block.
+		b.salt = e.CacheSalt
+	}
+}
+
+// tierMedium is the medium string a snapshot writes for each tier.
+var tierMedium = [tiers.Count]string{"GPU", "CPU", "DISK", "SHARED"}
+
+// Events renders the table as events that rebuild it on an empty instance:
+// BlockStored with tokens for every block, parents before children, runs of
+// a chain merged into one event; then tokenless stores for each slower
+// tier; then BlockRemoved from GPU for blocks no longer on GPU.
+func (t *Table) Events() []events.Event {
+	out := make([]events.Event, 0, 16)
+	emitted := make(map[uint64]bool, len(t.blocks))
+	var lastHash uint64
+	var stack []uint64
+	emit := func(h uint64, b *block) {
+		emitted[h] = true
+		if n := len(out); n > 0 {
+			prev := &out[n-1]
+			if b.hasParent && b.parent == lastHash && b.salt == "" && prev.BlockSize == b.blockSize &&
+				prev.LoraName == b.loraName && prev.LoraID == b.loraID && prev.HasLoraID == b.hasLoraID {
+				prev.BlockHashes = append(prev.BlockHashes, h)
+				prev.TokenIDs = append(prev.TokenIDs, b.tokens...)
+				lastHash = h
+				return
+			}
+		}
+		out = append(out, events.Event{
+			Kind:        events.BlockStored,
+			BlockHashes: []uint64{h},
+			ParentHash:  b.parent,
+			HasParent:   b.hasParent,
+			TokenIDs:    append([]uint32(nil), b.tokens...),
+			BlockSize:   b.blockSize,
+			LoraName:    b.loraName,
+			LoraID:      b.loraID,
+			HasLoraID:   b.hasLoraID,
+			Medium:      tierMedium[tiers.GPU],
+			CacheSalt:   b.salt,
+		})
+		lastHash = h
+	}
+	for el := t.order.Front(); el != nil; el = el.Next() {
+		h := el.Value.(uint64)
+		if emitted[h] {
+			continue
+		}
+		// Walk up to the oldest ancestor not yet emitted, then emit down.
+		stack = stack[:0]
+		for cur := h; ; {
+			b := t.blocks[cur]
+			if b == nil || emitted[cur] {
+				break
+			}
+			stack = append(stack, cur)
+			if !b.hasParent {
+				break
+			}
+			cur = b.parent
+		}
+		for i := len(stack) - 1; i >= 0; i-- {
+			emit(stack[i], t.blocks[stack[i]])
+		}
+	}
+	var notGPU []uint64
+	for _, tier := range tiers.All[1:] {
+		var hs []uint64
+		for el := t.order.Front(); el != nil; el = el.Next() {
+			h := el.Value.(uint64)
+			if t.blocks[h].tiers.Has(tier) {
+				hs = append(hs, h)
+			}
+		}
+		if len(hs) > 0 {
+			out = append(out, events.Event{Kind: events.BlockStored, BlockHashes: hs, Medium: tierMedium[tier]})
+		}
+	}
+	for el := t.order.Front(); el != nil; el = el.Next() {
+		h := el.Value.(uint64)
+		if !t.blocks[h].tiers.Has(tiers.GPU) {
+			notGPU = append(notGPU, h)
+		}
+	}
+	if len(notGPU) > 0 {
+		out = append(out, events.Event{Kind: events.BlockRemoved, BlockHashes: notGPU, Medium: tierMedium[tiers.GPU]})
+	}
+	return out
+}
+
+// Placement is one block's state, for tests and debugging.
+type Placement struct {
+	Parent    uint64
+	HasParent bool
+	Tokens    int
+	Tiers     tiers.Set
+}
+
+// Dump returns every block's placement.
+func (t *Table) Dump() map[uint64]Placement {
+	out := make(map[uint64]Placement, len(t.blocks))
+	for h, b := range t.blocks {
+		out[h] = Placement{Parent: b.parent, HasParent: b.hasParent, Tokens: len(b.tokens), Tiers: b.tiers}
+	}
+	return out
+}

@@ -1,0 +1,162 @@
+package bridge
+
+import (
+	"bufio"
+	"encoding/base64"
+	"encoding/json"
+	"os"
+	"reflect"
+	"testing"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// capturedBatches decodes a capture file of events/testdata/captured (real
+// llm-d-inference-sim messages; see its DATA.md).
+func capturedBatches(t testing.TB, name string) []events.Batch {
+	t.Helper()
+	f, err := os.Open("../testdata/captured/" + name)
+	if err != nil {
+		t.Fatalf("captures: %v", err)
+	}
+	defer f.Close()
+	var out []events.Batch
+	s := bufio.NewScanner(f)
+	s.Buffer(make([]byte, 1<<20), 1<<20)
+	for s.Scan() {
+		var line struct {
+			Payload string `json:"payload_b64"`
+		}
+		if err := json.Unmarshal(s.Bytes(), &line); err != nil {
+			t.Fatal(err)
+		}
+		p, err := base64.StdEncoding.DecodeString(line.Payload)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := events.Decode(p)
+		if err != nil {
+			t.Fatalf("decode capture: %v", err)
+		}
+		out = append(out, b)
+	}
+	return out
+}
+
+func TestTableSnapshotRebuilds(t *testing.T) {
+	cpu := func(hs ...uint64) events.Event {
+		return events.Event{Kind: events.BlockStored, BlockHashes: hs, Medium: "CPU"}
+	}
+	gpuRemove := func(hs ...uint64) events.Event {
+		return events.Event{Kind: events.BlockRemoved, BlockHashes: hs, Medium: "GPU"}
+	}
+	for _, file := range []string{"array.jsonl", "map.jsonl"} {
+		t.Run(file, func(t *testing.T) {
+			batches := capturedBatches(t, file)
+			for cut := 1; cut <= len(batches); cut++ {
+				tab := NewTable(0)
+				for _, b := range batches[:cut] {
+					tab.Apply(b.Events)
+				}
+				// Offload some blocks to CPU and drop some from GPU, as a
+				// CPU offloading connector would.
+				dump := tab.Dump()
+				if len(dump) < 5 {
+					continue // just after the capture's AllBlocksCleared
+				}
+				var some []uint64
+				for h := range dump {
+					if len(some) < 5 {
+						some = append(some, h)
+					}
+				}
+				tab.Apply([]events.Event{cpu(some...), gpuRemove(some[:2]...)})
+				want := tab.Dump()
+
+				// The snapshot survives encoding and rebuilds the table.
+				p, err := events.Encode(nil, events.Batch{Events: tab.Events()}, events.EncodingMap)
+				if err != nil {
+					t.Fatal(err)
+				}
+				dec, err := events.Decode(p)
+				if err != nil {
+					t.Fatal(err)
+				}
+				again := NewTable(0)
+				again.Apply(dec.Events)
+				if got := again.Dump(); !reflect.DeepEqual(got, want) {
+					t.Fatalf("cut %d: rebuilt table differs: %d vs %d blocks", cut, len(got), len(want))
+				}
+				for _, h := range some[:2] {
+					if want[h].Tiers != tiers.CPU.Bit() {
+						t.Fatalf("block %x tiers %b, want CPU only", h, want[h].Tiers)
+					}
+				}
+				// Chunked, the same.
+				chunked := NewTable(0)
+				for _, c := range chunkEvents(tab.Events(), 3) {
+					n := 0
+					for _, e := range c {
+						n += len(e.BlockHashes)
+					}
+					if n > 3 {
+						t.Fatalf("chunk of %d blocks, max 3", n)
+					}
+					chunked.Apply(c)
+				}
+				if got := chunked.Dump(); !reflect.DeepEqual(got, want) {
+					t.Fatalf("cut %d: chunked rebuild differs", cut)
+				}
+			}
+		})
+	}
+}
+
+func TestTableApply(t *testing.T) {
+	st := func(parent uint64, hasParent bool, medium string, hs ...uint64) events.Event {
+		e := events.Event{Kind: events.BlockStored, BlockHashes: hs, ParentHash: parent, HasParent: hasParent, Medium: medium}
+		if medium == "GPU" {
+			e.BlockSize = 2
+			for range hs {
+				e.TokenIDs = append(e.TokenIDs, 1, 2)
+			}
+		}
+		return e
+	}
+	rm := func(medium string, hs ...uint64) events.Event {
+		return events.Event{Kind: events.BlockRemoved, BlockHashes: hs, Medium: medium}
+	}
+	tests := []struct {
+		name      string
+		max       int
+		evs       []events.Event
+		wantLen   int
+		wantStore int
+		unplaced  int
+		evicted   int
+		skipped   int
+		removed   int
+	}{
+		{"store chain", 0, []events.Event{st(0, false, "GPU", 1, 2, 3)}, 3, 3, 0, 0, 0, 0},
+		{"remove", 0, []events.Event{st(0, false, "GPU", 1, 2), rm("GPU", 2, 9)}, 1, 2, 0, 0, 0, 1},
+		{"cpu of unknown", 0, []events.Event{st(0, false, "CPU", 7)}, 0, 0, 1, 0, 0, 0},
+		{"cpu then gpu removal keeps block", 0, []events.Event{st(0, false, "GPU", 1), st(0, false, "CPU", 1), rm("GPU", 1)}, 1, 2, 0, 0, 0, 1},
+		{"clear", 0, []events.Event{st(0, false, "GPU", 1, 2), {Kind: events.AllBlocksCleared}, st(0, false, "GPU", 5)}, 1, 3, 0, 0, 0, 0},
+		{"bounded", 2, []events.Event{st(0, false, "GPU", 1, 2, 3)}, 2, 3, 0, 1, 0, 0},
+		{"sliding window skipped", 0, []events.Event{func() events.Event { e := st(0, false, "GPU", 1); e.GroupIdx = 1; return e }()}, 0, 0, 0, 0, 1, 0},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			tab := NewTable(tc.max)
+			r := tab.Apply(tc.evs)
+			removed := 0
+			for _, x := range r.Removed {
+				removed += len(x.Hashes)
+			}
+			if tab.Len() != tc.wantLen || r.Stored != tc.wantStore || r.Unplaced != tc.unplaced || r.Evicted != tc.evicted || r.Skipped != tc.skipped || removed != tc.removed {
+				t.Fatalf("len %d result %+v", tab.Len(), r)
+			}
+		})
+	}
+}
