@@ -148,7 +148,7 @@ func (d *decoder) rank(b *Batch) error {
 	}
 	v, err := d.int("data_parallel_rank", 0, math.MaxInt32)
 	if err != nil {
-		return err
+		return fmt.Errorf("data_parallel_rank: %w", err)
 	}
 	b.DPRank, b.HasDPRank = int(v), true
 	return nil
