@@ -40,7 +40,7 @@ func (m mp) nil() mp         { return append(m, 0xc0) }
 func (m mp) f64(v float64) mp {
 	return binary.BigEndian.AppendUint64(append(m, 0xcb), math.Float64bits(v))
 }
-func (m mp) bin(b []byte) mp { return append(append(m, 0xc4, byte(len(b))), b...) }
+func (m mp) bin(b []byte) mp  { return append(append(m, 0xc4, byte(len(b))), b...) }
 func (m mp) raw(b ...byte) mp { return append(m, b...) }
 
 // batch3 wraps encoded events in [ts, [events...], rank].
@@ -260,7 +260,7 @@ func TestDecodeRejects(t *testing.T) {
 		{"reserved marker", mp{}.arr(2).f64(1).arr(1).raw(0xc1), "event is a invalid"},
 		{"billions of events", mp{}.arr(2).f64(1).arr(math.MaxUint32), "truncated"},
 		{"billions of hashes", batch3(0, mp{}.arr(2).str("BlockRemoved").arr(math.MaxUint32-1)), "truncated"},
-		{"billions of tokens", stored(3, mp{}.arr(1 << 30)), "truncated"},
+		{"billions of tokens", stored(3, mp{}.arr(1<<30)), "truncated"},
 		{"map claims billions", batch3(0, mp{}.mapH(math.MaxUint32)), "truncated"},
 		{"string claims 4 GiB", batch3(0, mp{}.arr(1).raw(0xdb, 0xff, 0xff, 0xff, 0xff)), "truncated"},
 		{"empty event array", batch3(0, mp{}.arr(0)), "empty event"},
@@ -381,7 +381,7 @@ func TestEncodeHandBuilt(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := mp{}.arr(3).f64(1.5).arr(3).
-		arr(11).str("BlockStored").arr(2).u64(1<<40).fix(2).nil().arr(4).fix(1).raw(0xcd, 1, 44).raw(0xce, 0, 1, 0x11, 0x70).u32(1<<31).
+		arr(11).str("BlockStored").arr(2).u64(1<<40).fix(2).nil().arr(4).fix(1).raw(0xcd, 1, 44).raw(0xce, 0, 1, 0x11, 0x70).u32(1 << 31).
 		fix(2).nil().str("GPU").nil().arr(2).nil().nil().fix(0).str("full_attention").
 		arr(3).str("BlockRemoved").arr(1).fix(5).str("GPU").
 		arr(1).str("AllBlocksCleared").fix(1)
