@@ -57,6 +57,8 @@ type Upstream struct {
 	// whose context ended before the upstream finished answering.
 	Requests atomic.Int64
 	Canceled atomic.Int64
+	// Finished counts streams the upstream wrote to the end.
+	Finished atomic.Int64
 	Probes   atomic.Int64
 
 	// mu guards last and paths.
@@ -183,7 +185,7 @@ func (u *Upstream) serve(w http.ResponseWriter, r *http.Request) {
 		Stream bool   `json:"stream"`
 	}
 	_ = json.Unmarshal(body, &req)
-	stream := req.Stream || strings.HasSuffix(r.URL.Path, "-response-stream")
+	stream := req.Stream || strings.HasSuffix(r.URL.Path, "-response-stream") || strings.HasSuffix(r.URL.Path, "_stream")
 	w.Header().Set("X-Upstream-Id", u.ID)
 	if !stream {
 		w.Header().Set("Content-Type", "application/json")
@@ -214,6 +216,7 @@ func (u *Upstream) serve(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	fmt.Fprint(w, "data: [DONE]\n\n")
+	u.Finished.Add(1)
 }
 
 func (u *Upstream) serveModels(w http.ResponseWriter) {
