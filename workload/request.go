@@ -181,3 +181,19 @@ func Merge(name string, ws ...*Workload) (*Workload, error) {
 	}
 	return out.finish(), nil
 }
+
+// TextPrefix is the first n bytes of Text() (the text is ASCII, so also
+// its first n characters), built without materialising the rest: the
+// routing text a prefix-hashing router reads.
+func (r *Request) TextPrefix(n int) string {
+	buf := make([]byte, 0, n+16)
+	for _, s := range r.Prompt {
+		for j := 0; j < s.Len && len(buf) < n; j++ {
+			buf = appendWord(buf, WordIndex(s.Seed, j))
+		}
+		if len(buf) >= n {
+			return string(buf[:n])
+		}
+	}
+	return string(buf)
+}

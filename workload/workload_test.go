@@ -378,3 +378,19 @@ func BenchmarkRequestTokens(b *testing.B) {
 		buf = r.AppendTokens(buf[:0])
 	}
 }
+
+func TestTextPrefix(t *testing.T) {
+	w, _ := Chat{Sessions: 3}.Generate(1)
+	for _, r := range w.Requests {
+		full := r.Text()
+		for _, n := range []int{0, 1, 7, 100, len(full) - 1, len(full), len(full) + 10} {
+			if n < 0 {
+				continue
+			}
+			want := full[:min(n, len(full))]
+			if got := r.TextPrefix(n); got != want {
+				t.Fatalf("TextPrefix(%d) = %q, want %q", n, got, want)
+			}
+		}
+	}
+}

@@ -1,0 +1,464 @@
+// Package des is kvbench's discrete-event driver: a virtual clock runs a
+// workload through a router and a fleet of simulated engines in-process,
+// delivering the engines' KV events to the router's index after a
+// configurable delay, and applying scale events mid-run. Nothing sleeps and
+// no goroutine is started, so an hour of traffic on hundreds of instances
+// runs in seconds, deterministically for a given seed.
+//
+// The driver depends only on the small Engine and Router interfaces below;
+// package kvbench wires in sim.Engine and the router's strategies.
+package des
+
+import (
+	"container/heap"
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/workload"
+)
+
+// ErrConfig is wrapped by configuration errors.
+var ErrConfig = errors.New("des: invalid config")
+
+// UpdateKind is what an engine reports about a request.
+type UpdateKind uint8
+
+const (
+	// FirstToken: prefill done, first token out.
+	FirstToken UpdateKind = iota + 1
+	// Finished: all output tokens generated.
+	Finished
+	// Aborted: the engine gave up on the request.
+	Aborted
+)
+
+// Update is an engine's report about one request at a virtual time.
+type Update struct {
+	ID           uint64
+	Kind         UpdateKind
+	At           time.Duration
+	CachedTokens int // prompt tokens served from cache (FirstToken)
+	OutputTokens int
+}
+
+// EngineRequest is a request as submitted to an engine.
+type EngineRequest struct {
+	ID        uint64
+	Prompt    []uint32
+	MaxTokens int
+	Adapter   string
+	CacheSalt string
+}
+
+// Engine is a simulated model server driven by the virtual clock. It is
+// called from one goroutine only.
+type Engine interface {
+	// Submit queues a request arriving at now.
+	Submit(r EngineRequest, now time.Duration) error
+	// Advance runs the engine up to now and appends its updates to out.
+	Advance(now time.Duration, out []Update) []Update
+	// NextEventTime is when the engine next changes state on its own; ok is
+	// false when it is idle.
+	NextEventTime() (t time.Duration, ok bool)
+}
+
+// EngineFactory makes the engine of a named instance; sink receives its KV
+// event batches synchronously, during Submit and Advance.
+type EngineFactory func(instance string, sink func(events.Batch)) (Engine, error)
+
+// RouteRequest is what the driver tells a router about a request.
+type RouteRequest struct {
+	*workload.Request
+	// Tokens are the prompt's token ids.
+	Tokens []uint32
+	// RoutingText is the prompt text cut to the router's prefix length.
+	RoutingText string
+}
+
+// Decision is a router's pick.
+type Decision struct {
+	Instance string
+	// Reason as the router states it ("hash", "overflow", "kv-match", ...).
+	Reason string
+	// Overflow is true when the router could not use its first choice
+	// because it was full.
+	Overflow bool
+}
+
+// Router picks an instance for each request. The driver calls it from one
+// goroutine; Started and Finished keep its in-flight counts.
+type Router interface {
+	Name() string
+	// Pick chooses one of cands (the live instances, in a stable order).
+	Pick(ctx context.Context, req *RouteRequest, cands []string) (Decision, error)
+	// Started: a request was sent to instance. Finished: it completed there.
+	Started(instance string)
+	Finished(instance string)
+	// Removed: the instance left the fleet (scale-in).
+	Removed(instance string)
+}
+
+// IndexWriter is what the driver needs of the router's block index
+// (kvindex.Index satisfies it): events in, departed instances out.
+type IndexWriter interface {
+	Apply(ctx context.Context, instance string, evs []events.Event) (kvindex.ApplyResult, error)
+	Purge(ctx context.Context, instance string) error
+}
+
+// Config of one run. Zero values mean the defaults documented per field.
+type Config struct {
+	// Instances at the start of the run (required, >= 1).
+	Instances int
+	// NewEngine builds each instance's engine (required).
+	NewEngine EngineFactory
+	// Router decides placements (required).
+	Router Router
+	// Index, when set, receives every engine's KV events EventDelay after
+	// the engine emitted them, as the live pipeline (ZMQ → kvbridge → NATS
+	// → consumer) would deliver them; a kv-aware router reads it.
+	Index IndexWriter
+	// EventDelay is the engine-to-index latency (default 5 ms: ZMQ, one
+	// NATS hop and an index write on one network; set < 0 for zero).
+	EventDelay time.Duration
+	// PrefixLength is how many characters of prompt text route (default 8,192,
+	// the router's default prefix_length).
+	PrefixLength int
+	// SaltByTenant sends each request's tenant key as its cache_salt, so
+	// engines keep tenants' KV apart.
+	SaltByTenant bool
+	// Progress, when set, is called after each completed request.
+	Progress func(done, total int)
+}
+
+// Outcome is what happened to one request.
+type Outcome struct {
+	ID           int
+	Instance     string
+	Reason       string
+	Overflow     bool
+	Arrival      time.Duration
+	TTFT         time.Duration // 0 when the request failed
+	Finish       time.Duration
+	PromptTokens int
+	CachedTokens int
+	OutputTokens int
+	// Decision is the wall-clock time Pick took (tokens were computed before).
+	Decision time.Duration
+	// Err is why the request failed (submit refused, aborted); empty when it succeeded.
+	Err string
+}
+
+// Result of a run.
+type Result struct {
+	Strategy  string
+	Workload  string
+	Outcomes  []Outcome
+	Instances []string // every instance that existed during the run, in creation order
+	// End is the virtual time the last request finished.
+	End time.Duration
+	// Wall is the real time the run took.
+	Wall time.Duration
+	// IndexDeliveries counts event batches applied to the index; IndexErrors
+	// counts those Apply refused.
+	IndexDeliveries, IndexErrors int
+}
+
+type instance struct {
+	name   string
+	engine Engine
+	live   bool
+	// gen versions the instance's scheduled wake-up: heap entries of older
+	// generations are stale.
+	gen uint64
+}
+
+type wake struct {
+	at   time.Duration
+	inst *instance
+	gen  uint64
+}
+
+type wakeHeap []wake
+
+func (h wakeHeap) Len() int { return len(h) }
+func (h wakeHeap) Less(i, j int) bool {
+	if h[i].at != h[j].at {
+		return h[i].at < h[j].at
+	}
+	return h[i].inst.name < h[j].inst.name
+}
+func (h wakeHeap) Swap(i, j int) { h[i], h[j] = h[j], h[i] }
+func (h *wakeHeap) Push(x any)   { *h = append(*h, x.(wake)) }
+func (h *wakeHeap) Pop() any {
+	old := *h
+	x := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return x
+}
+
+type delivery struct {
+	at    time.Duration
+	inst  string
+	batch events.Batch
+}
+
+type run struct {
+	cfg      Config
+	w        *workload.Workload
+	insts    []*instance
+	byName   map[string]*instance
+	live     []string
+	wakes    wakeHeap
+	pending  []delivery // FIFO: the delay is constant, so append order is time order
+	now      time.Duration
+	res      *Result
+	inflight map[uint64]*instance
+	done     int
+	next     int // next request to issue
+	ups      []Update
+	tokBuf   []uint32
+}
+
+// Run plays the workload through the fleet and returns what happened to
+// every request. It stops early, with the context's error, when ctx ends.
+func Run(ctx context.Context, cfg Config, w *workload.Workload) (*Result, error) {
+	if cfg.Instances < 1 || cfg.NewEngine == nil || cfg.Router == nil {
+		return nil, fmt.Errorf("%w: need instances >= 1, an engine factory and a router", ErrConfig)
+	}
+	if cfg.EventDelay == 0 {
+		cfg.EventDelay = 5 * time.Millisecond
+	} else if cfg.EventDelay < 0 {
+		cfg.EventDelay = 0
+	}
+	if cfg.PrefixLength == 0 {
+		cfg.PrefixLength = 8192
+	}
+	if cfg.PrefixLength < 0 {
+		return nil, fmt.Errorf("%w: prefix length %d", ErrConfig, cfg.PrefixLength)
+	}
+	r := &run{
+		cfg: cfg, w: w, byName: map[string]*instance{}, inflight: map[uint64]*instance{},
+		res: &Result{Strategy: cfg.Router.Name(), Workload: w.Name, Outcomes: make([]Outcome, len(w.Requests))},
+	}
+	for i := range r.res.Outcomes {
+		r.res.Outcomes[i].ID = i
+	}
+	for range cfg.Instances {
+		if err := r.addInstance(); err != nil {
+			return nil, err
+		}
+	}
+	start := time.Now()
+	err := r.loop(ctx)
+	r.res.Wall = time.Since(start)
+	return r.res, err
+}
+
+func (r *run) addInstance() error {
+	name := fmt.Sprintf("i%02d", len(r.insts))
+	in := &instance{name: name, live: true}
+	eng, err := r.cfg.NewEngine(name, func(b events.Batch) {
+		if r.cfg.Index != nil {
+			r.pending = append(r.pending, delivery{at: r.now + r.cfg.EventDelay, inst: name, batch: b})
+		}
+	})
+	if err != nil {
+		return fmt.Errorf("des: engine %s: %w", name, err)
+	}
+	in.engine = eng
+	r.insts = append(r.insts, in)
+	r.byName[name] = in
+	r.live = append(r.live, name)
+	r.res.Instances = append(r.res.Instances, name)
+	return nil
+}
+
+func (r *run) removeInstance() {
+	if len(r.live) <= 1 {
+		return // keep one instance: a fleet of none serves nothing
+	}
+	name := r.live[len(r.live)-1]
+	r.live = r.live[:len(r.live)-1]
+	r.byName[name].live = false
+	r.cfg.Router.Removed(name)
+	if r.cfg.Index != nil {
+		// The router forgets a departed instance (health checks would eject it).
+		_ = r.cfg.Index.Purge(context.Background(), name)
+	}
+}
+
+// schedule records when in next needs the clock.
+func (r *run) schedule(in *instance) {
+	in.gen++
+	if t, ok := in.engine.NextEventTime(); ok {
+		heap.Push(&r.wakes, wake{at: max(t, r.now), inst: in, gen: in.gen})
+	}
+}
+
+// nextWake drops stale heap entries and returns the earliest valid one.
+func (r *run) nextWake() (wake, bool) {
+	for len(r.wakes) > 0 {
+		w := r.wakes[0]
+		if w.gen == w.inst.gen {
+			return w, true
+		}
+		heap.Pop(&r.wakes)
+	}
+	return wake{}, false
+}
+
+const never = time.Duration(1<<63 - 1)
+
+func (r *run) loop(ctx context.Context) error {
+	total := len(r.w.Requests)
+	fleet := 0
+	closed := r.w.ClosedLoop
+	for steps := 0; ; steps++ {
+		if steps&1023 == 0 {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+		}
+		tArr := never
+		if r.next < total {
+			if closed > 0 {
+				if len(r.inflight) < closed {
+					tArr = r.now
+				}
+			} else {
+				tArr = max(r.w.Requests[r.next].At, r.now)
+			}
+		}
+		tFleet := never
+		if fleet < len(r.w.Fleet) {
+			tFleet = max(r.w.Fleet[fleet].At, r.now)
+		}
+		tDel := never
+		if len(r.pending) > 0 {
+			tDel = max(r.pending[0].at, r.now)
+		}
+		tEng := never
+		wk, ok := r.nextWake()
+		if ok {
+			tEng = wk.at
+		}
+		t := min(tArr, tFleet, tDel, tEng)
+		if t == never {
+			if r.done < total {
+				return fmt.Errorf("des: stalled with %d of %d requests unfinished", total-r.done, total)
+			}
+			return nil
+		}
+		r.now = t
+		// At equal times: engines report first (completions free capacity
+		// and their events are already due), then index deliveries (so a
+		// router sees state as of now), then scale events, then arrivals.
+		switch t {
+		case tEng:
+			heap.Pop(&r.wakes)
+			r.advance(wk.inst)
+		case tDel:
+			d := r.pending[0]
+			r.pending = r.pending[1:]
+			r.res.IndexDeliveries++
+			if _, err := r.cfg.Index.Apply(ctx, d.inst, d.batch.Events); err != nil {
+				r.res.IndexErrors++
+			}
+		case tFleet:
+			ev := r.w.Fleet[fleet]
+			fleet++
+			for range ev.Instances {
+				switch ev.Kind {
+				case workload.ScaleOut:
+					if err := r.addInstance(); err != nil {
+						return err
+					}
+				case workload.ScaleIn:
+					r.removeInstance()
+				}
+			}
+		default:
+			r.issue(ctx, r.next)
+			r.next++
+		}
+	}
+}
+
+func (r *run) advance(in *instance) {
+	r.ups = in.engine.Advance(r.now, r.ups[:0])
+	for _, u := range r.ups {
+		o := &r.res.Outcomes[u.ID]
+		switch u.Kind {
+		case FirstToken:
+			o.TTFT = u.At - o.Arrival
+			o.CachedTokens = u.CachedTokens
+		case Finished, Aborted:
+			o.Finish = u.At
+			o.OutputTokens = u.OutputTokens
+			if u.Kind == Aborted {
+				o.Err = "aborted by engine"
+				o.TTFT = 0
+			}
+			r.complete(u.ID, in)
+		}
+	}
+	r.schedule(in)
+}
+
+func (r *run) complete(id uint64, in *instance) {
+	delete(r.inflight, id)
+	r.cfg.Router.Finished(in.name)
+	r.done++
+	r.res.End = max(r.res.End, r.now)
+	if r.cfg.Progress != nil {
+		r.cfg.Progress(r.done, len(r.w.Requests))
+	}
+}
+
+// fail counts a request that never reached an engine.
+func (r *run) fail() {
+	r.done++
+	if r.cfg.Progress != nil {
+		r.cfg.Progress(r.done, len(r.w.Requests))
+	}
+}
+
+func (r *run) issue(ctx context.Context, i int) {
+	req := &r.w.Requests[i]
+	o := &r.res.Outcomes[i]
+	o.Arrival = r.now
+	o.PromptTokens = req.InputTokens()
+	r.tokBuf = req.AppendTokens(r.tokBuf[:0])
+	rr := &RouteRequest{Request: req, Tokens: r.tokBuf, RoutingText: req.TextPrefix(r.cfg.PrefixLength)}
+	start := time.Now()
+	d, err := r.cfg.Router.Pick(ctx, rr, r.live)
+	o.Decision = time.Since(start)
+	in := r.byName[d.Instance]
+	if err == nil && (in == nil || !in.live) {
+		err = fmt.Errorf("router picked %q, not a live instance", d.Instance)
+	}
+	if err != nil {
+		o.Err = "route: " + err.Error()
+		r.fail()
+		return
+	}
+	o.Instance, o.Reason, o.Overflow = d.Instance, d.Reason, d.Overflow
+	salt := ""
+	if r.cfg.SaltByTenant {
+		salt = req.Tenant
+	}
+	// The engine keeps the prompt slice: give it its own copy.
+	prompt := append([]uint32(nil), r.tokBuf...)
+	if err := in.engine.Submit(EngineRequest{ID: uint64(i), Prompt: prompt, MaxTokens: req.OutputTokens, Adapter: req.Adapter, CacheSalt: salt}, r.now); err != nil {
+		o.Err = "submit: " + err.Error()
+		r.fail()
+		return
+	}
+	r.cfg.Router.Started(in.name)
+	r.inflight[uint64(i)] = in
+	r.schedule(in)
+}

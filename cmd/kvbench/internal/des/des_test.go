@@ -1,0 +1,336 @@
+package des
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/workload"
+)
+
+// fifoEngine serves one request at a time: prefill costs 1 µs per prompt
+// token, each output token 1 ms. It emits one BlockStored batch when a
+// request's prefill ends. It checks that its clock never runs backwards.
+type fifoEngine struct {
+	t       *testing.T
+	name    string
+	sink    func(events.Batch)
+	queue   []EngineRequest
+	arrived map[uint64]time.Duration
+	busy    bool
+	cur     EngineRequest
+	first   time.Duration // first token of cur
+	end     time.Duration
+	sentFT  bool
+	now     time.Duration
+	seen    map[uint64]bool
+}
+
+func (e *fifoEngine) clock(now time.Duration) {
+	if now < e.now {
+		e.t.Errorf("%s: clock went back from %v to %v", e.name, e.now, now)
+	}
+	e.now = now
+}
+
+func (e *fifoEngine) Submit(r EngineRequest, now time.Duration) error {
+	if r.MaxTokens < 1 {
+		return errors.New("max tokens")
+	}
+	e.clock(now)
+	e.arrived[r.ID] = now
+	e.queue = append(e.queue, r)
+	if !e.busy {
+		e.start(now)
+	}
+	return nil
+}
+
+func (e *fifoEngine) start(at time.Duration) {
+	if len(e.queue) == 0 {
+		e.busy = false
+		return
+	}
+	e.cur, e.queue = e.queue[0], e.queue[1:]
+	e.busy, e.sentFT = true, false
+	e.first = at + time.Duration(len(e.cur.Prompt))*time.Microsecond
+	e.end = e.first + time.Duration(e.cur.MaxTokens)*time.Millisecond
+}
+
+func (e *fifoEngine) Advance(now time.Duration, out []Update) []Update {
+	e.clock(now)
+	for e.busy {
+		if !e.sentFT && e.first <= now {
+			e.sentFT = true
+			e.sink(events.Batch{Events: []events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{e.cur.ID}}}})
+			out = append(out, Update{ID: e.cur.ID, Kind: FirstToken, At: e.first})
+		}
+		if e.end > now {
+			break
+		}
+		out = append(out, Update{ID: e.cur.ID, Kind: Finished, At: e.end, OutputTokens: e.cur.MaxTokens})
+		e.start(e.end)
+	}
+	return out
+}
+
+func (e *fifoEngine) NextEventTime() (time.Duration, bool) {
+	if !e.busy {
+		return 0, false
+	}
+	if !e.sentFT {
+		return e.first, true
+	}
+	return e.end, true
+}
+
+func fifoFactory(t *testing.T) EngineFactory {
+	return func(name string, sink func(events.Batch)) (Engine, error) {
+		return &fifoEngine{t: t, name: name, sink: sink, arrived: map[uint64]time.Duration{}}, nil
+	}
+}
+
+// rrRouter cycles over candidates and records what it saw.
+type rrRouter struct {
+	n        int
+	inflight map[string]int
+	maxIn    int
+	removed  []string
+	cands    [][]string
+	onPick   func(req *RouteRequest)
+}
+
+func newRR() *rrRouter { return &rrRouter{inflight: map[string]int{}} }
+
+func (r *rrRouter) Name() string { return "rr" }
+func (r *rrRouter) Pick(_ context.Context, req *RouteRequest, cands []string) (Decision, error) {
+	if r.onPick != nil {
+		r.onPick(req)
+	}
+	r.cands = append(r.cands, append([]string(nil), cands...))
+	r.n++
+	return Decision{Instance: cands[r.n%len(cands)], Reason: "rr"}, nil
+}
+func (r *rrRouter) Started(in string) {
+	r.inflight[in]++
+	total := 0
+	for _, v := range r.inflight {
+		total += v
+	}
+	r.maxIn = max(r.maxIn, total)
+}
+func (r *rrRouter) Finished(in string) { r.inflight[in]-- }
+func (r *rrRouter) Removed(in string)  { r.removed = append(r.removed, in) }
+
+// countIndex is a kvindex.Index that only counts applied batches.
+type countIndex struct {
+	applied int
+	purged  []string
+}
+
+var _ IndexWriter = (*countIndex)(nil)
+
+func (c *countIndex) Apply(_ context.Context, _ string, evs []events.Event) (kvindex.ApplyResult, error) {
+	c.applied++
+	return kvindex.ApplyResult{Stored: len(evs)}, nil
+}
+func (c *countIndex) Purge(_ context.Context, in string) error {
+	c.purged = append(c.purged, in)
+	return nil
+}
+func (c *countIndex) Instances(context.Context) ([]kvindex.InstanceStats, error) { return nil, nil }
+func (c *countIndex) Len(context.Context) (int, error)                           { return c.applied, nil }
+
+func smallWorkload(t *testing.T, n int) *workload.Workload {
+	w, err := workload.LongContext{Groups: n, RequestsPerGroup: 1, PrefixTokens: 100, QuestionTokens: 10, OutputTokens: 5}.Generate(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return w
+}
+
+func TestRunTimeProperties(t *testing.T) {
+	w := smallWorkload(t, 200)
+	res, err := Run(context.Background(), Config{Instances: 3, NewEngine: fifoFactory(t), Router: newRR()}, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Outcomes) != 200 || len(res.Instances) != 3 {
+		t.Fatalf("%d outcomes, %d instances", len(res.Outcomes), len(res.Instances))
+	}
+	for i, o := range res.Outcomes {
+		if o.Err != "" {
+			t.Fatalf("request %d: %s", i, o.Err)
+		}
+		if o.Arrival != w.Requests[i].At {
+			t.Fatalf("request %d arrived at %v, workload says %v", i, o.Arrival, w.Requests[i].At)
+		}
+		// The engine model: TTFT >= prefill, finish = first token + 5 ms.
+		if o.TTFT < 110*time.Microsecond || o.Finish != o.Arrival+o.TTFT+5*time.Millisecond {
+			t.Fatalf("request %d: arrival %v ttft %v finish %v", i, o.Arrival, o.TTFT, o.Finish)
+		}
+		if o.Finish > res.End {
+			t.Fatalf("request %d finished after the run's end", i)
+		}
+	}
+}
+
+func TestRunDeterministic(t *testing.T) {
+	w := smallWorkload(t, 100)
+	var runs [2][]Outcome
+	for k := range runs {
+		res, err := Run(context.Background(), Config{Instances: 4, NewEngine: fifoFactory(t), Router: newRR()}, w)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range res.Outcomes {
+			res.Outcomes[i].Decision = 0 // wall-clock
+		}
+		runs[k] = res.Outcomes
+	}
+	for i := range runs[0] {
+		if runs[0][i] != runs[1][i] {
+			t.Fatalf("request %d differs: %+v vs %+v", i, runs[0][i], runs[1][i])
+		}
+	}
+}
+
+func TestEventDelay(t *testing.T) {
+	tests := []struct {
+		name  string
+		delay time.Duration
+		// check gets, per request, the number of batches applied before it was routed.
+		check func(t *testing.T, seen []int)
+	}{
+		{"zero delay: every earlier first token is visible", -1, func(t *testing.T, seen []int) {
+			if seen[len(seen)-1] < len(seen)/2 {
+				t.Errorf("last request saw %d batches of %d", seen[len(seen)-1], len(seen)-1)
+			}
+		}},
+		{"delay longer than the run: nothing is visible", time.Hour, func(t *testing.T, seen []int) {
+			for i, n := range seen {
+				if n != 0 {
+					t.Fatalf("request %d saw %d batches", i, n)
+				}
+			}
+		}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			idx := &countIndex{}
+			rt := newRR()
+			var seen []int
+			rt.onPick = func(*RouteRequest) { seen = append(seen, idx.applied) }
+			res, err := Run(context.Background(), Config{Instances: 2, NewEngine: fifoFactory(t), Router: rt, Index: idx, EventDelay: tc.delay}, smallWorkload(t, 50))
+			if err != nil {
+				t.Fatal(err)
+			}
+			tc.check(t, seen)
+			// Every batch is delivered in the end, even after the last request.
+			if res.IndexDeliveries != 50 || idx.applied != 50 {
+				t.Errorf("delivered %d, applied %d, want 50", res.IndexDeliveries, idx.applied)
+			}
+		})
+	}
+}
+
+func TestScaleEvents(t *testing.T) {
+	w := smallWorkload(t, 300)
+	w, err := workload.Scale{OutBy: 3, InBy: 2}.Apply(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	idx := &countIndex{}
+	rt := newRR()
+	res, err := Run(context.Background(), Config{Instances: 2, NewEngine: fifoFactory(t), Router: rt, Index: idx}, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Instances) != 5 {
+		t.Fatalf("instances %v, want 2 + 3", res.Instances)
+	}
+	sizes := map[int]bool{}
+	for i, c := range rt.cands {
+		sizes[len(c)] = true
+		at := res.Outcomes[i].Arrival
+		want := 2
+		switch {
+		case at >= w.Fleet[1].At:
+			want = 3
+		case at >= w.Fleet[0].At:
+			want = 5
+		}
+		if len(c) != want {
+			t.Fatalf("request %d at %v saw %d candidates, want %d", i, at, len(c), want)
+		}
+	}
+	if fmt.Sprint(rt.removed) != "[i04 i03]" || fmt.Sprint(idx.purged) != "[i04 i03]" {
+		t.Errorf("removed %v, purged %v", rt.removed, idx.purged)
+	}
+	// New instances took traffic; removed ones took none after removal.
+	per := map[string]int{}
+	for _, o := range res.Outcomes {
+		per[o.Instance]++
+		if (o.Instance == "i03" || o.Instance == "i04") && o.Arrival >= w.Fleet[1].At {
+			t.Fatalf("request %d sent to removed %s", o.ID, o.Instance)
+		}
+	}
+	if per["i04"] == 0 {
+		t.Errorf("scale-out instance got no traffic: %v", per)
+	}
+}
+
+func TestClosedLoop(t *testing.T) {
+	w := smallWorkload(t, 60)
+	w.ClosedLoop = 3
+	rt := newRR()
+	res, err := Run(context.Background(), Config{Instances: 2, NewEngine: fifoFactory(t), Router: rt}, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rt.maxIn != 3 {
+		t.Errorf("max in flight %d, want 3", rt.maxIn)
+	}
+	// Arrivals follow completions, not the workload's timestamps.
+	arr := make([]time.Duration, len(res.Outcomes))
+	for i, o := range res.Outcomes {
+		arr[i] = o.Arrival
+	}
+	if !sort.SliceIsSorted(arr, func(i, j int) bool { return arr[i] < arr[j] }) || arr[0] != 0 || arr[3] == 0 {
+		t.Errorf("closed-loop arrivals %v", arr[:6])
+	}
+}
+
+func TestRunErrors(t *testing.T) {
+	w := smallWorkload(t, 5)
+	if _, err := Run(context.Background(), Config{}, w); !errors.Is(err, ErrConfig) {
+		t.Errorf("empty config: %v", err)
+	}
+	// A router that picks a non-instance fails that request, not the run.
+	bad := &badRouter{}
+	res, err := Run(context.Background(), Config{Instances: 1, NewEngine: fifoFactory(t), Router: bad}, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, o := range res.Outcomes {
+		if o.Err == "" {
+			t.Fatalf("request %d: no error", o.ID)
+		}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := Run(ctx, Config{Instances: 1, NewEngine: fifoFactory(t), Router: newRR()}, w); !errors.Is(err, context.Canceled) {
+		t.Errorf("cancelled: %v", err)
+	}
+}
+
+type badRouter struct{ rrRouter }
+
+func (*badRouter) Pick(context.Context, *RouteRequest, []string) (Decision, error) {
+	return Decision{Instance: "nowhere"}, nil
+}
