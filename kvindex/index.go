@@ -32,6 +32,30 @@ type ApplyResult struct {
 	Orphans  int // stored blocks whose parent was never seen: dropped
 	Unmapped int // removals or tokenless stores of engine hashes never mapped: dropped
 	Skipped  int // events of other KV-cache groups (not full attention): dropped
+	// Invalid counts events dropped as malformed: token count not a whole
+	// number of blocks or not matching the block hashes, block size unknown
+	// or contradicting the pool's. InvalidErr says why the first one was
+	// dropped (wrapping ErrTokenCount or ErrBlockSize), for the caller's log.
+	Invalid    int
+	InvalidErr error
+	// UnknownMedium counts stored or removed blocks whose medium is not in
+	// the tier table; they were applied to tiers.UnknownMediumTier.
+	UnknownMedium int
+}
+
+// Add adds o's counts to r; r keeps its own InvalidErr when it has one.
+func (r *ApplyResult) Add(o ApplyResult) {
+	r.Stored += o.Stored
+	r.Removed += o.Removed
+	r.Cleared += o.Cleared
+	r.Orphans += o.Orphans
+	r.Unmapped += o.Unmapped
+	r.Skipped += o.Skipped
+	r.Invalid += o.Invalid
+	r.UnknownMedium += o.UnknownMedium
+	if r.InvalidErr == nil {
+		r.InvalidErr = o.InvalidErr
+	}
 }
 
 // InstanceStats is the index's view of one instance.
@@ -56,4 +80,7 @@ type Index interface {
 	Instances(ctx context.Context) ([]InstanceStats, error)
 	// Len is the number of (block, instance) entries held.
 	Len(ctx context.Context) (int, error)
+	// BlockSize is the pool's block size in tokens: the configured one, else
+	// the one learned from the first event that carried it, else 0.
+	BlockSize() int
 }

@@ -1,0 +1,187 @@
+package kvindex
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync/atomic"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+var (
+	// ErrTokenCount: a stored event's token ids are not a whole number of
+	// blocks, or not one block per block hash.
+	ErrTokenCount = errors.New("kvindex: token count does not match block hashes")
+	// ErrBlockSize: an event's block size contradicts the pool's, or a
+	// stored event with tokens arrived before any block size was known.
+	ErrBlockSize = errors.New("kvindex: block size unknown or inconsistent")
+	// ErrEventKind: an event of a kind the index does not know.
+	ErrEventKind = errors.New("kvindex: unknown event kind")
+	// ErrConfig: a backend's configuration is invalid.
+	ErrConfig = errors.New("kvindex: invalid config")
+)
+
+// instanceOps is what the event semantics need from a backend's state for
+// one instance: the engine-hash → (key, tiers) map. Both backends implement
+// it (memory directly, Redis as an overlay flushed in one pipeline), so the
+// semantics live in one place: applyEvents.
+type instanceOps interface {
+	// keyOf returns the router key an engine hash is mapped to.
+	keyOf(h uint64) (Key, bool)
+	// store maps h to k and adds tier t; added is false when h was already
+	// mapped to k in t. A mapping to another key is replaced.
+	store(h uint64, k Key, t tiers.Tier) (added bool)
+	// addTier adds tier t to an already mapped h.
+	addTier(h uint64, t tiers.Tier) (mapped, added bool)
+	// removeTier drops tier t from h, and the mapping once no tier is left.
+	removeTier(h uint64, t tiers.Tier) (mapped, removed bool)
+	// clearAll drops every block and mapping of the instance.
+	clearAll()
+}
+
+// blockSizer holds the pool's block size: configured, else learned from the
+// first event that carries one.
+type blockSizer struct {
+	configured int
+	learned    atomic.Int64
+}
+
+func (b *blockSizer) get() int {
+	if b.configured > 0 {
+		return b.configured
+	}
+	return int(b.learned.Load())
+}
+
+// resolve returns the block size to key an event with; evBS is the event's
+// own block_size (0 when absent).
+func (b *blockSizer) resolve(evBS int) (int, error) {
+	cur := b.get()
+	switch {
+	case evBS < 0:
+		return 0, fmt.Errorf("%w: event block size %d", ErrBlockSize, evBS)
+	case evBS == 0 && cur == 0:
+		return 0, fmt.Errorf("%w: no block size configured and none learned yet", ErrBlockSize)
+	case evBS == 0:
+		return cur, nil
+	case cur == 0:
+		if b.learned.CompareAndSwap(0, int64(evBS)) {
+			return evBS, nil
+		}
+		return b.resolve(evBS) // another instance's event taught it first
+	case evBS != cur:
+		return 0, fmt.Errorf("%w: event block size %d, pool block size %d", ErrBlockSize, evBS, cur)
+	}
+	return cur, nil
+}
+
+// skipEvent reports whether an event belongs to a KV-cache group the index
+// does not track: only full attention (group 0) maps prompts to blocks the
+// way block keys do; sliding-window groups hold only a window's tail.
+func skipEvent(ev *events.Event) bool {
+	if ev.GroupIdx != 0 {
+		return true
+	}
+	return ev.SpecKind != "" && strings.Contains(strings.ToLower(ev.SpecKind), "sliding")
+}
+
+// rootFor is the root of a chain that starts at block 0 in an event: the
+// adapter from the event when it has one, else the pool's model.
+func rootFor(model string, ev *events.Event) Key {
+	adapter := ev.LoraName
+	if adapter == "" && ev.HasLoraID && ev.LoraID != 0 {
+		// An adapter known only by its engine id cannot be matched by name
+		// from the request side, but must not alias the base model either.
+		adapter = "lora-id:" + strconv.FormatInt(ev.LoraID, 10)
+	}
+	return Root(model, adapter, ev.CacheSalt)
+}
+
+// applyEvents applies one instance's events, in order, to st. scratch is a
+// reusable key buffer; the grown buffer is returned.
+func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Event, res *ApplyResult, scratch []Key) []Key {
+	invalid := func(i int, err error) {
+		res.Invalid++
+		if res.InvalidErr == nil {
+			res.InvalidErr = fmt.Errorf("event %d: %w", i, err)
+		}
+	}
+	for i := range evs {
+		ev := &evs[i]
+		switch ev.Kind {
+		case events.AllBlocksCleared:
+			st.clearAll()
+			res.Cleared++
+			continue
+		case events.BlockStored, events.BlockRemoved:
+		default:
+			invalid(i, fmt.Errorf("%w: %d", ErrEventKind, ev.Kind))
+			continue
+		}
+		if skipEvent(ev) {
+			res.Skipped++
+			continue
+		}
+		tier, known := tiers.FromMedium(ev.Medium)
+		if !known {
+			res.UnknownMedium += len(ev.BlockHashes)
+		}
+		if ev.Kind == events.BlockRemoved {
+			for _, h := range ev.BlockHashes {
+				_, removed := st.removeTier(h, tier)
+				if removed {
+					res.Removed++
+				} else {
+					// Unmapped also covers a tier the block was not held in
+					// (mapped but not removed): the index had nothing to drop.
+					res.Unmapped++
+				}
+			}
+			continue
+		}
+		if len(ev.TokenIDs) == 0 {
+			// Tokenless stores (CPU offload, or engines that omit tokens)
+			// can only be placed through the engine-hash map.
+			for _, h := range ev.BlockHashes {
+				mapped, added := st.addTier(h, tier)
+				if !mapped {
+					res.Unmapped++
+				} else if added {
+					res.Stored++
+				}
+			}
+			continue
+		}
+		size, err := bs.resolve(ev.BlockSize)
+		if err != nil {
+			invalid(i, err)
+			continue
+		}
+		if len(ev.TokenIDs)%size != 0 || len(ev.TokenIDs)/size != len(ev.BlockHashes) {
+			invalid(i, fmt.Errorf("%w: %d tokens, block size %d, %d block hashes",
+				ErrTokenCount, len(ev.TokenIDs), size, len(ev.BlockHashes)))
+			continue
+		}
+		parent := rootFor(model, ev)
+		if ev.HasParent {
+			k, ok := st.keyOf(ev.ParentHash)
+			if !ok {
+				// Without the parent's key the chain cannot be keyed: the
+				// whole event is dropped (its blocks would be unreachable).
+				res.Orphans += len(ev.BlockHashes)
+				continue
+			}
+			parent = k
+		}
+		scratch = AppendKeys(scratch[:0], parent, ev.TokenIDs, size)
+		for j, h := range ev.BlockHashes {
+			if st.store(h, scratch[j], tier) {
+				res.Stored++
+			}
+		}
+	}
+	return scratch
+}

@@ -1,0 +1,640 @@
+package kvindex
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// DefaultRedisTTL is the Redis backend's default key lifetime. Every key
+// written by Apply gets it, refreshed by every write, so keys of an
+// instance that died without being purged age out. It must exceed the time
+// a block stays cached on a live instance without being stored again (vLLM
+// reports a block once, when it is stored, however often it is hit later),
+// hence a day rather than minutes; routers purge lost instances explicitly.
+const DefaultRedisTTL = 24 * time.Hour
+
+// DefaultRedisPrefix is the key prefix when none is configured.
+const DefaultRedisPrefix = "kvindex"
+
+// RedisConfig configures the Redis backend. The zero value is valid, but
+// pools sharing one Redis must each set their own Prefix.
+type RedisConfig struct {
+	// Prefix starts every key of this pool's index; "" = DefaultRedisPrefix.
+	// Keys: <prefix>:b:<key hex> (one hash per block key: instance → tier
+	// bits), <prefix>:i:<instance> (engine hash → key and tier bits, plus
+	// counters), <prefix>:r (instance → last event, unix ms).
+	Prefix string
+	// Model is the pool's model name, folded into chain roots (see Root).
+	Model string
+	// BlockSize in tokens; 0 = learn it from the first event that has one.
+	BlockSize int
+	// TTL of every key; 0 = DefaultRedisTTL. Lookups also ignore instances
+	// whose last event is older than TTL.
+	TTL time.Duration
+	// Now is the clock; nil = time.Now.
+	Now func() time.Time
+}
+
+func (c RedisConfig) validate() error {
+	if c.BlockSize < 0 {
+		return fmt.Errorf("%w: redis: block size %d < 0", ErrConfig, c.BlockSize)
+	}
+	if c.TTL < 0 {
+		return fmt.Errorf("%w: redis: ttl %v < 0", ErrConfig, c.TTL)
+	}
+	if c.TTL > 0 && c.TTL < time.Second {
+		return fmt.Errorf("%w: redis: ttl %v below Redis' 1s resolution", ErrConfig, c.TTL)
+	}
+	if strings.ContainsAny(c.Prefix, "{}") {
+		// A hash tag in the prefix would put the whole index in one
+		// Cluster slot.
+		return fmt.Errorf("%w: redis: prefix %q must not contain a hash tag", ErrConfig, c.Prefix)
+	}
+	return nil
+}
+
+// Redis is the Index backend shared by router replicas. Every command
+// touches a single key, so it works on Redis Cluster, and block keys spread
+// over all slots. Writes for one Apply go out in one pipeline after one
+// read of the instance's engine-hash map; a lookup takes at most two
+// pipelined round trips.
+//
+// Apply for one instance must come from one writer at a time (the event
+// consumer shards by instance); replicas that all apply the same stream
+// write the same values.
+type Redis struct {
+	rdb    redis.UniversalClient
+	prefix string
+	model  string
+	ttl    time.Duration
+	now    func() time.Time
+	bs     blockSizer
+
+	pool sync.Pool // *redisOverlay, reused across Apply calls
+}
+
+var _ Index = (*Redis)(nil)
+
+// NewRedis returns a Redis-backed index using client (a *redis.Client,
+// *redis.ClusterClient or ring; the caller owns and closes it).
+func NewRedis(client redis.UniversalClient, cfg RedisConfig) (*Redis, error) {
+	if client == nil {
+		return nil, fmt.Errorf("%w: redis: nil client", ErrConfig)
+	}
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	r := &Redis{rdb: client, prefix: cfg.Prefix, model: cfg.Model, ttl: cfg.TTL, now: cfg.Now}
+	if r.prefix == "" {
+		r.prefix = DefaultRedisPrefix
+	}
+	if r.ttl == 0 {
+		r.ttl = DefaultRedisTTL
+	}
+	if r.now == nil {
+		r.now = time.Now
+	}
+	r.bs.configured = cfg.BlockSize
+	r.pool.New = func() any { return &redisOverlay{} }
+	return r, nil
+}
+
+// Instance-map counter fields; engine-hash fields are 16 hex digits, so
+// these never collide with them.
+const (
+	fieldEntries = "#n"
+	fieldTier    = "#t" // + tier digit
+)
+
+func (r *Redis) blockKey(k Key) string {
+	var b [64]byte
+	s := append(append(b[:0], r.prefix...), ":b:"...)
+	return string(appendHex(s, uint64(k)))
+}
+
+func (r *Redis) instKey(instance string) string { return r.prefix + ":i:" + instance }
+func (r *Redis) regKey() string                 { return r.prefix + ":r" }
+
+func appendHex(b []byte, v uint64) []byte {
+	const digits = "0123456789abcdef"
+	for i := 60; i >= 0; i -= 4 {
+		b = append(b, digits[(v>>uint(i))&0xf])
+	}
+	return b
+}
+
+func hexField(v uint64) string {
+	var b [16]byte
+	return string(appendHex(b[:0], v))
+}
+
+func parseHex(s string) (uint64, bool) {
+	if len(s) != 16 {
+		return 0, false
+	}
+	v, err := strconv.ParseUint(s, 16, 64)
+	return v, err == nil
+}
+
+// mapVal is an instance-map value: the router key and tier bits of an
+// engine hash, as 16 hex digits then 2.
+type mapVal struct {
+	key  Key
+	bits tiers.Set
+}
+
+func (v mapVal) encode() string {
+	var b [18]byte
+	out := appendHex(b[:0], uint64(v.key))
+	const digits = "0123456789abcdef"
+	out = append(out, digits[v.bits>>4], digits[v.bits&0xf])
+	return string(out)
+}
+
+func decodeMapVal(s string) (mapVal, bool) {
+	if len(s) != 18 {
+		return mapVal{}, false
+	}
+	k, ok := parseHex(s[:16])
+	if !ok {
+		return mapVal{}, false
+	}
+	b, err := strconv.ParseUint(s[16:], 16, 8)
+	if err != nil {
+		return mapVal{}, false
+	}
+	return mapVal{key: Key(k), bits: tiers.Set(b)}, true
+}
+
+// BlockSize implements Index.
+func (r *Redis) BlockSize() int { return r.bs.get() }
+
+// redisOverlay is one Apply's view of an instance's engine-hash map: the
+// prefetched values under the changes made so far, flushed at the end.
+type redisOverlay struct {
+	pre     map[uint64]mapVal // prefetched from Redis (absent = unmapped)
+	cur     map[uint64]mapVal // changed in this Apply; bits 0 = deleted
+	cleared bool              // AllBlocksCleared seen: pre no longer counts
+	fields  []string
+	scratch []Key
+}
+
+var _ instanceOps = (*redisOverlay)(nil)
+
+func (o *redisOverlay) reset() {
+	if o.pre == nil {
+		o.pre, o.cur = make(map[uint64]mapVal), make(map[uint64]mapVal)
+	}
+	clear(o.pre)
+	clear(o.cur)
+	o.cleared = false
+	o.fields = o.fields[:0]
+}
+
+func (o *redisOverlay) get(h uint64) (mapVal, bool) {
+	if v, ok := o.cur[h]; ok {
+		return v, v.bits != 0
+	}
+	if o.cleared {
+		return mapVal{}, false
+	}
+	v, ok := o.pre[h]
+	return v, ok
+}
+
+func (o *redisOverlay) keyOf(h uint64) (Key, bool) {
+	v, ok := o.get(h)
+	return v.key, ok
+}
+
+func (o *redisOverlay) store(h uint64, k Key, t tiers.Tier) bool {
+	v, ok := o.get(h)
+	if !ok || v.key != k {
+		v = mapVal{key: k}
+	}
+	added := !v.bits.Has(t)
+	v.bits |= t.Bit()
+	o.cur[h] = v
+	return added
+}
+
+func (o *redisOverlay) addTier(h uint64, t tiers.Tier) (mapped, added bool) {
+	v, ok := o.get(h)
+	if !ok {
+		return false, false
+	}
+	added = !v.bits.Has(t)
+	v.bits |= t.Bit()
+	o.cur[h] = v
+	return true, added
+}
+
+func (o *redisOverlay) removeTier(h uint64, t tiers.Tier) (mapped, removed bool) {
+	v, ok := o.get(h)
+	if !ok {
+		return false, false
+	}
+	if !v.bits.Has(t) {
+		return true, false
+	}
+	v.bits &^= t.Bit()
+	o.cur[h] = v
+	return true, true
+}
+
+func (o *redisOverlay) clearAll() {
+	o.cleared = true
+	clear(o.cur)
+}
+
+// Apply implements Index: one HMGET of the engine hashes the events name,
+// the events applied to that snapshot in memory, then one pipeline of
+// single-key writes (plus one HGETALL when the batch clears the instance).
+func (r *Redis) Apply(ctx context.Context, instance string, evs []events.Event) (ApplyResult, error) {
+	var res ApplyResult
+	o := r.pool.Get().(*redisOverlay)
+	defer r.pool.Put(o)
+	o.reset()
+
+	ikey := r.instKey(instance)
+	seen := o.cur // borrowed as a set before applying; cleared below
+	for i := range evs {
+		ev := &evs[i]
+		if ev.Kind != events.BlockStored && ev.Kind != events.BlockRemoved || skipEvent(ev) {
+			continue
+		}
+		if ev.HasParent {
+			if _, dup := seen[ev.ParentHash]; !dup {
+				seen[ev.ParentHash] = mapVal{}
+				o.fields = append(o.fields, hexField(ev.ParentHash))
+			}
+		}
+		for _, h := range ev.BlockHashes {
+			if _, dup := seen[h]; !dup {
+				seen[h] = mapVal{}
+				o.fields = append(o.fields, hexField(h))
+			}
+		}
+	}
+	clear(seen)
+	if len(o.fields) > 0 {
+		vals, err := r.rdb.HMGet(ctx, ikey, o.fields...).Result()
+		if err != nil {
+			return res, fmt.Errorf("kvindex: redis: read engine-hash map of %s: %w", instance, err)
+		}
+		for i, v := range vals {
+			s, ok := v.(string)
+			if !ok {
+				continue
+			}
+			mv, ok := decodeMapVal(s)
+			h, _ := parseHex(o.fields[i])
+			if ok && mv.bits != 0 {
+				o.pre[h] = mv
+			}
+		}
+	}
+
+	o.scratch = applyEvents(o, r.model, &r.bs, evs, &res, o.scratch)
+
+	var old map[uint64]mapVal // the whole map before a clear
+	if o.cleared {
+		var err error
+		if old, err = r.readMap(ctx, ikey); err != nil {
+			return res, err
+		}
+	}
+	now := r.now()
+	pipe := r.rdb.Pipeline()
+	var dEntries int64
+	var dTier [tiers.Count]int64
+	account := func(v mapVal, sign int64) {
+		if v.bits == 0 {
+			return
+		}
+		dEntries += sign
+		for t := range tiers.Count {
+			if v.bits&(1<<t) != 0 {
+				dTier[t] += sign
+			}
+		}
+	}
+	if o.cleared {
+		// Drop this instance's field from every block it held, except
+		// those the events re-stored after the clear (written below).
+		for h, v := range old {
+			if nv, ok := o.cur[h]; !ok || nv.bits == 0 || nv.key != v.key {
+				pipe.HDel(ctx, r.blockKey(v.key), instance)
+			}
+		}
+		pipe.Del(ctx, ikey)
+	}
+	hset := make([]any, 0, 2*len(o.cur))
+	var hdel []string
+	for h, v := range o.cur {
+		pv, had := o.pre[h]
+		if o.cleared {
+			had = false
+		}
+		if had {
+			account(pv, -1)
+		}
+		account(v, +1)
+		if had && (v.bits == 0 || pv.key != v.key) {
+			pipe.HDel(ctx, r.blockKey(pv.key), instance)
+		}
+		if v.bits == 0 {
+			if had {
+				hdel = append(hdel, hexField(h))
+			}
+			continue
+		}
+		bk := r.blockKey(v.key)
+		pipe.HSet(ctx, bk, instance, strconv.Itoa(int(v.bits)))
+		pipe.Expire(ctx, bk, r.ttl)
+		hset = append(hset, hexField(h), v.encode())
+	}
+	if len(hset) > 0 {
+		pipe.HSet(ctx, ikey, hset...)
+	}
+	if len(hdel) > 0 {
+		pipe.HDel(ctx, ikey, hdel...)
+	}
+	pipe.HIncrBy(ctx, ikey, fieldEntries, dEntries)
+	for t := range tiers.Count {
+		pipe.HIncrBy(ctx, ikey, fieldTier+strconv.Itoa(t), dTier[t])
+	}
+	pipe.Expire(ctx, ikey, r.ttl)
+	pipe.HSet(ctx, r.regKey(), instance, strconv.FormatInt(now.UnixMilli(), 10))
+	pipe.Expire(ctx, r.regKey(), r.ttl)
+	if _, err := pipe.Exec(ctx); err != nil {
+		return res, fmt.Errorf("kvindex: redis: write %d changes of %s: %w", len(o.cur), instance, err)
+	}
+	return res, nil
+}
+
+// readMap reads an instance's whole engine-hash map with HSCAN (one key,
+// so it is fine on Cluster and never blocks Redis on a huge hash).
+func (r *Redis) readMap(ctx context.Context, ikey string) (map[uint64]mapVal, error) {
+	out := make(map[uint64]mapVal)
+	var cursor uint64
+	for {
+		kv, next, err := r.rdb.HScan(ctx, ikey, cursor, "", 4096).Result()
+		if err != nil {
+			return nil, fmt.Errorf("kvindex: redis: scan %s: %w", ikey, err)
+		}
+		for i := 0; i+1 < len(kv); i += 2 {
+			h, ok := parseHex(kv[i])
+			if !ok {
+				continue // a counter field
+			}
+			if v, ok := decodeMapVal(kv[i+1]); ok {
+				out[h] = v
+			}
+		}
+		if cursor = next; cursor == 0 {
+			return out, nil
+		}
+	}
+}
+
+// probePositions are the chain positions read in a lookup's first round
+// trip: 0, 1, 3, 7, ... and the last. Presence is nearly prefix-closed, so
+// the first probe an instance lacks bounds its match from above.
+func probePositions(n int) []int {
+	var out []int
+	for p := 1; p <= n; p *= 2 {
+		out = append(out, p-1)
+	}
+	if last := n - 1; len(out) == 0 || out[len(out)-1] != last {
+		out = append(out, last)
+	}
+	return out
+}
+
+// Lookup implements Index, exactly and in at most two round trips: the
+// first reads the instance registry and the probe positions (HGETALL); for
+// each instance holding keys[0], the first probe it lacks bounds its match;
+// the second reads, with HMGET of just those instances, every position
+// below the largest bound not read yet. Every position up to each
+// instance's bound is then known, so the contiguous match is exact even
+// when presence is not prefix-closed.
+func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
+	if len(keys) == 0 {
+		return nil, nil
+	}
+	probes := probePositions(len(keys))
+	pipe := r.rdb.Pipeline()
+	reg := pipe.HGetAll(ctx, r.regKey())
+	pcmds := make([]*redis.MapStringStringCmd, len(probes))
+	for i, p := range probes {
+		pcmds[i] = pipe.HGetAll(ctx, r.blockKey(keys[p]))
+	}
+	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+		return nil, fmt.Errorf("kvindex: redis: lookup: %w", err)
+	}
+	cutoff := r.now().Add(-r.ttl).UnixMilli()
+	first := pcmds[0].Val()
+	if len(first) == 0 {
+		return nil, nil
+	}
+	regv := reg.Val()
+	type cand struct {
+		name  string
+		bound int         // first probed position it lacks (or len(keys))
+		bits  []tiers.Set // per position below bound, once known
+	}
+	var cands []cand
+	for inst := range first {
+		ms, err := strconv.ParseInt(regv[inst], 10, 64)
+		if err != nil || ms < cutoff {
+			continue // purged, or silent for longer than the TTL
+		}
+		c := cand{name: inst, bound: len(keys)}
+		for i, p := range probes {
+			if _, ok := pcmds[i].Val()[inst]; !ok {
+				c.bound = p
+				break
+			}
+		}
+		cands = append(cands, c)
+	}
+	if len(cands) == 0 {
+		return nil, nil
+	}
+	maxBound := 0
+	for _, c := range cands {
+		maxBound = max(maxBound, c.bound)
+	}
+	probed := make(map[int]int, len(probes))
+	for i, p := range probes {
+		probed[p] = i
+	}
+	names := make([]string, len(cands))
+	for i := range cands {
+		names[i] = cands[i].name
+		cands[i].bits = make([]tiers.Set, cands[i].bound)
+	}
+	var fills []*redis.SliceCmd
+	var fillPos []int
+	for p := 0; p < maxBound; p++ {
+		if i, ok := probed[p]; ok {
+			m := pcmds[i].Val()
+			for ci := range cands {
+				if p < cands[ci].bound {
+					cands[ci].bits[p] = parseBits(m[cands[ci].name])
+				}
+			}
+			continue
+		}
+		if fills == nil {
+			pipe = r.rdb.Pipeline()
+		}
+		fills = append(fills, pipe.HMGet(ctx, r.blockKey(keys[p]), names...))
+		fillPos = append(fillPos, p)
+	}
+	if fills != nil {
+		if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+			return nil, fmt.Errorf("kvindex: redis: lookup fill: %w", err)
+		}
+		for fi, cmd := range fills {
+			p := fillPos[fi]
+			for ci, v := range cmd.Val() {
+				if p < cands[ci].bound {
+					s, _ := v.(string)
+					cands[ci].bits[p] = parseBits(s)
+				}
+			}
+		}
+	}
+	out := make([]Match, 0, len(cands))
+	for _, c := range cands {
+		m := Match{Instance: c.name}
+		var ended [tiers.Count]bool
+		for _, b := range c.bits {
+			if b == 0 {
+				break
+			}
+			for t := range tiers.Count {
+				if !ended[t] {
+					if b&(2<<t-1) != 0 {
+						m.Blocks[t]++
+					} else {
+						ended[t] = true
+					}
+				}
+			}
+		}
+		if m.Blocks[tiers.Count-1] > 0 {
+			out = append(out, m)
+		}
+	}
+	return out, nil
+}
+
+func parseBits(s string) tiers.Set {
+	if s == "" {
+		return 0
+	}
+	v, err := strconv.ParseUint(s, 10, 8)
+	if err != nil {
+		return 0
+	}
+	return tiers.Set(v)
+}
+
+// Purge implements Index: the instance's own map lists every block key it
+// holds a field in, so no scan of the keyspace is needed.
+func (r *Redis) Purge(ctx context.Context, instance string) error {
+	ikey := r.instKey(instance)
+	m, err := r.readMap(ctx, ikey)
+	if err != nil {
+		return err
+	}
+	pipe := r.rdb.Pipeline()
+	for _, v := range m {
+		pipe.HDel(ctx, r.blockKey(v.key), instance)
+		if pipe.Len() >= 8192 {
+			if _, err := pipe.Exec(ctx); err != nil {
+				return fmt.Errorf("kvindex: redis: purge %s: %w", instance, err)
+			}
+		}
+	}
+	pipe.Del(ctx, ikey)
+	pipe.HDel(ctx, r.regKey(), instance)
+	if _, err := pipe.Exec(ctx); err != nil {
+		return fmt.Errorf("kvindex: redis: purge %s: %w", instance, err)
+	}
+	return nil
+}
+
+// Instances implements Index. Instances silent for longer than the TTL are
+// still listed (with their last event time) until purged.
+func (r *Redis) Instances(ctx context.Context) ([]InstanceStats, error) {
+	reg, err := r.rdb.HGetAll(ctx, r.regKey()).Result()
+	if err != nil {
+		return nil, fmt.Errorf("kvindex: redis: instances: %w", err)
+	}
+	if len(reg) == 0 {
+		return nil, nil
+	}
+	fields := []string{fieldTier + "0", fieldTier + "1", fieldTier + "2", fieldTier + "3"}
+	pipe := r.rdb.Pipeline()
+	out := make([]InstanceStats, 0, len(reg))
+	cmds := make([]*redis.SliceCmd, 0, len(reg))
+	for inst, ms := range reg {
+		s := InstanceStats{Instance: inst}
+		if v, err := strconv.ParseInt(ms, 10, 64); err == nil {
+			s.LastEvent = time.UnixMilli(v)
+		}
+		out = append(out, s)
+		cmds = append(cmds, pipe.HMGet(ctx, r.instKey(inst), fields...))
+	}
+	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+		return nil, fmt.Errorf("kvindex: redis: instances: %w", err)
+	}
+	for i, c := range cmds {
+		for t, v := range c.Val() {
+			if s, ok := v.(string); ok {
+				n, _ := strconv.Atoi(s)
+				out[i].Blocks[t] = n
+			}
+		}
+	}
+	return out, nil
+}
+
+// Len implements Index: the sum of the instances' entry counters.
+func (r *Redis) Len(ctx context.Context) (int, error) {
+	reg, err := r.rdb.HKeys(ctx, r.regKey()).Result()
+	if err != nil {
+		return 0, fmt.Errorf("kvindex: redis: len: %w", err)
+	}
+	if len(reg) == 0 {
+		return 0, nil
+	}
+	pipe := r.rdb.Pipeline()
+	cmds := make([]*redis.StringCmd, len(reg))
+	for i, inst := range reg {
+		cmds[i] = pipe.HGet(ctx, r.instKey(inst), fieldEntries)
+	}
+	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+		return 0, fmt.Errorf("kvindex: redis: len: %w", err)
+	}
+	n := 0
+	for _, c := range cmds {
+		v, _ := c.Int()
+		n += v
+	}
+	return n, nil
+}
