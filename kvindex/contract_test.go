@@ -121,9 +121,9 @@ func countsOnly(r ApplyResult) ApplyResult { r.InvalidErr = nil; return r }
 
 func testIndexContract(t *testing.T, newIndex factory) {
 	root := Root(testModel, "", "")
-	a := newChain(root, 8, 4, 1, 1000)      // chain A, engine hashes 1000..
-	a2 := newChain(root, 8, 4, 1, 5000)     // chain A as another instance hashes it
-	b := newChain(root, 4, 4, 99, 2000)     // an unrelated chain
+	a := newChain(root, 8, 4, 1, 1000)  // chain A, engine hashes 1000..
+	a2 := newChain(root, 8, 4, 1, 5000) // chain A as another instance hashes it
+	b := newChain(root, 4, 4, 99, 2000) // an unrelated chain
 	lora := newChain(Root(testModel, "sql-lora", ""), 4, 4, 1, 3000)
 	salted := newChain(Root(testModel, "", "tenant-x"), 4, 4, 1, 4000)
 	loraEv := lora.stored(0, 4)

@@ -106,7 +106,7 @@ type memInstance struct {
 	tail    int32 // least recently stored; -1 when empty
 	n       int   // live entries
 	count   [tiers.Count]int
-	purged  bool  // removed from the index: Apply must re-resolve
+	purged  bool   // removed from the index: Apply must re-resolve
 	stamp   uint32 // current Apply's clock, for entries it places
 	scratch []Key
 
