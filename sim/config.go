@@ -171,3 +171,19 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	return c, nil
 }
+
+// MaxModelLenOrDefault is MaxModelLen, or its default when zero.
+func (c Config) MaxModelLenOrDefault() int {
+	if c.MaxModelLen == 0 {
+		return DefaultMaxModelLen
+	}
+	return c.MaxModelLen
+}
+
+// BlockSizeOrDefault is BlockSize, or its default when zero.
+func (c Config) BlockSizeOrDefault() int {
+	if c.BlockSize == 0 {
+		return DefaultBlockSize
+	}
+	return c.BlockSize
+}

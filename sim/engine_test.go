@@ -36,13 +36,6 @@ func newHarness(t testing.TB, cfg Config) *harness {
 	return h
 }
 
-// BlockSizeOrDefault is a test helper for the replay model.
-func (c Config) BlockSizeOrDefault() int {
-	if c.BlockSize == 0 {
-		return DefaultBlockSize
-	}
-	return c.BlockSize
-}
 
 func (h *harness) submit(r Request, at time.Duration) {
 	h.t.Helper()
