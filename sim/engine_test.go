@@ -36,7 +36,6 @@ func newHarness(t testing.TB, cfg Config) *harness {
 	return h
 }
 
-
 func (h *harness) submit(r Request, at time.Duration) {
 	h.t.Helper()
 	if err := h.e.Submit(r, at); err != nil {
