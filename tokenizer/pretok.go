@@ -3,6 +3,7 @@ package tokenizer
 import (
 	"fmt"
 	"strings"
+	"time"
 	"unicode"
 	"unicode/utf8"
 
@@ -207,6 +208,9 @@ func (gptScanner) letters(text string, i int) int {
 	return i
 }
 
+// regexTimeout bounds one regexp2 match.
+const regexTimeout = 250 * time.Millisecond
+
 // regexSplitter runs an arbitrary Split pattern on regexp2 (Perl/.NET syntax with
 // lookaround, like the Oniguruma engine of Hugging Face's Rust implementation).
 type regexSplitter struct {
@@ -226,6 +230,9 @@ func newRegexSplitter(pattern, behavior string, invert bool) (*regexSplitter, er
 	if err != nil {
 		return nil, fmt.Errorf("%w: split pattern %q: %w", ErrUnsupported, pattern, err)
 	}
+	// Backtracking patterns can go super-linear on hostile input; bound each match so a
+	// request can never hang the router (the rest of the text then becomes one piece).
+	re.MatchTimeout = regexTimeout
 	s := &regexSplitter{re: re}
 	switch strings.ToLower(behavior) {
 	case "isolated", "":
