@@ -186,7 +186,9 @@ func TestLoRAAdapters(t *testing.T) {
 		})
 		h.run()
 		p, _ := h.srv.Pool("llama")
-		waitFor(t, "adapters discovered", func() bool { return p.Instances()[2].HasAdapter("chat-lora") && p.Instances()[0].HasAdapter("sql-lora") })
+		waitFor(t, "adapters discovered", func() bool {
+			return p.Instances()[2].HasAdapter("chat-lora") && p.Instances()[0].HasAdapter("sql-lora")
+		})
 		return h
 	}
 	h := mk("none")

@@ -1,0 +1,197 @@
+package router
+
+import (
+	"bytes"
+	"encoding/json"
+	"strings"
+	"testing"
+	"unicode/utf8"
+)
+
+func TestOpenAIRoutingText(t *testing.T) {
+	tests := []struct {
+		name  string
+		ep    Endpoint
+		body  string
+		limit int
+		want  string
+	}{
+		{"chat strings", EndpointChatCompletions, `{"messages":[{"role":"system","content":"sys"},{"role":"user","content":"hi"}]}`, 100, "sys\nhi"},
+		{"chat parts", EndpointChatCompletions, `{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"b"}]}]}`, 100, "a\nb"},
+		{"chat null content", EndpointChatCompletions, `{"messages":[{"role":"assistant","content":null,"tool_calls":[]},{"role":"user","content":"q"}]}`, 100, "q"},
+		{"cut at limit", EndpointChatCompletions, `{"messages":[{"role":"user","content":"abcdef"},{"role":"user","content":"ghi"}]}`, 4, "abcd"},
+		{"cut counts separator", EndpointChatCompletions, `{"messages":[{"role":"user","content":"abc"},{"role":"user","content":"def"}]}`, 5, "abc\nd"},
+		{"characters not bytes", EndpointChatCompletions, `{"messages":[{"role":"user","content":"héllo wörld"}]}`, 7, "héllo w"},
+		{"cjk", EndpointChatCompletions, `{"messages":[{"role":"user","content":"日本語のテキスト"}]}`, 3, "日本語"},
+		{"prompt string", EndpointCompletions, `{"prompt":"once upon"}`, 100, "once upon"},
+		{"prompt list", EndpointCompletions, `{"prompt":["a","b"]}`, 100, "a\nb"},
+		{"prompt tokens", EndpointCompletions, `{"prompt":[1,22,333]}`, 100, "1 22 333"},
+		{"prompt token lists", EndpointCompletions, `{"prompt":[[1,2],[3]]}`, 100, "1 2\n3"},
+		{"prompt tokens cut", EndpointCompletions, `{"prompt":[12345,67890]}`, 7, "12345 6"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			r, err := ParseOpenAI(tc.ep, []byte(tc.body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := OpenAIRoutingText(r, tc.limit); got != tc.want {
+				t.Fatalf("routing text %q, want %q", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestPromptTokens(t *testing.T) {
+	r, err := ParseOpenAI(EndpointCompletions, []byte(`{"prompt":[[7,8,9],[1]]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req := &Request{PromptTokens: firstTokens(r.Prompt)}
+	ids, err := req.TokenIDs(t.Context())
+	if err != nil || len(ids) != 3 || ids[2] != 9 {
+		t.Fatalf("TokenIDs %v %v", ids, err)
+	}
+	if _, err := (&Request{}).TokenIDs(t.Context()); err != ErrNoTokens {
+		t.Fatalf("no tokens: %v", err)
+	}
+}
+
+func TestRawRoutingText(t *testing.T) {
+	body := []byte(`{ "b": 1, "a": {"y": [1, 2.50, "<x>"], "x": null} }`)
+	if got := RawRoutingText(body, 1024, false); got != string(body) {
+		t.Fatalf("raw %q", got)
+	}
+	if got := RawRoutingText(body, 5, false); got != `{ "b"` {
+		t.Fatalf("raw cut %q", got)
+	}
+	want := `{"a":{"x":null,"y":[1,2.50,"<x>"]},"b":1}`
+	if got := RawRoutingText(body, 1024, true); got != want {
+		t.Fatalf("canonical %q, want %q", got, want)
+	}
+	// Not JSON: routes by its bytes.
+	if got := RawRoutingText([]byte("plain text body"), 1024, true); got != "plain text body" {
+		t.Fatalf("non-JSON %q", got)
+	}
+	if _, err := CanonicalJSON([]byte(`{"a":1} {"b":2}`)); err == nil {
+		t.Fatal("two documents accepted")
+	}
+}
+
+func TestValidTenantKey(t *testing.T) {
+	tests := []struct {
+		in string
+		ok bool
+	}{
+		{"a", true}, {strings.Repeat("x", 64), true}, {"tenant 42 ~!", true},
+		{"", false}, {strings.Repeat("x", 65), false}, {"tab\there", false}, {"é", false}, {"nl\n", false},
+	}
+	for _, tc := range tests {
+		if got := ValidTenantKey(tc.in); got != tc.ok {
+			t.Errorf("ValidTenantKey(%q) = %v", tc.in, got)
+		}
+	}
+}
+
+func TestParseModelList(t *testing.T) {
+	doc := `{"object":"list","data":[{"id":"base","parent":null},{"id":"sql-lora","parent":"base","root":"/a"},{"id":""}]}`
+	got, err := parseModelList(strings.NewReader(doc), "base")
+	if err != nil || len(got) != 1 || got[0] != "sql-lora" {
+		t.Fatalf("adapters %v %v", got, err)
+	}
+	if _, err := parseModelList(strings.NewReader("<html>"), "base"); err == nil {
+		t.Fatal("HTML accepted as a model list")
+	}
+}
+
+// FuzzParseOpenAI: any body either fails with ErrBadRequest or yields a
+// routing text of at most limit runes that is a prefix-shaped cut.
+func FuzzParseOpenAI(f *testing.F) {
+	for _, s := range []string{
+		`{"model":"m","messages":[{"role":"user","content":"hi"}]}`,
+		`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"x"}]}]}`,
+		`{"model":"m","prompt":[1,2,3]}`,
+		`{"model":"m","prompt":[[1],[2,3]]}`,
+		`{"model":"m","prompt":["a","b"],"stream":true,"prompt_cache_key":"k"}`,
+		`{"prompt":[-1]}`, `[]`, `{`, `null`,
+	} {
+		f.Add([]byte(s), uint16(4))
+	}
+	f.Fuzz(func(t *testing.T, body []byte, lim uint16) {
+		limit := int(lim)%200 + 1
+		for _, ep := range []Endpoint{EndpointChatCompletions, EndpointCompletions} {
+			r, err := ParseOpenAI(ep, body)
+			if err != nil {
+				if r != nil {
+					t.Fatal("error with a result")
+				}
+				continue
+			}
+			txt := OpenAIRoutingText(r, limit)
+			if n := utf8.RuneCountInString(txt); n > limit {
+				t.Fatalf("routing text of %d runes over limit %d", n, limit)
+			}
+			if txt2 := OpenAIRoutingText(r, limit+50); !strings.HasPrefix(txt2, txt) {
+				t.Fatalf("routing text %q is not a prefix of the longer %q", txt, txt2)
+			}
+		}
+	})
+}
+
+// FuzzCanonicalJSON: canonical form is idempotent and equal in meaning.
+func FuzzCanonicalJSON(f *testing.F) {
+	for _, s := range []string{`{"b":1,"a":[1,2,{"d":null,"c":"x"}]}`, ` [1, 2.50e3, "\u003c"] `, `"s"`, `{`, `1 2`, `{"a":1,"a":2}`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		c, err := CanonicalJSON(body)
+		if err != nil {
+			return
+		}
+		c2, err := CanonicalJSON(c)
+		if err != nil || !bytes.Equal(c, c2) {
+			t.Fatalf("not idempotent: %q -> %q (%v)", c, c2, err)
+		}
+		if !json.Valid(c) {
+			t.Fatalf("canonical form not valid JSON: %q", c)
+		}
+		if txt := RawRoutingText(body, 16, true); len(txt) > 16 {
+			t.Fatalf("raw routing text over limit: %d", len(txt))
+		}
+	})
+}
+
+// FuzzParseModelList: never panics; adapters never include the base model.
+func FuzzParseModelList(f *testing.F) {
+	f.Add([]byte(`{"data":[{"id":"b"},{"id":"x","parent":"b"}]}`))
+	f.Add([]byte(`{"data":null}`))
+	f.Fuzz(func(t *testing.T, doc []byte) {
+		names, err := parseModelList(bytes.NewReader(doc), "b")
+		if err != nil {
+			return
+		}
+		for _, n := range names {
+			if n == "b" || n == "" {
+				t.Fatalf("adapter %q", n)
+			}
+		}
+	})
+}
+
+// FuzzParseConfig: any YAML either fails cleanly or validates without panic.
+func FuzzParseConfig(f *testing.F) {
+	f.Add([]byte("pools: [{name: p, model: m, instances: [{id: a, url: 'http://h:1'}]}]"))
+	f.Add([]byte("listen: 1\npools: [{name: p, routing: {prefix_length: -1}}]"))
+	f.Add([]byte("index: {backend: redis, redis: {ttl: 5x}}"))
+	f.Fuzz(func(t *testing.T, doc []byte) {
+		cfg, err := ParseConfig(bytes.NewReader(doc))
+		if err != nil {
+			return
+		}
+		if cfg.Validate() == nil {
+			if _, err := NewServer(cfg, Options{}); err != nil {
+				t.Fatalf("valid config but NewServer failed: %v", err)
+			}
+		}
+	})
+}
