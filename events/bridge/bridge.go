@@ -262,8 +262,11 @@ type instance struct {
 	// Owned by the process goroutine.
 	tracker  events.SeqTracker
 	msgCount uint64
-	encoding events.Encoding
 	replayed map[uint64][]byte // start-up replay payloads by seq, until live passes them
+
+	// enc is the engine's event encoding (events.Encoding), used for
+	// synthetic messages; read by the snapshot goroutines.
+	enc atomic.Uint32
 
 	published, gaps, replays, replayFails, clears, dropped, malformed atomic.Uint64
 
@@ -291,8 +294,8 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		replay:   events.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
 		in:       make(chan events.Message, b.cfg.Buffer),
 		table:    NewTable(b.cfg.MaxBlocks),
-		encoding: events.EncodingMap,
 	}
+	in.enc.Store(uint32(events.EncodingMap))
 	pool := b.cfg.Pool
 	in.subj, _ = events.EventsSubject(pool, s.Instance)
 	in.evictSubj, _ = events.EvictionsSubject(pool, s.Instance)
@@ -397,7 +400,7 @@ func (in *instance) publishEngine(ctx context.Context, m events.Message) error {
 	h := events.EventHeaders{Seq: m.Seq, HasSeq: true, Rank: in.src.Rank, Pool: in.b.cfg.Pool, Instance: in.src.Instance, Model: in.b.cfg.Model}
 	if derr == nil && batch.Encoding != 0 {
 		h.Encoding = batch.Encoding.String()
-		in.encoding = batch.Encoding
+		in.enc.Store(uint32(batch.Encoding))
 	}
 	seq, err := in.publish(ctx, m.Payload, h)
 	if err != nil {
@@ -463,11 +466,11 @@ func (in *instance) clear(ctx context.Context, reason string) error {
 		Events:    []events.Event{{Kind: events.AllBlocksCleared}},
 		DPRank:    in.src.Rank,
 		HasDPRank: true,
-	}, in.encoding)
+	}, in.encoding())
 	if err != nil {
 		return fmt.Errorf("bridge: encode clear: %w", err)
 	}
-	seq, err := in.publish(ctx, payload, events.EventHeaders{Rank: in.src.Rank, Encoding: in.encoding.String(),
+	seq, err := in.publish(ctx, payload, events.EventHeaders{Rank: in.src.Rank, Encoding: in.encoding().String(),
 		Pool: in.b.cfg.Pool, Instance: in.src.Instance, Model: in.b.cfg.Model, Synthetic: reason})
 	if err != nil {
 		return err
@@ -524,3 +527,5 @@ func (in *instance) publish(ctx context.Context, payload []byte, h events.EventH
 		backoff = min(2*backoff, 2*time.Second)
 	}
 }
+
+func (in *instance) encoding() events.Encoding { return events.Encoding(in.enc.Load()) }

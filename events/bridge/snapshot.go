@@ -28,7 +28,7 @@ func (in *instance) resync(ctx context.Context) error {
 			if b, err := events.Decode(s.Batch); err == nil {
 				in.table.Apply(b.Events)
 				if b.Encoding != 0 {
-					in.encoding = b.Encoding
+					in.enc.Store(uint32(b.Encoding))
 				}
 				snap = &s
 				in.tracker.Set(s.EngineSeq)
@@ -118,12 +118,12 @@ func (in *instance) publishResync(ctx context.Context) error {
 	in.mu.Lock()
 	evs := in.table.Events()
 	in.mu.Unlock()
-	h := events.EventHeaders{Rank: in.src.Rank, Encoding: in.encoding.String(), Pool: in.b.cfg.Pool,
+	h := events.EventHeaders{Rank: in.src.Rank, Encoding: in.encoding().String(), Pool: in.b.cfg.Pool,
 		Instance: in.src.Instance, Model: in.b.cfg.Model, Synthetic: events.SyntheticResync}
 	// The clear goes through clear() so it is counted, but the table must
 	// survive it: publish it, then the table.
 	payload, err := events.Encode(nil, events.Batch{TS: now(), Events: []events.Event{{Kind: events.AllBlocksCleared}},
-		DPRank: in.src.Rank, HasDPRank: true}, in.encoding)
+		DPRank: in.src.Rank, HasDPRank: true}, in.encoding())
 	if err != nil {
 		return fmt.Errorf("bridge: encode clear: %w", err)
 	}
@@ -134,7 +134,7 @@ func (in *instance) publishResync(ctx context.Context) error {
 	in.clears.Add(1)
 	in.b.m.clears.WithLabelValues(in.src.Instance, events.SyntheticResync).Inc()
 	for _, chunk := range chunkEvents(evs, in.b.cfg.MaxBlocksPerMessage) {
-		payload, err := events.Encode(nil, events.Batch{TS: now(), Events: chunk, DPRank: in.src.Rank, HasDPRank: true}, in.encoding)
+		payload, err := events.Encode(nil, events.Batch{TS: now(), Events: chunk, DPRank: in.src.Rank, HasDPRank: true}, in.encoding())
 		if err != nil {
 			return fmt.Errorf("bridge: encode resync: %w", err)
 		}
@@ -207,7 +207,7 @@ func (in *instance) snapshot() (events.Snapshot, error) {
 		BlockSize: in.table.BlockSize(), Blocks: in.table.Len(), EngineSeq: in.engineSeq, HasSeq: in.hasSeq,
 		StreamSeq: in.streamSeq, Taken: time.Now().UTC()}
 	in.mu.Unlock()
-	b, err := events.Encode(nil, events.Batch{TS: now(), Events: evs, DPRank: in.src.Rank, HasDPRank: true}, in.encoding)
+	b, err := events.Encode(nil, events.Batch{TS: now(), Events: evs, DPRank: in.src.Rank, HasDPRank: true}, in.encoding())
 	if err != nil {
 		return events.Snapshot{}, fmt.Errorf("bridge: encode snapshot: %w", err)
 	}

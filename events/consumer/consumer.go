@@ -1,0 +1,647 @@
+// Package consumer is the router side of the KV-event transport: it
+// consumes kv.events.<pool>.> from JetStream into an index, in order per
+// instance, rebuilding instances from snapshots so that a restarted router
+// holds the same index as one that never stopped; it discovers instances
+// from heartbeats, marks silent ones stale and purges them.
+package consumer
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/maphash"
+	"log/slog"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/kvindex"
+)
+
+// Applier is what the consumer feeds: kvindex.Index satisfies it. Apply
+// calls for one instance come from one goroutine, in stream order; calls
+// for different instances may overlap.
+type Applier interface {
+	Apply(ctx context.Context, instance string, evs []events.Event) (kvindex.ApplyResult, error)
+	Purge(ctx context.Context, instance string) error
+}
+
+var _ Applier = kvindex.Index(nil)
+
+// State is an instance's state as the consumer sees it.
+type State uint8
+
+const (
+	// StateLive: heartbeats or events arrive; its index entries count.
+	StateLive State = iota + 1
+	// StateStale: silent for longer than StaleAfter; its entries should
+	// not count for routing, but are kept in case it comes back.
+	StateStale
+	// StatePurged: silent for longer than PurgeAfter; its entries are gone.
+	StatePurged
+)
+
+func (s State) String() string {
+	switch s {
+	case StateLive:
+		return "live"
+	case StateStale:
+		return "stale"
+	case StatePurged:
+		return "purged"
+	}
+	return "unknown"
+}
+
+// MarshalText renders the state's name in JSON.
+func (s State) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
+
+// Config configures a Consumer. Zero values mean the documented defaults.
+type Config struct {
+	// Conn is the NATS connection; required.
+	Conn *nats.Conn
+	// Pool is the pool whose instances are consumed; required.
+	Pool string
+	// Applier receives the events (the pool's kvindex.Index); required.
+	Applier Applier
+	// Stream and Bucket name the events stream and the snapshot bucket;
+	// both are created when missing (the router may start before any
+	// bridge).
+	Stream events.StreamConfig
+	Bucket events.BucketConfig
+	// SharedIndex says the Applier is shared with other routers (the
+	// Redis index): then the consumer neither purges instances on start
+	// nor reloads snapshots into it, and consumes only new messages: the
+	// shared map is already current, this router only keeps up.
+	SharedIndex bool
+	// Shards is the number of apply goroutines (default 4); each instance
+	// always maps to the same one, so its events stay in order.
+	Shards int
+	// SnapshotTimeout bounds a snapshot request to a bridge before the
+	// bucket is used instead (default 2s).
+	SnapshotTimeout time.Duration
+	// StaleAfter marks an instance stale after this much silence (no
+	// heartbeat, no event); default 15s, three missed 5s heartbeats.
+	StaleAfter time.Duration
+	// PurgeAfter purges a silent instance from the index (default 10m:
+	// long enough to ride out a bridge or NATS restart).
+	PurgeAfter time.Duration
+	// CheckInterval is the stale/purge check period (default 1s).
+	CheckInterval time.Duration
+	// Registerer receives the consumer's metrics (nil: not registered).
+	Registerer prometheus.Registerer
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+// InstanceStatus is the consumer's view of one instance.
+type InstanceStatus struct {
+	Instance      string            `json:"instance"`
+	State         State             `json:"state"`
+	LastSeq       uint64            `json:"last_seq"`
+	LastEvent     time.Time         `json:"last_event"`
+	LastHeartbeat time.Time         `json:"last_heartbeat"`
+	Gaps          uint64            `json:"gaps"`
+	Clears        uint64            `json:"clears"`
+	Malformed     uint64            `json:"malformed"`
+	Unknown       uint64            `json:"unknown_events"`
+	SnapshotSeq   uint64            `json:"snapshot_stream_seq"`
+	StreamSeq     uint64            `json:"stream_seq"`
+	Heartbeat     *events.Heartbeat `json:"heartbeat,omitempty"`
+}
+
+// Consumer feeds one pool's events into an Applier.
+type Consumer struct {
+	cfg  Config
+	js   jetstream.JetStream
+	kv   jetstream.KeyValue
+	m    *metrics
+	seed maphash.Seed
+
+	shards []chan work
+
+	running atomic.Bool
+	lastErr atomic.Int64 // unix nanos of the last consume error
+
+	mu    sync.Mutex // guards insts and every *inst's status fields
+	insts map[string]*inst
+}
+
+// inst is one instance's state.
+type inst struct {
+	status   InstanceStatus // guarded by Consumer.mu
+	lastSeen time.Time      // guarded by Consumer.mu
+	hasSeq   bool           // guarded by Consumer.mu
+	// Owned by the instance's shard goroutine.
+	needLoad bool
+	skipUpTo uint64
+}
+
+type workKind uint8
+
+const (
+	workEvent workKind = iota
+	workLoad
+	workPurge
+)
+
+type work struct {
+	kind      workKind
+	instance  string
+	streamSeq uint64
+	header    nats.Header
+	data      []byte
+	stored    time.Time
+}
+
+// New validates cfg.
+func New(cfg Config) (*Consumer, error) {
+	if cfg.Conn == nil {
+		return nil, errors.New("consumer: no NATS connection")
+	}
+	if cfg.Applier == nil {
+		return nil, errors.New("consumer: no applier (index)")
+	}
+	if err := events.ValidToken("pool", cfg.Pool); err != nil {
+		return nil, fmt.Errorf("consumer: %w", err)
+	}
+	if cfg.Shards == 0 {
+		cfg.Shards = 4
+	}
+	if cfg.SnapshotTimeout == 0 {
+		cfg.SnapshotTimeout = 2 * time.Second
+	}
+	if cfg.StaleAfter == 0 {
+		cfg.StaleAfter = 15 * time.Second
+	}
+	if cfg.PurgeAfter == 0 {
+		cfg.PurgeAfter = 10 * time.Minute
+	}
+	if cfg.CheckInterval == 0 {
+		cfg.CheckInterval = time.Second
+	}
+	if cfg.Shards < 0 || cfg.SnapshotTimeout < 0 || cfg.StaleAfter < 0 || cfg.PurgeAfter < 0 || cfg.CheckInterval < 0 {
+		return nil, errors.New("consumer: negative shards or interval in config")
+	}
+	if cfg.PurgeAfter < cfg.StaleAfter {
+		return nil, fmt.Errorf("consumer: purge after %v is shorter than stale after %v", cfg.PurgeAfter, cfg.StaleAfter)
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	m, err := newMetrics(cfg.Registerer, cfg.Pool)
+	if err != nil {
+		return nil, fmt.Errorf("consumer: metrics: %w", err)
+	}
+	js, err := jetstream.New(cfg.Conn)
+	if err != nil {
+		return nil, fmt.Errorf("consumer: jetstream: %w", err)
+	}
+	c := &Consumer{cfg: cfg, js: js, m: m, seed: maphash.MakeSeed(), insts: map[string]*inst{}}
+	c.shards = make([]chan work, cfg.Shards)
+	for i := range c.shards {
+		c.shards[i] = make(chan work, 256)
+	}
+	return c, nil
+}
+
+// Healthy reports whether the stream is being consumed: NATS connected,
+// the consumer running and no consume error in the last 10s. The exact
+// (kv_aware) strategy falls back to the heuristic when it is not.
+func (c *Consumer) Healthy() bool {
+	if !c.running.Load() || !c.cfg.Conn.IsConnected() {
+		return false
+	}
+	last := c.lastErr.Load()
+	return last == 0 || time.Since(time.Unix(0, last)) > 10*time.Second
+}
+
+// Live reports whether the instance is known and live: its index entries
+// should count for routing.
+func (c *Consumer) Live(instance string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	in := c.insts[instance]
+	return in != nil && in.status.State == StateLive
+}
+
+// Instances returns every known instance's status, sorted by name.
+func (c *Consumer) Instances() []InstanceStatus {
+	c.mu.Lock()
+	out := make([]InstanceStatus, 0, len(c.insts))
+	for _, in := range c.insts {
+		s := in.status
+		if s.Heartbeat != nil {
+			hb := *s.Heartbeat
+			s.Heartbeat = &hb
+		}
+		out = append(out, s)
+	}
+	c.mu.Unlock()
+	slices.SortFunc(out, func(a, b InstanceStatus) int {
+		switch {
+		case a.Instance < b.Instance:
+			return -1
+		case a.Instance > b.Instance:
+			return 1
+		}
+		return 0
+	})
+	return out
+}
+
+// Run consumes until ctx is done and returns ctx.Err(), or an error when
+// the stream or bucket cannot be made.
+func (c *Consumer) Run(ctx context.Context) error {
+	backoff := 100 * time.Millisecond
+	for {
+		var err error
+		if _, err = events.EnsureStream(ctx, c.js, c.cfg.Stream); err == nil {
+			c.kv, err = events.EnsureBucket(ctx, c.js, c.cfg.Bucket)
+		}
+		if err == nil {
+			break
+		}
+		c.cfg.Logger.Warn("consumer: stream or bucket not ready, retrying", "err", err, "backoff", backoff)
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, 5*time.Second)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	for i := range c.shards {
+		wg.Add(1)
+		go func() { defer wg.Done(); c.shard(ctx, c.shards[i]) }()
+	}
+	defer wg.Wait()
+
+	hbSubj, _ := events.PoolSubjects(events.SubjectInstances, c.cfg.Pool)
+	hbSub, err := c.cfg.Conn.Subscribe(hbSubj, func(m *nats.Msg) { c.heartbeat(ctx, m) })
+	if err != nil {
+		return fmt.Errorf("consumer: subscribe %s: %w", hbSubj, err)
+	}
+	defer func() { _ = hbSub.Unsubscribe() }()
+
+	deliver := jetstream.DeliverAllPolicy
+	if c.cfg.SharedIndex {
+		deliver = jetstream.DeliverNewPolicy
+	} else {
+		c.loadKnown(ctx)
+	}
+	evSubj, _ := events.PoolSubjects(events.SubjectEvents, c.cfg.Pool)
+	streamName := c.cfg.Stream.Name
+	if streamName == "" {
+		streamName = events.DefaultStreamName
+	}
+	cons, err := c.js.OrderedConsumer(ctx, streamName, jetstream.OrderedConsumerConfig{
+		FilterSubjects: []string{evSubj},
+		DeliverPolicy:  deliver,
+	})
+	if err != nil {
+		return fmt.Errorf("consumer: ordered consumer on %s: %w", streamName, err)
+	}
+	cc, err := cons.Consume(func(m jetstream.Msg) { c.dispatch(ctx, m) },
+		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
+			c.lastErr.Store(time.Now().UnixNano())
+			c.m.consumeErrors.Inc()
+			c.cfg.Logger.Debug("consumer: consume error", "err", err)
+		}))
+	if err != nil {
+		return fmt.Errorf("consumer: consume %s: %w", streamName, err)
+	}
+	defer cc.Stop()
+	c.running.Store(true)
+	defer c.running.Store(false)
+
+	tick := time.NewTicker(c.cfg.CheckInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-tick.C:
+			c.check(ctx)
+		}
+	}
+}
+
+func (c *Consumer) shardOf(instance string) chan work {
+	return c.shards[maphash.String(c.seed, instance)%uint64(len(c.shards))]
+}
+
+func (c *Consumer) enqueue(ctx context.Context, w work) {
+	select {
+	case c.shardOf(w.instance) <- w:
+	case <-ctx.Done():
+	}
+}
+
+// loadKnown queues a snapshot load for every instance of the pool that has
+// one in the bucket, before any stream message: the shard applies the
+// snapshot, then skips the stream up to its sequence.
+func (c *Consumer) loadKnown(ctx context.Context) {
+	lister, err := c.kv.ListKeysFiltered(ctx, c.cfg.Pool+".*")
+	if err != nil {
+		c.cfg.Logger.Warn("consumer: list snapshots", "err", err)
+		return
+	}
+	for key := range lister.Keys() {
+		instance := key[len(c.cfg.Pool)+1:]
+		if events.ValidToken("instance", instance) != nil {
+			continue
+		}
+		c.mu.Lock()
+		if c.insts[instance] == nil {
+			c.insts[instance] = c.newInst(instance)
+		}
+		c.mu.Unlock()
+		c.enqueue(ctx, work{kind: workLoad, instance: instance})
+	}
+}
+
+// newInst makes an instance record; c.mu held.
+func (c *Consumer) newInst(instance string) *inst {
+	now := time.Now()
+	return &inst{status: InstanceStatus{Instance: instance, State: StateLive}, lastSeen: now, needLoad: true}
+}
+
+// dispatch runs on the consume goroutine: route the message to its shard.
+func (c *Consumer) dispatch(ctx context.Context, m jetstream.Msg) {
+	_, pool, instance, err := events.ParseSubject(m.Subject())
+	if err != nil || pool != c.cfg.Pool {
+		c.m.messages.WithLabelValues("bad_subject").Inc()
+		return
+	}
+	w := work{kind: workEvent, instance: instance, header: m.Headers(), data: m.Data()}
+	if md, err := m.Metadata(); err == nil {
+		w.streamSeq, w.stored = md.Sequence.Stream, md.Timestamp
+	}
+	c.mu.Lock()
+	if c.insts[instance] == nil {
+		c.insts[instance] = c.newInst(instance)
+	}
+	c.mu.Unlock()
+	c.enqueue(ctx, w)
+}
+
+// heartbeat records a bridge heartbeat; an instance seen for the first
+// time, or purged, gets its snapshot loaded.
+func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
+	_, pool, instance, err := events.ParseSubject(m.Subject)
+	if err != nil || pool != c.cfg.Pool {
+		return
+	}
+	var hb events.Heartbeat
+	if err := json.Unmarshal(m.Data, &hb); err != nil {
+		c.m.heartbeats.WithLabelValues("malformed").Inc()
+		return
+	}
+	c.m.heartbeats.WithLabelValues("ok").Inc()
+	now := time.Now()
+	c.mu.Lock()
+	in := c.insts[instance]
+	load := false
+	if in == nil {
+		in = c.newInst(instance)
+		c.insts[instance] = in
+		load = !c.cfg.SharedIndex
+	} else if in.status.State == StatePurged {
+		load = !c.cfg.SharedIndex
+		in.status.State = StateLive
+	} else if in.status.State == StateStale {
+		in.status.State = StateLive
+	}
+	in.status.LastHeartbeat, in.lastSeen = now, now
+	in.status.Heartbeat = &hb
+	c.mu.Unlock()
+	if load {
+		c.enqueue(ctx, work{kind: workLoad, instance: instance})
+	}
+}
+
+// check marks silent instances stale and queues purges.
+func (c *Consumer) check(ctx context.Context) {
+	now := time.Now()
+	var purge []string
+	counts := map[State]int{}
+	c.mu.Lock()
+	for name, in := range c.insts {
+		silent := now.Sub(in.lastSeen)
+		switch in.status.State {
+		case StateLive:
+			if silent > c.cfg.StaleAfter {
+				in.status.State = StateStale
+				c.cfg.Logger.Info("consumer: instance stale", "instance", name, "silent", silent.Round(time.Millisecond))
+			}
+		case StateStale:
+			if silent > c.cfg.PurgeAfter {
+				in.status.State = StatePurged
+				purge = append(purge, name)
+			}
+		}
+		counts[in.status.State]++
+	}
+	c.mu.Unlock()
+	for _, s := range []State{StateLive, StateStale, StatePurged} {
+		c.m.instances.WithLabelValues(s.String()).Set(float64(counts[s]))
+	}
+	for _, name := range purge {
+		c.enqueue(ctx, work{kind: workPurge, instance: name})
+	}
+}
+
+func (c *Consumer) shard(ctx context.Context, ch chan work) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case w := <-ch:
+			c.m.queue.Set(float64(len(ch)))
+			c.do(ctx, w)
+		}
+	}
+}
+
+func (c *Consumer) do(ctx context.Context, w work) {
+	c.mu.Lock()
+	in := c.insts[w.instance]
+	if in == nil {
+		in = c.newInst(w.instance)
+		c.insts[w.instance] = in
+	}
+	c.mu.Unlock()
+	switch w.kind {
+	case workPurge:
+		c.mu.Lock()
+		still := in.status.State == StatePurged
+		c.mu.Unlock()
+		if !still {
+			return // came back since the purge was queued
+		}
+		if !c.cfg.SharedIndex {
+			if err := c.cfg.Applier.Purge(ctx, w.instance); err != nil {
+				c.cfg.Logger.Warn("consumer: purge", "instance", w.instance, "err", err)
+			}
+		}
+		in.needLoad, in.skipUpTo = true, 0
+		c.m.purges.Inc()
+		c.cfg.Logger.Info("consumer: instance purged", "instance", w.instance)
+	case workLoad:
+		if in.needLoad && !c.cfg.SharedIndex {
+			c.load(ctx, w.instance, in)
+		}
+	case workEvent:
+		c.event(ctx, w, in)
+	}
+}
+
+// load replaces the instance's index state with its snapshot: from the
+// bridge (request-reply, the freshest), else the bucket, else nothing (the
+// stream alone then rebuilds what it still holds).
+func (c *Consumer) load(ctx context.Context, instance string, in *inst) {
+	in.needLoad = false
+	snap, source, err := c.fetchSnapshot(ctx, instance)
+	if err != nil {
+		c.m.snapshotLoads.WithLabelValues("none").Inc()
+		c.cfg.Logger.Info("consumer: no snapshot, using the stream alone", "instance", instance, "err", err)
+		return
+	}
+	batch, err := events.Decode(snap.Batch)
+	if err != nil {
+		c.m.snapshotLoads.WithLabelValues("malformed").Inc()
+		c.cfg.Logger.Warn("consumer: malformed snapshot batch", "instance", instance, "source", source, "err", err)
+		return
+	}
+	if err := c.cfg.Applier.Purge(ctx, instance); err != nil {
+		c.cfg.Logger.Warn("consumer: purge before snapshot", "instance", instance, "err", err)
+	}
+	if _, err := c.cfg.Applier.Apply(ctx, instance, batch.Events); err != nil {
+		c.m.applyErrors.Inc()
+		c.cfg.Logger.Warn("consumer: apply snapshot", "instance", instance, "err", err)
+	}
+	in.skipUpTo = snap.StreamSeq
+	c.m.snapshotLoads.WithLabelValues(source).Inc()
+	now := time.Now()
+	c.mu.Lock()
+	in.status.SnapshotSeq = snap.StreamSeq
+	if snap.StreamSeq > in.status.StreamSeq {
+		in.status.StreamSeq = snap.StreamSeq
+	}
+	if snap.HasSeq {
+		in.status.LastSeq, in.hasSeq = snap.EngineSeq, true
+	}
+	in.lastSeen = now
+	if in.status.State != StateStale {
+		in.status.State = StateLive
+	}
+	c.mu.Unlock()
+	c.cfg.Logger.Info("consumer: loaded snapshot", "instance", instance, "source", source, "blocks", snap.Blocks, "stream_seq", snap.StreamSeq)
+}
+
+// errNoSnapshot: neither the bridge nor the bucket has one.
+var errNoSnapshot = errors.New("consumer: no snapshot")
+
+func (c *Consumer) fetchSnapshot(ctx context.Context, instance string) (events.Snapshot, string, error) {
+	subj, err := events.SnapshotSubject(c.cfg.Pool, instance)
+	if err != nil {
+		return events.Snapshot{}, "", err
+	}
+	rctx, cancel := context.WithTimeout(ctx, c.cfg.SnapshotTimeout)
+	reply, err := c.cfg.Conn.RequestWithContext(rctx, subj, nil)
+	cancel()
+	if err == nil && reply.Header.Get("Kv-Error") == "" {
+		if s, err := events.UnmarshalSnapshot(reply.Data); err == nil && s.Instance == instance {
+			return s, "request", nil
+		}
+	}
+	key, _ := events.SnapshotKey(c.cfg.Pool, instance)
+	e, err := c.kv.Get(ctx, key)
+	if err != nil {
+		return events.Snapshot{}, "", fmt.Errorf("%w: %w", errNoSnapshot, err)
+	}
+	s, err := events.UnmarshalSnapshot(e.Value())
+	if err != nil {
+		return events.Snapshot{}, "", err
+	}
+	if s.Instance != instance {
+		return events.Snapshot{}, "", fmt.Errorf("consumer: bucket key %s holds instance %q", key, s.Instance)
+	}
+	return s, "bucket", nil
+}
+
+// event applies one stream message, unless a loaded snapshot covers it.
+func (c *Consumer) event(ctx context.Context, w work, in *inst) {
+	c.mu.Lock()
+	purged := in.status.State == StatePurged
+	c.mu.Unlock()
+	if purged && !c.cfg.SharedIndex {
+		// Events again after a purge: the instance is back.
+		in.needLoad = true
+	}
+	if in.needLoad && !c.cfg.SharedIndex {
+		c.load(ctx, w.instance, in)
+	}
+	if w.streamSeq != 0 && w.streamSeq <= in.skipUpTo {
+		c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
+		return
+	}
+	now := time.Now()
+	h, herr := events.ParseEventHeaders(w.header)
+	batch, err := events.Decode(w.data)
+	c.mu.Lock()
+	st := &in.status
+	st.StreamSeq = max(st.StreamSeq, w.streamSeq)
+	in.lastSeen = now
+	st.State = StateLive
+	if herr == nil && h.HasSeq && h.Synthetic == "" {
+		if in.hasSeq && h.Seq > st.LastSeq+1 {
+			st.Gaps++
+			c.m.gaps.Inc()
+		}
+		st.LastSeq, in.hasSeq = h.Seq, true
+	}
+	if h.Synthetic == events.SyntheticGap || h.Synthetic == events.SyntheticRestart || h.Synthetic == events.SyntheticResync {
+		st.Clears++
+	}
+	if err != nil {
+		st.Malformed++
+	} else {
+		st.Unknown += uint64(batch.Unknown)
+		st.LastEvent = now
+	}
+	c.mu.Unlock()
+	if err != nil {
+		c.m.messages.WithLabelValues("malformed").Inc()
+		c.cfg.Logger.Warn("consumer: malformed payload skipped", "instance", w.instance, "stream_seq", w.streamSeq, "err", err)
+		return
+	}
+	if batch.Unknown > 0 {
+		c.m.unknown.Add(float64(batch.Unknown))
+	}
+	res, err := c.cfg.Applier.Apply(ctx, w.instance, batch.Events)
+	if err != nil {
+		c.m.applyErrors.Inc()
+		c.cfg.Logger.Warn("consumer: apply", "instance", w.instance, "err", err)
+		return
+	}
+	c.m.messages.WithLabelValues("applied").Inc()
+	for i := range batch.Events {
+		c.m.events.WithLabelValues(batch.Events[i].Kind.String()).Inc()
+	}
+	c.m.stored.Add(float64(res.Stored))
+	c.m.removed.Add(float64(res.Removed))
+	if !w.stored.IsZero() {
+		c.m.lag.Observe(now.Sub(w.stored).Seconds())
+	}
+}

@@ -1,0 +1,65 @@
+package consumer
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// metrics are the consumer's series, labelled with its pool.
+type metrics struct {
+	messages      *prometheus.CounterVec
+	events        *prometheus.CounterVec
+	unknown       prometheus.Counter
+	gaps          prometheus.Counter
+	stored        prometheus.Counter
+	removed       prometheus.Counter
+	applyErrors   prometheus.Counter
+	consumeErrors prometheus.Counter
+	snapshotLoads *prometheus.CounterVec
+	heartbeats    *prometheus.CounterVec
+	purges        prometheus.Counter
+	instances     *prometheus.GaugeVec
+	queue         prometheus.Gauge
+	lag           prometheus.Histogram
+}
+
+func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
+	cl := prometheus.Labels{"pool": pool}
+	m := &metrics{
+		messages: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_events_messages_total", ConstLabels: cl,
+			Help: "kv.events messages consumed, by result (applied, malformed, covered_by_snapshot, bad_subject)."}, []string{"result"}),
+		events: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_events_applied_total", ConstLabels: cl,
+			Help: "Engine events applied to the index, by type."}, []string{"type"}),
+		unknown: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_unknown_total", ConstLabels: cl,
+			Help: "Events of unknown type skipped (the rest of their batch applied)."}),
+		gaps: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_seq_gaps_total", ConstLabels: cl,
+			Help: "Engine sequence gaps seen in the stream (the bridge repaired or cleared them)."}),
+		stored: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_blocks_stored_total", ConstLabels: cl,
+			Help: "Block placements the index added."}),
+		removed: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_blocks_removed_total", ConstLabels: cl,
+			Help: "Block placements the index dropped."}),
+		applyErrors: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_apply_errors_total", ConstLabels: cl,
+			Help: "Index Apply calls that failed."}),
+		consumeErrors: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_consume_errors_total", ConstLabels: cl,
+			Help: "JetStream consume errors (the ordered consumer recovers by itself)."}),
+		snapshotLoads: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_events_snapshot_loads_total", ConstLabels: cl,
+			Help: "Instance snapshot loads, by source (request, bucket, none, malformed)."}, []string{"source"}),
+		heartbeats: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_events_heartbeats_total", ConstLabels: cl,
+			Help: "Bridge heartbeats received, by result."}, []string{"result"}),
+		purges: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_instance_purges_total", ConstLabels: cl,
+			Help: "Instances purged from the index after PurgeAfter of silence."}),
+		instances: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvrouter_events_instances", ConstLabels: cl,
+			Help: "Known instances by state (live, stale, purged)."}, []string{"state"}),
+		queue: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvrouter_events_shard_queue", ConstLabels: cl,
+			Help: "Messages waiting in a shard's queue (last sampled)."}),
+		lag: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvrouter_events_lag_seconds", ConstLabels: cl,
+			Help:    "Time from a message's JetStream store to its application to the index.",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 18)}),
+	}
+	if reg != nil {
+		for _, c := range []prometheus.Collector{m.messages, m.events, m.unknown, m.gaps, m.stored, m.removed, m.applyErrors,
+			m.consumeErrors, m.snapshotLoads, m.heartbeats, m.purges, m.instances, m.queue, m.lag} {
+			if err := reg.Register(c); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return m, nil
+}

@@ -1,0 +1,315 @@
+package test
+
+import (
+	"bufio"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"os"
+	"reflect"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
+)
+
+// capturedPayloads returns the msgpack payloads of a capture file: real
+// llm-d-inference-sim messages (events/testdata/captured/DATA.md).
+func capturedPayloads(t testing.TB, name string) [][]byte {
+	t.Helper()
+	f, err := os.Open("../events/testdata/captured/" + name)
+	if err != nil {
+		t.Fatalf("captures: %v", err)
+	}
+	defer f.Close()
+	var out [][]byte
+	s := bufio.NewScanner(f)
+	s.Buffer(make([]byte, 1<<20), 1<<20)
+	for s.Scan() {
+		var line struct {
+			Payload string `json:"payload_b64"`
+		}
+		if err := json.Unmarshal(s.Bytes(), &line); err != nil {
+			t.Fatal(err)
+		}
+		p, err := base64.StdEncoding.DecodeString(line.Payload)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, p)
+	}
+	if len(out) == 0 {
+		t.Fatalf("captures: %s is empty", name)
+	}
+	return out
+}
+
+// tableApplier is an index that keeps, per instance, exactly the engine's
+// block table (bridge.Table), so tests can compare what a consumer built
+// with what the engine holds, block by block and tier by tier.
+type tableApplier struct {
+	mu     sync.Mutex // guards tables and purges
+	tables map[string]*bridge.Table
+	purges int
+}
+
+var _ consumer.Applier = (*tableApplier)(nil)
+
+func newTableApplier() *tableApplier { return &tableApplier{tables: map[string]*bridge.Table{}} }
+
+func (a *tableApplier) Apply(_ context.Context, instance string, evs []events.Event) (kvindex.ApplyResult, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	t := a.tables[instance]
+	if t == nil {
+		t = bridge.NewTable(0)
+		a.tables[instance] = t
+	}
+	r := t.Apply(evs)
+	removed := 0
+	for _, x := range r.Removed {
+		removed += len(x.Hashes)
+	}
+	return kvindex.ApplyResult{Stored: r.Stored, Removed: removed, Skipped: r.Skipped, Unmapped: r.Unplaced}, nil
+}
+
+func (a *tableApplier) Purge(_ context.Context, instance string) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	delete(a.tables, instance)
+	a.purges++
+	return nil
+}
+
+func (a *tableApplier) dump(instance string) map[uint64]bridge.Placement {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if t := a.tables[instance]; t != nil {
+		return t.Dump()
+	}
+	return map[uint64]bridge.Placement{}
+}
+
+// reference applies payloads to an empty table: what the engine holds.
+func reference(t testing.TB, payloads ...[]byte) map[uint64]bridge.Placement {
+	t.Helper()
+	tab := bridge.NewTable(0)
+	for _, p := range payloads {
+		b, err := events.Decode(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tab.Apply(b.Events)
+	}
+	return tab.Dump()
+}
+
+func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", d, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// waitTable waits until the applier holds want for the instance.
+func waitTable(t testing.TB, a *tableApplier, instance string, want map[uint64]bridge.Placement) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		got := a.dump(instance)
+		if reflect.DeepEqual(got, want) {
+			return
+		}
+		if time.Now().After(deadline) {
+			missing, extra, differ := 0, 0, 0
+			for h, p := range want {
+				if g, ok := got[h]; !ok {
+					missing++
+				} else if g != p {
+					differ++
+				}
+			}
+			for h := range got {
+				if _, ok := want[h]; !ok {
+					extra++
+				}
+			}
+			t.Fatalf("index for %s never matched the engine: %d blocks, want %d (%d missing, %d extra, %d differ)",
+				instance, len(got), len(want), missing, extra, differ)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// rig is one engine (ZMQ PUB + replay), NATS, a bridge and consumers.
+type rig struct {
+	t        testing.TB
+	ctx      context.Context
+	ns       *testenv.NATSServer
+	pool     string
+	instance string
+	stream   events.StreamConfig
+	bucket   events.BucketConfig
+	pubEP    string
+	replayEP string
+
+	pub *events.ZMQPublisher
+
+	bridgeCancel context.CancelFunc
+	bridgeDone   chan struct{}
+	br           *bridge.Bridge
+}
+
+type rigOpts struct {
+	noReplay     bool
+	maxMsgs      int64
+	snapInterval time.Duration
+}
+
+func newRig(t testing.TB, o rigOpts) *rig {
+	t.Helper()
+	name := testenv.UniqueName(t)
+	r := &rig{
+		t:        t,
+		ctx:      testenv.Context(t, 2*time.Minute),
+		ns:       testenv.StartNATS(t),
+		pool:     "pool_" + name,
+		instance: "vllm-0",
+		stream:   events.StreamConfig{Name: "EV_" + name, MaxMsgs: o.maxMsgs},
+		bucket:   events.BucketConfig{Name: "SN_" + name},
+		pubEP:    fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
+	}
+	if !o.noReplay {
+		r.replayEP = fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	}
+	r.startEngine(1)
+	r.startBridge(o)
+	return r
+}
+
+func (r *rig) conn() *nats.Conn {
+	r.t.Helper()
+	nc, err := nats.Connect(r.ns.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond), nats.RetryOnFailedConnect(true))
+	if err != nil {
+		r.t.Fatalf("nats connect: %v", err)
+	}
+	r.t.Cleanup(nc.Close)
+	return nc
+}
+
+func (r *rig) startEngine(firstSeq uint64) {
+	r.t.Helper()
+	pub, err := events.NewZMQPublisher(r.ctx, events.ZMQPublisherConfig{
+		Endpoint: r.pubEP, ReplayEndpoint: r.replayEP, Topic: "kv@127.0.0.1:18000@fake-model", FirstSeq: firstSeq})
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	r.pub = pub
+	r.t.Cleanup(func() { _ = pub.Close() })
+}
+
+func (r *rig) startBridge(o rigOpts) {
+	r.t.Helper()
+	snapEvery := o.snapInterval
+	if snapEvery == 0 {
+		snapEvery = time.Hour
+	}
+	br, err := bridge.New(bridge.Config{
+		Pool:  r.pool,
+		Model: "fake-model",
+		Sources: []bridge.Source{{Instance: r.instance, Endpoint: r.pubEP, ReplayEndpoint: r.replayEP,
+			URL: "http://127.0.0.1:18000"}},
+		Conn:              r.conn(),
+		Stream:            r.stream,
+		Bucket:            r.bucket,
+		HeartbeatInterval: 100 * time.Millisecond,
+		SnapshotInterval:  snapEvery,
+		ReplayTimeout:     2 * time.Second,
+		PublishTimeout:    time.Second,
+		Logger:            quietLogger(),
+	})
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(r.ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = br.Run(ctx) }()
+	r.br, r.bridgeCancel, r.bridgeDone = br, cancel, done
+	r.t.Cleanup(r.stopBridge)
+	waitFor(r.t, 20*time.Second, "bridge ready", br.Ready)
+	waitFor(r.t, 20*time.Second, "bridge subscribed to the engine", r.pub.Subscribed)
+}
+
+func (r *rig) stopBridge() {
+	if r.bridgeCancel != nil {
+		r.bridgeCancel()
+		<-r.bridgeDone
+		r.bridgeCancel = nil
+	}
+}
+
+func (r *rig) stats() bridge.Stats { return r.br.Stats()[0] }
+
+// startConsumer runs a router-side consumer into a fresh applier.
+func (r *rig) startConsumer(cfg consumer.Config) (*consumer.Consumer, *tableApplier, context.CancelFunc) {
+	r.t.Helper()
+	a := newTableApplier()
+	cfg.Conn, cfg.Pool, cfg.Applier = r.conn(), r.pool, a
+	cfg.Stream, cfg.Bucket = r.stream, r.bucket
+	if cfg.Logger == nil {
+		cfg.Logger = quietLogger()
+	}
+	c, err := consumer.New(cfg)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(r.ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = c.Run(ctx) }()
+	stop := func() { cancel(); <-done }
+	r.t.Cleanup(stop)
+	waitFor(r.t, 20*time.Second, "consumer healthy", c.Healthy)
+	return c, a, stop
+}
+
+func (r *rig) publish(payloads ...[]byte) {
+	r.t.Helper()
+	for _, p := range payloads {
+		if _, err := r.pub.Publish(p); err != nil {
+			r.t.Fatal(err)
+		}
+	}
+}
+
+// waitPublished waits until the bridge has published through engine seq.
+func (r *rig) waitPublished(seq uint64) {
+	r.t.Helper()
+	waitFor(r.t, 20*time.Second, fmt.Sprintf("bridge at engine seq %d", seq), func() bool {
+		s := r.stats()
+		return s.HasSeq && s.EngineSeq >= seq
+	})
+}
+
+func quietLogger() *slog.Logger {
+	if os.Getenv("KV_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.NewTextHandler(nopWriter{}, nil))
+}
+
+type nopWriter struct{}
+
+func (nopWriter) Write(p []byte) (int, error) { return len(p), nil }

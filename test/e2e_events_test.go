@@ -1,0 +1,266 @@
+package test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/consumer"
+)
+
+// ZMQ publisher → kvbridge → JetStream → consumer → index: stores appear,
+// then the engine's removals take them away again.
+func TestE2EStoresThenRemovals(t *testing.T) {
+	for _, file := range []string{"array.jsonl", "map.jsonl"} {
+		t.Run(file, func(t *testing.T) {
+			ps := capturedPayloads(t, file)
+			r := newRig(t, rigOpts{})
+			c, a, _ := r.startConsumer(consumer.Config{})
+
+			r.publish(ps[0]) // seq 1: four chains stored
+			first := reference(t, ps[0])
+			if len(first) != 35 {
+				t.Fatalf("capture seq 1 stores %d blocks, want 12+7+10+6 = 35", len(first))
+			}
+			waitTable(t, a, r.instance, first)
+
+			r.publish(ps[1:23]...) // fills that evict, seq 2..23
+			want := reference(t, ps[:23]...)
+			waitTable(t, a, r.instance, want)
+			gone := 0
+			for h := range first {
+				if _, ok := want[h]; !ok {
+					gone++
+				}
+			}
+			if gone == 0 {
+				t.Fatal("the capture's removals removed none of the first blocks")
+			}
+
+			r.publish(ps[23:]...) // AllBlocksCleared, then 3 blocks
+			waitTable(t, a, r.instance, reference(t, ps...))
+
+			s := r.stats()
+			if s.Gaps != 0 || s.ReplayFailures != 0 || s.Malformed != 0 || s.Dropped != 0 {
+				t.Fatalf("bridge stats %+v", s)
+			}
+			st := c.Instances()
+			if len(st) != 1 || st[0].Instance != r.instance || st[0].State != consumer.StateLive || st[0].LastSeq != uint64(len(ps)) {
+				t.Fatalf("consumer instances %+v", st)
+			}
+			waitFor(t, 5*time.Second, "a heartbeat", func() bool {
+				hb := c.Instances()[0].Heartbeat
+				return hb != nil && hb.URL == "http://127.0.0.1:18000" && hb.BlockSize == 16 && hb.Model == "fake-model"
+			})
+		})
+	}
+}
+
+// NATS restarts in the middle of the stream: the bridge buffers and
+// retries, the consumer recovers, nothing is lost.
+func TestE2ENATSRestart(t *testing.T) {
+	ps := capturedPayloads(t, "array.jsonl")
+	r := newRig(t, rigOpts{})
+	_, a, _ := r.startConsumer(consumer.Config{})
+	r.publish(ps[:10]...)
+	waitTable(t, a, r.instance, reference(t, ps[:10]...))
+
+	r.ns.Shutdown()
+	r.ns.WaitForShutdown()
+	r.publish(ps[10:18]...) // while NATS is down
+	time.Sleep(300 * time.Millisecond)
+	r.ns = r.ns.Restart(t)
+	r.publish(ps[18:]...)
+
+	waitTable(t, a, r.instance, reference(t, ps...))
+	if s := r.stats(); s.Clears != 1 || s.Gaps != 0 || s.Dropped != 0 {
+		t.Fatalf("bridge stats %+v: want only the start-up resync clear", s)
+	}
+}
+
+// The PUB socket drops batches: the bridge sees the gap and fills it from
+// the engine's replay socket.
+func TestE2EGapFilledFromReplay(t *testing.T) {
+	ps := capturedPayloads(t, "map.jsonl")
+	r := newRig(t, rigOpts{})
+	c, a, _ := r.startConsumer(consumer.Config{})
+	r.publish(ps[:5]...)
+	r.pub.Skip(ps[5]) // dropped on the way, still in the replay buffer
+	r.pub.Skip(ps[6])
+	r.publish(ps[7:15]...)
+	r.pub.Skip(ps[15])
+	r.publish(ps[16:]...)
+
+	waitTable(t, a, r.instance, reference(t, ps...))
+	s := r.stats()
+	if s.Gaps != 2 || s.ReplayFailures != 0 || s.Clears != 1 {
+		t.Fatalf("bridge stats %+v: want 2 gaps, both replayed, only the start-up clear", s)
+	}
+	if st := c.Instances(); st[0].Gaps != 0 {
+		t.Fatalf("consumer saw gaps %d: the bridge should have filled them", st[0].Gaps)
+	}
+}
+
+// Replay unavailable: the bridge cannot vouch for the instance, so it
+// publishes a clear; the index holds only what came after.
+func TestE2EReplayUnavailable(t *testing.T) {
+	for _, mode := range []string{"no replay socket", "replay buffer too short"} {
+		t.Run(mode, func(t *testing.T) {
+			ps := capturedPayloads(t, "array.jsonl")
+			r := newRig(t, rigOpts{noReplay: mode == "no replay socket"})
+			c, a, _ := r.startConsumer(consumer.Config{})
+			r.publish(ps[:10]...)
+			waitTable(t, a, r.instance, reference(t, ps[:10]...))
+			r.pub.Skip(ps[10])
+			r.pub.ForgetReplay()
+			r.publish(ps[11:]...)
+
+			want := reference(t, ps[11:]...) // a clear, then what followed the gap
+			waitTable(t, a, r.instance, want)
+			s := r.stats()
+			if s.Gaps != 1 || s.ReplayFailures < 1 || s.Clears != 2 {
+				t.Fatalf("bridge stats %+v: want 1 gap, failed replay, resync + gap clear", s)
+			}
+			// The consumer loaded the snapshot after the start-up clear, so
+			// it sees only the gap's clear.
+			waitFor(t, 5*time.Second, "consumer counts the clear", func() bool { return c.Instances()[0].Clears == 1 })
+		})
+	}
+}
+
+// The engine restarts (seq back to 1): the bridge clears the instance
+// first, then the new engine's blocks are rebuilt.
+func TestE2EEngineRestart(t *testing.T) {
+	ps := capturedPayloads(t, "array.jsonl")
+	r := newRig(t, rigOpts{})
+	_, a, _ := r.startConsumer(consumer.Config{})
+	r.publish(ps[:12]...)
+	waitTable(t, a, r.instance, reference(t, ps[:12]...))
+
+	_ = r.pub.Close()
+	r.startEngine(1)
+	waitFor(t, 20*time.Second, "bridge reconnected", r.pub.Subscribed)
+	r.publish(ps[:4]...)
+	waitTable(t, a, r.instance, reference(t, ps[:4]...))
+	if s := r.stats(); s.Clears != 2 || s.Gaps != 0 {
+		t.Fatalf("bridge stats %+v: want the start-up and the restart clears", s)
+	}
+}
+
+// A router that starts late (the stream keeps only 4 messages) rebuilds
+// from the bridge's snapshot and the stream after it, equal to a router
+// that never stopped, including blocks far older than the stream holds;
+// with the bridge down, from the bucket's snapshot.
+func TestE2ERouterRestart(t *testing.T) {
+	ps := capturedPayloads(t, "array.jsonl")
+	r := newRig(t, rigOpts{maxMsgs: 4, snapInterval: 50 * time.Millisecond})
+	_, steady, _ := r.startConsumer(consumer.Config{})
+	r.publish(ps[:23]...) // leave out the capture's final clear
+	want := reference(t, ps[:23]...)
+	waitTable(t, steady, r.instance, want)
+	r.waitPublished(23)
+
+	// The stream alone cannot rebuild it: it holds the last 4 messages.
+	js, err := jetstream.New(r.conn())
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := js.Stream(r.ctx, r.stream.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := st.Info(r.ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.State.Msgs != 4 || info.State.FirstSeq < 20 {
+		t.Fatalf("stream holds %d messages from seq %d; want the last 4", info.State.Msgs, info.State.FirstSeq)
+	}
+	if len(reference(t, ps[19:23]...)) >= len(want) {
+		t.Fatal("the retained messages alone would rebuild the table; the test proves nothing")
+	}
+
+	// From the bridge (request-reply).
+	c1, fromBridge, _ := r.startConsumer(consumer.Config{})
+	waitTable(t, fromBridge, r.instance, want)
+	if st := c1.Instances(); len(st) != 1 || st[0].SnapshotSeq == 0 {
+		t.Fatalf("consumer did not load a snapshot: %+v", st)
+	}
+
+	// From the bucket, with the bridge gone.
+	time.Sleep(200 * time.Millisecond) // a periodic snapshot store
+	r.stopBridge()
+	_, fromBucket, _ := r.startConsumer(consumer.Config{})
+	waitTable(t, fromBucket, r.instance, want)
+
+	// And both keep up with new events like the steady one.
+	r.startBridge(rigOpts{snapInterval: 50 * time.Millisecond})
+	r.publish(ps[23:]...)
+	all := reference(t, ps...)
+	for _, a := range []*tableApplier{steady, fromBridge, fromBucket} {
+		waitTable(t, a, r.instance, all)
+	}
+}
+
+// Malformed payloads and unknown event types in the stream are counted and
+// skipped; the rest of the batch, and later batches, apply.
+func TestE2EMalformedAndUnknown(t *testing.T) {
+	ps := capturedPayloads(t, "array.jsonl")
+	r := newRig(t, rigOpts{})
+	c, a, _ := r.startConsumer(consumer.Config{})
+	r.publish(ps[0])
+	waitTable(t, a, r.instance, reference(t, ps[0]))
+
+	// Through the bridge: the engine sends bytes that are not a batch.
+	r.publish([]byte{0xc1, 0x00, 0xff})
+	// Straight into the stream: garbage, and a batch whose first event is
+	// of a type no engine sends yet.
+	nc := r.conn()
+	subj, _ := events.EventsSubject(r.pool, r.instance)
+	unknown := unknownThenStored(t)
+	for _, p := range [][]byte{[]byte("not msgpack"), unknown} {
+		if err := nc.Publish(subj, p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r.publish(ps[1])
+
+	want := reference(t, ps[0], unknown, ps[1])
+	waitTable(t, a, r.instance, want)
+	waitFor(t, 5*time.Second, "counters", func() bool {
+		st := c.Instances()[0]
+		return st.Malformed == 2 && st.Unknown == 1
+	})
+	if s := r.stats(); s.Malformed != 1 {
+		t.Fatalf("bridge malformed = %d, want 1", s.Malformed)
+	}
+}
+
+// unknownThenStored is a batch [ts, [["FutureEvent", 1], BlockStored], 0].
+func unknownThenStored(t testing.TB) []byte {
+	t.Helper()
+	stored, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: []events.Event{{
+		Kind: events.BlockStored, BlockHashes: []uint64{0xabc}, TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"}}},
+		events.EncodingArray)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := events.Decode(stored)
+	if err != nil || len(b.Events) != 1 {
+		t.Fatalf("decode: %v", err)
+	}
+	// Splice the unknown event in front: the envelope is fixarray(3),
+	// float64 ts (9 bytes), fixarray(1) events, ...
+	if stored[0] != 0x93 || stored[1] != 0xcb || stored[10] != 0x91 {
+		t.Fatalf("unexpected envelope %x", stored[:12])
+	}
+	out := append([]byte{}, stored[:10]...)
+	out = append(out, 0x92)                                                 // two events
+	out = append(out, 0x92, 0xab)                                           // ["FutureEvent", 1]
+	out = append(out, "FutureEvent"...)
+	out = append(out, 0x01)
+	out = append(out, stored[11:]...)
+	return out
+}
