@@ -257,8 +257,8 @@ func unknownThenStored(t testing.TB) []byte {
 		t.Fatalf("unexpected envelope %x", stored[:12])
 	}
 	out := append([]byte{}, stored[:10]...)
-	out = append(out, 0x92)                                                 // two events
-	out = append(out, 0x92, 0xab)                                           // ["FutureEvent", 1]
+	out = append(out, 0x92)       // two events
+	out = append(out, 0x92, 0xab) // ["FutureEvent", 1]
 	out = append(out, "FutureEvent"...)
 	out = append(out, 0x01)
 	out = append(out, stored[11:]...)

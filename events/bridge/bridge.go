@@ -287,13 +287,13 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		return nil, fmt.Errorf("bridge: instance %s: %w", s.Instance, err)
 	}
 	in := &instance{
-		b:        b,
-		src:      s,
-		log:      b.cfg.Logger.With("instance", s.Instance, "rank", s.Rank),
-		sub:      sub,
-		replay:   events.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
-		in:       make(chan events.Message, b.cfg.Buffer),
-		table:    NewTable(b.cfg.MaxBlocks),
+		b:      b,
+		src:    s,
+		log:    b.cfg.Logger.With("instance", s.Instance, "rank", s.Rank),
+		sub:    sub,
+		replay: events.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
+		in:     make(chan events.Message, b.cfg.Buffer),
+		table:  NewTable(b.cfg.MaxBlocks),
 	}
 	in.enc.Store(uint32(events.EncodingMap))
 	pool := b.cfg.Pool
