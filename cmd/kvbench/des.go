@@ -1,0 +1,265 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
+	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/report"
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/sim"
+	"github.com/kvrouter/kvrouter/workload"
+)
+
+// workloadNames lists what --workload accepts.
+var workloadNames = []string{"long-context", "chat", "rag", "code", "multi-tenant", "cache-pressure", "mix", "mooncake"}
+
+// workloadFlags are the knobs shared by des, live and demo.
+type workloadFlags struct {
+	name      string
+	seed      int64
+	rate      float64
+	limit     int
+	scale     bool
+	trace     string
+	speed     float64
+	fleetToks int64 // for cache-pressure: the fleet's GPU capacity
+}
+
+func (f *workloadFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&f.name, "workload", "long-context", "workload: "+strings.Join(workloadNames, ", "))
+	fs.Int64Var(&f.seed, "seed", 1, "seed for workloads and random choices (same seed, same run)")
+	fs.Float64Var(&f.rate, "rate", 0, "arrival rate, requests/s (0 = the workload's default)")
+	fs.IntVar(&f.limit, "limit", 0, "keep only the first N requests (0 = all)")
+	fs.BoolVar(&f.scale, "scale", false, "add a scale-out (+2 instances at 1/3) and a scale-in (-2 at 2/3)")
+	fs.StringVar(&f.trace, "trace", workload.DefaultTracePath, "trace for --workload mooncake")
+	fs.Float64Var(&f.speed, "speed", 1, "trace replay speed factor (2 = twice as fast)")
+}
+
+func (f *workloadFlags) build() (*workload.Workload, error) {
+	arr := workload.Arrivals{Rate: f.rate}
+	var (
+		w   *workload.Workload
+		err error
+	)
+	switch f.name {
+	case "long-context":
+		w, err = workload.LongContext{Arrivals: arr}.Generate(f.seed)
+	case "chat":
+		w, err = workload.Chat{Arrivals: arr}.Generate(f.seed)
+	case "rag":
+		w, err = workload.RAG{Arrivals: arr}.Generate(f.seed)
+	case "code":
+		w, err = workload.Code{Arrivals: arr}.Generate(f.seed)
+	case "multi-tenant":
+		w, err = workload.MultiTenant{Arrivals: arr}.Generate(f.seed)
+	case "cache-pressure":
+		w, err = workload.CachePressure{FleetTokens: f.fleetToks, Arrivals: arr}.Generate(f.seed)
+	case "mix":
+		w, err = mixWorkload(f.seed, f.rate)
+	case "mooncake":
+		var recs []workload.TraceRecord
+		if recs, err = workload.OpenTrace(f.trace); err == nil {
+			w, err = workload.TraceReplay{Name: "mooncake", Speed: f.speed, Limit: f.limit}.Workload(recs)
+		}
+	default:
+		return nil, fmt.Errorf("unknown workload %q: want one of %s", f.name, strings.Join(workloadNames, ", "))
+	}
+	if err != nil {
+		return nil, err
+	}
+	if f.limit > 0 && f.limit < len(w.Requests) {
+		w.Requests = w.Requests[:f.limit]
+	}
+	if f.scale {
+		return workload.Scale{}.Apply(w)
+	}
+	return w, nil
+}
+
+// mixWorkload is chat, RAG, code and multi-tenant traffic at once, each at
+// a quarter of the rate (default 2 req/s each).
+func mixWorkload(seed int64, rate float64) (*workload.Workload, error) {
+	r := workload.Arrivals{Rate: 2}
+	if rate > 0 {
+		r.Rate = rate / 4
+	}
+	chat, err := workload.Chat{Sessions: 150, Arrivals: r}.Generate(seed)
+	if err != nil {
+		return nil, err
+	}
+	rag, err := workload.RAG{Requests: 600, Arrivals: r}.Generate(seed)
+	if err != nil {
+		return nil, err
+	}
+	code, err := workload.Code{Users: 24, Arrivals: r}.Generate(seed)
+	if err != nil {
+		return nil, err
+	}
+	mt, err := workload.MultiTenant{Requests: 600, Arrivals: r}.Generate(seed)
+	if err != nil {
+		return nil, err
+	}
+	return workload.Merge("mix", chat, rag, code, mt)
+}
+
+// fleetFlags size the simulated engines.
+type fleetFlags struct {
+	instances int
+	gpuTokens string
+	cpuTokens string
+	delay     time.Duration
+	threshold int
+	prefixLen int
+	salt      bool
+}
+
+func (f *fleetFlags) register(fs *flag.FlagSet, instances int) {
+	fs.IntVar(&f.instances, "instances", instances, "instances at the start")
+	fs.StringVar(&f.gpuTokens, "gpu-tokens", "1.35M", "GPU KV capacity per instance in tokens (FACTS §3: Llama 3.1 70B BF16 on 8×H100)")
+	fs.StringVar(&f.cpuTokens, "cpu-tokens", "0", "CPU offload tier per instance in tokens (0 = none)")
+	fs.DurationVar(&f.delay, "event-delay", 5*time.Millisecond, "engine-to-index KV event delay")
+	fs.IntVar(&f.threshold, "concurrency-threshold", 0, "router concurrency_threshold (0 = router default, 64)")
+	fs.IntVar(&f.prefixLen, "prefix-length", 0, "router prefix_length in characters (0 = router default, 8192)")
+	fs.BoolVar(&f.salt, "salt-by-tenant", false, "send the tenant key as cache_salt")
+}
+
+func (f *fleetFlags) simConfig() (sim.Config, int64, error) {
+	gpu, err := parseTokens(f.gpuTokens)
+	if err != nil {
+		return sim.Config{}, 0, fmt.Errorf("--gpu-tokens: %w", err)
+	}
+	cpu, err := parseTokens(f.cpuTokens)
+	if err != nil {
+		return sim.Config{}, 0, fmt.Errorf("--cpu-tokens: %w", err)
+	}
+	bs := int64(sim.DefaultBlockSize)
+	if gpu < bs {
+		return sim.Config{}, 0, fmt.Errorf("--gpu-tokens %d is under one block", gpu)
+	}
+	return sim.Config{GPUBlocks: int(gpu / bs), CPUBlocks: int(cpu / bs)}, gpu, nil
+}
+
+func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("des", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var wf workloadFlags
+	var ff fleetFlags
+	wf.register(fs)
+	ff.register(fs, 7)
+	strategies := fs.String("strategies", "random,round_robin,least_outstanding,prefix_aware", "comma-separated strategies to compare")
+	out := fs.String("out", "", "directory for report.md, report.csv, report.json, hit_rate.svg, ttft.svg")
+	bound := fs.Bool("bound", true, "for trace workloads, report hit rate as a fraction of the pooled-cache bound of the fleet")
+	progress := fs.Bool("progress", true, "progress bar on stderr (only when it is a terminal)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	scfg, gpuTokens, err := ff.simConfig()
+	if err != nil {
+		return err
+	}
+	wf.fleetToks = gpuTokens * int64(ff.instances)
+	w, err := wf.build()
+	if err != nil {
+		return err
+	}
+	poolBound := 0.0
+	if *bound && wf.name == "mooncake" {
+		recs, err := workload.OpenTrace(wf.trace)
+		if err != nil {
+			return err
+		}
+		if wf.limit > 0 && wf.limit < len(recs) {
+			recs = recs[:wf.limit]
+		}
+		b, err := workload.PooledBound(recs, wf.fleetToks)
+		if err != nil {
+			return err
+		}
+		poolBound = b.TokenRatio()
+		inf := workload.InfiniteBound(recs)
+		fmt.Fprintf(stdout, "bounds: pooled LRU of %d tokens %.3f (tokens), infinite %.3f\n", wf.fleetToks, poolBound, inf.TokenRatio())
+	}
+	fmt.Fprintf(stdout, "workload %s: %d requests, %d prompt tokens, %.0f s; fleet %d × %d GPU tokens\n",
+		w.Name, len(w.Requests), w.InputTokens(), w.Duration().Seconds(), ff.instances, gpuTokens)
+	var sums []report.Summary
+	for _, name := range splitList(*strategies) {
+		rt, err := newStrategyRouter(name, router.RoutingConfig{ConcurrencyThreshold: ff.threshold, PrefixLength: ff.prefixLen}, uint64(wf.seed), sim.DefaultModel)
+		if err != nil {
+			return err
+		}
+		var bar *report.Progress
+		if *progress {
+			if f, ok := stderr.(*os.File); ok {
+				bar = report.NewProgress(f, name)
+			}
+		}
+		res, err := des.Run(ctx, des.Config{
+			Instances: ff.instances, NewEngine: simFactory(scfg), Router: rt,
+			EventDelay: ff.delay, PrefixLength: ff.prefixLen, SaltByTenant: ff.salt,
+			Progress: bar.Update,
+		}, w)
+		bar.Done()
+		if err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		s := report.Summarize(res, poolBound)
+		fmt.Fprintf(stderr, "%s (%.1f s wall)\n", s, s.WallSec)
+		sums = append(sums, s)
+	}
+	if err := report.WriteMarkdown(stdout, sums); err != nil {
+		return err
+	}
+	if *out != "" {
+		return writeReports(*out, sums, poolBound)
+	}
+	return nil
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// writeReports writes every report format into dir.
+func writeReports(dir string, sums []report.Summary, bound float64) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	files := []struct {
+		name  string
+		write func(io.Writer) error
+	}{
+		{"report.md", func(w io.Writer) error { return report.WriteMarkdown(w, sums) }},
+		{"report.csv", func(w io.Writer) error { return report.WriteCSV(w, sums) }},
+		{"report.json", func(w io.Writer) error { return report.WriteJSON(w, sums) }},
+		{"hit_rate.svg", report.HitRateChart(sums, bound).WriteSVG},
+		{"ttft.svg", report.TTFTChart(sums).WriteSVG},
+	}
+	for _, f := range files {
+		fh, err := os.Create(filepath.Join(dir, f.name))
+		if err != nil {
+			return err
+		}
+		werr := f.write(fh)
+		cerr := fh.Close()
+		if werr != nil {
+			return fmt.Errorf("%s: %w", f.name, werr)
+		}
+		if cerr != nil {
+			return cerr
+		}
+	}
+	return nil
+}

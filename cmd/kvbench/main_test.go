@@ -1,0 +1,87 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func TestBoundsCommand(t *testing.T) {
+	dir := t.TempDir()
+	var out, errb bytes.Buffer
+	err := run(context.Background(), []string{"bounds", "--capacity", "1M,3M", "--instances", "8", "--out", dir}, &out, &errb)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	for _, want := range []string{"| 1M | 1000000 | 0.053 |", "| 3M | 3000000 | 0.136 |", "| infinite | ∞ | 0.366 | 0.374 |", "fleet 8 × 1.35M"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("output lacks %q:\n%s", want, out.String())
+		}
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "bounds.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep boundsReport
+	if err := json.Unmarshal(b, &rep); err != nil || len(rep.Rows) != 4 || rep.Stats.Requests != 12031 {
+		t.Fatalf("bounds.json: %v %+v", err, rep)
+	}
+}
+
+func TestDESCommand(t *testing.T) {
+	dir := t.TempDir()
+	var out, errb bytes.Buffer
+	err := run(context.Background(), []string{"des", "--workload", "long-context", "--limit", "150", "--instances", "3",
+		"--strategies", "random,prefix_aware", "--out", dir}, &out, &errb)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	var sums []map[string]any
+	b, err := os.ReadFile(filepath.Join(dir, "report.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &sums); err != nil || len(sums) != 2 {
+		t.Fatalf("report.json: %v %s", err, b)
+	}
+	// Sticky placement of shared prefixes must beat random placement.
+	if sums[1]["hit_rate"].(float64) <= sums[0]["hit_rate"].(float64) {
+		t.Errorf("prefix_aware hit %v <= random %v", sums[1]["hit_rate"], sums[0]["hit_rate"])
+	}
+	for _, f := range []string{"report.md", "report.csv", "hit_rate.svg", "ttft.svg"} {
+		if st, err := os.Stat(filepath.Join(dir, f)); err != nil || st.Size() == 0 {
+			t.Errorf("%s: %v", f, err)
+		}
+	}
+}
+
+func TestCommandErrors(t *testing.T) {
+	tests := [][]string{
+		{},
+		{"nope"},
+		{"des", "--workload", "nope"},
+		{"des", "--strategies", "nope", "--limit", "5"},
+		{"des", "--gpu-tokens", "x"},
+		{"bounds", "--capacity", "-1"},
+		{"bounds", "--trace", "/does/not/exist"},
+	}
+	for _, args := range tests {
+		var out, errb bytes.Buffer
+		if err := run(context.Background(), args, &out, &errb); err == nil {
+			t.Errorf("%v: no error", args)
+		}
+	}
+}
+
+func TestParseTokens(t *testing.T) {
+	for in, want := range map[string]int64{"1350000": 1_350_000, "1.35M": 1_350_000, "500K": 500_000, "0": 0, "2m": 2_000_000} {
+		got, err := parseTokens(in)
+		if err != nil || got != want {
+			t.Errorf("parseTokens(%q) = %d, %v; want %d", in, got, err, want)
+		}
+	}
+}
