@@ -1,0 +1,281 @@
+// Command kvbridge is the sidecar that carries one vLLM engine's KV-cache
+// events from its ZMQ PUB socket (one per data-parallel rank) to NATS
+// JetStream, repairs gaps from the engine's replay socket, keeps the
+// instance's live block table for snapshots, and publishes heartbeats and
+// eviction records. See docs/transport.md.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/bridge"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Getenv, os.Stderr); err != nil && !errors.Is(err, context.Canceled) {
+		fmt.Fprintln(os.Stderr, "kvbridge:", err)
+		os.Exit(1)
+	}
+}
+
+// options are the parsed flags.
+type options struct {
+	natsURL, natsCreds, tlsCA, tlsCert, tlsKey string
+
+	pool, instance, model, engineURL string
+	adapters                         string
+	blockSize                        int
+
+	zmqEndpoint, replayEndpoint, topic string
+	zmqBind                            bool
+	dpSize                             int
+
+	maxBlocks, buffer int
+	heartbeat, snapshotEvery, replayTimeout time.Duration
+
+	stream         string
+	streamMaxAge   time.Duration
+	streamMaxBytes int64
+	bucket         string
+
+	listen, logLevel string
+}
+
+func envOr(getenv func(string) string, def string, keys ...string) string {
+	for _, k := range keys {
+		if v := getenv(k); v != "" {
+			return v
+		}
+	}
+	return def
+}
+
+func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*options, error) {
+	o := &options{}
+	fs := flag.NewFlagSet("kvbridge", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	host, _ := os.Hostname()
+	fs.StringVar(&o.natsURL, "nats-url", envOr(getenv, "nats://127.0.0.1:4222", "NATS_URL"), "NATS server URL(s), comma-separated (env NATS_URL)")
+	fs.StringVar(&o.natsCreds, "nats-creds", envOr(getenv, "", "NATS_CREDS"), "NATS credentials file (env NATS_CREDS)")
+	fs.StringVar(&o.tlsCA, "nats-tls-ca", "", "CA file to verify the NATS server")
+	fs.StringVar(&o.tlsCert, "nats-tls-cert", "", "client certificate for NATS mutual TLS")
+	fs.StringVar(&o.tlsKey, "nats-tls-key", "", "client key for NATS mutual TLS")
+	fs.StringVar(&o.pool, "pool", envOr(getenv, "", "KVBRIDGE_POOL"), "pool (model deployment) name (env KVBRIDGE_POOL); required")
+	fs.StringVar(&o.instance, "instance", envOr(getenv, host, "KVBRIDGE_INSTANCE", "POD_NAME"), "instance name (env KVBRIDGE_INSTANCE, POD_NAME; default hostname)")
+	fs.StringVar(&o.model, "model", envOr(getenv, "", "KVBRIDGE_MODEL", "MODEL"), "served model name (env KVBRIDGE_MODEL, MODEL)")
+	fs.StringVar(&o.engineURL, "engine-url", envOr(getenv, "", "KVBRIDGE_ENGINE_URL"), "the engine's HTTP base URL for heartbeats (env KVBRIDGE_ENGINE_URL; default http://$POD_IP:8000)")
+	fs.StringVar(&o.adapters, "adapters", envOr(getenv, "", "KVBRIDGE_ADAPTERS"), "LoRA adapters served, comma-separated (env KVBRIDGE_ADAPTERS)")
+	fs.IntVar(&o.blockSize, "block-size", 0, "engine block size in tokens for heartbeats (0: learn from events)")
+	fs.StringVar(&o.zmqEndpoint, "zmq-endpoint", envOr(getenv, "tcp://127.0.0.1:5557", "KVBRIDGE_ZMQ_ENDPOINT"), "engine KV-events PUB endpoint (rank r uses port+r)")
+	fs.BoolVar(&o.zmqBind, "zmq-bind", false, "bind the endpoint instead of connecting (engines that dial, e.g. llm-d-inference-sim)")
+	fs.StringVar(&o.replayEndpoint, "replay-endpoint", envOr(getenv, "tcp://127.0.0.1:5558", "KVBRIDGE_REPLAY_ENDPOINT"), "engine replay ROUTER endpoint (rank r uses port+r); empty: no replay, gaps clear the instance")
+	fs.StringVar(&o.topic, "topic", "", "ZMQ topic prefix to subscribe to (empty: all)")
+	fs.IntVar(&o.dpSize, "dp-size", 1, "data-parallel ranks; each rank is its own instance <instance>-dp<r> served at engine-url port+r")
+	fs.IntVar(&o.maxBlocks, "max-blocks", 0, "bound on the block table: the engine's KV cache blocks over all tiers (default 1048576)")
+	fs.IntVar(&o.buffer, "buffer", 0, "engine messages buffered while NATS is unreachable (default 10000)")
+	fs.DurationVar(&o.heartbeat, "heartbeat", 0, "heartbeat interval (default 5s)")
+	fs.DurationVar(&o.snapshotEvery, "snapshot-interval", 0, "snapshot bucket refresh interval (default 30s)")
+	fs.DurationVar(&o.replayTimeout, "replay-timeout", 0, "timeout of one replay request (default 5s)")
+	fs.StringVar(&o.stream, "stream", "", "JetStream stream name (default KV_EVENTS)")
+	fs.DurationVar(&o.streamMaxAge, "stream-max-age", 0, "stream retention when the bridge creates it (default 1h)")
+	fs.Int64Var(&o.streamMaxBytes, "stream-max-bytes", 0, "stream size bound when the bridge creates it (default 1 GiB)")
+	fs.StringVar(&o.bucket, "bucket", "", "snapshot key-value bucket (default KV_SNAPSHOTS)")
+	fs.StringVar(&o.listen, "listen", envOr(getenv, ":9400", "KVBRIDGE_LISTEN"), "address for /metrics, /healthz and /readyz")
+	fs.StringVar(&o.logLevel, "log-level", envOr(getenv, "info", "KVBRIDGE_LOG_LEVEL"), "debug, info, warn or error")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if o.engineURL == "" {
+		o.engineURL = "http://" + envOr(getenv, "127.0.0.1", "POD_IP") + ":8000"
+	}
+	if o.pool == "" {
+		return nil, errors.New("--pool (or KVBRIDGE_POOL) is required")
+	}
+	if o.dpSize < 1 || o.dpSize > 1024 {
+		return nil, fmt.Errorf("--dp-size %d out of range 1..1024", o.dpSize)
+	}
+	return o, nil
+}
+
+// withPortOffset adds off to the port of a tcp:// endpoint or http(s) URL.
+func withPortOffset(endpoint string, off int) (string, error) {
+	if off == 0 || endpoint == "" {
+		return endpoint, nil
+	}
+	scheme, rest, ok := strings.Cut(endpoint, "://")
+	if !ok {
+		return "", fmt.Errorf("endpoint %q has no scheme", endpoint)
+	}
+	hostport, path, _ := strings.Cut(rest, "/")
+	host, port, err := net.SplitHostPort(hostport)
+	if err != nil {
+		return "", fmt.Errorf("endpoint %q: %w", endpoint, err)
+	}
+	p, err := strconv.Atoi(port)
+	if err != nil || p+off > 65535 {
+		return "", fmt.Errorf("endpoint %q: bad port for rank offset %d", endpoint, off)
+	}
+	out := scheme + "://" + net.JoinHostPort(host, strconv.Itoa(p+off))
+	if path != "" {
+		out += "/" + path
+	}
+	return out, nil
+}
+
+// sources expands the endpoints per data-parallel rank.
+func (o *options) sources() ([]bridge.Source, error) {
+	if _, err := url.Parse(o.engineURL); err != nil {
+		return nil, fmt.Errorf("--engine-url: %w", err)
+	}
+	var out []bridge.Source
+	for r := 0; r < o.dpSize; r++ {
+		s := bridge.Source{Instance: o.instance, Rank: r, Bind: o.zmqBind, Topic: o.topic}
+		if o.dpSize > 1 {
+			s.Instance = fmt.Sprintf("%s-dp%d", o.instance, r)
+		}
+		var err error
+		if s.Endpoint, err = withPortOffset(o.zmqEndpoint, r); err != nil {
+			return nil, err
+		}
+		if s.ReplayEndpoint, err = withPortOffset(o.replayEndpoint, r); err != nil {
+			return nil, err
+		}
+		if s.URL, err = withPortOffset(o.engineURL, r); err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+func (o *options) natsOptions(log *slog.Logger) []nats.Option {
+	opts := []nats.Option{
+		nats.Name("kvbridge " + o.pool + "/" + o.instance),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(250 * time.Millisecond),
+		nats.RetryOnFailedConnect(true),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) { log.Warn("nats disconnected", "err", err) }),
+		nats.ReconnectHandler(func(c *nats.Conn) { log.Info("nats reconnected", "url", c.ConnectedUrl()) }),
+	}
+	if o.natsCreds != "" {
+		opts = append(opts, nats.UserCredentials(o.natsCreds))
+	}
+	if o.tlsCA != "" {
+		opts = append(opts, nats.RootCAs(o.tlsCA))
+	}
+	if o.tlsCert != "" || o.tlsKey != "" {
+		opts = append(opts, nats.ClientCert(o.tlsCert, o.tlsKey))
+	}
+	return opts
+}
+
+func run(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) error {
+	o, err := parseFlags(args, getenv, stderr)
+	if err != nil {
+		return err
+	}
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(o.logLevel)); err != nil {
+		return fmt.Errorf("--log-level: %w", err)
+	}
+	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+	srcs, err := o.sources()
+	if err != nil {
+		return err
+	}
+	nc, err := nats.Connect(o.natsURL, o.natsOptions(log)...)
+	if err != nil {
+		return fmt.Errorf("nats %s: %w", o.natsURL, err)
+	}
+	defer nc.Close()
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	var adapters []string
+	for _, a := range strings.Split(o.adapters, ",") {
+		if a = strings.TrimSpace(a); a != "" {
+			adapters = append(adapters, a)
+		}
+	}
+	br, err := bridge.New(bridge.Config{
+		Pool: o.pool, Model: o.model, BlockSize: o.blockSize, Adapters: adapters, Sources: srcs, Conn: nc,
+		Stream:            events.StreamConfig{Name: o.stream, MaxAge: o.streamMaxAge, MaxBytes: o.streamMaxBytes},
+		Bucket:            events.BucketConfig{Name: o.bucket},
+		MaxBlocks:         o.maxBlocks,
+		Buffer:            o.buffer,
+		HeartbeatInterval: o.heartbeat,
+		SnapshotInterval:  o.snapshotEvery,
+		ReplayTimeout:     o.replayTimeout,
+		Registerer:        reg,
+		Logger:            log,
+	})
+	if err != nil {
+		return err
+	}
+
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if !br.Ready() {
+			http.Error(w, "not ready: NATS unreachable or start-up resync running", http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = io.WriteString(w, "ready\n")
+	})
+	mux.HandleFunc("GET /status", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		for _, s := range br.Stats() {
+			_, _ = fmt.Fprintf(w, "%+v\n", s)
+		}
+	})
+	srv := &http.Server{Addr: o.listen, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	ln, err := net.Listen("tcp", o.listen)
+	if err != nil {
+		return fmt.Errorf("--listen %s: %w", o.listen, err)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	srvErr := make(chan error, 1)
+	go func() { srvErr <- srv.Serve(ln) }()
+	log.Info("kvbridge starting", "pool", o.pool, "instance", o.instance, "ranks", o.dpSize, "zmq", o.zmqEndpoint,
+		"replay", o.replayEndpoint, "nats", o.natsURL, "listen", ln.Addr().String())
+
+	runErr := make(chan error, 1)
+	go func() { runErr <- br.Run(ctx) }()
+	select {
+	case err = <-runErr:
+	case err = <-srvErr:
+		cancel()
+		<-runErr
+	}
+	shutdownCtx, c2 := context.WithTimeout(context.Background(), 5*time.Second)
+	defer c2()
+	_ = srv.Shutdown(shutdownCtx)
+	return err
+}
