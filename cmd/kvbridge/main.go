@@ -52,7 +52,7 @@ type options struct {
 	zmqBind                            bool
 	dpSize                             int
 
-	maxBlocks, buffer int
+	maxBlocks, buffer                       int
 	heartbeat, snapshotEvery, replayTimeout time.Duration
 
 	stream         string
