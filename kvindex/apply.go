@@ -177,8 +177,12 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 			parent = k
 		}
 		scratch = AppendKeys(scratch[:0], parent, ev.TokenIDs, size)
-		for j, h := range ev.BlockHashes {
-			if st.store(h, scratch[j], tier) {
+		// Last block first, so that within an event the chain's head ends
+		// up most recent: LRU eviction then trims chains from their ends,
+		// as the engine does, instead of cutting off their first blocks
+		// (which would make the rest unreachable).
+		for j := len(ev.BlockHashes) - 1; j >= 0; j-- {
+			if st.store(ev.BlockHashes[j], scratch[j], tier) {
 				res.Stored++
 			}
 		}

@@ -294,9 +294,10 @@ func (m *Memory) evict(now uint32) {
 				victim.moveToHead(j)
 				continue
 			}
-			// Always evict at least one entry per pass so that a stale
-			// tailStamp cannot make the loop spin.
-			if evicted > 0 && e.stamp > cutoff {
+			// Past the next-oldest instance's tail: pick again. A pass that
+			// neither rotated nor evicted evicts one entry regardless, so a
+			// stale tailStamp cannot make the loop spin.
+			if e.stamp > cutoff && (evicted > 0 || rotations > 0) {
 				break
 			}
 			victim.drop(j)

@@ -1,7 +1,16 @@
 package kvindex
 
 import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"sync"
 	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/tiers"
 )
 
 func newMemoryForTest(t *testing.T, cfg factoryConfig) Index {
@@ -13,3 +22,180 @@ func newMemoryForTest(t *testing.T, cfg factoryConfig) Index {
 }
 
 func TestMemoryContract(t *testing.T) { testIndexContract(t, newMemoryForTest) }
+
+func TestMemoryConfig(t *testing.T) {
+	cases := []struct {
+		name string
+		cfg  MemoryConfig
+		ok   bool
+	}{
+		{"zero value", MemoryConfig{}, true},
+		{"negative block size", MemoryConfig{BlockSize: -16}, false},
+		{"negative capacity", MemoryConfig{Capacity: -1}, false},
+		{"capacity beyond int32 indices", MemoryConfig{Capacity: math.MaxInt32}, false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := NewMemory(c.cfg)
+			if (err == nil) != c.ok || err != nil && !errors.Is(err, ErrConfig) {
+				t.Fatalf("NewMemory(%+v) = %v, want ok=%v", c.cfg, err, c.ok)
+			}
+		})
+	}
+}
+
+func TestMemoryCapacityLRU(t *testing.T) {
+	root := Root(testModel, "", "")
+	a := newChain(root, 50, 4, 1, 1000)
+	b := newChain(root, 50, 4, 2, 2000)
+	c := newChain(root, 20, 4, 3, 3000)
+	type want map[string][tiers.Count]int
+	cases := []struct {
+		name        string
+		hitA        bool // look chain a up before c arrives
+		wantA       want
+		wantB       want
+		wantC       want
+		wantEvicted int64
+	}{
+		// a is oldest: its last 20 blocks go, its first 30 still match.
+		{"oldest stored goes first, from the chain's end", false, want{"a": all(30)}, want{"b": all(50)}, want{"c": all(20)}, 20},
+		// a was matched since it was stored: it gets a second chance, b pays.
+		{"a lookup hit gives a second chance", true, want{"a": all(50)}, want{"b": all(30)}, want{"c": all(20)}, 20},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			clock := time.Unix(1_800_000_000, 0)
+			m, err := NewMemory(MemoryConfig{Model: testModel, Capacity: 100, Now: func() time.Time { return clock }})
+			if err != nil {
+				t.Fatal(err)
+			}
+			mustApply(t, m, "a", a.stored(0, 50))
+			clock = clock.Add(time.Second)
+			mustApply(t, m, "b", b.stored(0, 50))
+			clock = clock.Add(time.Second)
+			if tc.hitA {
+				checkLookup(t, m, query{a.keys, want{"a": all(50)}}, "hit a")
+			}
+			mustApply(t, m, "c", c.stored(0, 20))
+			checkLookup(t, m, query{a.keys, tc.wantA}, "a")
+			checkLookup(t, m, query{b.keys, tc.wantB}, "b")
+			checkLookup(t, m, query{c.keys, tc.wantC}, "c")
+			if n, _ := m.Len(context.Background()); n != 100 {
+				t.Fatalf("Len = %d, want capacity 100", n)
+			}
+			if m.Evicted() != tc.wantEvicted {
+				t.Fatalf("Evicted = %d, want %d", m.Evicted(), tc.wantEvicted)
+			}
+		})
+	}
+}
+
+func TestMemoryCapacityChurn(t *testing.T) {
+	// Far more stores than capacity, over many instances: the bound holds
+	// and the structures stay consistent (every held key is found).
+	m, err := NewMemory(MemoryConfig{Model: testModel, Capacity: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	root := Root(testModel, "", "")
+	for i := 0; i < 200; i++ {
+		c := newChain(root, 32, 4, uint32(i), uint64(i)*100)
+		mustApply(t, m, fmt.Sprintf("i%d", i%7), c.stored(0, 32))
+		if n, _ := m.Len(context.Background()); n > 1000 {
+			t.Fatalf("Len = %d over capacity after %d chains", n, i)
+		}
+	}
+	total := 0
+	stats, _ := m.Instances(context.Background())
+	for _, s := range stats {
+		total += s.Blocks[tiers.GPU]
+	}
+	if n, _ := m.Len(context.Background()); n != total || n != 1000 {
+		t.Fatalf("Len = %d, GPU blocks over instances = %d, want both 1000", n, total)
+	}
+}
+
+func TestMemoryConcurrent(t *testing.T) {
+	// Appliers (one goroutine per instance, as the consumer shards them),
+	// lookups and purges at once; run under -race.
+	m, err := NewMemory(MemoryConfig{Model: testModel, Capacity: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	root := Root(testModel, "", "")
+	shared := newChain(root, 64, 4, 1, 0)
+	var wg sync.WaitGroup
+	const writers = 4
+	for w := 0; w < writers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			inst := fmt.Sprintf("w%d", w)
+			c := newChain(root, 64, 4, 1, uint64(w+1)*1_000_000)
+			for i := 0; i < 200; i++ {
+				tryApply(t, m, inst, c.stored(0, 32), c.stored(32, 64), c.tierStored("CPU", 0, 64), c.removed("GPU", 40, 64))
+				if i%50 == 49 {
+					tryApply(t, m, inst, cleared())
+				}
+			}
+			tryApply(t, m, inst, c.stored(0, 64))
+		}()
+	}
+	wg.Add(1)
+	go func() { // a flapping instance
+		defer wg.Done()
+		for i := 0; i < 100; i++ {
+			tryApply(t, m, "flap", shared.stored(0, 64))
+			if err := m.Purge(ctx, "flap"); err != nil {
+				t.Error(err)
+			}
+		}
+	}()
+	stop := make(chan struct{})
+	var readers sync.WaitGroup
+	for r := 0; r < 2; r++ {
+		readers.Add(1)
+		go func() {
+			defer readers.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				ms, err := m.Lookup(ctx, shared.keys)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				for _, x := range ms {
+					if x.Blocks[tiers.GPU] > x.Blocks[tiers.CPU] || x.Blocks[tiers.CPU] > 64 {
+						t.Errorf("inconsistent match %+v", x)
+					}
+				}
+				_, _ = m.Instances(ctx)
+			}
+		}()
+	}
+	wg.Wait()
+	close(stop)
+	readers.Wait()
+	want := map[string][tiers.Count]int{}
+	for w := 0; w < writers; w++ {
+		want[fmt.Sprintf("w%d", w)] = all(64)
+	}
+	checkLookup(t, m, query{shared.keys, want}, "final")
+	if n, _ := m.Len(ctx); n != writers*64 {
+		t.Fatalf("Len = %d, want %d", n, writers*64)
+	}
+}
+
+// tryApply is mustApply for goroutines other than the test's own.
+func tryApply(t testing.TB, idx Index, inst string, evs ...events.Event) {
+	if _, err := idx.Apply(context.Background(), inst, evs); err != nil {
+		t.Errorf("apply %s: %v", inst, err)
+	}
+}
