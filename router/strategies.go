@@ -28,19 +28,28 @@ func (s *Random) Pick(_ context.Context, _ *Request, cands []*Instance) (Decisio
 	if len(cands) == 0 {
 		return Decision{}, ErrNoCandidates
 	}
-	// Reservoir-sample among the available ones in one pass, no allocation.
-	var pick *Instance
-	n := uint64(0)
+	// Count the available ones, then take the k-th: one random draw, no allocation.
+	n := 0
 	for _, c := range cands {
-		if c.Full(s.Threshold) {
-			continue
-		}
-		n++
-		if s.rnd(n) == 0 {
-			pick = c
+		if !c.Full(s.Threshold) {
+			n++
 		}
 	}
-	if pick == nil {
+	if n == 0 {
+		return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: StrategyRandom, Reason: ReasonSaturated}, nil
+	}
+	k := int(s.rnd(uint64(n)))
+	var pick *Instance
+	for _, c := range cands {
+		if !c.Full(s.Threshold) {
+			if k == 0 {
+				pick = c
+				break
+			}
+			k--
+		}
+	}
+	if pick == nil { // an in-flight count rose between the passes
 		return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: StrategyRandom, Reason: ReasonSaturated}, nil
 	}
 	return Decision{Instance: pick, Strategy: StrategyRandom, Reason: ReasonRandom}, nil
@@ -93,21 +102,34 @@ func (s *LeastOutstanding) Pick(_ context.Context, _ *Request, cands []*Instance
 // leastOutstanding returns the candidate with the fewest in flight, a
 // uniformly random one among ties. cands must not be empty.
 func leastOutstanding(cands []*Instance, rnd func(uint64) uint64) *Instance {
-	var best *Instance
-	bestN, ties := 0, uint64(0)
+	// Counts move while we look; read each once so that the tie draw and
+	// the pick agree.
+	var small [64]int
+	counts := small[:0]
+	best, ties := int(^uint(0)>>1), uint64(0)
 	for _, c := range cands {
 		n := c.InFlight()
+		counts = append(counts, n)
 		switch {
-		case best == nil || n < bestN:
-			best, bestN, ties = c, n, 1
-		case n == bestN:
+		case n < best:
+			best, ties = n, 1
+		case n == best:
 			ties++
-			if rnd(ties) == 0 {
-				best = c
-			}
 		}
 	}
-	return best
+	k := uint64(0)
+	if ties > 1 {
+		k = rnd(ties)
+	}
+	for i, c := range cands {
+		if counts[i] == best {
+			if k == 0 {
+				return c
+			}
+			k--
+		}
+	}
+	return cands[0] // unreachable: ties >= 1 entries equal best
 }
 
 // PrefixAware is rendezvous (highest-random-weight) hashing of the
