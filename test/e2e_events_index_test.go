@@ -1,0 +1,112 @@
+package test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// The full path into the router's real index, both backends: ZMQ publisher
+// → kvbridge → JetStream → consumer → kvindex; a lookup of a request's key
+// chain sees its stored blocks, then their removal.
+func TestE2EIndexLookup(t *testing.T) {
+	backends := []struct {
+		name string
+		make func(t *testing.T) kvindex.Index
+	}{
+		{"memory", func(t *testing.T) kvindex.Index {
+			ix, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: "fake-model"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return ix
+		}},
+		{"redis", func(t *testing.T) kvindex.Index {
+			rc := redis.NewClient(&redis.Options{Addr: testenv.Redis(t)})
+			t.Cleanup(func() { _ = rc.Close() })
+			ix, err := kvindex.NewRedis(rc, kvindex.RedisConfig{Prefix: testenv.UniqueName(t), Model: "fake-model", TTL: time.Hour})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return ix
+		}},
+	}
+	for _, be := range backends {
+		t.Run(be.name, func(t *testing.T) {
+			ps := capturedPayloads(t, "array.jsonl")
+			first, err := events.Decode(ps[0])
+			if err != nil {
+				t.Fatal(err)
+			}
+			chatA := first.Events[0] // chat_A: 12 blocks from block 0
+			if chatA.HasParent || len(chatA.BlockHashes) != 12 {
+				t.Fatalf("capture changed: %+v", chatA)
+			}
+			keys := kvindex.Keys(kvindex.Root("fake-model", "", ""), chatA.TokenIDs, 16)
+
+			ix := be.make(t)
+			r := newRig(t, rigOpts{})
+			cfg := consumer.Config{Conn: r.conn(), Pool: r.pool, Applier: ix, Stream: r.stream, Bucket: r.bucket, Logger: quietLogger()}
+			c, err := consumer.New(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(r.ctx)
+			done := make(chan struct{})
+			go func() { defer close(done); _ = c.Run(ctx) }()
+			t.Cleanup(func() { cancel(); <-done })
+			waitFor(t, 20*time.Second, "consumer healthy", c.Healthy)
+
+			gpuBlocks := func() int {
+				ms, err := ix.Lookup(r.ctx, keys)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, m := range ms {
+					if m.Instance == r.instance {
+						return m.Blocks[tiers.GPU]
+					}
+				}
+				return 0
+			}
+			r.publish(ps[0])
+			waitFor(t, 20*time.Second, "chat_A's 12 blocks in the index", func() bool { return gpuBlocks() == 12 })
+
+			// The fills evict blocks of chat_A (the capture's BlockRemoved):
+			// the lookup sees the chain cut at the first evicted block.
+			r.publish(ps[1:22]...)
+			engine := reference(t, ps[:22]...)
+			lead := 0
+			for _, h := range chatA.BlockHashes {
+				if _, ok := engine[h]; !ok {
+					break
+				}
+				lead++
+			}
+			if lead == 12 {
+				t.Fatal("capture changed: chat_A not evicted by seq 22")
+			}
+			waitFor(t, 20*time.Second, "chat_A's removals in the index", func() bool { return gpuBlocks() == lead })
+			r.publish(ps[22])
+			r.waitPublished(23)
+			waitFor(t, 20*time.Second, "consumer at the bridge's position", func() bool {
+				st := c.Instances()
+				return len(st) == 1 && st[0].LastSeq == 23
+			})
+			// seq 23 stores chat_A again (12 blocks), so it is whole again.
+			if n := gpuBlocks(); n != 12 {
+				t.Fatalf("after re-store: %d GPU blocks, want 12", n)
+			}
+			r.publish(ps[23]) // AllBlocksCleared (sleep)
+			waitFor(t, 20*time.Second, "chat_A cleared from the index", func() bool { return gpuBlocks() == 0 })
+		})
+	}
+}
