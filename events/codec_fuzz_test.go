@@ -109,3 +109,36 @@ func BenchmarkEncode(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkDecodeLongPrompt decodes what vLLM sends for one 8,192-token
+// prompt: a BlockStored of 512 blocks in the map form current vLLM writes,
+// with compact integers (token ids of a 128k vocabulary, so 1-, 3- and
+// 5-byte forms mixed).
+func BenchmarkDecodeLongPrompt(b *testing.B) {
+	e := Event{Kind: BlockStored, BlockSize: 16, Medium: "GPU", SpecKind: "full_attention",
+		BlockHashes: make([]uint64, 512), TokenIDs: make([]uint32, 512*16)}
+	x := uint64(0x9e3779b97f4a7c15)
+	for i := range e.BlockHashes {
+		x ^= x << 13
+		x ^= x >> 7
+		x ^= x << 17
+		e.BlockHashes[i] = x
+	}
+	for i := range e.TokenIDs {
+		e.TokenIDs[i] = uint32((uint64(i) * 2654435761) % 128256)
+	}
+	p, err := Encode(nil, Batch{TS: 1, Events: []Event{e}, HasDPRank: true}, EncodingMap)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ReportAllocs()
+	b.SetBytes(int64(len(p)))
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if _, err := Decode(p); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(512*float64(b.N)/b.Elapsed().Seconds(), "blocks/s")
+	b.ReportMetric(8192*float64(b.N)/b.Elapsed().Seconds(), "tokens/s")
+}
