@@ -154,6 +154,10 @@ func (c StreamConfig) withDefaults() StreamConfig {
 	if c.DuplicateWindow == 0 {
 		c.DuplicateWindow = 2 * time.Minute
 	}
+	if c.MaxAge > 0 && c.DuplicateWindow > c.MaxAge {
+		// JetStream rejects a dedup window longer than the retention.
+		c.DuplicateWindow = c.MaxAge
+	}
 	return c
 }
 
