@@ -1,7 +1,6 @@
 package tokenizer
 
 import (
-	"sort"
 	"unicode"
 	"unicode/utf8"
 )
@@ -18,28 +17,47 @@ type addedToken struct {
 	normalized bool // matched against normalized text rather than the raw input
 }
 
-// addedVocab finds added tokens in text, leftmost first and longest first at a position
-// (Hugging Face uses a leftmost-longest Aho-Corasick automaton; with a few hundred tokens
-// that share a handful of first bytes, a first-byte index does the same job).
+// addedVocab finds added tokens in text, leftmost first and longest first at a position,
+// as Hugging Face's leftmost-longest Aho-Corasick automaton does. A byte trie is enough:
+// tokens are short, and the walk from a position stops at the first byte no token continues
+// with, so ordinary text costs one table lookup per byte.
 type addedVocab struct {
-	toks    []addedToken
-	byFirst [256][]int32 // indices into toks, longest content first
+	toks  []addedToken
+	nodes []trieNode // nodes[0] is the root
+	// first marks bytes that start some token, so most bytes skip the trie entirely.
+	first [256]bool
+}
+
+type trieNode struct {
+	next map[byte]int32
+	tok  int32 // index into toks of the token ending here, or -1
 }
 
 func newAddedVocab(toks []addedToken) *addedVocab {
-	a := &addedVocab{}
+	a := &addedVocab{nodes: []trieNode{{tok: -1}}}
 	for _, t := range toks {
-		if t.content != "" {
-			a.toks = append(a.toks, t)
+		if t.content == "" {
+			continue
 		}
-	}
-	for i, t := range a.toks {
-		b := t.content[0]
-		a.byFirst[b] = append(a.byFirst[b], int32(i))
-	}
-	for b := range a.byFirst {
-		l := a.byFirst[b]
-		sort.SliceStable(l, func(i, j int) bool { return len(a.toks[l[i]].content) > len(a.toks[l[j]].content) })
+		a.toks = append(a.toks, t)
+		a.first[t.content[0]] = true
+		n := int32(0)
+		for i := 0; i < len(t.content); i++ {
+			c := t.content[i]
+			nx, ok := a.nodes[n].next[c]
+			if !ok {
+				if a.nodes[n].next == nil {
+					a.nodes[n].next = map[byte]int32{}
+				}
+				nx = int32(len(a.nodes))
+				a.nodes[n].next[c] = nx
+				a.nodes = append(a.nodes, trieNode{tok: -1})
+			}
+			n = nx
+		}
+		if a.nodes[n].tok < 0 { // the first of duplicate contents wins
+			a.nodes[n].tok = int32(len(a.toks) - 1)
+		}
 	}
 	return a
 }
@@ -56,21 +74,28 @@ func (a *addedVocab) split(s string, onText func(seg string, off int), onToken f
 		return
 	}
 	last := 0
+	var found [8]int32 // tokens ending along the current walk, shortest first
 	for i := 0; i < len(s); i++ {
-		cands := a.byFirst[s[i]]
-		if len(cands) == 0 {
+		if !a.first[s[i]] {
 			continue
 		}
-		for _, ci := range cands {
-			t := &a.toks[ci]
-			end := i + len(t.content)
-			if end > len(s) || s[i:end] != t.content {
+		matches := found[:0]
+		for n, j := int32(0), i; j < len(s); j++ {
+			nx, ok := a.nodes[n].next[s[j]]
+			if !ok {
+				break
+			}
+			n = nx
+			if a.nodes[n].tok >= 0 {
+				matches = append(matches, a.nodes[n].tok)
+			}
+		}
+		for k := len(matches) - 1; k >= 0; k-- { // longest first
+			t := &a.toks[matches[k]]
+			start, end := i, i+len(t.content)
+			if t.singleWord && (isWordBefore(s, start) || isWordAfter(s, end)) {
 				continue
 			}
-			if t.singleWord && (isWordBefore(s, i) || isWordAfter(s, end)) {
-				continue
-			}
-			start := i
 			if t.lstrip {
 				for start > last {
 					r, w := utf8.DecodeLastRuneInString(s[last:start])

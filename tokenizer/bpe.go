@@ -84,27 +84,57 @@ func (m *bpe) initialSymbols(syms []uint32, piece string) []uint32 {
 	return syms
 }
 
+// noMerge is the rank of a pair that has no merge.
+const noMerge = ^uint32(0)
+
 // mergeNaive applies merges lowest rank first, leftmost first among equal ranks (equal
 // ranks only occur for the same pair, and Hugging Face's heap orders them by position).
+// The rank of each adjacent pair is kept in ranks, so a round costs a scan of integers
+// and only the two pairs touching a merge are looked up again.
 func (m *bpe) mergeNaive(syms []uint32) []uint32 {
+	if len(syms) < 2 {
+		return syms
+	}
+	var rbuf, ibuf [naiveLimit]uint32
+	ranks, ids := rbuf[:0], ibuf[:0]
+	if len(syms)-1 > naiveLimit {
+		ranks, ids = make([]uint32, 0, len(syms)), make([]uint32, 0, len(syms))
+	}
+	ranks, ids = ranks[:len(syms)-1], ids[:len(syms)-1]
+	for i := range ranks {
+		ranks[i], ids[i] = m.pairRank(syms[i], syms[i+1])
+	}
 	for len(syms) > 1 {
-		best, bestRank, bestID := -1, uint32(0), uint32(0)
-		for i := 0; i+1 < len(syms); i++ {
-			v, ok := m.merges[uint64(syms[i])<<32|uint64(syms[i+1])]
-			if !ok {
-				continue
-			}
-			if r := uint32(v >> 32); best < 0 || r < bestRank {
-				best, bestRank, bestID = i, r, uint32(v)
+		best, bestRank := -1, noMerge
+		for i, r := range ranks {
+			if r < bestRank {
+				best, bestRank = i, r
 			}
 		}
 		if best < 0 {
 			break
 		}
-		syms[best] = bestID
+		syms[best] = ids[best]
 		syms = append(syms[:best+1], syms[best+2:]...)
+		ranks = append(ranks[:best], ranks[best+1:]...)
+		ids = append(ids[:best], ids[best+1:]...)
+		if best > 0 {
+			ranks[best-1], ids[best-1] = m.pairRank(syms[best-1], syms[best])
+		}
+		if best < len(ranks) {
+			ranks[best], ids[best] = m.pairRank(syms[best], syms[best+1])
+		}
 	}
 	return syms
+}
+
+// pairRank returns the merge rank of (a, b) and the merged id, or noMerge.
+func (m *bpe) pairRank(a, b uint32) (uint32, uint32) {
+	v, ok := m.merges[uint64(a)<<32|uint64(b)]
+	if !ok {
+		return noMerge, 0
+	}
+	return uint32(v >> 32), uint32(v)
 }
 
 // mergeCand is a possible merge of the symbol at pos with its right neighbour.

@@ -96,3 +96,28 @@ func TestToolVectors(t *testing.T) {
 		})
 	}
 }
+
+// TestUnicodeVectors: 1,000 pseudo-random strings over characters where regex engines
+// disagree (U+0085, U+FEFF, ſ, Kelvin sign, combining marks, numerals of other scripts,
+// fragments of special tokens), with ids from @huggingface/tokenizers, which emulates
+// Oniguruma's classes as Rust's tokenizers (and so vLLM) uses them.
+func TestUnicodeVectors(t *testing.T) {
+	type uvec struct {
+		Text  string   `json:"text"`
+		Llama []uint32 `json:"llama-3.1"`
+		Qwen  []uint32 `json:"qwen3"`
+	}
+	vecs := readJSONLines[uvec](t, "testdata/unicode.jsonl")
+	if len(vecs) != 1000 {
+		t.Fatalf("%d vectors, want 1000", len(vecs))
+	}
+	llama, qwen := loadModel(t, "llama-3.1"), loadModel(t, "qwen3")
+	for i, v := range vecs {
+		if got, _ := llama.Encode(v.Text); !slices.Equal(got, v.Llama) {
+			t.Errorf("line %d llama-3.1 %q: got %v want %v", i+1, v.Text, got, v.Llama)
+		}
+		if got, _ := qwen.Encode(v.Text); !slices.Equal(got, v.Qwen) {
+			t.Errorf("line %d qwen3 %q: got %v want %v", i+1, v.Text, got, v.Qwen)
+		}
+	}
+}

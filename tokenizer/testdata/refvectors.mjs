@@ -5,7 +5,8 @@
 //   npm install @huggingface/tokenizers@0.2.0 @huggingface/jinja@0.5.11
 //   NODE_PATH=$PWD/node_modules node tokenizer/testdata/refvectors.mjs tokenizer/testdata
 //
-// Output: sentencepiece/{llama2,metaspace}/vectors.jsonl and tools/{qwen3,llama-3.1}.jsonl.
+// Output: sentencepiece/{llama2,metaspace}/vectors.jsonl, tools/{qwen3,llama-3.1}.jsonl and
+// unicode.jsonl (1,000 pseudo-random strings over characters where regex engines differ).
 import fs from "node:fs";
 import zlib from "node:zlib";
 import path from "node:path";
@@ -62,3 +63,27 @@ for (const name of ["qwen3", "llama-3.1"]) {
   });
   fs.writeFileSync(path.join(dir, "tools", name + ".jsonl"), lines.join("\n") + "\n");
 }
+
+// Adversarial strings: characters on which regex engines disagree about \s, \p{L}, \p{N}
+// and case folding, contractions, specials and their fragments, combining marks.
+const pool = ["a", "Z", "é", "ſ", "K", "'", "'s", "'LL", "'Re", " ", "  ", "\t", "\n", "\r\n", "\u0085", "\u00a0",
+  "\ufeff", "\u2028", "\u3000", "\u200b", "1", "23", "456", "½", "²", "٣", "Ⅻ", "!", "...", "<|im_start|>",
+  "<|eot_id|>", "<think>", "😀", "👍🏽", "中", "文", "ｆ", "e\u0301", "A\u030a", "한", "\u0000", "\u001f", "_", "-",
+  "$", "<|", "|>", "\u1680", "\u180e", "\u205f"];
+let seed = 42;
+const rnd = () => (seed = (seed * 1103515245 + 12345) % 2147483648) / 2147483648;
+const texts = [];
+for (let i = 0; i < 1000; i++) {
+  let s = "";
+  const n = 1 + Math.floor(rnd() * 12);
+  for (let j = 0; j < n; j++) s += pool[Math.floor(rnd() * pool.length)];
+  texts.push(s);
+}
+const toks = {};
+for (const name of ["llama-3.1", "qwen3"]) {
+  const base = path.join(dir, name);
+  toks[name] = new Tokenizer(readJSON(path.join(base, "tokenizer.json.gz")), readJSON(path.join(base, "tokenizer_config.json")));
+}
+fs.writeFileSync(path.join(dir, "unicode.jsonl"), texts.map((text) => JSON.stringify({ text,
+  "llama-3.1": toks["llama-3.1"].encode(text, { add_special_tokens: false }).ids,
+  qwen3: toks.qwen3.encode(text, { add_special_tokens: false }).ids })).join("\n") + "\n");
