@@ -1,0 +1,233 @@
+package consumer
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
+)
+
+// recorder is an Applier that records, per instance, the first block hash
+// of every stored event, and purges.
+type recorder struct {
+	mu     sync.Mutex // guards stored and purges
+	stored map[string][]uint64
+	purges map[string]int
+}
+
+func newRecorder() *recorder {
+	return &recorder{stored: map[string][]uint64{}, purges: map[string]int{}}
+}
+
+func (r *recorder) Apply(_ context.Context, instance string, evs []events.Event) (kvindex.ApplyResult, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, e := range evs {
+		if e.Kind == events.BlockStored && len(e.BlockHashes) > 0 {
+			r.stored[instance] = append(r.stored[instance], e.BlockHashes[0])
+		}
+	}
+	return kvindex.ApplyResult{}, nil
+}
+
+func (r *recorder) Purge(_ context.Context, instance string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.purges[instance]++
+	delete(r.stored, instance)
+	return nil
+}
+
+func (r *recorder) get(instance string) ([]uint64, int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]uint64(nil), r.stored[instance]...), r.purges[instance]
+}
+
+func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", d, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+type env struct {
+	t    *testing.T
+	ctx  context.Context
+	nc   *nats.Conn
+	js   jetstream.JetStream
+	pool string
+	cfg  Config
+}
+
+func newEnv(t *testing.T) *env {
+	ctx := testenv.Context(t, time.Minute)
+	nc, err := nats.Connect(testenv.NATSURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, _ := jetstream.New(nc)
+	name := testenv.UniqueName(t)
+	e := &env{t: t, ctx: ctx, nc: nc, js: js, pool: "p_" + name}
+	e.cfg = Config{Conn: nc, Pool: e.pool, Stream: events.StreamConfig{Name: "S_" + name, Memory: true},
+		Bucket: events.BucketConfig{Name: "B_" + name, Memory: true}, Logger: slog.New(slog.DiscardHandler)}
+	if _, err := events.EnsureStream(ctx, js, e.cfg.Stream); err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+func (e *env) start(cfg Config) *Consumer {
+	e.t.Helper()
+	c, err := New(cfg)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(e.ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = c.Run(ctx) }()
+	e.t.Cleanup(func() { cancel(); <-done })
+	waitFor(e.t, 10*time.Second, "consumer healthy", c.Healthy)
+	return c
+}
+
+// store publishes a one-block BlockStored batch straight into the stream.
+func (e *env) store(instance string, seq uint64, hash uint64) {
+	e.t.Helper()
+	p, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: []events.Event{{Kind: events.BlockStored,
+		BlockHashes: []uint64{hash}, TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"}}}, events.EncodingMap)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	subj, _ := events.EventsSubject(e.pool, instance)
+	h := events.EventHeaders{Seq: seq, HasSeq: true, Pool: e.pool, Instance: instance}
+	if _, err := e.js.PublishMsg(e.ctx, &nats.Msg{Subject: subj, Data: p, Header: h.Header()}); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+func (e *env) heartbeat(instance string) {
+	subj, _ := events.InstancesSubject(e.pool, instance)
+	b, _ := json.Marshal(events.Heartbeat{Pool: e.pool, Instance: instance, URL: "http://" + instance, BlockSize: 16, Time: time.Now()})
+	_ = e.nc.Publish(subj, b)
+}
+
+func TestConfigValidation(t *testing.T) {
+	nc := &nats.Conn{}
+	a := newRecorder()
+	tests := []struct {
+		name string
+		cfg  Config
+		want string
+	}{
+		{"no conn", Config{Pool: "p", Applier: a}, "no NATS"},
+		{"no applier", Config{Conn: nc, Pool: "p"}, "no applier"},
+		{"bad pool", Config{Conn: nc, Pool: "a.b", Applier: a}, "invalid subject token"},
+		{"purge before stale", Config{Conn: nc, Pool: "p", Applier: a, StaleAfter: time.Minute, PurgeAfter: time.Second}, "shorter"},
+		{"negative", Config{Conn: nc, Pool: "p", Applier: a, Shards: -1}, "negative"},
+	}
+	for _, tc := range tests {
+		if _, err := New(tc.cfg); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: err = %v, want %q", tc.name, err, tc.want)
+		}
+	}
+}
+
+// Each instance's events apply in stream order, whatever the interleaving
+// and the number of shards.
+func TestPerInstanceOrder(t *testing.T) {
+	e := newEnv(t)
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier, cfg.Shards = a, 3
+	c := e.start(cfg)
+	const instances, per = 8, 40
+	for i := 0; i < per; i++ {
+		for in := 0; in < instances; in++ {
+			e.store(fmt.Sprintf("i%d", in), uint64(i+1), uint64(i+1))
+		}
+	}
+	for in := 0; in < instances; in++ {
+		name := fmt.Sprintf("i%d", in)
+		waitFor(t, 20*time.Second, name+" applied", func() bool { s, _ := a.get(name); return len(s) == per })
+		s, _ := a.get(name)
+		for i, h := range s {
+			if h != uint64(i+1) {
+				t.Fatalf("%s: event %d has hash %d: out of order", name, i, h)
+			}
+		}
+	}
+	if n := len(c.Instances()); n != instances {
+		t.Fatalf("%d instances", n)
+	}
+}
+
+// Heartbeats discover an instance; silence makes it stale, then purged;
+// a heartbeat brings it back.
+func TestStaleAndPurge(t *testing.T) {
+	e := newEnv(t)
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier, cfg.StaleAfter, cfg.PurgeAfter, cfg.CheckInterval = a, 300*time.Millisecond, 900*time.Millisecond, 20*time.Millisecond
+	c := e.start(cfg)
+	state := func() State {
+		for _, s := range c.Instances() {
+			if s.Instance == "vllm-0" {
+				return s.State
+			}
+		}
+		return 0
+	}
+	e.heartbeat("vllm-0")
+	waitFor(t, 5*time.Second, "discovery", func() bool { return state() == StateLive && c.Live("vllm-0") })
+	e.store("vllm-0", 1, 42)
+	waitFor(t, 5*time.Second, "event applied", func() bool { s, _ := a.get("vllm-0"); return len(s) == 1 })
+	if hb := c.Instances()[0].Heartbeat; hb == nil || hb.URL != "http://vllm-0" {
+		t.Fatalf("heartbeat %+v", hb)
+	}
+	waitFor(t, 5*time.Second, "stale", func() bool { return state() == StateStale })
+	if c.Live("vllm-0") {
+		t.Fatal("stale instance reported live")
+	}
+	if _, purges := a.get("vllm-0"); purges != 0 {
+		t.Fatal("purged while only stale")
+	}
+	waitFor(t, 5*time.Second, "purged", func() bool { _, p := a.get("vllm-0"); return state() == StatePurged && p == 1 })
+	e.heartbeat("vllm-0")
+	waitFor(t, 5*time.Second, "back to live", func() bool { return state() == StateLive })
+	if c.Live("unknown") {
+		t.Fatal("unknown instance reported live")
+	}
+}
+
+// With a shared index the consumer only keeps up: no purge, no snapshot,
+// no history.
+func TestSharedIndex(t *testing.T) {
+	e := newEnv(t)
+	e.store("i0", 1, 1) // before the consumer starts: not replayed
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier, cfg.SharedIndex = a, true
+	e.start(cfg)
+	e.store("i0", 2, 2)
+	waitFor(t, 5*time.Second, "new event", func() bool { s, _ := a.get("i0"); return len(s) == 1 })
+	if s, p := a.get("i0"); s[0] != 2 || p != 0 {
+		t.Fatalf("stored %v purges %d", s, p)
+	}
+}
