@@ -449,7 +449,7 @@ func (d *decoder) hash(st *fieldState) (uint64, error) {
 	c := d.r.peekByte()
 	switch typeOf(c) {
 	case mpInt:
-		v, _, _, err := d.r.readInt()
+		v, _, err := d.r.readInt()
 		st.hashInts++
 		if c == 0xcf {
 			st.hashFixed++
@@ -480,15 +480,30 @@ func (d *decoder) tokens(e *Event, st *fieldState) error {
 	}
 	e.TokenIDs = make([]uint32, n)
 	for i := range e.TokenIDs {
-		// Fast path: the 0xce form every capture and most engines use.
-		if d.r.remaining() >= 5 && d.r.b[d.r.off] == 0xce {
-			d.r.off++
-			e.TokenIDs[i] = d.r.u32()
-			st.tokens++
-			st.tokenFixed++
-			continue
+		// Fast paths for the forms engines use: 0xce (Go encoders, every
+		// capture) and the compact forms msgspec picks for a vocabulary
+		// below 2^32.
+		if rem := d.r.remaining(); rem >= 5 {
+			switch c := d.r.b[d.r.off]; {
+			case c == 0xce:
+				d.r.off++
+				e.TokenIDs[i] = d.r.u32()
+				st.tokens++
+				st.tokenFixed++
+				continue
+			case c <= 0x7f:
+				d.r.off++
+				e.TokenIDs[i] = uint32(c)
+				st.tokens++
+				continue
+			case c == 0xcd:
+				d.r.off++
+				e.TokenIDs[i] = uint32(d.r.u16())
+				st.tokens++
+				continue
+			}
 		}
-		v, neg, _, err := d.r.readInt()
+		v, neg, err := d.r.readInt()
 		if err != nil {
 			return fmt.Errorf("[%d]: %w", i, err)
 		}
@@ -503,7 +518,7 @@ func (d *decoder) tokens(e *Event, st *fieldState) error {
 
 // int reads an integer field and checks it lies in [lo, hi].
 func (d *decoder) int(name string, lo, hi int64) (int64, error) {
-	v, neg, _, err := d.r.readInt()
+	v, neg, err := d.r.readInt()
 	if err != nil {
 		return 0, err
 	}

@@ -201,31 +201,20 @@ func (r *reader) mapHeader() (int, error) {
 	return n, nil
 }
 
-// intMarker classifies how an integer was written, so that Encode can write
-// it the same way.
-type intMarker uint8
-
-const (
-	intCompact intMarker = iota // smallest form (msgspec, most encoders)
-	intOther                    // a wider form than needed, not one of the fixed ones below
-	intFixed32                  // 0xce for a value that fits in fewer bytes
-	intFixed64                  // 0xcf for a value that fits in fewer bytes
-)
-
 // readInt reads any msgpack integer. neg reports a negative value (v is then
-// its two's complement); m tells whether the encoding was the compact one.
-func (r *reader) readInt() (v uint64, neg bool, m intMarker, err error) {
+// its two's complement).
+func (r *reader) readInt() (v uint64, neg bool, err error) {
 	if r.off >= len(r.b) {
-		return 0, false, 0, errTruncated
+		return 0, false, errTruncated
 	}
 	c := r.b[r.off]
 	switch {
 	case c <= 0x7f:
 		r.off++
-		return uint64(c), false, intCompact, nil
+		return uint64(c), false, nil
 	case c >= 0xe0:
 		r.off++
-		return uint64(int64(int8(c))), true, intCompact, nil
+		return uint64(int64(int8(c))), true, nil
 	}
 	var w int
 	switch c {
@@ -238,10 +227,10 @@ func (r *reader) readInt() (v uint64, neg bool, m intMarker, err error) {
 	case 0xcf, 0xd3:
 		w = 8
 	default:
-		return 0, false, 0, wrongType("int", c)
+		return 0, false, wrongType("int", c)
 	}
 	if err := r.need(1 + w); err != nil {
-		return 0, false, 0, err
+		return 0, false, err
 	}
 	r.off++
 	signed := c >= 0xd0
@@ -267,36 +256,7 @@ func (r *reader) readInt() (v uint64, neg bool, m intMarker, err error) {
 	default:
 		v = r.u64()
 	}
-	neg = signed && int64(v) < 0
-	if neg {
-		return v, true, intOther, nil
-	}
-	// Classify the width: compact when this is the smallest unsigned form.
-	m = intOther
-	if !signed && uintWidth(v) == w {
-		m = intCompact
-	} else if !signed && w == 4 {
-		m = intFixed32
-	} else if !signed && w == 8 {
-		m = intFixed64
-	}
-	return v, false, m, nil
-}
-
-// uintWidth is the payload width of the compact unsigned encoding of v
-// (0 for a positive fixint).
-func uintWidth(v uint64) int {
-	switch {
-	case v <= 0x7f:
-		return 0
-	case v <= math.MaxUint8:
-		return 1
-	case v <= math.MaxUint16:
-		return 2
-	case v <= math.MaxUint32:
-		return 4
-	}
-	return 8
+	return v, signed && int64(v) < 0, nil
 }
 
 // readFloat reads a float32/float64 (or, leniently, an integer) as float64.
@@ -322,7 +282,7 @@ func (r *reader) readFloat() (f float64, f32 bool, err error) {
 		if typeOf(c) != mpInt {
 			return 0, false, wrongType("float", c)
 		}
-		v, neg, _, err := r.readInt()
+		v, neg, err := r.readInt()
 		if err != nil {
 			return 0, false, err
 		}
