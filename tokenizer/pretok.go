@@ -209,7 +209,7 @@ func (gptScanner) letters(text string, i int) int {
 }
 
 // regexTimeout bounds one regexp2 match.
-const regexTimeout = 250 * time.Millisecond
+const regexTimeout = time.Second
 
 // regexSplitter runs an arbitrary Split pattern on regexp2 (Perl/.NET syntax with
 // lookaround, like the Oniguruma engine of Hugging Face's Rust implementation).
