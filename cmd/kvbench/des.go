@@ -263,3 +263,14 @@ func writeReports(dir string, sums []report.Summary, bound float64) error {
 	}
 	return nil
 }
+
+func routingDefaults() router.RoutingConfig { return router.RoutingConfig{} }
+
+// runDESOnce runs w on n default engines of gpuTokens each and summarises.
+func runDESOnce(ctx context.Context, n int, gpuTokens int64, rt des.Router, w *workload.Workload) (report.Summary, error) {
+	res, err := des.Run(ctx, des.Config{Instances: n, NewEngine: simFactory(sim.Config{GPUBlocks: int(gpuTokens / sim.DefaultBlockSize)}), Router: rt}, w)
+	if err != nil {
+		return report.Summary{}, err
+	}
+	return report.Summarize(res, 0), nil
+}

@@ -1,0 +1,61 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"testing"
+
+	"github.com/kvrouter/kvrouter/workload"
+)
+
+// TestLiveAgreesWithDES runs the same small long-context workload through
+// a real router in front of real (simulated) vLLM servers over HTTP, and
+// through the discrete-event driver, and checks they agree in direction:
+// prefix_aware beats random on hit rate and median TTFT in both.
+func TestLiveAgreesWithDES(t *testing.T) {
+	ctx := context.Background()
+	w, err := workload.LongContext{Groups: 12, RequestsPerGroup: 5, PrefixTokens: 2000, QuestionTokens: 50, OutputTokens: 8,
+		Arrivals: workload.Arrivals{Rate: 6}}.Generate(3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fl, err := startLocalFleet(ctx, fleetSpec{Instances: 3, GPUTokens: 1_350_000, TimeScale: 4, Strategy: "random"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fl.Close()
+	var out, errb bytes.Buffer
+	c := newLiveClient(liveConfig{RouterURL: fl.routerURL, TimeScale: 4, Reset: true})
+	live, err := liveCompare(ctx, c, w, []string{"random", "prefix_aware"}, &out, &errb)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	for _, s := range live {
+		if s.Failed != 0 || s.Requests != len(w.Requests) {
+			t.Fatalf("live %s: %d of %d failed", s.Strategy, s.Failed, s.Requests)
+		}
+		if s.Instances != 3 || s.ShareMax == 0 {
+			t.Errorf("live %s: instances %d, share max %v", s.Strategy, s.Instances, s.ShareMax)
+		}
+	}
+	if live[1].HitRate <= live[0].HitRate+0.2 {
+		t.Errorf("live: prefix_aware hit %.3f vs random %.3f", live[1].HitRate, live[0].HitRate)
+	}
+	// Same direction in the discrete-event mode, on the same workload.
+	var dsum [2]float64
+	for i, name := range []string{"random", "prefix_aware"} {
+		rt, err := newStrategyRouter(name, routingDefaults(), 1, demoModel)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := runDESOnce(ctx, 3, 1_350_000, rt, w)
+		if err != nil {
+			t.Fatal(err)
+		}
+		dsum[i] = res.HitRate
+	}
+	if dsum[1] <= dsum[0]+0.2 {
+		t.Errorf("des: prefix_aware hit %.3f vs random %.3f", dsum[1], dsum[0])
+	}
+	t.Logf("hit rate random/prefix_aware: live %.3f/%.3f, des %.3f/%.3f", live[0].HitRate, live[1].HitRate, dsum[0], dsum[1])
+}
