@@ -18,11 +18,17 @@ func (m mp) arr(n int) mp {
 	if n < 16 {
 		return append(m, 0x90|byte(n))
 	}
+	if n <= 0xffff {
+		return binary.BigEndian.AppendUint16(append(m, 0xdc), uint16(n))
+	}
 	return binary.BigEndian.AppendUint32(append(m, 0xdd), uint32(n))
 }
 func (m mp) mapH(n int) mp {
 	if n < 16 {
 		return append(m, 0x80|byte(n))
+	}
+	if n <= 0xffff {
+		return binary.BigEndian.AppendUint16(append(m, 0xde), uint16(n))
 	}
 	return binary.BigEndian.AppendUint32(append(m, 0xdf), uint32(n))
 }
@@ -526,4 +532,63 @@ func mapKeys(t *testing.T, p []byte, i int) string {
 		}
 	}
 	return strings.Join(keys, " ")
+}
+
+// u writes v in msgpack's smallest unsigned form, as msgspec does.
+func (m mp) u(v uint64) mp {
+	switch {
+	case v < 0x80:
+		return append(m, byte(v))
+	case v <= 0xff:
+		return append(m, 0xcc, byte(v))
+	case v <= 0xffff:
+		return binary.BigEndian.AppendUint16(append(m, 0xcd), uint16(v))
+	case v <= 0xffffffff:
+		return binary.BigEndian.AppendUint32(append(m, 0xce), uint32(v))
+	}
+	return m.u64(v)
+}
+
+// TestModernFormMatchesVLLM: a hand-built event encodes to the very bytes
+// msgspec writes for the live vLLM 0.26 payload printed in
+// volcano-sh/kthena#1535 (map-era event, compact integers, array batch).
+func TestModernFormMatchesVLLM(t *testing.T) {
+	tokens := []uint32{151644, 872, 198, 9064, 374, 279, 6722, 315, 5616, 30, 151645, 198, 151644, 77091, 198, 151667}
+	want := mp{}.arr(3).f64(1789095808.8378847).arr(1).mapH(11).
+		str("type").str("BlockStored").
+		str("block_hashes").arr(1).u(15760518052499183552).
+		str("parent_block_hash").nil().
+		str("token_ids").arr(len(tokens))
+	for _, tok := range tokens {
+		want = want.u(uint64(tok))
+	}
+	want = want.str("block_size").u(16).
+		str("lora_id").nil().
+		str("medium").str("GPU").
+		str("lora_name").nil().
+		str("extra_keys").arr(1).nil().
+		str("group_idx").u(0).
+		str("kv_cache_spec_kind").str("full_attention").
+		u(0)
+	b := Batch{TS: 1789095808.8378847, HasDPRank: true, Events: []Event{{
+		Kind: BlockStored, BlockHashes: []uint64{15760518052499183552}, TokenIDs: tokens,
+		BlockSize: 16, Medium: "GPU", ExtraKeys: mp{}.arr(1).nil(), SpecKind: "full_attention",
+	}}}
+	got, err := Encode(nil, b, EncodingMap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatalf("modern map form differs from vLLM's:\n got %x\nwant %x", got, []byte(want))
+	}
+	dec, err := Decode(want)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := diffBatch(b, dec); d != "" {
+		t.Fatal(d)
+	}
+	if again, _ := Encode(nil, dec, dec.Encoding); !bytes.Equal(again, want) {
+		t.Fatal("decoded vLLM payload does not re-encode byte for byte")
+	}
 }
