@@ -377,8 +377,7 @@ func readEvents(t *testing.T, r io.Reader, fn func(data string) bool) {
 func TestStreamingFirstEventBeforeUpstreamFinishes(t *testing.T) {
 	h := newHarness(t, 1, nil)
 	u := h.ups[0]
-	u.StreamEvents = 3
-	u.EventDelay = 400 * time.Millisecond
+	u.SetStream(3, 400*time.Millisecond)
 	resp, err := http.Post(h.ts.URL+"/v1/chat/completions", "application/json", bytes.NewReader(chatBody(model, "stream please", true)))
 	if err != nil {
 		t.Fatal(err)
@@ -406,7 +405,7 @@ func TestStreamingFirstEventBeforeUpstreamFinishes(t *testing.T) {
 func TestStreamBrokenMidwayEndsWithErrorEvent(t *testing.T) {
 	h := newHarness(t, 2, nil)
 	for _, u := range h.ups {
-		u.StreamEvents = 6
+		u.SetStream(6, 0)
 		u.Set(routertest.BreakStream, 0, 2)
 	}
 	resp, err := http.Post(h.ts.URL+"/v1/chat/completions", "application/json", bytes.NewReader(chatBody(model, "break", true)))

@@ -48,10 +48,10 @@ type Upstream struct {
 	breakAfter atomic.Int32
 	healthy    atomic.Bool
 
-	// StreamEvents is how many content events a stream sends (default 5);
-	// EventDelay spaces them.
-	StreamEvents int
-	EventDelay   time.Duration
+	// streamEvents is how many content events a stream sends (default 5);
+	// eventDelay (ns) spaces them. See SetStream.
+	streamEvents atomic.Int32
+	eventDelay   atomic.Int64
 
 	// Requests counts data-plane requests received; Canceled counts those
 	// whose context ended before the upstream finished answering.
@@ -76,8 +76,9 @@ type Upstream struct {
 // New starts a fake instance serving model; it is closed at test cleanup.
 func New(t testing.TB, id, model string, adapters ...string) *Upstream {
 	t.Helper()
-	u := &Upstream{ID: id, Model: model, Adapters: adapters, StreamEvents: 5, Started: make(chan struct{}, 1024)}
+	u := &Upstream{ID: id, Model: model, Adapters: adapters, Started: make(chan struct{}, 1024)}
 	u.healthy.Store(true)
+	u.streamEvents.Store(5)
 	u.Server = httptest.NewServer(http.HandlerFunc(u.serve))
 	t.Cleanup(u.Server.Close)
 	return u
@@ -91,6 +92,13 @@ func (u *Upstream) Set(b Behavior, status, n int) {
 	u.status.Store(int32(status))
 	u.breakAfter.Store(int32(n))
 	u.behavior.Store(int32(b))
+}
+
+// SetStream sets how many content events a stream sends and the delay
+// between them.
+func (u *Upstream) SetStream(events int, delay time.Duration) {
+	u.streamEvents.Store(int32(events))
+	u.eventDelay.Store(int64(delay))
 }
 
 // SetHealthy makes /health answer 200 (true) or 503 (false).
@@ -199,16 +207,17 @@ func (u *Upstream) serve(w http.ResponseWriter, r *http.Request) {
 	if Behavior(u.behavior.Load()) == BreakStream {
 		breakAt = int(u.breakAfter.Load())
 	}
-	for i := 0; i < u.StreamEvents; i++ {
+	nEvents, delay := int(u.streamEvents.Load()), time.Duration(u.eventDelay.Load())
+	for i := 0; i < nEvents; i++ {
 		if i == breakAt {
 			fl.Flush()
 			panic(http.ErrAbortHandler) // cut the connection mid-stream
 		}
 		fmt.Fprintf(w, "data: {\"id\":\"cmpl-%s\",\"object\":\"chat.completion.chunk\",\"model\":%q,\"choices\":[{\"index\":0,\"delta\":{\"content\":\"tok%d \"},\"finish_reason\":null}]}\n\n", u.ID, req.Model, i)
 		fl.Flush()
-		if u.EventDelay > 0 {
+		if delay > 0 {
 			select {
-			case <-time.After(u.EventDelay):
+			case <-time.After(delay):
 			case <-r.Context().Done():
 				u.Canceled.Add(1)
 				return
