@@ -310,46 +310,69 @@ func (m *Memory) evict(now uint32) {
 	}
 }
 
+// allTiers masks the tier bits of a tier set.
+const allTiers = 1<<tiers.Count - 1
+
 // match returns the leading blocks of keys the instance holds per tier.
 func (in *memInstance) match(keys []Key) (blocks [tiers.Count]int, ok bool) {
 	in.mu.RLock()
 	defer in.mu.RUnlock()
 	bits, j := in.probe(keys[0])
-	if bits == 0 {
+	if bits&allTiers == 0 {
 		return blocks, false
 	}
-	var ended [tiers.Count]bool
-	for i := 0; ; {
-		for t := range tiers.Count {
-			if !ended[t] {
-				if bits&(2<<t-1) != 0 {
-					blocks[t]++
-				} else {
-					ended[t] = true
+	// alive holds the tiers whose run is still contiguous; a block present
+	// in tier f counts for every tier >= f (Match counts "that tier or a
+	// faster one"), i.e. the mask of bits at or above its lowest set bit.
+	alive := uint32(allTiers)
+	i := 0
+	for {
+		b := bits & allTiers
+		if b == 0 {
+			break
+		}
+		if lost := alive &^ (^(b&-b - 1) & allTiers); lost != 0 {
+			for t := range tiers.Count {
+				if lost&(1<<t) != 0 {
+					blocks[t] = i
 				}
 			}
+			alive &^= lost
 		}
 		if i++; i == len(keys) {
 			break
 		}
 		// Blocks of a chain are usually stored by one event, hence in
-		// consecutive slab slots: try the next slot before the hash table.
+		// adjacent slab slots (last block first, see applyEvents): try the
+		// neighbouring slots before the hash table.
 		bits = 0
-		if next := j + 1; next < in.slab.n {
-			e := in.slab.at(next)
-			if m := atomic.LoadUint32(&e.meta); e.key == keys[i] && m&flagLive != 0 && m&flagDup == 0 {
-				bits, j = m&tierMask, next
-				markHit(e, m)
-			}
+		if j > 0 {
+			bits, j = in.neighbour(j-1, keys[i], j)
+		}
+		if bits == 0 && j+1 < in.slab.n {
+			bits, j = in.neighbour(j+1, keys[i], j)
 		}
 		if bits == 0 {
 			bits, j = in.probe(keys[i])
 		}
-		if bits == 0 {
-			break
+	}
+	for t := range tiers.Count {
+		if alive&(1<<t) != 0 {
+			blocks[t] = i
 		}
 	}
 	return blocks, true
+}
+
+// neighbour returns the bits of slab slot j when it holds k alone (no
+// aliased entries), else 0 and fallback.
+func (in *memInstance) neighbour(j int32, k Key, fallback int32) (uint32, int32) {
+	e := in.slab.at(j)
+	if m := atomic.LoadUint32(&e.meta); e.key == k && m&flagLive != 0 && m&flagDup == 0 && m&tierMask != 0 {
+		markHit(e, m)
+		return m & tierMask, j
+	}
+	return 0, fallback
 }
 
 // probe returns the tier bits the instance holds key k in (OR over aliased

@@ -150,7 +150,7 @@ func (t *table) insert(s *slab, j int32, k uint64, kf keyFunc) int32 {
 }
 
 func (t *table) grow(s *slab, kf keyFunc) {
-	size := len(t.fp) + len(t.fp)/2
+	size := 2 * len(t.fp)
 	if size < 16 {
 		size = 16
 	}

@@ -1,0 +1,240 @@
+package kvindex
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+)
+
+// The llm-d shape: 64 instances, each holding 30 chains of 512 blocks of
+// 16 tokens (983,040 (block, instance) entries). Chains are made distinct
+// by a per-chain cache salt over one shared token array, so the fixture
+// itself stays small next to the index being measured.
+const (
+	shapeInstances = 64
+	shapeChains    = 30
+	shapeBlocks    = 512
+	shapeBS        = 16
+)
+
+type shape struct {
+	tokens []uint32
+	evs    [][]events.Event // [instance*chains+chain] one BlockStored of a whole chain
+}
+
+func newShape(instances, chains, blocksPer, eventBlocks int) *shape {
+	s := &shape{tokens: seqTokens(blocksPer*shapeBS, 1)}
+	for i := 0; i < instances; i++ {
+		for c := 0; c < chains; c++ {
+			salt := fmt.Sprintf("i%d-c%d", i, c)
+			base := uint64(i*chains+c) << 20
+			var evs []events.Event
+			for from := 0; from < blocksPer; from += eventBlocks {
+				to := min(from+eventBlocks, blocksPer)
+				ev := events.Event{Kind: events.BlockStored, BlockSize: shapeBS, Medium: "GPU", CacheSalt: salt,
+					TokenIDs: s.tokens[from*shapeBS : to*shapeBS]}
+				for b := from; b < to; b++ {
+					ev.BlockHashes = append(ev.BlockHashes, base+uint64(b))
+				}
+				if from > 0 {
+					ev.ParentHash, ev.HasParent = base+uint64(from-1), true
+				}
+				evs = append(evs, ev)
+			}
+			s.evs = append(s.evs, evs)
+		}
+	}
+	return s
+}
+
+func (s *shape) keys(inst, chain int) []Key {
+	return Keys(Root(testModel, "", fmt.Sprintf("i%d-c%d", inst, chain)), s.tokens, shapeBS)
+}
+
+func (s *shape) fill(b testing.TB, idx Index, chains int) {
+	ctx := context.Background()
+	for n, evs := range s.evs {
+		if _, err := idx.Apply(ctx, fmt.Sprintf("pod-%d", n/chains), evs); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func heapAlloc() uint64 {
+	var ms runtime.MemStats
+	runtime.GC()
+	runtime.GC()
+	runtime.ReadMemStats(&ms)
+	return ms.HeapAlloc
+}
+
+// BenchmarkMemoryBuild applies the whole llm-d shape (983,040 blocks) per
+// op into a fresh index; it reports stored blocks/s and heap bytes per
+// (block, instance) entry. Run with -cpu 1 for the one-core figure.
+func BenchmarkMemoryBuild(b *testing.B) {
+	for _, evBlocks := range []int{512, 16} {
+		b.Run(fmt.Sprintf("event=%dblocks", evBlocks), func(b *testing.B) {
+			s := newShape(shapeInstances, shapeChains, shapeBlocks, evBlocks)
+			entries := shapeInstances * shapeChains * shapeBlocks
+			var perEntry float64
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				b.StopTimer()
+				before := heapAlloc()
+				m, err := NewMemory(MemoryConfig{Model: testModel, Capacity: 2 * entries})
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.StartTimer()
+				s.fill(b, m, shapeChains)
+				b.StopTimer()
+				if n, _ := m.Len(context.Background()); n != entries {
+					b.Fatalf("Len = %d, want %d", n, entries)
+				}
+				perEntry = float64(heapAlloc()-before) / float64(entries)
+				runtime.KeepAlive(m)
+				b.StartTimer()
+			}
+			b.ReportMetric(float64(entries)*float64(b.N)/b.Elapsed().Seconds(), "blocks/s")
+			b.ReportMetric(perEntry, "heapB/entry")
+		})
+	}
+}
+
+// BenchmarkMemoryLookup512 looks up a 512-block chain in the full shape.
+func BenchmarkMemoryLookup512(b *testing.B) {
+	s := newShape(shapeInstances, shapeChains, shapeBlocks, shapeBlocks)
+	m, err := NewMemory(MemoryConfig{Model: testModel, Capacity: 2 * shapeInstances * shapeChains * shapeBlocks})
+	if err != nil {
+		b.Fatal(err)
+	}
+	s.fill(b, m, shapeChains)
+	// A chain everyone holds (a fleet-wide system prompt), on top.
+	common := Keys(Root(testModel, "", "common"), s.tokens, shapeBS)
+	for i := 0; i < shapeInstances; i++ {
+		ev := s.evs[0][0]
+		ev.CacheSalt = "common"
+		hs := make([]uint64, len(ev.BlockHashes))
+		for j := range hs {
+			hs[j] = uint64(1<<40) + uint64(j)
+		}
+		ev.BlockHashes = hs
+		mustApply(b, m, fmt.Sprintf("pod-%d", i), ev)
+	}
+	miss := Keys(Root(testModel, "", "nobody"), s.tokens, shapeBS)
+	cases := []struct {
+		name string
+		keys [][]Key
+		want int // matches per lookup
+	}{
+		{"one-holder", [][]Key{s.keys(7, 3), s.keys(40, 29), s.keys(63, 0), s.keys(0, 15)}, 1},
+		{"miss", [][]Key{miss}, 0},
+		{"all-64-hold", [][]Key{common}, shapeInstances},
+	}
+	ctx := context.Background()
+	for _, c := range cases {
+		b.Run(c.name, func(b *testing.B) {
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				ms, err := m.Lookup(ctx, c.keys[i%len(c.keys)])
+				if err != nil || len(ms) != c.want || c.want > 0 && ms[0].Blocks[0] != shapeBlocks {
+					b.Fatalf("lookup = %+v, %v", ms, err)
+				}
+				i++
+			}
+		})
+	}
+}
+
+// BenchmarkMemoryApplyParallel applies 16-block events from all cores at
+// once, each goroutine its own instances (as the consumer shards them).
+func BenchmarkMemoryApplyParallel(b *testing.B) {
+	s := newShape(shapeInstances, 4, shapeBlocks, 16)
+	m, err := NewMemory(MemoryConfig{Model: testModel, Capacity: 1 << 24})
+	if err != nil {
+		b.Fatal(err)
+	}
+	var next int64
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		id := int(atomicAdd(&next))
+		inst := fmt.Sprintf("pod-%d", id)
+		k := 0
+		for pb.Next() {
+			chain := s.evs[(id*4+k/32)%len(s.evs)]
+			if _, err := m.Apply(context.Background(), inst, chain[k%32:k%32+1]); err != nil {
+				b.Error(err)
+				return
+			}
+			k++
+		}
+	})
+	b.ReportMetric(float64(16*b.N)/b.Elapsed().Seconds(), "blocks/s")
+}
+
+// redisShape sizes the Redis benchmarks: the Redis index's cost per
+// operation does not grow with its size (hash lookups), so a smaller
+// fleet keeps setup short.
+func BenchmarkRedisApply(b *testing.B) {
+	for _, evBlocks := range []int{512, 64} {
+		b.Run(fmt.Sprintf("event=%dblocks", evBlocks), func(b *testing.B) {
+			r, err := NewRedis(redisClient(b), RedisConfig{Prefix: testenv.UniqueName(b), Model: testModel, TTL: time.Hour})
+			if err != nil {
+				b.Fatal(err)
+			}
+			s := newShape(16, 8, shapeBlocks, evBlocks)
+			perChain := shapeBlocks / evBlocks
+			ctx := context.Background()
+			b.ReportAllocs()
+			n := 0
+			for b.Loop() {
+				chain := (n / perChain) % len(s.evs)
+				if _, err := r.Apply(ctx, fmt.Sprintf("pod-%d", chain/8), s.evs[chain][n%perChain:n%perChain+1]); err != nil {
+					b.Fatal(err)
+				}
+				n++
+			}
+			b.ReportMetric(float64(evBlocks*n)/b.Elapsed().Seconds(), "blocks/s")
+		})
+	}
+}
+
+func BenchmarkRedisLookup512(b *testing.B) {
+	r, err := NewRedis(redisClient(b), RedisConfig{Prefix: testenv.UniqueName(b), Model: testModel, TTL: time.Hour})
+	if err != nil {
+		b.Fatal(err)
+	}
+	s := newShape(shapeInstances, 2, shapeBlocks, shapeBlocks)
+	s.fill(b, r, 2)
+	miss := Keys(Root(testModel, "", "nobody"), s.tokens, shapeBS)
+	cases := []struct {
+		name string
+		keys []Key
+		want int
+	}{
+		{"one-holder", s.keys(17, 1), 1},
+		{"miss", miss, 0},
+	}
+	ctx := context.Background()
+	for _, c := range cases {
+		b.Run(c.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				ms, err := r.Lookup(ctx, c.keys)
+				if err != nil || len(ms) != c.want || c.want > 0 && ms[0].Blocks[0] != shapeBlocks {
+					b.Fatalf("lookup = %+v, %v", ms, err)
+				}
+			}
+		})
+	}
+}
+
+func atomicAdd(p *int64) int64 { return atomic.AddInt64(p, 1) - 1 }
