@@ -30,7 +30,9 @@ func Local(t ChatTokenizer) PromptTokenizer { return local{t} }
 
 type local struct{ t ChatTokenizer }
 
-func (l local) TokenizeText(_ context.Context, text string) ([]uint32, error) { return l.t.Encode(text) }
+func (l local) TokenizeText(_ context.Context, text string) ([]uint32, error) {
+	return l.t.Encode(text)
+}
 
 func (l local) TokenizeChat(_ context.Context, msgs []Message, opts RenderOptions) ([]uint32, error) {
 	ids, _, err := EncodeChat(l.t, msgs, opts)
