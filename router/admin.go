@@ -19,6 +19,7 @@ func (s *Server) addAdminRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("GET /admin/pools/{pool}", s.auth(s.serveGetPool))
 	mux.HandleFunc("GET /admin/pools/{pool}/routing", s.auth(s.serveGetRouting))
 	mux.HandleFunc("PUT /admin/pools/{pool}/routing", s.auth(s.servePutRouting))
+	mux.HandleFunc("GET /admin/pools/{pool}/compare", s.auth(s.serveCompare))
 }
 
 // auth requires "Authorization: Bearer <admin token>" when a token is set.

@@ -194,7 +194,7 @@ const (
 // RoutingConfig selects a pool's strategy. Zero values mean the defaults:
 // prefix_aware, 8192, 64.
 type RoutingConfig struct {
-	// Strategy: random | round_robin | least_outstanding | prefix_aware.
+	// Strategy: random | round_robin | least_outstanding | prefix_aware | kv_aware.
 	Strategy string `yaml:"strategy" json:"strategy,omitempty"`
 	// PrefixLength: characters (OpenAI path) or bytes (raw path) of the
 	// prompt that form the routing text, 1024..65536. Default 8192.
@@ -202,20 +202,55 @@ type RoutingConfig struct {
 	// ConcurrencyThreshold: in-flight requests at which an instance counts as
 	// full and requests overflow, 1..1024. Default 64.
 	ConcurrencyThreshold int `yaml:"concurrency_threshold" json:"concurrency_threshold,omitempty"`
-	// KV is reserved for the kv_aware strategy's scoring constants (a later issue).
+	// KV holds the kv_aware strategy's scoring constants (nil = defaults).
 	KV *KVScoringConfig `yaml:"kv,omitempty" json:"kv,omitempty"`
+	// Shadow also scores every request with the strategy not in use
+	// (kv_aware beside a heuristic, prefix_aware beside kv_aware) and
+	// records the comparison (GET /admin/pools/{pool}/compare). Needs the
+	// pool's KV index.
+	Shadow bool `yaml:"shadow" json:"shadow,omitempty"`
 }
 
-// KVScoringConfig holds the kv_aware scoring constants (ARCHITECTURE "Scoring").
+// KVScoringConfig holds the kv_aware scoring constants (ARCHITECTURE
+// "Scoring"); zero means the default, whose reasoning is in score.go,
+// tiers.CostModel and docs/kv-aware.md.
 type KVScoringConfig struct {
-	// PrefillTokensPerSecond is P.
+	// PrefillTokensPerSecond is P. Default 25,000 (tiers.CostModel).
 	PrefillTokensPerSecond float64 `yaml:"prefill_tokens_per_second" json:"prefill_tokens_per_second,omitempty"`
-	// CPULoadTokensPerSecond is X_cpu.
+	// CPULoadTokensPerSecond is X_cpu. Default ≈ 1.22M (tiers.CostModel).
 	CPULoadTokensPerSecond float64 `yaml:"cpu_load_tokens_per_second" json:"cpu_load_tokens_per_second,omitempty"`
-	// SharedLoadTokensPerSecond is X_shared.
+	// DiskLoadTokensPerSecond is X_disk. Default 420,000 (tiers.CostModel).
+	DiskLoadTokensPerSecond float64 `yaml:"disk_load_tokens_per_second" json:"disk_load_tokens_per_second,omitempty"`
+	// SharedLoadTokensPerSecond is X_shared. Default ≈ 305,000 (tiers.CostModel).
 	SharedLoadTokensPerSecond float64 `yaml:"shared_load_tokens_per_second" json:"shared_load_tokens_per_second,omitempty"`
 	// BlockSize overrides the block size learned from events.
 	BlockSize int `yaml:"block_size" json:"block_size,omitempty"`
+	// WaitingRequestTokens is the prefill assumed per engine-reported
+	// waiting request beyond this router's own. Default 1,024.
+	WaitingRequestTokens int `yaml:"waiting_request_tokens" json:"waiting_request_tokens,omitempty"`
+	// RunningRequestSeconds is what each running request adds to a new
+	// request's TTFT. Default 0.0005.
+	RunningRequestSeconds float64 `yaml:"running_request_seconds" json:"running_request_seconds,omitempty"`
+	// PrefillCostWeight w: the pick minimises predicted TTFT plus
+	// w·(tokens the pick must prefill)/P, so that bursts of a new prefix
+	// join the instance computing it. Default 1; negative = 0 (pure TTFT).
+	PrefillCostWeight float64 `yaml:"prefill_cost_weight" json:"prefill_cost_weight,omitempty"`
+	// TieTolerance: predicted TTFTs this close are a tie, broken by
+	// rendezvous order. Default 1ms.
+	TieTolerance time.Duration `yaml:"tie_tolerance" json:"tie_tolerance,omitempty"`
+	// SpeculativeTTL: a routed request's blocks count as held by its
+	// instance this long, until events confirm them. Default 2s; negative = off.
+	SpeculativeTTL time.Duration `yaml:"speculative_ttl" json:"speculative_ttl,omitempty"`
+	// SpeculativeCapacity bounds the speculative overlay in (block,
+	// instance) entries. Default 262,144.
+	SpeculativeCapacity int `yaml:"speculative_capacity" json:"speculative_capacity,omitempty"`
+	// ScrapeInterval of instances' /metrics (vllm:num_requests_waiting,
+	// running). Default 1s; negative = off. Read when the pool's loops start.
+	ScrapeInterval time.Duration `yaml:"scrape_interval" json:"scrape_interval,omitempty"`
+	// ScrapeTimeout bounds one scrape. Default 500ms.
+	ScrapeTimeout time.Duration `yaml:"scrape_timeout" json:"scrape_timeout,omitempty"`
+	// ScrapePath is the instances' metrics path. Default /metrics.
+	ScrapePath string `yaml:"scrape_path" json:"scrape_path,omitempty"`
 }
 
 // WithDefaults returns r with zero fields replaced by their defaults.
@@ -252,6 +287,9 @@ func (r RoutingConfig) validate(f string) error {
 		}
 		if k.BlockSize < 0 || k.BlockSize > 1024 {
 			return fmt.Errorf("%w: %s.kv.block_size %d out of range 0..1024", ErrInvalidConfig, f, k.BlockSize)
+		}
+		if err := k.validateKV(f + ".kv"); err != nil {
+			return err
 		}
 	}
 	return nil

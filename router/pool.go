@@ -14,6 +14,7 @@ type Pool struct {
 	instances []*Instance
 	byID      map[string]*Instance
 	routing   atomic.Pointer[poolRouting]
+	kv        *KVState // exact-routing state; nil when the pool has no KV index
 }
 
 type poolRouting struct {
@@ -24,8 +25,11 @@ type poolRouting struct {
 // NewPool builds a pool from its config (defaults applied), reusing
 // instances from prev with the same id and URL so that in-flight counts and
 // health survive a reload. prev may be nil.
-func NewPool(cfg PoolConfig, prev *Pool) (*Pool, error) {
+func NewPool(cfg PoolConfig, prev *Pool, opts ...PoolOption) (*Pool, error) {
 	p := &Pool{cfg: cfg, byID: make(map[string]*Instance, len(cfg.Instances))}
+	for _, o := range opts {
+		o(p)
+	}
 	for _, ic := range cfg.Instances {
 		var in *Instance
 		if prev != nil {
@@ -76,7 +80,7 @@ func (p *Pool) SetRouting(rc RoutingConfig) error {
 	if err := rc.Validate(); err != nil {
 		return err
 	}
-	st, err := NewStrategy(rc.Strategy, rc)
+	st, err := NewStrategy(rc.Strategy, rc, WithKVState(p.kv))
 	if err != nil {
 		return err
 	}

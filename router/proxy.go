@@ -12,8 +12,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-
-	"github.com/kvrouter/kvrouter/tiers"
 )
 
 // Response headers explaining a decision.
@@ -259,6 +257,9 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 		dec.Instance.Acquire()
 		s.proxy.ServeHTTP(w, out)
 		dec.Instance.Release()
+		if dec.Observer != nil {
+			dec.Observer.Finish(a.status)
+		}
 		if !a.retry {
 			s.m.requests.WithLabelValues(pool.Name(), dec.Instance.ID(), strat.Name(), string(dec.Reason), strconv.Itoa(a.status)).Inc()
 			s.log.Debug("request", "pool", pool.Name(), "instance", dec.Instance.ID(), "strategy", strat.Name(), "reason", dec.Reason, "status", a.status, "attempt", n, "stream", req.Stream)
@@ -281,14 +282,8 @@ func (s *Server) setDecisionHeaders(h http.Header, a *attempt) {
 		h.Set(HeaderAttempts, strconv.Itoa(a.n))
 	}
 	if e := a.dec.Explain; e != nil {
-		for t, n := range e.MatchedTokens {
-			if n > 0 {
-				h.Set("X-Kvrouter-Matched-Tokens-"+tiers.Tier(t).String(), strconv.Itoa(n))
-			}
-		}
-		if e.PredictedTTFT > 0 {
-			h.Set("X-Kvrouter-Predicted-Ttft-Ms", strconv.FormatFloat(float64(e.PredictedTTFT)/1e6, 'f', 2, 64))
-		}
+		h.Set(HeaderMatchedTokens, e.MatchedTokensHeader())
+		h.Set(HeaderPredictedTTFT, strconv.FormatFloat(float64(e.PredictedTTFT)/1e6, 'f', 2, 64))
 	}
 }
 
@@ -316,6 +311,9 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 	}
 	s.setDecisionHeaders(resp.Header, a)
 	ct := resp.Header.Get("Content-Type")
+	if o := a.dec.Observer; o != nil {
+		resp.Body = o.ObserveBody(resp.Body, strings.HasPrefix(ct, "text/event-stream"))
+	}
 	resp.Body = &upstreamBody{
 		rc:  resp.Body,
 		s:   s,

@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter/kvrouter/kvindex"
 )
 
 // Options are the dependencies of a Server. The zero value is usable.
@@ -24,6 +26,11 @@ type Options struct {
 	// Registry receives the router's metrics and is served at /metrics;
 	// nil = a new registry of the server's own (never the global one).
 	Registry *prometheus.Registry
+	// KV gives a pool its exact-routing dependencies: its KV block index
+	// and the freshness of its event stream (the events consumer; nil =
+	// always fresh). nil, or a nil index for a pool, makes kv_aware and
+	// shadow mode unavailable for it (a config selecting them is rejected).
+	KV func(pool PoolConfig) (kvindex.Index, Freshness)
 }
 
 // Server is the router: the HTTP data plane, the admin API and the
@@ -33,6 +40,8 @@ type Server struct {
 	log     *slog.Logger
 	reg     *prometheus.Registry
 	m       *metrics
+	kvm     *KVMetrics                                       // exact-routing metrics, all pools
+	kvOpt   func(pool PoolConfig) (kvindex.Index, Freshness) // Options.KV
 	proxy   *httputil.ReverseProxy
 	probe   *http.Client
 	started time.Time
@@ -78,7 +87,12 @@ func NewServer(cfg Config, opts Options) (*Server, error) {
 	}
 	tok := cfg.AdminToken
 	s.adminToken.Store(&tok)
-	st, err := buildState(cfg, nil)
+	s.kvOpt = opts.KV
+	var err error
+	if s.kvm, err = NewKVMetrics(s.reg); err != nil {
+		return nil, fmt.Errorf("router: register metrics: %w", err)
+	}
+	st, err := buildState(cfg, nil, s.kvStateFor)
 	if err != nil {
 		return nil, err
 	}
@@ -110,7 +124,7 @@ func NewServer(cfg Config, opts Options) (*Server, error) {
 	return s, nil
 }
 
-func buildState(cfg Config, prev *state) (*state, error) {
+func buildState(cfg Config, prev *state, kvFor func(PoolConfig, *Pool) (*KVState, error)) (*state, error) {
 	st := &state{cfg: cfg, byName: map[string]*Pool{}, byModel: map[string]*Pool{}, retryStatus: map[int]bool{}}
 	for _, c := range cfg.Proxy.RetryStatuses {
 		if c != 0 {
@@ -122,7 +136,11 @@ func buildState(cfg Config, prev *state) (*state, error) {
 		if prev != nil {
 			old = prev.byName[pc.Name]
 		}
-		p, err := NewPool(pc, old)
+		kv, err := kvFor(pc, old)
+		if err != nil {
+			return nil, err
+		}
+		p, err := NewPool(pc, old, WithPoolKVState(kv))
 		if err != nil {
 			return nil, err
 		}
@@ -164,7 +182,7 @@ func (s *Server) Reload(cfg Config) error {
 	if cfg.Listen != old.cfg.Listen || cfg.AdminListen != old.cfg.AdminListen {
 		s.log.Warn("reload: listen addresses change only on restart", "listen", old.cfg.Listen, "admin_listen", old.cfg.AdminListen)
 	}
-	st, err := buildState(cfg, old)
+	st, err := buildState(cfg, old, s.kvStateFor)
 	if err != nil {
 		return err
 	}
@@ -207,6 +225,7 @@ func (s *Server) startLoopsLocked() {
 		if !p.cfg.Discovery.Disable {
 			s.loopWG.Go(func() { s.discoveryLoop(ctx, p) })
 		}
+		s.startKVLoopsLocked(ctx, p)
 	}
 }
 

@@ -41,7 +41,8 @@ type Strategy interface {
 // Reason says why a decision picked its instance (the x-kvrouter-reason header).
 type Reason string
 
-// Reasons. ReasonKVMatch and ReasonFallback are for the kv_aware strategy.
+// Reasons. The kv_aware strategy's own (kv_match, heuristic,
+// stale_fallback, stream_down) are in kvaware.go.
 const (
 	ReasonHash             Reason = "hash"              // prefix_aware: first in rendezvous order
 	ReasonOverflow         Reason = "overflow"          // prefix_aware: first in rendezvous order was full
@@ -49,8 +50,6 @@ const (
 	ReasonRandom           Reason = "random"            // random
 	ReasonRoundRobin       Reason = "round_robin"       // round_robin
 	ReasonLeastOutstanding Reason = "least_outstanding" // least_outstanding
-	ReasonKVMatch          Reason = "kv-match"          // kv_aware: best predicted TTFT from cached blocks
-	ReasonFallback         Reason = "fallback"          // kv_aware: fell back to the heuristic
 )
 
 // Decision is a strategy's pick and its explanation.
@@ -59,8 +58,10 @@ type Decision struct {
 	Strategy string
 	Reason   Reason
 	// Explain, when set, carries what an exact strategy knew (headers
-	// x-kvrouter-matched-tokens-<tier>, x-kvrouter-predicted-ttft-ms).
+	// x-kvrouter-matched-tokens, x-kvrouter-predicted-ttft-ms).
 	Explain *Explanation
+	// Observer, when set, follows the routed attempt (see RequestObserver).
+	Observer RequestObserver
 }
 
 // Explanation is the optional detail of a kv-aware decision.
@@ -167,7 +168,7 @@ func fmix64(k uint64) uint64 {
 
 // StrategyNames lists the strategies NewStrategy knows.
 func StrategyNames() []string {
-	return []string{StrategyRandom, StrategyRoundRobin, StrategyLeastOutstanding, StrategyPrefixAware}
+	return []string{StrategyRandom, StrategyRoundRobin, StrategyLeastOutstanding, StrategyPrefixAware, StrategyKVAware}
 }
 
 func knownStrategy(name string) bool {
@@ -184,6 +185,7 @@ type StrategyOption func(*strategyOptions)
 
 type strategyOptions struct {
 	rnd func(n uint64) uint64
+	kv  *KVState // the pool's exact-routing state (kv_aware, shadow mode); see WithKVState
 }
 
 // WithSeed makes the random choices (random strategy, least-outstanding
@@ -214,6 +216,9 @@ func NewStrategy(name string, cfg RoutingConfig, opts ...StrategyOption) (Strate
 	o := strategyOptions{rnd: rand.Uint64N}
 	for _, f := range opts {
 		f(&o)
+	}
+	if cfg.Strategy == StrategyKVAware || cfg.Shadow {
+		return newKVStrategy(cfg, o.kv, o.rnd)
 	}
 	thr := cfg.ConcurrencyThreshold
 	switch cfg.Strategy {

@@ -252,7 +252,7 @@ func TestRandom(t *testing.T) {
 
 func TestStrategiesNoCandidates(t *testing.T) {
 	for _, name := range StrategyNames() {
-		s := mustStrategy(t, name, RoutingConfig{})
+		s := mustStrategy(t, name, RoutingConfig{}, WithKVState(newKVWorld(t, 1).st))
 		if s.Name() != name {
 			t.Errorf("Name() = %q, want %q", s.Name(), name)
 		}

@@ -1,0 +1,450 @@
+package router
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// RequestObserver follows one routed attempt to its end. A strategy that
+// predicts something about a request (kv_aware, shadow mode) sets it on its
+// Decision; the proxy calls ObserveBody when the upstream's response starts
+// and Finish exactly once when the attempt is over (after the body was
+// copied to the client, or after a failure with no response). Both are
+// called from the request's goroutine.
+type RequestObserver interface {
+	// ObserveBody returns body wrapped so the observer sees the response
+	// bytes; the wrapper passes them through unchanged and unbuffered.
+	ObserveBody(body io.ReadCloser, sse bool) io.ReadCloser
+	// Finish reports the attempt's HTTP status (0 when none).
+	Finish(status int)
+}
+
+var _ RequestObserver = (*kvObserver)(nil)
+
+// kvObserver releases the request's pending prefill at its first response
+// byte and compares the predicted hit with the engine's reported
+// usage.prompt_tokens_details.cached_tokens.
+type kvObserver struct {
+	st        *KVState
+	inst      string
+	pc        *pendingCounter
+	pendTok   int64
+	predicted int           // matched tokens predicted at routing
+	shadow    *shadowRecord // nil outside shadow mode
+	tee       *usageTee
+	released  atomic.Bool
+	finished  atomic.Bool
+}
+
+// newObserver counts recompute tokens as pending on inst until the
+// request's first byte.
+func (st *KVState) newObserver(inst string, recompute, predicted int) *kvObserver {
+	o := &kvObserver{st: st, inst: inst, pc: st.pendingFor(inst), pendTok: int64(max(recompute, 0)), predicted: predicted}
+	v := o.pc.tokens.Add(o.pendTok)
+	o.pc.reqs.Add(1)
+	st.m.pending.WithLabelValues(st.pool, inst).Set(float64(v))
+	return o
+}
+
+func (o *kvObserver) release() {
+	if o.released.CompareAndSwap(false, true) {
+		v := o.pc.tokens.Add(-o.pendTok)
+		o.pc.reqs.Add(-1)
+		o.st.m.pending.WithLabelValues(o.st.pool, o.inst).Set(float64(v))
+	}
+}
+
+// ObserveBody implements RequestObserver.
+func (o *kvObserver) ObserveBody(body io.ReadCloser, sse bool) io.ReadCloser {
+	o.tee = &usageTee{rc: body, sse: sse, onFirst: o.release}
+	return o.tee
+}
+
+// Finish implements RequestObserver.
+func (o *kvObserver) Finish(status int) {
+	if !o.finished.CompareAndSwap(false, true) {
+		return
+	}
+	o.release()
+	cached, found := -1, false
+	if o.tee != nil {
+		cached, found = o.tee.result()
+	}
+	o.st.recordOutcome(o, status, cached, found)
+}
+
+func (st *KVState) recordOutcome(o *kvObserver, status, cached int, found bool) {
+	ok := status >= 200 && status < 300
+	if ok {
+		if found {
+			st.m.usage.WithLabelValues(st.pool, "reported").Inc()
+			st.m.reportedCached.WithLabelValues(st.pool).Add(float64(cached))
+			st.m.predictedCached.WithLabelValues(st.pool).Add(float64(o.predicted))
+			st.m.predictionError.WithLabelValues(st.pool).Observe(float64(abs(o.predicted - cached)))
+		} else {
+			st.m.usage.WithLabelValues(st.pool, "missing").Inc()
+		}
+	}
+	st.cmp.addOutcome(o, ok, cached, found, st.now())
+}
+
+func abs(x int) int {
+	if x < 0 {
+		return -x
+	}
+	return x
+}
+
+// Caps of what the usage tee keeps: a non-streamed completion body (only
+// its usage object matters; bodies beyond this are not parsed), and one SSE
+// line.
+const (
+	maxUsageBody = 1 << 20
+	maxUsageLine = 256 << 10
+)
+
+// usageTee passes a response body through unchanged while looking for
+// usage.prompt_tokens_details.cached_tokens: in the whole body of a JSON
+// response, or in the data lines of an event stream (vLLM sends usage in
+// the last chunk when stream_options.include_usage is set).
+type usageTee struct {
+	rc      io.ReadCloser
+	sse     bool
+	onFirst func()
+	first   bool
+	buf     []byte // JSON: the body so far; SSE: the current line
+	over    bool   // JSON: body beyond maxUsageBody; SSE: current line beyond maxUsageLine
+	cached  int
+	found   bool
+	done    bool
+}
+
+func (t *usageTee) Read(p []byte) (int, error) {
+	n, err := t.rc.Read(p)
+	if n > 0 {
+		if !t.first {
+			t.first = true
+			if t.onFirst != nil {
+				t.onFirst()
+			}
+		}
+		t.feed(p[:n])
+	}
+	return n, err
+}
+
+func (t *usageTee) Close() error { return t.rc.Close() }
+
+func (t *usageTee) feed(b []byte) {
+	if !t.sse {
+		if t.over {
+			return
+		}
+		if len(t.buf)+len(b) > maxUsageBody {
+			t.over, t.buf = true, nil
+			return
+		}
+		t.buf = append(t.buf, b...)
+		return
+	}
+	for len(b) > 0 {
+		i := bytes.IndexByte(b, '\n')
+		seg := b
+		if i >= 0 {
+			seg = b[:i]
+		}
+		if !t.over {
+			if len(t.buf)+len(seg) > maxUsageLine {
+				t.over, t.buf = true, t.buf[:0]
+			} else {
+				t.buf = append(t.buf, seg...)
+			}
+		}
+		if i < 0 {
+			return
+		}
+		if !t.over {
+			t.line(t.buf)
+		}
+		t.buf, t.over = t.buf[:0], false
+		b = b[i+1:]
+	}
+}
+
+// line handles one SSE line.
+func (t *usageTee) line(l []byte) {
+	l = bytes.TrimSuffix(l, []byte("\r"))
+	data, ok := bytes.CutPrefix(l, []byte("data:"))
+	if !ok || !bytes.Contains(data, []byte(`"cached_tokens"`)) {
+		return
+	}
+	if c, ok := parseCachedTokens(data); ok {
+		t.cached, t.found = c, true
+	}
+}
+
+// result finishes the scan and returns the reported cached tokens.
+func (t *usageTee) result() (int, bool) {
+	if !t.done {
+		t.done = true
+		switch {
+		case !t.sse && !t.over:
+			if c, ok := parseCachedTokens(t.buf); ok {
+				t.cached, t.found = c, true
+			}
+		case t.sse && !t.over && len(t.buf) > 0:
+			t.line(t.buf) // a last line without its newline
+		}
+		t.buf = nil
+	}
+	return t.cached, t.found
+}
+
+// parseCachedTokens reads usage.prompt_tokens_details.cached_tokens from a
+// JSON document (a completion body or one stream chunk).
+func parseCachedTokens(doc []byte) (int, bool) {
+	if !bytes.Contains(doc, []byte(`"cached_tokens"`)) {
+		return 0, false
+	}
+	var v struct {
+		Usage *struct {
+			Details *struct {
+				Cached *int64 `json:"cached_tokens"`
+			} `json:"prompt_tokens_details"`
+		} `json:"usage"`
+	}
+	if json.Unmarshal(doc, &v) != nil || v.Usage == nil || v.Usage.Details == nil || v.Usage.Details.Cached == nil {
+		return 0, false
+	}
+	c := *v.Usage.Details.Cached
+	if c < 0 || c > 1<<40 {
+		return 0, false
+	}
+	return int(c), true
+}
+
+// compareStats accumulates a pool's heuristic-versus-exact comparison.
+type compareStats struct {
+	pool string
+
+	mu       sync.Mutex // guards everything below
+	reasons  map[Reason]int64
+	compared int64
+	agreed   int64
+	sides    map[string]*sideStats // by strategy name
+	finished int64
+	reported int64
+	cached   int64 // engine-reported cached tokens (requests with a report)
+	predRep  int64 // predicted matched tokens of those same requests
+	absErr   int64
+	// by agreement: reported cached tokens where the strategies agreed or not
+	repAgree, repDisagree       int64
+	repAgreeN, repDisagreeN     int64
+	recent                      [compareRecent]CompareSample
+	recentNext, recentN         int
+	lastStrategy, lastOtherName string
+}
+
+const compareRecent = 32
+
+type sideStats struct {
+	n       int64
+	matched int64
+	ttft    float64 // seconds, summed
+}
+
+func (c *compareStats) countReason(r Reason) {
+	c.mu.Lock()
+	if c.reasons == nil {
+		c.reasons = map[Reason]int64{}
+	}
+	c.reasons[r]++
+	c.mu.Unlock()
+}
+
+func (c *compareStats) addShadow(r *shadowRecord) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.sides == nil {
+		c.sides = map[string]*sideStats{}
+	}
+	c.compared++
+	if r.agree {
+		c.agreed++
+	}
+	for _, sd := range []struct {
+		name string
+		p    shadowPick
+	}{{r.inUse, r.inUsePick}, {r.other, r.otherPick}} {
+		s := c.sides[sd.name]
+		if s == nil {
+			s = &sideStats{}
+			c.sides[sd.name] = s
+		}
+		s.n++
+		s.matched += int64(sd.p.matched)
+		s.ttft += sd.p.ttft
+	}
+	c.lastStrategy, c.lastOtherName = r.inUse, r.other
+}
+
+func (c *compareStats) addOutcome(o *kvObserver, ok bool, cached int, found bool, now time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.finished++
+	if ok && found {
+		c.reported++
+		c.cached += int64(cached)
+		c.predRep += int64(o.predicted)
+		c.absErr += int64(abs(o.predicted - cached))
+		if r := o.shadow; r != nil {
+			if r.agree {
+				c.repAgree += int64(cached)
+				c.repAgreeN++
+			} else {
+				c.repDisagree += int64(cached)
+				c.repDisagreeN++
+			}
+		}
+	}
+	if r := o.shadow; r != nil {
+		s := CompareSample{
+			Time:   now,
+			Status: 0,
+			Agree:  r.agree,
+			InUse:  SamplePick{Strategy: r.inUse, Instance: r.inUsePick.inst, MatchedTokens: r.inUsePick.matched, PredictedTTFTMs: r.inUsePick.ttft * 1e3},
+			Other:  SamplePick{Strategy: r.other, Instance: r.otherPick.inst, MatchedTokens: r.otherPick.matched, PredictedTTFTMs: r.otherPick.ttft * 1e3},
+		}
+		if ok {
+			s.Status = 200
+		}
+		if found {
+			v := cached
+			s.ReportedCachedTokens = &v
+		}
+		c.recent[c.recentNext] = s
+		c.recentNext = (c.recentNext + 1) % compareRecent
+		c.recentN = min(c.recentN+1, compareRecent)
+	}
+}
+
+// CompareSummary is GET /admin/pools/{pool}/compare: how exact routing
+// compares with the heuristic on this pool's live traffic.
+type CompareSummary struct {
+	Pool     string `json:"pool"`
+	Strategy string `json:"strategy"`
+	Shadow   bool   `json:"shadow"`
+	// KVDecisions counts kv_aware decisions by reason (in use or shadow).
+	KVDecisions map[string]int64 `json:"kv_decisions"`
+	// Compared is the number of shadow-scored requests; Agreed how many
+	// picked the same instance under both strategies.
+	Compared      int64   `json:"compared"`
+	Agreed        int64   `json:"agreed"`
+	AgreementRate float64 `json:"agreement_rate"`
+	// Predicted summarises, per strategy, what the index predicted for its
+	// picks: mean matched tokens and mean predicted TTFT.
+	Predicted map[string]StrategyPrediction `json:"predicted"`
+	// Reported compares predictions with the engines' own cached-token reports.
+	Reported ReportedUsage `json:"reported"`
+	// Recent are the last shadow comparisons, newest first.
+	Recent []CompareSample `json:"recent"`
+}
+
+// StrategyPrediction is the index's prediction for one strategy's picks.
+type StrategyPrediction struct {
+	Requests            int64   `json:"requests"`
+	MatchedTokens       int64   `json:"matched_tokens"`
+	MeanMatchedTokens   float64 `json:"mean_matched_tokens"`
+	MeanPredictedTTFTMs float64 `json:"mean_predicted_ttft_ms"`
+}
+
+// ReportedUsage compares predicted matched tokens with the engines'
+// usage.prompt_tokens_details.cached_tokens (vLLM reports it with
+// --enable-prompt-tokens-details; streams need stream_options.include_usage).
+type ReportedUsage struct {
+	Finished             int64   `json:"finished"`
+	WithUsage            int64   `json:"with_usage"`
+	CachedTokens         int64   `json:"cached_tokens"`
+	PredictedTokens      int64   `json:"predicted_tokens"`
+	MeanAbsErrorTokens   float64 `json:"mean_abs_error_tokens"`
+	MeanCachedWhenAgree  float64 `json:"mean_cached_when_agree"`
+	MeanCachedWhenDiffer float64 `json:"mean_cached_when_differ"`
+}
+
+// CompareSample is one shadow comparison.
+type CompareSample struct {
+	Time                 time.Time  `json:"time"`
+	Status               int        `json:"status"`
+	Agree                bool       `json:"agree"`
+	InUse                SamplePick `json:"in_use"`
+	Other                SamplePick `json:"other"`
+	ReportedCachedTokens *int       `json:"reported_cached_tokens"`
+}
+
+// SamplePick is one strategy's pick in a CompareSample.
+type SamplePick struct {
+	Strategy        string  `json:"strategy"`
+	Instance        string  `json:"instance"`
+	MatchedTokens   int     `json:"matched_tokens"`
+	PredictedTTFTMs float64 `json:"predicted_ttft_ms"`
+}
+
+// Compare summarises the pool's comparison so far.
+func (st *KVState) Compare(strategy string, shadow bool) CompareSummary {
+	c := &st.cmp
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := CompareSummary{
+		Pool: st.pool, Strategy: strategy, Shadow: shadow,
+		KVDecisions: map[string]int64{}, Predicted: map[string]StrategyPrediction{},
+		Compared: c.compared, Agreed: c.agreed, Recent: []CompareSample{},
+	}
+	for r, n := range c.reasons {
+		out.KVDecisions[string(r)] = n
+	}
+	if c.compared > 0 {
+		out.AgreementRate = float64(c.agreed) / float64(c.compared)
+	}
+	for name, s := range c.sides {
+		p := StrategyPrediction{Requests: s.n, MatchedTokens: s.matched}
+		if s.n > 0 {
+			p.MeanMatchedTokens = float64(s.matched) / float64(s.n)
+			p.MeanPredictedTTFTMs = s.ttft / float64(s.n) * 1e3
+		}
+		out.Predicted[name] = p
+	}
+	out.Reported = ReportedUsage{Finished: c.finished, WithUsage: c.reported, CachedTokens: c.cached, PredictedTokens: c.predRep}
+	if c.reported > 0 {
+		out.Reported.MeanAbsErrorTokens = float64(c.absErr) / float64(c.reported)
+	}
+	if c.repAgreeN > 0 {
+		out.Reported.MeanCachedWhenAgree = float64(c.repAgree) / float64(c.repAgreeN)
+	}
+	if c.repDisagreeN > 0 {
+		out.Reported.MeanCachedWhenDiffer = float64(c.repDisagree) / float64(c.repDisagreeN)
+	}
+	for k := 1; k <= c.recentN; k++ {
+		out.Recent = append(out.Recent, c.recent[(c.recentNext-k+compareRecent)%compareRecent])
+	}
+	return out
+}
+
+// serveCompare is GET /admin/pools/{pool}/compare.
+func (s *Server) serveCompare(w http.ResponseWriter, r *http.Request) {
+	p := s.poolFromPath(w, r)
+	if p == nil {
+		return
+	}
+	if p.kv == nil {
+		writeError(w, http.StatusNotFound, fmt.Sprintf("pool %q has no KV index: kv_aware and shadow mode are unavailable", p.Name()))
+		return
+	}
+	rc, strat := p.Routing()
+	writeJSON(w, p.kv.Compare(strat.Name(), rc.Shadow))
+}

@@ -1,0 +1,645 @@
+package router
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// StrategyKVAware is the exact cache-state strategy: it scores each
+// candidate by the prompt blocks it really holds, per tier, blended with
+// load, and falls back to prefix_aware where the index knows nothing.
+const StrategyKVAware = "kv_aware"
+
+// Reasons of kv_aware decisions (the x-kvrouter-reason header). kv_aware
+// also returns ReasonOverflow (its best candidate was full) and
+// ReasonSaturated (every candidate was full).
+const (
+	// ReasonKVMatch: the candidate with the least predicted TTFT, from the
+	// blocks the index (or the speculative overlay) says it holds.
+	ReasonKVMatch Reason = "kv_match"
+	// ReasonHeuristic: nobody holds the prompt's first block, or the
+	// request has no token ids: prefix_aware decided.
+	ReasonHeuristic Reason = "heuristic"
+	// ReasonStaleFallback: a stale instance's blocks were not counted, and
+	// that changed the pick.
+	ReasonStaleFallback Reason = "stale_fallback"
+	// ReasonStreamDown: the pool's event stream is down, so the index may be
+	// arbitrarily wrong: prefix_aware decided.
+	ReasonStreamDown Reason = "stream_down"
+)
+
+// ErrNoKVState is returned when kv_aware (or shadow mode) is selected for a
+// pool that has no KV index.
+var ErrNoKVState = errors.New("router: kv_aware needs a KV index for the pool")
+
+// Freshness tells kv_aware how far to trust the index: whether the pool's
+// event stream is being consumed, and whether an instance has gone quiet
+// (a gap not yet repaired, a silent bridge). The events consumer
+// implements it (see FreshnessFuncs). Methods are called on the request
+// path, concurrently: they must be cheap and safe for concurrent use.
+type Freshness interface {
+	StreamHealthy() bool
+	Stale(instance string) bool
+}
+
+// FreshnessFuncs adapts two functions to Freshness; a nil func means
+// "healthy" / "not stale". For the events consumer:
+//
+//	router.FreshnessFuncs{Healthy: c.Healthy, IsStale: func(id string) bool { return !c.Live(id) }}
+type FreshnessFuncs struct {
+	Healthy func() bool
+	IsStale func(instance string) bool
+}
+
+var _ Freshness = FreshnessFuncs{}
+
+// StreamHealthy implements Freshness.
+func (f FreshnessFuncs) StreamHealthy() bool { return f.Healthy == nil || f.Healthy() }
+
+// Stale implements Freshness.
+func (f FreshnessFuncs) Stale(instance string) bool { return f.IsStale != nil && f.IsStale(instance) }
+
+// KVStateConfig is what a pool's exact routing is built from.
+type KVStateConfig struct {
+	// Pool and Model name the pool; Model is folded into block-key roots
+	// (kvindex.Root) for requests without a LoRA adapter, as the index does.
+	Pool  string
+	Model string
+	// Index is the pool's block map. Required.
+	Index kvindex.Index
+	// Freshness, nil = the stream is always healthy and no instance stale.
+	Freshness Freshness
+	// Tokens produces token ids for requests that carry none; nil = such
+	// requests route heuristically.
+	Tokens TokenSource
+	// Metrics, nil = metrics kept but registered nowhere.
+	Metrics *KVMetrics
+	// Logger, nil = slog.Default().
+	Logger *slog.Logger
+	// Now is the clock (speculative entries, load samples); nil = time.Now.
+	// Simulations pass their virtual clock.
+	Now func() time.Time
+}
+
+// KVState is a pool's long-lived exact-routing state: the index and its
+// freshness, the token source, the speculative overlay, the router-local
+// pending prefill per instance, engine-reported load, and the
+// heuristic-versus-exact comparison. It outlives strategy switches and
+// reloads, so that switching kv_aware off and on again loses nothing.
+// Safe for concurrent use.
+type KVState struct {
+	pool, model string
+	index       kvindex.Index
+	fresh       Freshness
+	tokens      TokenSource
+	m           *KVMetrics
+	log         *slog.Logger
+	now         func() time.Time
+
+	specMu sync.Mutex // guards spec, replaced when its TTL or capacity changes
+	spec   *speculative
+
+	pendMu sync.RWMutex // guards pend (the counters themselves are atomic)
+	pend   map[string]*pendingCounter
+
+	loads loadStore
+
+	// streamUp is the stream state last seen by a decision: 0 unknown, 1 up,
+	// 2 down; a transition logs once and counts.
+	streamUp atomic.Int32
+
+	cmp compareStats
+
+	evalPool sync.Pool // *kvEval scratch
+}
+
+// pendingCounter is the router-local prefill work routed to an instance
+// whose first response byte has not arrived yet.
+type pendingCounter struct {
+	tokens atomic.Int64
+	reqs   atomic.Int64
+}
+
+// NewKVState builds a pool's exact-routing state.
+func NewKVState(cfg KVStateConfig) (*KVState, error) {
+	if cfg.Index == nil {
+		return nil, fmt.Errorf("%w %q", ErrNoKVState, cfg.Pool)
+	}
+	st := &KVState{
+		pool: cfg.Pool, model: cfg.Model, index: cfg.Index, fresh: cfg.Freshness, tokens: cfg.Tokens,
+		m: cfg.Metrics, log: cfg.Logger, now: cfg.Now, pend: map[string]*pendingCounter{},
+	}
+	if st.m == nil {
+		st.m = newKVMetrics()
+	}
+	if st.log == nil {
+		st.log = slog.Default()
+	}
+	if st.now == nil {
+		st.now = time.Now
+	}
+	st.cmp.pool = cfg.Pool
+	return st, nil
+}
+
+// Index is the pool's block map.
+func (st *KVState) Index() kvindex.Index { return st.index }
+
+// speculativeFor returns the overlay for ttl and capacity, keeping the
+// current one when they are unchanged (a routing switch must not forget
+// the bursts in flight). ttl < 0 or capacity < 0 disables it (nil).
+func (st *KVState) speculativeFor(ttl time.Duration, capacity int) *speculative {
+	if ttl < 0 || capacity < 0 {
+		return nil
+	}
+	st.specMu.Lock()
+	defer st.specMu.Unlock()
+	if st.spec == nil || st.spec.ttl != ttl || len(st.spec.ring) != capacity {
+		st.spec = newSpeculative(ttl, capacity, st.now)
+	}
+	return st.spec
+}
+
+func (st *KVState) pendingFor(inst string) *pendingCounter {
+	st.pendMu.RLock()
+	pc := st.pend[inst]
+	st.pendMu.RUnlock()
+	if pc != nil {
+		return pc
+	}
+	st.pendMu.Lock()
+	defer st.pendMu.Unlock()
+	if pc = st.pend[inst]; pc == nil {
+		pc = &pendingCounter{}
+		st.pend[inst] = pc
+	}
+	return pc
+}
+
+// PendingPrefill reports the router-local prefill tokens and requests
+// routed to inst that have not had their first response byte.
+func (st *KVState) PendingPrefill(inst string) (tokens, requests int64) {
+	st.pendMu.RLock()
+	pc := st.pend[inst]
+	st.pendMu.RUnlock()
+	if pc == nil {
+		return 0, 0
+	}
+	return pc.tokens.Load(), pc.reqs.Load()
+}
+
+// SetLoad records an engine-reported load sample for inst (the scraper
+// calls it; simulations may call it directly).
+func (st *KVState) SetLoad(inst string, waiting, running float64) {
+	st.loads.set(inst, loadSample{waiting: waiting, running: running, at: st.now()})
+}
+
+// noteStream logs and counts a change of the stream's health.
+func (st *KVState) noteStream(up bool) {
+	v := int32(2)
+	if up {
+		v = 1
+	}
+	old := st.streamUp.Swap(v)
+	if old == v {
+		return
+	}
+	if old == 0 && up {
+		st.m.streamUp.WithLabelValues(st.pool).Set(1) // the first decision: not a transition
+		return
+	}
+	if up {
+		st.m.streamUp.WithLabelValues(st.pool).Set(1)
+		st.m.streamTransitions.WithLabelValues(st.pool, "up").Inc()
+		st.log.Info("kv event stream healthy: exact routing resumed", "pool", st.pool)
+	} else {
+		st.m.streamUp.WithLabelValues(st.pool).Set(0)
+		st.m.streamTransitions.WithLabelValues(st.pool, "down").Inc()
+		st.log.Warn("kv event stream down: routing by prefix hash until it recovers", "pool", st.pool)
+	}
+}
+
+// KVAware is the kv_aware strategy for one routing configuration of a
+// pool: a value built per configuration, over the pool's long-lived KVState.
+type KVAware struct {
+	st        *KVState
+	sc        kvScoring
+	threshold int
+	fallback  *PrefixAware
+	spec      *speculative // nil when disabled
+	loadAge   time.Duration
+}
+
+var _ Strategy = (*KVAware)(nil)
+
+// NewKVAware builds the kv_aware strategy for rc (defaults applied) over
+// st. Simulations call it directly; NewStrategy calls it for "kv_aware".
+func NewKVAware(rc RoutingConfig, st *KVState) (*KVAware, error) {
+	return newKVAware(rc, st, rand.Uint64N)
+}
+
+func newKVAware(rc RoutingConfig, st *KVState, rnd func(uint64) uint64) (*KVAware, error) {
+	if st == nil {
+		return nil, ErrNoKVState
+	}
+	rc = rc.WithDefaults()
+	if err := rc.KV.validateKV("routing.kv"); err != nil {
+		return nil, err
+	}
+	sc := rc.KV.resolve()
+	return &KVAware{
+		st:        st,
+		sc:        sc,
+		threshold: rc.ConcurrencyThreshold,
+		fallback:  &PrefixAware{Threshold: rc.ConcurrencyThreshold, rnd: rnd},
+		spec:      st.speculativeFor(sc.specTTL, sc.specCap),
+		loadAge:   3 * max(sc.scrape, DefaultScrapeInterval),
+	}, nil
+}
+
+// Name implements Strategy.
+func (*KVAware) Name() string { return StrategyKVAware }
+
+// Pick implements Strategy.
+func (s *KVAware) Pick(ctx context.Context, req *Request, cands []*Instance) (Decision, error) {
+	dec, ev, err := s.pick(ctx, req, cands, true)
+	if ev != nil {
+		s.st.putEval(ev)
+	}
+	return dec, err
+}
+
+// candEval is one candidate's score.
+type candEval struct {
+	inst   *Instance
+	rv     uint64           // rendezvous score for the request
+	full   bool             // at the concurrency threshold
+	blocks [tiers.Count]int // leading blocks held, cumulative per tier (fresh index + speculative)
+	stale  [tiers.Count]int // the index's blocks, not counted: the instance is stale
+	// matched is blocks in tokens per tier, each beyond faster tiers.
+	matched [tiers.Count]int
+	ttft    float64 // predicted, seconds
+	// score is what the pick minimises: ttft plus the weighted prefill the
+	// pick adds to the fleet (see KVScoringConfig.PrefillCostWeight).
+	score float64
+	// scoreStale is score had the stale blocks counted (= score when none).
+	scoreStale float64
+}
+
+// kvEval is what kv_aware knew about one request: pooled scratch.
+type kvEval struct {
+	cands     []candEval
+	keys      []kvindex.Key
+	holders   []string
+	tokens    int    // prompt tokens, 0 when unknown
+	blockSize int    // tokens per block, 0 when unknown
+	fallback  Reason // set when nobody's blocks count: why
+	anyStale  bool
+}
+
+func (st *KVState) getEval() *kvEval {
+	if ev, ok := st.evalPool.Get().(*kvEval); ok {
+		return ev
+	}
+	return &kvEval{}
+}
+
+func (st *KVState) putEval(ev *kvEval) {
+	if cap(ev.keys) > 1<<16 {
+		return // don't keep a huge prompt's scratch alive
+	}
+	ev.cands = ev.cands[:0]
+	st.evalPool.Put(ev)
+}
+
+// find returns inst's evaluation, nil when inst was not a candidate.
+func (ev *kvEval) find(inst *Instance) *candEval {
+	for i := range ev.cands {
+		if ev.cands[i].inst == inst {
+			return &ev.cands[i]
+		}
+	}
+	return nil
+}
+
+// pick decides; commit records the decision's side effects (speculative
+// entries, pending prefill, metrics, observer) — shadow scoring passes
+// false. The returned evaluation belongs to the caller (putEval); it is
+// nil only with an error.
+func (s *KVAware) pick(ctx context.Context, req *Request, cands []*Instance, commit bool) (Decision, *kvEval, error) {
+	if len(cands) == 0 {
+		return Decision{}, nil, ErrNoCandidates
+	}
+	ev := s.st.getEval()
+	s.evaluate(ctx, req, cands, ev)
+	var dec Decision
+	if ev.fallback != "" {
+		// The index says nothing useful: the heuristic decides, so the first
+		// requests of a new prefix land together on its hash-home.
+		dec, _ = s.fallback.Pick(ctx, req, cands)
+		if dec.Reason == ReasonHash {
+			dec.Reason = ev.fallback
+		}
+	} else {
+		pick, reason := s.choose(ev, false)
+		if reason == ReasonKVMatch && ev.anyStale {
+			if with, _ := s.choose(ev, true); with != pick {
+				reason = ReasonStaleFallback
+			}
+		}
+		dec = Decision{Instance: ev.cands[pick].inst, Reason: reason}
+	}
+	dec.Strategy = StrategyKVAware
+	ce := ev.find(dec.Instance)
+	if ev.tokens > 0 && ce != nil {
+		dec.Explain = &Explanation{MatchedTokens: ce.matched, PromptTokens: ev.tokens, PredictedTTFT: seconds(ce.ttft)}
+	}
+	if commit {
+		s.commit(&dec, ev, ce)
+	}
+	return dec, ev, nil
+}
+
+func seconds(f float64) time.Duration {
+	if f > float64(math.MaxInt64)/1e9 || math.IsNaN(f) {
+		return math.MaxInt64
+	}
+	return time.Duration(f * 1e9)
+}
+
+// evaluate fills ev: token ids, block keys, one index lookup, speculative
+// holds, staleness, and each candidate's predicted TTFT.
+func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance, ev *kvEval) {
+	st := s.st
+	h := req.RoutingHash()
+	for _, c := range cands {
+		ev.cands = append(ev.cands, candEval{inst: c, rv: rendezvousScore(h, c.hash), full: c.Full(s.threshold)})
+	}
+	ev.tokens, ev.blockSize, ev.fallback, ev.anyStale, ev.keys = 0, 0, "", false, ev.keys[:0]
+	defer s.predict(ev)
+
+	if st.fresh != nil {
+		up := st.fresh.StreamHealthy()
+		st.noteStream(up)
+		if !up {
+			ev.fallback = ReasonStreamDown
+			return
+		}
+	}
+	if req.Tokenizer == nil {
+		req.Tokenizer = st.tokens
+	}
+	ids, err := req.TokenIDs(ctx)
+	if err != nil {
+		if !errors.Is(err, ErrNoTokens) {
+			st.m.tokenErrs.WithLabelValues(st.pool).Inc()
+			st.log.Debug("no token ids for request; routing heuristically", "pool", st.pool, "err", err)
+		}
+		ev.fallback = ReasonHeuristic
+		return
+	}
+	ev.tokens = len(ids)
+	bs := s.sc.blockSize
+	if bs <= 0 {
+		bs = st.index.BlockSize()
+	}
+	if bs <= 0 || len(ids) < bs {
+		// No block size learned yet (no event ever arrived), or a prompt
+		// shorter than one block: nothing can be cached.
+		ev.fallback = ReasonHeuristic
+		return
+	}
+	ev.blockSize = bs
+	ev.keys = kvindex.AppendKeys(ev.keys, kvindex.Root(st.model, req.Adapter, cacheSalt(req)), ids, bs)
+	matches, err := st.index.Lookup(ctx, ev.keys)
+	if err != nil {
+		st.m.lookupErrs.WithLabelValues(st.pool).Inc()
+		st.log.Debug("index lookup failed; routing on speculative entries and the heuristic", "pool", st.pool, "err", err)
+		matches = nil
+	}
+	for _, m := range matches {
+		ce := ev.byID(m.Instance)
+		if ce == nil {
+			continue // not a candidate (unhealthy, full adapter set, other pool)
+		}
+		if st.fresh != nil && st.fresh.Stale(m.Instance) {
+			ce.stale = m.Blocks
+			ev.anyStale = true
+			continue
+		}
+		ce.blocks = m.Blocks
+	}
+	if s.spec != nil && s.spec.Len() > 0 {
+		ev.holders = s.spec.holders(ev.holders[:0], ev.keys[0])
+		for i := range ev.cands {
+			ce := &ev.cands[i]
+			g := ce.blocks[tiers.GPU]
+			if g == 0 && !containsString(ev.holders, ce.inst.id) {
+				continue
+			}
+			if ext := s.spec.extend(ev.keys, g, ce.inst.id); ext > g {
+				for t := range tiers.Count {
+					ce.blocks[t] = max(ce.blocks[t], ext)
+				}
+			}
+		}
+	}
+	held := false
+	for i := range ev.cands {
+		if ev.cands[i].blocks[tiers.Count-1] > 0 {
+			held = true
+			break
+		}
+	}
+	switch {
+	case held:
+	case ev.anyStale:
+		ev.fallback = ReasonStaleFallback
+	default:
+		ev.fallback = ReasonHeuristic
+	}
+}
+
+// byID finds a candidate by instance id.
+func (ev *kvEval) byID(id string) *candEval {
+	for i := range ev.cands {
+		if ev.cands[i].inst.id == id {
+			return &ev.cands[i]
+		}
+	}
+	return nil
+}
+
+func containsString(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
+
+// predict computes every candidate's queue and predicted TTFT.
+func (s *KVAware) predict(ev *kvEval) {
+	st := s.st
+	bs := ev.blockSize
+	now := st.now()
+	st.pendMu.RLock()
+	st.loads.mu.RLock()
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		var pTok, pReq int64
+		if pc := st.pend[ce.inst.id]; pc != nil {
+			pTok, pReq = pc.tokens.Load(), pc.reqs.Load()
+		}
+		ld, ok := st.loads.samples[ce.inst.id]
+		ok = ok && now.Sub(ld.at) <= s.loadAge
+		q := s.sc.queue(float64(pTok), int(pReq), ce.inst.InFlight(), ld, ok)
+		ce.matched = tierTokens(ce.blocks, bs, ev.tokens)
+		ce.ttft = s.sc.ttft(q, ev.tokens, ce.matched)
+		ce.score = ce.ttft + s.sc.prefillCost(ev.tokens, ce.matched)
+		ce.scoreStale = ce.score
+		if ce.stale != ([tiers.Count]int{}) {
+			var both [tiers.Count]int
+			for t := range tiers.Count {
+				both[t] = max(ce.blocks[t], ce.stale[t])
+			}
+			m := tierTokens(both, bs, ev.tokens)
+			ce.scoreStale = s.sc.ttft(q, ev.tokens, m) + s.sc.prefillCost(ev.tokens, m)
+		}
+	}
+	st.loads.mu.RUnlock()
+	st.pendMu.RUnlock()
+}
+
+// choose returns the candidate with the least score (predicted TTFT plus
+// weighted added prefill) among those
+// under the threshold (all of them when every one is full), ties within the
+// tolerance broken by the highest rendezvous score so replicas agree.
+// countStale scores with stale instances' blocks counted (to tell whether
+// ignoring them changed the pick).
+func (s *KVAware) choose(ev *kvEval, countStale bool) (int, Reason) {
+	score := func(ce *candEval) float64 {
+		if countStale {
+			return ce.scoreStale
+		}
+		return ce.score
+	}
+	best := func(skipFull bool) int {
+		minT := math.Inf(1)
+		for i := range ev.cands {
+			if ce := &ev.cands[i]; !(skipFull && ce.full) {
+				minT = min(minT, score(ce))
+			}
+		}
+		pick := -1
+		for i := range ev.cands {
+			ce := &ev.cands[i]
+			if (skipFull && ce.full) || score(ce) > minT+s.sc.tieTol {
+				continue
+			}
+			if pick < 0 || ce.rv > ev.cands[pick].rv {
+				pick = i
+			}
+		}
+		return pick
+	}
+	free := best(true)
+	if free < 0 {
+		return best(false), ReasonSaturated
+	}
+	if top := best(false); top != free {
+		return free, ReasonOverflow
+	}
+	return free, ReasonKVMatch
+}
+
+// commit records a decision: metrics, speculative entries for the blocks
+// the chosen instance is about to compute, pending prefill, and the
+// observer that follows the request to its end.
+func (s *KVAware) commit(dec *Decision, ev *kvEval, ce *candEval) {
+	st := s.st
+	st.m.decisions.WithLabelValues(st.pool, string(dec.Reason)).Inc()
+	st.cmp.countReason(dec.Reason)
+	if ev.tokens == 0 || ce == nil {
+		return
+	}
+	hit := 0
+	for t, n := range ce.matched {
+		hit += n
+		if n > 0 {
+			st.m.matched.WithLabelValues(st.pool, tiers.Tier(t).String()).Add(float64(n))
+		}
+	}
+	st.m.prompt.WithLabelValues(st.pool).Add(float64(ev.tokens))
+	if s.spec != nil {
+		if g := ce.blocks[tiers.GPU]; g < len(ev.keys) {
+			s.spec.add(ev.keys[g:], ce.inst.id)
+			st.m.specKeys.WithLabelValues(st.pool).Set(float64(s.spec.Len()))
+		}
+	}
+	dec.Observer = st.newObserver(ce.inst.id, ev.tokens-hit, hit)
+}
+
+// cacheSalt returns the request's "cache_salt" (vLLM's per-request KV
+// isolation key, folded into the first block's hash by the engine, hence
+// into our root), reading the body only when it mentions one.
+func cacheSalt(req *Request) string {
+	if !bytes.Contains(req.Body, []byte(`"cache_salt"`)) {
+		return ""
+	}
+	var v struct {
+		CacheSalt string `json:"cache_salt"`
+	}
+	if json.Unmarshal(req.Body, &v) != nil {
+		return ""
+	}
+	return v.CacheSalt
+}
+
+// WithKVState gives NewStrategy the pool's exact-routing state, which
+// kv_aware and shadow mode need.
+func WithKVState(st *KVState) StrategyOption {
+	return func(o *strategyOptions) { o.kv = st }
+}
+
+// newKVStrategy builds kv_aware, or shadow mode around the configured
+// strategy, over st.
+func newKVStrategy(cfg RoutingConfig, st *KVState, rnd func(uint64) uint64) (Strategy, error) {
+	if st == nil {
+		what := "kv_aware"
+		if cfg.Strategy != StrategyKVAware {
+			what = "shadow mode"
+		}
+		return nil, fmt.Errorf("%w: %s: configure index: (and events:) for the pool", ErrNoKVState, what)
+	}
+	kv, err := newKVAware(cfg, st, rnd)
+	if err != nil {
+		return nil, err
+	}
+	if !cfg.Shadow {
+		return kv, nil
+	}
+	if cfg.Strategy == StrategyKVAware {
+		return NewShadow(kv, kv), nil
+	}
+	plain := cfg
+	plain.Shadow = false
+	inUse, err := NewStrategy(plain.Strategy, plain, func(o *strategyOptions) { o.rnd = rnd })
+	if err != nil {
+		return nil, err
+	}
+	return NewShadow(inUse, kv), nil
+}

@@ -1,0 +1,728 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+const (
+	kvTestModel = "llama-kv"
+	kvTestBS    = 16
+)
+
+// testClock is a settable clock for speculative TTLs and load ages.
+type testClock struct {
+	mu sync.Mutex // guards t
+	t  time.Time
+}
+
+func newTestClock() *testClock { return &testClock{t: time.Unix(1_800_000_000, 0)} }
+
+func (c *testClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *testClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
+// testFreshness is a settable Freshness.
+type testFreshness struct {
+	down  atomic.Bool
+	mu    sync.Mutex // guards stale
+	stale map[string]bool
+}
+
+func (f *testFreshness) StreamHealthy() bool { return !f.down.Load() }
+
+func (f *testFreshness) Stale(id string) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.stale[id]
+}
+
+func (f *testFreshness) setStale(id string, v bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.stale == nil {
+		f.stale = map[string]bool{}
+	}
+	f.stale[id] = v
+}
+
+// kvWorld is a pool of instances over a real memory index fed with
+// engine-like events: each instance reports its own engine hashes (as vLLM
+// does, unrelated to router keys), GPU stores carry tokens and parents,
+// offloads are tokenless stores of another medium.
+type kvWorld struct {
+	t     testing.TB
+	idx   *kvindex.Memory
+	st    *KVState
+	clock *testClock
+	fresh *testFreshness
+	insts []*Instance
+}
+
+func newKVWorld(t testing.TB, n int) *kvWorld {
+	t.Helper()
+	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvTestModel, BlockSize: kvTestBS})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := &kvWorld{t: t, idx: idx, clock: newTestClock(), fresh: &testFreshness{}}
+	w.st, err = NewKVState(KVStateConfig{Pool: "p", Model: kvTestModel, Index: idx, Freshness: w.fresh, Now: w.clock.Now, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range n {
+		w.add(fmt.Sprintf("vllm-%d", i))
+	}
+	return w
+}
+
+func (w *kvWorld) add(id string) *Instance {
+	in, err := NewInstance(id, "http://127.0.0.1:9")
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	w.insts = append(w.insts, in)
+	return in
+}
+
+func (w *kvWorld) strategy(rc RoutingConfig) *KVAware {
+	w.t.Helper()
+	s, err := newKVAware(rc, w.st, func(n uint64) uint64 { return 0 })
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	return s
+}
+
+// engineHash is an instance's engine hash for a block: arbitrary to the
+// router, different per instance (PYTHONHASHSEED differs per process).
+func engineHash(inst string, k kvindex.Key) uint64 {
+	return uint64(k)*0x9e3779b97f4a7c15 ^ xxhash.Sum64String(inst)
+}
+
+func (w *kvWorld) apply(inst string, evs ...events.Event) {
+	w.t.Helper()
+	res, err := w.idx.Apply(context.Background(), inst, evs)
+	if err != nil || res.Invalid+res.Orphans+res.Unmapped > 0 {
+		w.t.Fatalf("apply %s: %+v %v", inst, res, err)
+	}
+}
+
+// store makes inst store blocks [from, to) of tokens on GPU, as vLLM's
+// BlockStored does after a prefill.
+func (w *kvWorld) store(inst string, tokens []uint32, from, to int) {
+	keys := kvindex.Keys(kvindex.Root(kvTestModel, "", ""), tokens, kvTestBS)
+	ev := events.Event{Kind: events.BlockStored, BlockSize: kvTestBS, Medium: "GPU", TokenIDs: slices.Clone(tokens[from*kvTestBS : to*kvTestBS])}
+	for _, k := range keys[from:to] {
+		ev.BlockHashes = append(ev.BlockHashes, engineHash(inst, k))
+	}
+	if from > 0 {
+		ev.ParentHash, ev.HasParent = engineHash(inst, keys[from-1]), true
+	}
+	w.apply(inst, ev)
+}
+
+// tierEvent makes inst store (or remove) blocks [from, to) in medium.
+func (w *kvWorld) tierEvent(kind events.Kind, inst, medium string, tokens []uint32, from, to int) {
+	keys := kvindex.Keys(kvindex.Root(kvTestModel, "", ""), tokens, kvTestBS)
+	ev := events.Event{Kind: kind, Medium: medium}
+	for _, k := range keys[from:to] {
+		ev.BlockHashes = append(ev.BlockHashes, engineHash(inst, k))
+	}
+	w.apply(inst, ev)
+}
+
+func (w *kvWorld) byID(id string) *Instance {
+	for _, in := range w.insts {
+		if in.ID() == id {
+			return in
+		}
+	}
+	w.t.Fatalf("no instance %s", id)
+	return nil
+}
+
+// promptTokens is a deterministic prompt of n tokens for a seed.
+func promptTokens(seed uint32, n int) []uint32 {
+	out := make([]uint32, n)
+	x := seed*2654435761 + 1
+	for i := range out {
+		x ^= x << 13
+		x ^= x >> 17
+		x ^= x << 5
+		out[i] = x % 128000
+	}
+	return out
+}
+
+func kvRequest(text string, tokens []uint32) *Request {
+	return &Request{Endpoint: EndpointCompletions, Pool: "p", Model: kvTestModel, RoutingText: text, PromptTokens: tokens}
+}
+
+func kvPick(t testing.TB, s Strategy, req *Request, cands []*Instance) Decision {
+	t.Helper()
+	d, err := s.Pick(context.Background(), req, cands)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.Observer != nil {
+		d.Observer.Finish(200) // release pending prefill: each test decides alone
+	}
+	return d
+}
+
+func matchedSum(d Decision) int {
+	if d.Explain == nil {
+		return 0
+	}
+	n := 0
+	for _, v := range d.Explain.MatchedTokens {
+		n += v
+	}
+	return n
+}
+
+// TestExactBeatsHeuristic covers the three situations where knowing the
+// cache state beats guessing it from a hash (issue 6, "Must show").
+func TestExactBeatsHeuristic(t *testing.T) {
+	const blocks = 64 // a 1,024-token shared prefix
+	tests := []struct {
+		name string
+		// setup places the prefix; it gets the prefix's rendezvous order
+		// over the world's instances and returns the instance that holds
+		// the prefix and the one prefix_aware will pick.
+		setup      func(w *kvWorld, tokens []uint32, order []*Instance) (holder, heuristic *Instance)
+		wantTier   tiers.Tier
+		extraInsts int
+	}{
+		{
+			name: "evicted from hash-home, held by overflow instance",
+			setup: func(w *kvWorld, tokens []uint32, order []*Instance) (*Instance, *Instance) {
+				home, overflow := order[0], order[1]
+				// The hash-home computed the prefix, then a hot burst overflowed
+				// to the next instance in rendezvous order, which computed it
+				// too; later the home evicted it under memory pressure.
+				w.store(home.ID(), tokens, 0, blocks)
+				w.store(overflow.ID(), tokens, 0, blocks)
+				w.tierEvent(events.BlockRemoved, home.ID(), "GPU", tokens, 0, blocks)
+				return overflow, home
+			},
+			wantTier: tiers.GPU,
+		},
+		{
+			name: "held only in CPU tier on one instance",
+			setup: func(w *kvWorld, tokens []uint32, order []*Instance) (*Instance, *Instance) {
+				holder := order[2]
+				// Computed on GPU, offloaded to CPU, then dropped from GPU.
+				w.store(holder.ID(), tokens, 0, blocks)
+				w.tierEvent(events.BlockStored, holder.ID(), "CPU", tokens, 0, blocks)
+				w.tierEvent(events.BlockRemoved, holder.ID(), "GPU", tokens, 0, blocks)
+				return holder, order[0]
+			},
+			wantTier: tiers.CPU,
+		},
+		{
+			name: "scale-out moves the hash-home to a cold instance",
+			setup: func(w *kvWorld, tokens []uint32, order []*Instance) (*Instance, *Instance) {
+				oldHome := order[0]
+				w.store(oldHome.ID(), tokens, 0, blocks)
+				// Scale out until a new instance wins the prefix's rendezvous.
+				req := kvRequest("scale-out prefix", tokens)
+				for i := 0; ; i++ {
+					w.add(fmt.Sprintf("vllm-new-%d", i))
+					if RendezvousOrder(req, w.insts)[0] != oldHome {
+						break
+					}
+				}
+				return oldHome, RendezvousOrder(req, w.insts)[0]
+			},
+			wantTier: tiers.GPU,
+		},
+	}
+	for i, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newKVWorld(t, 4)
+			tokens := promptTokens(uint32(100+i), blocks*kvTestBS+5)
+			text := "scale-out prefix"
+			if i != 2 {
+				text = fmt.Sprintf("prefix %d", i)
+			}
+			req := kvRequest(text, tokens)
+			holder, heur := tc.setup(w, tokens, RendezvousOrder(req, w.insts))
+			if holder == heur {
+				t.Fatal("test setup: the heuristic would already pick the holder")
+			}
+			kv := w.strategy(RoutingConfig{})
+			prefix := &PrefixAware{Threshold: DefaultConcurrencyThresh}
+
+			hd := kvPick(t, prefix, kvRequest(text, tokens), w.insts)
+			kd := kvPick(t, kv, kvRequest(text, tokens), w.insts)
+			if hd.Instance != heur {
+				t.Fatalf("prefix_aware picked %s, want %s", hd.Instance.ID(), heur.ID())
+			}
+			if kd.Instance != holder || kd.Reason != ReasonKVMatch {
+				t.Fatalf("kv_aware picked %s (%s), want %s (kv_match)", kd.Instance.ID(), kd.Reason, holder.ID())
+			}
+			if got := kd.Explain.MatchedTokens[tc.wantTier]; got != blocks*kvTestBS {
+				t.Errorf("matched %v, want %d tokens in %s", kd.Explain.MatchedTokens, blocks*kvTestBS, tc.wantTier)
+			}
+			if kd.Explain.PromptTokens != len(tokens) {
+				t.Errorf("prompt tokens %d, want %d", kd.Explain.PromptTokens, len(tokens))
+			}
+			// The heuristic's pick holds nothing: exact routing predicts a
+			// faster first token, by the whole prefix's prefill.
+			coldTTFT := time.Duration(float64(len(tokens)) / tiers.DefaultPrefillTokensPerSec * 1e9)
+			if kd.Explain.PredictedTTFT >= coldTTFT/2 {
+				t.Errorf("predicted TTFT %v, want well under the cold %v", kd.Explain.PredictedTTFT, coldTTFT)
+			}
+		})
+	}
+}
+
+func TestKVAwareScoring(t *testing.T) {
+	tokens := promptTokens(7, 64*kvTestBS)
+	const text = "scoring prefix"
+	type world = func(w *kvWorld, order []*Instance)
+	tests := []struct {
+		name       string
+		rc         RoutingConfig
+		setup      world
+		want       func(order []*Instance) *Instance
+		wantReason Reason
+	}{
+		{
+			name: "nothing held: heuristic picks the hash-home",
+			setup: func(w *kvWorld, order []*Instance) {
+				other := promptTokens(8, 64*kvTestBS)
+				w.store(order[1].ID(), other, 0, 64) // an unrelated prefix
+			},
+			want:       func(o []*Instance) *Instance { return o[0] },
+			wantReason: ReasonHeuristic,
+		},
+		{
+			name: "longer GPU match wins",
+			setup: func(w *kvWorld, o []*Instance) {
+				w.store(o[0].ID(), tokens, 0, 16)
+				w.store(o[2].ID(), tokens, 0, 48)
+			},
+			want:       func(o []*Instance) *Instance { return o[2] },
+			wantReason: ReasonKVMatch,
+		},
+		{
+			name: "full CPU match beats half GPU match",
+			setup: func(w *kvWorld, o []*Instance) {
+				w.store(o[0].ID(), tokens, 0, 32)
+				w.store(o[3].ID(), tokens, 0, 64)
+				w.tierEvent(events.BlockStored, o[3].ID(), "CPU", tokens, 0, 64)
+				w.tierEvent(events.BlockRemoved, o[3].ID(), "GPU", tokens, 0, 64)
+			},
+			want:       func(o []*Instance) *Instance { return o[3] },
+			wantReason: ReasonKVMatch,
+		},
+		{
+			name: "equal matches tie: rendezvous order decides",
+			setup: func(w *kvWorld, o []*Instance) {
+				w.store(o[3].ID(), tokens, 0, 64)
+				w.store(o[1].ID(), tokens, 0, 64)
+			},
+			want:       func(o []*Instance) *Instance { return o[1] },
+			wantReason: ReasonKVMatch,
+		},
+		{
+			name: "holder at threshold: overflow to next best",
+			rc:   RoutingConfig{ConcurrencyThreshold: 2},
+			setup: func(w *kvWorld, o []*Instance) {
+				w.store(o[1].ID(), tokens, 0, 64)
+				w.store(o[2].ID(), tokens, 0, 40)
+				o[1].Acquire()
+				o[1].Acquire()
+			},
+			want:       func(o []*Instance) *Instance { return o[2] },
+			wantReason: ReasonOverflow,
+		},
+		{
+			name: "all full: best score anyway",
+			rc:   RoutingConfig{ConcurrencyThreshold: 1},
+			setup: func(w *kvWorld, o []*Instance) {
+				w.store(o[2].ID(), tokens, 0, 64)
+				for _, in := range o {
+					in.Acquire()
+				}
+			},
+			want:       func(o []*Instance) *Instance { return o[2] },
+			wantReason: ReasonSaturated,
+		},
+		{
+			name: "stale holder's blocks do not count",
+			setup: func(w *kvWorld, o []*Instance) {
+				w.store(o[1].ID(), tokens, 0, 64)
+				w.store(o[2].ID(), tokens, 0, 20)
+				w.fresh.setStale(o[1].ID(), true)
+			},
+			want:       func(o []*Instance) *Instance { return o[2] },
+			wantReason: ReasonStaleFallback,
+		},
+		{
+			name: "only holder stale: heuristic, reason stale_fallback",
+			setup: func(w *kvWorld, o []*Instance) {
+				w.store(o[1].ID(), tokens, 0, 64)
+				w.fresh.setStale(o[1].ID(), true)
+			},
+			want:       func(o []*Instance) *Instance { return o[0] },
+			wantReason: ReasonStaleFallback,
+		},
+		{
+			name: "stale instance that would not have won: plain kv_match",
+			setup: func(w *kvWorld, o []*Instance) {
+				w.store(o[1].ID(), tokens, 0, 10)
+				w.store(o[2].ID(), tokens, 0, 64)
+				w.fresh.setStale(o[1].ID(), true)
+			},
+			want:       func(o []*Instance) *Instance { return o[2] },
+			wantReason: ReasonKVMatch,
+		},
+		{
+			name: "stream down: prefix_aware for the pool",
+			setup: func(w *kvWorld, o []*Instance) {
+				w.store(o[2].ID(), tokens, 0, 64)
+				w.fresh.down.Store(true)
+			},
+			want:       func(o []*Instance) *Instance { return o[0] },
+			wantReason: ReasonStreamDown,
+		},
+		{
+			name: "engine queue outweighs a partial hit",
+			setup: func(w *kvWorld, o []*Instance) {
+				w.store(o[1].ID(), tokens, 0, 64)
+				w.store(o[2].ID(), tokens, 0, 32)
+				w.st.SetLoad(o[1].ID(), 40, 10) // 40 waiting ≈ 1.6 s of prefill
+				w.st.SetLoad(o[2].ID(), 0, 10)
+			},
+			want:       func(o []*Instance) *Instance { return o[2] },
+			wantReason: ReasonKVMatch,
+		},
+		{
+			name: "stale load samples are ignored",
+			setup: func(w *kvWorld, o []*Instance) {
+				w.store(o[1].ID(), tokens, 0, 64)
+				w.store(o[2].ID(), tokens, 0, 32)
+				w.st.SetLoad(o[1].ID(), 40, 10)
+				w.clock.Advance(time.Minute)
+			},
+			want:       func(o []*Instance) *Instance { return o[1] },
+			wantReason: ReasonKVMatch,
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newKVWorld(t, 5)
+			order := RendezvousOrder(kvRequest(text, tokens), w.insts)
+			tc.setup(w, order)
+			d := kvPick(t, w.strategy(tc.rc), kvRequest(text, tokens), w.insts)
+			if want := tc.want(order); d.Instance != want || d.Reason != tc.wantReason {
+				t.Fatalf("picked %s (%s), want %s (%s)", d.Instance.ID(), d.Reason, want.ID(), tc.wantReason)
+			}
+			if d.Strategy != StrategyKVAware {
+				t.Errorf("strategy %q", d.Strategy)
+			}
+		})
+	}
+}
+
+func TestKVAwareStreamTransitions(t *testing.T) {
+	w := newKVWorld(t, 3)
+	tokens := promptTokens(3, 32*kvTestBS)
+	order := RendezvousOrder(kvRequest("x", tokens), w.insts)
+	w.store(order[2].ID(), tokens, 0, 32)
+	s := w.strategy(RoutingConfig{})
+	steps := []struct {
+		down       bool
+		wantReason Reason
+	}{{false, ReasonKVMatch}, {true, ReasonStreamDown}, {true, ReasonStreamDown}, {false, ReasonKVMatch}}
+	for i, step := range steps {
+		w.fresh.down.Store(step.down)
+		if d := kvPick(t, s, kvRequest("x", tokens), w.insts); d.Reason != step.wantReason {
+			t.Fatalf("step %d: reason %s, want %s", i, d.Reason, step.wantReason)
+		}
+	}
+	if got := counterValue(t, w.st.m.streamTransitions.WithLabelValues("p", "down")); got != 1 {
+		t.Errorf("down transitions %v, want 1", got)
+	}
+	if got := counterValue(t, w.st.m.streamTransitions.WithLabelValues("p", "up")); got != 1 {
+		t.Errorf("up transitions %v, want 1 (the recovery; the first healthy decision is not a transition)", got)
+	}
+	if got := gaugeValue(t, w.st.m.streamUp.WithLabelValues("p")); got != 1 {
+		t.Errorf("stream gauge %v, want 1", got)
+	}
+}
+
+// TestSpeculativeBurst: requests sharing a new 1,024-token system prompt
+// but differing after it (so their routing texts, hence hash-homes,
+// differ) land together with speculative entries, and scatter without.
+func TestSpeculativeBurst(t *testing.T) {
+	system := promptTokens(11, 64*kvTestBS)
+	burst := func(w *kvWorld, s Strategy) map[string]int {
+		got := map[string]int{}
+		for i := range 8 {
+			q := promptTokens(uint32(200+i), 40)
+			req := kvRequest(fmt.Sprintf("system prompt + question %d", i), append(slices.Clone(system), q...))
+			d, err := s.Pick(context.Background(), req, w.insts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got[d.Instance.ID()]++ // observers stay open: the burst is in flight
+		}
+		return got
+	}
+	t.Run("with speculative entries", func(t *testing.T) {
+		w := newKVWorld(t, 8)
+		got := burst(w, w.strategy(RoutingConfig{}))
+		if len(got) != 1 {
+			t.Fatalf("burst spread over %v, want one instance", got)
+		}
+		// Expired entries are forgotten: a later request is heuristic again.
+		w.clock.Advance(DefaultSpeculativeTTL + time.Millisecond)
+		req := kvRequest("late", append(slices.Clone(system), 1, 2, 3))
+		if d := kvPick(t, w.strategy(RoutingConfig{}), req, w.insts); d.Reason != ReasonHeuristic {
+			t.Errorf("after TTL: reason %s, want heuristic", d.Reason)
+		}
+	})
+	t.Run("without", func(t *testing.T) {
+		w := newKVWorld(t, 8)
+		got := burst(w, w.strategy(RoutingConfig{KV: &KVScoringConfig{SpeculativeTTL: -1}}))
+		if len(got) < 3 {
+			t.Fatalf("burst landed on %v: want it scattered by the hash", got)
+		}
+	})
+}
+
+// TestPendingPrefill: the router counts routed prefill work until the
+// first response byte, and a long queue moves requests elsewhere.
+func TestPendingPrefill(t *testing.T) {
+	w := newKVWorld(t, 2)
+	tokens := promptTokens(5, 64*kvTestBS)
+	s := w.strategy(RoutingConfig{})
+	d, err := s.Pick(context.Background(), kvRequest("a", tokens), w.insts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tok, n := w.st.PendingPrefill(d.Instance.ID()); tok != int64(len(tokens)) || n != 1 {
+		t.Fatalf("pending %d tokens / %d requests, want %d / 1", tok, n, len(tokens))
+	}
+	body := d.Observer.ObserveBody(nopBody("x"), false)
+	if _, err := body.Read(make([]byte, 8)); err != nil {
+		t.Fatal(err)
+	}
+	if tok, n := w.st.PendingPrefill(d.Instance.ID()); tok != 0 || n != 0 {
+		t.Fatalf("after first byte: pending %d / %d, want 0 / 0", tok, n)
+	}
+	d.Observer.Finish(200)
+	d.Observer.Finish(200) // idempotent
+	if tok, _ := w.st.PendingPrefill(d.Instance.ID()); tok != 0 {
+		t.Fatalf("after finish: pending %d", tok)
+	}
+}
+
+func TestKVAwareNoTokensAndErrors(t *testing.T) {
+	w := newKVWorld(t, 3)
+	s := w.strategy(RoutingConfig{})
+	req := &Request{Endpoint: EndpointChatCompletions, RoutingText: "hello"}
+	d := kvPick(t, s, req, w.insts)
+	if d.Reason != ReasonHeuristic || d.Explain != nil {
+		t.Fatalf("no tokens: %s explain %v", d.Reason, d.Explain)
+	}
+	if want := RendezvousOrder(req, w.insts)[0]; d.Instance != want {
+		t.Fatalf("no tokens: picked %s, want hash-home %s", d.Instance.ID(), want.ID())
+	}
+	req = &Request{Endpoint: EndpointChatCompletions, RoutingText: "hello", Tokenizer: failingSource{}}
+	if d := kvPick(t, s, req, w.insts); d.Reason != ReasonHeuristic {
+		t.Fatalf("tokenizer error: reason %s", d.Reason)
+	}
+	if got := counterValue(t, w.st.m.tokenErrs.WithLabelValues("p")); got != 1 {
+		t.Errorf("token errors %v, want 1", got)
+	}
+	if _, err := s.Pick(context.Background(), req, nil); !errors.Is(err, ErrNoCandidates) {
+		t.Errorf("no candidates: %v", err)
+	}
+	if _, err := NewStrategy(StrategyKVAware, RoutingConfig{}); !errors.Is(err, ErrNoKVState) {
+		t.Errorf("kv_aware without state: %v", err)
+	}
+	if _, err := NewStrategy(StrategyPrefixAware, RoutingConfig{Shadow: true}); !errors.Is(err, ErrNoKVState) {
+		t.Errorf("shadow without state: %v", err)
+	}
+	// A prompt shorter than a block: nothing can be cached.
+	if d := kvPick(t, s, kvRequest("short", []uint32{1, 2, 3}), w.insts); d.Reason != ReasonHeuristic {
+		t.Errorf("short prompt: %s", d.Reason)
+	}
+}
+
+type failingSource struct{}
+
+func (failingSource) Tokens(context.Context, *Request) ([]uint32, error) {
+	return nil, errors.New("tokenizer exploded")
+}
+
+// TestKVAwareAdapterAndSalt: adapters and cache salts get their own chains.
+func TestKVAwareAdapterAndSalt(t *testing.T) {
+	w := newKVWorld(t, 4)
+	tokens := promptTokens(9, 32*kvTestBS)
+	order := RendezvousOrder(kvRequest("x", tokens), w.insts)
+	w.store(order[3].ID(), tokens, 0, 32) // base model, no salt
+	s := w.strategy(RoutingConfig{})
+	if d := kvPick(t, s, kvRequest("x", tokens), w.insts); d.Instance != order[3] {
+		t.Fatalf("base: picked %s", d.Instance.ID())
+	}
+	req := kvRequest("x", tokens)
+	req.Adapter = "sql-lora"
+	if d := kvPick(t, s, req, w.insts); d.Reason != ReasonHeuristic {
+		t.Errorf("adapter request matched the base model's blocks: %s", d.Reason)
+	}
+	req = kvRequest("x", tokens)
+	req.Body = []byte(`{"prompt":[1,2],"cache_salt":"tenant-a"}`)
+	if d := kvPick(t, s, req, w.insts); d.Reason != ReasonHeuristic {
+		t.Errorf("salted request matched unsalted blocks: %s", d.Reason)
+	}
+}
+
+func TestExplanationHeader(t *testing.T) {
+	e := &Explanation{MatchedTokens: [tiers.Count]int{128, 32, 0, 0}}
+	if got, want := e.MatchedTokensHeader(), "gpu=128,cpu=32,disk=0,shared=0"; got != want {
+		t.Fatalf("header %q, want %q", got, want)
+	}
+}
+
+func TestTierTokensAndTTFT(t *testing.T) {
+	sc := (&KVScoringConfig{PrefillTokensPerSecond: 1000, CPULoadTokensPerSecond: 10000, DiskLoadTokensPerSecond: 5000, SharedLoadTokensPerSecond: 2000}).resolve()
+	tests := []struct {
+		blocks      [tiers.Count]int
+		prompt      int
+		wantMatched [tiers.Count]int
+		wantTTFT    float64
+	}{
+		{[tiers.Count]int{0, 0, 0, 0}, 1000, [tiers.Count]int{}, 1.0},
+		{[tiers.Count]int{10, 10, 10, 10}, 1000, [tiers.Count]int{160, 0, 0, 0}, 0.84},
+		{[tiers.Count]int{10, 20, 30, 40}, 1000, [tiers.Count]int{160, 160, 160, 160}, 0.36 + 0.016 + 0.032 + 0.08},
+		{[tiers.Count]int{100, 100, 100, 100}, 1000, [tiers.Count]int{1000, 0, 0, 0}, 0},
+		{[tiers.Count]int{0, 100, 100, 100}, 1000, [tiers.Count]int{0, 1000, 0, 0}, 0.1},
+	}
+	for i, tc := range tests {
+		m := tierTokens(tc.blocks, 16, tc.prompt)
+		if m != tc.wantMatched {
+			t.Errorf("%d: matched %v, want %v", i, m, tc.wantMatched)
+		}
+		if got := sc.ttft(0, tc.prompt, m); got < tc.wantTTFT-1e-9 || got > tc.wantTTFT+1e-9 {
+			t.Errorf("%d: ttft %v, want %v", i, got, tc.wantTTFT)
+		}
+	}
+	// Queue: the router's pending work, or the engine's waiting count
+	// when it says more, plus running requests.
+	q := sc.queue(2000, 2, 2, loadSample{}, false)
+	if q != 2.0 {
+		t.Errorf("local queue %v, want 2", q)
+	}
+	q = sc.queue(2000, 2, 2, loadSample{waiting: 4, running: 3}, true)
+	if want := (2000+2*1024)/1000.0 + 3*DefaultRunningRequestSeconds; q != want {
+		t.Errorf("blended queue %v, want %v", q, want)
+	}
+}
+
+func TestKVScoringConfigValidate(t *testing.T) {
+	tests := []struct {
+		k  KVScoringConfig
+		ok bool
+	}{
+		{KVScoringConfig{}, true},
+		{KVScoringConfig{SpeculativeTTL: -1, ScrapeInterval: -1}, true},
+		{KVScoringConfig{DiskLoadTokensPerSecond: -1}, false},
+		{KVScoringConfig{WaitingRequestTokens: -5}, false},
+		{KVScoringConfig{TieTolerance: -time.Second}, false},
+		{KVScoringConfig{ScrapeInterval: time.Millisecond}, false},
+		{KVScoringConfig{ScrapePath: "metrics"}, false},
+		{KVScoringConfig{SpeculativeCapacity: -1}, false},
+		{KVScoringConfig{RunningRequestSeconds: 100}, false},
+	}
+	for i, tc := range tests {
+		k := tc.k
+		err := RoutingConfig{Strategy: StrategyKVAware, KV: &k}.Validate()
+		if (err == nil) != tc.ok {
+			t.Errorf("%d: %+v: err %v", i, tc.k, err)
+		}
+		if err != nil && !errors.Is(err, ErrInvalidConfig) {
+			t.Errorf("%d: err %v does not wrap ErrInvalidConfig", i, err)
+		}
+	}
+}
+
+func TestSpeculativeOverlayBound(t *testing.T) {
+	clock := newTestClock()
+	s := newSpeculative(time.Second, 100, clock.Now)
+	keys := kvindex.Keys(kvindex.Root("m", "", ""), promptTokens(1, 16*150), 16)
+	s.add(keys, "a")
+	if s.Len() != 100 {
+		t.Fatalf("len %d, want the bound 100", s.Len())
+	}
+	if got := s.extend(keys, 0, "a"); got != 100 {
+		t.Fatalf("extend %d, want the first 100 blocks kept", got)
+	}
+	other := kvindex.Keys(kvindex.Root("m", "", ""), promptTokens(2, 16*60), 16)
+	s.add(other, "b") // evicts a's 60 oldest
+	if got := s.extend(keys, 0, "a"); got != 0 {
+		t.Fatalf("a's leading blocks should be evicted, extend %d", got)
+	}
+	if got := s.extend(other, 0, "b"); got != 60 {
+		t.Fatalf("b extend %d, want 60", got)
+	}
+	clock.Advance(2 * time.Second)
+	if got := s.extend(other, 0, "b"); got != 0 {
+		t.Fatalf("expired entries still held: %d", got)
+	}
+	s.add(other[:1], "c")
+	if s.Len() != 1 {
+		t.Fatalf("expired entries not swept: len %d", s.Len())
+	}
+}
+
+func counterValue(t testing.TB, c prometheus.Metric) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetCounter().GetValue()
+}
+
+func gaugeValue(t testing.TB, c prometheus.Metric) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetGauge().GetValue()
+}
+
+func nopBody(s string) io.ReadCloser { return io.NopCloser(strings.NewReader(s)) }

@@ -1,0 +1,258 @@
+package router
+
+import (
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// Defaults of the kv_aware scoring constants that tiers.CostModel does not
+// already carry (its doc comment derives P and the tier load rates). The
+// reasoning for each is in docs/kv-aware.md.
+const (
+	// DefaultWaitingRequestTokens is the prefill work assumed for each
+	// request the engine reports waiting beyond those this router has
+	// pending there: the router does not know their prompts, and 1,024
+	// tokens is a short chat turn after its prefix hit (ShareGPT-like turns
+	// are a few hundred to a few thousand tokens).
+	DefaultWaitingRequestTokens = 1024
+	// DefaultRunningRequestSeconds is what each running (decoding) request
+	// adds to a new request's time to first token: with chunked prefill a
+	// step carries one decode token per running sequence beside the prefill
+	// chunk, so each running sequence costs a little of every step. 0.5 ms
+	// makes 64 running requests cost ~30 ms, a tenth of an 8,000-token
+	// prefill at 25,000 tokens/s, so cached prefixes dominate until an
+	// instance is clearly busier.
+	DefaultRunningRequestSeconds = 0.0005
+	// DefaultPrefillCostWeight: the pick minimises ttft + w·(tokens it
+	// makes the instance prefill)/P. TTFT alone is greedy for the one
+	// request: a burst sharing a new prefix would see the first request's
+	// pending prefill on its instance and spread over idle instances,
+	// each recomputing the prefix (the very waste the speculative entries
+	// exist to avoid), and every token prefilled delays whoever queues
+	// behind it. w = 1 values that delay like the request's own wait.
+	DefaultPrefillCostWeight = 1.0
+	// DefaultTieTolerance: predicted TTFTs within 1 ms are a tie, broken by
+	// rendezvous order so that replicas with slightly different local load
+	// still agree, and equal prefixes with nothing cached stay together.
+	DefaultTieTolerance = time.Millisecond
+	// DefaultSpeculativeTTL is a few prefill times of a long prompt (an
+	// 8,000-token prompt takes ~0.3 s at 25,000 tokens/s) plus the event
+	// path (bridge → NATS → index, milliseconds): long enough for the
+	// engine's BlockStored to arrive, short enough that a wrong guess (the
+	// request failed, its blocks were evicted) is forgotten quickly.
+	DefaultSpeculativeTTL = 2 * time.Second
+	// DefaultSpeculativeCapacity bounds the speculative overlay in (block,
+	// instance) entries: 256k entries are ~500 long prompts in flight,
+	// about 20 MB at worst.
+	DefaultSpeculativeCapacity = 1 << 18
+	// DefaultScrapeInterval of instances' /metrics: vLLM's gauges change per
+	// scheduler step, and the router's own counters cover the sub-second
+	// picture, so 1 s keeps scrape load negligible.
+	DefaultScrapeInterval = time.Second
+	// DefaultScrapeTimeout bounds one scrape; an instance slower than this
+	// to answer /metrics is loaded anyway.
+	DefaultScrapeTimeout = 500 * time.Millisecond
+	// DefaultScrapePath is vLLM's Prometheus endpoint.
+	DefaultScrapePath = "/metrics"
+)
+
+// kvScoring is KVScoringConfig with defaults applied, in scoring's units.
+type kvScoring struct {
+	prefill       float64              // P, tokens/s
+	load          [tiers.Count]float64 // X per tier, tokens/s (+Inf for GPU)
+	blockSize     int                  // 0 = the index's
+	waitingTokens float64
+	runningSec    float64
+	costWeight    float64
+	tieTol        float64 // seconds
+	specTTL       time.Duration
+	specCap       int
+	scrape        time.Duration // < 0 = no scraping
+	scrapeTimeout time.Duration
+	scrapePath    string
+}
+
+// resolve applies the documented defaults to k (nil = all defaults).
+func (k *KVScoringConfig) resolve() kvScoring {
+	var c KVScoringConfig
+	if k != nil {
+		c = *k
+	}
+	var cm tiers.CostModel // zero value = the documented defaults
+	s := kvScoring{
+		prefill:       pos(c.PrefillTokensPerSecond, cm.PrefillRate()),
+		blockSize:     c.BlockSize,
+		waitingTokens: float64(c.WaitingRequestTokens),
+		runningSec:    c.RunningRequestSeconds,
+		tieTol:        c.TieTolerance.Seconds(),
+		specTTL:       c.SpeculativeTTL,
+		specCap:       c.SpeculativeCapacity,
+		scrape:        c.ScrapeInterval,
+		scrapeTimeout: c.ScrapeTimeout,
+		scrapePath:    c.ScrapePath,
+	}
+	s.load[tiers.GPU] = math.Inf(1)
+	s.load[tiers.CPU] = pos(c.CPULoadTokensPerSecond, cm.LoadTokensPerSec(tiers.CPU))
+	s.load[tiers.Disk] = pos(c.DiskLoadTokensPerSecond, cm.LoadTokensPerSec(tiers.Disk))
+	s.load[tiers.Shared] = pos(c.SharedLoadTokensPerSecond, cm.LoadTokensPerSec(tiers.Shared))
+	s.costWeight = c.PrefillCostWeight
+	if c.PrefillCostWeight == 0 {
+		s.costWeight = DefaultPrefillCostWeight
+	}
+	if c.WaitingRequestTokens == 0 {
+		s.waitingTokens = DefaultWaitingRequestTokens
+	}
+	if c.RunningRequestSeconds == 0 {
+		s.runningSec = DefaultRunningRequestSeconds
+	}
+	if c.TieTolerance == 0 {
+		s.tieTol = DefaultTieTolerance.Seconds()
+	}
+	if c.SpeculativeTTL == 0 {
+		s.specTTL = DefaultSpeculativeTTL
+	}
+	if c.SpeculativeCapacity == 0 {
+		s.specCap = DefaultSpeculativeCapacity
+	}
+	if c.ScrapeInterval == 0 {
+		s.scrape = DefaultScrapeInterval
+	}
+	if c.ScrapeTimeout == 0 {
+		s.scrapeTimeout = DefaultScrapeTimeout
+	}
+	if c.ScrapePath == "" {
+		s.scrapePath = DefaultScrapePath
+	}
+	// Negative means "off" for the knobs where off makes sense.
+	s.waitingTokens = max(s.waitingTokens, 0)
+	s.costWeight = max(s.costWeight, 0)
+	s.runningSec = max(s.runningSec, 0)
+	s.tieTol = max(s.tieTol, 0)
+	return s
+}
+
+func pos(v, def float64) float64 {
+	if v > 0 && !math.IsInf(v, 0) && !math.IsNaN(v) {
+		return v
+	}
+	return def
+}
+
+// validateKV checks the fields the kv_aware strategy added to
+// KVScoringConfig (the throughputs and block size are checked by
+// RoutingConfig.validate). f is the YAML path of the section.
+func (k *KVScoringConfig) validateKV(f string) error {
+	if k == nil {
+		return nil
+	}
+	bad := func(format string, a ...any) error {
+		return fmt.Errorf("%w: %s."+format, append([]any{ErrInvalidConfig, f}, a...)...)
+	}
+	for _, v := range []struct {
+		name string
+		v    float64
+	}{
+		{"prefill_tokens_per_second", k.PrefillTokensPerSecond},
+		{"cpu_load_tokens_per_second", k.CPULoadTokensPerSecond},
+		{"disk_load_tokens_per_second", k.DiskLoadTokensPerSecond},
+		{"shared_load_tokens_per_second", k.SharedLoadTokensPerSecond},
+		{"running_request_seconds", k.RunningRequestSeconds},
+	} {
+		if v.v < 0 || math.IsNaN(v.v) || math.IsInf(v.v, 0) {
+			return bad("%s %v: want a finite number >= 0 (0 = default)", v.name, v.v)
+		}
+	}
+	if math.IsNaN(k.PrefillCostWeight) || k.PrefillCostWeight > 100 {
+		return bad("prefill_cost_weight %v out of range (negative = 0, 0 = default, at most 100)", k.PrefillCostWeight)
+	}
+	if k.RunningRequestSeconds > 60 {
+		return bad("running_request_seconds %v out of range 0..60", k.RunningRequestSeconds)
+	}
+	if k.WaitingRequestTokens < 0 || k.WaitingRequestTokens > 1<<22 {
+		return bad("waiting_request_tokens %d out of range 0..%d", k.WaitingRequestTokens, 1<<22)
+	}
+	if k.TieTolerance < 0 || k.TieTolerance > time.Minute {
+		return bad("tie_tolerance %v out of range 0..1m", k.TieTolerance)
+	}
+	if k.SpeculativeTTL > 10*time.Minute {
+		return bad("speculative_ttl %v out of range (negative = off, 0 = default, at most 10m)", k.SpeculativeTTL)
+	}
+	if k.SpeculativeCapacity < 0 || k.SpeculativeCapacity > 1<<26 {
+		return bad("speculative_capacity %d out of range 0..%d", k.SpeculativeCapacity, 1<<26)
+	}
+	if k.ScrapeInterval > 0 && k.ScrapeInterval < 50*time.Millisecond || k.ScrapeInterval > time.Hour {
+		return bad("scrape_interval %v out of range (negative = off, 0 = default, 50ms..1h)", k.ScrapeInterval)
+	}
+	if k.ScrapeTimeout < 0 || k.ScrapeTimeout > time.Minute {
+		return bad("scrape_timeout %v out of range 0..1m", k.ScrapeTimeout)
+	}
+	if k.ScrapePath != "" && k.ScrapePath[0] != '/' {
+		return bad("scrape_path %q: must start with /", k.ScrapePath)
+	}
+	return nil
+}
+
+// tierTokens splits a match (cumulative blocks per tier, Blocks[t] = leading
+// blocks held in tier t or faster) into tokens per tier, each beyond those
+// of faster tiers, capped at the prompt's length.
+func tierTokens(blocks [tiers.Count]int, blockSize, promptTokens int) (out [tiers.Count]int) {
+	prev := 0
+	for t := range tiers.Count {
+		n := min(blocks[t]*blockSize, promptTokens)
+		if n > prev {
+			out[t] = n - prev
+			prev = n
+		}
+	}
+	return out
+}
+
+// ttft is the ARCHITECTURE's predicted time to first token, in seconds:
+//
+//	queue + (T − g − c − d − s)/P + c/X_cpu + d/X_disk + s/X_shared
+//
+// (the disk tier, which the architecture folds into "shared", has its own
+// rate here because tiers.CostModel prices it separately).
+func (s *kvScoring) ttft(queue float64, promptTokens int, matched [tiers.Count]int) float64 {
+	rest := promptTokens
+	load := 0.0
+	for t := range tiers.Count {
+		rest -= matched[t]
+		if t != int(tiers.GPU) && matched[t] > 0 {
+			load += float64(matched[t]) / s.load[t]
+		}
+	}
+	return queue + float64(max(rest, 0))/s.prefill + load
+}
+
+// prefillCost is the weighted time the fleet spends prefilling what the
+// instance does not hold: the second term of the score.
+func (s *kvScoring) prefillCost(promptTokens int, matched [tiers.Count]int) float64 {
+	rest := promptTokens
+	for _, n := range matched {
+		rest -= n
+	}
+	return s.costWeight * float64(max(rest, 0)) / s.prefill
+}
+
+// queue is the predicted wait before a new request's prefill starts on an
+// instance, in seconds: the router's own pending prefill tokens there,
+// or the engine's reported waiting requests when they say more (other
+// routers' traffic), plus a per-running-request share of each step.
+//
+// The max, not the sum: the engine's waiting count already includes this
+// router's pending requests, so adding both would count them twice.
+func (s *kvScoring) queue(pendingTokens float64, pendingReqs, inflight int, ld loadSample, haveLoad bool) float64 {
+	waitTokens := pendingTokens
+	running := float64(max(inflight-pendingReqs, 0))
+	if haveLoad {
+		if extra := ld.waiting - float64(pendingReqs); extra > 0 {
+			waitTokens = max(waitTokens, pendingTokens+extra*s.waitingTokens)
+		}
+		running = max(running, ld.running)
+	}
+	return waitTokens/s.prefill + running*s.runningSec
+}

@@ -1,0 +1,145 @@
+package router
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+
+	"github.com/kvrouter/kvrouter/tokenizer"
+)
+
+// Token sources (TokenizerConfig.Source).
+const (
+	TokenSourceNone   = "none"   // no tokens: kv_aware routes heuristically unless the request carries ids
+	TokenSourceSimple = "simple" // the simulator's dummy tokenizer (kvsim, llm-d-inference-sim)
+	TokenSourceFiles  = "files"  // the model's tokenizer.json + tokenizer_config.json, in process
+	TokenSourceEngine = "engine" // the engine's /tokenize endpoint
+)
+
+// ErrTokenSource reports a token source that cannot be built.
+var ErrTokenSource = errors.New("router: token source")
+
+var _ TokenSource = (*ChatTokenSource)(nil)
+
+// NewTokenSource builds a pool's token source from its tokenizer config.
+// nil config or source "none" returns nil (no source). The engine source
+// needs a client the tokenizer package provides; until the server wires one,
+// it is reported as unavailable here rather than silently routing blind.
+func NewTokenSource(cfg *TokenizerConfig) (TokenSource, error) {
+	if cfg == nil {
+		return nil, nil
+	}
+	switch cfg.Source {
+	case "", TokenSourceNone:
+		return nil, nil
+	case TokenSourceSimple:
+		return &ChatTokenSource{Tokenizer: tokenizer.Simple{}}, nil
+	case TokenSourceFiles:
+		if cfg.Path == "" {
+			return nil, fmt.Errorf("%w: tokenizer.path is required for source %q", ErrTokenSource, cfg.Source)
+		}
+		hf, err := tokenizer.LoadHF(cfg.Path, tokenizer.HFConfig{})
+		if err != nil {
+			return nil, fmt.Errorf("%w: load %s: %w", ErrTokenSource, cfg.Path, err)
+		}
+		return &ChatTokenSource{Tokenizer: hf}, nil
+	case TokenSourceEngine:
+		return nil, fmt.Errorf("%w: source %q is not available in this build; use %q with the model's files", ErrTokenSource, cfg.Source, TokenSourceFiles)
+	}
+	return nil, fmt.Errorf("%w: unknown source %q", ErrTokenSource, cfg.Source)
+}
+
+// ChatTokenSource adapts a tokenizer.ChatTokenizer (Simple, HF, or the
+// engine's /tokenize client) to TokenSource: chat requests are rendered
+// with the model's chat template and encoded with add_special_tokens=false,
+// as vLLM does; completions prompts are encoded as text.
+//
+// Known gap: vLLM encodes a completions *text* prompt with
+// add_special_tokens=true, so models whose post-processor adds a BOS token
+// (Llama 3) see one more token than Encode returns; such prompts' keys then
+// match nothing and route heuristically. Chats and token-id prompts are exact.
+type ChatTokenSource struct {
+	Tokenizer tokenizer.ChatTokenizer
+}
+
+// chatBody is what rendering needs from an OpenAI chat body (vLLM's extra
+// fields included).
+type chatBody struct {
+	Messages             []tokenizer.Message `json:"messages"`
+	Tools                json.RawMessage     `json:"tools"`
+	AddGenerationPrompt  *bool               `json:"add_generation_prompt"`
+	ContinueFinalMessage bool                `json:"continue_final_message"`
+	ChatTemplateKwargs   map[string]any      `json:"chat_template_kwargs"`
+	Prompt               json.RawMessage     `json:"prompt"`
+	Inputs               json.RawMessage     `json:"inputs"`
+}
+
+// Tokens implements TokenSource.
+func (s *ChatTokenSource) Tokens(_ context.Context, req *Request) ([]uint32, error) {
+	if s == nil || s.Tokenizer == nil {
+		return nil, ErrNoTokens
+	}
+	switch req.Endpoint {
+	case EndpointCompletions:
+		if req.Parsed != nil && req.Parsed.Prompt != nil && len(req.Parsed.Prompt.Texts) > 0 {
+			return s.Tokenizer.Encode(req.Parsed.Prompt.Texts[0])
+		}
+		return nil, ErrNoTokens
+	case EndpointChatCompletions, EndpointInvoke, EndpointInvokeStream:
+	default:
+		return nil, ErrNoTokens
+	}
+	// The raw invoke path carries whatever body the engine's /invocations
+	// accepts: an OpenAI chat or completions body.
+	if !bytes.Contains(req.Body, []byte(`"messages"`)) && req.Endpoint != EndpointChatCompletions {
+		return s.promptTokens(req.Body)
+	}
+	var b chatBody
+	if err := json.Unmarshal(req.Body, &b); err != nil {
+		return nil, fmt.Errorf("%w: chat body: %w", ErrTokenSource, err)
+	}
+	if len(b.Messages) == 0 {
+		return nil, ErrNoTokens
+	}
+	opts := tokenizer.RenderOptions{AddGenerationPrompt: true, Tools: b.Tools, Vars: b.ChatTemplateKwargs}
+	if b.AddGenerationPrompt != nil {
+		opts.AddGenerationPrompt = *b.AddGenerationPrompt
+	}
+	if b.ContinueFinalMessage {
+		// vLLM then renders without a generation prompt and cuts the final
+		// message's end-of-turn; rendering without the generation prompt
+		// gets every block but the last right.
+		opts.AddGenerationPrompt = false
+	}
+	ids, _, err := tokenizer.EncodeChat(s.Tokenizer, b.Messages, opts)
+	return ids, err
+}
+
+// promptTokens encodes a raw body's "prompt" (or "inputs") string, or
+// returns its token ids.
+func (s *ChatTokenSource) promptTokens(body []byte) ([]uint32, error) {
+	var b struct {
+		Prompt *Prompt          `json:"prompt"`
+		Inputs *json.RawMessage `json:"inputs"`
+	}
+	if err := json.Unmarshal(body, &b); err != nil {
+		return nil, fmt.Errorf("%w: body: %w", ErrTokenSource, err)
+	}
+	if b.Prompt == nil && b.Inputs != nil {
+		b.Prompt = &Prompt{}
+		if err := b.Prompt.UnmarshalJSON(*b.Inputs); err != nil {
+			return nil, fmt.Errorf("%w: inputs: %w", ErrTokenSource, err)
+		}
+	}
+	switch {
+	case b.Prompt == nil:
+		return nil, ErrNoTokens
+	case len(b.Prompt.Tokens) > 0:
+		return b.Prompt.Tokens[0], nil
+	case len(b.Prompt.Texts) > 0:
+		return s.Tokenizer.Encode(b.Prompt.Texts[0])
+	}
+	return nil, ErrNoTokens
+}
