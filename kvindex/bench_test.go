@@ -208,7 +208,13 @@ func BenchmarkRedisApply(b *testing.B) {
 }
 
 func BenchmarkRedisLookup512(b *testing.B) {
-	r, err := NewRedis(redisClient(b), RedisConfig{Prefix: testenv.UniqueName(b), Model: testModel, TTL: time.Hour})
+	client := redisClient(b)
+	prefix := testenv.UniqueName(b)
+	r, err := NewRedis(client, RedisConfig{Prefix: prefix, Model: testModel, TTL: time.Hour})
+	if err != nil {
+		b.Fatal(err)
+	}
+	fast, err := NewRedis(client, RedisConfig{Prefix: prefix, Model: testModel, TTL: time.Hour, PrefixClosedLookup: true})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -217,14 +223,17 @@ func BenchmarkRedisLookup512(b *testing.B) {
 	miss := Keys(Root(testModel, "", "nobody"), s.tokens, shapeBS)
 	cases := []struct {
 		name string
+		idx  *Redis
 		keys []Key
 		want int
 	}{
-		{"one-holder", s.keys(17, 1), 1},
-		{"miss", miss, 0},
+		{"exact/one-holder", r, s.keys(17, 1), 1},
+		{"exact/miss", r, miss, 0},
+		{"prefix-closed/one-holder", fast, s.keys(17, 1), 1},
 	}
 	ctx := context.Background()
 	for _, c := range cases {
+		r := c.idx
 		b.Run(c.name, func(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {

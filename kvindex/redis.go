@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -43,6 +44,14 @@ type RedisConfig struct {
 	TTL time.Duration
 	// Now is the clock; nil = time.Now.
 	Now func() time.Time
+	// PrefixClosedLookup trades exactness for speed: a lookup then reads
+	// only the probe positions and the positions around where an
+	// instance's tiers change, assuming that an instance holding blocks i
+	// and j of a chain in the same tiers holds those between (true unless
+	// the engine evicted from the middle of a chain). false = every
+	// position up to each instance's first missing probe is read, so a
+	// hole ends the match exactly where it is. Both take <= 2 round trips.
+	PrefixClosedLookup bool
 }
 
 func (c RedisConfig) validate() error {
@@ -80,6 +89,8 @@ type Redis struct {
 	now    func() time.Time
 	bs     blockSizer
 
+	prefixClosed bool
+
 	pool sync.Pool // *redisOverlay, reused across Apply calls
 }
 
@@ -94,7 +105,7 @@ func NewRedis(client redis.UniversalClient, cfg RedisConfig) (*Redis, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	r := &Redis{rdb: client, prefix: cfg.Prefix, model: cfg.Model, ttl: cfg.TTL, now: cfg.Now}
+	r := &Redis{rdb: client, prefix: cfg.Prefix, model: cfg.Model, ttl: cfg.TTL, now: cfg.Now, prefixClosed: cfg.PrefixClosedLookup}
 	if r.prefix == "" {
 		r.prefix = DefaultRedisPrefix
 	}
@@ -476,29 +487,59 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 	for _, c := range cands {
 		maxBound = max(maxBound, c.bound)
 	}
-	probed := make(map[int]int, len(probes))
-	for i, p := range probes {
-		probed[p] = i
-	}
-	names := make([]string, len(cands))
-	for i := range cands {
-		names[i] = cands[i].name
-		cands[i].bits = make([]tiers.Set, cands[i].bound)
+	// Fill in each candidate's bits below its bound: probes are known;
+	// the positions between two probes are read in round two, unless the
+	// index is configured to trust prefix-closure and both probes show the
+	// same cumulative tiers (then they are assumed alike). The gap below
+	// the bound is always read: the match ends somewhere inside it.
+	needers := make([][]int, maxBound) // position → candidates to read it for
+	for ci := range cands {
+		c := &cands[ci]
+		c.bits = make([]tiers.Set, c.bound)
+		prev, prevBits := -1, tiers.Set(0)
+		gap := func(from, to int, assumed tiers.Set) {
+			for q := from; q < to; q++ {
+				if assumed != 0 {
+					c.bits[q] = assumed
+				} else {
+					needers[q] = append(needers[q], ci)
+				}
+			}
+		}
+		for i, p := range probes {
+			if p >= c.bound {
+				break
+			}
+			b := parseBits(pcmds[i].Val()[c.name])
+			c.bits[p] = b
+			var assumed tiers.Set
+			if r.prefixClosed && cumTiers(b) == cumTiers(prevBits) {
+				assumed = b
+			}
+			gap(prev+1, p, assumed)
+			prev, prevBits = p, b
+		}
+		gap(prev+1, c.bound, 0)
 	}
 	var fills []*redis.SliceCmd
 	var fillPos []int
-	for p := 0; p < maxBound; p++ {
-		if i, ok := probed[p]; ok {
-			m := pcmds[i].Val()
-			for ci := range cands {
-				if p < cands[ci].bound {
-					cands[ci].bits[p] = parseBits(m[cands[ci].name])
-				}
-			}
+	var names []string
+	var lastWho []int
+	for p, who := range needers {
+		if len(who) == 0 {
 			continue
 		}
 		if fills == nil {
 			pipe = r.rdb.Pipeline()
+		}
+		if !slices.Equal(who, lastWho) {
+			// Consecutive positions mostly need the same candidates: share
+			// the field list.
+			names = make([]string, len(who))
+			for i, ci := range who {
+				names[i] = cands[ci].name
+			}
+			lastWho = who
 		}
 		fills = append(fills, pipe.HMGet(ctx, r.blockKey(keys[p]), names...))
 		fillPos = append(fillPos, p)
@@ -509,11 +550,9 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 		}
 		for fi, cmd := range fills {
 			p := fillPos[fi]
-			for ci, v := range cmd.Val() {
-				if p < cands[ci].bound {
-					s, _ := v.(string)
-					cands[ci].bits[p] = parseBits(s)
-				}
+			for i, v := range cmd.Val() {
+				s, _ := v.(string)
+				cands[needers[p][i]].bits[p] = parseBits(s)
 			}
 		}
 	}
@@ -540,6 +579,16 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 		}
 	}
 	return out, nil
+}
+
+// cumTiers is the set of tiers a block counts for in a Match: its fastest
+// tier and every slower one.
+func cumTiers(b tiers.Set) tiers.Set {
+	b &= allTiers
+	if b == 0 {
+		return 0
+	}
+	return ^(b&-b - 1) & allTiers
 }
 
 func parseBits(s string) tiers.Set {

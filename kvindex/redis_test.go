@@ -145,45 +145,65 @@ func TestRedisRoundTrips(t *testing.T) {
 	c := newChain(root, 512, 16, 11, 1)
 	half := newChain(root, 512, 16, 11, 100_000) // same tokens, another instance's hashes
 	holey := newChain(root, 512, 16, 11, 200_000)
-	r, trips := newCountedRedis(t, RedisConfig{Model: testModel})
+	offload := newChain(root, 512, 16, 11, 300_000)
+	for _, prefixClosed := range []bool{false, true} {
+		t.Run(fmt.Sprintf("prefixClosed=%v", prefixClosed), func(t *testing.T) {
+			r, trips := newCountedRedis(t, RedisConfig{Model: testModel, PrefixClosedLookup: prefixClosed})
+			mustApply(t, r, "full", c.stored(0, 512))
+			if n := trips.take(); n != 2 {
+				t.Fatalf("Apply of one event took %d round trips, want 2 (read map, write pipeline)", n)
+			}
+			mustApply(t, r, "half", half.stored(0, 200))
+			// Not prefix-closed: blocks 0..299 then a hole at 300, then 301..511.
+			mustApply(t, r, "holey", holey.stored(0, 512), holey.removed("GPU", 300, 301))
+			// GPU 0..99, CPU 0..449: tiers change between probes.
+			mustApply(t, r, "offload", offload.stored(0, 450), offload.tierStored("CPU", 0, 450), offload.removed("GPU", 100, 450))
+			trips.take()
 
-	mustApply(t, r, "full", c.stored(0, 512))
-	if n := trips.take(); n != 2 {
-		t.Fatalf("Apply of one event took %d round trips, want 2 (read map, write pipeline)", n)
-	}
-	mustApply(t, r, "half", half.stored(0, 200))
-	// Not prefix-closed: blocks 0..299 then a hole at 300, then 301..511.
-	mustApply(t, r, "holey", holey.stored(0, 512), holey.removed("GPU", 300, 301))
-	trips.take()
-
-	cases := []struct {
-		name      string
-		keys      []Key
-		want      map[string][tiers.Count]int
-		wantTrips int
-	}{
-		{"512 blocks, three instances", c.keys, map[string][tiers.Count]int{"full": all(512), "half": all(200), "holey": all(300)}, 2},
-		{"unknown chain", Keys(root, seqTokens(512*16, 999), 16), nil, 1},
-		{"one block", c.keys[:1], map[string][tiers.Count]int{"full": all(1), "half": all(1), "holey": all(1)}, 1},
-		{"two blocks", c.keys[:2], map[string][tiers.Count]int{"full": all(2), "half": all(2), "holey": all(2)}, 1},
-		{"100 blocks", c.keys[:100], map[string][tiers.Count]int{"full": all(100), "half": all(100), "holey": all(100)}, 2},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			checkLookup(t, r, query{tc.keys, tc.want}, tc.name)
-			if n := trips.take(); n > tc.wantTrips || n < 1 {
-				t.Fatalf("lookup took %d round trips, want at most %d", n, tc.wantTrips)
+			holeyWant, fullTrips := all(300), 2
+			if prefixClosed {
+				// The hole lies between two probes that both hold GPU: the
+				// prefix-closed lookup does not see it, by design.
+				holeyWant = all(512)
+			}
+			cases := []struct {
+				name      string
+				keys      []Key
+				want      map[string][tiers.Count]int
+				wantTrips int
+			}{
+				{"512 blocks, four instances", c.keys, map[string][tiers.Count]int{"full": all(512), "half": all(200), "holey": holeyWant, "offload": blocks(100, 450, 450, 450)}, fullTrips},
+				{"unknown chain", Keys(root, seqTokens(512*16, 999), 16), nil, 1},
+				{"one block", c.keys[:1], map[string][tiers.Count]int{"full": all(1), "half": all(1), "holey": all(1), "offload": all(1)}, 1},
+				{"two blocks", c.keys[:2], map[string][tiers.Count]int{"full": all(2), "half": all(2), "holey": all(2), "offload": all(2)}, 1},
+			}
+			for _, tc := range cases {
+				checkLookup(t, r, query{tc.keys, tc.want}, tc.name)
+				if n := trips.take(); n > tc.wantTrips || n < 1 {
+					t.Fatalf("%s: lookup took %d round trips, want at most %d", tc.name, n, tc.wantTrips)
+				}
+			}
+			// Only "full" holds the whole chain: all probes hit, so the
+			// prefix-closed lookup is done in one round trip.
+			if err := r.Purge(ctx, "half"); err != nil {
+				t.Fatal(err)
+			}
+			for _, inst := range []string{"holey", "offload"} {
+				if err := r.Purge(ctx, inst); err != nil {
+					t.Fatal(err)
+				}
+			}
+			trips.take()
+			checkLookup(t, r, query{c.keys, map[string][tiers.Count]int{"full": all(512)}}, "after purges")
+			want := 2
+			if prefixClosed {
+				want = 1
+			}
+			if n := trips.take(); n != want {
+				t.Fatalf("full-chain lookup took %d round trips, want %d", n, want)
 			}
 		})
 	}
-	if _, err := r.Len(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := r.Purge(ctx, "holey"); err != nil {
-		t.Fatal(err)
-	}
-	trips.take()
-	checkLookup(t, r, query{c.keys, map[string][tiers.Count]int{"full": all(512), "half": all(200)}}, "after purge")
 }
 
 func TestRedisSilentInstanceAgesOut(t *testing.T) {
@@ -271,5 +291,18 @@ func FuzzDecodeMapVal(f *testing.F) {
 			t.Fatalf("decode(%q) = %+v re-encodes to %q", s, v, v.encode())
 		}
 		_ = parseBits(s)
+	})
+}
+
+// The contract's chains are short enough that every position is a probe or
+// lies between probes with different tiers, so the prefix-closed lookup
+// must answer it exactly too.
+func TestRedisContractPrefixClosed(t *testing.T) {
+	testIndexContract(t, func(t *testing.T, cfg factoryConfig) Index {
+		r, err := NewRedis(redisClient(t), RedisConfig{Prefix: testenv.UniqueName(t), Model: cfg.Model, BlockSize: cfg.BlockSize, Now: cfg.Now, PrefixClosedLookup: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
 	})
 }
