@@ -124,8 +124,12 @@ type TLSConfig struct {
 type TokenizerConfig struct {
 	// Source: simple | files | engine | none. Default none (heuristic only).
 	Source string `yaml:"source" json:"source,omitempty"`
-	// Path to a directory with tokenizer.json and tokenizer_config.json.
+	// Path to a directory with tokenizer.json and tokenizer_config.json
+	// (and chat_template.jinja when the template is kept apart); source files.
 	Path string `yaml:"path" json:"path,omitempty"`
+	// URL of an engine whose /tokenize to call; source engine. Empty = the
+	// pool's first instance.
+	URL string `yaml:"url" json:"url,omitempty"`
 }
 
 // PoolConfig is one model deployment: a set of instances serving one base

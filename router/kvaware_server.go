@@ -59,7 +59,7 @@ func (s *Server) kvStateFor(pc PoolConfig, old *Pool) (*KVState, error) {
 		reflect.DeepEqual(old.cfg.Tokenizer, pc.Tokenizer) {
 		return old.kv, nil
 	}
-	tokens, err := NewTokenSource(pc.Tokenizer)
+	tokens, err := NewTokenSource(pc.Tokenizer, pc)
 	if err != nil {
 		return nil, err
 	}

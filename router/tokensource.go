@@ -25,9 +25,9 @@ var _ TokenSource = (*ChatTokenSource)(nil)
 
 // NewTokenSource builds a pool's token source from its tokenizer config.
 // nil config or source "none" returns nil (no source). The engine source
-// needs a client the tokenizer package provides; until the server wires one,
-// it is reported as unavailable here rather than silently routing blind.
-func NewTokenSource(cfg *TokenizerConfig) (TokenSource, error) {
+// calls tokenizer.url, else the pool's first instance (every instance of a
+// pool serves the same model, hence the same tokenizer and template).
+func NewTokenSource(cfg *TokenizerConfig, pool PoolConfig) (TokenSource, error) {
 	if cfg == nil {
 		return nil, nil
 	}
@@ -35,7 +35,7 @@ func NewTokenSource(cfg *TokenizerConfig) (TokenSource, error) {
 	case "", TokenSourceNone:
 		return nil, nil
 	case TokenSourceSimple:
-		return &ChatTokenSource{Tokenizer: tokenizer.Simple{}}, nil
+		return &ChatTokenSource{Tokenizer: tokenizer.Local(tokenizer.Simple{})}, nil
 	case TokenSourceFiles:
 		if cfg.Path == "" {
 			return nil, fmt.Errorf("%w: tokenizer.path is required for source %q", ErrTokenSource, cfg.Source)
@@ -44,24 +44,33 @@ func NewTokenSource(cfg *TokenizerConfig) (TokenSource, error) {
 		if err != nil {
 			return nil, fmt.Errorf("%w: load %s: %w", ErrTokenSource, cfg.Path, err)
 		}
-		return &ChatTokenSource{Tokenizer: hf}, nil
+		return &ChatTokenSource{Tokenizer: tokenizer.Local(hf)}, nil
 	case TokenSourceEngine:
-		return nil, fmt.Errorf("%w: source %q is not available in this build; use %q with the model's files", ErrTokenSource, cfg.Source, TokenSourceFiles)
+		u := cfg.URL
+		if u == "" && len(pool.Instances) > 0 {
+			u = pool.Instances[0].URL
+		}
+		r, err := tokenizer.NewRemote(tokenizer.RemoteConfig{URL: u, Model: pool.Model})
+		if err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrTokenSource, err)
+		}
+		return &ChatTokenSource{Tokenizer: r}, nil
 	}
 	return nil, fmt.Errorf("%w: unknown source %q", ErrTokenSource, cfg.Source)
 }
 
-// ChatTokenSource adapts a tokenizer.ChatTokenizer (Simple, HF, or the
-// engine's /tokenize client) to TokenSource: chat requests are rendered
-// with the model's chat template and encoded with add_special_tokens=false,
-// as vLLM does; completions prompts are encoded as text.
+// ChatTokenSource adapts a tokenizer.PromptTokenizer (Simple or HF through
+// tokenizer.Local, or the engine's /tokenize client tokenizer.Remote) to
+// TokenSource: chat requests are rendered with the model's chat template
+// and encoded with add_special_tokens=false, as vLLM does; completions
+// prompts are encoded as text.
 //
 // Known gap: vLLM encodes a completions *text* prompt with
 // add_special_tokens=true, so models whose post-processor adds a BOS token
 // (Llama 3) see one more token than Encode returns; such prompts' keys then
 // match nothing and route heuristically. Chats and token-id prompts are exact.
 type ChatTokenSource struct {
-	Tokenizer tokenizer.ChatTokenizer
+	Tokenizer tokenizer.PromptTokenizer
 }
 
 // chatBody is what rendering needs from an OpenAI chat body (vLLM's extra
@@ -77,14 +86,14 @@ type chatBody struct {
 }
 
 // Tokens implements TokenSource.
-func (s *ChatTokenSource) Tokens(_ context.Context, req *Request) ([]uint32, error) {
+func (s *ChatTokenSource) Tokens(ctx context.Context, req *Request) ([]uint32, error) {
 	if s == nil || s.Tokenizer == nil {
 		return nil, ErrNoTokens
 	}
 	switch req.Endpoint {
 	case EndpointCompletions:
 		if req.Parsed != nil && req.Parsed.Prompt != nil && len(req.Parsed.Prompt.Texts) > 0 {
-			return s.Tokenizer.Encode(req.Parsed.Prompt.Texts[0])
+			return s.Tokenizer.TokenizeText(ctx, req.Parsed.Prompt.Texts[0])
 		}
 		return nil, ErrNoTokens
 	case EndpointChatCompletions, EndpointInvoke, EndpointInvokeStream:
@@ -94,7 +103,7 @@ func (s *ChatTokenSource) Tokens(_ context.Context, req *Request) ([]uint32, err
 	// The raw invoke path carries whatever body the engine's /invocations
 	// accepts: an OpenAI chat or completions body.
 	if !bytes.Contains(req.Body, []byte(`"messages"`)) && req.Endpoint != EndpointChatCompletions {
-		return s.promptTokens(req.Body)
+		return s.promptTokens(ctx, req.Body)
 	}
 	var b chatBody
 	if err := json.Unmarshal(req.Body, &b); err != nil {
@@ -113,13 +122,12 @@ func (s *ChatTokenSource) Tokens(_ context.Context, req *Request) ([]uint32, err
 		// gets every block but the last right.
 		opts.AddGenerationPrompt = false
 	}
-	ids, _, err := tokenizer.EncodeChat(s.Tokenizer, b.Messages, opts)
-	return ids, err
+	return s.Tokenizer.TokenizeChat(ctx, b.Messages, opts)
 }
 
 // promptTokens encodes a raw body's "prompt" (or "inputs") string, or
 // returns its token ids.
-func (s *ChatTokenSource) promptTokens(body []byte) ([]uint32, error) {
+func (s *ChatTokenSource) promptTokens(ctx context.Context, body []byte) ([]uint32, error) {
 	var b struct {
 		Prompt *Prompt          `json:"prompt"`
 		Inputs *json.RawMessage `json:"inputs"`
@@ -139,7 +147,7 @@ func (s *ChatTokenSource) promptTokens(body []byte) ([]uint32, error) {
 	case len(b.Prompt.Tokens) > 0:
 		return b.Prompt.Tokens[0], nil
 	case len(b.Prompt.Texts) > 0:
-		return s.Tokenizer.Encode(b.Prompt.Texts[0])
+		return s.Tokenizer.TokenizeText(ctx, b.Prompt.Texts[0])
 	}
 	return nil, ErrNoTokens
 }

@@ -1,0 +1,155 @@
+package router
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+)
+
+// vectorLine is one line of tokenizer/testdata/<model>/vectors.jsonl:
+// reference ids computed by Hugging Face's own implementation.
+type vectorLine struct {
+	Text                *string         `json:"text"`
+	Messages            json.RawMessage `json:"messages"`
+	AddGenerationPrompt bool            `json:"add_generation_prompt"`
+	IDs                 []uint32        `json:"ids"`
+}
+
+func readVectors(t *testing.T, model string) []vectorLine {
+	t.Helper()
+	f, err := os.Open(filepath.Join("..", "tokenizer", "testdata", model, "vectors.jsonl"))
+	if err != nil {
+		t.Fatalf("reference vectors: %v", err)
+	}
+	defer f.Close()
+	var out []vectorLine
+	sc := bufio.NewScanner(f)
+	sc.Buffer(nil, 16<<20)
+	for sc.Scan() {
+		var v vectorLine
+		if err := json.Unmarshal(sc.Bytes(), &v); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, v)
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// TestTokenSourceMatchesReference: the router's token source turns the
+// reference vectors' OpenAI requests into exactly the reference ids — chat
+// bodies through the model's template, completions text through Encode,
+// and the raw invoke path with either shape.
+func TestTokenSourceMatchesReference(t *testing.T) {
+	for _, model := range []string{"llama-3.1", "qwen3"} {
+		t.Run(model, func(t *testing.T) {
+			src, err := NewTokenSource(&TokenizerConfig{Source: TokenSourceFiles, Path: filepath.Join("..", "tokenizer", "testdata", model)}, PoolConfig{Model: model})
+			if err != nil {
+				t.Fatal(err)
+			}
+			chats, texts := 0, 0
+			for i, v := range readVectors(t, model) {
+				var reqs []*Request
+				switch {
+				case v.Messages != nil:
+					body, _ := json.Marshal(map[string]any{"model": model, "messages": v.Messages, "add_generation_prompt": v.AddGenerationPrompt})
+					reqs = []*Request{{Endpoint: EndpointChatCompletions, Body: body}, {Endpoint: EndpointInvoke, Body: body}}
+					chats++
+				case v.Text != nil:
+					body, _ := json.Marshal(map[string]any{"model": model, "prompt": *v.Text})
+					parsed, err := ParseOpenAI(EndpointCompletions, body)
+					if err != nil {
+						t.Fatal(err)
+					}
+					reqs = []*Request{{Endpoint: EndpointCompletions, Body: body, Parsed: parsed}, {Endpoint: EndpointInvoke, Body: body}}
+					texts++
+				default:
+					continue
+				}
+				for _, req := range reqs {
+					ids, err := src.Tokens(context.Background(), req)
+					if len(v.IDs) == 0 && errors.Is(err, ErrNoTokens) {
+						continue
+					}
+					if err != nil {
+						t.Fatalf("line %d endpoint %d: %v", i+1, req.Endpoint, err)
+					}
+					if !slices.Equal(ids, v.IDs) {
+						t.Fatalf("line %d endpoint %d: ids differ from the reference\n got %v\nwant %v", i+1, req.Endpoint, ids, v.IDs)
+					}
+				}
+			}
+			if chats == 0 || texts == 0 {
+				t.Fatalf("%d chat and %d text vectors: the reference file changed shape", chats, texts)
+			}
+		})
+	}
+}
+
+func TestNewTokenSource(t *testing.T) {
+	pool := PoolConfig{Name: "p", Model: "m", Instances: []InstanceConfig{{ID: "a", URL: "http://127.0.0.1:8000"}}}
+	tests := []struct {
+		cfg     *TokenizerConfig
+		wantNil bool
+		wantErr bool
+	}{
+		{nil, true, false},
+		{&TokenizerConfig{}, true, false},
+		{&TokenizerConfig{Source: TokenSourceNone}, true, false},
+		{&TokenizerConfig{Source: TokenSourceSimple}, false, false},
+		{&TokenizerConfig{Source: TokenSourceFiles}, true, true},
+		{&TokenizerConfig{Source: TokenSourceFiles, Path: "/nonexistent"}, true, true},
+		{&TokenizerConfig{Source: TokenSourceEngine}, false, false},
+		{&TokenizerConfig{Source: TokenSourceEngine, URL: "not a url"}, true, true},
+		{&TokenizerConfig{Source: "magic"}, true, true},
+	}
+	for i, tc := range tests {
+		src, err := NewTokenSource(tc.cfg, pool)
+		if (err != nil) != tc.wantErr || (src == nil) != tc.wantNil {
+			t.Errorf("%d: %+v: source %v err %v", i, tc.cfg, src, err)
+		}
+		if err != nil && !errors.Is(err, ErrTokenSource) {
+			t.Errorf("%d: err %v does not wrap ErrTokenSource", i, err)
+		}
+	}
+}
+
+func TestSimpleTokenSourceShapes(t *testing.T) {
+	src, _ := NewTokenSource(&TokenizerConfig{Source: TokenSourceSimple}, PoolConfig{})
+	ctx := context.Background()
+	tests := []struct {
+		name    string
+		req     *Request
+		wantErr error
+		wantLen int
+	}{
+		{"chat", &Request{Endpoint: EndpointChatCompletions, Body: []byte(`{"messages":[{"role":"user","content":"hello there"}]}`)}, nil, -1},
+		{"chat no messages", &Request{Endpoint: EndpointChatCompletions, Body: []byte(`{"messages":[]}`)}, ErrNoTokens, 0},
+		{"chat bad json", &Request{Endpoint: EndpointChatCompletions, Body: []byte(`{"messages":`)}, ErrTokenSource, 0},
+		{"invoke token ids", &Request{Endpoint: EndpointInvoke, Body: []byte(`{"prompt":[5,6,7]}`)}, nil, 3},
+		{"invoke inputs", &Request{Endpoint: EndpointInvoke, Body: []byte(`{"inputs":"a b c"}`)}, nil, 3},
+		{"invoke nothing", &Request{Endpoint: EndpointInvoke, Body: []byte(`{"x":1}`)}, ErrNoTokens, 0},
+		{"invoke not json", &Request{Endpoint: EndpointInvoke, Body: []byte(`hello`)}, ErrTokenSource, 0},
+		{"completions without text", &Request{Endpoint: EndpointCompletions}, ErrNoTokens, 0},
+	}
+	for _, tc := range tests {
+		ids, err := src.Tokens(ctx, tc.req)
+		if !errors.Is(err, tc.wantErr) || (tc.wantErr == nil && err != nil) {
+			t.Errorf("%s: err %v, want %v", tc.name, err, tc.wantErr)
+			continue
+		}
+		if tc.wantLen >= 0 && err == nil && len(ids) != tc.wantLen {
+			t.Errorf("%s: %d ids %v, want %d", tc.name, len(ids), ids, tc.wantLen)
+		}
+		if tc.wantLen < 0 && len(ids) == 0 {
+			t.Errorf("%s: no ids", tc.name)
+		}
+	}
+}
