@@ -26,13 +26,16 @@ import (
 //
 //	go test -run '^$' -bench ProxyAddedLatency -benchtime 1x ./router/
 //
-// KVROUTER_LOAD_SECONDS sets the measured duration (default 10).
+// KVROUTER_LOAD_SECONDS sets the measured duration (default 10) and
+// KVROUTER_LOAD_RATE the rate per target (default 1000).
 func BenchmarkProxyAddedLatency1000RPS(b *testing.B) {
-	secs := 10
+	secs, rate := 10, 1000
 	if s, err := strconv.Atoi(os.Getenv("KVROUTER_LOAD_SECONDS")); err == nil && s > 0 {
 		secs = s
 	}
-	const rate = 1000
+	if r, err := strconv.Atoi(os.Getenv("KVROUTER_LOAD_RATE")); err == nil && r > 0 {
+		rate = r
+	}
 	// A fast upstream: answers a small OpenAI-shaped JSON at once.
 	reply := []byte(`{"id":"cmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}]}`)
 	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -88,9 +91,9 @@ func BenchmarkProxyAddedLatency1000RPS(b *testing.B) {
 		// Open loop on a fixed schedule: request i leaves at start + i/rate;
 		// a late sender catches up instead of dropping (a Ticker would drop).
 		start := time.Now()
-		n := int(d.Seconds() * rate)
+		n := int(d.Seconds() * float64(rate))
 		for i := range n {
-			if wait := time.Until(start.Add(time.Duration(i) * time.Second / rate)); wait > 0 {
+			if wait := time.Until(start.Add(time.Duration(i) * time.Second / time.Duration(rate))); wait > 0 {
 				time.Sleep(wait)
 			}
 			body := bodies[i%len(bodies)]
