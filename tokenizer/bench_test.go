@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -33,7 +34,7 @@ func BenchmarkEncode(b *testing.B) {
 	for _, name := range models {
 		tok := loadModel(b, name)
 		cold := *tok
-		cold.cache = nil
+		cold.cache, cold.segs = nil, nil
 		b.Run(name+"/cold", func(b *testing.B) {
 			b.SetBytes(int64(len(corpus)))
 			b.ReportAllocs()
@@ -83,20 +84,26 @@ func chatPrompt(b *testing.B, tok *HF, corpus string, n int) []Message {
 }
 
 // BenchmarkRenderEncode8k is the request-path cost of an 8,000-token chat prompt:
-// template rendering plus tokenization, with the piece cache warm (a steady stream of
-// prompts sharing their vocabulary) and cold.
+// template rendering plus tokenization.
+//   - cold: no caches (a never-seen prompt on a fresh router);
+//   - pieces: piece cache warm, segment cache off (new text in a familiar vocabulary);
+//   - repeat: both caches warm, the same prompt again (every message cached whole);
+//   - newturn: both warm, the conversation grows by a never-seen ~250-token user turn
+//     per request (the history's messages are cache hits, the new turn is not).
 func BenchmarkRenderEncode8k(b *testing.B) {
 	corpus := benchCorpus(b)
 	for _, name := range models {
 		tok := loadModel(b, name)
 		msgs := chatPrompt(b, tok, corpus, 8000)
 		opts := RenderOptions{AddGenerationPrompt: true}
-		for _, mode := range []string{"warm", "cold"} {
+		for _, mode := range []string{"cold", "pieces", "repeat", "newturn"} {
 			t := *tok
-			if mode == "cold" {
-				t.cache = nil
-			} else {
-				t.cache = newPieceCache(DefaultCacheEntries)
+			t.cache, t.segs = newPieceCache(DefaultCacheEntries), newSegmentCache(DefaultSegmentCacheBytes)
+			switch mode {
+			case "cold":
+				t.cache, t.segs = nil, nil
+			case "pieces":
+				t.segs = nil
 			}
 			ids, _, err := EncodeChat(&t, msgs, opts)
 			if err != nil {
@@ -105,8 +112,17 @@ func BenchmarkRenderEncode8k(b *testing.B) {
 			b.Run(name+"/"+mode, func(b *testing.B) {
 				b.ReportMetric(float64(len(ids)), "tokens")
 				b.ReportAllocs()
+				turn := append(slices.Clone(msgs), Message{Role: "user"})
+				off := len(corpus) / 2
 				for b.Loop() {
-					if _, _, err := EncodeChat(&t, msgs, opts); err != nil {
+					m := msgs
+					if mode == "newturn" {
+						// A fresh ~1 KB question each time, from a moving window of the corpus.
+						off = (off + 997) % (len(corpus) - 1024)
+						turn[len(turn)-1].Content = corpus[off : off+1000]
+						m = turn
+					}
+					if _, _, err := EncodeChat(&t, m, opts); err != nil {
 						b.Fatal(err)
 					}
 				}

@@ -3,6 +3,7 @@ package tokenizer
 import (
 	"container/heap"
 	"hash/maphash"
+	"slices"
 	"strings"
 	"sync"
 	"unicode/utf8"
@@ -278,4 +279,65 @@ func (c *pieceCache) len() int {
 		s.mu.RUnlock()
 	}
 	return n
+}
+
+// segmentCache memoises whole text segments → ids, bounded by bytes (key length plus four
+// bytes per id). Like pieceCache it is sharded and clears a shard that would overflow.
+type segmentCache struct {
+	seed      maphash.Seed
+	shardSize int
+	shards    [cacheShards]segShard
+}
+
+type segShard struct {
+	mu    sync.RWMutex // guards m and bytes
+	m     map[segKey][]uint32
+	bytes int
+}
+
+// segKey distinguishes a segment at the start of the input, which Metaspace's
+// prepend_scheme "first" may encode differently.
+type segKey struct {
+	text  string
+	first bool
+}
+
+func newSegmentCache(bytes int) *segmentCache {
+	c := &segmentCache{seed: maphash.MakeSeed(), shardSize: max(1, bytes/cacheShards)}
+	for i := range c.shards {
+		c.shards[i].m = make(map[segKey][]uint32)
+	}
+	return c
+}
+
+func (c *segmentCache) shard(text string) *segShard {
+	return &c.shards[maphash.String(c.seed, text)%cacheShards]
+}
+
+func (c *segmentCache) get(text string, first bool) ([]uint32, bool) {
+	s := c.shard(text)
+	s.mu.RLock()
+	ids, ok := s.m[segKey{text, first}]
+	s.mu.RUnlock()
+	return ids, ok
+}
+
+func (c *segmentCache) put(text string, first bool, ids []uint32) {
+	cost := len(text) + 4*len(ids)
+	if cost > c.shardSize {
+		return // larger than a shard: caching it would evict everything else
+	}
+	s := c.shard(text)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	k := segKey{text, first}
+	if _, ok := s.m[k]; ok {
+		return
+	}
+	if s.bytes+cost > c.shardSize {
+		clear(s.m)
+		s.bytes = 0
+	}
+	s.m[segKey{strings.Clone(text), first}] = slices.Clone(ids)
+	s.bytes += cost
 }

@@ -34,12 +34,26 @@ var (
 // vocabulary of a prompt corpus so hot prompts skip BPE entirely.
 const DefaultCacheEntries = 1 << 16
 
+// DefaultSegmentCacheBytes is the default bound of the segment cache: 64 MB holds the
+// distinct messages of a few thousand long prompts, the working set of a prefix-heavy
+// workload, at a memory cost small beside a router's block index.
+const DefaultSegmentCacheBytes = 64 << 20
+
+// minSegment is the shortest segment worth caching whole; shorter ones (role headers,
+// short turns) are cheap through the piece cache.
+const minSegment = 64
+
 // HFConfig configures a tokenizer loaded from Hugging Face model files. The zero value is
 // valid and means the documented defaults.
 type HFConfig struct {
 	// CacheEntries bounds the piece → ids cache. 0 means DefaultCacheEntries; a negative
 	// value disables the cache.
 	CacheEntries int
+	// SegmentCacheBytes bounds the cache of whole text segments (the text between two
+	// special tokens, e.g. one chat message) → ids, by key bytes plus 4 bytes per id.
+	// 0 means DefaultSegmentCacheBytes; negative disables it. A repeated system prompt or
+	// conversation history then costs one hash lookup per message instead of BPE per word.
+	SegmentCacheBytes int
 	// ChatTemplate overrides the chat template found in the model files (vLLM's
 	// --chat-template). Empty means: chat_template.jinja if present, else
 	// tokenizer_config.json "chat_template".
@@ -58,6 +72,7 @@ type HF struct {
 	fast     splitter // set when pre is exactly one splitter (the common case)
 	model    *bpe
 	cache    *pieceCache
+	segs     *segmentCache // nil when disabled
 
 	idToToken []string // vocabulary token strings by id (as in tokenizer.json)
 	decoders  []decoderStep
@@ -226,6 +241,13 @@ func NewHF(tokenizerJSON, configJSON []byte, cfg HFConfig) (*HF, error) {
 		t.cache = newPieceCache(DefaultCacheEntries)
 	case cfg.CacheEntries > 0:
 		t.cache = newPieceCache(cfg.CacheEntries)
+	}
+
+	switch {
+	case cfg.SegmentCacheBytes == 0:
+		t.segs = newSegmentCache(DefaultSegmentCacheBytes)
+	case cfg.SegmentCacheBytes > 0:
+		t.segs = newSegmentCache(cfg.SegmentCacheBytes)
 	}
 
 	tc, err := parseTokenizerConfig(configJSON)
@@ -531,14 +553,31 @@ func buildPreTokenizer(raw json.RawMessage) ([]preStage, bool, error) {
 func (t *HF) Encode(text string) ([]uint32, error) {
 	ids := make([]uint32, 0, len(text)/3+4)
 	t.specials.split(text, func(seg string, off int) {
-		if t.norm != nil {
-			seg = t.norm(seg)
+		first := off == 0
+		if t.segs != nil && len(seg) >= minSegment {
+			if cached, ok := t.segs.get(seg, first); ok {
+				ids = append(ids, cached...)
+				return
+			}
+			n := len(ids)
+			ids = t.encodeText(ids, seg, first)
+			t.segs.put(seg, first, ids[n:])
+			return
 		}
-		t.normAdd.split(seg, func(seg2 string, off2 int) {
-			ids = t.encodeSegment(ids, seg2, off == 0 && off2 == 0)
-		}, func(id uint32) { ids = append(ids, id) })
+		ids = t.encodeText(ids, seg, first)
 	}, func(id uint32) { ids = append(ids, id) })
 	return ids, nil
+}
+
+// encodeText encodes the text between two raw-matched added tokens.
+func (t *HF) encodeText(ids []uint32, seg string, first bool) []uint32 {
+	if t.norm != nil {
+		seg = t.norm(seg)
+	}
+	t.normAdd.split(seg, func(seg2 string, off2 int) {
+		ids = t.encodeSegment(ids, seg2, first && off2 == 0)
+	}, func(id uint32) { ids = append(ids, id) })
+	return ids
 }
 
 func (t *HF) encodeSegment(ids []uint32, seg string, first bool) []uint32 {
