@@ -153,7 +153,7 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	var ff fleetFlags
 	wf.register(fs)
 	ff.register(fs, 7)
-	strategies := fs.String("strategies", "random,round_robin,least_outstanding,prefix_aware", "comma-separated strategies to compare")
+	strategies := fs.String("strategies", "random,round_robin,least_outstanding,prefix_aware,kv_aware", "comma-separated strategies to compare")
 	out := fs.String("out", "", "directory for report.md, report.csv, report.json, hit_rate.svg, ttft.svg")
 	bound := fs.Bool("bound", true, "for trace workloads, report hit rate as a fraction of the pooled-cache bound of the fleet")
 	progress := fs.Bool("progress", true, "progress bar on stderr (only when it is a terminal)")
@@ -200,11 +200,9 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 				bar = report.NewProgress(f, name)
 			}
 		}
-		res, err := des.Run(ctx, des.Config{
-			Instances: ff.instances, NewEngine: simFactory(scfg), Router: rt,
-			EventDelay: ff.delay, PrefixLength: ff.prefixLen, SaltByTenant: ff.salt,
-			Progress: bar.Update,
-		}, w)
+		dc := rt.desConfig(ff.instances, scfg)
+		dc.EventDelay, dc.PrefixLength, dc.SaltByTenant, dc.Progress = ff.delay, ff.prefixLen, ff.salt, bar.Update
+		res, err := des.Run(ctx, dc, w)
 		bar.Done()
 		if err != nil {
 			return fmt.Errorf("%s: %w", name, err)
@@ -267,8 +265,8 @@ func writeReports(dir string, sums []report.Summary, bound float64) error {
 func routingDefaults() router.RoutingConfig { return router.RoutingConfig{} }
 
 // runDESOnce runs w on n default engines of gpuTokens each and summarises.
-func runDESOnce(ctx context.Context, n int, gpuTokens int64, rt des.Router, w *workload.Workload) (report.Summary, error) {
-	res, err := des.Run(ctx, des.Config{Instances: n, NewEngine: simFactory(sim.Config{GPUBlocks: int(gpuTokens / sim.DefaultBlockSize)}), Router: rt}, w)
+func runDESOnce(ctx context.Context, n int, gpuTokens int64, rt *strategyRouter, w *workload.Workload) (report.Summary, error) {
+	res, err := des.Run(ctx, rt.desConfig(n, sim.Config{GPUBlocks: int(gpuTokens / sim.DefaultBlockSize)}), w)
 	if err != nil {
 		return report.Summary{}, err
 	}

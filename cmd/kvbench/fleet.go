@@ -4,10 +4,14 @@ import (
 	"context"
 	"fmt"
 	"hash/fnv"
+	"io"
+	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
 )
@@ -47,7 +51,8 @@ func (s *simEngine) NextEventTime() (time.Duration, bool) { return s.e.NextEvent
 
 // simFactory builds sim engines from one config; each instance gets its own
 // hash seed, as separate vLLM processes hash with their own PYTHONHASHSEED.
-func simFactory(cfg sim.Config) des.EngineFactory {
+// made, when set, is told every engine built (for load scraping).
+func simFactory(cfg sim.Config, made func(name string, e *sim.Engine)) des.EngineFactory {
 	return func(name string, sink func(events.Batch)) (des.Engine, error) {
 		c := cfg
 		h := fnv.New64a()
@@ -57,27 +62,104 @@ func simFactory(cfg sim.Config) des.EngineFactory {
 		if err != nil {
 			return nil, err
 		}
+		if made != nil {
+			made(name, e)
+		}
 		return &simEngine{e: e}, nil
 	}
 }
 
 // strategyRouter runs one of the router's real strategies in the driver.
-// The router's Instance type keeps the in-flight counts the strategies read.
+// The router's Instance type keeps the in-flight counts the strategies read;
+// for kv_aware, a KVState over a real memory index fed by the engines'
+// events (after the driver's event delay), on the virtual clock.
 type strategyRouter struct {
 	s     router.Strategy
 	model string
 	insts map[string]*router.Instance
 	cands []*router.Instance
+
+	// kv is set for strategies that need the KV index (kv_aware).
+	kv *kvSim
+	// obs follows each in-flight request's decision, as the proxy does.
+	obs map[uint64]router.RequestObserver
 }
 
 var _ des.Router = (*strategyRouter)(nil)
 
+// kvSim is the exact-routing state of a simulated pool.
+type kvSim struct {
+	index   *kvindex.Memory
+	state   *router.KVState
+	engines map[string]*sim.Engine
+	// now is the driver's virtual clock (set through des.Config.Clock).
+	now        time.Duration
+	lastScrape time.Duration
+	scraped    bool
+	scrape     time.Duration
+}
+
+// epoch anchors virtual time for components that read a wall clock.
+var epoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+func (k *kvSim) wall() time.Time { return epoch.Add(k.now) }
+
+// needsKV reports whether a strategy routes on the KV index.
+func needsKV(name string) bool { return name == router.StrategyKVAware }
+
 func newStrategyRouter(name string, cfg router.RoutingConfig, seed uint64, model string) (*strategyRouter, error) {
-	s, err := router.NewStrategy(name, cfg, router.WithSeed(seed))
+	r := &strategyRouter{model: model, insts: map[string]*router.Instance{}, obs: map[uint64]router.RequestObserver{}}
+	opts := []router.StrategyOption{router.WithSeed(seed)}
+	if needsKV(name) {
+		k := &kvSim{engines: map[string]*sim.Engine{}, scrape: router.DefaultScrapeInterval}
+		idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: model, BlockSize: sim.DefaultBlockSize, Now: k.wall})
+		if err != nil {
+			return nil, err
+		}
+		st, err := router.NewKVState(router.KVStateConfig{Pool: "des", Model: model, Index: idx, Now: k.wall,
+			Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+		if err != nil {
+			return nil, err
+		}
+		k.index, k.state = idx, st
+		r.kv = k
+		opts = append(opts, router.WithKVState(st))
+	}
+	s, err := router.NewStrategy(name, cfg, opts...)
 	if err != nil {
 		return nil, err
 	}
-	return &strategyRouter{s: s, model: model, insts: map[string]*router.Instance{}}, nil
+	r.s = s
+	return r, nil
+}
+
+// index is what the driver feeds events into (nil when the strategy needs none).
+func (r *strategyRouter) index() des.IndexWriter {
+	if r.kv == nil {
+		return nil
+	}
+	return r.kv.index
+}
+
+// clock follows the driver's virtual time.
+func (r *strategyRouter) clock(now time.Duration) {
+	if r.kv != nil {
+		r.kv.now = now
+	}
+}
+
+// loadScrape gives kv_aware the engines' waiting and running counts at the
+// router's scrape interval, as its /metrics scraper would.
+func (r *strategyRouter) loadScrape() {
+	k := r.kv
+	if k == nil || (k.scraped && k.now-k.lastScrape < k.scrape) {
+		return
+	}
+	k.scraped, k.lastScrape = true, k.now
+	for name, e := range k.engines {
+		st := e.Stats()
+		k.state.SetLoad(name, float64(st.Waiting), float64(st.Running))
+	}
 }
 
 func (r *strategyRouter) Name() string { return r.s.Name() }
@@ -105,6 +187,7 @@ func (r *strategyRouter) Pick(ctx context.Context, req *des.RouteRequest, cands 
 		}
 		r.cands = append(r.cands, in)
 	}
+	r.loadScrape()
 	rq := &router.Request{
 		Endpoint:     router.EndpointCompletions,
 		Model:        r.model,
@@ -120,17 +203,38 @@ func (r *strategyRouter) Pick(ctx context.Context, req *des.RouteRequest, cands 
 	if d.Instance == nil {
 		return des.Decision{}, fmt.Errorf("strategy %s returned no instance", r.s.Name())
 	}
+	if d.Observer != nil {
+		r.obs[uint64(req.ID)] = d.Observer
+	}
 	return des.Decision{Instance: d.Instance.ID(), Reason: string(d.Reason),
 		Overflow: d.Reason == router.ReasonOverflow || d.Reason == router.ReasonSaturated}, nil
 }
 
-func (r *strategyRouter) Started(name string) {
+func (r *strategyRouter) Started(_ uint64, name string) {
 	if in, ok := r.insts[name]; ok {
 		in.Acquire()
 	}
 }
 
-func (r *strategyRouter) Finished(name string) {
+// FirstToken plays the response's start to the decision's observer: its
+// first byte (which releases the pending prefill the router counted) and
+// the usage vLLM streams, which kv_aware compares with its prediction.
+func (r *strategyRouter) FirstToken(id uint64, _ string, cached, prompt int) {
+	o, ok := r.obs[id]
+	if !ok {
+		return
+	}
+	ev := fmt.Sprintf("data: {\"usage\":{\"prompt_tokens\":%d,\"prompt_tokens_details\":{\"cached_tokens\":%d}}}\n\ndata: [DONE]\n\n", prompt, cached)
+	body := o.ObserveBody(io.NopCloser(strings.NewReader(ev)), true)
+	_, _ = io.Copy(io.Discard, body)
+	_ = body.Close()
+}
+
+func (r *strategyRouter) Finished(id uint64, name string) {
+	if o, ok := r.obs[id]; ok {
+		o.Finish(200)
+		delete(r.obs, id)
+	}
 	if in, ok := r.insts[name]; ok {
 		in.Release()
 	}
@@ -140,4 +244,20 @@ func (r *strategyRouter) Removed(name string) {
 	if in, ok := r.insts[name]; ok {
 		in.SetHealthy(false)
 	}
+	if r.kv != nil {
+		delete(r.kv.engines, name)
+	}
+}
+
+// engineMade registers a new engine for load scraping.
+func (r *strategyRouter) engineMade(name string, e *sim.Engine) {
+	if r.kv != nil {
+		r.kv.engines[name] = e
+	}
+}
+
+// desConfig is the driver configuration that runs this router over sim
+// engines built from scfg.
+func (r *strategyRouter) desConfig(instances int, scfg sim.Config) des.Config {
+	return des.Config{Instances: instances, NewEngine: simFactory(scfg, r.engineMade), Router: r, Index: r.index(), Clock: r.clock}
 }

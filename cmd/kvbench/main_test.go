@@ -8,6 +8,12 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
+	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/report"
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/sim"
+	"github.com/kvrouter/kvrouter/workload"
 )
 
 func TestBoundsCommand(t *testing.T) {
@@ -83,5 +89,40 @@ func TestParseTokens(t *testing.T) {
 		if err != nil || got != want {
 			t.Errorf("parseTokens(%q) = %d, %v; want %d", in, got, err, want)
 		}
+	}
+}
+
+// TestDESKVAware runs the router's kv_aware strategy on the simulated
+// fleet: it reads a real memory index fed by the engines' events, and on a
+// shared-prefix workload it must find the cached prefixes.
+func TestDESKVAware(t *testing.T) {
+	ctx := context.Background()
+	w, err := workload.LongContext{Groups: 30, RequestsPerGroup: 5, PrefixTokens: 2000}.Generate(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hit := map[string]float64{}
+	for _, name := range []string{"random", "kv_aware"} {
+		rt, err := newStrategyRouter(name, routingDefaults(), 1, demoModel)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := des.Run(ctx, rt.desConfig(4, sim.Config{}), w)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := report.Summarize(res, 0)
+		hit[name] = s.HitRate
+		if name == "kv_aware" {
+			if res.IndexDeliveries == 0 || res.IndexErrors != 0 || s.Reasons[string(router.ReasonKVMatch)] == 0 {
+				t.Errorf("kv_aware: %d deliveries, %d errors, reasons %v", res.IndexDeliveries, res.IndexErrors, s.Reasons)
+			}
+			if n, _ := rt.kv.index.Len(ctx); n == 0 {
+				t.Error("kv_aware: the index holds nothing")
+			}
+		}
+	}
+	if hit["kv_aware"] < hit["random"]+0.2 {
+		t.Errorf("kv_aware hit %.3f, random %.3f", hit["kv_aware"], hit["random"])
 	}
 }

@@ -77,6 +77,8 @@ type RouteRequest struct {
 	Tokens []uint32
 	// RoutingText is the prompt text cut to the router's prefix length.
 	RoutingText string
+	// Now is the virtual time of the decision.
+	Now time.Duration
 }
 
 // Decision is a router's pick.
@@ -90,14 +92,19 @@ type Decision struct {
 }
 
 // Router picks an instance for each request. The driver calls it from one
-// goroutine; Started and Finished keep its in-flight counts.
+// goroutine; the lifecycle calls keep its in-flight counts and let it see
+// each request's outcome, as the proxy would.
 type Router interface {
 	Name() string
 	// Pick chooses one of cands (the live instances, in a stable order).
 	Pick(ctx context.Context, req *RouteRequest, cands []string) (Decision, error)
-	// Started: a request was sent to instance. Finished: it completed there.
-	Started(instance string)
-	Finished(instance string)
+	// Started: request id was sent to instance after Pick chose it.
+	Started(id uint64, instance string)
+	// FirstToken: its first token arrived, with the engine-reported cached
+	// prompt tokens (usage.prompt_tokens_details.cached_tokens).
+	FirstToken(id uint64, instance string, cachedTokens, promptTokens int)
+	// Finished: it completed (or the engine aborted it).
+	Finished(id uint64, instance string)
 	// Removed: the instance left the fleet (scale-in).
 	Removed(instance string)
 }
@@ -132,6 +139,10 @@ type Config struct {
 	SaltByTenant bool
 	// Progress, when set, is called after each completed request.
 	Progress func(done, total int)
+	// Clock, when set, is told every advance of the virtual clock, so that
+	// components with their own notion of now (an index's last-event times,
+	// a router's speculative entries) can follow virtual time.
+	Clock func(now time.Duration)
 }
 
 // Outcome is what happened to one request.
@@ -353,6 +364,9 @@ func (r *run) loop(ctx context.Context) error {
 			}
 			return nil
 		}
+		if t != r.now && r.cfg.Clock != nil {
+			r.cfg.Clock(t)
+		}
 		r.now = t
 		// At equal times: engines report first (completions free capacity
 		// and their events are already due), then index deliveries (so a
@@ -396,6 +410,7 @@ func (r *run) advance(in *instance) {
 		case FirstToken:
 			o.TTFT = u.At - o.Arrival
 			o.CachedTokens = u.CachedTokens
+			r.cfg.Router.FirstToken(u.ID, in.name, u.CachedTokens, o.PromptTokens)
 		case Finished, Aborted:
 			o.Finish = u.At
 			o.OutputTokens = u.OutputTokens
@@ -411,7 +426,7 @@ func (r *run) advance(in *instance) {
 
 func (r *run) complete(id uint64, in *instance) {
 	delete(r.inflight, id)
-	r.cfg.Router.Finished(in.name)
+	r.cfg.Router.Finished(id, in.name)
 	r.done++
 	r.res.End = max(r.res.End, r.now)
 	if r.cfg.Progress != nil {
@@ -433,7 +448,7 @@ func (r *run) issue(ctx context.Context, i int) {
 	o.Arrival = r.now
 	o.PromptTokens = req.InputTokens()
 	r.tokBuf = req.AppendTokens(r.tokBuf[:0])
-	rr := &RouteRequest{Request: req, Tokens: r.tokBuf, RoutingText: req.TextPrefix(r.cfg.PrefixLength)}
+	rr := &RouteRequest{Request: req, Tokens: r.tokBuf, RoutingText: req.TextPrefix(r.cfg.PrefixLength), Now: r.now}
 	start := time.Now()
 	d, err := r.cfg.Router.Pick(ctx, rr, r.live)
 	o.Decision = time.Since(start)
@@ -458,7 +473,7 @@ func (r *run) issue(ctx context.Context, i int) {
 		r.fail()
 		return
 	}
-	r.cfg.Router.Started(in.name)
+	r.cfg.Router.Started(uint64(i), in.name)
 	r.inflight[uint64(i)] = in
 	r.schedule(in)
 }

@@ -116,7 +116,8 @@ func (r *rrRouter) Pick(_ context.Context, req *RouteRequest, cands []string) (D
 	r.n++
 	return Decision{Instance: cands[r.n%len(cands)], Reason: "rr"}, nil
 }
-func (r *rrRouter) Started(in string) {
+func (r *rrRouter) FirstToken(uint64, string, int, int) {}
+func (r *rrRouter) Started(_ uint64, in string) {
 	r.inflight[in]++
 	total := 0
 	for _, v := range r.inflight {
@@ -124,8 +125,8 @@ func (r *rrRouter) Started(in string) {
 	}
 	r.maxIn = max(r.maxIn, total)
 }
-func (r *rrRouter) Finished(in string) { r.inflight[in]-- }
-func (r *rrRouter) Removed(in string)  { r.removed = append(r.removed, in) }
+func (r *rrRouter) Finished(_ uint64, in string) { r.inflight[in]-- }
+func (r *rrRouter) Removed(in string)            { r.removed = append(r.removed, in) }
 
 // countIndex is a kvindex.Index that only counts applied batches.
 type countIndex struct {
@@ -333,4 +334,60 @@ type badRouter struct{ rrRouter }
 
 func (*badRouter) Pick(context.Context, *RouteRequest, []string) (Decision, error) {
 	return Decision{Instance: "nowhere"}, nil
+}
+
+// lifeRouter checks the lifecycle calls: Started, then FirstToken, then
+// Finished, once each, on the instance Pick chose.
+type lifeRouter struct {
+	rrRouter
+	t     *testing.T
+	picks map[uint64]string
+	stage map[uint64]int
+}
+
+func (l *lifeRouter) Pick(ctx context.Context, req *RouteRequest, cands []string) (Decision, error) {
+	d, err := l.rrRouter.Pick(ctx, req, cands)
+	l.picks[uint64(req.ID)] = d.Instance
+	return d, err
+}
+
+func (l *lifeRouter) step(id uint64, in string, from int) {
+	if l.picks[id] != in || l.stage[id] != from {
+		l.t.Errorf("request %d: stage %d on %s, expected stage %d on %s", id, from+1, in, l.stage[id]+1, l.picks[id])
+	}
+	l.stage[id] = from + 1
+}
+
+func (l *lifeRouter) Started(id uint64, in string) { l.step(id, in, 0) }
+func (l *lifeRouter) FirstToken(id uint64, in string, _, prompt int) {
+	if prompt != 110 {
+		l.t.Errorf("request %d: prompt %d tokens", id, prompt)
+	}
+	l.step(id, in, 1)
+}
+func (l *lifeRouter) Finished(id uint64, in string) { l.step(id, in, 2) }
+
+func TestRouterLifecycleAndClock(t *testing.T) {
+	lr := &lifeRouter{rrRouter: *newRR(), t: t, picks: map[uint64]string{}, stage: map[uint64]int{}}
+	var last time.Duration
+	ticks := 0
+	clock := func(now time.Duration) {
+		if now <= last {
+			t.Errorf("clock went from %v to %v", last, now)
+		}
+		last = now
+		ticks++
+	}
+	res, err := Run(context.Background(), Config{Instances: 3, NewEngine: fifoFactory(t), Router: lr, Clock: clock}, smallWorkload(t, 80))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for id, st := range lr.stage {
+		if st != 3 {
+			t.Errorf("request %d ended at stage %d", id, st)
+		}
+	}
+	if len(lr.stage) != 80 || last != res.End || ticks < 80 {
+		t.Errorf("%d requests tracked, clock ended at %v (run end %v), %d ticks", len(lr.stage), last, res.End, ticks)
+	}
 }
