@@ -24,7 +24,7 @@ func FuzzEncode(f *testing.F) {
 	uncached := map[*HF]*HF{}
 	for _, tok := range []*HF{llama, qwen} {
 		c := *tok
-		c.cache = nil
+		c.cache, c.segs = nil, nil
 		uncached[tok] = &c
 	}
 	f.Fuzz(func(t *testing.T, s string) {

@@ -121,3 +121,46 @@ func TestUnicodeVectors(t *testing.T) {
 		}
 	}
 }
+
+// TestCachesAgree: the piece and segment caches never change a result, including a
+// segment seen first mid-input and then at the start (Metaspace's prepend_scheme "first"
+// encodes the two differently).
+func TestCachesAgree(t *testing.T) {
+	long := strings.Repeat("the quick brown fox jumps over the lazy dog ", 4)
+	texts := []string{long, "<s>" + long, long + "</s>" + long, "</s>" + long, long}
+	for _, v := range readJSONLines[vector](t, "testdata/qwen3/vectors.jsonl") {
+		if v.Text != nil {
+			texts = append(texts, *v.Text, *v.Text+"<|im_end|>"+*v.Text)
+		} else {
+			texts = append(texts, v.Rendered)
+		}
+	}
+	sp, err := LoadHF("testdata/sentencepiece/metaspace", HFConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tok := range []*HF{loadModel(t, "qwen3"), loadModel(t, "llama-3.1"), sp} {
+		cached := *tok
+		cached.cache, cached.segs = newPieceCache(1024), newSegmentCache(1<<20)
+		plain := *tok
+		plain.cache, plain.segs = nil, nil
+		for pass := range 2 {
+			for _, text := range texts {
+				a, _ := cached.Encode(text)
+				b, _ := plain.Encode(text)
+				if !slices.Equal(a, b) {
+					t.Fatalf("pass %d %q: cached %v, uncached %v", pass, text, a, b)
+				}
+			}
+		}
+		if cached.CachedPieces() == 0 {
+			t.Fatal("piece cache unused")
+		}
+	}
+	// The segment at the start and after "<s>" really do differ for Metaspace "first".
+	a, _ := sp.Encode(long)
+	b, _ := sp.Encode("<s>" + long)
+	if slices.Equal(a, b[1:]) {
+		t.Fatal("prepend_scheme first: start-of-input and mid-input segments encoded alike")
+	}
+}
