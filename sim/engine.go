@@ -181,10 +181,15 @@ type Engine struct {
 	loading []*request
 	step    []*request // scheduled in the current step
 
-	loras     map[string]LoRA
-	nextLoRA  int64
+	loras    map[string]LoRA
+	nextLoRA int64
+	// pendingUp holds updates produced outside Advance (by Submit, Abort,
+	// ResetPrefixCache catching up); the next Advance returns them first.
 	pendingUp []Update
-	stats     Stats
+	// unplaceable collects Aborted updates made inside startStep, which runs
+	// both from advance and from Submit; callers move them to their output.
+	unplaceable []Update
+	stats       Stats
 }
 
 // New returns an engine; sink (may be nil) receives every event batch, in
@@ -282,8 +287,15 @@ func (e *Engine) Submit(r Request, now time.Duration) error {
 	e.stats.PromptTokens += uint64(len(r.Prompt))
 	if !e.stepActive {
 		e.startStep(e.now)
+		e.pendingUp = e.takeUnplaceable(e.pendingUp)
 	}
 	return nil
+}
+
+func (e *Engine) takeUnplaceable(out []Update) []Update {
+	out = append(out, e.unplaceable...)
+	e.unplaceable = e.unplaceable[:0]
+	return out
 }
 
 // Abort drops an unfinished request (a client that went away) and frees
@@ -422,12 +434,14 @@ func (e *Engine) advance(now time.Duration, out []Update) []Update {
 			e.now = e.stepEnd
 			out = e.finishStep(out)
 			e.startStep(e.now)
+			out = e.takeUnplaceable(out)
 			continue
 		}
 		if len(e.loading) > 0 {
 			if r := e.minReady(); r <= now {
 				e.now = r
 				e.startStep(r)
+				out = e.takeUnplaceable(out)
 				continue
 			}
 		}
@@ -536,7 +550,7 @@ func (e *Engine) startStep(t time.Duration) {
 			e.waiting = e.waiting[1:]
 			e.drop(q)
 			e.stats.Aborted++
-			e.pendingUp = append(e.pendingUp, e.update(q, Aborted, t, 0))
+			e.unplaceable = append(e.unplaceable, e.update(q, Aborted, t, 0))
 			e.startStep(t)
 		}
 		return
