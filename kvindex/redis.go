@@ -90,6 +90,8 @@ type Redis struct {
 	bs     blockSizer
 
 	prefixClosed bool
+	ttlArg       any      // TTL in seconds, boxed once
+	bitsArg      [256]any // tier-bit values as Redis strings, boxed once
 
 	pool sync.Pool // *redisOverlay, reused across Apply calls
 }
@@ -117,6 +119,10 @@ func NewRedis(client redis.UniversalClient, cfg RedisConfig) (*Redis, error) {
 	}
 	r.bs.configured = cfg.BlockSize
 	r.pool.New = func() any { return &redisOverlay{} }
+	r.ttlArg = int64(r.ttl / time.Second)
+	for i := range r.bitsArg {
+		r.bitsArg[i] = strconv.Itoa(i)
+	}
 	return r, nil
 }
 
@@ -196,21 +202,32 @@ type redisOverlay struct {
 	pre     map[uint64]mapVal // prefetched from Redis (absent = unmapped)
 	cur     map[uint64]mapVal // changed in this Apply; bits 0 = deleted
 	cleared bool              // AllBlocksCleared seen: pre no longer counts
-	fields  []string
+	args    []any             // the HMGET command; args[fieldAt[h]] is h's boxed field
+	fieldAt map[uint64]int
 	scratch []Key
 }
 
-var _ instanceOps = (*redisOverlay)(nil)
-
 func (o *redisOverlay) reset() {
 	if o.pre == nil {
-		o.pre, o.cur = make(map[uint64]mapVal), make(map[uint64]mapVal)
+		o.pre, o.cur, o.fieldAt = make(map[uint64]mapVal), make(map[uint64]mapVal), make(map[uint64]int)
 	}
 	clear(o.pre)
 	clear(o.cur)
+	clear(o.fieldAt)
 	o.cleared = false
-	o.fields = o.fields[:0]
+	clear(o.args) // drop references to the last Apply's strings
+	o.args = o.args[:0]
 }
+
+// mention adds h to the engine hashes to read.
+func (o *redisOverlay) mention(h uint64) {
+	if _, dup := o.fieldAt[h]; !dup {
+		o.fieldAt[h] = len(o.args)
+		o.args = append(o.args, hexField(h))
+	}
+}
+
+var _ instanceOps = (*redisOverlay)(nil)
 
 func (o *redisOverlay) get(h uint64) (mapVal, bool) {
 	if v, ok := o.cur[h]; ok {
@@ -270,7 +287,14 @@ func (o *redisOverlay) clearAll() {
 
 // Apply implements Index: one HMGET of the engine hashes the events name,
 // the events applied to that snapshot in memory, then one pipeline of
-// single-key writes (plus one HGETALL when the batch clears the instance).
+// single-key writes (plus an HSCAN of the instance's map when the batch
+// clears the instance).
+//
+// Arguments are passed pre-boxed (one interface value per engine-hash
+// field, block key, instance name and tier value, shared by every command
+// that uses it): go-redis otherwise boxes each argument of each command,
+// and at hundreds of thousands of blocks a second the client's allocations,
+// not Redis, set the pace.
 func (r *Redis) Apply(ctx context.Context, instance string, evs []events.Event) (ApplyResult, error) {
 	var res ApplyResult
 	o := r.pool.Get().(*redisOverlay)
@@ -278,40 +302,33 @@ func (r *Redis) Apply(ctx context.Context, instance string, evs []events.Event) 
 	o.reset()
 
 	ikey := r.instKey(instance)
-	seen := o.cur // borrowed as a set before applying; cleared below
+	// HMGET ikey field...: fieldAt[h] is the index of h's boxed field.
+	o.args = append(o.args[:0], "hmget", ikey)
 	for i := range evs {
 		ev := &evs[i]
 		if ev.Kind != events.BlockStored && ev.Kind != events.BlockRemoved || skipEvent(ev) {
 			continue
 		}
 		if ev.HasParent {
-			if _, dup := seen[ev.ParentHash]; !dup {
-				seen[ev.ParentHash] = mapVal{}
-				o.fields = append(o.fields, hexField(ev.ParentHash))
-			}
+			o.mention(ev.ParentHash)
 		}
 		for _, h := range ev.BlockHashes {
-			if _, dup := seen[h]; !dup {
-				seen[h] = mapVal{}
-				o.fields = append(o.fields, hexField(h))
-			}
+			o.mention(h)
 		}
 	}
-	clear(seen)
-	if len(o.fields) > 0 {
-		vals, err := r.rdb.HMGet(ctx, ikey, o.fields...).Result()
+	if len(o.args) > 2 {
+		vals, err := r.rdb.Do(ctx, o.args...).Slice()
 		if err != nil {
 			return res, fmt.Errorf("kvindex: redis: read engine-hash map of %s: %w", instance, err)
 		}
-		for i, v := range vals {
-			s, ok := v.(string)
-			if !ok {
+		for h, i := range o.fieldAt {
+			if i-2 >= len(vals) {
 				continue
 			}
-			mv, ok := decodeMapVal(s)
-			h, _ := parseHex(o.fields[i])
-			if ok && mv.bits != 0 {
-				o.pre[h] = mv
+			if s, ok := vals[i-2].(string); ok {
+				if mv, ok := decodeMapVal(s); ok && mv.bits != 0 {
+					o.pre[h] = mv
+				}
 			}
 		}
 	}
@@ -327,6 +344,14 @@ func (r *Redis) Apply(ctx context.Context, instance string, evs []events.Event) 
 	}
 	now := r.now()
 	pipe := r.rdb.Pipeline()
+	inst := any(instance)
+	// One backing array for every write command's arguments.
+	w := make([]any, 0, 7*len(o.cur)+len(old)*3+32)
+	cmd := func(args ...any) {
+		start := len(w)
+		w = append(w, args...)
+		pipe.Do(ctx, w[start:len(w):len(w)]...)
+	}
 	var dEntries int64
 	var dTier [tiers.Count]int64
 	account := func(v mapVal, sign int64) {
@@ -345,13 +370,13 @@ func (r *Redis) Apply(ctx context.Context, instance string, evs []events.Event) 
 		// those the events re-stored after the clear (written below).
 		for h, v := range old {
 			if nv, ok := o.cur[h]; !ok || nv.bits == 0 || nv.key != v.key {
-				pipe.HDel(ctx, r.blockKey(v.key), instance)
+				cmd("hdel", r.blockKey(v.key), inst)
 			}
 		}
-		pipe.Del(ctx, ikey)
+		cmd("del", ikey)
 	}
-	hset := make([]any, 0, 2*len(o.cur))
-	var hdel []string
+	hset := append(make([]any, 0, 2+2*len(o.cur)), "hset", ikey)
+	hdel := []any{"hdel", ikey}
 	for h, v := range o.cur {
 		pv, had := o.pre[h]
 		if o.cleared {
@@ -362,24 +387,25 @@ func (r *Redis) Apply(ctx context.Context, instance string, evs []events.Event) 
 		}
 		account(v, +1)
 		if had && (v.bits == 0 || pv.key != v.key) {
-			pipe.HDel(ctx, r.blockKey(pv.key), instance)
+			cmd("hdel", r.blockKey(pv.key), inst)
 		}
+		field := o.args[o.fieldAt[h]]
 		if v.bits == 0 {
 			if had {
-				hdel = append(hdel, hexField(h))
+				hdel = append(hdel, field)
 			}
 			continue
 		}
-		bk := r.blockKey(v.key)
-		pipe.HSet(ctx, bk, instance, strconv.Itoa(int(v.bits)))
-		pipe.Expire(ctx, bk, r.ttl)
-		hset = append(hset, hexField(h), v.encode())
+		bk := any(r.blockKey(v.key))
+		cmd("hset", bk, inst, r.bitsArg[v.bits])
+		cmd("expire", bk, r.ttlArg)
+		hset = append(hset, field, v.encode())
 	}
-	if len(hset) > 0 {
-		pipe.HSet(ctx, ikey, hset...)
+	if len(hset) > 2 {
+		pipe.Do(ctx, hset...)
 	}
-	if len(hdel) > 0 {
-		pipe.HDel(ctx, ikey, hdel...)
+	if len(hdel) > 2 {
+		pipe.Do(ctx, hdel...)
 	}
 	pipe.HIncrBy(ctx, ikey, fieldEntries, dEntries)
 	for t := range tiers.Count {
