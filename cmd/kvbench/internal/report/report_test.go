@@ -52,6 +52,7 @@ func TestSummarize(t *testing.T) {
 		{"share max", s.ShareMax, 0.4},
 		{"overflow", s.OverflowRate, 0.1},
 		{"decision mean", s.DecisionMeanUs, 5.5},
+		{"decision p50", s.DecisionP50Us, 5.5},
 	}
 	for _, tc := range tests {
 		if math.Abs(tc.got-tc.want) > 1e-9 {
