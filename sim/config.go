@@ -21,6 +21,10 @@ type Config struct {
 	GPUBlocks int
 	// CPUBlocks is the capacity of the CPU offload tier in blocks; 0 disables it.
 	CPUBlocks int
+	// CPUWriteThrough copies blocks to the CPU tier as soon as they are
+	// computed, as vLLM's OffloadingConnector does, instead of when they
+	// are evicted from the GPU (the default, demote-on-evict).
+	CPUWriteThrough bool
 	// MaxNumBatchedTokens is the per-step token budget (default 8192, vLLM's
 	// default for the OpenAI server on large GPUs).
 	MaxNumBatchedTokens int

@@ -201,7 +201,7 @@ func New(cfg Config, sink func(events.Batch)) (*Engine, error) {
 	}
 	e := &Engine{
 		cfg: c, sink: sink,
-		pool:   newPool(c.BlockSize, c.GPUBlocks, c.CPUBlocks),
+		pool:   newPool(c.BlockSize, c.GPUBlocks, c.CPUBlocks, c.CPUWriteThrough),
 		hasher: newHasher(c.HashSeed),
 		byID:   make(map[uint64]*request),
 		loras:  make(map[string]LoRA),
@@ -730,6 +730,7 @@ func (e *Engine) finishStep(out []Update) []Update {
 func (e *Engine) commitBlocks(q *request, n int) {
 	n = min(n, len(q.held))
 	first := -1
+	from := q.firstSlot
 	for i := q.firstSlot; i < n; i++ {
 		created := false
 		if q.held[i] == nil {
@@ -748,6 +749,11 @@ func (e *Engine) commitBlocks(q *request, n int) {
 	}
 	if first >= 0 {
 		e.announce(q, first, n)
+	}
+	if e.pool.writeThrough && e.pool.cpuCap > 0 && from < n {
+		// After the GPU stores, so a listener maps the hashes (from their
+		// tokens) before it sees them on the CPU tier.
+		e.pool.storeCPU(q.held[from:n])
 	}
 	for q.firstSlot < len(q.held) && q.held[q.firstSlot] != nil {
 		q.firstSlot++

@@ -544,8 +544,10 @@ func TestRandomWorkloadEventsMatchCache(t *testing.T) {
 		{GPUBlocks: 40, MaxNumBatchedTokens: 64},
 		{GPUBlocks: 40, CPUBlocks: 30, MaxNumBatchedTokens: 128, MaxNumSeqs: 4},
 		{GPUBlocks: 200, CPUBlocks: 15, BlockSize: 4},
+		{GPUBlocks: 40, CPUBlocks: 30, MaxNumBatchedTokens: 128, CPUWriteThrough: true},
+		{GPUBlocks: 60, CPUBlocks: 10, BlockSize: 4, CPUWriteThrough: true},
 	} {
-		t.Run(fmt.Sprintf("gpu%d_cpu%d_bs%d", cfg.GPUBlocks, cfg.CPUBlocks, cfg.BlockSize), func(t *testing.T) {
+		t.Run(fmt.Sprintf("gpu%d_cpu%d_bs%d_wt%v", cfg.GPUBlocks, cfg.CPUBlocks, cfg.BlockSize, cfg.CPUWriteThrough), func(t *testing.T) {
 			h := newHarness(t, cfg)
 			if _, err := h.e.LoadLoRA("a", ""); err != nil {
 				t.Fatal(err)
@@ -594,4 +596,42 @@ func TestRandomWorkloadEventsMatchCache(t *testing.T) {
 			}
 		})
 	}
+}
+
+func TestCPUWriteThrough(t *testing.T) {
+	h := newHarness(t, Config{GPUBlocks: 8, CPUBlocks: 16, CPUWriteThrough: true})
+	a := prompt(1, 64)
+	h.submit(Request{ID: 1, Prompt: a, MaxTokens: 1}, 0)
+	h.drain()
+	// Computed blocks go to the CPU tier at once, announced after their GPU store.
+	var kinds []string
+	for _, ev := range h.batches[0].Events {
+		kinds = append(kinds, ev.Kind.String()+"/"+ev.Medium)
+	}
+	if want := []string{"BlockStored/GPU", "BlockStored/CPU"}; !slices.Equal(kinds, want) {
+		t.Fatalf("events %v, want %v", kinds, want)
+	}
+	g, c := h.e.CachedBlocks()
+	if len(g) != 4 || len(c) != 4 {
+		t.Fatalf("GPU %d CPU %d blocks, want 4 and 4", len(g), len(c))
+	}
+	// Evicting them from the GPU sends only the GPU removals.
+	h.batches = nil
+	h.submit(Request{ID: 2, Prompt: prompt(2, 64), MaxTokens: 1}, time.Second)
+	h.submit(Request{ID: 3, Prompt: prompt(3, 64), MaxTokens: 1}, time.Second)
+	h.drain()
+	for _, b := range h.batches {
+		for _, ev := range b.Events {
+			if ev.Kind == events.BlockRemoved && ev.Medium == MediumCPU {
+				t.Fatalf("CPU removal with room to spare: %+v", ev)
+			}
+		}
+	}
+	// a is then served from the CPU tier.
+	h.submit(Request{ID: 4, Prompt: a, MaxTokens: 1}, 2*time.Second)
+	h.drain()
+	if u := h.find(4, Finished); u.CPUCachedTokens != 48 {
+		t.Fatalf("CPU-cached tokens %d, want 48", u.CPUCachedTokens)
+	}
+	h.checkModel()
 }

@@ -23,6 +23,9 @@ func FuzzEngine(f *testing.F) {
 		watchdog := time.AfterFunc(5*time.Second, func() { panic("engine hangs") })
 		defer watchdog.Stop()
 		cfg := Config{GPUBlocks: 24, CPUBlocks: 8, BlockSize: 4, MaxNumBatchedTokens: 32, MaxNumSeqs: 6, MaxModelLen: 90}
+		if len(ops) > 0 && ops[0]&0x80 != 0 {
+			cfg.CPUWriteThrough = true
+		}
 		model := newReplayModel()
 		var bad error
 		e, err := New(cfg, func(b events.Batch) {

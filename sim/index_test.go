@@ -21,6 +21,12 @@ import (
 // enough to map one to the other, including CPU-tier blocks that arrive as
 // bare hashes.
 func TestRouterIndexSeesTheCache(t *testing.T) {
+	for _, wt := range []bool{false, true} {
+		t.Run(fmt.Sprintf("write_through=%v", wt), func(t *testing.T) { testRouterIndexSeesTheCache(t, wt) })
+	}
+}
+
+func testRouterIndexSeesTheCache(t *testing.T, writeThrough bool) {
 	ctx := context.Background()
 	const model = "m"
 	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: model, BlockSize: 16})
@@ -28,7 +34,13 @@ func TestRouterIndexSeesTheCache(t *testing.T) {
 		t.Fatal(err)
 	}
 	var applyErr error
-	e, err := New(Config{Model: model, GPUBlocks: 60, CPUBlocks: 40, MaxNumBatchedTokens: 256}, func(b events.Batch) {
+	cpuBlocks := 40
+	if writeThrough {
+		// Written-through blocks are mostly still on the GPU; a CPU tier
+		// larger than the GPU's is what makes CPU-only prefixes common.
+		cpuBlocks = 150
+	}
+	e, err := New(Config{Model: model, GPUBlocks: 60, CPUBlocks: cpuBlocks, MaxNumBatchedTokens: 256, CPUWriteThrough: writeThrough}, func(b events.Batch) {
 		res, err := idx.Apply(ctx, "i0", b.Events)
 		if err == nil && (res.Orphans > 0 || res.Unmapped > 0) {
 			err = fmt.Errorf("index could not place events: %+v", res)

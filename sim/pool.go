@@ -81,6 +81,9 @@ type pool struct {
 	blockSize int
 	gpuCap    int
 	cpuCap    int
+	// writeThrough stores blocks in the CPU tier when they are computed
+	// instead of when they leave the GPU.
+	writeThrough bool
 
 	blocks    map[uint64]*block
 	gpuCached int // hashed blocks on GPU
@@ -98,9 +101,9 @@ type poolCounts struct {
 	gpuEvicted, cpuStored, cpuEvicted, promoted uint64
 }
 
-func newPool(blockSize, gpuCap, cpuCap int) *pool {
+func newPool(blockSize, gpuCap, cpuCap int, writeThrough bool) *pool {
 	return &pool{
-		blockSize: blockSize, gpuCap: gpuCap, cpuCap: cpuCap,
+		blockSize: blockSize, gpuCap: gpuCap, cpuCap: cpuCap, writeThrough: writeThrough,
 		blocks:  make(map[uint64]*block),
 		gpuFree: lru{t: gpu}, cpuLRU: lru{t: cpu},
 	}
@@ -151,20 +154,12 @@ func (p *pool) evictGPU(b *block) {
 	b.on[gpu] = false
 	p.gpuCached--
 	p.counts.gpuEvicted++
-	if p.cpuCap > 0 {
+	if p.cpuCap > 0 && !p.writeThrough {
 		if b.on[cpu] {
 			p.cpuLRU.remove(b)
 			p.cpuLRU.pushBack(b)
 		} else {
-			if p.cpuCount >= p.cpuCap {
-				p.evictCPU(p.cpuLRU.head)
-			}
-			b.on[cpu] = true
-			p.cpuCount++
-			p.cpuLRU.pushBack(b)
-			p.counts.cpuStored++
-			// vLLM's OffloadingConnector: medium "CPU", hashes only.
-			p.emit(events.Event{Kind: events.BlockStored, BlockHashes: []uint64{b.hash}, Medium: MediumCPU})
+			p.storeCPU([]*block{b})
 		}
 	}
 	// vLLM emits one BlockRemoved per evicted block.
@@ -172,6 +167,35 @@ func (p *pool) evictGPU(b *block) {
 	if !b.on[cpu] {
 		delete(p.blocks, b.hash)
 	}
+}
+
+// storeCPU copies blocks not yet there into the CPU tier, evicting its
+// least recently used blocks as needed, and announces them (vLLM's
+// OffloadingConnector: medium "CPU", hashes only), in as few events as
+// keep every removal after the store it undoes.
+func (p *pool) storeCPU(bs []*block) {
+	var hashes []uint64
+	flush := func() {
+		if len(hashes) > 0 {
+			p.emit(events.Event{Kind: events.BlockStored, BlockHashes: hashes, Medium: MediumCPU})
+			hashes = nil
+		}
+	}
+	for _, b := range bs {
+		if b.on[cpu] {
+			continue
+		}
+		if p.cpuCount >= p.cpuCap {
+			flush()
+			p.evictCPU(p.cpuLRU.head)
+		}
+		b.on[cpu] = true
+		p.cpuCount++
+		p.cpuLRU.pushBack(b)
+		p.counts.cpuStored++
+		hashes = append(hashes, b.hash)
+	}
+	flush()
 }
 
 func (p *pool) evictCPU(b *block) {

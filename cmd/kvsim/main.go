@@ -53,6 +53,7 @@ type options struct {
 	zmqHost                           string
 	zmqPort, replayPort               int
 	zmqDial, legacyReplay             bool
+	cpuWriteThrough                   bool
 	topic, encoding                   string
 	bufferSteps                       int
 	timeScale                         float64
@@ -81,6 +82,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.blockSize, "block-size", 0, "tokens per KV block (0: 16)")
 	fs.IntVar(&o.gpuBlocks, "gpu-blocks", 0, "GPU KV capacity in blocks (0: 84375 = 1.35M tokens)")
 	fs.IntVar(&o.cpuBlocks, "cpu-blocks", 0, "CPU offload tier capacity in blocks (0: no offloading)")
+	fs.BoolVar(&o.cpuWriteThrough, "cpu-write-through", false, "copy blocks to the CPU tier when computed (vLLM's OffloadingConnector) instead of when evicted")
 	fs.IntVar(&o.maxBatched, "max-num-batched-tokens", 0, "per-step token budget (0: 8192)")
 	fs.IntVar(&o.maxSeqs, "max-num-seqs", 0, "max requests per step (0: 1024)")
 	fs.IntVar(&o.maxModelLen, "max-model-len", 0, "max prompt+output tokens (0: 131072)")
@@ -179,7 +181,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready fun
 	for i := range o.instances {
 		cfg := server.Config{
 			Engine: sim.Config{
-				Model: o.model, BlockSize: o.blockSize, GPUBlocks: o.gpuBlocks, CPUBlocks: o.cpuBlocks,
+				Model: o.model, BlockSize: o.blockSize, GPUBlocks: o.gpuBlocks, CPUBlocks: o.cpuBlocks, CPUWriteThrough: o.cpuWriteThrough,
 				MaxNumBatchedTokens: o.maxBatched, MaxNumSeqs: o.maxSeqs, MaxModelLen: o.maxModelLen,
 				HashSeed: o.hashSeed + uint64(i),
 				Timing: sim.Timing{
