@@ -105,9 +105,9 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *Request) ([]uint32, e
 	if !bytes.Contains(req.Body, []byte(`"messages"`)) && req.Endpoint != EndpointChatCompletions {
 		return s.promptTokens(ctx, req.Body)
 	}
-	var b chatBody
-	if err := json.Unmarshal(req.Body, &b); err != nil {
-		return nil, fmt.Errorf("%w: chat body: %w", ErrTokenSource, err)
+	b, err := parseChatBody(req.Body)
+	if err != nil {
+		return nil, err
 	}
 	if len(b.Messages) == 0 {
 		return nil, ErrNoTokens
@@ -123,6 +123,54 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *Request) ([]uint32, e
 		opts.AddGenerationPrompt = false
 	}
 	return s.Tokenizer.TokenizeChat(ctx, b.Messages, opts)
+}
+
+// fastChatBody is chatBody with plain-string contents: decoding a long
+// string straight into a string scans it three times, where
+// tokenizer.Message's flexible content (string, null or parts) costs six
+// passes — most of a long chat's routing time. Bodies it cannot hold
+// (content parts, tool calls) take the general path.
+type fastChatBody struct {
+	Messages []struct {
+		Role             string          `json:"role"`
+		Content          *string         `json:"content"`
+		Name             string          `json:"name"`
+		ToolCallID       string          `json:"tool_call_id"`
+		ReasoningContent string          `json:"reasoning_content"`
+		ToolCalls        json.RawMessage `json:"tool_calls"`
+	} `json:"messages"`
+	Tools                json.RawMessage `json:"tools"`
+	AddGenerationPrompt  *bool           `json:"add_generation_prompt"`
+	ContinueFinalMessage bool            `json:"continue_final_message"`
+	ChatTemplateKwargs   map[string]any  `json:"chat_template_kwargs"`
+}
+
+// parseChatBody decodes a chat body, fast when every content is a string.
+func parseChatBody(body []byte) (chatBody, error) {
+	var f fastChatBody
+	if json.Unmarshal(body, &f) == nil {
+		b := chatBody{Tools: f.Tools, AddGenerationPrompt: f.AddGenerationPrompt, ContinueFinalMessage: f.ContinueFinalMessage, ChatTemplateKwargs: f.ChatTemplateKwargs}
+		b.Messages = make([]tokenizer.Message, len(f.Messages))
+		fast := true
+		for i, m := range f.Messages {
+			if len(m.ToolCalls) > 0 && string(m.ToolCalls) != "null" {
+				fast = false
+				break
+			}
+			b.Messages[i] = tokenizer.Message{Role: m.Role, Name: m.Name, ToolCallID: m.ToolCallID, ReasoningContent: m.ReasoningContent, ContentNull: m.Content == nil}
+			if m.Content != nil {
+				b.Messages[i].Content = *m.Content
+			}
+		}
+		if fast {
+			return b, nil
+		}
+	}
+	var b chatBody
+	if err := json.Unmarshal(body, &b); err != nil {
+		return b, fmt.Errorf("%w: chat body: %w", ErrTokenSource, err)
+	}
+	return b, nil
 }
 
 // promptTokens encodes a raw body's "prompt" (or "inputs") string, or

@@ -153,3 +153,32 @@ func TestSimpleTokenSourceShapes(t *testing.T) {
 		}
 	}
 }
+
+// TestParseChatBodyPaths: the fast path (string contents) and the general
+// one (parts, null, tool calls) give the messages tokenizer.Message would.
+func TestParseChatBodyPaths(t *testing.T) {
+	bodies := []string{
+		`{"messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi \u00e9\n","name":"bob"}],"add_generation_prompt":false}`,
+		`{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"b"}]}]}`,
+		`{"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{\"x\":1}"}}]},{"role":"tool","tool_call_id":"c1","content":"42"}],"tools":[{"type":"function","function":{"name":"f"}}]}`,
+		`{"messages":[{"role":"assistant","reasoning_content":"hmm","content":"ok"}],"chat_template_kwargs":{"enable_thinking":false}}`,
+	}
+	for i, body := range bodies {
+		got, err := parseChatBody([]byte(body))
+		if err != nil {
+			t.Fatalf("%d: %v", i, err)
+		}
+		var want chatBody
+		if err := json.Unmarshal([]byte(body), &want); err != nil {
+			t.Fatal(err)
+		}
+		gj, _ := json.Marshal(got)
+		wj, _ := json.Marshal(want)
+		if string(gj) != string(wj) {
+			t.Errorf("%d: fast path differs\n got %s\nwant %s", i, gj, wj)
+		}
+	}
+	if _, err := parseChatBody([]byte(`{"messages":[{"role":"user","content":5}]}`)); !errors.Is(err, ErrTokenSource) {
+		t.Errorf("bad content: %v", err)
+	}
+}
