@@ -68,8 +68,9 @@ func BenchmarkProxyAddedLatency1000RPS(b *testing.B) {
 		d   time.Duration
 		err bool
 	}
-	var mu sync.Mutex // guards direct, proxied
+	var mu sync.Mutex // guards direct, proxied, firstErr
 	var direct, proxied []sample
+	var firstErr error
 	send := func(url string, body []byte, out *[]sample, record bool) {
 		t0 := time.Now()
 		resp, err := client.Post(url, "application/json", bytes.NewReader(body))
@@ -77,12 +78,17 @@ func BenchmarkProxyAddedLatency1000RPS(b *testing.B) {
 		if err == nil {
 			_, _ = io.Copy(io.Discard, resp.Body)
 			resp.Body.Close()
-			bad = resp.StatusCode != 200
+			if resp.StatusCode != 200 {
+				bad, err = true, fmt.Errorf("status %d", resp.StatusCode)
+			}
 		}
 		d := time.Since(t0)
 		if record {
 			mu.Lock()
 			*out = append(*out, sample{d, bad})
+			if err != nil && firstErr == nil {
+				firstErr = err
+			}
 			mu.Unlock()
 		}
 	}
@@ -140,5 +146,8 @@ func BenchmarkProxyAddedLatency1000RPS(b *testing.B) {
 		b.ReportMetric(float64(derr+perr), "errors")
 		b.Logf("%d s at %d req/s per target: direct p50 %v p99 %v; proxied p50 %v p99 %v; added p50 %v p99 %v; errors %d direct, %d proxied",
 			secs, rate, d50, d99, p50, p99, p50-d50, p99-d99, derr, perr)
+		if firstErr != nil {
+			b.Logf("first error: %v", firstErr)
+		}
 	}
 }
