@@ -449,6 +449,11 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 			if g == 0 && !containsString(ev.holders, ce.inst.id) {
 				continue
 			}
+			if g > 0 && s.spec.heldBy(ev.keys[g-1], ce.inst.id) {
+				// Events confirmed the guess up to g: hand those blocks
+				// over to the index, which will also see their eviction.
+				s.spec.confirm(ev.keys[:g], ce.inst.id)
+			}
 			if ext := s.spec.extend(ev.keys, g, ce.inst.id); ext > g {
 				for t := range tiers.Count {
 					ce.blocks[t] = max(ce.blocks[t], ext)

@@ -726,3 +726,32 @@ func gaugeValue(t testing.TB, c prometheus.Metric) float64 {
 }
 
 func nopBody(s string) io.ReadCloser { return io.NopCloser(strings.NewReader(s)) }
+
+// TestSpeculativeConfirmedThenEvicted: once events confirm a speculative
+// guess, the index owns those blocks, so their eviction is seen at once
+// rather than after the TTL.
+func TestSpeculativeConfirmedThenEvicted(t *testing.T) {
+	w := newKVWorld(t, 4)
+	tokens := promptTokens(21, 32*kvTestBS)
+	s := w.strategy(RoutingConfig{})
+	first := kvPick(t, s, kvRequest("a", tokens), w.insts)
+	if first.Reason != ReasonHeuristic {
+		t.Fatalf("first: %s", first.Reason)
+	}
+	w.store(first.Instance.ID(), tokens, 0, 32) // the engine's events arrive
+	if d := kvPick(t, s, kvRequest("b", tokens), w.insts); d.Instance != first.Instance || d.Reason != ReasonKVMatch {
+		t.Fatalf("confirmed: picked %s (%s)", d.Instance.ID(), d.Reason)
+	}
+	w.tierEvent(events.BlockRemoved, first.Instance.ID(), "GPU", tokens, 0, 32)
+	var other *Instance
+	for _, in := range w.insts {
+		if in != first.Instance {
+			other = in
+			break
+		}
+	}
+	w.store(other.ID(), tokens, 0, 16)
+	if d := kvPick(t, s, kvRequest("c", tokens), w.insts); d.Instance != other {
+		t.Fatalf("after eviction: picked %s (%s), want the remaining holder %s", d.Instance.ID(), d.Reason, other.ID())
+	}
+}

@@ -158,3 +158,38 @@ func (s *speculative) holders(dst []string, key kvindex.Key) []string {
 	}
 	return dst
 }
+
+// heldBy reports whether inst holds key speculatively (expired or not).
+func (s *speculative) heldBy(key kvindex.Key, inst string) bool {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	for _, h := range s.holds[key] {
+		if h.inst == inst {
+			return true
+		}
+	}
+	return false
+}
+
+// confirm drops inst's holds of keys: the index now reports those blocks
+// itself, and a hold left behind would outlive a later eviction (the
+// index would say "gone", the overlay "held") until its TTL.
+func (s *speculative) confirm(keys []kvindex.Key, inst string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, k := range keys {
+		hs := s.holds[k]
+		for i := range hs {
+			if hs[i].inst == inst {
+				hs[i] = hs[len(hs)-1]
+				hs = hs[:len(hs)-1]
+				break
+			}
+		}
+		if len(hs) == 0 {
+			delete(s.holds, k)
+		} else {
+			s.holds[k] = hs
+		}
+	}
+}
