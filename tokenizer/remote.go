@@ -81,10 +81,10 @@ var (
 func NewRemote(cfg RemoteConfig) (*Remote, error) {
 	u, err := url.Parse(cfg.URL)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("tokenizer: remote URL %q must be an absolute http(s) URL", cfg.URL)
+		return nil, fmt.Errorf("%w: remote URL %q must be an absolute http(s) URL", ErrConfig, cfg.URL)
 	}
 	if cfg.Timeout < 0 {
-		return nil, fmt.Errorf("tokenizer: remote timeout %v must not be negative", cfg.Timeout)
+		return nil, fmt.Errorf("%w: remote timeout %v must not be negative", ErrConfig, cfg.Timeout)
 	}
 	if cfg.Timeout == 0 {
 		cfg.Timeout = 2 * time.Second

@@ -40,7 +40,7 @@ var _ ChatTemplate = (*JinjaTemplate)(nil)
 
 // partsLoop detects templates that loop over a message's content, which is how vLLM's
 // content-format detection decides between "string" and "openai" formats.
-var partsLoop = regexp.MustCompile(`for\s+\w+\s+in\s+\w+(?:\.content|\[\s*['"]content['"]\s*\])`)
+var partsLoop = regexp.MustCompile(`for\s+\w+\s+in\s+\w+(?:\[\s*-?\d+\s*\])*(?:\.content|\[\s*['"]content['"]\s*\])`)
 
 // NewJinjaTemplate compiles a chat template source.
 func NewJinjaTemplate(src string, cfg TemplateConfig) (*JinjaTemplate, error) {
