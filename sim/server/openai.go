@@ -172,6 +172,9 @@ func (in *Instance) startJob(w http.ResponseWriter, prompt []uint32, maxTok int,
 	return &job{d: d, id: id, w: wt, pieces: pieces, prompt: len(prompt)}, true
 }
 
+// maxTokens is the number of tokens the job generates.
+func (j *job) maxTokens() int { return len(j.pieces) }
+
 // next blocks for the job's next updates; nil when the client went away.
 func (j *job) next(r *http.Request) []sim.Update {
 	for {
@@ -343,12 +346,17 @@ func endSSE(w http.ResponseWriter) {
 }
 
 // streamJobs multiplexes the jobs' token updates in arrival order; emit
-// is called per token with the choice index, and done once per job.
-func streamJobs(r *http.Request, jobs []*job, emit func(i int, u sim.Update), done func(i int, u sim.Update)) bool {
+// is called once per token with the choice index (the last one with
+// u.Kind == sim.Finished), and done once per job. When the engine reports
+// the last token both as first and as finished (max_tokens 1), emit sees it
+// once; a Finished update with no new token gets emit(i, u, false): a
+// closing chunk without text.
+func streamJobs(r *http.Request, jobs []*job, emit func(i int, u sim.Update, text bool), done func(i int, u sim.Update)) bool {
 	// One goroutine per extra job would be simpler but costs more than a
 	// poll over the jobs' notify channels for the common single-prompt case.
 	live := len(jobs)
 	finished := make([]bool, len(jobs))
+	sent := make([]int, len(jobs)) // tokens emitted per job
 	for live > 0 {
 		progressed := false
 		for i, j := range jobs {
@@ -359,9 +367,13 @@ func streamJobs(r *http.Request, jobs []*job, emit func(i int, u sim.Update), do
 				progressed = true
 				switch u.Kind {
 				case sim.FirstToken, sim.Token:
-					emit(i, u)
+					if u.OutputTokens > sent[i] && u.OutputTokens < jobs[i].maxTokens() {
+						sent[i] = u.OutputTokens
+						emit(i, u, true)
+					}
 				case sim.Finished:
-					emit(i, u)
+					emit(i, u, u.OutputTokens > sent[i])
+					sent[i] = u.OutputTokens
 					done(i, u)
 					finished[i] = true
 					live--
@@ -398,8 +410,12 @@ func streamJobs(r *http.Request, jobs []*job, emit func(i int, u sim.Update), do
 func (in *Instance) streamCompletions(w http.ResponseWriter, r *http.Request, jobs []*job, id, model string, created int64, includeUsage bool) {
 	startSSE(w)
 	var total usage
-	ok := streamJobs(r, jobs, func(i int, u sim.Update) {
-		choice := map[string]any{"index": i, "text": jobs[i].pieces[u.OutputTokens-1], "logprobs": nil, "finish_reason": nil, "stop_reason": nil}
+	ok := streamJobs(r, jobs, func(i int, u sim.Update, withText bool) {
+		text := ""
+		if withText {
+			text = jobs[i].pieces[u.OutputTokens-1]
+		}
+		choice := map[string]any{"index": i, "text": text, "logprobs": nil, "finish_reason": nil, "stop_reason": nil}
 		if u.Kind == sim.Finished {
 			choice["finish_reason"] = "length"
 		}
@@ -496,16 +512,22 @@ func (in *Instance) handleChat(w http.ResponseWriter, r *http.Request) {
 			"choices": []any{map[string]any{"index": 0, "delta": delta, "logprobs": nil, "finish_reason": finish}}}
 	}
 	var final sim.Update
-	ok = streamJobs(r, []*job{j}, func(_ int, u sim.Update) {
-		if u.OutputTokens == 1 {
+	opened := false
+	ok = streamJobs(r, []*job{j}, func(_ int, u sim.Update, withText bool) {
+		if !opened {
 			// vLLM opens the stream with the role and empty content.
+			opened = true
 			sse(w, chunk(map[string]any{"role": "assistant", "content": ""}, nil))
 		}
 		var finish any
 		if u.Kind == sim.Finished {
 			finish = "length"
 		}
-		sse(w, chunk(map[string]any{"content": j.pieces[u.OutputTokens-1]}, finish))
+		delta := map[string]any{}
+		if withText {
+			delta["content"] = j.pieces[u.OutputTokens-1]
+		}
+		sse(w, chunk(delta, finish))
 	}, func(_ int, u sim.Update) { final = u })
 	if !ok {
 		return

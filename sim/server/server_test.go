@@ -505,3 +505,93 @@ func consecutiveFreePorts(t *testing.T, n int) int {
 	t.Fatalf("no %d consecutive free ports found", n)
 	return 0
 }
+
+// TestStreamChunks checks the SSE framing of both endpoints: one chunk per
+// token (chat: plus the opening role chunk), the last carrying
+// finish_reason, then usage when asked, then [DONE] — including
+// max_tokens 1, where the engine reports the only token as both first and last.
+func TestStreamChunks(t *testing.T) {
+	in := startInstance(t, Config{Engine: sim.Config{Model: "m", GPUBlocks: 100}, TimeScale: 50})
+	type chunk struct {
+		Choices []struct {
+			Text  *string `json:"text"`
+			Delta *struct {
+				Role    string  `json:"role"`
+				Content *string `json:"content"`
+			} `json:"delta"`
+			FinishReason *string `json:"finish_reason"`
+		} `json:"choices"`
+		Usage *struct {
+			CompletionTokens int `json:"completion_tokens"`
+		} `json:"usage"`
+	}
+	for _, tc := range []struct {
+		path  string
+		body  string
+		max   int
+		chat  bool
+		usage bool
+	}{
+		{"/v1/completions", `{"prompt":"one two three","max_tokens":1,"stream":true}`, 1, false, false},
+		{"/v1/completions", `{"prompt":"one two three","max_tokens":3,"stream":true,"stream_options":{"include_usage":true}}`, 3, false, true},
+		{"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":1,"stream":true}`, 1, true, false},
+		{"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":4,"stream":true,"stream_options":{"include_usage":true}}`, 4, true, true},
+	} {
+		t.Run(fmt.Sprintf("%s_%d", tc.path, tc.max), func(t *testing.T) {
+			resp, err := http.Post(in.URL()+tc.path, "application/json", strings.NewReader(tc.body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			var lines []string
+			sc := bufio.NewScanner(resp.Body)
+			for sc.Scan() {
+				if l, ok := strings.CutPrefix(sc.Text(), "data: "); ok {
+					lines = append(lines, l)
+				}
+			}
+			if len(lines) == 0 || lines[len(lines)-1] != "[DONE]" {
+				t.Fatalf("stream did not end with [DONE]: %q", lines)
+			}
+			lines = lines[:len(lines)-1]
+			var tokens, finishes, usages, roles int
+			for _, l := range lines {
+				var c chunk
+				if err := json.Unmarshal([]byte(l), &c); err != nil {
+					t.Fatalf("chunk %q: %v", l, err)
+				}
+				if c.Usage != nil {
+					usages++
+					if c.Usage.CompletionTokens != tc.max || len(c.Choices) != 0 {
+						t.Fatalf("usage chunk %q", l)
+					}
+					continue
+				}
+				ch := c.Choices[0]
+				if ch.FinishReason != nil {
+					finishes++
+				}
+				switch {
+				case tc.chat && ch.Delta != nil && ch.Delta.Role == "assistant":
+					roles++
+				case tc.chat && ch.Delta != nil && ch.Delta.Content != nil && *ch.Delta.Content != "":
+					tokens++
+				case !tc.chat && ch.Text != nil && *ch.Text != "":
+					tokens++
+				}
+			}
+			wantUsage := 0
+			if tc.usage {
+				wantUsage = 1
+			}
+			wantRoles := 0
+			if tc.chat {
+				wantRoles = 1
+			}
+			if tokens != tc.max || finishes != 1 || usages != wantUsage || roles != wantRoles {
+				t.Fatalf("tokens %d finishes %d usage %d roles %d; want %d, 1, %d, %d: %q",
+					tokens, finishes, usages, roles, tc.max, wantUsage, wantRoles, lines)
+			}
+		})
+	}
+}
