@@ -14,17 +14,21 @@ import (
 const (
 	// DefaultWaitingRequestTokens is the prefill work assumed for each
 	// request the engine reports waiting beyond those this router has
-	// pending there: the router does not know their prompts, and 1,024
-	// tokens is a short chat turn after its prefix hit (ShareGPT-like turns
-	// are a few hundred to a few thousand tokens).
+	// pending there (other routers' traffic: the router does not know their
+	// prompts). 1,024 sits between ShareGPT's mean input of 202 tokens and
+	// the 8,000-token shared-prefix workloads, after their prefix hits
+	// (../shared/workloads/FACTS.md §5, §6).
 	DefaultWaitingRequestTokens = 1024
 	// DefaultRunningRequestSeconds is what each running (decoding) request
 	// adds to a new request's time to first token: with chunked prefill a
 	// step carries one decode token per running sequence beside the prefill
-	// chunk, so each running sequence costs a little of every step. 0.5 ms
-	// makes 64 running requests cost ~30 ms, a tenth of an 8,000-token
-	// prefill at 25,000 tokens/s, so cached prefixes dominate until an
-	// instance is clearly busier.
+	// chunk, so each running sequence costs a little of every step. NIM's
+	// Llama-3.3-70B TP2 inter-token latency grows from 18.6 ms at
+	// concurrency 1 to 59.7 ms at 50, ≈ 0.84 ms per added sequence per
+	// step (FACTS.md §2, derived here); at TP8 a step is cheaper, hence
+	// 0.5 ms. It makes 64 running requests cost ~30 ms, a tenth of an
+	// 8,000-token prefill at 25,000 tokens/s, so cached prefixes dominate
+	// until an instance is clearly busier.
 	DefaultRunningRequestSeconds = 0.0005
 	// DefaultPrefillCostWeight: the pick minimises ttft + w·(tokens it
 	// makes the instance prefill)/P. TTFT alone is greedy for the one

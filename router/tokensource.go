@@ -81,8 +81,6 @@ type chatBody struct {
 	AddGenerationPrompt  *bool               `json:"add_generation_prompt"`
 	ContinueFinalMessage bool                `json:"continue_final_message"`
 	ChatTemplateKwargs   map[string]any      `json:"chat_template_kwargs"`
-	Prompt               json.RawMessage     `json:"prompt"`
-	Inputs               json.RawMessage     `json:"inputs"`
 }
 
 // Tokens implements TokenSource.

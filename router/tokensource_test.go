@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"slices"
 	"testing"
+
+	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
 // vectorLine is one line of tokenizer/testdata/<model>/vectors.jsonl:
@@ -181,4 +183,30 @@ func TestParseChatBodyPaths(t *testing.T) {
 	if _, err := parseChatBody([]byte(`{"messages":[{"role":"user","content":5}]}`)); !errors.Is(err, ErrTokenSource) {
 		t.Errorf("bad content: %v", err)
 	}
+}
+
+// FuzzChatTokenSource: any body on any endpoint yields ids or an error,
+// never a panic, and the fast chat path agrees with the general one.
+func FuzzChatTokenSource(f *testing.F) {
+	f.Add([]byte(`{"messages":[{"role":"user","content":"hi there"}]}`), uint8(EndpointChatCompletions))
+	f.Add([]byte(`{"messages":[{"role":"user","content":[{"type":"text","text":"a"}]}],"tools":[]}`), uint8(EndpointInvoke))
+	f.Add([]byte(`{"prompt":[1,2,3]}`), uint8(EndpointInvokeStream))
+	f.Add([]byte(`{"inputs":"x y"}`), uint8(EndpointInvoke))
+	src := &ChatTokenSource{Tokenizer: tokenizer.Local(tokenizer.Simple{})}
+	f.Fuzz(func(t *testing.T, body []byte, ep uint8) {
+		req := &Request{Endpoint: Endpoint(ep%5 + 1), Body: body}
+		_, _ = src.Tokens(context.Background(), req)
+		fast, err := parseChatBody(body)
+		var slow chatBody
+		if err == nil && json.Unmarshal(body, &slow) == nil {
+			if len(fast.Messages) == 0 && len(slow.Messages) == 0 {
+				fast.Messages, slow.Messages = nil, nil
+			}
+			fj, _ := json.Marshal(fast)
+			sj, _ := json.Marshal(slow)
+			if string(fj) != string(sj) {
+				t.Fatalf("fast path differs\nfast %s\nslow %s", fj, sj)
+			}
+		}
+	})
 }
