@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"runtime"
+	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -59,9 +61,16 @@ func (s *shape) keys(inst, chain int) []Key {
 
 func (s *shape) fill(b testing.TB, idx Index, chains int) {
 	ctx := context.Background()
+	names := make([]string, len(s.evs)/chains+1)
+	for i := range names {
+		names[i] = fmt.Sprintf("pod-%d", i)
+	}
 	for n, evs := range s.evs {
-		if _, err := idx.Apply(ctx, fmt.Sprintf("pod-%d", n/chains), evs); err != nil {
-			b.Fatal(err)
+		// One Apply per event, as the consumer applies one engine batch.
+		for i := range evs {
+			if _, err := idx.Apply(ctx, names[n/chains], evs[i:i+1]); err != nil {
+				b.Fatal(err)
+			}
 		}
 	}
 }
@@ -83,6 +92,7 @@ func BenchmarkMemoryBuild(b *testing.B) {
 			s := newShape(shapeInstances, shapeChains, shapeBlocks, evBlocks)
 			entries := shapeInstances * shapeChains * shapeBlocks
 			var perEntry float64
+			var cpu time.Duration
 			b.ReportAllocs()
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
@@ -93,7 +103,9 @@ func BenchmarkMemoryBuild(b *testing.B) {
 					b.Fatal(err)
 				}
 				b.StartTimer()
+				cpu0 := processCPU()
 				s.fill(b, m, shapeChains)
+				cpu += processCPU() - cpu0
 				b.StopTimer()
 				if n, _ := m.Len(context.Background()); n != entries {
 					b.Fatalf("Len = %d, want %d", n, entries)
@@ -103,6 +115,9 @@ func BenchmarkMemoryBuild(b *testing.B) {
 				b.StartTimer()
 			}
 			b.ReportMetric(float64(entries)*float64(b.N)/b.Elapsed().Seconds(), "blocks/s")
+			if cpu > 0 {
+				b.ReportMetric(float64(entries)*float64(b.N)/cpu.Seconds(), "blocks/cpu-s")
+			}
 			b.ReportMetric(perEntry, "heapB/entry")
 		})
 	}
@@ -143,6 +158,7 @@ func BenchmarkMemoryLookup512(b *testing.B) {
 		b.Run(c.name, func(b *testing.B) {
 			b.ReportAllocs()
 			i := 0
+			cpu0 := processCPU()
 			for b.Loop() {
 				ms, err := m.Lookup(ctx, c.keys[i%len(c.keys)])
 				if err != nil || len(ms) != c.want || c.want > 0 && ms[0].Blocks[0] != shapeBlocks {
@@ -150,6 +166,7 @@ func BenchmarkMemoryLookup512(b *testing.B) {
 				}
 				i++
 			}
+			b.ReportMetric(float64(processCPU()-cpu0)/float64(i), "cpu-ns/op")
 		})
 	}
 }
@@ -195,6 +212,7 @@ func BenchmarkRedisApply(b *testing.B) {
 			ctx := context.Background()
 			b.ReportAllocs()
 			n := 0
+			cpu0, srv0 := processCPU(), redisCPU(b, r)
 			for b.Loop() {
 				chain := (n / perChain) % len(s.evs)
 				if _, err := r.Apply(ctx, fmt.Sprintf("pod-%d", chain/8), s.evs[chain][n%perChain:n%perChain+1]); err != nil {
@@ -202,7 +220,10 @@ func BenchmarkRedisApply(b *testing.B) {
 				}
 				n++
 			}
-			b.ReportMetric(float64(evBlocks*n)/b.Elapsed().Seconds(), "blocks/s")
+			blocks := float64(evBlocks * n)
+			b.ReportMetric(blocks/b.Elapsed().Seconds(), "blocks/s")
+			b.ReportMetric(blocks/(processCPU()-cpu0).Seconds(), "blocks/client-cpu-s")
+			b.ReportMetric(blocks/(redisCPU(b, r)-srv0).Seconds(), "blocks/server-cpu-s")
 		})
 	}
 }
@@ -236,14 +257,36 @@ func BenchmarkRedisLookup512(b *testing.B) {
 		r := c.idx
 		b.Run(c.name, func(b *testing.B) {
 			b.ReportAllocs()
+			n := 0
+			cpu0, srv0 := processCPU(), redisCPU(b, r)
 			for b.Loop() {
 				ms, err := r.Lookup(ctx, c.keys)
 				if err != nil || len(ms) != c.want || c.want > 0 && ms[0].Blocks[0] != shapeBlocks {
 					b.Fatalf("lookup = %+v, %v", ms, err)
 				}
+				n++
 			}
+			b.ReportMetric(float64(processCPU()-cpu0)/float64(n), "client-cpu-ns/op")
+			b.ReportMetric(float64(redisCPU(b, r)-srv0)/float64(n), "server-cpu-ns/op")
 		})
 	}
 }
 
 func atomicAdd(p *int64) int64 { return atomic.AddInt64(p, 1) - 1 }
+
+// redisCPU is the CPU time the Redis server has used (INFO cpu).
+func redisCPU(b *testing.B, r *Redis) time.Duration {
+	info, err := r.rdb.Info(context.Background(), "cpu").Result()
+	if err != nil {
+		b.Fatal(err)
+	}
+	var total float64
+	for _, line := range strings.Split(info, "\n") {
+		k, v, ok := strings.Cut(strings.TrimSpace(line), ":")
+		if ok && (k == "used_cpu_user" || k == "used_cpu_sys") {
+			f, _ := strconv.ParseFloat(v, 64)
+			total += f
+		}
+	}
+	return time.Duration(total * float64(time.Second))
+}

@@ -452,12 +452,15 @@ func (in *memInstance) store(h uint64, k Key, t tiers.Tier) bool {
 	}
 	j := in.slab.alloc()
 	e := in.slab.at(j)
-	*e = entry{key: k, ehash: h, prev: -1, next: -1, meta: flagLive | bit}
+	// Not live until indexed: a table growing during insert rebuilds from
+	// the live slab entries and must not index this one twice.
+	*e = entry{key: k, ehash: h, prev: -1, next: -1, meta: bit}
 	in.byHash.insert(&in.slab, j, h, byHashOf)
 	if d := in.byKey.insert(&in.slab, j, uint64(k), byKeyOf); d >= 0 {
 		e.meta |= flagDup
 		in.slab.at(d).meta |= flagDup
 	}
+	e.meta |= flagLive
 	in.pushHead(j)
 	in.n++
 	in.count[t]++

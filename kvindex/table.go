@@ -98,11 +98,22 @@ func home(k uint64, n int) (int, uint8) {
 	return int(hi), f
 }
 
-// keyOf returns the key an entry is indexed by in this table.
-type keyFunc func(*entry) uint64
+// keyFunc selects what a table indexes entries by: byKeyOf (the router
+// key) or byHashOf (the engine hash). A bool rather than a func value, so
+// that the probe loops stay free of indirect calls.
+type keyFunc bool
 
-func byKeyOf(e *entry) uint64  { return uint64(e.key) }
-func byHashOf(e *entry) uint64 { return e.ehash }
+const (
+	byKeyOf  keyFunc = false
+	byHashOf keyFunc = true
+)
+
+func (kf keyFunc) of(e *entry) uint64 {
+	if kf {
+		return e.ehash
+	}
+	return uint64(e.key)
+}
 
 // find returns the slab index of the first entry with key k, or -1.
 func (t *table) find(s *slab, k uint64, kf keyFunc) int32 {
@@ -117,7 +128,7 @@ func (t *table) find(s *slab, k uint64, kf keyFunc) int32 {
 			return -1
 		}
 		if c == f {
-			if j := t.idx[i]; kf(s.at(j)) == k {
+			if j := t.idx[i]; kf.of(s.at(j)) == k {
 				return j
 			}
 		}
@@ -137,7 +148,7 @@ func (t *table) insert(s *slab, j int32, k uint64, kf keyFunc) int32 {
 	i, f := home(k, n)
 	dup := int32(-1)
 	for t.fp[i] != 0 {
-		if dup < 0 && t.fp[i] == f && kf(s.at(t.idx[i])) == k {
+		if dup < 0 && t.fp[i] == f && kf.of(s.at(t.idx[i])) == k {
 			dup = t.idx[i]
 		}
 		if i++; i == n {
@@ -154,13 +165,21 @@ func (t *table) grow(s *slab, kf keyFunc) {
 	if size < 16 {
 		size = 16
 	}
-	old, oldFp := t.idx, t.fp
 	t.idx, t.fp, t.n = make([]int32, size), make([]uint8, size), 0
-	for i, c := range oldFp {
-		if c != 0 {
-			j := old[i]
-			k := kf(s.at(j))
-			p, f := home(k, size)
+	// Re-insert from the slab, in slab order: reading the entries
+	// sequentially is much cheaper than following the old table's indices
+	// into the slab at random.
+	for c, chunk := range s.chunks {
+		for o := range chunk {
+			j := int32(c<<chunkBits | o)
+			if j >= s.n {
+				return
+			}
+			e := &chunk[o]
+			if e.meta&flagLive == 0 {
+				continue
+			}
+			p, f := home(kf.of(e), size)
 			for t.fp[p] != 0 {
 				if p++; p == size {
 					p = 0
@@ -200,7 +219,7 @@ func (t *table) remove(s *slab, j int32, k uint64, kf keyFunc) {
 			if t.fp[p] == 0 {
 				return
 			}
-			h, _ := home(kf(s.at(t.idx[p])), n)
+			h, _ := home(kf.of(s.at(t.idx[p])), n)
 			// The member at p may move to the gap at i unless its home lies
 			// cyclically in (i, p].
 			if i <= p {
