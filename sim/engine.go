@@ -239,6 +239,25 @@ func (e *Engine) UnloadLoRA(name string) error {
 	return nil
 }
 
+// ActiveLoRAs returns the distinct adapters of running (and loading)
+// requests and of waiting requests, sorted: what vLLM reports in its
+// vllm:lora_requests_info metric.
+func (e *Engine) ActiveLoRAs() (running, waiting []string) {
+	collect := func(dst []string, qs []*request) []string {
+		for _, q := range qs {
+			if q.LoRA != "" && !slices.Contains(dst, q.LoRA) {
+				dst = append(dst, q.LoRA)
+			}
+		}
+		return dst
+	}
+	running = collect(collect(nil, e.running), e.loading)
+	waiting = collect(nil, e.waiting)
+	slices.Sort(running)
+	slices.Sort(waiting)
+	return running, waiting
+}
+
 // LoRAs lists loaded adapters in load order.
 func (e *Engine) LoRAs() []LoRA {
 	out := make([]LoRA, 0, len(e.loras))

@@ -635,3 +635,23 @@ func TestCPUWriteThrough(t *testing.T) {
 	}
 	h.checkModel()
 }
+
+func TestActiveLoRAs(t *testing.T) {
+	h := newHarness(t, Config{GPUBlocks: 100, MaxNumSeqs: 1})
+	for _, n := range []string{"a", "b"} {
+		if _, err := h.e.LoadLoRA(n, ""); err != nil {
+			t.Fatal(err)
+		}
+	}
+	h.submit(Request{ID: 1, Prompt: prompt(1, 32), MaxTokens: 50, LoRA: "a"}, 0)
+	h.submit(Request{ID: 2, Prompt: prompt(2, 32), MaxTokens: 50, LoRA: "b"}, 0)
+	h.submit(Request{ID: 3, Prompt: prompt(3, 32), MaxTokens: 50}, 0)
+	r, w := h.e.ActiveLoRAs()
+	if !slices.Equal(r, []string{"a"}) || !slices.Equal(w, []string{"b"}) {
+		t.Fatalf("running %v waiting %v, want [a] [b] (one sequence at a time)", r, w)
+	}
+	h.drain()
+	if r, w := h.e.ActiveLoRAs(); len(r)+len(w) != 0 {
+		t.Fatalf("after drain: %v %v", r, w)
+	}
+}

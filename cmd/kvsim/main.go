@@ -57,7 +57,7 @@ type options struct {
 	topic, encoding                   string
 	bufferSteps                       int
 	timeScale                         float64
-	defaultMaxTokens                  int
+	defaultMaxTokens, maxLoRAs        int
 	flops, flopsPerToken, attnPerPair float64
 	weightRead, stepOverhead          time.Duration
 	kvReadPerToken, cpuLoadRate       float64
@@ -98,6 +98,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.bufferSteps, "buffer-steps", 10000, "replay buffer length in batches")
 	fs.Float64Var(&o.timeScale, "time-scale", 1, "run virtual time this many times faster than real time")
 	fs.IntVar(&o.defaultMaxTokens, "default-max-tokens", 16, "max_tokens when a request sets none")
+	fs.IntVar(&o.maxLoRAs, "max-loras", 1, "max_lora reported in vllm:lora_requests_info (not enforced)")
 	fs.Float64Var(&o.flops, "flops", 0, "effective FLOP/s of one engine (0: 3.956e15)")
 	fs.Float64Var(&o.flopsPerToken, "flops-per-token", 0, "dense FLOPs per token (0: 141.2e9)")
 	fs.Float64Var(&o.attnPerPair, "attn-flops-per-pair", 0, "attention FLOPs per (query, context) token pair (0: 2621440)")
@@ -196,6 +197,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready fun
 			TimeScale:        o.timeScale,
 			LoRAs:            loras,
 			DefaultMaxTokens: o.defaultMaxTokens,
+			MaxLoRAs:         o.maxLoRAs,
 			Logger:           log,
 		}
 		if o.events {

@@ -3,6 +3,8 @@ package server
 import (
 	"slices"
 	"strconv"
+	"strings"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -21,7 +23,7 @@ type metrics struct {
 // vLLM's TTFT buckets (vllm/v1/metrics/loggers.py), in seconds.
 var ttftBuckets = []float64{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0}
 
-func newMetrics(reg prometheus.Registerer, model string, ranks []*driver) *metrics {
+func newMetrics(reg prometheus.Registerer, model string, ranks []*driver, maxLoRA int) *metrics {
 	m := &metrics{
 		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "vllm:time_to_first_token_seconds", Help: "Histogram of time to first token in seconds.",
@@ -77,6 +79,16 @@ func newMetrics(reg prometheus.Registerer, model string, ranks []*driver) *metri
 		pub("kvsim_event_publish_errors_total", "KV-event batches the socket failed to send.", func(p *pubStats) uint64 { return p.errors })
 		pub("kvsim_event_encode_errors_total", "KV-event batches that failed to encode.", func(p *pubStats) uint64 { return p.enc })
 
+		cfg := d.eng.Config()
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "vllm:cache_config_info", Help: "Information of the LLMEngine CacheConfig",
+			ConstLabels: prometheus.Labels{
+				"engine": labels["engine"], "block_size": strconv.Itoa(cfg.BlockSize),
+				"num_gpu_blocks": strconv.Itoa(cfg.GPUBlocks), "num_cpu_blocks": strconv.Itoa(cfg.CPUBlocks),
+				"enable_prefix_caching": "True", "cache_dtype": "auto",
+			},
+		}, func() float64 { return 1 }))
+
 		ttft, e2e, itl := m.ttft.With(labels), m.e2e.With(labels), m.itl.With(labels)
 		last := map[uint64]float64{} // request → time of its previous token (guarded by d.mu)
 		d.obs = func(u sim.Update) {
@@ -96,7 +108,43 @@ func newMetrics(reg prometheus.Registerer, model string, ranks []*driver) *metri
 			}
 		}
 	}
+	reg.MustRegister(&loraInfo{ranks: ranks, maxLoRA: maxLoRA})
 	return m
+}
+
+// loraInfo is vLLM's vllm:lora_requests_info: one sample whose labels list
+// the adapters of running and waiting requests (comma-separated) and whose
+// value is the Unix time of the scrape; LoRA-aware schedulers read it.
+type loraInfo struct {
+	ranks   []*driver
+	maxLoRA int
+}
+
+var loraInfoDesc = prometheus.NewDesc("vllm:lora_requests_info", "Running stats on lora requests.",
+	[]string{"max_lora", "waiting_lora_adapters", "running_lora_adapters"}, nil)
+
+func (l *loraInfo) Describe(ch chan<- *prometheus.Desc) { ch <- loraInfoDesc }
+
+func (l *loraInfo) Collect(ch chan<- prometheus.Metric) {
+	var running, waiting []string
+	for _, d := range l.ranks {
+		d.mu.Lock()
+		r, w := d.eng.ActiveLoRAs()
+		d.mu.Unlock()
+		running, waiting = union(running, r), union(waiting, w)
+	}
+	ch <- prometheus.MustNewConstMetric(loraInfoDesc, prometheus.GaugeValue, float64(time.Now().UnixNano())/1e9,
+		strconv.Itoa(l.maxLoRA), strings.Join(waiting, ","), strings.Join(running, ","))
+}
+
+func union(a, b []string) []string {
+	for _, x := range b {
+		if !slices.Contains(a, x) {
+			a = append(a, x)
+		}
+	}
+	slices.Sort(a)
+	return a
 }
 
 func sortPairs(p [][2]string) {

@@ -137,6 +137,10 @@ type job struct {
 }
 
 func (in *Instance) startJob(w http.ResponseWriter, prompt []uint32, maxTok int, lora, salt string) (*job, bool) {
+	if in.sleeping.Load() {
+		apiError(w, http.StatusServiceUnavailable, "ServiceUnavailableError", "The engine is sleeping; POST /wake_up first.")
+		return nil, false
+	}
 	if len(prompt) == 0 {
 		badRequest(w, "The prompt is empty.")
 		return nil, false
@@ -636,4 +640,25 @@ func (in *Instance) handleReset(w http.ResponseWriter, _ *http.Request) {
 		return
 	}
 	w.WriteHeader(http.StatusOK)
+}
+
+// handleSleep is vLLM's dev-mode /sleep: the engine drops its KV cache
+// (AllBlocksCleared goes out) and serves nothing until /wake_up. Like
+// reset, it needs the engine idle.
+func (in *Instance) handleSleep(w http.ResponseWriter, _ *http.Request) {
+	if err := in.ResetPrefixCache(); err != nil {
+		apiError(w, http.StatusConflict, "ConflictError", "cannot sleep: "+err.Error())
+		return
+	}
+	in.sleeping.Store(true)
+	w.WriteHeader(http.StatusOK)
+}
+
+func (in *Instance) handleWake(w http.ResponseWriter, _ *http.Request) {
+	in.sleeping.Store(false)
+	w.WriteHeader(http.StatusOK)
+}
+
+func (in *Instance) handleIsSleeping(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, map[string]bool{"is_sleeping": in.sleeping.Load()})
 }

@@ -15,6 +15,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -46,6 +47,10 @@ type Config struct {
 	// DefaultMaxTokens applies when a request sets none (default 16, as
 	// vLLM's completions; chat defaults to the same here).
 	DefaultMaxTokens int
+	// MaxLoRAs is reported as max_lora in vllm:lora_requests_info (default
+	// 1, vLLM's --max-loras default); the simulated engine does not limit
+	// adapters per batch.
+	MaxLoRAs int
 
 	// Events configures the KV-event sockets; an empty Endpoint disables them.
 	Events EventsConfig
@@ -102,6 +107,8 @@ type Instance struct {
 
 	loraMu    sync.Mutex // guards loraPaths (engines keep their own LoRA tables)
 	loraPaths map[string]string
+
+	sleeping atomic.Bool // between /sleep and /wake_up: the KV cache is gone, requests are refused
 }
 
 // Start listens, starts the engines' drivers and serves until ctx ends or
@@ -121,6 +128,9 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 	}
 	if cfg.DefaultMaxTokens == 0 {
 		cfg.DefaultMaxTokens = 16
+	}
+	if cfg.MaxLoRAs == 0 {
+		cfg.MaxLoRAs = 1
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -221,7 +231,7 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 			return fail(err)
 		}
 	}
-	in.metrics = newMetrics(in.registry, model, in.ranks)
+	in.metrics = newMetrics(in.registry, model, in.ranks, cfg.MaxLoRAs)
 
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/completions", in.handleCompletions)
@@ -232,6 +242,9 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 	mux.HandleFunc("POST /tokenize", in.handleTokenize)
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	mux.HandleFunc("POST /reset_prefix_cache", in.handleReset)
+	mux.HandleFunc("POST /sleep", in.handleSleep)
+	mux.HandleFunc("POST /wake_up", in.handleWake)
+	mux.HandleFunc("GET /is_sleeping", in.handleIsSleeping)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(in.registry, promhttp.HandlerOpts{}))
 	in.http = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, BaseContext: func(net.Listener) context.Context { return ctx }}
 

@@ -384,12 +384,30 @@ func TestAPISurface(t *testing.T) {
 		t.Fatalf("/tokenize messages: %s", body)
 	}
 
+	// Sleep clears the cache and refuses requests until wake-up.
+	if code, _ := post(t, in.URL()+"/sleep", nil); code != 200 {
+		t.Fatalf("/sleep %d", code)
+	}
+	if _, b := get("/is_sleeping"); !strings.Contains(b, `"is_sleeping":true`) {
+		t.Fatalf("/is_sleeping %s", b)
+	}
+	if code, _ := post(t, in.URL()+"/v1/completions", map[string]any{"prompt": "x"}); code != 503 {
+		t.Fatalf("request while sleeping: %d", code)
+	}
+	if code, _ := post(t, in.URL()+"/wake_up", nil); code != 200 {
+		t.Fatalf("/wake_up %d", code)
+	}
+	if code, _ := post(t, in.URL()+"/v1/completions", map[string]any{"prompt": "x", "max_tokens": 1}); code != 200 {
+		t.Fatalf("request after wake-up: %d", code)
+	}
+
 	// Metrics carry vLLM's names.
 	_, m := get("/metrics")
 	for _, name := range []string{
 		`vllm:num_requests_running{engine="0",model_name="base"}`, `vllm:num_requests_waiting{`,
 		`vllm:kv_cache_usage_perc{`, `vllm:prefix_cache_queries_total{`, `vllm:prefix_cache_hits_total{`,
-		`vllm:time_to_first_token_seconds_bucket{`,
+		`vllm:time_to_first_token_seconds_bucket{`, `vllm:cache_config_info{block_size="16"`,
+		`vllm:lora_requests_info{max_lora="1"`,
 	} {
 		if !strings.Contains(m, name) {
 			t.Errorf("/metrics lacks %s", name)
