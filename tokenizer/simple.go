@@ -1,9 +1,6 @@
 package tokenizer
 
-import (
-	"regexp"
-	"strings"
-)
+import "strings"
 
 // simplePattern is the dummy tokenizer's split regex, verbatim from
 // /work/shared/kv-events/captured/DATA.md ("Caveats → Tokenizer"), which documents
@@ -22,18 +19,56 @@ const simplePattern = `(\{|\}|:|,|-|\.|\?|\!|;|@|#|\$|%|\^|&|\*|\(|\)|\+|\-|_|~|
 // the simulator can be replayed exactly. The zero value is ready to use.
 type Simple struct{}
 
-var (
-	_ ChatTokenizer = Simple{}
-	// simpleRE is compiled once; a *regexp.Regexp is immutable and safe for concurrent use.
-	simpleRE = regexp.MustCompile(simplePattern)
+var _ ChatTokenizer = Simple{}
+
+// Byte classes of simplePattern. Every character the pattern can match is ASCII, so a
+// byte scan is exact for UTF-8 (lead and continuation bytes never match, as a rune
+// outside the pattern never does) and for invalid bytes (U+FFFD to RE2, matching nothing).
+const (
+	simplePunct = 1 << iota // one of the single-character alternatives
+	simpleWord              // \w: [0-9A-Za-z_]
+	simpleSpace             // \s in RE2: [\t\n\f\r ]
 )
 
-// Encode implements Tokenizer. It never fails.
+var simpleClass = func() (t [256]uint8) {
+	for _, c := range []byte(`{}:,-.?!;@#$%^&*()+_~/\><[]="'`) {
+		t[c] |= simplePunct
+	}
+	for c := 0; c < 256; c++ {
+		if c == '_' || (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') {
+			t[c] |= simpleWord
+		}
+	}
+	for _, c := range []byte("\t\n\f\r ") {
+		t[c] |= simpleSpace
+	}
+	return t
+}()
+
+// Encode implements Tokenizer. It never fails. It scans by hand what
+// regexp.FindAllStringIndex(simplePattern) finds (FuzzSimpleEncode proves it), about 20
+// times faster: Simple tokenizes every request of a simulated fleet.
 func (Simple) Encode(text string) ([]uint32, error) {
-	locs := simpleRE.FindAllStringIndex(text, -1)
-	ids := make([]uint32, len(locs))
-	for i, l := range locs {
-		ids[i] = fnv32a(text[l[0]:l[1]])
+	ids := make([]uint32, 0, len(text)/5+1)
+	for i := 0; i < len(text); {
+		start := i
+		switch cls := simpleClass[text[i]]; {
+		case cls&simplePunct != 0:
+			// Leftmost-first alternation: "_" matches alone as a punctuation alternative
+			// before \w+ is tried.
+			i++
+		case cls&simpleWord != 0:
+			for i < len(text) && simpleClass[text[i]]&simpleWord != 0 {
+				i++
+			}
+		default:
+			i++
+			continue
+		}
+		for i < len(text) && simpleClass[text[i]]&simpleSpace != 0 {
+			i++
+		}
+		ids = append(ids, fnv32a(text[start:i]))
 	}
 	return ids, nil
 }

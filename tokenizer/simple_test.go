@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"hash/fnv"
 	"os"
+	"regexp"
 	"slices"
 	"testing"
 )
@@ -152,17 +153,24 @@ func TestSimpleRender(t *testing.T) {
 	}
 }
 
+// FuzzSimpleEncode proves the hand-written scanner equal to the documented regex run by
+// Go's regexp, for any input.
 func FuzzSimpleEncode(f *testing.F) {
 	f.Add("### user: hello, world!\n")
-	f.Add("naïve \x00\xff {}[]")
+	f.Add("naïve \x00\xff {}[] _x x_ __ a\vb a\fb \u00a0 \u3000 '\"\\")
+	re := regexp.MustCompile(simplePattern)
 	f.Fuzz(func(t *testing.T, s string) {
 		ids, err := Simple{}.Encode(s)
 		if err != nil {
 			t.Fatal(err)
 		}
-		// Every id is the hash of a non-empty piece, so there are at most len(s) of them.
-		if len(ids) > len(s) {
-			t.Fatalf("%d ids from %d bytes", len(ids), len(s))
+		locs := re.FindAllStringIndex(s, -1)
+		want := make([]uint32, len(locs))
+		for i, l := range locs {
+			want[i] = fnv32a(s[l[0]:l[1]])
+		}
+		if !slices.Equal(ids, want) {
+			t.Fatalf("Encode(%q) = %v, regexp gives %v", s, ids, want)
 		}
 	})
 }
