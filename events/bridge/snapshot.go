@@ -26,13 +26,15 @@ func (in *instance) resync(ctx context.Context) error {
 		s, err := events.UnmarshalSnapshot(e.Value())
 		if err == nil && s.Instance == in.src.Instance && s.HasSeq {
 			if b, err := events.Decode(s.Batch); err == nil {
+				in.mu.Lock()
 				in.table.Apply(b.Events)
+				in.mu.Unlock()
 				if b.Encoding != 0 {
 					in.enc.Store(uint32(b.Encoding))
 				}
 				snap = &s
 				in.tracker.Set(s.EngineSeq)
-				in.log.Info("recovered block table from snapshot", "blocks", in.table.Len(), "engine_seq", s.EngineSeq)
+				in.log.Info("recovered block table from snapshot", "blocks", s.Blocks, "engine_seq", s.EngineSeq)
 			}
 		}
 		if snap == nil {
@@ -59,7 +61,9 @@ func (in *instance) resync(ctx context.Context) error {
 					in.malformed.Add(1)
 					continue
 				}
+				in.mu.Lock()
 				in.table.Apply(b.Events)
+				in.mu.Unlock()
 				in.tracker.Set(m.Seq)
 			}
 			in.replayed = make(map[uint64][]byte, len(msgs))
@@ -68,13 +72,15 @@ func (in *instance) resync(ctx context.Context) error {
 			}
 			in.replays.Add(1)
 			in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
-			in.log.Info("caught up from replay", "from", from, "messages", len(msgs), "blocks", in.table.Len())
+			in.log.Info("caught up from replay", "from", from, "messages", len(msgs))
 		} else {
 			in.replayFails.Add(1)
 			in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
 			if snap != nil {
 				in.log.Warn("replay cannot close the gap since the snapshot: starting empty", "from", from, "err", err)
+				in.mu.Lock()
 				in.table.Clear()
+				in.mu.Unlock()
 				in.tracker.Reset()
 			} else {
 				in.log.Info("no snapshot and no full replay: starting empty", "err", err)

@@ -596,23 +596,49 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 		c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
 		return
 	}
-	now := time.Now()
 	h, herr := events.ParseEventHeaders(w.header)
+	engineMsg := herr == nil && h.HasSeq && h.Synthetic == ""
+	// LastSeq and hasSeq are written only by this goroutine, so reading
+	// them here without the lock is safe.
+	if engineMsg && in.hasSeq && h.Seq > in.status.LastSeq+1 {
+		// The bridge publishes every engine seq or a clear, so a hole here
+		// means the stream lost messages before we read them (retention
+		// passed us by): the snapshot is the only way back to the truth.
+		c.mu.Lock()
+		in.status.Gaps++
+		c.mu.Unlock()
+		c.m.gaps.Inc()
+		c.cfg.Logger.Warn("consumer: engine seq gap in the stream, reloading snapshot", "instance", w.instance,
+			"last_seq", in.status.LastSeq, "seq", h.Seq)
+		if !c.cfg.SharedIndex {
+			c.load(ctx, w.instance, in)
+			if w.streamSeq != 0 && w.streamSeq <= in.skipUpTo {
+				c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
+				return
+			}
+		}
+	}
 	batch, err := events.Decode(w.data)
+	var res kvindex.ApplyResult
+	var aerr error
+	if err == nil {
+		res, aerr = c.cfg.Applier.Apply(ctx, w.instance, batch.Events)
+	}
+	// Status changes only after Apply, so "at seq N" means applied through N.
+	now := time.Now()
 	c.mu.Lock()
 	st := &in.status
 	st.StreamSeq = max(st.StreamSeq, w.streamSeq)
 	in.lastSeen = now
 	st.State = StateLive
-	if herr == nil && h.HasSeq && h.Synthetic == "" {
-		if in.hasSeq && h.Seq > st.LastSeq+1 {
-			st.Gaps++
-			c.m.gaps.Inc()
-		}
+	if engineMsg {
 		st.LastSeq, in.hasSeq = h.Seq, true
 	}
-	if h.Synthetic == events.SyntheticGap || h.Synthetic == events.SyntheticRestart || h.Synthetic == events.SyntheticResync {
+	switch h.Synthetic {
+	case events.SyntheticGap, events.SyntheticRestart, events.SyntheticResync:
+		// The bridge cleared the instance: seq continuity starts over.
 		st.Clears++
+		in.hasSeq = false
 	}
 	if err != nil {
 		st.Malformed++
@@ -629,10 +655,9 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 	if batch.Unknown > 0 {
 		c.m.unknown.Add(float64(batch.Unknown))
 	}
-	res, err := c.cfg.Applier.Apply(ctx, w.instance, batch.Events)
-	if err != nil {
+	if aerr != nil {
 		c.m.applyErrors.Inc()
-		c.cfg.Logger.Warn("consumer: apply", "instance", w.instance, "err", err)
+		c.cfg.Logger.Warn("consumer: apply", "instance", w.instance, "err", aerr)
 		return
 	}
 	c.m.messages.WithLabelValues("applied").Inc()
