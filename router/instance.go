@@ -127,7 +127,7 @@ func (i *Instance) Adapters() []string { return slices.Clone(i.adapters.Load().l
 // SetDiscoveredAdapters replaces the adapters learned from the instance's
 // /v1/models; configured adapters are always kept.
 func (i *Instance) SetDiscoveredAdapters(names []string) {
-	s := &adapterSet{names: make(map[string]struct{}, len(names)+len(i.configured))}
+	s := &adapterSet{names: make(map[string]struct{}, len(names)+len(i.configured)), list: []string{}}
 	for _, n := range i.configured {
 		s.names[n] = struct{}{}
 	}

@@ -161,7 +161,10 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	if err != nil {
 		return fmt.Errorf("listen %s: %w", cfg.Listen, err)
 	}
-	servers := []*http.Server{{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}}
+	// No ReadTimeout/WriteTimeout: bodies may be 32 MiB from slow clients and
+	// streams last minutes; ReadHeaderTimeout and IdleTimeout bound idle
+	// connections.
+	servers := []*http.Server{{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute}}
 	listeners := []net.Listener{dataLn}
 	if cfg.AdminListen != "" {
 		adminLn, err := net.Listen("tcp", cfg.AdminListen)
@@ -169,7 +172,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 			dataLn.Close()
 			return fmt.Errorf("listen %s: %w", cfg.AdminListen, err)
 		}
-		servers = append(servers, &http.Server{Handler: srv.AdminHandler(), ReadHeaderTimeout: 10 * time.Second})
+		servers = append(servers, &http.Server{Handler: srv.AdminHandler(), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute})
 		listeners = append(listeners, adminLn)
 	}
 	// Print the bound addresses (":0" in tests picks a free port).
