@@ -179,6 +179,7 @@ func BenchmarkKVAwareDecision(b *testing.B) {
 	holder := w.insts[7]
 	text := strings.Repeat("x", DefaultPrefixLength)
 	body := benchChat()
+	b.Logf("prompt: %d tokens, %d blocks; chat body %d bytes", len(ids), len(ids)/kvTestBS, len(body))
 	b.Run("token_ids", func(b *testing.B) {
 		benchDecide(b, w, s, func() *Request {
 			return &Request{Endpoint: EndpointCompletions, Model: kvTestModel, RoutingText: text, PromptTokens: ids}
