@@ -13,8 +13,8 @@ import (
 // shared tokens out of `groups` prefixes + 50-token question, 100 output
 // tokens) arriving as a Poisson process at rate req/s on one engine, and
 // returns the virtual time it took.
-func benchWorkload(b *testing.B, n, groups int, rate float64, sink func(events.Batch)) time.Duration {
-	e, err := New(Config{}, sink)
+func benchWorkload(b *testing.B, cfg Config, n, groups int, rate float64, sink func(events.Batch)) time.Duration {
+	e, err := New(cfg, sink)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -52,8 +52,12 @@ func benchWorkload(b *testing.B, n, groups int, rate float64, sink func(events.B
 // BenchmarkEngineLongContext measures discrete-event speed: requests
 // simulated per wall second and virtual seconds per wall second.
 func BenchmarkEngineLongContext(b *testing.B) {
-	for _, withEvents := range []bool{false, true} {
-		b.Run(fmt.Sprintf("events=%v", withEvents), func(b *testing.B) {
+	for _, tc := range []struct {
+		withEvents bool
+		algo       HashAlgo
+	}{{false, HashSHA256}, {true, HashSHA256}, {true, HashXXH64}} {
+		withEvents := tc.withEvents
+		b.Run(fmt.Sprintf("events=%v/hash=%d", withEvents, tc.algo), func(b *testing.B) {
 			b.ReportAllocs()
 			var sink func(events.Batch)
 			batches := 0
@@ -63,7 +67,7 @@ func BenchmarkEngineLongContext(b *testing.B) {
 			const n = 200
 			var virtual time.Duration
 			for b.Loop() {
-				virtual += benchWorkload(b, n, 8, 2, sink)
+				virtual += benchWorkload(b, Config{HashAlgo: tc.algo}, n, 8, 2, sink)
 			}
 			b.ReportMetric(float64(b.N*n)/b.Elapsed().Seconds(), "req/s")
 			b.ReportMetric(virtual.Seconds()/b.Elapsed().Seconds(), "virtual-s/s")
@@ -72,14 +76,21 @@ func BenchmarkEngineLongContext(b *testing.B) {
 }
 
 // BenchmarkPromptHashes is the engine-side hashing cost of an 8k prompt
-// (500 sha256 blocks), paid once per admission.
+// (500 blocks), paid once per admission.
 func BenchmarkPromptHashes(b *testing.B) {
-	e, _ := New(Config{}, nil)
-	p := prompt(1, 8000)
-	b.ReportAllocs()
-	b.SetBytes(int64(len(p) * 4))
-	for b.Loop() {
-		_ = e.PromptHashes(p, "", "")
+	for _, algo := range []struct {
+		name string
+		a    HashAlgo
+	}{{"sha256", HashSHA256}, {"xxhash", HashXXH64}} {
+		b.Run(algo.name, func(b *testing.B) {
+			e, _ := New(Config{HashAlgo: algo.a}, nil)
+			p := prompt(1, 8000)
+			b.ReportAllocs()
+			b.SetBytes(int64(len(p) * 4))
+			for b.Loop() {
+				_ = e.PromptHashes(p, "", "")
+			}
+		})
 	}
 }
 

@@ -34,6 +34,8 @@ type Config struct {
 	// HashSeed seeds the engine's block hashes, as PYTHONHASHSEED seeds vLLM's
 	// NONE_HASH: two engines with different seeds hash equal prefixes apart.
 	HashSeed uint64
+	// HashAlgo is the block hash function (default HashSHA256, vLLM's default).
+	HashAlgo HashAlgo
 	// DPRank is written into every event batch as data_parallel_rank.
 	DPRank int
 	// Epoch is the wall-clock time (Unix seconds) of virtual time 0; batch
@@ -101,6 +103,27 @@ const (
 	defaultCPULoadTokensPerSec = 50e9 / 40960
 )
 
+// HashAlgo selects the engine's block hash, as vLLM's --prefix-caching-hash-algo.
+type HashAlgo uint8
+
+const (
+	// HashSHA256: sha256 of the block, low 64 bits (vLLM's default).
+	HashSHA256 HashAlgo = iota
+	// HashXXH64: xxhash64 of the same bytes (vLLM's "xxhash"); cheaper.
+	HashXXH64
+)
+
+// ParseHashAlgo accepts "sha256" and "xxhash".
+func ParseHashAlgo(s string) (HashAlgo, error) {
+	switch s {
+	case "sha256", "":
+		return HashSHA256, nil
+	case "xxhash":
+		return HashXXH64, nil
+	}
+	return 0, fmt.Errorf("%w: hash algorithm %q (want sha256 or xxhash)", ErrConfig, s)
+}
+
 // ErrConfig is wrapped by every configuration error.
 var ErrConfig = errors.New("sim: invalid config")
 
@@ -159,6 +182,8 @@ func (c Config) withDefaults() (Config, error) {
 		return c, fmt.Errorf("%w: max num seqs %d < 1", ErrConfig, c.MaxNumSeqs)
 	case c.MaxModelLen < 2:
 		return c, fmt.Errorf("%w: max model len %d < 2", ErrConfig, c.MaxModelLen)
+	case c.HashAlgo > HashXXH64:
+		return c, fmt.Errorf("%w: hash algorithm %d", ErrConfig, c.HashAlgo)
 	case c.DPRank < 0:
 		return c, fmt.Errorf("%w: data-parallel rank %d < 0", ErrConfig, c.DPRank)
 	}

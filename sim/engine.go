@@ -202,7 +202,7 @@ func New(cfg Config, sink func(events.Batch)) (*Engine, error) {
 	e := &Engine{
 		cfg: c, sink: sink,
 		pool:   newPool(c.BlockSize, c.GPUBlocks, c.CPUBlocks, c.CPUWriteThrough),
-		hasher: newHasher(c.HashSeed),
+		hasher: newHasher(c.HashAlgo, c.HashSeed),
 		byID:   make(map[uint64]*request),
 		loras:  make(map[string]LoRA),
 	}

@@ -183,6 +183,8 @@ func TestConfigValidation(t *testing.T) {
 		{"negative FLOPS", Config{Timing: Timing{FLOPS: -1}}, false},
 		{"negative overhead", Config{Timing: Timing{StepOverhead: -time.Millisecond}}, false},
 		{"CPU tier", Config{CPUBlocks: 100}, true},
+		{"xxhash", Config{HashAlgo: HashXXH64}, true},
+		{"unknown hash", Config{HashAlgo: 9}, false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -545,7 +547,7 @@ func TestRandomWorkloadEventsMatchCache(t *testing.T) {
 		{GPUBlocks: 40, CPUBlocks: 30, MaxNumBatchedTokens: 128, MaxNumSeqs: 4},
 		{GPUBlocks: 200, CPUBlocks: 15, BlockSize: 4},
 		{GPUBlocks: 40, CPUBlocks: 30, MaxNumBatchedTokens: 128, CPUWriteThrough: true},
-		{GPUBlocks: 60, CPUBlocks: 10, BlockSize: 4, CPUWriteThrough: true},
+		{GPUBlocks: 60, CPUBlocks: 10, BlockSize: 4, CPUWriteThrough: true, HashAlgo: HashXXH64},
 	} {
 		t.Run(fmt.Sprintf("gpu%d_cpu%d_bs%d_wt%v", cfg.GPUBlocks, cfg.CPUBlocks, cfg.BlockSize, cfg.CPUWriteThrough), func(t *testing.T) {
 			h := newHarness(t, cfg)

@@ -4,6 +4,8 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 
+	"github.com/cespare/xxhash/v2"
+
 	"github.com/kvrouter/kvrouter/events"
 )
 
@@ -285,23 +287,36 @@ func (p *pool) clear() bool {
 	return true
 }
 
-// hasher computes the engine's block hashes: sha256 over the parent hash,
-// the block's token ids and its extra keys (LoRA name on every block, cache
-// salt on the first), keeping the low 64 bits of the digest, as vLLM does by
-// default. The root parent is derived from a seed, like vLLM's NONE_HASH
-// from PYTHONHASHSEED, so these values never coincide with the router's
-// xxhash keys: the router must map them from the events' token ids.
+// hasher computes the engine's block hashes over the parent hash, the
+// block's token ids and its extra keys (LoRA name on every block, cache
+// salt on the first), keeping 64 bits of the digest. With HashSHA256 (the
+// default) that is sha256's low 64 bits, as vLLM by default; HashXXH64 is
+// xxhash64 over the same bytes, like vLLM's --prefix-caching-hash-algo
+// xxhash, and is several times cheaper for large simulations. The root
+// parent is derived from a seed, like vLLM's NONE_HASH from
+// PYTHONHASHSEED, so these values never coincide with the router's keys:
+// the router must map them from the events' token ids.
 type hasher struct {
+	algo HashAlgo
 	root uint64
 	buf  []byte
 }
 
-func newHasher(seed uint64) *hasher {
+func newHasher(algo HashAlgo, seed uint64) *hasher {
+	h := &hasher{algo: algo}
 	var b [24]byte
 	copy(b[:], "kvsim-none-hash:")
 	binary.BigEndian.PutUint64(b[16:], seed)
-	sum := sha256.Sum256(b[:])
-	return &hasher{root: nonZero(binary.BigEndian.Uint64(sum[24:]))}
+	h.root = h.sum(b[:])
+	return h
+}
+
+func (h *hasher) sum(b []byte) uint64 {
+	if h.algo == HashXXH64 {
+		return nonZero(xxhash.Sum64(b))
+	}
+	sum := sha256.Sum256(b)
+	return nonZero(binary.BigEndian.Uint64(sum[24:]))
 }
 
 // hash returns the block hash of tokens following parent (root for block 0).
@@ -317,8 +332,7 @@ func (h *hasher) hash(parent uint64, tokens []uint32, lora, salt string) uint64 
 	b = binary.BigEndian.AppendUint16(b, uint16(len(salt)))
 	b = append(b, salt...)
 	h.buf = b
-	sum := sha256.Sum256(b)
-	return nonZero(binary.BigEndian.Uint64(sum[24:]))
+	return h.sum(b)
 }
 
 // nonZero keeps 0 free: some engines send parent 0 to mean "no parent".

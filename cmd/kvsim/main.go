@@ -54,7 +54,7 @@ type options struct {
 	zmqPort, replayPort               int
 	zmqDial, legacyReplay             bool
 	cpuWriteThrough                   bool
-	topic, encoding                   string
+	topic, encoding, hashAlgo         string
 	bufferSteps                       int
 	timeScale                         float64
 	defaultMaxTokens, maxLoRAs        int
@@ -86,6 +86,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.maxBatched, "max-num-batched-tokens", 0, "per-step token budget (0: 8192)")
 	fs.IntVar(&o.maxSeqs, "max-num-seqs", 0, "max requests per step (0: 1024)")
 	fs.IntVar(&o.maxModelLen, "max-model-len", 0, "max prompt+output tokens (0: 131072)")
+	fs.StringVar(&o.hashAlgo, "prefix-caching-hash-algo", "sha256", "engine block hash: sha256 (vLLM's default) or xxhash")
 	fs.Uint64Var(&o.hashSeed, "hash-seed", 0, "block hash seed of instance 0 (instance i uses seed+i, as separate processes would differ)")
 	fs.BoolVar(&o.events, "kv-events", true, "publish KV-cache events over ZMQ")
 	fs.StringVar(&o.zmqHost, "zmq-host", "127.0.0.1", "host of the ZMQ endpoints (bind address, or the SUB's address with --zmq-dial)")
@@ -160,6 +161,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready fun
 	if err != nil {
 		return fmt.Errorf("--event-encoding: %w", err)
 	}
+	algo, err := sim.ParseHashAlgo(o.hashAlgo)
+	if err != nil {
+		return fmt.Errorf("--prefix-caching-hash-algo: %w", err)
+	}
 	loras, err := parseLoRAs(o.loraModules)
 	if err != nil {
 		return err
@@ -184,7 +189,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready fun
 			Engine: sim.Config{
 				Model: o.model, BlockSize: o.blockSize, GPUBlocks: o.gpuBlocks, CPUBlocks: o.cpuBlocks, CPUWriteThrough: o.cpuWriteThrough,
 				MaxNumBatchedTokens: o.maxBatched, MaxNumSeqs: o.maxSeqs, MaxModelLen: o.maxModelLen,
-				HashSeed: o.hashSeed + uint64(i),
+				HashSeed: o.hashSeed + uint64(i), HashAlgo: algo,
 				Timing: sim.Timing{
 					FLOPS: o.flops, FLOPsPerToken: o.flopsPerToken, AttnFLOPsPerPair: o.attnPerPair,
 					WeightReadTime: o.weightRead, KVReadSecondsPerToken: o.kvReadPerToken,

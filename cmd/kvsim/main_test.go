@@ -41,7 +41,7 @@ func TestFlags(t *testing.T) {
 		})
 	}
 	for _, bad := range [][]string{
-		{"--event-encoding", "xml"}, {"--lora-modules", "noequals"}, {"--log-level", "loud"},
+		{"--event-encoding", "xml"}, {"--prefix-caching-hash-algo", "md5"}, {"--lora-modules", "noequals"}, {"--log-level", "loud"},
 		{"--tokenizer-dir", "/nonexistent"}, {"--block-size", "-1", "--kv-events=false"},
 	} {
 		if err := run(context.Background(), append(bad, "--port", "0"), io.Discard, io.Discard, nil); err == nil {
