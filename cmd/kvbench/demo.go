@@ -9,22 +9,41 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
+	"sync"
 	"time"
 
+	"github.com/nats-io/nats.go"
+
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/report"
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
 	simserver "github.com/kvrouter/kvrouter/sim/server"
 )
 
 // localFleet is kvsim instances and a kvrouter in this process, on
-// loopback ports: what the demo and the live-mode tests drive.
+// loopback ports: what the demo and the live-mode tests drive. With
+// events, it is the whole pipeline: each kvsim publishes its KV events over
+// ZMQ, a kvbridge per instance forwards them to an embedded NATS server
+// (JetStream), and the router's events consumer applies them to its
+// in-memory index, which kv_aware reads.
 type localFleet struct {
 	routerURL string
 	insts     []*simserver.Instance
 	srv       *http.Server
+	nats      *events.EmbeddedNATS
+	natsDir   string
+	conn      *nats.Conn
+	consumer  *consumer.Consumer
+	index     *kvindex.Memory
 	cancel    context.CancelFunc
 	done      chan error
+	// bg counts the bridges' and the consumer's goroutines.
+	bg sync.WaitGroup
 }
 
 type fleetSpec struct {
@@ -32,7 +51,20 @@ type fleetSpec struct {
 	GPUTokens int64
 	TimeScale float64
 	Strategy  string
-	Logger    *slog.Logger
+	// Events runs the KV-event pipeline (NATS, bridges, consumer, index),
+	// which kv_aware needs.
+	Events bool
+	Logger *slog.Logger
+}
+
+// freeTCP returns a loopback port that was free a moment ago.
+func freeTCP() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
 func startLocalFleet(ctx context.Context, spec fleetSpec) (*localFleet, error) {
@@ -41,24 +73,56 @@ func startLocalFleet(ctx context.Context, spec fleetSpec) (*localFleet, error) {
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	f := &localFleet{cancel: cancel, done: make(chan error, 1)}
-	pool := router.PoolConfig{Name: "demo", Model: demoModel, Routing: router.RoutingConfig{Strategy: spec.Strategy}}
+	fail := func(err error) (*localFleet, error) {
+		f.Close()
+		return nil, err
+	}
+	const pool = "demo"
+	pc := router.PoolConfig{Name: pool, Model: demoModel, Routing: router.RoutingConfig{Strategy: spec.Strategy}}
+	var sources []bridge.Source
 	for i := range spec.Instances {
-		in, err := simserver.Start(ctx, simserver.Config{
+		id := fmt.Sprintf("sim%d", i)
+		cfg := simserver.Config{
 			Engine:    sim.Config{GPUBlocks: int(spec.GPUTokens / sim.DefaultBlockSize), HashSeed: uint64(i + 1)},
 			TimeScale: spec.TimeScale,
 			Logger:    spec.Logger,
-		})
+		}
+		if spec.Events {
+			pub, err := freeTCP()
+			if err != nil {
+				return fail(err)
+			}
+			rep, err := freeTCP()
+			if err != nil {
+				return fail(err)
+			}
+			cfg.Events = simserver.EventsConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", pub), ReplayEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", rep)}
+		}
+		in, err := simserver.Start(ctx, cfg)
 		if err != nil {
-			f.Close()
-			return nil, fmt.Errorf("kvsim %d: %w", i, err)
+			return fail(fmt.Errorf("kvsim %d: %w", i, err))
 		}
 		f.insts = append(f.insts, in)
-		pool.Instances = append(pool.Instances, router.InstanceConfig{ID: fmt.Sprintf("sim%d", i), URL: in.URL()})
+		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: id, URL: in.URL()})
+		if spec.Events {
+			sources = append(sources, bridge.Source{Instance: id, Endpoint: cfg.Events.Endpoint, ReplayEndpoint: cfg.Events.ReplayEndpoint, URL: in.URL()})
+		}
 	}
-	srv, err := router.NewServer(router.Config{Listen: "127.0.0.1:0", Pools: []router.PoolConfig{pool}, DefaultPool: "demo"}, router.Options{Logger: spec.Logger})
+	var opts router.Options
+	opts.Logger = spec.Logger
+	if spec.Events {
+		if err := f.startEvents(ctx, pool, sources, spec.Logger); err != nil {
+			return fail(err)
+		}
+		pc.Tokenizer = &router.TokenizerConfig{Source: router.TokenSourceSimple}
+		c := f.consumer
+		opts.KV = func(router.PoolConfig) (kvindex.Index, router.Freshness) {
+			return f.index, router.FreshnessFuncs{Healthy: c.Healthy, IsStale: func(id string) bool { return !c.Live(id) }}
+		}
+	}
+	srv, err := router.NewServer(router.Config{Listen: "127.0.0.1:0", Pools: []router.PoolConfig{pc}, DefaultPool: pool}, opts)
 	if err != nil {
-		f.Close()
-		return nil, err
+		return fail(err)
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -71,7 +135,73 @@ func startLocalFleet(ctx context.Context, spec fleetSpec) (*localFleet, error) {
 	return f, nil
 }
 
-// Close stops the router and the instances.
+// startEvents starts the embedded NATS server, one bridge per instance
+// and the router's consumer into a fresh memory index.
+func (f *localFleet) startEvents(ctx context.Context, pool string, sources []bridge.Source, log *slog.Logger) error {
+	dir, err := os.MkdirTemp("", "kvbench-nats-")
+	if err != nil {
+		return err
+	}
+	f.natsDir = dir
+	f.nats, err = events.StartEmbeddedNATS(ctx, events.EmbeddedNATSConfig{Port: -1, StoreDir: dir})
+	if err != nil {
+		return err
+	}
+	f.conn, err = nats.Connect(f.nats.ClientURL(), nats.MaxReconnects(-1))
+	if err != nil {
+		return err
+	}
+	// In-memory stream and bucket: the demo's state need not outlive it.
+	stream := events.StreamConfig{Memory: true}
+	bucket := events.BucketConfig{Memory: true}
+	for _, src := range sources {
+		b, err := bridge.New(bridge.Config{Pool: pool, Model: demoModel, BlockSize: sim.DefaultBlockSize, Sources: []bridge.Source{src},
+			Conn: f.conn, Stream: stream, Bucket: bucket, Logger: log})
+		if err != nil {
+			return err
+		}
+		f.bg.Add(1)
+		go func() {
+			defer f.bg.Done()
+			_ = b.Run(ctx)
+		}()
+	}
+	f.index, err = kvindex.NewMemory(kvindex.MemoryConfig{Model: demoModel, BlockSize: sim.DefaultBlockSize})
+	if err != nil {
+		return err
+	}
+	f.consumer, err = consumer.New(consumer.Config{Conn: f.conn, Pool: pool, Applier: f.index, Stream: stream, Bucket: bucket, Logger: log})
+	if err != nil {
+		return err
+	}
+	f.bg.Add(1)
+	go func() {
+		defer f.bg.Done()
+		_ = f.consumer.Run(ctx)
+	}()
+	// Wait until the consumer runs and every instance is live (the bridges
+	// have announced themselves), so the first requests route exactly.
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		ready := f.consumer.Healthy()
+		for _, src := range sources {
+			ready = ready && f.consumer.Live(src.Instance)
+		}
+		if ready {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("demo: events pipeline not ready after 15s: %+v", f.consumer.Instances())
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// Close stops the router, the pipeline and the instances.
 func (f *localFleet) Close() {
 	if f.srv != nil {
 		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -79,10 +209,20 @@ func (f *localFleet) Close() {
 		cancel()
 		<-f.done
 	}
+	f.cancel()
+	f.bg.Wait()
 	for _, in := range f.insts {
 		_ = in.Close()
 	}
-	f.cancel()
+	if f.conn != nil {
+		f.conn.Close()
+	}
+	if f.nats != nil {
+		f.nats.Shutdown()
+	}
+	if f.natsDir != "" {
+		_ = os.RemoveAll(f.natsDir)
+	}
 }
 
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -90,9 +230,9 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.SetOutput(stderr)
 	instances := fs.Int("instances", 4, "simulated vLLM instances")
 	gpu := fs.String("gpu-tokens", "150K", "GPU KV capacity per instance, tokens (small, so that placement matters)")
-	scale := fs.Float64("time-scale", 4, "engine virtual-time speed-up: the demo's traffic plays this many times faster than real time")
+	scale := fs.Float64("time-scale", 1, "engine virtual-time speed-up: traffic plays this many times faster than real time (router overheads, which are real time, then count this many times over)")
 	dur := fs.Duration("duration", 60*time.Second, "wall-clock time per strategy, about")
-	strategies := fs.String("strategies", "round_robin,prefix_aware", "strategies to compare")
+	strategies := fs.String("strategies", "prefix_aware,kv_aware", "strategies to compare")
 	seed := fs.Int64("seed", 1, "workload seed")
 	out := fs.String("out", "kvbench-demo", "directory for the report files")
 	if err := fs.Parse(args); err != nil {
@@ -116,12 +256,12 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		n++
 	}
 	w.Requests = w.Requests[:n]
-	fl, err := startLocalFleet(ctx, fleetSpec{Instances: *instances, GPUTokens: gpuTokens, TimeScale: *scale})
+	fl, err := startLocalFleet(ctx, fleetSpec{Instances: *instances, GPUTokens: gpuTokens, TimeScale: *scale, Events: true})
 	if err != nil {
 		return err
 	}
 	defer fl.Close()
-	fmt.Fprintf(stdout, "demo: %d kvsim instances (%d GPU tokens each, time scale %g) behind kvrouter at %s\n", *instances, gpuTokens, *scale, fl.routerURL)
+	fmt.Fprintf(stdout, "demo: embedded NATS, %d kvsim instances (%d GPU tokens each, time scale %g) with kvbridges, kvrouter with the in-memory index at %s\n", *instances, gpuTokens, *scale, fl.routerURL)
 	c := newLiveClient(liveConfig{RouterURL: fl.routerURL, TimeScale: *scale, Reset: true})
 	sums, err := liveCompare(ctx, c, w, splitList(*strategies), stdout, stderr)
 	if err != nil {

@@ -59,3 +59,36 @@ func TestLiveAgreesWithDES(t *testing.T) {
 	}
 	t.Logf("hit rate random/prefix_aware: live %.3f/%.3f, des %.3f/%.3f", live[0].HitRate, live[1].HitRate, dsum[0], dsum[1])
 }
+
+// TestLiveKVAwarePipeline drives the demo's whole pipeline — kvsim ZMQ
+// events, kvbridges, embedded NATS, the router's consumer and memory index
+// — with kv_aware, and checks that it routes on what the engines reported.
+func TestLiveKVAwarePipeline(t *testing.T) {
+	ctx := context.Background()
+	w, err := workload.LongContext{Groups: 8, RequestsPerGroup: 5, PrefixTokens: 2000, QuestionTokens: 50, OutputTokens: 8,
+		Arrivals: workload.Arrivals{Rate: 4}}.Generate(5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fl, err := startLocalFleet(ctx, fleetSpec{Instances: 3, GPUTokens: 1_350_000, TimeScale: 2, Strategy: "prefix_aware", Events: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fl.Close()
+	var out, errb bytes.Buffer
+	c := newLiveClient(liveConfig{RouterURL: fl.routerURL, TimeScale: 2, Reset: true})
+	sums, err := liveCompare(ctx, c, w, []string{"kv_aware"}, &out, &errb)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	s := sums[0]
+	if s.Failed != 0 || s.Strategy != "kv_aware" {
+		t.Fatalf("%d of %d failed (%s)", s.Failed, s.Requests, s.Strategy)
+	}
+	if s.Reasons["kv_match"] == 0 || s.HitRate < 0.5 {
+		t.Errorf("kv_aware: hit %.3f, reasons %v", s.HitRate, s.Reasons)
+	}
+	if n, _ := fl.index.Len(ctx); n == 0 {
+		t.Error("the router's index holds no blocks")
+	}
+}
