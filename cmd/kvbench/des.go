@@ -25,6 +25,7 @@ type workloadFlags struct {
 	name      string
 	seed      int64
 	rate      float64
+	conc      int
 	limit     int
 	scale     bool
 	trace     string
@@ -36,6 +37,7 @@ func (f *workloadFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.name, "workload", "long-context", "workload: "+strings.Join(workloadNames, ", "))
 	fs.Int64Var(&f.seed, "seed", 1, "seed for workloads and random choices (same seed, same run)")
 	fs.Float64Var(&f.rate, "rate", 0, "arrival rate, requests/s (0 = the workload's default)")
+	fs.IntVar(&f.conc, "concurrency", 0, "closed loop: keep N requests in flight instead of Poisson arrivals (generated workloads)")
 	fs.IntVar(&f.limit, "limit", 0, "keep only the first N requests (0 = all)")
 	fs.BoolVar(&f.scale, "scale", false, "add a scale-out (+2 instances at 1/3) and a scale-in (-2 at 2/3)")
 	fs.StringVar(&f.trace, "trace", workload.DefaultTracePath, "trace for --workload mooncake")
@@ -43,7 +45,7 @@ func (f *workloadFlags) register(fs *flag.FlagSet) {
 }
 
 func (f *workloadFlags) build() (*workload.Workload, error) {
-	arr := workload.Arrivals{Rate: f.rate}
+	arr := workload.Arrivals{Rate: f.rate, Concurrency: f.conc}
 	var (
 		w   *workload.Workload
 		err error
@@ -62,8 +64,14 @@ func (f *workloadFlags) build() (*workload.Workload, error) {
 	case "cache-pressure":
 		w, err = workload.CachePressure{FleetTokens: f.fleetToks, Arrivals: arr}.Generate(f.seed)
 	case "mix":
+		if f.conc > 0 {
+			return nil, fmt.Errorf("--concurrency: the mix workload is open-loop only")
+		}
 		w, err = mixWorkload(f.seed, f.rate)
 	case "mooncake":
+		if f.conc > 0 {
+			return nil, fmt.Errorf("--concurrency: a trace replays at its own times")
+		}
 		var recs []workload.TraceRecord
 		if recs, err = workload.OpenTrace(f.trace); err == nil {
 			w, err = workload.TraceReplay{Name: "mooncake", Speed: f.speed, Limit: f.limit}.Workload(recs)
