@@ -21,7 +21,7 @@ import (
 const model = "meta-llama/Llama-3.1-8B-Instruct"
 
 type harness struct {
-	t    *testing.T
+	t    testing.TB
 	srv  *router.Server
 	ts   *httptest.Server
 	ups  []*routertest.Upstream
@@ -30,7 +30,7 @@ type harness struct {
 
 // newHarness starts n fake instances and a router in front of them; mod
 // adjusts the config before the server is built.
-func newHarness(t *testing.T, n int, mod func(*router.Config)) *harness {
+func newHarness(t testing.TB, n int, mod func(*router.Config)) *harness {
 	t.Helper()
 	h := &harness{t: t, byID: map[string]*routertest.Upstream{}}
 	pc := router.PoolConfig{Name: "llama", Model: model, Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true}}
@@ -573,5 +573,48 @@ func TestTenantKeySpreadsEqualPrompts(t *testing.T) {
 	}
 	if len(seen) < 5 {
 		t.Fatalf("40 tenants with the same prompt used %d of 8 instances", len(seen))
+	}
+}
+
+// TestStreamBrokenMidEvent: an upstream that dies in the middle of an event
+// line still leaves the client with a well-formed stream: the partial
+// event is terminated and the error event follows on its own.
+func TestStreamBrokenMidEvent(t *testing.T) {
+	tests := []struct {
+		name, sent string
+	}{
+		{"mid line", "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"choi"},
+		{"after line, before blank", "data: {\"x\":1}\n"},
+		{"at boundary", "data: {\"x\":1}\n\n"},
+		{"before any byte", ""},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Content-Type", "text/event-stream")
+				w.WriteHeader(200)
+				io.WriteString(w, tc.sent)
+				w.(http.Flusher).Flush()
+				panic(http.ErrAbortHandler)
+			}))
+			defer up.Close()
+			h := newHarness(t, 0, func(c *router.Config) {
+				c.Pools[0].Instances = []router.InstanceConfig{{ID: "only", URL: up.URL}}
+			})
+			r := h.do("POST", "/v1/chat/completions", chatBody(model, "x", true), nil)
+			if r.status != 200 || !strings.HasPrefix(string(r.body), tc.sent) {
+				t.Fatalf("status %d body %q", r.status, r.body)
+			}
+			rest := string(r.body[len(tc.sent):])
+			// Everything after what the upstream sent: the end of the broken
+			// event (if any), the error event, [DONE].
+			i := strings.Index(rest, "data: {\"error\"")
+			if i < 0 || !strings.HasSuffix(rest, "\n\ndata: [DONE]\n\n") {
+				t.Fatalf("no error event after %q: %q", tc.sent, rest)
+			}
+			if whole := tc.sent + rest[:i]; whole != "" && !strings.HasSuffix(whole, "\n\n") {
+				t.Fatalf("error event not at an event boundary: %q", whole)
+			}
+		})
 	}
 }
