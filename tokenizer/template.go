@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"regexp"
+	"strconv"
 	"strings"
 	"time"
 
@@ -42,8 +44,17 @@ var _ ChatTemplate = (*JinjaTemplate)(nil)
 // content-format detection decides between "string" and "openai" formats.
 var partsLoop = regexp.MustCompile(`for\s+\w+\s+in\s+\w+(?:\[\s*-?\d+\s*\])*(?:\.content|\[\s*['"]content['"]\s*\])`)
 
+// tojsonFilter finds uses of the tojson filter. ardanlabs/jinja's own tojson sorts keys
+// when given indent= (it goes through a Go map), so such templates (Llama 3.1 with tools)
+// would render differently from transformers; the filter is renamed to pyTojsonName, which
+// the engine resolves from the render data when no built-in filter has that name.
+var tojsonFilter = regexp.MustCompile(`\|\s*tojson\b`)
+
+const pyTojsonName = "__kvrouter_tojson"
+
 // NewJinjaTemplate compiles a chat template source.
 func NewJinjaTemplate(src string, cfg TemplateConfig) (*JinjaTemplate, error) {
+	src = tojsonFilter.ReplaceAllLiteralString(src, "| "+pyTojsonName)
 	t, err := jinja.Compile(src)
 	if err != nil {
 		return nil, fmt.Errorf("%w: compile: %w", ErrTemplate, err)
@@ -89,6 +100,7 @@ func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, erro
 		}
 		return jinja.NewString(strftime(now(), args[0].AsString())), nil
 	})
+	data[pyTojsonName] = pyTojson
 	out, err := j.t.RenderValues(data)
 	if err != nil {
 		return "", fmt.Errorf("%w: render: %w", ErrTemplate, err)
@@ -319,4 +331,161 @@ func strftime(t time.Time, format string) string {
 		}
 	}
 	return b.String()
+}
+
+// pyTojson is the tojson filter as transformers defines it for chat templates:
+// json.dumps(x, ensure_ascii=False, indent=indent, separators=separators) — keys in
+// insertion order, no HTML escaping, Python's float repr, and with indent the
+// (",", ": ") separators and one item per line.
+var pyTojson = jinja.NewCallable(pyTojsonName, func(args []jinja.Value, kwargs map[string]jinja.Value) (jinja.Value, error) {
+	if len(args) == 0 {
+		return jinja.Undefined(), errors.New("tojson: missing value")
+	}
+	e := pyJSON{itemSep: ", ", keySep: ": ", indent: -1}
+	if v, ok := kwargs["indent"]; ok && v.IsInt() {
+		e.indent, e.itemSep = int(v.AsInt()), ","
+	}
+	if v, ok := kwargs["separators"]; ok && v.IsList() && v.AsList().Len() == 2 {
+		a, b := v.AsList().Get(0), v.AsList().Get(1)
+		if !a.IsString() || !b.IsString() {
+			return jinja.Undefined(), errors.New("tojson: separators must be two strings")
+		}
+		e.itemSep, e.keySep = a.AsString(), b.AsString()
+	}
+	var sb strings.Builder
+	if err := e.write(&sb, args[0], 0); err != nil {
+		return jinja.Undefined(), err
+	}
+	return jinja.NewString(sb.String()), nil
+})
+
+type pyJSON struct {
+	indent          int // < 0: single line
+	itemSep, keySep string
+}
+
+func (e pyJSON) newline(sb *strings.Builder, level int) {
+	if e.indent < 0 {
+		return
+	}
+	sb.WriteByte('\n')
+	sb.WriteString(strings.Repeat(" ", e.indent*level))
+}
+
+func (e pyJSON) write(sb *strings.Builder, v jinja.Value, level int) error {
+	if level > maxJSONDepth {
+		return errors.New("tojson: value nested too deeply")
+	}
+	switch {
+	case v.IsNone(), v.IsUndefined():
+		sb.WriteString("null")
+	case v.IsBool():
+		sb.WriteString(strconv.FormatBool(v.AsBool()))
+	case v.IsInt():
+		sb.WriteString(strconv.FormatInt(v.AsInt(), 10))
+	case v.IsFloat():
+		sb.WriteString(pyFloat(v.AsFloat()))
+	case v.IsString():
+		pyString(sb, v.AsString())
+	case v.IsList():
+		l := v.AsList()
+		if l.Len() == 0 {
+			sb.WriteString("[]")
+			return nil
+		}
+		sb.WriteByte('[')
+		for i := range l.Len() {
+			if i > 0 {
+				sb.WriteString(e.itemSep)
+			}
+			e.newline(sb, level+1)
+			if err := e.write(sb, l.Get(i), level+1); err != nil {
+				return err
+			}
+		}
+		e.newline(sb, level)
+		sb.WriteByte(']')
+	case v.IsDict():
+		d := v.AsDict()
+		if d.Len() == 0 {
+			sb.WriteString("{}")
+			return nil
+		}
+		sb.WriteByte('{')
+		for i, k := range d.Keys {
+			if i > 0 {
+				sb.WriteString(e.itemSep)
+			}
+			e.newline(sb, level+1)
+			pyString(sb, k)
+			sb.WriteString(e.keySep)
+			val, _ := d.Get(k)
+			if err := e.write(sb, val, level+1); err != nil {
+				return err
+			}
+		}
+		e.newline(sb, level)
+		sb.WriteByte('}')
+	default:
+		return fmt.Errorf("tojson: cannot serialise %s", v.String())
+	}
+	return nil
+}
+
+// pyString writes s as Python's json.dumps(ensure_ascii=False) does: only the quote, the
+// backslash and control characters are escaped.
+func pyString(sb *strings.Builder, s string) {
+	const hex = "0123456789abcdef"
+	sb.WriteByte('"')
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch c {
+		case '"':
+			sb.WriteString(`\"`)
+		case '\\':
+			sb.WriteString(`\\`)
+		case '\n':
+			sb.WriteString(`\n`)
+		case '\r':
+			sb.WriteString(`\r`)
+		case '\t':
+			sb.WriteString(`\t`)
+		case '\b':
+			sb.WriteString(`\b`)
+		case '\f':
+			sb.WriteString(`\f`)
+		default:
+			if c < 0x20 {
+				sb.WriteString(`\u00`)
+				sb.WriteByte(hex[c>>4])
+				sb.WriteByte(hex[c&0xF])
+			} else {
+				sb.WriteByte(c)
+			}
+		}
+	}
+	sb.WriteByte('"')
+}
+
+// pyFloat formats f as Python's float repr: shortest round-trip digits, positional
+// notation for exponents -4..15 with at least one decimal ("2.0"), scientific otherwise.
+func pyFloat(f float64) string {
+	switch {
+	case math.IsNaN(f):
+		return "NaN"
+	case math.IsInf(f, 1):
+		return "Infinity"
+	case math.IsInf(f, -1):
+		return "-Infinity"
+	}
+	sci := strconv.FormatFloat(f, 'e', -1, 64)
+	exp, _ := strconv.Atoi(sci[strings.IndexByte(sci, 'e')+1:])
+	if exp < -4 || exp >= 16 {
+		return sci
+	}
+	s := strconv.FormatFloat(f, 'f', -1, 64)
+	if !strings.ContainsAny(s, ".") {
+		s += ".0"
+	}
+	return s
 }

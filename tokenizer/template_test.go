@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ardanlabs/jinja"
 )
 
 func TestJinjaTemplate(t *testing.T) {
@@ -58,5 +60,59 @@ func TestJinjaTemplate(t *testing.T) {
 	j, _ = NewJinjaTemplate(`{{ tools }}`, TemplateConfig{})
 	if _, err := j.Render(nil, RenderOptions{Tools: json.RawMessage(`[{`)}); !errors.Is(err, ErrBadMessage) {
 		t.Fatalf("bad tools JSON: %v", err)
+	}
+}
+
+// TestTemplateFeatureVectors renders a template written to exercise what real chat
+// templates use (tojson with indent and separators, items, slicing, "in" on dicts, type
+// tests, namespace, loop variables, string methods, filters) against @huggingface/jinja's
+// output (testdata/refvectors.mjs).
+func TestTemplateFeatureVectors(t *testing.T) {
+	type fvec struct {
+		Template            string          `json:"template"`
+		Messages            []Message       `json:"messages"`
+		Tools               json.RawMessage `json:"tools"`
+		AddGenerationPrompt bool            `json:"add_generation_prompt"`
+		Rendered            string          `json:"rendered"`
+	}
+	vecs := readJSONLines[fvec](t, "testdata/tools/features.jsonl")
+	if len(vecs) != 3 {
+		t.Fatalf("%d vectors", len(vecs))
+	}
+	for i, v := range vecs {
+		j, err := NewJinjaTemplate(v.Template, TemplateConfig{BOSToken: "<s>"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := j.Render(v.Messages, RenderOptions{AddGenerationPrompt: v.AddGenerationPrompt, Tools: v.Tools})
+		if err != nil || got != v.Rendered {
+			t.Errorf("case %d: %v\n got %q\nwant %q", i, err, got, v.Rendered)
+		}
+	}
+}
+
+func TestPyTojson(t *testing.T) {
+	tests := []struct {
+		src, want string
+	}{
+		{`{{ x | tojson }}`, `{"b": [1, 2.0, 1e+16, 1e-05, 0.0001, 123456789.0], "a": "<&>` + "\u2028" + `\"\\\n\u0001", "c": {}, "d": [], "e": null, "f": true}`},
+		{`{{ x | tojson(indent=2) }}`, "{\n  \"b\": [\n    1,\n    2.0,\n    1e+16,\n    1e-05,\n    0.0001,\n    123456789.0\n  ],\n  \"a\": \"<&>\u2028\\\"\\\\\\n\\u0001\",\n  \"c\": {},\n  \"d\": [],\n  \"e\": null,\n  \"f\": true\n}"},
+		{`{{ x.b | tojson(separators=(",", ":")) }}`, `[1,2.0,1e+16,1e-05,0.0001,123456789.0]`},
+		{`{{ x.a|tojson }}`, `"<&>` + "\u2028" + `\"\\\n\u0001"`},
+	}
+	x, err := jsonValue([]byte(`{"b":[1,2.0,1e16,0.00001,0.0001,123456789.0],"a":"<&>` + "\u2028" + `\"\\\n\u0001","c":{},"d":[],"e":null,"f":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range tests {
+		j, err := NewJinjaTemplate(tt.src, TemplateConfig{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Vars go through FromGoValue (sorted keys); pass the ordered value directly.
+		got, err := j.t.RenderValues(map[string]jinja.Value{"x": x, pyTojsonName: pyTojson})
+		if err != nil || got != tt.want {
+			t.Errorf("%s:\n got %q, %v\nwant %q", tt.src, got, err, tt.want)
+		}
 	}
 }

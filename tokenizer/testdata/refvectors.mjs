@@ -87,3 +87,37 @@ for (const name of ["llama-3.1", "qwen3"]) {
 fs.writeFileSync(path.join(dir, "unicode.jsonl"), texts.map((text) => JSON.stringify({ text,
   "llama-3.1": toks["llama-3.1"].encode(text, { add_special_tokens: false }).ids,
   qwen3: toks.qwen3.encode(text, { add_special_tokens: false }).ids })).join("\n") + "\n");
+
+// Template features real chat templates use, in a template written for this test (it
+// iterates content through a variable so that content is passed as sent, as transformers
+// does, rather than as vLLM's "openai" content format):
+// tojson with indent and separators, items, slicing, "in" on dicts, is mapping/iterable/
+// string, trim, namespace, loop variables, string methods, default, raise-free paths.
+const featureTemplate = `{{- bos_token }}
+{%- set ns = namespace(sys="", n=0) %}
+{%- if messages[0]['role'] == 'system' %}{% set ns.sys = messages[0]['content'] | trim %}{% set messages = messages[1:] %}{% endif %}
+{{- "[SYS]" + ns.sys + "\\n" }}
+{%- if tools is defined and tools is not none %}
+{%- for t in tools %}{{ t | tojson(indent=4) }}{{ "\\n" }}{{ t.function.parameters | tojson(separators=(",", ":")) }}{{ "\\n" }}{% endfor %}
+{%- endif %}
+{%- for message in messages %}
+{%- set ns.n = ns.n + 1 %}
+{%- if 'tool_calls' in message %}
+{%- for tc in message.tool_calls %}{{ tc.function.name }}({% for k, v in tc.function.arguments | items %}{{ k }}={{ v | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}){% endfor %}
+{%- elif message.content is string %}
+{{- loop.index ~ ":" ~ message.role | upper ~ ":" ~ message.content.strip().replace("\\n", " ") ~ ("" if loop.last else "|") }}
+{%- elif message.content is iterable %}
+{%- set parts = message.content %}{%- for p in parts %}<{{ p.type }}>{{ p.text | default("") }}{% endfor %}
+{%- endif %}
+{%- endfor %}
+{{- "\\n#" ~ ns.n ~ (" +gen" if add_generation_prompt else "") }}`;
+const featureCases = [
+  { messages: [{ role: "system", content: "  sys prompt \\n" }, { role: "user", content: "a\\nb  " }, { role: "assistant", content: "ok" }], add_generation_prompt: true, tools },
+  { messages: [{ role: "user", content: "call" }, { role: "assistant", content: null, tool_calls: [{ type: "function", function: { name: "f", arguments: { z: 1.5, a: [true, null, "x\u2028y\u0001"], m: { k: 2.0 } } } }] }], add_generation_prompt: false },
+  { messages: [{ role: "user", content: "short" }], add_generation_prompt: true },
+];
+{
+  const ft = new Template(featureTemplate);
+  const lines = featureCases.map((c) => JSON.stringify({ template: featureTemplate, ...c, rendered: ft.render({ ...c, bos_token: "<s>" }) }));
+  fs.writeFileSync(path.join(dir, "tools", "features.jsonl"), lines.join("\n") + "\n");
+}
