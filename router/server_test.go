@@ -618,3 +618,23 @@ func TestStreamBrokenMidEvent(t *testing.T) {
 		})
 	}
 }
+
+// TestInstanceURLPathPrefix: an instance URL with a path (a server behind a
+// path-routing gateway) keeps it in front of the request path.
+func TestInstanceURLPathPrefix(t *testing.T) {
+	u := routertest.New(t, "gw", model)
+	h := newHarness(t, 0, func(c *router.Config) {
+		c.Pools[0].Instances = []router.InstanceConfig{{ID: "gw", URL: u.URL() + "/tenant-a/"}}
+	})
+	for _, tc := range []struct{ path, want string }{
+		{"/v1/chat/completions", "/tenant-a/v1/chat/completions"},
+		{"/invocations", "/tenant-a/invocations"},
+	} {
+		if r := h.do("POST", tc.path, chatBody(model, "x", false), nil); r.status != 200 {
+			t.Fatalf("%s: %d %s", tc.path, r.status, r.body)
+		}
+		if p := u.Paths(); p[len(p)-1] != tc.want {
+			t.Fatalf("upstream saw %q, want %q", p[len(p)-1], tc.want)
+		}
+	}
+}
