@@ -155,11 +155,11 @@ func TestMetricNamesScanned(t *testing.T) {
 	// let every dashboard and alert check pass vacuously.
 	for _, n := range []string{
 		"kvrouter_requests_total", "kvrouter_overflows_total", "kvrouter_instance_healthy", // router/metrics.go
-		"kvrouter_kv_decisions_total",                              // router/kvaware_metrics.go
-		"kvrouter_events_lag_seconds",                              // events/consumer/metrics.go
-		"kvbridge_gaps_total",                                      // events/bridge/metrics.go
-		"kvrouter_tier_blocks_evicted_total",                       // tiers/accounting.go
-		"vllm:prefix_cache_hits_total",                             // sim/server/metrics.go
+		"kvrouter_kv_decisions_total",        // router/kvaware_metrics.go
+		"kvrouter_events_lag_seconds",        // events/consumer/metrics.go
+		"kvbridge_gaps_total",                // events/bridge/metrics.go
+		"kvrouter_tier_blocks_evicted_total", // tiers/accounting.go
+		"vllm:prefix_cache_hits_total",       // sim/server/metrics.go
 	} {
 		if !names[n] {
 			t.Errorf("metric %s not found in the code scan (%d names found)", n, len(names))

@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"errors"
 	"fmt"
 	"path/filepath"
 	"sort"
@@ -15,6 +16,7 @@ import (
 	policyv1 "k8s.io/api/policy/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	kjson "sigs.k8s.io/json"
 	"sigs.k8s.io/kustomize/api/krusty"
 	"sigs.k8s.io/kustomize/kyaml/filesys"
 	"sigs.k8s.io/yaml"
@@ -91,17 +93,9 @@ func sortedKeys[V any](m map[string]V) []string {
 	return ks
 }
 
-// render builds the kustomization in dir (relative to this module) with
-// kustomize's own library and decodes every object strictly: a field the
-// API type does not have (a typo, a wrong indentation) fails the test.
-func render(t *testing.T, dir string) *bundle {
-	t.Helper()
-	k := krusty.MakeKustomizer(krusty.MakeDefaultOptions())
-	m, err := k.Run(filesys.MakeFsOnDisk(), filepath.FromSlash(dir))
-	if err != nil {
-		t.Fatalf("kustomize build %s: %v", dir, err)
-	}
-	b := &bundle{
+// newBundle returns an empty bundle for dir.
+func newBundle(dir string) *bundle {
+	return &bundle{
 		dir:             dir,
 		namespaces:      map[string]*corev1.Namespace{},
 		deployments:     map[string]*appsv1.Deployment{},
@@ -118,6 +112,19 @@ func render(t *testing.T, dir string) *bundle {
 		podMonitors:     map[string]*monitoringv1.PodMonitor{},
 		rules:           map[string]*monitoringv1.PrometheusRule{},
 	}
+}
+
+// render builds the kustomization in dir (relative to this module) with
+// kustomize's own library and decodes every object strictly: a field the
+// API type does not have (a typo, a wrong indentation) fails the test.
+func render(t *testing.T, dir string) *bundle {
+	t.Helper()
+	k := krusty.MakeKustomizer(krusty.MakeDefaultOptions())
+	m, err := k.Run(filesys.MakeFsOnDisk(), filepath.FromSlash(dir))
+	if err != nil {
+		t.Fatalf("kustomize build %s: %v", dir, err)
+	}
+	b := newBundle(dir)
 	if len(m.Resources()) == 0 {
 		t.Fatalf("%s rendered no objects", dir)
 	}
@@ -184,14 +191,33 @@ func (b *bundle) add(meta objectMeta, y []byte) error {
 	default:
 		return fmt.Errorf("%s (%s): no API type registered in the test; add one rather than skipping it", meta, meta.apiVersion)
 	}
-	if err := yaml.UnmarshalStrict(y, obj); err != nil {
-		return fmt.Errorf("%s: strict decode: %w", meta, err)
+	if err := decodeStrict(y, obj); err != nil {
+		return fmt.Errorf("%s: %w", meta, err)
 	}
 	if obj.GetName() == "" {
 		return fmt.Errorf("%s: no metadata.name", meta)
 	}
 	store()
 	b.objects = append(b.objects, meta)
+	return nil
+}
+
+// decodeStrict decodes YAML the way the API server's strict field
+// validation does: duplicate keys, unknown fields and fields spelt in the
+// wrong case (encoding/json would match "targetport" to targetPort) are
+// errors.
+func decodeStrict(y []byte, obj any) error {
+	j, err := yaml.YAMLToJSONStrict(y)
+	if err != nil {
+		return fmt.Errorf("yaml: %w", err)
+	}
+	strictErrs, err := kjson.UnmarshalStrict(j, obj, kjson.DisallowDuplicateFields, kjson.DisallowUnknownFields)
+	if err != nil {
+		return fmt.Errorf("decode: %w", err)
+	}
+	if len(strictErrs) > 0 {
+		return fmt.Errorf("strict decode: %w", errors.Join(strictErrs...))
+	}
 	return nil
 }
 
