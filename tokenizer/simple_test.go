@@ -180,11 +180,9 @@ func BenchmarkSimpleEncode(b *testing.B) {
 	for len(text) < 32<<10 {
 		text += "india silver glacier echo, quebec hotel: indigo (glacier) yellow-blue mountain.\n"
 	}
-	b.SetBytes(int64(len(text)))
-	b.ReportAllocs()
-	for b.Loop() {
+	cpuLoop(b, len(text), func() {
 		if _, err := (Simple{}).Encode(text); err != nil {
 			b.Fatal(err)
 		}
-	}
+	})
 }
