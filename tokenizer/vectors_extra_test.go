@@ -164,3 +164,36 @@ func TestCachesAgree(t *testing.T) {
 		t.Fatal("prepend_scheme first: start-of-input and mid-input segments encoded alike")
 	}
 }
+
+// TestConcurrentEncode: one tokenizer shared by goroutines (as the router shares it across
+// requests) gives every goroutine the reference ids; run under -race.
+func TestConcurrentEncode(t *testing.T) {
+	tok := loadModel(t, "llama-3.1")
+	shared := *tok
+	shared.cache, shared.segs = newPieceCache(64), newSegmentCache(4096) // small: shards clear often
+	vecs := readJSONLines[vector](t, "testdata/llama-3.1/vectors.jsonl")
+	errs := make(chan error, 4)
+	for g := range 4 {
+		go func() {
+			for i := range vecs {
+				v := vecs[(i+g*31)%len(vecs)]
+				var got []uint32
+				if v.Text != nil {
+					got, _ = shared.Encode(*v.Text)
+				} else {
+					got, _, _ = EncodeChat(&shared, v.Messages, RenderOptions{AddGenerationPrompt: v.AddGenerationPrompt})
+				}
+				if !slices.Equal(got, v.IDs) {
+					errs <- fmt.Errorf("goroutine %d line %d: got %v want %v", g, i, got, v.IDs)
+					return
+				}
+			}
+			errs <- nil
+		}()
+	}
+	for range 4 {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+}
