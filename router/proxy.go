@@ -11,6 +11,7 @@ import (
 	"net/http/httputil"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -409,6 +410,19 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 }
 
 func (b *upstreamBody) Close() error { return b.rc.Close() }
+
+// copyBufferPool recycles ReverseProxy's response copy buffers.
+type copyBufferPool struct{ p sync.Pool }
+
+var _ httputil.BufferPool = (*copyBufferPool)(nil)
+
+func newCopyBufferPool(size int) *copyBufferPool {
+	return &copyBufferPool{p: sync.Pool{New: func() any { b := make([]byte, size); return &b }}}
+}
+
+func (c *copyBufferPool) Get() []byte { return *c.p.Get().(*[]byte) }
+
+func (c *copyBufferPool) Put(b []byte) { c.p.Put(&b) }
 
 // serveModels lists the union of what the pools serve, in OpenAI's shape.
 func (s *Server) serveModels(w http.ResponseWriter, _ *http.Request) {

@@ -159,3 +159,36 @@ func BenchmarkProxyAddedLatency1000RPS(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkHandlerChat is one proxied chat request through the handler
+// (no client connection: an httptest.ResponseRecorder) to a fast upstream
+// on loopback: the router's per-request CPU and allocations, plus one
+// loopback round trip.
+func BenchmarkHandlerChat(b *testing.B) {
+	reply := []byte(`{"id":"cmpl-1","object":"chat.completion","choices":[]}`)
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write(reply)
+	}))
+	defer up.Close()
+	pc := router.PoolConfig{Name: "llama", Model: model, Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true}}
+	for i := range 8 {
+		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: fmt.Sprintf("vllm-%d", i), URL: up.URL})
+	}
+	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		b.Fatal(err)
+	}
+	h := srv.Handler()
+	body := bytes.Replace(chatBody(model, "question", false), []byte("You are a helpful assistant."), []byte(strings.Repeat("be helpful and concise. ", 80)), 1)
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for b.Loop() {
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequest("POST", "/v1/chat/completions", bytes.NewReader(body)))
+		if rec.Code != 200 {
+			b.Fatalf("status %d: %s", rec.Code, rec.Body.Bytes())
+		}
+	}
+}
