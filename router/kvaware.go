@@ -40,6 +40,11 @@ const (
 	ReasonStreamDown Reason = "stream_down"
 )
 
+// maxKeyedTokens bounds the prompt tokens a decision keys and looks up
+// (2^20, eight times a 128k-token context): a hostile prompt of millions
+// of ids must not cost a million-key lookup.
+const maxKeyedTokens = 1 << 20
+
 // ErrNoKVState is returned when kv_aware (or shadow mode) is selected for a
 // pool that has no KV index.
 var ErrNoKVState = errors.New("router: kv_aware needs a KV index for the pool")
@@ -409,6 +414,9 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 		}
 		ev.fallback = ReasonHeuristic
 		return
+	}
+	if len(ids) > maxKeyedTokens {
+		ids = ids[:maxKeyedTokens] // matches are prefixes: the head decides
 	}
 	ev.tokens = len(ids)
 	bs := s.sc.blockSize

@@ -755,3 +755,15 @@ func TestSpeculativeConfirmedThenEvicted(t *testing.T) {
 		t.Fatalf("after eviction: picked %s (%s), want the remaining holder %s", d.Instance.ID(), d.Reason, other.ID())
 	}
 }
+
+// TestKVAwareHugePrompt: a prompt beyond maxKeyedTokens is keyed by its head.
+func TestKVAwareHugePrompt(t *testing.T) {
+	w := newKVWorld(t, 3)
+	tokens := promptTokens(31, maxKeyedTokens+1000)
+	order := RendezvousOrder(kvRequest("huge", tokens), w.insts)
+	w.store(order[2].ID(), tokens[:4*kvTestBS], 0, 4)
+	d := kvPick(t, w.strategy(RoutingConfig{}), kvRequest("huge", tokens), w.insts)
+	if d.Instance != order[2] || d.Reason != ReasonKVMatch || d.Explain.PromptTokens != maxKeyedTokens {
+		t.Fatalf("picked %s (%s), explain %+v", d.Instance.ID(), d.Reason, d.Explain)
+	}
+}

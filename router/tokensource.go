@@ -18,8 +18,15 @@ const (
 	TokenSourceEngine = "engine" // the engine's /tokenize endpoint
 )
 
-// ErrTokenSource reports a token source that cannot be built.
+// ErrTokenSource reports a token source that cannot be built, or a body
+// it cannot tokenize.
 var ErrTokenSource = errors.New("router: token source")
+
+// MaxTokenizeBytes caps the bodies a token source tokenizes: 4 MiB is
+// about a million tokens of text, eight times a 128k-token context. A
+// larger body routes heuristically rather than costing the router
+// hundreds of milliseconds of CPU (the engine will reject it anyway).
+const MaxTokenizeBytes = 4 << 20
 
 var _ TokenSource = (*ChatTokenSource)(nil)
 
@@ -87,6 +94,9 @@ type chatBody struct {
 func (s *ChatTokenSource) Tokens(ctx context.Context, req *Request) ([]uint32, error) {
 	if s == nil || s.Tokenizer == nil {
 		return nil, ErrNoTokens
+	}
+	if len(req.Body) > MaxTokenizeBytes {
+		return nil, fmt.Errorf("%w: body of %d bytes exceeds %d", ErrTokenSource, len(req.Body), MaxTokenizeBytes)
 	}
 	switch req.Endpoint {
 	case EndpointCompletions:

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/kvrouter/kvrouter/tokenizer"
@@ -209,4 +210,12 @@ func FuzzChatTokenSource(f *testing.F) {
 			}
 		}
 	})
+}
+
+func TestTokenSourceBodyCap(t *testing.T) {
+	src, _ := NewTokenSource(&TokenizerConfig{Source: TokenSourceSimple}, PoolConfig{})
+	body := []byte(`{"messages":[{"role":"user","content":"` + strings.Repeat("a ", MaxTokenizeBytes/2) + `"}]}`)
+	if _, err := src.Tokens(context.Background(), &Request{Endpoint: EndpointChatCompletions, Body: body}); !errors.Is(err, ErrTokenSource) {
+		t.Fatalf("oversized body: %v", err)
+	}
 }
