@@ -124,9 +124,13 @@ func benchKeys(b *testing.B, n, bs int) {
 	root := Root("m", "", "")
 	b.ReportAllocs()
 	b.SetBytes(int64(4 * n))
+	ops := 0
+	cpu0 := processCPU()
 	for b.Loop() {
 		dst = AppendKeys(dst[:0], root, toks, bs)
+		ops++
 	}
+	b.ReportMetric(float64(processCPU()-cpu0)/float64(ops), "cpu-ns/op")
 }
 
 func TestBlockKeyEveryLength(t *testing.T) {
