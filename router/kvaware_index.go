@@ -1,0 +1,80 @@
+package router
+
+import (
+	"crypto/tls"
+	"fmt"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/kvindex"
+)
+
+// PoolIndexes are the KV indexes of a configuration's pools, built by
+// NewPoolIndexes from its index: section.
+type PoolIndexes struct {
+	// ByPool holds one index per pool name.
+	ByPool map[string]kvindex.Index
+	rdb    redis.UniversalClient // shared by the pools' Redis indexes; nil for memory
+}
+
+// Close releases the Redis connection, if any.
+func (p *PoolIndexes) Close() error {
+	if p.rdb != nil {
+		return p.rdb.Close()
+	}
+	return nil
+}
+
+// NewPoolIndexes builds one KV index per pool from cfg.Index: the memory
+// backend (capacity index.capacity), or Redis (index.redis: one client
+// shared by all pools, each pool under its own key prefix
+// "<key_prefix>:<pool>", so pools never alias). The block size is the
+// pool's routing.kv.block_size, else learned from events. nil cfg.Index
+// means no index (kv_aware unavailable).
+//
+// The binary feeds each index from the events consumer and passes them to
+// the server through Options.KV.
+func NewPoolIndexes(cfg Config) (*PoolIndexes, error) {
+	out := &PoolIndexes{ByPool: map[string]kvindex.Index{}}
+	ic := cfg.Index
+	if ic == nil {
+		return out, nil
+	}
+	if ic.Backend == "redis" {
+		rc := ic.Redis
+		if rc == nil || len(rc.Addrs) == 0 {
+			return nil, fmt.Errorf("%w: index.redis.addrs: required when index.backend is redis", ErrInvalidConfig)
+		}
+		opts := &redis.UniversalOptions{Addrs: rc.Addrs, DB: rc.DB, Password: rc.Password}
+		if rc.TLS {
+			opts.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12}
+		}
+		out.rdb = redis.NewUniversalClient(opts)
+	}
+	for _, p := range cfg.Pools {
+		bs := 0
+		if p.Routing.KV != nil {
+			bs = p.Routing.KV.BlockSize
+		}
+		var idx kvindex.Index
+		var err error
+		switch ic.Backend {
+		case "", "memory":
+			idx, err = kvindex.NewMemory(kvindex.MemoryConfig{Model: p.Model, BlockSize: bs, Capacity: ic.Capacity})
+		case "redis":
+			prefix := p.Name
+			if ic.Redis.KeyPrefix != "" {
+				prefix = ic.Redis.KeyPrefix + ":" + p.Name
+			}
+			idx, err = kvindex.NewRedis(out.rdb, kvindex.RedisConfig{Prefix: prefix, Model: p.Model, BlockSize: bs, TTL: ic.Redis.TTL})
+		default:
+			err = fmt.Errorf("%w: index.backend %q: want memory or redis", ErrInvalidConfig, ic.Backend)
+		}
+		if err != nil {
+			_ = out.Close()
+			return nil, fmt.Errorf("router: pool %q index: %w", p.Name, err)
+		}
+		out.ByPool[p.Name] = idx
+	}
+	return out, nil
+}
