@@ -767,3 +767,44 @@ func TestKVAwareHugePrompt(t *testing.T) {
 		t.Fatalf("picked %s (%s), explain %+v", d.Instance.ID(), d.Reason, d.Explain)
 	}
 }
+
+// TestReplicasAgree: two router replicas over one shared index (as with
+// the Redis backend), each with its own instances and state, pick the same
+// instance for every prompt, ties included.
+func TestReplicasAgree(t *testing.T) {
+	w := newKVWorld(t, 6)
+	st2, err := NewKVState(KVStateConfig{Pool: "p", Model: kvTestModel, Index: w.idx, Now: w.clock.Now, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var insts2 []*Instance
+	for _, in := range w.insts {
+		c, _ := NewInstance(in.ID(), "http://127.0.0.1:9")
+		insts2 = append(insts2, c)
+	}
+	r1 := w.strategy(RoutingConfig{KV: &KVScoringConfig{SpeculativeTTL: -1}})
+	r2, err := NewKVAware(RoutingConfig{KV: &KVScoringConfig{SpeculativeTTL: -1}}, st2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kvMatches := 0
+	for p := range 40 {
+		tokens := promptTokens(uint32(500+p), 32*kvTestBS)
+		// Two or three instances hold the same blocks: a tie.
+		for k := range 2 + p%2 {
+			w.store(w.insts[(p+k*2)%len(w.insts)].ID(), tokens, 0, 32)
+		}
+		text := fmt.Sprintf("prompt %d", p)
+		d1 := kvPick(t, r1, kvRequest(text, tokens), w.insts)
+		d2 := kvPick(t, r2, kvRequest(text, tokens), insts2)
+		if d1.Instance.ID() != d2.Instance.ID() || d1.Reason != d2.Reason {
+			t.Fatalf("prompt %d: replica 1 picked %s (%s), replica 2 %s (%s)", p, d1.Instance.ID(), d1.Reason, d2.Instance.ID(), d2.Reason)
+		}
+		if d1.Reason == ReasonKVMatch {
+			kvMatches++
+		}
+	}
+	if kvMatches != 40 {
+		t.Errorf("%d of 40 decisions were kv_match", kvMatches)
+	}
+}
