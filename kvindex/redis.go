@@ -459,13 +459,14 @@ func probePositions(n int) []int {
 	return out
 }
 
-// Lookup implements Index, exactly and in at most two round trips: the
-// first reads the instance registry and the probe positions (HGETALL); for
-// each instance holding keys[0], the first probe it lacks bounds its match;
-// the second reads, with HMGET of just those instances, every position
-// below the largest bound not read yet. Every position up to each
-// instance's bound is then known, so the contiguous match is exact even
-// when presence is not prefix-closed.
+// Lookup implements Index in at most two round trips: the first reads the
+// instance registry and the probe positions (HGETALL); for each live
+// instance holding keys[0], the first probe it lacks bounds its match; the
+// second reads, with HMGET of just the instances that need it, the
+// positions below those bounds not read yet. By default that is every
+// such position, so the contiguous match is exact even when presence is
+// not prefix-closed; with PrefixClosedLookup, only the gaps between probes
+// where an instance's tiers change (and the gap below its bound).
 func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 	if len(keys) == 0 {
 		return nil, nil
