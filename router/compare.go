@@ -354,6 +354,20 @@ type CompareSummary struct {
 	Reported ReportedUsage `json:"reported"`
 	// Recent are the last shadow comparisons, newest first.
 	Recent []CompareSample `json:"recent"`
+	// Instances is the load kv_aware sees per instance now.
+	Instances []InstanceLoad `json:"instances"`
+}
+
+// InstanceLoad is the queue input of kv_aware's scoring for one instance.
+type InstanceLoad struct {
+	ID                   string `json:"id"`
+	InFlight             int    `json:"in_flight"`
+	PendingPrefillTokens int64  `json:"pending_prefill_tokens"`
+	PendingRequests      int64  `json:"pending_requests"`
+	// Waiting and Running are the engine's last scraped gauges; nil when
+	// no sample is fresh (scraping off or failing).
+	Waiting *float64 `json:"engine_waiting"`
+	Running *float64 `json:"engine_running"`
 }
 
 // StrategyPrediction is the index's prediction for one strategy's picks.
@@ -395,15 +409,26 @@ type SamplePick struct {
 	PredictedTTFTMs float64 `json:"predicted_ttft_ms"`
 }
 
-// Compare summarises the pool's comparison so far.
-func (st *KVState) Compare(strategy string, shadow bool) CompareSummary {
+// Compare summarises the pool's comparison so far, and the current load of
+// insts as scoring sees it.
+func (st *KVState) Compare(strategy string, shadow bool, insts []*Instance) CompareSummary {
+	loads := make([]InstanceLoad, 0, len(insts))
+	now := st.now()
+	for _, in := range insts {
+		l := InstanceLoad{ID: in.ID(), InFlight: in.InFlight()}
+		l.PendingPrefillTokens, l.PendingRequests = st.PendingPrefill(in.ID())
+		if ls, ok := st.loads.get(in.ID(), now, 3*DefaultScrapeInterval); ok {
+			l.Waiting, l.Running = &ls.waiting, &ls.running
+		}
+		loads = append(loads, l)
+	}
 	c := &st.cmp
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	out := CompareSummary{
 		Pool: st.pool, Strategy: strategy, Shadow: shadow,
 		KVDecisions: map[string]int64{}, Predicted: map[string]StrategyPrediction{},
-		Compared: c.compared, Agreed: c.agreed, Recent: []CompareSample{},
+		Compared: c.compared, Agreed: c.agreed, Recent: []CompareSample{}, Instances: loads,
 	}
 	for r, n := range c.reasons {
 		out.KVDecisions[string(r)] = n
@@ -446,5 +471,5 @@ func (s *Server) serveCompare(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	rc, strat := p.Routing()
-	writeJSON(w, p.kv.Compare(strat.Name(), rc.Shadow))
+	writeJSON(w, p.kv.Compare(strat.Name(), rc.Shadow, p.Instances()))
 }

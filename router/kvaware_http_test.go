@@ -263,6 +263,15 @@ func TestKVAwareHTTP(t *testing.T) {
 		t.Errorf("recent: %+v", sum.Recent)
 	}
 
+	if len(sum.Instances) != 4 {
+		t.Errorf("instances: %+v", sum.Instances)
+	}
+	for _, in := range sum.Instances {
+		if in.PendingPrefillTokens != 0 || in.PendingRequests != 0 || in.InFlight != 0 {
+			t.Errorf("instance %s still has pending work after all responses: %+v", in.ID, in)
+		}
+	}
+
 	// 5. Metrics.
 	mresp, err := http.Get(h.ts.URL + "/metrics")
 	if err != nil {
