@@ -230,3 +230,14 @@ func FuzzReadTrace(f *testing.F) {
 		}
 	})
 }
+
+func BenchmarkPooledBound(b *testing.B) {
+	recs := loadTrace(b)
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := PooledBound(recs, 10_000_000); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(recs)), "ns/request")
+}

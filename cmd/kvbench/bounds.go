@@ -48,7 +48,7 @@ func parseTokens(s string) (int64, error) {
 		mult, s = 1e3, s[:len(s)-1]
 	}
 	f, err := strconv.ParseFloat(s, 64)
-	if err != nil || f < 0 || f*mult > 1e15 {
+	if err != nil || !(f >= 0) || !(f*mult <= 1e15) {
 		return 0, fmt.Errorf("token count %q: want a number >= 0, optionally with K or M", s)
 	}
 	return int64(f*mult + 0.5), nil

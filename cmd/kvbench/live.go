@@ -297,6 +297,13 @@ func (c *liveClient) run(ctx context.Context, w *workload.Workload, strategy str
 	}
 	wg.Wait()
 	res.Wall = time.Since(wallStart)
+	for i := range res.Outcomes {
+		// Requests never sent (the run was cancelled) failed; they did not
+		// finish with a zero TTFT.
+		if o := &res.Outcomes[i]; o.Arrival == 0 && o.Finish == 0 && o.Err == "" && o.Instance == "" {
+			o.Err = "not sent"
+		}
+	}
 	for _, o := range res.Outcomes {
 		res.End = max(res.End, o.Finish)
 	}

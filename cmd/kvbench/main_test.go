@@ -126,3 +126,22 @@ func TestDESKVAware(t *testing.T) {
 		t.Errorf("kv_aware hit %.3f, random %.3f", hit["kv_aware"], hit["random"])
 	}
 }
+
+func FuzzParseTokens(f *testing.F) {
+	for _, s := range []string{"1.35M", "500K", "0", "12", "-1", "1e400M", "NaNk", " 3m "} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		n, err := parseTokens(s)
+		if err != nil {
+			return
+		}
+		if n < 0 || n > 1e15+1 {
+			t.Fatalf("parseTokens(%q) = %d", s, n)
+		}
+		// What humanTokens prints parses back to the same count.
+		if back, err := parseTokens(humanTokens(n)); err != nil || back != n {
+			t.Fatalf("humanTokens(%d) = %q parses to %d, %v", n, humanTokens(n), back, err)
+		}
+	})
+}

@@ -391,3 +391,20 @@ func TestRouterLifecycleAndClock(t *testing.T) {
 		t.Errorf("%d requests tracked, clock ended at %v (run end %v), %d ticks", len(lr.stage), last, res.End, ticks)
 	}
 }
+
+// BenchmarkRun measures the driver's own cost per request (the engine is
+// the trivial FIFO model, so this is queue and bookkeeping work).
+func BenchmarkRun(b *testing.B) {
+	w, err := workload.LongContext{Groups: 500, RequestsPerGroup: 2, PrefixTokens: 64, QuestionTokens: 16, OutputTokens: 4}.Generate(1)
+	if err != nil {
+		b.Fatal(err)
+	}
+	t := &testing.T{}
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := Run(context.Background(), Config{Instances: 16, NewEngine: fifoFactory(t), Router: newRR(), Index: &countIndex{}}, w); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(w.Requests)), "ns/request")
+}
