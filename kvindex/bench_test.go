@@ -231,17 +231,29 @@ func BenchmarkRedisApply(b *testing.B) {
 func BenchmarkRedisLookup512(b *testing.B) {
 	client := redisClient(b)
 	prefix := testenv.UniqueName(b)
-	r, err := NewRedis(client, RedisConfig{Prefix: prefix, Model: testModel, TTL: time.Hour})
+	r, err := NewRedis(client, RedisConfig{Prefix: prefix, Model: testModel, TTL: time.Hour, ExactLookup: true})
 	if err != nil {
 		b.Fatal(err)
 	}
-	fast, err := NewRedis(client, RedisConfig{Prefix: prefix, Model: testModel, TTL: time.Hour, PrefixClosedLookup: true})
+	fast, err := NewRedis(client, RedisConfig{Prefix: prefix, Model: testModel, TTL: time.Hour})
 	if err != nil {
 		b.Fatal(err)
 	}
 	s := newShape(shapeInstances, 2, shapeBlocks, shapeBlocks)
 	s.fill(b, r, 2)
 	miss := Keys(Root(testModel, "", "nobody"), s.tokens, shapeBS)
+	// A chain every instance holds (a fleet-wide system prompt).
+	common := Keys(Root(testModel, "", "common"), s.tokens, shapeBS)
+	for i := 0; i < shapeInstances; i++ {
+		ev := s.evs[0][0]
+		ev.CacheSalt = "common"
+		hs := make([]uint64, len(ev.BlockHashes))
+		for j := range hs {
+			hs[j] = uint64(1<<40) + uint64(j)
+		}
+		ev.BlockHashes = hs
+		mustApply(b, r, fmt.Sprintf("pod-%d", i), ev)
+	}
 	cases := []struct {
 		name string
 		idx  *Redis
@@ -250,7 +262,9 @@ func BenchmarkRedisLookup512(b *testing.B) {
 	}{
 		{"exact/one-holder", r, s.keys(17, 1), 1},
 		{"exact/miss", r, miss, 0},
+		{"exact/all-64-hold", r, common, shapeInstances},
 		{"prefix-closed/one-holder", fast, s.keys(17, 1), 1},
+		{"prefix-closed/all-64-hold", fast, common, shapeInstances},
 	}
 	ctx := context.Background()
 	for _, c := range cases {

@@ -44,14 +44,17 @@ type RedisConfig struct {
 	TTL time.Duration
 	// Now is the clock; nil = time.Now.
 	Now func() time.Time
-	// PrefixClosedLookup trades exactness for speed: a lookup then reads
-	// only the probe positions and the positions around where an
-	// instance's tiers change, assuming that an instance holding blocks i
-	// and j of a chain in the same tiers holds those between (true unless
-	// the engine evicted from the middle of a chain). false = every
-	// position up to each instance's first missing probe is read, so a
-	// hole ends the match exactly where it is. Both take <= 2 round trips.
-	PrefixClosedLookup bool
+	// ExactLookup makes every lookup read each chain position up to each
+	// instance's first missing probe, so that a hole in the middle of a
+	// chain ends the match exactly where it is. The default (false)
+	// assumes presence is prefix-closed per tier between two probes that
+	// show the same tiers — vLLM frees a request's blocks last-first, so
+	// chains are evicted from their ends — and reads only the gaps where
+	// an instance's tiers change and the gap below its first missing
+	// probe. Both take at most two round trips; the default reads ~10
+	// positions for a fully held 512-block chain, exact mode ~500 per
+	// holding instance (20 ms with 64 holders, see docs/benchmarks).
+	ExactLookup bool
 }
 
 func (c RedisConfig) validate() error {
@@ -89,7 +92,7 @@ type Redis struct {
 	now    func() time.Time
 	bs     blockSizer
 
-	prefixClosed bool
+	exact bool // ExactLookup
 	ttlArg       any      // TTL in seconds, boxed once
 	bitsArg      [256]any // tier-bit values as Redis strings, boxed once
 
@@ -107,7 +110,7 @@ func NewRedis(client redis.UniversalClient, cfg RedisConfig) (*Redis, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	r := &Redis{rdb: client, prefix: cfg.Prefix, model: cfg.Model, ttl: cfg.TTL, now: cfg.Now, prefixClosed: cfg.PrefixClosedLookup}
+	r := &Redis{rdb: client, prefix: cfg.Prefix, model: cfg.Model, ttl: cfg.TTL, now: cfg.Now, exact: cfg.ExactLookup}
 	if r.prefix == "" {
 		r.prefix = DefaultRedisPrefix
 	}
@@ -463,10 +466,9 @@ func probePositions(n int) []int {
 // instance registry and the probe positions (HGETALL); for each live
 // instance holding keys[0], the first probe it lacks bounds its match; the
 // second reads, with HMGET of just the instances that need it, the
-// positions below those bounds not read yet. By default that is every
-// such position, so the contiguous match is exact even when presence is
-// not prefix-closed; with PrefixClosedLookup, only the gaps between probes
-// where an instance's tiers change (and the gap below its bound).
+// positions below those bounds that the probes leave open: the gaps where
+// an instance's tiers change and the gap below its bound, or, with
+// ExactLookup, every position not probed.
 func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 	if len(keys) == 0 {
 		return nil, nil
@@ -515,10 +517,10 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 		maxBound = max(maxBound, c.bound)
 	}
 	// Fill in each candidate's bits below its bound: probes are known;
-	// the positions between two probes are read in round two, unless the
-	// index is configured to trust prefix-closure and both probes show the
-	// same cumulative tiers (then they are assumed alike). The gap below
-	// the bound is always read: the match ends somewhere inside it.
+	// the positions between two probes are read in round two, unless both
+	// probes show the same cumulative tiers and the lookup is not exact
+	// (then they are assumed alike). The gap below the bound is always
+	// read: the match ends somewhere inside it.
 	needers := make([][]int, maxBound) // position → candidates to read it for
 	for ci := range cands {
 		c := &cands[ci]
@@ -540,7 +542,7 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 			b := parseBits(pcmds[i].Val()[c.name])
 			c.bits[p] = b
 			var assumed tiers.Set
-			if r.prefixClosed && cumTiers(b) == cumTiers(prevBits) {
+			if !r.exact && cumTiers(b) == cumTiers(prevBits) {
 				assumed = b
 			}
 			gap(prev+1, p, assumed)

@@ -25,8 +25,10 @@ func redisClient(t testing.TB) *redis.Client {
 	return c
 }
 
+// newRedisForTest is the contract and property tests' factory: exact
+// lookups, so that random holes in chains are answered like the reference.
 func newRedisForTest(t *testing.T, cfg factoryConfig) Index {
-	r, err := NewRedis(redisClient(t), RedisConfig{Prefix: testenv.UniqueName(t), Model: cfg.Model, BlockSize: cfg.BlockSize, Now: cfg.Now})
+	r, err := NewRedis(redisClient(t), RedisConfig{Prefix: testenv.UniqueName(t), Model: cfg.Model, BlockSize: cfg.BlockSize, Now: cfg.Now, ExactLookup: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -146,9 +148,10 @@ func TestRedisRoundTrips(t *testing.T) {
 	half := newChain(root, 512, 16, 11, 100_000) // same tokens, another instance's hashes
 	holey := newChain(root, 512, 16, 11, 200_000)
 	offload := newChain(root, 512, 16, 11, 300_000)
-	for _, prefixClosed := range []bool{false, true} {
-		t.Run(fmt.Sprintf("prefixClosed=%v", prefixClosed), func(t *testing.T) {
-			r, trips := newCountedRedis(t, RedisConfig{Model: testModel, PrefixClosedLookup: prefixClosed})
+	for _, exact := range []bool{true, false} {
+		prefixClosed := !exact
+		t.Run(fmt.Sprintf("exact=%v", exact), func(t *testing.T) {
+			r, trips := newCountedRedis(t, RedisConfig{Model: testModel, ExactLookup: exact})
 			mustApply(t, r, "full", c.stored(0, 512))
 			if n := trips.take(); n != 2 {
 				t.Fatalf("Apply of one event took %d round trips, want 2 (read map, write pipeline)", n)
@@ -295,11 +298,11 @@ func FuzzDecodeMapVal(f *testing.F) {
 }
 
 // The contract's chains are short enough that every position is a probe or
-// lies between probes with different tiers, so the prefix-closed lookup
-// must answer it exactly too.
-func TestRedisContractPrefixClosed(t *testing.T) {
+// lies between probes with different tiers, so the default (prefix-closed)
+// lookup must answer it exactly too.
+func TestRedisContractDefaultLookup(t *testing.T) {
 	testIndexContract(t, func(t *testing.T, cfg factoryConfig) Index {
-		r, err := NewRedis(redisClient(t), RedisConfig{Prefix: testenv.UniqueName(t), Model: cfg.Model, BlockSize: cfg.BlockSize, Now: cfg.Now, PrefixClosedLookup: true})
+		r, err := NewRedis(redisClient(t), RedisConfig{Prefix: testenv.UniqueName(t), Model: cfg.Model, BlockSize: cfg.BlockSize, Now: cfg.Now})
 		if err != nil {
 			t.Fatal(err)
 		}
