@@ -92,9 +92,9 @@ type Redis struct {
 	now    func() time.Time
 	bs     blockSizer
 
-	exact bool // ExactLookup
-	ttlArg       any      // TTL in seconds, boxed once
-	bitsArg      [256]any // tier-bit values as Redis strings, boxed once
+	exact   bool     // ExactLookup
+	ttlArg  any      // TTL in seconds, boxed once
+	bitsArg [256]any // tier-bit values as Redis strings, boxed once
 
 	pool sync.Pool // *redisOverlay, reused across Apply calls
 }
