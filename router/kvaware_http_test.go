@@ -330,3 +330,61 @@ func TestKVAwareHTTPSwitching(t *testing.T) {
 		t.Error("kv_aware not listed")
 	}
 }
+
+// TestMidStreamDisconnectReleases: a client that goes away in the middle
+// of a stream (ReverseProxy then aborts the handler with a panic) leaves
+// no request counted in flight and no prefill pending.
+func TestMidStreamDisconnectReleases(t *testing.T) {
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := range 200 {
+			if _, err := fmt.Fprintf(w, "data: {\"i\":%d}\n\n", i); err != nil {
+				return
+			}
+			w.(http.Flusher).Flush()
+			select {
+			case <-r.Context().Done():
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	}))
+	defer up.Close()
+	idx, _ := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvModel, BlockSize: kvBS})
+	pc := router.PoolConfig{Name: "p", Model: kvModel, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
+		Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
+		Instances: []router.InstanceConfig{{ID: "a", URL: up.URL}}}
+	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{
+		Logger: slog.New(slog.DiscardHandler),
+		KV:     func(router.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := httptest.NewServer(srv.Handler())
+	defer ts.Close()
+	body, _ := json.Marshal(map[string]any{"model": kvModel, "prompt": kvPrompt(9, 40*kvBS), "stream": true})
+	resp, err := http.Post(ts.URL+"/v1/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := resp.Body.Read(make([]byte, 16)); err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close() // gone mid-stream
+	p, _ := srv.Pool("p")
+	in := p.Instances()[0]
+	deadline := time.Now().Add(5 * time.Second)
+	for in.InFlight() != 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := in.InFlight(); n != 0 {
+		t.Fatalf("%d requests still in flight after the client left", n)
+	}
+	if tok, n := p.KV().PendingPrefill("a"); tok != 0 || n != 0 {
+		t.Fatalf("pending prefill %d tokens / %d requests after the client left", tok, n)
+	}
+	if got := p.KV().Compare(router.StrategyKVAware, false, nil).Reported.Finished; got != 1 {
+		t.Fatalf("%d observed requests finished, want 1", got)
+	}
+}

@@ -256,11 +256,18 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 		out.ContentLength = int64(len(req.Body))
 		out.Header.Del("Content-Length") // ReverseProxy writes it from ContentLength
 		dec.Instance.Acquire()
-		s.proxy.ServeHTTP(w, out)
-		dec.Instance.Release()
-		if dec.Observer != nil {
-			dec.Observer.Finish(a.status)
-		}
+		func() {
+			// ReverseProxy panics with http.ErrAbortHandler when the copy to
+			// the client fails mid-response (client gone): release anyway,
+			// or the instance would count that request in flight forever.
+			defer func() {
+				dec.Instance.Release()
+				if dec.Observer != nil {
+					dec.Observer.Finish(a.status)
+				}
+			}()
+			s.proxy.ServeHTTP(w, out)
+		}()
 		if !a.retry {
 			s.m.requests.WithLabelValues(pool.Name(), dec.Instance.ID(), strat.Name(), string(dec.Reason), strconv.Itoa(a.status)).Inc()
 			s.log.Debug("request", "pool", pool.Name(), "instance", dec.Instance.ID(), "strategy", strat.Name(), "reason", dec.Reason, "status", a.status, "attempt", n, "stream", req.Stream)
