@@ -88,4 +88,62 @@ func TestAgreesWithCapturedSimulator(t *testing.T) {
 	if n != 13 {
 		t.Fatalf("compared %d requests, want 13", n)
 	}
+
+	// Every block the captured engine stored (its 16 token ids, and whether
+	// it started a chain) was stored by kvsim too. kvsim stores more: it
+	// also caches blocks filled by generated tokens, as vLLM does.
+	capt, err := os.Open("testdata/captured-array.jsonl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer capt.Close()
+	sc = bufio.NewScanner(capt)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	var want []string
+	for sc.Scan() {
+		var line struct {
+			Payload []byte `json:"payload_b64"`
+		}
+		if err := json.Unmarshal(sc.Bytes(), &line); err != nil {
+			t.Fatal(err)
+		}
+		b, err := events.Decode(line.Payload)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, ev := range b.Events {
+			if ev.Kind == events.BlockStored {
+				for i := range ev.BlockHashes {
+					want = append(want, blockKey(ev.TokenIDs[i*16:(i+1)*16], i == 0 && !ev.HasParent))
+				}
+			}
+		}
+	}
+	if len(want) != 144 {
+		t.Fatalf("read %d captured blocks, want 144", len(want))
+	}
+	waitFor(t, "kvsim's events to cover the captured blocks", func() bool {
+		ours := map[string]bool{}
+		for _, m := range s.messages() {
+			b, err := events.Decode(m.Payload)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, ev := range b.Events {
+				if ev.Kind == events.BlockStored && len(ev.TokenIDs) > 0 {
+					for i := range ev.BlockHashes {
+						ours[blockKey(ev.TokenIDs[i*16:(i+1)*16], i == 0 && !ev.HasParent)] = true
+					}
+				}
+			}
+		}
+		for _, k := range want {
+			if !ours[k] {
+				return false
+			}
+		}
+		return true
+	})
 }
+
+func blockKey(tokens []uint32, start bool) string { return fmt.Sprint(start, tokens) }
