@@ -121,10 +121,6 @@ func newMemInstance(name string) *memInstance {
 	return in
 }
 
-func (m *Memory) clock() uint32 {
-	return uint32(m.now().Sub(m.start) / clockUnit)
-}
-
 func (m *Memory) instance(name string) *memInstance {
 	m.mu.RLock()
 	in := m.insts[name]
