@@ -94,7 +94,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.replayPort, "replay-port", 0, "replay ROUTER port of instance 0 rank 0 (0: no replay)")
 	fs.BoolVar(&o.zmqDial, "zmq-dial", false, "connect the PUB sockets to a binding SUB instead of binding")
 	fs.BoolVar(&o.legacyReplay, "legacy-replay", false, "answer replay with [seq, payload] (older vLLM) instead of [topic, seq, payload]")
-	fs.StringVar(&o.topic, "topic", "kv@{host}:{port}@{model}", "event topic; {host}, {port}, {model} are expanded (vLLM's default is \"kv\")")
+	fs.StringVar(&o.topic, "topic", "kv@{host}:{port}@{model}", "event topic; {host}, {port} (HTTP), {rank} and {model} are expanded (vLLM's default is \"kv\")")
 	fs.StringVar(&o.encoding, "event-encoding", "array", "event encoding: array (older vLLM) or map (vLLM ≥ mid-2026)")
 	fs.IntVar(&o.bufferSteps, "buffer-steps", 10000, "replay buffer length in batches")
 	fs.Float64Var(&o.timeScale, "time-scale", 1, "run virtual time this many times faster than real time")

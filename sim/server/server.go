@@ -69,9 +69,11 @@ type EventsConfig struct {
 	// ReplayEndpoint is the replay ROUTER endpoint of rank 0 (port + r per
 	// rank); empty disables replay.
 	ReplayEndpoint string
-	// Topic is the first frame; "{host}", "{port}" (HTTP port + rank) and
-	// "{model}" are expanded (default "kv@{host}:{port}@{model}", the
-	// llm-d-inference-sim convention; vLLM's own default is "kv").
+	// Topic is the first frame; "{host}", "{port}" (the HTTP port),
+	// "{rank}" and "{model}" are expanded (default "kv@{host}:{port}@{model}",
+	// the llm-d-inference-sim convention; vLLM's own default is "kv"). All
+	// ranks of an instance share it by default, as in vLLM, where the rank
+	// is told apart by its port and the batch's data_parallel_rank.
 	Topic string
 	// Encoding of the events (default events.EncodingArray).
 	Encoding events.Encoding
@@ -205,7 +207,7 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 					return fail(err)
 				}
 			}
-			topic := strings.NewReplacer("{host}", host, "{port}", strconv.Itoa(port+r), "{model}", model).Replace(ev.Topic)
+			topic := strings.NewReplacer("{host}", host, "{port}", strconv.Itoa(port), "{rank}", strconv.Itoa(r), "{model}", model).Replace(ev.Topic)
 			pub, err = events.NewZMQPublisher(ctx, events.ZMQPublisherConfig{
 				Endpoint: pubEP, Dial: ev.Dial, ReplayEndpoint: replayEP, Topic: topic,
 				BufferSteps: ev.BufferSteps, LegacyReplay: ev.LegacyReplay,

@@ -479,7 +479,7 @@ func TestDataParallelRanks(t *testing.T) {
 		if err != nil || !b.HasDPRank || b.DPRank != r || m.Seq != 1 {
 			t.Fatalf("rank %d: seq %d rank %d (%v)", r, m.Seq, b.DPRank, err)
 		}
-		if !strings.HasSuffix(m.Topic, fmt.Sprintf(":%d@m", portOf(t, in)+r)) {
+		if !strings.HasSuffix(m.Topic, fmt.Sprintf(":%d@m", portOf(t, in))) {
 			t.Fatalf("rank %d topic %q", r, m.Topic)
 		}
 	}
