@@ -177,6 +177,7 @@ type rigOpts struct {
 	noReplay     bool
 	maxMsgs      int64
 	snapInterval time.Duration
+	buffer       int // bridge outage buffer (0: default)
 }
 
 func newRig(t testing.TB, o rigOpts) *rig {
@@ -235,6 +236,7 @@ func (r *rig) startBridge(o rigOpts) {
 		Conn:              r.conn(),
 		Stream:            r.stream,
 		Bucket:            r.bucket,
+		Buffer:            o.buffer,
 		HeartbeatInterval: 100 * time.Millisecond,
 		SnapshotInterval:  snapEvery,
 		ReplayTimeout:     2 * time.Second,

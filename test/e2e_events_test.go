@@ -80,6 +80,29 @@ func TestE2ENATSRestart(t *testing.T) {
 	}
 }
 
+// A NATS outage longer than the bridge's buffer: the overflow is dropped
+// and counted, and the hole is filled from the engine's replay once NATS
+// is back, so the index still ends equal to the engine.
+func TestE2EOutageBufferOverflow(t *testing.T) {
+	ps := capturedPayloads(t, "array.jsonl")
+	r := newRig(t, rigOpts{buffer: 2})
+	_, a, _ := r.startConsumer(consumer.Config{})
+	r.publish(ps[:5]...) // with a buffer of 2, some are dropped already
+	waitTable(t, a, r.instance, reference(t, ps[:5]...))
+
+	r.ns.Shutdown()
+	r.ns.WaitForShutdown()
+	r.publish(ps[5:20]...)
+	waitFor(t, 10*time.Second, "drops", func() bool { return r.stats().Dropped > 0 })
+	r.ns = r.ns.Restart(t)
+	r.publish(ps[20:]...)
+
+	waitTable(t, a, r.instance, reference(t, ps...))
+	if s := r.stats(); s.Gaps == 0 || s.ReplayFailures != 0 || s.Clears != 1 {
+		t.Fatalf("bridge stats %+v: want gaps from the drops, all replayed, no clear but the start-up one", s)
+	}
+}
+
 // The PUB socket drops batches: the bridge sees the gap and fills it from
 // the engine's replay socket.
 func TestE2EGapFilledFromReplay(t *testing.T) {

@@ -257,6 +257,7 @@ type instance struct {
 	snapSubj  string
 	key       string
 	in        chan events.Message
+	lost      chan struct{} // signalled (cap 1) when enqueue drops
 	started   atomic.Bool
 
 	// Owned by the process goroutine.
@@ -293,6 +294,7 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		sub:    sub,
 		replay: events.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
 		in:     make(chan events.Message, b.cfg.Buffer),
+		lost:   make(chan struct{}, 1),
 		table:  NewTable(b.cfg.MaxBlocks),
 	}
 	in.enc.Store(uint32(events.EncodingMap))
@@ -323,6 +325,13 @@ func (in *instance) enqueue(m events.Message) {
 	default:
 		in.dropped.Add(1)
 		in.b.m.drops.WithLabelValues(in.src.Instance, "buffer_full").Inc()
+		// A dropped message followed by others shows up as a gap; a
+		// dropped tail would not until the engine speaks again, so the
+		// processor is told to catch up once it has drained the buffer.
+		select {
+		case in.lost <- struct{}{}:
+		default:
+		}
 	}
 }
 
@@ -341,8 +350,75 @@ func (in *instance) process(ctx context.Context) {
 			if err := in.handle(ctx, m); err != nil {
 				return
 			}
+		case <-in.lost:
+			for drained := false; !drained; {
+				select {
+				case m := <-in.in:
+					if err := in.handle(ctx, m); err != nil {
+						return
+					}
+				default:
+					drained = true
+				}
+			}
+			depth.Set(0)
+			if err := in.catchUp(ctx); err != nil {
+				return
+			}
 		}
 	}
+}
+
+// catchUp replays everything the engine published after the last message
+// handled, after messages were dropped: the live ones still to come that
+// the replay already covered are recognised as duplicates.
+func (in *instance) catchUp(ctx context.Context) error {
+	last, ok := in.tracker.Last()
+	in.log.Debug("catching up after drops", "last", last, "known", ok)
+	if !ok {
+		return nil
+	}
+	from := last + 1
+	if in.src.ReplayEndpoint == "" {
+		// Without replay the next live message reveals the gap and clears.
+		return nil
+	}
+	var msgs []events.Message
+	err := events.Replay(ctx, in.replay, from, func(m events.Message) bool {
+		msgs = append(msgs, m)
+		return true
+	})
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	if err != nil || !contiguous(msgs, from, false) {
+		in.gaps.Add(1)
+		in.b.m.gaps.WithLabelValues(in.src.Instance).Inc()
+		in.replayFails.Add(1)
+		in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
+		in.log.Warn("dropped messages: replay cannot fill them, clearing instance", "from", from, "err", err)
+		in.tracker.Reset()
+		return in.clear(ctx, events.SyntheticGap)
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	in.gaps.Add(1)
+	in.b.m.gaps.WithLabelValues(in.src.Instance).Inc()
+	in.replays.Add(1)
+	in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
+	in.log.Info("dropped messages filled from replay", "from", from, "messages", len(msgs))
+	if in.replayed == nil {
+		in.replayed = make(map[uint64][]byte, len(msgs))
+	}
+	for _, m := range msgs {
+		if err := in.publishEngine(ctx, m); err != nil {
+			return err
+		}
+		in.tracker.Set(m.Seq)
+		in.replayed[m.Seq] = m.Payload
+	}
+	return nil
 }
 
 // handle publishes one live message after repairing what precedes it.
