@@ -160,3 +160,48 @@ func TestTableApply(t *testing.T) {
 		})
 	}
 }
+
+// BenchmarkTableApply folds the 25 captured batches (144 stores, their
+// evictions, a clear) into a table: the bridge's per-batch work after the
+// decode.
+func BenchmarkTableApply(b *testing.B) {
+	batches := capturedBatches(b, "array.jsonl")
+	blocks := 0
+	for _, bt := range batches {
+		for _, e := range bt.Events {
+			blocks += len(e.BlockHashes)
+		}
+	}
+	tab := NewTable(1 << 16)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		tab.Apply(batches[i%len(batches)].Events)
+	}
+	b.ReportMetric(float64(b.N)/float64(len(batches))*float64(blocks)/b.Elapsed().Seconds(), "blocks/s")
+}
+
+// BenchmarkTableSnapshot renders and encodes a 1,000-block table as a
+// snapshot batch.
+func BenchmarkTableSnapshot(b *testing.B) {
+	tab := NewTable(0)
+	toks := make([]uint32, 16*10)
+	for c := uint64(0); c < 100; c++ {
+		hs := make([]uint64, 10)
+		for i := range hs {
+			hs[i] = c*1000 + uint64(i) + 1
+		}
+		tab.Apply([]events.Event{{Kind: events.BlockStored, BlockHashes: hs, TokenIDs: toks, BlockSize: 16, Medium: "GPU"}})
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	var buf []byte
+	for i := 0; i < b.N; i++ {
+		var err error
+		buf, err = events.Encode(buf[:0], events.Batch{Events: tab.Events()}, events.EncodingMap)
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(len(buf)), "bytes")
+}

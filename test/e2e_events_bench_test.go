@@ -1,0 +1,128 @@
+package test
+
+import (
+	"context"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/kvindex"
+)
+
+// BenchmarkBridgeThroughput: engine messages (the 25 captured batches,
+// cycled) through ZMQ → kvbridge → JetStream publish with ack, on loopback.
+func BenchmarkBridgeThroughput(b *testing.B) {
+	ps := capturedPayloads(b, "array.jsonl")
+	blocks := 0
+	for _, p := range ps {
+		bt, err := events.Decode(p)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, e := range bt.Events {
+			blocks += len(e.BlockHashes)
+		}
+	}
+	r := newRig(b, rigOpts{buffer: 1 << 20})
+	b.ReportAllocs()
+	b.ResetTimer()
+	start := time.Now()
+	for i := 0; i < b.N; i++ {
+		if _, err := r.pub.Publish(ps[i%len(ps)]); err != nil {
+			b.Fatal(err)
+		}
+	}
+	deadline := time.Now().Add(5 * time.Minute)
+	for s := r.stats(); !s.HasSeq || s.EngineSeq < uint64(b.N); s = r.stats() {
+		if time.Now().After(deadline) {
+			b.Fatalf("bridge stuck at %+v", s)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	el := time.Since(start).Seconds()
+	b.StopTimer()
+	if s := r.stats(); s.Dropped != 0 || s.Gaps != 0 {
+		b.Fatalf("bridge dropped messages: %+v", s)
+	}
+	b.ReportMetric(float64(b.N)/el, "batches/s")
+	b.ReportMetric(float64(b.N)/float64(len(ps))*float64(blocks)/el, "blocks/s")
+}
+
+// notifier is an index that reports when a marked block became visible.
+type notifier struct {
+	kvindex.Index
+	seen chan uint64
+}
+
+func (n *notifier) Apply(ctx context.Context, instance string, evs []events.Event) (kvindex.ApplyResult, error) {
+	r, err := n.Index.Apply(ctx, instance, evs)
+	for _, e := range evs {
+		if e.Kind == events.BlockStored && len(e.BlockHashes) > 0 {
+			select {
+			case n.seen <- e.BlockHashes[0]:
+			default:
+			}
+		}
+	}
+	return r, err
+}
+
+// BenchmarkEventToIndexLatency: one BlockStored batch at a time, from the
+// engine's PUB socket to Apply returning in the router's memory index
+// (ZMQ → kvbridge → JetStream → ordered consumer → shard → kvindex).
+func BenchmarkEventToIndexLatency(b *testing.B) {
+	ix, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: "fake-model"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	n := &notifier{Index: ix, seen: make(chan uint64, 16)}
+	r := newRig(b, rigOpts{})
+	cfg := consumer.Config{Conn: r.conn(), Pool: r.pool, Applier: n, Stream: r.stream, Bucket: r.bucket, Logger: quietLogger()}
+	c, err := consumer.New(cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(r.ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = c.Run(ctx) }()
+	b.Cleanup(func() { cancel(); <-done })
+	waitFor(b, 20*time.Second, "consumer healthy", c.Healthy)
+
+	tokens := make([]uint32, 16)
+	lat := make([]time.Duration, 0, b.N)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		marker := uint64(i + 1)
+		tokens[0] = uint32(i)
+		p, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: []events.Event{{Kind: events.BlockStored,
+			BlockHashes: []uint64{marker}, TokenIDs: tokens, BlockSize: 16, Medium: "GPU"}}}, events.EncodingArray)
+		if err != nil {
+			b.Fatal(err)
+		}
+		t0 := time.Now()
+		if _, err := r.pub.Publish(p); err != nil {
+			b.Fatal(err)
+		}
+		timeout := time.After(10 * time.Second)
+	wait:
+		for {
+			select {
+			case h := <-n.seen:
+				if h == marker {
+					break wait
+				}
+			case <-timeout:
+				b.Fatalf("batch %d never reached the index", i)
+			}
+		}
+		lat = append(lat, time.Since(t0))
+	}
+	b.StopTimer()
+	slices.Sort(lat)
+	q := func(f float64) float64 { return float64(lat[int(f*float64(len(lat)-1))].Microseconds()) }
+	b.ReportMetric(q(0.5), "p50-µs")
+	b.ReportMetric(q(0.99), "p99-µs")
+}
