@@ -1,6 +1,7 @@
 package tokenizer
 
 import (
+	"encoding/json"
 	"slices"
 	"testing"
 	"unicode/utf8"
@@ -72,6 +73,49 @@ func FuzzMergeLoops(f *testing.F) {
 		b := m.mergeHeap(m.initialSymbols(nil, s))
 		if !slices.Equal(a, b) {
 			t.Fatalf("%q: naive %v heap %v", s, a, b)
+		}
+	})
+}
+
+// FuzzNewHF: a corrupt tokenizer.json or tokenizer_config.json is an error, never a panic
+// or a runaway allocation, and whatever loads can encode.
+func FuzzNewHF(f *testing.F) {
+	f.Add([]byte(`{"model":{"type":"BPE","vocab":{"a":0,"b":1,"ab":2},"merges":["a b"]}}`), []byte(`{"chat_template":"{{ messages[0].content }}"}`))
+	f.Add([]byte(`{"normalizer":{"type":"Sequence","normalizers":[{"type":"Prepend","prepend":"▁"},{"type":"Replace","pattern":{"String":" "},"content":"▁"}]},"pre_tokenizer":{"type":"Metaspace","replacement":"▁","prepend_scheme":"first","split":true},"added_tokens":[{"id":3,"content":"<s>","special":true}],"model":{"type":"BPE","vocab":{"a":0,"▁":1,"<unk>":2},"merges":[],"unk_token":"<unk>","fuse_unk":true}}`), []byte(`{}`))
+	f.Add([]byte(`{"pre_tokenizer":{"type":"Split","pattern":{"Regex":"\\s+|\\w+"},"behavior":"Removed"},"model":{"type":"BPE","vocab":{"a":4294967295},"merges":[]}}`), []byte(`{"chat_template":[{"name":"default","template":"x"}]}`))
+	f.Fuzz(func(t *testing.T, tj, tc []byte) {
+		tok, err := NewHF(tj, tc, HFConfig{})
+		if err != nil {
+			return
+		}
+		if _, err := tok.Encode("a b <s> ab\n é"); err != nil {
+			t.Fatal(err)
+		}
+		_, _ = tok.Render([]Message{{Role: "user", Content: "a"}}, RenderOptions{})
+	})
+}
+
+// FuzzMessageJSON: any message JSON either fails with ErrBadMessage or round-trips
+// through MarshalJSON to a message with the same content.
+func FuzzMessageJSON(f *testing.F) {
+	f.Add([]byte(`{"role":"user","content":"hi"}`))
+	f.Add([]byte(`{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"u"}}]}`))
+	f.Add([]byte(`{"role":"assistant","content":null,"tool_calls":[{"id":"1","function":{"name":"f","arguments":"{}"}}]}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var m Message
+		if err := json.Unmarshal(b, &m); err != nil {
+			return
+		}
+		out, err := json.Marshal(m)
+		if err != nil {
+			t.Fatalf("marshal %+v: %v", m, err)
+		}
+		var back Message
+		if err := json.Unmarshal(out, &back); err != nil {
+			t.Fatalf("re-read %s: %v", out, err)
+		}
+		if back.Role != m.Role || back.Content != m.Content || back.ContentNull != m.ContentNull || len(back.Parts) != len(m.Parts) {
+			t.Fatalf("round trip %s -> %s changed the message", b, out)
 		}
 	})
 }

@@ -223,6 +223,9 @@ func NewHF(tokenizerJSON, configJSON []byte, cfg HFConfig) (*HF, error) {
 	}
 	var raw, normed []addedToken
 	for _, a := range f.AddedTokens {
+		if int(a.ID) > maxVocabID(len(f.Model.Vocab)+len(f.AddedTokens)) {
+			return nil, fmt.Errorf("%w: added token id %d is far beyond the vocabulary", ErrBadModelFile, a.ID)
+		}
 		tok := addedToken{content: a.Content, id: a.ID, special: a.Special, lstrip: a.Lstrip,
 			rstrip: a.Rstrip, singleWord: a.SingleWord, normalized: a.Normalized && !a.Special}
 		if tok.normalized && t.norm != nil {
@@ -266,6 +269,10 @@ func NewHF(tokenizerJSON, configJSON []byte, cfg HFConfig) (*HF, error) {
 	return t, nil
 }
 
+// maxVocabID bounds ids so a corrupt file cannot make the id table allocate gigabytes:
+// real vocabularies are dense, with at most a few reserved gaps.
+func maxVocabID(entries int) int { return 2*entries + 1<<16 }
+
 // byteLevelAlphabet is GPT-2's bytes_to_unicode table: printable Latin-1 bytes stand for
 // themselves, the rest are shifted to U+0100 onwards, so every byte is a visible character.
 func byteLevelAlphabet() [256]rune {
@@ -294,6 +301,9 @@ func buildBPE(f *hfFile, byteLevel bool) (*bpe, []string, error) {
 	maxID := uint32(0)
 	for _, id := range f.Model.Vocab {
 		maxID = max(maxID, id)
+	}
+	if int(maxID) > maxVocabID(len(f.Model.Vocab)) {
+		return nil, nil, fmt.Errorf("%w: vocabulary id %d for %d entries", ErrBadModelFile, maxID, len(f.Model.Vocab))
 	}
 	idToToken := make([]string, int(maxID)+1)
 	var dec map[rune]byte

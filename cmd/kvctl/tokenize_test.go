@@ -176,3 +176,25 @@ func TestTokenizeErrors(t *testing.T) {
 		t.Fatalf("--help: %v %q", err, out.String())
 	}
 }
+
+// FuzzTokenizeLine: any input line is tokenized or rejected with an error, never a panic,
+// and what comes out is one JSON object.
+func FuzzTokenizeLine(f *testing.F) {
+	f.Add([]byte(`{"text":"hello, world","x":[1,2]}`))
+	f.Add([]byte(`{"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false,"ids":[1],"rendered":"x"}`))
+	f.Add([]byte(`{"messages":[{"role":"user","content":[{"type":"text","text":"a"}]}],"tools":[{"a":1}],"chat_template_kwargs":{"k":true}}`))
+	f.Add([]byte(`{"text":"a","text":"b"}`))
+	tok := tokenizer.Local(tokenizer.Simple{})
+	f.Fuzz(func(t *testing.T, line []byte) {
+		for _, check := range []bool{false, true} {
+			out, _, err := tokenizeLine(context.Background(), line, tok, tokenizer.Simple{}, check)
+			if err != nil {
+				continue
+			}
+			var obj map[string]json.RawMessage
+			if err := json.Unmarshal(out, &obj); err != nil || obj["ids"] == nil {
+				t.Fatalf("%s -> %s: %v", line, out, err)
+			}
+		}
+	})
+}
