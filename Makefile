@@ -32,6 +32,8 @@ deps-test: ## make sure what the tests need is installed (redis-server)
 
 test: lint deps-test ## vet, gofmt, race tests, brief fuzzing
 	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+	# deploy/ is its own module (Kubernetes deps kept out of the main one): docs/deploy.md
+	cd deploy && $(GO) vet ./... && $(GO) test -count=1 -timeout 15m ./...
 	@$(MAKE) --no-print-directory fuzz-brief
 
 test-short: ## quick tests without the race detector
