@@ -105,8 +105,11 @@ func TestCalibrationUnderConcurrency(t *testing.T) {
 				next++
 				h.submit(Request{ID: next, Prompt: prompt(int(next), 5000), MaxTokens: 500}, at)
 			}
-			for range tc.clients {
-				send(0)
+			// Clients start spread over one request's lifetime (≈ 500 ×
+			// 20 ms): started together, a deterministic model keeps them in
+			// lockstep forever, which no real benchmark run does.
+			for k := range tc.clients {
+				send(time.Duration(k) * 10 * time.Second / time.Duration(tc.clients))
 			}
 			var itlSum, ttftSum time.Duration
 			first := map[uint64]Update{}
