@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"hash/fnv"
 	"io"
@@ -195,6 +196,11 @@ func (r *strategyRouter) Pick(ctx context.Context, req *des.RouteRequest, cands 
 		RoutingText:  req.RoutingText,
 		TenantKey:    req.Tenant,
 		PromptTokens: req.Tokens,
+	}
+	if req.CacheSalt != "" {
+		// The router reads cache_salt from the body it forwards, so that
+		// its block keys fold the salt in as the engine's do.
+		rq.Body, _ = json.Marshal(map[string]string{"cache_salt": req.CacheSalt})
 	}
 	d, err := r.s.Pick(ctx, rq, r.cands)
 	if err != nil {

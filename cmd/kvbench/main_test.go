@@ -145,3 +145,28 @@ func FuzzParseTokens(f *testing.F) {
 		}
 	})
 }
+
+// TestDESKVAwareCacheSalt: with a cache salt per tenant the engines key
+// their blocks with the salt, and kv_aware must fold the same salt into
+// its lookups to find them. Arrivals 5 s apart outlive kv_aware's 2 s
+// speculative entries, so matches must come from the index.
+func TestDESKVAwareCacheSalt(t *testing.T) {
+	w, err := workload.MultiTenant{Tenants: 3, Requests: 60, SystemTokens: 1000, Arrivals: workload.Arrivals{Rate: 0.2}}.Generate(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rt, err := newStrategyRouter("kv_aware", routingDefaults(), 1, demoModel)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := rt.desConfig(3, sim.Config{})
+	cfg.SaltByTenant = true
+	res, err := des.Run(context.Background(), cfg, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := report.Summarize(res, 0)
+	if s.Reasons[string(router.ReasonKVMatch)] < 50 || s.HitRate < 0.8 {
+		t.Errorf("salted kv_aware: hit %.3f, reasons %v", s.HitRate, s.Reasons)
+	}
+}

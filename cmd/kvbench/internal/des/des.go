@@ -79,6 +79,8 @@ type RouteRequest struct {
 	RoutingText string
 	// Now is the virtual time of the decision.
 	Now time.Duration
+	// CacheSalt is the cache_salt the request carries to the engine ("" for none).
+	CacheSalt string
 }
 
 // Decision is a router's pick.
@@ -448,7 +450,11 @@ func (r *run) issue(ctx context.Context, i int) {
 	o.Arrival = r.now
 	o.PromptTokens = req.InputTokens()
 	r.tokBuf = req.AppendTokens(r.tokBuf[:0])
-	rr := &RouteRequest{Request: req, Tokens: r.tokBuf, RoutingText: req.TextPrefix(r.cfg.PrefixLength), Now: r.now}
+	salt := ""
+	if r.cfg.SaltByTenant {
+		salt = req.Tenant
+	}
+	rr := &RouteRequest{Request: req, Tokens: r.tokBuf, RoutingText: req.TextPrefix(r.cfg.PrefixLength), Now: r.now, CacheSalt: salt}
 	start := time.Now()
 	d, err := r.cfg.Router.Pick(ctx, rr, r.live)
 	o.Decision = time.Since(start)
@@ -462,10 +468,6 @@ func (r *run) issue(ctx context.Context, i int) {
 		return
 	}
 	o.Instance, o.Reason, o.Overflow = d.Instance, d.Reason, d.Overflow
-	salt := ""
-	if r.cfg.SaltByTenant {
-		salt = req.Tenant
-	}
 	// The engine keeps the prompt slice: give it its own copy.
 	prompt := append([]uint32(nil), r.tokBuf...)
 	if err := in.engine.Submit(EngineRequest{ID: uint64(i), Prompt: prompt, MaxTokens: req.OutputTokens, Adapter: req.Adapter, CacheSalt: salt}, r.now); err != nil {
