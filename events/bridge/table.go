@@ -21,6 +21,11 @@ type block struct {
 	salt      string
 	tiers     tiers.Set
 	elem      *list.Element // in Table.order, oldest first
+	// children counts blocks in the table whose parent this is. A block
+	// that leaves every tier while it has children stays as a ghost
+	// (tiers 0): a snapshot must still be able to key its descendants,
+	// which an index keyed while it was present keeps.
+	children int
 }
 
 // Removal is one tier's blocks removed by an event, for eviction records.
@@ -46,7 +51,8 @@ type TableResult struct {
 // concurrent use; the bridge guards it.
 type Table struct {
 	max       int
-	blocks    map[uint64]*block
+	blocks    map[uint64]*block // held blocks and ghosts
+	ghosts    int
 	order     *list.List // of uint64 engine hashes, insertion order
 	blockSize int
 }
@@ -56,18 +62,43 @@ func NewTable(max int) *Table {
 	return &Table{max: max, blocks: make(map[uint64]*block), order: list.New()}
 }
 
-// Len is the number of blocks held.
-func (t *Table) Len() int { return len(t.blocks) }
+// Len is the number of blocks held (ghosts excluded).
+func (t *Table) Len() int { return len(t.blocks) - t.ghosts }
 
 // BlockSize is the last block size seen in a store (0 before any).
 func (t *Table) BlockSize() int { return t.blockSize }
 
 // Clear drops every block and returns how many there were.
 func (t *Table) Clear() int {
-	n := len(t.blocks)
+	n := t.Len()
 	clear(t.blocks)
 	t.order.Init()
+	t.ghosts = 0
 	return n
+}
+
+// drop deletes a block (ghost: counted as one) and releases its parent.
+func (t *Table) drop(h uint64, b *block, ghost bool) {
+	if ghost {
+		t.ghosts--
+	}
+	t.order.Remove(b.elem)
+	delete(t.blocks, h)
+	for b.hasParent {
+		p := t.blocks[b.parent]
+		if p == nil {
+			return
+		}
+		p.children--
+		if p.tiers != 0 || p.children > 0 {
+			return
+		}
+		// A ghost whose last child went: it goes too.
+		t.ghosts--
+		t.order.Remove(p.elem)
+		delete(t.blocks, b.parent)
+		b = p
+	}
 }
 
 // Apply folds one batch's events into the table, in order.
@@ -97,8 +128,11 @@ func (t *Table) Apply(evs []events.Event) TableResult {
 				}
 				b.tiers &^= tier.Bit()
 				if b.tiers == 0 {
-					t.order.Remove(b.elem)
-					delete(t.blocks, h)
+					if b.children > 0 {
+						t.ghosts++
+					} else {
+						t.drop(h, b, false)
+					}
 				}
 				rm.Hashes = append(rm.Hashes, h)
 			}
@@ -131,6 +165,9 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 			if !b.tiers.Has(tier) {
 				r.Stored++
 			}
+			if b.tiers == 0 {
+				t.ghosts-- // stored again
+			}
 			b.tiers |= tier.Bit()
 			if b.tokens == nil && toks != nil {
 				t.fill(b, e, toks, parent, hasParent, i == 0)
@@ -142,14 +179,20 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 		default:
 			if t.max > 0 && len(t.blocks) >= t.max {
 				oldest := t.order.Front()
-				delete(t.blocks, oldest.Value.(uint64))
-				t.order.Remove(oldest)
+				oh := oldest.Value.(uint64)
+				ob := t.blocks[oh]
+				t.drop(oh, ob, ob.tiers == 0)
 				r.Evicted++
 			}
 			b = &block{tiers: tier.Bit()}
 			t.fill(b, e, toks, parent, hasParent, i == 0)
 			b.elem = t.order.PushBack(h)
 			t.blocks[h] = b
+			if hasParent {
+				if p := t.blocks[parent]; p != nil {
+					p.children++
+				}
+			}
 			r.Stored++
 		}
 		parent, hasParent = h, true
@@ -264,6 +307,9 @@ type Placement struct {
 func (t *Table) Dump() map[uint64]Placement {
 	out := make(map[uint64]Placement, len(t.blocks))
 	for h, b := range t.blocks {
+		if b.tiers == 0 {
+			continue // ghost
+		}
 		out[h] = Placement{Parent: b.parent, HasParent: b.hasParent, Tokens: len(b.tokens), Tiers: b.tiers}
 	}
 	return out

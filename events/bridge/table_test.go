@@ -113,6 +113,32 @@ func TestTableSnapshotRebuilds(t *testing.T) {
 	}
 }
 
+// A parent evicted before its children (the simulator does that) stays as
+// a ghost, so a snapshot keys the children as the live stream did.
+func TestTableGhostSnapshot(t *testing.T) {
+	tab := NewTable(0)
+	toks := make([]uint32, 3*4)
+	tab.Apply([]events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{1, 2, 3}, TokenIDs: toks, BlockSize: 4, Medium: "GPU"},
+		{Kind: events.BlockRemoved, BlockHashes: []uint64{1}, Medium: "GPU"}})
+	evs := tab.Events()
+	if evs[0].Kind != events.BlockStored || len(evs[0].BlockHashes) != 3 || evs[0].HasParent {
+		t.Fatalf("snapshot does not store the chain from its ghost root: %+v", evs[0])
+	}
+	last := evs[len(evs)-1]
+	if last.Kind != events.BlockRemoved || len(last.BlockHashes) != 1 || last.BlockHashes[0] != 1 {
+		t.Fatalf("snapshot does not remove the ghost: %+v", last)
+	}
+	again := NewTable(0)
+	again.Apply(evs)
+	if !reflect.DeepEqual(again.Dump(), tab.Dump()) || again.Len() != 2 {
+		t.Fatalf("rebuilt %v, want %v", again.Dump(), tab.Dump())
+	}
+	tab.Apply([]events.Event{{Kind: events.BlockRemoved, BlockHashes: []uint64{3, 2}, Medium: "GPU"}})
+	if len(tab.blocks) != 0 || tab.ghosts != 0 {
+		t.Fatalf("ghost kept after its children went: %d blocks, %d ghosts", len(tab.blocks), tab.ghosts)
+	}
+}
+
 func TestTableApply(t *testing.T) {
 	st := func(parent uint64, hasParent bool, medium string, hs ...uint64) events.Event {
 		e := events.Event{Kind: events.BlockStored, BlockHashes: hs, ParentHash: parent, HasParent: hasParent, Medium: medium}
@@ -144,6 +170,9 @@ func TestTableApply(t *testing.T) {
 		{"cpu then gpu removal keeps block", 0, []events.Event{st(0, false, "GPU", 1), st(0, false, "CPU", 1), rm("GPU", 1)}, 1, 2, 0, 0, 0, 1},
 		{"clear", 0, []events.Event{st(0, false, "GPU", 1, 2), {Kind: events.AllBlocksCleared}, st(0, false, "GPU", 5)}, 1, 3, 0, 0, 0, 0},
 		{"bounded", 2, []events.Event{st(0, false, "GPU", 1, 2, 3)}, 2, 3, 0, 1, 0, 0},
+		{"ghost parent", 0, []events.Event{st(0, false, "GPU", 1, 2, 3), rm("GPU", 1)}, 2, 3, 0, 0, 0, 1},
+		{"ghost released", 0, []events.Event{st(0, false, "GPU", 1, 2), rm("GPU", 1), rm("GPU", 2)}, 0, 2, 0, 0, 0, 2},
+		{"ghost stored again", 0, []events.Event{st(0, false, "GPU", 1, 2), rm("GPU", 1), st(0, false, "GPU", 1)}, 2, 3, 0, 0, 0, 1},
 		{"sliding window skipped", 0, []events.Event{func() events.Event { e := st(0, false, "GPU", 1); e.GroupIdx = 1; return e }()}, 0, 0, 0, 0, 1, 0},
 	}
 	for _, tc := range tests {
@@ -153,6 +182,15 @@ func TestTableApply(t *testing.T) {
 			removed := 0
 			for _, x := range r.Removed {
 				removed += len(x.Hashes)
+			}
+			ghosts := 0
+			for _, b := range tab.blocks {
+				if b.tiers == 0 {
+					ghosts++
+				}
+			}
+			if ghosts != tab.ghosts || len(tab.Dump()) != tab.Len() {
+				t.Fatalf("ghost count %d, counted %d", tab.ghosts, ghosts)
 			}
 			if tab.Len() != tc.wantLen || r.Stored != tc.wantStore || r.Unplaced != tc.unplaced || r.Evicted != tc.evicted || r.Skipped != tc.skipped || removed != tc.removed {
 				t.Fatalf("len %d result %+v", tab.Len(), r)
