@@ -131,11 +131,11 @@ func (p *Prompt) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
-// ParseOpenAI decodes an OpenAI chat or completions body and checks that it
-// carries what the endpoint needs.
+// ParseOpenAI decodes an OpenAI chat or completions body (validating all
+// of it, see jsonscan.go) and checks that it carries what the endpoint needs.
 func ParseOpenAI(ep Endpoint, body []byte) (*OpenAIRequest, error) {
 	var r OpenAIRequest
-	if err := json.Unmarshal(body, &r); err != nil {
+	if err := decodeOpenAI(body, &r); err != nil {
 		return nil, fmt.Errorf("%w: malformed JSON body: %w", ErrBadRequest, err)
 	}
 	switch ep {

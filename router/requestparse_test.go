@@ -195,3 +195,140 @@ func FuzzParseConfig(f *testing.F) {
 		}
 	})
 }
+
+// parseOpenAIStd is the encoding/json reading of a body: the reference the
+// hand-written decoder is held to.
+func parseOpenAIStd(body []byte) (*OpenAIRequest, error) {
+	var r OpenAIRequest
+	if err := json.Unmarshal(body, &r); err != nil {
+		return nil, err
+	}
+	return &r, nil
+}
+
+// comparableWithStd reports whether body avoids the two places where the
+// decoders differ on purpose: keys equal to a known field only up to case,
+// and a known field repeated in one object.
+func comparableWithStd(body []byte) bool {
+	known := []string{"model", "messages", "prompt", "stream", "prompt_cache_key", "role", "content", "text", "type"}
+	dec := json.NewDecoder(bytes.NewReader(body))
+	type frame struct {
+		obj  bool
+		seen map[string]bool
+		key  bool // next string token is a key
+	}
+	var st []*frame
+	for {
+		tok, err := dec.Token()
+		if err != nil {
+			return true // the end, or invalid: both decoders must reject
+		}
+		var top *frame
+		if len(st) > 0 {
+			top = st[len(st)-1]
+		}
+		switch v := tok.(type) {
+		case json.Delim:
+			switch v {
+			case '{':
+				if top != nil && top.obj {
+					top.key = true
+				}
+				st = append(st, &frame{obj: true, seen: map[string]bool{}, key: true})
+				continue
+			case '[':
+				if top != nil && top.obj {
+					top.key = true
+				}
+				st = append(st, &frame{})
+				continue
+			default:
+				st = st[:len(st)-1]
+				continue
+			}
+		case string:
+			if top != nil && top.obj && top.key {
+				for _, k := range known {
+					if strings.EqualFold(v, k) || equalFoldJSON(v, k) {
+						if v != k || top.seen[k] {
+							return false
+						}
+						top.seen[k] = true
+					}
+				}
+				top.key = false
+				continue
+			}
+		}
+		if top != nil && top.obj {
+			top.key = true
+		}
+	}
+}
+
+// equalFoldJSON is encoding/json's looser folding (it also maps U+017F to
+// 's' and U+212A to 'k').
+func equalFoldJSON(a, b string) bool {
+	r := strings.NewReplacer("\u017f", "s", "\u212a", "k")
+	return strings.EqualFold(r.Replace(a), b)
+}
+
+// FuzzDecodeOpenAIMatchesStd holds the hand-written decoder to
+// encoding/json: same accept/reject and the same fields.
+func FuzzDecodeOpenAIMatchesStd(f *testing.F) {
+	for _, s := range []string{
+		`{"model":"m","messages":[{"role":"user","content":"hi \u00e9 \ud83d\ude00 \ud800 x"}],"stream":true}`,
+		`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"x"},{"type":"image_url"}]},null]}`,
+		`{"model":"m","prompt":[1,2,3],"prompt_cache_key":"k","extra":{"a":[1.5e3,-0,true,false,null]}}`,
+		`{"model":"m","prompt":"long \"quoted\" \\ text\n"}`, `{"prompt":[[1],[2,3]]}`, `{"prompt":["a",null]}`,
+		`null`, ` {} `, `{"model":null,"stream":null,"messages":null,"prompt":null}`,
+		`{"model":5}`, `{"stream":"yes"}`, `{"messages":{}}`, `{"messages":[5]}`, `{"messages":[{"content":7}]}`,
+		`[1]`, `"s"`, `{"a":01}`, `{"a":1.}`, `{"a":-}`, `{"a":"\x01"}`, `{"a":"\q"}`, `{"a":"\u12"}`, `{} x`, `{"a" 1}`, `{,}`, `{"a":1,}`, "{\"a\":\"\xff\"}",
+		`{"model":"m"}` + "\n", `{"Model":"m"}`, `{"model":"a","model":"b"}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		var fast OpenAIRequest
+		ferr := decodeOpenAI(body, &fast)
+		std, serr := parseOpenAIStd(body)
+		if !comparableWithStd(body) {
+			return
+		}
+		if (ferr == nil) != (serr == nil) {
+			t.Fatalf("%q: fast err %v, encoding/json err %v", body, ferr, serr)
+		}
+		if ferr != nil {
+			return
+		}
+		a, _ := json.Marshal(fast)
+		b, _ := json.Marshal(std)
+		if !bytes.Equal(a, b) {
+			t.Fatalf("%q:\nfast %s\nstd  %s", body, a, b)
+		}
+	})
+}
+
+func TestUnquoteMatchesStd(t *testing.T) {
+	for _, s := range []string{`plain`, `tab\there`, `\u00e9\u4e2d`, `\ud83d\ude00`, `\ud800`, `\ud800\u0041`, `\udc00\ud800`, "bad\xffutf8", `\/\b\f\n\r\"\\`} {
+		var want string
+		if err := json.Unmarshal([]byte(`"`+s+`"`), &want); err != nil {
+			t.Fatal(err)
+		}
+		sc := &jscan{b: []byte(`"` + s + `"`)}
+		raw, esc, err := sc.str()
+		if err != nil {
+			t.Fatalf("%q: %v", s, err)
+		}
+		if got := unquote(raw, esc); got != want {
+			t.Errorf("%q: got %q, want %q", s, got, want)
+		}
+	}
+}
+
+func TestDecodeDepthLimit(t *testing.T) {
+	deep := `{"x":` + strings.Repeat("[", 20000) + strings.Repeat("]", 20000) + `}`
+	if _, err := ParseOpenAI(EndpointChatCompletions, []byte(deep)); err == nil {
+		t.Fatal("20,000-deep document accepted")
+	}
+}

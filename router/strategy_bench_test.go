@@ -83,3 +83,21 @@ func BenchmarkCanonicalJSON4KiB(b *testing.B) {
 		_ = RawRoutingText(body, DefaultPrefixLength, true)
 	}
 }
+
+// BenchmarkParseStdJSON32KiB is the same body through encoding/json, the
+// reference the hand-written decoder replaced (jsonscan.go).
+func BenchmarkParseStdJSON32KiB(b *testing.B) {
+	body, _ := json.Marshal(map[string]any{"model": "m", "messages": []map[string]string{
+		{"role": "system", "content": "You are a careful assistant."},
+		{"role": "user", "content": strings.Repeat("lorem ipsum dolor sit amet ", (32<<10)/27+1)[:32<<10]},
+	}})
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for b.Loop() {
+		r, err := parseOpenAIStd(body)
+		if err != nil {
+			b.Fatal(err)
+		}
+		_ = OpenAIRoutingText(r, DefaultPrefixLength)
+	}
+}
