@@ -7,7 +7,7 @@ FUZZTIME  ?= 30s
 TESTFUZZTIME ?= 5s
 BINARIES  := kvrouter kvbridge kvsim kvbench kvctl
 
-.PHONY: help build test test-short vet lint fmt bench fuzz fuzz-brief run demo clean deps-test
+.PHONY: help build test test-short vet lint fmt bench fuzz fuzz-brief run demo clean deps-test proto
 
 help: ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -53,6 +53,20 @@ run: build ## run kvrouter with examples/router.yaml
 
 demo: build ## embedded NATS + 4 simulated vLLM instances + bridges + router; compares strategies
 	$(BIN)/kvbench demo
+
+# Pinned protoc plugins for `make proto`, installed into $(BIN)/tools.
+PROTOC_GEN_GO_VERSION      ?= v1.36.12
+PROTOC_GEN_GO_GRPC_VERSION ?= v1.5.1
+TOOLS ?= $(CURDIR)/$(BIN)/tools
+
+proto: ## regenerate api/kvrouter/v1 (protoc from Debian's protobuf-compiler, pinned Go plugins)
+	@command -v protoc >/dev/null || apt-get install -y protobuf-compiler || { echo "protoc missing: apt-get install -y protobuf-compiler"; exit 1; }
+	GOBIN=$(TOOLS) $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)
+	GOBIN=$(TOOLS) $(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@$(PROTOC_GEN_GO_GRPC_VERSION)
+	PATH=$(TOOLS):$$PATH protoc -I api -I /usr/include \
+		--go_out=api --go_opt=paths=source_relative \
+		--go-grpc_out=api --go-grpc_opt=paths=source_relative \
+		kvrouter/v1/kvrouter.proto
 
 clean:
 	rm -rf $(BIN)
