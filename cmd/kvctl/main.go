@@ -34,6 +34,7 @@ type command struct {
 // commands is the whole CLI; adding a command is adding one line.
 var commands = []command{
 	{"events decode", "print a KV-event capture (raw msgpack payload or JSONL with payload_b64; - for stdin) as one JSON object per event", runEventsDecode},
+	{"tokenize", "tokenize JSON lines (text, or messages + add_generation_prompt) with a model's tokenizer files and print them back with ids (and rendered chats)", runTokenize},
 }
 
 // errUsage marks an error caused by how kvctl was called (exit status 2).
