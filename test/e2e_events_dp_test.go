@@ -1,0 +1,72 @@
+package test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+)
+
+// Two data-parallel ranks, each its own publisher with its own seq (the
+// captured dp run: both start at 1), bridged as two instances.
+func TestE2EDataParallelRanks(t *testing.T) {
+	ps := capturedPayloads(t, "dp.array.jsonl")
+	if len(ps) != 2 {
+		t.Fatalf("dp capture has %d messages, want one per rank", len(ps))
+	}
+	r := &rig{t: t, ctx: testenv.Context(t, time.Minute), ns: testenv.StartNATS(t)}
+	name := testenv.UniqueName(t)
+	r.pool = "pool_" + name
+	r.stream = events.StreamConfig{Name: "EV_" + name}
+	r.bucket = events.BucketConfig{Name: "SN_" + name}
+	var pubs []*events.ZMQPublisher
+	var srcs []bridge.Source
+	for rank := 0; rank < 2; rank++ {
+		ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+		rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+		pub, err := events.NewZMQPublisher(r.ctx, events.ZMQPublisherConfig{Endpoint: ep, ReplayEndpoint: rep,
+			Topic: fmt.Sprintf("kv@127.0.0.1:%d@fake-model", 18000+rank), FirstSeq: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = pub.Close() })
+		pubs = append(pubs, pub)
+		srcs = append(srcs, bridge.Source{Instance: fmt.Sprintf("vllm-0-dp%d", rank), Rank: rank, Endpoint: ep, ReplayEndpoint: rep})
+	}
+	br, err := bridge.New(bridge.Config{Pool: r.pool, Model: "fake-model", Sources: srcs, Conn: r.conn(),
+		Stream: r.stream, Bucket: r.bucket, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(r.ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = br.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	waitFor(t, 20*time.Second, "bridge ready", br.Ready)
+	for _, p := range pubs {
+		waitFor(t, 20*time.Second, "subscribed", p.Subscribed)
+	}
+	c, a, _ := r.startConsumer(consumer.Config{})
+	for rank, p := range pubs {
+		if _, err := p.Publish(ps[rank]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for rank := range pubs {
+		waitTable(t, a, fmt.Sprintf("vllm-0-dp%d", rank), reference(t, ps[rank]))
+	}
+	st := c.Instances()
+	if len(st) != 2 || st[0].LastSeq != 1 || st[1].LastSeq != 1 || st[0].Gaps+st[1].Gaps != 0 {
+		t.Fatalf("instances %+v", st)
+	}
+	for _, s := range br.Stats() {
+		if s.Gaps != 0 || s.Clears != 1 {
+			t.Fatalf("rank stats %+v: each rank has its own seq, no gaps", s)
+		}
+	}
+}
