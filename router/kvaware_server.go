@@ -83,3 +83,13 @@ func (s *Server) startKVLoopsLocked(ctx context.Context, p *Pool) {
 		p.kv.runScraper(ctx, s.probe, p.Instances, sc.scrape, sc.scrapeTimeout, sc.scrapePath)
 	})
 }
+
+// TokenSource is the pool's token source for requests that carry no token
+// ids (nil when the pool has none): the gRPC Index.Lookup tokenizes prompts
+// with it exactly as kv_aware does.
+func (st *KVState) TokenSource() TokenSource {
+	if st == nil {
+		return nil
+	}
+	return st.tokens
+}
