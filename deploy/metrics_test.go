@@ -134,6 +134,7 @@ func checkPromQL(t *testing.T, where, expr string) {
 			t.Errorf("%s: metric %q is not exported by the code (grep the Go sources): %s", where, m, expr)
 		}
 	}
+	checkPromQLLabels(t, where, expr)
 }
 
 // alertTemplateFuncs stand in for Prometheus's template functions so that
