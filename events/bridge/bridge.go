@@ -200,8 +200,6 @@ func (b *Bridge) Run(ctx context.Context) error {
 		}
 		backoff = min(2*backoff, 5*time.Second)
 	}
-	b.ready.Store(true)
-	var wg sync.WaitGroup
 	for _, in := range b.insts {
 		in.kv = kv
 		sub, err := b.cfg.Conn.Subscribe(in.snapSubj, in.serveSnapshot)
@@ -209,6 +207,10 @@ func (b *Bridge) Run(ctx context.Context) error {
 			return fmt.Errorf("bridge: subscribe %s: %w", in.snapSubj, err)
 		}
 		defer func() { _ = sub.Unsubscribe() }()
+	}
+	b.ready.Store(true)
+	var wg sync.WaitGroup
+	for _, in := range b.insts {
 		wg.Add(3)
 		go func() { defer wg.Done(); _ = in.sub.Run(ctx, in.enqueue) }()
 		go func() { defer wg.Done(); in.process(ctx) }()

@@ -277,14 +277,16 @@ func (c *Consumer) Run(ctx context.Context) error {
 		}
 		backoff = min(2*backoff, 5*time.Second)
 	}
+	// Deferred in this order so that every return cancels the shards
+	// first and then waits for them.
+	var wg sync.WaitGroup
+	defer wg.Wait()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var wg sync.WaitGroup
 	for i := range c.shards {
 		wg.Add(1)
 		go func() { defer wg.Done(); c.shard(ctx, c.shards[i]) }()
 	}
-	defer wg.Wait()
 
 	hbSubj, _ := events.PoolSubjects(events.SubjectInstances, c.cfg.Pool)
 	hbSub, err := c.cfg.Conn.Subscribe(hbSubj, func(m *nats.Msg) { c.heartbeat(ctx, m) })
