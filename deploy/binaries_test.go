@@ -19,7 +19,11 @@ import (
 const repoRoot = ".."
 
 // ourBinaries are the project's commands that the manifests run.
-var ourBinaries = []string{"kvrouter", "kvbridge", "kvsim"}
+var ourBinaries = []string{"kvrouter", "kvbridge", "kvsim", "kvbench"}
+
+// subcommands are the commands whose flags belong to a subcommand; their
+// flag sets are keyed "<binary> <subcommand>".
+var subcommands = map[string][]string{"kvbench": {"live"}}
 
 // flagInfo is one flag of a binary, as its -h output prints it.
 type flagInfo struct {
@@ -68,13 +72,23 @@ func buildAndReadFlags(dir string) (map[string]map[string]flagInfo, error) {
 	}
 	all := map[string]map[string]flagInfo{}
 	for _, b := range ourBinaries {
-		c := exec.CommandContext(ctx, filepath.Join(dir, b), "-h")
-		out, _ := c.CombinedOutput() // -h exits non-zero in some commands; the listing is what counts
-		fl := parseFlagUsage(out)
-		if len(fl) == 0 {
-			return nil, fmt.Errorf("%s -h printed no flags:\n%s", b, out)
+		cmds := [][]string{{}}
+		if subs, ok := subcommands[b]; ok {
+			cmds = nil
+			for _, sub := range subs {
+				cmds = append(cmds, []string{sub})
+			}
 		}
-		all[b] = fl
+		for _, sub := range cmds {
+			c := exec.CommandContext(ctx, filepath.Join(dir, b), append(sub, "-h")...)
+			out, _ := c.CombinedOutput() // -h exits non-zero in some commands; the listing is what counts
+			fl := parseFlagUsage(out)
+			key := strings.Join(append([]string{b}, sub...), " ")
+			if len(fl) == 0 {
+				return nil, fmt.Errorf("%s -h printed no flags:\n%s", key, out)
+			}
+			all[key] = fl
+		}
 	}
 	return all, nil
 }
@@ -155,6 +169,7 @@ func binaryOf(command []string) string {
 // variable: its name appears as a string literal in cmd/<bin>.
 func envReadBy(t *testing.T, bin, name string) bool {
 	t.Helper()
+	bin, _, _ = strings.Cut(bin, " ") // a subcommand's source is its binary's
 	files, err := filepath.Glob(filepath.Join(repoRoot, "cmd", bin, "*.go"))
 	if err != nil || len(files) == 0 {
 		t.Fatalf("no sources for cmd/%s: %v", bin, err)
@@ -207,6 +222,8 @@ func TestBinaryFlagsRead(t *testing.T) {
 		{"kvbridge", "nats-url", false},
 		{"kvbridge", "zmq-bind", true},
 		{"kvsim", "zmq-port", false},
+		{"kvbench live", "router", false},
+		{"kvbench live", "reset", true},
 	} {
 		f, ok := flags[tc.bin][tc.flag]
 		if !ok || f.isBool != tc.isBool {

@@ -36,6 +36,7 @@ type composeService struct {
 	DependsOn   map[string]composeDep `yaml:"depends_on"`
 	Healthcheck *composeHealthcheck   `yaml:"healthcheck"`
 	Restart     string                `yaml:"restart"`
+	Profiles    []string              `yaml:"profiles"`
 }
 
 type composeBuild struct {
@@ -161,7 +162,15 @@ func TestCompose(t *testing.T) {
 			continue
 		}
 		byBin[bin] = append(byBin[bin], n)
-		checkArgs(t, "compose service "+n, bin, s.Command)
+		args := s.Command
+		if _, ok := subcommands[bin]; ok {
+			if len(args) == 0 {
+				t.Errorf("compose service %s: %s needs a subcommand", n, bin)
+				continue
+			}
+			bin, args = bin+" "+args[0], args[1:]
+		}
+		checkArgs(t, "compose service "+n, bin, args)
 		for e := range s.Environment {
 			if !envReadBy(t, bin, e) {
 				t.Errorf("compose service %s: env %s is not read by %s", n, e, bin)
@@ -311,6 +320,39 @@ func TestCompose(t *testing.T) {
 		}
 		if v, _ := argValue(s.Command, "model"); v != pool.Model {
 			t.Errorf("%s --model=%s, router model %s", n, v, pool.Model)
+		}
+	}
+}
+
+// TestComposeBench: the bench profile drives a router that exists, on the
+// ports it listens on, with the admin token the routers use.
+func TestComposeBench(t *testing.T) {
+	cf := loadCompose(t)
+	s, ok := cf.Services["kvbench"]
+	if !ok {
+		t.Fatal("no kvbench service")
+	}
+	if !slices.Contains(s.Profiles, "bench") {
+		t.Error("kvbench must sit in the bench profile, so that `up` does not start it")
+	}
+	if len(s.Command) == 0 || s.Command[0] != "live" {
+		t.Fatalf("kvbench command %v: want live", s.Command)
+	}
+	for flag, listen := range map[string]string{"router": "listen", "admin": "admin-listen"} {
+		u, err := url.Parse(mustArg(t, s.Command[1:], flag))
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, ok := cf.Services[u.Hostname()]
+		if !ok || binaryOf(r.Entrypoint) != "kvrouter" {
+			t.Errorf("kvbench --%s=%s: not a kvrouter service", flag, u)
+			continue
+		}
+		if l := mustArg(t, r.Command, listen); !strings.HasSuffix(l, ":"+u.Port()) {
+			t.Errorf("kvbench --%s=%s: %s listens on %s", flag, u, u.Hostname(), l)
+		}
+		if s.Environment["KVROUTER_ADMIN_TOKEN"] != r.Environment["KVROUTER_ADMIN_TOKEN"] {
+			t.Errorf("kvbench and %s use different admin tokens", u.Hostname())
 		}
 	}
 }
