@@ -183,7 +183,12 @@ func (t *textBuilder) put(s string) {
 		t.left -= utf8.RuneCountInString(s)
 		return
 	}
-	i, n := 0, 0
+	// ASCII runs are one rune per byte: skip them without decoding.
+	i := 0
+	for i < t.left && s[i] < utf8.RuneSelf {
+		i++
+	}
+	n := i
 	for i < len(s) && n < t.left {
 		_, size := utf8.DecodeRuneInString(s[i:])
 		i += size
