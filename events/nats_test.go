@@ -236,3 +236,32 @@ func TestEvictionSSE(t *testing.T) {
 	srvStop()
 	next(func(l string) bool { return l == "event: close" })
 }
+
+func TestNATSConfigConnect(t *testing.T) {
+	for _, c := range []NATSConfig{{}, {URL: "nats://x", TLSCert: "c"}, {URL: "nats://x", TLSKey: "k"}} {
+		if _, err := c.Connect(); err == nil {
+			t.Errorf("%+v accepted", c)
+		}
+	}
+	// A server that is not up yet: the connection comes up with it.
+	ns := testenv.StartNATS(t)
+	url := ns.URL()
+	ns.Shutdown()
+	ns.WaitForShutdown()
+	nc, err := NATSConfig{URL: url, ReconnectWait: 20 * time.Millisecond}.Connect()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	if nc.IsConnected() {
+		t.Fatal("connected to a stopped server")
+	}
+	ns = ns.Restart(t)
+	deadline := time.Now().Add(10 * time.Second)
+	for !nc.IsConnected() {
+		if time.Now().After(deadline) {
+			t.Fatal("never connected after the server came up")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

@@ -22,7 +22,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -173,27 +172,6 @@ func (o *options) sources() ([]bridge.Source, error) {
 	return out, nil
 }
 
-func (o *options) natsOptions(log *slog.Logger) []nats.Option {
-	opts := []nats.Option{
-		nats.Name("kvbridge " + o.pool + "/" + o.instance),
-		nats.MaxReconnects(-1),
-		nats.ReconnectWait(250 * time.Millisecond),
-		nats.RetryOnFailedConnect(true),
-		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) { log.Warn("nats disconnected", "err", err) }),
-		nats.ReconnectHandler(func(c *nats.Conn) { log.Info("nats reconnected", "url", c.ConnectedUrl()) }),
-	}
-	if o.natsCreds != "" {
-		opts = append(opts, nats.UserCredentials(o.natsCreds))
-	}
-	if o.tlsCA != "" {
-		opts = append(opts, nats.RootCAs(o.tlsCA))
-	}
-	if o.tlsCert != "" || o.tlsKey != "" {
-		opts = append(opts, nats.ClientCert(o.tlsCert, o.tlsKey))
-	}
-	return opts
-}
-
 func run(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) error {
 	o, err := parseFlags(args, getenv, stderr)
 	if err != nil {
@@ -208,9 +186,10 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	if err != nil {
 		return err
 	}
-	nc, err := nats.Connect(o.natsURL, o.natsOptions(log)...)
+	nc, err := events.NATSConfig{URL: o.natsURL, CredsFile: o.natsCreds, TLSCA: o.tlsCA, TLSCert: o.tlsCert, TLSKey: o.tlsKey,
+		Name: "kvbridge " + o.pool + "/" + o.instance, Logger: log}.Connect()
 	if err != nil {
-		return fmt.Errorf("nats %s: %w", o.natsURL, err)
+		return err
 	}
 	defer nc.Close()
 
