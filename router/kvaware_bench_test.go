@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
 // The benchmark world of issue 6's "Must show": 64 instances, 1,000,000
@@ -188,6 +189,18 @@ func BenchmarkKVAwareDecision(b *testing.B) {
 	b.Run("chat_template_and_tokenize", func(b *testing.B) {
 		benchDecide(b, w, s, func() *Request {
 			return &Request{Endpoint: EndpointChatCompletions, Model: kvTestModel, RoutingText: text, Body: body}
+		}, holder)
+	})
+	b.Run("chat_uncached_tokenizer", func(b *testing.B) {
+		// The tokenizer's per-piece cache off: every op runs BPE on every
+		// piece, the cost of a prompt made of words never seen before.
+		hf, err := tokenizer.LoadHF(filepath.Join("..", "tokenizer", "testdata", "llama-3.1"), tokenizer.HFConfig{CacheEntries: -1})
+		if err != nil {
+			b.Fatal(err)
+		}
+		cold := &ChatTokenSource{Tokenizer: tokenizer.Local(hf)}
+		benchDecide(b, w, s, func() *Request {
+			return &Request{Endpoint: EndpointChatCompletions, Model: kvTestModel, RoutingText: text, Body: body, Tokenizer: cold}
 		}, holder)
 	})
 	b.Run("token_ids_nothing_held", func(b *testing.B) {
