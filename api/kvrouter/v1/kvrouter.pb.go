@@ -736,7 +736,14 @@ type Event struct {
 	// Seq is the publisher's sequence number of the batch (0 when unknown).
 	Seq uint64 `protobuf:"varint,12,opt,name=seq,proto3" json:"seq,omitempty"`
 	// Time is the batch's engine timestamp.
-	Time          *timestamppb.Timestamp `protobuf:"bytes,13,opt,name=time,proto3" json:"time,omitempty"`
+	Time *timestamppb.Timestamp `protobuf:"bytes,13,opt,name=time,proto3" json:"time,omitempty"`
+	// Dropped counts this watch's events dropped since the previous event
+	// sent, because the client read too slowly (the stream never blocks the
+	// router); a client that sees it non-zero has missed events.
+	Dropped uint64 `protobuf:"varint,14,opt,name=dropped,proto3" json:"dropped,omitempty"`
+	// Synthetic is set on events the bridge made rather than the engine
+	// ("gap", "restart", "resync": see events.HeaderSynthetic).
+	Synthetic     string `protobuf:"bytes,15,opt,name=synthetic,proto3" json:"synthetic,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -862,6 +869,20 @@ func (x *Event) GetTime() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *Event) GetDropped() uint64 {
+	if x != nil {
+		return x.Dropped
+	}
+	return 0
+}
+
+func (x *Event) GetSynthetic() string {
+	if x != nil {
+		return x.Synthetic
+	}
+	return ""
+}
+
 var File_kvrouter_v1_kvrouter_proto protoreflect.FileDescriptor
 
 const file_kvrouter_v1_kvrouter_proto_rawDesc = "" +
@@ -916,7 +937,7 @@ const file_kvrouter_v1_kvrouter_proto_rawDesc = "" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x1a\n" +
 	"\binstance\x18\x02 \x01(\tR\binstance\x12'\n" +
 	"\x05tiers\x18\x03 \x03(\x0e2\x11.kvrouter.v1.TierR\x05tiers\x12,\n" +
-	"\x05kinds\x18\x04 \x03(\x0e2\x16.kvrouter.v1.EventKindR\x05kinds\"\xa4\x03\n" +
+	"\x05kinds\x18\x04 \x03(\x0e2\x16.kvrouter.v1.EventKindR\x05kinds\"\xdc\x03\n" +
 	"\x05Event\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x1a\n" +
 	"\binstance\x18\x02 \x01(\tR\binstance\x12*\n" +
@@ -935,7 +956,9 @@ const file_kvrouter_v1_kvrouter_proto_rawDesc = "" +
 	"tokenCount\x12\x1b\n" +
 	"\tlora_name\x18\v \x01(\tR\bloraName\x12\x10\n" +
 	"\x03seq\x18\f \x01(\x04R\x03seq\x12.\n" +
-	"\x04time\x18\r \x01(\v2\x1a.google.protobuf.TimestampR\x04time*X\n" +
+	"\x04time\x18\r \x01(\v2\x1a.google.protobuf.TimestampR\x04time\x12\x18\n" +
+	"\adropped\x18\x0e \x01(\x04R\adropped\x12\x1c\n" +
+	"\tsynthetic\x18\x0f \x01(\tR\tsynthetic*X\n" +
 	"\x04Tier\x12\x14\n" +
 	"\x10TIER_UNSPECIFIED\x10\x00\x12\f\n" +
 	"\bTIER_GPU\x10\x01\x12\f\n" +

@@ -1,0 +1,415 @@
+package grpcapi
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/kvrouter/kvrouter/router"
+)
+
+// Names of the Gateway API Inference Extension endpoint picker protocol
+// (gateway-api-inference-extension, docs/proposals/004-endpoint-picker-protocol).
+const (
+	// DestinationHeader carries the picked endpoint (ip:port) to Envoy.
+	DestinationHeader = "x-gateway-destination-endpoint"
+	// DestinationKey is the same value's key in the dynamic metadata.
+	DestinationKey = "x-gateway-destination-endpoint"
+	// SubsetKey lists, in the filter metadata, the endpoints to pick from.
+	SubsetKey = "x-gateway-destination-endpoint-subset"
+	// DefaultDestinationNamespace is the dynamic metadata namespace of the pick.
+	DefaultDestinationNamespace = "envoy.lb"
+	// DefaultSubsetNamespace is the filter metadata namespace of the subset hint.
+	DefaultSubsetNamespace = "envoy.lb.subset_hint"
+)
+
+// ExtProcConfig configures the Envoy endpoint picker. The zero value
+// follows the GIE protocol's default namespaces and never sheds load.
+type ExtProcConfig struct {
+	// PoolHeader is the request header naming the pool; default
+	// X-Kvrouter-Pool (router.HeaderPool). Without it the pool is the one
+	// serving the body's "model", else Config.DefaultPool, else the first.
+	PoolHeader string
+	// DestinationNamespace is the dynamic metadata namespace of the pick;
+	// default "envoy.lb".
+	DestinationNamespace string
+	// SubsetNamespace is the filter metadata namespace of the subset hint;
+	// default "envoy.lb.subset_hint".
+	SubsetNamespace string
+	// Shed turns on load shedding: when every candidate is at the pool's
+	// concurrency threshold and the requests beyond the thresholds
+	// (queued in the engines) number MaxQueued or more, answer 429. Off,
+	// a saturated pool still routes (to the least loaded), as the HTTP
+	// data plane does.
+	Shed bool
+	// MaxQueued is the queue allowance under Shed (>= 0; 0 = shed as soon
+	// as every candidate is full).
+	MaxQueued int
+	// MaxBodyBytes caps the buffered request body (413 above); default
+	// 32 MiB, the router's max_body_bytes.
+	MaxBodyBytes int
+}
+
+func (c ExtProcConfig) withDefaults() ExtProcConfig {
+	if c.PoolHeader == "" {
+		c.PoolHeader = router.HeaderPool
+	}
+	c.PoolHeader = strings.ToLower(c.PoolHeader) // Envoy sends lower-case names
+	if c.DestinationNamespace == "" {
+		c.DestinationNamespace = DefaultDestinationNamespace
+	}
+	if c.SubsetNamespace == "" {
+		c.SubsetNamespace = DefaultSubsetNamespace
+	}
+	if c.MaxBodyBytes == 0 {
+		c.MaxBodyBytes = DefaultMaxMessageBytes
+	}
+	return c
+}
+
+func (c ExtProcConfig) validate() error {
+	if c.MaxQueued < 0 {
+		return fmt.Errorf("%w: ext_proc max_queued %d: want >= 0", ErrInvalidConfig, c.MaxQueued)
+	}
+	if c.MaxBodyBytes < 0 {
+		return fmt.Errorf("%w: ext_proc max_body_bytes %d: want > 0", ErrInvalidConfig, c.MaxBodyBytes)
+	}
+	return nil
+}
+
+// extProc is Envoy's ExternalProcessor acting as an endpoint picker. Envoy
+// must send request headers and the request body in BUFFERED mode; response
+// headers are optional (when sent, the pick's in-flight count and kv_aware's
+// pending prefill end at them rather than at the stream's end).
+type extProc struct {
+	extprocv3.UnimplementedExternalProcessorServer
+	s *Server
+}
+
+var _ extprocv3.ExternalProcessorServer = (*extProc)(nil)
+
+// epStream is one HTTP request's ext_proc stream.
+type epStream struct {
+	headers map[string]string
+	body    []byte
+	// subset is the hint's endpoints; hasSubset tells an empty hint (pick
+	// nothing) from none (pick from the pool).
+	subset    []string
+	hasSubset bool
+	// pick, once made: its instance is Acquired until the stream ends.
+	inst     *router.Instance
+	obs      router.RequestObserver
+	finished bool
+}
+
+func (st *epStream) finish(code int) {
+	if st.obs != nil && !st.finished {
+		st.finished = true
+		st.obs.Finish(code)
+	}
+}
+
+// Process implements extprocv3.ExternalProcessorServer.
+func (x *extProc) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
+	st := &epStream{}
+	defer func() {
+		st.finish(0)
+		if st.inst != nil {
+			st.inst.Release()
+		}
+	}()
+	for {
+		req, err := stream.Recv()
+		if errors.Is(err, io.EOF) || status.Code(err) == codes.Canceled {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		x.readSubset(st, req.GetMetadataContext())
+		var resp *extprocv3.ProcessingResponse
+		switch r := req.GetRequest().(type) {
+		case *extprocv3.ProcessingRequest_RequestHeaders:
+			st.headers = headerMap(r.RequestHeaders.GetHeaders())
+			if !r.RequestHeaders.GetEndOfStream() {
+				resp = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
+					RequestHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{}}}}
+				break
+			}
+			// No body (a GET, or an empty POST): pick now.
+			common, md, imm := x.decide(stream, st)
+			if imm != nil {
+				return stream.Send(imm)
+			}
+			resp = &extprocv3.ProcessingResponse{DynamicMetadata: md, Response: &extprocv3.ProcessingResponse_RequestHeaders{
+				RequestHeaders: &extprocv3.HeadersResponse{Response: common}}}
+		case *extprocv3.ProcessingRequest_RequestBody:
+			if len(st.body)+len(r.RequestBody.GetBody()) > x.s.cfg.ExtProc.MaxBodyBytes {
+				x.s.m.extproc.WithLabelValues("", "413").Inc()
+				return stream.Send(immediate(http.StatusRequestEntityTooLarge,
+					fmt.Sprintf("request body exceeds the limit of %d bytes", x.s.cfg.ExtProc.MaxBodyBytes)))
+			}
+			st.body = append(st.body, r.RequestBody.GetBody()...)
+			if !r.RequestBody.GetEndOfStream() {
+				// Streamed mode: keep collecting, let the chunk through.
+				resp = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
+					RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{}}}}
+				break
+			}
+			common, md, imm := x.decide(stream, st)
+			if imm != nil {
+				return stream.Send(imm)
+			}
+			resp = &extprocv3.ProcessingResponse{DynamicMetadata: md, Response: &extprocv3.ProcessingResponse_RequestBody{
+				RequestBody: &extprocv3.BodyResponse{Response: common}}}
+		case *extprocv3.ProcessingRequest_RequestTrailers:
+			resp = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
+				RequestTrailers: &extprocv3.TrailersResponse{}}}
+		case *extprocv3.ProcessingRequest_ResponseHeaders:
+			code, _ := strconv.Atoi(headerMap(r.ResponseHeaders.GetHeaders())[":status"])
+			st.finish(code)
+			resp = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
+				ResponseHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{}}}}
+		case *extprocv3.ProcessingRequest_ResponseBody:
+			resp = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{
+				ResponseBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{}}}}
+		case *extprocv3.ProcessingRequest_ResponseTrailers:
+			resp = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{
+				ResponseTrailers: &extprocv3.TrailersResponse{}}}
+		default:
+			return status.Errorf(codes.InvalidArgument, "ext_proc: unexpected request %T", r)
+		}
+		if err := stream.Send(resp); err != nil {
+			return err
+		}
+	}
+}
+
+// readSubset records the GIE subset hint from the filter metadata: a list
+// of "ip:port" strings (a comma-separated string is accepted too).
+func (x *extProc) readSubset(st *epStream, md *corev3.Metadata) {
+	ns := md.GetFilterMetadata()[x.s.cfg.ExtProc.SubsetNamespace]
+	v, ok := ns.GetFields()[SubsetKey]
+	if !ok {
+		return
+	}
+	st.hasSubset, st.subset = true, st.subset[:0]
+	switch k := v.GetKind().(type) {
+	case *structpb.Value_ListValue:
+		for _, e := range k.ListValue.GetValues() {
+			if s := strings.TrimSpace(e.GetStringValue()); s != "" {
+				st.subset = append(st.subset, s)
+			}
+		}
+	case *structpb.Value_StringValue:
+		for _, s := range strings.Split(k.StringValue, ",") {
+			if s = strings.TrimSpace(s); s != "" {
+				st.subset = append(st.subset, s)
+			}
+		}
+	}
+}
+
+func headerMap(hm *corev3.HeaderMap) map[string]string {
+	out := make(map[string]string, len(hm.GetHeaders()))
+	for _, h := range hm.GetHeaders() {
+		v := h.GetValue()
+		if len(h.GetRawValue()) > 0 {
+			v = string(h.GetRawValue())
+		}
+		k := strings.ToLower(h.GetKey())
+		if prev, ok := out[k]; ok {
+			v = prev + "," + v
+		}
+		out[k] = v
+	}
+	return out
+}
+
+// decide picks the endpoint: the common response carrying the header
+// mutation and the dynamic metadata, or an immediate response.
+func (x *extProc) decide(stream extprocv3.ExternalProcessor_ProcessServer, st *epStream) (*extprocv3.CommonResponse, *structpb.Struct, *extprocv3.ProcessingResponse) {
+	s := x.s
+	fail := func(pool string, code int, msg string) (*extprocv3.CommonResponse, *structpb.Struct, *extprocv3.ProcessingResponse) {
+		s.m.extproc.WithLabelValues(pool, strconv.Itoa(code)).Inc()
+		return nil, nil, immediate(code, msg)
+	}
+	req, p, code, msg := x.request(st)
+	if code != 0 {
+		pool := ""
+		if p != nil {
+			pool = p.Name()
+		}
+		return fail(pool, code, msg)
+	}
+	rc, strat := p.Routing()
+	var buf [32]*router.Instance
+	cands, _ := p.Candidates(buf[:0], req.Adapter, nil)
+	if st.hasSubset {
+		kept := cands[:0]
+		for _, in := range cands {
+			if containsAddr(st.subset, hostPort(in)) {
+				kept = append(kept, in)
+			}
+		}
+		cands = kept
+	}
+	if len(cands) == 0 {
+		what := "no eligible instance in pool " + strconv.Quote(p.Name())
+		if st.hasSubset {
+			what += " among the subset hint"
+		}
+		return fail(p.Name(), http.StatusServiceUnavailable, what)
+	}
+	if ep := s.cfg.ExtProc; ep.Shed {
+		queued, full := 0, true
+		for _, in := range cands {
+			if !in.Full(rc.ConcurrencyThreshold) {
+				full = false
+				break
+			}
+			queued += in.InFlight() - rc.ConcurrencyThreshold
+		}
+		if full && queued >= ep.MaxQueued {
+			return fail(p.Name(), http.StatusTooManyRequests, fmt.Sprintf("pool %q is saturated: every instance is at its concurrency threshold and %d requests are queued", p.Name(), queued))
+		}
+	}
+	dec, err := strat.Pick(stream.Context(), req, cands)
+	if err != nil {
+		if errors.Is(err, router.ErrNoCandidates) {
+			return fail(p.Name(), http.StatusServiceUnavailable, "no eligible instance in pool "+strconv.Quote(p.Name()))
+		}
+		s.log.Warn("ext_proc: pick failed", "pool", p.Name(), "err", err)
+		return fail(p.Name(), http.StatusInternalServerError, "pick failed")
+	}
+	dec.Instance.Acquire()
+	st.inst, st.obs = dec.Instance, dec.Observer
+	addr := hostPort(dec.Instance)
+	md, err := structpb.NewStruct(map[string]any{
+		s.cfg.ExtProc.DestinationNamespace: map[string]any{DestinationKey: addr},
+	})
+	if err != nil { // only for invalid UTF-8 in a configured namespace
+		return fail(p.Name(), http.StatusInternalServerError, "dynamic metadata: "+err.Error())
+	}
+	set := func(k, v string) *corev3.HeaderValueOption {
+		return &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: k, RawValue: []byte(v)},
+			AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD}
+	}
+	s.m.extproc.WithLabelValues(p.Name(), "routed").Inc()
+	return &extprocv3.CommonResponse{
+		ClearRouteCache: true, // the route may match on the destination header
+		HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
+			set(DestinationHeader, addr),
+			set(strings.ToLower(router.HeaderInstance), dec.Instance.ID()),
+			set(strings.ToLower(router.HeaderStrategy), dec.Strategy),
+			set(strings.ToLower(router.HeaderReason), string(dec.Reason)),
+		}},
+	}, md, nil
+}
+
+// request builds the router.Request from the headers and body as the HTTP
+// data plane would, or returns an HTTP status and message to answer with.
+func (x *extProc) request(st *epStream) (*router.Request, *router.Pool, int, string) {
+	s := x.s
+	path, _, _ := strings.Cut(st.headers[":path"], "?")
+	tenant := st.headers[strings.ToLower(router.TenantHeader)]
+	if tenant != "" && !router.ValidTenantKey(tenant) {
+		return nil, nil, http.StatusBadRequest, router.TenantHeader + ": want one value of 1-64 printable ASCII characters"
+	}
+	poolName := st.headers[s.cfg.ExtProc.PoolHeader]
+	var ep router.Endpoint
+	switch path {
+	case "/v1/chat/completions":
+		ep = router.EndpointChatCompletions
+	case "/v1/completions":
+		ep = router.EndpointCompletions
+	default:
+		ep = router.EndpointInvoke
+	}
+	if ep == router.EndpointInvoke {
+		p, _, err := s.poolFor(poolName, "")
+		if err != nil {
+			return nil, nil, http.StatusNotFound, err.Error()
+		}
+		adapter := st.headers[strings.ToLower(router.HeaderAdapter)]
+		if checkAdapter(p, adapter) != nil {
+			return nil, p, http.StatusNotFound, fmt.Sprintf("the adapter %q does not exist in pool %q", adapter, p.Name())
+		}
+		rc, _ := p.Routing()
+		req := &router.Request{
+			Endpoint: ep, Pool: p.Name(), Model: p.Model(), Adapter: adapter,
+			RoutingText: router.RawRoutingText(st.body, rc.PrefixLength, p.Config().CanonicalizeJSON),
+			TenantKey:   tenant, Body: st.body,
+		}
+		if adapter != "" {
+			req.Model = adapter
+		}
+		return req, p, 0, ""
+	}
+	parsed, err := router.ParseOpenAI(ep, st.body)
+	if err != nil {
+		return nil, nil, http.StatusBadRequest, strings.TrimPrefix(err.Error(), router.ErrBadRequest.Error()+": ")
+	}
+	if tenant == "" {
+		tenant = parsed.PromptCacheKey // as the HTTP data plane does
+	}
+	p, adapter, err := s.poolFor(poolName, parsed.Model)
+	if err != nil {
+		return nil, nil, http.StatusNotFound, err.Error()
+	}
+	if poolName != "" && parsed.Model != "" && parsed.Model != p.Model() {
+		adapter = parsed.Model // the named pool serves it as an adapter, or not at all
+		if checkAdapter(p, adapter) != nil {
+			return nil, p, http.StatusNotFound, fmt.Sprintf("the model %q does not exist in pool %q", adapter, p.Name())
+		}
+	}
+	rc, _ := p.Routing()
+	req := &router.Request{
+		Endpoint: ep, Pool: p.Name(), Model: parsed.Model, Adapter: adapter,
+		RoutingText: router.OpenAIRoutingText(parsed, rc.PrefixLength),
+		TenantKey:   tenant, Body: st.body, Parsed: parsed, Stream: parsed.Stream,
+	}
+	if parsed.Prompt != nil && len(parsed.Prompt.Tokens) > 0 {
+		req.PromptTokens = parsed.Prompt.Tokens[0]
+	}
+	return req, p, 0, ""
+}
+
+func containsAddr(list []string, addr string) bool {
+	for _, a := range list {
+		if a == addr {
+			return true
+		}
+	}
+	return false
+}
+
+// immediate is an ext_proc immediate response with an OpenAI-style JSON
+// error body, as the router's HTTP edge answers.
+func immediate(code int, msg string) *extprocv3.ProcessingResponse {
+	body, _ := json.Marshal(map[string]any{"error": map[string]any{
+		"message": msg, "type": http.StatusText(code), "code": code,
+	}})
+	hdrs := []*corev3.HeaderValueOption{{Header: &corev3.HeaderValue{Key: "content-type", RawValue: []byte("application/json")}}}
+	if code == http.StatusServiceUnavailable || code == http.StatusTooManyRequests {
+		hdrs = append(hdrs, &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: "retry-after", RawValue: []byte("1")}})
+	}
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
+		ImmediateResponse: &extprocv3.ImmediateResponse{
+			Status:  &typev3.HttpStatus{Code: typev3.StatusCode(code)},
+			Headers: &extprocv3.HeaderMutation{SetHeaders: hdrs},
+			Body:    body,
+			Details: msg,
+		}}}
+}

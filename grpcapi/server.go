@@ -1,0 +1,295 @@
+package grpcapi
+
+import (
+	"context"
+	"crypto/subtle"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"strings"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/reflection"
+	"google.golang.org/grpc/status"
+
+	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/router"
+)
+
+// ErrInvalidConfig wraps every Config validation error.
+var ErrInvalidConfig = errors.New("grpcapi: invalid config")
+
+// Pools is what the gRPC services need of the router: its current pools.
+// *router.Server implements it; the pools it returns are routed with their
+// own current strategy, so a runtime strategy switch applies here too.
+type Pools interface {
+	Pools() []*router.Pool
+	Pool(name string) (*router.Pool, bool)
+}
+
+var _ Pools = (*router.Server)(nil)
+
+// Config configures the gRPC services. The zero value is usable: no token,
+// plaintext, Events.Watch unavailable, no load shedding.
+type Config struct {
+	// DefaultPool serves requests that name no pool and whose model matches
+	// none; "" = the first pool.
+	DefaultPool string
+	// AdminToken, when set, is required as "authorization: Bearer <token>"
+	// metadata on admin methods: Index.Lookup and Events.Watch, which reveal
+	// what every tenant has cached (enough to probe another tenant's
+	// prompts). Router.Pick, a data-plane call, is open unless
+	// TokenForPick. Health, reflection and ext_proc never need it: Envoy
+	// reaches ext_proc over a trusted link (use TLS and a network policy).
+	AdminToken string
+	// TokenForPick also requires AdminToken on Router.Pick.
+	TokenForPick bool
+	// TLS, when set, serves TLS (Serve and ServerOptions); see LoadTLS.
+	TLS *tls.Config
+	// NATS is the connection Events.Watch subscribes on (kv.events.<pool>.>);
+	// nil = Watch answers Unavailable.
+	NATS *nats.Conn
+	// WatchBuffer is the number of events one watcher may lag behind before
+	// events are dropped (and counted in Event.dropped). Default 4096.
+	WatchBuffer int
+	// MaxMessageBytes bounds a received gRPC message (an ext_proc buffered
+	// body arrives in one). Default 32 MiB, the router's max_body_bytes.
+	MaxMessageBytes int
+	// ExtProc configures the Envoy endpoint picker.
+	ExtProc ExtProcConfig
+	// Logger, nil = slog.Default().
+	Logger *slog.Logger
+	// Registerer receives the package's metrics; nil = registered nowhere.
+	Registerer prometheus.Registerer
+}
+
+// Defaults of Config.
+const (
+	DefaultWatchBuffer     = 4096
+	DefaultMaxMessageBytes = 32 << 20
+)
+
+func (c Config) withDefaults() Config {
+	if c.WatchBuffer == 0 {
+		c.WatchBuffer = DefaultWatchBuffer
+	}
+	if c.MaxMessageBytes == 0 {
+		c.MaxMessageBytes = DefaultMaxMessageBytes
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	c.ExtProc = c.ExtProc.withDefaults()
+	return c
+}
+
+func (c Config) validate() error {
+	if c.WatchBuffer < 0 {
+		return fmt.Errorf("%w: watch_buffer %d: want > 0", ErrInvalidConfig, c.WatchBuffer)
+	}
+	if c.MaxMessageBytes < 0 {
+		return fmt.Errorf("%w: max_message_bytes %d: want > 0", ErrInvalidConfig, c.MaxMessageBytes)
+	}
+	if c.TokenForPick && c.AdminToken == "" {
+		return fmt.Errorf("%w: token_for_pick needs an admin token", ErrInvalidConfig)
+	}
+	return c.ExtProc.validate()
+}
+
+// LoadTLS builds a server TLS config from PEM files. caFile, when set,
+// makes client certificates required and verified against it (mTLS).
+func LoadTLS(certFile, keyFile, caFile string) (*tls.Config, error) {
+	cert, err := tls.LoadX509KeyPair(certFile, keyFile)
+	if err != nil {
+		return nil, fmt.Errorf("grpcapi: load TLS key pair: %w", err)
+	}
+	cfg := &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
+	if caFile != "" {
+		pem, err := os.ReadFile(caFile)
+		if err != nil {
+			return nil, fmt.Errorf("grpcapi: read client CA: %w", err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("grpcapi: client CA %s: no PEM certificate", caFile)
+		}
+		cfg.ClientCAs, cfg.ClientAuth = pool, tls.RequireAndVerifyClientCert
+	}
+	return cfg, nil
+}
+
+// Server holds the gRPC services over a router's pools. Build it with New,
+// then either Serve it on a listener, or add ServerOptions to your own
+// grpc.Server and call Register.
+type Server struct {
+	cfg    Config
+	pools  Pools
+	log    *slog.Logger
+	m      *metrics
+	health *health.Server
+	// admin is the set of full method names that need AdminToken.
+	admin map[string]bool
+}
+
+// New validates cfg and builds the services. It starts nothing.
+func New(pools Pools, cfg Config) (*Server, error) {
+	if pools == nil {
+		return nil, fmt.Errorf("%w: no router", ErrInvalidConfig)
+	}
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	m, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, fmt.Errorf("grpcapi: register metrics: %w", err)
+	}
+	s := &Server{cfg: cfg, pools: pools, log: cfg.Logger, m: m, health: health.NewServer()}
+	s.admin = map[string]bool{
+		kvrouterv1.Index_Lookup_FullMethodName: true,
+		kvrouterv1.Events_Watch_FullMethodName: true,
+	}
+	if cfg.TokenForPick {
+		s.admin[kvrouterv1.Router_Pick_FullMethodName] = true
+	}
+	s.health.SetServingStatus(HealthLiveness, healthpb.HealthCheckResponse_SERVING)
+	s.UpdateHealth()
+	return s, nil
+}
+
+// Health service names beyond the per-service ones, as the GIE endpoint
+// picker protocol names them.
+const (
+	HealthLiveness  = "liveness"
+	HealthReadiness = "readiness"
+)
+
+// UpdateHealth sets readiness ("", "readiness", the kvrouter.v1 services and
+// ext_proc) to SERVING when some pool has a healthy instance, else
+// NOT_SERVING; liveness is always SERVING. Serve calls it every second.
+func (s *Server) UpdateHealth() {
+	st := healthpb.HealthCheckResponse_NOT_SERVING
+	for _, p := range s.pools.Pools() {
+		for _, in := range p.Instances() {
+			if in.Healthy() {
+				st = healthpb.HealthCheckResponse_SERVING
+				break
+			}
+		}
+	}
+	for _, name := range []string{"", HealthReadiness, kvrouterv1.Router_ServiceDesc.ServiceName,
+		kvrouterv1.Index_ServiceDesc.ServiceName, kvrouterv1.Events_ServiceDesc.ServiceName,
+		extprocv3.ExternalProcessor_ServiceDesc.ServiceName} {
+		s.health.SetServingStatus(name, st)
+	}
+}
+
+// ServerOptions are the options a grpc.Server needs for Register's
+// services: the auth interceptors, the message size limit and, when
+// Config.TLS is set, TLS credentials.
+func (s *Server) ServerOptions() []grpc.ServerOption {
+	opts := []grpc.ServerOption{
+		grpc.ChainUnaryInterceptor(s.unaryAuth),
+		grpc.ChainStreamInterceptor(s.streamAuth),
+		grpc.MaxRecvMsgSize(s.cfg.MaxMessageBytes),
+	}
+	if s.cfg.TLS != nil {
+		opts = append(opts, grpc.Creds(credentials.NewTLS(s.cfg.TLS)))
+	}
+	return opts
+}
+
+// Register adds kvrouter.v1 (Router, Index, Events), Envoy's
+// ExternalProcessor, grpc.health.v1 and reflection to g. g must have been
+// built with ServerOptions, or admin methods go unprotected.
+func (s *Server) Register(g *grpc.Server) {
+	kvrouterv1.RegisterRouterServer(g, routerService{s: s})
+	kvrouterv1.RegisterIndexServer(g, indexService{s: s})
+	kvrouterv1.RegisterEventsServer(g, eventsService{s: s})
+	extprocv3.RegisterExternalProcessorServer(g, &extProc{s: s})
+	healthpb.RegisterHealthServer(g, s.health)
+	reflection.Register(g)
+}
+
+// Serve serves every service on lis until ctx ends, then stops gracefully
+// (streams such as Events.Watch are cancelled after 5 s). It refreshes
+// health every second while serving.
+func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
+	g := grpc.NewServer(s.ServerOptions()...)
+	s.Register(g)
+	done := make(chan struct{})
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		t := time.NewTicker(time.Second)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				s.health.Shutdown() // tell clients to go elsewhere while draining
+				drained := make(chan struct{})
+				go func() { g.GracefulStop(); close(drained) }()
+				select {
+				case <-drained:
+				case <-time.After(5 * time.Second):
+					g.Stop()
+					<-drained
+				}
+				return
+			case <-done:
+				return
+			case <-t.C:
+				s.UpdateHealth()
+			}
+		}
+	}()
+	err := g.Serve(lis)
+	close(done)
+	<-stopped
+	if err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		return fmt.Errorf("grpcapi: serve: %w", err)
+	}
+	return nil
+}
+
+func (s *Server) authorize(ctx context.Context, method string) error {
+	if s.cfg.AdminToken == "" || !s.admin[method] {
+		return nil
+	}
+	md, _ := metadata.FromIncomingContext(ctx)
+	for _, v := range md.Get("authorization") {
+		tok, ok := strings.CutPrefix(v, "Bearer ")
+		if ok && subtle.ConstantTimeCompare([]byte(tok), []byte(s.cfg.AdminToken)) == 1 {
+			return nil
+		}
+	}
+	s.m.authFailures.WithLabelValues(method).Inc()
+	return status.Error(codes.Unauthenticated, "admin method: want authorization: Bearer <token>")
+}
+
+func (s *Server) unaryAuth(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+	if err := s.authorize(ctx, info.FullMethod); err != nil {
+		return nil, err
+	}
+	return h(ctx, req)
+}
+
+func (s *Server) streamAuth(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+	if err := s.authorize(ss.Context(), info.FullMethod); err != nil {
+		return err
+	}
+	return h(srv, ss)
+}
