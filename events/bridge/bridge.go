@@ -265,7 +265,7 @@ type instance struct {
 	// Owned by the process goroutine.
 	tracker  events.SeqTracker
 	msgCount uint64
-	replayed map[uint64][]byte // start-up replay payloads by seq, until live passes them
+	replayed replayWindow // payloads a replay folded in, until live passes them
 
 	// enc is the engine's event encoding (events.Encoding), used for
 	// synthetic messages; read by the snapshot goroutines.
@@ -410,15 +410,12 @@ func (in *instance) catchUp(ctx context.Context) error {
 	in.replays.Add(1)
 	in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
 	in.log.Info("dropped messages filled from replay", "from", from, "messages", len(msgs))
-	if in.replayed == nil {
-		in.replayed = make(map[uint64][]byte, len(msgs))
-	}
 	for _, m := range msgs {
 		if err := in.publishEngine(ctx, m); err != nil {
 			return err
 		}
 		in.tracker.Set(m.Seq)
-		in.replayed[m.Seq] = m.Payload
+		in.replayed.add(m)
 	}
 	return nil
 }

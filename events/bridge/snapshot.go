@@ -66,9 +66,8 @@ func (in *instance) resync(ctx context.Context) error {
 				in.mu.Unlock()
 				in.tracker.Set(m.Seq)
 			}
-			in.replayed = make(map[uint64][]byte, len(msgs))
 			for _, m := range msgs {
-				in.replayed[m.Seq] = m.Payload
+				in.replayed.add(m)
 			}
 			in.replays.Add(1)
 			in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
@@ -309,21 +308,35 @@ func (in *instance) heartbeat() {
 	_ = in.b.cfg.Conn.Publish(in.hbSubj, data)
 }
 
-// duplicate reports whether a live message repeats one the start-up replay
-// already folded in (the subscriber was connected during the replay), and
-// forgets replayed messages the live stream has passed.
-func (in *instance) duplicate(m events.Message) bool {
-	if in.replayed == nil {
+// duplicate reports whether a live message repeats one a replay already
+// folded in (the subscriber kept receiving during the replay), and forgets
+// replayed messages the live stream has passed.
+func (in *instance) duplicate(m events.Message) bool { return in.replayed.seen(m) }
+
+// replayWindow holds the payloads of consecutive replayed seqs
+// [from, from+len(payloads)).
+type replayWindow struct {
+	from     uint64
+	payloads [][]byte
+}
+
+func (w *replayWindow) add(m events.Message) {
+	if len(w.payloads) == 0 || m.Seq != w.from+uint64(len(w.payloads)) {
+		w.from, w.payloads = m.Seq, w.payloads[:0]
+	}
+	w.payloads = append(w.payloads, m.Payload)
+}
+
+func (w *replayWindow) seen(m events.Message) bool {
+	if len(w.payloads) == 0 || m.Seq < w.from {
 		return false
 	}
-	p, ok := in.replayed[m.Seq]
-	for s := range in.replayed {
-		if s <= m.Seq {
-			delete(in.replayed, s)
-		}
+	i := m.Seq - w.from
+	if i >= uint64(len(w.payloads)) {
+		w.payloads = w.payloads[:0]
+		return false
 	}
-	if len(in.replayed) == 0 {
-		in.replayed = nil
-	}
-	return ok && bytes.Equal(p, m.Payload)
+	dup := bytes.Equal(w.payloads[i], m.Payload)
+	w.payloads, w.from = w.payloads[i+1:], m.Seq+1
+	return dup
 }

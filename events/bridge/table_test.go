@@ -243,3 +243,32 @@ func BenchmarkTableSnapshot(b *testing.B) {
 	}
 	b.ReportMetric(float64(len(buf)), "bytes")
 }
+
+func TestReplayWindow(t *testing.T) {
+	var w replayWindow
+	msg := func(seq uint64, p string) events.Message { return events.Message{Seq: seq, Payload: []byte(p)} }
+	for _, m := range []events.Message{msg(5, "a"), msg(6, "b"), msg(7, "c")} {
+		w.add(m)
+	}
+	steps := []struct {
+		m    events.Message
+		want bool
+	}{
+		{msg(4, "z"), false}, // before the window
+		{msg(5, "a"), true},
+		{msg(6, "x"), false}, // same seq, other payload: not a duplicate (a restart)
+		{msg(7, "c"), true},
+		{msg(7, "c"), false}, // passed
+		{msg(8, "d"), false},
+	}
+	for i, s := range steps {
+		if got := w.seen(s.m); got != s.want {
+			t.Fatalf("step %d seq %d: got %v", i, s.m.Seq, got)
+		}
+	}
+	w.add(msg(10, "a"))
+	w.add(msg(12, "b")) // not consecutive: the window restarts
+	if w.seen(msg(10, "a")) || !w.seen(msg(12, "b")) {
+		t.Fatal("window did not restart on a non-consecutive add")
+	}
+}
