@@ -231,8 +231,6 @@ func parseCachedTokens(doc []byte) (int, bool) {
 
 // compareStats accumulates a pool's heuristic-versus-exact comparison.
 type compareStats struct {
-	pool string
-
 	mu       sync.Mutex // guards everything below
 	reasons  map[Reason]int64
 	compared int64

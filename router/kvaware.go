@@ -155,7 +155,6 @@ func NewKVState(cfg KVStateConfig) (*KVState, error) {
 	if st.now == nil {
 		st.now = time.Now
 	}
-	st.cmp.pool = cfg.Pool
 	return st, nil
 }
 
