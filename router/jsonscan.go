@@ -66,6 +66,15 @@ func (s *jscan) expect(c byte) error {
 	return nil
 }
 
+// plainStringByte marks the bytes a string scan passes without a second
+// look: all but '"', '\\' and control characters. Read-only after start.
+var plainStringByte = func() (t [256]bool) {
+	for c := 0x20; c < 256; c++ {
+		t[c] = c != '"' && c != '\\'
+	}
+	return t
+}()
+
 func isHex(c byte) bool { return c >= '0' && c <= '9' || c >= 'a' && c <= 'f' || c >= 'A' && c <= 'F' }
 
 // str scans a string at s.i (which holds '"') and returns its raw content
@@ -78,6 +87,12 @@ func (s *jscan) str() (raw []byte, escaped bool, err error) {
 	start := s.i
 	b := s.b
 	for i := s.i; i < len(b); {
+		for i < len(b) && plainStringByte[b[i]] { // the hot loop: most bytes
+			i++
+		}
+		if i >= len(b) {
+			break
+		}
 		c := b[i]
 		switch {
 		case c == '"':
