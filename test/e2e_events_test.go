@@ -287,3 +287,45 @@ func unknownThenStored(t testing.TB) []byte {
 	out = append(out, stored[11:]...)
 	return out
 }
+
+// kvbridge restarts while the engine keeps publishing: the new bridge
+// recovers its table from the bucket's snapshot plus the engine's replay
+// from the snapshot's seq; if the replay no longer reaches back, it starts
+// empty and clears the instance.
+func TestE2EBridgeRestart(t *testing.T) {
+	for _, replayKept := range []bool{true, false} {
+		t.Run(map[bool]string{true: "replay_kept", false: "replay_lost"}[replayKept], func(t *testing.T) {
+			ps := capturedPayloads(t, "array.jsonl")
+			o := rigOpts{snapInterval: 20 * time.Millisecond}
+			r := newRig(t, o)
+			c, a, _ := r.startConsumer(consumer.Config{})
+			r.publish(ps[:10]...)
+			waitTable(t, a, r.instance, reference(t, ps[:10]...))
+			time.Sleep(100 * time.Millisecond) // a periodic snapshot store
+			r.stopBridge()
+
+			r.publish(ps[10:16]...) // nobody listening
+			if !replayKept {
+				r.pub.ForgetReplay()
+			}
+			r.startBridge(o)
+			r.publish(ps[16:20]...)
+
+			want := reference(t, ps[:20]...)
+			if !replayKept {
+				want = reference(t, ps[16:20]...) // cleared, then what came after
+			}
+			waitTable(t, a, r.instance, want)
+			s := r.stats()
+			if replayKept && (s.ReplayFailures != 0 || s.Blocks != len(want)) {
+				t.Fatalf("bridge stats %+v", s)
+			}
+			if !replayKept && s.ReplayFailures != 1 {
+				t.Fatalf("bridge stats %+v: want the failed start-up replay", s)
+			}
+			if st := c.Instances()[0]; st.Gaps != 0 {
+				t.Fatalf("consumer saw gaps: %+v", st)
+			}
+		})
+	}
+}
