@@ -79,6 +79,12 @@ type HF struct {
 	byteDec   map[rune]byte // ByteLevel alphabet → byte
 
 	tmpl ChatTemplate // nil when the files have no chat template
+
+	// prefix and suffix are what add_special_tokens=true puts around a single sequence
+	// (the post-processor's template); postErr is set when the post-processor is not
+	// understood, and only EncodeSpecial reports it.
+	prefix, suffix []uint32
+	postErr        error
 }
 
 var _ ChatTokenizer = (*HF)(nil)
@@ -128,19 +134,12 @@ func readMaybeGz(path string) ([]byte, error) {
 
 // hfFile is the subset of tokenizer.json this package reads.
 type hfFile struct {
-	AddedTokens []struct {
-		ID         uint32 `json:"id"`
-		Content    string `json:"content"`
-		SingleWord bool   `json:"single_word"`
-		Lstrip     bool   `json:"lstrip"`
-		Rstrip     bool   `json:"rstrip"`
-		Normalized bool   `json:"normalized"`
-		Special    bool   `json:"special"`
-	} `json:"added_tokens"`
-	Normalizer   json.RawMessage `json:"normalizer"`
-	PreTokenizer json.RawMessage `json:"pre_tokenizer"`
-	Decoder      json.RawMessage `json:"decoder"`
-	Model        struct {
+	AddedTokens   []hfAddedToken  `json:"added_tokens"`
+	Normalizer    json.RawMessage `json:"normalizer"`
+	PreTokenizer  json.RawMessage `json:"pre_tokenizer"`
+	Decoder       json.RawMessage `json:"decoder"`
+	PostProcessor json.RawMessage `json:"post_processor"`
+	Model         struct {
 		Type                    string            `json:"type"`
 		Vocab                   map[string]uint32 `json:"vocab"`
 		Merges                  []json.RawMessage `json:"merges"`
@@ -152,6 +151,17 @@ type hfFile struct {
 		EndOfWordSuffix         *string           `json:"end_of_word_suffix"`
 		Dropout                 *float64          `json:"dropout"`
 	} `json:"model"`
+}
+
+// hfAddedToken is an entry of tokenizer.json "added_tokens".
+type hfAddedToken struct {
+	ID         uint32 `json:"id"`
+	Content    string `json:"content"`
+	SingleWord bool   `json:"single_word"`
+	Lstrip     bool   `json:"lstrip"`
+	Rstrip     bool   `json:"rstrip"`
+	Normalized bool   `json:"normalized"`
+	Special    bool   `json:"special"`
 }
 
 // component is the union of the fields of normalizers, pre-tokenizers and decoders used.
@@ -212,6 +222,7 @@ func NewHF(tokenizerJSON, configJSON []byte, cfg HFConfig) (*HF, error) {
 	if t.decoders, err = buildDecoders(f.Decoder); err != nil {
 		return nil, err
 	}
+	t.prefix, t.suffix, t.postErr = buildPostProcessor(f.PostProcessor)
 	if t.model, t.idToToken, err = buildBPE(&f, byteLevel); err != nil {
 		return nil, err
 	}
@@ -621,6 +632,112 @@ func (t *HF) encodePiece(ids []uint32, piece string) []uint32 {
 	ids = t.model.encodePiece(ids, piece)
 	t.cache.put(piece, append([]uint32(nil), ids[n:]...))
 	return ids
+}
+
+// SpecialEncoder is implemented by tokenizers that can also encode with
+// add_special_tokens=true, which is what vLLM does to a /v1/completions prompt (Llama 3
+// puts <|begin_of_text|> first; Qwen3 adds nothing). Chat prompts are encoded without.
+type SpecialEncoder interface {
+	EncodeSpecial(text string) ([]uint32, error)
+}
+
+var _ SpecialEncoder = (*HF)(nil)
+
+// EncodeSpecial encodes text with add_special_tokens=true: the post-processor's special
+// tokens (tokenizer.json "post_processor": TemplateProcessing, Bert/RobertaProcessing)
+// around Encode(text).
+func (t *HF) EncodeSpecial(text string) ([]uint32, error) {
+	if t.postErr != nil {
+		return nil, t.postErr
+	}
+	ids, err := t.Encode(text)
+	if err != nil {
+		return nil, err
+	}
+	if len(t.prefix) == 0 && len(t.suffix) == 0 {
+		return ids, nil
+	}
+	out := make([]uint32, 0, len(t.prefix)+len(ids)+len(t.suffix))
+	out = append(append(append(out, t.prefix...), ids...), t.suffix...)
+	return out, nil
+}
+
+// buildPostProcessor reads the single-sequence special tokens of a post-processor.
+func buildPostProcessor(raw json.RawMessage) (prefix, suffix []uint32, _ error) {
+	if len(raw) == 0 || string(raw) == "null" {
+		return nil, nil, nil
+	}
+	var p struct {
+		Type       string            `json:"type"`
+		Processors []json.RawMessage `json:"processors"`
+		Single     []struct {
+			SpecialToken *struct {
+				ID string `json:"id"`
+			} `json:"SpecialToken"`
+			Sequence *struct {
+				ID string `json:"id"`
+			} `json:"Sequence"`
+		} `json:"single"`
+		SpecialTokens map[string]struct {
+			IDs []uint32 `json:"ids"`
+		} `json:"special_tokens"`
+		Cls []json.RawMessage `json:"cls"`
+		Sep []json.RawMessage `json:"sep"`
+	}
+	if err := json.Unmarshal(raw, &p); err != nil {
+		return nil, nil, fmt.Errorf("%w: post_processor: %w", ErrBadModelFile, err)
+	}
+	switch p.Type {
+	case "ByteLevel":
+		return nil, nil, nil // offsets only
+	case "Sequence":
+		for _, r := range p.Processors {
+			pre, suf, err := buildPostProcessor(r)
+			if err != nil {
+				return nil, nil, err
+			}
+			prefix, suffix = append(prefix, pre...), append(suffix, suf...)
+		}
+		return prefix, suffix, nil
+	case "TemplateProcessing":
+		seen := false
+		for _, it := range p.Single {
+			switch {
+			case it.Sequence != nil:
+				seen = true
+			case it.SpecialToken != nil:
+				st, ok := p.SpecialTokens[it.SpecialToken.ID]
+				if !ok {
+					return nil, nil, fmt.Errorf("%w: post_processor special token %q undefined", ErrBadModelFile, it.SpecialToken.ID)
+				}
+				if seen {
+					suffix = append(suffix, st.IDs...)
+				} else {
+					prefix = append(prefix, st.IDs...)
+				}
+			}
+		}
+		return prefix, suffix, nil
+	case "BertProcessing", "RobertaProcessing":
+		// cls and sep are [token, id] pairs: [CLS] sequence [SEP].
+		pairID := func(pair []json.RawMessage) (uint32, error) {
+			var id uint32
+			if len(pair) != 2 || json.Unmarshal(pair[1], &id) != nil {
+				return 0, fmt.Errorf("%w: %s cls/sep must be [token, id]", ErrBadModelFile, p.Type)
+			}
+			return id, nil
+		}
+		cls, err := pairID(p.Cls)
+		if err != nil {
+			return nil, nil, err
+		}
+		sep, err := pairID(p.Sep)
+		if err != nil {
+			return nil, nil, err
+		}
+		return []uint32{cls}, []uint32{sep}, nil
+	}
+	return nil, nil, fmt.Errorf("%w: post_processor %q", ErrUnsupported, p.Type)
 }
 
 // Render implements ChatTemplate with the model's chat template.

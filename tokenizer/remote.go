@@ -17,12 +17,22 @@ import (
 	"time"
 )
 
-// PromptTokenizer is what a request path needs, whatever the source of tokens: completions
-// text and chat messages to prompt token ids. Remote implements it with one HTTP round
-// trip per uncached prompt; Local adapts an in-process ChatTokenizer.
+// PromptTokenizer is what a request path needs, whatever the source of tokens: text to
+// ids (TokenizeText: add_special_tokens=false, the text exactly) and chat messages to the
+// ids of the rendered template (TokenizeChat: add_special_tokens=false, as vLLM does).
+// Remote implements it with one HTTP round trip per uncached prompt; Local adapts an
+// in-process ChatTokenizer. Both also implement CompletionTokenizer.
 type PromptTokenizer interface {
 	TokenizeText(ctx context.Context, text string) ([]uint32, error)
 	TokenizeChat(ctx context.Context, msgs []Message, opts RenderOptions) ([]uint32, error)
+}
+
+// CompletionTokenizer gives the ids vLLM prefills for a /v1/completions prompt. vLLM's
+// add_special_tokens defaults to true there, so a Llama 3 prompt starts with
+// <|begin_of_text|> (TokenizeText would miss it and shift every block by one token);
+// pass the request's add_special_tokens, true when absent.
+type CompletionTokenizer interface {
+	TokenizeCompletion(ctx context.Context, prompt string, addSpecialTokens bool) ([]uint32, error)
 }
 
 // Local adapts an in-process tokenizer (Simple or HF) to PromptTokenizer.
@@ -32,6 +42,19 @@ type local struct{ t ChatTokenizer }
 
 func (l local) TokenizeText(_ context.Context, text string) ([]uint32, error) {
 	return l.t.Encode(text)
+}
+
+// TokenizeCompletion implements CompletionTokenizer; with addSpecialTokens it needs a
+// SpecialEncoder (Simple and HF are), else it fails.
+func (l local) TokenizeCompletion(_ context.Context, prompt string, addSpecialTokens bool) ([]uint32, error) {
+	if !addSpecialTokens {
+		return l.t.Encode(prompt)
+	}
+	s, ok := l.t.(SpecialEncoder)
+	if !ok {
+		return nil, fmt.Errorf("%w: %T cannot add special tokens", ErrUnsupported, l.t)
+	}
+	return s.EncodeSpecial(prompt)
 }
 
 func (l local) TokenizeChat(_ context.Context, msgs []Message, opts RenderOptions) ([]uint32, error) {
@@ -72,9 +95,12 @@ type Remote struct {
 }
 
 var (
-	_ Tokenizer       = (*Remote)(nil)
-	_ PromptTokenizer = (*Remote)(nil)
-	_ PromptTokenizer = local{}
+	_ Tokenizer           = (*Remote)(nil)
+	_ SpecialEncoder      = (*Remote)(nil)
+	_ PromptTokenizer     = (*Remote)(nil)
+	_ PromptTokenizer     = local{}
+	_ CompletionTokenizer = (*Remote)(nil)
+	_ CompletionTokenizer = local{}
 )
 
 // NewRemote validates cfg and returns a Remote tokenizer. It does not contact the engine.
@@ -105,11 +131,26 @@ func NewRemote(cfg RemoteConfig) (*Remote, error) {
 // Encode implements Tokenizer (add_special_tokens=false) with a background context
 // bounded by the configured timeout.
 func (r *Remote) Encode(text string) ([]uint32, error) {
-	return r.TokenizeText(context.Background(), text)
+	return r.EncodeText(context.Background(), text, false)
 }
 
-// TokenizeText implements PromptTokenizer.
+// EncodeSpecial implements SpecialEncoder (add_special_tokens=true).
+func (r *Remote) EncodeSpecial(text string) ([]uint32, error) {
+	return r.EncodeText(context.Background(), text, true)
+}
+
+// TokenizeText implements PromptTokenizer (add_special_tokens=false).
 func (r *Remote) TokenizeText(ctx context.Context, text string) ([]uint32, error) {
+	return r.EncodeText(ctx, text, false)
+}
+
+// TokenizeCompletion implements CompletionTokenizer.
+func (r *Remote) TokenizeCompletion(ctx context.Context, prompt string, addSpecialTokens bool) ([]uint32, error) {
+	return r.EncodeText(ctx, prompt, addSpecialTokens)
+}
+
+// EncodeText asks the engine to encode text, with or without the model's special tokens.
+func (r *Remote) EncodeText(ctx context.Context, text string, addSpecialTokens bool) ([]uint32, error) {
 	type req struct {
 		Model            string `json:"model,omitempty"`
 		Prompt           string `json:"prompt"`
@@ -118,9 +159,13 @@ func (r *Remote) TokenizeText(ctx context.Context, text string) ([]uint32, error
 	// Key on the text itself so a cache hit skips JSON encoding of a long prompt.
 	var key lruKey
 	if r.lru != nil {
-		key = r.lru.key("text\x00", text)
+		kind := "text\x00"
+		if addSpecialTokens {
+			kind = "text+special\x00"
+		}
+		key = r.lru.key(kind, text)
 	}
-	return r.call(ctx, key, req{Model: r.cfg.Model, Prompt: text})
+	return r.call(ctx, key, req{Model: r.cfg.Model, Prompt: text, AddSpecialTokens: addSpecialTokens})
 }
 
 // TokenizeChat implements PromptTokenizer: the engine renders its own chat template, so

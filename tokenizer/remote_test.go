@@ -43,7 +43,12 @@ func (v *vllmTokenize) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	var ids []uint32
 	var err error
 	if req.Prompt != nil {
-		ids, err = v.tok.Encode(*req.Prompt)
+		// vLLM's default for a text prompt is add_special_tokens=true.
+		if req.AddSpecialTokens == nil || *req.AddSpecialTokens {
+			ids, err = v.tok.(SpecialEncoder).EncodeSpecial(*req.Prompt)
+		} else {
+			ids, err = v.tok.Encode(*req.Prompt)
+		}
 	} else {
 		agp := req.AddGenerationPrompt == nil || *req.AddGenerationPrompt // vLLM's default
 		ids, _, err = EncodeChat(v.tok, req.Messages, RenderOptions{AddGenerationPrompt: agp, Tools: req.Tools, Vars: req.ChatTemplateKwargs})
@@ -177,4 +182,45 @@ func BenchmarkRemoteCacheHit(b *testing.B) {
 			b.Fatal(err)
 		}
 	})
+}
+
+// TestRemoteSpecialTokens: a completion prompt goes with add_special_tokens=true (the
+// engine adds BOS), TokenizeText and Encode without; the two are cached apart.
+func TestRemoteSpecialTokens(t *testing.T) {
+	tok, err := LoadHF("testdata/sentencepiece/llama2", HFConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &vllmTokenize{tok: tok}
+	ts := httptest.NewServer(srv)
+	defer ts.Close()
+	remote, _ := NewRemote(RemoteConfig{URL: ts.URL})
+	ctx := context.Background()
+	plain, _ := tok.Encode("hello world")
+	for i := range 2 {
+		got, err := remote.TokenizeCompletion(ctx, "hello world", true)
+		if err != nil || !slices.Equal(got, append([]uint32{1}, plain...)) {
+			t.Fatalf("TokenizeCompletion = %v, %v; want BOS + %v", got, err, plain)
+		}
+		if sentFalse, _ := srv.last.Load().(bool); i == 0 && sentFalse {
+			t.Fatal("TokenizeCompletion sent add_special_tokens=false")
+		}
+		if got, err := remote.Encode("hello world"); err != nil || !slices.Equal(got, plain) {
+			t.Fatalf("Encode = %v, %v; want %v", got, err, plain)
+		}
+		if got, err := remote.TokenizeText(ctx, "hello world"); err != nil || !slices.Equal(got, plain) {
+			t.Fatalf("TokenizeText = %v, %v; want %v", got, err, plain)
+		}
+	}
+	if n := srv.calls.Load(); n != 2 {
+		t.Fatalf("%d calls, want 2 (one per variant, then cache hits)", n)
+	}
+	// Local gives the same as the engine for both kinds of prompt.
+	loc := Local(tok).(CompletionTokenizer)
+	if ids, _ := loc.TokenizeCompletion(ctx, "hello world", true); !slices.Equal(ids, append([]uint32{1}, plain...)) {
+		t.Fatalf("Local TokenizeCompletion(true) = %v", ids)
+	}
+	if ids, _ := loc.TokenizeCompletion(ctx, "hello world", false); !slices.Equal(ids, plain) {
+		t.Fatalf("Local TokenizeCompletion(false) = %v", ids)
+	}
 }

@@ -19,7 +19,13 @@ const simplePattern = `(\{|\}|:|,|-|\.|\?|\!|;|@|#|\$|%|\^|&|\*|\(|\)|\+|\-|_|~|
 // the simulator can be replayed exactly. The zero value is ready to use.
 type Simple struct{}
 
-var _ ChatTokenizer = Simple{}
+var (
+	_ ChatTokenizer  = Simple{}
+	_ SpecialEncoder = Simple{}
+)
+
+// EncodeSpecial is Encode: the simulator adds no special tokens to any prompt.
+func (s Simple) EncodeSpecial(text string) ([]uint32, error) { return s.Encode(text) }
 
 // Byte classes of simplePattern. Every character the pattern can match is ASCII, so a
 // byte scan is exact for UTF-8 (lead and continuation bytes never match, as a rune

@@ -2,6 +2,7 @@ package tokenizer
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -194,6 +195,68 @@ func TestConcurrentEncode(t *testing.T) {
 	for range 4 {
 		if err := <-errs; err != nil {
 			t.Fatal(err)
+		}
+	}
+}
+
+// TestSpecialsVectors: add_special_tokens=true (what vLLM applies to completions prompts)
+// against @huggingface/tokenizers: Llama 3.1 and the Llama-2-style file put BOS first,
+// Qwen3 and the Metaspace file (no post-processor) add nothing.
+func TestSpecialsVectors(t *testing.T) {
+	type svec struct {
+		Model string   `json:"model"`
+		Text  string   `json:"text"`
+		IDs   []uint32 `json:"ids"`
+	}
+	vecs := readJSONLines[svec](t, "testdata/specials.jsonl")
+	if len(vecs) != 20 {
+		t.Fatalf("%d vectors", len(vecs))
+	}
+	toks := map[string]*HF{}
+	for _, v := range vecs {
+		tok := toks[v.Model]
+		if tok == nil {
+			if strings.HasPrefix(v.Model, "sentencepiece/") {
+				var err error
+				if tok, err = LoadHF("testdata/"+v.Model, HFConfig{}); err != nil {
+					t.Fatal(err)
+				}
+			} else {
+				tok = loadModel(t, v.Model)
+			}
+			toks[v.Model] = tok
+		}
+		got, err := tok.EncodeSpecial(v.Text)
+		if err != nil || !slices.Equal(got, v.IDs) {
+			t.Errorf("%s EncodeSpecial(%q) = %v, %v; want %v", v.Model, v.Text, got, err, v.IDs)
+		}
+	}
+}
+
+func TestPostProcessors(t *testing.T) {
+	base := `"model":{"type":"BPE","vocab":{"a":0,"[CLS]":1,"[SEP]":2},"merges":[]}`
+	tests := []struct {
+		post string
+		want []uint32
+		err  error
+	}{
+		{`null`, []uint32{0}, nil},
+		{`{"type":"BertProcessing","sep":["[SEP]",2],"cls":["[CLS]",1]}`, []uint32{1, 0, 2}, nil},
+		{`{"type":"Sequence","processors":[{"type":"ByteLevel"},{"type":"TemplateProcessing","single":[{"Sequence":{"id":"A","type_id":0}},{"SpecialToken":{"id":"[SEP]","type_id":0}}],"special_tokens":{"[SEP]":{"id":"[SEP]","ids":[2]}}}]}`, []uint32{0, 2}, nil},
+		{`{"type":"TemplateProcessing","single":[{"SpecialToken":{"id":"X","type_id":0}}],"special_tokens":{}}`, nil, ErrBadModelFile},
+		{`{"type":"Mystery"}`, nil, ErrUnsupported},
+	}
+	for _, tt := range tests {
+		tok, err := NewHF([]byte(`{"post_processor":`+tt.post+`,`+base+`}`), nil, HFConfig{})
+		if err != nil {
+			t.Fatalf("%s: load: %v", tt.post, err)
+		}
+		got, err := tok.EncodeSpecial("a")
+		if !errors.Is(err, tt.err) || !slices.Equal(got, tt.want) {
+			t.Errorf("%s: EncodeSpecial = %v, %v; want %v, %v", tt.post, got, err, tt.want, tt.err)
+		}
+		if plain, _ := tok.Encode("a"); !slices.Equal(plain, []uint32{0}) {
+			t.Errorf("%s: Encode = %v", tt.post, plain)
 		}
 	}
 }

@@ -17,12 +17,15 @@ import (
 
 const tokenizeUsage = `usage: kvctl tokenize (--model-dir DIR | --remote URL | --simple) [--check] [FILE|-]
 
-Reads JSON lines shaped like the reference vectors — {"text": ...} or {"messages": [...],
-"add_generation_prompt": bool, "tools": [...], "chat_template_kwargs": {...}} — and writes
-each line back with "ids" (and "rendered" for chats, except with --remote), so the router's
-tokenization can be checked against the engine's. add_generation_prompt defaults to true,
-as in vLLM. With --check, lines that already carry "ids" (and "rendered") are compared:
-each output line gets "match", and kvctl fails if any line differs.
+Reads JSON lines shaped like the reference vectors — {"text": ..., "add_special_tokens":
+bool} or {"messages": [...], "add_generation_prompt": bool, "tools": [...],
+"chat_template_kwargs": {...}} — and writes each line back with "ids" (and "rendered" for
+chats, except with --remote), so the router's tokenization can be checked against the
+engine's. Text is encoded with add_special_tokens=false unless the line says true (vLLM
+uses true for /v1/completions prompts: Llama 3 then starts with its BOS); chats are
+rendered and encoded without, and add_generation_prompt defaults to true, as in vLLM. With
+--check, lines that already carry "ids" (and "rendered") are compared: each output line
+gets "match", and kvctl fails if any line differs.
 `
 
 // runTokenize implements `kvctl tokenize`.
@@ -51,23 +54,22 @@ func runTokenize(ctx context.Context, args []string, stdout io.Writer) error {
 		return fmt.Errorf("%w: give exactly one of --model-dir, --remote, --simple and at most one FILE\n%s", errUsage, tokenizeUsage)
 	}
 
-	var tok tokenizer.PromptTokenizer
-	var renderer tokenizer.ChatTemplate // nil for --remote: the engine renders
+	var src tokenSource
 	switch {
 	case *modelDir != "":
 		hf, err := tokenizer.LoadHF(*modelDir, tokenizer.HFConfig{})
 		if err != nil {
 			return err
 		}
-		tok, renderer = tokenizer.Local(hf), hf
+		src = localSource(hf)
 	case *simple:
-		tok, renderer = tokenizer.Local(tokenizer.Simple{}), tokenizer.Simple{}
+		src = localSource(tokenizer.Simple{})
 	default:
 		r, err := tokenizer.NewRemote(tokenizer.RemoteConfig{URL: *remote, Model: *model})
 		if err != nil {
 			return fmt.Errorf("%w: %w", errUsage, err)
 		}
-		tok = r
+		src = tokenSource{chat: r, text: r.EncodeText}
 	}
 
 	in := io.Reader(os.Stdin)
@@ -93,7 +95,7 @@ func runTokenize(ctx context.Context, args []string, stdout io.Writer) error {
 			continue
 		}
 		lines++
-		out, match, err := tokenizeLine(ctx, line, tok, renderer, *check)
+		out, match, err := tokenizeLine(ctx, line, src, *check)
 		if err != nil {
 			return fmt.Errorf("line %d: %w", lines, err)
 		}
@@ -112,10 +114,39 @@ func runTokenize(ctx context.Context, args []string, stdout io.Writer) error {
 	return nil
 }
 
+// tokenSource is what kvctl tokenize needs from a tokenizer.
+type tokenSource struct {
+	chat tokenizer.PromptTokenizer
+	// text encodes plain text, with or without the model's special tokens.
+	text func(ctx context.Context, text string, addSpecialTokens bool) ([]uint32, error)
+	// renderer is nil for --remote: the engine renders and returns only ids.
+	renderer tokenizer.ChatTemplate
+}
+
+// localTokenizer is what Simple and HF both offer.
+type localTokenizer interface {
+	tokenizer.ChatTokenizer
+	tokenizer.SpecialEncoder
+}
+
+func localSource(t localTokenizer) tokenSource {
+	return tokenSource{
+		chat:     tokenizer.Local(t),
+		renderer: t,
+		text: func(_ context.Context, text string, special bool) ([]uint32, error) {
+			if special {
+				return t.EncodeSpecial(text)
+			}
+			return t.Encode(text)
+		},
+	}
+}
+
 // tokenizeLine tokenizes one input object and returns it with "ids" (and "rendered")
 // set, keeping its other fields in their order. match is false only under check when
 // the line's own ids or rendered text differ.
-func tokenizeLine(ctx context.Context, line []byte, tok tokenizer.PromptTokenizer, renderer tokenizer.ChatTemplate, check bool) ([]byte, bool, error) {
+func tokenizeLine(ctx context.Context, line []byte, src tokenSource, check bool) ([]byte, bool, error) {
+	renderer := src.renderer
 	keys, vals, err := orderedObject(line)
 	if err != nil {
 		return nil, false, err
@@ -151,7 +182,13 @@ func tokenizeLine(ctx context.Context, line []byte, tok tokenizer.PromptTokenize
 		if err := json.Unmarshal(field("text"), &text); err != nil {
 			return nil, false, fmt.Errorf("\"text\" must be a string: %w", err)
 		}
-		if ids, err = tok.TokenizeText(ctx, text); err != nil {
+		special := false
+		if raw := field("add_special_tokens"); raw != nil {
+			if err := json.Unmarshal(raw, &special); err != nil {
+				return nil, false, fmt.Errorf("\"add_special_tokens\" must be a boolean: %w", err)
+			}
+		}
+		if ids, err = src.text(ctx, text, special); err != nil {
 			return nil, false, err
 		}
 	case field("messages") != nil:
@@ -176,7 +213,7 @@ func tokenizeLine(ctx context.Context, line []byte, tok tokenizer.PromptTokenize
 				return nil, false, err
 			}
 		}
-		if ids, err = tok.TokenizeChat(ctx, msgs, opts); err != nil {
+		if ids, err = src.chat.TokenizeChat(ctx, msgs, opts); err != nil {
 			return nil, false, err
 		}
 	default:

@@ -65,6 +65,7 @@ func TestTokenizeOutput(t *testing.T) {
 		{`{"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false}`,
 			`{"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false,"rendered":"<|im_start|>user\nhi<|im_end|>\n","ids":[151644,872,198,6023,151645,198]}`},
 		{`{"text":""}`, `{"text":"","ids":[]}`},
+		{`{"text":"Hello, world!","add_special_tokens":true}`, `{"text":"Hello, world!","add_special_tokens":true,"ids":[9707,11,1879,0]}`}, // Qwen3 adds no BOS
 	}
 	var in, want []string
 	for _, l := range lines {
@@ -184,10 +185,10 @@ func FuzzTokenizeLine(f *testing.F) {
 	f.Add([]byte(`{"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false,"ids":[1],"rendered":"x"}`))
 	f.Add([]byte(`{"messages":[{"role":"user","content":[{"type":"text","text":"a"}]}],"tools":[{"a":1}],"chat_template_kwargs":{"k":true}}`))
 	f.Add([]byte(`{"text":"a","text":"b"}`))
-	tok := tokenizer.Local(tokenizer.Simple{})
+	src := localSource(tokenizer.Simple{})
 	f.Fuzz(func(t *testing.T, line []byte) {
 		for _, check := range []bool{false, true} {
-			out, _, err := tokenizeLine(context.Background(), line, tok, tokenizer.Simple{}, check)
+			out, _, err := tokenizeLine(context.Background(), line, src, check)
 			if err != nil {
 				continue
 			}
@@ -197,4 +198,24 @@ func FuzzTokenizeLine(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestTokenizeSpecialTokens: "add_special_tokens": true applies the model's post-processor
+// (the Llama-2-style test file puts <s> = 1 first), false or absent does not.
+func TestTokenizeSpecialTokens(t *testing.T) {
+	f := filepath.Join(t.TempDir(), "in.jsonl")
+	os.WriteFile(f, []byte(`{"text":"hello world","add_special_tokens":true}`+"\n"+`{"text":"hello world"}`+"\n"+`{"text":"x","add_special_tokens":"yes"}`+"\n"), 0o644)
+	var out bytes.Buffer
+	err := runTokenize(context.Background(), []string{"--model-dir", filepath.Join(tokTestdata, "sentencepiece", "llama2"), f}, &out)
+	if err == nil || !strings.Contains(err.Error(), "line 3") {
+		t.Fatalf("err = %v, want line 3 rejected", err)
+	}
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	want := []string{
+		`{"text":"hello world","add_special_tokens":true,"ids":[1,311,353]}`,
+		`{"text":"hello world","ids":[311,353]}`,
+	}
+	if !slices.Equal(lines, want) {
+		t.Fatalf("got\n%s\nwant\n%s", strings.Join(lines, "\n"), strings.Join(want, "\n"))
+	}
 }

@@ -5,8 +5,10 @@
 //   npm install @huggingface/tokenizers@0.2.0 @huggingface/jinja@0.5.11
 //   NODE_PATH=$PWD/node_modules node tokenizer/testdata/refvectors.mjs tokenizer/testdata
 //
-// Output: sentencepiece/{llama2,metaspace}/vectors.jsonl, tools/{qwen3,llama-3.1}.jsonl and
-// unicode.jsonl (1,000 pseudo-random strings over characters where regex engines differ).
+// Output: sentencepiece/{llama2,metaspace}/vectors.jsonl, tools/{qwen3,llama-3.1}.jsonl,
+// unicode.jsonl (1,000 pseudo-random strings over characters where regex engines differ),
+// tools/features.jsonl (template features) and specials.jsonl (add_special_tokens=true, what
+// vLLM applies to /v1/completions prompts).
 import fs from "node:fs";
 import zlib from "node:zlib";
 import path from "node:path";
@@ -120,4 +122,17 @@ const featureCases = [
   const ft = new Template(featureTemplate);
   const lines = featureCases.map((c) => JSON.stringify({ template: featureTemplate, ...c, rendered: ft.render({ ...c, bos_token: "<s>" }) }));
   fs.writeFileSync(path.join(dir, "tools", "features.jsonl"), lines.join("\n") + "\n");
+}
+
+// add_special_tokens=true: the post-processor's template (Llama 3: BOS first; Qwen3: nothing).
+{
+  const lines = [];
+  for (const [name, base, gz] of [["llama-3.1", path.join(dir, "llama-3.1"), true], ["qwen3", path.join(dir, "qwen3"), true],
+    ["sentencepiece/llama2", path.join(dir, "sentencepiece", "llama2"), false], ["sentencepiece/metaspace", path.join(dir, "sentencepiece", "metaspace"), false]]) {
+    const tok = new Tokenizer(readJSON(path.join(base, gz ? "tokenizer.json.gz" : "tokenizer.json")), readJSON(path.join(base, "tokenizer_config.json")));
+    for (const text of ["", "Hello world", "<|begin_of_text|>Hi", "<s>hello</s>", " the fox\n"]) {
+      lines.push(JSON.stringify({ model: name, text, ids: tok.encode(text, { add_special_tokens: true }).ids }));
+    }
+  }
+  fs.writeFileSync(path.join(dir, "specials.jsonl"), lines.join("\n") + "\n");
 }

@@ -78,6 +78,11 @@ llama2["decoder"] = {"type": "Sequence", "decoders": [
     {"type": "ByteFallback"}, {"type": "Fuse"},
     {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
 llama2["model"] = model()
+llama2["post_processor"] = {"type": "TemplateProcessing",
+    "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+    "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+             {"SpecialToken": {"id": "<s>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+    "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}
 
 # Mistral / newer style: Metaspace pre-tokenizer (prepend_scheme "first", split false).
 metaspace = dict(common)
