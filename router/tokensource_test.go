@@ -76,6 +76,13 @@ func TestTokenSourceMatchesReference(t *testing.T) {
 				default:
 					continue
 				}
+				want := v.IDs
+				if v.Text != nil {
+					// Completions prompts are encoded with add_special_tokens=true
+					// (vLLM's default there): the model's post-processor adds its
+					// affixes to the reference's add_special_tokens=false ids.
+					want = slices.Concat(textAffix[model][0], v.IDs, textAffix[model][1])
+				}
 				for _, req := range reqs {
 					ids, err := src.Tokens(context.Background(), req)
 					if len(v.IDs) == 0 && errors.Is(err, ErrNoTokens) {
@@ -84,8 +91,8 @@ func TestTokenSourceMatchesReference(t *testing.T) {
 					if err != nil {
 						t.Fatalf("line %d endpoint %d: %v", i+1, req.Endpoint, err)
 					}
-					if !slices.Equal(ids, v.IDs) {
-						t.Fatalf("line %d endpoint %d: ids differ from the reference\n got %v\nwant %v", i+1, req.Endpoint, ids, v.IDs)
+					if !slices.Equal(ids, want) {
+						t.Fatalf("line %d endpoint %d: ids differ from the reference\n got %v\nwant %v", i+1, req.Endpoint, ids, want)
 					}
 				}
 			}
@@ -93,6 +100,39 @@ func TestTokenSourceMatchesReference(t *testing.T) {
 				t.Fatalf("%d chat and %d text vectors: the reference file changed shape", chats, texts)
 			}
 		})
+	}
+}
+
+// textAffix is what each model's tokenizer.json post-processor adds to a
+// single text: Llama 3 prepends <|begin_of_text|> (128000); Qwen3's
+// ByteLevel post-processor adds nothing.
+var textAffix = map[string][2][]uint32{
+	"llama-3.1": {{128000}, nil},
+	"qwen3":     {nil, nil},
+}
+
+func TestPostProcessorAffixes(t *testing.T) {
+	tests := []struct {
+		name     string
+		pp       string
+		pre, suf []uint32
+		err      bool
+	}{
+		{"none", `null`, nil, nil, false},
+		{"bytelevel", `{"type":"ByteLevel"}`, nil, nil, false},
+		{"template bos", `{"type":"TemplateProcessing","single":[{"SpecialToken":{"id":"<s>","type_id":0}},{"Sequence":{"id":"A","type_id":0}}],"special_tokens":{"<s>":{"id":"<s>","ids":[1],"tokens":["<s>"]}}}`, []uint32{1}, nil, false},
+		{"template bos eos", `{"type":"TemplateProcessing","single":[{"SpecialToken":{"id":"<s>","type_id":0}},{"Sequence":{"id":"A","type_id":0}},{"SpecialToken":{"id":"</s>","type_id":0}}],"special_tokens":{"<s>":{"ids":[1]},"</s>":{"ids":[2]}}}`, []uint32{1}, []uint32{2}, false},
+		{"sequence", `{"type":"Sequence","processors":[{"type":"ByteLevel"},{"type":"TemplateProcessing","single":[{"SpecialToken":{"id":"B"}},{"Sequence":{"id":"A"}}],"special_tokens":{"B":{"ids":[7]}}}]}`, []uint32{7}, nil, false},
+		{"bert", `{"type":"BertProcessing","sep":["[SEP]",102],"cls":["[CLS]",101]}`, []uint32{101}, []uint32{102}, false},
+		{"undefined special", `{"type":"TemplateProcessing","single":[{"SpecialToken":{"id":"X"}}],"special_tokens":{}}`, nil, nil, true},
+		{"bad bert", `{"type":"BertProcessing","sep":["[SEP]"],"cls":["[CLS]",101]}`, nil, nil, true},
+		{"not json", `{"type":`, nil, nil, true},
+	}
+	for _, tc := range tests {
+		pre, suf, err := postProcessorAffixes(json.RawMessage(tc.pp), 0)
+		if (err != nil) != tc.err || !slices.Equal(pre, tc.pre) || !slices.Equal(suf, tc.suf) {
+			t.Errorf("%s: (%v, %v, %v), want (%v, %v, err %v)", tc.name, pre, suf, err, tc.pre, tc.suf, tc.err)
+		}
 	}
 }
 
