@@ -170,3 +170,34 @@ func TestDESKVAwareCacheSalt(t *testing.T) {
 		t.Errorf("salted kv_aware: hit %.3f, reasons %v", s.HitRate, s.Reasons)
 	}
 }
+
+// TestDESDeterministicWithRealStrategies: a seed fixes the whole run, with
+// the router's strategies, the memory index and the sim engines in the loop.
+func TestDESDeterministicWithRealStrategies(t *testing.T) {
+	w, err := workload.Chat{Sessions: 40}.Generate(3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"random", "kv_aware"} {
+		var runs [2][]des.Outcome
+		for k := range runs {
+			rt, err := newStrategyRouter(name, routingDefaults(), 9, demoModel)
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := des.Run(context.Background(), rt.desConfig(4, sim.Config{}), w)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i := range res.Outcomes {
+				res.Outcomes[i].Decision = 0 // wall clock
+			}
+			runs[k] = res.Outcomes
+		}
+		for i := range runs[0] {
+			if runs[0][i] != runs[1][i] {
+				t.Fatalf("%s: request %d differs between runs: %+v vs %+v", name, i, runs[0][i], runs[1][i])
+			}
+		}
+	}
+}
