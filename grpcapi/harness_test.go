@@ -1,0 +1,177 @@
+package grpcapi_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/url"
+	"testing"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/grpcapi"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/routertest"
+)
+
+const (
+	kvModel   = "llama-grpc"
+	hashModel = "qwen-grpc"
+	bs        = 16
+)
+
+// harness is a real router (two pools over httptest upstreams: "kv" routes
+// kv_aware over a memory index, "hash" routes prefix_aware) served over
+// gRPC on a loopback listener.
+type harness struct {
+	t     *testing.T
+	srv   *router.Server
+	idx   *kvindex.Memory
+	ups   map[string]*routertest.Upstream // by instance id
+	api   *grpcapi.Server
+	conn  *grpc.ClientConn
+	addr  string
+	admin string
+}
+
+type harnessOpt func(*router.Config, *grpcapi.Config)
+
+func newHarness(t *testing.T, opts ...harnessOpt) *harness {
+	t.Helper()
+	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvModel, BlockSize: bs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &harness{t: t, idx: idx, ups: map[string]*routertest.Upstream{}}
+	pool := func(name, model string, strategy string, n int) router.PoolConfig {
+		pc := router.PoolConfig{Name: name, Model: model, Routing: router.RoutingConfig{Strategy: strategy},
+			Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true}}
+		for i := range n {
+			id := fmt.Sprintf("%s-%d", name, i)
+			u := routertest.New(t, id, model)
+			h.ups[id] = u
+			pc.Instances = append(pc.Instances, router.InstanceConfig{ID: id, URL: u.URL()})
+		}
+		return pc
+	}
+	kv := pool("kv", kvModel, router.StrategyKVAware, 3)
+	kv.Tokenizer = &router.TokenizerConfig{Source: router.TokenSourceSimple}
+	rcfg := router.Config{Pools: []router.PoolConfig{kv, pool("hash", hashModel, router.StrategyPrefixAware, 4)}}
+	gcfg := grpcapi.Config{Logger: slog.New(slog.DiscardHandler)}
+	for _, o := range opts {
+		o(&rcfg, &gcfg)
+	}
+	h.srv, err = router.NewServer(rcfg, router.Options{
+		Logger: slog.New(slog.DiscardHandler),
+		KV: func(p router.PoolConfig) (kvindex.Index, router.Freshness) {
+			if p.Name == "kv" {
+				return idx, nil
+			}
+			return nil, nil
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.admin = gcfg.AdminToken
+	h.api, err = grpcapi.New(h.srv, gcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.addr = lis.Addr().String()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- h.api.Serve(ctx, lis) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+	})
+	if gcfg.TLS == nil {
+		h.conn = h.dial()
+	}
+	return h
+}
+
+func (h *harness) dial(opts ...grpc.DialOption) *grpc.ClientConn {
+	h.t.Helper()
+	if len(opts) == 0 {
+		opts = []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
+	}
+	c, err := grpc.NewClient(h.addr, opts...)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	h.t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+func (h *harness) router() kvrouterv1.RouterClient { return kvrouterv1.NewRouterClient(h.conn) }
+func (h *harness) index() kvrouterv1.IndexClient   { return kvrouterv1.NewIndexClient(h.conn) }
+
+// addr is the host:port of an upstream, as Envoy would address it.
+func (h *harness) upAddr(id string) string {
+	u, err := url.Parse(h.ups[id].URL())
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	return u.Host
+}
+
+func (h *harness) instance(pool, id string) *router.Instance {
+	p, ok := h.srv.Pool(pool)
+	if !ok {
+		h.t.Fatalf("no pool %s", pool)
+	}
+	for _, in := range p.Instances() {
+		if in.ID() == id {
+			return in
+		}
+	}
+	h.t.Fatalf("no instance %s", id)
+	return nil
+}
+
+// engineHash is the fake engine's block hash for a router key.
+func engineHash(inst string, k kvindex.Key) uint64 { return uint64(k) ^ 0x9e3779b9 ^ uint64(len(inst))<<48 }
+
+// store tells the index that inst holds the full blocks of tokens on GPU.
+func (h *harness) store(inst string, tokens []uint32) []kvindex.Key {
+	h.t.Helper()
+	keys := kvindex.Keys(kvindex.Root(kvModel, "", ""), tokens, bs)
+	ev := events.Event{Kind: events.BlockStored, BlockSize: bs, Medium: "GPU", TokenIDs: tokens[:len(keys)*bs]}
+	for _, k := range keys {
+		ev.BlockHashes = append(ev.BlockHashes, engineHash(inst, k))
+	}
+	h.apply(inst, ev)
+	return keys
+}
+
+func (h *harness) apply(inst string, evs ...events.Event) {
+	h.t.Helper()
+	if _, err := h.idx.Apply(context.Background(), inst, evs); err != nil {
+		h.t.Fatal(err)
+	}
+}
+
+func prompt(seed uint32, n int) []uint32 {
+	out := make([]uint32, n)
+	x := seed*2654435761 + 7
+	for i := range out {
+		x ^= x << 13
+		x ^= x >> 17
+		x ^= x << 5
+		out[i] = x % 100000
+	}
+	return out
+}
