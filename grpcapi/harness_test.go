@@ -143,7 +143,9 @@ func (h *harness) instance(pool, id string) *router.Instance {
 }
 
 // engineHash is the fake engine's block hash for a router key.
-func engineHash(inst string, k kvindex.Key) uint64 { return uint64(k) ^ 0x9e3779b9 ^ uint64(len(inst))<<48 }
+func engineHash(inst string, k kvindex.Key) uint64 {
+	return uint64(k) ^ 0x9e3779b9 ^ uint64(len(inst))<<48
+}
 
 // store tells the index that inst holds the full blocks of tokens on GPU.
 func (h *harness) store(inst string, tokens []uint32) []kvindex.Key {
