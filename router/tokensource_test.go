@@ -259,3 +259,13 @@ func TestTokenSourceBodyCap(t *testing.T) {
 		t.Fatalf("oversized body: %v", err)
 	}
 }
+
+// FuzzPostProcessorAffixes: any post_processor JSON gives affixes or an
+// error, never a panic or a runaway recursion.
+func FuzzPostProcessorAffixes(f *testing.F) {
+	f.Add([]byte(`{"type":"Sequence","processors":[{"type":"TemplateProcessing","single":[{"SpecialToken":{"id":"B"}},{"Sequence":{"id":"A"}}],"special_tokens":{"B":{"ids":[7]}}}]}`))
+	f.Add([]byte(`{"type":"BertProcessing","sep":["[SEP]",102],"cls":["[CLS]",101]}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		_, _, _ = postProcessorAffixes(json.RawMessage(b), 0)
+	})
+}
