@@ -172,6 +172,31 @@ func TestE2EEngineRestart(t *testing.T) {
 	}
 }
 
+// A new publisher (another topic: the engine came back on another pod IP)
+// whose seq happens to continue the old one's is still a restart.
+func TestE2ENewPublisher(t *testing.T) {
+	ps := capturedPayloads(t, "array.jsonl")
+	r := newRig(t, rigOpts{})
+	_, a, _ := r.startConsumer(consumer.Config{})
+	r.publish(ps[:12]...)
+	waitTable(t, a, r.instance, reference(t, ps[:12]...))
+
+	_ = r.pub.Close()
+	pub, err := events.NewZMQPublisher(r.ctx, events.ZMQPublisherConfig{Endpoint: r.pubEP, ReplayEndpoint: r.replayEP,
+		Topic: "kv@127.0.0.2:18000@fake-model", FirstSeq: 13})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pub.Close() })
+	r.pub = pub
+	waitFor(t, 20*time.Second, "bridge reconnected", r.pub.Subscribed)
+	r.publish(ps[:4]...)
+	waitTable(t, a, r.instance, reference(t, ps[:4]...))
+	if s := r.stats(); s.Clears != 2 || s.Gaps != 0 {
+		t.Fatalf("bridge stats %+v: want the start-up and the new-publisher clears", s)
+	}
+}
+
 // A router that starts late (the stream keeps only 4 messages) rebuilds
 // from the bridge's snapshot and the stream after it, equal to a router
 // that never stopped, including blocks far older than the stream holds;

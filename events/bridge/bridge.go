@@ -266,6 +266,7 @@ type instance struct {
 	tracker  events.SeqTracker
 	msgCount uint64
 	replayed replayWindow // payloads a replay folded in, until live passes them
+	topic    string       // topic of the last live message
 
 	// enc is the engine's event encoding (events.Encoding), used for
 	// synthetic messages; read by the snapshot goroutines.
@@ -425,7 +426,15 @@ func (in *instance) handle(ctx context.Context, m events.Message) error {
 	if in.duplicate(m) {
 		return nil
 	}
+	// vLLM's topic names the publisher (kv@<ip>:<port>@<model>): another
+	// topic on the same endpoint is another engine process, whatever its
+	// seq says.
+	newPublisher := in.topic != "" && m.Topic != in.topic
+	in.topic = m.Topic
 	st, from := in.tracker.Observe(m.Seq)
+	if newPublisher {
+		st = events.SeqRestart
+	}
 	switch st {
 	case events.SeqGap:
 		in.gaps.Add(1)
@@ -434,7 +443,7 @@ func (in *instance) handle(ctx context.Context, m events.Message) error {
 			return err
 		}
 	case events.SeqRestart:
-		in.log.Info("engine restarted: clearing instance", "seq", m.Seq)
+		in.log.Info("engine restarted: clearing instance", "seq", m.Seq, "topic", m.Topic, "new_publisher", newPublisher)
 		if err := in.clear(ctx, events.SyntheticRestart); err != nil {
 			return err
 		}
