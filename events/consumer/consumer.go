@@ -130,7 +130,9 @@ type Consumer struct {
 	running atomic.Bool
 	lastErr atomic.Int64 // unix nanos of the last consume error
 
-	mu    sync.Mutex // guards insts and every *inst's status fields
+	// mu guards insts and every *inst's status fields. Read-mostly: Live
+	// is on the router's request path, once per candidate.
+	mu    sync.RWMutex
 	insts map[string]*inst
 }
 
@@ -226,15 +228,15 @@ func (c *Consumer) Healthy() bool {
 // Live reports whether the instance is known and live: its index entries
 // should count for routing.
 func (c *Consumer) Live(instance string) bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
+	c.mu.RLock()
+	defer c.mu.RUnlock()
 	in := c.insts[instance]
 	return in != nil && in.status.State == StateLive
 }
 
 // Instances returns every known instance's status, sorted by name.
 func (c *Consumer) Instances() []InstanceStatus {
-	c.mu.Lock()
+	c.mu.RLock()
 	out := make([]InstanceStatus, 0, len(c.insts))
 	for _, in := range c.insts {
 		s := in.status
@@ -244,7 +246,7 @@ func (c *Consumer) Instances() []InstanceStatus {
 		}
 		out = append(out, s)
 	}
-	c.mu.Unlock()
+	c.mu.RUnlock()
 	slices.SortFunc(out, func(a, b InstanceStatus) int {
 		switch {
 		case a.Instance < b.Instance:

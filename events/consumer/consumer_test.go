@@ -231,3 +231,20 @@ func TestSharedIndex(t *testing.T) {
 		t.Fatalf("stored %v purges %d", s, p)
 	}
 }
+
+// BenchmarkLive is the router's per-candidate staleness check.
+func BenchmarkLive(b *testing.B) {
+	c := &Consumer{insts: map[string]*inst{}}
+	for i := 0; i < 64; i++ {
+		name := fmt.Sprintf("vllm-%d", i)
+		c.insts[name] = &inst{status: InstanceStatus{Instance: name, State: StateLive}}
+	}
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			if !c.Live("vllm-7") {
+				b.Fatal("not live")
+			}
+		}
+	})
+}
