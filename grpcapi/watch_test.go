@@ -1,0 +1,192 @@
+package grpcapi_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/grpcapi"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/router"
+)
+
+// TestWatch streams a pool's events from a real NATS server, as the
+// bridges publish them, through Events.Watch with each filter.
+func TestWatch(t *testing.T) {
+	ns := testenv.StartNATS(t)
+	nc, err := nats.Connect(ns.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	reg := prometheus.NewRegistry()
+	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS, g.Registerer = nc, reg })
+	pool := testenv.UniqueName(t)
+
+	tokens := prompt(5, 2*bs)
+	batchA := events.Batch{TS: 1700000000.5, Events: []events.Event{
+		{Kind: events.BlockStored, BlockHashes: []uint64{11, 12}, BlockSize: bs, TokenIDs: tokens, Medium: "GPU"},
+		{Kind: events.BlockStored, BlockHashes: []uint64{11}, Medium: "CPU"},
+		{Kind: events.BlockRemoved, BlockHashes: []uint64{12}, Medium: "GPU"},
+		{Kind: events.AllBlocksCleared},
+	}}
+	batchB := events.Batch{TS: 1700000001, Events: []events.Event{
+		{Kind: events.BlockStored, BlockHashes: []uint64{21}, ParentHash: 20, HasParent: true, Medium: "CPU_PINNED", LoraName: "lora-b"},
+	}}
+	publish := func(inst string, b events.Batch, seq uint64) {
+		t.Helper()
+		payload, err := events.Encode(nil, b, events.EncodingArray)
+		if err != nil {
+			t.Fatal(err)
+		}
+		subj, err := events.EventsSubject(pool, inst)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hd := events.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: inst}.Header()
+		if err := nc.PublishMsg(&nats.Msg{Subject: subj, Data: payload, Header: hd}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// ev is an expected event, compact: instance/kind/tier/hashes/seq.
+	ev := func(inst string, k kvrouterv1.EventKind, tier kvrouterv1.Tier, seq uint64, hashes ...uint64) string {
+		return fmt.Sprintf("%s %v %v %v seq=%d", inst, k, tier, hashes, seq)
+	}
+	const (
+		stored  = kvrouterv1.EventKind_EVENT_KIND_BLOCK_STORED
+		removed = kvrouterv1.EventKind_EVENT_KIND_BLOCK_REMOVED
+		cleared = kvrouterv1.EventKind_EVENT_KIND_ALL_BLOCKS_CLEARED
+		gpu     = kvrouterv1.Tier_TIER_GPU
+		cpu     = kvrouterv1.Tier_TIER_CPU
+		none    = kvrouterv1.Tier_TIER_UNSPECIFIED
+	)
+	tests := []struct {
+		name string
+		req  *kvrouterv1.WatchRequest
+		want []string
+	}{
+		{name: "everything", req: &kvrouterv1.WatchRequest{}, want: []string{
+			ev("a", stored, gpu, 7, 11, 12), ev("a", stored, cpu, 7, 11), ev("a", removed, gpu, 7, 12), ev("a", cleared, none, 7),
+			ev("b", stored, cpu, 9, 21)}},
+		{name: "cpu tier (clears span every tier)", req: &kvrouterv1.WatchRequest{Tiers: []kvrouterv1.Tier{cpu}}, want: []string{
+			ev("a", stored, cpu, 7, 11), ev("a", cleared, none, 7), ev("b", stored, cpu, 9, 21)}},
+		{name: "one instance", req: &kvrouterv1.WatchRequest{Instance: "b"}, want: []string{ev("b", stored, cpu, 9, 21)}},
+		{name: "removals", req: &kvrouterv1.WatchRequest{Kinds: []kvrouterv1.EventKind{removed}}, want: []string{ev("a", removed, gpu, 7, 12)}},
+		{name: "gpu stores", req: &kvrouterv1.WatchRequest{Kinds: []kvrouterv1.EventKind{stored}, Tiers: []kvrouterv1.Tier{gpu}}, want: []string{ev("a", stored, gpu, 7, 11, 12)}},
+	}
+	type watch struct {
+		got  chan *kvrouterv1.Event
+		want []string
+		name string
+	}
+	var watches []watch
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for _, tc := range tests {
+		tc.req.Pool = pool
+		st, err := kvrouterv1.NewEventsClient(h.conn).Watch(ctx, tc.req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := st.Header(); err != nil { // the subscription is live
+			t.Fatal(err)
+		}
+		w := watch{got: make(chan *kvrouterv1.Event, 100), want: tc.want, name: tc.name}
+		go func() {
+			defer close(w.got)
+			for {
+				e, err := st.Recv()
+				if err != nil {
+					return
+				}
+				w.got <- e
+			}
+		}()
+		watches = append(watches, w)
+	}
+	publish("a", batchA, 7)
+	if err := nc.Publish("kv.events."+pool+".a", []byte("not msgpack")); err != nil { // skipped, counted
+		t.Fatal(err)
+	}
+	publish("b", batchB, 9)
+	if err := nc.Publish("kv.events."+pool+"x.a", mustEncode(t, batchB)); err != nil { // another pool
+		t.Fatal(err)
+	}
+	for _, w := range watches {
+		var got []string
+		var first *kvrouterv1.Event
+		timeout := time.After(10 * time.Second)
+		for len(got) < len(w.want) {
+			select {
+			case e, ok := <-w.got:
+				if !ok {
+					t.Fatalf("%s: stream ended after %v", w.name, got)
+				}
+				if first == nil {
+					first = e
+				}
+				got = append(got, ev(e.Instance, e.Kind, e.Tier, e.Seq, e.BlockHashes...))
+			case <-timeout:
+				t.Fatalf("%s: got %v, want %v", w.name, got, w.want)
+			}
+		}
+		select {
+		case e := <-w.got:
+			t.Errorf("%s: unexpected extra event %v", w.name, e)
+		case <-time.After(100 * time.Millisecond):
+		}
+		if !slices.Equal(got, w.want) {
+			t.Errorf("%s:\n got %v\nwant %v", w.name, got, w.want)
+		}
+		if first.Pool != pool || first.GetTime().AsTime().Unix() < 1700000000 || first.Dropped != 0 {
+			t.Errorf("%s: first event %v: want pool, engine time, nothing dropped", w.name, first)
+		}
+	}
+	cancel()
+
+}
+
+func mustEncode(t *testing.T, b events.Batch) []byte {
+	t.Helper()
+	p, err := events.Encode(nil, b, events.EncodingMap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// TestWatchBadRequests: Watch validates before subscribing.
+func TestWatchBadRequests(t *testing.T) {
+	ns := testenv.StartNATS(t)
+	nc, err := nats.Connect(ns.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS = nc })
+	for name, req := range map[string]*kvrouterv1.WatchRequest{
+		"no pool":       {},
+		"wildcard pool": {Pool: "p.>"},
+		"bad instance":  {Pool: "p", Instance: "a b*"},
+		"unknown tier":  {Pool: "p", Tiers: []kvrouterv1.Tier{42}},
+		"unspecified":   {Pool: "p", Tiers: []kvrouterv1.Tier{kvrouterv1.Tier_TIER_UNSPECIFIED}},
+		"unknown kind":  {Pool: "p", Kinds: []kvrouterv1.EventKind{9}},
+	} {
+		st, err := kvrouterv1.NewEventsClient(h.conn).Watch(ctxT(t), req)
+		if err == nil {
+			_, err = st.Recv()
+		}
+		if status.Code(err) != codes.InvalidArgument {
+			t.Errorf("%s: %v, want InvalidArgument", name, err)
+		}
+	}
+}
