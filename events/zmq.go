@@ -159,6 +159,9 @@ type SubscriberConfig struct {
 	MinBackoff, MaxBackoff time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
+	// OnMalformed, when set, is called (on the Run goroutine) for each
+	// message dropped for bad frames, so the owner can count it.
+	OnMalformed func(error)
 }
 
 // SubscriberStats are a Subscriber's counters since it was made.
@@ -276,6 +279,9 @@ func (s *Subscriber) session(ctx context.Context, handle func(Message)) (got boo
 		if err != nil {
 			s.malformed.Add(1)
 			s.cfg.Logger.Warn("zmq subscriber: dropped malformed message", "endpoint", s.cfg.Endpoint, "err", err)
+			if s.cfg.OnMalformed != nil {
+				s.cfg.OnMalformed(err)
+			}
 			continue
 		}
 		got = true

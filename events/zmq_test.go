@@ -6,8 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/go-zeromq/zmq4"
 
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
@@ -270,5 +273,46 @@ func TestReplayUnavailable(t *testing.T) {
 	}
 	if d := time.Since(start); d > 5*time.Second {
 		t.Fatalf("took %v, timeout is 1s", d)
+	}
+}
+
+// Bad frames are dropped and counted; the subscriber keeps reading.
+func TestSubscriberMalformedFrames(t *testing.T) {
+	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
+	defer cancel()
+	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	pub := zmq4.NewPub(ctx, zmq4.WithLogger(quietZMQLogger()))
+	defer pub.Close()
+	if err := pub.Listen(ep); err != nil {
+		t.Fatal(err)
+	}
+	var bad atomic.Int32
+	sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, OnMalformed: func(error) { bad.Add(1) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got collector
+	go func() { _ = sub.Run(ctx, got.add) }()
+	waitFor(t, 10*time.Second, "subscription", func() bool { return len(pub.(zmq4.Topics).Topics()) > 0 })
+	for _, m := range []zmq4.Msg{
+		zmq4.NewMsgFrom([]byte("kv")),                            // one frame
+		zmq4.NewMsgFrom([]byte("kv"), []byte{1, 2}, []byte{3}),   // 2-byte seq
+		zmq4.NewMsgFrom([]byte("kv"), SeqBytes(9), []byte{0x93}), // good
+	} {
+		if err := pub.Send(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, 10*time.Second, "the good message", func() bool { return len(got.seqs()) == 1 })
+	if s := sub.Stats(); s.Malformed != 2 || bad.Load() != 2 || s.Messages != 1 || got.seqs()[0] != 9 {
+		t.Fatalf("stats %+v, hook %d", s, bad.Load())
+	}
+}
+
+func TestNewSubscriberValidates(t *testing.T) {
+	for _, cfg := range []SubscriberConfig{{}, {Endpoint: "http://x:1"}, {Endpoint: "tcp://x:1", MinBackoff: time.Second, MaxBackoff: time.Millisecond}} {
+		if _, err := NewSubscriber(cfg); err == nil {
+			t.Errorf("%+v accepted", cfg)
+		}
 	}
 }

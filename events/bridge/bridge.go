@@ -179,7 +179,7 @@ func (b *Bridge) Ready() bool {
 }
 
 // Run ensures the stream and bucket, then runs every instance until ctx is
-// done. It returns ctx.Err(), or an error if the stream or bucket cannot be
+// done; call it once. It returns ctx.Err(), or an error if the stream or bucket cannot be
 // made (a configuration problem, not an outage: outages are retried).
 func (b *Bridge) Run(ctx context.Context) error {
 	var kv jetstream.KeyValue
@@ -286,7 +286,9 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 	if err := events.ValidToken("instance", s.Instance); err != nil {
 		return nil, fmt.Errorf("bridge: %w", err)
 	}
-	sub, err := events.NewSubscriber(events.SubscriberConfig{Endpoint: s.Endpoint, Bind: s.Bind, Topic: s.Topic, Logger: b.cfg.Logger})
+	frames := b.m.drops.WithLabelValues(s.Instance, "frames")
+	sub, err := events.NewSubscriber(events.SubscriberConfig{Endpoint: s.Endpoint, Bind: s.Bind, Topic: s.Topic, Logger: b.cfg.Logger,
+		OnMalformed: func(error) { frames.Inc() }})
 	if err != nil {
 		return nil, fmt.Errorf("bridge: instance %s: %w", s.Instance, err)
 	}
