@@ -2,14 +2,10 @@ package router
 
 import (
 	"bytes"
-	"compress/gzip"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"os"
-	"path/filepath"
 
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
@@ -55,11 +51,7 @@ func NewTokenSource(cfg *TokenizerConfig, pool PoolConfig) (TokenSource, error) 
 		if err != nil {
 			return nil, fmt.Errorf("%w: load %s: %w", ErrTokenSource, cfg.Path, err)
 		}
-		pre, suf, err := textAffixes(cfg.Path)
-		if err != nil {
-			return nil, fmt.Errorf("%w: load %s: %w", ErrTokenSource, cfg.Path, err)
-		}
-		return &ChatTokenSource{Tokenizer: tokenizer.Local(hf), TextPrefix: pre, TextSuffix: suf}, nil
+		return &ChatTokenSource{Tokenizer: tokenizer.Local(hf)}, nil
 	case TokenSourceEngine:
 		u := cfg.URL
 		if u == "" && len(pool.Instances) > 0 {
@@ -80,26 +72,30 @@ func NewTokenSource(cfg *TokenizerConfig, pool PoolConfig) (TokenSource, error) 
 // and encoded with add_special_tokens=false, as vLLM does; completions
 // prompts are encoded as text.
 //
-// vLLM encodes a completions *text* prompt with add_special_tokens=true:
-// TextPrefix and TextSuffix are the ids the model's post-processor adds
-// around it (Llama 3: <|begin_of_text|>), read from tokenizer.json by the
-// files source. The engine source cannot know them (its client tokenizes
-// with add_special_tokens=false), so its completions text prompts of such
-// models key one token short and route heuristically.
+// Completions text prompts are encoded as vLLM does: with the request's
+// add_special_tokens, true when absent, so a Llama 3 prompt gets its
+// <|begin_of_text|> (tokenizer.CompletionTokenizer, which Local and Remote
+// implement).
 type ChatTokenSource struct {
-	Tokenizer              tokenizer.PromptTokenizer
-	TextPrefix, TextSuffix []uint32
+	Tokenizer tokenizer.PromptTokenizer
 }
 
 // text tokenizes a completions text prompt as vLLM does.
-func (s *ChatTokenSource) text(ctx context.Context, text string) ([]uint32, error) {
-	ids, err := s.Tokenizer.TokenizeText(ctx, text)
-	if err != nil || len(s.TextPrefix)+len(s.TextSuffix) == 0 {
-		return ids, err
+func (s *ChatTokenSource) text(ctx context.Context, text string, body []byte) ([]uint32, error) {
+	ct, ok := s.Tokenizer.(tokenizer.CompletionTokenizer)
+	if !ok {
+		return s.Tokenizer.TokenizeText(ctx, text)
 	}
-	out := make([]uint32, 0, len(s.TextPrefix)+len(ids)+len(s.TextSuffix))
-	out = append(append(append(out, s.TextPrefix...), ids...), s.TextSuffix...)
-	return out, nil
+	add := true
+	if bytes.Contains(body, []byte(`"add_special_tokens"`)) {
+		var v struct {
+			Add *bool `json:"add_special_tokens"`
+		}
+		if json.Unmarshal(body, &v) == nil && v.Add != nil {
+			add = *v.Add
+		}
+	}
+	return ct.TokenizeCompletion(ctx, text, add)
 }
 
 // chatBody is what rendering needs from an OpenAI chat body (vLLM's extra
@@ -123,7 +119,7 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *Request) ([]uint32, e
 	switch req.Endpoint {
 	case EndpointCompletions:
 		if req.Parsed != nil && req.Parsed.Prompt != nil && len(req.Parsed.Prompt.Texts) > 0 {
-			return s.text(ctx, req.Parsed.Prompt.Texts[0])
+			return s.text(ctx, req.Parsed.Prompt.Texts[0], req.Body)
 		}
 		return nil, ErrNoTokens
 	case EndpointChatCompletions, EndpointInvoke, EndpointInvokeStream:
@@ -225,117 +221,7 @@ func (s *ChatTokenSource) promptTokens(ctx context.Context, body []byte) ([]uint
 	case len(b.Prompt.Tokens) > 0:
 		return b.Prompt.Tokens[0], nil
 	case len(b.Prompt.Texts) > 0:
-		return s.text(ctx, b.Prompt.Texts[0])
+		return s.text(ctx, b.Prompt.Texts[0], body)
 	}
 	return nil, ErrNoTokens
-}
-
-// textAffixes returns the special-token ids a Hugging Face tokenizer adds
-// around a single text when add_special_tokens is true — what vLLM does to a
-// completions prompt (its CompletionRequest.add_special_tokens defaults to
-// true; chat requests default to false). They come from tokenizer.json's
-// post_processor: TemplateProcessing's "single" template (Llama 3:
-// <|begin_of_text|> before the text), Bert/RobertaProcessing (cls before,
-// sep after), a Sequence of processors; other kinds add nothing.
-func textAffixes(dir string) (prefix, suffix []uint32, err error) {
-	raw, err := readTokenizerJSON(filepath.Join(dir, "tokenizer.json"))
-	if err != nil {
-		return nil, nil, err
-	}
-	var f struct {
-		PostProcessor json.RawMessage `json:"post_processor"`
-	}
-	if err := json.Unmarshal(raw, &f); err != nil {
-		return nil, nil, fmt.Errorf("%w: tokenizer.json: %w", ErrTokenSource, err)
-	}
-	return postProcessorAffixes(f.PostProcessor, 0)
-}
-
-func postProcessorAffixes(raw json.RawMessage, depth int) (prefix, suffix []uint32, err error) {
-	if len(raw) == 0 || string(raw) == "null" || depth > 8 {
-		return nil, nil, nil
-	}
-	var pp struct {
-		Type       string            `json:"type"`
-		Processors []json.RawMessage `json:"processors"`
-		Single     []struct {
-			SpecialToken *struct {
-				ID string `json:"id"`
-			} `json:"SpecialToken"`
-			Sequence *struct{} `json:"Sequence"`
-		} `json:"single"`
-		SpecialTokens map[string]struct {
-			IDs []uint32 `json:"ids"`
-		} `json:"special_tokens"`
-		CLS []json.RawMessage `json:"cls"` // ["[CLS]", 101]
-		SEP []json.RawMessage `json:"sep"`
-	}
-	if err := json.Unmarshal(raw, &pp); err != nil {
-		return nil, nil, fmt.Errorf("%w: post_processor: %w", ErrTokenSource, err)
-	}
-	switch pp.Type {
-	case "Sequence":
-		for _, p := range pp.Processors {
-			pre, suf, err := postProcessorAffixes(p, depth+1)
-			if err != nil {
-				return nil, nil, err
-			}
-			prefix, suffix = append(prefix, pre...), append(suf, suffix...)
-		}
-	case "TemplateProcessing":
-		seen := false
-		for _, it := range pp.Single {
-			switch {
-			case it.Sequence != nil:
-				seen = true
-			case it.SpecialToken != nil:
-				st, ok := pp.SpecialTokens[it.SpecialToken.ID]
-				if !ok {
-					return nil, nil, fmt.Errorf("%w: post_processor: special token %q undefined", ErrTokenSource, it.SpecialToken.ID)
-				}
-				if seen {
-					suffix = append(suffix, st.IDs...)
-				} else {
-					prefix = append(prefix, st.IDs...)
-				}
-			}
-		}
-	case "BertProcessing", "RobertaProcessing":
-		id := func(pair []json.RawMessage) ([]uint32, error) {
-			var v uint32
-			if len(pair) != 2 || json.Unmarshal(pair[1], &v) != nil {
-				return nil, fmt.Errorf("%w: post_processor %s: want [token, id]", ErrTokenSource, pp.Type)
-			}
-			return []uint32{v}, nil
-		}
-		if prefix, err = id(pp.CLS); err != nil {
-			return nil, nil, err
-		}
-		if suffix, err = id(pp.SEP); err != nil {
-			return nil, nil, err
-		}
-	}
-	return prefix, suffix, nil
-}
-
-// readTokenizerJSON reads path, or path.gz (how the test data is kept).
-func readTokenizerJSON(path string) ([]byte, error) {
-	b, err := os.ReadFile(path)
-	if err == nil {
-		return b, nil
-	}
-	f, gzErr := os.Open(path + ".gz")
-	if gzErr != nil {
-		return nil, fmt.Errorf("%w: %w", ErrTokenSource, err)
-	}
-	defer f.Close()
-	zr, err := gzip.NewReader(f)
-	if err != nil {
-		return nil, fmt.Errorf("%w: %s.gz: %w", ErrTokenSource, path, err)
-	}
-	b, err = io.ReadAll(io.LimitReader(zr, 1<<30))
-	if err != nil {
-		return nil, fmt.Errorf("%w: %s.gz: %w", ErrTokenSource, path, err)
-	}
-	return b, nil
 }
