@@ -33,7 +33,11 @@ import (
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, os.Args[1:], os.Getenv, os.Stderr); err != nil && !errors.Is(err, context.Canceled) {
+	err := run(ctx, os.Args[1:], os.Getenv, os.Stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return
+	}
+	if err != nil && !errors.Is(err, context.Canceled) {
 		fmt.Fprintln(os.Stderr, "kvbridge:", err)
 		os.Exit(1)
 	}
@@ -75,6 +79,10 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	o := &options{}
 	fs := flag.NewFlagSet("kvbridge", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprint(stderr, "kvbridge: carry one vLLM engine's KV-cache events from ZMQ to NATS JetStream (docs/transport.md)\n\nusage: kvbridge --pool POOL [flags]\n\n")
+		fs.PrintDefaults()
+	}
 	host, _ := os.Hostname()
 	fs.StringVar(&o.natsURL, "nats-url", envOr(getenv, "nats://127.0.0.1:4222", "NATS_URL"), "NATS server URL(s), comma-separated (env NATS_URL)")
 	fs.StringVar(&o.natsCreds, "nats-creds", envOr(getenv, "", "NATS_CREDS"), "NATS credentials file (env NATS_CREDS)")
