@@ -380,4 +380,4 @@ func liveCompare(ctx context.Context, c *liveClient, w *workload.Workload, strat
 }
 
 // The model the demo's engines serve.
-var demoModel = sim.DefaultModel
+const demoModel = sim.DefaultModel
