@@ -95,6 +95,11 @@ type Config struct {
 	PurgeAfter time.Duration
 	// CheckInterval is the stale/purge check period (default 1s).
 	CheckInterval time.Duration
+	// MaxLag is how far behind the stream (JetStream store time of the
+	// message being applied) the consumer may be and still call itself
+	// healthy (default 5s): while it catches up after a start or an outage
+	// the index is behind and exact routing should not trust it.
+	MaxLag time.Duration
 	// Registerer receives the consumer's metrics (nil: not registered).
 	Registerer prometheus.Registerer
 	// Logger defaults to slog.Default().
@@ -129,6 +134,7 @@ type Consumer struct {
 
 	running atomic.Bool
 	lastErr atomic.Int64 // unix nanos of the last consume error
+	lag     atomic.Int64 // nanoseconds behind the stream at the last message
 
 	// mu guards insts and every *inst's status fields. Read-mostly: Live
 	// is on the router's request path, once per candidate.
@@ -189,7 +195,10 @@ func New(cfg Config) (*Consumer, error) {
 	if cfg.CheckInterval == 0 {
 		cfg.CheckInterval = time.Second
 	}
-	if cfg.Shards < 0 || cfg.SnapshotTimeout < 0 || cfg.StaleAfter < 0 || cfg.PurgeAfter < 0 || cfg.CheckInterval < 0 {
+	if cfg.MaxLag == 0 {
+		cfg.MaxLag = 5 * time.Second
+	}
+	if cfg.MaxLag < 0 || cfg.Shards < 0 || cfg.SnapshotTimeout < 0 || cfg.StaleAfter < 0 || cfg.PurgeAfter < 0 || cfg.CheckInterval < 0 {
 		return nil, errors.New("consumer: negative shards or interval in config")
 	}
 	if cfg.PurgeAfter < cfg.StaleAfter {
@@ -215,10 +224,14 @@ func New(cfg Config) (*Consumer, error) {
 }
 
 // Healthy reports whether the stream is being consumed: NATS connected,
-// the consumer running and no consume error in the last 10s. The exact
-// (kv_aware) strategy falls back to the heuristic when it is not.
+// the consumer running, no consume error in the last 10s, and not more
+// than MaxLag behind the stream. The exact (kv_aware) strategy falls back
+// to the heuristic when it is not.
 func (c *Consumer) Healthy() bool {
 	if !c.running.Load() || !c.cfg.Conn.IsConnected() {
+		return false
+	}
+	if time.Duration(c.lag.Load()) > c.cfg.MaxLag {
 		return false
 	}
 	last := c.lastErr.Load()
@@ -586,6 +599,9 @@ func (c *Consumer) fetchSnapshot(ctx context.Context, instance string) (events.S
 
 // event applies one stream message, unless a loaded snapshot covers it.
 func (c *Consumer) event(ctx context.Context, w work, in *inst) {
+	if !w.stored.IsZero() {
+		c.lag.Store(int64(time.Since(w.stored)))
+	}
 	c.mu.Lock()
 	purged := in.status.State == StatePurged
 	c.mu.Unlock()

@@ -141,6 +141,7 @@ func TestConfigValidation(t *testing.T) {
 		{"bad pool", Config{Conn: nc, Pool: "a.b", Applier: a}, "invalid subject token"},
 		{"purge before stale", Config{Conn: nc, Pool: "p", Applier: a, StaleAfter: time.Minute, PurgeAfter: time.Second}, "shorter"},
 		{"negative", Config{Conn: nc, Pool: "p", Applier: a, Shards: -1}, "negative"},
+		{"negative lag", Config{Conn: nc, Pool: "p", Applier: a, MaxLag: -time.Second}, "negative"},
 	}
 	for _, tc := range tests {
 		if _, err := New(tc.cfg); err == nil || !strings.Contains(err.Error(), tc.want) {
@@ -175,6 +176,14 @@ func TestPerInstanceOrder(t *testing.T) {
 	}
 	if n := len(c.Instances()); n != instances {
 		t.Fatalf("%d instances", n)
+	}
+	// Far behind the stream is not healthy.
+	if !c.Healthy() {
+		t.Fatal("caught-up consumer unhealthy")
+	}
+	c.lag.Store(int64(time.Minute))
+	if c.Healthy() {
+		t.Fatal("a consumer a minute behind reports healthy")
 	}
 }
 
