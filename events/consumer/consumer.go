@@ -677,7 +677,10 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 	}
 	if aerr != nil {
 		c.m.applyErrors.Inc()
-		c.cfg.Logger.Warn("consumer: apply", "instance", w.instance, "err", aerr)
+		c.cfg.Logger.Warn("consumer: apply failed, will reload the snapshot", "instance", w.instance, "err", aerr)
+		// The index may now hold part of the batch or miss it: the next
+		// event of the instance reloads its snapshot to get back in step.
+		in.needLoad = true
 		return
 	}
 	c.m.messages.WithLabelValues("applied").Inc()
