@@ -257,3 +257,50 @@ func BenchmarkLive(b *testing.B) {
 		}
 	})
 }
+
+// failOnce fails the first Apply that stores the given hash.
+type failOnce struct {
+	*recorder
+	hash   uint64
+	failed bool
+}
+
+func (f *failOnce) Apply(ctx context.Context, instance string, evs []events.Event) (kvindex.ApplyResult, error) {
+	for _, e := range evs {
+		if !f.failed && len(e.BlockHashes) > 0 && e.BlockHashes[0] == f.hash {
+			f.failed = true
+			return kvindex.ApplyResult{}, fmt.Errorf("index unreachable")
+		}
+	}
+	return f.recorder.Apply(ctx, instance, evs)
+}
+
+// After a failed Apply the instance reloads its snapshot (here from the
+// bucket: no bridge answers) before applying further events.
+func TestApplyFailureReloadsSnapshot(t *testing.T) {
+	e := newEnv(t)
+	kv, err := events.EnsureBucket(e.ctx, e.js, e.cfg.Bucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	batch, _ := events.Encode(nil, events.Batch{Events: []events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{100},
+		TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"}}}, events.EncodingMap)
+	snap, _ := events.Snapshot{Pool: e.pool, Instance: "i0", Blocks: 1, Batch: batch}.MarshalBinary()
+	key, _ := events.SnapshotKey(e.pool, "i0")
+	if _, err := kv.Put(e.ctx, key, snap); err != nil {
+		t.Fatal(err)
+	}
+	a := &failOnce{recorder: newRecorder(), hash: 1}
+	cfg := e.cfg
+	cfg.Applier, cfg.SnapshotTimeout = a, 100*time.Millisecond
+	e.start(cfg)
+	e.store("i0", 1, 1) // fails
+	e.store("i0", 2, 2)
+	waitFor(t, 10*time.Second, "event 2", func() bool { s, _ := a.get("i0"); return len(s) > 0 && s[len(s)-1] == 2 })
+	s, purges := a.get("i0")
+	// Start-up load (snapshot), then after the failure a reload (purge +
+	// snapshot) before event 2.
+	if purges != 2 || len(s) != 2 || s[0] != 100 {
+		t.Fatalf("stored %v after %d purges", s, purges)
+	}
+}
