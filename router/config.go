@@ -139,8 +139,9 @@ type PoolConfig struct {
 	Name string `yaml:"name" json:"name"`
 	// Model is the served model name; OpenAI requests select the pool by it.
 	Model string `yaml:"model" json:"model"`
-	// Adapters are LoRA adapter names served by the pool (in addition to
-	// those discovered from instances' /v1/models).
+	// Adapters are LoRA adapters every instance of the pool holds (all
+	// started with the same --lora-modules); adapters held by only some
+	// instances go in instances[].adapters or are discovered.
 	Adapters []string `yaml:"adapters" json:"adapters,omitempty"`
 	// AdapterFallback: what to do when no eligible instance holds the
 	// requested adapter: "none" (503) or "all" (route among all instances,
@@ -255,6 +256,10 @@ type KVScoringConfig struct {
 	ScrapeTimeout time.Duration `yaml:"scrape_timeout" json:"scrape_timeout,omitempty"`
 	// ScrapePath is the instances' metrics path. Default /metrics.
 	ScrapePath string `yaml:"scrape_path" json:"scrape_path,omitempty"`
+	// TokenizeTimeout bounds producing a request's token ids (the engine
+	// source is a network call); past it the request routes heuristically.
+	// Default 200ms.
+	TokenizeTimeout time.Duration `yaml:"tokenize_timeout" json:"tokenize_timeout,omitempty"`
 }
 
 // WithDefaults returns r with zero fields replaced by their defaults.

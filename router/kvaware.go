@@ -405,7 +405,13 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 	if req.Tokenizer == nil {
 		req.Tokenizer = st.tokens
 	}
-	ids, err := req.TokenIDs(ctx)
+	tctx := ctx
+	if req.PromptTokens == nil && req.Tokenizer != nil {
+		var cancel context.CancelFunc
+		tctx, cancel = context.WithTimeout(ctx, s.sc.tokTimeout)
+		defer cancel()
+	}
+	ids, err := req.TokenIDs(tctx)
 	if err != nil {
 		if !errors.Is(err, ErrNoTokens) {
 			st.m.tokenErrs.WithLabelValues(st.pool).Inc()

@@ -808,3 +808,26 @@ func TestReplicasAgree(t *testing.T) {
 		t.Errorf("%d of 40 decisions were kv_match", kvMatches)
 	}
 }
+
+// slowSource is an engine /tokenize that does not answer in time.
+type slowSource struct{}
+
+func (slowSource) Tokens(ctx context.Context, _ *Request) ([]uint32, error) {
+	<-ctx.Done()
+	return nil, ctx.Err()
+}
+
+// TestKVAwareTokenizeTimeout: a token source slower than tokenize_timeout
+// costs the request its exact routing, not its latency.
+func TestKVAwareTokenizeTimeout(t *testing.T) {
+	w := newKVWorld(t, 3)
+	s := w.strategy(RoutingConfig{KV: &KVScoringConfig{TokenizeTimeout: 20 * time.Millisecond}})
+	start := time.Now()
+	d := kvPick(t, s, &Request{Endpoint: EndpointChatCompletions, RoutingText: "x", Tokenizer: slowSource{}}, w.insts)
+	if el := time.Since(start); el > 2*time.Second || d.Reason != ReasonHeuristic {
+		t.Fatalf("took %v, reason %s", el, d.Reason)
+	}
+	if got := counterValue(t, w.st.m.tokenErrs.WithLabelValues("p")); got != 1 {
+		t.Errorf("token errors %v, want 1", got)
+	}
+}

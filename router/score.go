@@ -61,6 +61,11 @@ const (
 	DefaultScrapeTimeout = 500 * time.Millisecond
 	// DefaultScrapePath is vLLM's Prometheus endpoint.
 	DefaultScrapePath = "/metrics"
+	// DefaultTokenizeTimeout bounds the token source (the engine's
+	// /tokenize is a network round trip): 200 ms is well under an 8k
+	// prefill (~330 ms); a later exact answer is worth less than the
+	// heuristic's answer now.
+	DefaultTokenizeTimeout = 200 * time.Millisecond
 )
 
 // kvScoring is KVScoringConfig with defaults applied, in scoring's units.
@@ -77,6 +82,7 @@ type kvScoring struct {
 	scrape        time.Duration // < 0 = no scraping
 	scrapeTimeout time.Duration
 	scrapePath    string
+	tokTimeout    time.Duration
 }
 
 // resolve applies the documented defaults to k (nil = all defaults).
@@ -97,6 +103,7 @@ func (k *KVScoringConfig) resolve() kvScoring {
 		scrape:        c.ScrapeInterval,
 		scrapeTimeout: c.ScrapeTimeout,
 		scrapePath:    c.ScrapePath,
+		tokTimeout:    c.TokenizeTimeout,
 	}
 	s.load[tiers.GPU] = math.Inf(1)
 	s.load[tiers.CPU] = pos(c.CPULoadTokensPerSecond, cm.LoadTokensPerSec(tiers.CPU))
@@ -129,6 +136,9 @@ func (k *KVScoringConfig) resolve() kvScoring {
 	}
 	if c.ScrapePath == "" {
 		s.scrapePath = DefaultScrapePath
+	}
+	if c.TokenizeTimeout == 0 {
+		s.tokTimeout = DefaultTokenizeTimeout
 	}
 	// Negative means "off" for the knobs where off makes sense.
 	s.waitingTokens = max(s.waitingTokens, 0)
@@ -192,6 +202,9 @@ func (k *KVScoringConfig) validateKV(f string) error {
 	}
 	if k.ScrapeTimeout < 0 || k.ScrapeTimeout > time.Minute {
 		return bad("scrape_timeout %v out of range 0..1m", k.ScrapeTimeout)
+	}
+	if k.TokenizeTimeout < 0 || k.TokenizeTimeout > time.Minute {
+		return bad("tokenize_timeout %v out of range 0..1m", k.TokenizeTimeout)
 	}
 	if k.ScrapePath != "" && k.ScrapePath[0] != '/' {
 		return bad("scrape_path %q: must start with /", k.ScrapePath)
