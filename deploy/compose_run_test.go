@@ -27,11 +27,37 @@ import (
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
-// portMap gives every (compose host, port) a free local port, so that the
-// compose topology runs as plain processes on 127.0.0.1.
+// portMap gives every (host, port) of a deployment a free local port, so
+// that its topology runs as plain processes on 127.0.0.1. Hosts are
+// canonical names: a compose service, a Kubernetes Service or pod.
 type portMap struct {
 	t     *testing.T
 	ports map[string]int // "host:port" -> local port
+	// canon maps a host as written (a DNS name, 0.0.0.0, 127.0.0.1) to its
+	// canonical name; self is the process's own host (pod or service).
+	canon func(host, self string) string
+	// known are the canonical hosts whose addresses are rewritten in files.
+	known map[string]bool
+}
+
+// composeHosts: compose services reach each other by service name.
+func composeHosts(host, self string) string {
+	if host == "" || host == "0.0.0.0" {
+		return self
+	}
+	return host
+}
+
+// kubeHosts: containers of a pod share its loopback; other pods and
+// Services are reached by DNS names whose first label names them
+// (vllm-0.vllm, nats, redis).
+func kubeHosts(host, self string) string {
+	switch host {
+	case "", "0.0.0.0", "127.0.0.1", "localhost":
+		return self
+	}
+	first, _, _ := strings.Cut(host, ".")
+	return first
 }
 
 func (m *portMap) local(host, port string) int {
@@ -47,9 +73,9 @@ func (m *portMap) local(host, port string) int {
 // hostPortValue matches flag values naming an address: tcp://h:p, http://h:p/x, h:p, :p.
 var hostPortValue = regexp.MustCompile(`^([a-z]+://)?([A-Za-z0-9.-]*):(\d+)(/.*)?$`)
 
-// localArgs rewrites a compose service's flags for a local run: addresses
-// of compose services (or its own, for listen flags) become 127.0.0.1 and a
-// mapped port; wildcard binds become loopback. Nothing else changes.
+// localArgs rewrites a process's flags for a local run: addresses become
+// 127.0.0.1 and the mapped port (listen addresses keep their empty host);
+// wildcard binds become loopback. Nothing else changes.
 func (m *portMap) localArgs(self string, args []string) []string {
 	out := make([]string, 0, len(args))
 	for _, a := range args {
@@ -61,11 +87,7 @@ func (m *portMap) localArgs(self string, args []string) []string {
 		switch {
 		case hostPortValue.MatchString(v):
 			g := hostPortValue.FindStringSubmatch(v)
-			host := g[2]
-			if host == "" || host == "0.0.0.0" {
-				host = self
-			}
-			p := strconv.Itoa(m.local(host, g[3]))
+			p := strconv.Itoa(m.local(m.canon(g[2], self), g[3]))
 			if g[2] == "" {
 				v = g[1] + ":" + p + g[4]
 			} else {
@@ -81,12 +103,19 @@ func (m *portMap) localArgs(self string, args []string) []string {
 	return out
 }
 
-// localText rewrites every mapped compose address in a config file.
+// addrInText matches host:port in a config file.
+var addrInText = regexp.MustCompile(`([A-Za-z0-9][A-Za-z0-9.-]*):(\d+)`)
+
+// localText rewrites every address of a known host in a config file.
 func (m *portMap) localText(s string) string {
-	for k, p := range m.ports {
-		s = strings.ReplaceAll(s, k, "127.0.0.1:"+strconv.Itoa(p))
-	}
-	return s
+	return addrInText.ReplaceAllStringFunc(s, func(a string) string {
+		g := addrInText.FindStringSubmatch(a)
+		h := m.canon(g[1], "")
+		if !m.known[h] {
+			return a
+		}
+		return "127.0.0.1:" + strconv.Itoa(m.local(h, g[2]))
+	})
 }
 
 // lockedBuffer collects a process's output for failure messages.
@@ -112,7 +141,7 @@ func (l *lockedBuffer) tail() string {
 }
 
 func TestLocalArgs(t *testing.T) {
-	m := &portMap{t: t, ports: map[string]int{"kvsim-0:5557": 40001, "kvsim-0:8000": 40002, "kvbridge-0:9400": 40003, "kvsim-0:5558": 40004}}
+	m := &portMap{t: t, ports: map[string]int{"kvsim-0:5557": 40001, "kvsim-0:8000": 40002, "kvbridge-0:9400": 40003, "kvsim-0:5558": 40004}, canon: composeHosts, known: map[string]bool{"kvsim-0": true}}
 	got := m.localArgs("kvsim-0", []string{"--zmq-endpoint=tcp://kvsim-0:5557", "--engine-url=http://kvsim-0:8000/x", "--host=0.0.0.0", "--port=8000", "--replay-port=5558", "--topic=kv", "--flag"})
 	want := []string{"--zmq-endpoint=tcp://127.0.0.1:40001", "--engine-url=http://127.0.0.1:40002/x", "--host=127.0.0.1", "--port=40002", "--replay-port=40004", "--topic=kv", "--flag"}
 	if !slices.Equal(got, want) {
@@ -120,6 +149,16 @@ func TestLocalArgs(t *testing.T) {
 	}
 	if got := m.localArgs("kvbridge-0", []string{"--listen=:9400"}); got[0] != "--listen=:40003" {
 		t.Errorf("listen: %v", got)
+	}
+	if got := m.localText("url: http://kvsim-0:8000\nother: http://example.com:80\n"); got != "url: http://127.0.0.1:40002\nother: http://example.com:80\n" {
+		t.Errorf("localText: %q", got)
+	}
+	k := &portMap{t: t, ports: map[string]int{"vllm-0:5557": 40005, "vllm-0:8000": 40006}, canon: kubeHosts, known: map[string]bool{"vllm-0": true}}
+	if got := k.localArgs("vllm-0", []string{"--zmq-endpoint=tcp://127.0.0.1:5557"}); got[0] != "--zmq-endpoint=tcp://127.0.0.1:40005" {
+		t.Errorf("pod loopback: %v", got)
+	}
+	if got := k.localText("url: http://vllm-0.vllm:8000"); got != "url: http://127.0.0.1:40006" {
+		t.Errorf("pod DNS name: %q", got)
 	}
 }
 
@@ -138,7 +177,10 @@ func TestComposeRuns(t *testing.T) {
 	}
 	dir, _ := bins.get(t)
 	cf := loadCompose(t)
-	m := &portMap{t: t, ports: map[string]int{}}
+	m := &portMap{t: t, ports: map[string]int{}, canon: composeHosts, known: map[string]bool{}}
+	for n := range cf.Services {
+		m.known[n] = true
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 

@@ -759,6 +759,25 @@ func checkNATS(t *testing.T, b *bundle, ov overlay, cfg router.Config) {
 	if !storeMounted {
 		t.Errorf("nats JetStream store_dir %s is not on a persistent volume", opts.StoreDir)
 	}
+	// JetStream reserves a stream's max bytes up front: the events stream
+	// the bridges create must leave room in the store for the snapshot
+	// bucket, or the bucket's creation fails (insufficient resources).
+	for _, w := range b.workloads() {
+		for _, c := range w.template.Spec.Containers {
+			if binaryOf(c.Command) != "kvbridge" {
+				continue
+			}
+			maxBytes := int64(1 << 30) // events.StreamConfig default
+			if v, ok := argValue(c.Args, "stream-max-bytes"); ok {
+				if maxBytes, err = strconv.ParseInt(v, 10, 64); err != nil {
+					t.Errorf("%s: --stream-max-bytes=%s: %v", w, v, err)
+				}
+			}
+			if opts.JetStreamMaxStore > 0 && maxBytes >= opts.JetStreamMaxStore*3/4 {
+				t.Errorf("%s: stream of %d bytes leaves too little of the %d-byte JetStream store for the snapshot bucket", w, maxBytes, opts.JetStreamMaxStore)
+			}
+		}
+	}
 	if ov.natsNodes > 1 {
 		if opts.Cluster.Port != int(portOf(c, "cluster")) {
 			t.Errorf("nats cluster port %d, container %d", opts.Cluster.Port, portOf(c, "cluster"))
