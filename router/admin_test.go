@@ -307,3 +307,18 @@ func TestHealthzReadyz(t *testing.T) {
 		}
 	}
 }
+
+func TestPoolLevelAdapterOnEveryInstance(t *testing.T) {
+	h := newHarness(t, 3, func(c *router.Config) { c.Pools[0].Adapters = []string{"shared-lora"} })
+	seen := map[string]bool{}
+	for i := range 30 {
+		r := h.do("POST", "/v1/chat/completions", chatBody("shared-lora", fmt.Sprintf("q%d", i), false), nil)
+		if r.status != 200 {
+			t.Fatalf("%d %s", r.status, r.body)
+		}
+		seen[r.header.Get(router.HeaderInstance)] = true
+	}
+	if len(seen) != 3 {
+		t.Fatalf("pool-level adapter routed to %v, want all 3 instances", seen)
+	}
+}

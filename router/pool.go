@@ -122,16 +122,20 @@ func (p *Pool) Adapters() []string {
 }
 
 // Candidates appends to dst the healthy instances eligible for a request
-// for adapter ("" = base model), skipping those in exclude. When no healthy
-// instance holds the adapter and adapter_fallback is "all", every healthy
-// instance is eligible (fellBack reports it).
+// for adapter ("" = base model; a pool-level adapter is held by every
+// instance, an instance-level one only where configured or discovered),
+// skipping exclude. When no healthy instance holds the adapter and
+// adapter_fallback is "all", every healthy instance is eligible (fellBack
+// reports it).
 func (p *Pool) Candidates(dst []*Instance, adapter string, exclude *Instance) (cands []*Instance, fellBack bool) {
 	dst = dst[:0]
+	// A pool-level adapter is one every instance was started with.
+	everywhere := adapter != "" && slices.Contains(p.cfg.Adapters, adapter)
 	for _, in := range p.instances {
 		if in == exclude || !in.Healthy() {
 			continue
 		}
-		if adapter != "" && !in.HasAdapter(adapter) {
+		if adapter != "" && !everywhere && !in.HasAdapter(adapter) {
 			continue
 		}
 		dst = append(dst, in)
