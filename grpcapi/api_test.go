@@ -20,6 +20,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -75,6 +76,7 @@ func TestPick(t *testing.T) {
 		{name: "unknown adapter", req: &kvrouterv1.PickRequest{Pool: "kv", Adapter: "nope", Prompt: "x"}, code: codes.NotFound},
 		{name: "no prompt", req: &kvrouterv1.PickRequest{Pool: "kv"}, code: codes.InvalidArgument},
 		{name: "prompt and tokens", req: &kvrouterv1.PickRequest{Pool: "kv", Prompt: "x", TokenIds: p}, code: codes.InvalidArgument},
+		{name: "prompt over the tokenize limit", req: &kvrouterv1.PickRequest{Pool: "kv", Prompt: strings.Repeat("x", router.MaxTokenizeBytes+1)}, code: codes.InvalidArgument},
 		{name: "bad tenant", req: &kvrouterv1.PickRequest{Pool: "kv", Prompt: "x", Tenant: "\x01bad"}, code: codes.InvalidArgument},
 	}
 	for _, tc := range tests {

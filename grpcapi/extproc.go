@@ -1,6 +1,7 @@
 package grpcapi
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -148,7 +149,7 @@ func (x *extProc) Process(stream extprocv3.ExternalProcessor_ProcessServer) erro
 				break
 			}
 			// No body (a GET, or an empty POST): pick now.
-			common, md, imm := x.decide(stream, st)
+			common, md, imm := x.decide(stream.Context(), st)
 			if imm != nil {
 				return stream.Send(imm)
 			}
@@ -167,7 +168,7 @@ func (x *extProc) Process(stream extprocv3.ExternalProcessor_ProcessServer) erro
 					RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{}}}}
 				break
 			}
-			common, md, imm := x.decide(stream, st)
+			common, md, imm := x.decide(stream.Context(), st)
 			if imm != nil {
 				return stream.Send(imm)
 			}
@@ -239,7 +240,7 @@ func headerMap(hm *corev3.HeaderMap) map[string]string {
 
 // decide picks the endpoint: the common response carrying the header
 // mutation and the dynamic metadata, or an immediate response.
-func (x *extProc) decide(stream extprocv3.ExternalProcessor_ProcessServer, st *epStream) (*extprocv3.CommonResponse, *structpb.Struct, *extprocv3.ProcessingResponse) {
+func (x *extProc) decide(ctx context.Context, st *epStream) (*extprocv3.CommonResponse, *structpb.Struct, *extprocv3.ProcessingResponse) {
 	s := x.s
 	fail := func(pool string, code int, msg string) (*extprocv3.CommonResponse, *structpb.Struct, *extprocv3.ProcessingResponse) {
 		s.m.extproc.WithLabelValues(pool, strconv.Itoa(code)).Inc()
@@ -285,7 +286,7 @@ func (x *extProc) decide(stream extprocv3.ExternalProcessor_ProcessServer, st *e
 			return fail(p.Name(), http.StatusTooManyRequests, fmt.Sprintf("pool %q is saturated: every instance is at its concurrency threshold and %d requests are queued", p.Name(), queued))
 		}
 	}
-	dec, err := strat.Pick(stream.Context(), req, cands)
+	dec, err := strat.Pick(ctx, req, cands)
 	if err != nil {
 		if errors.Is(err, router.ErrNoCandidates) {
 			return fail(p.Name(), http.StatusServiceUnavailable, "no eligible instance in pool "+strconv.Quote(p.Name()))

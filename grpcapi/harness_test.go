@@ -29,7 +29,7 @@ const (
 // kv_aware over a memory index, "hash" routes prefix_aware) served over
 // gRPC on a loopback listener.
 type harness struct {
-	t     *testing.T
+	t     testing.TB
 	srv   *router.Server
 	idx   *kvindex.Memory
 	ups   map[string]*routertest.Upstream // by instance id
@@ -41,7 +41,7 @@ type harness struct {
 
 type harnessOpt func(*router.Config, *grpcapi.Config)
 
-func newHarness(t *testing.T, opts ...harnessOpt) *harness {
+func newHarness(t testing.TB, opts ...harnessOpt) *harness {
 	t.Helper()
 	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvModel, BlockSize: bs})
 	if err != nil {
