@@ -831,3 +831,52 @@ func TestKVAwareTokenizeTimeout(t *testing.T) {
 		t.Errorf("token errors %v, want 1", got)
 	}
 }
+
+// TestShadowHeuristicInUse: prefix_aware routes, kv_aware is scored dry
+// beside it: no speculative entries, the heuristic's decision carries what
+// the index predicted for it, and the comparison records both.
+func TestShadowHeuristicInUse(t *testing.T) {
+	w := newKVWorld(t, 4)
+	tokens := promptTokens(41, 32*kvTestBS)
+	order := RendezvousOrder(kvRequest("s", tokens), w.insts)
+	w.store(order[3].ID(), tokens, 0, 32)
+	s, err := NewStrategy(StrategyPrefixAware, RoutingConfig{Shadow: true}, WithKVState(w.st))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Name() != StrategyPrefixAware {
+		t.Fatalf("name %q", s.Name())
+	}
+	d, err := s.Pick(context.Background(), kvRequest("s", tokens), w.insts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.Instance != order[0] || d.Strategy != StrategyPrefixAware || d.Reason != ReasonHash {
+		t.Fatalf("in use: %s %s %s", d.Instance.ID(), d.Strategy, d.Reason)
+	}
+	if d.Explain == nil || matchedSum(d) != 0 || d.Observer == nil {
+		t.Fatalf("explain %+v observer %v", d.Explain, d.Observer)
+	}
+	if tok, _ := w.st.PendingPrefill(order[0].ID()); tok != int64(len(tokens)) {
+		t.Errorf("pending on the heuristic's pick: %d", tok)
+	}
+	body := d.Observer.ObserveBody(nopBody(usageJSON), false)
+	_, _ = io.ReadAll(body)
+	d.Observer.Finish(200)
+	if w.st.spec.Len() != 0 {
+		t.Errorf("dry scoring left %d speculative entries", w.st.spec.Len())
+	}
+	sum := w.st.Compare(StrategyPrefixAware, true, w.insts)
+	if sum.Compared != 1 || sum.Agreed != 0 {
+		t.Fatalf("compare %+v", sum)
+	}
+	if p := sum.Predicted[StrategyKVAware]; p.MatchedTokens != int64(len(tokens)) {
+		t.Errorf("kv_aware's pick predicted %d matched tokens, want %d", p.MatchedTokens, len(tokens))
+	}
+	if r := sum.Reported; r.WithUsage != 1 || r.CachedTokens != 1024 || r.MeanCachedWhenDiffer != 1024 {
+		t.Errorf("reported %+v", r)
+	}
+	if len(sum.Recent) != 1 || sum.Recent[0].Other.Instance != order[3].ID() {
+		t.Errorf("recent %+v", sum.Recent)
+	}
+}
