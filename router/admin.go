@@ -20,6 +20,7 @@ func (s *Server) addAdminRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("GET /admin/pools/{pool}/routing", s.auth(s.serveGetRouting))
 	mux.HandleFunc("PUT /admin/pools/{pool}/routing", s.auth(s.servePutRouting))
 	mux.HandleFunc("GET /admin/pools/{pool}/compare", s.auth(s.serveCompare))
+	s.addDashboardRoutes(mux)
 }
 
 // auth requires "Authorization: Bearer <admin token>" when a token is set.
