@@ -7,3 +7,4 @@ if [ -z "${REDIS_ADDR:-}" ] && ! command -v redis-server >/dev/null 2>&1; then
 	if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
 	$SUDO apt-get update -qq && $SUDO DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server
 fi
+"$(dirname "$0")/ensure-browser.sh" >/dev/null # chromium for test/browser (the dashboard test)
