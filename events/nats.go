@@ -258,6 +258,48 @@ func EnsureBucket(ctx context.Context, js jetstream.JetStream, cfg BucketConfig)
 	return kv, nil
 }
 
+// ObjectStoreName is the object store that holds snapshots too large for
+// one message: the bucket's name + "_OBJ".
+func (c BucketConfig) ObjectStoreName() string {
+	if c.Name == "" {
+		return DefaultBucketName + "_OBJ"
+	}
+	return c.Name + "_OBJ"
+}
+
+// EnsureObjectStore returns the snapshot object store (see
+// BucketConfig.ObjectStoreName), creating it when missing.
+func EnsureObjectStore(ctx context.Context, js jetstream.JetStream, cfg BucketConfig) (jetstream.ObjectStore, error) {
+	name := cfg.ObjectStoreName()
+	if cfg.TTL == 0 {
+		cfg.TTL = 24 * time.Hour
+	}
+	obs, err := js.ObjectStore(ctx, name)
+	if err == nil {
+		return obs, nil
+	}
+	if !errors.Is(err, jetstream.ErrBucketNotFound) {
+		return nil, fmt.Errorf("events: look up object store %s: %w", name, err)
+	}
+	storage := jetstream.FileStorage
+	if cfg.Memory {
+		storage = jetstream.MemoryStorage
+	}
+	obs, err = js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{
+		Bucket:      name,
+		Description: "kvrouter: block-table snapshots too large for one message",
+		TTL:         cfg.TTL,
+		Storage:     storage,
+	})
+	if errors.Is(err, jetstream.ErrBucketExists) || errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+		return js.ObjectStore(ctx, name)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("events: create object store %s: %w", name, err)
+	}
+	return obs, nil
+}
+
 // Heartbeat is what a bridge publishes on kv.instances.<pool>.<instance>.
 type Heartbeat struct {
 	Pool      string    `json:"pool"`

@@ -2,11 +2,14 @@ package events
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // Snapshot is a bridge's block table for one instance, as of one point in
@@ -26,6 +29,10 @@ type Snapshot struct {
 	HasSeq    bool      `json:"has_seq"`
 	StreamSeq uint64    `json:"stream_seq"`
 	Taken     time.Time `json:"taken"`
+	// Object, when set, says the full snapshot is too large for one NATS
+	// message and sits in the snapshot object store under this name; this
+	// one is then only a pointer (no Batch). See ResolveSnapshot.
+	Object string `json:"object,omitempty"`
 	// Batch is the encoded EventBatch (not part of the JSON header).
 	Batch []byte `json:"-"`
 }
@@ -75,4 +82,30 @@ func UnmarshalSnapshot(b []byte) (Snapshot, error) {
 	}
 	s.Batch = b[k+int(n):]
 	return s, nil
+}
+
+// ResolveSnapshot follows a pointer snapshot (Object set) to the full one
+// in the object store; other snapshots are returned as they are. The object
+// may have been replaced by a newer snapshot since the pointer was written;
+// newer is as good (its StreamSeq says where the stream resumes).
+func ResolveSnapshot(ctx context.Context, obs jetstream.ObjectStore, s Snapshot) (Snapshot, error) {
+	if s.Object == "" {
+		return s, nil
+	}
+	if obs == nil {
+		return Snapshot{}, fmt.Errorf("%w: %s points to object %q but there is no object store", ErrBadSnapshot, s.Instance, s.Object)
+	}
+	data, err := obs.GetBytes(ctx, s.Object)
+	if err != nil {
+		return Snapshot{}, fmt.Errorf("events: snapshot object %s: %w", s.Object, err)
+	}
+	full, err := UnmarshalSnapshot(data)
+	if err != nil {
+		return Snapshot{}, err
+	}
+	if full.Object != "" || full.Pool != s.Pool || full.Instance != s.Instance || full.StreamSeq < s.StreamSeq {
+		return Snapshot{}, fmt.Errorf("%w: object %s holds %s/%s at stream seq %d, pointer says %s/%s at %d",
+			ErrBadSnapshot, s.Object, full.Pool, full.Instance, full.StreamSeq, s.Pool, s.Instance, s.StreamSeq)
+	}
+	return full, nil
 }

@@ -178,6 +178,7 @@ type rigOpts struct {
 	maxMsgs      int64
 	snapInterval time.Duration
 	buffer       int // bridge outage buffer (0: default)
+	inlineMax    int // bridge InlineSnapshotMax (0: default)
 }
 
 func newRig(t testing.TB, o rigOpts) *rig {
@@ -237,6 +238,7 @@ func (r *rig) startBridge(o rigOpts) {
 		Stream:            r.stream,
 		Bucket:            r.bucket,
 		Buffer:            o.buffer,
+		InlineSnapshotMax: o.inlineMax,
 		HeartbeatInterval: 100 * time.Millisecond,
 		SnapshotInterval:  snapEvery,
 		ReplayTimeout:     2 * time.Second,

@@ -202,8 +202,20 @@ func TestE2ENewPublisher(t *testing.T) {
 // that never stopped, including blocks far older than the stream holds;
 // with the bridge down, from the bucket's snapshot.
 func TestE2ERouterRestart(t *testing.T) {
+	for _, mode := range []string{"inline", "object_store"} {
+		t.Run(mode, func(t *testing.T) {
+			inline := 0
+			if mode == "object_store" {
+				inline = 256 // every snapshot goes through the object store
+			}
+			testRouterRestart(t, inline)
+		})
+	}
+}
+
+func testRouterRestart(t *testing.T, inline int) {
 	ps := capturedPayloads(t, "array.jsonl")
-	r := newRig(t, rigOpts{maxMsgs: 4, snapInterval: 50 * time.Millisecond})
+	r := newRig(t, rigOpts{maxMsgs: 4, snapInterval: 50 * time.Millisecond, inlineMax: inline})
 	_, steady, _ := r.startConsumer(consumer.Config{})
 	r.publish(ps[:23]...) // leave out the capture's final clear
 	want := reference(t, ps[:23]...)
@@ -244,7 +256,7 @@ func TestE2ERouterRestart(t *testing.T) {
 	waitTable(t, fromBucket, r.instance, want)
 
 	// And both keep up with new events like the steady one.
-	r.startBridge(rigOpts{snapInterval: 50 * time.Millisecond})
+	r.startBridge(rigOpts{snapInterval: 50 * time.Millisecond, inlineMax: inline})
 	r.publish(ps[23:]...)
 	all := reference(t, ps...)
 	for _, a := range []*tableApplier{steady, fromBridge, fromBucket} {

@@ -80,6 +80,11 @@ type Config struct {
 	ReplayTimeout time.Duration
 	// PublishTimeout bounds one publish attempt (default 5s).
 	PublishTimeout time.Duration
+	// InlineSnapshotMax is the largest snapshot sent as one message (reply
+	// or bucket value); larger ones go to the snapshot object store and the
+	// message carries a pointer (default 512 KiB, half NATS's default 1 MB
+	// max payload).
+	InlineSnapshotMax int
 	// MaxBlocksPerMessage bounds a synthetic resync message (default 4096
 	// blocks, ~400 KB with 16-token blocks: under NATS's 1 MB max payload).
 	MaxBlocksPerMessage int
@@ -131,8 +136,12 @@ func New(cfg Config) (*Bridge, error) {
 	if cfg.MaxBlocksPerMessage == 0 {
 		cfg.MaxBlocksPerMessage = 4096
 	}
+	if cfg.InlineSnapshotMax == 0 {
+		cfg.InlineSnapshotMax = 512 << 10
+	}
 	if cfg.MaxBlocks < 0 || cfg.Buffer < 0 || cfg.HeartbeatInterval < 0 || cfg.SnapshotInterval < 0 ||
-		cfg.ReplayTimeout < 0 || cfg.PublishTimeout < 0 || cfg.MaxBlocksPerMessage < 0 || cfg.BlockSize < 0 {
+		cfg.ReplayTimeout < 0 || cfg.PublishTimeout < 0 || cfg.MaxBlocksPerMessage < 0 || cfg.BlockSize < 0 ||
+		cfg.InlineSnapshotMax < 0 {
 		return nil, errors.New("bridge: negative size or interval in config")
 	}
 	if cfg.Logger == nil {
@@ -183,11 +192,14 @@ func (b *Bridge) Ready() bool {
 // made (a configuration problem, not an outage: outages are retried).
 func (b *Bridge) Run(ctx context.Context) error {
 	var kv jetstream.KeyValue
+	var obs jetstream.ObjectStore
 	backoff := 100 * time.Millisecond
 	for {
 		var err error
 		if _, err = events.EnsureStream(ctx, b.js, b.cfg.Stream); err == nil {
-			kv, err = events.EnsureBucket(ctx, b.js, b.cfg.Bucket)
+			if kv, err = events.EnsureBucket(ctx, b.js, b.cfg.Bucket); err == nil {
+				obs, err = events.EnsureObjectStore(ctx, b.js, b.cfg.Bucket)
+			}
 		}
 		if err == nil {
 			break
@@ -201,7 +213,7 @@ func (b *Bridge) Run(ctx context.Context) error {
 		backoff = min(2*backoff, 5*time.Second)
 	}
 	for _, in := range b.insts {
-		in.kv = kv
+		in.kv, in.obs = kv, obs
 		sub, err := b.cfg.Conn.Subscribe(in.snapSubj, in.serveSnapshot)
 		if err != nil {
 			return fmt.Errorf("bridge: subscribe %s: %w", in.snapSubj, err)
@@ -253,6 +265,7 @@ type instance struct {
 	sub       *events.Subscriber
 	replay    events.ReplayConfig
 	kv        jetstream.KeyValue
+	obs       jetstream.ObjectStore
 	subj      string
 	evictSubj string
 	hbSubj    string

@@ -24,6 +24,9 @@ func (in *instance) resync(ctx context.Context) error {
 	var snap *events.Snapshot
 	if e, err := in.kv.Get(ctx, in.key); err == nil {
 		s, err := events.UnmarshalSnapshot(e.Value())
+		if err == nil {
+			s, err = events.ResolveSnapshot(ctx, in.obs, s)
+		}
 		if err == nil && s.Instance == in.src.Instance && s.HasSeq {
 			if b, err := events.Decode(s.Batch); err == nil {
 				in.mu.Lock()
@@ -229,9 +232,11 @@ func (in *instance) serveSnapshot(msg *nats.Msg) {
 		in.b.m.snapshots.WithLabelValues("request", "error").Inc()
 		return
 	}
+	ctx, cancel := context.WithTimeout(context.Background(), in.b.cfg.PublishTimeout)
+	defer cancel()
 	s, err := in.snapshot()
 	if err == nil {
-		reply.Data, err = s.MarshalBinary()
+		reply.Data, err = in.marshalSnapshot(ctx, s)
 	}
 	if err != nil {
 		reply.Header.Set(HeaderError, err.Error())
@@ -240,6 +245,21 @@ func (in *instance) serveSnapshot(msg *nats.Msg) {
 		in.b.m.snapshots.WithLabelValues("request", "ok").Inc()
 	}
 	_ = msg.RespondMsg(reply)
+}
+
+// marshalSnapshot renders s for one message: inline when it fits in
+// InlineSnapshotMax, else put in the object store with a pointer returned.
+func (in *instance) marshalSnapshot(ctx context.Context, s events.Snapshot) ([]byte, error) {
+	data, err := s.MarshalBinary()
+	if err != nil || len(data) <= in.b.cfg.InlineSnapshotMax {
+		return data, err
+	}
+	if _, err := in.obs.PutBytes(ctx, in.key, data); err != nil {
+		return nil, fmt.Errorf("bridge: snapshot object: %w", err)
+	}
+	ptr := s
+	ptr.Object, ptr.Batch = in.key, nil
+	return ptr.MarshalBinary()
 }
 
 // storeSnapshot puts the current snapshot in the bucket unless the bucket
@@ -254,7 +274,7 @@ func (in *instance) storeSnapshot(ctx context.Context) {
 	s, err := in.snapshot()
 	var data []byte
 	if err == nil {
-		data, err = s.MarshalBinary()
+		data, err = in.marshalSnapshot(ctx, s)
 	}
 	if err == nil {
 		_, err = in.kv.Put(ctx, in.key, data)

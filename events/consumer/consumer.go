@@ -127,6 +127,7 @@ type Consumer struct {
 	cfg  Config
 	js   jetstream.JetStream
 	kv   jetstream.KeyValue
+	obs  jetstream.ObjectStore
 	m    *metrics
 	seed maphash.Seed
 
@@ -279,7 +280,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 	for {
 		var err error
 		if _, err = events.EnsureStream(ctx, c.js, c.cfg.Stream); err == nil {
-			c.kv, err = events.EnsureBucket(ctx, c.js, c.cfg.Bucket)
+			if c.kv, err = events.EnsureBucket(ctx, c.js, c.cfg.Bucket); err == nil {
+				c.obs, err = events.EnsureObjectStore(ctx, c.js, c.cfg.Bucket)
+			}
 		}
 		if err == nil {
 			break
@@ -530,6 +533,14 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst) {
 	in.needLoad = false
 	snap, source, err := c.fetchSnapshot(ctx, instance)
 	if err != nil {
+		if !errors.Is(err, errNoSnapshot) && ctx.Err() == nil {
+			// There is one but it could not be read: try again at the
+			// instance's next event rather than trust the stream alone.
+			in.needLoad = true
+			c.m.snapshotLoads.WithLabelValues("error").Inc()
+			c.cfg.Logger.Warn("consumer: snapshot unreadable, will retry", "instance", instance, "err", err)
+			return
+		}
 		c.m.snapshotLoads.WithLabelValues("none").Inc()
 		c.cfg.Logger.Info("consumer: no snapshot, using the stream alone", "instance", instance, "err", err)
 		return
@@ -570,6 +581,29 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst) {
 var errNoSnapshot = errors.New("consumer: no snapshot")
 
 func (c *Consumer) fetchSnapshot(ctx context.Context, instance string) (events.Snapshot, string, error) {
+	// A snapshot in the object store can be replaced while it is read (the
+	// bridge refreshes it); a second try reads the new one.
+	var err error
+	for attempt := 0; attempt < 3; attempt++ {
+		if attempt > 0 {
+			select {
+			case <-ctx.Done():
+				return events.Snapshot{}, "", ctx.Err()
+			case <-time.After(50 * time.Millisecond):
+			}
+		}
+		var s events.Snapshot
+		var source string
+		s, source, err = c.fetchSnapshotOnce(ctx, instance)
+		if err == nil || errors.Is(err, errNoSnapshot) {
+			return s, source, err
+		}
+		c.cfg.Logger.Debug("consumer: snapshot fetch failed, retrying", "instance", instance, "err", err)
+	}
+	return events.Snapshot{}, "", err
+}
+
+func (c *Consumer) fetchSnapshotOnce(ctx context.Context, instance string) (events.Snapshot, string, error) {
 	subj, err := events.SnapshotSubject(c.cfg.Pool, instance)
 	if err != nil {
 		return events.Snapshot{}, "", err
@@ -578,16 +612,26 @@ func (c *Consumer) fetchSnapshot(ctx context.Context, instance string) (events.S
 	reply, err := c.cfg.Conn.RequestWithContext(rctx, subj, nil)
 	cancel()
 	if err == nil && reply.Header.Get("Kv-Error") == "" {
-		if s, err := events.UnmarshalSnapshot(reply.Data); err == nil && s.Instance == instance {
+		s, err := events.UnmarshalSnapshot(reply.Data)
+		if err == nil {
+			s, err = events.ResolveSnapshot(ctx, c.obs, s)
+		}
+		if err == nil && s.Instance == instance {
 			return s, "request", nil
 		}
 	}
 	key, _ := events.SnapshotKey(c.cfg.Pool, instance)
 	e, err := c.kv.Get(ctx, key)
-	if err != nil {
+	if errors.Is(err, jetstream.ErrKeyNotFound) {
 		return events.Snapshot{}, "", fmt.Errorf("%w: %w", errNoSnapshot, err)
 	}
+	if err != nil {
+		return events.Snapshot{}, "", fmt.Errorf("consumer: snapshot bucket: %w", err)
+	}
 	s, err := events.UnmarshalSnapshot(e.Value())
+	if err == nil {
+		s, err = events.ResolveSnapshot(ctx, c.obs, s)
+	}
 	if err != nil {
 		return events.Snapshot{}, "", err
 	}
