@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/url"
 	"os"
 	"strings"
@@ -90,13 +91,36 @@ type RedisConfig struct {
 	KeyPrefix string        `yaml:"key_prefix" json:"key_prefix,omitempty"`
 	TTL       time.Duration `yaml:"ttl" json:"ttl,omitempty"`
 	TLS       bool          `yaml:"tls" json:"tls,omitempty"`
+	// TLSCAFile verifies the server with this CA bundle (implies tls).
+	TLSCAFile string `yaml:"tls_ca_file" json:"tls_ca_file,omitempty"`
+	// Username is the Redis ACL user (Redis 6+); empty = default user.
+	Username string `yaml:"username" json:"username,omitempty"`
 	// Password comes from KVROUTER_REDIS_PASSWORD, never from the file.
 	Password string `yaml:"-" json:"-"`
 }
 
-// EventsConfig configures where KV events come from (a later issue).
+// EventsConfig configures where KV events come from (docs/operations.md).
 type EventsConfig struct {
-	NATS NATSConfig `yaml:"nats" json:"nats"`
+	// Enabled: nil or true consumes KV events whenever a pool can use them
+	// (an index: section, or a pool with kv_aware or shadow); false runs
+	// the router without NATS and without KV state (kv_aware rejected).
+	Enabled *bool      `yaml:"enabled,omitempty" json:"enabled,omitempty"`
+	NATS    NATSConfig `yaml:"nats" json:"nats"`
+	// Bucket is the snapshot key-value bucket. Default KV_SNAPSHOTS.
+	Bucket string `yaml:"bucket" json:"bucket,omitempty"`
+	// StaleAfter: an instance silent this long (no heartbeat, no event)
+	// stops counting for exact routing. Default 15s (three 5s heartbeats).
+	StaleAfter time.Duration `yaml:"stale_after" json:"stale_after,omitempty"`
+	// PurgeAfter: a silent instance's blocks are dropped from the index and
+	// a heartbeat-discovered instance leaves its pool. Default 10m.
+	PurgeAfter time.Duration `yaml:"purge_after" json:"purge_after,omitempty"`
+	// MaxLag: further behind the stream than this, the pool's stream counts
+	// as down and kv_aware falls back to prefix_aware. Default 5s.
+	MaxLag time.Duration `yaml:"max_lag" json:"max_lag,omitempty"`
+	// DiscoverInstances adds instances announced by bridge heartbeats
+	// (kv.instances.<pool>.<instance>, with a URL) to their pool's
+	// candidates beside the configured ones. nil = true.
+	DiscoverInstances *bool `yaml:"discover_instances,omitempty" json:"discover_instances,omitempty"`
 }
 
 // NATSConfig configures the NATS connection for KV events.
@@ -107,8 +131,16 @@ type NATSConfig struct {
 	CredsFile string `yaml:"creds_file" json:"creds_file,omitempty"`
 	// TLS client settings.
 	TLS *TLSConfig `yaml:"tls,omitempty" json:"tls,omitempty"`
-	// Embedded starts an in-process NATS server with JetStream (single machine).
+	// Embedded starts an in-process NATS server with JetStream (single
+	// machine); also what an empty URL means.
 	Embedded bool `yaml:"embedded" json:"embedded,omitempty"`
+	// Listen is the embedded server's client address, where bridges
+	// connect. Default 127.0.0.1:4222 (set 0.0.0.0:4222 for bridges on
+	// other hosts).
+	Listen string `yaml:"listen" json:"listen,omitempty"`
+	// StoreDir holds the embedded server's JetStream files (stream and
+	// snapshots survive a router restart). Default $TMPDIR/kvrouter-nats.
+	StoreDir string `yaml:"store_dir" json:"store_dir,omitempty"`
 	// Stream is the JetStream stream name over kv.events.>. Default KV_EVENTS.
 	Stream string `yaml:"stream" json:"stream,omitempty"`
 }
@@ -436,6 +468,25 @@ func (c Config) Validate() error {
 		}
 		if c.Index.Capacity < 0 {
 			return bad("index.capacity %d must be >= 0", c.Index.Capacity)
+		}
+	}
+	if e := c.Events; e != nil {
+		if e.NATS.URL != "" && e.NATS.Embedded {
+			return bad("events.nats: url and embedded exclude each other")
+		}
+		if e.NATS.Listen != "" {
+			if _, _, err := net.SplitHostPort(e.NATS.Listen); err != nil {
+				return bad("events.nats.listen %q: want host:port", e.NATS.Listen)
+			}
+		}
+		if t := e.NATS.TLS; t != nil && (t.CertFile == "") != (t.KeyFile == "") {
+			return bad("events.nats.tls: cert_file and key_file go together")
+		}
+		if e.StaleAfter < 0 || e.PurgeAfter < 0 || e.MaxLag < 0 {
+			return bad("events: stale_after, purge_after and max_lag must be >= 0")
+		}
+		if e.StaleAfter > 0 && e.PurgeAfter > 0 && e.PurgeAfter < e.StaleAfter {
+			return bad("events.purge_after %v is shorter than stale_after %v", e.PurgeAfter, e.StaleAfter)
 		}
 	}
 	if len(c.Pools) == 0 {

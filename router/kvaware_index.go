@@ -2,7 +2,9 @@ package router
 
 import (
 	"crypto/tls"
+	"crypto/x509"
 	"fmt"
+	"os"
 
 	"github.com/redis/go-redis/v9"
 
@@ -45,9 +47,20 @@ func NewPoolIndexes(cfg Config) (*PoolIndexes, error) {
 		if rc == nil || len(rc.Addrs) == 0 {
 			return nil, fmt.Errorf("%w: index.redis.addrs: required when index.backend is redis", ErrInvalidConfig)
 		}
-		opts := &redis.UniversalOptions{Addrs: rc.Addrs, DB: rc.DB, Password: rc.Password}
-		if rc.TLS {
+		opts := &redis.UniversalOptions{Addrs: rc.Addrs, DB: rc.DB, Username: rc.Username, Password: rc.Password}
+		if rc.TLS || rc.TLSCAFile != "" {
 			opts.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12}
+			if rc.TLSCAFile != "" {
+				pem, err := os.ReadFile(rc.TLSCAFile)
+				if err != nil {
+					return nil, fmt.Errorf("router: index.redis.tls_ca_file: %w", err)
+				}
+				pool := x509.NewCertPool()
+				if !pool.AppendCertsFromPEM(pem) {
+					return nil, fmt.Errorf("%w: index.redis.tls_ca_file %s: no PEM certificates", ErrInvalidConfig, rc.TLSCAFile)
+				}
+				opts.TLSConfig.RootCAs = pool
+			}
 		}
 		out.rdb = redis.NewUniversalClient(opts)
 	}
