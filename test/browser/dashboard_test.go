@@ -1,0 +1,389 @@
+package browser_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/sim"
+	simserver "github.com/kvrouter/kvrouter/sim/server"
+	"github.com/kvrouter/kvrouter/test/browser"
+)
+
+const (
+	model      = "sim-llama"
+	adminToken = "dash-secret-token"
+	instances  = 3
+)
+
+// fleet is the real pipeline in this process: kvsim instances publishing
+// KV events over ZMQ, a kvbridge each into a real (embedded) NATS server
+// with JetStream, the events consumer into a memory index, and the router
+// (kv_aware with shadow comparison) serving the dashboard, with the
+// eviction stream mounted at /v1/kv/evictions as cmd/kvrouter does.
+type fleet struct {
+	url string
+}
+
+func startFleet(t *testing.T, ctx context.Context) *fleet {
+	t.Helper()
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	pool := "dash"
+	ns := testenv.StartNATS(t)
+	nc, err := nats.Connect(ns.URL(), nats.MaxReconnects(-1))
+	if err != nil {
+		t.Fatalf("nats: %v", err)
+	}
+	t.Cleanup(nc.Close)
+
+	// The fleet's goroutines stop with this context, cancelled by the last
+	// cleanup registered below (cleanups run last-first).
+	ctx, cancel := context.WithCancel(ctx)
+	var bg sync.WaitGroup
+	stream := events.StreamConfig{Name: testenv.UniqueName(t), Memory: true}
+	bucket := events.BucketConfig{Memory: true}
+	pc := router.PoolConfig{Name: pool, Model: model,
+		Routing:   router.RoutingConfig{Strategy: "kv_aware", Shadow: true},
+		Tokenizer: &router.TokenizerConfig{Source: router.TokenSourceSimple}}
+	var ids []string
+	for i := range instances {
+		id := fmt.Sprintf("sim%d", i)
+		ids = append(ids, id)
+		cfg := simserver.Config{
+			// A small GPU cache (64 blocks of 16 tokens) and a CPU tier, so
+			// the workload below evicts and offloads within seconds.
+			Engine:    sim.Config{Model: model, GPUBlocks: 64, CPUBlocks: 256, CPUWriteThrough: true, HashSeed: uint64(i + 1)},
+			TimeScale: 20,
+			Logger:    log,
+			Events: simserver.EventsConfig{
+				Endpoint:       fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
+				ReplayEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
+			},
+		}
+		in, err := simserver.Start(ctx, cfg)
+		if err != nil {
+			t.Fatalf("kvsim %s: %v", id, err)
+		}
+		t.Cleanup(func() { _ = in.Close() })
+		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: id, URL: in.URL()})
+		src := bridge.Source{Instance: id, Endpoint: cfg.Events.Endpoint, ReplayEndpoint: cfg.Events.ReplayEndpoint, URL: in.URL()}
+		b, err := bridge.New(bridge.Config{Pool: pool, Model: model, BlockSize: sim.DefaultBlockSize, Sources: []bridge.Source{src},
+			Conn: nc, Stream: stream, Bucket: bucket, Logger: log})
+		if err != nil {
+			t.Fatalf("bridge %s: %v", id, err)
+		}
+		bg.Go(func() { _ = b.Run(ctx) })
+	}
+	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: model, BlockSize: sim.DefaultBlockSize})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cons, err := consumer.New(consumer.Config{Conn: nc, Pool: pool, Applier: idx, Stream: stream, Bucket: bucket, Logger: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bg.Go(func() { _ = cons.Run(ctx) })
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		ready := cons.Healthy()
+		for _, id := range ids {
+			ready = ready && cons.Live(id)
+		}
+		if ready {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("events pipeline not ready after 20s: %+v", cons.Instances())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+
+	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}, DefaultPool: pool, AdminToken: adminToken},
+		router.Options{Logger: log, KV: func(router.PoolConfig) (kvindex.Index, router.Freshness) {
+			return idx, router.FreshnessFuncs{Healthy: cons.Healthy, IsStale: func(id string) bool { return !cons.Live(id) }}
+		}})
+	if err != nil {
+		t.Fatalf("router: %v", err)
+	}
+	bg.Go(func() { _ = srv.Run(ctx) })
+	mux := http.NewServeMux()
+	mux.Handle("GET /v1/kv/evictions", requireToken(events.EvictionSSEHandler(ctx, nc, events.EvictionSSEConfig{Logger: log})))
+	mux.Handle("/", srv.Handler())
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = hs.Serve(ln) }()
+	t.Cleanup(func() {
+		sctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_ = hs.Shutdown(sctx)
+		_ = hs.Close()
+	})
+	t.Cleanup(func() { cancel(); bg.Wait() })
+	return &fleet{url: "http://" + ln.Addr().String()}
+}
+
+// requireToken guards the eviction stream as an admin route, so the test
+// also proves the page sends the token on its streaming fetch.
+func requireToken(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Authorization") != "Bearer "+adminToken {
+			http.Error(w, "token", http.StatusUnauthorized)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+}
+
+// workload sends chat requests over a handful of long shared prefixes
+// until ctx ends: enough distinct prefixes that a 64-block GPU cache must
+// evict, and repeats so the caches hit.
+func workload(ctx context.Context, url string, sent *atomic.Int64, errs chan<- error) {
+	client := &http.Client{Transport: &http.Transport{Proxy: nil}, Timeout: 20 * time.Second}
+	var wg sync.WaitGroup
+	for w := range 3 {
+		wg.Go(func() {
+			for i := 0; ctx.Err() == nil; i++ {
+				doc := (w*7 + i) % 9
+				prefix := strings.Repeat(fmt.Sprintf("document %d says the quick brown fox %d jumps over the lazy dog. ", doc, doc), 40)
+				body, _ := json.Marshal(map[string]any{
+					"model": model, "max_tokens": 4,
+					"messages": []map[string]string{{"role": "system", "content": prefix}, {"role": "user", "content": fmt.Sprintf("question %d from worker %d", i, w)}},
+				})
+				req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url+"/v1/chat/completions", bytes.NewReader(body))
+				req.Header.Set("Content-Type", "application/json")
+				resp, err := client.Do(req)
+				if err != nil {
+					if ctx.Err() == nil {
+						select {
+						case errs <- err:
+						default:
+						}
+					}
+					continue
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				_ = resp.Body.Close()
+				if resp.StatusCode != http.StatusOK {
+					select {
+					case errs <- fmt.Errorf("chat: HTTP %d", resp.StatusCode):
+					default:
+					}
+					continue
+				}
+				sent.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// chromium finds Chromium, installing it through scripts/ensure-browser.sh
+// (Debian's package) when it is missing; no Chromium is a failure.
+func chromium(t *testing.T) string {
+	t.Helper()
+	if p, err := browser.Find(); err == nil {
+		return p
+	}
+	out, err := exec.Command("../../scripts/ensure-browser.sh").CombinedOutput()
+	if err != nil {
+		t.Fatalf("chromium is missing and scripts/ensure-browser.sh could not install it: %v\n%s", err, out)
+	}
+	p, err := browser.Find()
+	if err != nil {
+		t.Fatalf("chromium still missing after scripts/ensure-browser.sh: %v\n%s", err, out)
+	}
+	return p
+}
+
+// pageState is what the dashboard shows, read from its DOM.
+type pageState struct {
+	Polls     int               `json:"polls"`
+	Requests  string            `json:"requests"`
+	HitEngine string            `json:"hitEngine"`
+	HitPred   string            `json:"hitPred"`
+	Agree     string            `json:"agree"`
+	Compared  string            `json:"compared"`
+	Evictions string            `json:"evictions"`
+	EvState   string            `json:"evState"`
+	Stream    string            `json:"stream"`
+	Error     string            `json:"error"`
+	GPU       map[string]string `json:"gpu"`
+	CPU       map[string]string `json:"cpu"`
+	Reasons   []string          `json:"reasons"`
+	Spark     int               `json:"spark"`
+	AuthShown bool              `json:"authShown"`
+}
+
+const readState = `(() => {
+  const t = (id) => document.getElementById(id).textContent.trim();
+  const rows = [...document.querySelectorAll('#instances tbody tr')];
+  const col = (cls) => Object.fromEntries(rows.map((r) => [r.dataset.instance, r.querySelector(cls).textContent.trim()]));
+  return {
+    polls: Number(t('polls')), requests: t('requests-total'), hitEngine: t('hit-engine'), hitPred: t('hit-predicted'),
+    agree: t('agree-rate'), compared: t('compared'), evictions: t('evictions-total'), evState: t('ev-state'),
+    stream: t('stream'), error: t('error'), gpu: col('.blocks-gpu'), cpu: col('.blocks-cpu'),
+    reasons: [...document.querySelectorAll('#decisions [data-reason]')].map((d) => d.dataset.reason),
+    spark: document.querySelectorAll('#spark-rps path').length,
+    authShown: getComputedStyle(document.getElementById('auth')).display !== 'none',
+  };
+})()`
+
+func num(s string) int64 {
+	var n int64
+	for _, c := range s {
+		if c >= '0' && c <= '9' {
+			n = n*10 + int64(c-'0')
+		}
+	}
+	return n
+}
+
+func TestDashboardInChromium(t *testing.T) {
+	bin := chromium(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	f := startFleet(t, ctx)
+
+	// The page itself needs no token; its data does.
+	resp, err := (&http.Client{Transport: &http.Transport{Proxy: nil}}).Get(f.url + "/dashboard")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET /dashboard: HTTP %d", resp.StatusCode)
+	}
+
+	var sent atomic.Int64
+	errs := make(chan error, 1)
+	wctx, stopWork := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() { workload(wctx, f.url, &sent, errs) })
+	defer func() { stopWork(); wg.Wait() }()
+
+	b, err := browser.Launch(ctx, browser.Config{Binary: bin, Width: 1400, Height: 1100})
+	if err != nil {
+		t.Fatalf("launch chromium: %v", err)
+	}
+	defer b.Close()
+	page, err := b.Page(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer page.Close()
+	if err := page.Navigate(ctx, f.url+"/dashboard"); err != nil {
+		t.Fatal(err)
+	}
+
+	read := func() pageState {
+		t.Helper()
+		var s pageState
+		if err := page.Eval(ctx, readState, &s); err != nil {
+			t.Fatalf("read dashboard: %v", err)
+		}
+		return s
+	}
+	waitFor := func(what string, d time.Duration, ok func(pageState) bool) pageState {
+		t.Helper()
+		end := time.Now().Add(d)
+		for {
+			s := read()
+			if ok(s) {
+				return s
+			}
+			if time.Now().After(end) {
+				select {
+				case err := <-errs:
+					t.Logf("workload error: %v", err)
+				default:
+				}
+				t.Fatalf("dashboard never showed %s within %v; last state %+v (requests sent %d)", what, d, s, sent.Load())
+			}
+			time.Sleep(250 * time.Millisecond)
+		}
+	}
+
+	// A token is configured: the page asks for it before showing data.
+	waitFor("the token prompt", 10*time.Second, func(s pageState) bool { return s.AuthShown && s.Polls == 0 })
+	if err := page.Eval(ctx, `(() => { document.getElementById('tokeninput').value = '`+adminToken+`';
+		document.getElementById('authform').requestSubmit(); return true; })()`, nil); err != nil {
+		t.Fatal(err)
+	}
+
+	first := waitFor("live numbers", 30*time.Second, func(s pageState) bool {
+		return s.Polls >= 2 && num(s.Requests) > 0 && len(s.GPU) == instances && s.EvState == "live" && num(s.Compared) > 0
+	})
+	second := waitFor("numbers that change", 60*time.Second, func(s pageState) bool {
+		return s.Polls > first.Polls && num(s.Requests) > num(first.Requests) && num(s.Evictions) > 0 &&
+			strings.HasSuffix(s.HitEngine, "%") && strings.HasSuffix(s.HitPred, "%") && strings.HasSuffix(s.Agree, "%") && s.Spark > 0
+	})
+	t.Logf("first read: %+v", first)
+	t.Logf("second read: %+v", second)
+
+	tests := []struct {
+		name string
+		ok   bool
+	}{
+		{"no auth prompt once the token is given", !second.AuthShown},
+		{"no error shown", second.Error == ""},
+		{"stream healthy", second.Stream == "healthy"},
+		{"requests counter grew", num(second.Requests) > num(first.Requests)},
+		{"evictions arrived over SSE", num(second.Evictions) > 0},
+		{"some GPU blocks held", sumNums(second.GPU) > 0},
+		{"some CPU blocks held", sumNums(second.CPU) > 0},
+		{"decisions listed by reason", len(second.Reasons) > 0},
+	}
+	for _, tc := range tests {
+		if !tc.ok {
+			t.Errorf("%s: state %+v", tc.name, second)
+		}
+	}
+
+	png, err := page.Screenshot(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.HasPrefix(png, []byte("\x89PNG\r\n\x1a\n")) || len(png) < 10_000 {
+		t.Fatalf("screenshot is not a real PNG (%d bytes)", len(png))
+	}
+	out := filepath.Join(t.TempDir(), "dashboard.png")
+	if d := os.Getenv("DASHBOARD_SCREENSHOT"); d != "" {
+		out = d
+	}
+	if err := os.WriteFile(out, png, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("screenshot: %s (%d bytes)", out, len(png))
+}
+
+func sumNums(m map[string]string) int64 {
+	var n int64
+	for _, v := range m {
+		n += num(v)
+	}
+	return n
+}
