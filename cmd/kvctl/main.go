@@ -34,6 +34,11 @@ type command struct {
 // commands is the whole CLI; adding a command is adding one line.
 var commands = []command{
 	{"events decode", "print a KV-event capture (raw msgpack payload or JSONL with payload_b64; - for stdin) as one JSON object per event", runEventsDecode},
+	{"instances", "list pools' instances: health, in-flight, KV blocks per tier, event stream state", runInstances},
+	{"lookup", "ask a pool's KV index which instances hold a prompt's blocks, per tier", runLookup},
+	{"routing get", "show the routing in force (strategy, prefix length, concurrency threshold)", runRoutingGet},
+	{"routing set", "change a pool's routing at runtime", runRoutingSet},
+	{"tail evictions", "follow a pool's KV evictions (router SSE stream, or NATS with --nats)", runTailEvictions},
 	{"tokenize", "tokenize JSON lines (text, or messages + add_generation_prompt) with a model's tokenizer files and print them back with ids (and rendered chats)", runTokenize},
 }
 

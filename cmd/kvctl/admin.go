@@ -1,0 +1,275 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Environment variables that default the common admin flags, so that an
+// operator's shell (or a CI job) names the router and its token once.
+const (
+	envAdminURL   = "KVROUTER_ADMIN_URL"
+	envAdminToken = "KVROUTER_ADMIN_TOKEN"
+)
+
+// defaultAdminURL is kvrouter's admin listener on the same machine
+// (docs/kvrouter.md: admin_listen ":8081").
+const defaultAdminURL = "http://127.0.0.1:8081"
+
+// maxAdminResponse bounds what kvctl reads from one admin answer: the
+// largest (instances of a big pool) are tens of kilobytes.
+const maxAdminResponse = 32 << 20
+
+// adminOpts are the flags every command that talks to the router shares.
+type adminOpts struct {
+	router  string
+	token   string
+	timeout time.Duration
+	json    bool
+}
+
+// addAdminFlags registers --router, --token, --timeout and --json on fs.
+func addAdminFlags(fs *flag.FlagSet, o *adminOpts) {
+	def := os.Getenv(envAdminURL)
+	if def == "" {
+		def = defaultAdminURL
+	}
+	fs.StringVar(&o.router, "router", def, "router admin API base URL (env "+envAdminURL+")")
+	fs.StringVar(&o.token, "token", os.Getenv(envAdminToken), "admin bearer token (env "+envAdminToken+"; the flag shows in ps, prefer the env)")
+	fs.DurationVar(&o.timeout, "timeout", 10*time.Second, "bound on each request to the router (for tail: on connecting)")
+	fs.BoolVar(&o.json, "json", false, "print JSON for scripts instead of a table")
+}
+
+const adminFlagsHelp = `Common flags:
+  --router URL     router admin API (env KVROUTER_ADMIN_URL, default http://127.0.0.1:8081)
+  --token T        admin bearer token (env KVROUTER_ADMIN_TOKEN)
+  --timeout D      bound on each request, e.g. 5s (default 10s)
+  --json           JSON output for scripts`
+
+// adminClient calls the router's admin API.
+type adminClient struct {
+	base    *url.URL
+	token   string
+	timeout time.Duration
+	hc      *http.Client
+}
+
+// client validates the options and builds the client.
+func (o *adminOpts) client() (*adminClient, error) {
+	u, err := url.Parse(strings.TrimRight(o.router, "/"))
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("%w: --router %q: want an http:// or https:// URL such as %s", errUsage, o.router, defaultAdminURL)
+	}
+	if o.timeout <= 0 {
+		return nil, fmt.Errorf("%w: --timeout %s: must be positive", errUsage, o.timeout)
+	}
+	// Proxy is nil: the admin API is usually on loopback or a cluster
+	// address that an HTTP proxy from the environment cannot reach.
+	tr := &http.Transport{
+		DialContext:           (&net.Dialer{Timeout: o.timeout}).DialContext,
+		TLSHandshakeTimeout:   o.timeout,
+		ResponseHeaderTimeout: o.timeout,
+	}
+	return &adminClient{base: u, token: o.token, timeout: o.timeout, hc: &http.Client{Transport: tr}}, nil
+}
+
+// httpError is a non-2xx answer from the router, with the message of its
+// OpenAI-shaped error body when it has one.
+type httpError struct {
+	Method  string
+	URL     string
+	Status  int
+	Message string
+	Hint    string
+}
+
+func (e *httpError) Error() string {
+	s := fmt.Sprintf("%s %s: %d %s", e.Method, e.URL, e.Status, http.StatusText(e.Status))
+	if e.Message != "" {
+		s += ": " + e.Message
+	}
+	if e.Hint != "" {
+		s += " (" + e.Hint + ")"
+	}
+	return s
+}
+
+// errorMessage extracts the message of an error body: the router writes
+// {"error": {"message": ...}}; handlers built on http.Error write plain text.
+func errorMessage(body []byte) string {
+	var oe struct {
+		Error *struct {
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	if json.Unmarshal(body, &oe) == nil && oe.Error != nil && oe.Error.Message != "" {
+		return oe.Error.Message
+	}
+	s := strings.TrimSpace(string(body))
+	if len(s) > 300 {
+		s = s[:300] + "…"
+	}
+	return s
+}
+
+func newHTTPError(method, u string, status int, body []byte) *httpError {
+	e := &httpError{Method: method, URL: u, Status: status, Message: errorMessage(body)}
+	switch {
+	case status == http.StatusUnauthorized:
+		e.Hint = "set --token or " + envAdminToken
+	case status == http.StatusNotFound && !strings.HasPrefix(e.Message, "no pool"):
+		// Not the router's "no pool" answer: the path itself is unknown.
+		e.Hint = "this router does not serve that endpoint; check that --router is its admin listener and that it is new enough"
+	}
+	return e
+}
+
+// request builds a request for path (already escaped) on the admin API.
+func (c *adminClient) request(ctx context.Context, method, path string, body []byte) (*http.Request, error) {
+	u := c.base.String() + path
+	var rd io.Reader
+	if body != nil {
+		rd = bytes.NewReader(body)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, u, rd)
+	if err != nil {
+		return nil, fmt.Errorf("build request %s %s: %w", method, u, err)
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	req.Header.Set("Accept", "application/json")
+	if c.token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.token)
+	}
+	return req, nil
+}
+
+// connError turns a transport failure into a message an operator can act on.
+func (c *adminClient) connError(method, u string, err error) error {
+	// *url.Error repeats method and URL, which the message already has.
+	if ue := (*url.Error)(nil); errors.As(err, &ue) {
+		err = ue.Err
+	}
+	switch {
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return fmt.Errorf("%s %s: connection refused: is kvrouter running with its admin API there? (set --router or %s): %w", method, u, envAdminURL, err)
+	case errors.Is(err, context.DeadlineExceeded) || isTimeout(err):
+		return fmt.Errorf("%s %s: no answer within %s (--timeout): %w", method, u, c.timeout, err)
+	}
+	return fmt.Errorf("%s %s: %w", method, u, err)
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+// call sends one request and returns the body of a 2xx answer; any other
+// status is an *httpError.
+func (c *adminClient) call(ctx context.Context, method, path string, in any) ([]byte, error) {
+	var body []byte
+	if in != nil {
+		var err error
+		if body, err = json.Marshal(in); err != nil {
+			return nil, fmt.Errorf("encode request: %w", err)
+		}
+	}
+	ctx, cancel := context.WithTimeout(ctx, c.timeout)
+	defer cancel()
+	req, err := c.request(ctx, method, path, body)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		return nil, c.connError(method, req.URL.String(), err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, maxAdminResponse+1))
+	if err != nil {
+		return nil, c.connError(method, req.URL.String(), fmt.Errorf("read answer: %w", err))
+	}
+	if len(b) > maxAdminResponse {
+		return nil, fmt.Errorf("%s %s: answer larger than %d bytes", method, req.URL, maxAdminResponse)
+	}
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		return nil, newHTTPError(method, req.URL.String(), resp.StatusCode, b)
+	}
+	return b, nil
+}
+
+// callJSON is call with the answer decoded into out.
+func (c *adminClient) callJSON(ctx context.Context, method, path string, in, out any) ([]byte, error) {
+	b, err := c.call(ctx, method, path, in)
+	if err != nil {
+		return nil, err
+	}
+	if err := json.Unmarshal(b, out); err != nil {
+		return nil, fmt.Errorf("%s %s: answer is not the JSON kvctl expects: %w", method, c.base.String()+path, err)
+	}
+	return b, nil
+}
+
+// poolPath is /admin/pools/{pool}/rest with the pool name escaped.
+func poolPath(pool, rest string) string {
+	p := "/admin/pools/" + url.PathEscape(pool)
+	if rest != "" {
+		p += "/" + rest
+	}
+	return p
+}
+
+// writeIndented prints a JSON answer indented, whatever its original layout.
+func writeIndented(w io.Writer, b []byte) error {
+	var buf bytes.Buffer
+	if err := json.Indent(&buf, bytes.TrimSpace(b), "", "  "); err != nil {
+		return fmt.Errorf("answer is not JSON: %w", err)
+	}
+	buf.WriteByte('\n')
+	_, err := w.Write(buf.Bytes())
+	return err
+}
+
+// writeJSONValue prints v as indented JSON.
+func writeJSONValue(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+// parseFlags parses args for a command that takes no positional arguments.
+func parseFlags(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return fmt.Errorf("%w: %v", errUsage, err)
+	}
+	if fs.NArg() > 0 {
+		fs.Usage()
+		return fmt.Errorf("%w: unexpected argument %q (flags only)", errUsage, fs.Arg(0))
+	}
+	return nil
+}
+
+// requirePool checks --pool was given.
+func requirePool(fs *flag.FlagSet, pool string) error {
+	if pool == "" {
+		fs.Usage()
+		return fmt.Errorf("%w: --pool is required", errUsage)
+	}
+	return nil
+}

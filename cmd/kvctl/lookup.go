@@ -1,0 +1,237 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"sort"
+	"strconv"
+	"text/tabwriter"
+	"unicode"
+)
+
+// maxLookupFile bounds a prompt or token file: the longest contexts are
+// about a million tokens, a few megabytes as text or decimal ids.
+const maxLookupFile = 64 << 20
+
+// lookupAnswer is POST /admin/pools/{pool}/lookup's answer:
+// {"block_size": 16, "matches": [{"instance": "vllm-0", "gpu_blocks": 12,
+// "cpu_blocks": 3}, ...]}, each tier's blocks counted beyond the faster
+// tiers' (issue 4).
+type lookupAnswer struct {
+	BlockSize int           `json:"block_size"`
+	Tokens    *int          `json:"tokens,omitempty"`
+	Matches   []lookupMatch `json:"matches"`
+}
+
+type lookupMatch struct {
+	Instance     string `json:"instance"`
+	GPUBlocks    int    `json:"gpu_blocks"`
+	CPUBlocks    int    `json:"cpu_blocks"`
+	DiskBlocks   int    `json:"disk_blocks"`
+	SharedBlocks int    `json:"shared_blocks"`
+}
+
+func (m lookupMatch) total() int { return m.GPUBlocks + m.CPUBlocks + m.DiskBlocks + m.SharedBlocks }
+
+func runLookup(ctx context.Context, args []string, stdout io.Writer) error {
+	fs := flag.NewFlagSet("lookup", flag.ContinueOnError)
+	fs.SetOutput(stdout)
+	var o adminOpts
+	addAdminFlags(fs, &o)
+	pool := fs.String("pool", "", "pool whose index to ask (required)")
+	promptFile := fs.String("prompt-file", "", "file holding the prompt text, sent as is ('-' for stdin); the router tokenizes it with the pool's tokenizer")
+	tokensFile := fs.String("tokens", "", "file of token ids: a JSON array, or integers separated by whitespace or commas ('-' for stdin)")
+	fs.Usage = func() {
+		fmt.Fprintln(stdout, `Usage: kvctl lookup --pool P (--prompt-file F | --tokens F)
+
+Asks the router which instances hold the prompt's KV blocks
+(POST /admin/pools/{pool}/lookup), and prints, per instance, the contiguous
+prefix it holds on GPU, then beyond that on CPU, disk and shared storage, in
+blocks and tokens. With --tokens the ids are sent as they are (token ids as
+the engine sees them, e.g. from 'kvctl tokenize'); with --prompt-file the
+router tokenizes the text itself, which needs a tokenizer configured for the
+pool.
+
+Examples:
+  kvctl lookup --pool llama --tokens ids.json
+  echo '128000 9906 1917' | kvctl lookup --pool llama --tokens -
+  kvctl lookup --pool llama --prompt-file prompt.txt --json
+
+Flags:`)
+		fs.PrintDefaults()
+		fmt.Fprintln(stdout, "\n"+adminFlagsHelp)
+	}
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if err := requirePool(fs, *pool); err != nil {
+		return err
+	}
+	if (*promptFile == "") == (*tokensFile == "") {
+		fs.Usage()
+		return fmt.Errorf("%w: give exactly one of --prompt-file and --tokens", errUsage)
+	}
+	c, err := o.client()
+	if err != nil {
+		return err
+	}
+
+	var body map[string]any
+	nTokens := -1
+	if *tokensFile != "" {
+		b, err := readInput(*tokensFile, os.Stdin)
+		if err != nil {
+			return err
+		}
+		ids, err := parseTokenIDs(b)
+		if err != nil {
+			return fmt.Errorf("%w: --tokens %s: %v", errUsage, *tokensFile, err)
+		}
+		body = map[string]any{"token_ids": ids}
+		nTokens = len(ids)
+	} else {
+		b, err := readInput(*promptFile, os.Stdin)
+		if err != nil {
+			return err
+		}
+		if len(b) == 0 {
+			return fmt.Errorf("%w: --prompt-file %s is empty", errUsage, *promptFile)
+		}
+		body = map[string]any{"prompt": string(b)}
+	}
+
+	var ans lookupAnswer
+	raw, err := c.callJSON(ctx, "POST", poolPath(*pool, "lookup"), body, &ans)
+	if err != nil {
+		return err
+	}
+	if o.json {
+		return writeIndented(stdout, raw)
+	}
+	if ans.Tokens != nil {
+		nTokens = *ans.Tokens
+	}
+	return writeLookupTable(stdout, *pool, ans, nTokens)
+}
+
+// readInput reads a whole file, or stdin for "-", bounded by maxLookupFile.
+func readInput(name string, stdin io.Reader) ([]byte, error) {
+	var r io.Reader = stdin
+	if name != "-" {
+		f, err := os.Open(name)
+		if err != nil {
+			return nil, err
+		}
+		defer f.Close()
+		r = f
+	}
+	b, err := io.ReadAll(io.LimitReader(r, maxLookupFile+1))
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", name, err)
+	}
+	if len(b) > maxLookupFile {
+		return nil, fmt.Errorf("%w: %s is larger than %d bytes", errUsage, name, maxLookupFile)
+	}
+	return b, nil
+}
+
+// errNoTokens is returned by parseTokenIDs for an input without any id.
+var errNoTokens = errors.New("no token ids")
+
+// parseTokenIDs reads token ids as a JSON array of integers, or as decimal
+// integers separated by whitespace and/or commas (what 'cut', 'jq -r' and
+// Python's print produce). Ids are uint32, as vLLM's token_ids are.
+func parseTokenIDs(b []byte) ([]uint32, error) {
+	t := bytes.TrimSpace(b)
+	if len(t) > 0 && t[0] == '[' {
+		var nums []json.Number
+		dec := json.NewDecoder(bytes.NewReader(t))
+		dec.UseNumber()
+		if err := dec.Decode(&nums); err != nil {
+			return nil, fmt.Errorf("not a JSON array of integers: %w", err)
+		}
+		if dec.More() {
+			return nil, errors.New("data after the JSON array")
+		}
+		ids := make([]uint32, 0, len(nums))
+		for i, n := range nums {
+			id, err := tokenID(string(n))
+			if err != nil {
+				return nil, fmt.Errorf("element %d: %w", i, err)
+			}
+			ids = append(ids, id)
+		}
+		if len(ids) == 0 {
+			return nil, errNoTokens
+		}
+		return ids, nil
+	}
+	var ids []uint32
+	sep := func(r rune) bool { return unicode.IsSpace(r) || r == ',' }
+	for i, f := range bytes.FieldsFunc(t, sep) {
+		id, err := tokenID(string(f))
+		if err != nil {
+			return nil, fmt.Errorf("token %d: %w", i, err)
+		}
+		ids = append(ids, id)
+	}
+	if len(ids) == 0 {
+		return nil, errNoTokens
+	}
+	return ids, nil
+}
+
+func tokenID(s string) (uint32, error) {
+	v, err := strconv.ParseUint(s, 10, 32)
+	if err != nil {
+		if len(s) > 40 {
+			s = s[:40] + "…"
+		}
+		return 0, fmt.Errorf("%q is not a token id (an integer 0..%d)", s, uint32(math.MaxUint32))
+	}
+	return uint32(v), nil
+}
+
+func writeLookupTable(w io.Writer, pool string, ans lookupAnswer, nTokens int) error {
+	ms := append([]lookupMatch(nil), ans.Matches...)
+	// Best first: GPU hits are the cheapest, then the longest prefix overall.
+	sort.SliceStable(ms, func(i, j int) bool {
+		if ms[i].GPUBlocks != ms[j].GPUBlocks {
+			return ms[i].GPUBlocks > ms[j].GPUBlocks
+		}
+		if ms[i].total() != ms[j].total() {
+			return ms[i].total() > ms[j].total()
+		}
+		return ms[i].Instance < ms[j].Instance
+	})
+	bs := ans.BlockSize
+	head := fmt.Sprintf("pool %s: block size %d", pool, bs)
+	if nTokens >= 0 {
+		head += fmt.Sprintf(", prompt %d tokens", nTokens)
+		if bs > 0 {
+			head += fmt.Sprintf(" (%d full blocks)", nTokens/bs)
+		}
+	}
+	fmt.Fprintln(w, head)
+	if len(ms) == 0 {
+		fmt.Fprintln(w, "no instance holds the prompt's first block")
+		return nil
+	}
+	tw := tabwriter.NewWriter(w, 2, 8, 2, ' ', 0)
+	fmt.Fprintln(tw, "INSTANCE\tGPU\tCPU\tDISK\tSHARED\tTOTAL\tTOKENS")
+	for _, m := range ms {
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\n", m.Instance, m.GPUBlocks, m.CPUBlocks, m.DiskBlocks, m.SharedBlocks, m.total(), m.total()*bs)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(w, "(blocks held as a contiguous prefix; each tier counts blocks beyond the faster tiers)")
+	return nil
+}
