@@ -2,6 +2,7 @@ package router
 
 import (
 	"bytes"
+	"fmt"
 	"io"
 	"strings"
 	"testing"
@@ -105,4 +106,37 @@ func FuzzUsageTee(f *testing.F) {
 			t.Fatalf("negative cached tokens %d", c1)
 		}
 	})
+}
+
+// BenchmarkUsageTee: what reading cached_tokens costs a response on its
+// way to the client (per response, SSE of 200 chunks and a 4 KB JSON body).
+func BenchmarkUsageTee(b *testing.B) {
+	var sse strings.Builder
+	for i := range 200 {
+		fmt.Fprintf(&sse, "data: {\"id\":\"cmpl-1\",\"choices\":[{\"index\":0,\"text\":\"tok%d \"}],\"usage\":null}\n\n", i)
+	}
+	sse.WriteString(usageSSE)
+	js := strings.Replace(usageJSON, `"content":"hi"`, `"content":"`+strings.Repeat("x", 4000)+`"`, 1)
+	for _, tc := range []struct {
+		name string
+		body string
+		sse  bool
+	}{{"sse_200_chunks", sse.String(), true}, {"json_4KB", js, false}} {
+		b.Run(tc.name, func(b *testing.B) {
+			b.ReportAllocs()
+			b.SetBytes(int64(len(tc.body)))
+			buf := make([]byte, 32<<10)
+			for b.Loop() {
+				tee := &usageTee{rc: io.NopCloser(&chunkReader{b: []byte(tc.body), n: 512}), sse: tc.sse}
+				for {
+					if _, err := tee.Read(buf); err != nil {
+						break
+					}
+				}
+				if _, ok := tee.result(); !ok {
+					b.Fatal("no usage found")
+				}
+			}
+		})
+	}
 }
