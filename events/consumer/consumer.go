@@ -383,17 +383,36 @@ func (c *Consumer) loadKnown(ctx context.Context) {
 		}
 		c.mu.Lock()
 		if c.insts[instance] == nil {
-			c.insts[instance] = c.newInst(instance)
+			c.insts[instance] = c.newInst(instance, time.Time{})
 		}
 		c.mu.Unlock()
 		c.enqueue(ctx, work{kind: workLoad, instance: instance})
 	}
 }
 
-// newInst makes an instance record; c.mu held.
-func (c *Consumer) newInst(instance string) *inst {
-	now := time.Now()
-	return &inst{status: InstanceStatus{Instance: instance, State: StateLive}, lastSeen: now, needLoad: true}
+// seen records activity at t (an event's store time, a snapshot's time, a
+// heartbeat's arrival) and sets the state from it: live when recent, else
+// stale. Replaying an hour of stream history must not make instances that
+// died long ago look live. c.mu held.
+func (c *Consumer) seen(in *inst, t time.Time) {
+	if t.After(in.lastSeen) {
+		in.lastSeen = t
+	}
+	if time.Since(in.lastSeen) <= c.cfg.StaleAfter {
+		in.status.State = StateLive
+	} else if in.status.State == StateLive {
+		in.status.State = StateStale
+	}
+}
+
+// newInst makes an instance record first seen at t (zero: not yet, a
+// snapshot load will tell); c.mu held.
+func (c *Consumer) newInst(instance string, t time.Time) *inst {
+	in := &inst{status: InstanceStatus{Instance: instance, State: StateStale}, needLoad: true}
+	if !t.IsZero() {
+		c.seen(in, t)
+	}
+	return in
 }
 
 // dispatch runs on the consume goroutine: route the message to its shard.
@@ -409,7 +428,7 @@ func (c *Consumer) dispatch(ctx context.Context, m jetstream.Msg) {
 	}
 	c.mu.Lock()
 	if c.insts[instance] == nil {
-		c.insts[instance] = c.newInst(instance)
+		c.insts[instance] = c.newInst(instance, w.stored)
 	}
 	c.mu.Unlock()
 	c.enqueue(ctx, w)
@@ -433,7 +452,7 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 	in := c.insts[instance]
 	load := false
 	if in == nil {
-		in = c.newInst(instance)
+		in = c.newInst(instance, now)
 		c.insts[instance] = in
 		load = !c.cfg.SharedIndex
 	} else if in.status.State == StatePurged {
@@ -457,6 +476,10 @@ func (c *Consumer) check(ctx context.Context) {
 	counts := map[State]int{}
 	c.mu.Lock()
 	for name, in := range c.insts {
+		if in.lastSeen.IsZero() {
+			counts[in.status.State]++ // its snapshot load is still queued
+			continue
+		}
 		silent := now.Sub(in.lastSeen)
 		switch in.status.State {
 		case StateLive:
@@ -497,7 +520,7 @@ func (c *Consumer) do(ctx context.Context, w work) {
 	c.mu.Lock()
 	in := c.insts[w.instance]
 	if in == nil {
-		in = c.newInst(w.instance)
+		in = c.newInst(w.instance, w.stored)
 		c.insts[w.instance] = in
 	}
 	c.mu.Unlock()
@@ -560,7 +583,6 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst) {
 	}
 	in.skipUpTo = snap.StreamSeq
 	c.m.snapshotLoads.WithLabelValues(source).Inc()
-	now := time.Now()
 	c.mu.Lock()
 	in.status.SnapshotSeq = snap.StreamSeq
 	if snap.StreamSeq > in.status.StreamSeq {
@@ -569,10 +591,10 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst) {
 	if snap.HasSeq {
 		in.status.LastSeq, in.hasSeq = snap.EngineSeq, true
 	}
-	in.lastSeen = now
-	if in.status.State != StateStale {
-		in.status.State = StateLive
+	if in.status.State == StatePurged {
+		in.status.State = StateStale // seen() decides from the snapshot's age
 	}
+	c.seen(in, snap.Taken)
 	c.mu.Unlock()
 	c.cfg.Logger.Info("consumer: loaded snapshot", "instance", instance, "source", source, "blocks", snap.Blocks, "stream_seq", snap.StreamSeq)
 }
@@ -650,7 +672,12 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 	purged := in.status.State == StatePurged
 	c.mu.Unlock()
 	if purged && !c.cfg.SharedIndex {
-		// Events again after a purge: the instance is back.
+		if !w.stored.IsZero() && time.Since(w.stored) > c.cfg.StaleAfter {
+			// History of an instance purged for silence: not coming back.
+			c.m.messages.WithLabelValues("purged_instance").Inc()
+			return
+		}
+		// Fresh events after a purge: the instance is back.
 		in.needLoad = true
 	}
 	if in.needLoad && !c.cfg.SharedIndex {
@@ -693,8 +720,11 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 	c.mu.Lock()
 	st := &in.status
 	st.StreamSeq = max(st.StreamSeq, w.streamSeq)
-	in.lastSeen = now
-	st.State = StateLive
+	if w.stored.IsZero() {
+		c.seen(in, now)
+	} else {
+		c.seen(in, w.stored)
+	}
 	if engineMsg {
 		st.LastSeq, in.hasSeq = h.Seq, true
 	}

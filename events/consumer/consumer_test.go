@@ -304,3 +304,33 @@ func TestApplyFailureReloadsSnapshot(t *testing.T) {
 		t.Fatalf("stored %v after %d purges", s, purges)
 	}
 }
+
+// Replaying stream history does not make an instance that went silent
+// long ago look live: it is judged by its events' store times, and once
+// purged its old events are not applied again.
+func TestHistoryOfDeadInstance(t *testing.T) {
+	e := newEnv(t)
+	e.store("old", 1, 1)
+	e.store("old", 2, 2)
+	time.Sleep(700 * time.Millisecond)
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier, cfg.StaleAfter, cfg.PurgeAfter, cfg.CheckInterval = a, 200*time.Millisecond, 500*time.Millisecond, 20*time.Millisecond
+	c := e.start(cfg)
+	e.store("new", 1, 7)
+	waitFor(t, 5*time.Second, "new applied", func() bool { s, _ := a.get("new"); return len(s) == 1 })
+	if !c.Live("new") {
+		t.Fatal("fresh instance not live")
+	}
+	if c.Live("old") {
+		t.Fatal("instance silent for 700ms (stale after 200ms) reported live")
+	}
+	waitFor(t, 5*time.Second, "old purged", func() bool {
+		for _, s := range c.Instances() {
+			if s.Instance == "old" {
+				return s.State == StatePurged
+			}
+		}
+		return false
+	})
+}
