@@ -27,6 +27,9 @@ const (
 	DestinationHeader = "x-gateway-destination-endpoint"
 	// DestinationKey is the same value's key in the dynamic metadata.
 	DestinationKey = "x-gateway-destination-endpoint"
+	// ServedKey names, in the response's filter metadata (DestinationNamespace),
+	// the endpoint that really served the request after Envoy's retries.
+	ServedKey = "x-gateway-destination-endpoint-served"
 	// SubsetKey lists, in the filter metadata, the endpoints to pick from.
 	SubsetKey = "x-gateway-destination-endpoint-subset"
 	// DefaultDestinationNamespace is the dynamic metadata namespace of the pick.
@@ -109,6 +112,7 @@ type epStream struct {
 	subset    []string
 	hasSubset bool
 	// pick, once made: its instance is Acquired until the stream ends.
+	pool     *router.Pool
 	inst     *router.Instance
 	obs      router.RequestObserver
 	finished bool
@@ -178,6 +182,7 @@ func (x *extProc) Process(stream extprocv3.ExternalProcessor_ProcessServer) erro
 			resp = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
 				RequestTrailers: &extprocv3.TrailersResponse{}}}
 		case *extprocv3.ProcessingRequest_ResponseHeaders:
+			x.readServed(st, req.GetMetadataContext())
 			code, _ := strconv.Atoi(headerMap(r.ResponseHeaders.GetHeaders())[":status"])
 			st.finish(code)
 			resp = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
@@ -218,6 +223,27 @@ func (x *extProc) readSubset(st *epStream, md *corev3.Metadata) {
 			if s = strings.TrimSpace(s); s != "" {
 				st.subset = append(st.subset, s)
 			}
+		}
+	}
+}
+
+// readServed moves the request's in-flight count when Envoy reports (GIE
+// protocol v0.4+) that another endpoint than the pick served it, e.g. after
+// a retry down a fallback list.
+func (x *extProc) readServed(st *epStream, md *corev3.Metadata) {
+	if st.inst == nil {
+		return
+	}
+	served := md.GetFilterMetadata()[x.s.cfg.ExtProc.DestinationNamespace].GetFields()[ServedKey].GetStringValue()
+	if served == "" || served == hostPort(st.inst) {
+		return
+	}
+	for _, in := range st.pool.Instances() {
+		if hostPort(in) == served {
+			in.Acquire()
+			st.inst.Release()
+			st.inst = in
+			return
 		}
 	}
 }
@@ -295,7 +321,7 @@ func (x *extProc) decide(ctx context.Context, st *epStream) (*extprocv3.CommonRe
 		return fail(p.Name(), http.StatusInternalServerError, "pick failed")
 	}
 	dec.Instance.Acquire()
-	st.inst, st.obs = dec.Instance, dec.Observer
+	st.pool, st.inst, st.obs = p, dec.Instance, dec.Observer
 	addr := hostPort(dec.Instance)
 	md, err := structpb.NewStruct(map[string]any{
 		s.cfg.ExtProc.DestinationNamespace: map[string]any{DestinationKey: addr},

@@ -315,3 +315,37 @@ func TestExtProcSpreads(t *testing.T) {
 		t.Errorf("40 prompts reached %v, want all 4 instances", seen)
 	}
 }
+
+// TestExtProcServedElsewhere: when Envoy reports that another endpoint
+// served the request (x-gateway-destination-endpoint-served, after a
+// retry), the in-flight count moves there.
+func TestExtProcServedElsewhere(t *testing.T) {
+	h := newHarness(t)
+	e := h.envoy(t)
+	e.headers(nil, false, ":method", "POST", ":path", "/v1/chat/completions")
+	o := outcomeOf(t, e.body(nil, chatBody(hashModel, "retry me")))
+	picked := h.instance("hash", o.instance)
+	other := "hash-0"
+	if o.instance == other {
+		other = "hash-1"
+	}
+	served, err := structpb.NewStruct(map[string]any{grpcapi.ServedKey: h.upAddr(other)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.send(&extprocv3.ProcessingRequest{
+		MetadataContext: &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{grpcapi.DefaultDestinationNamespace: served}},
+		Request:         &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{Headers: headerMap(":status", "200")}}})
+	if a, b := picked.InFlight(), h.instance("hash", other).InFlight(); a != 0 || b != 1 {
+		t.Fatalf("in flight: picked %d, served %d; want 0, 1", a, b)
+	}
+	_ = e.st.CloseSend()
+	_, _ = e.st.Recv()
+	deadline := time.Now().Add(5 * time.Second)
+	for h.instance("hash", other).InFlight() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("served instance still in flight after the stream ended")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
