@@ -8,6 +8,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
@@ -32,14 +33,24 @@ func UniqueName(t testing.TB) string {
 }
 
 // FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
+//
+// It draws from 20000..32767, below Linux's ephemeral range (32768..60999):
+// a port the kernel hands out itself can be taken again at once by any
+// outgoing connection of a test running in parallel, while a random port
+// outside that range is only ever taken by another explicit bind.
 func FreePort(t testing.TB) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("testenv: free port: %v", err)
+	for i := 0; i < 200; i++ {
+		port := 20000 + rand.IntN(32768-20000)
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+		if err != nil {
+			continue
+		}
+		l.Close()
+		return port
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	t.Fatalf("testenv: no free port in 20000..32767 after 200 tries")
+	return 0
 }
 
 // Redis returns the address of a Redis server for the test: REDIS_ADDR when
