@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -15,6 +14,7 @@ import (
 	"github.com/go-zeromq/zmq4"
 
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/sim/server"
 )
 
@@ -54,7 +54,7 @@ func TestFlags(t *testing.T) {
 // with a plain SUB socket, and checks that a repeated prompt is served
 // from cache and that events arrive from each instance.
 func TestRunFleet(t *testing.T) {
-	zmqBase := consecutiveFreePorts(t, 2)
+	zmqBase := testenv.FreePorts(t, 2)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	ready := make(chan []*server.Instance, 1)
@@ -138,35 +138,4 @@ func TestRunFleet(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Fatalf("run returned %v", err)
 	}
-}
-
-// consecutiveFreePorts returns p such that p .. p+n-1 were all free a
-// moment ago (instance i publishes on the base port + i).
-func consecutiveFreePorts(t *testing.T, n int) int {
-	t.Helper()
-	for range 100 {
-		l0, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		p := l0.Addr().(*net.TCPAddr).Port
-		ls := []net.Listener{l0}
-		ok := p+n-1 <= 65535
-		for i := 1; ok && i < n; i++ {
-			l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p+i))
-			if err != nil {
-				ok = false
-				break
-			}
-			ls = append(ls, l)
-		}
-		for _, l := range ls {
-			l.Close()
-		}
-		if ok {
-			return p
-		}
-	}
-	t.Fatalf("no %d consecutive free ports found", n)
-	return 0
 }

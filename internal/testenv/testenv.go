@@ -53,6 +53,31 @@ func FreePort(t testing.TB) int {
 	return 0
 }
 
+// FreePorts returns p such that p .. p+n-1 were all free a moment ago
+// (for engines that use port+rank), from the same range as FreePort.
+func FreePorts(t testing.TB, n int) int {
+	t.Helper()
+	for i := 0; i < 200; i++ {
+		p := 20000 + rand.IntN(32768-20000-n)
+		var ls []net.Listener
+		for j := 0; j < n; j++ {
+			l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p+j))
+			if err != nil {
+				break
+			}
+			ls = append(ls, l)
+		}
+		for _, l := range ls {
+			l.Close()
+		}
+		if len(ls) == n {
+			return p
+		}
+	}
+	t.Fatalf("testenv: no %d consecutive free ports in 20000..32767 after 200 tries", n)
+	return 0
+}
+
 // Redis returns the address of a Redis server for the test: REDIS_ADDR when
 // set, else a redis-server started on a free port and stopped at cleanup.
 // It fails the test with a clear message when neither is possible.

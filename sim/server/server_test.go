@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"slices"
 	"strings"
@@ -452,7 +451,7 @@ func TestAPISurface(t *testing.T) {
 }
 
 func TestDataParallelRanks(t *testing.T) {
-	pubPort := consecutiveFreePorts(t, 2) // rank 1 publishes on pubPort+1
+	pubPort := testenv.FreePorts(t, 2) // rank 1 publishes on pubPort+1
 	in := startInstance(t, Config{
 		Engine:           sim.Config{Model: "m", GPUBlocks: 200},
 		DataParallelSize: 2,
@@ -491,37 +490,6 @@ func portOf(t *testing.T, in *Instance) int {
 		t.Fatal(err)
 	}
 	return p
-}
-
-// consecutiveFreePorts returns p such that p .. p+n-1 were all free a
-// moment ago (rank r publishes on the base port + r).
-func consecutiveFreePorts(t *testing.T, n int) int {
-	t.Helper()
-	for range 100 {
-		l0, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		p := l0.Addr().(*net.TCPAddr).Port
-		ls := []net.Listener{l0}
-		ok := p+n-1 <= 65535
-		for i := 1; ok && i < n; i++ {
-			l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p+i))
-			if err != nil {
-				ok = false
-				break
-			}
-			ls = append(ls, l)
-		}
-		for _, l := range ls {
-			l.Close()
-		}
-		if ok {
-			return p
-		}
-	}
-	t.Fatalf("no %d consecutive free ports found", n)
-	return 0
 }
 
 // TestStreamChunks checks the SSE framing of both endpoints: one chunk per
