@@ -103,9 +103,11 @@ func (x eventsService) Watch(in *kvrouterv1.WatchRequest, stream kvrouterv1.Even
 	if err != nil {
 		return status.Errorf(codes.Unavailable, "events: subscribe %s: %v", subj, err)
 	}
-	// Set the pending limits above our own buffer so drops happen here,
-	// where they are counted per watcher, not in the client library.
-	_ = sub.SetPendingLimits(s.cfg.WatchBuffer*2, 64<<20)
+	// The library queues messages for the callback; the callback never
+	// blocks, so the queue only absorbs bursts. Should it overflow anyway,
+	// its drops are counted too (see watcher.libDrops).
+	_ = sub.SetPendingLimits(max(s.cfg.WatchBuffer*2, 1<<16), 64<<20)
+	w.sub = sub
 	defer func() { _ = sub.Unsubscribe() }()
 	if err := s.cfg.NATS.FlushWithContext(stream.Context()); err != nil {
 		return status.Errorf(codes.Unavailable, "events: subscribe %s: %v", subj, err)
@@ -137,10 +139,28 @@ type watcher struct {
 	// dropped counts messages dropped since the last event sent; the NATS
 	// callback adds, the sending goroutine takes.
 	dropped atomic.Uint64
+	// sub and libSeen (the library's drop count already reported) are used
+	// by the sending goroutine only.
+	sub     *nats.Subscription
+	libSeen int
+}
+
+// libDrops adds the messages the NATS client library dropped for this
+// subscription (slow consumer) since the last call to the dropped count.
+func (w *watcher) libDrops() {
+	if w.sub == nil {
+		return
+	}
+	if d, err := w.sub.Dropped(); err == nil && d > w.libSeen {
+		w.dropped.Add(uint64(d - w.libSeen))
+		w.x.s.m.watchDropped.WithLabelValues(w.pool).Add(float64(d - w.libSeen))
+		w.libSeen = d
+	}
 }
 
 func (w *watcher) send(m *nats.Msg) error {
 	x, pool, f, stream := w.x, w.pool, w.f, w.stream
+	w.libDrops()
 	_, _, instance, err := events.ParseSubject(m.Subject)
 	if err != nil {
 		x.s.m.watchBad.WithLabelValues(pool).Inc()

@@ -190,3 +190,99 @@ func TestWatchBadRequests(t *testing.T) {
 		}
 	}
 }
+
+// TestWatchSlowClient: a watcher that stops reading loses events instead of
+// stalling the router, and is told how many: received + dropped = published.
+func TestWatchSlowClient(t *testing.T) {
+	ns := testenv.StartNATS(t)
+	nc, err := nats.Connect(ns.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	reg := prometheus.NewRegistry()
+	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS, g.Registerer, g.WatchBuffer = nc, reg, 1 })
+	pool := testenv.UniqueName(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	st, err := kvrouterv1.NewEventsClient(h.conn).Watch(ctx, &kvrouterv1.WatchRequest{Pool: pool})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Header(); err != nil {
+		t.Fatal(err)
+	}
+	subj, _ := events.EventsSubject(pool, "a")
+	publishN := func(n int, first uint64) {
+		for i := range n {
+			b := events.Batch{Events: []events.Event{{Kind: events.BlockRemoved, BlockHashes: []uint64{first + uint64(i)}, Medium: "GPU"}}}
+			if err := nc.Publish(subj, mustEncode(t, b)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := nc.Flush(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Far more than gRPC's flow-control windows hold while nobody reads.
+	const n = 20000
+	publishN(n, 1)
+	deadline := time.Now().Add(10 * time.Second)
+	for dropped(t, reg) == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("no event dropped with a stalled watcher")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	got := make(chan *kvrouterv1.Event, n+1)
+	go func() {
+		for {
+			e, err := st.Recv()
+			if err != nil {
+				close(got)
+				return
+			}
+			got <- e
+		}
+	}()
+	var received, lost uint64
+	quiet := time.After(time.Second)
+drain:
+	for {
+		select {
+		case e := <-got:
+			received++
+			lost += e.Dropped
+			quiet = time.After(500 * time.Millisecond)
+		case <-quiet:
+			break drain
+		}
+	}
+	publishN(1, n+1) // the sentinel reports the drops since the last event
+	select {
+	case e := <-got:
+		if e.BlockHashes[0] != n+1 {
+			t.Fatalf("sentinel: got hash %v", e.BlockHashes)
+		}
+		lost += e.Dropped
+	case <-time.After(10 * time.Second):
+		t.Fatal("sentinel not received")
+	}
+	if received+lost != n || lost == 0 || float64(lost) != dropped(t, reg) {
+		t.Errorf("received %d + reported dropped %d != %d published (metric %v)", received, lost, n, dropped(t, reg))
+	}
+}
+
+func dropped(t *testing.T, reg *prometheus.Registry) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "kvrouter_grpc_watch_dropped_total" {
+			return mf.GetMetric()[0].GetCounter().GetValue()
+		}
+	}
+	return 0
+}
