@@ -151,9 +151,9 @@ var errNoTokens = errors.New("no token ids")
 func parseTokenIDs(b []byte) ([]uint32, error) {
 	t := bytes.TrimSpace(b)
 	if len(t) > 0 && t[0] == '[' {
-		var nums []json.Number
+		// Raw elements, not json.Number: that would also take "1" (a string).
+		var nums []json.RawMessage
 		dec := json.NewDecoder(bytes.NewReader(t))
-		dec.UseNumber()
 		if err := dec.Decode(&nums); err != nil {
 			return nil, fmt.Errorf("not a JSON array of integers: %w", err)
 		}

@@ -245,6 +245,7 @@ func tailNATS(ctx context.Context, o tailOpts, sink *recordSink) error {
 	if err := nc.FlushTimeout(o.admin.timeout); err != nil {
 		return fmt.Errorf("subscribe %s: %w", subj, err)
 	}
+	fmt.Fprintf(sink.stderr, "kvctl tail evictions: following %s on %s\n", subj, nc.ConnectedUrl())
 	for {
 		select {
 		case <-ctx.Done():
@@ -292,6 +293,9 @@ func tailSSE(ctx context.Context, o tailOpts, sink *recordSink) error {
 	if ct := resp.Header.Get("Content-Type"); !strings.HasPrefix(ct, "text/event-stream") {
 		return fmt.Errorf("GET %s: answer is %q, not an event stream", req.URL, ct)
 	}
+	// The router subscribes before it answers, so from here on no record
+	// is missed.
+	fmt.Fprintf(sink.stderr, "kvctl tail evictions: following %s\n", req.URL)
 	err = readSSE(resp.Body, func(event string, data []byte) error {
 		switch event {
 		case "close":

@@ -1,0 +1,392 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+)
+
+// lockedBuffer is written by the tail and read by the test meanwhile.
+type lockedBuffer struct {
+	mu  sync.Mutex // guards buf
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// tailRun is a tail running in the background.
+type tailRun struct {
+	out, errOut *lockedBuffer
+	done        chan error
+	cancel      context.CancelFunc
+}
+
+func startTail(t *testing.T, args ...string) *tailRun {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	r := &tailRun{out: &lockedBuffer{}, errOut: &lockedBuffer{}, done: make(chan error, 1), cancel: cancel}
+	go func() { r.done <- tailEvictions(ctx, args, r.out, r.errOut) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-r.done:
+		case <-time.After(10 * time.Second):
+			t.Error("tail did not stop after cancel")
+		}
+	})
+	return r
+}
+
+// ready waits until the tail follows the stream, so that no record
+// published from now on is missed.
+func (r *tailRun) ready(t *testing.T) {
+	t.Helper()
+	waitFor(t, "the tail to follow", func() bool { return strings.Contains(r.errOut.String(), "following ") })
+}
+
+// wait returns the tail's result, failing the test if it does not end.
+func (r *tailRun) wait(t *testing.T) error {
+	t.Helper()
+	select {
+	case err := <-r.done:
+		r.done <- err // for the cleanup
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatalf("tail did not end; stdout:\n%s\nstderr:\n%s", r.out, r.errOut)
+		return nil
+	}
+}
+
+// publisher publishes eviction records as the bridge does.
+type publisher struct {
+	t    *testing.T
+	nc   *nats.Conn
+	pool string
+}
+
+func (p publisher) publish(rec events.EvictionRecord) {
+	p.t.Helper()
+	rec.Pool = p.pool
+	if rec.Time.IsZero() {
+		rec.Time = time.Date(2026, 11, 29, 10, 0, 0, 0, time.UTC)
+	}
+	b, err := json.Marshal(rec)
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	p.raw(rec.Instance, b)
+}
+
+func (p publisher) raw(instance string, b []byte) {
+	p.t.Helper()
+	subj, err := events.EvictionsSubject(p.pool, instance)
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	if err := p.nc.Publish(subj, b); err != nil {
+		p.t.Fatal(err)
+	}
+	if err := p.nc.Flush(); err != nil {
+		p.t.Fatal(err)
+	}
+}
+
+// records are the published records of the tail tests, in order.
+var tailRecords = []events.EvictionRecord{
+	{Instance: "vllm-0", Tier: "gpu", Blocks: 3, Hashes: []uint64{1, 2, 0xdeadbeef}, Reason: events.ReasonEvicted},
+	{Instance: "vllm-1", Tier: "cpu", Blocks: 100, Hashes: []uint64{7, 8, 9, 10}, Reason: events.ReasonEvicted},
+	{Instance: "vllm-0", Tier: events.TierAll, Blocks: 9, Reason: events.ReasonCleared},
+	{Instance: "vllm-1", Tier: "gpu", Blocks: 1, Hashes: []uint64{11}, Reason: events.ReasonGap},
+}
+
+// tailCases are the filters both transports must apply alike: want are
+// indexes into tailRecords, in order.
+var tailCases = []struct {
+	name string
+	args []string
+	want []int
+}{
+	{"all", nil, []int{0, 1, 2, 3}},
+	{"instance", []string{"--instance", "vllm-1"}, []int{1, 3}},
+	{"tier gpu keeps clears", []string{"--tier", "GPU"}, []int{0, 2, 3}},
+	{"tier cpu", []string{"--tier", "cpu"}, []int{1, 2}},
+	{"instance and tier", []string{"--instance", "vllm-0", "--tier", "gpu"}, []int{0, 2}},
+}
+
+// checkJSONLines checks the tail printed exactly the wanted records.
+func checkJSONLines(t *testing.T, out string, want []int) {
+	t.Helper()
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if len(lines) != len(want) {
+		t.Fatalf("%d lines, want %d:\n%s", len(lines), len(want), out)
+	}
+	for i, l := range lines {
+		var got events.EvictionRecord
+		if err := json.Unmarshal([]byte(l), &got); err != nil {
+			t.Fatalf("line %d %q: %v", i, l, err)
+		}
+		w := tailRecords[want[i]]
+		if got.Instance != w.Instance || got.Tier != w.Tier || got.Blocks != w.Blocks || got.Reason != w.Reason || len(got.Hashes) != len(w.Hashes) || got.Time.IsZero() {
+			t.Errorf("line %d = %+v, want %+v", i, got, w)
+		}
+	}
+}
+
+func TestTailEvictionsNATS(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	nc, err := nats.Connect(srv.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	for _, tc := range tailCases {
+		t.Run(tc.name, func(t *testing.T) {
+			pool := testenv.UniqueName(t)
+			pub := publisher{t, nc, pool}
+			args := append([]string{"--pool", pool, "--nats", srv.URL(), "--json", "--count", itoa(len(tc.want))}, tc.args...)
+			r := startTail(t, args...)
+			// Another pool's record, a malformed one: neither is printed.
+			r.ready(t)
+			publisher{t, nc, pool + "x"}.publish(tailRecords[0])
+			pub.raw("vllm-0", []byte("{not json"))
+			pub.raw("vllm-1", []byte("[1,2]"))
+			for _, rec := range tailRecords {
+				pub.publish(rec)
+			}
+			if err := r.wait(t); err != nil {
+				t.Fatalf("tail: %v\nstderr %s", err, r.errOut)
+			}
+			checkJSONLines(t, r.out.String(), tc.want)
+			if !strings.Contains(r.errOut.String(), "skipped a malformed record from kv.evictions."+pool+".vllm-") {
+				t.Errorf("stderr %q: want the malformed record reported", r.errOut)
+			}
+		})
+	}
+}
+
+func itoa(n int) string { b, _ := json.Marshal(n); return string(b) }
+
+// sseRouter serves the eviction stream the way the router mounts it.
+func sseRouter(t *testing.T, nc *nats.Conn) (*httptest.Server, context.CancelFunc) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	mux := http.NewServeMux()
+	mux.Handle("GET /v1/kv/evictions", events.EvictionSSEHandler(ctx, nc, events.EvictionSSEConfig{Heartbeat: 20 * time.Millisecond}))
+	ts := httptest.NewServer(mux)
+	t.Cleanup(func() { cancel(); ts.Close() })
+	return ts, cancel
+}
+
+func TestTailEvictionsSSE(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	nc, err := nats.Connect(srv.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	ts, _ := sseRouter(t, nc)
+	for _, tc := range tailCases {
+		t.Run(tc.name, func(t *testing.T) {
+			pool := testenv.UniqueName(t)
+			pub := publisher{t, nc, pool}
+			args := append([]string{"--pool", pool, "--router", ts.URL, "--json", "--count", itoa(len(tc.want))}, tc.args...)
+			r := startTail(t, args...)
+			r.ready(t)
+			publisher{t, nc, pool + "x"}.publish(tailRecords[0])
+			for _, rec := range tailRecords {
+				pub.publish(rec)
+			}
+			if err := r.wait(t); err != nil {
+				t.Fatalf("tail: %v\nstderr %s", err, r.errOut)
+			}
+			checkJSONLines(t, r.out.String(), tc.want)
+		})
+	}
+}
+
+func TestTailEvictionsTableAndClose(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	nc, err := nats.Connect(srv.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	ts, stopRouter := sseRouter(t, nc)
+	pool := testenv.UniqueName(t)
+	r := startTail(t, "--pool", pool, "--router", ts.URL)
+	r.ready(t)
+	for _, rec := range tailRecords {
+		publisher{t, nc, pool}.publish(rec)
+	}
+	waitFor(t, "4 rows", func() bool { return strings.Count(r.out.String(), "\n") == 5 })
+	// The router shutting down ends the stream with a close event: the
+	// tail ends cleanly and says why.
+	stopRouter()
+	if err := r.wait(t); err != nil {
+		t.Fatalf("tail after close: %v", err)
+	}
+	want := []string{
+		"TIME                      INSTANCE              TIER     BLOCKS  REASON    HASHES",
+		"2026-11-29T10:00:00.000Z  vllm-0                gpu           3  evicted   0000000000000001,0000000000000002,00000000deadbeef",
+		"2026-11-29T10:00:00.000Z  vllm-1                cpu         100  evicted   0000000000000007,0000000000000008,0000000000000009 +97",
+		"2026-11-29T10:00:00.000Z  vllm-0                all           9  cleared   -",
+		"2026-11-29T10:00:00.000Z  vllm-1                gpu           1  gap       000000000000000b",
+	}
+	if got := strings.TrimSpace(r.out.String()); got != strings.Join(want, "\n") {
+		t.Errorf("table:\n%s\nwant:\n%s", got, strings.Join(want, "\n"))
+	}
+	if !strings.Contains(r.errOut.String(), "the router closed the stream") {
+		t.Errorf("stderr %q", r.errOut)
+	}
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestTailEvictionsInterrupt(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	nc, err := nats.Connect(srv.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	ts, _ := sseRouter(t, nc)
+	for _, extra := range [][]string{{"--router", ts.URL}, {"--nats", srv.URL()}} {
+		pool := testenv.UniqueName(t)
+		r := startTail(t, append([]string{"--pool", pool}, extra...)...)
+		r.ready(t)
+		r.cancel() // Ctrl-C
+		if err := r.wait(t); err != nil {
+			t.Errorf("%v: interrupted tail returned %v, want a clean end", extra, err)
+		}
+	}
+}
+
+func TestTailEvictionsErrors(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	nc, err := nats.Connect(srv.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	ts, _ := sseRouter(t, nc)
+	closed := "http://127.0.0.1:" + itoa(testenv.FreePort(t))
+	tests := []struct {
+		args []string
+		code int
+		msg  string
+	}{
+		{[]string{"--router", ts.URL}, 2, "--pool is required"},
+		{[]string{"--pool", "a.b", "--router", ts.URL}, 2, `pool "a.b" has '.'`},
+		{[]string{"--pool", "p", "--instance", "*", "--router", ts.URL}, 2, "--instance"},
+		{[]string{"--pool", "p", "--tier", "vram", "--router", ts.URL}, 2, `--tier "vram": want gpu, cpu, disk, shared or all`},
+		{[]string{"--pool", "p", "--count", "-1", "--router", ts.URL}, 2, "--count -1"},
+		{[]string{"--pool", "p", "--nats-creds", "x"}, 2, "need --nats"},
+		{[]string{"--pool", "p", "--router", closed}, 1, "connection refused"},
+		{[]string{"--pool", "p", "--router", ts.URL + "/old"}, 1, "404 Not Found"},
+		{[]string{"--pool", "p", "--nats", "nats://127.0.0.1:" + itoa(testenv.FreePort(t)), "--timeout", "1s"}, 1, "connect to nats"},
+	}
+	for _, tc := range tests {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			code, out, errOut := runCLI(t, append([]string{"tail", "evictions"}, tc.args...)...)
+			if code != tc.code || !strings.Contains(errOut, tc.msg) {
+				t.Errorf("exit %d (want %d), stderr %q (want %q)\nstdout %s", code, tc.code, errOut, tc.msg, out)
+			}
+		})
+	}
+}
+
+func TestReadSSE(t *testing.T) {
+	type ev struct{ event, data string }
+	tests := []struct {
+		name string
+		in   string
+		want []ev
+	}{
+		{"router shape", ": kv evictions for pool p\n\nevent: eviction\ndata: {\"a\":1}\n\n: ping\n\nevent: close\ndata: {}\n\n", []ev{{"eviction", `{"a":1}`}, {"close", "{}"}}},
+		{"crlf and no space", "data:x\r\n\r\n", []ev{{"", "x"}}},
+		{"multi-line data", "data: a\ndata: b\n\n", []ev{{"", "a\nb"}}},
+		{"unterminated last event is dropped", "data: a\n\ndata: b\n", []ev{{"", "a"}}},
+		{"unknown fields ignored", "id: 3\nretry: 10\ndata: z\n\n", []ev{{"", "z"}}},
+		{"empty", "", nil},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var got []ev
+			err := readSSE(strings.NewReader(tc.in), func(e string, d []byte) error {
+				got = append(got, ev{e, string(d)})
+				return nil
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(got) != len(tc.want) {
+				t.Fatalf("got %q, want %q", got, tc.want)
+			}
+			for i := range got {
+				if got[i] != tc.want[i] {
+					t.Errorf("event %d = %q, want %q", i, got[i], tc.want[i])
+				}
+			}
+		})
+	}
+	// A line longer than maxSSELine is an error, not a hang or a crash.
+	err := readSSE(strings.NewReader("data: "+strings.Repeat("x", maxSSELine+1)+"\n\n"), func(string, []byte) error { return nil })
+	if err == nil {
+		t.Fatal("over-long line accepted")
+	}
+	// fn's error stops the reader.
+	stop := errors.New("stop")
+	n := 0
+	err = readSSE(strings.NewReader("data: 1\n\ndata: 2\n\n"), func(string, []byte) error { n++; return stop })
+	if !errors.Is(err, stop) || n != 1 {
+		t.Fatalf("err %v after %d events", err, n)
+	}
+}
+
+func FuzzReadSSE(f *testing.F) {
+	f.Add([]byte(": hi\n\nevent: eviction\ndata: {\"pool\":\"p\",\"blocks\":3}\n\nevent: close\ndata: {}\n\n"))
+	f.Add([]byte("data:\r\ndata: x\n\n\n"))
+	f.Fuzz(func(t *testing.T, in []byte) {
+		sink := &recordSink{w: io.Discard, stderr: io.Discard}
+		_ = readSSE(bytes.NewReader(in), func(event string, data []byte) error {
+			if event == "close" {
+				return io.EOF
+			}
+			return sink.add("fuzz", data)
+		})
+		sinkJSON := &recordSink{w: io.Discard, stderr: io.Discard, json: true, tier: "gpu"}
+		_ = sinkJSON.add("fuzz", in)
+	})
+}
