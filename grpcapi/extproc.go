@@ -147,7 +147,7 @@ func (x *extProc) Process(stream extprocv3.ExternalProcessor_ProcessServer) erro
 		switch r := req.GetRequest().(type) {
 		case *extprocv3.ProcessingRequest_RequestHeaders:
 			st.headers = headerMap(r.RequestHeaders.GetHeaders())
-			if !r.RequestHeaders.GetEndOfStream() {
+			if !r.RequestHeaders.GetEndOfStream() || st.inst != nil {
 				resp = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
 					RequestHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{}}}}
 				break
@@ -166,8 +166,10 @@ func (x *extProc) Process(stream extprocv3.ExternalProcessor_ProcessServer) erro
 					fmt.Sprintf("request body exceeds the limit of %d bytes", x.s.cfg.ExtProc.MaxBodyBytes)))
 			}
 			st.body = append(st.body, r.RequestBody.GetBody()...)
-			if !r.RequestBody.GetEndOfStream() {
-				// Streamed mode: keep collecting, let the chunk through.
+			if !r.RequestBody.GetEndOfStream() || st.inst != nil {
+				// Streamed mode collects until the end; a body after the
+				// pick (a misbehaving client) must not pick, and acquire,
+				// twice.
 				resp = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
 					RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{}}}}
 				break

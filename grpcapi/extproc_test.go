@@ -271,6 +271,13 @@ func TestExtProcInFlight(t *testing.T) {
 	if n := in.InFlight(); n != 1 {
 		t.Fatalf("in flight during the request: %d, want 1", n)
 	}
+	// A second body (a misbehaving client) neither picks nor acquires again.
+	if r := e.body(nil, chatBody(hashModel, "count me again")); r.GetRequestBody() == nil || r.GetRequestBody().GetResponse().GetHeaderMutation() != nil {
+		t.Fatalf("second body answered %v, want an untouched continue", r)
+	}
+	if n := in.InFlight(); n != 1 {
+		t.Fatalf("in flight after a second body: %d, want 1", n)
+	}
 	r := e.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{
 		ResponseHeaders: &extprocv3.HttpHeaders{Headers: headerMap(":status", "200")}}})
 	if r.GetResponseHeaders() == nil || r.GetResponseHeaders().GetResponse().GetHeaderMutation() != nil {
