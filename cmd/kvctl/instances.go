@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -33,35 +32,50 @@ type instanceStatus struct {
 	Adapters []string `json:"adapters"`
 }
 
-// kvInstance is one instance of GET /admin/pools/{pool}/instances: what the
-// pool's KV index and event consumer know of it (issue 4: blocks per tier,
-// last event time, last seq, gaps, state).
+// kvInstances is GET /admin/pools/{pool}/instances: what the pool's KV
+// index and event consumer know of each instance (issue 4: blocks per
+// tier, last event time, last seq, gaps, state).
+type kvInstances struct {
+	Pool          string       `json:"pool"`
+	StreamHealthy bool         `json:"stream_healthy"`
+	BlockSize     int          `json:"block_size"`
+	Instances     []kvInstance `json:"instances"`
+}
+
 type kvInstance struct {
-	Instance  string
-	State     string
-	Blocks    map[string]int // by tiers.Tier.String()
-	LastEvent *time.Time
-	LastSeq   *uint64
-	Gaps      *uint64
-	raw       map[string]any // the router's whole record, for --json
+	Instance      string         `json:"instance"`
+	State         string         `json:"state"` // live, stale, purged, unknown
+	InPool        bool           `json:"in_pool"`
+	Configured    bool           `json:"configured"`
+	URL           string         `json:"url,omitempty"`
+	Blocks        map[string]int `json:"blocks"` // by tiers.Tier.String()
+	LastEvent     time.Time      `json:"last_event,omitzero"`
+	LastHeartbeat time.Time      `json:"last_heartbeat,omitzero"`
+	LastSeq       uint64         `json:"last_seq"`
+	StreamSeq     uint64         `json:"stream_seq"`
+	Gaps          uint64         `json:"gaps"`
+	Clears        uint64         `json:"clears"`
+	Malformed     uint64         `json:"malformed"`
+	Unknown       uint64         `json:"unknown_events"`
 }
 
 // instanceRow is what kvctl prints per instance: the router's view
-// (health, in-flight) joined with the KV view when the router has one.
+// (health, in-flight) joined with the KV view when the pool has one.
 type instanceRow struct {
-	Pool      string         `json:"pool"`
-	Instance  string         `json:"instance"`
-	URL       string         `json:"url,omitempty"`
-	Healthy   *bool          `json:"healthy,omitempty"`
-	InFlight  *int           `json:"in_flight,omitempty"`
-	Adapters  []string       `json:"adapters,omitempty"`
-	State     string         `json:"state,omitempty"`
-	Blocks    map[string]int `json:"blocks,omitempty"`
-	LastEvent *time.Time     `json:"last_event,omitempty"`
-	LastSeq   *uint64        `json:"last_seq,omitempty"`
-	Gaps      *uint64        `json:"gaps,omitempty"`
-	// KV is the router's whole KV record of the instance (--json only).
-	KV map[string]any `json:"kv,omitempty"`
+	Pool     string   `json:"pool"`
+	Instance string   `json:"instance"`
+	URL      string   `json:"url,omitempty"`
+	Healthy  *bool    `json:"healthy,omitempty"`
+	InFlight *int     `json:"in_flight,omitempty"`
+	Adapters []string `json:"adapters,omitempty"`
+	// KV is nil when the pool has no KV index.
+	KV *kvInstance `json:"kv,omitempty"`
+}
+
+// poolKV is a pool's stream summary, printed under the table.
+type poolKV struct {
+	pool string
+	kv   *kvInstances // nil: no KV index
 }
 
 func runInstances(ctx context.Context, args []string, stdout io.Writer) error {
@@ -103,12 +117,14 @@ Flags:`)
 		return err
 	}
 	var rows []instanceRow
+	var sums []poolKV
 	for _, p := range pools {
 		kv, err := fetchKVInstances(ctx, c, p.Name)
 		if err != nil {
 			return err
 		}
 		rows = append(rows, joinInstances(p, kv)...)
+		sums = append(sums, poolKV{p.Name, kv})
 	}
 	if o.json {
 		if rows == nil {
@@ -116,169 +132,90 @@ Flags:`)
 		}
 		return writeJSONValue(stdout, rows)
 	}
-	return writeInstancesTable(stdout, rows)
+	return writeInstancesTable(stdout, rows, sums, time.Now())
 }
 
 // fetchKVInstances asks for a pool's KV view; nil (no error) when the pool
-// has no KV index or the router has no such endpoint, so that kvctl still
-// lists health and load.
-func fetchKVInstances(ctx context.Context, c *adminClient, pool string) ([]kvInstance, error) {
-	b, err := c.call(ctx, "GET", poolPath(pool, "instances"), nil)
+// has no KV index (409) or the router has no such endpoint (404), so that
+// kvctl still lists health and load.
+func fetchKVInstances(ctx context.Context, c *adminClient, pool string) (*kvInstances, error) {
+	var kv kvInstances
+	_, err := c.callJSON(ctx, "GET", poolPath(pool, "instances"), nil, &kv)
 	var he *httpError
-	if errors.As(err, &he) && (he.Status == http.StatusNotFound || he.Status == http.StatusConflict || he.Status == http.StatusNotImplemented) {
+	if errors.As(err, &he) && (he.Status == http.StatusNotFound || he.Status == http.StatusConflict) {
 		return nil, nil
 	}
 	if err != nil {
 		return nil, err
 	}
-	kv, err := decodeKVInstances(b)
-	if err != nil {
-		return nil, fmt.Errorf("GET %s: %w", poolPath(pool, "instances"), err)
-	}
-	return kv, nil
+	return &kv, nil
 }
 
-// decodeKVInstances reads the instances answer: an array of instance
-// records, or an object holding one under "instances". Each record names
-// its instance ("instance" or "id") and gives blocks per tier as an object
-// {"gpu": n, ...}, an array in tier order, or gpu_blocks-style fields.
-func decodeKVInstances(b []byte) ([]kvInstance, error) {
-	var list []map[string]any
-	if err := json.Unmarshal(b, &list); err != nil {
-		var wrap struct {
-			Instances []map[string]any `json:"instances"`
+// joinInstances merges a pool's instances with its KV records: the pool's
+// first in its order, then those known only from events.
+func joinInstances(p poolStatus, kv *kvInstances) []instanceRow {
+	byID := map[string]*kvInstance{}
+	if kv != nil {
+		for i := range kv.Instances {
+			byID[kv.Instances[i].Instance] = &kv.Instances[i]
 		}
-		if err2 := json.Unmarshal(b, &wrap); err2 != nil {
-			return nil, fmt.Errorf("answer is not a list of instances: %w", err)
-		}
-		list = wrap.Instances
-	}
-	out := make([]kvInstance, 0, len(list))
-	for _, m := range list {
-		var ki kvInstance
-		ki.raw = m
-		ki.Instance = str(m["instance"])
-		if ki.Instance == "" {
-			ki.Instance = str(m["id"])
-		}
-		if ki.Instance == "" {
-			continue
-		}
-		ki.State = str(m["state"])
-		ki.Blocks = blocksOf(m)
-		if t, err := time.Parse(time.RFC3339Nano, str(m["last_event"])); err == nil && !t.IsZero() {
-			ki.LastEvent = &t
-		}
-		ki.LastSeq = uintOf(m["last_seq"])
-		ki.Gaps = uintOf(m["gaps"])
-		out = append(out, ki)
-	}
-	return out, nil
-}
-
-func str(v any) string {
-	switch x := v.(type) {
-	case string:
-		return x
-	case float64:
-		return strconv.FormatFloat(x, 'f', -1, 64)
-	}
-	return ""
-}
-
-func uintOf(v any) *uint64 {
-	if f, ok := v.(float64); ok && f >= 0 {
-		u := uint64(f)
-		return &u
-	}
-	return nil
-}
-
-// blocksOf finds an instance's blocks per tier, keyed by tiers' names.
-func blocksOf(m map[string]any) map[string]int {
-	out := map[string]int{}
-	switch b := m["blocks"].(type) {
-	case map[string]any:
-		for k, v := range b {
-			if t, ok := tiers.Parse(k); ok {
-				if f, ok := v.(float64); ok {
-					out[t.String()] = int(f)
-				}
-			}
-		}
-	case []any:
-		for i, v := range b {
-			if f, ok := v.(float64); ok && i < tiers.Count {
-				out[tiers.Tier(i).String()] = int(f)
-			}
-		}
-	}
-	for t := range tiers.Tier(tiers.Count) {
-		if f, ok := m[t.String()+"_blocks"].(float64); ok {
-			out[t.String()] = int(f)
-		}
-	}
-	if len(out) == 0 {
-		return nil
-	}
-	return out
-}
-
-// joinInstances merges a pool's configured instances with its KV records,
-// configured ones first in config order, then those known only from events.
-func joinInstances(p poolStatus, kv []kvInstance) []instanceRow {
-	byID := make(map[string]*kvInstance, len(kv))
-	for i := range kv {
-		byID[kv[i].Instance] = &kv[i]
-	}
-	fill := func(r *instanceRow, k *kvInstance) {
-		r.State, r.Blocks, r.LastEvent, r.LastSeq, r.Gaps, r.KV = k.State, k.Blocks, k.LastEvent, k.LastSeq, k.Gaps, k.raw
 	}
 	var rows []instanceRow
 	seen := map[string]bool{}
 	for _, in := range p.Instances {
-		r := instanceRow{Pool: p.Name, Instance: in.ID, URL: in.URL, Healthy: &in.Healthy, InFlight: &in.InFlight, Adapters: in.Adapters}
-		if k := byID[in.ID]; k != nil {
-			fill(&r, k)
+		r := instanceRow{Pool: p.Name, Instance: in.ID, URL: in.URL, Healthy: &in.Healthy, InFlight: &in.InFlight, Adapters: in.Adapters, KV: byID[in.ID]}
+		if kv != nil && r.KV == nil {
+			// The index and the consumer know nothing of it yet.
+			r.KV = &kvInstance{Instance: in.ID, State: "unknown"}
 		}
 		seen[in.ID] = true
 		rows = append(rows, r)
 	}
-	for i := range kv {
-		if seen[kv[i].Instance] {
-			continue
+	if kv != nil {
+		for i := range kv.Instances {
+			k := &kv.Instances[i]
+			if !seen[k.Instance] {
+				rows = append(rows, instanceRow{Pool: p.Name, Instance: k.Instance, URL: k.URL, KV: k})
+			}
 		}
-		r := instanceRow{Pool: p.Name, Instance: kv[i].Instance}
-		if u := str(kv[i].raw["url"]); u != "" {
-			r.URL = u
-		}
-		fill(&r, &kv[i])
-		rows = append(rows, r)
 	}
 	return rows
 }
 
-func writeInstancesTable(w io.Writer, rows []instanceRow) error {
+func writeInstancesTable(w io.Writer, rows []instanceRow, sums []poolKV, now time.Time) error {
 	if len(rows) == 0 {
 		fmt.Fprintln(w, "no instances")
 		return nil
 	}
-	now := time.Now()
 	tw := tabwriter.NewWriter(w, 2, 8, 2, ' ', 0)
 	fmt.Fprintln(tw, "POOL\tINSTANCE\tURL\tHEALTHY\tIN-FLIGHT\tSTATE\tGPU\tCPU\tDISK\tSHARED\tLAST-EVENT\tLAST-SEQ\tGAPS")
 	for _, r := range rows {
-		cells := []string{r.Pool, r.Instance, dash(r.URL), boolCell(r.Healthy), intCell(r.InFlight), dash(r.State)}
-		for t := range tiers.Tier(tiers.Count) {
-			if r.Blocks == nil {
-				cells = append(cells, "-")
-			} else {
-				cells = append(cells, strconv.Itoa(r.Blocks[t.String()]))
+		cells := []string{r.Pool, r.Instance, dash(r.URL), boolCell(r.Healthy), intCell(r.InFlight)}
+		if k := r.KV; k != nil {
+			cells = append(cells, dash(k.State))
+			for t := range tiers.Tier(tiers.Count) {
+				cells = append(cells, strconv.Itoa(k.Blocks[t.String()]))
 			}
+			cells = append(cells, ago(k.LastEvent, now), strconv.FormatUint(k.LastSeq, 10), strconv.FormatUint(k.Gaps, 10))
+		} else {
+			cells = append(cells, "-", "-", "-", "-", "-", "-", "-", "-")
 		}
-		cells = append(cells, ago(r.LastEvent, now), uintCell(r.LastSeq), uintCell(r.Gaps))
 		fmt.Fprintln(tw, strings.Join(cells, "\t"))
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, s := range sums {
+		switch {
+		case s.kv == nil:
+			fmt.Fprintf(w, "pool %s: no KV index (events disabled, or a router without the KV admin API)\n", s.pool)
+		case s.kv.StreamHealthy:
+			fmt.Fprintf(w, "pool %s: event stream healthy, block size %d\n", s.pool, s.kv.BlockSize)
+		default:
+			fmt.Fprintf(w, "pool %s: event stream NOT healthy (kv_aware routes heuristically), block size %d\n", s.pool, s.kv.BlockSize)
+		}
+	}
+	return nil
 }
 
 func dash(s string) string {
@@ -305,22 +242,12 @@ func intCell(v *int) string {
 	return strconv.Itoa(*v)
 }
 
-func uintCell(v *uint64) string {
-	if v == nil {
-		return "-"
-	}
-	return strconv.FormatUint(*v, 10)
-}
-
 // ago shows a time as an age, the way an operator reads staleness.
-func ago(t *time.Time, now time.Time) string {
-	if t == nil {
+func ago(t time.Time, now time.Time) string {
+	if t.IsZero() {
 		return "-"
 	}
-	d := now.Sub(*t)
-	if d < 0 {
-		d = 0
-	}
+	d := max(now.Sub(t), 0)
 	switch {
 	case d < time.Second:
 		return "now"

@@ -10,7 +10,6 @@ import (
 	"io"
 	"math"
 	"os"
-	"sort"
 	"strconv"
 	"text/tabwriter"
 	"unicode"
@@ -20,14 +19,16 @@ import (
 // about a million tokens, a few megabytes as text or decimal ids.
 const maxLookupFile = 64 << 20
 
-// lookupAnswer is POST /admin/pools/{pool}/lookup's answer:
-// {"block_size": 16, "matches": [{"instance": "vllm-0", "gpu_blocks": 12,
-// "cpu_blocks": 3}, ...]}, each tier's blocks counted beyond the faster
-// tiers' (issue 4).
+// lookupAnswer is POST /admin/pools/{pool}/lookup's answer (issue 4):
+// {"pool": "llama", "block_size": 16, "prompt_tokens": 40, "blocks": 2,
+// "matches": [{"instance": "vllm-0", "gpu_blocks": 2, "cpu_blocks": 0,
+// ..., "live": true}]}, each tier's blocks counted beyond the faster tiers'.
 type lookupAnswer struct {
-	BlockSize int           `json:"block_size"`
-	Tokens    *int          `json:"tokens,omitempty"`
-	Matches   []lookupMatch `json:"matches"`
+	Pool         string        `json:"pool"`
+	BlockSize    int           `json:"block_size"`
+	PromptTokens int           `json:"prompt_tokens"`
+	Blocks       int           `json:"blocks"`
+	Matches      []lookupMatch `json:"matches"`
 }
 
 type lookupMatch struct {
@@ -36,6 +37,9 @@ type lookupMatch struct {
 	CPUBlocks    int    `json:"cpu_blocks"`
 	DiskBlocks   int    `json:"disk_blocks"`
 	SharedBlocks int    `json:"shared_blocks"`
+	// Live is false for an instance the router counts as stale: kv_aware
+	// ignores its blocks.
+	Live bool `json:"live"`
 }
 
 func (m lookupMatch) total() int { return m.GPUBlocks + m.CPUBlocks + m.DiskBlocks + m.SharedBlocks }
@@ -48,6 +52,8 @@ func runLookup(ctx context.Context, args []string, stdout io.Writer) error {
 	pool := fs.String("pool", "", "pool whose index to ask (required)")
 	promptFile := fs.String("prompt-file", "", "file holding the prompt text, sent as is ('-' for stdin); the router tokenizes it with the pool's tokenizer")
 	tokensFile := fs.String("tokens", "", "file of token ids: a JSON array, or integers separated by whitespace or commas ('-' for stdin)")
+	adapter := fs.String("adapter", "", "LoRA adapter the request would name (its blocks are keyed apart from the base model's)")
+	cacheSalt := fs.String("cache-salt", "", "cache_salt the request would carry (salted blocks are keyed apart)")
 	fs.Usage = func() {
 		fmt.Fprintln(stdout, `Usage: kvctl lookup --pool P (--prompt-file F | --tokens F)
 
@@ -83,8 +89,13 @@ Flags:`)
 		return err
 	}
 
-	var body map[string]any
-	nTokens := -1
+	body := map[string]any{}
+	if *adapter != "" {
+		body["adapter"] = *adapter
+	}
+	if *cacheSalt != "" {
+		body["cache_salt"] = *cacheSalt
+	}
 	if *tokensFile != "" {
 		b, err := readInput(*tokensFile, os.Stdin)
 		if err != nil {
@@ -94,8 +105,7 @@ Flags:`)
 		if err != nil {
 			return fmt.Errorf("%w: --tokens %s: %v", errUsage, *tokensFile, err)
 		}
-		body = map[string]any{"token_ids": ids}
-		nTokens = len(ids)
+		body["token_ids"] = ids
 	} else {
 		b, err := readInput(*promptFile, os.Stdin)
 		if err != nil {
@@ -104,7 +114,7 @@ Flags:`)
 		if len(b) == 0 {
 			return fmt.Errorf("%w: --prompt-file %s is empty", errUsage, *promptFile)
 		}
-		body = map[string]any{"prompt": string(b)}
+		body["prompt"] = string(b)
 	}
 
 	var ans lookupAnswer
@@ -115,10 +125,7 @@ Flags:`)
 	if o.json {
 		return writeIndented(stdout, raw)
 	}
-	if ans.Tokens != nil {
-		nTokens = *ans.Tokens
-	}
-	return writeLookupTable(stdout, *pool, ans, nTokens)
+	return writeLookupTable(stdout, ans)
 }
 
 // readInput reads a whole file, or stdin for "-", bounded by maxLookupFile.
@@ -199,35 +206,29 @@ func tokenID(s string) (uint32, error) {
 	return uint32(v), nil
 }
 
-func writeLookupTable(w io.Writer, pool string, ans lookupAnswer, nTokens int) error {
-	ms := append([]lookupMatch(nil), ans.Matches...)
-	// Best first: GPU hits are the cheapest, then the longest prefix overall.
-	sort.SliceStable(ms, func(i, j int) bool {
-		if ms[i].GPUBlocks != ms[j].GPUBlocks {
-			return ms[i].GPUBlocks > ms[j].GPUBlocks
-		}
-		if ms[i].total() != ms[j].total() {
-			return ms[i].total() > ms[j].total()
-		}
-		return ms[i].Instance < ms[j].Instance
-	})
-	bs := ans.BlockSize
-	head := fmt.Sprintf("pool %s: block size %d", pool, bs)
-	if nTokens >= 0 {
-		head += fmt.Sprintf(", prompt %d tokens", nTokens)
-		if bs > 0 {
-			head += fmt.Sprintf(" (%d full blocks)", nTokens/bs)
-		}
+func writeLookupTable(w io.Writer, ans lookupAnswer) error {
+	fmt.Fprintf(w, "pool %s: prompt %d tokens, block size %d, %d full blocks\n", ans.Pool, ans.PromptTokens, ans.BlockSize, ans.Blocks)
+	if ans.BlockSize == 0 {
+		fmt.Fprintln(w, "the pool's block size is not known yet (no event has carried it): nothing can be held")
+		return nil
 	}
-	fmt.Fprintln(w, head)
-	if len(ms) == 0 {
+	if len(ans.Matches) == 0 {
 		fmt.Fprintln(w, "no instance holds the prompt's first block")
 		return nil
 	}
+	// In the router's order: longest held prefix first.
 	tw := tabwriter.NewWriter(w, 2, 8, 2, ' ', 0)
-	fmt.Fprintln(tw, "INSTANCE\tGPU\tCPU\tDISK\tSHARED\tTOTAL\tTOKENS")
-	for _, m := range ms {
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\n", m.Instance, m.GPUBlocks, m.CPUBlocks, m.DiskBlocks, m.SharedBlocks, m.total(), m.total()*bs)
+	fmt.Fprintln(tw, "INSTANCE\tLIVE\tGPU\tCPU\tDISK\tSHARED\tTOTAL\tTOKENS\tOF-PROMPT")
+	for _, m := range ans.Matches {
+		live := "yes"
+		if !m.Live {
+			live = "STALE"
+		}
+		share := "-"
+		if ans.Blocks > 0 {
+			share = fmt.Sprintf("%.0f%%", 100*float64(m.total())/float64(ans.Blocks))
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%s\n", m.Instance, live, m.GPUBlocks, m.CPUBlocks, m.DiskBlocks, m.SharedBlocks, m.total(), m.total()*ans.BlockSize, share)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
