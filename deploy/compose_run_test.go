@@ -25,6 +25,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/router"
 )
 
 // portMap gives every (host, port) of a deployment a free local port, so
@@ -212,12 +213,45 @@ func TestComposeRuns(t *testing.T) {
 	rport := m.local("redis", "6379")
 	rargs := append(slices.Clone(redisSvc.Command[1:]), "--port", strconv.Itoa(rport), "--bind", "127.0.0.1", "--dir", t.TempDir())
 	start(t, ctx, "redis", redisSvc.Command[0], rargs, nil)
-	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + strconv.Itoa(rport), Password: redisPassword(cf)})
+	// As the routers connect: the ACL user and password of their config
+	// and environment.
+	var rcfg *router.RedisConfig
+	var rpass string
+	for _, n := range sortedKeys(cf.Services) {
+		s := cf.Services[n]
+		if binaryOf(s.Entrypoint) != "kvrouter" {
+			continue
+		}
+		rpass = s.Environment["KVROUTER_REDIS_PASSWORD"]
+		for _, v := range s.Volumes {
+			if parts := strings.Split(v, ":"); len(parts) >= 2 && parts[1] == mustArg(t, s.Command, "config") {
+				raw, err := os.ReadFile(filepath.Join(composeDir, parts[0]))
+				if err != nil {
+					t.Fatal(err)
+				}
+				c, err := router.ParseConfig(bytes.NewReader(raw))
+				if err != nil || c.Index == nil || c.Index.Redis == nil {
+					t.Fatalf("router config: %v", err)
+				}
+				rcfg = c.Index.Redis
+			}
+		}
+	}
+	if rcfg == nil {
+		t.Fatal("no router Redis config")
+	}
+	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + strconv.Itoa(rport), Username: rcfg.Username, Password: rpass})
 	defer rdb.Close()
-	waitFor(t, 15*time.Second, "redis with the compose password", func() error { return rdb.Ping(ctx).Err() })
+	waitFor(t, 15*time.Second, "redis as the routers' ACL user", func() error { return rdb.Ping(ctx).Err() })
+	if err := rdb.Set(ctx, rcfg.KeyPrefix+":deploy-test", "1", time.Minute).Err(); err != nil {
+		t.Errorf("the routers' user cannot write the index's keys: %v", err)
+	}
+	if err := rdb.Set(ctx, "elsewhere", "1", time.Minute).Err(); err == nil || !strings.Contains(err.Error(), "NOPERM") {
+		t.Errorf("the routers' user wrote a key outside the index's prefix: %v", err)
+	}
 	noAuth := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + strconv.Itoa(rport)})
 	if err := noAuth.Ping(ctx).Err(); err == nil || !strings.Contains(err.Error(), "NOAUTH") {
-		t.Errorf("redis answered without the password: %v", err)
+		t.Errorf("redis answered without credentials: %v", err)
 	}
 	noAuth.Close()
 

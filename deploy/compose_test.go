@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"path"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -99,7 +100,7 @@ func TestComposeDecodeIsStrict(t *testing.T) {
 			t.Errorf("accepted %q", y)
 		}
 	}
-	if got := interpolate("--requirepass=${REDIS_PASSWORD:-kvrouter-dev}"); got != "--requirepass=kvrouter-dev" {
+	if got := interpolate(">${REDIS_PASSWORD:-kvrouter-dev}"); got != ">kvrouter-dev" {
 		t.Errorf("interpolate: %q", got)
 	}
 }
@@ -264,9 +265,6 @@ func TestCompose(t *testing.T) {
 		if s.Environment["KVROUTER_REDIS_PASSWORD"] == "" || s.Environment["KVROUTER_ADMIN_TOKEN"] == "" {
 			t.Errorf("%s: KVROUTER_REDIS_PASSWORD and KVROUTER_ADMIN_TOKEN must be set", n)
 		}
-		if rp := redisPassword(cf); s.Environment["KVROUTER_REDIS_PASSWORD"] != rp {
-			t.Errorf("%s: Redis password %q, redis requires %q", n, s.Environment["KVROUTER_REDIS_PASSWORD"], rp)
-		}
 	}
 	if cfgFile == "" {
 		t.Fatal("no router config mounted")
@@ -289,8 +287,13 @@ func TestCompose(t *testing.T) {
 	}
 	for _, a := range cfg.Index.Redis.Addrs {
 		host, _, _ := net.SplitHostPort(a)
-		if s, ok := cf.Services[host]; !ok || !strings.HasPrefix(s.Image, "redis:") {
+		rs, ok := cf.Services[host]
+		if !ok || !strings.HasPrefix(rs.Image, "redis:") {
 			t.Errorf("index.redis.addrs %s: no redis service %s", a, host)
+			continue
+		}
+		for _, n := range byBin["kvrouter"] {
+			checkRedisACL(t, n, rs.Command, cfg.Index.Redis, cf.Services[n].Environment["KVROUTER_REDIS_PASSWORD"])
 		}
 	}
 	if cfg.Events == nil {
@@ -357,14 +360,72 @@ func TestComposeBench(t *testing.T) {
 	}
 }
 
-// redisPassword returns what the redis service's --requirepass is set to.
-func redisPassword(cf composeFile) string {
-	for _, s := range cf.Services {
-		if i := slices.Index(s.Command, "--requirepass"); i >= 0 && i+1 < len(s.Command) {
-			return s.Command[i+1]
+// redisUser is one "--user NAME rules..." of a redis-server command line.
+type redisUser struct {
+	on        bool
+	passwords []string // ">password" rules
+	patterns  []string // "~pattern" key rules
+}
+
+// redisUsers parses the ACL users a redis-server command line defines.
+func redisUsers(args []string) map[string]redisUser {
+	users := map[string]redisUser{}
+	for i := 0; i < len(args); i++ {
+		if args[i] != "--user" || i+1 >= len(args) {
+			continue
 		}
+		name := args[i+1]
+		u := users[name]
+		for j := i + 2; j < len(args) && !strings.HasPrefix(args[j], "--"); j++ {
+			switch r := args[j]; {
+			case r == "on":
+				u.on = true
+			case r == "off":
+				u.on = false
+			case strings.HasPrefix(r, ">"):
+				u.passwords = append(u.passwords, r[1:])
+			case strings.HasPrefix(r, "~"):
+				u.patterns = append(u.patterns, r[1:])
+			}
+		}
+		users[name] = u
 	}
-	return ""
+	return users
+}
+
+// checkRedisACL: the router's Redis user exists, is on, has the password
+// the router is given, may touch the index's keys (<key_prefix>:...), and
+// the default user is off.
+func checkRedisACL(t *testing.T, where string, redisArgs []string, rc *router.RedisConfig, routerPassword string) {
+	t.Helper()
+	users := redisUsers(redisArgs)
+	if d, ok := users["default"]; !ok || d.on {
+		t.Errorf("%s: the default user must be off (--user default off)", where)
+	}
+	u, ok := users[rc.Username]
+	if rc.Username == "" || !ok || !u.on {
+		t.Fatalf("%s: index.redis.username %q is not an enabled ACL user of Redis (%v)", where, rc.Username, redisArgs)
+	}
+	if !slices.Contains(u.passwords, routerPassword) {
+		t.Errorf("%s: the router's password %q is not user %s's (%v)", where, routerPassword, rc.Username, u.passwords)
+	}
+	prefix := rc.KeyPrefix
+	if prefix == "" {
+		prefix = "kvrouter"
+	}
+	if !slices.ContainsFunc(u.patterns, func(p string) bool { ok, _ := path.Match(p, prefix+":b:x"); return ok }) {
+		t.Errorf("%s: user %s's key patterns %v do not cover the index's keys %s:...", where, rc.Username, u.patterns, prefix)
+	}
+	if slices.Contains(u.patterns, "*") {
+		t.Errorf("%s: user %s may touch every key", where, rc.Username)
+	}
+}
+
+func TestRedisUsers(t *testing.T) {
+	got := redisUsers([]string{"--port", "1", "--user", "default", "off", "--user", "k", "on", ">pw", "~k:*", "+@all", "--save", ""})
+	if got["default"].on || !got["k"].on || !slices.Equal(got["k"].passwords, []string{"pw"}) || !slices.Equal(got["k"].patterns, []string{"k:*"}) {
+		t.Errorf("got %+v", got)
+	}
 }
 
 // TestDockerfile: the image builds every command with the Go of go.mod.
