@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/url"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -37,6 +38,8 @@ type harness struct {
 	conn  *grpc.ClientConn
 	addr  string
 	admin string
+	// stop cancels Serve's context and waits for it to return.
+	stop func() time.Duration
 }
 
 type harnessOpt func(*router.Config, *grpcapi.Config)
@@ -91,12 +94,20 @@ func newHarness(t testing.TB, opts ...harnessOpt) *harness {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- h.api.Serve(ctx, lis) }()
-	t.Cleanup(func() {
+	var stopped bool
+	h.stop = func() time.Duration {
+		if stopped {
+			return 0
+		}
+		stopped = true
+		t0 := time.Now()
 		cancel()
 		if err := <-done; err != nil {
 			t.Errorf("Serve: %v", err)
 		}
-	})
+		return time.Since(t0)
+	}
+	t.Cleanup(func() { h.stop() })
 	if gcfg.TLS == nil {
 		h.conn = h.dial()
 	}

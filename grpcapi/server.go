@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"strings"
+	"sync"
 	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -142,7 +143,16 @@ type Server struct {
 	health *health.Server
 	// admin is the set of full method names that need AdminToken.
 	admin map[string]bool
+	// stopping is closed when Serve's context ends (or by Stop), so that
+	// endless streams (Events.Watch) end and a graceful stop can finish.
+	stopping chan struct{}
+	stopOnce sync.Once
 }
+
+// Stop ends open Events.Watch streams (cleanly, status OK) so a graceful
+// stop of a grpc.Server that Register was called on can complete. Serve
+// calls it when its context ends.
+func (s *Server) Stop() { s.stopOnce.Do(func() { close(s.stopping) }) }
 
 // New validates cfg and builds the services. It starts nothing.
 func New(pools Pools, cfg Config) (*Server, error) {
@@ -157,7 +167,7 @@ func New(pools Pools, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("grpcapi: register metrics: %w", err)
 	}
-	s := &Server{cfg: cfg, pools: pools, log: cfg.Logger, m: m, health: health.NewServer()}
+	s := &Server{cfg: cfg, pools: pools, log: cfg.Logger, m: m, health: health.NewServer(), stopping: make(chan struct{})}
 	s.admin = map[string]bool{
 		kvrouterv1.Index_Lookup_FullMethodName: true,
 		kvrouterv1.Events_Watch_FullMethodName: true,
@@ -224,8 +234,8 @@ func (s *Server) Register(g *grpc.Server) {
 	reflection.Register(g)
 }
 
-// Serve serves every service on lis until ctx ends, then stops gracefully
-// (streams such as Events.Watch are cancelled after 5 s). It refreshes
+// Serve serves every service on lis until ctx ends, then stops gracefully:
+// Events.Watch streams end at once, other calls get 5 s to finish. It refreshes
 // health every second while serving.
 func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	g := grpc.NewServer(s.ServerOptions()...)
@@ -240,6 +250,7 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 			select {
 			case <-ctx.Done():
 				s.health.Shutdown() // tell clients to go elsewhere while draining
+				s.Stop()
 				drained := make(chan struct{})
 				go func() { g.GracefulStop(); close(drained) }()
 				select {

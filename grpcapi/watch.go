@@ -122,6 +122,8 @@ func (x eventsService) Watch(in *kvrouterv1.WatchRequest, stream kvrouterv1.Even
 		select {
 		case <-ctx.Done():
 			return nil
+		case <-s.stopping:
+			return nil
 		case m := <-ch:
 			if err := w.send(m); err != nil {
 				return err

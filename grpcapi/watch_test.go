@@ -286,3 +286,28 @@ func dropped(t *testing.T, reg *prometheus.Registry) float64 {
 	}
 	return 0
 }
+
+// TestServeStopsWithOpenWatch: Serve's graceful stop ends open Watch
+// streams cleanly instead of waiting out its 5 s grace period.
+func TestServeStopsWithOpenWatch(t *testing.T) {
+	ns := testenv.StartNATS(t)
+	nc, err := nats.Connect(ns.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS = nc })
+	st, err := kvrouterv1.NewEventsClient(h.conn).Watch(ctxT(t), &kvrouterv1.WatchRequest{Pool: testenv.UniqueName(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Header(); err != nil {
+		t.Fatal(err)
+	}
+	if d := h.stop(); d > 3*time.Second {
+		t.Errorf("Serve took %v to stop with a Watch open", d)
+	}
+	if _, err := st.Recv(); err == nil || status.Code(err) != codes.OK && err.Error() != "EOF" {
+		t.Errorf("watch after stop: %v, want a clean end of stream", err)
+	}
+}
