@@ -396,6 +396,38 @@ func TestTLS(t *testing.T) {
 	}
 }
 
+// TestMutualTLS: with a client CA, only clients presenting a certificate
+// it signed get through.
+func TestMutualTLS(t *testing.T) {
+	dir := t.TempDir()
+	certFile, keyFile, pool := selfSigned(t, dir)
+	cfg, err := grpcapi.LoadTLS(certFile, keyFile, certFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.TLS = cfg })
+	clientCert, err := tls.LoadX509KeyPair(certFile, keyFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pick := func(certs []tls.Certificate) error {
+		conn := h.dial(grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: "127.0.0.1", Certificates: certs})))
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_, err := kvrouterv1.NewRouterClient(conn).Pick(ctx, &kvrouterv1.PickRequest{Pool: "hash", Prompt: "x"})
+		return err
+	}
+	if err := pick([]tls.Certificate{clientCert}); err != nil {
+		t.Fatalf("client with a certificate: %v", err)
+	}
+	if err := pick(nil); err == nil {
+		t.Fatal("client without a certificate got through")
+	}
+	if _, err := grpcapi.LoadTLS(certFile, keyFile, keyFile); err == nil {
+		t.Error("LoadTLS accepted a key file as the client CA")
+	}
+}
+
 // TestConfigValidation: bad configs fail with ErrInvalidConfig.
 func TestConfigValidation(t *testing.T) {
 	h := newHarness(t)
@@ -424,7 +456,7 @@ func selfSigned(t *testing.T, dir string) (certFile, keyFile string, pool *x509.
 		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "kvrouter-test"},
 		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
 		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}, KeyUsage: x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}, BasicConstraintsValid: true, IsCA: true,
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}, BasicConstraintsValid: true, IsCA: true,
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
 	if err != nil {
