@@ -152,17 +152,18 @@ type routerService struct {
 
 // Pick implements kvrouter.v1.Router.
 func (r routerService) Pick(ctx context.Context, in *kvrouterv1.PickRequest) (*kvrouterv1.PickResponse, error) {
-	out, err := r.s.pick(ctx, in)
-	code := status.Code(err)
-	r.s.m.picks.WithLabelValues(in.GetPool(), code.String()).Inc()
+	var pool string // the resolved pool: a label from the request would be unbounded
+	out, err := r.s.pick(ctx, in, &pool)
+	r.s.m.picks.WithLabelValues(pool, status.Code(err).String()).Inc()
 	return out, err
 }
 
-func (s *Server) pick(ctx context.Context, in *kvrouterv1.PickRequest) (*kvrouterv1.PickResponse, error) {
+func (s *Server) pick(ctx context.Context, in *kvrouterv1.PickRequest, pool *string) (*kvrouterv1.PickResponse, error) {
 	p, adapter, err := s.poolFor(in.GetPool(), in.GetModel())
 	if err != nil {
 		return nil, status.Error(codes.NotFound, err.Error())
 	}
+	*pool = p.Name()
 	if in.GetAdapter() != "" {
 		adapter = in.GetAdapter()
 	}
