@@ -85,6 +85,10 @@ func (x eventsService) Watch(in *kvrouterv1.WatchRequest, stream kvrouterv1.Even
 	if err != nil {
 		return err
 	}
+	if _, ok := s.pools.Pool(in.GetPool()); !ok {
+		// Only the router's own pools: watchers cannot mint metric labels.
+		return status.Errorf(codes.NotFound, "events: no pool %q", in.GetPool())
+	}
 	if f.instance != "" {
 		subj = events.SubjectEvents + "." + in.GetPool() + "." + f.instance
 	}

@@ -30,7 +30,7 @@ func TestWatch(t *testing.T) {
 	t.Cleanup(nc.Close)
 	reg := prometheus.NewRegistry()
 	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS, g.Registerer = nc, reg })
-	pool := testenv.UniqueName(t)
+	pool := "kv" // the NATS server is this test's own
 
 	tokens := prompt(5, 2*bs)
 	batchA := events.Batch{TS: 1700000000.5, Events: []events.Event{
@@ -173,20 +173,25 @@ func TestWatchBadRequests(t *testing.T) {
 	}
 	t.Cleanup(nc.Close)
 	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS = nc })
-	for name, req := range map[string]*kvrouterv1.WatchRequest{
-		"no pool":       {},
-		"wildcard pool": {Pool: "p.>"},
-		"bad instance":  {Pool: "p", Instance: "a b*"},
-		"unknown tier":  {Pool: "p", Tiers: []kvrouterv1.Tier{42}},
-		"unspecified":   {Pool: "p", Tiers: []kvrouterv1.Tier{kvrouterv1.Tier_TIER_UNSPECIFIED}},
-		"unknown kind":  {Pool: "p", Kinds: []kvrouterv1.EventKind{9}},
+	for _, tc := range []struct {
+		name string
+		req  *kvrouterv1.WatchRequest
+		want codes.Code
+	}{
+		{"no pool", &kvrouterv1.WatchRequest{}, codes.InvalidArgument},
+		{"wildcard pool", &kvrouterv1.WatchRequest{Pool: "p.>"}, codes.InvalidArgument},
+		{"bad instance", &kvrouterv1.WatchRequest{Pool: "kv", Instance: "a b*"}, codes.InvalidArgument},
+		{"unknown tier", &kvrouterv1.WatchRequest{Pool: "kv", Tiers: []kvrouterv1.Tier{42}}, codes.InvalidArgument},
+		{"unspecified tier", &kvrouterv1.WatchRequest{Pool: "kv", Tiers: []kvrouterv1.Tier{kvrouterv1.Tier_TIER_UNSPECIFIED}}, codes.InvalidArgument},
+		{"unknown kind", &kvrouterv1.WatchRequest{Pool: "kv", Kinds: []kvrouterv1.EventKind{9}}, codes.InvalidArgument},
+		{"pool the router does not serve", &kvrouterv1.WatchRequest{Pool: "elsewhere"}, codes.NotFound},
 	} {
-		st, err := kvrouterv1.NewEventsClient(h.conn).Watch(ctxT(t), req)
+		st, err := kvrouterv1.NewEventsClient(h.conn).Watch(ctxT(t), tc.req)
 		if err == nil {
 			_, err = st.Recv()
 		}
-		if status.Code(err) != codes.InvalidArgument {
-			t.Errorf("%s: %v, want InvalidArgument", name, err)
+		if status.Code(err) != tc.want {
+			t.Errorf("%s: %v, want %v", tc.name, err, tc.want)
 		}
 	}
 }
@@ -202,7 +207,7 @@ func TestWatchSlowClient(t *testing.T) {
 	t.Cleanup(nc.Close)
 	reg := prometheus.NewRegistry()
 	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS, g.Registerer, g.WatchBuffer = nc, reg, 1 })
-	pool := testenv.UniqueName(t)
+	pool := "hash" // the NATS server is this test's own
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	st, err := kvrouterv1.NewEventsClient(h.conn).Watch(ctx, &kvrouterv1.WatchRequest{Pool: pool})
@@ -297,7 +302,7 @@ func TestServeStopsWithOpenWatch(t *testing.T) {
 	}
 	t.Cleanup(nc.Close)
 	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS = nc })
-	st, err := kvrouterv1.NewEventsClient(h.conn).Watch(ctxT(t), &kvrouterv1.WatchRequest{Pool: testenv.UniqueName(t)})
+	st, err := kvrouterv1.NewEventsClient(h.conn).Watch(ctxT(t), &kvrouterv1.WatchRequest{Pool: "kv"})
 	if err != nil {
 		t.Fatal(err)
 	}
