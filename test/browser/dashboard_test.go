@@ -367,7 +367,9 @@ func TestDashboardInChromium(t *testing.T) {
 		}
 	}
 
-	out := filepath.Join(t.TempDir(), "dashboard.png")
+	// Kept with `go test -artifacts -outputdir DIR`; DASHBOARD_SCREENSHOT
+	// names a file instead (the docs' picture).
+	out := filepath.Join(t.ArtifactDir(), "dashboard.png")
 	if d := os.Getenv("DASHBOARD_SCREENSHOT"); d != "" {
 		// For the docs: let the sparklines fill in first.
 		out = d
