@@ -1,0 +1,221 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"time"
+)
+
+// LimitsConfig is the limits: section: bounds on every client input beside
+// max_body_bytes. Zero fields mean the defaults below; each limit answers
+// with an OpenAI-shaped error (see docs/security.md for the table).
+type LimitsConfig struct {
+	// MaxHeaderBytes bounds the request line plus headers: above it the
+	// router answers 431 (OpenAI-shaped). Default 64 KiB. net/http itself
+	// cuts connections at twice this (plus its 4 KiB slack) with a plain
+	// 431, so that a huge header is never buffered.
+	MaxHeaderBytes int `yaml:"max_header_bytes" json:"max_header_bytes,omitempty"`
+	// MaxMessages bounds a chat request's messages (400 above). Default 4096.
+	MaxMessages int `yaml:"max_messages" json:"max_messages,omitempty"`
+	// MaxPromptTokenIDs bounds the token ids of a completions prompt given
+	// as ids, all sequences together (400 above). Default 1,048,576.
+	MaxPromptTokenIDs int `yaml:"max_prompt_token_ids" json:"max_prompt_token_ids,omitempty"`
+	// MaxTokenizeBytes: bodies larger than this are not tokenized for
+	// kv_aware routing; they route heuristically (prefix_aware) rather than
+	// being rejected, since the engine, not the router, knows the model's
+	// context length. Default and maximum 4 MiB (MaxTokenizeBytes).
+	MaxTokenizeBytes int `yaml:"max_tokenize_bytes" json:"max_tokenize_bytes,omitempty"`
+	// ReadHeaderTimeout bounds reading a request's headers (slow-loris).
+	// Default 10s.
+	ReadHeaderTimeout time.Duration `yaml:"read_header_timeout" json:"read_header_timeout,omitempty"`
+	// BodyReadTimeout bounds reading a request's body, from the end of its
+	// headers (a client trickling a 32 MiB body holds a goroutine and the
+	// buffer). Default 60s. Past it the request fails with 408.
+	BodyReadTimeout time.Duration `yaml:"body_read_timeout" json:"body_read_timeout,omitempty"`
+	// IdleTimeout closes keep-alive connections idle this long. Default 2m.
+	IdleTimeout time.Duration `yaml:"idle_timeout" json:"idle_timeout,omitempty"`
+}
+
+// Limit defaults (docs/security.md).
+const (
+	DefaultMaxHeaderBytes    = 64 << 10
+	DefaultMaxMessages       = 4096
+	DefaultMaxPromptTokenIDs = 1 << 20
+	DefaultReadHeaderTimeout = 10 * time.Second
+	DefaultBodyReadTimeout   = 60 * time.Second
+	DefaultIdleTimeout       = 2 * time.Minute
+	// maxHeaderBytesCeiling keeps the configurable header limit sane: net/http
+	// buffers up to twice the limit per connection.
+	maxHeaderBytesCeiling = 16 << 20
+)
+
+// WithDefaults returns l with zero fields replaced by their defaults.
+func (l LimitsConfig) WithDefaults() LimitsConfig {
+	if l.MaxHeaderBytes == 0 {
+		l.MaxHeaderBytes = DefaultMaxHeaderBytes
+	}
+	if l.MaxMessages == 0 {
+		l.MaxMessages = DefaultMaxMessages
+	}
+	if l.MaxPromptTokenIDs == 0 {
+		l.MaxPromptTokenIDs = DefaultMaxPromptTokenIDs
+	}
+	if l.MaxTokenizeBytes == 0 {
+		l.MaxTokenizeBytes = MaxTokenizeBytes
+	}
+	if l.ReadHeaderTimeout == 0 {
+		l.ReadHeaderTimeout = DefaultReadHeaderTimeout
+	}
+	if l.BodyReadTimeout == 0 {
+		l.BodyReadTimeout = DefaultBodyReadTimeout
+	}
+	if l.IdleTimeout == 0 {
+		l.IdleTimeout = DefaultIdleTimeout
+	}
+	return l
+}
+
+// Validate checks l (after defaults), naming the field and its range.
+func (l LimitsConfig) Validate() error {
+	l = l.WithDefaults()
+	bad := func(format string, a ...any) error {
+		return fmt.Errorf("%w: limits."+format, append([]any{ErrInvalidConfig}, a...)...)
+	}
+	switch {
+	case l.MaxHeaderBytes < 1024 || l.MaxHeaderBytes > maxHeaderBytesCeiling:
+		return bad("max_header_bytes %d out of range 1024..%d", l.MaxHeaderBytes, maxHeaderBytesCeiling)
+	case l.MaxMessages < 1:
+		return bad("max_messages %d: want >= 1", l.MaxMessages)
+	case l.MaxPromptTokenIDs < 1:
+		return bad("max_prompt_token_ids %d: want >= 1", l.MaxPromptTokenIDs)
+	case l.MaxTokenizeBytes < 1 || l.MaxTokenizeBytes > MaxTokenizeBytes:
+		return bad("max_tokenize_bytes %d out of range 1..%d", l.MaxTokenizeBytes, MaxTokenizeBytes)
+	case l.ReadHeaderTimeout < 0 || l.BodyReadTimeout < 0 || l.IdleTimeout < 0:
+		return bad("timeouts must be > 0 (0 = default)")
+	}
+	return nil
+}
+
+// NewHTTPServer returns the http.Server for one of the router's listeners
+// (data plane or admin) with the header limit and timeouts of cfg.Limits.
+// No ReadTimeout or WriteTimeout: streams last minutes; the body deadline
+// is set per request by the handler (see Server.Handler).
+func NewHTTPServer(limits LimitsConfig, h http.Handler) *http.Server {
+	l := limits.WithDefaults()
+	return &http.Server{
+		Handler: h,
+		// Twice the limit: between the limit and this the handler answers
+		// an OpenAI-shaped 431; beyond it net/http drops the request itself.
+		MaxHeaderBytes:    2 * l.MaxHeaderBytes,
+		ReadHeaderTimeout: l.ReadHeaderTimeout,
+		IdleTimeout:       l.IdleTimeout,
+	}
+}
+
+// headerBytes is the size of the request line and headers as sent (close
+// enough: net/http has already parsed them).
+func headerBytes(r *http.Request) int {
+	n := len(r.Method) + len(r.RequestURI) + len(r.Proto) + 4
+	for k, vs := range r.Header {
+		for _, v := range vs {
+			n += len(k) + len(v) + 4 // ": " and CRLF
+		}
+	}
+	if r.Host != "" && r.Header.Get("Host") == "" {
+		n += len("Host: \r\n") + len(r.Host) // net/http moves Host out of Header
+	}
+	return n
+}
+
+// limitInput enforces the per-request limits that come before any handler:
+// the header size and the body read deadline.
+func (s *Server) limitInput(limits func() LimitsConfig, next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		l := limits().WithDefaults()
+		if n := headerBytes(r); n > l.MaxHeaderBytes {
+			writeError(w, http.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers of %d bytes exceed the limit of %d bytes", n, l.MaxHeaderBytes))
+			s.m.requests.WithLabelValues("", "", "", "", "431").Inc()
+			return
+		}
+		if r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0 {
+			rc := http.NewResponseController(w)
+			// Unsupported writers (tests' recorders) have no deadline to set.
+			if rc.SetReadDeadline(time.Now().Add(l.BodyReadTimeout)) == nil {
+				r.Body = &deadlineBody{ReadCloser: r.Body, rc: rc}
+			}
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+// deadlineBody clears the connection's read deadline once the body is read:
+// net/http keeps reading the connection in the background afterwards to
+// notice a client going away, and a deadline left set would cancel the
+// request mid-stream.
+type deadlineBody struct {
+	io.ReadCloser
+	rc   *http.ResponseController
+	done bool
+}
+
+func (b *deadlineBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	if err != nil && !b.done {
+		b.done = true
+		_ = b.rc.SetReadDeadline(time.Time{})
+		if isTimeout(err) {
+			err = fmt.Errorf("%w: %w", errBodyTimeout, err)
+		}
+	}
+	return n, err
+}
+
+// errBodyTimeout marks a body read cut by limits.body_read_timeout.
+var errBodyTimeout = errors.New("request body not received within limits.body_read_timeout")
+
+func isTimeout(err error) bool {
+	var t interface{ Timeout() bool }
+	return errors.Is(err, context.DeadlineExceeded) || errors.As(err, &t) && t.Timeout()
+}
+
+// checkOpenAILimits reports the first limit a parsed OpenAI request breaks,
+// as the message of a 400, or "".
+func checkOpenAILimits(l LimitsConfig, r *OpenAIRequest) string {
+	if len(r.Messages) > l.MaxMessages {
+		return fmt.Sprintf("messages: %d messages exceed the limit of %d", len(r.Messages), l.MaxMessages)
+	}
+	if r.Prompt != nil {
+		n := 0
+		for _, ids := range r.Prompt.Tokens {
+			n += len(ids)
+		}
+		if n > l.MaxPromptTokenIDs {
+			return fmt.Sprintf("prompt: %d token ids exceed the limit of %d", n, l.MaxPromptTokenIDs)
+		}
+	}
+	return ""
+}
+
+// ErrPromptTooLong: a body above limits.max_tokenize_bytes is not
+// tokenized; the request routes heuristically.
+var ErrPromptTooLong = fmt.Errorf("%w: body exceeds limits.max_tokenize_bytes", ErrTokenSource)
+
+// tooLongToTokenize is the TokenSource of requests whose body is over
+// limits.max_tokenize_bytes: kv_aware then routes them heuristically.
+type tooLongToTokenize struct{}
+
+var _ TokenSource = tooLongToTokenize{}
+
+func (tooLongToTokenize) Tokens(context.Context, *Request) ([]uint32, error) {
+	return nil, ErrPromptTooLong
+}
+
+// limitTokenize keeps kv_aware from tokenizing bodies over the limit.
+func limitTokenize(l LimitsConfig, req *Request) {
+	if len(req.Body) > l.MaxTokenizeBytes && req.PromptTokens == nil {
+		req.Tokenizer = tooLongToTokenize{}
+	}
+}

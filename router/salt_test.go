@@ -1,0 +1,205 @@
+package router
+
+import (
+	"bytes"
+	"encoding/json"
+	"strings"
+	"testing"
+)
+
+var testSaltSecret = bytes.Repeat([]byte{0x5a}, 32)
+
+func TestDecodeCacheSaltSecret(t *testing.T) {
+	tests := []struct {
+		name, in string
+		want     int // bytes; -1 = error
+	}{
+		{"empty means none", "", 0},
+		{"32 bytes", strings.Repeat("ab", 32), 32},
+		{"16 bytes minimum", strings.Repeat("0f", 16), 16},
+		{"too short", strings.Repeat("0f", 15), -1},
+		{"not hex", strings.Repeat("zz", 16), -1},
+		{"odd length", strings.Repeat("a", 33), -1},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			b, err := DecodeCacheSaltSecret(tc.in)
+			if tc.want < 0 {
+				if err == nil {
+					t.Fatalf("want an error, got %d bytes", len(b))
+				}
+				return
+			}
+			if err != nil || len(b) != tc.want {
+				t.Fatalf("got %d bytes, %v; want %d", len(b), err, tc.want)
+			}
+		})
+	}
+}
+
+func TestDeriveCacheSalt(t *testing.T) {
+	a1 := DeriveCacheSalt(testSaltSecret, "tenant-a")
+	a2 := DeriveCacheSalt(testSaltSecret, "tenant-a")
+	b := DeriveCacheSalt(testSaltSecret, "tenant-b")
+	other := DeriveCacheSalt(bytes.Repeat([]byte{1}, 32), "tenant-a")
+	if a1 != a2 {
+		t.Fatalf("equal tenants, different salts: %q %q", a1, a2)
+	}
+	if a1 == b {
+		t.Fatalf("different tenants, same salt %q", a1)
+	}
+	if a1 == other {
+		t.Fatalf("the salt does not depend on the secret")
+	}
+	if len(a1) != 43 || strings.ContainsAny(a1, "+/=\"\\") {
+		t.Fatalf("salt %q: want 43 base64url characters", a1)
+	}
+}
+
+func TestInjectCacheSalt(t *testing.T) {
+	tests := []struct {
+		name      string
+		body      string
+		overwrite bool
+		want      string // "" = error
+	}{
+		{"adds to an object", `{"model":"m","prompt":"hi"}`, true, `{"cache_salt":"S","model":"m","prompt":"hi"}`},
+		{"empty object", ` { } `, true, `{"cache_salt":"S"}`},
+		{"overwrites the client's", `{"cache_salt":"theirs","model":"m"}`, true, `{"cache_salt":"S","model":"m"}`},
+		{"overwrites every duplicate", `{"cache_salt":"x","a":1,"cache_salt":"y"}`, true, `{"cache_salt":"S","a":1}`},
+		{"escaped key is the same key", `{"cache\u005fsalt":"x","a":1}`, true, `{"cache_salt":"S","a":1}`},
+		{"keeps the client's", `{"cache_salt":"theirs","model":"m"}`, false, `{"cache_salt":"theirs","model":"m"}`},
+		{"keep adds when absent", `{"model":"m"}`, false, `{"cache_salt":"S","model":"m"}`},
+		{"nested cache_salt is not top level", `{"x":{"cache_salt":"n"}}`, true, `{"cache_salt":"S","x":{"cache_salt":"n"}}`},
+		{"member bytes verbatim", "{\"messages\" :\n [ {\"content\":\"a\\nb\"} ] }", true, "{\"cache_salt\":\"S\",\"messages\" :\n [ {\"content\":\"a\\nb\"} ]}"},
+		{"array is not an object", `[1,2]`, true, ""},
+		{"string body", `"hello"`, true, ""},
+		{"not JSON", `hello`, true, ""},
+		{"truncated", `{"a":1`, true, ""},
+		{"trailing data", `{"a":1} x`, true, ""},
+		{"empty", ``, true, ""},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := InjectCacheSalt([]byte(tc.body), "S", tc.overwrite)
+			if tc.want == "" {
+				if err == nil {
+					t.Fatalf("want an error, got %s", got)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if string(got) != tc.want {
+				t.Fatalf("got  %s\nwant %s", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestSaltBody(t *testing.T) {
+	body := []byte(`{"cache_salt":"chosen","prompt":"p"}`)
+	salt := DeriveCacheSalt(testSaltSecret, "t1")
+	tests := []struct {
+		name   string
+		cfg    *CacheSaltConfig
+		secret []byte
+		tenant string
+		want   string // cache_salt upstream
+	}{
+		{"no section", nil, testSaltSecret, "t1", "chosen"},
+		{"disabled", &CacheSaltConfig{}, testSaltSecret, "t1", "chosen"},
+		{"no tenant keeps the body", &CacheSaltConfig{Enabled: true}, testSaltSecret, "", "chosen"},
+		{"overwrite by default", &CacheSaltConfig{Enabled: true}, testSaltSecret, "t1", salt},
+		{"keep", &CacheSaltConfig{Enabled: true, Client: CacheSaltKeep}, testSaltSecret, "t1", "chosen"},
+		{"no secret", &CacheSaltConfig{Enabled: true}, nil, "t1", "chosen"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			out := saltBody(tc.cfg, tc.secret, tc.tenant, body)
+			var v struct {
+				CacheSalt string `json:"cache_salt"`
+				Prompt    string `json:"prompt"`
+			}
+			if err := json.Unmarshal(out, &v); err != nil {
+				t.Fatalf("%s: %v", out, err)
+			}
+			if v.CacheSalt != tc.want || v.Prompt != "p" {
+				t.Fatalf("cache_salt %q prompt %q; want %q, p", v.CacheSalt, v.Prompt, tc.want)
+			}
+		})
+	}
+	if got := saltBody(&CacheSaltConfig{Enabled: true}, testSaltSecret, "t1", []byte("not json")); string(got) != "not json" {
+		t.Fatalf("a non-JSON body changed: %q", got)
+	}
+}
+
+func TestCacheSaltConfigValidate(t *testing.T) {
+	tests := []struct {
+		name   string
+		cfg    *CacheSaltConfig
+		secret []byte
+		ok     bool
+	}{
+		{"nil", nil, nil, true},
+		{"disabled needs no secret", &CacheSaltConfig{Client: CacheSaltKeep}, nil, true},
+		{"enabled needs a secret", &CacheSaltConfig{Enabled: true}, nil, false},
+		{"enabled with secret", &CacheSaltConfig{Enabled: true}, testSaltSecret, true},
+		{"unknown client policy", &CacheSaltConfig{Client: "merge"}, testSaltSecret, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.cfg.validate("pools[0].cache_salt", tc.secret)
+			if (err == nil) != tc.ok {
+				t.Fatalf("err = %v, want ok=%v", err, tc.ok)
+			}
+		})
+	}
+}
+
+// FuzzInjectCacheSalt: any input either fails or yields a JSON object whose
+// top-level cache_salt is the salt and whose other members are the input's.
+func FuzzInjectCacheSalt(f *testing.F) {
+	for _, s := range []string{`{}`, `{"a":1}`, `{"cache_salt":"x","b":[1,{"c":2}]}`, `[1]`, `{"a":`, "{\"a\"\t:\"\\u00e9\"}", `{"cache_salt":1,"cache_salt":null}`} {
+		f.Add([]byte(s), true)
+	}
+	f.Fuzz(func(t *testing.T, body []byte, overwrite bool) {
+		out, err := InjectCacheSalt(body, "salt-\"q\"", overwrite)
+		if err != nil {
+			return
+		}
+		var in, got map[string]json.RawMessage
+		if err := json.Unmarshal(body, &in); err != nil {
+			// encoding/json is stricter on UTF-8 and duplicate handling is
+			// the same; a body it rejects that we accepted must at least
+			// come out as valid JSON.
+			if !json.Valid(out) {
+				t.Fatalf("invalid output %q from %q", out, body)
+			}
+			return
+		}
+		if err := json.Unmarshal(out, &got); err != nil {
+			t.Fatalf("output %q: %v", out, err)
+		}
+		var salt string
+		_ = json.Unmarshal(got["cache_salt"], &salt)
+		if _, had := in["cache_salt"]; had && !overwrite {
+			if !bytes.Equal(out, body) {
+				t.Fatalf("keep changed the body: %q -> %q", body, out)
+			}
+			return
+		}
+		if salt != "salt-\"q\"" {
+			t.Fatalf("cache_salt %q in %q", salt, out)
+		}
+		for k, v := range in {
+			if k != "cache_salt" && !bytes.Equal(bytes.TrimSpace(v), bytes.TrimSpace(got[k])) {
+				t.Fatalf("member %q changed: %s -> %s", k, v, got[k])
+			}
+		}
+		if len(got) != len(in)+1 && len(got) != len(in) {
+			t.Fatalf("members %d -> %d", len(in), len(got))
+		}
+	})
+}
