@@ -219,6 +219,11 @@ func tailNATS(ctx context.Context, o tailOpts, sink *recordSink) error {
 				fmt.Fprintf(sink.stderr, "kvctl tail evictions: nats disconnected: %v (reconnecting)\n", err)
 			}
 		}),
+		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
+			// nats.ErrSlowConsumer: kvctl fell behind (a paused terminal);
+			// the server dropped records for it.
+			fmt.Fprintf(sink.stderr, "kvctl tail evictions: nats: %v (records dropped)\n", err)
+		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) {
 			fmt.Fprintf(sink.stderr, "kvctl tail evictions: nats reconnected to %s; records published meanwhile are not replayed\n", nc.ConnectedUrl())
 		}),
