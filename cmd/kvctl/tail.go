@@ -220,9 +220,12 @@ func tailNATS(ctx context.Context, o tailOpts, sink *recordSink) error {
 			}
 		}),
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
-			// nats.ErrSlowConsumer: kvctl fell behind (a paused terminal);
-			// the server dropped records for it.
-			fmt.Fprintf(sink.stderr, "kvctl tail evictions: nats: %v (records dropped)\n", err)
+			if errors.Is(err, nats.ErrSlowConsumer) {
+				// kvctl fell behind (a paused terminal): records were dropped.
+				fmt.Fprintf(sink.stderr, "kvctl tail evictions: fell behind, records dropped: %v\n", err)
+				return
+			}
+			fmt.Fprintf(sink.stderr, "kvctl tail evictions: nats: %v\n", err)
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) {
 			fmt.Fprintf(sink.stderr, "kvctl tail evictions: nats reconnected to %s; records published meanwhile are not replayed\n", nc.ConnectedUrl())
