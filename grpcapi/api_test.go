@@ -263,7 +263,7 @@ func TestAuth(t *testing.T) {
 				if tok == "" {
 					return ctx
 				}
-				return metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tok)
+				return metadata.AppendToOutgoingContext(ctx, "authorization", tok)
 			}
 			lookup := func(ctx context.Context) error {
 				_, err := h.index().Lookup(ctx, &kvrouterv1.LookupRequest{Pool: "kv", TokenIds: prompt(1, 32)})
@@ -296,13 +296,16 @@ func TestAuth(t *testing.T) {
 				want codes.Code
 			}{
 				{"lookup without token", lookup, "", codes.Unauthenticated},
-				{"lookup wrong token", lookup, "wrong", codes.Unauthenticated},
-				{"lookup with token", lookup, token, codes.OK},
+				{"lookup wrong token", lookup, "Bearer wrong", codes.Unauthenticated},
+				{"lookup token without scheme", lookup, token, codes.Unauthenticated},
+				{"lookup basic scheme", lookup, "Basic " + token, codes.Unauthenticated},
+				{"lookup with token", lookup, "Bearer " + token, codes.OK},
+				{"lookup lower-case scheme", lookup, "bearer " + token, codes.OK},
 				// No NATS in this harness: past auth, Watch is Unavailable.
 				{"watch without token", watch, "", codes.Unauthenticated},
-				{"watch with token", watch, token, codes.Unavailable},
+				{"watch with token", watch, "Bearer " + token, codes.Unavailable},
 				{"pick without token", pick, "", pickNeeds},
-				{"pick with token", pick, token, codes.OK},
+				{"pick with token", pick, "Bearer " + token, codes.OK},
 				{"health without token", health, "", codes.OK},
 			}
 			for _, tc := range tests {

@@ -282,8 +282,11 @@ func (s *Server) authorize(ctx context.Context, method string) error {
 	}
 	md, _ := metadata.FromIncomingContext(ctx)
 	for _, v := range md.Get("authorization") {
-		tok, ok := strings.CutPrefix(v, "Bearer ")
-		if ok && subtle.ConstantTimeCompare([]byte(tok), []byte(s.cfg.AdminToken)) == 1 {
+		// The scheme is case-insensitive (RFC 9110 §11.1).
+		if len(v) < 7 || !strings.EqualFold(v[:7], "bearer ") {
+			continue
+		}
+		if subtle.ConstantTimeCompare([]byte(strings.TrimSpace(v[7:])), []byte(s.cfg.AdminToken)) == 1 {
 			return nil
 		}
 	}
