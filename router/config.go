@@ -552,8 +552,8 @@ func (c Config) Validate() error {
 				return bad("%s.tokenizer.source %q: want none, simple, files or engine", f, t.Source)
 			}
 		}
-		if len(p.Instances) == 0 {
-			return bad("%s.instances: at least one instance is required", f)
+		if len(p.Instances) == 0 && !(KVEventsWanted(c) && discoverEnabled(c)) {
+			return bad("%s.instances: at least one instance is required (or heartbeat discovery: events with discover_instances)", f)
 		}
 		ids := map[string]bool{}
 		for j, in := range p.Instances {

@@ -31,20 +31,27 @@ type Options struct {
 	// always fresh). nil, or a nil index for a pool, makes kv_aware and
 	// shadow mode unavailable for it (a config selecting them is rejected).
 	KV func(pool PoolConfig) (kvindex.Index, Freshness)
+	// KVEvents serves the admin KV views (instances' event state) and the
+	// eviction stream (the binary's KVEvents); nil = instances show the
+	// index only and /v1/kv/evictions answers 503.
+	KVEvents KVEventsSource
 }
 
 // Server is the router: the HTTP data plane, the admin API and the
 // background health checks. Build it with NewServer, serve Handler (and
 // AdminHandler), and run Run for the health checks.
 type Server struct {
-	log     *slog.Logger
-	reg     *prometheus.Registry
-	m       *metrics
-	kvm     *KVMetrics                                       // exact-routing metrics, all pools
-	kvOpt   func(pool PoolConfig) (kvindex.Index, Freshness) // Options.KV
-	proxy   *httputil.ReverseProxy
-	probe   *http.Client
-	started time.Time
+	log   *slog.Logger
+	reg   *prometheus.Registry
+	m     *metrics
+	kvm   *KVMetrics                                       // exact-routing metrics, all pools
+	kvOpt func(pool PoolConfig) (kvindex.Index, Freshness) // Options.KV
+	// kvEvents and evictions: Options.KVEvents and its eviction stream.
+	kvEvents  KVEventsSource
+	evictions http.Handler
+	proxy     *httputil.ReverseProxy
+	probe     *http.Client
+	started   time.Time
 	// adminToken is read on each admin request; swapped on reload.
 	adminToken atomic.Pointer[string]
 	// adminOnData: admin routes are served on the data listener too.
@@ -88,6 +95,9 @@ func NewServer(cfg Config, opts Options) (*Server, error) {
 	tok := cfg.AdminToken
 	s.adminToken.Store(&tok)
 	s.kvOpt = opts.KV
+	if s.kvEvents = opts.KVEvents; s.kvEvents != nil {
+		s.evictions = s.kvEvents.EvictionHandler()
+	}
 	var err error
 	if s.kvm, err = NewKVMetrics(s.reg); err != nil {
 		return nil, fmt.Errorf("router: register metrics: %w", err)
@@ -254,6 +264,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("GET /ping", s.serveReadyz) // SageMaker's health path
 	if s.adminOnData {
 		s.addAdminRoutes(mux)
+		s.addKVAdminRoutes(mux)
 	}
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
@@ -266,6 +277,7 @@ func (s *Server) Handler() http.Handler {
 func (s *Server) AdminHandler() http.Handler {
 	mux := http.NewServeMux()
 	s.addAdminRoutes(mux)
+	s.addKVAdminRoutes(mux)
 	mux.HandleFunc("GET /healthz", s.serveHealthz)
 	mux.HandleFunc("GET /readyz", s.serveReadyz)
 	return mux

@@ -5,8 +5,14 @@
 //	kvrouter --config router.yaml [--listen :8080] [--admin-listen :8081] ...
 //
 // Secrets come from the environment: KVROUTER_ADMIN_TOKEN (bearer token of
-// the admin API), KVROUTER_REDIS_PASSWORD. SIGHUP reloads the config file;
-// SIGINT/SIGTERM drain and stop.
+// the admin API), KVROUTER_REDIS_PASSWORD. SIGHUP reloads the config file
+// (the KV event consumers and indexes are kept); SIGINT/SIGTERM drain and
+// stop.
+//
+// When a pool can use KV state (an index: section, or kv_aware/shadow) and
+// events are not disabled, the router consumes KV events from NATS
+// (events.nats.url), or starts an embedded NATS server with JetStream for
+// kvbridges to publish to. See docs/operations.md.
 package main
 
 import (
@@ -22,6 +28,8 @@ import (
 	"os/signal"
 	"syscall"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/router"
 )
@@ -149,7 +157,25 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 		return nil
 	}
 	log := newLogger(cfg.Log, stderr)
-	srv, err := router.NewServer(cfg, router.Options{Logger: log})
+	reg := prometheus.NewRegistry()
+	opts := router.Options{Logger: log, Registry: reg}
+	// kvCtx owns the KV event pipeline (consumers, embedded NATS); it
+	// outlives the signal context so that in-flight requests drain with
+	// exact routing intact.
+	kvCtx, cancelKV := context.WithCancel(context.Background())
+	defer cancelKV()
+	var kve *router.KVEvents
+	if router.KVEventsWanted(cfg) {
+		if kve, err = router.StartKVEvents(kvCtx, cfg, router.KVEventsOptions{Registerer: reg, Logger: log}); err != nil {
+			return err
+		}
+		defer kve.Close()
+		opts.KV, opts.KVEvents = kve.KV, kve
+		log.Info("consuming KV events", "nats_url", kve.NATSURL())
+	} else {
+		log.Info("KV events off: no pool needs KV state or events.enabled is false")
+	}
+	srv, err := router.NewServer(cfg, opts)
 	if err != nil {
 		return err
 	}
@@ -185,6 +211,18 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	runCtx, cancelRun := context.WithCancel(context.Background())
 	runDone := make(chan struct{})
 	go func() { defer close(runDone); _ = srv.Run(runCtx) }()
+	discDone := make(chan struct{})
+	go func() {
+		defer close(discDone)
+		if kve != nil {
+			kve.RunDiscovery(runCtx, srv, time.Second)
+		}
+	}()
+	if kve != nil {
+		for _, hs := range servers {
+			hs.RegisterOnShutdown(kve.StopStreams)
+		}
+	}
 
 	errc := make(chan error, len(servers))
 	for i, hs := range servers {
@@ -209,7 +247,9 @@ loop:
 			break loop
 		case <-hup:
 			ncfg, err := loadConfig(f, getenv)
-			if err == nil {
+			if err == nil && kve != nil {
+				err = kve.Reload(srv, ncfg)
+			} else if err == nil {
 				err = srv.Reload(ncfg)
 			}
 			if err != nil {
@@ -227,5 +267,6 @@ loop:
 	}
 	cancelRun()
 	<-runDone
+	<-discDone
 	return serveErr
 }

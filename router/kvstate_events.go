@@ -1,0 +1,542 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// DefaultEmbeddedNATSListen is where the embedded NATS server listens when
+// events.nats.listen is empty: loopback on NATS's standard port, so a
+// kvbridge on the same host reaches it with its default --nats-url.
+const DefaultEmbeddedNATSListen = "127.0.0.1:4222"
+
+// KVEventsOptions are the dependencies of StartKVEvents. The zero value is
+// usable.
+type KVEventsOptions struct {
+	// Registerer receives the consumers' and the tier accounting's
+	// metrics (the router's registry); nil = not registered.
+	Registerer prometheus.Registerer
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+	// Conn, when set, is used instead of connecting from the config (the
+	// caller keeps ownership: Close does not close it).
+	Conn *nats.Conn
+	// Stream and Bucket override the stream and snapshot bucket settings
+	// (names default from the config; an in-process demo may want memory
+	// storage).
+	Stream events.StreamConfig
+	Bucket events.BucketConfig
+	// SnapshotTimeout is the consumers' snapshot request timeout
+	// (0 = the consumer's default).
+	SnapshotTimeout time.Duration
+}
+
+// KVEvents is the router's KV-state pipeline: one block index per pool,
+// fed by one events consumer per pool from NATS JetStream (an external
+// server, or one embedded in the router), with per-tier block accounting.
+// It gives the Server each pool's index and freshness (Options.KV), the
+// admin API its per-instance views and the eviction stream
+// (Options.KVEvents), and the pools their heartbeat-discovered instances.
+type KVEvents struct {
+	cfg      Config
+	opts     KVEventsOptions
+	log      *slog.Logger
+	acct     *tiers.Accounting
+	embedded *events.EmbeddedNATS
+	conn     *nats.Conn
+	ownConn  bool
+	natsURL  string
+	ctx      context.Context // the consumers run under it
+	cancel   context.CancelFunc
+	// streamsCtx ends the eviction streams (StopStreams), before the
+	// consumers stop, so an HTTP server's graceful shutdown is not held up
+	// by dashboards that never hang up.
+	streamsCtx  context.Context
+	stopStreams context.CancelFunc
+	wg          sync.WaitGroup // the consumers' goroutines
+
+	// mu guards pools and closed.
+	mu     sync.Mutex
+	pools  map[string]*kvPool
+	closed bool
+
+	// reloadMu serialises reloads (SIGHUP and discovery) and guards base
+	// and applied.
+	reloadMu sync.Mutex
+	base     Config // the file's configuration, before discovered instances
+	applied  string // fingerprint of the discovered instances last applied
+	// discovered holds "pool/instance" of the instances added from
+	// heartbeats in the configuration last applied; read by the admin API.
+	discovered atomic.Pointer[map[string]bool]
+}
+
+// kvPool is one pool's index and consumer; immutable once built.
+type kvPool struct {
+	model string
+	idxs  *PoolIndexes
+	index kvindex.Index
+	cons  *consumer.Consumer
+	fresh Freshness
+}
+
+// KVEventsWanted reports whether cfg asks for KV state: events not
+// disabled, and an index: section or a pool that routes kv_aware or
+// shadows. Without it the router runs without NATS.
+func KVEventsWanted(cfg Config) bool {
+	if cfg.Events != nil && cfg.Events.Enabled != nil && !*cfg.Events.Enabled {
+		return false
+	}
+	if cfg.Index != nil {
+		return true
+	}
+	for _, p := range cfg.Pools {
+		if p.Routing.Strategy == StrategyKVAware || p.Routing.Shadow {
+			return true
+		}
+	}
+	return false
+}
+
+// StartKVEvents connects to NATS (events.nats.url; with none, starts the
+// embedded server), builds each pool's index and starts its consumer under
+// ctx. Close stops everything. Call it only when KVEventsWanted(cfg).
+func StartKVEvents(ctx context.Context, cfg Config, opts KVEventsOptions) (*KVEvents, error) {
+	cfg = cfg.WithDefaults()
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	ec := EventsConfig{}
+	if cfg.Events != nil {
+		ec = *cfg.Events
+	}
+	acct, err := tiers.NewAccounting(opts.Registerer)
+	if err != nil {
+		return nil, err
+	}
+	k := &KVEvents{cfg: cfg, opts: opts, log: opts.Logger, acct: acct, pools: map[string]*kvPool{}, base: cfg}
+	k.ctx, k.cancel = context.WithCancel(ctx)
+	k.streamsCtx, k.stopStreams = context.WithCancel(k.ctx)
+	fail := func(err error) (*KVEvents, error) {
+		k.Close()
+		return nil, err
+	}
+	switch {
+	case opts.Conn != nil:
+		k.conn, k.natsURL = opts.Conn, opts.Conn.ConnectedUrl()
+	case ec.NATS.URL != "":
+		k.natsURL = ec.NATS.URL
+	default:
+		listen := ec.NATS.Listen
+		if listen == "" {
+			listen = DefaultEmbeddedNATSListen
+		}
+		host, portStr, err := net.SplitHostPort(listen)
+		if err != nil {
+			return fail(fmt.Errorf("%w: events.nats.listen %q: %w", ErrInvalidConfig, listen, err))
+		}
+		port, err := strconv.Atoi(portStr)
+		if err != nil {
+			return fail(fmt.Errorf("%w: events.nats.listen %q: bad port", ErrInvalidConfig, listen))
+		}
+		if port == 0 {
+			port = -1 // a free port
+		}
+		k.embedded, err = events.StartEmbeddedNATS(k.ctx, events.EmbeddedNATSConfig{Host: host, Port: port, StoreDir: ec.NATS.StoreDir})
+		if err != nil {
+			return fail(fmt.Errorf("router: embedded nats on %s: %w", listen, err))
+		}
+		k.natsURL = k.embedded.ClientURL()
+		k.log.Info("embedded NATS server with JetStream started; point kvbridges at it with --nats-url",
+			"nats_url", k.natsURL, "store_dir", ec.NATS.StoreDir)
+	}
+	if k.conn == nil {
+		nc := events.NATSConfig{URL: k.natsURL, CredsFile: ec.NATS.CredsFile, Name: "kvrouter", Logger: k.log}
+		if t := ec.NATS.TLS; t != nil {
+			nc.TLSCA, nc.TLSCert, nc.TLSKey = t.CAFile, t.CertFile, t.KeyFile
+		}
+		if k.conn, err = nc.Connect(); err != nil {
+			return fail(err)
+		}
+		k.ownConn = true
+	}
+	for _, pc := range cfg.Pools {
+		if _, err := k.pool(pc); err != nil {
+			return fail(err)
+		}
+	}
+	return k, nil
+}
+
+// NATSURL is the URL the pipeline consumes from (the embedded server's
+// when it runs one): where kvbridges publish.
+func (k *KVEvents) NATSURL() string { return k.natsURL }
+
+// Conn is the pipeline's NATS connection.
+func (k *KVEvents) Conn() *nats.Conn { return k.conn }
+
+// Accounting is the per-instance, per-tier block accounting fed by the
+// consumers.
+func (k *KVEvents) Accounting() *tiers.Accounting { return k.acct }
+
+// KV is Options.KV: the pool's index and its stream's freshness, built
+// (and its consumer started) on first use, so a pool added by a reload gets
+// one; the same pool name keeps its index and consumer across reloads.
+func (k *KVEvents) KV(pc PoolConfig) (kvindex.Index, Freshness) {
+	p, err := k.pool(pc)
+	if err != nil {
+		k.log.Error("pool KV state unavailable", "pool", pc.Name, "err", err)
+		return nil, nil
+	}
+	return p.index, p.fresh
+}
+
+// Consumer returns the pool's events consumer.
+func (k *KVEvents) Consumer(pool string) (*consumer.Consumer, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	p, ok := k.pools[pool]
+	if !ok {
+		return nil, false
+	}
+	return p.cons, true
+}
+
+// KVInstances implements KVEventsSource.
+func (k *KVEvents) KVInstances(pool string) ([]consumer.InstanceStatus, bool) {
+	c, ok := k.Consumer(pool)
+	if !ok {
+		return nil, false
+	}
+	return c.Instances(), true
+}
+
+// StreamHealthy implements KVEventsSource.
+func (k *KVEvents) StreamHealthy(pool string) bool {
+	c, ok := k.Consumer(pool)
+	return ok && c.Healthy()
+}
+
+// EvictionHandler implements KVEventsSource: kv.evictions.<pool>.> as
+// server-sent events, ending when the pipeline stops.
+func (k *KVEvents) EvictionHandler() http.Handler {
+	return events.EvictionSSEHandler(k.streamsCtx, k.conn, events.EvictionSSEConfig{Logger: k.log})
+}
+
+func (k *KVEvents) pool(pc PoolConfig) (*kvPool, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if p, ok := k.pools[pc.Name]; ok {
+		if p.model != pc.Model {
+			k.log.Warn("pool model changed on reload; its index keeps the old model's block keys until restart", "pool", pc.Name, "old", p.model, "new", pc.Model)
+		}
+		return p, nil
+	}
+	if k.closed {
+		return nil, errors.New("router: kv events pipeline closed")
+	}
+	ic := k.cfg.Index
+	if ic == nil {
+		ic = &IndexConfig{} // memory, default capacity
+	}
+	idxs, err := NewPoolIndexes(Config{Index: ic, Pools: []PoolConfig{pc}})
+	if err != nil {
+		return nil, err
+	}
+	index := idxs.ByPool[pc.Name]
+	ec := EventsConfig{}
+	if k.cfg.Events != nil {
+		ec = *k.cfg.Events
+	}
+	stream := k.opts.Stream
+	if stream.Name == "" {
+		stream.Name = ec.NATS.Stream
+	}
+	bucket := k.opts.Bucket
+	if bucket.Name == "" {
+		bucket.Name = ec.Bucket
+	}
+	cons, err := consumer.New(consumer.Config{
+		Conn: k.conn, Pool: pc.Name,
+		Applier:     &accountingApplier{Index: index, acct: k.acct},
+		Stream:      stream,
+		Bucket:      bucket,
+		SharedIndex: ic.Backend == "redis",
+		StaleAfter:  ec.StaleAfter, PurgeAfter: ec.PurgeAfter, MaxLag: ec.MaxLag,
+		SnapshotTimeout: k.opts.SnapshotTimeout,
+		Registerer:      k.opts.Registerer,
+		Logger:          k.log.With("pool", pc.Name),
+	})
+	if err != nil {
+		_ = idxs.Close()
+		return nil, fmt.Errorf("router: pool %q events consumer: %w", pc.Name, err)
+	}
+	p := &kvPool{model: pc.Model, idxs: idxs, index: index, cons: cons,
+		fresh: FreshnessFuncs{Healthy: cons.Healthy, IsStale: func(id string) bool { return !cons.Live(id) }}}
+	k.pools[pc.Name] = p
+	k.wg.Go(func() {
+		if err := cons.Run(k.ctx); err != nil && !errors.Is(err, context.Canceled) {
+			k.log.Error("events consumer stopped", "pool", pc.Name, "err", err)
+		}
+	})
+	return p, nil
+}
+
+// StopStreams ends every open eviction stream (with a final "close"
+// event); register it with http.Server.RegisterOnShutdown.
+func (k *KVEvents) StopStreams() { k.stopStreams() }
+
+// WaitReady waits until every pool's consumer is healthy (subscribed and
+// caught up), or ctx ends.
+func (k *KVEvents) WaitReady(ctx context.Context) error {
+	for {
+		ready := true
+		k.mu.Lock()
+		for _, p := range k.pools {
+			ready = ready && p.cons.Healthy()
+		}
+		k.mu.Unlock()
+		if ready {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("router: events consumers not ready: %w", ctx.Err())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// Close stops the consumers, then closes the NATS connection (when the
+// pipeline made it), the embedded server and the indexes' Redis clients.
+func (k *KVEvents) Close() {
+	k.mu.Lock()
+	k.closed = true
+	k.mu.Unlock()
+	k.cancel()
+	k.wg.Wait()
+	if k.ownConn && k.conn != nil {
+		k.conn.Close()
+	}
+	if k.embedded != nil {
+		k.embedded.Shutdown()
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for _, p := range k.pools {
+		_ = p.idxs.Close()
+	}
+}
+
+// accountingApplier feeds tiers.Accounting from what the consumer applies.
+type accountingApplier struct {
+	kvindex.Index
+	acct *tiers.Accounting
+}
+
+var _ consumer.Applier = (*accountingApplier)(nil)
+
+// Apply applies evs and accounts them per tier. The index reports totals
+// only (after deduplication), so per-tier figures come from the events;
+// when a batch touches one tier per kind and holds no clear — nearly
+// always — the index's deduplicated totals are used instead.
+func (a *accountingApplier) Apply(ctx context.Context, instance string, evs []events.Event) (kvindex.ApplyResult, error) {
+	res, err := a.Index.Apply(ctx, instance, evs)
+	if err != nil {
+		return res, err
+	}
+	var stored, removed [tiers.Count]int
+	storedTiers, removedTiers, cleared := 0, 0, false
+	for _, ev := range evs {
+		switch ev.Kind {
+		case events.BlockStored:
+			t := a.acct.Medium(ev.Medium)
+			if stored[t] == 0 {
+				storedTiers++
+			}
+			stored[t] += len(ev.BlockHashes)
+		case events.BlockRemoved:
+			t := a.acct.Medium(ev.Medium)
+			if removed[t] == 0 {
+				removedTiers++
+			}
+			removed[t] += len(ev.BlockHashes)
+		case events.AllBlocksCleared:
+			cleared = true
+		}
+	}
+	if cleared {
+		// Order matters around a clear: replay the batch event by event.
+		for _, ev := range evs {
+			switch ev.Kind {
+			case events.BlockStored:
+				a.acct.Stored(instance, a.acct.Medium(ev.Medium), len(ev.BlockHashes))
+			case events.BlockRemoved:
+				a.acct.Evicted(instance, a.acct.Medium(ev.Medium), len(ev.BlockHashes))
+			case events.AllBlocksCleared:
+				a.acct.Cleared(instance)
+			}
+		}
+		return res, nil
+	}
+	for t := range tiers.Count {
+		n := stored[t]
+		if storedTiers == 1 && n > 0 {
+			n = res.Stored
+		}
+		a.acct.Stored(instance, tiers.Tier(t), n)
+		n = removed[t]
+		if removedTiers == 1 && n > 0 {
+			n = res.Removed
+		}
+		a.acct.Evicted(instance, tiers.Tier(t), n)
+	}
+	return res, nil
+}
+
+// Purge drops the instance from the index and its accounting series.
+func (a *accountingApplier) Purge(ctx context.Context, instance string) error {
+	err := a.Index.Purge(ctx, instance)
+	a.acct.Forget(instance)
+	return err
+}
+
+// discoverEnabled: events.discover_instances, default true.
+func discoverEnabled(cfg Config) bool {
+	return cfg.Events == nil || cfg.Events.DiscoverInstances == nil || *cfg.Events.DiscoverInstances
+}
+
+// Discovered returns the instances of the pool announced by bridge
+// heartbeats (not purged, with an http(s) URL, serving the pool's model
+// when the heartbeat names one), sorted by id.
+func (k *KVEvents) Discovered(pool PoolConfig) []InstanceConfig {
+	c, ok := k.Consumer(pool.Name)
+	if !ok {
+		return nil
+	}
+	var out []InstanceConfig
+	for _, st := range c.Instances() {
+		hb := st.Heartbeat
+		if st.State == consumer.StatePurged || hb == nil || hb.URL == "" || !validName(st.Instance) {
+			continue
+		}
+		if hb.Model != "" && hb.Model != pool.Model {
+			continue
+		}
+		if u, err := url.Parse(hb.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			continue
+		}
+		out = append(out, InstanceConfig{ID: st.Instance, URL: hb.URL, Adapters: slices.Clone(hb.Adapters)})
+	}
+	return out
+}
+
+// withDiscovered returns cfg with each pool's discovered instances added
+// (configured ids win) and a fingerprint of what was added.
+func (k *KVEvents) withDiscovered(cfg Config) (Config, string, map[string]bool) {
+	added := map[string]bool{}
+	if !discoverEnabled(cfg) {
+		return cfg, "", added
+	}
+	var fp []byte
+	pools := slices.Clone(cfg.Pools)
+	for i, pc := range pools {
+		have := map[string]bool{}
+		for _, in := range pc.Instances {
+			have[in.ID] = true
+		}
+		insts := slices.Clone(pc.Instances)
+		for _, d := range k.Discovered(pc) {
+			if have[d.ID] {
+				continue
+			}
+			insts = append(insts, d)
+			added[pc.Name+"/"+d.ID] = true
+			fp = fmt.Appendf(fp, "%s/%s=%s%v;", pc.Name, d.ID, d.URL, d.Adapters)
+		}
+		pools[i].Instances = insts
+	}
+	cfg.Pools = pools
+	return cfg, string(fp), added
+}
+
+// IsDiscovered implements KVEventsSource: the instance was added to the
+// pool from heartbeats, not from the file.
+func (k *KVEvents) IsDiscovered(pool, instance string) bool {
+	m := k.discovered.Load()
+	return m != nil && (*m)[pool+"/"+instance]
+}
+
+// Reload applies a new file configuration to srv, keeping the
+// heartbeat-discovered instances. Consumers and indexes are kept (a new
+// pool gets its own through Options.KV).
+func (k *KVEvents) Reload(srv *Server, cfg Config) error {
+	k.reloadMu.Lock()
+	defer k.reloadMu.Unlock()
+	merged, fp, added := k.withDiscovered(cfg)
+	if err := srv.Reload(merged); err != nil {
+		return err
+	}
+	k.base, k.applied = cfg, fp
+	k.discovered.Store(&added)
+	return nil
+}
+
+// RunDiscovery adds instances announced by heartbeats to srv's pools and
+// removes purged ones, checking every interval (default 1s) until ctx
+// ends. A change reloads the server with the base configuration plus the
+// discovered instances, keeping each pool's current (possibly
+// admin-changed) routing. Off when events.discover_instances is false.
+func (k *KVEvents) RunDiscovery(ctx context.Context, srv *Server, interval time.Duration) {
+	if interval <= 0 {
+		interval = time.Second
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			k.syncDiscovered(srv)
+		}
+	}
+}
+
+func (k *KVEvents) syncDiscovered(srv *Server) {
+	k.reloadMu.Lock()
+	defer k.reloadMu.Unlock()
+	merged, fp, added := k.withDiscovered(k.base)
+	if fp == k.applied {
+		return
+	}
+	for i, pc := range merged.Pools {
+		if p, ok := srv.Pool(pc.Name); ok {
+			merged.Pools[i].Routing, _ = p.Routing()
+		}
+	}
+	if err := srv.Reload(merged); err != nil {
+		k.log.Error("discovered instances not applied", "err", err)
+		return
+	}
+	k.log.Info("pool instances changed by heartbeats", "discovered", fp)
+	k.applied = fp
+	k.discovered.Store(&added)
+}

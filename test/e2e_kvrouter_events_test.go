@@ -1,0 +1,398 @@
+package test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/router"
+)
+
+const kvrModel = "kvr-model"
+
+// kvrEngine is one engine's KV-event side: a vLLM-format ZMQ publisher
+// (PUB + replay) and a kvbridge forwarding it to NATS.
+type kvrEngine struct {
+	pub  *events.ZMQPublisher
+	stop context.CancelFunc
+	done chan struct{}
+}
+
+func startKVREngine(t *testing.T, ctx context.Context, natsURL, pool, instance, url, stream, bucket string) *kvrEngine {
+	t.Helper()
+	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	pub, err := events.NewZMQPublisher(ctx, events.ZMQPublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond), nats.RetryOnFailedConnect(true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := bridge.New(bridge.Config{Pool: pool, Model: kvrModel, BlockSize: 16, Conn: nc,
+		Sources: []bridge.Source{{Instance: instance, Endpoint: ep, ReplayEndpoint: rep, URL: url}},
+		Stream:  events.StreamConfig{Name: stream}, Bucket: events.BucketConfig{Name: bucket},
+		HeartbeatInterval: 200 * time.Millisecond, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bctx, cancel := context.WithCancel(ctx)
+	e := &kvrEngine{pub: pub, stop: cancel, done: make(chan struct{})}
+	go func() { defer close(e.done); _ = b.Run(bctx) }()
+	t.Cleanup(func() { e.close(); nc.Close(); _ = pub.Close() })
+	waitFor(t, 15*time.Second, "the bridge subscribed to the engine", pub.Subscribed)
+	return e
+}
+
+func (e *kvrEngine) close() { e.stop(); <-e.done }
+
+// publish sends one vLLM batch (array encoding, as the engine does).
+func (e *kvrEngine) publish(t *testing.T, evs ...events.Event) {
+	t.Helper()
+	payload, err := events.Encode(nil, events.Batch{TS: float64(time.Now().UnixNano()) / 1e9, Events: evs}, events.EncodingArray)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.pub.Publish(payload); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func kvrTokens(seed, n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = uint32(seed*100003 + i*7 + 1)
+	}
+	return out
+}
+
+func kvrHashes(from, n int) []uint64 {
+	out := make([]uint64, n)
+	for i := range out {
+		out[i] = uint64(from + i)
+	}
+	return out
+}
+
+// kvrRouter is kvrouter wired as cmd/kvrouter wires it: the KV events
+// pipeline (consumer per pool, index, accounting) behind the router's
+// data plane and admin API.
+type kvrRouter struct {
+	t    *testing.T
+	kve  *router.KVEvents
+	srv  *router.Server
+	ts   *httptest.Server
+	pool string
+}
+
+func (r *kvrRouter) do(method, path string, body any) (*http.Response, []byte) {
+	r.t.Helper()
+	var rd io.Reader
+	if body != nil {
+		b, _ := json.Marshal(body)
+		rd = bytes.NewReader(b)
+	}
+	req, _ := http.NewRequest(method, r.ts.URL+path, rd)
+	req.Header.Set("Authorization", "Bearer adm")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, b
+}
+
+func (r *kvrRouter) lookup(ids []uint32) router.KVLookupResponse {
+	r.t.Helper()
+	resp, b := r.do("POST", "/admin/pools/"+r.pool+"/lookup", map[string]any{"token_ids": ids})
+	if resp.StatusCode != 200 {
+		r.t.Fatalf("lookup: %d %s", resp.StatusCode, b)
+	}
+	var out router.KVLookupResponse
+	if err := json.Unmarshal(b, &out); err != nil {
+		r.t.Fatal(err)
+	}
+	return out
+}
+
+func (r *kvrRouter) instances() router.KVInstancesResponse {
+	r.t.Helper()
+	resp, b := r.do("GET", "/admin/pools/"+r.pool+"/instances", nil)
+	if resp.StatusCode != 200 {
+		r.t.Fatalf("instances: %d %s", resp.StatusCode, b)
+	}
+	var out router.KVInstancesResponse
+	if err := json.Unmarshal(b, &out); err != nil {
+		r.t.Fatal(err)
+	}
+	return out
+}
+
+// complete routes a /v1/completions request with token ids.
+func (r *kvrRouter) complete(ids []uint32) (instance, reason string) {
+	r.t.Helper()
+	resp, b := r.do("POST", "/v1/completions", map[string]any{"model": kvrModel, "prompt": ids, "max_tokens": 1})
+	if resp.StatusCode != 200 {
+		r.t.Fatalf("completion: %d %s", resp.StatusCode, b)
+	}
+	return resp.Header.Get(router.HeaderInstance), resp.Header.Get(router.HeaderReason)
+}
+
+func (r *kvrRouter) metrics() string {
+	_, b := r.do("GET", "/metrics", nil)
+	return string(b)
+}
+
+// sseReader reads an event stream line by line in the background.
+type sseReader struct {
+	lines  chan string
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+func openEvictions(t *testing.T, ctx context.Context, url string) *sseReader {
+	t.Helper()
+	ctx, cancel := context.WithCancel(ctx)
+	req, _ := http.NewRequestWithContext(ctx, "GET", url, nil)
+	req.Header.Set("Authorization", "Bearer adm")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	if resp.StatusCode != 200 || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+		cancel()
+		t.Fatalf("evictions: %d %s", resp.StatusCode, resp.Header.Get("Content-Type"))
+	}
+	s := &sseReader{lines: make(chan string, 1024), cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(s.done)
+		defer close(s.lines)
+		defer resp.Body.Close()
+		sc := bufio.NewScanner(resp.Body)
+		for sc.Scan() {
+			s.lines <- sc.Text()
+		}
+	}()
+	return s
+}
+
+// next returns the next line with the prefix, or fails after d.
+func (s *sseReader) next(t *testing.T, prefix string, d time.Duration) string {
+	t.Helper()
+	deadline := time.After(d)
+	for {
+		select {
+		case l, ok := <-s.lines:
+			if !ok {
+				t.Fatalf("event stream ended before a %q line", prefix)
+			}
+			if strings.HasPrefix(l, prefix) {
+				return l
+			}
+		case <-deadline:
+			t.Fatalf("no %q line within %v", prefix, d)
+		}
+	}
+}
+
+// TestKVRouterEventsEndToEnd: an engine's vLLM-format ZMQ events → kvbridge
+// → NATS JetStream → kvrouter's consumer and index, seen through the admin
+// lookup and instances endpoints, the eviction SSE stream, the tier
+// metrics, exact routing, heartbeat discovery, and the fallback while NATS
+// is down.
+func TestKVRouterEventsEndToEnd(t *testing.T) {
+	ctx := testenv.Context(t, 3*time.Minute)
+	name := testenv.UniqueName(t)
+	pool := "p_" + name
+	stream, bucket := "EV_"+name, "SN_"+name
+	ns := testenv.StartNATS(t)
+
+	var ups []*httptest.Server
+	for range 3 {
+		up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = io.WriteString(w, `{"choices":[{"text":"ok"}],"usage":{"prompt_tokens":1}}`)
+		}))
+		t.Cleanup(up.Close)
+		ups = append(ups, up)
+	}
+	cfg := router.Config{
+		AdminToken: "adm",
+		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket,
+			StaleAfter: time.Second, PurgeAfter: 3 * time.Second},
+		Pools: []router.PoolConfig{{Name: pool, Model: kvrModel,
+			Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
+			Health:  router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
+			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: ups[0].URL}, {ID: "vllm-1", URL: ups[1].URL}}}},
+	}
+	if !router.KVEventsWanted(cfg) {
+		t.Fatal("a kv_aware pool does not want KV events")
+	}
+	reg := prometheus.NewRegistry()
+	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: quietLogger(), SnapshotTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(kve.Close)
+	srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), Registry: reg, KV: kve.KV, KVEvents: kve})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, stopRun := context.WithCancel(ctx)
+	runDone := make(chan struct{})
+	go func() { defer close(runDone); _ = srv.Run(rctx) }()
+	go kve.RunDiscovery(rctx, srv, 100*time.Millisecond)
+	t.Cleanup(func() { stopRun(); <-runDone })
+	ts := httptest.NewServer(srv.Handler())
+	t.Cleanup(ts.Close)
+	r := &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
+	if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+
+	eng := startKVREngine(t, ctx, ns.URL(), pool, "vllm-1", ups[1].URL, stream, bucket)
+	waitFor(t, 15*time.Second, "vllm-1 live", func() bool {
+		for _, in := range r.instances().Instances {
+			if in.Instance == "vllm-1" {
+				return in.State == "live"
+			}
+		}
+		return false
+	})
+	sse := openEvictions(t, ctx, ts.URL+"/v1/kv/evictions?pool="+pool+"&instance=vllm-1&tier=gpu")
+	defer sse.cancel()
+
+	// Four blocks stored on GPU; the last two offloaded to CPU, then
+	// evicted from GPU: GPU holds 2 leading blocks, CPU 2 more.
+	ids := kvrTokens(1, 4*16+5)
+	eng.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(1000, 4), TokenIDs: ids[:64], BlockSize: 16, Medium: "GPU"})
+	eng.publish(t,
+		events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(1002, 2), Medium: "CPU"},
+		events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(1002, 2), Medium: "GPU"})
+	want := router.KVLookupMatch{Instance: "vllm-1", GPUBlocks: 2, CPUBlocks: 2, Live: true}
+	waitFor(t, 15*time.Second, "lookup sees GPU and CPU blocks", func() bool {
+		lr := r.lookup(ids)
+		return len(lr.Matches) == 1 && lr.Matches[0] == want && lr.BlockSize == 16 && lr.Blocks == 4
+	})
+
+	// The GPU eviction reached the SSE stream as a record.
+	line := sse.next(t, "data: ", 10*time.Second)
+	var rec events.EvictionRecord
+	if err := json.Unmarshal([]byte(strings.TrimPrefix(line, "data: ")), &rec); err != nil {
+		t.Fatalf("eviction record %q: %v", line, err)
+	}
+	if rec.Pool != pool || rec.Instance != "vllm-1" || rec.Tier != "gpu" || rec.Blocks != 2 || rec.Reason != events.ReasonEvicted {
+		t.Fatalf("eviction record %+v", rec)
+	}
+
+	// Instances view: blocks per tier from the index, state and seq from
+	// the consumer, membership from the pool.
+	var v1 router.KVInstanceView
+	iv := r.instances()
+	for _, in := range iv.Instances {
+		if in.Instance == "vllm-1" {
+			v1 = in
+		}
+	}
+	if !iv.StreamHealthy || v1.State != "live" || !v1.InPool || !v1.Configured || v1.Blocks["gpu"] != 2 || v1.Blocks["cpu"] != 2 || v1.LastEvent.IsZero() || v1.StreamSeq == 0 {
+		t.Fatalf("instances view: %+v", iv)
+	}
+	// Tier accounting and the consumer's metrics on the router's registry
+	// (the consumer's instance gauge is sampled once a second).
+	waitFor(t, 5*time.Second, "the consumer's instance gauge", func() bool {
+		return strings.Contains(r.metrics(), fmt.Sprintf(`kvrouter_events_instances{pool=%q,state="live"} 1`, pool))
+	})
+	m := r.metrics()
+	for _, s := range []string{
+		`kvrouter_tier_blocks{instance="vllm-1",tier="gpu"} 2`,
+		`kvrouter_tier_blocks{instance="vllm-1",tier="cpu"} 2`,
+		`kvrouter_tier_blocks_stored_total{instance="vllm-1",tier="gpu"} 4`,
+		`kvrouter_tier_blocks_evicted_total{instance="vllm-1",tier="gpu"} 2`,
+		fmt.Sprintf(`kvrouter_events_instances{pool=%q,state="live"}`, pool),
+	} {
+		if !strings.Contains(m, s) {
+			t.Errorf("metrics lack %s", s)
+		}
+	}
+
+	// Exact routing follows the index (after the first request's
+	// speculative entries on the hash-home expire).
+	waitFor(t, 30*time.Second, "kv_match to vllm-1", func() bool {
+		in, reason := r.complete(ids)
+		return in == "vllm-1" && reason == string(router.ReasonKVMatch)
+	})
+
+	// NATS down: the stream is unhealthy and the pool routes
+	// heuristically; back up: exact again.
+	ns.Shutdown()
+	ns.WaitForShutdown()
+	waitFor(t, 20*time.Second, "stream unhealthy", func() bool { return !r.instances().StreamHealthy })
+	if _, reason := r.complete(ids); reason != string(router.ReasonStreamDown) {
+		t.Fatalf("NATS down: reason %q, want %s", reason, router.ReasonStreamDown)
+	}
+	ns = ns.Restart(t)
+	waitFor(t, 30*time.Second, "exact routing after NATS is back", func() bool {
+		in, reason := r.complete(ids)
+		return in == "vllm-1" && reason == string(router.ReasonKVMatch)
+	})
+
+	// Removal: everything leaves the index.
+	eng.publish(t,
+		events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(1000, 2), Medium: "GPU"},
+		events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(1002, 2), Medium: "CPU"})
+	waitFor(t, 15*time.Second, "lookup sees the removal", func() bool { return len(r.lookup(ids).Matches) == 0 })
+	if m := r.metrics(); !strings.Contains(m, `kvrouter_tier_blocks{instance="vllm-1",tier="gpu"} 0`) || !strings.Contains(m, `kvrouter_tier_blocks{instance="vllm-1",tier="cpu"} 0`) {
+		t.Error("tier gauges not back to 0 after the removal")
+	}
+
+	// Heartbeat discovery: a bridge for an instance not in the file joins
+	// the pool; when it goes silent it turns stale, then is purged and
+	// leaves the pool.
+	eng2 := startKVREngine(t, ctx, ns.URL(), pool, "vllm-2", ups[2].URL, stream, bucket)
+	inPool := func(id string) bool {
+		p, _ := srv.Pool(pool)
+		for _, in := range p.Instances() {
+			if in.ID() == id {
+				return true
+			}
+		}
+		return false
+	}
+	waitFor(t, 15*time.Second, "vllm-2 discovered", func() bool { return inPool("vllm-2") })
+	for _, in := range r.instances().Instances {
+		if in.Instance == "vllm-2" && (in.Configured || !in.InPool || in.URL != ups[2].URL) {
+			t.Fatalf("discovered instance view %+v", in)
+		}
+	}
+	eng2.close()
+	waitFor(t, 20*time.Second, "vllm-2 purged and out of the pool", func() bool { return !inPool("vllm-2") })
+	if !inPool("vllm-0") || !inPool("vllm-1") {
+		t.Fatal("configured instances left the pool")
+	}
+
+	// The SSE stream ends cleanly when the router stops streaming.
+	kve.StopStreams()
+	sse.next(t, "event: close", 10*time.Second)
+	select {
+	case <-sse.done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("event stream not closed after the close event")
+	}
+}
