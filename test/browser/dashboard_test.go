@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -394,4 +395,97 @@ func sumNums(m map[string]string) int64 {
 		n += num(v)
 	}
 	return n
+}
+
+// TestDashboardWithoutKVInChromium: a router with no KV index, no events
+// pipeline and no admin token (prefix_aware over plain engines) still gets
+// a working page: request numbers, "no KV index", the eviction panel saying
+// there is no stream, and no error.
+func TestDashboardWithoutKVInChromium(t *testing.T) {
+	bin := chromium(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	pc := router.PoolConfig{Name: "plain", Model: model}
+	for i := range 2 {
+		in, err := simserver.Start(ctx, simserver.Config{Engine: sim.Config{Model: model, HashSeed: uint64(i + 1)}, TimeScale: 20, Logger: log})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = in.Close() })
+		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: fmt.Sprintf("plain%d", i), URL: in.URL()})
+	}
+	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{Logger: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	// What a router without the events pipeline answers on the stream.
+	mux.HandleFunc("GET /v1/kv/evictions", func(w http.ResponseWriter, _ *http.Request) {
+		http.Error(w, "no events pipeline", http.StatusServiceUnavailable)
+	})
+	mux.Handle("/", srv.Handler())
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = hs.Serve(ln) }()
+	defer hs.Close()
+	url := "http://" + ln.Addr().String()
+
+	var sent atomic.Int64
+	errs := make(chan error, 1)
+	wctx, stopWork := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() { workload(wctx, url, &sent, errs) })
+	defer func() { stopWork(); wg.Wait() }()
+
+	b, err := browser.Launch(ctx, browser.Config{Binary: bin})
+	if err != nil {
+		t.Fatalf("launch chromium: %v", err)
+	}
+	defer b.Close()
+	page, err := b.Page(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer page.Close()
+	if err := page.Navigate(ctx, url+"/dashboard"); err != nil {
+		t.Fatal(err)
+	}
+	var s pageState
+	var index string
+	end := time.Now().Add(30 * time.Second)
+	for {
+		if err := page.Eval(ctx, readState, &s); err != nil {
+			t.Fatal(err)
+		}
+		if err := page.Eval(ctx, `document.getElementById('index-entries').textContent`, &index); err != nil {
+			t.Fatal(err)
+		}
+		if s.Polls >= 2 && num(s.Requests) > 0 && s.EvState == "no eviction stream on this router" && len(s.GPU) == 2 {
+			break
+		}
+		if time.Now().After(end) {
+			t.Fatalf("page state %+v, index %q (requests sent %d)", s, index, sent.Load())
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	checks := []struct {
+		name string
+		ok   bool
+	}{
+		{"no token prompt", !s.AuthShown},
+		{"no error", s.Error == ""},
+		{"stream shown as no index", s.Stream == "no index"},
+		{"index panel says so", index == "no KV index for this pool"},
+		{"hit rates unknown", s.HitEngine == "–" && s.HitPred == "–" && s.Agree == "–"},
+		{"heuristic reasons", slices.Contains(s.Reasons, "hash")},
+	}
+	for _, c := range checks {
+		if !c.ok {
+			t.Errorf("%s: state %+v", c.name, s)
+		}
+	}
 }
