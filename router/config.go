@@ -31,6 +31,14 @@ type Config struct {
 	AdminToken string `yaml:"-" json:"-"`
 	// MaxBodyBytes caps request bodies (413 above). Default 32 MiB.
 	MaxBodyBytes int64 `yaml:"max_body_bytes" json:"max_body_bytes,omitempty"`
+	// Limits bounds every other client input (docs/security.md).
+	Limits LimitsConfig `yaml:"limits" json:"limits"`
+	// TLS serves the data-plane and admin listeners over TLS, with
+	// certificates re-read on change (docs/security.md); nil = plaintext.
+	TLS *ServerTLSConfig `yaml:"tls,omitempty" json:"tls,omitempty"`
+	// CacheSaltSecret is the HMAC key of pools' cache salts. A secret: only
+	// from KVROUTER_CACHE_SALT_SECRET (hex, see DecodeCacheSaltSecret).
+	CacheSaltSecret []byte `yaml:"-" json:"-"`
 	// DefaultPool serves raw /invocations requests without a pool header and
 	// OpenAI requests without a "model". Empty = the first pool for the raw
 	// path; OpenAI requests without a model are then rejected.
@@ -197,6 +205,9 @@ type PoolConfig struct {
 	Discovery DiscoveryConfig `yaml:"discovery" json:"discovery"`
 	// Tokenizer is reserved for kv_aware routing (a later issue).
 	Tokenizer *TokenizerConfig `yaml:"tokenizer,omitempty" json:"tokenizer,omitempty"`
+	// CacheSalt injects a per-tenant cache_salt into forwarded bodies so
+	// engines keep tenants' KV caches apart (docs/security.md).
+	CacheSalt *CacheSaltConfig `yaml:"cache_salt,omitempty" json:"cache_salt,omitempty"`
 	// Instances is the static instance list.
 	Instances []InstanceConfig `yaml:"instances" json:"instances"`
 }
@@ -388,6 +399,7 @@ func (c Config) WithDefaults() Config {
 	if c.MaxBodyBytes == 0 {
 		c.MaxBodyBytes = 32 << 20
 	}
+	c.Limits = c.Limits.WithDefaults()
 	if c.Log.Level == "" {
 		c.Log.Level = "info"
 	}
@@ -434,6 +446,9 @@ func (c Config) Validate() error {
 	}
 	if c.MaxBodyBytes < 1024 || c.MaxBodyBytes > 1<<30 {
 		return bad("max_body_bytes %d out of range 1024..%d", c.MaxBodyBytes, 1<<30)
+	}
+	if err := c.validateSecurity(); err != nil {
+		return err
 	}
 	switch c.Log.Level {
 	case "debug", "info", "warn", "error":

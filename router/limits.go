@@ -132,9 +132,9 @@ func headerBytes(r *http.Request) int {
 
 // limitInput enforces the per-request limits that come before any handler:
 // the header size and the body read deadline.
-func (s *Server) limitInput(limits func() LimitsConfig, next http.Handler) http.Handler {
+func (s *Server) limitInput(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		l := limits().WithDefaults()
+		l := s.state.Load().cfg.Limits.WithDefaults()
 		if n := headerBytes(r); n > l.MaxHeaderBytes {
 			writeError(w, http.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers of %d bytes exceed the limit of %d bytes", n, l.MaxHeaderBytes))
 			s.m.requests.WithLabelValues("", "", "", "", "431").Inc()
@@ -218,4 +218,20 @@ func limitTokenize(l LimitsConfig, req *Request) {
 	if len(req.Body) > l.MaxTokenizeBytes && req.PromptTokens == nil {
 		req.Tokenizer = tooLongToTokenize{}
 	}
+}
+
+// validateSecurity checks the limits, tls and cache_salt sections of c.
+func (c Config) validateSecurity() error {
+	if err := c.Limits.Validate(); err != nil {
+		return err
+	}
+	if err := c.TLS.validate("tls"); err != nil {
+		return err
+	}
+	for i, p := range c.Pools {
+		if err := p.CacheSalt.validate(fmt.Sprintf("pools[%d].cache_salt", i), c.CacheSaltSecret); err != nil {
+			return err
+		}
+	}
+	return nil
 }

@@ -76,6 +76,10 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request, limit int64) (
 			writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", limit))
 			return nil, http.StatusRequestEntityTooLarge
 		}
+		if errors.Is(err, errBodyTimeout) {
+			writeError(w, http.StatusRequestTimeout, err.Error())
+			return nil, http.StatusRequestTimeout
+		}
 		writeError(w, http.StatusBadRequest, "reading request body: "+err.Error())
 		return nil, http.StatusBadRequest
 	}
@@ -111,6 +115,10 @@ func (s *Server) serveOpenAI(ep Endpoint) http.HandlerFunc {
 		parsed, err := ParseOpenAI(ep, body)
 		if err != nil {
 			fail("", http.StatusBadRequest, strings.TrimPrefix(err.Error(), ErrBadRequest.Error()+": "))
+			return
+		}
+		if msg := checkOpenAILimits(st.cfg.Limits, parsed); msg != "" {
+			fail("", http.StatusBadRequest, msg)
 			return
 		}
 		tenant, present, ok := tenantFromHeader(w, r)
@@ -151,11 +159,12 @@ func (s *Server) serveOpenAI(ep Endpoint) http.HandlerFunc {
 			Adapter:      adapter,
 			RoutingText:  OpenAIRoutingText(parsed, rc.PrefixLength),
 			TenantKey:    tenant,
-			Body:         body,
+			Body:         saltBody(pool.cfg.CacheSalt, st.cfg.CacheSaltSecret, tenant, body),
 			Parsed:       parsed,
 			PromptTokens: firstTokens(parsed.Prompt),
 			Stream:       parsed.Stream,
 		}
+		limitTokenize(st.cfg.Limits, req)
 		s.route(w, r, st, pool, strat, req, r.URL.Path, ready)
 	}
 }
@@ -210,6 +219,9 @@ func (s *Server) serveInvoke(ep Endpoint) http.HandlerFunc {
 		if adapter != "" {
 			req.Model = adapter
 		}
+		// After the routing text: the salt changes the body, not the route.
+		req.Body = saltBody(pool.cfg.CacheSalt, st.cfg.CacheSaltSecret, tenant, body)
+		limitTokenize(st.cfg.Limits, req)
 		s.route(w, r, st, pool, strat, req, path, ready)
 	}
 }

@@ -269,7 +269,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
 	})
-	return mux
+	return s.limitInput(mux)
 }
 
 // AdminHandler serves the admin API, /metrics, /healthz and /readyz (for a
@@ -280,7 +280,7 @@ func (s *Server) AdminHandler() http.Handler {
 	s.addKVAdminRoutes(mux)
 	mux.HandleFunc("GET /healthz", s.serveHealthz)
 	mux.HandleFunc("GET /readyz", s.serveReadyz)
-	return mux
+	return s.limitInput(mux)
 }
 
 func (s *Server) serveHealthz(w http.ResponseWriter, _ *http.Request) {

@@ -17,6 +17,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"flag"
 	"fmt"
@@ -123,6 +124,9 @@ func loadConfig(f flags, getenv func(string) string) (router.Config, error) {
 		}
 	}
 	cfg.AdminToken = getenv("KVROUTER_ADMIN_TOKEN")
+	if cfg.CacheSaltSecret, err = router.DecodeCacheSaltSecret(getenv(router.CacheSaltSecretEnv)); err != nil {
+		return cfg, err
+	}
 	if cfg.Index != nil && cfg.Index.Redis != nil {
 		cfg.Index.Redis.Password = getenv("KVROUTER_REDIS_PASSWORD")
 	}
@@ -187,10 +191,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	if err != nil {
 		return fmt.Errorf("listen %s: %w", cfg.Listen, err)
 	}
-	// No ReadTimeout/WriteTimeout: bodies may be 32 MiB from slow clients and
-	// streams last minutes; ReadHeaderTimeout and IdleTimeout bound idle
-	// connections.
-	servers := []*http.Server{{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute}}
+	// Header size, header and body read deadlines and idle time come from
+	// limits: (router.NewHTTPServer); no WriteTimeout, streams last minutes.
+	servers := []*http.Server{router.NewHTTPServer(cfg.Limits, srv.Handler())}
 	listeners := []net.Listener{dataLn}
 	if cfg.AdminListen != "" {
 		adminLn, err := net.Listen("tcp", cfg.AdminListen)
@@ -198,19 +201,41 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 			dataLn.Close()
 			return fmt.Errorf("listen %s: %w", cfg.AdminListen, err)
 		}
-		servers = append(servers, &http.Server{Handler: srv.AdminHandler(), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute})
+		servers = append(servers, router.NewHTTPServer(cfg.Limits, srv.AdminHandler()))
 		listeners = append(listeners, adminLn)
+	}
+	// TLS on both listeners; the certificate files are re-read on SIGHUP and
+	// when they change (the file paths themselves change only on restart).
+	var certs *router.CertReloader
+	if cfg.TLS != nil {
+		if certs, err = router.NewCertReloader(*cfg.TLS, log); err != nil {
+			for _, ln := range listeners {
+				ln.Close()
+			}
+			return err
+		}
+		for i, ln := range listeners {
+			listeners[i] = tls.NewListener(ln, certs.TLSConfig())
+		}
 	}
 	// Print the bound addresses (":0" in tests picks a free port).
 	attrs := []any{"listen", dataLn.Addr().String()}
 	if len(listeners) > 1 {
 		attrs = append(attrs, "admin_listen", listeners[1].Addr().String())
 	}
+	attrs = append(attrs, "tls", certs != nil)
 	log.Info("kvrouter listening", attrs...)
 
 	runCtx, cancelRun := context.WithCancel(context.Background())
 	runDone := make(chan struct{})
 	go func() { defer close(runDone); _ = srv.Run(runCtx) }()
+	certsDone := make(chan struct{})
+	go func() {
+		defer close(certsDone)
+		if certs != nil {
+			certs.Run(runCtx)
+		}
+	}()
 	discDone := make(chan struct{})
 	go func() {
 		defer close(discDone)
@@ -256,6 +281,9 @@ loop:
 				log.Error("reload failed; keeping the running configuration", "err", err)
 				continue
 			}
+			if certs != nil {
+				certs.ReloadAndLog()
+			}
 			log.Info("reloaded", "config", f.config)
 		}
 	}
@@ -267,6 +295,7 @@ loop:
 	}
 	cancelRun()
 	<-runDone
+	<-certsDone
 	<-discDone
 	return serveErr
 }
