@@ -18,7 +18,6 @@ import (
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/report"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
-	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
@@ -35,14 +34,13 @@ type localFleet struct {
 	routerURL string
 	insts     []*simserver.Instance
 	srv       *http.Server
-	nats      *events.EmbeddedNATS
 	natsDir   string
-	conn      *nats.Conn
-	consumer  *consumer.Consumer
-	index     *kvindex.Memory
+	conn      *nats.Conn // the bridges'
+	kv        *router.KVEvents
+	index     kvindex.Index
 	cancel    context.CancelFunc
 	done      chan error
-	// bg counts the bridges' and the consumer's goroutines.
+	// bg counts the bridges' goroutines.
 	bg sync.WaitGroup
 }
 
@@ -111,14 +109,11 @@ func startLocalFleet(ctx context.Context, spec fleetSpec) (*localFleet, error) {
 	var opts router.Options
 	opts.Logger = spec.Logger
 	if spec.Events {
-		if err := f.startEvents(ctx, pool, sources, spec.Logger); err != nil {
+		if err := f.startEvents(ctx, pc, sources, spec.Logger); err != nil {
 			return fail(err)
 		}
 		pc.Tokenizer = &router.TokenizerConfig{Source: router.TokenSourceSimple}
-		c := f.consumer
-		opts.KV = func(router.PoolConfig) (kvindex.Index, router.Freshness) {
-			return f.index, router.FreshnessFuncs{Healthy: c.Healthy, IsStale: func(id string) bool { return !c.Live(id) }}
-		}
+		opts.KV, opts.KVEvents = f.kv.KV, f.kv
 	}
 	srv, err := router.NewServer(router.Config{Listen: "127.0.0.1:0", Pools: []router.PoolConfig{pc}, DefaultPool: pool}, opts)
 	if err != nil {
@@ -135,27 +130,33 @@ func startLocalFleet(ctx context.Context, spec fleetSpec) (*localFleet, error) {
 	return f, nil
 }
 
-// startEvents starts the embedded NATS server, one bridge per instance
-// and the router's consumer into a fresh memory index.
-func (f *localFleet) startEvents(ctx context.Context, pool string, sources []bridge.Source, log *slog.Logger) error {
+// startEvents starts the router's KV events pipeline as kvrouter does
+// (router.StartKVEvents: embedded NATS, the pool's consumer and memory
+// index) and one bridge per instance publishing to it.
+func (f *localFleet) startEvents(ctx context.Context, pc router.PoolConfig, sources []bridge.Source, log *slog.Logger) error {
 	dir, err := os.MkdirTemp("", "kvbench-nats-")
 	if err != nil {
 		return err
 	}
 	f.natsDir = dir
-	f.nats, err = events.StartEmbeddedNATS(ctx, events.EmbeddedNATSConfig{Port: -1, StoreDir: dir})
-	if err != nil {
-		return err
-	}
-	f.conn, err = nats.Connect(f.nats.ClientURL(), nats.MaxReconnects(-1))
-	if err != nil {
-		return err
-	}
 	// In-memory stream and bucket: the demo's state need not outlive it.
 	stream := events.StreamConfig{Memory: true}
 	bucket := events.BucketConfig{Memory: true}
+	discover := false // the fleet's instances are configured
+	cfg := router.Config{
+		Events: &router.EventsConfig{NATS: router.NATSConfig{Listen: "127.0.0.1:0", StoreDir: dir}, DiscoverInstances: &discover},
+		Pools:  []router.PoolConfig{pc},
+	}
+	f.kv, err = router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: log, Stream: stream, Bucket: bucket})
+	if err != nil {
+		return err
+	}
+	f.conn, err = nats.Connect(f.kv.NATSURL(), nats.MaxReconnects(-1))
+	if err != nil {
+		return err
+	}
 	for _, src := range sources {
-		b, err := bridge.New(bridge.Config{Pool: pool, Model: demoModel, BlockSize: sim.DefaultBlockSize, Sources: []bridge.Source{src},
+		b, err := bridge.New(bridge.Config{Pool: pc.Name, Model: demoModel, BlockSize: sim.DefaultBlockSize, Sources: []bridge.Source{src},
 			Conn: f.conn, Stream: stream, Bucket: bucket, Logger: log})
 		if err != nil {
 			return err
@@ -166,32 +167,24 @@ func (f *localFleet) startEvents(ctx context.Context, pool string, sources []bri
 			_ = b.Run(ctx)
 		}()
 	}
-	f.index, err = kvindex.NewMemory(kvindex.MemoryConfig{Model: demoModel, BlockSize: sim.DefaultBlockSize})
-	if err != nil {
-		return err
+	f.index, _ = f.kv.KV(pc)
+	c, ok := f.kv.Consumer(pc.Name)
+	if f.index == nil || !ok {
+		return fmt.Errorf("demo: no KV state for pool %s", pc.Name)
 	}
-	f.consumer, err = consumer.New(consumer.Config{Conn: f.conn, Pool: pool, Applier: f.index, Stream: stream, Bucket: bucket, Logger: log})
-	if err != nil {
-		return err
-	}
-	f.bg.Add(1)
-	go func() {
-		defer f.bg.Done()
-		_ = f.consumer.Run(ctx)
-	}()
 	// Wait until the consumer runs and every instance is live (the bridges
 	// have announced themselves), so the first requests route exactly.
 	deadline := time.Now().Add(15 * time.Second)
 	for {
-		ready := f.consumer.Healthy()
+		ready := c.Healthy()
 		for _, src := range sources {
-			ready = ready && f.consumer.Live(src.Instance)
+			ready = ready && c.Live(src.Instance)
 		}
 		if ready {
 			return nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("demo: events pipeline not ready after 15s: %+v", f.consumer.Instances())
+			return fmt.Errorf("demo: events pipeline not ready after 15s: %+v", c.Instances())
 		}
 		select {
 		case <-ctx.Done():
@@ -217,8 +210,8 @@ func (f *localFleet) Close() {
 	if f.conn != nil {
 		f.conn.Close()
 	}
-	if f.nats != nil {
-		f.nats.Shutdown()
+	if f.kv != nil {
+		f.kv.Close()
 	}
 	if f.natsDir != "" {
 		_ = os.RemoveAll(f.natsDir)
