@@ -3,6 +3,7 @@ package deploy
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"net"
 	"net/url"
 	"os"
@@ -396,11 +397,63 @@ func checkOurContainers(t *testing.T, b *bundle) {
 				if !slices.Contains(runtimeEnv, e.Name) && !envReadBy(t, bin, e.Name) {
 					t.Errorf("%s: env %s is not read by %s", where, e.Name, bin)
 				}
+				if e.Name == "GOMEMLIMIT" {
+					checkMemLimit(t, where, e.Value, c.Resources.Limits.Memory().Value())
+				}
 			}
 		}
 	}
 	if n == 0 {
 		t.Error("no container runs a project binary")
+	}
+}
+
+// goMemLimit parses a GOMEMLIMIT value (bytes, or a number with B, KiB,
+// MiB, GiB or TiB, as the Go runtime accepts it).
+func goMemLimit(v string) (int64, error) {
+	units := []struct {
+		suf  string
+		mult int64
+	}{{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10}, {"B", 1}}
+	mult := int64(1)
+	for _, u := range units {
+		if n, ok := strings.CutSuffix(v, u.suf); ok {
+			v, mult = n, u.mult
+			break
+		}
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n <= 0 {
+		return 0, fmt.Errorf("GOMEMLIMIT %q: want a positive size", v)
+	}
+	return n * mult, nil
+}
+
+// checkMemLimit: the Go soft memory limit sits between 70% and 95% of the
+// container's memory limit: above, the kernel kills before the GC reacts;
+// far below, memory paid for goes unused.
+func checkMemLimit(t *testing.T, where, v string, limit int64) {
+	t.Helper()
+	n, err := goMemLimit(v)
+	if err != nil {
+		t.Errorf("%s: %v", where, err)
+		return
+	}
+	if limit <= 0 || n*100 > limit*95 || n*100 < limit*70 {
+		t.Errorf("%s: GOMEMLIMIT %s is not 70..95%% of the memory limit %d", where, v, limit)
+	}
+}
+
+func TestGoMemLimit(t *testing.T) {
+	for _, tc := range []struct {
+		v    string
+		want int64
+		ok   bool
+	}{{"1843MiB", 1843 << 20, true}, {"2GiB", 2 << 30, true}, {"1000", 1000, true}, {"12XB", 0, false}, {"-1MiB", 0, false}} {
+		got, err := goMemLimit(tc.v)
+		if (err == nil) != tc.ok || got != tc.want {
+			t.Errorf("%s: %d %v, want %d ok=%v", tc.v, got, err, tc.want, tc.ok)
+		}
 	}
 }
 
@@ -760,14 +813,20 @@ func checkNATS(t *testing.T, b *bundle, ov overlay, cfg router.Config) {
 		t.Errorf("nats JetStream store_dir %s is not on a persistent volume", opts.StoreDir)
 	}
 	// JetStream reserves a stream's max bytes up front: the events stream
-	// the bridges create must leave room in the store for the snapshot
-	// bucket, or the bucket's creation fails (insufficient resources).
+	// must leave room in the store for the snapshot bucket, or the bucket's
+	// creation fails (insufficient resources). Whichever comes first
+	// creates the stream: the router's consumer with the default size, or
+	// a bridge with its --stream-max-bytes.
+	const defaultStreamBytes = 1 << 30 // events.StreamConfig default
+	if opts.JetStreamMaxStore > 0 && defaultStreamBytes >= opts.JetStreamMaxStore*3/4 {
+		t.Errorf("the router's default 1 GiB stream leaves too little of the %d-byte JetStream store for the snapshot bucket", opts.JetStreamMaxStore)
+	}
 	for _, w := range b.workloads() {
 		for _, c := range w.template.Spec.Containers {
 			if binaryOf(c.Command) != "kvbridge" {
 				continue
 			}
-			maxBytes := int64(1 << 30) // events.StreamConfig default
+			maxBytes := int64(defaultStreamBytes)
 			if v, ok := argValue(c.Args, "stream-max-bytes"); ok {
 				if maxBytes, err = strconv.ParseInt(v, 10, 64); err != nil {
 					t.Errorf("%s: --stream-max-bytes=%s: %v", w, v, err)
