@@ -1,0 +1,185 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+func kvevHashes(from, n int) []uint64 {
+	out := make([]uint64, n)
+	for i := range out {
+		out[i] = uint64(from + i)
+	}
+	return out
+}
+
+func kvevTokens(n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = uint32(3*i + 1)
+	}
+	return out
+}
+
+// TestAccountingApplier: the tier accounting follows what the index did,
+// batch by batch, with clears and purges.
+func TestAccountingApplier(t *testing.T) {
+	ctx := context.Background()
+	type held = [tiers.Count]int64
+	tests := []struct {
+		name    string
+		batches [][]events.Event
+		purge   bool
+		want    held
+	}{
+		{"gpu store", [][]events.Event{{{Kind: events.BlockStored, BlockHashes: kvevHashes(1, 4), TokenIDs: kvevTokens(64), BlockSize: 16, Medium: "GPU"}}},
+			false, held{4, 0, 0, 0}},
+		{"duplicate store counted once (index totals)", [][]events.Event{
+			{{Kind: events.BlockStored, BlockHashes: kvevHashes(1, 4), TokenIDs: kvevTokens(64), BlockSize: 16, Medium: "GPU"}},
+			{{Kind: events.BlockStored, BlockHashes: kvevHashes(1, 4), TokenIDs: kvevTokens(64), BlockSize: 16, Medium: "GPU"}},
+		}, false, held{4, 0, 0, 0}},
+		{"offload then evict from gpu, one batch of two tiers", [][]events.Event{
+			{{Kind: events.BlockStored, BlockHashes: kvevHashes(1, 4), TokenIDs: kvevTokens(64), BlockSize: 16, Medium: "GPU"}},
+			{{Kind: events.BlockStored, BlockHashes: kvevHashes(3, 2), Medium: "CPU"}, {Kind: events.BlockRemoved, BlockHashes: kvevHashes(3, 2), Medium: "GPU"}},
+		}, false, held{2, 2, 0, 0}},
+		{"clear in the middle of a batch", [][]events.Event{
+			{{Kind: events.BlockStored, BlockHashes: kvevHashes(1, 4), TokenIDs: kvevTokens(64), BlockSize: 16, Medium: "GPU"},
+				{Kind: events.AllBlocksCleared},
+				{Kind: events.BlockStored, BlockHashes: kvevHashes(10, 1), TokenIDs: kvevTokens(16), BlockSize: 16, Medium: "GPU"}},
+		}, false, held{1, 0, 0, 0}},
+		{"purge forgets", [][]events.Event{{{Kind: events.BlockStored, BlockHashes: kvevHashes(1, 4), TokenIDs: kvevTokens(64), BlockSize: 16, Medium: "GPU"}}},
+			true, held{}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: "m"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			acct, err := tiers.NewAccounting(nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			a := &accountingApplier{Index: idx, acct: acct}
+			for _, b := range tc.batches {
+				if _, err := a.Apply(ctx, "i", b); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if tc.purge {
+				if err := a.Purge(ctx, "i"); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if got := acct.Held("i"); got != tc.want {
+				t.Fatalf("held %v, want %v", got, tc.want)
+			}
+			// The index agrees with the accounting.
+			st, _ := idx.Instances(ctx)
+			var fromIndex held
+			for _, s := range st {
+				for tr := range tiers.Count {
+					fromIndex[tr] = int64(s.Blocks[tr])
+				}
+			}
+			if fromIndex != tc.want {
+				t.Fatalf("index holds %v, accounting %v", fromIndex, tc.want)
+			}
+		})
+	}
+}
+
+func TestKVEventsWantedAndConfig(t *testing.T) {
+	no, yes := false, true
+	pool := func(r RoutingConfig) PoolConfig {
+		return PoolConfig{Name: "p", Model: "m", Routing: r, Instances: []InstanceConfig{{ID: "a", URL: "http://127.0.0.1:1"}}}
+	}
+	wanted := []struct {
+		name string
+		cfg  Config
+		want bool
+	}{
+		{"heuristic only", Config{Pools: []PoolConfig{pool(RoutingConfig{})}}, false},
+		{"kv_aware pool", Config{Pools: []PoolConfig{pool(RoutingConfig{Strategy: StrategyKVAware})}}, true},
+		{"shadow pool", Config{Pools: []PoolConfig{pool(RoutingConfig{Shadow: true})}}, true},
+		{"index section", Config{Index: &IndexConfig{}, Pools: []PoolConfig{pool(RoutingConfig{})}}, true},
+		{"explicitly enabled", Config{Events: &EventsConfig{Enabled: &yes}, Index: &IndexConfig{}, Pools: []PoolConfig{pool(RoutingConfig{})}}, true},
+		{"disabled", Config{Events: &EventsConfig{Enabled: &no}, Pools: []PoolConfig{pool(RoutingConfig{Strategy: StrategyKVAware})}}, false},
+	}
+	for _, tc := range wanted {
+		if got := KVEventsWanted(tc.cfg); got != tc.want {
+			t.Errorf("%s: KVEventsWanted %v, want %v", tc.name, got, tc.want)
+		}
+	}
+
+	kvPool := pool(RoutingConfig{Strategy: StrategyKVAware})
+	empty := PoolConfig{Name: "p", Model: "m", Routing: RoutingConfig{Strategy: StrategyKVAware}}
+	invalid := []struct {
+		name string
+		cfg  Config
+		want string // "" = valid
+	}{
+		{"defaults", Config{Events: &EventsConfig{}, Pools: []PoolConfig{kvPool}}, ""},
+		{"url and embedded", Config{Events: &EventsConfig{NATS: NATSConfig{URL: "nats://x:4222", Embedded: true}}, Pools: []PoolConfig{kvPool}}, "exclude"},
+		{"bad listen", Config{Events: &EventsConfig{NATS: NATSConfig{Listen: "4222"}}, Pools: []PoolConfig{kvPool}}, "events.nats.listen"},
+		{"cert without key", Config{Events: &EventsConfig{NATS: NATSConfig{TLS: &TLSConfig{CertFile: "c"}}}, Pools: []PoolConfig{kvPool}}, "cert_file and key_file"},
+		{"negative stale", Config{Events: &EventsConfig{StaleAfter: -1}, Pools: []PoolConfig{kvPool}}, ">= 0"},
+		{"purge before stale", Config{Events: &EventsConfig{StaleAfter: 60e9, PurgeAfter: 30e9}, Pools: []PoolConfig{kvPool}}, "purge_after"},
+		{"no instances, discovery on", Config{Pools: []PoolConfig{empty}}, ""},
+		{"no instances, discovery off", Config{Events: &EventsConfig{DiscoverInstances: &no}, Pools: []PoolConfig{empty}}, "at least one instance"},
+		{"no instances, events off", Config{Events: &EventsConfig{Enabled: &no}, Pools: []PoolConfig{{Name: "p", Model: "m"}}}, "at least one instance"},
+	}
+	for _, tc := range invalid {
+		err := tc.cfg.Validate()
+		switch {
+		case tc.want == "" && err != nil:
+			t.Errorf("%s: %v", tc.name, err)
+		case tc.want != "" && (err == nil || !errors.Is(err, ErrInvalidConfig) || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("%s: error %v, want one naming %q", tc.name, err, tc.want)
+		}
+	}
+}
+
+// BenchmarkAccountingApply is the cost the accounting adds to every event
+// batch the consumer applies (a typical batch: 4 stored GPU blocks, 4
+// removed), beside the bare index.
+func BenchmarkAccountingApply(b *testing.B) {
+	ctx := context.Background()
+	for _, withAcct := range []bool{false, true} {
+		name := "index"
+		if withAcct {
+			name = "index+accounting"
+		}
+		b.Run(name, func(b *testing.B) {
+			idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: "m"})
+			if err != nil {
+				b.Fatal(err)
+			}
+			acct, _ := tiers.NewAccounting(nil)
+			var ap interface {
+				Apply(context.Context, string, []events.Event) (kvindex.ApplyResult, error)
+			} = idx
+			if withAcct {
+				ap = &accountingApplier{Index: idx, acct: acct}
+			}
+			toks := kvevTokens(64)
+			b.ReportAllocs()
+			for i := 0; b.Loop(); i++ {
+				base := i * 4
+				evs := []events.Event{
+					{Kind: events.BlockStored, BlockHashes: kvevHashes(base, 4), TokenIDs: toks, BlockSize: 16, Medium: "GPU"},
+					{Kind: events.BlockRemoved, BlockHashes: kvevHashes(base, 4), Medium: "GPU"},
+				}
+				if _, err := ap.Apply(ctx, "i", evs); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
