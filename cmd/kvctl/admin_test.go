@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
@@ -85,6 +86,7 @@ func TestRoutingSetAndGet(t *testing.T) {
 		{"no pool", []string{"routing", "set", "--strategy", "random"}, 2, nil, "--pool is required", "round_robin"},
 		{"bad int", []string{"routing", "set", "--pool", "llama", "--prefix-length", "lots"}, 2, nil, "invalid value", "round_robin"},
 		{"stray argument", []string{"routing", "get", "llama"}, 2, nil, `unexpected argument "llama"`, "round_robin"},
+		{"shadow without index", []string{"routing", "set", "--pool", "llama", "--shadow=true"}, 1, nil, "400 Bad Request", "round_robin"},
 		{"set back", []string{"routing", "set", "--pool", "llama", "--strategy", "least_outstanding", "--json"}, 0, []string{`"strategy": "least_outstanding"`, `"prefix_length": 2048`}, "", "least_outstanding"},
 	}
 	for _, tc := range tests {
@@ -139,6 +141,9 @@ func TestRoutingGetJSONAllPools(t *testing.T) {
 func TestAdminTokenAndConnectionErrors(t *testing.T) {
 	tr := newTestRouter(t, 1, false, func(c *router.Config) { c.AdminToken = "s3cret" })
 	closed := fmt.Sprintf("http://127.0.0.1:%d", testenv.FreePort(t))
+	// A router that accepts and never answers.
+	hung := httptest.NewServer(http.HandlerFunc(func(_ http.ResponseWriter, r *http.Request) { <-r.Context().Done() }))
+	t.Cleanup(hung.Close)
 	tests := []struct {
 		name   string
 		env    map[string]string
@@ -153,6 +158,7 @@ func TestAdminTokenAndConnectionErrors(t *testing.T) {
 		{"flag beats env", map[string]string{"KVROUTER_ADMIN_URL": closed, "KVROUTER_ADMIN_TOKEN": "s3cret"}, []string{"--router", tr.admin.URL}, 0, ""},
 		{"connection refused", nil, []string{"--router", closed}, 1, "connection refused: is kvrouter running with its admin API there?"},
 		{"env connection refused", map[string]string{"KVROUTER_ADMIN_URL": closed}, nil, 1, closed + "/admin/pools"},
+		{"timeout", nil, []string{"--router", hung.URL, "--timeout", "200ms"}, 1, "no answer within 200ms (--timeout)"},
 		{"bad url", nil, []string{"--router", "127.0.0.1:8081"}, 2, "want an http:// or https:// URL"},
 		{"bad timeout", nil, []string{"--router", tr.admin.URL, "--timeout", "0s"}, 2, "--timeout 0s: must be positive"},
 		{"data listener", nil, []string{"--router", tr.admin.URL + "/nothing-here", "--token", "s3cret"}, 1, "404 Not Found"},
