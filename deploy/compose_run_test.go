@@ -341,6 +341,10 @@ func TestComposeRuns(t *testing.T) {
 	if picked[0] == "" || picked[0] != picked[1] {
 		t.Errorf("routers picked %v: want the same instance", picked)
 	}
+	// Exact routing across replicas: the engine's events went through its
+	// bridge, NATS and router 1's consumer into the shared Redis index, so
+	// router 2 finds the prompt's blocks there.
+	waitExactRoute(t, client, fmt.Sprintf("http://127.0.0.1:%d/v1/chat/completions", m.local(routers[1], "8080")), body, picked[0])
 
 	// The engine's KV events reach JetStream under the instance's subject.
 	nc, err := nats.Connect(ns.ClientURL())
@@ -380,6 +384,33 @@ func TestComposeRuns(t *testing.T) {
 		if resp.StatusCode != tc.want {
 			t.Errorf("admin with token %q: status %d, want %d", tc.token, resp.StatusCode, tc.want)
 		}
+	}
+}
+
+// waitExactRoute repeats a request until the router routes it by its KV
+// index (reason kv_match), and checks it goes to the instance that holds
+// the prompt's blocks.
+func waitExactRoute(t *testing.T, client *http.Client, url, body, holder string) {
+	t.Helper()
+	var last string
+	waitFor(t, 30*time.Second, "a kv_match decision", func() error {
+		resp, err := client.Post(url, "application/json", strings.NewReader(body))
+		if err != nil {
+			return err
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		last = resp.Header.Get("X-Kvrouter-Reason") + " -> " + resp.Header.Get("X-Kvrouter-Instance")
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("status %d", resp.StatusCode)
+		}
+		if r := resp.Header.Get("X-Kvrouter-Reason"); r != "kv_match" {
+			return fmt.Errorf("reason %q (%s)", r, resp.Header.Get("X-Kvrouter-Matched-Tokens"))
+		}
+		return nil
+	})
+	if !strings.HasSuffix(last, "-> "+holder) {
+		t.Errorf("kv_match routed %s, want the instance holding the blocks, %s", last, holder)
 	}
 }
 

@@ -220,6 +220,8 @@ func TestDevOverlayRuns(t *testing.T) {
 		_, err = st.GetLastMsgForSubject(ctx, subject)
 		return err
 	})
+	// And the router routes the prompt again by its index, to that pod.
+	waitExactRoute(t, client, portURL(router, "http", "/v1/chat/completions"), body, inst)
 
 	// The admin API wants the token of the rendered Secret.
 	var token string
