@@ -396,3 +396,59 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 		t.Fatal("event stream not closed after the close event")
 	}
 }
+
+// TestKVRouterEventsRedisIndex: with index.backend redis the pipeline feeds
+// a Redis index (shared by router replicas: this router only keeps up with
+// new events), and a second router's pipeline on the same Redis and NATS
+// sees the same blocks.
+func TestKVRouterEventsRedisIndex(t *testing.T) {
+	ctx := testenv.Context(t, 2*time.Minute)
+	name := testenv.UniqueName(t)
+	pool := "p_" + name
+	stream, bucket := "EV_"+name, "SN_"+name
+	ns := testenv.StartNATS(t)
+	cfg := router.Config{
+		Index:  &router.IndexConfig{Backend: "redis", Redis: &router.RedisConfig{Addrs: []string{testenv.Redis(t)}, KeyPrefix: name}},
+		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
+		Pools: []router.PoolConfig{{Name: pool, Model: kvrModel, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
+			Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
+			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
+	}
+	var routers []*kvrRouter
+	for range 2 {
+		kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: quietLogger()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(kve.Close)
+		if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
+			t.Fatal(err)
+		}
+		srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), KV: kve.KV, KVEvents: kve})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ts := httptest.NewServer(srv.Handler())
+		t.Cleanup(ts.Close)
+		routers = append(routers, &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool})
+	}
+	t.Cleanup(func() {
+		// Only this test's keys: its own prefix.
+		idx, _ := routers[0].kve.KV(cfg.Pools[0])
+		_ = idx.Purge(context.Background(), "vllm-0")
+	})
+	eng := startKVREngine(t, ctx, ns.URL(), pool, "vllm-0", "http://127.0.0.1:1", stream, bucket)
+	ids := kvrTokens(7, 3*16)
+	eng.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(500, 3), TokenIDs: ids, BlockSize: 16, Medium: "GPU"})
+	want := router.KVLookupMatch{Instance: "vllm-0", GPUBlocks: 3, Live: true}
+	for i, r := range routers {
+		waitFor(t, 15*time.Second, fmt.Sprintf("router %d sees the blocks in Redis", i), func() bool {
+			lr := r.lookup(ids)
+			return len(lr.Matches) == 1 && lr.Matches[0] == want
+		})
+	}
+	eng.publish(t, events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(500, 3), Medium: "GPU"})
+	for i, r := range routers {
+		waitFor(t, 15*time.Second, fmt.Sprintf("router %d sees the removal", i), func() bool { return len(r.lookup(ids).Matches) == 0 })
+	}
+}
