@@ -390,3 +390,29 @@ func FuzzReadSSE(f *testing.F) {
 		_ = sinkJSON.add("fuzz", in)
 	})
 }
+
+// BenchmarkTailRecord is the per-record cost of 'tail evictions' (decode,
+// filter, print): a busy pool evicts thousands of blocks per second, in
+// records of up to 64 hashes.
+func BenchmarkTailRecord(b *testing.B) {
+	hs := make([]uint64, events.MaxEvictionHashes)
+	for i := range hs {
+		hs[i] = uint64(i) * 0x9e3779b97f4a7c15
+	}
+	rec, _ := json.Marshal(events.EvictionRecord{Pool: "llama", Instance: "vllm-0", Tier: "gpu", Blocks: 64, Hashes: hs, Time: time.Now(), Reason: events.ReasonEvicted})
+	for _, mode := range []struct {
+		name string
+		json bool
+	}{{"table", false}, {"json", true}} {
+		b.Run(mode.name, func(b *testing.B) {
+			sink := &recordSink{w: io.Discard, stderr: io.Discard, json: mode.json}
+			b.ReportAllocs()
+			b.SetBytes(int64(len(rec)))
+			for b.Loop() {
+				if err := sink.add("bench", rec); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
