@@ -141,34 +141,30 @@ func (s *Server) limitInput(next http.Handler) http.Handler {
 			return
 		}
 		if r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0 {
-			rc := http.NewResponseController(w)
 			// Unsupported writers (tests' recorders) have no deadline to set.
-			if rc.SetReadDeadline(time.Now().Add(l.BodyReadTimeout)) == nil {
-				r.Body = &deadlineBody{ReadCloser: r.Body, rc: rc}
+			if http.NewResponseController(w).SetReadDeadline(time.Now().Add(l.BodyReadTimeout)) == nil {
+				r.Body = &deadlineBody{ReadCloser: r.Body}
 			}
 		}
 		next.ServeHTTP(w, r)
 	})
 }
 
-// deadlineBody clears the connection's read deadline once the body is read:
-// net/http keeps reading the connection in the background afterwards to
-// notice a client going away, and a deadline left set would cancel the
-// request mid-stream.
+// deadlineBody turns a body read cut by the deadline into errBodyTimeout
+// (answered 408). The deadline needs no clearing once the body is read:
+// net/http clears it when the body reaches EOF, as it starts its background
+// read of the connection (net/http connReader.startBackgroundRead), so a
+// long stream is never cut (TestSlowClients holds that). On a timeout the
+// expired deadline stays: before answering, net/http tries to drain the
+// unread body, which must then fail fast rather than block.
 type deadlineBody struct {
 	io.ReadCloser
-	rc   *http.ResponseController
-	done bool
 }
 
 func (b *deadlineBody) Read(p []byte) (int, error) {
 	n, err := b.ReadCloser.Read(p)
-	if err != nil && !b.done {
-		b.done = true
-		_ = b.rc.SetReadDeadline(time.Time{})
-		if isTimeout(err) {
-			err = fmt.Errorf("%w: %w", errBodyTimeout, err)
-		}
+	if err != nil && err != io.EOF && isTimeout(err) {
+		err = fmt.Errorf("%w: %w", errBodyTimeout, err)
 	}
 	return n, err
 }
