@@ -2,6 +2,7 @@ package deploy
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -245,6 +246,46 @@ func TestDevOverlayRuns(t *testing.T) {
 			t.Errorf("admin with token %q: %d %v %s, want %d", tc.token, code, err, body, tc.want)
 		}
 	}
+
+	// Scaling the engines up: a new pod (the StatefulSet's next ordinal),
+	// not in router.yaml, joins the pool from its bridge's heartbeat.
+	engineSts := b.statefulSets["kvsim"]
+	extra := pod{name: engineSts.Name + "-" + strconv.Itoa(int(derefReplicas(engineSts.Spec.Replicas))), spec: &engineSts.Spec.Template.Spec}
+	for i := range extra.spec.Containers {
+		c := &extra.spec.Containers[i]
+		start(t, ctx, extra.name+"/"+c.Name, filepath.Join(dir, binaryOf(c.Command)), m.localArgs(extra.name, c.Args), kubeletEnv(t, b, extra, c))
+	}
+	auth := http.Header{"Authorization": {"Bearer " + token}}
+	waitFor(t, 30*time.Second, extra.name+" discovered from its heartbeat", func() error {
+		code, body, err := get(portURL(router, "admin", "/admin/pools/llama/instances"), auth)
+		if err != nil {
+			return err
+		}
+		var v struct {
+			Instances []struct {
+				Instance   string `json:"instance"`
+				InPool     bool   `json:"in_pool"`
+				Configured bool   `json:"configured"`
+				URL        string `json:"url"`
+			} `json:"instances"`
+		}
+		if err := json.Unmarshal([]byte(body), &v); err != nil || code != http.StatusOK {
+			return fmt.Errorf("status %d: %v: %s", code, err, body)
+		}
+		for _, in := range v.Instances {
+			if in.Instance == extra.name {
+				if !in.InPool || in.Configured {
+					return fmt.Errorf("%+v: want in the pool, not configured", in)
+				}
+				// POD_IP here is loopback; in a cluster, the pod's address.
+				if in.URL != "http://127.0.0.1:8000" {
+					return fmt.Errorf("url %s: want http://$POD_IP:8000", in.URL)
+				}
+				return nil
+			}
+		}
+		return fmt.Errorf("not listed: %s", body)
+	})
 
 	// What the ServiceMonitor and PodMonitor scrape serves what the
 	// dashboard and alerts read.
