@@ -132,6 +132,11 @@ func StartKVEvents(ctx context.Context, cfg Config, opts KVEventsOptions) (*KVEv
 		return nil, err
 	}
 	k := &KVEvents{cfg: cfg, opts: opts, log: opts.Logger, acct: acct, pools: map[string]*kvPool{}, base: cfg}
+	if opts.Registerer != nil {
+		if err := opts.Registerer.Register(newKVEventsCollector(k)); err != nil {
+			return nil, fmt.Errorf("router: register kv events metrics: %w", err)
+		}
+	}
 	k.ctx, k.cancel = context.WithCancel(ctx)
 	k.streamsCtx, k.stopStreams = context.WithCancel(k.ctx)
 	fail := func(err error) (*KVEvents, error) {

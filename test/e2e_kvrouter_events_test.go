@@ -326,6 +326,10 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 		`kvrouter_tier_blocks_stored_total{instance="vllm-1",tier="gpu"} 4`,
 		`kvrouter_tier_blocks_evicted_total{instance="vllm-1",tier="gpu"} 2`,
 		fmt.Sprintf(`kvrouter_events_instances{pool=%q,state="live"}`, pool),
+		fmt.Sprintf(`kvrouter_events_instance_state{instance="vllm-1",pool=%q,state="live"} 1`, pool),
+		fmt.Sprintf(`kvrouter_events_instance_state{instance="vllm-1",pool=%q,state="stale"} 0`, pool),
+		fmt.Sprintf(`kvrouter_events_stream_healthy{pool=%q} 1`, pool),
+		`kvrouter_events_instance_last_event_age_seconds{instance="vllm-1"`,
 	} {
 		if !strings.Contains(m, s) {
 			t.Errorf("metrics lack %s", s)
@@ -344,6 +348,9 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	ns.Shutdown()
 	ns.WaitForShutdown()
 	waitFor(t, 20*time.Second, "stream unhealthy", func() bool { return !r.instances().StreamHealthy })
+	if m := r.metrics(); !strings.Contains(m, fmt.Sprintf(`kvrouter_events_stream_healthy{pool=%q} 0`, pool)) {
+		t.Error("kvrouter_events_stream_healthy not 0 while NATS is down")
+	}
 	if _, reason := r.complete(ids); reason != string(router.ReasonStreamDown) {
 		t.Fatalf("NATS down: reason %q, want %s", reason, router.ReasonStreamDown)
 	}
