@@ -47,8 +47,9 @@ type Config struct {
 	Log LogConfig `yaml:"log" json:"log"`
 	// Proxy configures the upstream HTTP client and retries.
 	Proxy ProxyConfig `yaml:"proxy" json:"proxy"`
-	// Index and Events are reserved for exact KV-aware routing (later issues):
-	// parsed and validated for shape, not used by the heuristic strategies.
+	// Index and Events configure the KV state of exact routing: the block
+	// index backend and where KV events come from (docs/operations.md;
+	// KVEventsWanted says when they are used).
 	Index  *IndexConfig  `yaml:"index,omitempty" json:"index,omitempty"`
 	Events *EventsConfig `yaml:"events,omitempty" json:"events,omitempty"`
 	// Pools are the model deployments, one per served base model.
@@ -82,7 +83,7 @@ type ProxyConfig struct {
 	MaxIdleConnsPerHost int `yaml:"max_idle_conns_per_host" json:"max_idle_conns_per_host,omitempty"`
 }
 
-// IndexConfig selects the KV block index backend (used by kv_aware routing, a later issue).
+// IndexConfig selects the KV block index backend (kv_aware, shadow mode, admin lookups).
 type IndexConfig struct {
 	// Backend: memory | redis. Default memory.
 	Backend string `yaml:"backend" json:"backend,omitempty"`
