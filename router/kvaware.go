@@ -615,6 +615,9 @@ func (s *KVAware) commit(dec *Decision, ev *kvEval, ce *candEval) {
 // isolation key, folded into the first block's hash by the engine, hence
 // into our root), reading the body only when it mentions one.
 func cacheSalt(req *Request) string {
+	if salt, ok := leadingCacheSalt(req.Body); ok {
+		return salt // as the router injected it (salt.go): no decode
+	}
 	if !bytes.Contains(req.Body, []byte(`"cache_salt"`)) {
 		return ""
 	}

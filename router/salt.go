@@ -1,6 +1,7 @@
 package router
 
 import (
+	"bytes"
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/base64"
@@ -189,4 +190,30 @@ func InjectCacheSalt(body []byte, salt string, overwrite bool) ([]byte, error) {
 		out = append(out, body[m.start:m.end]...)
 	}
 	return append(out, '}'), nil
+}
+
+// leadingCacheSalt reads the salt InjectCacheSalt wrote: a body that opens
+// with {"cache_salt":"<base64url>" and mentions no other "cache_salt". It
+// spares kv_aware a full JSON decode of long bodies (650 µs at 256 KiB);
+// ok is false for any other shape, which then takes the general path.
+func leadingCacheSalt(body []byte) (salt string, ok bool) {
+	const head = `{"cache_salt":"`
+	if !bytes.HasPrefix(body, []byte(head)) {
+		return "", false
+	}
+	i := len(head)
+	for i < len(body) && isSaltByte(body[i]) {
+		i++
+	}
+	if i+1 >= len(body) || body[i] != '"' || (body[i+1] != ',' && body[i+1] != '}') {
+		return "", false
+	}
+	if bytes.Contains(body[i:], []byte(`"cache_salt"`)) || bytes.Contains(body[i:], []byte(`\u`)) {
+		return "", false // a duplicate (last one wins) or an escaped key: decode
+	}
+	return string(body[len(head):i]), true
+}
+
+func isSaltByte(c byte) bool {
+	return c >= 'A' && c <= 'Z' || c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-' || c == '_'
 }

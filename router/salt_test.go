@@ -3,6 +3,7 @@ package router
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 )
@@ -200,6 +201,93 @@ func FuzzInjectCacheSalt(f *testing.F) {
 		}
 		if len(got) != len(in)+1 && len(got) != len(in) {
 			t.Fatalf("members %d -> %d", len(in), len(got))
+		}
+	})
+}
+
+// BenchmarkSaltBody: deriving the salt and rewriting the body, per
+// request of a cache_salt pool, by body size.
+func BenchmarkSaltBody(b *testing.B) {
+	for _, n := range []int{2 << 10, 32 << 10, 256 << 10} {
+		body := []byte(`{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("x", n) + `"}],"stream":true}`)
+		cfg := &CacheSaltConfig{Enabled: true}
+		b.Run(fmt.Sprintf("%dKiB", n>>10), func(b *testing.B) {
+			b.ReportAllocs()
+			b.SetBytes(int64(len(body)))
+			for b.Loop() {
+				if out := saltBody(cfg, testSaltSecret, "tenant-a", body); len(out) <= len(body) {
+					b.Fatal("not salted")
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkCacheSaltOfSaltedBody: what kv_aware pays to read the salt back
+// from a body saltBody wrote.
+func BenchmarkCacheSaltOfSaltedBody(b *testing.B) {
+	for _, n := range []int{2 << 10, 256 << 10} {
+		body := saltBody(&CacheSaltConfig{Enabled: true}, testSaltSecret, "tenant-a", []byte(`{"model":"m","prompt":"`+strings.Repeat("x", n)+`"}`))
+		req := &Request{Body: body}
+		b.Run(fmt.Sprintf("%dKiB", n>>10), func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if cacheSalt(req) == "" {
+					b.Fatal("no salt")
+				}
+			}
+		})
+	}
+}
+
+// jsonCacheSalt is the general path: what encoding/json (last duplicate
+// wins, as in vLLM's Python parser) reads as the top-level cache_salt.
+func jsonCacheSalt(body []byte) (string, bool) {
+	var v struct {
+		CacheSalt string `json:"cache_salt"`
+	}
+	if json.Unmarshal(body, &v) != nil {
+		return "", false
+	}
+	return v.CacheSalt, true
+}
+
+func TestLeadingCacheSalt(t *testing.T) {
+	tests := []struct {
+		body string
+		want string
+		ok   bool
+	}{
+		{`{"cache_salt":"abc_-9","model":"m"}`, "abc_-9", true},
+		{`{"cache_salt":"abc"}`, "abc", true},
+		{`{"cache_salt":"abc","x":1,"cache_salt":"later"}`, "", false},
+		{`{"cache_salt":"abc","cache\u005fsalt":"later"}`, "", false},
+		{`{"cache_salt":"a b","model":"m"}`, "", false},
+		{`{"cache_salt":"abc"`, "", false},
+		{`{"model":"m","cache_salt":"abc"}`, "", false},
+		{` {"cache_salt":"abc"}`, "", false},
+	}
+	for _, tc := range tests {
+		got, ok := leadingCacheSalt([]byte(tc.body))
+		if got != tc.want || ok != tc.ok {
+			t.Errorf("%s: got %q %v, want %q %v", tc.body, got, ok, tc.want, tc.ok)
+		}
+	}
+}
+
+// FuzzLeadingCacheSalt: whenever the fast path answers, on a valid body,
+// it agrees with encoding/json.
+func FuzzLeadingCacheSalt(f *testing.F) {
+	f.Add([]byte(`{"cache_salt":"abc","model":"m"}`))
+	f.Add([]byte(`{"cache_salt":"abc","x":{"cache_salt":"y"}}`))
+	f.Add([]byte(`{"cache_salt":"abc","cach\u0065_salt":"z"}`))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		fast, ok := leadingCacheSalt(body)
+		if !ok {
+			return
+		}
+		if slow, valid := jsonCacheSalt(body); valid && slow != fast {
+			t.Fatalf("%q: fast %q, encoding/json %q", body, fast, slow)
 		}
 	})
 }
