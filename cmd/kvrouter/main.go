@@ -271,6 +271,11 @@ loop:
 		case serveErr = <-errc:
 			break loop
 		case <-hup:
+			// Certificates first and regardless of the file: a rotated
+			// certificate must not wait for a valid config.
+			if certs != nil {
+				certs.ReloadAndLog()
+			}
 			ncfg, err := loadConfig(f, getenv)
 			if err == nil && kve != nil {
 				err = kve.Reload(srv, ncfg)
@@ -280,9 +285,6 @@ loop:
 			if err != nil {
 				log.Error("reload failed; keeping the running configuration", "err", err)
 				continue
-			}
-			if certs != nil {
-				certs.ReloadAndLog()
 			}
 			log.Info("reloaded", "config", f.config)
 		}
