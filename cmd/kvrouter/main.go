@@ -5,7 +5,8 @@
 //	kvrouter --config router.yaml [--listen :8080] [--admin-listen :8081] ...
 //
 // Secrets come from the environment: KVROUTER_ADMIN_TOKEN (bearer token of
-// the admin API), KVROUTER_REDIS_PASSWORD. SIGHUP reloads the config file
+// the admin API), KVROUTER_REDIS_PASSWORD, KVROUTER_CACHE_SALT_SECRET (hex
+// HMAC key of pools' cache_salt, docs/security.md). SIGHUP reloads the config file
 // (the KV event consumers and indexes are kept); SIGINT/SIGTERM drain and
 // stop.
 //
