@@ -217,3 +217,17 @@ func leadingCacheSalt(body []byte) (salt string, ok bool) {
 func isSaltByte(c byte) bool {
 	return c >= 'A' && c <= 'Z' || c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-' || c == '_'
 }
+
+// TenantCacheSalt is the cache_salt the router injects for tenant's
+// requests to pool: ok is false when the pool does not salt (no such pool,
+// cache_salt off, or no tenant). For APIs that pick without forwarding
+// (gRPC Pick and Lookup, the admin lookup), so that they key blocks as the
+// forwarded requests will.
+func (s *Server) TenantCacheSalt(pool, tenant string) (salt string, ok bool) {
+	st := s.state.Load()
+	p := st.byName[pool]
+	if p == nil || tenant == "" || p.cfg.CacheSalt == nil || !p.cfg.CacheSalt.Enabled || len(st.cfg.CacheSaltSecret) == 0 {
+		return "", false
+	}
+	return DeriveCacheSalt(st.cfg.CacheSaltSecret, tenant), true
+}

@@ -16,6 +16,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
 // saltEngine is a fake vLLM instance that honours cache_salt as vLLM does:
@@ -171,5 +172,60 @@ func TestCacheSaltKVAware(t *testing.T) {
 	}
 	if saltA == saltB || strings.Contains(saltA, "tenant") {
 		t.Fatalf("salts: a %q b %q", saltA, saltB)
+	}
+}
+
+// TestCacheSaltRawPath: the raw invoke path salts JSON object bodies and
+// forwards anything else unchanged; TenantCacheSalt agrees with what was sent.
+func TestCacheSaltRawPath(t *testing.T) {
+	secret := bytes.Repeat([]byte{9}, 16)
+	up := routertest.New(t, "vllm-0", "m")
+	cfg := router.Config{CacheSaltSecret: secret, Pools: []router.PoolConfig{{
+		Name: "p", Model: "m", CacheSalt: &router.CacheSaltConfig{Enabled: true},
+		Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
+		Instances: []router.InstanceConfig{{ID: up.ID, URL: up.URL()}},
+	}}}
+	srv, err := router.NewServer(cfg, router.Options{Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := httptest.NewServer(srv.Handler())
+	t.Cleanup(ts.Close)
+	want, ok := srv.TenantCacheSalt("p", "t-1")
+	if !ok || want != router.DeriveCacheSalt(secret, "t-1") {
+		t.Fatalf("TenantCacheSalt = %q %v", want, ok)
+	}
+	if _, ok := srv.TenantCacheSalt("p", ""); ok {
+		t.Fatal("a salt for no tenant")
+	}
+	if _, ok := srv.TenantCacheSalt("nope", "t-1"); ok {
+		t.Fatal("a salt for an unknown pool")
+	}
+	tests := []struct {
+		name, body, tenant, want string
+	}{
+		{"json object is salted", `{"inputs":"hi","cache_salt":"mine"}`, "t-1", `{"cache_salt":"` + want + `","inputs":"hi"}`},
+		{"no tenant: unchanged", `{"inputs":"hi"}`, "", `{"inputs":"hi"}`},
+		{"not JSON: unchanged", `inputs=hi`, "t-1", `inputs=hi`},
+		{"JSON array: unchanged", `[{"inputs":"hi"}]`, "t-1", `[{"inputs":"hi"}]`},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			req, _ := http.NewRequest(http.MethodPost, ts.URL+"/invocations", strings.NewReader(tc.body))
+			if tc.tenant != "" {
+				req.Header.Set(router.TenantHeader, tc.tenant)
+			}
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				t.Fatalf("status %d", resp.StatusCode)
+			}
+			if got := string(up.LastBody()); got != tc.want {
+				t.Fatalf("upstream body %s, want %s", got, tc.want)
+			}
+		})
 	}
 }
