@@ -20,12 +20,11 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
-	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/internal/testenv"
-	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
 	simserver "github.com/kvrouter/kvrouter/sim/server"
@@ -38,11 +37,12 @@ const (
 	instances  = 3
 )
 
-// fleet is the real pipeline in this process: kvsim instances publishing
-// KV events over ZMQ, a kvbridge each into a real (embedded) NATS server
-// with JetStream, the events consumer into a memory index, and the router
-// (kv_aware with shadow comparison) serving the dashboard, with the
-// eviction stream mounted at /v1/kv/evictions as cmd/kvrouter does.
+// fleet is the real pipeline in this process, wired as cmd/kvrouter wires
+// it: kvsim instances publishing KV events over ZMQ, a kvbridge each into a
+// real (embedded) NATS server with JetStream, and the router's own events
+// pipeline (router.StartKVEvents: consumer, memory index, eviction stream
+// at /v1/kv/evictions behind the admin token) feeding kv_aware with shadow
+// comparison.
 type fleet struct {
 	url string
 }
@@ -50,7 +50,8 @@ type fleet struct {
 func startFleet(t *testing.T, ctx context.Context) *fleet {
 	t.Helper()
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	pool := "dash"
+	name := testenv.UniqueName(t)
+	pool, streamName, bucketName := "dash", "EV_"+name, "SN_"+name
 	ns := testenv.StartNATS(t)
 	// The eviction stream drops records for a slow SSE client by design
 	// (EvictionSSEConfig.Buffer); nats.go would print each drop.
@@ -64,15 +65,15 @@ func startFleet(t *testing.T, ctx context.Context) *fleet {
 	// cleanup registered below (cleanups run last-first).
 	ctx, cancel := context.WithCancel(ctx)
 	var bg sync.WaitGroup
-	stream := events.StreamConfig{Name: testenv.UniqueName(t), Memory: true}
-	bucket := events.BucketConfig{Memory: true}
+	stream := events.StreamConfig{Name: streamName, Memory: true}
+	bucket := events.BucketConfig{Name: bucketName, Memory: true}
 	pc := router.PoolConfig{Name: pool, Model: model,
-		Routing:   router.RoutingConfig{Strategy: "kv_aware", Shadow: true},
-		Tokenizer: &router.TokenizerConfig{Source: router.TokenSourceSimple}}
-	var ids []string
+		Routing:   router.RoutingConfig{Strategy: router.StrategyKVAware, Shadow: true},
+		Tokenizer: &router.TokenizerConfig{Source: router.TokenSourceSimple},
+		Discovery: router.DiscoveryConfig{Disable: true}}
+	var bridges []*bridge.Bridge
 	for i := range instances {
 		id := fmt.Sprintf("sim%d", i)
-		ids = append(ids, id)
 		cfg := simserver.Config{
 			// A small GPU cache (64 blocks of 16 tokens) and a CPU tier, so
 			// the workload below evicts and offloads within seconds.
@@ -96,69 +97,44 @@ func startFleet(t *testing.T, ctx context.Context) *fleet {
 		if err != nil {
 			t.Fatalf("bridge %s: %v", id, err)
 		}
-		bg.Go(func() { _ = b.Run(ctx) })
+		bridges = append(bridges, b)
 	}
-	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: model, BlockSize: sim.DefaultBlockSize})
+	cfg := router.Config{
+		AdminToken: adminToken, DefaultPool: pool, Pools: []router.PoolConfig{pc},
+		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: streamName}, Bucket: bucketName},
+	}
+	reg := prometheus.NewRegistry()
+	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: log, Conn: nc, Stream: stream, Bucket: bucket})
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("router events pipeline: %v", err)
 	}
-	cons, err := consumer.New(consumer.Config{Conn: nc, Pool: pool, Applier: idx, Stream: stream, Bucket: bucket, Logger: log})
-	if err != nil {
-		t.Fatal(err)
-	}
-	bg.Go(func() { _ = cons.Run(ctx) })
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		ready := cons.Healthy()
-		for _, id := range ids {
-			ready = ready && cons.Live(id)
-		}
-		if ready {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("events pipeline not ready after 20s: %+v", cons.Instances())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}, DefaultPool: pool, AdminToken: adminToken},
-		router.Options{Logger: log, KV: func(router.PoolConfig) (kvindex.Index, router.Freshness) {
-			return idx, router.FreshnessFuncs{Healthy: cons.Healthy, IsStale: func(id string) bool { return !cons.Live(id) }}
-		}})
+	srv, err := router.NewServer(cfg, router.Options{Logger: log, Registry: reg, KV: kve.KV, KVEvents: kve})
 	if err != nil {
 		t.Fatalf("router: %v", err)
 	}
+	for _, b := range bridges {
+		bg.Go(func() { _ = b.Run(ctx) })
+	}
 	bg.Go(func() { _ = srv.Run(ctx) })
-	mux := http.NewServeMux()
-	mux.Handle("GET /v1/kv/evictions", requireToken(events.EvictionSSEHandler(ctx, nc, events.EvictionSSEConfig{Logger: log})))
-	mux.Handle("/", srv.Handler())
+	if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
+		t.Fatalf("events pipeline not ready: %v", err)
+	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 5 * time.Second}
 	go func() { _ = hs.Serve(ln) }()
 	t.Cleanup(func() {
+		kve.StopStreams() // ends open eviction streams, so Shutdown need not wait
 		sctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
 		_ = hs.Shutdown(sctx)
 		_ = hs.Close()
+		kve.Close()
 	})
 	t.Cleanup(func() { cancel(); bg.Wait() })
 	return &fleet{url: "http://" + ln.Addr().String()}
-}
-
-// requireToken guards the eviction stream as an admin route, so the test
-// also proves the page sends the token on its streaming fetch.
-func requireToken(h http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Header.Get("Authorization") != "Bearer "+adminToken {
-			http.Error(w, "token", http.StatusUnauthorized)
-			return
-		}
-		h.ServeHTTP(w, r)
-	})
 }
 
 // workload sends chat requests over a handful of long shared prefixes
@@ -419,17 +395,12 @@ func TestDashboardWithoutKVInChromium(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mux := http.NewServeMux()
-	// What a router without the events pipeline answers on the stream.
-	mux.HandleFunc("GET /v1/kv/evictions", func(w http.ResponseWriter, _ *http.Request) {
-		http.Error(w, "no events pipeline", http.StatusServiceUnavailable)
-	})
-	mux.Handle("/", srv.Handler())
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	// Without the events pipeline the router answers 503 on /v1/kv/evictions.
+	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 5 * time.Second}
 	go func() { _ = hs.Serve(ln) }()
 	defer hs.Close()
 	url := "http://" + ln.Addr().String()
