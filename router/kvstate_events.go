@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"reflect"
 	"slices"
 	"strconv"
 	"sync"
@@ -495,12 +496,18 @@ func (k *KVEvents) IsDiscovered(pool, instance string) bool {
 func (k *KVEvents) Reload(srv *Server, cfg Config) error {
 	k.reloadMu.Lock()
 	defer k.reloadMu.Unlock()
+	if !reflect.DeepEqual(cfg.WithDefaults().Events, k.cfg.Events) || !reflect.DeepEqual(cfg.Index, k.cfg.Index) {
+		k.log.Warn("reload: index: and events: changes apply on restart; the running consumers and indexes are kept")
+	}
 	merged, fp, added := k.withDiscovered(cfg)
+	// Published before the pools, so that no admin view sees a discovered
+	// instance in a pool without knowing it is one.
+	prev := k.discovered.Swap(&added)
 	if err := srv.Reload(merged); err != nil {
+		k.discovered.Store(prev)
 		return err
 	}
 	k.base, k.applied = cfg, fp
-	k.discovered.Store(&added)
 	return nil
 }
 
@@ -537,11 +544,12 @@ func (k *KVEvents) syncDiscovered(srv *Server) {
 			merged.Pools[i].Routing, _ = p.Routing()
 		}
 	}
+	prev := k.discovered.Swap(&added)
 	if err := srv.Reload(merged); err != nil {
+		k.discovered.Store(prev)
 		k.log.Error("discovered instances not applied", "err", err)
 		return
 	}
 	k.log.Info("pool instances changed by heartbeats", "discovered", fp)
 	k.applied = fp
-	k.discovered.Store(&added)
 }

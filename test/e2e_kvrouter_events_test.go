@@ -276,6 +276,17 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 		}
 		return false
 	})
+	// A client that leaves: its NATS subscription goes with it.
+	base := kve.Conn().NumSubscriptions()
+	gone := openEvictions(t, ctx, ts.URL+"/v1/kv/evictions?pool="+pool)
+	gone.next(t, ": kv evictions", 10*time.Second)
+	if n := kve.Conn().NumSubscriptions(); n != base+1 {
+		t.Fatalf("subscriptions with a client: %d, want %d", n, base+1)
+	}
+	gone.cancel()
+	<-gone.done
+	waitFor(t, 10*time.Second, "the left client's subscription dropped", func() bool { return kve.Conn().NumSubscriptions() == base })
+
 	sse := openEvictions(t, ctx, ts.URL+"/v1/kv/evictions?pool="+pool+"&instance=vllm-1&tier=gpu")
 	defer sse.cancel()
 
