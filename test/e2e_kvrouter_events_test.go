@@ -470,3 +470,53 @@ func TestKVRouterEventsRedisIndex(t *testing.T) {
 		waitFor(t, 15*time.Second, fmt.Sprintf("router %d sees the removal", i), func() bool { return len(r.lookup(ids).Matches) == 0 })
 	}
 }
+
+// TestKVRouterRestartRebuildsIndex: a router restarted (a new pipeline on
+// the same NATS) rebuilds its memory index from the bridges' snapshots and
+// the stream, to what the first one held — GPU and CPU tiers alike.
+func TestKVRouterRestartRebuildsIndex(t *testing.T) {
+	ctx := testenv.Context(t, 2*time.Minute)
+	name := testenv.UniqueName(t)
+	pool := "p_" + name
+	stream, bucket := "EV_"+name, "SN_"+name
+	ns := testenv.StartNATS(t)
+	cfg := router.Config{
+		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
+		Pools: []router.PoolConfig{{Name: pool, Model: kvrModel, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
+			Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
+			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
+	}
+	start := func() *kvrRouter {
+		kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: quietLogger(), SnapshotTimeout: 500 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), KV: kve.KV, KVEvents: kve})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ts := httptest.NewServer(srv.Handler())
+		t.Cleanup(ts.Close)
+		t.Cleanup(kve.Close)
+		return &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
+	}
+	r1 := start()
+	eng := startKVREngine(t, ctx, ns.URL(), pool, "vllm-0", "http://127.0.0.1:1", stream, bucket)
+	ids := kvrTokens(9, 5*16)
+	eng.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(700, 5), TokenIDs: ids, BlockSize: 16, Medium: "GPU"})
+	eng.publish(t,
+		events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(703, 2), Medium: "CPU"},
+		events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(703, 2), Medium: "GPU"})
+	want := router.KVLookupMatch{Instance: "vllm-0", GPUBlocks: 3, CPUBlocks: 2, Live: true}
+	waitFor(t, 15*time.Second, "the first router's index", func() bool {
+		lr := r1.lookup(ids)
+		return len(lr.Matches) == 1 && lr.Matches[0] == want
+	})
+	r1.kve.Close()
+
+	r2 := start()
+	waitFor(t, 20*time.Second, "the restarted router's index", func() bool {
+		lr := r2.lookup(ids)
+		return len(lr.Matches) == 1 && lr.Matches[0] == want
+	})
+}
