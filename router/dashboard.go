@@ -122,7 +122,12 @@ type DashboardInstance struct {
 	// LastEvent is when the index last applied an event from it.
 	LastEvent *time.Time `json:"last_event,omitempty"`
 	// Stale is true when the events consumer considers it not live.
-	Stale                bool     `json:"stale"`
+	Stale bool `json:"stale"`
+	// EventState is the events consumer's state of the instance (live,
+	// stale, ...; empty without the router's events pipeline) and Gaps the
+	// sequence gaps it has seen in the instance's events.
+	EventState           string   `json:"event_state,omitempty"`
+	Gaps                 uint64   `json:"gaps"`
 	PendingPrefillTokens int64    `json:"pending_prefill_tokens"`
 	EngineWaiting        *float64 `json:"engine_waiting,omitempty"`
 	EngineRunning        *float64 `json:"engine_running,omitempty"`
@@ -245,6 +250,15 @@ func (s *Server) dashboardPool(ctx context.Context, p *Pool, mv *metricView) Das
 			}
 		}
 		di.Stale = st.fresh != nil && st.fresh.Stale(di.ID)
+	}
+	if s.kvEvents != nil {
+		if cs, ok := s.kvEvents.KVInstances(name); ok {
+			for _, c := range cs {
+				if i, ok := byID[c.Instance]; ok {
+					dp.Instances[i].EventState, dp.Instances[i].Gaps = c.State.String(), c.Gaps
+				}
+			}
+		}
 	}
 	return dp
 }

@@ -213,6 +213,7 @@ type pageState struct {
 	Stream    string            `json:"stream"`
 	Error     string            `json:"error"`
 	GPU       map[string]string `json:"gpu"`
+	Events    map[string]string `json:"events"`
 	CPU       map[string]string `json:"cpu"`
 	Reasons   []string          `json:"reasons"`
 	Spark     int               `json:"spark"`
@@ -226,7 +227,7 @@ const readState = `(() => {
   return {
     polls: Number(t('polls')), requests: t('requests-total'), hitEngine: t('hit-engine'), hitPred: t('hit-predicted'),
     agree: t('agree-rate'), compared: t('compared'), evictions: t('evictions-total'), evState: t('ev-state'),
-    stream: t('stream'), error: t('error'), gpu: col('.blocks-gpu'), cpu: col('.blocks-cpu'),
+    stream: t('stream'), error: t('error'), gpu: col('.blocks-gpu'), cpu: col('.blocks-cpu'), events: col('.events'),
     reasons: [...document.querySelectorAll('#decisions [data-reason]')].map((d) => d.dataset.reason),
     spark: document.querySelectorAll('#spark-rps path').length,
     authShown: getComputedStyle(document.getElementById('auth')).display !== 'none',
@@ -337,6 +338,7 @@ func TestDashboardInChromium(t *testing.T) {
 		{"some GPU blocks held", sumNums(second.GPU) > 0},
 		{"some CPU blocks held", sumNums(second.CPU) > 0},
 		{"decisions listed by reason", len(second.Reasons) > 0},
+		{"every instance's events live", second.Events["sim0"] == "live" && second.Events["sim1"] == "live" && second.Events["sim2"] == "live"},
 	}
 	for _, tc := range tests {
 		if !tc.ok {
