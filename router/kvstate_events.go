@@ -11,6 +11,7 @@ import (
 	"reflect"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -464,13 +465,17 @@ func (k *KVEvents) withDiscovered(cfg Config) (Config, string, map[string]bool) 
 	var fp []byte
 	pools := slices.Clone(cfg.Pools)
 	for i, pc := range pools {
+		// A heartbeat for a configured instance (same id, or the same URL
+		// under another name) adds nothing: the file's entry wins, and one
+		// engine must not be a candidate twice.
 		have := map[string]bool{}
 		for _, in := range pc.Instances {
 			have[in.ID] = true
+			have["url:"+strings.TrimSuffix(in.URL, "/")] = true
 		}
 		insts := slices.Clone(pc.Instances)
 		for _, d := range k.Discovered(pc) {
-			if have[d.ID] {
+			if have[d.ID] || have["url:"+strings.TrimSuffix(d.URL, "/")] {
 				continue
 			}
 			insts = append(insts, d)

@@ -399,6 +399,22 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 			t.Fatalf("discovered instance view %+v", in)
 		}
 	}
+	// A bridge naming a configured engine (same URL) differently adds no
+	// second candidate for it.
+	alias := startKVREngine(t, ctx, ns.URL(), pool, "alias-of-0", ups[0].URL, stream, bucket)
+	waitFor(t, 15*time.Second, "the alias's heartbeat", func() bool {
+		for _, in := range r.instances().Instances {
+			if in.Instance == "alias-of-0" {
+				return in.State == "live"
+			}
+		}
+		return false
+	})
+	time.Sleep(300 * time.Millisecond) // three discovery rounds
+	if inPool("alias-of-0") {
+		t.Fatal("a heartbeat with a configured instance's URL became a second candidate")
+	}
+	alias.close()
 	eng2.close()
 	waitFor(t, 20*time.Second, "vllm-2 purged and out of the pool", func() bool { return !inPool("vllm-2") })
 	if !inPool("vllm-0") || !inPool("vllm-1") {
