@@ -439,6 +439,7 @@ func TestConfigValidation(t *testing.T) {
 		"negative max queued":   {ExtProc: grpcapi.ExtProcConfig{MaxQueued: -1}},
 		"pick token no token":   {TokenForPick: true},
 		"negative message size": {MaxMessageBytes: -5},
+		"negative drain":        {DrainTimeout: -time.Second},
 	} {
 		if _, err := grpcapi.New(h.srv, cfg); err == nil || !errors.Is(err, grpcapi.ErrInvalidConfig) {
 			t.Errorf("%s: %v, want ErrInvalidConfig", name, err)

@@ -356,3 +356,37 @@ func TestExtProcServedElsewhere(t *testing.T) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+// TestServeDrainTimeout: a graceful stop waits for an open ext_proc stream
+// (Envoy's request still running) up to DrainTimeout, then cuts it; a
+// stream that ends in time is not cut.
+func TestServeDrainTimeout(t *testing.T) {
+	const drain = time.Second
+	tests := []struct {
+		name     string
+		finish   bool // Envoy ends the stream during the drain
+		min, max time.Duration
+	}{
+		{"cut after the drain timeout", false, drain, 4 * time.Second},
+		{"ended within the drain", true, 0, drain * 8 / 10},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.DrainTimeout = drain })
+			e := h.envoy(t)
+			e.headers(nil, false, ":method", "POST", ":path", "/v1/chat/completions")
+			if o := outcomeOf(t, e.body(nil, chatBody(hashModel, "drain me"))); o.status != 0 {
+				t.Fatalf("not routed: %+v", o)
+			}
+			if tc.finish {
+				go func() {
+					time.Sleep(drain / 10)
+					_ = e.st.CloseSend()
+				}()
+			}
+			if d := h.stop(); d < tc.min || d > tc.max {
+				t.Errorf("stop took %v, want %v..%v", d, tc.min, tc.max)
+			}
+		})
+	}
+}

@@ -71,6 +71,10 @@ type Config struct {
 	MaxMessageBytes int
 	// ExtProc configures the Envoy endpoint picker.
 	ExtProc ExtProcConfig
+	// DrainTimeout is how long Serve lets calls in flight finish once its
+	// context ends (an ext_proc stream lasts as long as Envoy's HTTP
+	// request) before cutting them. Default 5s.
+	DrainTimeout time.Duration
 	// Logger, nil = slog.Default().
 	Logger *slog.Logger
 	// Registerer receives the package's metrics; nil = registered nowhere.
@@ -81,6 +85,7 @@ type Config struct {
 const (
 	DefaultWatchBuffer     = 4096
 	DefaultMaxMessageBytes = 32 << 20
+	DefaultDrainTimeout    = 5 * time.Second
 )
 
 func (c Config) withDefaults() Config {
@@ -89,6 +94,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.MaxMessageBytes == 0 {
 		c.MaxMessageBytes = DefaultMaxMessageBytes
+	}
+	if c.DrainTimeout == 0 {
+		c.DrainTimeout = DefaultDrainTimeout
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -103,6 +111,9 @@ func (c Config) validate() error {
 	}
 	if c.MaxMessageBytes < 0 {
 		return fmt.Errorf("%w: max_message_bytes %d: want > 0", ErrInvalidConfig, c.MaxMessageBytes)
+	}
+	if c.DrainTimeout < 0 {
+		return fmt.Errorf("%w: drain_timeout %v: want > 0", ErrInvalidConfig, c.DrainTimeout)
 	}
 	if c.TokenForPick && c.AdminToken == "" {
 		return fmt.Errorf("%w: token_for_pick needs an admin token", ErrInvalidConfig)
@@ -235,7 +246,8 @@ func (s *Server) Register(g *grpc.Server) {
 }
 
 // Serve serves every service on lis until ctx ends, then stops gracefully:
-// Events.Watch streams end at once, other calls get 5 s to finish. It refreshes
+// Events.Watch streams end at once, other calls get Config.DrainTimeout
+// (5 s) to finish. It refreshes
 // health every second while serving.
 func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 	g := grpc.NewServer(s.ServerOptions()...)
@@ -255,7 +267,7 @@ func (s *Server) Serve(ctx context.Context, lis net.Listener) error {
 				go func() { g.GracefulStop(); close(drained) }()
 				select {
 				case <-drained:
-				case <-time.After(5 * time.Second):
+				case <-time.After(s.cfg.DrainTimeout):
 					g.Stop()
 					<-drained
 				}

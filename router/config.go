@@ -52,8 +52,87 @@ type Config struct {
 	// KVEventsWanted says when they are used).
 	Index  *IndexConfig  `yaml:"index,omitempty" json:"index,omitempty"`
 	Events *EventsConfig `yaml:"events,omitempty" json:"events,omitempty"`
+	// GRPC serves the gRPC API and the Envoy endpoint picker (package
+	// grpcapi, docs/grpc.md); off unless grpc.listen is set.
+	GRPC GRPCConfig `yaml:"grpc" json:"grpc"`
 	// Pools are the model deployments, one per served base model.
 	Pools []PoolConfig `yaml:"pools" json:"pools"`
+}
+
+// GRPCConfig is the grpc: section. Package router only holds and validates
+// it: the services live in package grpcapi, which the kvrouter command
+// wires (router itself stays free of gRPC). The zero value is off.
+type GRPCConfig struct {
+	// Listen serves kvrouter.v1 (Router, Index, Events), grpc.health.v1,
+	// reflection and Envoy's ext_proc endpoint picker on this host:port,
+	// with the tls: section's certificates when set; empty = no gRPC.
+	Listen string `yaml:"listen" json:"listen,omitempty"`
+	// TokenForPick also requires the admin token on Router.Pick (Index.Lookup
+	// and Events.Watch always need it when KVROUTER_ADMIN_TOKEN is set).
+	TokenForPick bool `yaml:"token_for_pick" json:"token_for_pick,omitempty"`
+	// ExtProc configures the Envoy endpoint picker.
+	ExtProc GRPCExtProcConfig `yaml:"ext_proc" json:"ext_proc"`
+}
+
+// GRPCExtProcConfig is grpc.ext_proc: (docs/envoy.md). Zero = never shed,
+// pool from X-Kvrouter-Pool, body limit max_body_bytes.
+type GRPCExtProcConfig struct {
+	// PoolHeader names the request header that selects the pool; default
+	// X-Kvrouter-Pool (HeaderPool).
+	PoolHeader string `yaml:"pool_header" json:"pool_header,omitempty"`
+	// Shed answers 429 when every candidate is at its concurrency threshold
+	// and MaxQueued or more requests are queued beyond the thresholds; off,
+	// a saturated pool still routes to the least loaded instance, as the
+	// HTTP data plane does.
+	Shed bool `yaml:"shed" json:"shed,omitempty"`
+	// MaxQueued is the queue allowance under Shed; 0 = shed as soon as
+	// every candidate is full.
+	MaxQueued int `yaml:"max_queued" json:"max_queued,omitempty"`
+	// MaxBodyBytes caps the buffered request body Envoy sends (413 above);
+	// 0 = max_body_bytes.
+	MaxBodyBytes int `yaml:"max_body_bytes" json:"max_body_bytes,omitempty"`
+}
+
+// validate checks the grpc: section; adminToken is the configured admin
+// token (token_for_pick needs one).
+func (g GRPCConfig) validate(adminToken string) error {
+	bad := func(format string, a ...any) error {
+		return fmt.Errorf("%w: grpc."+format, append([]any{ErrInvalidConfig}, a...)...)
+	}
+	if g.Listen != "" {
+		if _, _, err := net.SplitHostPort(g.Listen); err != nil {
+			return bad("listen %q: want host:port", g.Listen)
+		}
+	}
+	if g.TokenForPick && adminToken == "" {
+		return bad("token_for_pick needs an admin token (KVROUTER_ADMIN_TOKEN)")
+	}
+	e := g.ExtProc
+	if e.PoolHeader != "" && !validHeaderName(e.PoolHeader) {
+		return bad("ext_proc.pool_header %q: not an HTTP header name", e.PoolHeader)
+	}
+	if e.MaxQueued < 0 || e.MaxQueued > 1<<20 {
+		return bad("ext_proc.max_queued %d out of range 0..%d", e.MaxQueued, 1<<20)
+	}
+	if e.MaxBodyBytes != 0 && (e.MaxBodyBytes < 1024 || e.MaxBodyBytes > 1<<30) {
+		return bad("ext_proc.max_body_bytes %d out of range 1024..%d (0 = max_body_bytes)", e.MaxBodyBytes, 1<<30)
+	}
+	return nil
+}
+
+// validHeaderName reports whether s is an HTTP field name: a token (RFC 9110
+// §5.1, §5.6.2), which also rules out HTTP/2 pseudo-headers such as :path.
+func validHeaderName(s string) bool {
+	if s == "" || len(s) > 256 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		b := s[i]
+		if !(b >= 'a' && b <= 'z' || b >= 'A' && b <= 'Z' || b >= '0' && b <= '9' || strings.IndexByte("!#$%&'*+-.^_`|~", b) >= 0) {
+			return false
+		}
+	}
+	return true
 }
 
 // LogConfig configures log/slog output.
@@ -504,6 +583,9 @@ func (c Config) Validate() error {
 		if e.StaleAfter > 0 && e.PurgeAfter > 0 && e.PurgeAfter < e.StaleAfter {
 			return bad("events.purge_after %v is shorter than stale_after %v", e.PurgeAfter, e.StaleAfter)
 		}
+	}
+	if err := c.GRPC.validate(c.AdminToken); err != nil {
+		return err
 	}
 	if len(c.Pools) == 0 {
 		return bad("pools: at least one pool is required")
