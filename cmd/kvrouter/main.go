@@ -2,7 +2,12 @@
 // an OpenAI-compatible (and SageMaker raw-invoke) HTTP proxy that routes
 // each request with a per-pool strategy. See docs/configuration.md.
 //
-//	kvrouter --config router.yaml [--listen :8080] [--admin-listen :8081] ...
+//	kvrouter --config router.yaml [--listen :8080] [--admin-listen :8081] [--grpc-listen :9090] ...
+//
+// With grpc.listen (or --grpc-listen) it also serves the gRPC API
+// (kvrouter.v1 Router/Index/Events, health, reflection) and Envoy's ext_proc
+// endpoint picker on that address, with the same TLS and admin token as the
+// HTTP listeners (docs/grpc.md, docs/envoy.md).
 //
 // Secrets come from the environment: KVROUTER_ADMIN_TOKEN (bearer token of
 // the admin API), KVROUTER_REDIS_PASSWORD, KVROUTER_CACHE_SALT_SECRET (hex
@@ -33,6 +38,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -48,6 +54,7 @@ type flags struct {
 	config               string
 	listen               string
 	adminListen          string
+	grpcListen           string
 	logLevel             string
 	logFormat            string
 	maxBodyBytes         int64
@@ -66,6 +73,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.StringVar(&f.config, "config", "", "path to the YAML configuration (required)")
 	fs.StringVar(&f.listen, "listen", "", "data-plane listen address (overrides listen)")
 	fs.StringVar(&f.adminListen, "admin-listen", "", "admin API and /metrics listen address (overrides admin_listen)")
+	fs.StringVar(&f.grpcListen, "grpc-listen", "", "gRPC API and Envoy ext_proc listen address (overrides grpc.listen)")
 	fs.StringVar(&f.logLevel, "log-level", "", "debug|info|warn|error (overrides log.level)")
 	fs.StringVar(&f.logFormat, "log-format", "", "json|text (overrides log.format)")
 	fs.Int64Var(&f.maxBodyBytes, "max-body-bytes", 0, "request body limit in bytes (overrides max_body_bytes)")
@@ -99,6 +107,9 @@ func loadConfig(f flags, getenv func(string) string) (router.Config, error) {
 	}
 	if f.adminListen != "" {
 		cfg.AdminListen = f.adminListen
+	}
+	if f.grpcListen != "" {
+		cfg.GRPC.Listen = f.grpcListen
 	}
 	if f.logLevel != "" {
 		cfg.Log.Level = f.logLevel
@@ -196,33 +207,57 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	// limits: (router.NewHTTPServer); no WriteTimeout, streams last minutes.
 	servers := []*http.Server{router.NewHTTPServer(cfg.Limits, srv.Handler())}
 	listeners := []net.Listener{dataLn}
+	// grpcLn is the gRPC listener (nil = no gRPC); gRPC does its own TLS.
+	var grpcLn net.Listener
+	closeAll := func() {
+		for _, ln := range listeners {
+			ln.Close()
+		}
+		if grpcLn != nil {
+			grpcLn.Close()
+		}
+	}
 	if cfg.AdminListen != "" {
 		adminLn, err := net.Listen("tcp", cfg.AdminListen)
 		if err != nil {
-			dataLn.Close()
+			closeAll()
 			return fmt.Errorf("listen %s: %w", cfg.AdminListen, err)
 		}
 		servers = append(servers, router.NewHTTPServer(cfg.Limits, srv.AdminHandler()))
 		listeners = append(listeners, adminLn)
 	}
-	// TLS on both listeners; the certificate files are re-read on SIGHUP and
+	if cfg.GRPC.Listen != "" {
+		if grpcLn, err = net.Listen("tcp", cfg.GRPC.Listen); err != nil {
+			closeAll()
+			return fmt.Errorf("listen %s: %w", cfg.GRPC.Listen, err)
+		}
+	}
+	// TLS on every listener; the certificate files are re-read on SIGHUP and
 	// when they change (the file paths themselves change only on restart).
 	var certs *router.CertReloader
 	if cfg.TLS != nil {
 		if certs, err = router.NewCertReloader(*cfg.TLS, log); err != nil {
-			for _, ln := range listeners {
-				ln.Close()
-			}
+			closeAll()
 			return err
 		}
 		for i, ln := range listeners {
 			listeners[i] = tls.NewListener(ln, certs.TLSConfig())
 		}
 	}
+	var api *grpcapi.Server
+	if grpcLn != nil {
+		if api, err = newGRPC(cfg, srv, kve, certs, reg, log, f.shutdownTimeout); err != nil {
+			closeAll()
+			return err
+		}
+	}
 	// Print the bound addresses (":0" in tests picks a free port).
 	attrs := []any{"listen", dataLn.Addr().String()}
 	if len(listeners) > 1 {
 		attrs = append(attrs, "admin_listen", listeners[1].Addr().String())
+	}
+	if grpcLn != nil {
+		attrs = append(attrs, "grpc_listen", grpcLn.Addr().String())
 	}
 	attrs = append(attrs, "tls", certs != nil)
 	log.Info("kvrouter listening", attrs...)
@@ -250,7 +285,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 		}
 	}
 
-	errc := make(chan error, len(servers))
+	errc := make(chan error, len(servers)+1)
 	for i, hs := range servers {
 		go func() {
 			if err := hs.Serve(listeners[i]); err != nil && !errors.Is(err, http.ErrServerClosed) {
@@ -258,6 +293,20 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 			}
 		}()
 	}
+	// grpcCtx ends gRPC serving; its graceful stop (health NOT_SERVING,
+	// Watch streams ended, calls drained for --shutdown-timeout) runs
+	// alongside the HTTP servers' shutdown.
+	grpcCtx, stopGRPC := context.WithCancel(context.Background())
+	defer stopGRPC()
+	grpcDone := make(chan struct{})
+	go func() {
+		defer close(grpcDone)
+		if api != nil {
+			if err := api.Serve(grpcCtx, grpcLn); err != nil {
+				errc <- err
+			}
+		}
+	}()
 
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
@@ -278,6 +327,9 @@ loop:
 				certs.ReloadAndLog()
 			}
 			ncfg, err := loadConfig(f, getenv)
+			if err == nil && api != nil && (ncfg.GRPC != cfg.GRPC || ncfg.DefaultPool != cfg.DefaultPool || ncfg.AdminToken != cfg.AdminToken) {
+				log.Warn("reload: grpc: and the gRPC API's default_pool and admin token change only on restart")
+			}
 			if err == nil && kve != nil {
 				err = kve.Reload(srv, ncfg)
 			} else if err == nil {
@@ -293,12 +345,61 @@ loop:
 	log.Info("shutting down", "drain", f.shutdownTimeout)
 	sctx, cancel := context.WithTimeout(context.Background(), f.shutdownTimeout)
 	defer cancel()
+	stopGRPC()
 	for _, hs := range servers {
 		_ = hs.Shutdown(sctx)
 	}
+	<-grpcDone
 	cancelRun()
 	<-runDone
 	<-certsDone
 	<-discDone
 	return serveErr
+}
+
+// newGRPC builds the gRPC services of the grpc: section over srv: the admin
+// token and TLS certificates of the HTTP listeners, Events.Watch on the KV
+// events' NATS connection (none without KV events: Watch is UNAVAILABLE),
+// metrics on reg, and drain as the graceful-stop budget.
+func newGRPC(cfg router.Config, srv *router.Server, kve *router.KVEvents, certs *router.CertReloader,
+	reg prometheus.Registerer, log *slog.Logger, drain time.Duration) (*grpcapi.Server, error) {
+	ep := cfg.GRPC.ExtProc
+	body := ep.MaxBodyBytes
+	if body == 0 {
+		body = int(cfg.MaxBodyBytes)
+	}
+	gc := grpcapi.Config{
+		DefaultPool:  cfg.DefaultPool,
+		AdminToken:   cfg.AdminToken,
+		TokenForPick: cfg.GRPC.TokenForPick,
+		// Envoy sends a buffered body in one message: leave room for its
+		// headers and metadata so that a body just over the limit gets
+		// ext_proc's 413 rather than a gRPC RESOURCE_EXHAUSTED.
+		MaxMessageBytes: body + 1<<20,
+		ExtProc: grpcapi.ExtProcConfig{
+			PoolHeader:   ep.PoolHeader,
+			Shed:         ep.Shed,
+			MaxQueued:    ep.MaxQueued,
+			MaxBodyBytes: body,
+		},
+		// --shutdown-timeout 0 means "do not wait" here as for HTTP; the
+		// zero DrainTimeout would mean grpcapi's default.
+		DrainTimeout: max(drain, time.Nanosecond),
+		Logger:       log,
+		Registerer:   reg,
+	}
+	if kve != nil {
+		gc.NATS = kve.Conn()
+	}
+	if certs != nil {
+		// The rotating config of the HTTP listeners. It offers only
+		// http/1.1 in ALPN, but grpc's credentials.NewTLS adds h2, also to
+		// the per-handshake configs (grpc-go credentials/tls.go, NewTLS).
+		gc.TLS = certs.TLSConfig()
+	}
+	api, err := grpcapi.New(srv, gc)
+	if err != nil {
+		return nil, fmt.Errorf("grpc: %w", err)
+	}
+	return api, nil
 }

@@ -3,10 +3,19 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
 	"encoding/json"
+	"encoding/pem"
 	"fmt"
 	"io"
 	"log/slog"
+	"math/big"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -16,11 +25,22 @@ import (
 	"testing"
 	"time"
 
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/nats-io/nats.go"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
+	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/router"
 )
 
 func TestFlagsOverrideFileAndEnvSetsSecrets(t *testing.T) {
@@ -133,12 +153,89 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	}
 }
 
+// startRun runs the kvrouter command on the config doc (written to a file)
+// until the test ends or stop is called, and returns its log, the config
+// path and stop, which ends the command and returns what run returned.
+func startRun(t *testing.T, doc string, env map[string]string) (logs *syncBuffer, path string, stop func() error) {
+	t.Helper()
+	path = filepath.Join(t.TempDir(), "r.yaml")
+	if err := os.WriteFile(path, []byte(doc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	logs = &syncBuffer{}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"--config", path, "--shutdown-timeout", "5s"}, logs, func(k string) string { return env[k] })
+	}()
+	var once sync.Once
+	var runErr error
+	stop = func() error {
+		once.Do(func() { cancel(); runErr = <-done })
+		return runErr
+	}
+	t.Cleanup(func() {
+		if err := stop(); err != nil {
+			t.Errorf("run: %v", err)
+		}
+	})
+	return logs, path, stop
+}
+
+// engine is a vLLM stand-in publishing KV events over ZMQ, with a kvbridge
+// forwarding them to the router's NATS, until the test ends.
+func engine(t *testing.T, natsURL, pool, model, instance string) *events.ZMQPublisher {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	pub, err := events.NewZMQPublisher(ctx, events.ZMQPublisherConfig{Endpoint: ep, Topic: "kv"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pub.Close() })
+	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	b, err := bridge.New(bridge.Config{Pool: pool, Model: model, BlockSize: 16, Conn: nc, HeartbeatInterval: 200 * time.Millisecond,
+		Sources: []bridge.Source{{Instance: instance, Endpoint: ep}}, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bdone := make(chan struct{})
+	go func() { defer close(bdone); _ = b.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-bdone })
+	waitFor(t, "the bridge subscribed", pub.Subscribed)
+	return pub
+}
+
+// storeBlocks publishes a GPU BlockStored of len(hashes) 16-token blocks
+// over ids.
+func storeBlocks(t *testing.T, pub *events.ZMQPublisher, hashes []uint64, ids []uint32) {
+	t.Helper()
+	payload, err := events.Encode(nil, events.Batch{TS: 1, Events: []events.Event{{Kind: events.BlockStored, BlockHashes: hashes, TokenIDs: ids, BlockSize: 16, Medium: "GPU"}}}, events.EncodingArray)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pub.Publish(payload); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func tokenIDs(n int) []uint32 {
+	ids := make([]uint32, n)
+	for i := range ids {
+		ids[i] = uint32(i + 7)
+	}
+	return ids
+}
+
 // TestRunEmbeddedNATS runs the kvrouter command with no NATS URL: it starts
 // its embedded NATS server, a kvbridge publishes an engine's events to it,
 // the admin lookup sees the blocks, and a SIGHUP reload keeps the consumer.
 func TestRunEmbeddedNATS(t *testing.T) {
-	dir := t.TempDir()
-	path := filepath.Join(dir, "r.yaml")
 	doc := fmt.Sprintf(`
 listen: "127.0.0.1:0"
 admin_listen: "127.0.0.1:0"
@@ -151,22 +248,8 @@ pools:
     health: {disable: true}
     discovery: {disable: true}
     instances: [{id: vllm-0, url: "http://127.0.0.1:1"}]
-`, filepath.Join(dir, "nats"))
-	if err := os.WriteFile(path, []byte(doc), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	logs := &syncBuffer{}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- run(ctx, []string{"--config", path, "--shutdown-timeout", "5s"}, logs, func(string) string { return "" })
-	}()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("run: %v", err)
-		}
-	})
+`, filepath.Join(t.TempDir(), "nats"))
+	logs, path, _ := startRun(t, doc, nil)
 	var natsURL, admin string
 	waitFor(t, "the router to listen", func() bool {
 		natsURL, admin = logs.field("consuming KV events", "nats_url"), logs.field("kvrouter listening", "admin_listen")
@@ -174,40 +257,9 @@ pools:
 	})
 
 	// An engine and its bridge, publishing to the router's embedded NATS.
-	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	pub, err := events.NewZMQPublisher(ctx, events.ZMQPublisherConfig{Endpoint: ep, Topic: "kv"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = pub.Close() })
-	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	b, err := bridge.New(bridge.Config{Pool: "p", Model: "m", BlockSize: 16, Conn: nc, HeartbeatInterval: 200 * time.Millisecond,
-		Sources: []bridge.Source{{Instance: "vllm-0", Endpoint: ep}}, Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	bctx, stopBridge := context.WithCancel(ctx)
-	bdone := make(chan struct{})
-	go func() { defer close(bdone); _ = b.Run(bctx) }()
-	t.Cleanup(func() { stopBridge(); <-bdone })
-	waitFor(t, "the bridge subscribed", pub.Subscribed)
-
-	ids := make([]uint32, 3*16)
-	for i := range ids {
-		ids[i] = uint32(i + 7)
-	}
-	hashes := []uint64{11, 12, 13}
-	payload, err := events.Encode(nil, events.Batch{TS: 1, Events: []events.Event{{Kind: events.BlockStored, BlockHashes: hashes, TokenIDs: ids, BlockSize: 16, Medium: "GPU"}}}, events.EncodingArray)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := pub.Publish(payload); err != nil {
-		t.Fatal(err)
-	}
+	pub := engine(t, natsURL, "p", "m", "vllm-0")
+	ids := tokenIDs(3 * 16)
+	storeBlocks(t, pub, []uint64{11, 12, 13}, ids)
 	lookup := func() string {
 		body, _ := json.Marshal(map[string]any{"token_ids": ids})
 		resp, err := http.Post("http://"+admin+"/admin/pools/p/lookup", "application/json", bytes.NewReader(body))
@@ -238,5 +290,373 @@ pools:
 	waitFor(t, "the reload", func() bool { return logs.field("reloaded", "config") == path })
 	if got := lookup(); got != want {
 		t.Fatalf("after reload: %s", got)
+	}
+}
+
+// grpcConn dials the router's gRPC listener (creds nil = plaintext).
+func grpcConn(t *testing.T, addr string, creds credentials.TransportCredentials) *grpc.ClientConn {
+	t.Helper()
+	if creds == nil {
+		creds = insecure.NewCredentials()
+	}
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(creds))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func bearer(ctx context.Context, tok string) context.Context {
+	return metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tok)
+}
+
+// TestRunGRPC runs the kvrouter command with grpc.listen: health, Pick,
+// Lookup and Watch (admin token from the environment, events from the
+// router's embedded NATS) and the ext_proc picker (with the file's
+// ext_proc settings) answer on it, and shutdown ends an open Watch.
+func TestRunGRPC(t *testing.T) {
+	doc := fmt.Sprintf(`
+listen: "127.0.0.1:0"
+admin_listen: "127.0.0.1:0"
+grpc:
+  listen: "127.0.0.1:0"
+  ext_proc: {pool_header: X-Team-Pool, max_body_bytes: 2048}
+events:
+  nats: {listen: "127.0.0.1:0", store_dir: %q}
+pools:
+  - name: p
+    model: m
+    routing: {strategy: kv_aware}
+    health: {disable: true}
+    discovery: {disable: true}
+    instances: [{id: vllm-0, url: "http://127.0.0.1:1"}]
+  - name: q
+    model: m2
+    health: {disable: true}
+    discovery: {disable: true}
+    instances: [{id: vllm-q, url: "http://127.0.0.1:2"}]
+`, filepath.Join(t.TempDir(), "nats"))
+	const tok = "grpc-admin-token"
+	logs, _, stop := startRun(t, doc, map[string]string{"KVROUTER_ADMIN_TOKEN": tok})
+	var natsURL, addr string
+	waitFor(t, "the router to listen", func() bool {
+		natsURL, addr = logs.field("consuming KV events", "nats_url"), logs.field("kvrouter listening", "grpc_listen")
+		return natsURL != "" && addr != ""
+	})
+	conn := grpcConn(t, addr, nil)
+	ctx := ctxT(t)
+
+	for _, svc := range []string{"", "readiness", "kvrouter.v1.Router", "envoy.service.ext_proc.v3.ExternalProcessor"} {
+		resp, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: svc})
+		if err != nil || resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+			t.Errorf("health %q: %v %v, want SERVING", svc, resp.GetStatus(), err)
+		}
+	}
+
+	// A watcher before the engine publishes; the unauthenticated one is refused.
+	events := kvrouterv1.NewEventsClient(conn)
+	if st, err := events.Watch(ctx, &kvrouterv1.WatchRequest{Pool: "p"}); err == nil {
+		if _, err = st.Recv(); status.Code(err) != codes.Unauthenticated {
+			t.Errorf("Watch without token: %v, want Unauthenticated", err)
+		}
+	}
+	// Stored blocks only: the bridge starts with a synthetic resync clear.
+	watch, err := events.Watch(bearer(ctx, tok), &kvrouterv1.WatchRequest{Pool: "p", Kinds: []kvrouterv1.EventKind{kvrouterv1.EventKind_EVENT_KIND_BLOCK_STORED}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := watch.Header(); err != nil { // the subscription is live
+		t.Fatal(err)
+	}
+
+	pub := engine(t, natsURL, "p", "m", "vllm-0")
+	ids := tokenIDs(3 * 16)
+	storeBlocks(t, pub, []uint64{11, 12, 13}, ids)
+	ev, err := watch.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ev.GetInstance() != "vllm-0" || ev.GetKind() != kvrouterv1.EventKind_EVENT_KIND_BLOCK_STORED || ev.GetTier() != kvrouterv1.Tier_TIER_GPU || len(ev.GetBlockHashes()) != 3 {
+		t.Fatalf("watched %v, want vllm-0's GPU BlockStored of 3 blocks", ev)
+	}
+
+	index := kvrouterv1.NewIndexClient(conn)
+	if _, err := index.Lookup(ctx, &kvrouterv1.LookupRequest{Pool: "p", TokenIds: ids}); status.Code(err) != codes.Unauthenticated {
+		t.Errorf("Lookup without token: %v, want Unauthenticated", err)
+	}
+	if _, err := index.Lookup(bearer(ctx, "wrong"), &kvrouterv1.LookupRequest{Pool: "p", TokenIds: ids}); status.Code(err) != codes.Unauthenticated {
+		t.Errorf("Lookup with a wrong token: %v, want Unauthenticated", err)
+	}
+	lookup := func() string {
+		resp, err := index.Lookup(bearer(ctx, tok), &kvrouterv1.LookupRequest{Pool: "p", TokenIds: ids})
+		if err != nil {
+			return err.Error()
+		}
+		var ms []string
+		for _, m := range resp.GetMatches() {
+			ms = append(ms, fmt.Sprintf("%s gpu=%d", m.GetInstance(), m.GetBlocks().GetGpu()))
+		}
+		return fmt.Sprintf("%d %v", resp.GetBlockSize(), ms)
+	}
+	want := "16 [vllm-0 gpu=3]"
+	waitFor(t, "Lookup "+want, func() bool { return lookup() == want })
+
+	// Pick is open (no token_for_pick) and sees the same index.
+	pick, err := kvrouterv1.NewRouterClient(conn).Pick(ctx, &kvrouterv1.PickRequest{Model: "m", TokenIds: ids})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pick.GetPool() != "p" || pick.GetInstance() != "vllm-0" || pick.GetAddress() != "127.0.0.1:1" || pick.GetStrategy() != "kv_aware" || pick.GetMatchedTokens().GetGpu() != 48 {
+		t.Errorf("Pick: %v, want vllm-0 by kv_aware with 48 GPU tokens matched", pick)
+	}
+
+	tests := []struct {
+		name   string
+		path   string
+		header []string
+		body   []byte
+		dest   string // routed to, or
+		status int32  // the immediate response
+	}{
+		{"by model", "/v1/completions", nil, completions("m2", "hello"), "127.0.0.1:2", 0},
+		{"raw, configured pool header", "/invocations", []string{"x-team-pool", "q"}, []byte("hello"), "127.0.0.1:2", 0},
+		{"raw, default header not configured", "/invocations", []string{"x-kvrouter-pool", "q"}, []byte("hello"), "127.0.0.1:1", 0},
+		{"configured body limit", "/v1/completions", nil, completions("m", strings.Repeat("x", 4096)), "", 413},
+	}
+	for _, tc := range tests {
+		t.Run("ext_proc "+tc.name, func(t *testing.T) {
+			dest, code := extProc(t, conn, tc.path, tc.header, tc.body)
+			if dest != tc.dest || code != tc.status {
+				t.Errorf("got %q / %d, want %q / %d", dest, code, tc.dest, tc.status)
+			}
+		})
+	}
+
+	// Shutdown ends the open Watch cleanly instead of waiting out the drain.
+	t0 := time.Now()
+	if err := stop(); err != nil {
+		t.Fatalf("run: %v", err)
+	}
+	if d := time.Since(t0); d > 4*time.Second {
+		t.Errorf("shutdown with an open Watch took %v", d)
+	}
+	if _, err := watch.Recv(); err != io.EOF {
+		t.Errorf("Watch after shutdown: %v, want a clean end of stream", err)
+	}
+}
+
+func completions(model, prompt string) []byte {
+	b, _ := json.Marshal(map[string]any{"model": model, "prompt": prompt})
+	return b
+}
+
+// extProc plays Envoy's side of one ext_proc exchange (request headers, then
+// the buffered body) and returns the picked endpoint, or the status of the
+// immediate response.
+func extProc(t *testing.T, conn *grpc.ClientConn, path string, header []string, body []byte) (dest string, code int32) {
+	t.Helper()
+	st, err := extprocv3.NewExternalProcessorClient(conn).Process(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.CloseSend()
+	hm := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
+		{Key: ":method", RawValue: []byte("POST")}, {Key: ":path", RawValue: []byte(path)},
+		{Key: "content-type", RawValue: []byte("application/json")}}}
+	for i := 0; i+1 < len(header); i += 2 {
+		hm.Headers = append(hm.Headers, &corev3.HeaderValue{Key: header[i], RawValue: []byte(header[i+1])})
+	}
+	for _, req := range []*extprocv3.ProcessingRequest{
+		{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm}}},
+		{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: body, EndOfStream: true}}},
+	} {
+		if err := st.Send(req); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := st.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if imm := resp.GetImmediateResponse(); imm != nil {
+			return "", int32(imm.GetStatus().GetCode())
+		}
+		for _, h := range resp.GetRequestBody().GetResponse().GetHeaderMutation().GetSetHeaders() {
+			if h.GetHeader().GetKey() == "x-gateway-destination-endpoint" {
+				dest = string(h.GetHeader().GetRawValue())
+			}
+		}
+	}
+	return dest, 0
+}
+
+// TestRunGRPCTLS: with tls:, the gRPC listener serves the HTTP listeners'
+// certificate (their config offers only http/1.1 in ALPN; gRPC needs h2),
+// refuses plaintext, and token_for_pick guards Pick.
+func TestRunGRPCTLS(t *testing.T) {
+	dir := t.TempDir()
+	certFile, keyFile, roots := selfSigned(t, dir)
+	doc := fmt.Sprintf(`
+listen: "127.0.0.1:0"
+tls: {cert_file: %q, key_file: %q}
+grpc: {listen: "127.0.0.1:0", token_for_pick: true}
+events: {enabled: false}
+pools:
+  - name: p
+    model: m
+    health: {disable: true}
+    discovery: {disable: true}
+    instances: [{id: vllm-0, url: "http://127.0.0.1:1"}]
+`, certFile, keyFile)
+	const tok = "tls-token"
+	logs, _, _ := startRun(t, doc, map[string]string{"KVROUTER_ADMIN_TOKEN": tok})
+	var addr string
+	waitFor(t, "the router to listen", func() bool {
+		addr = logs.field("kvrouter listening", "grpc_listen")
+		return addr != ""
+	})
+	ctx := ctxT(t)
+	tlsConn := grpcConn(t, addr, credentials.NewTLS(&tls.Config{RootCAs: roots, ServerName: "127.0.0.1"}))
+	plainConn := grpcConn(t, addr, nil)
+	tests := []struct {
+		name string
+		conn *grpc.ClientConn
+		ctx  context.Context
+		want codes.Code
+	}{
+		{"tls with token", tlsConn, bearer(ctx, tok), codes.OK},
+		{"tls without token (token_for_pick)", tlsConn, ctx, codes.Unauthenticated},
+		{"plaintext", plainConn, bearer(ctx, tok), codes.Unavailable},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			resp, err := kvrouterv1.NewRouterClient(tc.conn).Pick(tc.ctx, &kvrouterv1.PickRequest{Prompt: "hello"})
+			if status.Code(err) != tc.want {
+				t.Fatalf("Pick: %v, want %v", err, tc.want)
+			}
+			if err == nil && resp.GetInstance() != "vllm-0" {
+				t.Errorf("Pick: %v", resp)
+			}
+		})
+	}
+	if resp, err := healthpb.NewHealthClient(tlsConn).Check(ctx, &healthpb.HealthCheckRequest{}); err != nil || resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		t.Errorf("health over TLS: %v %v", resp.GetStatus(), err)
+	}
+	// Events are off: Watch has no NATS connection.
+	st, err := kvrouterv1.NewEventsClient(tlsConn).Watch(bearer(ctx, tok), &kvrouterv1.WatchRequest{Pool: "p"})
+	if err == nil {
+		_, err = st.Recv()
+	}
+	if status.Code(err) != codes.Unavailable {
+		t.Errorf("Watch without KV events: %v, want Unavailable", err)
+	}
+}
+
+// selfSigned writes a self-signed certificate for 127.0.0.1 and its key.
+func selfSigned(t *testing.T, dir string) (certFile, keyFile string, roots *x509.CertPool) {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(1),
+		Subject:               pkix.Name{CommonName: "kvrouter-test"},
+		NotBefore:             time.Now().Add(-time.Hour),
+		NotAfter:              time.Now().Add(time.Hour),
+		IPAddresses:           []net.IP{net.ParseIP("127.0.0.1")},
+		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+		IsCA:                  true,
+		BasicConstraintsValid: true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kder, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	certFile, keyFile = filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
+	if err := os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kder}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots = x509.NewCertPool()
+	roots.AddCert(cert)
+	return certFile, keyFile, roots
+}
+
+// TestGRPCConfig: the grpc: section and --grpc-listen, validated with
+// errors naming the field.
+func TestGRPCConfig(t *testing.T) {
+	const pools = `
+pools: [{name: p, model: m, instances: [{id: a, url: "http://127.0.0.1:1"}]}]
+`
+	tests := []struct {
+		name    string
+		grpc    string
+		args    []string
+		token   string
+		listen  string // the resulting grpc.listen, or
+		wantErr string // a validation error
+		extProc router.GRPCExtProcConfig
+	}{
+		{"absent: off", "", nil, "", "", "", router.GRPCExtProcConfig{}},
+		{"file", `grpc: {listen: ":9090", ext_proc: {pool_header: X-Pool, shed: true, max_queued: 8, max_body_bytes: 4096}}`, nil, "", ":9090", "",
+			router.GRPCExtProcConfig{PoolHeader: "X-Pool", Shed: true, MaxQueued: 8, MaxBodyBytes: 4096}},
+		{"flag wins", `grpc: {listen: ":9090"}`, []string{"--grpc-listen", "127.0.0.1:9191"}, "", "127.0.0.1:9191", "", router.GRPCExtProcConfig{}},
+		{"flag alone", "", []string{"--grpc-listen", ":9090"}, "", ":9090", "", router.GRPCExtProcConfig{}},
+		{"token_for_pick with token", `grpc: {listen: ":9090", token_for_pick: true}`, nil, "tok", ":9090", "", router.GRPCExtProcConfig{}},
+		{"bad listen", "", []string{"--grpc-listen", "9090"}, "", "", "grpc.listen", router.GRPCExtProcConfig{}},
+		{"token_for_pick without token", `grpc: {listen: ":9090", token_for_pick: true}`, nil, "", "", "grpc.token_for_pick", router.GRPCExtProcConfig{}},
+		{"bad pool header", `grpc: {ext_proc: {pool_header: "x pool"}}`, nil, "", "", "grpc.ext_proc.pool_header", router.GRPCExtProcConfig{}},
+		{"pseudo-header", `grpc: {ext_proc: {pool_header: ":path"}}`, nil, "", "", "grpc.ext_proc.pool_header", router.GRPCExtProcConfig{}},
+		{"negative max_queued", `grpc: {ext_proc: {max_queued: -1}}`, nil, "", "", "grpc.ext_proc.max_queued", router.GRPCExtProcConfig{}},
+		{"tiny body limit", `grpc: {ext_proc: {max_body_bytes: 100}}`, nil, "", "", "grpc.ext_proc.max_body_bytes", router.GRPCExtProcConfig{}},
+		{"unknown field", `grpc: {listen: ":9090", tokn_for_pick: true}`, nil, "", "", "tokn_for_pick", router.GRPCExtProcConfig{}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "r.yaml")
+			if err := os.WriteFile(path, []byte(tc.grpc+pools), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			f, err := parseFlags(append([]string{"--config", path}, tc.args...), io.Discard)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg, err := loadConfig(f, func(k string) string {
+				if k == "KVROUTER_ADMIN_TOKEN" {
+					return tc.token
+				}
+				return ""
+			})
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("error %v, want one naming %s", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if cfg.GRPC.Listen != tc.listen || cfg.GRPC.ExtProc != tc.extProc {
+				t.Errorf("grpc %+v, want listen %q, ext_proc %+v", cfg.GRPC, tc.listen, tc.extProc)
+			}
+		})
 	}
 }
