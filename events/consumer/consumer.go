@@ -168,6 +168,9 @@ type work struct {
 	header    nats.Header
 	data      []byte
 	stored    time.Time
+	// caughtUp: nothing newer was in the stream when this message was
+	// delivered (JetStream's NumPending was 0).
+	caughtUp bool
 }
 
 // New validates cfg.
@@ -424,7 +427,7 @@ func (c *Consumer) dispatch(ctx context.Context, m jetstream.Msg) {
 	}
 	w := work{kind: workEvent, instance: instance, header: m.Headers(), data: m.Data()}
 	if md, err := m.Metadata(); err == nil {
-		w.streamSeq, w.stored = md.Sequence.Stream, md.Timestamp
+		w.streamSeq, w.stored, w.caughtUp = md.Sequence.Stream, md.Timestamp, md.NumPending == 0
 	}
 	c.mu.Lock()
 	if c.insts[instance] == nil {
@@ -666,7 +669,15 @@ func (c *Consumer) fetchSnapshotOnce(ctx context.Context, instance string) (even
 // event applies one stream message, unless a loaded snapshot covers it.
 func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 	if !w.stored.IsZero() {
-		c.lag.Store(int64(time.Since(w.stored)))
+		lag := time.Since(w.stored)
+		if w.caughtUp {
+			// The newest message in the stream, however old: nothing is left
+			// to catch up on. Without this, a replay whose last message is
+			// older than MaxLag (an idle pool) left the consumer unhealthy
+			// until the next event, and kv_aware routing by hash meanwhile.
+			lag = 0
+		}
+		c.lag.Store(int64(lag))
 	}
 	c.mu.Lock()
 	purged := in.status.State == StatePurged
