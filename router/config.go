@@ -26,8 +26,9 @@ type Config struct {
 	// AdminListen serves the admin API and /metrics; empty = served on Listen.
 	AdminListen string `yaml:"admin_listen" json:"admin_listen,omitempty"`
 	// AdminToken, when set, is required as "Authorization: Bearer <token>" on
-	// /admin/*. It is a secret: never in the file, only from the environment
-	// (KVROUTER_ADMIN_TOKEN) or a flag; yaml:"-" so a file cannot set it.
+	// /admin/* and on the gRPC admin methods. It is a secret: never in the
+	// file, only from the environment (KVROUTER_ADMIN_TOKEN); yaml:"-" so a
+	// file cannot set it.
 	AdminToken string `yaml:"-" json:"-"`
 	// MaxBodyBytes caps request bodies (413 above). Default 32 MiB.
 	MaxBodyBytes int64 `yaml:"max_body_bytes" json:"max_body_bytes,omitempty"`
@@ -240,7 +241,8 @@ type TLSConfig struct {
 	KeyFile  string `yaml:"key_file" json:"key_file,omitempty"`
 }
 
-// TokenizerConfig configures how a pool turns prompts into token ids (a later issue).
+// TokenizerConfig configures how a pool turns prompts into token ids for
+// kv_aware routing, shadow scoring and lookups by prompt text.
 type TokenizerConfig struct {
 	// Source: simple | files | engine | none. Default none (heuristic only).
 	Source string `yaml:"source" json:"source,omitempty"`
@@ -283,7 +285,8 @@ type PoolConfig struct {
 	Health HealthConfig `yaml:"health" json:"health"`
 	// Discovery configures adapter discovery from instances' /v1/models.
 	Discovery DiscoveryConfig `yaml:"discovery" json:"discovery"`
-	// Tokenizer is reserved for kv_aware routing (a later issue).
+	// Tokenizer turns prompts into token ids for kv_aware (nil = source none:
+	// only requests that carry token ids route exactly).
 	Tokenizer *TokenizerConfig `yaml:"tokenizer,omitempty" json:"tokenizer,omitempty"`
 	// CacheSalt injects a per-tenant cache_salt into forwarded bodies so
 	// engines keep tenants' KV caches apart (docs/security.md).
