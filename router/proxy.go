@@ -58,6 +58,10 @@ type errRetryStatus int
 
 func (e errRetryStatus) Error() string { return fmt.Sprintf("upstream answered %d", int(e)) }
 
+// maxBodyPrealloc bounds the buffer readBody allocates from a request's
+// declared Content-Length before any of the body has arrived.
+const maxBodyPrealloc = 1 << 20
+
 // readBody reads the whole body (it is needed to route, and kept to retry);
 // on failure it has answered and returns the status.
 func (s *Server) readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, int) {
@@ -67,7 +71,11 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request, limit int64) (
 	}
 	var buf bytes.Buffer
 	if r.ContentLength > 0 {
-		buf.Grow(int(r.ContentLength))
+		// Trust the declared length only so far: a client declaring
+		// max_body_bytes and sending a byte would otherwise pin that much
+		// memory per connection until body_read_timeout. Larger bodies grow
+		// as they arrive.
+		buf.Grow(int(min(r.ContentLength, maxBodyPrealloc)))
 	}
 	_, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, limit))
 	if err != nil {
