@@ -135,7 +135,7 @@ type Consumer struct {
 
 	running atomic.Bool
 	lastErr atomic.Int64 // unix nanos of the last consume error
-	lag     atomic.Int64 // nanoseconds behind the stream at the last message
+	lag     atomic.Int64 // nanoseconds behind the stream at the last message delivered
 
 	// mu guards insts and every *inst's status fields. Read-mostly: Live
 	// is on the router's request path, once per candidate.
@@ -168,9 +168,6 @@ type work struct {
 	header    nats.Header
 	data      []byte
 	stored    time.Time
-	// caughtUp: nothing newer was in the stream when this message was
-	// delivered (JetStream's NumPending was 0).
-	caughtUp bool
 }
 
 // New validates cfg.
@@ -427,7 +424,18 @@ func (c *Consumer) dispatch(ctx context.Context, m jetstream.Msg) {
 	}
 	w := work{kind: workEvent, instance: instance, header: m.Headers(), data: m.Data()}
 	if md, err := m.Metadata(); err == nil {
-		w.streamSeq, w.stored, w.caughtUp = md.Sequence.Stream, md.Timestamp, md.NumPending == 0
+		w.streamSeq, w.stored = md.Sequence.Stream, md.Timestamp
+		// Measured here, on the one consume goroutine, so that it follows
+		// the stream's order (shards finish out of order). The newest
+		// message in the stream, however old, leaves nothing to catch up
+		// on: without that, a replay whose last message is older than
+		// MaxLag (an idle pool) kept the consumer unhealthy, and kv_aware
+		// routing by hash, until the next event.
+		lag := time.Since(md.Timestamp)
+		if md.NumPending == 0 {
+			lag = 0
+		}
+		c.lag.Store(int64(lag))
 	}
 	c.mu.Lock()
 	if c.insts[instance] == nil {
@@ -668,17 +676,6 @@ func (c *Consumer) fetchSnapshotOnce(ctx context.Context, instance string) (even
 
 // event applies one stream message, unless a loaded snapshot covers it.
 func (c *Consumer) event(ctx context.Context, w work, in *inst) {
-	if !w.stored.IsZero() {
-		lag := time.Since(w.stored)
-		if w.caughtUp {
-			// The newest message in the stream, however old: nothing is left
-			// to catch up on. Without this, a replay whose last message is
-			// older than MaxLag (an idle pool) left the consumer unhealthy
-			// until the next event, and kv_aware routing by hash meanwhile.
-			lag = 0
-		}
-		c.lag.Store(int64(lag))
-	}
 	c.mu.Lock()
 	purged := in.status.State == StatePurged
 	c.mu.Unlock()
