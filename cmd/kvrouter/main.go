@@ -44,6 +44,9 @@ import (
 
 func main() {
 	if err := run(context.Background(), os.Args[1:], os.Stderr, os.Getenv); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return // usage was printed; asking for help is not a failure
+		}
 		fmt.Fprintln(os.Stderr, "kvrouter:", err)
 		os.Exit(1)
 	}
