@@ -282,8 +282,23 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 			// or the instance would count that request in flight forever.
 			defer func() {
 				dec.Instance.Release()
+				p := recover()
+				if p != nil {
+					// Aborted mid-response: the client went away (499) or the
+					// upstream broke off a non-SSE body (502). Count it here,
+					// since the panic skips the accounting after this call.
+					if r.Context().Err() != nil {
+						a.status = 499
+					} else if a.streamErr {
+						a.status = http.StatusBadGateway
+					}
+				}
 				if dec.Observer != nil {
 					dec.Observer.Finish(a.status)
+				}
+				if p != nil {
+					s.m.requests.WithLabelValues(pool.Name(), dec.Instance.ID(), strat.Name(), string(dec.Reason), strconv.Itoa(a.status)).Inc()
+					panic(p)
 				}
 			}()
 			s.proxy.ServeHTTP(w, out)
