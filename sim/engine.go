@@ -557,6 +557,13 @@ func (e *Engine) startStep(t time.Duration) {
 
 	if len(e.step) == 0 {
 		e.stepActive = false
+		// An empty schedule still changed the cache when it evicted blocks
+		// to make room for a request that now loads from the CPU tier (or
+		// for one preempted at once). vLLM publishes whatever the cache
+		// manager collected after every schedule, scheduled tokens or not;
+		// holding these events for a later step would leave a listener
+		// believing in evicted blocks for as long as the engine idles.
+		e.flushStep(t)
 		if preempted {
 			// Everything running was preempted; now the queue may go.
 			e.startStep(t)
@@ -736,11 +743,17 @@ func (e *Engine) finishStep(out []Update) []Update {
 	if finished {
 		e.running = slices.DeleteFunc(e.running, func(q *request) bool { return q.state == stDone })
 	}
+	e.flushStep(t)
+	return out
+}
+
+// flushStep sends the events collected since the last batch, if any, as
+// one batch at t.
+func (e *Engine) flushStep(t time.Duration) {
 	if len(e.stepEvents) > 0 {
 		e.flush(e.stepEvents, t)
 		e.stepEvents = nil
 	}
-	return out
 }
 
 // commitBlocks hashes q's blocks [0, n) that are still slots and announces

@@ -400,13 +400,25 @@ func TestCPUOffloadDemoteAndPromote(t *testing.T) {
 	if u.At-start < load {
 		t.Fatalf("TTFT %v shorter than the CPU→GPU copy %v", u.At-start, load)
 	}
-	var promoted []uint64
+	// The blocks evicted to make room for the copy are announced when the
+	// copy is scheduled (an empty step), not held back until it completes.
+	if len(h.batches) < 2 || h.batches[0].TS != start.Seconds() {
+		t.Fatalf("want the evictions announced at %v, then the promotion; got %d batches", start, len(h.batches))
+	}
 	for _, ev := range h.batches[0].Events {
-		if ev.Kind == events.BlockStored && ev.Medium == "GPU" {
-			if promoted == nil && (ev.HasParent || !slices.Equal(ev.TokenIDs, a[:len(ev.BlockHashes)*16])) {
-				t.Fatalf("promotion store %+v: want blocks from 0 with their tokens", ev)
+		if ev.Kind == events.BlockStored && ev.Medium == MediumGPU {
+			t.Fatalf("GPU store %x announced before the copy completed", ev.BlockHashes)
+		}
+	}
+	var promoted []uint64
+	for _, b := range h.batches {
+		for _, ev := range b.Events {
+			if ev.Kind == events.BlockStored && ev.Medium == MediumGPU {
+				if promoted == nil && (ev.HasParent || !slices.Equal(ev.TokenIDs, a[:len(ev.BlockHashes)*16])) {
+					t.Fatalf("promotion store %+v: want blocks from 0 with their tokens", ev)
+				}
+				promoted = append(promoted, ev.BlockHashes...)
 			}
-			promoted = append(promoted, ev.BlockHashes...)
 		}
 	}
 	if !slices.Equal(promoted[:3], ah[:3]) {
