@@ -9,6 +9,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // RequestObserver follows one routed attempt to its end. A strategy that
@@ -25,10 +27,23 @@ type RequestObserver interface {
 	Finish(status int)
 }
 
-var _ RequestObserver = (*kvObserver)(nil)
+// prefillReleaser is implemented by observers that count the request's
+// prefill as pending on its instance. The proxy calls it for a non-streamed
+// request, whose first response byte arrives only after the whole
+// generation: the pending prefill is then released after d (the predicted
+// time to first token, when the prefill should be over), or at the first
+// byte or Finish if sooner.
+type prefillReleaser interface {
+	releasePrefillAfter(d time.Duration)
+}
+
+var (
+	_ RequestObserver = (*kvObserver)(nil)
+	_ prefillReleaser = (*kvObserver)(nil)
+)
 
 // kvObserver releases the request's pending prefill at its first response
-// byte and compares the predicted hit with the engine's reported
+// byte (or at its predicted end, for non-streamed requests) and compares the predicted hit with the engine's reported
 // usage.prompt_tokens_details.cached_tokens.
 type kvObserver struct {
 	st        *KVState
@@ -38,26 +53,45 @@ type kvObserver struct {
 	predicted int           // matched tokens predicted at routing
 	shadow    *shadowRecord // nil outside shadow mode
 	tee       *usageTee
-	released  atomic.Bool
+	released  atomic.Bool // the pending prefill was given back (once)
 	finished  atomic.Bool
+
+	timerMu sync.Mutex  // guards timer
+	timer   *time.Timer // releases the pending prefill of a non-streamed request
 }
 
 // newObserver counts recompute tokens as pending on inst until the
 // request's first byte.
 func (st *KVState) newObserver(inst string, recompute, predicted int) *kvObserver {
 	o := &kvObserver{st: st, inst: inst, pc: st.pendingFor(inst), pendTok: int64(max(recompute, 0)), predicted: predicted}
-	v := o.pc.tokens.Add(o.pendTok)
+	o.pc.tokens.Add(o.pendTok)
 	o.pc.reqs.Add(1)
-	st.m.pending.WithLabelValues(st.pool, inst).Set(float64(v))
+	st.m.pending.track(st.pool, inst, o.pc)
 	return o
 }
 
+// release gives the pending prefill back; only the first call counts (the
+// first byte, the timer and Finish may all call it, the timer on its own
+// goroutine).
 func (o *kvObserver) release() {
 	if o.released.CompareAndSwap(false, true) {
-		v := o.pc.tokens.Add(-o.pendTok)
+		o.pc.tokens.Add(-o.pendTok)
 		o.pc.reqs.Add(-1)
-		o.st.m.pending.WithLabelValues(o.st.pool, o.inst).Set(float64(v))
 	}
+}
+
+// releasePrefillAfter implements prefillReleaser.
+func (o *kvObserver) releasePrefillAfter(d time.Duration) {
+	if d <= 0 {
+		o.release()
+		return
+	}
+	o.timerMu.Lock()
+	defer o.timerMu.Unlock()
+	if o.timer != nil || o.finished.Load() || o.released.Load() {
+		return
+	}
+	o.timer = time.AfterFunc(d, o.release)
 }
 
 // ObserveBody implements RequestObserver.
@@ -71,6 +105,11 @@ func (o *kvObserver) Finish(status int) {
 	if !o.finished.CompareAndSwap(false, true) {
 		return
 	}
+	o.timerMu.Lock()
+	if o.timer != nil {
+		o.timer.Stop()
+	}
+	o.timerMu.Unlock()
 	o.release()
 	cached, found := -1, false
 	if o.tee != nil {
@@ -99,6 +138,51 @@ func abs(x int) int {
 		return -x
 	}
 	return x
+}
+
+// pendingCollector exports kvrouter_kv_pending_prefill_tokens by reading
+// the pending counters at scrape time. Setting a gauge after each atomic
+// update would race: two requests updating one counter could Set their
+// values in the opposite order, leaving the gauge stale until the next
+// request there.
+type pendingCollector struct {
+	desc     *prometheus.Desc
+	counters sync.Map // pendingKey -> *pendingCounter
+}
+
+var _ prometheus.Collector = (*pendingCollector)(nil)
+
+type pendingKey struct{ pool, inst string }
+
+func newPendingCollector() *pendingCollector {
+	return &pendingCollector{desc: prometheus.NewDesc(
+		"kvrouter_kv_pending_prefill_tokens",
+		"Router-local prefill tokens routed to an instance whose first response byte (non-streamed: predicted end of prefill) has not arrived.",
+		[]string{"pool", "instance"}, nil,
+	)}
+}
+
+// track exports pc as pool's pending prefill on inst. A pool's KVState
+// keeps one counter per instance for its whole life, so after the first
+// request this is a lookup; a replaced KVState's counter replaces the old.
+func (c *pendingCollector) track(pool, inst string, pc *pendingCounter) {
+	k := pendingKey{pool, inst}
+	if v, ok := c.counters.Load(k); ok && v.(*pendingCounter) == pc {
+		return
+	}
+	c.counters.Store(k, pc)
+}
+
+// Describe implements prometheus.Collector.
+func (c *pendingCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+// Collect implements prometheus.Collector.
+func (c *pendingCollector) Collect(ch chan<- prometheus.Metric) {
+	c.counters.Range(func(k, v any) bool {
+		key := k.(pendingKey)
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(v.(*pendingCounter).tokens.Load()), key.pool, key.inst)
+		return true
+	})
 }
 
 // Caps of what the usage tee keeps: a non-streamed completion body (only

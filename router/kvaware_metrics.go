@@ -15,7 +15,7 @@ type KVMetrics struct {
 	streamUp          *prometheus.GaugeVec
 	streamTransitions *prometheus.CounterVec
 	specKeys          *prometheus.GaugeVec
-	pending           *prometheus.GaugeVec
+	pending           *pendingCollector
 	scrapes           *prometheus.CounterVec
 	usage             *prometheus.CounterVec
 	reportedCached    *prometheus.CounterVec
@@ -72,10 +72,7 @@ func newKVMetrics() *KVMetrics {
 			Name: "kvrouter_kv_speculative_entries",
 			Help: "(block, instance) entries in the speculative overlay (routed but not yet confirmed by events).",
 		}, []string{"pool"}),
-		pending: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "kvrouter_kv_pending_prefill_tokens",
-			Help: "Router-local prefill tokens routed to an instance whose first response byte has not arrived.",
-		}, []string{"pool", "instance"}),
+		pending: newPendingCollector(), // compare.go: read at scrape time
 		scrapes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrouter_kv_load_scrapes_total",
 			Help: "Scrapes of instances' /metrics for vllm:num_requests_waiting/running, by result.",

@@ -8,10 +8,12 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptrace"
 	"net/http/httputil"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -38,6 +40,13 @@ type attempt struct {
 	sent     time.Time
 	n        int // 1-based attempt number
 	canRetry bool
+
+	// wrote is set by the transport (its write goroutine, through an
+	// httptrace hook) once the whole request went out to the instance:
+	// from then on the instance may be prefilling it, so a transport
+	// failure is not retried elsewhere (that would duplicate the work, and
+	// the request).
+	wrote atomic.Bool
 
 	// Set by the hooks (same goroutine as ServeHTTP).
 	retry     bool  // failed before any byte reached the client: try the next candidate
@@ -235,7 +244,8 @@ func (s *Server) serveInvoke(ep Endpoint) http.HandlerFunc {
 }
 
 // route picks an instance and proxies, retrying once on the next candidate
-// when the first fails before any byte reached the client.
+// when the first fails before any byte reached the client, and either
+// before the request reached it or with a retry status (errorHandler).
 func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *Pool, strat Strategy, req *Request, path string, ready time.Time) {
 	var buf [32]*Instance // candidates live on the stack for typical pools
 	var exclude *Instance
@@ -271,10 +281,20 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 			s.m.overflows.WithLabelValues(pool.Name(), strat.Name(), string(dec.Reason)).Inc()
 		}
 		a := &attempt{pool: pool, dec: dec, path: path, ready: ready, n: n, canRetry: n < maxAttempts && len(cands) > 1}
-		out := r.WithContext(context.WithValue(r.Context(), attemptKey{}, a))
+		ctx := context.WithValue(r.Context(), attemptKey{}, a)
+		ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{WroteRequest: a.wroteRequest})
+		out := r.WithContext(ctx)
 		out.Body = io.NopCloser(bytes.NewReader(req.Body))
 		out.ContentLength = int64(len(req.Body))
 		out.Header.Del("Content-Length") // ReverseProxy writes it from ContentLength
+		if dec.Observer != nil && !req.Stream && dec.Explain != nil {
+			// A non-streamed response starts only after the whole
+			// generation: release its pending prefill when the prefill is
+			// predicted to be over rather than at the first byte.
+			if pr, ok := dec.Observer.(prefillReleaser); ok {
+				pr.releasePrefillAfter(dec.Explain.PredictedTTFT)
+			}
+		}
 		dec.Instance.Acquire()
 		func() {
 			// ReverseProxy panics with http.ErrAbortHandler when the copy to
@@ -367,8 +387,22 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 	return nil
 }
 
+// wroteRequest is the attempt's httptrace.ClientTrace.WroteRequest hook. A
+// write that failed part way is not counted: the instance never got the
+// whole request, so it cannot be working on it.
+func (a *attempt) wroteRequest(info httptrace.WroteRequestInfo) {
+	if info.Err == nil {
+		a.wrote.Store(true)
+	}
+}
+
 // errorHandler runs when the upstream failed before its response reached
-// the client: nothing has been written, so the request may be retried.
+// the client: nothing has been written to the client. The request is
+// retried on the next candidate for a configured retry status, or for a
+// transport failure before the request was written (dial error, connection
+// refused or reset while sending); not after it was (a reset or hang-up
+// while waiting, response_header_timeout), since the instance may already
+// be prefilling it.
 func (s *Server) errorHandler(w http.ResponseWriter, r *http.Request, err error) {
 	a := attemptFrom(r.Context())
 	a.err = err
@@ -376,13 +410,14 @@ func (s *Server) errorHandler(w http.ResponseWriter, r *http.Request, err error)
 		a.status = 499 // client closed request: nobody to answer
 		return
 	}
-	if a.canRetry {
+	var rs errRetryStatus
+	isStatus := errors.As(err, &rs)
+	if a.canRetry && (isStatus || !a.wrote.Load()) {
 		a.retry = true
 		return
 	}
-	var rs errRetryStatus
 	status := http.StatusBadGateway
-	if errors.As(err, &rs) {
+	if isStatus {
 		status = int(rs)
 	} else if errors.Is(err, context.DeadlineExceeded) {
 		status = http.StatusGatewayTimeout
