@@ -166,8 +166,8 @@ func (c StreamConfig) withDefaults() StreamConfig {
 func EnsureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig) (jetstream.Stream, error) {
 	cfg = cfg.withDefaults()
 	if cfg.MaxAge < 0 || cfg.MaxBytes < -1 || cfg.MaxMsgs < -1 || cfg.Replicas < 1 {
-		return nil, fmt.Errorf("events: stream %s: negative limits (max age %v, max bytes %d, max msgs %d, replicas %d)",
-			cfg.Name, cfg.MaxAge, cfg.MaxBytes, cfg.MaxMsgs, cfg.Replicas)
+		return nil, fmt.Errorf("%w: stream %s: negative limits (max age %v, max bytes %d, max msgs %d, replicas %d)",
+			ErrConfig, cfg.Name, cfg.MaxAge, cfg.MaxBytes, cfg.MaxMsgs, cfg.Replicas)
 	}
 	s, err := js.Stream(ctx, cfg.Name)
 	if err == nil {
@@ -228,7 +228,7 @@ func EnsureBucket(ctx context.Context, js jetstream.JetStream, cfg BucketConfig)
 		cfg.TTL = 24 * time.Hour
 	}
 	if cfg.TTL < 0 || cfg.MaxValueSize < 0 {
-		return nil, fmt.Errorf("events: bucket %s: negative ttl %v or max value size %d", cfg.Name, cfg.TTL, cfg.MaxValueSize)
+		return nil, fmt.Errorf("%w: bucket %s: negative ttl %v or max value size %d", ErrConfig, cfg.Name, cfg.TTL, cfg.MaxValueSize)
 	}
 	kv, err := js.KeyValue(ctx, cfg.Name)
 	if err == nil {

@@ -188,30 +188,19 @@ func (b *Bridge) Ready() bool {
 }
 
 // Run ensures the stream and bucket, then runs every instance until ctx is
-// done; call it once. It returns ctx.Err(), or an error if the stream or bucket cannot be
-// made (a configuration problem, not an outage: outages are retried).
+// done; call it once. It returns ctx.Err(), or an error if the stream or
+// bucket cannot be made for a configuration reason (events.IsConfigError:
+// another stream holds the subjects, an invalid setting); outages are
+// retried with backoff until ctx is done.
 func (b *Bridge) Run(ctx context.Context) error {
-	var kv jetstream.KeyValue
-	var obs jetstream.ObjectStore
-	backoff := 100 * time.Millisecond
-	for {
-		var err error
-		if _, err = events.EnsureStream(ctx, b.js, b.cfg.Stream); err == nil {
-			if kv, err = events.EnsureBucket(ctx, b.js, b.cfg.Bucket); err == nil {
-				obs, err = events.EnsureObjectStore(ctx, b.js, b.cfg.Bucket)
-			}
-		}
-		if err == nil {
-			break
-		}
-		b.cfg.Logger.Warn("bridge: stream or bucket not ready, retrying", "err", err, "backoff", backoff)
-		select {
-		case <-ctx.Done():
+	res, err := events.EnsureAll(ctx, b.js, b.cfg.Stream, b.cfg.Bucket, b.cfg.Logger)
+	if err != nil {
+		if ctx.Err() != nil {
 			return ctx.Err()
-		case <-time.After(backoff):
 		}
-		backoff = min(2*backoff, 5*time.Second)
+		return fmt.Errorf("bridge: %w", err)
 	}
+	kv, obs := res.Bucket, res.ObjectStore
 	for _, in := range b.insts {
 		in.kv, in.obs = kv, obs
 		sub, err := b.cfg.Conn.Subscribe(in.snapSubj, in.serveSnapshot)

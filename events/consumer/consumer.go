@@ -108,28 +108,33 @@ type Config struct {
 
 // InstanceStatus is the consumer's view of one instance.
 type InstanceStatus struct {
-	Instance      string            `json:"instance"`
-	State         State             `json:"state"`
-	LastSeq       uint64            `json:"last_seq"`
-	LastEvent     time.Time         `json:"last_event"`
-	LastHeartbeat time.Time         `json:"last_heartbeat"`
-	Gaps          uint64            `json:"gaps"`
-	Clears        uint64            `json:"clears"`
-	Malformed     uint64            `json:"malformed"`
-	Unknown       uint64            `json:"unknown_events"`
-	SnapshotSeq   uint64            `json:"snapshot_stream_seq"`
-	StreamSeq     uint64            `json:"stream_seq"`
-	Heartbeat     *events.Heartbeat `json:"heartbeat,omitempty"`
+	Instance      string    `json:"instance"`
+	State         State     `json:"state"`
+	LastSeq       uint64    `json:"last_seq"`
+	LastEvent     time.Time `json:"last_event"`
+	LastHeartbeat time.Time `json:"last_heartbeat"`
+	Gaps          uint64    `json:"gaps"`
+	Clears        uint64    `json:"clears"`
+	Malformed     uint64    `json:"malformed"`
+	Unknown       uint64    `json:"unknown_events"`
+	SnapshotSeq   uint64    `json:"snapshot_stream_seq"`
+	// ReplayLost counts reloads whose snapshot was older than messages
+	// already applied that the stream no longer holds (see replay).
+	ReplayLost uint64            `json:"replay_lost"`
+	StreamSeq  uint64            `json:"stream_seq"`
+	Heartbeat  *events.Heartbeat `json:"heartbeat,omitempty"`
 }
 
 // Consumer feeds one pool's events into an Applier.
 type Consumer struct {
-	cfg  Config
-	js   jetstream.JetStream
-	kv   jetstream.KeyValue
-	obs  jetstream.ObjectStore
-	m    *metrics
-	seed maphash.Seed
+	cfg Config
+	js  jetstream.JetStream
+	// stream, kv and obs are set once by Run before any shard starts.
+	stream jetstream.Stream
+	kv     jetstream.KeyValue
+	obs    jetstream.ObjectStore
+	m      *metrics
+	seed   maphash.Seed
 
 	shards []chan work
 
@@ -274,27 +279,18 @@ func (c *Consumer) Instances() []InstanceStatus {
 }
 
 // Run consumes until ctx is done and returns ctx.Err(), or an error when
-// the stream or bucket cannot be made.
+// the stream or bucket cannot be made for a configuration reason
+// (events.IsConfigError: another stream holds the subjects, an invalid
+// setting); outages are retried with backoff until ctx is done.
 func (c *Consumer) Run(ctx context.Context) error {
-	backoff := 100 * time.Millisecond
-	for {
-		var err error
-		if _, err = events.EnsureStream(ctx, c.js, c.cfg.Stream); err == nil {
-			if c.kv, err = events.EnsureBucket(ctx, c.js, c.cfg.Bucket); err == nil {
-				c.obs, err = events.EnsureObjectStore(ctx, c.js, c.cfg.Bucket)
-			}
-		}
-		if err == nil {
-			break
-		}
-		c.cfg.Logger.Warn("consumer: stream or bucket not ready, retrying", "err", err, "backoff", backoff)
-		select {
-		case <-ctx.Done():
+	res, err := events.EnsureAll(ctx, c.js, c.cfg.Stream, c.cfg.Bucket, c.cfg.Logger)
+	if err != nil {
+		if ctx.Err() != nil {
 			return ctx.Err()
-		case <-time.After(backoff):
 		}
-		backoff = min(2*backoff, 5*time.Second)
+		return fmt.Errorf("consumer: %w", err)
 	}
+	c.stream, c.kv, c.obs = res.Stream, res.Bucket, res.ObjectStore
 	// Deferred in this order so that every return cancels the shards
 	// first and then waits for them.
 	var wg sync.WaitGroup
@@ -553,7 +549,7 @@ func (c *Consumer) do(ctx context.Context, w work) {
 		c.cfg.Logger.Info("consumer: instance purged", "instance", w.instance)
 	case workLoad:
 		if in.needLoad && !c.cfg.SharedIndex {
-			c.load(ctx, w.instance, in)
+			c.load(ctx, w.instance, in, 0)
 		}
 	case workEvent:
 		c.event(ctx, w, in)
@@ -563,8 +559,23 @@ func (c *Consumer) do(ctx context.Context, w work) {
 // load replaces the instance's index state with its snapshot: from the
 // bridge (request-reply, the freshest), else the bucket, else nothing (the
 // stream alone then rebuilds what it still holds).
-func (c *Consumer) load(ctx context.Context, instance string, in *inst) {
+//
+// cur is the stream sequence of the message being processed (0 for a load
+// with none: start-up, heartbeat). Every message of the instance below cur
+// (or, without one, up to the last one processed) has already gone
+// through this shard, so when the snapshot is older than that (a bucket
+// snapshot, up to its refresh period old, while the bridge is down) the
+// messages between the snapshot and cur are replayed from the stream
+// after it; otherwise a reload would drop everything applied since the
+// snapshot was taken.
+func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint64) {
 	in.needLoad = false
+	c.mu.Lock()
+	done := in.status.StreamSeq
+	c.mu.Unlock()
+	if cur != 0 {
+		done = cur - 1
+	}
 	snap, source, err := c.fetchSnapshot(ctx, instance)
 	if err != nil {
 		if !errors.Is(err, errNoSnapshot) && ctx.Err() == nil {
@@ -573,16 +584,18 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst) {
 			in.needLoad = true
 			c.m.snapshotLoads.WithLabelValues("error").Inc()
 			c.cfg.Logger.Warn("consumer: snapshot unreadable, will retry", "instance", instance, "err", err)
-			return
+		} else {
+			c.m.snapshotLoads.WithLabelValues("none").Inc()
+			c.cfg.Logger.Info("consumer: no snapshot, using the stream alone", "instance", instance, "err", err)
 		}
-		c.m.snapshotLoads.WithLabelValues("none").Inc()
-		c.cfg.Logger.Info("consumer: no snapshot, using the stream alone", "instance", instance, "err", err)
+		c.seenIfNever(in)
 		return
 	}
 	batch, err := events.Decode(snap.Batch)
 	if err != nil {
 		c.m.snapshotLoads.WithLabelValues("malformed").Inc()
 		c.cfg.Logger.Warn("consumer: malformed snapshot batch", "instance", instance, "source", source, "err", err)
+		c.seenIfNever(in)
 		return
 	}
 	if err := c.cfg.Applier.Purge(ctx, instance); err != nil {
@@ -601,6 +614,8 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst) {
 	}
 	if snap.HasSeq {
 		in.status.LastSeq, in.hasSeq = snap.EngineSeq, true
+	} else {
+		in.hasSeq = false
 	}
 	if in.status.State == StatePurged {
 		in.status.State = StateStale // seen() decides from the snapshot's age
@@ -608,6 +623,103 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst) {
 	c.seen(in, snap.Taken)
 	c.mu.Unlock()
 	c.cfg.Logger.Info("consumer: loaded snapshot", "instance", instance, "source", source, "blocks", snap.Blocks, "stream_seq", snap.StreamSeq)
+	if done > snap.StreamSeq {
+		c.replay(ctx, instance, in, snap.StreamSeq, done)
+	}
+}
+
+// seenIfNever starts the silence clock of an instance that has never been
+// seen (listed from the bucket, but its snapshot is gone or unreadable):
+// without it check() would wait for a first sighting forever and the
+// instance would never be aged out. Its state is left as it is (stale):
+// nothing says it is alive.
+func (c *Consumer) seenIfNever(in *inst) {
+	c.mu.Lock()
+	if in.lastSeen.IsZero() {
+		in.lastSeen = time.Now()
+	}
+	c.mu.Unlock()
+}
+
+// replay re-applies the instance's stream messages with a stream sequence
+// in (from, to], in order, after a snapshot taken at from: they had been
+// applied before the reload purged them. It reads them one by one with
+// the stream's get-next-by-subject (a reload is rare; the messages are few
+// seconds' worth), then moves skipUpTo to to so the consumer does not
+// apply them twice.
+//
+// What it cannot replay is real loss: messages the stream no longer holds
+// (retention passed them), seen as an engine sequence that does not follow
+// on from the snapshot's. The bridge publishes every engine sequence or a
+// clear, so the lost messages may have held stores and removals. The
+// instance keeps the snapshot plus what survives, and the loss is counted
+// (kvrouter_events_replay_lost_total, InstanceStatus.ReplayLost) and
+// logged: clearing would throw away a table that is right but for those
+// messages and send every request to a cold cache, while an entry kept
+// wrongly costs one routing miss. The state is put right by the next
+// snapshot load (a later gap or failure), by the bridge's resync clear
+// when it restarts, or by the purge of a silent instance.
+func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, to uint64) {
+	subj, _ := events.EventsSubject(c.cfg.Pool, instance)
+	var applied int
+	lost := false
+	seq := from + 1
+	for seq <= to && ctx.Err() == nil {
+		m, err := c.stream.GetMsg(ctx, seq, jetstream.WithGetMsgSubject(subj))
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			break
+		}
+		if err != nil {
+			// Could not read the stream: leave the snapshot and try the
+			// whole reload again at the instance's next event.
+			in.needLoad = true
+			c.m.applyErrors.Inc()
+			c.cfg.Logger.Warn("consumer: replay after snapshot failed, will reload", "instance", instance, "stream_seq", seq, "err", err)
+			break
+		}
+		if m.Sequence > to {
+			break
+		}
+		seq = m.Sequence + 1
+		h, herr := events.ParseEventHeaders(m.Header)
+		engineMsg := herr == nil && h.HasSeq && h.Synthetic == ""
+		if engineMsg && in.hasSeq && h.Seq > in.status.LastSeq+1 {
+			lost = true
+		}
+		batch, err := events.Decode(m.Data)
+		if err == nil {
+			if _, aerr := c.cfg.Applier.Apply(ctx, instance, batch.Events); aerr != nil {
+				in.needLoad = true
+				c.m.applyErrors.Inc()
+				c.cfg.Logger.Warn("consumer: apply during replay failed, will reload", "instance", instance, "stream_seq", m.Sequence, "err", aerr)
+				break
+			}
+			applied++
+		}
+		c.mu.Lock()
+		in.status.StreamSeq = max(in.status.StreamSeq, m.Sequence)
+		if engineMsg {
+			in.status.LastSeq, in.hasSeq = h.Seq, true
+		}
+		switch h.Synthetic {
+		case events.SyntheticGap, events.SyntheticRestart, events.SyntheticResync:
+			in.hasSeq = false
+		}
+		c.mu.Unlock()
+	}
+	if !in.needLoad {
+		in.skipUpTo = max(in.skipUpTo, to)
+	}
+	c.m.replayed.Add(float64(applied))
+	if lost {
+		c.mu.Lock()
+		in.status.ReplayLost++
+		c.mu.Unlock()
+		c.m.replayLost.Inc()
+		c.cfg.Logger.Warn("consumer: messages after the snapshot are gone from the stream; keeping the snapshot and what remains",
+			"instance", instance, "snapshot_stream_seq", from, "to", to)
+	}
+	c.cfg.Logger.Info("consumer: replayed messages after snapshot", "instance", instance, "from", from+1, "to", to, "applied", applied)
 }
 
 // errNoSnapshot: neither the bridge nor the bucket has one.
@@ -689,7 +801,7 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 		in.needLoad = true
 	}
 	if in.needLoad && !c.cfg.SharedIndex {
-		c.load(ctx, w.instance, in)
+		c.load(ctx, w.instance, in, w.streamSeq)
 	}
 	if w.streamSeq != 0 && w.streamSeq <= in.skipUpTo {
 		c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
@@ -710,10 +822,21 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 		c.cfg.Logger.Warn("consumer: engine seq gap in the stream, reloading snapshot", "instance", w.instance,
 			"last_seq", in.status.LastSeq, "seq", h.Seq)
 		if !c.cfg.SharedIndex {
-			c.load(ctx, w.instance, in)
+			lostBefore := in.status.ReplayLost // written only by this goroutine
+			c.load(ctx, w.instance, in, w.streamSeq)
 			if w.streamSeq != 0 && w.streamSeq <= in.skipUpTo {
 				c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
 				return
+			}
+			if in.hasSeq && h.Seq > in.status.LastSeq+1 && in.status.ReplayLost == lostBefore {
+				// The snapshot and the replay after it still stop short
+				// of this message: what lay between is gone (see replay).
+				c.mu.Lock()
+				in.status.ReplayLost++
+				c.mu.Unlock()
+				c.m.replayLost.Inc()
+				c.cfg.Logger.Warn("consumer: engine seq gap remains after reload; keeping the snapshot and what remains",
+					"instance", w.instance, "last_seq", in.status.LastSeq, "seq", h.Seq)
 			}
 		}
 	}

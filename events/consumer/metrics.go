@@ -15,6 +15,8 @@ type metrics struct {
 	snapshotLoads *prometheus.CounterVec
 	heartbeats    *prometheus.CounterVec
 	purges        prometheus.Counter
+	replayed      prometheus.Counter
+	replayLost    prometheus.Counter
 	instances     *prometheus.GaugeVec
 	queue         prometheus.Gauge
 	lag           prometheus.Histogram
@@ -45,6 +47,10 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 			Help: "Bridge heartbeats received, by result."}, []string{"result"}),
 		purges: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_instance_purges_total", ConstLabels: cl,
 			Help: "Instances purged from the index after PurgeAfter of silence."}),
+		replayed: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_replayed_total", ConstLabels: cl,
+			Help: "Stream messages re-applied after a snapshot reload older than what had been applied."}),
+		replayLost: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_replay_lost_total", ConstLabels: cl,
+			Help: "Snapshot reloads that could not replay every message since the snapshot: the stream no longer held them."}),
 		instances: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvrouter_events_instances", ConstLabels: cl,
 			Help: "Known instances by state (live, stale, purged)."}, []string{"state"}),
 		queue: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvrouter_events_shard_queue", ConstLabels: cl,
@@ -55,7 +61,7 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 	}
 	if reg != nil {
 		for _, c := range []prometheus.Collector{m.messages, m.events, m.unknown, m.gaps, m.stored, m.removed, m.applyErrors,
-			m.consumeErrors, m.snapshotLoads, m.heartbeats, m.purges, m.instances, m.queue, m.lag} {
+			m.consumeErrors, m.snapshotLoads, m.heartbeats, m.purges, m.replayed, m.replayLost, m.instances, m.queue, m.lag} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}
