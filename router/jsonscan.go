@@ -1,6 +1,7 @@
 package router
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"unicode/utf16"
@@ -500,9 +501,46 @@ func (s *jscan) topMember(key string, r *OpenAIRequest) error {
 		}
 		r.Prompt = p
 		return nil
+	case "cache_salt":
+		return s.raw(1, &r.CacheSalt)
+	case "add_generation_prompt":
+		return s.raw(1, &r.AddGenerationPrompt)
+	case "continue_final_message":
+		return s.raw(1, &r.ContinueFinalMessage)
+	case "add_special_tokens":
+		return s.raw(1, &r.AddSpecialTokens)
+	case "tools":
+		return s.raw(1, &r.Tools)
+	case "chat_template_kwargs":
+		return s.raw(1, &r.ChatTemplateKwargs)
 	}
 	_, err := s.skip(1)
 	return err
+}
+
+// raw keeps the bytes of one value (a sub-slice of the body: no copy).
+func (s *jscan) raw(depth int, dst *json.RawMessage) error {
+	v, err := s.skip(depth)
+	if err != nil {
+		return err
+	}
+	*dst = v[:len(v):len(v)] // appends must not write into the body
+	return nil
+}
+
+// rawString is the string a raw value holds ("" for null or absent), as
+// encoding/json would decode it into a string; ok is false for any other
+// type.
+func rawString(v []byte) (string, bool) {
+	if len(v) == 0 || string(v) == "null" {
+		return "", true
+	}
+	s := &jscan{b: v}
+	raw, esc, err := s.str()
+	if err != nil || s.i != len(v) {
+		return "", false
+	}
+	return unquote(raw, esc), true
 }
 
 func (s *jscan) messageMember(key string, m *ChatMessage) error {
@@ -516,10 +554,10 @@ func (s *jscan) messageMember(key string, m *ChatMessage) error {
 			if err != nil {
 				return err
 			}
-			m.Content.Parts = []string{unquote(raw, esc)}
+			m.Content = MessageContent{Parts: []string{unquote(raw, esc)}}
 			return nil
 		case 'n':
-			m.Content.Parts = nil
+			m.Content = MessageContent{}
 			return s.lit("null")
 		}
 		raw, err := s.skip(3)
@@ -527,7 +565,37 @@ func (s *jscan) messageMember(key string, m *ChatMessage) error {
 			return err
 		}
 		return m.Content.UnmarshalJSON(raw) // arrays of parts: short, rare
+	case "name":
+		return s.raw(3, &m.Name)
+	case "tool_call_id":
+		return s.raw(3, &m.ToolCallID)
+	case "reasoning_content":
+		return s.raw(3, &m.ReasoningContent)
+	case "tool_calls":
+		return s.raw(3, &m.ToolCalls)
 	}
 	_, err := s.skip(3)
 	return err
+}
+
+// topLevelRaw is the raw value of the top-level member key (exact match,
+// the last one when repeated) of a JSON object body; nil when there is
+// none or body is not a valid JSON object.
+func topLevelRaw(body []byte, key string) json.RawMessage {
+	s := &jscan{b: body}
+	if s.peek() != '{' {
+		return nil
+	}
+	var v json.RawMessage
+	err := s.object(1, func(k string) error {
+		raw, err := s.skip(1)
+		if err == nil && k == key {
+			v = raw
+		}
+		return err
+	})
+	if err != nil || s.peek() != 0 || s.i < len(s.b) {
+		return nil
+	}
+	return v
 }

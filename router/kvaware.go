@@ -3,7 +3,6 @@ package router
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -347,7 +346,7 @@ func (s *KVAware) pick(ctx context.Context, req *Request, cands []*Instance, com
 		return Decision{}, nil, ErrNoCandidates
 	}
 	ev := s.st.getEval()
-	s.evaluate(ctx, req, cands, ev)
+	s.evaluate(ctx, req, cands, ev, commit)
 	var dec Decision
 	if ev.fallback != "" {
 		// The index says nothing useful: the heuristic decides, so the first
@@ -384,8 +383,9 @@ func seconds(f float64) time.Duration {
 }
 
 // evaluate fills ev: token ids, block keys, one index lookup, speculative
-// holds, staleness, and each candidate's predicted TTFT.
-func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance, ev *kvEval) {
+// holds, staleness, and each candidate's predicted TTFT. Without commit
+// (shadow scoring) it leaves the speculative overlay as it found it.
+func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance, ev *kvEval, commit bool) {
 	st := s.st
 	h := req.RoutingHash()
 	for _, c := range cands {
@@ -462,7 +462,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 			if g == 0 && !containsString(ev.holders, ce.inst.id) {
 				continue
 			}
-			if g > 0 && s.spec.heldBy(ev.keys[g-1], ce.inst.id) {
+			if commit && g > 0 && s.spec.heldBy(ev.keys[g-1], ce.inst.id) {
 				// Events confirmed the guess up to g: hand those blocks
 				// over to the index, which will also see their eviction.
 				s.spec.confirm(ev.keys[:g], ce.inst.id)
@@ -613,21 +613,30 @@ func (s *KVAware) commit(dec *Decision, ev *kvEval, ce *candEval) {
 
 // cacheSalt returns the request's "cache_salt" (vLLM's per-request KV
 // isolation key, folded into the first block's hash by the engine, hence
-// into our root), reading the body only when it mentions one.
+// into our root), without reading the body when it can: the salt the
+// router injected, else the one ParseOpenAI kept, else the one the router
+// wrote at the head of the body (salt.go); only other shapes are scanned.
+// Keys match exactly, as vLLM's do: "Cache_Salt" is not cache_salt.
 func cacheSalt(req *Request) string {
+	if req.InjectedCacheSalt != "" {
+		return req.InjectedCacheSalt
+	}
+	if p := req.Parsed; p != nil && sameBytes(p.src, req.Body) {
+		salt, _ := rawString(p.CacheSalt) // not a string: no salt, as before
+		return salt
+	}
 	if salt, ok := leadingCacheSalt(req.Body); ok {
 		return salt // as the router injected it (salt.go): no decode
 	}
-	if !bytes.Contains(req.Body, []byte(`"cache_salt"`)) {
-		return ""
+	if !bytes.Contains(req.Body, []byte(`"cache_salt"`)) && !bytes.Contains(req.Body, []byte(`\u`)) {
+		return "" // no key that could decode to cache_salt
 	}
-	var v struct {
-		CacheSalt string `json:"cache_salt"`
-	}
-	if json.Unmarshal(req.Body, &v) != nil {
-		return ""
-	}
-	return v.CacheSalt
+	return scanCacheSalt(req.Body)
+}
+
+// sameBytes reports whether a and b are the same slice of memory.
+func sameBytes(a, b []byte) bool {
+	return len(a) == len(b) && (len(a) == 0 || &a[0] == &b[0])
 }
 
 // WithKVState gives NewStrategy the pool's exact-routing state, which

@@ -191,6 +191,25 @@ func BenchmarkKVAwareDecision(b *testing.B) {
 			return &Request{Endpoint: EndpointChatCompletions, Model: kvTestModel, RoutingText: text, Body: body}
 		}, holder)
 	})
+	// The proxy's path: the body parsed once (ParseOpenAI, in the op), the
+	// decision reading the parsed request rather than the body again.
+	parseReq := func(body []byte) func() *Request {
+		return func() *Request {
+			p, err := ParseOpenAI(EndpointChatCompletions, body)
+			if err != nil {
+				b.Fatal(err)
+			}
+			return &Request{Endpoint: EndpointChatCompletions, Model: kvTestModel, RoutingText: text, Body: body, Parsed: p}
+		}
+	}
+	b.Run("chat_parse_and_decide", func(b *testing.B) {
+		benchDecide(b, w, s, parseReq(body), holder)
+	})
+	b.Run("chat_client_salt_parse_and_decide", func(b *testing.B) {
+		// A client's own cache_salt: its blocks are keyed apart (no holder).
+		salted := append(body[:len(body)-1:len(body)-1], `,"cache_salt":"tenant-a"}`...)
+		benchDecide(b, w, s, parseReq(salted), nil)
+	})
 	b.Run("chat_uncached_tokenizer", func(b *testing.B) {
 		// The tokenizer's per-piece cache off: every op runs BPE on every
 		// piece, the cost of a prompt made of words never seen before.

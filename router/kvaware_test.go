@@ -880,3 +880,36 @@ func TestShadowHeuristicInUse(t *testing.T) {
 		t.Errorf("recent %+v", sum.Recent)
 	}
 }
+
+// TestDryPickLeavesOverlay: shadow scoring (commit=false) must not hand
+// speculative entries over to the index; the committed pick does.
+func TestDryPickLeavesOverlay(t *testing.T) {
+	w := newKVWorld(t, 4)
+	tokens := promptTokens(43, 32*kvTestBS)
+	keys := kvindex.Keys(kvindex.Root(kvTestModel, "", ""), tokens, kvTestBS)
+	s := w.strategy(RoutingConfig{})
+	first := kvPick(t, s, kvRequest("d", tokens), w.insts) // speculates all 32 blocks
+	id := first.Instance.ID()
+	w.store(id, tokens, 0, 16) // events confirm half
+	held := func() bool { return s.spec.heldBy(keys[0], id) }
+	if !held() {
+		t.Fatal("the first pick left no speculative entry")
+	}
+	for range 3 {
+		d, ev, err := s.pick(context.Background(), kvRequest("d", tokens), w.insts, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.st.putEval(ev)
+		if d.Instance != first.Instance || d.Observer != nil {
+			t.Fatalf("dry pick: %s observer %v", d.Instance.ID(), d.Observer)
+		}
+		if !held() {
+			t.Fatal("a dry pick confirmed speculative entries")
+		}
+	}
+	kvPick(t, s, kvRequest("d", tokens), w.insts)
+	if held() {
+		t.Error("the committed pick did not confirm the blocks the index now holds")
+	}
+}

@@ -19,24 +19,50 @@ const TenantHeader = "X-Amzn-SageMaker-Prefix-Aware-Id"
 
 // OpenAIRequest is the part of an OpenAI chat or completions body the router
 // reads. The body is forwarded as received, never re-serialised.
+//
+// The fields the token source and kv_aware's block keys need beyond
+// routing are kept as the raw bytes of their values (nil when absent), so
+// that the body is decoded once (jsonscan.go) and a value of the wrong type
+// fails tokenization, as before, rather than the request.
 type OpenAIRequest struct {
 	Model          string        `json:"model"`
 	Messages       []ChatMessage `json:"messages"`
 	Prompt         *Prompt       `json:"prompt"`
 	Stream         bool          `json:"stream"`
 	PromptCacheKey string        `json:"prompt_cache_key"`
+
+	// vLLM's extra fields: per-request KV isolation, chat rendering and
+	// completions encoding.
+	CacheSalt            json.RawMessage `json:"cache_salt"`
+	AddGenerationPrompt  json.RawMessage `json:"add_generation_prompt"`
+	ContinueFinalMessage json.RawMessage `json:"continue_final_message"`
+	AddSpecialTokens     json.RawMessage `json:"add_special_tokens"`
+	Tools                json.RawMessage `json:"tools"`
+	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs"`
+
+	// src is the body ParseOpenAI decoded: kv_aware trusts CacheSalt only
+	// for a Request whose Body is still these bytes (salt.go rewrites it).
+	src []byte
 }
 
 // ChatMessage is one chat message; Content holds the text of a string
-// content or of the "text" parts of an array content, in order.
+// content or of the "text" parts of an array content, in order. The other
+// fields are raw values, for rendering the chat template.
 type ChatMessage struct {
-	Role    string         `json:"role"`
-	Content MessageContent `json:"content"`
+	Role             string          `json:"role"`
+	Content          MessageContent  `json:"content"`
+	Name             json.RawMessage `json:"name"`
+	ToolCallID       json.RawMessage `json:"tool_call_id"`
+	ReasoningContent json.RawMessage `json:"reasoning_content"`
+	ToolCalls        json.RawMessage `json:"tool_calls"`
 }
 
 // MessageContent is the text of a message's content.
 type MessageContent struct {
 	Parts []string
+	// Array: the content was a list of parts (Parts then holds only their
+	// texts; rendering needs the parts themselves: a full decode).
+	Array bool
 }
 
 // UnmarshalJSON accepts a string, null, or an array of content parts (only
@@ -45,14 +71,14 @@ func (m *MessageContent) UnmarshalJSON(b []byte) error {
 	b = bytes.TrimSpace(b)
 	switch {
 	case len(b) == 0 || string(b) == "null":
-		m.Parts = nil
+		m.Parts, m.Array = nil, false
 		return nil
 	case b[0] == '"':
 		var s string
 		if err := json.Unmarshal(b, &s); err != nil {
 			return err
 		}
-		m.Parts = []string{s}
+		m.Parts, m.Array = []string{s}, false
 		return nil
 	case b[0] == '[':
 		var parts []struct {
@@ -62,6 +88,7 @@ func (m *MessageContent) UnmarshalJSON(b []byte) error {
 			return err
 		}
 		m.Parts = m.Parts[:0]
+		m.Array = true
 		for _, p := range parts {
 			if p.Text != nil {
 				m.Parts = append(m.Parts, *p.Text)
@@ -138,6 +165,7 @@ func ParseOpenAI(ep Endpoint, body []byte) (*OpenAIRequest, error) {
 	if err := decodeOpenAI(body, &r); err != nil {
 		return nil, fmt.Errorf("%w: malformed JSON body: %w", ErrBadRequest, err)
 	}
+	r.src = body
 	switch ep {
 	case EndpointChatCompletions:
 		if len(r.Messages) == 0 {

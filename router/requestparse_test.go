@@ -210,7 +210,9 @@ func parseOpenAIStd(body []byte) (*OpenAIRequest, error) {
 // decoders differ on purpose: keys equal to a known field only up to case,
 // and a known field repeated in one object.
 func comparableWithStd(body []byte) bool {
-	known := []string{"model", "messages", "prompt", "stream", "prompt_cache_key", "role", "content", "text", "type"}
+	known := []string{"model", "messages", "prompt", "stream", "prompt_cache_key", "role", "content", "text", "type",
+		"cache_salt", "add_generation_prompt", "continue_final_message", "add_special_tokens", "tools", "chat_template_kwargs",
+		"name", "tool_call_id", "reasoning_content", "tool_calls"}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	type frame struct {
 		obj  bool
@@ -285,6 +287,9 @@ func FuzzDecodeOpenAIMatchesStd(f *testing.F) {
 		`{"model":5}`, `{"stream":"yes"}`, `{"messages":{}}`, `{"messages":[5]}`, `{"messages":[{"content":7}]}`,
 		`[1]`, `"s"`, `{"a":01}`, `{"a":1.}`, `{"a":-}`, `{"a":"\x01"}`, `{"a":"\q"}`, `{"a":"\u12"}`, `{} x`, `{"a" 1}`, `{,}`, `{"a":1,}`, "{\"a\":\"\xff\"}",
 		`{"model":"m"}` + "\n", `{"Model":"m"}`, `{"model":"a","model":"b"}`,
+		`{"cache_salt":"s\u00e9","add_generation_prompt":false,"continue_final_message":null,"add_special_tokens":5,"tools":[{"type":"function"}],"chat_template_kwargs":{"enable_thinking":true}}`,
+		`{"messages":[{"role":"tool","name":"n","tool_call_id":"c1","reasoning_content":null,"tool_calls":[{"id":"c1"}],"content":"x"}]}`,
+		`{"cache_salt":{"nested":[1,2]},"tools":null}`, `{"Cache_Salt":"x"}`,
 	} {
 		f.Add([]byte(s))
 	}
@@ -323,6 +328,57 @@ func TestUnquoteMatchesStd(t *testing.T) {
 		if got := unquote(raw, esc); got != want {
 			t.Errorf("%q: got %q, want %q", s, got, want)
 		}
+	}
+}
+
+// TestDecodeVLLMFields: the fields rendering and block keys need are kept
+// raw, with exact keys; rawString reads them as encoding/json would.
+func TestDecodeVLLMFields(t *testing.T) {
+	body := []byte(`{"Cache_Salt":"no","cache_salt":"a","cache_salt" : "b\u00e9","Tools":[1],"tools": [ {"x":1} ],` +
+		`"add_generation_prompt":false,"continue_final_message":true,"add_special_tokens":false,"chat_template_kwargs":{"k":[1]},` +
+		`"messages":[{"role":"tool","Name":"no","name":"fn","tool_call_id":"c\n1","reasoning_content":null,"tool_calls":[{"id":"c1"}],"content":[{"type":"text","text":"t"}]}]}`)
+	r, err := ParseOpenAI(EndpointChatCompletions, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name      string
+		got, want string
+	}{
+		{"cache_salt", string(r.CacheSalt), `"b\u00e9"`},
+		{"tools", string(r.Tools), `[ {"x":1} ]`},
+		{"add_generation_prompt", string(r.AddGenerationPrompt), `false`},
+		{"continue_final_message", string(r.ContinueFinalMessage), `true`},
+		{"add_special_tokens", string(r.AddSpecialTokens), `false`},
+		{"chat_template_kwargs", string(r.ChatTemplateKwargs), `{"k":[1]}`},
+		{"name", string(r.Messages[0].Name), `"fn"`},
+		{"tool_call_id", string(r.Messages[0].ToolCallID), `"c\n1"`},
+		{"reasoning_content", string(r.Messages[0].ReasoningContent), `null`},
+		{"tool_calls", string(r.Messages[0].ToolCalls), `[{"id":"c1"}]`},
+	} {
+		if c.got != c.want {
+			t.Errorf("%s: got %s, want %s", c.name, c.got, c.want)
+		}
+	}
+	if !r.Messages[0].Content.Array {
+		t.Error("content parts not marked as an array")
+	}
+	for _, c := range []struct {
+		raw  string
+		want string
+		ok   bool
+	}{
+		{``, "", true}, {`null`, "", true}, {`"b\u00e9"`, "bé", true}, {`5`, "", false}, {`"a" `, "", false}, {`{"a":1}`, "", false},
+	} {
+		if got, ok := rawString([]byte(c.raw)); got != c.want || ok != c.ok {
+			t.Errorf("rawString(%q) = %q, %v; want %q, %v", c.raw, got, ok, c.want, c.ok)
+		}
+	}
+	// Appending to a kept value must not write into the body.
+	salt := r.CacheSalt
+	_ = append(salt, 'X')
+	if !bytes.Equal(body, r.src) || bytes.Contains(body, []byte(`"b\u00e9"X`)) {
+		t.Error("a raw value aliases the body's capacity")
 	}
 }
 

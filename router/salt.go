@@ -114,14 +114,34 @@ func (c *CacheSaltConfig) validate(field string, secret []byte) error {
 // is not a JSON object (raw invoke payloads may be anything) is forwarded
 // unchanged.
 func saltBody(c *CacheSaltConfig, secret []byte, tenant string, body []byte) []byte {
-	if c == nil || !c.Enabled || tenant == "" || len(secret) == 0 {
-		return body
-	}
-	out, err := InjectCacheSalt(body, DeriveCacheSalt(secret, tenant), c.Client != CacheSaltKeep)
-	if err != nil {
-		return body
-	}
+	out, _ := saltRequestBody(c, secret, tenant, body)
 	return out
+}
+
+// saltRequestBody is saltBody that also returns the salt it wrote ("" when
+// body is returned unchanged), for Request.InjectedCacheSalt:
+//
+//	req.Body, req.InjectedCacheSalt = saltRequestBody(...)
+//
+// spares kv_aware reading the salt back out of the new body.
+func saltRequestBody(c *CacheSaltConfig, secret []byte, tenant string, body []byte) ([]byte, string) {
+	if c == nil || !c.Enabled || tenant == "" || len(secret) == 0 {
+		return body, ""
+	}
+	salt := DeriveCacheSalt(secret, tenant)
+	out, err := InjectCacheSalt(body, salt, c.Client != CacheSaltKeep)
+	if err != nil || sameBytes(out, body) {
+		return body, "" // not an object, or a client salt kept
+	}
+	return out, salt
+}
+
+// scanCacheSalt reads the top-level "cache_salt" string of a JSON object
+// body (the last one when repeated, as Python's json keeps), with exact key
+// match: "" when there is none, it is not a string, or body is not an object.
+func scanCacheSalt(body []byte) string {
+	salt, _ := rawString(topLevelRaw(body, "cache_salt"))
+	return salt
 }
 
 // errNotObject: the body is not one JSON object.

@@ -291,3 +291,135 @@ func FuzzLeadingCacheSalt(f *testing.F) {
 		}
 	})
 }
+
+// TestCacheSaltOfRequest: kv_aware's salt, by each way it can be known,
+// with vLLM's exact key match (encoding/json would fold "Cache_Salt").
+func TestCacheSaltOfRequest(t *testing.T) {
+	parse := func(body string) *OpenAIRequest {
+		r, err := ParseOpenAI(EndpointCompletions, []byte(body))
+		if err != nil {
+			t.Fatalf("%s: %v", body, err)
+		}
+		return r
+	}
+	tests := []struct {
+		name string
+		req  *Request
+		want string
+	}{
+		{"injected", &Request{Body: []byte(`{"x":1}`), InjectedCacheSalt: "inj"}, "inj"},
+		{"body only", &Request{Body: []byte(`{"prompt":"p","cache_salt":"b"}`)}, "b"},
+		{"body only, escaped key", &Request{Body: []byte(`{"prompt":"p","cache\u005fsalt":"e"}`)}, "e"},
+		{"body only, case differs", &Request{Body: []byte(`{"prompt":"p","Cache_Salt":"no"}`)}, ""},
+		{"body only, last wins", &Request{Body: []byte(`{"cache_salt":"a","cache_salt":"z"}`)}, "z"},
+		{"body only, not a string", &Request{Body: []byte(`{"prompt":"p","cache_salt":5}`)}, ""},
+		{"body only, nested", &Request{Body: []byte(`{"prompt":"p","x":{"cache_salt":"n"}}`)}, ""},
+		{"body only, none", &Request{Body: []byte(`{"prompt":"p \u00e9"}`)}, ""},
+		{"body only, salted head", &Request{Body: []byte(`{"cache_salt":"h_1","prompt":"p"}`)}, "h_1"},
+	}
+	for _, body := range []string{
+		`{"prompt":"p","cache_salt":"b\u00e9"}`, `{"prompt":"p","Cache_Salt":"no"}`, `{"prompt":"p","cache_salt":"a","cache_salt":"z"}`,
+		`{"prompt":"p","cache_salt":5}`, `{"prompt":"p","cache_salt":null}`, `{"prompt":"p"}`,
+	} {
+		b := []byte(body)
+		var want string
+		if !strings.Contains(body, "Cache_Salt") {
+			var v struct {
+				S any `json:"cache_salt"`
+			}
+			_ = json.Unmarshal(b, &v)
+			want, _ = v.S.(string)
+		}
+		tests = append(tests, struct {
+			name string
+			req  *Request
+			want string
+		}{"parsed " + body, &Request{Body: b, Parsed: parse(body)}, want})
+	}
+	// A Parsed whose body was since rewritten (a salt injected without
+	// InjectedCacheSalt) is not trusted: the new body's salt counts.
+	orig := []byte(`{"prompt":"p","cache_salt":"client"}`)
+	salted, err := InjectCacheSalt(orig, "server", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests = append(tests, struct {
+		name string
+		req  *Request
+		want string
+	}{"parsed, body rewritten", &Request{Body: salted, Parsed: parse(string(orig))}, "server"})
+	for _, tc := range tests {
+		if got := cacheSalt(tc.req); got != tc.want {
+			t.Errorf("%s: got %q, want %q", tc.name, got, tc.want)
+		}
+	}
+}
+
+// TestSaltRequestBody: the salt written is reported; a body left as it
+// was reports none.
+func TestSaltRequestBody(t *testing.T) {
+	on := &CacheSaltConfig{Enabled: true}
+	keep := &CacheSaltConfig{Enabled: true, Client: CacheSaltKeep}
+	want := DeriveCacheSalt(testSaltSecret, "t")
+	tests := []struct {
+		name     string
+		c        *CacheSaltConfig
+		tenant   string
+		body     string
+		wantSalt string
+	}{
+		{"salted", on, "t", `{"prompt":"p"}`, want},
+		{"overwrites", on, "t", `{"prompt":"p","cache_salt":"c"}`, want},
+		{"keeps the client's", keep, "t", `{"prompt":"p","cache_salt":"c"}`, ""},
+		{"no tenant", on, "", `{"prompt":"p"}`, ""},
+		{"off", nil, "t", `{"prompt":"p"}`, ""},
+		{"not an object", on, "t", `[1]`, ""},
+	}
+	for _, tc := range tests {
+		body := []byte(tc.body)
+		out, salt := saltRequestBody(tc.c, testSaltSecret, tc.tenant, body)
+		if salt != tc.wantSalt {
+			t.Errorf("%s: salt %q, want %q", tc.name, salt, tc.wantSalt)
+		}
+		if !bytes.Equal(out, saltBody(tc.c, testSaltSecret, tc.tenant, body)) {
+			t.Errorf("%s: body differs from saltBody's", tc.name)
+		}
+		req := &Request{Body: out, InjectedCacheSalt: salt}
+		if got, scanned := cacheSalt(req), cacheSalt(&Request{Body: out}); got != scanned {
+			t.Errorf("%s: recorded salt %q, body's %q", tc.name, got, scanned)
+		}
+	}
+}
+
+// FuzzCacheSalt: the salt kv_aware keys by is the same whether read from
+// the parsed request or scanned from the body, and is encoding/json's
+// wherever the two agree on keys (no case-folded or repeated key).
+func FuzzCacheSalt(f *testing.F) {
+	for _, s := range []string{
+		`{"cache_salt":"abc","model":"m"}`, `{"model":"m","cache_salt":"a\u00e9"}`, `{"Cache_Salt":"x"}`,
+		`{"cache_salt":"a","cache_salt":"b"}`, `{"cache\u005fsalt":"e"}`, `{"cache_salt":[1]}`, `{"x":{"cache_salt":"n"}}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		scanned := cacheSalt(&Request{Body: body})
+		parsed, err := ParseOpenAI(EndpointInvoke, body)
+		if err != nil {
+			return
+		}
+		if once := cacheSalt(&Request{Body: body, Parsed: parsed}); once != scanned {
+			t.Fatalf("%q: parsed %q, scanned %q", body, once, scanned)
+		}
+		if !comparableWithStd(body) {
+			return
+		}
+		var v struct {
+			S any `json:"cache_salt"`
+		}
+		if json.Unmarshal(body, &v) == nil {
+			if want, _ := v.S.(string); want != scanned {
+				t.Fatalf("%q: got %q, encoding/json %q", body, scanned, want)
+			}
+		}
+	})
+}

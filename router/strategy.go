@@ -104,9 +104,13 @@ type Request struct {
 	RoutingText string
 	// TenantKey isolates placements of equal prompts of different tenants.
 	TenantKey string
-	// Body is the body as forwarded; Parsed is set on the OpenAI paths.
+	// Body is the body as forwarded; Parsed is set on the OpenAI paths, and
+	// describes Body but for a cache_salt the router injected.
 	Body   []byte
 	Parsed *OpenAIRequest
+	// InjectedCacheSalt is the cache_salt the router wrote into Body, ""
+	// when it wrote none (see saltRequestBody).
+	InjectedCacheSalt string
 	// PromptTokens are token ids given in the request (/v1/completions with
 	// an int array prompt), else nil.
 	PromptTokens []uint32

@@ -81,21 +81,28 @@ type ChatTokenSource struct {
 }
 
 // text tokenizes a completions text prompt as vLLM does.
-func (s *ChatTokenSource) text(ctx context.Context, text string, body []byte) ([]uint32, error) {
+func (s *ChatTokenSource) text(ctx context.Context, text string, add bool) ([]uint32, error) {
 	ct, ok := s.Tokenizer.(tokenizer.CompletionTokenizer)
 	if !ok {
 		return s.Tokenizer.TokenizeText(ctx, text)
 	}
-	add := true
-	if bytes.Contains(body, []byte(`"add_special_tokens"`)) {
-		var v struct {
-			Add *bool `json:"add_special_tokens"`
-		}
-		if json.Unmarshal(body, &v) == nil && v.Add != nil {
-			add = *v.Add
-		}
-	}
 	return ct.TokenizeCompletion(ctx, text, add)
+}
+
+// addSpecialTokens is a body's add_special_tokens (exact key, as vLLM
+// reads it), true unless false: the raw invoke path, which has no parsed
+// request.
+func addSpecialTokens(body []byte) bool {
+	if !bytes.Contains(body, []byte(`"add_special_tokens"`)) && !bytes.Contains(body, []byte(`\u`)) {
+		return true // no key that could decode to add_special_tokens
+	}
+	return rawAddSpecialTokens(topLevelRaw(body, "add_special_tokens"))
+}
+
+// rawAddSpecialTokens reads a raw add_special_tokens value: only false
+// turns the special tokens off.
+func rawAddSpecialTokens(v json.RawMessage) bool {
+	return string(v) != "false"
 }
 
 // chatBody is what rendering needs from an OpenAI chat body (vLLM's extra
@@ -119,7 +126,7 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *Request) ([]uint32, e
 	switch req.Endpoint {
 	case EndpointCompletions:
 		if req.Parsed != nil && req.Parsed.Prompt != nil && len(req.Parsed.Prompt.Texts) > 0 {
-			return s.text(ctx, req.Parsed.Prompt.Texts[0], req.Body)
+			return s.text(ctx, req.Parsed.Prompt.Texts[0], rawAddSpecialTokens(req.Parsed.AddSpecialTokens))
 		}
 		return nil, ErrNoTokens
 	case EndpointChatCompletions, EndpointInvoke, EndpointInvokeStream:
@@ -131,9 +138,14 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *Request) ([]uint32, e
 	if !bytes.Contains(req.Body, []byte(`"messages"`)) && req.Endpoint != EndpointChatCompletions {
 		return s.promptTokens(ctx, req.Body)
 	}
-	b, err := parseChatBody(req.Body)
+	b, ok, err := parsedChatBody(req.Parsed)
 	if err != nil {
 		return nil, err
+	}
+	if !ok {
+		if b, err = parseChatBody(req.Body); err != nil {
+			return nil, err
+		}
 	}
 	if len(b.Messages) == 0 {
 		return nil, ErrNoTokens
@@ -169,6 +181,62 @@ type fastChatBody struct {
 	AddGenerationPrompt  *bool           `json:"add_generation_prompt"`
 	ContinueFinalMessage bool            `json:"continue_final_message"`
 	ChatTemplateKwargs   map[string]any  `json:"chat_template_kwargs"`
+}
+
+// parsedChatBody builds the chat body from the request as ParseOpenAI
+// decoded it, without reading the body again; ok is false for shapes it
+// does not hold (no parsed request, content parts, tool calls), which take
+// parseChatBody. Values of the wrong type are errors, as encoding/json's are.
+func parsedChatBody(r *OpenAIRequest) (b chatBody, ok bool, err error) {
+	if r == nil {
+		return b, false, nil
+	}
+	for _, m := range r.Messages {
+		if m.Content.Array || (len(m.ToolCalls) > 0 && string(m.ToolCalls) != "null") {
+			return b, false, nil
+		}
+	}
+	if len(r.Tools) > 0 {
+		b.Tools = r.Tools
+	}
+	if err := unmarshalRaw("add_generation_prompt", r.AddGenerationPrompt, &b.AddGenerationPrompt); err != nil {
+		return b, false, err
+	}
+	if err := unmarshalRaw("continue_final_message", r.ContinueFinalMessage, &b.ContinueFinalMessage); err != nil {
+		return b, false, err
+	}
+	if err := unmarshalRaw("chat_template_kwargs", r.ChatTemplateKwargs, &b.ChatTemplateKwargs); err != nil {
+		return b, false, err
+	}
+	b.Messages = make([]tokenizer.Message, len(r.Messages))
+	for i, m := range r.Messages {
+		tm := &b.Messages[i]
+		tm.Role = m.Role
+		if len(m.Content.Parts) > 0 {
+			tm.Content = m.Content.Parts[0]
+		} else {
+			tm.ContentNull = true
+		}
+		var okN, okID, okR bool
+		tm.Name, okN = rawString(m.Name)
+		tm.ToolCallID, okID = rawString(m.ToolCallID)
+		tm.ReasoningContent, okR = rawString(m.ReasoningContent)
+		if !okN || !okID || !okR {
+			return b, false, fmt.Errorf("%w: chat body: messages[%d]: name, tool_call_id and reasoning_content must be strings", ErrTokenSource, i)
+		}
+	}
+	return b, true, nil
+}
+
+// unmarshalRaw decodes a raw member (absent: dst unchanged).
+func unmarshalRaw(field string, v json.RawMessage, dst any) error {
+	if len(v) == 0 {
+		return nil
+	}
+	if err := json.Unmarshal(v, dst); err != nil {
+		return fmt.Errorf("%w: chat body: %s: %w", ErrTokenSource, field, err)
+	}
+	return nil
 }
 
 // parseChatBody decodes a chat body, fast when every content is a string.
@@ -221,7 +289,7 @@ func (s *ChatTokenSource) promptTokens(ctx context.Context, body []byte) ([]uint
 	case len(b.Prompt.Tokens) > 0:
 		return b.Prompt.Tokens[0], nil
 	case len(b.Prompt.Texts) > 0:
-		return s.text(ctx, b.Prompt.Texts[0], body)
+		return s.text(ctx, b.Prompt.Texts[0], addSpecialTokens(body))
 	}
 	return nil, ErrNoTokens
 }

@@ -63,7 +63,12 @@ func TestTokenSourceMatchesReference(t *testing.T) {
 				switch {
 				case v.Messages != nil:
 					body, _ := json.Marshal(map[string]any{"model": model, "messages": v.Messages, "add_generation_prompt": v.AddGenerationPrompt})
-					reqs = []*Request{{Endpoint: EndpointChatCompletions, Body: body}, {Endpoint: EndpointInvoke, Body: body}}
+					parsed, err := ParseOpenAI(EndpointChatCompletions, body)
+					if err != nil {
+						t.Fatal(err)
+					}
+					// Parsed once (the proxy's path) and from the body alone.
+					reqs = []*Request{{Endpoint: EndpointChatCompletions, Body: body, Parsed: parsed}, {Endpoint: EndpointChatCompletions, Body: body}, {Endpoint: EndpointInvoke, Body: body}}
 					chats++
 				case v.Text != nil:
 					body, _ := json.Marshal(map[string]any{"model": model, "prompt": *v.Text})
@@ -191,7 +196,26 @@ func TestParseChatBodyPaths(t *testing.T) {
 		`{"messages":[{"role":"assistant","reasoning_content":"hmm","content":"ok"}],"chat_template_kwargs":{"enable_thinking":false}}`,
 	}
 	for i, body := range bodies {
+		parsed, err := ParseOpenAI(EndpointChatCompletions, []byte(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		once, ok, err := parsedChatBody(parsed)
+		if err != nil {
+			t.Fatalf("%d: %v", i, err)
+		}
+		// Content parts and tool calls need the full decode.
+		if wantOK := i == 0 || i == 3; ok != wantOK {
+			t.Fatalf("%d: parsed path taken %v, want %v", i, ok, wantOK)
+		}
 		got, err := parseChatBody([]byte(body))
+		if ok {
+			oj, _ := json.Marshal(once)
+			gj, _ := json.Marshal(got)
+			if string(oj) != string(gj) {
+				t.Errorf("%d: parsed path differs\n got %s\nwant %s", i, oj, gj)
+			}
+		}
 		if err != nil {
 			t.Fatalf("%d: %v", i, err)
 		}
@@ -208,6 +232,24 @@ func TestParseChatBodyPaths(t *testing.T) {
 	if _, err := parseChatBody([]byte(`{"messages":[{"role":"user","content":5}]}`)); !errors.Is(err, ErrTokenSource) {
 		t.Errorf("bad content: %v", err)
 	}
+	// Wrong types fail tokenization (not the request), on both paths.
+	for _, body := range []string{
+		`{"messages":[{"role":"user","content":"x","name":5}]}`,
+		`{"messages":[{"role":"user","content":"x"}],"add_generation_prompt":"yes"}`,
+		`{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":[1]}`,
+		`{"messages":[{"role":"user","content":"x"}],"continue_final_message":1}`,
+	} {
+		parsed, err := ParseOpenAI(EndpointChatCompletions, []byte(body))
+		if err != nil {
+			t.Fatalf("%s: %v", body, err)
+		}
+		if _, _, err := parsedChatBody(parsed); !errors.Is(err, ErrTokenSource) {
+			t.Errorf("%s: parsed path: %v", body, err)
+		}
+		if _, err := parseChatBody([]byte(body)); !errors.Is(err, ErrTokenSource) {
+			t.Errorf("%s: full decode: %v", body, err)
+		}
+	}
 }
 
 // FuzzChatTokenSource: any body on any endpoint yields ids or an error,
@@ -217,10 +259,21 @@ func FuzzChatTokenSource(f *testing.F) {
 	f.Add([]byte(`{"messages":[{"role":"user","content":[{"type":"text","text":"a"}]}],"tools":[]}`), uint8(EndpointInvoke))
 	f.Add([]byte(`{"prompt":[1,2,3]}`), uint8(EndpointInvokeStream))
 	f.Add([]byte(`{"inputs":"x y"}`), uint8(EndpointInvoke))
+	f.Add([]byte(`{"messages":[{"role":"user","content":"a b","name":"n"}],"add_generation_prompt":false,"chat_template_kwargs":{"x":1}}`), uint8(EndpointChatCompletions-1))
 	src := &ChatTokenSource{Tokenizer: tokenizer.Local(tokenizer.Simple{})}
 	f.Fuzz(func(t *testing.T, body []byte, ep uint8) {
 		req := &Request{Endpoint: Endpoint(ep%5 + 1), Body: body}
-		_, _ = src.Tokens(context.Background(), req)
+		ids, terr := src.Tokens(context.Background(), req)
+		if req.Endpoint == EndpointChatCompletions {
+			// Parsed once, as the proxy does: the same ids as the body alone,
+			// unless keys differ only in case (encoding/json folds them).
+			if parsed, err := ParseOpenAI(req.Endpoint, body); err == nil && comparableWithStd(body) {
+				pids, perr := src.Tokens(context.Background(), &Request{Endpoint: req.Endpoint, Body: body, Parsed: parsed})
+				if (terr == nil) != (perr == nil) || !slices.Equal(ids, pids) {
+					t.Fatalf("%q: parsed once %v %v, from the body %v %v", body, pids, perr, ids, terr)
+				}
+			}
+		}
 		fast, err := parseChatBody(body)
 		var slow chatBody
 		if err == nil && json.Unmarshal(body, &slow) == nil {
@@ -241,5 +294,31 @@ func TestTokenSourceBodyCap(t *testing.T) {
 	body := []byte(`{"messages":[{"role":"user","content":"` + strings.Repeat("a ", MaxTokenizeBytes/2) + `"}]}`)
 	if _, err := src.Tokens(context.Background(), &Request{Endpoint: EndpointChatCompletions, Body: body}); !errors.Is(err, ErrTokenSource) {
 		t.Fatalf("oversized body: %v", err)
+	}
+}
+
+// TestAddSpecialTokensExactKey: only the exact key, false, turns the
+// special tokens off (vLLM's pydantic model does not fold case).
+func TestAddSpecialTokensExactKey(t *testing.T) {
+	for _, c := range []struct {
+		body string
+		want bool
+	}{
+		{`{"prompt":"p"}`, true},
+		{`{"prompt":"p","add_special_tokens":false}`, false},
+		{`{"prompt":"p","add_special_tokens":true}`, true},
+		{`{"prompt":"p","add_special_tokens":null}`, true},
+		{`{"prompt":"p","add_special_tokens":"no"}`, true},
+		{`{"prompt":"p","Add_Special_Tokens":false}`, true},
+		{`{"prompt":"p","add\u005fspecial_tokens":false}`, false},
+		{`{"prompt":"p","x":{"add_special_tokens":false}}`, true},
+		{`{"prompt":"p","add_special_tokens":false,"add_special_tokens":true}`, true},
+	} {
+		if got := addSpecialTokens([]byte(c.body)); got != c.want {
+			t.Errorf("%s: got %v, want %v", c.body, got, c.want)
+		}
+		if p, err := ParseOpenAI(EndpointCompletions, []byte(c.body)); err != nil || rawAddSpecialTokens(p.AddSpecialTokens) != c.want {
+			t.Errorf("%s: parsed: %v", c.body, err)
+		}
 	}
 }
