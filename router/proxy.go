@@ -176,11 +176,13 @@ func (s *Server) serveOpenAI(ep Endpoint) http.HandlerFunc {
 			Adapter:      adapter,
 			RoutingText:  OpenAIRoutingText(parsed, rc.PrefixLength),
 			TenantKey:    tenant,
-			Body:         saltBody(pool.cfg.CacheSalt, st.cfg.CacheSaltSecret, tenant, body),
 			Parsed:       parsed,
 			PromptTokens: firstTokens(parsed.Prompt),
 			Stream:       parsed.Stream,
 		}
+		// The injected salt is kept on the request so kv_aware folds it into
+		// its block keys without scanning the body again.
+		req.Body, req.InjectedCacheSalt = saltRequestBody(pool.cfg.CacheSalt, st.cfg.CacheSaltSecret, tenant, body)
 		limitTokenize(st.cfg.Limits, req)
 		s.route(w, r, st, pool, strat, req, r.URL.Path, ready)
 	}
@@ -237,7 +239,7 @@ func (s *Server) serveInvoke(ep Endpoint) http.HandlerFunc {
 			req.Model = adapter
 		}
 		// After the routing text: the salt changes the body, not the route.
-		req.Body = saltBody(pool.cfg.CacheSalt, st.cfg.CacheSaltSecret, tenant, body)
+		req.Body, req.InjectedCacheSalt = saltRequestBody(pool.cfg.CacheSalt, st.cfg.CacheSaltSecret, tenant, body)
 		limitTokenize(st.cfg.Limits, req)
 		s.route(w, r, st, pool, strat, req, path, ready)
 	}

@@ -108,18 +108,12 @@ func (c *CacheSaltConfig) validate(field string, secret []byte) error {
 	return nil
 }
 
-// saltBody returns the body to forward for a request of the pool: with the
-// tenant's derived cache_salt when the pool asks for it, the request has a
-// tenant key and the body is a JSON object; else body itself. A body that
-// is not a JSON object (raw invoke payloads may be anything) is forwarded
-// unchanged.
-func saltBody(c *CacheSaltConfig, secret []byte, tenant string, body []byte) []byte {
-	out, _ := saltRequestBody(c, secret, tenant, body)
-	return out
-}
-
-// saltRequestBody is saltBody that also returns the salt it wrote ("" when
-// body is returned unchanged), for Request.InjectedCacheSalt:
+// saltRequestBody returns the body to forward for a request of the pool and
+// the salt it wrote: the tenant's derived cache_salt when the pool asks for
+// it, the request has a tenant key and the body is a JSON object; else body
+// itself and "" (a body that is not a JSON object — raw invoke payloads may
+// be anything — is forwarded unchanged). The salt is for
+// Request.InjectedCacheSalt:
 //
 //	req.Body, req.InjectedCacheSalt = saltRequestBody(...)
 //

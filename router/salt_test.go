@@ -423,3 +423,13 @@ func FuzzCacheSalt(f *testing.F) {
 		}
 	})
 }
+
+// saltBody is saltRequestBody without the salt, for tests that only look at the body: with the
+// tenant's derived cache_salt when the pool asks for it, the request has a
+// tenant key and the body is a JSON object; else body itself. A body that
+// is not a JSON object (raw invoke payloads may be anything) is forwarded
+// unchanged.
+func saltBody(c *CacheSaltConfig, secret []byte, tenant string, body []byte) []byte {
+	out, _ := saltRequestBody(c, secret, tenant, body)
+	return out
+}
