@@ -103,6 +103,29 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request, limit int64) (
 	return buf.Bytes(), 0
 }
 
+// readRequest reads the body of a request on either path and notes when it
+// became ready to route; ok is false after the error was answered and counted.
+func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, st *state) (body []byte, ready time.Time, ok bool) {
+	body, status := s.readBody(w, r, st.cfg.MaxBodyBytes)
+	if status != 0 {
+		s.countRejected("", status)
+		return nil, time.Time{}, false
+	}
+	return body, time.Now(), true
+}
+
+// reject answers a request the router refuses before routing it, in the
+// OpenAI error shape, and counts it.
+func (s *Server) reject(w http.ResponseWriter, pool string, status int, msg string) {
+	writeError(w, status, msg)
+	s.countRejected(pool, status)
+}
+
+// countRejected counts a request answered before any strategy saw it.
+func (s *Server) countRejected(pool string, status int) {
+	s.m.requests.WithLabelValues(pool, "", "", "", strconv.Itoa(status)).Inc()
+}
+
 // tenantFromHeader validates the tenant header; ok is false after a 400.
 func tenantFromHeader(w http.ResponseWriter, r *http.Request) (key string, present, ok bool) {
 	vals := r.Header.Values(TenantHeader)
@@ -119,28 +142,22 @@ func tenantFromHeader(w http.ResponseWriter, r *http.Request) (key string, prese
 func (s *Server) serveOpenAI(ep Endpoint) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		st := s.state.Load()
-		body, status := s.readBody(w, r, st.cfg.MaxBodyBytes)
-		if status != 0 {
-			s.m.requests.WithLabelValues("", "", "", "", strconv.Itoa(status)).Inc()
+		body, ready, ok := s.readRequest(w, r, st)
+		if !ok {
 			return
-		}
-		ready := time.Now()
-		fail := func(pool string, status int, msg string) {
-			writeError(w, status, msg)
-			s.m.requests.WithLabelValues(pool, "", "", "", strconv.Itoa(status)).Inc()
 		}
 		parsed, err := ParseOpenAI(ep, body)
 		if err != nil {
-			fail("", http.StatusBadRequest, strings.TrimPrefix(err.Error(), ErrBadRequest.Error()+": "))
+			s.reject(w, "", http.StatusBadRequest, strings.TrimPrefix(err.Error(), ErrBadRequest.Error()+": "))
 			return
 		}
 		if msg := checkOpenAILimits(st.cfg.Limits, parsed); msg != "" {
-			fail("", http.StatusBadRequest, msg)
+			s.reject(w, "", http.StatusBadRequest, msg)
 			return
 		}
 		tenant, present, ok := tenantFromHeader(w, r)
 		if !ok {
-			s.m.requests.WithLabelValues("", "", "", "", "400").Inc()
+			s.countRejected("", http.StatusBadRequest)
 			return
 		}
 		if !present {
@@ -152,7 +169,7 @@ func (s *Server) serveOpenAI(ep Endpoint) http.HandlerFunc {
 		case parsed.Model == "" && st.defaultPool != nil:
 			pool = st.defaultPool
 		case parsed.Model == "":
-			fail("", http.StatusBadRequest, "model: required")
+			s.reject(w, "", http.StatusBadRequest, "model: required")
 			return
 		default:
 			if pool = st.byModel[parsed.Model]; pool == nil {
@@ -165,7 +182,7 @@ func (s *Server) serveOpenAI(ep Endpoint) http.HandlerFunc {
 			}
 		}
 		if pool == nil {
-			fail("", http.StatusNotFound, fmt.Sprintf("the model %q does not exist", parsed.Model))
+			s.reject(w, "", http.StatusNotFound, fmt.Sprintf("the model %q does not exist", parsed.Model))
 			return
 		}
 		rc, strat := pool.Routing()
@@ -191,25 +208,19 @@ func (s *Server) serveOpenAI(ep Endpoint) http.HandlerFunc {
 func (s *Server) serveInvoke(ep Endpoint) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		st := s.state.Load()
-		body, status := s.readBody(w, r, st.cfg.MaxBodyBytes)
-		if status != 0 {
-			s.m.requests.WithLabelValues("", "", "", "", strconv.Itoa(status)).Inc()
+		body, ready, ok := s.readRequest(w, r, st)
+		if !ok {
 			return
-		}
-		ready := time.Now()
-		fail := func(pool string, status int, msg string) {
-			writeError(w, status, msg)
-			s.m.requests.WithLabelValues(pool, "", "", "", strconv.Itoa(status)).Inc()
 		}
 		tenant, _, ok := tenantFromHeader(w, r)
 		if !ok {
-			s.m.requests.WithLabelValues("", "", "", "", "400").Inc()
+			s.countRejected("", http.StatusBadRequest)
 			return
 		}
 		pool := st.defaultPool
 		if name := r.Header.Get(HeaderPool); name != "" {
 			if pool = st.byName[name]; pool == nil {
-				fail("", http.StatusNotFound, fmt.Sprintf("%s: no pool %q", HeaderPool, name))
+				s.reject(w, "", http.StatusNotFound, fmt.Sprintf("%s: no pool %q", HeaderPool, name))
 				return
 			}
 		} else if pool == nil {
@@ -217,7 +228,7 @@ func (s *Server) serveInvoke(ep Endpoint) http.HandlerFunc {
 		}
 		adapter := r.Header.Get(HeaderAdapter)
 		if adapter != "" && !pool.ServesAdapter(adapter) && pool.cfg.AdapterFallback != "all" {
-			fail(pool.Name(), http.StatusNotFound, fmt.Sprintf("the adapter %q does not exist in pool %q", adapter, pool.Name()))
+			s.reject(w, pool.Name(), http.StatusNotFound, fmt.Sprintf("the adapter %q does not exist in pool %q", adapter, pool.Name()))
 			return
 		}
 		rc, strat := pool.Routing()
