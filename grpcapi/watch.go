@@ -1,6 +1,7 @@
 package grpcapi
 
 import (
+	"context"
 	"math"
 	"sync/atomic"
 	"time"
@@ -14,6 +15,11 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/tiers"
 )
+
+// watchFlushTimeout bounds the round trip that makes a new Watch
+// subscription live on the NATS server (a loopback or in-cluster RTT is
+// milliseconds; seconds mean the server is unreachable).
+const watchFlushTimeout = 5 * time.Second
 
 type eventsService struct {
 	kvrouterv1.UnimplementedEventsServer
@@ -113,7 +119,12 @@ func (x eventsService) Watch(in *kvrouterv1.WatchRequest, stream kvrouterv1.Even
 	_ = sub.SetPendingLimits(max(s.cfg.WatchBuffer*2, 1<<16), 64<<20)
 	w.sub = sub
 	defer func() { _ = sub.Unsubscribe() }()
-	if err := s.cfg.NATS.FlushWithContext(stream.Context()); err != nil {
+	// Flush needs a deadline (nats.go refuses a context without one) and a
+	// watch client normally sets none: bound the round trip here.
+	fctx, fcancel := context.WithTimeout(stream.Context(), watchFlushTimeout)
+	err = s.cfg.NATS.FlushWithContext(fctx)
+	fcancel()
+	if err != nil {
 		return status.Errorf(codes.Unavailable, "events: subscribe %s: %v", subj, err)
 	}
 	// Headers sent now tell the client the subscription is live: events

@@ -89,7 +89,9 @@ func TestWatch(t *testing.T) {
 		name string
 	}
 	var watches []watch
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	// No deadline: watch clients normally set none, and the server must not
+	// need one (nats.go's FlushWithContext refuses a context without it).
+	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	for _, tc := range tests {
 		tc.req.Pool = pool
