@@ -59,6 +59,10 @@ type EvictionSSEConfig struct {
 	Buffer int
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
+	// KnownPool, when set, says whether a pool exists; a stream for a pool
+	// it does not know is answered 404 instead of an empty stream that
+	// would never carry a record (a typo would look like a quiet pool).
+	KnownPool func(pool string) bool
 }
 
 // EvictionSSEHandler serves kv.evictions as server-sent events:
@@ -81,6 +85,10 @@ func EvictionSSEHandler(ctx context.Context, nc *nats.Conn, cfg EvictionSSEConfi
 		pool, instance, tier := q.Get("pool"), q.Get("instance"), q.Get("tier")
 		if err := ValidToken("pool", pool); err != nil {
 			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		if cfg.KnownPool != nil && !cfg.KnownPool(pool) {
+			http.Error(w, fmt.Sprintf("unknown pool %q", pool), http.StatusNotFound)
 			return
 		}
 		subj := SubjectEvictions + "." + pool + ".*"

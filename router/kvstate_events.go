@@ -244,7 +244,8 @@ func (k *KVEvents) StreamHealthy(pool string) bool {
 // EvictionHandler implements KVEventsSource: kv.evictions.<pool>.> as
 // server-sent events, ending when the pipeline stops.
 func (k *KVEvents) EvictionHandler() http.Handler {
-	return events.EvictionSSEHandler(k.streamsCtx, k.conn, events.EvictionSSEConfig{Logger: k.log})
+	return events.EvictionSSEHandler(k.streamsCtx, k.conn, events.EvictionSSEConfig{Logger: k.log,
+		KnownPool: func(pool string) bool { _, ok := k.Consumer(pool); return ok }})
 }
 
 func (k *KVEvents) pool(pc PoolConfig) (*kvPool, error) {

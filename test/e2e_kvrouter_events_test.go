@@ -276,6 +276,18 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 		}
 		return false
 	})
+	// A pool the router does not serve is a 404, not an empty stream.
+	unknown, _ := http.NewRequestWithContext(ctx, "GET", ts.URL+"/v1/kv/evictions?pool=no-such-pool", nil)
+	unknown.Header.Set("Authorization", "Bearer adm")
+	if resp, err := http.DefaultClient.Do(unknown); err != nil {
+		t.Fatal(err)
+	} else {
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusNotFound || !strings.Contains(string(body), `unknown pool "no-such-pool"`) {
+			t.Fatalf("evictions of an unknown pool: %d %q, want 404", resp.StatusCode, body)
+		}
+	}
 	// A client that leaves: its NATS subscription goes with it.
 	base := kve.Conn().NumSubscriptions()
 	gone := openEvictions(t, ctx, ts.URL+"/v1/kv/evictions?pool="+pool)
