@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"reflect"
 	"strings"
 	"time"
 
@@ -533,6 +534,9 @@ func (c Config) Validate() error {
 	if err := c.validateSecurity(); err != nil {
 		return err
 	}
+	if err := c.validateListeners(); err != nil {
+		return err
+	}
 	switch c.Log.Level {
 	case "debug", "info", "warn", "error":
 	default:
@@ -692,18 +696,60 @@ func validName(s string) bool {
 	return true
 }
 
+// validateListeners refuses two listeners on one port: the second bind
+// would fail at start, or — with admin_listen equal to listen — the admin
+// API would look separate while sharing the data port.
+func (c Config) validateListeners() error {
+	type listener struct{ key, addr string }
+	ls := []listener{{"listen", c.Listen}, {"admin_listen", c.AdminListen}, {"grpc.listen", c.GRPC.Listen}}
+	if c.Events != nil && c.Events.NATS.Embedded {
+		ls = append(ls, listener{"events.nats.listen", c.Events.NATS.Listen})
+	}
+	for i, a := range ls {
+		for _, b := range ls[:i] {
+			if a.addr != "" && b.addr != "" && sameListenAddr(a.addr, b.addr) {
+				hint := "give each its own port"
+				if a.key == "admin_listen" {
+					hint = "leave admin_listen empty to serve the admin API on listen, or give it its own port"
+				}
+				return fmt.Errorf("%w: %s %q is the same address as %s %q: %s", ErrInvalidConfig, a.key, a.addr, b.key, b.addr, hint)
+			}
+		}
+	}
+	return nil
+}
+
+// sameListenAddr says whether two host:port listen addresses collide: the
+// same port, and the same host or either one every interface.
+func sameListenAddr(a, b string) bool {
+	ha, pa, errA := net.SplitHostPort(a)
+	hb, pb, errB := net.SplitHostPort(b)
+	if errA != nil || errB != nil {
+		return a == b
+	}
+	if pa != pb || pa == "0" {
+		return false
+	}
+	any := func(h string) bool { return h == "" || h == "0.0.0.0" || h == "::" || h == "[::]" }
+	return ha == hb || any(ha) || any(hb)
+}
+
 // ParseConfig decodes a YAML configuration; unknown fields are errors, so a
 // typo fails loudly instead of silently meaning a default. It does not
 // validate (flags may still override fields); call Validate.
 func ParseConfig(r io.Reader) (Config, error) {
 	var c Config
-	dec := yaml.NewDecoder(r)
+	doc, err := io.ReadAll(r)
+	if err != nil {
+		return c, fmt.Errorf("router: read config: %w", err)
+	}
+	dec := yaml.NewDecoder(bytes.NewReader(doc))
 	dec.KnownFields(true)
 	if err := dec.Decode(&c); err != nil {
 		if errors.Is(err, io.EOF) {
 			return c, nil
 		}
-		return c, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+		return c, fmt.Errorf("%w: %w", ErrInvalidConfig, explainYAML(doc, reflect.TypeOf(c), err))
 	}
 	return c, nil
 }

@@ -87,8 +87,8 @@ func TestConfigRejects(t *testing.T) {
 	tests := []struct {
 		name, doc, want string
 	}{
-		{"typo", "listn: ':1'\n" + strings.Replace(base, "%s", "", 1), "field listn not found"},
-		{"typo in pool", strings.Replace(base, "%s", "routng: {strategy: random},", 1), "field routng not found"},
+		{"typo", "listn: ':1'\n" + strings.Replace(base, "%s", "", 1), `listn: unknown field (did you mean "listen"?)`},
+		{"typo in pool", strings.Replace(base, "%s", "routng: {strategy: random},", 1), `pools[0].routng: unknown field (did you mean "routing"?)`},
 		{"no pools", "listen: ':1'", "pools: at least one pool"},
 		{"prefix too small", strings.Replace(base, "%s", "routing: {prefix_length: 1000},", 1), "pools[0].routing.prefix_length 1000 out of range 1024..65536"},
 		{"prefix too big", strings.Replace(base, "%s", "routing: {prefix_length: 65537},", 1), "pools[0].routing.prefix_length 65537 out of range"},
@@ -108,7 +108,10 @@ func TestConfigRejects(t *testing.T) {
 		{"index backend", "index: {backend: etcd}\n" + strings.Replace(base, "%s", "", 1), `index.backend "etcd"`},
 		{"redis without addrs", "index: {backend: redis}\n" + strings.Replace(base, "%s", "", 1), "index.redis.addrs"},
 		{"retry status", "proxy: {retry_statuses: [200]}\n" + strings.Replace(base, "%s", "", 1), "proxy.retry_statuses[0] 200"},
-		{"token in file", "admin_token: x\n" + strings.Replace(base, "%s", "", 1), "field admin_token not found"},
+		{"admin on the data port", "listen: ':8080'\nadmin_listen: ':8080'\n" + strings.Replace(base, "%s", "", 1), `admin_listen ":8080" is the same address as listen ":8080": leave admin_listen empty`},
+		{"admin on every interface of the data port", "listen: '127.0.0.1:8080'\nadmin_listen: '0.0.0.0:8080'\n" + strings.Replace(base, "%s", "", 1), `admin_listen "0.0.0.0:8080" is the same address as listen`},
+		{"grpc on the admin port", "admin_listen: '127.0.0.1:8081'\ngrpc: {listen: '127.0.0.1:8081'}\n" + strings.Replace(base, "%s", "", 1), `grpc.listen "127.0.0.1:8081" is the same address as admin_listen`},
+		{"token in file", "admin_token: x\n" + strings.Replace(base, "%s", "", 1), "admin_token: unknown field"},
 		{"tokenizer source", strings.Replace(base, "%s", "tokenizer: {source: magic},", 1), `tokenizer.source "magic"`},
 	}
 	for _, tc := range tests {
@@ -155,5 +158,73 @@ func TestLoadConfigErrors(t *testing.T) {
 	os.WriteFile(f, []byte("pools: [\n"), 0o600)
 	if _, err := LoadConfig(f); err == nil || !strings.Contains(err.Error(), f) {
 		t.Fatalf("bad yaml: %v", err)
+	}
+}
+
+// TestConfigErrorsNameYAMLPaths: decoding errors speak the file's language —
+// the YAML path of the key, the known field a typo meant, how to write a
+// duration — not Go type names.
+func TestConfigErrorsNameYAMLPaths(t *testing.T) {
+	tests := []struct {
+		name, doc string
+		want      []string
+		not       string
+	}{
+		{"typo in routing", "pools:\n  - name: p\n    routing:\n      concurency_threshold: 3\n",
+			[]string{`line 4: pools[0].routing.concurency_threshold: unknown field (did you mean "concurrency_threshold"?)`}, "router.RoutingConfig"},
+		{"typo in a pool", "pools:\n  - name: p\n    model: m\n    instances: [{id: a, url: 'http://h:1'}]\n    helth: {interval: 5s}\n",
+			[]string{`line 5: pools[0].helth: unknown field (did you mean "health"?)`}, "router.PoolConfig"},
+		{"far from any field", "pools: [{name: p,\n  colour: blue}]\n",
+			[]string{"line 2: pools[0].colour: unknown field"}, "did you mean"},
+		{"duration without unit", "pools:\n  - name: p\n    model: m\n    instances: [{id: a, url: 'http://h:1'}]\n    health: {interval: 5}\n",
+			[]string{`line 5: pools[0].health.interval: "5" is not a duration: write a number with a unit, e.g. "5s" or "250ms"`}, "!!int"},
+		{"wrong kind", "max_body_bytes: lots\n",
+			[]string{`line 1: max_body_bytes: cannot use str "lots" here (want an integer)`}, "int64"},
+		{"secret in file", "admin_token: x\n", []string{"line 1: admin_token: unknown field"}, "router.Config"},
+		{"two errors", "pools:\n  - routing:\n      strategyy: random\nlistenn: x\n",
+			[]string{`line 3: pools[0].routing.strategyy: unknown field (did you mean "strategy"?)`, `line 4: listenn: unknown field (did you mean "listen"?)`}, "type"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := ParseConfig(strings.NewReader(tc.doc))
+			if err == nil || !errors.Is(err, ErrInvalidConfig) {
+				t.Fatalf("err %v, want ErrInvalidConfig", err)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("err %q\nwant it to say %q", err, w)
+				}
+			}
+			if strings.Contains(err.Error(), tc.not) {
+				t.Errorf("err %q still says %q", err, tc.not)
+			}
+		})
+	}
+}
+
+func TestClosestField(t *testing.T) {
+	known := []string{"listen", "admin_listen", "pools", "routing", "max_body_bytes"}
+	for got, want := range map[string]string{
+		"listn": "listen", "pool": "pools", "routng": "routing", "max_body_byte": "max_body_bytes",
+		"x": "", "logging": "", "": "",
+	} {
+		if s := closestField(known, got); s != want {
+			t.Errorf("closestField(%q) = %q, want %q", got, s, want)
+		}
+	}
+}
+
+func TestSameListenAddr(t *testing.T) {
+	for _, tc := range []struct {
+		a, b string
+		want bool
+	}{
+		{":8080", ":8080", true}, {":8080", "127.0.0.1:8080", true}, {"0.0.0.0:9", "[::1]:9", true},
+		{"127.0.0.1:8080", "127.0.0.1:8081", false}, {"127.0.0.1:8080", "10.0.0.1:8080", false},
+		{":0", ":0", false}, {"[::1]:8080", "[::1]:8080", true},
+	} {
+		if got := sameListenAddr(tc.a, tc.b); got != tc.want {
+			t.Errorf("sameListenAddr(%q, %q) = %v, want %v", tc.a, tc.b, got, tc.want)
+		}
 	}
 }
