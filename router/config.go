@@ -229,7 +229,8 @@ type NATSConfig struct {
 	// other hosts).
 	Listen string `yaml:"listen" json:"listen,omitempty"`
 	// StoreDir holds the embedded server's JetStream files (stream and
-	// snapshots survive a router restart). Default $TMPDIR/kvrouter-nats.
+	// snapshots survive a router restart). Default $TMPDIR/kvrouter-nats-<port>-<hash
+	// of the pools> (DefaultEmbeddedStoreDir); one running server per store.
 	StoreDir string `yaml:"store_dir" json:"store_dir,omitempty"`
 	// Stream is the JetStream stream name over kv.events.>. Default KV_EVENTS.
 	Stream string `yaml:"stream" json:"stream,omitempty"`

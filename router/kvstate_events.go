@@ -8,14 +8,18 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
+	"path/filepath"
 	"reflect"
 	"slices"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -24,6 +28,20 @@ import (
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tiers"
 )
+
+// DefaultEmbeddedStoreDir is the embedded NATS server's store when
+// events.nats.store_dir is unset: $TMPDIR/kvrouter-nats-<port>-<fleet>,
+// where <fleet> hashes the pools' names and models. A router restarted with
+// the same pools finds its stream and snapshots again; a router for another
+// fleet gets its own store instead of loading this one's instances.
+func DefaultEmbeddedStoreDir(port int, pools []PoolConfig) string {
+	names := make([]string, len(pools))
+	for i, p := range pools {
+		names[i] = p.Name + "=" + p.Model
+	}
+	sort.Strings(names)
+	return filepath.Join(os.TempDir(), fmt.Sprintf("kvrouter-nats-%d-%016x", port, xxhash.Sum64String(strings.Join(names, "\n"))))
+}
 
 // DefaultEmbeddedNATSListen is where the embedded NATS server listens when
 // events.nats.listen is empty: loopback on NATS's standard port, so a
@@ -166,13 +184,23 @@ func StartKVEvents(ctx context.Context, cfg Config, opts KVEventsOptions) (*KVEv
 		if port == 0 {
 			port = -1 // a free port
 		}
-		k.embedded, err = events.StartEmbeddedNATS(k.ctx, events.EmbeddedNATSConfig{Host: host, Port: port, StoreDir: ec.NATS.StoreDir})
-		if err != nil {
+		storeDir := ec.NATS.StoreDir
+		if storeDir == "" && port > 0 {
+			storeDir = DefaultEmbeddedStoreDir(port, cfg.Pools)
+		}
+		k.embedded, err = events.StartEmbeddedNATS(k.ctx, events.EmbeddedNATSConfig{Host: host, Port: port, StoreDir: storeDir})
+		switch {
+		case errors.Is(err, events.ErrPortInUse):
+			return fail(fmt.Errorf("router: embedded nats: %w\n  another NATS server (or router) has %s: set events.nats.url to use that server, "+
+				"or events.nats.listen to a free address (e.g. 127.0.0.1:0 for any port; bridges then need --nats-url with the port this router logs)", err, listen))
+		case errors.Is(err, events.ErrStoreInUse):
+			return fail(fmt.Errorf("router: embedded nats: %w (events.nats.store_dir)", err))
+		case err != nil:
 			return fail(fmt.Errorf("router: embedded nats on %s: %w", listen, err))
 		}
 		k.natsURL = k.embedded.ClientURL()
 		k.log.Info("embedded NATS server with JetStream started; point kvbridges at it with --nats-url",
-			"nats_url", k.natsURL, "store_dir", ec.NATS.StoreDir)
+			"nats_url", k.natsURL, "store_dir", k.embedded.StoreDir())
 	}
 	if k.conn == nil {
 		nc := events.NATSConfig{URL: k.natsURL, CredsFile: ec.NATS.CredsFile, Name: "kvrouter", Logger: k.log}

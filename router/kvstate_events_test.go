@@ -183,3 +183,20 @@ func BenchmarkAccountingApply(b *testing.B) {
 		})
 	}
 }
+
+// TestDefaultEmbeddedStoreDir: the default store is keyed by port and by the
+// fleet's pools, so another fleet never loads this one's snapshots.
+func TestDefaultEmbeddedStoreDir(t *testing.T) {
+	a := []PoolConfig{{Name: "llama", Model: "m1"}, {Name: "qwen", Model: "m2"}}
+	b := []PoolConfig{{Name: "qwen", Model: "m2"}, {Name: "llama", Model: "m1"}}
+	c := []PoolConfig{{Name: "llama", Model: "m1"}}
+	if DefaultEmbeddedStoreDir(4222, a) != DefaultEmbeddedStoreDir(4222, b) {
+		t.Fatal("pool order changed the store")
+	}
+	if DefaultEmbeddedStoreDir(4222, a) == DefaultEmbeddedStoreDir(4222, c) {
+		t.Fatal("another fleet shares the store")
+	}
+	if DefaultEmbeddedStoreDir(4222, a) == DefaultEmbeddedStoreDir(4223, a) {
+		t.Fatal("another port shares the store")
+	}
+}
