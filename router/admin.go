@@ -20,6 +20,7 @@ func (s *Server) addAdminRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("GET /admin/pools/{pool}/routing", s.auth(s.serveGetRouting))
 	mux.HandleFunc("PUT /admin/pools/{pool}/routing", s.auth(s.servePutRouting))
 	mux.HandleFunc("GET /admin/pools/{pool}/compare", s.auth(s.serveCompare))
+	mux.HandleFunc("POST /admin/pools/{pool}/compare/reset", s.auth(s.serveCompareReset))
 	s.addDashboardRoutes(mux)
 }
 

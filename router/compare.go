@@ -313,9 +313,8 @@ func parseCachedTokens(doc []byte) (int, bool) {
 	return int(c), true
 }
 
-// compareStats accumulates a pool's heuristic-versus-exact comparison.
-type compareStats struct {
-	mu       sync.Mutex // guards everything below
+// compareCounts is a comparison's counters over some span of time.
+type compareCounts struct {
 	reasons  map[Reason]int64
 	compared int64
 	agreed   int64
@@ -326,14 +325,9 @@ type compareStats struct {
 	predRep  int64 // predicted matched tokens of those same requests
 	absErr   int64
 	// by agreement: reported cached tokens where the strategies agreed or not
-	repAgree, repDisagree       int64
-	repAgreeN, repDisagreeN     int64
-	recent                      [compareRecent]CompareSample
-	recentNext, recentN         int
-	lastStrategy, lastOtherName string
+	repAgree, repDisagree   int64
+	repAgreeN, repDisagreeN int64
 }
-
-const compareRecent = 32
 
 type sideStats struct {
 	n       int64
@@ -341,60 +335,182 @@ type sideStats struct {
 	ttft    float64 // seconds, summed
 }
 
-func (c *compareStats) countReason(r Reason) {
-	c.mu.Lock()
-	if c.reasons == nil {
-		c.reasons = map[Reason]int64{}
+func (a *compareCounts) side(name string) *sideStats {
+	if a.sides == nil {
+		a.sides = map[string]*sideStats{}
 	}
-	c.reasons[r]++
-	c.mu.Unlock()
+	s := a.sides[name]
+	if s == nil {
+		s = &sideStats{}
+		a.sides[name] = s
+	}
+	return s
 }
 
-func (c *compareStats) addShadow(r *shadowRecord) {
+// add sums b into a.
+func (a *compareCounts) add(b *compareCounts) {
+	for r, n := range b.reasons {
+		if a.reasons == nil {
+			a.reasons = map[Reason]int64{}
+		}
+		a.reasons[r] += n
+	}
+	for name, s := range b.sides {
+		d := a.side(name)
+		d.n += s.n
+		d.matched += s.matched
+		d.ttft += s.ttft
+	}
+	a.compared += b.compared
+	a.agreed += b.agreed
+	a.finished += b.finished
+	a.reported += b.reported
+	a.cached += b.cached
+	a.predRep += b.predRep
+	a.absErr += b.absErr
+	a.repAgree += b.repAgree
+	a.repDisagree += b.repDisagree
+	a.repAgreeN += b.repAgreeN
+	a.repDisagreeN += b.repDisagreeN
+}
+
+// The comparison keeps its totals since it began and per-minute buckets for
+// the last compareMinutes minutes, so an operator can ask for a recent
+// window (GET ...?window=5m) instead of everything since start.
+const (
+	compareRecent  = 32
+	compareMinutes = 60
+)
+
+type minuteCounts struct {
+	minute int64 // Unix minute; 0 = empty
+	c      compareCounts
+}
+
+// compareStats accumulates a pool's heuristic-versus-exact comparison. A
+// comparison holds one routing mode (the strategy in use and whether
+// shadow scoring is on): a switch of mode, or an explicit reset, starts a
+// new one, so figures of two strategies are never mixed.
+type compareStats struct {
+	mu      sync.Mutex // guards everything below
+	mode    string     // strategy in use + shadow flag of this comparison
+	since   time.Time  // when this comparison began (zero until the first record)
+	resetBy string     // why it began: "start", "reset", "strategy changed from X to Y"
+	total   compareCounts
+	minutes [compareMinutes]minuteCounts
+
+	recent              [compareRecent]CompareSample
+	recentNext, recentN int
+}
+
+// bucket returns the counters of now's minute, clearing a slot last used
+// an hour or more ago. Callers hold mu.
+func (c *compareStats) bucket(now time.Time) *compareCounts {
+	if c.since.IsZero() {
+		c.since = now
+		if c.resetBy == "" {
+			c.resetBy = "start"
+		}
+	}
+	m := now.Unix() / 60
+	b := &c.minutes[m%compareMinutes]
+	if b.minute != m {
+		*b = minuteCounts{minute: m}
+	}
+	return &b.c
+}
+
+// both applies f to the totals and to now's minute. Callers hold mu.
+func (c *compareStats) both(now time.Time, f func(*compareCounts)) {
+	f(&c.total)
+	f(c.bucket(now))
+}
+
+// setMode starts a new comparison when the routing mode changes (not for
+// the first mode, which the comparison begins with).
+func (c *compareStats) setMode(strategy string, shadow bool, now time.Time) {
+	mode := strategy
+	if shadow {
+		mode += "+shadow"
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.sides == nil {
-		c.sides = map[string]*sideStats{}
+	switch c.mode {
+	case mode:
+	case "":
+		c.mode = mode
+	default:
+		c.resetLocked(now, fmt.Sprintf("strategy changed from %s to %s", c.mode, mode))
+		c.mode = mode
 	}
-	c.compared++
-	if r.agree {
-		c.agreed++
-	}
-	for _, sd := range []struct {
-		name string
-		p    shadowPick
-	}{{r.inUse, r.inUsePick}, {r.other, r.otherPick}} {
-		s := c.sides[sd.name]
-		if s == nil {
-			s = &sideStats{}
-			c.sides[sd.name] = s
+}
+
+// reset starts a new comparison now.
+func (c *compareStats) reset(now time.Time, why string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.resetLocked(now, why)
+}
+
+func (c *compareStats) resetLocked(now time.Time, why string) {
+	c.since, c.resetBy = now, why
+	c.total, c.minutes = compareCounts{}, [compareMinutes]minuteCounts{}
+	c.recent, c.recentNext, c.recentN = [compareRecent]CompareSample{}, 0, 0
+}
+
+func (c *compareStats) countReason(r Reason, now time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.both(now, func(k *compareCounts) {
+		if k.reasons == nil {
+			k.reasons = map[Reason]int64{}
 		}
-		s.n++
-		s.matched += int64(sd.p.matched)
-		s.ttft += sd.p.ttft
-	}
-	c.lastStrategy, c.lastOtherName = r.inUse, r.other
+		k.reasons[r]++
+	})
+}
+
+func (c *compareStats) addShadow(r *shadowRecord, now time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.both(now, func(k *compareCounts) {
+		k.compared++
+		if r.agree {
+			k.agreed++
+		}
+		for _, sd := range []struct {
+			name string
+			p    shadowPick
+		}{{r.inUse, r.inUsePick}, {r.other, r.otherPick}} {
+			s := k.side(sd.name)
+			s.n++
+			s.matched += int64(sd.p.matched)
+			s.ttft += sd.p.ttft
+		}
+	})
 }
 
 func (c *compareStats) addOutcome(o *kvObserver, ok bool, cached int, found bool, now time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.finished++
-	if ok && found {
-		c.reported++
-		c.cached += int64(cached)
-		c.predRep += int64(o.predicted)
-		c.absErr += int64(abs(o.predicted - cached))
+	c.both(now, func(k *compareCounts) {
+		k.finished++
+		if !ok || !found {
+			return
+		}
+		k.reported++
+		k.cached += int64(cached)
+		k.predRep += int64(o.predicted)
+		k.absErr += int64(abs(o.predicted - cached))
 		if r := o.shadow; r != nil {
 			if r.agree {
-				c.repAgree += int64(cached)
-				c.repAgreeN++
+				k.repAgree += int64(cached)
+				k.repAgreeN++
 			} else {
-				c.repDisagree += int64(cached)
-				c.repDisagreeN++
+				k.repDisagree += int64(cached)
+				k.repDisagreeN++
 			}
 		}
-	}
+	})
 	if r := o.shadow; r != nil {
 		s := CompareSample{
 			Time:   now,
@@ -416,12 +532,46 @@ func (c *compareStats) addOutcome(o *kvObserver, ok bool, cached int, found bool
 	}
 }
 
+// window sums the counters of the last window (rounded up to whole
+// minutes, at most compareMinutes) ending now; window <= 0 means every
+// record since the comparison began. It returns the window's start too.
+// Callers hold mu.
+func (c *compareStats) window(now time.Time, window time.Duration) (compareCounts, time.Time) {
+	if window <= 0 {
+		return c.total, c.since
+	}
+	n := min(int64((window+time.Minute-1)/time.Minute), compareMinutes)
+	cur := now.Unix() / 60
+	var out compareCounts
+	for m := cur - n + 1; m <= cur; m++ {
+		if b := &c.minutes[((m%compareMinutes)+compareMinutes)%compareMinutes]; b.minute == m {
+			out.add(&b.c)
+		}
+	}
+	from := time.Unix((cur-n+1)*60, 0)
+	if from.Before(c.since) {
+		from = c.since
+	}
+	return out, from
+}
+
 // CompareSummary is GET /admin/pools/{pool}/compare: how exact routing
 // compares with the heuristic on this pool's live traffic.
 type CompareSummary struct {
 	Pool     string `json:"pool"`
 	Strategy string `json:"strategy"`
 	Shadow   bool   `json:"shadow"`
+	// Since is when the figures start: the comparison's start (router
+	// start, a reset, a strategy switch) or the window's start, if later.
+	Since time.Time `json:"since"`
+	// Window is the span asked for ("all" = since the comparison began).
+	Window string `json:"window"`
+	// StartedBy says why the comparison began: "start", "reset", or
+	// "strategy changed from X to Y".
+	StartedBy string `json:"started_by"`
+	// Verdict says which strategy did better in the window, by the index's
+	// predictions for both strategies' picks of the same requests.
+	Verdict CompareVerdict `json:"verdict"`
 	// KVDecisions counts kv_aware decisions by reason (in use or shadow).
 	KVDecisions map[string]int64 `json:"kv_decisions"`
 	// Compared is the number of shadow-scored requests; Agreed how many
@@ -438,6 +588,55 @@ type CompareSummary struct {
 	Recent []CompareSample `json:"recent"`
 	// Instances is the load kv_aware sees per instance now.
 	Instances []InstanceLoad `json:"instances"`
+}
+
+// CompareVerdict is the comparison's conclusion.
+type CompareVerdict struct {
+	// Better is the strategy whose picks were predicted to start sooner,
+	// or "" when there is no verdict (see Why).
+	Better string `json:"better"`
+	Why    string `json:"why"`
+}
+
+// Below compareMinSamples shadow-scored requests per strategy there is no
+// verdict: a mean of fewer samples of a long-tailed quantity like TTFT
+// moves by more than the differences it would be asked to show (30 is the
+// usual floor for treating a sample mean as normal). Means within
+// compareTieRatio of each other are a tie: the TTFT model's own error is
+// of that order (docs/kv-aware.md).
+const (
+	compareMinSamples = 30
+	compareTieRatio   = 0.05
+)
+
+func verdict(k *compareCounts, shadow bool) CompareVerdict {
+	if !shadow {
+		return CompareVerdict{Why: "shadow scoring is off: only one strategy is scored (routing.shadow: true compares both)"}
+	}
+	type side struct {
+		name          string
+		n             int64
+		ttft, matched float64
+	}
+	var ss []side
+	for name, s := range k.sides {
+		if s.n > 0 {
+			ss = append(ss, side{name, s.n, s.ttft / float64(s.n) * 1e3, float64(s.matched) / float64(s.n)})
+		}
+	}
+	if len(ss) != 2 || min(ss[0].n, ss[1].n) < compareMinSamples {
+		return CompareVerdict{Why: fmt.Sprintf("fewer than %d shadow-scored requests in the window", compareMinSamples)}
+	}
+	if ss[0].ttft > ss[1].ttft {
+		ss[0], ss[1] = ss[1], ss[0]
+	}
+	a, b := ss[0], ss[1]
+	detail := fmt.Sprintf("over %d requests: mean predicted TTFT %.1f ms (%s) vs %.1f ms (%s); mean matched tokens %.0f vs %.0f",
+		a.n, a.ttft, a.name, b.ttft, b.name, a.matched, b.matched)
+	if b.ttft <= a.ttft*(1+compareTieRatio) {
+		return CompareVerdict{Why: "a tie " + detail}
+	}
+	return CompareVerdict{Better: a.name, Why: a.name + " better " + detail}
 }
 
 // InstanceLoad is the queue input of kv_aware's scoring for one instance.
@@ -491,9 +690,9 @@ type SamplePick struct {
 	PredictedTTFTMs float64 `json:"predicted_ttft_ms"`
 }
 
-// Compare summarises the pool's comparison so far, and the current load of
-// insts as scoring sees it.
-func (st *KVState) Compare(strategy string, shadow bool, insts []*Instance) CompareSummary {
+// Compare summarises the pool's comparison over the last window (0 = since
+// it began), and the current load of insts as scoring sees it.
+func (st *KVState) Compare(strategy string, shadow bool, insts []*Instance, window time.Duration) CompareSummary {
 	loads := make([]InstanceLoad, 0, len(insts))
 	now := st.now()
 	for _, in := range insts {
@@ -507,18 +706,23 @@ func (st *KVState) Compare(strategy string, shadow bool, insts []*Instance) Comp
 	c := &st.cmp
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	k, since := c.window(now, window)
 	out := CompareSummary{
-		Pool: st.pool, Strategy: strategy, Shadow: shadow,
+		Pool: st.pool, Strategy: strategy, Shadow: shadow, Since: since, Window: "all", StartedBy: c.resetBy,
 		KVDecisions: map[string]int64{}, Predicted: map[string]StrategyPrediction{},
-		Compared: c.compared, Agreed: c.agreed, Recent: []CompareSample{}, Instances: loads,
+		Compared: k.compared, Agreed: k.agreed, Recent: []CompareSample{}, Instances: loads,
+		Verdict: verdict(&k, shadow),
 	}
-	for r, n := range c.reasons {
+	if window > 0 {
+		out.Window = window.String()
+	}
+	for r, n := range k.reasons {
 		out.KVDecisions[string(r)] = n
 	}
-	if c.compared > 0 {
-		out.AgreementRate = float64(c.agreed) / float64(c.compared)
+	if k.compared > 0 {
+		out.AgreementRate = float64(k.agreed) / float64(k.compared)
 	}
-	for name, s := range c.sides {
+	for name, s := range k.sides {
 		p := StrategyPrediction{Requests: s.n, MatchedTokens: s.matched}
 		if s.n > 0 {
 			p.MeanMatchedTokens = float64(s.matched) / float64(s.n)
@@ -526,32 +730,68 @@ func (st *KVState) Compare(strategy string, shadow bool, insts []*Instance) Comp
 		}
 		out.Predicted[name] = p
 	}
-	out.Reported = ReportedUsage{Finished: c.finished, WithUsage: c.reported, CachedTokens: c.cached, PredictedTokens: c.predRep}
-	if c.reported > 0 {
-		out.Reported.MeanAbsErrorTokens = float64(c.absErr) / float64(c.reported)
+	out.Reported = ReportedUsage{Finished: k.finished, WithUsage: k.reported, CachedTokens: k.cached, PredictedTokens: k.predRep}
+	if k.reported > 0 {
+		out.Reported.MeanAbsErrorTokens = float64(k.absErr) / float64(k.reported)
 	}
-	if c.repAgreeN > 0 {
-		out.Reported.MeanCachedWhenAgree = float64(c.repAgree) / float64(c.repAgreeN)
+	if k.repAgreeN > 0 {
+		out.Reported.MeanCachedWhenAgree = float64(k.repAgree) / float64(k.repAgreeN)
 	}
-	if c.repDisagreeN > 0 {
-		out.Reported.MeanCachedWhenDiffer = float64(c.repDisagree) / float64(c.repDisagreeN)
+	if k.repDisagreeN > 0 {
+		out.Reported.MeanCachedWhenDiffer = float64(k.repDisagree) / float64(k.repDisagreeN)
 	}
-	for k := 1; k <= c.recentN; k++ {
-		out.Recent = append(out.Recent, c.recent[(c.recentNext-k+compareRecent)%compareRecent])
+	for i := 1; i <= c.recentN; i++ {
+		s := c.recent[(c.recentNext-i+compareRecent)%compareRecent]
+		if s.Time.Before(since) {
+			break
+		}
+		out.Recent = append(out.Recent, s)
 	}
 	return out
 }
 
-// serveCompare is GET /admin/pools/{pool}/compare.
+// ResetCompare starts the pool's comparison afresh.
+func (st *KVState) ResetCompare() { st.cmp.reset(st.now(), "reset") }
+
+// serveCompare is GET /admin/pools/{pool}/compare[?window=5m].
 func (s *Server) serveCompare(w http.ResponseWriter, r *http.Request) {
+	p, st := s.comparePool(w, r)
+	if st == nil {
+		return
+	}
+	var window time.Duration
+	if v := r.URL.Query().Get("window"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil || d <= 0 || d > compareMinutes*time.Minute {
+			writeError(w, http.StatusBadRequest, fmt.Sprintf("window %q: want a duration in 1m..%dm (e.g. 5m); leave it out for everything since the comparison began", v, compareMinutes))
+			return
+		}
+		window = d
+	}
+	rc, strat := p.Routing()
+	writeJSON(w, st.Compare(strat.Name(), rc.Shadow, p.Instances(), window))
+}
+
+// serveCompareReset is POST /admin/pools/{pool}/compare/reset: the
+// comparison starts again now; the answer is the fresh (empty) summary.
+func (s *Server) serveCompareReset(w http.ResponseWriter, r *http.Request) {
+	p, st := s.comparePool(w, r)
+	if st == nil {
+		return
+	}
+	st.ResetCompare()
+	rc, strat := p.Routing()
+	writeJSON(w, st.Compare(strat.Name(), rc.Shadow, p.Instances(), 0))
+}
+
+func (s *Server) comparePool(w http.ResponseWriter, r *http.Request) (*Pool, *KVState) {
 	p := s.poolFromPath(w, r)
 	if p == nil {
-		return
+		return nil, nil
 	}
 	if p.kv == nil {
 		writeError(w, http.StatusNotFound, fmt.Sprintf("pool %q has no KV index: kv_aware and shadow mode are unavailable", p.Name()))
-		return
+		return nil, nil
 	}
-	rc, strat := p.Routing()
-	writeJSON(w, p.kv.Compare(strat.Name(), rc.Shadow, p.Instances()))
+	return p, p.kv
 }

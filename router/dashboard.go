@@ -203,7 +203,7 @@ func (s *Server) dashboardPool(ctx context.Context, p *Pool, mv *metricView) Das
 	dp.KVIndex = true
 	up := st.fresh == nil || st.fresh.StreamHealthy()
 	dp.StreamHealthy = &up
-	cmp := st.Compare(strat.Name(), rc.Shadow, insts)
+	cmp := st.Compare(strat.Name(), rc.Shadow, insts, 0)
 	for r, n := range cmp.KVDecisions {
 		dp.KVDecisions[r] = n
 	}

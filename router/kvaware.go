@@ -590,7 +590,7 @@ func (s *KVAware) choose(ev *kvEval, countStale bool) (int, Reason) {
 func (s *KVAware) commit(dec *Decision, ev *kvEval, ce *candEval) {
 	st := s.st
 	st.m.decisions.WithLabelValues(st.pool, string(dec.Reason)).Inc()
-	st.cmp.countReason(dec.Reason)
+	st.cmp.countReason(dec.Reason, st.now())
 	if ev.tokens == 0 || ce == nil {
 		return
 	}

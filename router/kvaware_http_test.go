@@ -266,6 +266,38 @@ func TestKVAwareHTTP(t *testing.T) {
 	if len(sum.Instances) != 4 {
 		t.Errorf("instances: %+v", sum.Instances)
 	}
+	if sum.Window != "all" || sum.StartedBy != "start" || sum.Since.IsZero() {
+		t.Errorf("window %q started_by %q since %v", sum.Window, sum.StartedBy, sum.Since)
+	}
+	// A window, a bad window, and a reset.
+	getSum := func(method, path string, wantStatus int) router.CompareSummary {
+		t.Helper()
+		req, _ := http.NewRequest(method, h.ts.URL+path, nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var out router.CompareSummary
+		if resp.StatusCode != wantStatus {
+			b, _ := io.ReadAll(resp.Body)
+			t.Fatalf("%s %s: %d %s, want %d", method, path, resp.StatusCode, b, wantStatus)
+		}
+		if wantStatus == 200 {
+			if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return out
+	}
+	if w := getSum("GET", "/admin/pools/p/compare?window=5m", 200); w.Compared != 3 || w.Window != "5m0s" {
+		t.Errorf("5m window: compared %d window %q", w.Compared, w.Window)
+	}
+	getSum("GET", "/admin/pools/p/compare?window=banana", 400)
+	getSum("GET", "/admin/pools/p/compare?window=2h", 400)
+	if r := getSum("POST", "/admin/pools/p/compare/reset", 200); r.Compared != 0 || r.StartedBy != "reset" || len(r.Recent) != 0 || r.Reported.Finished != 0 {
+		t.Errorf("after reset: %+v", r)
+	}
 	for _, in := range sum.Instances {
 		if in.PendingPrefillTokens != 0 || in.PendingRequests != 0 || in.InFlight != 0 {
 			t.Errorf("instance %s still has pending work after all responses: %+v", in.ID, in)
@@ -384,7 +416,7 @@ func TestMidStreamDisconnectReleases(t *testing.T) {
 	if tok, n := p.KV().PendingPrefill("a"); tok != 0 || n != 0 {
 		t.Fatalf("pending prefill %d tokens / %d requests after the client left", tok, n)
 	}
-	if got := p.KV().Compare(router.StrategyKVAware, false, nil).Reported.Finished; got != 1 {
+	if got := p.KV().Compare(router.StrategyKVAware, false, nil, 0).Reported.Finished; got != 1 {
 		t.Fatalf("%d observed requests finished, want 1", got)
 	}
 }

@@ -866,7 +866,7 @@ func TestShadowHeuristicInUse(t *testing.T) {
 	if w.st.spec.Len() != 0 {
 		t.Errorf("dry scoring left %d speculative entries", w.st.spec.Len())
 	}
-	sum := w.st.Compare(StrategyPrefixAware, true, w.insts)
+	sum := w.st.Compare(StrategyPrefixAware, true, w.insts, 0)
 	if sum.Compared != 1 || sum.Agreed != 0 {
 		t.Fatalf("compare %+v", sum)
 	}

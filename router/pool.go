@@ -84,6 +84,11 @@ func (p *Pool) SetRouting(rc RoutingConfig) error {
 	if err != nil {
 		return err
 	}
+	if p.kv != nil {
+		// A new routing mode starts a new comparison: figures of two
+		// strategies are never summed.
+		p.kv.cmp.setMode(st.Name(), rc.Shadow, p.kv.now())
+	}
 	p.routing.Store(&poolRouting{cfg: rc, strat: st})
 	return nil
 }

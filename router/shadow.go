@@ -79,7 +79,7 @@ func (s *Shadow) Pick(ctx context.Context, req *Request, cands []*Instance) (Dec
 			st.m.shadowTTFT.WithLabelValues(st.pool, p.name).Observe(p.p.ttft)
 		}
 	}
-	st.cmp.addShadow(rec)
+	st.cmp.addShadow(rec, st.now())
 	if o, ok := dec.Observer.(*kvObserver); ok {
 		o.shadow = rec
 	} else if dec.Observer == nil && ev.tokens > 0 {
