@@ -322,7 +322,7 @@ func runLive(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.StringVar(&lc.Model, "model", "", "model name to send (default: the pool's model)")
 	fs.Float64Var(&lc.TimeScale, "time-scale", 1, "the engines' virtual-time speed-up (kvsim --time-scale): compresses arrivals, rescales timings")
 	fs.IntVar(&lc.MaxInFlight, "max-in-flight", 512, "bound on concurrent requests")
-	fs.BoolVar(&lc.Reset, "reset", true, "reset every instance's prefix cache before each strategy")
+	fs.BoolVar(&lc.Reset, "reset", false, "DESTRUCTIVE: reset every instance's prefix cache (POST /reset_prefix_cache) before each strategy, so each starts cold; never against a fleet serving users")
 	strategies := fs.String("strategies", "", "strategies to compare, switched through the admin API (empty: the current one only)")
 	out := fs.String("out", "", "directory for reports")
 	fleetTokens := fs.String("fleet-tokens", "5.4M", "the fleet's GPU KV capacity, for --workload cache-pressure")
