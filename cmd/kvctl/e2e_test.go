@@ -141,7 +141,7 @@ func TestKVCommandsEndToEnd(t *testing.T) {
 
 	// Follow evictions twice: through the router's SSE stream and on NATS.
 	sse := startTail(t, "--pool", pool, "--tier", "gpu", "--count", "1", "--json")
-	direct := startTail(t, "--pool", pool, "--instance", "vllm-1", "--nats", ns.URL(), "--count", "1")
+	direct := startTail(t, "--pool", pool, "--instance", "vllm-1", "--nats", ns.URL(), "--count", "1", "--each")
 	sse.ready(t)
 	direct.ready(t)
 

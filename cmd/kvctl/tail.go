@@ -9,9 +9,11 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/http"
 	"net/url"
 	"os"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -34,20 +36,36 @@ type tailOpts struct {
 	creds    string
 	natsCA   string
 	count    int
+	each     bool
+	every    time.Duration
 }
 
-// recordSink prints eviction records as they arrive and reports when
-// --count is reached.
+// recordSink prints eviction records — each as it arrives (--json,
+// --each), or summed per instance, tier and reason every --every — and
+// reports when --count records were taken. add is called by the reading
+// goroutine and flush by the summary ticker, hence mu.
 type recordSink struct {
+	mu      sync.Mutex
 	w       io.Writer
 	stderr  io.Writer
 	json    bool
+	each    bool
 	tier    string
 	count   int
 	printed int
 	skipped int
 	header  bool
 	buf     bytes.Buffer
+	sums    map[sumKey]*sumRow // summary mode: since the last flush
+	order   []sumKey           // first-seen order of sums' keys
+	now     func() time.Time
+}
+
+type sumKey struct{ instance, tier, reason string }
+
+type sumRow struct {
+	records int
+	blocks  int
 }
 
 // errCountReached ends a tail after --count records.
@@ -56,6 +74,8 @@ var errCountReached = errors.New("count reached")
 // add prints one record's JSON (filtered by tier), or counts it as skipped
 // when it is not an eviction record.
 func (s *recordSink) add(source string, data []byte) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	var rec events.EvictionRecord
 	if err := json.Unmarshal(data, &rec); err != nil {
 		s.skipped++
@@ -65,7 +85,21 @@ func (s *recordSink) add(source string, data []byte) error {
 	if s.tier != "" && s.tier != events.TierAll && !strings.EqualFold(rec.Tier, s.tier) && rec.Tier != events.TierAll {
 		return nil
 	}
-	if s.json {
+	switch {
+	case !s.json && !s.each:
+		k := sumKey{rec.Instance, rec.Tier, rec.Reason}
+		r := s.sums[k]
+		if r == nil {
+			if s.sums == nil {
+				s.sums = map[sumKey]*sumRow{}
+			}
+			r = &sumRow{}
+			s.sums[k] = r
+			s.order = append(s.order, k)
+		}
+		r.records++
+		r.blocks += rec.Blocks
+	case s.json:
 		// One compact record per line, as received, for jq and friends.
 		s.buf.Reset()
 		if err := json.Compact(&s.buf, data); err != nil {
@@ -76,7 +110,7 @@ func (s *recordSink) add(source string, data []byte) error {
 		if _, err := s.w.Write(s.buf.Bytes()); err != nil {
 			return err
 		}
-	} else {
+	default:
 		if !s.header {
 			s.header = true
 			fmt.Fprintf(s.w, "%-24s  %-20s  %-6s  %7s  %-8s  %s\n", "TIME", "INSTANCE", "TIER", "BLOCKS", "REASON", "HASHES")
@@ -94,6 +128,58 @@ func (s *recordSink) add(source string, data []byte) error {
 		return errCountReached
 	}
 	return nil
+}
+
+// flush prints the summary rows gathered since the last flush, one per
+// instance, tier and reason, in the order first seen.
+func (s *recordSink) flush() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.order) == 0 {
+		return nil
+	}
+	if !s.header {
+		s.header = true
+		fmt.Fprintf(s.w, "%-20s  %-20s  %-6s  %-8s  %7s  %8s\n", "TIME", "INSTANCE", "TIER", "REASON", "RECORDS", "BLOCKS")
+	}
+	ts := s.now().UTC().Format("2006-01-02T15:04:05Z")
+	for _, k := range s.order {
+		r := s.sums[k]
+		if _, err := fmt.Fprintf(s.w, "%-20s  %-20s  %-6s  %-8s  %7d  %8d\n", ts, k.instance, k.tier, k.reason, r.records, r.blocks); err != nil {
+			return err
+		}
+	}
+	clear(s.sums)
+	s.order = s.order[:0]
+	return nil
+}
+
+// summarise flushes the sink every interval until ctx is done (summary
+// mode only), and once more at the end.
+func (s *recordSink) summarise(ctx context.Context, every time.Duration) (stop func()) {
+	if s.json || s.each {
+		return func() {}
+	}
+	done := make(chan struct{})
+	ctx, cancel := context.WithCancel(ctx)
+	go func() {
+		defer close(done)
+		t := time.NewTicker(every)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				_ = s.flush()
+			}
+		}
+	}()
+	return func() {
+		cancel()
+		<-done
+		_ = s.flush()
+	}
 }
 
 // hashList shows the first few hashes in hex, and how many more there were.
@@ -135,15 +221,19 @@ func tailEvictions(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fs.StringVar(&o.creds, "nats-creds", "", "NATS credentials file (with --nats)")
 	fs.StringVar(&o.natsCA, "nats-ca", "", "CA file verifying the NATS server's TLS certificate (with --nats)")
 	fs.IntVar(&o.count, "count", 0, "exit after this many records (0: follow until interrupted)")
+	fs.BoolVar(&o.each, "each", false, "print one line per record instead of a summary every --every")
+	fs.DurationVar(&o.every, "every", 2*time.Second, "summary period: records and blocks per instance, tier and reason")
 	fs.Usage = func() {
-		fmt.Fprintln(stdout, `Usage: kvctl tail evictions --pool P [--instance I] [--tier T] [--nats URL] [--count N]
+		fmt.Fprintln(stdout, `Usage: kvctl tail evictions --pool P [--instance I] [--tier T] [--nats URL] [--every D | --each | --json] [--count N]
 
-Follows the KV blocks engines drop: one line per eviction record (engine
-evictions, whole-cache clears, and clears the bridge made after a gap or a
-restart). Without --nats it reads the router's server-sent events
-(GET /v1/kv/evictions on --router); with --nats it subscribes to
-kv.evictions.<pool>.<instance> itself, which needs no router. --json prints
-each record as one JSON line, as published:
+Follows the KV blocks engines drop (engine evictions, whole-cache clears, and
+clears the bridge made after a gap or a restart). By default it prints, every
+--every, one line per instance, tier and reason with the records and blocks
+seen; --each prints one line per record. Without --nats it reads the router's
+server-sent events (GET /v1/kv/evictions on --router) and reconnects when the
+router restarts; with --nats it subscribes to kv.evictions.<pool>.<instance>
+itself, which needs no router. --json prints each record as one JSON line, as
+published:
   {"pool":"llama","instance":"vllm-0","tier":"gpu","blocks":3,"hashes":[...],
    "time":"2026-11-29T10:00:00Z","reason":"evicted"}
 Stop with Ctrl-C.
@@ -180,16 +270,21 @@ Flags:`)
 	if o.count < 0 {
 		return fmt.Errorf("%w: --count %d: must be 0 or more", errUsage, o.count)
 	}
+	if o.every < 100*time.Millisecond {
+		return fmt.Errorf("%w: --every %v: must be at least 100ms", errUsage, o.every)
+	}
 	if o.natsURL == "" && (o.creds != "" || o.natsCA != "") {
 		return fmt.Errorf("%w: --nats-creds and --nats-ca need --nats", errUsage)
 	}
-	sink := &recordSink{w: stdout, stderr: stderr, json: o.admin.json, tier: o.tier, count: o.count}
+	sink := &recordSink{w: stdout, stderr: stderr, json: o.admin.json, each: o.each, tier: o.tier, count: o.count, now: time.Now}
+	stop := sink.summarise(ctx, o.every)
 	var err error
 	if o.natsURL != "" {
 		err = tailNATS(ctx, o, sink)
 	} else {
 		err = tailSSE(ctx, o, sink)
 	}
+	stop()
 	if errors.Is(err, errCountReached) || (err == nil || errors.Is(err, context.Canceled)) && ctx.Err() != nil {
 		return nil // interrupted, or --count reached: a normal end
 	}
@@ -266,7 +361,19 @@ func tailNATS(ctx context.Context, o tailOpts, sink *recordSink) error {
 	}
 }
 
-// tailSSE follows the router's GET /v1/kv/evictions stream.
+// SSE reconnection backoff: from the first wait, doubled per failed try,
+// up to the last (a router restart takes seconds; polling faster than once
+// a few seconds would only add load to a router that is starting).
+const (
+	sseRetryFirst = 250 * time.Millisecond
+	sseRetryMax   = 5 * time.Second
+)
+
+// tailSSE follows the router's GET /v1/kv/evictions stream. A first
+// connection that fails is an error (a wrong --router should not look like
+// a quiet pool); once following, a lost stream — the router restarting or
+// the network — is reconnected until interrupted, and said on stderr
+// (records published in between are not replayed).
 func tailSSE(ctx context.Context, o tailOpts, sink *recordSink) error {
 	c, err := o.admin.client()
 	if err != nil {
@@ -279,9 +386,42 @@ func tailSSE(ctx context.Context, o tailOpts, sink *recordSink) error {
 	if o.tier != "" {
 		q.Set("tier", o.tier)
 	}
-	req, err := c.request(ctx, "GET", "/v1/kv/evictions?"+q.Encode(), nil)
+	path := "/v1/kv/evictions?" + q.Encode()
+	followed := false
+	wait := sseRetryFirst
+	for {
+		ok, err := tailSSEOnce(ctx, c, path, sink)
+		followed = followed || ok
+		var he *httpError
+		switch {
+		case ctx.Err() != nil:
+			return ctx.Err()
+		case errors.Is(err, errCountReached):
+			return err
+		case !followed:
+			return err
+		case errors.As(err, &he) && he.Status >= 400 && he.Status < 500 && he.Status != http.StatusNotFound:
+			return err // refused (auth, a bad filter): retrying will not help
+		}
+		if ok {
+			wait = sseRetryFirst
+		}
+		fmt.Fprintf(sink.stderr, "kvctl tail evictions: %v; reconnecting in %v (records meanwhile are not replayed)\n", err, wait)
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(wait):
+		}
+		wait = min(wait*2, sseRetryMax)
+	}
+}
+
+// tailSSEOnce follows the stream once; ok says it was followed (the
+// router answered with an event stream), and err why it ended.
+func tailSSEOnce(ctx context.Context, c *adminClient, path string, sink *recordSink) (ok bool, err error) {
+	req, err := c.request(ctx, "GET", path, nil)
 	if err != nil {
-		return err
+		return false, err
 	}
 	req.Header.Set("Accept", "text/event-stream")
 	// No overall timeout: the stream lasts until interrupted. The
@@ -289,17 +429,17 @@ func tailSSE(ctx context.Context, o tailOpts, sink *recordSink) error {
 	resp, err := c.hc.Do(req)
 	if err != nil {
 		if ctx.Err() != nil {
-			return ctx.Err()
+			return false, ctx.Err()
 		}
-		return c.connError("GET", req.URL.String(), err)
+		return false, c.connError("GET", req.URL.String(), err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != 200 {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
-		return newHTTPError("GET", req.URL.String(), resp.StatusCode, b)
+		return false, newHTTPError("GET", req.URL.String(), resp.StatusCode, b)
 	}
 	if ct := resp.Header.Get("Content-Type"); !strings.HasPrefix(ct, "text/event-stream") {
-		return fmt.Errorf("GET %s: answer is %q, not an event stream", req.URL, ct)
+		return false, fmt.Errorf("GET %s: answer is %q, not an event stream", req.URL, ct)
 	}
 	// The router subscribes before it answers, so from here on no record
 	// is missed.
@@ -315,14 +455,15 @@ func tailSSE(ctx context.Context, o tailOpts, sink *recordSink) error {
 	})
 	switch {
 	case errors.Is(err, io.EOF):
-		fmt.Fprintln(sink.stderr, "kvctl tail evictions: the router closed the stream (shutting down)")
-		return nil
+		return true, errors.New("the router closed the stream (shutting down)")
+	case errors.Is(err, errCountReached):
+		return true, err
 	case err != nil && ctx.Err() != nil:
-		return ctx.Err()
+		return true, ctx.Err()
 	case err != nil:
-		return fmt.Errorf("GET %s: %w", req.URL, err)
+		return true, fmt.Errorf("GET %s: %w", req.URL, err)
 	}
-	return fmt.Errorf("GET %s: stream ended without a close event", req.URL)
+	return true, fmt.Errorf("GET %s: stream ended without a close event", req.URL)
 }
 
 // readSSE parses a server-sent event stream (WHATWG HTML, "Server-sent

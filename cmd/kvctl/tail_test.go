@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -227,26 +228,70 @@ func TestTailEvictionsSSE(t *testing.T) {
 	}
 }
 
-func TestTailEvictionsTableAndClose(t *testing.T) {
+// sseRouterAt serves the eviction stream on addr ("127.0.0.1:0" for any
+// port) until stop, which closes the streams as a router shutting down does.
+func sseRouterAt(t *testing.T, nc *nats.Conn, addr string) (url string, stop func()) {
+	t.Helper()
+	var ln net.Listener
+	var err error
+	for i := 0; i < 50; i++ { // the old router's port may linger a moment
+		if ln, err = net.Listen("tcp", addr); err == nil {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	mux := http.NewServeMux()
+	mux.Handle("GET /v1/kv/evictions", events.EvictionSSEHandler(ctx, nc, events.EvictionSSEConfig{Heartbeat: 20 * time.Millisecond}))
+	srv := &http.Server{Handler: mux}
+	go func() { _ = srv.Serve(ln) }()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			sctx, done := context.WithTimeout(context.Background(), 5*time.Second)
+			defer done()
+			_ = srv.Shutdown(sctx)
+		})
+	}
+	t.Cleanup(stop)
+	return "http://" + ln.Addr().String(), stop
+}
+
+// TestTailEvictionsEachAndReconnect: --each prints one row per record; the
+// router restarting ends its stream with a close event, and the tail
+// reconnects to the new router and goes on.
+func TestTailEvictionsEachAndReconnect(t *testing.T) {
 	srv := testenv.StartNATS(t)
 	nc, err := nats.Connect(srv.URL())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer nc.Close()
-	ts, stopRouter := sseRouter(t, nc)
+	url, stopRouter := sseRouterAt(t, nc, "127.0.0.1:0")
 	pool := testenv.UniqueName(t)
-	r := startTail(t, "--pool", pool, "--router", ts.URL)
+	r := startTail(t, "--pool", pool, "--router", url, "--each")
 	r.ready(t)
-	for _, rec := range tailRecords {
+	for _, rec := range tailRecords[:2] {
+		publisher{t, nc, pool}.publish(rec)
+	}
+	waitFor(t, "2 rows", func() bool { return strings.Count(r.out.String(), "\n") == 3 })
+	stopRouter()
+	waitFor(t, "the tail to say it reconnects", func() bool {
+		return strings.Contains(r.errOut.String(), "the router closed the stream (shutting down); reconnecting")
+	})
+	_, _ = sseRouterAt(t, nc, strings.TrimPrefix(url, "http://"))
+	waitFor(t, "the tail to follow the new router", func() bool { return strings.Count(r.errOut.String(), "following ") == 2 })
+	for _, rec := range tailRecords[2:] {
 		publisher{t, nc, pool}.publish(rec)
 	}
 	waitFor(t, "4 rows", func() bool { return strings.Count(r.out.String(), "\n") == 5 })
-	// The router shutting down ends the stream with a close event: the
-	// tail ends cleanly and says why.
-	stopRouter()
+	r.cancel()
 	if err := r.wait(t); err != nil {
-		t.Fatalf("tail after close: %v", err)
+		t.Fatalf("interrupted tail: %v", err)
 	}
 	want := []string{
 		"TIME                      INSTANCE              TIER     BLOCKS  REASON    HASHES",
@@ -258,8 +303,44 @@ func TestTailEvictionsTableAndClose(t *testing.T) {
 	if got := strings.TrimSpace(r.out.String()); got != strings.Join(want, "\n") {
 		t.Errorf("table:\n%s\nwant:\n%s", got, strings.Join(want, "\n"))
 	}
-	if !strings.Contains(r.errOut.String(), "the router closed the stream") {
-		t.Errorf("stderr %q", r.errOut)
+}
+
+// TestTailEvictionsSummary: by default the tail sums records per instance,
+// tier and reason over each period instead of a line per record.
+func TestTailEvictionsSummary(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	nc, err := nats.Connect(srv.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	pool := testenv.UniqueName(t)
+	// A long period, so every record below lands in one summary: the one
+	// printed when --count ends the tail.
+	r := startTail(t, "--pool", pool, "--nats", srv.URL(), "--every", "1h", "--count", "1003")
+	r.ready(t)
+	pub := publisher{t, nc, pool}
+	for i := range 1000 {
+		pub.publish(events.EvictionRecord{Instance: "vllm-0", Tier: "gpu", Blocks: 1 + i%2, Hashes: []uint64{uint64(i)}, Reason: events.ReasonEvicted})
+	}
+	pub.publish(tailRecords[1])
+	pub.publish(tailRecords[2])
+	pub.publish(tailRecords[3])
+	if err := r.wait(t); err != nil {
+		t.Fatalf("tail: %v\nstderr %s", err, r.errOut)
+	}
+	lines := strings.Split(strings.TrimSpace(r.out.String()), "\n")
+	if len(lines) != 5 {
+		t.Fatalf("summary of 1003 records in %d lines, want 5:\n%s", len(lines), r.out)
+	}
+	if strings.Join(strings.Fields(lines[0]), " ") != "TIME INSTANCE TIER REASON RECORDS BLOCKS" {
+		t.Errorf("header %q", lines[0])
+	}
+	want := []string{"vllm-0 gpu evicted 1000 1500", "vllm-1 cpu evicted 1 100", "vllm-0 all cleared 1 9", "vllm-1 gpu gap 1 1"}
+	for i, w := range want {
+		if f := strings.Fields(lines[i+1]); len(f) != 6 || strings.Join(f[1:], " ") != w {
+			t.Errorf("row %d %q, want time + %q", i, lines[i+1], w)
+		}
 	}
 }
 
