@@ -52,6 +52,34 @@ func main() {
 	}
 }
 
+const usageText = `kvrouter: a KV-cache-aware router in front of vLLM (and OpenAI-compatible) engines.
+It serves the OpenAI and SageMaker APIs on listen, picks an instance per request by
+what each engine's prefix cache holds (kv_aware) or a heuristic, and proxies to it.
+
+usage: kvrouter --config router.yaml [flags]
+
+Examples:
+  kvrouter --config examples/router-kv.yaml                 # run
+  kvrouter --config router.yaml --check-config              # validate and exit
+  KVROUTER_ADMIN_TOKEN=s3cret kvrouter --config router.yaml --admin-listen 127.0.0.1:8081
+
+Flags override the file's fields (docs/configuration.md lists every field):
+`
+
+const usageFooter = `
+Environment (secrets are never read from the file):
+  KVROUTER_ADMIN_TOKEN        bearer token required on the admin API and gRPC admin methods
+  KVROUTER_REDIS_PASSWORD     password of index.redis (ACL user in the file)
+  KVROUTER_CACHE_SALT_SECRET  hex HMAC key of pools' cache_salt (docs/security.md)
+
+Signals: SIGHUP reloads the file (pools, routing, limits, TLS certificates; the KV
+event consumers and indexes are kept);
+SIGINT/SIGTERM drain in-flight requests for --shutdown-timeout, then exit.
+
+Endpoints: data plane /v1/chat/completions, /v1/completions, /invocations, /healthz,
+/readyz; admin /admin/..., /dashboard, /metrics, /v1/kv/evictions (docs/operations.md).
+`
+
 // flags are command-line overrides; a zero value leaves the file's value.
 type flags struct {
 	config               string
@@ -73,6 +101,11 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	var f flags
 	fs := flag.NewFlagSet("kvrouter", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprint(stderr, usageText)
+		fs.PrintDefaults()
+		fmt.Fprint(stderr, usageFooter)
+	}
 	fs.StringVar(&f.config, "config", "", "path to the YAML configuration (required)")
 	fs.StringVar(&f.listen, "listen", "", "data-plane listen address (overrides listen)")
 	fs.StringVar(&f.adminListen, "admin-listen", "", "admin API and /metrics listen address (overrides admin_listen)")

@@ -11,6 +11,8 @@ import (
 	"crypto/x509/pkix"
 	"encoding/json"
 	"encoding/pem"
+	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -658,5 +660,20 @@ pools: [{name: p, model: m, instances: [{id: a, url: "http://127.0.0.1:1"}]}]
 				t.Errorf("grpc %+v, want listen %q, ext_proc %+v", cfg.GRPC, tc.listen, tc.extProc)
 			}
 		})
+	}
+}
+
+// TestHelp: --help explains the command (what it does, an example, the
+// environment and signals), not only the flags, and is not an error.
+func TestHelp(t *testing.T) {
+	var out strings.Builder
+	_, err := parseFlags([]string{"--help"}, &out)
+	if !errors.Is(err, flag.ErrHelp) {
+		t.Fatalf("--help: %v, want flag.ErrHelp", err)
+	}
+	for _, want := range []string{"usage: kvrouter --config router.yaml", "--check-config", "-strategy string", "KVROUTER_ADMIN_TOKEN", "SIGHUP", "docs/configuration.md"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("--help lacks %q:\n%s", want, out.String())
+		}
 	}
 }
