@@ -210,11 +210,11 @@ func TestLookup(t *testing.T) {
 		want   []match
 	}{
 		{name: "token ids", req: &kvrouterv1.LookupRequest{Pool: "kv", TokenIds: p}, blocks: 8, want: []match{
-			{"kv-0", tc(8, 8, 8, 8), tc(8*bs, 0, 0, 0)},
-			{"kv-1", tc(2, 4, 4, 4), tc(2*bs, 2*bs, 0, 0)},
+			{"kv-0", tc(8, 0, 0, 0), tc(8*bs, 0, 0, 0)},
+			{"kv-1", tc(2, 2, 0, 0), tc(2*bs, 2*bs, 0, 0)},
 		}},
 		{name: "prompt text", req: &kvrouterv1.LookupRequest{Pool: "kv", Prompt: text}, blocks: int64(len(textIDs) / bs), want: []match{
-			{"kv-2", tc(int64(len(textIDs)/bs), int64(len(textIDs)/bs), int64(len(textIDs)/bs), int64(len(textIDs)/bs)), tc(int64(len(textIDs)/bs*bs), 0, 0, 0)},
+			{"kv-2", tc(int64(len(textIDs)/bs), 0, 0, 0), tc(int64(len(textIDs)/bs*bs), 0, 0, 0)},
 		}},
 		{name: "other adapter holds nothing", req: &kvrouterv1.LookupRequest{Pool: "kv", TokenIds: p, Adapter: "lora-x"}, blocks: 8},
 		{name: "other cache salt holds nothing", req: &kvrouterv1.LookupRequest{Pool: "kv", TokenIds: p, CacheSalt: "s"}, blocks: 8},

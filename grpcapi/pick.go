@@ -267,14 +267,17 @@ func (x indexService) Lookup(ctx context.Context, in *kvrouterv1.LookupRequest) 
 		return strings.Compare(a.Instance, b.Instance)
 	})
 	for _, m := range matches {
-		var tok [tiers.Count]int
+		// kvindex counts cumulatively; the API counts each tier beyond the
+		// faster ones, as the HTTP lookup does.
+		var blk, tok [tiers.Count]int
 		prev := 0
 		for t := range tiers.Count {
-			tok[t] = (m.Blocks[t] - prev) * bs
+			blk[t] = m.Blocks[t] - prev
+			tok[t] = blk[t] * bs
 			prev = m.Blocks[t]
 		}
 		out.Matches = append(out.Matches, &kvrouterv1.InstanceMatch{
-			Instance: m.Instance, Blocks: tierCounts(m.Blocks), Tokens: tierCounts(tok),
+			Instance: m.Instance, Blocks: tierCounts(blk), Tokens: tierCounts(tok),
 		})
 	}
 	return out, nil

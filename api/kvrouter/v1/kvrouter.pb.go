@@ -507,10 +507,12 @@ func (x *LookupRequest) GetCacheSalt() string {
 type InstanceMatch struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	Instance string                 `protobuf:"bytes,1,opt,name=instance,proto3" json:"instance,omitempty"`
-	// Blocks per tier, cumulative: blocks.cpu counts leading blocks held on
-	// CPU or GPU, and so on (kvindex.Match).
+	// Leading blocks of the prompt per tier, each beyond those in faster
+	// tiers (as the HTTP lookup's gpu_blocks, cpu_blocks...): blocks.gpu are
+	// held on GPU, blocks.cpu the next ones on CPU, and so on; their sum is
+	// the matched prefix.
 	Blocks *TierCounts `protobuf:"bytes,2,opt,name=blocks,proto3" json:"blocks,omitempty"`
-	// Tokens per tier, each beyond those in faster tiers.
+	// Tokens per tier, beyond faster tiers likewise (blocks × block_size).
 	Tokens        *TierCounts `protobuf:"bytes,3,opt,name=tokens,proto3" json:"tokens,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
