@@ -45,10 +45,14 @@ func (s *Server) addKVAdminRoutes(mux *http.ServeMux) {
 }
 
 // KVLookupRequest is the body of POST /admin/pools/{pool}/lookup: token
-// ids, or a prompt tokenized by the pool's tokenizer.
+// ids, a prompt, or chat messages (the latter two tokenized by the pool's
+// token source, as /v1/completions and /v1/chat/completions requests).
 type KVLookupRequest struct {
-	TokenIDs  []uint32 `json:"token_ids"`
-	Prompt    string   `json:"prompt"`
+	TokenIDs []uint32 `json:"token_ids"`
+	Prompt   string   `json:"prompt"`
+	// Messages are OpenAI chat messages, as a chat request carries them
+	// (rendered with the pool's chat template before tokenizing).
+	Messages  json.RawMessage `json:"messages"`
 	Adapter   string   `json:"adapter"`
 	CacheSalt string   `json:"cache_salt"`
 }
@@ -99,8 +103,14 @@ func (s *Server) serveKVLookup(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, "lookup: malformed JSON: "+err.Error())
 		return
 	}
-	if (len(req.TokenIDs) == 0) == (req.Prompt == "") {
-		writeError(w, http.StatusBadRequest, "lookup: give token_ids or prompt (one of them)")
+	given := 0
+	for _, g := range []bool{len(req.TokenIDs) > 0, req.Prompt != "", len(req.Messages) > 0} {
+		if g {
+			given++
+		}
+	}
+	if given != 1 {
+		writeError(w, http.StatusBadRequest, "lookup: give exactly one of token_ids, prompt and messages")
 		return
 	}
 	if req.Adapter != "" && !p.ServesAdapter(req.Adapter) {
@@ -108,7 +118,7 @@ func (s *Server) serveKVLookup(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ids := req.TokenIDs
-	if req.Prompt != "" {
+	if len(ids) == 0 {
 		var err error
 		if ids, err = s.lookupTokens(r.Context(), p, kv, req); err != nil {
 			status := http.StatusBadRequest
@@ -158,32 +168,46 @@ func (s *Server) serveKVLookup(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, out)
 }
 
-// lookupTokens tokenizes the request's prompt with the pool's token source,
-// as a /v1/completions prompt.
+// lookupTokens tokenizes the lookup's prompt (as a /v1/completions
+// request) or messages (as a /v1/chat/completions request) with the pool's
+// token source, so the ids are the ones routing would compute.
 func (s *Server) lookupTokens(ctx context.Context, p *Pool, kv *KVState, req KVLookupRequest) ([]uint32, error) {
 	ts := kv.TokenSource()
 	if ts == nil {
 		return nil, fmt.Errorf("%w: pool %q has no tokenizer; give token_ids", ErrNoTokens, p.Name())
 	}
-	if len(req.Prompt) > MaxTokenizeBytes {
-		return nil, fmt.Errorf("prompt of %d bytes exceeds %d", len(req.Prompt), MaxTokenizeBytes)
+	if n := len(req.Prompt) + len(req.Messages); n > MaxTokenizeBytes {
+		return nil, fmt.Errorf("prompt of %d bytes exceeds %d", n, MaxTokenizeBytes)
 	}
 	model := p.Model()
 	if req.Adapter != "" {
 		model = req.Adapter
 	}
-	body, err := json.Marshal(struct {
-		Model     string `json:"model"`
-		Prompt    string `json:"prompt"`
-		CacheSalt string `json:"cache_salt,omitempty"`
-	}{model, req.Prompt, req.CacheSalt})
+	ep := EndpointCompletions
+	var body []byte
+	var err error
+	if len(req.Messages) > 0 {
+		ep = EndpointChatCompletions
+		body, err = json.Marshal(struct {
+			Model     string          `json:"model"`
+			Messages  json.RawMessage `json:"messages"`
+			CacheSalt string          `json:"cache_salt,omitempty"`
+		}{model, req.Messages, req.CacheSalt})
+	} else {
+		body, err = json.Marshal(struct {
+			Model     string `json:"model"`
+			Prompt    string `json:"prompt"`
+			CacheSalt string `json:"cache_salt,omitempty"`
+		}{model, req.Prompt, req.CacheSalt})
+	}
 	if err != nil {
 		return nil, err
 	}
-	rq := &Request{
-		Endpoint: EndpointCompletions, Pool: p.Name(), Model: model, Adapter: req.Adapter, Body: body,
-		Parsed: &OpenAIRequest{Model: model, Prompt: &Prompt{Texts: []string{req.Prompt}}},
+	parsed, err := ParseOpenAI(ep, body)
+	if err != nil {
+		return nil, err
 	}
+	rq := &Request{Endpoint: ep, Pool: p.Name(), Model: model, Adapter: req.Adapter, Body: body, Parsed: parsed}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	ids, err := ts.Tokens(ctx, rq)

@@ -72,6 +72,20 @@ func TestAdminKVLookupAndInstances(t *testing.T) {
 	}
 	store("vllm-0", 4, 100)
 	store("vllm-1", 2, 200)
+	// vllm-0 also holds 2 blocks of a chat, keyed from the chat's rendering.
+	msgs := []tokenizer.Message{{Role: "system", Content: strings.Repeat("You are helpful. ", 20)}, {Role: "user", Content: "hi"}}
+	rendered, err := tokenizer.Simple{}.Render(msgs, tokenizer.RenderOptions{AddGenerationPrompt: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	chatIDs, err := tokenizer.Simple{}.Encode(rendered)
+	if err != nil || len(chatIDs) < 2*kvBS {
+		t.Fatalf("chat of %d tokens: %v", len(chatIDs), err)
+	}
+	if _, err := idx.Apply(ctx, "vllm-0", []events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{300, 301}, TokenIDs: chatIDs[:2*kvBS], BlockSize: kvBS, Medium: "GPU"}}); err != nil {
+		t.Fatal(err)
+	}
+	msgsJSON, _ := json.Marshal(msgs)
 	if _, err := idx.Apply(ctx, "vllm-0", []events.Event{
 		{Kind: events.BlockStored, BlockHashes: []uint64{103}, Medium: "CPU"},
 		{Kind: events.BlockRemoved, BlockHashes: []uint64{103}, Medium: "GPU"},
@@ -97,8 +111,12 @@ func TestAdminKVLookupAndInstances(t *testing.T) {
 		{"wrong token", "POST", "/admin/pools/kv/lookup", `{"token_ids":[1]}`, "nope", 401, "bearer"},
 		{"unknown pool", "POST", "/admin/pools/nope/lookup", `{"token_ids":[1]}`, "tok", 404, "no pool"},
 		{"pool without KV", "POST", "/admin/pools/plain/lookup", `{"token_ids":[1]}`, "tok", 409, "no KV index"},
-		{"both inputs", "POST", "/admin/pools/kv/lookup", `{"token_ids":[1],"prompt":"x"}`, "tok", 400, "one of them"},
-		{"neither input", "POST", "/admin/pools/kv/lookup", `{}`, "tok", 400, "one of them"},
+		{"chat messages through the pool's template", "POST", "/admin/pools/kv/lookup", `{"messages":` + string(msgsJSON) + `}`, "tok", 200,
+			`[{"instance":"vllm-0","gpu_blocks":2,"cpu_blocks":0,"disk_blocks":0,"shared_blocks":0,"live":true}]`},
+		{"malformed messages", "POST", "/admin/pools/kv/lookup", `{"messages":{"role":"user"}}`, "tok", 400, "lookup:"},
+		{"both inputs", "POST", "/admin/pools/kv/lookup", `{"token_ids":[1],"prompt":"x"}`, "tok", 400, "exactly one of token_ids, prompt and messages"},
+		{"prompt and messages", "POST", "/admin/pools/kv/lookup", `{"prompt":"x","messages":[]}`, "tok", 400, "exactly one of"},
+		{"neither input", "POST", "/admin/pools/kv/lookup", `{}`, "tok", 400, "exactly one of"},
 		{"malformed", "POST", "/admin/pools/kv/lookup", `{"token_ids":[-1]}`, "tok", 400, "malformed"},
 		{"unknown field", "POST", "/admin/pools/kv/lookup", `{"tokens":[1]}`, "tok", 400, "malformed"},
 		{"unknown adapter", "POST", "/admin/pools/kv/lookup", `{"adapter":"zzz","token_ids":[1]}`, "tok", 404, "adapter"},
@@ -163,7 +181,8 @@ func TestAdminKVLookupAndInstances(t *testing.T) {
 		t.Fatalf("instances %+v", iv)
 	}
 	v0 := iv.Instances[0]
-	if v0.Instance != "vllm-0" || !v0.InPool || !v0.Configured || v0.Blocks["gpu"] != 3 || v0.Blocks["cpu"] != 1 || v0.LastEvent.IsZero() || v0.State != "unknown" {
+	// 3 of the prompt on GPU (its 4th moved to CPU) and the chat's 2.
+	if v0.Instance != "vllm-0" || !v0.InPool || !v0.Configured || v0.Blocks["gpu"] != 5 || v0.Blocks["cpu"] != 1 || v0.LastEvent.IsZero() || v0.State != "unknown" {
 		t.Fatalf("vllm-0 %+v", v0)
 	}
 }

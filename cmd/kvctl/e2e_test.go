@@ -230,6 +230,30 @@ func TestKVCommandsEndToEnd(t *testing.T) {
 			len(a.Matches) == 1 && a.Matches[0] == lookupMatch{Instance: "vllm-0", GPUBlocks: 2, Live: true}
 	})
 
+	// A chat file: the router renders the messages with the pool's
+	// template, then tokenizes; blocks stored for those tokens are found.
+	msgs := []tokenizer.Message{{Role: "system", Content: prompt}, {Role: "user", Content: "hello"}}
+	rendered, err := tokenizer.Simple{}.Render(msgs, tokenizer.RenderOptions{AddGenerationPrompt: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cids, err := tokenizer.Simple{}.Encode(rendered)
+	if err != nil || len(cids) < 48 {
+		t.Fatalf("chat: %d ids, %v", len(cids), err)
+	}
+	chatReq, _ := json.Marshal(map[string]any{"model": "m", "messages": msgs})
+	chatFile := filepath.Join(t.TempDir(), "chat.json")
+	if err := os.WriteFile(chatFile, chatReq, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	eng0.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: []uint64{31, 32, 33}, TokenIDs: cids[:48], BlockSize: 16, Medium: "GPU"})
+	waitFor(t, "chat lookup sees vllm-0", func() bool {
+		code, out, _ := runCLI(t, "lookup", "--pool", pool, "--chat-file", chatFile, "--json")
+		var a lookupAnswer
+		return code == 0 && json.Unmarshal([]byte(out), &a) == nil && a.PromptTokens == len(cids) &&
+			len(a.Matches) == 1 && a.Matches[0] == lookupMatch{Instance: "vllm-0", GPUBlocks: 3, Live: true}
+	})
+
 	// Removal: nothing left.
 	eng.publish(t,
 		events.Event{Kind: events.BlockRemoved, BlockHashes: []uint64{11, 12}, Medium: "GPU"},

@@ -52,23 +52,26 @@ func runLookup(ctx context.Context, args []string, stdout io.Writer) error {
 	pool := fs.String("pool", "", "pool whose index to ask (required)")
 	promptFile := fs.String("prompt-file", "", "file holding the prompt text, sent as is ('-' for stdin); the router tokenizes it with the pool's tokenizer")
 	tokensFile := fs.String("tokens", "", "file of token ids: a JSON array, or integers separated by whitespace or commas ('-' for stdin)")
+	chatFile := fs.String("chat-file", "", "file holding chat messages ('-' for stdin): a JSON array of {role, content}, or a whole chat request with \"messages\"; the router renders and tokenizes them as a chat request")
 	adapter := fs.String("adapter", "", "LoRA adapter the request would name (its blocks are keyed apart from the base model's)")
 	cacheSalt := fs.String("cache-salt", "", "cache_salt the request would carry (salted blocks are keyed apart)")
 	fs.Usage = func() {
-		fmt.Fprintln(stdout, `Usage: kvctl lookup --pool P (--prompt-file F | --tokens F)
+		fmt.Fprintln(stdout, `Usage: kvctl lookup --pool P (--prompt-file F | --chat-file F | --tokens F)
 
 Asks the router which instances hold the prompt's KV blocks
 (POST /admin/pools/{pool}/lookup), and prints, per instance, the contiguous
 prefix it holds on GPU, then beyond that on CPU, disk and shared storage, in
 blocks and tokens. With --tokens the ids are sent as they are (token ids as
 the engine sees them, e.g. from 'kvctl tokenize'); with --prompt-file the
-router tokenizes the text itself, which needs a tokenizer configured for the
-pool.
+router tokenizes the text itself, and with --chat-file it renders the chat
+messages with the pool's chat template first, as for /v1/chat/completions;
+both need a tokenizer configured for the pool.
 
 Examples:
   kvctl lookup --pool llama --tokens ids.json
   echo '128000 9906 1917' | kvctl lookup --pool llama --tokens -
   kvctl lookup --pool llama --prompt-file prompt.txt --json
+  kvctl lookup --pool llama --chat-file request.json     # {"model":..., "messages":[...]}
 
 Flags:`)
 		fs.PrintDefaults()
@@ -80,9 +83,9 @@ Flags:`)
 	if err := requirePool(fs, *pool); err != nil {
 		return err
 	}
-	if (*promptFile == "") == (*tokensFile == "") {
+	if n := countSet(*promptFile, *tokensFile, *chatFile); n != 1 {
 		fs.Usage()
-		return fmt.Errorf("%w: give exactly one of --prompt-file and --tokens", errUsage)
+		return fmt.Errorf("%w: give exactly one of --prompt-file, --chat-file and --tokens", errUsage)
 	}
 	c, err := o.client()
 	if err != nil {
@@ -106,6 +109,16 @@ Flags:`)
 			return fmt.Errorf("%w: --tokens %s: %v", errUsage, *tokensFile, err)
 		}
 		body["token_ids"] = ids
+	} else if *chatFile != "" {
+		b, err := readInput(*chatFile, os.Stdin)
+		if err != nil {
+			return err
+		}
+		msgs, err := chatMessages(b)
+		if err != nil {
+			return fmt.Errorf("%w: --chat-file %s: %v", errUsage, *chatFile, err)
+		}
+		body["messages"] = msgs
 	} else {
 		b, err := readInput(*promptFile, os.Stdin)
 		if err != nil {
@@ -126,6 +139,40 @@ Flags:`)
 		return writeIndented(stdout, raw)
 	}
 	return writeLookupTable(stdout, ans)
+}
+
+// countSet counts the non-empty strings.
+func countSet(ss ...string) int {
+	n := 0
+	for _, s := range ss {
+		if s != "" {
+			n++
+		}
+	}
+	return n
+}
+
+// chatMessages takes a JSON array of chat messages, or a chat request
+// object holding one under "messages", and returns the array as it is.
+func chatMessages(b []byte) (json.RawMessage, error) {
+	b = bytes.TrimSpace(b)
+	if len(b) > 0 && b[0] == '{' {
+		var req struct {
+			Messages json.RawMessage `json:"messages"`
+		}
+		if err := json.Unmarshal(b, &req); err != nil {
+			return nil, err
+		}
+		b = req.Messages
+	}
+	var msgs []json.RawMessage
+	if err := json.Unmarshal(b, &msgs); err != nil {
+		return nil, fmt.Errorf("want a JSON array of messages or a request with \"messages\": %v", err)
+	}
+	if len(msgs) == 0 {
+		return nil, errors.New("no messages")
+	}
+	return json.RawMessage(b), nil
 }
 
 // readInput reads a whole file, or stdin for "-", bounded by maxLookupFile.

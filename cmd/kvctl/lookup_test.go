@@ -74,8 +74,10 @@ func TestLookupUsageErrors(t *testing.T) {
 		msg  string
 	}{
 		{[]string{"--tokens", "-"}, "--pool is required"},
-		{[]string{"--pool", "llama"}, "give exactly one of --prompt-file and --tokens"},
-		{[]string{"--pool", "llama", "--tokens", "a", "--prompt-file", "b"}, "give exactly one of --prompt-file and --tokens"},
+		{[]string{"--pool", "llama"}, "give exactly one of --prompt-file, --chat-file and --tokens"},
+		{[]string{"--pool", "llama", "--tokens", "a", "--prompt-file", "b"}, "give exactly one of --prompt-file, --chat-file and --tokens"},
+		{[]string{"--pool", "llama", "--chat-file", "a", "--prompt-file", "b"}, "give exactly one of"},
+		{[]string{"--pool", "llama", "--chat-file", "/dev/null"}, "--chat-file /dev/null: want a JSON array of messages"},
 		{[]string{"--pool", "llama", "--tokens", "testdata/none.txt"}, "no such file"},
 		{[]string{"--pool", "llama", "--prompt-file", "/dev/null"}, "--prompt-file /dev/null is empty"},
 	}
@@ -83,6 +85,23 @@ func TestLookupUsageErrors(t *testing.T) {
 		code, out, errOut := runCLI(t, append([]string{"lookup", "--router", "http://127.0.0.1:1"}, tc.args...)...)
 		if code == 0 || !strings.Contains(errOut, tc.msg) {
 			t.Errorf("%v: exit %d, stderr %q, want %q\n%s", tc.args, code, errOut, tc.msg, out)
+		}
+	}
+}
+
+func TestChatMessages(t *testing.T) {
+	for in, want := range map[string]string{
+		`[{"role":"user","content":"hi"}]`:                          `[{"role":"user","content":"hi"}]`,
+		` {"model":"m","messages":[{"role":"user","content":"x"}]}`: `[{"role":"user","content":"x"}]`,
+	} {
+		got, err := chatMessages([]byte(in))
+		if err != nil || string(got) != want {
+			t.Errorf("chatMessages(%s) = %s, %v; want %s", in, got, err, want)
+		}
+	}
+	for _, bad := range []string{``, `[]`, `{"model":"m"}`, `{"messages":{}}`, `"text"`, `[1`} {
+		if got, err := chatMessages([]byte(bad)); err == nil {
+			t.Errorf("chatMessages(%s) = %s, want an error", bad, got)
 		}
 	}
 }
