@@ -63,6 +63,13 @@ type DashboardPool struct {
 	// Requests answered (kvrouter_requests_total) and overflows.
 	Requests  int64 `json:"requests"`
 	Overflows int64 `json:"overflows"`
+	// Statuses counts answered requests by HTTP status class ("2xx",
+	// "4xx", "5xx", ...; the status label of kvrouter_requests_total).
+	Statuses map[string]int64 `json:"statuses"`
+	// TTFB is kvrouter_upstream_ttfb_seconds over the pool's instances:
+	// the time to the upstream's first body byte (time to first token for
+	// streams).
+	TTFB DashboardHistogram `json:"ttfb"`
 	// Decisions counts answered requests by decision reason (the reason
 	// label of kvrouter_requests_total).
 	Decisions map[string]int64 `json:"decisions"`
@@ -76,6 +83,16 @@ type DashboardPool struct {
 	IndexEntries int                 `json:"index_entries"`
 	IndexError   string              `json:"index_error,omitempty"`
 	Instances    []DashboardInstance `json:"instances"`
+}
+
+// DashboardHistogram is a cumulative histogram: Buckets[i] observations
+// were at most Bounds[i] seconds; the +Inf bucket is Count. The page takes
+// the difference of two polls to show quantiles of the last interval.
+type DashboardHistogram struct {
+	Bounds  []float64 `json:"bounds"`
+	Buckets []int64   `json:"buckets"`
+	Count   int64     `json:"count"`
+	Sum     float64   `json:"sum"`
 }
 
 // DashboardHitRate compares prompt tokens with cached ones, as predicted at
@@ -157,6 +174,8 @@ func (s *Server) dashboardPool(ctx context.Context, p *Pool, mv *metricView) Das
 		Decisions: mv.sumBy("kvrouter_requests_total", name, "reason"), KVDecisions: map[string]int64{},
 		Instances: []DashboardInstance{},
 	}
+	dp.Statuses = statusClasses(mv.sumBy("kvrouter_requests_total", name, "status"))
+	dp.TTFB = mv.histogram("kvrouter_upstream_ttfb_seconds", name)
 	perInst := mv.sumBy("kvrouter_requests_total", name, "instance")
 	for _, n := range perInst {
 		dp.Requests += n
@@ -278,6 +297,58 @@ func gatherDashboardMetrics(s *Server) *metricView {
 		mv.fams[f.GetName()] = f
 	}
 	return mv
+}
+
+// statusClasses folds HTTP status codes into classes: "200" → "2xx".
+func statusClasses(by map[string]int64) map[string]int64 {
+	out := map[string]int64{}
+	for code, n := range by {
+		class := "other"
+		if len(code) == 3 && code[0] >= '1' && code[0] <= '5' {
+			class = code[:1] + "xx"
+		}
+		out[class] += n
+	}
+	return out
+}
+
+// histogram sums the histogram family name over pool's series (they share
+// bucket bounds: one HistogramVec).
+func (mv *metricView) histogram(name, pool string) DashboardHistogram {
+	var h DashboardHistogram
+	f := mv.fams[name]
+	if f == nil {
+		return h
+	}
+	for _, m := range f.GetMetric() {
+		if m.Histogram == nil || labelValue(m, "pool") != pool {
+			continue
+		}
+		hg := m.GetHistogram()
+		if h.Bounds == nil {
+			for _, b := range hg.GetBucket() {
+				h.Bounds = append(h.Bounds, b.GetUpperBound())
+			}
+			h.Buckets = make([]int64, len(h.Bounds))
+		}
+		for i, b := range hg.GetBucket() {
+			if i < len(h.Buckets) {
+				h.Buckets[i] += int64(b.GetCumulativeCount())
+			}
+		}
+		h.Count += int64(hg.GetSampleCount())
+		h.Sum += hg.GetSampleSum()
+	}
+	return h
+}
+
+func labelValue(m *dto.Metric, name string) string {
+	for _, lp := range m.GetLabel() {
+		if lp.GetName() == name {
+			return lp.GetValue()
+		}
+	}
+	return ""
 }
 
 // sumBy sums the counter or gauge family name over the series of pool,

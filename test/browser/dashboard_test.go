@@ -218,6 +218,13 @@ type pageState struct {
 	Reasons   []string          `json:"reasons"`
 	Spark     int               `json:"spark"`
 	AuthShown bool              `json:"authShown"`
+	RPS       string            `json:"rps"`
+	TTFBp50   string            `json:"ttfbP50"`
+	TTFBp99   string            `json:"ttfbP99"`
+	TTFBSpan  string            `json:"ttfbSpan"`
+	Err5xx    string            `json:"err5xx"`
+	EvGroups  []string          `json:"evGroups"`
+	EvRows    []string          `json:"evRows"`
 }
 
 const readState = `(() => {
@@ -231,6 +238,9 @@ const readState = `(() => {
     reasons: [...document.querySelectorAll('#decisions [data-reason]')].map((d) => d.dataset.reason),
     spark: document.querySelectorAll('#spark-rps path').length,
     authShown: getComputedStyle(document.getElementById('auth')).display !== 'none',
+    rps: t('requests-rate'), ttfbP50: t('ttfb-p50'), ttfbP99: t('ttfb-p99'), ttfbSpan: t('ttfb-span'), err5xx: t('err-5xx'),
+    evGroups: [...document.querySelectorAll('#evlist [data-evgroup]')].map((d) => d.dataset.evgroup),
+    evRows: [...document.querySelectorAll('#evlist [data-evgroup]')].map((d) => d.textContent),
   };
 })()`
 
@@ -316,6 +326,11 @@ func TestDashboardInChromium(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	// First paint: the second poll follows the first within a moment, so
+	// rates are there without waiting a whole interval.
+	tokenGiven := time.Now()
+	waitFor("a rate after the first two polls", 15*time.Second, func(s pageState) bool { return s.Polls >= 2 && s.RPS != "–" })
+	t.Logf("rates shown %v after the token was given", time.Since(tokenGiven).Round(time.Millisecond))
 	first := waitFor("live numbers", 30*time.Second, func(s pageState) bool {
 		return s.Polls >= 2 && num(s.Requests) > 0 && len(s.GPU) == instances && s.EvState == "live" && num(s.Compared) > 0
 	})
@@ -339,6 +354,10 @@ func TestDashboardInChromium(t *testing.T) {
 		{"some CPU blocks held", sumNums(second.CPU) > 0},
 		{"decisions listed by reason", len(second.Reasons) > 0},
 		{"every instance's events live", second.Events["sim0"] == "live" && second.Events["sim1"] == "live" && second.Events["sim2"] == "live"},
+		{"time to first byte shown", isDuration(second.TTFBp50) && isDuration(second.TTFBp99)},
+		{"ttfb over a window of requests", strings.Contains(second.TTFBSpan, "requests")},
+		{"no 5xx", second.Err5xx == "0"},
+		{"evictions aggregated per instance, tier and reason", evRowsAggregated(second)},
 	}
 	for _, tc := range tests {
 		if !tc.ok {
@@ -365,6 +384,28 @@ func TestDashboardInChromium(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("screenshot: %s (%d bytes)", out, len(png))
+}
+
+// isDuration says whether s reads as a latency the page prints: "12.3 ms",
+// "840 ms", "1.2 s" or "> 65,536 ms".
+func isDuration(s string) bool {
+	return num(s) > 0 && (strings.HasSuffix(s, " ms") || strings.HasSuffix(s, " s"))
+}
+
+// evRowsAggregated: one row per instance, tier and reason (each group once),
+// each saying how many blocks in how many records.
+func evRowsAggregated(s pageState) bool {
+	if len(s.EvGroups) == 0 || len(s.EvGroups) != len(s.EvRows) {
+		return false
+	}
+	seen := map[string]bool{}
+	for i, g := range s.EvGroups {
+		if seen[g] || strings.Count(g, "/") != 2 || !strings.Contains(s.EvRows[i], " in ") || !strings.Contains(s.EvRows[i], "record") {
+			return false
+		}
+		seen[g] = true
+	}
+	return true
 }
 
 func sumNums(m map[string]string) int64 {
