@@ -76,7 +76,9 @@ func TestPick(t *testing.T) {
 		{name: "unknown adapter", req: &kvrouterv1.PickRequest{Pool: "kv", Adapter: "nope", Prompt: "x"}, code: codes.NotFound},
 		{name: "no prompt", req: &kvrouterv1.PickRequest{Pool: "kv"}, code: codes.InvalidArgument},
 		{name: "prompt and tokens", req: &kvrouterv1.PickRequest{Pool: "kv", Prompt: "x", TokenIds: p}, code: codes.InvalidArgument},
-		{name: "prompt over the tokenize limit", req: &kvrouterv1.PickRequest{Pool: "kv", Prompt: strings.Repeat("x", router.MaxTokenizeBytes+1)}, code: codes.InvalidArgument},
+		// Over limits.max_tokenize_bytes: not tokenized, routed by the
+		// heuristic, as the HTTP data plane routes the same body.
+		{name: "prompt over the tokenize limit", req: &kvrouterv1.PickRequest{Pool: "kv", Prompt: strings.Repeat("x", router.MaxTokenizeBytes+1)}, reason: "heuristic"},
 		{name: "bad tenant", req: &kvrouterv1.PickRequest{Pool: "kv", Prompt: "x", Tenant: "\x01bad"}, code: codes.InvalidArgument},
 	}
 	for _, tc := range tests {
@@ -216,7 +218,8 @@ func TestLookup(t *testing.T) {
 		{name: "prompt text", req: &kvrouterv1.LookupRequest{Pool: "kv", Prompt: text}, blocks: int64(len(textIDs) / bs), want: []match{
 			{"kv-2", tc(int64(len(textIDs)/bs), 0, 0, 0), tc(int64(len(textIDs)/bs*bs), 0, 0, 0)},
 		}},
-		{name: "other adapter holds nothing", req: &kvrouterv1.LookupRequest{Pool: "kv", TokenIds: p, Adapter: "lora-x"}, blocks: 8},
+		{name: "other adapter holds nothing", req: &kvrouterv1.LookupRequest{Pool: "kv", TokenIds: p, Adapter: "kv-lora"}, blocks: 8},
+		{name: "adapter the pool does not serve", req: &kvrouterv1.LookupRequest{Pool: "kv", TokenIds: p, Adapter: "lora-x"}, code: codes.NotFound},
 		{name: "other cache salt holds nothing", req: &kvrouterv1.LookupRequest{Pool: "kv", TokenIds: p, CacheSalt: "s"}, blocks: 8},
 		{name: "pool without index", req: &kvrouterv1.LookupRequest{Pool: "hash", TokenIds: p}, code: codes.FailedPrecondition},
 		{name: "unknown pool", req: &kvrouterv1.LookupRequest{Pool: "nope", TokenIds: p}, code: codes.NotFound},

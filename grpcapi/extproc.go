@@ -274,13 +274,10 @@ func (x *extProc) decide(ctx context.Context, st *epStream) (*extprocv3.CommonRe
 		s.m.extproc.WithLabelValues(pool, strconv.Itoa(code)).Inc()
 		return nil, nil, immediate(code, msg)
 	}
-	req, p, code, msg := x.request(st)
-	if code != 0 {
-		pool := ""
-		if p != nil {
-			pool = p.Name()
-		}
-		return fail(pool, code, msg)
+	req, p, err := s.pools.Resolve(x.inbound(st))
+	if err != nil {
+		re := router.AsRequestError(err)
+		return fail(re.Pool, re.Status, re.Message)
 	}
 	rc, strat := p.Routing()
 	var buf [32]*router.Instance
@@ -347,72 +344,31 @@ func (x *extProc) decide(ctx context.Context, st *epStream) (*extprocv3.CommonRe
 	}, md, nil
 }
 
-// request builds the router.Request from the headers and body as the HTTP
-// data plane would, or returns an HTTP status and message to answer with.
-func (x *extProc) request(st *epStream) (*router.Request, *router.Pool, int, string) {
-	s := x.s
+// inbound is the request as Envoy forwarded it: the path picks the
+// endpoint (anything but the OpenAI paths is a raw invocation), the pool
+// header names a pool, the adapter and tenant headers as on the HTTP data
+// plane. The body goes upstream through Envoy unchanged, so no cache_salt
+// is injected here (Resolve keys blocks by the salt the body carries).
+func (x *extProc) inbound(st *epStream) router.Inbound {
 	path, _, _ := strings.Cut(st.headers[":path"], "?")
-	tenant := st.headers[strings.ToLower(router.TenantHeader)]
-	if tenant != "" && !router.ValidTenantKey(tenant) {
-		return nil, nil, http.StatusBadRequest, router.TenantHeader + ": want one value of 1-64 printable ASCII characters"
+	in := router.Inbound{
+		Body:       st.body,
+		PoolHeader: x.s.cfg.ExtProc.PoolHeader,
+		PoolName:   st.headers[x.s.cfg.ExtProc.PoolHeader],
 	}
-	poolName := st.headers[s.cfg.ExtProc.PoolHeader]
-	var ep router.Endpoint
 	switch path {
 	case "/v1/chat/completions":
-		ep = router.EndpointChatCompletions
+		in.Endpoint = router.EndpointChatCompletions
 	case "/v1/completions":
-		ep = router.EndpointCompletions
+		in.Endpoint = router.EndpointCompletions
 	default:
-		ep = router.EndpointInvoke
+		in.Endpoint = router.EndpointInvoke
+		in.Adapter = st.headers[strings.ToLower(router.HeaderAdapter)]
 	}
-	if ep == router.EndpointInvoke {
-		p, _, err := s.poolFor(poolName, "")
-		if err != nil {
-			return nil, nil, http.StatusNotFound, err.Error()
-		}
-		adapter := st.headers[strings.ToLower(router.HeaderAdapter)]
-		if checkAdapter(p, adapter) != nil {
-			return nil, p, http.StatusNotFound, fmt.Sprintf("the adapter %q does not exist in pool %q", adapter, p.Name())
-		}
-		rc, _ := p.Routing()
-		req := &router.Request{
-			Endpoint: ep, Pool: p.Name(), Model: p.Model(), Adapter: adapter,
-			RoutingText: router.RawRoutingText(st.body, rc.PrefixLength, p.Config().CanonicalizeJSON),
-			TenantKey:   tenant, Body: st.body,
-		}
-		if adapter != "" {
-			req.Model = adapter
-		}
-		return req, p, 0, ""
+	if t, ok := st.headers[strings.ToLower(router.TenantHeader)]; ok {
+		in.Tenant = []string{t}
 	}
-	parsed, err := router.ParseOpenAI(ep, st.body)
-	if err != nil {
-		return nil, nil, http.StatusBadRequest, strings.TrimPrefix(err.Error(), router.ErrBadRequest.Error()+": ")
-	}
-	if tenant == "" {
-		tenant = parsed.PromptCacheKey // as the HTTP data plane does
-	}
-	p, adapter, err := s.poolFor(poolName, parsed.Model)
-	if err != nil {
-		return nil, nil, http.StatusNotFound, err.Error()
-	}
-	if poolName != "" && parsed.Model != "" && parsed.Model != p.Model() {
-		adapter = parsed.Model // the named pool serves it as an adapter, or not at all
-		if checkAdapter(p, adapter) != nil {
-			return nil, p, http.StatusNotFound, fmt.Sprintf("the model %q does not exist in pool %q", adapter, p.Name())
-		}
-	}
-	rc, _ := p.Routing()
-	req := &router.Request{
-		Endpoint: ep, Pool: p.Name(), Model: parsed.Model, Adapter: adapter,
-		RoutingText: router.OpenAIRoutingText(parsed, rc.PrefixLength),
-		TenantKey:   tenant, Body: st.body, Parsed: parsed, Stream: parsed.Stream,
-	}
-	if parsed.Prompt != nil && len(parsed.Prompt.Tokens) > 0 {
-		req.PromptTokens = parsed.Prompt.Tokens[0]
-	}
-	return req, p, 0, ""
+	return in
 }
 
 func containsAddr(list []string, addr string) bool {

@@ -64,6 +64,7 @@ func newHarness(t testing.TB, opts ...harnessOpt) *harness {
 	}
 	kv := pool("kv", kvModel, router.StrategyKVAware, 3)
 	kv.Tokenizer = &router.TokenizerConfig{Source: router.TokenSourceSimple}
+	kv.Adapters = []string{"kv-lora"}
 	rcfg := router.Config{Pools: []router.PoolConfig{kv, pool("hash", hashModel, router.StrategyPrefixAware, 4)}}
 	gcfg := grpcapi.Config{Logger: slog.New(slog.DiscardHandler)}
 	for _, o := range opts {

@@ -2,10 +2,9 @@ package grpcapi
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
-	"fmt"
 	"net"
+	"net/http"
 	"slices"
 	"strings"
 
@@ -22,106 +21,37 @@ import (
 // (2^20): matches are prefixes, so the head decides.
 const maxLookupTokens = 1 << 20
 
-// errNoPool is returned when a request names a pool or model the router
-// does not serve.
-var errNoPool = errors.New("grpcapi: no such pool")
-
-// poolFor resolves a request's pool: by name, else the pool serving model
-// (as base model, else as adapter, which is then returned), else the
-// default pool.
-func (s *Server) poolFor(name, model string) (p *router.Pool, adapter string, err error) {
-	if name != "" {
-		if p, ok := s.pools.Pool(name); ok {
-			return p, "", nil
-		}
-		return nil, "", fmt.Errorf("%w %q", errNoPool, name)
+// requestStatus is a refused request as a gRPC status: the HTTP edge's
+// status mapped to the code gRPC clients expect (a table of RFC 9110 and
+// grpc-go's status mapping, read the other way).
+func requestStatus(err error) error {
+	re := router.AsRequestError(err)
+	code := codes.Internal
+	switch re.Status {
+	case http.StatusBadRequest:
+		code = codes.InvalidArgument
+	case http.StatusNotFound:
+		code = codes.NotFound
+	case http.StatusRequestEntityTooLarge, http.StatusTooManyRequests:
+		code = codes.ResourceExhausted
+	case http.StatusServiceUnavailable:
+		code = codes.Unavailable
 	}
-	pools := s.pools.Pools()
-	if model != "" {
-		for _, p := range pools {
-			if p.Model() == model {
-				return p, "", nil
-			}
-		}
-		for _, p := range pools {
-			if p.ServesAdapter(model) {
-				return p, model, nil
-			}
-		}
-		return nil, "", fmt.Errorf("%w serving model %q", errNoPool, model)
-	}
-	if s.cfg.DefaultPool != "" {
-		if p, ok := s.pools.Pool(s.cfg.DefaultPool); ok {
-			return p, "", nil
-		}
-	}
-	if len(pools) == 0 {
-		return nil, "", fmt.Errorf("%w: the router has no pools", errNoPool)
-	}
-	return pools[0], "", nil
+	return status.Error(code, re.Message)
 }
 
-// promptRequest builds the router.Request of a completions call for a
-// prompt given as text or token ids, exactly as the HTTP data plane would
-// for the same /v1/completions body, so that gRPC and HTTP picks agree.
-func promptRequest(p *router.Pool, adapter, prompt string, ids []uint32, tenant, salt string) (*router.Request, error) {
-	if prompt == "" && len(ids) == 0 {
-		return nil, status.Error(codes.InvalidArgument, "prompt or token_ids: required")
-	}
-	if prompt != "" && len(ids) > 0 {
-		return nil, status.Error(codes.InvalidArgument, "prompt and token_ids: give one, not both")
-	}
-	if tenant != "" && !router.ValidTenantKey(tenant) {
-		return nil, status.Error(codes.InvalidArgument, "tenant: want 1-64 printable ASCII characters")
-	}
-	if len(prompt) > router.MaxTokenizeBytes {
-		return nil, status.Errorf(codes.InvalidArgument, "prompt: %d bytes exceeds the limit of %d", len(prompt), router.MaxTokenizeBytes)
-	}
-	model := p.Model()
-	if adapter != "" {
-		model = adapter
-	}
-	// The request is built directly rather than by encoding a body and
-	// parsing it back (a 2k-token prompt cost 2,000 allocations that way);
-	// the body carries what strategies read from it: the model and the
-	// cache salt.
-	parsed := &router.OpenAIRequest{Model: model, Prompt: &router.Prompt{}}
-	if len(ids) > 0 {
-		parsed.Prompt.Tokens = [][]uint32{ids}
-	} else {
-		parsed.Prompt.Texts = []string{prompt}
-	}
-	raw, err := json.Marshal(struct {
-		Model     string `json:"model"`
-		CacheSalt string `json:"cache_salt,omitempty"`
-	}{model, salt})
+// resolvePrompt resolves a Pick or Lookup's prompt (text or token ids)
+// exactly as the HTTP data plane resolves the same /v1/completions body.
+func (s *Server) resolvePrompt(pool, model, adapter, prompt string, ids []uint32, tenant, salt string) (*router.Request, *router.Pool, error) {
+	in, err := router.CompletionsInbound(pool, model, adapter, prompt, ids, tenant, salt)
 	if err != nil {
-		return nil, status.Errorf(codes.InvalidArgument, "model: %v", err)
+		return nil, nil, requestStatus(err)
 	}
-	rc, _ := p.Routing()
-	req := &router.Request{
-		Endpoint:    router.EndpointCompletions,
-		Pool:        p.Name(),
-		Model:       model,
-		Adapter:     adapter,
-		RoutingText: router.OpenAIRoutingText(parsed, rc.PrefixLength),
-		TenantKey:   tenant,
-		Body:        raw,
-		Parsed:      parsed,
+	req, p, err := s.pools.Resolve(in)
+	if err != nil {
+		return nil, nil, requestStatus(err)
 	}
-	if len(ids) > 0 {
-		req.PromptTokens = ids
-	}
-	return req, nil
-}
-
-// checkAdapter rejects an adapter the pool does not serve (unless its
-// adapter_fallback sends such requests anywhere).
-func checkAdapter(p *router.Pool, adapter string) error {
-	if adapter != "" && !p.ServesAdapter(adapter) && p.Config().AdapterFallback != "all" {
-		return status.Errorf(codes.NotFound, "the adapter %q does not exist in pool %q", adapter, p.Name())
-	}
-	return nil
+	return req, p, nil
 }
 
 // hostPort is the instance's address as Envoy needs it: host:port, the
@@ -159,24 +89,14 @@ func (r routerService) Pick(ctx context.Context, in *kvrouterv1.PickRequest) (*k
 }
 
 func (s *Server) pick(ctx context.Context, in *kvrouterv1.PickRequest, pool *string) (*kvrouterv1.PickResponse, error) {
-	p, adapter, err := s.poolFor(in.GetPool(), in.GetModel())
+	req, p, err := s.resolvePrompt(in.GetPool(), in.GetModel(), in.GetAdapter(), in.GetPrompt(), in.GetTokenIds(), in.GetTenant(), in.GetCacheSalt())
 	if err != nil {
-		return nil, status.Error(codes.NotFound, err.Error())
+		return nil, err
 	}
 	*pool = p.Name()
-	if in.GetAdapter() != "" {
-		adapter = in.GetAdapter()
-	}
-	if err := checkAdapter(p, adapter); err != nil {
-		return nil, err
-	}
-	req, err := promptRequest(p, adapter, in.GetPrompt(), in.GetTokenIds(), in.GetTenant(), in.GetCacheSalt())
-	if err != nil {
-		return nil, err
-	}
 	_, strat := p.Routing()
 	var buf [32]*router.Instance
-	cands, _ := p.Candidates(buf[:0], adapter, nil)
+	cands, _ := p.Candidates(buf[:0], req.Adapter, nil)
 	dec, err := strat.Pick(ctx, req, cands)
 	if errors.Is(err, router.ErrNoCandidates) {
 		return nil, status.Errorf(codes.Unavailable, "no eligible instance in pool %q", p.Name())
@@ -215,19 +135,26 @@ type indexService struct {
 // Lookup implements kvrouter.v1.Index.
 func (x indexService) Lookup(ctx context.Context, in *kvrouterv1.LookupRequest) (*kvrouterv1.LookupResponse, error) {
 	s := x.s
-	p, _, err := s.poolFor(in.GetPool(), "")
+	pool := in.GetPool()
+	if pool == "" {
+		// A lookup names no model: the default pool, else the first.
+		if pool = s.cfg.DefaultPool; pool == "" {
+			if ps := s.pools.Pools(); len(ps) > 0 {
+				pool = ps[0].Name()
+			}
+		}
+	}
+	req, p, err := s.resolvePrompt(pool, "", in.GetAdapter(), in.GetPrompt(), in.GetTokenIds(), "", in.GetCacheSalt())
 	if err != nil {
-		return nil, status.Error(codes.NotFound, err.Error())
+		return nil, err
 	}
 	kv := p.KV()
 	if kv == nil {
 		return nil, status.Errorf(codes.FailedPrecondition, "pool %q has no KV index", p.Name())
 	}
-	req, err := promptRequest(p, in.GetAdapter(), in.GetPrompt(), in.GetTokenIds(), "", in.GetCacheSalt())
-	if err != nil {
-		return nil, err
+	if req.Tokenizer == nil { // else limits.max_tokenize_bytes refused tokenizing it
+		req.Tokenizer = kv.TokenSource()
 	}
-	req.Tokenizer = kv.TokenSource()
 	ids, err := req.TokenIDs(ctx)
 	if errors.Is(err, router.ErrNoTokens) {
 		return nil, status.Errorf(codes.FailedPrecondition, "pool %q has no tokenizer: give token_ids", p.Name())

@@ -39,6 +39,9 @@ var ErrInvalidConfig = errors.New("grpcapi: invalid config")
 type Pools interface {
 	Pools() []*router.Pool
 	Pool(name string) (*router.Pool, bool)
+	// Resolve turns an inbound request into a routed Request, as the
+	// HTTP data plane does (router.Server.Resolve).
+	Resolve(router.Inbound) (*router.Request, *router.Pool, error)
 }
 
 var _ Pools = (*router.Server)(nil)

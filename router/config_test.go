@@ -205,7 +205,7 @@ func TestConfigErrorsNameYAMLPaths(t *testing.T) {
 func TestClosestField(t *testing.T) {
 	known := []string{"listen", "admin_listen", "pools", "routing", "max_body_bytes"}
 	for got, want := range map[string]string{
-		"listn": "listen", "pool": "pools", "routng": "routing", "max_body_byte": "max_body_bytes",
+		"listn": "listen", "pool": "pools", "routng": "routing", "max_body_byte": "max_body_bytes", "lsiten": "listen",
 		"x": "", "logging": "", "": "",
 	} {
 		if s := closestField(known, got); s != want {

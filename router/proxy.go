@@ -126,134 +126,51 @@ func (s *Server) countRejected(pool string, status int) {
 	s.m.requests.WithLabelValues(pool, "", "", "", strconv.Itoa(status)).Inc()
 }
 
-// tenantFromHeader validates the tenant header; ok is false after a 400.
-func tenantFromHeader(w http.ResponseWriter, r *http.Request) (key string, present, ok bool) {
-	vals := r.Header.Values(TenantHeader)
-	if len(vals) == 0 {
-		return "", false, true
-	}
-	if len(vals) > 1 || !ValidTenantKey(vals[0]) {
-		writeError(w, http.StatusBadRequest, TenantHeader+": want one value of 1-64 printable ASCII characters")
-		return "", true, false
-	}
-	return vals[0], true, true
-}
-
+// serveOpenAI serves /v1/chat/completions and /v1/completions; serveInvoke
+// serves the raw SageMaker invocations. Both read the body, Resolve it as
+// every edge does, and route.
 func (s *Server) serveOpenAI(ep Endpoint) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) {
-		st := s.state.Load()
-		body, ready, ok := s.readRequest(w, r, st)
-		if !ok {
-			return
-		}
-		parsed, err := ParseOpenAI(ep, body)
-		if err != nil {
-			s.reject(w, "", http.StatusBadRequest, strings.TrimPrefix(err.Error(), ErrBadRequest.Error()+": "))
-			return
-		}
-		if msg := checkOpenAILimits(st.cfg.Limits, parsed); msg != "" {
-			s.reject(w, "", http.StatusBadRequest, msg)
-			return
-		}
-		tenant, present, ok := tenantFromHeader(w, r)
-		if !ok {
-			s.countRejected("", http.StatusBadRequest)
-			return
-		}
-		if !present {
-			tenant = parsed.PromptCacheKey
-		}
-		var pool *Pool
-		adapter := ""
-		switch {
-		case parsed.Model == "" && st.defaultPool != nil:
-			pool = st.defaultPool
-		case parsed.Model == "":
-			s.reject(w, "", http.StatusBadRequest, "model: required")
-			return
-		default:
-			if pool = st.byModel[parsed.Model]; pool == nil {
-				for _, p := range st.pools {
-					if p.ServesAdapter(parsed.Model) {
-						pool, adapter = p, parsed.Model
-						break
-					}
-				}
-			}
-		}
-		if pool == nil {
-			s.reject(w, "", http.StatusNotFound, fmt.Sprintf("the model %q does not exist", parsed.Model))
-			return
-		}
-		rc, strat := pool.Routing()
-		req := &Request{
-			Endpoint:     ep,
-			Pool:         pool.Name(),
-			Model:        parsed.Model,
-			Adapter:      adapter,
-			RoutingText:  OpenAIRoutingText(parsed, rc.PrefixLength),
-			TenantKey:    tenant,
-			Parsed:       parsed,
-			PromptTokens: firstTokens(parsed.Prompt),
-			Stream:       parsed.Stream,
-		}
-		// The injected salt is kept on the request so kv_aware folds it into
-		// its block keys without scanning the body again.
-		req.Body, req.InjectedCacheSalt = saltRequestBody(pool.cfg.CacheSalt, st.cfg.CacheSaltSecret, tenant, body)
-		limitTokenize(st.cfg.Limits, req)
-		s.route(w, r, st, pool, strat, req, r.URL.Path, ready)
-	}
+	return func(w http.ResponseWriter, r *http.Request) { s.serve(w, r, HTTPInbound(ep, r)) }
 }
 
 func (s *Server) serveInvoke(ep Endpoint) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) {
-		st := s.state.Load()
-		body, ready, ok := s.readRequest(w, r, st)
-		if !ok {
-			return
-		}
-		tenant, _, ok := tenantFromHeader(w, r)
-		if !ok {
-			s.countRejected("", http.StatusBadRequest)
-			return
-		}
-		pool := st.defaultPool
-		if name := r.Header.Get(HeaderPool); name != "" {
-			if pool = st.byName[name]; pool == nil {
-				s.reject(w, "", http.StatusNotFound, fmt.Sprintf("%s: no pool %q", HeaderPool, name))
-				return
-			}
-		} else if pool == nil {
-			pool = st.pools[0]
-		}
-		adapter := r.Header.Get(HeaderAdapter)
-		if adapter != "" && !pool.ServesAdapter(adapter) && pool.cfg.AdapterFallback != "all" {
-			s.reject(w, pool.Name(), http.StatusNotFound, fmt.Sprintf("the adapter %q does not exist in pool %q", adapter, pool.Name()))
-			return
-		}
-		rc, strat := pool.Routing()
-		path := pool.cfg.InvokePath
-		if ep == EndpointInvokeStream {
-			path = pool.cfg.InvokeStreamPath
-		}
-		req := &Request{
-			Endpoint:    ep,
-			Pool:        pool.Name(),
-			Model:       pool.Model(),
-			Adapter:     adapter,
-			RoutingText: RawRoutingText(body, rc.PrefixLength, pool.cfg.CanonicalizeJSON),
-			TenantKey:   tenant,
-			Body:        body,
-			Stream:      ep == EndpointInvokeStream,
-		}
-		if adapter != "" {
-			req.Model = adapter
-		}
-		// After the routing text: the salt changes the body, not the route.
-		req.Body, req.InjectedCacheSalt = saltRequestBody(pool.cfg.CacheSalt, st.cfg.CacheSaltSecret, tenant, body)
-		limitTokenize(st.cfg.Limits, req)
-		s.route(w, r, st, pool, strat, req, path, ready)
+	return func(w http.ResponseWriter, r *http.Request) { s.serve(w, r, HTTPInbound(ep, r)) }
+}
+
+// HTTPInbound is what the HTTP data plane reads of a request besides its
+// body: the tenant header, and for raw invocations the pool and adapter
+// headers (OpenAI bodies name their model). The router forwards the body
+// itself, so the pool's cache_salt is injected into it.
+func HTTPInbound(ep Endpoint, r *http.Request) Inbound {
+	in := Inbound{Endpoint: ep, Tenant: r.Header.Values(TenantHeader), InjectSalt: true}
+	if !ep.OpenAI() {
+		in.PoolHeader, in.PoolName, in.Adapter = HeaderPool, r.Header.Get(HeaderPool), r.Header.Get(HeaderAdapter)
 	}
+	return in
+}
+
+func (s *Server) serve(w http.ResponseWriter, r *http.Request, in Inbound) {
+	st := s.state.Load()
+	body, ready, ok := s.readRequest(w, r, st)
+	if !ok {
+		return
+	}
+	in.Body = body
+	req, pool, err := st.resolve(in)
+	if err != nil {
+		re := AsRequestError(err)
+		s.reject(w, re.Pool, re.Status, re.Message)
+		return
+	}
+	_, strat := pool.Routing()
+	path := r.URL.Path
+	switch in.Endpoint {
+	case EndpointInvoke:
+		path = pool.cfg.InvokePath
+	case EndpointInvokeStream:
+		path = pool.cfg.InvokeStreamPath
+	}
+	s.route(w, r, st, pool, strat, req, path, ready)
 }
 
 // route picks an instance and proxies, retrying once on the next candidate

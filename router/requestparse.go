@@ -10,7 +10,8 @@ import (
 	"unicode/utf8"
 )
 
-// ErrBadRequest wraps every request-parsing error; the HTTP edge answers 400.
+// ErrBadRequest matches every request-parsing error (a *RequestError with
+// status 400); the HTTP edge answers 400.
 var ErrBadRequest = errors.New("router: bad request")
 
 // TenantHeader carries the tenant key on the raw invoke path (SageMaker's
@@ -163,17 +164,17 @@ func (p *Prompt) UnmarshalJSON(b []byte) error {
 func ParseOpenAI(ep Endpoint, body []byte) (*OpenAIRequest, error) {
 	var r OpenAIRequest
 	if err := decodeOpenAI(body, &r); err != nil {
-		return nil, fmt.Errorf("%w: malformed JSON body: %w", ErrBadRequest, err)
+		return nil, badRequest("malformed JSON body: %v", err)
 	}
 	r.src = body
 	switch ep {
 	case EndpointChatCompletions:
 		if len(r.Messages) == 0 {
-			return nil, fmt.Errorf("%w: messages: required, at least one message", ErrBadRequest)
+			return nil, badRequest("messages: required, at least one message")
 		}
 	case EndpointCompletions:
 		if r.Prompt == nil || (len(r.Prompt.Texts) == 0 && len(r.Prompt.Tokens) == 0) {
-			return nil, fmt.Errorf("%w: prompt: required", ErrBadRequest)
+			return nil, badRequest("prompt: required")
 		}
 	}
 	return &r, nil

@@ -84,9 +84,13 @@ const (
 	EndpointInvokeStream                        // POST /invocations-response-stream
 )
 
+// OpenAI reports whether the endpoint takes an OpenAI body (chat or
+// completions) rather than a raw SageMaker invocation.
+func (e Endpoint) OpenAI() bool { return e == EndpointChatCompletions || e == EndpointCompletions }
+
 // TokenSource turns a request's prompt into the token ids the engine will
-// see (chat template rendered, add_special_tokens=false). Implemented by the
-// tokenizer integration of a later issue.
+// see (chat template rendered, add_special_tokens=false); tokensource.go
+// builds it from a pool's tokenizer: config.
 type TokenSource interface {
 	Tokens(ctx context.Context, req *Request) ([]uint32, error)
 }

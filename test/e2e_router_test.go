@@ -395,7 +395,7 @@ func TestE2ERouterBinaryBadConfig(t *testing.T) {
 	}{
 		{"out of range", "pools: [{name: p, model: m, routing: {concurrency_threshold: 0}, instances: [{id: a, url: 'http://h:1'}]}]\n", nil, ""},
 		{"threshold too big", "pools: [{name: p, model: m, routing: {concurrency_threshold: 4096}, instances: [{id: a, url: 'http://h:1'}]}]\n", nil, "pools[0].routing.concurrency_threshold 4096 out of range 1..1024"},
-		{"typo", "pools: [{name: p, modle: m}]\n", nil, "field modle not found"},
+		{"typo", "pools: [{name: p, modle: m}]\n", nil, "pools[0].modle: unknown field (did you mean \"model\"?)"},
 		{"flag out of range", "pools: [{name: p, model: m, instances: [{id: a, url: 'http://h:1'}]}]\n", []string{"--prefix-length", "99"}, "pools[0].routing.prefix_length 99 out of range 1024..65536"},
 	}
 	for i, tc := range tests {

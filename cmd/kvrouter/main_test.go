@@ -538,7 +538,7 @@ pools:
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			resp, err := kvrouterv1.NewRouterClient(tc.conn).Pick(tc.ctx, &kvrouterv1.PickRequest{Prompt: "hello"})
+			resp, err := kvrouterv1.NewRouterClient(tc.conn).Pick(tc.ctx, &kvrouterv1.PickRequest{Model: "m", Prompt: "hello"})
 			if status.Code(err) != tc.want {
 				t.Fatalf("Pick: %v, want %v", err, tc.want)
 			}

@@ -1,0 +1,268 @@
+package router
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+)
+
+// RequestError is a request refused before routing. Status is the HTTP
+// status the HTTP data plane and Envoy's ext_proc answer with (gRPC edges
+// map it to a code); Message is the client-facing text. It is the one
+// error class every edge shares, so none has to read meaning out of error
+// strings.
+type RequestError struct {
+	Status  int
+	Message string
+	// Pool is the pool the request was resolved to before it was refused
+	// ("" when it never got that far), for metrics.
+	Pool string
+}
+
+func (e *RequestError) Error() string { return e.Message }
+
+// Is makes a 400 RequestError match ErrBadRequest.
+func (e *RequestError) Is(target error) bool {
+	return target == ErrBadRequest && e.Status == http.StatusBadRequest
+}
+
+func badRequest(format string, a ...any) *RequestError {
+	return &RequestError{Status: http.StatusBadRequest, Message: fmt.Sprintf(format, a...)}
+}
+
+func notFound(pool, format string, a ...any) *RequestError {
+	return &RequestError{Status: http.StatusNotFound, Message: fmt.Sprintf(format, a...), Pool: pool}
+}
+
+// AsRequestError returns err as a *RequestError, or one with status 500
+// and err's text when it is something else.
+func AsRequestError(err error) *RequestError {
+	var re *RequestError
+	if errors.As(err, &re) {
+		return re
+	}
+	return &RequestError{Status: http.StatusInternalServerError, Message: err.Error()}
+}
+
+// Inbound is a request as an edge received it, before routing: the HTTP
+// data plane, Envoy's ext_proc and gRPC Router.Pick each fill one and call
+// Server.Resolve, so that all three turn the same request into the same
+// Request (pool, adapter, tenant, cache salt, routing text, limits) or the
+// same RequestError.
+type Inbound struct {
+	Endpoint Endpoint
+	// Body is the request body as received. For gRPC Pick it is the body
+	// an equivalent /v1/completions request would carry.
+	Body []byte
+	// Parsed, when set, is Body already parsed (gRPC Pick builds it from
+	// its fields); otherwise OpenAI bodies are parsed here.
+	Parsed *OpenAIRequest
+	// PoolHeader names the header or field that chose PoolName, for error
+	// messages ("X-Kvrouter-Pool").
+	PoolHeader string
+	// PoolName is a pool the edge names explicitly; "" resolves the pool
+	// from the model (OpenAI endpoints) or takes the default pool.
+	PoolName string
+	// Adapter is an adapter named outside the body (the raw-invoke
+	// adapter header, gRPC's adapter field).
+	Adapter string
+	// Tenant holds the values of the tenant header (TenantHeader) as
+	// received; nil when absent (OpenAI requests then use prompt_cache_key).
+	Tenant []string
+	// InjectSalt says the edge forwards Body itself, so the pool's
+	// cache_salt is injected into it (HTTP); edges that do not forward
+	// the body (ext_proc, Pick) key blocks by the salt the body carries.
+	InjectSalt bool
+}
+
+// Resolve turns an inbound request into the Request strategies route and
+// the pool that serves it, applying the limits, the tenant key and the
+// pool's cache salt in one place; refusals are *RequestError.
+func (s *Server) Resolve(in Inbound) (*Request, *Pool, error) {
+	return s.state.Load().resolve(in)
+}
+
+func (st *state) resolve(in Inbound) (*Request, *Pool, error) {
+	tenant := ""
+	if len(in.Tenant) > 0 {
+		if len(in.Tenant) > 1 || !ValidTenantKey(in.Tenant[0]) {
+			return nil, nil, badRequest("%s: want one value of 1-64 printable ASCII characters", TenantHeader)
+		}
+		tenant = in.Tenant[0]
+	}
+	var named *Pool
+	if in.PoolName != "" {
+		if named = st.byName[in.PoolName]; named == nil {
+			h := in.PoolHeader
+			if h == "" {
+				h = "pool"
+			}
+			return nil, nil, notFound("", "%s: no pool %q", h, in.PoolName)
+		}
+	}
+	var req *Request
+	var pool *Pool
+	var err error
+	if in.Endpoint.OpenAI() {
+		req, pool, err = st.resolveOpenAI(in, named, tenant)
+	} else {
+		req, pool, err = st.resolveInvoke(in, named, tenant)
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	if in.InjectSalt {
+		// After the routing text: the salt changes the body, not the route.
+		// The injected salt is kept on the request so kv_aware folds it
+		// into its block keys without scanning the body again.
+		req.Body, req.InjectedCacheSalt = saltRequestBody(pool.cfg.CacheSalt, st.cfg.CacheSaltSecret, tenant, req.Body)
+	}
+	limitTokenize(st.cfg.Limits, req)
+	return req, pool, nil
+}
+
+func (st *state) resolveOpenAI(in Inbound, named *Pool, tenant string) (*Request, *Pool, error) {
+	parsed := in.Parsed
+	if parsed == nil {
+		var err error
+		if parsed, err = ParseOpenAI(in.Endpoint, in.Body); err != nil {
+			return nil, nil, err
+		}
+	}
+	if msg := checkOpenAILimits(st.cfg.Limits, parsed); msg != "" {
+		return nil, nil, badRequest("%s", msg)
+	}
+	if in.Tenant == nil {
+		tenant = parsed.PromptCacheKey
+	}
+	pool, adapter := named, ""
+	switch {
+	case named != nil:
+		// The named pool serves the model as its base model, or as one of
+		// its adapters, or not at all.
+		if parsed.Model != "" && parsed.Model != named.Model() {
+			adapter = parsed.Model
+			if !named.ServesAdapter(adapter) && named.cfg.AdapterFallback != "all" {
+				return nil, nil, notFound(named.Name(), "the model %q does not exist in pool %q", adapter, named.Name())
+			}
+		}
+	case parsed.Model == "" && st.defaultPool != nil:
+		pool = st.defaultPool
+	case parsed.Model == "":
+		return nil, nil, badRequest("model: required (or set default_pool)")
+	default:
+		if pool = st.byModel[parsed.Model]; pool == nil {
+			for _, p := range st.pools {
+				if p.ServesAdapter(parsed.Model) {
+					pool, adapter = p, parsed.Model
+					break
+				}
+			}
+		}
+		if pool == nil {
+			return nil, nil, notFound("", "the model %q does not exist", parsed.Model)
+		}
+	}
+	if in.Adapter != "" && in.Adapter != adapter {
+		if err := checkAdapter(pool, in.Adapter); err != nil {
+			return nil, nil, err
+		}
+		adapter = in.Adapter
+	}
+	rc, _ := pool.Routing()
+	model := parsed.Model
+	if model == "" {
+		model = pool.Model()
+	}
+	if adapter != "" {
+		model = adapter
+	}
+	return &Request{
+		Endpoint:     in.Endpoint,
+		Pool:         pool.Name(),
+		Model:        model,
+		Adapter:      adapter,
+		RoutingText:  OpenAIRoutingText(parsed, rc.PrefixLength),
+		TenantKey:    tenant,
+		Body:         in.Body,
+		Parsed:       parsed,
+		PromptTokens: firstTokens(parsed.Prompt),
+		Stream:       parsed.Stream,
+	}, pool, nil
+}
+
+func (st *state) resolveInvoke(in Inbound, named *Pool, tenant string) (*Request, *Pool, error) {
+	pool := named
+	switch {
+	case pool != nil:
+	case st.defaultPool != nil:
+		pool = st.defaultPool
+	case len(st.pools) > 0:
+		pool = st.pools[0]
+	default:
+		return nil, nil, notFound("", "the router has no pools")
+	}
+	if err := checkAdapter(pool, in.Adapter); err != nil {
+		return nil, nil, err
+	}
+	rc, _ := pool.Routing()
+	req := &Request{
+		Endpoint:    in.Endpoint,
+		Pool:        pool.Name(),
+		Model:       pool.Model(),
+		Adapter:     in.Adapter,
+		RoutingText: RawRoutingText(in.Body, rc.PrefixLength, pool.cfg.CanonicalizeJSON),
+		TenantKey:   tenant,
+		Body:        in.Body,
+		Stream:      in.Endpoint == EndpointInvokeStream,
+	}
+	if in.Adapter != "" {
+		req.Model = in.Adapter
+	}
+	return req, pool, nil
+}
+
+// checkAdapter refuses an adapter the pool does not serve, unless its
+// adapter_fallback sends such requests to any instance.
+func checkAdapter(p *Pool, adapter string) error {
+	if adapter != "" && !p.ServesAdapter(adapter) && p.cfg.AdapterFallback != "all" {
+		return notFound(p.Name(), "the adapter %q does not exist in pool %q", adapter, p.Name())
+	}
+	return nil
+}
+
+// CompletionsInbound is the Inbound of a /v1/completions request whose
+// prompt is text or token ids, built without encoding the ids (a 2k-token
+// prompt costs 2,000 allocations that way): the body carries what engines
+// and strategies read of it — the model, a text prompt, the cache salt.
+// gRPC Router.Pick and Index.Lookup use it so their picks match HTTP's.
+func CompletionsInbound(pool, model, adapter, prompt string, ids []uint32, tenant, salt string) (Inbound, error) {
+	if (prompt == "") == (len(ids) == 0) {
+		return Inbound{}, badRequest("prompt or token_ids: give exactly one")
+	}
+	if adapter != "" && model == "" && pool == "" {
+		model = adapter // the pool is the one serving the adapter
+	}
+	parsed := &OpenAIRequest{Model: model, Prompt: &Prompt{}}
+	body := struct {
+		Model     string `json:"model,omitempty"`
+		Prompt    string `json:"prompt,omitempty"`
+		CacheSalt string `json:"cache_salt,omitempty"`
+	}{Model: model, CacheSalt: salt}
+	if len(ids) > 0 {
+		parsed.Prompt.Tokens = [][]uint32{ids}
+	} else {
+		parsed.Prompt.Texts = []string{prompt}
+		body.Prompt = prompt
+	}
+	raw, err := json.Marshal(body)
+	if err != nil {
+		return Inbound{}, badRequest("model: %v", err)
+	}
+	in := Inbound{Endpoint: EndpointCompletions, Body: raw, Parsed: parsed, PoolName: pool, PoolHeader: "pool", Adapter: adapter}
+	if tenant != "" {
+		in.Tenant = []string{tenant}
+	}
+	return in, nil
+}
