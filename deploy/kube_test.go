@@ -688,33 +688,11 @@ func checkEngines(t *testing.T, b *bundle, ov overlay, cfg router.Config) {
 		pub, replay = "tcp://"+net.JoinHostPort(host, port), "tcp://"+net.JoinHostPort(host, rport)
 		topic, _ = argValue(engine.Args, "topic")
 	case "":
-		var kv map[string]any
-		i := slices.Index(engine.Args, "--kv-events-config")
-		if i < 0 || i+1 >= len(engine.Args) {
-			t.Fatalf("engine %s: no --kv-events-config", sts.Name)
-		}
-		if err := json.Unmarshal([]byte(engine.Args[i+1]), &kv); err != nil {
-			t.Fatalf("engine %s: --kv-events-config: %v", sts.Name, err)
-		}
-		if !mapsEqual(kv, vllmKVEventsConfig) {
-			t.Errorf("engine %s: --kv-events-config %v, want %v", sts.Name, kv, vllmKVEventsConfig)
-		}
-		// The engine binds every interface; the sidecar reaches it on loopback.
-		pub = strings.Replace(kv["endpoint"].(string), "*", "127.0.0.1", 1)
-		replay = strings.Replace(kv["replay_endpoint"].(string), "*", "127.0.0.1", 1)
-		topic = kv["topic"].(string)
+		pub, replay, topic = vllmEndpoints(t, "engine "+sts.Name, engine.Args)
 	default:
 		t.Fatalf("engine container of %s runs %s", sts.Name, binaryOf(engine.Command))
 	}
-	if v, _ := argValue(bridge.Args, "zmq-endpoint"); v != pub {
-		t.Errorf("kvbridge --zmq-endpoint=%q, engine publishes on %q", v, pub)
-	}
-	if v, _ := argValue(bridge.Args, "replay-endpoint"); v != replay {
-		t.Errorf("kvbridge --replay-endpoint=%q, engine replays on %q", v, replay)
-	}
-	if v, _ := argValue(bridge.Args, "topic"); v != topic {
-		t.Errorf("kvbridge --topic=%q, engine topic %q", v, topic)
-	}
+	checkBridgeEndpoints(t, "StatefulSet "+sts.Name, bridge.Args, pub, replay, topic)
 }
 
 func mapsEqual(a, b map[string]any) bool {
