@@ -139,10 +139,12 @@ func TestCompose(t *testing.T) {
 			}
 		}
 		for _, p := range s.Ports {
-			host, _, ok := strings.Cut(p, ":")
-			if !ok {
+			// [ip:]host:container; the key is the host side, ip included.
+			parts := strings.Split(p, ":")
+			if len(parts) < 2 {
 				continue
 			}
+			host := strings.Join(parts[:len(parts)-1], ":")
 			if other, dup := hostPorts[host]; dup {
 				t.Errorf("host port %s published by %s and %s", host, other, n)
 			}
