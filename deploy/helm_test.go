@@ -15,6 +15,8 @@ import (
 	v2util "helm.sh/helm/v4/pkg/chart/v2/util"
 	"helm.sh/helm/v4/pkg/engine"
 	"sigs.k8s.io/yaml"
+
+	"github.com/kvrouter/kvrouter/router"
 )
 
 const chartDir = "helm/kvrouter"
@@ -62,7 +64,9 @@ func mergeValues(dst, src map[string]any) map[string]any {
 
 // renderChartValues renders the chart with Helm's own engine after
 // validating the values against values.schema.json, as `helm template`
-// does, and returns the rendered files by name.
+// does, and returns the rendered files by name. The engine is strict: a
+// template reading a value that does not exist (a typo in a template)
+// fails instead of rendering an empty string.
 func renderChartValues(t *testing.T, ch *chartv2.Chart, namespace string, vals map[string]any) (map[string]string, error) {
 	t.Helper()
 	rv, err := chartutil.ToRenderValuesWithSchemaValidation(ch, vals,
@@ -70,7 +74,7 @@ func renderChartValues(t *testing.T, ch *chartv2.Chart, namespace string, vals m
 	if err != nil {
 		return nil, err
 	}
-	return engine.Render(ch, rv)
+	return engine.Engine{Strict: true}.Render(ch, rv)
 }
 
 // renderChart renders the chart with the value files and decodes every
@@ -94,6 +98,19 @@ func renderChart(t *testing.T, namespace string, valueFiles ...string) *bundle {
 	if err != nil {
 		t.Fatalf("helm template %s %v: %v", chartDir, valueFiles, err)
 	}
+	if notes := files[ch.Name()+"/templates/NOTES.txt"]; !strings.Contains(notes, "kvctl instances --router=http://127.0.0.1:") {
+		t.Errorf("NOTES.txt rendered as %q", notes)
+	}
+	b := bundleOf(t, files)
+	if len(b.objects) == 0 {
+		t.Fatalf("%s %v rendered no objects", chartDir, valueFiles)
+	}
+	return b
+}
+
+// bundleOf decodes the rendered templates' objects strictly, in file order.
+func bundleOf(t *testing.T, files map[string]string) *bundle {
+	t.Helper()
 	b := newBundle(chartDir)
 	names := make([]string, 0, len(files))
 	for n := range files {
@@ -122,9 +139,6 @@ func renderChart(t *testing.T, namespace string, valueFiles ...string) *bundle {
 				t.Errorf("%s: %v\n%s", n, err, doc)
 			}
 		}
-	}
-	if len(b.objects) == 0 {
-		t.Fatalf("%s %v rendered no objects", chartDir, valueFiles)
 	}
 	return b
 }
@@ -229,4 +243,52 @@ func TestHelmValuesSchema(t *testing.T) {
 	if _, err := renderChartValues(t, ch, "kvrouter", map[string]any{"nats": map[string]any{"enabled": false}}); err == nil || !strings.Contains(err.Error(), "natsURL") {
 		t.Errorf("nats.enabled=false without a URL: %v", err)
 	}
+}
+
+// TestHelmExternalNATSAndEngines: with nats.enabled and vllm.enabled off,
+// the chart renders neither, and routers and nothing else point at the
+// given NATS; router.pools is used as given; a digest pins the image.
+func TestHelmExternalNATSAndEngines(t *testing.T) {
+	ch := loadChart(t)
+	const natsURL = "nats://nats.shared.svc:4222"
+	const digest = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+	vals := map[string]any{
+		"image": map[string]any{"digest": digest},
+		"nats":  map[string]any{"enabled": false},
+		"vllm":  map[string]any{"enabled": false},
+		"router": map[string]any{
+			"config": map[string]any{"events": map[string]any{"nats": map[string]any{"url": natsURL}}},
+			"pools": []any{map[string]any{"name": "qwen", "model": "Qwen/Qwen3-8B",
+				"routing":   map[string]any{"strategy": "kv_aware"},
+				"tokenizer": map[string]any{"source": "engine"},
+				"instances": []any{map[string]any{"id": "gpu-a", "url": "http://10.0.0.7:8000"}}}},
+		},
+	}
+	files, err := renderChartValues(t, ch, "kvrouter", vals)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := bundleOf(t, files)
+	if len(b.statefulSets) != 0 {
+		t.Errorf("rendered StatefulSets %v with NATS and engines off", sortedKeys(b.statefulSets))
+	}
+	spec, c := routerContainer(t, b)
+	if want := "ghcr.io/kvrouter/kvrouter@" + digest; c.Image != want {
+		t.Errorf("router image %s, want %s", c.Image, want)
+	}
+	text, ok := mountedFile(t, b, spec, c, mustArg(t, c.Args, "config"))
+	if !ok {
+		t.Fatal("router.yaml not mounted")
+	}
+	cfg, err := router.ParseConfig(strings.NewReader(text))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Events == nil || cfg.Events.NATS.URL != natsURL {
+		t.Errorf("events.nats.url %+v, want %s", cfg.Events, natsURL)
+	}
+	if len(cfg.Pools) != 1 || cfg.Pools[0].Name != "qwen" || cfg.Pools[0].Instances[0].ID != "gpu-a" {
+		t.Errorf("pools %+v, want the given qwen pool", cfg.Pools)
+	}
+	checkConfigWithBinary(t, text, c.Args)
 }
