@@ -12,6 +12,8 @@ import (
 	chartutil "helm.sh/helm/v4/pkg/chart/common/util"
 	"helm.sh/helm/v4/pkg/chart/loader"
 	chartv2 "helm.sh/helm/v4/pkg/chart/v2"
+	"helm.sh/helm/v4/pkg/chart/v2/lint"
+	"helm.sh/helm/v4/pkg/chart/v2/lint/support"
 	v2util "helm.sh/helm/v4/pkg/chart/v2/util"
 	"helm.sh/helm/v4/pkg/engine"
 	"sigs.k8s.io/yaml"
@@ -62,6 +64,24 @@ func mergeValues(dst, src map[string]any) map[string]any {
 	return dst
 }
 
+// chartValues reads and merges the chart's value files, in order.
+func chartValues(t *testing.T, valueFiles ...string) map[string]any {
+	t.Helper()
+	vals := map[string]any{}
+	for _, f := range valueFiles {
+		raw, err := os.ReadFile(filepath.Join(chartDir, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var m map[string]any
+		if err := yaml.UnmarshalStrict(raw, &m); err != nil {
+			t.Fatalf("%s: %v", f, err)
+		}
+		vals = mergeValues(vals, m)
+	}
+	return vals
+}
+
 // renderChartValues renders the chart with Helm's own engine after
 // validating the values against values.schema.json, as `helm template`
 // does, and returns the rendered files by name. The engine is strict: a
@@ -82,19 +102,7 @@ func renderChartValues(t *testing.T, ch *chartv2.Chart, namespace string, vals m
 func renderChart(t *testing.T, namespace string, valueFiles ...string) *bundle {
 	t.Helper()
 	ch := loadChart(t)
-	vals := map[string]any{}
-	for _, f := range valueFiles {
-		raw, err := os.ReadFile(filepath.Join(chartDir, f))
-		if err != nil {
-			t.Fatal(err)
-		}
-		var m map[string]any
-		if err := yaml.UnmarshalStrict(raw, &m); err != nil {
-			t.Fatalf("%s: %v", f, err)
-		}
-		vals = mergeValues(vals, m)
-	}
-	files, err := renderChartValues(t, ch, namespace, vals)
+	files, err := renderChartValues(t, ch, namespace, chartValues(t, valueFiles...))
 	if err != nil {
 		t.Fatalf("helm template %s %v: %v", chartDir, valueFiles, err)
 	}
@@ -182,6 +190,24 @@ func TestHelmChart(t *testing.T) {
 			}
 			checkBundle(t, b, rel.ov)
 		})
+	}
+}
+
+// TestHelmLint runs Helm's own linter (`helm lint --strict`: warnings
+// fail too) with each value set, for the oldest Kubernetes the chart
+// supports.
+func TestHelmLint(t *testing.T) {
+	kv, err := common.ParseKubeVersion("v1.30.0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, rel := range chartReleases {
+		l := lint.RunAll(chartDir, chartValues(t, rel.values...), rel.ov.namespace, lint.WithKubeVersion(kv))
+		for _, m := range l.Messages {
+			if m.Severity >= support.WarningSev {
+				t.Errorf("values %v: %s", rel.values, m)
+			}
+		}
 	}
 }
 
