@@ -1,6 +1,8 @@
 package deploy
 
 import (
+	"log"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -35,9 +37,24 @@ var chartReleases = []struct {
 		redis: true, externalSecrets: []string{"kvrouter-admin", "kvrouter-redis"}, production: true, monitoring: true}},
 }
 
+// quietHelm keeps Helm's informational logs (it logs every followed
+// symlink: files/prometheusrule.yaml) out of the test output while t runs;
+// warnings still show. The deploy tests do not run in parallel.
+func quietHelm(t *testing.T) {
+	prev, out, flags := slog.Default(), log.Writer(), log.Flags()
+	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
+	t.Cleanup(func() {
+		// SetDefault pointed the log package at the handler; undo that too.
+		slog.SetDefault(prev)
+		log.SetOutput(out)
+		log.SetFlags(flags)
+	})
+}
+
 // loadChart loads the chart directory as `helm template` does.
 func loadChart(t *testing.T) *chartv2.Chart {
 	t.Helper()
+	quietHelm(t)
 	c, err := loader.Load(chartDir)
 	if err != nil {
 		t.Fatalf("load %s: %v", chartDir, err)
@@ -201,6 +218,7 @@ func TestHelmLint(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	quietHelm(t)
 	for _, rel := range chartReleases {
 		l := lint.RunAll(chartDir, chartValues(t, rel.values...), rel.ov.namespace, lint.WithKubeVersion(kv))
 		for _, m := range l.Messages {
