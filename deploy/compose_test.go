@@ -139,10 +139,12 @@ func TestCompose(t *testing.T) {
 			}
 		}
 		for _, p := range s.Ports {
-			host, _, ok := strings.Cut(p, ":")
-			if !ok {
+			// [ip:]host:container; the key is the host side, ip included.
+			parts := strings.Split(p, ":")
+			if len(parts) < 2 {
 				continue
 			}
+			host := strings.Join(parts[:len(parts)-1], ":")
 			if other, dup := hostPorts[host]; dup {
 				t.Errorf("host port %s published by %s and %s", host, other, n)
 			}
@@ -425,44 +427,5 @@ func TestRedisUsers(t *testing.T) {
 	got := redisUsers([]string{"--port", "1", "--user", "default", "off", "--user", "k", "on", ">pw", "~k:*", "+@all", "--save", ""})
 	if got["default"].on || !got["k"].on || !slices.Equal(got["k"].passwords, []string{"pw"}) || !slices.Equal(got["k"].patterns, []string{"k:*"}) {
 		t.Errorf("got %+v", got)
-	}
-}
-
-// TestDockerfile: the image builds every command with the Go of go.mod.
-func TestDockerfile(t *testing.T) {
-	df, err := os.ReadFile("Dockerfile")
-	if err != nil {
-		t.Fatal(err)
-	}
-	gomod, err := os.ReadFile(filepath.Join(repoRoot, "go.mod"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	m := regexp.MustCompile(`(?m)^go (\S+)$`).FindSubmatch(gomod)
-	if m == nil {
-		t.Fatal("no go line in go.mod")
-	}
-	if !bytes.Contains(df, []byte("FROM golang:"+string(m[1]))) {
-		t.Errorf("Dockerfile: build stage must use golang:%s (go.mod)", m[1])
-	}
-	cmds, err := os.ReadDir(filepath.Join(repoRoot, "cmd"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	n := 0
-	for _, c := range cmds {
-		if !c.IsDir() {
-			continue
-		}
-		n++
-		if !bytes.Contains(df, []byte("./cmd/"+c.Name())) {
-			t.Errorf("Dockerfile does not build ./cmd/%s", c.Name())
-		}
-	}
-	if n == 0 {
-		t.Fatal("no commands found")
-	}
-	if !strings.Contains(string(df), "nonroot") {
-		t.Error("the runtime image should run as a non-root user")
 	}
 }

@@ -18,7 +18,7 @@ func TestExampleConfigLoads(t *testing.T) {
 	}
 	cfg = cfg.WithDefaults()
 	p := cfg.Pools[0]
-	if cfg.Listen != ":8080" || cfg.AdminListen != ":8081" || p.Name != "llama" || p.Routing.Strategy != "prefix_aware" ||
+	if cfg.Listen != "127.0.0.1:8080" || cfg.AdminListen != "127.0.0.1:8081" || p.Name != "llama" || p.Routing.Strategy != "prefix_aware" ||
 		p.Routing.PrefixLength != 8192 || p.Routing.ConcurrencyThreshold != 64 || p.Instances[0].URL != "http://127.0.0.1:8001" {
 		t.Fatalf("example config read as %+v", cfg)
 	}

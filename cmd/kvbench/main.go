@@ -19,9 +19,15 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+
+	"github.com/kvrouter/kvrouter/internal/version"
 )
 
 func main() {
+	if version.Requested(os.Args[1:]) {
+		fmt.Println(version.Get().String("kvbench"))
+		return
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()

@@ -20,6 +20,8 @@ import (
 	"strings"
 	"syscall"
 	"text/tabwriter"
+
+	"github.com/kvrouter/kvrouter/internal/version"
 )
 
 // command is one entry of the static command table. name may have several
@@ -46,6 +48,10 @@ var commands = []command{
 var errUsage = errors.New("usage")
 
 func main() {
+	if version.Requested(os.Args[1:]) {
+		fmt.Println(version.Get().String("kvctl"))
+		return
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()

@@ -39,10 +39,15 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/grpcapi"
+	"github.com/kvrouter/kvrouter/internal/version"
 	"github.com/kvrouter/kvrouter/router"
 )
 
 func main() {
+	if version.Requested(os.Args[1:]) {
+		fmt.Println(version.Get().String("kvrouter"))
+		return
+	}
 	if err := run(context.Background(), os.Args[1:], os.Stderr, os.Getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return // usage was printed; asking for help is not a failure
