@@ -147,6 +147,9 @@ func (r *Redis) LoadAt(ctx context.Context, instance string, seq uint64, evs []e
 	return r.apply(ctx, instance, &seqGuard{load: true, seq: seq}, evs)
 }
 
+// WriterLease is the configured writer lease (RedisConfig.WriterLease).
+func (r *Redis) WriterLease() time.Duration { return r.lease }
+
 // Position returns where the instance's state stands.
 func (r *Redis) Position(ctx context.Context, instance string) (Position, error) {
 	s, err := r.rdb.HGet(ctx, r.instKey(instance), fieldPos).Result()
