@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -106,7 +107,8 @@ type Redis struct {
 	ttlArg   any           // TTL in seconds, boxed once
 	bitsArg  [256]any      // tier-bit values as Redis strings, boxed once
 
-	pool sync.Pool // *redisOverlay, reused across Apply calls
+	pool     sync.Pool   // *redisOverlay, reused across Apply calls
+	bsStored atomic.Bool // the learned block size is in <prefix>:bs
 }
 
 var _ Index = (*Redis)(nil)
@@ -379,6 +381,9 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 			}
 			res.Position = pos
 			if st != SeqApplied {
+				// Another router applies these events; this one still
+				// needs the block size to key its lookups.
+				r.bs.learn(evs)
 				res.Status = st
 				return res, nil
 			}
@@ -488,7 +493,15 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	_ = pipe.Process(ctx, commitCmd)
 	pipe.HSet(ctx, r.regKey(), instance, strconv.FormatInt(now.UnixMilli(), 10))
 	pipe.Expire(ctx, r.regKey(), r.ttl)
+	storeBS := r.bs.configured == 0 && r.bs.get() != 0 && !r.bsStored.Load()
+	if storeBS {
+		// For routers that start while the pool is idle (see Epoch).
+		pipe.SetNX(ctx, r.bsKey(), r.bs.get(), 0)
+	}
 	_, err := pipe.Exec(ctx)
+	if err == nil && storeBS {
+		r.bsStored.Store(true)
+	}
 	if err != nil && hasNoScript([]redis.Cmder{commitCmd}) {
 		// A Redis that never ran the script (new, restarted): load it and
 		// send the commit again; the block-key writes went through.

@@ -176,7 +176,16 @@ func parsePosition(s string) Position {
 // replica that never had it), which is how a router learns that every
 // instance must be checked and reloaded; created reports that this call
 // stored it.
+//
+// A router that has no block size yet (none configured, no event seen: it
+// started while the pool is idle) also learns it here, from <prefix>:bs,
+// which the first router to learn one stores.
 func (r *Redis) Epoch(ctx context.Context) (epoch string, created bool, err error) {
+	if r.bs.get() == 0 {
+		if n, err := r.rdb.Get(ctx, r.bsKey()).Int(); err == nil && n > 0 {
+			r.bs.learned.CompareAndSwap(0, int64(n))
+		}
+	}
 	mine := newToken()
 	old, err := r.rdb.SetArgs(ctx, r.epochKey(), mine, redis.SetArgs{Mode: "NX", Get: true}).Result()
 	if errors.Is(err, redis.Nil) {
@@ -189,6 +198,7 @@ func (r *Redis) Epoch(ctx context.Context) (epoch string, created bool, err erro
 }
 
 func (r *Redis) epochKey() string { return r.prefix + ":m" }
+func (r *Redis) bsKey() string    { return r.prefix + ":bs" }
 
 func newToken() string {
 	var b [8]byte

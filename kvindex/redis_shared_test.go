@@ -444,3 +444,41 @@ func TestRedisApplyAtStatuses(t *testing.T) {
 		t.Fatalf("counters %+v", stats)
 	}
 }
+
+// A router that never writes (another holds the lease) still learns the
+// block size its lookups need, and one started while the pool is idle
+// learns it from Redis at its first epoch check.
+func TestRedisSharedBlockSize(t *testing.T) {
+	ctx := context.Background()
+	srv := testenv.StartRedis(t)
+	prefix := testenv.UniqueName(t)
+	var idx []*Redis
+	for range 3 {
+		c := redis.NewClient(&redis.Options{Addr: srv.Addr})
+		t.Cleanup(func() { _ = c.Close() })
+		r, err := NewRedis(c, RedisConfig{Prefix: prefix, Model: testModel})
+		if err != nil {
+			t.Fatal(err)
+		}
+		idx = append(idx, r)
+	}
+	ch := newChain(Root(testModel, "", ""), 2, 4, 1, 10)
+	if res, err := idx[0].LoadAt(ctx, "i", 1, []events.Event{ch.stored(0, 2)}); err != nil || res.Status != SeqApplied {
+		t.Fatalf("load: %+v %v", res, err)
+	}
+	if res, err := idx[1].ApplyAt(ctx, "i", Position{Seq: 1, Seeded: true}, 2, []events.Event{ch.removed("GPU", 1, 2)}); err != nil || res.Status != SeqNotOwner {
+		t.Fatalf("second router: %+v %v", res, err)
+	}
+	if bs := idx[1].BlockSize(); bs != 4 {
+		t.Fatalf("router that skipped the message: block size %d, want 4", bs)
+	}
+	if bs := idx[2].BlockSize(); bs != 0 {
+		t.Fatalf("fresh router: block size %d before any check", bs)
+	}
+	if _, _, err := idx[2].Epoch(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if bs := idx[2].BlockSize(); bs != 4 {
+		t.Fatalf("fresh router after its epoch check: block size %d, want 4", bs)
+	}
+}

@@ -86,7 +86,7 @@ func (h *tripCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.
 var singleKey = map[string]bool{
 	"hgetall": true, "hmget": true, "hset": true, "hdel": true, "expire": true,
 	"hincrby": true, "hscan": true, "hkeys": true, "hget": true, "del": true, "ttl": true,
-	"set": true,
+	"set": true, "get": true,
 	// Scripts: checked below to name exactly one key.
 	"evalsha": true, "eval": true,
 }
