@@ -463,10 +463,10 @@ func TestRedisSharedBlockSize(t *testing.T) {
 		idx = append(idx, r)
 	}
 	ch := newChain(Root(testModel, "", ""), 2, 4, 1, 10)
-	if res, err := idx[0].LoadAt(ctx, "i", 1, []events.Event{ch.stored(0, 2)}); err != nil || res.Status != SeqApplied {
+	if res, err := idx[0].LoadAt(ctx, "i", 1, []events.Event{ch.stored(0, 1)}); err != nil || res.Status != SeqApplied {
 		t.Fatalf("load: %+v %v", res, err)
 	}
-	if res, err := idx[1].ApplyAt(ctx, "i", Position{Seq: 1, Seeded: true}, 2, []events.Event{ch.removed("GPU", 1, 2)}); err != nil || res.Status != SeqNotOwner {
+	if res, err := idx[1].ApplyAt(ctx, "i", Position{Seq: 1, Seeded: true}, 2, []events.Event{ch.stored(1, 2)}); err != nil || res.Status != SeqNotOwner {
 		t.Fatalf("second router: %+v %v", res, err)
 	}
 	if bs := idx[1].BlockSize(); bs != 4 {
