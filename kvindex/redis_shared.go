@@ -162,6 +162,26 @@ func (r *Redis) Position(ctx context.Context, instance string) (Position, error)
 	return parsePosition(s), nil
 }
 
+// Positions returns several instances' positions, in one pipelined round
+// trip.
+func (r *Redis) Positions(ctx context.Context, instances []string) ([]Position, error) {
+	pipe := r.rdb.Pipeline()
+	cmds := make([]*redis.StringCmd, len(instances))
+	for i, inst := range instances {
+		cmds[i] = pipe.HGet(ctx, r.instKey(inst), fieldPos)
+	}
+	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+		return nil, fmt.Errorf("kvindex: redis: positions: %w", err)
+	}
+	out := make([]Position, len(instances))
+	for i, c := range cmds {
+		if s, err := c.Result(); err == nil {
+			out[i] = parsePosition(s)
+		}
+	}
+	return out, nil
+}
+
 func parsePosition(s string) Position {
 	v, err := strconv.ParseUint(s, 10, 64)
 	if err != nil {

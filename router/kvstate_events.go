@@ -479,6 +479,11 @@ func (a *sharedAccountingApplier) Position(ctx context.Context, instance string)
 	return a.shared.Position(ctx, instance)
 }
 
+// Positions implements consumer.SharedApplier.
+func (a *sharedAccountingApplier) Positions(ctx context.Context, instances []string) ([]kvindex.Position, error) {
+	return a.shared.Positions(ctx, instances)
+}
+
 // Epoch implements consumer.SharedApplier.
 func (a *sharedAccountingApplier) Epoch(ctx context.Context) (string, bool, error) {
 	return a.shared.Epoch(ctx)

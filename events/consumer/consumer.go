@@ -168,11 +168,13 @@ type inst struct {
 	needLoad bool
 	skipUpTo uint64
 	// Shared index (shared.go). from: the position the index should be at
-	// before this router's next message of the instance (shard-owned);
+	// before this router's next message of the instance (shard-owned;
+	// expect is a copy for watchShared, guarded by Consumer.mu);
 	// skipped/skippedAt: the last message left to another router's writer
 	// lease, not yet seen applied; syncQueued: a sync is queued (both
 	// guarded by Consumer.mu).
 	from       kvindex.Position
+	expect     kvindex.Position
 	skipped    uint64
 	skippedAt  time.Time
 	syncQueued bool
@@ -879,7 +881,7 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 			// The stream lost messages of the instance: its state in the
 			// index misses them too. A snapshot past them replaces it.
 			if pos, err := c.seedShared(ctx, w.instance, in, w.streamSeq); err == nil {
-				in.from = pos
+				c.setFrom(in, pos)
 			} else if !errors.Is(err, errOwned) {
 				c.setSynced(in, false)
 				c.cfg.Logger.Warn("consumer: snapshot load into the shared index failed, will retry", "instance", w.instance, "err", err)

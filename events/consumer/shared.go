@@ -39,6 +39,8 @@ type SharedApplier interface {
 	LoadAt(ctx context.Context, instance string, seq uint64, evs []events.Event) (kvindex.SeqResult, error)
 	Position(ctx context.Context, instance string) (kvindex.Position, error)
 	Epoch(ctx context.Context) (epoch string, created bool, err error)
+	// Positions reads several instances' positions in one round trip.
+	Positions(ctx context.Context, instances []string) ([]kvindex.Position, error)
 	// WriterLease is how long a writer keeps an instance after its last
 	// write: a skipped message is checked for once it has run out.
 	WriterLease() time.Duration
@@ -71,7 +73,7 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 	// Processed, whatever happens: a failure leaves the index behind this
 	// message, and the next one (or the sync retried by watchShared)
 	// repairs it from the stream.
-	in.from = kvindex.Position{Seq: seq, Seeded: true}
+	c.setFrom(in, kvindex.Position{Seq: seq, Seeded: true})
 	for range sharedAttempts {
 		r, err := c.shared.idx.ApplyAt(ctx, instance, from, seq, evs)
 		if err != nil {
@@ -287,7 +289,7 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 		c.cfg.Logger.Warn("consumer: repair of the shared index failed, will retry", "instance", instance, "err", err)
 	default:
 		if !in.from.Seeded || p.Seq > in.from.Seq {
-			in.from = p
+			c.setFrom(in, p)
 		}
 		confirmed()
 		c.setSynced(in, true)
@@ -295,6 +297,15 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 			c.cfg.Logger.Info("consumer: shared index repaired", "instance", instance, "was", pos.String(), "now", p.Seq)
 		}
 	}
+}
+
+// setFrom sets where the index should be for the instance's next message.
+// Shard goroutine only.
+func (c *Consumer) setFrom(in *inst, p kvindex.Position) {
+	in.from = p
+	c.mu.Lock()
+	in.expect = p
+	c.mu.Unlock()
 }
 
 // setSynced records whether the instance's state in the index is known
@@ -408,16 +419,7 @@ func (c *Consumer) watchShared(ctx context.Context) {
 		}
 		c.updateConsistent()
 		if c.epochOK.Load() {
-			now := time.Now()
-			var due []string
-			c.mu.Lock()
-			for name, in := range c.insts {
-				if in.status.IndexUnsynced || in.skipped != 0 && now.Sub(in.skippedAt) > leaseWait {
-					due = append(due, name)
-				}
-			}
-			c.mu.Unlock()
-			for _, name := range due {
+			for _, name := range c.dueShared(ctx, leaseWait) {
 				c.queueSync(ctx, name)
 			}
 		}
@@ -427,4 +429,39 @@ func (c *Consumer) watchShared(ctx context.Context) {
 		case <-tick.C:
 		}
 	}
+}
+
+// dueShared lists the instances to sync: unsynced ones, those with a
+// message left to a writer whose lease has run out since, and those whose
+// position in the index is behind what this router consumed when no other
+// writer can explain it (Redis restored from its persistence to an earlier
+// point keeps its epoch: only positions tell), read in one round trip.
+func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) []string {
+	now := time.Now()
+	var due, check []string
+	var want []kvindex.Position
+	c.mu.Lock()
+	for name, in := range c.insts {
+		writerLate := in.skipped == 0 || now.Sub(in.skippedAt) > leaseWait
+		switch {
+		case in.status.IndexUnsynced || in.skipped != 0 && writerLate:
+			due = append(due, name)
+		case writerLate && in.expect.Seeded && !in.syncQueued:
+			check, want = append(check, name), append(want, in.expect)
+		}
+	}
+	c.mu.Unlock()
+	if len(check) == 0 {
+		return due
+	}
+	got, err := c.shared.idx.Positions(ctx, check)
+	if err != nil {
+		return due // the epoch check says whether Redis is reachable
+	}
+	for i, p := range got {
+		if !p.Seeded || p.Seq < want[i].Seq {
+			due = append(due, check[i])
+		}
+	}
+	return due
 }

@@ -471,3 +471,31 @@ func TestSharedRedisRestartEmpty(t *testing.T) {
 	hb.Wait()
 	neg.Wait()
 }
+
+// Redis comes back from its own persistence at an earlier point (an RDB
+// saved before the last messages): the epoch is the same, nothing is lost
+// as far as it can tell, but the positions are behind what the routers
+// consumed. An instance that sends nothing afterwards is repaired from the
+// stream all the same.
+func TestSharedRedisRestoredEarlier(t *testing.T) {
+	w := newSharedWorld(t, 5, "e0", "quiet")
+	stop := make(chan struct{})
+	hb := w.heartbeats(stop)
+	r1, r2 := w.startRouter(), w.startRouter()
+	w.publish(20)
+	w.converge("first messages", r1, r2)
+	admin := redis.NewClient(&redis.Options{Addr: w.redis.Addr})
+	t.Cleanup(func() { _ = admin.Close() })
+	if err := admin.Save(w.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	w.publish(20, "quiet") // after the save: lost by the restore
+	w.converge("before the restore", r1, r2)
+	time.Sleep(3 * sharedLease) // skipped messages seen applied: only positions can tell
+
+	w.redis.Kill()
+	w.redis.Start() // loads the RDB: the state of 20 messages ago
+	w.converge("after Redis came back older", r1, r2)
+	close(stop)
+	hb.Wait()
+}
