@@ -56,6 +56,21 @@ func (b *blockSizer) get() int {
 	return int(b.learned.Load())
 }
 
+// learn takes the block size from the first of evs that carries a valid
+// one, when none is configured or learned yet: a shared index learns it
+// from the messages another router applied, too.
+func (b *blockSizer) learn(evs []events.Event) {
+	if b.get() != 0 {
+		return
+	}
+	for i := range evs {
+		if evs[i].BlockSize > 0 && !skipEvent(&evs[i]) {
+			b.learned.CompareAndSwap(0, int64(evs[i].BlockSize))
+			return
+		}
+	}
+}
+
 // resolve returns the block size to key an event with; evBS is the event's
 // own block_size (0 when absent).
 func (b *blockSizer) resolve(evBS int) (int, error) {

@@ -201,30 +201,55 @@ func BenchmarkMemoryApplyParallel(b *testing.B) {
 // operation does not grow with its size (hash lookups), so a smaller
 // fleet keeps setup short.
 func BenchmarkRedisApply(b *testing.B) {
-	for _, evBlocks := range []int{512, 64} {
-		b.Run(fmt.Sprintf("event=%dblocks", evBlocks), func(b *testing.B) {
-			r, err := NewRedis(redisClient(b), RedisConfig{Prefix: testenv.UniqueName(b), Model: testModel, TTL: time.Hour})
-			if err != nil {
-				b.Fatal(err)
+	// "event=N" is the single-writer Apply; "shared/event=N" is ApplyAt,
+	// what routers sharing the index use: positions and a writer lease,
+	// one writer (the others skip a message after one round trip).
+	for _, shared := range []bool{false, true} {
+		for _, evBlocks := range []int{512, 64} {
+			name := fmt.Sprintf("event=%dblocks", evBlocks)
+			if shared {
+				name = "shared/" + name
 			}
-			s := newShape(16, 8, shapeBlocks, evBlocks)
-			perChain := shapeBlocks / evBlocks
-			ctx := context.Background()
-			b.ReportAllocs()
-			n := 0
-			cpu0, srv0 := processCPU(), redisCPU(b, r)
-			for b.Loop() {
-				chain := (n / perChain) % len(s.evs)
-				if _, err := r.Apply(ctx, fmt.Sprintf("pod-%d", chain/8), s.evs[chain][n%perChain:n%perChain+1]); err != nil {
+			b.Run(name, func(b *testing.B) {
+				r, err := NewRedis(redisClient(b), RedisConfig{Prefix: testenv.UniqueName(b), Model: testModel, TTL: time.Hour})
+				if err != nil {
 					b.Fatal(err)
 				}
-				n++
-			}
-			blocks := float64(evBlocks * n)
-			b.ReportMetric(blocks/b.Elapsed().Seconds(), "blocks/s")
-			b.ReportMetric(blocks/(processCPU()-cpu0).Seconds(), "blocks/client-cpu-s")
-			b.ReportMetric(blocks/(redisCPU(b, r)-srv0).Seconds(), "blocks/server-cpu-s")
-		})
+				s := newShape(16, 8, shapeBlocks, evBlocks)
+				perChain := shapeBlocks / evBlocks
+				ctx := context.Background()
+				pos := map[string]Position{}
+				b.ReportAllocs()
+				n := 0
+				cpu0, srv0 := processCPU(), redisCPU(b, r)
+				for b.Loop() {
+					chain := (n / perChain) % len(s.evs)
+					inst := fmt.Sprintf("pod-%d", chain/8)
+					evs := s.evs[chain][n%perChain : n%perChain+1]
+					if shared {
+						from := pos[inst]
+						if !from.Seeded {
+							from = Position{Seeded: true}
+							if _, err := r.LoadAt(ctx, inst, 0, nil); err != nil {
+								b.Fatal(err)
+							}
+						}
+						res, err := r.ApplyAt(ctx, inst, from, uint64(n+1), evs)
+						if err != nil || res.Status != SeqApplied {
+							b.Fatalf("ApplyAt = %v, %v", res.Status, err)
+						}
+						pos[inst] = res.Position
+					} else if _, err := r.Apply(ctx, inst, evs); err != nil {
+						b.Fatal(err)
+					}
+					n++
+				}
+				blocks := float64(evBlocks * n)
+				b.ReportMetric(blocks/b.Elapsed().Seconds(), "blocks/s")
+				b.ReportMetric(blocks/(processCPU()-cpu0).Seconds(), "blocks/client-cpu-s")
+				b.ReportMetric(blocks/(redisCPU(b, r)-srv0).Seconds(), "blocks/server-cpu-s")
+			})
+		}
 	}
 }
 

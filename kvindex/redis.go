@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -44,6 +45,10 @@ type RedisConfig struct {
 	TTL time.Duration
 	// Now is the clock; nil = time.Now.
 	Now func() time.Time
+	// WriterLease is how long a router keeps the right to write an
+	// instance after its last write, when routers share the index through
+	// ApplyAt; 0 = DefaultWriterLease.
+	WriterLease time.Duration
 	// ExactLookup makes every lookup read each chain position up to each
 	// instance's first missing probe, so that a hole in the middle of a
 	// chain ends the match exactly where it is. The default (false)
@@ -63,6 +68,9 @@ func (c RedisConfig) validate() error {
 	}
 	if c.TTL < 0 {
 		return fmt.Errorf("%w: redis: ttl %v < 0", ErrConfig, c.TTL)
+	}
+	if c.WriterLease < 0 || c.WriterLease > 0 && c.WriterLease < 10*time.Millisecond {
+		return fmt.Errorf("%w: redis: writer lease %v: want 0 (default) or at least 10ms", ErrConfig, c.WriterLease)
 	}
 	if c.TTL > 0 && c.TTL < time.Second {
 		return fmt.Errorf("%w: redis: ttl %v below Redis' 1s resolution", ErrConfig, c.TTL)
@@ -92,11 +100,15 @@ type Redis struct {
 	now    func() time.Time
 	bs     blockSizer
 
-	exact   bool     // ExactLookup
-	ttlArg  any      // TTL in seconds, boxed once
-	bitsArg [256]any // tier-bit values as Redis strings, boxed once
+	exact    bool          // ExactLookup
+	lease    time.Duration // WriterLease
+	token    string        // this index's writer-lease token (random)
+	leaseArg any           // lease in ms, boxed once
+	ttlArg   any           // TTL in seconds, boxed once
+	bitsArg  [256]any      // tier-bit values as Redis strings, boxed once
 
-	pool sync.Pool // *redisOverlay, reused across Apply calls
+	pool     sync.Pool   // *redisOverlay, reused across Apply calls
+	bsStored atomic.Bool // the learned block size is in <prefix>:bs
 }
 
 var _ Index = (*Redis)(nil)
@@ -123,6 +135,12 @@ func NewRedis(client redis.UniversalClient, cfg RedisConfig) (*Redis, error) {
 	r.bs.configured = cfg.BlockSize
 	r.pool.New = func() any { return &redisOverlay{} }
 	r.ttlArg = int64(r.ttl / time.Second)
+	r.lease = cfg.WriterLease
+	if r.lease == 0 {
+		r.lease = DefaultWriterLease
+	}
+	r.leaseArg = r.lease.Milliseconds()
+	r.token = newToken()
 	for i := range r.bitsArg {
 		r.bitsArg[i] = strconv.Itoa(i)
 	}
@@ -289,22 +307,40 @@ func (o *redisOverlay) clearAll() {
 }
 
 // Apply implements Index: one HMGET of the engine hashes the events name,
-// the events applied to that snapshot in memory, then one pipeline of
-// single-key writes (plus an HSCAN of the instance's map when the batch
-// clears the instance).
+// the events applied to that snapshot in memory, then one pipeline:
+// mapScript's commit on the instance map (its fields and counters, in one
+// atomic step) and single-key writes of the block keys (plus an HSCAN of
+// the instance's map when the batch clears the instance). Apply takes no
+// writer lease and leaves the instance's position alone: routers sharing
+// an index use ApplyAt.
+func (r *Redis) Apply(ctx context.Context, instance string, evs []events.Event) (ApplyResult, error) {
+	res, err := r.apply(ctx, instance, nil, evs)
+	return res.ApplyResult, err
+}
+
+// apply is Apply (g nil), ApplyAt and LoadAt. With a guard the read round
+// trip also runs mapScript's begin (position and lease checks, lease
+// taken) ahead of the HMGET, on the same connection: once the lease is
+// ours nobody else changes the map, so the HMGET that follows reads the
+// state the commit's counter deltas are computed from.
 //
 // Arguments are passed pre-boxed (one interface value per engine-hash
 // field, block key, instance name and tier value, shared by every command
 // that uses it): go-redis otherwise boxes each argument of each command,
 // and at hundreds of thousands of blocks a second the client's allocations,
 // not Redis, set the pace.
-func (r *Redis) Apply(ctx context.Context, instance string, evs []events.Event) (ApplyResult, error) {
-	var res ApplyResult
+func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []events.Event) (SeqResult, error) {
+	var res SeqResult
 	o := r.pool.Get().(*redisOverlay)
 	defer r.pool.Put(o)
 	o.reset()
 
 	ikey := r.instKey(instance)
+	token, expected, newPos := "", "*", ""
+	if g != nil {
+		token, expected, newPos = r.token, g.expected(), strconv.FormatUint(g.seq, 10)
+	}
+	started := time.Now()
 	// HMGET ikey field...: fieldAt[h] is the index of h's boxed field.
 	o.args = append(o.args[:0], "hmget", ikey)
 	for i := range evs {
@@ -319,24 +355,57 @@ func (r *Redis) Apply(ctx context.Context, instance string, evs []events.Event) 
 			o.mention(h)
 		}
 	}
-	if len(o.args) > 2 {
-		vals, err := r.rdb.Do(ctx, o.args...).Slice()
+	// A load replaces the state: nothing to read (the fields are
+	// mentioned for their strings).
+	read := len(o.args) > 2 && (g == nil || !g.load)
+	if g != nil || read {
+		var begin *redis.SliceCmd
+		var hmget *redis.Cmd
+		_, err := r.pipelined(ctx, func(p redis.Pipeliner) {
+			begin, hmget = nil, nil
+			if g != nil {
+				begin = redis.NewSliceCmd(ctx, "evalsha", mapScript.Hash(), 1, ikey, "b", token, r.leaseArg, r.ttlArg, expected, newPos)
+				_ = p.Process(ctx, begin)
+			}
+			if read {
+				hmget = p.Do(ctx, o.args...)
+			}
+		})
 		if err != nil {
 			return res, fmt.Errorf("kvindex: redis: read engine-hash map of %s: %w", instance, err)
 		}
-		for h, i := range o.fieldAt {
-			if i-2 >= len(vals) {
-				continue
+		if begin != nil {
+			st, pos, err := scriptStatus(begin.Val())
+			if err != nil {
+				return res, err
 			}
-			if s, ok := vals[i-2].(string); ok {
-				if mv, ok := decodeMapVal(s); ok && mv.bits != 0 {
-					o.pre[h] = mv
+			res.Position = pos
+			if st != SeqApplied {
+				// Another router applies these events; this one still
+				// needs the block size to key its lookups.
+				r.bs.learn(evs)
+				res.Status = st
+				return res, nil
+			}
+		}
+		if hmget != nil {
+			vals, _ := hmget.Slice()
+			for h, i := range o.fieldAt {
+				if i-2 >= len(vals) {
+					continue
+				}
+				if s, ok := vals[i-2].(string); ok {
+					if mv, ok := decodeMapVal(s); ok && mv.bits != 0 {
+						o.pre[h] = mv
+					}
 				}
 			}
 		}
 	}
-
-	o.scratch = applyEvents(o, r.model, &r.bs, evs, &res, o.scratch)
+	if g != nil && g.load {
+		o.clearAll()
+	}
+	o.scratch = applyEvents(o, r.model, &r.bs, evs, &res.ApplyResult, o.scratch)
 
 	var old map[uint64]mapVal // the whole map before a clear
 	if o.cleared {
@@ -345,11 +414,16 @@ func (r *Redis) Apply(ctx context.Context, instance string, evs []events.Event) 
 			return res, err
 		}
 	}
+	if g != nil && time.Since(started) > r.lease/2 {
+		// Another router may take the instance over once the lease runs
+		// out; writing block keys now could interleave with its writes.
+		return res, fmt.Errorf("%w (%s, %v since the read)", errLeaseTooOld, instance, time.Since(started).Round(time.Millisecond))
+	}
 	now := r.now()
 	pipe := r.rdb.Pipeline()
 	inst := any(instance)
-	// One backing array for every write command's arguments.
-	w := make([]any, 0, 7*len(o.cur)+len(old)*3+32)
+	// One backing array for every block-key command's arguments.
+	w := make([]any, 0, 5*len(o.cur)+len(old)*3+32)
 	cmd := func(args ...any) {
 		start := len(w)
 		w = append(w, args...)
@@ -376,10 +450,18 @@ func (r *Redis) Apply(ctx context.Context, instance string, evs []events.Event) 
 				cmd("hdel", r.blockKey(v.key), inst)
 			}
 		}
-		cmd("del", ikey)
 	}
-	hset := append(make([]any, 0, 2+2*len(o.cur)), "hset", ikey)
-	hdel := []any{"hdel", ikey}
+	reset := "0"
+	if o.cleared {
+		reset = "1"
+	}
+	// mapScript commit: the header, then field, value pairs to set, then
+	// fields to delete; the deltas and the pair count are filled in last.
+	const nSetAt = 16
+	commit := make([]any, 0, nSetAt+1+2*len(o.cur))
+	commit = append(commit, "evalsha", mapScript.Hash(), 1, ikey, "c", token, r.leaseArg, r.ttlArg, expected, newPos,
+		reset, nil, nil, nil, nil, nil, nil)
+	var del []any
 	for h, v := range o.cur {
 		pv, had := o.pre[h]
 		if o.cleared {
@@ -395,31 +477,52 @@ func (r *Redis) Apply(ctx context.Context, instance string, evs []events.Event) 
 		field := o.args[o.fieldAt[h]]
 		if v.bits == 0 {
 			if had {
-				hdel = append(hdel, field)
+				del = append(del, field)
 			}
 			continue
 		}
 		bk := any(r.blockKey(v.key))
 		cmd("hset", bk, inst, r.bitsArg[v.bits])
 		cmd("expire", bk, r.ttlArg)
-		hset = append(hset, field, v.encode())
+		commit = append(commit, field, v.encode())
 	}
-	if len(hset) > 2 {
-		pipe.Do(ctx, hset...)
-	}
-	if len(hdel) > 2 {
-		pipe.Do(ctx, hdel...)
-	}
-	pipe.HIncrBy(ctx, ikey, fieldEntries, dEntries)
-	for t := range tiers.Count {
-		pipe.HIncrBy(ctx, ikey, fieldTier+strconv.Itoa(t), dTier[t])
-	}
-	pipe.Expire(ctx, ikey, r.ttl)
+	commit[nSetAt-5], commit[nSetAt-4], commit[nSetAt-3], commit[nSetAt-2], commit[nSetAt-1] = dEntries, dTier[0], dTier[1], dTier[2], dTier[3]
+	commit[nSetAt] = (len(commit) - nSetAt - 1) / 2
+	commit = append(commit, del...)
+	commitCmd := redis.NewSliceCmd(ctx, commit...)
+	_ = pipe.Process(ctx, commitCmd)
 	pipe.HSet(ctx, r.regKey(), instance, strconv.FormatInt(now.UnixMilli(), 10))
 	pipe.Expire(ctx, r.regKey(), r.ttl)
-	if _, err := pipe.Exec(ctx); err != nil {
+	storeBS := r.bs.configured == 0 && r.bs.get() != 0 && !r.bsStored.Load()
+	if storeBS {
+		// For routers that start while the pool is idle (see Epoch).
+		pipe.SetNX(ctx, r.bsKey(), r.bs.get(), 0)
+	}
+	_, err := pipe.Exec(ctx)
+	if err == nil && storeBS {
+		r.bsStored.Store(true)
+	}
+	if err != nil && hasNoScript([]redis.Cmder{commitCmd}) {
+		// A Redis that never ran the script (new, restarted): load it and
+		// send the commit again; the block-key writes went through.
+		if err = mapScript.Load(ctx, r.rdb).Err(); err == nil {
+			commitCmd = redis.NewSliceCmd(ctx, commit...)
+			err = r.rdb.Process(ctx, commitCmd)
+		}
+	}
+	if err != nil {
 		return res, fmt.Errorf("kvindex: redis: write %d changes of %s: %w", len(o.cur), instance, err)
 	}
+	st, pos, err := scriptStatus(commitCmd.Val())
+	if err != nil {
+		return res, err
+	}
+	if st != SeqApplied {
+		// Lost the lease or the map between the two round trips (Redis
+		// restarted, a purge): the block-key writes went out regardless.
+		return res, fmt.Errorf("%w: %s is %s at %s", errMoved, instance, st, pos)
+	}
+	res.Status, res.Position = SeqApplied, pos
 	return res, nil
 }
 

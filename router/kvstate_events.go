@@ -309,9 +309,13 @@ func (k *KVEvents) pool(pc PoolConfig) (*kvPool, error) {
 	if bucket.Name == "" {
 		bucket.Name = ec.Bucket
 	}
+	var applier consumer.Applier = &accountingApplier{Index: index, acct: k.acct}
+	if rs, ok := index.(*kvindex.Redis); ok {
+		applier = &sharedAccountingApplier{accountingApplier{Index: index, acct: k.acct}, rs}
+	}
 	cons, err := consumer.New(consumer.Config{
 		Conn: k.conn, Pool: pc.Name,
-		Applier:     &accountingApplier{Index: index, acct: k.acct},
+		Applier:     applier,
 		Stream:      stream,
 		Bucket:      bucket,
 		SharedIndex: ic.Backend == "redis",
@@ -398,6 +402,13 @@ func (a *accountingApplier) Apply(ctx context.Context, instance string, evs []ev
 	if err != nil {
 		return res, err
 	}
+	a.account(instance, evs, res, true)
+	return res, nil
+}
+
+// account accounts evs per tier; exact says res is the index's result for
+// them (else, for events another router applied, the events' own counts).
+func (a *accountingApplier) account(instance string, evs []events.Event, res kvindex.ApplyResult, exact bool) {
 	var stored, removed [tiers.Count]int
 	storedTiers, removedTiers, cleared := 0, 0, false
 	for _, ev := range evs {
@@ -430,21 +441,20 @@ func (a *accountingApplier) Apply(ctx context.Context, instance string, evs []ev
 				a.acct.Cleared(instance)
 			}
 		}
-		return res, nil
+		return
 	}
 	for t := range tiers.Count {
 		n := stored[t]
-		if storedTiers == 1 && n > 0 {
+		if exact && storedTiers == 1 && n > 0 {
 			n = res.Stored
 		}
 		a.acct.Stored(instance, tiers.Tier(t), n)
 		n = removed[t]
-		if removedTiers == 1 && n > 0 {
+		if exact && removedTiers == 1 && n > 0 {
 			n = res.Removed
 		}
 		a.acct.Evicted(instance, tiers.Tier(t), n)
 	}
-	return res, nil
 }
 
 // Purge drops the instance from the index and its accounting series.
@@ -453,6 +463,63 @@ func (a *accountingApplier) Purge(ctx context.Context, instance string) error {
 	a.acct.Forget(instance)
 	return err
 }
+
+// sharedAccountingApplier is accountingApplier for a Redis index shared by
+// router replicas: the consumer applies through ApplyAt and LoadAt (see
+// consumer.SharedApplier). Every replica accounts every message it
+// consumes, whichever replica wrote it to the index, so that each one's
+// per-tier figures describe the whole pool.
+type sharedAccountingApplier struct {
+	accountingApplier
+	shared *kvindex.Redis
+}
+
+var _ consumer.SharedApplier = (*sharedAccountingApplier)(nil)
+
+// ApplyAt implements consumer.SharedApplier.
+func (a *sharedAccountingApplier) ApplyAt(ctx context.Context, instance string, from kvindex.Position, seq uint64, evs []events.Event) (kvindex.SeqResult, error) {
+	r, err := a.shared.ApplyAt(ctx, instance, from, seq, evs)
+	switch {
+	case err != nil:
+	case r.Status == kvindex.SeqApplied:
+		a.account(instance, evs, r.ApplyResult, true)
+	case r.Status == kvindex.SeqNotOwner || r.Status == kvindex.SeqDuplicate:
+		// Written by another replica. (A repair re-applies messages this
+		// replica consumed and accounted before: counted twice, as in a
+		// memory index's replay after a snapshot reload.)
+		a.account(instance, evs, r.ApplyResult, false)
+	}
+	return r, err
+}
+
+// LoadAt implements consumer.SharedApplier: a loaded snapshot replaces the
+// instance's accounting.
+func (a *sharedAccountingApplier) LoadAt(ctx context.Context, instance string, seq uint64, evs []events.Event) (kvindex.SeqResult, error) {
+	r, err := a.shared.LoadAt(ctx, instance, seq, evs)
+	if err == nil && r.Status == kvindex.SeqApplied {
+		a.acct.Forget(instance)
+		a.account(instance, evs, r.ApplyResult, true)
+	}
+	return r, err
+}
+
+// Position implements consumer.SharedApplier.
+func (a *sharedAccountingApplier) Position(ctx context.Context, instance string) (kvindex.Position, error) {
+	return a.shared.Position(ctx, instance)
+}
+
+// Positions implements consumer.SharedApplier.
+func (a *sharedAccountingApplier) Positions(ctx context.Context, instances []string) ([]kvindex.Position, error) {
+	return a.shared.Positions(ctx, instances)
+}
+
+// Epoch implements consumer.SharedApplier.
+func (a *sharedAccountingApplier) Epoch(ctx context.Context) (string, bool, error) {
+	return a.shared.Epoch(ctx)
+}
+
+// WriterLease implements consumer.SharedApplier.
+func (a *sharedAccountingApplier) WriterLease() time.Duration { return a.shared.WriterLease() }
 
 // discoverEnabled: events.discover_instances, default true.
 func discoverEnabled(cfg Config) bool {

@@ -1,6 +1,9 @@
 package tokenizer
 
-import "strings"
+import (
+	"encoding/json"
+	"strings"
+)
 
 // simplePattern is the dummy tokenizer's split regex, verbatim from
 // /work/shared/kv-events/captured/DATA.md ("Caveats → Tokenizer"), which documents
@@ -79,18 +82,81 @@ func (Simple) Encode(text string) ([]uint32, error) {
 	return ids, nil
 }
 
-// Render implements ChatTemplate: "### role: content\n" per message. The simulator has no
-// generation prompt, tools or template variables, so opts is ignored.
+// Render implements ChatTemplate the way llm-d-inference-sim renders a chat for its dummy
+// tokenizer (source: llm-d/llm-d-inference-sim at eec055a39e6b, the commit the captures
+// were made with: pkg/tokenizer/tokenizer.go SimpleTokenizer.RenderMessages and
+// pkg/api/response.go Message.PlainText), per message:
+//
+//	"### " + role [+ "(" + tool_call_id + ")"] + ": " + content + "[name(arguments)]"... + "\n"
+//
+// content is the string content, or the list's text parts and "image: " + the URL of each
+// image_url part, joined with "\n"; each tool call with a function name adds "[" + name +
+// "(" + arguments + ")]", arguments as the client sent the JSON string. Without the tool call
+// id and the calls, a tool-calling chat is keyed short of what the engine caches. The
+// simulator has no generation prompt, tools list or template variables, so opts is ignored.
 func (Simple) Render(msgs []Message, _ RenderOptions) (string, error) {
 	var b strings.Builder
 	for _, m := range msgs {
 		b.WriteString("### ")
 		b.WriteString(m.Role)
+		if m.ToolCallID != "" {
+			b.WriteString("(")
+			b.WriteString(m.ToolCallID)
+			b.WriteString(")")
+		}
 		b.WriteString(": ")
-		b.WriteString(m.Content)
+		simpleContent(&b, m)
+		for _, tc := range m.ToolCalls {
+			if tc.Function.Name == "" {
+				continue // the simulator skips calls without a name (a null one)
+			}
+			b.WriteString("[")
+			b.WriteString(tc.Function.Name)
+			b.WriteString("(")
+			b.WriteString(simpleArguments(tc.Function.Arguments))
+			b.WriteString(")]")
+		}
 		b.WriteString("\n")
 	}
 	return b.String(), nil
+}
+
+// simpleContent writes a message's content as the simulator flattens it: the string, or
+// the text and image_url parts of a list, one per line (other parts are left out).
+func simpleContent(b *strings.Builder, m Message) {
+	if m.Parts == nil {
+		b.WriteString(m.Content)
+		return
+	}
+	first := true
+	line := func(s string) {
+		if !first {
+			b.WriteString("\n")
+		}
+		first = false
+		b.WriteString(s)
+	}
+	for _, p := range m.Parts {
+		switch p.Type {
+		case "text":
+			line(p.Text)
+		case "image_url":
+			if iu, ok := p.Raw["image_url"].(map[string]any); ok {
+				u, _ := iu["url"].(string)
+				line("image: " + u)
+			}
+		}
+	}
+}
+
+// simpleArguments is a tool call's arguments as the simulator holds them: the JSON string's
+// value (the OpenAI form); any other JSON as sent.
+func simpleArguments(raw json.RawMessage) string {
+	var s string
+	if len(raw) > 0 && raw[0] == '"' && json.Unmarshal(raw, &s) == nil {
+		return s
+	}
+	return string(raw)
 }
 
 // fnv32a is FNV-1a 32-bit (as hash/fnv.New32a) over s, without converting s to []byte.

@@ -145,11 +145,42 @@ func TestSimpleEncode(t *testing.T) {
 	}
 }
 
+// TestSimpleRender checks the flattening against llm-d-inference-sim's rules (see Render):
+// messages as a chat request sends them, expected text written from the simulator's source.
 func TestSimpleRender(t *testing.T) {
-	msgs := []Message{{Role: "system", Content: "be brief"}, {Role: "user", Content: "hi"}}
-	got, err := Simple{}.Render(msgs, RenderOptions{AddGenerationPrompt: true})
-	if want := "### system: be brief\n### user: hi\n"; err != nil || got != want {
-		t.Fatalf("Render = %q, %v; want %q", got, err, want)
+	tests := []struct {
+		name, messages, want string
+	}{
+		{"plain", `[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}]`,
+			"### system: be brief\n### user: hi\n"},
+		{"tool calling turn",
+			`[{"role":"user","content":"weather in Paris?"},
+			  {"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"get_weather","arguments":"{\"city\": \"Paris\"}"}}]},
+			  {"role":"tool","tool_call_id":"call_1","content":"sunny, 21C"},
+			  {"role":"assistant","content":"It is sunny."}]`,
+			"### user: weather in Paris?\n### assistant: [get_weather({\"city\": \"Paris\"})]\n### tool(call_1): sunny, 21C\n### assistant: It is sunny.\n"},
+		{"content and two calls", `[{"role":"assistant","content":"checking","tool_calls":[
+			  {"id":"a","function":{"name":"f","arguments":"{}"}},{"id":"b","function":{"name":"g","arguments":"{\"x\":1}"}}]}]`,
+			"### assistant: checking[f({})][g({\"x\":1})]\n"},
+		{"call without a name is skipped", `[{"role":"assistant","content":null,"tool_calls":[{"id":"a","function":{"arguments":"{}"}}]}]`,
+			"### assistant: \n"},
+		{"arguments sent as an object", `[{"role":"assistant","content":null,"tool_calls":[{"id":"a","function":{"name":"f","arguments":{"k":"v"}}}]}]`,
+			"### assistant: [f({\"k\":\"v\"})]\n"},
+		{"content parts: text and image lines", `[{"role":"user","content":[{"type":"text","text":"look"},{"type":"image_url","image_url":{"url":"http://x/y.png"}},{"type":"input_audio","input_audio":{"data":"AA=="}},{"type":"text","text":"at this"}]}]`,
+			"### user: look\nimage: http://x/y.png\nat this\n"},
+		{"name is not rendered", `[{"role":"user","name":"bob","content":"hi"}]`, "### user: hi\n"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var msgs []Message
+			if err := json.Unmarshal([]byte(tt.messages), &msgs); err != nil {
+				t.Fatal(err)
+			}
+			got, err := Simple{}.Render(msgs, RenderOptions{AddGenerationPrompt: true})
+			if err != nil || got != tt.want {
+				t.Fatalf("Render = %q, %v\nwant     %q", got, err, tt.want)
+			}
+		})
 	}
 }
 

@@ -77,9 +77,12 @@ type Config struct {
 	Stream events.StreamConfig
 	Bucket events.BucketConfig
 	// SharedIndex says the Applier is shared with other routers (the
-	// Redis index): then the consumer neither purges instances on start
-	// nor reloads snapshots into it, and consumes only new messages: the
-	// shared map is already current, this router only keeps up.
+	// Redis index): then the consumer never purges instances from it and
+	// consumes only new messages: the shared map is kept current by every
+	// router. When the Applier is a SharedApplier, each message is applied
+	// once whichever router gets there first, and a router repairs the
+	// shared map from snapshots and the stream when it finds it behind or
+	// emptied (see SharedApplier); otherwise the consumer only keeps up.
 	SharedIndex bool
 	// Shards is the number of apply goroutines (default 4); each instance
 	// always maps to the same one, so its events stay in order.
@@ -120,9 +123,12 @@ type InstanceStatus struct {
 	SnapshotSeq   uint64    `json:"snapshot_stream_seq"`
 	// ReplayLost counts reloads whose snapshot was older than messages
 	// already applied that the stream no longer holds (see replay).
-	ReplayLost uint64            `json:"replay_lost"`
-	StreamSeq  uint64            `json:"stream_seq"`
-	Heartbeat  *events.Heartbeat `json:"heartbeat,omitempty"`
+	ReplayLost uint64 `json:"replay_lost"`
+	// IndexUnsynced: the instance's state in the shared index is not
+	// known whole (being repaired); the instance is not live meanwhile.
+	IndexUnsynced bool              `json:"index_unsynced,omitempty"`
+	StreamSeq     uint64            `json:"stream_seq"`
+	Heartbeat     *events.Heartbeat `json:"heartbeat,omitempty"`
 }
 
 // Consumer feeds one pool's events into an Applier.
@@ -137,6 +143,11 @@ type Consumer struct {
 	seed   maphash.Seed
 
 	shards []chan work
+
+	// shared is set with SharedIndex and a SharedApplier (see shared.go).
+	shared   *sharedState
+	epochOK  atomic.Bool  // shared: Redis answered the last epoch check, data not lost since
+	unsynced atomic.Int64 // shared: instances with status.IndexUnsynced
 
 	running atomic.Bool
 	lastErr atomic.Int64 // unix nanos of the last consume error
@@ -156,6 +167,17 @@ type inst struct {
 	// Owned by the instance's shard goroutine.
 	needLoad bool
 	skipUpTo uint64
+	// Shared index (shared.go). from: the position the index should be at
+	// before this router's next message of the instance (shard-owned;
+	// expect is a copy for watchShared, guarded by Consumer.mu);
+	// skipped/skippedAt: the last message left to another router's writer
+	// lease, not yet seen applied; syncQueued: a sync is queued (both
+	// guarded by Consumer.mu).
+	from       kvindex.Position
+	expect     kvindex.Position
+	skipped    uint64
+	skippedAt  time.Time
+	syncQueued bool
 }
 
 type workKind uint8
@@ -222,6 +244,10 @@ func New(cfg Config) (*Consumer, error) {
 		return nil, fmt.Errorf("consumer: jetstream: %w", err)
 	}
 	c := &Consumer{cfg: cfg, js: js, m: m, seed: maphash.MakeSeed(), insts: map[string]*inst{}}
+	if sa, ok := cfg.Applier.(SharedApplier); ok && cfg.SharedIndex {
+		c.shared = &sharedState{idx: sa}
+	}
+	c.updateConsistent()
 	c.shards = make([]chan work, cfg.Shards)
 	for i := range c.shards {
 		c.shards[i] = make(chan work, 256)
@@ -230,11 +256,14 @@ func New(cfg Config) (*Consumer, error) {
 }
 
 // Healthy reports whether the stream is being consumed: NATS connected,
-// the consumer running, no consume error in the last 10s, and not more
-// than MaxLag behind the stream. The exact (kv_aware) strategy falls back
-// to the heuristic when it is not.
+// the consumer running, no consume error in the last 10s, not more than
+// MaxLag behind the stream, and a shared index reachable with its data.
+// The exact (kv_aware) strategy falls back to the heuristic when it is not.
 func (c *Consumer) Healthy() bool {
 	if !c.running.Load() || !c.cfg.Conn.IsConnected() {
+		return false
+	}
+	if c.shared != nil && !c.epochOK.Load() {
 		return false
 	}
 	if time.Duration(c.lag.Load()) > c.cfg.MaxLag {
@@ -250,7 +279,7 @@ func (c *Consumer) Live(instance string) bool {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	in := c.insts[instance]
-	return in != nil && in.status.State == StateLive
+	return in != nil && in.status.State == StateLive && !in.status.IndexUnsynced
 }
 
 // Instances returns every known instance's status, sorted by name.
@@ -310,9 +339,15 @@ func (c *Consumer) Run(ctx context.Context) error {
 	defer func() { _ = hbSub.Unsubscribe() }()
 
 	deliver := jetstream.DeliverAllPolicy
-	if c.cfg.SharedIndex {
+	switch {
+	case c.shared != nil:
 		deliver = jetstream.DeliverNewPolicy
-	} else {
+		wg.Add(1)
+		go func() { defer wg.Done(); c.watchShared(ctx) }()
+		c.syncKnown(ctx)
+	case c.cfg.SharedIndex:
+		deliver = jetstream.DeliverNewPolicy
+	default:
 		c.loadKnown(ctx)
 	}
 	evSubj, _ := events.PoolSubjects(events.SubjectEvents, c.cfg.Pool)
@@ -548,6 +583,10 @@ func (c *Consumer) do(ctx context.Context, w work) {
 		c.m.purges.Inc()
 		c.cfg.Logger.Info("consumer: instance purged", "instance", w.instance)
 	case workLoad:
+		if c.shared != nil {
+			c.syncShared(ctx, w.instance, in)
+			return
+		}
 		if in.needLoad && !c.cfg.SharedIndex {
 			c.load(ctx, w.instance, in, 0)
 		}
@@ -838,12 +877,24 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 				c.cfg.Logger.Warn("consumer: engine seq gap remains after reload; keeping the snapshot and what remains",
 					"instance", w.instance, "last_seq", in.status.LastSeq, "seq", h.Seq)
 			}
+		} else if c.shared != nil {
+			// The stream lost messages of the instance: its state in the
+			// index misses them too. A snapshot past them replaces it.
+			if pos, err := c.seedShared(ctx, w.instance, in, w.streamSeq); err == nil {
+				c.setFrom(in, pos)
+			} else if !errors.Is(err, errOwned) {
+				c.setSynced(in, false)
+				c.cfg.Logger.Warn("consumer: snapshot load into the shared index failed, will retry", "instance", w.instance, "err", err)
+			}
 		}
 	}
 	batch, err := events.Decode(w.data)
 	var res kvindex.ApplyResult
 	var aerr error
-	if err == nil {
+	switch {
+	case err == nil && c.shared != nil:
+		res, aerr = c.applyShared(ctx, w.instance, in, w.streamSeq, batch.Events)
+	case err == nil:
 		res, aerr = c.cfg.Applier.Apply(ctx, w.instance, batch.Events)
 	}
 	// Status changes only after Apply, so "at seq N" means applied through N.
@@ -882,6 +933,12 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 	}
 	if aerr != nil {
 		c.m.applyErrors.Inc()
+		if c.shared != nil {
+			// Not live until repaired: by the next message of the
+			// instance, or the sync watchShared queues meanwhile.
+			c.cfg.Logger.Warn("consumer: apply to the shared index failed, will repair", "instance", w.instance, "err", aerr)
+			return
+		}
 		c.cfg.Logger.Warn("consumer: apply failed, will reload the snapshot", "instance", w.instance, "err", aerr)
 		// The index may now hold part of the batch or miss it: the next
 		// event of the instance reloads its snapshot to get back in step.

@@ -19,6 +19,8 @@ type metrics struct {
 	replayLost    prometheus.Counter
 	instances     *prometheus.GaugeVec
 	queue         prometheus.Gauge
+	consistent    prometheus.Gauge
+	indexLost     prometheus.Counter
 	lag           prometheus.Histogram
 }
 
@@ -55,13 +57,17 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 			Help: "Known instances by state (live, stale, purged)."}, []string{"state"}),
 		queue: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvrouter_events_shard_queue", ConstLabels: cl,
 			Help: "Messages waiting in a shard's queue (last sampled)."}),
+		consistent: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvrouter_events_index_consistent", ConstLabels: cl,
+			Help: "1 while the index can be trusted; 0 while a shared (Redis) index is unreachable, lost its data or has instances being repaired (those count as stale)."}),
+		indexLost: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_index_lost_total", ConstLabels: cl,
+			Help: "Times the shared index was found to have lost its data (its epoch changed: Redis restarted empty or was flushed)."}),
 		lag: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvrouter_events_lag_seconds", ConstLabels: cl,
 			Help:    "Time from a message's JetStream store to its application to the index.",
 			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 18)}),
 	}
 	if reg != nil {
 		for _, c := range []prometheus.Collector{m.messages, m.events, m.unknown, m.gaps, m.stored, m.removed, m.applyErrors,
-			m.consumeErrors, m.snapshotLoads, m.heartbeats, m.purges, m.replayed, m.replayLost, m.instances, m.queue, m.lag} {
+			m.consumeErrors, m.snapshotLoads, m.heartbeats, m.purges, m.replayed, m.replayLost, m.instances, m.queue, m.consistent, m.indexLost, m.lag} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}

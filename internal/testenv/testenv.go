@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -86,36 +87,77 @@ func Redis(t testing.TB) string {
 	if a := os.Getenv("REDIS_ADDR"); a != "" {
 		return a
 	}
+	return StartRedis(t).Addr
+}
+
+// RedisServer is a redis-server process of one test, without persistence,
+// that the test can kill and start again on the same port: it comes back
+// empty, as a Redis without persistence does after a crash.
+type RedisServer struct {
+	Addr string
+	t    testing.TB
+	bin  string
+	port int
+	dir  string
+	mu   sync.Mutex // guards cmd
+	cmd  *exec.Cmd
+}
+
+// StartRedis starts a redis-server on a free port (REDIS_ADDR is not used:
+// the test needs a process it owns); it is killed at cleanup.
+func StartRedis(t testing.TB) *RedisServer {
+	t.Helper()
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
-		t.Fatalf("testenv: no REDIS_ADDR and no redis-server on PATH (run `make deps-test` or set REDIS_ADDR): %v", err)
+		t.Fatalf("testenv: no redis-server on PATH (run `make deps-test`): %v", err)
 	}
 	port := FreePort(t)
-	dir := t.TempDir()
-	cmd := exec.Command(bin, "--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir, "--loglevel", "warning")
+	s := &RedisServer{Addr: fmt.Sprintf("127.0.0.1:%d", port), t: t, bin: bin, port: port, dir: t.TempDir()}
+	s.Start()
+	t.Cleanup(s.Kill)
+	return s
+}
+
+// Start starts the server (again) and waits until it accepts connections.
+func (s *RedisServer) Start() {
+	s.t.Helper()
+	cmd := exec.Command(s.bin, "--port", fmt.Sprint(s.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", s.dir, "--loglevel", "warning")
 	stdout, _ := cmd.StdoutPipe()
 	cmd.Stderr = cmd.Stdout
 	if err := cmd.Start(); err != nil {
-		t.Fatalf("testenv: start redis-server: %v", err)
+		s.t.Fatalf("testenv: start redis-server: %v", err)
 	}
 	go func() {
-		s := bufio.NewScanner(stdout)
-		for s.Scan() {
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
 		}
 	}()
-	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-	addr := fmt.Sprintf("127.0.0.1:%d", port)
+	s.mu.Lock()
+	s.cmd = cmd
+	s.mu.Unlock()
 	deadline := time.Now().Add(10 * time.Second)
 	for time.Now().Before(deadline) {
-		c, err := net.DialTimeout("tcp", addr, 200*time.Millisecond)
+		c, err := net.DialTimeout("tcp", s.Addr, 200*time.Millisecond)
 		if err == nil {
 			c.Close()
-			return addr
+			return
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	t.Fatalf("testenv: redis-server on %s did not start within 10s", addr)
-	return ""
+	s.t.Fatalf("testenv: redis-server on %s did not start within 10s", s.Addr)
+}
+
+// Kill kills the server (SIGKILL) and waits for it to exit; its data is
+// gone. Killing a stopped server does nothing.
+func (s *RedisServer) Kill() {
+	s.mu.Lock()
+	cmd := s.cmd
+	s.cmd = nil
+	s.mu.Unlock()
+	if cmd != nil {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	}
 }
 
 // NATSServer is an embedded NATS server with JetStream for one test.

@@ -1,0 +1,467 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/kvindex"
+)
+
+// SharedApplier is an index several routers share (kvindex.Redis): every
+// router consumes the whole stream, each message changes the index once,
+// whichever router gets there first, and the index says where each
+// instance stands, so that any router can repair what it misses.
+//
+// With SharedIndex and a SharedApplier the consumer
+//   - applies every message with ApplyAt at the position it expects (its
+//     previous message of the instance);
+//   - when the index is behind (a router died holding the instance's
+//     writer lease, a write failed), re-applies the missing messages from
+//     the stream, or, when the instance is unseeded (a new Redis, one that
+//     restarted empty or was flushed) or the stream no longer holds them,
+//     loads the bridge's snapshot with LoadAt and replays the stream after
+//     it;
+//   - watches the index's epoch: a change means Redis lost its data, and
+//     every instance is checked and reloaded;
+//   - reports an instance not live while its state in the index is not
+//     known to be whole, and the stream unhealthy while Redis cannot be
+//     reached (kv_aware then falls back), with kvrouter_events_index_consistent
+//     at 0 while either lasts.
+type SharedApplier interface {
+	Applier
+	ApplyAt(ctx context.Context, instance string, from kvindex.Position, seq uint64, evs []events.Event) (kvindex.SeqResult, error)
+	LoadAt(ctx context.Context, instance string, seq uint64, evs []events.Event) (kvindex.SeqResult, error)
+	Position(ctx context.Context, instance string) (kvindex.Position, error)
+	Epoch(ctx context.Context) (epoch string, created bool, err error)
+	// Positions reads several instances' positions in one round trip.
+	Positions(ctx context.Context, instances []string) ([]kvindex.Position, error)
+	// WriterLease is how long a writer keeps an instance after its last
+	// write: a skipped message is checked for once it has run out.
+	WriterLease() time.Duration
+}
+
+var _ SharedApplier = (*kvindex.Redis)(nil)
+
+// errOwned: another router holds the instance's writer lease and is
+// bringing it up to date; nothing for this router to do now.
+var errOwned = errors.New("consumer: another router is writing the instance")
+
+// sharedAttempts bounds the repair-and-retry rounds of one message: each
+// round either applies it or learns something new about the index (it
+// moved on, or another router took the instance); three rounds cover a
+// repair that raced another router's, four leave a margin.
+const sharedAttempts = 4
+
+// sharedState is the consumer's shared-index bookkeeping.
+type sharedState struct {
+	idx SharedApplier
+	// epoch is the index's epoch as last seen; owned by watchShared.
+	epoch string
+}
+
+// applyShared applies one stream message (stream sequence seq) to the
+// shared index, repairing the instance first when the index is behind.
+// Runs on the instance's shard.
+func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, seq uint64, evs []events.Event) (kvindex.ApplyResult, error) {
+	from := in.from
+	// Processed, whatever happens: a failure leaves the index behind this
+	// message, and the next one (or the sync retried by watchShared)
+	// repairs it from the stream.
+	c.setFrom(in, kvindex.Position{Seq: seq, Seeded: true})
+	for range sharedAttempts {
+		r, err := c.shared.idx.ApplyAt(ctx, instance, from, seq, evs)
+		if err != nil {
+			c.setSynced(in, false)
+			return r.ApplyResult, err
+		}
+		switch r.Status {
+		case kvindex.SeqApplied, kvindex.SeqDuplicate:
+			c.setSynced(in, true)
+			return r.ApplyResult, nil
+		case kvindex.SeqNotOwner:
+			// The writer applies it; watchShared checks that it did once
+			// its lease could have run out.
+			c.mu.Lock()
+			in.skipped, in.skippedAt = seq, time.Now()
+			c.mu.Unlock()
+			if r.Position.Seeded {
+				c.setSynced(in, true)
+			}
+			return kvindex.ApplyResult{}, nil
+		}
+		pos, err := c.repairShared(ctx, instance, in, r.Position, seq)
+		if errors.Is(err, errOwned) {
+			// Another router took the instance over meanwhile: it brings
+			// it up to date, this message included; checked as above.
+			c.mu.Lock()
+			in.skipped, in.skippedAt = seq, time.Now()
+			c.mu.Unlock()
+			c.setSynced(in, pos.Seeded)
+			return kvindex.ApplyResult{}, nil
+		}
+		if err != nil {
+			c.setSynced(in, false)
+			return kvindex.ApplyResult{}, err
+		}
+		from = pos
+	}
+	c.setSynced(in, false)
+	return kvindex.ApplyResult{}, fmt.Errorf("consumer: shared index of %s kept moving under message %d", instance, seq)
+}
+
+// repairShared brings the instance's state in the index up to every
+// message of the instance before stream sequence upTo, from pos, where
+// the index is: by re-applying those messages from the stream, or, when
+// the index is unseeded or the stream no longer holds them, by loading the
+// snapshot and replaying the stream after it. It returns the new position.
+func (c *Consumer) repairShared(ctx context.Context, instance string, in *inst, pos kvindex.Position, upTo uint64) (kvindex.Position, error) {
+	if pos.Seeded {
+		lost, err := c.streamLost(ctx, pos.Seq)
+		if err != nil {
+			return pos, err
+		}
+		if !lost {
+			return c.replayShared(ctx, instance, in, pos, upTo)
+		}
+		c.cfg.Logger.Warn("consumer: shared index behind messages the stream no longer holds; reloading the snapshot",
+			"instance", instance, "index_at", pos.Seq)
+	}
+	return c.seedShared(ctx, instance, in, upTo)
+}
+
+// streamLost reports whether messages after stream sequence seq may be
+// gone from the stream (retention passed them).
+func (c *Consumer) streamLost(ctx context.Context, seq uint64) (bool, error) {
+	info, err := c.stream.Info(ctx)
+	if err != nil {
+		return false, fmt.Errorf("consumer: stream info: %w", err)
+	}
+	return seq+1 < info.State.FirstSeq, nil
+}
+
+// seedShared loads the instance's snapshot into the index (the bridge's,
+// else the bucket's; none: an empty state at the stream's start) and
+// replays the stream after it up to upTo (exclusive).
+func (c *Consumer) seedShared(ctx context.Context, instance string, in *inst, upTo uint64) (kvindex.Position, error) {
+	snap, source, err := c.fetchSnapshot(ctx, instance)
+	var evs []events.Event
+	switch {
+	case err == nil:
+		batch, derr := events.Decode(snap.Batch)
+		if derr != nil {
+			c.m.snapshotLoads.WithLabelValues("malformed").Inc()
+			return kvindex.Position{}, fmt.Errorf("consumer: malformed snapshot of %s (%s): %w", instance, source, derr)
+		}
+		evs = batch.Events
+	case errors.Is(err, errNoSnapshot):
+		// The stream alone: an empty state before its first message.
+		snap, source = events.Snapshot{}, "none"
+	default:
+		c.m.snapshotLoads.WithLabelValues("error").Inc()
+		return kvindex.Position{}, err
+	}
+	r, err := c.shared.idx.LoadAt(ctx, instance, snap.StreamSeq, evs)
+	if err != nil {
+		c.m.applyErrors.Inc()
+		return kvindex.Position{}, fmt.Errorf("consumer: load snapshot of %s: %w", instance, err)
+	}
+	pos := r.Position
+	switch r.Status {
+	case kvindex.SeqNotOwner:
+		return pos, errOwned
+	case kvindex.SeqApplied:
+		c.m.snapshotLoads.WithLabelValues(source).Inc()
+		c.mu.Lock()
+		in.status.SnapshotSeq = snap.StreamSeq
+		in.status.LastSeq, in.hasSeq = snap.EngineSeq, snap.HasSeq
+		c.mu.Unlock()
+		c.cfg.Logger.Info("consumer: loaded snapshot into the shared index", "instance", instance, "source", source,
+			"blocks", snap.Blocks, "stream_seq", snap.StreamSeq)
+	}
+	// SeqDuplicate: another router loaded or applied past the snapshot.
+	return c.replayShared(ctx, instance, in, pos, upTo)
+}
+
+// replayShared applies the instance's stream messages after pos, below
+// upTo, in order, each at the position the previous one left.
+func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, pos kvindex.Position, upTo uint64) (kvindex.Position, error) {
+	subj, _ := events.EventsSubject(c.cfg.Pool, instance)
+	applied := 0
+	defer func() { c.m.replayed.Add(float64(applied)) }()
+	for next := pos.Seq + 1; next < upTo && ctx.Err() == nil; {
+		m, err := c.stream.GetMsg(ctx, next, jetstream.WithGetMsgSubject(subj))
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			break
+		}
+		if err != nil {
+			return pos, fmt.Errorf("consumer: read stream after %d: %w", next-1, err)
+		}
+		if m.Sequence >= upTo {
+			break
+		}
+		next = m.Sequence + 1
+		batch, err := events.Decode(m.Data)
+		if err != nil {
+			continue // malformed: skipped (and counted) when consumed, never applied
+		}
+		r, err := c.shared.idx.ApplyAt(ctx, instance, pos, m.Sequence, batch.Events)
+		if err != nil {
+			c.m.applyErrors.Inc()
+			return pos, fmt.Errorf("consumer: replay message %d: %w", m.Sequence, err)
+		}
+		switch r.Status {
+		case kvindex.SeqApplied:
+			applied++
+		case kvindex.SeqNotOwner:
+			return r.Position, errOwned
+		case kvindex.SeqBehind:
+			return r.Position, fmt.Errorf("consumer: shared index of %s moved to %v during replay", instance, r.Position)
+		}
+		pos = r.Position
+		if h, herr := events.ParseEventHeaders(m.Header); herr == nil {
+			c.mu.Lock()
+			if h.HasSeq && h.Synthetic == "" {
+				in.status.LastSeq, in.hasSeq = h.Seq, true
+			}
+			switch h.Synthetic {
+			case events.SyntheticGap, events.SyntheticRestart, events.SyntheticResync:
+				in.hasSeq = false
+			}
+			c.mu.Unlock()
+		}
+	}
+	return pos, nil
+}
+
+// syncShared checks an instance's state in the index against what this
+// router has consumed and repairs it: queued at start, after an apply
+// failed, when Redis lost its data, and when a skipped message's writer
+// may have died before applying it.
+func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
+	c.mu.Lock()
+	in.syncQueued = false
+	skipped := in.skipped
+	c.mu.Unlock()
+	pos, err := c.shared.idx.Position(ctx, instance)
+	if err != nil {
+		c.setSynced(in, false)
+		c.cfg.Logger.Warn("consumer: shared index unreachable, will retry", "instance", instance, "err", err)
+		return
+	}
+	confirmed := func() {
+		c.mu.Lock()
+		if in.skipped == skipped {
+			in.skipped = 0
+		}
+		c.mu.Unlock()
+	}
+	if pos.Seeded && in.from.Seeded && pos.Seq >= in.from.Seq {
+		confirmed()
+		c.setSynced(in, true)
+		return
+	}
+	// Behind what this router consumed, or (nothing consumed yet) maybe
+	// behind the stream: everything the stream holds after the position.
+	upTo := uint64(math.MaxUint64)
+	if in.from.Seeded {
+		upTo = in.from.Seq + 1
+	}
+	p, err := c.repairShared(ctx, instance, in, pos, upTo)
+	switch {
+	case errors.Is(err, errOwned):
+		// Another router is writing it: it keeps a seeded instance
+		// current (checked again once its lease could have run out); an
+		// unseeded one is not whole until it has loaded it.
+		if in.from.Seeded {
+			c.mu.Lock()
+			in.skipped, in.skippedAt = in.from.Seq, time.Now()
+			c.mu.Unlock()
+		}
+		c.setSynced(in, p.Seeded)
+	case err != nil:
+		c.setSynced(in, false)
+		c.cfg.Logger.Warn("consumer: repair of the shared index failed, will retry", "instance", instance, "err", err)
+	default:
+		if !in.from.Seeded || p.Seq > in.from.Seq {
+			c.setFrom(in, p)
+		}
+		confirmed()
+		c.setSynced(in, true)
+		if p != pos {
+			c.cfg.Logger.Info("consumer: shared index repaired", "instance", instance, "was", pos.String(), "now", p.Seq)
+		}
+	}
+}
+
+// setFrom sets where the index should be for the instance's next message.
+// Shard goroutine only.
+func (c *Consumer) setFrom(in *inst, p kvindex.Position) {
+	in.from = p
+	c.mu.Lock()
+	in.expect = p
+	c.mu.Unlock()
+}
+
+// setSynced records whether the instance's state in the index is known
+// whole; not synced means not live for routing.
+func (c *Consumer) setSynced(in *inst, ok bool) {
+	c.mu.Lock()
+	if in.status.IndexUnsynced == ok {
+		in.status.IndexUnsynced = !ok
+		if ok {
+			c.unsynced.Add(-1)
+		} else {
+			c.unsynced.Add(1)
+		}
+	}
+	c.mu.Unlock()
+	c.updateConsistent()
+}
+
+// IndexConsistent reports whether the shared index can be trusted: Redis
+// reachable at the last check, its data not lost since, and every
+// instance's state whole. Always true for an index of this router's own.
+func (c *Consumer) IndexConsistent() bool {
+	return c.shared == nil || c.epochOK.Load() && c.unsynced.Load() == 0
+}
+
+func (c *Consumer) updateConsistent() {
+	v := 0.0
+	if c.IndexConsistent() {
+		v = 1
+	}
+	c.m.consistent.Set(v)
+}
+
+// queueSync queues a syncShared of the instance unless one is queued.
+func (c *Consumer) queueSync(ctx context.Context, instance string) {
+	c.mu.Lock()
+	in := c.insts[instance]
+	if in == nil {
+		in = c.newInst(instance, time.Time{})
+		c.insts[instance] = in
+	}
+	queued := in.syncQueued
+	in.syncQueued = true
+	c.mu.Unlock()
+	if !queued {
+		c.enqueue(ctx, work{kind: workLoad, instance: instance})
+	}
+}
+
+// syncKnown queues a sync of every instance with a snapshot in the bucket:
+// at start, and when Redis lost its data, so that instances that send
+// nothing are repaired too.
+func (c *Consumer) syncKnown(ctx context.Context) {
+	lister, err := c.kv.ListKeysFiltered(ctx, c.cfg.Pool+".*")
+	if err != nil {
+		c.cfg.Logger.Warn("consumer: list snapshots", "err", err)
+		return
+	}
+	for key := range lister.Keys() {
+		instance := key[len(c.cfg.Pool)+1:]
+		if events.ValidToken("instance", instance) == nil {
+			c.queueSync(ctx, instance)
+		}
+	}
+}
+
+// watchShared checks the shared index every CheckInterval: its epoch (a
+// failure: Redis unreachable; a change: Redis lost its data, so every
+// instance is marked unsynced and repaired), instances still unsynced,
+// and messages skipped for a writer whose lease has since run out (it may
+// have died before applying them).
+func (c *Consumer) watchShared(ctx context.Context) {
+	leaseWait := c.shared.idx.WriterLease()
+	tick := time.NewTicker(c.cfg.CheckInterval)
+	defer tick.Stop()
+	for {
+		e, created, err := c.shared.idx.Epoch(ctx)
+		switch {
+		case err != nil:
+			if c.epochOK.Swap(false) {
+				c.cfg.Logger.Warn("consumer: shared index unreachable; exact routing off until it is back", "err", err)
+			}
+		case c.shared.epoch != "" && e != c.shared.epoch || created && c.shared.epoch == "":
+			// Lost (or, at the first check, never held) this pool's data:
+			// every instance must be checked, whatever it sends.
+			if c.shared.epoch != "" {
+				c.cfg.Logger.Warn("consumer: shared index lost its data (epoch changed); reloading every instance", "was", c.shared.epoch, "now", e)
+				c.m.indexLost.Inc()
+			}
+			c.mu.Lock()
+			names := make([]string, 0, len(c.insts))
+			for name, in := range c.insts {
+				if !in.status.IndexUnsynced {
+					in.status.IndexUnsynced = true
+					c.unsynced.Add(1)
+				}
+				names = append(names, name)
+			}
+			c.mu.Unlock()
+			c.shared.epoch = e
+			c.epochOK.Store(true)
+			for _, name := range names {
+				c.queueSync(ctx, name)
+			}
+			c.syncKnown(ctx)
+		default:
+			c.shared.epoch = e
+			if !c.epochOK.Swap(true) {
+				c.cfg.Logger.Info("consumer: shared index reachable again")
+			}
+		}
+		c.updateConsistent()
+		if c.epochOK.Load() {
+			for _, name := range c.dueShared(ctx, leaseWait) {
+				c.queueSync(ctx, name)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// dueShared lists the instances to sync: unsynced ones, those with a
+// message left to a writer whose lease has run out since, and those whose
+// position in the index is behind what this router consumed when no other
+// writer can explain it (Redis restored from its persistence to an earlier
+// point keeps its epoch: only positions tell), read in one round trip.
+func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) []string {
+	now := time.Now()
+	var due, check []string
+	var want []kvindex.Position
+	c.mu.Lock()
+	for name, in := range c.insts {
+		writerLate := in.skipped == 0 || now.Sub(in.skippedAt) > leaseWait
+		switch {
+		case in.status.IndexUnsynced || in.skipped != 0 && writerLate:
+			due = append(due, name)
+		case writerLate && in.expect.Seeded && !in.syncQueued:
+			check, want = append(check, name), append(want, in.expect)
+		}
+	}
+	c.mu.Unlock()
+	if len(check) == 0 {
+		return due
+	}
+	got, err := c.shared.idx.Positions(ctx, check)
+	if err != nil {
+		return due // the epoch check says whether Redis is reachable
+	}
+	for i, p := range got {
+		if !p.Seeded || p.Seq < want[i].Seq {
+			due = append(due, check[i])
+		}
+	}
+	return due
+}

@@ -1,0 +1,348 @@
+package kvindex
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/events"
+)
+
+// Several routers share one Redis index and all consume the same stream.
+// Each stream message must change the index once, whichever router gets
+// there first, and the per-instance counters must follow the map exactly.
+// Three things make that so, all kept in the instance's own map key (one
+// key, so one Cluster slot, and one atomic script):
+//
+//   - a position "#s": the stream sequence of the last message applied to
+//     the instance. A router applies a message only when the map is at the
+//     position the router expects (its previous message of the instance);
+//     at or past the message it skips it (another router applied it);
+//     anywhere else the map missed messages (a writer died, Redis lost
+//     data) and the router repairs it first (ApplyAt returns SeqBehind).
+//     A map without a position was never seeded, or Redis lost it.
+//   - a writer lease "#o"/"#x": one router at a time writes an instance,
+//     so block-key writes (other keys, other slots: they cannot join the
+//     script) are never reordered between two writers. The lease is taken
+//     in the read round trip and renewed by every commit; when its router
+//     dies another takes over at its next message after WriterLease.
+//   - counters "#n", "#t0".."#t3" adjusted by the script from the values it
+//     replaces, not from deltas computed on an earlier read: they equal the
+//     map's contents whatever the interleaving, and are never negative.
+
+// DefaultWriterLease is how long a router keeps the right to write an
+// instance of a shared Redis index after its last write. It must outlast
+// one Apply (a read, the events applied in memory, a pipelined write:
+// milliseconds, a big snapshot load tens of them) by a wide margin, and it
+// bounds how long the index lags the stream for an instance whose writing
+// router died: others take over at their first message after it expires.
+// Two seconds is well over the first, and under the consumers' default
+// MaxLag (5s), so such a takeover does not even count as falling behind.
+const DefaultWriterLease = 2 * time.Second
+
+// Position is where an instance's state in a shared index stands: the
+// stream sequence of the last message applied. Seeded is false for an
+// instance whose map holds no position: never loaded, or lost by Redis.
+type Position struct {
+	Seq    uint64
+	Seeded bool
+}
+
+func (p Position) String() string {
+	if !p.Seeded {
+		return "unseeded"
+	}
+	return strconv.FormatUint(p.Seq, 10)
+}
+
+// SeqStatus says what ApplyAt or LoadAt did.
+type SeqStatus uint8
+
+const (
+	// SeqApplied: the events were applied and the position moved to seq.
+	SeqApplied SeqStatus = iota + 1
+	// SeqDuplicate: the instance is already at or past seq (another
+	// router applied it): nothing written.
+	SeqDuplicate
+	// SeqNotOwner: another router holds the instance's writer lease and
+	// keeps it current: nothing written.
+	SeqNotOwner
+	// SeqBehind: the instance is not at the expected position (Position
+	// says where it is): messages are missing, nothing written. The caller
+	// re-applies the missing ones or reloads the instance, then retries.
+	SeqBehind
+)
+
+func (s SeqStatus) String() string {
+	switch s {
+	case SeqApplied:
+		return "applied"
+	case SeqDuplicate:
+		return "duplicate"
+	case SeqNotOwner:
+		return "not_owner"
+	case SeqBehind:
+		return "behind"
+	}
+	return "unknown"
+}
+
+// SeqResult is what ApplyAt or LoadAt did and where the instance stands.
+type SeqResult struct {
+	ApplyResult
+	Status SeqStatus
+	// Position is the instance's position after the call (SeqApplied), or
+	// the one found (the other statuses).
+	Position Position
+}
+
+// errLeaseTooOld: the read round trip is older than half the lease, so
+// another router may have taken the instance over: nothing was written.
+var errLeaseTooOld = errors.New("kvindex: redis: writer lease may have expired before the write")
+
+// errMoved: the instance's lease or position changed between Apply's read
+// and its write (Redis restarted empty, the instance was purged).
+var errMoved = errors.New("kvindex: redis: instance map changed under the write")
+
+// seqGuard is what ApplyAt and LoadAt ask of the instance map.
+type seqGuard struct {
+	from Position // the expected position (Seeded false: unknown, never matches)
+	load bool     // LoadAt: any position below seq; the state is replaced
+	seq  uint64   // the new position
+}
+
+// expected renders the expected position for the script: "*" any, "!"
+// unknown (never equal to a stored position), else the decimal sequence.
+func (g *seqGuard) expected() string {
+	switch {
+	case g.load:
+		return "*"
+	case !g.from.Seeded:
+		return "!"
+	}
+	return strconv.FormatUint(g.from.Seq, 10)
+}
+
+// ApplyAt applies one stream message's events (stream sequence seq) to the
+// instance if the instance's state is at from: see Position. Concurrent
+// calls from several routers for the same message apply it once. An error
+// means Redis could not be read or written; the state may then hold part
+// of the message, and the caller should reload the instance.
+func (r *Redis) ApplyAt(ctx context.Context, instance string, from Position, seq uint64, evs []events.Event) (SeqResult, error) {
+	return r.apply(ctx, instance, &seqGuard{from: from, seq: seq}, evs)
+}
+
+// LoadAt replaces the instance's state with evs (a snapshot of its blocks
+// current to stream sequence seq) and moves its position to seq, unless
+// the instance is already at or past seq (SeqDuplicate) or another router
+// holds its writer lease (SeqNotOwner).
+func (r *Redis) LoadAt(ctx context.Context, instance string, seq uint64, evs []events.Event) (SeqResult, error) {
+	return r.apply(ctx, instance, &seqGuard{load: true, seq: seq}, evs)
+}
+
+// WriterLease is the configured writer lease (RedisConfig.WriterLease).
+func (r *Redis) WriterLease() time.Duration { return r.lease }
+
+// Position returns where the instance's state stands.
+func (r *Redis) Position(ctx context.Context, instance string) (Position, error) {
+	s, err := r.rdb.HGet(ctx, r.instKey(instance), fieldPos).Result()
+	if errors.Is(err, redis.Nil) {
+		return Position{}, nil
+	}
+	if err != nil {
+		return Position{}, fmt.Errorf("kvindex: redis: position of %s: %w", instance, err)
+	}
+	return parsePosition(s), nil
+}
+
+// Positions returns several instances' positions, in one pipelined round
+// trip.
+func (r *Redis) Positions(ctx context.Context, instances []string) ([]Position, error) {
+	pipe := r.rdb.Pipeline()
+	cmds := make([]*redis.StringCmd, len(instances))
+	for i, inst := range instances {
+		cmds[i] = pipe.HGet(ctx, r.instKey(inst), fieldPos)
+	}
+	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+		return nil, fmt.Errorf("kvindex: redis: positions: %w", err)
+	}
+	out := make([]Position, len(instances))
+	for i, c := range cmds {
+		if s, err := c.Result(); err == nil {
+			out[i] = parsePosition(s)
+		}
+	}
+	return out, nil
+}
+
+func parsePosition(s string) Position {
+	v, err := strconv.ParseUint(s, 10, 64)
+	if err != nil {
+		return Position{}
+	}
+	return Position{Seq: v, Seeded: true}
+}
+
+// Epoch returns the index's epoch: a random value stored under
+// <prefix>:m the first time it is asked for. It changes only when Redis
+// loses it (restarted without persistence, flushed, failed over to a
+// replica that never had it), which is how a router learns that every
+// instance must be checked and reloaded; created reports that this call
+// stored it.
+//
+// A router that has no block size yet (none configured, no event seen: it
+// started while the pool is idle) also learns it here, from <prefix>:bs,
+// which the first router to learn one stores.
+func (r *Redis) Epoch(ctx context.Context) (epoch string, created bool, err error) {
+	if r.bs.get() == 0 {
+		if n, err := r.rdb.Get(ctx, r.bsKey()).Int(); err == nil && n > 0 {
+			r.bs.learned.CompareAndSwap(0, int64(n))
+		}
+	}
+	mine := newToken()
+	old, err := r.rdb.SetArgs(ctx, r.epochKey(), mine, redis.SetArgs{Mode: "NX", Get: true}).Result()
+	if errors.Is(err, redis.Nil) {
+		return mine, true, nil
+	}
+	if err != nil {
+		return "", false, fmt.Errorf("kvindex: redis: epoch: %w", err)
+	}
+	return old, false, nil
+}
+
+func (r *Redis) epochKey() string { return r.prefix + ":m" }
+func (r *Redis) bsKey() string    { return r.prefix + ":bs" }
+
+func newToken() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// Instance-map fields of the shared protocol (engine-hash fields are 16
+// hex digits, so these never collide with them).
+const (
+	fieldPos        = "#s"
+	fieldOwner      = "#o"
+	fieldOwnerUntil = "#x"
+)
+
+// mapScript is the only writer of instance maps. KEYS[1] is the map.
+//
+//	ARGV[1] mode: "b" (begin: check and take the lease) or "c" (commit)
+//	ARGV[2] lease token, "" = unguarded (plain Apply: no lease, no position)
+//	ARGV[3] lease ms   ARGV[4] key TTL s
+//	ARGV[5] expected position: "*" any, "!" none matches, else a sequence
+//	ARGV[6] new position (a sequence; "" = unguarded)
+//	commit: ARGV[7] "1" = drop the map's blocks first; ARGV[8..12] counter
+//	        deltas (#n, #t0..#t3); ARGV[13] = S, the number of field, value
+//	        pairs to set in ARGV[14..13+2S]; the rest are fields to delete
+//
+// It returns {status, position or nil}, status "ok", "dup" (already at or
+// past the new position), "owned" (another router's lease) or "behind"
+// (not at the expected position). The begin does not read the fields: the
+// HMGET pipelined right after it does, cheaper than through Lua, and reads
+// what the commit will change, since with the lease nobody else writes
+// the map. The counter deltas are computed from that read; the commit
+// checks the lease and position again, so they apply to exactly the state
+// they were computed from, or not at all. Field lists go through HSET and
+// HDEL in chunks (Lua's unpack has a stack limit).
+var mapScript = redis.NewScript(`
+local k = KEYS[1]
+local guarded = ARGV[2] ~= ''
+local pos = false
+if guarded then
+  pos = redis.call('HGET', k, '#s')
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local o = redis.call('HMGET', k, '#o', '#x')
+  if ARGV[1] == 'b' then
+    if pos and tonumber(pos) >= tonumber(ARGV[6]) then return {'dup', pos} end
+    if o[1] and o[1] ~= ARGV[2] and tonumber(o[2] or '0') > now then return {'owned', pos} end
+  elseif o[1] ~= ARGV[2] then
+    return {'owned', pos}
+  end
+  redis.call('HSET', k, '#o', ARGV[2], '#x', now + tonumber(ARGV[3]))
+  redis.call('EXPIRE', k, ARGV[4])
+  if ARGV[5] ~= '*' and pos ~= ARGV[5] then return {'behind', pos} end
+  if ARGV[1] == 'b' then return {'ok', pos} end
+end
+local n = #ARGV
+if ARGV[7] == '1' then
+  local keep = redis.call('HMGET', k, '#s', '#o', '#x')
+  redis.call('DEL', k)
+  if keep[1] then redis.call('HSET', k, '#s', keep[1]) end
+  if keep[2] then redis.call('HSET', k, '#o', keep[2], '#x', keep[3]) end
+end
+local last = 13 + 2 * tonumber(ARGV[13])
+for i = 14, last, 1000 do
+  redis.call('HSET', k, unpack(ARGV, i, math.min(i + 999, last)))
+end
+for i = last + 1, n, 1000 do
+  redis.call('HDEL', k, unpack(ARGV, i, math.min(i + 999, n)))
+end
+local names = {'#n', '#t0', '#t1', '#t2', '#t3'}
+for i = 1, 5 do
+  if ARGV[7 + i] ~= '0' then redis.call('HINCRBY', k, names[i], ARGV[7 + i]) end
+end
+if guarded then redis.call('HSET', k, '#s', ARGV[6]) end
+redis.call('EXPIRE', k, ARGV[4])
+return {'ok', guarded and ARGV[6] or false}
+`)
+
+// pipelined runs fn's commands in one pipeline; when Redis does not have
+// mapScript cached (a restarted or new server answers EVALSHA with
+// NOSCRIPT) it loads it and runs the pipeline once more: fn must queue
+// commands that are safe to repeat (the failed EVALSHA changed nothing,
+// and the other commands write the same values again).
+func (r *Redis) pipelined(ctx context.Context, fn func(redis.Pipeliner)) ([]redis.Cmder, error) {
+	do := func(p redis.Pipeliner) error { fn(p); return nil }
+	cmds, err := r.rdb.Pipelined(ctx, do)
+	if err == nil || !hasNoScript(cmds) {
+		return cmds, err
+	}
+	if err := mapScript.Load(ctx, r.rdb).Err(); err != nil {
+		return cmds, fmt.Errorf("load script: %w", err)
+	}
+	return r.rdb.Pipelined(ctx, do)
+}
+
+func hasNoScript(cmds []redis.Cmder) bool {
+	for _, c := range cmds {
+		if err := c.Err(); err != nil && strings.HasPrefix(err.Error(), "NOSCRIPT") {
+			return true
+		}
+	}
+	return false
+}
+
+// scriptStatus parses a mapScript reply's status and position.
+func scriptStatus(reply []any) (SeqStatus, Position, error) {
+	if len(reply) < 1 {
+		return 0, Position{}, errors.New("kvindex: redis: empty script reply")
+	}
+	var pos Position
+	if len(reply) > 1 {
+		if s, ok := reply[1].(string); ok {
+			pos = parsePosition(s)
+		}
+	}
+	switch reply[0] {
+	case "ok":
+		return SeqApplied, pos, nil
+	case "dup":
+		return SeqDuplicate, pos, nil
+	case "owned":
+		return SeqNotOwner, pos, nil
+	case "behind":
+		return SeqBehind, pos, nil
+	}
+	return 0, pos, fmt.Errorf("kvindex: redis: script status %v", reply[0])
+}
