@@ -96,7 +96,7 @@ func TestPromqlForCheck(t *testing.T) {
 // TestDashboard checks deploy/grafana/kvrouter.json: valid JSON of known
 // shape, unique panel ids on a 24-column grid, every query parses as PromQL
 // and reads only metrics the code exports, every variable used is defined,
-// and the panels issue 7 asks for are there.
+// and the panels docs/operations.md lists are there.
 func TestDashboard(t *testing.T) {
 	raw, err := os.ReadFile("grafana/kvrouter.json")
 	if err != nil {

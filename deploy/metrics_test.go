@@ -248,7 +248,7 @@ func TestAlerts(t *testing.T) {
 			}
 		}
 	}
-	// The alerts issue 7 asks for: event stream stale, index gaps,
+	// The alerts docs/operations.md lists: event stream stale, index gaps,
 	// overflow rate high, no healthy instances.
 	for _, want := range []string{"KVRouterEventStreamStale", "KVRouterIndexGaps", "KVBridgeIndexGapCleared", "KVRouterOverflowRateHigh", "KVRouterNoHealthyInstances"} {
 		if !seen[want] {

@@ -6,8 +6,8 @@ import (
 	"strings"
 )
 
-// Subject roots of the NATS subjects kvrouter uses (see ARCHITECTURE.md,
-// "NATS subjects"). Every subject is <root>.<pool>.<instance>.
+// Subject roots of the NATS subjects kvrouter uses (docs/transport.md lists
+// them). Every subject is <root>.<pool>.<instance>.
 const (
 	// SubjectEvents carries the engine's EventBatch payload, unchanged.
 	SubjectEvents = "kv.events"

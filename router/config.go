@@ -313,7 +313,7 @@ const (
 	StrategyPrefixAware      = "prefix_aware"
 )
 
-// Routing parameter ranges (issue 2; the SageMaker PREFIX_AWARE ranges).
+// Routing parameter ranges (the SageMaker PREFIX_AWARE ranges).
 const (
 	MinPrefixLength          = 1024
 	MaxPrefixLength          = 65536

@@ -17,7 +17,7 @@ import (
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
-// The benchmark world of issue 6's "Must show": 64 instances, 1,000,000
+// The benchmark world of docs/benchmarks (kv_aware decision): 64 instances, 1,000,000
 // indexed blocks, an 8,000-token prompt held in full by one instance, by
 // half and a quarter by two others; every instance full of other 500-block
 // prefixes up to the million.

@@ -208,7 +208,7 @@ func matchedSum(d Decision) int {
 }
 
 // TestExactBeatsHeuristic covers the three situations where knowing the
-// cache state beats guessing it from a hash (issue 6, "Must show").
+// cache state beats guessing it from a hash.
 func TestExactBeatsHeuristic(t *testing.T) {
 	const blocks = 64 // a 1,024-token shared prefix
 	tests := []struct {

@@ -17,7 +17,7 @@ const (
 	// pending there (other routers' traffic: the router does not know their
 	// prompts). 1,024 sits between ShareGPT's mean input of 202 tokens and
 	// the 8,000-token shared-prefix workloads, after their prefix hits
-	// (../shared/workloads/FACTS.md §5, §6).
+	// (`docs/reference/workload-facts.md` §5, §6).
 	DefaultWaitingRequestTokens = 1024
 	// DefaultRunningRequestSeconds is what each running (decoding) request
 	// adds to a new request's time to first token: with chunked prefill a
@@ -25,7 +25,7 @@ const (
 	// chunk, so each running sequence costs a little of every step. NIM's
 	// Llama-3.3-70B TP2 inter-token latency grows from 18.6 ms at
 	// concurrency 1 to 59.7 ms at 50, ≈ 0.84 ms per added sequence per
-	// step (FACTS.md §2, derived here); at TP8 a step is cheaper, hence
+	// step (docs/reference/workload-facts.md §2, derived here); at TP8 a step is cheaper, hence
 	// 0.5 ms. It makes 64 running requests cost ~30 ms, a tenth of an
 	// 8,000-token prefill at 25,000 tokens/s, so cached prefixes dominate
 	// until an instance is clearly busier.

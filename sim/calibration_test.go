@@ -8,7 +8,7 @@ import (
 
 // TestCalibrationCrossChecks runs the same roofline model, re-parameterised
 // for the hardware of each published measurement in
-// /work/shared/workloads/FACTS.md, and checks it lands near what was
+// `docs/reference/workload-facts.md`, and checks it lands near what was
 // measured. The NIM TTFT row is where the 50% prefill utilisation comes
 // from (docs/kvsim.md), so that row is a consistency check; the decode rows
 // (from byte counts and the 8B fit) and the llm-d rows were not used to set

@@ -17,7 +17,7 @@ type Config struct {
 	// BlockSize is the number of tokens per KV block (default 16, vLLM's default).
 	BlockSize int
 	// GPUBlocks is the device KV capacity in blocks (default 84,375 = 1.35M
-	// tokens / 16: FACTS §3 derives about 1.35M BF16 tokens for one 8×H100 node).
+	// tokens / 16: docs/reference/workload-facts.md §3 derives about 1.35M BF16 tokens for one 8×H100 node).
 	GPUBlocks int
 	// CPUBlocks is the capacity of the CPU offload tier in blocks; 0 disables it.
 	CPUBlocks int

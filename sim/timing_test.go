@@ -36,7 +36,7 @@ func TestTimingDefaults(t *testing.T) {
 		min, max time.Duration
 		why      string
 	}{
-		// FACTS §1 derives ~0.33 s at 25k tok/s; SageMaker's uncached-heavy
+		// docs/reference/workload-facts.md §1 derives ~0.33 s at 25k tok/s; SageMaker's uncached-heavy
 		// random routing measured P50 ~280 ms. See docs/kvsim.md.
 		{"uncached 8k TTFT", uncached, 250 * time.Millisecond, 350 * time.Millisecond, "prefill-bound"},
 		// One memory-bound step: weights + 8k tokens of KV + 50 tokens of compute.

@@ -21,7 +21,7 @@ var ErrInvalidCostModel = errors.New("tiers: invalid cost model")
 // separately, so a model can override only what it knows.
 //
 // The arithmetic behind the defaults (figures from
-// ../shared/workloads/FACTS.md, with their sources):
+// `docs/reference/workload-facts.md`, with their sources):
 //
 //   - KV bytes per token: 2 (K and V) · 80 layers · 8 KV heads · 128 head
 //     dim · 2 bytes (fp16) = 327,680 bytes (the model's shape; Mooncake
@@ -38,7 +38,7 @@ var ErrInvalidCostModel = errors.New("tiers: invalid cost model")
 //   - Shared: Mooncake's cost model gives one 800 Gbps NIC per 8-GPU node
 //     (paper, Table 1) = 12.5 GB/s per GPU → ≈ 305,000 tokens/s.
 //   - Prefill: ~25,000 tokens/s for 70B in BF16 on 8×H100 TP8, derived in
-//     FACTS.md §1 from NVIDIA NIM's TP2 FP8 TTFT at the same utilisation.
+//     docs/reference/workload-facts.md §1 from NVIDIA NIM's TP2 FP8 TTFT at the same utilisation.
 //
 // So a CPU hit costs ≈ 2% of recomputing the token, a disk hit ≈ 6%, a
 // shared-tier hit ≈ 8%; a GPU hit costs nothing.

@@ -36,7 +36,7 @@ func TestCostModelDefaults(t *testing.T) {
 	if !math.IsInf(m.LoadTokensPerSec(GPU), 1) || m.CostRatio(GPU) != 0 || m.LoadSeconds(GPU, 1000) != 0 {
 		t.Error("a GPU hit must be free")
 	}
-	// FACTS.md: a 10k-token prefix restores from CPU in ~8 ms, against
+	// docs/reference/workload-facts.md: a 10k-token prefix restores from CPU in ~8 ms, against
 	// ~0.4 s to recompute.
 	if got := m.LoadSeconds(CPU, 10_000); !near(got, 0.0082, 0.01) {
 		t.Errorf("10k tokens from CPU: %v s", got)

@@ -61,7 +61,8 @@ func (s Set) Has(t Tier) bool { return s&t.Bit() != 0 }
 const UnknownMediumTier = CPU
 
 // FromMedium maps a vLLM event "medium" string to a tier. The names are the
-// ones seen from vLLM and its offloading connectors (see ARCHITECTURE.md):
+// ones seen from vLLM and its offloading connectors (vLLM's BlockStored
+// "medium" field; OffloadingConnector and LMCache name their own):
 // GPU/DEVICE; CPU/CPU_PINNED/CPU_TIER1; DISK/NVME/STORAGE/CPU_TIER2;
 // EXTERNAL/REMOTE/SHARED/NETWORK. An empty or nil medium means GPU, as vLLM
 // omits it for device blocks in older versions. ok is false for a medium not

@@ -6,13 +6,13 @@ import (
 )
 
 // simplePattern is the dummy tokenizer's split regex, verbatim from
-// /work/shared/kv-events/captured/DATA.md ("Caveats → Tokenizer"), which documents
+// events/testdata/captured/DATA.md ("Caveats → Tokenizer"), which documents
 // llm-d/llm-d-inference-sim (commit eec055a39e6b) run with --force-dummy-tokenizer.
 // Group 1 is the piece, group 2 the whitespace that the piece keeps.
 const simplePattern = `(\{|\}|:|,|-|\.|\?|\!|;|@|#|\$|%|\^|&|\*|\(|\)|\+|\-|_|~|/|\\|>|<|\[|\]|=|"|'|\w+)(\s*)`
 
 // Simple is the dummy tokenizer of llm-d-inference-sim (source: the capture notes in
-// /work/shared/kv-events/captured/DATA.md, "Caveats → Tokenizer"): text is split with
+// events/testdata/captured/DATA.md, "Caveats → Tokenizer"): text is split with
 // simplePattern, each piece keeps its trailing whitespace, and a piece's id is the FNV-32a
 // hash of its UTF-8 bytes; characters the pattern does not match produce no token. Chat
 // prompts are flattened per message as "### " + role + ": " + content + "\n".

@@ -33,7 +33,7 @@ type instanceStatus struct {
 }
 
 // kvInstances is GET /admin/pools/{pool}/instances: what the pool's KV
-// index and event consumer know of each instance (issue 4: blocks per
+// index and event consumer know of each instance (blocks per
 // tier, last event time, last seq, gaps, state).
 type kvInstances struct {
 	Pool          string       `json:"pool"`

@@ -19,7 +19,7 @@ import (
 // about a million tokens, a few megabytes as text or decimal ids.
 const maxLookupFile = 64 << 20
 
-// lookupAnswer is POST /admin/pools/{pool}/lookup's answer (issue 4):
+// lookupAnswer is POST /admin/pools/{pool}/lookup's answer:
 // {"pool": "llama", "block_size": 16, "prompt_tokens": 40, "blocks": 2,
 // "matches": [{"instance": "vllm-0", "gpu_blocks": 2, "cpu_blocks": 0,
 // ..., "live": true}]}, each tier's blocks counted beyond the faster tiers'.

@@ -1,6 +1,6 @@
 // Regenerates the reference vectors of the hand-made SentencePiece tokenizers and the
 // extra chat cases, with Hugging Face's own JS implementations (the same versions that
-// produced ../shared/tokenizers/*/vectors.jsonl):
+// produced the brief's shared/tokenizers/*/vectors.jsonl, copied to tokenizer/testdata/*/vectors.jsonl):
 //
 //   npm install @huggingface/tokenizers@0.2.0 @huggingface/jinja@0.5.11
 //   NODE_PATH=$PWD/node_modules node tokenizer/testdata/refvectors.mjs tokenizer/testdata
