@@ -50,6 +50,12 @@ func (s *simEngine) Advance(now time.Duration, out []des.Update) []des.Update {
 
 func (s *simEngine) NextEventTime() (time.Duration, bool) { return s.e.NextEventTime() }
 
+// BusyTime implements des.BusyReporter.
+func (s *simEngine) BusyTime() (busy, prefillBusy time.Duration) {
+	st := s.e.Stats()
+	return st.BusyTime, st.PrefillBusyTime
+}
+
 // simFactory builds sim engines from one config; each instance gets its own
 // hash seed, as separate vLLM processes hash with their own PYTHONHASHSEED.
 // made, when set, is told every engine built (for load scraping).
@@ -236,9 +242,18 @@ func (r *strategyRouter) FirstToken(id uint64, _ string, cached, prompt int) {
 	_ = body.Close()
 }
 
-func (r *strategyRouter) Finished(id uint64, name string) {
+// Finished ends the request's decision as the proxy would: the observer
+// learns the status (releasing the pending prefill the router counted, if
+// the first byte did not already) and the instance's in-flight count drops.
+// A refused or aborted request ends here too, or its pending prefill would
+// pin the instance for the rest of the run.
+func (r *strategyRouter) Finished(id uint64, name string, err error) {
 	if o, ok := r.obs[id]; ok {
-		o.Finish(200)
+		status := 200
+		if err != nil {
+			status = 500
+		}
+		o.Finish(status)
 		delete(r.obs, id)
 	}
 	if in, ok := r.insts[name]; ok {
