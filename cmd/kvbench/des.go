@@ -18,7 +18,12 @@ import (
 )
 
 // workloadNames lists what --workload accepts.
-var workloadNames = []string{"long-context", "chat", "rag", "code", "multi-tenant", "cache-pressure", "mix", "mooncake"}
+var workloadNames = []string{"long-context", "chat", "rag", "code", "multi-tenant", "cache-pressure", "mix", "mooncake",
+	"synth-calibrated", "synth-shared-prompts", "synth-bursty-long"}
+
+// synthPrefix names synthesised traces: "synth-<shape>" is a trace drawn
+// from --trace's fitted profile moved by workload.SynthShapes[shape].
+const synthPrefix = "synth-"
 
 // workloadFlags are the knobs shared by des, live and demo.
 type workloadFlags struct {
@@ -49,7 +54,7 @@ type built struct {
 }
 
 // isTrace reports whether the named workload replays a trace.
-func isTrace(name string) bool { return name == "mooncake" }
+func isTrace(name string) bool { return name == "mooncake" || strings.HasPrefix(name, synthPrefix) }
 
 func (f *workloadFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.name, "workload", "long-context", "workload: "+strings.Join(workloadNames, ", "))
@@ -58,7 +63,7 @@ func (f *workloadFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&f.conc, "concurrency", 0, "closed loop: keep N requests in flight instead of Poisson arrivals (generated workloads)")
 	fs.IntVar(&f.limit, "limit", 0, "keep only the first N requests (0 = all)")
 	fs.BoolVar(&f.scale, "scale", false, "add a scale-out (+2 instances at 1/3) and a scale-in (-2 at 2/3)")
-	fs.StringVar(&f.trace, "trace", workload.DefaultTracePath, "trace for --workload mooncake (default: the bundled Mooncake conversation trace)")
+	fs.StringVar(&f.trace, "trace", workload.DefaultTracePath, "trace for --workload mooncake, and the trace synth-* workloads are calibrated to (default: the bundled Mooncake conversation trace)")
 	fs.Float64Var(&f.speed, "speed", 1, "trace replay speed factor (2 = twice as fast)")
 	fs.IntVar(&f.replicate, "replicate", 1, "play N disjoint copies of the workload at once (offset hash ids or seeds, shifted starts): the same per-instance load on an N-times larger fleet")
 	f.fs = fs
@@ -97,6 +102,11 @@ func (f *workloadFlags) buildAll() (built, error) {
 		recs, err := workload.OpenTrace(f.trace)
 		if err != nil {
 			return built{}, err
+		}
+		if shape, ok := strings.CutPrefix(f.name, synthPrefix); ok {
+			if recs, err = workload.Synthesise(recs, shape, 0, uint64(f.seed)); err != nil {
+				return built{}, err
+			}
 		}
 		if f.limit > 0 && f.limit < len(recs) {
 			recs = recs[:f.limit]

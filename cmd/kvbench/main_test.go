@@ -274,3 +274,25 @@ func jsonInts(v []int64) string {
 	b, _ := json.Marshal(v)
 	return string(b)
 }
+
+// TestSynthCommand: kvbench synth writes a trace that reads back, and a
+// synthesised workload runs through des.
+func TestSynthCommand(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "s.jsonl")
+	var out, errb bytes.Buffer
+	if err := run(context.Background(), []string{"synth", "--shape", "bursty-long", "--requests", "300", "--out", p}, &out, &errb); err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	recs, err := workload.OpenTrace(p)
+	if err != nil || len(recs) != 300 {
+		t.Fatalf("%d records: %v", len(recs), err)
+	}
+	out.Reset()
+	if err := run(context.Background(), []string{"des", "--workload", "synth-shared-prompts", "--limit", "200", "--instances", "2",
+		"--replicate", "2", "--strategies", "prefix_aware"}, &out, &errb); err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	if !strings.Contains(out.String(), "400 requests") || !strings.Contains(out.String(), "2 disjoint copies") {
+		t.Errorf("output:\n%s", out.String())
+	}
+}
