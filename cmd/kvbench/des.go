@@ -219,6 +219,7 @@ type fleetFlags struct {
 	delay     time.Duration
 	threshold int
 	prefixLen int
+	kvWeight  float64
 	salt      bool
 }
 
@@ -229,7 +230,17 @@ func (f *fleetFlags) register(fs *flag.FlagSet, instances int) {
 	fs.DurationVar(&f.delay, "event-delay", 5*time.Millisecond, "engine-to-index KV event delay")
 	fs.IntVar(&f.threshold, "concurrency-threshold", 0, "router concurrency_threshold (0 = router default, 64)")
 	fs.IntVar(&f.prefixLen, "prefix-length", 0, "router prefix_length in characters (0 = router default, 8192)")
+	fs.Float64Var(&f.kvWeight, "kv-prefill-cost-weight", 0, "kv_aware routing.kv.prefill_cost_weight (0 = the router's default)")
 	fs.BoolVar(&f.salt, "salt-by-tenant", false, "send the tenant key as cache_salt")
+}
+
+// routing is the router configuration the fleet flags ask for.
+func (f *fleetFlags) routing() router.RoutingConfig {
+	rc := router.RoutingConfig{ConcurrencyThreshold: f.threshold, PrefixLength: f.prefixLen}
+	if f.kvWeight != 0 {
+		rc.KV = &router.KVScoringConfig{PrefillCostWeight: f.kvWeight}
+	}
+	return rc
 }
 
 func (f *fleetFlags) simConfig() (sim.Config, int64, error) {
@@ -287,28 +298,16 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		w.Name, len(w.Requests), w.InputTokens(), w.Duration().Seconds(), ff.instances, gpuTokens, b.describe())
 	var sums []report.Summary
 	for _, name := range splitList(*strategies) {
-		rt, err := newStrategyRouter(name, router.RoutingConfig{ConcurrencyThreshold: ff.threshold, PrefixLength: ff.prefixLen}, uint64(wf.seed), sim.DefaultModel)
-		if err != nil {
-			return err
-		}
 		var bar *report.Progress
 		if *progress {
 			if f, ok := stderr.(*os.File); ok {
 				bar = report.NewProgress(f, name)
 			}
 		}
-		dc := rt.desConfig(ff.instances, scfg)
-		dc.EventDelay, dc.PrefixLength, dc.SaltByTenant, dc.Progress = ff.delay, ff.prefixLen, ff.salt, bar.Update
-		res, err := des.Run(ctx, dc, w)
-		bar.Done()
+		s, err := runStrategy(ctx, name, &ff, scfg, &b, boundHits, uint64(wf.seed), bar)
 		if err != nil {
-			return fmt.Errorf("%s: %w", name, err)
+			return err
 		}
-		s := report.Summarize(res, 0)
-		if boundHits != nil {
-			s = report.SummarizeBound(res, boundHits)
-		}
-		b.record(&s)
 		fmt.Fprintf(stderr, "%s (%.1f s wall)\n", s, s.WallSec)
 		sums = append(sums, s)
 	}
@@ -322,6 +321,28 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		return writeReports(*out, sums, poolBound)
 	}
 	return nil
+}
+
+// runStrategy runs one strategy over the built workload on the fleet and
+// summarises it (against the pooled bound when boundHits is set).
+func runStrategy(ctx context.Context, name string, ff *fleetFlags, scfg sim.Config, b *built, boundHits []int64, seed uint64, bar *report.Progress) (report.Summary, error) {
+	rt, err := newStrategyRouter(name, ff.routing(), seed, sim.DefaultModel)
+	if err != nil {
+		return report.Summary{}, err
+	}
+	dc := rt.desConfig(ff.instances, scfg)
+	dc.EventDelay, dc.PrefixLength, dc.SaltByTenant, dc.Progress = ff.delay, ff.prefixLen, ff.salt, bar.Update
+	res, err := des.Run(ctx, dc, b.w)
+	bar.Done()
+	if err != nil {
+		return report.Summary{}, fmt.Errorf("%s: %w", name, err)
+	}
+	s := report.Summarize(res, 0)
+	if boundHits != nil {
+		s = report.SummarizeBound(res, boundHits)
+	}
+	b.record(&s)
+	return s, nil
 }
 
 // record notes in s how the workload was played.
