@@ -134,13 +134,14 @@ func (f *workloadFlags) buildAll() (built, error) {
 	if err != nil {
 		return built{}, err
 	}
-	if f.replicate > 1 {
-		if w, err = workload.Replicate(w, f.replicate); err != nil {
+	if f.scale {
+		if w, err = (workload.Scale{}).Apply(w); err != nil {
 			return built{}, err
 		}
 	}
-	if f.scale {
-		if w, err = (workload.Scale{}).Apply(w); err != nil {
+	if f.replicate > 1 {
+		// After the scale events, so that each copy brings its own.
+		if w, err = workload.Replicate(w, f.replicate); err != nil {
 			return built{}, err
 		}
 	}

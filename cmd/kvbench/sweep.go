@@ -29,6 +29,8 @@ type sweepRow struct {
 }
 
 // runSweep runs strategies × loads × fleet sizes × workloads and writes,
+// (a workload name ending in "+scale" adds the scale-out and scale-in of
+// --scale),
 // per workload, a Markdown table (<workload>.md) and a chart of TTFT p90
 // (<workload>.svg) into --out. Load k is speed k for a trace and k × the
 // default rate for a generated workload; fleet n is --base-instances
@@ -39,7 +41,7 @@ func runSweep(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs.SetOutput(stderr)
 	var ff fleetFlags
 	ff.register(fs, 8)
-	workloads := fs.String("workloads", "mooncake,synth-calibrated,synth-shared-prompts,synth-bursty-long,long-context,chat,rag,code,multi-tenant,cache-pressure,mix", "comma-separated workloads")
+	workloads := fs.String("workloads", "mooncake,synth-calibrated,synth-shared-prompts,synth-bursty-long,long-context,chat,rag,code,multi-tenant,cache-pressure,mix,long-context+scale,chat+scale", "comma-separated workloads (NAME+scale: with a scale-out at 1/3 and a scale-in at 2/3)")
 	strategies := fs.String("strategies", "prefix_aware,kv_aware", "comma-separated strategies")
 	loads := fs.String("loads", "1,1.5,2,3,4", "comma-separated load multipliers")
 	fleets := fs.String("fleets", "8,32,128", "comma-separated fleet sizes (multiples of --instances)")
@@ -86,16 +88,17 @@ func runSweep(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		var rows []sweepRow
 		for _, n := range fl {
 			for _, load := range ls {
-				wf := workloadFlags{name: wname, seed: *seed, trace: *trace, speed: 1, replicate: n / base, limit: *limit}
+				name, scale := strings.CutSuffix(wname, "+scale")
+				wf := workloadFlags{name: name, seed: *seed, trace: *trace, speed: 1, replicate: n / base, limit: *limit, scale: scale}
 				if n > base && *limit128 > 0 {
 					wf.limit = *limit128
 				}
-				if isTrace(wname) {
+				if isTrace(name) {
 					wf.speed = load
 				} else {
-					r, ok := defaultRates[wname]
+					r, ok := defaultRates[name]
 					if !ok {
-						return fmt.Errorf("unknown workload %q", wname)
+						return fmt.Errorf("unknown workload %q", name)
 					}
 					wf.rate = r * load
 				}
