@@ -296,3 +296,46 @@ func TestSynthCommand(t *testing.T) {
 		t.Errorf("output:\n%s", out.String())
 	}
 }
+
+// TestSweepCommand: a small sweep writes a table and a chart per workload,
+// with kv_aware's ratios to prefix_aware at each fleet size and load.
+func TestSweepCommand(t *testing.T) {
+	dir := t.TempDir()
+	var out, errb bytes.Buffer
+	err := run(context.Background(), []string{"sweep", "--workloads", "mooncake,chat+scale", "--loads", "1,2", "--fleets", "2,4",
+		"--instances", "2", "--limit", "40", "--gpu-tokens", "300K", "--out", dir}, &out, &errb)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	for _, w := range []string{"mooncake", "chat+scale"} {
+		md, err := os.ReadFile(filepath.Join(dir, w+".md"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		rows := 0
+		for _, l := range strings.Split(string(md), "\n") {
+			if strings.HasPrefix(l, "| 2 | ") || strings.HasPrefix(l, "| 4 | ") {
+				rows++
+				if strings.Contains(l, "kv_aware") && !strings.HasSuffix(l, " pt |") {
+					t.Errorf("%s: kv_aware row without ratios: %s", w, l)
+				}
+			}
+		}
+		if rows != 8 {
+			t.Errorf("%s: %d rows, want 2 fleets × 2 loads × 2 strategies:\n%s", w, rows, md)
+		}
+		if st, err := os.Stat(filepath.Join(dir, w+".svg")); err != nil || st.Size() == 0 {
+			t.Errorf("%s.svg: %v", w, err)
+		}
+	}
+	for _, args := range [][]string{
+		{"sweep"},
+		{"sweep", "--out", dir, "--fleets", "3", "--instances", "2"},
+		{"sweep", "--out", dir, "--loads", "0"},
+		{"sweep", "--out", dir, "--workloads", "nope", "--loads", "1", "--fleets", "2", "--instances", "2"},
+	} {
+		if err := run(context.Background(), args, &out, &errb); err == nil {
+			t.Errorf("%v: no error", args)
+		}
+	}
+}
