@@ -327,7 +327,7 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 // runStrategy runs one strategy over the built workload on the fleet and
 // summarises it (against the pooled bound when boundHits is set).
 func runStrategy(ctx context.Context, name string, ff *fleetFlags, scfg sim.Config, b *built, boundHits []int64, seed uint64, bar *report.Progress) (report.Summary, error) {
-	rt, err := newStrategyRouter(name, ff.routing(), seed, sim.DefaultModel)
+	rt, err := newStrategyRouterSized(name, ff.routing(), seed, sim.DefaultModel, indexCapacity(ff.instances, scfg))
 	if err != nil {
 		return report.Summary{}, err
 	}

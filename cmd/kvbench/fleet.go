@@ -7,6 +7,7 @@ import (
 	"hash/fnv"
 	"io"
 	"log/slog"
+	"math"
 	"strings"
 	"time"
 
@@ -115,11 +116,32 @@ func (k *kvSim) wall() time.Time { return epoch.Add(k.now) }
 func needsKV(name string) bool { return name == router.StrategyKVAware }
 
 func newStrategyRouter(name string, cfg router.RoutingConfig, seed uint64, model string) (*strategyRouter, error) {
+	return newStrategyRouterSized(name, cfg, seed, model, 0)
+}
+
+// indexCapacity is the block-index size a simulated fleet needs: every
+// (block, instance) entry its engines can hold, twice over (room for the
+// instances a scale-out adds; the index evicts the least recently used
+// beyond it). A real deployment sizes the index the same way
+// (kvindex.MemoryConfig.Capacity); an index smaller than the fleet's
+// caches forgets blocks the engines still hold, and kv_aware then routes
+// as if they were cold.
+func indexCapacity(instances int, scfg sim.Config) int {
+	per := scfg.GPUBlocks + scfg.CPUBlocks
+	if scfg.GPUBlocks == 0 {
+		per += sim.DefaultGPUBlocks
+	}
+	return min(2*instances*per, math.MaxInt32/2)
+}
+
+// newStrategyRouterSized is newStrategyRouter with an index of capacity
+// (block, instance) entries (0 = kvindex's default).
+func newStrategyRouterSized(name string, cfg router.RoutingConfig, seed uint64, model string, capacity int) (*strategyRouter, error) {
 	r := &strategyRouter{model: model, insts: map[string]*router.Instance{}, obs: map[uint64]router.RequestObserver{}}
 	opts := []router.StrategyOption{router.WithSeed(seed)}
 	if needsKV(name) {
 		k := &kvSim{engines: map[string]*sim.Engine{}, scrape: router.DefaultScrapeInterval}
-		idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: model, BlockSize: sim.DefaultBlockSize, Now: k.wall})
+		idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: model, BlockSize: sim.DefaultBlockSize, Now: k.wall, Capacity: capacity})
 		if err != nil {
 			return nil, err
 		}
