@@ -38,6 +38,10 @@ type workloadFlags struct {
 	replicate int
 	fleetToks int64 // for cache-pressure: the fleet's GPU capacity
 	fs        *flag.FlagSet
+	// traces caches parsed traces by path across builds (a sweep builds
+	// many workloads from one trace); nil = no cache. Records are never
+	// modified once read.
+	traces map[string][]workload.TraceRecord
 }
 
 // built is a workload ready to run, with what a report records about it.
@@ -99,12 +103,13 @@ func (f *workloadFlags) buildAll() (built, error) {
 				return built{}, fmt.Errorf("--%s: a trace replays at its own times (use --speed)", fl)
 			}
 		}
-		recs, err := workload.OpenTrace(f.trace)
+		recs, err := f.openTrace()
 		if err != nil {
 			return built{}, err
 		}
 		if shape, ok := strings.CutPrefix(f.name, synthPrefix); ok {
-			if recs, err = workload.Synthesise(recs, shape, 0, uint64(f.seed)); err != nil {
+			// Draw only the requests kept (--limit), as many as the trace otherwise.
+			if recs, err = workload.Synthesise(recs, shape, max(f.limit, 0), uint64(f.seed)); err != nil {
 				return built{}, err
 			}
 		}
@@ -146,6 +151,18 @@ func (f *workloadFlags) buildAll() (built, error) {
 		}
 	}
 	return built{w: w, replicate: f.replicate}, nil
+}
+
+// openTrace reads --trace, through the cache when there is one.
+func (f *workloadFlags) openTrace() ([]workload.TraceRecord, error) {
+	if recs, ok := f.traces[f.trace]; ok {
+		return recs, nil
+	}
+	recs, err := workload.OpenTrace(f.trace)
+	if err == nil && f.traces != nil {
+		f.traces[f.trace] = recs
+	}
+	return recs, err
 }
 
 // generate builds a generated workload (one copy, before replication).

@@ -303,7 +303,7 @@ func TestSweepCommand(t *testing.T) {
 	dir := t.TempDir()
 	var out, errb bytes.Buffer
 	err := run(context.Background(), []string{"sweep", "--workloads", "mooncake,chat+scale", "--loads", "1,2", "--fleets", "2,4",
-		"--instances", "2", "--limit", "40", "--gpu-tokens", "300K", "--out", dir}, &out, &errb)
+		"--instances", "2", "--limit", "20", "--gpu-tokens", "300K", "--out", dir}, &out, &errb)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, errb.String())
 	}

@@ -84,12 +84,13 @@ func runSweep(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err := os.MkdirAll(*out, 0o755); err != nil {
 		return err
 	}
+	traces := map[string][]workload.TraceRecord{}
 	for _, wname := range splitList(*workloads) {
 		var rows []sweepRow
 		for _, n := range fl {
 			for _, load := range ls {
 				name, scale := strings.CutSuffix(wname, "+scale")
-				wf := workloadFlags{name: name, seed: *seed, trace: *trace, speed: 1, replicate: n / base, limit: *limit, scale: scale}
+				wf := workloadFlags{name: name, seed: *seed, trace: *trace, speed: 1, replicate: n / base, limit: *limit, scale: scale, traces: traces}
 				if n > base && *limit128 > 0 {
 					wf.limit = *limit128
 				}
