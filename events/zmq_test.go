@@ -45,7 +45,7 @@ func TestParseLiveFrames(t *testing.T) {
 	}
 }
 
-// The shapes are the ones in /work/shared/kv-events/captured/DATA.md (a
+// The shapes are the ones in events/testdata/captured/DATA.md (a
 // DEALER sees ["", topic, seq, payload], the end marker has topic "") plus
 // the older [seq, payload] at a DEALER and at a REQ.
 func TestParseReplayFrames(t *testing.T) {

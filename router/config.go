@@ -364,13 +364,21 @@ type KVScoringConfig struct {
 	// RunningRequestSeconds is what each running request adds to a new
 	// request's TTFT. Default 0.0005.
 	RunningRequestSeconds float64 `yaml:"running_request_seconds" json:"running_request_seconds,omitempty"`
-	// PrefillCostWeight w: the pick minimises predicted TTFT plus
-	// w·(tokens the pick must prefill)/P, so that bursts of a new prefix
-	// join the instance computing it. Default 1; negative = 0 (pure TTFT).
+	// PrefillCostWeight w: the pick minimises predicted TTFT plus w × the
+	// prefill time it makes the fleet do (docs/kv-aware.md). 0 = adaptive
+	// (the default): w = max(1, ρ/(1−ρ)) for the fleet's measured busy
+	// fraction ρ, at most 19; > 0 = that fixed weight; negative = 0 (pure
+	// TTFT).
 	PrefillCostWeight float64 `yaml:"prefill_cost_weight" json:"prefill_cost_weight,omitempty"`
 	// TieTolerance: predicted TTFTs this close are a tie, broken by
 	// rendezvous order. Default 1ms.
 	TieTolerance time.Duration `yaml:"tie_tolerance" json:"tie_tolerance,omitempty"`
+	// LoadBound ε: the preferred instance (the best cache holder, or the
+	// prompt's hash-home when nobody holds it) keeps the request while its
+	// predicted queue is at most (1+ε) × the candidates' mean; past that
+	// the request spills (docs/kv-aware.md). 0 = default 0.25; negative =
+	// off (always score every candidate).
+	LoadBound float64 `yaml:"load_bound" json:"load_bound,omitempty"`
 	// SpeculativeTTL: a routed request's blocks count as held by its
 	// instance this long, until events confirm them. Default 2s; negative = off.
 	SpeculativeTTL time.Duration `yaml:"speculative_ttl" json:"speculative_ttl,omitempty"`

@@ -37,6 +37,10 @@ const (
 	// ReasonStreamDown: the pool's event stream is down, so the index may be
 	// arbitrarily wrong: prefix_aware decided.
 	ReasonStreamDown Reason = "stream_down"
+	// ReasonLoadBound: the preferred instance (the best holder, or the
+	// hash-home of a prompt nobody holds) was over the load bound; another
+	// took the request.
+	ReasonLoadBound Reason = "load_bound"
 )
 
 // maxKeyedTokens bounds the prompt tokens a decision keys and looks up
@@ -125,6 +129,8 @@ type KVState struct {
 	streamUp atomic.Int32
 
 	cmp compareStats
+
+	util utilisation
 
 	evalPool sync.Pool // *kvEval scratch
 }
@@ -294,6 +300,7 @@ type candEval struct {
 	// matched is blocks in tokens per tier, each beyond faster tiers.
 	matched [tiers.Count]int
 	ttft    float64 // predicted, seconds
+	queue   float64 // predicted wait before its prefill starts, seconds
 	// score is what the pick minimises: ttft plus the weighted prefill the
 	// pick adds to the fleet (see KVScoringConfig.PrefillCostWeight).
 	score float64
@@ -310,6 +317,8 @@ type kvEval struct {
 	blockSize int    // tokens per block, 0 when unknown
 	fallback  Reason // set when nobody's blocks count: why
 	anyStale  bool
+	commit    bool    // the decision will be committed (not shadow scoring)
+	weight    float64 // prefill cost weight used
 }
 
 func (st *KVState) getEval() *kvEval {
@@ -348,17 +357,26 @@ func (s *KVAware) pick(ctx context.Context, req *Request, cands []*Instance, com
 	ev := s.st.getEval()
 	s.evaluate(ctx, req, cands, ev, commit)
 	var dec Decision
-	if ev.fallback != "" {
-		// The index says nothing useful: the heuristic decides, so the first
-		// requests of a new prefix land together on its hash-home.
+	switch {
+	case ev.fallback != "" && s.sc.loadBound >= 0:
+		// The index says nothing useful: the prompt's hash-home takes it,
+		// so the first requests of a new prefix land together, unless the
+		// home is over the load bound (then the next in rendezvous order
+		// under it: consistent hashing with bounded loads).
+		pick, reason := s.bounded(ev)
+		if reason == ReasonKVMatch {
+			reason = ev.fallback
+		}
+		dec = Decision{Instance: ev.cands[pick].inst, Reason: reason}
+	case ev.fallback != "":
 		dec, _ = s.fallback.Pick(ctx, req, cands)
 		if dec.Reason == ReasonHash {
 			dec.Reason = ev.fallback
 		}
-	} else {
-		pick, reason := s.choose(ev, false)
+	default:
+		pick, reason := s.decide(ev, false)
 		if reason == ReasonKVMatch && ev.anyStale {
-			if with, _ := s.choose(ev, true); with != pick {
+			if with, _ := s.decide(ev, true); with != pick {
 				reason = ReasonStaleFallback
 			}
 		}
@@ -391,7 +409,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 	for _, c := range cands {
 		ev.cands = append(ev.cands, candEval{inst: c, rv: rendezvousScore(h, c.hash), full: c.Full(s.threshold)})
 	}
-	ev.tokens, ev.blockSize, ev.fallback, ev.anyStale, ev.keys = 0, 0, "", false, ev.keys[:0]
+	ev.tokens, ev.blockSize, ev.fallback, ev.anyStale, ev.keys, ev.commit = 0, 0, "", false, ev.keys[:0], commit
 	defer s.predict(ev)
 
 	if st.fresh != nil {
@@ -514,6 +532,14 @@ func (s *KVAware) predict(ev *kvEval) {
 	st := s.st
 	bs := ev.blockSize
 	now := st.now()
+	busy := 0
+	for i := range ev.cands {
+		if ev.cands[i].inst.InFlight() > 0 {
+			busy++
+		}
+	}
+	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
+	ev.weight = s.sc.weight(rho)
 	st.pendMu.RLock()
 	st.loads.mu.RLock()
 	for i := range ev.cands {
@@ -526,8 +552,9 @@ func (s *KVAware) predict(ev *kvEval) {
 		ok = ok && now.Sub(ld.at) <= s.loadAge
 		q := s.sc.queue(float64(pTok), int(pReq), ce.inst.InFlight(), ld, ok)
 		ce.matched = tierTokens(ce.blocks, bs, ev.tokens)
+		ce.queue = q
 		ce.ttft = s.sc.ttft(q, ev.tokens, ce.matched)
-		ce.score = ce.ttft + s.sc.prefillCost(ev.tokens, ce.matched)
+		ce.score = ce.ttft + s.sc.prefillCost(ev.weight, ev.tokens, ce.matched)
 		ce.scoreStale = ce.score
 		if ce.stale != ([tiers.Count]int{}) {
 			var both [tiers.Count]int
@@ -535,11 +562,81 @@ func (s *KVAware) predict(ev *kvEval) {
 				both[t] = max(ce.blocks[t], ce.stale[t])
 			}
 			m := tierTokens(both, bs, ev.tokens)
-			ce.scoreStale = s.sc.ttft(q, ev.tokens, m) + s.sc.prefillCost(ev.tokens, m)
+			ce.scoreStale = s.sc.ttft(q, ev.tokens, m) + s.sc.prefillCost(ev.weight, ev.tokens, m)
 		}
 	}
 	st.loads.mu.RUnlock()
 	st.pendMu.RUnlock()
+}
+
+// decide picks for a request some instance holds: the least score
+// (predicted TTFT plus the fleet's cost of the prefill it adds, at the
+// weight the measured utilisation gives).
+func (s *KVAware) decide(ev *kvEval, countStale bool) (int, Reason) {
+	return s.choose(ev, countStale)
+}
+
+// bounded is consistent hashing with bounded loads for a prompt nobody
+// holds: the hash-home (first in rendezvous order) takes it while its
+// predicted queue is at most (1+ε) × the mean queue of the candidates
+// under the concurrency threshold, plus the tie tolerance (so that an idle
+// fleet's noise moves nothing); reason kv_match. Otherwise the least
+// loaded candidate under the threshold takes it: reason load_bound when
+// the home was over the bound, overflow when it was full; saturated (the
+// least loaded of all) when every candidate is full.
+//
+// Spilling to the least loaded rather than the next in rendezvous order
+// (as the paper does) minimises the request's wait; the burst that
+// follows it still finds its blocks there, through the speculative
+// entries.
+func (s *KVAware) bounded(ev *kvEval) (int, Reason) {
+	free, sum := 0, 0.0
+	home := -1
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		if home < 0 || ce.rv > ev.cands[home].rv {
+			home = i
+		}
+		if !ce.full {
+			free++
+			sum += ce.queue
+		}
+	}
+	if free == 0 {
+		return s.leastQueue(ev, false), ReasonSaturated
+	}
+	limit := (1+s.sc.loadBound)*sum/float64(free) + s.sc.tieTol
+	h := &ev.cands[home]
+	switch {
+	case !h.full && h.queue <= limit:
+		return home, ReasonKVMatch
+	case h.full:
+		return s.leastQueue(ev, true), ReasonOverflow
+	}
+	return s.leastQueue(ev, true), ReasonLoadBound
+}
+
+// leastQueue is the candidate with the least predicted queue (among those
+// under the threshold when skipFull), ties within the tolerance by
+// rendezvous order.
+func (s *KVAware) leastQueue(ev *kvEval, skipFull bool) int {
+	minQ := math.Inf(1)
+	for i := range ev.cands {
+		if ce := &ev.cands[i]; !(skipFull && ce.full) {
+			minQ = min(minQ, ce.queue)
+		}
+	}
+	pick := -1
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		if (skipFull && ce.full) || ce.queue > minQ+s.sc.tieTol {
+			continue
+		}
+		if pick < 0 || ce.rv > ev.cands[pick].rv {
+			pick = i
+		}
+	}
+	return pick
 }
 
 // choose returns the candidate with the least score (predicted TTFT plus
@@ -672,4 +769,45 @@ func newKVStrategy(cfg RoutingConfig, st *KVState, rnd func(uint64) uint64) (Str
 		return nil, err
 	}
 	return NewShadow(inUse, kv), nil
+}
+
+// utilisation is the fleet's busy fraction as the router sees it: the
+// share of candidates with a request in flight (an engine with work steps;
+// one without idles), averaged exponentially over
+// DefaultUtilisationWindow of the decision clock.
+type utilisation struct {
+	mu  sync.Mutex
+	rho float64
+	at  time.Time
+	set bool
+}
+
+// read folds the sample busy (observed at now) into the average when
+// update is set (committed decisions; shadow scoring only reads) and
+// returns the average.
+func (u *utilisation) read(now time.Time, busy float64, update bool) float64 {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if !update {
+		if !u.set {
+			return busy
+		}
+		return u.rho
+	}
+	switch dt := now.Sub(u.at).Seconds(); {
+	case !u.set:
+		u.rho, u.set = busy, true
+	case dt > 0:
+		u.rho += (busy - u.rho) * (1 - math.Exp(-dt/DefaultUtilisationWindow.Seconds()))
+	}
+	u.at = now
+	return u.rho
+}
+
+// Utilisation is the pool's busy fraction as kv_aware measures it (for
+// tests and the compare endpoint).
+func (st *KVState) Utilisation() float64 {
+	st.util.mu.Lock()
+	defer st.util.mu.Unlock()
+	return st.util.rho
 }

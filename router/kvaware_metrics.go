@@ -42,7 +42,7 @@ func newKVMetrics() *KVMetrics {
 	return &KVMetrics{
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrouter_kv_decisions_total",
-			Help: "kv_aware decisions by reason (kv_match, heuristic, overflow, saturated, stale_fallback, stream_down).",
+			Help: "kv_aware decisions by reason (kv_match, heuristic, load_bound, overflow, saturated, stale_fallback, stream_down).",
 		}, []string{"pool", "reason"}),
 		matched: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrouter_kv_matched_tokens_total",

@@ -30,18 +30,44 @@ const (
 	// 8,000-token prefill at 25,000 tokens/s, so cached prefixes dominate
 	// until an instance is clearly busier.
 	DefaultRunningRequestSeconds = 0.0005
-	// DefaultPrefillCostWeight: the pick minimises ttft + w·(tokens it
-	// makes the instance prefill)/P. TTFT alone is greedy for the one
-	// request: a burst sharing a new prefix would see the first request's
-	// pending prefill on its instance and spread over idle instances,
-	// each recomputing the prefix (the very waste the speculative entries
-	// exist to avoid), and every token prefilled delays whoever queues
-	// behind it. w = 1 values that delay like the request's own wait.
+	// DefaultPrefillCostWeight is the least weight w of the adaptive rule:
+	// the pick minimises ttft + w·(tokens it makes the instance
+	// prefill)/P. TTFT alone is greedy for the one request: a burst sharing
+	// a new prefix would see the first request's pending prefill on its
+	// instance and spread over idle instances, each recomputing the prefix
+	// (the very waste the speculative entries exist to avoid), and every
+	// token prefilled delays whoever queues behind it. w = 1 values that
+	// delay at least like the request's own wait.
 	DefaultPrefillCostWeight = 1.0
+	// MaxAdaptiveCostWeight caps the adaptive weight ρ/(1−ρ) at ρ = 0.95:
+	// past it the measured busy fraction is saturation, where the
+	// queueing formula diverges; 19 already makes a recompute worth it
+	// only when it saves 20 times its own prefill time in waiting.
+	MaxAdaptiveCostWeight = 19.0
+	// DefaultUtilisationWindow is the time constant of the busy-fraction
+	// average the adaptive weight reads: long against one prefill (an
+	// 8,000-token prompt takes ~0.3 s) and against arrival bursts (the
+	// Mooncake conversation trace arrives in 3 s waves), so that it
+	// measures utilisation rather than whether a burst is in progress;
+	// short against load changes that matter (minutes).
+	DefaultUtilisationWindow = 10 * time.Second
 	// DefaultTieTolerance: predicted TTFTs within 1 ms are a tie, broken by
 	// rendezvous order so that replicas with slightly different local load
 	// still agree, and equal prefixes with nothing cached stay together.
 	DefaultTieTolerance = time.Millisecond
+	// DefaultLoadBound ε of the bounded-load rule: the preferred instance
+	// keeps a request while its predicted queue is at most (1+ε) × the
+	// fleet's mean. This is consistent hashing with bounded loads
+	// (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded
+	// Loads", SODA 2018): no instance is preferred past (1+ε) × the mean,
+	// and the expected number of requests that leave their preferred
+	// instance, hence of prefixes computed twice, shrinks as 1/ε². 0.25 caps
+	// the preferred instance at a quarter above the mean queue: under it,
+	// waiting costs a request at most a quarter of a mean queue, less than
+	// a recomputed prefix costs the fleet once load is high enough for
+	// queues to matter; above it, load differences are large enough that
+	// the score (queue plus recompute) should decide.
+	DefaultLoadBound = 0.25
 	// DefaultSpeculativeTTL is a few prefill times of a long prompt (an
 	// 8,000-token prompt takes ~0.3 s at 25,000 tokens/s) plus the event
 	// path (bridge → NATS → index, milliseconds): long enough for the
@@ -75,8 +101,10 @@ type kvScoring struct {
 	blockSize     int                  // 0 = the index's
 	waitingTokens float64
 	runningSec    float64
-	costWeight    float64
+	costWeight    float64 // fixed weight; adaptive when < 0
+	adaptive      bool
 	tieTol        float64 // seconds
+	loadBound     float64 // ε; < 0 = off
 	specTTL       time.Duration
 	specCap       int
 	scrape        time.Duration // < 0 = no scraping
@@ -111,7 +139,7 @@ func (k *KVScoringConfig) resolve() kvScoring {
 	s.load[tiers.Shared] = pos(c.SharedLoadTokensPerSecond, cm.LoadTokensPerSec(tiers.Shared))
 	s.costWeight = c.PrefillCostWeight
 	if c.PrefillCostWeight == 0 {
-		s.costWeight = DefaultPrefillCostWeight
+		s.costWeight, s.adaptive = DefaultPrefillCostWeight, true
 	}
 	if c.WaitingRequestTokens == 0 {
 		s.waitingTokens = DefaultWaitingRequestTokens
@@ -121,6 +149,10 @@ func (k *KVScoringConfig) resolve() kvScoring {
 	}
 	if c.TieTolerance == 0 {
 		s.tieTol = DefaultTieTolerance.Seconds()
+	}
+	s.loadBound = c.LoadBound
+	if c.LoadBound == 0 {
+		s.loadBound = DefaultLoadBound
 	}
 	if c.SpeculativeTTL == 0 {
 		s.specTTL = DefaultSpeculativeTTL
@@ -180,13 +212,16 @@ func (k *KVScoringConfig) validateKV(f string) error {
 		}
 	}
 	if math.IsNaN(k.PrefillCostWeight) || k.PrefillCostWeight > 100 {
-		return bad("prefill_cost_weight %v out of range (negative = 0, 0 = default, at most 100)", k.PrefillCostWeight)
+		return bad("prefill_cost_weight %v out of range (negative = 0, 0 = adaptive, at most 100)", k.PrefillCostWeight)
 	}
 	if k.RunningRequestSeconds > 60 {
 		return bad("running_request_seconds %v out of range 0..60", k.RunningRequestSeconds)
 	}
 	if k.WaitingRequestTokens < 0 || k.WaitingRequestTokens > 1<<22 {
 		return bad("waiting_request_tokens %d out of range 0..%d", k.WaitingRequestTokens, 1<<22)
+	}
+	if math.IsNaN(k.LoadBound) || k.LoadBound > 100 {
+		return bad("load_bound %v out of range (negative = off, 0 = default, at most 100)", k.LoadBound)
 	}
 	if k.TieTolerance < 0 || k.TieTolerance > time.Minute {
 		return bad("tie_tolerance %v out of range 0..1m", k.TieTolerance)
@@ -246,13 +281,29 @@ func (s *kvScoring) ttft(queue float64, promptTokens int, matched [tiers.Count]i
 }
 
 // prefillCost is the weighted time the fleet spends prefilling what the
-// instance does not hold: the second term of the score.
-func (s *kvScoring) prefillCost(promptTokens int, matched [tiers.Count]int) float64 {
+// instance does not hold: the second term of the score, at weight w.
+func (s *kvScoring) prefillCost(w float64, promptTokens int, matched [tiers.Count]int) float64 {
 	rest := promptTokens
 	for _, n := range matched {
 		rest -= n
 	}
-	return s.costWeight * float64(max(rest, 0)) / s.prefill
+	return w * float64(max(rest, 0)) / s.prefill
+}
+
+// weight is the prefill cost weight for a fleet whose measured busy
+// fraction is rho: the fixed weight, or max(1, ρ/(1−ρ)) capped — in a
+// queue busy a fraction ρ of the time, work added delays the requests
+// that queue behind it, ρ/(1−ρ) of them on average (M/M/1), so a
+// recomputed prefix costs the fleet its prefill time that many times
+// over besides the request's own wait.
+func (s *kvScoring) weight(rho float64) float64 {
+	if !s.adaptive {
+		return s.costWeight
+	}
+	if !(rho < 1) {
+		return MaxAdaptiveCostWeight
+	}
+	return min(max(s.costWeight, rho/(1-rho)), MaxAdaptiveCostWeight)
 }
 
 // queue is the predicted wait before a new request's prefill starts on an

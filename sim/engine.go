@@ -120,9 +120,13 @@ type Stats struct {
 	PromptTokens, GenerationTokens    uint64
 	Finished, Aborted                 uint64
 	BusyTime                          time.Duration
-	Now                               time.Duration
-	NextEvent                         time.Duration
-	HasNextEvent                      bool
+	// PrefillBusyTime is the part of BusyTime spent in steps that carried
+	// prompt tokens (a prefill chunk, or the recompute of a preempted
+	// request), as opposed to decode-only steps.
+	PrefillBusyTime time.Duration
+	Now             time.Duration
+	NextEvent       time.Duration
+	HasNextEvent    bool
 }
 
 // LoRA is a loaded adapter; ID is vLLM's lora_int_id (1, 2, ... in load order).
@@ -709,6 +713,12 @@ func (e *Engine) finishStep(out []Update) []Update {
 	e.stats.Steps++
 	e.stats.BusyTime += t - e.stepStart
 	finished := false
+	for _, q := range e.step {
+		if q.scheduled > 1 || q.computed < len(q.Prompt) {
+			e.stats.PrefillBusyTime += t - e.stepStart
+			break
+		}
+	}
 	for _, q := range e.step {
 		if q.scheduled == 0 || q.state != stRunning {
 			continue // aborted or preempted during the step

@@ -33,7 +33,7 @@ func TestFreshClone(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
 	defer cancel()
-	// A folder of its own, nothing beside the clone (no ../shared).
+	// A folder of its own: nothing beside the clone.
 	dir := filepath.Join(t.TempDir(), "empty")
 	if err := os.Mkdir(dir, 0o755); err != nil {
 		t.Fatal(err)

@@ -40,6 +40,19 @@ func InfiniteBound(recs []TraceRecord) Bound {
 // whose caches were pooled into one. A request's blocks, hit or not, become
 // the most recently used in prompt order, last block most recent.
 func PooledBound(recs []TraceRecord, capacityTokens int64) (Bound, error) {
+	return pooledBound(recs, capacityTokens, nil)
+}
+
+// PooledBoundPerRequest is PooledBound with each record's hit tokens, so
+// that the bound can be taken over the same requests as a measured hit
+// rate (e.g. only those that completed).
+func PooledBoundPerRequest(recs []TraceRecord, capacityTokens int64) (Bound, []int64, error) {
+	hits := make([]int64, len(recs))
+	b, err := pooledBound(recs, capacityTokens, hits)
+	return b, hits, err
+}
+
+func pooledBound(recs []TraceRecord, capacityTokens int64, perReq []int64) (Bound, error) {
 	if capacityTokens < 0 {
 		return Bound{}, fmt.Errorf("%w: bound: capacity %d must be >= 0", ErrInvalid, capacityTokens)
 	}
@@ -49,7 +62,7 @@ func PooledBound(recs []TraceRecord, capacityTokens int64) (Bound, error) {
 	}
 	b := Bound{CapacityTokens: capacityTokens}
 	lru := newLRU(capBlocks)
-	for _, r := range recs {
+	for i, r := range recs {
 		hit := 0
 		for _, h := range r.HashIDs {
 			if !lru.contains(h) {
@@ -62,7 +75,11 @@ func PooledBound(recs []TraceRecord, capacityTokens int64) (Bound, error) {
 		}
 		b.HitBlocks += int64(hit)
 		b.Blocks += int64(len(r.HashIDs))
-		b.HitTokens += int64(min(hit*TraceBlockTokens, r.InputLength))
+		ht := int64(min(hit*TraceBlockTokens, r.InputLength))
+		b.HitTokens += ht
+		if perReq != nil {
+			perReq[i] = ht
+		}
 		b.InputTokens += int64(r.InputLength)
 	}
 	return b, nil

@@ -110,7 +110,7 @@ type Chat struct {
 	// as ShareGPT conversations have none).
 	SystemTokens int `json:"system_tokens,omitempty" yaml:"system_tokens"`
 	// Input is each user turn's length (default: mean 202, sigma 1, in
-	// [4, 1024] — vLLM's ShareGPT sample, FACTS §5).
+	// [4, 1024] — vLLM's ShareGPT sample, docs/reference/workload-facts.md §5).
 	Input LengthDist `json:"input" yaml:"input"`
 	// Output is each reply's length (default: mean 179, sigma 1, in [4, 2048]).
 	Output LengthDist `json:"output" yaml:"output"`
@@ -410,7 +410,7 @@ func (c MultiTenant) Generate(seed int64) (*Workload, error) {
 }
 
 // DefaultFleetTokens is the GPU KV capacity of 8 instances of Llama 3.1 70B
-// BF16 on one 8×H100 node each: 8 × 1.35M tokens (FACTS §3, derived).
+// BF16 on one 8×H100 node each: 8 × 1.35M tokens (docs/reference/workload-facts.md §3, derived).
 const DefaultFleetTokens = 8 * 1_350_000
 
 // CachePressure makes a working set larger than the fleet's GPU cache, in
@@ -423,7 +423,7 @@ type CachePressure struct {
 	// Demand is the distinct shared-prefix tokens over FleetTokens (default 1.5).
 	Demand float64 `json:"demand,omitempty" yaml:"demand"`
 	// PrefixTokens (default 6,000), QuestionTokens (default 1,200),
-	// OutputTokens (default 1,000): llm-d's 73-capacity shape (FACTS §6).
+	// OutputTokens (default 1,000): llm-d's 73-capacity shape (docs/reference/workload-facts.md §6).
 	PrefixTokens   int `json:"prefix_tokens,omitempty" yaml:"prefix_tokens"`
 	QuestionTokens int `json:"question_tokens,omitempty" yaml:"question_tokens"`
 	OutputTokens   int `json:"output_tokens,omitempty" yaml:"output_tokens"`

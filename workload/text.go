@@ -55,7 +55,7 @@ func appendWord(dst []byte, w uint32) []byte {
 
 // TokenID is the id the Simple tokenizer gives word w with its trailing
 // space: FNV-32a of the bytes (the dummy tokenizer's rule, see
-// /work/shared/kv-events/captured/DATA.md, "Caveats → Tokenizer").
+// events/testdata/captured/DATA.md, "Caveats → Tokenizer").
 func TokenID(w uint32) uint32 {
 	var buf [16]byte
 	b := appendWord(buf[:0], w)

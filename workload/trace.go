@@ -13,10 +13,6 @@ import (
 	"time"
 )
 
-// DefaultTracePath is where the Mooncake conversation trace lives on the
-// development machine (see its DATA.md for provenance and statistics).
-const DefaultTracePath = "/work/shared/workloads/mooncake/conversation_trace.jsonl.gz"
-
 // TraceBlockTokens is the Mooncake traces' hash_id block size (FAST'25 release README).
 const TraceBlockTokens = 512
 
@@ -91,8 +87,12 @@ func (r *TraceRecord) validate() error {
 	return nil
 }
 
-// OpenTrace reads a trace file (plain or gzip).
+// OpenTrace reads a trace file (plain or gzip), or the bundled trace
+// DefaultTracePath names.
 func OpenTrace(path string) ([]TraceRecord, error) {
+	if recs, ok, err := openBuiltin(path); ok {
+		return recs, err
+	}
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("workload: trace: %w", err)
@@ -169,7 +169,7 @@ func (c TraceReplay) Workload(recs []TraceRecord) (*Workload, error) {
 	return w.finish(), nil
 }
 
-// TraceStats summarises a trace (the quantities DATA.md tabulates).
+// TraceStats summarises a trace (the quantities traces/README.md tabulates).
 type TraceStats struct {
 	Requests       int     `json:"requests"`
 	DurationSec    float64 `json:"duration_sec"`

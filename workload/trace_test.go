@@ -11,7 +11,8 @@ import (
 	"testing"
 )
 
-// tracePath is the Mooncake conversation trace; TRACE overrides it.
+// tracePath is the bundled Mooncake conversation trace; MOONCAKE_TRACE
+// overrides it.
 func tracePath() string {
 	if p := os.Getenv("MOONCAKE_TRACE"); p != "" {
 		return p
@@ -29,7 +30,7 @@ func loadTrace(t testing.TB) []TraceRecord {
 	t.Helper()
 	traceOnce.Do(func() { traceRecs, traceErr = OpenTrace(tracePath()) })
 	if traceErr != nil {
-		t.Fatalf("the Mooncake conversation trace is needed (set MOONCAKE_TRACE to its path): %v", traceErr)
+		t.Fatalf("reading the Mooncake conversation trace: %v", traceErr)
 	}
 	return traceRecs
 }
@@ -37,7 +38,8 @@ func loadTrace(t testing.TB) []TraceRecord {
 func near(got, want, tol float64) bool { return math.Abs(got-want) <= tol }
 
 // TestTraceStatsMatchDATA checks the reader against the statistics in
-// /work/shared/workloads/mooncake/DATA.md (conversation column).
+// the trace's provenance note (traces/README.md) and the statistics
+// published with it (conversation column).
 func TestTraceStatsMatchDATA(t *testing.T) {
 	s := Stats(loadTrace(t))
 	tests := []struct {
@@ -62,18 +64,18 @@ func TestTraceStatsMatchDATA(t *testing.T) {
 	}
 	for _, tc := range tests {
 		if !near(tc.got, tc.want, tc.tol) {
-			t.Errorf("%s = %v, DATA.md says %v", tc.name, tc.got, tc.want)
+			t.Errorf("%s = %v, traces/README.md says %v", tc.name, tc.got, tc.want)
 		}
 	}
 }
 
 // TestBoundsMatchDATA checks the pooled-LRU and infinite bounds against
-// DATA.md's table (3 decimals).
+// traces/README.md's table (3 decimals).
 func TestBoundsMatchDATA(t *testing.T) {
 	recs := loadTrace(t)
 	inf := InfiniteBound(recs)
 	if inf.HitBlocks != 105710 || !near(inf.BlockRatio(), 0.366, 0.0005) || !near(inf.TokenRatio(), 0.374, 0.0005) {
-		t.Errorf("infinite bound = %d blocks, ratio %.4f / tokens %.4f; DATA.md: 105,710, 0.366 / 0.374",
+		t.Errorf("infinite bound = %d blocks, ratio %.4f / tokens %.4f; traces/README.md: 105,710, 0.366 / 0.374",
 			inf.HitBlocks, inf.BlockRatio(), inf.TokenRatio())
 	}
 	tests := []struct {
@@ -88,7 +90,7 @@ func TestBoundsMatchDATA(t *testing.T) {
 			t.Fatal(err)
 		}
 		if !near(b.BlockRatio(), tc.want, 0.0005) {
-			t.Errorf("pooled LRU %d tokens: block ratio %.4f, DATA.md says %.3f", tc.capacity, b.BlockRatio(), tc.want)
+			t.Errorf("pooled LRU %d tokens: block ratio %.4f, traces/README.md says %.3f", tc.capacity, b.BlockRatio(), tc.want)
 		}
 	}
 }
@@ -240,4 +242,23 @@ func BenchmarkPooledBound(b *testing.B) {
 		}
 	}
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(recs)), "ns/request")
+}
+
+// TestBuiltinTrace: the bundled trace opens by name, an unknown bundled
+// name is an error, and a real file still opens by path.
+func TestBuiltinTrace(t *testing.T) {
+	recs, err := OpenTrace(DefaultTracePath)
+	if err != nil || len(recs) != 12031 {
+		t.Fatalf("bundled trace: %d records, %v", len(recs), err)
+	}
+	if _, err := OpenTrace("builtin:nope.jsonl"); err == nil || !strings.Contains(err.Error(), "no bundled trace") {
+		t.Errorf("unknown bundled trace: %v", err)
+	}
+	p := t.TempDir() + "/t.jsonl"
+	if err := os.WriteFile(p, []byte(`{"timestamp":0,"input_length":10,"output_length":1,"hash_ids":[7]}`+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if recs, err := OpenTrace(p); err != nil || len(recs) != 1 || recs[0].HashIDs[0] != 7 {
+		t.Errorf("file trace: %v, %v", recs, err)
+	}
 }

@@ -84,7 +84,7 @@ func TestTextTokenizesToTokens(t *testing.T) {
 }
 
 // simpleRE and simpleEncode restate the dummy tokenizer's rule from
-// /work/shared/kv-events/captured/DATA.md ("Caveats → Tokenizer") — the rule
+// events/testdata/captured/DATA.md ("Caveats → Tokenizer") — the rule
 // tokenizer.Simple implements — so that this package's tests do not depend
 // on the tokenizer package's build.
 var simpleRE = regexp.MustCompile(`(\{|\}|:|,|-|\.|\?|\!|;|@|#|\$|%|\^|&|\*|\(|\)|\+|\-|_|~|/|\\|>|<|\[|\]|=|"|'|\w+)(\s*)`)
@@ -183,7 +183,7 @@ func TestChatShape(t *testing.T) {
 		}
 		prev[r.Session] = r
 	}
-	// Means land on FACTS §5's 202 / 179 (the pair cap trims output a little).
+	// Means land on docs/reference/workload-facts.md §5's 202 / 179 (the pair cap trims output a little).
 	if mq := q / float64(nq); math.Abs(mq-202) > 8 {
 		t.Errorf("mean question %.1f, want ≈202", mq)
 	}

@@ -76,7 +76,7 @@ func runBounds(_ context.Context, args []string, stdout, stderr io.Writer) error
 	caps := tokenList{500_000, 1_000_000, 3_000_000, 10_000_000, 50_000_000}
 	fs.Var(&caps, "capacity", "pooled cache sizes in tokens, comma-separated (K/M suffixes)")
 	instances := fs.Int("instances", 0, "also bound a fleet of this many instances of --gpu-tokens each")
-	gpu := fs.String("gpu-tokens", "1.35M", "GPU KV capacity per instance, tokens (FACTS §3: 8×H100, Llama 3.1 70B BF16)")
+	gpu := fs.String("gpu-tokens", "1.35M", "GPU KV capacity per instance, tokens (docs/reference/workload-facts.md §3: 8×H100, Llama 3.1 70B BF16)")
 	out := fs.String("out", "", "directory for bounds.md and bounds.json")
 	if err := fs.Parse(args); err != nil {
 		return err

@@ -18,7 +18,12 @@ import (
 )
 
 // workloadNames lists what --workload accepts.
-var workloadNames = []string{"long-context", "chat", "rag", "code", "multi-tenant", "cache-pressure", "mix", "mooncake"}
+var workloadNames = []string{"long-context", "chat", "rag", "code", "multi-tenant", "cache-pressure", "mix", "mooncake",
+	"synth-calibrated", "synth-shared-prompts", "synth-bursty-long"}
+
+// synthPrefix names synthesised traces: "synth-<shape>" is a trace drawn
+// from --trace's fitted profile moved by workload.SynthShapes[shape].
+const synthPrefix = "synth-"
 
 // workloadFlags are the knobs shared by des, live and demo.
 type workloadFlags struct {
@@ -30,8 +35,30 @@ type workloadFlags struct {
 	scale     bool
 	trace     string
 	speed     float64
+	replicate int
 	fleetToks int64 // for cache-pressure: the fleet's GPU capacity
+	fs        *flag.FlagSet
+	// traces caches parsed traces by path across builds (a sweep builds
+	// many workloads from one trace); nil = no cache. Records are never
+	// modified once read.
+	traces map[string][]workload.TraceRecord
 }
+
+// built is a workload ready to run, with what a report records about it.
+type built struct {
+	w *workload.Workload
+	// recs are the trace records in request order (trace workloads only),
+	// for the pooled-cache bound.
+	recs []workload.TraceRecord
+	// trace, speed, replicate: how a trace was played (trace empty for
+	// generated workloads; replicate applies to both).
+	trace     string
+	speed     float64
+	replicate int
+}
+
+// isTrace reports whether the named workload replays a trace.
+func isTrace(name string) bool { return name == "mooncake" || strings.HasPrefix(name, synthPrefix) }
 
 func (f *workloadFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.name, "workload", "long-context", "workload: "+strings.Join(workloadNames, ", "))
@@ -40,11 +67,106 @@ func (f *workloadFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&f.conc, "concurrency", 0, "closed loop: keep N requests in flight instead of Poisson arrivals (generated workloads)")
 	fs.IntVar(&f.limit, "limit", 0, "keep only the first N requests (0 = all)")
 	fs.BoolVar(&f.scale, "scale", false, "add a scale-out (+2 instances at 1/3) and a scale-in (-2 at 2/3)")
-	fs.StringVar(&f.trace, "trace", workload.DefaultTracePath, "trace for --workload mooncake")
+	fs.StringVar(&f.trace, "trace", workload.DefaultTracePath, "trace for --workload mooncake, and the trace synth-* workloads are calibrated to (default: the bundled Mooncake conversation trace)")
 	fs.Float64Var(&f.speed, "speed", 1, "trace replay speed factor (2 = twice as fast)")
+	fs.IntVar(&f.replicate, "replicate", 1, "play N disjoint copies of the workload at once (offset hash ids or seeds, shifted starts): the same per-instance load on an N-times larger fleet")
+	f.fs = fs
 }
 
+// setFlags are the flags given on the command line.
+func (f *workloadFlags) setFlags() map[string]bool {
+	set := map[string]bool{}
+	if f.fs != nil {
+		f.fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
+	}
+	return set
+}
+
+// build makes the workload; flags the chosen workload would ignore are
+// errors, not silently dropped.
 func (f *workloadFlags) build() (*workload.Workload, error) {
+	b, err := f.buildAll()
+	if err != nil {
+		return nil, err
+	}
+	return b.w, nil
+}
+
+func (f *workloadFlags) buildAll() (built, error) {
+	set := f.setFlags()
+	if f.replicate < 1 {
+		return built{}, fmt.Errorf("--replicate %d: want >= 1", f.replicate)
+	}
+	if isTrace(f.name) {
+		for _, fl := range []string{"rate", "concurrency"} {
+			if set[fl] {
+				return built{}, fmt.Errorf("--%s: a trace replays at its own times (use --speed)", fl)
+			}
+		}
+		recs, err := f.openTrace()
+		if err != nil {
+			return built{}, err
+		}
+		if shape, ok := strings.CutPrefix(f.name, synthPrefix); ok {
+			// Draw only the requests kept (--limit), as many as the trace otherwise.
+			if recs, err = workload.Synthesise(recs, shape, max(f.limit, 0), uint64(f.seed)); err != nil {
+				return built{}, err
+			}
+		}
+		if f.limit > 0 && f.limit < len(recs) {
+			recs = recs[:f.limit]
+		}
+		if recs, err = workload.ReplicateTrace(recs, f.replicate); err != nil {
+			return built{}, err
+		}
+		w, err := workload.TraceReplay{Name: f.name, Speed: f.speed}.Workload(recs)
+		if err != nil {
+			return built{}, err
+		}
+		if f.scale {
+			if w, err = (workload.Scale{}).Apply(w); err != nil {
+				return built{}, err
+			}
+		}
+		return built{w: w, recs: recs, trace: f.trace, speed: f.speed, replicate: f.replicate}, nil
+	}
+	for _, fl := range []string{"speed", "trace"} {
+		if set[fl] {
+			return built{}, fmt.Errorf("--%s applies to trace workloads only (use --rate for %s)", fl, f.name)
+		}
+	}
+	w, err := f.generate()
+	if err != nil {
+		return built{}, err
+	}
+	if f.scale {
+		if w, err = (workload.Scale{}).Apply(w); err != nil {
+			return built{}, err
+		}
+	}
+	if f.replicate > 1 {
+		// After the scale events, so that each copy brings its own.
+		if w, err = workload.Replicate(w, f.replicate); err != nil {
+			return built{}, err
+		}
+	}
+	return built{w: w, replicate: f.replicate}, nil
+}
+
+// openTrace reads --trace, through the cache when there is one.
+func (f *workloadFlags) openTrace() ([]workload.TraceRecord, error) {
+	if recs, ok := f.traces[f.trace]; ok {
+		return recs, nil
+	}
+	recs, err := workload.OpenTrace(f.trace)
+	if err == nil && f.traces != nil {
+		f.traces[f.trace] = recs
+	}
+	return recs, err
+}
+
+// generate builds a generated workload (one copy, before replication).
+func (f *workloadFlags) generate() (*workload.Workload, error) {
 	arr := workload.Arrivals{Rate: f.rate, Concurrency: f.conc}
 	var (
 		w   *workload.Workload
@@ -62,20 +184,13 @@ func (f *workloadFlags) build() (*workload.Workload, error) {
 	case "multi-tenant":
 		w, err = workload.MultiTenant{Arrivals: arr}.Generate(f.seed)
 	case "cache-pressure":
-		w, err = workload.CachePressure{FleetTokens: f.fleetToks, Arrivals: arr}.Generate(f.seed)
+		// Sized for the fleet one copy will see when replicated.
+		w, err = workload.CachePressure{FleetTokens: f.fleetToks / int64(f.replicate), Arrivals: arr}.Generate(f.seed)
 	case "mix":
 		if f.conc > 0 {
 			return nil, fmt.Errorf("--concurrency: the mix workload is open-loop only")
 		}
 		w, err = mixWorkload(f.seed, f.rate)
-	case "mooncake":
-		if f.conc > 0 {
-			return nil, fmt.Errorf("--concurrency: a trace replays at its own times")
-		}
-		var recs []workload.TraceRecord
-		if recs, err = workload.OpenTrace(f.trace); err == nil {
-			w, err = workload.TraceReplay{Name: "mooncake", Speed: f.speed, Limit: f.limit}.Workload(recs)
-		}
 	default:
 		return nil, fmt.Errorf("unknown workload %q: want one of %s", f.name, strings.Join(workloadNames, ", "))
 	}
@@ -84,9 +199,6 @@ func (f *workloadFlags) build() (*workload.Workload, error) {
 	}
 	if f.limit > 0 && f.limit < len(w.Requests) {
 		w.Requests = w.Requests[:f.limit]
-	}
-	if f.scale {
-		return workload.Scale{}.Apply(w)
 	}
 	return w, nil
 }
@@ -125,17 +237,28 @@ type fleetFlags struct {
 	delay     time.Duration
 	threshold int
 	prefixLen int
+	kvWeight  float64
 	salt      bool
 }
 
 func (f *fleetFlags) register(fs *flag.FlagSet, instances int) {
 	fs.IntVar(&f.instances, "instances", instances, "instances at the start")
-	fs.StringVar(&f.gpuTokens, "gpu-tokens", "1.35M", "GPU KV capacity per instance in tokens (FACTS §3: Llama 3.1 70B BF16 on 8×H100)")
+	fs.StringVar(&f.gpuTokens, "gpu-tokens", "1.35M", "GPU KV capacity per instance in tokens (docs/reference/workload-facts.md §3: Llama 3.1 70B BF16 on 8×H100)")
 	fs.StringVar(&f.cpuTokens, "cpu-tokens", "0", "CPU offload tier per instance in tokens (0 = none)")
 	fs.DurationVar(&f.delay, "event-delay", 5*time.Millisecond, "engine-to-index KV event delay")
 	fs.IntVar(&f.threshold, "concurrency-threshold", 0, "router concurrency_threshold (0 = router default, 64)")
 	fs.IntVar(&f.prefixLen, "prefix-length", 0, "router prefix_length in characters (0 = router default, 8192)")
+	fs.Float64Var(&f.kvWeight, "kv-prefill-cost-weight", 0, "kv_aware routing.kv.prefill_cost_weight (0 = the router's default)")
 	fs.BoolVar(&f.salt, "salt-by-tenant", false, "send the tenant key as cache_salt")
+}
+
+// routing is the router configuration the fleet flags ask for.
+func (f *fleetFlags) routing() router.RoutingConfig {
+	rc := router.RoutingConfig{ConcurrencyThreshold: f.threshold, PrefixLength: f.prefixLen}
+	if f.kvWeight != 0 {
+		rc.KV = &router.KVScoringConfig{PrefillCostWeight: f.kvWeight}
+	}
+	return rc
 }
 
 func (f *fleetFlags) simConfig() (sim.Config, int64, error) {
@@ -173,59 +296,94 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		return err
 	}
 	wf.fleetToks = gpuTokens * int64(ff.instances)
-	w, err := wf.build()
+	b, err := wf.buildAll()
 	if err != nil {
 		return err
 	}
+	w := b.w
+	var boundHits []int64
 	poolBound := 0.0
-	if *bound && wf.name == "mooncake" {
-		recs, err := workload.OpenTrace(wf.trace)
+	if *bound && b.recs != nil {
+		pb, hits, err := workload.PooledBoundPerRequest(b.recs, wf.fleetToks)
 		if err != nil {
 			return err
 		}
-		if wf.limit > 0 && wf.limit < len(recs) {
-			recs = recs[:wf.limit]
-		}
-		b, err := workload.PooledBound(recs, wf.fleetToks)
-		if err != nil {
-			return err
-		}
-		poolBound = b.TokenRatio()
-		inf := workload.InfiniteBound(recs)
+		boundHits, poolBound = hits, pb.TokenRatio()
+		inf := workload.InfiniteBound(b.recs)
 		fmt.Fprintf(stdout, "bounds: pooled LRU of %d tokens %.3f (tokens), infinite %.3f\n", wf.fleetToks, poolBound, inf.TokenRatio())
 	}
-	fmt.Fprintf(stdout, "workload %s: %d requests, %d prompt tokens, %.0f s; fleet %d × %d GPU tokens\n",
-		w.Name, len(w.Requests), w.InputTokens(), w.Duration().Seconds(), ff.instances, gpuTokens)
+	fmt.Fprintf(stdout, "workload %s: %d requests, %d prompt tokens, %.0f s; fleet %d × %d GPU tokens%s\n",
+		w.Name, len(w.Requests), w.InputTokens(), w.Duration().Seconds(), ff.instances, gpuTokens, b.describe())
 	var sums []report.Summary
 	for _, name := range splitList(*strategies) {
-		rt, err := newStrategyRouter(name, router.RoutingConfig{ConcurrencyThreshold: ff.threshold, PrefixLength: ff.prefixLen}, uint64(wf.seed), sim.DefaultModel)
-		if err != nil {
-			return err
-		}
 		var bar *report.Progress
 		if *progress {
 			if f, ok := stderr.(*os.File); ok {
 				bar = report.NewProgress(f, name)
 			}
 		}
-		dc := rt.desConfig(ff.instances, scfg)
-		dc.EventDelay, dc.PrefixLength, dc.SaltByTenant, dc.Progress = ff.delay, ff.prefixLen, ff.salt, bar.Update
-		res, err := des.Run(ctx, dc, w)
-		bar.Done()
+		s, err := runStrategy(ctx, name, &ff, scfg, &b, boundHits, uint64(wf.seed), bar)
 		if err != nil {
-			return fmt.Errorf("%s: %w", name, err)
+			return err
 		}
-		s := report.Summarize(res, poolBound)
 		fmt.Fprintf(stderr, "%s (%.1f s wall)\n", s, s.WallSec)
 		sums = append(sums, s)
 	}
 	if err := report.WriteMarkdown(stdout, sums); err != nil {
 		return err
 	}
+	if err := report.WriteFailures(stdout, sums); err != nil {
+		return err
+	}
 	if *out != "" {
 		return writeReports(*out, sums, poolBound)
 	}
 	return nil
+}
+
+// runStrategy runs one strategy over the built workload on the fleet and
+// summarises it (against the pooled bound when boundHits is set).
+func runStrategy(ctx context.Context, name string, ff *fleetFlags, scfg sim.Config, b *built, boundHits []int64, seed uint64, bar *report.Progress) (report.Summary, error) {
+	rt, err := newStrategyRouterSized(name, ff.routing(), seed, sim.DefaultModel, indexCapacity(ff.instances, scfg))
+	if err != nil {
+		return report.Summary{}, err
+	}
+	dc := rt.desConfig(ff.instances, scfg)
+	dc.EventDelay, dc.PrefixLength, dc.SaltByTenant, dc.Progress = ff.delay, ff.prefixLen, ff.salt, bar.Update
+	res, err := des.Run(ctx, dc, b.w)
+	bar.Done()
+	if err != nil {
+		return report.Summary{}, fmt.Errorf("%s: %w", name, err)
+	}
+	s := report.Summarize(res, 0)
+	if boundHits != nil {
+		s = report.SummarizeBound(res, boundHits)
+	}
+	b.record(&s)
+	return s, nil
+}
+
+// record notes in s how the workload was played.
+func (b *built) record(s *report.Summary) {
+	s.Trace, s.Speed = b.trace, b.speed
+	if b.replicate > 1 {
+		s.Replicate = b.replicate
+	}
+}
+
+// describe is the replay's settings for the run's header line.
+func (b *built) describe() string {
+	var parts []string
+	if b.trace != "" {
+		parts = append(parts, fmt.Sprintf("trace %s at speed %g", b.trace, b.speed))
+	}
+	if b.replicate > 1 {
+		parts = append(parts, fmt.Sprintf("%d disjoint copies", b.replicate))
+	}
+	if len(parts) == 0 {
+		return ""
+	}
+	return "; " + strings.Join(parts, ", ")
 }
 
 func splitList(s string) []string {
@@ -247,7 +405,15 @@ func writeReports(dir string, sums []report.Summary, bound float64) error {
 		name  string
 		write func(io.Writer) error
 	}{
-		{"report.md", func(w io.Writer) error { return report.WriteMarkdown(w, sums) }},
+		{"report.md", func(w io.Writer) error {
+			if err := report.WriteMarkdown(w, sums); err != nil {
+				return err
+			}
+			if len(sums) > 0 && (sums[0].Trace != "" || sums[0].Replicate > 1) {
+				fmt.Fprintf(w, "\ntrace %q, speed %g, replicate %d\n", sums[0].Trace, sums[0].Speed, max(sums[0].Replicate, 1))
+			}
+			return report.WriteFailures(w, sums)
+		}},
 		{"report.csv", func(w io.Writer) error { return report.WriteCSV(w, sums) }},
 		{"report.json", func(w io.Writer) error { return report.WriteJSON(w, sums) }},
 		{"hit_rate.svg", report.HitRateChart(sums, bound).WriteSVG},

@@ -7,6 +7,7 @@ import (
 	"hash/fnv"
 	"io"
 	"log/slog"
+	"math"
 	"strings"
 	"time"
 
@@ -49,6 +50,12 @@ func (s *simEngine) Advance(now time.Duration, out []des.Update) []des.Update {
 }
 
 func (s *simEngine) NextEventTime() (time.Duration, bool) { return s.e.NextEventTime() }
+
+// BusyTime implements des.BusyReporter.
+func (s *simEngine) BusyTime() (busy, prefillBusy time.Duration) {
+	st := s.e.Stats()
+	return st.BusyTime, st.PrefillBusyTime
+}
 
 // simFactory builds sim engines from one config; each instance gets its own
 // hash seed, as separate vLLM processes hash with their own PYTHONHASHSEED.
@@ -109,11 +116,32 @@ func (k *kvSim) wall() time.Time { return epoch.Add(k.now) }
 func needsKV(name string) bool { return name == router.StrategyKVAware }
 
 func newStrategyRouter(name string, cfg router.RoutingConfig, seed uint64, model string) (*strategyRouter, error) {
+	return newStrategyRouterSized(name, cfg, seed, model, 0)
+}
+
+// indexCapacity is the block-index size a simulated fleet needs: every
+// (block, instance) entry its engines can hold, twice over (room for the
+// instances a scale-out adds; the index evicts the least recently used
+// beyond it). A real deployment sizes the index the same way
+// (kvindex.MemoryConfig.Capacity); an index smaller than the fleet's
+// caches forgets blocks the engines still hold, and kv_aware then routes
+// as if they were cold.
+func indexCapacity(instances int, scfg sim.Config) int {
+	per := scfg.GPUBlocks + scfg.CPUBlocks
+	if scfg.GPUBlocks == 0 {
+		per += sim.DefaultGPUBlocks
+	}
+	return min(2*instances*per, math.MaxInt32/2)
+}
+
+// newStrategyRouterSized is newStrategyRouter with an index of capacity
+// (block, instance) entries (0 = kvindex's default).
+func newStrategyRouterSized(name string, cfg router.RoutingConfig, seed uint64, model string, capacity int) (*strategyRouter, error) {
 	r := &strategyRouter{model: model, insts: map[string]*router.Instance{}, obs: map[uint64]router.RequestObserver{}}
 	opts := []router.StrategyOption{router.WithSeed(seed)}
 	if needsKV(name) {
 		k := &kvSim{engines: map[string]*sim.Engine{}, scrape: router.DefaultScrapeInterval}
-		idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: model, BlockSize: sim.DefaultBlockSize, Now: k.wall})
+		idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: model, BlockSize: sim.DefaultBlockSize, Now: k.wall, Capacity: capacity})
 		if err != nil {
 			return nil, err
 		}
@@ -236,9 +264,18 @@ func (r *strategyRouter) FirstToken(id uint64, _ string, cached, prompt int) {
 	_ = body.Close()
 }
 
-func (r *strategyRouter) Finished(id uint64, name string) {
+// Finished ends the request's decision as the proxy would: the observer
+// learns the status (releasing the pending prefill the router counted, if
+// the first byte did not already) and the instance's in-flight count drops.
+// A refused or aborted request ends here too, or its pending prefill would
+// pin the instance for the rest of the run.
+func (r *strategyRouter) Finished(id uint64, name string, err error) {
 	if o, ok := r.obs[id]; ok {
-		o.Finish(200)
+		status := 200
+		if err != nil {
+			status = 500
+		}
+		o.Finish(status)
 		delete(r.obs, id)
 	}
 	if in, ok := r.insts[name]; ok {

@@ -3,7 +3,9 @@
 // overflow and decision cost.
 //
 //	kvbench bounds   hit-rate bounds of a trace (pooled LRU cache, infinite cache)
+//	kvbench synth    write a trace synthesised from a trace's fitted shape
 //	kvbench des      discrete-event run: real strategies, simulated engines, virtual clock
+//	kvbench sweep    des over strategies × loads × fleet sizes × workloads: a table and a chart per workload
 //	kvbench live     drive a running kvrouter over HTTP
 //	kvbench demo     start a small fleet in-process and compare strategies
 //
@@ -43,7 +45,9 @@ const usage = `usage: kvbench <command> [flags]
 
 commands:
   bounds   hit-rate bounds of a Mooncake-format trace: pooled LRU caches and an infinite cache
+  synth    write a Mooncake-format trace synthesised from a trace's fitted shape
   des      discrete-event comparison of strategies on simulated engines (virtual clock)
+  sweep    des over strategies × loads × fleet sizes × workloads: one table and chart per workload
   live     drive a running kvrouter (with kvsim engines) over HTTP
   demo     embedded NATS + simulated fleet + router; compares strategies; exits by itself
 `
@@ -58,6 +62,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	switch cmd {
 	case "bounds":
 		return runBounds(ctx, rest, stdout, stderr)
+	case "synth":
+		return runSynth(ctx, rest, stdout, stderr)
+	case "sweep":
+		return runSweep(ctx, rest, stdout, stderr)
 	case "des":
 		return runDES(ctx, rest, stdout, stderr)
 	case "live":

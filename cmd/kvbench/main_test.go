@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -74,6 +75,10 @@ func TestCommandErrors(t *testing.T) {
 		{"des", "--gpu-tokens", "x"},
 		{"bounds", "--capacity", "-1"},
 		{"bounds", "--trace", "/does/not/exist"},
+		{"des", "--workload", "mooncake", "--rate", "3"},
+		{"des", "--workload", "chat", "--speed", "2"},
+		{"des", "--workload", "chat", "--trace", "x.jsonl"},
+		{"des", "--workload", "chat", "--replicate", "0"},
 	}
 	for _, args := range tests {
 		var out, errb bytes.Buffer
@@ -190,7 +195,7 @@ func TestDESDeterministicWithRealStrategies(t *testing.T) {
 				t.Fatal(err)
 			}
 			for i := range res.Outcomes {
-				res.Outcomes[i].Decision = 0 // wall clock
+				res.Outcomes[i].Decision, res.Outcomes[i].DecisionCPU = 0, 0 // measured
 			}
 			runs[k] = res.Outcomes
 		}
@@ -198,6 +203,139 @@ func TestDESDeterministicWithRealStrategies(t *testing.T) {
 			if runs[0][i] != runs[1][i] {
 				t.Fatalf("%s: request %d differs between runs: %+v vs %+v", name, i, runs[0][i], runs[1][i])
 			}
+		}
+	}
+}
+
+// TestRefusedPromptReleasesRouterState: prompts over the engine's context
+// limit are refused at submission; kv_aware's pending prefill for them is
+// released (through the driver's finish path), so the instance stays
+// usable, and the report says why they failed.
+func TestRefusedPromptReleasesRouterState(t *testing.T) {
+	dir := t.TempDir()
+	var lines []string
+	for i := range 40 {
+		n, ids := 2000, []int64{0, int64(1000 + i), int64(2000 + i), int64(3000 + i)}
+		if i%8 == 3 {
+			// Over the engine's 131,072-token context: refused.
+			n = 140_000
+			ids = ids[:1]
+			for j := range 273 {
+				ids = append(ids, int64(10_000+i*1000+j))
+			}
+		}
+		lines = append(lines, fmt.Sprintf(`{"timestamp":%d,"input_length":%d,"output_length":4,"hash_ids":%s}`, i*200, n, jsonInts(ids)))
+	}
+	trace := filepath.Join(dir, "t.jsonl")
+	if err := os.WriteFile(trace, []byte(strings.Join(lines, "\n")+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	rt, err := newStrategyRouter(router.StrategyKVAware, router.RoutingConfig{}, 1, sim.DefaultModel)
+	if err != nil {
+		t.Fatal(err)
+	}
+	recs, err := workload.OpenTrace(trace)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := workload.TraceReplay{}.Workload(recs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := des.Run(context.Background(), rt.desConfig(2, sim.Config{GPUBlocks: 200_000 / sim.DefaultBlockSize}), w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, in := range res.Instances {
+		if tok, reqs := rt.kv.state.PendingPrefill(in); tok != 0 || reqs != 0 {
+			t.Errorf("%s: %d pending prefill tokens in %d requests after the run", in, tok, reqs)
+		}
+	}
+	s := report.Summarize(res, 0)
+	if s.Failed != 5 || len(s.Failures) != 1 {
+		t.Fatalf("failed %d: %v", s.Failed, s.Failures)
+	}
+	for k := range s.Failures {
+		if !strings.Contains(k, "longer than the model") {
+			t.Errorf("failure kind %q", k)
+		}
+	}
+	var out, errb bytes.Buffer
+	if err := run(context.Background(), []string{"des", "--workload", "mooncake", "--trace", trace, "--instances", "2",
+		"--gpu-tokens", "200K", "--strategies", "kv_aware"}, &out, &errb); err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	if !strings.Contains(out.String(), "mooncake/kv_aware: 5 failed: 5 × submit: sim: request longer than the model or cache allows") {
+		t.Errorf("output does not say why requests failed:\n%s", out.String())
+	}
+}
+
+func jsonInts(v []int64) string {
+	b, _ := json.Marshal(v)
+	return string(b)
+}
+
+// TestSynthCommand: kvbench synth writes a trace that reads back, and a
+// synthesised workload runs through des.
+func TestSynthCommand(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "s.jsonl")
+	var out, errb bytes.Buffer
+	if err := run(context.Background(), []string{"synth", "--shape", "bursty-long", "--requests", "300", "--out", p}, &out, &errb); err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	recs, err := workload.OpenTrace(p)
+	if err != nil || len(recs) != 300 {
+		t.Fatalf("%d records: %v", len(recs), err)
+	}
+	out.Reset()
+	if err := run(context.Background(), []string{"des", "--workload", "synth-shared-prompts", "--limit", "200", "--instances", "2",
+		"--replicate", "2", "--strategies", "prefix_aware"}, &out, &errb); err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	if !strings.Contains(out.String(), "400 requests") || !strings.Contains(out.String(), "2 disjoint copies") {
+		t.Errorf("output:\n%s", out.String())
+	}
+}
+
+// TestSweepCommand: a small sweep writes a table and a chart per workload,
+// with kv_aware's ratios to prefix_aware at each fleet size and load.
+func TestSweepCommand(t *testing.T) {
+	dir := t.TempDir()
+	var out, errb bytes.Buffer
+	err := run(context.Background(), []string{"sweep", "--workloads", "mooncake,chat+scale", "--loads", "1,2", "--fleets", "2,4",
+		"--instances", "2", "--limit", "20", "--gpu-tokens", "300K", "--out", dir}, &out, &errb)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	for _, w := range []string{"mooncake", "chat+scale"} {
+		md, err := os.ReadFile(filepath.Join(dir, w+".md"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		rows := 0
+		for _, l := range strings.Split(string(md), "\n") {
+			if strings.HasPrefix(l, "| 2 | ") || strings.HasPrefix(l, "| 4 | ") {
+				rows++
+				if strings.Contains(l, "kv_aware") && !strings.HasSuffix(l, " pt |") {
+					t.Errorf("%s: kv_aware row without ratios: %s", w, l)
+				}
+			}
+		}
+		if rows != 8 {
+			t.Errorf("%s: %d rows, want 2 fleets × 2 loads × 2 strategies:\n%s", w, rows, md)
+		}
+		if st, err := os.Stat(filepath.Join(dir, w+".svg")); err != nil || st.Size() == 0 {
+			t.Errorf("%s.svg: %v", w, err)
+		}
+	}
+	for _, args := range [][]string{
+		{"sweep"},
+		{"sweep", "--out", dir, "--fleets", "3", "--instances", "2"},
+		{"sweep", "--out", dir, "--loads", "0"},
+		{"sweep", "--out", dir, "--workloads", "nope", "--loads", "1", "--fleets", "2", "--instances", "2"},
+	} {
+		if err := run(context.Background(), args, &out, &errb); err == nil {
+			t.Errorf("%v: no error", args)
 		}
 	}
 }

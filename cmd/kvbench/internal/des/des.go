@@ -14,6 +14,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"time"
 
 	"github.com/kvrouter/kvrouter/events"
@@ -100,13 +101,18 @@ type Router interface {
 	Name() string
 	// Pick chooses one of cands (the live instances, in a stable order).
 	Pick(ctx context.Context, req *RouteRequest, cands []string) (Decision, error)
-	// Started: request id was sent to instance after Pick chose it.
+	// Started: request id is being sent to instance after Pick chose it
+	// (before the engine answers, as the proxy counts a request in flight
+	// before its upstream call).
 	Started(id uint64, instance string)
 	// FirstToken: its first token arrived, with the engine-reported cached
 	// prompt tokens (usage.prompt_tokens_details.cached_tokens).
 	FirstToken(id uint64, instance string, cachedTokens, promptTokens int)
-	// Finished: it completed (or the engine aborted it).
-	Finished(id uint64, instance string)
+	// Finished: the request ended on instance: completed (err nil), aborted
+	// by the engine, or refused at submission. Every request Started is
+	// Finished exactly once, so that whatever the router counted for it
+	// (in-flight, pending prefill) is released whichever way it ended.
+	Finished(id uint64, instance string, err error)
 	// Removed: the instance left the fleet (scale-in).
 	Removed(instance string)
 }
@@ -161,8 +167,32 @@ type Outcome struct {
 	OutputTokens int
 	// Decision is the wall-clock time Pick took (tokens were computed before).
 	Decision time.Duration
+	// DecisionCPU is the CPU time the driver's thread spent in Pick (0 where
+	// the platform gives no per-thread CPU clock). Unlike Decision it does
+	// not count time the thread was preempted, so it is stable on a shared
+	// machine.
+	DecisionCPU time.Duration
 	// Err is why the request failed (submit refused, aborted); empty when it succeeded.
 	Err string
+	// ErrKind is Err without request-specific details (the innermost
+	// error's text): failures group by it.
+	ErrKind string
+}
+
+// Utilisation is how busy one engine was over its life in the run.
+type Utilisation struct {
+	Instance string
+	// Life is from the instance's creation to the end of the run (or its
+	// removal).
+	Life time.Duration
+	// Busy is the time it spent in steps; PrefillBusy the part of it in
+	// steps that carried prompt (prefill) tokens.
+	Busy, PrefillBusy time.Duration
+}
+
+// BusyReporter is implemented by engines that account for their busy time.
+type BusyReporter interface {
+	BusyTime() (busy, prefillBusy time.Duration)
 }
 
 // Result of a run.
@@ -178,12 +208,17 @@ type Result struct {
 	// IndexDeliveries counts event batches applied to the index; IndexErrors
 	// counts those Apply refused.
 	IndexDeliveries, IndexErrors int
+	// Utilisation per instance (empty when the engines do not report busy
+	// time, see BusyReporter).
+	Utilisation []Utilisation
 }
 
 type instance struct {
 	name   string
 	engine Engine
 	live   bool
+	// born and left bound the instance's life in the run (left = 0 while live).
+	born, left time.Duration
 	// gen versions the instance's scheduled wake-up: heap entries of older
 	// generations are stale.
 	gen uint64
@@ -265,15 +300,36 @@ func Run(ctx context.Context, cfg Config, w *workload.Workload) (*Result, error)
 			return nil, err
 		}
 	}
+	// Pin the driver to one OS thread so that the thread's CPU clock
+	// measures exactly the work of each Pick.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	start := time.Now()
 	err := r.loop(ctx)
 	r.res.Wall = time.Since(start)
+	r.utilisation()
 	return r.res, err
+}
+
+// utilisation records each engine's busy time over its life.
+func (r *run) utilisation() {
+	for _, in := range r.insts {
+		br, ok := in.engine.(BusyReporter)
+		if !ok {
+			return
+		}
+		end := r.res.End
+		if !in.live {
+			end = in.left
+		}
+		busy, pre := br.BusyTime()
+		r.res.Utilisation = append(r.res.Utilisation, Utilisation{Instance: in.name, Life: max(end-in.born, 0), Busy: busy, PrefillBusy: pre})
+	}
 }
 
 func (r *run) addInstance() error {
 	name := fmt.Sprintf("i%02d", len(r.insts))
-	in := &instance{name: name, live: true}
+	in := &instance{name: name, live: true, born: r.now}
 	eng, err := r.cfg.NewEngine(name, func(b events.Batch) {
 		if r.cfg.Index != nil {
 			r.pending = append(r.pending, delivery{at: r.now + r.cfg.EventDelay, inst: name, batch: b})
@@ -297,6 +353,7 @@ func (r *run) removeInstance() {
 	name := r.live[len(r.live)-1]
 	r.live = r.live[:len(r.live)-1]
 	r.byName[name].live = false
+	r.byName[name].left = r.now
 	r.cfg.Router.Removed(name)
 	if r.cfg.Index != nil {
 		// The router forgets a departed instance (health checks would eject it).
@@ -416,19 +473,24 @@ func (r *run) advance(in *instance) {
 		case Finished, Aborted:
 			o.Finish = u.At
 			o.OutputTokens = u.OutputTokens
+			var err error
 			if u.Kind == Aborted {
-				o.Err = "aborted by engine"
+				err = errAborted
+				o.Err, o.ErrKind = err.Error(), err.Error()
 				o.TTFT = 0
 			}
-			r.complete(u.ID, in)
+			r.complete(u.ID, in, err)
 		}
 	}
 	r.schedule(in)
 }
 
-func (r *run) complete(id uint64, in *instance) {
+// errAborted ends a request the engine gave up on.
+var errAborted = errors.New("aborted by engine")
+
+func (r *run) complete(id uint64, in *instance, err error) {
 	delete(r.inflight, id)
-	r.cfg.Router.Finished(id, in.name)
+	r.cfg.Router.Finished(id, in.name, err)
 	r.done++
 	r.res.End = max(r.res.End, r.now)
 	if r.cfg.Progress != nil {
@@ -437,7 +499,9 @@ func (r *run) complete(id uint64, in *instance) {
 }
 
 // fail counts a request that never reached an engine.
-func (r *run) fail() {
+func (r *run) fail(o *Outcome, stage string, err error) {
+	o.Err = stage + ": " + err.Error()
+	o.ErrKind = stage + ": " + rootError(err).Error()
 	r.done++
 	if r.cfg.Progress != nil {
 		r.cfg.Progress(r.done, len(r.w.Requests))
@@ -455,27 +519,52 @@ func (r *run) issue(ctx context.Context, i int) {
 		salt = req.Tenant
 	}
 	rr := &RouteRequest{Request: req, Tokens: r.tokBuf, RoutingText: req.TextPrefix(r.cfg.PrefixLength), Now: r.now, CacheSalt: salt}
+	cpu0 := threadCPU()
 	start := time.Now()
 	d, err := r.cfg.Router.Pick(ctx, rr, r.live)
 	o.Decision = time.Since(start)
+	if cpu0 >= 0 {
+		o.DecisionCPU = max(threadCPU()-cpu0, 0)
+	}
 	in := r.byName[d.Instance]
 	if err == nil && (in == nil || !in.live) {
-		err = fmt.Errorf("router picked %q, not a live instance", d.Instance)
+		err = fmt.Errorf("%w: router picked %q", errNotLive, d.Instance)
 	}
 	if err != nil {
-		o.Err = "route: " + err.Error()
-		r.fail()
+		r.fail(o, "route", err)
 		return
 	}
 	o.Instance, o.Reason, o.Overflow = d.Instance, d.Reason, d.Overflow
+	r.cfg.Router.Started(uint64(i), in.name)
 	// The engine keeps the prompt slice: give it its own copy.
 	prompt := append([]uint32(nil), r.tokBuf...)
 	if err := in.engine.Submit(EngineRequest{ID: uint64(i), Prompt: prompt, MaxTokens: req.OutputTokens, Adapter: req.Adapter, CacheSalt: salt}, r.now); err != nil {
+		// Refused (e.g. over the model's context): the request ends here,
+		// through the same path as every other end.
 		o.Err = "submit: " + err.Error()
-		r.fail()
+		o.ErrKind = "submit: " + rootError(err).Error()
+		o.Finish = r.now
+		r.cfg.Router.Finished(uint64(i), in.name, err)
+		r.done++
+		if r.cfg.Progress != nil {
+			r.cfg.Progress(r.done, len(r.w.Requests))
+		}
 		return
 	}
-	r.cfg.Router.Started(uint64(i), in.name)
 	r.inflight[uint64(i)] = in
 	r.schedule(in)
+}
+
+var errNotLive = errors.New("not a live instance")
+
+// rootError is the innermost wrapped error: the kind of failure without
+// the request's details.
+func rootError(err error) error {
+	for {
+		u := errors.Unwrap(err)
+		if u == nil {
+			return err
+		}
+		err = u
+	}
 }

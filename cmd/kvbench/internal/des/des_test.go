@@ -29,7 +29,11 @@ type fifoEngine struct {
 	sentFT  bool
 	now     time.Duration
 	seen    map[uint64]bool
+	// busyT and prefill accumulate service time (BusyReporter).
+	busyT, prefill time.Duration
 }
+
+func (e *fifoEngine) BusyTime() (time.Duration, time.Duration) { return e.busyT, e.prefill }
 
 func (e *fifoEngine) clock(now time.Duration) {
 	if now < e.now {
@@ -60,6 +64,8 @@ func (e *fifoEngine) start(at time.Duration) {
 	e.busy, e.sentFT = true, false
 	e.first = at + time.Duration(len(e.cur.Prompt))*time.Microsecond
 	e.end = e.first + time.Duration(e.cur.MaxTokens)*time.Millisecond
+	e.busyT += e.end - at
+	e.prefill += e.first - at
 }
 
 func (e *fifoEngine) Advance(now time.Duration, out []Update) []Update {
@@ -103,6 +109,7 @@ type rrRouter struct {
 	removed  []string
 	cands    [][]string
 	onPick   func(req *RouteRequest)
+	failed   int // Finished with an error
 }
 
 func newRR() *rrRouter { return &rrRouter{inflight: map[string]int{}} }
@@ -125,8 +132,13 @@ func (r *rrRouter) Started(_ uint64, in string) {
 	}
 	r.maxIn = max(r.maxIn, total)
 }
-func (r *rrRouter) Finished(_ uint64, in string) { r.inflight[in]-- }
-func (r *rrRouter) Removed(in string)            { r.removed = append(r.removed, in) }
+func (r *rrRouter) Finished(_ uint64, in string, err error) {
+	r.inflight[in]--
+	if err != nil {
+		r.failed++
+	}
+}
+func (r *rrRouter) Removed(in string) { r.removed = append(r.removed, in) }
 
 // countIndex is a kvindex.Index that only counts applied batches.
 type countIndex struct {
@@ -190,7 +202,7 @@ func TestRunDeterministic(t *testing.T) {
 			t.Fatal(err)
 		}
 		for i := range res.Outcomes {
-			res.Outcomes[i].Decision = 0 // wall-clock
+			res.Outcomes[i].Decision, res.Outcomes[i].DecisionCPU = 0, 0 // measured
 		}
 		runs[k] = res.Outcomes
 	}
@@ -365,7 +377,12 @@ func (l *lifeRouter) FirstToken(id uint64, in string, _, prompt int) {
 	}
 	l.step(id, in, 1)
 }
-func (l *lifeRouter) Finished(id uint64, in string) { l.step(id, in, 2) }
+func (l *lifeRouter) Finished(id uint64, in string, err error) {
+	if err != nil {
+		l.t.Errorf("request %d: %v", id, err)
+	}
+	l.step(id, in, 2)
+}
 
 func TestRouterLifecycleAndClock(t *testing.T) {
 	lr := &lifeRouter{rrRouter: *newRR(), t: t, picks: map[uint64]string{}, stage: map[uint64]int{}}
@@ -407,4 +424,61 @@ func BenchmarkRun(b *testing.B) {
 		}
 	}
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(w.Requests)), "ns/request")
+}
+
+// TestRefusedRequestFinishes: a request the engine refuses at submission
+// ends through Router.Finished like any other (so whatever the router
+// counted for it is released), and its failure is recorded with a
+// detail-free kind to group by.
+func TestRefusedRequestFinishes(t *testing.T) {
+	w := smallWorkload(t, 60)
+	for i := range w.Requests {
+		if i%4 == 0 {
+			w.Requests[i].OutputTokens = 0 // the FIFO engine refuses these
+		}
+	}
+	rr := newRR()
+	res, err := Run(context.Background(), Config{Instances: 3, NewEngine: fifoFactory(t), Router: rr}, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for in, n := range rr.inflight {
+		if n != 0 {
+			t.Errorf("%s: %d requests still in flight for the router", in, n)
+		}
+	}
+	if rr.failed != 15 {
+		t.Errorf("Finished with an error %d times, want 15", rr.failed)
+	}
+	for i, o := range res.Outcomes {
+		if refused := i%4 == 0; refused != (o.Err != "") || refused && o.ErrKind != "submit: max tokens" {
+			t.Errorf("request %d: err %q kind %q", i, o.Err, o.ErrKind)
+		}
+	}
+}
+
+// TestUtilisation: each engine's busy time over its life comes back per
+// instance, and the FIFO model's busy time is exactly its service time.
+func TestUtilisation(t *testing.T) {
+	w := smallWorkload(t, 90)
+	res, err := Run(context.Background(), Config{Instances: 3, NewEngine: fifoFactory(t), Router: newRR()}, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Utilisation) != 3 {
+		t.Fatalf("utilisation of %d instances", len(res.Utilisation))
+	}
+	var want, got time.Duration
+	for _, o := range res.Outcomes {
+		want += time.Duration(o.PromptTokens)*time.Microsecond + time.Duration(o.OutputTokens)*time.Millisecond
+	}
+	for _, u := range res.Utilisation {
+		got += u.Busy
+		if u.Life != res.End || u.PrefillBusy <= 0 || u.PrefillBusy >= u.Busy || u.Busy > u.Life {
+			t.Errorf("%+v (run end %v)", u, res.End)
+		}
+	}
+	if got != want {
+		t.Errorf("busy %v, want %v", got, want)
+	}
 }

@@ -23,12 +23,21 @@ type Summary struct {
 	Workload  string `json:"workload"`
 	Strategy  string `json:"strategy"`
 	Instances int    `json:"instances"`
-	Requests  int    `json:"requests"`
-	Failed    int    `json:"failed"`
+	// Trace, Speed and Replicate record how a trace workload was played
+	// (empty for generated workloads).
+	Trace     string  `json:"trace,omitempty"`
+	Speed     float64 `json:"speed,omitempty"`
+	Replicate int     `json:"replicate,omitempty"`
+	Requests  int     `json:"requests"`
+	Failed    int     `json:"failed"`
+	// Failures counts failed requests per kind (des.Outcome.ErrKind).
+	Failures map[string]int `json:"failures,omitempty"`
 	// HitRate is cached prompt tokens over prompt tokens (vLLM's
 	// prefix_cache_hits / prefix_cache_queries), over completed requests.
 	HitRate float64 `json:"hit_rate"`
-	// BoundFraction is HitRate over the pooled-cache bound, when one is known.
+	// Bound is the pooled-cache bound's hit rate over the same requests as
+	// HitRate (those that completed); BoundFraction is HitRate / Bound.
+	Bound         float64 `json:"bound,omitempty"`
 	BoundFraction float64 `json:"bound_fraction,omitempty"`
 	TTFTMeanMs    float64 `json:"ttft_mean_ms"`
 	TTFTP50Ms     float64 `json:"ttft_p50_ms"`
@@ -50,11 +59,41 @@ type Summary struct {
 	DecisionMeanUs float64 `json:"decision_mean_us"`
 	DecisionP50Us  float64 `json:"decision_p50_us"`
 	DecisionP99Us  float64 `json:"decision_p99_us"`
+	// DecisionCPUMeanUs and DecisionCPUP99Us are the CPU time the driver's
+	// thread spent in Pick (des on Linux; NaN elsewhere): what a decision
+	// costs, without the time the thread waited for a core.
+	DecisionCPUMeanUs float64 `json:"decision_cpu_mean_us"`
+	DecisionCPUP99Us  float64 `json:"decision_cpu_p99_us"`
+	// Busy is the fleet's busy fraction: engine time spent in steps over
+	// engine lifetime; PrefillBusy the part in steps carrying prompt tokens
+	// (0 when the engines do not report it).
+	Busy        float64 `json:"busy,omitempty"`
+	PrefillBusy float64 `json:"prefill_busy,omitempty"`
 	// Reasons counts decisions per stated reason.
 	Reasons map[string]int `json:"reasons,omitempty"`
 	// VirtualSec is the simulated duration, WallSec what it took to run.
 	VirtualSec float64 `json:"virtual_sec"`
 	WallSec    float64 `json:"wall_sec"`
+}
+
+// SummarizeBound is Summarize with the pooled-cache bound given per request
+// (boundHits[i]: request i's hit tokens in the bound): the bound's hit rate
+// is taken over the requests that completed, the hit rate's own
+// denominator, so that failed requests count in neither.
+func SummarizeBound(res *des.Result, boundHits []int64) Summary {
+	var hit, prompt int64
+	for _, o := range res.Outcomes {
+		if o.Err != "" || o.ID < 0 || o.ID >= len(boundHits) {
+			continue
+		}
+		hit += boundHits[o.ID]
+		prompt += int64(o.PromptTokens)
+	}
+	b := 0.0
+	if prompt > 0 {
+		b = float64(hit) / float64(prompt)
+	}
+	return Summarize(res, b)
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
@@ -64,7 +103,7 @@ func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond)
 func Summarize(res *des.Result, bound float64) Summary {
 	s := Summary{Workload: res.Workload, Strategy: res.Strategy, Instances: len(res.Instances),
 		Requests: len(res.Outcomes), Reasons: map[string]int{}, WallSec: res.Wall.Seconds()}
-	var ttft, dec []float64
+	var ttft, dec, cpu []float64
 	var cached, prompt, out int64
 	per := map[string]int{}
 	routed, overflow := 0, 0
@@ -76,12 +115,23 @@ func Summarize(res *des.Result, bound float64) Summary {
 			per[o.Instance]++
 			s.Reasons[o.Reason]++
 			dec = append(dec, float64(o.Decision)/float64(time.Microsecond))
+			if o.DecisionCPU > 0 {
+				cpu = append(cpu, float64(o.DecisionCPU)/float64(time.Microsecond))
+			}
 			if o.Overflow {
 				overflow++
 			}
 		}
 		if o.Err != "" {
 			s.Failed++
+			if s.Failures == nil {
+				s.Failures = map[string]int{}
+			}
+			k := o.ErrKind
+			if k == "" {
+				k = o.Err
+			}
+			s.Failures[k]++
 			continue
 		}
 		ttft = append(ttft, ms(o.TTFT))
@@ -93,6 +143,7 @@ func Summarize(res *des.Result, bound float64) Summary {
 		s.HitRate = float64(cached) / float64(prompt)
 	}
 	if bound > 0 {
+		s.Bound = bound
 		s.BoundFraction = s.HitRate / bound
 	}
 	sort.Float64s(ttft)
@@ -104,6 +155,18 @@ func Summarize(res *des.Result, bound float64) Summary {
 	s.DecisionMeanUs = mean(dec)
 	s.DecisionP50Us = workload.Quantile(dec, 0.5)
 	s.DecisionP99Us = workload.Quantile(dec, 0.99)
+	sort.Float64s(cpu)
+	s.DecisionCPUMeanUs = mean(cpu)
+	s.DecisionCPUP99Us = workload.Quantile(cpu, 0.99)
+	var life, busy, pre time.Duration
+	for _, u := range res.Utilisation {
+		life += u.Life
+		busy += u.Busy
+		pre += u.PrefillBusy
+	}
+	if life > 0 {
+		s.Busy, s.PrefillBusy = busy.Seconds()/life.Seconds(), pre.Seconds()/life.Seconds()
+	}
 	if span := (res.End - first).Seconds(); span > 0 && len(ttft) > 0 {
 		s.ReqPerSec = float64(len(ttft)) / span
 		s.OutTokPerSec = float64(out) / span
@@ -156,9 +219,11 @@ var columns = []struct {
 	{"share_min", func(s *Summary) string { return f3(s.ShareMin) }},
 	{"share_max", func(s *Summary) string { return f3(s.ShareMax) }},
 	{"overflow_rate", func(s *Summary) string { return f3(s.OverflowRate) }},
-	{"decision_mean_us", func(s *Summary) string { return f1(s.DecisionMeanUs) }},
-	{"decision_p50_us", func(s *Summary) string { return f1(s.DecisionP50Us) }},
-	{"decision_p99_us", func(s *Summary) string { return f1(s.DecisionP99Us) }},
+	{"busy", func(s *Summary) string { return f3(s.Busy) }},
+	{"prefill_busy", func(s *Summary) string { return f3(s.PrefillBusy) }},
+	{"decision_cpu_us", func(s *Summary) string { return f1(s.DecisionCPUMeanUs) }},
+	{"decision_cpu_p99_us", func(s *Summary) string { return f1(s.DecisionCPUP99Us) }},
+	{"decision_wall_p50_us", func(s *Summary) string { return f1(s.DecisionP50Us) }},
 }
 
 func f1(x float64) string { return num(x, 1) }
@@ -199,6 +264,41 @@ func WriteMarkdown(w io.Writer, sums []Summary) error {
 	return err
 }
 
+// WriteFailures writes, for every summary with failed requests, one line
+// saying why they failed (counts per kind, most frequent first).
+func WriteFailures(w io.Writer, sums []Summary) error {
+	var b strings.Builder
+	for i := range sums {
+		writeFailures(&b, &sums[i])
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+func writeFailures(b *strings.Builder, s *Summary) {
+	if len(s.Failures) == 0 {
+		return
+	}
+	kinds := make([]string, 0, len(s.Failures))
+	for k := range s.Failures {
+		kinds = append(kinds, k)
+	}
+	sort.Slice(kinds, func(i, j int) bool {
+		if s.Failures[kinds[i]] != s.Failures[kinds[j]] {
+			return s.Failures[kinds[i]] > s.Failures[kinds[j]]
+		}
+		return kinds[i] < kinds[j]
+	})
+	fmt.Fprintf(b, "%s/%s: %d failed:", s.Workload, s.Strategy, s.Failed)
+	for i, k := range kinds {
+		if i > 0 {
+			b.WriteString(";")
+		}
+		fmt.Fprintf(b, " %d × %s", s.Failures[k], k)
+	}
+	b.WriteString("\n")
+}
+
 // WriteCSV writes the summaries as CSV with a header row.
 func WriteCSV(w io.Writer, sums []Summary) error {
 	cw := csv.NewWriter(w)
@@ -237,6 +337,7 @@ func WriteJSON(w io.Writer, sums []Summary) error {
 		for k, v := range map[string]float64{
 			"ttft_mean_ms": s.TTFTMeanMs, "ttft_p50_ms": s.TTFTP50Ms, "ttft_p90_ms": s.TTFTP90Ms,
 			"ttft_p99_ms": s.TTFTP99Ms, "decision_mean_us": s.DecisionMeanUs, "decision_p50_us": s.DecisionP50Us, "decision_p99_us": s.DecisionP99Us,
+			"decision_cpu_mean_us": s.DecisionCPUMeanUs, "decision_cpu_p99_us": s.DecisionCPUP99Us,
 		} {
 			if math.IsNaN(v) || math.IsInf(v, 0) {
 				out[i][k] = nil
@@ -251,7 +352,7 @@ func WriteJSON(w io.Writer, sums []Summary) error {
 // clean zeroes NaN and infinite figures so that the summary marshals.
 func clean(s Summary) Summary {
 	for _, p := range []*float64{&s.TTFTMeanMs, &s.TTFTP50Ms, &s.TTFTP90Ms, &s.TTFTP99Ms, &s.DecisionMeanUs, &s.DecisionP50Us,
-		&s.DecisionP99Us, &s.HitRate, &s.BoundFraction, &s.ReqPerSec, &s.OutTokPerSec, &s.ShareMin, &s.ShareMax, &s.OverflowRate} {
+		&s.DecisionP99Us, &s.DecisionCPUMeanUs, &s.DecisionCPUP99Us, &s.HitRate, &s.BoundFraction, &s.ReqPerSec, &s.OutTokPerSec, &s.ShareMin, &s.ShareMax, &s.OverflowRate} {
 		if math.IsNaN(*p) || math.IsInf(*p, 0) {
 			*p = 0
 		}

@@ -21,7 +21,7 @@ func result() *des.Result {
 	for i := range 10 {
 		o := des.Outcome{ID: i, Instance: insts[i], Reason: "hash", Arrival: time.Duration(i) * time.Second,
 			TTFT: time.Duration(i+1) * 100 * time.Millisecond, PromptTokens: 1000, CachedTokens: 500, OutputTokens: 10,
-			Decision: time.Duration(i+1) * time.Microsecond}
+			Decision: time.Duration(i+1) * time.Microsecond, DecisionCPU: time.Duration(i+1) * time.Microsecond / 2}
 		if i == 9 {
 			o.Err = "aborted by engine"
 		}
@@ -29,6 +29,10 @@ func result() *des.Result {
 			o.Overflow, o.Reason = true, "overflow"
 		}
 		res.Outcomes = append(res.Outcomes, o)
+	}
+	for i, in := range res.Instances {
+		res.Utilisation = append(res.Utilisation, des.Utilisation{Instance: in, Life: 10 * time.Second,
+			Busy: time.Duration(i+1) * time.Second, PrefillBusy: time.Duration(i+1) * time.Second / 2})
 	}
 	return res
 }
@@ -53,6 +57,10 @@ func TestSummarize(t *testing.T) {
 		{"overflow", s.OverflowRate, 0.1},
 		{"decision mean", s.DecisionMeanUs, 5.5},
 		{"decision p50", s.DecisionP50Us, 5.5},
+		{"decision cpu mean", s.DecisionCPUMeanUs, 2.75},
+		{"busy", s.Busy, 0.25},
+		{"prefill busy", s.PrefillBusy, 0.125},
+		{"failures", float64(s.Failures["aborted by engine"]), 1},
 	}
 	for _, tc := range tests {
 		if math.Abs(tc.got-tc.want) > 1e-9 {
@@ -201,5 +209,19 @@ func TestNiceCeil(t *testing.T) {
 		if got := niceCeil(tc.in); got != tc.want {
 			t.Errorf("niceCeil(%v) = %v, want %v", tc.in, got, tc.want)
 		}
+	}
+}
+
+func TestWriteFailures(t *testing.T) {
+	var buf bytes.Buffer
+	ss := sums()
+	ss[0].Failures = map[string]int{"submit: too long": 3, "aborted by engine": 1}
+	if err := WriteFailures(&buf, ss); err != nil {
+		t.Fatal(err)
+	}
+	want := "long-context/prefix_aware: 1 failed: 3 × submit: too long; 1 × aborted by engine\n" +
+		"long-context/random, with | and \"quotes\": 1 failed: 1 × aborted by engine\n"
+	if buf.String() != want {
+		t.Errorf("got\n%s\nwant\n%s", buf.String(), want)
 	}
 }
