@@ -65,18 +65,29 @@ var (
 	inflightDesc = prometheus.NewDesc("kvrouter_instance_in_flight", "Requests in flight per instance (router-local).", []string{"pool", "instance"}, nil)
 	healthyDesc  = prometheus.NewDesc("kvrouter_instance_healthy", "1 when the instance is admitted by health checks.", []string{"pool", "instance"}, nil)
 	strategyDesc = prometheus.NewDesc("kvrouter_pool_strategy", "The pool's current strategy (value 1).", []string{"pool", "strategy"}, nil)
+	bodyUsedDesc = prometheus.NewDesc("kvrouter_body_memory_bytes", "Bytes of the request-body memory budget held by requests in progress.", nil, nil)
+	bodyMaxDesc  = prometheus.NewDesc("kvrouter_body_memory_limit_bytes", "The request-body memory budget (limits.max_body_memory_bytes).", nil, nil)
+	bodyRejDesc  = prometheus.NewDesc("kvrouter_body_budget_rejected_total", "Requests answered 503 because the request-body memory budget was exhausted.", nil, nil)
 )
 
 func (c *liveCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- inflightDesc
 	ch <- healthyDesc
 	ch <- strategyDesc
+	ch <- bodyUsedDesc
+	ch <- bodyMaxDesc
+	ch <- bodyRejDesc
 }
 
 func (c *liveCollector) Collect(ch chan<- prometheus.Metric) {
 	st := c.s.state.Load()
 	if st == nil {
 		return
+	}
+	if b := c.s.body; b != nil {
+		ch <- prometheus.MustNewConstMetric(bodyUsedDesc, prometheus.GaugeValue, float64(b.used.Load()))
+		ch <- prometheus.MustNewConstMetric(bodyMaxDesc, prometheus.GaugeValue, float64(b.limit.Load()))
+		ch <- prometheus.MustNewConstMetric(bodyRejDesc, prometheus.CounterValue, float64(b.rejected.Load()))
 	}
 	for _, p := range st.pools {
 		_, strat := p.Routing()

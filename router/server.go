@@ -56,6 +56,8 @@ type Server struct {
 	adminToken atomic.Pointer[string]
 	// adminOnData: admin routes are served on the data listener too.
 	adminOnData bool
+	// body bounds the memory held by request bodies (limits.max_body_memory_bytes).
+	body *bodyBudget
 
 	state atomic.Pointer[state]
 
@@ -85,7 +87,7 @@ func NewServer(cfg Config, opts Options) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	s := &Server{log: opts.Logger, reg: opts.Registry, started: time.Now(), adminOnData: cfg.AdminListen == ""}
+	s := &Server{log: opts.Logger, reg: opts.Registry, started: time.Now(), adminOnData: cfg.AdminListen == "", body: newBodyBudget(bodyMemory(cfg))}
 	if s.log == nil {
 		s.log = slog.Default()
 	}
@@ -201,6 +203,7 @@ func (s *Server) Reload(cfg Config) error {
 	}
 	tok := cfg.AdminToken
 	s.adminToken.Store(&tok)
+	s.body.limit.Store(bodyMemory(cfg))
 	s.state.Store(st)
 	if s.runCtx != nil {
 		s.stopLoopsLocked()
