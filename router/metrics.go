@@ -57,6 +57,19 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 	return m, nil
 }
 
+// forgetInstanceSeries deletes the per-instance series of an instance that
+// left its pool, so that instance names that come and go (heartbeat
+// discovery) do not accumulate series.
+func (s *Server) forgetInstanceSeries(pool, instance string) {
+	l := prometheus.Labels{"pool": pool, "instance": instance}
+	s.m.requests.DeletePartialMatch(l)
+	s.m.retries.DeletePartialMatch(l)
+	s.m.ttfb.DeletePartialMatch(l)
+	s.m.probes.DeletePartialMatch(l)
+	s.m.streamErr.DeletePartialMatch(l)
+	s.kvm.scrapes.DeletePartialMatch(l)
+}
+
 // liveCollector reports gauges read from the live instance state at scrape
 // time, so they follow reloads without stale series.
 type liveCollector struct{ s *Server }

@@ -66,6 +66,10 @@ type options struct {
 	listen, logLevel string
 }
 
+// HeartbeatKeyEnv holds the hex key heartbeats are signed with (the
+// router's KVROUTER_HEARTBEAT_KEY); unset = unsigned heartbeats.
+const HeartbeatKeyEnv = "KVBRIDGE_HEARTBEAT_KEY"
+
 func envOr(getenv func(string) string, def string, keys ...string) string {
 	for _, k := range keys {
 		if v := getenv(k); v != "" {
@@ -194,6 +198,11 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	if err != nil {
 		return err
 	}
+	// A secret, so only from the environment (never a flag, which ps shows).
+	hbKey, err := events.DecodeHeartbeatKey(getenv(HeartbeatKeyEnv))
+	if err != nil {
+		return fmt.Errorf("%s: %w", HeartbeatKeyEnv, err)
+	}
 	nc, err := events.NATSConfig{URL: o.natsURL, CredsFile: o.natsCreds, TLSCA: o.tlsCA, TLSCert: o.tlsCert, TLSKey: o.tlsKey,
 		Name: "kvbridge " + o.pool + "/" + o.instance, Logger: log}.Connect()
 	if err != nil {
@@ -216,6 +225,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		MaxBlocks:         o.maxBlocks,
 		Buffer:            o.buffer,
 		HeartbeatInterval: o.heartbeat,
+		HeartbeatKey:      hbKey,
 		SnapshotInterval:  o.snapshotEvery,
 		ReplayTimeout:     o.replayTimeout,
 		Registerer:        reg,

@@ -11,7 +11,9 @@
 //
 // Secrets come from the environment: KVROUTER_ADMIN_TOKEN (bearer token of
 // the admin API), KVROUTER_REDIS_PASSWORD, KVROUTER_CACHE_SALT_SECRET (hex
-// HMAC key of pools' cache_salt, docs/security.md). SIGHUP reloads the config file
+// HMAC key of pools' cache_salt, docs/security.md), KVROUTER_HEARTBEAT_KEY
+// (hex key bridge heartbeats must be signed with, KVBRIDGE_HEARTBEAT_KEY on
+// the bridges). SIGHUP reloads the config file
 // (the KV event consumers and indexes are kept); SIGINT/SIGTERM drain and
 // stop.
 //
@@ -38,6 +40,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/router"
 )
@@ -141,6 +144,9 @@ func loadConfig(f flags, getenv func(string) string) (router.Config, error) {
 	cfg.AdminToken = getenv("KVROUTER_ADMIN_TOKEN")
 	if cfg.CacheSaltSecret, err = router.DecodeCacheSaltSecret(getenv(router.CacheSaltSecretEnv)); err != nil {
 		return cfg, err
+	}
+	if cfg.HeartbeatKey, err = events.DecodeHeartbeatKey(getenv(router.HeartbeatKeyEnv)); err != nil {
+		return cfg, fmt.Errorf("%s: %w", router.HeartbeatKeyEnv, err)
 	}
 	if cfg.Index != nil && cfg.Index.Redis != nil {
 		cfg.Index.Redis.Password = getenv("KVROUTER_REDIS_PASSWORD")
