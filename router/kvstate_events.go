@@ -96,6 +96,8 @@ type KVEvents struct {
 	dm         *discoveryMetrics
 	refusedLog *ratelog.Limiter
 	started    time.Time
+	// readyTimedOut: IndexReady gave up waiting (logged once).
+	readyTimedOut atomic.Bool
 }
 
 // kvPool is one pool's index and consumer; immutable once built.
@@ -337,6 +339,43 @@ func (k *KVEvents) pool(pc PoolConfig) (*kvPool, error) {
 // StopStreams ends every open eviction stream (with a final "close"
 // event); register it with http.Server.RegisterOnShutdown.
 func (k *KVEvents) StopStreams() { k.stopStreams() }
+
+// DefaultReadyTimeout is events.ready_timeout when unset: long enough to
+// load a few thousand bucket snapshots and replay the stream's recent
+// history, short enough that a router whose index cannot be rebuilt (a
+// bucket unreachable) still joins its load balancer and routes
+// heuristically rather than never serving.
+const DefaultReadyTimeout = 30 * time.Second
+
+// IndexReady implements KVEventsSource: true once every pool's consumer
+// has rebuilt its index (consumer.Ready), or events.ready_timeout after
+// start; otherwise false and the pools still rebuilding.
+func (k *KVEvents) IndexReady() (bool, string) {
+	k.mu.Lock()
+	var waiting []string
+	for name, p := range k.pools {
+		if !p.cons.Ready() {
+			waiting = append(waiting, name)
+		}
+	}
+	k.mu.Unlock()
+	if len(waiting) == 0 {
+		return true, ""
+	}
+	timeout := DefaultReadyTimeout
+	if k.cfg.Events != nil && k.cfg.Events.ReadyTimeout > 0 {
+		timeout = k.cfg.Events.ReadyTimeout
+	}
+	slices.Sort(waiting)
+	if time.Since(k.started) > timeout {
+		if k.readyTimedOut.CompareAndSwap(false, true) {
+			k.log.Warn("KV index not rebuilt within events.ready_timeout; reporting ready, kv_aware routes heuristically until the stream is healthy",
+				"pools", waiting, "ready_timeout", timeout)
+		}
+		return true, ""
+	}
+	return false, "KV index of pool(s) " + strings.Join(waiting, ", ") + " still being rebuilt from snapshots and the event stream"
+}
 
 // WaitReady waits until every pool's consumer is healthy (subscribed and
 // caught up), or ctx ends.

@@ -291,9 +291,18 @@ func (s *Server) serveHealthz(w http.ResponseWriter, _ *http.Request) {
 	_, _ = io.WriteString(w, "ok\n")
 }
 
-// serveReadyz is ready when at least one pool has a healthy instance: a
-// router that can serve some model should stay in its load balancer.
+// serveReadyz is ready when the KV index has been rebuilt (snapshots and
+// stream history applied, or events.ready_timeout passed: before that
+// kv_aware would route on an empty index) and at least one pool has a
+// healthy instance: a router that can serve some model should stay in its
+// load balancer.
 func (s *Server) serveReadyz(w http.ResponseWriter, _ *http.Request) {
+	if s.kvEvents != nil {
+		if ok, why := s.kvEvents.IndexReady(); !ok {
+			writeError(w, http.StatusServiceUnavailable, why)
+			return
+		}
+	}
 	st := s.state.Load()
 	for _, p := range st.pools {
 		for _, in := range p.instances {

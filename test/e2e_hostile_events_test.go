@@ -6,17 +6,21 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
 // logBuffer collects JSON log lines for assertions.
@@ -335,4 +339,128 @@ func TestE2EBridgeSignsHeartbeats(t *testing.T) {
 	if err := events.VerifyHeartbeat([]byte("another key, 32 bytes long......"), m.Subject, m.Data, m.Header); err == nil {
 		t.Fatal("the bridge's heartbeat verifies with another key")
 	}
+}
+
+// readyRig starts a router whose pool has a snapshot in the bucket for
+// vllm-0, served by a "bridge" that answers snapshot requests after delay.
+func readyRig(t *testing.T, delay, readyTimeout time.Duration) (readyz string, blocks func() int, logs *logBuffer) {
+	ctx := testenv.Context(t, time.Minute)
+	name := testenv.UniqueName(t)
+	pool := "p_" + name
+	ns := testenv.StartNATS(t)
+	nc, err := nats.Connect(ns.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kv, err := events.EnsureBucket(ctx, js, events.BucketConfig{Name: "SN_" + name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	batch, err := events.Encode(nil, events.Batch{Events: []events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{4242},
+		TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"}}}, events.EncodingMap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	snap, err := events.Snapshot{Pool: pool, Instance: "vllm-0", Blocks: 1, Batch: batch, Taken: time.Now()}.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, _ := events.SnapshotKey(pool, "vllm-0")
+	if _, err := kv.Put(ctx, key, snap); err != nil {
+		t.Fatal(err)
+	}
+	subj, _ := events.SnapshotSubject(pool, "vllm-0")
+	sub, err := nc.Subscribe(subj, func(m *nats.Msg) {
+		time.Sleep(delay)
+		_ = m.Respond(snap)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sub.Unsubscribe() })
+	up := routertest.New(t, "vllm-0", kvrModel)
+	cfg := router.Config{
+		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: "EV_" + name}, Bucket: "SN_" + name, ReadyTimeout: readyTimeout},
+		Pools: []router.PoolConfig{{Name: pool, Model: kvrModel, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
+			Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
+			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: up.URL()}}}},
+	}
+	logs = &logBuffer{}
+	log := slog.New(slog.NewJSONHandler(logs, nil))
+	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: log, SnapshotTimeout: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(kve.Close)
+	srv, err := router.NewServer(cfg, router.Options{Logger: log, KV: kve.KV, KVEvents: kve})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := httptest.NewServer(srv.Handler())
+	t.Cleanup(ts.Close)
+	idx, _ := kve.KV(cfg.Pools[0])
+	blocks = func() int {
+		st, err := idx.Instances(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for _, s := range st {
+			n += s.Blocks[0]
+		}
+		return n
+	}
+	return ts.URL + "/readyz", blocks, logs
+}
+
+// pollReady polls url until it answers 200, returning how many 503s came
+// first and the last 503's body.
+func pollReady(t *testing.T, url string, within time.Duration) (notReady int, why string) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for time.Now().Before(deadline) {
+		res := httpDo(t, http.MethodGet, url, "", nil)
+		switch res.status {
+		case http.StatusOK:
+			return notReady, why
+		case http.StatusServiceUnavailable:
+			notReady, why = notReady+1, res.body
+		default:
+			t.Fatalf("/readyz answered %d: %s", res.status, res.body)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Fatalf("/readyz not ready within %v (last: %s)", within, why)
+	return 0, ""
+}
+
+// Issue 19: /readyz says ready only once the index has been rebuilt (here:
+// a snapshot that takes 1.5 s to arrive is in the index when it first
+// answers 200), or once events.ready_timeout has passed.
+func TestE2EReadyzWaitsForTheIndex(t *testing.T) {
+	t.Run("rebuilt", func(t *testing.T) {
+		url, blocks, _ := readyRig(t, 1500*time.Millisecond, time.Minute)
+		n, why := pollReady(t, url, 30*time.Second)
+		if got := blocks(); got != 1 {
+			t.Fatalf("ready with %d blocks in the index, want the snapshot's 1", got)
+		}
+		if n == 0 || !strings.Contains(why, "being rebuilt") {
+			t.Fatalf("%d not-ready answers before ready (last %q): want 503s while the snapshot loads", n, why)
+		}
+	})
+	t.Run("timeout", func(t *testing.T) {
+		url, blocks, logs := readyRig(t, 8*time.Second, 300*time.Millisecond)
+		pollReady(t, url, 6*time.Second)
+		if got := blocks(); got != 0 {
+			t.Fatalf("the snapshot (8 s away) is already in the index (%d blocks): the timeout was not what made it ready", got)
+		}
+		if len(logs.lines("KV index not rebuilt within events.ready_timeout; reporting ready, kv_aware routes heuristically until the stream is healthy")) != 1 {
+			t.Fatal("readiness by timeout not logged once")
+		}
+	})
 }

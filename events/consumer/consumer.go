@@ -163,6 +163,10 @@ type Consumer struct {
 	shards []chan work
 
 	running atomic.Bool
+	// caughtUp: a message was dispatched with nothing pending after it.
+	caughtUp atomic.Bool
+	// ready: the index was rebuilt once (Ready).
+	ready   atomic.Bool
 	lastErr atomic.Int64 // unix nanos of the last consume error
 	lag     atomic.Int64 // nanoseconds behind the stream at the last message delivered
 
@@ -188,6 +192,9 @@ const (
 	workEvent workKind = iota
 	workLoad
 	workPurge
+	// workBarrier marks a point in a shard's queue: done is called once
+	// everything queued before it has been applied.
+	workBarrier
 )
 
 type work struct {
@@ -197,6 +204,7 @@ type work struct {
 	header    nats.Header
 	data      []byte
 	stored    time.Time
+	done      func() // workBarrier
 }
 
 // New validates cfg.
@@ -269,6 +277,56 @@ func (c *Consumer) Healthy() bool {
 	}
 	last := c.lastErr.Load()
 	return last == 0 || time.Since(time.Unix(0, last)) > 10*time.Second
+}
+
+// Ready reports whether the index has been rebuilt since Run started:
+// the snapshots known at start loaded, the stream's history as of then
+// applied, and the consumer healthy. It stays true once set (a later
+// outage is what Healthy reports).
+func (c *Consumer) Ready() bool { return c.ready.Load() }
+
+// awaitRebuilt sets ready once the consumer is healthy, has been
+// delivered everything the stream held for the pool, and every shard has
+// applied what was queued before (snapshot loads included).
+func (c *Consumer) awaitRebuilt(ctx context.Context, cons jetstream.Consumer) {
+	t0 := time.Now()
+	for !c.delivered(ctx, cons) {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	passed := make(chan struct{}, len(c.shards))
+	for _, ch := range c.shards {
+		select {
+		case ch <- work{kind: workBarrier, done: func() { passed <- struct{}{} }}:
+		case <-ctx.Done():
+			return
+		}
+	}
+	for range c.shards {
+		select {
+		case <-passed:
+		case <-ctx.Done():
+			return
+		}
+	}
+	c.ready.Store(true)
+	c.cfg.Logger.Info("consumer: index rebuilt", "took", time.Since(t0).Round(time.Millisecond))
+}
+
+// delivered: healthy, and nothing of the pool's stream left to dispatch
+// (the last message dispatched had none pending, or there was none).
+func (c *Consumer) delivered(ctx context.Context, cons jetstream.Consumer) bool {
+	if !c.Healthy() {
+		return false
+	}
+	if c.caughtUp.Load() {
+		return true
+	}
+	info, err := cons.Info(ctx)
+	return err == nil && info.NumPending == 0 && info.Delivered.Consumer == 0
 }
 
 // Live reports whether the instance is known and live: its index entries
@@ -366,6 +424,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 	defer cc.Stop()
 	c.running.Store(true)
 	defer c.running.Store(false)
+	wg.Add(1)
+	go func() { defer wg.Done(); c.awaitRebuilt(ctx, cons) }()
 
 	tick := time.NewTicker(c.cfg.CheckInterval)
 	defer tick.Stop()
@@ -489,6 +549,7 @@ func (c *Consumer) dispatch(ctx context.Context, m jetstream.Msg) {
 		lag := time.Since(md.Timestamp)
 		if md.NumPending == 0 {
 			lag = 0
+			c.caughtUp.Store(true)
 		}
 		c.lag.Store(int64(lag))
 	}
@@ -593,6 +654,10 @@ func (c *Consumer) shard(ctx context.Context, ch chan work) {
 			return
 		case w := <-ch:
 			c.m.queue.Set(float64(len(ch)))
+			if w.kind == workBarrier {
+				w.done()
+				continue
+			}
 			c.do(ctx, w)
 		}
 	}
