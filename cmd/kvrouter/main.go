@@ -39,6 +39,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/grpcapi"
@@ -183,6 +184,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	}
 	log := newLogger(cfg.Log, stderr)
 	reg := prometheus.NewRegistry()
+	// The standard Go runtime and process series (go_goroutines,
+	// process_resident_memory_bytes, ...), as kvbridge exports them.
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	opts := router.Options{Logger: log, Registry: reg}
 	// kvCtx owns the KV event pipeline (consumers, embedded NATS); it
 	// outlives the signal context so that in-flight requests drain with
