@@ -4,8 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"mime"
 	"net/http"
+	"strings"
 	"sync/atomic"
+	"unicode/utf8"
 )
 
 // Request bodies are read whole before routing (the strategy needs the
@@ -224,4 +227,39 @@ func readChunks(rd io.Reader, declared, limit int64, b *bodyBudget) (body []byte
 	}
 	b.release(held)
 	return out, total, nil
+}
+
+// Request bodies on the data plane are JSON (OpenAI, and vLLM's SageMaker
+// /invocations): a body declared as something else (a form, multipart,
+// XML, text) is refused with 415 before it is read, rather than forwarded
+// to an engine as if it were JSON. A request without a Content-Type is
+// taken as JSON, as before: curl -d with -H omitted and hand-written
+// clients send none, and vLLM's own server accepts them. JSON is UTF-8
+// (RFC 8259 section 8.1), so a body that is not is refused with 400.
+
+// checkContentType returns "" when a request's Content-Type is JSON (or
+// absent), else the message of the 415.
+func checkContentType(ct string) string {
+	if strings.TrimSpace(ct) == "" {
+		return ""
+	}
+	mt, params, err := mime.ParseMediaType(ct)
+	if err != nil {
+		return fmt.Sprintf("Content-Type %q: %v; want application/json", ct, err)
+	}
+	if mt != "application/json" && !(strings.HasPrefix(mt, "application/") && strings.HasSuffix(mt, "+json")) {
+		return fmt.Sprintf("Content-Type %q: the body must be JSON (application/json)", ct)
+	}
+	if cs, ok := params["charset"]; ok && !strings.EqualFold(cs, "utf-8") {
+		return fmt.Sprintf("Content-Type %q: JSON must be UTF-8", ct)
+	}
+	return ""
+}
+
+// checkUTF8 returns "" when body is valid UTF-8, else the message of the 400.
+func checkUTF8(body []byte) string {
+	if utf8.Valid(body) {
+		return ""
+	}
+	return "request body is not valid UTF-8 (JSON text must be UTF-8, RFC 8259 section 8.1)"
 }

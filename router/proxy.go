@@ -72,9 +72,18 @@ func (e errRetryStatus) Error() string { return fmt.Sprintf("upstream answered %
 // counted. The caller releases held bytes of the body budget once the
 // request is answered.
 func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, st *state) (body []byte, held int64, ready time.Time, ok bool) {
+	if msg := checkContentType(r.Header.Get("Content-Type")); msg != "" {
+		s.reject(w, "", http.StatusUnsupportedMediaType, msg)
+		return nil, 0, time.Time{}, false
+	}
 	body, held, status := s.readBody(w, r, st.cfg.MaxBodyBytes)
 	if status != 0 {
 		s.countRejected("", status)
+		return nil, 0, time.Time{}, false
+	}
+	if msg := checkUTF8(body); msg != "" {
+		s.body.release(held)
+		s.reject(w, "", http.StatusBadRequest, msg)
 		return nil, 0, time.Time{}, false
 	}
 	return body, held, time.Now(), true

@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"fmt"
 	"io"
+	"mime"
 	"net/http"
 	"net/http/httptest"
 	"runtime"
+	"strings"
 	"testing"
 )
 
@@ -252,4 +254,20 @@ func BenchmarkReadBody(b *testing.B) {
 			}
 		}
 	}
+}
+
+// FuzzCheckContentType: never panics, and what it accepts is JSON.
+func FuzzCheckContentType(f *testing.F) {
+	for _, s := range []string{"", "application/json", "text/plain", "application/json; charset=utf-8", "a/b+json;x=\"y\""} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, ct string) {
+		if checkContentType(ct) != "" || strings.TrimSpace(ct) == "" {
+			return
+		}
+		mt, _, err := mime.ParseMediaType(ct)
+		if err != nil || !strings.HasSuffix(mt, "json") {
+			t.Fatalf("accepted %q (%q, %v)", ct, mt, err)
+		}
+	})
 }
