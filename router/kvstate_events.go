@@ -50,6 +50,9 @@ type KVEventsOptions struct {
 	// SnapshotTimeout is the consumers' snapshot request timeout
 	// (0 = the consumer's default).
 	SnapshotTimeout time.Duration
+	// NATSErrorHandler receives the NATS connection's asynchronous errors
+	// (events.NATSConfig.ErrorHandler; nil = logged, rate-limited).
+	NATSErrorHandler nats.ErrHandler
 }
 
 // KVEvents is the router's KV-state pipeline: one block index per pool,
@@ -198,7 +201,7 @@ func StartKVEvents(ctx context.Context, cfg Config, opts KVEventsOptions) (*KVEv
 			"nats_url", k.natsURL, "store_dir", ec.NATS.StoreDir)
 	}
 	if k.conn == nil {
-		nc := events.NATSConfig{URL: k.natsURL, CredsFile: ec.NATS.CredsFile, Name: "kvrouter", Logger: k.log}
+		nc := events.NATSConfig{URL: k.natsURL, CredsFile: ec.NATS.CredsFile, Name: "kvrouter", Logger: k.log, ErrorHandler: opts.NATSErrorHandler}
 		if t := ec.NATS.TLS; t != nil {
 			nc.TLSCA, nc.TLSCert, nc.TLSKey = t.CAFile, t.CertFile, t.KeyFile
 		}

@@ -1,7 +1,6 @@
 package test
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -9,7 +8,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -23,32 +21,6 @@ import (
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
-// logBuffer collects JSON log lines for assertions.
-type logBuffer struct {
-	mu sync.Mutex // guards b
-	b  bytes.Buffer
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-// lines returns the logged records whose msg is msg.
-func (l *logBuffer) lines(msg string) []map[string]any {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	var out []map[string]any
-	for _, line := range strings.Split(l.b.String(), "\n") {
-		var rec map[string]any
-		if json.Unmarshal([]byte(line), &rec) == nil && rec["msg"] == msg {
-			out = append(out, rec)
-		}
-	}
-	return out
-}
-
 // hostileRig is a router's KV-events pipeline and server on their own NATS
 // server, stream and bucket, with discovery running.
 type hostileRig struct {
@@ -58,7 +30,7 @@ type hostileRig struct {
 	kve  *router.KVEvents
 	srv  *router.Server
 	reg  *prometheus.Registry
-	logs *logBuffer
+	logs *testenv.Logs
 }
 
 func newHostileRig(t *testing.T, mutate func(*router.Config)) *hostileRig {
@@ -73,7 +45,7 @@ func newHostileRig(t *testing.T, mutate func(*router.Config)) *hostileRig {
 			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
 	}
 	mutate(&cfg)
-	logs := &logBuffer{}
+	logs := &testenv.Logs{}
 	log := slog.New(slog.NewJSONHandler(logs, nil))
 	reg := prometheus.NewRegistry()
 	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: log, SnapshotTimeout: 200 * time.Millisecond})
@@ -230,7 +202,7 @@ func TestE2EDiscoveryRefusesUntrustedHeartbeats(t *testing.T) {
 		}
 	}
 	logged := map[string]string{}
-	for _, rec := range r.logs.lines("heartbeat refused") {
+	for _, rec := range r.logs.Lines("heartbeat refused") {
 		logged[rec["instance"].(string)] = rec["reason"].(string)
 	}
 	for name, reason := range refused {
@@ -245,7 +217,7 @@ func TestE2EDiscoveryRefusesUntrustedHeartbeats(t *testing.T) {
 		}
 	}
 	joined := map[string]string{}
-	for _, rec := range r.logs.lines("instance joined pool from heartbeat") {
+	for _, rec := range r.logs.Lines("instance joined pool from heartbeat") {
 		joined[rec["instance"].(string)] = rec["url"].(string)
 	}
 	if len(joined) != 2 || joined["good"] != "http://127.0.0.1:20450" {
@@ -310,7 +282,7 @@ func TestE2EJunkInstanceNamesBounded(t *testing.T) {
 	if n := r.seriesWithInstance("junk-"); n != 0 {
 		t.Fatalf("%d series name instances seen only in events", n)
 	}
-	if logged := r.logs.lines("consumer: instance refused a record"); len(logged) == 0 || len(logged) > 20 {
+	if logged := r.logs.Lines("consumer: instance refused a record"); len(logged) == 0 || len(logged) > 20 {
 		t.Fatalf("%d log lines for %d refused names, want a few (rate-limited)", len(logged), 2*junk)
 	}
 	// Silent junk is purged and forgotten: records, pool entries, series.
@@ -343,7 +315,7 @@ func TestE2EBridgeSignsHeartbeats(t *testing.T) {
 
 // readyRig starts a router whose pool has a snapshot in the bucket for
 // vllm-0, served by a "bridge" that answers snapshot requests after delay.
-func readyRig(t *testing.T, delay, readyTimeout time.Duration) (readyz string, blocks func() int, logs *logBuffer) {
+func readyRig(t *testing.T, delay, readyTimeout time.Duration) (readyz string, blocks func() int, logs *testenv.Logs) {
 	ctx := testenv.Context(t, time.Minute)
 	name := testenv.UniqueName(t)
 	pool := "p_" + name
@@ -390,7 +362,7 @@ func readyRig(t *testing.T, delay, readyTimeout time.Duration) (readyz string, b
 			Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
 			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: up.URL()}}}},
 	}
-	logs = &logBuffer{}
+	logs = &testenv.Logs{}
 	log := slog.New(slog.NewJSONHandler(logs, nil))
 	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: log, SnapshotTimeout: 10 * time.Second})
 	if err != nil {
@@ -459,7 +431,7 @@ func TestE2EReadyzWaitsForTheIndex(t *testing.T) {
 		if got := blocks(); got != 0 {
 			t.Fatalf("the snapshot (8 s away) is already in the index (%d blocks): the timeout was not what made it ready", got)
 		}
-		if len(logs.lines("KV index not rebuilt within events.ready_timeout; reporting ready, kv_aware routes heuristically until the stream is healthy")) != 1 {
+		if len(logs.Lines("KV index not rebuilt within events.ready_timeout; reporting ready, kv_aware routes heuristically until the stream is healthy")) != 1 {
 			t.Fatal("readiness by timeout not logged once")
 		}
 	})

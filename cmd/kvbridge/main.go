@@ -28,6 +28,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/internal/liblog"
 )
 
 func main() {
@@ -203,15 +204,19 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	if err != nil {
 		return fmt.Errorf("%s: %w", HeartbeatKeyEnv, err)
 	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	libs, err := liblog.New(reg, log, "kvbridge")
+	if err != nil {
+		return err
+	}
 	nc, err := events.NATSConfig{URL: o.natsURL, CredsFile: o.natsCreds, TLSCA: o.tlsCA, TLSCert: o.tlsCert, TLSKey: o.tlsKey,
-		Name: "kvbridge " + o.pool + "/" + o.instance, Logger: log}.Connect()
+		Name: "kvbridge " + o.pool + "/" + o.instance, Logger: log, ErrorHandler: libs.NATSErrorHandler()}.Connect()
 	if err != nil {
 		return err
 	}
 	defer nc.Close()
 
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	var adapters []string
 	for _, a := range strings.Split(o.adapters, ",") {
 		if a = strings.TrimSpace(a); a != "" {

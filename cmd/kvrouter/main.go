@@ -40,9 +40,11 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/grpcapi"
+	"github.com/kvrouter/kvrouter/internal/liblog"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -187,6 +189,14 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	// The standard Go runtime and process series (go_goroutines,
 	// process_resident_memory_bytes, ...), as kvbridge exports them.
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	// go-redis and nats.go write their own lines to stderr by default:
+	// route them into the structured log, rate-limited and counted. The
+	// go-redis logger is process-global, set here by the binary.
+	libs, err := liblog.New(reg, log, "kvrouter")
+	if err != nil {
+		return err
+	}
+	redis.SetLogger(libs.Redis())
 	opts := router.Options{Logger: log, Registry: reg}
 	// kvCtx owns the KV event pipeline (consumers, embedded NATS); it
 	// outlives the signal context so that in-flight requests drain with
@@ -195,7 +205,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	defer cancelKV()
 	var kve *router.KVEvents
 	if router.KVEventsWanted(cfg) {
-		if kve, err = router.StartKVEvents(kvCtx, cfg, router.KVEventsOptions{Registerer: reg, Logger: log}); err != nil {
+		if kve, err = router.StartKVEvents(kvCtx, cfg, router.KVEventsOptions{Registerer: reg, Logger: log, NATSErrorHandler: libs.NATSErrorHandler()}); err != nil {
 			return err
 		}
 		defer kve.Close()
