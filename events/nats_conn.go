@@ -54,7 +54,7 @@ func (c NATSConfig) Connect() (*nats.Conn, error) {
 	}
 	onErr := c.ErrorHandler
 	if onErr == nil {
-		libs, _ := liblog.New(nil, log, "") // unregistered: cannot fail
+		libs, _ := liblog.New(nil, log, "library_log_lines_total") // unregistered: cannot fail
 		onErr = libs.NATSErrorHandler()
 	}
 	opts := []nats.Option{

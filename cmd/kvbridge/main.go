@@ -206,7 +206,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	libs, err := liblog.New(reg, log, "kvbridge")
+	libs, err := liblog.New(reg, log, "kvbridge_library_log_lines_total")
 	if err != nil {
 		return err
 	}

@@ -192,7 +192,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	// go-redis and nats.go write their own lines to stderr by default:
 	// route them into the structured log, rate-limited and counted. The
 	// go-redis logger is process-global, set here by the binary.
-	libs, err := liblog.New(reg, log, "kvrouter")
+	libs, err := liblog.New(reg, log, "kvrouter_library_log_lines_total")
 	if err != nil {
 		return err
 	}

@@ -37,13 +37,13 @@ type Logs struct {
 	lines *prometheus.CounterVec
 }
 
-// New returns Logs writing to log and counting into
-// <prefix>_library_log_lines_total{library, kind} on reg (nil: not
+// New returns Logs writing to log and counting into the counter metric
+// (<binary>_library_log_lines_total){library, kind} on reg (nil: not
 // registered).
-func New(reg prometheus.Registerer, log *slog.Logger, prefix string) (*Logs, error) {
+func New(reg prometheus.Registerer, log *slog.Logger, metric string) (*Logs, error) {
 	l := &Logs{log: log, lim: ratelog.New(Window, Burst),
 		lines: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: prefix + "_library_log_lines_total",
+			Name: metric,
 			Help: "Lines and asynchronous errors reported by client libraries (go-redis, nats.go), by library and kind; logged rate-limited.",
 		}, []string{"library", "kind"})}
 	if reg != nil {

@@ -33,7 +33,7 @@ func records(t *testing.T, logs *testenv.Logs) []map[string]any {
 func newLogs(t *testing.T) (*liblog.Logs, *testenv.Logs, *prometheus.Registry) {
 	buf := &testenv.Logs{}
 	reg := prometheus.NewRegistry()
-	l, err := liblog.New(reg, slog.New(slog.NewJSONHandler(buf, nil)), "test")
+	l, err := liblog.New(reg, slog.New(slog.NewJSONHandler(buf, nil)), "test_library_log_lines_total")
 	if err != nil {
 		t.Fatal(err)
 	}
