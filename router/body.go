@@ -53,10 +53,12 @@ const (
 )
 
 // DefaultMaxBodyMemoryBytes is limits.max_body_memory_bytes when unset and
-// max_body_bytes is at most a quarter of it: 256 MiB holds about 2,000
-// concurrent 128 KiB bodies (a 32k-token chat request) or six bodies of
-// the default 32 MiB limit.
-const DefaultMaxBodyMemoryBytes = 256 << 20
+// max_body_bytes is at most a quarter of it (else 4 x max_body_bytes). 128
+// MiB holds about 1,000 concurrent 128 KiB bodies (a 32k-token chat
+// request) or three bodies of the default 32 MiB limit at once, and keeps
+// the process near 2 x 128 MiB + ~30 MB at worst (Go's heap grows to twice
+// what is live at GOGC=100): under 300 MB, whatever clients send.
+const DefaultMaxBodyMemoryBytes = 128 << 20
 
 // bodyMemory is the effective body-memory budget of c (after defaults).
 func bodyMemory(c Config) int64 {

@@ -39,7 +39,7 @@ type LimitsConfig struct {
 	IdleTimeout time.Duration `yaml:"idle_timeout" json:"idle_timeout,omitempty"`
 	// MaxBodyMemoryBytes bounds the memory all request bodies in progress
 	// hold together (router/body.go): past it a request is answered 503
-	// with Retry-After rather than read. Default 256 MiB, or 4 x
+	// with Retry-After rather than read. Default 128 MiB, or 4 x
 	// max_body_bytes when that is larger; at least 3 x max_body_bytes (a
 	// body of the limit read without a Content-Length briefly needs twice
 	// its size, within the three quarters of the budget large bodies may

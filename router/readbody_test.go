@@ -237,7 +237,10 @@ func BenchmarkReadBody(b *testing.B) {
 					w := httptest.NewRecorder()
 					b.SetBytes(int64(n))
 					b.ReportAllocs()
+					cpu0, ops := processCPU(), 0
+					defer func() { b.ReportMetric(float64(processCPU()-cpu0)/float64(max(ops, 1)), "cpu-ns/op") }()
 					for b.Loop() {
+						ops++
 						rd.Reset(body)
 						r.Body = io.NopCloser(rd)
 						r.ContentLength = -1
