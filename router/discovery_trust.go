@@ -173,8 +173,10 @@ type errHeartbeatRefused struct {
 
 func (e *errHeartbeatRefused) Error() string { return e.reason + ": " + e.err.Error() }
 
-// check vets a heartbeat received on m for pool.
-func (a *admission) check(pool string, m *nats.Msg, hb *events.Heartbeat, now time.Time) error {
+// check vets a heartbeat of instance received on m for pool. The URL
+// allow-list does not apply to configured instances: their URL comes from
+// the file, a heartbeat only keeps them live.
+func (a *admission) check(pool, instance string, m *nats.Msg, hb *events.Heartbeat, now time.Time) error {
 	if a.key != nil {
 		if err := events.VerifyHeartbeat(a.key, m.Subject, m.Data, m.Header); err != nil {
 			reason := "bad_signature"
@@ -187,7 +189,7 @@ func (a *admission) check(pool string, m *nats.Msg, hb *events.Heartbeat, now ti
 			return &errHeartbeatRefused{"stale", fmt.Errorf("heartbeat time %s is %v from now (max %v)", hb.Time.Format(time.RFC3339), d.Round(time.Second), MaxHeartbeatSkew)}
 		}
 	}
-	if hb.URL != "" && !a.allow[pool].allows(hb.URL) {
+	if hb.URL != "" && !a.configured[pool][instance] && !a.allow[pool].allows(hb.URL) {
 		return &errHeartbeatRefused{"url_not_allowed", fmt.Errorf("url %q is outside pools[%s].allowed_instance_urls", hb.URL, pool)}
 	}
 	return nil

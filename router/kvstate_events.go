@@ -498,7 +498,7 @@ func (a *accountingApplier) Purge(ctx context.Context, instance string) error {
 // admitHeartbeat is the pool consumer's AdmitHeartbeat: signature and
 // URL allow-list; a refusal is counted and logged (rate-limited).
 func (k *KVEvents) admitHeartbeat(pool, instance string, m *nats.Msg, hb *events.Heartbeat) error {
-	err := k.adm.Load().check(pool, m, hb, time.Now())
+	err := k.adm.Load().check(pool, instance, m, hb, time.Now())
 	var r *errHeartbeatRefused
 	if errors.As(err, &r) {
 		k.dm.refused.WithLabelValues(pool, r.reason).Inc()

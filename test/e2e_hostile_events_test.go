@@ -186,6 +186,9 @@ func TestE2EDiscoveryRefusesUntrustedHeartbeats(t *testing.T) {
 	r.heartbeat("unsigned", "http://127.0.0.1:20451", now, nil, "")
 	r.heartbeat("forged", "http://127.0.0.1:20452", now, nil, "v1="+strings.Repeat("ab", 32))
 	r.heartbeat("replayed", "http://127.0.0.1:20453", now.Add(-time.Hour), key, "")
+	// A configured instance's heartbeat keeps it live whatever URL it
+	// carries (the file's URL is the one used); it still needs the key.
+	r.heartbeat("vllm-0", "http://10.1.1.1:8000", now, key, "")
 
 	waitFor(t, 15*time.Second, "the two trusted instances in the pool", func() bool {
 		in := r.poolInstances()
@@ -215,6 +218,9 @@ func TestE2EDiscoveryRefusesUntrustedHeartbeats(t *testing.T) {
 		if _, ok := in[name]; ok || recs[name] {
 			t.Errorf("refused heartbeat of %s made it into the pool or the records", name)
 		}
+	}
+	if !recs["vllm-0"] || in["vllm-0"] != "http://127.0.0.1:1" {
+		t.Errorf("the configured instance's signed heartbeat: record %v, pool URL %q", recs["vllm-0"], in["vllm-0"])
 	}
 	joined := map[string]string{}
 	for _, rec := range r.logs.Lines("instance joined pool from heartbeat") {
