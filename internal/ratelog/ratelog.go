@@ -23,9 +23,10 @@ type Limiter struct {
 	burst int
 	now   func() time.Time
 
-	// mu guards keys.
-	mu   sync.Mutex
-	keys map[string]*window
+	// mu guards keys and swept.
+	mu    sync.Mutex
+	keys  map[string]*window
+	swept time.Time // last forgetOld: at most once per window, so a flood of new keys costs O(1) each
 }
 
 type window struct {
@@ -48,8 +49,9 @@ func (l *Limiter) Allow(key string) (ok bool, suppressed int) {
 	defer l.mu.Unlock()
 	w := l.keys[key]
 	if w == nil {
-		if len(l.keys) >= maxKeys {
+		if len(l.keys) >= maxKeys && now.Sub(l.swept) >= l.every {
 			l.forgetOld(now)
+			l.swept = now
 		}
 		if len(l.keys) >= maxKeys {
 			key = overflowKey
