@@ -274,8 +274,13 @@ func TestE2EJunkInstanceNamesBounded(t *testing.T) {
 			t.Fatalf("a name seen only on kv.events got a record: %s", name)
 		}
 	}
-	if got := r.counter("kvrouter_events_heartbeats_total", over); got < junk-maxInstances {
-		t.Fatalf("heartbeats dropped over the cap: %v, want at least %d", got, junk-maxInstances)
+	// Every heartbeat is either admitted or counted as dropped; most are
+	// dropped (a few more than junk-maxInstances are admitted when the
+	// machine is slow enough for early names to be purged, freeing room:
+	// the cap bounds names seen within purge_after).
+	okHB := r.counter("kvrouter_events_heartbeats_total", map[string]string{"pool": r.pool, "result": "ok"})
+	if got := r.counter("kvrouter_events_heartbeats_total", over); got+okHB != junk || got < junk/2 {
+		t.Fatalf("heartbeats: %v dropped over the cap and %v admitted, want %d in all, most dropped", got, okHB, junk)
 	}
 	if n := len(r.poolInstances()); n > maxInstances+1 {
 		t.Fatalf("%d pool instances, want at most %d", n, maxInstances+1)
