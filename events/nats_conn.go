@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+
+	"github.com/kvrouter/kvrouter/internal/liblog"
 )
 
 // NATSConfig is how kvbridge and kvrouter connect to NATS. Zero values mean
@@ -26,6 +28,11 @@ type NATSConfig struct {
 	ReconnectWait time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
+	// ErrorHandler receives the connection's asynchronous errors (slow
+	// consumers, permission violations); nil = logged through Logger,
+	// rate-limited (liblog), never nats.go's default of a raw line on
+	// stderr per error.
+	ErrorHandler nats.ErrHandler
 }
 
 // Connect dials NATS with reconnection forever (also when the first
@@ -45,6 +52,11 @@ func (c NATSConfig) Connect() (*nats.Conn, error) {
 	if log == nil {
 		log = slog.Default()
 	}
+	onErr := c.ErrorHandler
+	if onErr == nil {
+		libs, _ := liblog.New(nil, log, "library_log_lines_total") // unregistered: cannot fail
+		onErr = libs.NATSErrorHandler()
+	}
 	opts := []nats.Option{
 		nats.Name(c.Name),
 		nats.MaxReconnects(-1),
@@ -56,6 +68,7 @@ func (c NATSConfig) Connect() (*nats.Conn, error) {
 			}
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) { log.Info("nats reconnected", "url", nc.ConnectedUrl()) }),
+		nats.ErrorHandler(onErr),
 	}
 	if c.CredsFile != "" {
 		opts = append(opts, nats.UserCredentials(c.CredsFile))

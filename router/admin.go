@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/pprof"
 	"strings"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -22,13 +23,45 @@ func (s *Server) addAdminRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("GET /admin/pools/{pool}/compare", s.auth(s.serveCompare))
 	mux.HandleFunc("POST /admin/pools/{pool}/compare/reset", s.auth(s.serveCompareReset))
 	s.addDashboardRoutes(mux)
+	// Profiles (net/http/pprof), only with an admin token: a CPU profile
+	// or trace costs the router CPU for as long as the caller asks.
+	mux.HandleFunc("GET /debug/pprof/", s.authRequired(pprof.Index))
+	mux.HandleFunc("GET /debug/pprof/cmdline", s.authRequired(pprof.Cmdline))
+	mux.HandleFunc("GET /debug/pprof/profile", s.authRequired(pprof.Profile))
+	mux.HandleFunc("GET /debug/pprof/symbol", s.authRequired(pprof.Symbol))
+	mux.HandleFunc("POST /debug/pprof/symbol", s.authRequired(pprof.Symbol))
+	mux.HandleFunc("GET /debug/pprof/trace", s.authRequired(pprof.Trace))
+}
+
+// authRequired is auth for endpoints that are off without an admin token.
+func (s *Server) authRequired(h http.HandlerFunc) http.HandlerFunc {
+	authed := s.auth(h)
+	return func(w http.ResponseWriter, r *http.Request) {
+		if *s.adminToken.Load() == "" {
+			writeError(w, http.StatusForbidden, "profiling endpoints need an admin token (KVROUTER_ADMIN_TOKEN)")
+			return
+		}
+		authed(w, r)
+	}
+}
+
+// bearerToken returns the token of an "Authorization: Bearer <token>"
+// header. The scheme is matched case-insensitively and may be followed by
+// any run of spaces (RFC 7235 section 2.1, RFC 6750 section 2.1).
+func bearerToken(h string) (string, bool) {
+	scheme, tok, ok := strings.Cut(h, " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return "", false
+	}
+	tok = strings.TrimLeft(tok, " ")
+	return tok, tok != ""
 }
 
 // auth requires "Authorization: Bearer <admin token>" when a token is set.
 func (s *Server) auth(h http.HandlerFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		if tok := *s.adminToken.Load(); tok != "" {
-			got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+			got, ok := bearerToken(r.Header.Get("Authorization"))
 			if !ok || subtle.ConstantTimeCompare([]byte(got), []byte(tok)) != 1 {
 				w.Header().Set("WWW-Authenticate", `Bearer realm="kvrouter-admin"`)
 				writeError(w, http.StatusUnauthorized, "admin API: missing or wrong bearer token")

@@ -28,6 +28,9 @@ type KVEventsSource interface {
 	EvictionHandler() http.Handler
 	// IsDiscovered reports an instance added to the pool from heartbeats.
 	IsDiscovered(pool, instance string) bool
+	// IndexReady reports whether every pool's index has been rebuilt
+	// since start (or the ready timeout passed); else why not (/readyz).
+	IndexReady() (bool, string)
 }
 
 var _ KVEventsSource = (*KVEvents)(nil)

@@ -72,7 +72,14 @@ func TestAdminToken(t *testing.T) {
 		{"", 401},
 		{"Bearer wrong", 401},
 		{"Basic s3cret", 401},
+		{"Bearer", 401},
+		{"Bearer ", 401},
+		{"Bearers3cret", 401},
 		{"Bearer s3cret", 200},
+		// RFC 7235: the scheme is case-insensitive.
+		{"bearer s3cret", 200},
+		{"BEARER s3cret", 200},
+		{"Bearer   s3cret", 200},
 	}
 	for _, tc := range tests {
 		hdr := map[string]string{}
@@ -91,6 +98,21 @@ func TestAdminToken(t *testing.T) {
 				t.Errorf("401 without WWW-Authenticate")
 			}
 		}
+	}
+}
+
+// Without an admin token the profiling endpoints are off (403), whatever
+// the admin API does.
+func TestPprofNeedsAToken(t *testing.T) {
+	h := newHarness(t, 1, nil)
+	for _, path := range []string{"/debug/pprof/", "/debug/pprof/heap", "/debug/pprof/cmdline"} {
+		if r := h.do("GET", path, nil, nil); r.status != 403 {
+			t.Errorf("GET %s without a token configured: %d, want 403", path, r.status)
+		}
+	}
+	h = newHarness(t, 1, func(c *router.Config) { c.AdminToken = "s3cret" })
+	if r := h.do("GET", "/debug/pprof/cmdline", nil, map[string]string{"Authorization": "Bearer s3cret"}); r.status != 200 {
+		t.Errorf("pprof with the token: %d", r.status)
 	}
 }
 

@@ -41,6 +41,10 @@ type Config struct {
 	// CacheSaltSecret is the HMAC key of pools' cache salts. A secret: only
 	// from KVROUTER_CACHE_SALT_SECRET (hex, see DecodeCacheSaltSecret).
 	CacheSaltSecret []byte `yaml:"-" json:"-"`
+	// HeartbeatKey, when set, is the key bridge heartbeats must be signed
+	// with (events.SignHeartbeat) to count: a secret, only from
+	// KVROUTER_HEARTBEAT_KEY (hex, at least 16 bytes; docs/security.md).
+	HeartbeatKey []byte `yaml:"-" json:"-"`
 	// DefaultPool serves raw /invocations requests without a pool header and
 	// OpenAI requests without a "model". Empty = the first pool for the raw
 	// path; OpenAI requests without a model are then rejected.
@@ -211,6 +215,15 @@ type EventsConfig struct {
 	// (kv.instances.<pool>.<instance>, with a URL) to their pool's
 	// candidates beside the configured ones. nil = true.
 	DiscoverInstances *bool `yaml:"discover_instances,omitempty" json:"discover_instances,omitempty"`
+	// MaxInstances caps each pool's instance records (names known from
+	// heartbeats, configuration or snapshots); a new name beyond it is
+	// dropped and counted. Default 4096 (consumer.DefaultMaxInstances).
+	MaxInstances int `yaml:"max_instances" json:"max_instances,omitempty"`
+	// ReadyTimeout: /readyz waits for every pool's index to be rebuilt
+	// (snapshots loaded, stream caught up) at most this long after start;
+	// past it the router reports ready anyway and kv_aware routes
+	// heuristically until the stream is healthy. Default 30s.
+	ReadyTimeout time.Duration `yaml:"ready_timeout" json:"ready_timeout,omitempty"`
 }
 
 // NATSConfig configures the NATS connection for KV events.
@@ -295,6 +308,13 @@ type PoolConfig struct {
 	CacheSalt *CacheSaltConfig `yaml:"cache_salt,omitempty" json:"cache_salt,omitempty"`
 	// Instances is the static instance list.
 	Instances []InstanceConfig `yaml:"instances" json:"instances"`
+	// AllowedInstanceURLs bounds where heartbeat-discovered instances may
+	// serve: CIDR networks or addresses (matched against IP-literal URL
+	// hosts; names are never resolved for this) and URL patterns
+	// scheme://host[:port] with * and ? globs in host and port (no port =
+	// any). A heartbeat announcing another URL is refused, logged and
+	// counted. Empty = any http(s) URL (docs/security.md).
+	AllowedInstanceURLs []string `yaml:"allowed_instance_urls" json:"allowed_instance_urls,omitempty"`
 }
 
 // InstanceConfig is one model server.
@@ -593,8 +613,11 @@ func (c Config) Validate() error {
 		if t := e.NATS.TLS; t != nil && (t.CertFile == "") != (t.KeyFile == "") {
 			return bad("events.nats.tls: cert_file and key_file go together")
 		}
-		if e.StaleAfter < 0 || e.PurgeAfter < 0 || e.MaxLag < 0 {
-			return bad("events: stale_after, purge_after and max_lag must be >= 0")
+		if e.StaleAfter < 0 || e.PurgeAfter < 0 || e.MaxLag < 0 || e.ReadyTimeout < 0 {
+			return bad("events: stale_after, purge_after, max_lag and ready_timeout must be >= 0")
+		}
+		if e.MaxInstances < 0 || e.MaxInstances > 1<<20 {
+			return bad("events.max_instances %d out of range 0..%d", e.MaxInstances, 1<<20)
 		}
 		if e.StaleAfter > 0 && e.PurgeAfter > 0 && e.PurgeAfter < e.StaleAfter {
 			return bad("events.purge_after %v is shorter than stale_after %v", e.PurgeAfter, e.StaleAfter)
@@ -668,6 +691,9 @@ func (c Config) Validate() error {
 		}
 		if len(p.Instances) == 0 && !(KVEventsWanted(c) && discoverEnabled(c)) {
 			return bad("%s.instances: at least one instance is required (or heartbeat discovery: events with discover_instances)", f)
+		}
+		if _, err := parseAllowList(p.AllowedInstanceURLs); err != nil {
+			return bad("%s.allowed_instance_urls: %v", f, err)
 		}
 		ids := map[string]bool{}
 		for j, in := range p.Instances {

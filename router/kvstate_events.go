@@ -25,6 +25,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/internal/ratelog"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tiers"
 )
@@ -67,6 +68,9 @@ type KVEventsOptions struct {
 	// SnapshotTimeout is the consumers' snapshot request timeout
 	// (0 = the consumer's default).
 	SnapshotTimeout time.Duration
+	// NATSErrorHandler receives the NATS connection's asynchronous errors
+	// (events.NATSConfig.ErrorHandler; nil = logged, rate-limited).
+	NATSErrorHandler nats.ErrHandler
 }
 
 // KVEvents is the router's KV-state pipeline: one block index per pool,
@@ -106,6 +110,15 @@ type KVEvents struct {
 	// discovered holds "pool/instance" of the instances added from
 	// heartbeats in the configuration last applied; read by the admin API.
 	discovered atomic.Pointer[map[string]bool]
+
+	// adm decides which names and heartbeats get instance records
+	// (configured ids, allow-lists, heartbeat key); swapped on reload.
+	adm        atomic.Pointer[admission]
+	dm         *discoveryMetrics
+	refusedLog *ratelog.Limiter
+	started    time.Time
+	// readyTimedOut: IndexReady gave up waiting (logged once).
+	readyTimedOut atomic.Bool
 }
 
 // kvPool is one pool's index and consumer; immutable once built.
@@ -151,7 +164,20 @@ func StartKVEvents(ctx context.Context, cfg Config, opts KVEventsOptions) (*KVEv
 	if err != nil {
 		return nil, err
 	}
-	k := &KVEvents{cfg: cfg, opts: opts, log: opts.Logger, acct: acct, pools: map[string]*kvPool{}, base: cfg}
+	k := &KVEvents{cfg: cfg, opts: opts, log: opts.Logger, acct: acct, pools: map[string]*kvPool{}, base: cfg,
+		refusedLog: newRefusedLog(), started: time.Now()}
+	k.adm.Store(newAdmission(cfg))
+	if k.dm, err = newDiscoveryMetrics(opts.Registerer); err != nil {
+		return nil, fmt.Errorf("router: register discovery metrics: %w", err)
+	}
+	if discoverEnabled(cfg) && cfg.HeartbeatKey == nil {
+		for _, p := range cfg.Pools {
+			if len(p.AllowedInstanceURLs) == 0 {
+				k.log.Warn("heartbeat discovery admits any URL announced on NATS for this pool: set "+HeartbeatKeyEnv+
+					" (signed heartbeats) or pools[].allowed_instance_urls unless NATS authenticates publishers (docs/security.md)", "pool", p.Name)
+			}
+		}
+	}
 	if opts.Registerer != nil {
 		if err := opts.Registerer.Register(newKVEventsCollector(k)); err != nil {
 			return nil, fmt.Errorf("router: register kv events metrics: %w", err)
@@ -203,7 +229,7 @@ func StartKVEvents(ctx context.Context, cfg Config, opts KVEventsOptions) (*KVEv
 			"nats_url", k.natsURL, "store_dir", k.embedded.StoreDir())
 	}
 	if k.conn == nil {
-		nc := events.NATSConfig{URL: k.natsURL, CredsFile: ec.NATS.CredsFile, Name: "kvrouter", Logger: k.log}
+		nc := events.NATSConfig{URL: k.natsURL, CredsFile: ec.NATS.CredsFile, Name: "kvrouter", Logger: k.log, ErrorHandler: opts.NATSErrorHandler}
 		if t := ec.NATS.TLS; t != nil {
 			nc.TLSCA, nc.TLSCert, nc.TLSKey = t.CAFile, t.CertFile, t.KeyFile
 		}
@@ -320,6 +346,13 @@ func (k *KVEvents) pool(pc PoolConfig) (*kvPool, error) {
 		Bucket:      bucket,
 		SharedIndex: ic.Backend == "redis",
 		StaleAfter:  ec.StaleAfter, PurgeAfter: ec.PurgeAfter, MaxLag: ec.MaxLag,
+		MaxInstances: ec.MaxInstances,
+		// Names seen only in events need to be configured; others need an
+		// admitted heartbeat first (junk subjects create nothing).
+		Admit: func(instance string) bool { return k.adm.Load().configured[pc.Name][instance] },
+		AdmitHeartbeat: func(instance string, m *nats.Msg, hb *events.Heartbeat) error {
+			return k.admitHeartbeat(pc.Name, instance, m, hb)
+		},
 		SnapshotTimeout: k.opts.SnapshotTimeout,
 		Registerer:      k.opts.Registerer,
 		Logger:          k.log.With("pool", pc.Name),
@@ -342,6 +375,43 @@ func (k *KVEvents) pool(pc PoolConfig) (*kvPool, error) {
 // StopStreams ends every open eviction stream (with a final "close"
 // event); register it with http.Server.RegisterOnShutdown.
 func (k *KVEvents) StopStreams() { k.stopStreams() }
+
+// DefaultReadyTimeout is events.ready_timeout when unset: long enough to
+// load a few thousand bucket snapshots and replay the stream's recent
+// history, short enough that a router whose index cannot be rebuilt (a
+// bucket unreachable) still joins its load balancer and routes
+// heuristically rather than never serving.
+const DefaultReadyTimeout = 30 * time.Second
+
+// IndexReady implements KVEventsSource: true once every pool's consumer
+// has rebuilt its index (consumer.Ready), or events.ready_timeout after
+// start; otherwise false and the pools still rebuilding.
+func (k *KVEvents) IndexReady() (bool, string) {
+	k.mu.Lock()
+	var waiting []string
+	for name, p := range k.pools {
+		if !p.cons.Ready() {
+			waiting = append(waiting, name)
+		}
+	}
+	k.mu.Unlock()
+	if len(waiting) == 0 {
+		return true, ""
+	}
+	timeout := DefaultReadyTimeout
+	if k.cfg.Events != nil && k.cfg.Events.ReadyTimeout > 0 {
+		timeout = k.cfg.Events.ReadyTimeout
+	}
+	slices.Sort(waiting)
+	if time.Since(k.started) > timeout {
+		if k.readyTimedOut.CompareAndSwap(false, true) {
+			k.log.Warn("KV index not rebuilt within events.ready_timeout; reporting ready, kv_aware routes heuristically until the stream is healthy",
+				"pools", waiting, "ready_timeout", timeout)
+		}
+		return true, ""
+	}
+	return false, "KV index of pool(s) " + strings.Join(waiting, ", ") + " still being rebuilt from snapshots and the event stream"
+}
 
 // WaitReady waits until every pool's consumer is healthy (subscribed and
 // caught up), or ctx ends.
@@ -521,6 +591,18 @@ func (a *sharedAccountingApplier) Epoch(ctx context.Context) (string, bool, erro
 // WriterLease implements consumer.SharedApplier.
 func (a *sharedAccountingApplier) WriterLease() time.Duration { return a.shared.WriterLease() }
 
+// admitHeartbeat is the pool consumer's AdmitHeartbeat: signature and
+// URL allow-list; a refusal is counted and logged (rate-limited).
+func (k *KVEvents) admitHeartbeat(pool, instance string, m *nats.Msg, hb *events.Heartbeat) error {
+	err := k.adm.Load().check(pool, instance, m, hb, time.Now())
+	var r *errHeartbeatRefused
+	if errors.As(err, &r) {
+		k.dm.refused.WithLabelValues(pool, r.reason).Inc()
+		logRefused(k.log, k.refusedLog, pool, instance, hb, r)
+	}
+	return err
+}
+
 // discoverEnabled: events.discover_instances, default true.
 func discoverEnabled(cfg Config) bool {
 	return cfg.Events == nil || cfg.Events.DiscoverInstances == nil || *cfg.Events.DiscoverInstances
@@ -534,11 +616,15 @@ func (k *KVEvents) Discovered(pool PoolConfig) []InstanceConfig {
 	if !ok {
 		return nil
 	}
+	allow := k.adm.Load().allow[pool.Name]
 	var out []InstanceConfig
 	for _, st := range c.Instances() {
 		hb := st.Heartbeat
 		if st.State == consumer.StatePurged || hb == nil || hb.URL == "" || !validName(st.Instance) {
 			continue
+		}
+		if !allow.allows(hb.URL) {
+			continue // admitted before a reload narrowed the list
 		}
 		if hb.Model != "" && hb.Model != pool.Model {
 			continue
@@ -600,16 +686,52 @@ func (k *KVEvents) Reload(srv *Server, cfg Config) error {
 	if !reflect.DeepEqual(cfg.WithDefaults().Events, k.cfg.Events) || !reflect.DeepEqual(cfg.Index, k.cfg.Index) {
 		k.log.Warn("reload: index: and events: changes apply on restart; the running consumers and indexes are kept")
 	}
+	prevAdm := k.adm.Swap(newAdmission(cfg))
 	merged, fp, added := k.withDiscovered(cfg)
 	// Published before the pools, so that no admin view sees a discovered
 	// instance in a pool without knowing it is one.
 	prev := k.discovered.Swap(&added)
 	if err := srv.Reload(merged); err != nil {
 		k.discovered.Store(prev)
+		k.adm.Store(prevAdm)
 		return err
 	}
 	k.base, k.applied = cfg, fp
+	k.reportDiscovery(srv, prev, added, merged)
 	return nil
+}
+
+// reportDiscovery logs and counts the instances that joined or left pools
+// between two applied discovered sets, and drops the per-instance series
+// of those that left (a name that comes and goes leaves nothing behind).
+func (k *KVEvents) reportDiscovery(srv *Server, prev *map[string]bool, now map[string]bool, merged Config) {
+	var old map[string]bool
+	if prev != nil {
+		old = *prev
+	}
+	urls := map[string]string{}
+	for _, pc := range merged.Pools {
+		for _, in := range pc.Instances {
+			urls[pc.Name+"/"+in.ID] = in.URL
+		}
+	}
+	for key := range now {
+		if !old[key] {
+			pool, id, _ := strings.Cut(key, "/")
+			k.dm.joins.WithLabelValues(pool).Inc()
+			k.log.Info("instance joined pool from heartbeat", "pool", pool, "instance", id, "url", urls[key])
+		}
+	}
+	for key := range old {
+		if !now[key] {
+			pool, id, _ := strings.Cut(key, "/")
+			k.dm.leaves.WithLabelValues(pool).Inc()
+			k.log.Info("heartbeat-discovered instance left pool", "pool", pool, "instance", id)
+			if _, still := urls[key]; !still {
+				srv.forgetInstanceSeries(pool, id)
+			}
+		}
+	}
 }
 
 // RunDiscovery adds instances announced by heartbeats to srv's pools and
@@ -651,6 +773,6 @@ func (k *KVEvents) syncDiscovered(srv *Server) {
 		k.log.Error("discovered instances not applied", "err", err)
 		return
 	}
-	k.log.Info("pool instances changed by heartbeats", "discovered", fp)
 	k.applied = fp
+	k.reportDiscovery(srv, prev, added, merged)
 }

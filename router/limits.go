@@ -37,6 +37,14 @@ type LimitsConfig struct {
 	BodyReadTimeout time.Duration `yaml:"body_read_timeout" json:"body_read_timeout,omitempty"`
 	// IdleTimeout closes keep-alive connections idle this long. Default 2m.
 	IdleTimeout time.Duration `yaml:"idle_timeout" json:"idle_timeout,omitempty"`
+	// MaxBodyMemoryBytes bounds the memory all request bodies in progress
+	// hold together (router/body.go): past it a request is answered 503
+	// with Retry-After rather than read. Default 128 MiB, or 4 x
+	// max_body_bytes when that is larger; at least 3 x max_body_bytes (a
+	// body of the limit read without a Content-Length briefly needs twice
+	// its size, within the three quarters of the budget large bodies may
+	// use).
+	MaxBodyMemoryBytes int64 `yaml:"max_body_memory_bytes" json:"max_body_memory_bytes,omitempty"`
 }
 
 // Limit defaults (docs/security.md).
@@ -220,6 +228,9 @@ func limitTokenize(l LimitsConfig, req *Request) {
 func (c Config) validateSecurity() error {
 	if err := c.Limits.Validate(); err != nil {
 		return err
+	}
+	if m := c.Limits.MaxBodyMemoryBytes; m != 0 && (m < 3*c.MaxBodyBytes || m > 1<<40) {
+		return fmt.Errorf("%w: limits.max_body_memory_bytes %d out of range %d (3 x max_body_bytes)..%d", ErrInvalidConfig, m, 3*c.MaxBodyBytes, int64(1)<<40)
 	}
 	if err := c.TLS.validate("tls"); err != nil {
 		return err

@@ -243,6 +243,8 @@ func TestSecurityConfigFromYAML(t *testing.T) {
 		want       string // "" = valid
 	}{
 		{"limits section", "limits: {max_messages: 10, max_header_bytes: 4096, body_read_timeout: 5s}\n" + base, nil, ""},
+		{"body memory of 3 x max_body_bytes", "max_body_bytes: 1048576\nlimits: {max_body_memory_bytes: 3145728}\n" + base, nil, ""},
+		{"body memory below 3 x max_body_bytes", "max_body_bytes: 1048576\nlimits: {max_body_memory_bytes: 3145727}\n" + base, nil, "limits.max_body_memory_bytes 3145727 out of range 3145728"},
 		{"tls needs both files", "tls: {cert_file: /x.crt}\n" + base, nil, "tls: cert_file and key_file are both required"},
 		{"tls min version", "tls: {cert_file: /x.crt, key_file: /x.key, min_version: '1.0'}\n" + base, nil, "tls.min_version"},
 		{"cache_salt needs the secret", base + "    cache_salt: {enabled: true}\n", nil, "pools[0].cache_salt.enabled needs the secret in KVROUTER_CACHE_SALT_SECRET"},

@@ -57,6 +57,19 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 	return m, nil
 }
 
+// forgetInstanceSeries deletes the per-instance series of an instance that
+// left its pool, so that instance names that come and go (heartbeat
+// discovery) do not accumulate series.
+func (s *Server) forgetInstanceSeries(pool, instance string) {
+	l := prometheus.Labels{"pool": pool, "instance": instance}
+	s.m.requests.DeletePartialMatch(l)
+	s.m.retries.DeletePartialMatch(l)
+	s.m.ttfb.DeletePartialMatch(l)
+	s.m.probes.DeletePartialMatch(l)
+	s.m.streamErr.DeletePartialMatch(l)
+	s.kvm.scrapes.DeletePartialMatch(l)
+}
+
 // liveCollector reports gauges read from the live instance state at scrape
 // time, so they follow reloads without stale series.
 type liveCollector struct{ s *Server }
@@ -65,18 +78,29 @@ var (
 	inflightDesc = prometheus.NewDesc("kvrouter_instance_in_flight", "Requests in flight per instance (router-local).", []string{"pool", "instance"}, nil)
 	healthyDesc  = prometheus.NewDesc("kvrouter_instance_healthy", "1 when the instance is admitted by health checks.", []string{"pool", "instance"}, nil)
 	strategyDesc = prometheus.NewDesc("kvrouter_pool_strategy", "The pool's current strategy (value 1).", []string{"pool", "strategy"}, nil)
+	bodyUsedDesc = prometheus.NewDesc("kvrouter_body_memory_bytes", "Bytes of the request-body memory budget held by requests in progress.", nil, nil)
+	bodyMaxDesc  = prometheus.NewDesc("kvrouter_body_memory_limit_bytes", "The request-body memory budget (limits.max_body_memory_bytes).", nil, nil)
+	bodyRejDesc  = prometheus.NewDesc("kvrouter_body_budget_rejected_total", "Requests answered 503 because the request-body memory budget was exhausted.", nil, nil)
 )
 
 func (c *liveCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- inflightDesc
 	ch <- healthyDesc
 	ch <- strategyDesc
+	ch <- bodyUsedDesc
+	ch <- bodyMaxDesc
+	ch <- bodyRejDesc
 }
 
 func (c *liveCollector) Collect(ch chan<- prometheus.Metric) {
 	st := c.s.state.Load()
 	if st == nil {
 		return
+	}
+	if b := c.s.body; b != nil {
+		ch <- prometheus.MustNewConstMetric(bodyUsedDesc, prometheus.GaugeValue, float64(b.used.Load()))
+		ch <- prometheus.MustNewConstMetric(bodyMaxDesc, prometheus.GaugeValue, float64(b.limit.Load()))
+		ch <- prometheus.MustNewConstMetric(bodyRejDesc, prometheus.CounterValue, float64(b.rejected.Load()))
 	}
 	for _, p := range st.pools {
 		_, strat := p.Routing()

@@ -67,51 +67,26 @@ type errRetryStatus int
 
 func (e errRetryStatus) Error() string { return fmt.Sprintf("upstream answered %d", int(e)) }
 
-// maxBodyPrealloc bounds the buffer readBody allocates from a request's
-// declared Content-Length before any of the body has arrived.
-const maxBodyPrealloc = 1 << 20
-
-// readBody reads the whole body (it is needed to route, and kept to retry);
-// on failure it has answered and returns the status.
-func (s *Server) readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, int) {
-	if r.ContentLength > limit {
-		writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body of %d bytes exceeds the limit of %d bytes", r.ContentLength, limit))
-		return nil, http.StatusRequestEntityTooLarge
-	}
-	var buf bytes.Buffer
-	if r.ContentLength > 0 {
-		// Trust the declared length only so far: a client declaring
-		// max_body_bytes and sending a byte would otherwise pin that much
-		// memory per connection until body_read_timeout. Larger bodies grow
-		// as they arrive.
-		buf.Grow(int(min(r.ContentLength, maxBodyPrealloc)))
-	}
-	_, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, limit))
-	if err != nil {
-		var mbe *http.MaxBytesError
-		if errors.As(err, &mbe) {
-			writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds the limit of %d bytes", limit))
-			return nil, http.StatusRequestEntityTooLarge
-		}
-		if errors.Is(err, errBodyTimeout) {
-			writeError(w, http.StatusRequestTimeout, err.Error())
-			return nil, http.StatusRequestTimeout
-		}
-		writeError(w, http.StatusBadRequest, "reading request body: "+err.Error())
-		return nil, http.StatusBadRequest
-	}
-	return buf.Bytes(), 0
-}
-
 // readRequest reads the body of a request on either path and notes when it
-// became ready to route; ok is false after the error was answered and counted.
-func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, st *state) (body []byte, ready time.Time, ok bool) {
-	body, status := s.readBody(w, r, st.cfg.MaxBodyBytes)
+// became ready to route; ok is false after the error was answered and
+// counted. The caller releases held bytes of the body budget once the
+// request is answered.
+func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, st *state) (body []byte, held int64, ready time.Time, ok bool) {
+	if msg := checkContentType(r.Header.Get("Content-Type")); msg != "" {
+		s.reject(w, "", http.StatusUnsupportedMediaType, msg)
+		return nil, 0, time.Time{}, false
+	}
+	body, held, status := s.readBody(w, r, st.cfg.MaxBodyBytes)
 	if status != 0 {
 		s.countRejected("", status)
-		return nil, time.Time{}, false
+		return nil, 0, time.Time{}, false
 	}
-	return body, time.Now(), true
+	if msg := checkUTF8(body); msg != "" {
+		s.body.release(held)
+		s.reject(w, "", http.StatusBadRequest, msg)
+		return nil, 0, time.Time{}, false
+	}
+	return body, held, time.Now(), true
 }
 
 // reject answers a request the router refuses before routing it, in the
@@ -151,10 +126,11 @@ func HTTPInbound(ep Endpoint, r *http.Request) Inbound {
 
 func (s *Server) serve(w http.ResponseWriter, r *http.Request, in Inbound) {
 	st := s.state.Load()
-	body, ready, ok := s.readRequest(w, r, st)
+	body, held, ready, ok := s.readRequest(w, r, st)
 	if !ok {
 		return
 	}
+	defer s.body.release(held)
 	in.Body = body
 	req, pool, err := st.resolve(in)
 	if err != nil {

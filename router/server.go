@@ -56,6 +56,8 @@ type Server struct {
 	adminToken atomic.Pointer[string]
 	// adminOnData: admin routes are served on the data listener too.
 	adminOnData bool
+	// body bounds the memory held by request bodies (limits.max_body_memory_bytes).
+	body *bodyBudget
 
 	state atomic.Pointer[state]
 
@@ -85,7 +87,7 @@ func NewServer(cfg Config, opts Options) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	s := &Server{log: opts.Logger, reg: opts.Registry, started: time.Now(), adminOnData: cfg.AdminListen == ""}
+	s := &Server{log: opts.Logger, reg: opts.Registry, started: time.Now(), adminOnData: cfg.AdminListen == "", body: newBodyBudget(bodyMemory(cfg))}
 	if s.log == nil {
 		s.log = slog.Default()
 	}
@@ -201,6 +203,7 @@ func (s *Server) Reload(cfg Config) error {
 	}
 	tok := cfg.AdminToken
 	s.adminToken.Store(&tok)
+	s.body.limit.Store(bodyMemory(cfg))
 	s.state.Store(st)
 	if s.runCtx != nil {
 		s.stopLoopsLocked()
@@ -288,9 +291,18 @@ func (s *Server) serveHealthz(w http.ResponseWriter, _ *http.Request) {
 	_, _ = io.WriteString(w, "ok\n")
 }
 
-// serveReadyz is ready when at least one pool has a healthy instance: a
-// router that can serve some model should stay in its load balancer.
+// serveReadyz is ready when the KV index has been rebuilt (snapshots and
+// stream history applied, or events.ready_timeout passed: before that
+// kv_aware would route on an empty index) and at least one pool has a
+// healthy instance: a router that can serve some model should stay in its
+// load balancer.
 func (s *Server) serveReadyz(w http.ResponseWriter, _ *http.Request) {
+	if s.kvEvents != nil {
+		if ok, why := s.kvEvents.IndexReady(); !ok {
+			writeError(w, http.StatusServiceUnavailable, why)
+			return
+		}
+	}
 	st := s.state.Load()
 	for _, p := range st.pools {
 		for _, in := range p.instances {

@@ -179,6 +179,7 @@ type rigOpts struct {
 	snapInterval time.Duration
 	buffer       int // bridge outage buffer (0: default)
 	inlineMax    int // bridge InlineSnapshotMax (0: default)
+	heartbeatKey []byte
 }
 
 func newRig(t testing.TB, o rigOpts) *rig {
@@ -240,6 +241,7 @@ func (r *rig) startBridge(o rigOpts) {
 		Buffer:            o.buffer,
 		InlineSnapshotMax: o.inlineMax,
 		HeartbeatInterval: 100 * time.Millisecond,
+		HeartbeatKey:      o.heartbeatKey,
 		SnapshotInterval:  snapEvery,
 		ReplayTimeout:     2 * time.Second,
 		PublishTimeout:    time.Second,

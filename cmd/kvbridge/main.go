@@ -28,6 +28,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/internal/liblog"
 	"github.com/kvrouter/kvrouter/internal/version"
 )
 
@@ -70,6 +71,10 @@ type options struct {
 
 	listen, logLevel string
 }
+
+// HeartbeatKeyEnv holds the hex key heartbeats are signed with (the
+// router's KVROUTER_HEARTBEAT_KEY); unset = unsigned heartbeats.
+const HeartbeatKeyEnv = "KVBRIDGE_HEARTBEAT_KEY"
 
 func envOr(getenv func(string) string, def string, keys ...string) string {
 	for _, k := range keys {
@@ -199,15 +204,24 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	if err != nil {
 		return err
 	}
+	// A secret, so only from the environment (never a flag, which ps shows).
+	hbKey, err := events.DecodeHeartbeatKey(getenv(HeartbeatKeyEnv))
+	if err != nil {
+		return fmt.Errorf("%s: %w", HeartbeatKeyEnv, err)
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	libs, err := liblog.New(reg, log, "kvbridge_library_log_lines_total")
+	if err != nil {
+		return err
+	}
 	nc, err := events.NATSConfig{URL: o.natsURL, CredsFile: o.natsCreds, TLSCA: o.tlsCA, TLSCert: o.tlsCert, TLSKey: o.tlsKey,
-		Name: "kvbridge " + o.pool + "/" + o.instance, Logger: log}.Connect()
+		Name: "kvbridge " + o.pool + "/" + o.instance, Logger: log, ErrorHandler: libs.NATSErrorHandler()}.Connect()
 	if err != nil {
 		return err
 	}
 	defer nc.Close()
 
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	var adapters []string
 	for _, a := range strings.Split(o.adapters, ",") {
 		if a = strings.TrimSpace(a); a != "" {
@@ -221,6 +235,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		MaxBlocks:         o.maxBlocks,
 		Buffer:            o.buffer,
 		HeartbeatInterval: o.heartbeat,
+		HeartbeatKey:      hbKey,
 		SnapshotInterval:  o.snapshotEvery,
 		ReplayTimeout:     o.replayTimeout,
 		Registerer:        reg,

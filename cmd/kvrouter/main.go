@@ -11,7 +11,9 @@
 //
 // Secrets come from the environment: KVROUTER_ADMIN_TOKEN (bearer token of
 // the admin API), KVROUTER_REDIS_PASSWORD, KVROUTER_CACHE_SALT_SECRET (hex
-// HMAC key of pools' cache_salt, docs/security.md). SIGHUP reloads the config file
+// HMAC key of pools' cache_salt, docs/security.md), KVROUTER_HEARTBEAT_KEY
+// (hex key bridge heartbeats must be signed with, KVBRIDGE_HEARTBEAT_KEY on
+// the bridges). SIGHUP reloads the config file
 // (the KV event consumers and indexes are kept); SIGINT/SIGTERM drain and
 // stop.
 //
@@ -37,8 +39,12 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/redis/go-redis/v9"
 
+	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/grpcapi"
+	"github.com/kvrouter/kvrouter/internal/liblog"
 	"github.com/kvrouter/kvrouter/internal/version"
 	"github.com/kvrouter/kvrouter/router"
 )
@@ -180,6 +186,9 @@ func loadConfig(f flags, getenv func(string) string) (router.Config, error) {
 	if cfg.CacheSaltSecret, err = router.DecodeCacheSaltSecret(getenv(router.CacheSaltSecretEnv)); err != nil {
 		return cfg, err
 	}
+	if cfg.HeartbeatKey, err = events.DecodeHeartbeatKey(getenv(router.HeartbeatKeyEnv)); err != nil {
+		return cfg, fmt.Errorf("%s: %w", router.HeartbeatKeyEnv, err)
+	}
 	if cfg.Index != nil && cfg.Index.Redis != nil {
 		cfg.Index.Redis.Password = getenv("KVROUTER_REDIS_PASSWORD")
 	}
@@ -215,6 +224,17 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	}
 	log := newLogger(cfg.Log, stderr)
 	reg := prometheus.NewRegistry()
+	// The standard Go runtime and process series (go_goroutines,
+	// process_resident_memory_bytes, ...), as kvbridge exports them.
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	// go-redis and nats.go write their own lines to stderr by default:
+	// route them into the structured log, rate-limited and counted. The
+	// go-redis logger is process-global, set here by the binary.
+	libs, err := liblog.New(reg, log, "kvrouter_library_log_lines_total")
+	if err != nil {
+		return err
+	}
+	redis.SetLogger(libs.Redis())
 	opts := router.Options{Logger: log, Registry: reg}
 	// kvCtx owns the KV event pipeline (consumers, embedded NATS); it
 	// outlives the signal context so that in-flight requests drain with
@@ -223,7 +243,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	defer cancelKV()
 	var kve *router.KVEvents
 	if router.KVEventsWanted(cfg) {
-		if kve, err = router.StartKVEvents(kvCtx, cfg, router.KVEventsOptions{Registerer: reg, Logger: log}); err != nil {
+		if kve, err = router.StartKVEvents(kvCtx, cfg, router.KVEventsOptions{Registerer: reg, Logger: log, NATSErrorHandler: libs.NATSErrorHandler()}); err != nil {
 			return err
 		}
 		defer kve.Close()

@@ -677,3 +677,59 @@ func TestHelp(t *testing.T) {
 		}
 	}
 }
+
+// TestRunTelemetry: the admin listener's /metrics has the Go runtime and
+// process series, and the pprof endpoints answer only with the admin
+// token (the scheme in any case, RFC 7235).
+func TestRunTelemetry(t *testing.T) {
+	doc := `
+listen: "127.0.0.1:0"
+admin_listen: "127.0.0.1:0"
+pools:
+  - name: p
+    model: m
+    health: {disable: true}
+    discovery: {disable: true}
+    instances: [{id: vllm-0, url: "http://127.0.0.1:1"}]
+`
+	logs, _, _ := startRun(t, doc, map[string]string{"KVROUTER_ADMIN_TOKEN": "tok"})
+	var admin string
+	waitFor(t, "the router to listen", func() bool {
+		admin = logs.field("kvrouter listening", "admin_listen")
+		return admin != ""
+	})
+	get := func(path, auth string) (int, string) {
+		req, _ := http.NewRequest(http.MethodGet, "http://"+admin+path, nil)
+		if auth != "" {
+			req.Header.Set("Authorization", auth)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	_, metrics := get("/metrics", "")
+	for _, series := range []string{"go_goroutines ", "go_memstats_heap_inuse_bytes ", "process_resident_memory_bytes ", "process_open_fds "} {
+		if !strings.Contains(metrics, "\n"+series) {
+			t.Errorf("/metrics lacks %s", series)
+		}
+	}
+	if code, _ := get("/debug/pprof/", ""); code != http.StatusUnauthorized {
+		t.Errorf("pprof without the token: %d, want 401", code)
+	}
+	if code, _ := get("/debug/pprof/goroutine?debug=1", "Bearer wrong"); code != http.StatusUnauthorized {
+		t.Errorf("pprof with a wrong token: %d, want 401", code)
+	}
+	for _, auth := range []string{"Bearer tok", "bearer tok", "BEARER  tok"} {
+		code, body := get("/debug/pprof/goroutine?debug=1", auth)
+		if code != http.StatusOK || !strings.Contains(body, "goroutine profile:") {
+			t.Errorf("pprof with %q: %d %.80s", auth, code, body)
+		}
+	}
+	if code, body := get("/debug/pprof/heap?debug=1", "Bearer tok"); code != http.StatusOK || !strings.Contains(body, "heap profile:") {
+		t.Errorf("heap profile: %d %.80s", code, body)
+	}
+}

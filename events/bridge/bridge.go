@@ -73,6 +73,10 @@ type Config struct {
 	Buffer int
 	// HeartbeatInterval defaults to 5s.
 	HeartbeatInterval time.Duration
+	// HeartbeatKey, when set, signs every heartbeat (events.SignHeartbeat)
+	// for routers that verify them (KVROUTER_HEARTBEAT_KEY); at least
+	// events.MinHeartbeatKeyBytes.
+	HeartbeatKey []byte
 	// SnapshotInterval is how often the snapshot bucket is refreshed
 	// (default 30s); keep it well below the stream's MaxAge.
 	SnapshotInterval time.Duration
@@ -143,6 +147,9 @@ func New(cfg Config) (*Bridge, error) {
 		cfg.ReplayTimeout < 0 || cfg.PublishTimeout < 0 || cfg.MaxBlocksPerMessage < 0 || cfg.BlockSize < 0 ||
 		cfg.InlineSnapshotMax < 0 {
 		return nil, errors.New("bridge: negative size or interval in config")
+	}
+	if cfg.HeartbeatKey != nil && len(cfg.HeartbeatKey) < events.MinHeartbeatKeyBytes {
+		return nil, fmt.Errorf("bridge: heartbeat key of %d bytes, want at least %d", len(cfg.HeartbeatKey), events.MinHeartbeatKeyBytes)
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()

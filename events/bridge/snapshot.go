@@ -325,7 +325,11 @@ func (in *instance) heartbeat() {
 	if err != nil {
 		return
 	}
-	_ = in.b.cfg.Conn.Publish(in.hbSubj, data)
+	msg := &nats.Msg{Subject: in.hbSubj, Data: data}
+	if key := in.b.cfg.HeartbeatKey; key != nil {
+		msg.Header = nats.Header{events.HeaderSignature: []string{events.SignHeartbeat(key, in.hbSubj, data)}}
+	}
+	_ = in.b.cfg.Conn.PublishMsg(msg)
 }
 
 // duplicate reports whether a live message repeats one a replay already

@@ -22,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/ratelog"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
@@ -63,6 +64,9 @@ func (s State) String() string {
 // MarshalText renders the state's name in JSON.
 func (s State) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
 
+// DefaultMaxInstances is Config.MaxInstances when unset.
+const DefaultMaxInstances = 4096
+
 // Config configures a Consumer. Zero values mean the documented defaults.
 type Config struct {
 	// Conn is the NATS connection; required.
@@ -103,6 +107,24 @@ type Config struct {
 	// healthy (default 5s): while it catches up after a start or an outage
 	// the index is behind and exact routing should not trust it.
 	MaxLag time.Duration
+	// Admit says whether an instance not yet known may get a record from
+	// its events alone (the router: the pool's configured instances).
+	// Otherwise a name needs an admitted heartbeat, or a snapshot in the
+	// bucket, first: a message on a junk subject then creates nothing
+	// (counted as messages{result="unknown_instance"}). nil admits any
+	// name (tools and tests that publish events without bridges).
+	Admit func(instance string) bool
+	// AdmitHeartbeat vets a heartbeat (signature, URL allow-list) before
+	// it creates or refreshes a record; an error refuses it, counted as
+	// heartbeats{result="refused"} (the caller logs and counts why). nil
+	// admits every well-formed heartbeat.
+	AdmitHeartbeat func(instance string, m *nats.Msg, hb *events.Heartbeat) error
+	// MaxInstances caps the instance records (default 4096, far above a
+	// pool's engines times data-parallel ranks): a new name beyond it is
+	// dropped and counted (result over_cap) unless Admit names it.
+	// Purged instances are forgotten, so the cap is of names seen within
+	// PurgeAfter.
+	MaxInstances int
 	// Registerer receives the consumer's metrics (nil: not registered).
 	Registerer prometheus.Registerer
 	// Logger defaults to slog.Default().
@@ -141,6 +163,8 @@ type Consumer struct {
 	obs    jetstream.ObjectStore
 	m      *metrics
 	seed   maphash.Seed
+	// logLimit bounds the lines logged for names refused a record.
+	logLimit *ratelog.Limiter
 
 	shards []chan work
 
@@ -150,6 +174,10 @@ type Consumer struct {
 	unsynced atomic.Int64 // shared: instances with status.IndexUnsynced
 
 	running atomic.Bool
+	// caughtUp: a message was dispatched with nothing pending after it.
+	caughtUp atomic.Bool
+	// ready: the index was rebuilt once (Ready).
+	ready   atomic.Bool
 	lastErr atomic.Int64 // unix nanos of the last consume error
 	lag     atomic.Int64 // nanoseconds behind the stream at the last message delivered
 
@@ -186,6 +214,9 @@ const (
 	workEvent workKind = iota
 	workLoad
 	workPurge
+	// workBarrier marks a point in a shard's queue: done is called once
+	// everything queued before it has been applied.
+	workBarrier
 )
 
 type work struct {
@@ -195,6 +226,7 @@ type work struct {
 	header    nats.Header
 	data      []byte
 	stored    time.Time
+	done      func() // workBarrier
 }
 
 // New validates cfg.
@@ -226,7 +258,10 @@ func New(cfg Config) (*Consumer, error) {
 	if cfg.MaxLag == 0 {
 		cfg.MaxLag = 5 * time.Second
 	}
-	if cfg.MaxLag < 0 || cfg.Shards < 0 || cfg.SnapshotTimeout < 0 || cfg.StaleAfter < 0 || cfg.PurgeAfter < 0 || cfg.CheckInterval < 0 {
+	if cfg.MaxInstances == 0 {
+		cfg.MaxInstances = DefaultMaxInstances
+	}
+	if cfg.MaxInstances < 0 || cfg.MaxLag < 0 || cfg.Shards < 0 || cfg.SnapshotTimeout < 0 || cfg.StaleAfter < 0 || cfg.PurgeAfter < 0 || cfg.CheckInterval < 0 {
 		return nil, errors.New("consumer: negative shards or interval in config")
 	}
 	if cfg.PurgeAfter < cfg.StaleAfter {
@@ -243,7 +278,7 @@ func New(cfg Config) (*Consumer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("consumer: jetstream: %w", err)
 	}
-	c := &Consumer{cfg: cfg, js: js, m: m, seed: maphash.MakeSeed(), insts: map[string]*inst{}}
+	c := &Consumer{cfg: cfg, js: js, m: m, seed: maphash.MakeSeed(), insts: map[string]*inst{}, logLimit: ratelog.New(10*time.Second, 5)}
 	if sa, ok := cfg.Applier.(SharedApplier); ok && cfg.SharedIndex {
 		c.shared = &sharedState{idx: sa}
 	}
@@ -271,6 +306,56 @@ func (c *Consumer) Healthy() bool {
 	}
 	last := c.lastErr.Load()
 	return last == 0 || time.Since(time.Unix(0, last)) > 10*time.Second
+}
+
+// Ready reports whether the index has been rebuilt since Run started:
+// the snapshots known at start loaded, the stream's history as of then
+// applied, and the consumer healthy. It stays true once set (a later
+// outage is what Healthy reports).
+func (c *Consumer) Ready() bool { return c.ready.Load() }
+
+// awaitRebuilt sets ready once the consumer is healthy, has been
+// delivered everything the stream held for the pool, and every shard has
+// applied what was queued before (snapshot loads included).
+func (c *Consumer) awaitRebuilt(ctx context.Context, cons jetstream.Consumer) {
+	t0 := time.Now()
+	for !c.delivered(ctx, cons) {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	passed := make(chan struct{}, len(c.shards))
+	for _, ch := range c.shards {
+		select {
+		case ch <- work{kind: workBarrier, done: func() { passed <- struct{}{} }}:
+		case <-ctx.Done():
+			return
+		}
+	}
+	for range c.shards {
+		select {
+		case <-passed:
+		case <-ctx.Done():
+			return
+		}
+	}
+	c.ready.Store(true)
+	c.cfg.Logger.Info("consumer: index rebuilt", "took", time.Since(t0).Round(time.Millisecond))
+}
+
+// delivered: healthy, and nothing of the pool's stream left to dispatch
+// (the last message dispatched had none pending, or there was none).
+func (c *Consumer) delivered(ctx context.Context, cons jetstream.Consumer) bool {
+	if !c.Healthy() {
+		return false
+	}
+	if c.caughtUp.Load() {
+		return true
+	}
+	info, err := cons.Info(ctx)
+	return err == nil && info.NumPending == 0 && info.Delivered.Consumer == 0
 }
 
 // Live reports whether the instance is known and live: its index entries
@@ -374,6 +459,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 	defer cc.Stop()
 	c.running.Store(true)
 	defer c.running.Store(false)
+	wg.Add(1)
+	go func() { defer wg.Done(); c.awaitRebuilt(ctx, cons) }()
 
 	tick := time.NewTicker(c.cfg.CheckInterval)
 	defer tick.Stop()
@@ -414,6 +501,11 @@ func (c *Consumer) loadKnown(ctx context.Context) {
 		}
 		c.mu.Lock()
 		if c.insts[instance] == nil {
+			if reason := c.refuseNew(instance, false); reason != "" {
+				c.mu.Unlock()
+				c.dropNew(instance, reason, "snapshot")
+				continue
+			}
 			c.insts[instance] = c.newInst(instance, time.Time{})
 		}
 		c.mu.Unlock()
@@ -446,6 +538,33 @@ func (c *Consumer) newInst(instance string, t time.Time) *inst {
 	return in
 }
 
+// refuseNew says why a name with no record may not get one ("" = it may):
+// over the cap, or, for a name seen only in events, not admitted by
+// Config.Admit. c.mu held.
+func (c *Consumer) refuseNew(instance string, fromEvent bool) string {
+	admitted := c.cfg.Admit != nil && c.cfg.Admit(instance)
+	if fromEvent && c.cfg.Admit != nil && !admitted {
+		return "unknown_instance"
+	}
+	if len(c.insts) >= c.cfg.MaxInstances && !admitted {
+		return "over_cap"
+	}
+	return ""
+}
+
+// dropNew counts and (rate-limited) logs a name refused a record.
+func (c *Consumer) dropNew(instance, reason, via string) {
+	if via == "heartbeat" {
+		c.m.heartbeats.WithLabelValues(reason).Inc()
+	} else {
+		c.m.messages.WithLabelValues(reason).Inc()
+	}
+	if ok, suppressed := c.logLimit.Allow(reason + via); ok {
+		c.cfg.Logger.Warn("consumer: instance refused a record", "instance", instance, "reason", reason, "via", via,
+			"max_instances", c.cfg.MaxInstances, "suppressed", suppressed)
+	}
+}
+
 // dispatch runs on the consume goroutine: route the message to its shard.
 func (c *Consumer) dispatch(ctx context.Context, m jetstream.Msg) {
 	_, pool, instance, err := events.ParseSubject(m.Subject())
@@ -465,11 +584,17 @@ func (c *Consumer) dispatch(ctx context.Context, m jetstream.Msg) {
 		lag := time.Since(md.Timestamp)
 		if md.NumPending == 0 {
 			lag = 0
+			c.caughtUp.Store(true)
 		}
 		c.lag.Store(int64(lag))
 	}
 	c.mu.Lock()
 	if c.insts[instance] == nil {
+		if reason := c.refuseNew(instance, true); reason != "" {
+			c.mu.Unlock()
+			c.dropNew(instance, reason, "event")
+			return
+		}
 		c.insts[instance] = c.newInst(instance, w.stored)
 	}
 	c.mu.Unlock()
@@ -488,10 +613,21 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		c.m.heartbeats.WithLabelValues("malformed").Inc()
 		return
 	}
-	c.m.heartbeats.WithLabelValues("ok").Inc()
+	if f := c.cfg.AdmitHeartbeat; f != nil && f(instance, m, &hb) != nil {
+		c.m.heartbeats.WithLabelValues("refused").Inc()
+		return
+	}
 	now := time.Now()
 	c.mu.Lock()
 	in := c.insts[instance]
+	if in == nil {
+		if reason := c.refuseNew(instance, false); reason != "" {
+			c.mu.Unlock()
+			c.dropNew(instance, reason, "heartbeat")
+			return
+		}
+	}
+	c.m.heartbeats.WithLabelValues("ok").Inc()
 	load := false
 	if in == nil {
 		in = c.newInst(instance, now)
@@ -553,6 +689,10 @@ func (c *Consumer) shard(ctx context.Context, ch chan work) {
 			return
 		case w := <-ch:
 			c.m.queue.Set(float64(len(ch)))
+			if w.kind == workBarrier {
+				w.done()
+				continue
+			}
 			c.do(ctx, w)
 		}
 	}
@@ -561,11 +701,16 @@ func (c *Consumer) shard(ctx context.Context, ch chan work) {
 func (c *Consumer) do(ctx context.Context, w work) {
 	c.mu.Lock()
 	in := c.insts[w.instance]
-	if in == nil {
-		in = c.newInst(w.instance, w.stored)
-		c.insts[w.instance] = in
-	}
 	c.mu.Unlock()
+	if in == nil {
+		// Forgotten after a purge since this was queued: the instance was
+		// silent for PurgeAfter; if it is back, its heartbeat (or, for an
+		// admitted name, its next event) makes a new record and reloads.
+		if w.kind == workEvent {
+			c.m.messages.WithLabelValues("purged_instance").Inc()
+		}
+		return
+	}
 	switch w.kind {
 	case workPurge:
 		c.mu.Lock()
@@ -581,7 +726,15 @@ func (c *Consumer) do(ctx context.Context, w work) {
 		}
 		in.needLoad, in.skipUpTo = true, 0
 		c.m.purges.Inc()
-		c.cfg.Logger.Info("consumer: instance purged", "instance", w.instance)
+		// Forget it: a purged name keeps no record and no metric series
+		// (the router's are read from the records), so names that come
+		// and go cannot accumulate.
+		c.mu.Lock()
+		if c.insts[w.instance] == in && in.status.State == StatePurged {
+			delete(c.insts, w.instance)
+		}
+		c.mu.Unlock()
+		c.cfg.Logger.Info("consumer: instance purged and forgotten", "instance", w.instance)
 	case workLoad:
 		if c.shared != nil {
 			c.syncShared(ctx, w.instance, in)

@@ -13,6 +13,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/testenv"
@@ -218,7 +220,8 @@ func TestStaleAndPurge(t *testing.T) {
 	if _, purges := a.get("vllm-0"); purges != 0 {
 		t.Fatal("purged while only stale")
 	}
-	waitFor(t, 5*time.Second, "purged", func() bool { _, p := a.get("vllm-0"); return state() == StatePurged && p == 1 })
+	// Purged, then forgotten: no record is left to list or export.
+	waitFor(t, 5*time.Second, "purged and forgotten", func() bool { _, p := a.get("vllm-0"); return state() == 0 && p == 1 })
 	e.heartbeat("vllm-0")
 	waitFor(t, 5*time.Second, "back to live", func() bool { return state() == StateLive })
 	if c.Live("unknown") {
@@ -327,12 +330,70 @@ func TestHistoryOfDeadInstance(t *testing.T) {
 	if c.Live("old") {
 		t.Fatal("instance silent for 700ms (stale after 200ms) reported live")
 	}
-	waitFor(t, 5*time.Second, "old purged", func() bool {
+	waitFor(t, 5*time.Second, "old purged and forgotten", func() bool {
+		_, purges := a.get("old")
 		for _, s := range c.Instances() {
 			if s.Instance == "old" {
-				return s.State == StatePurged
+				return false
 			}
 		}
-		return false
+		return purges > 0
 	})
+}
+
+// Names seen only in events get no record unless admitted; heartbeats
+// create records up to the cap; a refused heartbeat creates nothing; every
+// drop is counted.
+func TestJunkNamesBounded(t *testing.T) {
+	e := newEnv(t)
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier, cfg.MaxInstances = a, 5
+	cfg.Admit = func(name string) bool { return name == "vllm-0" }
+	cfg.AdmitHeartbeat = func(name string, _ *nats.Msg, _ *events.Heartbeat) error {
+		if strings.HasPrefix(name, "bad-") {
+			return fmt.Errorf("refused")
+		}
+		return nil
+	}
+	c := e.start(cfg)
+	for i := range 200 {
+		e.store(fmt.Sprintf("junk-%d", i), 1, uint64(i))
+	}
+	e.store("vllm-0", 1, 7)
+	waitFor(t, 10*time.Second, "the admitted instance's event", func() bool { s, _ := a.get("vllm-0"); return len(s) == 1 })
+	waitFor(t, 10*time.Second, "junk events counted", func() bool {
+		return counterValue(c.m.messages.WithLabelValues("unknown_instance")) == 200
+	})
+	for i := range 10 {
+		e.heartbeat(fmt.Sprintf("hb-%d", i))
+	}
+	e.heartbeat("bad-0")
+	waitFor(t, 10*time.Second, "heartbeats counted", func() bool {
+		return counterValue(c.m.heartbeats.WithLabelValues("over_cap")) == 6 &&
+			counterValue(c.m.heartbeats.WithLabelValues("refused")) == 1
+	})
+	names := map[string]bool{}
+	for _, s := range c.Instances() {
+		names[s.Instance] = true
+	}
+	if len(names) != 5 || !names["vllm-0"] || names["bad-0"] {
+		t.Fatalf("records %v: want vllm-0 and 4 heartbeat names, capped at 5", names)
+	}
+	for name := range names {
+		if strings.HasPrefix(name, "junk-") {
+			t.Fatalf("a name seen only in events got a record: %s", name)
+		}
+	}
+	if s, _ := a.get("junk-0"); len(s) != 0 {
+		t.Fatal("a junk name's events reached the index")
+	}
+}
+
+func counterValue(c prometheus.Counter) float64 {
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		panic(err)
+	}
+	return m.GetCounter().GetValue()
 }

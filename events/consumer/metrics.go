@@ -28,7 +28,7 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 	cl := prometheus.Labels{"pool": pool}
 	m := &metrics{
 		messages: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_events_messages_total", ConstLabels: cl,
-			Help: "kv.events messages consumed, by result (applied, malformed, covered_by_snapshot, bad_subject)."}, []string{"result"}),
+			Help: "kv.events messages consumed, by result (applied, malformed, covered_by_snapshot, bad_subject, purged_instance, unknown_instance, over_cap)."}, []string{"result"}),
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_events_applied_total", ConstLabels: cl,
 			Help: "Engine events applied to the index, by type."}, []string{"type"}),
 		unknown: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_unknown_total", ConstLabels: cl,
@@ -46,7 +46,7 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 		snapshotLoads: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_events_snapshot_loads_total", ConstLabels: cl,
 			Help: "Instance snapshot loads, by source (request, bucket, none, malformed)."}, []string{"source"}),
 		heartbeats: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_events_heartbeats_total", ConstLabels: cl,
-			Help: "Bridge heartbeats received, by result."}, []string{"result"}),
+			Help: "Bridge heartbeats received, by result (ok, malformed, refused, over_cap)."}, []string{"result"}),
 		purges: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_instance_purges_total", ConstLabels: cl,
 			Help: "Instances purged from the index after PurgeAfter of silence."}),
 		replayed: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_replayed_total", ConstLabels: cl,
