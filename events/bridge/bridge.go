@@ -507,6 +507,10 @@ func (in *instance) publishEngine(ctx context.Context, m events.Message) error {
 	n := in.table.Len()
 	in.mu.Unlock()
 	in.b.m.tableBlocks.WithLabelValues(in.src.Instance).Set(float64(n))
+	if res.Evicted > 0 {
+		in.b.m.tableFull.WithLabelValues(in.src.Instance).Add(float64(res.Evicted))
+		in.log.Warn("block table full: dropped held blocks (raise --max-blocks to the engine's block count)", "dropped", res.Evicted, "max", in.b.cfg.MaxBlocks)
+	}
 	in.countEvents(batch.Events)
 	now := time.Now().UTC()
 	for _, rm := range res.Removed {
@@ -534,17 +538,28 @@ func (in *instance) countEvents(evs []events.Event) {
 	}
 }
 
+// evict publishes an eviction record; one listing more hashes than
+// events.MaxEvictionHashes goes as several, so that every removed block
+// appears in exactly one record.
 func (in *instance) evict(rec events.EvictionRecord) {
 	rec.Pool, rec.Instance = in.b.cfg.Pool, in.src.Instance
-	if len(rec.Hashes) > events.MaxEvictionHashes {
-		rec.Hashes = rec.Hashes[:events.MaxEvictionHashes]
+	rest := rec.Hashes
+	for {
+		if len(rest) > 0 {
+			n := min(len(rest), events.MaxEvictionHashes)
+			rec.Hashes, rest = rest[:n], rest[n:]
+			rec.Blocks = n
+		}
+		data, err := json.Marshal(rec)
+		if err != nil {
+			return
+		}
+		// Core NATS, best effort: eviction records are for dashboards.
+		_ = in.b.cfg.Conn.Publish(in.evictSubj, data)
+		if len(rest) == 0 {
+			return
+		}
 	}
-	data, err := json.Marshal(rec)
-	if err != nil {
-		return
-	}
-	// Core NATS, best effort: eviction records are for dashboards.
-	_ = in.b.cfg.Conn.Publish(in.evictSubj, data)
 }
 
 // clear publishes a synthetic AllBlocksCleared and empties the table.
