@@ -316,4 +316,13 @@ type Heartbeat struct {
 	// IntervalMS is the bridge's heartbeat period, so a consumer can tell
 	// how long a silence means the instance is gone.
 	IntervalMS int64 `json:"interval_ms"`
+	// EngineDown says the bridge sees the engine dead: its HTTP health
+	// fails and it publishes no events. Its blocks must not count until a
+	// heartbeat says otherwise; by then the bridge has cleared them if the
+	// engine came back as a new process.
+	EngineDown bool `json:"engine_down,omitempty"`
+	// EngineStart is the engine process's start time (Unix seconds, from
+	// its /metrics process_start_time_seconds), 0 when unknown: it changes
+	// exactly when the engine restarts.
+	EngineStart float64 `json:"engine_start,omitempty"`
 }

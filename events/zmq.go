@@ -379,3 +379,43 @@ func ReplayRange(ctx context.Context, cfg ReplayConfig, from, to uint64) ([]Mess
 	}
 	return out, nil
 }
+
+// ReplayHistory replays an engine's whole history before seq to: every
+// message from its first (seq 0 for vLLM, 1 for some simulators) through
+// to-1. It returns ErrReplayIncomplete when the replay buffer no longer
+// reaches back to the first message or has holes. It is how a bridge
+// catches up on what an engine published before the bridge heard it: a
+// bridge that started first, or an engine that restarted.
+func ReplayHistory(ctx context.Context, cfg ReplayConfig, to uint64) ([]Message, error) {
+	if to == 0 {
+		return nil, nil
+	}
+	var out []Message
+	var holes error
+	err := Replay(ctx, cfg, 0, func(m Message) bool {
+		switch {
+		case m.Seq >= to:
+			return false
+		case len(out) == 0 && m.Seq > 1:
+			holes = fmt.Errorf("%w: engine's replay starts at seq %d", ErrReplayIncomplete, m.Seq)
+			return false
+		case len(out) > 0 && m.Seq != out[len(out)-1].Seq+1:
+			holes = fmt.Errorf("%w: engine replayed seq %d after %d", ErrReplayIncomplete, m.Seq, out[len(out)-1].Seq)
+			return false
+		}
+		out = append(out, m)
+		return true
+	})
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrReplayIncomplete, err)
+	}
+	if holes != nil {
+		return nil, holes
+	}
+	// An engine starting at 1 has nothing before it; one starting at 0
+	// replays 0 first.
+	if to > 1 && (len(out) == 0 || out[len(out)-1].Seq != to-1) {
+		return nil, fmt.Errorf("%w: engine replayed %d messages of its first %d", ErrReplayIncomplete, len(out), to)
+	}
+	return out, nil
+}

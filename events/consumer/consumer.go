@@ -123,6 +123,9 @@ type InstanceStatus struct {
 	ReplayLost uint64            `json:"replay_lost"`
 	StreamSeq  uint64            `json:"stream_seq"`
 	Heartbeat  *events.Heartbeat `json:"heartbeat,omitempty"`
+	// EngineDown: the bridge reports the engine dead (see
+	// events.Heartbeat.EngineDown); the instance is not live meanwhile.
+	EngineDown bool `json:"engine_down,omitempty"`
 }
 
 // Consumer feeds one pool's events into an Applier.
@@ -153,6 +156,9 @@ type inst struct {
 	status   InstanceStatus // guarded by Consumer.mu
 	lastSeen time.Time      // guarded by Consumer.mu
 	hasSeq   bool           // guarded by Consumer.mu
+	// reloading: an engine came back up and its snapshot reload is
+	// queued; it turns live when the reload is done. Guarded by Consumer.mu.
+	reloading bool
 	// Owned by the instance's shard goroutine.
 	needLoad bool
 	skipUpTo uint64
@@ -164,6 +170,7 @@ const (
 	workEvent workKind = iota
 	workLoad
 	workPurge
+	workReload // the engine is back up: reload the bridge's table, then live
 )
 
 type work struct {
@@ -394,7 +401,13 @@ func (c *Consumer) seen(in *inst, t time.Time) {
 	if t.After(in.lastSeen) {
 		in.lastSeen = t
 	}
-	if time.Since(in.lastSeen) <= c.cfg.StaleAfter {
+	if in.status.EngineDown || in.reloading {
+		// Not live whatever arrives until the engine is back and the
+		// bridge's table reloaded (see heartbeat).
+		if in.status.State == StateLive {
+			in.status.State = StateStale
+		}
+	} else if time.Since(in.lastSeen) <= c.cfg.StaleAfter {
 		in.status.State = StateLive
 	} else if in.status.State == StateLive {
 		in.status.State = StateStale
@@ -457,7 +470,7 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 	now := time.Now()
 	c.mu.Lock()
 	in := c.insts[instance]
-	load := false
+	load, reload := false, false
 	if in == nil {
 		in = c.newInst(instance, now)
 		c.insts[instance] = in
@@ -468,10 +481,34 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 	} else if in.status.State == StateStale {
 		in.status.State = StateLive
 	}
+	switch {
+	case hb.EngineDown:
+		// The engine is dead: its blocks must not count, now. They stay
+		// in the index, since the engine may come back as the same
+		// process (the bridge then keeps its table).
+		if !in.status.EngineDown {
+			c.cfg.Logger.Info("consumer: engine down, instance not live", "instance", instance)
+		}
+		in.status.EngineDown = true
+		in.status.State = StateStale
+	case in.status.EngineDown:
+		// Back up. The bridge decided before saying so whether this is
+		// the same process (table kept) or a new one (cleared), but the
+		// stream may not have brought that clear here yet: reload the
+		// bridge's table, and count the instance live only after.
+		in.status.EngineDown = false
+		in.reloading, reload = true, true
+		in.status.State = StateStale
+	case in.reloading:
+		in.status.State = StateStale
+	}
 	in.status.LastHeartbeat, in.lastSeen = now, now
 	in.status.Heartbeat = &hb
 	c.mu.Unlock()
-	if load {
+	switch {
+	case reload:
+		c.enqueue(ctx, work{kind: workReload, instance: instance})
+	case load:
 		c.enqueue(ctx, work{kind: workLoad, instance: instance})
 	}
 }
@@ -551,6 +588,14 @@ func (c *Consumer) do(ctx context.Context, w work) {
 		if in.needLoad && !c.cfg.SharedIndex {
 			c.load(ctx, w.instance, in, 0)
 		}
+	case workReload:
+		if !c.cfg.SharedIndex {
+			c.load(ctx, w.instance, in, 0)
+		}
+		c.mu.Lock()
+		in.reloading = false
+		c.seen(in, time.Now())
+		c.mu.Unlock()
 	case workEvent:
 		c.event(ctx, w, in)
 	}
