@@ -114,6 +114,43 @@ type Bridge struct {
 	insts []*instance
 	ready atomic.Bool
 	http  *http.Client // engine probes
+
+	storesMu sync.Mutex // guards kv and obs, replaced when JetStream lost them
+	kv       jetstream.KeyValue
+	obs      jetstream.ObjectStore
+}
+
+func (b *Bridge) setStores(kv jetstream.KeyValue, obs jetstream.ObjectStore) {
+	b.storesMu.Lock()
+	b.kv, b.obs = kv, obs
+	b.storesMu.Unlock()
+}
+
+// stores returns the snapshot bucket and object store.
+func (b *Bridge) stores() (jetstream.KeyValue, jetstream.ObjectStore) {
+	b.storesMu.Lock()
+	defer b.storesMu.Unlock()
+	return b.kv, b.obs
+}
+
+// remakeStores makes the stream, snapshot bucket and object store again after
+// they failed: a JetStream whose store was wiped comes back without them,
+// and without them a restarted bridge or router has no snapshot to start
+// from.
+func (b *Bridge) remakeStores(ctx context.Context) error {
+	if _, err := events.EnsureStream(ctx, b.js, b.cfg.Stream); err != nil {
+		return err
+	}
+	kv, err := events.EnsureBucket(ctx, b.js, b.cfg.Bucket)
+	if err != nil {
+		return err
+	}
+	obs, err := events.EnsureObjectStore(ctx, b.js, b.cfg.Bucket)
+	if err != nil {
+		return err
+	}
+	b.setStores(kv, obs)
+	return nil
 }
 
 // New validates cfg; Run starts the work.
@@ -215,9 +252,8 @@ func (b *Bridge) Run(ctx context.Context) error {
 		}
 		return fmt.Errorf("bridge: %w", err)
 	}
-	kv, obs := res.Bucket, res.ObjectStore
+	b.setStores(res.Bucket, res.ObjectStore)
 	for _, in := range b.insts {
-		in.kv, in.obs = kv, obs
 		sub, err := b.cfg.Conn.Subscribe(in.snapSubj, in.serveSnapshot)
 		if err != nil {
 			return fmt.Errorf("bridge: subscribe %s: %w", in.snapSubj, err)
@@ -273,8 +309,6 @@ type instance struct {
 	log       *slog.Logger
 	sub       *events.Subscriber
 	replay    events.ReplayConfig
-	kv        jetstream.KeyValue
-	obs       jetstream.ObjectStore
 	subj      string
 	evictSubj string
 	hbSubj    string
@@ -282,6 +316,7 @@ type instance struct {
 	key       string
 	in        chan events.Message
 	lost      chan struct{} // signalled (cap 1) when enqueue drops
+	storeNow  chan struct{} // signalled (cap 1) when the stream had to be made again
 	probes    chan probeResult
 	started   atomic.Bool
 	lastRecv  atomic.Int64 // unix nanos of the last engine message received
@@ -289,8 +324,8 @@ type instance struct {
 	engineDown atomic.Bool
 
 	// Owned by the process goroutine.
-	tracker  events.SeqTracker
-	msgCount uint64
+	tracker    events.SeqTracker
+	msgCount   uint64
 	replayed   replayWindow // payloads a replay folded in, until live passes them
 	topic      string       // topic of the last live message
 	probeFails int          // probes failed in a row
@@ -325,15 +360,16 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		return nil, fmt.Errorf("bridge: instance %s: %w", s.Instance, err)
 	}
 	in := &instance{
-		b:      b,
-		src:    s,
-		log:    b.cfg.Logger.With("instance", s.Instance, "rank", s.Rank),
-		sub:    sub,
-		replay: events.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
-		in:     make(chan events.Message, b.cfg.Buffer),
-		lost:   make(chan struct{}, 1),
-		probes: make(chan probeResult, 1),
-		table:  NewTable(b.cfg.MaxBlocks),
+		b:        b,
+		src:      s,
+		log:      b.cfg.Logger.With("instance", s.Instance, "rank", s.Rank),
+		sub:      sub,
+		replay:   events.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
+		in:       make(chan events.Message, b.cfg.Buffer),
+		lost:     make(chan struct{}, 1),
+		storeNow: make(chan struct{}, 1),
+		probes:   make(chan probeResult, 1),
+		table:    NewTable(b.cfg.MaxBlocks),
 	}
 	in.enc.Store(uint32(events.EncodingMap))
 	pool := b.cfg.Pool
@@ -708,6 +744,7 @@ func (in *instance) publish(ctx context.Context, payload []byte, h events.EventH
 	id := fmt.Sprintf("%s.%s.%s.%d", in.b.cfg.Pool, in.src.Instance, in.b.runID, in.msgCount)
 	msg := &nats.Msg{Subject: in.subj, Data: payload, Header: h.Header()}
 	backoff := 50 * time.Millisecond
+	remade := false
 	for attempt := 0; ; attempt++ {
 		pctx, cancel := context.WithTimeout(ctx, in.b.cfg.PublishTimeout)
 		start := time.Now()
@@ -720,6 +757,12 @@ func (in *instance) publish(ctx context.Context, payload []byte, h events.EventH
 			if attempt > 0 {
 				in.log.Info("publish recovered", "attempts", attempt+1)
 			}
+			if remade {
+				select {
+				case in.storeNow <- struct{}{}:
+				default:
+				}
+			}
 			return ack.Sequence, nil
 		}
 		if ctx.Err() != nil {
@@ -730,8 +773,11 @@ func (in *instance) publish(ctx context.Context, payload []byte, h events.EventH
 			in.log.Warn("publish failed, retrying (engine messages are buffered)", "err", err)
 		}
 		if errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders) {
-			// The stream may have been deleted: make it again.
+			// The stream may have been deleted (a wiped JetStream store):
+			// make it again, and once publishing works, store a snapshot
+			// at once, which makes the bucket again too.
 			_, _ = events.EnsureStream(ctx, in.b.js, in.b.cfg.Stream)
+			remade = true
 		}
 		select {
 		case <-ctx.Done():

@@ -128,13 +128,14 @@ func (in *instance) resync(ctx context.Context) error {
 // loadSnapshot reads the instance's snapshot from the bucket (nil: none or
 // unusable); nothing is applied yet.
 func (in *instance) loadSnapshot(ctx context.Context) *events.Snapshot {
-	e, err := in.kv.Get(ctx, in.key)
+	kv, obs := in.b.stores()
+	e, err := kv.Get(ctx, in.key)
 	if err != nil {
 		return nil
 	}
 	s, err := events.UnmarshalSnapshot(e.Value())
 	if err == nil {
-		s, err = events.ResolveSnapshot(ctx, in.obs, s)
+		s, err = events.ResolveSnapshot(ctx, obs, s)
 	}
 	if err == nil && (s.Instance != in.src.Instance || !s.HasSeq) {
 		err = fmt.Errorf("snapshot of %q, has seq %v", s.Instance, s.HasSeq)
@@ -314,7 +315,8 @@ func (in *instance) marshalSnapshot(ctx context.Context, s events.Snapshot) ([]b
 	if err != nil || len(data) <= in.b.cfg.InlineSnapshotMax {
 		return data, err
 	}
-	if _, err := in.obs.PutBytes(ctx, in.key, data); err != nil {
+	_, obs := in.b.stores()
+	if _, err := obs.PutBytes(ctx, in.key, data); err != nil {
 		return nil, fmt.Errorf("bridge: snapshot object: %w", err)
 	}
 	ptr := s
@@ -329,15 +331,29 @@ func (in *instance) storeSnapshot(ctx context.Context) {
 	cur, stored := in.streamSeq, in.storedSeq
 	in.mu.Unlock()
 	if cur == stored && cur != 0 {
-		return
+		// Nothing new; but a wiped JetStream loses the bucket while the
+		// engine is idle too, so check that the snapshot is still there.
+		kv, _ := in.b.stores()
+		if _, err := kv.Get(ctx, in.key); err == nil || ctx.Err() != nil {
+			return
+		}
 	}
 	s, err := in.snapshot()
-	var data []byte
-	if err == nil {
-		data, err = in.marshalSnapshot(ctx, s)
+	put := func() error {
+		data, err := in.marshalSnapshot(ctx, s)
+		if err == nil {
+			kv, _ := in.b.stores()
+			_, err = kv.Put(ctx, in.key, data)
+		}
+		return err
 	}
 	if err == nil {
-		_, err = in.kv.Put(ctx, in.key, data)
+		if err = put(); err != nil && ctx.Err() == nil {
+			if rerr := in.b.remakeStores(ctx); rerr == nil {
+				in.log.Info("snapshot store failed; bucket and object store looked up or made again", "err", err)
+				err = put()
+			}
+		}
 	}
 	if err != nil {
 		in.b.m.snapshots.WithLabelValues("store", "error").Inc()
@@ -364,6 +380,10 @@ func (in *instance) periodic(ctx context.Context) {
 		case <-hb.C:
 			in.heartbeat()
 		case <-snap.C:
+			if in.started.Load() {
+				in.storeSnapshot(ctx)
+			}
+		case <-in.storeNow:
 			if in.started.Load() {
 				in.storeSnapshot(ctx)
 			}
