@@ -222,6 +222,11 @@ func (in *instance) restarted(ctx context.Context) error {
 		in.log.Info("restarted engine's history not replayable yet; the next message asks again", "err", err)
 		return nil
 	}
+	if len(msgs) > 0 {
+		in.replays.Add(1)
+		in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
+		in.log.Info("restarted engine's history replayed", "messages", len(msgs))
+	}
 	return in.publishReplayed(ctx, msgs)
 }
 
