@@ -47,8 +47,9 @@ type simRig struct {
 	blocks   int // engine GPU blocks
 	rng      *rand.Rand
 
-	sim *simserver.Instance
-	scr *scriptEngine // instead of sim, when set
+	engMu sync.Mutex // guards sim: a stale watch reads it while tests restart it
+	sim   *simserver.Instance
+	scr   *scriptEngine // instead of sim, when set
 
 	br           *bridge.Bridge
 	bridgeCancel context.CancelFunc
@@ -80,9 +81,10 @@ func (r *simRig) url() string { return "http://" + r.httpAddr }
 // time).
 func (r *simRig) startEngine() {
 	r.t.Helper()
+	var s *simserver.Instance
 	var err error
 	for try := 0; ; try++ {
-		r.sim, err = simserver.Start(r.ctx, simserver.Config{
+		s, err = simserver.Start(r.ctx, simserver.Config{
 			Engine:    sim.Config{Model: simModel, GPUBlocks: r.blocks, HashSeed: 3},
 			Listen:    r.httpAddr,
 			TimeScale: 50,
@@ -97,15 +99,20 @@ func (r *simRig) startEngine() {
 	if err != nil {
 		r.t.Fatalf("kvsim: %v", err)
 	}
-	s := r.sim
+	r.engMu.Lock()
+	r.sim = s
+	r.engMu.Unlock()
 	r.t.Cleanup(func() { _ = s.Close() })
 }
 
 // killEngine stops the engine at once: its sockets close, its cache is gone.
 func (r *simRig) killEngine() {
 	r.t.Helper()
-	_ = r.sim.Close()
+	r.engMu.Lock()
+	s := r.sim
 	r.sim = nil
+	r.engMu.Unlock()
+	_ = s.Close()
 }
 
 type bridgeOpts struct {
@@ -184,10 +191,13 @@ func (r *simRig) truth() map[uint64]bool {
 	if r.scr != nil {
 		return r.scr.truth()
 	}
-	if r.sim == nil {
+	r.engMu.Lock()
+	s := r.sim
+	r.engMu.Unlock()
+	if s == nil {
 		return out
 	}
-	r.sim.Engine(0, func(e *sim.Engine) {
+	s.Engine(0, func(e *sim.Engine) {
 		gpu, _ := e.CachedBlocks()
 		for _, h := range gpu {
 			out[h] = true
