@@ -162,6 +162,12 @@ type SubscriberConfig struct {
 	// OnMalformed, when set, is called (on the Run goroutine) for each
 	// message dropped for bad frames, so the owner can count it.
 	OnMalformed func(error)
+	// OnConnect, when set, is called (on the Run goroutine) each time the
+	// socket is connected (or listening) again. Messages the engine
+	// published while it was not, and a tail no later message reveals as
+	// a gap, are only in the engine's replay buffer: the owner asks for
+	// them.
+	OnConnect func()
 }
 
 // SubscriberStats are a Subscriber's counters since it was made.
@@ -260,6 +266,9 @@ func (s *Subscriber) session(ctx context.Context, handle func(Message)) (got boo
 		}
 	} else if err := sock.Dial(s.cfg.Endpoint); err != nil {
 		return false, fmt.Errorf("dial: %w", err)
+	}
+	if s.cfg.OnConnect != nil {
+		s.cfg.OnConnect()
 	}
 	for {
 		msg, err := sock.Recv()

@@ -317,6 +317,7 @@ type instance struct {
 	in        chan events.Message
 	lost      chan struct{} // signalled (cap 1) when enqueue drops
 	storeNow  chan struct{} // signalled (cap 1) when the stream had to be made again
+	tail      chan struct{} // signalled (cap 1) when the subscriber (re)connected
 	probes    chan probeResult
 	started   atomic.Bool
 	lastRecv  atomic.Int64 // unix nanos of the last engine message received
@@ -354,8 +355,19 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		return nil, fmt.Errorf("bridge: %w", err)
 	}
 	frames := b.m.drops.WithLabelValues(s.Instance, "frames")
+	tail := make(chan struct{}, 1)
+	signalTail := func() {
+		select {
+		case tail <- struct{}{}:
+		default:
+		}
+	}
 	sub, err := events.NewSubscriber(events.SubscriberConfig{Endpoint: s.Endpoint, Bind: s.Bind, Topic: s.Topic, Logger: b.cfg.Logger,
-		OnMalformed: func(error) { frames.Inc() }})
+		OnMalformed: func(error) { frames.Inc() },
+		// Once connected, and again when the subscription has surely
+		// reached the engine (ZMQ drops what a PUB sends before), ask
+		// the replay for what was published meanwhile.
+		OnConnect: func() { signalTail(); time.AfterFunc(tailRecheck, signalTail) }})
 	if err != nil {
 		return nil, fmt.Errorf("bridge: instance %s: %w", s.Instance, err)
 	}
@@ -367,6 +379,7 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		replay:   events.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
 		in:       make(chan events.Message, b.cfg.Buffer),
 		lost:     make(chan struct{}, 1),
+		tail:     tail,
 		storeNow: make(chan struct{}, 1),
 		probes:   make(chan probeResult, 1),
 		table:    NewTable(b.cfg.MaxBlocks),
@@ -431,6 +444,14 @@ func (in *instance) process(ctx context.Context) {
 			}
 			depth.Set(0)
 			if err := in.catchUp(ctx); err != nil {
+				return
+			}
+		case <-in.tail:
+			if in.drain(ctx) != nil {
+				return
+			}
+			depth.Set(0)
+			if err := in.catchTail(ctx); err != nil {
 				return
 			}
 		case r := <-in.probes:

@@ -280,6 +280,61 @@ func (in *instance) publishReplayed(ctx context.Context, msgs []events.Message) 
 	return nil
 }
 
+// tailRecheck is how long after connecting the replay is asked again: a
+// ZMQ subscription takes a round trip to reach the publisher, which drops
+// what it sends before; half a second covers that on any network a
+// sidecar uses (the engine is on the same host).
+const tailRecheck = 500 * time.Millisecond
+
+// catchTail publishes what the engine published while the subscriber was
+// not connected, after it (re)connects. A gap followed by a live message
+// is found anyway; a tail with nothing after it (an engine idle since)
+// would stay out of the index until the engine speaks again. A replay that
+// fails here loses nothing (the next live message asks again); one that
+// shows the buffer no longer reaching back clears the instance, as a gap.
+func (in *instance) catchTail(ctx context.Context) error {
+	if in.src.ReplayEndpoint == "" {
+		return nil
+	}
+	last, known := in.tracker.Last()
+	from := uint64(0)
+	if known {
+		from = last + 1
+	}
+	var msgs []events.Message
+	err := events.Replay(ctx, in.replay, from, func(m events.Message) bool {
+		msgs = append(msgs, m)
+		return true
+	})
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	if err != nil {
+		in.log.Debug("replay after connect failed; the next message asks again", "from", from, "err", err)
+		return nil
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	if !contiguous(msgs, from, !known) {
+		if !known {
+			in.log.Debug("engine's history no longer replayable from its start; the next message asks again")
+			return nil
+		}
+		in.gaps.Add(1)
+		in.b.m.gaps.WithLabelValues(in.src.Instance).Inc()
+		in.replayFails.Add(1)
+		in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
+		in.log.Warn("messages missed while disconnected: replay cannot fill them, clearing instance", "from", from)
+		in.tracker.Reset()
+		return in.clear(ctx, events.SyntheticGap)
+	}
+	in.replays.Add(1)
+	in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
+	in.log.Info("messages published while disconnected filled from replay", "from", from, "messages", len(msgs))
+	return in.publishReplayed(ctx, msgs)
+}
+
 // errNotSameEngine: the message before a gap, replayed, is not the one the
 // bridge published: the engine behind the endpoint is another process.
 var errNotSameEngine = fmt.Errorf("bridge: engine restarted behind a seq gap")
