@@ -182,6 +182,7 @@ type SubscriberStats struct {
 type Subscriber struct {
 	cfg                             SubscriberConfig
 	messages, malformed, reconnects atomic.Uint64
+	kick                            chan struct{}
 }
 
 // NewSubscriber validates cfg and fills its defaults.
@@ -201,7 +202,17 @@ func NewSubscriber(cfg SubscriberConfig) (*Subscriber, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &Subscriber{cfg: cfg}, nil
+	return &Subscriber{cfg: cfg, kick: make(chan struct{}, 1)}, nil
+}
+
+// Kick cuts the current reconnect wait short and resets the backoff: the
+// owner learnt by other means (the engine's HTTP health) that the engine is
+// back, so waiting up to MaxBackoff more would only delay its events.
+func (s *Subscriber) Kick() {
+	select {
+	case s.kick <- struct{}{}:
+	default:
+	}
 }
 
 func validEndpoint(ep string) error {
@@ -235,8 +246,10 @@ func (s *Subscriber) Run(ctx context.Context, handle func(Message)) error {
 			case <-ctx.Done():
 				return ctx.Err()
 			case <-time.After(backoff):
+				backoff = min(2*backoff, s.cfg.MaxBackoff)
+			case <-s.kick:
+				backoff = s.cfg.MinBackoff
 			}
-			backoff = min(2*backoff, s.cfg.MaxBackoff)
 		}
 		first = false
 		got, err := s.session(ctx, handle)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -361,4 +362,27 @@ func TestReplayHistory(t *testing.T) {
 			t.Fatalf("first %d: buffer passed the first message: err = %v", first, err)
 		}
 	}
+}
+
+// Kick ends a reconnect wait at once: a subscriber whose backoff has grown
+// connects as soon as it is kicked, not at the end of the wait.
+func TestSubscriberKick(t *testing.T) {
+	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
+	defer cancel()
+	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, MinBackoff: time.Hour, MaxBackoff: time.Hour, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got collector
+	go func() { _ = sub.Run(ctx, got.add) }()
+	// Nobody listens: the first dial fails and the next waits an hour.
+	waitFor(t, 20*time.Second, "a failed dial", func() bool { return sub.Stats().Reconnects >= 1 })
+	pub, err := NewZMQPublisher(ctx, ZMQPublisherConfig{Endpoint: ep, Topic: "kv"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	sub.Kick()
+	waitFor(t, 10*time.Second, "subscribed after the kick", pub.Subscribed)
 }

@@ -168,6 +168,11 @@ func (in *instance) onProbe(ctx context.Context, r probeResult) error {
 			return err
 		}
 	}
+	if wasDown || (r.start != 0 && known != 0 && r.start != known) {
+		// Back, or new: reconnect now rather than at the end of a
+		// backoff grown while the engine was away.
+		in.sub.Kick()
+	}
 	if wasDown {
 		in.engineDown.Store(false)
 		in.b.m.engineDown.WithLabelValues(in.src.Instance).Set(0)
