@@ -209,6 +209,7 @@ func (in *instance) sameEngine(ctx context.Context) bool {
 func (in *instance) restarted(ctx context.Context) error {
 	in.tracker.Reset()
 	in.replayed = replayWindow{}
+	in.topic = "" // the new process's topic is learnt from its messages
 	if err := in.clear(ctx, events.SyntheticRestart); err != nil {
 		return err
 	}
@@ -302,8 +303,17 @@ func (in *instance) catchTail(ctx context.Context) error {
 		return nil
 	}
 	last, known := in.tracker.Last()
+	in.mu.Lock()
+	hash := in.lastHash
+	in.mu.Unlock()
+	// Asked from the last message handled, which must come back byte for
+	// byte: the engine may have restarted and counted past it meanwhile.
+	check := known && hash != 0
 	from := uint64(0)
-	if known {
+	switch {
+	case check:
+		from = last
+	case known:
 		from = last + 1
 	}
 	var msgs []events.Message
@@ -317,6 +327,13 @@ func (in *instance) catchTail(ctx context.Context) error {
 	if err != nil {
 		in.log.Debug("replay after connect failed; the next message asks again", "from", from, "err", err)
 		return nil
+	}
+	if check {
+		if len(msgs) == 0 || msgs[0].Seq != last || xxhash.Sum64(msgs[0].Payload) != hash {
+			in.log.Info("engine restarted while the bridge was disconnected: clearing instance", "last_seq", last)
+			return in.restarted(ctx)
+		}
+		msgs, from = msgs[1:], last+1
 	}
 	if len(msgs) == 0 {
 		return nil
