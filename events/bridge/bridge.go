@@ -428,6 +428,7 @@ func (in *instance) process(ctx context.Context) {
 		return // ctx done
 	}
 	in.started.Store(true)
+	in.heartbeat()
 	depth := in.b.m.bufferDepth.WithLabelValues(in.src.Instance)
 	for {
 		select {

@@ -372,13 +372,18 @@ func (in *instance) periodic(ctx context.Context) {
 	defer hb.Stop()
 	snap := time.NewTicker(in.b.cfg.SnapshotInterval)
 	defer snap.Stop()
-	in.heartbeat()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-hb.C:
-			in.heartbeat()
+			// Not before the start-up resync is done: until its clear
+			// reaches the routers they may hold what a previous bridge
+			// published for an engine that has since restarted, and a
+			// heartbeat would make that live again.
+			if in.started.Load() {
+				in.heartbeat()
+			}
 		case <-snap.C:
 			if in.started.Load() {
 				in.storeSnapshot(ctx)
