@@ -580,7 +580,6 @@ func (in *instance) handle(ctx context.Context, m events.Message) error {
 			break
 		}
 		in.log.Info("engine restarted behind a gap: clearing instance", "seq", m.Seq)
-		st = events.SeqRestart
 		fallthrough
 	case events.SeqRestart:
 		in.log.Info("engine restarted: clearing instance, replaying the new process's first messages", "seq", m.Seq, "topic", m.Topic, "new_publisher", newPublisher)

@@ -152,21 +152,22 @@ func (in *instance) onProbe(ctx context.Context, r probeResult) error {
 	wasDown := in.engineDown.Load()
 	in.mu.Lock()
 	known := in.engineStart
-	if r.start != 0 {
-		in.engineStart = r.start
-	}
 	in.mu.Unlock()
 	switch {
 	case r.start != 0 && known != 0 && r.start != known:
 		in.log.Info("engine restarted: process start time changed", "was", known, "now", r.start)
+		in.setEngineStart(r.start)
 		if err := in.restarted(ctx); err != nil {
 			return err
 		}
 	case wasDown && (r.start == 0 || known == 0) && !in.sameEngine(ctx):
 		in.log.Info("engine back after being down, and it cannot be proven the same process: clearing")
+		in.setEngineStart(r.start)
 		if err := in.restarted(ctx); err != nil {
 			return err
 		}
+	default:
+		in.setEngineStart(r.start)
 	}
 	if wasDown || (r.start != 0 && known != 0 && r.start != known) {
 		// Back, or new: reconnect now rather than at the end of a
@@ -182,11 +183,31 @@ func (in *instance) onProbe(ctx context.Context, r probeResult) error {
 	return nil
 }
 
+// setEngineStart records the engine's start time once it is known.
+func (in *instance) setEngineStart(start float64) {
+	if start == 0 {
+		return
+	}
+	in.mu.Lock()
+	in.engineStart = start
+	in.mu.Unlock()
+}
+
 // sameEngine reports whether the engine can be proven to be the process
-// whose messages the table holds: asked for the last message the bridge
-// published, its replay socket returns it byte for byte (a new process has
-// another payload at that seq, or none).
+// whose messages the table holds: its start time is the one known, or,
+// asked for the last message the bridge published, its replay socket
+// returns it byte for byte (a new process has another payload at that
+// seq, or none).
 func (in *instance) sameEngine(ctx context.Context) bool {
+	if in.probing() {
+		r := in.probeOnce(ctx)
+		in.mu.Lock()
+		known := in.engineStart
+		in.mu.Unlock()
+		if r.start != 0 && known != 0 {
+			return r.start == known
+		}
+	}
 	last, ok := in.tracker.Last()
 	in.mu.Lock()
 	hash := in.lastHash
