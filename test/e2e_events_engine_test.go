@@ -899,7 +899,13 @@ func TestE2EConvergence(t *testing.T) {
 		{"engine restart (<1s)", func() { r.killEngine(); r.startEngine() }},
 		{"engine outage (1s)", func() { r.killEngine(); time.Sleep(time.Second); r.startEngine() }},
 		{"bridge restart", func() { r.stopBridge(); r.startBridge(bridgeOpts{maxBlocks: 64}) }},
-		{"pod restart", func() { r.stopBridge(); r.killEngine(); r.startEngine(); r.traffic(5); r.startBridge(bridgeOpts{maxBlocks: 64}) }},
+		{"pod restart", func() {
+			r.stopBridge()
+			r.killEngine()
+			r.startEngine()
+			r.traffic(5)
+			r.startBridge(bridgeOpts{maxBlocks: 64})
+		}},
 		{"NATS outage (0.5s)", func() {
 			r.ns.Shutdown()
 			r.ns.WaitForShutdown()
