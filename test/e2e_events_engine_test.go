@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"sync"
@@ -18,12 +19,14 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
 	simserver "github.com/kvrouter/kvrouter/sim/server"
 )
@@ -949,4 +952,102 @@ func TestE2EConvergence(t *testing.T) {
 			t.Logf("worst %-22s stale window %7.3fs, convergence %6.3fs", op.name, wv[0].Seconds(), wv[1].Seconds())
 		}
 	}
+}
+
+// Through the real router (kv_aware over the events pipeline) to a kvsim
+// engine that is killed and restarted within a second: each request after
+// the restart carries a prompt the engine held before it and has not seen
+// since, so a kv_match decision for it routes on blocks the engine no
+// longer holds. Such decisions may only happen before the restart is
+// observable (one probe interval); the test reports how many there were
+// and when the last one was. With the router's speculative overlay on (its
+// default: a routed request's blocks count as held for 2 s until events
+// confirm them), the overlay's own entries also count until they expire:
+// clearing an instance does not drop them.
+func TestE2ERouterNoStaleKVMatch(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		specTT time.Duration
+	}{{"speculative_off", -1}, {"speculative_default", 0}} {
+		t.Run(tc.name, func(t *testing.T) { testRouterNoStaleKVMatch(t, tc.specTT) })
+	}
+}
+
+func testRouterNoStaleKVMatch(t *testing.T, specTTL time.Duration) {
+	r := newSimRig(t, 256)
+	r.startEngine()
+	r.startBridge(bridgeOpts{})
+	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
+	cfg := router.Config{
+		AdminToken: "adm",
+		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: r.ns.URL(), Stream: r.stream.Name}, Bucket: r.bucket.Name,
+			StaleAfter: 3 * time.Second, PurgeAfter: time.Minute},
+		Pools: []router.PoolConfig{{Name: r.pool, Model: simModel,
+			Routing: router.RoutingConfig{Strategy: router.StrategyKVAware, KV: &router.KVScoringConfig{SpeculativeTTL: specTTL}},
+			Health:  router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
+			Instances: []router.InstanceConfig{{ID: r.instance, URL: r.url()}}}},
+	}
+	reg := prometheus.NewRegistry()
+	kve, err := router.StartKVEvents(r.ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(kve.Close)
+	srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), Registry: reg, KV: kve.KV, KVEvents: kve})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, stopRun := context.WithCancel(r.ctx)
+	runDone := make(chan struct{})
+	go func() { defer close(runDone); _ = srv.Run(rctx) }()
+	t.Cleanup(func() { stopRun(); <-runDone })
+	ts := httptest.NewServer(srv.Handler())
+	t.Cleanup(ts.Close)
+	if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	complete := func(ids []uint32) string {
+		body, _ := json.Marshal(map[string]any{"model": simModel, "prompt": ids, "max_tokens": 1})
+		resp, err := http.Post(ts.URL+"/v1/completions", "application/json", bytes.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return resp.Header.Get(router.HeaderReason)
+	}
+	// 40 distinct 4-block prompts: 160 of the 256 blocks.
+	prompts := make([][]uint32, 40)
+	for i := range prompts {
+		for k := 0; k < 4*16+3; k++ {
+			prompts[i] = append(prompts[i], uint32(1000+i*1000+k))
+		}
+	}
+	for _, p := range prompts {
+		complete(p)
+	}
+	waitFor(t, 20*time.Second, "the router matching a warm prompt", func() bool {
+		return complete(prompts[0]) == string(router.ReasonKVMatch)
+	})
+
+	r.killEngine()
+	restarted := time.Now()
+	r.startEngine()
+	var stale int
+	var last time.Duration
+	for _, p := range prompts[1:] {
+		if complete(p) == string(router.ReasonKVMatch) {
+			stale++
+			last = time.Since(restarted)
+		}
+		time.Sleep(25 * time.Millisecond)
+	}
+	t.Logf("kv_match decisions on blocks the restarted engine no longer held: %d of %d, the last %v after the restart", stale, len(prompts)-1, last)
+	if last > staleBound {
+		t.Fatalf("kv_match on a restarted engine's lost blocks %v after the restart", last)
+	}
+	// The prompts sent since are cached again, and matched.
+	waitFor(t, 20*time.Second, "the router matching a prompt cached by the new process", func() bool {
+		return complete(prompts[len(prompts)-1]) == string(router.ReasonKVMatch)
+	})
 }
