@@ -1,7 +1,8 @@
 // Package bridge carries one engine's KV events from its ZMQ PUB socket(s)
 // to NATS JetStream, as kvbridge does: per-rank sequence tracking, gap
-// repair from the engine's replay socket (else a synthetic clear), a live
-// block table answered as snapshots, heartbeats and eviction records.
+// repair from the engine's replay socket (else a synthetic clear), restart
+// and death detection (see engine.go), a live block table answered as
+// snapshots, heartbeats and eviction records.
 package bridge
 
 import (
