@@ -31,7 +31,7 @@ const (
 const TierAll = "all"
 
 // MaxEvictionHashes bounds EvictionRecord.Hashes so a record stays small;
-// Blocks still counts all of them.
+// a removal listing more goes as several records, each counting its own.
 const MaxEvictionHashes = 64
 
 // EvictionRecord is one JSON document on kv.evictions.<pool>.<instance>,

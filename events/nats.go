@@ -192,9 +192,15 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 		Duplicates:  cfg.DuplicateWindow,
 		Discard:     jetstream.DiscardOld,
 	})
-	if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-		// Another bridge created it between our look-up and create.
-		return js.Stream(ctx, cfg.Name)
+	if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) || isSubjectOverlap(err) {
+		// Another bridge or router created it between our look-up and
+		// create. The server checks the name, then (after letting go of
+		// its lock) the subjects, so losing that race can also read
+		// "subjects overlap": a stream of this name now existing is the
+		// answer; if none does, another stream holds the subjects.
+		if s, lerr := js.Stream(ctx, cfg.Name); lerr == nil {
+			return s, nil
+		}
 	}
 	if err != nil {
 		return nil, fmt.Errorf("events: create stream %s: %w", cfg.Name, err)
@@ -249,8 +255,11 @@ func EnsureBucket(ctx context.Context, js jetstream.JetStream, cfg BucketConfig)
 		MaxValueSize: cfg.MaxValueSize,
 		Storage:      storage,
 	})
-	if errors.Is(err, jetstream.ErrBucketExists) || errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-		return js.KeyValue(ctx, cfg.Name)
+	if errors.Is(err, jetstream.ErrBucketExists) || errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) || isSubjectOverlap(err) {
+		// Made by another creator meanwhile (see EnsureStream).
+		if kv, lerr := js.KeyValue(ctx, cfg.Name); lerr == nil || !isSubjectOverlap(err) {
+			return kv, lerr
+		}
 	}
 	if err != nil {
 		return nil, fmt.Errorf("events: create bucket %s: %w", cfg.Name, err)
@@ -291,13 +300,31 @@ func EnsureObjectStore(ctx context.Context, js jetstream.JetStream, cfg BucketCo
 		TTL:         cfg.TTL,
 		Storage:     storage,
 	})
-	if errors.Is(err, jetstream.ErrBucketExists) || errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-		return js.ObjectStore(ctx, name)
+	if errors.Is(err, jetstream.ErrBucketExists) || errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) || isSubjectOverlap(err) {
+		// Made by another creator meanwhile (see EnsureStream).
+		if obs, lerr := js.ObjectStore(ctx, name); lerr == nil || !isSubjectOverlap(err) {
+			return obs, lerr
+		}
 	}
 	if err != nil {
 		return nil, fmt.Errorf("events: create object store %s: %w", name, err)
 	}
 	return obs, nil
+}
+
+// jsErrSubjectOverlap is the JetStream API error code for "subjects
+// overlap with an existing stream" (nats-server JSStreamSubjectOverlapErr;
+// nats.go has no constant for it).
+const jsErrSubjectOverlap = 10065
+
+func isSubjectOverlap(err error) bool {
+	var je jetstream.JetStreamError
+	if errors.As(err, &je) {
+		if a := je.APIError(); a != nil {
+			return a.ErrorCode == jsErrSubjectOverlap
+		}
+	}
+	return false
 }
 
 // Heartbeat is what a bridge publishes on kv.instances.<pool>.<instance>.
@@ -316,4 +343,13 @@ type Heartbeat struct {
 	// IntervalMS is the bridge's heartbeat period, so a consumer can tell
 	// how long a silence means the instance is gone.
 	IntervalMS int64 `json:"interval_ms"`
+	// EngineDown says the bridge sees the engine dead: its HTTP health
+	// fails and it publishes no events. Its blocks must not count until a
+	// heartbeat says otherwise; by then the bridge has cleared them if the
+	// engine came back as a new process.
+	EngineDown bool `json:"engine_down,omitempty"`
+	// EngineStart is the engine process's start time (Unix seconds, from
+	// its /metrics process_start_time_seconds), 0 when unknown: it changes
+	// exactly when the engine restarts.
+	EngineStart float64 `json:"engine_start,omitempty"`
 }

@@ -86,3 +86,47 @@ func TestEnsureAllRetriesOutage(t *testing.T) {
 		t.Fatal("a deadline counted as a config error")
 	}
 }
+
+// Bridges and routers starting together race to create the same stream,
+// bucket and object store; the losers find what the winner made (the
+// server may tell them "subjects overlap" rather than "name in use"),
+// and none fails.
+func TestEnsureAllConcurrentCreators(t *testing.T) {
+	ctx := testenv.Context(t, time.Minute)
+	ns := testenv.StartNATS(t)
+	const creators = 8
+	for round := 0; round < 5; round++ {
+		name := testenv.UniqueName(t)
+		cfgS, cfgB := StreamConfig{Name: "S_" + name, Memory: true}, BucketConfig{Name: "B_" + name, Memory: true}
+		errs := make(chan error, creators)
+		for i := 0; i < creators; i++ {
+			go func() {
+				nc, err := nats.Connect(ns.URL())
+				if err != nil {
+					errs <- err
+					return
+				}
+				defer nc.Close()
+				js, _ := jetstream.New(nc)
+				_, err = EnsureAll(ctx, js, cfgS, cfgB, slog.New(slog.DiscardHandler))
+				errs <- err
+			}()
+		}
+		for i := 0; i < creators; i++ {
+			if err := <-errs; err != nil {
+				t.Fatalf("round %d: creator failed: %v", round, err)
+			}
+		}
+		// Delete the stream so the next round's creators race for the
+		// same subjects again.
+		nc, err := nats.Connect(ns.URL())
+		if err != nil {
+			t.Fatal(err)
+		}
+		js, _ := jetstream.New(nc)
+		if err := js.DeleteStream(ctx, cfgS.Name); err != nil {
+			t.Fatal(err)
+		}
+		nc.Close()
+	}
+}

@@ -29,6 +29,13 @@ type Snapshot struct {
 	HasSeq    bool      `json:"has_seq"`
 	StreamSeq uint64    `json:"stream_seq"`
 	Taken     time.Time `json:"taken"`
+	// EngineStart and LastHash identify the engine process the table
+	// belongs to, so that a restarted bridge republishes it only for that
+	// same process: the process's start time (Unix seconds, 0 unknown) and
+	// the xxhash64 of the payload of message EngineSeq, which the engine's
+	// replay buffer returns unchanged while it still holds it.
+	EngineStart float64 `json:"engine_start,omitempty"`
+	LastHash    uint64  `json:"last_hash,omitempty"`
 	// Object, when set, says the full snapshot is too large for one NATS
 	// message and sits in the snapshot object store under this name; this
 	// one is then only a pointer (no Batch). See ResolveSnapshot.

@@ -162,6 +162,12 @@ type SubscriberConfig struct {
 	// OnMalformed, when set, is called (on the Run goroutine) for each
 	// message dropped for bad frames, so the owner can count it.
 	OnMalformed func(error)
+	// OnConnect, when set, is called (on the Run goroutine) each time the
+	// socket is connected (or listening) again. Messages the engine
+	// published while it was not, and a tail no later message reveals as
+	// a gap, are only in the engine's replay buffer: the owner asks for
+	// them.
+	OnConnect func()
 }
 
 // SubscriberStats are a Subscriber's counters since it was made.
@@ -176,6 +182,7 @@ type SubscriberStats struct {
 type Subscriber struct {
 	cfg                             SubscriberConfig
 	messages, malformed, reconnects atomic.Uint64
+	kick                            chan struct{}
 }
 
 // NewSubscriber validates cfg and fills its defaults.
@@ -195,7 +202,17 @@ func NewSubscriber(cfg SubscriberConfig) (*Subscriber, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &Subscriber{cfg: cfg}, nil
+	return &Subscriber{cfg: cfg, kick: make(chan struct{}, 1)}, nil
+}
+
+// Kick cuts the current reconnect wait short and resets the backoff: the
+// owner learnt by other means (the engine's HTTP health) that the engine is
+// back, so waiting up to MaxBackoff more would only delay its events.
+func (s *Subscriber) Kick() {
+	select {
+	case s.kick <- struct{}{}:
+	default:
+	}
 }
 
 func validEndpoint(ep string) error {
@@ -229,8 +246,10 @@ func (s *Subscriber) Run(ctx context.Context, handle func(Message)) error {
 			case <-ctx.Done():
 				return ctx.Err()
 			case <-time.After(backoff):
+				backoff = min(2*backoff, s.cfg.MaxBackoff)
+			case <-s.kick:
+				backoff = s.cfg.MinBackoff
 			}
-			backoff = min(2*backoff, s.cfg.MaxBackoff)
 		}
 		first = false
 		got, err := s.session(ctx, handle)
@@ -260,6 +279,9 @@ func (s *Subscriber) session(ctx context.Context, handle func(Message)) (got boo
 		}
 	} else if err := sock.Dial(s.cfg.Endpoint); err != nil {
 		return false, fmt.Errorf("dial: %w", err)
+	}
+	if s.cfg.OnConnect != nil {
+		s.cfg.OnConnect()
 	}
 	for {
 		msg, err := sock.Recv()
@@ -376,6 +398,46 @@ func ReplayRange(ctx context.Context, cfg ReplayConfig, from, to uint64) ([]Mess
 	}
 	if want < to {
 		return nil, fmt.Errorf("%w: engine replayed up to seq %d of [%d, %d)", ErrReplayIncomplete, want, from, to)
+	}
+	return out, nil
+}
+
+// ReplayHistory replays an engine's whole history before seq to: every
+// message from its first (seq 0 for vLLM, 1 for some simulators) through
+// to-1. It returns ErrReplayIncomplete when the replay buffer no longer
+// reaches back to the first message or has holes. It is how a bridge
+// catches up on what an engine published before the bridge heard it: a
+// bridge that started first, or an engine that restarted.
+func ReplayHistory(ctx context.Context, cfg ReplayConfig, to uint64) ([]Message, error) {
+	if to == 0 {
+		return nil, nil
+	}
+	var out []Message
+	var holes error
+	err := Replay(ctx, cfg, 0, func(m Message) bool {
+		switch {
+		case m.Seq >= to:
+			return false
+		case len(out) == 0 && m.Seq > 1:
+			holes = fmt.Errorf("%w: engine's replay starts at seq %d", ErrReplayIncomplete, m.Seq)
+			return false
+		case len(out) > 0 && m.Seq != out[len(out)-1].Seq+1:
+			holes = fmt.Errorf("%w: engine replayed seq %d after %d", ErrReplayIncomplete, m.Seq, out[len(out)-1].Seq)
+			return false
+		}
+		out = append(out, m)
+		return true
+	})
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrReplayIncomplete, err)
+	}
+	if holes != nil {
+		return nil, holes
+	}
+	// An engine starting at 1 has nothing before it; one starting at 0
+	// replays 0 first.
+	if to > 1 && (len(out) == 0 || out[len(out)-1].Seq != to-1) {
+		return nil, fmt.Errorf("%w: engine replayed %d messages of its first %d", ErrReplayIncomplete, len(out), to)
 	}
 	return out, nil
 }

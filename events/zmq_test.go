@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -315,4 +316,73 @@ func TestNewSubscriberValidates(t *testing.T) {
 			t.Errorf("%+v accepted", cfg)
 		}
 	}
+}
+
+// ReplayHistory returns an engine's whole history before a seq, whether
+// the engine counts from 0 (vLLM) or 1, and refuses one whose buffer no
+// longer reaches back to its first message.
+func TestReplayHistory(t *testing.T) {
+	ctx := testenv.Context(t, 30*time.Second)
+	for _, first := range []uint64{0, 1} {
+		ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+		rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+		pub, err := NewZMQPublisher(ctx, ZMQPublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv", BufferSteps: 6, FirstSeq: first})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer pub.Close()
+		cfg := ReplayConfig{Endpoint: rep, Timeout: 5 * time.Second}
+		for i := 0; i < 4; i++ {
+			if _, err := pub.Publish([]byte{byte(i)}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for to := uint64(0); to <= first+4; to++ {
+			ms, err := ReplayHistory(ctx, cfg, to)
+			if err != nil {
+				t.Fatalf("first %d, to %d: %v", first, to, err)
+			}
+			want := 0
+			if to > first {
+				want = int(to - first)
+			}
+			if len(ms) != want || (want > 0 && (ms[0].Seq != first || ms[want-1].Seq != to-1)) {
+				t.Fatalf("first %d, to %d: got %d messages %+v", first, to, len(ms), ms)
+			}
+		}
+		if _, err := ReplayHistory(ctx, cfg, first+6); !errors.Is(err, ErrReplayIncomplete) {
+			t.Fatalf("first %d: replay past the newest message: err = %v", first, err)
+		}
+		for i := 0; i < 4; i++ { // the buffer (6) no longer holds the first message
+			if _, err := pub.Publish([]byte{byte(i)}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := ReplayHistory(ctx, cfg, first+8); !errors.Is(err, ErrReplayIncomplete) {
+			t.Fatalf("first %d: buffer passed the first message: err = %v", first, err)
+		}
+	}
+}
+
+// Kick ends a reconnect wait at once: a subscriber whose backoff has grown
+// connects as soon as it is kicked, not at the end of the wait.
+func TestSubscriberKick(t *testing.T) {
+	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
+	defer cancel()
+	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, MinBackoff: time.Hour, MaxBackoff: time.Hour, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got collector
+	go func() { _ = sub.Run(ctx, got.add) }()
+	// Nobody listens: the first dial fails and the next waits an hour.
+	waitFor(t, 20*time.Second, "a failed dial", func() bool { return sub.Stats().Reconnects >= 1 })
+	pub, err := NewZMQPublisher(ctx, ZMQPublisherConfig{Endpoint: ep, Topic: "kv"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	sub.Kick()
+	waitFor(t, 10*time.Second, "subscribed after the kick", pub.Subscribed)
 }

@@ -245,7 +245,10 @@ func (r *rig) startBridge(o rigOpts) {
 		SnapshotInterval:  snapEvery,
 		ReplayTimeout:     2 * time.Second,
 		PublishTimeout:    time.Second,
-		Logger:            quietLogger(),
+		// No HTTP server stands behind this engine's URL: a probe would
+		// rightly call it down.
+		EngineProbeInterval: -1,
+		Logger:              quietLogger(),
 	})
 	if err != nil {
 		r.t.Fatal(err)

@@ -63,6 +63,7 @@ type options struct {
 
 	maxBlocks, buffer                       int
 	heartbeat, snapshotEvery, replayTimeout time.Duration
+	engineProbe                             time.Duration
 
 	stream         string
 	streamMaxAge   time.Duration
@@ -102,7 +103,7 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	fs.StringVar(&o.pool, "pool", envOr(getenv, "", "KVBRIDGE_POOL"), "pool (model deployment) name (env KVBRIDGE_POOL); required")
 	fs.StringVar(&o.instance, "instance", envOr(getenv, host, "KVBRIDGE_INSTANCE", "POD_NAME"), "instance name (env KVBRIDGE_INSTANCE, POD_NAME; default hostname)")
 	fs.StringVar(&o.model, "model", envOr(getenv, "", "KVBRIDGE_MODEL", "MODEL"), "served model name (env KVBRIDGE_MODEL, MODEL)")
-	fs.StringVar(&o.engineURL, "engine-url", envOr(getenv, "", "KVBRIDGE_ENGINE_URL"), "the engine's HTTP base URL for heartbeats (env KVBRIDGE_ENGINE_URL; default http://$POD_IP:8000)")
+	fs.StringVar(&o.engineURL, "engine-url", envOr(getenv, "", "KVBRIDGE_ENGINE_URL"), "the engine's HTTP base URL, advertised in heartbeats and probed (env KVBRIDGE_ENGINE_URL; default http://$POD_IP:8000)")
 	fs.StringVar(&o.adapters, "adapters", envOr(getenv, "", "KVBRIDGE_ADAPTERS"), "LoRA adapters served, comma-separated (env KVBRIDGE_ADAPTERS)")
 	fs.IntVar(&o.blockSize, "block-size", 0, "engine block size in tokens for heartbeats (0: learn from events)")
 	fs.StringVar(&o.zmqEndpoint, "zmq-endpoint", envOr(getenv, "tcp://127.0.0.1:5557", "KVBRIDGE_ZMQ_ENDPOINT"), "engine KV-events PUB endpoint (rank r uses port+r)")
@@ -115,6 +116,7 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	fs.DurationVar(&o.heartbeat, "heartbeat", 0, "heartbeat interval (default 5s)")
 	fs.DurationVar(&o.snapshotEvery, "snapshot-interval", 0, "snapshot bucket refresh interval (default 30s)")
 	fs.DurationVar(&o.replayTimeout, "replay-timeout", 0, "timeout of one replay request (default 5s)")
+	fs.DurationVar(&o.engineProbe, "engine-probe-interval", 0, "how often engine-url's /health and /metrics (process_start_time_seconds) are read to tell a dead or restarted engine (default 1s; negative: never)")
 	fs.StringVar(&o.stream, "stream", "", "JetStream stream name (default KV_EVENTS)")
 	fs.DurationVar(&o.streamMaxAge, "stream-max-age", 0, "stream retention when the bridge creates it (default 1h)")
 	fs.Int64Var(&o.streamMaxBytes, "stream-max-bytes", 0, "stream size bound when the bridge creates it (default 1 GiB)")
@@ -230,16 +232,17 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}
 	br, err := bridge.New(bridge.Config{
 		Pool: o.pool, Model: o.model, BlockSize: o.blockSize, Adapters: adapters, Sources: srcs, Conn: nc,
-		Stream:            events.StreamConfig{Name: o.stream, MaxAge: o.streamMaxAge, MaxBytes: o.streamMaxBytes},
-		Bucket:            events.BucketConfig{Name: o.bucket},
-		MaxBlocks:         o.maxBlocks,
-		Buffer:            o.buffer,
-		HeartbeatInterval: o.heartbeat,
-		HeartbeatKey:      hbKey,
-		SnapshotInterval:  o.snapshotEvery,
-		ReplayTimeout:     o.replayTimeout,
-		Registerer:        reg,
-		Logger:            log,
+		Stream:              events.StreamConfig{Name: o.stream, MaxAge: o.streamMaxAge, MaxBytes: o.streamMaxBytes},
+		Bucket:              events.BucketConfig{Name: o.bucket},
+		MaxBlocks:           o.maxBlocks,
+		Buffer:              o.buffer,
+		HeartbeatInterval:   o.heartbeat,
+		SnapshotInterval:    o.snapshotEvery,
+		ReplayTimeout:       o.replayTimeout,
+		EngineProbeInterval: o.engineProbe,
+		HeartbeatKey:        hbKey,
+		Registerer:          reg,
+		Logger:              log,
 	})
 	if err != nil {
 		return err

@@ -1,7 +1,8 @@
 // Package bridge carries one engine's KV events from its ZMQ PUB socket(s)
 // to NATS JetStream, as kvbridge does: per-rank sequence tracking, gap
-// repair from the engine's replay socket (else a synthetic clear), a live
-// block table answered as snapshots, heartbeats and eviction records.
+// repair from the engine's replay socket (else a synthetic clear), restart
+// and death detection (see engine.go), a live block table answered as
+// snapshots, heartbeats and eviction records.
 package bridge
 
 import (
@@ -12,10 +13,12 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
@@ -40,7 +43,8 @@ type Source struct {
 	ReplayEndpoint string
 	// Topic is the ZMQ subscription prefix ("" = all).
 	Topic string
-	// URL is the instance's HTTP base URL, advertised in heartbeats.
+	// URL is the instance's HTTP base URL, advertised in heartbeats and
+	// probed (GET /health, /metrics) to tell a dead or restarted engine.
 	URL string
 }
 
@@ -80,6 +84,14 @@ type Config struct {
 	// SnapshotInterval is how often the snapshot bucket is refreshed
 	// (default 30s); keep it well below the stream's MaxAge.
 	SnapshotInterval time.Duration
+	// EngineProbeInterval is how often each source's URL is probed:
+	// /health to tell an engine that is down, /metrics's
+	// process_start_time_seconds to tell one that restarted (default 1s:
+	// a restarted engine is cleared, and a dead one reported, within a
+	// second or two; the two requests cost the engine far less than a
+	// Prometheus scrape). Negative: no probing (then only the seq and the
+	// replay socket tell a restart).
+	EngineProbeInterval time.Duration
 	// ReplayTimeout bounds one replay request (default 5s).
 	ReplayTimeout time.Duration
 	// PublishTimeout bounds one publish attempt (default 5s).
@@ -106,6 +118,44 @@ type Bridge struct {
 	runID string
 	insts []*instance
 	ready atomic.Bool
+	http  *http.Client // engine probes
+
+	storesMu sync.Mutex // guards kv and obs, replaced when JetStream lost them
+	kv       jetstream.KeyValue
+	obs      jetstream.ObjectStore
+}
+
+func (b *Bridge) setStores(kv jetstream.KeyValue, obs jetstream.ObjectStore) {
+	b.storesMu.Lock()
+	b.kv, b.obs = kv, obs
+	b.storesMu.Unlock()
+}
+
+// stores returns the snapshot bucket and object store.
+func (b *Bridge) stores() (jetstream.KeyValue, jetstream.ObjectStore) {
+	b.storesMu.Lock()
+	defer b.storesMu.Unlock()
+	return b.kv, b.obs
+}
+
+// remakeStores makes the stream, snapshot bucket and object store again after
+// they failed: a JetStream whose store was wiped comes back without them,
+// and without them a restarted bridge or router has no snapshot to start
+// from.
+func (b *Bridge) remakeStores(ctx context.Context) error {
+	if _, err := events.EnsureStream(ctx, b.js, b.cfg.Stream); err != nil {
+		return err
+	}
+	kv, err := events.EnsureBucket(ctx, b.js, b.cfg.Bucket)
+	if err != nil {
+		return err
+	}
+	obs, err := events.EnsureObjectStore(ctx, b.js, b.cfg.Bucket)
+	if err != nil {
+		return err
+	}
+	b.setStores(kv, obs)
+	return nil
 }
 
 // New validates cfg; Run starts the work.
@@ -133,6 +183,9 @@ func New(cfg Config) (*Bridge, error) {
 	}
 	if cfg.ReplayTimeout == 0 {
 		cfg.ReplayTimeout = 5 * time.Second
+	}
+	if cfg.EngineProbeInterval == 0 {
+		cfg.EngineProbeInterval = time.Second
 	}
 	if cfg.PublishTimeout == 0 {
 		cfg.PublishTimeout = 5 * time.Second
@@ -164,7 +217,7 @@ func New(cfg Config) (*Bridge, error) {
 	}
 	var id [6]byte
 	_, _ = rand.Read(id[:])
-	b := &Bridge{cfg: cfg, js: js, m: m, runID: hex.EncodeToString(id[:])}
+	b := &Bridge{cfg: cfg, js: js, m: m, runID: hex.EncodeToString(id[:]), http: &http.Client{}}
 	seen := map[string]bool{}
 	for _, s := range cfg.Sources {
 		if seen[s.Instance] {
@@ -207,9 +260,8 @@ func (b *Bridge) Run(ctx context.Context) error {
 		}
 		return fmt.Errorf("bridge: %w", err)
 	}
-	kv, obs := res.Bucket, res.ObjectStore
+	b.setStores(res.Bucket, res.ObjectStore)
 	for _, in := range b.insts {
-		in.kv, in.obs = kv, obs
 		sub, err := b.cfg.Conn.Subscribe(in.snapSubj, in.serveSnapshot)
 		if err != nil {
 			return fmt.Errorf("bridge: subscribe %s: %w", in.snapSubj, err)
@@ -223,6 +275,10 @@ func (b *Bridge) Run(ctx context.Context) error {
 		go func() { defer wg.Done(); _ = in.sub.Run(ctx, in.enqueue) }()
 		go func() { defer wg.Done(); in.process(ctx) }()
 		go func() { defer wg.Done(); in.periodic(ctx) }()
+		if in.probing() {
+			wg.Add(1)
+			go func() { defer wg.Done(); in.probe(ctx) }()
+		}
 	}
 	wg.Wait()
 	return ctx.Err()
@@ -239,6 +295,7 @@ type Stats struct {
 	Dropped        uint64 // dropped for a full buffer
 	Malformed      uint64
 	Blocks         int
+	EngineDown     bool
 	EngineSeq      uint64
 	HasSeq         bool
 	StreamSeq      uint64
@@ -260,8 +317,6 @@ type instance struct {
 	log       *slog.Logger
 	sub       *events.Subscriber
 	replay    events.ReplayConfig
-	kv        jetstream.KeyValue
-	obs       jetstream.ObjectStore
 	subj      string
 	evictSubj string
 	hbSubj    string
@@ -269,13 +324,20 @@ type instance struct {
 	key       string
 	in        chan events.Message
 	lost      chan struct{} // signalled (cap 1) when enqueue drops
+	storeNow  chan struct{} // signalled (cap 1) when the stream had to be made again
+	tail      chan struct{} // signalled (cap 1) when the subscriber (re)connected
+	probes    chan probeResult
 	started   atomic.Bool
+	lastRecv  atomic.Int64 // unix nanos of the last engine message received
+	// engineDown: probes fail and no events arrive (heartbeats say so).
+	engineDown atomic.Bool
 
 	// Owned by the process goroutine.
-	tracker  events.SeqTracker
-	msgCount uint64
-	replayed replayWindow // payloads a replay folded in, until live passes them
-	topic    string       // topic of the last live message
+	tracker    events.SeqTracker
+	msgCount   uint64
+	replayed   replayWindow // payloads a replay folded in, until live passes them
+	topic      string       // topic of the last live message
+	probeFails int          // probes failed in a row
 
 	// enc is the engine's event encoding (events.Encoding), used for
 	// synthetic messages; read by the snapshot goroutines.
@@ -283,12 +345,17 @@ type instance struct {
 
 	published, gaps, replays, replayFails, clears, dropped, malformed atomic.Uint64
 
-	mu        sync.Mutex // guards table, engineSeq, hasSeq, streamSeq, storedSeq
+	mu        sync.Mutex // guards table, engineSeq, hasSeq, streamSeq, storedSeq, lastHash, engineStart
 	table     *Table
 	engineSeq uint64
 	hasSeq    bool
 	streamSeq uint64
 	storedSeq uint64 // streamSeq of the last snapshot put in the bucket
+	// lastHash is the xxhash64 of message engineSeq's payload, and
+	// engineStart the engine's process start time (0 unknown): what
+	// proves later that the engine is the same process (see engine.go).
+	lastHash    uint64
+	engineStart float64
 }
 
 func newInstance(b *Bridge, s Source) (*instance, error) {
@@ -296,20 +363,34 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		return nil, fmt.Errorf("bridge: %w", err)
 	}
 	frames := b.m.drops.WithLabelValues(s.Instance, "frames")
+	tail := make(chan struct{}, 1)
+	signalTail := func() {
+		select {
+		case tail <- struct{}{}:
+		default:
+		}
+	}
 	sub, err := events.NewSubscriber(events.SubscriberConfig{Endpoint: s.Endpoint, Bind: s.Bind, Topic: s.Topic, Logger: b.cfg.Logger,
-		OnMalformed: func(error) { frames.Inc() }})
+		OnMalformed: func(error) { frames.Inc() },
+		// Once connected, and again when the subscription has surely
+		// reached the engine (ZMQ drops what a PUB sends before), ask
+		// the replay for what was published meanwhile.
+		OnConnect: func() { signalTail(); time.AfterFunc(tailRecheck, signalTail) }})
 	if err != nil {
 		return nil, fmt.Errorf("bridge: instance %s: %w", s.Instance, err)
 	}
 	in := &instance{
-		b:      b,
-		src:    s,
-		log:    b.cfg.Logger.With("instance", s.Instance, "rank", s.Rank),
-		sub:    sub,
-		replay: events.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
-		in:     make(chan events.Message, b.cfg.Buffer),
-		lost:   make(chan struct{}, 1),
-		table:  NewTable(b.cfg.MaxBlocks),
+		b:        b,
+		src:      s,
+		log:      b.cfg.Logger.With("instance", s.Instance, "rank", s.Rank),
+		sub:      sub,
+		replay:   events.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
+		in:       make(chan events.Message, b.cfg.Buffer),
+		lost:     make(chan struct{}, 1),
+		tail:     tail,
+		storeNow: make(chan struct{}, 1),
+		probes:   make(chan probeResult, 1),
+		table:    NewTable(b.cfg.MaxBlocks),
 	}
 	in.enc.Store(uint32(events.EncodingMap))
 	pool := b.cfg.Pool
@@ -327,13 +408,14 @@ func (in *instance) stats() Stats {
 	return Stats{
 		Instance: in.src.Instance, Published: in.published.Load(), Gaps: in.gaps.Load(), Replays: in.replays.Load(),
 		ReplayFailures: in.replayFails.Load(), Clears: in.clears.Load(), Dropped: in.dropped.Load(),
-		Malformed: in.malformed.Load(), Blocks: in.table.Len(), EngineSeq: in.engineSeq, HasSeq: in.hasSeq, StreamSeq: in.streamSeq,
+		Malformed: in.malformed.Load(), Blocks: in.table.Len(), EngineDown: in.engineDown.Load(), EngineSeq: in.engineSeq, HasSeq: in.hasSeq, StreamSeq: in.streamSeq,
 	}
 }
 
 // enqueue runs on the subscriber goroutine and never blocks it: a full
 // buffer drops the message, and the hole is repaired as a gap.
 func (in *instance) enqueue(m events.Message) {
+	in.lastRecv.Store(time.Now().UnixNano())
 	select {
 	case in.in <- m:
 	default:
@@ -354,6 +436,7 @@ func (in *instance) process(ctx context.Context) {
 		return // ctx done
 	}
 	in.started.Store(true)
+	in.heartbeat()
 	depth := in.b.m.bufferDepth.WithLabelValues(in.src.Instance)
 	for {
 		select {
@@ -365,23 +448,51 @@ func (in *instance) process(ctx context.Context) {
 				return
 			}
 		case <-in.lost:
-			for drained := false; !drained; {
-				select {
-				case m := <-in.in:
-					if err := in.handle(ctx, m); err != nil {
-						return
-					}
-				default:
-					drained = true
-				}
+			if in.drain(ctx) != nil {
+				return
 			}
 			depth.Set(0)
 			if err := in.catchUp(ctx); err != nil {
 				return
 			}
+		case <-in.tail:
+			if in.drain(ctx) != nil {
+				return
+			}
+			depth.Set(0)
+			if err := in.catchTail(ctx); err != nil {
+				return
+			}
+		case r := <-in.probes:
+			// Messages received before the probe belong to whatever
+			// process sent them; handle them first.
+			if in.drain(ctx) != nil {
+				return
+			}
+			depth.Set(0)
+			if err := in.onProbe(ctx, r); err != nil {
+				return
+			}
 		}
 	}
 }
+
+// drain handles every message already buffered.
+func (in *instance) drain(ctx context.Context) error {
+	for {
+		select {
+		case m := <-in.in:
+			if err := in.handle(ctx, m); err != nil {
+				return err
+			}
+		default:
+			return nil
+		}
+	}
+}
+
+// probing reports whether the engine's HTTP side is probed.
+func (in *instance) probing() bool { return in.src.URL != "" && in.b.cfg.EngineProbeInterval > 0 }
 
 // catchUp replays everything the engine published after the last message
 // handled, after messages were dropped: the live ones still to come that
@@ -442,29 +553,85 @@ func (in *instance) handle(ctx context.Context, m events.Message) error {
 	// seq says.
 	newPublisher := in.topic != "" && m.Topic != in.topic
 	in.topic = m.Topic
+	wasDown := in.engineDown.Load()
 	st, from := in.tracker.Observe(m.Seq)
 	if newPublisher {
 		st = events.SeqRestart
 	}
+	if st == events.SeqNext && wasDown {
+		// Events again from an engine seen down: the seq follows on, but
+		// a new process could have counted up to it; prove it is the same.
+		in.tracker.Set(m.Seq - 1)
+		if !in.sameEngine(ctx) {
+			st = events.SeqRestart
+		}
+		in.tracker.Set(m.Seq)
+	}
+	if wasDown {
+		in.engineDown.Store(false)
+		in.b.m.engineDown.WithLabelValues(in.src.Instance).Set(0)
+		in.log.Info("engine up again: events arrive")
+	}
 	switch st {
+	case events.SeqFirst:
+		if err := in.fillStart(ctx, m.Seq); err != nil {
+			return err
+		}
 	case events.SeqGap:
 		in.gaps.Add(1)
 		in.b.m.gaps.WithLabelValues(in.src.Instance).Inc()
-		if err := in.fillGap(ctx, from, m.Seq); err != nil {
-			return err
+		err := in.fillGap(ctx, from, m.Seq)
+		if !errors.Is(err, errNotSameEngine) {
+			if err != nil {
+				return err
+			}
+			break
 		}
+		in.log.Info("engine restarted behind a gap: clearing instance", "seq", m.Seq)
+		fallthrough
 	case events.SeqRestart:
-		in.log.Info("engine restarted: clearing instance", "seq", m.Seq, "topic", m.Topic, "new_publisher", newPublisher)
+		in.log.Info("engine restarted: clearing instance, replaying the new process's first messages", "seq", m.Seq, "topic", m.Topic, "new_publisher", newPublisher)
+		in.tracker.Reset()
+		in.replayed = replayWindow{}
 		if err := in.clear(ctx, events.SyntheticRestart); err != nil {
 			return err
 		}
+		if err := in.fillStart(ctx, m.Seq); err != nil {
+			return err
+		}
 	}
-	return in.publishEngine(ctx, m)
+	if err := in.publishEngine(ctx, m); err != nil {
+		return err
+	}
+	in.tracker.Set(m.Seq)
+	if wasDown {
+		in.heartbeat()
+	}
+	return nil
 }
 
+// fillGap publishes [from, to) from the engine's replay, or clears the
+// instance when it cannot. The replay starts one message earlier, at the
+// last one published, which must come back unchanged: otherwise the
+// engine is a new process that has counted past the old seq, and
+// errNotSameEngine is returned without publishing anything.
 func (in *instance) fillGap(ctx context.Context, from, to uint64) error {
 	if in.src.ReplayEndpoint != "" {
-		msgs, err := events.ReplayRange(ctx, in.replay, from, to)
+		in.mu.Lock()
+		hash := in.lastHash
+		in.mu.Unlock()
+		check := hash != 0 && from > 0
+		start := from
+		if check {
+			start = from - 1
+		}
+		msgs, err := events.ReplayRange(ctx, in.replay, start, to)
+		if err == nil && check {
+			if xxhash.Sum64(msgs[0].Payload) != hash {
+				return errNotSameEngine
+			}
+			msgs = msgs[1:]
+		}
 		if err == nil {
 			in.replays.Add(1)
 			in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
@@ -511,9 +678,14 @@ func (in *instance) publishEngine(ctx context.Context, m events.Message) error {
 	in.mu.Lock()
 	res := in.table.Apply(batch.Events)
 	in.engineSeq, in.hasSeq, in.streamSeq = m.Seq, true, seq
+	in.lastHash = xxhash.Sum64(m.Payload)
 	n := in.table.Len()
 	in.mu.Unlock()
 	in.b.m.tableBlocks.WithLabelValues(in.src.Instance).Set(float64(n))
+	if res.Evicted > 0 {
+		in.b.m.tableFull.WithLabelValues(in.src.Instance).Add(float64(res.Evicted))
+		in.log.Warn("block table full: dropped held blocks (raise --max-blocks to the engine's block count)", "dropped", res.Evicted, "max", in.b.cfg.MaxBlocks)
+	}
 	in.countEvents(batch.Events)
 	now := time.Now().UTC()
 	for _, rm := range res.Removed {
@@ -541,17 +713,28 @@ func (in *instance) countEvents(evs []events.Event) {
 	}
 }
 
+// evict publishes an eviction record; one listing more hashes than
+// events.MaxEvictionHashes goes as several, so that every removed block
+// appears in exactly one record.
 func (in *instance) evict(rec events.EvictionRecord) {
 	rec.Pool, rec.Instance = in.b.cfg.Pool, in.src.Instance
-	if len(rec.Hashes) > events.MaxEvictionHashes {
-		rec.Hashes = rec.Hashes[:events.MaxEvictionHashes]
+	rest := rec.Hashes
+	for {
+		if len(rest) > 0 {
+			n := min(len(rest), events.MaxEvictionHashes)
+			rec.Hashes, rest = rest[:n], rest[n:]
+			rec.Blocks = n
+		}
+		data, err := json.Marshal(rec)
+		if err != nil {
+			return
+		}
+		// Core NATS, best effort: eviction records are for dashboards.
+		_ = in.b.cfg.Conn.Publish(in.evictSubj, data)
+		if len(rest) == 0 {
+			return
+		}
 	}
-	data, err := json.Marshal(rec)
-	if err != nil {
-		return
-	}
-	// Core NATS, best effort: eviction records are for dashboards.
-	_ = in.b.cfg.Conn.Publish(in.evictSubj, data)
 }
 
 // clear publishes a synthetic AllBlocksCleared and empties the table.
@@ -573,6 +756,7 @@ func (in *instance) clear(ctx context.Context, reason string) error {
 	in.mu.Lock()
 	n := in.table.Clear()
 	in.streamSeq = seq
+	in.hasSeq, in.lastHash = false, 0
 	in.mu.Unlock()
 	in.b.m.tableBlocks.WithLabelValues(in.src.Instance).Set(0)
 	in.clears.Add(1)
@@ -589,6 +773,7 @@ func (in *instance) publish(ctx context.Context, payload []byte, h events.EventH
 	id := fmt.Sprintf("%s.%s.%s.%d", in.b.cfg.Pool, in.src.Instance, in.b.runID, in.msgCount)
 	msg := &nats.Msg{Subject: in.subj, Data: payload, Header: h.Header()}
 	backoff := 50 * time.Millisecond
+	remade := false
 	for attempt := 0; ; attempt++ {
 		pctx, cancel := context.WithTimeout(ctx, in.b.cfg.PublishTimeout)
 		start := time.Now()
@@ -601,6 +786,12 @@ func (in *instance) publish(ctx context.Context, payload []byte, h events.EventH
 			if attempt > 0 {
 				in.log.Info("publish recovered", "attempts", attempt+1)
 			}
+			if remade {
+				select {
+				case in.storeNow <- struct{}{}:
+				default:
+				}
+			}
 			return ack.Sequence, nil
 		}
 		if ctx.Err() != nil {
@@ -611,8 +802,11 @@ func (in *instance) publish(ctx context.Context, payload []byte, h events.EventH
 			in.log.Warn("publish failed, retrying (engine messages are buffered)", "err", err)
 		}
 		if errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders) {
-			// The stream may have been deleted: make it again.
+			// The stream may have been deleted (a wiped JetStream store):
+			// make it again, and once publishing works, store a snapshot
+			// at once, which makes the bucket again too.
 			_, _ = events.EnsureStream(ctx, in.b.js, in.b.cfg.Stream)
+			remade = true
 		}
 		select {
 		case <-ctx.Done():

@@ -20,6 +20,8 @@ type metrics struct {
 	tableBlocks *prometheus.GaugeVec
 	bufferDepth *prometheus.GaugeVec
 	snapshots   *prometheus.CounterVec
+	tableFull   *prometheus.CounterVec
+	engineDown  *prometheus.GaugeVec
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -51,10 +53,14 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help: "Engine messages waiting to be published (outage buffer)."}, []string{"instance"}),
 		snapshots: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_snapshots_total",
 			Help: "Snapshots served or stored, by kind (request, store) and result (ok, error)."}, []string{"kind", "result"}),
+		tableFull: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_table_evictions_total",
+			Help: "Held blocks dropped from the block table by --max-blocks (zero while it is at least the engine's block count)."}, []string{"instance"}),
+		engineDown: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvbridge_engine_down",
+			Help: "1 while the engine's HTTP health fails and it publishes no events (heartbeats say so), else 0."}, []string{"instance"}),
 	}
 	if reg != nil {
 		for _, c := range []prometheus.Collector{m.batches, m.events, m.blocks, m.gaps, m.replays, m.clears, m.drops,
-			m.malformed, m.publishSecs, m.retries, m.tableBlocks, m.bufferDepth, m.snapshots} {
+			m.malformed, m.publishSecs, m.retries, m.tableBlocks, m.bufferDepth, m.snapshots, m.tableFull, m.engineDown} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}

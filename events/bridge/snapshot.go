@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvrouter/kvrouter/events"
@@ -16,38 +17,47 @@ import (
 // bridge is still starting); its value says why.
 const HeaderError = "Kv-Error"
 
-// resync runs once at start: recover the table from the bucket's snapshot,
-// catch up from the engine's replay (or give up what cannot be vouched
-// for), then publish a clear followed by the whole table, so consumers
-// hold exactly the bridge's table whatever a previous bridge published.
+// resync runs once at start: recover the table from the bucket's snapshot
+// if the engine is provably the process it was taken from, catch up from
+// the engine's replay (or give up what cannot be vouched for), then
+// publish a clear followed by the whole table, so consumers hold exactly
+// the bridge's table whatever a previous bridge published.
+//
+// A snapshot is for one engine process. The engine behind the endpoint
+// may have restarted while the bridge was away (a pod restart restarts
+// both), and a new process's seq may well have passed the snapshot's, so
+// neither "replay has nothing newer" nor "the seq follows on" proves
+// anything. What does: the replay socket returning the snapshot's last
+// message byte for byte (its hash is in the snapshot), or the engine's
+// process start time equal to the snapshot's. Without proof the bridge
+// starts empty and rebuilds from the engine's replay buffer.
 func (in *instance) resync(ctx context.Context) error {
-	var snap *events.Snapshot
-	if e, err := in.kv.Get(ctx, in.key); err == nil {
-		s, err := events.UnmarshalSnapshot(e.Value())
-		if err == nil {
-			s, err = events.ResolveSnapshot(ctx, in.obs, s)
-		}
-		if err == nil && s.Instance == in.src.Instance && s.HasSeq {
-			if b, err := events.Decode(s.Batch); err == nil {
-				in.mu.Lock()
-				in.table.Apply(b.Events)
-				in.mu.Unlock()
-				if b.Encoding != 0 {
-					in.enc.Store(uint32(b.Encoding))
-				}
-				snap = &s
-				in.tracker.Set(s.EngineSeq)
-				in.log.Info("recovered block table from snapshot", "blocks", s.Blocks, "engine_seq", s.EngineSeq)
-			}
-		}
-		if snap == nil {
-			in.log.Warn("ignoring unusable snapshot in bucket", "key", in.key, "err", err)
-		}
+	var start float64
+	if in.probing() {
+		r := in.probeOnce(ctx)
+		start = r.start
+		in.mu.Lock()
+		in.engineStart = r.start
+		in.mu.Unlock()
 	}
+	snap := in.loadSnapshot(ctx)
+	if snap != nil && snap.EngineStart != 0 && start != 0 && snap.EngineStart != start {
+		in.log.Info("snapshot is of an earlier engine process (start time differs): starting empty",
+			"snapshot_start", snap.EngineStart, "engine_start", start)
+		snap = nil
+	}
+	startProven := snap != nil && snap.EngineStart != 0 && snap.EngineStart == start
 	if in.src.ReplayEndpoint != "" {
 		from := uint64(0)
-		if snap != nil {
+		hashProof := snap != nil && snap.LastHash != 0
+		switch {
+		case hashProof:
+			from = snap.EngineSeq // replayed again, to be compared
+		case startProven:
 			from = snap.EngineSeq + 1
+		case snap != nil:
+			in.log.Info("snapshot cannot be tied to the engine process (no hash, no start time): starting empty")
+			snap = nil
 		}
 		var msgs []events.Message
 		err := events.Replay(ctx, in.replay, from, func(m events.Message) bool {
@@ -57,7 +67,17 @@ func (in *instance) resync(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
+		if err == nil && hashProof {
+			if len(msgs) == 0 || msgs[0].Seq != from || xxhash.Sum64(msgs[0].Payload) != snap.LastHash {
+				err = errNotSameEngine
+			} else {
+				msgs, from = msgs[1:], from+1
+			}
+		}
 		if err == nil && contiguous(msgs, from, snap == nil) {
+			if snap != nil {
+				in.applySnapshot(*snap)
+			}
 			for _, m := range msgs {
 				b, err := events.Decode(m.Payload)
 				if err != nil {
@@ -66,6 +86,7 @@ func (in *instance) resync(ctx context.Context) error {
 				}
 				in.mu.Lock()
 				in.table.Apply(b.Events)
+				in.lastHash = xxhash.Sum64(m.Payload)
 				in.mu.Unlock()
 				in.tracker.Set(m.Seq)
 			}
@@ -74,22 +95,23 @@ func (in *instance) resync(ctx context.Context) error {
 			}
 			in.replays.Add(1)
 			in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
-			in.log.Info("caught up from replay", "from", from, "messages", len(msgs))
+			in.log.Info("caught up from replay", "from", from, "messages", len(msgs), "snapshot", snap != nil)
 		} else {
 			in.replayFails.Add(1)
 			in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
 			if snap != nil {
-				in.log.Warn("replay cannot close the gap since the snapshot: starting empty", "from", from, "err", err)
-				in.mu.Lock()
-				in.table.Clear()
-				in.mu.Unlock()
-				in.tracker.Reset()
+				in.log.Warn("snapshot not provably of this engine process, or replay cannot close the gap since it: starting empty", "from", from, "err", err)
 			} else {
-				in.log.Info("no snapshot and no full replay: starting empty", "err", err)
+				in.log.Info("no usable snapshot and no full replay: starting empty; the first message asks again", "err", err)
 			}
 		}
 	} else if snap != nil {
-		in.log.Info("no replay endpoint: the first live message decides whether the snapshot still holds")
+		if startProven {
+			in.applySnapshot(*snap)
+			in.log.Info("no replay endpoint: the engine's start time proves the snapshot's process; the first live message decides whether it still holds")
+		} else {
+			in.log.Info("no replay endpoint and no engine start time to tie the snapshot to the engine process: starting empty")
+		}
 	}
 	if last, ok := in.tracker.Last(); ok {
 		in.mu.Lock()
@@ -101,6 +123,45 @@ func (in *instance) resync(ctx context.Context) error {
 	}
 	in.storeSnapshot(ctx)
 	return nil
+}
+
+// loadSnapshot reads the instance's snapshot from the bucket (nil: none or
+// unusable); nothing is applied yet.
+func (in *instance) loadSnapshot(ctx context.Context) *events.Snapshot {
+	kv, obs := in.b.stores()
+	e, err := kv.Get(ctx, in.key)
+	if err != nil {
+		return nil
+	}
+	s, err := events.UnmarshalSnapshot(e.Value())
+	if err == nil {
+		s, err = events.ResolveSnapshot(ctx, obs, s)
+	}
+	if err == nil && (s.Instance != in.src.Instance || !s.HasSeq) {
+		err = fmt.Errorf("snapshot of %q, has seq %v", s.Instance, s.HasSeq)
+	}
+	if err == nil {
+		_, err = events.Decode(s.Batch)
+	}
+	if err != nil {
+		in.log.Warn("ignoring unusable snapshot in bucket", "key", in.key, "err", err)
+		return nil
+	}
+	return &s
+}
+
+// applySnapshot folds a proven snapshot into the (empty) table.
+func (in *instance) applySnapshot(s events.Snapshot) {
+	b, _ := events.Decode(s.Batch) // checked by loadSnapshot
+	in.mu.Lock()
+	in.table.Apply(b.Events)
+	in.lastHash = s.LastHash
+	in.mu.Unlock()
+	if b.Encoding != 0 {
+		in.enc.Store(uint32(b.Encoding))
+	}
+	in.tracker.Set(s.EngineSeq)
+	in.log.Info("recovered block table from snapshot", "blocks", s.Blocks, "engine_seq", s.EngineSeq)
 }
 
 // contiguous reports whether msgs are consecutive from `from` (or, for an
@@ -213,7 +274,7 @@ func (in *instance) snapshot() (events.Snapshot, error) {
 	evs := in.table.Events()
 	s := events.Snapshot{Pool: in.b.cfg.Pool, Instance: in.src.Instance, Model: in.b.cfg.Model,
 		BlockSize: in.table.BlockSize(), Blocks: in.table.Len(), EngineSeq: in.engineSeq, HasSeq: in.hasSeq,
-		StreamSeq: in.streamSeq, Taken: time.Now().UTC()}
+		StreamSeq: in.streamSeq, Taken: time.Now().UTC(), EngineStart: in.engineStart, LastHash: in.lastHash}
 	in.mu.Unlock()
 	b, err := events.Encode(nil, events.Batch{TS: now(), Events: evs, DPRank: in.src.Rank, HasDPRank: true}, in.encoding())
 	if err != nil {
@@ -254,7 +315,8 @@ func (in *instance) marshalSnapshot(ctx context.Context, s events.Snapshot) ([]b
 	if err != nil || len(data) <= in.b.cfg.InlineSnapshotMax {
 		return data, err
 	}
-	if _, err := in.obs.PutBytes(ctx, in.key, data); err != nil {
+	_, obs := in.b.stores()
+	if _, err := obs.PutBytes(ctx, in.key, data); err != nil {
 		return nil, fmt.Errorf("bridge: snapshot object: %w", err)
 	}
 	ptr := s
@@ -269,15 +331,29 @@ func (in *instance) storeSnapshot(ctx context.Context) {
 	cur, stored := in.streamSeq, in.storedSeq
 	in.mu.Unlock()
 	if cur == stored && cur != 0 {
-		return
+		// Nothing new; but a wiped JetStream loses the bucket while the
+		// engine is idle too, so check that the snapshot is still there.
+		kv, _ := in.b.stores()
+		if _, err := kv.Get(ctx, in.key); err == nil || ctx.Err() != nil {
+			return
+		}
 	}
 	s, err := in.snapshot()
-	var data []byte
-	if err == nil {
-		data, err = in.marshalSnapshot(ctx, s)
+	put := func() error {
+		data, err := in.marshalSnapshot(ctx, s)
+		if err == nil {
+			kv, _ := in.b.stores()
+			_, err = kv.Put(ctx, in.key, data)
+		}
+		return err
 	}
 	if err == nil {
-		_, err = in.kv.Put(ctx, in.key, data)
+		if err = put(); err != nil && ctx.Err() == nil {
+			if rerr := in.b.remakeStores(ctx); rerr == nil {
+				in.log.Info("snapshot store failed; bucket and object store looked up or made again", "err", err)
+				err = put()
+			}
+		}
 	}
 	if err != nil {
 		in.b.m.snapshots.WithLabelValues("store", "error").Inc()
@@ -296,14 +372,23 @@ func (in *instance) periodic(ctx context.Context) {
 	defer hb.Stop()
 	snap := time.NewTicker(in.b.cfg.SnapshotInterval)
 	defer snap.Stop()
-	in.heartbeat()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-hb.C:
-			in.heartbeat()
+			// Not before the start-up resync is done: until its clear
+			// reaches the routers they may hold what a previous bridge
+			// published for an engine that has since restarted, and a
+			// heartbeat would make that live again.
+			if in.started.Load() {
+				in.heartbeat()
+			}
 		case <-snap.C:
+			if in.started.Load() {
+				in.storeSnapshot(ctx)
+			}
+		case <-in.storeNow:
 			if in.started.Load() {
 				in.storeSnapshot(ctx)
 			}
@@ -316,7 +401,7 @@ func (in *instance) heartbeat() {
 	h := events.Heartbeat{Pool: in.b.cfg.Pool, Instance: in.src.Instance, URL: in.src.URL, Model: in.b.cfg.Model,
 		BlockSize: in.table.BlockSize(), Adapters: in.b.cfg.Adapters, Rank: in.src.Rank, Blocks: in.table.Len(),
 		EngineSeq: in.engineSeq, StreamSeq: in.streamSeq, Time: time.Now().UTC(),
-		IntervalMS: in.b.cfg.HeartbeatInterval.Milliseconds()}
+		IntervalMS: in.b.cfg.HeartbeatInterval.Milliseconds(), EngineDown: in.engineDown.Load(), EngineStart: in.engineStart}
 	in.mu.Unlock()
 	if h.BlockSize == 0 {
 		h.BlockSize = in.b.cfg.BlockSize

@@ -20,7 +20,7 @@ type block struct {
 	hasLoraID bool
 	salt      string
 	tiers     tiers.Set
-	elem      *list.Element // in Table.order, oldest first
+	elem      *list.Element // in Table.live (tiers != 0) or Table.ghosts (tiers 0)
 	// children counts blocks in the table whose parent this is. A block
 	// that leaves every tier while it has children stays as a ghost
 	// (tiers 0): a snapshot must still be able to key its descendants,
@@ -41,49 +41,74 @@ type TableResult struct {
 	Cleared  int       // blocks dropped by AllBlocksCleared
 	Skipped  int       // events of non-full-attention groups
 	Unplaced int       // tokenless stores of blocks never stored with tokens
-	Evicted  int       // blocks dropped because the table was full
+	Evicted  int       // held blocks dropped because the table was full
 	Unknown  int       // media not in tiers.FromMedium's table (mapped, counted)
 }
 
-// Table is the live block table of one instance: engine hash → block. It is
-// bounded by a maximum number of blocks (the engine's cache size, so it
-// normally never fills; when it does, the oldest block goes). Not safe for
-// concurrent use; the bridge guards it.
+// Table is the live block table of one instance: engine hash → block.
+//
+// It is bounded by a maximum number of held blocks, the engine's cache size
+// (GPU plus offload tiers), which the engine itself never exceeds: while
+// the bridge sees every event the bound is never reached, and only a
+// mis-set bound (or lost removals) makes the oldest held block go. Ghosts
+// do not count against that bound, because the engine does not hold them:
+// counting them (as an earlier version did) dropped held blocks, and
+// ghosts with held children, from a table sized exactly to the engine.
+// Ghosts have their own bound of the same size: every ghost is the
+// ancestor of a held block, and vLLM frees a request's blocks tail first
+// so that parents outlive children, so a ghost is the exception; past the
+// bound the oldest ghost goes with its descendants (none of which a
+// snapshot could key without it). Not safe for concurrent use; the bridge
+// guards it.
 type Table struct {
 	max       int
 	blocks    map[uint64]*block // held blocks and ghosts
-	ghosts    int
-	order     *list.List // of uint64 engine hashes, insertion order
+	live      *list.List        // engine hashes of held blocks, oldest (first stored) first
+	ghosts    *list.List        // engine hashes of ghosts, oldest first
 	blockSize int
 }
 
-// NewTable returns an empty table holding at most max blocks.
+// NewTable returns an empty table holding at most max blocks (0: no bound).
 func NewTable(max int) *Table {
-	return &Table{max: max, blocks: make(map[uint64]*block), order: list.New()}
+	return &Table{max: max, blocks: make(map[uint64]*block), live: list.New(), ghosts: list.New()}
 }
 
 // Len is the number of blocks held (ghosts excluded).
-func (t *Table) Len() int { return len(t.blocks) - t.ghosts }
+func (t *Table) Len() int { return t.live.Len() }
+
+// Ghosts is the number of ghosts: blocks no longer held that are kept
+// because held blocks descend from them.
+func (t *Table) Ghosts() int { return t.ghosts.Len() }
 
 // BlockSize is the last block size seen in a store (0 before any).
 func (t *Table) BlockSize() int { return t.blockSize }
 
-// Clear drops every block and returns how many there were.
+// Clear drops every block and returns how many were held.
 func (t *Table) Clear() int {
 	n := t.Len()
 	clear(t.blocks)
-	t.order.Init()
-	t.ghosts = 0
+	t.live.Init()
+	t.ghosts.Init()
 	return n
 }
 
-// drop deletes a block (ghost: counted as one) and releases its parent.
-func (t *Table) drop(h uint64, b *block, ghost bool) {
-	if ghost {
-		t.ghosts--
+// listOf is the list b's element sits in.
+func (t *Table) listOf(b *block) *list.List {
+	if b.tiers == 0 {
+		return t.ghosts
 	}
-	t.order.Remove(b.elem)
+	return t.live
+}
+
+// drop deletes a block and releases its parent: a ghost whose last child
+// goes, goes too, and so on up the chain.
+func (t *Table) drop(h uint64, b *block) {
+	t.listOf(b).Remove(b.elem)
 	delete(t.blocks, h)
+	t.release(b)
+}
+
+func (t *Table) release(b *block) {
 	for b.hasParent {
 		p := t.blocks[b.parent]
 		if p == nil {
@@ -93,15 +118,66 @@ func (t *Table) drop(h uint64, b *block, ghost bool) {
 		if p.tiers != 0 || p.children > 0 {
 			return
 		}
-		// A ghost whose last child went: it goes too.
-		t.ghosts--
-		t.order.Remove(p.elem)
+		t.ghosts.Remove(p.elem)
 		delete(t.blocks, b.parent)
 		b = p
 	}
 }
 
-// Apply folds one batch's events into the table, in order.
+// unhold is called when b (held until now) has just left its last tier:
+// it becomes a ghost if held blocks descend from it, else it goes. It
+// returns the number of held blocks dropped by the ghost bound.
+func (t *Table) unhold(h uint64, b *block) int {
+	t.live.Remove(b.elem)
+	if b.children == 0 {
+		delete(t.blocks, h)
+		t.release(b)
+		return 0
+	}
+	b.elem = t.ghosts.PushBack(h)
+	dropped := 0
+	for t.max > 0 && t.ghosts.Len() > t.max {
+		dropped += t.dropSubtree(t.ghosts.Front().Value.(uint64))
+	}
+	return dropped
+}
+
+// dropSubtree drops the ghost root and every block descending from it,
+// and returns how many held blocks went. It walks the whole table: it
+// runs only past the ghost bound, which vLLM's eviction order keeps far.
+func (t *Table) dropSubtree(root uint64) int {
+	in := map[uint64]bool{root: true}
+	var under func(h uint64) bool
+	under = func(h uint64) bool {
+		if v, ok := in[h]; ok {
+			return v
+		}
+		b := t.blocks[h]
+		v := b != nil && b.hasParent && under(b.parent)
+		in[h] = v
+		return v
+	}
+	held := 0
+	rb := t.blocks[root]
+	for h := range t.blocks {
+		if h == root || !under(h) {
+			continue
+		}
+		b := t.blocks[h]
+		if b.tiers != 0 {
+			held++
+		}
+		t.listOf(b).Remove(b.elem)
+		delete(t.blocks, h)
+	}
+	t.ghosts.Remove(rb.elem)
+	delete(t.blocks, root)
+	t.release(rb)
+	return held
+}
+
+// Apply folds one batch's events into the table, in order, then applies
+// the bound.
 func (t *Table) Apply(evs []events.Event) TableResult {
 	var r TableResult
 	for i := range evs {
@@ -128,11 +204,7 @@ func (t *Table) Apply(evs []events.Event) TableResult {
 				}
 				b.tiers &^= tier.Bit()
 				if b.tiers == 0 {
-					if b.children > 0 {
-						t.ghosts++
-					} else {
-						t.drop(h, b, false)
-					}
+					r.Evicted += t.unhold(h, b)
 				}
 				rm.Hashes = append(rm.Hashes, h)
 			}
@@ -141,6 +213,10 @@ func (t *Table) Apply(evs []events.Event) TableResult {
 			}
 		}
 	}
+	// The bound applies to the state after the batch: within one, a
+	// snapshot stores ghosts before removing them, and an engine may
+	// store before it removes.
+	r.Evicted += t.bound()
 	return r
 }
 
@@ -166,7 +242,9 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 				r.Stored++
 			}
 			if b.tiers == 0 {
-				t.ghosts-- // stored again
+				// A ghost stored again: held, and the newest.
+				t.ghosts.Remove(b.elem)
+				b.elem = t.live.PushBack(h)
 			}
 			b.tiers |= tier.Bit()
 			if b.tokens == nil && toks != nil {
@@ -177,16 +255,9 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 			// with tokens: nobody can place it in a key chain.
 			r.Unplaced++
 		default:
-			if t.max > 0 && len(t.blocks) >= t.max {
-				oldest := t.order.Front()
-				oh := oldest.Value.(uint64)
-				ob := t.blocks[oh]
-				t.drop(oh, ob, ob.tiers == 0)
-				r.Evicted++
-			}
 			b = &block{tiers: tier.Bit()}
 			t.fill(b, e, toks, parent, hasParent, i == 0)
-			b.elem = t.order.PushBack(h)
+			b.elem = t.live.PushBack(h)
 			t.blocks[h] = b
 			if hasParent {
 				if p := t.blocks[parent]; p != nil {
@@ -197,6 +268,19 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 		}
 		parent, hasParent = h, true
 	}
+}
+
+// bound drops the oldest held blocks while more are held than the engine
+// can hold, and returns how many held blocks went.
+func (t *Table) bound() int {
+	n := 0
+	for t.max > 0 && t.live.Len() > t.max {
+		h := t.live.Front().Value.(uint64)
+		b := t.blocks[h]
+		b.tiers = 0
+		n += 1 + t.unhold(h, b)
+	}
+	return n
 }
 
 func (t *Table) fill(b *block, e *events.Event, toks []uint32, parent uint64, hasParent, first bool) {
@@ -248,7 +332,7 @@ func (t *Table) Events() []events.Event {
 		})
 		lastHash = h
 	}
-	for el := t.order.Front(); el != nil; el = el.Next() {
+	for el := t.live.Front(); el != nil; el = el.Next() {
 		h := el.Value.(uint64)
 		if emitted[h] {
 			continue
@@ -273,7 +357,7 @@ func (t *Table) Events() []events.Event {
 	var notGPU []uint64
 	for _, tier := range tiers.All[1:] {
 		var hs []uint64
-		for el := t.order.Front(); el != nil; el = el.Next() {
+		for el := t.live.Front(); el != nil; el = el.Next() {
 			h := el.Value.(uint64)
 			if t.blocks[h].tiers.Has(tier) {
 				hs = append(hs, h)
@@ -283,10 +367,12 @@ func (t *Table) Events() []events.Event {
 			out = append(out, events.Event{Kind: events.BlockStored, BlockHashes: hs, Medium: tierMedium[tier]})
 		}
 	}
-	for el := t.order.Front(); el != nil; el = el.Next() {
-		h := el.Value.(uint64)
-		if !t.blocks[h].tiers.Has(tiers.GPU) {
-			notGPU = append(notGPU, h)
+	for _, l := range []*list.List{t.live, t.ghosts} {
+		for el := l.Front(); el != nil; el = el.Next() {
+			h := el.Value.(uint64)
+			if emitted[h] && !t.blocks[h].tiers.Has(tiers.GPU) {
+				notGPU = append(notGPU, h)
+			}
 		}
 	}
 	if len(notGPU) > 0 {

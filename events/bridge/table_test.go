@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"encoding/base64"
 	"encoding/json"
+	"math/rand/v2"
 	"os"
 	"reflect"
 	"testing"
@@ -134,8 +135,8 @@ func TestTableGhostSnapshot(t *testing.T) {
 		t.Fatalf("rebuilt %v, want %v", again.Dump(), tab.Dump())
 	}
 	tab.Apply([]events.Event{{Kind: events.BlockRemoved, BlockHashes: []uint64{3, 2}, Medium: "GPU"}})
-	if len(tab.blocks) != 0 || tab.ghosts != 0 {
-		t.Fatalf("ghost kept after its children went: %d blocks, %d ghosts", len(tab.blocks), tab.ghosts)
+	if len(tab.blocks) != 0 || tab.Ghosts() != 0 {
+		t.Fatalf("ghost kept after its children went: %d blocks, %d ghosts", len(tab.blocks), tab.Ghosts())
 	}
 }
 
@@ -172,6 +173,13 @@ func TestTableApply(t *testing.T) {
 		{"bounded", 2, []events.Event{st(0, false, "GPU", 1, 2, 3)}, 2, 3, 0, 1, 0, 0},
 		{"ghost parent", 0, []events.Event{st(0, false, "GPU", 1, 2, 3), rm("GPU", 1)}, 2, 3, 0, 0, 0, 1},
 		{"ghost released", 0, []events.Event{st(0, false, "GPU", 1, 2), rm("GPU", 1), rm("GPU", 2)}, 0, 2, 0, 0, 0, 2},
+		// Ghosts do not count against the bound: the engine holds 3.
+		{"bound ignores ghosts", 3, []events.Event{st(0, false, "GPU", 1, 2, 3), rm("GPU", 1), st(3, true, "GPU", 4)}, 3, 4, 0, 0, 0, 1},
+		// Past the bound the oldest held block goes; with children it
+		// stays as a ghost, so its descendants still key.
+		{"bound keeps chains", 2, []events.Event{st(0, false, "GPU", 1, 2), st(2, true, "GPU", 3)}, 2, 3, 0, 1, 0, 0},
+		// Past the ghost bound the oldest ghost goes with its subtree.
+		{"ghost bound", 1, []events.Event{st(0, false, "GPU", 1), rm("GPU", 1), st(0, false, "GPU", 2)}, 1, 2, 0, 0, 0, 1},
 		{"ghost stored again", 0, []events.Event{st(0, false, "GPU", 1, 2), rm("GPU", 1), st(0, false, "GPU", 1)}, 2, 3, 0, 0, 0, 1},
 		{"sliding window skipped", 0, []events.Event{func() events.Event { e := st(0, false, "GPU", 1); e.GroupIdx = 1; return e }()}, 0, 0, 0, 0, 1, 0},
 	}
@@ -189,8 +197,8 @@ func TestTableApply(t *testing.T) {
 					ghosts++
 				}
 			}
-			if ghosts != tab.ghosts || len(tab.Dump()) != tab.Len() {
-				t.Fatalf("ghost count %d, counted %d", tab.ghosts, ghosts)
+			if ghosts != tab.Ghosts() || len(tab.Dump()) != tab.Len() || ghosts+tab.Len() != len(tab.blocks) {
+				t.Fatalf("ghost count %d, counted %d", tab.Ghosts(), ghosts)
 			}
 			if tab.Len() != tc.wantLen || r.Stored != tc.wantStore || r.Unplaced != tc.unplaced || r.Evicted != tc.evicted || r.Skipped != tc.skipped || removed != tc.removed {
 				t.Fatalf("len %d result %+v", tab.Len(), r)
@@ -271,4 +279,94 @@ func TestReplayWindow(t *testing.T) {
 	if w.seen(msg(10, "a")) || !w.seen(msg(12, "b")) {
 		t.Fatal("window did not restart on a non-consecutive add")
 	}
+}
+
+// A table bounded at exactly the engine's block count holds what an
+// unbounded one holds, through churn that leaves ghosts (parents evicted
+// before their children, as an engine's LRU may do), and its snapshot
+// rebuilds it: the bound never costs a held block.
+func TestTableBoundAtEngineSize(t *testing.T) {
+	const engineBlocks = 64
+	rng := rand.New(rand.NewPCG(1, 2))
+	bounded, free := NewTable(engineBlocks), NewTable(0)
+	var held []uint64 // what the engine holds, in no particular order
+	next := uint64(1)
+	parentOf := map[uint64]uint64{}
+	maxGhosts := 0
+	lastUse := map[uint64]int{}
+	apply := func(evs ...events.Event) {
+		r := bounded.Apply(evs)
+		free.Apply(evs)
+		if r.Evicted != 0 {
+			t.Fatalf("bounded table evicted %d held blocks (ghosts %d)", r.Evicted, free.Ghosts())
+		}
+	}
+	for step := 0; step < 5000; step++ {
+		n := 1 + rng.IntN(6)
+		// Make room as an engine does: the least recently used block no
+		// held block descends from (vLLM's free queue is LRU and frees a
+		// request's blocks tail first), but one time in eight any block,
+		// so that parents go before children and leave ghosts.
+		var rm []uint64
+		for len(held)+n > engineBlocks {
+			i := rng.IntN(len(held))
+			if rng.IntN(8) > 0 {
+				for j, h := range held {
+					if !hasChild(held, parentOf, h) && (hasChild(held, parentOf, held[i]) || lastUse[h] < lastUse[held[i]]) {
+						i = j
+					}
+				}
+			}
+			rm = append(rm, held[i])
+			held[i] = held[len(held)-1]
+			held = held[:len(held)-1]
+		}
+		if len(rm) > 0 {
+			apply(events.Event{Kind: events.BlockRemoved, BlockHashes: rm, Medium: "GPU"})
+		}
+		e := events.Event{Kind: events.BlockStored, BlockSize: 2, Medium: "GPU"}
+		if len(held) > 0 && rng.IntN(4) > 0 {
+			e.ParentHash, e.HasParent = held[rng.IntN(len(held))], true
+			// A request reusing a prefix uses all of it.
+			for h := e.ParentHash; h != 0; h = parentOf[h] {
+				lastUse[h] = step
+			}
+		}
+		parent := e.ParentHash
+		for range n {
+			e.BlockHashes = append(e.BlockHashes, next)
+			e.TokenIDs = append(e.TokenIDs, uint32(next), uint32(step))
+			parentOf[next], parent = parent, next
+			lastUse[next] = step
+			held = append(held, next)
+			next++
+		}
+		apply(e)
+		maxGhosts = max(maxGhosts, bounded.Ghosts())
+		if bounded.Len() != len(held) {
+			t.Fatalf("step %d: bounded table holds %d, engine %d", step, bounded.Len(), len(held))
+		}
+	}
+	if maxGhosts == 0 {
+		t.Fatal("the churn left no ghosts: it does not test them")
+	}
+	if !reflect.DeepEqual(bounded.Dump(), free.Dump()) {
+		t.Fatal("bounded table differs from the unbounded one")
+	}
+	again := NewTable(engineBlocks)
+	if r := again.Apply(bounded.Events()); r.Evicted != 0 {
+		t.Fatalf("rebuilding from the snapshot evicted %d", r.Evicted)
+	}
+	if !reflect.DeepEqual(again.Dump(), bounded.Dump()) {
+		t.Fatal("snapshot does not rebuild the bounded table")
+	}
+}
+
+func hasChild(held []uint64, parentOf map[uint64]uint64, h uint64) bool {
+	for _, x := range held {
+		if parentOf[x] == h {
+			return true
+		}
+	}
+	return false
 }

@@ -151,6 +151,9 @@ type InstanceStatus struct {
 	IndexUnsynced bool              `json:"index_unsynced,omitempty"`
 	StreamSeq     uint64            `json:"stream_seq"`
 	Heartbeat     *events.Heartbeat `json:"heartbeat,omitempty"`
+	// EngineDown: the bridge reports the engine dead (see
+	// events.Heartbeat.EngineDown); the instance is not live meanwhile.
+	EngineDown bool `json:"engine_down,omitempty"`
 }
 
 // Consumer feeds one pool's events into an Applier.
@@ -192,6 +195,9 @@ type inst struct {
 	status   InstanceStatus // guarded by Consumer.mu
 	lastSeen time.Time      // guarded by Consumer.mu
 	hasSeq   bool           // guarded by Consumer.mu
+	// reloading: an engine came back up and its snapshot reload is
+	// queued; it turns live when the reload is done. Guarded by Consumer.mu.
+	reloading bool
 	// Owned by the instance's shard goroutine.
 	needLoad bool
 	skipUpTo uint64
@@ -217,6 +223,7 @@ const (
 	// workBarrier marks a point in a shard's queue: done is called once
 	// everything queued before it has been applied.
 	workBarrier
+	workReload // the engine is back up: reload the bridge's table, then live
 )
 
 type work struct {
@@ -521,7 +528,13 @@ func (c *Consumer) seen(in *inst, t time.Time) {
 	if t.After(in.lastSeen) {
 		in.lastSeen = t
 	}
-	if time.Since(in.lastSeen) <= c.cfg.StaleAfter {
+	if in.status.EngineDown || in.reloading {
+		// Not live whatever arrives until the engine is back and the
+		// bridge's table reloaded (see heartbeat).
+		if in.status.State == StateLive {
+			in.status.State = StateStale
+		}
+	} else if time.Since(in.lastSeen) <= c.cfg.StaleAfter {
 		in.status.State = StateLive
 	} else if in.status.State == StateLive {
 		in.status.State = StateStale
@@ -628,7 +641,7 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		}
 	}
 	c.m.heartbeats.WithLabelValues("ok").Inc()
-	load := false
+	load, reload := false, false
 	if in == nil {
 		in = c.newInst(instance, now)
 		c.insts[instance] = in
@@ -639,10 +652,34 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 	} else if in.status.State == StateStale {
 		in.status.State = StateLive
 	}
+	switch {
+	case hb.EngineDown:
+		// The engine is dead: its blocks must not count, now. They stay
+		// in the index, since the engine may come back as the same
+		// process (the bridge then keeps its table).
+		if !in.status.EngineDown {
+			c.cfg.Logger.Info("consumer: engine down, instance not live", "instance", instance)
+		}
+		in.status.EngineDown = true
+		in.status.State = StateStale
+	case in.status.EngineDown:
+		// Back up. The bridge decided before saying so whether this is
+		// the same process (table kept) or a new one (cleared), but the
+		// stream may not have brought that clear here yet: reload the
+		// bridge's table, and count the instance live only after.
+		in.status.EngineDown = false
+		in.reloading, reload = true, true
+		in.status.State = StateStale
+	case in.reloading:
+		in.status.State = StateStale
+	}
 	in.status.LastHeartbeat, in.lastSeen = now, now
 	in.status.Heartbeat = &hb
 	c.mu.Unlock()
-	if load {
+	switch {
+	case reload:
+		c.enqueue(ctx, work{kind: workReload, instance: instance})
+	case load:
 		c.enqueue(ctx, work{kind: workLoad, instance: instance})
 	}
 }
@@ -743,6 +780,22 @@ func (c *Consumer) do(ctx context.Context, w work) {
 		if in.needLoad && !c.cfg.SharedIndex {
 			c.load(ctx, w.instance, in, 0)
 		}
+	case workReload:
+		switch {
+		case c.shared != nil:
+			// LoadAt takes the bridge's table only when it is newer than
+			// the index's position; otherwise the clear arrives in order
+			// through the stream.
+			if _, err := c.seedShared(ctx, w.instance, in, 0); err != nil && ctx.Err() == nil {
+				c.cfg.Logger.Warn("consumer: reloading a restarted engine's table into the shared index failed; the stream will repair it", "instance", w.instance, "err", err)
+			}
+		case !c.cfg.SharedIndex:
+			c.load(ctx, w.instance, in, 0)
+		}
+		c.mu.Lock()
+		in.reloading = false
+		c.seen(in, time.Now())
+		c.mu.Unlock()
 	case workEvent:
 		c.event(ctx, w, in)
 	}

@@ -397,3 +397,44 @@ func counterValue(c prometheus.Counter) float64 {
 	}
 	return m.GetCounter().GetValue()
 }
+
+// A heartbeat saying the engine is down makes the instance not live at
+// once, and events still arriving do not make it live again; the next
+// heartbeat without it makes it live only after the bridge's table was
+// reloaded.
+func TestEngineDownHeartbeat(t *testing.T) {
+	e := newEnv(t)
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier, cfg.CheckInterval = a, 20*time.Millisecond
+	c := e.start(cfg)
+	hb := func(down bool) {
+		subj, _ := events.InstancesSubject(e.pool, "i0")
+		b, _ := json.Marshal(events.Heartbeat{Pool: e.pool, Instance: "i0", EngineDown: down, Time: time.Now()})
+		if err := e.nc.Publish(subj, b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	hb(false)
+	e.store("i0", 1, 1)
+	waitFor(t, 10*time.Second, "live", func() bool { return c.Live("i0") })
+
+	hb(true)
+	waitFor(t, 10*time.Second, "not live while the engine is down", func() bool {
+		st := c.Instances()
+		return !c.Live("i0") && len(st) == 1 && st[0].EngineDown
+	})
+	e.store("i0", 2, 2) // late events of the dead engine
+	waitFor(t, 10*time.Second, "late event applied", func() bool { s, _ := a.get("i0"); return len(s) == 2 })
+	for end := time.Now().Add(300 * time.Millisecond); time.Now().Before(end); time.Sleep(10 * time.Millisecond) {
+		if c.Live("i0") {
+			t.Fatal("an event made an instance whose engine is down live")
+		}
+	}
+
+	hb(false)
+	waitFor(t, 10*time.Second, "live again after the reload", func() bool {
+		st := c.Instances()
+		return c.Live("i0") && !st[0].EngineDown
+	})
+}

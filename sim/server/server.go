@@ -234,6 +234,12 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 		}
 	}
 	in.metrics = newMetrics(in.registry, model, in.ranks, cfg.MaxLoRAs)
+	// vLLM exports its process's start time through Prometheus's process
+	// collector; a simulated server's "process" starts with Start, so a
+	// restart (a new Instance on the same ports) shows as a new value.
+	started := float64(time.Now().UnixNano()) / 1e9
+	in.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "process_start_time_seconds",
+		Help: "Start time of the process since unix epoch in seconds."}, func() float64 { return started }))
 
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/completions", in.handleCompletions)

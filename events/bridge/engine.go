@@ -1,0 +1,383 @@
+package bridge
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/kvrouter/kvrouter/events"
+)
+
+// An engine that restarts comes back with an empty cache and its seq
+// counting from the start again. The bridge uses every signal the engine
+// gives to notice, and to never vouch for a table of a process that is
+// gone:
+//
+//   - the seq going back, or another topic (handle);
+//   - the replay socket: the message the bridge saw last, asked for again,
+//     must come back byte for byte (sameEngine, fillGap, resync);
+//   - the process start time in the engine's /metrics
+//     (process_start_time_seconds, which vLLM's Prometheus client exports)
+//     changing (onProbe);
+//   - the engine's HTTP /health failing while no event arrives: the
+//     engine is down, and heartbeats say so (EngineDown) so that routers
+//     stop counting its blocks at once.
+
+// probeResult is one look at the engine's HTTP side.
+type probeResult struct {
+	up    bool    // /health answered, and not with a 5xx
+	start float64 // process_start_time_seconds, 0 when not exported
+}
+
+// maxMetricsBody bounds how much of /metrics is read looking for the start
+// time: vLLM's page is tens of KB; the process metrics come early.
+const maxMetricsBody = 4 << 20
+
+// probeOnce reads the engine's /health and, when it is up, the start time
+// from /metrics.
+func (in *instance) probeOnce(ctx context.Context) probeResult {
+	timeout := max(2*in.b.cfg.EngineProbeInterval, time.Second)
+	pctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	get := func(path string) (*http.Response, error) {
+		req, err := http.NewRequestWithContext(pctx, http.MethodGet, in.src.URL+path, nil)
+		if err != nil {
+			return nil, err
+		}
+		return in.b.http.Do(req)
+	}
+	resp, err := get("/health")
+	if err != nil {
+		return probeResult{}
+	}
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+	resp.Body.Close()
+	if resp.StatusCode >= 500 {
+		// vLLM answers 503 once its engine is dead. Other answers
+		// (even a 404 from a server without /health) show a live server.
+		return probeResult{}
+	}
+	r := probeResult{up: true}
+	resp, err = get("/metrics")
+	if err != nil {
+		return r
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode/100 == 2 {
+		r.start, _ = parseStartTime(io.LimitReader(resp.Body, maxMetricsBody))
+	}
+	return r
+}
+
+// parseStartTime finds process_start_time_seconds (no labels) in a
+// Prometheus text exposition.
+func parseStartTime(r io.Reader) (float64, bool) {
+	const name = "process_start_time_seconds"
+	s := bufio.NewScanner(r)
+	s.Buffer(make([]byte, 0, 64<<10), 1<<20)
+	for s.Scan() {
+		line := s.Bytes()
+		if !bytes.HasPrefix(line, []byte(name)) {
+			continue
+		}
+		rest := line[len(name):]
+		if len(rest) == 0 || (rest[0] != ' ' && rest[0] != '\t') {
+			continue // another metric with this prefix, or labels
+		}
+		fields := bytes.Fields(rest)
+		if len(fields) == 0 {
+			continue
+		}
+		v, err := strconv.ParseFloat(string(fields[0]), 64)
+		if err != nil || v <= 0 || v != v || v > 1e11 {
+			continue
+		}
+		return v, true
+	}
+	return 0, false
+}
+
+// probe looks at the engine every EngineProbeInterval and hands the result
+// to the process goroutine, which owns the table (latest result wins).
+func (in *instance) probe(ctx context.Context) {
+	tick := time.NewTicker(in.b.cfg.EngineProbeInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		r := in.probeOnce(ctx)
+		select {
+		case <-in.probes: // drop a result not yet taken
+		default:
+		}
+		select {
+		case in.probes <- r:
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
+// probeFailuresDown is how many probes in a row must fail, with no event
+// in between, before the engine counts as down: one failed probe may be a
+// blip (a slow answer under load); two, a probe interval apart, with the
+// engine silent on ZMQ too, is an engine that is not serving.
+const probeFailuresDown = 2
+
+// onProbe acts on a probe result: marks the engine down or up, and clears
+// the instance when the engine came back as another process.
+func (in *instance) onProbe(ctx context.Context, r probeResult) error {
+	if !r.up {
+		in.probeFails++
+		silent := time.Since(time.Unix(0, in.lastRecv.Load())) > in.b.cfg.EngineProbeInterval
+		if in.probeFails >= probeFailuresDown && silent && !in.engineDown.Load() {
+			in.engineDown.Store(true)
+			in.b.m.engineDown.WithLabelValues(in.src.Instance).Set(1)
+			in.log.Warn("engine down: HTTP health failing and no events; heartbeats say so", "url", in.src.URL)
+			in.heartbeat()
+		}
+		return nil
+	}
+	in.probeFails = 0
+	wasDown := in.engineDown.Load()
+	in.mu.Lock()
+	known := in.engineStart
+	in.mu.Unlock()
+	switch {
+	case r.start != 0 && known != 0 && r.start != known:
+		in.log.Info("engine restarted: process start time changed", "was", known, "now", r.start)
+		in.setEngineStart(r.start)
+		if err := in.restarted(ctx); err != nil {
+			return err
+		}
+	case wasDown && (r.start == 0 || known == 0) && !in.sameEngine(ctx):
+		in.log.Info("engine back after being down, and it cannot be proven the same process: clearing")
+		in.setEngineStart(r.start)
+		if err := in.restarted(ctx); err != nil {
+			return err
+		}
+	default:
+		in.setEngineStart(r.start)
+	}
+	if wasDown || (r.start != 0 && known != 0 && r.start != known) {
+		// Back, or new: reconnect now rather than at the end of a
+		// backoff grown while the engine was away.
+		in.sub.Kick()
+	}
+	if wasDown {
+		in.engineDown.Store(false)
+		in.b.m.engineDown.WithLabelValues(in.src.Instance).Set(0)
+		in.log.Info("engine up again")
+		in.heartbeat()
+	}
+	return nil
+}
+
+// setEngineStart records the engine's start time once it is known.
+func (in *instance) setEngineStart(start float64) {
+	if start == 0 {
+		return
+	}
+	in.mu.Lock()
+	in.engineStart = start
+	in.mu.Unlock()
+}
+
+// sameEngine reports whether the engine can be proven to be the process
+// whose messages the table holds: its start time is the one known, or,
+// asked for the last message the bridge published, its replay socket
+// returns it byte for byte (a new process has another payload at that
+// seq, or none).
+func (in *instance) sameEngine(ctx context.Context) bool {
+	if in.probing() {
+		r := in.probeOnce(ctx)
+		in.mu.Lock()
+		known := in.engineStart
+		in.mu.Unlock()
+		if r.start != 0 && known != 0 {
+			return r.start == known
+		}
+	}
+	last, ok := in.tracker.Last()
+	in.mu.Lock()
+	hash := in.lastHash
+	in.mu.Unlock()
+	if !ok || hash == 0 || in.src.ReplayEndpoint == "" {
+		return false
+	}
+	same := false
+	_ = events.Replay(ctx, in.replay, last, func(m events.Message) bool {
+		same = m.Seq == last && xxhash.Sum64(m.Payload) == hash
+		return false
+	})
+	return same
+}
+
+// restarted clears the instance for an engine that restarted, then
+// publishes what the new process has published so far from its replay
+// buffer; what cannot be replayed is asked for again when the next live
+// message arrives (it finds the tracker empty).
+func (in *instance) restarted(ctx context.Context) error {
+	in.tracker.Reset()
+	in.replayed = replayWindow{}
+	in.topic = "" // the new process's topic is learnt from its messages
+	if err := in.clear(ctx, events.SyntheticRestart); err != nil {
+		return err
+	}
+	if in.src.ReplayEndpoint == "" {
+		return nil
+	}
+	var msgs []events.Message
+	err := events.Replay(ctx, in.replay, 0, func(m events.Message) bool {
+		msgs = append(msgs, m)
+		return true
+	})
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	if err != nil || !contiguous(msgs, 0, true) {
+		in.log.Info("restarted engine's history not replayable yet; the next message asks again", "err", err)
+		return nil
+	}
+	if len(msgs) > 0 {
+		in.replays.Add(1)
+		in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
+		in.log.Info("restarted engine's history replayed", "messages", len(msgs))
+	}
+	return in.publishReplayed(ctx, msgs)
+}
+
+// fillStart publishes the engine's history before seq when the bridge
+// hears it for the first time (it started before the engine, or the
+// engine restarted): without it, what the engine stored before the bridge
+// connected never reaches the index. When the replay cannot provide it,
+// the instance stays as it is (empty: nothing else is known of this
+// process) and the loss is counted.
+func (in *instance) fillStart(ctx context.Context, seq uint64) error {
+	if seq == 0 {
+		return nil
+	}
+	if in.src.ReplayEndpoint == "" {
+		if seq > 1 {
+			in.log.Warn("first message is not the engine's first and there is no replay: the blocks it stored before are unknown", "seq", seq)
+			in.replayFails.Add(1)
+			in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
+		}
+		return nil
+	}
+	msgs, err := events.ReplayHistory(ctx, in.replay, seq)
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	if err != nil {
+		in.replayFails.Add(1)
+		in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
+		in.log.Warn("engine's history before its first message seen cannot be replayed: those blocks stay unknown", "seq", seq, "err", err)
+		return nil
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	in.replays.Add(1)
+	in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
+	in.log.Info("engine's history before its first message seen filled from replay", "seq", seq, "messages", len(msgs))
+	return in.publishReplayed(ctx, msgs)
+}
+
+// publishReplayed publishes replayed messages in order and remembers them
+// so that live copies still in the buffer are dropped as duplicates.
+func (in *instance) publishReplayed(ctx context.Context, msgs []events.Message) error {
+	for _, m := range msgs {
+		if err := in.publishEngine(ctx, m); err != nil {
+			return err
+		}
+		in.tracker.Set(m.Seq)
+		in.replayed.add(m)
+	}
+	return nil
+}
+
+// tailRecheck is how long after connecting the replay is asked again: a
+// ZMQ subscription takes a round trip to reach the publisher, which drops
+// what it sends before; half a second covers that on any network a
+// sidecar uses (the engine is on the same host).
+const tailRecheck = 500 * time.Millisecond
+
+// catchTail publishes what the engine published while the subscriber was
+// not connected, after it (re)connects. A gap followed by a live message
+// is found anyway; a tail with nothing after it (an engine idle since)
+// would stay out of the index until the engine speaks again. A replay that
+// fails here loses nothing (the next live message asks again); one that
+// shows the buffer no longer reaching back clears the instance, as a gap.
+func (in *instance) catchTail(ctx context.Context) error {
+	if in.src.ReplayEndpoint == "" {
+		return nil
+	}
+	last, known := in.tracker.Last()
+	in.mu.Lock()
+	hash := in.lastHash
+	in.mu.Unlock()
+	// Asked from the last message handled, which must come back byte for
+	// byte: the engine may have restarted and counted past it meanwhile.
+	check := known && hash != 0
+	from := uint64(0)
+	switch {
+	case check:
+		from = last
+	case known:
+		from = last + 1
+	}
+	var msgs []events.Message
+	err := events.Replay(ctx, in.replay, from, func(m events.Message) bool {
+		msgs = append(msgs, m)
+		return true
+	})
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	if err != nil {
+		in.log.Debug("replay after connect failed; the next message asks again", "from", from, "err", err)
+		return nil
+	}
+	if check {
+		if len(msgs) == 0 || msgs[0].Seq != last || xxhash.Sum64(msgs[0].Payload) != hash {
+			in.log.Info("engine restarted while the bridge was disconnected: clearing instance", "last_seq", last)
+			return in.restarted(ctx)
+		}
+		msgs, from = msgs[1:], last+1
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	if !contiguous(msgs, from, !known) {
+		if !known {
+			in.log.Debug("engine's history no longer replayable from its start; the next message asks again")
+			return nil
+		}
+		in.gaps.Add(1)
+		in.b.m.gaps.WithLabelValues(in.src.Instance).Inc()
+		in.replayFails.Add(1)
+		in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
+		in.log.Warn("messages missed while disconnected: replay cannot fill them, clearing instance", "from", from)
+		in.tracker.Reset()
+		return in.clear(ctx, events.SyntheticGap)
+	}
+	in.replays.Add(1)
+	in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
+	in.log.Info("messages published while disconnected filled from replay", "from", from, "messages", len(msgs))
+	return in.publishReplayed(ctx, msgs)
+}
+
+// errNotSameEngine: the message before a gap, replayed, is not the one the
+// bridge published: the engine behind the endpoint is another process.
+var errNotSameEngine = fmt.Errorf("bridge: engine restarted behind a seq gap")
