@@ -69,9 +69,41 @@ type Freshness interface {
 type FreshnessFuncs struct {
 	Healthy func() bool
 	IsStale func(instance string) bool
+	// Epoch, when set, is the consumer's LostEpoch (see CacheEpochs).
+	Epoch func(instance string) uint64
 }
 
-var _ Freshness = FreshnessFuncs{}
+var (
+	_ Freshness   = FreshnessFuncs{}
+	_ CacheEpochs = FreshnessFuncs{}
+)
+
+// lostEpoch is the instance's cache epoch from the freshness source (0
+// without one).
+func (st *KVState) lostEpoch(instance string) uint64 {
+	if e, ok := st.fresh.(CacheEpochs); ok {
+		return e.LostEpoch(instance)
+	}
+	return 0
+}
+
+// CacheEpochs is implemented by a Freshness that counts the times each
+// instance's cache was lost or could not be vouched for (cleared by the
+// bridge or the engine, restarted, reported down, purged). kv_aware's
+// speculative entries remember the epoch they were made in and count only
+// while it lasts: a request routed just before an engine restarted must
+// not make the new, empty process look as if it held that prompt.
+type CacheEpochs interface {
+	LostEpoch(instance string) uint64
+}
+
+// LostEpoch implements CacheEpochs; 0 without the func.
+func (f FreshnessFuncs) LostEpoch(instance string) uint64 {
+	if f.Epoch == nil {
+		return 0
+	}
+	return f.Epoch(instance)
+}
 
 // StreamHealthy implements Freshness.
 func (f FreshnessFuncs) StreamHealthy() bool { return f.Healthy == nil || f.Healthy() }
@@ -480,12 +512,15 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 			if g == 0 && !containsString(ev.holders, ce.inst.id) {
 				continue
 			}
+			if ce.stale != ([tiers.Count]int{}) || (g == 0 && st.fresh != nil && st.fresh.Stale(ce.inst.id)) {
+				continue // nothing vouches for a stale instance, guesses included
+			}
 			if commit && g > 0 && s.spec.heldBy(ev.keys[g-1], ce.inst.id) {
 				// Events confirmed the guess up to g: hand those blocks
 				// over to the index, which will also see their eviction.
 				s.spec.confirm(ev.keys[:g], ce.inst.id)
 			}
-			if ext := s.spec.extend(ev.keys, g, ce.inst.id); ext > g {
+			if ext := s.spec.extend(ev.keys, g, ce.inst.id, st.lostEpoch(ce.inst.id)); ext > g {
 				for t := range tiers.Count {
 					ce.blocks[t] = max(ce.blocks[t], ext)
 				}
@@ -701,7 +736,7 @@ func (s *KVAware) commit(dec *Decision, ev *kvEval, ce *candEval) {
 	st.m.prompt.WithLabelValues(st.pool).Add(float64(ev.tokens))
 	if s.spec != nil {
 		if g := ce.blocks[tiers.GPU]; g < len(ev.keys) {
-			s.spec.add(ev.keys[g:], ce.inst.id)
+			s.spec.add(ev.keys[g:], ce.inst.id, st.lostEpoch(ce.inst.id))
 			st.m.specKeys.WithLabelValues(st.pool).Set(float64(s.spec.Len()))
 		}
 	}

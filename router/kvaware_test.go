@@ -49,9 +49,27 @@ func (c *testClock) Advance(d time.Duration) {
 
 // testFreshness is a settable Freshness.
 type testFreshness struct {
-	down  atomic.Bool
-	mu    sync.Mutex // guards stale
-	stale map[string]bool
+	down   atomic.Bool
+	mu     sync.Mutex // guards stale and epochs
+	stale  map[string]bool
+	epochs map[string]uint64
+}
+
+func (f *testFreshness) LostEpoch(id string) uint64 {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.epochs[id]
+}
+
+// lose bumps id's cache epoch, as the consumer does when the instance is
+// cleared, restarted or reported down.
+func (f *testFreshness) lose(id string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.epochs == nil {
+		f.epochs = map[string]uint64{}
+	}
+	f.epochs[id]++
 }
 
 func (f *testFreshness) StreamHealthy() bool { return !f.down.Load() }
@@ -512,6 +530,40 @@ func TestSpeculativeBurst(t *testing.T) {
 			t.Errorf("after TTL: reason %s, want heuristic", d.Reason)
 		}
 	})
+	// An instance that lost its cache (restarted, cleared, reported down)
+	// does not hold what was routed to it before: its entries are void at
+	// once, not at their TTL; and a stale instance is not followed on
+	// guesses either.
+	t.Run("void once the cache is lost", func(t *testing.T) {
+		w := newKVWorld(t, 8)
+		s := w.strategy(RoutingConfig{})
+		got := burst(w, s)
+		var home string
+		for id := range got {
+			home = id
+		}
+		req := func(name string) *Request { return kvRequest(name, append(slices.Clone(system), 7, 8, 9)) }
+		if d := kvPick(t, s, req("before"), w.insts); d.Instance.ID() != home || d.Reason != ReasonKVMatch {
+			t.Fatalf("before the loss: %s %s, want %s kv_match", d.Instance.ID(), d.Reason, home)
+		}
+		w.fresh.lose(home)
+		d := kvPick(t, s, req("after"), w.insts)
+		if d.Reason == ReasonKVMatch && d.Instance.ID() == home {
+			t.Fatalf("after %s lost its cache: still kv_match on it from entries made before", home)
+		}
+		if m := matchedSum(d); d.Instance.ID() == home && m != 0 {
+			t.Fatalf("after the loss: %d tokens predicted on %s", m, home)
+		}
+		// A stale instance (no heartbeat, engine reported down) is not
+		// followed on its entries either.
+		w2 := newKVWorld(t, 8)
+		s2 := w2.strategy(RoutingConfig{})
+		first := kvPick(t, s2, req("x"), w2.insts)
+		w2.fresh.setStale(first.Instance.ID(), true)
+		if d := kvPick(t, s2, req("y"), w2.insts); d.Instance.ID() == first.Instance.ID() && d.Reason == ReasonKVMatch {
+			t.Fatalf("a stale instance was followed on speculative entries: %s %s", d.Instance.ID(), d.Reason)
+		}
+	})
 	t.Run("without", func(t *testing.T) {
 		w := newKVWorld(t, 8)
 		got := burst(w, w.strategy(RoutingConfig{KV: &KVScoringConfig{SpeculativeTTL: -1}}))
@@ -682,26 +734,29 @@ func TestSpeculativeOverlayBound(t *testing.T) {
 	clock := newTestClock()
 	s := newSpeculative(time.Second, 100, clock.Now)
 	keys := kvindex.Keys(kvindex.Root("m", "", ""), promptTokens(1, 16*150), 16)
-	s.add(keys, "a")
+	s.add(keys, "a", 0)
 	if s.Len() != 100 {
 		t.Fatalf("len %d, want the bound 100", s.Len())
 	}
-	if got := s.extend(keys, 0, "a"); got != 100 {
+	if got := s.extend(keys, 0, "a", 0); got != 100 {
 		t.Fatalf("extend %d, want the first 100 blocks kept", got)
 	}
+	if got := s.extend(keys, 0, "a", 1); got != 0 {
+		t.Fatalf("holds of an earlier cache epoch count: extend %d", got)
+	}
 	other := kvindex.Keys(kvindex.Root("m", "", ""), promptTokens(2, 16*60), 16)
-	s.add(other, "b") // evicts a's 60 oldest
-	if got := s.extend(keys, 0, "a"); got != 0 {
+	s.add(other, "b", 0) // evicts a's 60 oldest
+	if got := s.extend(keys, 0, "a", 0); got != 0 {
 		t.Fatalf("a's leading blocks should be evicted, extend %d", got)
 	}
-	if got := s.extend(other, 0, "b"); got != 60 {
+	if got := s.extend(other, 0, "b", 0); got != 60 {
 		t.Fatalf("b extend %d, want 60", got)
 	}
 	clock.Advance(2 * time.Second)
-	if got := s.extend(other, 0, "b"); got != 0 {
+	if got := s.extend(other, 0, "b", 0); got != 0 {
 		t.Fatalf("expired entries still held: %d", got)
 	}
-	s.add(other[:1], "c")
+	s.add(other[:1], "c", 0)
 	if s.Len() != 1 {
 		t.Fatalf("expired entries not swept: len %d", s.Len())
 	}

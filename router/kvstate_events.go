@@ -362,7 +362,7 @@ func (k *KVEvents) pool(pc PoolConfig) (*kvPool, error) {
 		return nil, fmt.Errorf("router: pool %q events consumer: %w", pc.Name, err)
 	}
 	p := &kvPool{model: pc.Model, idxs: idxs, index: index, cons: cons,
-		fresh: FreshnessFuncs{Healthy: cons.Healthy, IsStale: func(id string) bool { return !cons.Live(id) }}}
+		fresh: FreshnessFuncs{Healthy: cons.Healthy, IsStale: func(id string) bool { return !cons.Live(id) }, Epoch: cons.LostEpoch}}
 	k.pools[pc.Name] = p
 	k.wg.Go(func() {
 		if err := cons.Run(k.ctx); err != nil && !errors.Is(err, context.Canceled) {

@@ -34,8 +34,9 @@ type speculative struct {
 }
 
 type specHold struct {
-	inst string
-	exp  int64 // unix nanoseconds
+	inst  string
+	exp   int64  // unix nanoseconds
+	epoch uint64 // the instance's cache epoch when made (CacheEpochs)
 }
 
 type specRef struct {
@@ -56,8 +57,9 @@ func (s *speculative) Len() int {
 	return s.n
 }
 
-// add records keys as held by inst until now+ttl.
-func (s *speculative) add(keys []kvindex.Key, inst string) {
+// add records keys as held by inst until now+ttl, while inst's cache
+// epoch stays epoch.
+func (s *speculative) add(keys []kvindex.Key, inst string, epoch uint64) {
 	if s == nil || len(keys) == 0 || len(s.ring) == 0 {
 		return
 	}
@@ -80,12 +82,12 @@ func (s *speculative) add(keys []kvindex.Key, inst string) {
 		found := false
 		for i := range hs {
 			if hs[i].inst == inst {
-				hs[i].exp, found = exp, true
+				hs[i].exp, hs[i].epoch, found = exp, epoch, true
 				break
 			}
 		}
 		if !found {
-			s.holds[k] = append(hs, specHold{inst: inst, exp: exp})
+			s.holds[k] = append(hs, specHold{inst: inst, exp: exp, epoch: epoch})
 		}
 		s.ring[(s.head+s.n)%len(s.ring)] = specRef{key: k, inst: inst, exp: exp}
 		s.n++
@@ -116,8 +118,8 @@ func (s *speculative) popLocked() {
 
 // extend returns how far inst's speculative holds continue the chain keys
 // from block `from`: the largest k >= from such that keys[from:k] are all
-// held by inst and unexpired.
-func (s *speculative) extend(keys []kvindex.Key, from int, inst string) int {
+// held by inst, unexpired, and made in inst's current cache epoch.
+func (s *speculative) extend(keys []kvindex.Key, from int, inst string, epoch uint64) int {
 	if s == nil || from >= len(keys) {
 		return from
 	}
@@ -131,7 +133,7 @@ func (s *speculative) extend(keys []kvindex.Key, from int, inst string) int {
 	for ; k < len(keys); k++ {
 		held := false
 		for _, h := range s.holds[keys[k]] {
-			if h.inst == inst && h.exp > now {
+			if h.inst == inst && h.exp > now && h.epoch == epoch {
 				held = true
 				break
 			}

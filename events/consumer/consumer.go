@@ -198,6 +198,10 @@ type inst struct {
 	// reloading: an engine came back up and its snapshot reload is
 	// queued; it turns live when the reload is done. Guarded by Consumer.mu.
 	reloading bool
+	// lost counts the times the instance's cache was lost or could not be
+	// vouched for: a clear by the bridge (gap, restart, resync) or the
+	// engine, the engine reported down, a purge. Guarded by Consumer.mu.
+	lost uint64
 	// Owned by the instance's shard goroutine.
 	needLoad bool
 	skipUpTo uint64
@@ -372,6 +376,19 @@ func (c *Consumer) Live(instance string) bool {
 	defer c.mu.RUnlock()
 	in := c.insts[instance]
 	return in != nil && in.status.State == StateLive && !in.status.IndexUnsynced
+}
+
+// LostEpoch counts the times the instance's cache was lost or could not be
+// vouched for (cleared, restarted, engine down, purged). A guess about what
+// the instance holds made under one epoch — the router's speculative
+// entries — is void under the next.
+func (c *Consumer) LostEpoch(instance string) uint64 {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	if in := c.insts[instance]; in != nil {
+		return in.lost
+	}
+	return 0
 }
 
 // Instances returns every known instance's status, sorted by name.
@@ -659,6 +676,7 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		// process (the bridge then keeps its table).
 		if !in.status.EngineDown {
 			c.cfg.Logger.Info("consumer: engine down, instance not live", "instance", instance)
+			in.lost++
 		}
 		in.status.EngineDown = true
 		in.status.State = StateStale
@@ -682,6 +700,16 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 	case load:
 		c.enqueue(ctx, work{kind: workLoad, instance: instance})
 	}
+}
+
+// clearsAll reports whether a batch empties the engine's cache.
+func clearsAll(evs []events.Event) bool {
+	for i := range evs {
+		if evs[i].Kind == events.AllBlocksCleared {
+			return true
+		}
+	}
+	return false
 }
 
 // check marks silent instances stale and queues purges.
@@ -1121,6 +1149,10 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 		// The bridge cleared the instance: seq continuity starts over.
 		st.Clears++
 		in.hasSeq = false
+		in.lost++
+	}
+	if err == nil && clearsAll(batch.Events) {
+		in.lost++ // the engine emptied its cache (reset_prefix_cache)
 	}
 	if err != nil {
 		st.Malformed++
