@@ -53,8 +53,8 @@ type KVLookupRequest struct {
 	// Messages are OpenAI chat messages, as a chat request carries them
 	// (rendered with the pool's chat template before tokenizing).
 	Messages  json.RawMessage `json:"messages"`
-	Adapter   string   `json:"adapter"`
-	CacheSalt string   `json:"cache_salt"`
+	Adapter   string          `json:"adapter"`
+	CacheSalt string          `json:"cache_salt"`
 }
 
 // KVLookupMatch is what one instance holds of the looked-up prompt: its
