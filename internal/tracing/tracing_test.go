@@ -2,121 +2,32 @@ package tracing
 
 import (
 	"bytes"
-	"compress/gzip"
 	"context"
 	"encoding/pem"
 	"io"
 	"log/slog"
-	"net"
-	"net/http"
-	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"go.opentelemetry.io/otel"
-	collectorpb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
-	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/metadata"
-	"google.golang.org/protobuf/proto"
 
+	"github.com/kvrouter/kvrouter/internal/tracing/otlptest"
 	"github.com/kvrouter/kvrouter/router"
 )
 
-// collector is a real OTLP trace receiver (the collector's protobuf
-// service) over gRPC or HTTP: it keeps what it is sent.
-type collector struct {
-	collectorpb.UnimplementedTraceServiceServer
-
-	mu      sync.Mutex // guards got and headers
-	got     []*tracepb.ResourceSpans
-	headers []map[string]string // per export: the headers/metadata tested
-}
-
-func (c *collector) keep(req *collectorpb.ExportTraceServiceRequest, hdr map[string]string) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.got = append(c.got, req.ResourceSpans...)
-	c.headers = append(c.headers, hdr)
-}
-
-// Export implements the OTLP gRPC trace service.
-func (c *collector) Export(ctx context.Context, req *collectorpb.ExportTraceServiceRequest) (*collectorpb.ExportTraceServiceResponse, error) {
-	md, _ := metadata.FromIncomingContext(ctx)
-	c.keep(req, map[string]string{"x-tenant": strings.Join(md.Get("x-tenant"), ",")})
-	return &collectorpb.ExportTraceServiceResponse{}, nil
-}
-
-// ServeHTTP implements OTLP/HTTP (binary protobuf) at /v1/traces.
-func (c *collector) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	if r.Method != http.MethodPost || r.URL.Path != "/v1/traces" || r.Header.Get("Content-Type") != "application/x-protobuf" {
-		http.Error(w, "want POST /v1/traces application/x-protobuf", http.StatusNotFound)
-		return
-	}
-	var body io.Reader = r.Body
-	if r.Header.Get("Content-Encoding") == "gzip" {
-		zr, err := gzip.NewReader(r.Body)
-		if err != nil {
-			http.Error(w, err.Error(), http.StatusBadRequest)
-			return
-		}
-		body = zr
-	}
-	b, err := io.ReadAll(body)
-	if err != nil {
-		http.Error(w, err.Error(), http.StatusBadRequest)
-		return
-	}
-	var req collectorpb.ExportTraceServiceRequest
-	if err := proto.Unmarshal(b, &req); err != nil {
-		http.Error(w, err.Error(), http.StatusBadRequest)
-		return
-	}
-	c.keep(&req, map[string]string{"x-tenant": r.Header.Get("X-Tenant"), "encoding": r.Header.Get("Content-Encoding")})
-	w.Header().Set("Content-Type", "application/x-protobuf")
-	out, _ := proto.Marshal(&collectorpb.ExportTraceServiceResponse{})
-	_, _ = w.Write(out)
-}
-
-// spans lists the received spans by name with their resource's
-// service.name.
-func (c *collector) spans() map[string]string {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	out := map[string]string{}
-	for _, rs := range c.got {
-		svc := ""
-		for _, kv := range rs.GetResource().GetAttributes() {
-			if kv.Key == "service.name" {
-				svc = kv.GetValue().GetStringValue()
-			}
-		}
-		for _, ss := range rs.ScopeSpans {
-			for _, s := range ss.Spans {
-				out[s.Name] = svc
-			}
+// service returns the service.name of the received span named name.
+func service(c *otlptest.Collector, name string) (string, bool) {
+	for _, s := range c.Spans() {
+		if s.Name == name {
+			return s.Service, true
 		}
 	}
-	return out
-}
-
-func startGRPCCollector(t *testing.T) (*collector, string) {
-	c := &collector{}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	gs := grpc.NewServer()
-	collectorpb.RegisterTraceServiceServer(gs, c)
-	go func() { _ = gs.Serve(ln) }()
-	t.Cleanup(gs.Stop)
-	return c, ln.Addr().String()
+	return "", false
 }
 
 func noEnv(string) string { return "" }
@@ -138,7 +49,8 @@ func emit(t *testing.T, cfg router.TracingConfig, getenv func(string) string, na
 }
 
 func TestExportGRPC(t *testing.T) {
-	c, addr := startGRPCCollector(t)
+	c := &otlptest.Collector{}
+	addr := otlptest.StartGRPC(t, c)
 	for _, tc := range []struct {
 		name     string
 		endpoint string
@@ -153,13 +65,11 @@ func TestExportGRPC(t *testing.T) {
 				Headers: map[string]string{"x-tenant": "team-a"}, Compression: "gzip", Timeout: 15 * time.Second,
 			}}
 			emit(t, cfg, noEnv, "grpc-"+tc.name)
-			if svc, ok := c.spans()["grpc-"+tc.name]; !ok || svc != DefaultServiceName {
-				t.Fatalf("collector got %v, want span grpc-%s of service %s", c.spans(), tc.name, DefaultServiceName)
+			if svc, ok := service(c, "grpc-"+tc.name); !ok || svc != DefaultServiceName {
+				t.Fatalf("collector got %v, want span grpc-%s of service %s", c.Spans(), tc.name, DefaultServiceName)
 			}
-			c.mu.Lock()
-			h := c.headers[len(c.headers)-1]
-			c.mu.Unlock()
-			if h["x-tenant"] != "team-a" {
+			hs := c.Headers()
+			if h := hs[len(hs)-1]; h.Get("x-tenant") != "team-a" {
 				t.Errorf("metadata %v: want x-tenant team-a", h)
 			}
 		})
@@ -167,9 +77,8 @@ func TestExportGRPC(t *testing.T) {
 }
 
 func TestExportHTTP(t *testing.T) {
-	c := &collector{}
-	ts := httptest.NewServer(c)
-	defer ts.Close()
+	c := &otlptest.Collector{}
+	ts := otlptest.StartHTTP(t, c, false)
 	// The protocol comes from the environment when the file leaves it
 	// empty; the URL without a path gets /v1/traces.
 	env := func(k string) string {
@@ -182,19 +91,18 @@ func TestExportHTTP(t *testing.T) {
 		Endpoint: ts.URL, Headers: map[string]string{"X-Tenant": "team-b"}, Compression: "gzip",
 	}}
 	emit(t, cfg, env, "http-span")
-	if svc := c.spans()["http-span"]; svc != "router-eu" {
-		t.Fatalf("collector got %v, want http-span of service router-eu", c.spans())
+	if svc, _ := service(c, "http-span"); svc != "router-eu" {
+		t.Fatalf("collector got %v, want http-span of service router-eu", c.Spans())
 	}
-	if h := c.headers[0]; h["x-tenant"] != "team-b" || h["encoding"] != "gzip" {
+	if h := c.Headers()[0]; h.Get("X-Tenant") != "team-b" || h.Get("Content-Encoding") != "gzip" {
 		t.Errorf("headers %v: want X-Tenant team-b, gzip", h)
 	}
 }
 
 // TestExportHTTPTLS verifies the collector with tls.ca_file.
 func TestExportHTTPTLS(t *testing.T) {
-	c := &collector{}
-	ts := httptest.NewTLSServer(c)
-	defer ts.Close()
+	c := &otlptest.Collector{}
+	ts := otlptest.StartHTTP(t, c, true)
 	ca := filepath.Join(t.TempDir(), "ca.pem")
 	if err := os.WriteFile(ca, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: ts.Certificate().Raw}), 0o600); err != nil {
 		t.Fatal(err)
@@ -203,8 +111,8 @@ func TestExportHTTPTLS(t *testing.T) {
 		Protocol: router.TracingProtocolHTTP, Endpoint: ts.URL, TLS: &router.TLSConfig{CAFile: ca},
 	}}
 	emit(t, cfg, noEnv, "tls-span")
-	if _, ok := c.spans()["tls-span"]; !ok {
-		t.Fatalf("collector got %v over TLS", c.spans())
+	if _, ok := service(c, "tls-span"); !ok {
+		t.Fatalf("collector got %v over TLS", c.Spans())
 	}
 	// Without the CA the export fails (the collector is not trusted):
 	// nothing arrives, and the failure reaches otel's error handler.
@@ -230,20 +138,19 @@ func TestExportHTTPTLS(t *testing.T) {
 	if err := eh.count.Write(&m); err != nil || m.GetCounter().GetValue() < 1 {
 		t.Errorf("export errors counted: %v (%v), want the failed export", m.GetCounter().GetValue(), err)
 	}
-	if _, ok := c.spans()["untrusted"]; ok {
+	if _, ok := service(c, "untrusted"); ok {
 		t.Error("a span reached the untrusted collector")
 	}
 }
 
 // TestSamplerRatioZero: ratio 0 exports nothing the router starts.
 func TestSamplerRatioZero(t *testing.T) {
-	c := &collector{}
-	ts := httptest.NewServer(c)
-	defer ts.Close()
+	c := &otlptest.Collector{}
+	ts := otlptest.StartHTTP(t, c, false)
 	zero := 0.0
 	cfg := router.TracingConfig{Enabled: true, SamplerRatio: &zero, Exporter: router.TracingExporterConfig{Endpoint: ts.URL}}
 	emit(t, cfg, noEnv, "sampled-out")
-	if got := c.spans(); len(got) != 0 {
+	if got := c.Spans(); len(got) != 0 {
 		t.Errorf("collector got %v with sampler_ratio 0", got)
 	}
 }
