@@ -247,6 +247,8 @@ func (a *attempt) endAttempt(aborted bool) {
 		sp.SetStatus(codes.Error, errDesc(a.err))
 	case aborted:
 		sp.SetStatus(codes.Error, "response aborted")
+	case a.streamErr:
+		sp.SetStatus(codes.Error, "upstream failed mid-response")
 	case a.status >= 400:
 		sp.SetStatus(codes.Error, http.StatusText(a.status))
 	}

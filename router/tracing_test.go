@@ -2,6 +2,7 @@ package router_test
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"io"
 	"log/slog"
@@ -22,6 +23,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
 const (
@@ -482,5 +484,59 @@ func TestTracingRejected(t *testing.T) {
 	}
 	if len(findSpans(spans, router.SpanProxy)) != 0 || len(rig.parents()) != 0 {
 		t.Errorf("a rejected request reached an engine")
+	}
+}
+
+// TestTracingStreamBrokenMidway: an engine that cuts a stream after two
+// events leaves the client a 200 with an error event, and the proxy span
+// failed with the reason; the first_byte event is there.
+func TestTracingStreamBrokenMidway(t *testing.T) {
+	exp := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
+	defer func() { _ = tp.Shutdown(context.Background()) }()
+	u := routertest.New(t, "vllm-0", traceModel)
+	u.SetStream(6, 0)
+	u.Set(routertest.BreakStream, 0, 2)
+	pc := router.PoolConfig{Name: "p", Model: traceModel, Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
+		Instances: []router.InstanceConfig{{ID: u.ID, URL: u.URL()}}}
+	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{Logger: slog.New(slog.DiscardHandler), TracerProvider: tp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := httptest.NewServer(srv.Handler())
+	defer ts.Close()
+	rig := &traceRig{t: t, ts: ts, exp: exp}
+	resp := rig.chat("", chatBody(traceModel, "break", true))
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	spans := rig.serverSpans(1)
+	proxy := oneSpan(t, spans, router.SpanProxy)
+	if proxy.Status.Code != codes.Error || proxy.Status.Description != "upstream failed mid-response" {
+		t.Errorf("proxy span status %v", proxy.Status)
+	}
+	if len(proxy.Events) != 1 || proxy.Events[0].Name != "first_byte" {
+		t.Errorf("proxy span events %v", proxy.Events)
+	}
+	wantAttr(t, oneSpan(t, spans, "POST /v1/chat/completions"), router.AttrStream, true)
+}
+
+// BenchmarkHandlerChatTracing is BenchmarkHandlerChat with tracing on:
+// every request sampled (five spans, batched to an exporter that drops
+// them), and none sampled (ratio 0: spans not recorded, traceparent still
+// sent).
+func BenchmarkHandlerChatTracing(b *testing.B) {
+	for _, tc := range []struct {
+		name    string
+		sampler sdktrace.Sampler
+	}{
+		{"sampled", sdktrace.AlwaysSample()},
+		{"unsampled", sdktrace.ParentBased(sdktrace.TraceIDRatioBased(0))},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(tracetest.NewNoopExporter()), sdktrace.WithSampler(tc.sampler))
+			defer func() { _ = tp.Shutdown(context.Background()) }()
+			benchHandlerChat(b, router.Options{TracerProvider: tp})
+		})
 	}
 }

@@ -208,8 +208,8 @@ func newResource(ctx context.Context, serviceName string) (*resource.Resource, e
 	return res, nil
 }
 
-// ErrorHandler reports the SDK's errors (failed exports, a full span
-// queue): each is counted in kvrouter_tracing_errors_total, and logged at
+// ErrorHandler reports the SDK's errors (mostly failed exports, each
+// losing its batch of spans): each is counted in kvrouter_tracing_errors_total, and logged at
 // most once per interval with the number since the last log, so that a
 // collector that is down cannot flood the log.
 type ErrorHandler struct {
@@ -230,7 +230,7 @@ var _ otel.ErrorHandler = (*ErrorHandler)(nil)
 func NewErrorHandler(log *slog.Logger, reg prometheus.Registerer, every time.Duration) (*ErrorHandler, error) {
 	h := &ErrorHandler{log: log, every: every, nowFor: time.Now, count: prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvrouter_tracing_errors_total",
-		Help: "OpenTelemetry SDK errors: failed span exports and dropped spans (logged at most once per interval).",
+		Help: "OpenTelemetry SDK errors, mostly failed span exports (each loses its batch of spans); logged at most once a minute.",
 	})}
 	if reg != nil {
 		if err := reg.Register(h.count); err != nil {
@@ -253,5 +253,5 @@ func (h *ErrorHandler) Handle(err error) {
 	quiet := h.quiet
 	h.last, h.quiet = now, 0
 	h.mu.Unlock()
-	h.log.Warn("tracing: OpenTelemetry SDK error (spans lost)", "err", err, "errors_not_logged", quiet)
+	h.log.Warn("tracing: OpenTelemetry SDK error (a failed export loses its spans)", "err", err, "errors_not_logged", quiet)
 }
