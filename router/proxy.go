@@ -150,7 +150,7 @@ func (s *Server) serveOpenAI(ep Endpoint) http.HandlerFunc {
 		if !ok {
 			return
 		}
-		_, psp := startSpan(r.Context(), SpanParse, trace.SpanKindInternal)
+		_, psp := s.span(r.Context(), SpanParse, trace.SpanKindInternal)
 		parsed, err := ParseOpenAI(ep, body)
 		psp.end(err, errDesc(err))
 		if err != nil {
@@ -266,7 +266,7 @@ func (s *Server) serveInvoke(ep Endpoint) http.HandlerFunc {
 // when the first fails before any byte reached the client, and either
 // before the request reached it or with a retry status (errorHandler).
 func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *Pool, strat Strategy, req *Request, path string, ready time.Time) {
-	traceRequest(r.Context(), req)
+	s.traceRequest(r.Context(), req)
 	var buf [32]*Instance // candidates live on the stack for typical pools
 	var exclude *Instance
 	var prev *attempt
@@ -277,7 +277,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 	for n := 1; n <= maxAttempts; n++ {
 		t0 := time.Now()
 		cands, _ := pool.Candidates(buf[:0], req.Adapter, exclude)
-		dctx, dsp := startSpan(r.Context(), SpanDecide, trace.SpanKindInternal)
+		dctx, dsp := s.span(r.Context(), SpanDecide, trace.SpanKindInternal)
 		dec, err := strat.Pick(dctx, req, cands)
 		dsp.endDecide(r.Context(), dec, strat.Name(), len(cands), err)
 		s.m.decision.WithLabelValues(pool.Name(), strat.Name()).Observe(time.Since(t0).Seconds())
@@ -303,7 +303,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 			s.m.overflows.WithLabelValues(pool.Name(), strat.Name(), string(dec.Reason)).Inc()
 		}
 		a := &attempt{pool: pool, dec: dec, path: path, ready: ready, n: n, canRetry: n < maxAttempts && len(cands) > 1}
-		ctx := context.WithValue(startAttempt(r.Context(), a), attemptKey{}, a)
+		ctx := context.WithValue(s.startAttempt(r.Context(), a), attemptKey{}, a)
 		ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{WroteRequest: a.wroteRequest})
 		out := r.WithContext(ctx)
 		out.Body = io.NopCloser(bytes.NewReader(req.Body))

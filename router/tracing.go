@@ -147,7 +147,18 @@ func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 // then a no-op. A value, so that an untraced request allocates nothing.
 type span struct{ s trace.Span }
 
-// startSpan starts a child of ctx's span when that one is recording.
+// span starts a child span of the request's on the server's request path:
+// with tracing off, a nil check.
+func (s *Server) span(ctx context.Context, name string, kind trace.SpanKind) (context.Context, span) {
+	if s.tracer == nil {
+		return ctx, span{}
+	}
+	return startSpan(ctx, name, kind)
+}
+
+// startSpan starts a child of ctx's span when that one is recording: with
+// tracing off, one context lookup (for the hooks below the server, which
+// do not know whether it is on).
 func startSpan(ctx context.Context, name string, kind trace.SpanKind) (context.Context, span) {
 	parent := trace.SpanFromContext(ctx)
 	if !parent.IsRecording() {
@@ -184,7 +195,10 @@ func errDesc(err error) string {
 
 // traceRequest puts what the handler learnt about the request on its
 // server span.
-func traceRequest(ctx context.Context, req *Request) {
+func (s *Server) traceRequest(ctx context.Context, req *Request) {
+	if s.tracer == nil {
+		return
+	}
 	sp := trace.SpanFromContext(ctx)
 	if !sp.IsRecording() {
 		return
@@ -221,8 +235,8 @@ func (sp span) endDecide(ctx context.Context, dec Decision, strategy string, can
 }
 
 // startAttempt starts the client span of a proxy attempt.
-func startAttempt(ctx context.Context, a *attempt) context.Context {
-	ctx, a.span = startSpan(ctx, SpanProxy, trace.SpanKindClient)
+func (s *Server) startAttempt(ctx context.Context, a *attempt) context.Context {
+	ctx, a.span = s.span(ctx, SpanProxy, trace.SpanKindClient)
 	if a.span.s != nil {
 		u := a.dec.Instance.URL()
 		a.span.s.SetAttributes(AttrHTTPMethod.String(http.MethodPost), AttrServerAddress.String(u.Host),
