@@ -15,8 +15,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"go.opentelemetry.io/otel/trace"
 )
 
 // Response headers explaining a decision.
@@ -150,7 +148,7 @@ func (s *Server) serveOpenAI(ep Endpoint) http.HandlerFunc {
 		if !ok {
 			return
 		}
-		_, psp := s.span(r.Context(), SpanParse, trace.SpanKindInternal)
+		_, psp := s.span(r.Context(), SpanParse)
 		parsed, err := ParseOpenAI(ep, body)
 		psp.end(err, errDesc(err))
 		if err != nil {
@@ -277,7 +275,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 	for n := 1; n <= maxAttempts; n++ {
 		t0 := time.Now()
 		cands, _ := pool.Candidates(buf[:0], req.Adapter, exclude)
-		dctx, dsp := s.span(r.Context(), SpanDecide, trace.SpanKindInternal)
+		dctx, dsp := s.span(r.Context(), SpanDecide)
 		dec, err := strat.Pick(dctx, req, cands)
 		dsp.endDecide(r.Context(), dec, strat.Name(), len(cands), err)
 		s.m.decision.WithLabelValues(pool.Name(), strat.Name()).Observe(time.Since(t0).Seconds())

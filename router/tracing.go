@@ -147,13 +147,13 @@ func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 // then a no-op. A value, so that an untraced request allocates nothing.
 type span struct{ s trace.Span }
 
-// span starts a child span of the request's on the server's request path:
-// with tracing off, a nil check.
-func (s *Server) span(ctx context.Context, name string, kind trace.SpanKind) (context.Context, span) {
+// span starts an internal child span of the request's on the server's
+// request path: with tracing off, a nil check.
+func (s *Server) span(ctx context.Context, name string) (context.Context, span) {
 	if s.tracer == nil {
 		return ctx, span{}
 	}
-	return startSpan(ctx, name, kind)
+	return startSpan(ctx, name, trace.SpanKindInternal)
 }
 
 // startSpan starts a child of ctx's span when that one is recording: with
@@ -236,7 +236,10 @@ func (sp span) endDecide(ctx context.Context, dec Decision, strategy string, can
 
 // startAttempt starts the client span of a proxy attempt.
 func (s *Server) startAttempt(ctx context.Context, a *attempt) context.Context {
-	ctx, a.span = s.span(ctx, SpanProxy, trace.SpanKindClient)
+	if s.tracer == nil {
+		return ctx
+	}
+	ctx, a.span = startSpan(ctx, SpanProxy, trace.SpanKindClient)
 	if a.span.s != nil {
 		u := a.dec.Instance.URL()
 		a.span.s.SetAttributes(AttrHTTPMethod.String(http.MethodPost), AttrServerAddress.String(u.Host),

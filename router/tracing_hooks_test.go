@@ -26,10 +26,10 @@ func BenchmarkTracingHooksOff(b *testing.B) {
 	cpu0, n := processCPU(), 0
 	for b.Loop() {
 		n++
-		_, psp := s.span(ctx, SpanParse, 0)
+		_, psp := s.span(ctx, SpanParse)
 		psp.end(nil, "")
 		s.traceRequest(ctx, req)
-		dctx, dsp := s.span(ctx, SpanDecide, 0)
+		dctx, dsp := s.span(ctx, SpanDecide)
 		_, tsp := startSpan(dctx, SpanTokenize, 0)
 		tsp.end(nil, "")
 		_, lsp := startSpan(dctx, SpanLookup, 0)

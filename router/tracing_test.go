@@ -20,6 +20,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
+	"golang.org/x/net/http/httpguts"
 
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
@@ -519,6 +520,79 @@ func TestTracingStreamBrokenMidway(t *testing.T) {
 		t.Errorf("proxy span events %v", proxy.Events)
 	}
 	wantAttr(t, oneSpan(t, spans, "POST /v1/chat/completions"), router.AttrStream, true)
+}
+
+// FuzzTraceContextHeaders: whatever traceparent and tracestate a client
+// sends, the request is served and the engine receives a well-formed
+// traceparent naming the router's proxy span; a valid incoming one is
+// continued (same trace id), anything else starts a new trace.
+func FuzzTraceContextHeaders(f *testing.F) {
+	f.Add("00-"+inTraceID+"-"+inSpanID+"-01", "vendor=abc")
+	f.Add("00-"+inTraceID+"-"+inSpanID+"-00", "")
+	f.Add("00-00000000000000000000000000000000-"+inSpanID+"-01", "")
+	f.Add("ff-"+inTraceID+"-"+inSpanID+"-01", "a=b,c=d")
+	f.Add("01-"+inTraceID+"-"+inSpanID+"-01-extra", "x=\x00")
+	f.Add("garbage", "=,=,==")
+	exp := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
+	defer func() { _ = tp.Shutdown(context.Background()) }()
+	var got atomic.Pointer[string]
+	eng := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tp := r.Header.Get("traceparent")
+		got.Store(&tp)
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"id":"c","object":"chat.completion","choices":[]}`)
+	}))
+	defer eng.Close()
+	pc := router.PoolConfig{Name: "p", Model: traceModel, Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
+		Instances: []router.InstanceConfig{{ID: "vllm-0", URL: eng.URL}}}
+	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{Logger: slog.New(slog.DiscardHandler), TracerProvider: tp})
+	if err != nil {
+		f.Fatal(err)
+	}
+	h := srv.Handler()
+	body := chatBody(traceModel, "hi", false)
+	f.Fuzz(func(t *testing.T, parent, state string) {
+		if !httpguts.ValidHeaderFieldValue(parent) || !httpguts.ValidHeaderFieldValue(state) {
+			return // net/http's server answers 400 before any handler sees it
+		}
+		req := httptest.NewRequest("POST", "/v1/chat/completions", bytes.NewReader(body))
+		req.Header.Set("traceparent", parent)
+		req.Header.Set("tracestate", state)
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		if rec.Code != 200 {
+			t.Fatalf("status %d: %s", rec.Code, rec.Body.Bytes())
+		}
+		sent := *got.Load()
+		sc, ok := parseTraceparent(sent)
+		if !ok {
+			t.Fatalf("engine got traceparent %q", sent)
+		}
+		if in, ok := parseTraceparent(parent); ok && strings.HasPrefix(parent, "00-") && len(parent) == 55 && in.TraceID() != sc.TraceID() {
+			t.Fatalf("incoming %q not continued: engine got %q", parent, sent)
+		}
+		if strings.Contains(sent, "-"+inSpanID+"-") {
+			t.Fatalf("engine got the client's span as parent: %q", sent)
+		}
+	})
+}
+
+// parseTraceparent reads a version-00 traceparent strictly.
+func parseTraceparent(s string) (trace.SpanContext, bool) {
+	var tid trace.TraceID
+	var sid trace.SpanID
+	if len(s) != 55 || s[:3] != "00-" || s[35] != '-' || s[52] != '-' || (s[53:] != "00" && s[53:] != "01") {
+		return trace.SpanContext{}, false
+	}
+	tid, err := trace.TraceIDFromHex(s[3:35])
+	if err != nil {
+		return trace.SpanContext{}, false
+	}
+	if sid, err = trace.SpanIDFromHex(s[36:52]); err != nil {
+		return trace.SpanContext{}, false
+	}
+	return trace.NewSpanContext(trace.SpanContextConfig{TraceID: tid, SpanID: sid}), true
 }
 
 // BenchmarkHandlerChatTracing is BenchmarkHandlerChat with tracing on:
