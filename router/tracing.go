@@ -96,7 +96,11 @@ func (s *Server) traced(pattern string, h http.HandlerFunc) http.HandlerFunc {
 		defer func() {
 			p := recover()
 			status := sw.status
-			if status == 0 && p == nil {
+			switch {
+			case status != 0:
+			case r.Context().Err() != nil:
+				status = 499 // the client went away before an answer (as the metrics count it)
+			case p == nil:
 				status = http.StatusOK // nothing written: net/http answers 200
 			}
 			if status != 0 {

@@ -522,6 +522,57 @@ func TestTracingStreamBrokenMidway(t *testing.T) {
 	wantAttr(t, oneSpan(t, spans, "POST /v1/chat/completions"), router.AttrStream, true)
 }
 
+// TestTracingClientGone: a client that leaves while the engine is still
+// prefilling gives a server span and a proxy span with status 499.
+func TestTracingClientGone(t *testing.T) {
+	exp := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
+	defer func() { _ = tp.Shutdown(context.Background()) }()
+	u := routertest.New(t, "vllm-0", traceModel)
+	release := u.Hold()
+	defer release()
+	pc := router.PoolConfig{Name: "p", Model: traceModel, Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
+		Instances: []router.InstanceConfig{{ID: u.ID, URL: u.URL()}}}
+	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{Logger: slog.New(slog.DiscardHandler), TracerProvider: tp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := httptest.NewServer(srv.Handler())
+	defer ts.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	req, err := http.NewRequestWithContext(ctx, "POST", ts.URL+"/v1/chat/completions", bytes.NewReader(chatBody(traceModel, "bye", false)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		resp, err := http.DefaultClient.Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		done <- err
+	}()
+	deadline := time.Now().Add(20 * time.Second)
+	for u.Requests.Load() == 0 { // the engine has it: the client now leaves
+		if time.Now().After(deadline) {
+			t.Fatal("the request never reached the engine")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	cancel()
+	if err := <-done; err == nil {
+		t.Fatal("the cancelled request succeeded")
+	}
+	rig := &traceRig{t: t, ts: ts, exp: exp}
+	spans := rig.serverSpans(1)
+	wantAttr(t, oneSpan(t, spans, "POST /v1/chat/completions"), router.AttrHTTPStatus, int64(499))
+	proxy := oneSpan(t, spans, router.SpanProxy)
+	wantAttr(t, proxy, router.AttrHTTPStatus, int64(499))
+	if proxy.Status.Code != codes.Error {
+		t.Errorf("proxy span status %v", proxy.Status)
+	}
+}
+
 // FuzzTraceContextHeaders: whatever traceparent and tracestate a client
 // sends, the request is served and the engine receives a well-formed
 // traceparent naming the router's proxy span; a valid incoming one is
