@@ -488,25 +488,31 @@ func TestTracingRejected(t *testing.T) {
 	}
 }
 
-// TestTracingStreamBrokenMidway: an engine that cuts a stream after two
-// events leaves the client a 200 with an error event, and the proxy span
-// failed with the reason; the first_byte event is there.
-func TestTracingStreamBrokenMidway(t *testing.T) {
-	exp := tracetest.NewInMemoryExporter()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
-	defer func() { _ = tp.Shutdown(context.Background()) }()
-	u := routertest.New(t, "vllm-0", traceModel)
-	u.SetStream(6, 0)
-	u.Set(routertest.BreakStream, 0, 2)
+// newUpstreamTraceRig serves a prefix_aware pool of the one upstream u,
+// every request traced to an in-memory exporter.
+func newUpstreamTraceRig(t *testing.T, u *routertest.Upstream) *traceRig {
+	rig := &traceRig{t: t, exp: tracetest.NewInMemoryExporter()}
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(rig.exp))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 	pc := router.PoolConfig{Name: "p", Model: traceModel, Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
 		Instances: []router.InstanceConfig{{ID: u.ID, URL: u.URL()}}}
 	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{Logger: slog.New(slog.DiscardHandler), TracerProvider: tp})
 	if err != nil {
 		t.Fatal(err)
 	}
-	ts := httptest.NewServer(srv.Handler())
-	defer ts.Close()
-	rig := &traceRig{t: t, ts: ts, exp: exp}
+	rig.ts = httptest.NewServer(srv.Handler())
+	t.Cleanup(rig.ts.Close)
+	return rig
+}
+
+// TestTracingStreamBrokenMidway: an engine that cuts a stream after two
+// events leaves the client a 200 with an error event, and the proxy span
+// failed with the reason; the first_byte event is there.
+func TestTracingStreamBrokenMidway(t *testing.T) {
+	u := routertest.New(t, "vllm-0", traceModel)
+	u.SetStream(6, 0)
+	u.Set(routertest.BreakStream, 0, 2)
+	rig := newUpstreamTraceRig(t, u)
 	resp := rig.chat("", chatBody(traceModel, "break", true))
 	if resp.StatusCode != 200 {
 		t.Fatalf("status %d", resp.StatusCode)
@@ -525,22 +531,12 @@ func TestTracingStreamBrokenMidway(t *testing.T) {
 // TestTracingClientGone: a client that leaves while the engine is still
 // prefilling gives a server span and a proxy span with status 499.
 func TestTracingClientGone(t *testing.T) {
-	exp := tracetest.NewInMemoryExporter()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
-	defer func() { _ = tp.Shutdown(context.Background()) }()
 	u := routertest.New(t, "vllm-0", traceModel)
 	release := u.Hold()
 	defer release()
-	pc := router.PoolConfig{Name: "p", Model: traceModel, Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-		Instances: []router.InstanceConfig{{ID: u.ID, URL: u.URL()}}}
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{Logger: slog.New(slog.DiscardHandler), TracerProvider: tp})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(srv.Handler())
-	defer ts.Close()
+	rig := newUpstreamTraceRig(t, u)
 	ctx, cancel := context.WithCancel(context.Background())
-	req, err := http.NewRequestWithContext(ctx, "POST", ts.URL+"/v1/chat/completions", bytes.NewReader(chatBody(traceModel, "bye", false)))
+	req, err := http.NewRequestWithContext(ctx, "POST", rig.ts.URL+"/v1/chat/completions", bytes.NewReader(chatBody(traceModel, "bye", false)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -563,7 +559,6 @@ func TestTracingClientGone(t *testing.T) {
 	if err := <-done; err == nil {
 		t.Fatal("the cancelled request succeeded")
 	}
-	rig := &traceRig{t: t, ts: ts, exp: exp}
 	spans := rig.serverSpans(1)
 	wantAttr(t, oneSpan(t, spans, "POST /v1/chat/completions"), router.AttrHTTPStatus, int64(499))
 	proxy := oneSpan(t, spans, router.SpanProxy)
