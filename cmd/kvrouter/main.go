@@ -233,7 +233,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	} else {
 		log.Info("KV events off: no pool needs KV state or events.enabled is false")
 	}
-	if cfg.Tracing.Enabled {
+	if cfg.Tracing.Enabled && tracing.SDKDisabled(getenv) {
+		log.Warn("tracing: enabled in the file but OTEL_SDK_DISABLED=true: off")
+	} else if cfg.Tracing.Enabled {
 		tp, err := startTracing(cfg.Tracing, getenv, reg, log)
 		if err != nil {
 			return err

@@ -684,7 +684,14 @@ func TestHelp(t *testing.T) {
 // OTLP/HTTP to a real receiver: a chat request's spans reach it with the
 // file's service name, flushed at shutdown (well before the batch
 // processor's 5 s schedule), and the engine got the trace's traceparent.
+// With OTEL_SDK_DISABLED=true the same file traces nothing.
 func TestRunTracing(t *testing.T) {
+	for _, disabled := range []bool{false, true} {
+		t.Run(fmt.Sprintf("sdk_disabled=%v", disabled), func(t *testing.T) { runTracing(t, disabled) })
+	}
+}
+
+func runTracing(t *testing.T, disabled bool) {
 	coll := &otlptest.Collector{}
 	cts := otlptest.StartHTTP(t, coll, false)
 	var mu sync.Mutex
@@ -711,7 +718,11 @@ pools:
     discovery: {disable: true}
     instances: [{id: vllm-0, url: %q}]
 `, cts.URL, eng.URL)
-	logs, _, stop := startRun(t, doc, nil)
+	env := map[string]string{}
+	if disabled {
+		env["OTEL_SDK_DISABLED"] = "true"
+	}
+	logs, _, stop := startRun(t, doc, env)
 	var listen string
 	waitFor(t, "the router to listen", func() bool { listen = logs.field("kvrouter listening", "listen"); return listen != "" })
 	resp, err := http.Post("http://"+listen+"/v1/chat/completions", "application/json",
@@ -727,6 +738,17 @@ pools:
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
+	mu.Lock()
+	defer mu.Unlock()
+	if disabled {
+		if spans := coll.Spans(); len(spans) != 0 || len(parents) != 1 || parents[0] != "" {
+			t.Errorf("OTEL_SDK_DISABLED: %d spans exported, engine traceparents %q", len(spans), parents)
+		}
+		if logs.field("tracing: enabled in the file but OTEL_SDK_DISABLED=true: off", "level") == "" {
+			t.Error("OTEL_SDK_DISABLED not logged")
+		}
+		return
+	}
 	byName := map[string]otlptest.Span{}
 	for _, s := range coll.Spans() {
 		byName[s.Name] = s
@@ -736,8 +758,6 @@ pools:
 	if !ok || !ok2 || srv.Service != "kvrouter-test" {
 		t.Fatalf("collector got %v, want the request's server and proxy spans of service kvrouter-test", byName)
 	}
-	mu.Lock()
-	defer mu.Unlock()
 	want := fmt.Sprintf("00-%x-%x-01", proxy.TraceId, proxy.SpanId)
 	if len(parents) != 1 || parents[0] != want {
 		t.Errorf("engine traceparent %q, want %q", parents, want)

@@ -16,6 +16,7 @@ import (
 	"log/slog"
 	"net/url"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
@@ -65,6 +66,13 @@ func New(ctx context.Context, cfg router.TracingConfig, getenv func(string) stri
 		opts = append(opts, sdktrace.WithSampler(sdktrace.ParentBased(sdktrace.TraceIDRatioBased(*r))))
 	}
 	return sdktrace.NewTracerProvider(opts...), nil
+}
+
+// SDKDisabled reports OTEL_SDK_DISABLED=true, the specification's switch
+// that turns the SDK off whatever the configuration says (the Go SDK does
+// not read it itself).
+func SDKDisabled(getenv func(string) string) bool {
+	return strings.EqualFold(strings.TrimSpace(getenv("OTEL_SDK_DISABLED")), "true")
 }
 
 // Protocol is the exporter protocol cfg selects, after the environment.

@@ -173,6 +173,14 @@ func TestServiceNameFromEnv(t *testing.T) {
 	}
 }
 
+func TestSDKDisabled(t *testing.T) {
+	for v, want := range map[string]bool{"": false, "true": true, " TRUE ": true, "false": false, "1": false} {
+		if got := SDKDisabled(func(string) string { return v }); got != want {
+			t.Errorf("OTEL_SDK_DISABLED=%q: %v, want %v", v, got, want)
+		}
+	}
+}
+
 func TestProtocol(t *testing.T) {
 	env := map[string]string{}
 	getenv := func(k string) string { return env[k] }
