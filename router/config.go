@@ -61,6 +61,9 @@ type Config struct {
 	// GRPC serves the gRPC API and the Envoy endpoint picker (package
 	// grpcapi, docs/grpc.md); off unless grpc.listen is set.
 	GRPC GRPCConfig `yaml:"grpc" json:"grpc"`
+	// Tracing exports OpenTelemetry spans of each data-plane request
+	// (TracingConfig, docs/operations.md); off by default.
+	Tracing TracingConfig `yaml:"tracing" json:"tracing"`
 	// Pools are the model deployments, one per served base model.
 	Pools []PoolConfig `yaml:"pools" json:"pools"`
 }
@@ -624,6 +627,9 @@ func (c Config) Validate() error {
 		}
 	}
 	if err := c.GRPC.validate(c.AdminToken); err != nil {
+		return err
+	}
+	if err := c.Tracing.validate(); err != nil {
 		return err
 	}
 	if len(c.Pools) == 0 {

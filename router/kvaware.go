@@ -486,7 +486,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 	}
 	ev.blockSize = bs
 	ev.keys = kvindex.AppendKeys(ev.keys, kvindex.Root(st.model, req.Adapter, cacheSalt(req)), ids, bs)
-	matches, err := st.index.Lookup(ctx, ev.keys)
+	matches, err := tracedLookup(ctx, st.index, ev.keys)
 	if err != nil {
 		st.m.lookupErrs.WithLabelValues(st.pool).Inc()
 		st.log.Debug("index lookup failed; routing on speculative entries and the heuristic", "pool", st.pool, "err", err)

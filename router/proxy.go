@@ -53,6 +53,8 @@ type attempt struct {
 	err       error // the failure
 	status    int
 	streamErr bool
+
+	span span // the attempt's client span (tracing.go); empty when not traced
 }
 
 type attemptKey struct{}
@@ -132,7 +134,12 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in Inbound) {
 	}
 	defer s.body.release(held)
 	in.Body = body
+	var psp span
+	if in.Endpoint.OpenAI() { // raw invocations are not parsed
+		_, psp = s.span(r.Context(), SpanParse)
+	}
 	req, pool, err := st.resolve(in)
+	psp.end(err, errDesc(err))
 	if err != nil {
 		re := AsRequestError(err)
 		s.reject(w, re.Pool, re.Status, re.Message)
@@ -153,6 +160,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in Inbound) {
 // when the first fails before any byte reached the client, and either
 // before the request reached it or with a retry status (errorHandler).
 func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *Pool, strat Strategy, req *Request, path string, ready time.Time) {
+	s.traceRequest(r.Context(), req)
 	var buf [32]*Instance // candidates live on the stack for typical pools
 	var exclude *Instance
 	var prev *attempt
@@ -163,7 +171,9 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 	for n := 1; n <= maxAttempts; n++ {
 		t0 := time.Now()
 		cands, _ := pool.Candidates(buf[:0], req.Adapter, exclude)
-		dec, err := strat.Pick(r.Context(), req, cands)
+		dctx, dsp := s.span(r.Context(), SpanDecide)
+		dec, err := strat.Pick(dctx, req, cands)
+		dsp.endDecide(r.Context(), dec, strat.Name(), len(cands), err)
 		s.m.decision.WithLabelValues(pool.Name(), strat.Name()).Observe(time.Since(t0).Seconds())
 		if err != nil {
 			if prev != nil {
@@ -187,7 +197,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 			s.m.overflows.WithLabelValues(pool.Name(), strat.Name(), string(dec.Reason)).Inc()
 		}
 		a := &attempt{pool: pool, dec: dec, path: path, ready: ready, n: n, canRetry: n < maxAttempts && len(cands) > 1}
-		ctx := context.WithValue(r.Context(), attemptKey{}, a)
+		ctx := context.WithValue(s.startAttempt(r.Context(), a), attemptKey{}, a)
 		ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{WroteRequest: a.wroteRequest})
 		out := r.WithContext(ctx)
 		out.Body = io.NopCloser(bytes.NewReader(req.Body))
@@ -209,6 +219,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 			defer func() {
 				dec.Instance.Release()
 				p := recover()
+				defer a.endAttempt(p != nil)
 				if p != nil {
 					// Aborted mid-response: the client went away (499) or the
 					// upstream broke off a non-SSE body (502). Count it here,
@@ -266,6 +277,7 @@ func (s *Server) rewrite(pr *httputil.ProxyRequest) {
 	pr.Out.URL.RawPath = ""
 	pr.Out.Host = ""
 	pr.SetXForwarded()
+	s.injectTrace(pr.In.Context(), pr.Out.Header)
 	a.sent = time.Now()
 }
 
@@ -363,6 +375,7 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 	if n > 0 {
 		if !b.got {
 			b.got = true
+			b.a.firstByte()
 			b.s.m.ttfb.WithLabelValues(b.a.pool.Name(), b.a.dec.Instance.ID()).Observe(time.Since(b.a.sent).Seconds())
 		}
 		if n >= 2 {

@@ -163,8 +163,13 @@ func BenchmarkProxyAddedLatency1000RPS(b *testing.B) {
 // BenchmarkHandlerChat is one proxied chat request through the handler
 // (no client connection: an httptest.ResponseRecorder) to a fast upstream
 // on loopback: the router's per-request CPU and allocations, plus one
-// loopback round trip.
-func BenchmarkHandlerChat(b *testing.B) {
+// loopback round trip (cpu-ns/op is the whole process: router, upstream
+// and client).
+func BenchmarkHandlerChat(b *testing.B) { benchHandlerChat(b, router.Options{}) }
+
+// benchHandlerChat runs BenchmarkHandlerChat with the server's options
+// (its logger is set here).
+func benchHandlerChat(b *testing.B, opts router.Options) {
 	reply := []byte(`{"id":"cmpl-1","object":"chat.completion","choices":[]}`)
 	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
@@ -176,7 +181,8 @@ func BenchmarkHandlerChat(b *testing.B) {
 	for i := range 8 {
 		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: fmt.Sprintf("vllm-%d", i), URL: up.URL})
 	}
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	opts.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, opts)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -184,7 +190,14 @@ func BenchmarkHandlerChat(b *testing.B) {
 	body := bytes.Replace(chatBody(model, "question", false), []byte("You are a helpful assistant."), []byte(strings.Repeat("be helpful and concise. ", 80)), 1)
 	b.SetBytes(int64(len(body)))
 	b.ReportAllocs()
+	cpu0, n := router.ProcessCPUForTest(), 0
+	defer func() {
+		if n > 0 {
+			b.ReportMetric(float64(router.ProcessCPUForTest()-cpu0)/float64(n), "cpu-ns/op")
+		}
+	}()
 	for b.Loop() {
+		n++
 		rec := httptest.NewRecorder()
 		h.ServeHTTP(rec, httptest.NewRequest("POST", "/v1/chat/completions", bytes.NewReader(body)))
 		if rec.Code != 200 {

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvrouter/kvrouter/kvindex"
 )
@@ -35,6 +36,9 @@ type Options struct {
 	// eviction stream (the binary's KVEvents); nil = instances show the
 	// index only and /v1/kv/evictions answers 503.
 	KVEvents KVEventsSource
+	// TracerProvider, when set, traces data-plane requests (tracing.go,
+	// docs/operations.md); nil = off, at no cost to the request path.
+	TracerProvider trace.TracerProvider
 }
 
 // Server is the router: the HTTP data plane, the admin API and the
@@ -50,6 +54,7 @@ type Server struct {
 	kvEvents  KVEventsSource
 	evictions http.Handler
 	proxy     *httputil.ReverseProxy
+	tracer    trace.Tracer // nil = tracing off
 	probe     *http.Client
 	started   time.Time
 	// adminToken is read on each admin request; swapped on reload.
@@ -97,6 +102,9 @@ func NewServer(cfg Config, opts Options) (*Server, error) {
 	tok := cfg.AdminToken
 	s.adminToken.Store(&tok)
 	s.kvOpt = opts.KV
+	if opts.TracerProvider != nil {
+		s.tracer = opts.TracerProvider.Tracer(TracerScope)
+	}
 	if s.kvEvents = opts.KVEvents; s.kvEvents != nil {
 		s.evictions = s.kvEvents.EvictionHandler()
 	}
@@ -257,11 +265,12 @@ func (s *Server) stopLoopsLocked() {
 // /readyz) and, when admin_listen is empty, the admin API and /metrics.
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/chat/completions", s.serveOpenAI(EndpointChatCompletions))
-	mux.HandleFunc("POST /v1/completions", s.serveOpenAI(EndpointCompletions))
+	traced := func(pattern string, h http.HandlerFunc) { mux.HandleFunc(pattern, s.traced(pattern, h)) }
+	traced("POST /v1/chat/completions", s.serveOpenAI(EndpointChatCompletions))
+	traced("POST /v1/completions", s.serveOpenAI(EndpointCompletions))
 	mux.HandleFunc("GET /v1/models", s.serveModels)
-	mux.HandleFunc("POST /invocations", s.serveInvoke(EndpointInvoke))
-	mux.HandleFunc("POST /invocations-response-stream", s.serveInvoke(EndpointInvokeStream))
+	traced("POST /invocations", s.serveInvoke(EndpointInvoke))
+	traced("POST /invocations-response-stream", s.serveInvoke(EndpointInvokeStream))
 	mux.HandleFunc("GET /healthz", s.serveHealthz)
 	mux.HandleFunc("GET /readyz", s.serveReadyz)
 	mux.HandleFunc("GET /ping", s.serveReadyz) // SageMaker's health path

@@ -158,7 +158,7 @@ func (r *Request) TokenIDs(ctx context.Context) ([]uint32, error) {
 			r.tokErr = ErrNoTokens
 			return
 		}
-		r.tokens, r.tokErr = r.Tokenizer.Tokens(ctx, r)
+		r.tokens, r.tokErr = tracedTokens(ctx, r.Tokenizer, r)
 	})
 	return r.tokens, r.tokErr
 }

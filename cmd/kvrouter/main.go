@@ -35,17 +35,21 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"reflect"
 	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/redis/go-redis/v9"
+	"go.opentelemetry.io/otel"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/internal/liblog"
 	"github.com/kvrouter/kvrouter/internal/version"
+	"github.com/kvrouter/kvrouter/internal/tracing"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -82,6 +86,8 @@ Environment (secrets are never read from the file):
   KVROUTER_ADMIN_TOKEN        bearer token required on the admin API and gRPC admin methods
   KVROUTER_REDIS_PASSWORD     password of index.redis (ACL user in the file)
   KVROUTER_CACHE_SALT_SECRET  hex HMAC key of pools' cache_salt (docs/security.md)
+  OTEL_*                      OpenTelemetry's variables fill what tracing: leaves empty;
+                              collector credentials go in OTEL_EXPORTER_OTLP_HEADERS
 
 Signals: SIGHUP reloads the file (pools, routing, limits, TLS certificates; the KV
 event consumers and indexes are kept);
@@ -252,6 +258,18 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	} else {
 		log.Info("KV events off: no pool needs KV state or events.enabled is false")
 	}
+	if cfg.Tracing.Enabled && tracing.SDKDisabled(getenv) {
+		log.Warn("tracing: enabled in the file but OTEL_SDK_DISABLED=true: off")
+	} else if cfg.Tracing.Enabled {
+		tp, err := startTracing(cfg.Tracing, getenv, reg, log)
+		if err != nil {
+			return err
+		}
+		// Runs when run returns, after the servers drained: the spans of
+		// the drained requests are flushed too.
+		defer stopTracing(tp, log)
+		opts.TracerProvider = tp
+	}
 	srv, err := router.NewServer(cfg, opts)
 	if err != nil {
 		return err
@@ -388,6 +406,9 @@ loop:
 				certs.ReloadAndLog()
 			}
 			ncfg, err := loadConfig(f, getenv)
+			if err == nil && !reflect.DeepEqual(ncfg.Tracing, cfg.Tracing) {
+				log.Warn("reload: tracing: changes only on restart")
+			}
 			if err == nil && api != nil && (ncfg.GRPC != cfg.GRPC || ncfg.DefaultPool != cfg.DefaultPool || ncfg.AdminToken != cfg.AdminToken) {
 				log.Warn("reload: grpc: and the gRPC API's default_pool and admin token change only on restart")
 			}
@@ -416,6 +437,37 @@ loop:
 	<-certsDone
 	<-discDone
 	return serveErr
+}
+
+// tracingFlushTimeout bounds flushing the queued spans at exit: a collector
+// that is down must not hold the process (one export's default timeout is
+// 10s; the queue is flushed in batches of up to 512 spans).
+const tracingFlushTimeout = 5 * time.Second
+
+// startTracing builds the tracer provider of the tracing: section and routes
+// the OpenTelemetry SDK's errors to the log (once a minute) and a counter.
+func startTracing(cfg router.TracingConfig, getenv func(string) string, reg prometheus.Registerer, log *slog.Logger) (*sdktrace.TracerProvider, error) {
+	eh, err := tracing.NewErrorHandler(log, reg, time.Minute)
+	if err != nil {
+		return nil, err
+	}
+	otel.SetErrorHandler(eh)
+	tp, err := tracing.New(context.Background(), cfg, getenv)
+	if err != nil {
+		return nil, err
+	}
+	proto, _ := tracing.Protocol(cfg.Exporter, getenv)
+	log.Info("tracing on", "protocol", proto, "endpoint", cfg.Exporter.Endpoint)
+	return tp, nil
+}
+
+// stopTracing flushes the spans still queued and stops the exporter.
+func stopTracing(tp *sdktrace.TracerProvider, log *slog.Logger) {
+	ctx, cancel := context.WithTimeout(context.Background(), tracingFlushTimeout)
+	defer cancel()
+	if err := tp.Shutdown(ctx); err != nil {
+		log.Warn("tracing: flushing spans at exit failed", "err", err)
+	}
 }
 
 // newGRPC builds the gRPC services of the grpc: section over srv: the admin

@@ -14,11 +14,13 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"github.com/kvrouter/kvrouter/internal/tracing/otlptest"
 	"io"
 	"log/slog"
 	"math/big"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -731,5 +733,89 @@ pools:
 	}
 	if code, body := get("/debug/pprof/heap?debug=1", "Bearer tok"); code != http.StatusOK || !strings.Contains(body, "heap profile:") {
 		t.Errorf("heap profile: %d %.80s", code, body)
+	}
+}
+
+// TestRunTracing runs the kvrouter command with tracing: on, exporting over
+// OTLP/HTTP to a real receiver: a chat request's spans reach it with the
+// file's service name, flushed at shutdown (well before the batch
+// processor's 5 s schedule), and the engine got the trace's traceparent.
+// With OTEL_SDK_DISABLED=true the same file traces nothing.
+func TestRunTracing(t *testing.T) {
+	for _, disabled := range []bool{false, true} {
+		t.Run(fmt.Sprintf("sdk_disabled=%v", disabled), func(t *testing.T) { runTracing(t, disabled) })
+	}
+}
+
+func runTracing(t *testing.T, disabled bool) {
+	coll := &otlptest.Collector{}
+	cts := otlptest.StartHTTP(t, coll, false)
+	var mu sync.Mutex
+	var parents []string
+	eng := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		mu.Lock()
+		parents = append(parents, r.Header.Get("traceparent"))
+		mu.Unlock()
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"id":"c","object":"chat.completion","choices":[]}`)
+	}))
+	defer eng.Close()
+	doc := fmt.Sprintf(`
+listen: "127.0.0.1:0"
+tracing:
+  enabled: true
+  service_name: kvrouter-test
+  exporter: {protocol: http/protobuf, endpoint: %q}
+pools:
+  - name: p
+    model: m
+    health: {disable: true}
+    discovery: {disable: true}
+    instances: [{id: vllm-0, url: %q}]
+`, cts.URL, eng.URL)
+	env := map[string]string{}
+	if disabled {
+		env["OTEL_SDK_DISABLED"] = "true"
+	}
+	logs, _, stop := startRun(t, doc, env)
+	var listen string
+	waitFor(t, "the router to listen", func() bool { listen = logs.field("kvrouter listening", "listen"); return listen != "" })
+	resp, err := http.Post("http://"+listen+"/v1/chat/completions", "application/json",
+		strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if disabled {
+		if spans := coll.Spans(); len(spans) != 0 || len(parents) != 1 || parents[0] != "" {
+			t.Errorf("OTEL_SDK_DISABLED: %d spans exported, engine traceparents %q", len(spans), parents)
+		}
+		if logs.field("tracing: enabled in the file but OTEL_SDK_DISABLED=true: off", "level") == "" {
+			t.Error("OTEL_SDK_DISABLED not logged")
+		}
+		return
+	}
+	byName := map[string]otlptest.Span{}
+	for _, s := range coll.Spans() {
+		byName[s.Name] = s
+	}
+	srv, ok := byName["POST /v1/chat/completions"]
+	proxy, ok2 := byName[router.SpanProxy]
+	if !ok || !ok2 || srv.Service != "kvrouter-test" {
+		t.Fatalf("collector got %v, want the request's server and proxy spans of service kvrouter-test", byName)
+	}
+	want := fmt.Sprintf("00-%x-%x-01", proxy.TraceId, proxy.SpanId)
+	if len(parents) != 1 || parents[0] != want {
+		t.Errorf("engine traceparent %q, want %q", parents, want)
 	}
 }

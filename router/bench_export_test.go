@@ -1,0 +1,4 @@
+package router
+
+// ProcessCPUForTest exposes processCPU to the external benchmarks.
+var ProcessCPUForTest = processCPU

@@ -1,0 +1,48 @@
+package router
+
+import (
+	"context"
+	"net/http"
+	"net/url"
+	"testing"
+)
+
+// BenchmarkTracingHooksOff is every tracing hook one untraced request
+// passes through (parse, request, decide, attempt start/end, first byte,
+// inject, and the tokenize and lookup spans' checks), on a context as deep
+// as a served request's: the whole cost of tracing when it is off.
+func BenchmarkTracingHooksOff(b *testing.B) {
+	s := &Server{} // tracer nil: tracing off
+	type k struct{ int }
+	ctx := context.Background()
+	for i := range 6 { // net/http's server, connection and request values, and the router's
+		ctx = context.WithValue(ctx, k{i}, i)
+	}
+	inst := &Instance{id: "vllm-0", url: &url.URL{Scheme: "http", Host: "127.0.0.1:1"}}
+	req := &Request{Pool: "p", Model: "m"}
+	dec := Decision{Instance: inst, Strategy: StrategyKVAware, Reason: ReasonKVMatch, Explain: &Explanation{PromptTokens: 100}}
+	h := http.Header{}
+	b.ReportAllocs()
+	cpu0, n := processCPU(), 0
+	for b.Loop() {
+		n++
+		_, psp := s.span(ctx, SpanParse)
+		psp.end(nil, "")
+		s.traceRequest(ctx, req)
+		dctx, dsp := s.span(ctx, SpanDecide)
+		_, tsp := startSpan(dctx, SpanTokenize, 0)
+		tsp.end(nil, "")
+		_, lsp := startSpan(dctx, SpanLookup, 0)
+		lsp.end(nil, "")
+		dsp.endDecide(ctx, dec, StrategyKVAware, 8, nil)
+		a := attempt{dec: dec, n: 1}
+		actx := s.startAttempt(ctx, &a)
+		s.injectTrace(actx, h)
+		a.firstByte()
+		a.endAttempt(false)
+	}
+	b.ReportMetric(float64(processCPU()-cpu0)/float64(n), "cpu-ns/op")
+	if len(h) != 0 {
+		b.Fatalf("tracing off wrote headers %v", h)
+	}
+}
