@@ -48,8 +48,8 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/internal/liblog"
-	"github.com/kvrouter/kvrouter/internal/version"
 	"github.com/kvrouter/kvrouter/internal/tracing"
+	"github.com/kvrouter/kvrouter/internal/version"
 	"github.com/kvrouter/kvrouter/router"
 )
 
