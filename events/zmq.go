@@ -280,6 +280,11 @@ func (s *Subscriber) session(ctx context.Context, handle func(Message)) (got boo
 	} else if err := sock.Dial(s.cfg.Endpoint); err != nil {
 		return false, fmt.Errorf("dial: %w", err)
 	}
+	if n := s.reconnects.Load(); n > 0 {
+		// Said once per (re)connection, so an operator reading the log
+		// sees the outage end, not only begin.
+		s.cfg.Logger.Info("zmq subscriber: connected again", "endpoint", s.cfg.Endpoint, "bind", s.cfg.Bind, "reconnects", n)
+	}
 	if s.cfg.OnConnect != nil {
 		s.cfg.OnConnect()
 	}

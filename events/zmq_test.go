@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -370,7 +371,8 @@ func TestSubscriberKick(t *testing.T) {
 	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
 	defer cancel()
 	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, MinBackoff: time.Hour, MaxBackoff: time.Hour, Logger: slog.New(slog.DiscardHandler)})
+	var logs syncLog
+	sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, MinBackoff: time.Hour, MaxBackoff: time.Hour, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -385,4 +387,26 @@ func TestSubscriberKick(t *testing.T) {
 	defer pub.Close()
 	sub.Kick()
 	waitFor(t, 10*time.Second, "subscribed after the kick", pub.Subscribed)
+	// The log says the outage ended, not only that it began.
+	waitFor(t, 10*time.Second, "the reconnection logged", func() bool {
+		return strings.Contains(logs.String(), "zmq subscriber: connected again")
+	})
+}
+
+// syncLog is a log sink the subscriber writes and the test reads.
+type syncLog struct {
+	mu sync.Mutex // guards b
+	b  strings.Builder
+}
+
+func (l *syncLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *syncLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }

@@ -7,6 +7,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -17,6 +18,7 @@ import (
 	"net/url"
 	"os"
 	"os/signal"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -259,10 +261,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		_, _ = io.WriteString(w, "ready\n")
 	})
 	mux.HandleFunc("GET /status", func(w http.ResponseWriter, _ *http.Request) {
-		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-		for _, s := range br.Stats() {
-			_, _ = fmt.Fprintf(w, "%+v\n", s)
-		}
+		serveStatus(w, *o, br.Ready(), br.Stats())
 	})
 	srv := &http.Server{Addr: o.listen, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	ln, err := net.Listen("tcp", o.listen)
@@ -288,4 +287,24 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	defer c2()
 	_ = srv.Shutdown(shutdownCtx)
 	return err
+}
+
+// bridgeStatus is GET /status: the bridge's identity and each instance's
+// counters (one per data-parallel rank).
+type bridgeStatus struct {
+	Pool      string         `json:"pool"`
+	Model     string         `json:"model,omitempty"`
+	Ready     bool           `json:"ready"`
+	Instances []bridge.Stats `json:"instances"`
+}
+
+func serveStatus(w http.ResponseWriter, o options, ready bool, stats []bridge.Stats) {
+	slices.SortFunc(stats, func(a, b bridge.Stats) int { return strings.Compare(a.Instance, b.Instance) })
+	b, err := json.MarshalIndent(bridgeStatus{Pool: o.pool, Model: o.model, Ready: ready, Instances: stats}, "", "  ")
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_, _ = w.Write(append(b, '\n'))
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -116,6 +117,29 @@ func TestRunServesMetricsAndReadiness(t *testing.T) {
 			t.Fatalf("metrics never showed the batch:\n%s", body)
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+	// /status is JSON: the bridge and each instance's counters.
+	resp, err := http.Get("http://" + addr + "/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st struct {
+		Pool      string `json:"pool"`
+		Ready     bool   `json:"ready"`
+		Instances []struct {
+			Instance  string `json:"instance"`
+			Published uint64 `json:"published"`
+			Blocks    int    `json:"blocks"`
+			EngineSeq uint64 `json:"engine_seq"`
+		} `json:"instances"`
+	}
+	derr := json.NewDecoder(resp.Body).Decode(&st)
+	resp.Body.Close()
+	if derr != nil || resp.Header.Get("Content-Type") != "application/json" {
+		t.Fatalf("/status: %v, Content-Type %q", derr, resp.Header.Get("Content-Type"))
+	}
+	if st.Pool != "p_"+name || !st.Ready || len(st.Instances) != 1 || st.Instances[0].Instance != "i0" || st.Instances[0].Blocks != 2 || st.Instances[0].Published == 0 {
+		t.Errorf("/status %+v", st)
 	}
 	cancel()
 	if err := <-done; err != nil && !errors.Is(err, context.Canceled) {

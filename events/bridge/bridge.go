@@ -286,19 +286,19 @@ func (b *Bridge) Run(ctx context.Context) error {
 
 // Stats is one instance's counters, for tests and the health page.
 type Stats struct {
-	Instance       string
-	Published      uint64 // messages published (engine and synthetic)
-	Gaps           uint64
-	Replays        uint64 // replays that filled a gap
-	ReplayFailures uint64
-	Clears         uint64 // synthetic clears (gap, restart, resync)
-	Dropped        uint64 // dropped for a full buffer
-	Malformed      uint64
-	Blocks         int
-	EngineDown     bool
-	EngineSeq      uint64
-	HasSeq         bool
-	StreamSeq      uint64
+	Instance       string `json:"instance"`
+	Published      uint64 `json:"published"` // messages published (engine and synthetic)
+	Gaps           uint64 `json:"gaps"`
+	Replays        uint64 `json:"replays"` // replays that filled a gap
+	ReplayFailures uint64 `json:"replay_failures"`
+	Clears         uint64 `json:"clears"`  // synthetic clears (gap, restart, resync)
+	Dropped        uint64 `json:"dropped"` // dropped for a full buffer
+	Malformed      uint64 `json:"malformed"`
+	Blocks         int    `json:"blocks"`
+	EngineDown     bool   `json:"engine_down"`
+	EngineSeq      uint64 `json:"engine_seq"`
+	HasSeq         bool   `json:"has_seq"`
+	StreamSeq      uint64 `json:"stream_seq"`
 }
 
 // Stats returns every instance's counters.
