@@ -72,6 +72,7 @@ type boundsReport struct {
 func runBounds(_ context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("bounds", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	setUsage(fs, stderr, "kvbench bounds [--trace FILE] [--instances N] [--gpu-tokens T]", "Hit-rate bounds of a Mooncake-format trace: what a pooled LRU cache of the fleet's size, and an\ninfinite cache, would hit. No strategy can beat the pooled bound; kv_aware is judged against it.", []string{"kvbench bounds                                  # the bundled conversation trace", "kvbench bounds --trace my.jsonl.gz --instances 32"})
 	trace := fs.String("trace", workload.DefaultTracePath, "Mooncake-format trace (JSON lines, plain or gzip)")
 	caps := tokenList{500_000, 1_000_000, 3_000_000, 10_000_000, 50_000_000}
 	fs.Var(&caps, "capacity", "pooled cache sizes in tokens, comma-separated (K/M suffixes)")

@@ -221,6 +221,7 @@ func (f *localFleet) Close() {
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	setUsage(fs, stderr, "kvbench demo [--duration D] [--instances N] [--out DIR]", "Starts embedded NATS, simulated vLLM instances, one kvbridge each and a kvrouter in this process,\nplays a shared-prefix workload against each strategy for --duration, and prints the comparison\n(what `make demo` runs). Exits by itself.", []string{"kvbench demo", "kvbench demo --duration 10s --strategies prefix_aware,kv_aware"})
 	instances := fs.Int("instances", 4, "simulated vLLM instances")
 	gpu := fs.String("gpu-tokens", "150K", "GPU KV capacity per instance, tokens (small, so that placement matters)")
 	scale := fs.Float64("time-scale", 1, "engine virtual-time speed-up: traffic plays this many times faster than real time (router overheads, which are real time, then count this many times over)")

@@ -280,6 +280,7 @@ func (f *fleetFlags) simConfig() (sim.Config, int64, error) {
 func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("des", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	setUsage(fs, stderr, "kvbench des [--workload W | --trace FILE] [--instances N] [--strategies a,b] [flags]", "Discrete-event comparison: the real strategies (the router's code) over simulated vLLM engines\non a virtual clock. Prints hit rate, TTFT percentiles, engine busy fractions and decision CPU\ntime per strategy; --out writes Markdown, CSV, JSON and SVG reports.", []string{"kvbench des --workload mooncake --instances 8 --strategies prefix_aware,kv_aware", "kvbench des --workload chat --instances 32 --speed 2"})
 	var wf workloadFlags
 	var ff fleetFlags
 	wf.register(fs)

@@ -313,6 +313,7 @@ func (c *liveClient) run(ctx context.Context, w *workload.Workload, strategy str
 func runLive(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("live", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	setUsage(fs, stderr, "kvbench live --router URL [--admin URL] [--strategies a,b] [--time-scale k] [--reset]", "Replays a workload against a running kvrouter (kvsim engines, or real vLLM with\n--enable-prompt-tokens-details), switching the pool's strategy through the admin API between\nruns. --reset empties every engine's prefix cache first: destructive, never on a fleet\nserving users. The admin token comes from KVROUTER_ADMIN_TOKEN.", []string{"kvbench live --router http://127.0.0.1:8080 --admin http://127.0.0.1:8081 --strategies prefix_aware,kv_aware"})
 	var wf workloadFlags
 	wf.register(fs)
 	var lc liveConfig

@@ -33,10 +33,11 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
+	if errors.Is(err, flag.ErrHelp) {
+		return // help was asked for and printed: not a failure
+	}
 	if err != nil {
-		if !errors.Is(err, flag.ErrHelp) {
-			fmt.Fprintln(os.Stderr, "kvbench:", err)
-		}
+		fmt.Fprintln(os.Stderr, "kvbench:", err)
 		os.Exit(2)
 	}
 }
@@ -78,4 +79,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	fmt.Fprint(stderr, usage)
 	return fmt.Errorf("unknown command %q", cmd)
+}
+
+// setUsage gives a command's -h what kvctl's and kvbridge's have: the
+// synopsis, what the command does, examples, then the flags.
+func setUsage(fs *flag.FlagSet, w io.Writer, synopsis, description string, examples []string) {
+	fs.Usage = func() {
+		fmt.Fprintf(w, "usage: %s\n\n%s\n\nExamples:\n", synopsis, description)
+		for _, e := range examples {
+			fmt.Fprintf(w, "  %s\n", e)
+		}
+		fmt.Fprintf(w, "\nFlags:\n")
+		fs.PrintDefaults()
+	}
 }

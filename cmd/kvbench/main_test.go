@@ -4,7 +4,10 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
+	"flag"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -336,6 +339,24 @@ func TestSweepCommand(t *testing.T) {
 	} {
 		if err := run(context.Background(), args, &out, &errb); err == nil {
 			t.Errorf("%v: no error", args)
+		}
+	}
+}
+
+// TestCommandHelp: every command's -h says what it does, with an example,
+// before the flags, and asking for help is not an error exit.
+func TestCommandHelp(t *testing.T) {
+	for _, cmd := range []string{"bounds", "synth", "des", "sweep", "live", "demo"} {
+		var out strings.Builder
+		err := run(context.Background(), []string{cmd, "-h"}, io.Discard, &out)
+		if !errors.Is(err, flag.ErrHelp) {
+			t.Errorf("%s -h: %v, want flag.ErrHelp", cmd, err)
+		}
+		s := out.String()
+		for _, want := range []string{"usage: kvbench " + cmd, "Examples:\n  kvbench " + cmd, "Flags:\n  -"} {
+			if !strings.Contains(s, want) {
+				t.Errorf("%s -h lacks %q:\n%s", cmd, want, s)
+			}
 		}
 	}
 }

@@ -39,6 +39,7 @@ type sweepRow struct {
 func runSweep(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("sweep", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	setUsage(fs, stderr, "kvbench sweep [--fleets 8,32] [--loads 1,2,4] [--workloads a,b] [--out DIR]", "Runs des over strategies × loads × fleet sizes × workloads and writes one table and one chart\nper workload (docs/benchmarks/sweep.md shows the output).", []string{"kvbench sweep --fleets 8 --loads 1,2 --limit 2000 --out sweep8"})
 	var ff fleetFlags
 	ff.register(fs, 8)
 	workloads := fs.String("workloads", "mooncake,synth-calibrated,synth-shared-prompts,synth-bursty-long,long-context,chat,rag,code,multi-tenant,cache-pressure,mix,long-context+scale,chat+scale", "comma-separated workloads (NAME+scale: with a scale-out at 1/3 and a scale-in at 2/3)")

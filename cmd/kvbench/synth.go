@@ -19,6 +19,7 @@ import (
 func runSynth(_ context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("synth", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	setUsage(fs, stderr, "kvbench synth --shape S [--trace FILE] [--out FILE]", "Writes a trace synthesised from a trace's fitted shape (prefix tree, lengths, bursts, turn\norder), so a rule can be tried on traffic it was not developed against (docs/kvbench.md).", []string{"kvbench synth --shape calibrated --out synth.jsonl.gz"})
 	shapes := make([]string, 0, len(workload.SynthShapes))
 	for k := range workload.SynthShapes {
 		shapes = append(shapes, k)
