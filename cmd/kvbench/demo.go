@@ -261,14 +261,14 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return err
 	}
-	if err := report.WriteMarkdown(stdout, sums); err != nil {
+	if err := report.WriteCompact(stdout, sums); err != nil {
 		return err
 	}
 	if *out != "" {
 		if err := writeReports(*out, sums, 0); err != nil {
 			return err
 		}
-		fmt.Fprintf(stdout, "report written to %s/\n", *out)
+		fmt.Fprintf(stdout, "report written to %s/ (report.md has every column: balance, overflow, busy, decision time)\n", *out)
 	}
 	return nil
 }

@@ -347,7 +347,7 @@ func runLive(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return err
 	}
-	if err := report.WriteMarkdown(stdout, sums); err != nil {
+	if err := report.WriteCompact(stdout, sums); err != nil {
 		return err
 	}
 	if *out != "" {

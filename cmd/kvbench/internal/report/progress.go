@@ -9,12 +9,14 @@ import (
 	"time"
 )
 
-// Progress draws a one-line progress bar, redrawn at most every 100 ms. It
-// draws nothing when disabled (stderr is not a terminal), so logs and CI
-// output stay clean.
+// Progress draws a one-line progress bar on a terminal, redrawn at most
+// every 100 ms. Elsewhere (a log file, CI) it writes a plain line every
+// PlainEvery instead, so a long run is not silent for minutes, and no
+// carriage returns reach the log.
 type Progress struct {
 	w       io.Writer
-	enabled bool
+	enabled bool // a terminal: the redrawn bar
+	plain   bool // not a terminal: a line every PlainEvery
 	label   string
 	// mu guards last and start: Update may be called from a driver callback
 	// while Done runs on another goroutine.
@@ -25,8 +27,14 @@ type Progress struct {
 
 // NewProgress returns a bar on f, enabled only when f is a terminal.
 func NewProgress(f *os.File, label string) *Progress {
-	return &Progress{w: f, enabled: IsTerminal(f), label: label, start: time.Now()}
+	tty := IsTerminal(f)
+	return &Progress{w: f, enabled: tty, plain: !tty, label: label, start: time.Now()}
 }
+
+// PlainEvery is how often a progress line is written when the output is
+// not a terminal: often enough that a watcher sees the run move, rarely
+// enough that a minute of it is a dozen lines.
+const PlainEvery = 5 * time.Second
 
 // NewProgressTo returns a bar on w, enabled as told (for tests).
 func NewProgressTo(w io.Writer, enabled bool, label string) *Progress {
@@ -41,12 +49,22 @@ func IsTerminal(f *os.File) bool {
 
 // Update redraws the bar for done of total.
 func (p *Progress) Update(done, total int) {
-	if p == nil || !p.enabled || total <= 0 {
+	if p == nil || total <= 0 || (!p.enabled && !p.plain) {
 		return
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	now := time.Now()
+	if p.plain {
+		if p.last.IsZero() {
+			p.last = p.start
+		}
+		if done < total && now.Sub(p.last) >= PlainEvery {
+			p.last = now
+			fmt.Fprintf(p.w, "%s: %d/%d requests (%d%%), %s\n", p.label, done, total, 100*done/total, now.Sub(p.start).Round(time.Second))
+		}
+		return
+	}
 	if done < total && now.Sub(p.last) < 100*time.Millisecond {
 		return
 	}

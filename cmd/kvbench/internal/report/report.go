@@ -194,11 +194,14 @@ func mean(v []float64) float64 {
 	return t / float64(len(v))
 }
 
-// columns of the table and CSV: header, and how to print a summary's value.
-var columns = []struct {
+// column is a table and CSV column: header, and how to print a summary's value.
+type column struct {
 	head string
 	val  func(s *Summary) string
-}{
+}
+
+// columns of the table and CSV.
+var columns = []column{
 	{"workload", func(s *Summary) string { return s.Workload }},
 	{"strategy", func(s *Summary) string { return s.Strategy }},
 	{"instances", func(s *Summary) string { return strconv.Itoa(s.Instances) }},
@@ -237,16 +240,46 @@ func num(x float64, prec int) string {
 	return strconv.FormatFloat(x, 'f', prec, 64)
 }
 
-// WriteMarkdown writes the summaries as a Markdown table.
+// WriteMarkdown writes the summaries as a Markdown table, every column.
 func WriteMarkdown(w io.Writer, sums []Summary) error {
+	return writeMarkdown(w, sums, columns)
+}
+
+// compactHeads are the columns of WriteCompact: what a reader compares
+// first, narrow enough for an 80–100 column terminal.
+var compactHeads = []string{"strategy", "requests", "failed", "hit_rate", "of_bound", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "req_per_s"}
+
+// WriteCompact writes the summaries as a narrow Markdown table (the
+// columns in compactHeads; of_bound only when some summary has a bound).
+// The report files keep every column.
+func WriteCompact(w io.Writer, sums []Summary) error {
+	bound := false
+	for i := range sums {
+		bound = bound || sums[i].BoundFraction > 0
+	}
+	var cols []column
+	for _, h := range compactHeads {
+		if h == "of_bound" && !bound {
+			continue
+		}
+		for _, c := range columns {
+			if c.head == h {
+				cols = append(cols, c)
+			}
+		}
+	}
+	return writeMarkdown(w, sums, cols)
+}
+
+func writeMarkdown(w io.Writer, sums []Summary, cols []column) error {
 	var b strings.Builder
 	b.WriteString("|")
-	for _, c := range columns {
+	for _, c := range cols {
 		b.WriteString(" " + c.head + " |")
 	}
 	b.WriteString("\n|")
-	for i := range columns {
-		if i < 2 {
+	for _, c := range cols {
+		if c.head == "workload" || c.head == "strategy" {
 			b.WriteString("---|")
 		} else {
 			b.WriteString("---:|")
@@ -255,7 +288,7 @@ func WriteMarkdown(w io.Writer, sums []Summary) error {
 	b.WriteString("\n")
 	for i := range sums {
 		b.WriteString("|")
-		for _, c := range columns {
+		for _, c := range cols {
 			b.WriteString(" " + strings.ReplaceAll(c.val(&sums[i]), "|", `\|`) + " |")
 		}
 		b.WriteString("\n")

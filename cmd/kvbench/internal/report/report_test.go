@@ -185,6 +185,31 @@ func TestSVGWellFormed(t *testing.T) {
 	}
 }
 
+// TestWriteCompact: the terminal table keeps the columns a reader compares
+// first, of_bound only when a summary has a bound.
+func TestWriteCompact(t *testing.T) {
+	sums := []Summary{{Workload: "mix", Strategy: "kv_aware", Requests: 10, HitRate: 0.5, TTFTP50Ms: 1, TTFTP90Ms: 2, TTFTP99Ms: 3, ReqPerSec: 4, ShareMax: 0.5}}
+	var b strings.Builder
+	if err := WriteCompact(&b, sums); err != nil {
+		t.Fatal(err)
+	}
+	head := strings.SplitN(b.String(), "\n", 2)[0]
+	if head != "| strategy | requests | failed | hit_rate | ttft_p50_ms | ttft_p90_ms | ttft_p99_ms | req_per_s |" {
+		t.Errorf("compact header %q", head)
+	}
+	for _, line := range strings.Split(strings.TrimSpace(b.String()), "\n") {
+		if len(line) > 100 {
+			t.Errorf("line of %d characters: %q", len(line), line)
+		}
+	}
+	sums[0].BoundFraction = 0.9
+	b.Reset()
+	_ = WriteCompact(&b, sums)
+	if !strings.Contains(strings.SplitN(b.String(), "\n", 2)[0], "| of_bound |") {
+		t.Errorf("no of_bound column with a bound: %q", b.String())
+	}
+}
+
 func TestProgress(t *testing.T) {
 	var buf bytes.Buffer
 	p := NewProgressTo(&buf, false, "x")
@@ -201,6 +226,16 @@ func TestProgress(t *testing.T) {
 	out := buf.String()
 	if !strings.Contains(out, " 50% 5/10") || strings.Contains(out, "6/10") || !strings.Contains(out, "100% 10/10") || !strings.HasSuffix(out, "\n") {
 		t.Errorf("bar output %q", out)
+	}
+
+	// Not a terminal: a plain line once PlainEvery has passed, no \r.
+	buf.Reset()
+	p = &Progress{w: &buf, plain: true, label: "live kv_aware", start: time.Now().Add(-PlainEvery - time.Second)}
+	p.Update(3, 12)
+	p.Update(4, 12) // within PlainEvery of the last line: skipped
+	p.Done()
+	if out := buf.String(); out != "live kv_aware: 3/12 requests (25%), 6s\n" {
+		t.Errorf("plain progress %q", out)
 	}
 }
 
