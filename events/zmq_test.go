@@ -371,7 +371,7 @@ func TestSubscriberKick(t *testing.T) {
 	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
 	defer cancel()
 	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	var logs syncLog
+	var logs testenv.Logs
 	sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, MinBackoff: time.Hour, MaxBackoff: time.Hour, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	if err != nil {
 		t.Fatal(err)
@@ -391,22 +391,4 @@ func TestSubscriberKick(t *testing.T) {
 	waitFor(t, 10*time.Second, "the reconnection logged", func() bool {
 		return strings.Contains(logs.String(), "zmq subscriber: connected again")
 	})
-}
-
-// syncLog is a log sink the subscriber writes and the test reads.
-type syncLog struct {
-	mu sync.Mutex // guards b
-	b  strings.Builder
-}
-
-func (l *syncLog) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *syncLog) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

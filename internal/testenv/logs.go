@@ -49,3 +49,10 @@ func (l *Logs) Lines(msg string) []map[string]any {
 	}
 	return out
 }
+
+// String returns everything written so far.
+func (l *Logs) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
