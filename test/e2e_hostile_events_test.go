@@ -222,15 +222,18 @@ func TestE2EDiscoveryRefusesUntrustedHeartbeats(t *testing.T) {
 	if !recs["vllm-0"] || in["vllm-0"] != "http://127.0.0.1:1" {
 		t.Errorf("the configured instance's signed heartbeat: record %v, pool URL %q", recs["vllm-0"], in["vllm-0"])
 	}
+	// The join is logged and counted as the pool table is published, which
+	// may trail the pool's view above by a moment: wait for both.
 	joined := map[string]string{}
-	for _, rec := range r.logs.Lines("instance joined pool from heartbeat") {
-		joined[rec["instance"].(string)] = rec["url"].(string)
-	}
-	if len(joined) != 2 || joined["good"] != "http://127.0.0.1:20450" {
+	waitFor(t, 15*time.Second, "both joins logged and counted", func() bool {
+		clear(joined)
+		for _, rec := range r.logs.Lines("instance joined pool from heartbeat") {
+			joined[rec["instance"].(string)] = rec["url"].(string)
+		}
+		return len(joined) == 2 && r.counter("kvrouter_discovery_joins_total", map[string]string{"pool": r.pool}) == 2
+	})
+	if joined["good"] != "http://127.0.0.1:20450" || joined["good-name"] != "http://a.vllm.internal:8000" {
 		t.Errorf("join log lines %v, want good and good-name with their URLs", joined)
-	}
-	if got := r.counter("kvrouter_discovery_joins_total", map[string]string{"pool": r.pool}); got != 2 {
-		t.Errorf("joins counted %v, want 2", got)
 	}
 }
 
