@@ -20,27 +20,9 @@ import (
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
-// lockedBuffer is written by the tail and read by the test meanwhile.
-type lockedBuffer struct {
-	mu  sync.Mutex // guards buf
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // tailRun is a tail running in the background.
 type tailRun struct {
-	out, errOut *lockedBuffer
+	out, errOut *testenv.Logs // written by the tail, read by the test meanwhile
 	done        chan error
 	cancel      context.CancelFunc
 }
@@ -48,7 +30,7 @@ type tailRun struct {
 func startTail(t *testing.T, args ...string) *tailRun {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	r := &tailRun{out: &lockedBuffer{}, errOut: &lockedBuffer{}, done: make(chan error, 1), cancel: cancel}
+	r := &tailRun{out: &testenv.Logs{}, errOut: &testenv.Logs{}, done: make(chan error, 1), cancel: cancel}
 	go func() { r.done <- tailEvictions(ctx, args, r.out, r.errOut) }()
 	t.Cleanup(func() {
 		cancel()
