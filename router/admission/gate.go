@@ -1,0 +1,202 @@
+package admission
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// ShedError is Acquire's refusal: the request was shed and should be
+// answered at once (the HTTP edge answers 429 with Retry-After).
+type ShedError struct {
+	Reason     Reason
+	RetryAfter time.Duration
+	// Waited is how long it waited before it was shed (0 when shed on
+	// arrival).
+	Waited time.Duration
+}
+
+func (e *ShedError) Error() string {
+	return fmt.Sprintf("admission: shed (%s), retry after %v", e.Reason, e.RetryAfter)
+}
+
+// Gate is a Sched shared by concurrent requests: Acquire blocks until the
+// request is admitted, shed, or its context ends. Each waiter owns a timer
+// for its own expiry, so the Gate starts no goroutine of its own.
+type Gate struct {
+	now    func() time.Time
+	limits func() (int, int64)
+
+	// mu guards s and the tickets' state (admission, shed reason).
+	mu      sync.Mutex
+	s       *Sched
+	expired []*Item // scratch for Expire
+}
+
+// GateOption adjusts a Gate.
+type GateOption func(*Gate)
+
+// WithClock replaces time.Now (tests).
+func WithClock(now func() time.Time) GateOption { return func(g *Gate) { g.now = now } }
+
+// WithLimits makes the Gate read its budgets (as SetLimits takes them) at
+// every decision, so that they follow the pool: the router derives the
+// concurrency budget from its healthy instances.
+func WithLimits(f func() (maxConcurrency int, maxPendingPrefill int64)) GateOption {
+	return func(g *Gate) { g.limits = f }
+}
+
+// NewGate returns a Gate over a new Sched.
+func NewGate(cfg Config, opts ...GateOption) (*Gate, error) {
+	s, err := New(cfg)
+	if err != nil {
+		return nil, err
+	}
+	g := &Gate{s: s, now: time.Now}
+	for _, o := range opts {
+		o(g)
+	}
+	return g, nil
+}
+
+// Ticket is an admitted request. Call FirstToken when its first byte
+// arrives (it frees pending prefill) and Done when it ends, whichever way;
+// both may be called more than once.
+type Ticket struct {
+	g     *Gate
+	it    Item
+	ready chan struct{} // closed when admitted or shed
+	shed  Reason        // set, under g.mu, when shed while waiting
+	retry time.Duration
+}
+
+// Waited is how long the request waited for admission.
+func (t *Ticket) Waited() time.Duration { return t.it.Waited() }
+
+// FirstToken frees the request's pending prefill.
+func (t *Ticket) FirstToken() {
+	g := t.g
+	g.mu.Lock()
+	now := g.now()
+	g.s.FirstToken(&t.it, now)
+	g.dispatch(now)
+	g.mu.Unlock()
+}
+
+// Done ends the request and admits whoever its budget lets in.
+func (t *Ticket) Done() {
+	g := t.g
+	g.mu.Lock()
+	now := g.now()
+	g.s.Done(&t.it, now)
+	g.dispatch(now)
+	g.mu.Unlock()
+}
+
+// Acquire offers the request described by it (its Value is the Gate's)
+// and waits for the outcome: a Ticket when admitted, a *ShedError when
+// shed, or ctx's error when ctx ends first — the request then leaves the
+// queue at once and is counted Canceled.
+func (g *Gate) Acquire(ctx context.Context, it Item) (*Ticket, error) {
+	t := &Ticket{g: g, it: it, ready: make(chan struct{})}
+	t.it.Value = t
+	g.mu.Lock()
+	now := g.now()
+	g.refresh()
+	g.expire(now)
+	out := g.s.Offer(&t.it, now)
+	if d := out.Displaced; d != nil {
+		g.release(d, ShedDisplaced, out.RetryAfter)
+	}
+	switch out.Verdict {
+	case Admitted:
+		g.mu.Unlock()
+		return t, nil
+	case Shed:
+		g.mu.Unlock()
+		return nil, &ShedError{Reason: out.Reason, RetryAfter: out.RetryAfter}
+	}
+	g.dispatch(now)
+	wait := t.it.expires.Sub(now)
+	g.mu.Unlock()
+
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	for {
+		select {
+		case <-t.ready:
+			return t.outcome()
+		case <-ctx.Done():
+			g.mu.Lock()
+			now := g.now()
+			if !g.s.Remove(&t.it, Canceled, now) && t.shed == "" {
+				// Admitted as the client left: give the slot back.
+				g.s.Done(&t.it, now)
+				g.dispatch(now)
+			}
+			g.mu.Unlock()
+			return nil, ctx.Err()
+		case <-timer.C:
+			g.mu.Lock()
+			now := g.now()
+			g.expire(now)
+			if t.it.state == stQueued { // our clock and the timer's differ slightly
+				timer.Reset(max(t.it.expires.Sub(now), time.Millisecond))
+			}
+			g.mu.Unlock()
+		}
+	}
+}
+
+func (t *Ticket) outcome() (*Ticket, error) {
+	t.g.mu.Lock()
+	defer t.g.mu.Unlock()
+	if t.shed != "" {
+		return nil, &ShedError{Reason: t.shed, RetryAfter: t.retry, Waited: t.g.now().Sub(t.it.arrived)}
+	}
+	return t, nil
+}
+
+// refresh reads the budgets when they follow the pool. Callers hold g.mu.
+func (g *Gate) refresh() {
+	if g.limits != nil {
+		g.s.SetLimits(g.limits())
+	}
+}
+
+// dispatch sheds what has expired and admits what the budgets allow,
+// waking each waiter. Callers hold g.mu.
+func (g *Gate) dispatch(now time.Time) {
+	g.refresh()
+	g.expire(now)
+	for it := g.s.Next(now); it != nil; it = g.s.Next(now) {
+		close(it.Value.(*Ticket).ready)
+	}
+}
+
+// expire sheds the waiters whose time is up. Callers hold g.mu.
+func (g *Gate) expire(now time.Time) {
+	g.expired = g.s.Expire(now, g.expired[:0])
+	for i, it := range g.expired {
+		g.release(it, it.ExpiredReason(), g.s.retryAfter(g.s.drainTime()))
+		g.expired[i] = nil
+	}
+}
+
+func (g *Gate) release(it *Item, r Reason, retry time.Duration) {
+	t := it.Value.(*Ticket)
+	t.shed, t.retry = r, retry
+	close(t.ready)
+}
+
+// Stats returns a snapshot of the queue.
+func (g *Gate) Stats() Stats {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.refresh()
+	return g.s.Stats(g.now())
+}
+
+// Config is the queue's configuration, defaults applied.
+func (g *Gate) Config() Config { return g.s.Config() }

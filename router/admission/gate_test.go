@@ -1,0 +1,141 @@
+package admission
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func mustGate(t testing.TB, cfg Config, opts ...GateOption) *Gate {
+	t.Helper()
+	g, err := NewGate(cfg, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return g
+}
+
+// waitQueued waits until n requests wait in g.
+func waitQueued(t *testing.T, g *Gate, n int) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		if g.Stats().Queued == n {
+			return
+		}
+	}
+	t.Fatalf("queue never reached %d (at %d)", n, g.Stats().Queued)
+}
+
+// TestGateConcurrent runs many goroutines through a gate of 4 slots: never
+// more than 4 hold a ticket, every request is admitted, and the gate ends
+// empty.
+func TestGateConcurrent(t *testing.T) {
+	const slots, workers, per = 4, 32, 50
+	g := mustGate(t, Config{MaxConcurrency: slots, MaxQueue: workers, MaxWait: time.Minute})
+	var held, peak atomic.Int64
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range per {
+				tk, err := g.Acquire(context.Background(), Item{Tenant: string(rune('a' + w%5)), Priority: int64(i % 3), Cost: int64(1 + i)})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				n := held.Add(1)
+				for p := peak.Load(); n > p && !peak.CompareAndSwap(p, n); p = peak.Load() {
+				}
+				tk.FirstToken()
+				held.Add(-1)
+				tk.Done()
+				tk.Done()
+			}
+		}()
+	}
+	wg.Wait()
+	st := g.Stats()
+	if peak.Load() > slots || st.InFlight != 0 || st.Queued != 0 || st.PendingPrefill != 0 {
+		t.Fatalf("peak %d, stats %+v", peak.Load(), st)
+	}
+	if c := st.Counts; c.AdmittedAtOnce+c.AdmittedQueued != workers*per {
+		t.Fatalf("admitted %d+%d", c.AdmittedAtOnce, c.AdmittedQueued)
+	}
+}
+
+// TestGateCancelWhileQueued: a client that goes away while waiting leaves
+// the queue at once and is counted; the slot it never took is not lost.
+func TestGateCancelWhileQueued(t *testing.T) {
+	g := mustGate(t, Config{MaxConcurrency: 1})
+	first, err := g.Acquire(context.Background(), Item{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() { _, err := g.Acquire(ctx, Item{Tenant: "gone"}); errc <- err }()
+	waitQueued(t, g, 1)
+	cancel()
+	if err := <-errc; !errors.Is(err, context.Canceled) {
+		t.Fatalf("err %v", err)
+	}
+	st := g.Stats()
+	if st.Queued != 0 || st.Counts.Shed[Canceled] != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+	first.Done()
+	if _, err := g.Acquire(context.Background(), Item{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestGateTimeout(t *testing.T) {
+	g := mustGate(t, Config{MaxConcurrency: 1, MaxWait: 20 * time.Millisecond})
+	if _, err := g.Acquire(context.Background(), Item{}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := g.Acquire(context.Background(), Item{})
+	var se *ShedError
+	if !errors.As(err, &se) || se.Reason != ShedTimeout || se.RetryAfter < time.Second || se.Waited < 20*time.Millisecond {
+		t.Fatalf("err %v (%+v)", err, se)
+	}
+}
+
+func TestGateDisplacedWakesWaiter(t *testing.T) {
+	g := mustGate(t, Config{MaxConcurrency: 1, MaxQueue: 1})
+	if _, err := g.Acquire(context.Background(), Item{}); err != nil {
+		t.Fatal(err)
+	}
+	errc := make(chan error, 1)
+	go func() { _, err := g.Acquire(context.Background(), Item{Priority: 5}); errc <- err }()
+	waitQueued(t, g, 1)
+	go func() { _, _ = g.Acquire(context.Background(), Item{Priority: 0}) }()
+	var se *ShedError
+	if err := <-errc; !errors.As(err, &se) || se.Reason != ShedDisplaced {
+		t.Fatalf("err %v", err)
+	}
+}
+
+// TestGateLimitsFollowPool: the budget read through WithLimits applies at
+// the next decision.
+func TestGateLimitsFollowPool(t *testing.T) {
+	var limit atomic.Int64
+	limit.Store(1)
+	g := mustGate(t, Config{}, WithLimits(func() (int, int64) { return int(limit.Load()), 0 }))
+	a, err := g.Acquire(context.Background(), Item{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan *Ticket, 1)
+	go func() { tk, _ := g.Acquire(context.Background(), Item{}); got <- tk }()
+	waitQueued(t, g, 1)
+	limit.Store(2)
+	a.FirstToken() // any decision re-reads the limits
+	if tk := <-got; tk == nil {
+		t.Fatal("not admitted after the limit rose")
+	}
+}

@@ -1,0 +1,673 @@
+package admission
+
+import (
+	"container/heap"
+	"container/list"
+	"errors"
+	"fmt"
+	"math"
+	"slices"
+	"time"
+)
+
+// ErrConfig is wrapped by configuration errors.
+var ErrConfig = errors.New("admission: invalid config")
+
+// Defaults. Each is a bound chosen from what it protects, not fitted to a
+// trace; docs/flow-control.md gives the reasoning at more length.
+const (
+	// DefaultMaxQueue bounds waiting requests per pool. Each holds its
+	// body (already bounded by the router's body budget) and a goroutine;
+	// 1,024 waiting requests is several times the in-flight capacity of a
+	// large pool, so under a burst the time bound (MaxWait) or the
+	// deadline sheds before the length does.
+	DefaultMaxQueue = 1024
+	// DefaultMaxWait bounds the time a request waits: past it the client
+	// is better served by a 429 it can retry (or send elsewhere) than by a
+	// connection held open; interactive TTFT objectives are seconds, and
+	// batch clients set their own deadline or resubmit.
+	DefaultMaxWait = 30 * time.Second
+	// agingBands is how many priority bands a request can climb within
+	// MaxWait: the default aging step is MaxWait/agingBands, so aging acts
+	// well before the time bound sheds the request.
+	agingBands = 10
+	// estimatorWindow is the number of dispatches (or first tokens) the
+	// drain-rate and service-time averages span: enough to average out
+	// request-size variance (relative error ~1/sqrt(64) = 12%), few enough
+	// to follow a change of load within a few turnovers of a pool's slots.
+	estimatorWindow = 64
+)
+
+// Reason says why a request left the queue without being admitted.
+type Reason string
+
+// Reasons.
+const (
+	// ShedQueueFull: the queue was at MaxQueue and held nothing of lower
+	// priority to displace.
+	ShedQueueFull Reason = "queue_full"
+	// ShedDisplaced: a more urgent arrival took its place in a full queue.
+	ShedDisplaced Reason = "displaced"
+	// ShedDeadline: its TTFT objective could not be met (predicted at
+	// arrival, or reached while waiting).
+	ShedDeadline Reason = "deadline"
+	// ShedTimeout: it waited MaxWait.
+	ShedTimeout Reason = "timeout"
+	// Canceled: the client went away while it waited.
+	Canceled Reason = "canceled"
+)
+
+// Reasons lists every Reason, for metrics.
+func Reasons() []Reason {
+	return []Reason{ShedQueueFull, ShedDisplaced, ShedDeadline, ShedTimeout, Canceled}
+}
+
+// Verdict is the outcome of Offer.
+type Verdict uint8
+
+// Verdicts.
+const (
+	// Admitted: the request may be sent now; call Done when it ends.
+	Admitted Verdict = iota + 1
+	// Queued: the request waits; Next admits it, Expire or Remove ends it.
+	Queued
+	// Shed: the request is refused now (Outcome.Reason says why).
+	Shed
+)
+
+// Config of one pool's queue. The zero value is a queue with no budget:
+// everything is admitted at once.
+type Config struct {
+	// MaxConcurrency is the number of admitted, unfinished requests the
+	// pool takes; 0 = no limit. SetLimits changes it at runtime (the router
+	// derives it from the instances' concurrency threshold).
+	MaxConcurrency int
+	// MaxPendingPrefill bounds the prompt tokens of admitted requests that
+	// have not produced their first token; 0 = no limit. A request larger
+	// than the whole budget is admitted when nothing else is prefilling.
+	MaxPendingPrefill int64
+	// MaxQueue bounds waiting requests (default DefaultMaxQueue).
+	MaxQueue int
+	// MaxWait bounds the time a request waits (default DefaultMaxWait).
+	MaxWait time.Duration
+	// AgingStep is the wait that moves a request up one priority band
+	// (default MaxWait/10).
+	AgingStep time.Duration
+	// Weights are tenants' shares of a band under contention (default 1
+	// each): a tenant of weight 2 is admitted twice the tokens of one of
+	// weight 1 while both wait.
+	Weights map[string]float64
+}
+
+// WithDefaults fills zero fields with their defaults.
+func (c Config) WithDefaults() Config {
+	if c.MaxQueue == 0 {
+		c.MaxQueue = DefaultMaxQueue
+	}
+	if c.MaxWait == 0 {
+		c.MaxWait = DefaultMaxWait
+	}
+	if c.AgingStep == 0 {
+		c.AgingStep = max(c.MaxWait/agingBands, time.Millisecond)
+	}
+	return c
+}
+
+// Validate reports a config that cannot work.
+func (c Config) Validate() error {
+	switch {
+	case c.MaxConcurrency < 0:
+		return fmt.Errorf("%w: max_concurrency %d < 0", ErrConfig, c.MaxConcurrency)
+	case c.MaxPendingPrefill < 0:
+		return fmt.Errorf("%w: max_pending_prefill_tokens %d < 0", ErrConfig, c.MaxPendingPrefill)
+	case c.MaxQueue < 0:
+		return fmt.Errorf("%w: max_queue %d < 0", ErrConfig, c.MaxQueue)
+	case c.MaxWait < 0:
+		return fmt.Errorf("%w: max_wait %v < 0", ErrConfig, c.MaxWait)
+	case c.AgingStep < 0:
+		return fmt.Errorf("%w: aging_step %v < 0", ErrConfig, c.AgingStep)
+	}
+	for t, w := range c.Weights {
+		if !(w > 0) || math.IsInf(w, 0) {
+			return fmt.Errorf("%w: weight of tenant %q is %v, want > 0", ErrConfig, t, w)
+		}
+	}
+	return nil
+}
+
+// Item is one request as the queue sees it. The caller fills the exported
+// fields before Offer and must not change them afterwards.
+type Item struct {
+	// Tenant shares a band fairly with other tenants ("" is a tenant too).
+	Tenant string
+	// Priority: lower is more urgent (vLLM's convention); 0 is the default.
+	Priority int64
+	// Cost is what fair queuing charges the tenant: the request's prompt
+	// tokens plus the output tokens it may generate (at least 1).
+	Cost int64
+	// Prefill is the prompt tokens counted against MaxPendingPrefill until
+	// FirstToken.
+	Prefill int64
+	// Deadline is the time by which its first token is due; zero = none.
+	Deadline time.Time
+	// Value is the caller's own (the Gate keeps its waiter here).
+	Value any
+
+	arrived, admitted time.Time
+	seq               uint64
+	start             float64 // start tag (start-time fair queuing)
+	lvl               *level
+	tagIdx, expIdx    int
+	expires           time.Time
+	expReason         Reason
+	fifo              *list.Element
+	state             itemState
+}
+
+type itemState uint8
+
+const (
+	stNew itemState = iota
+	stQueued
+	stAdmitted  // counted in flight and in pending prefill
+	stPrefilled // counted in flight only
+	stDone      // finished, shed or removed
+)
+
+// Arrived is when the item was offered.
+func (it *Item) Arrived() time.Time { return it.arrived }
+
+// Waited is the time from offer to admission (0 when admitted at once, or
+// not admitted).
+func (it *Item) Waited() time.Duration {
+	if it.admitted.IsZero() {
+		return 0
+	}
+	return it.admitted.Sub(it.arrived)
+}
+
+// Outcome is what Offer decided.
+type Outcome struct {
+	Verdict Verdict
+	// Reason is set for Shed.
+	Reason Reason
+	// RetryAfter is when a shed request is worth retrying: the predicted
+	// time for the queue ahead of it to drain, at least one second.
+	RetryAfter time.Duration
+	// PredictedWait is the wait predicted for a queued request (0 when the
+	// drain rate is not known yet).
+	PredictedWait time.Duration
+	// Displaced is a queued item of lower priority shed to make room (its
+	// reason is ShedDisplaced); the caller tells its owner.
+	Displaced *Item
+}
+
+// level is one priority band: its items ordered by start tag (fair
+// queuing) and by arrival (aging), and its tenants' fair-queuing state.
+type level struct {
+	prio    int64
+	tags    tagHeap
+	fifo    list.List
+	tenants map[string]*tenantState
+	vtime   float64 // virtual time: the start tag of the last admitted item
+	cost    int64   // queued tokens
+}
+
+type tenantState struct {
+	finish float64 // finish tag of its last queued item
+	queued int
+	cost   int64
+}
+
+// Sched is one pool's queue. It is not safe for concurrent use (Gate adds
+// the lock); every method that depends on time takes now, so a simulator
+// can run it on a virtual clock.
+type Sched struct {
+	cfg      Config
+	conc     int
+	prefill  int64
+	inflight int
+	pending  int64
+
+	levels map[int64]*level
+	order  []*level // active levels, by priority
+	queued int
+	cost   int64
+	exp    expHeap
+	seq    uint64
+
+	// Drain-rate estimate: tokens admitted from the queue per second of
+	// time the queue was non-empty, both averaged over estimatorWindow
+	// admissions.
+	last       time.Time
+	busySec    float64
+	busyTokens float64
+	// svc is the average time from admission to first token.
+	svc  time.Duration
+	svcN int
+
+	counts Counts
+}
+
+// Counts are the queue's totals since it was made.
+type Counts struct {
+	AdmittedAtOnce uint64 `json:"admitted_at_once"` // admitted at Offer, without waiting
+	AdmittedQueued uint64 `json:"admitted_queued"`  // admitted by Next after waiting
+	// Shed counts requests that left without admission, by reason
+	// (Canceled included).
+	Shed map[Reason]uint64 `json:"shed"`
+}
+
+// New returns an empty queue; cfg is completed with WithDefaults.
+func New(cfg Config) (*Sched, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return &Sched{cfg: cfg, conc: cfg.MaxConcurrency, prefill: cfg.MaxPendingPrefill,
+		levels: map[int64]*level{}, counts: Counts{Shed: map[Reason]uint64{}}}, nil
+}
+
+// Config is the queue's configuration, defaults applied.
+func (s *Sched) Config() Config { return s.cfg }
+
+// SetLimits changes the budgets (0 = no limit). Lowering them admits
+// nothing new until the pool is back under them; raising them does not by
+// itself admit anyone: call Next.
+func (s *Sched) SetLimits(maxConcurrency int, maxPendingPrefill int64) {
+	s.conc, s.prefill = max(maxConcurrency, 0), max(maxPendingPrefill, 0)
+}
+
+// tick accounts the time since the last event as backlog time when
+// requests were waiting.
+func (s *Sched) tick(now time.Time) {
+	if s.queued > 0 && now.After(s.last) {
+		s.busySec += now.Sub(s.last).Seconds()
+	}
+	if now.After(s.last) {
+		s.last = now
+	}
+}
+
+func (s *Sched) fits(it *Item) bool {
+	if s.conc > 0 && s.inflight >= s.conc {
+		return false
+	}
+	return s.prefill <= 0 || s.pending == 0 || s.pending+it.Prefill <= s.prefill
+}
+
+func (s *Sched) weight(tenant string) float64 {
+	if w, ok := s.cfg.Weights[tenant]; ok {
+		return w
+	}
+	return 1
+}
+
+// Offer decides on an arriving request: admit it now (when nothing waits
+// and the budgets allow), shed it (queue full of more urgent work, or its
+// deadline out of reach), or queue it.
+func (s *Sched) Offer(it *Item, now time.Time) Outcome {
+	if it.state != stNew {
+		panic("admission: item offered twice")
+	}
+	s.tick(now)
+	it.arrived = now
+	it.Cost = max(it.Cost, 1)
+	it.Prefill = max(it.Prefill, 0)
+	if s.queued == 0 && s.fits(it) {
+		s.admit(it, now)
+		s.counts.AdmittedAtOnce++
+		return Outcome{Verdict: Admitted}
+	}
+	lvl := s.levels[it.Priority]
+	start := 0.0
+	if lvl != nil {
+		start = lvl.vtime
+		if t := lvl.tenants[it.Tenant]; t != nil {
+			start = max(start, t.finish)
+		}
+	}
+	wait := s.predictWait(it, start)
+	if !it.Deadline.IsZero() && now.Add(wait+s.svc).After(it.Deadline) {
+		return s.shed(it, ShedDeadline, wait)
+	}
+	var displaced *Item
+	if s.queued >= s.cfg.MaxQueue {
+		if s.cfg.MaxQueue == 0 {
+			return s.shed(it, ShedQueueFull, wait)
+		}
+		worst := s.order[len(s.order)-1]
+		if worst.prio <= it.Priority {
+			return s.shed(it, ShedQueueFull, wait)
+		}
+		displaced = worst.fifo.Back().Value.(*Item)
+		s.unqueue(displaced)
+		s.counts.Shed[ShedDisplaced]++
+		if lvl != nil && lvl.prio == displaced.Priority && s.levels[lvl.prio] == nil {
+			lvl, start = nil, 0 // its level emptied: fair queuing starts afresh
+		}
+	}
+	s.enqueue(it, start)
+	return Outcome{Verdict: Queued, PredictedWait: wait, Displaced: displaced}
+}
+
+func (s *Sched) shed(it *Item, r Reason, wait time.Duration) Outcome {
+	it.state = stDone
+	s.counts.Shed[r]++
+	return Outcome{Verdict: Shed, Reason: r, RetryAfter: s.retryAfter(wait)}
+}
+
+// retryAfter turns a predicted wait into a Retry-After: at least a second
+// (the header's unit), at most MaxWait.
+func (s *Sched) retryAfter(wait time.Duration) time.Duration {
+	return min(max(wait.Round(time.Second), time.Second), max(s.cfg.MaxWait, time.Second))
+}
+
+// rate is the drain rate in tokens per second, 0 while unknown.
+func (s *Sched) rate() float64 {
+	if s.busySec <= 0 || s.busyTokens <= 0 {
+		return 0
+	}
+	return s.busyTokens / s.busySec
+}
+
+// drainTime is the predicted time for the whole queue to be admitted.
+func (s *Sched) drainTime() time.Duration {
+	r := s.rate()
+	if r == 0 {
+		return 0
+	}
+	return time.Duration(float64(s.cost) / r * float64(time.Second))
+}
+
+// predictWait estimates how long it would wait: the tokens that would be
+// admitted before it — everything queued in more urgent bands, its own
+// tenant's backlog, and from each other tenant of its band the share fair
+// queuing serves before start — over the drain rate. Requests of worse
+// bands that aging may promote are not counted.
+func (s *Sched) predictWait(it *Item, start float64) time.Duration {
+	r := s.rate()
+	if r == 0 {
+		return 0
+	}
+	// Integer tokens: the sum must not depend on the map's order, so that
+	// a simulation is repeatable.
+	var ahead int64
+	for _, l := range s.order {
+		if l.prio > it.Priority {
+			break
+		}
+		if l.prio < it.Priority {
+			ahead += l.cost
+			continue
+		}
+		span := start - l.vtime
+		for name, t := range l.tenants {
+			switch {
+			case t.queued == 0:
+			case name == it.Tenant:
+				ahead += t.cost
+			default:
+				ahead += min(t.cost, int64(span*s.weight(name)))
+			}
+		}
+	}
+	return time.Duration(float64(ahead) / r * float64(time.Second))
+}
+
+func (s *Sched) enqueue(it *Item, start float64) {
+	lvl := s.levels[it.Priority]
+	if lvl == nil {
+		lvl = &level{prio: it.Priority, tenants: map[string]*tenantState{}}
+		s.levels[it.Priority] = lvl
+		i, _ := slices.BinarySearchFunc(s.order, it.Priority, func(l *level, p int64) int {
+			switch {
+			case l.prio < p:
+				return -1
+			case l.prio > p:
+				return 1
+			}
+			return 0
+		})
+		s.order = slices.Insert(s.order, i, lvl)
+		start = 0
+	}
+	t := lvl.tenants[it.Tenant]
+	if t == nil {
+		t = &tenantState{finish: lvl.vtime}
+		lvl.tenants[it.Tenant] = t
+	}
+	s.seq++
+	it.seq, it.lvl, it.state = s.seq, lvl, stQueued
+	it.start = max(start, lvl.vtime, t.finish)
+	t.finish = it.start + float64(it.Cost)/s.weight(it.Tenant)
+	t.queued++
+	t.cost += it.Cost
+	lvl.cost += it.Cost
+	heap.Push(&lvl.tags, it)
+	it.fifo = lvl.fifo.PushBack(it)
+	s.queued++
+	s.cost += it.Cost
+	it.expires, it.expReason = it.arrived.Add(s.cfg.MaxWait), ShedTimeout
+	if !it.Deadline.IsZero() {
+		// Past this point it cannot meet its deadline even if admitted.
+		if d := it.Deadline.Add(-s.svc); d.Before(it.expires) {
+			it.expires, it.expReason = d, ShedDeadline
+		}
+	}
+	heap.Push(&s.exp, it)
+}
+
+// unqueue takes a queued item out of every structure.
+func (s *Sched) unqueue(it *Item) {
+	lvl := it.lvl
+	heap.Remove(&lvl.tags, it.tagIdx)
+	lvl.fifo.Remove(it.fifo)
+	heap.Remove(&s.exp, it.expIdx)
+	t := lvl.tenants[it.Tenant]
+	t.queued--
+	t.cost -= it.Cost
+	lvl.cost -= it.Cost
+	s.queued--
+	s.cost -= it.Cost
+	it.fifo, it.lvl, it.state = nil, nil, stDone
+	if lvl.fifo.Len() == 0 {
+		// An empty band forgets its tenants: fair queuing starts afresh
+		// with the next busy period, and memory stays bounded by the
+		// queue's length.
+		delete(s.levels, lvl.prio)
+		i := slices.Index(s.order, lvl)
+		s.order = slices.Delete(s.order, i, i+1)
+		return
+	}
+	if t.queued == 0 && len(lvl.tenants) > 2*lvl.fifo.Len()+16 {
+		// Idle tenants keep their finish tags (so a tenant cannot reset its
+		// charge by pausing) until they outnumber the waiting requests.
+		for name, ts := range lvl.tenants {
+			if ts.queued == 0 {
+				delete(lvl.tenants, name)
+			}
+		}
+	}
+}
+
+func (s *Sched) admit(it *Item, now time.Time) {
+	it.admitted, it.state = now, stAdmitted
+	s.inflight++
+	s.pending += it.Prefill
+}
+
+// Next admits the next waiting request if the budgets allow, else returns
+// nil. The band is the most urgent after aging (a request's band improves
+// by one per AgingStep waited; ties go to the band that is there by its own
+// priority); within a band the oldest request goes first once aging has
+// promoted it, else the one fair queuing puts first. A request that does
+// not fit the budgets blocks those behind it, so that a large prompt is not
+// overtaken forever by small ones.
+func (s *Sched) Next(now time.Time) *Item {
+	s.tick(now)
+	if s.queued == 0 {
+		return nil
+	}
+	var best *level
+	bestEff, aged := int64(0), false
+	for _, l := range s.order {
+		oldest := l.fifo.Front().Value.(*Item)
+		steps := int64(now.Sub(oldest.arrived) / s.cfg.AgingStep)
+		eff := l.prio - steps
+		if steps > 0 && l.prio < math.MinInt64+steps {
+			eff = math.MinInt64
+		}
+		if best == nil || eff < bestEff {
+			best, bestEff, aged = l, eff, eff < l.prio
+		}
+	}
+	it := best.tags[0]
+	if aged {
+		it = best.fifo.Front().Value.(*Item)
+	}
+	if !s.fits(it) {
+		return nil
+	}
+	best.vtime = max(best.vtime, it.start)
+	s.unqueue(it)
+	s.busyTokens += float64(it.Cost)
+	s.busyTokens *= 1 - 1.0/estimatorWindow
+	s.busySec *= 1 - 1.0/estimatorWindow
+	s.admit(it, now)
+	s.counts.AdmittedQueued++
+	return it
+}
+
+// FirstToken releases an admitted request's pending prefill and learns the
+// service time (admission to first token) deadlines are predicted with.
+func (s *Sched) FirstToken(it *Item, now time.Time) {
+	if it.state != stAdmitted {
+		return
+	}
+	it.state = stPrefilled
+	s.pending -= it.Prefill
+	d := max(now.Sub(it.admitted), 0)
+	if s.svcN < estimatorWindow {
+		s.svcN++
+	}
+	s.svc += (d - s.svc) / time.Duration(s.svcN)
+}
+
+// Done ends an admitted request (finished, failed or abandoned), freeing
+// its budget; call Next afterwards. It is a no-op for an item that was not
+// admitted or is already done.
+func (s *Sched) Done(it *Item, now time.Time) {
+	s.tick(now)
+	switch it.state {
+	case stAdmitted:
+		s.pending -= it.Prefill
+	case stPrefilled:
+	default:
+		return
+	}
+	it.state = stDone
+	s.inflight--
+}
+
+// Remove takes a waiting request out of the queue (its client went away:
+// reason Canceled), counting it under reason; it reports whether the item
+// was waiting.
+func (s *Sched) Remove(it *Item, reason Reason, now time.Time) bool {
+	s.tick(now)
+	if it.state != stQueued {
+		return false
+	}
+	s.unqueue(it)
+	s.counts.Shed[reason]++
+	return true
+}
+
+// Expire sheds the waiting requests whose wait bound or deadline has
+// passed at now, appending them to dst; ExpiredReason says why each went.
+func (s *Sched) Expire(now time.Time, dst []*Item) []*Item {
+	s.tick(now)
+	for len(s.exp) > 0 && !s.exp[0].expires.After(now) {
+		it := s.exp[0]
+		r := it.expReason
+		s.unqueue(it)
+		it.expReason = r
+		s.counts.Shed[r]++
+		dst = append(dst, it)
+	}
+	return dst
+}
+
+// ExpiredReason is why Expire shed it (ShedTimeout or ShedDeadline).
+func (it *Item) ExpiredReason() Reason { return it.expReason }
+
+// NextExpiry is the earliest time a waiting request expires; ok is false
+// when nothing waits.
+func (s *Sched) NextExpiry() (t time.Time, ok bool) {
+	if len(s.exp) == 0 {
+		return time.Time{}, false
+	}
+	return s.exp[0].expires, true
+}
+
+// Len is the number of waiting requests.
+func (s *Sched) Len() int { return s.queued }
+
+// InFlight is the number of admitted, unfinished requests.
+func (s *Sched) InFlight() int { return s.inflight }
+
+// Counts returns the totals since the queue was made.
+func (s *Sched) Counts() Counts {
+	c := s.counts
+	c.Shed = make(map[Reason]uint64, len(s.counts.Shed))
+	for r, n := range s.counts.Shed {
+		c.Shed[r] = n
+	}
+	return c
+}
+
+// tagHeap orders a band's items by start tag, then arrival.
+type tagHeap []*Item
+
+func (h tagHeap) Len() int { return len(h) }
+func (h tagHeap) Less(i, j int) bool {
+	if h[i].start != h[j].start {
+		return h[i].start < h[j].start
+	}
+	return h[i].seq < h[j].seq
+}
+func (h tagHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].tagIdx, h[j].tagIdx = i, j
+}
+func (h *tagHeap) Push(x any) { it := x.(*Item); it.tagIdx = len(*h); *h = append(*h, it) }
+func (h *tagHeap) Pop() any {
+	old := *h
+	it := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	return it
+}
+
+// expHeap orders waiting items by expiry.
+type expHeap []*Item
+
+func (h expHeap) Len() int { return len(h) }
+func (h expHeap) Less(i, j int) bool {
+	if !h[i].expires.Equal(h[j].expires) {
+		return h[i].expires.Before(h[j].expires)
+	}
+	return h[i].seq < h[j].seq
+}
+func (h expHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].expIdx, h[j].expIdx = i, j
+}
+func (h *expHeap) Push(x any) { it := x.(*Item); it.expIdx = len(*h); *h = append(*h, it) }
+func (h *expHeap) Pop() any {
+	old := *h
+	it := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	return it
+}

@@ -1,0 +1,409 @@
+package admission
+
+import (
+	"fmt"
+	"math"
+	"testing"
+	"time"
+)
+
+var t0 = time.Unix(1_700_000_000, 0)
+
+func at(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+
+func mustNew(t testing.TB, cfg Config) *Sched {
+	t.Helper()
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func offer(t testing.TB, s *Sched, it *Item, now time.Time, want Verdict) Outcome {
+	t.Helper()
+	out := s.Offer(it, now)
+	if out.Verdict != want {
+		t.Fatalf("offer %+v: verdict %d (%s), want %d", *it, out.Verdict, out.Reason, want)
+	}
+	return out
+}
+
+func TestConfigValidate(t *testing.T) {
+	bad := []Config{
+		{MaxConcurrency: -1}, {MaxPendingPrefill: -1}, {MaxQueue: -1}, {MaxWait: -1}, {AgingStep: -1},
+		{Weights: map[string]float64{"a": 0}}, {Weights: map[string]float64{"a": math.NaN()}},
+		{Weights: map[string]float64{"a": math.Inf(1)}},
+	}
+	for _, c := range bad {
+		if _, err := New(c); err == nil {
+			t.Errorf("New(%+v) accepted", c)
+		}
+	}
+	c := Config{}.WithDefaults()
+	if c.MaxQueue != DefaultMaxQueue || c.MaxWait != DefaultMaxWait || c.AgingStep != DefaultMaxWait/10 {
+		t.Errorf("defaults %+v", c)
+	}
+}
+
+func TestZeroConfigAdmitsEverything(t *testing.T) {
+	s := mustNew(t, Config{})
+	for i := range 1000 {
+		offer(t, s, &Item{Cost: int64(i)}, at(0), Admitted)
+	}
+	if s.InFlight() != 1000 || s.Len() != 0 {
+		t.Fatalf("in flight %d, queued %d", s.InFlight(), s.Len())
+	}
+}
+
+func TestConcurrencyBudgetQueuesInOrder(t *testing.T) {
+	s := mustNew(t, Config{MaxConcurrency: 2})
+	a, b := &Item{Cost: 10}, &Item{Cost: 10}
+	offer(t, s, a, at(0), Admitted)
+	offer(t, s, b, at(0), Admitted)
+	var q []*Item
+	for i := range 3 {
+		it := &Item{Cost: 10, Tenant: "t"}
+		offer(t, s, it, at(i+1), Queued)
+		q = append(q, it)
+	}
+	if s.Next(at(5)) != nil {
+		t.Fatal("Next admitted over the budget")
+	}
+	s.Done(a, at(10))
+	s.Done(a, at(10)) // twice: no double release
+	if got := s.Next(at(10)); got != q[0] {
+		t.Fatalf("Next = %+v, want the first queued", got)
+	}
+	if s.Next(at(10)) != nil {
+		t.Fatal("second Next admitted over the budget")
+	}
+	if w := q[0].Waited(); w != 9*time.Millisecond {
+		t.Fatalf("waited %v", w)
+	}
+	s.Done(b, at(11))
+	if got := s.Next(at(11)); got != q[1] {
+		t.Fatal("FIFO within one tenant broken")
+	}
+}
+
+func TestStrictPriority(t *testing.T) {
+	s := mustNew(t, Config{MaxConcurrency: 1, AgingStep: time.Hour, MaxWait: 2 * time.Hour})
+	first := &Item{}
+	offer(t, s, first, at(0), Admitted)
+	var items []*Item
+	for i, p := range []int64{5, 0, -3, 5, 0, 10} {
+		it := &Item{Priority: p, Tenant: fmt.Sprint(i)}
+		offer(t, s, it, at(i), Queued)
+		items = append(items, it)
+	}
+	prev := first
+	var got []int64
+	for range items {
+		s.Done(prev, at(100))
+		prev = s.Next(at(100))
+		got = append(got, prev.Priority)
+	}
+	want := []int64{-3, 0, 0, 5, 5, 10}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("admission order %v, want %v", got, want)
+	}
+}
+
+// TestAgingPreventsStarvation keeps the most urgent band saturated (a new
+// priority-0 request arrives for every one admitted); a priority-3
+// request must still be admitted once it has waited past 4 aging steps
+// (3 to reach band 0, one more to pass it), not never.
+func TestAgingPreventsStarvation(t *testing.T) {
+	const step = 100 * time.Millisecond
+	s := mustNew(t, Config{MaxConcurrency: 1, AgingStep: step, MaxWait: time.Hour})
+	running := &Item{}
+	offer(t, s, running, at(0), Admitted)
+	low := &Item{Priority: 3, Tenant: "low"}
+	offer(t, s, low, at(0), Queued)
+	for i := range 5 {
+		offer(t, s, &Item{Tenant: "hi"}, at(0), Queued)
+		_ = i
+	}
+	var lowAt time.Duration
+	for ms := 10; ms < 10_000; ms += 10 {
+		now := at(ms)
+		s.Done(running, now)
+		running = s.Next(now)
+		if running == low {
+			lowAt = now.Sub(t0)
+			break
+		}
+		offer(t, s, &Item{Tenant: "hi"}, now, Queued) // keep band 0 busy
+	}
+	if lowAt == 0 {
+		t.Fatal("the priority-3 request starved")
+	}
+	if lowAt < 4*step || lowAt > 5*step {
+		t.Fatalf("admitted after %v, want within (4, 5] aging steps of %v", lowAt, step)
+	}
+}
+
+// TestFairQueuingOnTokens: a heavy tenant with 10x larger requests and a
+// light tenant both keep the queue backlogged; the tokens admitted to each
+// must follow their weights, not their request counts.
+func TestFairQueuingOnTokens(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		weights      map[string]float64
+		wantLightPer float64 // light tokens per heavy token
+	}{
+		{"equal", nil, 1},
+		{"light weighted 2", map[string]float64{"light": 2}, 2},
+		{"heavy weighted 4", map[string]float64{"heavy": 4}, 0.25},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := mustNew(t, Config{MaxConcurrency: 1, MaxWait: time.Hour, AgingStep: time.Hour, MaxQueue: 100_000, Weights: tc.weights})
+			running := &Item{}
+			offer(t, s, running, at(0), Admitted)
+			for range 2000 {
+				offer(t, s, &Item{Tenant: "heavy", Cost: 1000}, at(0), Queued)
+				offer(t, s, &Item{Tenant: "light", Cost: 100}, at(0), Queued)
+			}
+			got := map[string]int64{}
+			for i := range 1000 {
+				s.Done(running, at(i))
+				running = s.Next(at(i))
+				got[running.Tenant] += running.Cost
+			}
+			ratio := float64(got["light"]) / float64(got["heavy"])
+			if math.Abs(ratio/tc.wantLightPer-1) > 0.05 {
+				t.Fatalf("light/heavy tokens = %d/%d = %.3f, want %.3f", got["light"], got["heavy"], ratio, tc.wantLightPer)
+			}
+		})
+	}
+}
+
+// TestFairQueuingNewTenantNotPenalised: a tenant arriving after another
+// built a long backlog is served within a request or two, not after the
+// backlog.
+func TestFairQueuingNewTenantNotPenalised(t *testing.T) {
+	s := mustNew(t, Config{MaxConcurrency: 1, MaxWait: time.Hour, AgingStep: time.Hour})
+	running := &Item{}
+	offer(t, s, running, at(0), Admitted)
+	for range 500 {
+		offer(t, s, &Item{Tenant: "heavy", Cost: 1000}, at(0), Queued)
+	}
+	for i := range 10 { // the heavy tenant is being served
+		s.Done(running, at(i))
+		running = s.Next(at(i))
+	}
+	light := &Item{Tenant: "light", Cost: 100}
+	offer(t, s, light, at(20), Queued)
+	for i := range 3 {
+		s.Done(running, at(30+i))
+		running = s.Next(at(30 + i))
+		if running == light {
+			return
+		}
+	}
+	t.Fatal("a new light tenant waited behind the heavy tenant's backlog")
+}
+
+func TestBoundedLengthDisplacesByPriority(t *testing.T) {
+	s := mustNew(t, Config{MaxConcurrency: 1, MaxQueue: 3})
+	offer(t, s, &Item{}, at(0), Admitted)
+	low := []*Item{{Priority: 9}, {Priority: 9}, {Priority: 5}}
+	for _, it := range low {
+		offer(t, s, it, at(1), Queued)
+	}
+	out := offer(t, s, &Item{Priority: 9}, at(2), Shed)
+	if out.Reason != ShedQueueFull || out.RetryAfter < time.Second {
+		t.Fatalf("equal priority into a full queue: %+v", out)
+	}
+	out = offer(t, s, &Item{Priority: 1}, at(3), Queued)
+	if out.Displaced != low[1] {
+		t.Fatalf("displaced %+v, want the newest of the worst band", out.Displaced)
+	}
+	if s.Len() != 3 || s.Counts().Shed[ShedDisplaced] != 1 || s.Counts().Shed[ShedQueueFull] != 1 {
+		t.Fatalf("len %d counts %+v", s.Len(), s.Counts())
+	}
+	if s.Remove(low[1], Canceled, at(4)) {
+		t.Fatal("a displaced item was still removable")
+	}
+}
+
+// TestFloodStaysBounded offers a flood of requests from distinct tenants
+// to a saturated pool: the queue and the tenants' fair-queuing state stay
+// bounded by MaxQueue.
+func TestFloodStaysBounded(t *testing.T) {
+	s := mustNew(t, Config{MaxConcurrency: 4, MaxQueue: 64, MaxWait: time.Second})
+	var running []*Item
+	for i := range 200_000 {
+		now := at(i / 100)
+		it := &Item{Tenant: fmt.Sprint("t", i), Priority: int64(i % 3), Cost: int64(1 + i%500)}
+		switch s.Offer(it, now).Verdict {
+		case Admitted:
+			running = append(running, it)
+		}
+		if i%7 == 0 && len(running) > 0 {
+			s.Done(running[0], now)
+			running = running[1:]
+			if n := s.Next(now); n != nil {
+				running = append(running, n)
+			}
+		}
+		_ = s.Expire(now, nil)
+		if s.Len() > 64 {
+			t.Fatalf("queue length %d > 64", s.Len())
+		}
+	}
+	tenants := 0
+	for _, l := range s.levels {
+		tenants += len(l.tenants)
+	}
+	if tenants > 2*64+3*16 || len(s.levels) > 3 || s.exp.Len() != s.Len() {
+		t.Fatalf("state grew: %d tenant entries, %d levels, %d expiries for %d queued", tenants, len(s.levels), s.exp.Len(), s.Len())
+	}
+}
+
+func TestBoundedTime(t *testing.T) {
+	s := mustNew(t, Config{MaxConcurrency: 1, MaxWait: time.Second})
+	offer(t, s, &Item{}, at(0), Admitted)
+	a, b := &Item{}, &Item{}
+	offer(t, s, a, at(0), Queued)
+	offer(t, s, b, at(500), Queued)
+	if e, _ := s.NextExpiry(); !e.Equal(at(1000)) {
+		t.Fatalf("next expiry %v", e)
+	}
+	if got := s.Expire(at(999), nil); len(got) != 0 {
+		t.Fatal("expired early")
+	}
+	got := s.Expire(at(1000), nil)
+	if len(got) != 1 || got[0] != a || a.ExpiredReason() != ShedTimeout {
+		t.Fatalf("expired %v", got)
+	}
+	if s.Len() != 1 || s.Counts().Shed[ShedTimeout] != 1 {
+		t.Fatal("counts")
+	}
+}
+
+// busy runs a saturated queue at a known drain rate, so that predictions
+// have something to go on: one slot, every request 1,000 tokens and 100 ms
+// of service (10,000 tokens/s), first token 20 ms after admission.
+func busy(t *testing.T, s *Sched) (running *Item, now time.Time) {
+	running = &Item{Cost: 1000}
+	offer(t, s, running, at(0), Admitted)
+	for i := range 200 {
+		offer(t, s, &Item{Cost: 1000}, at(i*100), Queued)
+		s.FirstToken(running, at(i*100+20))
+		s.Done(running, at(i*100+100))
+		running = s.Next(at(i*100 + 100))
+	}
+	return running, at(200*100 + 100)
+}
+
+func TestDeadlineShedAtOnce(t *testing.T) {
+	s := mustNew(t, Config{MaxConcurrency: 1, MaxWait: time.Hour, AgingStep: time.Hour})
+	_, now := busy(t, s)
+	st := s.Stats(now)
+	if r := st.DrainTokensPerSec; r < 9000 || r > 11000 {
+		t.Fatalf("drain rate %.0f tokens/s, want ~10000", r)
+	}
+	if st.ServiceTTFT != 20*time.Millisecond {
+		t.Fatalf("service TTFT %v", st.ServiceTTFT)
+	}
+	for range 20 { // 20 x 1,000 tokens ahead: ~2 s of waiting
+		offer(t, s, &Item{Cost: 1000}, now, Queued)
+	}
+	out := offer(t, s, &Item{Cost: 1000, Deadline: now.Add(time.Second)}, now, Shed)
+	if out.Reason != ShedDeadline || out.RetryAfter != 2*time.Second {
+		t.Fatalf("outcome %+v, want deadline with Retry-After 2s", out)
+	}
+	out = offer(t, s, &Item{Cost: 1000, Deadline: now.Add(3 * time.Second)}, now, Queued)
+	if out.PredictedWait < 1900*time.Millisecond || out.PredictedWait > 2100*time.Millisecond {
+		t.Fatalf("predicted wait %v, want ~2s", out.PredictedWait)
+	}
+	// A more urgent request does not wait behind them: it meets the same
+	// deadline.
+	offer(t, s, &Item{Cost: 1000, Priority: -1, Deadline: now.Add(time.Second)}, now, Queued)
+	// A light tenant's request is predicted behind only its share.
+	offer(t, s, &Item{Tenant: "light", Cost: 100, Deadline: now.Add(time.Second)}, now, Queued)
+}
+
+func TestDeadlineReachedWhileWaiting(t *testing.T) {
+	s := mustNew(t, Config{MaxConcurrency: 1, MaxWait: time.Hour})
+	offer(t, s, &Item{}, at(0), Admitted)
+	it := &Item{Deadline: at(300)}
+	offer(t, s, it, at(0), Queued) // no rate known yet: nothing to predict
+	got := s.Expire(at(300), nil)
+	if len(got) != 1 || got[0].ExpiredReason() != ShedDeadline {
+		t.Fatalf("expired %v", got)
+	}
+	offer(t, s, &Item{Deadline: at(299)}, at(300), Shed) // already past
+}
+
+func TestPendingPrefillBudget(t *testing.T) {
+	s := mustNew(t, Config{MaxPendingPrefill: 1000})
+	a := &Item{Prefill: 600}
+	offer(t, s, a, at(0), Admitted)
+	big := &Item{Prefill: 5000, Cost: 5000}
+	offer(t, s, big, at(1), Queued)
+	small := &Item{Prefill: 100, Tenant: "other"}
+	offer(t, s, small, at(2), Queued)
+	if s.Next(at(3)) != nil {
+		t.Fatal("admitted past the prefill budget")
+	}
+	s.FirstToken(a, at(4)) // prefill over: the pool is free of pending prefill
+	if got := s.Next(at(4)); got != big {
+		t.Fatalf("the over-budget request was not admitted alone (got %+v)", got)
+	}
+	if s.Next(at(4)) != nil {
+		t.Fatal("admitted beside an over-budget prefill")
+	}
+	s.Done(big, at(5)) // ended before its first token: its prefill is freed too
+	if got := s.Next(at(5)); got != small {
+		t.Fatal("small not admitted")
+	}
+	if st := s.Stats(at(5)); st.PendingPrefill != 100 || st.InFlight != 2 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func TestRemoveWaiting(t *testing.T) {
+	s := mustNew(t, Config{MaxConcurrency: 1})
+	run := &Item{}
+	offer(t, s, run, at(0), Admitted)
+	a, b := &Item{Tenant: "a"}, &Item{Tenant: "b"}
+	offer(t, s, a, at(0), Queued)
+	offer(t, s, b, at(0), Queued)
+	if !s.Remove(a, Canceled, at(1)) || s.Remove(a, Canceled, at(1)) {
+		t.Fatal("Remove")
+	}
+	s.Done(run, at(2))
+	if s.Next(at(2)) != b || s.Len() != 0 || s.Counts().Shed[Canceled] != 1 {
+		t.Fatal("after Remove")
+	}
+	if _, ok := s.NextExpiry(); ok {
+		t.Fatal("an expiry outlived its item")
+	}
+}
+
+func TestSetLimits(t *testing.T) {
+	s := mustNew(t, Config{MaxConcurrency: 1})
+	offer(t, s, &Item{}, at(0), Admitted)
+	q := &Item{}
+	offer(t, s, q, at(0), Queued)
+	s.SetLimits(2, 0)
+	if s.Next(at(1)) != q {
+		t.Fatal("raising the limit did not admit")
+	}
+}
+
+func TestStats(t *testing.T) {
+	s := mustNew(t, Config{MaxConcurrency: 1})
+	offer(t, s, &Item{}, at(0), Admitted)
+	offer(t, s, &Item{Tenant: "a", Cost: 10, Priority: 1}, at(0), Queued)
+	offer(t, s, &Item{Tenant: "b", Cost: 30, Priority: 1}, at(100), Queued)
+	offer(t, s, &Item{Tenant: "a", Cost: 5}, at(200), Queued)
+	st := s.Stats(at(1000))
+	if st.Queued != 3 || st.QueuedTokens != 45 || st.OldestWait != time.Second || len(st.Bands) != 2 ||
+		st.Bands[0].Priority != 0 || st.Bands[1].Tokens != 40 || st.Tenants[0].Tenant != "b" || st.Tenants[1].Tokens != 15 {
+		t.Fatalf("%+v", st)
+	}
+}
