@@ -309,6 +309,9 @@ type PoolConfig struct {
 	// CacheSalt injects a per-tenant cache_salt into forwarded bodies so
 	// engines keep tenants' KV caches apart (docs/security.md).
 	CacheSalt *CacheSaltConfig `yaml:"cache_salt,omitempty" json:"cache_salt,omitempty"`
+	// FlowControl queues, prioritises and sheds requests in front of the
+	// pool's engines (nil or enabled: false = off; docs/flow-control.md).
+	FlowControl *FlowControlConfig `yaml:"flow_control,omitempty" json:"flow_control,omitempty"`
 	// Instances is the static instance list.
 	Instances []InstanceConfig `yaml:"instances" json:"instances"`
 	// AllowedInstanceURLs bounds where heartbeat-discovered instances may
@@ -670,6 +673,9 @@ func (c Config) Validate() error {
 			}
 		}
 		if err := p.Routing.validate(f + ".routing"); err != nil {
+			return err
+		}
+		if err := p.FlowControl.validate(f + ".flow_control"); err != nil {
 			return err
 		}
 		h := p.Health

@@ -30,6 +30,8 @@ func errorType(status int) string {
 		return "not_found_error"
 	case http.StatusServiceUnavailable:
 		return "service_unavailable"
+	case http.StatusTooManyRequests:
+		return "rate_limit_error"
 	case http.StatusBadGateway, http.StatusGatewayTimeout:
 		return "upstream_error"
 	}

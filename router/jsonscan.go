@@ -513,6 +513,12 @@ func (s *jscan) topMember(key string, r *OpenAIRequest) error {
 		return s.raw(1, &r.Tools)
 	case "chat_template_kwargs":
 		return s.raw(1, &r.ChatTemplateKwargs)
+	case "priority":
+		return s.raw(1, &r.Priority)
+	case "max_tokens":
+		return s.raw(1, &r.MaxTokens)
+	case "max_completion_tokens":
+		return s.raw(1, &r.MaxCompletionTokens)
 	}
 	_, err := s.skip(1)
 	return err

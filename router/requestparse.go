@@ -40,6 +40,10 @@ type OpenAIRequest struct {
 	AddSpecialTokens     json.RawMessage `json:"add_special_tokens"`
 	Tools                json.RawMessage `json:"tools"`
 	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs"`
+	// Flow control reads vLLM's request priority and the output bound.
+	Priority            json.RawMessage `json:"priority"`
+	MaxTokens           json.RawMessage `json:"max_tokens"`
+	MaxCompletionTokens json.RawMessage `json:"max_completion_tokens"`
 
 	// src is the body ParseOpenAI decoded: kv_aware trusts CacheSalt only
 	// for a Request whose Body is still these bytes (salt.go rewrites it).

@@ -1,4 +1,4 @@
-package admission
+package flowcontrol
 
 import (
 	"container/heap"
@@ -11,7 +11,7 @@ import (
 )
 
 // ErrConfig is wrapped by configuration errors.
-var ErrConfig = errors.New("admission: invalid config")
+var ErrConfig = errors.New("flowcontrol: invalid config")
 
 // Defaults. Each is a bound chosen from what it protects, not fitted to a
 // trace; docs/flow-control.md gives the reasoning at more length.
@@ -308,7 +308,7 @@ func (s *Sched) weight(tenant string) float64 {
 // deadline out of reach), or queue it.
 func (s *Sched) Offer(it *Item, now time.Time) Outcome {
 	if it.state != stNew {
-		panic("admission: item offered twice")
+		panic("flowcontrol: item offered twice")
 	}
 	s.tick(now)
 	it.arrived = now

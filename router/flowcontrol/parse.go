@@ -1,4 +1,4 @@
-package admission
+package flowcontrol
 
 import (
 	"errors"
@@ -8,7 +8,7 @@ import (
 )
 
 // ErrSyntax is wrapped by the parsers' errors.
-var ErrSyntax = errors.New("admission: invalid value")
+var ErrSyntax = errors.New("flowcontrol: invalid value")
 
 // MaxTTFTObjective bounds a TTFT objective given by a client: beyond an
 // hour it is no objective, and a bound keeps the arithmetic far from

@@ -1,4 +1,4 @@
-// Package admission is kvrouter's flow control: a per-pool queue in front
+// Package flowcontrol is kvrouter's flow control: a per-pool queue in front
 // of the engines that admits a request when the pool has room under its
 // budgets (requests in flight, prompt tokens not yet prefilled), and
 // otherwise holds it — bounded in length and in time — in strict priority
@@ -16,4 +16,4 @@
 // integer, default 0, lower means earlier handling (vllm-project/vllm,
 // vllm/entrypoints/openai/chat_completion/protocol.py; priority scheduling
 // introduced in https://github.com/vllm-project/vllm/pull/5958).
-package admission
+package flowcontrol

@@ -1,4 +1,4 @@
-package admission
+package flowcontrol
 
 import (
 	"context"
@@ -18,7 +18,7 @@ type ShedError struct {
 }
 
 func (e *ShedError) Error() string {
-	return fmt.Sprintf("admission: shed (%s), retry after %v", e.Reason, e.RetryAfter)
+	return fmt.Sprintf("flowcontrol: shed (%s), retry after %v", e.Reason, e.RetryAfter)
 }
 
 // Gate is a Sched shared by concurrent requests: Acquire blocks until the
