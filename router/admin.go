@@ -22,6 +22,7 @@ func (s *Server) addAdminRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("PUT /admin/pools/{pool}/routing", s.auth(s.servePutRouting))
 	mux.HandleFunc("GET /admin/pools/{pool}/compare", s.auth(s.serveCompare))
 	mux.HandleFunc("POST /admin/pools/{pool}/compare/reset", s.auth(s.serveCompareReset))
+	mux.HandleFunc("GET /admin/pools/{pool}/queue", s.auth(s.serveQueue))
 	s.addDashboardRoutes(mux)
 	// Profiles (net/http/pprof), only with an admin token: a CPU profile
 	// or trace costs the router CPU for as long as the caller asks.

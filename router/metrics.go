@@ -14,6 +14,7 @@ type metrics struct {
 	ttfb      *prometheus.HistogramVec
 	probes    *prometheus.CounterVec
 	streamErr *prometheus.CounterVec
+	flow      *flowMetrics
 }
 
 func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
@@ -49,7 +50,9 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 			Help: "Upstream responses that failed after bytes reached the client (streams end with an error event).",
 		}, []string{"pool", "instance"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.overflows, m.retries, m.decision, m.ttfb, m.probes, m.streamErr, &liveCollector{s: s}} {
+	var flowCollectors []prometheus.Collector
+	m.flow, flowCollectors = newFlowMetrics(s)
+	for _, c := range append([]prometheus.Collector{m.requests, m.overflows, m.retries, m.decision, m.ttfb, m.probes, m.streamErr, &liveCollector{s: s}}, flowCollectors...) {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

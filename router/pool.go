@@ -14,7 +14,8 @@ type Pool struct {
 	instances []*Instance
 	byID      map[string]*Instance
 	routing   atomic.Pointer[poolRouting]
-	kv        *KVState // exact-routing state; nil when the pool has no KV index
+	kv        *KVState     // exact-routing state; nil when the pool has no KV index
+	flow      *flowControl // admission queue; nil when flow control is off
 }
 
 type poolRouting struct {
@@ -50,6 +51,10 @@ func NewPool(cfg PoolConfig, prev *Pool, opts ...PoolOption) (*Pool, error) {
 		p.byID[in.id] = in
 	}
 	if err := p.SetRouting(cfg.Routing); err != nil {
+		return nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
+	}
+	var err error
+	if p.flow, err = newFlowControl(cfg.FlowControl, p, prev); err != nil {
 		return nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
 	}
 	return p, nil

@@ -153,6 +153,11 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in Inbound) {
 	case EndpointInvokeStream:
 		path = pool.cfg.InvokeStreamPath
 	}
+	r, done, ok := s.admit(w, r, pool, strat, req, ready)
+	if !ok {
+		return
+	}
+	defer done()
 	s.route(w, r, st, pool, strat, req, path, ready)
 }
 
@@ -376,6 +381,7 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 		if !b.got {
 			b.got = true
 			b.a.firstByte()
+			flowFirstByte(b.ctx)
 			b.s.m.ttfb.WithLabelValues(b.a.pool.Name(), b.a.dec.Instance.ID()).Observe(time.Since(b.a.sent).Seconds())
 		}
 		if n >= 2 {

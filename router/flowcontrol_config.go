@@ -1,0 +1,58 @@
+package router
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/kvrouter/kvrouter/router/flowcontrol"
+)
+
+// FlowControlConfig is a pool's admission queue (router/flowcontrol): when
+// the pool is at its budget a request waits in priority bands, shared
+// between tenants by tokens, instead of piling onto an engine; one that
+// cannot meet its TTFT objective, or waits too long, is answered 429 with
+// Retry-After. Off unless enabled.
+type FlowControlConfig struct {
+	Enabled bool `yaml:"enabled" json:"enabled"`
+	// MaxConcurrency is the pool's in-flight budget; 0 (default) =
+	// routing.concurrency_threshold × healthy instances, so the queue
+	// holds a request exactly when every instance is full.
+	MaxConcurrency int `yaml:"max_concurrency" json:"max_concurrency,omitempty"`
+	// MaxPendingPrefillTokens bounds the prompt tokens sent and not yet
+	// answered with a first byte; 0 (default) = no bound.
+	MaxPendingPrefillTokens int64 `yaml:"max_pending_prefill_tokens" json:"max_pending_prefill_tokens,omitempty"`
+	// MaxQueue bounds waiting requests (default 1024).
+	MaxQueue int `yaml:"max_queue" json:"max_queue,omitempty"`
+	// MaxWait bounds a request's wait (default 30s).
+	MaxWait time.Duration `yaml:"max_wait" json:"max_wait,omitempty"`
+	// AgingStep is the wait that moves a request up one priority band
+	// (default max_wait/10).
+	AgingStep time.Duration `yaml:"aging_step" json:"aging_step,omitempty"`
+	// TTFTObjective is the time-to-first-token objective of requests that
+	// do not send X-Kvrouter-Ttft-Objective-Ms; 0 (default) = none.
+	TTFTObjective time.Duration `yaml:"ttft_objective" json:"ttft_objective,omitempty"`
+	// TenantWeights are tenants' shares under contention (default 1).
+	TenantWeights map[string]float64 `yaml:"tenant_weights" json:"tenant_weights,omitempty"`
+}
+
+func (c *FlowControlConfig) on() bool { return c != nil && c.Enabled }
+
+func (c *FlowControlConfig) queueConfig() flowcontrol.Config {
+	return flowcontrol.Config{
+		MaxConcurrency: c.MaxConcurrency, MaxPendingPrefill: c.MaxPendingPrefillTokens,
+		MaxQueue: c.MaxQueue, MaxWait: c.MaxWait, AgingStep: c.AgingStep, Weights: c.TenantWeights,
+	}
+}
+
+func (c *FlowControlConfig) validate(field string) error {
+	if !c.on() {
+		return nil
+	}
+	if err := c.queueConfig().Validate(); err != nil {
+		return fmt.Errorf("%w: %s: %w", ErrInvalidConfig, field, err)
+	}
+	if c.TTFTObjective < 0 || c.TTFTObjective > flowcontrol.MaxTTFTObjective {
+		return fmt.Errorf("%w: %s.ttft_objective %v out of range 0..%v", ErrInvalidConfig, field, c.TTFTObjective, flowcontrol.MaxTTFTObjective)
+	}
+	return nil
+}
