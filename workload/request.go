@@ -30,6 +30,13 @@ type Request struct {
 	Prompt []Segment `json:"prompt"`
 	// OutputTokens is the number of tokens the engine is asked to generate (max_tokens).
 	OutputTokens int `json:"output_tokens"`
+	// Priority is the request's priority for flow control (vLLM's
+	// convention: lower is more urgent, 0 the default).
+	Priority int64 `json:"priority,omitempty"`
+	// TTFTObjective is the time to first token the request is meant to
+	// meet (0 = none): flow control sheds what cannot meet it, and reports
+	// count the requests that did.
+	TTFTObjective time.Duration `json:"ttft_objective,omitempty"`
 }
 
 // InputTokens is the prompt length in tokens.

@@ -117,6 +117,34 @@ type Router interface {
 	Removed(instance string)
 }
 
+// Admission is a flow-control queue in front of the router (package
+// kvbench wires router/flowcontrol): it decides on each arrival and
+// releases waiting requests as capacity frees. The driver calls it from
+// one goroutine.
+type Admission interface {
+	// Arrive: request id arrives at now. admit: route it now; otherwise
+	// it waits, unless shed is set (refused at once, with that reason).
+	Arrive(id uint64, req *workload.Request, now time.Duration) (admit bool, shed string)
+	// Admitted appends the waiting requests admitted at now.
+	Admitted(now time.Duration, dst []uint64) []uint64
+	// Shed appends the waiting requests shed by now (expired, or displaced
+	// by a more urgent arrival).
+	Shed(now time.Duration, dst []Dropped) []Dropped
+	// NextExpiry is when a waiting request next expires; ok is false when
+	// none waits.
+	NextExpiry() (t time.Duration, ok bool)
+	// FirstToken and Finished follow an admitted request (Finished once,
+	// whichever way it ended, including a routing failure).
+	FirstToken(id uint64, now time.Duration)
+	Finished(id uint64, now time.Duration)
+}
+
+// Dropped is a waiting request the admission queue shed.
+type Dropped struct {
+	ID     uint64
+	Reason string
+}
+
 // IndexWriter is what the driver needs of the router's block index
 // (kvindex.Index satisfies it): events in, departed instances out.
 type IndexWriter interface {
@@ -151,6 +179,9 @@ type Config struct {
 	// components with their own notion of now (an index's last-event times,
 	// a router's speculative entries) can follow virtual time.
 	Clock func(now time.Duration)
+	// Admission, when set, queues requests before the router, as the
+	// router's flow control does (nil = every request routed on arrival).
+	Admission Admission
 }
 
 // Outcome is what happened to one request.
@@ -177,6 +208,10 @@ type Outcome struct {
 	// ErrKind is Err without request-specific details (the innermost
 	// error's text): failures group by it.
 	ErrKind string
+	// Queued is the time it waited for admission (Config.Admission); Shed
+	// is the reason the admission queue refused it ("" when it did not).
+	Queued time.Duration
+	Shed   string
 }
 
 // Utilisation is how busy one engine was over its life in the run.
@@ -269,6 +304,14 @@ type run struct {
 	next     int // next request to issue
 	ups      []Update
 	tokBuf   []uint32
+	// waiting counts requests in the admission queue; admitted and
+	// dropped are scratch for its answers.
+	waiting  int
+	admitted []uint64
+	dropped  []Dropped
+	// freed is set when an admitted request released budget (its first
+	// token or its end): the loop then admits waiting requests.
+	freed bool
 }
 
 // Run plays the workload through the fleet and returns what happened to
@@ -396,7 +439,7 @@ func (r *run) loop(ctx context.Context) error {
 		tArr := never
 		if r.next < total {
 			if closed > 0 {
-				if len(r.inflight) < closed {
+				if len(r.inflight)+r.waiting < closed {
 					tArr = r.now
 				}
 			} else {
@@ -416,7 +459,13 @@ func (r *run) loop(ctx context.Context) error {
 		if ok {
 			tEng = wk.at
 		}
-		t := min(tArr, tFleet, tDel, tEng)
+		tExp := never
+		if a := r.cfg.Admission; a != nil {
+			if e, ok := a.NextExpiry(); ok {
+				tExp = max(e, r.now)
+			}
+		}
+		t := min(tArr, tFleet, tDel, tEng, tExp)
 		if t == never {
 			if r.done < total {
 				return fmt.Errorf("des: stalled with %d of %d requests unfinished", total-r.done, total)
@@ -429,7 +478,8 @@ func (r *run) loop(ctx context.Context) error {
 		r.now = t
 		// At equal times: engines report first (completions free capacity
 		// and their events are already due), then index deliveries (so a
-		// router sees state as of now), then scale events, then arrivals.
+		// router sees state as of now), then queue expiries, then scale
+		// events, then arrivals.
 		switch t {
 		case tEng:
 			heap.Pop(&r.wakes)
@@ -441,6 +491,8 @@ func (r *run) loop(ctx context.Context) error {
 			if _, err := r.cfg.Index.Apply(ctx, d.inst, d.batch.Events); err != nil {
 				r.res.IndexErrors++
 			}
+		case tExp:
+			r.drop()
 		case tFleet:
 			ev := r.w.Fleet[fleet]
 			fleet++
@@ -455,9 +507,66 @@ func (r *run) loop(ctx context.Context) error {
 				}
 			}
 		default:
-			r.issue(ctx, r.next)
+			r.arrive(ctx, r.next)
 			r.next++
 		}
+		for r.freed {
+			r.freed = false
+			r.admitWaiting(ctx)
+		}
+	}
+}
+
+// arrive offers request i to the admission queue, if any, and routes it
+// when admitted.
+func (r *run) arrive(ctx context.Context, i int) {
+	o := &r.res.Outcomes[i]
+	o.Arrival = r.now
+	o.PromptTokens = r.w.Requests[i].InputTokens()
+	a := r.cfg.Admission
+	if a == nil {
+		r.issue(ctx, i)
+		return
+	}
+	admit, shed := a.Arrive(uint64(i), &r.w.Requests[i], r.now)
+	switch {
+	case admit:
+		r.issue(ctx, i)
+	case shed != "":
+		r.shed(o, shed)
+	default:
+		r.waiting++
+	}
+	r.drop() // an arrival may displace a waiting request
+}
+
+// drop ends the waiting requests the admission queue shed by now.
+func (r *run) drop() {
+	r.dropped = r.cfg.Admission.Shed(r.now, r.dropped[:0])
+	for _, d := range r.dropped {
+		r.waiting--
+		o := &r.res.Outcomes[d.ID]
+		o.Queued = r.now - o.Arrival
+		r.shed(o, d.Reason)
+	}
+}
+
+func (r *run) shed(o *Outcome, reason string) {
+	o.Shed, o.Finish = reason, r.now
+	r.fail(o, "shed", errors.New(reason))
+}
+
+// admitWaiting routes the waiting requests the admission queue admits now
+// (called when capacity may have freed).
+func (r *run) admitWaiting(ctx context.Context) {
+	a := r.cfg.Admission
+	if a == nil {
+		return
+	}
+	r.admitted = a.Admitted(r.now, r.admitted[:0])
+	for _, id := range r.admitted {
+		r.waiting--
+		r.issue(ctx, int(id))
 	}
 }
 
@@ -470,6 +579,10 @@ func (r *run) advance(in *instance) {
 			o.TTFT = u.At - o.Arrival
 			o.CachedTokens = u.CachedTokens
 			r.cfg.Router.FirstToken(u.ID, in.name, u.CachedTokens, o.PromptTokens)
+			if a := r.cfg.Admission; a != nil {
+				a.FirstToken(u.ID, u.At)
+				r.freed = true
+			}
 		case Finished, Aborted:
 			o.Finish = u.At
 			o.OutputTokens = u.OutputTokens
@@ -491,6 +604,7 @@ var errAborted = errors.New("aborted by engine")
 func (r *run) complete(id uint64, in *instance, err error) {
 	delete(r.inflight, id)
 	r.cfg.Router.Finished(id, in.name, err)
+	r.admissionDone(id)
 	r.done++
 	r.res.End = max(r.res.End, r.now)
 	if r.cfg.Progress != nil {
@@ -508,11 +622,20 @@ func (r *run) fail(o *Outcome, stage string, err error) {
 	}
 }
 
+// admissionDone tells the admission queue request id ended.
+func (r *run) admissionDone(id uint64) {
+	if a := r.cfg.Admission; a != nil {
+		a.Finished(id, r.now)
+		r.freed = true
+	}
+}
+
+// issue routes request i (arrived, and admitted when there is a queue) and
+// submits it to the picked engine.
 func (r *run) issue(ctx context.Context, i int) {
 	req := &r.w.Requests[i]
 	o := &r.res.Outcomes[i]
-	o.Arrival = r.now
-	o.PromptTokens = req.InputTokens()
+	o.Queued = r.now - o.Arrival
 	r.tokBuf = req.AppendTokens(r.tokBuf[:0])
 	salt := ""
 	if r.cfg.SaltByTenant {
@@ -531,6 +654,7 @@ func (r *run) issue(ctx context.Context, i int) {
 		err = fmt.Errorf("%w: router picked %q", errNotLive, d.Instance)
 	}
 	if err != nil {
+		r.admissionDone(uint64(i))
 		r.fail(o, "route", err)
 		return
 	}
@@ -545,6 +669,7 @@ func (r *run) issue(ctx context.Context, i int) {
 		o.ErrKind = "submit: " + rootError(err).Error()
 		o.Finish = r.now
 		r.cfg.Router.Finished(uint64(i), in.name, err)
+		r.admissionDone(uint64(i))
 		r.done++
 		if r.cfg.Progress != nil {
 			r.cfg.Progress(r.done, len(r.w.Requests))

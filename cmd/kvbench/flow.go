@@ -1,0 +1,379 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/flowcontrol"
+	"github.com/kvrouter/kvrouter/sim"
+	"github.com/kvrouter/kvrouter/workload"
+)
+
+// flowAdmission is the router's flow-control queue (router/flowcontrol's
+// Sched, the core the HTTP data plane's Gate wraps) on the driver's
+// virtual clock.
+type flowAdmission struct {
+	s     *flowcontrol.Sched
+	items map[uint64]*flowcontrol.Item
+	drop  []des.Dropped
+	buf   []*flowcontrol.Item
+}
+
+var _ des.Admission = (*flowAdmission)(nil)
+
+func newFlowAdmission(cfg flowcontrol.Config) (*flowAdmission, error) {
+	s, err := flowcontrol.New(cfg)
+	if err != nil {
+		return nil, err
+	}
+	return &flowAdmission{s: s, items: map[uint64]*flowcontrol.Item{}}, nil
+}
+
+func vt(d time.Duration) time.Time { return epoch.Add(d) }
+
+func (a *flowAdmission) Arrive(id uint64, req *workload.Request, now time.Duration) (bool, string) {
+	it := &flowcontrol.Item{Tenant: req.Tenant, Priority: req.Priority, Value: id,
+		Prefill: int64(req.InputTokens()), Cost: int64(req.InputTokens() + req.OutputTokens)}
+	if req.TTFTObjective > 0 {
+		it.Deadline = vt(now + req.TTFTObjective)
+	}
+	out := a.s.Offer(it, vt(now))
+	if d := out.Displaced; d != nil {
+		did := d.Value.(uint64)
+		delete(a.items, did)
+		a.drop = append(a.drop, des.Dropped{ID: did, Reason: string(flowcontrol.ShedDisplaced)})
+	}
+	switch out.Verdict {
+	case flowcontrol.Shed:
+		return false, string(out.Reason)
+	case flowcontrol.Admitted:
+		a.items[id] = it
+		return true, ""
+	}
+	a.items[id] = it
+	return false, ""
+}
+
+func (a *flowAdmission) Admitted(now time.Duration, dst []uint64) []uint64 {
+	for it := a.s.Next(vt(now)); it != nil; it = a.s.Next(vt(now)) {
+		dst = append(dst, it.Value.(uint64))
+	}
+	return dst
+}
+
+func (a *flowAdmission) Shed(now time.Duration, dst []des.Dropped) []des.Dropped {
+	dst = append(dst, a.drop...)
+	a.drop = a.drop[:0]
+	a.buf = a.s.Expire(vt(now), a.buf[:0])
+	for _, it := range a.buf {
+		id := it.Value.(uint64)
+		delete(a.items, id)
+		dst = append(dst, des.Dropped{ID: id, Reason: string(it.ExpiredReason())})
+	}
+	return dst
+}
+
+func (a *flowAdmission) NextExpiry() (time.Duration, bool) {
+	t, ok := a.s.NextExpiry()
+	return t.Sub(epoch), ok
+}
+
+func (a *flowAdmission) FirstToken(id uint64, now time.Duration) {
+	if it := a.items[id]; it != nil {
+		a.s.FirstToken(it, vt(now))
+	}
+}
+
+func (a *flowAdmission) Finished(id uint64, now time.Duration) {
+	if it := a.items[id]; it != nil {
+		a.s.Done(it, vt(now))
+		delete(a.items, id)
+	}
+}
+
+// flowRun is one run of the overload workload, with or without the queue.
+type flowRun struct {
+	load float64
+	flow bool
+	w    *workload.Workload
+	res  *des.Result
+	// window is the arrival window (the burst), over which rates are taken.
+	window time.Duration
+}
+
+func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("flow", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	setUsage(fs, stderr, "kvbench flow [--instances N] [--strategy S] [--loads 0.5,1.5,2,4] [flags]",
+		"Flow control under overload, on the discrete-event driver: measures the fleet's capacity on\n"+
+			"the overload workload (one heavy tenant sending --heavy-factor times the tokens of each of nine\n"+
+			"light tenants, a quarter of requests at priority 0, the rest at 1), its unloaded TTFT, then\n"+
+			"runs bursts at each load (a multiple of capacity) with and without the router's admission\n"+
+			"queue. Prints TTFT percentiles, goodput (requests that met the TTFT objective per second of\n"+
+			"the burst) and shed rates per class, and Jain's index over tenants' token throughput.",
+		[]string{"kvbench flow", "kvbench flow --instances 8 --loads 2,4 --burst 120s"})
+	instances := fs.Int("instances", 4, "instances (default simulated engine: Llama 3.1 70B on 8×H100)")
+	strategy := fs.String("strategy", router.StrategyPrefixAware, "routing strategy")
+	loadsFlag := fs.String("loads", "0.5,1.5,2,4", "burst arrival rates as multiples of the measured capacity")
+	burst := fs.Duration("burst", 60*time.Second, "length of each burst (Poisson arrivals)")
+	objective := fs.Duration("ttft-objective", 0, "TTFT objective of every request (0 = twice the unloaded p99)")
+	threshold := fs.Int("concurrency-threshold", router.DefaultConcurrencyThresh, "routing.concurrency_threshold; the queue's budget is this × instances")
+	heavy := fs.Float64("heavy-factor", 10, "the heavy tenant's tokens over one light tenant's")
+	seed := fs.Int64("seed", 1, "seed")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	var loads []float64
+	for _, s := range splitList(*loadsFlag) {
+		l, err := strconv.ParseFloat(s, 64)
+		if err != nil || !(l > 0) {
+			return fmt.Errorf("--loads: %q is not a positive number", s)
+		}
+		loads = append(loads, l)
+	}
+	if *instances < 1 || *threshold < 1 || *burst <= 0 {
+		return fmt.Errorf("--instances, --concurrency-threshold and --burst must be positive")
+	}
+	shape := workload.Overload{HeavyFactor: *heavy}
+	run := func(w *workload.Workload, flow bool) (*des.Result, error) {
+		rt, err := newStrategyRouter(*strategy, router.RoutingConfig{ConcurrencyThreshold: *threshold}, uint64(*seed), sim.DefaultModel)
+		if err != nil {
+			return nil, err
+		}
+		dc := rt.desConfig(*instances, sim.Config{})
+		if flow {
+			a, err := newFlowAdmission(flowcontrol.Config{MaxConcurrency: *instances * *threshold})
+			if err != nil {
+				return nil, err
+			}
+			dc.Admission = a
+		}
+		return des.Run(ctx, dc, w)
+	}
+
+	// Capacity: completions per second with the router's budget of
+	// requests in flight on every instance, all the time.
+	cw, err := workload.Overload{HeavyFactor: *heavy, Requests: 40 * *instances * *threshold / 10,
+		Arrivals: workload.Arrivals{Concurrency: *instances * *threshold}}.Generate(*seed)
+	if err != nil {
+		return err
+	}
+	cres, err := run(cw, false)
+	if err != nil {
+		return fmt.Errorf("capacity: %w", err)
+	}
+	capacity := float64(len(cw.Requests)) / cres.End.Seconds()
+	fmt.Fprintf(stdout, "fleet: %d instances, strategy %s, budget %d in flight (%d per instance)\n", *instances, *strategy, *instances**threshold, *threshold)
+	fmt.Fprintf(stdout, "capacity: %.1f req/s (%.0f tokens/s) with %d in flight; mean request %.0f tokens\n",
+		capacity, capacity*shape.MeanTokens(), *instances**threshold, shape.MeanTokens())
+
+	burstOf := func(load float64, obj time.Duration) (*workload.Workload, time.Duration, error) {
+		rate := load * capacity
+		n := max(int(rate*burst.Seconds()), 1)
+		w, err := workload.Overload{HeavyFactor: *heavy, Requests: n, TTFTObjective: obj, Arrivals: workload.Arrivals{Rate: rate}}.Generate(*seed)
+		return w, time.Duration(float64(n) / rate * float64(time.Second)), err
+	}
+	// Unloaded: a quarter of capacity, no queue.
+	uw, uwin, err := burstOf(0.25, 0)
+	if err != nil {
+		return err
+	}
+	ures, err := run(uw, false)
+	if err != nil {
+		return fmt.Errorf("unloaded: %w", err)
+	}
+	base := flowRun{load: 0.25, w: uw, res: ures, window: uwin}
+	obj := *objective
+	if obj == 0 {
+		obj = 2 * pct(base.ttfts(classAll), 0.99)
+	}
+	fmt.Fprintf(stdout, "unloaded (0.25× capacity): TTFT p50 %s p90 %s p99 %s (light tenants p90 %s, priority 0 p99 %s); objective %s\n\n",
+		ms(pct(base.ttfts(classAll), 0.5)), ms(pct(base.ttfts(classAll), 0.9)), ms(pct(base.ttfts(classAll), 0.99)),
+		ms(pct(base.ttfts(classLight), 0.9)), ms(pct(base.ttfts(classHigh), 0.99)), ms(obj))
+
+	fmt.Fprintln(stdout, "| load | queue | class | requests | shed | TTFT p50 | p90 | p99 | goodput req/s |")
+	fmt.Fprintln(stdout, "|---|---|---|---|---|---|---|---|---|")
+	var notes []string
+	for _, load := range loads {
+		w, win, err := burstOf(load, obj)
+		if err != nil {
+			return err
+		}
+		var pair [2]flowRun
+		for i, flow := range []bool{false, true} {
+			start := time.Now()
+			res, err := run(w, flow)
+			if err != nil {
+				return fmt.Errorf("load %g: %w", load, err)
+			}
+			fr := flowRun{load: load, flow: flow, w: w, res: res, window: win}
+			pair[i] = fr
+			for _, c := range []flowClass{classAll, classHigh, classLow, classLight, classHeavy} {
+				fmt.Fprintln(stdout, fr.row(c, obj))
+			}
+			fmt.Fprintf(stderr, "load %g queue %v: %d requests in %.1f s wall\n", load, flow, len(w.Requests), time.Since(start).Seconds())
+		}
+		off, on := pair[0], pair[1]
+		notes = append(notes, fmt.Sprintf("load %g×: goodput %.1f → %.1f req/s (%.2f×); Jain over tenants' token throughput %.3f → %.3f; "+
+			"light p90 %s → %s (unloaded %s); priority 0 p99 %s → %s (unloaded %s); %s",
+			load, off.goodput(classAll, obj), on.goodput(classAll, obj), on.goodput(classAll, obj)/max(off.goodput(classAll, obj), 1e-9),
+			off.jain(), on.jain(),
+			ms(pct(off.ttfts(classLight), 0.9)), ms(pct(on.ttfts(classLight), 0.9)), ms(pct(base.ttfts(classLight), 0.9)),
+			ms(pct(off.ttfts(classHigh), 0.99)), ms(pct(on.ttfts(classHigh), 0.99)), ms(pct(base.ttfts(classHigh), 0.99)),
+			on.shedSummary()))
+	}
+	fmt.Fprintln(stdout)
+	for _, n := range notes {
+		fmt.Fprintln(stdout, "- "+n)
+	}
+	return nil
+}
+
+// flowClass selects requests of the overload workload.
+type flowClass string
+
+const (
+	classAll   flowClass = "all"
+	classHigh  flowClass = "priority 0"
+	classLow   flowClass = "priority 1"
+	classLight flowClass = "light tenants"
+	classHeavy flowClass = "heavy tenant"
+)
+
+func (c flowClass) has(r *workload.Request) bool {
+	switch c {
+	case classHigh:
+		return r.Priority == 0
+	case classLow:
+		return r.Priority == 1
+	case classLight:
+		return r.Tenant != workload.HeavyTenant
+	case classHeavy:
+		return r.Tenant == workload.HeavyTenant
+	}
+	return true
+}
+
+// each calls fn with the outcomes of class c, with their requests.
+func (f flowRun) each(c flowClass, fn func(o *des.Outcome, r *workload.Request)) {
+	w := f.res.Outcomes
+	for i := range w {
+		if r := f.req(i); c.has(r) {
+			fn(&w[i], r)
+		}
+	}
+}
+
+// req is the request of outcome i; the runs keep the workload's order.
+func (f flowRun) req(i int) *workload.Request { return &f.w.Requests[i] }
+
+// ttfts are the TTFTs of the class's requests that got a first token.
+func (f flowRun) ttfts(c flowClass) []time.Duration {
+	var out []time.Duration
+	f.each(c, func(o *des.Outcome, _ *workload.Request) {
+		if o.Err == "" && o.TTFT > 0 {
+			out = append(out, o.TTFT)
+		}
+	})
+	return out
+}
+
+// goodput is the class's requests that met the objective, per second of
+// the burst.
+func (f flowRun) goodput(c flowClass, obj time.Duration) float64 {
+	n := 0
+	f.each(c, func(o *des.Outcome, _ *workload.Request) {
+		if o.Err == "" && o.TTFT > 0 && o.TTFT <= obj {
+			n++
+		}
+	})
+	return float64(n) / f.window.Seconds()
+}
+
+func (f flowRun) row(c flowClass, obj time.Duration) string {
+	n, shed := 0, 0
+	f.each(c, func(o *des.Outcome, _ *workload.Request) {
+		n++
+		if o.Shed != "" {
+			shed++
+		}
+	})
+	t := f.ttfts(c)
+	q := "off"
+	if f.flow {
+		q = "on"
+	}
+	return fmt.Sprintf("| %g× | %s | %s | %d | %.1f%% | %s | %s | %s | %.1f |", f.load, q, c, n, 100*float64(shed)/float64(max(n, 1)),
+		ms(pct(t, 0.5)), ms(pct(t, 0.9)), ms(pct(t, 0.99)), f.goodput(c, obj))
+}
+
+// jain is Jain's fairness index over the tenants' token throughput
+// during the burst: prompt and output tokens of the requests that
+// finished within it.
+func (f flowRun) jain() float64 {
+	tok := map[string]float64{}
+	f.each(classAll, func(o *des.Outcome, r *workload.Request) {
+		tok[r.Tenant] += 0 // every tenant counts, served or not
+		if o.Err == "" && o.Finish > 0 && o.Finish <= f.window {
+			tok[r.Tenant] += float64(r.InputTokens() + r.OutputTokens)
+		}
+	})
+	var sum, sq float64
+	for _, x := range tok {
+		sum += x
+		sq += x * x
+	}
+	if sq == 0 {
+		return 0
+	}
+	return sum * sum / (float64(len(tok)) * sq)
+}
+
+// shedSummary counts sheds by reason and how soon they were answered.
+func (f flowRun) shedSummary() string {
+	by := map[string]int{}
+	atOnce, n := 0, 0
+	var waited time.Duration
+	f.each(classAll, func(o *des.Outcome, _ *workload.Request) {
+		if o.Shed == "" {
+			return
+		}
+		n++
+		by[o.Shed]++
+		if o.Queued == 0 {
+			atOnce++
+		}
+		waited = max(waited, o.Queued)
+	})
+	if n == 0 {
+		return "nothing shed"
+	}
+	var parts []string
+	for _, r := range slices.Sorted(maps.Keys(by)) {
+		parts = append(parts, fmt.Sprintf("%s %d", r, by[r]))
+	}
+	return fmt.Sprintf("shed %d (%s), %.0f%% on arrival, longest wait before a shed %s", n, strings.Join(parts, ", "),
+		100*float64(atOnce)/float64(n), ms(waited))
+}
+
+// pct is the q-quantile of ds (nearest rank), 0 for none.
+func pct(ds []time.Duration, q float64) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	i := int(q*float64(len(s))+0.999999) - 1
+	return s[min(max(i, 0), len(s)-1)]
+}
+
+func ms(d time.Duration) string { return fmt.Sprintf("%.0f ms", float64(d)/float64(time.Millisecond)) }
