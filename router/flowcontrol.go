@@ -160,7 +160,6 @@ func outputBound(p *OpenAIRequest) int64 {
 	return 0
 }
 
-
 type ticketKey struct{}
 
 // flowFirstByte frees the pending prefill of the request whose context
