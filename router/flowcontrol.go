@@ -63,11 +63,10 @@ func newFlowControl(cfg *FlowControlConfig, p, prev *Pool) (*flowControl, error)
 }
 
 // limits is the pool's budget now: the configured concurrency, or the
-// concurrency threshold of every healthy instance.
+// concurrency threshold of every healthy instance; the prefill budget of
+// every healthy instance. With no healthy instance one request goes
+// through, to be answered 503 by the strategy rather than held.
 func (f *flowControl) limits() (int, int64) {
-	if f.cfg.MaxConcurrency > 0 {
-		return f.cfg.MaxConcurrency, f.cfg.MaxPendingPrefillTokens
-	}
 	p := f.pool.Load()
 	rc, _ := p.Routing()
 	n := 0
@@ -76,9 +75,12 @@ func (f *flowControl) limits() (int, int64) {
 			n++
 		}
 	}
-	// With no healthy instance one request goes through, to be answered
-	// 503 by the strategy rather than held.
-	return max(1, n*rc.ConcurrencyThreshold), f.cfg.MaxPendingPrefillTokens
+	n = max(n, 1)
+	conc := f.cfg.MaxConcurrency
+	if conc == 0 {
+		conc = n * rc.ConcurrencyThreshold
+	}
+	return conc, int64(n) * f.cfg.PrefillTokensPerInstance
 }
 
 // item describes req to the queue: tenant, priority (header, else body),

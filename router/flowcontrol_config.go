@@ -18,9 +18,14 @@ type FlowControlConfig struct {
 	// routing.concurrency_threshold × healthy instances, so the queue
 	// holds a request exactly when every instance is full.
 	MaxConcurrency int `yaml:"max_concurrency" json:"max_concurrency,omitempty"`
-	// MaxPendingPrefillTokens bounds the prompt tokens sent and not yet
-	// answered with a first byte; 0 (default) = no bound.
-	MaxPendingPrefillTokens int64 `yaml:"max_pending_prefill_tokens" json:"max_pending_prefill_tokens,omitempty"`
+	// PrefillTokensPerInstance bounds the prompt tokens sent and not yet
+	// answered with a first byte, per healthy instance; 0 (default) = no
+	// bound. The engine's --max-num-batched-tokens (vLLM's default on
+	// H100-class GPUs: 8192) is the natural value: with no more than one
+	// step's prefill pending, an admitted request starts its prefill in the
+	// engine's next step, and the waiting happens in the router's queue,
+	// where priority and fairness order it (docs/flow-control.md).
+	PrefillTokensPerInstance int64 `yaml:"prefill_tokens_per_instance" json:"prefill_tokens_per_instance,omitempty"`
 	// MaxQueue bounds waiting requests (default 1024).
 	MaxQueue int `yaml:"max_queue" json:"max_queue,omitempty"`
 	// MaxWait bounds a request's wait (default 30s).
@@ -39,7 +44,7 @@ func (c *FlowControlConfig) on() bool { return c != nil && c.Enabled }
 
 func (c *FlowControlConfig) queueConfig() flowcontrol.Config {
 	return flowcontrol.Config{
-		MaxConcurrency: c.MaxConcurrency, MaxPendingPrefill: c.MaxPendingPrefillTokens,
+		MaxConcurrency: c.MaxConcurrency, MaxPendingPrefill: c.PrefillTokensPerInstance,
 		MaxQueue: c.MaxQueue, MaxWait: c.MaxWait, AgingStep: c.AgingStep, Weights: c.TenantWeights,
 	}
 }

@@ -25,7 +25,8 @@ type Overload struct {
 	// SystemTokens is each tenant's system prompt (default 500).
 	SystemTokens int `json:"system_tokens,omitempty" yaml:"system_tokens"`
 	// UrgentShare of the requests are priority 0 ("high"), the rest
-	// priority 1 ("low"), drawn independently of the tenant (default 0.25).
+	// priority 1 ("low"), drawn independently of the tenant (default 0.25;
+	// < 0 for none).
 	UrgentShare float64 `json:"urgent_share,omitempty" yaml:"urgent_share"`
 	// TTFTObjective is every request's objective (0 = none).
 	TTFTObjective time.Duration `json:"ttft_objective,omitempty" yaml:"ttft_objective"`
@@ -83,8 +84,8 @@ func (c Overload) Generate(seed int64) (*Workload, error) {
 	if c.SystemTokens >= min(c.LightPromptTokens, c.HeavyPromptTokens) {
 		return nil, fmt.Errorf("%w: %s: system_tokens %d must be under both prompt lengths", ErrInvalid, name, c.SystemTokens)
 	}
-	if !(c.HeavyFactor > 0) || math.IsInf(c.HeavyFactor, 0) || !(c.UrgentShare >= 0 && c.UrgentShare <= 1) || c.TTFTObjective < 0 {
-		return nil, fmt.Errorf("%w: %s: heavy_factor > 0, urgent_share in 0..1, ttft_objective >= 0", ErrInvalid, name)
+	if !(c.HeavyFactor > 0) || math.IsInf(c.HeavyFactor, 0) || !(c.UrgentShare <= 1) || c.TTFTObjective < 0 {
+		return nil, fmt.Errorf("%w: %s: heavy_factor > 0, urgent_share <= 1, ttft_objective >= 0", ErrInvalid, name)
 	}
 	if err := c.Arrivals.validate(name); err != nil {
 		return nil, err

@@ -125,9 +125,11 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	strategy := fs.String("strategy", router.StrategyPrefixAware, "routing strategy")
 	loadsFlag := fs.String("loads", "0.5,1.5,2,4", "burst arrival rates as multiples of the measured capacity")
 	burst := fs.Duration("burst", 60*time.Second, "length of each burst (Poisson arrivals)")
-	objective := fs.Duration("ttft-objective", 0, "TTFT objective of every request (0 = twice the unloaded p99)")
+	objective := fs.Duration("ttft-objective", 0, "TTFT objective of every request (0 = twice the unloaded p99 of its tenant class, light or heavy)")
 	threshold := fs.Int("concurrency-threshold", router.DefaultConcurrencyThresh, "routing.concurrency_threshold; the queue's budget is this × instances")
 	heavy := fs.Float64("heavy-factor", 10, "the heavy tenant's tokens over one light tenant's")
+	urgent := fs.Float64("urgent-share", 0.25, "share of requests at priority 0 (the rest at 1)")
+	prefill := fs.Int64("prefill-budget", sim.DefaultMaxNumBatchedTokens, "the queue's prefill_tokens_per_instance (default: the engine's max_num_batched_tokens; 0 = none)")
 	seed := fs.Int64("seed", 1, "seed")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -140,10 +142,17 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		}
 		loads = append(loads, l)
 	}
+	if !(*urgent >= 0 && *urgent <= 1) {
+		return fmt.Errorf("--urgent-share %v: want 0..1", *urgent)
+	}
+	if *urgent == 0 {
+		*urgent = -1 // the generator's zero means its default
+	}
 	if *instances < 1 || *threshold < 1 || *burst <= 0 {
 		return fmt.Errorf("--instances, --concurrency-threshold and --burst must be positive")
 	}
-	shape := workload.Overload{HeavyFactor: *heavy}
+	shape := workload.Overload{HeavyFactor: *heavy, UrgentShare: *urgent}
+	var prefillBudget int64
 	run := func(w *workload.Workload, flow bool) (*des.Result, error) {
 		rt, err := newStrategyRouter(*strategy, router.RoutingConfig{ConcurrencyThreshold: *threshold}, uint64(*seed), sim.DefaultModel)
 		if err != nil {
@@ -151,7 +160,7 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		}
 		dc := rt.desConfig(*instances, sim.Config{})
 		if flow {
-			a, err := newFlowAdmission(flowcontrol.Config{MaxConcurrency: *instances * *threshold})
+			a, err := newFlowAdmission(flowcontrol.Config{MaxConcurrency: *instances * *threshold, MaxPendingPrefill: int64(*instances) * prefillBudget})
 			if err != nil {
 				return nil, err
 			}
@@ -162,7 +171,7 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 
 	// Capacity: completions per second with the router's budget of
 	// requests in flight on every instance, all the time.
-	cw, err := workload.Overload{HeavyFactor: *heavy, Requests: 40 * *instances * *threshold / 10,
+	cw, err := workload.Overload{HeavyFactor: *heavy, UrgentShare: *urgent, Requests: 20 * *instances * *threshold,
 		Arrivals: workload.Arrivals{Concurrency: *instances * *threshold}}.Generate(*seed)
 	if err != nil {
 		return err
@@ -171,19 +180,31 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return fmt.Errorf("capacity: %w", err)
 	}
-	capacity := float64(len(cw.Requests)) / cres.End.Seconds()
+	capacity := steadyRate(cres)
+	rate := prefillRate(cres)
 	fmt.Fprintf(stdout, "fleet: %d instances, strategy %s, budget %d in flight (%d per instance)\n", *instances, *strategy, *instances**threshold, *threshold)
 	fmt.Fprintf(stdout, "capacity: %.1f req/s (%.0f tokens/s) with %d in flight; mean request %.0f tokens\n",
 		capacity, capacity*shape.MeanTokens(), *instances**threshold, shape.MeanTokens())
 
-	burstOf := func(load float64, obj time.Duration) (*workload.Workload, time.Duration, error) {
+	var objLight, objHeavy time.Duration
+	burstOf := func(load float64) (*workload.Workload, time.Duration, error) {
 		rate := load * capacity
 		n := max(int(rate*burst.Seconds()), 1)
-		w, err := workload.Overload{HeavyFactor: *heavy, Requests: n, TTFTObjective: obj, Arrivals: workload.Arrivals{Rate: rate}}.Generate(*seed)
+		w, err := workload.Overload{HeavyFactor: *heavy, UrgentShare: *urgent, Requests: n, Arrivals: workload.Arrivals{Rate: rate}}.Generate(*seed)
+		if err != nil {
+			return nil, 0, err
+		}
+		for i := range w.Requests {
+			r := &w.Requests[i]
+			r.TTFTObjective = objLight
+			if r.Tenant == workload.HeavyTenant {
+				r.TTFTObjective = objHeavy
+			}
+		}
 		return w, time.Duration(float64(n) / rate * float64(time.Second)), err
 	}
 	// Unloaded: a quarter of capacity, no queue.
-	uw, uwin, err := burstOf(0.25, 0)
+	uw, uwin, err := burstOf(0.25)
 	if err != nil {
 		return err
 	}
@@ -192,19 +213,21 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return fmt.Errorf("unloaded: %w", err)
 	}
 	base := flowRun{load: 0.25, w: uw, res: ures, window: uwin}
-	obj := *objective
-	if obj == 0 {
-		obj = 2 * pct(base.ttfts(classAll), 0.99)
+	objLight, objHeavy = *objective, *objective
+	if *objective == 0 {
+		objLight, objHeavy = 2*pct(base.ttfts(classLight), 0.99), 2*pct(base.ttfts(classHeavy), 0.99)
 	}
-	fmt.Fprintf(stdout, "unloaded (0.25× capacity): TTFT p50 %s p90 %s p99 %s (light tenants p90 %s, priority 0 p99 %s); objective %s\n\n",
+	prefillBudget = *prefill
+	fmt.Fprintf(stdout, "prefill: %.0f tokens/s per instance measured; queue budget %d pending prefill tokens per instance\n", rate, prefillBudget)
+	fmt.Fprintf(stdout, "unloaded (0.25× capacity): TTFT p50 %s p90 %s p99 %s (light tenants p90 %s, priority 0 p99 %s); objectives: light %s, heavy %s\n\n",
 		ms(pct(base.ttfts(classAll), 0.5)), ms(pct(base.ttfts(classAll), 0.9)), ms(pct(base.ttfts(classAll), 0.99)),
-		ms(pct(base.ttfts(classLight), 0.9)), ms(pct(base.ttfts(classHigh), 0.99)), ms(obj))
+		ms(pct(base.ttfts(classLight), 0.9)), ms(pct(base.ttfts(classHigh), 0.99)), ms(objLight), ms(objHeavy))
 
-	fmt.Fprintln(stdout, "| load | queue | class | requests | shed | TTFT p50 | p90 | p99 | goodput req/s |")
-	fmt.Fprintln(stdout, "|---|---|---|---|---|---|---|---|---|")
+	fmt.Fprintln(stdout, "| load | queue | class | requests | shed | TTFT p50 | p90 | p99 | queued p90 | goodput req/s |")
+	fmt.Fprintln(stdout, "|---|---|---|---|---|---|---|---|---|---|")
 	var notes []string
 	for _, load := range loads {
-		w, win, err := burstOf(load, obj)
+		w, win, err := burstOf(load)
 		if err != nil {
 			return err
 		}
@@ -218,14 +241,14 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 			fr := flowRun{load: load, flow: flow, w: w, res: res, window: win}
 			pair[i] = fr
 			for _, c := range []flowClass{classAll, classHigh, classLow, classLight, classHeavy} {
-				fmt.Fprintln(stdout, fr.row(c, obj))
+				fmt.Fprintln(stdout, fr.row(c))
 			}
 			fmt.Fprintf(stderr, "load %g queue %v: %d requests in %.1f s wall\n", load, flow, len(w.Requests), time.Since(start).Seconds())
 		}
 		off, on := pair[0], pair[1]
-		notes = append(notes, fmt.Sprintf("load %g×: goodput %.1f → %.1f req/s (%.2f×); Jain over tenants' token throughput %.3f → %.3f; "+
+		notes = append(notes, fmt.Sprintf("load %g×: goodput %.1f → %.1f req/s (%.2f×); Jain over tenants' goodput tokens %.3f → %.3f; "+
 			"light p90 %s → %s (unloaded %s); priority 0 p99 %s → %s (unloaded %s); %s",
-			load, off.goodput(classAll, obj), on.goodput(classAll, obj), on.goodput(classAll, obj)/max(off.goodput(classAll, obj), 1e-9),
+			load, off.goodput(classAll), on.goodput(classAll), on.goodput(classAll)/max(off.goodput(classAll), 1e-9),
 			off.jain(), on.jain(),
 			ms(pct(off.ttfts(classLight), 0.9)), ms(pct(on.ttfts(classLight), 0.9)), ms(pct(base.ttfts(classLight), 0.9)),
 			ms(pct(off.ttfts(classHigh), 0.99)), ms(pct(on.ttfts(classHigh), 0.99)), ms(pct(base.ttfts(classHigh), 0.99)),
@@ -236,6 +259,43 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		fmt.Fprintln(stdout, "- "+n)
 	}
 	return nil
+}
+
+// steadyRate is the completion rate between the first and the last
+// quarter of completions: a closed loop's ramp-up and drain left out.
+func steadyRate(res *des.Result) float64 {
+	var ends []time.Duration
+	for _, o := range res.Outcomes {
+		if o.Err == "" {
+			ends = append(ends, o.Finish)
+		}
+	}
+	slices.Sort(ends)
+	a, b := len(ends)/4, 3*len(ends)/4
+	if b <= a || ends[b] <= ends[a] {
+		return float64(len(ends)) / res.End.Seconds()
+	}
+	return float64(b-a) / (ends[b] - ends[a]).Seconds()
+}
+
+// prefillRate is one engine's prefill throughput as measured over a run:
+// prompt tokens not served from cache per second of steps that carried
+// prefill, averaged over the fleet.
+func prefillRate(res *des.Result) float64 {
+	var toks float64
+	for _, o := range res.Outcomes {
+		if o.Err == "" {
+			toks += float64(o.PromptTokens - o.CachedTokens)
+		}
+	}
+	var busy time.Duration
+	for _, u := range res.Utilisation {
+		busy += u.PrefillBusy
+	}
+	if busy <= 0 {
+		return 0
+	}
+	return toks / busy.Seconds()
 }
 
 // flowClass selects requests of the overload workload.
@@ -287,24 +347,32 @@ func (f flowRun) ttfts(c flowClass) []time.Duration {
 	return out
 }
 
-// goodput is the class's requests that met the objective, per second of
+// met reports whether the request got its first token within its objective.
+func met(o *des.Outcome, r *workload.Request) bool {
+	return o.Err == "" && o.TTFT > 0 && o.TTFT <= r.TTFTObjective
+}
+
+// goodput is the class's requests that met their objective, per second of
 // the burst.
-func (f flowRun) goodput(c flowClass, obj time.Duration) float64 {
+func (f flowRun) goodput(c flowClass) float64 {
 	n := 0
-	f.each(c, func(o *des.Outcome, _ *workload.Request) {
-		if o.Err == "" && o.TTFT > 0 && o.TTFT <= obj {
+	f.each(c, func(o *des.Outcome, r *workload.Request) {
+		if met(o, r) {
 			n++
 		}
 	})
 	return float64(n) / f.window.Seconds()
 }
 
-func (f flowRun) row(c flowClass, obj time.Duration) string {
+func (f flowRun) row(c flowClass) string {
 	n, shed := 0, 0
+	var waits []time.Duration
 	f.each(c, func(o *des.Outcome, _ *workload.Request) {
 		n++
 		if o.Shed != "" {
 			shed++
+		} else if o.Err == "" {
+			waits = append(waits, o.Queued)
 		}
 	})
 	t := f.ttfts(c)
@@ -312,30 +380,67 @@ func (f flowRun) row(c flowClass, obj time.Duration) string {
 	if f.flow {
 		q = "on"
 	}
-	return fmt.Sprintf("| %g× | %s | %s | %d | %.1f%% | %s | %s | %s | %.1f |", f.load, q, c, n, 100*float64(shed)/float64(max(n, 1)),
-		ms(pct(t, 0.5)), ms(pct(t, 0.9)), ms(pct(t, 0.99)), f.goodput(c, obj))
+	return fmt.Sprintf("| %g× | %s | %s | %d | %.1f%% | %s | %s | %s | %s | %.1f |", f.load, q, c, n, 100*float64(shed)/float64(max(n, 1)),
+		ms(pct(t, 0.5)), ms(pct(t, 0.9)), ms(pct(t, 0.99)), ms(pct(waits, 0.9)), f.goodput(c))
 }
 
-// jain is Jain's fairness index over the tenants' token throughput
-// during the burst: prompt and output tokens of the requests that
-// finished within it.
+// jain is Jain's fairness index over the tenants' goodput in tokens
+// (prompt and output tokens of their requests that met the TTFT
+// objective), each normalised by its max-min fair share of the goodput
+// delivered: x_i = got_i / fair_i (Jain, Chiu and Hawe, DEC-TR-301, 1984,
+// define the index over allocations normalised by the optimal ones). A
+// tenant that asks for less than an equal share is owed what it asks.
 func (f flowRun) jain() float64 {
-	tok := map[string]float64{}
+	got, want := map[string]float64{}, map[string]float64{}
 	f.each(classAll, func(o *des.Outcome, r *workload.Request) {
-		tok[r.Tenant] += 0 // every tenant counts, served or not
-		if o.Err == "" && o.Finish > 0 && o.Finish <= f.window {
-			tok[r.Tenant] += float64(r.InputTokens() + r.OutputTokens)
+		t := float64(r.InputTokens() + r.OutputTokens)
+		want[r.Tenant] += t
+		if met(o, r) {
+			got[r.Tenant] += t
 		}
 	})
+	total := 0.0
+	for _, g := range got {
+		total += g
+	}
+	fair := maxMinShares(want, total)
 	var sum, sq float64
-	for _, x := range tok {
+	for t, share := range fair {
+		if share <= 0 {
+			continue
+		}
+		x := got[t] / share
 		sum += x
 		sq += x * x
 	}
 	if sq == 0 {
 		return 0
 	}
-	return sum * sum / (float64(len(tok)) * sq)
+	return sum * sum / (float64(len(fair)) * sq)
+}
+
+// maxMinShares divides capacity between demands max-min fairly (water
+// filling): every tenant gets its demand or an equal share of what is
+// left, whichever is less.
+func maxMinShares(demand map[string]float64, capacity float64) map[string]float64 {
+	names := slices.Sorted(maps.Keys(demand))
+	slices.SortStableFunc(names, func(a, b string) int {
+		switch {
+		case demand[a] < demand[b]:
+			return -1
+		case demand[a] > demand[b]:
+			return 1
+		}
+		return 0
+	})
+	out := make(map[string]float64, len(names))
+	left := capacity
+	for i, n := range names {
+		share := min(demand[n], left/float64(len(names)-i))
+		out[n] = share
+		left -= share
+	}
+	return out
 }
 
 // shedSummary counts sheds by reason and how soon they were answered.

@@ -501,9 +501,10 @@ func (s *Sched) admit(it *Item, now time.Time) {
 // nil. The band is the most urgent after aging (a request's band improves
 // by one per AgingStep waited; ties go to the band that is there by its own
 // priority); within a band the oldest request goes first once aging has
-// promoted it, else the one fair queuing puts first. A request that does
-// not fit the budgets blocks those behind it, so that a large prompt is not
-// overtaken forever by small ones.
+// promoted it, else the one fair queuing puts first. The request chosen
+// that does not fit the budgets blocks the queue, so that a large prompt
+// is not overtaken by smaller ones of its own tenant or of tenants fair
+// queuing puts behind it; only an arrival ranked ahead of it goes first.
 func (s *Sched) Next(now time.Time) *Item {
 	s.tick(now)
 	if s.queued == 0 {
