@@ -38,6 +38,7 @@ var commands = []command{
 	{"events decode", "print a KV-event capture (raw msgpack payload or JSONL with payload_b64; - for stdin) as one JSON object per event", runEventsDecode},
 	{"instances", "list pools' instances: health, in-flight, KV blocks per tier, event stream state", runInstances},
 	{"lookup", "ask a pool's KV index which instances hold a prompt's blocks, per tier", runLookup},
+	{"queue", "show pools' flow-control queues: waiting requests, budgets, admitted and shed, bands and tenants", runQueue},
 	{"routing get", "show the routing in force (strategy, prefix length, concurrency threshold)", runRoutingGet},
 	{"routing set", "change a pool's routing at runtime", runRoutingSet},
 	{"tail evictions", "follow a pool's KV evictions (router SSE stream, or NATS with --nats)", runTailEvictions},
