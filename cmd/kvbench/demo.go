@@ -16,8 +16,8 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/report"
-	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
@@ -141,8 +141,8 @@ func (f *localFleet) startEvents(ctx context.Context, pc router.PoolConfig, sour
 	}
 	f.natsDir = dir
 	// In-memory stream and bucket: the demo's state need not outlive it.
-	stream := events.StreamConfig{Memory: true}
-	bucket := events.BucketConfig{Memory: true}
+	stream := kvstream.StreamConfig{Memory: true}
+	bucket := kvstream.BucketConfig{Memory: true}
 	discover := false // the fleet's instances are configured
 	cfg := router.Config{
 		Events: &router.EventsConfig{NATS: router.NATSConfig{Listen: "127.0.0.1:0", StoreDir: dir}, DiscoverInstances: &discover},

@@ -45,7 +45,7 @@ import (
 	"go.opentelemetry.io/otel"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/internal/liblog"
 	"github.com/kvrouter/kvrouter/internal/tracing"
@@ -192,7 +192,7 @@ func loadConfig(f flags, getenv func(string) string) (router.Config, error) {
 	if cfg.CacheSaltSecret, err = router.DecodeCacheSaltSecret(getenv(router.CacheSaltSecretEnv)); err != nil {
 		return cfg, err
 	}
-	if cfg.HeartbeatKey, err = events.DecodeHeartbeatKey(getenv(router.HeartbeatKeyEnv)); err != nil {
+	if cfg.HeartbeatKey, err = kvstream.DecodeHeartbeatKey(getenv(router.HeartbeatKeyEnv)); err != nil {
 		return cfg, fmt.Errorf("%s: %w", router.HeartbeatKeyEnv, err)
 	}
 	if cfg.Index != nil && cfg.Index.Redis != nil {
