@@ -11,6 +11,7 @@ import (
 	"net/http/pprof"
 	"strings"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
@@ -74,11 +75,11 @@ func (s *Server) auth(h http.HandlerFunc) http.HandlerFunc {
 
 // PoolStatus is the admin view of a pool.
 type PoolStatus struct {
-	Name      string           `json:"name"`
-	Model     string           `json:"model"`
-	Adapters  []string         `json:"adapters"`
-	Routing   RoutingConfig    `json:"routing"`
-	Instances []InstanceStatus `json:"instances"`
+	Name      string               `json:"name"`
+	Model     string               `json:"model"`
+	Adapters  []string             `json:"adapters"`
+	Routing   config.RoutingConfig `json:"routing"`
+	Instances []InstanceStatus     `json:"instances"`
 }
 
 // InstanceStatus is the admin view of an instance.
@@ -160,8 +161,8 @@ func (s *Server) servePutRouting(w http.ResponseWriter, r *http.Request) {
 	}
 	if err := p.SetRouting(rc); err != nil {
 		msg := err.Error()
-		if errors.Is(err, ErrInvalidConfig) {
-			msg = strings.TrimPrefix(msg, ErrInvalidConfig.Error()+": ")
+		if errors.Is(err, config.ErrInvalidConfig) {
+			msg = strings.TrimPrefix(msg, config.ErrInvalidConfig.Error()+": ")
 		}
 		writeError(w, http.StatusBadRequest, msg)
 		return

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tiers"
@@ -179,8 +180,8 @@ func (s *Server) lookupTokens(ctx context.Context, p *Pool, kv *KVState, req KVL
 	if ts == nil {
 		return nil, fmt.Errorf("%w: pool %q has no tokenizer; give token_ids", ErrNoTokens, p.Name())
 	}
-	if n := len(req.Prompt) + len(req.Messages); n > MaxTokenizeBytes {
-		return nil, fmt.Errorf("prompt of %d bytes exceeds %d", n, MaxTokenizeBytes)
+	if n := len(req.Prompt) + len(req.Messages); n > config.MaxTokenizeBytes {
+		return nil, fmt.Errorf("prompt of %d bytes exceeds %d", n, config.MaxTokenizeBytes)
 	}
 	model := p.Model()
 	if req.Adapter != "" {

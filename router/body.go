@@ -9,6 +9,8 @@ import (
 	"strings"
 	"sync/atomic"
 	"unicode/utf8"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // Request bodies are read whole before routing (the strategy needs the
@@ -61,7 +63,7 @@ const (
 const DefaultMaxBodyMemoryBytes = 128 << 20
 
 // bodyMemory is the effective body-memory budget of c (after defaults).
-func bodyMemory(c Config) int64 {
+func bodyMemory(c config.Config) int64 {
 	if c.Limits.MaxBodyMemoryBytes != 0 {
 		return c.Limits.MaxBodyMemoryBytes
 	}

@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 	"unicode/utf8"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 func TestOpenAIRoutingText(t *testing.T) {
@@ -184,7 +186,7 @@ func FuzzParseConfig(f *testing.F) {
 	f.Add([]byte("listen: 1\npools: [{name: p, routing: {prefix_length: -1}}]"))
 	f.Add([]byte("index: {backend: redis, redis: {ttl: 5x}}"))
 	f.Fuzz(func(t *testing.T, doc []byte) {
-		cfg, err := ParseConfig(bytes.NewReader(doc))
+		cfg, err := config.ParseConfig(bytes.NewReader(doc))
 		if err != nil {
 			return
 		}

@@ -5,11 +5,10 @@ import (
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/base64"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
-	"fmt"
-	"strings"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // Per-tenant cache salts.
@@ -26,57 +25,6 @@ import (
 // server-side secret and writes it into the forwarded body, so clients
 // need not (and, by default, cannot) choose it.
 
-// CacheSaltSecretEnv holds the hex-encoded HMAC key of cache salts.
-const CacheSaltSecretEnv = "KVROUTER_CACHE_SALT_SECRET"
-
-// MinCacheSaltSecretBytes is the shortest secret accepted: 128 bits, so
-// that salts cannot be guessed by brute force.
-const MinCacheSaltSecretBytes = 16
-
-// Cache salt client policies (pools[].cache_salt.client).
-const (
-	// CacheSaltOverwrite replaces a client's own cache_salt with the derived
-	// one whenever the request has a tenant key, so a tenant cannot pick a
-	// salt to share another tenant's cache. The default.
-	CacheSaltOverwrite = "overwrite"
-	// CacheSaltKeep forwards a client's own cache_salt untouched and only
-	// adds the derived one to requests that carry none.
-	CacheSaltKeep = "keep"
-)
-
-// ErrCacheSalt reports a cache_salt configuration or secret that cannot be used.
-var ErrCacheSalt = errors.New("router: cache salt")
-
-// CacheSaltConfig is a pool's cache_salt section.
-type CacheSaltConfig struct {
-	// Enabled derives a salt from the tenant key (header, else
-	// prompt_cache_key) and injects it into forwarded JSON bodies as
-	// "cache_salt". Requests without a tenant key are forwarded unchanged.
-	// Needs KVROUTER_CACHE_SALT_SECRET.
-	Enabled bool `yaml:"enabled" json:"enabled,omitempty"`
-	// Client: what happens to a cache_salt the client sent, on requests
-	// with a tenant key: overwrite (default) or keep.
-	Client string `yaml:"client" json:"client,omitempty"`
-}
-
-// DecodeCacheSaltSecret decodes the hex secret from KVROUTER_CACHE_SALT_SECRET.
-// Empty means no secret (nil, nil); pools that enable cache_salt then fail
-// validation.
-func DecodeCacheSaltSecret(s string) ([]byte, error) {
-	s = strings.TrimSpace(s)
-	if s == "" {
-		return nil, nil
-	}
-	b, err := hex.DecodeString(s)
-	if err != nil {
-		return nil, fmt.Errorf("%w: %s: want hex: %w", ErrCacheSalt, CacheSaltSecretEnv, err)
-	}
-	if len(b) < MinCacheSaltSecretBytes {
-		return nil, fmt.Errorf("%w: %s: %d bytes, want at least %d (e.g. openssl rand -hex 32)", ErrCacheSalt, CacheSaltSecretEnv, len(b), MinCacheSaltSecretBytes)
-	}
-	return b, nil
-}
-
 // cacheSaltDomain separates these HMACs from any other use of the secret.
 const cacheSaltDomain = "kvrouter cache_salt v1\x00"
 
@@ -92,22 +40,6 @@ func DeriveCacheSalt(secret []byte, tenant string) string {
 	return base64.RawURLEncoding.EncodeToString(m.Sum(sum[:0]))
 }
 
-// validate checks a pool's cache_salt section against the secret.
-func (c *CacheSaltConfig) validate(field string, secret []byte) error {
-	if c == nil {
-		return nil
-	}
-	switch c.Client {
-	case "", CacheSaltOverwrite, CacheSaltKeep:
-	default:
-		return fmt.Errorf("%w: %s.client %q: want %s or %s", ErrInvalidConfig, field, c.Client, CacheSaltOverwrite, CacheSaltKeep)
-	}
-	if c.Enabled && len(secret) < MinCacheSaltSecretBytes {
-		return fmt.Errorf("%w: %s.enabled needs the secret in %s (hex, at least %d bytes)", ErrInvalidConfig, field, CacheSaltSecretEnv, MinCacheSaltSecretBytes)
-	}
-	return nil
-}
-
 // saltRequestBody returns the body to forward for a request of the pool and
 // the salt it wrote: the tenant's derived cache_salt when the pool asks for
 // it, the request has a tenant key and the body is a JSON object; else body
@@ -118,12 +50,12 @@ func (c *CacheSaltConfig) validate(field string, secret []byte) error {
 //	req.Body, req.InjectedCacheSalt = saltRequestBody(...)
 //
 // spares kv_aware reading the salt back out of the new body.
-func saltRequestBody(c *CacheSaltConfig, secret []byte, tenant string, body []byte) ([]byte, string) {
+func saltRequestBody(c *config.CacheSaltConfig, secret []byte, tenant string, body []byte) ([]byte, string) {
 	if c == nil || !c.Enabled || tenant == "" || len(secret) == 0 {
 		return body, ""
 	}
 	salt := DeriveCacheSalt(secret, tenant)
-	out, err := InjectCacheSalt(body, salt, c.Client != CacheSaltKeep)
+	out, err := InjectCacheSalt(body, salt, c.Client != config.CacheSaltKeep)
 	if err != nil || sameBytes(out, body) {
 		return body, "" // not an object, or a client salt kept
 	}

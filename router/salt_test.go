@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 var testSaltSecret = bytes.Repeat([]byte{0x5a}, 32)
@@ -24,7 +26,7 @@ func TestDecodeCacheSaltSecret(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			b, err := DecodeCacheSaltSecret(tc.in)
+			b, err := config.DecodeCacheSaltSecret(tc.in)
 			if tc.want < 0 {
 				if err == nil {
 					t.Fatalf("want an error, got %d bytes", len(b))
@@ -104,17 +106,17 @@ func TestSaltBody(t *testing.T) {
 	salt := DeriveCacheSalt(testSaltSecret, "t1")
 	tests := []struct {
 		name   string
-		cfg    *CacheSaltConfig
+		cfg    *config.CacheSaltConfig
 		secret []byte
 		tenant string
 		want   string // cache_salt upstream
 	}{
 		{"no section", nil, testSaltSecret, "t1", "chosen"},
-		{"disabled", &CacheSaltConfig{}, testSaltSecret, "t1", "chosen"},
-		{"no tenant keeps the body", &CacheSaltConfig{Enabled: true}, testSaltSecret, "", "chosen"},
-		{"overwrite by default", &CacheSaltConfig{Enabled: true}, testSaltSecret, "t1", salt},
-		{"keep", &CacheSaltConfig{Enabled: true, Client: CacheSaltKeep}, testSaltSecret, "t1", "chosen"},
-		{"no secret", &CacheSaltConfig{Enabled: true}, nil, "t1", "chosen"},
+		{"disabled", &config.CacheSaltConfig{}, testSaltSecret, "t1", "chosen"},
+		{"no tenant keeps the body", &config.CacheSaltConfig{Enabled: true}, testSaltSecret, "", "chosen"},
+		{"overwrite by default", &config.CacheSaltConfig{Enabled: true}, testSaltSecret, "t1", salt},
+		{"keep", &config.CacheSaltConfig{Enabled: true, Client: config.CacheSaltKeep}, testSaltSecret, "t1", "chosen"},
+		{"no secret", &config.CacheSaltConfig{Enabled: true}, nil, "t1", "chosen"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -131,31 +133,8 @@ func TestSaltBody(t *testing.T) {
 			}
 		})
 	}
-	if got := saltBody(&CacheSaltConfig{Enabled: true}, testSaltSecret, "t1", []byte("not json")); string(got) != "not json" {
+	if got := saltBody(&config.CacheSaltConfig{Enabled: true}, testSaltSecret, "t1", []byte("not json")); string(got) != "not json" {
 		t.Fatalf("a non-JSON body changed: %q", got)
-	}
-}
-
-func TestCacheSaltConfigValidate(t *testing.T) {
-	tests := []struct {
-		name   string
-		cfg    *CacheSaltConfig
-		secret []byte
-		ok     bool
-	}{
-		{"nil", nil, nil, true},
-		{"disabled needs no secret", &CacheSaltConfig{Client: CacheSaltKeep}, nil, true},
-		{"enabled needs a secret", &CacheSaltConfig{Enabled: true}, nil, false},
-		{"enabled with secret", &CacheSaltConfig{Enabled: true}, testSaltSecret, true},
-		{"unknown client policy", &CacheSaltConfig{Client: "merge"}, testSaltSecret, false},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			err := tc.cfg.validate("pools[0].cache_salt", tc.secret)
-			if (err == nil) != tc.ok {
-				t.Fatalf("err = %v, want ok=%v", err, tc.ok)
-			}
-		})
 	}
 }
 
@@ -210,7 +189,7 @@ func FuzzInjectCacheSalt(f *testing.F) {
 func BenchmarkSaltBody(b *testing.B) {
 	for _, n := range []int{2 << 10, 32 << 10, 256 << 10} {
 		body := []byte(`{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("x", n) + `"}],"stream":true}`)
-		cfg := &CacheSaltConfig{Enabled: true}
+		cfg := &config.CacheSaltConfig{Enabled: true}
 		b.Run(fmt.Sprintf("%dKiB", n>>10), func(b *testing.B) {
 			b.ReportAllocs()
 			b.SetBytes(int64(len(body)))
@@ -227,7 +206,7 @@ func BenchmarkSaltBody(b *testing.B) {
 // from a body saltBody wrote.
 func BenchmarkCacheSaltOfSaltedBody(b *testing.B) {
 	for _, n := range []int{2 << 10, 256 << 10} {
-		body := saltBody(&CacheSaltConfig{Enabled: true}, testSaltSecret, "tenant-a", []byte(`{"model":"m","prompt":"`+strings.Repeat("x", n)+`"}`))
+		body := saltBody(&config.CacheSaltConfig{Enabled: true}, testSaltSecret, "tenant-a", []byte(`{"model":"m","prompt":"`+strings.Repeat("x", n)+`"}`))
 		req := &Request{Body: body}
 		b.Run(fmt.Sprintf("%dKiB", n>>10), func(b *testing.B) {
 			b.ReportAllocs()
@@ -358,12 +337,12 @@ func TestCacheSaltOfRequest(t *testing.T) {
 // TestSaltRequestBody: the salt written is reported; a body left as it
 // was reports none.
 func TestSaltRequestBody(t *testing.T) {
-	on := &CacheSaltConfig{Enabled: true}
-	keep := &CacheSaltConfig{Enabled: true, Client: CacheSaltKeep}
+	on := &config.CacheSaltConfig{Enabled: true}
+	keep := &config.CacheSaltConfig{Enabled: true, Client: config.CacheSaltKeep}
 	want := DeriveCacheSalt(testSaltSecret, "t")
 	tests := []struct {
 		name     string
-		c        *CacheSaltConfig
+		c        *config.CacheSaltConfig
 		tenant   string
 		body     string
 		wantSalt string
@@ -429,7 +408,7 @@ func FuzzCacheSalt(f *testing.F) {
 // tenant key and the body is a JSON object; else body itself. A body that
 // is not a JSON object (raw invoke payloads may be anything) is forwarded
 // unchanged.
-func saltBody(c *CacheSaltConfig, secret []byte, tenant string, body []byte) []byte {
+func saltBody(c *config.CacheSaltConfig, secret []byte, tenant string, body []byte) []byte {
 	out, _ := saltRequestBody(c, secret, tenant, body)
 	return out
 }

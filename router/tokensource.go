@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
@@ -22,19 +23,13 @@ const (
 // it cannot tokenize.
 var ErrTokenSource = errors.New("router: token source")
 
-// MaxTokenizeBytes caps the bodies a token source tokenizes: 4 MiB is
-// about a million tokens of text, eight times a 128k-token context. A
-// larger body routes heuristically rather than costing the router
-// hundreds of milliseconds of CPU (the engine will reject it anyway).
-const MaxTokenizeBytes = 4 << 20
-
 var _ TokenSource = (*ChatTokenSource)(nil)
 
 // NewTokenSource builds a pool's token source from its tokenizer config.
 // nil config or source "none" returns nil (no source). The engine source
 // calls tokenizer.url, else the pool's first instance (every instance of a
 // pool serves the same model, hence the same tokenizer and template).
-func NewTokenSource(cfg *TokenizerConfig, pool PoolConfig) (TokenSource, error) {
+func NewTokenSource(cfg *config.TokenizerConfig, pool config.PoolConfig) (TokenSource, error) {
 	if cfg == nil {
 		return nil, nil
 	}
@@ -120,8 +115,8 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *Request) ([]uint32, e
 	if s == nil || s.Tokenizer == nil {
 		return nil, ErrNoTokens
 	}
-	if len(req.Body) > MaxTokenizeBytes {
-		return nil, fmt.Errorf("%w: body of %d bytes exceeds %d", ErrTokenSource, len(req.Body), MaxTokenizeBytes)
+	if len(req.Body) > config.MaxTokenizeBytes {
+		return nil, fmt.Errorf("%w: body of %d bytes exceeds %d", ErrTokenSource, len(req.Body), config.MaxTokenizeBytes)
 	}
 	switch req.Endpoint {
 	case EndpointCompletions:
