@@ -11,6 +11,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router/openai"
 )
 
 // Request bodies are read whole before routing (the strategy needs the
@@ -134,7 +135,7 @@ func bodyReadStatus(err error, limit int64) (int, string) {
 // on failure it has answered, released everything and returns the status.
 func (s *Server) readBody(w http.ResponseWriter, r *http.Request, limit int64) (body []byte, held int64, status int) {
 	if r.ContentLength > limit {
-		writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body of %d bytes exceeds the limit of %d bytes", r.ContentLength, limit))
+		openai.WriteError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body of %d bytes exceeds the limit of %d bytes", r.ContentLength, limit))
 		return nil, 0, http.StatusRequestEntityTooLarge
 	}
 	body, held, err := readChunks(http.MaxBytesReader(w, r.Body, limit), r.ContentLength, limit, s.body)
@@ -144,7 +145,7 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request, limit int64) (
 			s.body.rejected.Add(1)
 			w.Header().Set("Retry-After", "1")
 		}
-		writeError(w, status, msg)
+		openai.WriteError(w, status, msg)
 		return nil, 0, status
 	}
 	return body, held, 0

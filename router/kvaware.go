@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -749,17 +750,17 @@ func cacheSalt(req *Request) string {
 	if req.InjectedCacheSalt != "" {
 		return req.InjectedCacheSalt
 	}
-	if p := req.Parsed; p != nil && sameBytes(p.src, req.Body) {
-		salt, _ := rawString(p.CacheSalt) // not a string: no salt, as before
+	if p := req.Parsed; p != nil && sameBytes(p.Source(), req.Body) {
+		salt, _ := openai.RawString(p.CacheSalt) // not a string: no salt, as before
 		return salt
 	}
-	if salt, ok := leadingCacheSalt(req.Body); ok {
+	if salt, ok := openai.LeadingCacheSalt(req.Body); ok {
 		return salt // as the router injected it (salt.go): no decode
 	}
 	if !bytes.Contains(req.Body, []byte(`"cache_salt"`)) && !bytes.Contains(req.Body, []byte(`\u`)) {
 		return "" // no key that could decode to cache_salt
 	}
-	return scanCacheSalt(req.Body)
+	return openai.CacheSalt(req.Body)
 }
 
 // sameBytes reports whether a and b are the same slice of memory.

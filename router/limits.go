@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router/openai"
 )
 
 // NewHTTPServer returns the http.Server for one of the router's listeners
@@ -48,7 +49,7 @@ func (s *Server) limitInput(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		l := s.state.Load().cfg.Limits.WithDefaults()
 		if n := headerBytes(r); n > l.MaxHeaderBytes {
-			writeError(w, http.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers of %d bytes exceed the limit of %d bytes", n, l.MaxHeaderBytes))
+			openai.WriteError(w, http.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers of %d bytes exceed the limit of %d bytes", n, l.MaxHeaderBytes))
 			s.m.requests.WithLabelValues("", "", "", "", "431").Inc()
 			return
 		}
@@ -91,7 +92,7 @@ func isTimeout(err error) bool {
 
 // checkOpenAILimits reports the first limit a parsed OpenAI request breaks,
 // as the message of a 400, or "".
-func checkOpenAILimits(l config.LimitsConfig, r *OpenAIRequest) string {
+func checkOpenAILimits(l config.LimitsConfig, r *openai.Request) string {
 	if len(r.Messages) > l.MaxMessages {
 		return fmt.Sprintf("messages: %d messages exceed the limit of %d", len(r.Messages), l.MaxMessages)
 	}

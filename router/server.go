@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router/openai"
 )
 
 // Options are the dependencies of a Server. The zero value is usable.
@@ -280,7 +281,7 @@ func (s *Server) Handler() http.Handler {
 		s.addKVAdminRoutes(mux)
 	}
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		writeError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
+		openai.WriteError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
 	})
 	return s.limitInput(mux)
 }
@@ -309,7 +310,7 @@ func (s *Server) serveHealthz(w http.ResponseWriter, _ *http.Request) {
 func (s *Server) serveReadyz(w http.ResponseWriter, _ *http.Request) {
 	if s.kvEvents != nil {
 		if ok, why := s.kvEvents.IndexReady(); !ok {
-			writeError(w, http.StatusServiceUnavailable, why)
+			openai.WriteError(w, http.StatusServiceUnavailable, why)
 			return
 		}
 	}
@@ -323,5 +324,5 @@ func (s *Server) serveReadyz(w http.ResponseWriter, _ *http.Request) {
 			}
 		}
 	}
-	writeError(w, http.StatusServiceUnavailable, "no healthy instance in any pool")
+	openai.WriteError(w, http.StatusServiceUnavailable, "no healthy instance in any pool")
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -112,7 +113,7 @@ type Request struct {
 	// Body is the body as forwarded; Parsed is set on the OpenAI paths, and
 	// describes Body but for a cache_salt the router injected.
 	Body   []byte
-	Parsed *OpenAIRequest
+	Parsed *openai.Request
 	// InjectedCacheSalt is the cache_salt the router wrote into Body, ""
 	// when it wrote none (see saltRequestBody).
 	InjectedCacheSalt string

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router/openai"
 )
 
 // benchPick measures one prefix_aware decision: hashing the routing text
@@ -66,7 +67,7 @@ func benchParse(b *testing.B, promptBytes int) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		_ = OpenAIRoutingText(r, config.DefaultPrefixLength)
+		_ = openai.RoutingText(r, config.DefaultPrefixLength)
 	}
 }
 
@@ -100,6 +101,6 @@ func BenchmarkParseStdJSON32KiB(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		_ = OpenAIRoutingText(r, config.DefaultPrefixLength)
+		_ = openai.RoutingText(r, config.DefaultPrefixLength)
 	}
 }

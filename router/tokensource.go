@@ -8,6 +8,7 @@ import (
 	"fmt"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
@@ -91,7 +92,7 @@ func addSpecialTokens(body []byte) bool {
 	if !bytes.Contains(body, []byte(`"add_special_tokens"`)) && !bytes.Contains(body, []byte(`\u`)) {
 		return true // no key that could decode to add_special_tokens
 	}
-	return rawAddSpecialTokens(topLevelRaw(body, "add_special_tokens"))
+	return rawAddSpecialTokens(openai.TopLevelRaw(body, "add_special_tokens"))
 }
 
 // rawAddSpecialTokens reads a raw add_special_tokens value: only false
@@ -182,7 +183,7 @@ type fastChatBody struct {
 // decoded it, without reading the body again; ok is false for shapes it
 // does not hold (no parsed request, content parts, tool calls), which take
 // parseChatBody. Values of the wrong type are errors, as encoding/json's are.
-func parsedChatBody(r *OpenAIRequest) (b chatBody, ok bool, err error) {
+func parsedChatBody(r *openai.Request) (b chatBody, ok bool, err error) {
 	if r == nil {
 		return b, false, nil
 	}
@@ -213,9 +214,9 @@ func parsedChatBody(r *OpenAIRequest) (b chatBody, ok bool, err error) {
 			tm.ContentNull = true
 		}
 		var okN, okID, okR bool
-		tm.Name, okN = rawString(m.Name)
-		tm.ToolCallID, okID = rawString(m.ToolCallID)
-		tm.ReasoningContent, okR = rawString(m.ReasoningContent)
+		tm.Name, okN = openai.RawString(m.Name)
+		tm.ToolCallID, okID = openai.RawString(m.ToolCallID)
+		tm.ReasoningContent, okR = openai.RawString(m.ReasoningContent)
 		if !okN || !okID || !okR {
 			return b, false, fmt.Errorf("%w: chat body: messages[%d]: name, tool_call_id and reasoning_content must be strings", ErrTokenSource, i)
 		}
@@ -266,14 +267,14 @@ func parseChatBody(body []byte) (chatBody, error) {
 // returns its token ids.
 func (s *ChatTokenSource) promptTokens(ctx context.Context, body []byte) ([]uint32, error) {
 	var b struct {
-		Prompt *Prompt          `json:"prompt"`
+		Prompt *openai.Prompt   `json:"prompt"`
 		Inputs *json.RawMessage `json:"inputs"`
 	}
 	if err := json.Unmarshal(body, &b); err != nil {
 		return nil, fmt.Errorf("%w: body: %w", ErrTokenSource, err)
 	}
 	if b.Prompt == nil && b.Inputs != nil {
-		b.Prompt = &Prompt{}
+		b.Prompt = &openai.Prompt{}
 		if err := b.Prompt.UnmarshalJSON(*b.Inputs); err != nil {
 			return nil, fmt.Errorf("%w: inputs: %w", ErrTokenSource, err)
 		}
