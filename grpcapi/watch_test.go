@@ -15,6 +15,7 @@ import (
 	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
@@ -48,11 +49,11 @@ func TestWatch(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		subj, err := events.EventsSubject(pool, inst)
+		subj, err := kvstream.EventsSubject(pool, inst)
 		if err != nil {
 			t.Fatal(err)
 		}
-		hd := events.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: inst}.Header()
+		hd := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: inst}.Header()
 		if err := nc.PublishMsg(&nats.Msg{Subject: subj, Data: payload, Header: hd}); err != nil {
 			t.Fatal(err)
 		}
@@ -219,7 +220,7 @@ func TestWatchSlowClient(t *testing.T) {
 	if _, err := st.Header(); err != nil {
 		t.Fatal(err)
 	}
-	subj, _ := events.EventsSubject(pool, "a")
+	subj, _ := kvstream.EventsSubject(pool, "a")
 	publishN := func(n int, first uint64) {
 		for i := range n {
 			b := events.Batch{Events: []events.Event{{Kind: events.BlockRemoved, BlockHashes: []uint64{first + uint64(i)}, Medium: "GPU"}}}

@@ -10,7 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/config"
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/ratelog"
 )
 
@@ -64,11 +64,11 @@ func (e *errHeartbeatRefused) Error() string { return e.reason + ": " + e.err.Er
 // check vets a heartbeat of instance received on m for pool. The URL
 // allow-list does not apply to configured instances: their URL comes from
 // the file, a heartbeat only keeps them live.
-func (a *admission) check(pool, instance string, m *nats.Msg, hb *events.Heartbeat, now time.Time) error {
+func (a *admission) check(pool, instance string, m *nats.Msg, hb *kvstream.Heartbeat, now time.Time) error {
 	if a.key != nil {
-		if err := events.VerifyHeartbeat(a.key, m.Subject, m.Data, m.Header); err != nil {
+		if err := kvstream.VerifyHeartbeat(a.key, m.Subject, m.Data, m.Header); err != nil {
 			reason := "bad_signature"
-			if errors.Is(err, events.ErrUnsigned) {
+			if errors.Is(err, kvstream.ErrUnsigned) {
 				reason = "unsigned"
 			}
 			return &errHeartbeatRefused{reason, err}
@@ -114,7 +114,7 @@ func newDiscoveryMetrics(reg prometheus.Registerer) (*discoveryMetrics, error) {
 func newRefusedLog() *ratelog.Limiter { return ratelog.New(10*time.Second, 5) }
 
 // logRefused logs a refused heartbeat, rate-limited per pool and reason.
-func logRefused(log *slog.Logger, lim *ratelog.Limiter, pool, instance string, hb *events.Heartbeat, r *errHeartbeatRefused) {
+func logRefused(log *slog.Logger, lim *ratelog.Limiter, pool, instance string, hb *kvstream.Heartbeat, r *errHeartbeatRefused) {
 	if ok, suppressed := lim.Allow(pool + "/" + r.reason); ok {
 		log.Warn("heartbeat refused", "pool", pool, "instance", instance, "url", hb.URL, "reason", r.reason, "err", r.err, "suppressed", suppressed)
 	}

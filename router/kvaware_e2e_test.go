@@ -17,7 +17,9 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
@@ -45,7 +47,7 @@ func TestKVAwareOverNATS(t *testing.T) {
 	}
 	c, err := consumer.New(consumer.Config{
 		Conn: nc, Pool: pool, Applier: idx,
-		Stream: events.StreamConfig{Name: "EV_" + name}, Bucket: events.BucketConfig{Name: "SN_" + name},
+		Stream: kvstream.StreamConfig{Name: "EV_" + name}, Bucket: kvstream.BucketConfig{Name: "SN_" + name},
 		SnapshotTimeout: 200 * time.Millisecond, Logger: slog.New(slog.DiscardHandler),
 	})
 	if err != nil {
@@ -104,7 +106,7 @@ func TestKVAwareOverNATS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	subj, err := events.EventsSubject(pool, holder)
+	subj, err := kvstream.EventsSubject(pool, holder)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -112,7 +114,7 @@ func TestKVAwareOverNATS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hdr := events.EventHeaders{Seq: 1, HasSeq: true, Encoding: "array", Pool: pool, Instance: holder, Model: kvModel}.Header()
+	hdr := kvstream.EventHeaders{Seq: 1, HasSeq: true, Encoding: "array", Pool: pool, Instance: holder, Model: kvModel}.Header()
 	if _, err := js.PublishMsg(ctx, &nats.Msg{Subject: subj, Data: payload, Header: hdr}); err != nil {
 		t.Fatal(err)
 	}

@@ -25,7 +25,9 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/ratelog"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tiers"
@@ -64,13 +66,13 @@ type KVEventsOptions struct {
 	// Stream and Bucket override the stream and snapshot bucket settings
 	// (names default from the config; an in-process demo may want memory
 	// storage).
-	Stream events.StreamConfig
-	Bucket events.BucketConfig
+	Stream kvstream.StreamConfig
+	Bucket kvstream.BucketConfig
 	// SnapshotTimeout is the consumers' snapshot request timeout
 	// (0 = the consumer's default).
 	SnapshotTimeout time.Duration
 	// NATSErrorHandler receives the NATS connection's asynchronous errors
-	// (events.NATSConfig.ErrorHandler; nil = logged, rate-limited).
+	// (kvstream.NATSConfig.ErrorHandler; nil = logged, rate-limited).
 	NATSErrorHandler nats.ErrHandler
 }
 
@@ -85,7 +87,7 @@ type KVEvents struct {
 	opts     KVEventsOptions
 	log      *slog.Logger
 	acct     *tiers.Accounting
-	embedded *events.EmbeddedNATS
+	embedded *kvstream.EmbeddedNATS
 	conn     *nats.Conn
 	ownConn  bool
 	natsURL  string
@@ -197,12 +199,12 @@ func StartKVEvents(ctx context.Context, cfg config.Config, opts KVEventsOptions)
 		if storeDir == "" && port > 0 {
 			storeDir = DefaultEmbeddedStoreDir(port, cfg.Pools)
 		}
-		k.embedded, err = events.StartEmbeddedNATS(k.ctx, events.EmbeddedNATSConfig{Host: host, Port: port, StoreDir: storeDir})
+		k.embedded, err = kvstream.StartEmbeddedNATS(k.ctx, kvstream.EmbeddedNATSConfig{Host: host, Port: port, StoreDir: storeDir})
 		switch {
-		case errors.Is(err, events.ErrPortInUse):
+		case errors.Is(err, kvstream.ErrPortInUse):
 			return fail(fmt.Errorf("router: embedded nats: %w\n  another NATS server (or router) has %s: set events.nats.url to use that server, "+
 				"or events.nats.listen to a free address (e.g. 127.0.0.1:0 for any port; bridges then need --nats-url with the port this router logs)", err, listen))
-		case errors.Is(err, events.ErrStoreInUse):
+		case errors.Is(err, kvstream.ErrStoreInUse):
 			return fail(fmt.Errorf("router: embedded nats: %w (events.nats.store_dir)", err))
 		case err != nil:
 			return fail(fmt.Errorf("router: embedded nats on %s: %w", listen, err))
@@ -212,7 +214,7 @@ func StartKVEvents(ctx context.Context, cfg config.Config, opts KVEventsOptions)
 			"nats_url", k.natsURL, "store_dir", k.embedded.StoreDir())
 	}
 	if k.conn == nil {
-		nc := events.NATSConfig{URL: k.natsURL, CredsFile: ec.NATS.CredsFile, Name: "kvrouter", Logger: k.log, ErrorHandler: opts.NATSErrorHandler}
+		nc := kvstream.NATSConfig{URL: k.natsURL, CredsFile: ec.NATS.CredsFile, Name: "kvrouter", Logger: k.log, ErrorHandler: opts.NATSErrorHandler}
 		if t := ec.NATS.TLS; t != nil {
 			nc.TLSCA, nc.TLSCert, nc.TLSKey = t.CAFile, t.CertFile, t.KeyFile
 		}
@@ -281,7 +283,7 @@ func (k *KVEvents) StreamHealthy(pool string) bool {
 // EvictionHandler implements KVEventsSource: kv.evictions.<pool>.> as
 // server-sent events, ending when the pipeline stops.
 func (k *KVEvents) EvictionHandler() http.Handler {
-	return events.EvictionSSEHandler(k.streamsCtx, k.conn, events.EvictionSSEConfig{Logger: k.log,
+	return kvstream.EvictionSSEHandler(k.streamsCtx, k.conn, kvstream.EvictionSSEConfig{Logger: k.log,
 		KnownPool: func(pool string) bool { _, ok := k.Consumer(pool); return ok }})
 }
 
@@ -333,7 +335,7 @@ func (k *KVEvents) pool(pc config.PoolConfig) (*kvPool, error) {
 		// Names seen only in events need to be configured; others need an
 		// admitted heartbeat first (junk subjects create nothing).
 		Admit: func(instance string) bool { return k.adm.Load().configured[pc.Name][instance] },
-		AdmitHeartbeat: func(instance string, m *nats.Msg, hb *events.Heartbeat) error {
+		AdmitHeartbeat: func(instance string, m *nats.Msg, hb *kvstream.Heartbeat) error {
 			return k.admitHeartbeat(pc.Name, instance, m, hb)
 		},
 		SnapshotTimeout: k.opts.SnapshotTimeout,
@@ -576,7 +578,7 @@ func (a *sharedAccountingApplier) WriterLease() time.Duration { return a.shared.
 
 // admitHeartbeat is the pool consumer's AdmitHeartbeat: signature and
 // URL allow-list; a refusal is counted and logged (rate-limited).
-func (k *KVEvents) admitHeartbeat(pool, instance string, m *nats.Msg, hb *events.Heartbeat) error {
+func (k *KVEvents) admitHeartbeat(pool, instance string, m *nats.Msg, hb *kvstream.Heartbeat) error {
 	err := k.adm.Load().check(pool, instance, m, hb, time.Now())
 	var r *errHeartbeatRefused
 	if errors.As(err, &r) {

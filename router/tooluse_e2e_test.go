@@ -14,6 +14,8 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
@@ -77,7 +79,7 @@ func TestToolChatPredictionMatchesEngine(t *testing.T) {
 		t.Fatal(err)
 	}
 	port := testenv.FreePort(t)
-	sub, err := events.NewSubscriber(events.SubscriberConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port), Bind: true})
+	sub, err := enginezmq.NewSubscriber(enginezmq.SubscriberConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port), Bind: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -85,7 +87,7 @@ func TestToolChatPredictionMatchesEngine(t *testing.T) {
 	subDone := make(chan struct{})
 	go func() {
 		defer close(subDone)
-		_ = sub.Run(subCtx, func(m events.Message) {
+		_ = sub.Run(subCtx, func(m enginezmq.Message) {
 			if b, err := events.Decode(m.Payload); err == nil {
 				_, _ = idx.Apply(ctx, "engine", b.Events)
 			}

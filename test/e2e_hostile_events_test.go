@@ -17,6 +17,8 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/routertest"
@@ -78,17 +80,17 @@ func newHostileRig(t *testing.T, mutate func(*config.Config)) *hostileRig {
 // key when sign is set (as kvbridge does with KVBRIDGE_HEARTBEAT_KEY).
 func (r *hostileRig) heartbeat(instance, url string, at time.Time, key []byte, sig string) {
 	r.t.Helper()
-	subj, err := events.InstancesSubject(r.pool, instance)
+	subj, err := kvstream.InstancesSubject(r.pool, instance)
 	if err != nil {
 		r.t.Fatal(err)
 	}
-	data, _ := json.Marshal(events.Heartbeat{Pool: r.pool, Instance: instance, URL: url, Model: kvrModel, Time: at, IntervalMS: 5000})
+	data, _ := json.Marshal(kvstream.Heartbeat{Pool: r.pool, Instance: instance, URL: url, Model: kvrModel, Time: at, IntervalMS: 5000})
 	m := &nats.Msg{Subject: subj, Data: data, Header: nats.Header{}}
 	if key != nil {
-		m.Header.Set(events.HeaderSignature, events.SignHeartbeat(key, subj, data))
+		m.Header.Set(kvstream.HeaderSignature, kvstream.SignHeartbeat(key, subj, data))
 	}
 	if sig != "" {
-		m.Header.Set(events.HeaderSignature, sig)
+		m.Header.Set(kvstream.HeaderSignature, sig)
 	}
 	if err := r.nc.PublishMsg(m); err != nil {
 		r.t.Fatal(err)
@@ -254,7 +256,7 @@ func TestE2EJunkInstanceNamesBounded(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := range junk {
-		subj, _ := events.EventsSubject(r.pool, fmt.Sprintf("junk-%d", i))
+		subj, _ := kvstream.EventsSubject(r.pool, fmt.Sprintf("junk-%d", i))
 		if err := r.nc.Publish(subj, payload); err != nil {
 			t.Fatal(err)
 		}
@@ -311,7 +313,7 @@ func TestE2EJunkInstanceNamesBounded(t *testing.T) {
 func TestE2EBridgeSignsHeartbeats(t *testing.T) {
 	key := []byte("0123456789abcdef0123456789abcdef")
 	r := newRig(t, rigOpts{heartbeatKey: key})
-	subj, _ := events.PoolSubjects(events.SubjectInstances, r.pool)
+	subj, _ := kvstream.PoolSubjects(kvstream.SubjectInstances, r.pool)
 	sub, err := r.conn().SubscribeSync(subj)
 	if err != nil {
 		t.Fatal(err)
@@ -320,10 +322,10 @@ func TestE2EBridgeSignsHeartbeats(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := events.VerifyHeartbeat(key, m.Subject, m.Data, m.Header); err != nil {
+	if err := kvstream.VerifyHeartbeat(key, m.Subject, m.Data, m.Header); err != nil {
 		t.Fatalf("the bridge's heartbeat does not verify with its key: %v", err)
 	}
-	if err := events.VerifyHeartbeat([]byte("another key, 32 bytes long......"), m.Subject, m.Data, m.Header); err == nil {
+	if err := kvstream.VerifyHeartbeat([]byte("another key, 32 bytes long......"), m.Subject, m.Data, m.Header); err == nil {
 		t.Fatal("the bridge's heartbeat verifies with another key")
 	}
 }
@@ -344,7 +346,7 @@ func readyRig(t *testing.T, delay, readyTimeout time.Duration) (readyz string, b
 	if err != nil {
 		t.Fatal(err)
 	}
-	kv, err := events.EnsureBucket(ctx, js, events.BucketConfig{Name: "SN_" + name})
+	kv, err := kvstream.EnsureBucket(ctx, js, kvstream.BucketConfig{Name: "SN_" + name})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -353,15 +355,15 @@ func readyRig(t *testing.T, delay, readyTimeout time.Duration) (readyz string, b
 	if err != nil {
 		t.Fatal(err)
 	}
-	snap, err := events.Snapshot{Pool: pool, Instance: "vllm-0", Blocks: 1, Batch: batch, Taken: time.Now()}.MarshalBinary()
+	snap, err := kvstream.Snapshot{Pool: pool, Instance: "vllm-0", Blocks: 1, Batch: batch, Taken: time.Now()}.MarshalBinary()
 	if err != nil {
 		t.Fatal(err)
 	}
-	key, _ := events.SnapshotKey(pool, "vllm-0")
+	key, _ := kvstream.SnapshotKey(pool, "vllm-0")
 	if _, err := kv.Put(ctx, key, snap); err != nil {
 		t.Fatal(err)
 	}
-	subj, _ := events.SnapshotSubject(pool, "vllm-0")
+	subj, _ := kvstream.SnapshotSubject(pool, "vllm-0")
 	sub, err := nc.Subscribe(subj, func(m *nats.Msg) {
 		time.Sleep(delay)
 		_ = m.Respond(snap)

@@ -18,7 +18,11 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
+
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 )
@@ -28,7 +32,7 @@ const kvrModel = "kvr-model"
 // kvrEngine is one engine's KV-event side: a vLLM-format ZMQ publisher
 // (PUB + replay) and a kvbridge forwarding it to NATS.
 type kvrEngine struct {
-	pub  *events.ZMQPublisher
+	pub  *enginezmq.Publisher
 	stop context.CancelFunc
 	done chan struct{}
 }
@@ -37,7 +41,7 @@ func startKVREngine(t *testing.T, ctx context.Context, natsURL, pool, instance, 
 	t.Helper()
 	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 	rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	pub, err := events.NewZMQPublisher(ctx, events.ZMQPublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv"})
+	pub, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -47,7 +51,7 @@ func startKVREngine(t *testing.T, ctx context.Context, natsURL, pool, instance, 
 	}
 	b, err := bridge.New(bridge.Config{Pool: pool, Model: kvrModel, BlockSize: 16, Conn: nc,
 		Sources: []bridge.Source{{Instance: instance, Endpoint: ep, ReplayEndpoint: rep, URL: url}},
-		Stream:  events.StreamConfig{Name: stream}, Bucket: events.BucketConfig{Name: bucket},
+		Stream:  kvstream.StreamConfig{Name: stream}, Bucket: kvstream.BucketConfig{Name: bucket},
 		HeartbeatInterval: 200 * time.Millisecond, Logger: quietLogger()})
 	if err != nil {
 		t.Fatal(err)
@@ -318,11 +322,11 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 
 	// The GPU eviction reached the SSE stream as a record.
 	line := sse.next(t, "data: ", 10*time.Second)
-	var rec events.EvictionRecord
+	var rec kvstream.EvictionRecord
 	if err := json.Unmarshal([]byte(strings.TrimPrefix(line, "data: ")), &rec); err != nil {
 		t.Fatalf("eviction record %q: %v", line, err)
 	}
-	if rec.Pool != pool || rec.Instance != "vllm-1" || rec.Tier != "gpu" || rec.Blocks != 2 || rec.Reason != events.ReasonEvicted {
+	if rec.Pool != pool || rec.Instance != "vllm-1" || rec.Tier != "gpu" || rec.Blocks != 2 || rec.Reason != kvstream.ReasonEvicted {
 		t.Fatalf("eviction record %+v", rec)
 	}
 

@@ -17,12 +17,13 @@ import (
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/report"
 	"github.com/kvrouter/kvrouter/config"
-	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
 	simserver "github.com/kvrouter/kvrouter/sim/server"
+	"github.com/kvrouter/kvrouter/workload"
 )
 
 // localFleet is kvsim instances and a kvrouter in this process, on
@@ -141,8 +142,8 @@ func (f *localFleet) startEvents(ctx context.Context, pc config.PoolConfig, sour
 	}
 	f.natsDir = dir
 	// In-memory stream and bucket: the demo's state need not outlive it.
-	stream := events.StreamConfig{Memory: true}
-	bucket := events.BucketConfig{Memory: true}
+	stream := kvstream.StreamConfig{Memory: true}
+	bucket := kvstream.BucketConfig{Memory: true}
 	discover := false // the fleet's instances are configured
 	cfg := config.Config{
 		Events: &config.EventsConfig{NATS: config.NATSConfig{Listen: "127.0.0.1:0", StoreDir: dir}, DiscoverInstances: &discover},
@@ -258,7 +259,13 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	defer fl.Close()
 	fmt.Fprintf(stdout, "demo: embedded NATS, %d kvsim instances (%d GPU tokens each, time scale %g) with kvbridges, kvrouter with the in-memory index at %s\n", *instances, gpuTokens, *scale, fl.routerURL)
 	c := newLiveClient(liveConfig{RouterURL: fl.routerURL, TimeScale: *scale, Reset: true})
-	sums, err := liveCompare(ctx, c, w, splitList(*strategies), stdout, stderr)
+	// of_bound: the hit rate of one LRU cache as large as the whole fleet's
+	// GPU KV, which no routing of these requests can beat.
+	b, boundHits, err := workload.RequestsBoundPerRequest(w.Requests, sim.DefaultBlockSize, gpuTokens*int64(*instances))
+	if err != nil {
+		return err
+	}
+	sums, err := liveCompare(ctx, c, w, splitList(*strategies), boundHits, stdout, stderr)
 	if err != nil {
 		return err
 	}
@@ -266,7 +273,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return err
 	}
 	if *out != "" {
-		if err := writeReports(*out, sums, 0); err != nil {
+		if err := writeReports(*out, sums, b.TokenRatio()); err != nil {
 			return err
 		}
 		fmt.Fprintf(stdout, "report written to %s/ (report.md has every column: balance, overflow, busy, decision time)\n", *out)

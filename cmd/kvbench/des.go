@@ -287,7 +287,7 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	ff.register(fs, 7)
 	strategies := fs.String("strategies", "random,round_robin,least_outstanding,prefix_aware,kv_aware", "comma-separated strategies to compare")
 	out := fs.String("out", "", "directory for report.md, report.csv, report.json, hit_rate.svg, ttft.svg")
-	bound := fs.Bool("bound", true, "for trace workloads, report hit rate as a fraction of the pooled-cache bound of the fleet")
+	bound := fs.Bool("bound", true, "report hit rate as a fraction of the pooled-cache bound: one LRU cache of the whole fleet's GPU tokens")
 	progress := fs.Bool("progress", true, "progress bar on stderr (only when it is a terminal)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -312,6 +312,13 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		boundHits, poolBound = hits, pb.TokenRatio()
 		inf := workload.InfiniteBound(b.recs)
 		fmt.Fprintf(stdout, "bounds: pooled LRU of %d tokens %.3f (tokens), infinite %.3f\n", wf.fleetToks, poolBound, inf.TokenRatio())
+	} else if *bound {
+		pb, hits, err := workload.RequestsBoundPerRequest(b.w.Requests, sim.DefaultBlockSize, wf.fleetToks)
+		if err != nil {
+			return err
+		}
+		boundHits, poolBound = hits, pb.TokenRatio()
+		fmt.Fprintf(stdout, "bounds: pooled LRU of %d tokens %.3f (tokens, %d-token blocks)\n", wf.fleetToks, poolBound, sim.DefaultBlockSize)
 	}
 	fmt.Fprintf(stdout, "workload %s: %d requests, %d prompt tokens, %.0f s; fleet %d × %d GPU tokens%s\n",
 		w.Name, len(w.Requests), w.InputTokens(), w.Duration().Seconds(), ff.instances, gpuTokens, b.describe())

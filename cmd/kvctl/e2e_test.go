@@ -17,7 +17,11 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
+
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/routertest"
@@ -29,14 +33,14 @@ func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)
 // engine is one simulated vLLM engine's KV-event side: a vLLM-format ZMQ
 // publisher and the real kvbridge forwarding it to NATS.
 type engine struct {
-	pub *events.ZMQPublisher
+	pub *enginezmq.Publisher
 }
 
 func startEngine(t *testing.T, ctx context.Context, natsURL, pool, instance, url, stream, bucket string) *engine {
 	t.Helper()
 	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 	rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	pub, err := events.NewZMQPublisher(ctx, events.ZMQPublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv"})
+	pub, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -46,7 +50,7 @@ func startEngine(t *testing.T, ctx context.Context, natsURL, pool, instance, url
 	}
 	b, err := bridge.New(bridge.Config{Pool: pool, Model: testModel, BlockSize: 16, Conn: nc,
 		Sources: []bridge.Source{{Instance: instance, Endpoint: ep, ReplayEndpoint: rep, URL: url}},
-		Stream:  events.StreamConfig{Name: stream}, Bucket: events.BucketConfig{Name: bucket},
+		Stream:  kvstream.StreamConfig{Name: stream}, Bucket: kvstream.BucketConfig{Name: bucket},
 		HeartbeatInterval: 200 * time.Millisecond, Logger: quiet()})
 	if err != nil {
 		t.Fatal(err)
@@ -173,11 +177,11 @@ func TestKVCommandsEndToEnd(t *testing.T) {
 	if err := sse.wait(t); err != nil {
 		t.Fatalf("sse tail: %v", err)
 	}
-	var rec events.EvictionRecord
+	var rec kvstream.EvictionRecord
 	if err := json.Unmarshal([]byte(sse.out.String()), &rec); err != nil {
 		t.Fatalf("sse tail output %q: %v", sse.out, err)
 	}
-	if rec.Pool != pool || rec.Instance != "vllm-1" || rec.Tier != "gpu" || rec.Blocks != 2 || rec.Reason != events.ReasonEvicted || len(rec.Hashes) != 2 {
+	if rec.Pool != pool || rec.Instance != "vllm-1" || rec.Tier != "gpu" || rec.Blocks != 2 || rec.Reason != kvstream.ReasonEvicted || len(rec.Hashes) != 2 {
 		t.Errorf("sse tail record %+v", rec)
 	}
 	if err := direct.wait(t); err != nil {

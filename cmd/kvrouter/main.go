@@ -46,7 +46,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/kvrouter/kvrouter/config"
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/internal/liblog"
 	"github.com/kvrouter/kvrouter/internal/tracing"
@@ -193,7 +193,7 @@ func loadConfig(f flags, getenv func(string) string) (config.Config, error) {
 	if cfg.CacheSaltSecret, err = config.DecodeCacheSaltSecret(getenv(config.CacheSaltSecretEnv)); err != nil {
 		return cfg, err
 	}
-	if cfg.HeartbeatKey, err = events.DecodeHeartbeatKey(getenv(router.HeartbeatKeyEnv)); err != nil {
+	if cfg.HeartbeatKey, err = kvstream.DecodeHeartbeatKey(getenv(router.HeartbeatKeyEnv)); err != nil {
 		return cfg, fmt.Errorf("%s: %w", router.HeartbeatKeyEnv, err)
 	}
 	if cfg.Index != nil && cfg.Index.Redis != nil {

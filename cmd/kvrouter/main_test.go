@@ -45,6 +45,7 @@ import (
 	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 )
@@ -190,12 +191,12 @@ func startRun(t *testing.T, doc string, env map[string]string) (logs *syncBuffer
 
 // engine is a vLLM stand-in publishing KV events over ZMQ, with a kvbridge
 // forwarding them to the router's NATS, until the test ends.
-func engine(t *testing.T, natsURL, pool, model, instance string) *events.ZMQPublisher {
+func engine(t *testing.T, natsURL, pool, model, instance string) *enginezmq.Publisher {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	pub, err := events.NewZMQPublisher(ctx, events.ZMQPublisherConfig{Endpoint: ep, Topic: "kv"})
+	pub, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: ep, Topic: "kv"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -219,7 +220,7 @@ func engine(t *testing.T, natsURL, pool, model, instance string) *events.ZMQPubl
 
 // storeBlocks publishes a GPU BlockStored of len(hashes) 16-token blocks
 // over ids.
-func storeBlocks(t *testing.T, pub *events.ZMQPublisher, hashes []uint64, ids []uint32) {
+func storeBlocks(t *testing.T, pub *enginezmq.Publisher, hashes []uint64, ids []uint32) {
 	t.Helper()
 	payload, err := events.Encode(nil, events.Batch{TS: 1, Events: []events.Event{{Kind: events.BlockStored, BlockHashes: hashes, TokenIDs: ids, BlockSize: 16, Medium: "GPU"}}}, events.EncodingArray)
 	if err != nil {

@@ -23,8 +23,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/config"
-	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
@@ -66,8 +66,8 @@ func startFleet(t *testing.T, ctx context.Context) *fleet {
 	// cleanup registered below (cleanups run last-first).
 	ctx, cancel := context.WithCancel(ctx)
 	var bg sync.WaitGroup
-	stream := events.StreamConfig{Name: streamName, Memory: true}
-	bucket := events.BucketConfig{Name: bucketName, Memory: true}
+	stream := kvstream.StreamConfig{Name: streamName, Memory: true}
+	bucket := kvstream.BucketConfig{Name: bucketName, Memory: true}
 	pc := config.PoolConfig{Name: pool, Model: model,
 		Routing:   config.RoutingConfig{Strategy: config.StrategyKVAware, Shadow: true},
 		Tokenizer: &config.TokenizerConfig{Source: router.TokenSourceSimple},

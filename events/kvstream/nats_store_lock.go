@@ -1,6 +1,6 @@
 //go:build unix
 
-package events
+package kvstream
 
 import (
 	"errors"
@@ -22,12 +22,12 @@ const storeLockName = "kvrouter.lock"
 // holder's pid for the error message.
 func lockStore(dir string) (*os.File, error) {
 	if err := os.MkdirAll(dir, 0o750); err != nil {
-		return nil, fmt.Errorf("events: embedded nats store %s: %w", dir, err)
+		return nil, fmt.Errorf("kvstream: embedded nats store %s: %w", dir, err)
 	}
 	path := filepath.Join(dir, storeLockName)
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o640)
 	if err != nil {
-		return nil, fmt.Errorf("events: embedded nats store %s: %w", dir, err)
+		return nil, fmt.Errorf("kvstream: embedded nats store %s: %w", dir, err)
 	}
 	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
 		b, _ := os.ReadFile(path)
@@ -39,7 +39,7 @@ func lockStore(dir string) (*os.File, error) {
 			}
 			return nil, fmt.Errorf("%w: %s is held by a running server (pid %s); give this one its own store_dir", ErrStoreInUse, dir, holder)
 		}
-		return nil, fmt.Errorf("events: lock embedded nats store %s: %w", dir, err)
+		return nil, fmt.Errorf("kvstream: lock embedded nats store %s: %w", dir, err)
 	}
 	_ = f.Truncate(0)
 	_, _ = f.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)

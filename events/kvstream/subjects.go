@@ -1,4 +1,4 @@
-package events
+package kvstream
 
 import (
 	"errors"
@@ -25,11 +25,11 @@ const MaxTokenLen = 128
 
 // ErrBadToken is returned for a pool or instance name that cannot be a
 // single NATS subject token and key-value key component.
-var ErrBadToken = errors.New("events: invalid subject token")
+var ErrBadToken = errors.New("kvstream: invalid subject token")
 
 // ErrBadSubject is returned by ParseSubject for a subject that is not
 // <root>.<pool>.<instance> with a known root.
-var ErrBadSubject = errors.New("events: invalid kv subject")
+var ErrBadSubject = errors.New("kvstream: invalid kv subject")
 
 // ValidToken checks that s can be used as a pool or instance name: 1 to
 // MaxTokenLen characters from [A-Za-z0-9_-]. The set is narrower than what

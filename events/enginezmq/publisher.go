@@ -1,4 +1,4 @@
-package events
+package enginezmq
 
 import (
 	"context"
@@ -10,8 +10,8 @@ import (
 	"github.com/go-zeromq/zmq4"
 )
 
-// ZMQPublisherConfig configures a ZMQPublisher. Zero values mean defaults.
-type ZMQPublisherConfig struct {
+// PublisherConfig configures a Publisher. Zero values mean defaults.
+type PublisherConfig struct {
 	// Endpoint is where the PUB socket binds (or dials, with Dial).
 	Endpoint string
 	// Dial makes the PUB socket connect to Endpoint (the engine side of
@@ -32,12 +32,12 @@ type ZMQPublisherConfig struct {
 	FirstSeq uint64
 }
 
-// ZMQPublisher emits KV-event messages exactly as a vLLM engine does: a PUB
+// Publisher emits KV-event messages exactly as a vLLM engine does: a PUB
 // socket sending [topic, seq, payload] and a ROUTER socket answering replay
 // requests. It stands in for an engine in tests, benchmarks and the
 // simulated fleet; it is not used on the production path.
-type ZMQPublisher struct {
-	cfg    ZMQPublisherConfig
+type Publisher struct {
+	cfg    PublisherConfig
 	pub    zmq4.Socket
 	router zmq4.Socket
 	cancel context.CancelFunc
@@ -48,8 +48,8 @@ type ZMQPublisher struct {
 	ring []Message // the last BufferSteps messages, oldest first
 }
 
-// NewZMQPublisher binds (or dials) the sockets; Close releases them.
-func NewZMQPublisher(ctx context.Context, cfg ZMQPublisherConfig) (*ZMQPublisher, error) {
+// NewPublisher binds (or dials) the sockets; Close releases them.
+func NewPublisher(ctx context.Context, cfg PublisherConfig) (*Publisher, error) {
 	if err := validEndpoint(cfg.Endpoint); err != nil {
 		return nil, err
 	}
@@ -57,7 +57,7 @@ func NewZMQPublisher(ctx context.Context, cfg ZMQPublisherConfig) (*ZMQPublisher
 		cfg.BufferSteps = 10000
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	p := &ZMQPublisher{cfg: cfg, cancel: cancel, next: cfg.FirstSeq}
+	p := &Publisher{cfg: cfg, cancel: cancel, next: cfg.FirstSeq}
 	p.pub = zmq4.NewPub(ctx, zmq4.WithLogger(quietZMQLogger()), zmq4.WithDialerMaxRetries(-1))
 	var err error
 	if cfg.Dial {
@@ -68,7 +68,7 @@ func NewZMQPublisher(ctx context.Context, cfg ZMQPublisherConfig) (*ZMQPublisher
 	if err != nil {
 		cancel()
 		p.pub.Close()
-		return nil, fmt.Errorf("events: publisher %s: %w", cfg.Endpoint, err)
+		return nil, fmt.Errorf("enginezmq: publisher %s: %w", cfg.Endpoint, err)
 	}
 	if cfg.ReplayEndpoint != "" {
 		p.router = zmq4.NewRouter(ctx, zmq4.WithLogger(quietZMQLogger()))
@@ -76,7 +76,7 @@ func NewZMQPublisher(ctx context.Context, cfg ZMQPublisherConfig) (*ZMQPublisher
 			cancel()
 			p.pub.Close()
 			p.router.Close()
-			return nil, fmt.Errorf("events: publisher replay %s: %w", cfg.ReplayEndpoint, err)
+			return nil, fmt.Errorf("enginezmq: publisher replay %s: %w", cfg.ReplayEndpoint, err)
 		}
 		p.wg.Add(1)
 		go p.serveReplay(ctx)
@@ -86,7 +86,7 @@ func NewZMQPublisher(ctx context.Context, cfg ZMQPublisherConfig) (*ZMQPublisher
 
 // Subscribed reports whether at least one subscriber's subscription has
 // reached the PUB socket (messages sent before that are lost, as in ZMQ).
-func (p *ZMQPublisher) Subscribed() bool {
+func (p *Publisher) Subscribed() bool {
 	if t, ok := p.pub.(zmq4.Topics); ok {
 		return len(t.Topics()) > 0
 	}
@@ -94,7 +94,7 @@ func (p *ZMQPublisher) Subscribed() bool {
 }
 
 // Publish sends payload with the next sequence number and returns it.
-func (p *ZMQPublisher) Publish(payload []byte) (uint64, error) {
+func (p *Publisher) Publish(payload []byte) (uint64, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	seq := p.next
@@ -105,7 +105,7 @@ func (p *ZMQPublisher) Publish(payload []byte) (uint64, error) {
 // Skip consumes the next sequence number with a message that goes to the
 // replay buffer but not to subscribers: what a PUB socket dropping a
 // message at its high-water mark looks like downstream.
-func (p *ZMQPublisher) Skip(payload []byte) uint64 {
+func (p *Publisher) Skip(payload []byte) uint64 {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	seq := p.next
@@ -116,13 +116,13 @@ func (p *ZMQPublisher) Skip(payload []byte) uint64 {
 
 // ForgetReplay empties the replay buffer (an engine whose buffer no longer
 // reaches back far enough).
-func (p *ZMQPublisher) ForgetReplay() {
+func (p *Publisher) ForgetReplay() {
 	p.mu.Lock()
 	p.ring = p.ring[:0]
 	p.mu.Unlock()
 }
 
-func (p *ZMQPublisher) sendLocked(seq uint64, payload []byte, send bool) error {
+func (p *Publisher) sendLocked(seq uint64, payload []byte, send bool) error {
 	buf := append([]byte(nil), payload...)
 	if len(p.ring) == p.cfg.BufferSteps {
 		copy(p.ring, p.ring[1:])
@@ -133,14 +133,14 @@ func (p *ZMQPublisher) sendLocked(seq uint64, payload []byte, send bool) error {
 		return nil
 	}
 	if err := p.pub.Send(zmq4.NewMsgFrom([]byte(p.cfg.Topic), SeqBytes(seq), buf)); err != nil {
-		return fmt.Errorf("events: publish seq %d: %w", seq, err)
+		return fmt.Errorf("enginezmq: publish seq %d: %w", seq, err)
 	}
 	return nil
 }
 
 // serveReplay answers [id, "", start_seq] with every buffered message from
 // start_seq on, then the end marker, as vLLM's _service_replay does.
-func (p *ZMQPublisher) serveReplay(ctx context.Context) {
+func (p *Publisher) serveReplay(ctx context.Context) {
 	defer p.wg.Done()
 	for {
 		msg, err := p.router.Recv()
@@ -187,7 +187,7 @@ func (p *ZMQPublisher) serveReplay(ctx context.Context) {
 }
 
 // Close stops the sockets.
-func (p *ZMQPublisher) Close() error {
+func (p *Publisher) Close() error {
 	p.cancel()
 	err := p.pub.Close()
 	if p.router != nil {

@@ -1,4 +1,4 @@
-package events
+package enginezmq
 
 import (
 	"context"
@@ -21,7 +21,7 @@ const EndSeq = ^uint64(0)
 
 // ErrBadFrames is returned for a ZMQ message whose frames are not a vLLM
 // KV-event message.
-var ErrBadFrames = errors.New("events: malformed zmq frames")
+var ErrBadFrames = errors.New("enginezmq: malformed zmq frames")
 
 // Message is one KV-event message as published by an engine: the topic (may
 // be empty), the publisher's sequence number and the msgpack EventBatch.
@@ -197,7 +197,7 @@ func NewSubscriber(cfg SubscriberConfig) (*Subscriber, error) {
 		cfg.MaxBackoff = 5 * time.Second
 	}
 	if cfg.MaxBackoff < cfg.MinBackoff {
-		return nil, fmt.Errorf("events: subscriber max backoff %v is below min backoff %v", cfg.MaxBackoff, cfg.MinBackoff)
+		return nil, fmt.Errorf("enginezmq: subscriber max backoff %v is below min backoff %v", cfg.MaxBackoff, cfg.MinBackoff)
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -217,10 +217,10 @@ func (s *Subscriber) Kick() {
 
 func validEndpoint(ep string) error {
 	if ep == "" {
-		return errors.New("events: zmq endpoint is empty")
+		return errors.New("enginezmq: zmq endpoint is empty")
 	}
 	if !strings.HasPrefix(ep, "tcp://") && !strings.HasPrefix(ep, "ipc://") && !strings.HasPrefix(ep, "inproc://") {
-		return fmt.Errorf("events: zmq endpoint %q: want tcp://host:port, ipc:// or inproc://", ep)
+		return fmt.Errorf("enginezmq: zmq endpoint %q: want tcp://host:port, ipc:// or inproc://", ep)
 	}
 	return nil
 }
@@ -320,7 +320,7 @@ func (s *Subscriber) session(ctx context.Context, handle func(Message)) (got boo
 // ErrReplayIncomplete is returned by Replay when the engine's replay buffer
 // does not reach back to the requested sequence number, or the reply
 // stream ended or timed out before it closed the requested range.
-var ErrReplayIncomplete = errors.New("events: replay cannot fill the gap")
+var ErrReplayIncomplete = errors.New("enginezmq: replay cannot fill the gap")
 
 // ReplayConfig configures a replay request. Zero values mean defaults.
 type ReplayConfig struct {
@@ -353,21 +353,21 @@ func Replay(ctx context.Context, cfg ReplayConfig, from uint64, fn func(Message)
 	sock := zmq4.NewDealer(rctx, zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(quietZMQLogger()), zmq4.WithDialerTimeout(cfg.Timeout), zmq4.WithTimeout(cfg.Timeout))
 	defer sock.Close()
 	if err := sock.Dial(cfg.Endpoint); err != nil {
-		return fmt.Errorf("events: replay dial %s: %w", cfg.Endpoint, err)
+		return fmt.Errorf("enginezmq: replay dial %s: %w", cfg.Endpoint, err)
 	}
 	// A DEALER talking to a ROUTER that expects REQ framing sends the
 	// empty delimiter itself.
 	if err := sock.Send(zmq4.NewMsgFrom([]byte{}, SeqBytes(from))); err != nil {
-		return fmt.Errorf("events: replay request to %s: %w", cfg.Endpoint, err)
+		return fmt.Errorf("enginezmq: replay request to %s: %w", cfg.Endpoint, err)
 	}
 	for i := 0; i < cfg.MaxMessages; i++ {
 		msg, err := sock.Recv()
 		if err != nil {
-			return fmt.Errorf("events: replay from %s after %d replies: %w", cfg.Endpoint, i, err)
+			return fmt.Errorf("enginezmq: replay from %s after %d replies: %w", cfg.Endpoint, i, err)
 		}
 		m, end, err := ParseReplayFrames(msg.Frames)
 		if err != nil {
-			return fmt.Errorf("events: replay from %s: %w", cfg.Endpoint, err)
+			return fmt.Errorf("enginezmq: replay from %s: %w", cfg.Endpoint, err)
 		}
 		if end {
 			return nil
@@ -376,7 +376,7 @@ func Replay(ctx context.Context, cfg ReplayConfig, from uint64, fn func(Message)
 			return nil
 		}
 	}
-	return fmt.Errorf("events: replay from %s: more than %d replies", cfg.Endpoint, cfg.MaxMessages)
+	return fmt.Errorf("enginezmq: replay from %s: more than %d replies", cfg.Endpoint, cfg.MaxMessages)
 }
 
 // ReplayRange replays [from, to) and returns exactly those messages, or

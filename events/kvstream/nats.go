@@ -1,4 +1,4 @@
-package events
+package kvstream
 
 import (
 	"context"
@@ -45,7 +45,7 @@ const (
 )
 
 // ErrBadHeader is returned by ParseEventHeaders for a malformed header.
-var ErrBadHeader = errors.New("events: malformed kv header")
+var ErrBadHeader = errors.New("kvstream: malformed kv header")
 
 // EventHeaders are the parsed headers of one kv.events message.
 type EventHeaders struct {
@@ -174,7 +174,7 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 		return s, nil
 	}
 	if !errors.Is(err, jetstream.ErrStreamNotFound) {
-		return nil, fmt.Errorf("events: look up stream %s: %w", cfg.Name, err)
+		return nil, fmt.Errorf("kvstream: look up stream %s: %w", cfg.Name, err)
 	}
 	storage := jetstream.FileStorage
 	if cfg.Memory {
@@ -203,7 +203,7 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 		}
 	}
 	if err != nil {
-		return nil, fmt.Errorf("events: create stream %s: %w", cfg.Name, err)
+		return nil, fmt.Errorf("kvstream: create stream %s: %w", cfg.Name, err)
 	}
 	return s, nil
 }
@@ -241,7 +241,7 @@ func EnsureBucket(ctx context.Context, js jetstream.JetStream, cfg BucketConfig)
 		return kv, nil
 	}
 	if !errors.Is(err, jetstream.ErrBucketNotFound) {
-		return nil, fmt.Errorf("events: look up bucket %s: %w", cfg.Name, err)
+		return nil, fmt.Errorf("kvstream: look up bucket %s: %w", cfg.Name, err)
 	}
 	storage := jetstream.FileStorage
 	if cfg.Memory {
@@ -262,7 +262,7 @@ func EnsureBucket(ctx context.Context, js jetstream.JetStream, cfg BucketConfig)
 		}
 	}
 	if err != nil {
-		return nil, fmt.Errorf("events: create bucket %s: %w", cfg.Name, err)
+		return nil, fmt.Errorf("kvstream: create bucket %s: %w", cfg.Name, err)
 	}
 	return kv, nil
 }
@@ -288,7 +288,7 @@ func EnsureObjectStore(ctx context.Context, js jetstream.JetStream, cfg BucketCo
 		return obs, nil
 	}
 	if !errors.Is(err, jetstream.ErrBucketNotFound) {
-		return nil, fmt.Errorf("events: look up object store %s: %w", name, err)
+		return nil, fmt.Errorf("kvstream: look up object store %s: %w", name, err)
 	}
 	storage := jetstream.FileStorage
 	if cfg.Memory {
@@ -307,7 +307,7 @@ func EnsureObjectStore(ctx context.Context, js jetstream.JetStream, cfg BucketCo
 		}
 	}
 	if err != nil {
-		return nil, fmt.Errorf("events: create object store %s: %w", name, err)
+		return nil, fmt.Errorf("kvstream: create object store %s: %w", name, err)
 	}
 	return obs, nil
 }

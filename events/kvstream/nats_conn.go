@@ -1,4 +1,4 @@
-package events
+package kvstream
 
 import (
 	"errors"
@@ -40,10 +40,10 @@ type NATSConfig struct {
 // disconnects and reconnects.
 func (c NATSConfig) Connect() (*nats.Conn, error) {
 	if c.URL == "" {
-		return nil, errors.New("events: nats url is empty")
+		return nil, errors.New("kvstream: nats url is empty")
 	}
 	if (c.TLSCert == "") != (c.TLSKey == "") {
-		return nil, errors.New("events: nats tls cert and key must be given together")
+		return nil, errors.New("kvstream: nats tls cert and key must be given together")
 	}
 	if c.ReconnectWait <= 0 {
 		c.ReconnectWait = 250 * time.Millisecond
@@ -81,7 +81,7 @@ func (c NATSConfig) Connect() (*nats.Conn, error) {
 	}
 	nc, err := nats.Connect(c.URL, opts...)
 	if err != nil {
-		return nil, fmt.Errorf("events: nats %s: %w", c.URL, err)
+		return nil, fmt.Errorf("kvstream: nats %s: %w", c.URL, err)
 	}
 	return nc, nil
 }

@@ -1,4 +1,4 @@
-package events
+package kvstream
 
 import (
 	"bytes"
@@ -53,14 +53,14 @@ const maxSnapshotHeader = 64 << 10
 
 // ErrBadSnapshot is returned by UnmarshalSnapshot for bytes that are not a
 // snapshot.
-var ErrBadSnapshot = errors.New("events: malformed snapshot")
+var ErrBadSnapshot = errors.New("kvstream: malformed snapshot")
 
 // MarshalBinary renders s as magic, uvarint header length, JSON header,
 // then the raw batch bytes (kept binary: base64 would add a third).
 func (s Snapshot) MarshalBinary() ([]byte, error) {
 	hdr, err := json.Marshal(s)
 	if err != nil {
-		return nil, fmt.Errorf("events: marshal snapshot header: %w", err)
+		return nil, fmt.Errorf("kvstream: marshal snapshot header: %w", err)
 	}
 	out := make([]byte, 0, len(snapshotMagic)+binary.MaxVarintLen64+len(hdr)+len(s.Batch))
 	out = append(out, snapshotMagic...)
@@ -104,7 +104,7 @@ func ResolveSnapshot(ctx context.Context, obs jetstream.ObjectStore, s Snapshot)
 	}
 	data, err := obs.GetBytes(ctx, s.Object)
 	if err != nil {
-		return Snapshot{}, fmt.Errorf("events: snapshot object %s: %w", s.Object, err)
+		return Snapshot{}, fmt.Errorf("kvstream: snapshot object %s: %w", s.Object, err)
 	}
 	full, err := UnmarshalSnapshot(data)
 	if err != nil {

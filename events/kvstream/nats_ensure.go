@@ -1,4 +1,4 @@
-package events
+package kvstream
 
 import (
 	"context"
@@ -13,7 +13,7 @@ import (
 // never be made: a negative limit, or one JetStream rejects (another
 // stream already holds the subjects, an invalid setting). Retrying cannot
 // help, so EnsureAll returns it rather than loop.
-var ErrConfig = errors.New("events: invalid stream or bucket configuration")
+var ErrConfig = errors.New("kvstream: invalid stream or bucket configuration")
 
 // IsConfigError reports whether err is a configuration problem (ErrConfig,
 // a name the client library rejects, or a JetStream API error with status
@@ -65,7 +65,7 @@ func EnsureAll(ctx context.Context, js jetstream.JetStream, stream StreamConfig,
 		if ctx.Err() != nil {
 			return Resources{}, ctx.Err()
 		}
-		log.Warn("events: stream or bucket not ready, retrying", "err", err, "backoff", backoff)
+		log.Warn("kvstream: stream or bucket not ready, retrying", "err", err, "backoff", backoff)
 		select {
 		case <-ctx.Done():
 			return Resources{}, ctx.Err()

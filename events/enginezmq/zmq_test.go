@@ -1,4 +1,4 @@
-package events
+package enginezmq
 
 import (
 	"bytes"
@@ -176,7 +176,7 @@ func TestSubscriberLive(t *testing.T) {
 			if bind {
 				time.Sleep(100 * time.Millisecond) // let the subscriber bind first
 			}
-			pub, err := NewZMQPublisher(ctx, ZMQPublisherConfig{Endpoint: ep, Dial: bind, Topic: "kv", FirstSeq: 1})
+			pub, err := NewPublisher(ctx, PublisherConfig{Endpoint: ep, Dial: bind, Topic: "kv", FirstSeq: 1})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -192,7 +192,7 @@ func TestSubscriberLive(t *testing.T) {
 			}
 			// The engine goes away and comes back: the subscriber reconnects.
 			pub.Close()
-			pub2, err := NewZMQPublisher(ctx, ZMQPublisherConfig{Endpoint: ep, Dial: bind, Topic: "kv", FirstSeq: 1})
+			pub2, err := NewPublisher(ctx, PublisherConfig{Endpoint: ep, Dial: bind, Topic: "kv", FirstSeq: 1})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -216,7 +216,7 @@ func TestReplay(t *testing.T) {
 			ctx := testenv.Context(t, 30*time.Second)
 			ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 			rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-			pub, err := NewZMQPublisher(ctx, ZMQPublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv", BufferSteps: 5, LegacyReplay: legacy})
+			pub, err := NewPublisher(ctx, PublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv", BufferSteps: 5, LegacyReplay: legacy})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -327,7 +327,7 @@ func TestReplayHistory(t *testing.T) {
 	for _, first := range []uint64{0, 1} {
 		ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 		rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-		pub, err := NewZMQPublisher(ctx, ZMQPublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv", BufferSteps: 6, FirstSeq: first})
+		pub, err := NewPublisher(ctx, PublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv", BufferSteps: 6, FirstSeq: first})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -380,7 +380,7 @@ func TestSubscriberKick(t *testing.T) {
 	go func() { _ = sub.Run(ctx, got.add) }()
 	// Nobody listens: the first dial fails and the next waits an hour.
 	waitFor(t, 20*time.Second, "a failed dial", func() bool { return sub.Stats().Reconnects >= 1 })
-	pub, err := NewZMQPublisher(ctx, ZMQPublisherConfig{Endpoint: ep, Topic: "kv"})
+	pub, err := NewPublisher(ctx, PublisherConfig{Endpoint: ep, Topic: "kv"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,10 +1,11 @@
-package events
+package kvstream
 
 import (
 	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -21,7 +22,7 @@ func TestEventHeadersRoundTrip(t *testing.T) {
 	tests := []EventHeaders{
 		{},
 		{Seq: 0, HasSeq: true},
-		{Seq: EndSeq - 1, HasSeq: true, Rank: 3, Encoding: "map", Pool: "p", Instance: "i", Model: "m"},
+		{Seq: enginezmq.EndSeq - 1, HasSeq: true, Rank: 3, Encoding: "map", Pool: "p", Instance: "i", Model: "m"},
 		{Rank: 1, Encoding: "array", Synthetic: SyntheticGap},
 	}
 	for _, h := range tests {

@@ -1,6 +1,6 @@
 //go:build !unix
 
-package events
+package kvstream
 
 import (
 	"fmt"
@@ -11,7 +11,7 @@ import (
 // detected, so give each server its own store_dir there.
 func lockStore(dir string) (*os.File, error) {
 	if err := os.MkdirAll(dir, 0o750); err != nil {
-		return nil, fmt.Errorf("events: embedded nats store %s: %w", dir, err)
+		return nil, fmt.Errorf("kvstream: embedded nats store %s: %w", dir, err)
 	}
 	return os.Open(dir)
 }

@@ -1,4 +1,4 @@
-package events
+package kvstream
 
 import (
 	"crypto/hmac"
@@ -31,8 +31,8 @@ const heartbeatSigDomain = "kvrouter heartbeat v1\x00"
 
 // Heartbeat signature errors.
 var (
-	ErrUnsigned     = errors.New("events: heartbeat not signed")
-	ErrBadSignature = errors.New("events: heartbeat signature does not verify")
+	ErrUnsigned     = errors.New("kvstream: heartbeat not signed")
+	ErrBadSignature = errors.New("kvstream: heartbeat signature does not verify")
 )
 
 // DecodeHeartbeatKey decodes a hex heartbeat key ("" = none).
@@ -43,10 +43,10 @@ func DecodeHeartbeatKey(s string) ([]byte, error) {
 	}
 	b, err := hex.DecodeString(s)
 	if err != nil {
-		return nil, fmt.Errorf("events: heartbeat key: want hex: %w", err)
+		return nil, fmt.Errorf("kvstream: heartbeat key: want hex: %w", err)
 	}
 	if len(b) < MinHeartbeatKeyBytes {
-		return nil, fmt.Errorf("events: heartbeat key: %d bytes, want at least %d (e.g. openssl rand -hex 32)", len(b), MinHeartbeatKeyBytes)
+		return nil, fmt.Errorf("kvstream: heartbeat key: %d bytes, want at least %d (e.g. openssl rand -hex 32)", len(b), MinHeartbeatKeyBytes)
 	}
 	return b, nil
 }

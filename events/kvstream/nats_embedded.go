@@ -1,4 +1,4 @@
-package events
+package kvstream
 
 import (
 	"context"
@@ -34,10 +34,10 @@ type EmbeddedNATSConfig struct {
 }
 
 // ErrPortInUse is returned when the embedded server's port is taken.
-var ErrPortInUse = errors.New("events: embedded nats port in use")
+var ErrPortInUse = errors.New("kvstream: embedded nats port in use")
 
 // ErrStoreInUse is returned when another running server holds StoreDir.
-var ErrStoreInUse = errors.New("events: embedded nats store in use")
+var ErrStoreInUse = errors.New("kvstream: embedded nats store in use")
 
 // EmbeddedNATS is an in-process NATS server with JetStream.
 type EmbeddedNATS struct {
@@ -59,7 +59,7 @@ func StartEmbeddedNATS(ctx context.Context, cfg EmbeddedNATSConfig) (*EmbeddedNA
 		cfg.Port = 4222
 	}
 	if cfg.Port < -1 || cfg.Port > 65535 {
-		return nil, fmt.Errorf("events: embedded nats port %d out of range", cfg.Port)
+		return nil, fmt.Errorf("kvstream: embedded nats port %d out of range", cfg.Port)
 	}
 	removeStore := false
 	switch {
@@ -69,7 +69,7 @@ func StartEmbeddedNATS(ctx context.Context, cfg EmbeddedNATSConfig) (*EmbeddedNA
 	default: // a free port: nothing to find again after a restart
 		dir, err := os.MkdirTemp("", "kvrouter-nats-")
 		if err != nil {
-			return nil, fmt.Errorf("events: embedded nats store: %w", err)
+			return nil, fmt.Errorf("kvstream: embedded nats store: %w", err)
 		}
 		cfg.StoreDir, removeStore = dir, true
 	}
@@ -108,13 +108,13 @@ func StartEmbeddedNATS(ctx context.Context, cfg EmbeddedNATSConfig) (*EmbeddedNA
 	srv, err := server.NewServer(opts)
 	if err != nil {
 		release()
-		return nil, fmt.Errorf("events: embedded nats: %w", err)
+		return nil, fmt.Errorf("kvstream: embedded nats: %w", err)
 	}
 	go srv.Start()
 	if !srv.ReadyForConnections(cfg.ReadyTimeout) {
 		srv.Shutdown()
 		release()
-		return nil, fmt.Errorf("events: embedded nats did not become ready in %v", cfg.ReadyTimeout)
+		return nil, fmt.Errorf("kvstream: embedded nats did not become ready in %v", cfg.ReadyTimeout)
 	}
 	e := &EmbeddedNATS{srv: srv, storeDir: cfg.StoreDir, lock: lock, remove: removeStore, done: make(chan struct{})}
 	go func() {
