@@ -21,7 +21,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
-	simserver "github.com/kvrouter/kvrouter/sim/server"
+	"github.com/kvrouter/kvrouter/sim/simserver"
 )
 
 // localFleet is kvsim instances and a kvrouter in this process, on
