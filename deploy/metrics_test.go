@@ -159,7 +159,7 @@ func TestMetricNamesScanned(t *testing.T) {
 		"kvrouter_kv_decisions_total",        // router/kvaware_metrics.go
 		"kvrouter_events_lag_seconds",        // events/consumer/metrics.go
 		"kvbridge_gaps_total",                // events/bridge/metrics.go
-		"kvrouter_tier_blocks_evicted_total", // tiers/accounting.go
+		"kvrouter_tier_blocks_evicted_total", // tiers/tiermetrics/accounting.go
 		"vllm:prefix_cache_hits_total",       // sim/simserver/metrics.go
 	} {
 		if !names[n] {
