@@ -76,9 +76,9 @@ func (ls *lookupState) run(m *Memory, keys []Key) []Match {
 		// block first): try the neighbours before the table.
 		k, next := keys[i], int32(-1)
 		switch {
-		case node > 0 && *bm.keyAt(node - 1) == k && atomic.LoadUint32(bm.holdAt(node-1)) != 0:
+		case node > 0 && *bm.keyAt(node-1) == k && atomic.LoadUint32(bm.holdAt(node-1)) != 0:
 			next = node - 1
-		case node+1 < bm.n && *bm.keyAt(node + 1) == k && atomic.LoadUint32(bm.holdAt(node+1)) != 0:
+		case node+1 < bm.n && *bm.keyAt(node+1) == k && atomic.LoadUint32(bm.holdAt(node+1)) != 0:
 			next = node + 1
 		default:
 			next = bm.find(k)
@@ -87,6 +87,21 @@ func (ls *lookupState) run(m *Memory, keys []Key) []Match {
 			break
 		}
 		node = next
+		if len(ls.cands) == 1 && !ls.set {
+			// One instance left (the common tail of a lookup): its block
+			// held inline by it alone is the fast path.
+			p := bm.holdAt(node)
+			if w := atomic.LoadUint32(p); w&hSpill == 0 && holderSlot(w) == ls.cands[0].slot {
+				c := &ls.cands[0]
+				if l := level(w); l > c.from {
+					ls.advance(c, l, int32(i))
+				}
+				if w&hHit == 0 {
+					atomic.OrUint32(p, hHit)
+				}
+				continue
+			}
+		}
 		ls.step(node, int32(i))
 	}
 	ls.finish(int32(i))
@@ -131,10 +146,12 @@ func (ls *lookupState) start(slots []*memInstance, node int32) {
 	if need := hs.words * 64; len(ls.outIdx) < need {
 		ls.outIdx = make([]int32, need)
 	}
-	ls.out = make([]Match, 0, hs.n)
+	ls.out = make([]Match, hs.n)
+	k := int32(0)
 	eachBit(ls.alive[tiers.Count-1], func(slot int) {
-		ls.outIdx[slot] = int32(len(ls.out))
-		ls.out = append(ls.out, Match{Instance: slots[slot].name})
+		ls.outIdx[slot] = k
+		ls.out[k].Instance = slots[slot].name
+		k++
 	})
 	hs.markHits(ls.alive[tiers.Count-1])
 }
