@@ -76,9 +76,9 @@ func (ls *lookupState) run(m *Memory, keys []Key) []Match {
 		// block first): try the neighbours before the table.
 		k, next := keys[i], int32(-1)
 		switch {
-		case node > 0 && *bm.keyAt(node-1) == k && atomic.LoadUint32(bm.holdAt(node-1)) != 0:
+		case node > 0 && *bm.keyAt(node - 1) == k && atomic.LoadUint32(bm.holdAt(node-1)) != 0:
 			next = node - 1
-		case node+1 < bm.n && *bm.keyAt(node+1) == k && atomic.LoadUint32(bm.holdAt(node+1)) != 0:
+		case node+1 < bm.n && *bm.keyAt(node + 1) == k && atomic.LoadUint32(bm.holdAt(node+1)) != 0:
 			next = node + 1
 		default:
 			next = bm.find(k)
