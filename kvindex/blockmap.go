@@ -72,7 +72,13 @@ type holderSet struct {
 	n     int      // holders
 }
 
-func newBlockMap() blockMap { return blockMap{free: -1} }
+// newBlockMap returns an empty block map whose index is sized for nodes
+// distinct keys (see Memory's presizing).
+func newBlockMap(nodes int) blockMap {
+	bm := blockMap{free: -1}
+	bm.index.presize(nodes)
+	return bm
+}
 
 func (bm *blockMap) keyAt(j int32) *Key     { return &bm.keys[j>>chunkBits][j&chunkMask] }
 func (bm *blockMap) holdAt(j int32) *uint32 { return &bm.hold[j>>chunkBits][j&chunkMask] }
@@ -103,6 +109,9 @@ func (bm *blockMap) nodeFor(k Key) int32 {
 	bm.index.put(at, j)
 	return j
 }
+
+// full reports whether every node index a table can hold is in use.
+func (bm *blockMap) full() bool { return bm.free < 0 && bm.n > maxIndex }
 
 // release frees node j, which has no holder left.
 func (bm *blockMap) release(j int32) {

@@ -18,6 +18,21 @@ import (
 // GPU holding ~1M tokens of a 8B model's KV is 60k blocks of 16).
 const DefaultCapacity = 4_000_000
 
+// maxCapacity bounds MemoryConfig.Capacity to half of what a table slot
+// can index (2^26 blocks and entries per instance), leaving room for the
+// entries one event adds before eviction brings the index back within
+// capacity: 33M entries are ~2 GB.
+const maxCapacity = maxIndex / 2
+
+// presizeDivisor sizes the block map's index up front for capacity/2
+// distinct keys (8 MB at the default capacity): growing it doubles a table
+// of millions of slots under the write lock, a pause every lookup waits
+// behind and, with its slots at random, the costliest part of ingesting
+// new blocks. An index that fills past half its capacity with distinct
+// keys (little sharing) grows once more; one that stays small pays 4 bytes
+// per slot for the room.
+const presizeDivisor = 2
+
 // clockUnit is the resolution of LRU stamps: a uint32 of 10 ms units wraps
 // after 497 days.
 const clockUnit = 10 * time.Millisecond
@@ -43,8 +58,8 @@ func (c MemoryConfig) validate() error {
 	if c.Capacity < 0 {
 		return fmt.Errorf("%w: memory: capacity %d < 0", ErrConfig, c.Capacity)
 	}
-	if c.Capacity > math.MaxInt32/2 {
-		return fmt.Errorf("%w: memory: capacity %d above %d", ErrConfig, c.Capacity, math.MaxInt32/2)
+	if c.Capacity > maxCapacity {
+		return fmt.Errorf("%w: memory: capacity %d above %d", ErrConfig, c.Capacity, maxCapacity)
 	}
 	return nil
 }
@@ -90,11 +105,11 @@ func NewMemory(cfg MemoryConfig) (*Memory, error) {
 		capacity: int64(cfg.Capacity),
 		now:      cfg.Now,
 		insts:    make(map[string]*memInstance),
-		blocks:   newBlockMap(),
 	}
 	if m.capacity == 0 {
 		m.capacity = DefaultCapacity
 	}
+	m.blocks = newBlockMap(int(m.capacity) / presizeDivisor)
 	if m.now == nil {
 		m.now = time.Now
 	}
@@ -177,13 +192,11 @@ func (m *Memory) Apply(ctx context.Context, instance string, evs []events.Event)
 		if m.entries.Add(int64(in.n-before)) > m.capacity {
 			m.evict(stamp)
 		}
+		if i >= len(evs)-1 {
+			in.lastEvent.Store(now.UnixNano())
+		}
 		m.mu.Unlock()
 	}
-	m.mu.RLock()
-	if in := m.insts[instance]; in != nil {
-		in.lastEvent.Store(now.UnixNano())
-	}
-	m.mu.RUnlock()
 	return res, nil
 }
 
@@ -324,6 +337,9 @@ func (in *memInstance) store(h uint64, k Key, t tiers.Tier) bool {
 		in.drop(j)
 		_, at = in.byHash.findOrSlot(in.hashSrc(), h)
 	}
+	if in.slab.full() || in.blocks.full() {
+		return false // past what the tables index: dropped (see maxCapacity)
+	}
 	node := in.blocks.nodeFor(k)
 	alias := in.blocks.holds(node, in.slot)
 	j = in.slab.alloc()
@@ -349,6 +365,14 @@ func (in *memInstance) store(h uint64, k Key, t tiers.Tier) bool {
 	in.count[t]++
 	in.syncHolder(e, false)
 	return true
+}
+
+// prefetch loads the table slots a stored event's blocks will probe, so
+// that their cache misses overlap instead of coming one store at a time.
+// The instance's own engine-hash table is small enough to stay in cache
+// while its events apply; the block map's index is not.
+func (in *memInstance) prefetch(keys []Key) {
+	in.blocks.index.touch(keys)
 }
 
 func (in *memInstance) addTier(h uint64, t tiers.Tier) (mapped, added bool) {
@@ -424,17 +448,17 @@ func (in *memInstance) markDups(node int32) {
 	in.eachAlias(node, func(e *entry) { e.meta |= flagDup })
 }
 
-func (in *memInstance) eachAlias(node int32, f func(*entry)) {
+func (in *memInstance) eachAlias(node int32, do func(*entry)) {
 	t := &in.byNode
-	n := len(t.fp)
+	n := len(t.slots)
 	if n == 0 {
 		return
 	}
-	i, fp := home(uint64(node), n)
-	for t.fp[i] != 0 {
-		if t.fp[i] == fp {
-			if e := in.slab.at(t.idx[i]); e.node == node && e.meta&flagLive != 0 {
-				f(e)
+	i, f := home(uint64(node), n)
+	for c := t.slots[i]; c != 0; c = t.slots[i] {
+		if c&^idxMask == f {
+			if e := in.slab.at(slotIdx(c)); e.node == node && e.meta&flagLive != 0 {
+				do(e)
 			}
 		}
 		if i++; i == n {

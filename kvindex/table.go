@@ -45,6 +45,9 @@ type slab struct {
 
 func (s *slab) at(i int32) *entry { return &s.chunks[i>>chunkBits][i&chunkMask] }
 
+// full reports whether the slab has handed out every index a table can hold.
+func (s *slab) full() bool { return s.free < 0 && s.n > maxIndex }
+
 func (s *slab) alloc() int32 {
 	if s.free >= 0 {
 		i := s.free
@@ -68,16 +71,27 @@ func (s *slab) release(i int32) {
 // table is an open-addressing hash index from a 64-bit key to int32
 // indices into a store (an instance's slab, indexed by engine hash or by
 // block node; or the global block map's nodes, indexed by router key), with
-// linear probing and a one-byte fingerprint per slot so that probing rarely
-// touches the store. 5 bytes per slot at a load factor of 3/8..3/4: 7-13
-// bytes per indexed item. Several slots may hold the same key (byNode, when
-// two engine hashes of one instance map to one router key).
+// linear probing. Each slot is one uint32: a 6-bit fingerprint of the key
+// above the index plus one (0 = empty), so a probe reads one cache line and
+// rarely touches the store, and an insert writes that same line. 4 bytes
+// per slot at a load factor of 3/8..3/4: 5.3-10.7 bytes per indexed item.
+// Several slots may hold the same key (byNode, when two engine hashes of
+// one instance map to one router key).
 type table struct {
-	idx  []int32
-	fp   []uint8 // 0 = empty slot
-	n    int
-	sink uint8 // keeps grow's grouped loads from being optimised away
+	slots []uint32
+	n     int
+	sink  uint32 // keeps grow's grouped loads from being optimised away
 }
+
+// Slot layout: fingerprint in the top fpBits, index+1 below.
+const (
+	fpBits   = 6
+	idxBits  = 32 - fpBits
+	idxMask  = 1<<idxBits - 1
+	maxIndex = idxMask - 1 // highest index a table can hold
+)
+
+func slotIdx(s uint32) int32 { return int32(s&idxMask) - 1 }
 
 // mix is a 64-bit finaliser (murmur3 fmix64): engine hashes are not always
 // uniform (tests and some engines use small integers).
@@ -90,15 +104,12 @@ func mix(k uint64) uint64 {
 	return k
 }
 
-// home returns the home slot and fingerprint of k in a table of size n.
-func home(k uint64, n int) (int, uint8) {
+// home returns the home slot of k in a table of size n, and its
+// fingerprint already in slot position.
+func home(k uint64, n int) (int, uint32) {
 	h := mix(k)
 	hi, _ := bits.Mul64(h, uint64(n))
-	f := uint8(h)
-	if f == 0 {
-		f = 1
-	}
-	return int(hi), f
+	return int(hi), uint32(h) << idxBits
 }
 
 // keyFunc selects what a table indexes: slab entries by engine hash or by
@@ -148,20 +159,20 @@ func (ks keySrc) highWater() int32 {
 	return ks.s.n
 }
 
-// find returns the slab index of the first entry with key k, or -1.
+// find returns the index of the first item with key k, or -1.
 func (t *table) find(ks keySrc, k uint64) int32 {
-	n := len(t.fp)
+	n := len(t.slots)
 	if n == 0 {
 		return -1
 	}
 	i, f := home(k, n)
 	for {
-		c := t.fp[i]
+		c := t.slots[i]
 		if c == 0 {
 			return -1
 		}
-		if c == f {
-			if j := t.idx[i]; ks.of(j) == k {
+		if c&^idxMask == f {
+			if j := slotIdx(c); ks.of(j) == k {
 				return j
 			}
 		}
@@ -171,10 +182,34 @@ func (t *table) find(ks keySrc, k uint64) int32 {
 	}
 }
 
+// touch loads the home slots of keys, independent loads whose cache
+// misses overlap, ahead of probing them one by one.
+func (t *table) touch(keys []Key) {
+	n := len(t.slots)
+	if n == 0 {
+		return
+	}
+	var x uint32
+	for _, k := range keys {
+		i, _ := home(uint64(k), n)
+		x |= t.slots[i]
+	}
+	t.sink ^= x
+}
+
+// presize makes an empty table room for n items without growing.
+func (t *table) presize(n int) {
+	size := 16
+	for size*3 < n*4 {
+		size *= 2
+	}
+	t.slots = make([]uint32, size)
+}
+
 // slotRef is where findOrSlot found room for a key.
 type slotRef struct {
 	i int
-	f uint8
+	f uint32
 }
 
 // findOrSlot returns the index of the item with key k, or -1 and the empty
@@ -183,18 +218,18 @@ type slotRef struct {
 // table first when one more item would pass 3/4 load. For tables whose
 // keys are unique (byHash, the block map's index).
 func (t *table) findOrSlot(ks keySrc, k uint64) (int32, slotRef) {
-	if (t.n+1)*4 > len(t.fp)*3 {
+	if (t.n+1)*4 > len(t.slots)*3 {
 		t.grow(ks)
 	}
-	n := len(t.fp)
+	n := len(t.slots)
 	i, f := home(k, n)
 	for {
-		c := t.fp[i]
+		c := t.slots[i]
 		if c == 0 {
 			return -1, slotRef{i, f}
 		}
-		if c == f {
-			if j := t.idx[i]; ks.of(j) == k {
+		if c&^idxMask == f {
+			if j := slotIdx(c); ks.of(j) == k {
 				return j, slotRef{}
 			}
 		}
@@ -206,38 +241,38 @@ func (t *table) findOrSlot(ks keySrc, k uint64) (int32, slotRef) {
 
 // put indexes j at the slot findOrSlot returned.
 func (t *table) put(at slotRef, j int32) {
-	t.fp[at.i], t.idx[at.i] = at.f, j
+	t.slots[at.i] = at.f | uint32(j+1)
 	t.n++
 }
 
-// insert adds slab index j under key k. It returns the slab index of an
-// entry already indexed under k, or -1: the caller marks duplicates.
+// insert adds index j under key k. It returns the index of an item
+// already indexed under k, or -1: the caller marks duplicates.
 func (t *table) insert(ks keySrc, j int32, k uint64) int32 {
-	if (t.n+1)*4 > len(t.fp)*3 {
+	if (t.n+1)*4 > len(t.slots)*3 {
 		t.grow(ks)
 	}
-	n := len(t.fp)
+	n := len(t.slots)
 	i, f := home(k, n)
 	dup := int32(-1)
-	for t.fp[i] != 0 {
-		if dup < 0 && t.fp[i] == f && ks.of(t.idx[i]) == k {
-			dup = t.idx[i]
+	for c := t.slots[i]; c != 0; c = t.slots[i] {
+		if dup < 0 && c&^idxMask == f && ks.of(slotIdx(c)) == k {
+			dup = slotIdx(c)
 		}
 		if i++; i == n {
 			i = 0
 		}
 	}
-	t.fp[i], t.idx[i] = f, j
+	t.slots[i] = f | uint32(j+1)
 	t.n++
 	return dup
 }
 
 func (t *table) grow(ks keySrc) {
-	size := 2 * len(t.fp)
+	size := 2 * len(t.slots)
 	if size < 16 {
 		size = 16
 	}
-	t.idx, t.fp, t.n = make([]int32, size), make([]uint8, size), 0
+	t.slots, t.n = make([]uint32, size), 0
 	// Re-insert from the store, in store order: reading it sequentially is
 	// much cheaper than following the old table's indices at random. The
 	// slots are random, so items go in groups: the homes of a group are
@@ -245,9 +280,8 @@ func (t *table) grow(ks keySrc) {
 	// group is placed.
 	const group = 16
 	var homes [group]int
-	var fps [group]uint8
-	var js [group]int32
-	var sink uint8
+	var vals [group]uint32
+	var sink uint32
 	hw := ks.highWater()
 	for j := int32(0); j < hw; {
 		g := 0
@@ -255,54 +289,54 @@ func (t *table) grow(ks keySrc) {
 			if !ks.live(j) {
 				continue
 			}
-			homes[g], fps[g] = home(ks.of(j), size)
-			sink |= t.fp[homes[g]]
-			js[g] = j
+			h, f := home(ks.of(j), size)
+			homes[g], vals[g] = h, f|uint32(j+1)
+			sink |= t.slots[h]
 			g++
 		}
 		for x := range g {
 			p := homes[x]
-			for t.fp[p] != 0 {
+			for t.slots[p] != 0 {
 				if p++; p == size {
 					p = 0
 				}
 			}
-			t.fp[p], t.idx[p] = fps[x], js[x]
+			t.slots[p] = vals[x]
 			t.n++
 		}
 	}
 	t.sink ^= sink
 }
 
-// remove drops slab index j (indexed under k) and closes the gap by
-// shifting later members of the probe run back (no tombstones, so probe
-// runs never lengthen with churn).
+// remove drops index j (indexed under k) and closes the gap by shifting
+// later members of the probe run back (no tombstones, so probe runs never
+// lengthen with churn).
 func (t *table) remove(ks keySrc, j int32, k uint64) {
-	n := len(t.fp)
+	n := len(t.slots)
 	if n == 0 {
 		return
 	}
 	i, _ := home(k, n)
-	for t.fp[i] != 0 && t.idx[i] != j {
+	for t.slots[i] != 0 && slotIdx(t.slots[i]) != j {
 		if i++; i == n {
 			i = 0
 		}
 	}
-	if t.fp[i] == 0 {
+	if t.slots[i] == 0 {
 		return // not indexed: nothing to drop
 	}
 	t.n--
 	for {
-		t.fp[i] = 0
+		t.slots[i] = 0
 		p := i
 		for {
 			if p++; p == n {
 				p = 0
 			}
-			if t.fp[p] == 0 {
+			if t.slots[p] == 0 {
 				return
 			}
-			h, _ := home(ks.of(t.idx[p]), n)
+			h, _ := home(ks.of(slotIdx(t.slots[p])), n)
 			// The member at p may move to the gap at i unless its home lies
 			// cyclically in (i, p].
 			if i <= p {
@@ -314,12 +348,9 @@ func (t *table) remove(ks keySrc, j int32, k uint64) {
 			}
 			break
 		}
-		t.fp[i], t.idx[i] = t.fp[p], t.idx[p]
+		t.slots[i] = t.slots[p]
 		i = p
 	}
 }
 
 func (t *table) reset() { *t = table{} }
-
-// bytes is the table's heap footprint.
-func (t *table) bytes() int { return 5 * len(t.fp) }
