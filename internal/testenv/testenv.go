@@ -99,7 +99,7 @@ type RedisServer struct {
 	bin  string
 	port int
 	dir  string
-	args []string // more redis-server arguments (cluster nodes)
+	args []string   // more redis-server arguments (cluster nodes)
 	mu   sync.Mutex // guards cmd
 	cmd  *exec.Cmd
 }
