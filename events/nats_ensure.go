@@ -3,6 +3,7 @@ package events
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"time"
 
@@ -30,10 +31,33 @@ func IsConfigError(err error) bool {
 	var je jetstream.JetStreamError
 	if errors.As(err, &je) {
 		if a := je.APIError(); a != nil {
-			return a.Code == 400
+			return a.Code == 400 || a.ErrorCode == jsErrReplicasNotSupported
 		}
 	}
 	return false
+}
+
+// JetStream API error codes (nats-server server/errors.json; nats.go has
+// no constants for them): replicas > 1 asked of a server that is not
+// clustered (status 500, yet no retry can help), and no set of servers
+// able to hold the replicas (status 400: fewer servers than replicas).
+const (
+	jsErrReplicasNotSupported = 10074
+	jsErrNoPeers              = 10005
+)
+
+// replicasHint explains a refused creation that asked for more replicas
+// than the servers can give.
+func replicasHint(err error, replicas int) string {
+	var je jetstream.JetStreamError
+	if replicas <= 1 || !errors.As(err, &je) || je.APIError() == nil {
+		return ""
+	}
+	switch je.APIError().ErrorCode {
+	case jsErrReplicasNotSupported, jsErrNoPeers:
+		return fmt.Sprintf(" (%d replicas need a JetStream cluster of at least %d servers; set stream replicas to 1 for a single server)", replicas, replicas)
+	}
+	return ""
 }
 
 // Resources are the JetStream resources the bridge and the consumer share.

@@ -128,6 +128,8 @@ func TestKVEventsWantedAndConfig(t *testing.T) {
 		{"defaults", Config{Events: &EventsConfig{}, Pools: []PoolConfig{kvPool}}, ""},
 		{"url and embedded", Config{Events: &EventsConfig{NATS: NATSConfig{URL: "nats://x:4222", Embedded: true}}, Pools: []PoolConfig{kvPool}}, "exclude"},
 		{"bad listen", Config{Events: &EventsConfig{NATS: NATSConfig{Listen: "4222"}}, Pools: []PoolConfig{kvPool}}, "events.nats.listen"},
+		{"stream replicas over the limit", Config{Events: &EventsConfig{NATS: NATSConfig{URL: "nats://x:4222", StreamReplicas: 6}}, Pools: []PoolConfig{kvPool}}, "stream_replicas 6 out of range"},
+		{"stream replicas on the embedded server", Config{Events: &EventsConfig{NATS: NATSConfig{StreamReplicas: 3}}, Pools: []PoolConfig{kvPool}}, "needs events.nats.url"},
 		{"cert without key", Config{Events: &EventsConfig{NATS: NATSConfig{TLS: &TLSConfig{CertFile: "c"}}}, Pools: []PoolConfig{kvPool}}, "cert_file and key_file"},
 		{"negative stale", Config{Events: &EventsConfig{StaleAfter: -1}, Pools: []PoolConfig{kvPool}}, ">= 0"},
 		{"purge before stale", Config{Events: &EventsConfig{StaleAfter: 60e9, PurgeAfter: 30e9}, Pools: []PoolConfig{kvPool}}, "purge_after"},
