@@ -99,7 +99,16 @@ func EnsureAll(ctx context.Context, js jetstream.JetStream, stream StreamConfig,
 	}
 }
 
+// ensureAttemptTimeout bounds one EnsureAll attempt. A JetStream cluster
+// drops API requests it cannot serve yet (no meta leader, a stream being
+// placed), and nats.go waits for a reply until the context's deadline: a
+// caller's far deadline (or none, then nats.go's 5s) must not stall the
+// retries. Ten seconds is twice a cluster's usual leader election.
+const ensureAttemptTimeout = 10 * time.Second
+
 func ensureAllOnce(ctx context.Context, js jetstream.JetStream, stream StreamConfig, bucket BucketConfig) (Resources, error) {
+	ctx, cancel := context.WithTimeout(ctx, ensureAttemptTimeout)
+	defer cancel()
 	var r Resources
 	var err error
 	if r.Stream, err = EnsureStream(ctx, js, stream); err != nil {
