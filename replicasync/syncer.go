@@ -243,7 +243,9 @@ func (s *Syncer) PeerExtend(keys []kvindex.Key, from int, inst string, epoch uin
 }
 
 // PeerHolders: see Table.PeerHolders.
-func (s *Syncer) PeerHolders(dst []string, key kvindex.Key) []string { return s.table.PeerHolders(dst, key) }
+func (s *Syncer) PeerHolders(dst []string, key kvindex.Key) []string {
+	return s.table.PeerHolders(dst, key)
+}
 
 // Speculate queues a routing decision's speculative blocks for the next
 // send; it never blocks. Beyond what the rate bound lets one interval
