@@ -18,9 +18,10 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
@@ -36,8 +37,8 @@ type clusterFleet struct {
 	ctx     context.Context
 	nc      *testenv.NATSCluster
 	pool    string
-	stream  events.StreamConfig
-	bucket  events.BucketConfig
+	stream  kvstream.StreamConfig
+	bucket  kvstream.BucketConfig
 	engines []*clusterEngine
 }
 
@@ -55,8 +56,8 @@ func newClusterFleet(t testing.TB, engines, blocks int) *clusterFleet {
 	f := &clusterFleet{
 		t: t, ctx: testenv.Context(t, 4*time.Minute), nc: testenv.StartNATSCluster(t, 3),
 		pool:   "pool_" + name,
-		stream: events.StreamConfig{Name: "EV_" + name, Replicas: 3},
-		bucket: events.BucketConfig{Name: "SN_" + name, Replicas: 3},
+		stream: kvstream.StreamConfig{Name: "EV_" + name, Replicas: 3},
+		bucket: kvstream.BucketConfig{Name: "SN_" + name, Replicas: 3},
 	}
 	for i := 0; i < engines; i++ {
 		e := &clusterEngine{id: fmt.Sprintf("sim-%d", i)}
@@ -98,7 +99,7 @@ func newClusterFleet(t testing.TB, engines, blocks int) *clusterFleet {
 // conn connects to every seed URL, reconnecting forever.
 func (f *clusterFleet) conn(name string) *nats.Conn {
 	f.t.Helper()
-	nc, err := events.NATSConfig{URL: f.nc.URLs(), Name: name, ReconnectWait: 50 * time.Millisecond, Logger: quietLogger()}.Connect()
+	nc, err := kvstream.NATSConfig{URL: f.nc.URLs(), Name: name, ReconnectWait: 50 * time.Millisecond, Logger: quietLogger()}.Connect()
 	if err != nil {
 		f.t.Fatalf("nats connect: %v", err)
 	}
@@ -192,23 +193,23 @@ type clusterRouter struct {
 	stop func()
 }
 
-func (f *clusterFleet) routerConfig() router.Config {
-	var insts []router.InstanceConfig
+func (f *clusterFleet) routerConfig() config.Config {
+	var insts []config.InstanceConfig
 	for _, e := range f.engines {
-		insts = append(insts, router.InstanceConfig{ID: e.id, URL: e.url})
+		insts = append(insts, config.InstanceConfig{ID: e.id, URL: e.url})
 	}
-	return router.Config{
+	return config.Config{
 		AdminToken: "adm",
-		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: f.nc.URLs(), Stream: f.stream.Name, StreamReplicas: 3}, Bucket: f.bucket.Name,
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: f.nc.URLs(), Stream: f.stream.Name, StreamReplicas: 3}, Bucket: f.bucket.Name,
 			StaleAfter: 3 * time.Second, PurgeAfter: time.Minute},
-		Pools: []router.PoolConfig{{Name: f.pool, Model: simModel,
-			Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-			Health:  router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
+		Pools: []config.PoolConfig{{Name: f.pool, Model: simModel,
+			Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Health:  config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 			Instances: insts}},
 	}
 }
 
-func (f *clusterFleet) startRouter(cfg router.Config) *clusterRouter {
+func (f *clusterFleet) startRouter(cfg config.Config) *clusterRouter {
 	f.t.Helper()
 	reg := prometheus.NewRegistry()
 	ctx, cancel := context.WithCancel(f.ctx)

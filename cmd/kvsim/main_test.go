@@ -14,6 +14,8 @@ import (
 	"github.com/go-zeromq/zmq4"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/sim/server"
 )
@@ -124,7 +126,7 @@ func TestRunFleet(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		m, err := events.ParseLiveFrames(msg.Frames)
+		m, err := enginezmq.ParseLiveFrames(msg.Frames)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/sim"
 )
 
@@ -51,13 +53,13 @@ func (w *waiter) take() []sim.Update {
 	return u
 }
 
-// publisher is what a driver sends encoded batches to (events.ZMQPublisher).
+// publisher is what a driver sends encoded batches to (enginezmq.Publisher).
 type publisher interface {
 	Publish(payload []byte) (uint64, error)
 	Skip(payload []byte) uint64
 }
 
-var _ publisher = (*events.ZMQPublisher)(nil)
+var _ publisher = (*enginezmq.Publisher)(nil)
 
 // driver runs one engine in real time: a goroutine sleeps until the
 // engine's next event (or a new request), advances it, and hands updates to

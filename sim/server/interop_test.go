@@ -7,29 +7,29 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/sim"
 )
 
 // TestInteropWithProjectSubscriber runs the instance the way the captured
 // simulator runs (PUB dials a binding SUB, legacy [seq, payload] replay) and
-// reads it with the project's own events.Subscriber and events.ReplayRange,
+// reads it with the project's own enginezmq.Subscriber and enginezmq.ReplayRange,
 // the code kvbridge uses against real engines.
 func TestInteropWithProjectSubscriber(t *testing.T) {
 	subPort, replayPort := testenv.FreePort(t), testenv.FreePort(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	sub, err := events.NewSubscriber(events.SubscriberConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", subPort), Bind: true})
+	sub, err := enginezmq.NewSubscriber(enginezmq.SubscriberConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", subPort), Bind: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	var mu sync.Mutex // guards got
-	var got []events.Message
+	var got []enginezmq.Message
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		_ = sub.Run(ctx, func(m events.Message) {
+		_ = sub.Run(ctx, func(m enginezmq.Message) {
 			mu.Lock()
 			got = append(got, m)
 			mu.Unlock()
@@ -52,9 +52,9 @@ func TestInteropWithProjectSubscriber(t *testing.T) {
 	}
 	waitFor(t, "3 batches", func() bool { mu.Lock(); defer mu.Unlock(); return len(got) >= 3 })
 	mu.Lock()
-	live := append([]events.Message(nil), got...)
+	live := append([]enginezmq.Message(nil), got...)
 	mu.Unlock()
-	replayed, err := events.ReplayRange(ctx, events.ReplayConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", replayPort)}, 1, live[len(live)-1].Seq+1)
+	replayed, err := enginezmq.ReplayRange(ctx, enginezmq.ReplayConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", replayPort)}, 1, live[len(live)-1].Seq+1)
 	if err != nil {
 		t.Fatal(err)
 	}

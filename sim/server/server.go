@@ -22,6 +22,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
@@ -99,7 +101,7 @@ type Instance struct {
 	ln       net.Listener
 	http     *http.Server
 	ranks    []*driver
-	pubs     []*events.ZMQPublisher
+	pubs     []*enginezmq.Publisher
 	registry *prometheus.Registry
 	metrics  *metrics
 	created  int64
@@ -195,7 +197,7 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 		ec.Model = model
 		ec.DPRank = r
 		ec.Epoch = float64(clock.Start.UnixNano()) / 1e9
-		var pub *events.ZMQPublisher
+		var pub *enginezmq.Publisher
 		if ev.Endpoint != "" {
 			pubEP, err := offsetEndpoint(ev.Endpoint, r)
 			if err != nil {
@@ -208,7 +210,7 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 				}
 			}
 			topic := strings.NewReplacer("{host}", host, "{port}", strconv.Itoa(port), "{rank}", strconv.Itoa(r), "{model}", model).Replace(ev.Topic)
-			pub, err = events.NewZMQPublisher(ctx, events.ZMQPublisherConfig{
+			pub, err = enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{
 				Endpoint: pubEP, Dial: ev.Dial, ReplayEndpoint: replayEP, Topic: topic,
 				BufferSteps: ev.BufferSteps, LegacyReplay: ev.LegacyReplay,
 				FirstSeq: 1, // per rank, from 1, as the captured engine does

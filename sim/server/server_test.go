@@ -17,6 +17,8 @@ import (
 	"github.com/go-zeromq/zmq4"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/tokenizer"
@@ -27,7 +29,7 @@ type sub struct {
 	t    *testing.T
 	sock zmq4.Socket
 	mu   sync.Mutex // guards msgs
-	msgs []events.Message
+	msgs []enginezmq.Message
 	done chan struct{}
 }
 
@@ -48,7 +50,7 @@ func subscribe(t *testing.T, endpoint string) *sub {
 			if err != nil {
 				return
 			}
-			msg, err := events.ParseLiveFrames(m.Frames)
+			msg, err := enginezmq.ParseLiveFrames(m.Frames)
 			if err != nil {
 				t.Errorf("bad frames: %v", err)
 				continue
@@ -62,7 +64,7 @@ func subscribe(t *testing.T, endpoint string) *sub {
 	return s
 }
 
-func (s *sub) messages() []events.Message {
+func (s *sub) messages() []enginezmq.Message {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return slices.Clone(s.msgs)
@@ -275,7 +277,7 @@ func testEndToEnd(t *testing.T, enc events.Encoding) {
 	if err := dealer.Dial(fmt.Sprintf("tcp://127.0.0.1:%d", replayPort)); err != nil {
 		t.Fatal(err)
 	}
-	if err := dealer.Send(zmq4.NewMsgFrom([]byte{}, events.SeqBytes(2))); err != nil {
+	if err := dealer.Send(zmq4.NewMsgFrom([]byte{}, enginezmq.SeqBytes(2))); err != nil {
 		t.Fatal(err)
 	}
 	for i := 1; ; i++ {
@@ -283,7 +285,7 @@ func testEndToEnd(t *testing.T, enc events.Encoding) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		msg, end, err := events.ParseReplayFrames(m.Frames)
+		msg, end, err := enginezmq.ParseReplayFrames(m.Frames)
 		if err != nil {
 			t.Fatal(err)
 		}
