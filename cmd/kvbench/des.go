@@ -12,7 +12,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/report"
-	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/workload"
 )
@@ -253,10 +253,10 @@ func (f *fleetFlags) register(fs *flag.FlagSet, instances int) {
 }
 
 // routing is the router configuration the fleet flags ask for.
-func (f *fleetFlags) routing() router.RoutingConfig {
-	rc := router.RoutingConfig{ConcurrencyThreshold: f.threshold, PrefixLength: f.prefixLen}
+func (f *fleetFlags) routing() config.RoutingConfig {
+	rc := config.RoutingConfig{ConcurrencyThreshold: f.threshold, PrefixLength: f.prefixLen}
 	if f.kvWeight != 0 {
-		rc.KV = &router.KVScoringConfig{PrefillCostWeight: f.kvWeight}
+		rc.KV = &config.KVScoringConfig{PrefillCostWeight: f.kvWeight}
 	}
 	return rc
 }
@@ -444,7 +444,7 @@ func writeReports(dir string, sums []report.Summary, bound float64) error {
 	return nil
 }
 
-func routingDefaults() router.RoutingConfig { return router.RoutingConfig{} }
+func routingDefaults() config.RoutingConfig { return config.RoutingConfig{} }
 
 // runDESOnce runs w on n default engines of gpuTokens each and summarises.
 func runDESOnce(ctx context.Context, n int, gpuTokens int64, rt *strategyRouter, w *workload.Workload) (report.Summary, error) {
