@@ -11,7 +11,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router/flowcontrol"
+	"github.com/kvrouter/kvrouter/router/openai"
 )
 
 // Flow-control request and response headers.
@@ -37,15 +39,15 @@ const charsPerToken = 4
 // leaves flow_control unchanged (its waiting and admitted requests stay
 // counted); pool points at the pool currently serving it.
 type flowControl struct {
-	cfg  FlowControlConfig
+	cfg  config.FlowControlConfig
 	gate *flowcontrol.Gate
 	pool atomic.Pointer[Pool]
 }
 
 // newFlowControl returns p's queue: prev's when its configuration is
 // unchanged, a new one otherwise, nil when flow control is off.
-func newFlowControl(cfg *FlowControlConfig, p, prev *Pool) (*flowControl, error) {
-	if !cfg.on() {
+func newFlowControl(cfg *config.FlowControlConfig, p, prev *Pool) (*flowControl, error) {
+	if !cfg.On() {
 		return nil, nil
 	}
 	if prev != nil && prev.flow != nil && reflect.DeepEqual(prev.flow.cfg, *cfg) {
@@ -54,12 +56,18 @@ func newFlowControl(cfg *FlowControlConfig, p, prev *Pool) (*flowControl, error)
 	}
 	f := &flowControl{cfg: *cfg}
 	f.pool.Store(p)
-	g, err := flowcontrol.NewGate(cfg.queueConfig(), flowcontrol.WithLimits(f.limits))
+	g, err := flowcontrol.NewGate(queueConfig(cfg), flowcontrol.WithLimits(f.limits))
 	if err != nil {
 		return nil, err
 	}
 	f.gate = g
 	return f, nil
+}
+
+// queueConfig is the queue a pool's flow_control asks for; the budgets are
+// read from the pool at each decision (limits).
+func queueConfig(c *config.FlowControlConfig) flowcontrol.Config {
+	return flowcontrol.Config{MaxQueue: c.MaxQueue, MaxWait: c.MaxWait, AgingStep: c.AgingStep, Weights: c.TenantWeights}
 }
 
 // limits is the pool's budget now: the configured concurrency, or the
@@ -150,7 +158,7 @@ func promptTokenEstimate(req *Request) int64 {
 // outputBound is the output tokens the request may generate, as it states
 // them (max_completion_tokens, else max_tokens); 0 when unstated or not a
 // positive integer (the engine answers a bad value).
-func outputBound(p *OpenAIRequest) int64 {
+func outputBound(p *openai.Request) int64 {
 	if p == nil {
 		return 0
 	}
@@ -210,7 +218,7 @@ func (s *Server) admit(w http.ResponseWriter, r *http.Request, pool *Pool, strat
 	h.Set(HeaderStrategy, strat.Name())
 	h.Set(HeaderReason, string(se.Reason))
 	h.Set(HeaderQueuedMs, strconv.FormatInt(se.Waited.Milliseconds(), 10))
-	writeError(w, http.StatusTooManyRequests, fmt.Sprintf("pool %q is overloaded: request shed (%s)", pool.Name(), se.Reason))
+	openai.WriteError(w, http.StatusTooManyRequests, fmt.Sprintf("pool %q is overloaded: request shed (%s)", pool.Name(), se.Reason))
 	s.m.requests.WithLabelValues(pool.Name(), "", strat.Name(), string(se.Reason), "429").Inc()
 	return nil, nil, false
 }
@@ -230,10 +238,10 @@ func priorityLabel(p int64) string {
 // QueueStatus is GET /admin/pools/{pool}/queue: whether flow control is on
 // and, when it is, the queue's state.
 type QueueStatus struct {
-	Pool    string             `json:"pool"`
-	Enabled bool               `json:"enabled"`
-	Config  *FlowControlConfig `json:"config,omitempty"`
-	Queue   *flowcontrol.Stats `json:"queue,omitempty"`
+	Pool    string                    `json:"pool"`
+	Enabled bool                      `json:"enabled"`
+	Config  *config.FlowControlConfig `json:"config,omitempty"`
+	Queue   *flowcontrol.Stats        `json:"queue,omitempty"`
 }
 
 // QueueStatus reports the pool's flow-control queue.

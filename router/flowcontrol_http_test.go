@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -66,15 +67,15 @@ func (u *orderUpstream) arrivals() []string {
 
 // flowServer is a router with one pool ("p", model "m") of one instance
 // that takes one request at a time, behind flow control fc.
-func flowServer(t *testing.T, upstream string, fc *router.FlowControlConfig) (*router.Server, *httptest.Server) {
+func flowServer(t *testing.T, upstream string, fc *config.FlowControlConfig) (*router.Server, *httptest.Server) {
 	t.Helper()
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{{
+	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{{
 		Name: "p", Model: "m",
-		Routing:     router.RoutingConfig{Strategy: router.StrategyLeastOutstanding, ConcurrencyThreshold: 1},
-		Health:      router.HealthConfig{Disable: true},
-		Discovery:   router.DiscoveryConfig{Disable: true},
+		Routing:     config.RoutingConfig{Strategy: config.StrategyLeastOutstanding, ConcurrencyThreshold: 1},
+		Health:      config.HealthConfig{Disable: true},
+		Discovery:   config.DiscoveryConfig{Disable: true},
 		FlowControl: fc,
-		Instances:   []router.InstanceConfig{{ID: "e0", URL: upstream}},
+		Instances:   []config.InstanceConfig{{ID: "e0", URL: upstream}},
 	}}}, router.Options{Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
@@ -127,7 +128,7 @@ func waitQueue(t *testing.T, srv *router.Server, n int) {
 // priority; each carries the time it waited.
 func TestFlowControlAdmitsByPriority(t *testing.T) {
 	up, upTS := newOrderUpstream(t)
-	srv, ts := flowServer(t, upTS.URL, &router.FlowControlConfig{Enabled: true})
+	srv, ts := flowServer(t, upTS.URL, &config.FlowControlConfig{Enabled: true})
 	ctx := context.Background()
 	replies := make(chan flowReply, 8)
 	go func() { replies <- postCompletion(ctx, ts.URL, "first", nil, "") }()
@@ -173,7 +174,7 @@ func TestFlowControlAdmitsByPriority(t *testing.T) {
 // and counted.
 func TestFlowControlSheds(t *testing.T) {
 	up, upTS := newOrderUpstream(t)
-	srv, ts := flowServer(t, upTS.URL, &router.FlowControlConfig{Enabled: true, MaxQueue: 2})
+	srv, ts := flowServer(t, upTS.URL, &config.FlowControlConfig{Enabled: true, MaxQueue: 2})
 	ctx := context.Background()
 	done := make(chan flowReply, 8)
 	go func() { done <- postCompletion(ctx, ts.URL, "first", nil, "") }()

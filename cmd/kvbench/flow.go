@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
-	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router/flowcontrol"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/workload"
@@ -122,11 +122,11 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 			"the burst) and shed rates per class, and Jain's index over tenants' token throughput.",
 		[]string{"kvbench flow", "kvbench flow --instances 8 --loads 2,4 --burst 120s"})
 	instances := fs.Int("instances", 4, "instances (default simulated engine: Llama 3.1 70B on 8×H100)")
-	strategy := fs.String("strategy", router.StrategyPrefixAware, "routing strategy")
+	strategy := fs.String("strategy", config.StrategyPrefixAware, "routing strategy")
 	loadsFlag := fs.String("loads", "0.5,1.5,2,4", "burst arrival rates as multiples of the measured capacity")
 	burst := fs.Duration("burst", 60*time.Second, "length of each burst (Poisson arrivals)")
 	objective := fs.Duration("ttft-objective", 0, "TTFT objective of every request (0 = twice the unloaded p99 of its tenant class, light or heavy)")
-	threshold := fs.Int("concurrency-threshold", router.DefaultConcurrencyThresh, "routing.concurrency_threshold; the queue's budget is this × instances")
+	threshold := fs.Int("concurrency-threshold", config.DefaultConcurrencyThresh, "routing.concurrency_threshold; the queue's budget is this × instances")
 	heavy := fs.Float64("heavy-factor", 10, "the heavy tenant's tokens over one light tenant's")
 	urgent := fs.Float64("urgent-share", 0.25, "share of requests at priority 0 (the rest at 1)")
 	prefill := fs.Int64("prefill-budget", sim.DefaultMaxNumBatchedTokens, "the queue's prefill_tokens_per_instance (default: the engine's max_num_batched_tokens; 0 = none)")
@@ -154,7 +154,7 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	shape := workload.Overload{HeavyFactor: *heavy, UrgentShare: *urgent}
 	var prefillBudget int64
 	run := func(w *workload.Workload, flow bool) (*des.Result, error) {
-		rt, err := newStrategyRouter(*strategy, router.RoutingConfig{ConcurrencyThreshold: *threshold}, uint64(*seed), sim.DefaultModel)
+		rt, err := newStrategyRouter(*strategy, config.RoutingConfig{ConcurrencyThreshold: *threshold}, uint64(*seed), sim.DefaultModel)
 		if err != nil {
 			return nil, err
 		}

@@ -8,15 +8,16 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
 )
 
 // TestQueue shows a pool whose one instance is held busy, with requests of
 // two tenants waiting at two priorities, beside a pool without flow control.
 func TestQueue(t *testing.T) {
-	tr := newTestRouter(t, 1, true, func(c *router.Config) {
+	tr := newTestRouter(t, 1, true, func(c *config.Config) {
 		c.Pools[0].Routing.ConcurrencyThreshold = 1
-		c.Pools[0].FlowControl = &router.FlowControlConfig{Enabled: true, MaxQueue: 16}
+		c.Pools[0].FlowControl = &config.FlowControlConfig{Enabled: true, MaxQueue: 16}
 	})
 	data := httptest.NewServer(tr.srv.Handler())
 	defer data.Close()

@@ -1,13 +1,17 @@
-package router
+package config
 
 import (
 	"fmt"
+	"math"
 	"time"
-
-	"github.com/kvrouter/kvrouter/router/flowcontrol"
 )
 
-// FlowControlConfig is a pool's admission queue (router/flowcontrol): when
+// MaxTTFTObjective bounds a TTFT objective (router/flowcontrol's bound
+// for the header, the same hour): beyond it there is no objective.
+const MaxTTFTObjective = time.Hour
+
+// FlowControlConfig is a pool's admission queue (router/flowcontrol; see
+// docs/flow-control.md): when
 // the pool is at its budget a request waits in priority bands, shared
 // between tenants by tokens, instead of piling onto an engine; one that
 // cannot meet its TTFT objective, or waits too long, is answered 429 with
@@ -40,24 +44,34 @@ type FlowControlConfig struct {
 	TenantWeights map[string]float64 `yaml:"tenant_weights" json:"tenant_weights,omitempty"`
 }
 
-func (c *FlowControlConfig) on() bool { return c != nil && c.Enabled }
-
-func (c *FlowControlConfig) queueConfig() flowcontrol.Config {
-	return flowcontrol.Config{
-		MaxConcurrency: c.MaxConcurrency, MaxPendingPrefill: c.PrefillTokensPerInstance,
-		MaxQueue: c.MaxQueue, MaxWait: c.MaxWait, AgingStep: c.AgingStep, Weights: c.TenantWeights,
-	}
-}
+// On reports whether flow control is enabled.
+func (c *FlowControlConfig) On() bool { return c != nil && c.Enabled }
 
 func (c *FlowControlConfig) validate(field string) error {
-	if !c.on() {
+	if !c.On() {
 		return nil
 	}
-	if err := c.queueConfig().Validate(); err != nil {
-		return fmt.Errorf("%w: %s: %w", ErrInvalidConfig, field, err)
+	bad := func(format string, a ...any) error {
+		return fmt.Errorf("%w: %s."+format, append([]any{ErrInvalidConfig, field}, a...)...)
 	}
-	if c.TTFTObjective < 0 || c.TTFTObjective > flowcontrol.MaxTTFTObjective {
-		return fmt.Errorf("%w: %s.ttft_objective %v out of range 0..%v", ErrInvalidConfig, field, c.TTFTObjective, flowcontrol.MaxTTFTObjective)
+	switch {
+	case c.MaxConcurrency < 0 || c.MaxConcurrency > 1<<24:
+		return bad("max_concurrency %d out of range 0..%d", c.MaxConcurrency, 1<<24)
+	case c.PrefillTokensPerInstance < 0:
+		return bad("prefill_tokens_per_instance %d must be >= 0", c.PrefillTokensPerInstance)
+	case c.MaxQueue < 0 || c.MaxQueue > 1<<20:
+		return bad("max_queue %d out of range 0..%d (0 = the default)", c.MaxQueue, 1<<20)
+	case c.MaxWait < 0 || c.MaxWait > MaxTTFTObjective:
+		return bad("max_wait %v out of range 0..%v", c.MaxWait, MaxTTFTObjective)
+	case c.AgingStep < 0 || c.AgingStep > MaxTTFTObjective:
+		return bad("aging_step %v out of range 0..%v", c.AgingStep, MaxTTFTObjective)
+	case c.TTFTObjective < 0 || c.TTFTObjective > MaxTTFTObjective:
+		return bad("ttft_objective %v out of range 0..%v", c.TTFTObjective, MaxTTFTObjective)
+	}
+	for t, w := range c.TenantWeights {
+		if !(w > 0) || math.IsInf(w, 0) {
+			return bad("tenant_weights[%q] %v: want a positive number", t, w)
+		}
 	}
 	return nil
 }
