@@ -8,6 +8,7 @@ import (
 
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/kvrouter/kvrouter/router/flowcontrol"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -83,6 +84,8 @@ type DashboardPool struct {
 	IndexEntries int                 `json:"index_entries"`
 	IndexError   string              `json:"index_error,omitempty"`
 	Instances    []DashboardInstance `json:"instances"`
+	// Queue is the pool's flow-control queue (nil when flow control is off).
+	Queue *flowcontrol.Stats `json:"queue,omitempty"`
 }
 
 // DashboardHistogram is a cumulative histogram: Buckets[i] observations
@@ -174,6 +177,7 @@ func (s *Server) dashboardPool(ctx context.Context, p *Pool, mv *metricView) Das
 		Decisions: mv.sumBy("kvrouter_requests_total", name, "reason"), KVDecisions: map[string]int64{},
 		Instances: []DashboardInstance{},
 	}
+	dp.Queue = p.QueueStatus().Queue
 	dp.Statuses = statusClasses(mv.sumBy("kvrouter_requests_total", name, "status"))
 	dp.TTFB = mv.histogram("kvrouter_upstream_ttfb_seconds", name)
 	perInst := mv.sumBy("kvrouter_requests_total", name, "instance")

@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/flowcontrol"
 )
 
 // orderUpstream is a one-slot engine for flow-control tests: it answers
@@ -165,6 +166,28 @@ func TestFlowControlAdmitsByPriority(t *testing.T) {
 	p, _ := srv.Pool("p")
 	if c := p.QueueStatus().Queue.Counts; c.AdmittedAtOnce != 1 || c.AdmittedQueued != 5 {
 		t.Fatalf("counts %+v", c)
+	}
+	// The dashboard and the admin API show the same queue.
+	for _, path := range []string{"/admin/dashboard.json", "/admin/pools/p/queue"} {
+		resp, err := http.Get(ts.URL + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got struct {
+			Pools []struct {
+				Queue *flowcontrol.Stats `json:"queue"`
+			} `json:"pools"`
+			Queue *flowcontrol.Stats `json:"queue"`
+		}
+		err = json.NewDecoder(resp.Body).Decode(&got)
+		resp.Body.Close()
+		q := got.Queue
+		if len(got.Pools) == 1 {
+			q = got.Pools[0].Queue
+		}
+		if err != nil || q == nil || q.Counts.AdmittedQueued != 5 || q.MaxConcurrency != 1 {
+			t.Fatalf("%s: %v %+v", path, err, q)
+		}
 	}
 }
 
