@@ -24,11 +24,10 @@ type FlowControlConfig struct {
 	MaxConcurrency int `yaml:"max_concurrency" json:"max_concurrency,omitempty"`
 	// PrefillTokensPerInstance bounds the prompt tokens sent and not yet
 	// answered with a first byte, per healthy instance; 0 (default) = no
-	// bound. The engine's --max-num-batched-tokens (vLLM's default on
-	// H100-class GPUs: 8192) is the natural value: with no more than one
-	// step's prefill pending, an admitted request starts its prefill in the
-	// engine's next step, and the waiting happens in the router's queue,
-	// where priority and fairness order it (docs/flow-control.md).
+	// bound. Two steps of the engines' --max-num-batched-tokens (vLLM's
+	// default on H100-class GPUs: 8192) is the value to start from: one
+	// step prefilling, one ready, the rest waiting in the router where
+	// priority and fairness order it (docs/flow-control.md).
 	PrefillTokensPerInstance int64 `yaml:"prefill_tokens_per_instance" json:"prefill_tokens_per_instance,omitempty"`
 	// MaxQueue bounds waiting requests (default 1024).
 	MaxQueue int `yaml:"max_queue" json:"max_queue,omitempty"`
