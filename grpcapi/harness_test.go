@@ -73,7 +73,7 @@ func newHarness(t testing.TB, opts ...harnessOpt) *harness {
 	}
 	h.srv, err = router.NewServer(rcfg, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV: func(p config.PoolConfig) (kvindex.Index, router.Freshness) {
+		KV: func(p config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			if p.Name == "kv" {
 				return idx, nil
 			}

@@ -73,8 +73,8 @@ func TestKVAwareOverNATS(t *testing.T) {
 	}
 	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV: func(config.PoolConfig) (kvindex.Index, router.Freshness) {
-			return idx, router.FreshnessFuncs{Healthy: c.Healthy, IsStale: func(id string) bool { return !c.Live(id) }}
+		KV: func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
+			return idx, kvindex.FreshnessFuncs{Healthy: c.Healthy, IsStale: func(id string) bool { return !c.Live(id) }}
 		},
 	})
 	if err != nil {

@@ -150,7 +150,7 @@ func newKVHTTP(t *testing.T, n int, routing config.RoutingConfig) *kvHTTP {
 	}
 	h.srv, err = router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV: func(p config.PoolConfig) (kvindex.Index, router.Freshness) {
+		KV: func(p config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			return idx, nil
 		},
 	})
@@ -389,7 +389,7 @@ func TestMidStreamDisconnectReleases(t *testing.T) {
 		Instances: []config.InstanceConfig{{ID: "a", URL: up.URL}}}
 	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV:     func(config.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil },
+		KV:     func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil },
 	})
 	if err != nil {
 		t.Fatal(err)

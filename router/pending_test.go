@@ -254,7 +254,7 @@ func TestPendingNonStreamedReleasedBeforeResponse(t *testing.T) {
 				Instances: []config.InstanceConfig{{ID: "a", URL: up.URL}}}
 			srv, err := NewServer(config.Config{Pools: []config.PoolConfig{pc}}, Options{
 				Logger: slog.New(slog.DiscardHandler),
-				KV:     func(config.PoolConfig) (kvindex.Index, Freshness) { return idx, nil },
+				KV:     func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil },
 			})
 			if err != nil {
 				t.Fatal(err)

@@ -109,7 +109,7 @@ func TestCacheSaltKVAware(t *testing.T) {
 	}
 	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}, CacheSaltSecret: secret}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV:     func(config.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil },
+		KV:     func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil },
 	})
 	if err != nil {
 		t.Fatal(err)

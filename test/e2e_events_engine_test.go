@@ -23,6 +23,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/router/kvstate"
 
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 
@@ -993,7 +994,7 @@ func testRouterNoStaleKVMatch(t *testing.T, specTTL time.Duration) {
 			Instances: []config.InstanceConfig{{ID: r.instance, URL: r.url()}}}},
 	}
 	reg := prometheus.NewRegistry()
-	kve, err := router.StartKVEvents(r.ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: quietLogger()})
+	kve, err := kvstate.Start(r.ctx, cfg, kvstate.Options{Registerer: reg, Logger: quietLogger()})
 	if err != nil {
 		t.Fatal(err)
 	}

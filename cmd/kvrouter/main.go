@@ -52,6 +52,8 @@ import (
 	"github.com/kvrouter/kvrouter/internal/tracing"
 	"github.com/kvrouter/kvrouter/internal/version"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/fleet"
+	"github.com/kvrouter/kvrouter/router/kvstate"
 )
 
 func main() {
@@ -193,8 +195,8 @@ func loadConfig(f flags, getenv func(string) string) (config.Config, error) {
 	if cfg.CacheSaltSecret, err = config.DecodeCacheSaltSecret(getenv(config.CacheSaltSecretEnv)); err != nil {
 		return cfg, err
 	}
-	if cfg.HeartbeatKey, err = kvstream.DecodeHeartbeatKey(getenv(router.HeartbeatKeyEnv)); err != nil {
-		return cfg, fmt.Errorf("%s: %w", router.HeartbeatKeyEnv, err)
+	if cfg.HeartbeatKey, err = kvstream.DecodeHeartbeatKey(getenv(kvstate.HeartbeatKeyEnv)); err != nil {
+		return cfg, fmt.Errorf("%s: %w", kvstate.HeartbeatKeyEnv, err)
 	}
 	if cfg.Index != nil && cfg.Index.Redis != nil {
 		cfg.Index.Redis.Password = getenv("KVROUTER_REDIS_PASSWORD")
@@ -248,9 +250,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	// exact routing intact.
 	kvCtx, cancelKV := context.WithCancel(context.Background())
 	defer cancelKV()
-	var kve *router.KVEvents
+	var kve *kvstate.Pipeline
 	if config.KVEventsWanted(cfg) {
-		if kve, err = router.StartKVEvents(kvCtx, cfg, router.KVEventsOptions{Registerer: reg, Logger: log, NATSErrorHandler: libs.NATSErrorHandler()}); err != nil {
+		if kve, err = kvstate.Start(kvCtx, cfg, kvstate.Options{Registerer: reg, Logger: log, NATSErrorHandler: libs.NATSErrorHandler()}); err != nil {
 			return err
 		}
 		defer kve.Close()
@@ -352,11 +354,15 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 			certs.Run(runCtx)
 		}
 	}()
+	var fl *fleet.Reconciler
+	if kve != nil {
+		fl = fleet.New(srv, kve, cfg, fleet.DefaultInterval, log)
+	}
 	discDone := make(chan struct{})
 	go func() {
 		defer close(discDone)
-		if kve != nil {
-			kve.RunDiscovery(runCtx, srv, time.Second)
+		if fl != nil {
+			_ = fl.Run(runCtx)
 		}
 	}()
 	if kve != nil {
@@ -413,8 +419,8 @@ loop:
 			if err == nil && api != nil && (ncfg.GRPC != cfg.GRPC || ncfg.DefaultPool != cfg.DefaultPool || ncfg.AdminToken != cfg.AdminToken) {
 				log.Warn("reload: grpc: and the gRPC API's default_pool and admin token change only on restart")
 			}
-			if err == nil && kve != nil {
-				err = kve.Reload(srv, ncfg)
+			if err == nil && fl != nil {
+				err = fl.Apply(ncfg)
 			} else if err == nil {
 				err = srv.Reload(ncfg)
 			}
@@ -475,7 +481,7 @@ func stopTracing(tp *sdktrace.TracerProvider, log *slog.Logger) {
 // token and TLS certificates of the HTTP listeners, Events.Watch on the KV
 // events' NATS connection (none without KV events: Watch is UNAVAILABLE),
 // metrics on reg, and drain as the graceful-stop budget.
-func newGRPC(cfg config.Config, srv *router.Server, kve *router.KVEvents, certs *router.CertReloader,
+func newGRPC(cfg config.Config, srv *router.Server, kve *kvstate.Pipeline, certs *router.CertReloader,
 	reg prometheus.Registerer, log *slog.Logger, drain time.Duration) (*grpcapi.Server, error) {
 	ep := cfg.GRPC.ExtProc
 	body := ep.MaxBodyBytes

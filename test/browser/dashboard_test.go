@@ -27,6 +27,7 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/sim"
 	simserver "github.com/kvrouter/kvrouter/sim/server"
 	"github.com/kvrouter/kvrouter/test/browser"
@@ -105,7 +106,7 @@ func startFleet(t *testing.T, ctx context.Context) *fleet {
 		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: streamName}, Bucket: bucketName},
 	}
 	reg := prometheus.NewRegistry()
-	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: log, Conn: nc, Stream: stream, Bucket: bucket})
+	kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Registerer: reg, Logger: log, Conn: nc, Stream: stream, Bucket: bucket})
 	if err != nil {
 		t.Fatalf("router events pipeline: %v", err)
 	}
