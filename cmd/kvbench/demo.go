@@ -134,7 +134,7 @@ func startLocalFleet(ctx context.Context, spec fleetSpec) (*localFleet, error) {
 }
 
 // startEvents starts the router's KV events pipeline as kvrouter does
-// (router.StartKVEvents: embedded NATS, the pool's consumer and memory
+// (kvstate.Start: embedded NATS, the pool's consumer and memory
 // index) and one bridge per instance publishing to it.
 func (f *localFleet) startEvents(ctx context.Context, pc config.PoolConfig, sources []bridge.Source, log *slog.Logger) error {
 	dir, err := os.MkdirTemp("", "kvbench-nats-")

@@ -42,7 +42,7 @@ const (
 // fleet is the real pipeline in this process, wired as cmd/kvrouter wires
 // it: kvsim instances publishing KV events over ZMQ, a kvbridge each into a
 // real (embedded) NATS server with JetStream, and the router's own events
-// pipeline (router.StartKVEvents: consumer, memory index, eviction stream
+// pipeline (kvstate.Start: consumer, memory index, eviction stream
 // at /v1/kv/evictions behind the admin token) feeding kv_aware with shadow
 // comparison.
 type fleet struct {
