@@ -31,6 +31,7 @@ import (
 	"github.com/kvrouter/kvrouter/internal/ratelog"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tiers"
+	"github.com/kvrouter/kvrouter/tiers/tiermetrics"
 )
 
 // DefaultEmbeddedStoreDir is the embedded NATS server's store when
@@ -86,7 +87,7 @@ type Pipeline struct {
 	cfg      config.Config
 	opts     Options
 	log      *slog.Logger
-	acct     *tiers.Accounting
+	acct     *tiermetrics.Accounting
 	embedded *kvstream.EmbeddedNATS
 	conn     *nats.Conn
 	ownConn  bool
@@ -140,7 +141,7 @@ func Start(ctx context.Context, cfg config.Config, opts Options) (*Pipeline, err
 	if cfg.Events != nil {
 		ec = *cfg.Events
 	}
-	acct, err := tiers.NewAccounting(opts.Registerer)
+	acct, err := tiermetrics.NewAccounting(opts.Registerer)
 	if err != nil {
 		return nil, err
 	}
@@ -235,7 +236,7 @@ func (k *Pipeline) Conn() *nats.Conn { return k.conn }
 
 // Accounting is the per-instance, per-tier block accounting fed by the
 // consumers.
-func (k *Pipeline) Accounting() *tiers.Accounting { return k.acct }
+func (k *Pipeline) Accounting() *tiermetrics.Accounting { return k.acct }
 
 // KV is Options.KV: the pool's index and its stream's freshness, built
 // (and its consumer started) on first use, so a pool added by a reload gets
@@ -314,6 +315,12 @@ func (k *Pipeline) pool(pc config.PoolConfig) (*kvPool, error) {
 	bucket := k.opts.Bucket
 	if bucket.Name == "" {
 		bucket.Name = ec.Bucket
+	}
+	if stream.Replicas == 0 {
+		stream.Replicas = ec.NATS.StreamReplicas
+	}
+	if bucket.Replicas == 0 {
+		bucket.Replicas = ec.NATS.StreamReplicas
 	}
 	var applier consumer.Applier = &accountingApplier{Index: index, acct: k.acct}
 	if rs, ok := index.(*kvindex.Redis); ok {
@@ -435,10 +442,10 @@ func (k *Pipeline) Close() {
 	}
 }
 
-// accountingApplier feeds tiers.Accounting from what the consumer applies.
+// accountingApplier feeds tiermetrics.Accounting from what the consumer applies.
 type accountingApplier struct {
 	kvindex.Index
-	acct *tiers.Accounting
+	acct *tiermetrics.Accounting
 }
 
 var _ consumer.Applier = (*accountingApplier)(nil)
