@@ -37,6 +37,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/routertest"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
@@ -51,7 +52,7 @@ func ctxT(t *testing.T) context.Context {
 // the right status codes.
 func TestPick(t *testing.T) {
 	h := newHarness(t)
-	p := prompt(1, 10*bs+5)
+	p := routertest.Prompt(1, 10*bs+5)
 	h.store("kv-2", p[:6*bs])
 
 	tests := []struct {
@@ -68,7 +69,7 @@ func TestPick(t *testing.T) {
 		// blocks 6..9): the same prompt now matches all ten full blocks.
 		{name: "pool by model, speculative holds", req: &kvrouterv1.PickRequest{Model: kvModel, TokenIds: p},
 			instance: "kv-2", reason: string(router.ReasonKVMatch), matchedGPU: 10 * bs},
-		{name: "unknown prefix routes heuristically", req: &kvrouterv1.PickRequest{Pool: "kv", TokenIds: prompt(99, 4*bs)},
+		{name: "unknown prefix routes heuristically", req: &kvrouterv1.PickRequest{Pool: "kv", TokenIds: routertest.Prompt(99, 4*bs)},
 			reason: string(router.ReasonHeuristic)},
 		{name: "prompt text on a hash pool", req: &kvrouterv1.PickRequest{Pool: "hash", Prompt: "hello world"},
 			reason: string(router.ReasonHash)},
@@ -180,7 +181,7 @@ func TestPickAgreesWithHTTP(t *testing.T) {
 // from token ids or from prompt text tokenized by the pool's tokenizer.
 func TestLookup(t *testing.T) {
 	h := newHarness(t)
-	p := prompt(7, 8*bs+3)
+	p := routertest.Prompt(7, 8*bs+3)
 	h.store("kv-0", p[:8*bs])
 	keys := h.store("kv-1", p[:4*bs])
 	// kv-1 offloads its 4 blocks to CPU, then loses the last 2 from GPU.
@@ -270,7 +271,7 @@ func TestAuth(t *testing.T) {
 				return metadata.AppendToOutgoingContext(ctx, "authorization", tok)
 			}
 			lookup := func(ctx context.Context) error {
-				_, err := h.index().Lookup(ctx, &kvrouterv1.LookupRequest{Pool: "kv", TokenIds: prompt(1, 32)})
+				_, err := h.index().Lookup(ctx, &kvrouterv1.LookupRequest{Pool: "kv", TokenIds: routertest.Prompt(1, 32)})
 				return err
 			}
 			pick := func(ctx context.Context) error {

@@ -178,15 +178,3 @@ func (h *harness) apply(inst string, evs ...events.Event) {
 		h.t.Fatal(err)
 	}
 }
-
-func prompt(seed uint32, n int) []uint32 {
-	out := make([]uint32, n)
-	x := seed*2654435761 + 7
-	for i := range out {
-		x ^= x << 13
-		x ^= x >> 17
-		x ^= x << 5
-		out[i] = x % 100000
-	}
-	return out
-}

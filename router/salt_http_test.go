@@ -117,7 +117,7 @@ func TestCacheSaltKVAware(t *testing.T) {
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(ts.Close)
 
-	prompt := kvPrompt(42, 32*kvBS)
+	prompt := routertest.Prompt(42, 32*kvBS)
 	send := func(tenant, clientSalt string) (instance, reason, matched string) {
 		t.Helper()
 		body := map[string]any{"model": kvModel, "prompt": prompt}
