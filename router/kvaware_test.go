@@ -18,6 +18,7 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router/routertest"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -185,17 +186,7 @@ func (w *kvWorld) byID(id string) *Instance {
 }
 
 // promptTokens is a deterministic prompt of n tokens for a seed.
-func promptTokens(seed uint32, n int) []uint32 {
-	out := make([]uint32, n)
-	x := seed*2654435761 + 1
-	for i := range out {
-		x ^= x << 13
-		x ^= x >> 17
-		x ^= x << 5
-		out[i] = x % 128000
-	}
-	return out
-}
+func promptTokens(seed uint32, n int) []uint32 { return routertest.Prompt(seed, n) }
 
 func kvRequest(text string, tokens []uint32) *Request {
 	return &Request{Endpoint: EndpointCompletions, Pool: "p", Model: kvTestModel, RoutingText: text, PromptTokens: tokens}
