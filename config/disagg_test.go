@@ -32,7 +32,9 @@ func TestDisaggregationConfig(t *testing.T) {
 		want string
 	}{
 		{func(p *PoolConfig) { p.Disaggregation = &DisaggregationConfig{Mode: "sometimes"} }, "disaggregation.mode"},
-		{func(p *PoolConfig) { p.Disaggregation = &DisaggregationConfig{Mode: DisaggAlways, MinPrefillTokens: -1} }, "min_prefill_tokens"},
+		{func(p *PoolConfig) {
+			p.Disaggregation = &DisaggregationConfig{Mode: DisaggAlways, MinPrefillTokens: -1}
+		}, "min_prefill_tokens"},
 		{func(p *PoolConfig) {
 			p.Disaggregation = &DisaggregationConfig{Mode: DisaggAlways, PrefillTimeout: time.Millisecond}
 		}, "prefill_timeout"},
