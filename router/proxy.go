@@ -62,18 +62,6 @@ type attempt struct {
 	span span // the attempt's client span (tracing.go); empty when not traced
 }
 
-// cachedTokens is the engine-reported cached prompt tokens of the
-// attempt's response, -1 when none was seen.
-func (a *attempt) cachedTokens() int {
-	if a.usage == nil {
-		return -1
-	}
-	if c, ok := a.usage.result(); ok {
-		return c
-	}
-	return -1
-}
-
 type attemptKey struct{}
 
 func attemptFrom(ctx context.Context) *attempt {
@@ -251,7 +239,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 					}
 				}
 				if dec.Observer != nil {
-					dec.Observer.Done(a.status, a.cachedTokens())
+					dec.Observer.Done(a.status, a.usage.cachedTokens())
 				}
 				if p != nil {
 					s.m.requests.WithLabelValues(pool.Name(), dec.Instance.ID(), strat.Name(), string(dec.Reason), strconv.Itoa(a.status)).Inc()

@@ -133,3 +133,15 @@ func parseCachedTokens(doc []byte) (int, bool) {
 	}
 	return int(c), true
 }
+
+// cachedTokens is what an Observer's Done takes: the engine-reported
+// cached prompt tokens, -1 when t is nil (no response) or none was seen.
+func (t *usageTee) cachedTokens() int {
+	if t == nil {
+		return -1
+	}
+	if c, ok := t.result(); ok {
+		return c
+	}
+	return -1
+}
