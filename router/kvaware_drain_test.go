@@ -5,6 +5,8 @@ import (
 	"math"
 	"testing"
 	"time"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // TestPendingDrains: the wait kv_aware predicts on an instance working
@@ -14,7 +16,7 @@ import (
 // emptied starts then, not after an old prediction.
 func TestPendingDrains(t *testing.T) {
 	w := newKVWorld(t, 2)
-	s := w.strategy(RoutingConfig{KV: &KVScoringConfig{PrefillTokensPerSecond: 10_000}})
+	s := w.strategy(config.RoutingConfig{KV: &config.KVScoringConfig{PrefillTokensPerSecond: 10_000}})
 	queueOn := func(inst *Instance) float64 { return probeQueue(t, s, w, inst) }
 	near := func(what string, got, want float64) {
 		t.Helper()
@@ -78,7 +80,7 @@ func kvPickOn(t *testing.T, s *KVAware, inst *Instance, seed uint32) pickedOn {
 // period feed the prefill cost weight.
 func TestDrainMeasures(t *testing.T) {
 	w := newKVWorld(t, 1)
-	s := w.strategy(RoutingConfig{KV: &KVScoringConfig{PrefillTokensPerSecond: 10_000}})
+	s := w.strategy(config.RoutingConfig{KV: &config.KVScoringConfig{PrefillTokensPerSecond: 10_000}})
 	x := w.insts[0]
 	queue := func() float64 { return probeQueue(t, s, w, x) }
 	firstByte := func(d Decision) {
