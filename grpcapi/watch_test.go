@@ -13,11 +13,11 @@ import (
 	"google.golang.org/grpc/status"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/internal/testenv"
-	"github.com/kvrouter/kvrouter/router"
 )
 
 // TestWatch streams a pool's events from a real NATS server, as the
@@ -30,7 +30,7 @@ func TestWatch(t *testing.T) {
 	}
 	t.Cleanup(nc.Close)
 	reg := prometheus.NewRegistry()
-	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS, g.Registerer = nc, reg })
+	h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.NATS, g.Registerer = nc, reg })
 	pool := "kv" // the NATS server is this test's own
 
 	tokens := prompt(5, 2*bs)
@@ -175,7 +175,7 @@ func TestWatchBadRequests(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(nc.Close)
-	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS = nc })
+	h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.NATS = nc })
 	for _, tc := range []struct {
 		name string
 		req  *kvrouterv1.WatchRequest
@@ -209,7 +209,7 @@ func TestWatchSlowClient(t *testing.T) {
 	}
 	t.Cleanup(nc.Close)
 	reg := prometheus.NewRegistry()
-	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS, g.Registerer, g.WatchBuffer = nc, reg, 1 })
+	h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.NATS, g.Registerer, g.WatchBuffer = nc, reg, 1 })
 	pool := "hash" // the NATS server is this test's own
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -304,7 +304,7 @@ func TestServeStopsWithOpenWatch(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(nc.Close)
-	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS = nc })
+	h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.NATS = nc })
 	st, err := kvrouterv1.NewEventsClient(h.conn).Watch(ctxT(t), &kvrouterv1.WatchRequest{Pool: "kv"})
 	if err != nil {
 		t.Fatal(err)

@@ -15,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/events/kvstream"
@@ -59,19 +60,19 @@ func TestKVAwareOverNATS(t *testing.T) {
 
 	// Three instances; they answer like vLLM, their caches are played by
 	// the events below.
-	pc := router.PoolConfig{Name: pool, Model: kvModel, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-		Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true}}
+	pc := config.PoolConfig{Name: pool, Model: kvModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+		Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
 	for i := range 3 {
 		up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 			w.Header().Set("Content-Type", "application/json")
 			_, _ = w.Write([]byte(`{"choices":[{"text":"ok"}],"usage":{"prompt_tokens":1,"prompt_tokens_details":{"cached_tokens":0}}}`))
 		}))
 		t.Cleanup(up.Close)
-		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: fmt.Sprintf("vllm-%d", i), URL: up.URL})
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: fmt.Sprintf("vllm-%d", i), URL: up.URL})
 	}
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{
+	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV: func(router.PoolConfig) (kvindex.Index, router.Freshness) {
+		KV: func(config.PoolConfig) (kvindex.Index, router.Freshness) {
 			return idx, router.FreshnessFuncs{Healthy: c.Healthy, IsStale: func(id string) bool { return !c.Live(id) }}
 		},
 	})

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
@@ -101,15 +102,15 @@ func TestToolChatPredictionMatchesEngine(t *testing.T) {
 	t.Cleanup(func() { _ = in.Close() })
 	waitUntil(t, "events subscribed", in.EventsSubscribed)
 
-	pc := router.PoolConfig{Name: "tools", Model: model,
+	pc := config.PoolConfig{Name: "tools", Model: model,
 		// Speculative entries would count the router's own keys as held:
 		// expire them at once, so the prediction comes from engine events.
-		Routing:   router.RoutingConfig{Strategy: router.StrategyKVAware, KV: &router.KVScoringConfig{SpeculativeTTL: time.Millisecond}},
-		Tokenizer: &router.TokenizerConfig{Source: router.TokenSourceSimple},
-		Health:    router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-		Instances: []router.InstanceConfig{{ID: "engine", URL: in.URL()}}}
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{Logger: log,
-		KV: func(router.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil }})
+		Routing:   config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &config.KVScoringConfig{SpeculativeTTL: time.Millisecond}},
+		Tokenizer: &config.TokenizerConfig{Source: router.TokenSourceSimple},
+		Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+		Instances: []config.InstanceConfig{{ID: "engine", URL: in.URL()}}}
+	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{Logger: log,
+		KV: func(config.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil }})
 	if err != nil {
 		t.Fatal(err)
 	}

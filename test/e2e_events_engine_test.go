@@ -21,6 +21,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
@@ -980,14 +981,14 @@ func testRouterNoStaleKVMatch(t *testing.T, specTTL time.Duration) {
 	r.startEngine()
 	r.startBridge(bridgeOpts{})
 	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
-	cfg := router.Config{
+	cfg := config.Config{
 		AdminToken: "adm",
-		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: r.ns.URL(), Stream: r.stream.Name}, Bucket: r.bucket.Name,
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: r.ns.URL(), Stream: r.stream.Name}, Bucket: r.bucket.Name,
 			StaleAfter: 3 * time.Second, PurgeAfter: time.Minute},
-		Pools: []router.PoolConfig{{Name: r.pool, Model: simModel,
-			Routing: router.RoutingConfig{Strategy: router.StrategyKVAware, KV: &router.KVScoringConfig{SpeculativeTTL: specTTL}},
-			Health:  router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: r.instance, URL: r.url()}}}},
+		Pools: []config.PoolConfig{{Name: r.pool, Model: simModel,
+			Routing: config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &config.KVScoringConfig{SpeculativeTTL: specTTL}},
+			Health:  config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: r.instance, URL: r.url()}}}},
 	}
 	reg := prometheus.NewRegistry()
 	kve, err := router.StartKVEvents(r.ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: quietLogger()})

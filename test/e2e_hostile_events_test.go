@@ -15,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
@@ -34,16 +35,16 @@ type hostileRig struct {
 	logs *testenv.Logs
 }
 
-func newHostileRig(t *testing.T, mutate func(*router.Config)) *hostileRig {
+func newHostileRig(t *testing.T, mutate func(*config.Config)) *hostileRig {
 	ctx := testenv.Context(t, 2*time.Minute)
 	name := testenv.UniqueName(t)
 	pool := "p_" + name
 	ns := testenv.StartNATS(t)
-	cfg := router.Config{
-		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: "EV_" + name}, Bucket: "SN_" + name},
-		Pools: []router.PoolConfig{{Name: pool, Model: kvrModel, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-			Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
+	cfg := config.Config{
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: "EV_" + name}, Bucket: "SN_" + name},
+		Pools: []config.PoolConfig{{Name: pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
 	}
 	mutate(&cfg)
 	logs := &testenv.Logs{}
@@ -175,7 +176,7 @@ func (r *hostileRig) records() map[string]bool {
 // leaves no record.
 func TestE2EDiscoveryRefusesUntrustedHeartbeats(t *testing.T) {
 	key := []byte("0123456789abcdef0123456789abcdef")
-	r := newHostileRig(t, func(c *router.Config) {
+	r := newHostileRig(t, func(c *config.Config) {
 		c.HeartbeatKey = key
 		c.Pools[0].AllowedInstanceURLs = []string{"127.0.0.0/8", "http://*.vllm.internal:8000"}
 	})
@@ -244,7 +245,7 @@ func TestE2EDiscoveryRefusesUntrustedHeartbeats(t *testing.T) {
 // once the junk goes silent its records, pool entries and series are gone.
 func TestE2EJunkInstanceNamesBounded(t *testing.T) {
 	const junk, maxInstances = 10000, 50
-	r := newHostileRig(t, func(c *router.Config) {
+	r := newHostileRig(t, func(c *config.Config) {
 		c.Events.MaxInstances = maxInstances
 		c.Events.StaleAfter, c.Events.PurgeAfter = 500*time.Millisecond, 1500*time.Millisecond
 	})
@@ -371,11 +372,11 @@ func readyRig(t *testing.T, delay, readyTimeout time.Duration) (readyz string, b
 	}
 	t.Cleanup(func() { _ = sub.Unsubscribe() })
 	up := routertest.New(t, "vllm-0", kvrModel)
-	cfg := router.Config{
-		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: "EV_" + name}, Bucket: "SN_" + name, ReadyTimeout: readyTimeout},
-		Pools: []router.PoolConfig{{Name: pool, Model: kvrModel, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-			Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: up.URL()}}}},
+	cfg := config.Config{
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: "EV_" + name}, Bucket: "SN_" + name, ReadyTimeout: readyTimeout},
+		Pools: []config.PoolConfig{{Name: pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: up.URL()}}}},
 	}
 	logs = &testenv.Logs{}
 	log := slog.New(slog.NewJSONHandler(logs, nil))

@@ -16,6 +16,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
@@ -235,16 +236,16 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 		t.Cleanup(up.Close)
 		ups = append(ups, up)
 	}
-	cfg := router.Config{
+	cfg := config.Config{
 		AdminToken: "adm",
-		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket,
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket,
 			StaleAfter: time.Second, PurgeAfter: 3 * time.Second},
-		Pools: []router.PoolConfig{{Name: pool, Model: kvrModel,
-			Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-			Health:  router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: ups[0].URL}, {ID: "vllm-1", URL: ups[1].URL}}}},
+		Pools: []config.PoolConfig{{Name: pool, Model: kvrModel,
+			Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Health:  config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: ups[0].URL}, {ID: "vllm-1", URL: ups[1].URL}}}},
 	}
-	if !router.KVEventsWanted(cfg) {
+	if !config.KVEventsWanted(cfg) {
 		t.Fatal("a kv_aware pool does not want KV events")
 	}
 	reg := prometheus.NewRegistry()
@@ -455,12 +456,12 @@ func TestKVRouterEventsRedisIndex(t *testing.T) {
 	pool := "p_" + name
 	stream, bucket := "EV_"+name, "SN_"+name
 	ns := testenv.StartNATS(t)
-	cfg := router.Config{
-		Index:  &router.IndexConfig{Backend: "redis", Redis: &router.RedisConfig{Addrs: []string{testenv.Redis(t)}, KeyPrefix: name}},
-		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
-		Pools: []router.PoolConfig{{Name: pool, Model: kvrModel, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-			Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
+	cfg := config.Config{
+		Index:  &config.IndexConfig{Backend: "redis", Redis: &config.RedisConfig{Addrs: []string{testenv.Redis(t)}, KeyPrefix: name}},
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
+		Pools: []config.PoolConfig{{Name: pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
 	}
 	var routers []*kvrRouter
 	for range 2 {
@@ -510,11 +511,11 @@ func TestKVRouterRestartRebuildsIndex(t *testing.T) {
 	pool := "p_" + name
 	stream, bucket := "EV_"+name, "SN_"+name
 	ns := testenv.StartNATS(t)
-	cfg := router.Config{
-		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
-		Pools: []router.PoolConfig{{Name: pool, Model: kvrModel, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-			Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
+	cfg := config.Config{
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
+		Pools: []config.PoolConfig{{Name: pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
 	}
 	start := func() *kvrRouter {
 		kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: quietLogger(), SnapshotTimeout: 500 * time.Millisecond})

@@ -15,6 +15,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
@@ -82,15 +83,15 @@ func TestKVCommandsEndToEnd(t *testing.T) {
 	ns := testenv.StartNATS(t)
 	u0 := routertest.New(t, "vllm-0", testModel)
 	u1 := routertest.New(t, "vllm-1", testModel)
-	cfg := router.Config{
+	cfg := config.Config{
 		AdminListen: "127.0.0.1:0",
 		AdminToken:  "adm",
-		Events:      &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
-		Pools: []router.PoolConfig{{Name: pool, Model: testModel,
-			Routing:   router.RoutingConfig{Strategy: router.StrategyKVAware},
-			Tokenizer: &router.TokenizerConfig{Source: router.TokenSourceSimple},
-			Health:    router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: u0.URL()}, {ID: "vllm-1", URL: u1.URL()}}}},
+		Events:      &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
+		Pools: []config.PoolConfig{{Name: pool, Model: testModel,
+			Routing:   config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Tokenizer: &config.TokenizerConfig{Source: router.TokenSourceSimple},
+			Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: u0.URL()}, {ID: "vllm-1", URL: u1.URL()}}}},
 	}
 	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: quiet(), SnapshotTimeout: 300 * time.Millisecond})
 	if err != nil {

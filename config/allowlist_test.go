@@ -1,4 +1,4 @@
-package router
+package config
 
 import (
 	"strings"
@@ -6,7 +6,7 @@ import (
 )
 
 func TestURLAllowList(t *testing.T) {
-	a, err := parseAllowList([]string{"10.0.0.0/8", "192.168.1.7", "fd00::/8", "http://*.vllm.svc.cluster.local:8000", "https://engine-?.example.com"})
+	a, err := ParseAllowList([]string{"10.0.0.0/8", "192.168.1.7", "fd00::/8", "http://*.vllm.svc.cluster.local:8000", "https://engine-?.example.com"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -37,16 +37,16 @@ func TestURLAllowList(t *testing.T) {
 		{"http://", false},
 	}
 	for _, tc := range tests {
-		if got := a.allows(tc.url); got != tc.want {
+		if got := a.Allows(tc.url); got != tc.want {
 			t.Errorf("allows(%q) = %v, want %v", tc.url, got, tc.want)
 		}
 	}
-	if empty, _ := parseAllowList(nil); !empty.allows("http://anything:1") {
+	if empty, _ := ParseAllowList(nil); !empty.Allows("http://anything:1") {
 		t.Error("an empty list refuses")
 	}
 	for _, bad := range []string{"10.0.0.0/33", "example.com", "ftp://x:21", "http://:80", "http://[::1", "http://a[.com", "fe80::1%eth0"} {
-		if _, err := parseAllowList([]string{bad}); err == nil {
-			t.Errorf("parseAllowList(%q) accepted", bad)
+		if _, err := ParseAllowList([]string{bad}); err == nil {
+			t.Errorf("ParseAllowList(%q) accepted", bad)
 		}
 	}
 }
@@ -58,17 +58,17 @@ func FuzzURLAllowList(f *testing.F) {
 	f.Add("http://*.svc:80", "http://a.svc")
 	f.Add("::1", "http://[::1]:1")
 	f.Fuzz(func(t *testing.T, entry, raw string) {
-		a, err := parseAllowList(strings.Split(entry, ","))
+		a, err := ParseAllowList(strings.Split(entry, ","))
 		if err != nil {
 			return
 		}
-		_ = a.allows(raw)
+		_ = a.Allows(raw)
 		for _, n := range a.nets {
 			u := "http://" + n.Addr().String() + ":1"
 			if n.Addr().Is6() {
 				u = "http://[" + n.Addr().String() + "]:1"
 			}
-			if !a.allows(u) {
+			if !a.Allows(u) {
 				t.Fatalf("%q does not allow %q, its own network's address", entry, u)
 			}
 		}

@@ -1,4 +1,4 @@
-package router
+package openai
 
 import (
 	"bytes"
@@ -10,22 +10,14 @@ import (
 	"unicode/utf8"
 )
 
-// ErrBadRequest matches every request-parsing error (a *RequestError with
-// status 400); the HTTP edge answers 400.
-var ErrBadRequest = errors.New("router: bad request")
-
-// TenantHeader carries the tenant key on the raw invoke path (SageMaker's
-// name, so clients written for PREFIX_AWARE routing work unchanged).
-const TenantHeader = "X-Amzn-SageMaker-Prefix-Aware-Id"
-
-// OpenAIRequest is the part of an OpenAI chat or completions body the router
+// Request is the part of an OpenAI chat or completions body the router
 // reads. The body is forwarded as received, never re-serialised.
 //
 // The fields the token source and kv_aware's block keys need beyond
 // routing are kept as the raw bytes of their values (nil when absent), so
 // that the body is decoded once (jsonscan.go) and a value of the wrong type
 // fails tokenization, as before, rather than the request.
-type OpenAIRequest struct {
+type Request struct {
 	Model          string        `json:"model"`
 	Messages       []ChatMessage `json:"messages"`
 	Prompt         *Prompt       `json:"prompt"`
@@ -41,7 +33,7 @@ type OpenAIRequest struct {
 	Tools                json.RawMessage `json:"tools"`
 	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs"`
 
-	// src is the body ParseOpenAI decoded: kv_aware trusts CacheSalt only
+	// src is the body Parse decoded: kv_aware trusts CacheSalt only
 	// for a Request whose Body is still these bytes (salt.go rewrites it).
 	src []byte
 }
@@ -159,26 +151,45 @@ func (p *Prompt) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
-// ParseOpenAI decodes an OpenAI chat or completions body (validating all
-// of it, see jsonscan.go) and checks that it carries what the endpoint needs.
-func ParseOpenAI(ep Endpoint, body []byte) (*OpenAIRequest, error) {
-	var r OpenAIRequest
-	if err := decodeOpenAI(body, &r); err != nil {
-		return nil, badRequest("malformed JSON body: %v", err)
+// Kind is the OpenAI endpoint a body was posted to: it decides what the
+// body must carry.
+type Kind uint8
+
+// Kinds.
+const (
+	// Any checks only that the body is valid JSON of the shape read here.
+	Any Kind = iota
+	// Chat is POST /v1/chat/completions: messages are required.
+	Chat
+	// Completions is POST /v1/completions: a prompt is required.
+	Completions
+)
+
+// Parse decodes an OpenAI chat or completions body (validating all of it,
+// see jsonscan.go) and checks that it carries what the endpoint needs. Its
+// errors' text is the client-facing message of a 400.
+func Parse(kind Kind, body []byte) (*Request, error) {
+	var r Request
+	if err := Decode(body, &r); err != nil {
+		return nil, fmt.Errorf("malformed JSON body: %v", err)
 	}
 	r.src = body
-	switch ep {
-	case EndpointChatCompletions:
+	switch kind {
+	case Chat:
 		if len(r.Messages) == 0 {
-			return nil, badRequest("messages: required, at least one message")
+			return nil, errors.New("messages: required, at least one message")
 		}
-	case EndpointCompletions:
+	case Completions:
 		if r.Prompt == nil || (len(r.Prompt.Texts) == 0 && len(r.Prompt.Tokens) == 0) {
-			return nil, badRequest("prompt: required")
+			return nil, errors.New("prompt: required")
 		}
 	}
 	return &r, nil
 }
+
+// Source is the body Parse decoded (kv_aware trusts CacheSalt only for a
+// request whose body is still these bytes).
+func (r *Request) Source() []byte { return r.src }
 
 // textBuilder collects at most limit characters (runes) of text.
 type textBuilder struct {
@@ -227,11 +238,11 @@ func (t *textBuilder) put(s string) {
 	t.left -= n
 }
 
-// OpenAIRoutingText is the routing text of an OpenAI request: the first
+// RoutingText is the routing text of an OpenAI request: the first
 // limit characters of the messages' text (or the prompt), in order, pieces
 // joined by "\n". A token-id prompt routes by its ids written in decimal,
 // space separated.
-func OpenAIRoutingText(r *OpenAIRequest, limit int) string {
+func RoutingText(r *Request, limit int) string {
 	tb := newTextBuilder(limit)
 	for _, m := range r.Messages {
 		for _, p := range m.Content.Parts {
@@ -266,60 +277,9 @@ func OpenAIRoutingText(r *OpenAIRequest, limit int) string {
 	return tb.sb.String()
 }
 
-// RawRoutingText is the routing text of a raw invoke body: its first limit
-// bytes, after canonicalising JSON when asked (and when the body is JSON).
-func RawRoutingText(body []byte, limit int, canonicalize bool) string {
-	if canonicalize {
-		if c, err := CanonicalJSON(body); err == nil {
-			body = c
-		}
-	}
-	if len(body) > limit {
-		body = body[:limit]
-	}
-	return string(body)
-}
-
-// CanonicalJSON re-serialises a JSON document with sorted object keys, no
-// insignificant whitespace, numbers as written and no HTML escaping, so that
-// equal documents serialised differently compare equal.
-func CanonicalJSON(body []byte) ([]byte, error) {
-	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.UseNumber()
-	var v any
-	if err := dec.Decode(&v); err != nil {
-		return nil, err
-	}
-	if dec.More() {
-		return nil, errors.New("trailing data after JSON value")
-	}
-	var buf bytes.Buffer
-	buf.Grow(len(body))
-	enc := json.NewEncoder(&buf)
-	enc.SetEscapeHTML(false)
-	if err := enc.Encode(v); err != nil { // maps encode with sorted keys
-		return nil, err
-	}
-	return bytes.TrimSuffix(buf.Bytes(), []byte("\n")), nil
-}
-
-// ValidTenantKey reports whether s is 1-64 printable ASCII characters, the
-// form SageMaker accepts for X-Amzn-SageMaker-Prefix-Aware-Id.
-func ValidTenantKey(s string) bool {
-	if len(s) == 0 || len(s) > 64 {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		if s[i] < 0x20 || s[i] > 0x7e {
-			return false
-		}
-	}
-	return true
-}
-
 // firstTokens is the token ids of a prompt's first sequence: a batch of
 // token prompts is routed, as a whole, by its first member.
-func firstTokens(p *Prompt) []uint32 {
+func FirstTokens(p *Prompt) []uint32 {
 	if p == nil || len(p.Tokens) == 0 {
 		return nil
 	}

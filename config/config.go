@@ -1,4 +1,4 @@
-package router
+package config
 
 import (
 	"bytes"
@@ -16,7 +16,7 @@ import (
 )
 
 // ErrInvalidConfig wraps every configuration validation error.
-var ErrInvalidConfig = errors.New("router: invalid config")
+var ErrInvalidConfig = errors.New("config: invalid config")
 
 // Config is the whole router configuration (YAML file, see docs/configuration.md).
 // The zero value of every field means its documented default; Validate checks
@@ -440,7 +440,7 @@ func (r RoutingConfig) Validate() error { return r.validate("routing") }
 
 func (r RoutingConfig) validate(f string) error {
 	r = r.WithDefaults()
-	if !knownStrategy(r.Strategy) {
+	if !KnownStrategy(r.Strategy) {
 		return fmt.Errorf("%w: %s.strategy %q: want one of %s", ErrInvalidConfig, f, r.Strategy, strings.Join(StrategyNames(), ", "))
 	}
 	if r.PrefixLength < MinPrefixLength || r.PrefixLength > MaxPrefixLength {
@@ -456,7 +456,7 @@ func (r RoutingConfig) validate(f string) error {
 		if k.BlockSize < 0 || k.BlockSize > 1024 {
 			return fmt.Errorf("%w: %s.kv.block_size %d out of range 0..1024", ErrInvalidConfig, f, k.BlockSize)
 		}
-		if err := k.validateKV(f + ".kv"); err != nil {
+		if err := k.ValidateKV(f + ".kv"); err != nil {
 			return err
 		}
 	}
@@ -639,7 +639,7 @@ func (c Config) Validate() error {
 	models := map[string]string{}
 	for i, p := range c.Pools {
 		f := fmt.Sprintf("pools[%d]", i)
-		if !validName(p.Name) {
+		if !ValidName(p.Name) {
 			return bad("%s.name %q: want 1-64 characters of [A-Za-z0-9_.-]", f, p.Name)
 		}
 		if names[p.Name] {
@@ -695,16 +695,16 @@ func (c Config) Validate() error {
 				return bad("%s.tokenizer.source %q: want none, simple, files or engine", f, t.Source)
 			}
 		}
-		if len(p.Instances) == 0 && !(KVEventsWanted(c) && discoverEnabled(c)) {
+		if len(p.Instances) == 0 && !(KVEventsWanted(c) && DiscoverEnabled(c)) {
 			return bad("%s.instances: at least one instance is required (or heartbeat discovery: events with discover_instances)", f)
 		}
-		if _, err := parseAllowList(p.AllowedInstanceURLs); err != nil {
+		if _, err := ParseAllowList(p.AllowedInstanceURLs); err != nil {
 			return bad("%s.allowed_instance_urls: %v", f, err)
 		}
 		ids := map[string]bool{}
 		for j, in := range p.Instances {
 			fi := fmt.Sprintf("%s.instances[%d]", f, j)
-			if !validName(in.ID) {
+			if !ValidName(in.ID) {
 				return bad("%s.id %q: want 1-64 characters of [A-Za-z0-9_.-]", fi, in.ID)
 			}
 			if ids[in.ID] {
@@ -724,7 +724,7 @@ func (c Config) Validate() error {
 }
 
 // validName accepts names safe in metrics labels, URLs and NATS subjects.
-func validName(s string) bool {
+func ValidName(s string) bool {
 	if len(s) == 0 || len(s) > 64 {
 		return false
 	}
@@ -782,7 +782,7 @@ func ParseConfig(r io.Reader) (Config, error) {
 	var c Config
 	doc, err := io.ReadAll(r)
 	if err != nil {
-		return c, fmt.Errorf("router: read config: %w", err)
+		return c, fmt.Errorf("config: read: %w", err)
 	}
 	dec := yaml.NewDecoder(bytes.NewReader(doc))
 	dec.KnownFields(true)
@@ -799,7 +799,7 @@ func ParseConfig(r io.Reader) (Config, error) {
 func LoadConfig(path string) (Config, error) {
 	b, err := os.ReadFile(path)
 	if err != nil {
-		return Config{}, fmt.Errorf("router: read config: %w", err)
+		return Config{}, fmt.Errorf("config: read: %w", err)
 	}
 	c, err := ParseConfig(bytes.NewReader(b))
 	if err != nil {

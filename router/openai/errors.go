@@ -1,4 +1,4 @@
-package router
+package openai
 
 import (
 	"encoding/json"
@@ -41,7 +41,7 @@ func errorType(status int) string {
 
 // writeError answers with an OpenAI-shaped error. This is the only place
 // errors become HTTP statuses on the data plane.
-func writeError(w http.ResponseWriter, status int, msg string) {
+func WriteError(w http.ResponseWriter, status int, msg string) {
 	b, _ := json.Marshal(apiError{Error: apiErrorBody{Message: msg, Type: errorType(status), Code: status}})
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
@@ -52,7 +52,7 @@ func writeError(w http.ResponseWriter, status int, msg string) {
 
 // sseErrorEvent is the event that ends a stream whose upstream failed after
 // bytes reached the client: an OpenAI-shaped error, then [DONE].
-func sseErrorEvent(msg string) []byte {
+func SSEErrorEvent(msg string) []byte {
 	b, _ := json.Marshal(apiError{Error: apiErrorBody{Message: msg, Type: errorType(http.StatusBadGateway), Code: http.StatusBadGateway}})
 	out := make([]byte, 0, len(b)+32)
 	out = append(out, "data: "...)

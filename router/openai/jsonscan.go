@@ -1,4 +1,4 @@
-package router
+package openai
 
 import (
 	"encoding/json"
@@ -401,8 +401,8 @@ func (s *jscan) stringOrNull(field string, dst *string) error {
 	return fmt.Errorf("%s: want a string", field)
 }
 
-// decodeOpenAI fills r from body (see the file comment).
-func decodeOpenAI(body []byte, r *OpenAIRequest) error {
+// Decode fills r from body (see the file comment).
+func Decode(body []byte, r *Request) error {
 	s := &jscan{b: body}
 	switch s.peek() {
 	case 'n': // null: an empty request, as encoding/json has it
@@ -425,7 +425,7 @@ func decodeOpenAI(body []byte, r *OpenAIRequest) error {
 	return nil
 }
 
-func (s *jscan) topMember(key string, r *OpenAIRequest) error {
+func (s *jscan) topMember(key string, r *Request) error {
 	switch key {
 	case "model":
 		return s.stringOrNull("model", &r.Model)
@@ -531,7 +531,7 @@ func (s *jscan) raw(depth int, dst *json.RawMessage) error {
 // rawString is the string a raw value holds ("" for null or absent), as
 // encoding/json would decode it into a string; ok is false for any other
 // type.
-func rawString(v []byte) (string, bool) {
+func RawString(v []byte) (string, bool) {
 	if len(v) == 0 || string(v) == "null" {
 		return "", true
 	}
@@ -581,7 +581,7 @@ func (s *jscan) messageMember(key string, m *ChatMessage) error {
 // topLevelRaw is the raw value of the top-level member key (exact match,
 // the last one when repeated) of a JSON object body; nil when there is
 // none or body is not a valid JSON object.
-func topLevelRaw(body []byte, key string) json.RawMessage {
+func TopLevelRaw(body []byte, key string) json.RawMessage {
 	s := &jscan{b: body}
 	if s.peek() != '{' {
 		return nil
