@@ -4,8 +4,8 @@
 // holds the same index as one that never stopped; it discovers instances
 // from heartbeats, marks silent ones stale and purges them.
 //
-// Files by concern: consumer.go (Config, New, Run, the per-instance shards
-// and the work they do), order.go (a stream message's path: ordering,
+// Files by concern: consumer.go (Config, New, Run), order.go (a stream
+// message's path: dispatch to its instance's shard, the shard's work loop,
 // skipping what a snapshot covers, sequence gaps, applying), snapshot.go
 // (snapshot loads and the replay after them), liveness.go (heartbeats,
 // admission of new names, stale and purged instances), status.go (what the
@@ -334,98 +334,5 @@ func (c *Consumer) Run(ctx context.Context) error {
 		case <-tick.C:
 			c.check(ctx)
 		}
-	}
-}
-
-func (c *Consumer) shardOf(instance string) chan work {
-	return c.shards[maphash.String(c.seed, instance)%uint64(len(c.shards))]
-}
-
-func (c *Consumer) enqueue(ctx context.Context, w work) {
-	select {
-	case c.shardOf(w.instance) <- w:
-	case <-ctx.Done():
-	}
-}
-
-func (c *Consumer) shard(ctx context.Context, ch chan work) {
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case w := <-ch:
-			c.m.queue.Set(float64(len(ch)))
-			if w.kind == workBarrier {
-				w.done()
-				continue
-			}
-			c.do(ctx, w)
-		}
-	}
-}
-
-func (c *Consumer) do(ctx context.Context, w work) {
-	c.mu.Lock()
-	in := c.insts[w.instance]
-	c.mu.Unlock()
-	if in == nil {
-		// Forgotten after a purge since this was queued: the instance was
-		// silent for PurgeAfter; if it is back, its heartbeat (or, for an
-		// admitted name, its next event) makes a new record and reloads.
-		if w.kind == workEvent {
-			c.m.messages.WithLabelValues("purged_instance").Inc()
-		}
-		return
-	}
-	switch w.kind {
-	case workPurge:
-		c.mu.Lock()
-		still := in.status.State == StatePurged
-		c.mu.Unlock()
-		if !still {
-			return // came back since the purge was queued
-		}
-		if !c.cfg.SharedIndex {
-			if err := c.cfg.Applier.Purge(ctx, w.instance); err != nil {
-				c.cfg.Logger.Warn("consumer: purge", "instance", w.instance, "err", err)
-			}
-		}
-		in.needLoad, in.skipUpTo = true, 0
-		c.m.purges.Inc()
-		// Forget it: a purged name keeps no record and no metric series
-		// (the router's are read from the records), so names that come
-		// and go cannot accumulate.
-		c.mu.Lock()
-		if c.insts[w.instance] == in && in.status.State == StatePurged {
-			delete(c.insts, w.instance)
-		}
-		c.mu.Unlock()
-		c.cfg.Logger.Info("consumer: instance purged and forgotten", "instance", w.instance)
-	case workLoad:
-		if c.shared != nil {
-			c.syncShared(ctx, w.instance, in)
-			return
-		}
-		if in.needLoad && !c.cfg.SharedIndex {
-			c.load(ctx, w.instance, in, 0)
-		}
-	case workReload:
-		switch {
-		case c.shared != nil:
-			// LoadAt takes the bridge's table only when it is newer than
-			// the index's position; otherwise the clear arrives in order
-			// through the stream.
-			if _, err := c.seedShared(ctx, w.instance, in, 0); err != nil && ctx.Err() == nil {
-				c.cfg.Logger.Warn("consumer: reloading a restarted engine's table into the shared index failed; the stream will repair it", "instance", w.instance, "err", err)
-			}
-		case !c.cfg.SharedIndex:
-			c.load(ctx, w.instance, in, 0)
-		}
-		c.mu.Lock()
-		in.reloading = false
-		c.seen(in, time.Now())
-		c.mu.Unlock()
-	case workEvent:
-		c.event(ctx, w, in)
 	}
 }
