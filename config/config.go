@@ -250,6 +250,12 @@ type NATSConfig struct {
 	StoreDir string `yaml:"store_dir" json:"store_dir,omitempty"`
 	// Stream is the JetStream stream name over kv.events.>. Default KV_EVENTS.
 	Stream string `yaml:"stream" json:"stream,omitempty"`
+	// StreamReplicas is how many servers hold the stream, the snapshot
+	// bucket and its object store when this router creates them: 1 (the
+	// default) on one server, 3 on a 3-node JetStream cluster. At most 5
+	// and at most the cluster's size (the server refuses more, and the
+	// router says so at start); needs url (the embedded server is one node).
+	StreamReplicas int `yaml:"stream_replicas" json:"stream_replicas,omitempty"`
 }
 
 // TLSConfig names certificate files.
@@ -612,6 +618,11 @@ func (c Config) Validate() error {
 			if _, _, err := net.SplitHostPort(e.NATS.Listen); err != nil {
 				return bad("events.nats.listen %q: want host:port", e.NATS.Listen)
 			}
+		}
+		if r := e.NATS.StreamReplicas; r < 0 || r > 5 { // JetStream's limit (kvstream.MaxReplicas)
+			return bad("events.nats.stream_replicas %d out of range 0..5", r)
+		} else if r > 1 && e.NATS.URL == "" {
+			return bad("events.nats.stream_replicas %d needs events.nats.url (a JetStream cluster): the embedded server is one node", r)
 		}
 		if t := e.NATS.TLS; t != nil && (t.CertFile == "") != (t.KeyFile == "") {
 			return bad("events.nats.tls: cert_file and key_file go together")

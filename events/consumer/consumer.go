@@ -311,6 +311,11 @@ func (c *Consumer) Run(ctx context.Context) error {
 		return fmt.Errorf("consumer: ordered consumer on %s: %w", streamName, err)
 	}
 	cc, err := cons.Consume(func(m jetstream.Msg) { c.dispatch(ctx, m) },
+		// Idle heartbeats every second: a consumer lost with its server
+		// (one node of a cluster killed) is noticed and recreated after 2
+		// missed ones, not after nats.go's default of 2×5s; the cost is
+		// one small message a second per pool while the stream is idle.
+		jetstream.PullHeartbeat(time.Second),
 		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
 			c.lastErr.Store(time.Now().UnixNano())
 			c.m.consumeErrors.Inc()
