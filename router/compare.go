@@ -54,6 +54,8 @@ type kvObserver struct {
 
 	timerMu sync.Mutex  // guards timer
 	timer   *time.Timer // releases the pending prefill of a non-streamed request
+
+	drain drainSample // what the first byte measures of the prefill rate (kvaware_drain.go)
 }
 
 // newObserver counts recompute tokens as pending on inst until the
@@ -90,8 +92,9 @@ func (o *kvObserver) releasePrefillAfter(d time.Duration) {
 	o.timer = time.AfterFunc(d, o.release)
 }
 
-// FirstByte implements Observer: the prefill is over.
-func (o *kvObserver) FirstByte() { o.release() }
+// FirstByte implements Observer: the prefill is over (firstByte,
+// kvaware_drain.go, also measures its rate).
+func (o *kvObserver) FirstByte() { o.firstByte() }
 
 // Done implements Observer.
 func (o *kvObserver) Done(status, cached int) {

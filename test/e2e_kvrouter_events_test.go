@@ -18,15 +18,13 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
-	"github.com/kvrouter/kvrouter/router/fleet"
-	"github.com/kvrouter/kvrouter/router/kvstate"
-
-	"github.com/kvrouter/kvrouter/events/enginezmq"
-
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/fleet"
+	"github.com/kvrouter/kvrouter/router/kvstate"
 )
 
 const kvrModel = "kvr-model"
