@@ -373,7 +373,8 @@ func FuzzReplayLog(f *testing.F) {
 			t.Fatalf("rewritten log replays to %v (%v), want %v", again, err, vals)
 		}
 		_ = parseBits(log)
-		_, _, _ = parseRegEntry(log)
+		_, _, _, _ = parseRegEntry(log)
+		_ = fieldBits(log, 1)
 	})
 }
 
@@ -515,14 +516,14 @@ func TestRedisInstanceIDCollision(t *testing.T) {
 	r, _ := newCountedRedis(t, RedisConfig{Model: testModel})
 	ctx := context.Background()
 	// What a colliding "other" would have registered under pod's id.
-	if err := r.rdb.HSet(ctx, r.regKey(), instID("pod"), "1 other").Err(); err != nil {
+	if err := r.rdb.HSet(ctx, r.regKey(), instID("pod"), "1 0 other").Err(); err != nil {
 		t.Fatal(err)
 	}
 	c := newChain(Root(testModel, "", ""), 4, 4, 3, 1)
 	if _, err := r.Apply(ctx, "pod", []events.Event{c.stored(0, 4)}); !errors.Is(err, ErrInstanceID) || !strings.Contains(err.Error(), `"other"`) {
 		t.Fatalf("Apply = %v, want ErrInstanceID naming other", err)
 	}
-	if v, _ := r.rdb.HGet(ctx, r.regKey(), instID("pod")).Result(); v != "1 other" {
+	if v, _ := r.rdb.HGet(ctx, r.regKey(), instID("pod")).Result(); v != "1 0 other" {
 		t.Fatalf("registry entry overwritten: %q", v)
 	}
 }
