@@ -108,7 +108,7 @@ func TestRedisCluster(t *testing.T) {
 	}
 	t.Run("contract", func(t *testing.T) { testIndexContract(t, factory(true)) })
 	t.Run("contract-default-lookup", func(t *testing.T) { testIndexContract(t, factory(false)) })
-	t.Run("property", func(t *testing.T) { testIndexProperty(t, factory(true), 3, 250) })
+	t.Run("property", func(t *testing.T) { testIndexProperty(t, factory(true), 3, 250, 4) })
 	t.Run("round-trips", func(t *testing.T) {
 		r, err := NewRedis(client, RedisConfig{Prefix: testenv.UniqueName(t), Model: testModel})
 		if err != nil {

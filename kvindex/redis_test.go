@@ -391,76 +391,6 @@ func TestRedisContractDefaultLookup(t *testing.T) {
 	})
 }
 
-func TestRedisConcurrent(t *testing.T) {
-	// Appliers for different instances, lookups and a flapping instance at
-	// once against one Redis; run under -race.
-	r, _ := newCountedRedis(t, RedisConfig{Model: testModel})
-	ctx := context.Background()
-	root := Root(testModel, "", "")
-	shared := newChain(root, 64, 4, 1, 0)
-	var wg sync.WaitGroup
-	const writers = 3
-	for w := 0; w < writers; w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			inst := fmt.Sprintf("w%d", w)
-			c := newChain(root, 64, 4, 1, uint64(w+1)*1_000_000)
-			for i := 0; i < 20; i++ {
-				tryApply(t, r, inst, c.stored(0, 32), c.stored(32, 64), c.tierStored("CPU", 0, 64), c.removed("GPU", 40, 64))
-				if i%7 == 6 {
-					tryApply(t, r, inst, cleared())
-				}
-			}
-			tryApply(t, r, inst, c.stored(0, 64))
-		}()
-	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for i := 0; i < 10; i++ {
-			tryApply(t, r, "flap", shared.stored(0, 64))
-			if err := r.Purge(ctx, "flap"); err != nil {
-				t.Error(err)
-			}
-		}
-	}()
-	stop := make(chan struct{})
-	var readers sync.WaitGroup
-	readers.Add(1)
-	go func() {
-		defer readers.Done()
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			ms, err := r.Lookup(ctx, shared.keys)
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			for _, x := range ms {
-				if x.Blocks[tiers.GPU] > x.Blocks[tiers.CPU] || x.Blocks[tiers.CPU] > 64 {
-					t.Errorf("inconsistent match %+v", x)
-				}
-			}
-		}
-	}()
-	wg.Wait()
-	close(stop)
-	readers.Wait()
-	want := map[string][tiers.Count]int{}
-	for w := 0; w < writers; w++ {
-		want[fmt.Sprintf("w%d", w)] = blocks(64, 64, 64, 64)
-	}
-	checkLookup(t, r, query{shared.keys, want}, "final")
-	if n, _ := r.Len(ctx); n != writers*64 {
-		t.Fatalf("Len = %d, want %d", n, writers*64)
-	}
-}
-
 // The writer's in-process copy of the engine-hash maps is bounded: with
 // room for a few entries (evicted at nearly every Apply) or none, every
 // answer is still the reference model's.
@@ -473,7 +403,7 @@ func TestRedisPropertyMapCache(t *testing.T) {
 					t.Fatal(err)
 				}
 				return r
-			}, 3, 250)
+			}, 3, 250, 4)
 		})
 	}
 }
