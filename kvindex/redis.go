@@ -137,8 +137,8 @@ type Redis struct {
 
 	maps     mapCache
 	topo     atomic.Pointer[string] // see topology
-	pool     sync.Pool   // *redisOverlay, reused across Apply calls
-	bsStored atomic.Bool // the learned block size is in <prefix>:v2:bs
+	pool     sync.Pool              // *redisOverlay, reused across Apply calls
+	bsStored atomic.Bool            // the learned block size is in <prefix>:v2:bs
 }
 
 var _ Index = (*Redis)(nil)
@@ -188,6 +188,7 @@ const (
 	fieldEntries = "#n"
 	fieldTier    = "#t" // + tier digit
 	fieldGen     = "#g" // generation: a random token set by every commit
+	fieldIncNext = "#I" // incarnations handed out (see incarnations)
 	fieldName    = "#name"
 )
 
@@ -460,7 +461,14 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	// removes it or not (see incarnations).
 	inc := m.inc
 	if o.cleared {
-		inc = (inc + 1) % incarnations
+		// Reserved apart from the commit, so that two attempts never use
+		// the same one: an attempt whose commit failed may have left
+		// fields of its incarnation behind.
+		n, err := r.rdb.HIncrBy(ctx, mkey, fieldIncNext, 1).Result()
+		if err != nil {
+			return res, r.failed(fmt.Errorf("kvindex: redis: new incarnation of %s: %w", instance, err))
+		}
+		inc = uint8(n % incarnations)
 	}
 	counts := m.counts
 	account := func(v mapVal, sign int) {
@@ -485,6 +493,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		counts = [1 + tiers.Count]int{}
 	}
 	var rec []byte
+	var placed []any // block key, value: the fields this Apply wrote
 	for h, v := range o.cur {
 		pv, had := m.vals[h]
 		if o.cleared {
@@ -506,7 +515,9 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		if had && pv == v {
 			continue // re-stored where it already was
 		}
-		cmd("hset", r.blockKey(v.key), idArg, r.bitsArg[uint8(v.bits)|inc<<4])
+		bk, val := r.blockKey(v.key), r.bitsArg[uint8(v.bits)|inc<<4]
+		cmd("hset", bk, idArg, val)
+		placed = append(placed, bk, val)
 		rec = appendLogRecord(rec, h, v)
 	}
 	// The log is rewritten whole after a clear, and when it has grown to
@@ -559,12 +570,12 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		}
 	}
 	if err != nil {
-		r.unsettle(ctx, mkey)
+		r.unsettle(ctx, mkey, placed, idArg)
 		return res, r.failed(fmt.Errorf("kvindex: redis: write %d changes of %s: %w", len(o.cur), instance, err))
 	}
 	st, pos, err := scriptStatus(commit.Val())
 	if err != nil {
-		r.unsettle(ctx, mkey)
+		r.unsettle(ctx, mkey, placed, idArg)
 		return res, err
 	}
 	if st != SeqApplied {
@@ -574,7 +585,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		// was under way): the block-key writes went out regardless, and
 		// may have crossed another writer's. Unsettled, the instance is
 		// reloaded in a new incarnation, which retires them.
-		r.unsettle(ctx, mkey)
+		r.unsettle(ctx, mkey, placed, idArg)
 		return res, fmt.Errorf("%w: %s is %s at %s", errMoved, instance, st, pos)
 	}
 	if v := reg.Val(); len(v) > 0 && v[0] != instance {
@@ -598,19 +609,38 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	return res, nil
 }
 
-// unsettle marks the instance's position as not to be trusted after a
-// write whose outcome is unknown (an error: the commit may or may not
-// have run; on a Cluster the block keys and the instance's map may lie on
-// different masters, one of them failing) or that ran on a map this
-// process had wrong: its block keys may hold fields the map does not list
-// (never cleaned by a reload or a purge: a lookup would answer with a
-// block the instance may not hold) or lack fields it does list. Unseeded,
-// the instance is reloaded by the consumer's repair (LoadAt rewrites every
-// block of the snapshot and drops every block the map listed). Best
-// effort: a master that cannot be reached now is failed over, which
-// changes the topology and unseeds every instance anyway.
-func (r *Redis) unsettle(ctx context.Context, mkey string) {
-	_ = r.rdb.HSet(ctx, mkey, fieldTopology, "!").Err()
+// unsettle is what a write whose outcome is unknown (an error: the commit
+// may or may not have run; on a Cluster the block keys and the instance's
+// map may lie on different masters, one of them failing) or that did not
+// commit (its map or lease was not current) leaves behind: block fields
+// the instance's map may not list — never cleaned by a reload or a purge,
+// answering lookups with blocks the instance may not hold — and fields it
+// lists missing. It takes back every field it wrote that still holds what
+// it wrote (delIfScript: one key each, so one slot), and marks the
+// instance's position as not to be trusted, so that the consumer's repair
+// reloads it (LoadAt rewrites every block of the snapshot, in a new
+// incarnation). Best effort: a master that cannot be reached now is
+// failed over, which changes the topology and unseeds every instance
+// anyway; what it leaves is retired by the incarnation.
+func (r *Redis) unsettle(ctx context.Context, mkey string, placed []any, id any) {
+	if ctx.Err() != nil {
+		// The caller gave up (a router shutting down): its writes may
+		// still land; the next writer's reload retires them.
+		ctx = context.Background()
+	}
+	ctx, cancel := context.WithTimeout(ctx, r.lease)
+	defer cancel()
+	for range 2 {
+		pipe := r.rdb.Pipeline()
+		for i := 0; i+1 < len(placed); i += 2 {
+			pipe.EvalSha(ctx, delIfScript.Hash(), []string{placed[i].(string)}, id, placed[i+1])
+		}
+		pipe.HSet(ctx, mkey, fieldTopology, "!")
+		cmds, err := pipe.Exec(ctx)
+		if err == nil || !hasNoScript(cmds) || r.loadScripts(ctx) != nil {
+			return
+		}
+	}
 }
 
 func b2i(b bool) int {
@@ -698,7 +728,7 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 	type cand struct {
 		id    string // the field naming it in block keys
 		name  string
-		inc   uint8 // its incarnation: fields of another do not count
+		inc   uint8       // its incarnation: fields of another do not count
 		bound int         // first probed position it lacks (or len(keys))
 		bits  []tiers.Set // per position below bound, once known
 	}
@@ -851,8 +881,10 @@ func parseRegEntry(v string) (ms int64, inc uint8, name string, ok bool) {
 	return ms, parseInc(rest[:1]), rest[2:], err == nil
 }
 
-// incarnations: an instance's incarnation (0..7) goes up by one, modulo
-// 8, at each load (a snapshot replacing its state) and each clear, and
+// incarnations: an instance's incarnation (0..7) changes at each load (a
+// snapshot replacing its state) and each clear — the next of a counter in
+// its metadata (#I), modulo 8, taken before the block writes, so that two
+// attempts (one of which may fail half-way) never share one — and
 // every block field carries it (value = tier bits | incarnation << 4, one
 // listpack byte up to 127); lookups count only the fields of the
 // incarnation in the registry. A load or a clear thus retires every field

@@ -369,10 +369,19 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return {}
 `)
 
+// delIfScript deletes field ARGV[1] of KEYS[1] if it holds ARGV[2].
+var delIfScript = redis.NewScript(`
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
+`)
+
 // loadScripts loads the backend's scripts into Redis (every master of a
 // Cluster).
 func (r *Redis) loadScripts(ctx context.Context) error {
 	if err := mapScript.Load(ctx, r.rdb).Err(); err != nil {
+		return err
+	}
+	if err := delIfScript.Load(ctx, r.rdb).Err(); err != nil {
 		return err
 	}
 	return regScript.Load(ctx, r.rdb).Err()
