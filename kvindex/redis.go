@@ -558,13 +558,19 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		// A Redis that never ran the scripts (new, restarted): load them
 		// and send the commit and the registry write again; the block-key
 		// writes went through.
+		// Only the scripts that were refused run again: the other may
+		// have run (a commit twice would find its own generation).
 		err = r.loadScripts(ctx)
 		if err == nil {
-			commit = redis.NewSliceCmd(ctx, commit.Args()...)
-			reg = redis.NewSliceCmd(ctx, reg.Args()...)
 			_, err = r.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
-				_ = p.Process(ctx, commit)
-				_ = p.Process(ctx, reg)
+				if hasNoScript([]redis.Cmder{commit}) {
+					commit = redis.NewSliceCmd(ctx, commit.Args()...)
+					_ = p.Process(ctx, commit)
+				}
+				if hasNoScript([]redis.Cmder{reg}) {
+					reg = redis.NewSliceCmd(ctx, reg.Args()...)
+					_ = p.Process(ctx, reg)
+				}
 				return nil
 			})
 		}

@@ -457,3 +457,25 @@ func TestRedisInstanceIDCollision(t *testing.T) {
 		t.Fatalf("registry entry overwritten: %q", v)
 	}
 }
+
+// A Redis that has one of the backend's scripts cached but not another
+// (flushed in between, or another version of kvrouter loaded the first)
+// refuses only that one: the write still succeeds once, without running
+// the commit twice.
+func TestRedisOneScriptMissing(t *testing.T) {
+	srv := testenv.StartRedis(t)
+	c := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { _ = c.Close() })
+	ctx := context.Background()
+	if err := mapScript.Load(ctx, c).Err(); err != nil {
+		t.Fatal(err)
+	}
+	r, err := NewRedis(c, RedisConfig{Prefix: testenv.UniqueName(t), Model: testModel})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch := newChain(Root(testModel, "", ""), 4, 4, 3, 1)
+	mustApply(t, r, "pod", ch.stored(0, 4))
+	mustApply(t, r, "pod", ch.removed("GPU", 3, 4))
+	checkLookup(t, r, query{ch.keys, map[string][tiers.Count]int{"pod": all(3)}}, "after the reload")
+}
