@@ -1,3 +1,5 @@
+//go:build unix
+
 package consumer
 
 import (
@@ -44,7 +46,7 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 			ctx := context.Background()
 			tokens := make([]uint32, evBlocks*16)
 			b.StopTimer()
-	var blocks, cpu time.Duration
+			var blocks, cpu time.Duration
 			var total int
 			for i := 0; i < b.N; i++ {
 				name := fmt.Sprintf("ct%d_%d_%d", evBlocks, i, time.Now().UnixNano())
