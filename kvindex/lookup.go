@@ -29,7 +29,7 @@ func (m *Memory) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 	m.mu.RLock()
 	out := ls.run(m, keys)
 	m.mu.RUnlock()
-	ls.out = nil
+	ls.out, ls.bm = nil, nil // the pool must not keep results or the map alive
 	m.lookups.Put(ls)
 	return out, nil
 }

@@ -18,11 +18,11 @@ import (
 // GPU holding ~1M tokens of a 8B model's KV is 60k blocks of 16).
 const DefaultCapacity = 4_000_000
 
-// maxCapacity bounds MemoryConfig.Capacity to half of what a table slot
+// MaxCapacity bounds MemoryConfig.Capacity to half of what a table slot
 // can index (2^26 blocks and entries per instance), leaving room for the
 // entries one event adds before eviction brings the index back within
 // capacity: 33M entries are ~2 GB.
-const maxCapacity = maxIndex / 2
+const MaxCapacity = maxIndex / 2
 
 // presizeDivisor sizes the block map's index up front for capacity/2
 // distinct keys (8 MB at the default capacity): growing it doubles a table
@@ -58,8 +58,8 @@ func (c MemoryConfig) validate() error {
 	if c.Capacity < 0 {
 		return fmt.Errorf("%w: memory: capacity %d < 0", ErrConfig, c.Capacity)
 	}
-	if c.Capacity > maxCapacity {
-		return fmt.Errorf("%w: memory: capacity %d above %d", ErrConfig, c.Capacity, maxCapacity)
+	if c.Capacity > MaxCapacity {
+		return fmt.Errorf("%w: memory: capacity %d above %d", ErrConfig, c.Capacity, MaxCapacity)
 	}
 	return nil
 }
@@ -338,7 +338,7 @@ func (in *memInstance) store(h uint64, k Key, t tiers.Tier) bool {
 		_, at = in.byHash.findOrSlot(in.hashSrc(), h)
 	}
 	if in.slab.full() || in.blocks.full() {
-		return false // past what the tables index: dropped (see maxCapacity)
+		return false // past what the tables index: dropped (see MaxCapacity)
 	}
 	node := in.blocks.nodeFor(k)
 	alias := in.blocks.holds(node, in.slot)
