@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
@@ -33,6 +35,7 @@ func TestSources(t *testing.T) {
 			[]string{"x tcp://127.0.0.1:5557 tcp://127.0.0.1:5558 http://127.0.0.1:8000"}, ""},
 		{"no pool", nil, nil, nil, "--pool"},
 		{"bad dp", []string{"--pool", "p", "--dp-size", "0"}, nil, nil, "dp-size"},
+		{"bad stream replicas", []string{"--pool", "p", "--stream-replicas", "6"}, nil, nil, "stream-replicas 6"},
 		{"bad endpoint", []string{"--pool", "p", "--dp-size", "2", "--zmq-endpoint", "tcp://noport"}, nil, nil, "noport"},
 	}
 	for _, tc := range tests {
@@ -67,7 +70,7 @@ func TestRunServesMetricsAndReadiness(t *testing.T) {
 	ns := testenv.StartNATS(t)
 	pubEP := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 	repEP := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	pub, err := events.NewZMQPublisher(ctx, events.ZMQPublisherConfig{Endpoint: pubEP, ReplayEndpoint: repEP, Topic: "kv", FirstSeq: 1})
+	pub, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: pubEP, ReplayEndpoint: repEP, Topic: "kv", FirstSeq: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
