@@ -456,7 +456,7 @@ func (in *memInstance) eachAlias(node int32, do func(*entry)) {
 	}
 	i, f := home(uint64(node), n)
 	for c := t.slots[i]; c != 0; c = t.slots[i] {
-		if c&^idxMask == f {
+		if c&^idxMask == f && c != tomb {
 			if e := in.slab.at(slotIdx(c)); e.node == node && e.meta&flagLive != 0 {
 				do(e)
 			}
@@ -479,9 +479,9 @@ func (in *memInstance) drop(j int32) {
 	}
 	e.meta &^= tierMask
 	in.syncHolder(e, true)
-	in.byHash.remove(in.hashSrc(), j, e.ehash())
+	in.byHash.remove(j, e.ehash())
 	if in.aliased {
-		in.byNode.remove(in.nodeSrc(), j, uint64(e.node))
+		in.byNode.remove(j, uint64(e.node))
 	}
 	in.unlink(j)
 	in.slab.release(j)

@@ -115,8 +115,18 @@ func memoryInvariantsLocked(m *Memory) error {
 	if len(want) != 0 {
 		return fmt.Errorf("entries point at %d nodes that are not live", len(want))
 	}
-	if bm.index.n != nodes {
-		return fmt.Errorf("block index has %d nodes, %d live", bm.index.n, nodes)
+	if bm.index.n != nodes+bm.dormant {
+		return fmt.Errorf("block index has %d nodes, %d live and %d dormant", bm.index.n, nodes, bm.dormant)
+	}
+	free := 0
+	for j := bm.free; j >= 0; j = int32(*bm.keyAt(j)) {
+		if *bm.holdAt(j) != 0 || free > int(bm.n) {
+			return fmt.Errorf("free list holds live node %d or loops", j)
+		}
+		free++
+	}
+	if free+nodes+bm.dormant != int(bm.n) {
+		return fmt.Errorf("%d free + %d live + %d dormant nodes, %d handed out", free, nodes, bm.dormant, bm.n)
 	}
 	return nil
 }
