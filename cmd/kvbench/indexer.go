@@ -105,11 +105,11 @@ func runIndexer(ctx context.Context, args []string, stdout, stderr io.Writer) er
 // replayResult is one fleet size's replay.
 type replayResult struct {
 	Instances, Copies, Requests int
-	Lookups, Applies, Events   int
-	Stored, Removed            int
-	Lookup, Apply              opStats
-	Entries                    int
-	HeapBytes                  int64
+	Lookups, Applies, Events    int
+	Stored, Removed             int
+	Lookup, Apply               opStats
+	Entries                     int
+	HeapBytes                   int64
 }
 
 // ops counts as Dynamo's benchmark does: requests (lookups) and KV events
