@@ -278,6 +278,7 @@ type KVAware struct {
 	fallback  *PrefixAware
 	spec      *speculative // nil when disabled
 	loadAge   time.Duration
+	cands     candIndexCache // the last candidate list's id → position
 }
 
 var _ Strategy = (*KVAware)(nil)
@@ -335,6 +336,9 @@ type candEval struct {
 	score float64
 	// scoreStale is score had the stale blocks counted (= score when none).
 	scoreStale float64
+	// scored is false for a cold candidate predict skipped (scores +Inf,
+	// see scoreCold): kvEval.find scores it when asked about it.
+	scored bool
 }
 
 // kvEval is what kv_aware knew about one request: pooled scratch.
@@ -348,6 +352,9 @@ type kvEval struct {
 	anyStale  bool
 	commit    bool    // the decision will be committed (not shadow scoring)
 	weight    float64 // prefill cost weight used
+	sc        *kvScoring
+	memo      scoreMemo
+	ci        *candIndex // the candidate index, when the decision used one
 }
 
 func (st *KVState) getEval() *kvEval {
@@ -365,11 +372,15 @@ func (st *KVState) putEval(ev *kvEval) {
 	st.evalPool.Put(ev)
 }
 
-// find returns inst's evaluation, nil when inst was not a candidate.
+// find returns inst's evaluation, nil when inst was not a candidate; a
+// cold candidate the decision did not need to score is scored now.
 func (ev *kvEval) find(inst *Instance) *candEval {
 	for i := range ev.cands {
-		if ev.cands[i].inst == inst {
-			return &ev.cands[i]
+		if ce := &ev.cands[i]; ce.inst == inst {
+			if !ce.scored && ev.sc != nil {
+				ev.sc.score(ev, ce)
+			}
+			return ce
 		}
 	}
 	return nil
@@ -439,6 +450,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 		ev.cands = append(ev.cands, candEval{inst: c, rv: rendezvousScore(h, c.hash), full: c.Full(s.threshold)})
 	}
 	ev.tokens, ev.blockSize, ev.fallback, ev.anyStale, ev.keys, ev.commit = 0, 0, "", false, ev.keys[:0], commit
+	ev.sc = &s.sc
 	defer s.predict(ev)
 
 	if st.fresh != nil {
@@ -489,8 +501,9 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 		st.log.Debug("index lookup failed; routing on speculative entries and the heuristic", "pool", st.pool, "err", err)
 		matches = nil
 	}
+	byID := s.finder(ev, cands, len(matches))
 	for _, m := range matches {
-		ce := ev.byID(m.Instance)
+		ce := byID.find(m.Instance)
 		if ce == nil {
 			continue // not a candidate (unhealthy, full adapter set, other pool)
 		}
@@ -562,7 +575,6 @@ func containsString(list []string, s string) bool {
 // predict computes every candidate's queue and predicted TTFT.
 func (s *KVAware) predict(ev *kvEval) {
 	st := s.st
-	bs := ev.blockSize
 	now := st.now()
 	busy := 0
 	for i := range ev.cands {
@@ -572,33 +584,61 @@ func (s *KVAware) predict(ev *kvEval) {
 	}
 	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
 	ev.weight = s.sc.weight(rho)
+	cold := coldMin{free: math.Inf(1), all: math.Inf(1)}
 	st.pendMu.RLock()
 	st.loads.mu.RLock()
+	ev.memo = scoreMemo{}
+	haveLoads := len(st.loads.samples) > 0
 	for i := range ev.cands {
 		ce := &ev.cands[i]
 		var pTok, pReq int64
-		if pc := st.pend[ce.inst.id]; pc != nil {
+		if pc := ev.pending(st, i); pc != nil {
 			pTok, pReq = pc.tokens.Load(), pc.reqs.Load()
 		}
-		ld, ok := st.loads.samples[ce.inst.id]
-		ok = ok && now.Sub(ld.at) <= s.loadAge
-		q := s.sc.queue(float64(pTok), int(pReq), ce.inst.InFlight(), ld, ok)
-		ce.matched = tierTokens(ce.blocks, bs, ev.tokens)
-		ce.queue = q
-		ce.ttft = s.sc.ttft(q, ev.tokens, ce.matched)
-		ce.score = ce.ttft + s.sc.prefillCost(ev.weight, ev.tokens, ce.matched)
-		ce.scoreStale = ce.score
-		if ce.stale != ([tiers.Count]int{}) {
-			var both [tiers.Count]int
-			for t := range tiers.Count {
-				both[t] = max(ce.blocks[t], ce.stale[t])
-			}
-			m := tierTokens(both, bs, ev.tokens)
-			ce.scoreStale = s.sc.ttft(q, ev.tokens, m) + s.sc.prefillCost(ev.weight, ev.tokens, m)
+		var ld loadSample
+		ok := false
+		if haveLoads {
+			ld, ok = st.loads.samples[ce.inst.id]
+			ok = ok && now.Sub(ld.at) <= s.loadAge
 		}
+		ce.queue = s.sc.queue(float64(pTok), int(pReq), ce.inst.InFlight(), ld, ok)
+		if ce.cold() {
+			cold.note(ce)
+			continue
+		}
+		s.sc.score(ev, ce)
 	}
 	st.loads.mu.RUnlock()
 	st.pendMu.RUnlock()
+	s.scoreCold(ev, cold)
+}
+
+// score computes a candidate's matched tokens, predicted TTFT and score
+// from its queue.
+func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
+	bs, q := ev.blockSize, ce.queue
+	ce.scored = true
+	m := &ev.memo
+	if !m.ok || m.blocks != ce.blocks {
+		// Candidates holding the same blocks (a shared prefix) differ
+		// only by queue: the rest of the prediction is computed once.
+		m.ok, m.blocks = true, ce.blocks
+		m.matched = tierTokens(ce.blocks, bs, ev.tokens)
+		m.prefill = sc.ttft(0, ev.tokens, m.matched)
+		m.cost = sc.prefillCost(ev.weight, ev.tokens, m.matched)
+	}
+	ce.matched = m.matched
+	ce.ttft = q + m.prefill
+	ce.score = ce.ttft + m.cost
+	ce.scoreStale = ce.score
+	if ce.stale != ([tiers.Count]int{}) {
+		var both [tiers.Count]int
+		for t := range tiers.Count {
+			both[t] = max(ce.blocks[t], ce.stale[t])
+		}
+		m := tierTokens(both, bs, ev.tokens)
+		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, ev.tokens, m)
+	}
 }
 
 // decide picks for a request some instance holds: the least score

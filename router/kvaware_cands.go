@@ -1,0 +1,138 @@
+package router
+
+import (
+	"math"
+	"slices"
+	"sync/atomic"
+
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// candIndex maps instance ids to positions in one candidate list, so that
+// kv_aware finds each index match's candidate in O(1) rather than by
+// scanning the list (which made a decision quadratic in the fleet when
+// many instances share a prefix). kv_aware keeps the last index it built
+// and reuses it while the candidate list is the same one (same instances,
+// same order): checking that costs a pointer comparison per candidate.
+type candIndex struct {
+	insts []*Instance
+	pos   map[string]int32
+	// pend caches each candidate's pending-prefill counter (KVState never
+	// drops one); nil where none existed yet when the index was built.
+	pend []atomic.Pointer[pendingCounter]
+}
+
+// candIndexMin is the fewest matches for which the index pays: below it a
+// scan of the candidates is cheaper than hashing the ids.
+const candIndexMin = 8
+
+// candIndexCache holds kv_aware's last candIndex.
+type candIndexCache struct{ last atomic.Pointer[candIndex] }
+
+// get returns an index of cands, the cached one when cands is its list.
+func (c *candIndexCache) get(cands []*Instance) *candIndex {
+	if ci := c.last.Load(); ci != nil && slices.Equal(ci.insts, cands) {
+		return ci
+	}
+	ci := &candIndex{insts: slices.Clone(cands), pos: make(map[string]int32, len(cands)), pend: make([]atomic.Pointer[pendingCounter], len(cands))}
+	for i, in := range cands {
+		if _, dup := ci.pos[in.id]; !dup {
+			ci.pos[in.id] = int32(i) // the first, as a scan would find
+		}
+	}
+	c.last.Store(ci)
+	return ci
+}
+
+// candFinder finds the candidate evaluation of an instance id: by the
+// index when there are many matches to place, else by scanning.
+type candFinder struct {
+	ev *kvEval
+	ci *candIndex
+}
+
+func (s *KVAware) finder(ev *kvEval, cands []*Instance, matches int) candFinder {
+	f := candFinder{ev: ev}
+	ev.ci = nil
+	if matches >= candIndexMin {
+		f.ci = s.cands.get(cands)
+		ev.ci = f.ci
+	}
+	return f
+}
+
+// pending returns candidate i's pending-prefill counter (nil: none yet),
+// from the candidate index's cache when there is one. Called with
+// st.pendMu held for reading.
+func (ev *kvEval) pending(st *KVState, i int) *pendingCounter {
+	if ci := ev.ci; ci != nil {
+		if pc := ci.pend[i].Load(); pc != nil {
+			return pc
+		}
+		pc := st.pend[ev.cands[i].inst.id]
+		if pc != nil {
+			ci.pend[i].Store(pc) // decisions sharing the index agree: one counter per id
+		}
+		return pc
+	}
+	return st.pend[ev.cands[i].inst.id]
+}
+
+// scoreMemo is the part of a prediction that depends only on the blocks
+// a candidate holds (see kvScoring.score).
+type scoreMemo struct {
+	ok            bool
+	blocks        [tiers.Count]int
+	matched       [tiers.Count]int
+	prefill, cost float64
+}
+
+func (f candFinder) find(id string) *candEval {
+	if f.ci == nil {
+		return f.ev.byID(id)
+	}
+	if i, ok := f.ci.pos[id]; ok {
+		return &f.ev.cands[i]
+	}
+	return nil
+}
+
+// cold reports whether nothing vouches for any of the prompt's blocks on
+// the candidate: its score is then a function of its queue alone.
+func (ce *candEval) cold() bool {
+	return ce.blocks[len(ce.blocks)-1] == 0 && ce.stale[len(ce.stale)-1] == 0
+}
+
+// coldMin tracks the least queue among cold candidates: under the
+// concurrency threshold (free) and overall (all).
+type coldMin struct{ free, all float64 }
+
+func (c *coldMin) note(ce *candEval) {
+	c.all = min(c.all, ce.queue)
+	if !ce.full {
+		c.free = min(c.free, ce.queue)
+	}
+}
+
+// scoreCold scores the cold candidates that can matter, and gives the
+// others an infinite score: a cold candidate's score is its queue plus
+// the same prefill for every cold one, so one whose queue exceeds the
+// least cold queue (among those under the threshold, or among all) by
+// more than the tie tolerance can neither win nor tie, and kv_aware's
+// per-decision work stays with the instances holding something plus the
+// cheapest cold ones, however large the fleet. Queues (all candidates
+// have theirs) still serve the load-bound and least-queue choices.
+func (s *KVAware) scoreCold(ev *kvEval, c coldMin) {
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		if !ce.cold() {
+			continue
+		}
+		if (!ce.full && ce.queue <= c.free+s.sc.tieTol) || ce.queue <= c.all+s.sc.tieTol {
+			s.sc.score(ev, ce)
+			continue
+		}
+		ce.matched, ce.ttft = [len(ce.matched)]int{}, math.Inf(1)
+		ce.score, ce.scoreStale, ce.scored = math.Inf(1), math.Inf(1), false
+	}
+}
