@@ -13,7 +13,7 @@ import (
 )
 
 // DefaultCapacity is the memory backend's default bound, in (block,
-// instance) entries: 4M entries are about 200 MB at the measured ~45 bytes
+// instance) entries: 4M entries are about 230 MB at the measured ~57 bytes
 // each, enough for 64 instances with 60,000 cached blocks apiece (an 80 GB
 // GPU holding ~1M tokens of a 8B model's KV is 60k blocks of 16).
 const DefaultCapacity = 4_000_000
@@ -25,7 +25,7 @@ const DefaultCapacity = 4_000_000
 const MaxCapacity = maxIndex / 2
 
 // presizeDivisor sizes the block map's index up front for capacity/2
-// distinct keys (8 MB at the default capacity): growing it doubles a table
+// distinct keys (16 MB at the default capacity): growing it doubles a table
 // of millions of slots under the write lock, a pause every lookup waits
 // behind and, with its slots at random, the costliest part of ingesting
 // new blocks. An index that fills past half its capacity with distinct
