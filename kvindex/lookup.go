@@ -16,16 +16,24 @@ import (
 // instances, or a few word operations per 64 instance slots while many
 // instances hold it).
 func (m *Memory) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
+	return m.LookupAppend(ctx, nil, keys)
+}
+
+// LookupAppend is Lookup writing its matches into dst's storage (its
+// contents are replaced), so that a caller deciding often reuses one
+// buffer instead of allocating a Match per holder per lookup.
+func (m *Memory) LookupAppend(ctx context.Context, dst []Match, keys []Key) ([]Match, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
 	if len(keys) == 0 {
-		return nil, nil
+		return dst[:0], nil
 	}
 	ls, _ := m.lookups.Get().(*lookupState)
 	if ls == nil {
 		ls = &lookupState{}
 	}
+	ls.out = dst[:0]
 	m.mu.RLock()
 	out := ls.run(m, keys)
 	m.mu.RUnlock()
@@ -67,7 +75,7 @@ func (ls *lookupState) run(m *Memory, keys []Key) []Match {
 	ls.bm = bm
 	node := bm.find(keys[0])
 	if node < 0 {
-		return nil
+		return ls.out
 	}
 	ls.start(m.slots, node)
 	i := 1
@@ -122,14 +130,14 @@ func (ls *lookupState) start(slots []*memInstance, node int32) {
 	p := ls.bm.holdAt(node)
 	w := atomic.LoadUint32(p)
 	if w&hSpill == 0 {
-		ls.out = []Match{{Instance: slots[holderSlot(w)].name}}
+		ls.out = append(ls.out, Match{Instance: slots[holderSlot(w)].name})
 		ls.cands = append(ls.cands, cand{slot: holderSlot(w), from: level(w)})
 		markHit(p)
 		return
 	}
 	sp := &ls.bm.spills[w&^hSpill]
 	if sp.set == nil {
-		ls.out = make([]Match, len(sp.list))
+		ls.out = resize(ls.out, len(sp.list))
 		for k := range sp.list {
 			w := atomic.LoadUint32(&sp.list[k])
 			ls.out[k].Instance = slots[holderSlot(w)].name
@@ -146,7 +154,7 @@ func (ls *lookupState) start(slots []*memInstance, node int32) {
 	if need := hs.words * 64; len(ls.outIdx) < need {
 		ls.outIdx = make([]int32, need)
 	}
-	ls.out = make([]Match, hs.n)
+	ls.out = resize(ls.out, hs.n)
 	k := int32(0)
 	eachBit(ls.alive[tiers.Count-1], func(slot int) {
 		ls.outIdx[slot] = k
@@ -295,6 +303,16 @@ func (ls *lookupState) finish(n int32) {
 	for t := range tiers.Count {
 		eachBit(ls.alive[t], func(slot int) { ls.out[ls.outIdx[slot]].Blocks[t] = int(n) })
 	}
+}
+
+// resize returns ms holding n zero Matches, reusing its storage.
+func resize(ms []Match, n int) []Match {
+	if cap(ms) < n {
+		return make([]Match, n)
+	}
+	ms = ms[:n]
+	clear(ms)
+	return ms
 }
 
 func eachBit(words []uint64, f func(int)) {

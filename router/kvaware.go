@@ -354,7 +354,10 @@ type kvEval struct {
 	weight    float64 // prefill cost weight used
 	sc        *kvScoring
 	memo      scoreMemo
+	matches   []kvindex.Match // the lookup's answer, reused across decisions
 	ci        *candIndex // the candidate index, when the decision used one
+	perm      []int32    // match k's candidate in the last decision over permOf
+	permOf    *candIndex
 }
 
 func (st *KVState) getEval() *kvEval {
@@ -365,8 +368,8 @@ func (st *KVState) getEval() *kvEval {
 }
 
 func (st *KVState) putEval(ev *kvEval) {
-	if cap(ev.keys) > 1<<16 {
-		return // don't keep a huge prompt's scratch alive
+	if cap(ev.keys) > 1<<16 || cap(ev.matches) > 1<<12 {
+		return // don't keep a huge prompt's (or fleet's) scratch alive
 	}
 	ev.cands = ev.cands[:0]
 	st.evalPool.Put(ev)
@@ -495,15 +498,16 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 	}
 	ev.blockSize = bs
 	ev.keys = kvindex.AppendKeys(ev.keys, kvindex.Root(st.model, req.Adapter, cacheSalt(req)), ids, bs)
-	matches, err := tracedLookup(ctx, st.index, ev.keys)
+	matches, err := tracedLookup(ctx, st.index, ev.matches, ev.keys)
+	ev.matches = matches
 	if err != nil {
 		st.m.lookupErrs.WithLabelValues(st.pool).Inc()
 		st.log.Debug("index lookup failed; routing on speculative entries and the heuristic", "pool", st.pool, "err", err)
 		matches = nil
 	}
 	byID := s.finder(ev, cands, len(matches))
-	for _, m := range matches {
-		ce := byID.find(m.Instance)
+	for k, m := range matches {
+		ce := byID.find(k, m.Instance)
 		if ce == nil {
 			continue // not a candidate (unhealthy, full adapter set, other pool)
 		}

@@ -1,10 +1,12 @@
 package router
 
 import (
+	"context"
 	"math"
 	"slices"
 	"sync/atomic"
 
+	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -57,6 +59,9 @@ func (s *KVAware) finder(ev *kvEval, cands []*Instance, matches int) candFinder 
 	if matches >= candIndexMin {
 		f.ci = s.cands.get(cands)
 		ev.ci = f.ci
+		if ev.permOf != f.ci {
+			ev.perm, ev.permOf = ev.perm[:0], f.ci
+		}
 	}
 	return f
 }
@@ -87,14 +92,32 @@ type scoreMemo struct {
 	prefill, cost float64
 }
 
-func (f candFinder) find(id string) *candEval {
+// find returns the candidate of match k, instance id. The index lists
+// holders in a stable order (its instance slots), so the candidate that
+// match k had in this evaluation's previous decision over the same list is
+// tried first: one string comparison instead of hashing the id.
+func (f candFinder) find(k int, id string) *candEval {
+	ev := f.ev
 	if f.ci == nil {
-		return f.ev.byID(id)
+		return ev.byID(id)
 	}
-	if i, ok := f.ci.pos[id]; ok {
-		return &f.ev.cands[i]
+	if k < len(ev.perm) {
+		if i := ev.perm[k]; i >= 0 && ev.cands[i].inst.id == id {
+			return &ev.cands[i]
+		}
 	}
-	return nil
+	i, ok := f.ci.pos[id]
+	if !ok {
+		i = -1
+	}
+	for len(ev.perm) <= k {
+		ev.perm = append(ev.perm, -1)
+	}
+	ev.perm[k] = i
+	if i < 0 {
+		return nil
+	}
+	return &ev.cands[i]
 }
 
 // cold reports whether nothing vouches for any of the prompt's blocks on
@@ -135,4 +158,11 @@ func (s *KVAware) scoreCold(ev *kvEval, c coldMin) {
 		ce.matched, ce.ttft = [len(ce.matched)]int{}, math.Inf(1)
 		ce.score, ce.scoreStale, ce.scored = math.Inf(1), math.Inf(1), false
 	}
+}
+
+// lookupAppender is an index that writes a lookup's matches into the
+// caller's buffer (kvindex.Memory does): kv_aware reuses one per pooled
+// evaluation instead of allocating a Match per holder per decision.
+type lookupAppender interface {
+	LookupAppend(ctx context.Context, dst []kvindex.Match, keys []kvindex.Key) ([]kvindex.Match, error)
 }
