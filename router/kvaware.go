@@ -355,8 +355,8 @@ type kvEval struct {
 	sc        *kvScoring
 	memo      scoreMemo
 	matches   []kvindex.Match // the lookup's answer, reused across decisions
-	ci        *candIndex // the candidate index, when the decision used one
-	perm      []int32    // match k's candidate in the last decision over permOf
+	ci        *candIndex      // the candidate index, when the decision used one
+	perm      []int32         // match k's candidate in the last decision over permOf
 	permOf    *candIndex
 }
 
