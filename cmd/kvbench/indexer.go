@@ -154,11 +154,11 @@ func timerOverhead() [2]time.Duration {
 		w, c := time.Since(w0), des.ThreadCPU()
 		cs[i], ws[i] = c-c0, w
 	}
-	return [2]time.Duration{pct(cs, 0.5), pct(ws, 0.5)}
+	return [2]time.Duration{durPct(cs, 0.5), durPct(ws, 0.5)}
 }
 
-// pct returns the p-quantile of ts (sorting it).
-func pct(ts []time.Duration, p float64) time.Duration {
+// durPct returns the p-quantile of ts (sorting it).
+func durPct(ts []time.Duration, p float64) time.Duration {
 	if len(ts) == 0 {
 		return 0
 	}
@@ -177,8 +177,8 @@ func writeReplayTable(w io.Writer, rows []replayResult) {
 		}
 		fmt.Fprintf(w, "| %d | %d | %d | %d (%d) | %d | %d | %.0f | %.0f | %s / %s | %s | %s / %s | %d | %.1f | %.1f |\n",
 			r.Instances, r.Copies, r.Lookups, r.Events, r.Applies, r.Stored, r.Removed, r.opsPerCPU(), r.opsPerWall(),
-			us(pct(r.Lookup.cpuTimes, 0.5)), us(pct(r.Lookup.cpuTimes, 0.99)), us(pct(r.Lookup.wallTimes, 0.99)),
-			us(pct(r.Apply.cpuTimes, 0.5)), us(pct(r.Apply.cpuTimes, 0.99)),
+			us(durPct(r.Lookup.cpuTimes, 0.5)), us(durPct(r.Lookup.cpuTimes, 0.99)), us(durPct(r.Lookup.wallTimes, 0.99)),
+			us(durPct(r.Apply.cpuTimes, 0.5)), us(durPct(r.Apply.cpuTimes, 0.99)),
 			r.Entries, float64(r.HeapBytes)/(1<<20), perEntry)
 	}
 }

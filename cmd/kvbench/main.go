@@ -51,6 +51,7 @@ commands:
   des      discrete-event comparison of strategies on simulated engines (virtual clock)
   sweep    des over strategies × loads × fleet sizes × workloads: one table and chart per workload
   indexer  trace replay through the KV block index alone (lookups and engine events, interleaved)
+  disagg   des: aggregated vs disaggregated prefill/decode (P:D ratios, conditional) on the same instances
   live     drive a running kvrouter (with kvsim engines) over HTTP
   demo     embedded NATS + simulated fleet + router; compares strategies; exits by itself
 `
@@ -73,6 +74,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runDES(ctx, rest, stdout, stderr)
 	case "indexer":
 		return runIndexer(ctx, rest, stdout, stderr)
+	case "disagg":
+		return runDisagg(ctx, rest, stdout, stderr)
 	case "live":
 		return runLive(ctx, rest, stdout, stderr)
 	case "demo":
