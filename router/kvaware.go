@@ -520,6 +520,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 	}
 	if s.spec != nil && s.spec.Len() > 0 {
 		ev.holders = s.spec.holders(ev.holders[:0], ev.keys[0])
+		var specAt specProbe
 		for i := range ev.cands {
 			ce := &ev.cands[i]
 			g := ce.blocks[tiers.GPU]
@@ -529,10 +530,14 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 			if ce.stale != ([tiers.Count]int{}) || (g == 0 && st.fresh != nil && st.fresh.Stale(ce.inst.id)) {
 				continue // nothing vouches for a stale instance, guesses included
 			}
-			if commit && g > 0 && s.spec.heldBy(ev.keys[g-1], ce.inst.id) {
+			below, at := specAt.at(s.spec, ev.keys, g)
+			if commit && below && s.spec.heldBy(ev.keys[g-1], ce.inst.id) {
 				// Events confirmed the guess up to g: hand those blocks
 				// over to the index, which will also see their eviction.
 				s.spec.confirm(ev.keys[:g], ce.inst.id)
+			}
+			if !at {
+				continue // no guess at block g: nothing to extend
 			}
 			if ext := s.spec.extend(ev.keys, g, ce.inst.id, st.lostEpoch(ce.inst.id)); ext > g {
 				for t := range tiers.Count {

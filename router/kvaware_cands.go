@@ -166,3 +166,24 @@ func (s *KVAware) scoreCold(ev *kvEval, c coldMin) {
 type lookupAppender interface {
 	LookupAppend(ctx context.Context, dst []kvindex.Match, keys []kvindex.Key) ([]kvindex.Match, error)
 }
+
+// specProbe remembers, for the last match length g asked about, whether
+// the speculative overlay holds anything at blocks g-1 and g: candidates
+// sharing a prefix share g, so one decision asks the overlay about a few
+// keys rather than twice per candidate.
+type specProbe struct {
+	g           int
+	ok          bool
+	below, here bool
+}
+
+// at reports whether any instance holds keys[g-1] (false when g is 0) and
+// keys[g] (false past the end) speculatively.
+func (p *specProbe) at(s *speculative, keys []kvindex.Key, g int) (below, at bool) {
+	if !p.ok || p.g != g {
+		p.ok, p.g = true, g
+		p.below = g > 0 && s.any(keys[g-1])
+		p.here = g < len(keys) && s.any(keys[g])
+	}
+	return p.below, p.here
+}
