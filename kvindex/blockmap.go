@@ -76,6 +76,7 @@ type holderSet struct {
 	lv    [tiers.Count][]uint64
 	hit   []uint64 // updated atomically by lookups
 	n     int      // holders
+	slow  int      // holders whose fastest tier is not the GPU: 0 = every lv[t] is lv[0]
 }
 
 // newBlockMap returns an empty block map whose index is sized for nodes
@@ -353,7 +354,13 @@ func (hs *holderSet) put(slot uint32, tierBits uint32, keepHit bool) {
 		hs.grow(wi + 1)
 	}
 	was := hs.lv[tiers.Count-1][wi]&bit != 0
+	if was && hs.lv[0][wi]&bit == 0 {
+		hs.slow--
+	}
 	lv := int(level(tierBits))
+	if tierBits != 0 && lv > 0 {
+		hs.slow++
+	}
 	for t := range tiers.Count {
 		if t >= lv {
 			hs.lv[t][wi] |= bit

@@ -60,6 +60,10 @@ type lookupState struct {
 	alive  [tiers.Count][]uint64
 	outIdx []int32
 	n      int // slots alive in some tier
+	// uniform: every alive[t] equals alive[0] (all matched in the GPU tier
+	// so far), so a holder set whose holders are all on GPU is intersected
+	// once rather than once per tier.
+	uniform bool
 }
 
 // cand is one instance still matching: from is the fastest tier whose run
@@ -147,7 +151,7 @@ func (ls *lookupState) start(slots []*memInstance, node int32) {
 		return
 	}
 	hs := sp.set
-	ls.set, ls.words, ls.n = true, hs.words, hs.n
+	ls.set, ls.words, ls.n, ls.uniform = true, hs.words, hs.n, hs.slow == 0
 	for t := range ls.alive {
 		ls.alive[t] = append(ls.alive[t][:0], hs.lv[t]...)
 	}
@@ -250,6 +254,11 @@ func (ls *lookupState) advance(c *cand, l uint8, i int32) bool {
 
 // stepSets intersects the alive bitsets with a holder set's.
 func (ls *lookupState) stepSets(hs *holderSet, i int32) {
+	if ls.uniform && hs.slow == 0 {
+		ls.stepUniform(hs, i)
+		return
+	}
+	ls.uniform = false
 	for t := range tiers.Count {
 		a, lv := ls.alive[t], hs.lv[t]
 		for wi, x := range a {
@@ -266,6 +275,37 @@ func (ls *lookupState) stepSets(hs *holderSet, i int32) {
 			a[wi] = y
 		}
 	}
+	ls.settle(hs)
+}
+
+// stepUniform is stepSets when every tier's alive set and every tier's
+// holder set are the same: one intersection, its drops ending every tier.
+func (ls *lookupState) stepUniform(hs *holderSet, i int32) {
+	a, lv := ls.alive[0], hs.lv[0]
+	for wi, x := range a {
+		if x == 0 {
+			continue
+		}
+		var y uint64
+		if wi < len(lv) {
+			y = x & lv[wi]
+		}
+		for d := x &^ y; d != 0; d &= d - 1 {
+			m := &ls.out[ls.outIdx[wi*64+bits.TrailingZeros64(d)]]
+			for t := range tiers.Count {
+				m.Blocks[t] = int(i)
+			}
+		}
+		for t := range tiers.Count {
+			ls.alive[t][wi] = y
+		}
+	}
+	ls.settle(hs)
+}
+
+// settle counts the instances still matching after a set step, marks their
+// holds as hit, and goes to list mode when few are left.
+func (ls *lookupState) settle(hs *holderSet) {
 	top := ls.alive[tiers.Count-1]
 	n := 0
 	for _, x := range top {

@@ -98,6 +98,19 @@ func memoryInvariantsLocked(m *Memory) error {
 		if f := bm.find(k); f != j {
 			return fmt.Errorf("node %d: key %x finds node %d", j, k, f)
 		}
+		if w&hSpill != 0 {
+			if hs := bm.spills[w&^hSpill].set; hs != nil {
+				slow := 0
+				for _, x := range hs.toList() {
+					if level(x) > 0 {
+						slow++
+					}
+				}
+				if slow != hs.slow {
+					return fmt.Errorf("node %d: holder set counts %d holders off the GPU, has %d", j, hs.slow, slow)
+				}
+			}
+		}
 		got := holdersOf(bm, j)
 		exp := want[j]
 		if len(got) != len(exp) {
