@@ -42,7 +42,7 @@ type Config struct {
 	// from KVROUTER_CACHE_SALT_SECRET (hex, see DecodeCacheSaltSecret).
 	CacheSaltSecret []byte `yaml:"-" json:"-"`
 	// HeartbeatKey, when set, is the key bridge heartbeats must be signed
-	// with (events.SignHeartbeat) to count: a secret, only from
+	// with (kvstream.SignHeartbeat) to count: a secret, only from
 	// KVROUTER_HEARTBEAT_KEY (hex, at least 16 bytes; docs/security.md).
 	HeartbeatKey []byte `yaml:"-" json:"-"`
 	// DefaultPool serves raw /invocations requests without a pool header and
@@ -183,7 +183,10 @@ type IndexConfig struct {
 
 // RedisConfig configures a Redis (or Redis Cluster) index backend.
 type RedisConfig struct {
-	Addrs     []string      `yaml:"addrs" json:"addrs,omitempty"`
+	Addrs []string `yaml:"addrs" json:"addrs,omitempty"`
+	// Cluster: the addresses are Redis Cluster seeds even when there is
+	// only one (several addresses always are).
+	Cluster   bool          `yaml:"cluster" json:"cluster,omitempty"`
 	DB        int           `yaml:"db" json:"db,omitempty"`
 	KeyPrefix string        `yaml:"key_prefix" json:"key_prefix,omitempty"`
 	TTL       time.Duration `yaml:"ttl" json:"ttl,omitempty"`
@@ -318,6 +321,9 @@ type PoolConfig struct {
 	// FlowControl queues, prioritises and sheds requests in front of the
 	// pool's engines (nil or enabled: false = off; docs/flow-control.md).
 	FlowControl *FlowControlConfig `yaml:"flow_control,omitempty" json:"flow_control,omitempty"`
+	// Disaggregation routes requests in two stages, prefill then decode
+	// (config/disagg.go; nil = off).
+	Disaggregation *DisaggregationConfig `yaml:"disaggregation,omitempty" json:"disaggregation,omitempty"`
 	// Instances is the static instance list.
 	Instances []InstanceConfig `yaml:"instances" json:"instances"`
 	// AllowedInstanceURLs bounds where heartbeat-discovered instances may
@@ -335,6 +341,10 @@ type InstanceConfig struct {
 	URL string `yaml:"url" json:"url"`
 	// Adapters held by this instance, known up front.
 	Adapters []string `yaml:"adapters" json:"adapters,omitempty"`
+	// Role in disaggregated serving: both (default), prefill or decode
+	// (config/disagg.go). A prefill instance receives only prefill
+	// requests of a pool with disaggregation on.
+	Role string `yaml:"role" json:"role,omitempty"`
 }
 
 // Strategy names.
@@ -556,6 +566,11 @@ func (c Config) WithDefaults() Config {
 		if p.Discovery.Interval == 0 {
 			p.Discovery.Interval = 30 * time.Second
 		}
+		if p.Disaggregation != nil {
+			d := *p.Disaggregation
+			d.applyDefaults()
+			p.Disaggregation = &d
+		}
 		pools[i] = p
 	}
 	c.Pools = pools
@@ -714,6 +729,9 @@ func (c Config) Validate() error {
 		}
 		if len(p.Instances) == 0 && !(KVEventsWanted(c) && DiscoverEnabled(c)) {
 			return bad("%s.instances: at least one instance is required (or heartbeat discovery: events with discover_instances)", f)
+		}
+		if err := p.Disaggregation.validate(f, p.Instances); err != nil {
+			return err
 		}
 		if _, err := ParseAllowList(p.AllowedInstanceURLs); err != nil {
 			return bad("%s.allowed_instance_urls: %v", f, err)

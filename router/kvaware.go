@@ -49,64 +49,14 @@ const maxKeyedTokens = 1 << 20
 // pool that has no KV index.
 var ErrNoKVState = errors.New("router: kv_aware needs a KV index for the pool")
 
-// Freshness tells kv_aware how far to trust the index: whether the pool's
-// event stream is being consumed, and whether an instance has gone quiet
-// (a gap not yet repaired, a silent bridge). The events consumer
-// implements it (see FreshnessFuncs). Methods are called on the request
-// path, concurrently: they must be cheap and safe for concurrent use.
-type Freshness interface {
-	StreamHealthy() bool
-	Stale(instance string) bool
-}
-
-// FreshnessFuncs adapts two functions to Freshness; a nil func means
-// "healthy" / "not stale". For the events consumer:
-//
-//	router.FreshnessFuncs{Healthy: c.Healthy, IsStale: func(id string) bool { return !c.Live(id) }}
-type FreshnessFuncs struct {
-	Healthy func() bool
-	IsStale func(instance string) bool
-	// Epoch, when set, is the consumer's LostEpoch (see CacheEpochs).
-	Epoch func(instance string) uint64
-}
-
-var (
-	_ Freshness   = FreshnessFuncs{}
-	_ CacheEpochs = FreshnessFuncs{}
-)
-
 // lostEpoch is the instance's cache epoch from the freshness source (0
 // without one).
 func (st *KVState) lostEpoch(instance string) uint64 {
-	if e, ok := st.fresh.(CacheEpochs); ok {
+	if e, ok := st.fresh.(kvindex.CacheEpochs); ok {
 		return e.LostEpoch(instance)
 	}
 	return 0
 }
-
-// CacheEpochs is implemented by a Freshness that counts the times each
-// instance's cache was lost or could not be vouched for (cleared by the
-// bridge or the engine, restarted, reported down, purged). kv_aware's
-// speculative entries remember the epoch they were made in and count only
-// while it lasts: a request routed just before an engine restarted must
-// not make the new, empty process look as if it held that prompt.
-type CacheEpochs interface {
-	LostEpoch(instance string) uint64
-}
-
-// LostEpoch implements CacheEpochs; 0 without the func.
-func (f FreshnessFuncs) LostEpoch(instance string) uint64 {
-	if f.Epoch == nil {
-		return 0
-	}
-	return f.Epoch(instance)
-}
-
-// StreamHealthy implements Freshness.
-func (f FreshnessFuncs) StreamHealthy() bool { return f.Healthy == nil || f.Healthy() }
-
-// Stale implements Freshness.
-func (f FreshnessFuncs) Stale(instance string) bool { return f.IsStale != nil && f.IsStale(instance) }
 
 // KVStateConfig is what a pool's exact routing is built from.
 type KVStateConfig struct {
@@ -117,7 +67,7 @@ type KVStateConfig struct {
 	// Index is the pool's block map. Required.
 	Index kvindex.Index
 	// Freshness, nil = the stream is always healthy and no instance stale.
-	Freshness Freshness
+	Freshness kvindex.Freshness
 	// Tokens produces token ids for requests that carry none; nil = such
 	// requests route heuristically.
 	Tokens TokenSource
@@ -139,7 +89,7 @@ type KVStateConfig struct {
 type KVState struct {
 	pool, model string
 	index       kvindex.Index
-	fresh       Freshness
+	fresh       kvindex.Freshness
 	tokens      TokenSource
 	m           *KVMetrics
 	log         *slog.Logger
@@ -161,6 +111,9 @@ type KVState struct {
 
 	util utilisation
 
+	drainRate prefillRate // measured prefill throughput (kvaware_drain.go)
+	behind    sampleMean  // requests joining a prefill busy period after another (kvaware_drain.go)
+
 	evalPool sync.Pool // *kvEval scratch
 }
 
@@ -169,6 +122,8 @@ type KVState struct {
 type pendingCounter struct {
 	tokens atomic.Int64
 	reqs   atomic.Int64
+	doneAt atomic.Int64 // when the routed work is predicted done, Unix ns (kvaware_drain.go)
+	period atomic.Int64 // requests routed since the pending queue was last empty
 }
 
 // NewKVState builds a pool's exact-routing state.
@@ -278,9 +233,8 @@ type KVAware struct {
 	fallback  *PrefixAware
 	spec      *speculative // nil when disabled
 	loadAge   time.Duration
+	cands     candIndexCache // the last candidate list's id → position
 }
-
-var _ Strategy = (*KVAware)(nil)
 
 // NewKVAware builds the kv_aware strategy for rc (defaults applied) over
 // st. Simulations call it directly; NewStrategy calls it for "kv_aware".
@@ -308,6 +262,8 @@ func newKVAware(rc config.RoutingConfig, st *KVState, rnd func(uint64) uint64) (
 }
 
 // Name implements Strategy.
+var _ Strategy = (*KVAware)(nil)
+
 func (*KVAware) Name() string { return config.StrategyKVAware }
 
 // Pick implements Strategy.
@@ -330,11 +286,15 @@ type candEval struct {
 	matched [tiers.Count]int
 	ttft    float64 // predicted, seconds
 	queue   float64 // predicted wait before its prefill starts, seconds
+	ahead   float64 // routed prefill tokens predicted left there (kvaware_drain.go)
 	// score is what the pick minimises: ttft plus the weighted prefill the
 	// pick adds to the fleet (see KVScoringConfig.PrefillCostWeight).
 	score float64
 	// scoreStale is score had the stale blocks counted (= score when none).
 	scoreStale float64
+	// scored is false for a cold candidate predict skipped (scores +Inf,
+	// see scoreCold): kvEval.find scores it when asked about it.
+	scored bool
 }
 
 // kvEval is what kv_aware knew about one request: pooled scratch.
@@ -348,6 +308,12 @@ type kvEval struct {
 	anyStale  bool
 	commit    bool    // the decision will be committed (not shadow scoring)
 	weight    float64 // prefill cost weight used
+	sc        *kvScoring
+	memo      scoreMemo
+	matches   []kvindex.Match // the lookup's answer, reused across decisions
+	ci        *candIndex      // the candidate index, when the decision used one
+	perm      []int32         // match k's candidate in the last decision over permOf
+	permOf    *candIndex
 }
 
 func (st *KVState) getEval() *kvEval {
@@ -358,18 +324,22 @@ func (st *KVState) getEval() *kvEval {
 }
 
 func (st *KVState) putEval(ev *kvEval) {
-	if cap(ev.keys) > 1<<16 {
-		return // don't keep a huge prompt's scratch alive
+	if cap(ev.keys) > 1<<16 || cap(ev.matches) > 1<<12 {
+		return // don't keep a huge prompt's (or fleet's) scratch alive
 	}
 	ev.cands = ev.cands[:0]
 	st.evalPool.Put(ev)
 }
 
-// find returns inst's evaluation, nil when inst was not a candidate.
+// find returns inst's evaluation, nil when inst was not a candidate; a
+// cold candidate the decision did not need to score is scored now.
 func (ev *kvEval) find(inst *Instance) *candEval {
 	for i := range ev.cands {
-		if ev.cands[i].inst == inst {
-			return &ev.cands[i]
+		if ce := &ev.cands[i]; ce.inst == inst {
+			if !ce.scored && ev.sc != nil {
+				ev.sc.score(ev, ce)
+			}
+			return ce
 		}
 	}
 	return nil
@@ -439,6 +409,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 		ev.cands = append(ev.cands, candEval{inst: c, rv: rendezvousScore(h, c.hash), full: c.Full(s.threshold)})
 	}
 	ev.tokens, ev.blockSize, ev.fallback, ev.anyStale, ev.keys, ev.commit = 0, 0, "", false, ev.keys[:0], commit
+	ev.sc = &s.sc
 	defer s.predict(ev)
 
 	if st.fresh != nil {
@@ -483,14 +454,16 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 	}
 	ev.blockSize = bs
 	ev.keys = kvindex.AppendKeys(ev.keys, kvindex.Root(st.model, req.Adapter, cacheSalt(req)), ids, bs)
-	matches, err := tracedLookup(ctx, st.index, ev.keys)
+	matches, err := tracedLookup(ctx, st.index, ev.matches, ev.keys)
+	ev.matches = matches
 	if err != nil {
 		st.m.lookupErrs.WithLabelValues(st.pool).Inc()
 		st.log.Debug("index lookup failed; routing on speculative entries and the heuristic", "pool", st.pool, "err", err)
 		matches = nil
 	}
-	for _, m := range matches {
-		ce := ev.byID(m.Instance)
+	byID := s.finder(ev, cands, len(matches))
+	for k, m := range matches {
+		ce := byID.find(k, m.Instance)
 		if ce == nil {
 			continue // not a candidate (unhealthy, full adapter set, other pool)
 		}
@@ -503,6 +476,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 	}
 	if s.spec != nil && s.spec.Len() > 0 {
 		ev.holders = s.spec.holders(ev.holders[:0], ev.keys[0])
+		var specAt specProbe
 		for i := range ev.cands {
 			ce := &ev.cands[i]
 			g := ce.blocks[tiers.GPU]
@@ -512,10 +486,14 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 			if ce.stale != ([tiers.Count]int{}) || (g == 0 && st.fresh != nil && st.fresh.Stale(ce.inst.id)) {
 				continue // nothing vouches for a stale instance, guesses included
 			}
-			if commit && g > 0 && s.spec.heldBy(ev.keys[g-1], ce.inst.id) {
+			below, at := specAt.at(s.spec, ev.keys, g)
+			if commit && below && s.spec.heldBy(ev.keys[g-1], ce.inst.id) {
 				// Events confirmed the guess up to g: hand those blocks
 				// over to the index, which will also see their eviction.
 				s.spec.confirm(ev.keys[:g], ce.inst.id)
+			}
+			if !at {
+				continue // no guess at block g: nothing to extend
 			}
 			if ext := s.spec.extend(ev.keys, g, ce.inst.id, st.lostEpoch(ce.inst.id)); ext > g {
 				for t := range tiers.Count {
@@ -562,7 +540,6 @@ func containsString(list []string, s string) bool {
 // predict computes every candidate's queue and predicted TTFT.
 func (s *KVAware) predict(ev *kvEval) {
 	st := s.st
-	bs := ev.blockSize
 	now := st.now()
 	busy := 0
 	for i := range ev.cands {
@@ -571,34 +548,65 @@ func (s *KVAware) predict(ev *kvEval) {
 		}
 	}
 	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
-	ev.weight = s.sc.weight(rho)
+	ev.weight = s.sc.weight(rho, st.behind.mean())
+	cold := coldMin{free: math.Inf(1), all: math.Inf(1)}
 	st.pendMu.RLock()
 	st.loads.mu.RLock()
+	ev.memo = scoreMemo{}
+	haveLoads := len(st.loads.samples) > 0
 	for i := range ev.cands {
 		ce := &ev.cands[i]
-		var pTok, pReq int64
-		if pc := st.pend[ce.inst.id]; pc != nil {
-			pTok, pReq = pc.tokens.Load(), pc.reqs.Load()
+		var pTok float64
+		var pReq int64
+		if pc := ev.pending(st, i); pc != nil {
+			pReq = pc.reqs.Load()
+			pTok = pc.drainedTokens(now, float64(pc.tokens.Load()), st.drainRate.rate(s.sc.prefill))
 		}
-		ld, ok := st.loads.samples[ce.inst.id]
-		ok = ok && now.Sub(ld.at) <= s.loadAge
-		q := s.sc.queue(float64(pTok), int(pReq), ce.inst.InFlight(), ld, ok)
-		ce.matched = tierTokens(ce.blocks, bs, ev.tokens)
-		ce.queue = q
-		ce.ttft = s.sc.ttft(q, ev.tokens, ce.matched)
-		ce.score = ce.ttft + s.sc.prefillCost(ev.weight, ev.tokens, ce.matched)
-		ce.scoreStale = ce.score
-		if ce.stale != ([tiers.Count]int{}) {
-			var both [tiers.Count]int
-			for t := range tiers.Count {
-				both[t] = max(ce.blocks[t], ce.stale[t])
-			}
-			m := tierTokens(both, bs, ev.tokens)
-			ce.scoreStale = s.sc.ttft(q, ev.tokens, m) + s.sc.prefillCost(ev.weight, ev.tokens, m)
+		ce.ahead = pTok
+		var ld loadSample
+		ok := false
+		if haveLoads {
+			ld, ok = st.loads.samples[ce.inst.id]
+			ok = ok && now.Sub(ld.at) <= s.loadAge
 		}
+		ce.queue = s.sc.queue(pTok, int(pReq), ce.inst.InFlight(), ld, ok)
+		if ce.cold() {
+			cold.note(ce)
+			continue
+		}
+		s.sc.score(ev, ce)
 	}
 	st.loads.mu.RUnlock()
 	st.pendMu.RUnlock()
+	s.scoreCold(ev, cold)
+}
+
+// score computes a candidate's matched tokens, predicted TTFT and score
+// from its queue.
+func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
+	bs, q := ev.blockSize, ce.queue
+	ce.scored = true
+	m := &ev.memo
+	if !m.ok || m.blocks != ce.blocks {
+		// Candidates holding the same blocks (a shared prefix) differ
+		// only by queue: the rest of the prediction is computed once.
+		m.ok, m.blocks = true, ce.blocks
+		m.matched = tierTokens(ce.blocks, bs, ev.tokens)
+		m.prefill = sc.ttft(0, ev.tokens, m.matched)
+		m.cost = sc.prefillCost(ev.weight, ev.tokens, m.matched)
+	}
+	ce.matched = m.matched
+	ce.ttft = q + m.prefill
+	ce.score = ce.ttft + m.cost
+	ce.scoreStale = ce.score
+	if ce.stale != ([tiers.Count]int{}) {
+		var both [tiers.Count]int
+		for t := range tiers.Count {
+			both[t] = max(ce.blocks[t], ce.stale[t])
+		}
+		m := tierTokens(both, bs, ev.tokens)
+		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, ev.tokens, m)
+	}
 }
 
 // decide picks for a request some instance holds: the least score
@@ -737,7 +745,7 @@ func (s *KVAware) commit(dec *Decision, ev *kvEval, ce *candEval) {
 			st.m.specKeys.WithLabelValues(st.pool).Set(float64(s.spec.Len()))
 		}
 	}
-	dec.Observer = st.newObserver(ce.inst.id, ev.tokens-hit, hit)
+	dec.Observer = st.newDrainingObserver(ce, ev.tokens-hit, hit, s.sc.prefill)
 }
 
 // cacheSalt returns the request's "cache_salt" (vLLM's per-request KV

@@ -15,6 +15,9 @@ type metrics struct {
 	probes    *prometheus.CounterVec
 	streamErr *prometheus.CounterVec
 	flow      *flowMetrics
+	// Disaggregated serving (disagg.go).
+	disagg              *prometheus.CounterVec
+	disaggPrefillErrors *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
@@ -49,10 +52,18 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 			Name: "kvrouter_stream_errors_total",
 			Help: "Upstream responses that failed after bytes reached the client (streams end with an error event).",
 		}, []string{"pool", "instance"}),
+		disagg: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_disagg_requests_total",
+			Help: "Requests of pools with disaggregation on, by how they were served (disaggregated, or aggregated with the reason).",
+		}, []string{"pool", "mode", "reason"}),
+		disaggPrefillErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_disagg_prefill_errors_total",
+			Help: "Prefill requests that failed (transport error or a non-200 answer); the request was tried on another prefill instance or went aggregated.",
+		}, []string{"pool", "instance"}),
 	}
 	var flowCollectors []prometheus.Collector
 	m.flow, flowCollectors = newFlowMetrics(s)
-	for _, c := range append([]prometheus.Collector{m.requests, m.overflows, m.retries, m.decision, m.ttfb, m.probes, m.streamErr, &liveCollector{s: s}}, flowCollectors...) {
+	for _, c := range append([]prometheus.Collector{m.requests, m.overflows, m.retries, m.decision, m.ttfb, m.probes, m.streamErr, m.disagg, m.disaggPrefillErrors, &liveCollector{s: s}}, flowCollectors...) {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -60,16 +71,17 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 	return m, nil
 }
 
-// forgetInstanceSeries deletes the per-instance series of an instance that
+// ForgetInstanceSeries deletes the per-instance series of an instance that
 // left its pool, so that instance names that come and go (heartbeat
 // discovery) do not accumulate series.
-func (s *Server) forgetInstanceSeries(pool, instance string) {
+func (s *Server) ForgetInstanceSeries(pool, instance string) {
 	l := prometheus.Labels{"pool": pool, "instance": instance}
 	s.m.requests.DeletePartialMatch(l)
 	s.m.retries.DeletePartialMatch(l)
 	s.m.ttfb.DeletePartialMatch(l)
 	s.m.probes.DeletePartialMatch(l)
 	s.m.streamErr.DeletePartialMatch(l)
+	s.m.disaggPrefillErrors.DeletePartialMatch(l)
 	s.kvm.scrapes.DeletePartialMatch(l)
 }
 

@@ -145,6 +145,13 @@ func (s *speculative) extend(keys []kvindex.Key, from int, inst string, epoch ui
 	return k
 }
 
+// any reports whether any instance holds key speculatively (expired or not).
+func (s *speculative) any(key kvindex.Key) bool {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return len(s.holds[key]) > 0
+}
+
 // holders appends to dst the instances holding keys[0] speculatively.
 func (s *speculative) holders(dst []string, key kvindex.Key) []string {
 	if s == nil {

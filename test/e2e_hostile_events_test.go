@@ -17,10 +17,11 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
-
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/fleet"
+	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
@@ -30,7 +31,7 @@ type hostileRig struct {
 	t    *testing.T
 	nc   *nats.Conn
 	pool string
-	kve  *router.KVEvents
+	kve  *kvstate.Pipeline
 	srv  *router.Server
 	reg  *prometheus.Registry
 	logs *testenv.Logs
@@ -51,7 +52,7 @@ func newHostileRig(t *testing.T, mutate func(*config.Config)) *hostileRig {
 	logs := &testenv.Logs{}
 	log := slog.New(slog.NewJSONHandler(logs, nil))
 	reg := prometheus.NewRegistry()
-	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: log, SnapshotTimeout: 200 * time.Millisecond})
+	kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Registerer: reg, Logger: log, SnapshotTimeout: 200 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -63,7 +64,7 @@ func newHostileRig(t *testing.T, mutate func(*config.Config)) *hostileRig {
 	rctx, stop := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); _ = srv.Run(rctx) }()
-	go kve.RunDiscovery(rctx, srv, 50*time.Millisecond)
+	go func() { _ = fleet.New(srv, kve, cfg, 50*time.Millisecond, log).Run(rctx) }()
 	t.Cleanup(func() { stop(); <-done })
 	if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
 		t.Fatal(err)
@@ -170,7 +171,7 @@ func (r *hostileRig) records() map[string]bool {
 	return out
 }
 
-// Issue 19, discovery: with an allow-list and a heartbeat key, only a
+// Discovery: with an allow-list and a heartbeat key, only a
 // signed, fresh heartbeat announcing an allowed URL adds an instance
 // (logged and counted as a join); a URL outside the list, an unsigned,
 // a badly signed or a stale heartbeat is refused, logged and counted, and
@@ -240,7 +241,7 @@ func TestE2EDiscoveryRefusesUntrustedHeartbeats(t *testing.T) {
 	}
 }
 
-// Issue 19, cardinality: 10,000 junk names on kv.events create no record
+// Cardinality: 10,000 junk names on kv.events create no record
 // (only configured names may start from events), 10,000 junk heartbeats
 // fill at most events.max_instances records, every drop is counted, and
 // once the junk goes silent its records, pool entries and series are gone.
@@ -381,7 +382,7 @@ func readyRig(t *testing.T, delay, readyTimeout time.Duration) (readyz string, b
 	}
 	logs = &testenv.Logs{}
 	log := slog.New(slog.NewJSONHandler(logs, nil))
-	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: log, SnapshotTimeout: 10 * time.Second})
+	kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Logger: log, SnapshotTimeout: 10 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -428,7 +429,7 @@ func pollReady(t *testing.T, url string, within time.Duration) (notReady int, wh
 	return 0, ""
 }
 
-// Issue 19: /readyz says ready only once the index has been rebuilt (here:
+// Readiness: /readyz says ready only once the index has been rebuilt (here:
 // a snapshot that takes 1.5 s to arrive is in the index when it first
 // answers 200), or once events.ready_timeout has passed.
 func TestE2EReadyzWaitsForTheIndex(t *testing.T) {

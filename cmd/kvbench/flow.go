@@ -215,13 +215,13 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	base := flowRun{load: 0.25, w: uw, res: ures, window: uwin}
 	objLight, objHeavy = *objective, *objective
 	if *objective == 0 {
-		objLight, objHeavy = 2*pct(base.ttfts(classLight), 0.99), 2*pct(base.ttfts(classHeavy), 0.99)
+		objLight, objHeavy = 2*flowPct(base.ttfts(classLight), 0.99), 2*flowPct(base.ttfts(classHeavy), 0.99)
 	}
 	prefillBudget = *prefill
 	fmt.Fprintf(stdout, "prefill: %.0f tokens/s per instance measured; queue budget %d pending prefill tokens per instance\n", rate, prefillBudget)
 	fmt.Fprintf(stdout, "unloaded (0.25× capacity): TTFT p50 %s p90 %s p99 %s (light tenants p90 %s, priority 0 p99 %s); objectives: light %s, heavy %s\n\n",
-		ms(pct(base.ttfts(classAll), 0.5)), ms(pct(base.ttfts(classAll), 0.9)), ms(pct(base.ttfts(classAll), 0.99)),
-		ms(pct(base.ttfts(classLight), 0.9)), ms(pct(base.ttfts(classHigh), 0.99)), ms(objLight), ms(objHeavy))
+		ms(flowPct(base.ttfts(classAll), 0.5)), ms(flowPct(base.ttfts(classAll), 0.9)), ms(flowPct(base.ttfts(classAll), 0.99)),
+		ms(flowPct(base.ttfts(classLight), 0.9)), ms(flowPct(base.ttfts(classHigh), 0.99)), ms(objLight), ms(objHeavy))
 
 	fmt.Fprintln(stdout, "| load | queue | class | requests | shed | TTFT p50 | p90 | p99 | queued p90 | goodput req/s |")
 	fmt.Fprintln(stdout, "|---|---|---|---|---|---|---|---|---|---|")
@@ -250,8 +250,8 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 			"light p90 %s → %s (unloaded %s); priority 0 p99 %s → %s (unloaded %s); %s",
 			load, off.goodput(classAll), on.goodput(classAll), on.goodput(classAll)/max(off.goodput(classAll), 1e-9),
 			off.jain(), on.jain(),
-			ms(pct(off.ttfts(classLight), 0.9)), ms(pct(on.ttfts(classLight), 0.9)), ms(pct(base.ttfts(classLight), 0.9)),
-			ms(pct(off.ttfts(classHigh), 0.99)), ms(pct(on.ttfts(classHigh), 0.99)), ms(pct(base.ttfts(classHigh), 0.99)),
+			ms(flowPct(off.ttfts(classLight), 0.9)), ms(flowPct(on.ttfts(classLight), 0.9)), ms(flowPct(base.ttfts(classLight), 0.9)),
+			ms(flowPct(off.ttfts(classHigh), 0.99)), ms(flowPct(on.ttfts(classHigh), 0.99)), ms(flowPct(base.ttfts(classHigh), 0.99)),
 			on.shedSummary()))
 	}
 	fmt.Fprintln(stdout)
@@ -381,7 +381,7 @@ func (f flowRun) row(c flowClass) string {
 		q = "on"
 	}
 	return fmt.Sprintf("| %g× | %s | %s | %d | %.1f%% | %s | %s | %s | %s | %.1f |", f.load, q, c, n, 100*float64(shed)/float64(max(n, 1)),
-		ms(pct(t, 0.5)), ms(pct(t, 0.9)), ms(pct(t, 0.99)), ms(pct(waits, 0.9)), f.goodput(c))
+		ms(flowPct(t, 0.5)), ms(flowPct(t, 0.9)), ms(flowPct(t, 0.99)), ms(flowPct(waits, 0.9)), f.goodput(c))
 }
 
 // jain is Jain's fairness index over the tenants' goodput in tokens
@@ -470,8 +470,8 @@ func (f flowRun) shedSummary() string {
 		100*float64(atOnce)/float64(n), ms(waited))
 }
 
-// pct is the q-quantile of ds (nearest rank), 0 for none.
-func pct(ds []time.Duration, q float64) time.Duration {
+// flowPct is the q-quantile of ds (nearest rank), 0 for none.
+func flowPct(ds []time.Duration, q float64) time.Duration {
 	if len(ds) == 0 {
 		return 0
 	}

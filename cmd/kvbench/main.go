@@ -7,6 +7,7 @@
 //	kvbench des      discrete-event run: real strategies, simulated engines, virtual clock
 //	kvbench sweep    des over strategies × loads × fleet sizes × workloads: a table and a chart per workload
 //	kvbench flow     des of overload bursts with and without flow control
+//	kvbench indexer  trace replay through the KV block index alone: ops/s, lookup and apply CPU time, heap
 //	kvbench live     drive a running kvrouter over HTTP
 //	kvbench demo     start a small fleet in-process and compare strategies
 //
@@ -51,6 +52,8 @@ commands:
   des      discrete-event comparison of strategies on simulated engines (virtual clock)
   sweep    des over strategies × loads × fleet sizes × workloads: one table and chart per workload
   flow     des of overload bursts with and without flow control (priorities, tenants, TTFT objectives)
+  indexer  trace replay through the KV block index alone (lookups and engine events, interleaved)
+  disagg   des: aggregated vs disaggregated prefill/decode (P:D ratios, conditional) on the same instances
   live     drive a running kvrouter (with kvsim engines) over HTTP
   demo     embedded NATS + simulated fleet + router; compares strategies; exits by itself
 `
@@ -73,6 +76,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runDES(ctx, rest, stdout, stderr)
 	case "flow":
 		return runFlow(ctx, rest, stdout, stderr)
+	case "indexer":
+		return runIndexer(ctx, rest, stdout, stderr)
+	case "disagg":
+		return runDisagg(ctx, rest, stdout, stderr)
 	case "live":
 		return runLive(ctx, rest, stdout, stderr)
 	case "demo":
