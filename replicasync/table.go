@@ -31,7 +31,13 @@ type peer struct {
 	incarnation uint64
 	seq         uint64 // last load message applied
 	seen        time.Time
-	loads       map[string]loadAt
+	// synced is when the peer's whole table was last known current: a
+	// complete table, or a delta that followed the previous message with
+	// no gap since the last complete one (chain). Entries count while
+	// either they or the whole table were refreshed within the timeout.
+	synced time.Time
+	chain  bool
+	loads  map[string]loadAt
 }
 
 type loadAt struct {
@@ -94,10 +100,16 @@ func (t *Table) ApplyLoad(m *Message) Result {
 	case m.Seq <= p.seq:
 		return Stale
 	}
-	p.seq, p.seen = m.Seq, now
-	if m.Complete {
+	switch {
+	case m.Complete:
 		clear(p.loads)
+		p.chain, p.synced = true, now
+	case m.Seq == p.seq+1 && p.chain:
+		p.synced = now // every entry not in this delta is unchanged
+	default:
+		p.chain = false // a lost message: unlisted entries age until refreshed
 	}
+	p.seq, p.seen = m.Seq, now
 	for _, l := range m.Loads {
 		if l.InFlight == 0 && l.PendingTokens == 0 && l.PendingRequests == 0 {
 			delete(p.loads, l.Instance)
@@ -129,7 +141,7 @@ func (t *Table) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests 
 		if now.Sub(p.seen) > t.timeout {
 			continue
 		}
-		if l, ok := p.loads[inst]; ok && now.Sub(l.at) <= t.timeout {
+		if l, ok := p.loads[inst]; ok && (now.Sub(l.at) <= t.timeout || now.Sub(p.synced) <= t.timeout) {
 			inflight += l.InFlight
 			pendingTokens += l.PendingTokens
 			pendingRequests += l.PendingRequests

@@ -162,6 +162,8 @@ type KVState struct {
 	util utilisation
 
 	evalPool sync.Pool // *kvEval scratch
+
+	peers kvPeers // replica sync (kvaware_peers.go)
 }
 
 // pendingCounter is the router-local prefill work routed to an instance
@@ -189,6 +191,7 @@ func NewKVState(cfg KVStateConfig) (*KVState, error) {
 	if st.now == nil {
 		st.now = time.Now
 	}
+	st.attachPeers()
 	return st, nil
 }
 
@@ -501,8 +504,11 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 		}
 		ce.blocks = m.Blocks
 	}
-	if s.spec != nil && s.spec.Len() > 0 {
+	if s.spec != nil && (s.spec.Len() > 0 || st.peers.ps != nil) {
 		ev.holders = s.spec.holders(ev.holders[:0], ev.keys[0])
+		if st.peers.ps != nil {
+			ev.holders = st.peers.ps.PeerHolders(ev.holders, ev.keys[0])
+		}
 		for i := range ev.cands {
 			ce := &ev.cands[i]
 			g := ce.blocks[tiers.GPU]
@@ -517,7 +523,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 				// over to the index, which will also see their eviction.
 				s.spec.confirm(ev.keys[:g], ce.inst.id)
 			}
-			if ext := s.spec.extend(ev.keys, g, ce.inst.id, st.lostEpoch(ce.inst.id)); ext > g {
+			if ext := st.extendSpec(s.spec, ev.keys, g, ce.inst.id); ext > g {
 				for t := range tiers.Count {
 					ce.blocks[t] = max(ce.blocks[t], ext)
 				}
@@ -566,7 +572,7 @@ func (s *KVAware) predict(ev *kvEval) {
 	now := st.now()
 	busy := 0
 	for i := range ev.cands {
-		if ev.cands[i].inst.InFlight() > 0 {
+		if f, _, _ := st.peerLoad(ev.cands[i].inst.id, ev.cands[i].inst.InFlight(), 0, 0); f > 0 {
 			busy++
 		}
 	}
@@ -582,7 +588,8 @@ func (s *KVAware) predict(ev *kvEval) {
 		}
 		ld, ok := st.loads.samples[ce.inst.id]
 		ok = ok && now.Sub(ld.at) <= s.loadAge
-		q := s.sc.queue(float64(pTok), int(pReq), ce.inst.InFlight(), ld, ok)
+		inflight, pTok, pReq := st.peerLoad(ce.inst.id, ce.inst.InFlight(), pTok, pReq)
+		q := s.sc.queue(float64(pTok), int(pReq), inflight, ld, ok)
 		ce.matched = tierTokens(ce.blocks, bs, ev.tokens)
 		ce.queue = q
 		ce.ttft = s.sc.ttft(q, ev.tokens, ce.matched)
@@ -734,6 +741,9 @@ func (s *KVAware) commit(dec *Decision, ev *kvEval, ce *candEval) {
 	if s.spec != nil {
 		if g := ce.blocks[tiers.GPU]; g < len(ev.keys) {
 			s.spec.add(ev.keys[g:], ce.inst.id, st.lostEpoch(ce.inst.id))
+			if st.peers.ps != nil {
+				st.peers.ps.Speculate(ce.inst.id, ev.keys[g:], s.spec.ttl)
+			}
 			st.m.specKeys.WithLabelValues(st.pool).Set(float64(s.spec.Len()))
 		}
 	}

@@ -50,7 +50,9 @@ type clusterEngine struct {
 	bridge *nats.Conn
 }
 
-func newClusterFleet(t testing.TB, engines, blocks int) *clusterFleet {
+// newClusterFleet starts engines kvsim engines of blocks GPU blocks each,
+// running timeScale times faster than real time.
+func newClusterFleet(t testing.TB, engines, blocks int, timeScale float64) *clusterFleet {
 	t.Helper()
 	name := testenv.UniqueName(t)
 	f := &clusterFleet{
@@ -65,7 +67,7 @@ func newClusterFleet(t testing.TB, engines, blocks int) *clusterFleet {
 		pubEP := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 		replayEP := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 		s, err := simserver.Start(f.ctx, simserver.Config{
-			Engine: sim.Config{Model: simModel, GPUBlocks: blocks, HashSeed: 3}, Listen: httpAddr, TimeScale: 50,
+			Engine: sim.Config{Model: simModel, GPUBlocks: blocks, HashSeed: 3}, Listen: httpAddr, TimeScale: timeScale,
 			Logger: quietLogger(), Events: simserver.EventsConfig{Endpoint: pubEP, ReplayEndpoint: replayEP},
 		})
 		if err != nil {
@@ -187,6 +189,7 @@ func (f *clusterFleet) lost(c *consumer.Consumer) (dropped, gaps uint64) {
 // clusterRouter is one kvrouter replica: the events pipeline on the
 // cluster and the HTTP server, routing the fleet's pool kv_aware.
 type clusterRouter struct {
+	reg  *prometheus.Registry
 	kve  *router.KVEvents
 	srv  *router.Server
 	http *httptest.Server
@@ -228,7 +231,7 @@ func (f *clusterFleet) startRouter(cfg config.Config) *clusterRouter {
 	go func() { defer close(runDone); _ = srv.Run(ctx) }()
 	ts := httptest.NewServer(srv.Handler())
 	var once sync.Once
-	r := &clusterRouter{kve: kve, srv: srv, http: ts}
+	r := &clusterRouter{reg: reg, kve: kve, srv: srv, http: ts}
 	r.stop = func() {
 		once.Do(func() {
 			ts.CloseClientConnections()

@@ -19,7 +19,7 @@ import (
 // replay), events flow again within a bound, and afterwards the index
 // holds every engine's cache block for block.
 func TestE2ENATSNodeKillUnderLoad(t *testing.T) {
-	f := newClusterFleet(t, 3, 128)
+	f := newClusterFleet(t, 3, 128, 50)
 	cfg := f.routerConfig()
 	r := f.startRouter(cfg)
 	if got := r.kve.Conn().Servers(); len(got) < 3 {
