@@ -16,13 +16,13 @@ import (
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
-	simserver "github.com/kvrouter/kvrouter/sim/server"
+	"github.com/kvrouter/kvrouter/sim/simserver"
 )
 
 const dashModel = "dash-model"
 
 // dashRouter is a router with a KV index in front of n simulated engines
-// (sim/server: real OpenAI handlers reporting cached tokens), kv_aware with
+// (sim/simserver: real OpenAI handlers reporting cached tokens), kv_aware with
 // shadow comparison, behind an admin token.
 func dashRouter(t testing.TB, n int, mod func(*config.Config)) (*router.Server, kvindex.Index) {
 	t.Helper()

@@ -31,6 +31,7 @@ import (
 	"github.com/kvrouter/kvrouter/internal/ratelog"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tiers"
+	"github.com/kvrouter/kvrouter/tiers/tiermetrics"
 )
 
 // DefaultEmbeddedStoreDir is the embedded NATS server's store when
@@ -86,7 +87,7 @@ type KVEvents struct {
 	cfg      config.Config
 	opts     KVEventsOptions
 	log      *slog.Logger
-	acct     *tiers.Accounting
+	acct     *tiermetrics.Accounting
 	embedded *kvstream.EmbeddedNATS
 	conn     *nats.Conn
 	replicas replicaSync // events.replica_sync (kvstate_replicas.go)
@@ -146,7 +147,7 @@ func StartKVEvents(ctx context.Context, cfg config.Config, opts KVEventsOptions)
 	if cfg.Events != nil {
 		ec = *cfg.Events
 	}
-	acct, err := tiers.NewAccounting(opts.Registerer)
+	acct, err := tiermetrics.NewAccounting(opts.Registerer)
 	if err != nil {
 		return nil, err
 	}
@@ -241,7 +242,7 @@ func (k *KVEvents) Conn() *nats.Conn { return k.conn }
 
 // Accounting is the per-instance, per-tier block accounting fed by the
 // consumers.
-func (k *KVEvents) Accounting() *tiers.Accounting { return k.acct }
+func (k *KVEvents) Accounting() *tiermetrics.Accounting { return k.acct }
 
 // KV is Options.KV: the pool's index and its stream's freshness, built
 // (and its consumer started) on first use, so a pool added by a reload gets
@@ -452,10 +453,10 @@ func (k *KVEvents) Close() {
 	}
 }
 
-// accountingApplier feeds tiers.Accounting from what the consumer applies.
+// accountingApplier feeds tiermetrics.Accounting from what the consumer applies.
 type accountingApplier struct {
 	kvindex.Index
-	acct *tiers.Accounting
+	acct *tiermetrics.Accounting
 }
 
 var _ consumer.Applier = (*accountingApplier)(nil)

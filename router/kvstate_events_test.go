@@ -10,6 +10,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tiers"
+	"github.com/kvrouter/kvrouter/tiers/tiermetrics"
 )
 
 func kvevHashes(from, n int) []uint64 {
@@ -63,7 +64,7 @@ func TestAccountingApplier(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			acct, err := tiers.NewAccounting(nil)
+			acct, err := tiermetrics.NewAccounting(nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -164,7 +165,7 @@ func BenchmarkAccountingApply(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			acct, _ := tiers.NewAccounting(nil)
+			acct, _ := tiermetrics.NewAccounting(nil)
 			var ap interface {
 				Apply(context.Context, string, []events.Event) (kvindex.ApplyResult, error)
 			} = idx

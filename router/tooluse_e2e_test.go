@@ -20,7 +20,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
-	simserver "github.com/kvrouter/kvrouter/sim/server"
+	"github.com/kvrouter/kvrouter/sim/simserver"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
@@ -66,7 +66,7 @@ func (llmdSimChat) Render(msgs []tokenizer.Message, _ tokenizer.RenderOptions) (
 
 // TestToolChatPredictionMatchesEngine sends a tool-calling chat twice
 // through kv_aware (the Simple token source) in front of a simulated engine
-// (sim/server) that renders chats as llm-d-inference-sim does and whose KV
+// (sim/simserver) that renders chats as llm-d-inference-sim does and whose KV
 // events feed the index: the second time, the router's predicted cached
 // tokens equal what the engine reports it served from cache. Keying tool
 // calls short (without the tool call id and [name(args)]) predicted only

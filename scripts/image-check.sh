@@ -5,7 +5,8 @@
 #   - every binary in it prints --version with this checkout's commit;
 #   - two kvsim engines and a kvrouter, each in its own container of the
 #     image, serve a completion through the router (host network, free ports).
-# Needs a Docker daemon. IMAGE, IMAGE_TAG and DOCKER as in the Makefile;
+# Needs a Docker daemon. IMAGE, IMAGE_TAG, DOCKER and IMAGE_BUILD_FLAGS as in
+# the Makefile;
 # SKIP_BUILD=1 checks an image already built.
 set -euo pipefail
 
@@ -19,7 +20,8 @@ commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 fail() { echo "image-check: FAIL: $*" >&2; exit 1; }
 
 if [ "${SKIP_BUILD:-}" != 1 ]; then
-	make --no-print-directory image DOCKER="$DOCKER" IMAGE="$IMAGE" IMAGE_TAG="$IMAGE_TAG" COMMIT="$commit"
+	make --no-print-directory image DOCKER="$DOCKER" IMAGE="$IMAGE" IMAGE_TAG="$IMAGE_TAG" COMMIT="$commit" \
+		IMAGE_BUILD_FLAGS="${IMAGE_BUILD_FLAGS:-}"
 fi
 
 user=$("$DOCKER" inspect "$ref" --format '{{.Config.User}}')

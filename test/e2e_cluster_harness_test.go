@@ -25,7 +25,7 @@ import (
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
-	simserver "github.com/kvrouter/kvrouter/sim/server"
+	"github.com/kvrouter/kvrouter/sim/simserver"
 )
 
 // clusterFleet is a pool of kvsim engines, each with its kvbridge, on a

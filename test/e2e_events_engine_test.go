@@ -33,7 +33,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
-	simserver "github.com/kvrouter/kvrouter/sim/server"
+	"github.com/kvrouter/kvrouter/sim/simserver"
 )
 
 // simRig is one simulated vLLM server (kvsim: HTTP, ZMQ PUB and replay on

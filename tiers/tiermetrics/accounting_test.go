@@ -1,4 +1,4 @@
-package tiers
+package tiermetrics
 
 import (
 	"fmt"
@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter/kvrouter/tiers"
 	dto "github.com/prometheus/client_model/go"
 )
 
@@ -18,16 +20,20 @@ func TestAccounting(t *testing.T) {
 	}
 	type op struct {
 		f    func()
-		held map[string][Count]int64
+		held map[string][tiers.Count]int64
 	}
 	steps := []op{
-		{func() { a.Stored("i1", GPU, 10); a.Stored("i1", CPU, 4); a.Stored("i2", GPU, 3) },
-			map[string][Count]int64{"i1": {10, 4, 0, 0}, "i2": {3, 0, 0, 0}}},
-		{func() { a.Evicted("i1", GPU, 6) }, map[string][Count]int64{"i1": {4, 4, 0, 0}}},
-		{func() { a.Evicted("i2", GPU, 5) }, map[string][Count]int64{"i2": {0, 0, 0, 0}}}, // never negative
-		{func() { a.Stored("i1", Tier(7), 5); a.Stored("i1", Disk, 0); a.Evicted("i1", GPU, -1) },
-			map[string][Count]int64{"i1": {4, 4, 0, 0}}}, // ignored
-		{func() { a.Cleared("i1") }, map[string][Count]int64{"i1": {0, 0, 0, 0}}},
+		{func() { a.Stored("i1", tiers.GPU, 10); a.Stored("i1", tiers.CPU, 4); a.Stored("i2", tiers.GPU, 3) },
+			map[string][tiers.Count]int64{"i1": {10, 4, 0, 0}, "i2": {3, 0, 0, 0}}},
+		{func() { a.Evicted("i1", tiers.GPU, 6) }, map[string][tiers.Count]int64{"i1": {4, 4, 0, 0}}},
+		{func() { a.Evicted("i2", tiers.GPU, 5) }, map[string][tiers.Count]int64{"i2": {0, 0, 0, 0}}}, // never negative
+		{func() {
+			a.Stored("i1", tiers.Tier(7), 5)
+			a.Stored("i1", tiers.Disk, 0)
+			a.Evicted("i1", tiers.GPU, -1)
+		},
+			map[string][tiers.Count]int64{"i1": {4, 4, 0, 0}}}, // ignored
+		{func() { a.Cleared("i1") }, map[string][tiers.Count]int64{"i1": {0, 0, 0, 0}}},
 	}
 	for i, s := range steps {
 		s.f()
@@ -54,10 +60,10 @@ func TestAccounting(t *testing.T) {
 		t.Errorf("held gauge i2 %v", got)
 	}
 	a.Forget("i1")
-	if n := seriesCount(t, reg, MetricBlocksHeld); n != Count {
-		t.Errorf("after Forget, %d held series, want %d (i2 only)", n, Count)
+	if n := seriesCount(t, reg, MetricBlocksHeld); n != tiers.Count {
+		t.Errorf("after Forget, %d held series, want %d (i2 only)", n, tiers.Count)
 	}
-	if a.Held("i1") != ([Count]int64{}) {
+	if a.Held("i1") != ([tiers.Count]int64{}) {
 		t.Error("forgotten instance still held")
 	}
 }
@@ -70,9 +76,9 @@ func TestAccountingMedium(t *testing.T) {
 	}
 	tests := []struct {
 		medium string
-		want   Tier
+		want   tiers.Tier
 	}{
-		{"GPU", GPU}, {"", GPU}, {"cpu_pinned", CPU}, {"NVME", Disk}, {"REMOTE", Shared}, {"QUANTUM", UnknownMediumTier},
+		{"GPU", tiers.GPU}, {"", tiers.GPU}, {"cpu_pinned", tiers.CPU}, {"NVME", tiers.Disk}, {"REMOTE", tiers.Shared}, {"QUANTUM", tiers.UnknownMediumTier},
 	}
 	for _, tc := range tests {
 		if got := a.Medium(tc.medium); got != tc.want {
@@ -113,14 +119,14 @@ func TestAccountingConcurrent(t *testing.T) {
 			defer wg.Done()
 			inst := fmt.Sprintf("i%d", g%2)
 			for i := 0; i < 1000; i++ {
-				a.Stored(inst, CPU, 2)
-				a.Evicted(inst, CPU, 1)
+				a.Stored(inst, tiers.CPU, 2)
+				a.Evicted(inst, tiers.CPU, 1)
 				a.Medium("ODD")
 			}
 		}()
 	}
 	wg.Wait()
-	if got := a.Held("i0")[CPU] + a.Held("i1")[CPU]; got != 8000 {
+	if got := a.Held("i0")[tiers.CPU] + a.Held("i1")[tiers.CPU]; got != 8000 {
 		t.Errorf("held %d, want 8000", got)
 	}
 }
@@ -129,7 +135,7 @@ func BenchmarkAccountingStored(b *testing.B) {
 	a, _ := NewAccounting(prometheus.NewRegistry())
 	b.ReportAllocs()
 	for i := 0; i < b.N; i++ {
-		a.Stored("instance-1", GPU, 16)
+		a.Stored("instance-1", tiers.GPU, 16)
 	}
 }
 

@@ -1,10 +1,12 @@
-package tiers
+package tiermetrics
 
 import (
 	"fmt"
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter/kvrouter/tiers"
 )
 
 // Metric names exported by Accounting.
@@ -39,10 +41,10 @@ type Accounting struct {
 // instanceAccount caches one instance's metric handles so the hot path does
 // no label lookups.
 type instanceAccount struct {
-	held    [Count]int64
-	gHeld   [Count]prometheus.Gauge
-	cStored [Count]prometheus.Counter
-	cEvict  [Count]prometheus.Counter
+	held    [tiers.Count]int64
+	gHeld   [tiers.Count]prometheus.Gauge
+	cStored [tiers.Count]prometheus.Counter
+	cEvict  [tiers.Count]prometheus.Counter
 }
 
 // NewAccounting creates the metrics and registers them on reg; a nil reg
@@ -71,7 +73,7 @@ func NewAccounting(reg prometheus.Registerer) (*Accounting, error) {
 	if reg != nil {
 		for _, c := range []prometheus.Collector{a.held, a.stored, a.evicted, a.unknown} {
 			if err := reg.Register(c); err != nil {
-				return nil, fmt.Errorf("tiers: register accounting metrics: %w", err)
+				return nil, fmt.Errorf("tiermetrics: register accounting metrics: %w", err)
 			}
 		}
 	}
@@ -82,7 +84,7 @@ func (a *Accounting) account(instance string) *instanceAccount {
 	ia := a.instances[instance]
 	if ia == nil {
 		ia = &instanceAccount{}
-		for _, t := range All {
+		for _, t := range tiers.All {
 			ia.gHeld[t] = a.held.WithLabelValues(instance, t.String())
 			ia.cStored[t] = a.stored.WithLabelValues(instance, t.String())
 			ia.cEvict[t] = a.evicted.WithLabelValues(instance, t.String())
@@ -93,8 +95,8 @@ func (a *Accounting) account(instance string) *instanceAccount {
 }
 
 // Stored records n blocks newly held by instance in tier t.
-func (a *Accounting) Stored(instance string, t Tier, n int) {
-	if n <= 0 || int(t) >= Count {
+func (a *Accounting) Stored(instance string, t tiers.Tier, n int) {
+	if n <= 0 || int(t) >= tiers.Count {
 		return
 	}
 	a.mu.Lock()
@@ -108,8 +110,8 @@ func (a *Accounting) Stored(instance string, t Tier, n int) {
 // Evicted records n blocks that instance no longer holds in tier t. The
 // held count never goes below zero (removals of blocks stored before the
 // router started are counted as evictions all the same).
-func (a *Accounting) Evicted(instance string, t Tier, n int) {
-	if n <= 0 || int(t) >= Count {
+func (a *Accounting) Evicted(instance string, t tiers.Tier, n int) {
+	if n <= 0 || int(t) >= tiers.Count {
 		return
 	}
 	a.mu.Lock()
@@ -126,7 +128,7 @@ func (a *Accounting) Cleared(instance string) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	ia := a.account(instance)
-	for _, t := range All {
+	for _, t := range tiers.All {
 		ia.cEvict[t].Add(float64(ia.held[t]))
 		ia.held[t] = 0
 		ia.gHeld[t].Set(0)
@@ -142,7 +144,7 @@ func (a *Accounting) Forget(instance string) {
 		return
 	}
 	delete(a.instances, instance)
-	for _, t := range All {
+	for _, t := range tiers.All {
 		a.held.DeleteLabelValues(instance, t.String())
 		a.stored.DeleteLabelValues(instance, t.String())
 		a.evicted.DeleteLabelValues(instance, t.String())
@@ -150,19 +152,19 @@ func (a *Accounting) Forget(instance string) {
 }
 
 // Held returns the blocks instance holds per tier.
-func (a *Accounting) Held(instance string) [Count]int64 {
+func (a *Accounting) Held(instance string) [tiers.Count]int64 {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if ia := a.instances[instance]; ia != nil {
 		return ia.held
 	}
-	return [Count]int64{}
+	return [tiers.Count]int64{}
 }
 
 // Medium maps an engine medium string to a tier like FromMedium, counting
 // media that are not in the table.
-func (a *Accounting) Medium(medium string) Tier {
-	t, ok := FromMedium(medium)
+func (a *Accounting) Medium(medium string) tiers.Tier {
+	t, ok := tiers.FromMedium(medium)
 	if ok {
 		return t
 	}

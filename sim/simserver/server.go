@@ -1,9 +1,9 @@
-// Package server serves simulated vLLM engines (package sim) over vLLM's
+// Package simserver serves simulated vLLM engines (package sim) over vLLM's
 // HTTP API and KV-event ZMQ sockets, in real time or scaled time. One
 // Instance is one vLLM server (one HTTP port, one engine per data-parallel
 // rank, a ZMQ PUB and replay socket per rank); cmd/kvsim runs many in one
 // process, and kvbench and tests start them in-process.
-package server
+package simserver
 
 import (
 	"context"
