@@ -336,6 +336,8 @@ type candEval struct {
 	// score is what the pick minimises: ttft plus the weighted prefill the
 	// pick adds to the fleet (see KVScoringConfig.PrefillCostWeight).
 	score float64
+	// peer is the other replicas' load on the instance (replica sync).
+	peer peerCounts
 	// scoreStale is score had the stale blocks counted (= score when none).
 	scoreStale float64
 }
@@ -572,7 +574,11 @@ func (s *KVAware) predict(ev *kvEval) {
 	now := st.now()
 	busy := 0
 	for i := range ev.cands {
-		if f, _, _ := st.peerLoad(ev.cands[i].inst.id, ev.cands[i].inst.InFlight(), 0, 0); f > 0 {
+		ce := &ev.cands[i]
+		if st.peers.ps != nil {
+			ce.peer = st.peerCounts(ce.inst.id) // once per candidate: the queue below reads it too
+		}
+		if ce.inst.InFlight()+ce.peer.inflight > 0 {
 			busy++
 		}
 	}
@@ -588,8 +594,7 @@ func (s *KVAware) predict(ev *kvEval) {
 		}
 		ld, ok := st.loads.samples[ce.inst.id]
 		ok = ok && now.Sub(ld.at) <= s.loadAge
-		inflight, pTok, pReq := st.peerLoad(ce.inst.id, ce.inst.InFlight(), pTok, pReq)
-		q := s.sc.queue(float64(pTok), int(pReq), inflight, ld, ok)
+		q := s.sc.queue(float64(pTok+ce.peer.tokens), int(pReq+ce.peer.reqs), ce.inst.InFlight()+ce.peer.inflight, ld, ok)
 		ce.matched = tierTokens(ce.blocks, bs, ev.tokens)
 		ce.queue = q
 		ce.ttft = s.sc.ttft(q, ev.tokens, ce.matched)

@@ -84,13 +84,19 @@ func (st *KVState) localLoads(dst []replicasync.Load) []replicasync.Load {
 	return dst
 }
 
-// peerLoad adds the peers' counters for inst to this replica's.
-func (st *KVState) peerLoad(inst string, inflight int, pTok, pReq int64) (int, int64, int64) {
+// peerCounts is the other replicas' load on one instance.
+type peerCounts struct {
+	inflight     int
+	tokens, reqs int64
+}
+
+// peerCounts reads the peers' counters for inst (zero without sync).
+func (st *KVState) peerCounts(inst string) peerCounts {
 	if st.peers.ps == nil {
-		return inflight, pTok, pReq
+		return peerCounts{}
 	}
 	f, t, r := st.peers.ps.PeerLoad(inst)
-	return inflight + int(f), pTok + t, pReq + r
+	return peerCounts{inflight: int(f), tokens: t, reqs: r}
 }
 
 // extendSpec continues inst's held chain from block g with this

@@ -145,3 +145,69 @@ func newPeerWorldless(t *testing.T) *KVState {
 	}
 	return st
 }
+
+// BenchmarkKVAwarePeers: one kv_aware decision (a 500-block prompt from
+// token ids over 64 instances) without and with replica sync (3 peers,
+// each with counters on every instance, and 100,000 peer speculative
+// entries), side by side: what sync adds to a decision.
+func BenchmarkKVAwarePeers(b *testing.B) {
+	ids := promptTokens(4242, 500*kvTestBS)
+	build := func(fresh Freshness) *benchWorld {
+		idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvTestModel, BlockSize: kvTestBS})
+		if err != nil {
+			b.Fatal(err)
+		}
+		w := &benchWorld{}
+		for i := range 64 {
+			in, _ := NewInstance(fmt.Sprintf("vllm-%02d", i), "http://127.0.0.1:9")
+			w.insts = append(w.insts, in)
+		}
+		wk := &kvWorld{t: b, idx: idx}
+		wk.store("vllm-07", ids, 0, 500)
+		w.st, err = NewKVState(KVStateConfig{Pool: "p", Model: kvTestModel, Index: idx, Freshness: fresh, Logger: slog.New(slog.DiscardHandler)})
+		if err != nil {
+			b.Fatal(err)
+		}
+		w.st.setInstances(func() []*Instance { return w.insts })
+		return w
+	}
+	nc, err := nats.Connect(testenv.NATSURL(b))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer nc.Close()
+	s, err := replicasync.New(replicasync.Config{Conn: nc, Pool: "p", Replica: "bench"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	for p := range 3 {
+		m := &replicasync.Message{Kind: replicasync.KindLoad, Replica: fmt.Sprintf("peer-%d", p), Incarnation: 1, Seq: 1, Complete: true}
+		for i := range 64 {
+			m.Loads = append(m.Loads, replicasync.Load{Instance: fmt.Sprintf("vllm-%02d", i), InFlight: 1, PendingTokens: 100, PendingRequests: 1})
+		}
+		s.Table().ApplyLoad(m)
+	}
+	spec := &replicasync.Message{Kind: replicasync.KindSpec, Replica: "peer-0", Incarnation: 1}
+	for i := range 1000 {
+		keys := make([]uint64, 100)
+		for j := range keys {
+			keys[j] = uint64(i*1000 + j + 1)
+		}
+		spec.Specs = append(spec.Specs, replicasync.Spec{Instance: fmt.Sprintf("vllm-%02d", i%64), TTL: time.Hour, Keys: keys})
+	}
+	s.Table().ApplySpec(spec, nil)
+	req := func() *Request {
+		return &Request{Endpoint: EndpointCompletions, Model: kvTestModel, RoutingText: "x", PromptTokens: ids}
+	}
+	for _, tc := range []struct {
+		name  string
+		fresh Freshness
+	}{{"sync_off", FreshnessFuncs{}}, {"sync_on", peerFreshness{FreshnessFuncs: FreshnessFuncs{}, Syncer: s}}} {
+		w := build(tc.fresh)
+		k, err := NewKVAware(config.RoutingConfig{}, w.st)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Run(tc.name, func(b *testing.B) { benchDecide(b, w, k, req, w.insts[7]) })
+	}
+}

@@ -29,6 +29,11 @@ func TestE2ENATSNodeKillUnderLoad(t *testing.T) {
 		if !slices.Contains(r.kve.Conn().Servers(), u) {
 			t.Fatalf("seed %s missing from the router's server list %v", u, r.kve.Conn().Servers())
 		}
+		for _, e := range f.engines {
+			if !slices.Contains(e.bridge.Servers(), u) {
+				t.Fatalf("seed %s missing from %s's bridge server list %v", u, e.id, e.bridge.Servers())
+			}
+		}
 	}
 	c, a := f.startConsumer()
 	l := f.startLoad([]*clusterRouter{r}, 4, 1)
