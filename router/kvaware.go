@@ -207,7 +207,7 @@ func (st *KVState) speculativeFor(ttl time.Duration, capacity int) *speculative 
 	}
 	st.specMu.Lock()
 	defer st.specMu.Unlock()
-	if st.spec == nil || st.spec.ttl != ttl || len(st.spec.ring) != capacity {
+	if st.spec == nil || st.spec.ttl != ttl || st.spec.set.Cap() != capacity {
 		st.spec = newSpeculative(ttl, capacity, st.now)
 	}
 	return st.spec

@@ -1,0 +1,177 @@
+// Package spechold keeps speculative holds: block keys counted as held by
+// an instance until an expiry, while the instance's cache epoch stays the
+// one they were made in. A router's own speculative overlay and the holds
+// its peer replicas announce (replicasync) are both a Set. The Set is
+// bounded: insertions go into a FIFO ring whose capacity is the bound, so
+// the oldest make way, and since holds mostly share one lifetime,
+// insertion order is expiry order and the ring also finds the expired.
+package spechold
+
+import (
+	"sync"
+
+	"github.com/kvrouter/kvrouter/kvindex"
+)
+
+// Set is a bounded set of holds. Safe for concurrent use. Times are unix
+// nanoseconds, given by the caller (simulations run on virtual clocks).
+type Set struct {
+	mu    sync.RWMutex // guards holds, ring, head and n
+	holds map[kvindex.Key][]hold
+	ring  []ref // FIFO of insertions, capacity = the bound
+	head  int   // oldest entry in ring
+	n     int   // live ring entries
+}
+
+type hold struct {
+	inst  string
+	exp   int64
+	epoch uint64
+}
+
+type ref struct {
+	key  kvindex.Key
+	inst string
+	exp  int64
+}
+
+// New returns an empty Set holding at most capacity (key, instance)
+// entries (0: holds nothing).
+func New(capacity int) *Set {
+	return &Set{holds: map[kvindex.Key][]hold{}, ring: make([]ref, max(capacity, 0))}
+}
+
+// Cap is the bound.
+func (s *Set) Cap() int { return len(s.ring) }
+
+// Len is the number of entries held, expired ones included until the
+// next Add sweeps them.
+func (s *Set) Len() int {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.n
+}
+
+// Add records keys as held by inst until exp in cache epoch epoch (a key
+// already held by inst keeps the later expiry and takes the new epoch),
+// after dropping the entries expired at now. It returns how many
+// unexpired entries made way for these.
+func (s *Set) Add(keys []kvindex.Key, inst string, exp int64, epoch uint64, now int64) (evicted int) {
+	if len(s.ring) == 0 || len(keys) == 0 {
+		return 0
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for s.n > 0 && s.ring[s.head].exp <= now {
+		s.popLocked()
+	}
+	for _, k := range keys {
+		if s.n == len(s.ring) {
+			s.popLocked()
+			evicted++
+		}
+		hs := s.holds[k]
+		held, found := exp, false
+		for i := range hs {
+			if hs[i].inst == inst {
+				hs[i].exp, hs[i].epoch, found = max(hs[i].exp, exp), epoch, true
+				held = hs[i].exp
+				break
+			}
+		}
+		if !found {
+			s.holds[k] = append(hs, hold{inst: inst, exp: exp, epoch: epoch})
+		}
+		s.ring[(s.head+s.n)%len(s.ring)] = ref{key: k, inst: inst, exp: held}
+		s.n++
+	}
+	return evicted
+}
+
+// popLocked drops the oldest ring entry and, unless a later Add refreshed
+// it (its expiry differs), its hold.
+func (s *Set) popLocked() {
+	r := s.ring[s.head]
+	s.ring[s.head] = ref{}
+	s.head = (s.head + 1) % len(s.ring)
+	s.n--
+	s.dropLocked(r.key, func(h hold) bool { return h.inst == r.inst && h.exp == r.exp })
+}
+
+func (s *Set) dropLocked(k kvindex.Key, match func(hold) bool) {
+	hs := s.holds[k]
+	for i := range hs {
+		if match(hs[i]) {
+			hs[i] = hs[len(hs)-1]
+			hs = hs[:len(hs)-1]
+			break
+		}
+	}
+	if len(hs) == 0 {
+		delete(s.holds, k)
+	} else {
+		s.holds[k] = hs
+	}
+}
+
+// Extend returns how far inst's holds continue keys from block from: the
+// largest k >= from such that keys[from:k] are all held by inst,
+// unexpired at now, in epoch.
+func (s *Set) Extend(keys []kvindex.Key, from int, inst string, epoch uint64, now int64) int {
+	if from >= len(keys) {
+		return from
+	}
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	if len(s.holds) == 0 {
+		return from
+	}
+	k := from
+	for ; k < len(keys); k++ {
+		held := false
+		for _, h := range s.holds[keys[k]] {
+			if h.inst == inst && h.exp > now && h.epoch == epoch {
+				held = true
+				break
+			}
+		}
+		if !held {
+			break
+		}
+	}
+	return k
+}
+
+// Holders appends to dst the instances holding key, unexpired at now.
+func (s *Set) Holders(dst []string, key kvindex.Key, now int64) []string {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	for _, h := range s.holds[key] {
+		if h.exp > now {
+			dst = append(dst, h.inst)
+		}
+	}
+	return dst
+}
+
+// HeldBy reports whether inst holds key (expired or not).
+func (s *Set) HeldBy(key kvindex.Key, inst string) bool {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	for _, h := range s.holds[key] {
+		if h.inst == inst {
+			return true
+		}
+	}
+	return false
+}
+
+// Drop removes inst's holds of keys (their ring entries expire later
+// without effect).
+func (s *Set) Drop(keys []kvindex.Key, inst string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, k := range keys {
+		s.dropLocked(k, func(h hold) bool { return h.inst == inst })
+	}
+}
