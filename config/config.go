@@ -318,6 +318,9 @@ type PoolConfig struct {
 	// CacheSalt injects a per-tenant cache_salt into forwarded bodies so
 	// engines keep tenants' KV caches apart (docs/security.md).
 	CacheSalt *CacheSaltConfig `yaml:"cache_salt,omitempty" json:"cache_salt,omitempty"`
+	// Disaggregation routes requests in two stages, prefill then decode
+	// (config/disagg.go; nil = off).
+	Disaggregation *DisaggregationConfig `yaml:"disaggregation,omitempty" json:"disaggregation,omitempty"`
 	// Instances is the static instance list.
 	Instances []InstanceConfig `yaml:"instances" json:"instances"`
 	// AllowedInstanceURLs bounds where heartbeat-discovered instances may
@@ -335,6 +338,10 @@ type InstanceConfig struct {
 	URL string `yaml:"url" json:"url"`
 	// Adapters held by this instance, known up front.
 	Adapters []string `yaml:"adapters" json:"adapters,omitempty"`
+	// Role in disaggregated serving: both (default), prefill or decode
+	// (config/disagg.go). A prefill instance receives only prefill
+	// requests of a pool with disaggregation on.
+	Role string `yaml:"role" json:"role,omitempty"`
 }
 
 // Strategy names.
@@ -556,6 +563,11 @@ func (c Config) WithDefaults() Config {
 		if p.Discovery.Interval == 0 {
 			p.Discovery.Interval = 30 * time.Second
 		}
+		if p.Disaggregation != nil {
+			d := *p.Disaggregation
+			d.applyDefaults()
+			p.Disaggregation = &d
+		}
 		pools[i] = p
 	}
 	c.Pools = pools
@@ -714,6 +726,9 @@ func (c Config) Validate() error {
 		}
 		if len(p.Instances) == 0 && !(KVEventsWanted(c) && DiscoverEnabled(c)) {
 			return bad("%s.instances: at least one instance is required (or heartbeat discovery: events with discover_instances)", f)
+		}
+		if err := p.Disaggregation.validate(f, p.Instances); err != nil {
+			return err
 		}
 		if _, err := ParseAllowList(p.AllowedInstanceURLs); err != nil {
 			return bad("%s.allowed_instance_urls: %v", f, err)
