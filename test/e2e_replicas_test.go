@@ -63,8 +63,9 @@ func (r *clusterRouter) peerView(t testing.TB, pool string) loadView {
 	return v
 }
 
-// hold sends n long completions through r (each in flight for ~2s on a
-// real-time engine) and returns a func that waits for them.
+// hold sends n long completions through r (each in flight for ~7 s on a
+// real-time engine: long enough for a replica to start and join on a
+// loaded machine) and returns a func that waits for them.
 func hold(t testing.TB, r *clusterRouter, n int, seed int) func() {
 	var wg sync.WaitGroup
 	for i := 0; i < n; i++ {
@@ -72,7 +73,7 @@ func hold(t testing.TB, r *clusterRouter, n int, seed int) func() {
 		for k := range p {
 			p[k] = uint32(7000 + seed*1000 + i*37 + k)
 		}
-		body, _ := json.Marshal(map[string]any{"model": simModel, "prompt": p, "max_tokens": 300})
+		body, _ := json.Marshal(map[string]any{"model": simModel, "prompt": p, "max_tokens": 1000})
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -160,7 +161,7 @@ func TestE2EReplicaSyncActiveActive(t *testing.T) {
 	wait0()
 	wait1()
 	// Nothing in flight anywhere: the views settle at zero.
-	waitFor(t, 20*time.Second, "views back to zero", func() bool {
+	waitFor(t, 60*time.Second, "views back to zero", func() bool {
 		for _, r := range []*clusterRouter{r0, r2} {
 			for _, v := range r.view(t, f.pool) {
 				if v != (loadView{}) {
