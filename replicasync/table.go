@@ -22,7 +22,7 @@ type Table struct {
 	peers map[string]*peer
 
 	// spec holds the peers' speculative blocks, all peers together.
-	spec *spechold.Set
+	spec *spechold.Set[kvindex.Key]
 }
 
 type peer struct {
@@ -50,7 +50,7 @@ func NewTable(timeout time.Duration, capacity int, now func() time.Time) *Table 
 	if now == nil {
 		now = time.Now
 	}
-	return &Table{timeout: timeout, now: now, peers: map[string]*peer{}, spec: spechold.New(capacity)}
+	return &Table{timeout: timeout, now: now, peers: map[string]*peer{}, spec: spechold.New[kvindex.Key](capacity)}
 }
 
 // Result of applying a load message.

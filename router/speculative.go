@@ -24,11 +24,11 @@ import (
 type speculative struct {
 	ttl time.Duration
 	now func() time.Time
-	set *spechold.Set
+	set *spechold.Set[kvindex.Key]
 }
 
 func newSpeculative(ttl time.Duration, capacity int, now func() time.Time) *speculative {
-	return &speculative{ttl: ttl, now: now, set: spechold.New(capacity)}
+	return &speculative{ttl: ttl, now: now, set: spechold.New[kvindex.Key](capacity)}
 }
 
 // Len is the number of (key, instance) entries held, expired ones included

@@ -7,20 +7,17 @@
 // insertion order is expiry order and the ring also finds the expired.
 package spechold
 
-import (
-	"sync"
+import "sync"
 
-	"github.com/kvrouter/kvrouter/kvindex"
-)
-
-// Set is a bounded set of holds. Safe for concurrent use. Times are unix
-// nanoseconds, given by the caller (simulations run on virtual clocks).
-type Set struct {
+// Set is a bounded set of holds of keys K (block keys: kvindex.Key). Safe
+// for concurrent use. Times are unix nanoseconds, given by the caller
+// (simulations run on virtual clocks).
+type Set[K comparable] struct {
 	mu    sync.RWMutex // guards holds, ring, head and n
-	holds map[kvindex.Key][]hold
-	ring  []ref // FIFO of insertions, capacity = the bound
-	head  int   // oldest entry in ring
-	n     int   // live ring entries
+	holds map[K][]hold
+	ring  []ref[K] // FIFO of insertions, capacity = the bound
+	head  int      // oldest entry in ring
+	n     int      // live ring entries
 }
 
 type hold struct {
@@ -29,24 +26,24 @@ type hold struct {
 	epoch uint64
 }
 
-type ref struct {
-	key  kvindex.Key
+type ref[K comparable] struct {
+	key  K
 	inst string
 	exp  int64
 }
 
 // New returns an empty Set holding at most capacity (key, instance)
 // entries (0: holds nothing).
-func New(capacity int) *Set {
-	return &Set{holds: map[kvindex.Key][]hold{}, ring: make([]ref, max(capacity, 0))}
+func New[K comparable](capacity int) *Set[K] {
+	return &Set[K]{holds: map[K][]hold{}, ring: make([]ref[K], max(capacity, 0))}
 }
 
 // Cap is the bound.
-func (s *Set) Cap() int { return len(s.ring) }
+func (s *Set[K]) Cap() int { return len(s.ring) }
 
 // Len is the number of entries held, expired ones included until the
 // next Add sweeps them.
-func (s *Set) Len() int {
+func (s *Set[K]) Len() int {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	return s.n
@@ -56,7 +53,7 @@ func (s *Set) Len() int {
 // already held by inst keeps the later expiry and takes the new epoch),
 // after dropping the entries expired at now. It returns how many
 // unexpired entries made way for these.
-func (s *Set) Add(keys []kvindex.Key, inst string, exp int64, epoch uint64, now int64) (evicted int) {
+func (s *Set[K]) Add(keys []K, inst string, exp int64, epoch uint64, now int64) (evicted int) {
 	if len(s.ring) == 0 || len(keys) == 0 {
 		return 0
 	}
@@ -82,7 +79,7 @@ func (s *Set) Add(keys []kvindex.Key, inst string, exp int64, epoch uint64, now 
 		if !found {
 			s.holds[k] = append(hs, hold{inst: inst, exp: exp, epoch: epoch})
 		}
-		s.ring[(s.head+s.n)%len(s.ring)] = ref{key: k, inst: inst, exp: held}
+		s.ring[(s.head+s.n)%len(s.ring)] = ref[K]{key: k, inst: inst, exp: held}
 		s.n++
 	}
 	return evicted
@@ -90,15 +87,15 @@ func (s *Set) Add(keys []kvindex.Key, inst string, exp int64, epoch uint64, now 
 
 // popLocked drops the oldest ring entry and, unless a later Add refreshed
 // it (its expiry differs), its hold.
-func (s *Set) popLocked() {
+func (s *Set[K]) popLocked() {
 	r := s.ring[s.head]
-	s.ring[s.head] = ref{}
+	s.ring[s.head] = ref[K]{}
 	s.head = (s.head + 1) % len(s.ring)
 	s.n--
 	s.dropLocked(r.key, func(h hold) bool { return h.inst == r.inst && h.exp == r.exp })
 }
 
-func (s *Set) dropLocked(k kvindex.Key, match func(hold) bool) {
+func (s *Set[K]) dropLocked(k K, match func(hold) bool) {
 	hs := s.holds[k]
 	for i := range hs {
 		if match(hs[i]) {
@@ -117,7 +114,7 @@ func (s *Set) dropLocked(k kvindex.Key, match func(hold) bool) {
 // Extend returns how far inst's holds continue keys from block from: the
 // largest k >= from such that keys[from:k] are all held by inst,
 // unexpired at now, in epoch.
-func (s *Set) Extend(keys []kvindex.Key, from int, inst string, epoch uint64, now int64) int {
+func (s *Set[K]) Extend(keys []K, from int, inst string, epoch uint64, now int64) int {
 	if from >= len(keys) {
 		return from
 	}
@@ -143,7 +140,7 @@ func (s *Set) Extend(keys []kvindex.Key, from int, inst string, epoch uint64, no
 }
 
 // Holders appends to dst the instances holding key, unexpired at now.
-func (s *Set) Holders(dst []string, key kvindex.Key, now int64) []string {
+func (s *Set[K]) Holders(dst []string, key K, now int64) []string {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	for _, h := range s.holds[key] {
@@ -155,7 +152,7 @@ func (s *Set) Holders(dst []string, key kvindex.Key, now int64) []string {
 }
 
 // HeldBy reports whether inst holds key (expired or not).
-func (s *Set) HeldBy(key kvindex.Key, inst string) bool {
+func (s *Set[K]) HeldBy(key K, inst string) bool {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	for _, h := range s.holds[key] {
@@ -168,7 +165,7 @@ func (s *Set) HeldBy(key kvindex.Key, inst string) bool {
 
 // Drop removes inst's holds of keys (their ring entries expire later
 // without effect).
-func (s *Set) Drop(keys []kvindex.Key, inst string) {
+func (s *Set[K]) Drop(keys []K, inst string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, k := range keys {

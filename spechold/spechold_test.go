@@ -3,13 +3,11 @@ package spechold
 import (
 	"slices"
 	"testing"
-
-	"github.com/kvrouter/kvrouter/kvindex"
 )
 
 func TestSet(t *testing.T) {
-	s := New(4)
-	keys := []kvindex.Key{1, 2, 3, 4, 5, 6}
+	s := New[uint64](4)
+	keys := []uint64{1, 2, 3, 4, 5, 6}
 	if ev := s.Add(keys, "a", 100, 0, 0); ev != 2 || s.Len() != 4 {
 		t.Fatalf("bound: evicted %d, held %d", ev, s.Len())
 	}
@@ -37,16 +35,16 @@ func TestSet(t *testing.T) {
 	}
 	// A refresh keeps the later expiry; the sweep at now=150 drops the
 	// first insertions' ring entries without dropping refreshed holds.
-	s.Add([]kvindex.Key{5}, "a", 200, 0, 0)
-	s.Add([]kvindex.Key{9}, "b", 300, 0, 150)
+	s.Add([]uint64{5}, "a", 200, 0, 0)
+	s.Add([]uint64{9}, "b", 300, 0, 150)
 	if got := s.Extend(keys, 4, "a", 0, 160); got != 5 {
 		t.Fatalf("refreshed hold of 5: extend %d, want 5", got)
 	}
-	s.Drop([]kvindex.Key{5}, "a")
+	s.Drop([]uint64{5}, "a")
 	if s.HeldBy(5, "a") || !s.HeldBy(9, "b") {
 		t.Fatal("drop")
 	}
-	if z := New(0); z.Add(keys, "a", 1, 0, 0) != 0 || z.Len() != 0 || z.Extend(keys, 0, "a", 0, 0) != 0 {
+	if z := New[uint64](0); z.Add(keys, "a", 1, 0, 0) != 0 || z.Len() != 0 || z.Extend(keys, 0, "a", 0, 0) != 0 {
 		t.Fatal("a zero-capacity set holds something")
 	}
 }
