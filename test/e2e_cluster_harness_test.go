@@ -320,3 +320,32 @@ func (l *load) summary() string {
 	})
 	return fmt.Sprintf("sent %d, failed %d (%v), reasons %s", l.sent.Load(), l.failed.Load(), l.lastErr.Load(), strings.Join(parts, " "))
 }
+
+// poke sends each engine, directly, a fresh 2-block prompt every 100 ms
+// until the returned func is called, so that every engine stores new blocks.
+func (f *clusterFleet) poke() func() {
+	ctx, cancel := context.WithCancel(f.ctx)
+	var wg sync.WaitGroup
+	for i, e := range f.engines {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for n := 0; ctx.Err() == nil; n++ {
+				p := make([]uint32, 2*16)
+				for k := range p {
+					p[k] = uint32(200000 + i*100000 + n*40 + k)
+				}
+				body, _ := json.Marshal(map[string]any{"model": simModel, "prompt": p, "max_tokens": 1})
+				if resp, err := http.Post(e.url+"/v1/completions", "application/json", bytes.NewReader(body)); err == nil {
+					_, _ = io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+				select {
+				case <-ctx.Done():
+				case <-time.After(100 * time.Millisecond):
+				}
+			}
+		}()
+	}
+	return func() { cancel(); wg.Wait() }
+}

@@ -42,13 +42,19 @@ func TestE2ENATSNodeKillUnderLoad(t *testing.T) {
 
 	kill := func(what string, node int) {
 		t.Helper()
+		sentBefore := l.sent.Load()
+		killed := time.Now()
+		f.nc.Kill(node)
+		// Where each bridge was when the node went: what it publishes
+		// after must reach the consumer.
 		var before []uint64
 		for _, e := range f.engines {
 			before = append(before, e.br.Stats()[0].StreamSeq)
 		}
-		sentBefore := l.sent.Load()
-		killed := time.Now()
-		f.nc.Kill(node)
+		// Every engine gets fresh prompts of its own (besides the routed
+		// load, which may favour some), so each has events to carry.
+		stopPoke := f.poke()
+		defer stopPoke()
 		// Recovered: each bridge has published past where it was at the
 		// kill, and the consumer has applied it.
 		waitFor(t, 60*time.Second, what+": events flowing again", func() bool {
