@@ -6,7 +6,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // loopback reports whether a listen address accepts connections from this
@@ -44,7 +44,7 @@ func TestExamplesAdminLoopback(t *testing.T) {
 		t.Fatalf("no example configs: %v", err)
 	}
 	for _, f := range files {
-		cfg, err := router.LoadConfig(f)
+		cfg, err := config.LoadConfig(f)
 		if err != nil {
 			t.Errorf("%s: %v", f, err)
 			continue

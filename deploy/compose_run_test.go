@@ -23,9 +23,9 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
-	"github.com/kvrouter/kvrouter/router"
 )
 
 // portMap gives every (host, port) of a deployment a free local port, so
@@ -215,7 +215,7 @@ func TestComposeRuns(t *testing.T) {
 	start(t, ctx, "redis", redisSvc.Command[0], rargs, nil)
 	// As the routers connect: the ACL user and password of their config
 	// and environment.
-	var rcfg *router.RedisConfig
+	var rcfg *config.RedisConfig
 	var rpass string
 	for _, n := range sortedKeys(cf.Services) {
 		s := cf.Services[n]
@@ -229,7 +229,7 @@ func TestComposeRuns(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				c, err := router.ParseConfig(bytes.NewReader(raw))
+				c, err := config.ParseConfig(bytes.NewReader(raw))
 				if err != nil || c.Index == nil || c.Index.Redis == nil {
 					t.Fatalf("router config: %v", err)
 				}

@@ -12,9 +12,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvrouter/kvrouter/config"
 	"gopkg.in/yaml.v3"
-
-	"github.com/kvrouter/kvrouter/router"
 )
 
 // composeFile is the subset of the Compose specification that
@@ -276,7 +275,7 @@ func TestCompose(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkConfigWithBinary(t, string(text), cf.Services[byBin["kvrouter"][0]].Command)
-	cfg, err := router.ParseConfig(bytes.NewReader(text))
+	cfg, err := config.ParseConfig(bytes.NewReader(text))
 	if err != nil {
 		t.Fatalf("%s: %v", cfgFile, err)
 	}
@@ -398,7 +397,7 @@ func redisUsers(args []string) map[string]redisUser {
 // checkRedisACL: the router's Redis user exists, is on, has the password
 // the router is given, may touch the index's keys (<key_prefix>:...), and
 // the default user is off.
-func checkRedisACL(t *testing.T, where string, redisArgs []string, rc *router.RedisConfig, routerPassword string) {
+func checkRedisACL(t *testing.T, where string, redisArgs []string, rc *config.RedisConfig, routerPassword string) {
 	t.Helper()
 	users := redisUsers(redisArgs)
 	if d, ok := users["default"]; !ok || d.on {

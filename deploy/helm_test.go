@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvrouter/kvrouter/config"
 	"helm.sh/helm/v4/pkg/chart/common"
 	chartutil "helm.sh/helm/v4/pkg/chart/common/util"
 	"helm.sh/helm/v4/pkg/chart/loader"
@@ -19,8 +20,6 @@ import (
 	v2util "helm.sh/helm/v4/pkg/chart/v2/util"
 	"helm.sh/helm/v4/pkg/engine"
 	"sigs.k8s.io/yaml"
-
-	"github.com/kvrouter/kvrouter/router"
 )
 
 const chartDir = "helm/kvrouter"
@@ -324,7 +323,7 @@ func TestHelmExternalNATSAndEngines(t *testing.T) {
 	if !ok {
 		t.Fatal("router.yaml not mounted")
 	}
-	cfg, err := router.ParseConfig(strings.NewReader(text))
+	cfg, err := config.ParseConfig(strings.NewReader(text))
 	if err != nil {
 		t.Fatal(err)
 	}

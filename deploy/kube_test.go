@@ -20,8 +20,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events/kvstream"
-	"github.com/kvrouter/kvrouter/router"
 )
 
 // overlay is one deployable kustomization and what it must provide.
@@ -514,7 +514,7 @@ func mountedFile(t *testing.T, b *bundle, spec *corev1.PodSpec, c *corev1.Contai
 // checkRouter: replicas, probes, admin token from a Secret, ports agreeing
 // with the flags, and router.yaml valid by the router's own validation and
 // the binary's --check-config.
-func checkRouter(t *testing.T, b *bundle, ov overlay) router.Config {
+func checkRouter(t *testing.T, b *bundle, ov overlay) config.Config {
 	t.Helper()
 	d := b.deployments["kvrouter"]
 	spec, c := routerContainer(t, b)
@@ -568,7 +568,7 @@ func checkRouter(t *testing.T, b *bundle, ov overlay) router.Config {
 	if !ok {
 		t.Fatalf("kvrouter --config=%s is not a file of a mounted ConfigMap", cfgPath)
 	}
-	cfg, err := router.ParseConfig(strings.NewReader(text))
+	cfg, err := config.ParseConfig(strings.NewReader(text))
 	if err != nil {
 		t.Fatalf("router.yaml: %v", err)
 	}
@@ -626,7 +626,7 @@ func checkConfigWithBinary(t *testing.T, text string, args []string) {
 // pods, at their stable DNS names, each with a kvbridge sidecar publishing
 // under the pod's name to the pool, reading the ZMQ endpoints the engine
 // binds.
-func checkEngines(t *testing.T, b *bundle, ov overlay, cfg router.Config) {
+func checkEngines(t *testing.T, b *bundle, ov overlay, cfg config.Config) {
 	t.Helper()
 	sts, ok := b.statefulSets[ov.engine]
 	if !ok {
@@ -768,7 +768,7 @@ func checkServiceURL(t *testing.T, b *bundle, where, raw string) {
 // on; a cluster's routes name every peer by its stable DNS name; the ports
 // agree with the container; the router reaches it; production's stream
 // and bucket are replicated across the cluster.
-func checkNATS(t *testing.T, b *bundle, ov overlay, cfg router.Config) {
+func checkNATS(t *testing.T, b *bundle, ov overlay, cfg config.Config) {
 	t.Helper()
 	checkServiceURL(t, b, "router events.nats.url", cfg.Events.NATS.URL)
 	sts, ok := b.statefulSets["nats"]
@@ -857,7 +857,7 @@ func checkNATS(t *testing.T, b *bundle, ov overlay, cfg router.Config) {
 
 // checkStreamJob: the init Job creates the stream the bridges publish to and
 // the routers read, over the events subjects, replicated on every node.
-func checkStreamJob(t *testing.T, b *bundle, ov overlay, cfg router.Config) {
+func checkStreamJob(t *testing.T, b *bundle, ov overlay, cfg config.Config) {
 	t.Helper()
 	j, ok := b.jobs["nats-streams-init"]
 	if !ok {
@@ -890,7 +890,7 @@ func checkStreamJob(t *testing.T, b *bundle, ov overlay, cfg router.Config) {
 
 // checkRedis: the router's Redis address is the rendered Redis Service, and
 // router and Redis take the password from the same Secret key.
-func checkRedis(t *testing.T, b *bundle, cfg router.Config) {
+func checkRedis(t *testing.T, b *bundle, cfg config.Config) {
 	t.Helper()
 	if cfg.Index == nil || cfg.Index.Redis == nil {
 		t.Fatal("no index.redis")

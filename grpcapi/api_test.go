@@ -3,21 +3,12 @@ package grpcapi_test
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/json"
-	"encoding/pem"
 	"errors"
 	"fmt"
-	"math/big"
-	"net"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -36,7 +27,9 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/grpcapi"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/routertest"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
@@ -51,7 +44,7 @@ func ctxT(t *testing.T) context.Context {
 // the right status codes.
 func TestPick(t *testing.T) {
 	h := newHarness(t)
-	p := prompt(1, 10*bs+5)
+	p := routertest.Prompt(1, 10*bs+5)
 	h.store("kv-2", p[:6*bs])
 
 	tests := []struct {
@@ -68,7 +61,7 @@ func TestPick(t *testing.T) {
 		// blocks 6..9): the same prompt now matches all ten full blocks.
 		{name: "pool by model, speculative holds", req: &kvrouterv1.PickRequest{Model: kvModel, TokenIds: p},
 			instance: "kv-2", reason: string(router.ReasonKVMatch), matchedGPU: 10 * bs},
-		{name: "unknown prefix routes heuristically", req: &kvrouterv1.PickRequest{Pool: "kv", TokenIds: prompt(99, 4*bs)},
+		{name: "unknown prefix routes heuristically", req: &kvrouterv1.PickRequest{Pool: "kv", TokenIds: routertest.Prompt(99, 4*bs)},
 			reason: string(router.ReasonHeuristic)},
 		{name: "prompt text on a hash pool", req: &kvrouterv1.PickRequest{Pool: "hash", Prompt: "hello world"},
 			reason: string(router.ReasonHash)},
@@ -180,7 +173,7 @@ func TestPickAgreesWithHTTP(t *testing.T) {
 // from token ids or from prompt text tokenized by the pool's tokenizer.
 func TestLookup(t *testing.T) {
 	h := newHarness(t)
-	p := prompt(7, 8*bs+3)
+	p := routertest.Prompt(7, 8*bs+3)
 	h.store("kv-0", p[:8*bs])
 	keys := h.store("kv-1", p[:4*bs])
 	// kv-1 offloads its 4 blocks to CPU, then loses the last 2 from GPU.
@@ -270,7 +263,7 @@ func TestAuth(t *testing.T) {
 				return metadata.AppendToOutgoingContext(ctx, "authorization", tok)
 			}
 			lookup := func(ctx context.Context) error {
-				_, err := h.index().Lookup(ctx, &kvrouterv1.LookupRequest{Pool: "kv", TokenIds: prompt(1, 32)})
+				_, err := h.index().Lookup(ctx, &kvrouterv1.LookupRequest{Pool: "kv", TokenIds: routertest.Prompt(1, 32)})
 				return err
 			}
 			pick := func(ctx context.Context) error {
@@ -382,7 +375,7 @@ func TestHealthAndReflection(t *testing.T) {
 // plaintext client fails.
 func TestTLS(t *testing.T) {
 	dir := t.TempDir()
-	certFile, keyFile, pool := selfSigned(t, dir)
+	certFile, keyFile, pool := testenv.SelfSigned(t, dir)
 	cfg, err := grpcapi.LoadTLS(certFile, keyFile, "")
 	if err != nil {
 		t.Fatal(err)
@@ -407,7 +400,7 @@ func TestTLS(t *testing.T) {
 // it signed get through.
 func TestMutualTLS(t *testing.T) {
 	dir := t.TempDir()
-	certFile, keyFile, pool := selfSigned(t, dir)
+	certFile, keyFile, pool := testenv.SelfSigned(t, dir)
 	cfg, err := grpcapi.LoadTLS(certFile, keyFile, certFile)
 	if err != nil {
 		t.Fatal(err)
@@ -452,37 +445,4 @@ func TestConfigValidation(t *testing.T) {
 	if _, err := grpcapi.New(nil, grpcapi.Config{}); err == nil {
 		t.Error("New without a router succeeded")
 	}
-}
-
-func selfSigned(t *testing.T, dir string) (certFile, keyFile string, pool *x509.CertPool) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "kvrouter-test"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}, KeyUsage: x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}, BasicConstraintsValid: true, IsCA: true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kder, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	certFile, keyFile = filepath.Join(dir, "cert.pem"), filepath.Join(dir, "key.pem")
-	if err := os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kder}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	cert, _ := x509.ParseCertificate(der)
-	pool = x509.NewCertPool()
-	pool.AddCert(cert)
-	return certFile, keyFile, pool
 }

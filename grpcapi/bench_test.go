@@ -8,6 +8,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
 // BenchmarkPick is one Router.Pick over loopback gRPC: a 2,048-token
@@ -15,7 +16,7 @@ import (
 // key chain, one index lookup, scoring, speculative holds).
 func BenchmarkPick(b *testing.B) {
 	h := newHarness(b)
-	p := prompt(11, 2048)
+	p := routertest.Prompt(11, 2048)
 	h.store("kv-1", p[:1024])
 	req := &kvrouterv1.PickRequest{Pool: "kv", TokenIds: p}
 	c := h.router()
@@ -32,7 +33,7 @@ func BenchmarkPick(b *testing.B) {
 // prompt (128 keys) that two instances hold in part.
 func BenchmarkLookup(b *testing.B) {
 	h := newHarness(b)
-	p := prompt(12, 2048)
+	p := routertest.Prompt(12, 2048)
 	h.store("kv-0", p[:1024])
 	h.store("kv-2", p[:512])
 	req := &kvrouterv1.LookupRequest{Pool: "kv", TokenIds: p}

@@ -114,14 +114,14 @@ type epStream struct {
 	// pick, once made: its instance is Acquired until the stream ends.
 	pool     *router.Pool
 	inst     *router.Instance
-	obs      router.RequestObserver
+	obs      router.Observer
 	finished bool
 }
 
 func (st *epStream) finish(code int) {
 	if st.obs != nil && !st.finished {
 		st.finished = true
-		st.obs.Finish(code)
+		st.obs.Done(code, -1)
 	}
 }
 

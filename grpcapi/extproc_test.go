@@ -15,6 +15,7 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
 // envoy plays Envoy's side of one ext_proc stream.
@@ -138,7 +139,7 @@ func chatBody(model, text string) []byte {
 // TestExtProc plays Envoy's side of the ext_proc stream (request headers,
 // then the buffered body) and checks the GIE endpoint-picker answers.
 func TestExtProc(t *testing.T) {
-	p := prompt(3, 6*bs)
+	p := routertest.Prompt(3, 6*bs)
 	tokBody, _ := json.Marshal(map[string]any{"model": kvModel, "prompt": p})
 	type setup func(h *harness) (release func())
 	allBusy := func(pool string) setup {

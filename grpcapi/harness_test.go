@@ -73,7 +73,7 @@ func newHarness(t testing.TB, opts ...harnessOpt) *harness {
 	}
 	h.srv, err = router.NewServer(rcfg, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV: func(p config.PoolConfig) (kvindex.Index, router.Freshness) {
+		KV: func(p config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			if p.Name == "kv" {
 				return idx, nil
 			}
@@ -177,16 +177,4 @@ func (h *harness) apply(inst string, evs ...events.Event) {
 	if _, err := h.idx.Apply(context.Background(), inst, evs); err != nil {
 		h.t.Fatal(err)
 	}
-}
-
-func prompt(seed uint32, n int) []uint32 {
-	out := make([]uint32, n)
-	x := seed*2654435761 + 7
-	for i := range out {
-		x ^= x << 13
-		x ^= x >> 17
-		x ^= x << 5
-		out[i] = x % 100000
-	}
-	return out
 }

@@ -108,7 +108,7 @@ func (s *Server) pick(ctx context.Context, in *kvrouterv1.PickRequest, pool *str
 		// The request goes elsewhere: the router will never see its
 		// response, so end the observation now (pending prefill released;
 		// speculative holds, which the caller is about to make true, stay).
-		dec.Observer.Finish(0)
+		dec.Observer.Done(0, -1)
 	}
 	out := &kvrouterv1.PickResponse{
 		Pool:     p.Name(),

@@ -18,6 +18,7 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
 // TestWatch streams a pool's events from a real NATS server, as the
@@ -33,7 +34,7 @@ func TestWatch(t *testing.T) {
 	h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.NATS, g.Registerer = nc, reg })
 	pool := "kv" // the NATS server is this test's own
 
-	tokens := prompt(5, 2*bs)
+	tokens := routertest.Prompt(5, 2*bs)
 	batchA := events.Batch{TS: 1700000000.5, Events: []events.Event{
 		{Kind: events.BlockStored, BlockHashes: []uint64{11, 12}, BlockSize: bs, TokenIDs: tokens, Medium: "GPU"},
 		{Kind: events.BlockStored, BlockHashes: []uint64{11}, Medium: "CPU"},

@@ -35,8 +35,6 @@ type KVEventsSource interface {
 	IndexReady() (bool, string)
 }
 
-var _ KVEventsSource = (*KVEvents)(nil)
-
 // maxLookupBody bounds a lookup request body: a million token ids as JSON
 // is about 8 MiB.
 const maxLookupBody = 16 << 20

@@ -31,11 +31,11 @@ func kvAdminServer(t testing.TB, idx kvindex.Index, token string) *httptest.Serv
 	}
 	srv, err := router.NewServer(config.Config{Pools: pools, AdminToken: token}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV: func(pc config.PoolConfig) (kvindex.Index, router.Freshness) {
+		KV: func(pc config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			if pc.Name != "kv" {
 				return nil, nil
 			}
-			return idx, router.FreshnessFuncs{IsStale: func(id string) bool { return id == "vllm-1" }}
+			return idx, kvindex.FreshnessFuncs{IsStale: func(id string) bool { return id == "vllm-1" }}
 		},
 	})
 	if err != nil {

@@ -1,10 +1,7 @@
 package router
 
 import (
-	"bytes"
-	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"sync"
 	"sync/atomic"
@@ -14,18 +11,17 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// RequestObserver follows one routed attempt to its end. A strategy that
+// Observer follows one routed attempt to its end. A strategy that
 // predicts something about a request (kv_aware, shadow mode) sets it on its
-// Decision; the proxy calls ObserveBody when the upstream's response starts
-// and Finish exactly once when the attempt is over (after the body was
-// copied to the client, or after a failure with no response). Both are
-// called from the request's goroutine.
-type RequestObserver interface {
-	// ObserveBody returns body wrapped so the observer sees the response
-	// bytes; the wrapper passes them through unchanged and unbuffered.
-	ObserveBody(body io.ReadCloser, sse bool) io.ReadCloser
-	// Finish reports the attempt's HTTP status (0 when none).
-	Finish(status int)
+// Decision. The edge that forwards the request calls FirstByte when the
+// upstream's response starts, and Done exactly once when the attempt is
+// over (after the body reached the client, or after a failure with no
+// response), with the engine-reported cached prompt tokens
+// (usage.prompt_tokens_details.cached_tokens; -1 when not reported). Both
+// are called from the request's goroutine; FirstByte may not come at all.
+type Observer interface {
+	FirstByte()
+	Done(status, cachedTokens int)
 }
 
 // prefillReleaser is implemented by observers that count the request's
@@ -39,7 +35,7 @@ type prefillReleaser interface {
 }
 
 var (
-	_ RequestObserver = (*kvObserver)(nil)
+	_ Observer        = (*kvObserver)(nil)
 	_ prefillReleaser = (*kvObserver)(nil)
 )
 
@@ -53,8 +49,7 @@ type kvObserver struct {
 	pendTok   int64
 	predicted int           // matched tokens predicted at routing
 	shadow    *shadowRecord // nil outside shadow mode
-	tee       *usageTee
-	released  atomic.Bool // the pending prefill was given back (once)
+	released  atomic.Bool   // the pending prefill was given back (once)
 	finished  atomic.Bool
 
 	timerMu sync.Mutex  // guards timer
@@ -97,14 +92,12 @@ func (o *kvObserver) releasePrefillAfter(d time.Duration) {
 	o.timer = time.AfterFunc(d, o.release)
 }
 
-// ObserveBody implements RequestObserver.
-func (o *kvObserver) ObserveBody(body io.ReadCloser, sse bool) io.ReadCloser {
-	o.tee = &usageTee{rc: body, sse: sse, onFirst: o.firstByte}
-	return o.tee
-}
+// FirstByte implements Observer: the prefill is over (firstByte,
+// kvaware_drain.go, also measures its rate).
+func (o *kvObserver) FirstByte() { o.firstByte() }
 
-// Finish implements RequestObserver.
-func (o *kvObserver) Finish(status int) {
+// Done implements Observer.
+func (o *kvObserver) Done(status, cached int) {
 	if !o.finished.CompareAndSwap(false, true) {
 		return
 	}
@@ -114,9 +107,9 @@ func (o *kvObserver) Finish(status int) {
 	}
 	o.timerMu.Unlock()
 	o.release()
-	cached, found := -1, false
-	if o.tee != nil {
-		cached, found = o.tee.result()
+	found := cached >= 0
+	if !found {
+		cached = -1
 	}
 	o.st.recordOutcome(o, status, cached, found)
 }
@@ -186,134 +179,6 @@ func (c *pendingCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(v.(*pendingCounter).tokens.Load()), key.pool, key.inst)
 		return true
 	})
-}
-
-// Caps of what the usage tee keeps: a non-streamed completion body (only
-// its usage object matters; bodies beyond this are not parsed), and one SSE
-// line.
-const (
-	maxUsageBody = 1 << 20
-	maxUsageLine = 256 << 10
-)
-
-// usageTee passes a response body through unchanged while looking for
-// usage.prompt_tokens_details.cached_tokens: in the whole body of a JSON
-// response, or in the data lines of an event stream (vLLM sends usage in
-// the last chunk when stream_options.include_usage is set).
-type usageTee struct {
-	rc      io.ReadCloser
-	sse     bool
-	onFirst func()
-	first   bool
-	buf     []byte // JSON: the body so far; SSE: the current line
-	over    bool   // JSON: body beyond maxUsageBody; SSE: current line beyond maxUsageLine
-	cached  int
-	found   bool
-	done    bool
-}
-
-func (t *usageTee) Read(p []byte) (int, error) {
-	n, err := t.rc.Read(p)
-	if n > 0 {
-		if !t.first {
-			t.first = true
-			if t.onFirst != nil {
-				t.onFirst()
-			}
-		}
-		t.feed(p[:n])
-	}
-	return n, err
-}
-
-func (t *usageTee) Close() error { return t.rc.Close() }
-
-func (t *usageTee) feed(b []byte) {
-	if !t.sse {
-		if t.over {
-			return
-		}
-		if len(t.buf)+len(b) > maxUsageBody {
-			t.over, t.buf = true, nil
-			return
-		}
-		t.buf = append(t.buf, b...)
-		return
-	}
-	for len(b) > 0 {
-		i := bytes.IndexByte(b, '\n')
-		seg := b
-		if i >= 0 {
-			seg = b[:i]
-		}
-		if !t.over {
-			if len(t.buf)+len(seg) > maxUsageLine {
-				t.over, t.buf = true, t.buf[:0]
-			} else {
-				t.buf = append(t.buf, seg...)
-			}
-		}
-		if i < 0 {
-			return
-		}
-		if !t.over {
-			t.line(t.buf)
-		}
-		t.buf, t.over = t.buf[:0], false
-		b = b[i+1:]
-	}
-}
-
-// line handles one SSE line.
-func (t *usageTee) line(l []byte) {
-	l = bytes.TrimSuffix(l, []byte("\r"))
-	data, ok := bytes.CutPrefix(l, []byte("data:"))
-	if !ok || !bytes.Contains(data, []byte(`"cached_tokens"`)) {
-		return
-	}
-	if c, ok := parseCachedTokens(data); ok {
-		t.cached, t.found = c, true
-	}
-}
-
-// result finishes the scan and returns the reported cached tokens.
-func (t *usageTee) result() (int, bool) {
-	if !t.done {
-		t.done = true
-		switch {
-		case !t.sse && !t.over:
-			if c, ok := parseCachedTokens(t.buf); ok {
-				t.cached, t.found = c, true
-			}
-		case t.sse && !t.over && len(t.buf) > 0:
-			t.line(t.buf) // a last line without its newline
-		}
-		t.buf = nil
-	}
-	return t.cached, t.found
-}
-
-// parseCachedTokens reads usage.prompt_tokens_details.cached_tokens from a
-// JSON document (a completion body or one stream chunk).
-func parseCachedTokens(doc []byte) (int, bool) {
-	if !bytes.Contains(doc, []byte(`"cached_tokens"`)) {
-		return 0, false
-	}
-	var v struct {
-		Usage *struct {
-			Details *struct {
-				Cached *int64 `json:"cached_tokens"`
-			} `json:"prompt_tokens_details"`
-		} `json:"usage"`
-	}
-	if json.Unmarshal(doc, &v) != nil || v.Usage == nil || v.Usage.Details == nil || v.Usage.Details.Cached == nil {
-		return 0, false
-	}
-	c := *v.Usage.Details.Cached
-	if c < 0 || c > 1<<40 {
-		return 0, false
-	}
-	return int(c), true
 }
 
 // compareCounts is a comparison's counters over some span of time.

@@ -49,7 +49,7 @@ func dashRouter(t testing.TB, n int, mod func(*config.Config)) (*router.Server, 
 	if mod != nil {
 		mod(&cfg)
 	}
-	srv, err := router.NewServer(cfg, router.Options{Logger: log, KV: func(config.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil }})
+	srv, err := router.NewServer(cfg, router.Options{Logger: log, KV: func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil }})
 	if err != nil {
 		t.Fatal(err)
 	}

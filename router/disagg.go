@@ -134,7 +134,7 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *Pool
 			// Every prefill instance is at its threshold: the prefill set is
 			// the bottleneck, and a decode-capable instance prefills now.
 			if dec.Observer != nil {
-				dec.Observer.Finish(0)
+				dec.Observer.Done(0, -1)
 			}
 			return aggregated(aggPrefillBusy)
 		}
@@ -191,10 +191,11 @@ func (s *Server) prefill(r *http.Request, pool *Pool, dec Decision, body []byte,
 	s.injectTrace(r.Context(), out.Header)
 	dec.Instance.Acquire()
 	status := 0
+	var usage *usageTee // the engine-reported cached tokens, for the observer
 	defer func() {
 		dec.Instance.Release()
 		if dec.Observer != nil {
-			dec.Observer.Finish(status)
+			dec.Observer.Done(status, usage.cachedTokens())
 		}
 	}()
 	resp, err := s.proxy.Transport.RoundTrip(out)
@@ -203,8 +204,9 @@ func (s *Server) prefill(r *http.Request, pool *Pool, dec Decision, body []byte,
 	}
 	status = resp.StatusCode
 	rc := resp.Body
-	if dec.Observer != nil {
-		rc = dec.Observer.ObserveBody(rc, false)
+	if o := dec.Observer; o != nil {
+		usage = &usageTee{rc: rc, onFirst: o.FirstByte}
+		rc = usage
 	}
 	defer rc.Close()
 	answer, err := io.ReadAll(io.LimitReader(rc, maxPrefillAnswer+1))

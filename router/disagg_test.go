@@ -58,7 +58,7 @@ func newDisaggFleet(t *testing.T, dc config.DisaggregationConfig, prefill, decod
 		t.Fatal(err)
 	}
 	srv, err := router.NewServer(cfg, router.Options{Logger: slog.New(slog.DiscardHandler),
-		KV: func(config.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil }})
+		KV: func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil }})
 	if err != nil {
 		t.Fatal(err)
 	}

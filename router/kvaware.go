@@ -49,64 +49,14 @@ const maxKeyedTokens = 1 << 20
 // pool that has no KV index.
 var ErrNoKVState = errors.New("router: kv_aware needs a KV index for the pool")
 
-// Freshness tells kv_aware how far to trust the index: whether the pool's
-// event stream is being consumed, and whether an instance has gone quiet
-// (a gap not yet repaired, a silent bridge). The events consumer
-// implements it (see FreshnessFuncs). Methods are called on the request
-// path, concurrently: they must be cheap and safe for concurrent use.
-type Freshness interface {
-	StreamHealthy() bool
-	Stale(instance string) bool
-}
-
-// FreshnessFuncs adapts two functions to Freshness; a nil func means
-// "healthy" / "not stale". For the events consumer:
-//
-//	router.FreshnessFuncs{Healthy: c.Healthy, IsStale: func(id string) bool { return !c.Live(id) }}
-type FreshnessFuncs struct {
-	Healthy func() bool
-	IsStale func(instance string) bool
-	// Epoch, when set, is the consumer's LostEpoch (see CacheEpochs).
-	Epoch func(instance string) uint64
-}
-
-var (
-	_ Freshness   = FreshnessFuncs{}
-	_ CacheEpochs = FreshnessFuncs{}
-)
-
 // lostEpoch is the instance's cache epoch from the freshness source (0
 // without one).
 func (st *KVState) lostEpoch(instance string) uint64 {
-	if e, ok := st.fresh.(CacheEpochs); ok {
+	if e, ok := st.fresh.(kvindex.CacheEpochs); ok {
 		return e.LostEpoch(instance)
 	}
 	return 0
 }
-
-// CacheEpochs is implemented by a Freshness that counts the times each
-// instance's cache was lost or could not be vouched for (cleared by the
-// bridge or the engine, restarted, reported down, purged). kv_aware's
-// speculative entries remember the epoch they were made in and count only
-// while it lasts: a request routed just before an engine restarted must
-// not make the new, empty process look as if it held that prompt.
-type CacheEpochs interface {
-	LostEpoch(instance string) uint64
-}
-
-// LostEpoch implements CacheEpochs; 0 without the func.
-func (f FreshnessFuncs) LostEpoch(instance string) uint64 {
-	if f.Epoch == nil {
-		return 0
-	}
-	return f.Epoch(instance)
-}
-
-// StreamHealthy implements Freshness.
-func (f FreshnessFuncs) StreamHealthy() bool { return f.Healthy == nil || f.Healthy() }
-
-// Stale implements Freshness.
-func (f FreshnessFuncs) Stale(instance string) bool { return f.IsStale != nil && f.IsStale(instance) }
 
 // KVStateConfig is what a pool's exact routing is built from.
 type KVStateConfig struct {
@@ -117,7 +67,7 @@ type KVStateConfig struct {
 	// Index is the pool's block map. Required.
 	Index kvindex.Index
 	// Freshness, nil = the stream is always healthy and no instance stale.
-	Freshness Freshness
+	Freshness kvindex.Freshness
 	// Tokens produces token ids for requests that carry none; nil = such
 	// requests route heuristically.
 	Tokens TokenSource
@@ -139,7 +89,7 @@ type KVStateConfig struct {
 type KVState struct {
 	pool, model string
 	index       kvindex.Index
-	fresh       Freshness
+	fresh       kvindex.Freshness
 	tokens      TokenSource
 	m           *KVMetrics
 	log         *slog.Logger
@@ -288,8 +238,6 @@ type KVAware struct {
 	loadAge   time.Duration
 }
 
-var _ Strategy = (*KVAware)(nil)
-
 // NewKVAware builds the kv_aware strategy for rc (defaults applied) over
 // st. Simulations call it directly; NewStrategy calls it for "kv_aware".
 func NewKVAware(rc config.RoutingConfig, st *KVState) (*KVAware, error) {
@@ -316,6 +264,8 @@ func newKVAware(rc config.RoutingConfig, st *KVState, rnd func(uint64) uint64) (
 }
 
 // Name implements Strategy.
+var _ Strategy = (*KVAware)(nil)
+
 func (*KVAware) Name() string { return config.StrategyKVAware }
 
 // Pick implements Strategy.

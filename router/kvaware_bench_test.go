@@ -163,7 +163,7 @@ func benchDecide(b *testing.B, w *benchWorld, s *KVAware, mk func() *Request, wa
 			b.Fatalf("picked %s (%s), want %s", d.Instance.ID(), d.Reason, want.ID())
 		}
 		if d.Observer != nil {
-			d.Observer.Finish(200)
+			d.Observer.Done(200, -1)
 		}
 	}
 }

@@ -47,14 +47,14 @@ func TestPendingDrains(t *testing.T) {
 	near("past the end", queueOn(x), 0)
 
 	// Released work is not counted however late the prediction runs.
-	d.Observer.Finish(200)
-	d2.dec.Observer.Finish(200)
+	d.Observer.Done(200, -1)
+	d2.dec.Observer.Done(200, -1)
 	near("released", queueOn(x), 0)
 
 	// New work on an emptied queue starts now.
 	d3 := kvPickOn(t, s, x, 1001)
 	near("fresh queue", queueOn(x), float64(len(d3.prompt))/10_000)
-	d3.dec.Observer.Finish(200)
+	d3.dec.Observer.Done(200, -1)
 }
 
 type pickedOn struct {
@@ -85,11 +85,8 @@ func TestDrainMeasures(t *testing.T) {
 	queue := func() float64 { return probeQueue(t, s, w, x) }
 	firstByte := func(d Decision) {
 		t.Helper()
-		body := d.Observer.ObserveBody(nopBody("x"), false)
-		if _, err := body.Read(make([]byte, 1)); err != nil {
-			t.Fatal(err)
-		}
-		d.Observer.Finish(200)
+		d.Observer.FirstByte()
+		d.Observer.Done(200, -1)
 	}
 	// Eight 625-block (10,000-token) prompts, each routed behind a
 	// 1,600-token one and answered 2 s later: 11,600 tokens in 2 s, 5,800
@@ -123,7 +120,7 @@ func TestDrainMeasures(t *testing.T) {
 	near(queue(), 1600.0/10_000)
 	w.clock.Advance(100 * time.Millisecond)
 	near(queue(), (1600-0.1*rate)/10_000) // drained at the measured rate, not P (which would leave 0.06 s)
-	d.dec.Observer.Finish(200)
+	d.dec.Observer.Done(200, -1)
 }
 
 // probeQueue is the wait kv_aware predicts on inst now, from dry scoring

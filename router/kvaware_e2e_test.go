@@ -17,6 +17,8 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/router/routertest"
+
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
@@ -72,8 +74,8 @@ func TestKVAwareOverNATS(t *testing.T) {
 	}
 	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV: func(config.PoolConfig) (kvindex.Index, router.Freshness) {
-			return idx, router.FreshnessFuncs{Healthy: c.Healthy, IsStale: func(id string) bool { return !c.Live(id) }}
+		KV: func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
+			return idx, kvindex.FreshnessFuncs{Healthy: c.Healthy, IsStale: func(id string) bool { return !c.Live(id) }}
 		},
 	})
 	if err != nil {
@@ -83,7 +85,7 @@ func TestKVAwareOverNATS(t *testing.T) {
 	t.Cleanup(ts.Close)
 	h := &kvHTTP{t: t, srv: srv, ts: ts}
 
-	prompt := kvPrompt(77, 48*kvBS+3)
+	prompt := routertest.Prompt(77, 48*kvBS+3)
 	resp, _ := h.complete(prompt, false)
 	home := resp.Header.Get(router.HeaderInstance)
 	if r := resp.Header.Get(router.HeaderReason); r != string(router.ReasonHeuristic) {

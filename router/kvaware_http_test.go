@@ -19,6 +19,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
 const (
@@ -116,18 +117,6 @@ func (e *kvEngine) serve(w http.ResponseWriter, r *http.Request) {
 	fmt.Fprintf(w, "data: {\"id\":\"cmpl-%s\",\"choices\":[],\"usage\":%s}\n\ndata: [DONE]\n\n", e.id, usage)
 }
 
-func kvPrompt(seed uint32, n int) []uint32 {
-	out := make([]uint32, n)
-	x := seed*2654435761 + 7
-	for i := range out {
-		x ^= x << 13
-		x ^= x >> 17
-		x ^= x << 5
-		out[i] = x % 100000
-	}
-	return out
-}
-
 type kvHTTP struct {
 	t       *testing.T
 	srv     *router.Server
@@ -150,7 +139,7 @@ func newKVHTTP(t *testing.T, n int, routing config.RoutingConfig) *kvHTTP {
 	}
 	h.srv, err = router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV: func(p config.PoolConfig) (kvindex.Index, router.Freshness) {
+		KV: func(p config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			return idx, nil
 		},
 	})
@@ -188,7 +177,7 @@ func TestKVAwareHTTP(t *testing.T) {
 	// Speculative entries last 100ms here: step 2 waits them out, so that
 	// the first request's guess does not outlive the eviction below.
 	h := newKVHTTP(t, 4, config.RoutingConfig{Strategy: config.StrategyKVAware, Shadow: true, KV: &config.KVScoringConfig{SpeculativeTTL: 100 * time.Millisecond}})
-	prompt := kvPrompt(1, 64*kvBS+7)
+	prompt := routertest.Prompt(1, 64*kvBS+7)
 
 	// 1. Nobody holds the prefix: the heuristic places it.
 	resp, _ := h.complete(prompt, false)
@@ -338,7 +327,7 @@ func TestKVAwareHTTPSwitching(t *testing.T) {
 		b, _ := io.ReadAll(resp.Body)
 		return resp.StatusCode, string(b)
 	}
-	prompt := kvPrompt(2, 40*kvBS)
+	prompt := routertest.Prompt(2, 40*kvBS)
 	if resp, _ := h.complete(prompt, false); resp.Header.Get(router.HeaderStrategy) != config.StrategyPrefixAware || resp.Header.Get(router.HeaderMatchedTokens) != "" {
 		t.Fatalf("default strategy: %v", resp.Header)
 	}
@@ -389,14 +378,14 @@ func TestMidStreamDisconnectReleases(t *testing.T) {
 		Instances: []config.InstanceConfig{{ID: "a", URL: up.URL}}}
 	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV:     func(config.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil },
+		KV:     func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil },
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	ts := httptest.NewServer(srv.Handler())
 	defer ts.Close()
-	body, _ := json.Marshal(map[string]any{"model": kvModel, "prompt": kvPrompt(9, 40*kvBS), "stream": true})
+	body, _ := json.Marshal(map[string]any{"model": kvModel, "prompt": routertest.Prompt(9, 40*kvBS), "stream": true})
 	resp, err := http.Post(ts.URL+"/v1/completions", "application/json", bytes.NewReader(body))
 	if err != nil {
 		t.Fatal(err)

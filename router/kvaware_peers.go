@@ -11,8 +11,8 @@ import (
 // PeerState is what the pool's other router replicas add to this one's
 // picture (replica sync, docs/replicas.md): their requests in flight and
 // pending prefill per instance, and their speculative blocks. A Freshness
-// that implements it (KVEvents' does when events.replica_sync is on) is
-// picked up by NewKVState, which then also reports its own counters and
+// that implements it (the KV-state pipeline's does when events.replica_sync is on) is
+// picked up by NewKVState (router/kvstate's PeerFreshness is one), which then also reports its own counters and
 // speculative blocks to it. *replicasync.Syncer implements it.
 type PeerState interface {
 	PeerLoad(inst string) (inflight, pendingTokens, pendingRequests int64)
@@ -26,13 +26,6 @@ type PeerState interface {
 }
 
 var _ PeerState = (*replicasync.Syncer)(nil)
-
-// peerFreshness is a pool's Freshness with replica sync: the consumer's
-// freshness and the pool's Syncer.
-type peerFreshness struct {
-	FreshnessFuncs
-	*replicasync.Syncer
-}
 
 // kvPeers holds a KVState's replica-sync state.
 type kvPeers struct {

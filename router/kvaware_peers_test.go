@@ -15,6 +15,13 @@ import (
 	"github.com/kvrouter/kvrouter/replicasync"
 )
 
+// peerFreshness is a Freshness with replica sync, as router/kvstate's
+// PeerFreshness is.
+type peerFreshness struct {
+	kvindex.FreshnessFuncs
+	*replicasync.Syncer
+}
+
 // peerWorld is one router replica of a pool: its own (empty) index, its
 // own instances' counters, and replica sync on a real NATS server.
 type peerWorld struct {
@@ -44,7 +51,7 @@ func newPeerWorld(t *testing.T, url, pool, name string, n int) *peerWorld {
 	}
 	w := &kvWorld{t: t, idx: idx, clock: newTestClock(), fresh: &testFreshness{}}
 	w.st, err = NewKVState(KVStateConfig{Pool: "p", Model: kvTestModel, Index: idx,
-		Freshness: peerFreshness{FreshnessFuncs: FreshnessFuncs{}, Syncer: s}, Logger: slog.New(slog.DiscardHandler)})
+		Freshness: peerFreshness{Syncer: s}, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -152,7 +159,7 @@ func newPeerWorldless(t *testing.T) *KVState {
 // entries), side by side: what sync adds to a decision.
 func BenchmarkKVAwarePeers(b *testing.B) {
 	ids := promptTokens(4242, 500*kvTestBS)
-	build := func(fresh Freshness) *benchWorld {
+	build := func(fresh kvindex.Freshness) *benchWorld {
 		idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvTestModel, BlockSize: kvTestBS})
 		if err != nil {
 			b.Fatal(err)
@@ -201,8 +208,8 @@ func BenchmarkKVAwarePeers(b *testing.B) {
 	}
 	for _, tc := range []struct {
 		name  string
-		fresh Freshness
-	}{{"sync_off", FreshnessFuncs{}}, {"sync_on", peerFreshness{FreshnessFuncs: FreshnessFuncs{}, Syncer: s}}} {
+		fresh kvindex.Freshness
+	}{{"sync_off", kvindex.FreshnessFuncs{}}, {"sync_on", peerFreshness{Syncer: s}}} {
 		w := build(tc.fresh)
 		k, err := NewKVAware(config.RoutingConfig{}, w.st)
 		if err != nil {

@@ -4,10 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -20,6 +18,7 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router/routertest"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -187,17 +186,7 @@ func (w *kvWorld) byID(id string) *Instance {
 }
 
 // promptTokens is a deterministic prompt of n tokens for a seed.
-func promptTokens(seed uint32, n int) []uint32 {
-	out := make([]uint32, n)
-	x := seed*2654435761 + 1
-	for i := range out {
-		x ^= x << 13
-		x ^= x >> 17
-		x ^= x << 5
-		out[i] = x % 128000
-	}
-	return out
-}
+func promptTokens(seed uint32, n int) []uint32 { return routertest.Prompt(seed, n) }
 
 func kvRequest(text string, tokens []uint32) *Request {
 	return &Request{Endpoint: EndpointCompletions, Pool: "p", Model: kvTestModel, RoutingText: text, PromptTokens: tokens}
@@ -210,7 +199,7 @@ func kvPick(t testing.TB, s Strategy, req *Request, cands []*Instance) Decision 
 		t.Fatal(err)
 	}
 	if d.Observer != nil {
-		d.Observer.Finish(200) // release pending prefill: each test decides alone
+		d.Observer.Done(200, -1) // release pending prefill: each test decides alone
 	}
 	return d
 }
@@ -587,15 +576,12 @@ func TestPendingPrefill(t *testing.T) {
 	if tok, n := w.st.PendingPrefill(d.Instance.ID()); tok != int64(len(tokens)) || n != 1 {
 		t.Fatalf("pending %d tokens / %d requests, want %d / 1", tok, n, len(tokens))
 	}
-	body := d.Observer.ObserveBody(nopBody("x"), false)
-	if _, err := body.Read(make([]byte, 8)); err != nil {
-		t.Fatal(err)
-	}
+	d.Observer.FirstByte()
 	if tok, n := w.st.PendingPrefill(d.Instance.ID()); tok != 0 || n != 0 {
 		t.Fatalf("after first byte: pending %d / %d, want 0 / 0", tok, n)
 	}
-	d.Observer.Finish(200)
-	d.Observer.Finish(200) // idempotent
+	d.Observer.Done(200, -1)
+	d.Observer.Done(200, -1) // idempotent
 	if tok, _ := w.st.PendingPrefill(d.Instance.ID()); tok != 0 {
 		t.Fatalf("after finish: pending %d", tok)
 	}
@@ -781,8 +767,6 @@ func gaugeValue(t testing.TB, c prometheus.Metric) float64 {
 	return m.GetGauge().GetValue()
 }
 
-func nopBody(s string) io.ReadCloser { return io.NopCloser(strings.NewReader(s)) }
-
 // TestSpeculativeConfirmedThenEvicted: once events confirm a speculative
 // guess, the index owns those blocks, so their eviction is seen at once
 // rather than after the TTL.
@@ -916,9 +900,8 @@ func TestShadowHeuristicInUse(t *testing.T) {
 	if tok, _ := w.st.PendingPrefill(order[0].ID()); tok != int64(len(tokens)) {
 		t.Errorf("pending on the heuristic's pick: %d", tok)
 	}
-	body := d.Observer.ObserveBody(nopBody(usageJSON), false)
-	_, _ = io.ReadAll(body)
-	d.Observer.Finish(200)
+	d.Observer.FirstByte()
+	d.Observer.Done(200, 1024) // usageJSON's cached_tokens
 	if w.st.spec.Len() != 0 {
 		t.Errorf("dry scoring left %d speculative entries", w.st.spec.Len())
 	}

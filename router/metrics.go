@@ -68,10 +68,10 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 	return m, nil
 }
 
-// forgetInstanceSeries deletes the per-instance series of an instance that
+// ForgetInstanceSeries deletes the per-instance series of an instance that
 // left its pool, so that instance names that come and go (heartbeat
 // discovery) do not accumulate series.
-func (s *Server) forgetInstanceSeries(pool, instance string) {
+func (s *Server) ForgetInstanceSeries(pool, instance string) {
 	l := prometheus.Labels{"pool": pool, "instance": instance}
 	s.m.requests.DeletePartialMatch(l)
 	s.m.retries.DeletePartialMatch(l)

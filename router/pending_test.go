@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -84,16 +83,13 @@ func TestPendingReleaseTimer(t *testing.T) {
 				t.Fatalf("released before its time: pending %d/%d", tok, n)
 			}
 			if tc.firstByte {
-				body := o.ObserveBody(io.NopCloser(strings.NewReader(`{"usage":{}}`)), false)
-				if _, err := io.ReadAll(body); err != nil {
-					t.Fatal(err)
-				}
+				o.FirstByte()
 				if tok, n := st.PendingPrefill("a"); tok != 7 || n != 1 {
 					t.Fatalf("first byte did not release: pending %d/%d", tok, n)
 				}
 			}
-			o.Finish(200)
-			o.Finish(200)
+			o.Done(200, -1)
+			o.Done(200, -1)
 			if tok, n := st.PendingPrefill("a"); tok != 7 || n != 1 {
 				t.Fatalf("after finish: pending %d/%d, want 7/1 (released once)", tok, n)
 			}
@@ -105,7 +101,7 @@ func TestPendingReleaseTimer(t *testing.T) {
 			// Arming after the end is a no-op.
 			o.releasePrefillAfter(time.Millisecond)
 			time.Sleep(5 * time.Millisecond)
-			other.Finish(200)
+			other.Done(200, -1)
 			if tok, n := st.PendingPrefill("a"); tok != 0 || n != 0 {
 				t.Fatalf("after both finished: pending %d/%d, want 0/0", tok, n)
 			}
@@ -162,13 +158,13 @@ func TestPendingGaugeConcurrent(t *testing.T) {
 				o := st.newObserver(inst, 1+w+i%13, 0)
 				switch i % 3 {
 				case 0:
-					o.Finish(200)
+					o.Done(200, -1)
 				case 1:
 					o.release()
-					o.Finish(200)
+					o.Done(200, -1)
 				default:
 					o.releasePrefillAfter(time.Duration(i%4) * time.Microsecond)
-					o.Finish(200)
+					o.Done(200, -1)
 				}
 			}
 		}()
@@ -205,7 +201,7 @@ func TestPendingGaugeConcurrent(t *testing.T) {
 	if v, _ := scrapePending(t, reg, "p", "b"); v != 33 {
 		t.Errorf("gauge for b: %v, want 33 (one request still pending)", v)
 	}
-	held.Finish(200)
+	held.Done(200, -1)
 	if v, _ := scrapePending(t, reg, "p", "b"); v != 0 {
 		t.Errorf("gauge for b after the last release: %v, want 0", v)
 	}
@@ -254,7 +250,7 @@ func TestPendingNonStreamedReleasedBeforeResponse(t *testing.T) {
 				Instances: []config.InstanceConfig{{ID: "a", URL: up.URL}}}
 			srv, err := NewServer(config.Config{Pools: []config.PoolConfig{pc}}, Options{
 				Logger: slog.New(slog.DiscardHandler),
-				KV:     func(config.PoolConfig) (kvindex.Index, Freshness) { return idx, nil },
+				KV:     func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil },
 			})
 			if err != nil {
 				t.Fatal(err)

@@ -55,6 +55,9 @@ type attempt struct {
 	err       error // the failure
 	status    int
 	streamErr bool
+	// usage reads the engine-reported cached tokens from the response for
+	// the decision's Observer (nil without one, or without a response).
+	usage *usageTee
 
 	span span // the attempt's client span (tracing.go); empty when not traced
 }
@@ -236,7 +239,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 					}
 				}
 				if dec.Observer != nil {
-					dec.Observer.Finish(a.status)
+					dec.Observer.Done(a.status, a.usage.cachedTokens())
 				}
 				if p != nil {
 					s.m.requests.WithLabelValues(pool.Name(), dec.Instance.ID(), strat.Name(), string(dec.Reason), strconv.Itoa(a.status)).Inc()
@@ -298,7 +301,8 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 	s.setDecisionHeaders(resp.Header, a)
 	ct := resp.Header.Get("Content-Type")
 	if o := a.dec.Observer; o != nil {
-		resp.Body = o.ObserveBody(resp.Body, strings.HasPrefix(ct, "text/event-stream"))
+		a.usage = &usageTee{rc: resp.Body, sse: strings.HasPrefix(ct, "text/event-stream"), onFirst: o.FirstByte}
+		resp.Body = a.usage
 	}
 	resp.Body = &upstreamBody{
 		rc:  resp.Body,

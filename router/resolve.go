@@ -2,11 +2,13 @@ package router
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router/openai"
 )
 
@@ -344,4 +346,43 @@ func ParseOpenAI(ep Endpoint, body []byte) (*openai.Request, error) {
 		return nil, badRequest("%s", err.Error())
 	}
 	return r, nil
+}
+
+// checkOpenAILimits reports the first limit a parsed OpenAI request breaks,
+// as the message of a 400, or "".
+func checkOpenAILimits(l config.LimitsConfig, r *openai.Request) string {
+	if len(r.Messages) > l.MaxMessages {
+		return fmt.Sprintf("messages: %d messages exceed the limit of %d", len(r.Messages), l.MaxMessages)
+	}
+	if r.Prompt != nil {
+		n := 0
+		for _, ids := range r.Prompt.Tokens {
+			n += len(ids)
+		}
+		if n > l.MaxPromptTokenIDs {
+			return fmt.Sprintf("prompt: %d token ids exceed the limit of %d", n, l.MaxPromptTokenIDs)
+		}
+	}
+	return ""
+}
+
+// ErrPromptTooLong: a body above limits.max_tokenize_bytes is not
+// tokenized; the request routes heuristically.
+var ErrPromptTooLong = fmt.Errorf("%w: body exceeds limits.max_tokenize_bytes", ErrTokenSource)
+
+// tooLongToTokenize is the TokenSource of requests whose body is over
+// limits.max_tokenize_bytes: kv_aware then routes them heuristically.
+type tooLongToTokenize struct{}
+
+var _ TokenSource = tooLongToTokenize{}
+
+func (tooLongToTokenize) Tokens(context.Context, *Request) ([]uint32, error) {
+	return nil, ErrPromptTooLong
+}
+
+// limitTokenize keeps kv_aware from tokenizing bodies over the limit.
+func limitTokenize(l config.LimitsConfig, req *Request) {
+	if len(req.Body) > l.MaxTokenizeBytes && req.PromptTokens == nil {
+		req.Tokenizer = tooLongToTokenize{}
+	}
 }

@@ -109,7 +109,7 @@ func TestCacheSaltKVAware(t *testing.T) {
 	}
 	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}, CacheSaltSecret: secret}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV:     func(config.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil },
+		KV:     func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil },
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -117,7 +117,7 @@ func TestCacheSaltKVAware(t *testing.T) {
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(ts.Close)
 
-	prompt := kvPrompt(42, 32*kvBS)
+	prompt := routertest.Prompt(42, 32*kvBS)
 	send := func(tenant, clientSalt string) (instance, reason, matched string) {
 		t.Helper()
 		body := map[string]any{"model": kvModel, "prompt": prompt}

@@ -33,7 +33,7 @@ type Options struct {
 	// and the freshness of its event stream (the events consumer; nil =
 	// always fresh). nil, or a nil index for a pool, makes kv_aware and
 	// shadow mode unavailable for it (a config selecting them is rejected).
-	KV func(pool config.PoolConfig) (kvindex.Index, Freshness)
+	KV func(pool config.PoolConfig) (kvindex.Index, kvindex.Freshness)
 	// KVEvents serves the admin KV views (instances' event state) and the
 	// eviction stream (the binary's KVEvents); nil = instances show the
 	// index only and /v1/kv/evictions answers 503.
@@ -50,8 +50,8 @@ type Server struct {
 	log   *slog.Logger
 	reg   *prometheus.Registry
 	m     *metrics
-	kvm   *KVMetrics                                              // exact-routing metrics, all pools
-	kvOpt func(pool config.PoolConfig) (kvindex.Index, Freshness) // Options.KV
+	kvm   *KVMetrics                                                      // exact-routing metrics, all pools
+	kvOpt func(pool config.PoolConfig) (kvindex.Index, kvindex.Freshness) // Options.KV
 	// kvEvents and evictions: Options.KVEvents and its eviction stream.
 	kvEvents  KVEventsSource
 	evictions http.Handler

@@ -62,8 +62,8 @@ type Decision struct {
 	// Explain, when set, carries what an exact strategy knew (headers
 	// x-kvrouter-matched-tokens, x-kvrouter-predicted-ttft-ms).
 	Explain *Explanation
-	// Observer, when set, follows the routed attempt (see RequestObserver).
-	Observer RequestObserver
+	// Observer, when set, follows the routed attempt (see Observer).
+	Observer Observer
 }
 
 // Explanation is the optional detail of a kv-aware decision.

@@ -110,7 +110,7 @@ func TestToolChatPredictionMatchesEngine(t *testing.T) {
 		Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 		Instances: []config.InstanceConfig{{ID: "engine", URL: in.URL()}}}
 	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{Logger: log,
-		KV: func(config.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil }})
+		KV: func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil }})
 	if err != nil {
 		t.Fatal(err)
 	}

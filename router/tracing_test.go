@@ -99,7 +99,7 @@ func newTraceRig(t *testing.T, n int, sampler sdktrace.Sampler, fail503 *atomic.
 	}
 	opts := router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV:     func(config.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil },
+		KV:     func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil },
 	}
 	if sampler != nil {
 		tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(rig.exp), sdktrace.WithSampler(sampler))

@@ -24,6 +24,7 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
 )
@@ -190,7 +191,7 @@ func (f *clusterFleet) lost(c *consumer.Consumer) (dropped, gaps uint64) {
 // cluster and the HTTP server, routing the fleet's pool kv_aware.
 type clusterRouter struct {
 	reg  *prometheus.Registry
-	kve  *router.KVEvents
+	kve  *kvstate.Pipeline
 	srv  *router.Server
 	http *httptest.Server
 	stop func()
@@ -216,7 +217,7 @@ func (f *clusterFleet) startRouter(cfg config.Config) *clusterRouter {
 	f.t.Helper()
 	reg := prometheus.NewRegistry()
 	ctx, cancel := context.WithCancel(f.ctx)
-	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: quietLogger()})
+	kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Registerer: reg, Logger: quietLogger()})
 	if err != nil {
 		cancel()
 		f.t.Fatal(err)

@@ -30,6 +30,7 @@ import (
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
 )
@@ -991,7 +992,7 @@ func testRouterNoStaleKVMatch(t *testing.T, specTTL time.Duration) {
 			Instances: []config.InstanceConfig{{ID: r.instance, URL: r.url()}}}},
 	}
 	reg := prometheus.NewRegistry()
-	kve, err := router.StartKVEvents(r.ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: quietLogger()})
+	kve, err := kvstate.Start(r.ctx, cfg, kvstate.Options{Registerer: reg, Logger: quietLogger()})
 	if err != nil {
 		t.Fatal(err)
 	}

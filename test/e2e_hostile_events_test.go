@@ -20,6 +20,8 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/fleet"
+	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
@@ -29,7 +31,7 @@ type hostileRig struct {
 	t    *testing.T
 	nc   *nats.Conn
 	pool string
-	kve  *router.KVEvents
+	kve  *kvstate.Pipeline
 	srv  *router.Server
 	reg  *prometheus.Registry
 	logs *testenv.Logs
@@ -50,7 +52,7 @@ func newHostileRig(t *testing.T, mutate func(*config.Config)) *hostileRig {
 	logs := &testenv.Logs{}
 	log := slog.New(slog.NewJSONHandler(logs, nil))
 	reg := prometheus.NewRegistry()
-	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: log, SnapshotTimeout: 200 * time.Millisecond})
+	kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Registerer: reg, Logger: log, SnapshotTimeout: 200 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -62,7 +64,7 @@ func newHostileRig(t *testing.T, mutate func(*config.Config)) *hostileRig {
 	rctx, stop := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); _ = srv.Run(rctx) }()
-	go kve.RunDiscovery(rctx, srv, 50*time.Millisecond)
+	go func() { _ = fleet.New(srv, kve, cfg, 50*time.Millisecond, log).Run(rctx) }()
 	t.Cleanup(func() { stop(); <-done })
 	if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
 		t.Fatal(err)
@@ -380,7 +382,7 @@ func readyRig(t *testing.T, delay, readyTimeout time.Duration) (readyz string, b
 	}
 	logs = &testenv.Logs{}
 	log := slog.New(slog.NewJSONHandler(logs, nil))
-	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: log, SnapshotTimeout: 10 * time.Second})
+	kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Logger: log, SnapshotTimeout: 10 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}

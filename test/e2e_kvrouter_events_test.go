@@ -23,6 +23,8 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/fleet"
+	"github.com/kvrouter/kvrouter/router/kvstate"
 )
 
 const kvrModel = "kvr-model"
@@ -97,7 +99,7 @@ func kvrHashes(from, n int) []uint64 {
 // data plane and admin API.
 type kvrRouter struct {
 	t    *testing.T
-	kve  *router.KVEvents
+	kve  *kvstate.Pipeline
 	srv  *router.Server
 	ts   *httptest.Server
 	pool string
@@ -249,7 +251,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 		t.Fatal("a kv_aware pool does not want KV events")
 	}
 	reg := prometheus.NewRegistry()
-	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: quietLogger(), SnapshotTimeout: 300 * time.Millisecond})
+	kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Registerer: reg, Logger: quietLogger(), SnapshotTimeout: 300 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -261,7 +263,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	rctx, stopRun := context.WithCancel(ctx)
 	runDone := make(chan struct{})
 	go func() { defer close(runDone); _ = srv.Run(rctx) }()
-	go kve.RunDiscovery(rctx, srv, 100*time.Millisecond)
+	go func() { _ = fleet.New(srv, kve, cfg, 100*time.Millisecond, quietLogger()).Run(rctx) }()
 	t.Cleanup(func() { stopRun(); <-runDone })
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(ts.Close)
@@ -465,7 +467,7 @@ func TestKVRouterEventsRedisIndex(t *testing.T) {
 	}
 	var routers []*kvrRouter
 	for range 2 {
-		kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: quietLogger()})
+		kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Logger: quietLogger()})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -518,7 +520,7 @@ func TestKVRouterRestartRebuildsIndex(t *testing.T) {
 			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
 	}
 	start := func() *kvrRouter {
-		kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: quietLogger(), SnapshotTimeout: 500 * time.Millisecond})
+		kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Logger: quietLogger(), SnapshotTimeout: 500 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -21,6 +21,7 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
 	"github.com/kvrouter/kvrouter/workload"
@@ -38,7 +39,7 @@ type localFleet struct {
 	srv       *http.Server
 	natsDir   string
 	conn      *nats.Conn // the bridges'
-	kv        *router.KVEvents
+	kv        *kvstate.Pipeline
 	index     kvindex.Index
 	cancel    context.CancelFunc
 	done      chan error
@@ -133,7 +134,7 @@ func startLocalFleet(ctx context.Context, spec fleetSpec) (*localFleet, error) {
 }
 
 // startEvents starts the router's KV events pipeline as kvrouter does
-// (router.StartKVEvents: embedded NATS, the pool's consumer and memory
+// (kvstate.Start: embedded NATS, the pool's consumer and memory
 // index) and one bridge per instance publishing to it.
 func (f *localFleet) startEvents(ctx context.Context, pc config.PoolConfig, sources []bridge.Source, log *slog.Logger) error {
 	dir, err := os.MkdirTemp("", "kvbench-nats-")
@@ -149,7 +150,7 @@ func (f *localFleet) startEvents(ctx context.Context, pc config.PoolConfig, sour
 		Events: &config.EventsConfig{NATS: config.NATSConfig{Listen: "127.0.0.1:0", StoreDir: dir}, DiscoverInstances: &discover},
 		Pools:  []config.PoolConfig{pc},
 	}
-	f.kv, err = router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: log, Stream: stream, Bucket: bucket})
+	f.kv, err = kvstate.Start(ctx, cfg, kvstate.Options{Logger: log, Stream: stream, Bucket: bucket})
 	if err != nil {
 		return err
 	}

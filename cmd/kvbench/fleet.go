@@ -8,7 +8,6 @@ import (
 	"io"
 	"log/slog"
 	"math"
-	"strings"
 	"time"
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
@@ -94,7 +93,10 @@ type strategyRouter struct {
 	// kv is set for strategies that need the KV index (kv_aware).
 	kv *kvSim
 	// obs follows each in-flight request's decision, as the proxy does.
-	obs map[uint64]router.RequestObserver
+	obs map[uint64]router.Observer
+	// cached holds the engine-reported cached tokens of each request whose
+	// response started (FirstToken), for its observer's Done.
+	cached map[uint64]int
 }
 
 var _ des.Router = (*strategyRouter)(nil)
@@ -141,7 +143,7 @@ func indexCapacity(instances int, scfg sim.Config) int {
 // newStrategyRouterSized is newStrategyRouter with an index of capacity
 // (block, instance) entries (0 = kvindex's default).
 func newStrategyRouterSized(name string, cfg config.RoutingConfig, seed uint64, model string, capacity int) (*strategyRouter, error) {
-	r := &strategyRouter{model: model, insts: map[string]*router.Instance{}, obs: map[uint64]router.RequestObserver{}}
+	r := &strategyRouter{model: model, insts: map[string]*router.Instance{}, obs: map[uint64]router.Observer{}, cached: map[uint64]int{}}
 	opts := []router.StrategyOption{router.WithSeed(seed)}
 	if needsKV(name) {
 		k := &kvSim{engines: map[string]*sim.Engine{}, scrape: router.DefaultScrapeInterval}
@@ -254,18 +256,17 @@ func (r *strategyRouter) Started(_ uint64, name string) {
 	}
 }
 
-// FirstToken plays the response's start to the decision's observer: its
-// first byte (which releases the pending prefill the router counted) and
-// the usage vLLM streams, which kv_aware compares with its prediction.
+// FirstToken tells the decision's observer the response started (which
+// releases the pending prefill the router counted) and keeps the cached
+// tokens the engine reported for Done, where kv_aware compares them with
+// its prediction.
 func (r *strategyRouter) FirstToken(id uint64, _ string, cached, prompt int) {
 	o, ok := r.obs[id]
 	if !ok {
 		return
 	}
-	ev := fmt.Sprintf("data: {\"usage\":{\"prompt_tokens\":%d,\"prompt_tokens_details\":{\"cached_tokens\":%d}}}\n\ndata: [DONE]\n\n", prompt, cached)
-	body := o.ObserveBody(io.NopCloser(strings.NewReader(ev)), true)
-	_, _ = io.Copy(io.Discard, body)
-	_ = body.Close()
+	o.FirstByte()
+	r.cached[id] = cached
 }
 
 // Finished ends the request's decision as the proxy would: the observer
@@ -279,8 +280,13 @@ func (r *strategyRouter) Finished(id uint64, name string, err error) {
 		if err != nil {
 			status = 500
 		}
-		o.Finish(status)
+		cached, ok := r.cached[id]
+		if !ok {
+			cached = -1
+		}
+		o.Done(status, cached)
 		delete(r.obs, id)
+		delete(r.cached, id)
 	}
 	if in, ok := r.insts[name]; ok {
 		in.Release()

@@ -22,6 +22,7 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/router/routertest"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
@@ -93,7 +94,7 @@ func TestKVCommandsEndToEnd(t *testing.T) {
 			Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: u0.URL()}, {ID: "vllm-1", URL: u1.URL()}}}},
 	}
-	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: quiet(), SnapshotTimeout: 300 * time.Millisecond})
+	kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Logger: quiet(), SnapshotTimeout: 300 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}

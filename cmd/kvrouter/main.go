@@ -36,8 +36,11 @@ import (
 	"os"
 	"os/signal"
 	"reflect"
+	"sync"
 	"syscall"
 	"time"
+
+	actors "github.com/oklog/run"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -52,6 +55,8 @@ import (
 	"github.com/kvrouter/kvrouter/internal/tracing"
 	"github.com/kvrouter/kvrouter/internal/version"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/fleet"
+	"github.com/kvrouter/kvrouter/router/kvstate"
 )
 
 func main() {
@@ -193,8 +198,8 @@ func loadConfig(f flags, getenv func(string) string) (config.Config, error) {
 	if cfg.CacheSaltSecret, err = config.DecodeCacheSaltSecret(getenv(config.CacheSaltSecretEnv)); err != nil {
 		return cfg, err
 	}
-	if cfg.HeartbeatKey, err = kvstream.DecodeHeartbeatKey(getenv(router.HeartbeatKeyEnv)); err != nil {
-		return cfg, fmt.Errorf("%s: %w", router.HeartbeatKeyEnv, err)
+	if cfg.HeartbeatKey, err = kvstream.DecodeHeartbeatKey(getenv(kvstate.HeartbeatKeyEnv)); err != nil {
+		return cfg, fmt.Errorf("%s: %w", kvstate.HeartbeatKeyEnv, err)
 	}
 	if cfg.Index != nil && cfg.Index.Redis != nil {
 		cfg.Index.Redis.Password = getenv("KVROUTER_REDIS_PASSWORD")
@@ -248,9 +253,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	// exact routing intact.
 	kvCtx, cancelKV := context.WithCancel(context.Background())
 	defer cancelKV()
-	var kve *router.KVEvents
+	var kve *kvstate.Pipeline
 	if config.KVEventsWanted(cfg) {
-		if kve, err = router.StartKVEvents(kvCtx, cfg, router.KVEventsOptions{Registerer: reg, Logger: log, NATSErrorHandler: libs.NATSErrorHandler()}); err != nil {
+		if kve, err = kvstate.Start(kvCtx, cfg, kvstate.Options{Registerer: reg, Logger: log, NATSErrorHandler: libs.NATSErrorHandler()}); err != nil {
 			return err
 		}
 		defer kve.Close()
@@ -342,102 +347,129 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	attrs = append(attrs, "tls", certs != nil)
 	log.Info("kvrouter listening", attrs...)
 
-	runCtx, cancelRun := context.WithCancel(context.Background())
-	runDone := make(chan struct{})
-	go func() { defer close(runDone); _ = srv.Run(runCtx) }()
-	certsDone := make(chan struct{})
-	go func() {
-		defer close(certsDone)
-		if certs != nil {
-			certs.Run(runCtx)
-		}
-	}()
-	discDone := make(chan struct{})
-	go func() {
-		defer close(discDone)
-		if kve != nil {
-			kve.RunDiscovery(runCtx, srv, time.Second)
-		}
-	}()
+	var fl *fleet.Reconciler
 	if kve != nil {
+		fl = fleet.New(srv, kve, cfg, fleet.DefaultInterval, log)
 		for _, hs := range servers {
 			hs.RegisterOnShutdown(kve.StopStreams)
 		}
 	}
-
-	errc := make(chan error, len(servers)+1)
-	for i, hs := range servers {
-		go func() {
-			if err := hs.Serve(listeners[i]); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				errc <- err
-			}
-		}()
+	// The background components, each run until its context ends: health
+	// checks and adapter discovery, certificate rotation, heartbeat
+	// discovery. They stop after the servers drained, so that requests in
+	// flight keep their health view.
+	var loops []func(context.Context) error
+	loops = append(loops, srv.Run)
+	if certs != nil {
+		loops = append(loops, func(ctx context.Context) error { certs.Run(ctx); return nil })
 	}
-	// grpcCtx ends gRPC serving; its graceful stop (health NOT_SERVING,
-	// Watch streams ended, calls drained for --shutdown-timeout) runs
-	// alongside the HTTP servers' shutdown.
-	grpcCtx, stopGRPC := context.WithCancel(context.Background())
-	defer stopGRPC()
-	grpcDone := make(chan struct{})
-	go func() {
-		defer close(grpcDone)
-		if api != nil {
-			if err := api.Serve(grpcCtx, grpcLn); err != nil {
-				errc <- err
-			}
+	if fl != nil {
+		loops = append(loops, fl.Run)
+	}
+	// The reloaders a SIGHUP applies the new file to, in order (the
+	// certificates are re-read before, regardless of the file).
+	apply := srv.Reload
+	if fl != nil {
+		apply = fl.Apply
+	}
+	reload := func() {
+		if certs != nil {
+			certs.ReloadAndLog()
+		}
+		ncfg, err := loadConfig(f, getenv)
+		if err == nil && !reflect.DeepEqual(ncfg.Tracing, cfg.Tracing) {
+			log.Warn("reload: tracing: changes only on restart")
+		}
+		if err == nil && api != nil && (ncfg.GRPC != cfg.GRPC || ncfg.DefaultPool != cfg.DefaultPool || ncfg.AdminToken != cfg.AdminToken) {
+			log.Warn("reload: grpc: and the gRPC API's default_pool and admin token change only on restart")
+		}
+		if err == nil {
+			err = apply(ncfg)
+		}
+		if err != nil {
+			log.Error("reload failed; keeping the running configuration", "err", err)
+			return
+		}
+		log.Info("reloaded", "config", f.config)
+	}
+	return serve(ctx, f.shutdownTimeout, log, servers, listeners, api, grpcLn, loops, reload)
+}
+
+// serve runs the binary's components as one run.Group until a signal ends
+// ctx or a server fails: SIGHUP calls reload; the gRPC API and the HTTP
+// servers each serve their listener; loops run in the background. At the
+// end gRPC stops gracefully alongside the HTTP servers' drain (both
+// bounded by drain), then the loops stop. It returns the first server
+// error, nil after a signal.
+func serve(ctx context.Context, drain time.Duration, log *slog.Logger, servers []*http.Server, listeners []net.Listener,
+	api *grpcapi.Server, grpcLn net.Listener, loops []func(context.Context) error, reload func()) error {
+	var g actors.Group
+	// The drain budget starts when the first component stops.
+	drainCtx := sync.OnceValues(func() (context.Context, context.CancelFunc) {
+		log.Info("shutting down", "drain", drain)
+		return context.WithTimeout(context.Background(), drain)
+	})
+	defer func() {
+		if _, cancel := drainCtx(); cancel != nil {
+			cancel()
 		}
 	}()
 
+	// SIGINT/SIGTERM (ctx) end the group.
+	g.Add(func() error { <-ctx.Done(); return nil }, func(error) {})
+
+	// SIGHUP reloads.
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
-
-	var serveErr error
-loop:
-	for {
-		select {
-		case <-ctx.Done():
-			break loop
-		case serveErr = <-errc:
-			break loop
-		case <-hup:
-			// Certificates first and regardless of the file: a rotated
-			// certificate must not wait for a valid config.
-			if certs != nil {
-				certs.ReloadAndLog()
+	hupDone := make(chan struct{})
+	g.Add(func() error {
+		for {
+			select {
+			case <-hupDone:
+				return nil
+			case <-hup:
+				reload()
 			}
-			ncfg, err := loadConfig(f, getenv)
-			if err == nil && !reflect.DeepEqual(ncfg.Tracing, cfg.Tracing) {
-				log.Warn("reload: tracing: changes only on restart")
-			}
-			if err == nil && api != nil && (ncfg.GRPC != cfg.GRPC || ncfg.DefaultPool != cfg.DefaultPool || ncfg.AdminToken != cfg.AdminToken) {
-				log.Warn("reload: grpc: and the gRPC API's default_pool and admin token change only on restart")
-			}
-			if err == nil && kve != nil {
-				err = kve.Reload(srv, ncfg)
-			} else if err == nil {
-				err = srv.Reload(ncfg)
-			}
-			if err != nil {
-				log.Error("reload failed; keeping the running configuration", "err", err)
-				continue
-			}
-			log.Info("reloaded", "config", f.config)
 		}
+	}, func(error) { close(hupDone) })
+
+	// gRPC first: its graceful stop (health NOT_SERVING, Watch streams
+	// ended, calls drained) runs while the HTTP servers drain below.
+	grpcDone := make(chan struct{})
+	if api != nil {
+		grpcCtx, stopGRPC := context.WithCancel(context.Background())
+		g.Add(func() error { defer close(grpcDone); return api.Serve(grpcCtx, grpcLn) }, func(error) { stopGRPC() })
+	} else {
+		close(grpcDone)
 	}
-	log.Info("shutting down", "drain", f.shutdownTimeout)
-	sctx, cancel := context.WithTimeout(context.Background(), f.shutdownTimeout)
-	defer cancel()
-	stopGRPC()
-	for _, hs := range servers {
-		_ = hs.Shutdown(sctx)
+	for i, hs := range servers {
+		g.Add(func() error {
+			if err := hs.Serve(listeners[i]); !errors.Is(err, http.ErrServerClosed) {
+				return err
+			}
+			return nil
+		}, func(error) {
+			sctx, _ := drainCtx()
+			_ = hs.Shutdown(sctx)
+		})
 	}
-	<-grpcDone
-	cancelRun()
-	<-runDone
-	<-certsDone
-	<-discDone
-	return serveErr
+	// The loops, last: interrupted once the servers above have drained. A
+	// loop that has nothing to do returns early (certificates without a
+	// reload interval); that must not end the group.
+	loopCtx, stopLoops := context.WithCancel(context.Background())
+	defer stopLoops()
+	for _, loop := range loops {
+		g.Add(func() error {
+			_ = loop(loopCtx)
+			<-loopCtx.Done()
+			return nil
+		}, func(error) {
+			<-grpcDone
+			stopLoops()
+		})
+	}
+	return g.Run()
 }
 
 // tracingFlushTimeout bounds flushing the queued spans at exit: a collector
@@ -475,7 +507,7 @@ func stopTracing(tp *sdktrace.TracerProvider, log *slog.Logger) {
 // token and TLS certificates of the HTTP listeners, Events.Watch on the KV
 // events' NATS connection (none without KV events: Watch is UNAVAILABLE),
 // metrics on reg, and drain as the graceful-stop budget.
-func newGRPC(cfg config.Config, srv *router.Server, kve *router.KVEvents, certs *router.CertReloader,
+func newGRPC(cfg config.Config, srv *router.Server, kve *kvstate.Pipeline, certs *router.CertReloader,
 	reg prometheus.Registerer, log *slog.Logger, drain time.Duration) (*grpcapi.Server, error) {
 	ep := cfg.GRPC.ExtProc
 	body := ep.MaxBodyBytes

@@ -43,6 +43,9 @@ var rules = []rule{
 	{pkg: "sim", forbid: [][]string{natsPkgs, zmqPkgs, httpServerPkgs, redisPkgs}, why: "the engine model is shared by kvsim and kvbench's discrete-event mode; sockets are sim/simserver's"},
 	{pkg: "events/enginezmq", forbid: [][]string{natsPkgs, promPkgs}, why: "the engine's ZMQ side knows nothing of NATS"},
 	{pkg: "events/kvstream", forbid: [][]string{zmqPkgs, redisPkgs}, why: "the NATS side knows nothing of the engine's sockets"},
+	{pkg: "config", stdOnly: true, allow: []string{"gopkg.in/yaml.v3"}, why: "a leaf: the whole binary's configuration, read by every component"},
+	{pkg: "router/openai", stdOnly: true, why: "a leaf: the OpenAI side of a request, shared by every edge"},
+	{pkg: "router/kvstate", forbid: [][]string{{module + "/router"}, {module + "/grpcapi"}}, why: "the KV-state pipeline reports discoveries; it knows nothing of the router it feeds"},
 }
 
 // listed is what `go list -deps -json` says of one package.

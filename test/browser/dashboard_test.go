@@ -27,6 +27,7 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
 	"github.com/kvrouter/kvrouter/test/browser"
@@ -41,7 +42,7 @@ const (
 // fleet is the real pipeline in this process, wired as cmd/kvrouter wires
 // it: kvsim instances publishing KV events over ZMQ, a kvbridge each into a
 // real (embedded) NATS server with JetStream, and the router's own events
-// pipeline (router.StartKVEvents: consumer, memory index, eviction stream
+// pipeline (kvstate.Start: consumer, memory index, eviction stream
 // at /v1/kv/evictions behind the admin token) feeding kv_aware with shadow
 // comparison.
 type fleet struct {
@@ -105,7 +106,7 @@ func startFleet(t *testing.T, ctx context.Context) *fleet {
 		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: streamName}, Bucket: bucketName},
 	}
 	reg := prometheus.NewRegistry()
-	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: log, Conn: nc, Stream: stream, Bucket: bucket})
+	kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Registerer: reg, Logger: log, Conn: nc, Stream: stream, Bucket: bucket})
 	if err != nil {
 		t.Fatalf("router events pipeline: %v", err)
 	}

@@ -1,4 +1,4 @@
-package router
+package kvstate
 
 import (
 	"errors"
@@ -31,17 +31,17 @@ const HeartbeatKeyEnv = "KVROUTER_HEARTBEAT_KEY"
 // periods, and far above the skew of NTP-synchronised hosts.
 const MaxHeartbeatSkew = 2 * time.Minute
 
-// admission is what decides, for the current configuration, which names
+// Admission is what decides, for the current configuration, which names
 // and heartbeats get instance records; swapped whole on reload.
-type admission struct {
+type Admission struct {
 	configured map[string]map[string]bool  // pool -> configured instance ids
 	allow      map[string]config.AllowList // pool -> allowed_instance_urls
 	key        []byte                      // heartbeat key; nil = unsigned accepted
 }
 
 // newAdmission reads cfg (validated: the allow-lists parse).
-func newAdmission(cfg config.Config) *admission {
-	a := &admission{configured: map[string]map[string]bool{}, allow: map[string]config.AllowList{}, key: cfg.HeartbeatKey}
+func newAdmission(cfg config.Config) *Admission {
+	a := &Admission{configured: map[string]map[string]bool{}, allow: map[string]config.AllowList{}, key: cfg.HeartbeatKey}
 	for _, p := range cfg.Pools {
 		ids := map[string]bool{}
 		for _, in := range p.Instances {
@@ -64,7 +64,7 @@ func (e *errHeartbeatRefused) Error() string { return e.reason + ": " + e.err.Er
 // check vets a heartbeat of instance received on m for pool. The URL
 // allow-list does not apply to configured instances: their URL comes from
 // the file, a heartbeat only keeps them live.
-func (a *admission) check(pool, instance string, m *nats.Msg, hb *kvstream.Heartbeat, now time.Time) error {
+func (a *Admission) check(pool, instance string, m *nats.Msg, hb *kvstream.Heartbeat, now time.Time) error {
 	if a.key != nil {
 		if err := kvstream.VerifyHeartbeat(a.key, m.Subject, m.Data, m.Header); err != nil {
 			reason := "bad_signature"

@@ -1,4 +1,4 @@
-package router
+package kvstate
 
 import (
 	"time"
@@ -13,7 +13,7 @@ import (
 // that state already, so reading it on scrape costs nothing on the event
 // path and is never stale (unlike a gauge set on requests).
 type kvEventsCollector struct {
-	k         *KVEvents
+	k         *Pipeline
 	state     *prometheus.Desc
 	lastEvent *prometheus.Desc
 	healthy   *prometheus.Desc
@@ -21,7 +21,7 @@ type kvEventsCollector struct {
 
 var _ prometheus.Collector = (*kvEventsCollector)(nil)
 
-func newKVEventsCollector(k *KVEvents) *kvEventsCollector {
+func newKVEventsCollector(k *Pipeline) *kvEventsCollector {
 	return &kvEventsCollector{
 		k: k,
 		state: prometheus.NewDesc("kvrouter_events_instance_state",

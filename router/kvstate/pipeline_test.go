@@ -1,4 +1,4 @@
-package router
+package kvstate
 
 import (
 	"context"

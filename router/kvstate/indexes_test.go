@@ -1,4 +1,4 @@
-package router
+package kvstate
 
 import (
 	"context"
@@ -17,8 +17,8 @@ import (
 // strategy does.
 func TestNewPoolIndexes(t *testing.T) {
 	pools := []config.PoolConfig{
-		{Name: "a", Model: "model-a", Routing: config.RoutingConfig{KV: &config.KVScoringConfig{BlockSize: kvTestBS}}},
-		{Name: "b", Model: "model-b", Routing: config.RoutingConfig{KV: &config.KVScoringConfig{BlockSize: kvTestBS}}},
+		{Name: "a", Model: "model-a", Routing: config.RoutingConfig{KV: &config.KVScoringConfig{BlockSize: testBS}}},
+		{Name: "b", Model: "model-b", Routing: config.RoutingConfig{KV: &config.KVScoringConfig{BlockSize: testBS}}},
 	}
 	tests := []struct {
 		name string
@@ -37,11 +37,11 @@ func TestNewPoolIndexes(t *testing.T) {
 			}
 			defer pi.Close()
 			ctx := context.Background()
-			tokens := promptTokens(3, 4*kvTestBS)
+			tokens := seqTokens(4 * testBS)
 			for _, p := range pools {
 				root := kvindex.Root(p.Model, "", "")
-				keys := kvindex.Keys(root, tokens, kvTestBS)
-				ev := events.Event{Kind: events.BlockStored, BlockSize: kvTestBS, Medium: "GPU", TokenIDs: tokens, BlockHashes: []uint64{1, 2, 3, 4}}
+				keys := kvindex.Keys(root, tokens, testBS)
+				ev := events.Event{Kind: events.BlockStored, BlockSize: testBS, Medium: "GPU", TokenIDs: tokens, BlockHashes: []uint64{1, 2, 3, 4}}
 				if _, err := pi.ByPool[p.Name].Apply(ctx, "inst-"+p.Name, []events.Event{ev}); err != nil {
 					t.Fatal(err)
 				}
@@ -52,7 +52,7 @@ func TestNewPoolIndexes(t *testing.T) {
 				if len(ms) != 1 || ms[0].Instance != "inst-"+p.Name || ms[0].Blocks[0] != 4 {
 					t.Fatalf("pool %s: lookup %+v, want only its own instance with 4 blocks", p.Name, ms)
 				}
-				if bs := pi.ByPool[p.Name].BlockSize(); bs != kvTestBS {
+				if bs := pi.ByPool[p.Name].BlockSize(); bs != testBS {
 					t.Errorf("pool %s: block size %d", p.Name, bs)
 				}
 			}
@@ -68,4 +68,16 @@ func TestNewPoolIndexes(t *testing.T) {
 			t.Errorf("%d: %v", i, fmt.Sprint(err))
 		}
 	}
+}
+
+// testBS is the block size of the indexes built here.
+const testBS = 16
+
+// seqTokens is a prompt of n distinct token ids.
+func seqTokens(n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = uint32(1000 + i)
+	}
+	return out
 }

@@ -1,4 +1,4 @@
-package router
+package kvstate
 
 import (
 	"context"
@@ -52,9 +52,9 @@ func DefaultEmbeddedStoreDir(port int, pools []config.PoolConfig) string {
 // kvbridge on the same host reaches it with its default --nats-url.
 const DefaultEmbeddedNATSListen = "127.0.0.1:4222"
 
-// KVEventsOptions are the dependencies of StartKVEvents. The zero value is
+// Options are the dependencies of Start. The zero value is
 // usable.
-type KVEventsOptions struct {
+type Options struct {
 	// Registerer receives the consumers' and the tier accounting's
 	// metrics (the router's registry); nil = not registered.
 	Registerer prometheus.Registerer
@@ -76,20 +76,20 @@ type KVEventsOptions struct {
 	NATSErrorHandler nats.ErrHandler
 }
 
-// KVEvents is the router's KV-state pipeline: one block index per pool,
+// Pipeline is the router's KV-state pipeline: one block index per pool,
 // fed by one events consumer per pool from NATS JetStream (an external
 // server, or one embedded in the router), with per-tier block accounting.
 // It gives the Server each pool's index and freshness (Options.KV), the
 // admin API its per-instance views and the eviction stream
 // (Options.KVEvents), and the pools their heartbeat-discovered instances.
-type KVEvents struct {
+type Pipeline struct {
 	cfg      config.Config
-	opts     KVEventsOptions
+	opts     Options
 	log      *slog.Logger
 	acct     *tiermetrics.Accounting
 	embedded *kvstream.EmbeddedNATS
 	conn     *nats.Conn
-	replicas replicaSync // events.replica_sync (kvstate_replicas.go)
+	replicas replicaSync // events.replica_sync (replicas.go)
 	ownConn  bool
 	natsURL  string
 	ctx      context.Context // the consumers run under it
@@ -106,18 +106,13 @@ type KVEvents struct {
 	pools  map[string]*kvPool
 	closed bool
 
-	// reloadMu serialises reloads (SIGHUP and discovery) and guards base
-	// and applied.
-	reloadMu sync.Mutex
-	base     config.Config // the file's configuration, before discovered instances
-	applied  string        // fingerprint of the discovered instances last applied
 	// discovered holds "pool/instance" of the instances added from
 	// heartbeats in the configuration last applied; read by the admin API.
 	discovered atomic.Pointer[map[string]bool]
 
 	// adm decides which names and heartbeats get instance records
 	// (configured ids, allow-lists, heartbeat key); swapped on reload.
-	adm        atomic.Pointer[admission]
+	adm        atomic.Pointer[Admission]
 	dm         *discoveryMetrics
 	refusedLog *ratelog.Limiter
 	started    time.Time
@@ -131,13 +126,13 @@ type kvPool struct {
 	idxs  *PoolIndexes
 	index kvindex.Index
 	cons  *consumer.Consumer
-	fresh Freshness
+	fresh kvindex.Freshness
 }
 
-// StartKVEvents connects to NATS (events.nats.url; with none, starts the
+// Start connects to NATS (events.nats.url; with none, starts the
 // embedded server), builds each pool's index and starts its consumer under
 // ctx. Close stops everything. Call it only when KVEventsWanted(cfg).
-func StartKVEvents(ctx context.Context, cfg config.Config, opts KVEventsOptions) (*KVEvents, error) {
+func Start(ctx context.Context, cfg config.Config, opts Options) (*Pipeline, error) {
 	cfg = cfg.WithDefaults()
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
@@ -150,7 +145,7 @@ func StartKVEvents(ctx context.Context, cfg config.Config, opts KVEventsOptions)
 	if err != nil {
 		return nil, err
 	}
-	k := &KVEvents{cfg: cfg, opts: opts, log: opts.Logger, acct: acct, pools: map[string]*kvPool{}, base: cfg,
+	k := &Pipeline{cfg: cfg, opts: opts, log: opts.Logger, acct: acct, pools: map[string]*kvPool{},
 		refusedLog: newRefusedLog(), started: time.Now()}
 	k.adm.Store(newAdmission(cfg))
 	if k.dm, err = newDiscoveryMetrics(opts.Registerer); err != nil {
@@ -171,7 +166,7 @@ func StartKVEvents(ctx context.Context, cfg config.Config, opts KVEventsOptions)
 	}
 	k.ctx, k.cancel = context.WithCancel(ctx)
 	k.streamsCtx, k.stopStreams = context.WithCancel(k.ctx)
-	fail := func(err error) (*KVEvents, error) {
+	fail := func(err error) (*Pipeline, error) {
 		k.Close()
 		return nil, err
 	}
@@ -234,19 +229,19 @@ func StartKVEvents(ctx context.Context, cfg config.Config, opts KVEventsOptions)
 
 // NATSURL is the URL the pipeline consumes from (the embedded server's
 // when it runs one): where kvbridges publish.
-func (k *KVEvents) NATSURL() string { return k.natsURL }
+func (k *Pipeline) NATSURL() string { return k.natsURL }
 
 // Conn is the pipeline's NATS connection.
-func (k *KVEvents) Conn() *nats.Conn { return k.conn }
+func (k *Pipeline) Conn() *nats.Conn { return k.conn }
 
 // Accounting is the per-instance, per-tier block accounting fed by the
 // consumers.
-func (k *KVEvents) Accounting() *tiermetrics.Accounting { return k.acct }
+func (k *Pipeline) Accounting() *tiermetrics.Accounting { return k.acct }
 
 // KV is Options.KV: the pool's index and its stream's freshness, built
 // (and its consumer started) on first use, so a pool added by a reload gets
 // one; the same pool name keeps its index and consumer across reloads.
-func (k *KVEvents) KV(pc config.PoolConfig) (kvindex.Index, Freshness) {
+func (k *Pipeline) KV(pc config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 	p, err := k.pool(pc)
 	if err != nil {
 		k.log.Error("pool KV state unavailable", "pool", pc.Name, "err", err)
@@ -256,7 +251,7 @@ func (k *KVEvents) KV(pc config.PoolConfig) (kvindex.Index, Freshness) {
 }
 
 // Consumer returns the pool's events consumer.
-func (k *KVEvents) Consumer(pool string) (*consumer.Consumer, bool) {
+func (k *Pipeline) Consumer(pool string) (*consumer.Consumer, bool) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	p, ok := k.pools[pool]
@@ -267,7 +262,7 @@ func (k *KVEvents) Consumer(pool string) (*consumer.Consumer, bool) {
 }
 
 // KVInstances implements KVEventsSource.
-func (k *KVEvents) KVInstances(pool string) ([]consumer.InstanceStatus, bool) {
+func (k *Pipeline) KVInstances(pool string) ([]consumer.InstanceStatus, bool) {
 	c, ok := k.Consumer(pool)
 	if !ok {
 		return nil, false
@@ -276,19 +271,19 @@ func (k *KVEvents) KVInstances(pool string) ([]consumer.InstanceStatus, bool) {
 }
 
 // StreamHealthy implements KVEventsSource.
-func (k *KVEvents) StreamHealthy(pool string) bool {
+func (k *Pipeline) StreamHealthy(pool string) bool {
 	c, ok := k.Consumer(pool)
 	return ok && c.Healthy()
 }
 
 // EvictionHandler implements KVEventsSource: kv.evictions.<pool>.> as
 // server-sent events, ending when the pipeline stops.
-func (k *KVEvents) EvictionHandler() http.Handler {
+func (k *Pipeline) EvictionHandler() http.Handler {
 	return kvstream.EvictionSSEHandler(k.streamsCtx, k.conn, kvstream.EvictionSSEConfig{Logger: k.log,
 		KnownPool: func(pool string) bool { _, ok := k.Consumer(pool); return ok }})
 }
 
-func (k *KVEvents) pool(pc config.PoolConfig) (*kvPool, error) {
+func (k *Pipeline) pool(pc config.PoolConfig) (*kvPool, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if p, ok := k.pools[pc.Name]; ok {
@@ -354,7 +349,7 @@ func (k *KVEvents) pool(pc config.PoolConfig) (*kvPool, error) {
 		return nil, fmt.Errorf("router: pool %q events consumer: %w", pc.Name, err)
 	}
 	fresh, err := k.withReplicaSync(pc, cons,
-		FreshnessFuncs{Healthy: cons.Healthy, IsStale: func(id string) bool { return !cons.Live(id) }, Epoch: cons.LostEpoch})
+		kvindex.FreshnessFuncs{Healthy: cons.Healthy, IsStale: func(id string) bool { return !cons.Live(id) }, Epoch: cons.LostEpoch})
 	if err != nil {
 		_ = idxs.Close()
 		return nil, err
@@ -371,7 +366,7 @@ func (k *KVEvents) pool(pc config.PoolConfig) (*kvPool, error) {
 
 // StopStreams ends every open eviction stream (with a final "close"
 // event); register it with http.Server.RegisterOnShutdown.
-func (k *KVEvents) StopStreams() { k.stopStreams() }
+func (k *Pipeline) StopStreams() { k.stopStreams() }
 
 // DefaultReadyTimeout is events.ready_timeout when unset: long enough to
 // load a few thousand bucket snapshots and replay the stream's recent
@@ -383,7 +378,7 @@ const DefaultReadyTimeout = 30 * time.Second
 // IndexReady implements KVEventsSource: true once every pool's consumer
 // has rebuilt its index (consumer.Ready), or events.ready_timeout after
 // start; otherwise false and the pools still rebuilding.
-func (k *KVEvents) IndexReady() (bool, string) {
+func (k *Pipeline) IndexReady() (bool, string) {
 	k.mu.Lock()
 	var waiting []string
 	for name, p := range k.pools {
@@ -412,7 +407,7 @@ func (k *KVEvents) IndexReady() (bool, string) {
 
 // WaitReady waits until every pool's consumer is healthy (subscribed and
 // caught up), or ctx ends.
-func (k *KVEvents) WaitReady(ctx context.Context) error {
+func (k *Pipeline) WaitReady(ctx context.Context) error {
 	for {
 		ready := true
 		k.mu.Lock()
@@ -433,7 +428,7 @@ func (k *KVEvents) WaitReady(ctx context.Context) error {
 
 // Close stops the consumers, then closes the NATS connection (when the
 // pipeline made it), the embedded server and the indexes' Redis clients.
-func (k *KVEvents) Close() {
+func (k *Pipeline) Close() {
 	k.mu.Lock()
 	k.closed = true
 	k.mu.Unlock()
@@ -590,7 +585,7 @@ func (a *sharedAccountingApplier) WriterLease() time.Duration { return a.shared.
 
 // admitHeartbeat is the pool consumer's AdmitHeartbeat: signature and
 // URL allow-list; a refusal is counted and logged (rate-limited).
-func (k *KVEvents) admitHeartbeat(pool, instance string, m *nats.Msg, hb *kvstream.Heartbeat) error {
+func (k *Pipeline) admitHeartbeat(pool, instance string, m *nats.Msg, hb *kvstream.Heartbeat) error {
 	err := k.adm.Load().check(pool, instance, m, hb, time.Now())
 	var r *errHeartbeatRefused
 	if errors.As(err, &r) {
@@ -603,7 +598,7 @@ func (k *KVEvents) admitHeartbeat(pool, instance string, m *nats.Msg, hb *kvstre
 // Discovered returns the instances of the pool announced by bridge
 // heartbeats (not purged, with an http(s) URL, serving the pool's model
 // when the heartbeat names one), sorted by id.
-func (k *KVEvents) Discovered(pool config.PoolConfig) []config.InstanceConfig {
+func (k *Pipeline) Discovered(pool config.PoolConfig) []config.InstanceConfig {
 	c, ok := k.Consumer(pool.Name)
 	if !ok {
 		return nil
@@ -629,15 +624,30 @@ func (k *KVEvents) Discovered(pool config.PoolConfig) []config.InstanceConfig {
 	return out
 }
 
-// withDiscovered returns cfg with each pool's discovered instances added
-// (configured ids win) and a fingerprint of what was added.
-func (k *KVEvents) withDiscovered(cfg config.Config) (config.Config, string, map[string]bool) {
-	added := map[string]bool{}
-	if !config.DiscoverEnabled(cfg) {
-		return cfg, "", added
+// Discovery is what the pipeline found for one file configuration: the
+// configuration with each pool's heartbeat-discovered instances added. The
+// pipeline only reports it; whoever owns the pool table applies Config and
+// then tells the pipeline with Publish (see package fleet).
+type Discovery struct {
+	// Config is the file configuration plus the discovered instances
+	// (configured ids and URLs win).
+	Config config.Config
+	// Added holds "pool/instance" of each instance added from heartbeats.
+	Added map[string]bool
+	// Fingerprint is equal for two discoveries that added the same
+	// instances with the same URLs and adapters.
+	Fingerprint string
+}
+
+// Discover joins base with each pool's discovered instances (configured
+// ids win) under the admission rules last set by Admit.
+func (k *Pipeline) Discover(base config.Config) Discovery {
+	d := Discovery{Config: base, Added: map[string]bool{}}
+	if !config.DiscoverEnabled(base) {
+		return d
 	}
 	var fp []byte
-	pools := slices.Clone(cfg.Pools)
+	pools := slices.Clone(base.Pools)
 	for i, pc := range pools {
 		// A heartbeat for a configured instance (same id, or the same URL
 		// under another name) adds nothing: the file's entry wins, and one
@@ -648,123 +658,93 @@ func (k *KVEvents) withDiscovered(cfg config.Config) (config.Config, string, map
 			have["url:"+strings.TrimSuffix(in.URL, "/")] = true
 		}
 		insts := slices.Clone(pc.Instances)
-		for _, d := range k.Discovered(pc) {
-			if have[d.ID] || have["url:"+strings.TrimSuffix(d.URL, "/")] {
+		for _, disc := range k.Discovered(pc) {
+			if have[disc.ID] || have["url:"+strings.TrimSuffix(disc.URL, "/")] {
 				continue
 			}
-			insts = append(insts, d)
-			added[pc.Name+"/"+d.ID] = true
-			fp = fmt.Appendf(fp, "%s/%s=%s%v;", pc.Name, d.ID, d.URL, d.Adapters)
+			insts = append(insts, disc)
+			d.Added[pc.Name+"/"+disc.ID] = true
+			fp = fmt.Appendf(fp, "%s/%s=%s%v;", pc.Name, disc.ID, disc.URL, disc.Adapters)
 		}
 		pools[i].Instances = insts
 	}
-	cfg.Pools = pools
-	return cfg, string(fp), added
+	d.Config.Pools = pools
+	d.Fingerprint = string(fp)
+	return d
 }
 
 // IsDiscovered implements KVEventsSource: the instance was added to the
 // pool from heartbeats, not from the file.
-func (k *KVEvents) IsDiscovered(pool, instance string) bool {
+func (k *Pipeline) IsDiscovered(pool, instance string) bool {
 	m := k.discovered.Load()
 	return m != nil && (*m)[pool+"/"+instance]
 }
 
-// Reload applies a new file configuration to srv, keeping the
-// heartbeat-discovered instances. Consumers and indexes are kept (a new
-// pool gets its own through Options.KV).
-func (k *KVEvents) Reload(srv *Server, cfg config.Config) error {
-	k.reloadMu.Lock()
-	defer k.reloadMu.Unlock()
+// Admit makes cfg's heartbeat admission rules current (configured names,
+// allow-lists, key) and returns the previous rules, for Readmit when the
+// configuration could not be applied. index: and events: changes are
+// logged: they take effect on restart, the running consumers and indexes
+// are kept (a new pool gets its own through KV).
+func (k *Pipeline) Admit(cfg config.Config) (prev *Admission) {
 	if !reflect.DeepEqual(cfg.WithDefaults().Events, k.cfg.Events) || !reflect.DeepEqual(cfg.Index, k.cfg.Index) {
 		k.log.Warn("reload: index: and events: changes apply on restart; the running consumers and indexes are kept")
 	}
-	prevAdm := k.adm.Swap(newAdmission(cfg))
-	merged, fp, added := k.withDiscovered(cfg)
-	// Published before the pools, so that no admin view sees a discovered
-	// instance in a pool without knowing it is one.
-	prev := k.discovered.Swap(&added)
-	if err := srv.Reload(merged); err != nil {
-		k.discovered.Store(prev)
-		k.adm.Store(prevAdm)
-		return err
+	return k.adm.Swap(newAdmission(cfg))
+}
+
+// Readmit restores admission rules Admit replaced.
+func (k *Pipeline) Readmit(prev *Admission) { k.adm.Store(prev) }
+
+// Publish makes d's added instances the ones IsDiscovered reports and
+// returns the previous set. Call it before the pool table shows d.Config,
+// so that no admin view sees a discovered instance in a pool without
+// knowing it is one; on failure, Unpublish(prev).
+func (k *Pipeline) Publish(d Discovery) (prev map[string]bool) {
+	added := d.Added
+	if added == nil {
+		added = map[string]bool{}
 	}
-	k.base, k.applied = cfg, fp
-	k.reportDiscovery(srv, prev, added, merged)
+	if p := k.discovered.Swap(&added); p != nil {
+		return *p
+	}
 	return nil
 }
 
-// reportDiscovery logs and counts the instances that joined or left pools
-// between two applied discovered sets, and drops the per-instance series
-// of those that left (a name that comes and goes leaves nothing behind).
-func (k *KVEvents) reportDiscovery(srv *Server, prev *map[string]bool, now map[string]bool, merged config.Config) {
-	var old map[string]bool
-	if prev != nil {
-		old = *prev
-	}
+// Unpublish restores the set Publish replaced.
+func (k *Pipeline) Unpublish(prev map[string]bool) { k.discovered.Store(&prev) }
+
+// Left is an instance that left its pool.
+type Left struct{ Pool, Instance string }
+
+// Report logs and counts the instances that joined or left pools between
+// the previously applied discovered set and d (applied), and returns
+// those that left and are no longer in d.Config at all: their
+// per-instance series can go, so a name that comes and goes leaves
+// nothing behind.
+func (k *Pipeline) Report(prev map[string]bool, d Discovery) []Left {
 	urls := map[string]string{}
-	for _, pc := range merged.Pools {
+	for _, pc := range d.Config.Pools {
 		for _, in := range pc.Instances {
 			urls[pc.Name+"/"+in.ID] = in.URL
 		}
 	}
-	for key := range now {
-		if !old[key] {
+	for key := range d.Added {
+		if !prev[key] {
 			pool, id, _ := strings.Cut(key, "/")
 			k.dm.joins.WithLabelValues(pool).Inc()
 			k.log.Info("instance joined pool from heartbeat", "pool", pool, "instance", id, "url", urls[key])
 		}
 	}
-	for key := range old {
-		if !now[key] {
+	var gone []Left
+	for key := range prev {
+		if !d.Added[key] {
 			pool, id, _ := strings.Cut(key, "/")
 			k.dm.leaves.WithLabelValues(pool).Inc()
 			k.log.Info("heartbeat-discovered instance left pool", "pool", pool, "instance", id)
 			if _, still := urls[key]; !still {
-				srv.forgetInstanceSeries(pool, id)
+				gone = append(gone, Left{pool, id})
 			}
 		}
 	}
-}
-
-// RunDiscovery adds instances announced by heartbeats to srv's pools and
-// removes purged ones, checking every interval (default 1s) until ctx
-// ends. A change reloads the server with the base configuration plus the
-// discovered instances, keeping each pool's current (possibly
-// admin-changed) routing. Off when events.discover_instances is false.
-func (k *KVEvents) RunDiscovery(ctx context.Context, srv *Server, interval time.Duration) {
-	if interval <= 0 {
-		interval = time.Second
-	}
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			k.syncDiscovered(srv)
-		}
-	}
-}
-
-func (k *KVEvents) syncDiscovered(srv *Server) {
-	k.reloadMu.Lock()
-	defer k.reloadMu.Unlock()
-	merged, fp, added := k.withDiscovered(k.base)
-	if fp == k.applied {
-		return
-	}
-	for i, pc := range merged.Pools {
-		if p, ok := srv.Pool(pc.Name); ok {
-			merged.Pools[i].Routing, _ = p.Routing()
-		}
-	}
-	prev := k.discovered.Swap(&added)
-	if err := srv.Reload(merged); err != nil {
-		k.discovered.Store(prev)
-		k.log.Error("discovered instances not applied", "err", err)
-		return
-	}
-	k.applied = fp
-	k.reportDiscovery(srv, prev, added, merged)
+	return gone
 }

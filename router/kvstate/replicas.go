@@ -1,4 +1,4 @@
-package router
+package kvstate
 
 import (
 	"context"
@@ -8,8 +8,17 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/replicasync"
 )
+
+// PeerFreshness is a pool's Freshness with replica sync: the consumer's
+// freshness and the pool's Syncer, whose methods make it the router's
+// PeerState (router/kvaware_peers.go).
+type PeerFreshness struct {
+	kvindex.FreshnessFuncs
+	*replicasync.Syncer
+}
 
 // replicaSync is the events pipeline's replica sync (events.replica_sync):
 // one Syncer per pool on the pipeline's NATS connection, sharing one set
@@ -25,7 +34,7 @@ type replicaSync struct {
 
 // withReplicaSync returns the pool's Freshness, with the pool's Syncer
 // started when events.replica_sync is enabled (mu held by the caller).
-func (k *KVEvents) withReplicaSync(pc config.PoolConfig, cons *consumer.Consumer, fresh FreshnessFuncs) (Freshness, error) {
+func (k *Pipeline) withReplicaSync(pc config.PoolConfig, cons *consumer.Consumer, fresh kvindex.FreshnessFuncs) (kvindex.Freshness, error) {
 	var rc *config.ReplicaSyncConfig
 	if k.cfg.Events != nil {
 		rc = k.cfg.Events.ReplicaSync
@@ -59,12 +68,12 @@ func (k *KVEvents) withReplicaSync(pc config.PoolConfig, cons *consumer.Consumer
 		}
 	})
 	k.log.Info("replica sync on", "pool", pc.Name, "replica", s.Replica())
-	return peerFreshness{FreshnessFuncs: fresh, Syncer: s}, nil
+	return PeerFreshness{FreshnessFuncs: fresh, Syncer: s}, nil
 }
 
 // ReplicaPeers lists the pool's peer replicas as replica sync sees them
 // (false when the pool has no sync).
-func (k *KVEvents) ReplicaPeers(pool string) ([]replicasync.PeerStatus, bool) {
+func (k *Pipeline) ReplicaPeers(pool string) ([]replicasync.PeerStatus, bool) {
 	k.replicas.mu.Lock()
 	s := k.replicas.syncers[pool]
 	k.replicas.mu.Unlock()
