@@ -47,6 +47,9 @@ type instanceOps interface {
 type blockSizer struct {
 	configured int
 	learned    atomic.Int64
+	// units is, per tier, the largest engine block seen in it, in pool
+	// blocks (see units.go); 0 or 1: blocks are the pool's.
+	units [tiers.Count]atomic.Int64
 }
 
 func (b *blockSizer) get() int {
@@ -87,6 +90,8 @@ func (b *blockSizer) resolve(evBS int) (int, error) {
 			return evBS, nil
 		}
 		return b.resolve(evBS) // another instance's event taught it first
+	case evBS != cur && evBS%cur == 0:
+		return cur, nil // engine blocks of several pool blocks (units.go)
 	case evBS != cur:
 		return 0, fmt.Errorf("%w: event block size %d, pool block size %d", ErrBlockSize, evBS, cur)
 	}
@@ -137,6 +142,15 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 			continue
 		}
 		if skipEvent(ev) {
+			if ev.Kind == events.BlockRemoved && otherFullAttentionGroup(ev) {
+				// A prefix is reusable only while every full-attention
+				// group holds it: another such group dropping a block
+				// (vLLM hashes blocks alike in every group) drops it here
+				// too. Its stores are not applied: group 0's say where
+				// the prefix is, and under-claiming is the safe side.
+				removeBlocks(st, bs, ev, tiersOf(ev), res)
+				continue
+			}
 			res.Skipped++
 			continue
 		}
@@ -145,27 +159,28 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 			res.UnknownMedium += len(ev.BlockHashes)
 		}
 		if ev.Kind == events.BlockRemoved {
-			for _, h := range ev.BlockHashes {
-				_, removed := st.removeTier(h, tier)
-				if removed {
-					res.Removed++
-				} else {
-					// Unmapped also covers a tier the block was not held in
-					// (mapped but not removed): the index had nothing to drop.
-					res.Unmapped++
-				}
-			}
+			removeBlocks(st, bs, ev, tier, res)
 			continue
 		}
 		if len(ev.TokenIDs) == 0 {
 			// Tokenless stores (CPU offload, or engines that omit tokens)
-			// can only be placed through the engine-hash map.
+			// can only be placed through the engine-hash map
+			// (llm-d/llm-d-router#878: they must still be indexed).
+			k := max(1, unitOf(ev, bs.get()))
+			if k > 1 {
+				bs.learnUnit(tier, k)
+			}
 			for _, h := range ev.BlockHashes {
 				mapped, added := st.addTier(h, tier)
 				if !mapped {
 					res.Unmapped++
-				} else if added {
+					continue
+				}
+				if added {
 					res.Stored++
+				}
+				for i := 0; i < k-1; i++ {
+					st.addTier(unitHash(h, i), tier)
 				}
 			}
 			continue
@@ -175,10 +190,20 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 			invalid(i, err)
 			continue
 		}
-		if len(ev.TokenIDs)%size != 0 || len(ev.TokenIDs)/size != len(ev.BlockHashes) {
-			invalid(i, fmt.Errorf("%w: %d tokens, block size %d, %d block hashes",
-				ErrTokenCount, len(ev.TokenIDs), size, len(ev.BlockHashes)))
+		k := max(1, unitOf(ev, size))
+		if len(ev.TokenIDs)%size != 0 || len(ev.TokenIDs)/size != k*len(ev.BlockHashes) {
+			sentinel := ErrTokenCount
+			if k > 1 {
+				// Tokens that do not make whole engine blocks of a size other
+				// than the pool's: the size, not the count, is what is off.
+				sentinel = ErrBlockSize
+			}
+			invalid(i, fmt.Errorf("%w: %d tokens, block size %d (pool %d), %d block hashes",
+				sentinel, len(ev.TokenIDs), ev.BlockSize, size, len(ev.BlockHashes)))
 			continue
+		}
+		if k > 1 {
+			bs.learnUnit(tier, k)
 		}
 		parent := rootFor(model, ev)
 		if ev.HasParent {
@@ -197,10 +222,56 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 		// as the engine does, instead of cutting off their first blocks
 		// (which would make the rest unreachable).
 		for j := len(ev.BlockHashes) - 1; j >= 0; j-- {
-			if st.store(ev.BlockHashes[j], scratch[j], tier) {
+			h := ev.BlockHashes[j]
+			for i := k - 2; i >= 0; i-- {
+				st.store(unitHash(h, i), scratch[j*k+i], tier)
+			}
+			if st.store(h, scratch[j*k+k-1], tier) {
 				res.Stored++
 			}
 		}
 	}
 	return scratch
+}
+
+// removeBlocks drops ev's blocks from tier t, with the interior blocks of
+// units larger than the pool's (units.go).
+func removeBlocks(st instanceOps, bs *blockSizer, ev *events.Event, t tiers.Tier, res *ApplyResult) {
+	k := max(bs.unit(t), unitOf(ev, bs.get()))
+	for _, h := range ev.BlockHashes {
+		_, removed := st.removeTier(h, t)
+		if removed {
+			res.Removed++
+		} else {
+			// Unmapped also covers a tier the block was not held in
+			// (mapped but not removed): the index had nothing to drop.
+			res.Unmapped++
+		}
+		for i := 0; i < k-1; i++ {
+			st.removeTier(unitHash(h, i), t)
+		}
+	}
+}
+
+// otherFullAttentionGroup: an event of a full-attention KV-cache group
+// other than group 0 (hybrid models with several).
+func otherFullAttentionGroup(ev *events.Event) bool {
+	return ev.GroupIdx != 0 && ev.SlidingWindow == 0 && !strings.Contains(strings.ToLower(ev.SpecKind), "sliding") &&
+		ev.SpecKind != "" && fullAttentionSpec(ev.SpecKind)
+}
+
+// tiersOf is the tier of an event's medium (unknown media as tiers.FromMedium says).
+func tiersOf(ev *events.Event) tiers.Tier {
+	t, _ := tiers.FromMedium(ev.Medium)
+	return t
+}
+
+// fullAttentionSpec: vLLM's spec kinds whose blocks form a plain prefix
+// chain (vllm/v1/kv_cache_interface.py); "" when the engine sends none.
+func fullAttentionSpec(kind string) bool {
+	switch kind {
+	case "", "full_attention", "mla_attention", "sink_full_attention":
+		return true
+	}
+	return false
 }

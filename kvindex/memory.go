@@ -186,7 +186,7 @@ func (m *Memory) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 		}
 	}
 	m.mu.RUnlock()
-	return out, nil
+	return m.bs.roundUnits(out), nil
 }
 
 // Purge implements Index.

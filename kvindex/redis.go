@@ -345,15 +345,10 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	o.args = append(o.args[:0], "hmget", ikey)
 	for i := range evs {
 		ev := &evs[i]
-		if ev.Kind != events.BlockStored && ev.Kind != events.BlockRemoved || skipEvent(ev) {
+		if ev.Kind != events.BlockStored && ev.Kind != events.BlockRemoved {
 			continue
 		}
-		if ev.HasParent {
-			o.mention(ev.ParentHash)
-		}
-		for _, h := range ev.BlockHashes {
-			o.mention(h)
-		}
+		eventHashes(ev, &r.bs, o.mention)
 	}
 	// A load replaces the state: nothing to read (the fields are
 	// mentioned for their strings).
@@ -710,7 +705,7 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 			out = append(out, m)
 		}
 	}
-	return out, nil
+	return r.bs.roundUnits(out), nil
 }
 
 // cumTiers is the set of tiers a block counts for in a Match: its fastest
