@@ -20,7 +20,10 @@ type block struct {
 	hasLoraID bool
 	salt      string
 	tiers     tiers.Set
-	elem      *list.Element // in Table.live (tiers != 0) or Table.ghosts (tiers 0)
+	// stored is, per tier, when the block was last stored there (the
+	// table's clock, unix nanoseconds): what aging reads (aging.go).
+	stored [tiers.Count]int64
+	elem   *list.Element // in Table.live (tiers != 0) or Table.ghosts (tiers 0)
 	// children counts blocks in the table whose parent this is. A block
 	// that leaves every tier while it has children stays as a ghost
 	// (tiers 0): a snapshot must still be able to key its descendants,
@@ -66,6 +69,8 @@ type Table struct {
 	live      *list.List        // engine hashes of held blocks, oldest (first stored) first
 	ghosts    *list.List        // engine hashes of ghosts, oldest first
 	blockSize int
+	// now is the clock of the stored stamps (nil: the wall clock).
+	now func() int64
 }
 
 // NewTable returns an empty table holding at most max blocks (0: no bound).
@@ -247,6 +252,7 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 				b.elem = t.live.PushBack(h)
 			}
 			b.tiers |= tier.Bit()
+			b.stored[tier] = t.clock()
 			if b.tokens == nil && toks != nil {
 				t.fill(b, e, toks, parent, hasParent, i == 0)
 			}
@@ -256,6 +262,7 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 			r.Unplaced++
 		default:
 			b = &block{tiers: tier.Bit()}
+			b.stored[tier] = t.clock()
 			t.fill(b, e, toks, parent, hasParent, i == 0)
 			b.elem = t.live.PushBack(h)
 			t.blocks[h] = b
