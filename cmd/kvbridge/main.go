@@ -73,6 +73,11 @@ type options struct {
 	bucket         string
 
 	listen, logLevel string
+
+	format       string        // --format: vllm, sglang, trtllm-json (trtllm.go)
+	pollInterval time.Duration // trtllm-json: wait between empty polls
+	trtllmWindow int           // trtllm-json: the full-attention window
+	ageOut       string        // --age-out tier=duration,...
 }
 
 // HeartbeatKeyEnv holds the hex key heartbeats are signed with (the
@@ -125,6 +130,10 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	fs.StringVar(&o.bucket, "bucket", "", "snapshot key-value bucket (default KV_SNAPSHOTS)")
 	fs.StringVar(&o.listen, "listen", envOr(getenv, ":9400", "KVBRIDGE_LISTEN"), "address for /metrics, /healthz and /readyz")
 	fs.StringVar(&o.logLevel, "log-level", envOr(getenv, "info", "KVBRIDGE_LOG_LEVEL"), "debug, info, warn or error")
+	fs.StringVar(&o.format, "format", envOr(getenv, formatVLLM, "KVBRIDGE_FORMAT"), "engine event format: vllm, sglang (both msgpack on ZMQ) or trtllm-json (polls the engine-url's POST /kv_cache_events) (env KVBRIDGE_FORMAT)")
+	fs.DurationVar(&o.pollInterval, "poll-interval", 100*time.Millisecond, "trtllm-json: wait after an empty poll")
+	fs.IntVar(&o.trtllmWindow, "trtllm-full-window", 0, "trtllm-json: attention window of the full-attention layers; events of other window_size values are a sliding-window group the router does not index (0: one window)")
+	fs.StringVar(&o.ageOut, "age-out", "", "stores-only tiers and their block lifetime, e.g. cpu=10m,shared=1h: blocks not stored again within it are removed (for sources that never report removals, such as LMCache)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -139,6 +148,15 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	}
 	if o.dpSize < 1 || o.dpSize > 1024 {
 		return nil, fmt.Errorf("--dp-size %d out of range 1..1024", o.dpSize)
+	}
+	if err := validFormat(o.format); err != nil {
+		return nil, err
+	}
+	if o.pollInterval <= 0 || o.trtllmWindow < 0 {
+		return nil, errors.New("--poll-interval must be positive and --trtllm-full-window not negative")
+	}
+	if _, err := bridge.ParseAgeOut(o.ageOut); err != nil {
+		return nil, fmt.Errorf("--age-out: %w", err)
 	}
 	return o, nil
 }
@@ -208,6 +226,15 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	if err != nil {
 		return err
 	}
+	ageOut, _ := bridge.ParseAgeOut(o.ageOut) // validated by parseFlags
+	var trt *trtllmInput
+	if o.format == formatTRTLLM {
+		if trt, err = newTRTLLMInput(ctx, o, log); err != nil {
+			return fmt.Errorf("--format trtllm-json: %w", err)
+		}
+		defer trt.close()
+		srcs = trt.sources(o)
+	}
 	// A secret, so only from the environment (never a flag, which ps shows).
 	hbKey, err := events.DecodeHeartbeatKey(getenv(HeartbeatKeyEnv))
 	if err != nil {
@@ -243,6 +270,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		ReplayTimeout:       o.replayTimeout,
 		EngineProbeInterval: o.engineProbe,
 		HeartbeatKey:        hbKey,
+		AgeOut:              ageOut,
 		Registerer:          reg,
 		Logger:              log,
 	})
@@ -277,12 +305,20 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 
 	runErr := make(chan error, 1)
 	go func() { runErr <- br.Run(ctx) }()
+	trtDone := make(chan struct{})
+	if trt != nil {
+		go func() { defer close(trtDone); trt.run(ctx) }()
+	} else {
+		close(trtDone)
+	}
 	select {
 	case err = <-runErr:
 	case err = <-srvErr:
 		cancel()
 		<-runErr
 	}
+	cancel()
+	<-trtDone // before the deferred close of its publishers
 	shutdownCtx, c2 := context.WithTimeout(context.Background(), 5*time.Second)
 	defer c2()
 	_ = srv.Shutdown(shutdownCtx)
