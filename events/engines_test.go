@@ -129,8 +129,8 @@ func TestEncodeSGLangSplitsPages(t *testing.T) {
 			t.Errorf("page %d = %+v", i, e)
 		}
 	}
-	if _, err := EncodeSGLang(nil, Batch{Events: []Event{{Kind: BlockStored, BlockHashes: []uint64{1}}}}, SGLangOptions{}); err == nil {
-		t.Error("a store without a page of tokens was encoded")
+	if _, err := EncodeSGLang(nil, Batch{Events: []Event{{Kind: BlockStored, BlockHashes: []uint64{1}, TokenIDs: []uint32{1}, BlockSize: 2}}}, SGLangOptions{}); err == nil {
+		t.Error("a store with part of a page of tokens was encoded")
 	}
 }
 

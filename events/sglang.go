@@ -52,7 +52,7 @@ func EncodeSGLang(dst []byte, b Batch, o SGLangOptions) ([]byte, error) {
 		e := &b.Events[i]
 		switch e.Kind {
 		case BlockStored:
-			if e.BlockSize <= 0 || len(e.TokenIDs) != e.BlockSize*len(e.BlockHashes) {
+			if len(e.TokenIDs) > 0 && (e.BlockSize <= 0 || len(e.TokenIDs) != e.BlockSize*len(e.BlockHashes)) {
 				return dst, fmt.Errorf("%w: sglang stores need block_size and one page of tokens per hash", ErrInvalidEvent)
 			}
 			n += len(e.BlockHashes)
@@ -90,11 +90,17 @@ func EncodeSGLang(dst []byte, b Batch, o SGLangOptions) ([]byte, error) {
 				} else {
 					dst = append(dst, 0xc0)
 				}
-				dst = appendArrayHeader(dst, e.BlockSize)
-				for _, t := range e.TokenIDs[j*e.BlockSize : (j+1)*e.BlockSize] {
-					dst = appendUint(dst, uint64(t))
+				if len(e.TokenIDs) == 0 {
+					// A page known by hash only (HiCache's storage
+					// prefetch sends token_ids=[]).
+					dst = appendArrayHeader(dst, 0)
+				} else {
+					dst = appendArrayHeader(dst, e.BlockSize)
+					for _, t := range e.TokenIDs[j*e.BlockSize : (j+1)*e.BlockSize] {
+						dst = appendUint(dst, uint64(t))
+					}
 				}
-				dst = appendInt(dst, int64(e.BlockSize))
+				dst = appendInt(dst, int64(max(e.BlockSize, 0)))
 				dst = appendOptInt(dst, e.LoraID, !e.HasLoraID)
 				if o.Medium {
 					dst = appendStr(dst, sglangMedium(e.Medium))
