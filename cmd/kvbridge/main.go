@@ -227,13 +227,18 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		return err
 	}
 	ageOut, _ := bridge.ParseAgeOut(o.ageOut) // validated by parseFlags
-	var trt *trtllmInput
+	var trt *bridge.TRTLLMPoller
 	if o.format == formatTRTLLM {
-		if trt, err = newTRTLLMInput(ctx, o, log); err != nil {
+		if trt, err = bridge.NewTRTLLMPoller(ctx, bridge.TRTLLMConfig{EngineURL: o.engineURL, Ranks: o.dpSize,
+			Interval: o.pollInterval, FullWindow: o.trtllmWindow, Logger: log}); err != nil {
 			return fmt.Errorf("--format trtllm-json: %w", err)
 		}
-		defer trt.close()
-		srcs = trt.sources(o)
+		defer trt.Close()
+		// Every rank's URL is the one server: TensorRT-LLM gathers every
+		// rank's events on rank 0's.
+		for r := range srcs {
+			srcs[r] = trt.Source(r, srcs[r].Instance, o.engineURL)
+		}
 	}
 	// A secret, so only from the environment (never a flag, which ps shows).
 	hbKey, err := events.DecodeHeartbeatKey(getenv(HeartbeatKeyEnv))
@@ -307,7 +312,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	go func() { runErr <- br.Run(ctx) }()
 	trtDone := make(chan struct{})
 	if trt != nil {
-		go func() { defer close(trtDone); trt.run(ctx) }()
+		go func() { defer close(trtDone); trt.Run(ctx) }()
 	} else {
 		close(trtDone)
 	}
