@@ -1,0 +1,319 @@
+package test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/sim"
+	simserver "github.com/kvrouter/kvrouter/sim/server"
+)
+
+// Engine sources end to end: simulated engines speaking SGLang's or
+// TensorRT-LLM's event format (kvsim --engine), the real bridge (ZMQ or
+// the TensorRT-LLM poller), NATS JetStream, and the router's events
+// pipeline and kv_aware data plane. For each: a repeated prompt is routed
+// kv_match with as many matched tokens as the engine then reports cached,
+// the engine's evictions reach the index, and a restarted engine leaves
+// nothing behind.
+
+const engModel = "eng-model"
+
+// engineNode is one simulated engine (fixed address, so that it can be
+// restarted as a pod would be) and its bridge.
+type engineNode struct {
+	t        *testing.T
+	ctx      context.Context
+	id       string
+	format   string
+	addr     string
+	pubEP    string
+	replayEP string
+	natsURL  string
+	pool     string
+	stream   events.StreamConfig
+	bucket   events.BucketConfig
+
+	mu  sync.Mutex // guards sim
+	sim *simserver.Instance
+}
+
+func (n *engineNode) url() string { return "http://" + n.addr }
+
+func (n *engineNode) start() {
+	n.t.Helper()
+	var s *simserver.Instance
+	var err error
+	for try := 0; ; try++ {
+		s, err = simserver.Start(n.ctx, simserver.Config{
+			Engine:    sim.Config{Model: engModel, GPUBlocks: 40, HashSeed: uint64(len(n.id))},
+			Listen:    n.addr,
+			TimeScale: 50,
+			Logger:    quietLogger(),
+			Events:    simserver.EventsConfig{Endpoint: n.pubEP, ReplayEndpoint: n.replayEP, Format: n.format},
+		})
+		if err == nil || try == 50 {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if err != nil {
+		n.t.Fatalf("kvsim %s: %v", n.id, err)
+	}
+	n.mu.Lock()
+	n.sim = s
+	n.mu.Unlock()
+	n.t.Cleanup(func() { _ = s.Close() })
+}
+
+func (n *engineNode) stop() {
+	n.mu.Lock()
+	s := n.sim
+	n.sim = nil
+	n.mu.Unlock()
+	_ = s.Close()
+}
+
+// startBridge runs the bridge of the node's format until the test ends.
+func (n *engineNode) startBridge() {
+	n.t.Helper()
+	nc, err := nats.Connect(n.natsURL, nats.MaxReconnects(-1))
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	n.t.Cleanup(nc.Close)
+	src := bridge.Source{Instance: n.id, Endpoint: n.pubEP, ReplayEndpoint: n.replayEP, URL: n.url()}
+	ctx, cancel := context.WithCancel(n.ctx)
+	var wg sync.WaitGroup
+	if n.format == simserver.FormatTRTLLM {
+		p, err := bridge.NewTRTLLMPoller(ctx, bridge.TRTLLMConfig{EngineURL: n.url(), Interval: 20 * time.Millisecond, Logger: quietLogger()})
+		if err != nil {
+			n.t.Fatal(err)
+		}
+		src = p.Source(0, n.id, n.url())
+		wg.Add(1)
+		go func() { defer wg.Done(); p.Run(ctx) }()
+		n.t.Cleanup(p.Close) // after the wait below (cleanups run last first)
+	}
+	br, err := bridge.New(bridge.Config{
+		Pool: n.pool, Model: engModel, Conn: nc, Stream: n.stream, Bucket: n.bucket,
+		Sources:             []bridge.Source{src},
+		HeartbeatInterval:   200 * time.Millisecond,
+		SnapshotInterval:    300 * time.Millisecond,
+		EngineProbeInterval: 200 * time.Millisecond,
+		ReplayTimeout:       2 * time.Second,
+		PublishTimeout:      2 * time.Second,
+		Logger:              quietLogger(),
+	})
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	wg.Add(1)
+	go func() { defer wg.Done(); _ = br.Run(ctx) }()
+	n.t.Cleanup(func() { cancel(); wg.Wait() })
+}
+
+// completeDirect sends a prompt straight to the engine (not through the
+// router), to fill its cache.
+func (n *engineNode) completeDirect(ids []uint32) {
+	n.t.Helper()
+	body, _ := json.Marshal(map[string]any{"model": engModel, "prompt": ids, "max_tokens": 1})
+	resp, err := http.Post(n.url()+"/v1/completions", "application/json", strings.NewReader(string(body)))
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if b, _ := io.ReadAll(resp.Body); resp.StatusCode != 200 {
+		n.t.Fatalf("%s: completion %d %s", n.id, resp.StatusCode, b)
+	}
+}
+
+type engineFleet struct {
+	t     *testing.T
+	nodes []*engineNode
+	r     *kvrRouter
+}
+
+// newEngineFleet starts NATS, the router (one kv_aware pool) and one
+// engine with its bridge per format given.
+func newEngineFleet(t *testing.T, formats ...string) *engineFleet {
+	ctx := testenv.Context(t, 3*time.Minute)
+	name := testenv.UniqueName(t)
+	ns := testenv.StartNATS(t)
+	pool := "p_" + name
+	stream, bucket := events.StreamConfig{Name: "EV_" + name}, events.BucketConfig{Name: "SN_" + name}
+	f := &engineFleet{t: t}
+	var insts []router.InstanceConfig
+	for i, format := range formats {
+		n := &engineNode{t: t, ctx: ctx, id: fmt.Sprintf("%s-%d", format, i), format: format,
+			addr:     fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)),
+			pubEP:    fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
+			replayEP: fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
+			natsURL:  ns.URL(), pool: pool, stream: stream, bucket: bucket}
+		n.start()
+		f.nodes = append(f.nodes, n)
+		insts = append(insts, router.InstanceConfig{ID: n.id, URL: n.url()})
+	}
+	cfg := router.Config{
+		AdminToken: "adm",
+		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: stream.Name}, Bucket: bucket.Name,
+			StaleAfter: 2 * time.Second, PurgeAfter: 30 * time.Second},
+		Pools: []router.PoolConfig{{Name: pool, Model: engModel,
+			Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
+			Health:  router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
+			Instances: insts}},
+	}
+	reg := prometheus.NewRegistry()
+	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: quietLogger(), SnapshotTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(kve.Close)
+	srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), Registry: reg, KV: kve.KV, KVEvents: kve})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, stopRun := context.WithCancel(ctx)
+	runDone := make(chan struct{})
+	go func() { defer close(runDone); _ = srv.Run(rctx) }()
+	go kve.RunDiscovery(rctx, srv, 100*time.Millisecond)
+	t.Cleanup(func() { stopRun(); <-runDone })
+	ts := httptest.NewServer(srv.Handler())
+	t.Cleanup(ts.Close)
+	f.r = &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
+	if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range f.nodes {
+		n.startBridge()
+	}
+	for _, n := range f.nodes {
+		waitFor(t, 20*time.Second, n.id+" live", func() bool {
+			for _, in := range f.r.instances().Instances {
+				if in.Instance == n.id {
+					return in.State == "live"
+				}
+			}
+			return false
+		})
+	}
+	return f
+}
+
+// gpuBlocks is what the index says inst holds of ids on GPU.
+func (f *engineFleet) gpuBlocks(ids []uint32, inst string) int {
+	for _, m := range f.r.lookup(ids).Matches {
+		if m.Instance == inst {
+			return m.GPUBlocks
+		}
+	}
+	return 0
+}
+
+// route sends ids through the router and returns the pick, the reason,
+// the matched tokens the router predicted and the tokens the engine
+// reported cached.
+func (f *engineFleet) route(ids []uint32) (inst, reason string, matched, cached int) {
+	f.t.Helper()
+	resp, b := f.r.do("POST", "/v1/completions", map[string]any{"model": engModel, "prompt": ids, "max_tokens": 1})
+	if resp.StatusCode != 200 {
+		f.t.Fatalf("completion: %d %s", resp.StatusCode, b)
+	}
+	var out struct {
+		Usage struct {
+			Details struct {
+				Cached int `json:"cached_tokens"`
+			} `json:"prompt_tokens_details"`
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal(b, &out); err != nil {
+		f.t.Fatalf("completion body %s: %v", b, err)
+	}
+	// "gpu=128,cpu=0,disk=0,shared=0": every tier's tokens beyond the faster ones.
+	for _, part := range strings.Split(resp.Header.Get(router.HeaderMatchedTokens), ",") {
+		if _, v, ok := strings.Cut(part, "="); ok {
+			n, _ := strconv.Atoi(v)
+			matched += n
+		}
+	}
+	return resp.Header.Get(router.HeaderInstance), resp.Header.Get(router.HeaderReason), matched, out.Usage.Details.Cached
+}
+
+func engTokens(seed, n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = uint32(1000*seed + 7*i + 3)
+	}
+	return out
+}
+
+func TestE2EEngineSources(t *testing.T) {
+	for _, format := range []string{simserver.FormatSGLang, simserver.FormatTRTLLM} {
+		t.Run(format, func(t *testing.T) {
+			f := newEngineFleet(t, format, format)
+			a, other := f.nodes[0], f.nodes[1]
+			prompt := engTokens(1, 8*16+5) // 8 full blocks
+			a.completeDirect(prompt)
+			waitFor(t, 20*time.Second, "the index holds the prompt on "+a.id, func() bool { return f.gpuBlocks(prompt, a.id) == 8 })
+			if n := f.gpuBlocks(prompt, other.id); n != 0 {
+				t.Fatalf("%s holds %d blocks it never computed", other.id, n)
+			}
+			inst, reason, matched, cached := f.route(prompt)
+			if inst != a.id || reason != string(router.ReasonKVMatch) || matched != 8*16 || cached != matched {
+				t.Fatalf("repeated prompt: %s %s, matched %d, engine cached %d; want %s kv_match, 128 and 128", inst, reason, matched, cached, a.id)
+			}
+
+			// Evictions: other prompts through a's 40-block cache push the
+			// first one out; the index follows.
+			for s := 2; s < 9; s++ {
+				a.completeDirect(engTokens(s, 8*16+5))
+			}
+			waitFor(t, 20*time.Second, "the evicted prompt gone from the index", func() bool { return f.gpuBlocks(prompt, a.id) < 8 })
+
+			// A restarted engine: nothing of the old process stays.
+			last := engTokens(8, 8*16+5)
+			waitFor(t, 20*time.Second, "the last prompt indexed", func() bool { return f.gpuBlocks(last, a.id) == 8 })
+			a.stop()
+			a.start()
+			waitFor(t, 20*time.Second, "the restarted engine's blocks cleared", func() bool { return f.gpuBlocks(last, a.id) == 0 })
+			a.completeDirect(prompt)
+			waitFor(t, 20*time.Second, "the new process's blocks indexed", func() bool { return f.gpuBlocks(prompt, a.id) == 8 })
+		})
+	}
+}
+
+// A pool of one vLLM and one SGLang engine of the same model: the router
+// matches prompts on both.
+func TestE2EMixedVLLMSGLangPool(t *testing.T) {
+	f := newEngineFleet(t, simserver.FormatVLLM, simserver.FormatSGLang)
+	v, s := f.nodes[0], f.nodes[1]
+	pv, ps := engTokens(21, 6*16+1), engTokens(22, 5*16+9)
+	v.completeDirect(pv)
+	s.completeDirect(ps)
+	waitFor(t, 20*time.Second, "both engines indexed", func() bool { return f.gpuBlocks(pv, v.id) == 6 && f.gpuBlocks(ps, s.id) == 5 })
+	for _, c := range []struct {
+		ids    []uint32
+		inst   string
+		blocks int
+	}{{pv, v.id, 6}, {ps, s.id, 5}} {
+		inst, reason, matched, cached := f.route(c.ids)
+		if inst != c.inst || reason != string(router.ReasonKVMatch) || matched != 16*c.blocks || cached != matched {
+			t.Errorf("prompt of %s: routed %s %s, matched %d, engine cached %d", c.inst, inst, reason, matched, cached)
+		}
+	}
+}
