@@ -22,8 +22,11 @@ GOBUILD      = CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)'
 # (deploy's test checks they agree).
 IMAGE       ?= ghcr.io/kvrouter/kvrouter
 IMAGE_TAG   ?= $(VERSION)
+DOCKER      ?= docker
+# e.g. --network host where the daemon has no bridge network
+IMAGE_BUILD_FLAGS ?=
 
-.PHONY: help build image test test-short vet lint fmt bench fuzz fuzz-brief run demo clean deps-test proto
+.PHONY: help build image image-check test test-short vet lint fmt bench fuzz fuzz-brief run demo clean deps-test proto
 
 help: ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -33,8 +36,11 @@ build: ## build every binary into ./bin, stamped with VERSION and COMMIT
 	$(GOBUILD) -o $(BIN)/ $(addprefix ./cmd/,$(BINARIES))
 
 image: ## build the container image $(IMAGE):$(IMAGE_TAG) (deploy/Dockerfile: multi-stage, distroless, non-root)
-	docker build -f deploy/Dockerfile --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) \
+	DOCKER_BUILDKIT=1 $(DOCKER) build $(IMAGE_BUILD_FLAGS) -f deploy/Dockerfile --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) \
 		-t $(IMAGE):$(IMAGE_TAG) .
+
+image-check: ## build the image and run it: non-root, --version of every binary, kvrouter in front of kvsim in containers (scripts/image-check.sh)
+	DOCKER=$(DOCKER) IMAGE=$(IMAGE) IMAGE_TAG=$(IMAGE_TAG) IMAGE_BUILD_FLAGS="$(IMAGE_BUILD_FLAGS)" scripts/image-check.sh
 
 vet: ## go vet
 	$(GO) vet $(PKGS)

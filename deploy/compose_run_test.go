@@ -23,7 +23,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/redis/go-redis/v9"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 )
@@ -356,9 +356,9 @@ func TestComposeRuns(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	subject := events.SubjectEvents + ".llama." + picked[0]
+	subject := kvstream.SubjectEvents + ".llama." + picked[0]
 	waitFor(t, 30*time.Second, "events on "+subject, func() error {
-		st, err := js.Stream(ctx, events.DefaultStreamName)
+		st, err := js.Stream(ctx, kvstream.DefaultStreamName)
 		if err != nil {
 			return err
 		}

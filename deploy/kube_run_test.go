@@ -19,7 +19,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 )
 
 // pod is one pod of a rendered workload: its name (what the downward API
@@ -212,9 +212,9 @@ func TestDevOverlayRuns(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	subject := events.SubjectEvents + ".llama." + inst
+	subject := kvstream.SubjectEvents + ".llama." + inst
 	waitFor(t, 30*time.Second, "events on "+subject, func() error {
-		st, err := js.Stream(ctx, events.DefaultStreamName)
+		st, err := js.Stream(ctx, kvstream.DefaultStreamName)
 		if err != nil {
 			return err
 		}

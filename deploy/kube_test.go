@@ -20,7 +20,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -814,7 +814,7 @@ func checkNATS(t *testing.T, b *bundle, ov overlay, cfg router.Config) {
 	// creation fails (insufficient resources). Whichever comes first
 	// creates the stream: the router's consumer with the default size, or
 	// a bridge with its --stream-max-bytes.
-	const defaultStreamBytes = 1 << 30 // events.StreamConfig default
+	const defaultStreamBytes = 1 << 30 // kvstream.StreamConfig default
 	if opts.JetStreamMaxStore > 0 && defaultStreamBytes >= opts.JetStreamMaxStore*3/4 {
 		t.Errorf("the router's default 1 GiB stream leaves too little of the %d-byte JetStream store for the snapshot bucket", opts.JetStreamMaxStore)
 	}
@@ -867,12 +867,12 @@ func checkStreamJob(t *testing.T, b *bundle, ov overlay, cfg router.Config) {
 	script := strings.Join(j.Spec.Template.Spec.Containers[0].Args, " ")
 	stream := cfg.Events.NATS.Stream
 	if stream == "" {
-		stream = events.DefaultStreamName
+		stream = kvstream.DefaultStreamName
 	}
 	for _, want := range []string{
 		"stream add " + stream + " ",
-		"--subjects='" + events.SubjectEvents + ".>'",
-		"kv add " + events.DefaultBucketName + " ",
+		"--subjects='" + kvstream.SubjectEvents + ".>'",
+		"kv add " + kvstream.DefaultBucketName + " ",
 	} {
 		if !strings.Contains(script, want) {
 			t.Errorf("nats-streams-init: %q not in its script", want)

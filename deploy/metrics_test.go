@@ -159,8 +159,8 @@ func TestMetricNamesScanned(t *testing.T) {
 		"kvrouter_kv_decisions_total",        // router/kvaware_metrics.go
 		"kvrouter_events_lag_seconds",        // events/consumer/metrics.go
 		"kvbridge_gaps_total",                // events/bridge/metrics.go
-		"kvrouter_tier_blocks_evicted_total", // tiers/accounting.go
-		"vllm:prefix_cache_hits_total",       // sim/server/metrics.go
+		"kvrouter_tier_blocks_evicted_total", // tiers/tiermetrics/accounting.go
+		"vllm:prefix_cache_hits_total",       // sim/simserver/metrics.go
 	} {
 		if !names[n] {
 			t.Errorf("metric %s not found in the code scan (%d names found)", n, len(names))

@@ -17,7 +17,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 )
 
 // TestProductionNATSClusterForms starts the production NATS StatefulSet's
@@ -119,7 +119,7 @@ func TestProductionNATSClusterForms(t *testing.T) {
 		cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
 		defer ccancel()
 		st, err = js0.CreateOrUpdateStream(cctx, jetstream.StreamConfig{
-			Name: events.DefaultStreamName, Subjects: []string{events.SubjectEvents + ".>"},
+			Name: kvstream.DefaultStreamName, Subjects: []string{kvstream.SubjectEvents + ".>"},
 			Replicas: replicas, MaxAge: time.Hour, MaxBytes: 1 << 30, Duplicates: 2 * time.Minute,
 			Storage: jetstream.FileStorage, Discard: jetstream.DiscardOld,
 		})
@@ -129,7 +129,7 @@ func TestProductionNATSClusterForms(t *testing.T) {
 		cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
 		defer ccancel()
 		_, err := js0.CreateOrUpdateKeyValue(cctx, jetstream.KeyValueConfig{
-			Bucket: events.DefaultBucketName, History: 1, TTL: 24 * time.Hour, Replicas: replicas, Storage: jetstream.FileStorage,
+			Bucket: kvstream.DefaultBucketName, History: 1, TTL: 24 * time.Hour, Replicas: replicas, Storage: jetstream.FileStorage,
 		})
 		return err
 	})
@@ -141,7 +141,7 @@ func TestProductionNATSClusterForms(t *testing.T) {
 		t.Fatalf("stream replicas %d cluster %+v, want %d on the cluster", info.Config.Replicas, info.Cluster, n)
 	}
 
-	subject := events.SubjectEvents + ".llama.vllm-0"
+	subject := kvstream.SubjectEvents + ".llama.vllm-0"
 	waitFor(t, 30*time.Second, "publish through nats-1", func() error {
 		cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
 		defer ccancel()
@@ -151,7 +151,7 @@ func TestProductionNATSClusterForms(t *testing.T) {
 	waitFor(t, 30*time.Second, "read through nats-2", func() error {
 		cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
 		defer ccancel()
-		s2, err := js2.Stream(cctx, events.DefaultStreamName)
+		s2, err := js2.Stream(cctx, kvstream.DefaultStreamName)
 		if err != nil {
 			return err
 		}

@@ -1,5 +1,9 @@
-// Package events decodes and encodes vLLM's KV-cache event batches (both the
-// array-era and map-era msgpack encodings) and carries them over ZMQ and NATS.
+// Package events is vLLM's KV-cache event codec: the event types, and the
+// decoding and encoding of event batches in both the array-era and map-era
+// msgpack encodings. It imports only the standard library, so that every
+// package that needs an Event (the index, the simulator) stays free of the
+// transports: the engine's ZMQ sockets are in events/enginezmq and the NATS
+// side (subjects, headers, JetStream, snapshots) in events/kvstream.
 package events
 
 // Kind is the type of a KV-cache event.

@@ -33,6 +33,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/router"
@@ -78,7 +79,7 @@ func TestPick(t *testing.T) {
 		{name: "prompt and tokens", req: &kvrouterv1.PickRequest{Pool: "kv", Prompt: "x", TokenIds: p}, code: codes.InvalidArgument},
 		// Over limits.max_tokenize_bytes: not tokenized, routed by the
 		// heuristic, as the HTTP data plane routes the same body.
-		{name: "prompt over the tokenize limit", req: &kvrouterv1.PickRequest{Pool: "kv", Prompt: strings.Repeat("x", router.MaxTokenizeBytes+1)}, reason: "heuristic"},
+		{name: "prompt over the tokenize limit", req: &kvrouterv1.PickRequest{Pool: "kv", Prompt: strings.Repeat("x", config.MaxTokenizeBytes+1)}, reason: "heuristic"},
 		{name: "bad tenant", req: &kvrouterv1.PickRequest{Pool: "kv", Prompt: "x", Tenant: "\x01bad"}, code: codes.InvalidArgument},
 	}
 	for _, tc := range tests {
@@ -260,7 +261,7 @@ func TestAuth(t *testing.T) {
 	const token = "s3cret-token"
 	for _, forPick := range []bool{false, true} {
 		t.Run(fmt.Sprintf("token_for_pick=%v", forPick), func(t *testing.T) {
-			h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.AdminToken, g.TokenForPick = token, forPick })
+			h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.AdminToken, g.TokenForPick = token, forPick })
 			with := func(tok string) context.Context {
 				ctx := ctxT(t)
 				if tok == "" {
@@ -386,7 +387,7 @@ func TestTLS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.TLS = cfg })
+	h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.TLS = cfg })
 	conn := h.dial(grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: "127.0.0.1"})))
 	if _, err := kvrouterv1.NewRouterClient(conn).Pick(ctxT(t), &kvrouterv1.PickRequest{Pool: "hash", Prompt: "x"}); err != nil {
 		t.Fatalf("TLS pick: %v", err)
@@ -411,7 +412,7 @@ func TestMutualTLS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.TLS = cfg })
+	h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.TLS = cfg })
 	clientCert, err := tls.LoadX509KeyPair(certFile, keyFile)
 	if err != nil {
 		t.Fatal(err)

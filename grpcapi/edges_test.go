@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -44,15 +45,15 @@ func summarise(req *router.Request, p *router.Pool, err error) resolved {
 // adapter, tenant, routing text, token ids, tokenize limit) or the same
 // error class; a gRPC error carries the code mapped from that class.
 func TestEdgesResolveAlike(t *testing.T) {
-	mk := func(name, model string) router.PoolConfig {
-		return router.PoolConfig{Name: name, Model: model, Adapters: []string{name + "-lora"},
-			Routing: router.RoutingConfig{Strategy: router.StrategyPrefixAware},
-			Health:  router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: name + "-0", URL: "http://10.0.0.1:8000"}}}
+	mk := func(name, model string) config.PoolConfig {
+		return config.PoolConfig{Name: name, Model: model, Adapters: []string{name + "-lora"},
+			Routing: config.RoutingConfig{Strategy: config.StrategyPrefixAware},
+			Health:  config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: name + "-0", URL: "http://10.0.0.1:8000"}}}
 	}
-	limits := router.LimitsConfig{MaxMessages: 2, MaxPromptTokenIDs: 8, MaxTokenizeBytes: 1024}
+	limits := config.LimitsConfig{MaxMessages: 2, MaxPromptTokenIDs: 8, MaxTokenizeBytes: 1024}
 	newServers := func(defaultPool string) (*router.Server, *extProc) {
-		rs, err := router.NewServer(router.Config{Pools: []router.PoolConfig{mk("a", "model-a"), mk("b", "model-b")}, Limits: limits, DefaultPool: defaultPool},
+		rs, err := router.NewServer(config.Config{Pools: []config.PoolConfig{mk("a", "model-a"), mk("b", "model-b")}, Limits: limits, DefaultPool: defaultPool},
 			router.Options{Logger: slog.New(slog.DiscardHandler)})
 		if err != nil {
 			t.Fatal(err)

@@ -12,6 +12,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/router"
 )
@@ -245,18 +246,18 @@ func TestExtProc(t *testing.T) {
 	}
 }
 
-func threshold1(rc *router.Config, _ *grpcapi.Config) {
+func threshold1(rc *config.Config, _ *grpcapi.Config) {
 	for i := range rc.Pools {
 		rc.Pools[i].Routing.ConcurrencyThreshold = 1
 	}
 }
 
 func shed(maxQueued int) harnessOpt {
-	return func(_ *router.Config, g *grpcapi.Config) { g.ExtProc.Shed, g.ExtProc.MaxQueued = true, maxQueued }
+	return func(_ *config.Config, g *grpcapi.Config) { g.ExtProc.Shed, g.ExtProc.MaxQueued = true, maxQueued }
 }
 
 func maxBody(n int) harnessOpt {
-	return func(_ *router.Config, g *grpcapi.Config) { g.ExtProc.MaxBodyBytes = n }
+	return func(_ *config.Config, g *grpcapi.Config) { g.ExtProc.MaxBodyBytes = n }
 }
 
 // TestExtProcInFlight: a pick counts as in flight on its instance until
@@ -372,7 +373,7 @@ func TestServeDrainTimeout(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.DrainTimeout = drain })
+			h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.DrainTimeout = drain })
 			e := h.envoy(t)
 			e.headers(nil, false, ":method", "POST", ":path", "/v1/chat/completions")
 			if o := outcomeOf(t, e.body(nil, chatBody(hashModel, "drain me"))); o.status != 0 {

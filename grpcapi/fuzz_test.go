@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -16,18 +17,18 @@ import (
 func newFuzzPicker(tb testing.TB, ep ExtProcConfig) (*extProc, map[string]bool) {
 	tb.Helper()
 	addrs := map[string]bool{}
-	var pools []router.PoolConfig
-	for _, pc := range []struct{ name, model, strategy string }{{"a", "model-a", router.StrategyPrefixAware}, {"b", "model-b", router.StrategyLeastOutstanding}} {
-		cfg := router.PoolConfig{Name: pc.name, Model: pc.model, Adapters: []string{pc.name + "-lora"}, Routing: router.RoutingConfig{Strategy: pc.strategy, ConcurrencyThreshold: 2},
-			Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true}}
+	var pools []config.PoolConfig
+	for _, pc := range []struct{ name, model, strategy string }{{"a", "model-a", config.StrategyPrefixAware}, {"b", "model-b", config.StrategyLeastOutstanding}} {
+		cfg := config.PoolConfig{Name: pc.name, Model: pc.model, Adapters: []string{pc.name + "-lora"}, Routing: config.RoutingConfig{Strategy: pc.strategy, ConcurrencyThreshold: 2},
+			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
 		for i := range 3 {
 			addr := fmt.Sprintf("10.0.%d.%d:8000", len(pools), i)
 			addrs[addr] = true
-			cfg.Instances = append(cfg.Instances, router.InstanceConfig{ID: fmt.Sprintf("%s-%d", pc.name, i), URL: "http://" + addr})
+			cfg.Instances = append(cfg.Instances, config.InstanceConfig{ID: fmt.Sprintf("%s-%d", pc.name, i), URL: "http://" + addr})
 		}
 		pools = append(pools, cfg)
 	}
-	rs, err := router.NewServer(router.Config{Pools: pools}, router.Options{Logger: slog.New(slog.DiscardHandler)})
+	rs, err := router.NewServer(config.Config{Pools: pools}, router.Options{Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		tb.Fatal(err)
 	}

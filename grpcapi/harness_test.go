@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/kvindex"
@@ -42,7 +43,7 @@ type harness struct {
 	stop func() time.Duration
 }
 
-type harnessOpt func(*router.Config, *grpcapi.Config)
+type harnessOpt func(*config.Config, *grpcapi.Config)
 
 func newHarness(t testing.TB, opts ...harnessOpt) *harness {
 	t.Helper()
@@ -51,28 +52,28 @@ func newHarness(t testing.TB, opts ...harnessOpt) *harness {
 		t.Fatal(err)
 	}
 	h := &harness{t: t, idx: idx, ups: map[string]*routertest.Upstream{}}
-	pool := func(name, model string, strategy string, n int) router.PoolConfig {
-		pc := router.PoolConfig{Name: name, Model: model, Routing: router.RoutingConfig{Strategy: strategy},
-			Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true}}
+	pool := func(name, model string, strategy string, n int) config.PoolConfig {
+		pc := config.PoolConfig{Name: name, Model: model, Routing: config.RoutingConfig{Strategy: strategy},
+			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
 		for i := range n {
 			id := fmt.Sprintf("%s-%d", name, i)
 			u := routertest.New(t, id, model)
 			h.ups[id] = u
-			pc.Instances = append(pc.Instances, router.InstanceConfig{ID: id, URL: u.URL()})
+			pc.Instances = append(pc.Instances, config.InstanceConfig{ID: id, URL: u.URL()})
 		}
 		return pc
 	}
-	kv := pool("kv", kvModel, router.StrategyKVAware, 3)
-	kv.Tokenizer = &router.TokenizerConfig{Source: router.TokenSourceSimple}
+	kv := pool("kv", kvModel, config.StrategyKVAware, 3)
+	kv.Tokenizer = &config.TokenizerConfig{Source: router.TokenSourceSimple}
 	kv.Adapters = []string{"kv-lora"}
-	rcfg := router.Config{Pools: []router.PoolConfig{kv, pool("hash", hashModel, router.StrategyPrefixAware, 4)}}
+	rcfg := config.Config{Pools: []config.PoolConfig{kv, pool("hash", hashModel, config.StrategyPrefixAware, 4)}}
 	gcfg := grpcapi.Config{Logger: slog.New(slog.DiscardHandler)}
 	for _, o := range opts {
 		o(&rcfg, &gcfg)
 	}
 	h.srv, err = router.NewServer(rcfg, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV: func(p router.PoolConfig) (kvindex.Index, router.Freshness) {
+		KV: func(p config.PoolConfig) (kvindex.Index, router.Freshness) {
 			if p.Name == "kv" {
 				return idx, nil
 			}

@@ -13,6 +13,7 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -36,7 +37,7 @@ type watchFilter struct {
 func newWatchFilter(in *kvrouterv1.WatchRequest) (watchFilter, error) {
 	f := watchFilter{instance: in.GetInstance()}
 	if f.instance != "" {
-		if err := events.ValidToken("instance", f.instance); err != nil {
+		if err := kvstream.ValidToken("instance", f.instance); err != nil {
 			return f, status.Error(codes.InvalidArgument, err.Error())
 		}
 	}
@@ -83,7 +84,7 @@ func (x eventsService) Watch(in *kvrouterv1.WatchRequest, stream kvrouterv1.Even
 	if in.GetPool() == "" {
 		return status.Error(codes.InvalidArgument, "pool: required")
 	}
-	subj, err := events.PoolSubjects(events.SubjectEvents, in.GetPool())
+	subj, err := kvstream.PoolSubjects(kvstream.SubjectEvents, in.GetPool())
 	if err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
@@ -96,7 +97,7 @@ func (x eventsService) Watch(in *kvrouterv1.WatchRequest, stream kvrouterv1.Even
 		return status.Errorf(codes.NotFound, "events: no pool %q", in.GetPool())
 	}
 	if f.instance != "" {
-		subj = events.SubjectEvents + "." + in.GetPool() + "." + f.instance
+		subj = kvstream.SubjectEvents + "." + in.GetPool() + "." + f.instance
 	}
 	ch := make(chan *nats.Msg, s.cfg.WatchBuffer)
 	w := &watcher{x: x, stream: stream, pool: in.GetPool(), f: f}
@@ -178,7 +179,7 @@ func (w *watcher) libDrops() {
 func (w *watcher) send(m *nats.Msg) error {
 	x, pool, f, stream := w.x, w.pool, w.f, w.stream
 	w.libDrops()
-	_, _, instance, err := events.ParseSubject(m.Subject)
+	_, _, instance, err := kvstream.ParseSubject(m.Subject)
 	if err != nil {
 		x.s.m.watchBad.WithLabelValues(pool).Inc()
 		return nil
@@ -192,7 +193,7 @@ func (w *watcher) send(m *nats.Msg) error {
 	var seq uint64
 	var synthetic string
 	if m.Header != nil {
-		if h, err := events.ParseEventHeaders(m.Header); err == nil {
+		if h, err := kvstream.ParseEventHeaders(m.Header); err == nil {
 			seq, synthetic = h.Seq, h.Synthetic
 		}
 	}

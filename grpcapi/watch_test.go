@@ -13,10 +13,11 @@ import (
 	"google.golang.org/grpc/status"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/internal/testenv"
-	"github.com/kvrouter/kvrouter/router"
 )
 
 // TestWatch streams a pool's events from a real NATS server, as the
@@ -29,7 +30,7 @@ func TestWatch(t *testing.T) {
 	}
 	t.Cleanup(nc.Close)
 	reg := prometheus.NewRegistry()
-	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS, g.Registerer = nc, reg })
+	h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.NATS, g.Registerer = nc, reg })
 	pool := "kv" // the NATS server is this test's own
 
 	tokens := prompt(5, 2*bs)
@@ -48,11 +49,11 @@ func TestWatch(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		subj, err := events.EventsSubject(pool, inst)
+		subj, err := kvstream.EventsSubject(pool, inst)
 		if err != nil {
 			t.Fatal(err)
 		}
-		hd := events.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: inst}.Header()
+		hd := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: inst}.Header()
 		if err := nc.PublishMsg(&nats.Msg{Subject: subj, Data: payload, Header: hd}); err != nil {
 			t.Fatal(err)
 		}
@@ -174,7 +175,7 @@ func TestWatchBadRequests(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(nc.Close)
-	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS = nc })
+	h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.NATS = nc })
 	for _, tc := range []struct {
 		name string
 		req  *kvrouterv1.WatchRequest
@@ -208,7 +209,7 @@ func TestWatchSlowClient(t *testing.T) {
 	}
 	t.Cleanup(nc.Close)
 	reg := prometheus.NewRegistry()
-	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS, g.Registerer, g.WatchBuffer = nc, reg, 1 })
+	h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.NATS, g.Registerer, g.WatchBuffer = nc, reg, 1 })
 	pool := "hash" // the NATS server is this test's own
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -219,7 +220,7 @@ func TestWatchSlowClient(t *testing.T) {
 	if _, err := st.Header(); err != nil {
 		t.Fatal(err)
 	}
-	subj, _ := events.EventsSubject(pool, "a")
+	subj, _ := kvstream.EventsSubject(pool, "a")
 	publishN := func(n int, first uint64) {
 		for i := range n {
 			b := events.Batch{Events: []events.Event{{Kind: events.BlockRemoved, BlockHashes: []uint64{first + uint64(i)}, Medium: "GPU"}}}
@@ -303,7 +304,7 @@ func TestServeStopsWithOpenWatch(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(nc.Close)
-	h := newHarness(t, func(_ *router.Config, g *grpcapi.Config) { g.NATS = nc })
+	h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.NATS = nc })
 	st, err := kvrouterv1.NewEventsClient(h.conn).Watch(ctxT(t), &kvrouterv1.WatchRequest{Pool: "kv"})
 	if err != nil {
 		t.Fatal(err)

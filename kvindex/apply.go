@@ -42,6 +42,14 @@ type instanceOps interface {
 	clearAll()
 }
 
+// prefetcher is implemented by backend state that gains from knowing a
+// stored event's keys before the stores, one by one, that apply them (the
+// memory backend loads their table slots together, so that the cache
+// misses overlap).
+type prefetcher interface {
+	prefetch(keys []Key)
+}
+
 // blockSizer holds the pool's block size: configured, else learned from the
 // first event that carries one.
 type blockSizer struct {
@@ -217,6 +225,9 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 			parent = k
 		}
 		scratch = AppendKeys(scratch[:0], parent, ev.TokenIDs, size)
+		if p, ok := st.(prefetcher); ok {
+			p.prefetch(scratch)
+		}
 		// Last block first, so that within an event the chain's head ends
 		// up most recent: LRU eviction then trims chains from their ends,
 		// as the engine does, instead of cutting off their first blocks

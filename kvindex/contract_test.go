@@ -3,8 +3,10 @@ package kvindex
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -471,6 +473,9 @@ func testIndexContract(t *testing.T, newIndex factory) {
 			}
 		}
 	})
+	t.Run("concurrent writers, lookups and purges", func(t *testing.T) {
+		testIndexConcurrent(t, newIndex(t, factoryConfig{Model: testModel}))
+	})
 	t.Run("cancelled context", func(t *testing.T) {
 		idx := newIndex(t, factoryConfig{Model: testModel})
 		ctx, cancel := context.WithCancel(context.Background())
@@ -491,4 +496,91 @@ func mustApply(t testing.TB, idx Index, inst string, evs ...events.Event) ApplyR
 		t.Fatalf("apply %s: %v", inst, err)
 	}
 	return res
+}
+
+// testIndexConcurrent runs appliers (one goroutine per instance, as the
+// consumer shards them), lookups, Instances and a flapping instance
+// (applied, purged, again) at once; run under -race. Sized so that a
+// Redis-backed index finishes in about a second.
+func testIndexConcurrent(t *testing.T, idx Index) {
+	ctx := context.Background()
+	root := Root(testModel, "", "")
+	shared := newChain(root, 64, 4, 1, 0)
+	var wg sync.WaitGroup
+	const writers, rounds = 4, 25
+	for w := 0; w < writers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			inst := fmt.Sprintf("w%d", w)
+			c := newChain(root, 64, 4, 1, uint64(w+1)*1_000_000)
+			for i := 0; i < rounds; i++ {
+				tryApply(t, idx, inst, c.stored(0, 32), c.stored(32, 64), c.tierStored("CPU", 0, 64), c.removed("GPU", 40, 64))
+				if i%7 == 6 {
+					tryApply(t, idx, inst, cleared())
+				}
+			}
+			tryApply(t, idx, inst, c.stored(0, 64))
+		}()
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for i := 0; i < rounds/2; i++ {
+			tryApply(t, idx, "flap", shared.stored(0, 64))
+			if err := idx.Purge(ctx, "flap"); err != nil {
+				t.Error(err)
+			}
+		}
+	}()
+	stop := make(chan struct{})
+	var readers sync.WaitGroup
+	for r := 0; r < 2; r++ {
+		readers.Add(1)
+		go func() {
+			defer readers.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				ms, err := idx.Lookup(ctx, shared.keys)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				for _, x := range ms {
+					if x.Blocks[tiers.GPU] > x.Blocks[tiers.CPU] || x.Blocks[tiers.CPU] > 64 {
+						t.Errorf("inconsistent match %+v", x)
+					}
+				}
+				if _, err := idx.Instances(ctx); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(stop)
+	readers.Wait()
+	want := map[string][tiers.Count]int{}
+	for w := 0; w < writers; w++ {
+		want[fmt.Sprintf("w%d", w)] = all(64)
+	}
+	checkLookup(t, idx, query{shared.keys, want}, "final")
+	if n, _ := idx.Len(ctx); n != writers*64 {
+		t.Fatalf("Len = %d, want %d", n, writers*64)
+	}
+	if m, ok := idx.(*Memory); ok {
+		checkMemory(t, m)
+	}
+}
+
+// tryApply is mustApply for goroutines other than the test's own.
+func tryApply(t testing.TB, idx Index, inst string, evs ...events.Event) {
+	if _, err := idx.Apply(context.Background(), inst, evs); err != nil {
+		t.Errorf("apply %s: %v", inst, err)
+	}
 }

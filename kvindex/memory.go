@@ -18,6 +18,21 @@ import (
 // GPU holding ~1M tokens of a 8B model's KV is 60k blocks of 16).
 const DefaultCapacity = 4_000_000
 
+// maxCapacity bounds MemoryConfig.Capacity to half of what a table slot
+// can index (2^26 blocks and entries per instance), leaving room for the
+// entries one event adds before eviction brings the index back within
+// capacity: 33M entries are ~2 GB.
+const maxCapacity = maxIndex / 2
+
+// presizeDivisor sizes the block map's index up front for capacity/2
+// distinct keys (8 MB at the default capacity): growing it doubles a table
+// of millions of slots under the write lock, a pause every lookup waits
+// behind and, with its slots at random, the costliest part of ingesting
+// new blocks. An index that fills past half its capacity with distinct
+// keys (little sharing) grows once more; one that stays small pays 4 bytes
+// per slot for the room.
+const presizeDivisor = 2
+
 // clockUnit is the resolution of LRU stamps: a uint32 of 10 ms units wraps
 // after 497 days.
 const clockUnit = 10 * time.Millisecond
@@ -43,16 +58,21 @@ func (c MemoryConfig) validate() error {
 	if c.Capacity < 0 {
 		return fmt.Errorf("%w: memory: capacity %d < 0", ErrConfig, c.Capacity)
 	}
-	if c.Capacity > math.MaxInt32/2 {
-		return fmt.Errorf("%w: memory: capacity %d above %d", ErrConfig, c.Capacity, math.MaxInt32/2)
+	if c.Capacity > maxCapacity {
+		return fmt.Errorf("%w: memory: capacity %d above %d", ErrConfig, c.Capacity, maxCapacity)
 	}
 	return nil
 }
 
-// Memory is the embedded Index backend. It is sharded by instance: each
-// instance's blocks live in their own slab and hash tables under their own
-// lock, so Apply for one instance never contends with another's, and a
-// Lookup takes each instance's read lock once.
+// Memory is the embedded Index backend: a global block map (router key →
+// the instances holding it, per tier; blockmap.go) that a lookup walks once
+// per chain, and per instance an engine-hash map and an LRU list over a
+// slab of entries, one per (block, instance).
+//
+// One RWMutex guards it all. Lookups share it and touch only the block map
+// (so their cost does not grow with the number of instances sharing a
+// prefix); Apply takes it for writing one event at a time, so a lookup
+// waits at most for one event's blocks.
 type Memory struct {
 	model    string
 	capacity int64
@@ -60,14 +80,17 @@ type Memory struct {
 	start    time.Time
 	bs       blockSizer
 
-	mu    sync.RWMutex // guards insts and list
-	insts map[string]*memInstance
-	list  []*memInstance
+	mu        sync.RWMutex // guards everything below but the atomics
+	insts     map[string]*memInstance
+	slots     []*memInstance // by slot; nil = free
+	freeSlots []uint32
+	blocks    blockMap
+	scratch   []Key
 
 	entries atomic.Int64 // (block, instance) entries over all instances
 	evicted atomic.Int64 // entries evicted for capacity, ever
 
-	evictMu sync.Mutex // serialises eviction passes
+	lookups sync.Pool // *lookupState
 }
 
 var _ Index = (*Memory)(nil)
@@ -86,6 +109,7 @@ func NewMemory(cfg MemoryConfig) (*Memory, error) {
 	if m.capacity == 0 {
 		m.capacity = DefaultCapacity
 	}
+	m.blocks = newBlockMap(int(m.capacity) / presizeDivisor)
 	if m.now == nil {
 		m.now = time.Now
 	}
@@ -94,48 +118,50 @@ func NewMemory(cfg MemoryConfig) (*Memory, error) {
 	return m, nil
 }
 
-// memInstance is one instance's shard.
+// memInstance is one instance's part of the index. Its fields are guarded
+// by Memory.mu, but lastEvent.
 type memInstance struct {
-	name string
+	name   string
+	slot   uint32
+	blocks *blockMap
 
-	mu      sync.RWMutex // guards everything below but the atomics
-	slab    slab
-	byKey   table // router key → entries (several when engine hashes alias)
-	byHash  table // engine hash → entry
+	slab   slab
+	byHash table // engine hash → entry
+	// byNode indexes entries by block node once the instance has mapped two
+	// engine hashes to one router key (aliasing: e.g. multimodal prompts
+	// with equal token ids); empty, costing nothing, until then.
+	byNode  table
+	aliased bool
 	head    int32 // most recently stored; -1 when empty
 	tail    int32 // least recently stored; -1 when empty
 	n       int   // live entries
 	count   [tiers.Count]int
-	purged  bool   // removed from the index: Apply must re-resolve
 	stamp   uint32 // current Apply's clock, for entries it places
-	scratch []Key
 
-	lastEvent atomic.Int64  // unix nanoseconds of the last Apply
-	tailStamp atomic.Uint32 // stamp of the tail entry; MaxUint32 when empty
+	lastEvent atomic.Int64 // unix nanoseconds of the last Apply
 }
 
-func newMemInstance(name string) *memInstance {
-	in := &memInstance{name: name, head: -1, tail: -1}
+// instance returns name's part, creating it. Called with mu held for writing.
+func (m *Memory) instance(name string) (*memInstance, error) {
+	if in := m.insts[name]; in != nil {
+		return in, nil
+	}
+	var slot uint32
+	if n := len(m.freeSlots); n > 0 {
+		slot = m.freeSlots[n-1]
+		m.freeSlots = m.freeSlots[:n-1]
+	} else {
+		if len(m.slots) >= maxSlots {
+			return nil, fmt.Errorf("%w: memory: more than %d instances", ErrConfig, maxSlots)
+		}
+		slot = uint32(len(m.slots))
+		m.slots = append(m.slots, nil)
+	}
+	in := &memInstance{name: name, slot: slot, blocks: &m.blocks, head: -1, tail: -1}
 	in.slab.free = -1
-	in.tailStamp.Store(math.MaxUint32)
-	return in
-}
-
-func (m *Memory) instance(name string) *memInstance {
-	m.mu.RLock()
-	in := m.insts[name]
-	m.mu.RUnlock()
-	if in != nil {
-		return in
-	}
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if in = m.insts[name]; in == nil {
-		in = newMemInstance(name)
-		m.insts[name] = in
-		m.list = append(m.list, in)
-	}
-	return in
+	m.insts[name] = in
+	m.slots[slot] = in
+	return in, nil
 }
 
 // BlockSize implements Index.
@@ -149,44 +175,29 @@ func (m *Memory) Apply(ctx context.Context, instance string, evs []events.Event)
 	}
 	now := m.now()
 	stamp := uint32(now.Sub(m.start) / clockUnit)
-	for {
-		in := m.instance(instance)
-		in.mu.Lock()
-		if in.purged {
-			in.mu.Unlock()
-			continue // purged between lookup and lock: use the new shard
+	// One event per write-locked section: a lookup waits for at most one
+	// event's blocks, not a whole batch's.
+	for i := 0; i < len(evs) || i == 0; i++ {
+		m.mu.Lock()
+		in, err := m.instance(instance)
+		if err != nil {
+			m.mu.Unlock()
+			return res, err
 		}
 		before := in.n
 		in.stamp = stamp
-		in.scratch = applyEvents(in, m.model, &m.bs, evs, &res, in.scratch)
-		delta := in.n - before
-		in.syncTail()
-		in.mu.Unlock()
-		in.lastEvent.Store(now.UnixNano())
-		if m.entries.Add(int64(delta)) > m.capacity {
+		if i < len(evs) {
+			m.scratch = applyEvents(in, m.model, &m.bs, evs[i:i+1], &res, m.scratch)
+		}
+		if m.entries.Add(int64(in.n-before)) > m.capacity {
 			m.evict(stamp)
 		}
-		return res, nil
-	}
-}
-
-// Lookup implements Index.
-func (m *Memory) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
-	if err := ctx.Err(); err != nil {
-		return nil, err
-	}
-	if len(keys) == 0 {
-		return nil, nil
-	}
-	var out []Match
-	m.mu.RLock()
-	for _, in := range m.list {
-		if b, ok := in.match(keys); ok {
-			out = append(out, Match{Instance: in.name, Blocks: b})
+		if i >= len(evs)-1 {
+			in.lastEvent.Store(now.UnixNano())
 		}
+		m.mu.Unlock()
 	}
-	m.mu.RUnlock()
-	return m.bs.roundUnits(out), nil
+	return res, nil
 }
 
 // Purge implements Index.
@@ -195,28 +206,16 @@ func (m *Memory) Purge(ctx context.Context, instance string) error {
 		return err
 	}
 	m.mu.Lock()
+	defer m.mu.Unlock()
 	in := m.insts[instance]
-	if in != nil {
-		delete(m.insts, instance)
-		for i, x := range m.list {
-			if x == in {
-				m.list[i] = m.list[len(m.list)-1]
-				m.list[len(m.list)-1] = nil
-				m.list = m.list[:len(m.list)-1]
-				break
-			}
-		}
-	}
-	m.mu.Unlock()
 	if in == nil {
 		return nil
 	}
-	in.mu.Lock()
 	n := in.n
 	in.clearAll()
-	in.purged = true
-	in.syncTail()
-	in.mu.Unlock()
+	delete(m.insts, instance)
+	m.slots[in.slot] = nil
+	m.freeSlots = append(m.freeSlots, in.slot)
 	m.entries.Add(-int64(n))
 	return nil
 }
@@ -227,18 +226,18 @@ func (m *Memory) Instances(ctx context.Context) ([]InstanceStats, error) {
 		return nil, err
 	}
 	m.mu.RLock()
-	list := append([]*memInstance(nil), m.list...)
-	m.mu.RUnlock()
-	out := make([]InstanceStats, 0, len(list))
-	for _, in := range list {
-		in.mu.RLock()
+	out := make([]InstanceStats, 0, len(m.insts))
+	for _, in := range m.slots {
+		if in == nil {
+			continue
+		}
 		s := InstanceStats{Instance: in.name, Blocks: in.count}
-		in.mu.RUnlock()
 		if ns := in.lastEvent.Load(); ns != 0 {
 			s.LastEvent = time.Unix(0, ns)
 		}
 		out = append(out, s)
 	}
+	m.mu.RUnlock()
 	return out, nil
 }
 
@@ -254,17 +253,17 @@ func (m *Memory) Evicted() int64 { return m.evicted.Load() }
 // across all instances: it repeatedly takes the instance whose LRU tail is
 // oldest and evicts from it down to the next-oldest instance's tail stamp.
 // Entries a lookup matched since they were stored get a second chance (they
-// move to the head) instead of being evicted.
+// move to the head) instead of being evicted. Called with mu held for
+// writing.
 func (m *Memory) evict(now uint32) {
-	m.evictMu.Lock()
-	defer m.evictMu.Unlock()
 	for m.entries.Load() > m.capacity {
-		m.mu.RLock()
 		var victim *memInstance
 		oldest, cutoff := uint32(math.MaxUint32), uint32(math.MaxUint32)
-		for _, in := range m.list {
-			switch s := in.tailStamp.Load(); {
-			case s == math.MaxUint32:
+		for _, in := range m.slots {
+			if in == nil || in.tail < 0 {
+				continue
+			}
+			switch s := in.slab.at(in.tail).stamp; {
 			case victim == nil || s < oldest:
 				if victim != nil {
 					cutoff = oldest
@@ -274,25 +273,22 @@ func (m *Memory) evict(now uint32) {
 				cutoff = s
 			}
 		}
-		m.mu.RUnlock()
 		if victim == nil {
 			return // everything is empty; the count will settle
 		}
-		victim.mu.Lock()
+		stamp := victim.stamp
 		victim.stamp = now
 		evicted, rotations := 0, 0
-		for m.entries.Load() > m.capacity && victim.tail >= 0 && !victim.purged {
+		for m.entries.Load() > m.capacity && victim.tail >= 0 {
 			j := victim.tail
 			e := victim.slab.at(j)
-			if atomic.LoadUint32(&e.meta)&flagHit != 0 && rotations < victim.n {
+			if rotations < victim.n && m.blocks.takeHit(e.node, victim.slot) {
 				rotations++
-				e.meta &^= flagHit
 				victim.moveToHead(j)
 				continue
 			}
 			// Past the next-oldest instance's tail: pick again. A pass that
-			// neither rotated nor evicted evicts one entry regardless, so a
-			// stale tailStamp cannot make the loop spin.
+			// neither rotated nor evicted evicts one entry regardless.
 			if e.stamp > cutoff && (evicted > 0 || rotations > 0) {
 				break
 			}
@@ -300,8 +296,7 @@ func (m *Memory) evict(now uint32) {
 			evicted++
 			m.entries.Add(-1)
 		}
-		victim.syncTail()
-		victim.mu.Unlock()
+		victim.stamp = stamp
 		m.evicted.Add(int64(evicted))
 	}
 }
@@ -309,134 +304,27 @@ func (m *Memory) evict(now uint32) {
 // allTiers masks the tier bits of a tier set.
 const allTiers = 1<<tiers.Count - 1
 
-// match returns the leading blocks of keys the instance holds per tier.
-func (in *memInstance) match(keys []Key) (blocks [tiers.Count]int, ok bool) {
-	in.mu.RLock()
-	defer in.mu.RUnlock()
-	bits, j := in.probe(keys[0])
-	if bits&allTiers == 0 {
-		return blocks, false
-	}
-	// alive holds the tiers whose run is still contiguous; a block present
-	// in tier f counts for every tier >= f (Match counts "that tier or a
-	// faster one"), i.e. the mask of bits at or above its lowest set bit.
-	alive := uint32(allTiers)
-	i := 0
-	for {
-		b := bits & allTiers
-		if b == 0 {
-			break
-		}
-		if lost := alive &^ (^(b&-b - 1) & allTiers); lost != 0 {
-			for t := range tiers.Count {
-				if lost&(1<<t) != 0 {
-					blocks[t] = i
-				}
-			}
-			alive &^= lost
-		}
-		if i++; i == len(keys) {
-			break
-		}
-		// Blocks of a chain are usually stored by one event, hence in
-		// adjacent slab slots (last block first, see applyEvents): try the
-		// neighbouring slots before the hash table.
-		bits = 0
-		if j > 0 {
-			bits, j = in.neighbour(j-1, keys[i], j)
-		}
-		if bits == 0 && j+1 < in.slab.n {
-			bits, j = in.neighbour(j+1, keys[i], j)
-		}
-		if bits == 0 {
-			bits, j = in.probe(keys[i])
-		}
-	}
-	for t := range tiers.Count {
-		if alive&(1<<t) != 0 {
-			blocks[t] = i
-		}
-	}
-	return blocks, true
-}
-
-// neighbour returns the bits of slab slot j when it holds k alone (no
-// aliased entries), else 0 and fallback.
-func (in *memInstance) neighbour(j int32, k Key, fallback int32) (uint32, int32) {
-	e := in.slab.at(j)
-	if m := atomic.LoadUint32(&e.meta); e.key == k && m&flagLive != 0 && m&flagDup == 0 && m&tierMask != 0 {
-		markHit(e, m)
-		return m & tierMask, j
-	}
-	return 0, fallback
-}
-
-// probe returns the tier bits the instance holds key k in (OR over aliased
-// entries) and one entry's slab index; it marks the entries matched.
-func (in *memInstance) probe(k Key) (uint32, int32) {
-	j := in.byKey.find(&in.slab, uint64(k), byKeyOf)
-	if j < 0 {
-		return 0, -1
-	}
-	e := in.slab.at(j)
-	m := atomic.LoadUint32(&e.meta)
-	markHit(e, m)
-	bits := m & tierMask
-	if m&flagDup != 0 {
-		bits = in.aliasBits(k, bits)
-	}
-	return bits, j
-}
-
-// aliasBits ORs the tier bits of every entry indexed under k (rare: two
-// engine hashes for one router key).
-func (in *memInstance) aliasBits(k Key, bits uint32) uint32 {
-	t := &in.byKey
-	n := len(t.fp)
-	i, f := home(uint64(k), n)
-	for t.fp[i] != 0 {
-		if t.fp[i] == f {
-			if e := in.slab.at(t.idx[i]); e.key == k {
-				m := atomic.LoadUint32(&e.meta)
-				markHit(e, m)
-				bits |= m & tierMask
-			}
-		}
-		if i++; i == n {
-			i = 0
-		}
-	}
-	return bits
-}
-
-// markHit flags an entry as matched, writing only when the flag is not yet
-// set so that hot entries do not bounce cache lines between readers.
-func markHit(e *entry, m uint32) {
-	if m&flagHit == 0 {
-		atomic.OrUint32(&e.meta, flagHit)
-	}
-}
-
-// --- instanceOps, called with in.mu held for writing ---
+// --- instanceOps, called with Memory.mu held for writing ---
 
 var _ instanceOps = (*memInstance)(nil)
 
+func (in *memInstance) hashSrc() keySrc { return keySrc{s: &in.slab, kf: byHashOf} }
+func (in *memInstance) nodeSrc() keySrc { return keySrc{s: &in.slab, kf: byNodeOf} }
+
 func (in *memInstance) keyOf(h uint64) (Key, bool) {
-	j := in.byHash.find(&in.slab, h, byHashOf)
+	j := in.byHash.find(in.hashSrc(), h)
 	if j < 0 {
 		return 0, false
 	}
-	return in.slab.at(j).key, true
+	return *in.blocks.keyAt(in.slab.at(j).node), true
 }
 
 func (in *memInstance) store(h uint64, k Key, t tiers.Tier) bool {
 	bit := uint32(t.Bit())
-	if j := in.byHash.find(&in.slab, h, byHashOf); j >= 0 {
+	j, at := in.byHash.findOrSlot(in.hashSrc(), h)
+	if j >= 0 {
 		e := in.slab.at(j)
-		if e.key != k {
-			// The engine re-keyed a hash (should not happen): start over.
-			in.drop(j)
-		} else {
+		if *in.blocks.keyAt(e.node) == k {
 			added := e.meta&bit == 0
 			if added {
 				e.meta |= bit
@@ -445,26 +333,50 @@ func (in *memInstance) store(h uint64, k Key, t tiers.Tier) bool {
 			in.touch(j)
 			return added
 		}
+		// The engine re-keyed a hash (should not happen): start over.
+		in.drop(j)
+		_, at = in.byHash.findOrSlot(in.hashSrc(), h)
 	}
-	j := in.slab.alloc()
+	if in.slab.full() || in.blocks.full() {
+		return false // past what the tables index: dropped (see maxCapacity)
+	}
+	node := in.blocks.nodeFor(k)
+	alias := in.blocks.holds(node, in.slot)
+	j = in.slab.alloc()
 	e := in.slab.at(j)
-	// Not live until indexed: a table growing during insert rebuilds from
-	// the live slab entries and must not index this one twice.
-	*e = entry{key: k, ehash: h, prev: -1, next: -1, meta: bit}
-	in.byHash.insert(&in.slab, j, h, byHashOf)
-	if d := in.byKey.insert(&in.slab, j, uint64(k), byKeyOf); d >= 0 {
-		e.meta |= flagDup
-		in.slab.at(d).meta |= flagDup
+	// Not live until indexed: a table growing rebuilds from the live slab
+	// entries and must not index this one twice.
+	*e = entry{hashLo: uint32(h), hashHi: uint32(h >> 32), node: node, prev: -1, next: -1, meta: bit}
+	in.byHash.put(at, j)
+	if alias && !in.aliased {
+		// First alias: index the instance's entries by node from now on.
+		in.aliased = true
+		in.byNode.grow(in.nodeSrc())
+	}
+	if in.aliased {
+		if d := in.byNode.insert(in.nodeSrc(), j, uint64(node)); d >= 0 {
+			in.markDups(node)
+			e.meta |= flagDup
+		}
 	}
 	e.meta |= flagLive
 	in.pushHead(j)
 	in.n++
 	in.count[t]++
+	in.syncHolder(e, false)
 	return true
 }
 
+// prefetch loads the table slots a stored event's blocks will probe, so
+// that their cache misses overlap instead of coming one store at a time.
+// The instance's own engine-hash table is small enough to stay in cache
+// while its events apply; the block map's index is not.
+func (in *memInstance) prefetch(keys []Key) {
+	in.blocks.index.touch(keys)
+}
+
 func (in *memInstance) addTier(h uint64, t tiers.Tier) (mapped, added bool) {
-	j := in.byHash.find(&in.slab, h, byHashOf)
+	j := in.byHash.find(in.hashSrc(), h)
 	if j < 0 {
 		return false, false
 	}
@@ -480,7 +392,7 @@ func (in *memInstance) addTier(h uint64, t tiers.Tier) (mapped, added bool) {
 }
 
 func (in *memInstance) removeTier(h uint64, t tiers.Tier) (mapped, removed bool) {
-	j := in.byHash.find(&in.slab, h, byHashOf)
+	j := in.byHash.find(in.hashSrc(), h)
 	if j < 0 {
 		return false, false
 	}
@@ -493,19 +405,70 @@ func (in *memInstance) removeTier(h uint64, t tiers.Tier) (mapped, removed bool)
 	in.count[t]--
 	if e.meta&tierMask == 0 {
 		in.drop(j)
+	} else {
+		in.syncHolder(e, true)
 	}
 	return true, true
 }
 
+// clearAll drops every block of the instance from the block map, then its
+// own structures.
 func (in *memInstance) clearAll() {
+	for j := int32(0); j < in.slab.n; j++ {
+		if e := in.slab.at(j); e.meta&flagLive != 0 {
+			in.blocks.set(e.node, in.slot, 0, false)
+		}
+	}
 	in.slab = slab{free: -1}
-	in.byKey.reset()
 	in.byHash.reset()
+	in.byNode.reset()
+	in.aliased = false
 	in.head, in.tail, in.n = -1, -1, 0
 	in.count = [tiers.Count]int{}
 }
 
-// drop removes entry j entirely (both indexes, LRU list, counts).
+// syncHolder writes e's tier bits (ORed with its aliases') into its block
+// node's holder record.
+func (in *memInstance) syncHolder(e *entry, keepHit bool) {
+	bits := e.meta & tierMask
+	if e.meta&flagDup != 0 {
+		bits = in.aliasBits(e.node)
+	}
+	in.blocks.set(e.node, in.slot, bits, keepHit)
+}
+
+// aliasBits ORs the tier bits of the instance's live entries of node.
+func (in *memInstance) aliasBits(node int32) uint32 {
+	var bits uint32
+	in.eachAlias(node, func(e *entry) { bits |= e.meta & tierMask })
+	return bits
+}
+
+func (in *memInstance) markDups(node int32) {
+	in.eachAlias(node, func(e *entry) { e.meta |= flagDup })
+}
+
+func (in *memInstance) eachAlias(node int32, do func(*entry)) {
+	t := &in.byNode
+	n := len(t.slots)
+	if n == 0 {
+		return
+	}
+	i, f := home(uint64(node), n)
+	for c := t.slots[i]; c != 0; c = t.slots[i] {
+		if c&^idxMask == f {
+			if e := in.slab.at(slotIdx(c)); e.node == node && e.meta&flagLive != 0 {
+				do(e)
+			}
+		}
+		if i++; i == n {
+			i = 0
+		}
+	}
+}
+
+// drop removes entry j entirely (both indexes, LRU list, counts, its hold
+// of the block).
 func (in *memInstance) drop(j int32) {
 	e := in.slab.at(j)
 	m := e.meta
@@ -514,23 +477,29 @@ func (in *memInstance) drop(j int32) {
 			in.count[t]--
 		}
 	}
-	in.byHash.remove(&in.slab, j, e.ehash, byHashOf)
-	in.byKey.remove(&in.slab, j, uint64(e.key), byKeyOf)
+	e.meta &^= tierMask
+	in.syncHolder(e, true)
+	in.byHash.remove(in.hashSrc(), j, e.ehash())
+	if in.aliased {
+		in.byNode.remove(in.nodeSrc(), j, uint64(e.node))
+	}
 	in.unlink(j)
 	in.slab.release(j)
 	in.n--
 }
 
-// touch moves j to the LRU head with the current Apply's stamp.
+// touch moves j to the LRU head with the current Apply's stamp and
+// refreshes its holder record (tier bits; the second chance starts over).
 func (in *memInstance) touch(j int32) {
 	e := in.slab.at(j)
 	e.stamp = in.stamp
-	e.meta &^= flagHit
+	in.syncHolder(e, false)
 	in.moveToHead(j)
 }
 
 func (in *memInstance) moveToHead(j int32) {
 	if in.head == j {
+		in.slab.at(j).stamp = in.stamp
 		return
 	}
 	in.unlink(j)
@@ -563,13 +532,4 @@ func (in *memInstance) unlink(j int32) {
 		in.tail = e.prev
 	}
 	e.prev, e.next = -1, -1
-}
-
-// syncTail publishes the tail's stamp for the eviction pass.
-func (in *memInstance) syncTail() {
-	if in.tail < 0 {
-		in.tailStamp.Store(math.MaxUint32)
-		return
-	}
-	in.tailStamp.Store(in.slab.at(in.tail).stamp)
 }

@@ -5,11 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -113,89 +111,5 @@ func TestMemoryCapacityChurn(t *testing.T) {
 	}
 	if n, _ := m.Len(context.Background()); n != total || n != 1000 {
 		t.Fatalf("Len = %d, GPU blocks over instances = %d, want both 1000", n, total)
-	}
-}
-
-func TestMemoryConcurrent(t *testing.T) {
-	// Appliers (one goroutine per instance, as the consumer shards them),
-	// lookups and purges at once; run under -race.
-	m, err := NewMemory(MemoryConfig{Model: testModel, Capacity: 1 << 20})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	root := Root(testModel, "", "")
-	shared := newChain(root, 64, 4, 1, 0)
-	var wg sync.WaitGroup
-	const writers = 4
-	for w := 0; w < writers; w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			inst := fmt.Sprintf("w%d", w)
-			c := newChain(root, 64, 4, 1, uint64(w+1)*1_000_000)
-			for i := 0; i < 200; i++ {
-				tryApply(t, m, inst, c.stored(0, 32), c.stored(32, 64), c.tierStored("CPU", 0, 64), c.removed("GPU", 40, 64))
-				if i%50 == 49 {
-					tryApply(t, m, inst, cleared())
-				}
-			}
-			tryApply(t, m, inst, c.stored(0, 64))
-		}()
-	}
-	wg.Add(1)
-	go func() { // a flapping instance
-		defer wg.Done()
-		for i := 0; i < 100; i++ {
-			tryApply(t, m, "flap", shared.stored(0, 64))
-			if err := m.Purge(ctx, "flap"); err != nil {
-				t.Error(err)
-			}
-		}
-	}()
-	stop := make(chan struct{})
-	var readers sync.WaitGroup
-	for r := 0; r < 2; r++ {
-		readers.Add(1)
-		go func() {
-			defer readers.Done()
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				ms, err := m.Lookup(ctx, shared.keys)
-				if err != nil {
-					t.Error(err)
-					return
-				}
-				for _, x := range ms {
-					if x.Blocks[tiers.GPU] > x.Blocks[tiers.CPU] || x.Blocks[tiers.CPU] > 64 {
-						t.Errorf("inconsistent match %+v", x)
-					}
-				}
-				_, _ = m.Instances(ctx)
-			}
-		}()
-	}
-	wg.Wait()
-	close(stop)
-	readers.Wait()
-	want := map[string][tiers.Count]int{}
-	for w := 0; w < writers; w++ {
-		want[fmt.Sprintf("w%d", w)] = all(64)
-	}
-	checkLookup(t, m, query{shared.keys, want}, "final")
-	if n, _ := m.Len(ctx); n != writers*64 {
-		t.Fatalf("Len = %d, want %d", n, writers*64)
-	}
-}
-
-// tryApply is mustApply for goroutines other than the test's own.
-func tryApply(t testing.TB, idx Index, inst string, evs ...events.Event) {
-	if _, err := idx.Apply(context.Background(), inst, evs); err != nil {
-		t.Errorf("apply %s: %v", inst, err)
 	}
 }

@@ -180,7 +180,7 @@ func (w *propWorld) randomEvent(rng *rand.Rand) events.Event {
 	}
 }
 
-func testIndexProperty(t *testing.T, newIndex factory, rounds, ops int) {
+func testIndexProperty(t *testing.T, newIndex factory, rounds, ops, instances int) {
 	for round := 0; round < rounds; round++ {
 		seed := uint64(round)*7919 + 17
 		t.Run(fmt.Sprintf("seed%d", seed), func(t *testing.T) {
@@ -189,7 +189,11 @@ func testIndexProperty(t *testing.T, newIndex factory, rounds, ops int) {
 			idx := newIndex(t, factoryConfig{Model: testModel, BlockSize: 4})
 			ref := &refIndex{model: testModel, bs: 4, inst: map[string]map[uint64]refEntry{}}
 			w := newPropWorld(rng, testModel)
-			insts := []string{"a", "b", "c", "d"}
+			insts := make([]string, instances)
+			for i := range insts {
+				insts[i] = fmt.Sprintf("i%d", i)
+			}
+			mem, _ := idx.(*Memory)
 			for op := 0; op < ops; op++ {
 				inst := insts[rng.IntN(len(insts))]
 				switch r := rng.IntN(20); {
@@ -212,6 +216,9 @@ func testIndexProperty(t *testing.T, newIndex factory, rounds, ops int) {
 					keys := w.keys[d][:1+rng.IntN(len(w.keys[d]))]
 					checkLookup(t, idx, query{keys: keys, want: ref.lookup(keys)}, fmt.Sprintf("op %d", op))
 				}
+				if mem != nil {
+					checkMemory(t, mem)
+				}
 			}
 			for d := range w.keys {
 				checkLookup(t, idx, query{keys: w.keys[d], want: ref.lookup(w.keys[d])}, fmt.Sprintf("final doc %d", d))
@@ -223,5 +230,13 @@ func testIndexProperty(t *testing.T, newIndex factory, rounds, ops int) {
 	}
 }
 
-func TestMemoryProperty(t *testing.T) { testIndexProperty(t, newMemoryForTest, 40, 400) }
-func TestRedisProperty(t *testing.T)  { testIndexProperty(t, newRedisForTest, 8, 250) }
+func TestMemoryProperty(t *testing.T) { testIndexProperty(t, newMemoryForTest, 40, 400, 4) }
+
+// TestMemoryPropertyManyHolders runs the property test with enough
+// instances that blocks get many holders: the block map's holder lists
+// turn into bitsets over instance slots and back.
+func TestMemoryPropertyManyHolders(t *testing.T) {
+	testIndexProperty(t, newMemoryForTest, 10, 3000, 150)
+}
+
+func TestRedisProperty(t *testing.T) { testIndexProperty(t, newRedisForTest, 8, 250, 4) }

@@ -11,27 +11,28 @@ const (
 	chunkMask = chunkSize - 1
 )
 
-// entry is one (engine block, instance) placement: 32 bytes, no pointers,
-// so a million of them are 32 MB the garbage collector never scans.
+// entry is one (engine block, instance) placement: 28 bytes, no pointers,
+// so a million of them are 28 MB the garbage collector never scans. The
+// router key lives in the global block node (node), not here.
 type entry struct {
-	key   Key    // router block key
-	ehash uint64 // engine block hash
-	prev  int32  // LRU neighbour toward the head (more recent); -1 none
-	next  int32  // LRU neighbour toward the tail; -1 none; free-list link when free
-	stamp uint32 // clock (clockUnit) when last placed at the LRU head
-	meta  uint32 // tier bits (low byte) and flags; read atomically, see flagHit
+	hashLo uint32 // engine block hash, low and high halves: two uint32s keep
+	hashHi uint32 // the entry 4-byte aligned (28 bytes, not 32)
+	node   int32  // the block's node in the global block map
+	prev   int32  // LRU neighbour toward the head (more recent); -1 none
+	next   int32  // LRU neighbour toward the tail; -1 none; free-list link when free
+	stamp  uint32 // clock (clockUnit) when last placed at the LRU head
+	meta   uint32 // tier bits (low byte) and flags
 }
+
+func (e *entry) ehash() uint64 { return uint64(e.hashHi)<<32 | uint64(e.hashLo) }
 
 const (
 	tierMask = 0xff
 	// flagLive marks a slot in use (free slots have it clear).
 	flagLive = 1 << 8
-	// flagHit is set (atomically, under the read lock) when a lookup matched
-	// the entry since it was last placed at the LRU head: eviction gives it
-	// a second chance instead of taking the write lock on every lookup.
-	flagHit = 1 << 9
 	// flagDup marks an entry whose key another entry of the instance shares
-	// (two engine hashes for one router key); lookups then OR them together.
+	// (two engine hashes for one router key): the block's holder record is
+	// then the OR of their tier bits.
 	flagDup = 1 << 10
 )
 
@@ -43,6 +44,9 @@ type slab struct {
 }
 
 func (s *slab) at(i int32) *entry { return &s.chunks[i>>chunkBits][i&chunkMask] }
+
+// full reports whether the slab has handed out every index a table can hold.
+func (s *slab) full() bool { return s.free < 0 && s.n > maxIndex }
 
 func (s *slab) alloc() int32 {
 	if s.free >= 0 {
@@ -64,17 +68,30 @@ func (s *slab) release(i int32) {
 	s.free = i
 }
 
-// table is an open-addressing hash index from a 64-bit key (an entry's
-// router key or engine hash) to slab indices, with linear probing and a
-// one-byte fingerprint per slot so that probing rarely touches the slab.
-// 5 bytes per slot at a load factor of 1/2..3/4: 7-10 bytes per entry.
-// Several slots may hold the same key (byKey, when two engine hashes map
-// to one router key).
+// table is an open-addressing hash index from a 64-bit key to int32
+// indices into a store (an instance's slab, indexed by engine hash or by
+// block node; or the global block map's nodes, indexed by router key), with
+// linear probing. Each slot is one uint32: a 6-bit fingerprint of the key
+// above the index plus one (0 = empty), so a probe reads one cache line and
+// rarely touches the store, and an insert writes that same line. 4 bytes
+// per slot at a load factor of 3/8..3/4: 5.3-10.7 bytes per indexed item.
+// Several slots may hold the same key (byNode, when two engine hashes of
+// one instance map to one router key).
 type table struct {
-	idx []int32
-	fp  []uint8 // 0 = empty slot
-	n   int
+	slots []uint32
+	n     int
+	sink  uint32 // keeps grow's grouped loads from being optimised away
 }
+
+// Slot layout: fingerprint in the top fpBits, index+1 below.
+const (
+	fpBits   = 6
+	idxBits  = 32 - fpBits
+	idxMask  = 1<<idxBits - 1
+	maxIndex = idxMask - 1 // highest index a table can hold
+)
+
+func slotIdx(s uint32) int32 { return int32(s&idxMask) - 1 }
 
 // mix is a 64-bit finaliser (murmur3 fmix64): engine hashes are not always
 // uniform (tests and some engines use small integers).
@@ -87,48 +104,75 @@ func mix(k uint64) uint64 {
 	return k
 }
 
-// home returns the home slot and fingerprint of k in a table of size n.
-func home(k uint64, n int) (int, uint8) {
+// home returns the home slot of k in a table of size n, and its
+// fingerprint already in slot position.
+func home(k uint64, n int) (int, uint32) {
 	h := mix(k)
 	hi, _ := bits.Mul64(h, uint64(n))
-	f := uint8(h)
-	if f == 0 {
-		f = 1
-	}
-	return int(hi), f
+	return int(hi), uint32(h) << idxBits
 }
 
-// keyFunc selects what a table indexes entries by: byKeyOf (the router
-// key) or byHashOf (the engine hash). A bool rather than a func value, so
-// that the probe loops stay free of indirect calls.
-type keyFunc bool
+// keyFunc selects what a table indexes: slab entries by engine hash or by
+// block node, or block-map nodes by router key. An enum switched on rather
+// than a func value, so that the probe loops stay free of indirect calls.
+type keyFunc uint8
 
 const (
-	byKeyOf  keyFunc = false
-	byHashOf keyFunc = true
+	byHashOf keyFunc = iota
+	byNodeOf
+	nodeKeyOf
 )
 
-func (kf keyFunc) of(e *entry) uint64 {
-	if kf {
-		return e.ehash
-	}
-	return uint64(e.key)
+// keySrc is a table's store: the slab (byHashOf, byNodeOf) or the block
+// map (nodeKeyOf).
+type keySrc struct {
+	s  *slab
+	bm *blockMap
+	kf keyFunc
 }
 
-// find returns the slab index of the first entry with key k, or -1.
-func (t *table) find(s *slab, k uint64, kf keyFunc) int32 {
-	n := len(t.fp)
+func (ks keySrc) of(j int32) uint64 {
+	switch ks.kf {
+	case byHashOf:
+		return ks.s.at(j).ehash()
+	case byNodeOf:
+		return uint64(ks.s.at(j).node)
+	default:
+		return uint64(*ks.bm.keyAt(j))
+	}
+}
+
+// live reports whether index j holds an item to index (table growth
+// re-inserts from the store, in store order).
+func (ks keySrc) live(j int32) bool {
+	if ks.kf == nodeKeyOf {
+		return *ks.bm.holdAt(j) != 0
+	}
+	return ks.s.at(j).meta&flagLive != 0
+}
+
+// highWater is one past the highest index the store has handed out.
+func (ks keySrc) highWater() int32 {
+	if ks.kf == nodeKeyOf {
+		return ks.bm.n
+	}
+	return ks.s.n
+}
+
+// find returns the index of the first item with key k, or -1.
+func (t *table) find(ks keySrc, k uint64) int32 {
+	n := len(t.slots)
 	if n == 0 {
 		return -1
 	}
 	i, f := home(k, n)
 	for {
-		c := t.fp[i]
+		c := t.slots[i]
 		if c == 0 {
 			return -1
 		}
-		if c == f {
-			if j := t.idx[i]; kf.of(s.at(j)) == k {
+		if c&^idxMask == f {
+			if j := slotIdx(c); ks.of(j) == k {
 				return j
 			}
 		}
@@ -138,88 +182,161 @@ func (t *table) find(s *slab, k uint64, kf keyFunc) int32 {
 	}
 }
 
-// insert adds slab index j under key k. It returns the slab index of an
-// entry already indexed under k, or -1: the caller marks duplicates.
-func (t *table) insert(s *slab, j int32, k uint64, kf keyFunc) int32 {
-	if (t.n+1)*4 > len(t.fp)*3 {
-		t.grow(s, kf)
+// touch loads the home slots of keys, independent loads whose cache
+// misses overlap, ahead of probing them one by one.
+func (t *table) touch(keys []Key) {
+	n := len(t.slots)
+	if n == 0 {
+		return
 	}
-	n := len(t.fp)
+	var x uint32
+	for _, k := range keys {
+		i, _ := home(uint64(k), n)
+		x |= t.slots[i]
+	}
+	t.sink ^= x
+}
+
+// presize makes an empty table room for n items without growing.
+func (t *table) presize(n int) {
+	size := 16
+	for size*3 < n*4 {
+		size *= 2
+	}
+	t.slots = make([]uint32, size)
+}
+
+// slotRef is where findOrSlot found room for a key.
+type slotRef struct {
+	i int
+	f uint32
+}
+
+// findOrSlot returns the index of the item with key k, or -1 and the empty
+// slot where k goes: put fills it, provided nothing else changed the table
+// meanwhile. One probe where find then insert would take two; it grows the
+// table first when one more item would pass 3/4 load. For tables whose
+// keys are unique (byHash, the block map's index).
+func (t *table) findOrSlot(ks keySrc, k uint64) (int32, slotRef) {
+	if (t.n+1)*4 > len(t.slots)*3 {
+		t.grow(ks)
+	}
+	n := len(t.slots)
 	i, f := home(k, n)
-	dup := int32(-1)
-	for t.fp[i] != 0 {
-		if dup < 0 && t.fp[i] == f && kf.of(s.at(t.idx[i])) == k {
-			dup = t.idx[i]
+	for {
+		c := t.slots[i]
+		if c == 0 {
+			return -1, slotRef{i, f}
+		}
+		if c&^idxMask == f {
+			if j := slotIdx(c); ks.of(j) == k {
+				return j, slotRef{}
+			}
 		}
 		if i++; i == n {
 			i = 0
 		}
 	}
-	t.fp[i], t.idx[i] = f, j
+}
+
+// put indexes j at the slot findOrSlot returned.
+func (t *table) put(at slotRef, j int32) {
+	t.slots[at.i] = at.f | uint32(j+1)
+	t.n++
+}
+
+// insert adds index j under key k. It returns the index of an item
+// already indexed under k, or -1: the caller marks duplicates.
+func (t *table) insert(ks keySrc, j int32, k uint64) int32 {
+	if (t.n+1)*4 > len(t.slots)*3 {
+		t.grow(ks)
+	}
+	n := len(t.slots)
+	i, f := home(k, n)
+	dup := int32(-1)
+	for c := t.slots[i]; c != 0; c = t.slots[i] {
+		if dup < 0 && c&^idxMask == f && ks.of(slotIdx(c)) == k {
+			dup = slotIdx(c)
+		}
+		if i++; i == n {
+			i = 0
+		}
+	}
+	t.slots[i] = f | uint32(j+1)
 	t.n++
 	return dup
 }
 
-func (t *table) grow(s *slab, kf keyFunc) {
-	size := 2 * len(t.fp)
+func (t *table) grow(ks keySrc) {
+	size := 2 * len(t.slots)
 	if size < 16 {
 		size = 16
 	}
-	t.idx, t.fp, t.n = make([]int32, size), make([]uint8, size), 0
-	// Re-insert from the slab, in slab order: reading the entries
-	// sequentially is much cheaper than following the old table's indices
-	// into the slab at random.
-	for c, chunk := range s.chunks {
-		for o := range chunk {
-			j := int32(c<<chunkBits | o)
-			if j >= s.n {
-				return
-			}
-			e := &chunk[o]
-			if e.meta&flagLive == 0 {
+	t.slots, t.n = make([]uint32, size), 0
+	// Re-insert from the store, in store order: reading it sequentially is
+	// much cheaper than following the old table's indices at random. The
+	// slots are random, so items go in groups: the homes of a group are
+	// loaded first, independent loads whose cache misses overlap, then the
+	// group is placed.
+	const group = 16
+	var homes [group]int
+	var vals [group]uint32
+	var sink uint32
+	hw := ks.highWater()
+	for j := int32(0); j < hw; {
+		g := 0
+		for ; g < group && j < hw; j++ {
+			if !ks.live(j) {
 				continue
 			}
-			p, f := home(kf.of(e), size)
-			for t.fp[p] != 0 {
+			h, f := home(ks.of(j), size)
+			homes[g], vals[g] = h, f|uint32(j+1)
+			sink |= t.slots[h]
+			g++
+		}
+		for x := range g {
+			p := homes[x]
+			for t.slots[p] != 0 {
 				if p++; p == size {
 					p = 0
 				}
 			}
-			t.fp[p], t.idx[p] = f, j
+			t.slots[p] = vals[x]
 			t.n++
 		}
 	}
+	t.sink ^= sink
 }
 
-// remove drops slab index j (indexed under k) and closes the gap by
-// shifting later members of the probe run back (no tombstones, so probe
-// runs never lengthen with churn).
-func (t *table) remove(s *slab, j int32, k uint64, kf keyFunc) {
-	n := len(t.fp)
+// remove drops index j (indexed under k) and closes the gap by shifting
+// later members of the probe run back (no tombstones, so probe runs never
+// lengthen with churn).
+func (t *table) remove(ks keySrc, j int32, k uint64) {
+	n := len(t.slots)
 	if n == 0 {
 		return
 	}
 	i, _ := home(k, n)
-	for t.fp[i] != 0 && t.idx[i] != j {
+	for t.slots[i] != 0 && slotIdx(t.slots[i]) != j {
 		if i++; i == n {
 			i = 0
 		}
 	}
-	if t.fp[i] == 0 {
+	if t.slots[i] == 0 {
 		return // not indexed: nothing to drop
 	}
 	t.n--
 	for {
-		t.fp[i] = 0
+		t.slots[i] = 0
 		p := i
 		for {
 			if p++; p == n {
 				p = 0
 			}
-			if t.fp[p] == 0 {
+			if t.slots[p] == 0 {
 				return
 			}
-			h, _ := home(kf.of(s.at(t.idx[p])), n)
+			h, _ := home(ks.of(slotIdx(t.slots[p])), n)
 			// The member at p may move to the gap at i unless its home lies
 			// cyclically in (i, p].
 			if i <= p {
@@ -231,12 +348,9 @@ func (t *table) remove(s *slab, j int32, k uint64, kf keyFunc) {
 			}
 			break
 		}
-		t.fp[i], t.idx[i] = t.fp[p], t.idx[p]
+		t.slots[i] = t.slots[p]
 		i = p
 	}
 }
 
 func (t *table) reset() { *t = table{} }
-
-// bytes is the table's heap footprint.
-func (t *table) bytes() int { return 5 * len(t.fp) }

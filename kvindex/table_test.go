@@ -3,6 +3,7 @@ package kvindex
 import (
 	"context"
 	"encoding/binary"
+	"fmt"
 	"math/rand/v2"
 	"testing"
 
@@ -10,52 +11,55 @@ import (
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
-// checkTable runs ops against a memInstance's engine-hash map and a Go map:
-// every op is a store (even byte) or removal (odd) of a small engine hash,
-// so probe runs collide, grow and shift back a lot.
+// checkTable runs ops against a memory index and a Go map: every op is a
+// store (even byte) or removal (odd) of a small engine hash by one of three
+// instances, so probe runs collide, grow and shift back a lot, keys alias
+// (several engine hashes of an instance map to one key) and holders move
+// between inline, list and set form.
 func checkTable(t *testing.T, ops []byte) {
-	in := newMemInstance("x")
-	ref := map[uint64]Key{}
+	m, err := NewMemory(MemoryConfig{Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	type ik struct {
+		inst uint8
+		h    uint64
+	}
+	ref := map[ik]Key{}
+	m.mu.Lock()
+	var ins [3]*memInstance
+	for i := range ins {
+		if ins[i], err = m.instance(fmt.Sprintf("i%d", i)); err != nil {
+			t.Fatal(err)
+		}
+	}
 	for i, op := range ops {
-		h := uint64(op >> 1 % 64)
-		if op&1 == 0 {
+		inst, h := op%3, uint64(op>>2%32)
+		in := ins[inst]
+		before := in.n
+		if op&2 == 0 {
 			k := Key(h%7 + 1) // few keys: aliasing engine hashes share one
 			in.store(h, k, tiers.GPU)
-			ref[h] = k
+			ref[ik{inst, h}] = k
 		} else {
 			in.removeTier(h, tiers.GPU)
-			delete(ref, h)
+			delete(ref, ik{inst, h})
 		}
-		if in.n != len(ref) || in.byHash.n != len(ref) || in.byKey.n != len(ref) {
-			t.Fatalf("op %d: n=%d byHash=%d byKey=%d, want %d", i, in.n, in.byHash.n, in.byKey.n, len(ref))
-		}
-	}
-	for h := uint64(0); h < 64; h++ {
-		k, ok := in.keyOf(h)
-		if want, has := ref[h]; ok != has || ok && k != want {
-			t.Fatalf("keyOf(%d) = %v,%v; want %v,%v", h, k, ok, want, has)
+		m.entries.Add(int64(in.n - before))
+		if err := memoryInvariantsLocked(m); err != nil {
+			m.mu.Unlock()
+			t.Fatalf("op %d: %v", i, err)
 		}
 	}
-	held := map[Key]bool{}
-	for _, k := range ref {
-		held[k] = true
-	}
-	for k := Key(1); k <= 7; k++ {
-		bits, _ := in.probe(k)
-		if (bits != 0) != held[k] {
-			t.Fatalf("probe(%d) = %b, held %v", k, bits, held[k])
+	for inst, in := range ins {
+		for h := uint64(0); h < 32; h++ {
+			k, ok := in.keyOf(h)
+			if want, has := ref[ik{uint8(inst), h}]; ok != has || ok && k != want {
+				t.Fatalf("keyOf(%d) = %v,%v; want %v,%v", h, k, ok, want, has)
+			}
 		}
 	}
-	// The LRU list links every live entry exactly once.
-	seen := 0
-	for j := in.head; j >= 0; j = in.slab.at(j).next {
-		if seen++; seen > in.n {
-			t.Fatal("LRU list has a cycle")
-		}
-	}
-	if seen != in.n {
-		t.Fatalf("LRU list has %d entries, want %d", seen, in.n)
-	}
+	m.mu.Unlock()
 }
 
 func TestTableAgainstMap(t *testing.T) {

@@ -11,6 +11,8 @@ import (
 	"net/http/pprof"
 	"strings"
 
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
@@ -38,7 +40,7 @@ func (s *Server) authRequired(h http.HandlerFunc) http.HandlerFunc {
 	authed := s.auth(h)
 	return func(w http.ResponseWriter, r *http.Request) {
 		if *s.adminToken.Load() == "" {
-			writeError(w, http.StatusForbidden, "profiling endpoints need an admin token (KVROUTER_ADMIN_TOKEN)")
+			openai.WriteError(w, http.StatusForbidden, "profiling endpoints need an admin token (KVROUTER_ADMIN_TOKEN)")
 			return
 		}
 		authed(w, r)
@@ -64,7 +66,7 @@ func (s *Server) auth(h http.HandlerFunc) http.HandlerFunc {
 			got, ok := bearerToken(r.Header.Get("Authorization"))
 			if !ok || subtle.ConstantTimeCompare([]byte(got), []byte(tok)) != 1 {
 				w.Header().Set("WWW-Authenticate", `Bearer realm="kvrouter-admin"`)
-				writeError(w, http.StatusUnauthorized, "admin API: missing or wrong bearer token")
+				openai.WriteError(w, http.StatusUnauthorized, "admin API: missing or wrong bearer token")
 				return
 			}
 		}
@@ -74,11 +76,11 @@ func (s *Server) auth(h http.HandlerFunc) http.HandlerFunc {
 
 // PoolStatus is the admin view of a pool.
 type PoolStatus struct {
-	Name      string           `json:"name"`
-	Model     string           `json:"model"`
-	Adapters  []string         `json:"adapters"`
-	Routing   RoutingConfig    `json:"routing"`
-	Instances []InstanceStatus `json:"instances"`
+	Name      string               `json:"name"`
+	Model     string               `json:"model"`
+	Adapters  []string             `json:"adapters"`
+	Routing   config.RoutingConfig `json:"routing"`
+	Instances []InstanceStatus     `json:"instances"`
 }
 
 // InstanceStatus is the admin view of an instance.
@@ -118,7 +120,7 @@ func (s *Server) serveListPools(w http.ResponseWriter, _ *http.Request) {
 func (s *Server) poolFromPath(w http.ResponseWriter, r *http.Request) *Pool {
 	p, ok := s.Pool(r.PathValue("pool"))
 	if !ok {
-		writeError(w, http.StatusNotFound, fmt.Sprintf("no pool %q", r.PathValue("pool")))
+		openai.WriteError(w, http.StatusNotFound, fmt.Sprintf("no pool %q", r.PathValue("pool")))
 		return nil
 	}
 	return p
@@ -148,22 +150,22 @@ func (s *Server) servePutRouting(w http.ResponseWriter, r *http.Request) {
 	}
 	body, err := io.ReadAll(io.LimitReader(r.Body, 64<<10))
 	if err != nil {
-		writeError(w, http.StatusBadRequest, "reading body: "+err.Error())
+		openai.WriteError(w, http.StatusBadRequest, "reading body: "+err.Error())
 		return
 	}
 	rc, _ := p.Routing()
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&rc); err != nil {
-		writeError(w, http.StatusBadRequest, "routing: malformed JSON: "+err.Error())
+		openai.WriteError(w, http.StatusBadRequest, "routing: malformed JSON: "+err.Error())
 		return
 	}
 	if err := p.SetRouting(rc); err != nil {
 		msg := err.Error()
-		if errors.Is(err, ErrInvalidConfig) {
-			msg = strings.TrimPrefix(msg, ErrInvalidConfig.Error()+": ")
+		if errors.Is(err, config.ErrInvalidConfig) {
+			msg = strings.TrimPrefix(msg, config.ErrInvalidConfig.Error()+": ")
 		}
-		writeError(w, http.StatusBadRequest, msg)
+		openai.WriteError(w, http.StatusBadRequest, msg)
 		return
 	}
 	nrc, _ := p.Routing()

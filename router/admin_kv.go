@@ -11,8 +11,10 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -88,7 +90,7 @@ func (s *Server) kvPool(w http.ResponseWriter, r *http.Request) (*Pool, *KVState
 		return nil, nil
 	}
 	if p.KV() == nil {
-		writeError(w, http.StatusConflict, fmt.Sprintf("pool %q has no KV index (events disabled, or no index section and no kv_aware pool)", p.Name()))
+		openai.WriteError(w, http.StatusConflict, fmt.Sprintf("pool %q has no KV index (events disabled, or no index section and no kv_aware pool)", p.Name()))
 		return nil, nil
 	}
 	return p, p.KV()
@@ -103,7 +105,7 @@ func (s *Server) serveKVLookup(w http.ResponseWriter, r *http.Request) {
 	dec := json.NewDecoder(io.LimitReader(r.Body, maxLookupBody))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&req); err != nil {
-		writeError(w, http.StatusBadRequest, "lookup: malformed JSON: "+err.Error())
+		openai.WriteError(w, http.StatusBadRequest, "lookup: malformed JSON: "+err.Error())
 		return
 	}
 	given := 0
@@ -113,11 +115,11 @@ func (s *Server) serveKVLookup(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	if given != 1 {
-		writeError(w, http.StatusBadRequest, "lookup: give exactly one of token_ids, prompt and messages")
+		openai.WriteError(w, http.StatusBadRequest, "lookup: give exactly one of token_ids, prompt and messages")
 		return
 	}
 	if req.Adapter != "" && !p.ServesAdapter(req.Adapter) {
-		writeError(w, http.StatusNotFound, fmt.Sprintf("lookup: pool %q does not serve adapter %q", p.Name(), req.Adapter))
+		openai.WriteError(w, http.StatusNotFound, fmt.Sprintf("lookup: pool %q does not serve adapter %q", p.Name(), req.Adapter))
 		return
 	}
 	ids := req.TokenIDs
@@ -128,7 +130,7 @@ func (s *Server) serveKVLookup(w http.ResponseWriter, r *http.Request) {
 			if errors.Is(err, ErrNoTokens) {
 				status = http.StatusConflict
 			}
-			writeError(w, status, "lookup: "+err.Error())
+			openai.WriteError(w, status, "lookup: "+err.Error())
 			return
 		}
 	}
@@ -144,7 +146,7 @@ func (s *Server) serveKVLookup(w http.ResponseWriter, r *http.Request) {
 		if len(keys) > 0 {
 			ms, err := idx.Lookup(r.Context(), keys)
 			if err != nil {
-				writeError(w, http.StatusServiceUnavailable, "lookup: index: "+err.Error())
+				openai.WriteError(w, http.StatusServiceUnavailable, "lookup: index: "+err.Error())
 				return
 			}
 			for _, m := range ms {
@@ -179,8 +181,8 @@ func (s *Server) lookupTokens(ctx context.Context, p *Pool, kv *KVState, req KVL
 	if ts == nil {
 		return nil, fmt.Errorf("%w: pool %q has no tokenizer; give token_ids", ErrNoTokens, p.Name())
 	}
-	if n := len(req.Prompt) + len(req.Messages); n > MaxTokenizeBytes {
-		return nil, fmt.Errorf("prompt of %d bytes exceeds %d", n, MaxTokenizeBytes)
+	if n := len(req.Prompt) + len(req.Messages); n > config.MaxTokenizeBytes {
+		return nil, fmt.Errorf("prompt of %d bytes exceeds %d", n, config.MaxTokenizeBytes)
 	}
 	model := p.Model()
 	if req.Adapter != "" {
@@ -261,7 +263,7 @@ func (s *Server) serveKVInstances(w http.ResponseWriter, r *http.Request) {
 	}
 	stats, err := kv.Index().Instances(r.Context())
 	if err != nil {
-		writeError(w, http.StatusServiceUnavailable, "instances: index: "+err.Error())
+		openai.WriteError(w, http.StatusServiceUnavailable, "instances: index: "+err.Error())
 		return
 	}
 	views := map[string]*KVInstanceView{}
@@ -314,7 +316,7 @@ func (s *Server) serveKVInstances(w http.ResponseWriter, r *http.Request) {
 
 func (s *Server) serveEvictions(w http.ResponseWriter, r *http.Request) {
 	if s.evictions == nil {
-		writeError(w, http.StatusServiceUnavailable, "eviction stream: the router consumes no KV events (events disabled)")
+		openai.WriteError(w, http.StatusServiceUnavailable, "eviction stream: the router consumes no KV events (events disabled)")
 		return
 	}
 	s.evictions.ServeHTTP(w, r)

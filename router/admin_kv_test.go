@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
@@ -20,17 +21,17 @@ import (
 // tokenizer) over idx and one heuristic pool without KV state ("plain").
 func kvAdminServer(t testing.TB, idx kvindex.Index, token string) *httptest.Server {
 	t.Helper()
-	pools := []router.PoolConfig{
-		{Name: "kv", Model: kvModel, Adapters: []string{"lora-a"}, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-			Tokenizer: &router.TokenizerConfig{Source: router.TokenSourceSimple},
-			Health:    router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}, {ID: "vllm-1", URL: "http://127.0.0.1:2"}}},
-		{Name: "plain", Model: "other", Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: "x", URL: "http://127.0.0.1:3"}}},
+	pools := []config.PoolConfig{
+		{Name: "kv", Model: kvModel, Adapters: []string{"lora-a"}, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Tokenizer: &config.TokenizerConfig{Source: router.TokenSourceSimple},
+			Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}, {ID: "vllm-1", URL: "http://127.0.0.1:2"}}},
+		{Name: "plain", Model: "other", Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "x", URL: "http://127.0.0.1:3"}}},
 	}
-	srv, err := router.NewServer(router.Config{Pools: pools, AdminToken: token}, router.Options{
+	srv, err := router.NewServer(config.Config{Pools: pools, AdminToken: token}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV: func(pc router.PoolConfig) (kvindex.Index, router.Freshness) {
+		KV: func(pc config.PoolConfig) (kvindex.Index, router.Freshness) {
 			if pc.Name != "kv" {
 				return nil, nil
 			}

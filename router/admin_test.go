@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
@@ -22,7 +23,7 @@ func TestAdminSwitchRouting(t *testing.T) {
 	if r.status != 200 {
 		t.Fatalf("PUT routing: %d %s", r.status, r.body)
 	}
-	var rc router.RoutingConfig
+	var rc config.RoutingConfig
 	if err := json.Unmarshal(r.body, &rc); err != nil || rc.Strategy != "round_robin" || rc.PrefixLength != 8192 || rc.ConcurrencyThreshold != 64 {
 		t.Fatalf("PUT answer %s (%v): want round_robin with the other fields kept", r.body, err)
 	}
@@ -64,7 +65,7 @@ func TestAdminSwitchRouting(t *testing.T) {
 }
 
 func TestAdminToken(t *testing.T) {
-	h := newHarness(t, 1, func(c *router.Config) { c.AdminToken = "s3cret" })
+	h := newHarness(t, 1, func(c *config.Config) { c.AdminToken = "s3cret" })
 	tests := []struct {
 		auth   string
 		status int
@@ -110,7 +111,7 @@ func TestPprofNeedsAToken(t *testing.T) {
 			t.Errorf("GET %s without a token configured: %d, want 403", path, r.status)
 		}
 	}
-	h = newHarness(t, 1, func(c *router.Config) { c.AdminToken = "s3cret" })
+	h = newHarness(t, 1, func(c *config.Config) { c.AdminToken = "s3cret" })
 	if r := h.do("GET", "/debug/pprof/cmdline", nil, map[string]string{"Authorization": "Bearer s3cret"}); r.status != 200 {
 		t.Errorf("pprof with the token: %d", r.status)
 	}
@@ -146,7 +147,7 @@ func TestAdminListPoolsAndMetrics(t *testing.T) {
 }
 
 func TestSeparateAdminHandler(t *testing.T) {
-	h := newHarness(t, 1, func(c *router.Config) { c.AdminListen = "127.0.0.1:0" })
+	h := newHarness(t, 1, func(c *config.Config) { c.AdminListen = "127.0.0.1:0" })
 	if r := h.do("GET", "/admin/pools", nil, nil); r.status != 404 {
 		t.Fatalf("admin API on the data listener with admin_listen set: %d", r.status)
 	}
@@ -160,11 +161,11 @@ func TestSeparateAdminHandler(t *testing.T) {
 }
 
 func TestModelsUnion(t *testing.T) {
-	h := newHarness(t, 1, func(c *router.Config) {
+	h := newHarness(t, 1, func(c *config.Config) {
 		c.Pools[0].Adapters = []string{"sql-lora"}
 		qwen := routertest.New(t, "qwen-0", "Qwen/Qwen3-8B")
-		c.Pools = append(c.Pools, router.PoolConfig{Name: "qwen", Model: "Qwen/Qwen3-8B", Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: "qwen-0", URL: qwen.URL()}}})
+		c.Pools = append(c.Pools, config.PoolConfig{Name: "qwen", Model: "Qwen/Qwen3-8B", Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "qwen-0", URL: qwen.URL()}}})
 	})
 	r := h.do("GET", "/v1/models", nil, nil)
 	var list struct {
@@ -196,12 +197,12 @@ func TestModelsUnion(t *testing.T) {
 
 func TestLoRAAdapters(t *testing.T) {
 	mk := func(fallback string) *harness {
-		h := newHarness(t, 0, func(c *router.Config) {
+		h := newHarness(t, 0, func(c *config.Config) {
 			c.Pools[0].AdapterFallback = fallback
-			c.Pools[0].Discovery = router.DiscoveryConfig{Interval: time.Second}
+			c.Pools[0].Discovery = config.DiscoveryConfig{Interval: time.Second}
 			for i, ad := range [][]string{{"sql-lora"}, {}, {"sql-lora", "chat-lora"}, {}} {
 				u := routertest.New(t, fmt.Sprintf("vllm-%d", i), model, ad...)
-				c.Pools[0].Instances = append(c.Pools[0].Instances, router.InstanceConfig{ID: u.ID, URL: u.URL()})
+				c.Pools[0].Instances = append(c.Pools[0].Instances, config.InstanceConfig{ID: u.ID, URL: u.URL()})
 			}
 			// One adapter known only from config.
 			c.Pools[0].Instances[3].Adapters = []string{"static-lora"}
@@ -259,8 +260,8 @@ func TestLoRAAdapters(t *testing.T) {
 }
 
 func TestHealthChecksEjectAndReadmit(t *testing.T) {
-	h := newHarness(t, 2, func(c *router.Config) {
-		c.Pools[0].Health = router.HealthConfig{Interval: 100 * time.Millisecond, Timeout: 500 * time.Millisecond, UnhealthyThreshold: 2, HealthyThreshold: 3}
+	h := newHarness(t, 2, func(c *config.Config) {
+		c.Pools[0].Health = config.HealthConfig{Interval: 100 * time.Millisecond, Timeout: 500 * time.Millisecond, UnhealthyThreshold: 2, HealthyThreshold: 3}
 	})
 	h.run()
 	p, _ := h.srv.Pool("llama")
@@ -293,9 +294,9 @@ func TestReloadKeepsInstanceState(t *testing.T) {
 	kept := p.Instances()[0]
 	kept.Acquire()
 	defer kept.Release()
-	cfg := router.Config{Pools: []router.PoolConfig{{Name: "llama", Model: model, Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-		Routing:   router.RoutingConfig{Strategy: "least_outstanding"},
-		Instances: []router.InstanceConfig{{ID: "vllm-0", URL: h.ups[0].URL()}, {ID: "vllm-9", URL: h.ups[1].URL()}}}}}
+	cfg := config.Config{Pools: []config.PoolConfig{{Name: "llama", Model: model, Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+		Routing:   config.RoutingConfig{Strategy: "least_outstanding"},
+		Instances: []config.InstanceConfig{{ID: "vllm-0", URL: h.ups[0].URL()}, {ID: "vllm-9", URL: h.ups[1].URL()}}}}}
 	if err := h.srv.Reload(cfg); err != nil {
 		t.Fatal(err)
 	}
@@ -311,7 +312,7 @@ func TestReloadKeepsInstanceState(t *testing.T) {
 		t.Fatalf("went to %s", r.header.Get(router.HeaderInstance))
 	}
 	bad := cfg
-	bad.Pools = []router.PoolConfig{cfg.Pools[0]}
+	bad.Pools = []config.PoolConfig{cfg.Pools[0]}
 	bad.Pools[0].Routing.ConcurrencyThreshold = 5000
 	if err := h.srv.Reload(bad); err == nil || !strings.Contains(err.Error(), "pools[0].routing.concurrency_threshold") {
 		t.Fatalf("bad reload: %v", err)
@@ -331,7 +332,7 @@ func TestHealthzReadyz(t *testing.T) {
 }
 
 func TestPoolLevelAdapterOnEveryInstance(t *testing.T) {
-	h := newHarness(t, 3, func(c *router.Config) { c.Pools[0].Adapters = []string{"shared-lora"} })
+	h := newHarness(t, 3, func(c *config.Config) { c.Pools[0].Adapters = []string{"shared-lora"} })
 	seen := map[string]bool{}
 	for i := range 30 {
 		r := h.do("POST", "/v1/chat/completions", chatBody("shared-lora", fmt.Sprintf("q%d", i), false), nil)

@@ -9,6 +9,9 @@ import (
 	"strings"
 	"sync/atomic"
 	"unicode/utf8"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router/openai"
 )
 
 // Request bodies are read whole before routing (the strategy needs the
@@ -61,7 +64,7 @@ const (
 const DefaultMaxBodyMemoryBytes = 128 << 20
 
 // bodyMemory is the effective body-memory budget of c (after defaults).
-func bodyMemory(c Config) int64 {
+func bodyMemory(c config.Config) int64 {
 	if c.Limits.MaxBodyMemoryBytes != 0 {
 		return c.Limits.MaxBodyMemoryBytes
 	}
@@ -132,7 +135,7 @@ func bodyReadStatus(err error, limit int64) (int, string) {
 // on failure it has answered, released everything and returns the status.
 func (s *Server) readBody(w http.ResponseWriter, r *http.Request, limit int64) (body []byte, held int64, status int) {
 	if r.ContentLength > limit {
-		writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body of %d bytes exceeds the limit of %d bytes", r.ContentLength, limit))
+		openai.WriteError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body of %d bytes exceeds the limit of %d bytes", r.ContentLength, limit))
 		return nil, 0, http.StatusRequestEntityTooLarge
 	}
 	body, held, err := readChunks(http.MaxBytesReader(w, r.Body, limit), r.ContentLength, limit, s.body)
@@ -142,7 +145,7 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request, limit int64) (
 			s.body.rejected.Add(1)
 			w.Header().Set("Retry-After", "1")
 		}
-		writeError(w, status, msg)
+		openai.WriteError(w, status, msg)
 		return nil, 0, status
 	}
 	return body, held, 0

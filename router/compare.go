@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -763,7 +764,7 @@ func (s *Server) serveCompare(w http.ResponseWriter, r *http.Request) {
 	if v := r.URL.Query().Get("window"); v != "" {
 		d, err := time.ParseDuration(v)
 		if err != nil || d <= 0 || d > compareMinutes*time.Minute {
-			writeError(w, http.StatusBadRequest, fmt.Sprintf("window %q: want a duration in 1m..%dm (e.g. 5m); leave it out for everything since the comparison began", v, compareMinutes))
+			openai.WriteError(w, http.StatusBadRequest, fmt.Sprintf("window %q: want a duration in 1m..%dm (e.g. 5m); leave it out for everything since the comparison began", v, compareMinutes))
 			return
 		}
 		window = d
@@ -790,7 +791,7 @@ func (s *Server) comparePool(w http.ResponseWriter, r *http.Request) (*Pool, *KV
 		return nil, nil
 	}
 	if p.kv == nil {
-		writeError(w, http.StatusNotFound, fmt.Sprintf("pool %q has no KV index: kv_aware and shadow mode are unavailable", p.Name()))
+		openai.WriteError(w, http.StatusNotFound, fmt.Sprintf("pool %q has no KV index: kv_aware and shadow mode are unavailable", p.Name()))
 		return nil, nil
 	}
 	return p, p.kv

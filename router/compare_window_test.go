@@ -4,6 +4,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // TestCompareWindowsAndModes: the comparison sums a recent window from its
@@ -13,10 +15,10 @@ import (
 func TestCompareWindowsAndModes(t *testing.T) {
 	var c compareStats
 	t0 := time.Date(2026, 12, 3, 10, 0, 30, 0, time.UTC)
-	c.setMode(StrategyKVAware, true, t0)
+	c.setMode(config.StrategyKVAware, true, t0)
 	rec := func(at time.Time, agree bool, kvTTFT, paTTFT float64) {
 		c.countReason(ReasonKVMatch, at)
-		c.addShadow(&shadowRecord{inUse: StrategyKVAware, other: StrategyPrefixAware, agree: agree,
+		c.addShadow(&shadowRecord{inUse: config.StrategyKVAware, other: config.StrategyPrefixAware, agree: agree,
 			inUsePick: shadowPick{matched: 1000, ttft: kvTTFT}, otherPick: shadowPick{matched: 200, ttft: paTTFT}}, at)
 	}
 	// 40 requests in minute 0, 40 in minute 10.
@@ -38,7 +40,7 @@ func TestCompareWindowsAndModes(t *testing.T) {
 	}
 	// Verdicts: everything → kv_aware better; the last 5 minutes → a tie
 	// (102 ms vs 100 ms is within 5%).
-	if v := verdict(&all, true); v.Better != StrategyKVAware || !strings.Contains(v.Why, "over 80 requests") {
+	if v := verdict(&all, true); v.Better != config.StrategyKVAware || !strings.Contains(v.Why, "over 80 requests") {
 		t.Errorf("verdict over all: %+v", v)
 	}
 	if v := verdict(&last, true); v.Better != "" || !strings.HasPrefix(v.Why, "a tie") {
@@ -49,7 +51,7 @@ func TestCompareWindowsAndModes(t *testing.T) {
 	}
 	few := compareCounts{}
 	few.add(&last)
-	few.sides[StrategyKVAware].n = compareMinSamples - 1
+	few.sides[config.StrategyKVAware].n = compareMinSamples - 1
 	if v := verdict(&few, true); v.Better != "" || !strings.Contains(v.Why, "fewer than") {
 		t.Errorf("verdict on too few: %+v", v)
 	}
@@ -61,12 +63,12 @@ func TestCompareWindowsAndModes(t *testing.T) {
 	}
 
 	// The same mode again changes nothing; another mode starts afresh.
-	c.setMode(StrategyKVAware, true, later)
+	c.setMode(config.StrategyKVAware, true, later)
 	if a, _ := c.window(later, 0); a.compared != 80 {
 		t.Fatalf("same mode reset the comparison: %d", a.compared)
 	}
 	switched := later.Add(time.Second)
-	c.setMode(StrategyPrefixAware, true, switched)
+	c.setMode(config.StrategyPrefixAware, true, switched)
 	if a, s := c.window(switched, 0); a.compared != 0 || !s.Equal(switched) || c.resetBy != "strategy changed from kv_aware+shadow to prefix_aware+shadow" {
 		t.Fatalf("after a switch: compared %d since %v by %q", a.compared, s, c.resetBy)
 	}

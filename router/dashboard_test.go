@@ -11,19 +11,20 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
-	simserver "github.com/kvrouter/kvrouter/sim/server"
+	"github.com/kvrouter/kvrouter/sim/simserver"
 )
 
 const dashModel = "dash-model"
 
 // dashRouter is a router with a KV index in front of n simulated engines
-// (sim/server: real OpenAI handlers reporting cached tokens), kv_aware with
+// (sim/simserver: real OpenAI handlers reporting cached tokens), kv_aware with
 // shadow comparison, behind an admin token.
-func dashRouter(t testing.TB, n int, mod func(*router.Config)) (*router.Server, kvindex.Index) {
+func dashRouter(t testing.TB, n int, mod func(*config.Config)) (*router.Server, kvindex.Index) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
@@ -32,23 +33,23 @@ func dashRouter(t testing.TB, n int, mod func(*router.Config)) (*router.Server, 
 		t.Fatal(err)
 	}
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	pc := router.PoolConfig{Name: "dash", Model: dashModel,
-		Routing:   router.RoutingConfig{Strategy: "kv_aware", Shadow: true},
-		Tokenizer: &router.TokenizerConfig{Source: router.TokenSourceSimple},
-		Health:    router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true}}
+	pc := config.PoolConfig{Name: "dash", Model: dashModel,
+		Routing:   config.RoutingConfig{Strategy: "kv_aware", Shadow: true},
+		Tokenizer: &config.TokenizerConfig{Source: router.TokenSourceSimple},
+		Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
 	for i := range n {
 		in, err := simserver.Start(ctx, simserver.Config{Engine: sim.Config{Model: dashModel, HashSeed: uint64(i + 1)}, TimeScale: 100, Logger: log})
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { _ = in.Close() })
-		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: string(rune('a' + i)), URL: in.URL()})
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: string(rune('a' + i)), URL: in.URL()})
 	}
-	cfg := router.Config{Pools: []router.PoolConfig{pc}, AdminToken: "s3cret"}
+	cfg := config.Config{Pools: []config.PoolConfig{pc}, AdminToken: "s3cret"}
 	if mod != nil {
 		mod(&cfg)
 	}
-	srv, err := router.NewServer(cfg, router.Options{Logger: log, KV: func(router.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil }})
+	srv, err := router.NewServer(cfg, router.Options{Logger: log, KV: func(config.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -68,7 +69,7 @@ func get(t *testing.T, h http.Handler, path, token string) *httptest.ResponseRec
 
 func TestDashboardRoutesAndToken(t *testing.T) {
 	srv, _ := dashRouter(t, 1, nil)
-	split, _ := dashRouter(t, 1, func(c *router.Config) { c.AdminListen = "127.0.0.1:0"; c.AdminToken = "" })
+	split, _ := dashRouter(t, 1, func(c *config.Config) { c.AdminListen = "127.0.0.1:0"; c.AdminToken = "" })
 	tests := []struct {
 		name   string
 		h      http.Handler
@@ -220,7 +221,7 @@ func TestDashboardSummary(t *testing.T) {
 // registry, the pool's compare state and the index's instance stats, for a
 // kv_aware pool of 8 instances after some traffic.
 func BenchmarkDashboardJSON(b *testing.B) {
-	srv, idx := dashRouter(b, 8, func(c *router.Config) { c.AdminToken = "" })
+	srv, idx := dashRouter(b, 8, func(c *config.Config) { c.AdminToken = "" })
 	toks := make([]uint32, 64*sim.DefaultBlockSize)
 	for i := range toks {
 		toks[i] = uint32(i)

@@ -4,16 +4,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net/netip"
-	"net/url"
-	"path"
-	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/ratelog"
 )
 
@@ -34,133 +31,24 @@ const HeartbeatKeyEnv = "KVROUTER_HEARTBEAT_KEY"
 // periods, and far above the skew of NTP-synchronised hosts.
 const MaxHeartbeatSkew = 2 * time.Minute
 
-// urlAllowList is a pool's allowed_instance_urls: networks (CIDR, or one
-// address) that an IP-literal URL host must fall in, and URL patterns
-// scheme://host[:port] whose host and port are globs (path.Match: *
-// matches any run of characters, ? one). An empty list allows any URL.
-type urlAllowList struct {
-	nets []netip.Prefix
-	pats []urlPattern
-}
-
-type urlPattern struct {
-	scheme, host, port string // port "" = any
-}
-
-// parseAllowList parses allowed_instance_urls entries.
-func parseAllowList(entries []string) (urlAllowList, error) {
-	var a urlAllowList
-	for _, e := range entries {
-		e = strings.TrimSpace(e)
-		scheme, rest, isURL := strings.Cut(e, "://")
-		if !isURL {
-			p, err := netip.ParsePrefix(e)
-			if err != nil {
-				addr, aerr := netip.ParseAddr(e)
-				if aerr != nil || addr.Zone() != "" {
-					return a, fmt.Errorf("%q: want a CIDR network, an IP address or scheme://host[:port]", e)
-				}
-				p = netip.PrefixFrom(addr.Unmap(), addr.Unmap().BitLen())
-			}
-			a.nets = append(a.nets, netip.PrefixFrom(p.Addr().Unmap(), p.Bits()-unmapBits(p)).Masked())
-			continue
-		}
-		scheme = strings.ToLower(scheme)
-		if scheme != "http" && scheme != "https" {
-			return a, fmt.Errorf("%q: scheme must be http or https", e)
-		}
-		hostport, _, _ := strings.Cut(rest, "/")
-		host, port := hostport, ""
-		if strings.HasPrefix(hostport, "[") {
-			end := strings.IndexByte(hostport, ']')
-			if end < 0 {
-				return a, fmt.Errorf("%q: unterminated [", e)
-			}
-			host, port = hostport[1:end], strings.TrimPrefix(hostport[end+1:], ":")
-		} else if i := strings.LastIndexByte(hostport, ':'); i >= 0 {
-			host, port = hostport[:i], hostport[i+1:]
-		}
-		if host == "" {
-			return a, fmt.Errorf("%q: no host", e)
-		}
-		for _, g := range []string{host, port} {
-			if _, err := path.Match(g, ""); err != nil {
-				return a, fmt.Errorf("%q: %w", e, err)
-			}
-		}
-		a.pats = append(a.pats, urlPattern{scheme: scheme, host: strings.ToLower(host), port: port})
-	}
-	return a, nil
-}
-
-// unmapBits is how many of p's bits cover the ::ffff: prefix of an
-// IPv4-mapped address (so that ::ffff:10.0.0.0/104 means 10.0.0.0/8).
-func unmapBits(p netip.Prefix) int {
-	if p.Addr().Is4In6() {
-		return 96
-	}
-	return 0
-}
-
-// empty reports a list that allows everything.
-func (a urlAllowList) empty() bool { return len(a.nets) == 0 && len(a.pats) == 0 }
-
-// allows reports whether an instance may serve at raw.
-func (a urlAllowList) allows(raw string) bool {
-	if a.empty() {
-		return true
-	}
-	u, err := url.Parse(raw)
-	if err != nil || u.Host == "" {
-		return false
-	}
-	scheme, host, port := strings.ToLower(u.Scheme), strings.ToLower(u.Hostname()), u.Port()
-	if addr, err := netip.ParseAddr(host); err == nil {
-		addr = addr.Unmap()
-		for _, n := range a.nets {
-			if n.Contains(addr) {
-				return true
-			}
-		}
-	}
-	if port == "" {
-		port = map[string]string{"http": "80", "https": "443"}[scheme]
-	}
-	for _, p := range a.pats {
-		if p.scheme != scheme {
-			continue
-		}
-		if ok, _ := path.Match(p.host, host); !ok {
-			continue
-		}
-		if p.port == "" {
-			return true
-		}
-		if ok, _ := path.Match(p.port, port); ok {
-			return true
-		}
-	}
-	return false
-}
-
 // admission is what decides, for the current configuration, which names
 // and heartbeats get instance records; swapped whole on reload.
 type admission struct {
-	configured map[string]map[string]bool // pool -> configured instance ids
-	allow      map[string]urlAllowList    // pool -> allowed_instance_urls
-	key        []byte                     // heartbeat key; nil = unsigned accepted
+	configured map[string]map[string]bool  // pool -> configured instance ids
+	allow      map[string]config.AllowList // pool -> allowed_instance_urls
+	key        []byte                      // heartbeat key; nil = unsigned accepted
 }
 
 // newAdmission reads cfg (validated: the allow-lists parse).
-func newAdmission(cfg Config) *admission {
-	a := &admission{configured: map[string]map[string]bool{}, allow: map[string]urlAllowList{}, key: cfg.HeartbeatKey}
+func newAdmission(cfg config.Config) *admission {
+	a := &admission{configured: map[string]map[string]bool{}, allow: map[string]config.AllowList{}, key: cfg.HeartbeatKey}
 	for _, p := range cfg.Pools {
 		ids := map[string]bool{}
 		for _, in := range p.Instances {
 			ids[in.ID] = true
 		}
 		a.configured[p.Name] = ids
-		a.allow[p.Name], _ = parseAllowList(p.AllowedInstanceURLs)
+		a.allow[p.Name], _ = config.ParseAllowList(p.AllowedInstanceURLs)
 	}
 	return a
 }
@@ -176,11 +64,11 @@ func (e *errHeartbeatRefused) Error() string { return e.reason + ": " + e.err.Er
 // check vets a heartbeat of instance received on m for pool. The URL
 // allow-list does not apply to configured instances: their URL comes from
 // the file, a heartbeat only keeps them live.
-func (a *admission) check(pool, instance string, m *nats.Msg, hb *events.Heartbeat, now time.Time) error {
+func (a *admission) check(pool, instance string, m *nats.Msg, hb *kvstream.Heartbeat, now time.Time) error {
 	if a.key != nil {
-		if err := events.VerifyHeartbeat(a.key, m.Subject, m.Data, m.Header); err != nil {
+		if err := kvstream.VerifyHeartbeat(a.key, m.Subject, m.Data, m.Header); err != nil {
 			reason := "bad_signature"
-			if errors.Is(err, events.ErrUnsigned) {
+			if errors.Is(err, kvstream.ErrUnsigned) {
 				reason = "unsigned"
 			}
 			return &errHeartbeatRefused{reason, err}
@@ -189,7 +77,7 @@ func (a *admission) check(pool, instance string, m *nats.Msg, hb *events.Heartbe
 			return &errHeartbeatRefused{"stale", fmt.Errorf("heartbeat time %s is %v from now (max %v)", hb.Time.Format(time.RFC3339), d.Round(time.Second), MaxHeartbeatSkew)}
 		}
 	}
-	if hb.URL != "" && !a.configured[pool][instance] && !a.allow[pool].allows(hb.URL) {
+	if hb.URL != "" && !a.configured[pool][instance] && !a.allow[pool].Allows(hb.URL) {
 		return &errHeartbeatRefused{"url_not_allowed", fmt.Errorf("url %q is outside pools[%s].allowed_instance_urls", hb.URL, pool)}
 	}
 	return nil
@@ -226,7 +114,7 @@ func newDiscoveryMetrics(reg prometheus.Registerer) (*discoveryMetrics, error) {
 func newRefusedLog() *ratelog.Limiter { return ratelog.New(10*time.Second, 5) }
 
 // logRefused logs a refused heartbeat, rate-limited per pool and reason.
-func logRefused(log *slog.Logger, lim *ratelog.Limiter, pool, instance string, hb *events.Heartbeat, r *errHeartbeatRefused) {
+func logRefused(log *slog.Logger, lim *ratelog.Limiter, pool, instance string, hb *kvstream.Heartbeat, r *errHeartbeatRefused) {
 	if ok, suppressed := lim.Allow(pool + "/" + r.reason); ok {
 		log.Warn("heartbeat refused", "pool", pool, "instance", instance, "url", hb.URL, "reason", r.reason, "err", r.err, "suppressed", suppressed)
 	}

@@ -7,7 +7,7 @@ import (
 	"net/http/httptest"
 	"testing"
 
-	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // FuzzServeHTTP sends arbitrary bodies and tenant headers through the real
@@ -24,7 +24,7 @@ func FuzzServeHTTP(f *testing.F) {
 		f.Add([]byte(s), "", uint8(1))
 		f.Add([]byte(s), "\x01", uint8(2))
 	}
-	h := newHarness(f, 2, func(c *router.Config) { c.MaxBodyBytes = 1 << 16 })
+	h := newHarness(f, 2, func(c *config.Config) { c.MaxBodyBytes = 1 << 16 })
 	paths := []string{"/v1/chat/completions", "/v1/completions", "/invocations", "/invocations-response-stream"}
 	f.Fuzz(func(t *testing.T, body []byte, tenant string, p uint8) {
 		req := httptest.NewRequest("POST", paths[int(p)%len(paths)], bytes.NewReader(body))

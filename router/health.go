@@ -9,6 +9,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // healthLoop probes every instance of p each interval until ctx ends:
@@ -49,7 +51,7 @@ func (s *Server) healthLoop(ctx context.Context, p *Pool) {
 	}
 }
 
-func (s *Server) probeHealth(ctx context.Context, in *Instance, hc HealthConfig) error {
+func (s *Server) probeHealth(ctx context.Context, in *Instance, hc config.HealthConfig) error {
 	ctx, cancel := context.WithTimeout(ctx, hc.Timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimSuffix(in.URL().String(), "/")+hc.Path, nil)

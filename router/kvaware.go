@@ -12,14 +12,11 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/kvrouter/kvrouter/tiers"
 )
-
-// StrategyKVAware is the exact cache-state strategy: it scores each
-// candidate by the prompt blocks it really holds, per tier, blended with
-// load, and falls back to prefix_aware where the index knows nothing.
-const StrategyKVAware = "kv_aware"
 
 // Reasons of kv_aware decisions (the x-kvrouter-reason header). kv_aware
 // also returns ReasonOverflow (its best candidate was full) and
@@ -287,19 +284,19 @@ var _ Strategy = (*KVAware)(nil)
 
 // NewKVAware builds the kv_aware strategy for rc (defaults applied) over
 // st. Simulations call it directly; NewStrategy calls it for "kv_aware".
-func NewKVAware(rc RoutingConfig, st *KVState) (*KVAware, error) {
+func NewKVAware(rc config.RoutingConfig, st *KVState) (*KVAware, error) {
 	return newKVAware(rc, st, rand.Uint64N)
 }
 
-func newKVAware(rc RoutingConfig, st *KVState, rnd func(uint64) uint64) (*KVAware, error) {
+func newKVAware(rc config.RoutingConfig, st *KVState, rnd func(uint64) uint64) (*KVAware, error) {
 	if st == nil {
 		return nil, ErrNoKVState
 	}
 	rc = rc.WithDefaults()
-	if err := rc.KV.validateKV("routing.kv"); err != nil {
+	if err := rc.KV.ValidateKV("routing.kv"); err != nil {
 		return nil, err
 	}
-	sc := rc.KV.resolve()
+	sc := resolveScoring(rc.KV)
 	return &KVAware{
 		st:        st,
 		sc:        sc,
@@ -311,7 +308,7 @@ func newKVAware(rc RoutingConfig, st *KVState, rnd func(uint64) uint64) (*KVAwar
 }
 
 // Name implements Strategy.
-func (*KVAware) Name() string { return StrategyKVAware }
+func (*KVAware) Name() string { return config.StrategyKVAware }
 
 // Pick implements Strategy.
 func (s *KVAware) Pick(ctx context.Context, req *Request, cands []*Instance) (Decision, error) {
@@ -414,7 +411,7 @@ func (s *KVAware) pick(ctx context.Context, req *Request, cands []*Instance, com
 		}
 		dec = Decision{Instance: ev.cands[pick].inst, Reason: reason}
 	}
-	dec.Strategy = StrategyKVAware
+	dec.Strategy = config.StrategyKVAware
 	ce := ev.find(dec.Instance)
 	if ev.tokens > 0 && ce != nil {
 		dec.Explain = &Explanation{MatchedTokens: ce.matched, PromptTokens: ev.tokens, PredictedTTFT: seconds(ce.ttft)}
@@ -753,17 +750,17 @@ func cacheSalt(req *Request) string {
 	if req.InjectedCacheSalt != "" {
 		return req.InjectedCacheSalt
 	}
-	if p := req.Parsed; p != nil && sameBytes(p.src, req.Body) {
-		salt, _ := rawString(p.CacheSalt) // not a string: no salt, as before
+	if p := req.Parsed; p != nil && sameBytes(p.Source(), req.Body) {
+		salt, _ := openai.RawString(p.CacheSalt) // not a string: no salt, as before
 		return salt
 	}
-	if salt, ok := leadingCacheSalt(req.Body); ok {
+	if salt, ok := openai.LeadingCacheSalt(req.Body); ok {
 		return salt // as the router injected it (salt.go): no decode
 	}
 	if !bytes.Contains(req.Body, []byte(`"cache_salt"`)) && !bytes.Contains(req.Body, []byte(`\u`)) {
 		return "" // no key that could decode to cache_salt
 	}
-	return scanCacheSalt(req.Body)
+	return openai.CacheSalt(req.Body)
 }
 
 // sameBytes reports whether a and b are the same slice of memory.
@@ -779,10 +776,10 @@ func WithKVState(st *KVState) StrategyOption {
 
 // newKVStrategy builds kv_aware, or shadow mode around the configured
 // strategy, over st.
-func newKVStrategy(cfg RoutingConfig, st *KVState, rnd func(uint64) uint64) (Strategy, error) {
+func newKVStrategy(cfg config.RoutingConfig, st *KVState, rnd func(uint64) uint64) (Strategy, error) {
 	if st == nil {
 		what := "kv_aware"
-		if cfg.Strategy != StrategyKVAware {
+		if cfg.Strategy != config.StrategyKVAware {
 			what = "shadow mode"
 		}
 		return nil, fmt.Errorf("%w: %s: configure index: (and events:) for the pool", ErrNoKVState, what)
@@ -794,7 +791,7 @@ func newKVStrategy(cfg RoutingConfig, st *KVState, rnd func(uint64) uint64) (Str
 	if !cfg.Shadow {
 		return kv, nil
 	}
-	if cfg.Strategy == StrategyKVAware {
+	if cfg.Strategy == config.StrategyKVAware {
 		return NewShadow(kv, kv), nil
 	}
 	plain := cfg

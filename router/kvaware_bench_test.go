@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tokenizer"
@@ -104,7 +105,7 @@ func benchChat() []byte {
 }
 
 var benchTokenizer = sync.OnceValues(func() (TokenSource, error) {
-	return NewTokenSource(&TokenizerConfig{Source: TokenSourceFiles, Path: filepath.Join("..", "tokenizer", "testdata", "llama-3.1")}, PoolConfig{})
+	return NewTokenSource(&config.TokenizerConfig{Source: TokenSourceFiles, Path: filepath.Join("..", "tokenizer", "testdata", "llama-3.1")}, config.PoolConfig{})
 })
 
 // benchPromptIDs is the chat's token ids (the world's held prompt).
@@ -173,12 +174,12 @@ func benchDecide(b *testing.B, w *benchWorld, s *KVAware, mk func() *Request, wa
 // template and tokenizer (target ≤ 1 ms/op).
 func BenchmarkKVAwareDecision(b *testing.B) {
 	w, ids := benchSetup(b)
-	s, err := NewKVAware(RoutingConfig{}, w.st)
+	s, err := NewKVAware(config.RoutingConfig{}, w.st)
 	if err != nil {
 		b.Fatal(err)
 	}
 	holder := w.insts[7]
-	text := strings.Repeat("x", DefaultPrefixLength)
+	text := strings.Repeat("x", config.DefaultPrefixLength)
 	body := benchChat()
 	b.Logf("prompt: %d tokens, %d blocks; chat body %d bytes", len(ids), len(ids)/kvTestBS, len(body))
 	b.Run("token_ids", func(b *testing.B) {

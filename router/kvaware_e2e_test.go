@@ -15,8 +15,11 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
@@ -44,7 +47,7 @@ func TestKVAwareOverNATS(t *testing.T) {
 	}
 	c, err := consumer.New(consumer.Config{
 		Conn: nc, Pool: pool, Applier: idx,
-		Stream: events.StreamConfig{Name: "EV_" + name}, Bucket: events.BucketConfig{Name: "SN_" + name},
+		Stream: kvstream.StreamConfig{Name: "EV_" + name}, Bucket: kvstream.BucketConfig{Name: "SN_" + name},
 		SnapshotTimeout: 200 * time.Millisecond, Logger: slog.New(slog.DiscardHandler),
 	})
 	if err != nil {
@@ -58,19 +61,19 @@ func TestKVAwareOverNATS(t *testing.T) {
 
 	// Three instances; they answer like vLLM, their caches are played by
 	// the events below.
-	pc := router.PoolConfig{Name: pool, Model: kvModel, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-		Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true}}
+	pc := config.PoolConfig{Name: pool, Model: kvModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+		Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
 	for i := range 3 {
 		up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 			w.Header().Set("Content-Type", "application/json")
 			_, _ = w.Write([]byte(`{"choices":[{"text":"ok"}],"usage":{"prompt_tokens":1,"prompt_tokens_details":{"cached_tokens":0}}}`))
 		}))
 		t.Cleanup(up.Close)
-		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: fmt.Sprintf("vllm-%d", i), URL: up.URL})
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: fmt.Sprintf("vllm-%d", i), URL: up.URL})
 	}
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{
+	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV: func(router.PoolConfig) (kvindex.Index, router.Freshness) {
+		KV: func(config.PoolConfig) (kvindex.Index, router.Freshness) {
 			return idx, router.FreshnessFuncs{Healthy: c.Healthy, IsStale: func(id string) bool { return !c.Live(id) }}
 		},
 	})
@@ -103,7 +106,7 @@ func TestKVAwareOverNATS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	subj, err := events.EventsSubject(pool, holder)
+	subj, err := kvstream.EventsSubject(pool, holder)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -111,7 +114,7 @@ func TestKVAwareOverNATS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hdr := events.EventHeaders{Seq: 1, HasSeq: true, Encoding: "array", Pool: pool, Instance: holder, Model: kvModel}.Header()
+	hdr := kvstream.EventHeaders{Seq: 1, HasSeq: true, Encoding: "array", Pool: pool, Instance: holder, Model: kvModel}.Header()
 	if _, err := js.PublishMsg(ctx, &nats.Msg{Subject: subj, Data: payload, Header: hdr}); err != nil {
 		t.Fatal(err)
 	}

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
@@ -134,22 +135,22 @@ type kvHTTP struct {
 	engines map[string]*kvEngine
 }
 
-func newKVHTTP(t *testing.T, n int, routing router.RoutingConfig) *kvHTTP {
+func newKVHTTP(t *testing.T, n int, routing config.RoutingConfig) *kvHTTP {
 	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvModel, BlockSize: kvBS})
 	if err != nil {
 		t.Fatal(err)
 	}
 	h := &kvHTTP{t: t, engines: map[string]*kvEngine{}}
-	pc := router.PoolConfig{Name: "p", Model: kvModel, Routing: routing,
-		Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true}}
+	pc := config.PoolConfig{Name: "p", Model: kvModel, Routing: routing,
+		Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
 	for i := range n {
 		e := newKVEngine(t, fmt.Sprintf("vllm-%d", i), idx)
 		h.engines[e.id] = e
-		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: e.id, URL: e.srv.URL})
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: e.id, URL: e.srv.URL})
 	}
-	h.srv, err = router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{
+	h.srv, err = router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV: func(p router.PoolConfig) (kvindex.Index, router.Freshness) {
+		KV: func(p config.PoolConfig) (kvindex.Index, router.Freshness) {
 			return idx, nil
 		},
 	})
@@ -186,7 +187,7 @@ func (h *kvHTTP) complete(tokens []uint32, stream bool) (*http.Response, []byte)
 func TestKVAwareHTTP(t *testing.T) {
 	// Speculative entries last 100ms here: step 2 waits them out, so that
 	// the first request's guess does not outlive the eviction below.
-	h := newKVHTTP(t, 4, router.RoutingConfig{Strategy: router.StrategyKVAware, Shadow: true, KV: &router.KVScoringConfig{SpeculativeTTL: 100 * time.Millisecond}})
+	h := newKVHTTP(t, 4, config.RoutingConfig{Strategy: config.StrategyKVAware, Shadow: true, KV: &config.KVScoringConfig{SpeculativeTTL: 100 * time.Millisecond}})
 	prompt := kvPrompt(1, 64*kvBS+7)
 
 	// 1. Nobody holds the prefix: the heuristic places it.
@@ -249,13 +250,13 @@ func TestKVAwareHTTP(t *testing.T) {
 	if err := json.NewDecoder(cmpResp.Body).Decode(&sum); err != nil {
 		t.Fatal(err)
 	}
-	if sum.Compared != 3 || sum.Agreed != 1 || !sum.Shadow || sum.Strategy != router.StrategyKVAware {
+	if sum.Compared != 3 || sum.Agreed != 1 || !sum.Shadow || sum.Strategy != config.StrategyKVAware {
 		t.Errorf("compare: %+v", sum)
 	}
 	if r := sum.Reported; r.Finished != 3 || r.WithUsage != 3 || r.CachedTokens != 2048 || r.PredictedTokens != 2048 || r.MeanAbsErrorTokens != 0 {
 		t.Errorf("reported: %+v", r)
 	}
-	kv, pa := sum.Predicted[router.StrategyKVAware], sum.Predicted[router.StrategyPrefixAware]
+	kv, pa := sum.Predicted[config.StrategyKVAware], sum.Predicted[config.StrategyPrefixAware]
 	if kv.MatchedTokens != 2048 || pa.MatchedTokens != 0 || kv.MeanPredictedTTFTMs >= pa.MeanPredictedTTFTMs {
 		t.Errorf("predicted: kv %+v, prefix %+v", kv, pa)
 	}
@@ -326,7 +327,7 @@ func TestKVAwareHTTP(t *testing.T) {
 // TestKVAwareHTTPSwitching: kv_aware is switched on and off at runtime;
 // a pool without an index refuses it with a clear error.
 func TestKVAwareHTTPSwitching(t *testing.T) {
-	h := newKVHTTP(t, 3, router.RoutingConfig{})
+	h := newKVHTTP(t, 3, config.RoutingConfig{})
 	put := func(body string) (int, string) {
 		req, _ := http.NewRequest(http.MethodPut, h.ts.URL+"/admin/pools/p/routing", strings.NewReader(body))
 		resp, err := http.DefaultClient.Do(req)
@@ -338,14 +339,14 @@ func TestKVAwareHTTPSwitching(t *testing.T) {
 		return resp.StatusCode, string(b)
 	}
 	prompt := kvPrompt(2, 40*kvBS)
-	if resp, _ := h.complete(prompt, false); resp.Header.Get(router.HeaderStrategy) != router.StrategyPrefixAware || resp.Header.Get(router.HeaderMatchedTokens) != "" {
+	if resp, _ := h.complete(prompt, false); resp.Header.Get(router.HeaderStrategy) != config.StrategyPrefixAware || resp.Header.Get(router.HeaderMatchedTokens) != "" {
 		t.Fatalf("default strategy: %v", resp.Header)
 	}
 	if code, b := put(`{"strategy":"kv_aware","kv":{"speculative_ttl":-1}}`); code != http.StatusOK {
 		t.Fatalf("switch to kv_aware: %d %s", code, b)
 	}
 	resp, _ := h.complete(prompt, false)
-	if resp.Header.Get(router.HeaderStrategy) != router.StrategyKVAware || resp.Header.Get(router.HeaderReason) != string(router.ReasonKVMatch) {
+	if resp.Header.Get(router.HeaderStrategy) != config.StrategyKVAware || resp.Header.Get(router.HeaderReason) != string(router.ReasonKVMatch) {
 		t.Fatalf("after switch: %v", resp.Header)
 	}
 	if code, b := put(`{"kv":{"tie_tolerance":-5}}`); code != http.StatusBadRequest || !strings.Contains(b, "tie_tolerance") {
@@ -353,12 +354,12 @@ func TestKVAwareHTTPSwitching(t *testing.T) {
 	}
 
 	// A pool without an index.
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{{Name: "q", Model: "m", Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-		Instances: []router.InstanceConfig{{ID: "a", URL: "http://127.0.0.1:9"}}}}}, router.Options{Logger: slog.New(slog.DiscardHandler)})
+	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{{Name: "q", Model: "m", Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+		Instances: []config.InstanceConfig{{ID: "a", URL: "http://127.0.0.1:9"}}}}}, router.Options{Logger: slog.New(slog.DiscardHandler)})
 	if err == nil || !strings.Contains(err.Error(), "KV index") {
 		t.Fatalf("kv_aware without an index: server %v err %v", srv, err)
 	}
-	if !slices.Contains(router.StrategyNames(), router.StrategyKVAware) {
+	if !slices.Contains(config.StrategyNames(), config.StrategyKVAware) {
 		t.Error("kv_aware not listed")
 	}
 }
@@ -383,12 +384,12 @@ func TestMidStreamDisconnectReleases(t *testing.T) {
 	}))
 	defer up.Close()
 	idx, _ := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvModel, BlockSize: kvBS})
-	pc := router.PoolConfig{Name: "p", Model: kvModel, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-		Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-		Instances: []router.InstanceConfig{{ID: "a", URL: up.URL}}}
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{
+	pc := config.PoolConfig{Name: "p", Model: kvModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+		Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+		Instances: []config.InstanceConfig{{ID: "a", URL: up.URL}}}
+	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV:     func(router.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil },
+		KV:     func(config.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil },
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -416,7 +417,7 @@ func TestMidStreamDisconnectReleases(t *testing.T) {
 	if tok, n := p.KV().PendingPrefill("a"); tok != 0 || n != 0 {
 		t.Fatalf("pending prefill %d tokens / %d requests after the client left", tok, n)
 	}
-	if got := p.KV().Compare(router.StrategyKVAware, false, nil, 0).Reported.Finished; got != 1 {
+	if got := p.KV().Compare(config.StrategyKVAware, false, nil, 0).Reported.Finished; got != 1 {
 		t.Fatalf("%d observed requests finished, want 1", got)
 	}
 }

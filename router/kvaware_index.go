@@ -8,6 +8,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
@@ -36,7 +37,7 @@ func (p *PoolIndexes) Close() error {
 //
 // The binary feeds each index from the events consumer and passes them to
 // the server through Options.KV.
-func NewPoolIndexes(cfg Config) (*PoolIndexes, error) {
+func NewPoolIndexes(cfg config.Config) (*PoolIndexes, error) {
 	out := &PoolIndexes{ByPool: map[string]kvindex.Index{}}
 	ic := cfg.Index
 	if ic == nil {
@@ -45,7 +46,7 @@ func NewPoolIndexes(cfg Config) (*PoolIndexes, error) {
 	if ic.Backend == "redis" {
 		rc := ic.Redis
 		if rc == nil || len(rc.Addrs) == 0 {
-			return nil, fmt.Errorf("%w: index.redis.addrs: required when index.backend is redis", ErrInvalidConfig)
+			return nil, fmt.Errorf("%w: index.redis.addrs: required when index.backend is redis", config.ErrInvalidConfig)
 		}
 		opts := &redis.UniversalOptions{Addrs: rc.Addrs, DB: rc.DB, Username: rc.Username, Password: rc.Password}
 		if rc.TLS || rc.TLSCAFile != "" {
@@ -57,7 +58,7 @@ func NewPoolIndexes(cfg Config) (*PoolIndexes, error) {
 				}
 				pool := x509.NewCertPool()
 				if !pool.AppendCertsFromPEM(pem) {
-					return nil, fmt.Errorf("%w: index.redis.tls_ca_file %s: no PEM certificates", ErrInvalidConfig, rc.TLSCAFile)
+					return nil, fmt.Errorf("%w: index.redis.tls_ca_file %s: no PEM certificates", config.ErrInvalidConfig, rc.TLSCAFile)
 				}
 				opts.TLSConfig.RootCAs = pool
 			}
@@ -81,7 +82,7 @@ func NewPoolIndexes(cfg Config) (*PoolIndexes, error) {
 			}
 			idx, err = kvindex.NewRedis(out.rdb, kvindex.RedisConfig{Prefix: prefix, Model: p.Model, BlockSize: bs, TTL: ic.Redis.TTL})
 		default:
-			err = fmt.Errorf("%w: index.backend %q: want memory or redis", ErrInvalidConfig, ic.Backend)
+			err = fmt.Errorf("%w: index.backend %q: want memory or redis", config.ErrInvalidConfig, ic.Backend)
 		}
 		if err != nil {
 			_ = out.Close()

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
@@ -15,22 +16,22 @@ import (
 // real) and checks that each pool's index is its own and keys like the
 // strategy does.
 func TestNewPoolIndexes(t *testing.T) {
-	pools := []PoolConfig{
-		{Name: "a", Model: "model-a", Routing: RoutingConfig{KV: &KVScoringConfig{BlockSize: kvTestBS}}},
-		{Name: "b", Model: "model-b", Routing: RoutingConfig{KV: &KVScoringConfig{BlockSize: kvTestBS}}},
+	pools := []config.PoolConfig{
+		{Name: "a", Model: "model-a", Routing: config.RoutingConfig{KV: &config.KVScoringConfig{BlockSize: kvTestBS}}},
+		{Name: "b", Model: "model-b", Routing: config.RoutingConfig{KV: &config.KVScoringConfig{BlockSize: kvTestBS}}},
 	}
 	tests := []struct {
 		name string
-		idx  func(t *testing.T) *IndexConfig
+		idx  func(t *testing.T) *config.IndexConfig
 	}{
-		{"memory", func(*testing.T) *IndexConfig { return &IndexConfig{Backend: "memory", Capacity: 1000} }},
-		{"redis", func(t *testing.T) *IndexConfig {
-			return &IndexConfig{Backend: "redis", Redis: &RedisConfig{Addrs: []string{testenv.Redis(t)}, KeyPrefix: testenv.UniqueName(t)}}
+		{"memory", func(*testing.T) *config.IndexConfig { return &config.IndexConfig{Backend: "memory", Capacity: 1000} }},
+		{"redis", func(t *testing.T) *config.IndexConfig {
+			return &config.IndexConfig{Backend: "redis", Redis: &config.RedisConfig{Addrs: []string{testenv.Redis(t)}, KeyPrefix: testenv.UniqueName(t)}}
 		}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			pi, err := NewPoolIndexes(Config{Index: tc.idx(t), Pools: pools})
+			pi, err := NewPoolIndexes(config.Config{Index: tc.idx(t), Pools: pools})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -57,13 +58,13 @@ func TestNewPoolIndexes(t *testing.T) {
 			}
 		})
 	}
-	if pi, err := NewPoolIndexes(Config{Pools: pools}); err != nil || len(pi.ByPool) != 0 {
+	if pi, err := NewPoolIndexes(config.Config{Pools: pools}); err != nil || len(pi.ByPool) != 0 {
 		t.Errorf("no index section: %v %v", pi, err)
 	}
-	for i, ic := range []*IndexConfig{{Backend: "redis"}, {Backend: "etcd"}, {Backend: "memory", Capacity: -1}} {
-		if _, err := NewPoolIndexes(Config{Index: ic, Pools: pools}); err == nil {
+	for i, ic := range []*config.IndexConfig{{Backend: "redis"}, {Backend: "etcd"}, {Backend: "memory", Capacity: -1}} {
+		if _, err := NewPoolIndexes(config.Config{Index: ic, Pools: pools}); err == nil {
 			t.Errorf("%d: %+v accepted", i, ic)
-		} else if i < 2 && !errors.Is(err, ErrInvalidConfig) {
+		} else if i < 2 && !errors.Is(err, config.ErrInvalidConfig) {
 			t.Errorf("%d: %v", i, fmt.Sprint(err))
 		}
 	}

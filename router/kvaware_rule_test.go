@@ -5,6 +5,8 @@ import (
 	"math"
 	"testing"
 	"time"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // TestColdBoundedLoad: a prompt nobody holds goes to its hash-home while
@@ -13,7 +15,7 @@ import (
 // loads); a burst of that prompt then follows it there.
 func TestColdBoundedLoad(t *testing.T) {
 	w := newKVWorld(t, 4)
-	s := w.strategy(RoutingConfig{})
+	s := w.strategy(config.RoutingConfig{})
 	cold := promptTokens(31, 64*kvTestBS)
 	order := RendezvousOrder(kvRequest("cold", cold), w.insts)
 	home := order[0]
@@ -42,7 +44,7 @@ func TestColdBoundedLoad(t *testing.T) {
 		t.Errorf("burst: picked %s (%s), want %s (kv_match)", d2.Instance.ID(), d2.Reason, d.Instance.ID())
 	}
 	// With the rule off, the home takes it regardless (prefix_aware).
-	off := w.strategy(RoutingConfig{KV: &KVScoringConfig{LoadBound: -1}})
+	off := w.strategy(config.RoutingConfig{KV: &config.KVScoringConfig{LoadBound: -1}})
 	if d := kvPick(t, off, kvRequest("cold", promptTokens(34, 64*kvTestBS)), w.insts); d.Instance != home {
 		t.Errorf("load_bound off: picked %s, want the home %s", d.Instance.ID(), home.ID())
 	}
@@ -51,13 +53,13 @@ func TestColdBoundedLoad(t *testing.T) {
 // TestAdaptiveWeight: the prefill cost weight follows the measured busy
 // fraction ρ as max(1, ρ/(1−ρ)), capped; a fixed weight stays fixed.
 func TestAdaptiveWeight(t *testing.T) {
-	ad := (&KVScoringConfig{}).resolve()
+	ad := resolveScoring(&config.KVScoringConfig{})
 	for _, c := range []struct{ rho, want float64 }{{0, 1}, {0.5, 1}, {0.8, 4}, {0.9, 9}, {0.99, MaxAdaptiveCostWeight}, {1, MaxAdaptiveCostWeight}} {
 		if got := ad.weight(c.rho); math.Abs(got-c.want) > 1e-9 {
 			t.Errorf("adaptive weight at ρ=%v: %v, want %v", c.rho, got, c.want)
 		}
 	}
-	fixed, neg := (&KVScoringConfig{PrefillCostWeight: 3}).resolve(), (&KVScoringConfig{PrefillCostWeight: -1}).resolve()
+	fixed, neg := resolveScoring(&config.KVScoringConfig{PrefillCostWeight: 3}), resolveScoring(&config.KVScoringConfig{PrefillCostWeight: -1})
 	if got := fixed.weight(0.99); got != 3 {
 		t.Errorf("fixed weight 3: %v", got)
 	}
@@ -68,7 +70,7 @@ func TestAdaptiveWeight(t *testing.T) {
 	// The busy fraction averages the share of candidates with requests in
 	// flight over the window of the decision clock.
 	w := newKVWorld(t, 4)
-	s := w.strategy(RoutingConfig{})
+	s := w.strategy(config.RoutingConfig{})
 	p := promptTokens(41, 8*kvTestBS)
 	kvPick(t, s, kvRequest("a", p), w.insts) // idle: ρ = 0
 	if u := w.st.Utilisation(); u != 0 {

@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -47,7 +48,7 @@ func (p *Pool) KV() *KVState { return p.kv }
 // kvStateFor builds (or keeps across a reload) a pool's KVState from
 // Options.KV and the pool's tokenizer config. A pool without an index gets
 // none; selecting kv_aware for it then fails with ErrNoKVState.
-func (s *Server) kvStateFor(pc PoolConfig, old *Pool) (*KVState, error) {
+func (s *Server) kvStateFor(pc config.PoolConfig, old *Pool) (*KVState, error) {
 	if s.kvOpt == nil {
 		return nil, nil
 	}
@@ -75,7 +76,7 @@ func (s *Server) startKVLoopsLocked(ctx context.Context, p *Pool) {
 		return
 	}
 	rc, _ := p.Routing()
-	sc := rc.KV.resolve()
+	sc := resolveScoring(rc.KV)
 	if sc.scrape < 0 {
 		return
 	}

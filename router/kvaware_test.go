@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tiers"
@@ -128,7 +129,7 @@ func (w *kvWorld) add(id string) *Instance {
 	return in
 }
 
-func (w *kvWorld) strategy(rc RoutingConfig) *KVAware {
+func (w *kvWorld) strategy(rc config.RoutingConfig) *KVAware {
 	w.t.Helper()
 	s, err := newKVAware(rc, w.st, func(n uint64) uint64 { return 0 })
 	if err != nil {
@@ -295,8 +296,8 @@ func TestExactBeatsHeuristic(t *testing.T) {
 			if holder == heur {
 				t.Fatal("test setup: the heuristic would already pick the holder")
 			}
-			kv := w.strategy(RoutingConfig{})
-			prefix := &PrefixAware{Threshold: DefaultConcurrencyThresh}
+			kv := w.strategy(config.RoutingConfig{})
+			prefix := &PrefixAware{Threshold: config.DefaultConcurrencyThresh}
 
 			hd := kvPick(t, prefix, kvRequest(text, tokens), w.insts)
 			kd := kvPick(t, kv, kvRequest(text, tokens), w.insts)
@@ -328,7 +329,7 @@ func TestKVAwareScoring(t *testing.T) {
 	type world = func(w *kvWorld, order []*Instance)
 	tests := []struct {
 		name       string
-		rc         RoutingConfig
+		rc         config.RoutingConfig
 		setup      world
 		want       func(order []*Instance) *Instance
 		wantReason Reason
@@ -373,7 +374,7 @@ func TestKVAwareScoring(t *testing.T) {
 		},
 		{
 			name: "holder at threshold: overflow to next best",
-			rc:   RoutingConfig{ConcurrencyThreshold: 2},
+			rc:   config.RoutingConfig{ConcurrencyThreshold: 2},
 			setup: func(w *kvWorld, o []*Instance) {
 				w.store(o[1].ID(), tokens, 0, 64)
 				w.store(o[2].ID(), tokens, 0, 40)
@@ -385,7 +386,7 @@ func TestKVAwareScoring(t *testing.T) {
 		},
 		{
 			name: "all full: best score anyway",
-			rc:   RoutingConfig{ConcurrencyThreshold: 1},
+			rc:   config.RoutingConfig{ConcurrencyThreshold: 1},
 			setup: func(w *kvWorld, o []*Instance) {
 				w.store(o[2].ID(), tokens, 0, 64)
 				for _, in := range o {
@@ -465,7 +466,7 @@ func TestKVAwareScoring(t *testing.T) {
 			if want := tc.want(order); d.Instance != want || d.Reason != tc.wantReason {
 				t.Fatalf("picked %s (%s), want %s (%s)", d.Instance.ID(), d.Reason, want.ID(), tc.wantReason)
 			}
-			if d.Strategy != StrategyKVAware {
+			if d.Strategy != config.StrategyKVAware {
 				t.Errorf("strategy %q", d.Strategy)
 			}
 		})
@@ -477,7 +478,7 @@ func TestKVAwareStreamTransitions(t *testing.T) {
 	tokens := promptTokens(3, 32*kvTestBS)
 	order := RendezvousOrder(kvRequest("x", tokens), w.insts)
 	w.store(order[2].ID(), tokens, 0, 32)
-	s := w.strategy(RoutingConfig{})
+	s := w.strategy(config.RoutingConfig{})
 	steps := []struct {
 		down       bool
 		wantReason Reason
@@ -519,14 +520,14 @@ func TestSpeculativeBurst(t *testing.T) {
 	}
 	t.Run("with speculative entries", func(t *testing.T) {
 		w := newKVWorld(t, 8)
-		got := burst(w, w.strategy(RoutingConfig{}))
+		got := burst(w, w.strategy(config.RoutingConfig{}))
 		if len(got) != 1 {
 			t.Fatalf("burst spread over %v, want one instance", got)
 		}
 		// Expired entries are forgotten: a later request is heuristic again.
 		w.clock.Advance(DefaultSpeculativeTTL + time.Millisecond)
 		req := kvRequest("late", append(slices.Clone(system), 1, 2, 3))
-		if d := kvPick(t, w.strategy(RoutingConfig{}), req, w.insts); d.Reason != ReasonHeuristic {
+		if d := kvPick(t, w.strategy(config.RoutingConfig{}), req, w.insts); d.Reason != ReasonHeuristic {
 			t.Errorf("after TTL: reason %s, want heuristic", d.Reason)
 		}
 	})
@@ -536,7 +537,7 @@ func TestSpeculativeBurst(t *testing.T) {
 	// guesses either.
 	t.Run("void once the cache is lost", func(t *testing.T) {
 		w := newKVWorld(t, 8)
-		s := w.strategy(RoutingConfig{})
+		s := w.strategy(config.RoutingConfig{})
 		got := burst(w, s)
 		var home string
 		for id := range got {
@@ -557,7 +558,7 @@ func TestSpeculativeBurst(t *testing.T) {
 		// A stale instance (no heartbeat, engine reported down) is not
 		// followed on its entries either.
 		w2 := newKVWorld(t, 8)
-		s2 := w2.strategy(RoutingConfig{})
+		s2 := w2.strategy(config.RoutingConfig{})
 		first := kvPick(t, s2, req("x"), w2.insts)
 		w2.fresh.setStale(first.Instance.ID(), true)
 		if d := kvPick(t, s2, req("y"), w2.insts); d.Instance.ID() == first.Instance.ID() && d.Reason == ReasonKVMatch {
@@ -566,7 +567,7 @@ func TestSpeculativeBurst(t *testing.T) {
 	})
 	t.Run("without", func(t *testing.T) {
 		w := newKVWorld(t, 8)
-		got := burst(w, w.strategy(RoutingConfig{KV: &KVScoringConfig{SpeculativeTTL: -1}}))
+		got := burst(w, w.strategy(config.RoutingConfig{KV: &config.KVScoringConfig{SpeculativeTTL: -1}}))
 		if len(got) < 3 {
 			t.Fatalf("burst landed on %v: want it scattered by the hash", got)
 		}
@@ -578,7 +579,7 @@ func TestSpeculativeBurst(t *testing.T) {
 func TestPendingPrefill(t *testing.T) {
 	w := newKVWorld(t, 2)
 	tokens := promptTokens(5, 64*kvTestBS)
-	s := w.strategy(RoutingConfig{})
+	s := w.strategy(config.RoutingConfig{})
 	d, err := s.Pick(context.Background(), kvRequest("a", tokens), w.insts)
 	if err != nil {
 		t.Fatal(err)
@@ -602,7 +603,7 @@ func TestPendingPrefill(t *testing.T) {
 
 func TestKVAwareNoTokensAndErrors(t *testing.T) {
 	w := newKVWorld(t, 3)
-	s := w.strategy(RoutingConfig{})
+	s := w.strategy(config.RoutingConfig{})
 	req := &Request{Endpoint: EndpointChatCompletions, RoutingText: "hello"}
 	d := kvPick(t, s, req, w.insts)
 	if d.Reason != ReasonHeuristic || d.Explain != nil {
@@ -621,10 +622,10 @@ func TestKVAwareNoTokensAndErrors(t *testing.T) {
 	if _, err := s.Pick(context.Background(), req, nil); !errors.Is(err, ErrNoCandidates) {
 		t.Errorf("no candidates: %v", err)
 	}
-	if _, err := NewStrategy(StrategyKVAware, RoutingConfig{}); !errors.Is(err, ErrNoKVState) {
+	if _, err := NewStrategy(config.StrategyKVAware, config.RoutingConfig{}); !errors.Is(err, ErrNoKVState) {
 		t.Errorf("kv_aware without state: %v", err)
 	}
-	if _, err := NewStrategy(StrategyPrefixAware, RoutingConfig{Shadow: true}); !errors.Is(err, ErrNoKVState) {
+	if _, err := NewStrategy(config.StrategyPrefixAware, config.RoutingConfig{Shadow: true}); !errors.Is(err, ErrNoKVState) {
 		t.Errorf("shadow without state: %v", err)
 	}
 	// A prompt shorter than a block: nothing can be cached.
@@ -645,7 +646,7 @@ func TestKVAwareAdapterAndSalt(t *testing.T) {
 	tokens := promptTokens(9, 32*kvTestBS)
 	order := RendezvousOrder(kvRequest("x", tokens), w.insts)
 	w.store(order[3].ID(), tokens, 0, 32) // base model, no salt
-	s := w.strategy(RoutingConfig{})
+	s := w.strategy(config.RoutingConfig{})
 	if d := kvPick(t, s, kvRequest("x", tokens), w.insts); d.Instance != order[3] {
 		t.Fatalf("base: picked %s", d.Instance.ID())
 	}
@@ -669,7 +670,7 @@ func TestExplanationHeader(t *testing.T) {
 }
 
 func TestTierTokensAndTTFT(t *testing.T) {
-	sc := (&KVScoringConfig{PrefillTokensPerSecond: 1000, CPULoadTokensPerSecond: 10000, DiskLoadTokensPerSecond: 5000, SharedLoadTokensPerSecond: 2000}).resolve()
+	sc := resolveScoring(&config.KVScoringConfig{PrefillTokensPerSecond: 1000, CPULoadTokensPerSecond: 10000, DiskLoadTokensPerSecond: 5000, SharedLoadTokensPerSecond: 2000})
 	tests := []struct {
 		blocks      [tiers.Count]int
 		prompt      int
@@ -705,26 +706,26 @@ func TestTierTokensAndTTFT(t *testing.T) {
 
 func TestKVScoringConfigValidate(t *testing.T) {
 	tests := []struct {
-		k  KVScoringConfig
+		k  config.KVScoringConfig
 		ok bool
 	}{
-		{KVScoringConfig{}, true},
-		{KVScoringConfig{SpeculativeTTL: -1, ScrapeInterval: -1}, true},
-		{KVScoringConfig{DiskLoadTokensPerSecond: -1}, false},
-		{KVScoringConfig{WaitingRequestTokens: -5}, false},
-		{KVScoringConfig{TieTolerance: -time.Second}, false},
-		{KVScoringConfig{ScrapeInterval: time.Millisecond}, false},
-		{KVScoringConfig{ScrapePath: "metrics"}, false},
-		{KVScoringConfig{SpeculativeCapacity: -1}, false},
-		{KVScoringConfig{RunningRequestSeconds: 100}, false},
+		{config.KVScoringConfig{}, true},
+		{config.KVScoringConfig{SpeculativeTTL: -1, ScrapeInterval: -1}, true},
+		{config.KVScoringConfig{DiskLoadTokensPerSecond: -1}, false},
+		{config.KVScoringConfig{WaitingRequestTokens: -5}, false},
+		{config.KVScoringConfig{TieTolerance: -time.Second}, false},
+		{config.KVScoringConfig{ScrapeInterval: time.Millisecond}, false},
+		{config.KVScoringConfig{ScrapePath: "metrics"}, false},
+		{config.KVScoringConfig{SpeculativeCapacity: -1}, false},
+		{config.KVScoringConfig{RunningRequestSeconds: 100}, false},
 	}
 	for i, tc := range tests {
 		k := tc.k
-		err := RoutingConfig{Strategy: StrategyKVAware, KV: &k}.Validate()
+		err := config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &k}.Validate()
 		if (err == nil) != tc.ok {
 			t.Errorf("%d: %+v: err %v", i, tc.k, err)
 		}
-		if err != nil && !errors.Is(err, ErrInvalidConfig) {
+		if err != nil && !errors.Is(err, config.ErrInvalidConfig) {
 			t.Errorf("%d: err %v does not wrap ErrInvalidConfig", i, err)
 		}
 	}
@@ -788,7 +789,7 @@ func nopBody(s string) io.ReadCloser { return io.NopCloser(strings.NewReader(s))
 func TestSpeculativeConfirmedThenEvicted(t *testing.T) {
 	w := newKVWorld(t, 4)
 	tokens := promptTokens(21, 32*kvTestBS)
-	s := w.strategy(RoutingConfig{})
+	s := w.strategy(config.RoutingConfig{})
 	first := kvPick(t, s, kvRequest("a", tokens), w.insts)
 	if first.Reason != ReasonHeuristic {
 		t.Fatalf("first: %s", first.Reason)
@@ -817,7 +818,7 @@ func TestKVAwareHugePrompt(t *testing.T) {
 	tokens := promptTokens(31, maxKeyedTokens+1000)
 	order := RendezvousOrder(kvRequest("huge", tokens), w.insts)
 	w.store(order[2].ID(), tokens[:4*kvTestBS], 0, 4)
-	d := kvPick(t, w.strategy(RoutingConfig{}), kvRequest("huge", tokens), w.insts)
+	d := kvPick(t, w.strategy(config.RoutingConfig{}), kvRequest("huge", tokens), w.insts)
 	if d.Instance != order[2] || d.Reason != ReasonKVMatch || d.Explain.PromptTokens != maxKeyedTokens {
 		t.Fatalf("picked %s (%s), explain %+v", d.Instance.ID(), d.Reason, d.Explain)
 	}
@@ -837,8 +838,8 @@ func TestReplicasAgree(t *testing.T) {
 		c, _ := NewInstance(in.ID(), "http://127.0.0.1:9")
 		insts2 = append(insts2, c)
 	}
-	r1 := w.strategy(RoutingConfig{KV: &KVScoringConfig{SpeculativeTTL: -1}})
-	r2, err := NewKVAware(RoutingConfig{KV: &KVScoringConfig{SpeculativeTTL: -1}}, st2)
+	r1 := w.strategy(config.RoutingConfig{KV: &config.KVScoringConfig{SpeculativeTTL: -1}})
+	r2, err := NewKVAware(config.RoutingConfig{KV: &config.KVScoringConfig{SpeculativeTTL: -1}}, st2)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -876,7 +877,7 @@ func (slowSource) Tokens(ctx context.Context, _ *Request) ([]uint32, error) {
 // costs the request its exact routing, not its latency.
 func TestKVAwareTokenizeTimeout(t *testing.T) {
 	w := newKVWorld(t, 3)
-	s := w.strategy(RoutingConfig{KV: &KVScoringConfig{TokenizeTimeout: 20 * time.Millisecond}})
+	s := w.strategy(config.RoutingConfig{KV: &config.KVScoringConfig{TokenizeTimeout: 20 * time.Millisecond}})
 	start := time.Now()
 	d := kvPick(t, s, &Request{Endpoint: EndpointChatCompletions, RoutingText: "x", Tokenizer: slowSource{}}, w.insts)
 	if el := time.Since(start); el > 2*time.Second || d.Reason != ReasonHeuristic {
@@ -895,18 +896,18 @@ func TestShadowHeuristicInUse(t *testing.T) {
 	tokens := promptTokens(41, 32*kvTestBS)
 	order := RendezvousOrder(kvRequest("s", tokens), w.insts)
 	w.store(order[3].ID(), tokens, 0, 32)
-	s, err := NewStrategy(StrategyPrefixAware, RoutingConfig{Shadow: true}, WithKVState(w.st))
+	s, err := NewStrategy(config.StrategyPrefixAware, config.RoutingConfig{Shadow: true}, WithKVState(w.st))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.Name() != StrategyPrefixAware {
+	if s.Name() != config.StrategyPrefixAware {
 		t.Fatalf("name %q", s.Name())
 	}
 	d, err := s.Pick(context.Background(), kvRequest("s", tokens), w.insts)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if d.Instance != order[0] || d.Strategy != StrategyPrefixAware || d.Reason != ReasonHash {
+	if d.Instance != order[0] || d.Strategy != config.StrategyPrefixAware || d.Reason != ReasonHash {
 		t.Fatalf("in use: %s %s %s", d.Instance.ID(), d.Strategy, d.Reason)
 	}
 	if d.Explain == nil || matchedSum(d) != 0 || d.Observer == nil {
@@ -921,11 +922,11 @@ func TestShadowHeuristicInUse(t *testing.T) {
 	if w.st.spec.Len() != 0 {
 		t.Errorf("dry scoring left %d speculative entries", w.st.spec.Len())
 	}
-	sum := w.st.Compare(StrategyPrefixAware, true, w.insts, 0)
+	sum := w.st.Compare(config.StrategyPrefixAware, true, w.insts, 0)
 	if sum.Compared != 1 || sum.Agreed != 0 {
 		t.Fatalf("compare %+v", sum)
 	}
-	if p := sum.Predicted[StrategyKVAware]; p.MatchedTokens != int64(len(tokens)) {
+	if p := sum.Predicted[config.StrategyKVAware]; p.MatchedTokens != int64(len(tokens)) {
 		t.Errorf("kv_aware's pick predicted %d matched tokens, want %d", p.MatchedTokens, len(tokens))
 	}
 	if r := sum.Reported; r.WithUsage != 1 || r.CachedTokens != 1024 || r.MeanCachedWhenDiffer != 1024 {
@@ -942,7 +943,7 @@ func TestDryPickLeavesOverlay(t *testing.T) {
 	w := newKVWorld(t, 4)
 	tokens := promptTokens(43, 32*kvTestBS)
 	keys := kvindex.Keys(kvindex.Root(kvTestModel, "", ""), tokens, kvTestBS)
-	s := w.strategy(RoutingConfig{})
+	s := w.strategy(config.RoutingConfig{})
 	first := kvPick(t, s, kvRequest("d", tokens), w.insts) // speculates all 32 blocks
 	id := first.Instance.ID()
 	w.store(id, tokens, 0, 16) // events confirm half

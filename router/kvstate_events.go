@@ -23,11 +23,15 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/ratelog"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tiers"
+	"github.com/kvrouter/kvrouter/tiers/tiermetrics"
 )
 
 // DefaultEmbeddedStoreDir is the embedded NATS server's store when
@@ -35,7 +39,7 @@ import (
 // where <fleet> hashes the pools' names and models. A router restarted with
 // the same pools finds its stream and snapshots again; a router for another
 // fleet gets its own store instead of loading this one's instances.
-func DefaultEmbeddedStoreDir(port int, pools []PoolConfig) string {
+func DefaultEmbeddedStoreDir(port int, pools []config.PoolConfig) string {
 	names := make([]string, len(pools))
 	for i, p := range pools {
 		names[i] = p.Name + "=" + p.Model
@@ -63,13 +67,13 @@ type KVEventsOptions struct {
 	// Stream and Bucket override the stream and snapshot bucket settings
 	// (names default from the config; an in-process demo may want memory
 	// storage).
-	Stream events.StreamConfig
-	Bucket events.BucketConfig
+	Stream kvstream.StreamConfig
+	Bucket kvstream.BucketConfig
 	// SnapshotTimeout is the consumers' snapshot request timeout
 	// (0 = the consumer's default).
 	SnapshotTimeout time.Duration
 	// NATSErrorHandler receives the NATS connection's asynchronous errors
-	// (events.NATSConfig.ErrorHandler; nil = logged, rate-limited).
+	// (kvstream.NATSConfig.ErrorHandler; nil = logged, rate-limited).
 	NATSErrorHandler nats.ErrHandler
 }
 
@@ -80,11 +84,11 @@ type KVEventsOptions struct {
 // admin API its per-instance views and the eviction stream
 // (Options.KVEvents), and the pools their heartbeat-discovered instances.
 type KVEvents struct {
-	cfg      Config
+	cfg      config.Config
 	opts     KVEventsOptions
 	log      *slog.Logger
-	acct     *tiers.Accounting
-	embedded *events.EmbeddedNATS
+	acct     *tiermetrics.Accounting
+	embedded *kvstream.EmbeddedNATS
 	conn     *nats.Conn
 	ownConn  bool
 	natsURL  string
@@ -105,8 +109,8 @@ type KVEvents struct {
 	// reloadMu serialises reloads (SIGHUP and discovery) and guards base
 	// and applied.
 	reloadMu sync.Mutex
-	base     Config // the file's configuration, before discovered instances
-	applied  string // fingerprint of the discovered instances last applied
+	base     config.Config // the file's configuration, before discovered instances
+	applied  string        // fingerprint of the discovered instances last applied
 	// discovered holds "pool/instance" of the instances added from
 	// heartbeats in the configuration last applied; read by the admin API.
 	discovered atomic.Pointer[map[string]bool]
@@ -130,37 +134,19 @@ type kvPool struct {
 	fresh Freshness
 }
 
-// KVEventsWanted reports whether cfg asks for KV state: events not
-// disabled, and an index: section or a pool that routes kv_aware or
-// shadows. Without it the router runs without NATS.
-func KVEventsWanted(cfg Config) bool {
-	if cfg.Events != nil && cfg.Events.Enabled != nil && !*cfg.Events.Enabled {
-		return false
-	}
-	if cfg.Index != nil {
-		return true
-	}
-	for _, p := range cfg.Pools {
-		if p.Routing.Strategy == StrategyKVAware || p.Routing.Shadow {
-			return true
-		}
-	}
-	return false
-}
-
 // StartKVEvents connects to NATS (events.nats.url; with none, starts the
 // embedded server), builds each pool's index and starts its consumer under
 // ctx. Close stops everything. Call it only when KVEventsWanted(cfg).
-func StartKVEvents(ctx context.Context, cfg Config, opts KVEventsOptions) (*KVEvents, error) {
+func StartKVEvents(ctx context.Context, cfg config.Config, opts KVEventsOptions) (*KVEvents, error) {
 	cfg = cfg.WithDefaults()
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
-	ec := EventsConfig{}
+	ec := config.EventsConfig{}
 	if cfg.Events != nil {
 		ec = *cfg.Events
 	}
-	acct, err := tiers.NewAccounting(opts.Registerer)
+	acct, err := tiermetrics.NewAccounting(opts.Registerer)
 	if err != nil {
 		return nil, err
 	}
@@ -170,7 +156,7 @@ func StartKVEvents(ctx context.Context, cfg Config, opts KVEventsOptions) (*KVEv
 	if k.dm, err = newDiscoveryMetrics(opts.Registerer); err != nil {
 		return nil, fmt.Errorf("router: register discovery metrics: %w", err)
 	}
-	if discoverEnabled(cfg) && cfg.HeartbeatKey == nil {
+	if config.DiscoverEnabled(cfg) && cfg.HeartbeatKey == nil {
 		for _, p := range cfg.Pools {
 			if len(p.AllowedInstanceURLs) == 0 {
 				k.log.Warn("heartbeat discovery admits any URL announced on NATS for this pool: set "+HeartbeatKeyEnv+
@@ -201,11 +187,11 @@ func StartKVEvents(ctx context.Context, cfg Config, opts KVEventsOptions) (*KVEv
 		}
 		host, portStr, err := net.SplitHostPort(listen)
 		if err != nil {
-			return fail(fmt.Errorf("%w: events.nats.listen %q: %w", ErrInvalidConfig, listen, err))
+			return fail(fmt.Errorf("%w: events.nats.listen %q: %w", config.ErrInvalidConfig, listen, err))
 		}
 		port, err := strconv.Atoi(portStr)
 		if err != nil {
-			return fail(fmt.Errorf("%w: events.nats.listen %q: bad port", ErrInvalidConfig, listen))
+			return fail(fmt.Errorf("%w: events.nats.listen %q: bad port", config.ErrInvalidConfig, listen))
 		}
 		if port == 0 {
 			port = -1 // a free port
@@ -214,12 +200,12 @@ func StartKVEvents(ctx context.Context, cfg Config, opts KVEventsOptions) (*KVEv
 		if storeDir == "" && port > 0 {
 			storeDir = DefaultEmbeddedStoreDir(port, cfg.Pools)
 		}
-		k.embedded, err = events.StartEmbeddedNATS(k.ctx, events.EmbeddedNATSConfig{Host: host, Port: port, StoreDir: storeDir})
+		k.embedded, err = kvstream.StartEmbeddedNATS(k.ctx, kvstream.EmbeddedNATSConfig{Host: host, Port: port, StoreDir: storeDir})
 		switch {
-		case errors.Is(err, events.ErrPortInUse):
+		case errors.Is(err, kvstream.ErrPortInUse):
 			return fail(fmt.Errorf("router: embedded nats: %w\n  another NATS server (or router) has %s: set events.nats.url to use that server, "+
 				"or events.nats.listen to a free address (e.g. 127.0.0.1:0 for any port; bridges then need --nats-url with the port this router logs)", err, listen))
-		case errors.Is(err, events.ErrStoreInUse):
+		case errors.Is(err, kvstream.ErrStoreInUse):
 			return fail(fmt.Errorf("router: embedded nats: %w (events.nats.store_dir)", err))
 		case err != nil:
 			return fail(fmt.Errorf("router: embedded nats on %s: %w", listen, err))
@@ -229,7 +215,7 @@ func StartKVEvents(ctx context.Context, cfg Config, opts KVEventsOptions) (*KVEv
 			"nats_url", k.natsURL, "store_dir", k.embedded.StoreDir())
 	}
 	if k.conn == nil {
-		nc := events.NATSConfig{URL: k.natsURL, CredsFile: ec.NATS.CredsFile, Name: "kvrouter", Logger: k.log, ErrorHandler: opts.NATSErrorHandler}
+		nc := kvstream.NATSConfig{URL: k.natsURL, CredsFile: ec.NATS.CredsFile, Name: "kvrouter", Logger: k.log, ErrorHandler: opts.NATSErrorHandler}
 		if t := ec.NATS.TLS; t != nil {
 			nc.TLSCA, nc.TLSCert, nc.TLSKey = t.CAFile, t.CertFile, t.KeyFile
 		}
@@ -255,12 +241,12 @@ func (k *KVEvents) Conn() *nats.Conn { return k.conn }
 
 // Accounting is the per-instance, per-tier block accounting fed by the
 // consumers.
-func (k *KVEvents) Accounting() *tiers.Accounting { return k.acct }
+func (k *KVEvents) Accounting() *tiermetrics.Accounting { return k.acct }
 
 // KV is Options.KV: the pool's index and its stream's freshness, built
 // (and its consumer started) on first use, so a pool added by a reload gets
 // one; the same pool name keeps its index and consumer across reloads.
-func (k *KVEvents) KV(pc PoolConfig) (kvindex.Index, Freshness) {
+func (k *KVEvents) KV(pc config.PoolConfig) (kvindex.Index, Freshness) {
 	p, err := k.pool(pc)
 	if err != nil {
 		k.log.Error("pool KV state unavailable", "pool", pc.Name, "err", err)
@@ -298,11 +284,11 @@ func (k *KVEvents) StreamHealthy(pool string) bool {
 // EvictionHandler implements KVEventsSource: kv.evictions.<pool>.> as
 // server-sent events, ending when the pipeline stops.
 func (k *KVEvents) EvictionHandler() http.Handler {
-	return events.EvictionSSEHandler(k.streamsCtx, k.conn, events.EvictionSSEConfig{Logger: k.log,
+	return kvstream.EvictionSSEHandler(k.streamsCtx, k.conn, kvstream.EvictionSSEConfig{Logger: k.log,
 		KnownPool: func(pool string) bool { _, ok := k.Consumer(pool); return ok }})
 }
 
-func (k *KVEvents) pool(pc PoolConfig) (*kvPool, error) {
+func (k *KVEvents) pool(pc config.PoolConfig) (*kvPool, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if p, ok := k.pools[pc.Name]; ok {
@@ -316,14 +302,14 @@ func (k *KVEvents) pool(pc PoolConfig) (*kvPool, error) {
 	}
 	ic := k.cfg.Index
 	if ic == nil {
-		ic = &IndexConfig{} // memory, default capacity
+		ic = &config.IndexConfig{} // memory, default capacity
 	}
-	idxs, err := NewPoolIndexes(Config{Index: ic, Pools: []PoolConfig{pc}})
+	idxs, err := NewPoolIndexes(config.Config{Index: ic, Pools: []config.PoolConfig{pc}})
 	if err != nil {
 		return nil, err
 	}
 	index := idxs.ByPool[pc.Name]
-	ec := EventsConfig{}
+	ec := config.EventsConfig{}
 	if k.cfg.Events != nil {
 		ec = *k.cfg.Events
 	}
@@ -350,7 +336,7 @@ func (k *KVEvents) pool(pc PoolConfig) (*kvPool, error) {
 		// Names seen only in events need to be configured; others need an
 		// admitted heartbeat first (junk subjects create nothing).
 		Admit: func(instance string) bool { return k.adm.Load().configured[pc.Name][instance] },
-		AdmitHeartbeat: func(instance string, m *nats.Msg, hb *events.Heartbeat) error {
+		AdmitHeartbeat: func(instance string, m *nats.Msg, hb *kvstream.Heartbeat) error {
 			return k.admitHeartbeat(pc.Name, instance, m, hb)
 		},
 		SnapshotTimeout: k.opts.SnapshotTimeout,
@@ -455,10 +441,10 @@ func (k *KVEvents) Close() {
 	}
 }
 
-// accountingApplier feeds tiers.Accounting from what the consumer applies.
+// accountingApplier feeds tiermetrics.Accounting from what the consumer applies.
 type accountingApplier struct {
 	kvindex.Index
-	acct *tiers.Accounting
+	acct *tiermetrics.Accounting
 }
 
 var _ consumer.Applier = (*accountingApplier)(nil)
@@ -593,7 +579,7 @@ func (a *sharedAccountingApplier) WriterLease() time.Duration { return a.shared.
 
 // admitHeartbeat is the pool consumer's AdmitHeartbeat: signature and
 // URL allow-list; a refusal is counted and logged (rate-limited).
-func (k *KVEvents) admitHeartbeat(pool, instance string, m *nats.Msg, hb *events.Heartbeat) error {
+func (k *KVEvents) admitHeartbeat(pool, instance string, m *nats.Msg, hb *kvstream.Heartbeat) error {
 	err := k.adm.Load().check(pool, instance, m, hb, time.Now())
 	var r *errHeartbeatRefused
 	if errors.As(err, &r) {
@@ -603,27 +589,22 @@ func (k *KVEvents) admitHeartbeat(pool, instance string, m *nats.Msg, hb *events
 	return err
 }
 
-// discoverEnabled: events.discover_instances, default true.
-func discoverEnabled(cfg Config) bool {
-	return cfg.Events == nil || cfg.Events.DiscoverInstances == nil || *cfg.Events.DiscoverInstances
-}
-
 // Discovered returns the instances of the pool announced by bridge
 // heartbeats (not purged, with an http(s) URL, serving the pool's model
 // when the heartbeat names one), sorted by id.
-func (k *KVEvents) Discovered(pool PoolConfig) []InstanceConfig {
+func (k *KVEvents) Discovered(pool config.PoolConfig) []config.InstanceConfig {
 	c, ok := k.Consumer(pool.Name)
 	if !ok {
 		return nil
 	}
 	allow := k.adm.Load().allow[pool.Name]
-	var out []InstanceConfig
+	var out []config.InstanceConfig
 	for _, st := range c.Instances() {
 		hb := st.Heartbeat
-		if st.State == consumer.StatePurged || hb == nil || hb.URL == "" || !validName(st.Instance) {
+		if st.State == consumer.StatePurged || hb == nil || hb.URL == "" || !config.ValidName(st.Instance) {
 			continue
 		}
-		if !allow.allows(hb.URL) {
+		if !allow.Allows(hb.URL) {
 			continue // admitted before a reload narrowed the list
 		}
 		if hb.Model != "" && hb.Model != pool.Model {
@@ -632,16 +613,16 @@ func (k *KVEvents) Discovered(pool PoolConfig) []InstanceConfig {
 		if u, err := url.Parse(hb.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 			continue
 		}
-		out = append(out, InstanceConfig{ID: st.Instance, URL: hb.URL, Adapters: slices.Clone(hb.Adapters)})
+		out = append(out, config.InstanceConfig{ID: st.Instance, URL: hb.URL, Adapters: slices.Clone(hb.Adapters)})
 	}
 	return out
 }
 
 // withDiscovered returns cfg with each pool's discovered instances added
 // (configured ids win) and a fingerprint of what was added.
-func (k *KVEvents) withDiscovered(cfg Config) (Config, string, map[string]bool) {
+func (k *KVEvents) withDiscovered(cfg config.Config) (config.Config, string, map[string]bool) {
 	added := map[string]bool{}
-	if !discoverEnabled(cfg) {
+	if !config.DiscoverEnabled(cfg) {
 		return cfg, "", added
 	}
 	var fp []byte
@@ -680,7 +661,7 @@ func (k *KVEvents) IsDiscovered(pool, instance string) bool {
 // Reload applies a new file configuration to srv, keeping the
 // heartbeat-discovered instances. Consumers and indexes are kept (a new
 // pool gets its own through Options.KV).
-func (k *KVEvents) Reload(srv *Server, cfg Config) error {
+func (k *KVEvents) Reload(srv *Server, cfg config.Config) error {
 	k.reloadMu.Lock()
 	defer k.reloadMu.Unlock()
 	if !reflect.DeepEqual(cfg.WithDefaults().Events, k.cfg.Events) || !reflect.DeepEqual(cfg.Index, k.cfg.Index) {
@@ -704,7 +685,7 @@ func (k *KVEvents) Reload(srv *Server, cfg Config) error {
 // reportDiscovery logs and counts the instances that joined or left pools
 // between two applied discovered sets, and drops the per-instance series
 // of those that left (a name that comes and goes leaves nothing behind).
-func (k *KVEvents) reportDiscovery(srv *Server, prev *map[string]bool, now map[string]bool, merged Config) {
+func (k *KVEvents) reportDiscovery(srv *Server, prev *map[string]bool, now map[string]bool, merged config.Config) {
 	var old map[string]bool
 	if prev != nil {
 		old = *prev

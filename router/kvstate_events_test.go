@@ -6,9 +6,11 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tiers"
+	"github.com/kvrouter/kvrouter/tiers/tiermetrics"
 )
 
 func kvevHashes(from, n int) []uint64 {
@@ -62,7 +64,7 @@ func TestAccountingApplier(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			acct, err := tiers.NewAccounting(nil)
+			acct, err := tiermetrics.NewAccounting(nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -97,50 +99,50 @@ func TestAccountingApplier(t *testing.T) {
 
 func TestKVEventsWantedAndConfig(t *testing.T) {
 	no, yes := false, true
-	pool := func(r RoutingConfig) PoolConfig {
-		return PoolConfig{Name: "p", Model: "m", Routing: r, Instances: []InstanceConfig{{ID: "a", URL: "http://127.0.0.1:1"}}}
+	pool := func(r config.RoutingConfig) config.PoolConfig {
+		return config.PoolConfig{Name: "p", Model: "m", Routing: r, Instances: []config.InstanceConfig{{ID: "a", URL: "http://127.0.0.1:1"}}}
 	}
 	wanted := []struct {
 		name string
-		cfg  Config
+		cfg  config.Config
 		want bool
 	}{
-		{"heuristic only", Config{Pools: []PoolConfig{pool(RoutingConfig{})}}, false},
-		{"kv_aware pool", Config{Pools: []PoolConfig{pool(RoutingConfig{Strategy: StrategyKVAware})}}, true},
-		{"shadow pool", Config{Pools: []PoolConfig{pool(RoutingConfig{Shadow: true})}}, true},
-		{"index section", Config{Index: &IndexConfig{}, Pools: []PoolConfig{pool(RoutingConfig{})}}, true},
-		{"explicitly enabled", Config{Events: &EventsConfig{Enabled: &yes}, Index: &IndexConfig{}, Pools: []PoolConfig{pool(RoutingConfig{})}}, true},
-		{"disabled", Config{Events: &EventsConfig{Enabled: &no}, Pools: []PoolConfig{pool(RoutingConfig{Strategy: StrategyKVAware})}}, false},
+		{"heuristic only", config.Config{Pools: []config.PoolConfig{pool(config.RoutingConfig{})}}, false},
+		{"kv_aware pool", config.Config{Pools: []config.PoolConfig{pool(config.RoutingConfig{Strategy: config.StrategyKVAware})}}, true},
+		{"shadow pool", config.Config{Pools: []config.PoolConfig{pool(config.RoutingConfig{Shadow: true})}}, true},
+		{"index section", config.Config{Index: &config.IndexConfig{}, Pools: []config.PoolConfig{pool(config.RoutingConfig{})}}, true},
+		{"explicitly enabled", config.Config{Events: &config.EventsConfig{Enabled: &yes}, Index: &config.IndexConfig{}, Pools: []config.PoolConfig{pool(config.RoutingConfig{})}}, true},
+		{"disabled", config.Config{Events: &config.EventsConfig{Enabled: &no}, Pools: []config.PoolConfig{pool(config.RoutingConfig{Strategy: config.StrategyKVAware})}}, false},
 	}
 	for _, tc := range wanted {
-		if got := KVEventsWanted(tc.cfg); got != tc.want {
+		if got := config.KVEventsWanted(tc.cfg); got != tc.want {
 			t.Errorf("%s: KVEventsWanted %v, want %v", tc.name, got, tc.want)
 		}
 	}
 
-	kvPool := pool(RoutingConfig{Strategy: StrategyKVAware})
-	empty := PoolConfig{Name: "p", Model: "m", Routing: RoutingConfig{Strategy: StrategyKVAware}}
+	kvPool := pool(config.RoutingConfig{Strategy: config.StrategyKVAware})
+	empty := config.PoolConfig{Name: "p", Model: "m", Routing: config.RoutingConfig{Strategy: config.StrategyKVAware}}
 	invalid := []struct {
 		name string
-		cfg  Config
+		cfg  config.Config
 		want string // "" = valid
 	}{
-		{"defaults", Config{Events: &EventsConfig{}, Pools: []PoolConfig{kvPool}}, ""},
-		{"url and embedded", Config{Events: &EventsConfig{NATS: NATSConfig{URL: "nats://x:4222", Embedded: true}}, Pools: []PoolConfig{kvPool}}, "exclude"},
-		{"bad listen", Config{Events: &EventsConfig{NATS: NATSConfig{Listen: "4222"}}, Pools: []PoolConfig{kvPool}}, "events.nats.listen"},
-		{"cert without key", Config{Events: &EventsConfig{NATS: NATSConfig{TLS: &TLSConfig{CertFile: "c"}}}, Pools: []PoolConfig{kvPool}}, "cert_file and key_file"},
-		{"negative stale", Config{Events: &EventsConfig{StaleAfter: -1}, Pools: []PoolConfig{kvPool}}, ">= 0"},
-		{"purge before stale", Config{Events: &EventsConfig{StaleAfter: 60e9, PurgeAfter: 30e9}, Pools: []PoolConfig{kvPool}}, "purge_after"},
-		{"no instances, discovery on", Config{Pools: []PoolConfig{empty}}, ""},
-		{"no instances, discovery off", Config{Events: &EventsConfig{DiscoverInstances: &no}, Pools: []PoolConfig{empty}}, "at least one instance"},
-		{"no instances, events off", Config{Events: &EventsConfig{Enabled: &no}, Pools: []PoolConfig{{Name: "p", Model: "m"}}}, "at least one instance"},
+		{"defaults", config.Config{Events: &config.EventsConfig{}, Pools: []config.PoolConfig{kvPool}}, ""},
+		{"url and embedded", config.Config{Events: &config.EventsConfig{NATS: config.NATSConfig{URL: "nats://x:4222", Embedded: true}}, Pools: []config.PoolConfig{kvPool}}, "exclude"},
+		{"bad listen", config.Config{Events: &config.EventsConfig{NATS: config.NATSConfig{Listen: "4222"}}, Pools: []config.PoolConfig{kvPool}}, "events.nats.listen"},
+		{"cert without key", config.Config{Events: &config.EventsConfig{NATS: config.NATSConfig{TLS: &config.TLSConfig{CertFile: "c"}}}, Pools: []config.PoolConfig{kvPool}}, "cert_file and key_file"},
+		{"negative stale", config.Config{Events: &config.EventsConfig{StaleAfter: -1}, Pools: []config.PoolConfig{kvPool}}, ">= 0"},
+		{"purge before stale", config.Config{Events: &config.EventsConfig{StaleAfter: 60e9, PurgeAfter: 30e9}, Pools: []config.PoolConfig{kvPool}}, "purge_after"},
+		{"no instances, discovery on", config.Config{Pools: []config.PoolConfig{empty}}, ""},
+		{"no instances, discovery off", config.Config{Events: &config.EventsConfig{DiscoverInstances: &no}, Pools: []config.PoolConfig{empty}}, "at least one instance"},
+		{"no instances, events off", config.Config{Events: &config.EventsConfig{Enabled: &no}, Pools: []config.PoolConfig{{Name: "p", Model: "m"}}}, "at least one instance"},
 	}
 	for _, tc := range invalid {
 		err := tc.cfg.Validate()
 		switch {
 		case tc.want == "" && err != nil:
 			t.Errorf("%s: %v", tc.name, err)
-		case tc.want != "" && (err == nil || !errors.Is(err, ErrInvalidConfig) || !strings.Contains(err.Error(), tc.want)):
+		case tc.want != "" && (err == nil || !errors.Is(err, config.ErrInvalidConfig) || !strings.Contains(err.Error(), tc.want)):
 			t.Errorf("%s: error %v, want one naming %q", tc.name, err, tc.want)
 		}
 	}
@@ -161,7 +163,7 @@ func BenchmarkAccountingApply(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			acct, _ := tiers.NewAccounting(nil)
+			acct, _ := tiermetrics.NewAccounting(nil)
 			var ap interface {
 				Apply(context.Context, string, []events.Event) (kvindex.ApplyResult, error)
 			} = idx
@@ -187,9 +189,9 @@ func BenchmarkAccountingApply(b *testing.B) {
 // TestDefaultEmbeddedStoreDir: the default store is keyed by port and by the
 // fleet's pools, so another fleet never loads this one's snapshots.
 func TestDefaultEmbeddedStoreDir(t *testing.T) {
-	a := []PoolConfig{{Name: "llama", Model: "m1"}, {Name: "qwen", Model: "m2"}}
-	b := []PoolConfig{{Name: "qwen", Model: "m2"}, {Name: "llama", Model: "m1"}}
-	c := []PoolConfig{{Name: "llama", Model: "m1"}}
+	a := []config.PoolConfig{{Name: "llama", Model: "m1"}, {Name: "qwen", Model: "m2"}}
+	b := []config.PoolConfig{{Name: "qwen", Model: "m2"}, {Name: "llama", Model: "m1"}}
+	c := []config.PoolConfig{{Name: "llama", Model: "m1"}}
 	if DefaultEmbeddedStoreDir(4222, a) != DefaultEmbeddedStoreDir(4222, b) {
 		t.Fatal("pool order changed the store")
 	}

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
@@ -26,13 +27,13 @@ type limitsRig struct {
 	addr string
 }
 
-func newLimitsRig(t *testing.T, limits router.LimitsConfig) *limitsRig {
+func newLimitsRig(t *testing.T, limits config.LimitsConfig) *limitsRig {
 	t.Helper()
 	up := routertest.New(t, "vllm-0", "m")
-	cfg := router.Config{Limits: limits, Pools: []router.PoolConfig{{
+	cfg := config.Config{Limits: limits, Pools: []config.PoolConfig{{
 		Name: "p", Model: "m",
-		Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-		Instances: []router.InstanceConfig{{ID: up.ID, URL: up.URL()}},
+		Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+		Instances: []config.InstanceConfig{{ID: up.ID, URL: up.URL()}},
 	}}}
 	srv, err := router.NewServer(cfg, router.Options{Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
@@ -65,7 +66,7 @@ func openAIError(t *testing.T, b []byte) (msg string, code int) {
 }
 
 func TestInputLimits(t *testing.T) {
-	r := newLimitsRig(t, router.LimitsConfig{MaxHeaderBytes: 2048, MaxMessages: 3, MaxPromptTokenIDs: 10})
+	r := newLimitsRig(t, config.LimitsConfig{MaxHeaderBytes: 2048, MaxMessages: 3, MaxPromptTokenIDs: 10})
 	msgs := func(n int) string {
 		var parts []string
 		for range n {
@@ -156,7 +157,7 @@ func rawRequest(t *testing.T, addr, head, body string, delay time.Duration) (str
 }
 
 func TestSlowClients(t *testing.T) {
-	r := newLimitsRig(t, router.LimitsConfig{ReadHeaderTimeout: 200 * time.Millisecond, BodyReadTimeout: 300 * time.Millisecond})
+	r := newLimitsRig(t, config.LimitsConfig{ReadHeaderTimeout: 200 * time.Millisecond, BodyReadTimeout: 300 * time.Millisecond})
 	body := `{"model":"m","prompt":"hello"}`
 	head := fmt.Sprintf("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n", len(body))
 
@@ -204,15 +205,15 @@ func TestSlowClients(t *testing.T) {
 func TestLimitsConfigValidate(t *testing.T) {
 	tests := []struct {
 		name string
-		l    router.LimitsConfig
+		l    config.LimitsConfig
 		want string // "" = valid
 	}{
-		{"defaults", router.LimitsConfig{}, ""},
-		{"header too small", router.LimitsConfig{MaxHeaderBytes: 100}, "limits.max_header_bytes 100 out of range"},
-		{"negative messages", router.LimitsConfig{MaxMessages: -1}, "limits.max_messages"},
-		{"negative token ids", router.LimitsConfig{MaxPromptTokenIDs: -5}, "limits.max_prompt_token_ids"},
-		{"tokenize above the token source's bound", router.LimitsConfig{MaxTokenizeBytes: router.MaxTokenizeBytes + 1}, "limits.max_tokenize_bytes"},
-		{"negative timeout", router.LimitsConfig{BodyReadTimeout: -time.Second}, "timeouts"},
+		{"defaults", config.LimitsConfig{}, ""},
+		{"header too small", config.LimitsConfig{MaxHeaderBytes: 100}, "limits.max_header_bytes 100 out of range"},
+		{"negative messages", config.LimitsConfig{MaxMessages: -1}, "limits.max_messages"},
+		{"negative token ids", config.LimitsConfig{MaxPromptTokenIDs: -5}, "limits.max_prompt_token_ids"},
+		{"tokenize above the token source's bound", config.LimitsConfig{MaxTokenizeBytes: config.MaxTokenizeBytes + 1}, "limits.max_tokenize_bytes"},
+		{"negative timeout", config.LimitsConfig{BodyReadTimeout: -time.Second}, "timeouts"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -223,13 +224,13 @@ func TestLimitsConfigValidate(t *testing.T) {
 				}
 				return
 			}
-			if err == nil || !strings.Contains(err.Error(), tc.want) || !errors.Is(err, router.ErrInvalidConfig) {
+			if err == nil || !strings.Contains(err.Error(), tc.want) || !errors.Is(err, config.ErrInvalidConfig) {
 				t.Fatalf("err = %v, want ErrInvalidConfig mentioning %q", err, tc.want)
 			}
 		})
 	}
-	d := router.LimitsConfig{}.WithDefaults()
-	if d.MaxHeaderBytes != 64<<10 || d.MaxMessages != 4096 || d.MaxPromptTokenIDs != 1<<20 || d.MaxTokenizeBytes != router.MaxTokenizeBytes ||
+	d := config.LimitsConfig{}.WithDefaults()
+	if d.MaxHeaderBytes != 64<<10 || d.MaxMessages != 4096 || d.MaxPromptTokenIDs != 1<<20 || d.MaxTokenizeBytes != config.MaxTokenizeBytes ||
 		d.ReadHeaderTimeout != 10*time.Second || d.BodyReadTimeout != time.Minute || d.IdleTimeout != 2*time.Minute {
 		t.Fatalf("defaults %+v", d)
 	}
@@ -254,7 +255,7 @@ func TestSecurityConfigFromYAML(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			cfg, err := router.ParseConfig(strings.NewReader(tc.yaml))
+			cfg, err := config.ParseConfig(strings.NewReader(tc.yaml))
 			if err == nil {
 				cfg.CacheSaltSecret = tc.secret
 				err = cfg.WithDefaults().Validate()
@@ -276,17 +277,17 @@ func TestSecurityConfigFromYAML(t *testing.T) {
 // never handed to the tokenizer; the request still routes.
 func TestTokenizeLimitRoutesHeuristically(t *testing.T) {
 	req := &router.Request{Body: make([]byte, 100)}
-	router.LimitTokenizeForTest(router.LimitsConfig{MaxTokenizeBytes: 99}, req)
+	router.LimitTokenizeForTest(config.LimitsConfig{MaxTokenizeBytes: 99}, req)
 	if _, err := req.TokenIDs(context.Background()); !errors.Is(err, router.ErrPromptTooLong) || !errors.Is(err, router.ErrTokenSource) {
 		t.Fatalf("over the limit: err %v, want ErrPromptTooLong", err)
 	}
 	req = &router.Request{Body: make([]byte, 99)}
-	router.LimitTokenizeForTest(router.LimitsConfig{MaxTokenizeBytes: 99}, req)
+	router.LimitTokenizeForTest(config.LimitsConfig{MaxTokenizeBytes: 99}, req)
 	if req.Tokenizer != nil {
 		t.Fatal("a body at the limit lost its tokenizer")
 	}
 	req = &router.Request{Body: make([]byte, 100), PromptTokens: []uint32{1}}
-	router.LimitTokenizeForTest(router.LimitsConfig{MaxTokenizeBytes: 99}, req)
+	router.LimitTokenizeForTest(config.LimitsConfig{MaxTokenizeBytes: 99}, req)
 	if ids, err := req.TokenIDs(context.Background()); err != nil || len(ids) != 1 {
 		t.Fatalf("given token ids: %v %v", ids, err)
 	}

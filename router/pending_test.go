@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
@@ -248,12 +249,12 @@ func TestPendingNonStreamedReleasedBeforeResponse(t *testing.T) {
 			}))
 			defer up.Close()
 			idx, _ := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvTestModel, BlockSize: kvTestBS})
-			pc := PoolConfig{Name: "p", Model: kvTestModel, Routing: RoutingConfig{Strategy: StrategyKVAware},
-				Health: HealthConfig{Disable: true}, Discovery: DiscoveryConfig{Disable: true},
-				Instances: []InstanceConfig{{ID: "a", URL: up.URL}}}
-			srv, err := NewServer(Config{Pools: []PoolConfig{pc}}, Options{
+			pc := config.PoolConfig{Name: "p", Model: kvTestModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+				Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+				Instances: []config.InstanceConfig{{ID: "a", URL: up.URL}}}
+			srv, err := NewServer(config.Config{Pools: []config.PoolConfig{pc}}, Options{
 				Logger: slog.New(slog.DiscardHandler),
-				KV:     func(PoolConfig) (kvindex.Index, Freshness) { return idx, nil },
+				KV:     func(config.PoolConfig) (kvindex.Index, Freshness) { return idx, nil },
 			})
 			if err != nil {
 				t.Fatal(err)

@@ -4,13 +4,15 @@ import (
 	"fmt"
 	"slices"
 	"sync/atomic"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // Pool is one model deployment: its instances and its current routing.
 // The routing (config and strategy) is swapped atomically, so a switch at
 // runtime never blocks or tears a request.
 type Pool struct {
-	cfg       PoolConfig
+	cfg       config.PoolConfig
 	instances []*Instance
 	byID      map[string]*Instance
 	routing   atomic.Pointer[poolRouting]
@@ -18,14 +20,14 @@ type Pool struct {
 }
 
 type poolRouting struct {
-	cfg   RoutingConfig
+	cfg   config.RoutingConfig
 	strat Strategy
 }
 
 // NewPool builds a pool from its config (defaults applied), reusing
 // instances from prev with the same id and URL so that in-flight counts and
 // health survive a reload. prev may be nil.
-func NewPool(cfg PoolConfig, prev *Pool, opts ...PoolOption) (*Pool, error) {
+func NewPool(cfg config.PoolConfig, prev *Pool, opts ...PoolOption) (*Pool, error) {
 	p := &Pool{cfg: cfg, byID: make(map[string]*Instance, len(cfg.Instances))}
 	for _, o := range opts {
 		o(p)
@@ -63,19 +65,19 @@ func (p *Pool) Model() string { return p.cfg.Model }
 
 // Config is the pool's configuration as loaded (routing as at load time;
 // see Routing for the current one).
-func (p *Pool) Config() PoolConfig { return p.cfg }
+func (p *Pool) Config() config.PoolConfig { return p.cfg }
 
 // Instances lists the pool's instances in configuration order.
 func (p *Pool) Instances() []*Instance { return slices.Clone(p.instances) }
 
 // Routing returns the current routing config and strategy.
-func (p *Pool) Routing() (RoutingConfig, Strategy) {
+func (p *Pool) Routing() (config.RoutingConfig, Strategy) {
 	r := p.routing.Load()
 	return r.cfg, r.strat
 }
 
 // SetRouting validates rc, builds its strategy and swaps it in.
-func (p *Pool) SetRouting(rc RoutingConfig) error {
+func (p *Pool) SetRouting(rc config.RoutingConfig) error {
 	rc = rc.WithDefaults()
 	if err := rc.Validate(); err != nil {
 		return err

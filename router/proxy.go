@@ -15,6 +15,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvrouter/kvrouter/router/openai"
 )
 
 // Response headers explaining a decision.
@@ -94,7 +96,7 @@ func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, st *state) 
 // reject answers a request the router refuses before routing it, in the
 // OpenAI error shape, and counts it.
 func (s *Server) reject(w http.ResponseWriter, pool string, status int, msg string) {
-	writeError(w, status, msg)
+	openai.WriteError(w, status, msg)
 	s.countRejected(pool, status)
 }
 
@@ -179,7 +181,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 			if prev != nil {
 				// The retry has nowhere to go: report the first failure.
 				s.setDecisionHeaders(w.Header(), prev)
-				writeError(w, http.StatusBadGateway, fmt.Sprintf("instance %s failed: %v", prev.dec.Instance.ID(), prev.err))
+				openai.WriteError(w, http.StatusBadGateway, fmt.Sprintf("instance %s failed: %v", prev.dec.Instance.ID(), prev.err))
 				s.m.requests.WithLabelValues(pool.Name(), prev.dec.Instance.ID(), strat.Name(), string(prev.dec.Reason), "502").Inc()
 				return
 			}
@@ -189,7 +191,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 			if req.Adapter != "" {
 				msg += fmt.Sprintf(" holding adapter %q", req.Adapter)
 			}
-			writeError(w, http.StatusServiceUnavailable, msg)
+			openai.WriteError(w, http.StatusServiceUnavailable, msg)
 			s.m.requests.WithLabelValues(pool.Name(), "", strat.Name(), "", "503").Inc()
 			return
 		}
@@ -343,7 +345,7 @@ func (s *Server) errorHandler(w http.ResponseWriter, r *http.Request, err error)
 	a.status = status
 	s.setDecisionHeaders(w.Header(), a)
 	s.log.Warn("upstream failed", "pool", a.pool.Name(), "instance", a.dec.Instance.ID(), "err", err)
-	writeError(w, status, fmt.Sprintf("instance %s failed: %v", a.dec.Instance.ID(), err))
+	openai.WriteError(w, status, fmt.Sprintf("instance %s failed: %v", a.dec.Instance.ID(), err))
 }
 
 // upstreamBody wraps an upstream response body.
@@ -401,7 +403,7 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 	default:
 		tail = append(tail, "\n\n"...)
 	}
-	b.tail = append(tail, sseErrorEvent(fmt.Sprintf("instance %s failed mid-stream: %v", b.a.dec.Instance.ID(), err))...)
+	b.tail = append(tail, openai.SSEErrorEvent(fmt.Sprintf("instance %s failed mid-stream: %v", b.a.dec.Instance.ID(), err))...)
 	return n, nil
 }
 

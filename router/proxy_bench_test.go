@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -45,11 +46,11 @@ func BenchmarkProxyAddedLatency1000RPS(b *testing.B) {
 		_, _ = w.Write(reply)
 	}))
 	defer up.Close()
-	pc := router.PoolConfig{Name: "llama", Model: model, Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true}}
+	pc := config.PoolConfig{Name: "llama", Model: model, Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
 	for i := range 8 {
-		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: fmt.Sprintf("vllm-%d", i), URL: up.URL})
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: fmt.Sprintf("vllm-%d", i), URL: up.URL})
 	}
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -177,12 +178,12 @@ func benchHandlerChat(b *testing.B, opts router.Options) {
 		_, _ = w.Write(reply)
 	}))
 	defer up.Close()
-	pc := router.PoolConfig{Name: "llama", Model: model, Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true}}
+	pc := config.PoolConfig{Name: "llama", Model: model, Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
 	for i := range 8 {
-		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: fmt.Sprintf("vllm-%d", i), URL: up.URL})
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: fmt.Sprintf("vllm-%d", i), URL: up.URL})
 	}
 	opts.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, opts)
+	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, opts)
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -6,6 +6,9 @@ import (
 	"strings"
 	"testing"
 	"unicode/utf8"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router/openai"
 )
 
 func TestOpenAIRoutingText(t *testing.T) {
@@ -35,7 +38,7 @@ func TestOpenAIRoutingText(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := OpenAIRoutingText(r, tc.limit); got != tc.want {
+			if got := openai.RoutingText(r, tc.limit); got != tc.want {
 				t.Fatalf("routing text %q, want %q", got, tc.want)
 			}
 		})
@@ -47,7 +50,7 @@ func TestPromptTokens(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	req := &Request{PromptTokens: firstTokens(r.Prompt)}
+	req := &Request{PromptTokens: openai.FirstTokens(r.Prompt)}
 	ids, err := req.TokenIDs(t.Context())
 	if err != nil || len(ids) != 3 || ids[2] != 9 {
 		t.Fatalf("TokenIDs %v %v", ids, err)
@@ -127,11 +130,11 @@ func FuzzParseOpenAI(f *testing.F) {
 				}
 				continue
 			}
-			txt := OpenAIRoutingText(r, limit)
+			txt := openai.RoutingText(r, limit)
 			if n := utf8.RuneCountInString(txt); n > limit {
 				t.Fatalf("routing text of %d runes over limit %d", n, limit)
 			}
-			if txt2 := OpenAIRoutingText(r, limit+50); !strings.HasPrefix(txt2, txt) {
+			if txt2 := openai.RoutingText(r, limit+50); !strings.HasPrefix(txt2, txt) {
 				t.Fatalf("routing text %q is not a prefix of the longer %q", txt, txt2)
 			}
 		}
@@ -184,7 +187,7 @@ func FuzzParseConfig(f *testing.F) {
 	f.Add([]byte("listen: 1\npools: [{name: p, routing: {prefix_length: -1}}]"))
 	f.Add([]byte("index: {backend: redis, redis: {ttl: 5x}}"))
 	f.Fuzz(func(t *testing.T, doc []byte) {
-		cfg, err := ParseConfig(bytes.NewReader(doc))
+		cfg, err := config.ParseConfig(bytes.NewReader(doc))
 		if err != nil {
 			return
 		}
@@ -198,8 +201,8 @@ func FuzzParseConfig(f *testing.F) {
 
 // parseOpenAIStd is the encoding/json reading of a body: the reference the
 // hand-written decoder is held to.
-func parseOpenAIStd(body []byte) (*OpenAIRequest, error) {
-	var r OpenAIRequest
+func parseOpenAIStd(body []byte) (*openai.Request, error) {
+	var r openai.Request
 	if err := json.Unmarshal(body, &r); err != nil {
 		return nil, err
 	}
@@ -294,8 +297,8 @@ func FuzzDecodeOpenAIMatchesStd(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, body []byte) {
-		var fast OpenAIRequest
-		ferr := decodeOpenAI(body, &fast)
+		var fast openai.Request
+		ferr := openai.Decode(body, &fast)
 		std, serr := parseOpenAIStd(body)
 		if !comparableWithStd(body) {
 			return
@@ -312,23 +315,6 @@ func FuzzDecodeOpenAIMatchesStd(f *testing.F) {
 			t.Fatalf("%q:\nfast %s\nstd  %s", body, a, b)
 		}
 	})
-}
-
-func TestUnquoteMatchesStd(t *testing.T) {
-	for _, s := range []string{`plain`, `tab\there`, `\u00e9\u4e2d`, `\ud83d\ude00`, `\ud800`, `\ud800\u0041`, `\udc00\ud800`, "bad\xffutf8", `\/\b\f\n\r\"\\`} {
-		var want string
-		if err := json.Unmarshal([]byte(`"`+s+`"`), &want); err != nil {
-			t.Fatal(err)
-		}
-		sc := &jscan{b: []byte(`"` + s + `"`)}
-		raw, esc, err := sc.str()
-		if err != nil {
-			t.Fatalf("%q: %v", s, err)
-		}
-		if got := unquote(raw, esc); got != want {
-			t.Errorf("%q: got %q, want %q", s, got, want)
-		}
-	}
 }
 
 // TestDecodeVLLMFields: the fields rendering and block keys need are kept
@@ -370,14 +356,14 @@ func TestDecodeVLLMFields(t *testing.T) {
 	}{
 		{``, "", true}, {`null`, "", true}, {`"b\u00e9"`, "bé", true}, {`5`, "", false}, {`"a" `, "", false}, {`{"a":1}`, "", false},
 	} {
-		if got, ok := rawString([]byte(c.raw)); got != c.want || ok != c.ok {
+		if got, ok := openai.RawString([]byte(c.raw)); got != c.want || ok != c.ok {
 			t.Errorf("rawString(%q) = %q, %v; want %q, %v", c.raw, got, ok, c.want, c.ok)
 		}
 	}
 	// Appending to a kept value must not write into the body.
 	salt := r.CacheSalt
 	_ = append(salt, 'X')
-	if !bytes.Equal(body, r.src) || bytes.Contains(body, []byte(`"b\u00e9"X`)) {
+	if !bytes.Equal(body, r.Source()) || bytes.Contains(body, []byte(`"b\u00e9"X`)) {
 		t.Error("a raw value aliases the body's capacity")
 	}
 }

@@ -1,10 +1,13 @@
 package router
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
+
+	"github.com/kvrouter/kvrouter/router/openai"
 )
 
 // RequestError is a request refused before routing. Status is the HTTP
@@ -57,7 +60,7 @@ type Inbound struct {
 	Body []byte
 	// Parsed, when set, is Body already parsed (gRPC Pick builds it from
 	// its fields); otherwise OpenAI bodies are parsed here.
-	Parsed *OpenAIRequest
+	Parsed *openai.Request
 	// PoolHeader names the header or field that chose PoolName, for error
 	// messages ("X-Kvrouter-Pool").
 	PoolHeader string
@@ -183,11 +186,11 @@ func (st *state) resolveOpenAI(in Inbound, named *Pool, tenant string) (*Request
 		Pool:         pool.Name(),
 		Model:        model,
 		Adapter:      adapter,
-		RoutingText:  OpenAIRoutingText(parsed, rc.PrefixLength),
+		RoutingText:  openai.RoutingText(parsed, rc.PrefixLength),
 		TenantKey:    tenant,
 		Body:         in.Body,
 		Parsed:       parsed,
-		PromptTokens: firstTokens(parsed.Prompt),
+		PromptTokens: openai.FirstTokens(parsed.Prompt),
 		Stream:       parsed.Stream,
 	}, pool, nil
 }
@@ -244,7 +247,7 @@ func CompletionsInbound(pool, model, adapter, prompt string, ids []uint32, tenan
 	if adapter != "" && model == "" && pool == "" {
 		model = adapter // the pool is the one serving the adapter
 	}
-	parsed := &OpenAIRequest{Model: model, Prompt: &Prompt{}}
+	parsed := &openai.Request{Model: model, Prompt: &openai.Prompt{}}
 	body := struct {
 		Model     string `json:"model,omitempty"`
 		Prompt    string `json:"prompt,omitempty"`
@@ -265,4 +268,80 @@ func CompletionsInbound(pool, model, adapter, prompt string, ids []uint32, tenan
 		in.Tenant = []string{tenant}
 	}
 	return in, nil
+}
+
+// ErrBadRequest matches every request-parsing error (a *RequestError with
+// status 400); the HTTP edge answers 400.
+var ErrBadRequest = errors.New("router: bad request")
+
+// TenantHeader carries the tenant key on the raw invoke path (SageMaker's
+// name, so clients written for PREFIX_AWARE routing work unchanged).
+const TenantHeader = "X-Amzn-SageMaker-Prefix-Aware-Id"
+
+// RawRoutingText is the routing text of a raw invoke body: its first limit
+// bytes, after canonicalising JSON when asked (and when the body is JSON).
+func RawRoutingText(body []byte, limit int, canonicalize bool) string {
+	if canonicalize {
+		if c, err := CanonicalJSON(body); err == nil {
+			body = c
+		}
+	}
+	if len(body) > limit {
+		body = body[:limit]
+	}
+	return string(body)
+}
+
+// CanonicalJSON re-serialises a JSON document with sorted object keys, no
+// insignificant whitespace, numbers as written and no HTML escaping, so that
+// equal documents serialised differently compare equal.
+func CanonicalJSON(body []byte) ([]byte, error) {
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.UseNumber()
+	var v any
+	if err := dec.Decode(&v); err != nil {
+		return nil, err
+	}
+	if dec.More() {
+		return nil, errors.New("trailing data after JSON value")
+	}
+	var buf bytes.Buffer
+	buf.Grow(len(body))
+	enc := json.NewEncoder(&buf)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil { // maps encode with sorted keys
+		return nil, err
+	}
+	return bytes.TrimSuffix(buf.Bytes(), []byte("\n")), nil
+}
+
+// ValidTenantKey reports whether s is 1-64 printable ASCII characters, the
+// form SageMaker accepts for X-Amzn-SageMaker-Prefix-Aware-Id.
+func ValidTenantKey(s string) bool {
+	if len(s) == 0 || len(s) > 64 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] < 0x20 || s[i] > 0x7e {
+			return false
+		}
+	}
+	return true
+}
+
+// ParseOpenAI parses an OpenAI body posted to ep (openai.Parse); its
+// errors are 400 RequestErrors.
+func ParseOpenAI(ep Endpoint, body []byte) (*openai.Request, error) {
+	kind := openai.Any
+	switch ep {
+	case EndpointChatCompletions:
+		kind = openai.Chat
+	case EndpointCompletions:
+		kind = openai.Completions
+	}
+	r, err := openai.Parse(kind, body)
+	if err != nil {
+		return nil, badRequest("%s", err.Error())
+	}
+	return r, nil
 }

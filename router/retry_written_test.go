@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
@@ -155,13 +156,13 @@ func TestRetryOnlyBeforeWrite(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			badURL, badRequests := tc.bad(t)
 			good := routertest.New(t, "good", model)
-			pc := router.PoolConfig{
+			pc := config.PoolConfig{
 				Name: "llama", Model: model,
-				Health:    router.HealthConfig{Disable: true},
-				Discovery: router.DiscoveryConfig{Disable: true},
-				Instances: []router.InstanceConfig{{ID: "bad", URL: badURL}, {ID: good.ID, URL: good.URL()}},
+				Health:    config.HealthConfig{Disable: true},
+				Discovery: config.DiscoveryConfig{Disable: true},
+				Instances: []config.InstanceConfig{{ID: "bad", URL: badURL}, {ID: good.ID, URL: good.URL()}},
 			}
-			cfg := router.Config{Pools: []router.PoolConfig{pc}}
+			cfg := config.Config{Pools: []config.PoolConfig{pc}}
 			cfg.Proxy.ResponseHeaderTimeout = 300 * time.Millisecond
 			srv, err := router.NewServer(cfg, router.Options{Logger: slog.New(slog.DiscardHandler)})
 			if err != nil {

@@ -13,6 +13,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
@@ -97,18 +98,18 @@ func TestCacheSaltKVAware(t *testing.T) {
 		t.Fatal(err)
 	}
 	engines := map[string]*saltEngine{}
-	pc := router.PoolConfig{Name: "p", Model: kvModel,
-		Routing:   router.RoutingConfig{Strategy: router.StrategyKVAware, KV: &router.KVScoringConfig{SpeculativeTTL: -1}},
-		CacheSalt: &router.CacheSaltConfig{Enabled: true},
-		Health:    router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true}}
+	pc := config.PoolConfig{Name: "p", Model: kvModel,
+		Routing:   config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &config.KVScoringConfig{SpeculativeTTL: -1}},
+		CacheSalt: &config.CacheSaltConfig{Enabled: true},
+		Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
 	for i := range 3 {
 		e := newSaltEngine(t, fmt.Sprintf("vllm-%d", i), idx)
 		engines[e.id] = e
-		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: e.id, URL: e.srv.URL})
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: e.id, URL: e.srv.URL})
 	}
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}, CacheSaltSecret: secret}, router.Options{
+	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}, CacheSaltSecret: secret}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV:     func(router.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil },
+		KV:     func(config.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil },
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -180,10 +181,10 @@ func TestCacheSaltKVAware(t *testing.T) {
 func TestCacheSaltRawPath(t *testing.T) {
 	secret := bytes.Repeat([]byte{9}, 16)
 	up := routertest.New(t, "vllm-0", "m")
-	cfg := router.Config{CacheSaltSecret: secret, Pools: []router.PoolConfig{{
-		Name: "p", Model: "m", CacheSalt: &router.CacheSaltConfig{Enabled: true},
-		Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-		Instances: []router.InstanceConfig{{ID: up.ID, URL: up.URL()}},
+	cfg := config.Config{CacheSaltSecret: secret, Pools: []config.PoolConfig{{
+		Name: "p", Model: "m", CacheSalt: &config.CacheSaltConfig{Enabled: true},
+		Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+		Instances: []config.InstanceConfig{{ID: up.ID, URL: up.URL()}},
 	}}}
 	srv, err := router.NewServer(cfg, router.Options{Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {

@@ -6,6 +6,9 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router/openai"
 )
 
 var testSaltSecret = bytes.Repeat([]byte{0x5a}, 32)
@@ -24,7 +27,7 @@ func TestDecodeCacheSaltSecret(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			b, err := DecodeCacheSaltSecret(tc.in)
+			b, err := config.DecodeCacheSaltSecret(tc.in)
 			if tc.want < 0 {
 				if err == nil {
 					t.Fatalf("want an error, got %d bytes", len(b))
@@ -57,64 +60,22 @@ func TestDeriveCacheSalt(t *testing.T) {
 	}
 }
 
-func TestInjectCacheSalt(t *testing.T) {
-	tests := []struct {
-		name      string
-		body      string
-		overwrite bool
-		want      string // "" = error
-	}{
-		{"adds to an object", `{"model":"m","prompt":"hi"}`, true, `{"cache_salt":"S","model":"m","prompt":"hi"}`},
-		{"empty object", ` { } `, true, `{"cache_salt":"S"}`},
-		{"overwrites the client's", `{"cache_salt":"theirs","model":"m"}`, true, `{"cache_salt":"S","model":"m"}`},
-		{"overwrites every duplicate", `{"cache_salt":"x","a":1,"cache_salt":"y"}`, true, `{"cache_salt":"S","a":1}`},
-		{"escaped key is the same key", `{"cache\u005fsalt":"x","a":1}`, true, `{"cache_salt":"S","a":1}`},
-		{"keeps the client's", `{"cache_salt":"theirs","model":"m"}`, false, `{"cache_salt":"theirs","model":"m"}`},
-		{"keep adds when absent", `{"model":"m"}`, false, `{"cache_salt":"S","model":"m"}`},
-		{"nested cache_salt is not top level", `{"x":{"cache_salt":"n"}}`, true, `{"cache_salt":"S","x":{"cache_salt":"n"}}`},
-		{"member bytes verbatim", "{\"messages\" :\n [ {\"content\":\"a\\nb\"} ] }", true, "{\"cache_salt\":\"S\",\"messages\" :\n [ {\"content\":\"a\\nb\"} ]}"},
-		{"array is not an object", `[1,2]`, true, ""},
-		{"string body", `"hello"`, true, ""},
-		{"not JSON", `hello`, true, ""},
-		{"truncated", `{"a":1`, true, ""},
-		{"trailing data", `{"a":1} x`, true, ""},
-		{"empty", ``, true, ""},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			got, err := InjectCacheSalt([]byte(tc.body), "S", tc.overwrite)
-			if tc.want == "" {
-				if err == nil {
-					t.Fatalf("want an error, got %s", got)
-				}
-				return
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			if string(got) != tc.want {
-				t.Fatalf("got  %s\nwant %s", got, tc.want)
-			}
-		})
-	}
-}
-
 func TestSaltBody(t *testing.T) {
 	body := []byte(`{"cache_salt":"chosen","prompt":"p"}`)
 	salt := DeriveCacheSalt(testSaltSecret, "t1")
 	tests := []struct {
 		name   string
-		cfg    *CacheSaltConfig
+		cfg    *config.CacheSaltConfig
 		secret []byte
 		tenant string
 		want   string // cache_salt upstream
 	}{
 		{"no section", nil, testSaltSecret, "t1", "chosen"},
-		{"disabled", &CacheSaltConfig{}, testSaltSecret, "t1", "chosen"},
-		{"no tenant keeps the body", &CacheSaltConfig{Enabled: true}, testSaltSecret, "", "chosen"},
-		{"overwrite by default", &CacheSaltConfig{Enabled: true}, testSaltSecret, "t1", salt},
-		{"keep", &CacheSaltConfig{Enabled: true, Client: CacheSaltKeep}, testSaltSecret, "t1", "chosen"},
-		{"no secret", &CacheSaltConfig{Enabled: true}, nil, "t1", "chosen"},
+		{"disabled", &config.CacheSaltConfig{}, testSaltSecret, "t1", "chosen"},
+		{"no tenant keeps the body", &config.CacheSaltConfig{Enabled: true}, testSaltSecret, "", "chosen"},
+		{"overwrite by default", &config.CacheSaltConfig{Enabled: true}, testSaltSecret, "t1", salt},
+		{"keep", &config.CacheSaltConfig{Enabled: true, Client: config.CacheSaltKeep}, testSaltSecret, "t1", "chosen"},
+		{"no secret", &config.CacheSaltConfig{Enabled: true}, nil, "t1", "chosen"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -131,78 +92,9 @@ func TestSaltBody(t *testing.T) {
 			}
 		})
 	}
-	if got := saltBody(&CacheSaltConfig{Enabled: true}, testSaltSecret, "t1", []byte("not json")); string(got) != "not json" {
+	if got := saltBody(&config.CacheSaltConfig{Enabled: true}, testSaltSecret, "t1", []byte("not json")); string(got) != "not json" {
 		t.Fatalf("a non-JSON body changed: %q", got)
 	}
-}
-
-func TestCacheSaltConfigValidate(t *testing.T) {
-	tests := []struct {
-		name   string
-		cfg    *CacheSaltConfig
-		secret []byte
-		ok     bool
-	}{
-		{"nil", nil, nil, true},
-		{"disabled needs no secret", &CacheSaltConfig{Client: CacheSaltKeep}, nil, true},
-		{"enabled needs a secret", &CacheSaltConfig{Enabled: true}, nil, false},
-		{"enabled with secret", &CacheSaltConfig{Enabled: true}, testSaltSecret, true},
-		{"unknown client policy", &CacheSaltConfig{Client: "merge"}, testSaltSecret, false},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			err := tc.cfg.validate("pools[0].cache_salt", tc.secret)
-			if (err == nil) != tc.ok {
-				t.Fatalf("err = %v, want ok=%v", err, tc.ok)
-			}
-		})
-	}
-}
-
-// FuzzInjectCacheSalt: any input either fails or yields a JSON object whose
-// top-level cache_salt is the salt and whose other members are the input's.
-func FuzzInjectCacheSalt(f *testing.F) {
-	for _, s := range []string{`{}`, `{"a":1}`, `{"cache_salt":"x","b":[1,{"c":2}]}`, `[1]`, `{"a":`, "{\"a\"\t:\"\\u00e9\"}", `{"cache_salt":1,"cache_salt":null}`} {
-		f.Add([]byte(s), true)
-	}
-	f.Fuzz(func(t *testing.T, body []byte, overwrite bool) {
-		out, err := InjectCacheSalt(body, "salt-\"q\"", overwrite)
-		if err != nil {
-			return
-		}
-		var in, got map[string]json.RawMessage
-		if err := json.Unmarshal(body, &in); err != nil {
-			// encoding/json is stricter on UTF-8 and duplicate handling is
-			// the same; a body it rejects that we accepted must at least
-			// come out as valid JSON.
-			if !json.Valid(out) {
-				t.Fatalf("invalid output %q from %q", out, body)
-			}
-			return
-		}
-		if err := json.Unmarshal(out, &got); err != nil {
-			t.Fatalf("output %q: %v", out, err)
-		}
-		var salt string
-		_ = json.Unmarshal(got["cache_salt"], &salt)
-		if _, had := in["cache_salt"]; had && !overwrite {
-			if !bytes.Equal(out, body) {
-				t.Fatalf("keep changed the body: %q -> %q", body, out)
-			}
-			return
-		}
-		if salt != "salt-\"q\"" {
-			t.Fatalf("cache_salt %q in %q", salt, out)
-		}
-		for k, v := range in {
-			if k != "cache_salt" && !bytes.Equal(bytes.TrimSpace(v), bytes.TrimSpace(got[k])) {
-				t.Fatalf("member %q changed: %s -> %s", k, v, got[k])
-			}
-		}
-		if len(got) != len(in)+1 && len(got) != len(in) {
-			t.Fatalf("members %d -> %d", len(in), len(got))
-		}
-	})
 }
 
 // BenchmarkSaltBody: deriving the salt and rewriting the body, per
@@ -210,7 +102,7 @@ func FuzzInjectCacheSalt(f *testing.F) {
 func BenchmarkSaltBody(b *testing.B) {
 	for _, n := range []int{2 << 10, 32 << 10, 256 << 10} {
 		body := []byte(`{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("x", n) + `"}],"stream":true}`)
-		cfg := &CacheSaltConfig{Enabled: true}
+		cfg := &config.CacheSaltConfig{Enabled: true}
 		b.Run(fmt.Sprintf("%dKiB", n>>10), func(b *testing.B) {
 			b.ReportAllocs()
 			b.SetBytes(int64(len(body)))
@@ -227,7 +119,7 @@ func BenchmarkSaltBody(b *testing.B) {
 // from a body saltBody wrote.
 func BenchmarkCacheSaltOfSaltedBody(b *testing.B) {
 	for _, n := range []int{2 << 10, 256 << 10} {
-		body := saltBody(&CacheSaltConfig{Enabled: true}, testSaltSecret, "tenant-a", []byte(`{"model":"m","prompt":"`+strings.Repeat("x", n)+`"}`))
+		body := saltBody(&config.CacheSaltConfig{Enabled: true}, testSaltSecret, "tenant-a", []byte(`{"model":"m","prompt":"`+strings.Repeat("x", n)+`"}`))
 		req := &Request{Body: body}
 		b.Run(fmt.Sprintf("%dKiB", n>>10), func(b *testing.B) {
 			b.ReportAllocs()
@@ -240,62 +132,10 @@ func BenchmarkCacheSaltOfSaltedBody(b *testing.B) {
 	}
 }
 
-// jsonCacheSalt is the general path: what encoding/json (last duplicate
-// wins, as in vLLM's Python parser) reads as the top-level cache_salt.
-func jsonCacheSalt(body []byte) (string, bool) {
-	var v struct {
-		CacheSalt string `json:"cache_salt"`
-	}
-	if json.Unmarshal(body, &v) != nil {
-		return "", false
-	}
-	return v.CacheSalt, true
-}
-
-func TestLeadingCacheSalt(t *testing.T) {
-	tests := []struct {
-		body string
-		want string
-		ok   bool
-	}{
-		{`{"cache_salt":"abc_-9","model":"m"}`, "abc_-9", true},
-		{`{"cache_salt":"abc"}`, "abc", true},
-		{`{"cache_salt":"abc","x":1,"cache_salt":"later"}`, "", false},
-		{`{"cache_salt":"abc","cache\u005fsalt":"later"}`, "", false},
-		{`{"cache_salt":"a b","model":"m"}`, "", false},
-		{`{"cache_salt":"abc"`, "", false},
-		{`{"model":"m","cache_salt":"abc"}`, "", false},
-		{` {"cache_salt":"abc"}`, "", false},
-	}
-	for _, tc := range tests {
-		got, ok := leadingCacheSalt([]byte(tc.body))
-		if got != tc.want || ok != tc.ok {
-			t.Errorf("%s: got %q %v, want %q %v", tc.body, got, ok, tc.want, tc.ok)
-		}
-	}
-}
-
-// FuzzLeadingCacheSalt: whenever the fast path answers, on a valid body,
-// it agrees with encoding/json.
-func FuzzLeadingCacheSalt(f *testing.F) {
-	f.Add([]byte(`{"cache_salt":"abc","model":"m"}`))
-	f.Add([]byte(`{"cache_salt":"abc","x":{"cache_salt":"y"}}`))
-	f.Add([]byte(`{"cache_salt":"abc","cach\u0065_salt":"z"}`))
-	f.Fuzz(func(t *testing.T, body []byte) {
-		fast, ok := leadingCacheSalt(body)
-		if !ok {
-			return
-		}
-		if slow, valid := jsonCacheSalt(body); valid && slow != fast {
-			t.Fatalf("%q: fast %q, encoding/json %q", body, fast, slow)
-		}
-	})
-}
-
 // TestCacheSaltOfRequest: kv_aware's salt, by each way it can be known,
 // with vLLM's exact key match (encoding/json would fold "Cache_Salt").
 func TestCacheSaltOfRequest(t *testing.T) {
-	parse := func(body string) *OpenAIRequest {
+	parse := func(body string) *openai.Request {
 		r, err := ParseOpenAI(EndpointCompletions, []byte(body))
 		if err != nil {
 			t.Fatalf("%s: %v", body, err)
@@ -339,7 +179,7 @@ func TestCacheSaltOfRequest(t *testing.T) {
 	// A Parsed whose body was since rewritten (a salt injected without
 	// InjectedCacheSalt) is not trusted: the new body's salt counts.
 	orig := []byte(`{"prompt":"p","cache_salt":"client"}`)
-	salted, err := InjectCacheSalt(orig, "server", true)
+	salted, err := openai.InjectCacheSalt(orig, "server", true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -358,12 +198,12 @@ func TestCacheSaltOfRequest(t *testing.T) {
 // TestSaltRequestBody: the salt written is reported; a body left as it
 // was reports none.
 func TestSaltRequestBody(t *testing.T) {
-	on := &CacheSaltConfig{Enabled: true}
-	keep := &CacheSaltConfig{Enabled: true, Client: CacheSaltKeep}
+	on := &config.CacheSaltConfig{Enabled: true}
+	keep := &config.CacheSaltConfig{Enabled: true, Client: config.CacheSaltKeep}
 	want := DeriveCacheSalt(testSaltSecret, "t")
 	tests := []struct {
 		name     string
-		c        *CacheSaltConfig
+		c        *config.CacheSaltConfig
 		tenant   string
 		body     string
 		wantSalt string
@@ -429,7 +269,7 @@ func FuzzCacheSalt(f *testing.F) {
 // tenant key and the body is a JSON object; else body itself. A body that
 // is not a JSON object (raw invoke payloads may be anything) is forwarded
 // unchanged.
-func saltBody(c *CacheSaltConfig, secret []byte, tenant string, body []byte) []byte {
+func saltBody(c *config.CacheSaltConfig, secret []byte, tenant string, body []byte) []byte {
 	out, _ := saltRequestBody(c, secret, tenant, body)
 	return out
 }

@@ -17,7 +17,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router/openai"
 )
 
 // Options are the dependencies of a Server. The zero value is usable.
@@ -31,7 +33,7 @@ type Options struct {
 	// and the freshness of its event stream (the events consumer; nil =
 	// always fresh). nil, or a nil index for a pool, makes kv_aware and
 	// shadow mode unavailable for it (a config selecting them is rejected).
-	KV func(pool PoolConfig) (kvindex.Index, Freshness)
+	KV func(pool config.PoolConfig) (kvindex.Index, Freshness)
 	// KVEvents serves the admin KV views (instances' event state) and the
 	// eviction stream (the binary's KVEvents); nil = instances show the
 	// index only and /v1/kv/evictions answers 503.
@@ -48,8 +50,8 @@ type Server struct {
 	log   *slog.Logger
 	reg   *prometheus.Registry
 	m     *metrics
-	kvm   *KVMetrics                                       // exact-routing metrics, all pools
-	kvOpt func(pool PoolConfig) (kvindex.Index, Freshness) // Options.KV
+	kvm   *KVMetrics                                              // exact-routing metrics, all pools
+	kvOpt func(pool config.PoolConfig) (kvindex.Index, Freshness) // Options.KV
 	// kvEvents and evictions: Options.KVEvents and its eviction stream.
 	kvEvents  KVEventsSource
 	evictions http.Handler
@@ -77,7 +79,7 @@ type Server struct {
 // state is one loaded configuration: immutable once published, replaced
 // whole on reload.
 type state struct {
-	cfg         Config
+	cfg         config.Config
 	pools       []*Pool
 	byName      map[string]*Pool
 	byModel     map[string]*Pool
@@ -87,7 +89,7 @@ type state struct {
 
 // NewServer validates cfg and builds a Server. It starts no goroutines:
 // call Run for health checks and adapter discovery.
-func NewServer(cfg Config, opts Options) (*Server, error) {
+func NewServer(cfg config.Config, opts Options) (*Server, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -147,7 +149,7 @@ func NewServer(cfg Config, opts Options) (*Server, error) {
 	return s, nil
 }
 
-func buildState(cfg Config, prev *state, kvFor func(PoolConfig, *Pool) (*KVState, error)) (*state, error) {
+func buildState(cfg config.Config, prev *state, kvFor func(config.PoolConfig, *Pool) (*KVState, error)) (*state, error) {
 	st := &state{cfg: cfg, byName: map[string]*Pool{}, byModel: map[string]*Pool{}, retryStatus: map[int]bool{}}
 	for _, c := range cfg.Proxy.RetryStatuses {
 		if c != 0 {
@@ -194,7 +196,7 @@ func (s *Server) Registry() *prometheus.Registry { return s.reg }
 // in-flight counts and health. Listen addresses and proxy transport settings
 // are fixed at start; a change to them is logged and ignored. On error the
 // running configuration is kept.
-func (s *Server) Reload(cfg Config) error {
+func (s *Server) Reload(cfg config.Config) error {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return err
@@ -279,7 +281,7 @@ func (s *Server) Handler() http.Handler {
 		s.addKVAdminRoutes(mux)
 	}
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		writeError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
+		openai.WriteError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
 	})
 	return s.limitInput(mux)
 }
@@ -308,7 +310,7 @@ func (s *Server) serveHealthz(w http.ResponseWriter, _ *http.Request) {
 func (s *Server) serveReadyz(w http.ResponseWriter, _ *http.Request) {
 	if s.kvEvents != nil {
 		if ok, why := s.kvEvents.IndexReady(); !ok {
-			writeError(w, http.StatusServiceUnavailable, why)
+			openai.WriteError(w, http.StatusServiceUnavailable, why)
 			return
 		}
 	}
@@ -322,5 +324,5 @@ func (s *Server) serveReadyz(w http.ResponseWriter, _ *http.Request) {
 			}
 		}
 	}
-	writeError(w, http.StatusServiceUnavailable, "no healthy instance in any pool")
+	openai.WriteError(w, http.StatusServiceUnavailable, "no healthy instance in any pool")
 }

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
@@ -30,17 +31,17 @@ type harness struct {
 
 // newHarness starts n fake instances and a router in front of them; mod
 // adjusts the config before the server is built.
-func newHarness(t testing.TB, n int, mod func(*router.Config)) *harness {
+func newHarness(t testing.TB, n int, mod func(*config.Config)) *harness {
 	t.Helper()
 	h := &harness{t: t, byID: map[string]*routertest.Upstream{}}
-	pc := router.PoolConfig{Name: "llama", Model: model, Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true}}
+	pc := config.PoolConfig{Name: "llama", Model: model, Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
 	for i := range n {
 		u := routertest.New(t, fmt.Sprintf("vllm-%d", i), model)
 		h.ups = append(h.ups, u)
 		h.byID[u.ID] = u
-		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: u.ID, URL: u.URL()})
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: u.ID, URL: u.URL()})
 	}
-	cfg := router.Config{Pools: []router.PoolConfig{pc}, Log: router.LogConfig{Level: "debug"}}
+	cfg := config.Config{Pools: []config.PoolConfig{pc}, Log: config.LogConfig{Level: "debug"}}
 	if mod != nil {
 		mod(&cfg)
 	}
@@ -185,7 +186,7 @@ func TestCompletionsPromptShapes(t *testing.T) {
 }
 
 func TestErrorPaths(t *testing.T) {
-	h := newHarness(t, 2, func(c *router.Config) { c.MaxBodyBytes = 4096 })
+	h := newHarness(t, 2, func(c *config.Config) { c.MaxBodyBytes = 4096 })
 	big := chatBody(model, strings.Repeat("x", 5000), false)
 	tests := []struct {
 		name   string
@@ -333,7 +334,7 @@ func TestRetryExhausted(t *testing.T) {
 		}
 	})
 	t.Run("retry disabled", func(t *testing.T) {
-		h := newHarness(t, 3, func(c *router.Config) { c.Proxy.DisableRetry = true })
+		h := newHarness(t, 3, func(c *config.Config) { c.Proxy.DisableRetry = true })
 		for _, u := range h.ups {
 			u.Set(routertest.HangUp, 0, 0)
 		}
@@ -490,7 +491,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 }
 
 func TestOverflowThroughProxy(t *testing.T) {
-	h := newHarness(t, 4, func(c *router.Config) { c.Pools[0].Routing.ConcurrencyThreshold = 1 })
+	h := newHarness(t, 4, func(c *config.Config) { c.Pools[0].Routing.ConcurrencyThreshold = 1 })
 	body := chatBody(model, "hot prefix", false)
 	first := h.do("POST", "/v1/chat/completions", body, nil).header.Get(router.HeaderInstance)
 	release := h.byID[first].Hold()
@@ -519,7 +520,7 @@ func TestOverflowThroughProxy(t *testing.T) {
 }
 
 func TestRawInvoke(t *testing.T) {
-	h := newHarness(t, 8, func(c *router.Config) {
+	h := newHarness(t, 8, func(c *config.Config) {
 		c.Pools[0].InvokePath = "/v2/generate"
 		c.Pools[0].InvokeStreamPath = "/v2/generate_stream"
 		c.Pools[0].CanonicalizeJSON = true
@@ -599,8 +600,8 @@ func TestStreamBrokenMidEvent(t *testing.T) {
 				panic(http.ErrAbortHandler)
 			}))
 			defer up.Close()
-			h := newHarness(t, 0, func(c *router.Config) {
-				c.Pools[0].Instances = []router.InstanceConfig{{ID: "only", URL: up.URL}}
+			h := newHarness(t, 0, func(c *config.Config) {
+				c.Pools[0].Instances = []config.InstanceConfig{{ID: "only", URL: up.URL}}
 			})
 			r := h.do("POST", "/v1/chat/completions", chatBody(model, "x", true), nil)
 			if r.status != 200 || !strings.HasPrefix(string(r.body), tc.sent) {
@@ -624,8 +625,8 @@ func TestStreamBrokenMidEvent(t *testing.T) {
 // path-routing gateway) keeps it in front of the request path.
 func TestInstanceURLPathPrefix(t *testing.T) {
 	u := routertest.New(t, "gw", model)
-	h := newHarness(t, 0, func(c *router.Config) {
-		c.Pools[0].Instances = []router.InstanceConfig{{ID: "gw", URL: u.URL() + "/tenant-a/"}}
+	h := newHarness(t, 0, func(c *config.Config) {
+		c.Pools[0].Instances = []config.InstanceConfig{{ID: "gw", URL: u.URL() + "/tenant-a/"}}
 	})
 	for _, tc := range []struct{ path, want string }{
 		{"/v1/chat/completions", "/tenant-a/v1/chat/completions"},

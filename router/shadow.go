@@ -3,6 +3,8 @@ package router
 import (
 	"context"
 	"strconv"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // Shadow runs a pool's strategy and, beside it, scores every request with
@@ -47,13 +49,13 @@ func (s *Shadow) Pick(ctx context.Context, req *Request, cands []*Instance) (Dec
 	var dec, other Decision
 	var ev *kvEval
 	var err error
-	otherName := StrategyKVAware
+	otherName := config.StrategyKVAware
 	if s.inUse == Strategy(s.kv) {
 		if dec, ev, err = s.kv.pick(ctx, req, cands, true); err != nil {
 			return dec, err
 		}
 		other, _ = s.prefix.Pick(ctx, req, cands)
-		otherName = StrategyPrefixAware
+		otherName = config.StrategyPrefixAware
 	} else {
 		if dec, err = s.inUse.Pick(ctx, req, cands); err != nil {
 			return dec, err

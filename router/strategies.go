@@ -3,6 +3,8 @@ package router
 import (
 	"context"
 	"sync/atomic"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // Interface guards.
@@ -21,7 +23,7 @@ type Random struct {
 }
 
 // Name implements Strategy.
-func (*Random) Name() string { return StrategyRandom }
+func (*Random) Name() string { return config.StrategyRandom }
 
 // Pick implements Strategy.
 func (s *Random) Pick(_ context.Context, _ *Request, cands []*Instance) (Decision, error) {
@@ -36,7 +38,7 @@ func (s *Random) Pick(_ context.Context, _ *Request, cands []*Instance) (Decisio
 		}
 	}
 	if n == 0 {
-		return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: StrategyRandom, Reason: ReasonSaturated}, nil
+		return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: config.StrategyRandom, Reason: ReasonSaturated}, nil
 	}
 	k := int(s.rnd(uint64(n)))
 	var pick *Instance
@@ -50,9 +52,9 @@ func (s *Random) Pick(_ context.Context, _ *Request, cands []*Instance) (Decisio
 		}
 	}
 	if pick == nil { // an in-flight count rose between the passes
-		return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: StrategyRandom, Reason: ReasonSaturated}, nil
+		return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: config.StrategyRandom, Reason: ReasonSaturated}, nil
 	}
-	return Decision{Instance: pick, Strategy: StrategyRandom, Reason: ReasonRandom}, nil
+	return Decision{Instance: pick, Strategy: config.StrategyRandom, Reason: ReasonRandom}, nil
 }
 
 // RoundRobin cycles through candidates, skipping full ones; when all are
@@ -65,7 +67,7 @@ type RoundRobin struct {
 }
 
 // Name implements Strategy.
-func (*RoundRobin) Name() string { return StrategyRoundRobin }
+func (*RoundRobin) Name() string { return config.StrategyRoundRobin }
 
 // Pick implements Strategy.
 func (s *RoundRobin) Pick(_ context.Context, _ *Request, cands []*Instance) (Decision, error) {
@@ -76,10 +78,10 @@ func (s *RoundRobin) Pick(_ context.Context, _ *Request, cands []*Instance) (Dec
 	for k := range uint64(len(cands)) {
 		c := cands[(start+k)%uint64(len(cands))]
 		if !c.Full(s.Threshold) {
-			return Decision{Instance: c, Strategy: StrategyRoundRobin, Reason: ReasonRoundRobin}, nil
+			return Decision{Instance: c, Strategy: config.StrategyRoundRobin, Reason: ReasonRoundRobin}, nil
 		}
 	}
-	return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: StrategyRoundRobin, Reason: ReasonSaturated}, nil
+	return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: config.StrategyRoundRobin, Reason: ReasonSaturated}, nil
 }
 
 // LeastOutstanding picks the candidate with the fewest router-local
@@ -89,14 +91,14 @@ type LeastOutstanding struct {
 }
 
 // Name implements Strategy.
-func (*LeastOutstanding) Name() string { return StrategyLeastOutstanding }
+func (*LeastOutstanding) Name() string { return config.StrategyLeastOutstanding }
 
 // Pick implements Strategy.
 func (s *LeastOutstanding) Pick(_ context.Context, _ *Request, cands []*Instance) (Decision, error) {
 	if len(cands) == 0 {
 		return Decision{}, ErrNoCandidates
 	}
-	return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: StrategyLeastOutstanding, Reason: ReasonLeastOutstanding}, nil
+	return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: config.StrategyLeastOutstanding, Reason: ReasonLeastOutstanding}, nil
 }
 
 // leastOutstanding returns the candidate with the fewest in flight, a
@@ -148,7 +150,7 @@ type PrefixAware struct {
 }
 
 // Name implements Strategy.
-func (*PrefixAware) Name() string { return StrategyPrefixAware }
+func (*PrefixAware) Name() string { return config.StrategyPrefixAware }
 
 // Pick implements Strategy. One pass, no allocation: the request's hash is
 // computed once (Request.RoutingHash) and mixed with each instance's.
@@ -170,11 +172,11 @@ func (s *PrefixAware) Pick(_ context.Context, req *Request, cands []*Instance) (
 	}
 	switch {
 	case avail == top:
-		return Decision{Instance: top, Strategy: StrategyPrefixAware, Reason: ReasonHash}, nil
+		return Decision{Instance: top, Strategy: config.StrategyPrefixAware, Reason: ReasonHash}, nil
 	case avail != nil:
-		return Decision{Instance: avail, Strategy: StrategyPrefixAware, Reason: ReasonOverflow}, nil
+		return Decision{Instance: avail, Strategy: config.StrategyPrefixAware, Reason: ReasonOverflow}, nil
 	}
-	return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: StrategyPrefixAware, Reason: ReasonSaturated}, nil
+	return Decision{Instance: leastOutstanding(cands, s.rnd), Strategy: config.StrategyPrefixAware, Reason: ReasonSaturated}, nil
 }
 
 // rendezvousScore is the weight of an instance for a request hash.

@@ -10,6 +10,8 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -111,7 +113,7 @@ type Request struct {
 	// Body is the body as forwarded; Parsed is set on the OpenAI paths, and
 	// describes Body but for a cache_salt the router injected.
 	Body   []byte
-	Parsed *OpenAIRequest
+	Parsed *openai.Request
 	// InjectedCacheSalt is the cache_salt the router wrote into Body, ""
 	// when it wrote none (see saltRequestBody).
 	InjectedCacheSalt string
@@ -174,20 +176,6 @@ func fmix64(k uint64) uint64 {
 	return k
 }
 
-// StrategyNames lists the strategies NewStrategy knows.
-func StrategyNames() []string {
-	return []string{StrategyRandom, StrategyRoundRobin, StrategyLeastOutstanding, StrategyPrefixAware, StrategyKVAware}
-}
-
-func knownStrategy(name string) bool {
-	for _, n := range StrategyNames() {
-		if n == name {
-			return true
-		}
-	}
-	return false
-}
-
 // StrategyOption adjusts a strategy built by NewStrategy.
 type StrategyOption func(*strategyOptions)
 
@@ -212,11 +200,11 @@ func WithSeed(seed uint64) StrategyOption {
 
 // NewStrategy builds the named strategy with cfg (defaults applied). It
 // needs no network and no server: simulators call it directly.
-func NewStrategy(name string, cfg RoutingConfig, opts ...StrategyOption) (Strategy, error) {
+func NewStrategy(name string, cfg config.RoutingConfig, opts ...StrategyOption) (Strategy, error) {
 	cfg.Strategy = name
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
-		if !knownStrategy(cfg.Strategy) {
+		if !config.KnownStrategy(cfg.Strategy) {
 			return nil, fmt.Errorf("%w %q", ErrUnknownStrategy, name)
 		}
 		return nil, err
@@ -225,18 +213,18 @@ func NewStrategy(name string, cfg RoutingConfig, opts ...StrategyOption) (Strate
 	for _, f := range opts {
 		f(&o)
 	}
-	if cfg.Strategy == StrategyKVAware || cfg.Shadow {
+	if cfg.Strategy == config.StrategyKVAware || cfg.Shadow {
 		return newKVStrategy(cfg, o.kv, o.rnd)
 	}
 	thr := cfg.ConcurrencyThreshold
 	switch cfg.Strategy {
-	case StrategyRandom:
+	case config.StrategyRandom:
 		return &Random{Threshold: thr, rnd: o.rnd}, nil
-	case StrategyRoundRobin:
+	case config.StrategyRoundRobin:
 		return &RoundRobin{Threshold: thr, rnd: o.rnd}, nil
-	case StrategyLeastOutstanding:
+	case config.StrategyLeastOutstanding:
 		return &LeastOutstanding{rnd: o.rnd}, nil
-	case StrategyPrefixAware:
+	case config.StrategyPrefixAware:
 		return &PrefixAware{Threshold: thr, rnd: o.rnd}, nil
 	}
 	return nil, fmt.Errorf("%w %q", ErrUnknownStrategy, name)

@@ -6,6 +6,9 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router/openai"
 )
 
 // benchPick measures one prefix_aware decision: hashing the routing text
@@ -13,7 +16,7 @@ import (
 // time) and scoring every candidate.
 func benchPick(b *testing.B, instances, promptBytes int) {
 	insts := mustInstances(b, instances)
-	s := mustStrategy(b, StrategyPrefixAware, RoutingConfig{PrefixLength: MaxPrefixLength})
+	s := mustStrategy(b, config.StrategyPrefixAware, config.RoutingConfig{PrefixLength: config.MaxPrefixLength})
 	text := strings.Repeat("The quick brown fox jumps over the lazy dog. ", promptBytes/45+1)[:promptBytes]
 	req := &Request{RoutingText: text, TenantKey: "tenant-1"}
 	ctx := context.Background()
@@ -35,7 +38,7 @@ func BenchmarkPrefixAwarePick64x64KiB(b *testing.B)  { benchPick(b, 64, 64<<10) 
 
 func benchStrategy(b *testing.B, name string) {
 	insts := mustInstances(b, 64)
-	s := mustStrategy(b, name, RoutingConfig{})
+	s := mustStrategy(b, name, config.RoutingConfig{})
 	req := &Request{RoutingText: "x"}
 	ctx := context.Background()
 	b.ReportAllocs()
@@ -46,9 +49,9 @@ func benchStrategy(b *testing.B, name string) {
 	}
 }
 
-func BenchmarkRandomPick64(b *testing.B)           { benchStrategy(b, StrategyRandom) }
-func BenchmarkRoundRobinPick64(b *testing.B)       { benchStrategy(b, StrategyRoundRobin) }
-func BenchmarkLeastOutstandingPick64(b *testing.B) { benchStrategy(b, StrategyLeastOutstanding) }
+func BenchmarkRandomPick64(b *testing.B)           { benchStrategy(b, config.StrategyRandom) }
+func BenchmarkRoundRobinPick64(b *testing.B)       { benchStrategy(b, config.StrategyRoundRobin) }
+func BenchmarkLeastOutstandingPick64(b *testing.B) { benchStrategy(b, config.StrategyLeastOutstanding) }
 
 // BenchmarkParseAndRoutingText measures the request side before the
 // decision: decoding a chat body and cutting its routing text.
@@ -64,7 +67,7 @@ func benchParse(b *testing.B, promptBytes int) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		_ = OpenAIRoutingText(r, DefaultPrefixLength)
+		_ = openai.RoutingText(r, config.DefaultPrefixLength)
 	}
 }
 
@@ -80,7 +83,7 @@ func BenchmarkCanonicalJSON4KiB(b *testing.B) {
 	b.SetBytes(int64(len(body)))
 	b.ReportAllocs()
 	for b.Loop() {
-		_ = RawRoutingText(body, DefaultPrefixLength, true)
+		_ = RawRoutingText(body, config.DefaultPrefixLength, true)
 	}
 }
 
@@ -98,6 +101,6 @@ func BenchmarkParseStdJSON32KiB(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		_ = OpenAIRoutingText(r, DefaultPrefixLength)
+		_ = openai.RoutingText(r, config.DefaultPrefixLength)
 	}
 }

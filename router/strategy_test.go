@@ -7,6 +7,8 @@ import (
 	"math"
 	"strings"
 	"testing"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 func mustInstances(t testing.TB, n int) []*Instance {
@@ -22,7 +24,7 @@ func mustInstances(t testing.TB, n int) []*Instance {
 	return out
 }
 
-func mustStrategy(t testing.TB, name string, cfg RoutingConfig, opts ...StrategyOption) Strategy {
+func mustStrategy(t testing.TB, name string, cfg config.RoutingConfig, opts ...StrategyOption) Strategy {
 	t.Helper()
 	s, err := NewStrategy(name, cfg, opts...)
 	if err != nil {
@@ -53,7 +55,7 @@ func prefixes(n int) []string {
 // 10,000 distinct prefixes, every share within 14.3% +- 1.5 points.
 func TestPrefixAwareBalance(t *testing.T) {
 	insts := mustInstances(t, 7)
-	s := mustStrategy(t, StrategyPrefixAware, RoutingConfig{})
+	s := mustStrategy(t, config.StrategyPrefixAware, config.RoutingConfig{})
 	counts := map[string]int{}
 	texts := prefixes(10000)
 	for _, p := range texts {
@@ -73,7 +75,7 @@ func TestPrefixAwareBalance(t *testing.T) {
 // only the prefixes it held.
 func TestPrefixAwareStability(t *testing.T) {
 	insts := mustInstances(t, 8)
-	s := mustStrategy(t, StrategyPrefixAware, RoutingConfig{})
+	s := mustStrategy(t, config.StrategyPrefixAware, config.RoutingConfig{})
 	texts := prefixes(10000)
 	place := func(cands []*Instance) []string {
 		out := make([]string, len(texts))
@@ -115,7 +117,7 @@ func TestPrefixAwareStability(t *testing.T) {
 func TestPrefixAwareOverflow(t *testing.T) {
 	insts := mustInstances(t, 5)
 	const thr = 2
-	s := mustStrategy(t, StrategyPrefixAware, RoutingConfig{ConcurrencyThreshold: thr})
+	s := mustStrategy(t, config.StrategyPrefixAware, config.RoutingConfig{ConcurrencyThreshold: thr})
 	req := &Request{RoutingText: "the same long system prompt", TenantKey: "tenant-a"}
 	order := RendezvousOrder(req, insts)
 
@@ -161,7 +163,7 @@ func setInFlight(in *Instance, n int) { in.inflight.Store(int64(n)) }
 
 func TestPrefixAwareTenantIsolation(t *testing.T) {
 	insts := mustInstances(t, 16)
-	s := mustStrategy(t, StrategyPrefixAware, RoutingConfig{})
+	s := mustStrategy(t, config.StrategyPrefixAware, config.RoutingConfig{})
 	// With 16 instances, 50 tenants sharing one prompt should spread out;
 	// one tenant always lands on the same instance.
 	seen := map[string]bool{}
@@ -190,7 +192,7 @@ func RoutingHashOf(text, tenant string) uint64 {
 
 func TestRoundRobin(t *testing.T) {
 	insts := mustInstances(t, 3)
-	s := mustStrategy(t, StrategyRoundRobin, RoutingConfig{ConcurrencyThreshold: 1})
+	s := mustStrategy(t, config.StrategyRoundRobin, config.RoutingConfig{ConcurrencyThreshold: 1})
 	var got []string
 	for range 6 {
 		got = append(got, pick(t, s, &Request{}, insts).Instance.ID())
@@ -215,7 +217,7 @@ func TestRoundRobin(t *testing.T) {
 
 func TestLeastOutstanding(t *testing.T) {
 	insts := mustInstances(t, 4)
-	s := mustStrategy(t, StrategyLeastOutstanding, RoutingConfig{}, WithSeed(1))
+	s := mustStrategy(t, config.StrategyLeastOutstanding, config.RoutingConfig{}, WithSeed(1))
 	for i, n := range []int{5, 2, 7, 2} {
 		setInFlight(insts[i], n)
 	}
@@ -234,7 +236,7 @@ func TestLeastOutstanding(t *testing.T) {
 
 func TestRandom(t *testing.T) {
 	insts := mustInstances(t, 4)
-	s := mustStrategy(t, StrategyRandom, RoutingConfig{ConcurrencyThreshold: 3}, WithSeed(7))
+	s := mustStrategy(t, config.StrategyRandom, config.RoutingConfig{ConcurrencyThreshold: 3}, WithSeed(7))
 	setInFlight(insts[0], 3) // full: never picked while others are free
 	seen := map[string]int{}
 	for range 3000 {
@@ -251,8 +253,8 @@ func TestRandom(t *testing.T) {
 }
 
 func TestStrategiesNoCandidates(t *testing.T) {
-	for _, name := range StrategyNames() {
-		s := mustStrategy(t, name, RoutingConfig{}, WithKVState(newKVWorld(t, 1).st))
+	for _, name := range config.StrategyNames() {
+		s := mustStrategy(t, name, config.RoutingConfig{}, WithKVState(newKVWorld(t, 1).st))
 		if s.Name() != name {
 			t.Errorf("Name() = %q, want %q", s.Name(), name)
 		}
@@ -260,10 +262,10 @@ func TestStrategiesNoCandidates(t *testing.T) {
 			t.Errorf("%s with no candidates: err %v, want ErrNoCandidates", name, err)
 		}
 	}
-	if _, err := NewStrategy("kv_magic", RoutingConfig{}); !errors.Is(err, ErrUnknownStrategy) {
+	if _, err := NewStrategy("kv_magic", config.RoutingConfig{}); !errors.Is(err, ErrUnknownStrategy) {
 		t.Errorf("unknown strategy: err %v", err)
 	}
-	if _, err := NewStrategy(StrategyPrefixAware, RoutingConfig{PrefixLength: 10}); !errors.Is(err, ErrInvalidConfig) {
+	if _, err := NewStrategy(config.StrategyPrefixAware, config.RoutingConfig{PrefixLength: 10}); !errors.Is(err, config.ErrInvalidConfig) {
 		t.Errorf("bad prefix length: err %v", err)
 	}
 }
@@ -271,7 +273,7 @@ func TestStrategiesNoCandidates(t *testing.T) {
 func TestWithSeedDeterministic(t *testing.T) {
 	insts := mustInstances(t, 9)
 	run := func() string {
-		s := mustStrategy(t, StrategyRandom, RoutingConfig{}, WithSeed(42))
+		s := mustStrategy(t, config.StrategyRandom, config.RoutingConfig{}, WithSeed(42))
 		var b strings.Builder
 		for range 50 {
 			b.WriteString(pick(t, s, &Request{}, insts).Instance.ID())

@@ -12,63 +12,19 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // ErrTLS reports TLS files that cannot be used.
 var ErrTLS = errors.New("router: tls")
-
-// ServerTLSConfig is the tls: section: TLS for the HTTP listeners (data
-// plane and admin). The certificate files are re-read on SIGHUP and when
-// they change on disk (cert-manager and Kubernetes secret volumes rotate
-// them in place), without dropping connections.
-type ServerTLSConfig struct {
-	// CertFile is the PEM certificate chain (leaf first).
-	CertFile string `yaml:"cert_file" json:"cert_file"`
-	// KeyFile is the PEM private key of the leaf.
-	KeyFile string `yaml:"key_file" json:"key_file"`
-	// ClientCAFile, when set, turns on mutual TLS: clients must present a
-	// certificate signed by one of these CAs (PEM bundle).
-	ClientCAFile string `yaml:"client_ca_file" json:"client_ca_file,omitempty"`
-	// MinVersion: "1.2" or "1.3". Default 1.2 (1.0 and 1.1 are deprecated
-	// by RFC 8996).
-	MinVersion string `yaml:"min_version" json:"min_version,omitempty"`
-	// ReloadInterval: how often the files are checked for changes.
-	// Default 30s; negative = only on SIGHUP.
-	ReloadInterval time.Duration `yaml:"reload_interval" json:"reload_interval,omitempty"`
-}
-
-// DefaultTLSReloadInterval is how often certificate files are re-read by default.
-const DefaultTLSReloadInterval = 30 * time.Second
-
-func (c *ServerTLSConfig) validate(field string) error {
-	if c == nil {
-		return nil
-	}
-	if c.CertFile == "" || c.KeyFile == "" {
-		return fmt.Errorf("%w: %s: cert_file and key_file are both required", ErrInvalidConfig, field)
-	}
-	if _, err := tlsMinVersion(c.MinVersion); err != nil {
-		return fmt.Errorf("%w: %s.min_version: %w", ErrInvalidConfig, field, err)
-	}
-	return nil
-}
-
-func tlsMinVersion(s string) (uint16, error) {
-	switch s {
-	case "", "1.2":
-		return tls.VersionTLS12, nil
-	case "1.3":
-		return tls.VersionTLS13, nil
-	}
-	return 0, fmt.Errorf("%q: want 1.2 or 1.3", s)
-}
 
 // CertReloader serves the current certificate (and client CAs) of a
 // ServerTLSConfig to TLS handshakes, and re-reads the files on Reload and,
 // from Run, when their content changes. A reload that fails (a half-written
 // rotation: new certificate, old key) keeps the loaded pair and is retried.
 type CertReloader struct {
-	cfg ServerTLSConfig
+	cfg config.ServerTLSConfig
 	min uint16
 	log *slog.Logger
 
@@ -83,14 +39,14 @@ type CertReloader struct {
 
 // NewCertReloader loads the files of c (validated) and fails with an error
 // naming the file when one is missing, unreadable or not a matching pair.
-func NewCertReloader(c ServerTLSConfig, log *slog.Logger) (*CertReloader, error) {
-	if err := c.validate("tls"); err != nil {
+func NewCertReloader(c config.ServerTLSConfig, log *slog.Logger) (*CertReloader, error) {
+	if err := c.Validate("tls"); err != nil {
 		return nil, err
 	}
 	if log == nil {
 		log = slog.Default()
 	}
-	minV, _ := tlsMinVersion(c.MinVersion)
+	minV, _ := config.TLSMinVersion(c.MinVersion)
 	r := &CertReloader{cfg: c, min: minV, log: log}
 	if _, err := r.Reload(); err != nil {
 		return nil, err
@@ -160,7 +116,7 @@ func (r *CertReloader) Run(ctx context.Context) {
 		return
 	}
 	if iv == 0 {
-		iv = DefaultTLSReloadInterval
+		iv = config.DefaultTLSReloadInterval
 	}
 	t := time.NewTicker(iv)
 	defer t.Stop()

@@ -20,6 +20,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // testCA is a certificate authority made in the test.
@@ -97,7 +99,7 @@ func serveTLS(t *testing.T, r *CertReloader, h http.Handler) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hs := NewHTTPServer(LimitsConfig{}, h)
+	hs := NewHTTPServer(config.LimitsConfig{}, h)
 	hs.ErrorLog = log.New(io.Discard, "", 0) // handshake failures are the point of some tests
 	go func() { _ = hs.Serve(tls.NewListener(ln, r.TLSConfig())) }()
 	t.Cleanup(func() { _ = hs.Close() })
@@ -121,7 +123,7 @@ func TestTLSServesHTTPSAndReloads(t *testing.T) {
 	c, k := ca.issue(t, "router", 100, true)
 	writeFile(t, certF, c)
 	writeFile(t, keyF, k)
-	r, err := NewCertReloader(ServerTLSConfig{CertFile: certF, KeyFile: keyF, ReloadInterval: 20 * time.Millisecond}, nil)
+	r, err := NewCertReloader(config.ServerTLSConfig{CertFile: certF, KeyFile: keyF, ReloadInterval: 20 * time.Millisecond}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -188,7 +190,7 @@ func TestTLSMutualRejectsUnknownClients(t *testing.T) {
 	for n, b := range paths {
 		writeFile(t, filepath.Join(dir, n), b)
 	}
-	r, err := NewCertReloader(ServerTLSConfig{
+	r, err := NewCertReloader(config.ServerTLSConfig{
 		CertFile: filepath.Join(dir, "tls.crt"), KeyFile: filepath.Join(dir, "tls.key"),
 		ClientCAFile: filepath.Join(dir, "clients.pem"), MinVersion: "1.3",
 	}, nil)
@@ -258,15 +260,15 @@ func TestNewCertReloaderErrors(t *testing.T) {
 	p := func(n string) string { return filepath.Join(dir, n) }
 	tests := []struct {
 		name string
-		cfg  ServerTLSConfig
+		cfg  config.ServerTLSConfig
 		want string
 	}{
-		{"missing key_file", ServerTLSConfig{CertFile: p("c")}, "cert_file and key_file are both required"},
-		{"bad min_version", ServerTLSConfig{CertFile: p("c"), KeyFile: p("k"), MinVersion: "1.1"}, "min_version"},
-		{"cert file absent", ServerTLSConfig{CertFile: p("nope"), KeyFile: p("k")}, "nope"},
-		{"key does not match", ServerTLSConfig{CertFile: p("c"), KeyFile: p("k2")}, "cert_file " + p("c") + " with key_file " + p("k2")},
-		{"junk cert", ServerTLSConfig{CertFile: p("junk"), KeyFile: p("k")}, "cert_file " + p("junk")},
-		{"junk client CA", ServerTLSConfig{CertFile: p("c"), KeyFile: p("k"), ClientCAFile: p("junk")}, "client_ca_file " + p("junk") + ": no PEM certificate"},
+		{"missing key_file", config.ServerTLSConfig{CertFile: p("c")}, "cert_file and key_file are both required"},
+		{"bad min_version", config.ServerTLSConfig{CertFile: p("c"), KeyFile: p("k"), MinVersion: "1.1"}, "min_version"},
+		{"cert file absent", config.ServerTLSConfig{CertFile: p("nope"), KeyFile: p("k")}, "nope"},
+		{"key does not match", config.ServerTLSConfig{CertFile: p("c"), KeyFile: p("k2")}, "cert_file " + p("c") + " with key_file " + p("k2")},
+		{"junk cert", config.ServerTLSConfig{CertFile: p("junk"), KeyFile: p("k")}, "cert_file " + p("junk")},
+		{"junk client CA", config.ServerTLSConfig{CertFile: p("c"), KeyFile: p("k"), ClientCAFile: p("junk")}, "client_ca_file " + p("junk") + ": no PEM certificate"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -274,7 +276,7 @@ func TestNewCertReloaderErrors(t *testing.T) {
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("err = %v, want it to mention %q", err, tc.want)
 			}
-			if !errors.Is(err, ErrTLS) && !errors.Is(err, ErrInvalidConfig) {
+			if !errors.Is(err, ErrTLS) && !errors.Is(err, config.ErrInvalidConfig) {
 				t.Fatalf("err %v wraps neither ErrTLS nor ErrInvalidConfig", err)
 			}
 		})

@@ -7,6 +7,8 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
@@ -22,19 +24,13 @@ const (
 // it cannot tokenize.
 var ErrTokenSource = errors.New("router: token source")
 
-// MaxTokenizeBytes caps the bodies a token source tokenizes: 4 MiB is
-// about a million tokens of text, eight times a 128k-token context. A
-// larger body routes heuristically rather than costing the router
-// hundreds of milliseconds of CPU (the engine will reject it anyway).
-const MaxTokenizeBytes = 4 << 20
-
 var _ TokenSource = (*ChatTokenSource)(nil)
 
 // NewTokenSource builds a pool's token source from its tokenizer config.
 // nil config or source "none" returns nil (no source). The engine source
 // calls tokenizer.url, else the pool's first instance (every instance of a
 // pool serves the same model, hence the same tokenizer and template).
-func NewTokenSource(cfg *TokenizerConfig, pool PoolConfig) (TokenSource, error) {
+func NewTokenSource(cfg *config.TokenizerConfig, pool config.PoolConfig) (TokenSource, error) {
 	if cfg == nil {
 		return nil, nil
 	}
@@ -96,7 +92,7 @@ func addSpecialTokens(body []byte) bool {
 	if !bytes.Contains(body, []byte(`"add_special_tokens"`)) && !bytes.Contains(body, []byte(`\u`)) {
 		return true // no key that could decode to add_special_tokens
 	}
-	return rawAddSpecialTokens(topLevelRaw(body, "add_special_tokens"))
+	return rawAddSpecialTokens(openai.TopLevelRaw(body, "add_special_tokens"))
 }
 
 // rawAddSpecialTokens reads a raw add_special_tokens value: only false
@@ -120,8 +116,8 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *Request) ([]uint32, e
 	if s == nil || s.Tokenizer == nil {
 		return nil, ErrNoTokens
 	}
-	if len(req.Body) > MaxTokenizeBytes {
-		return nil, fmt.Errorf("%w: body of %d bytes exceeds %d", ErrTokenSource, len(req.Body), MaxTokenizeBytes)
+	if len(req.Body) > config.MaxTokenizeBytes {
+		return nil, fmt.Errorf("%w: body of %d bytes exceeds %d", ErrTokenSource, len(req.Body), config.MaxTokenizeBytes)
 	}
 	switch req.Endpoint {
 	case EndpointCompletions:
@@ -187,7 +183,7 @@ type fastChatBody struct {
 // decoded it, without reading the body again; ok is false for shapes it
 // does not hold (no parsed request, content parts, tool calls), which take
 // parseChatBody. Values of the wrong type are errors, as encoding/json's are.
-func parsedChatBody(r *OpenAIRequest) (b chatBody, ok bool, err error) {
+func parsedChatBody(r *openai.Request) (b chatBody, ok bool, err error) {
 	if r == nil {
 		return b, false, nil
 	}
@@ -218,9 +214,9 @@ func parsedChatBody(r *OpenAIRequest) (b chatBody, ok bool, err error) {
 			tm.ContentNull = true
 		}
 		var okN, okID, okR bool
-		tm.Name, okN = rawString(m.Name)
-		tm.ToolCallID, okID = rawString(m.ToolCallID)
-		tm.ReasoningContent, okR = rawString(m.ReasoningContent)
+		tm.Name, okN = openai.RawString(m.Name)
+		tm.ToolCallID, okID = openai.RawString(m.ToolCallID)
+		tm.ReasoningContent, okR = openai.RawString(m.ReasoningContent)
 		if !okN || !okID || !okR {
 			return b, false, fmt.Errorf("%w: chat body: messages[%d]: name, tool_call_id and reasoning_content must be strings", ErrTokenSource, i)
 		}
@@ -271,14 +267,14 @@ func parseChatBody(body []byte) (chatBody, error) {
 // returns its token ids.
 func (s *ChatTokenSource) promptTokens(ctx context.Context, body []byte) ([]uint32, error) {
 	var b struct {
-		Prompt *Prompt          `json:"prompt"`
+		Prompt *openai.Prompt   `json:"prompt"`
 		Inputs *json.RawMessage `json:"inputs"`
 	}
 	if err := json.Unmarshal(body, &b); err != nil {
 		return nil, fmt.Errorf("%w: body: %w", ErrTokenSource, err)
 	}
 	if b.Prompt == nil && b.Inputs != nil {
-		b.Prompt = &Prompt{}
+		b.Prompt = &openai.Prompt{}
 		if err := b.Prompt.UnmarshalJSON(*b.Inputs); err != nil {
 			return nil, fmt.Errorf("%w: inputs: %w", ErrTokenSource, err)
 		}

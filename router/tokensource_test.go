@@ -11,6 +11,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
@@ -53,7 +54,7 @@ func readVectors(t *testing.T, model string) []vectorLine {
 func TestTokenSourceMatchesReference(t *testing.T) {
 	for _, model := range []string{"llama-3.1", "qwen3"} {
 		t.Run(model, func(t *testing.T) {
-			src, err := NewTokenSource(&TokenizerConfig{Source: TokenSourceFiles, Path: filepath.Join("..", "tokenizer", "testdata", model)}, PoolConfig{Model: model})
+			src, err := NewTokenSource(&config.TokenizerConfig{Source: TokenSourceFiles, Path: filepath.Join("..", "tokenizer", "testdata", model)}, config.PoolConfig{Model: model})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -126,21 +127,21 @@ var textAffix = map[string][2][]uint32{
 }
 
 func TestNewTokenSource(t *testing.T) {
-	pool := PoolConfig{Name: "p", Model: "m", Instances: []InstanceConfig{{ID: "a", URL: "http://127.0.0.1:8000"}}}
+	pool := config.PoolConfig{Name: "p", Model: "m", Instances: []config.InstanceConfig{{ID: "a", URL: "http://127.0.0.1:8000"}}}
 	tests := []struct {
-		cfg     *TokenizerConfig
+		cfg     *config.TokenizerConfig
 		wantNil bool
 		wantErr bool
 	}{
 		{nil, true, false},
-		{&TokenizerConfig{}, true, false},
-		{&TokenizerConfig{Source: TokenSourceNone}, true, false},
-		{&TokenizerConfig{Source: TokenSourceSimple}, false, false},
-		{&TokenizerConfig{Source: TokenSourceFiles}, true, true},
-		{&TokenizerConfig{Source: TokenSourceFiles, Path: "/nonexistent"}, true, true},
-		{&TokenizerConfig{Source: TokenSourceEngine}, false, false},
-		{&TokenizerConfig{Source: TokenSourceEngine, URL: "not a url"}, true, true},
-		{&TokenizerConfig{Source: "magic"}, true, true},
+		{&config.TokenizerConfig{}, true, false},
+		{&config.TokenizerConfig{Source: TokenSourceNone}, true, false},
+		{&config.TokenizerConfig{Source: TokenSourceSimple}, false, false},
+		{&config.TokenizerConfig{Source: TokenSourceFiles}, true, true},
+		{&config.TokenizerConfig{Source: TokenSourceFiles, Path: "/nonexistent"}, true, true},
+		{&config.TokenizerConfig{Source: TokenSourceEngine}, false, false},
+		{&config.TokenizerConfig{Source: TokenSourceEngine, URL: "not a url"}, true, true},
+		{&config.TokenizerConfig{Source: "magic"}, true, true},
 	}
 	for i, tc := range tests {
 		src, err := NewTokenSource(tc.cfg, pool)
@@ -154,7 +155,7 @@ func TestNewTokenSource(t *testing.T) {
 }
 
 func TestSimpleTokenSourceShapes(t *testing.T) {
-	src, _ := NewTokenSource(&TokenizerConfig{Source: TokenSourceSimple}, PoolConfig{})
+	src, _ := NewTokenSource(&config.TokenizerConfig{Source: TokenSourceSimple}, config.PoolConfig{})
 	ctx := context.Background()
 	tests := []struct {
 		name    string
@@ -290,8 +291,8 @@ func FuzzChatTokenSource(f *testing.F) {
 }
 
 func TestTokenSourceBodyCap(t *testing.T) {
-	src, _ := NewTokenSource(&TokenizerConfig{Source: TokenSourceSimple}, PoolConfig{})
-	body := []byte(`{"messages":[{"role":"user","content":"` + strings.Repeat("a ", MaxTokenizeBytes/2) + `"}]}`)
+	src, _ := NewTokenSource(&config.TokenizerConfig{Source: TokenSourceSimple}, config.PoolConfig{})
+	body := []byte(`{"messages":[{"role":"user","content":"` + strings.Repeat("a ", config.MaxTokenizeBytes/2) + `"}]}`)
 	if _, err := src.Tokens(context.Background(), &Request{Endpoint: EndpointChatCompletions, Body: body}); !errors.Is(err, ErrTokenSource) {
 		t.Fatalf("oversized body: %v", err)
 	}

@@ -12,12 +12,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
-	simserver "github.com/kvrouter/kvrouter/sim/server"
+	"github.com/kvrouter/kvrouter/sim/simserver"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
@@ -63,7 +66,7 @@ func (llmdSimChat) Render(msgs []tokenizer.Message, _ tokenizer.RenderOptions) (
 
 // TestToolChatPredictionMatchesEngine sends a tool-calling chat twice
 // through kv_aware (the Simple token source) in front of a simulated engine
-// (sim/server) that renders chats as llm-d-inference-sim does and whose KV
+// (sim/simserver) that renders chats as llm-d-inference-sim does and whose KV
 // events feed the index: the second time, the router's predicted cached
 // tokens equal what the engine reports it served from cache. Keying tool
 // calls short (without the tool call id and [name(args)]) predicted only
@@ -76,7 +79,7 @@ func TestToolChatPredictionMatchesEngine(t *testing.T) {
 		t.Fatal(err)
 	}
 	port := testenv.FreePort(t)
-	sub, err := events.NewSubscriber(events.SubscriberConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port), Bind: true})
+	sub, err := enginezmq.NewSubscriber(enginezmq.SubscriberConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port), Bind: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -84,7 +87,7 @@ func TestToolChatPredictionMatchesEngine(t *testing.T) {
 	subDone := make(chan struct{})
 	go func() {
 		defer close(subDone)
-		_ = sub.Run(subCtx, func(m events.Message) {
+		_ = sub.Run(subCtx, func(m enginezmq.Message) {
 			if b, err := events.Decode(m.Payload); err == nil {
 				_, _ = idx.Apply(ctx, "engine", b.Events)
 			}
@@ -100,15 +103,15 @@ func TestToolChatPredictionMatchesEngine(t *testing.T) {
 	t.Cleanup(func() { _ = in.Close() })
 	waitUntil(t, "events subscribed", in.EventsSubscribed)
 
-	pc := router.PoolConfig{Name: "tools", Model: model,
+	pc := config.PoolConfig{Name: "tools", Model: model,
 		// Speculative entries would count the router's own keys as held:
 		// expire them at once, so the prediction comes from engine events.
-		Routing:   router.RoutingConfig{Strategy: router.StrategyKVAware, KV: &router.KVScoringConfig{SpeculativeTTL: time.Millisecond}},
-		Tokenizer: &router.TokenizerConfig{Source: router.TokenSourceSimple},
-		Health:    router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-		Instances: []router.InstanceConfig{{ID: "engine", URL: in.URL()}}}
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{Logger: log,
-		KV: func(router.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil }})
+		Routing:   config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &config.KVScoringConfig{SpeculativeTTL: time.Millisecond}},
+		Tokenizer: &config.TokenizerConfig{Source: router.TokenSourceSimple},
+		Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+		Instances: []config.InstanceConfig{{ID: "engine", URL: in.URL()}}}
+	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{Logger: log,
+		KV: func(config.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil }})
 	if err != nil {
 		t.Fatal(err)
 	}

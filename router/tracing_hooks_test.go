@@ -5,6 +5,8 @@ import (
 	"net/http"
 	"net/url"
 	"testing"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // BenchmarkTracingHooksOff is every tracing hook one untraced request
@@ -20,7 +22,7 @@ func BenchmarkTracingHooksOff(b *testing.B) {
 	}
 	inst := &Instance{id: "vllm-0", url: &url.URL{Scheme: "http", Host: "127.0.0.1:1"}}
 	req := &Request{Pool: "p", Model: "m"}
-	dec := Decision{Instance: inst, Strategy: StrategyKVAware, Reason: ReasonKVMatch, Explain: &Explanation{PromptTokens: 100}}
+	dec := Decision{Instance: inst, Strategy: config.StrategyKVAware, Reason: ReasonKVMatch, Explain: &Explanation{PromptTokens: 100}}
 	h := http.Header{}
 	b.ReportAllocs()
 	cpu0, n := processCPU(), 0
@@ -34,7 +36,7 @@ func BenchmarkTracingHooksOff(b *testing.B) {
 		tsp.end(nil, "")
 		_, lsp := startSpan(dctx, SpanLookup, 0)
 		lsp.end(nil, "")
-		dsp.endDecide(ctx, dec, StrategyKVAware, 8, nil)
+		dsp.endDecide(ctx, dec, config.StrategyKVAware, 8, nil)
 		a := attempt{dec: dec, n: 1}
 		actx := s.startAttempt(ctx, &a)
 		s.injectTrace(actx, h)

@@ -22,6 +22,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/net/http/httpguts"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/routertest"
@@ -87,25 +88,25 @@ func newTraceRig(t *testing.T, n int, sampler sdktrace.Sampler, fail503 *atomic.
 		t.Fatal(err)
 	}
 	rig := &traceRig{t: t, exp: tracetest.NewInMemoryExporter()}
-	pc := router.PoolConfig{Name: "trace-pool", Model: traceModel,
-		Routing:   router.RoutingConfig{Strategy: router.StrategyKVAware, KV: &router.KVScoringConfig{SpeculativeTTL: 10 * time.Minute}},
-		Tokenizer: &router.TokenizerConfig{Source: router.TokenSourceSimple},
-		Health:    router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true}}
+	pc := config.PoolConfig{Name: "trace-pool", Model: traceModel,
+		Routing:   config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &config.KVScoringConfig{SpeculativeTTL: 10 * time.Minute}},
+		Tokenizer: &config.TokenizerConfig{Source: router.TokenSourceSimple},
+		Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
 	for i := range n {
 		e := newTraceEngine(t, fail503)
 		rig.engines = append(rig.engines, e)
-		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: fmt.Sprintf("vllm-%d", i), URL: e.srv.URL})
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: fmt.Sprintf("vllm-%d", i), URL: e.srv.URL})
 	}
 	opts := router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV:     func(router.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil },
+		KV:     func(config.PoolConfig) (kvindex.Index, router.Freshness) { return idx, nil },
 	}
 	if sampler != nil {
 		tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(rig.exp), sdktrace.WithSampler(sampler))
 		t.Cleanup(func() { _ = tp.Shutdown(t.Context()) })
 		opts.TracerProvider = tp
 	}
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, opts)
+	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -286,7 +287,7 @@ func TestTracingChatSpanTree(t *testing.T) {
 	wantAttr(t, srv, router.AttrHTTPStatus, int64(200))
 	wantAttr(t, srv, router.AttrPool, "trace-pool")
 	wantAttr(t, srv, router.AttrModel, traceModel)
-	wantAttr(t, srv, router.AttrStrategy, router.StrategyKVAware)
+	wantAttr(t, srv, router.AttrStrategy, config.StrategyKVAware)
 	wantAttr(t, srv, router.AttrReason, resps[1].Header.Get(router.HeaderReason))
 	wantAttr(t, srv, router.AttrInstance, inst)
 	wantAttr(t, srv, router.AttrStream, false)
@@ -494,9 +495,9 @@ func newUpstreamTraceRig(t *testing.T, u *routertest.Upstream) *traceRig {
 	rig := &traceRig{t: t, exp: tracetest.NewInMemoryExporter()}
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(rig.exp))
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	pc := router.PoolConfig{Name: "p", Model: traceModel, Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-		Instances: []router.InstanceConfig{{ID: u.ID, URL: u.URL()}}}
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{Logger: slog.New(slog.DiscardHandler), TracerProvider: tp})
+	pc := config.PoolConfig{Name: "p", Model: traceModel, Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+		Instances: []config.InstanceConfig{{ID: u.ID, URL: u.URL()}}}
+	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{Logger: slog.New(slog.DiscardHandler), TracerProvider: tp})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -590,9 +591,9 @@ func FuzzTraceContextHeaders(f *testing.F) {
 		_, _ = io.WriteString(w, `{"id":"c","object":"chat.completion","choices":[]}`)
 	}))
 	defer eng.Close()
-	pc := router.PoolConfig{Name: "p", Model: traceModel, Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-		Instances: []router.InstanceConfig{{ID: "vllm-0", URL: eng.URL}}}
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{Logger: slog.New(slog.DiscardHandler), TracerProvider: tp})
+	pc := config.PoolConfig{Name: "p", Model: traceModel, Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+		Instances: []config.InstanceConfig{{ID: "vllm-0", URL: eng.URL}}}
+	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{Logger: slog.New(slog.DiscardHandler), TracerProvider: tp})
 	if err != nil {
 		f.Fatal(err)
 	}

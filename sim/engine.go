@@ -5,7 +5,7 @@
 //
 // The engine is driven by an explicit virtual clock and starts no
 // goroutines: the same code runs in real time behind HTTP (cmd/kvsim, via
-// package sim/server) and inside kvbench's discrete-event simulation, where
+// package sim/simserver) and inside kvbench's discrete-event simulation, where
 // an hour of traffic on hundreds of engines runs in seconds. Callers Submit
 // requests at a time, ask NextEventTime when something happens next, and
 // Advance the clock to collect first tokens, tokens and completions. Event

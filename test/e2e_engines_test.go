@@ -16,12 +16,13 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
-	simserver "github.com/kvrouter/kvrouter/sim/server"
+	"github.com/kvrouter/kvrouter/sim/simserver"
 )
 
 // Engine sources end to end: simulated engines speaking SGLang's or
@@ -46,8 +47,8 @@ type engineNode struct {
 	replayEP string
 	natsURL  string
 	pool     string
-	stream   events.StreamConfig
-	bucket   events.BucketConfig
+	stream   kvstream.StreamConfig
+	bucket   kvstream.BucketConfig
 
 	mu  sync.Mutex // guards sim
 	sim *simserver.Instance
@@ -156,9 +157,9 @@ func newEngineFleet(t *testing.T, formats ...string) *engineFleet {
 	name := testenv.UniqueName(t)
 	ns := testenv.StartNATS(t)
 	pool := "p_" + name
-	stream, bucket := events.StreamConfig{Name: "EV_" + name}, events.BucketConfig{Name: "SN_" + name}
+	stream, bucket := kvstream.StreamConfig{Name: "EV_" + name}, kvstream.BucketConfig{Name: "SN_" + name}
 	f := &engineFleet{t: t}
-	var insts []router.InstanceConfig
+	var insts []config.InstanceConfig
 	for i, format := range formats {
 		n := &engineNode{t: t, ctx: ctx, id: fmt.Sprintf("%s-%d", format, i), format: format,
 			addr:     fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)),
@@ -167,15 +168,15 @@ func newEngineFleet(t *testing.T, formats ...string) *engineFleet {
 			natsURL:  ns.URL(), pool: pool, stream: stream, bucket: bucket}
 		n.start()
 		f.nodes = append(f.nodes, n)
-		insts = append(insts, router.InstanceConfig{ID: n.id, URL: n.url()})
+		insts = append(insts, config.InstanceConfig{ID: n.id, URL: n.url()})
 	}
-	cfg := router.Config{
+	cfg := config.Config{
 		AdminToken: "adm",
-		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: stream.Name}, Bucket: bucket.Name,
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream.Name}, Bucket: bucket.Name,
 			StaleAfter: 2 * time.Second, PurgeAfter: 30 * time.Second},
-		Pools: []router.PoolConfig{{Name: pool, Model: engModel,
-			Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-			Health:  router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
+		Pools: []config.PoolConfig{{Name: pool, Model: engModel,
+			Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Health:  config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 			Instances: insts}},
 	}
 	reg := prometheus.NewRegistry()

@@ -6,9 +6,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/enginezmq"
+
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
@@ -22,14 +24,14 @@ func TestE2EDataParallelRanks(t *testing.T) {
 	r := &rig{t: t, ctx: testenv.Context(t, time.Minute), ns: testenv.StartNATS(t)}
 	name := testenv.UniqueName(t)
 	r.pool = "pool_" + name
-	r.stream = events.StreamConfig{Name: "EV_" + name}
-	r.bucket = events.BucketConfig{Name: "SN_" + name}
-	var pubs []*events.ZMQPublisher
+	r.stream = kvstream.StreamConfig{Name: "EV_" + name}
+	r.bucket = kvstream.BucketConfig{Name: "SN_" + name}
+	var pubs []*enginezmq.Publisher
 	var srcs []bridge.Source
 	for rank := 0; rank < 2; rank++ {
 		ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 		rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-		pub, err := events.NewZMQPublisher(r.ctx, events.ZMQPublisherConfig{Endpoint: ep, ReplayEndpoint: rep,
+		pub, err := enginezmq.NewPublisher(r.ctx, enginezmq.PublisherConfig{Endpoint: ep, ReplayEndpoint: rep,
 			Topic: fmt.Sprintf("kv@127.0.0.1:%d@fake-model", 18000+rank), FirstSeq: 1})
 		if err != nil {
 			t.Fatal(err)

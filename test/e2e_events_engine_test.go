@@ -21,14 +21,19 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
+
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
-	simserver "github.com/kvrouter/kvrouter/sim/server"
+	"github.com/kvrouter/kvrouter/sim/simserver"
 )
 
 // simRig is one simulated vLLM server (kvsim: HTTP, ZMQ PUB and replay on
@@ -42,8 +47,8 @@ type simRig struct {
 	ns       *testenv.NATSServer
 	pool     string
 	instance string
-	stream   events.StreamConfig
-	bucket   events.BucketConfig
+	stream   kvstream.StreamConfig
+	bucket   kvstream.BucketConfig
 	httpAddr string
 	pubEP    string
 	replayEP string
@@ -67,8 +72,8 @@ func newSimRig(t testing.TB, blocks int) *simRig {
 	return &simRig{
 		t: t, ctx: testenv.Context(t, 3*time.Minute), ns: testenv.StartNATS(t),
 		pool: "pool_" + name, instance: "sim-0",
-		stream:   events.StreamConfig{Name: "EV_" + name},
-		bucket:   events.BucketConfig{Name: "SN_" + name},
+		stream:   kvstream.StreamConfig{Name: "EV_" + name},
+		bucket:   kvstream.BucketConfig{Name: "SN_" + name},
 		httpAddr: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)),
 		pubEP:    fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
 		replayEP: fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
@@ -311,10 +316,10 @@ type evictionCounter struct {
 func (r *simRig) countEvictions() *evictionCounter {
 	r.t.Helper()
 	ec := &evictionCounter{hashes: map[uint64]int{}}
-	subj, _ := events.EvictionsSubject(r.pool, r.instance)
+	subj, _ := kvstream.EvictionsSubject(r.pool, r.instance)
 	sub, err := r.conn().Subscribe(subj, func(m *nats.Msg) {
-		var rec events.EvictionRecord
-		if json.Unmarshal(m.Data, &rec) != nil || rec.Reason != events.ReasonEvicted {
+		var rec kvstream.EvictionRecord
+		if json.Unmarshal(m.Data, &rec) != nil || rec.Reason != kvstream.ReasonEvicted {
 			return
 		}
 		ec.mu.Lock()
@@ -401,12 +406,12 @@ func testBoundedTable(t *testing.T, engine string) {
 	}
 	// The bridge's own table, as its snapshot.
 	snapTable := func() map[uint64]bool {
-		subj, _ := events.SnapshotSubject(r.pool, r.instance)
+		subj, _ := kvstream.SnapshotSubject(r.pool, r.instance)
 		msg, err := r.conn().Request(subj, nil, 5*time.Second)
 		if err != nil {
 			t.Fatal(err)
 		}
-		s, err := events.UnmarshalSnapshot(msg.Data)
+		s, err := kvstream.UnmarshalSnapshot(msg.Data)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -466,14 +471,14 @@ func testBoundedTable(t *testing.T, engine string) {
 }
 
 // scriptEngine is a scripted engine: vLLM's ZMQ PUB and replay sockets
-// (events.ZMQPublisher), and an HTTP server with /health and /metrics's
+// (enginezmq.Publisher), and an HTTP server with /health and /metrics's
 // process_start_time_seconds. Its cache follows a churn model that, unlike
 // kvsim (which frees blocks in vLLM's order), often evicts a parent before
 // its children, as llm-d-inference-sim does: the bridge must keep such
 // parents as ghosts without counting them against its bound.
 type scriptEngine struct {
 	t     testing.TB
-	pub   *events.ZMQPublisher
+	pub   *enginezmq.Publisher
 	srv   *http.Server
 	start float64
 
@@ -496,7 +501,7 @@ func (r *simRig) startScript(firstSeq uint64) *scriptEngine {
 		start: float64(time.Now().UnixNano()) / 1e9}
 	var err error
 	for try := 0; ; try++ {
-		e.pub, err = events.NewZMQPublisher(r.ctx, events.ZMQPublisherConfig{Endpoint: r.pubEP, ReplayEndpoint: r.replayEP,
+		e.pub, err = enginezmq.NewPublisher(r.ctx, enginezmq.PublisherConfig{Endpoint: r.pubEP, ReplayEndpoint: r.replayEP,
 			Topic: "kv@" + r.httpAddr + "@" + simModel, FirstSeq: firstSeq})
 		if err == nil || try == 50 {
 			break
@@ -835,7 +840,7 @@ func TestE2EJetStreamWiped(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	key, _ := events.SnapshotKey(r.pool, r.instance)
+	key, _ := kvstream.SnapshotKey(r.pool, r.instance)
 	waitFor(t, 20*time.Second, "stream, bucket, object store and snapshot made again", func() bool {
 		ctx, cancel := context.WithTimeout(r.ctx, time.Second)
 		defer cancel()
@@ -978,14 +983,14 @@ func testRouterNoStaleKVMatch(t *testing.T, specTTL time.Duration) {
 	r.startEngine()
 	r.startBridge(bridgeOpts{})
 	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
-	cfg := router.Config{
+	cfg := config.Config{
 		AdminToken: "adm",
-		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: r.ns.URL(), Stream: r.stream.Name}, Bucket: r.bucket.Name,
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: r.ns.URL(), Stream: r.stream.Name}, Bucket: r.bucket.Name,
 			StaleAfter: 3 * time.Second, PurgeAfter: time.Minute},
-		Pools: []router.PoolConfig{{Name: r.pool, Model: simModel,
-			Routing: router.RoutingConfig{Strategy: router.StrategyKVAware, KV: &router.KVScoringConfig{SpeculativeTTL: specTTL}},
-			Health:  router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: r.instance, URL: r.url()}}}},
+		Pools: []config.PoolConfig{{Name: r.pool, Model: simModel,
+			Routing: config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &config.KVScoringConfig{SpeculativeTTL: specTTL}},
+			Health:  config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: r.instance, URL: r.url()}}}},
 	}
 	reg := prometheus.NewRegistry()
 	kve, err := router.StartKVEvents(r.ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: quietLogger()})

@@ -16,8 +16,12 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
+
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
@@ -161,12 +165,12 @@ type rig struct {
 	ns       *testenv.NATSServer
 	pool     string
 	instance string
-	stream   events.StreamConfig
-	bucket   events.BucketConfig
+	stream   kvstream.StreamConfig
+	bucket   kvstream.BucketConfig
 	pubEP    string
 	replayEP string
 
-	pub *events.ZMQPublisher
+	pub *enginezmq.Publisher
 
 	bridgeCancel context.CancelFunc
 	bridgeDone   chan struct{}
@@ -191,8 +195,8 @@ func newRig(t testing.TB, o rigOpts) *rig {
 		ns:       testenv.StartNATS(t),
 		pool:     "pool_" + name,
 		instance: "vllm-0",
-		stream:   events.StreamConfig{Name: "EV_" + name, MaxMsgs: o.maxMsgs},
-		bucket:   events.BucketConfig{Name: "SN_" + name},
+		stream:   kvstream.StreamConfig{Name: "EV_" + name, MaxMsgs: o.maxMsgs},
+		bucket:   kvstream.BucketConfig{Name: "SN_" + name},
 		pubEP:    fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
 	}
 	if !o.noReplay {
@@ -215,7 +219,7 @@ func (r *rig) conn() *nats.Conn {
 
 func (r *rig) startEngine(firstSeq uint64) {
 	r.t.Helper()
-	pub, err := events.NewZMQPublisher(r.ctx, events.ZMQPublisherConfig{
+	pub, err := enginezmq.NewPublisher(r.ctx, enginezmq.PublisherConfig{
 		Endpoint: r.pubEP, ReplayEndpoint: r.replayEP, Topic: "kv@127.0.0.1:18000@fake-model", FirstSeq: firstSeq})
 	if err != nil {
 		r.t.Fatal(err)

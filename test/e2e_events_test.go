@@ -7,7 +7,11 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
+
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 )
 
 // ZMQ publisher → kvbridge → JetStream → consumer → index: stores appear,
@@ -182,7 +186,7 @@ func TestE2ENewPublisher(t *testing.T) {
 	waitTable(t, a, r.instance, reference(t, ps[:12]...))
 
 	_ = r.pub.Close()
-	pub, err := events.NewZMQPublisher(r.ctx, events.ZMQPublisherConfig{Endpoint: r.pubEP, ReplayEndpoint: r.replayEP,
+	pub, err := enginezmq.NewPublisher(r.ctx, enginezmq.PublisherConfig{Endpoint: r.pubEP, ReplayEndpoint: r.replayEP,
 		Topic: "kv@127.0.0.2:18000@fake-model", FirstSeq: 13})
 	if err != nil {
 		t.Fatal(err)
@@ -278,7 +282,7 @@ func TestE2EMalformedAndUnknown(t *testing.T) {
 	// Straight into the stream: garbage, and a batch whose first event is
 	// of a type no engine sends yet.
 	nc := r.conn()
-	subj, _ := events.EventsSubject(r.pool, r.instance)
+	subj, _ := kvstream.EventsSubject(r.pool, r.instance)
 	unknown := unknownThenStored(t)
 	for _, p := range [][]byte{[]byte("not msgpack"), unknown} {
 		if err := nc.Publish(subj, p); err != nil {

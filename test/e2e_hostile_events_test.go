@@ -15,7 +15,10 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/routertest"
@@ -33,16 +36,16 @@ type hostileRig struct {
 	logs *testenv.Logs
 }
 
-func newHostileRig(t *testing.T, mutate func(*router.Config)) *hostileRig {
+func newHostileRig(t *testing.T, mutate func(*config.Config)) *hostileRig {
 	ctx := testenv.Context(t, 2*time.Minute)
 	name := testenv.UniqueName(t)
 	pool := "p_" + name
 	ns := testenv.StartNATS(t)
-	cfg := router.Config{
-		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: "EV_" + name}, Bucket: "SN_" + name},
-		Pools: []router.PoolConfig{{Name: pool, Model: kvrModel, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-			Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
+	cfg := config.Config{
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: "EV_" + name}, Bucket: "SN_" + name},
+		Pools: []config.PoolConfig{{Name: pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
 	}
 	mutate(&cfg)
 	logs := &testenv.Logs{}
@@ -77,17 +80,17 @@ func newHostileRig(t *testing.T, mutate func(*router.Config)) *hostileRig {
 // key when sign is set (as kvbridge does with KVBRIDGE_HEARTBEAT_KEY).
 func (r *hostileRig) heartbeat(instance, url string, at time.Time, key []byte, sig string) {
 	r.t.Helper()
-	subj, err := events.InstancesSubject(r.pool, instance)
+	subj, err := kvstream.InstancesSubject(r.pool, instance)
 	if err != nil {
 		r.t.Fatal(err)
 	}
-	data, _ := json.Marshal(events.Heartbeat{Pool: r.pool, Instance: instance, URL: url, Model: kvrModel, Time: at, IntervalMS: 5000})
+	data, _ := json.Marshal(kvstream.Heartbeat{Pool: r.pool, Instance: instance, URL: url, Model: kvrModel, Time: at, IntervalMS: 5000})
 	m := &nats.Msg{Subject: subj, Data: data, Header: nats.Header{}}
 	if key != nil {
-		m.Header.Set(events.HeaderSignature, events.SignHeartbeat(key, subj, data))
+		m.Header.Set(kvstream.HeaderSignature, kvstream.SignHeartbeat(key, subj, data))
 	}
 	if sig != "" {
-		m.Header.Set(events.HeaderSignature, sig)
+		m.Header.Set(kvstream.HeaderSignature, sig)
 	}
 	if err := r.nc.PublishMsg(m); err != nil {
 		r.t.Fatal(err)
@@ -174,7 +177,7 @@ func (r *hostileRig) records() map[string]bool {
 // leaves no record.
 func TestE2EDiscoveryRefusesUntrustedHeartbeats(t *testing.T) {
 	key := []byte("0123456789abcdef0123456789abcdef")
-	r := newHostileRig(t, func(c *router.Config) {
+	r := newHostileRig(t, func(c *config.Config) {
 		c.HeartbeatKey = key
 		c.Pools[0].AllowedInstanceURLs = []string{"127.0.0.0/8", "http://*.vllm.internal:8000"}
 	})
@@ -243,7 +246,7 @@ func TestE2EDiscoveryRefusesUntrustedHeartbeats(t *testing.T) {
 // once the junk goes silent its records, pool entries and series are gone.
 func TestE2EJunkInstanceNamesBounded(t *testing.T) {
 	const junk, maxInstances = 10000, 50
-	r := newHostileRig(t, func(c *router.Config) {
+	r := newHostileRig(t, func(c *config.Config) {
 		c.Events.MaxInstances = maxInstances
 		c.Events.StaleAfter, c.Events.PurgeAfter = 500*time.Millisecond, 1500*time.Millisecond
 	})
@@ -253,7 +256,7 @@ func TestE2EJunkInstanceNamesBounded(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := range junk {
-		subj, _ := events.EventsSubject(r.pool, fmt.Sprintf("junk-%d", i))
+		subj, _ := kvstream.EventsSubject(r.pool, fmt.Sprintf("junk-%d", i))
 		if err := r.nc.Publish(subj, payload); err != nil {
 			t.Fatal(err)
 		}
@@ -310,7 +313,7 @@ func TestE2EJunkInstanceNamesBounded(t *testing.T) {
 func TestE2EBridgeSignsHeartbeats(t *testing.T) {
 	key := []byte("0123456789abcdef0123456789abcdef")
 	r := newRig(t, rigOpts{heartbeatKey: key})
-	subj, _ := events.PoolSubjects(events.SubjectInstances, r.pool)
+	subj, _ := kvstream.PoolSubjects(kvstream.SubjectInstances, r.pool)
 	sub, err := r.conn().SubscribeSync(subj)
 	if err != nil {
 		t.Fatal(err)
@@ -319,10 +322,10 @@ func TestE2EBridgeSignsHeartbeats(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := events.VerifyHeartbeat(key, m.Subject, m.Data, m.Header); err != nil {
+	if err := kvstream.VerifyHeartbeat(key, m.Subject, m.Data, m.Header); err != nil {
 		t.Fatalf("the bridge's heartbeat does not verify with its key: %v", err)
 	}
-	if err := events.VerifyHeartbeat([]byte("another key, 32 bytes long......"), m.Subject, m.Data, m.Header); err == nil {
+	if err := kvstream.VerifyHeartbeat([]byte("another key, 32 bytes long......"), m.Subject, m.Data, m.Header); err == nil {
 		t.Fatal("the bridge's heartbeat verifies with another key")
 	}
 }
@@ -343,7 +346,7 @@ func readyRig(t *testing.T, delay, readyTimeout time.Duration) (readyz string, b
 	if err != nil {
 		t.Fatal(err)
 	}
-	kv, err := events.EnsureBucket(ctx, js, events.BucketConfig{Name: "SN_" + name})
+	kv, err := kvstream.EnsureBucket(ctx, js, kvstream.BucketConfig{Name: "SN_" + name})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -352,15 +355,15 @@ func readyRig(t *testing.T, delay, readyTimeout time.Duration) (readyz string, b
 	if err != nil {
 		t.Fatal(err)
 	}
-	snap, err := events.Snapshot{Pool: pool, Instance: "vllm-0", Blocks: 1, Batch: batch, Taken: time.Now()}.MarshalBinary()
+	snap, err := kvstream.Snapshot{Pool: pool, Instance: "vllm-0", Blocks: 1, Batch: batch, Taken: time.Now()}.MarshalBinary()
 	if err != nil {
 		t.Fatal(err)
 	}
-	key, _ := events.SnapshotKey(pool, "vllm-0")
+	key, _ := kvstream.SnapshotKey(pool, "vllm-0")
 	if _, err := kv.Put(ctx, key, snap); err != nil {
 		t.Fatal(err)
 	}
-	subj, _ := events.SnapshotSubject(pool, "vllm-0")
+	subj, _ := kvstream.SnapshotSubject(pool, "vllm-0")
 	sub, err := nc.Subscribe(subj, func(m *nats.Msg) {
 		time.Sleep(delay)
 		_ = m.Respond(snap)
@@ -370,11 +373,11 @@ func readyRig(t *testing.T, delay, readyTimeout time.Duration) (readyz string, b
 	}
 	t.Cleanup(func() { _ = sub.Unsubscribe() })
 	up := routertest.New(t, "vllm-0", kvrModel)
-	cfg := router.Config{
-		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: "EV_" + name}, Bucket: "SN_" + name, ReadyTimeout: readyTimeout},
-		Pools: []router.PoolConfig{{Name: pool, Model: kvrModel, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-			Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: up.URL()}}}},
+	cfg := config.Config{
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: "EV_" + name}, Bucket: "SN_" + name, ReadyTimeout: readyTimeout},
+		Pools: []config.PoolConfig{{Name: pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: up.URL()}}}},
 	}
 	logs = &testenv.Logs{}
 	log := slog.New(slog.NewJSONHandler(logs, nil))

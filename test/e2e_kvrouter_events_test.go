@@ -16,8 +16,13 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
+
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 )
@@ -27,7 +32,7 @@ const kvrModel = "kvr-model"
 // kvrEngine is one engine's KV-event side: a vLLM-format ZMQ publisher
 // (PUB + replay) and a kvbridge forwarding it to NATS.
 type kvrEngine struct {
-	pub  *events.ZMQPublisher
+	pub  *enginezmq.Publisher
 	stop context.CancelFunc
 	done chan struct{}
 }
@@ -36,7 +41,7 @@ func startKVREngine(t *testing.T, ctx context.Context, natsURL, pool, instance, 
 	t.Helper()
 	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 	rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	pub, err := events.NewZMQPublisher(ctx, events.ZMQPublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv"})
+	pub, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -46,7 +51,7 @@ func startKVREngine(t *testing.T, ctx context.Context, natsURL, pool, instance, 
 	}
 	b, err := bridge.New(bridge.Config{Pool: pool, Model: kvrModel, BlockSize: 16, Conn: nc,
 		Sources: []bridge.Source{{Instance: instance, Endpoint: ep, ReplayEndpoint: rep, URL: url}},
-		Stream:  events.StreamConfig{Name: stream}, Bucket: events.BucketConfig{Name: bucket},
+		Stream:  kvstream.StreamConfig{Name: stream}, Bucket: kvstream.BucketConfig{Name: bucket},
 		HeartbeatInterval: 200 * time.Millisecond, Logger: quietLogger()})
 	if err != nil {
 		t.Fatal(err)
@@ -233,16 +238,16 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 		t.Cleanup(up.Close)
 		ups = append(ups, up)
 	}
-	cfg := router.Config{
+	cfg := config.Config{
 		AdminToken: "adm",
-		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket,
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket,
 			StaleAfter: time.Second, PurgeAfter: 3 * time.Second},
-		Pools: []router.PoolConfig{{Name: pool, Model: kvrModel,
-			Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-			Health:  router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: ups[0].URL}, {ID: "vllm-1", URL: ups[1].URL}}}},
+		Pools: []config.PoolConfig{{Name: pool, Model: kvrModel,
+			Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Health:  config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: ups[0].URL}, {ID: "vllm-1", URL: ups[1].URL}}}},
 	}
-	if !router.KVEventsWanted(cfg) {
+	if !config.KVEventsWanted(cfg) {
 		t.Fatal("a kv_aware pool does not want KV events")
 	}
 	reg := prometheus.NewRegistry()
@@ -317,11 +322,11 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 
 	// The GPU eviction reached the SSE stream as a record.
 	line := sse.next(t, "data: ", 10*time.Second)
-	var rec events.EvictionRecord
+	var rec kvstream.EvictionRecord
 	if err := json.Unmarshal([]byte(strings.TrimPrefix(line, "data: ")), &rec); err != nil {
 		t.Fatalf("eviction record %q: %v", line, err)
 	}
-	if rec.Pool != pool || rec.Instance != "vllm-1" || rec.Tier != "gpu" || rec.Blocks != 2 || rec.Reason != events.ReasonEvicted {
+	if rec.Pool != pool || rec.Instance != "vllm-1" || rec.Tier != "gpu" || rec.Blocks != 2 || rec.Reason != kvstream.ReasonEvicted {
 		t.Fatalf("eviction record %+v", rec)
 	}
 
@@ -453,12 +458,12 @@ func TestKVRouterEventsRedisIndex(t *testing.T) {
 	pool := "p_" + name
 	stream, bucket := "EV_"+name, "SN_"+name
 	ns := testenv.StartNATS(t)
-	cfg := router.Config{
-		Index:  &router.IndexConfig{Backend: "redis", Redis: &router.RedisConfig{Addrs: []string{testenv.Redis(t)}, KeyPrefix: name}},
-		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
-		Pools: []router.PoolConfig{{Name: pool, Model: kvrModel, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-			Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
+	cfg := config.Config{
+		Index:  &config.IndexConfig{Backend: "redis", Redis: &config.RedisConfig{Addrs: []string{testenv.Redis(t)}, KeyPrefix: name}},
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
+		Pools: []config.PoolConfig{{Name: pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
 	}
 	var routers []*kvrRouter
 	for range 2 {
@@ -508,11 +513,11 @@ func TestKVRouterRestartRebuildsIndex(t *testing.T) {
 	pool := "p_" + name
 	stream, bucket := "EV_"+name, "SN_"+name
 	ns := testenv.StartNATS(t)
-	cfg := router.Config{
-		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
-		Pools: []router.PoolConfig{{Name: pool, Model: kvrModel, Routing: router.RoutingConfig{Strategy: router.StrategyKVAware},
-			Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
+	cfg := config.Config{
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
+		Pools: []config.PoolConfig{{Name: pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
 	}
 	start := func() *kvrRouter {
 		kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: quietLogger(), SnapshotTimeout: 500 * time.Millisecond})

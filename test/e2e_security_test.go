@@ -23,6 +23,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
@@ -112,7 +113,7 @@ pools:
 	writeSecFile(t, p("router.yaml"), []byte(cfg))
 	secret := strings.Repeat("3c", 32)
 	secretBytes, _ := hex.DecodeString(secret)
-	proc := startRouter(t, bin, []string{router.CacheSaltSecretEnv + "=" + secret}, "--config", p("router.yaml"))
+	proc := startRouter(t, bin, []string{config.CacheSaltSecretEnv + "=" + secret}, "--config", p("router.yaml"))
 	base := strings.Replace(proc.data, "http://", "https://", 1)
 
 	roots := x509.NewCertPool()
@@ -245,7 +246,7 @@ func TestE2ESecurityStartupErrors(t *testing.T) {
 		{"key file missing", fmt.Sprintf("listen: '127.0.0.1:0'\ntls: {cert_file: %s, key_file: %s}\n", filepath.Join(dir, "tls.crt"), filepath.Join(dir, "nope.key")) + pool, nil, "nope.key"},
 		{"key does not match", fmt.Sprintf("listen: '127.0.0.1:0'\ntls: {cert_file: %s, key_file: %s}\n", filepath.Join(dir, "tls.crt"), filepath.Join(dir, "other.key")) + pool, nil, "private key does not match public key"},
 		{"cache_salt without secret", "listen: '127.0.0.1:0'\n" + pool + "    cache_salt: {enabled: true}\n", nil, "KVROUTER_CACHE_SALT_SECRET"},
-		{"secret not hex", "listen: '127.0.0.1:0'\n" + pool, []string{router.CacheSaltSecretEnv + "=xyz"}, "want hex"},
+		{"secret not hex", "listen: '127.0.0.1:0'\n" + pool, []string{config.CacheSaltSecretEnv + "=xyz"}, "want hex"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

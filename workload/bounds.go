@@ -1,6 +1,11 @@
 package workload
 
-import "fmt"
+import (
+	"encoding/binary"
+	"fmt"
+
+	"github.com/cespare/xxhash/v2"
+)
 
 // Bound is the hit rate a cache reaches on a trace when every request is
 // served from one shared cache: counting, per request, the leading blocks
@@ -11,7 +16,7 @@ type Bound struct {
 	CapacityTokens int64 `json:"capacity_tokens"`
 	HitBlocks      int64 `json:"hit_blocks"`
 	Blocks         int64 `json:"blocks"`
-	// HitTokens counts hit blocks × 512, capped at each request's input length.
+	// HitTokens counts hit blocks × the block size (512 for traces), capped at each request's input length.
 	HitTokens   int64 `json:"hit_tokens"`
 	InputTokens int64 `json:"input_tokens"`
 }
@@ -40,7 +45,7 @@ func InfiniteBound(recs []TraceRecord) Bound {
 // whose caches were pooled into one. A request's blocks, hit or not, become
 // the most recently used in prompt order, last block most recent.
 func PooledBound(recs []TraceRecord, capacityTokens int64) (Bound, error) {
-	return pooledBound(recs, capacityTokens, nil)
+	return pooledBound(recs, TraceBlockTokens, capacityTokens, nil)
 }
 
 // PooledBoundPerRequest is PooledBound with each record's hit tokens, so
@@ -48,17 +53,53 @@ func PooledBound(recs []TraceRecord, capacityTokens int64) (Bound, error) {
 // rate (e.g. only those that completed).
 func PooledBoundPerRequest(recs []TraceRecord, capacityTokens int64) (Bound, []int64, error) {
 	hits := make([]int64, len(recs))
-	b, err := pooledBound(recs, capacityTokens, hits)
+	b, err := pooledBound(recs, TraceBlockTokens, capacityTokens, hits)
 	return b, hits, err
 }
 
-func pooledBound(recs []TraceRecord, capacityTokens int64, perReq []int64) (Bound, error) {
+// RequestsBoundPerRequest is PooledBoundPerRequest for generated requests
+// (which have token ids, not a trace's hash ids): each prompt is cut into
+// whole blockTokens-token blocks, as a vLLM prefix cache does, and each
+// block is named by a hash of every token up to its end, so that equal
+// prefixes give equal names. A partial last block is never cached, so it
+// is never a hit. The token ids are those of Request.Tokens, which is what
+// an engine with the Simple tokenizer caches for a completions prompt
+// (kvbench live and demo send completions); requests sent as chat messages
+// are rendered by a template, and the bound then holds to within the
+// template's few tokens per request.
+func RequestsBoundPerRequest(reqs []Request, blockTokens int, capacityTokens int64) (Bound, []int64, error) {
+	if blockTokens <= 0 {
+		return Bound{}, nil, fmt.Errorf("%w: bound: block size %d must be > 0", ErrInvalid, blockTokens)
+	}
+	recs := make([]TraceRecord, len(reqs))
+	var toks []uint32
+	var buf [4]byte
+	for i := range reqs {
+		toks = reqs[i].AppendTokens(toks[:0])
+		n := len(toks) / blockTokens
+		ids := make([]int64, n)
+		d := xxhash.New()
+		for j := 0; j < n; j++ {
+			for _, t := range toks[j*blockTokens : (j+1)*blockTokens] {
+				binary.LittleEndian.PutUint32(buf[:], t)
+				_, _ = d.Write(buf[:])
+			}
+			ids[j] = int64(d.Sum64())
+		}
+		recs[i] = TraceRecord{InputLength: len(toks), HashIDs: ids}
+	}
+	hits := make([]int64, len(recs))
+	b, err := pooledBound(recs, blockTokens, capacityTokens, hits)
+	return b, hits, err
+}
+
+func pooledBound(recs []TraceRecord, blockTokens int, capacityTokens int64, perReq []int64) (Bound, error) {
 	if capacityTokens < 0 {
 		return Bound{}, fmt.Errorf("%w: bound: capacity %d must be >= 0", ErrInvalid, capacityTokens)
 	}
-	capBlocks := capacityTokens / TraceBlockTokens
+	capBlocks := capacityTokens / int64(blockTokens)
 	if capacityTokens > 0 && capBlocks == 0 {
-		return Bound{}, fmt.Errorf("%w: bound: capacity %d is under one %d-token block", ErrInvalid, capacityTokens, TraceBlockTokens)
+		return Bound{}, fmt.Errorf("%w: bound: capacity %d is under one %d-token block", ErrInvalid, capacityTokens, blockTokens)
 	}
 	b := Bound{CapacityTokens: capacityTokens}
 	lru := newLRU(capBlocks)
@@ -75,7 +116,7 @@ func pooledBound(recs []TraceRecord, capacityTokens int64, perReq []int64) (Boun
 		}
 		b.HitBlocks += int64(hit)
 		b.Blocks += int64(len(r.HashIDs))
-		ht := int64(min(hit*TraceBlockTokens, r.InputLength))
+		ht := int64(min(hit*blockTokens, r.InputLength))
 		b.HitTokens += ht
 		if perReq != nil {
 			perReq[i] = ht

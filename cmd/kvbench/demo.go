@@ -16,12 +16,14 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/report"
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
-	simserver "github.com/kvrouter/kvrouter/sim/server"
+	"github.com/kvrouter/kvrouter/sim/simserver"
+	"github.com/kvrouter/kvrouter/workload"
 )
 
 // localFleet is kvsim instances and a kvrouter in this process, on
@@ -76,7 +78,7 @@ func startLocalFleet(ctx context.Context, spec fleetSpec) (*localFleet, error) {
 		return nil, err
 	}
 	const pool = "demo"
-	pc := router.PoolConfig{Name: pool, Model: demoModel, Routing: router.RoutingConfig{Strategy: spec.Strategy}}
+	pc := config.PoolConfig{Name: pool, Model: demoModel, Routing: config.RoutingConfig{Strategy: spec.Strategy}}
 	var sources []bridge.Source
 	for i := range spec.Instances {
 		id := fmt.Sprintf("sim%d", i)
@@ -101,7 +103,7 @@ func startLocalFleet(ctx context.Context, spec fleetSpec) (*localFleet, error) {
 			return fail(fmt.Errorf("kvsim %d: %w", i, err))
 		}
 		f.insts = append(f.insts, in)
-		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: id, URL: in.URL()})
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: id, URL: in.URL()})
 		if spec.Events {
 			sources = append(sources, bridge.Source{Instance: id, Endpoint: cfg.Events.Endpoint, ReplayEndpoint: cfg.Events.ReplayEndpoint, URL: in.URL()})
 		}
@@ -112,10 +114,10 @@ func startLocalFleet(ctx context.Context, spec fleetSpec) (*localFleet, error) {
 		if err := f.startEvents(ctx, pc, sources, spec.Logger); err != nil {
 			return fail(err)
 		}
-		pc.Tokenizer = &router.TokenizerConfig{Source: router.TokenSourceSimple}
+		pc.Tokenizer = &config.TokenizerConfig{Source: router.TokenSourceSimple}
 		opts.KV, opts.KVEvents = f.kv.KV, f.kv
 	}
-	srv, err := router.NewServer(router.Config{Listen: "127.0.0.1:0", Pools: []router.PoolConfig{pc}, DefaultPool: pool}, opts)
+	srv, err := router.NewServer(config.Config{Listen: "127.0.0.1:0", Pools: []config.PoolConfig{pc}, DefaultPool: pool}, opts)
 	if err != nil {
 		return fail(err)
 	}
@@ -133,19 +135,19 @@ func startLocalFleet(ctx context.Context, spec fleetSpec) (*localFleet, error) {
 // startEvents starts the router's KV events pipeline as kvrouter does
 // (router.StartKVEvents: embedded NATS, the pool's consumer and memory
 // index) and one bridge per instance publishing to it.
-func (f *localFleet) startEvents(ctx context.Context, pc router.PoolConfig, sources []bridge.Source, log *slog.Logger) error {
+func (f *localFleet) startEvents(ctx context.Context, pc config.PoolConfig, sources []bridge.Source, log *slog.Logger) error {
 	dir, err := os.MkdirTemp("", "kvbench-nats-")
 	if err != nil {
 		return err
 	}
 	f.natsDir = dir
 	// In-memory stream and bucket: the demo's state need not outlive it.
-	stream := events.StreamConfig{Memory: true}
-	bucket := events.BucketConfig{Memory: true}
+	stream := kvstream.StreamConfig{Memory: true}
+	bucket := kvstream.BucketConfig{Memory: true}
 	discover := false // the fleet's instances are configured
-	cfg := router.Config{
-		Events: &router.EventsConfig{NATS: router.NATSConfig{Listen: "127.0.0.1:0", StoreDir: dir}, DiscoverInstances: &discover},
-		Pools:  []router.PoolConfig{pc},
+	cfg := config.Config{
+		Events: &config.EventsConfig{NATS: config.NATSConfig{Listen: "127.0.0.1:0", StoreDir: dir}, DiscoverInstances: &discover},
+		Pools:  []config.PoolConfig{pc},
 	}
 	f.kv, err = router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: log, Stream: stream, Bucket: bucket})
 	if err != nil {
@@ -257,7 +259,13 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	defer fl.Close()
 	fmt.Fprintf(stdout, "demo: embedded NATS, %d kvsim instances (%d GPU tokens each, time scale %g) with kvbridges, kvrouter with the in-memory index at %s\n", *instances, gpuTokens, *scale, fl.routerURL)
 	c := newLiveClient(liveConfig{RouterURL: fl.routerURL, TimeScale: *scale, Reset: true})
-	sums, err := liveCompare(ctx, c, w, splitList(*strategies), stdout, stderr)
+	// of_bound: the hit rate of one LRU cache as large as the whole fleet's
+	// GPU KV, which no routing of these requests can beat.
+	b, boundHits, err := workload.RequestsBoundPerRequest(w.Requests, sim.DefaultBlockSize, gpuTokens*int64(*instances))
+	if err != nil {
+		return err
+	}
+	sums, err := liveCompare(ctx, c, w, splitList(*strategies), boundHits, stdout, stderr)
 	if err != nil {
 		return err
 	}
@@ -265,7 +273,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return err
 	}
 	if *out != "" {
-		if err := writeReports(*out, sums, 0); err != nil {
+		if err := writeReports(*out, sums, b.TokenRatio()); err != nil {
 			return err
 		}
 		fmt.Fprintf(stdout, "report written to %s/ (report.md has every column: balance, overflow, busy, decision time)\n", *out)

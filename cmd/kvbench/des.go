@@ -12,7 +12,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/report"
-	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/workload"
 )
@@ -253,10 +253,10 @@ func (f *fleetFlags) register(fs *flag.FlagSet, instances int) {
 }
 
 // routing is the router configuration the fleet flags ask for.
-func (f *fleetFlags) routing() router.RoutingConfig {
-	rc := router.RoutingConfig{ConcurrencyThreshold: f.threshold, PrefixLength: f.prefixLen}
+func (f *fleetFlags) routing() config.RoutingConfig {
+	rc := config.RoutingConfig{ConcurrencyThreshold: f.threshold, PrefixLength: f.prefixLen}
 	if f.kvWeight != 0 {
-		rc.KV = &router.KVScoringConfig{PrefillCostWeight: f.kvWeight}
+		rc.KV = &config.KVScoringConfig{PrefillCostWeight: f.kvWeight}
 	}
 	return rc
 }
@@ -287,7 +287,7 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	ff.register(fs, 7)
 	strategies := fs.String("strategies", "random,round_robin,least_outstanding,prefix_aware,kv_aware", "comma-separated strategies to compare")
 	out := fs.String("out", "", "directory for report.md, report.csv, report.json, hit_rate.svg, ttft.svg")
-	bound := fs.Bool("bound", true, "for trace workloads, report hit rate as a fraction of the pooled-cache bound of the fleet")
+	bound := fs.Bool("bound", true, "report hit rate as a fraction of the pooled-cache bound: one LRU cache of the whole fleet's GPU tokens")
 	progress := fs.Bool("progress", true, "progress bar on stderr (only when it is a terminal)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -312,6 +312,13 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		boundHits, poolBound = hits, pb.TokenRatio()
 		inf := workload.InfiniteBound(b.recs)
 		fmt.Fprintf(stdout, "bounds: pooled LRU of %d tokens %.3f (tokens), infinite %.3f\n", wf.fleetToks, poolBound, inf.TokenRatio())
+	} else if *bound {
+		pb, hits, err := workload.RequestsBoundPerRequest(b.w.Requests, sim.DefaultBlockSize, wf.fleetToks)
+		if err != nil {
+			return err
+		}
+		boundHits, poolBound = hits, pb.TokenRatio()
+		fmt.Fprintf(stdout, "bounds: pooled LRU of %d tokens %.3f (tokens, %d-token blocks)\n", wf.fleetToks, poolBound, sim.DefaultBlockSize)
 	}
 	fmt.Fprintf(stdout, "workload %s: %d requests, %d prompt tokens, %.0f s; fleet %d × %d GPU tokens%s\n",
 		w.Name, len(w.Requests), w.InputTokens(), w.Duration().Seconds(), ff.instances, gpuTokens, b.describe())
@@ -437,7 +444,7 @@ func writeReports(dir string, sums []report.Summary, bound float64) error {
 	return nil
 }
 
-func routingDefaults() router.RoutingConfig { return router.RoutingConfig{} }
+func routingDefaults() config.RoutingConfig { return config.RoutingConfig{} }
 
 // runDESOnce runs w on n default engines of gpuTokens each and summarises.
 func runDESOnce(ctx context.Context, n int, gpuTokens int64, rt *strategyRouter, w *workload.Workload) (report.Summary, error) {

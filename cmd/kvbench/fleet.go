@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
@@ -113,9 +114,9 @@ var epoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 func (k *kvSim) wall() time.Time { return epoch.Add(k.now) }
 
 // needsKV reports whether a strategy routes on the KV index.
-func needsKV(name string) bool { return name == router.StrategyKVAware }
+func needsKV(name string) bool { return name == config.StrategyKVAware }
 
-func newStrategyRouter(name string, cfg router.RoutingConfig, seed uint64, model string) (*strategyRouter, error) {
+func newStrategyRouter(name string, cfg config.RoutingConfig, seed uint64, model string) (*strategyRouter, error) {
 	return newStrategyRouterSized(name, cfg, seed, model, 0)
 }
 
@@ -136,7 +137,7 @@ func indexCapacity(instances int, scfg sim.Config) int {
 
 // newStrategyRouterSized is newStrategyRouter with an index of capacity
 // (block, instance) entries (0 = kvindex's default).
-func newStrategyRouterSized(name string, cfg router.RoutingConfig, seed uint64, model string, capacity int) (*strategyRouter, error) {
+func newStrategyRouterSized(name string, cfg config.RoutingConfig, seed uint64, model string, capacity int) (*strategyRouter, error) {
 	r := &strategyRouter{model: model, insts: map[string]*router.Instance{}, obs: map[uint64]router.RequestObserver{}}
 	opts := []router.StrategyOption{router.WithSeed(seed)}
 	if needsKV(name) {

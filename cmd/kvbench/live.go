@@ -326,7 +326,8 @@ func runLive(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.BoolVar(&lc.Reset, "reset", false, "DESTRUCTIVE: reset every instance's prefix cache (POST /reset_prefix_cache) before each strategy, so each starts cold; never against a fleet serving users")
 	strategies := fs.String("strategies", "", "strategies to compare, switched through the admin API (empty: the current one only)")
 	out := fs.String("out", "", "directory for reports")
-	fleetTokens := fs.String("fleet-tokens", "5.4M", "the fleet's GPU KV capacity, for --workload cache-pressure")
+	fleetTokens := fs.String("fleet-tokens", "5.4M", "the fleet's GPU KV capacity, for --workload cache-pressure and, when given, for the of_bound column's pooled-cache bound (else an infinite cache's)")
+	blockSize := fs.Int("block-size", sim.DefaultBlockSize, "the engines' KV block size in tokens (vLLM --block-size), for the of_bound column")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -343,7 +344,19 @@ func runLive(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return err
 	}
-	sums, err := liveCompare(ctx, newLiveClient(lc), w, splitList(*strategies), stdout, stderr)
+	// The bound is that of one cache of --fleet-tokens when the flag was
+	// given (the fleet's real GPU KV capacity), else of an infinite cache.
+	capacity := int64(0)
+	fs.Visit(func(f *flag.Flag) {
+		if f.Name == "fleet-tokens" {
+			capacity = ft
+		}
+	})
+	b, boundHits, err := workload.RequestsBoundPerRequest(w.Requests, *blockSize, capacity)
+	if err != nil {
+		return err
+	}
+	sums, err := liveCompare(ctx, newLiveClient(lc), w, splitList(*strategies), boundHits, stdout, stderr)
 	if err != nil {
 		return err
 	}
@@ -351,13 +364,15 @@ func runLive(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return err
 	}
 	if *out != "" {
-		return writeReports(*out, sums, 0)
+		return writeReports(*out, sums, b.TokenRatio())
 	}
 	return nil
 }
 
 // liveCompare runs w once per strategy ("" = the router's current one).
-func liveCompare(ctx context.Context, c *liveClient, w *workload.Workload, strategies []string, stdout, stderr io.Writer) ([]report.Summary, error) {
+// boundHits (nil: none) is each request's hit tokens in the pooled-cache
+// bound (workload.RequestsBoundPerRequest), for the of_bound column.
+func liveCompare(ctx context.Context, c *liveClient, w *workload.Workload, strategies []string, boundHits []int64, stdout, stderr io.Writer) ([]report.Summary, error) {
 	if len(strategies) == 0 {
 		strategies = []string{""}
 	}
@@ -374,6 +389,9 @@ func liveCompare(ctx context.Context, c *liveClient, w *workload.Workload, strat
 			return sums, fmt.Errorf("live %s: %w", s, err)
 		}
 		sum := report.Summarize(res, 0)
+		if boundHits != nil {
+			sum = report.SummarizeBound(res, boundHits)
+		}
 		fmt.Fprintf(stderr, "%s (%.1f s wall)\n", sum, sum.WallSec)
 		sums = append(sums, sum)
 	}

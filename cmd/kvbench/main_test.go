@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/report"
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/workload"
@@ -233,7 +234,7 @@ func TestRefusedPromptReleasesRouterState(t *testing.T) {
 	if err := os.WriteFile(trace, []byte(strings.Join(lines, "\n")+"\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	rt, err := newStrategyRouter(router.StrategyKVAware, router.RoutingConfig{}, 1, sim.DefaultModel)
+	rt, err := newStrategyRouter(config.StrategyKVAware, config.RoutingConfig{}, 1, sim.DefaultModel)
 	if err != nil {
 		t.Fatal(err)
 	}

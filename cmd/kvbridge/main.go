@@ -28,8 +28,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/liblog"
 	"github.com/kvrouter/kvrouter/internal/version"
 )
@@ -241,7 +241,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		}
 	}
 	// A secret, so only from the environment (never a flag, which ps shows).
-	hbKey, err := events.DecodeHeartbeatKey(getenv(HeartbeatKeyEnv))
+	hbKey, err := kvstream.DecodeHeartbeatKey(getenv(HeartbeatKeyEnv))
 	if err != nil {
 		return fmt.Errorf("%s: %w", HeartbeatKeyEnv, err)
 	}
@@ -251,7 +251,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	if err != nil {
 		return err
 	}
-	nc, err := events.NATSConfig{URL: o.natsURL, CredsFile: o.natsCreds, TLSCA: o.tlsCA, TLSCert: o.tlsCert, TLSKey: o.tlsKey,
+	nc, err := kvstream.NATSConfig{URL: o.natsURL, CredsFile: o.natsCreds, TLSCA: o.tlsCA, TLSCert: o.tlsCert, TLSKey: o.tlsKey,
 		Name: "kvbridge " + o.pool + "/" + o.instance, Logger: log, ErrorHandler: libs.NATSErrorHandler()}.Connect()
 	if err != nil {
 		return err
@@ -266,8 +266,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}
 	br, err := bridge.New(bridge.Config{
 		Pool: o.pool, Model: o.model, BlockSize: o.blockSize, Adapters: adapters, Sources: srcs, Conn: nc,
-		Stream:              events.StreamConfig{Name: o.stream, MaxAge: o.streamMaxAge, MaxBytes: o.streamMaxBytes},
-		Bucket:              events.BucketConfig{Name: o.bucket},
+		Stream:              kvstream.StreamConfig{Name: o.stream, MaxAge: o.streamMaxAge, MaxBytes: o.streamMaxBytes},
+		Bucket:              kvstream.BucketConfig{Name: o.bucket},
 		MaxBlocks:           o.maxBlocks,
 		Buffer:              o.buffer,
 		HeartbeatInterval:   o.heartbeat,

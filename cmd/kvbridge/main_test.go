@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
@@ -67,7 +69,7 @@ func TestRunServesMetricsAndReadiness(t *testing.T) {
 	ns := testenv.StartNATS(t)
 	pubEP := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 	repEP := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	pub, err := events.NewZMQPublisher(ctx, events.ZMQPublisherConfig{Endpoint: pubEP, ReplayEndpoint: repEP, Topic: "kv", FirstSeq: 1})
+	pub, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: pubEP, ReplayEndpoint: repEP, Topic: "kv", FirstSeq: 1})
 	if err != nil {
 		t.Fatal(err)
 	}

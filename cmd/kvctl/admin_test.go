@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/routertest"
@@ -27,19 +28,19 @@ type testRouter struct {
 
 // newTestRouter starts pool "llama" with n instances (and pool "qwen" with
 // one when two is set); mod adjusts the config.
-func newTestRouter(t *testing.T, n int, two bool, mod func(*router.Config)) *testRouter {
+func newTestRouter(t *testing.T, n int, two bool, mod func(*config.Config)) *testRouter {
 	t.Helper()
 	tr := &testRouter{}
-	pool := func(name, model string, n int) router.PoolConfig {
-		pc := router.PoolConfig{Name: name, Model: model, Health: router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true}}
+	pool := func(name, model string, n int) config.PoolConfig {
+		pc := config.PoolConfig{Name: name, Model: model, Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
 		for i := range n {
 			u := routertest.New(t, fmt.Sprintf("%s-%d", name, i), model)
 			tr.ups = append(tr.ups, u)
-			pc.Instances = append(pc.Instances, router.InstanceConfig{ID: u.ID, URL: u.URL()})
+			pc.Instances = append(pc.Instances, config.InstanceConfig{ID: u.ID, URL: u.URL()})
 		}
 		return pc
 	}
-	cfg := router.Config{AdminListen: "127.0.0.1:0", Pools: []router.PoolConfig{pool("llama", testModel, n)}}
+	cfg := config.Config{AdminListen: "127.0.0.1:0", Pools: []config.PoolConfig{pool("llama", testModel, n)}}
 	if two {
 		cfg.Pools = append(cfg.Pools, pool("qwen", "Qwen/Qwen2.5-7B-Instruct", 1))
 	}
@@ -139,7 +140,7 @@ func TestRoutingGetJSONAllPools(t *testing.T) {
 }
 
 func TestAdminTokenAndConnectionErrors(t *testing.T) {
-	tr := newTestRouter(t, 1, false, func(c *router.Config) { c.AdminToken = "s3cret" })
+	tr := newTestRouter(t, 1, false, func(c *config.Config) { c.AdminToken = "s3cret" })
 	closed := fmt.Sprintf("http://127.0.0.1:%d", testenv.FreePort(t))
 	// A router that accepts and never answers.
 	hung := httptest.NewServer(http.HandlerFunc(func(_ http.ResponseWriter, r *http.Request) { <-r.Context().Done() }))

@@ -15,8 +15,13 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
+
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/routertest"
@@ -28,14 +33,14 @@ func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)
 // engine is one simulated vLLM engine's KV-event side: a vLLM-format ZMQ
 // publisher and the real kvbridge forwarding it to NATS.
 type engine struct {
-	pub *events.ZMQPublisher
+	pub *enginezmq.Publisher
 }
 
 func startEngine(t *testing.T, ctx context.Context, natsURL, pool, instance, url, stream, bucket string) *engine {
 	t.Helper()
 	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 	rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	pub, err := events.NewZMQPublisher(ctx, events.ZMQPublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv"})
+	pub, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -45,7 +50,7 @@ func startEngine(t *testing.T, ctx context.Context, natsURL, pool, instance, url
 	}
 	b, err := bridge.New(bridge.Config{Pool: pool, Model: testModel, BlockSize: 16, Conn: nc,
 		Sources: []bridge.Source{{Instance: instance, Endpoint: ep, ReplayEndpoint: rep, URL: url}},
-		Stream:  events.StreamConfig{Name: stream}, Bucket: events.BucketConfig{Name: bucket},
+		Stream:  kvstream.StreamConfig{Name: stream}, Bucket: kvstream.BucketConfig{Name: bucket},
 		HeartbeatInterval: 200 * time.Millisecond, Logger: quiet()})
 	if err != nil {
 		t.Fatal(err)
@@ -80,15 +85,15 @@ func TestKVCommandsEndToEnd(t *testing.T) {
 	ns := testenv.StartNATS(t)
 	u0 := routertest.New(t, "vllm-0", testModel)
 	u1 := routertest.New(t, "vllm-1", testModel)
-	cfg := router.Config{
+	cfg := config.Config{
 		AdminListen: "127.0.0.1:0",
 		AdminToken:  "adm",
-		Events:      &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
-		Pools: []router.PoolConfig{{Name: pool, Model: testModel,
-			Routing:   router.RoutingConfig{Strategy: router.StrategyKVAware},
-			Tokenizer: &router.TokenizerConfig{Source: router.TokenSourceSimple},
-			Health:    router.HealthConfig{Disable: true}, Discovery: router.DiscoveryConfig{Disable: true},
-			Instances: []router.InstanceConfig{{ID: "vllm-0", URL: u0.URL()}, {ID: "vllm-1", URL: u1.URL()}}}},
+		Events:      &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
+		Pools: []config.PoolConfig{{Name: pool, Model: testModel,
+			Routing:   config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Tokenizer: &config.TokenizerConfig{Source: router.TokenSourceSimple},
+			Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: u0.URL()}, {ID: "vllm-1", URL: u1.URL()}}}},
 	}
 	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Logger: quiet(), SnapshotTimeout: 300 * time.Millisecond})
 	if err != nil {
@@ -172,11 +177,11 @@ func TestKVCommandsEndToEnd(t *testing.T) {
 	if err := sse.wait(t); err != nil {
 		t.Fatalf("sse tail: %v", err)
 	}
-	var rec events.EvictionRecord
+	var rec kvstream.EvictionRecord
 	if err := json.Unmarshal([]byte(sse.out.String()), &rec); err != nil {
 		t.Fatalf("sse tail output %q: %v", sse.out, err)
 	}
-	if rec.Pool != pool || rec.Instance != "vllm-1" || rec.Tier != "gpu" || rec.Blocks != 2 || rec.Reason != events.ReasonEvicted || len(rec.Hashes) != 2 {
+	if rec.Pool != pool || rec.Instance != "vllm-1" || rec.Tier != "gpu" || rec.Blocks != 2 || rec.Reason != kvstream.ReasonEvicted || len(rec.Hashes) != 2 {
 		t.Errorf("sse tail record %+v", rec)
 	}
 	if err := direct.wait(t); err != nil {

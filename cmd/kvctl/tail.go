@@ -18,12 +18,12 @@ import (
 
 	"github.com/nats-io/nats.go"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
 // maxSSELine bounds one server-sent-event line: an eviction record is at
-// most a few kilobytes (events.MaxEvictionHashes hashes).
+// most a few kilobytes (kvstream.MaxEvictionHashes hashes).
 const maxSSELine = 1 << 20
 
 // tailOpts are the options of 'tail evictions'.
@@ -76,13 +76,13 @@ var errCountReached = errors.New("count reached")
 func (s *recordSink) add(source string, data []byte) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	var rec events.EvictionRecord
+	var rec kvstream.EvictionRecord
 	if err := json.Unmarshal(data, &rec); err != nil {
 		s.skipped++
 		fmt.Fprintf(s.stderr, "kvctl tail evictions: skipped a malformed record from %s: %v\n", source, err)
 		return nil
 	}
-	if s.tier != "" && s.tier != events.TierAll && !strings.EqualFold(rec.Tier, s.tier) && rec.Tier != events.TierAll {
+	if s.tier != "" && s.tier != kvstream.TierAll && !strings.EqualFold(rec.Tier, s.tier) && rec.Tier != kvstream.TierAll {
 		return nil
 	}
 	switch {
@@ -252,15 +252,15 @@ Flags:`)
 	if err := requirePool(fs, o.pool); err != nil {
 		return err
 	}
-	if err := events.ValidToken("pool", o.pool); err != nil {
+	if err := kvstream.ValidToken("pool", o.pool); err != nil {
 		return fmt.Errorf("%w: --pool: %v", errUsage, err)
 	}
 	if o.instance != "" {
-		if err := events.ValidToken("instance", o.instance); err != nil {
+		if err := kvstream.ValidToken("instance", o.instance); err != nil {
 			return fmt.Errorf("%w: --instance: %v", errUsage, err)
 		}
 	}
-	if o.tier != "" && o.tier != events.TierAll {
+	if o.tier != "" && o.tier != kvstream.TierAll {
 		t, ok := tiers.Parse(o.tier)
 		if !ok {
 			return fmt.Errorf("%w: --tier %q: want gpu, cpu, disk, shared or all", errUsage, o.tier)
@@ -293,9 +293,9 @@ Flags:`)
 
 // tailNATS subscribes to the eviction subjects directly.
 func tailNATS(ctx context.Context, o tailOpts, sink *recordSink) error {
-	subj := events.SubjectEvictions + "." + o.pool + ".*"
+	subj := kvstream.SubjectEvictions + "." + o.pool + ".*"
 	if o.instance != "" {
-		s, err := events.EvictionsSubject(o.pool, o.instance)
+		s, err := kvstream.EvictionsSubject(o.pool, o.instance)
 		if err != nil {
 			return fmt.Errorf("%w: %v", errUsage, err)
 		}

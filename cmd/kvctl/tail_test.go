@@ -16,7 +16,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
@@ -70,7 +70,7 @@ type publisher struct {
 	pool string
 }
 
-func (p publisher) publish(rec events.EvictionRecord) {
+func (p publisher) publish(rec kvstream.EvictionRecord) {
 	p.t.Helper()
 	rec.Pool = p.pool
 	if rec.Time.IsZero() {
@@ -85,7 +85,7 @@ func (p publisher) publish(rec events.EvictionRecord) {
 
 func (p publisher) raw(instance string, b []byte) {
 	p.t.Helper()
-	subj, err := events.EvictionsSubject(p.pool, instance)
+	subj, err := kvstream.EvictionsSubject(p.pool, instance)
 	if err != nil {
 		p.t.Fatal(err)
 	}
@@ -98,11 +98,11 @@ func (p publisher) raw(instance string, b []byte) {
 }
 
 // records are the published records of the tail tests, in order.
-var tailRecords = []events.EvictionRecord{
-	{Instance: "vllm-0", Tier: "gpu", Blocks: 3, Hashes: []uint64{1, 2, 0xdeadbeef}, Reason: events.ReasonEvicted},
-	{Instance: "vllm-1", Tier: "cpu", Blocks: 100, Hashes: []uint64{7, 8, 9, 10}, Reason: events.ReasonEvicted},
-	{Instance: "vllm-0", Tier: events.TierAll, Blocks: 9, Reason: events.ReasonCleared},
-	{Instance: "vllm-1", Tier: "gpu", Blocks: 1, Hashes: []uint64{11}, Reason: events.ReasonGap},
+var tailRecords = []kvstream.EvictionRecord{
+	{Instance: "vllm-0", Tier: "gpu", Blocks: 3, Hashes: []uint64{1, 2, 0xdeadbeef}, Reason: kvstream.ReasonEvicted},
+	{Instance: "vllm-1", Tier: "cpu", Blocks: 100, Hashes: []uint64{7, 8, 9, 10}, Reason: kvstream.ReasonEvicted},
+	{Instance: "vllm-0", Tier: kvstream.TierAll, Blocks: 9, Reason: kvstream.ReasonCleared},
+	{Instance: "vllm-1", Tier: "gpu", Blocks: 1, Hashes: []uint64{11}, Reason: kvstream.ReasonGap},
 }
 
 // tailCases are the filters both transports must apply alike: want are
@@ -127,7 +127,7 @@ func checkJSONLines(t *testing.T, out string, want []int) {
 		t.Fatalf("%d lines, want %d:\n%s", len(lines), len(want), out)
 	}
 	for i, l := range lines {
-		var got events.EvictionRecord
+		var got kvstream.EvictionRecord
 		if err := json.Unmarshal([]byte(l), &got); err != nil {
 			t.Fatalf("line %d %q: %v", i, l, err)
 		}
@@ -177,7 +177,7 @@ func sseRouter(t *testing.T, nc *nats.Conn) (*httptest.Server, context.CancelFun
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	mux := http.NewServeMux()
-	mux.Handle("GET /v1/kv/evictions", events.EvictionSSEHandler(ctx, nc, events.EvictionSSEConfig{Heartbeat: 20 * time.Millisecond}))
+	mux.Handle("GET /v1/kv/evictions", kvstream.EvictionSSEHandler(ctx, nc, kvstream.EvictionSSEConfig{Heartbeat: 20 * time.Millisecond}))
 	ts := httptest.NewServer(mux)
 	t.Cleanup(func() { cancel(); ts.Close() })
 	return ts, cancel
@@ -227,7 +227,7 @@ func sseRouterAt(t *testing.T, nc *nats.Conn, addr string) (url string, stop fun
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	mux := http.NewServeMux()
-	mux.Handle("GET /v1/kv/evictions", events.EvictionSSEHandler(ctx, nc, events.EvictionSSEConfig{Heartbeat: 20 * time.Millisecond}))
+	mux.Handle("GET /v1/kv/evictions", kvstream.EvictionSSEHandler(ctx, nc, kvstream.EvictionSSEConfig{Heartbeat: 20 * time.Millisecond}))
 	srv := &http.Server{Handler: mux}
 	go func() { _ = srv.Serve(ln) }()
 	var once sync.Once
@@ -303,7 +303,7 @@ func TestTailEvictionsSummary(t *testing.T) {
 	r.ready(t)
 	pub := publisher{t, nc, pool}
 	for i := range 1000 {
-		pub.publish(events.EvictionRecord{Instance: "vllm-0", Tier: "gpu", Blocks: 1 + i%2, Hashes: []uint64{uint64(i)}, Reason: events.ReasonEvicted})
+		pub.publish(kvstream.EvictionRecord{Instance: "vllm-0", Tier: "gpu", Blocks: 1 + i%2, Hashes: []uint64{uint64(i)}, Reason: kvstream.ReasonEvicted})
 	}
 	pub.publish(tailRecords[1])
 	pub.publish(tailRecords[2])
@@ -458,11 +458,11 @@ func FuzzReadSSE(f *testing.F) {
 // filter, print): a busy pool evicts thousands of blocks per second, in
 // records of up to 64 hashes.
 func BenchmarkTailRecord(b *testing.B) {
-	hs := make([]uint64, events.MaxEvictionHashes)
+	hs := make([]uint64, kvstream.MaxEvictionHashes)
 	for i := range hs {
 		hs[i] = uint64(i) * 0x9e3779b97f4a7c15
 	}
-	rec, _ := json.Marshal(events.EvictionRecord{Pool: "llama", Instance: "vllm-0", Tier: "gpu", Blocks: 64, Hashes: hs, Time: time.Now(), Reason: events.ReasonEvicted})
+	rec, _ := json.Marshal(kvstream.EvictionRecord{Pool: "llama", Instance: "vllm-0", Tier: "gpu", Blocks: 64, Hashes: hs, Time: time.Now(), Reason: kvstream.ReasonEvicted})
 	for _, mode := range []struct {
 		name string
 		json bool

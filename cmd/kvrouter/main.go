@@ -45,7 +45,8 @@ import (
 	"go.opentelemetry.io/otel"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/internal/liblog"
 	"github.com/kvrouter/kvrouter/internal/tracing"
@@ -150,8 +151,8 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 
 // loadConfig reads the file and applies flags and environment, in that order
 // of precedence: environment secrets, then flags, then the file.
-func loadConfig(f flags, getenv func(string) string) (router.Config, error) {
-	cfg, err := router.LoadConfig(f.config)
+func loadConfig(f flags, getenv func(string) string) (config.Config, error) {
+	cfg, err := config.LoadConfig(f.config)
 	if err != nil {
 		return cfg, err
 	}
@@ -189,10 +190,10 @@ func loadConfig(f flags, getenv func(string) string) (router.Config, error) {
 		}
 	}
 	cfg.AdminToken = getenv("KVROUTER_ADMIN_TOKEN")
-	if cfg.CacheSaltSecret, err = router.DecodeCacheSaltSecret(getenv(router.CacheSaltSecretEnv)); err != nil {
+	if cfg.CacheSaltSecret, err = config.DecodeCacheSaltSecret(getenv(config.CacheSaltSecretEnv)); err != nil {
 		return cfg, err
 	}
-	if cfg.HeartbeatKey, err = events.DecodeHeartbeatKey(getenv(router.HeartbeatKeyEnv)); err != nil {
+	if cfg.HeartbeatKey, err = kvstream.DecodeHeartbeatKey(getenv(router.HeartbeatKeyEnv)); err != nil {
 		return cfg, fmt.Errorf("%s: %w", router.HeartbeatKeyEnv, err)
 	}
 	if cfg.Index != nil && cfg.Index.Redis != nil {
@@ -205,7 +206,7 @@ func loadConfig(f flags, getenv func(string) string) (router.Config, error) {
 	return cfg, nil
 }
 
-func newLogger(cfg router.LogConfig, w io.Writer) *slog.Logger {
+func newLogger(cfg config.LogConfig, w io.Writer) *slog.Logger {
 	var lvl slog.Level
 	_ = lvl.UnmarshalText([]byte(cfg.Level))
 	opts := &slog.HandlerOptions{Level: lvl}
@@ -248,7 +249,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	kvCtx, cancelKV := context.WithCancel(context.Background())
 	defer cancelKV()
 	var kve *router.KVEvents
-	if router.KVEventsWanted(cfg) {
+	if config.KVEventsWanted(cfg) {
 		if kve, err = router.StartKVEvents(kvCtx, cfg, router.KVEventsOptions{Registerer: reg, Logger: log, NATSErrorHandler: libs.NATSErrorHandler()}); err != nil {
 			return err
 		}
@@ -446,7 +447,7 @@ const tracingFlushTimeout = 5 * time.Second
 
 // startTracing builds the tracer provider of the tracing: section and routes
 // the OpenTelemetry SDK's errors to the log (once a minute) and a counter.
-func startTracing(cfg router.TracingConfig, getenv func(string) string, reg prometheus.Registerer, log *slog.Logger) (*sdktrace.TracerProvider, error) {
+func startTracing(cfg config.TracingConfig, getenv func(string) string, reg prometheus.Registerer, log *slog.Logger) (*sdktrace.TracerProvider, error) {
 	eh, err := tracing.NewErrorHandler(log, reg, time.Minute)
 	if err != nil {
 		return nil, err
@@ -474,7 +475,7 @@ func stopTracing(tp *sdktrace.TracerProvider, log *slog.Logger) {
 // token and TLS certificates of the HTTP listeners, Events.Watch on the KV
 // events' NATS connection (none without KV events: Watch is UNAVAILABLE),
 // metrics on reg, and drain as the graceful-stop budget.
-func newGRPC(cfg router.Config, srv *router.Server, kve *router.KVEvents, certs *router.CertReloader,
+func newGRPC(cfg config.Config, srv *router.Server, kve *router.KVEvents, certs *router.CertReloader,
 	reg prometheus.Registerer, log *slog.Logger, drain time.Duration) (*grpcapi.Server, error) {
 	ep := cfg.GRPC.ExtProc
 	body := ep.MaxBodyBytes

@@ -14,7 +14,6 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"github.com/kvrouter/kvrouter/internal/tracing/otlptest"
 	"io"
 	"log/slog"
 	"math/big"
@@ -28,6 +27,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/tracing/otlptest"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -43,6 +45,7 @@ import (
 	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 )
@@ -188,12 +191,12 @@ func startRun(t *testing.T, doc string, env map[string]string) (logs *syncBuffer
 
 // engine is a vLLM stand-in publishing KV events over ZMQ, with a kvbridge
 // forwarding them to the router's NATS, until the test ends.
-func engine(t *testing.T, natsURL, pool, model, instance string) *events.ZMQPublisher {
+func engine(t *testing.T, natsURL, pool, model, instance string) *enginezmq.Publisher {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	pub, err := events.NewZMQPublisher(ctx, events.ZMQPublisherConfig{Endpoint: ep, Topic: "kv"})
+	pub, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: ep, Topic: "kv"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -217,7 +220,7 @@ func engine(t *testing.T, natsURL, pool, model, instance string) *events.ZMQPubl
 
 // storeBlocks publishes a GPU BlockStored of len(hashes) 16-token blocks
 // over ids.
-func storeBlocks(t *testing.T, pub *events.ZMQPublisher, hashes []uint64, ids []uint32) {
+func storeBlocks(t *testing.T, pub *enginezmq.Publisher, hashes []uint64, ids []uint32) {
 	t.Helper()
 	payload, err := events.Encode(nil, events.Batch{TS: 1, Events: []events.Event{{Kind: events.BlockStored, BlockHashes: hashes, TokenIDs: ids, BlockSize: 16, Medium: "GPU"}}}, events.EncodingArray)
 	if err != nil {
@@ -617,21 +620,21 @@ pools: [{name: p, model: m, instances: [{id: a, url: "http://127.0.0.1:1"}]}]
 		token   string
 		listen  string // the resulting grpc.listen, or
 		wantErr string // a validation error
-		extProc router.GRPCExtProcConfig
+		extProc config.GRPCExtProcConfig
 	}{
-		{"absent: off", "", nil, "", "", "", router.GRPCExtProcConfig{}},
+		{"absent: off", "", nil, "", "", "", config.GRPCExtProcConfig{}},
 		{"file", `grpc: {listen: ":9090", ext_proc: {pool_header: X-Pool, shed: true, max_queued: 8, max_body_bytes: 4096}}`, nil, "", ":9090", "",
-			router.GRPCExtProcConfig{PoolHeader: "X-Pool", Shed: true, MaxQueued: 8, MaxBodyBytes: 4096}},
-		{"flag wins", `grpc: {listen: ":9090"}`, []string{"--grpc-listen", "127.0.0.1:9191"}, "", "127.0.0.1:9191", "", router.GRPCExtProcConfig{}},
-		{"flag alone", "", []string{"--grpc-listen", ":9090"}, "", ":9090", "", router.GRPCExtProcConfig{}},
-		{"token_for_pick with token", `grpc: {listen: ":9090", token_for_pick: true}`, nil, "tok", ":9090", "", router.GRPCExtProcConfig{}},
-		{"bad listen", "", []string{"--grpc-listen", "9090"}, "", "", "grpc.listen", router.GRPCExtProcConfig{}},
-		{"token_for_pick without token", `grpc: {listen: ":9090", token_for_pick: true}`, nil, "", "", "grpc.token_for_pick", router.GRPCExtProcConfig{}},
-		{"bad pool header", `grpc: {ext_proc: {pool_header: "x pool"}}`, nil, "", "", "grpc.ext_proc.pool_header", router.GRPCExtProcConfig{}},
-		{"pseudo-header", `grpc: {ext_proc: {pool_header: ":path"}}`, nil, "", "", "grpc.ext_proc.pool_header", router.GRPCExtProcConfig{}},
-		{"negative max_queued", `grpc: {ext_proc: {max_queued: -1}}`, nil, "", "", "grpc.ext_proc.max_queued", router.GRPCExtProcConfig{}},
-		{"tiny body limit", `grpc: {ext_proc: {max_body_bytes: 100}}`, nil, "", "", "grpc.ext_proc.max_body_bytes", router.GRPCExtProcConfig{}},
-		{"unknown field", `grpc: {listen: ":9090", tokn_for_pick: true}`, nil, "", "", "tokn_for_pick", router.GRPCExtProcConfig{}},
+			config.GRPCExtProcConfig{PoolHeader: "X-Pool", Shed: true, MaxQueued: 8, MaxBodyBytes: 4096}},
+		{"flag wins", `grpc: {listen: ":9090"}`, []string{"--grpc-listen", "127.0.0.1:9191"}, "", "127.0.0.1:9191", "", config.GRPCExtProcConfig{}},
+		{"flag alone", "", []string{"--grpc-listen", ":9090"}, "", ":9090", "", config.GRPCExtProcConfig{}},
+		{"token_for_pick with token", `grpc: {listen: ":9090", token_for_pick: true}`, nil, "tok", ":9090", "", config.GRPCExtProcConfig{}},
+		{"bad listen", "", []string{"--grpc-listen", "9090"}, "", "", "grpc.listen", config.GRPCExtProcConfig{}},
+		{"token_for_pick without token", `grpc: {listen: ":9090", token_for_pick: true}`, nil, "", "", "grpc.token_for_pick", config.GRPCExtProcConfig{}},
+		{"bad pool header", `grpc: {ext_proc: {pool_header: "x pool"}}`, nil, "", "", "grpc.ext_proc.pool_header", config.GRPCExtProcConfig{}},
+		{"pseudo-header", `grpc: {ext_proc: {pool_header: ":path"}}`, nil, "", "", "grpc.ext_proc.pool_header", config.GRPCExtProcConfig{}},
+		{"negative max_queued", `grpc: {ext_proc: {max_queued: -1}}`, nil, "", "", "grpc.ext_proc.max_queued", config.GRPCExtProcConfig{}},
+		{"tiny body limit", `grpc: {ext_proc: {max_body_bytes: 100}}`, nil, "", "", "grpc.ext_proc.max_body_bytes", config.GRPCExtProcConfig{}},
+		{"unknown field", `grpc: {listen: ":9090", tokn_for_pick: true}`, nil, "", "", "tokn_for_pick", config.GRPCExtProcConfig{}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -26,7 +26,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/version"
 	"github.com/kvrouter/kvrouter/sim"
-	"github.com/kvrouter/kvrouter/sim/server"
+	"github.com/kvrouter/kvrouter/sim/simserver"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
@@ -130,7 +130,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	if o.dp < 1 {
 		return nil, fmt.Errorf("--data-parallel-size %d < 1", o.dp)
 	}
-	if err := server.ValidFormat(o.engine); err != nil {
+	if err := simserver.ValidFormat(o.engine); err != nil {
 		return nil, fmt.Errorf("--engine: %w", err)
 	}
 	last := o.instances*o.dp - 1
@@ -157,7 +157,7 @@ func parseLoRAs(s string) (map[string]string, error) {
 
 // run starts the fleet and serves until ctx ends; ready, if set, is called
 // with the started instances (tests use it).
-func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready func([]*server.Instance)) error {
+func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready func([]*simserver.Instance)) error {
 	o, err := parseFlags(args, stderr)
 	if err != nil {
 		return err
@@ -188,14 +188,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready fun
 		tok = hf
 	}
 
-	var fleet []*server.Instance
+	var fleet []*simserver.Instance
 	defer func() {
 		for _, in := range fleet {
 			in.Close()
 		}
 	}()
 	for i := range o.instances {
-		cfg := server.Config{
+		cfg := simserver.Config{
 			Engine: sim.Config{
 				Model: o.model, BlockSize: o.blockSize, GPUBlocks: o.gpuBlocks, CPUBlocks: o.cpuBlocks, CPUWriteThrough: o.cpuWriteThrough,
 				MaxNumBatchedTokens: o.maxBatched, MaxNumSeqs: o.maxSeqs, MaxModelLen: o.maxModelLen,
@@ -216,7 +216,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready fun
 			Logger:           log,
 		}
 		if o.events {
-			cfg.Events = server.EventsConfig{
+			cfg.Events = simserver.EventsConfig{
 				Endpoint: fmt.Sprintf("tcp://%s:%d", o.zmqHost, o.zmqPort+i*o.dp),
 				Dial:     o.zmqDial, Topic: o.topic, Encoding: enc,
 				BufferSteps: o.bufferSteps, LegacyReplay: o.legacyReplay, Format: o.engine,
@@ -225,7 +225,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready fun
 				cfg.Events.ReplayEndpoint = fmt.Sprintf("tcp://%s:%d", o.zmqHost, o.replayPort+i*o.dp)
 			}
 		}
-		in, err := server.Start(ctx, cfg)
+		in, err := simserver.Start(ctx, cfg)
 		if err != nil {
 			return fmt.Errorf("instance %d: %w", i, err)
 		}

@@ -14,8 +14,10 @@ import (
 	"github.com/go-zeromq/zmq4"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
-	"github.com/kvrouter/kvrouter/sim/server"
+	"github.com/kvrouter/kvrouter/sim/simserver"
 )
 
 func TestFlags(t *testing.T) {
@@ -57,15 +59,15 @@ func TestRunFleet(t *testing.T) {
 	zmqBase := testenv.FreePorts(t, 2)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	ready := make(chan []*server.Instance, 1)
+	ready := make(chan []*simserver.Instance, 1)
 	done := make(chan error, 1)
 	var out bytes.Buffer
 	go func() {
 		done <- run(ctx, []string{"--instances", "2", "--port", "0", "--zmq-port", fmt.Sprint(zmqBase),
 			"--time-scale", "20", "--event-encoding", "map", "--lora-modules", "sql=/adapters/sql", "--gpu-blocks", "1000"},
-			&out, io.Discard, func(f []*server.Instance) { ready <- f })
+			&out, io.Discard, func(f []*simserver.Instance) { ready <- f })
 	}()
-	var fleet []*server.Instance
+	var fleet []*simserver.Instance
 	select {
 	case fleet = <-ready:
 	case err := <-done:
@@ -124,7 +126,7 @@ func TestRunFleet(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		m, err := events.ParseLiveFrames(msg.Frames)
+		m, err := enginezmq.ParseLiveFrames(msg.Frames)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -148,7 +149,7 @@ func (in *instance) ageOut(ctx context.Context) error {
 				in.log.Error("aging: encode removals", "err", err)
 				return nil
 			}
-			seq, err := in.publish(ctx, payload, events.EventHeaders{Rank: in.src.Rank, Encoding: in.encoding().String(),
+			seq, err := in.publish(ctx, payload, kvstream.EventHeaders{Rank: in.src.Rank, Encoding: in.encoding().String(),
 				Pool: in.b.cfg.Pool, Instance: in.src.Instance, Model: in.b.cfg.Model, Synthetic: SyntheticAged})
 			if err != nil {
 				return err
@@ -161,7 +162,7 @@ func (in *instance) ageOut(ctx context.Context) error {
 			in.b.m.tableBlocks.WithLabelValues(in.src.Instance).Set(float64(n))
 			in.aged.Add(uint64(len(hs)))
 			in.log.Info("aged out blocks of a stores-only tier", "tier", tier.String(), "blocks", len(hs), "after", d)
-			in.evict(events.EvictionRecord{Tier: tier.String(), Blocks: len(hs), Hashes: hs, Time: now.UTC(), Reason: ReasonAged})
+			in.evict(kvstream.EvictionRecord{Tier: tier.String(), Blocks: len(hs), Hashes: hs, Time: now.UTC(), Reason: ReasonAged})
 		}
 	}
 	return nil

@@ -24,13 +24,17 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
+
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
 // Source is one engine publisher (one data-parallel rank) and the
 // instance name its events are published under.
 type Source struct {
-	// Instance is the NATS instance token (see events.ValidToken).
+	// Instance is the NATS instance token (see kvstream.ValidToken).
 	Instance string
 	// Rank is the data-parallel rank, sent in headers and heartbeats.
 	Rank int
@@ -64,9 +68,9 @@ type Config struct {
 	// forever (nats.MaxReconnects(-1)); the bridge retries publishes.
 	Conn *nats.Conn
 	// Stream is the events stream, created when missing.
-	Stream events.StreamConfig
+	Stream kvstream.StreamConfig
 	// Bucket is the snapshot key-value bucket, created when missing.
-	Bucket events.BucketConfig
+	Bucket kvstream.BucketConfig
 	// MaxBlocks bounds each instance's block table; set it to the
 	// engine's number of KV blocks (GPU plus offload tiers). Default 1<<20.
 	MaxBlocks int
@@ -77,9 +81,9 @@ type Config struct {
 	Buffer int
 	// HeartbeatInterval defaults to 5s.
 	HeartbeatInterval time.Duration
-	// HeartbeatKey, when set, signs every heartbeat (events.SignHeartbeat)
+	// HeartbeatKey, when set, signs every heartbeat (kvstream.SignHeartbeat)
 	// for routers that verify them (KVROUTER_HEARTBEAT_KEY); at least
-	// events.MinHeartbeatKeyBytes.
+	// kvstream.MinHeartbeatKeyBytes.
 	HeartbeatKey []byte
 	// SnapshotInterval is how often the snapshot bucket is refreshed
 	// (default 30s); keep it well below the stream's MaxAge.
@@ -148,14 +152,14 @@ func (b *Bridge) stores() (jetstream.KeyValue, jetstream.ObjectStore) {
 // and without them a restarted bridge or router has no snapshot to start
 // from.
 func (b *Bridge) remakeStores(ctx context.Context) error {
-	if _, err := events.EnsureStream(ctx, b.js, b.cfg.Stream); err != nil {
+	if _, err := kvstream.EnsureStream(ctx, b.js, b.cfg.Stream); err != nil {
 		return err
 	}
-	kv, err := events.EnsureBucket(ctx, b.js, b.cfg.Bucket)
+	kv, err := kvstream.EnsureBucket(ctx, b.js, b.cfg.Bucket)
 	if err != nil {
 		return err
 	}
-	obs, err := events.EnsureObjectStore(ctx, b.js, b.cfg.Bucket)
+	obs, err := kvstream.EnsureObjectStore(ctx, b.js, b.cfg.Bucket)
 	if err != nil {
 		return err
 	}
@@ -165,7 +169,7 @@ func (b *Bridge) remakeStores(ctx context.Context) error {
 
 // New validates cfg; Run starts the work.
 func New(cfg Config) (*Bridge, error) {
-	if err := events.ValidToken("pool", cfg.Pool); err != nil {
+	if err := kvstream.ValidToken("pool", cfg.Pool); err != nil {
 		return nil, fmt.Errorf("bridge: %w", err)
 	}
 	if cfg.Conn == nil {
@@ -206,8 +210,8 @@ func New(cfg Config) (*Bridge, error) {
 		cfg.InlineSnapshotMax < 0 {
 		return nil, errors.New("bridge: negative size or interval in config")
 	}
-	if cfg.HeartbeatKey != nil && len(cfg.HeartbeatKey) < events.MinHeartbeatKeyBytes {
-		return nil, fmt.Errorf("bridge: heartbeat key of %d bytes, want at least %d", len(cfg.HeartbeatKey), events.MinHeartbeatKeyBytes)
+	if cfg.HeartbeatKey != nil && len(cfg.HeartbeatKey) < kvstream.MinHeartbeatKeyBytes {
+		return nil, fmt.Errorf("bridge: heartbeat key of %d bytes, want at least %d", len(cfg.HeartbeatKey), kvstream.MinHeartbeatKeyBytes)
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -254,11 +258,11 @@ func (b *Bridge) Ready() bool {
 
 // Run ensures the stream and bucket, then runs every instance until ctx is
 // done; call it once. It returns ctx.Err(), or an error if the stream or
-// bucket cannot be made for a configuration reason (events.IsConfigError:
+// bucket cannot be made for a configuration reason (kvstream.IsConfigError:
 // another stream holds the subjects, an invalid setting); outages are
 // retried with backoff until ctx is done.
 func (b *Bridge) Run(ctx context.Context) error {
-	res, err := events.EnsureAll(ctx, b.js, b.cfg.Stream, b.cfg.Bucket, b.cfg.Logger)
+	res, err := kvstream.EnsureAll(ctx, b.js, b.cfg.Stream, b.cfg.Bucket, b.cfg.Logger)
 	if err != nil {
 		if ctx.Err() != nil {
 			return ctx.Err()
@@ -325,14 +329,14 @@ type instance struct {
 	b         *Bridge
 	src       Source
 	log       *slog.Logger
-	sub       *events.Subscriber
-	replay    events.ReplayConfig
+	sub       *enginezmq.Subscriber
+	replay    enginezmq.ReplayConfig
 	subj      string
 	evictSubj string
 	hbSubj    string
 	snapSubj  string
 	key       string
-	in        chan events.Message
+	in        chan enginezmq.Message
 	lost      chan struct{} // signalled (cap 1) when enqueue drops
 	storeNow  chan struct{} // signalled (cap 1) when the stream had to be made again
 	tail      chan struct{} // signalled (cap 1) when the subscriber (re)connected
@@ -344,7 +348,7 @@ type instance struct {
 	engineDown atomic.Bool
 
 	// Owned by the process goroutine.
-	tracker    events.SeqTracker
+	tracker    enginezmq.SeqTracker
 	msgCount   uint64
 	replayed   replayWindow // payloads a replay folded in, until live passes them
 	topic      string       // topic of the last live message
@@ -370,7 +374,7 @@ type instance struct {
 }
 
 func newInstance(b *Bridge, s Source) (*instance, error) {
-	if err := events.ValidToken("instance", s.Instance); err != nil {
+	if err := kvstream.ValidToken("instance", s.Instance); err != nil {
 		return nil, fmt.Errorf("bridge: %w", err)
 	}
 	frames := b.m.drops.WithLabelValues(s.Instance, "frames")
@@ -381,7 +385,7 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		default:
 		}
 	}
-	sub, err := events.NewSubscriber(events.SubscriberConfig{Endpoint: s.Endpoint, Bind: s.Bind, Topic: s.Topic, Logger: b.cfg.Logger,
+	sub, err := enginezmq.NewSubscriber(enginezmq.SubscriberConfig{Endpoint: s.Endpoint, Bind: s.Bind, Topic: s.Topic, Logger: b.cfg.Logger,
 		OnMalformed: func(error) { frames.Inc() },
 		// Once connected, and again when the subscription has surely
 		// reached the engine (ZMQ drops what a PUB sends before), ask
@@ -395,8 +399,8 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		src:      s,
 		log:      b.cfg.Logger.With("instance", s.Instance, "rank", s.Rank),
 		sub:      sub,
-		replay:   events.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
-		in:       make(chan events.Message, b.cfg.Buffer),
+		replay:   enginezmq.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
+		in:       make(chan enginezmq.Message, b.cfg.Buffer),
 		lost:     make(chan struct{}, 1),
 		tail:     tail,
 		storeNow: make(chan struct{}, 1),
@@ -406,11 +410,11 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 	}
 	in.enc.Store(uint32(events.EncodingMap))
 	pool := b.cfg.Pool
-	in.subj, _ = events.EventsSubject(pool, s.Instance)
-	in.evictSubj, _ = events.EvictionsSubject(pool, s.Instance)
-	in.hbSubj, _ = events.InstancesSubject(pool, s.Instance)
-	in.snapSubj, _ = events.SnapshotSubject(pool, s.Instance)
-	in.key, _ = events.SnapshotKey(pool, s.Instance)
+	in.subj, _ = kvstream.EventsSubject(pool, s.Instance)
+	in.evictSubj, _ = kvstream.EvictionsSubject(pool, s.Instance)
+	in.hbSubj, _ = kvstream.InstancesSubject(pool, s.Instance)
+	in.snapSubj, _ = kvstream.SnapshotSubject(pool, s.Instance)
+	in.key, _ = kvstream.SnapshotKey(pool, s.Instance)
 	return in, nil
 }
 
@@ -426,7 +430,7 @@ func (in *instance) stats() Stats {
 
 // enqueue runs on the subscriber goroutine and never blocks it: a full
 // buffer drops the message, and the hole is repaired as a gap.
-func (in *instance) enqueue(m events.Message) {
+func (in *instance) enqueue(m enginezmq.Message) {
 	in.lastRecv.Store(time.Now().UnixNano())
 	select {
 	case in.in <- m:
@@ -528,8 +532,8 @@ func (in *instance) catchUp(ctx context.Context) error {
 		// Without replay the next live message reveals the gap and clears.
 		return nil
 	}
-	var msgs []events.Message
-	err := events.Replay(ctx, in.replay, from, func(m events.Message) bool {
+	var msgs []enginezmq.Message
+	err := enginezmq.Replay(ctx, in.replay, from, func(m enginezmq.Message) bool {
 		msgs = append(msgs, m)
 		return true
 	})
@@ -543,7 +547,7 @@ func (in *instance) catchUp(ctx context.Context) error {
 		in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
 		in.log.Warn("dropped messages: replay cannot fill them, clearing instance", "from", from, "err", err)
 		in.tracker.Reset()
-		return in.clear(ctx, events.SyntheticGap)
+		return in.clear(ctx, kvstream.SyntheticGap)
 	}
 	if len(msgs) == 0 {
 		return nil
@@ -564,7 +568,7 @@ func (in *instance) catchUp(ctx context.Context) error {
 }
 
 // handle publishes one live message after repairing what precedes it.
-func (in *instance) handle(ctx context.Context, m events.Message) error {
+func (in *instance) handle(ctx context.Context, m enginezmq.Message) error {
 	if in.duplicate(m) {
 		return nil
 	}
@@ -576,14 +580,14 @@ func (in *instance) handle(ctx context.Context, m events.Message) error {
 	wasDown := in.engineDown.Load()
 	st, from := in.tracker.Observe(m.Seq)
 	if newPublisher {
-		st = events.SeqRestart
+		st = enginezmq.SeqRestart
 	}
-	if st == events.SeqNext && wasDown {
+	if st == enginezmq.SeqNext && wasDown {
 		// Events again from an engine seen down: the seq follows on, but
 		// a new process could have counted up to it; prove it is the same.
 		in.tracker.Set(m.Seq - 1)
 		if !in.sameEngine(ctx) {
-			st = events.SeqRestart
+			st = enginezmq.SeqRestart
 		}
 		in.tracker.Set(m.Seq)
 	}
@@ -593,11 +597,11 @@ func (in *instance) handle(ctx context.Context, m events.Message) error {
 		in.log.Info("engine up again: events arrive")
 	}
 	switch st {
-	case events.SeqFirst:
+	case enginezmq.SeqFirst:
 		if err := in.fillStart(ctx, m.Seq); err != nil {
 			return err
 		}
-	case events.SeqGap:
+	case enginezmq.SeqGap:
 		in.gaps.Add(1)
 		in.b.m.gaps.WithLabelValues(in.src.Instance).Inc()
 		err := in.fillGap(ctx, from, m.Seq)
@@ -609,11 +613,11 @@ func (in *instance) handle(ctx context.Context, m events.Message) error {
 		}
 		in.log.Info("engine restarted behind a gap: clearing instance", "seq", m.Seq)
 		fallthrough
-	case events.SeqRestart:
+	case enginezmq.SeqRestart:
 		in.log.Info("engine restarted: clearing instance, replaying the new process's first messages", "seq", m.Seq, "topic", m.Topic, "new_publisher", newPublisher)
 		in.tracker.Reset()
 		in.replayed = replayWindow{}
-		if err := in.clear(ctx, events.SyntheticRestart); err != nil {
+		if err := in.clear(ctx, kvstream.SyntheticRestart); err != nil {
 			return err
 		}
 		if err := in.fillStart(ctx, m.Seq); err != nil {
@@ -645,7 +649,7 @@ func (in *instance) fillGap(ctx context.Context, from, to uint64) error {
 		if check {
 			start = from - 1
 		}
-		msgs, err := events.ReplayRange(ctx, in.replay, start, to)
+		msgs, err := enginezmq.ReplayRange(ctx, in.replay, start, to)
 		if err == nil && check {
 			if xxhash.Sum64(msgs[0].Payload) != hash {
 				return errNotSameEngine
@@ -672,14 +676,14 @@ func (in *instance) fillGap(ctx context.Context, from, to uint64) error {
 	}
 	in.replayFails.Add(1)
 	in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
-	return in.clear(ctx, events.SyntheticGap)
+	return in.clear(ctx, kvstream.SyntheticGap)
 }
 
 // publishEngine publishes an engine message unchanged and folds it into
 // the table once JetStream has it.
-func (in *instance) publishEngine(ctx context.Context, m events.Message) error {
+func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) error {
 	batch, derr := events.Decode(m.Payload)
-	h := events.EventHeaders{Seq: m.Seq, HasSeq: true, Rank: in.src.Rank, Pool: in.b.cfg.Pool, Instance: in.src.Instance, Model: in.b.cfg.Model}
+	h := kvstream.EventHeaders{Seq: m.Seq, HasSeq: true, Rank: in.src.Rank, Pool: in.b.cfg.Pool, Instance: in.src.Instance, Model: in.b.cfg.Model}
 	if derr == nil && batch.Encoding != 0 {
 		h.Encoding = batch.Encoding.String()
 		in.enc.Store(uint32(batch.Encoding))
@@ -709,10 +713,10 @@ func (in *instance) publishEngine(ctx context.Context, m events.Message) error {
 	in.countEvents(batch.Events)
 	now := time.Now().UTC()
 	for _, rm := range res.Removed {
-		in.evict(events.EvictionRecord{Tier: rm.Tier.String(), Blocks: len(rm.Hashes), Hashes: rm.Hashes, Time: now, Reason: events.ReasonEvicted})
+		in.evict(kvstream.EvictionRecord{Tier: rm.Tier.String(), Blocks: len(rm.Hashes), Hashes: rm.Hashes, Time: now, Reason: kvstream.ReasonEvicted})
 	}
 	if res.Cleared > 0 {
-		in.evict(events.EvictionRecord{Tier: events.TierAll, Blocks: res.Cleared, Time: now, Reason: events.ReasonCleared})
+		in.evict(kvstream.EvictionRecord{Tier: kvstream.TierAll, Blocks: res.Cleared, Time: now, Reason: kvstream.ReasonCleared})
 	}
 	return nil
 }
@@ -720,7 +724,7 @@ func (in *instance) publishEngine(ctx context.Context, m events.Message) error {
 func (in *instance) countEvents(evs []events.Event) {
 	for i := range evs {
 		e := &evs[i]
-		tier := events.TierAll
+		tier := kvstream.TierAll
 		if e.Kind != events.AllBlocksCleared {
 			t, _ := tiers.FromMedium(e.Medium)
 			tier = t.String()
@@ -734,14 +738,14 @@ func (in *instance) countEvents(evs []events.Event) {
 }
 
 // evict publishes an eviction record; one listing more hashes than
-// events.MaxEvictionHashes goes as several, so that every removed block
+// kvstream.MaxEvictionHashes goes as several, so that every removed block
 // appears in exactly one record.
-func (in *instance) evict(rec events.EvictionRecord) {
+func (in *instance) evict(rec kvstream.EvictionRecord) {
 	rec.Pool, rec.Instance = in.b.cfg.Pool, in.src.Instance
 	rest := rec.Hashes
 	for {
 		if len(rest) > 0 {
-			n := min(len(rest), events.MaxEvictionHashes)
+			n := min(len(rest), kvstream.MaxEvictionHashes)
 			rec.Hashes, rest = rest[:n], rest[n:]
 			rec.Blocks = n
 		}
@@ -768,7 +772,7 @@ func (in *instance) clear(ctx context.Context, reason string) error {
 	if err != nil {
 		return fmt.Errorf("bridge: encode clear: %w", err)
 	}
-	seq, err := in.publish(ctx, payload, events.EventHeaders{Rank: in.src.Rank, Encoding: in.encoding().String(),
+	seq, err := in.publish(ctx, payload, kvstream.EventHeaders{Rank: in.src.Rank, Encoding: in.encoding().String(),
 		Pool: in.b.cfg.Pool, Instance: in.src.Instance, Model: in.b.cfg.Model, Synthetic: reason})
 	if err != nil {
 		return err
@@ -781,14 +785,14 @@ func (in *instance) clear(ctx context.Context, reason string) error {
 	in.b.m.tableBlocks.WithLabelValues(in.src.Instance).Set(0)
 	in.clears.Add(1)
 	in.b.m.clears.WithLabelValues(in.src.Instance, reason).Inc()
-	in.evict(events.EvictionRecord{Tier: events.TierAll, Blocks: n, Time: time.Now().UTC(), Reason: reason})
+	in.evict(kvstream.EvictionRecord{Tier: kvstream.TierAll, Blocks: n, Time: time.Now().UTC(), Reason: reason})
 	return nil
 }
 
 // publish sends one message to the instance's subject, retrying with the
 // same message id (JetStream drops duplicates) until it is acknowledged or
 // ctx is done, and returns its stream sequence.
-func (in *instance) publish(ctx context.Context, payload []byte, h events.EventHeaders) (uint64, error) {
+func (in *instance) publish(ctx context.Context, payload []byte, h kvstream.EventHeaders) (uint64, error) {
 	in.msgCount++
 	id := fmt.Sprintf("%s.%s.%s.%d", in.b.cfg.Pool, in.src.Instance, in.b.runID, in.msgCount)
 	msg := &nats.Msg{Subject: in.subj, Data: payload, Header: h.Header()}
@@ -825,7 +829,7 @@ func (in *instance) publish(ctx context.Context, payload []byte, h events.EventH
 			// The stream may have been deleted (a wiped JetStream store):
 			// make it again, and once publishing works, store a snapshot
 			// at once, which makes the bucket again too.
-			_, _ = events.EnsureStream(ctx, in.b.js, in.b.cfg.Stream)
+			_, _ = kvstream.EnsureStream(ctx, in.b.js, in.b.cfg.Stream)
 			remade = true
 		}
 		select {

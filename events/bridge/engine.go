@@ -12,7 +12,9 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/enginezmq"
+
+	"github.com/kvrouter/kvrouter/events/kvstream"
 )
 
 // An engine that restarts comes back with an empty cache and its seq
@@ -216,7 +218,7 @@ func (in *instance) sameEngine(ctx context.Context) bool {
 		return false
 	}
 	same := false
-	_ = events.Replay(ctx, in.replay, last, func(m events.Message) bool {
+	_ = enginezmq.Replay(ctx, in.replay, last, func(m enginezmq.Message) bool {
 		same = m.Seq == last && xxhash.Sum64(m.Payload) == hash
 		return false
 	})
@@ -231,14 +233,14 @@ func (in *instance) restarted(ctx context.Context) error {
 	in.tracker.Reset()
 	in.replayed = replayWindow{}
 	in.topic = "" // the new process's topic is learnt from its messages
-	if err := in.clear(ctx, events.SyntheticRestart); err != nil {
+	if err := in.clear(ctx, kvstream.SyntheticRestart); err != nil {
 		return err
 	}
 	if in.src.ReplayEndpoint == "" {
 		return nil
 	}
-	var msgs []events.Message
-	err := events.Replay(ctx, in.replay, 0, func(m events.Message) bool {
+	var msgs []enginezmq.Message
+	err := enginezmq.Replay(ctx, in.replay, 0, func(m enginezmq.Message) bool {
 		msgs = append(msgs, m)
 		return true
 	})
@@ -275,7 +277,7 @@ func (in *instance) fillStart(ctx context.Context, seq uint64) error {
 		}
 		return nil
 	}
-	msgs, err := events.ReplayHistory(ctx, in.replay, seq)
+	msgs, err := enginezmq.ReplayHistory(ctx, in.replay, seq)
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
@@ -296,7 +298,7 @@ func (in *instance) fillStart(ctx context.Context, seq uint64) error {
 
 // publishReplayed publishes replayed messages in order and remembers them
 // so that live copies still in the buffer are dropped as duplicates.
-func (in *instance) publishReplayed(ctx context.Context, msgs []events.Message) error {
+func (in *instance) publishReplayed(ctx context.Context, msgs []enginezmq.Message) error {
 	for _, m := range msgs {
 		if err := in.publishEngine(ctx, m); err != nil {
 			return err
@@ -337,8 +339,8 @@ func (in *instance) catchTail(ctx context.Context) error {
 	case known:
 		from = last + 1
 	}
-	var msgs []events.Message
-	err := events.Replay(ctx, in.replay, from, func(m events.Message) bool {
+	var msgs []enginezmq.Message
+	err := enginezmq.Replay(ctx, in.replay, from, func(m enginezmq.Message) bool {
 		msgs = append(msgs, m)
 		return true
 	})
@@ -370,7 +372,7 @@ func (in *instance) catchTail(ctx context.Context) error {
 		in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
 		in.log.Warn("messages missed while disconnected: replay cannot fill them, clearing instance", "from", from)
 		in.tracker.Reset()
-		return in.clear(ctx, events.SyntheticGap)
+		return in.clear(ctx, kvstream.SyntheticGap)
 	}
 	in.replays.Add(1)
 	in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()

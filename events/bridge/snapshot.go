@@ -11,6 +11,10 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
+
+	"github.com/kvrouter/kvrouter/events/kvstream"
 )
 
 // HeaderError is set on a snapshot reply that carries no snapshot (the
@@ -59,8 +63,8 @@ func (in *instance) resync(ctx context.Context) error {
 			in.log.Info("snapshot cannot be tied to the engine process (no hash, no start time): starting empty")
 			snap = nil
 		}
-		var msgs []events.Message
-		err := events.Replay(ctx, in.replay, from, func(m events.Message) bool {
+		var msgs []enginezmq.Message
+		err := enginezmq.Replay(ctx, in.replay, from, func(m enginezmq.Message) bool {
 			msgs = append(msgs, m)
 			return true
 		})
@@ -127,15 +131,15 @@ func (in *instance) resync(ctx context.Context) error {
 
 // loadSnapshot reads the instance's snapshot from the bucket (nil: none or
 // unusable); nothing is applied yet.
-func (in *instance) loadSnapshot(ctx context.Context) *events.Snapshot {
+func (in *instance) loadSnapshot(ctx context.Context) *kvstream.Snapshot {
 	kv, obs := in.b.stores()
 	e, err := kv.Get(ctx, in.key)
 	if err != nil {
 		return nil
 	}
-	s, err := events.UnmarshalSnapshot(e.Value())
+	s, err := kvstream.UnmarshalSnapshot(e.Value())
 	if err == nil {
-		s, err = events.ResolveSnapshot(ctx, obs, s)
+		s, err = kvstream.ResolveSnapshot(ctx, obs, s)
 	}
 	if err == nil && (s.Instance != in.src.Instance || !s.HasSeq) {
 		err = fmt.Errorf("snapshot of %q, has seq %v", s.Instance, s.HasSeq)
@@ -151,7 +155,7 @@ func (in *instance) loadSnapshot(ctx context.Context) *events.Snapshot {
 }
 
 // applySnapshot folds a proven snapshot into the (empty) table.
-func (in *instance) applySnapshot(s events.Snapshot) {
+func (in *instance) applySnapshot(s kvstream.Snapshot) {
 	b, _ := events.Decode(s.Batch) // checked by loadSnapshot
 	in.mu.Lock()
 	in.table.Apply(b.Events)
@@ -166,7 +170,7 @@ func (in *instance) applySnapshot(s events.Snapshot) {
 
 // contiguous reports whether msgs are consecutive from `from` (or, for an
 // engine seen for the first time, from its first message: seq 0 or 1).
-func contiguous(msgs []events.Message, from uint64, fresh bool) bool {
+func contiguous(msgs []enginezmq.Message, from uint64, fresh bool) bool {
 	if len(msgs) == 0 {
 		return true
 	}
@@ -187,8 +191,8 @@ func (in *instance) publishResync(ctx context.Context) error {
 	in.mu.Lock()
 	evs := in.table.Events()
 	in.mu.Unlock()
-	h := events.EventHeaders{Rank: in.src.Rank, Encoding: in.encoding().String(), Pool: in.b.cfg.Pool,
-		Instance: in.src.Instance, Model: in.b.cfg.Model, Synthetic: events.SyntheticResync}
+	h := kvstream.EventHeaders{Rank: in.src.Rank, Encoding: in.encoding().String(), Pool: in.b.cfg.Pool,
+		Instance: in.src.Instance, Model: in.b.cfg.Model, Synthetic: kvstream.SyntheticResync}
 	// The clear goes through clear() so it is counted, but the table must
 	// survive it: publish it, then the table.
 	payload, err := events.Encode(nil, events.Batch{TS: now(), Events: []events.Event{{Kind: events.AllBlocksCleared}},
@@ -201,7 +205,7 @@ func (in *instance) publishResync(ctx context.Context) error {
 		return err
 	}
 	in.clears.Add(1)
-	in.b.m.clears.WithLabelValues(in.src.Instance, events.SyntheticResync).Inc()
+	in.b.m.clears.WithLabelValues(in.src.Instance, kvstream.SyntheticResync).Inc()
 	for _, chunk := range chunkEvents(evs, in.b.cfg.MaxBlocksPerMessage) {
 		payload, err := events.Encode(nil, events.Batch{TS: now(), Events: chunk, DPRank: in.src.Rank, HasDPRank: true}, in.encoding())
 		if err != nil {
@@ -269,16 +273,16 @@ func chunkEvents(evs []events.Event, max int) [][]events.Event {
 }
 
 // snapshot renders the table and the seqs it is current to.
-func (in *instance) snapshot() (events.Snapshot, error) {
+func (in *instance) snapshot() (kvstream.Snapshot, error) {
 	in.mu.Lock()
 	evs := in.table.Events()
-	s := events.Snapshot{Pool: in.b.cfg.Pool, Instance: in.src.Instance, Model: in.b.cfg.Model,
+	s := kvstream.Snapshot{Pool: in.b.cfg.Pool, Instance: in.src.Instance, Model: in.b.cfg.Model,
 		BlockSize: in.table.BlockSize(), Blocks: in.table.Len(), EngineSeq: in.engineSeq, HasSeq: in.hasSeq,
 		StreamSeq: in.streamSeq, Taken: time.Now().UTC(), EngineStart: in.engineStart, LastHash: in.lastHash}
 	in.mu.Unlock()
 	b, err := events.Encode(nil, events.Batch{TS: now(), Events: evs, DPRank: in.src.Rank, HasDPRank: true}, in.encoding())
 	if err != nil {
-		return events.Snapshot{}, fmt.Errorf("bridge: encode snapshot: %w", err)
+		return kvstream.Snapshot{}, fmt.Errorf("bridge: encode snapshot: %w", err)
 	}
 	s.Batch = b
 	return s, nil
@@ -310,7 +314,7 @@ func (in *instance) serveSnapshot(msg *nats.Msg) {
 
 // marshalSnapshot renders s for one message: inline when it fits in
 // InlineSnapshotMax, else put in the object store with a pointer returned.
-func (in *instance) marshalSnapshot(ctx context.Context, s events.Snapshot) ([]byte, error) {
+func (in *instance) marshalSnapshot(ctx context.Context, s kvstream.Snapshot) ([]byte, error) {
 	data, err := s.MarshalBinary()
 	if err != nil || len(data) <= in.b.cfg.InlineSnapshotMax {
 		return data, err
@@ -398,7 +402,7 @@ func (in *instance) periodic(ctx context.Context) {
 
 func (in *instance) heartbeat() {
 	in.mu.Lock()
-	h := events.Heartbeat{Pool: in.b.cfg.Pool, Instance: in.src.Instance, URL: in.src.URL, Model: in.b.cfg.Model,
+	h := kvstream.Heartbeat{Pool: in.b.cfg.Pool, Instance: in.src.Instance, URL: in.src.URL, Model: in.b.cfg.Model,
 		BlockSize: in.table.BlockSize(), Adapters: in.b.cfg.Adapters, Rank: in.src.Rank, Blocks: in.table.Len(),
 		EngineSeq: in.engineSeq, StreamSeq: in.streamSeq, Time: time.Now().UTC(),
 		IntervalMS: in.b.cfg.HeartbeatInterval.Milliseconds(), EngineDown: in.engineDown.Load(), EngineStart: in.engineStart}
@@ -412,7 +416,7 @@ func (in *instance) heartbeat() {
 	}
 	msg := &nats.Msg{Subject: in.hbSubj, Data: data}
 	if key := in.b.cfg.HeartbeatKey; key != nil {
-		msg.Header = nats.Header{events.HeaderSignature: []string{events.SignHeartbeat(key, in.hbSubj, data)}}
+		msg.Header = nats.Header{kvstream.HeaderSignature: []string{kvstream.SignHeartbeat(key, in.hbSubj, data)}}
 	}
 	_ = in.b.cfg.Conn.PublishMsg(msg)
 }
@@ -420,7 +424,7 @@ func (in *instance) heartbeat() {
 // duplicate reports whether a live message repeats one a replay already
 // folded in (the subscriber kept receiving during the replay), and forgets
 // replayed messages the live stream has passed.
-func (in *instance) duplicate(m events.Message) bool { return in.replayed.seen(m) }
+func (in *instance) duplicate(m enginezmq.Message) bool { return in.replayed.seen(m) }
 
 // replayWindow holds the payloads of consecutive replayed seqs
 // [from, from+len(payloads)).
@@ -429,14 +433,14 @@ type replayWindow struct {
 	payloads [][]byte
 }
 
-func (w *replayWindow) add(m events.Message) {
+func (w *replayWindow) add(m enginezmq.Message) {
 	if len(w.payloads) == 0 || m.Seq != w.from+uint64(len(w.payloads)) {
 		w.from, w.payloads = m.Seq, w.payloads[:0]
 	}
 	w.payloads = append(w.payloads, m.Payload)
 }
 
-func (w *replayWindow) seen(m events.Message) bool {
+func (w *replayWindow) seen(m enginezmq.Message) bool {
 	if len(w.payloads) == 0 || m.Seq < w.from {
 		return false
 	}

@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -254,12 +256,12 @@ func BenchmarkTableSnapshot(b *testing.B) {
 
 func TestReplayWindow(t *testing.T) {
 	var w replayWindow
-	msg := func(seq uint64, p string) events.Message { return events.Message{Seq: seq, Payload: []byte(p)} }
-	for _, m := range []events.Message{msg(5, "a"), msg(6, "b"), msg(7, "c")} {
+	msg := func(seq uint64, p string) enginezmq.Message { return enginezmq.Message{Seq: seq, Payload: []byte(p)} }
+	for _, m := range []enginezmq.Message{msg(5, "a"), msg(6, "b"), msg(7, "c")} {
 		w.add(m)
 	}
 	steps := []struct {
-		m    events.Message
+		m    enginezmq.Message
 		want bool
 	}{
 		{msg(4, "z"), false}, // before the window

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 )
 
 // TRTLLMPoller is kvbridge's input for TensorRT-LLM (--format
@@ -29,7 +30,7 @@ type TRTLLMPoller struct {
 	url      string
 	interval time.Duration
 	conv     events.TRTLLMConverter
-	pubs     []*events.ZMQPublisher
+	pubs     []*enginezmq.Publisher
 	eps      []string // per rank: PUB endpoint, then replay endpoint
 	http     *http.Client
 	log      *slog.Logger
@@ -96,7 +97,7 @@ func NewTRTLLMPoller(ctx context.Context, cfg TRTLLMConfig) (*TRTLLMPoller, erro
 			p.Close()
 			return nil, err
 		}
-		zp, err := events.NewZMQPublisher(ctx, events.ZMQPublisherConfig{Endpoint: pub, ReplayEndpoint: replay, Topic: "trtllm"})
+		zp, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: pub, ReplayEndpoint: replay, Topic: "trtllm"})
 		if err != nil {
 			p.Close()
 			return nil, fmt.Errorf("bridge: trtllm: %w", err)

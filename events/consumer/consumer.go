@@ -22,6 +22,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/ratelog"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
@@ -78,8 +80,8 @@ type Config struct {
 	// Stream and Bucket name the events stream and the snapshot bucket;
 	// both are created when missing (the router may start before any
 	// bridge).
-	Stream events.StreamConfig
-	Bucket events.BucketConfig
+	Stream kvstream.StreamConfig
+	Bucket kvstream.BucketConfig
 	// SharedIndex says the Applier is shared with other routers (the
 	// Redis index): then the consumer never purges instances from it and
 	// consumes only new messages: the shared map is kept current by every
@@ -118,7 +120,7 @@ type Config struct {
 	// it creates or refreshes a record; an error refuses it, counted as
 	// heartbeats{result="refused"} (the caller logs and counts why). nil
 	// admits every well-formed heartbeat.
-	AdmitHeartbeat func(instance string, m *nats.Msg, hb *events.Heartbeat) error
+	AdmitHeartbeat func(instance string, m *nats.Msg, hb *kvstream.Heartbeat) error
 	// MaxInstances caps the instance records (default 4096, far above a
 	// pool's engines times data-parallel ranks): a new name beyond it is
 	// dropped and counted (result over_cap) unless Admit names it.
@@ -148,11 +150,11 @@ type InstanceStatus struct {
 	ReplayLost uint64 `json:"replay_lost"`
 	// IndexUnsynced: the instance's state in the shared index is not
 	// known whole (being repaired); the instance is not live meanwhile.
-	IndexUnsynced bool              `json:"index_unsynced,omitempty"`
-	StreamSeq     uint64            `json:"stream_seq"`
-	Heartbeat     *events.Heartbeat `json:"heartbeat,omitempty"`
+	IndexUnsynced bool                `json:"index_unsynced,omitempty"`
+	StreamSeq     uint64              `json:"stream_seq"`
+	Heartbeat     *kvstream.Heartbeat `json:"heartbeat,omitempty"`
 	// EngineDown: the bridge reports the engine dead (see
-	// events.Heartbeat.EngineDown); the instance is not live meanwhile.
+	// kvstream.Heartbeat.EngineDown); the instance is not live meanwhile.
 	EngineDown bool `json:"engine_down,omitempty"`
 }
 
@@ -248,7 +250,7 @@ func New(cfg Config) (*Consumer, error) {
 	if cfg.Applier == nil {
 		return nil, errors.New("consumer: no applier (index)")
 	}
-	if err := events.ValidToken("pool", cfg.Pool); err != nil {
+	if err := kvstream.ValidToken("pool", cfg.Pool); err != nil {
 		return nil, fmt.Errorf("consumer: %w", err)
 	}
 	if cfg.Shards == 0 {
@@ -418,10 +420,10 @@ func (c *Consumer) Instances() []InstanceStatus {
 
 // Run consumes until ctx is done and returns ctx.Err(), or an error when
 // the stream or bucket cannot be made for a configuration reason
-// (events.IsConfigError: another stream holds the subjects, an invalid
+// (kvstream.IsConfigError: another stream holds the subjects, an invalid
 // setting); outages are retried with backoff until ctx is done.
 func (c *Consumer) Run(ctx context.Context) error {
-	res, err := events.EnsureAll(ctx, c.js, c.cfg.Stream, c.cfg.Bucket, c.cfg.Logger)
+	res, err := kvstream.EnsureAll(ctx, c.js, c.cfg.Stream, c.cfg.Bucket, c.cfg.Logger)
 	if err != nil {
 		if ctx.Err() != nil {
 			return ctx.Err()
@@ -440,7 +442,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		go func() { defer wg.Done(); c.shard(ctx, c.shards[i]) }()
 	}
 
-	hbSubj, _ := events.PoolSubjects(events.SubjectInstances, c.cfg.Pool)
+	hbSubj, _ := kvstream.PoolSubjects(kvstream.SubjectInstances, c.cfg.Pool)
 	hbSub, err := c.cfg.Conn.Subscribe(hbSubj, func(m *nats.Msg) { c.heartbeat(ctx, m) })
 	if err != nil {
 		return fmt.Errorf("consumer: subscribe %s: %w", hbSubj, err)
@@ -459,10 +461,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 	default:
 		c.loadKnown(ctx)
 	}
-	evSubj, _ := events.PoolSubjects(events.SubjectEvents, c.cfg.Pool)
+	evSubj, _ := kvstream.PoolSubjects(kvstream.SubjectEvents, c.cfg.Pool)
 	streamName := c.cfg.Stream.Name
 	if streamName == "" {
-		streamName = events.DefaultStreamName
+		streamName = kvstream.DefaultStreamName
 	}
 	cons, err := c.js.OrderedConsumer(ctx, streamName, jetstream.OrderedConsumerConfig{
 		FilterSubjects: []string{evSubj},
@@ -520,7 +522,7 @@ func (c *Consumer) loadKnown(ctx context.Context) {
 	}
 	for key := range lister.Keys() {
 		instance := key[len(c.cfg.Pool)+1:]
-		if events.ValidToken("instance", instance) != nil {
+		if kvstream.ValidToken("instance", instance) != nil {
 			continue
 		}
 		c.mu.Lock()
@@ -597,7 +599,7 @@ func (c *Consumer) dropNew(instance, reason, via string) {
 
 // dispatch runs on the consume goroutine: route the message to its shard.
 func (c *Consumer) dispatch(ctx context.Context, m jetstream.Msg) {
-	_, pool, instance, err := events.ParseSubject(m.Subject())
+	_, pool, instance, err := kvstream.ParseSubject(m.Subject())
 	if err != nil || pool != c.cfg.Pool {
 		c.m.messages.WithLabelValues("bad_subject").Inc()
 		return
@@ -634,11 +636,11 @@ func (c *Consumer) dispatch(ctx context.Context, m jetstream.Msg) {
 // heartbeat records a bridge heartbeat; an instance seen for the first
 // time, or purged, gets its snapshot loaded.
 func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
-	_, pool, instance, err := events.ParseSubject(m.Subject)
+	_, pool, instance, err := kvstream.ParseSubject(m.Subject)
 	if err != nil || pool != c.cfg.Pool {
 		return
 	}
-	var hb events.Heartbeat
+	var hb kvstream.Heartbeat
 	if err := json.Unmarshal(m.Data, &hb); err != nil {
 		c.m.heartbeats.WithLabelValues("malformed").Inc()
 		return
@@ -933,7 +935,7 @@ func (c *Consumer) seenIfNever(in *inst) {
 // snapshot load (a later gap or failure), by the bridge's resync clear
 // when it restarts, or by the purge of a silent instance.
 func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, to uint64) {
-	subj, _ := events.EventsSubject(c.cfg.Pool, instance)
+	subj, _ := kvstream.EventsSubject(c.cfg.Pool, instance)
 	var applied int
 	lost := false
 	seq := from + 1
@@ -954,7 +956,7 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 			break
 		}
 		seq = m.Sequence + 1
-		h, herr := events.ParseEventHeaders(m.Header)
+		h, herr := kvstream.ParseEventHeaders(m.Header)
 		engineMsg := herr == nil && h.HasSeq && h.Synthetic == ""
 		if engineMsg && in.hasSeq && h.Seq > in.status.LastSeq+1 {
 			lost = true
@@ -975,7 +977,7 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 			in.status.LastSeq, in.hasSeq = h.Seq, true
 		}
 		switch h.Synthetic {
-		case events.SyntheticGap, events.SyntheticRestart, events.SyntheticResync:
+		case kvstream.SyntheticGap, kvstream.SyntheticRestart, kvstream.SyntheticResync:
 			in.hasSeq = false
 		}
 		c.mu.Unlock()
@@ -998,7 +1000,7 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 // errNoSnapshot: neither the bridge nor the bucket has one.
 var errNoSnapshot = errors.New("consumer: no snapshot")
 
-func (c *Consumer) fetchSnapshot(ctx context.Context, instance string) (events.Snapshot, string, error) {
+func (c *Consumer) fetchSnapshot(ctx context.Context, instance string) (kvstream.Snapshot, string, error) {
 	// A snapshot in the object store can be replaced while it is read (the
 	// bridge refreshes it); a second try reads the new one.
 	var err error
@@ -1006,11 +1008,11 @@ func (c *Consumer) fetchSnapshot(ctx context.Context, instance string) (events.S
 		if attempt > 0 {
 			select {
 			case <-ctx.Done():
-				return events.Snapshot{}, "", ctx.Err()
+				return kvstream.Snapshot{}, "", ctx.Err()
 			case <-time.After(50 * time.Millisecond):
 			}
 		}
-		var s events.Snapshot
+		var s kvstream.Snapshot
 		var source string
 		s, source, err = c.fetchSnapshotOnce(ctx, instance)
 		if err == nil || errors.Is(err, errNoSnapshot) {
@@ -1018,43 +1020,43 @@ func (c *Consumer) fetchSnapshot(ctx context.Context, instance string) (events.S
 		}
 		c.cfg.Logger.Debug("consumer: snapshot fetch failed, retrying", "instance", instance, "err", err)
 	}
-	return events.Snapshot{}, "", err
+	return kvstream.Snapshot{}, "", err
 }
 
-func (c *Consumer) fetchSnapshotOnce(ctx context.Context, instance string) (events.Snapshot, string, error) {
-	subj, err := events.SnapshotSubject(c.cfg.Pool, instance)
+func (c *Consumer) fetchSnapshotOnce(ctx context.Context, instance string) (kvstream.Snapshot, string, error) {
+	subj, err := kvstream.SnapshotSubject(c.cfg.Pool, instance)
 	if err != nil {
-		return events.Snapshot{}, "", err
+		return kvstream.Snapshot{}, "", err
 	}
 	rctx, cancel := context.WithTimeout(ctx, c.cfg.SnapshotTimeout)
 	reply, err := c.cfg.Conn.RequestWithContext(rctx, subj, nil)
 	cancel()
 	if err == nil && reply.Header.Get("Kv-Error") == "" {
-		s, err := events.UnmarshalSnapshot(reply.Data)
+		s, err := kvstream.UnmarshalSnapshot(reply.Data)
 		if err == nil {
-			s, err = events.ResolveSnapshot(ctx, c.obs, s)
+			s, err = kvstream.ResolveSnapshot(ctx, c.obs, s)
 		}
 		if err == nil && s.Instance == instance {
 			return s, "request", nil
 		}
 	}
-	key, _ := events.SnapshotKey(c.cfg.Pool, instance)
+	key, _ := kvstream.SnapshotKey(c.cfg.Pool, instance)
 	e, err := c.kv.Get(ctx, key)
 	if errors.Is(err, jetstream.ErrKeyNotFound) {
-		return events.Snapshot{}, "", fmt.Errorf("%w: %w", errNoSnapshot, err)
+		return kvstream.Snapshot{}, "", fmt.Errorf("%w: %w", errNoSnapshot, err)
 	}
 	if err != nil {
-		return events.Snapshot{}, "", fmt.Errorf("consumer: snapshot bucket: %w", err)
+		return kvstream.Snapshot{}, "", fmt.Errorf("consumer: snapshot bucket: %w", err)
 	}
-	s, err := events.UnmarshalSnapshot(e.Value())
+	s, err := kvstream.UnmarshalSnapshot(e.Value())
 	if err == nil {
-		s, err = events.ResolveSnapshot(ctx, c.obs, s)
+		s, err = kvstream.ResolveSnapshot(ctx, c.obs, s)
 	}
 	if err != nil {
-		return events.Snapshot{}, "", err
+		return kvstream.Snapshot{}, "", err
 	}
 	if s.Instance != instance {
-		return events.Snapshot{}, "", fmt.Errorf("consumer: bucket key %s holds instance %q", key, s.Instance)
+		return kvstream.Snapshot{}, "", fmt.Errorf("consumer: bucket key %s holds instance %q", key, s.Instance)
 	}
 	return s, "bucket", nil
 }
@@ -1080,7 +1082,7 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 		c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
 		return
 	}
-	h, herr := events.ParseEventHeaders(w.header)
+	h, herr := kvstream.ParseEventHeaders(w.header)
 	engineMsg := herr == nil && h.HasSeq && h.Synthetic == ""
 	// LastSeq and hasSeq are written only by this goroutine, so reading
 	// them here without the lock is safe.
@@ -1145,7 +1147,7 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 		st.LastSeq, in.hasSeq = h.Seq, true
 	}
 	switch h.Synthetic {
-	case events.SyntheticGap, events.SyntheticRestart, events.SyntheticResync:
+	case kvstream.SyntheticGap, kvstream.SyntheticRestart, kvstream.SyntheticResync:
 		// The bridge cleared the instance: seq continuity starts over.
 		st.Clears++
 		in.hasSeq = false

@@ -17,6 +17,8 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
@@ -88,9 +90,9 @@ func newEnv(t *testing.T) *env {
 	js, _ := jetstream.New(nc)
 	name := testenv.UniqueName(t)
 	e := &env{t: t, ctx: ctx, nc: nc, js: js, pool: "p_" + name}
-	e.cfg = Config{Conn: nc, Pool: e.pool, Stream: events.StreamConfig{Name: "S_" + name, Memory: true},
-		Bucket: events.BucketConfig{Name: "B_" + name, Memory: true}, Logger: slog.New(slog.DiscardHandler)}
-	if _, err := events.EnsureStream(ctx, js, e.cfg.Stream); err != nil {
+	e.cfg = Config{Conn: nc, Pool: e.pool, Stream: kvstream.StreamConfig{Name: "S_" + name, Memory: true},
+		Bucket: kvstream.BucketConfig{Name: "B_" + name, Memory: true}, Logger: slog.New(slog.DiscardHandler)}
+	if _, err := kvstream.EnsureStream(ctx, js, e.cfg.Stream); err != nil {
 		t.Fatal(err)
 	}
 	return e
@@ -118,16 +120,16 @@ func (e *env) store(instance string, seq uint64, hash uint64) {
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	subj, _ := events.EventsSubject(e.pool, instance)
-	h := events.EventHeaders{Seq: seq, HasSeq: true, Pool: e.pool, Instance: instance}
+	subj, _ := kvstream.EventsSubject(e.pool, instance)
+	h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: e.pool, Instance: instance}
 	if _, err := e.js.PublishMsg(e.ctx, &nats.Msg{Subject: subj, Data: p, Header: h.Header()}); err != nil {
 		e.t.Fatal(err)
 	}
 }
 
 func (e *env) heartbeat(instance string) {
-	subj, _ := events.InstancesSubject(e.pool, instance)
-	b, _ := json.Marshal(events.Heartbeat{Pool: e.pool, Instance: instance, URL: "http://" + instance, BlockSize: 16, Time: time.Now()})
+	subj, _ := kvstream.InstancesSubject(e.pool, instance)
+	b, _ := json.Marshal(kvstream.Heartbeat{Pool: e.pool, Instance: instance, URL: "http://" + instance, BlockSize: 16, Time: time.Now()})
 	_ = e.nc.Publish(subj, b)
 }
 
@@ -283,14 +285,14 @@ func (f *failOnce) Apply(ctx context.Context, instance string, evs []events.Even
 // bucket: no bridge answers) before applying further events.
 func TestApplyFailureReloadsSnapshot(t *testing.T) {
 	e := newEnv(t)
-	kv, err := events.EnsureBucket(e.ctx, e.js, e.cfg.Bucket)
+	kv, err := kvstream.EnsureBucket(e.ctx, e.js, e.cfg.Bucket)
 	if err != nil {
 		t.Fatal(err)
 	}
 	batch, _ := events.Encode(nil, events.Batch{Events: []events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{100},
 		TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"}}}, events.EncodingMap)
-	snap, _ := events.Snapshot{Pool: e.pool, Instance: "i0", Blocks: 1, Batch: batch}.MarshalBinary()
-	key, _ := events.SnapshotKey(e.pool, "i0")
+	snap, _ := kvstream.Snapshot{Pool: e.pool, Instance: "i0", Blocks: 1, Batch: batch}.MarshalBinary()
+	key, _ := kvstream.SnapshotKey(e.pool, "i0")
 	if _, err := kv.Put(e.ctx, key, snap); err != nil {
 		t.Fatal(err)
 	}
@@ -350,7 +352,7 @@ func TestJunkNamesBounded(t *testing.T) {
 	cfg := e.cfg
 	cfg.Applier, cfg.MaxInstances = a, 5
 	cfg.Admit = func(name string) bool { return name == "vllm-0" }
-	cfg.AdmitHeartbeat = func(name string, _ *nats.Msg, _ *events.Heartbeat) error {
+	cfg.AdmitHeartbeat = func(name string, _ *nats.Msg, _ *kvstream.Heartbeat) error {
 		if strings.HasPrefix(name, "bad-") {
 			return fmt.Errorf("refused")
 		}
@@ -409,8 +411,8 @@ func TestEngineDownHeartbeat(t *testing.T) {
 	cfg.Applier, cfg.CheckInterval = a, 20*time.Millisecond
 	c := e.start(cfg)
 	hb := func(down bool) {
-		subj, _ := events.InstancesSubject(e.pool, "i0")
-		b, _ := json.Marshal(events.Heartbeat{Pool: e.pool, Instance: "i0", EngineDown: down, Time: time.Now()})
+		subj, _ := kvstream.InstancesSubject(e.pool, "i0")
+		b, _ := json.Marshal(kvstream.Heartbeat{Pool: e.pool, Instance: "i0", EngineDown: down, Time: time.Now()})
 		if err := e.nc.Publish(subj, b); err != nil {
 			t.Fatal(err)
 		}

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/kvstream"
 )
 
 // putSnapshot writes a bucket snapshot of instance at stream position
@@ -13,7 +15,7 @@ import (
 // bridge does every refresh period.
 func (e *env) putSnapshot(instance string, streamSeq, engineSeq uint64, hashes ...uint64) {
 	e.t.Helper()
-	kv, err := events.EnsureBucket(e.ctx, e.js, e.cfg.Bucket)
+	kv, err := kvstream.EnsureBucket(e.ctx, e.js, e.cfg.Bucket)
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -25,9 +27,9 @@ func (e *env) putSnapshot(instance string, streamSeq, engineSeq uint64, hashes .
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	snap, _ := events.Snapshot{Pool: e.pool, Instance: instance, Blocks: len(hashes), StreamSeq: streamSeq,
+	snap, _ := kvstream.Snapshot{Pool: e.pool, Instance: instance, Blocks: len(hashes), StreamSeq: streamSeq,
 		EngineSeq: engineSeq, HasSeq: true, Taken: time.Now(), Batch: batch}.MarshalBinary()
-	key, _ := events.SnapshotKey(e.pool, instance)
+	key, _ := kvstream.SnapshotKey(e.pool, instance)
 	if _, err := kv.Put(e.ctx, key, snap); err != nil {
 		e.t.Fatal(err)
 	}
@@ -97,7 +99,7 @@ func TestReloadReplaysMessagesAfterSnapshot(t *testing.T) {
 					t.Fatal(err)
 				}
 				e.cfg.Stream.MaxMsgs = tc.maxMsgs
-				if _, err := events.EnsureStream(e.ctx, e.js, e.cfg.Stream); err != nil {
+				if _, err := kvstream.EnsureStream(e.ctx, e.js, e.cfg.Stream); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -152,12 +154,12 @@ func TestUnloadableSnapshotStillAgesOut(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newEnv(t)
-			kv, err := events.EnsureBucket(e.ctx, e.js, e.cfg.Bucket)
+			kv, err := kvstream.EnsureBucket(e.ctx, e.js, e.cfg.Bucket)
 			if err != nil {
 				t.Fatal(err)
 			}
 			if tc.value != nil {
-				key, _ := events.SnapshotKey(e.pool, "ghost")
+				key, _ := kvstream.SnapshotKey(e.pool, "ghost")
 				if _, err := kv.Put(e.ctx, key, tc.value); err != nil {
 					t.Fatal(err)
 				}
@@ -169,7 +171,7 @@ func TestUnloadableSnapshotStillAgesOut(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			res, err := events.EnsureAll(e.ctx, e.js, cfg.Stream, cfg.Bucket, cfg.Logger)
+			res, err := kvstream.EnsureAll(e.ctx, e.js, cfg.Stream, cfg.Bucket, cfg.Logger)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -209,7 +211,7 @@ func TestRunReturnsConfigError(t *testing.T) {
 		t.Fatal(err)
 	}
 	err = c.Run(e.ctx)
-	if err == nil || e.ctx.Err() != nil || !events.IsConfigError(err) {
+	if err == nil || e.ctx.Err() != nil || !kvstream.IsConfigError(err) {
 		t.Fatalf("Run = %v, want a config error before the deadline", err)
 	}
 }

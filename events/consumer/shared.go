@@ -10,6 +10,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
@@ -161,7 +163,7 @@ func (c *Consumer) seedShared(ctx context.Context, instance string, in *inst, up
 		evs = batch.Events
 	case errors.Is(err, errNoSnapshot):
 		// The stream alone: an empty state before its first message.
-		snap, source = events.Snapshot{}, "none"
+		snap, source = kvstream.Snapshot{}, "none"
 	default:
 		c.m.snapshotLoads.WithLabelValues("error").Inc()
 		return kvindex.Position{}, err
@@ -191,7 +193,7 @@ func (c *Consumer) seedShared(ctx context.Context, instance string, in *inst, up
 // replayShared applies the instance's stream messages after pos, below
 // upTo, in order, each at the position the previous one left.
 func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, pos kvindex.Position, upTo uint64) (kvindex.Position, error) {
-	subj, _ := events.EventsSubject(c.cfg.Pool, instance)
+	subj, _ := kvstream.EventsSubject(c.cfg.Pool, instance)
 	applied := 0
 	defer func() { c.m.replayed.Add(float64(applied)) }()
 	for next := pos.Seq + 1; next < upTo && ctx.Err() == nil; {
@@ -224,13 +226,13 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 			return r.Position, fmt.Errorf("consumer: shared index of %s moved to %v during replay", instance, r.Position)
 		}
 		pos = r.Position
-		if h, herr := events.ParseEventHeaders(m.Header); herr == nil {
+		if h, herr := kvstream.ParseEventHeaders(m.Header); herr == nil {
 			c.mu.Lock()
 			if h.HasSeq && h.Synthetic == "" {
 				in.status.LastSeq, in.hasSeq = h.Seq, true
 			}
 			switch h.Synthetic {
-			case events.SyntheticGap, events.SyntheticRestart, events.SyntheticResync:
+			case kvstream.SyntheticGap, kvstream.SyntheticRestart, kvstream.SyntheticResync:
 				in.hasSeq = false
 			}
 			c.mu.Unlock()
@@ -366,7 +368,7 @@ func (c *Consumer) syncKnown(ctx context.Context) {
 	}
 	for key := range lister.Keys() {
 		instance := key[len(c.cfg.Pool)+1:]
-		if events.ValidToken("instance", instance) == nil {
+		if kvstream.ValidToken("instance", instance) == nil {
 			c.queueSync(ctx, instance)
 		}
 	}

@@ -15,6 +15,8 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/events"
+
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tiers"
@@ -153,8 +155,8 @@ func (w *sharedWorld) publish(rounds int, only ...string) {
 			if err != nil {
 				w.t.Fatal(err)
 			}
-			subj, _ := events.EventsSubject(w.pool, f.name)
-			h := events.EventHeaders{Seq: f.seq, HasSeq: true, Pool: w.pool, Instance: f.name}
+			subj, _ := kvstream.EventsSubject(w.pool, f.name)
+			h := kvstream.EventHeaders{Seq: f.seq, HasSeq: true, Pool: w.pool, Instance: f.name}
 			ack, err := w.js.PublishMsg(w.ctx, &nats.Msg{Subject: subj, Data: p, Header: h.Header()})
 			if err != nil {
 				w.t.Fatal(err)
@@ -182,7 +184,7 @@ func (w *sharedWorld) publish(rounds int, only ...string) {
 // events; replaying the engine's own events since its last clear builds
 // the same state).
 func (w *sharedWorld) putSnapshot(instance string, streamSeq, engineSeq uint64, evs []events.Event) {
-	kv, err := events.EnsureBucket(w.ctx, w.js, w.cfg.Bucket)
+	kv, err := kvstream.EnsureBucket(w.ctx, w.js, w.cfg.Bucket)
 	if err != nil {
 		w.t.Fatal(err)
 	}
@@ -190,9 +192,9 @@ func (w *sharedWorld) putSnapshot(instance string, streamSeq, engineSeq uint64, 
 	if err != nil {
 		w.t.Fatal(err)
 	}
-	snap, _ := events.Snapshot{Pool: w.pool, Instance: instance, Blocks: len(evs), StreamSeq: streamSeq,
+	snap, _ := kvstream.Snapshot{Pool: w.pool, Instance: instance, Blocks: len(evs), StreamSeq: streamSeq,
 		EngineSeq: engineSeq, HasSeq: true, Taken: time.Now(), Batch: batch}.MarshalBinary()
-	key, _ := events.SnapshotKey(w.pool, instance)
+	key, _ := kvstream.SnapshotKey(w.pool, instance)
 	if _, err := kv.Put(w.ctx, key, snap); err != nil {
 		w.t.Fatal(err)
 	}

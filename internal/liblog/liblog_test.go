@@ -13,7 +13,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/redis/go-redis/v9"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/liblog"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
@@ -99,7 +99,7 @@ func TestRedisOutageLinesAreStructuredAndBounded(t *testing.T) {
 // to the structured log and the metric, not to stderr.
 func TestNATSSlowConsumerIsStructured(t *testing.T) {
 	l, buf, reg := newLogs(t)
-	nc, err := events.NATSConfig{URL: testenv.NATSURL(t), Logger: slog.New(slog.NewJSONHandler(buf, nil)), ErrorHandler: l.NATSErrorHandler()}.Connect()
+	nc, err := kvstream.NATSConfig{URL: testenv.NATSURL(t), Logger: slog.New(slog.NewJSONHandler(buf, nil)), ErrorHandler: l.NATSErrorHandler()}.Connect()
 	if err != nil {
 		t.Fatal(err)
 	}

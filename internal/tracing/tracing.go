@@ -29,7 +29,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"google.golang.org/grpc/credentials"
 
-	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // ErrConfig wraps errors in building the provider from its configuration.
@@ -45,7 +45,7 @@ const DefaultServiceName = "kvrouter"
 // The exporter connects lazily: an unreachable collector fails exports,
 // reported to otel's error handler, not New. Call Shutdown on the result
 // to flush the spans still queued.
-func New(ctx context.Context, cfg router.TracingConfig, getenv func(string) string) (*sdktrace.TracerProvider, error) {
+func New(ctx context.Context, cfg config.TracingConfig, getenv func(string) string) (*sdktrace.TracerProvider, error) {
 	if getenv == nil {
 		getenv = os.Getenv
 	}
@@ -76,22 +76,22 @@ func SDKDisabled(getenv func(string) string) bool {
 }
 
 // Protocol is the exporter protocol cfg selects, after the environment.
-func Protocol(cfg router.TracingExporterConfig, getenv func(string) string) (string, error) {
+func Protocol(cfg config.TracingExporterConfig, getenv func(string) string) (string, error) {
 	p := cfg.Protocol
 	for _, v := range []string{"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"} {
 		if p == "" {
-			if p = getenv(v); p != "" && p != router.TracingProtocolGRPC && p != router.TracingProtocolHTTP {
-				return "", fmt.Errorf("%w: %s=%q: want %s or %s", ErrConfig, v, p, router.TracingProtocolGRPC, router.TracingProtocolHTTP)
+			if p = getenv(v); p != "" && p != config.TracingProtocolGRPC && p != config.TracingProtocolHTTP {
+				return "", fmt.Errorf("%w: %s=%q: want %s or %s", ErrConfig, v, p, config.TracingProtocolGRPC, config.TracingProtocolHTTP)
 			}
 		}
 	}
 	if p == "" {
-		p = router.TracingProtocolHTTP // the specification's default
+		p = config.TracingProtocolHTTP // the specification's default
 	}
 	return p, nil
 }
 
-func newExporter(ctx context.Context, cfg router.TracingExporterConfig, getenv func(string) string) (sdktrace.SpanExporter, error) {
+func newExporter(ctx context.Context, cfg config.TracingExporterConfig, getenv func(string) string) (sdktrace.SpanExporter, error) {
 	proto, err := Protocol(cfg, getenv)
 	if err != nil {
 		return nil, err
@@ -108,7 +108,7 @@ func newExporter(ctx context.Context, cfg router.TracingExporterConfig, getenv f
 			u = parsed
 		}
 	}
-	if proto == router.TracingProtocolGRPC {
+	if proto == config.TracingProtocolGRPC {
 		var opts []otlptracegrpc.Option
 		switch {
 		case u != nil:
@@ -174,7 +174,7 @@ func newExporter(ctx context.Context, cfg router.TracingExporterConfig, getenv f
 
 // clientTLS builds the exporter's TLS settings: the CA bundle that
 // verifies the collector and the client certificate it may ask for.
-func clientTLS(c router.TLSConfig) (*tls.Config, error) {
+func clientTLS(c config.TLSConfig) (*tls.Config, error) {
 	cfg := &tls.Config{MinVersion: tls.VersionTLS12}
 	if c.CAFile != "" {
 		pem, err := os.ReadFile(c.CAFile)

@@ -16,8 +16,8 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"go.opentelemetry.io/otel"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/internal/tracing/otlptest"
-	"github.com/kvrouter/kvrouter/router"
 )
 
 // service returns the service.name of the received span named name.
@@ -33,7 +33,7 @@ func service(c *otlptest.Collector, name string) (string, bool) {
 func noEnv(string) string { return "" }
 
 // emit makes one span named name through a provider of cfg and flushes it.
-func emit(t *testing.T, cfg router.TracingConfig, getenv func(string) string, name string) {
+func emit(t *testing.T, cfg config.TracingConfig, getenv func(string) string, name string) {
 	t.Helper()
 	tp, err := New(t.Context(), cfg, getenv)
 	if err != nil {
@@ -60,8 +60,8 @@ func TestExportGRPC(t *testing.T) {
 		{"http_url", "http://" + addr, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			cfg := router.TracingConfig{Enabled: true, Exporter: router.TracingExporterConfig{
-				Protocol: router.TracingProtocolGRPC, Endpoint: tc.endpoint, Insecure: tc.insecure,
+			cfg := config.TracingConfig{Enabled: true, Exporter: config.TracingExporterConfig{
+				Protocol: config.TracingProtocolGRPC, Endpoint: tc.endpoint, Insecure: tc.insecure,
 				Headers: map[string]string{"x-tenant": "team-a"}, Compression: "gzip", Timeout: 15 * time.Second,
 			}}
 			emit(t, cfg, noEnv, "grpc-"+tc.name)
@@ -87,7 +87,7 @@ func TestExportHTTP(t *testing.T) {
 		}
 		return ""
 	}
-	cfg := router.TracingConfig{Enabled: true, ServiceName: "router-eu", Exporter: router.TracingExporterConfig{
+	cfg := config.TracingConfig{Enabled: true, ServiceName: "router-eu", Exporter: config.TracingExporterConfig{
 		Endpoint: ts.URL, Headers: map[string]string{"X-Tenant": "team-b"}, Compression: "gzip",
 	}}
 	emit(t, cfg, env, "http-span")
@@ -107,8 +107,8 @@ func TestExportHTTPTLS(t *testing.T) {
 	if err := os.WriteFile(ca, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: ts.Certificate().Raw}), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	cfg := router.TracingConfig{Enabled: true, Exporter: router.TracingExporterConfig{
-		Protocol: router.TracingProtocolHTTP, Endpoint: ts.URL, TLS: &router.TLSConfig{CAFile: ca},
+	cfg := config.TracingConfig{Enabled: true, Exporter: config.TracingExporterConfig{
+		Protocol: config.TracingProtocolHTTP, Endpoint: ts.URL, TLS: &config.TLSConfig{CAFile: ca},
 	}}
 	emit(t, cfg, noEnv, "tls-span")
 	if _, ok := service(c, "tls-span"); !ok {
@@ -148,7 +148,7 @@ func TestSamplerRatioZero(t *testing.T) {
 	c := &otlptest.Collector{}
 	ts := otlptest.StartHTTP(t, c, false)
 	zero := 0.0
-	cfg := router.TracingConfig{Enabled: true, SamplerRatio: &zero, Exporter: router.TracingExporterConfig{Endpoint: ts.URL}}
+	cfg := config.TracingConfig{Enabled: true, SamplerRatio: &zero, Exporter: config.TracingExporterConfig{Endpoint: ts.URL}}
 	emit(t, cfg, noEnv, "sampled-out")
 	if got := c.Spans(); len(got) != 0 {
 		t.Errorf("collector got %v with sampler_ratio 0", got)
@@ -188,19 +188,19 @@ func TestProtocol(t *testing.T) {
 		file, traces, all, want string
 		err                     bool
 	}{
-		{want: router.TracingProtocolHTTP},
+		{want: config.TracingProtocolHTTP},
 		{all: "grpc", want: "grpc"},
 		{traces: "http/protobuf", all: "grpc", want: "http/protobuf"},
 		{file: "grpc", traces: "http/protobuf", want: "grpc"},
 		{all: "http/json", err: true},
 	} {
 		env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"], env["OTEL_EXPORTER_OTLP_PROTOCOL"] = tc.traces, tc.all
-		got, err := Protocol(router.TracingExporterConfig{Protocol: tc.file}, getenv)
+		got, err := Protocol(config.TracingExporterConfig{Protocol: tc.file}, getenv)
 		if (err != nil) != tc.err || got != tc.want {
 			t.Errorf("%+v: got %q, %v", tc, got, err)
 		}
 	}
-	if _, err := New(t.Context(), router.TracingConfig{Enabled: true}, func(string) string { return "http/json" }); err == nil {
+	if _, err := New(t.Context(), config.TracingConfig{Enabled: true}, func(string) string { return "http/json" }); err == nil {
 		t.Error("New accepted protocol http/json")
 	}
 }
@@ -211,12 +211,12 @@ func TestClientTLSErrors(t *testing.T) {
 	if err := os.WriteFile(notPEM, []byte("not a certificate"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	for _, c := range []router.TLSConfig{
+	for _, c := range []config.TLSConfig{
 		{CAFile: filepath.Join(dir, "missing.pem")},
 		{CAFile: notPEM},
 		{CertFile: notPEM, KeyFile: notPEM},
 	} {
-		if _, err := New(t.Context(), router.TracingConfig{Enabled: true, Exporter: router.TracingExporterConfig{TLS: &c}}, noEnv); err == nil {
+		if _, err := New(t.Context(), config.TracingConfig{Enabled: true, Exporter: config.TracingExporterConfig{TLS: &c}}, noEnv); err == nil {
 			t.Errorf("tls %+v accepted", c)
 		}
 	}

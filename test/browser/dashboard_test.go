@@ -22,12 +22,13 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
-	simserver "github.com/kvrouter/kvrouter/sim/server"
+	"github.com/kvrouter/kvrouter/sim/simserver"
 	"github.com/kvrouter/kvrouter/test/browser"
 )
 
@@ -65,12 +66,12 @@ func startFleet(t *testing.T, ctx context.Context) *fleet {
 	// cleanup registered below (cleanups run last-first).
 	ctx, cancel := context.WithCancel(ctx)
 	var bg sync.WaitGroup
-	stream := events.StreamConfig{Name: streamName, Memory: true}
-	bucket := events.BucketConfig{Name: bucketName, Memory: true}
-	pc := router.PoolConfig{Name: pool, Model: model,
-		Routing:   router.RoutingConfig{Strategy: router.StrategyKVAware, Shadow: true},
-		Tokenizer: &router.TokenizerConfig{Source: router.TokenSourceSimple},
-		Discovery: router.DiscoveryConfig{Disable: true}}
+	stream := kvstream.StreamConfig{Name: streamName, Memory: true}
+	bucket := kvstream.BucketConfig{Name: bucketName, Memory: true}
+	pc := config.PoolConfig{Name: pool, Model: model,
+		Routing:   config.RoutingConfig{Strategy: config.StrategyKVAware, Shadow: true},
+		Tokenizer: &config.TokenizerConfig{Source: router.TokenSourceSimple},
+		Discovery: config.DiscoveryConfig{Disable: true}}
 	var bridges []*bridge.Bridge
 	for i := range instances {
 		id := fmt.Sprintf("sim%d", i)
@@ -90,7 +91,7 @@ func startFleet(t *testing.T, ctx context.Context) *fleet {
 			t.Fatalf("kvsim %s: %v", id, err)
 		}
 		t.Cleanup(func() { _ = in.Close() })
-		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: id, URL: in.URL()})
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: id, URL: in.URL()})
 		src := bridge.Source{Instance: id, Endpoint: cfg.Events.Endpoint, ReplayEndpoint: cfg.Events.ReplayEndpoint, URL: in.URL()}
 		b, err := bridge.New(bridge.Config{Pool: pool, Model: model, BlockSize: sim.DefaultBlockSize, Sources: []bridge.Source{src},
 			Conn: nc, Stream: stream, Bucket: bucket, Logger: log})
@@ -99,9 +100,9 @@ func startFleet(t *testing.T, ctx context.Context) *fleet {
 		}
 		bridges = append(bridges, b)
 	}
-	cfg := router.Config{
-		AdminToken: adminToken, DefaultPool: pool, Pools: []router.PoolConfig{pc},
-		Events: &router.EventsConfig{NATS: router.NATSConfig{URL: ns.URL(), Stream: streamName}, Bucket: bucketName},
+	cfg := config.Config{
+		AdminToken: adminToken, DefaultPool: pool, Pools: []config.PoolConfig{pc},
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: streamName}, Bucket: bucketName},
 	}
 	reg := prometheus.NewRegistry()
 	kve, err := router.StartKVEvents(ctx, cfg, router.KVEventsOptions{Registerer: reg, Logger: log, Conn: nc, Stream: stream, Bucket: bucket})
@@ -425,16 +426,16 @@ func TestDashboardWithoutKVInChromium(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	pc := router.PoolConfig{Name: "plain", Model: model}
+	pc := config.PoolConfig{Name: "plain", Model: model}
 	for i := range 2 {
 		in, err := simserver.Start(ctx, simserver.Config{Engine: sim.Config{Model: model, HashSeed: uint64(i + 1)}, TimeScale: 20, Logger: log})
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { _ = in.Close() })
-		pc.Instances = append(pc.Instances, router.InstanceConfig{ID: fmt.Sprintf("plain%d", i), URL: in.URL()})
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: fmt.Sprintf("plain%d", i), URL: in.URL()})
 	}
-	srv, err := router.NewServer(router.Config{Pools: []router.PoolConfig{pc}}, router.Options{Logger: log})
+	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{Logger: log})
 	if err != nil {
 		t.Fatal(err)
 	}

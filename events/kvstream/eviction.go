@@ -1,0 +1,173 @@
+package kvstream
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// Eviction reasons (EvictionRecord.Reason).
+const (
+	// ReasonEvicted: the engine removed blocks from a tier (BlockRemoved).
+	ReasonEvicted = "evicted"
+	// ReasonCleared: the engine dropped its whole cache (AllBlocksCleared).
+	ReasonCleared = "cleared"
+	// ReasonGap, ReasonRestart, ReasonResync: the bridge cleared the
+	// instance itself (see the Synthetic* constants).
+	ReasonGap     = SyntheticGap
+	ReasonRestart = SyntheticRestart
+	ReasonResync  = SyntheticResync
+)
+
+// TierAll is EvictionRecord.Tier for a clear of every tier.
+const TierAll = "all"
+
+// MaxEvictionHashes bounds EvictionRecord.Hashes so a record stays small;
+// a removal listing more goes as several records, each counting its own.
+const MaxEvictionHashes = 64
+
+// EvictionRecord is one JSON document on kv.evictions.<pool>.<instance>,
+// e.g. {"pool":"llama","instance":"vllm-0","tier":"gpu","blocks":3,
+// "hashes":[123,456,789],"time":"2026-11-29T10:00:00Z","reason":"evicted"}.
+type EvictionRecord struct {
+	Pool     string    `json:"pool"`
+	Instance string    `json:"instance"`
+	Tier     string    `json:"tier"`
+	Blocks   int       `json:"blocks"`
+	Hashes   []uint64  `json:"hashes,omitempty"`
+	Time     time.Time `json:"time"`
+	Reason   string    `json:"reason"`
+}
+
+// EvictionSSEConfig configures EvictionSSEHandler. Zero values mean defaults.
+type EvictionSSEConfig struct {
+	// Heartbeat is the period of ": ping" comment lines that keep proxies
+	// from closing an idle stream (default 15s, below common 30–60s idle
+	// timeouts).
+	Heartbeat time.Duration
+	// Buffer is the number of records queued per client before further
+	// records are dropped for that client (default 256): a slow dashboard
+	// must not slow the router.
+	Buffer int
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+	// KnownPool, when set, says whether a pool exists; a stream for a pool
+	// it does not know is answered 404 instead of an empty stream that
+	// would never carry a record (a typo would look like a quiet pool).
+	KnownPool func(pool string) bool
+}
+
+// EvictionSSEHandler serves kv.evictions as server-sent events:
+// GET ?pool=P[&instance=I][&tier=gpu|cpu|disk|shared|all]. pool is
+// required. Each record is one "data: {json}" event; a ": ping" comment is
+// sent every Heartbeat; the stream ends when the client goes away or ctx
+// (the server's lifetime) is done.
+func EvictionSSEHandler(ctx context.Context, nc *nats.Conn, cfg EvictionSSEConfig) http.Handler {
+	if cfg.Heartbeat <= 0 {
+		cfg.Heartbeat = 15 * time.Second
+	}
+	if cfg.Buffer <= 0 {
+		cfg.Buffer = 256
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		q := r.URL.Query()
+		pool, instance, tier := q.Get("pool"), q.Get("instance"), q.Get("tier")
+		if err := ValidToken("pool", pool); err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		if cfg.KnownPool != nil && !cfg.KnownPool(pool) {
+			http.Error(w, fmt.Sprintf("unknown pool %q", pool), http.StatusNotFound)
+			return
+		}
+		subj := SubjectEvictions + "." + pool + ".*"
+		if instance != "" {
+			s, err := EvictionsSubject(pool, instance)
+			if err != nil {
+				http.Error(w, err.Error(), http.StatusBadRequest)
+				return
+			}
+			subj = s
+		}
+		if tier != "" && tier != TierAll {
+			if _, ok := tiers.Parse(tier); !ok {
+				http.Error(w, fmt.Sprintf("unknown tier %q (want gpu, cpu, disk, shared or all)", tier), http.StatusBadRequest)
+				return
+			}
+		}
+		fl, ok := w.(http.Flusher)
+		if !ok {
+			http.Error(w, "streaming unsupported", http.StatusInternalServerError)
+			return
+		}
+		ch := make(chan *nats.Msg, cfg.Buffer)
+		sub, err := nc.ChanSubscribe(subj, ch)
+		if err != nil {
+			http.Error(w, "subscribe: "+err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		// Drops beyond the per-client buffer are the slow client's loss.
+		_ = sub.SetPendingLimits(cfg.Buffer, -1)
+		defer func() { _ = sub.Unsubscribe() }()
+
+		h := w.Header()
+		h.Set("Content-Type", "text/event-stream")
+		h.Set("Cache-Control", "no-cache")
+		h.Set("Connection", "keep-alive")
+		h.Set("X-Accel-Buffering", "no")
+		w.WriteHeader(http.StatusOK)
+		_, _ = fmt.Fprint(w, ": kv evictions for pool "+pool+"\n\n")
+		fl.Flush()
+
+		var buf bytes.Buffer
+		tick := time.NewTicker(cfg.Heartbeat)
+		defer tick.Stop()
+		for {
+			select {
+			case <-r.Context().Done():
+				return
+			case <-ctx.Done():
+				_, _ = fmt.Fprint(w, "event: close\ndata: {}\n\n")
+				fl.Flush()
+				return
+			case <-tick.C:
+				if _, err := fmt.Fprint(w, ": ping\n\n"); err != nil {
+					return
+				}
+				fl.Flush()
+			case m := <-ch:
+				if tier != "" && tier != TierAll {
+					var rec EvictionRecord
+					if err := json.Unmarshal(m.Data, &rec); err != nil {
+						cfg.Logger.Debug("eviction sse: skipped malformed record", "subject", m.Subject, "err", err)
+						continue
+					}
+					if rec.Tier != tier && rec.Tier != TierAll {
+						continue
+					}
+				}
+				// Compacted, because a newline inside the JSON would end the
+				// SSE data line early.
+				buf.Reset()
+				if err := json.Compact(&buf, m.Data); err != nil {
+					continue
+				}
+				if _, err := fmt.Fprintf(w, "event: eviction\ndata: %s\n\n", buf.Bytes()); err != nil {
+					return
+				}
+				fl.Flush()
+			}
+		}
+	})
+}

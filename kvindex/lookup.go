@@ -1,0 +1,306 @@
+package kvindex
+
+import (
+	"context"
+	"math/bits"
+	"sync/atomic"
+
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// Lookup implements Index. It walks the chain through the global block map
+// once, intersecting the holders of each block with the instances still
+// matching, and stops when none is left: its cost is the matched length
+// plus the number of instances in the result, however many instances share
+// the prefix (each block costs O(1) while its holders are the same few
+// instances, or a few word operations per 64 instance slots while many
+// instances hold it).
+func (m *Memory) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if len(keys) == 0 {
+		return nil, nil
+	}
+	ls, _ := m.lookups.Get().(*lookupState)
+	if ls == nil {
+		ls = &lookupState{}
+	}
+	m.mu.RLock()
+	out := ls.run(m, keys)
+	m.mu.RUnlock()
+	ls.out = nil
+	m.lookups.Put(ls)
+	return m.bs.roundUnits(out), nil
+}
+
+// lookupState is one lookup's working set, pooled. The instances still
+// matching are kept either as a list of candidates (few) or as per-tier
+// bitsets over instance slots (many, while the chain's blocks are held by
+// holder sets).
+type lookupState struct {
+	bm  *blockMap
+	out []Match
+
+	// list mode: candidates sorted by slot.
+	cands []cand
+
+	// set mode: alive[t] holds the slots whose run in tier t (or a faster
+	// one) is still unbroken; outIdx maps a slot to its Match.
+	set    bool
+	words  int
+	alive  [tiers.Count][]uint64
+	outIdx []int32
+	n      int // slots alive in some tier
+}
+
+// cand is one instance still matching: from is the fastest tier whose run
+// is unbroken (tiers.Count: none), out its Match.
+type cand struct {
+	slot uint32
+	from uint8
+	out  int32
+}
+
+func (ls *lookupState) run(m *Memory, keys []Key) []Match {
+	bm := &m.blocks
+	ls.bm = bm
+	node := bm.find(keys[0])
+	if node < 0 {
+		return nil
+	}
+	ls.start(m.slots, node)
+	i := 1
+	for ; i < len(keys) && ls.alive1(); i++ {
+		// The blocks of a chain stored by one event got adjacent nodes (last
+		// block first): try the neighbours before the table.
+		k, next := keys[i], int32(-1)
+		switch {
+		case node > 0 && *bm.keyAt(node - 1) == k && atomic.LoadUint32(bm.holdAt(node-1)) != 0:
+			next = node - 1
+		case node+1 < bm.n && *bm.keyAt(node + 1) == k && atomic.LoadUint32(bm.holdAt(node+1)) != 0:
+			next = node + 1
+		default:
+			next = bm.find(k)
+		}
+		if next < 0 {
+			break
+		}
+		node = next
+		if len(ls.cands) == 1 && !ls.set {
+			// One instance left (the common tail of a lookup): its block
+			// held inline by it alone is the fast path.
+			p := bm.holdAt(node)
+			if w := atomic.LoadUint32(p); w&hSpill == 0 && holderSlot(w) == ls.cands[0].slot {
+				c := &ls.cands[0]
+				if l := level(w); l > c.from {
+					ls.advance(c, l, int32(i))
+				}
+				if w&hHit == 0 {
+					atomic.OrUint32(p, hHit)
+				}
+				continue
+			}
+		}
+		ls.step(node, int32(i))
+	}
+	ls.finish(int32(i))
+	return ls.out
+}
+
+// alive1 reports whether any instance still matches.
+func (ls *lookupState) alive1() bool {
+	if ls.set {
+		return ls.n > 0
+	}
+	return len(ls.cands) > 0
+}
+
+// start takes the holders of the chain's first block as the result.
+func (ls *lookupState) start(slots []*memInstance, node int32) {
+	ls.set, ls.cands = false, ls.cands[:0]
+	p := ls.bm.holdAt(node)
+	w := atomic.LoadUint32(p)
+	if w&hSpill == 0 {
+		ls.out = []Match{{Instance: slots[holderSlot(w)].name}}
+		ls.cands = append(ls.cands, cand{slot: holderSlot(w), from: level(w)})
+		markHit(p)
+		return
+	}
+	sp := &ls.bm.spills[w&^hSpill]
+	if sp.set == nil {
+		ls.out = make([]Match, len(sp.list))
+		for k := range sp.list {
+			w := atomic.LoadUint32(&sp.list[k])
+			ls.out[k].Instance = slots[holderSlot(w)].name
+			ls.cands = append(ls.cands, cand{slot: holderSlot(w), from: level(w), out: int32(k)})
+			markHit(&sp.list[k])
+		}
+		return
+	}
+	hs := sp.set
+	ls.set, ls.words, ls.n = true, hs.words, hs.n
+	for t := range ls.alive {
+		ls.alive[t] = append(ls.alive[t][:0], hs.lv[t]...)
+	}
+	if need := hs.words * 64; len(ls.outIdx) < need {
+		ls.outIdx = make([]int32, need)
+	}
+	ls.out = make([]Match, hs.n)
+	k := int32(0)
+	eachBit(ls.alive[tiers.Count-1], func(slot int) {
+		ls.outIdx[slot] = k
+		ls.out[k].Instance = slots[slot].name
+		k++
+	})
+	hs.markHits(ls.alive[tiers.Count-1])
+}
+
+// step intersects the instances still matching with node's holders; i is
+// the node's position in the chain.
+func (ls *lookupState) step(node int32, i int32) {
+	p := ls.bm.holdAt(node)
+	w := atomic.LoadUint32(p)
+	var sp *spill
+	if w&hSpill != 0 {
+		sp = &ls.bm.spills[w&^hSpill]
+	}
+	if ls.set {
+		if sp != nil && sp.set != nil {
+			ls.stepSets(sp.set, i)
+			return
+		}
+		ls.toList() // few holders: at most that many instances go on
+	}
+	kept := 0
+	switch {
+	case sp == nil: // one holder
+		slot, lv := holderSlot(w), level(w)
+		for _, c := range ls.cands {
+			l := uint8(tiers.Count)
+			if c.slot == slot {
+				l = lv
+			}
+			if ls.advance(&c, l, i) {
+				ls.cands[kept] = c
+				kept++
+				markHit(p)
+			}
+		}
+	case sp.set == nil: // a holder list, sorted by slot like the candidates
+		list, k := sp.list, 0
+		for _, c := range ls.cands {
+			for k < len(list) && holderSlot(atomic.LoadUint32(&list[k])) < c.slot {
+				k++
+			}
+			l := uint8(tiers.Count)
+			if k < len(list) {
+				if lw := atomic.LoadUint32(&list[k]); holderSlot(lw) == c.slot {
+					l = level(lw)
+				}
+			}
+			if ls.advance(&c, l, i) {
+				ls.cands[kept] = c
+				kept++
+				markHit(&list[k])
+			}
+		}
+	default: // a holder set
+		hs := sp.set
+		for _, c := range ls.cands {
+			wi, bit := int(c.slot/64), uint64(1)<<(c.slot%64)
+			l := uint8(tiers.Count)
+			if wi < hs.words {
+				for t := c.from; t < tiers.Count; t++ {
+					if hs.lv[t][wi]&bit != 0 {
+						l = t
+						break
+					}
+				}
+			}
+			if ls.advance(&c, l, i) {
+				ls.cands[kept] = c
+				kept++
+				if atomic.LoadUint64(&hs.hit[wi])&bit == 0 {
+					atomic.OrUint64(&hs.hit[wi], bit)
+				}
+			}
+		}
+	}
+	ls.cands = ls.cands[:kept]
+}
+
+// advance applies a block whose fastest tier held by c is l (tiers.Count:
+// not held): the runs of the tiers faster than l end at i. It reports
+// whether c still matches in some tier.
+func (ls *lookupState) advance(c *cand, l uint8, i int32) bool {
+	for ; c.from < l; c.from++ {
+		ls.out[c.out].Blocks[c.from] = int(i)
+	}
+	return c.from < tiers.Count
+}
+
+// stepSets intersects the alive bitsets with a holder set's.
+func (ls *lookupState) stepSets(hs *holderSet, i int32) {
+	for t := range tiers.Count {
+		a, lv := ls.alive[t], hs.lv[t]
+		for wi, x := range a {
+			if x == 0 {
+				continue
+			}
+			var y uint64
+			if wi < len(lv) {
+				y = x & lv[wi]
+			}
+			for d := x &^ y; d != 0; d &= d - 1 {
+				ls.out[ls.outIdx[wi*64+bits.TrailingZeros64(d)]].Blocks[t] = int(i)
+			}
+			a[wi] = y
+		}
+	}
+	top := ls.alive[tiers.Count-1]
+	n := 0
+	for _, x := range top {
+		n += bits.OnesCount64(x)
+	}
+	ls.n = n
+	hs.markHits(top)
+	if n > 0 && n <= listMax {
+		ls.toList()
+	}
+}
+
+// toList turns the alive bitsets into candidates.
+func (ls *lookupState) toList() {
+	ls.cands = ls.cands[:0]
+	eachBit(ls.alive[tiers.Count-1], func(slot int) {
+		wi, bit := slot/64, uint64(1)<<(slot%64)
+		from := uint8(0)
+		for ls.alive[from][wi]&bit == 0 {
+			from++
+		}
+		ls.cands = append(ls.cands, cand{slot: uint32(slot), from: from, out: ls.outIdx[slot]})
+	})
+	ls.set = false
+}
+
+// finish ends the runs still unbroken after n blocks.
+func (ls *lookupState) finish(n int32) {
+	if !ls.set {
+		for _, c := range ls.cands {
+			ls.advance(&c, tiers.Count, n)
+		}
+		return
+	}
+	for t := range tiers.Count {
+		eachBit(ls.alive[t], func(slot int) { ls.out[ls.outIdx[slot]].Blocks[t] = int(n) })
+	}
+}
+
+func eachBit(words []uint64, f func(int)) {
+	for wi, x := range words {
+		for ; x != 0; x &= x - 1 {
+			f(wi*64 + bits.TrailingZeros64(x))
+		}
+	}
+}

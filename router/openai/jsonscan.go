@@ -1,0 +1,601 @@
+package openai
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"unicode/utf16"
+	"unicode/utf8"
+)
+
+// A hand-written, single-pass reader for the few fields of an OpenAI body
+// the router needs. encoding/json spends ~10 µs per KiB of prompt here
+// (a validity scan, then a decoding scan, then a copy of every string);
+// long prompts are the point of this router, and the routing text needs
+// only the first prefix_length characters. The whole document is still
+// validated (malformed JSON is a 400), but strings are only scanned, and
+// unescaped when they are kept.
+//
+// Differences from encoding/json, on purpose: object keys match exactly
+// (encoding/json folds case; vLLM's pydantic models do not, so "Model" is
+// not "model" upstream either), and a repeated key replaces the earlier
+// value whole. The differential fuzz test holds the rest equal.
+
+// maxJSONDepth bounds nesting, as encoding/json does, so that a body of
+// 32 MiB of '[' cannot exhaust the stack.
+const maxJSONDepth = 10000
+
+var errJSONDepth = errors.New("exceeded max depth")
+
+type jscan struct {
+	b []byte
+	i int
+}
+
+func (s *jscan) errorf(format string, a ...any) error {
+	return fmt.Errorf("offset %d: "+format, append([]any{s.i}, a...)...)
+}
+
+func (s *jscan) ws() {
+	for s.i < len(s.b) {
+		switch s.b[s.i] {
+		case ' ', '\t', '\n', '\r':
+			s.i++
+		default:
+			return
+		}
+	}
+}
+
+// peek returns the next non-space byte (0 at the end) without consuming it.
+func (s *jscan) peek() byte {
+	s.ws()
+	if s.i < len(s.b) {
+		return s.b[s.i]
+	}
+	return 0
+}
+
+func (s *jscan) expect(c byte) error {
+	if s.peek() != c {
+		if s.i >= len(s.b) {
+			return s.errorf("unexpected end of JSON input, want %q", c)
+		}
+		return s.errorf("invalid character %q, want %q", s.b[s.i], c)
+	}
+	s.i++
+	return nil
+}
+
+// plainStringByte marks the bytes a string scan passes without a second
+// look: all but '"', '\\' and control characters. Read-only after start.
+var plainStringByte = func() (t [256]bool) {
+	for c := 0x20; c < 256; c++ {
+		t[c] = c != '"' && c != '\\'
+	}
+	return t
+}()
+
+func isHex(c byte) bool { return c >= '0' && c <= '9' || c >= 'a' && c <= 'f' || c >= 'A' && c <= 'F' }
+
+// str scans a string at s.i (which holds '"') and returns its raw content
+// (between the quotes) and whether it contains escapes.
+func (s *jscan) str() (raw []byte, escaped bool, err error) {
+	if s.peek() != '"' {
+		return nil, false, s.errorf("want a string")
+	}
+	s.i++
+	start := s.i
+	b := s.b
+	for i := s.i; i < len(b); {
+		for i < len(b) && plainStringByte[b[i]] { // the hot loop: most bytes
+			i++
+		}
+		if i >= len(b) {
+			break
+		}
+		c := b[i]
+		switch {
+		case c == '"':
+			s.i = i + 1
+			return b[start:i], escaped, nil
+		case c == '\\':
+			escaped = true
+			if i+1 >= len(b) {
+				s.i = i
+				return nil, false, s.errorf("unterminated string escape")
+			}
+			switch b[i+1] {
+			case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
+				i += 2
+			case 'u':
+				if i+6 > len(b) || !isHex(b[i+2]) || !isHex(b[i+3]) || !isHex(b[i+4]) || !isHex(b[i+5]) {
+					s.i = i
+					return nil, false, s.errorf("invalid \\u escape")
+				}
+				i += 6
+			default:
+				s.i = i
+				return nil, false, s.errorf("invalid escape %q", b[i+1])
+			}
+		case c < 0x20:
+			s.i = i
+			return nil, false, s.errorf("control character %#x in string", c)
+		default:
+			i++
+		}
+	}
+	s.i = len(b)
+	return nil, false, s.errorf("unterminated string")
+}
+
+// unquote turns validated raw string content into its value, exactly as
+// encoding/json does: escapes decoded, lone surrogates and invalid UTF-8
+// replaced by U+FFFD.
+func unquote(raw []byte, escaped bool) string {
+	if !escaped && utf8.Valid(raw) {
+		return string(raw)
+	}
+	out := make([]byte, 0, len(raw)+8)
+	for i := 0; i < len(raw); {
+		c := raw[i]
+		switch {
+		case c == '\\':
+			switch raw[i+1] {
+			case 'b':
+				out = append(out, '\b')
+			case 'f':
+				out = append(out, '\f')
+			case 'n':
+				out = append(out, '\n')
+			case 'r':
+				out = append(out, '\r')
+			case 't':
+				out = append(out, '\t')
+			case 'u':
+				r := hex4(raw[i+2:])
+				i += 6
+				if utf16.IsSurrogate(r) {
+					if i+6 <= len(raw) && raw[i] == '\\' && raw[i+1] == 'u' {
+						if d := utf16.DecodeRune(r, hex4(raw[i+2:])); d != utf8.RuneError {
+							out = utf8.AppendRune(out, d)
+							i += 6
+							continue
+						}
+					}
+					r = utf8.RuneError
+				}
+				out = utf8.AppendRune(out, r)
+				continue
+			default: // '"', '\\', '/'
+				out = append(out, raw[i+1])
+			}
+			i += 2
+		case c < utf8.RuneSelf:
+			out = append(out, c)
+			i++
+		default:
+			r, size := utf8.DecodeRune(raw[i:])
+			if r == utf8.RuneError && size == 1 {
+				out = utf8.AppendRune(out, utf8.RuneError)
+			} else {
+				out = append(out, raw[i:i+size]...)
+			}
+			i += size
+		}
+	}
+	return string(out)
+}
+
+func hex4(b []byte) rune {
+	var r rune
+	for _, c := range b[:4] {
+		switch {
+		case c >= '0' && c <= '9':
+			c -= '0'
+		case c >= 'a' && c <= 'f':
+			c = c - 'a' + 10
+		default:
+			c = c - 'A' + 10
+		}
+		r = r<<4 | rune(c)
+	}
+	return r
+}
+
+// num scans a number per the JSON grammar.
+func (s *jscan) num() error {
+	b, i := s.b, s.i
+	if i < len(b) && b[i] == '-' {
+		i++
+	}
+	switch {
+	case i < len(b) && b[i] == '0':
+		i++
+	case i < len(b) && b[i] >= '1' && b[i] <= '9':
+		for i < len(b) && b[i] >= '0' && b[i] <= '9' {
+			i++
+		}
+	default:
+		s.i = i
+		return s.errorf("invalid number")
+	}
+	if i < len(b) && b[i] == '.' {
+		i++
+		if i >= len(b) || b[i] < '0' || b[i] > '9' {
+			s.i = i
+			return s.errorf("invalid number: digit expected after '.'")
+		}
+		for i < len(b) && b[i] >= '0' && b[i] <= '9' {
+			i++
+		}
+	}
+	if i < len(b) && (b[i] == 'e' || b[i] == 'E') {
+		i++
+		if i < len(b) && (b[i] == '+' || b[i] == '-') {
+			i++
+		}
+		if i >= len(b) || b[i] < '0' || b[i] > '9' {
+			s.i = i
+			return s.errorf("invalid number: digit expected in exponent")
+		}
+		for i < len(b) && b[i] >= '0' && b[i] <= '9' {
+			i++
+		}
+	}
+	s.i = i
+	return nil
+}
+
+func (s *jscan) lit(word string) error {
+	if len(s.b)-s.i < len(word) || string(s.b[s.i:s.i+len(word)]) != word {
+		return s.errorf("invalid literal, want %s", word)
+	}
+	s.i += len(word)
+	return nil
+}
+
+// skip validates and passes over one value, returning its bytes.
+func (s *jscan) skip(depth int) ([]byte, error) {
+	if depth > maxJSONDepth {
+		return nil, errJSONDepth
+	}
+	c := s.peek()
+	start := s.i
+	var err error
+	switch {
+	case c == '"':
+		_, _, err = s.str()
+	case c == '{':
+		s.i++
+		if s.peek() == '}' {
+			s.i++
+			break
+		}
+		for {
+			if _, _, err = s.str(); err != nil {
+				break
+			}
+			if err = s.expect(':'); err != nil {
+				break
+			}
+			if _, err = s.skip(depth + 1); err != nil {
+				break
+			}
+			if s.peek() == ',' {
+				s.i++
+				continue
+			}
+			err = s.expect('}')
+			break
+		}
+	case c == '[':
+		s.i++
+		if s.peek() == ']' {
+			s.i++
+			break
+		}
+		for {
+			if _, err = s.skip(depth + 1); err != nil {
+				break
+			}
+			if s.peek() == ',' {
+				s.i++
+				continue
+			}
+			err = s.expect(']')
+			break
+		}
+	case c == '-' || c >= '0' && c <= '9':
+		err = s.num()
+	case c == 't':
+		err = s.lit("true")
+	case c == 'f':
+		err = s.lit("false")
+	case c == 'n':
+		err = s.lit("null")
+	case c == 0 && s.i >= len(s.b):
+		err = s.errorf("unexpected end of JSON input")
+	default:
+		err = s.errorf("invalid character %q looking for beginning of value", c)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return s.b[start:s.i], nil
+}
+
+// object iterates the members of an object at s.i, calling member with the
+// decoded key; member must consume the value.
+func (s *jscan) object(depth int, member func(key string) error) error {
+	if depth > maxJSONDepth {
+		return errJSONDepth
+	}
+	if err := s.expect('{'); err != nil {
+		return err
+	}
+	if s.peek() == '}' {
+		s.i++
+		return nil
+	}
+	for {
+		raw, esc, err := s.str()
+		if err != nil {
+			return err
+		}
+		if err := s.expect(':'); err != nil {
+			return err
+		}
+		if err := member(unquote(raw, esc)); err != nil {
+			return err
+		}
+		if s.peek() == ',' {
+			s.i++
+			continue
+		}
+		return s.expect('}')
+	}
+}
+
+// array iterates the elements of an array at s.i; elem must consume each.
+func (s *jscan) array(depth int, elem func() error) error {
+	if depth > maxJSONDepth {
+		return errJSONDepth
+	}
+	if err := s.expect('['); err != nil {
+		return err
+	}
+	if s.peek() == ']' {
+		s.i++
+		return nil
+	}
+	for {
+		if err := elem(); err != nil {
+			return err
+		}
+		if s.peek() == ',' {
+			s.i++
+			continue
+		}
+		return s.expect(']')
+	}
+}
+
+// stringOrNull reads a string into *dst; null leaves *dst unchanged (as
+// encoding/json does for a string field).
+func (s *jscan) stringOrNull(field string, dst *string) error {
+	switch s.peek() {
+	case '"':
+		raw, esc, err := s.str()
+		if err != nil {
+			return err
+		}
+		*dst = unquote(raw, esc)
+		return nil
+	case 'n':
+		return s.lit("null")
+	}
+	if _, err := s.skip(1); err != nil {
+		return err
+	}
+	return fmt.Errorf("%s: want a string", field)
+}
+
+// Decode fills r from body (see the file comment).
+func Decode(body []byte, r *Request) error {
+	s := &jscan{b: body}
+	switch s.peek() {
+	case 'n': // null: an empty request, as encoding/json has it
+		if err := s.lit("null"); err != nil {
+			return err
+		}
+	case '{':
+		if err := s.object(1, func(key string) error { return s.topMember(key, r) }); err != nil {
+			return err
+		}
+	default:
+		if _, err := s.skip(0); err != nil {
+			return err
+		}
+		return errors.New("want a JSON object")
+	}
+	if s.peek() != 0 || s.i < len(s.b) {
+		return s.errorf("invalid character %q after top-level value", s.b[s.i])
+	}
+	return nil
+}
+
+func (s *jscan) topMember(key string, r *Request) error {
+	switch key {
+	case "model":
+		return s.stringOrNull("model", &r.Model)
+	case "prompt_cache_key":
+		return s.stringOrNull("prompt_cache_key", &r.PromptCacheKey)
+	case "stream":
+		switch s.peek() {
+		case 't':
+			r.Stream = true
+			return s.lit("true")
+		case 'f':
+			r.Stream = false
+			return s.lit("false")
+		case 'n':
+			return s.lit("null")
+		}
+		if _, err := s.skip(1); err != nil {
+			return err
+		}
+		return errors.New("stream: want a boolean")
+	case "messages":
+		if s.peek() == 'n' {
+			r.Messages = nil
+			return s.lit("null")
+		}
+		if s.peek() != '[' {
+			if _, err := s.skip(1); err != nil {
+				return err
+			}
+			return errors.New("messages: want an array")
+		}
+		r.Messages = []ChatMessage{} // [] is an empty list, not null
+		return s.array(2, func() error {
+			var m ChatMessage
+			switch s.peek() {
+			case 'n':
+				if err := s.lit("null"); err != nil {
+					return err
+				}
+			case '{':
+				if err := s.object(3, func(k string) error { return s.messageMember(k, &m) }); err != nil {
+					return err
+				}
+			default:
+				if _, err := s.skip(3); err != nil {
+					return err
+				}
+				return fmt.Errorf("messages[%d]: want an object", len(r.Messages))
+			}
+			r.Messages = append(r.Messages, m)
+			return nil
+		})
+	case "prompt":
+		if s.peek() == 'n' {
+			r.Prompt = nil
+			return s.lit("null")
+		}
+		if s.peek() == '"' { // the common long case: no second pass
+			raw, esc, err := s.str()
+			if err != nil {
+				return err
+			}
+			r.Prompt = &Prompt{Texts: []string{unquote(raw, esc)}}
+			return nil
+		}
+		raw, err := s.skip(1)
+		if err != nil {
+			return err
+		}
+		p := &Prompt{}
+		if err := p.UnmarshalJSON(raw); err != nil {
+			return err
+		}
+		r.Prompt = p
+		return nil
+	case "cache_salt":
+		return s.raw(1, &r.CacheSalt)
+	case "add_generation_prompt":
+		return s.raw(1, &r.AddGenerationPrompt)
+	case "continue_final_message":
+		return s.raw(1, &r.ContinueFinalMessage)
+	case "add_special_tokens":
+		return s.raw(1, &r.AddSpecialTokens)
+	case "tools":
+		return s.raw(1, &r.Tools)
+	case "chat_template_kwargs":
+		return s.raw(1, &r.ChatTemplateKwargs)
+	}
+	_, err := s.skip(1)
+	return err
+}
+
+// raw keeps the bytes of one value (a sub-slice of the body: no copy).
+func (s *jscan) raw(depth int, dst *json.RawMessage) error {
+	v, err := s.skip(depth)
+	if err != nil {
+		return err
+	}
+	*dst = v[:len(v):len(v)] // appends must not write into the body
+	return nil
+}
+
+// rawString is the string a raw value holds ("" for null or absent), as
+// encoding/json would decode it into a string; ok is false for any other
+// type.
+func RawString(v []byte) (string, bool) {
+	if len(v) == 0 || string(v) == "null" {
+		return "", true
+	}
+	s := &jscan{b: v}
+	raw, esc, err := s.str()
+	if err != nil || s.i != len(v) {
+		return "", false
+	}
+	return unquote(raw, esc), true
+}
+
+func (s *jscan) messageMember(key string, m *ChatMessage) error {
+	switch key {
+	case "role":
+		return s.stringOrNull("role", &m.Role)
+	case "content":
+		switch s.peek() {
+		case '"':
+			raw, esc, err := s.str()
+			if err != nil {
+				return err
+			}
+			m.Content = MessageContent{Parts: []string{unquote(raw, esc)}}
+			return nil
+		case 'n':
+			m.Content = MessageContent{}
+			return s.lit("null")
+		}
+		raw, err := s.skip(3)
+		if err != nil {
+			return err
+		}
+		return m.Content.UnmarshalJSON(raw) // arrays of parts: short, rare
+	case "name":
+		return s.raw(3, &m.Name)
+	case "tool_call_id":
+		return s.raw(3, &m.ToolCallID)
+	case "reasoning_content":
+		return s.raw(3, &m.ReasoningContent)
+	case "tool_calls":
+		return s.raw(3, &m.ToolCalls)
+	}
+	_, err := s.skip(3)
+	return err
+}
+
+// topLevelRaw is the raw value of the top-level member key (exact match,
+// the last one when repeated) of a JSON object body; nil when there is
+// none or body is not a valid JSON object.
+func TopLevelRaw(body []byte, key string) json.RawMessage {
+	s := &jscan{b: body}
+	if s.peek() != '{' {
+		return nil
+	}
+	var v json.RawMessage
+	err := s.object(1, func(k string) error {
+		raw, err := s.skip(1)
+		if err == nil && k == key {
+			v = raw
+		}
+		return err
+	})
+	if err != nil || s.peek() != 0 || s.i < len(s.b) {
+		return nil
+	}
+	return v
+}

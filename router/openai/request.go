@@ -1,0 +1,287 @@
+package openai
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"unicode/utf8"
+)
+
+// Request is the part of an OpenAI chat or completions body the router
+// reads. The body is forwarded as received, never re-serialised.
+//
+// The fields the token source and kv_aware's block keys need beyond
+// routing are kept as the raw bytes of their values (nil when absent), so
+// that the body is decoded once (jsonscan.go) and a value of the wrong type
+// fails tokenization, as before, rather than the request.
+type Request struct {
+	Model          string        `json:"model"`
+	Messages       []ChatMessage `json:"messages"`
+	Prompt         *Prompt       `json:"prompt"`
+	Stream         bool          `json:"stream"`
+	PromptCacheKey string        `json:"prompt_cache_key"`
+
+	// vLLM's extra fields: per-request KV isolation, chat rendering and
+	// completions encoding.
+	CacheSalt            json.RawMessage `json:"cache_salt"`
+	AddGenerationPrompt  json.RawMessage `json:"add_generation_prompt"`
+	ContinueFinalMessage json.RawMessage `json:"continue_final_message"`
+	AddSpecialTokens     json.RawMessage `json:"add_special_tokens"`
+	Tools                json.RawMessage `json:"tools"`
+	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs"`
+
+	// src is the body Parse decoded: kv_aware trusts CacheSalt only
+	// for a Request whose Body is still these bytes (salt.go rewrites it).
+	src []byte
+}
+
+// ChatMessage is one chat message; Content holds the text of a string
+// content or of the "text" parts of an array content, in order. The other
+// fields are raw values, for rendering the chat template.
+type ChatMessage struct {
+	Role             string          `json:"role"`
+	Content          MessageContent  `json:"content"`
+	Name             json.RawMessage `json:"name"`
+	ToolCallID       json.RawMessage `json:"tool_call_id"`
+	ReasoningContent json.RawMessage `json:"reasoning_content"`
+	ToolCalls        json.RawMessage `json:"tool_calls"`
+}
+
+// MessageContent is the text of a message's content.
+type MessageContent struct {
+	Parts []string
+	// Array: the content was a list of parts (Parts then holds only their
+	// texts; rendering needs the parts themselves: a full decode).
+	Array bool
+}
+
+// UnmarshalJSON accepts a string, null, or an array of content parts (only
+// parts with a "text" field contribute; images and audio do not route).
+func (m *MessageContent) UnmarshalJSON(b []byte) error {
+	b = bytes.TrimSpace(b)
+	switch {
+	case len(b) == 0 || string(b) == "null":
+		m.Parts, m.Array = nil, false
+		return nil
+	case b[0] == '"':
+		var s string
+		if err := json.Unmarshal(b, &s); err != nil {
+			return err
+		}
+		m.Parts, m.Array = []string{s}, false
+		return nil
+	case b[0] == '[':
+		var parts []struct {
+			Text *string `json:"text"`
+		}
+		if err := json.Unmarshal(b, &parts); err != nil {
+			return err
+		}
+		m.Parts = m.Parts[:0]
+		m.Array = true
+		for _, p := range parts {
+			if p.Text != nil {
+				m.Parts = append(m.Parts, *p.Text)
+			}
+		}
+		return nil
+	}
+	return fmt.Errorf("content: want a string or an array of parts")
+}
+
+// Prompt is a completions prompt: a string, a list of strings, a token-id
+// array, or a list of token-id arrays.
+type Prompt struct {
+	Texts  []string
+	Tokens [][]uint32
+}
+
+// UnmarshalJSON decodes every OpenAI prompt shape; token ids must fit uint32.
+func (p *Prompt) UnmarshalJSON(b []byte) error {
+	b = bytes.TrimSpace(b)
+	if len(b) == 0 || string(b) == "null" {
+		return nil
+	}
+	if b[0] == '"' {
+		var s string
+		if err := json.Unmarshal(b, &s); err != nil {
+			return err
+		}
+		p.Texts = []string{s}
+		return nil
+	}
+	if b[0] != '[' {
+		return fmt.Errorf("prompt: want a string, a list of strings or token ids")
+	}
+	var items []json.RawMessage
+	if err := json.Unmarshal(b, &items); err != nil {
+		return err
+	}
+	if len(items) == 0 {
+		return fmt.Errorf("prompt: empty list")
+	}
+	first := bytes.TrimSpace(items[0])
+	switch {
+	case len(first) > 0 && first[0] == '"':
+		p.Texts = make([]string, len(items))
+		for i, it := range items {
+			if err := json.Unmarshal(it, &p.Texts[i]); err != nil {
+				return fmt.Errorf("prompt[%d]: %w", i, err)
+			}
+		}
+	case len(first) > 0 && first[0] == '[':
+		p.Tokens = make([][]uint32, len(items))
+		for i, it := range items {
+			var ids []uint32
+			if err := json.Unmarshal(it, &ids); err != nil {
+				return fmt.Errorf("prompt[%d]: want token ids (0..4294967295): %w", i, err)
+			}
+			p.Tokens[i] = ids
+		}
+	default:
+		var ids []uint32
+		if err := json.Unmarshal(b, &ids); err != nil {
+			return fmt.Errorf("prompt: want token ids (0..4294967295): %w", err)
+		}
+		p.Tokens = [][]uint32{ids}
+	}
+	return nil
+}
+
+// Kind is the OpenAI endpoint a body was posted to: it decides what the
+// body must carry.
+type Kind uint8
+
+// Kinds.
+const (
+	// Any checks only that the body is valid JSON of the shape read here.
+	Any Kind = iota
+	// Chat is POST /v1/chat/completions: messages are required.
+	Chat
+	// Completions is POST /v1/completions: a prompt is required.
+	Completions
+)
+
+// Parse decodes an OpenAI chat or completions body (validating all of it,
+// see jsonscan.go) and checks that it carries what the endpoint needs. Its
+// errors' text is the client-facing message of a 400.
+func Parse(kind Kind, body []byte) (*Request, error) {
+	var r Request
+	if err := Decode(body, &r); err != nil {
+		return nil, fmt.Errorf("malformed JSON body: %v", err)
+	}
+	r.src = body
+	switch kind {
+	case Chat:
+		if len(r.Messages) == 0 {
+			return nil, errors.New("messages: required, at least one message")
+		}
+	case Completions:
+		if r.Prompt == nil || (len(r.Prompt.Texts) == 0 && len(r.Prompt.Tokens) == 0) {
+			return nil, errors.New("prompt: required")
+		}
+	}
+	return &r, nil
+}
+
+// Source is the body Parse decoded (kv_aware trusts CacheSalt only for a
+// request whose body is still these bytes).
+func (r *Request) Source() []byte { return r.src }
+
+// textBuilder collects at most limit characters (runes) of text.
+type textBuilder struct {
+	sb    strings.Builder
+	left  int
+	began bool
+}
+
+func newTextBuilder(limit int) *textBuilder {
+	tb := &textBuilder{left: limit}
+	return tb
+}
+
+func (t *textBuilder) full() bool { return t.left <= 0 }
+
+// add appends s (after a "\n" separator from earlier pieces), cut at the limit.
+func (t *textBuilder) add(s string) {
+	if t.began {
+		t.put("\n")
+	}
+	t.began = true
+	t.put(s)
+}
+
+func (t *textBuilder) put(s string) {
+	if t.left <= 0 {
+		return
+	}
+	if len(s) <= t.left { // runes <= bytes: it all fits
+		t.sb.WriteString(s)
+		t.left -= utf8.RuneCountInString(s)
+		return
+	}
+	// ASCII runs are one rune per byte: skip them without decoding.
+	i := 0
+	for i < t.left && s[i] < utf8.RuneSelf {
+		i++
+	}
+	n := i
+	for i < len(s) && n < t.left {
+		_, size := utf8.DecodeRuneInString(s[i:])
+		i += size
+		n++
+	}
+	t.sb.WriteString(s[:i])
+	t.left -= n
+}
+
+// RoutingText is the routing text of an OpenAI request: the first
+// limit characters of the messages' text (or the prompt), in order, pieces
+// joined by "\n". A token-id prompt routes by its ids written in decimal,
+// space separated.
+func RoutingText(r *Request, limit int) string {
+	tb := newTextBuilder(limit)
+	for _, m := range r.Messages {
+		for _, p := range m.Content.Parts {
+			if tb.full() {
+				return tb.sb.String()
+			}
+			tb.add(p)
+		}
+	}
+	if r.Prompt != nil {
+		for _, s := range r.Prompt.Texts {
+			if tb.full() {
+				break
+			}
+			tb.add(s)
+		}
+		var num [12]byte
+		for _, ids := range r.Prompt.Tokens {
+			for j, id := range ids {
+				if tb.full() {
+					return tb.sb.String()
+				}
+				if j == 0 {
+					tb.add(string(strconv.AppendUint(num[:0], uint64(id), 10)))
+				} else {
+					tb.put(" ")
+					tb.put(string(strconv.AppendUint(num[:0], uint64(id), 10)))
+				}
+			}
+		}
+	}
+	return tb.sb.String()
+}
+
+// firstTokens is the token ids of a prompt's first sequence: a batch of
+// token prompts is routed, as a whole, by its first member.
+func FirstTokens(p *Prompt) []uint32 {
+	if p == nil || len(p.Tokens) == 0 {
+		return nil
+	}
+	return p.Tokens[0]
+}
