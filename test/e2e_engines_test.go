@@ -17,12 +17,15 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
+	"github.com/kvrouter/kvrouter/tiers"
 )
 
 // Engine sources end to end: simulated engines speaking SGLang's or
@@ -170,13 +173,36 @@ func newEngineFleet(t *testing.T, formats ...string) *engineFleet {
 		f.nodes = append(f.nodes, n)
 		insts = append(insts, config.InstanceConfig{ID: n.id, URL: n.url()})
 	}
+	f.r = startEngineRouter(t, ctx, ns.URL(), pool, stream.Name, bucket.Name, insts, 0)
+	for _, n := range f.nodes {
+		n.startBridge()
+	}
+	for _, n := range f.nodes {
+		waitFor(t, 20*time.Second, n.id+" live", func() bool {
+			for _, in := range f.r.instances().Instances {
+				if in.Instance == n.id {
+					return in.State == "live"
+				}
+			}
+			return false
+		})
+	}
+	return f
+}
+
+// startEngineRouter runs the router's events pipeline and data plane for
+// one kv_aware pool (blockSize 0: learned from events).
+func startEngineRouter(t *testing.T, ctx context.Context, natsURL, pool, stream, bucket string, insts []config.InstanceConfig, blockSize int) *kvrRouter {
+	routing := config.RoutingConfig{Strategy: config.StrategyKVAware}
+	if blockSize > 0 {
+		routing.KV = &config.KVScoringConfig{BlockSize: blockSize}
+	}
 	cfg := config.Config{
 		AdminToken: "adm",
-		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream.Name}, Bucket: bucket.Name,
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: natsURL, Stream: stream}, Bucket: bucket,
 			StaleAfter: 2 * time.Second, PurgeAfter: 30 * time.Second},
-		Pools: []config.PoolConfig{{Name: pool, Model: engModel,
-			Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
-			Health:  config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+		Pools: []config.PoolConfig{{Name: pool, Model: engModel, Routing: routing,
+			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 			Instances: insts}},
 	}
 	reg := prometheus.NewRegistry()
@@ -196,24 +222,11 @@ func newEngineFleet(t *testing.T, formats ...string) *engineFleet {
 	t.Cleanup(func() { stopRun(); <-runDone })
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(ts.Close)
-	f.r = &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
+	r := &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
 	if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
 		t.Fatal(err)
 	}
-	for _, n := range f.nodes {
-		n.startBridge()
-	}
-	for _, n := range f.nodes {
-		waitFor(t, 20*time.Second, n.id+" live", func() bool {
-			for _, in := range f.r.instances().Instances {
-				if in.Instance == n.id {
-					return in.State == "live"
-				}
-			}
-			return false
-		})
-	}
-	return f
+	return r
 }
 
 // gpuBlocks is what the index says inst holds of ids on GPU.
@@ -317,4 +330,94 @@ func TestE2EMixedVLLMSGLangPool(t *testing.T) {
 			t.Errorf("prompt of %s: routed %s %s, matched %d, engine cached %d", c.inst, inst, reason, matched, cached)
 		}
 	}
+}
+
+// LMCache through vLLM's publisher: 16-token GPU blocks, 64-token CPU
+// chunks with tokens and parents, and never a removal for the chunks. The
+// real bridge ages the CPU tier out (--age-out cpu=…); the router scores a
+// chunk only whole (llm-d-router#2889) and drops it once aged.
+func TestE2EStoresOnlyLMCache(t *testing.T) {
+	ctx := testenv.Context(t, 2*time.Minute)
+	name := testenv.UniqueName(t)
+	ns := testenv.StartNATS(t)
+	pool := "p_" + name
+	stream, bucket := kvstream.StreamConfig{Name: "EV_" + name}, kvstream.BucketConfig{Name: "SN_" + name}
+	pubEP := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	replayEP := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	eng, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: pubEP, ReplayEndpoint: replayEP, Topic: "kv", FirstSeq: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = eng.Close() })
+	publish := func(evs ...events.Event) {
+		t.Helper()
+		payload, err := events.Encode(nil, events.Batch{TS: 1, Events: evs, HasDPRank: true}, events.EncodingArray)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := eng.Publish(payload); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const inst = "lmc-0"
+	r := startEngineRouter(t, ctx, ns.URL(), pool, stream.Name, bucket.Name,
+		[]config.InstanceConfig{{ID: inst, URL: "http://127.0.0.1:1"}}, 16)
+
+	nc, err := nats.Connect(ns.URL(), nats.MaxReconnects(-1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	const lifetime = 2 * time.Second
+	br, err := bridge.New(bridge.Config{
+		Pool: pool, Model: engModel, Conn: nc, Stream: stream, Bucket: bucket,
+		Sources:           []bridge.Source{{Instance: inst, Endpoint: pubEP, ReplayEndpoint: replayEP}},
+		HeartbeatInterval: 200 * time.Millisecond, SnapshotInterval: 300 * time.Millisecond,
+		EngineProbeInterval: -1, ReplayTimeout: 2 * time.Second, PublishTimeout: 2 * time.Second,
+		AgeOut: map[tiers.Tier]time.Duration{tiers.CPU: lifetime},
+		Logger: quietLogger(),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bctx, stopBridge := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = br.Run(bctx) }()
+	t.Cleanup(func() { stopBridge(); <-done })
+	waitFor(t, 20*time.Second, "bridge subscribed", eng.Subscribed)
+
+	ids := engTokens(31, 8*16) // two 64-token chunks
+	gpu := events.Event{Kind: events.BlockStored, BlockHashes: []uint64{1, 2, 3, 4, 5, 6, 7, 8}, TokenIDs: ids, BlockSize: 16, Medium: "GPU"}
+	chunk0 := events.Event{Kind: events.BlockStored, BlockHashes: []uint64{9001}, TokenIDs: ids[:64], BlockSize: 64, Medium: "cpu"}
+	chunk1 := events.Event{Kind: events.BlockStored, BlockHashes: []uint64{9002}, ParentHash: 9001, HasParent: true, TokenIDs: ids[64:], BlockSize: 64, Medium: "cpu"}
+	publish(gpu, chunk0, chunk1)
+	// The GPU copy goes (vLLM evicts it); the chunks stay in LMCache.
+	publish(events.Event{Kind: events.BlockRemoved, BlockHashes: []uint64{1, 2, 3, 4, 5, 6, 7, 8}, Medium: "GPU"})
+	match := func(q []uint32) router.KVLookupMatch {
+		for _, m := range r.lookup(q).Matches {
+			if m.Instance == inst {
+				return m
+			}
+		}
+		return router.KVLookupMatch{}
+	}
+	waitFor(t, 10*time.Second, "both chunks on CPU", func() bool {
+		m := match(ids)
+		return m.GPUBlocks == 0 && m.CPUBlocks == 8
+	})
+	// A prompt sharing 6 blocks (a chunk and a half) is credited one chunk.
+	if m := match(ids[:6*16]); m.CPUBlocks != 4 || m.GPUBlocks != 0 {
+		t.Fatalf("a chunk and a half: %+v, want 4 CPU blocks (one whole chunk)", m)
+	}
+	// Re-storing chunk 0 keeps it; chunk 1, never stored again, ages out.
+	time.Sleep(lifetime / 2)
+	publish(chunk0)
+	waitFor(t, 10*time.Second, "chunk 1 aged out, chunk 0 kept", func() bool {
+		m := match(ids)
+		return m.CPUBlocks == 4
+	})
+	if st := br.Stats()[0]; st.Aged != 1 {
+		t.Fatalf("bridge aged %d blocks, want 1 (the one engine block of chunk 1)", st.Aged)
+	}
+	waitFor(t, 10*time.Second, "chunk 0 aged out too", func() bool { return match(ids).CPUBlocks == 0 })
 }
