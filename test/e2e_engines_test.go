@@ -421,3 +421,120 @@ func TestE2EStoresOnlyLMCache(t *testing.T) {
 	}
 	waitFor(t, 10*time.Second, "chunk 0 aged out too", func() bool { return match(ids).CPUBlocks == 0 })
 }
+
+// SGLang under attention DP: each rank publishes on port + rank
+// (offset_endpoint_port) and is its own instance. The index holds, per
+// rank, exactly the blocks that rank's cache holds — never another's. A
+// rank that never publishes (sgl-project/sglang#16030: only tp_rank 0
+// emitted) stays empty rather than being credited with rank 0's blocks.
+func TestE2ESGLangAttentionDPRanks(t *testing.T) {
+	ctx := testenv.Context(t, 2*time.Minute)
+	name := testenv.UniqueName(t)
+	ns := testenv.StartNATS(t)
+	pool := "p_" + name
+	stream, bucket := kvstream.StreamConfig{Name: "EV_" + name}, kvstream.BucketConfig{Name: "SN_" + name}
+	pubBase, replayBase := testenv.FreePorts(t, 3), testenv.FreePorts(t, 3)
+	addr := fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
+	s, err := simserver.Start(ctx, simserver.Config{
+		Engine:           sim.Config{Model: engModel, GPUBlocks: 200, HashSeed: 5},
+		Listen:           addr,
+		DataParallelSize: 2,
+		TimeScale:        20,
+		Logger:           quietLogger(),
+		Events: simserver.EventsConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", pubBase),
+			ReplayEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", replayBase), Format: simserver.FormatSGLang},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	url := "http://" + addr
+	// Three ranks configured, two publish: rank 2 is the silent one.
+	var insts []config.InstanceConfig
+	var srcs []bridge.Source
+	for rk := 0; rk < 3; rk++ {
+		id := fmt.Sprintf("sg-dp%d", rk)
+		insts = append(insts, config.InstanceConfig{ID: id, URL: fmt.Sprintf("http://127.0.0.1:%d", testenv.FreePort(t))})
+		srcs = append(srcs, bridge.Source{Instance: id, Rank: rk, Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", pubBase+rk),
+			ReplayEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", replayBase+rk)})
+	}
+	r := startEngineRouter(t, ctx, ns.URL(), pool, stream.Name, bucket.Name, insts, 0)
+	nc, err := nats.Connect(ns.URL(), nats.MaxReconnects(-1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	br, err := bridge.New(bridge.Config{Pool: pool, Model: engModel, Conn: nc, Stream: stream, Bucket: bucket, Sources: srcs,
+		HeartbeatInterval: 200 * time.Millisecond, SnapshotInterval: 300 * time.Millisecond, EngineProbeInterval: -1,
+		ReplayTimeout: time.Second, PublishTimeout: 2 * time.Second, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bctx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = br.Run(bctx) }()
+	t.Cleanup(func() { stop(); <-done })
+	waitFor(t, 20*time.Second, "both ranks subscribed", s.EventsSubscribed)
+
+	// Concurrent prompts spread over both ranks (the server sends each to
+	// the rank with the least work); rounds until both got some, so a
+	// loaded machine that serialises one round cannot fail the test.
+	held := func(rk int) int {
+		n := 0
+		s.Engine(rk, func(e *sim.Engine) { g, _ := e.CachedBlocks(); n = len(g) })
+		return n
+	}
+	prompts := 0
+	for round := 0; round < 20 && (prompts == 0 || held(0) == 0 || held(1) == 0); round++ {
+		var wg sync.WaitGroup
+		for p := prompts; p < prompts+8; p++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				body := fmt.Sprintf(`{"model":%q,"prompt":%s,"max_tokens":32}`, engModel, mustJSON(engTokens(40+p, 4*16+3)))
+				resp, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
+				if err == nil {
+					_, _ = io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+			}()
+		}
+		wg.Wait()
+		prompts += 8
+	}
+	indexed := func(id string) int {
+		for _, v := range r.instances().Instances {
+			if v.Instance == id {
+				return v.Blocks["gpu"]
+			}
+		}
+		return -1
+	}
+	if held(0) == 0 || held(1) == 0 {
+		t.Fatalf("ranks hold %d and %d blocks: the prompts did not reach both", held(0), held(1))
+	}
+	waitFor(t, 20*time.Second, "each rank's blocks under its own instance", func() bool {
+		return indexed("sg-dp0") == held(0) && indexed("sg-dp1") == held(1)
+	})
+	if n := indexed("sg-dp2"); n > 0 {
+		t.Fatalf("the silent rank is credited with %d blocks", n)
+	}
+	// No prompt is credited to two ranks.
+	for p := 0; p < prompts; p++ {
+		ids := engTokens(40+p, 4*16+3)
+		var on []string
+		for _, m := range r.lookup(ids).Matches {
+			if m.GPUBlocks > 0 {
+				on = append(on, m.Instance)
+			}
+		}
+		if len(on) > 1 {
+			t.Errorf("prompt %d indexed on %v, want one rank at most (evicted: none)", p, on)
+		}
+	}
+}
+
+func mustJSON(v any) string {
+	b, _ := json.Marshal(v)
+	return string(b)
+}
