@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"sync/atomic"
 
 	"github.com/kvrouter/kvrouter/events"
@@ -58,6 +57,23 @@ type blockSizer struct {
 	// units is, per tier, the largest engine block seen in it, in pool
 	// blocks (see units.go); 0 or 1: blocks are the pool's.
 	units [tiers.Count]atomic.Int64
+	// group is 1 + the full-attention KV-cache group whose stores are
+	// applied (the lowest seen); 0 before any.
+	group atomic.Int64
+}
+
+// primary reports whether stores of full-attention group g are applied:
+// g is the lowest full-attention group seen so far.
+func (b *blockSizer) primary(g int) bool {
+	for {
+		cur := b.group.Load()
+		if cur != 0 && int(cur-1) <= g {
+			return int(cur-1) == g
+		}
+		if b.group.CompareAndSwap(cur, int64(g)+1) {
+			return true
+		}
+	}
 }
 
 func (b *blockSizer) get() int {
@@ -107,14 +123,10 @@ func (b *blockSizer) resolve(evBS int) (int, error) {
 }
 
 // skipEvent reports whether an event belongs to a KV-cache group the index
-// does not track: only full attention (group 0) maps prompts to blocks the
-// way block keys do; sliding-window groups hold only a window's tail.
-func skipEvent(ev *events.Event) bool {
-	if ev.GroupIdx != 0 {
-		return true
-	}
-	return ev.SpecKind != "" && strings.Contains(strings.ToLower(ev.SpecKind), "sliding")
-}
+// does not track: only full-attention groups map prompts to blocks the way
+// block keys do (events.Event.FullAttention); sliding-window groups hold
+// only a window's tail, mamba groups one state per chunk.
+func skipEvent(ev *events.Event) bool { return !ev.FullAttention() }
 
 // rootFor is the root of a chain that starts at block 0 in an event: the
 // adapter from the event when it has one, else the pool's model.
@@ -150,15 +162,15 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 			continue
 		}
 		if skipEvent(ev) {
-			if ev.Kind == events.BlockRemoved && otherFullAttentionGroup(ev) {
-				// A prefix is reusable only while every full-attention
-				// group holds it: another such group dropping a block
-				// (vLLM hashes blocks alike in every group) drops it here
-				// too. Its stores are not applied: group 0's say where
-				// the prefix is, and under-claiming is the safe side.
-				removeBlocks(st, bs, ev, tiersOf(ev), res)
-				continue
-			}
+			res.Skipped++
+			continue
+		}
+		if ev.Kind == events.BlockStored && !bs.primary(ev.GroupIdx) {
+			// A prefix is reusable only while every full-attention group
+			// holds it. Stores are taken from one of them (the lowest
+			// group seen); removals from any (vLLM hashes blocks alike in
+			// every group), so a block one group dropped is dropped here
+			// too. Under-claiming is the safe side.
 			res.Skipped++
 			continue
 		}
@@ -262,27 +274,4 @@ func removeBlocks(st instanceOps, bs *blockSizer, ev *events.Event, t tiers.Tier
 			st.removeTier(unitHash(h, i), t)
 		}
 	}
-}
-
-// otherFullAttentionGroup: an event of a full-attention KV-cache group
-// other than group 0 (hybrid models with several).
-func otherFullAttentionGroup(ev *events.Event) bool {
-	return ev.GroupIdx != 0 && ev.SlidingWindow == 0 && !strings.Contains(strings.ToLower(ev.SpecKind), "sliding") &&
-		ev.SpecKind != "" && fullAttentionSpec(ev.SpecKind)
-}
-
-// tiersOf is the tier of an event's medium (unknown media as tiers.FromMedium says).
-func tiersOf(ev *events.Event) tiers.Tier {
-	t, _ := tiers.FromMedium(ev.Medium)
-	return t
-}
-
-// fullAttentionSpec: vLLM's spec kinds whose blocks form a plain prefix
-// chain (vllm/v1/kv_cache_interface.py); "" when the engine sends none.
-func fullAttentionSpec(kind string) bool {
-	switch kind {
-	case "", "full_attention", "mla_attention", "sink_full_attention":
-		return true
-	}
-	return false
 }

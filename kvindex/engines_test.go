@@ -107,6 +107,38 @@ func testEngineRegressions(t *testing.T, newIndex factory) {
 		checkLookup(t, idx, query{c.keys, map[string][tiers.Count]int{"i1": all(16)}}, "full-attention group removal")
 	})
 
+	// A hybrid model whose attention is not group 0 (Kimi-K3: three mamba
+	// groups, MLA attention in group 3; AMD-AGI/Infera#98). The mamba
+	// groups send the whole chunk's tokens with one surviving hash; the
+	// attention group's blocks are indexed, the mamba ones never.
+	t.Run("attention in a later group, mamba before it", func(t *testing.T) {
+		idx := newIndex(t, factoryConfig{Model: testModel, BlockSize: 16})
+		c := newChain(root, 5, 16, 11, 500)
+		var evs []events.Event
+		for g := 0; g < 3; g++ {
+			evs = append(evs, events.Event{Kind: events.BlockStored, BlockHashes: []uint64{c.hashes[4]}, TokenIDs: c.tokens,
+				BlockSize: 16, Medium: "GPU", GroupIdx: g, SpecKind: "mamba"})
+		}
+		attn := c.stored(0, 5)
+		attn.GroupIdx, attn.SpecKind = 3, "mla_attention"
+		evs = append(evs, attn)
+		res := mustApply(t, idx, "i1", evs...)
+		if res.Stored != 5 || res.Skipped != 3 || res.Invalid != 0 {
+			t.Fatalf("apply = %+v", res)
+		}
+		checkLookup(t, idx, query{c.keys, map[string][tiers.Count]int{"i1": all(5)}}, "attention group indexed")
+		// Another full-attention group's stores are not applied; its removals are.
+		other := c.stored(0, 5)
+		other.GroupIdx, other.SpecKind = 4, "full_attention"
+		if res := mustApply(t, idx, "i2", other); res.Skipped != 1 || res.Stored != 0 {
+			t.Fatalf("second full-attention group's store = %+v, want skipped", res)
+		}
+		rm := c.removed("GPU", 3, 5)
+		rm.GroupIdx, rm.SpecKind = 4, "full_attention"
+		mustApply(t, idx, "i1", rm)
+		checkLookup(t, idx, query{c.keys, map[string][tiers.Count]int{"i1": all(3)}}, "removal from another full group")
+	})
+
 	// vllm-project/vllm#58119: partial cache events can reference a parent
 	// hash that was never reported. Such events are dropped and counted as
 	// orphans; they are never keyed as if they started the prompt, and the

@@ -116,7 +116,7 @@ func unitOf(ev *events.Event, size int) int {
 // its blocks, and the stand-ins of their interior unit blocks (the Redis
 // backend reads them in one round trip before applying).
 func eventHashes(ev *events.Event, bs *blockSizer, f func(uint64)) {
-	if skipEvent(ev) && !(ev.Kind == events.BlockRemoved && otherFullAttentionGroup(ev)) {
+	if skipEvent(ev) {
 		return
 	}
 	if ev.HasParent {
