@@ -71,6 +71,18 @@ type Table struct {
 	blockSize int
 	// now is the clock of the stored stamps (nil: the wall clock).
 	now func() int64
+	// group is 1 + the full-attention KV-cache group whose stores count
+	// (the lowest seen); 0 before any.
+	group int
+}
+
+// primaryGroup reports whether stores of full-attention group g count: g
+// is the lowest full-attention group seen so far.
+func (t *Table) primaryGroup(g int) bool {
+	if t.group == 0 || g < t.group-1 {
+		t.group = g + 1
+	}
+	return g == t.group-1
 }
 
 // NewTable returns an empty table holding at most max blocks (0: no bound).
@@ -187,7 +199,9 @@ func (t *Table) Apply(evs []events.Event) TableResult {
 	var r TableResult
 	for i := range evs {
 		e := &evs[i]
-		if !e.FullAttention() {
+		if !e.FullAttention() || e.Kind == events.BlockStored && !t.primaryGroup(e.GroupIdx) {
+			// Stores come from one full-attention group, removals from
+			// all, as the index applies them (kvindex, docs/engines.md).
 			r.Skipped++
 			continue
 		}
