@@ -178,14 +178,20 @@ func TestTRTLLMJSONFixture(t *testing.T) {
 		{Kind: BlockStored, BlockHashes: []uint64{b}, Medium: "CPU"},
 		{Kind: BlockRemoved, BlockHashes: []uint64{b}, Medium: "GPU"},
 		{Kind: BlockStored, BlockHashes: []uint64{cc}, ParentHash: a, HasParent: true, TokenIDs: []uint32{306, 626, 2691, 29889}, BlockSize: 4, Medium: "GPU"},
-		{Kind: BlockRemoved, BlockHashes: []uint64{cc}, Medium: "GPU"},
-		{Kind: BlockRemoved, BlockHashes: []uint64{cc}, Medium: "CPU"},
+		{Kind: BlockRemoved, BlockHashes: []uint64{cc}, Medium: "GPU"}, // it was on GPU: removed from there only
 	}
 	if !reflect.DeepEqual(r0, want) {
 		t.Errorf("converted:\n got %+v\nwant %+v", r0, want)
 	}
 	if st.Restarts != 1 || st.Gaps != 0 || len(out) != 1 {
 		t.Errorf("stats %+v, ranks %d", st, len(out))
+	}
+	// Removals name the level the block was last seen in; a block never
+	// seen leaves both.
+	out, _ = c.Convert([]TRTLLMEvent{{EventID: 5, Type: "removed", Hashes: []uint64{b, 77}}})
+	wantRm := []Event{{Kind: BlockRemoved, BlockHashes: []uint64{77}, Medium: "GPU"}, {Kind: BlockRemoved, BlockHashes: []uint64{b, 77}, Medium: "CPU"}}
+	if !reflect.DeepEqual(out[0], wantRm) {
+		t.Errorf("removals by level:\n got %+v\nwant %+v", out[0], wantRm)
 	}
 	// The same ids again: the engine restarted (ids went backwards).
 	out, st = c.Convert(evs[1:2])

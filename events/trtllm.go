@@ -275,6 +275,27 @@ type TRTLLMConverter struct {
 	FullWindow int
 
 	last map[int]uint64 // per rank: last event id seen
+	// level is, per rank, the cache level of each block the engine holds,
+	// so that a removal names the one tier it leaves. Bounded by
+	// trtMaxTracked per rank: past it (events were lost, or an engine
+	// larger than any GPU and host pool), untracked removals name both.
+	level map[int]map[uint64]int8
+}
+
+// trtMaxTracked bounds the blocks tracked per rank: 4M, beyond the GPU and
+// host blocks of any single engine (an 8×H100 node with 2 TB of host memory
+// holds about 1M 32-token blocks of a 70B model).
+const trtMaxTracked = 1 << 22
+
+func (c *TRTLLMConverter) setLevel(rank int, h uint64, level int) {
+	m := c.level[rank]
+	if m == nil {
+		m = make(map[uint64]int8)
+		c.level[rank] = m
+	}
+	if _, ok := m[h]; ok || len(m) < trtMaxTracked {
+		m[h] = int8(min(level, 2))
+	}
 }
 
 // TRTLLMStats counts what a conversion could not carry over.
@@ -309,15 +330,21 @@ func TRTLLMLevelMedium(level int) string {
 // Convert turns events (in the order the engine reported them) into one
 // event list per attention-DP rank (rank 0 when the engine sets none).
 // "created" becomes AllBlocksCleared; "stored" one BlockStored per run of
-// blocks in one cache level, chained; "removed" a BlockRemoved for every
-// level (the block left the engine's radix tree, whichever pool held it);
+// blocks in one cache level, chained; "removed" a BlockRemoved from the
+// level the converter last saw the block in (the block left the engine's
+// radix tree), or from GPU and CPU when it never saw the block;
 // an "updated" that moves a block between levels a tokenless BlockStored
 // in the new level and a BlockRemoved from the old one.
 func (c *TRTLLMConverter) Convert(evs []TRTLLMEvent) (map[int][]Event, TRTLLMStats) {
+	out := make(map[int][]Event)
 	if c.last == nil {
 		c.last = make(map[int]uint64)
+		c.level = make(map[int]map[uint64]int8)
 	}
-	out := make(map[int][]Event)
+	clearRank := func(rank int) {
+		out[rank] = append(out[rank], Event{Kind: AllBlocksCleared})
+		delete(c.level, rank)
+	}
 	var st TRTLLMStats
 	for i := range evs {
 		e := &evs[i]
@@ -329,10 +356,10 @@ func (c *TRTLLMConverter) Convert(evs []TRTLLMEvent) (map[int][]Event, TRTLLMSta
 			switch {
 			case e.EventID <= last:
 				st.Restarts++
-				out[rank] = append(out[rank], Event{Kind: AllBlocksCleared})
+				clearRank(rank)
 			case e.EventID > last+1:
 				st.Gaps++
-				out[rank] = append(out[rank], Event{Kind: AllBlocksCleared})
+				clearRank(rank)
 			}
 		}
 		c.last[rank] = e.EventID
@@ -343,16 +370,26 @@ func (c *TRTLLMConverter) Convert(evs []TRTLLMEvent) (map[int][]Event, TRTLLMSta
 		switch e.Type {
 		case "created":
 			st.Restarts++
-			out[rank] = append(out[rank], Event{Kind: AllBlocksCleared})
+			clearRank(rank)
 		case "stored":
-			out[rank] = c.stored(out[rank], e, group, kind, window, &st)
+			out[rank] = c.stored(out[rank], rank, e, group, kind, window, &st)
 		case "removed":
-			if len(e.Hashes) == 0 {
-				continue
+			// Per level the blocks were in; untracked ones leave every level.
+			var by [3][]uint64
+			var unknown []uint64
+			for _, h := range e.Hashes {
+				if l, ok := c.level[rank][h]; ok {
+					by[l] = append(by[l], h)
+					delete(c.level[rank], h)
+				} else {
+					unknown = append(unknown, h)
+				}
 			}
-			for _, m := range []string{"GPU", "CPU"} {
-				out[rank] = append(out[rank], Event{Kind: BlockRemoved, BlockHashes: e.Hashes, Medium: m,
-					GroupIdx: group, SpecKind: kind, SlidingWindow: window})
+			for l := range by {
+				if hs := append(by[l], unknown...); len(hs) > 0 && (len(by[l]) > 0 || l < 2) {
+					out[rank] = append(out[rank], Event{Kind: BlockRemoved, BlockHashes: hs, Medium: TRTLLMLevelMedium(l),
+						GroupIdx: group, SpecKind: kind, SlidingWindow: window})
+				}
 			}
 		case "updated":
 			if !e.HasLevel || e.OldLevel == e.NewLevel {
@@ -360,6 +397,7 @@ func (c *TRTLLMConverter) Convert(evs []TRTLLMEvent) (map[int][]Event, TRTLLMSta
 				continue
 			}
 			h := []uint64{e.BlockHash}
+			c.setLevel(rank, e.BlockHash, e.NewLevel)
 			out[rank] = append(out[rank],
 				Event{Kind: BlockStored, BlockHashes: h, Medium: TRTLLMLevelMedium(e.NewLevel), GroupIdx: group, SpecKind: kind, SlidingWindow: window},
 				Event{Kind: BlockRemoved, BlockHashes: h, Medium: TRTLLMLevelMedium(e.OldLevel), GroupIdx: group, SpecKind: kind, SlidingWindow: window})
@@ -370,7 +408,7 @@ func (c *TRTLLMConverter) Convert(evs []TRTLLMEvent) (map[int][]Event, TRTLLMSta
 	return out, st
 }
 
-func (c *TRTLLMConverter) stored(dst []Event, e *TRTLLMEvent, group int, kind string, window int, st *TRTLLMStats) []Event {
+func (c *TRTLLMConverter) stored(dst []Event, rank int, e *TRTLLMEvent, group int, kind string, window int, st *TRTLLMStats) []Event {
 	parent, hasParent := e.ParentHash, e.HasParent
 	var cur *Event
 	for j := range e.Blocks {
@@ -386,6 +424,7 @@ func (c *TRTLLMConverter) stored(dst []Event, e *TRTLLMEvent, group int, kind st
 			cur = &dst[len(dst)-1]
 		}
 		cur.BlockHashes = append(cur.BlockHashes, b.Hash)
+		c.setLevel(rank, b.Hash, b.CacheLevel)
 		cur.TokenIDs = append(cur.TokenIDs, b.Tokens...)
 		parent, hasParent = b.Hash, true
 	}
