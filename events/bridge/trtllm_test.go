@@ -80,7 +80,7 @@ func TestTRTLLMPoller(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if b.Encoding != events.EncodingMap || !b.HasDPRank || b.DPRank != 0 || len(b.Events) != 7 || b.Events[0].Kind != events.AllBlocksCleared {
+	if b.Encoding != events.EncodingMap || !b.HasDPRank || b.DPRank != 0 || len(b.Events) != 6 || b.Events[0].Kind != events.AllBlocksCleared {
 		t.Fatalf("first batch = %+v", b)
 	}
 	deadline = time.Now().Add(10 * time.Second)
