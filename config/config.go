@@ -250,6 +250,12 @@ type NATSConfig struct {
 	StoreDir string `yaml:"store_dir" json:"store_dir,omitempty"`
 	// Stream is the JetStream stream name over kv.events.>. Default KV_EVENTS.
 	Stream string `yaml:"stream" json:"stream,omitempty"`
+	// StreamReplicas is how many servers hold the stream, the snapshot
+	// bucket and its object store when this router creates them: 1 (the
+	// default) on one server, 3 on a 3-node JetStream cluster. At most 5
+	// and at most the cluster's size (the server refuses more, and the
+	// router says so at start); needs url (the embedded server is one node).
+	StreamReplicas int `yaml:"stream_replicas" json:"stream_replicas,omitempty"`
 }
 
 // TLSConfig names certificate files.
@@ -309,6 +315,9 @@ type PoolConfig struct {
 	// CacheSalt injects a per-tenant cache_salt into forwarded bodies so
 	// engines keep tenants' KV caches apart (docs/security.md).
 	CacheSalt *CacheSaltConfig `yaml:"cache_salt,omitempty" json:"cache_salt,omitempty"`
+	// Disaggregation routes requests in two stages, prefill then decode
+	// (config/disagg.go; nil = off).
+	Disaggregation *DisaggregationConfig `yaml:"disaggregation,omitempty" json:"disaggregation,omitempty"`
 	// Instances is the static instance list.
 	Instances []InstanceConfig `yaml:"instances" json:"instances"`
 	// AllowedInstanceURLs bounds where heartbeat-discovered instances may
@@ -326,6 +335,10 @@ type InstanceConfig struct {
 	URL string `yaml:"url" json:"url"`
 	// Adapters held by this instance, known up front.
 	Adapters []string `yaml:"adapters" json:"adapters,omitempty"`
+	// Role in disaggregated serving: both (default), prefill or decode
+	// (config/disagg.go). A prefill instance receives only prefill
+	// requests of a pool with disaggregation on.
+	Role string `yaml:"role" json:"role,omitempty"`
 }
 
 // Strategy names.
@@ -547,6 +560,11 @@ func (c Config) WithDefaults() Config {
 		if p.Discovery.Interval == 0 {
 			p.Discovery.Interval = 30 * time.Second
 		}
+		if p.Disaggregation != nil {
+			d := *p.Disaggregation
+			d.applyDefaults()
+			p.Disaggregation = &d
+		}
 		pools[i] = p
 	}
 	c.Pools = pools
@@ -612,6 +630,11 @@ func (c Config) Validate() error {
 			if _, _, err := net.SplitHostPort(e.NATS.Listen); err != nil {
 				return bad("events.nats.listen %q: want host:port", e.NATS.Listen)
 			}
+		}
+		if r := e.NATS.StreamReplicas; r < 0 || r > 5 { // JetStream's limit (kvstream.MaxReplicas)
+			return bad("events.nats.stream_replicas %d out of range 0..5", r)
+		} else if r > 1 && e.NATS.URL == "" {
+			return bad("events.nats.stream_replicas %d needs events.nats.url (a JetStream cluster): the embedded server is one node", r)
 		}
 		if t := e.NATS.TLS; t != nil && (t.CertFile == "") != (t.KeyFile == "") {
 			return bad("events.nats.tls: cert_file and key_file go together")
@@ -697,6 +720,9 @@ func (c Config) Validate() error {
 		}
 		if len(p.Instances) == 0 && !(KVEventsWanted(c) && DiscoverEnabled(c)) {
 			return bad("%s.instances: at least one instance is required (or heartbeat discovery: events with discover_instances)", f)
+		}
+		if err := p.Disaggregation.validate(f, p.Instances); err != nil {
+			return err
 		}
 		if _, err := ParseAllowList(p.AllowedInstanceURLs); err != nil {
 			return bad("%s.allowed_instance_urls: %v", f, err)

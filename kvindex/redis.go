@@ -2,6 +2,8 @@ package kvindex
 
 import (
 	"context"
+	"encoding/base64"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"slices"
@@ -11,37 +13,47 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
-// DefaultRedisTTL is the Redis backend's default key lifetime. Every key
-// written by Apply gets it, refreshed by every write, so keys of an
-// instance that died without being purged age out. It must exceed the time
-// a block stays cached on a live instance without being stored again (vLLM
-// reports a block once, when it is stored, however often it is hit later),
-// hence a day rather than minutes; routers purge lost instances explicitly.
+// DefaultRedisTTL is how long an instance of the Redis backend counts in
+// lookups after its last event. It must exceed the time a block stays
+// cached on a live instance without being stored again (vLLM reports a
+// block once, when it is stored, however often it is hit later), hence a
+// day rather than minutes; routers purge lost instances explicitly, and
+// Sweep purges the ones silent for longer than this.
 const DefaultRedisTTL = 24 * time.Hour
 
 // DefaultRedisPrefix is the key prefix when none is configured.
 const DefaultRedisPrefix = "kvindex"
 
+// DefaultRedisMapCache bounds the engine-hash map entries a Redis index
+// keeps in process for the instances it writes (see RedisConfig.MapCache):
+// the memory index's default capacity, 64 instances of 60k blocks, at
+// ~40 bytes each (~160 MB) when one router writes a whole fleet.
+const DefaultRedisMapCache = 4_000_000
+
+// redisLayout names this data model in every key (<prefix>:v2:...), so an
+// index written by an older kvrouter (v1: <prefix>:b:<hex>, with a TTL on
+// every key) is never read as this one: see docs/kvindex.md (upgrades).
+const redisLayout = "v2"
+
 // RedisConfig configures the Redis backend. The zero value is valid, but
 // pools sharing one Redis must each set their own Prefix.
 type RedisConfig struct {
 	// Prefix starts every key of this pool's index; "" = DefaultRedisPrefix.
-	// Keys: <prefix>:b:<key hex> (one hash per block key: instance → tier
-	// bits), <prefix>:i:<instance> (engine hash → key and tier bits, plus
-	// counters), <prefix>:r (instance → last event, unix ms).
+	// Keys are listed in docs/kvindex.md.
 	Prefix string
 	// Model is the pool's model name, folded into chain roots (see Root).
 	Model string
 	// BlockSize in tokens; 0 = learn it from the first event that has one.
 	BlockSize int
-	// TTL of every key; 0 = DefaultRedisTTL. Lookups also ignore instances
-	// whose last event is older than TTL.
+	// TTL: lookups ignore instances whose last event is older than TTL,
+	// and Sweep purges them; 0 = DefaultRedisTTL.
 	TTL time.Duration
 	// Now is the clock; nil = time.Now.
 	Now func() time.Time
@@ -49,6 +61,10 @@ type RedisConfig struct {
 	// instance after its last write, when routers share the index through
 	// ApplyAt; 0 = DefaultWriterLease.
 	WriterLease time.Duration
+	// MapCache bounds the engine-hash map entries kept in process for the
+	// instances this index writes; 0 = DefaultRedisMapCache, < 0 = no
+	// cache (every Apply reads the instance's map: one more round trip).
+	MapCache int
 	// ExactLookup makes every lookup read each chain position up to each
 	// instance's first missing probe, so that a hole in the middle of a
 	// chain ends the match exactly where it is. The default (false)
@@ -73,7 +89,7 @@ func (c RedisConfig) validate() error {
 		return fmt.Errorf("%w: redis: writer lease %v: want 0 (default) or at least 10ms", ErrConfig, c.WriterLease)
 	}
 	if c.TTL > 0 && c.TTL < time.Second {
-		return fmt.Errorf("%w: redis: ttl %v below Redis' 1s resolution", ErrConfig, c.TTL)
+		return fmt.Errorf("%w: redis: ttl %v below a second", ErrConfig, c.TTL)
 	}
 	if strings.ContainsAny(c.Prefix, "{}") {
 		// A hash tag in the prefix would put the whole index in one
@@ -83,18 +99,31 @@ func (c RedisConfig) validate() error {
 	return nil
 }
 
-// Redis is the Index backend shared by router replicas. Every command
-// touches a single key, so it works on Redis Cluster, and block keys spread
-// over all slots. Writes for one Apply go out in one pipeline after one
-// read of the instance's engine-hash map; a lookup takes at most two
-// pipelined round trips.
+// Redis is the Index backend shared by router replicas, on one Redis
+// server or a Redis Cluster.
+//
+// Data model (docs/kvindex.md has the table): one small hash per block key
+// (field: the holding instance's 8-byte id, value: tier bits), with no
+// TTL; per instance a metadata hash (position, writer lease, counters) and
+// an append-only log of its engine-hash map's changes, both hash-tagged
+// with the instance's id so that one script changes them atomically on
+// one Cluster slot; a registry hash (instance id → last event, name).
+// Block keys carry no hash tag, so they spread over every slot.
+//
+// The writer keeps each instance's engine-hash map in process (MapCache),
+// current to the map's generation in Redis, so an Apply is one pipelined
+// round trip: the block-key writes and the script that appends the map's
+// changes, checks the generation (and, for ApplyAt, the position and the
+// writer lease) and sets the counters. An Apply without a current map
+// (first write, another writer took over, Redis lost it) reads the log in
+// a first round trip. A lookup takes at most two pipelined round trips.
 //
 // Apply for one instance must come from one writer at a time (the event
-// consumer shards by instance); replicas that all apply the same stream
-// write the same values.
+// consumer shards by instance); routers sharing an index use ApplyAt.
 type Redis struct {
 	rdb    redis.UniversalClient
-	prefix string
+	prefix string // <prefix>: block keys are prefix + 11 characters
+	ns     string // <prefix>:v2: every other key starts with it
 	model  string
 	ttl    time.Duration
 	now    func() time.Time
@@ -104,17 +133,17 @@ type Redis struct {
 	lease    time.Duration // WriterLease
 	token    string        // this index's writer-lease token (random)
 	leaseArg any           // lease in ms, boxed once
-	ttlArg   any           // TTL in seconds, boxed once
 	bitsArg  [256]any      // tier-bit values as Redis strings, boxed once
 
+	maps     mapCache
 	pool     sync.Pool   // *redisOverlay, reused across Apply calls
-	bsStored atomic.Bool // the learned block size is in <prefix>:bs
+	bsStored atomic.Bool // the learned block size is in <prefix>:v2:bs
 }
 
 var _ Index = (*Redis)(nil)
 
-// NewRedis returns a Redis-backed index using client (a *redis.Client,
-// *redis.ClusterClient or ring; the caller owns and closes it).
+// NewRedis returns a Redis-backed index using client (a *redis.Client or
+// *redis.ClusterClient; the caller owns and closes it).
 func NewRedis(client redis.UniversalClient, cfg RedisConfig) (*Redis, error) {
 	if client == nil {
 		return nil, fmt.Errorf("%w: redis: nil client", ErrConfig)
@@ -126,6 +155,8 @@ func NewRedis(client redis.UniversalClient, cfg RedisConfig) (*Redis, error) {
 	if r.prefix == "" {
 		r.prefix = DefaultRedisPrefix
 	}
+	r.prefix += ":"
+	r.ns = r.prefix + redisLayout + ":"
 	if r.ttl == 0 {
 		r.ttl = DefaultRedisTTL
 	}
@@ -134,7 +165,6 @@ func NewRedis(client redis.UniversalClient, cfg RedisConfig) (*Redis, error) {
 	}
 	r.bs.configured = cfg.BlockSize
 	r.pool.New = func() any { return &redisOverlay{} }
-	r.ttlArg = int64(r.ttl / time.Second)
 	r.lease = cfg.WriterLease
 	if r.lease == 0 {
 		r.lease = DefaultWriterLease
@@ -144,24 +174,73 @@ func NewRedis(client redis.UniversalClient, cfg RedisConfig) (*Redis, error) {
 	for i := range r.bitsArg {
 		r.bitsArg[i] = strconv.Itoa(i)
 	}
+	r.maps.limit = cfg.MapCache
+	if r.maps.limit == 0 {
+		r.maps.limit = DefaultRedisMapCache
+	}
+	r.maps.byInst = map[string]*instMap{}
 	return r, nil
 }
 
-// Instance-map counter fields; engine-hash fields are 16 hex digits, so
-// these never collide with them.
+// Instance metadata fields (the per-instance hash <prefix>:v2:i:{id}).
 const (
 	fieldEntries = "#n"
 	fieldTier    = "#t" // + tier digit
+	fieldGen     = "#g" // generation: a random token set by every commit
+	fieldName    = "#name"
 )
 
+// keyAlphabet encodes block keys in 11 characters with neither a hash-tag
+// brace nor a colon, so block keys never collide with <prefix>:v2:... and
+// never name a Cluster hash tag.
+var keyAlphabet = base64.RawURLEncoding
+
+// blockKey is <prefix><11 characters>: short, because there is one per
+// block and its name is a good part of its memory.
 func (r *Redis) blockKey(k Key) string {
+	var raw [8]byte
+	binary.BigEndian.PutUint64(raw[:], uint64(k))
 	var b [64]byte
-	s := append(append(b[:0], r.prefix...), ":b:"...)
-	return string(appendHex(s, uint64(k)))
+	s := append(b[:0], r.prefix...)
+	s = keyAlphabet.AppendEncode(s, raw[:])
+	return string(s)
 }
 
-func (r *Redis) instKey(instance string) string { return r.prefix + ":i:" + instance }
-func (r *Redis) regKey() string                 { return r.prefix + ":r" }
+// instID is an instance's id: the field naming it in block keys and the
+// registry. Its 5 bytes (the top 40 bits of the name's xxhash64) keep a
+// block key's hash small enough for Redis' smallest listpack allocation
+// (16 bytes: an 8-byte id would take 24), once per (block, instance). Two
+// names of a pool share an id with probability n²/2⁴¹ (3·10⁻⁸ for 256
+// instances, 5·10⁻⁵ for 10,000); the registry write detects it
+// (ErrInstanceID) rather than letting two instances' blocks merge
+// silently.
+func instID(instance string) string {
+	var b [8]byte
+	binary.BigEndian.PutUint64(b[:], xxhash.Sum64String(instance))
+	return string(b[:instIDLen])
+}
+
+const instIDLen = 5
+
+// ErrInstanceID: two instance names of one pool have the same id in the
+// Redis index (see instID); rename one of them.
+var ErrInstanceID = errors.New("kvindex: redis: two instances share an id")
+
+// instTag is the Cluster hash tag of an instance's keys: its id in hex
+// (an instance name may hold braces itself).
+func instTag(id string) string {
+	const digits = "0123456789abcdef"
+	b := make([]byte, 0, 2+2*len(id))
+	b = append(b, '{')
+	for i := range len(id) {
+		b = append(b, digits[id[i]>>4], digits[id[i]&0xf])
+	}
+	return string(append(b, '}'))
+}
+
+func (r *Redis) metaKey(id string) string { return r.ns + "i:" + instTag(id) }
+func (r *Redis) logKey(id string) string  { return r.ns + "l:" + instTag(id) }
+func (r *Redis) regKey() string           { return r.ns + "r" }
 
 func appendHex(b []byte, v uint64) []byte {
 	const digits = "0123456789abcdef"
@@ -171,81 +250,32 @@ func appendHex(b []byte, v uint64) []byte {
 	return b
 }
 
-func hexField(v uint64) string {
-	var b [16]byte
-	return string(appendHex(b[:0], v))
-}
-
-func parseHex(s string) (uint64, bool) {
-	if len(s) != 16 {
-		return 0, false
-	}
-	v, err := strconv.ParseUint(s, 16, 64)
-	return v, err == nil
-}
-
-// mapVal is an instance-map value: the router key and tier bits of an
-// engine hash, as 16 hex digits then 2.
+// mapVal is an engine-hash map value: the router key and tier bits.
 type mapVal struct {
 	key  Key
 	bits tiers.Set
-}
-
-func (v mapVal) encode() string {
-	var b [18]byte
-	out := appendHex(b[:0], uint64(v.key))
-	const digits = "0123456789abcdef"
-	out = append(out, digits[v.bits>>4], digits[v.bits&0xf])
-	return string(out)
-}
-
-func decodeMapVal(s string) (mapVal, bool) {
-	if len(s) != 18 {
-		return mapVal{}, false
-	}
-	k, ok := parseHex(s[:16])
-	if !ok {
-		return mapVal{}, false
-	}
-	b, err := strconv.ParseUint(s[16:], 16, 8)
-	if err != nil {
-		return mapVal{}, false
-	}
-	return mapVal{key: Key(k), bits: tiers.Set(b)}, true
 }
 
 // BlockSize implements Index.
 func (r *Redis) BlockSize() int { return r.bs.get() }
 
 // redisOverlay is one Apply's view of an instance's engine-hash map: the
-// prefetched values under the changes made so far, flushed at the end.
+// cached map (read only) under the changes made so far, flushed at the
+// end.
 type redisOverlay struct {
-	pre     map[uint64]mapVal // prefetched from Redis (absent = unmapped)
+	pre     map[uint64]mapVal // the instance's map before this Apply (not owned)
 	cur     map[uint64]mapVal // changed in this Apply; bits 0 = deleted
 	cleared bool              // AllBlocksCleared seen: pre no longer counts
-	args    []any             // the HMGET command; args[fieldAt[h]] is h's boxed field
-	fieldAt map[uint64]int
 	scratch []Key
 }
 
-func (o *redisOverlay) reset() {
-	if o.pre == nil {
-		o.pre, o.cur, o.fieldAt = make(map[uint64]mapVal), make(map[uint64]mapVal), make(map[uint64]int)
+func (o *redisOverlay) reset(pre map[uint64]mapVal) {
+	if o.cur == nil {
+		o.cur = make(map[uint64]mapVal)
 	}
-	clear(o.pre)
 	clear(o.cur)
-	clear(o.fieldAt)
+	o.pre = pre
 	o.cleared = false
-	clear(o.args) // drop references to the last Apply's strings
-	o.args = o.args[:0]
-}
-
-// mention adds h to the engine hashes to read.
-func (o *redisOverlay) mention(h uint64) {
-	if _, dup := o.fieldAt[h]; !dup {
-		o.fieldAt[h] = len(o.args)
-		o.args = append(o.args, hexField(h))
-	}
 }
 
 var _ instanceOps = (*redisOverlay)(nil)
@@ -306,11 +336,11 @@ func (o *redisOverlay) clearAll() {
 	clear(o.cur)
 }
 
-// Apply implements Index: one HMGET of the engine hashes the events name,
-// the events applied to that snapshot in memory, then one pipeline:
-// mapScript's commit on the instance map (its fields and counters, in one
-// atomic step) and single-key writes of the block keys (plus an HSCAN of
-// the instance's map when the batch clears the instance). Apply takes no
+// Apply implements Index: the events applied to the instance's cached
+// engine-hash map in memory, then one pipeline: the block-key writes and
+// mapScript's commit (the map's changes appended to its log, counters,
+// generation; one atomic step on the instance's slot). Without a current
+// cached map, a first round trip reads the map's log. Apply takes no
 // writer lease and leaves the instance's position alone: routers sharing
 // an index use ApplyAt.
 func (r *Redis) Apply(ctx context.Context, instance string, evs []events.Event) (ApplyResult, error) {
@@ -318,147 +348,135 @@ func (r *Redis) Apply(ctx context.Context, instance string, evs []events.Event) 
 	return res.ApplyResult, err
 }
 
-// apply is Apply (g nil), ApplyAt and LoadAt. With a guard the read round
-// trip also runs mapScript's begin (position and lease checks, lease
-// taken) ahead of the HMGET, on the same connection: once the lease is
-// ours nobody else changes the map, so the HMGET that follows reads the
-// state the commit's counter deltas are computed from.
+// apply is Apply (g nil), ApplyAt and LoadAt.
 //
-// Arguments are passed pre-boxed (one interface value per engine-hash
-// field, block key, instance name and tier value, shared by every command
-// that uses it): go-redis otherwise boxes each argument of each command,
-// and at hundreds of thousands of blocks a second the client's allocations,
-// not Redis, set the pace.
+// The first round trip (mapScript's begin: position and lease checks, the
+// lease taken, and the map's log when the cached map is not current) is
+// skipped when the cached map is current and, with a guard, this index
+// took or renewed the instance's lease less than half a lease ago at the
+// position the guard expects: nobody else can have written the instance
+// since, and the commit checks all of it again.
+//
+// Arguments are passed pre-boxed (one interface value per block key,
+// instance id and tier value): go-redis otherwise boxes each argument of
+// each command, and at hundreds of thousands of blocks a second the
+// client's allocations, not Redis, set the pace.
 func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []events.Event) (SeqResult, error) {
 	var res SeqResult
-	o := r.pool.Get().(*redisOverlay)
-	defer r.pool.Put(o)
-	o.reset()
+	m := r.maps.get(instance)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	ok := false
+	defer func() {
+		if !ok {
+			// Whatever happened, this process no longer knows the map.
+			r.maps.drop(m)
+		}
+	}()
 
-	ikey := r.instKey(instance)
+	id := instID(instance)
+	mkey, lkey := r.metaKey(id), r.logKey(id)
 	token, expected, newPos := "", "*", ""
 	if g != nil {
 		token, expected, newPos = r.token, g.expected(), strconv.FormatUint(g.seq, 10)
 	}
 	started := time.Now()
-	// HMGET ikey field...: fieldAt[h] is the index of h's boxed field.
-	o.args = append(o.args[:0], "hmget", ikey)
-	for i := range evs {
-		ev := &evs[i]
-		if ev.Kind != events.BlockStored && ev.Kind != events.BlockRemoved {
-			continue
-		}
-		eventHashes(ev, &r.bs, o.mention)
+	skip := m.vals != nil && r.maps.limit > 0
+	if g != nil {
+		skip = skip && !g.load && m.pos == g.from && g.from.Seeded &&
+			!m.leased.IsZero() && started.Sub(m.leased) < r.lease/2
 	}
-	// A load replaces the state: nothing to read (the fields are
-	// mentioned for their strings).
-	read := len(o.args) > 2 && (g == nil || !g.load)
-	if g != nil || read {
+	if !skip {
+		if m.vals == nil {
+			m.gen = "" // ask for the log whatever the generation
+		}
 		var begin *redis.SliceCmd
-		var hmget *redis.Cmd
 		_, err := r.pipelined(ctx, func(p redis.Pipeliner) {
-			begin, hmget = nil, nil
-			if g != nil {
-				begin = redis.NewSliceCmd(ctx, "evalsha", mapScript.Hash(), 1, ikey, "b", token, r.leaseArg, r.ttlArg, expected, newPos)
-				_ = p.Process(ctx, begin)
-			}
-			if read {
-				hmget = p.Do(ctx, o.args...)
-			}
+			begin = redis.NewSliceCmd(ctx, "evalsha", mapScript.Hash(), 2, mkey, lkey, "b", token, r.leaseArg, expected, newPos, m.gen)
+			_ = p.Process(ctx, begin)
 		})
 		if err != nil {
 			return res, fmt.Errorf("kvindex: redis: read engine-hash map of %s: %w", instance, err)
 		}
-		if begin != nil {
-			st, pos, err := scriptStatus(begin.Val())
-			if err != nil {
-				return res, err
+		reply := begin.Val()
+		st, pos, err := scriptStatus(reply)
+		if err != nil {
+			return res, err
+		}
+		res.Position = pos
+		if st != SeqApplied {
+			// Another router applies these events; this one still
+			// needs the block size to key its lookups.
+			r.bs.learn(evs)
+			res.Status = st
+			return res, nil
+		}
+		gen, _ := reply[2].(string)
+		if len(reply) > 3 || m.vals == nil {
+			// The log, or (m.gen "" matched) no map at all.
+			var log string
+			if len(reply) > 3 {
+				chunks, _ := reply[3].([]any)
+				log = joinChunks(chunks)
 			}
-			res.Position = pos
-			if st != SeqApplied {
-				// Another router applies these events; this one still
-				// needs the block size to key its lookups.
-				r.bs.learn(evs)
-				res.Status = st
-				return res, nil
+			if err := m.load(gen, log); err != nil {
+				return res, fmt.Errorf("kvindex: redis: engine-hash map of %s: %w", instance, err)
 			}
 		}
-		if hmget != nil {
-			vals, _ := hmget.Slice()
-			for h, i := range o.fieldAt {
-				if i-2 >= len(vals) {
-					continue
-				}
-				if s, ok := vals[i-2].(string); ok {
-					if mv, ok := decodeMapVal(s); ok && mv.bits != 0 {
-						o.pre[h] = mv
-					}
-				}
-			}
+		m.gen = gen
+		if g != nil {
+			m.leased, m.pos = started, pos
 		}
 	}
+
+	o := r.pool.Get().(*redisOverlay)
+	defer r.pool.Put(o)
+	o.reset(m.vals)
 	if g != nil && g.load {
 		o.clearAll()
 	}
 	o.scratch = applyEvents(o, r.model, &r.bs, evs, &res.ApplyResult, o.scratch)
 
-	var old map[uint64]mapVal // the whole map before a clear
-	if o.cleared {
-		var err error
-		if old, err = r.readMap(ctx, ikey); err != nil {
-			return res, err
-		}
-	}
-	if g != nil && time.Since(started) > r.lease/2 {
+	if g != nil && time.Since(m.leased) > r.lease/2 {
 		// Another router may take the instance over once the lease runs
 		// out; writing block keys now could interleave with its writes.
-		return res, fmt.Errorf("%w (%s, %v since the read)", errLeaseTooOld, instance, time.Since(started).Round(time.Millisecond))
+		return res, fmt.Errorf("%w (%s, %v since the lease was taken)", errLeaseTooOld, instance, time.Since(m.leased).Round(time.Millisecond))
 	}
 	now := r.now()
 	pipe := r.rdb.Pipeline()
-	inst := any(instance)
+	idArg := any(id)
 	// One backing array for every block-key command's arguments.
-	w := make([]any, 0, 5*len(o.cur)+len(old)*3+32)
+	w := make([]any, 0, 4*len(o.cur)+3*len(m.vals)*b2i(o.cleared)+16)
 	cmd := func(args ...any) {
 		start := len(w)
 		w = append(w, args...)
 		pipe.Do(ctx, w[start:len(w):len(w)]...)
 	}
-	var dEntries int64
-	var dTier [tiers.Count]int64
-	account := func(v mapVal, sign int64) {
-		if v.bits == 0 {
+	counts := m.counts
+	account := func(v mapVal, sign int) {
+		if v.bits&allTiers == 0 {
 			return
 		}
-		dEntries += sign
+		counts[0] += sign
 		for t := range tiers.Count {
 			if v.bits&(1<<t) != 0 {
-				dTier[t] += sign
+				counts[1+t] += sign
 			}
 		}
 	}
 	if o.cleared {
 		// Drop this instance's field from every block it held, except
 		// those the events re-stored after the clear (written below).
-		for h, v := range old {
+		for h, v := range m.vals {
 			if nv, ok := o.cur[h]; !ok || nv.bits == 0 || nv.key != v.key {
-				cmd("hdel", r.blockKey(v.key), inst)
+				cmd("hdel", r.blockKey(v.key), idArg)
 			}
 		}
+		counts = [1 + tiers.Count]int{}
 	}
-	reset := "0"
-	if o.cleared {
-		reset = "1"
-	}
-	// mapScript commit: the header, then field, value pairs to set, then
-	// fields to delete; the deltas and the pair count are filled in last.
-	const nSetAt = 16
-	commit := make([]any, 0, nSetAt+1+2*len(o.cur))
-	commit = append(commit, "evalsha", mapScript.Hash(), 1, ikey, "c", token, r.leaseArg, r.ttlArg, expected, newPos,
-		reset, nil, nil, nil, nil, nil, nil)
-	var del []any
+	var rec []byte
 	for h, v := range o.cur {
-		pv, had := o.pre[h]
+		pv, had := m.vals[h]
 		if o.cleared {
 			had = false
 		}
@@ -467,27 +485,44 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		}
 		account(v, +1)
 		if had && (v.bits == 0 || pv.key != v.key) {
-			cmd("hdel", r.blockKey(pv.key), inst)
+			cmd("hdel", r.blockKey(pv.key), idArg)
 		}
-		field := o.args[o.fieldAt[h]]
 		if v.bits == 0 {
 			if had {
-				del = append(del, field)
+				rec = appendLogRecord(rec, h, mapVal{})
 			}
 			continue
 		}
-		bk := any(r.blockKey(v.key))
-		cmd("hset", bk, inst, r.bitsArg[v.bits])
-		cmd("expire", bk, r.ttlArg)
-		commit = append(commit, field, v.encode())
+		if had && pv == v {
+			continue // re-stored where it already was
+		}
+		cmd("hset", r.blockKey(v.key), idArg, r.bitsArg[v.bits])
+		rec = appendLogRecord(rec, h, v)
 	}
-	commit[nSetAt-5], commit[nSetAt-4], commit[nSetAt-3], commit[nSetAt-2], commit[nSetAt-1] = dEntries, dTier[0], dTier[1], dTier[2], dTier[3]
-	commit[nSetAt] = (len(commit) - nSetAt - 1) / 2
-	commit = append(commit, del...)
-	commitCmd := redis.NewSliceCmd(ctx, commit...)
-	_ = pipe.Process(ctx, commitCmd)
-	pipe.HSet(ctx, r.regKey(), instance, strconv.FormatInt(now.UnixMilli(), 10))
-	pipe.Expire(ctx, r.regKey(), r.ttl)
+	// The log is rewritten whole after a clear, and when it has grown to
+	// twice the live entries (a block stored, removed and stored again
+	// leaves stale records): its size stays within 2× the map's, and the
+	// rewrite's cost is paid by the appends that made it necessary.
+	live := counts[0]
+	mode := "a"
+	if o.cleared || m.logLen+len(rec) > 2*logRecord*live+4096 {
+		mode = "w"
+	}
+	newGen := newToken()
+	commit := redis.NewSliceCmd(ctx, "evalsha", mapScript.Hash(), 2, mkey, lkey, "c", token, r.leaseArg, expected, newPos, m.gen,
+		newGen, mode, nil, counts[0], counts[1], counts[2], counts[3], counts[4], instance)
+	if mode == "w" {
+		// Build the new map to write it whole.
+		next := r.merged(m.vals, o)
+		rec = rec[:0]
+		for h, v := range next {
+			rec = appendLogRecord(rec, h, v)
+		}
+	}
+	commit.Args()[13] = rec
+	_ = pipe.Process(ctx, commit)
+	reg := redis.NewSliceCmd(ctx, "evalsha", regScript.Hash(), 1, r.regKey(), id, strconv.FormatInt(now.UnixMilli(), 10)+" "+instance, instance)
+	_ = pipe.Process(ctx, reg)
 	storeBS := r.bs.configured == 0 && r.bs.get() != 0 && !r.bsStored.Load()
 	if storeBS {
 		// For routers that start while the pool is idle (see Epoch).
@@ -497,53 +532,94 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	if err == nil && storeBS {
 		r.bsStored.Store(true)
 	}
-	if err != nil && hasNoScript([]redis.Cmder{commitCmd}) {
-		// A Redis that never ran the script (new, restarted): load it and
-		// send the commit again; the block-key writes went through.
-		if err = mapScript.Load(ctx, r.rdb).Err(); err == nil {
-			commitCmd = redis.NewSliceCmd(ctx, commit...)
-			err = r.rdb.Process(ctx, commitCmd)
+	if err != nil && hasNoScript([]redis.Cmder{commit, reg}) {
+		// A Redis that never ran the scripts (new, restarted): load them
+		// and send the commit and the registry write again; the block-key
+		// writes went through.
+		err = r.loadScripts(ctx)
+		if err == nil {
+			commit = redis.NewSliceCmd(ctx, commit.Args()...)
+			reg = redis.NewSliceCmd(ctx, reg.Args()...)
+			_, err = r.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+				_ = p.Process(ctx, commit)
+				_ = p.Process(ctx, reg)
+				return nil
+			})
 		}
 	}
 	if err != nil {
 		return res, fmt.Errorf("kvindex: redis: write %d changes of %s: %w", len(o.cur), instance, err)
 	}
-	st, pos, err := scriptStatus(commitCmd.Val())
+	st, pos, err := scriptStatus(commit.Val())
 	if err != nil {
 		return res, err
 	}
 	if st != SeqApplied {
-		// Lost the lease or the map between the two round trips (Redis
-		// restarted, a purge): the block-key writes went out regardless.
+		// Lost the lease or the map between the two round trips, or the
+		// cached map was not current (Redis restarted, a purge, another
+		// writer): the block-key writes went out regardless.
 		return res, fmt.Errorf("%w: %s is %s at %s", errMoved, instance, st, pos)
 	}
+	if v := reg.Val(); len(v) > 0 && v[0] != instance {
+		// The block-key writes went out: the two instances' blocks are
+		// mixed until one of them is renamed.
+		return res, fmt.Errorf("%w: %q and %q", ErrInstanceID, instance, v[0])
+	}
+	// The cached map follows the commit.
+	if mode == "w" {
+		m.logLen = len(rec)
+	} else {
+		m.logLen += len(rec)
+	}
+	m.gen, m.counts = newGen, counts
+	r.maps.resize(m, r.mergeInto(m, o))
+	if g != nil {
+		m.leased, m.pos = started, pos
+	}
 	res.Status, res.Position = SeqApplied, pos
+	ok = true
 	return res, nil
 }
 
-// readMap reads an instance's whole engine-hash map with HSCAN (one key,
-// so it is fine on Cluster and never blocks Redis on a huge hash).
-func (r *Redis) readMap(ctx context.Context, ikey string) (map[uint64]mapVal, error) {
-	out := make(map[uint64]mapVal)
-	var cursor uint64
-	for {
-		kv, next, err := r.rdb.HScan(ctx, ikey, cursor, "", 4096).Result()
-		if err != nil {
-			return nil, fmt.Errorf("kvindex: redis: scan %s: %w", ikey, err)
-		}
-		for i := 0; i+1 < len(kv); i += 2 {
-			h, ok := parseHex(kv[i])
-			if !ok {
-				continue // a counter field
-			}
-			if v, ok := decodeMapVal(kv[i+1]); ok {
-				out[h] = v
-			}
-		}
-		if cursor = next; cursor == 0 {
-			return out, nil
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// merged returns the map after o's changes, as a new map (o.pre is left
+// alone: the commit may fail).
+func (r *Redis) merged(pre map[uint64]mapVal, o *redisOverlay) map[uint64]mapVal {
+	next := make(map[uint64]mapVal, len(pre)+len(o.cur))
+	if !o.cleared {
+		for h, v := range pre {
+			next[h] = v
 		}
 	}
+	for h, v := range o.cur {
+		if v.bits == 0 {
+			delete(next, h)
+		} else {
+			next[h] = v
+		}
+	}
+	return next
+}
+
+// mergeInto applies o's changes to m's map and returns its new size.
+func (r *Redis) mergeInto(m *instMap, o *redisOverlay) int {
+	if o.cleared {
+		clear(m.vals)
+	}
+	for h, v := range o.cur {
+		if v.bits == 0 {
+			delete(m.vals, h)
+		} else {
+			m.vals[h] = v
+		}
+	}
+	return len(m.vals)
 }
 
 // probePositions are the chain positions read in a lookup's first round
@@ -588,19 +664,20 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 	}
 	regv := reg.Val()
 	type cand struct {
+		id    string // the field naming it in block keys
 		name  string
 		bound int         // first probed position it lacks (or len(keys))
 		bits  []tiers.Set // per position below bound, once known
 	}
 	var cands []cand
-	for inst := range first {
-		ms, err := strconv.ParseInt(regv[inst], 10, 64)
-		if err != nil || ms < cutoff {
+	for id := range first {
+		ms, name, ok := parseRegEntry(regv[id])
+		if !ok || ms < cutoff {
 			continue // purged, or silent for longer than the TTL
 		}
-		c := cand{name: inst, bound: len(keys)}
+		c := cand{id: id, name: name, bound: len(keys)}
 		for i, p := range probes {
-			if _, ok := pcmds[i].Val()[inst]; !ok {
+			if _, ok := pcmds[i].Val()[id]; !ok {
 				c.bound = p
 				break
 			}
@@ -637,7 +714,7 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 			if p >= c.bound {
 				break
 			}
-			b := parseBits(pcmds[i].Val()[c.name])
+			b := parseBits(pcmds[i].Val()[c.id])
 			c.bits[p] = b
 			var assumed tiers.Set
 			if !r.exact && cumTiers(b) == cumTiers(prevBits) {
@@ -664,7 +741,7 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 			// the field list.
 			names = make([]string, len(who))
 			for i, ci := range who {
-				names[i] = cands[ci].name
+				names[i] = cands[ci].id
 			}
 			lastWho = who
 		}
@@ -729,29 +806,78 @@ func parseBits(s string) tiers.Set {
 	return tiers.Set(v)
 }
 
-// Purge implements Index: the instance's own map lists every block key it
-// holds a field in, so no scan of the keyspace is needed.
-func (r *Redis) Purge(ctx context.Context, instance string) error {
-	ikey := r.instKey(instance)
-	m, err := r.readMap(ctx, ikey)
-	if err != nil {
-		return err
+// parseRegEntry parses a registry value: "<last event, unix ms> <name>".
+func parseRegEntry(v string) (ms int64, name string, ok bool) {
+	a, name, ok := strings.Cut(v, " ")
+	if !ok {
+		return 0, "", false
 	}
+	ms, err := strconv.ParseInt(a, 10, 64)
+	return ms, name, err == nil
+}
+
+// Purge implements Index: the instance's engine-hash log lists every block
+// key it holds a field in, so no scan of the keyspace is needed.
+func (r *Redis) Purge(ctx context.Context, instance string) error {
+	m := r.maps.get(instance)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	r.maps.forget(m)
+	id := instID(instance)
+	chunks, err := r.rdb.LRange(ctx, r.logKey(id), 0, -1).Result()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return fmt.Errorf("kvindex: redis: purge %s: read map: %w", instance, err)
+	}
+	vals := make(map[uint64]mapVal)
+	_ = replayLog(strings.Join(chunks, ""), vals) // a partial record: purge what is whole
 	pipe := r.rdb.Pipeline()
-	for _, v := range m {
-		pipe.HDel(ctx, r.blockKey(v.key), instance)
+	idArg := any(id)
+	for _, v := range vals {
+		pipe.Do(ctx, "hdel", r.blockKey(v.key), idArg)
 		if pipe.Len() >= 8192 {
 			if _, err := pipe.Exec(ctx); err != nil {
 				return fmt.Errorf("kvindex: redis: purge %s: %w", instance, err)
 			}
 		}
 	}
-	pipe.Del(ctx, ikey)
-	pipe.HDel(ctx, r.regKey(), instance)
+	pipe.Del(ctx, r.metaKey(id))
+	pipe.Del(ctx, r.logKey(id))
+	pipe.HDel(ctx, r.regKey(), id)
 	if _, err := pipe.Exec(ctx); err != nil {
 		return fmt.Errorf("kvindex: redis: purge %s: %w", instance, err)
 	}
 	return nil
+}
+
+// Sweep purges every instance whose last event is older than the TTL
+// (lookups ignore them already): block keys carry no TTL, so an instance
+// that died without being purged by a router's consumer is removed here.
+// It returns the purged instances' names.
+func (r *Redis) Sweep(ctx context.Context) ([]string, error) {
+	reg, err := r.rdb.HGetAll(ctx, r.regKey()).Result()
+	if err != nil {
+		return nil, fmt.Errorf("kvindex: redis: sweep: %w", err)
+	}
+	cutoff := r.now().Add(-r.ttl).UnixMilli()
+	var out []string
+	for id, v := range reg {
+		ms, name, ok := parseRegEntry(v)
+		if ok && ms >= cutoff {
+			continue
+		}
+		if !ok || instID(name) != id {
+			// Not written by this model: drop the entry alone.
+			if err := r.rdb.HDel(ctx, r.regKey(), id).Err(); err != nil {
+				return out, fmt.Errorf("kvindex: redis: sweep: %w", err)
+			}
+			continue
+		}
+		if err := r.Purge(ctx, name); err != nil {
+			return out, err
+		}
+		out = append(out, name)
+	}
+	return out, nil
 }
 
 // Instances implements Index. Instances silent for longer than the TTL are
@@ -768,13 +894,13 @@ func (r *Redis) Instances(ctx context.Context) ([]InstanceStats, error) {
 	pipe := r.rdb.Pipeline()
 	out := make([]InstanceStats, 0, len(reg))
 	cmds := make([]*redis.SliceCmd, 0, len(reg))
-	for inst, ms := range reg {
-		s := InstanceStats{Instance: inst}
-		if v, err := strconv.ParseInt(ms, 10, 64); err == nil {
-			s.LastEvent = time.UnixMilli(v)
+	for id, v := range reg {
+		ms, name, ok := parseRegEntry(v)
+		if !ok {
+			continue
 		}
-		out = append(out, s)
-		cmds = append(cmds, pipe.HMGet(ctx, r.instKey(inst), fields...))
+		out = append(out, InstanceStats{Instance: name, LastEvent: time.UnixMilli(ms)})
+		cmds = append(cmds, pipe.HMGet(ctx, r.metaKey(id), fields...))
 	}
 	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
 		return nil, fmt.Errorf("kvindex: redis: instances: %w", err)
@@ -801,8 +927,8 @@ func (r *Redis) Len(ctx context.Context) (int, error) {
 	}
 	pipe := r.rdb.Pipeline()
 	cmds := make([]*redis.StringCmd, len(reg))
-	for i, inst := range reg {
-		cmds[i] = pipe.HGet(ctx, r.instKey(inst), fieldEntries)
+	for i, id := range reg {
+		cmds[i] = pipe.HGet(ctx, r.metaKey(id), fieldEntries)
 	}
 	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
 		return 0, fmt.Errorf("kvindex: redis: len: %w", err)

@@ -152,7 +152,7 @@ func (r *Redis) WriterLease() time.Duration { return r.lease }
 
 // Position returns where the instance's state stands.
 func (r *Redis) Position(ctx context.Context, instance string) (Position, error) {
-	s, err := r.rdb.HGet(ctx, r.instKey(instance), fieldPos).Result()
+	s, err := r.rdb.HGet(ctx, r.metaKey(instID(instance)), fieldPos).Result()
 	if errors.Is(err, redis.Nil) {
 		return Position{}, nil
 	}
@@ -168,7 +168,7 @@ func (r *Redis) Positions(ctx context.Context, instances []string) ([]Position, 
 	pipe := r.rdb.Pipeline()
 	cmds := make([]*redis.StringCmd, len(instances))
 	for i, inst := range instances {
-		cmds[i] = pipe.HGet(ctx, r.instKey(inst), fieldPos)
+		cmds[i] = pipe.HGet(ctx, r.metaKey(instID(inst)), fieldPos)
 	}
 	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
 		return nil, fmt.Errorf("kvindex: redis: positions: %w", err)
@@ -191,7 +191,7 @@ func parsePosition(s string) Position {
 }
 
 // Epoch returns the index's epoch: a random value stored under
-// <prefix>:m the first time it is asked for. It changes only when Redis
+// <prefix>:v2:m the first time it is asked for. It changes only when Redis
 // loses it (restarted without persistence, flushed, failed over to a
 // replica that never had it), which is how a router learns that every
 // instance must be checked and reloaded; created reports that this call
@@ -217,8 +217,8 @@ func (r *Redis) Epoch(ctx context.Context) (epoch string, created bool, err erro
 	return old, false, nil
 }
 
-func (r *Redis) epochKey() string { return r.prefix + ":m" }
-func (r *Redis) bsKey() string    { return r.prefix + ":bs" }
+func (r *Redis) epochKey() string { return r.ns + "m" }
+func (r *Redis) bsKey() string    { return r.ns + "bs" }
 
 func newToken() string {
 	var b [8]byte
@@ -226,76 +226,89 @@ func newToken() string {
 	return hex.EncodeToString(b[:])
 }
 
-// Instance-map fields of the shared protocol (engine-hash fields are 16
-// hex digits, so these never collide with them).
+// Instance metadata fields of the shared protocol (the others are in
+// redis.go).
 const (
 	fieldPos        = "#s"
 	fieldOwner      = "#o"
 	fieldOwnerUntil = "#x"
 )
 
-// mapScript is the only writer of instance maps. KEYS[1] is the map.
+// mapScript is the only writer of an instance's metadata hash (KEYS[1])
+// and engine-hash log (KEYS[2]), both on the instance's slot.
 //
-//	ARGV[1] mode: "b" (begin: check and take the lease) or "c" (commit)
+//	ARGV[1] mode: "b" (begin: check and take the lease, read the log
+//	        unless ARGV[6] is current) or "c" (commit)
 //	ARGV[2] lease token, "" = unguarded (plain Apply: no lease, no position)
-//	ARGV[3] lease ms   ARGV[4] key TTL s
-//	ARGV[5] expected position: "*" any, "!" none matches, else a sequence
-//	ARGV[6] new position (a sequence; "" = unguarded)
-//	commit: ARGV[7] "1" = drop the map's blocks first; ARGV[8..12] counter
-//	        deltas (#n, #t0..#t3); ARGV[13] = S, the number of field, value
-//	        pairs to set in ARGV[14..13+2S]; the rest are fields to delete
+//	ARGV[3] lease ms
+//	ARGV[4] expected position: "*" any, "!" none matches, else a sequence
+//	ARGV[5] new position (a sequence; "" = unguarded)
+//	ARGV[6] the generation of the caller's copy of the map ("" = none)
+//	commit: ARGV[7] the new generation; ARGV[8] "a" append ARGV[9] to the
+//	        log (a list of chunks of records), "w" replace the log with
+//	        it; ARGV[10..14] the counters
+//	        #n, #t0..#t3 after the change; ARGV[15] the instance's name
 //
-// It returns {status, position or nil}, status "ok", "dup" (already at or
-// past the new position), "owned" (another router's lease) or "behind"
-// (not at the expected position). The begin does not read the fields: the
-// HMGET pipelined right after it does, cheaper than through Lua, and reads
-// what the commit will change, since with the lease nobody else writes
-// the map. The counter deltas are computed from that read; the commit
-// checks the lease and position again, so they apply to exactly the state
-// they were computed from, or not at all. Field lists go through HSET and
-// HDEL in chunks (Lua's unpack has a stack limit).
+// It returns {status, position or nil, generation[, log]}, status "ok",
+// "dup" (already at or past the new position), "owned" (another router's
+// lease), "behind" (not at the expected position) or "stale" (commit: the
+// caller's map is not the current one). The begin returns the log when
+// the caller's generation is not current. The commit checks the lease,
+// the position and the generation again, so counters computed from the
+// caller's map apply to exactly the state they were computed from, or not
+// at all.
 var mapScript = redis.NewScript(`
-local k = KEYS[1]
+local m, l = KEYS[1], KEYS[2]
 local guarded = ARGV[2] ~= ''
 local pos = false
 if guarded then
-  pos = redis.call('HGET', k, '#s')
+  pos = redis.call('HGET', m, '#s')
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local o = redis.call('HMGET', k, '#o', '#x')
+  local o = redis.call('HMGET', m, '#o', '#x')
+  if pos and tonumber(pos) >= tonumber(ARGV[5]) then return {'dup', pos} end
   if ARGV[1] == 'b' then
-    if pos and tonumber(pos) >= tonumber(ARGV[6]) then return {'dup', pos} end
     if o[1] and o[1] ~= ARGV[2] and tonumber(o[2] or '0') > now then return {'owned', pos} end
   elseif o[1] ~= ARGV[2] then
     return {'owned', pos}
   end
-  redis.call('HSET', k, '#o', ARGV[2], '#x', now + tonumber(ARGV[3]))
-  redis.call('EXPIRE', k, ARGV[4])
-  if ARGV[5] ~= '*' and pos ~= ARGV[5] then return {'behind', pos} end
-  if ARGV[1] == 'b' then return {'ok', pos} end
+  redis.call('HSET', m, '#o', ARGV[2], '#x', now + tonumber(ARGV[3]))
+  if ARGV[4] ~= '*' and pos ~= ARGV[4] then return {'behind', pos} end
 end
-local n = #ARGV
-if ARGV[7] == '1' then
-  local keep = redis.call('HMGET', k, '#s', '#o', '#x')
-  redis.call('DEL', k)
-  if keep[1] then redis.call('HSET', k, '#s', keep[1]) end
-  if keep[2] then redis.call('HSET', k, '#o', keep[2], '#x', keep[3]) end
+local gen = redis.call('HGET', m, '#g') or ''
+if ARGV[1] == 'b' then
+  if gen == ARGV[6] then return {'ok', pos, gen} end
+  return {'ok', pos, gen, redis.call('LRANGE', l, 0, -1)}
 end
-local last = 13 + 2 * tonumber(ARGV[13])
-for i = 14, last, 1000 do
-  redis.call('HSET', k, unpack(ARGV, i, math.min(i + 999, last)))
-end
-for i = last + 1, n, 1000 do
-  redis.call('HDEL', k, unpack(ARGV, i, math.min(i + 999, n)))
-end
-local names = {'#n', '#t0', '#t1', '#t2', '#t3'}
-for i = 1, 5 do
-  if ARGV[7 + i] ~= '0' then redis.call('HINCRBY', k, names[i], ARGV[7 + i]) end
-end
-if guarded then redis.call('HSET', k, '#s', ARGV[6]) end
-redis.call('EXPIRE', k, ARGV[4])
-return {'ok', guarded and ARGV[6] or false}
+if gen ~= ARGV[6] then return {'stale', pos, gen} end
+if ARGV[8] == 'w' then redis.call('DEL', l) end
+if ARGV[9] ~= '' then redis.call('RPUSH', l, ARGV[9]) end
+redis.call('HSET', m, '#g', ARGV[7], '#n', ARGV[10], '#t0', ARGV[11], '#t1', ARGV[12], '#t2', ARGV[13], '#t3', ARGV[14], '#name', ARGV[15])
+if guarded then redis.call('HSET', m, '#s', ARGV[5]) end
+return {'ok', guarded and ARGV[5] or false, ARGV[7]}
 `)
+
+// regScript writes an instance's registry entry (KEYS[1] the registry,
+// ARGV[1] the instance id, ARGV[2] the entry, ARGV[3] the name) unless the
+// id is another name's: then it returns that name and writes nothing.
+var regScript = redis.NewScript(`
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if v then
+  local name = string.sub(v, (string.find(v, ' ', 1, true) or #v) + 1)
+  if name ~= ARGV[3] then return {name} end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return {}
+`)
+
+// loadScripts loads the backend's scripts into Redis (every master of a
+// Cluster).
+func (r *Redis) loadScripts(ctx context.Context) error {
+	if err := mapScript.Load(ctx, r.rdb).Err(); err != nil {
+		return err
+	}
+	return regScript.Load(ctx, r.rdb).Err()
+}
 
 // pipelined runs fn's commands in one pipeline; when Redis does not have
 // mapScript cached (a restarted or new server answers EVALSHA with
@@ -308,7 +321,7 @@ func (r *Redis) pipelined(ctx context.Context, fn func(redis.Pipeliner)) ([]redi
 	if err == nil || !hasNoScript(cmds) {
 		return cmds, err
 	}
-	if err := mapScript.Load(ctx, r.rdb).Err(); err != nil {
+	if err := r.loadScripts(ctx); err != nil {
 		return cmds, fmt.Errorf("load script: %w", err)
 	}
 	return r.rdb.Pipelined(ctx, do)
@@ -343,6 +356,8 @@ func scriptStatus(reply []any) (SeqStatus, Position, error) {
 		return SeqNotOwner, pos, nil
 	case "behind":
 		return SeqBehind, pos, nil
+	case "stale":
+		return 0, pos, fmt.Errorf("%w: the cached engine-hash map is not the current one", errMoved)
 	}
 	return 0, pos, fmt.Errorf("kvindex: redis: script status %v", reply[0])
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"strings"
 	"sync"
@@ -86,7 +87,7 @@ func (h *tripCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.
 var singleKey = map[string]bool{
 	"hgetall": true, "hmget": true, "hset": true, "hdel": true, "expire": true,
 	"hincrby": true, "hscan": true, "hkeys": true, "hget": true, "del": true, "ttl": true,
-	"set": true, "get": true,
+	"set": true, "get": true, "setnx": true, "exists": true, "lrange": true,
 	// Scripts: checked below to name exactly one key.
 	"evalsha": true, "eval": true,
 }
@@ -120,17 +121,42 @@ func (h *tripCounter) record(c redis.Cmder) {
 	}
 	keyArgs := c.Args()[1:2]
 	if name == "evalsha" || name == "eval" {
-		if n, _ := c.Args()[2].(int); n != 1 || len(c.Args()) < 4 {
-			h.t.Errorf("%s with %v keys: a script must touch one key (one Cluster slot)", name, c.Args()[2])
+		n, _ := c.Args()[2].(int)
+		if n < 1 || len(c.Args()) < 3+n {
+			h.t.Errorf("%s with %v keys", name, c.Args()[2])
 			return
 		}
-		keyArgs = c.Args()[3:4]
+		keyArgs = c.Args()[3 : 3+n]
 	}
-	for _, a := range keyArgs {
-		if s, ok := a.(string); ok && strings.ContainsAny(s, "{}") {
+	// Block keys and the pool's keys have no hash tag (they spread over
+	// every slot); an instance's keys share one, so a script on several of
+	// them stays on one slot.
+	tag := ""
+	for i, a := range keyArgs {
+		s, _ := a.(string)
+		t := hashTag(s)
+		if t != "" && !strings.Contains(s, ":v2:i:{") && !strings.Contains(s, ":v2:l:{") {
 			h.t.Errorf("key %q has a hash tag", s)
 		}
+		if i > 0 && (t == "" || t != tag) {
+			h.t.Errorf("%s on keys %v: not one hash tag (one Cluster slot)", name, keyArgs)
+		}
+		tag = t
 	}
+}
+
+// hashTag is the part of a key Redis Cluster hashes when it is not the
+// whole key (https://redis.io/docs/latest/operate/oss_and_stack/reference/cluster-spec/#hash-tags).
+func hashTag(k string) string {
+	i := strings.IndexByte(k, '{')
+	if i < 0 {
+		return ""
+	}
+	j := strings.IndexByte(k[i+1:], '}')
+	if j <= 0 {
+		return ""
+	}
+	return k[i+1 : i+1+j]
 }
 
 func (h *tripCounter) take() int {
@@ -174,6 +200,13 @@ func TestRedisRoundTrips(t *testing.T) {
 			if n := trips.take(); n != 2 {
 				t.Fatalf("Apply of one event took %d round trips, want 2 (read map, write pipeline)", n)
 			}
+			// The writer now holds the instance's map: one round trip.
+			mustApply(t, r, "full", c.tierStored("CPU", 0, 8))
+			if n := trips.take(); n != 1 {
+				t.Fatalf("second Apply took %d round trips, want 1 (write pipeline)", n)
+			}
+			mustApply(t, r, "full", c.removed("CPU", 0, 8))
+			trips.take()
 			mustApply(t, r, "half", half.stored(0, 200))
 			// Not prefix-closed: blocks 0..299 then a hole at 300, then 301..511.
 			mustApply(t, r, "holey", holey.stored(0, 512), holey.removed("GPU", 300, 301))
@@ -239,13 +272,27 @@ func TestRedisSilentInstanceAgesOut(t *testing.T) {
 	clock = clock.Add(20 * time.Minute) // quiet: 70 min silent; busy: 20
 	checkLookup(t, r, query{c.keys, map[string][tiers.Count]int{"busy": all(4)}}, "quiet aged out")
 
-	// Every key carries a TTL.
+	// Block keys carry no TTL: Sweep purges instances silent for longer
+	// than the TTL, keys and all.
 	ctx := context.Background()
-	for _, k := range []string{r.blockKey(c.keys[0]), r.instKey("quiet"), r.regKey()} {
-		ttl, err := r.rdb.TTL(ctx, k).Result()
-		if err != nil || ttl <= 0 || ttl > time.Hour {
-			t.Fatalf("TTL(%s) = %v, %v; want (0, 1h]", k, ttl, err)
+	bk := r.blockKey(c.keys[0])
+	if ttl, err := r.rdb.TTL(ctx, bk).Result(); err != nil || ttl != -1 {
+		t.Fatalf("TTL(%s) = %v, %v; want none", bk, ttl, err)
+	}
+	gone, err := r.Sweep(ctx)
+	if err != nil || len(gone) != 1 || gone[0] != "quiet" {
+		t.Fatalf("Sweep = %v, %v; want [quiet]", gone, err)
+	}
+	if f, err := r.rdb.HKeys(ctx, bk).Result(); err != nil || len(f) != 1 || f[0] != instID("busy") {
+		t.Fatalf("block key fields after sweep = %q, %v; want busy's id alone", f, err)
+	}
+	for _, k := range []string{r.metaKey(instID("quiet")), r.logKey(instID("quiet"))} {
+		if n, err := r.rdb.Exists(ctx, k).Result(); err != nil || n != 0 {
+			t.Fatalf("%s exists after sweep: %d, %v", k, n, err)
 		}
+	}
+	if st, err := r.Instances(ctx); err != nil || len(st) != 1 || st[0].Instance != "busy" || st[0].Blocks[0] != 4 {
+		t.Fatalf("Instances after sweep = %+v, %v", st, err)
 	}
 }
 
@@ -302,16 +349,31 @@ func TestRedisUnavailable(t *testing.T) {
 	}
 }
 
-func FuzzDecodeMapVal(f *testing.F) {
-	f.Add(mapVal{key: 0x0123456789abcdef, bits: 3}.encode())
+func FuzzReplayLog(f *testing.F) {
+	f.Add(string(appendLogRecord(appendLogRecord(nil, 1, mapVal{key: 0x0123456789abcdef, bits: 3}), 1, mapVal{})))
 	f.Add("")
-	f.Add("zz23456789abcdef03")
-	f.Fuzz(func(t *testing.T, s string) {
-		v, ok := decodeMapVal(s)
-		if ok && v.encode() != strings.ToLower(s) {
-			t.Fatalf("decode(%q) = %+v re-encodes to %q", s, v, v.encode())
+	f.Add("short")
+	f.Add(string(appendLogRecord(nil, 7, mapVal{key: 9, bits: 0xff})) + "x")
+	f.Fuzz(func(t *testing.T, log string) {
+		vals := map[uint64]mapVal{}
+		err := replayLog(log, vals)
+		if (err != nil) != (len(log)%logRecord != 0) {
+			t.Fatalf("replayLog(%d bytes) = %v", len(log), err)
 		}
-		_ = parseBits(s)
+		// Written back whole, the map replays to itself.
+		var out []byte
+		for h, v := range vals {
+			if v.bits == 0 || v.bits&^allTiers != 0 {
+				t.Fatalf("entry %x has bits %b", h, v.bits)
+			}
+			out = appendLogRecord(out, h, v)
+		}
+		again := map[uint64]mapVal{}
+		if err := replayLog(string(out), again); err != nil || !maps.Equal(vals, again) {
+			t.Fatalf("rewritten log replays to %v (%v), want %v", again, err, vals)
+		}
+		_ = parseBits(log)
+		_, _, _ = parseRegEntry(log)
 	})
 }
 
@@ -326,4 +388,71 @@ func TestRedisContractDefaultLookup(t *testing.T) {
 		}
 		return r
 	})
+}
+
+// The writer's in-process copy of the engine-hash maps is bounded: with
+// room for a few entries (evicted at nearly every Apply) or none, every
+// answer is still the reference model's.
+func TestRedisPropertyMapCache(t *testing.T) {
+	for _, limit := range []int{-1, 40} {
+		t.Run(fmt.Sprintf("limit=%d", limit), func(t *testing.T) {
+			testIndexProperty(t, func(t *testing.T, cfg factoryConfig) Index {
+				r, err := NewRedis(redisClient(t), RedisConfig{Prefix: testenv.UniqueName(t), Model: cfg.Model, BlockSize: cfg.BlockSize, Now: cfg.Now, ExactLookup: true, MapCache: limit})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return r
+			}, 3, 250, 4)
+		})
+	}
+}
+
+// A second writer of one instance (outside the single-writer contract, or
+// a router that lost track) changes the map's generation: the first
+// writer's next Apply fails with a clear error instead of counting from a
+// stale copy, and the one after reads the map again and is right.
+func TestRedisStaleMapCopy(t *testing.T) {
+	client := redisClient(t)
+	prefix := testenv.UniqueName(t)
+	var rs [2]*Redis
+	for i := range rs {
+		r, err := NewRedis(client, RedisConfig{Prefix: prefix, Model: testModel})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rs[i] = r
+	}
+	ctx := context.Background()
+	c := newChain(Root(testModel, "", ""), 8, 4, 3, 1)
+	mustApply(t, rs[0], "pod", c.stored(0, 4))
+	mustApply(t, rs[1], "pod", c.stored(4, 8))
+	if _, err := rs[0].Apply(ctx, "pod", []events.Event{c.removed("GPU", 6, 8)}); !errors.Is(err, errMoved) {
+		t.Fatalf("Apply from a stale copy = %v, want errMoved", err)
+	}
+	mustApply(t, rs[0], "pod", c.removed("GPU", 6, 8))
+	checkLookup(t, rs[0], query{c.keys, map[string][tiers.Count]int{"pod": all(6)}}, "after the re-read")
+	if n, _ := rs[0].Len(ctx); n != 6 {
+		t.Fatalf("Len = %d, want 6", n)
+	}
+	if st, _ := rs[1].Instances(ctx); len(st) != 1 || st[0].Blocks != blocks(6, 0, 0, 0) {
+		t.Fatalf("Instances = %+v", st)
+	}
+}
+
+// Two names with one id (instID keeps 40 bits of a hash) are reported,
+// not merged silently: the registry entry of the id names the other one.
+func TestRedisInstanceIDCollision(t *testing.T) {
+	r, _ := newCountedRedis(t, RedisConfig{Model: testModel})
+	ctx := context.Background()
+	// What a colliding "other" would have registered under pod's id.
+	if err := r.rdb.HSet(ctx, r.regKey(), instID("pod"), "1 other").Err(); err != nil {
+		t.Fatal(err)
+	}
+	c := newChain(Root(testModel, "", ""), 4, 4, 3, 1)
+	if _, err := r.Apply(ctx, "pod", []events.Event{c.stored(0, 4)}); !errors.Is(err, ErrInstanceID) || !strings.Contains(err.Error(), `"other"`) {
+		t.Fatalf("Apply = %v, want ErrInstanceID naming other", err)
+	}
+	if v, _ := r.rdb.HGet(ctx, r.regKey(), instID("pod")).Result(); v != "1 other" {
+		t.Fatalf("registry entry overwritten: %q", v)
+	}
 }

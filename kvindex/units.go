@@ -111,28 +111,3 @@ func unitOf(ev *events.Event, size int) int {
 	}
 	return ev.BlockSize / size
 }
-
-// eventHashes calls f with every engine hash applying ev reads: its parent,
-// its blocks, and the stand-ins of their interior unit blocks (the Redis
-// backend reads them in one round trip before applying).
-func eventHashes(ev *events.Event, bs *blockSizer, f func(uint64)) {
-	if skipEvent(ev) {
-		return
-	}
-	if ev.HasParent {
-		f(ev.ParentHash)
-	}
-	t, _ := tiers.FromMedium(ev.Medium)
-	k := max(bs.unit(t), unitOf(ev, bs.get()))
-	if ev.Kind == events.BlockStored && len(ev.TokenIDs) > 0 {
-		// Stores with tokens write the stand-ins of their own unit size
-		// (every hash written must be mentioned: it names the field).
-		k = max(1, unitOf(ev, bs.get()))
-	}
-	for _, h := range ev.BlockHashes {
-		f(h)
-		for i := 0; i < k-1; i++ {
-			f(unitHash(h, i))
-		}
-	}
-}

@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/kvrouter/kvrouter/config"
 )
 
 // Instance is one model server as the router sees it: identity, health,
@@ -24,6 +26,11 @@ type Instance struct {
 
 	healthy  atomic.Bool
 	inflight atomic.Int64
+
+	// role in disaggregated serving (config.RoleBoth, RolePrefill,
+	// RoleDecode); fixed for the instance's life (a reload with another
+	// role makes a new Instance).
+	role string
 
 	// configured adapters never change; discovered ones are swapped whole.
 	configured []string
@@ -51,11 +58,15 @@ func NewInstance(id, rawURL string, adapters ...string) (*Instance, error) {
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("router: instance %q: url %q: want an absolute http(s) URL", id, rawURL)
 	}
-	in := &Instance{id: id, url: u, hash: xxhash.Sum64String(id), configured: slices.Clone(adapters)}
+	in := &Instance{id: id, url: u, hash: xxhash.Sum64String(id), role: config.RoleBoth, configured: slices.Clone(adapters)}
 	in.healthy.Store(true)
 	in.SetDiscoveredAdapters(nil)
 	return in, nil
 }
+
+// Role is the instance's disaggregated-serving role (config.RoleBoth,
+// RolePrefill or RoleDecode).
+func (i *Instance) Role() string { return i.role }
 
 // ID is the instance's identifier, unique within its pool.
 func (i *Instance) ID() string { return i.id }

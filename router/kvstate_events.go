@@ -321,6 +321,12 @@ func (k *KVEvents) pool(pc config.PoolConfig) (*kvPool, error) {
 	if bucket.Name == "" {
 		bucket.Name = ec.Bucket
 	}
+	if stream.Replicas == 0 {
+		stream.Replicas = ec.NATS.StreamReplicas
+	}
+	if bucket.Replicas == 0 {
+		bucket.Replicas = ec.NATS.StreamReplicas
+	}
 	var applier consumer.Applier = &accountingApplier{Index: index, acct: k.acct}
 	if rs, ok := index.(*kvindex.Redis); ok {
 		applier = &sharedAccountingApplier{accountingApplier{Index: index, acct: k.acct}, rs}

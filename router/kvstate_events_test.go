@@ -130,6 +130,8 @@ func TestKVEventsWantedAndConfig(t *testing.T) {
 		{"defaults", config.Config{Events: &config.EventsConfig{}, Pools: []config.PoolConfig{kvPool}}, ""},
 		{"url and embedded", config.Config{Events: &config.EventsConfig{NATS: config.NATSConfig{URL: "nats://x:4222", Embedded: true}}, Pools: []config.PoolConfig{kvPool}}, "exclude"},
 		{"bad listen", config.Config{Events: &config.EventsConfig{NATS: config.NATSConfig{Listen: "4222"}}, Pools: []config.PoolConfig{kvPool}}, "events.nats.listen"},
+		{"stream replicas over the limit", config.Config{Events: &config.EventsConfig{NATS: config.NATSConfig{URL: "nats://x:4222", StreamReplicas: 6}}, Pools: []config.PoolConfig{kvPool}}, "stream_replicas 6 out of range"},
+		{"stream replicas on the embedded server", config.Config{Events: &config.EventsConfig{NATS: config.NATSConfig{StreamReplicas: 3}}, Pools: []config.PoolConfig{kvPool}}, "needs events.nats.url"},
 		{"cert without key", config.Config{Events: &config.EventsConfig{NATS: config.NATSConfig{TLS: &config.TLSConfig{CertFile: "c"}}}, Pools: []config.PoolConfig{kvPool}}, "cert_file and key_file"},
 		{"negative stale", config.Config{Events: &config.EventsConfig{StaleAfter: -1}, Pools: []config.PoolConfig{kvPool}}, ">= 0"},
 		{"purge before stale", config.Config{Events: &config.EventsConfig{StaleAfter: 60e9, PurgeAfter: 30e9}, Pools: []config.PoolConfig{kvPool}}, "purge_after"},

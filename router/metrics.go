@@ -14,6 +14,9 @@ type metrics struct {
 	ttfb      *prometheus.HistogramVec
 	probes    *prometheus.CounterVec
 	streamErr *prometheus.CounterVec
+	// Disaggregated serving (disagg.go).
+	disagg              *prometheus.CounterVec
+	disaggPrefillErrors *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
@@ -48,8 +51,16 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 			Name: "kvrouter_stream_errors_total",
 			Help: "Upstream responses that failed after bytes reached the client (streams end with an error event).",
 		}, []string{"pool", "instance"}),
+		disagg: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_disagg_requests_total",
+			Help: "Requests of pools with disaggregation on, by how they were served (disaggregated, or aggregated with the reason).",
+		}, []string{"pool", "mode", "reason"}),
+		disaggPrefillErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_disagg_prefill_errors_total",
+			Help: "Prefill requests that failed (transport error or a non-200 answer); the request was tried on another prefill instance or went aggregated.",
+		}, []string{"pool", "instance"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.overflows, m.retries, m.decision, m.ttfb, m.probes, m.streamErr, &liveCollector{s: s}} {
+	for _, c := range []prometheus.Collector{m.requests, m.overflows, m.retries, m.decision, m.ttfb, m.probes, m.streamErr, m.disagg, m.disaggPrefillErrors, &liveCollector{s: s}} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -67,6 +78,7 @@ func (s *Server) forgetInstanceSeries(pool, instance string) {
 	s.m.ttfb.DeletePartialMatch(l)
 	s.m.probes.DeletePartialMatch(l)
 	s.m.streamErr.DeletePartialMatch(l)
+	s.m.disaggPrefillErrors.DeletePartialMatch(l)
 	s.kvm.scrapes.DeletePartialMatch(l)
 }
 

@@ -35,7 +35,7 @@ func NewPool(cfg config.PoolConfig, prev *Pool, opts ...PoolOption) (*Pool, erro
 	for _, ic := range cfg.Instances {
 		var in *Instance
 		if prev != nil {
-			if old := prev.byID[ic.ID]; old != nil && old.url.String() == ic.URL && slices.Equal(old.configured, ic.Adapters) {
+			if old := prev.byID[ic.ID]; old != nil && old.url.String() == ic.URL && slices.Equal(old.configured, ic.Adapters) && old.role == roleOf(ic.Role) {
 				in = old
 			}
 		}
@@ -44,6 +44,7 @@ func NewPool(cfg config.PoolConfig, prev *Pool, opts ...PoolOption) (*Pool, erro
 			if in, err = NewInstance(ic.ID, ic.URL, ic.Adapters...); err != nil {
 				return nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
 			}
+			in.role = roleOf(ic.Role)
 		}
 		if cfg.Health.Disable {
 			in.SetHealthy(true) // nothing would ever re-admit it
@@ -139,7 +140,7 @@ func (p *Pool) Candidates(dst []*Instance, adapter string, exclude *Instance) (c
 	// A pool-level adapter is one every instance was started with.
 	everywhere := adapter != "" && slices.Contains(p.cfg.Adapters, adapter)
 	for _, in := range p.instances {
-		if in == exclude || !in.Healthy() {
+		if in == exclude || !in.Healthy() || in.role == config.RolePrefill {
 			continue
 		}
 		if adapter != "" && !everywhere && !in.HasAdapter(adapter) {
@@ -149,11 +150,38 @@ func (p *Pool) Candidates(dst []*Instance, adapter string, exclude *Instance) (c
 	}
 	if len(dst) == 0 && adapter != "" && p.cfg.AdapterFallback == "all" {
 		for _, in := range p.instances {
-			if in != exclude && in.Healthy() {
+			if in != exclude && in.Healthy() && in.role != config.RolePrefill {
 				dst = append(dst, in)
 			}
 		}
 		return dst, len(dst) > 0
 	}
 	return dst, false
+}
+
+// PrefillCandidates appends to dst the healthy prefill instances (role
+// prefill) eligible for adapter, skipping exclude: the first stage of a
+// disaggregated request. Candidates never returns them: a prefill
+// instance takes only prefill requests.
+func (p *Pool) PrefillCandidates(dst []*Instance, adapter string, exclude *Instance) []*Instance {
+	dst = dst[:0]
+	everywhere := adapter != "" && slices.Contains(p.cfg.Adapters, adapter)
+	for _, in := range p.instances {
+		if in.role != config.RolePrefill || in == exclude || !in.Healthy() {
+			continue
+		}
+		if adapter != "" && !everywhere && !in.HasAdapter(adapter) {
+			continue
+		}
+		dst = append(dst, in)
+	}
+	return dst
+}
+
+// roleOf normalises a configured role ("" is both).
+func roleOf(r string) string {
+	if r == "" {
+		return config.RoleBoth
+	}
+	return r
 }

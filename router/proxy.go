@@ -149,6 +149,9 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in Inbound) {
 	}
 	_, strat := pool.Routing()
 	path := r.URL.Path
+	if in.Endpoint.OpenAI() && pool.cfg.Disaggregation.Enabled() {
+		req = s.disaggregate(w, r, pool, strat, req, path)
+	}
 	switch in.Endpoint {
 	case EndpointInvoke:
 		path = pool.cfg.InvokePath

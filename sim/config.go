@@ -83,6 +83,11 @@ type Timing struct {
 	// CPULoadTokensPerSec is the rate at which CPU-tier blocks are promoted
 	// to GPU (default 1.22M tokens/s: 50 GB/s per GPU over 40,960 B per GPU per token).
 	CPULoadTokensPerSec float64
+	// KVTransferTokensPerSec is the rate at which a disaggregated decode
+	// engine receives a remote prefill's KV (default 305k tokens/s: an
+	// 800 Gb/s NIC per 8-GPU node, Mooncake's figure, over 8 × 40,960 B
+	// of Llama-3.1-70B KV per token; docs/reference/workload-facts.md §3–4).
+	KVTransferTokensPerSec float64
 }
 
 // Default values; see Config and Timing for their sources.
@@ -101,6 +106,7 @@ const (
 	defaultKVReadSecondsPerTok = 40960 / 3.0e12
 	defaultStepOverhead        = 1500 * time.Microsecond
 	defaultCPULoadTokensPerSec = 50e9 / 40960
+	defaultKVTransferTokPerSec = 800e9 / 8 / (8 * 40960)
 )
 
 // HashAlgo selects the engine's block hash, as vLLM's --prefix-caching-hash-algo.
@@ -166,6 +172,9 @@ func (c Config) withDefaults() (Config, error) {
 	if t.StepOverhead == 0 {
 		t.StepOverhead = defaultStepOverhead
 	}
+	if t.KVTransferTokensPerSec == 0 {
+		t.KVTransferTokensPerSec = defaultKVTransferTokPerSec
+	}
 	if t.CPULoadTokensPerSec == 0 {
 		t.CPULoadTokensPerSec = defaultCPULoadTokensPerSec
 	}
@@ -189,7 +198,7 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	for name, v := range map[string]float64{
 		"FLOPS": t.FLOPS, "FLOPs per token": t.FLOPsPerToken, "attention FLOPs per pair": t.AttnFLOPsPerPair,
-		"CPU load tokens/s": t.CPULoadTokensPerSec, "KV read seconds per token": t.KVReadSecondsPerToken,
+		"CPU load tokens/s": t.CPULoadTokensPerSec, "KV transfer tokens/s": t.KVTransferTokensPerSec, "KV read seconds per token": t.KVReadSecondsPerToken,
 	} {
 		if !(v > 0) || math.IsInf(v, 0) {
 			return c, fmt.Errorf("%w: timing %s must be positive and finite, got %v", ErrConfig, name, v)

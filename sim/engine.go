@@ -53,6 +53,14 @@ type Request struct {
 	LoRA string
 	// CacheSalt isolates this request's cache entries (vLLM's cache_salt).
 	CacheSalt string
+	// RemotePrefill says another engine computed the prompt's KV and this
+	// one receives it over the network (vLLM's disaggregated decode: the
+	// request carries kv_transfer_params with do_remote_prefill). The full
+	// blocks of the prompt this engine does not hold arrive at
+	// Timing.KVTransferTokensPerSec instead of being computed; they are then
+	// stored in this engine's prefix cache like computed ones (and
+	// announced), as vLLM's NixlConnector receiver does.
+	RemotePrefill bool
 }
 
 // UpdateKind says what an Update reports.
@@ -114,7 +122,10 @@ type Stats struct {
 	// (vLLM's prefix_cache_queries / prefix_cache_hits).
 	PrefixQueries, PrefixHits uint64
 	// CPUHitTokens counts tokens promoted from the CPU tier.
-	CPUHitTokens                      uint64
+	CPUHitTokens uint64
+	// RemoteTokens counts prompt tokens received from a remote prefill
+	// (Request.RemotePrefill) instead of computed or found cached.
+	RemoteTokens                      uint64
 	Steps, Preemptions                uint64
 	GPUEvicted, CPUStored, CPUEvicted uint64
 	PromptTokens, GenerationTokens    uint64
@@ -600,7 +611,11 @@ func (e *Engine) admit(q *request, t time.Duration, budget int) bool {
 	maxHit := (len(q.tokens) - 1) / bs
 	hashes := e.hashesUpTo(q, maxHit)
 	hit, cpuOnly := e.pool.lookup(hashes, maxHit)
-	if cpuOnly > 0 {
+	remote := 0
+	if q.RemotePrefill {
+		remote = maxHit - hit
+	}
+	if cpuOnly > 0 || remote > 0 {
 		// Pin the GPU part and touch the CPU part before allocating, so
 		// that making room evicts neither.
 		for i := 0; i < hit; i++ {
@@ -614,7 +629,7 @@ func (e *Engine) admit(q *request, t time.Duration, budget int) bool {
 				q.held = append(q.held, nil)
 			}
 		}
-		if !e.pool.allocate(cpuOnly) {
+		if !e.pool.allocate(cpuOnly + remote) {
 			for _, b := range q.held {
 				if b != nil {
 					e.pool.unref(b)
@@ -623,10 +638,17 @@ func (e *Engine) admit(q *request, t time.Duration, budget int) bool {
 			q.held = q.held[:0]
 			return false
 		}
+		for range remote {
+			q.held = append(q.held, nil)
+		}
 		e.recordAdmission(q, hit*bs, cpuOnly*bs)
+		e.stats.RemoteTokens += uint64(remote * bs)
 		q.state = stLoading
-		q.hitBlocks = hit
-		q.readyAt = t + time.Duration(float64(cpuOnly*bs)/e.cfg.Timing.CPULoadTokensPerSec*float64(time.Second))
+		q.hitBlocks = hit + remote
+		// The CPU copies and the network transfer run side by side.
+		cpuTime := float64(cpuOnly*bs) / e.cfg.Timing.CPULoadTokensPerSec
+		netTime := float64(remote*bs) / e.cfg.Timing.KVTransferTokensPerSec
+		q.readyAt = t + time.Duration(math.Max(cpuTime, netTime)*float64(time.Second))
 		e.loading = append(e.loading, q)
 		return true
 	}

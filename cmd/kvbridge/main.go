@@ -70,6 +70,7 @@ type options struct {
 	stream         string
 	streamMaxAge   time.Duration
 	streamMaxBytes int64
+	streamReplicas int
 	bucket         string
 
 	listen, logLevel string
@@ -127,6 +128,7 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	fs.StringVar(&o.stream, "stream", "", "JetStream stream name (default KV_EVENTS)")
 	fs.DurationVar(&o.streamMaxAge, "stream-max-age", 0, "stream retention when the bridge creates it (default 1h)")
 	fs.Int64Var(&o.streamMaxBytes, "stream-max-bytes", 0, "stream size bound when the bridge creates it (default 1 GiB)")
+	fs.IntVar(&o.streamReplicas, "stream-replicas", 0, "replicas of the stream, snapshot bucket and object store when the bridge creates them: 3 on a 3-node JetStream cluster (default 1; at most the cluster's size)")
 	fs.StringVar(&o.bucket, "bucket", "", "snapshot key-value bucket (default KV_SNAPSHOTS)")
 	fs.StringVar(&o.listen, "listen", envOr(getenv, ":9400", "KVBRIDGE_LISTEN"), "address for /metrics, /healthz and /readyz")
 	fs.StringVar(&o.logLevel, "log-level", envOr(getenv, "info", "KVBRIDGE_LOG_LEVEL"), "debug, info, warn or error")
@@ -157,6 +159,9 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	}
 	if _, err := bridge.ParseAgeOut(o.ageOut); err != nil {
 		return nil, fmt.Errorf("--age-out: %w", err)
+	}
+	if o.streamReplicas < 0 || o.streamReplicas > kvstream.MaxReplicas {
+		return nil, fmt.Errorf("--stream-replicas %d out of range 1..%d", o.streamReplicas, kvstream.MaxReplicas)
 	}
 	return o, nil
 }
@@ -266,8 +271,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}
 	br, err := bridge.New(bridge.Config{
 		Pool: o.pool, Model: o.model, BlockSize: o.blockSize, Adapters: adapters, Sources: srcs, Conn: nc,
-		Stream:              kvstream.StreamConfig{Name: o.stream, MaxAge: o.streamMaxAge, MaxBytes: o.streamMaxBytes},
-		Bucket:              kvstream.BucketConfig{Name: o.bucket},
+		Stream:              kvstream.StreamConfig{Name: o.stream, MaxAge: o.streamMaxAge, MaxBytes: o.streamMaxBytes, Replicas: o.streamReplicas},
+		Bucket:              kvstream.BucketConfig{Name: o.bucket, Replicas: o.streamReplicas},
 		MaxBlocks:           o.maxBlocks,
 		Buffer:              o.buffer,
 		HeartbeatInterval:   o.heartbeat,

@@ -35,6 +35,7 @@ func TestSources(t *testing.T) {
 			[]string{"x tcp://127.0.0.1:5557 tcp://127.0.0.1:5558 http://127.0.0.1:8000"}, ""},
 		{"no pool", nil, nil, nil, "--pool"},
 		{"bad dp", []string{"--pool", "p", "--dp-size", "0"}, nil, nil, "dp-size"},
+		{"bad stream replicas", []string{"--pool", "p", "--stream-replicas", "6"}, nil, nil, "stream-replicas 6"},
 		{"bad endpoint", []string{"--pool", "p", "--dp-size", "2", "--zmq-endpoint", "tcp://noport"}, nil, nil, "noport"},
 		{"sglang format", []string{"--pool", "p", "--format", "sglang"}, map[string]string{"POD_NAME": "sg"},
 			[]string{"sg tcp://127.0.0.1:5557 tcp://127.0.0.1:5558 http://127.0.0.1:8000"}, ""},

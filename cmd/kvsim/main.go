@@ -67,7 +67,8 @@ type options struct {
 	flops, flopsPerToken, attnPerPair float64
 	weightRead, stepOverhead          time.Duration
 	kvReadPerToken, cpuLoadRate       float64
-	logLevel                          string
+	kvTransferRate                    float64
+	logLevel, role                    string
 }
 
 func parseFlags(args []string, stderr io.Writer) (*options, error) {
@@ -114,6 +115,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Float64Var(&o.kvReadPerToken, "kv-read-seconds-per-token", 0, "time to read one context token's KV (0: 1.365e-8)")
 	fs.DurationVar(&o.stepOverhead, "step-overhead", 0, "fixed cost per step (0: 1.5ms)")
 	fs.Float64Var(&o.cpuLoadRate, "cpu-load-tokens-per-sec", 0, "CPU→GPU promotion rate (0: 1.22e6)")
+	fs.Float64Var(&o.kvTransferRate, "kv-transfer-tokens-per-sec", 0, "rate a decode worker receives a remote prefill's KV (0: 305e3, an 800 Gb/s NIC per 8-GPU node)")
+	fs.StringVar(&o.role, "role", "both", "disaggregated-serving role (vLLM's kv_role): both, prefill (only prefill requests: kv_transfer_params.do_remote_decode) or decode (never those)")
 	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -204,6 +207,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready fun
 					FLOPS: o.flops, FLOPsPerToken: o.flopsPerToken, AttnFLOPsPerPair: o.attnPerPair,
 					WeightReadTime: o.weightRead, KVReadSecondsPerToken: o.kvReadPerToken,
 					StepOverhead: o.stepOverhead, CPULoadTokensPerSec: o.cpuLoadRate,
+					KVTransferTokensPerSec: o.kvTransferRate,
 				},
 			},
 			Listen:           net.JoinHostPort(o.host, strconv.Itoa(portFor(o.port, i))),
@@ -213,6 +217,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready fun
 			LoRAs:            loras,
 			DefaultMaxTokens: o.defaultMaxTokens,
 			MaxLoRAs:         o.maxLoRAs,
+			Role:             o.role,
 			Logger:           log,
 		}
 		if o.events {

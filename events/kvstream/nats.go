@@ -125,12 +125,18 @@ type StreamConfig struct {
 	MaxMsgs int64
 	// Memory keeps the stream in memory instead of files.
 	Memory bool
-	// Replicas defaults to 1.
+	// Replicas is how many JetStream servers hold the stream: 1 (the
+	// default) for a single server, 3 on a 3-node cluster so that losing
+	// one node loses nothing. At most MaxReplicas and at most the cluster's
+	// size (the server refuses more: a configuration error).
 	Replicas int
 	// DuplicateWindow defaults to 2m: the bridge retries a publish with
 	// the same message id after a lost ack; JetStream drops the copy.
 	DuplicateWindow time.Duration
 }
+
+// MaxReplicas is JetStream's limit on a stream's replicas.
+const MaxReplicas = 5
 
 // DefaultStreamName is the stream name when StreamConfig.Name is empty.
 const DefaultStreamName = "KV_EVENTS"
@@ -165,9 +171,9 @@ func (c StreamConfig) withDefaults() StreamConfig {
 // existing stream is left as it is (another bridge or the operator made it).
 func EnsureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig) (jetstream.Stream, error) {
 	cfg = cfg.withDefaults()
-	if cfg.MaxAge < 0 || cfg.MaxBytes < -1 || cfg.MaxMsgs < -1 || cfg.Replicas < 1 {
-		return nil, fmt.Errorf("%w: stream %s: negative limits (max age %v, max bytes %d, max msgs %d, replicas %d)",
-			ErrConfig, cfg.Name, cfg.MaxAge, cfg.MaxBytes, cfg.MaxMsgs, cfg.Replicas)
+	if cfg.MaxAge < 0 || cfg.MaxBytes < -1 || cfg.MaxMsgs < -1 || cfg.Replicas < 1 || cfg.Replicas > MaxReplicas {
+		return nil, fmt.Errorf("%w: stream %s: limits out of range (max age %v, max bytes %d, max msgs %d, replicas %d of 1..%d)",
+			ErrConfig, cfg.Name, cfg.MaxAge, cfg.MaxBytes, cfg.MaxMsgs, cfg.Replicas, MaxReplicas)
 	}
 	s, err := js.Stream(ctx, cfg.Name)
 	if err == nil {
@@ -203,7 +209,7 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 		}
 	}
 	if err != nil {
-		return nil, fmt.Errorf("kvstream: create stream %s: %w", cfg.Name, err)
+		return nil, fmt.Errorf("kvstream: create stream %s: %w%s", cfg.Name, err, replicasHint(err, cfg.Replicas))
 	}
 	return s, nil
 }
@@ -220,6 +226,19 @@ type BucketConfig struct {
 	MaxValueSize int32
 	// Memory keeps the bucket in memory instead of files.
 	Memory bool
+	// Replicas of the bucket and of the object store, as
+	// StreamConfig.Replicas (default 1).
+	Replicas int
+}
+
+func (c BucketConfig) replicas() (int, error) {
+	switch {
+	case c.Replicas == 0:
+		return 1, nil
+	case c.Replicas < 0 || c.Replicas > MaxReplicas:
+		return 0, fmt.Errorf("%w: bucket %s: replicas %d out of range 1..%d", ErrConfig, c.Name, c.Replicas, MaxReplicas)
+	}
+	return c.Replicas, nil
 }
 
 // DefaultBucketName is the bucket name when BucketConfig.Name is empty.
@@ -235,6 +254,10 @@ func EnsureBucket(ctx context.Context, js jetstream.JetStream, cfg BucketConfig)
 	}
 	if cfg.TTL < 0 || cfg.MaxValueSize < 0 {
 		return nil, fmt.Errorf("%w: bucket %s: negative ttl %v or max value size %d", ErrConfig, cfg.Name, cfg.TTL, cfg.MaxValueSize)
+	}
+	replicas, err := cfg.replicas()
+	if err != nil {
+		return nil, err
 	}
 	kv, err := js.KeyValue(ctx, cfg.Name)
 	if err == nil {
@@ -254,6 +277,7 @@ func EnsureBucket(ctx context.Context, js jetstream.JetStream, cfg BucketConfig)
 		TTL:          cfg.TTL,
 		MaxValueSize: cfg.MaxValueSize,
 		Storage:      storage,
+		Replicas:     replicas,
 	})
 	if errors.Is(err, jetstream.ErrBucketExists) || errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) || isSubjectOverlap(err) {
 		// Made by another creator meanwhile (see EnsureStream).
@@ -262,7 +286,7 @@ func EnsureBucket(ctx context.Context, js jetstream.JetStream, cfg BucketConfig)
 		}
 	}
 	if err != nil {
-		return nil, fmt.Errorf("kvstream: create bucket %s: %w", cfg.Name, err)
+		return nil, fmt.Errorf("kvstream: create bucket %s: %w%s", cfg.Name, err, replicasHint(err, replicas))
 	}
 	return kv, nil
 }
@@ -283,6 +307,10 @@ func EnsureObjectStore(ctx context.Context, js jetstream.JetStream, cfg BucketCo
 	if cfg.TTL == 0 {
 		cfg.TTL = 24 * time.Hour
 	}
+	replicas, err := cfg.replicas()
+	if err != nil {
+		return nil, err
+	}
 	obs, err := js.ObjectStore(ctx, name)
 	if err == nil {
 		return obs, nil
@@ -299,6 +327,7 @@ func EnsureObjectStore(ctx context.Context, js jetstream.JetStream, cfg BucketCo
 		Description: "kvrouter: block-table snapshots too large for one message",
 		TTL:         cfg.TTL,
 		Storage:     storage,
+		Replicas:    replicas,
 	})
 	if errors.Is(err, jetstream.ErrBucketExists) || errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) || isSubjectOverlap(err) {
 		// Made by another creator meanwhile (see EnsureStream).
@@ -307,7 +336,7 @@ func EnsureObjectStore(ctx context.Context, js jetstream.JetStream, cfg BucketCo
 		}
 	}
 	if err != nil {
-		return nil, fmt.Errorf("kvstream: create object store %s: %w", name, err)
+		return nil, fmt.Errorf("kvstream: create object store %s: %w%s", name, err, replicasHint(err, replicas))
 	}
 	return obs, nil
 }

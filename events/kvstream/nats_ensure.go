@@ -3,6 +3,7 @@ package kvstream
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"time"
 
@@ -30,10 +31,33 @@ func IsConfigError(err error) bool {
 	var je jetstream.JetStreamError
 	if errors.As(err, &je) {
 		if a := je.APIError(); a != nil {
-			return a.Code == 400
+			return a.Code == 400 || a.ErrorCode == jsErrReplicasNotSupported
 		}
 	}
 	return false
+}
+
+// JetStream API error codes (nats-server server/errors.json; nats.go has
+// no constants for them): replicas > 1 asked of a server that is not
+// clustered (status 500, yet no retry can help), and no set of servers
+// able to hold the replicas (status 400: fewer servers than replicas).
+const (
+	jsErrReplicasNotSupported = 10074
+	jsErrNoPeers              = 10005
+)
+
+// replicasHint explains a refused creation that asked for more replicas
+// than the servers can give.
+func replicasHint(err error, replicas int) string {
+	var je jetstream.JetStreamError
+	if replicas <= 1 || !errors.As(err, &je) || je.APIError() == nil {
+		return ""
+	}
+	switch je.APIError().ErrorCode {
+	case jsErrReplicasNotSupported, jsErrNoPeers:
+		return fmt.Sprintf(" (%d replicas need a JetStream cluster of at least %d servers; set stream replicas to 1 for a single server)", replicas, replicas)
+	}
+	return ""
 }
 
 // Resources are the JetStream resources the bridge and the consumer share.
@@ -75,7 +99,16 @@ func EnsureAll(ctx context.Context, js jetstream.JetStream, stream StreamConfig,
 	}
 }
 
+// ensureAttemptTimeout bounds one EnsureAll attempt. A JetStream cluster
+// drops API requests it cannot serve yet (no meta leader, a stream being
+// placed), and nats.go waits for a reply until the context's deadline: a
+// caller's far deadline (or none, then nats.go's 5s) must not stall the
+// retries. Ten seconds is twice a cluster's usual leader election.
+const ensureAttemptTimeout = 10 * time.Second
+
 func ensureAllOnce(ctx context.Context, js jetstream.JetStream, stream StreamConfig, bucket BucketConfig) (Resources, error) {
+	ctx, cancel := context.WithTimeout(ctx, ensureAttemptTimeout)
+	defer cancel()
 	var r Resources
 	var err error
 	if r.Stream, err = EnsureStream(ctx, js, stream); err != nil {

@@ -99,6 +99,7 @@ type RedisServer struct {
 	bin  string
 	port int
 	dir  string
+	args []string   // more redis-server arguments (cluster nodes)
 	mu   sync.Mutex // guards cmd
 	cmd  *exec.Cmd
 }
@@ -121,7 +122,8 @@ func StartRedis(t testing.TB) *RedisServer {
 // Start starts the server (again) and waits until it accepts connections.
 func (s *RedisServer) Start() {
 	s.t.Helper()
-	cmd := exec.Command(s.bin, "--port", fmt.Sprint(s.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", s.dir, "--loglevel", "warning")
+	args := append([]string{"--port", fmt.Sprint(s.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", s.dir, "--loglevel", "warning"}, s.args...)
+	cmd := exec.Command(s.bin, args...)
 	stdout, _ := cmd.StdoutPipe()
 	cmd.Stderr = cmd.Stdout
 	if err := cmd.Start(); err != nil {

@@ -1,10 +1,15 @@
 package testenv
 
 import (
+	"context"
+	"fmt"
 	"net"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/redis/go-redis/v9"
 )
 
 func TestRedisAnswersPing(t *testing.T) {
@@ -49,5 +54,40 @@ func TestNATSRestartKeepsJetStream(t *testing.T) {
 	info, err := js.StreamInfo(name)
 	if err != nil || info.State.Msgs != 1 {
 		t.Fatalf("after restart: %+v %v", info, err)
+	}
+}
+
+func TestRedisClusterFailover(t *testing.T) {
+	c := StartRedisCluster(t)
+	ctx := context.Background()
+	cl := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs()})
+	defer cl.Close()
+	// Keys over every master (no hash tags): the client routes each.
+	for i := range 100 {
+		if err := cl.Set(ctx, fmt.Sprintf("k%d", i), i, 0).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	masters := c.Masters()
+	if len(masters) != 3 {
+		t.Fatalf("%d masters", len(masters))
+	}
+	if err := cl.Do(ctx, "mset", "a", 1, "b", 2).Err(); err == nil || !strings.Contains(err.Error(), "CROSSSLOT") {
+		t.Fatalf("MSET across slots = %v, want CROSSSLOT", err)
+	}
+	// A master dies: its replica takes over; restarted, it rejoins as a
+	// replica and the cluster is whole again.
+	masters[0].Kill()
+	deadline := time.Now().Add(30 * time.Second)
+	for len(c.Masters()) != 3 {
+		if time.Now().After(deadline) {
+			t.Fatal("no replica promoted within 30s")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	masters[0].Start()
+	c.WaitHealthy(30 * time.Second)
+	if r := c.Role(masters[0]); r != "slave" {
+		t.Fatalf("restarted master is %q, want slave", r)
 	}
 }

@@ -65,6 +65,8 @@ type genParams struct {
 		IncludeUsage bool `json:"include_usage"`
 	} `json:"stream_options"`
 	CacheSalt *string `json:"cache_salt"`
+	// KVTransferParams is vLLM's disaggregated-serving field (disagg.go).
+	KVTransferParams *kvTransferParams `json:"kv_transfer_params"`
 }
 
 // resolveModel maps the request's model to a LoRA name ("" = base model).
@@ -136,7 +138,7 @@ type job struct {
 	prompt int
 }
 
-func (in *Instance) startJob(w http.ResponseWriter, prompt []uint32, maxTok int, lora, salt string) (*job, bool) {
+func (in *Instance) startJob(w http.ResponseWriter, prompt []uint32, maxTok int, lora, salt string, t transfer) (*job, bool) {
 	if in.sleeping.Load() {
 		apiError(w, http.StatusServiceUnavailable, "ServiceUnavailableError", "The engine is sleeping; POST /wake_up first.")
 		return nil, false
@@ -159,7 +161,7 @@ func (in *Instance) startJob(w http.ResponseWriter, prompt []uint32, maxTok int,
 		var ids []uint32
 		pieces, ids = reply(prompt, maxTok, in.tok)
 		d = in.pick()
-		id, wt, err = d.submit(sim.Request{Prompt: prompt, MaxTokens: maxTok, Output: ids, LoRA: lora, CacheSalt: salt})
+		id, wt, err = d.submit(sim.Request{Prompt: prompt, MaxTokens: maxTok, Output: ids, LoRA: lora, CacheSalt: salt, RemotePrefill: t == transferDecode})
 	}
 	switch {
 	case errors.Is(err, sim.ErrTooLong):
@@ -272,6 +274,14 @@ func (in *Instance) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		badRequest(w, err.Error())
 		return
 	}
+	tr, ok := in.checkTransfer(w, &req.genParams)
+	if !ok {
+		return
+	}
+	if tr != transferNone && len(prompts) != 1 {
+		badRequest(w, "kv_transfer_params takes one prompt per request")
+		return
+	}
 	if len(prompts) > 1024 {
 		badRequest(w, "too many prompts in one request (max 1024)")
 		return
@@ -282,7 +292,7 @@ func (in *Instance) handleCompletions(w http.ResponseWriter, r *http.Request) {
 	}
 	jobs := make([]*job, 0, len(prompts))
 	for _, p := range prompts {
-		j, ok := in.startJob(w, p, maxTok, lora, salt)
+		j, ok := in.startJob(w, p, maxTok, lora, salt, tr)
 		if !ok {
 			for _, j := range jobs {
 				j.d.abort(j.id)
@@ -320,7 +330,7 @@ func (in *Instance) handleCompletions(w http.ResponseWriter, r *http.Request) {
 	}
 	writeJSON(w, map[string]any{
 		"id": id, "object": "text_completion", "created": created, "model": model,
-		"choices": choices, "usage": total, "service_tier": nil, "system_fingerprint": nil, "kv_transfer_params": nil,
+		"choices": choices, "usage": total, "service_tier": nil, "system_fingerprint": nil, "kv_transfer_params": in.transferAnswer(tr, total.PromptTokens),
 	})
 }
 
@@ -479,11 +489,15 @@ func (in *Instance) handleChat(w http.ResponseWriter, r *http.Request) {
 		badRequest(w, err.Error())
 		return
 	}
+	tr, ok := in.checkTransfer(w, &req.genParams)
+	if !ok {
+		return
+	}
 	salt := ""
 	if req.CacheSalt != nil {
 		salt = *req.CacheSalt
 	}
-	j, ok := in.startJob(w, prompt, maxTok, lora, salt)
+	j, ok := in.startJob(w, prompt, maxTok, lora, salt, tr)
 	if !ok {
 		return
 	}
@@ -505,7 +519,7 @@ func (in *Instance) handleChat(w http.ResponseWriter, r *http.Request) {
 				"message":  map[string]any{"role": "assistant", "content": strings.Join(j.pieces, ""), "reasoning_content": nil, "tool_calls": []any{}},
 				"logprobs": nil, "finish_reason": "length", "stop_reason": nil,
 			}},
-			"usage": makeUsage(j.prompt, last.OutputTokens, last.CachedTokens), "prompt_logprobs": nil, "kv_transfer_params": nil,
+			"usage": makeUsage(j.prompt, last.OutputTokens, last.CachedTokens), "prompt_logprobs": nil, "kv_transfer_params": in.transferAnswer(tr, j.prompt),
 		})
 		return
 	}

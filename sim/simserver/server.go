@@ -53,6 +53,9 @@ type Config struct {
 	// 1, vLLM's --max-loras default); the simulated engine does not limit
 	// adapters per batch.
 	MaxLoRAs int
+	// Role is the disaggregated-serving role: both (default), prefill or
+	// decode (disagg.go).
+	Role string
 
 	// Events configures the KV-event sockets; an empty Endpoint disables them.
 	Events EventsConfig
@@ -118,6 +121,8 @@ type Instance struct {
 	loraPaths map[string]string
 
 	sleeping atomic.Bool // between /sleep and /wake_up: the KV cache is gone, requests are refused
+
+	disagg disaggState
 }
 
 // Start listens, starts the engines' drivers and serves until ctx ends or
@@ -141,6 +146,11 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 	if cfg.MaxLoRAs == 0 {
 		cfg.MaxLoRAs = 1
 	}
+	role, err := validateRole(cfg.Role)
+	if err != nil {
+		return nil, err
+	}
+	cfg.Role = role
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
@@ -189,7 +199,7 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 	in := &Instance{
 		cfg: cfg, model: model, tok: cfg.Tokenizer, log: cfg.Logger.With("instance", ln.Addr().String()),
 		ln: ln, registry: prometheus.NewRegistry(), created: time.Now().Unix(),
-		cancel: cancel, loraPaths: make(map[string]string),
+		cancel: cancel, loraPaths: make(map[string]string), disagg: disaggState{role: cfg.Role},
 	}
 	fail := func(err error) (*Instance, error) {
 		cancel()

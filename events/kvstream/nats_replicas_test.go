@@ -1,0 +1,80 @@
+package kvstream
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvrouter/kvrouter/internal/testenv"
+)
+
+// On a 3-node JetStream cluster the stream, the snapshot bucket and its
+// object store are made with 3 replicas; asking for more replicas than the
+// cluster has servers, or for more than one of a single server, is a
+// configuration error returned at once, with the reason spelled out.
+func TestEnsureAllReplicas(t *testing.T) {
+	ctx := testenv.Context(t, 2*time.Minute)
+	log := slog.New(slog.DiscardHandler)
+	connect := func(url string) jetstream.JetStream {
+		nc, err := nats.Connect(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(nc.Close)
+		js, err := jetstream.New(nc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return js
+	}
+	name := testenv.UniqueName(t)
+	refused := func(t *testing.T, js jetstream.JetStream, s StreamConfig, b BucketConfig, hint string) {
+		t.Helper()
+		cctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		defer cancel()
+		_, err := EnsureAll(cctx, js, s, b, log)
+		if err == nil || !IsConfigError(err) || errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("EnsureAll(%+v, %+v) = %v, want a configuration error at once", s, b, err)
+		}
+		if !strings.Contains(err.Error(), hint) {
+			t.Fatalf("error %q does not say %q", err, hint)
+		}
+	}
+
+	t.Run("cluster", func(t *testing.T) {
+		c := testenv.StartNATSCluster(t, 3)
+		js := connect(c.URLs())
+		// (before any stream holds kv.events.>: the server checks subjects first)
+		refused(t, js, StreamConfig{Name: "F_" + name, Replicas: 5}, BucketConfig{Name: "G_" + name}, "at least 5 servers")
+		r, err := EnsureAll(ctx, js, StreamConfig{Name: "S_" + name, Replicas: 3}, BucketConfig{Name: "B_" + name, Replicas: 3}, log)
+		if err != nil {
+			t.Fatal(err)
+		}
+		si, err := r.Stream.Info(ctx)
+		if err != nil || si.Config.Replicas != 3 {
+			t.Fatalf("stream replicas: %+v %v", si, err)
+		}
+		for _, n := range []string{"KV_B_" + name, "OBJ_B_" + name + "_OBJ"} {
+			s, err := js.Stream(ctx, n)
+			if err != nil {
+				t.Fatalf("%s: %v", n, err)
+			}
+			if got := s.CachedInfo().Config.Replicas; got != 3 {
+				t.Fatalf("%s has %d replicas, want 3", n, got)
+			}
+		}
+		refused(t, js, StreamConfig{Name: "S_" + name}, BucketConfig{Name: "H_" + name, Replicas: 4}, "at least 4 servers")
+	})
+	t.Run("single server", func(t *testing.T) {
+		js := connect(testenv.StartNATS(t).URL())
+		refused(t, js, StreamConfig{Name: "S_" + name, Replicas: 3}, BucketConfig{Name: "B_" + name}, "at least 3 servers")
+		refused(t, js, StreamConfig{Name: "S_" + name, Replicas: MaxReplicas + 1}, BucketConfig{Name: "B_" + name}, "replicas 6 of 1..5")
+		refused(t, js, StreamConfig{Name: "S_" + name}, BucketConfig{Name: "B_" + name, Replicas: -1}, "replicas -1 out of range")
+	})
+}

@@ -1,0 +1,333 @@
+// Package replicasync shares, between the router replicas of one pool,
+// what only a router knows: the requests it has in flight on each
+// instance, the prefill tokens it has sent there that have not started
+// producing output, and its speculative blocks (a prompt's blocks counted
+// as held by the instance it was just routed to, before the engine's
+// events confirm them). Each replica publishes its own state on a NATS
+// core subject and adds its peers' to its own; there is no coordinator and
+// nothing durable: a replica that joins asks (a hello) and every peer
+// answers with its whole state, and a replica that stops publishing stops
+// counting after PeerTimeout.
+//
+// The wire format is versioned binary (see Message); docs/replicas.md
+// describes the protocol and when to use it.
+package replicasync
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Version is the wire format's version. A message of another version is
+// counted and dropped: replicas of different versions each route on their
+// own counters rather than misread each other's.
+const Version = 1
+
+// magic starts every message, so that stray traffic on the subject is told
+// apart from a version mismatch.
+var magic = [3]byte{'K', 'R', 'S'}
+
+// Kind is what a message carries.
+type Kind uint8
+
+const (
+	// KindLoad carries per-instance load counters.
+	KindLoad Kind = 1
+	// KindSpec carries speculative blocks.
+	KindSpec Kind = 2
+	// KindHello asks every peer to publish its whole state now.
+	KindHello Kind = 3
+)
+
+func (k Kind) String() string {
+	switch k {
+	case KindLoad:
+		return "load"
+	case KindSpec:
+		return "spec"
+	case KindHello:
+		return "hello"
+	}
+	return "unknown"
+}
+
+// Limits on what a message may hold; Decode refuses more.
+const (
+	// MaxNameLen bounds a replica or instance name (as events.MaxTokenLen).
+	MaxNameLen = 128
+	// MaxEntries bounds the entries of one message.
+	MaxEntries = 1 << 16
+	// MaxTTL bounds a speculative block's announced lifetime.
+	MaxTTL = 10 * time.Minute
+)
+
+// Errors of Decode.
+var (
+	ErrMagic     = errors.New("replicasync: not a replica sync message")
+	ErrVersion   = errors.New("replicasync: unsupported version")
+	ErrMalformed = errors.New("replicasync: malformed message")
+)
+
+// Load is one instance's counters as the sending replica sees them.
+type Load struct {
+	Instance string
+	// InFlight is requests sent and not finished.
+	InFlight int64
+	// PendingTokens and PendingRequests are prefill sent and not started
+	// (no first response byte yet).
+	PendingTokens   int64
+	PendingRequests int64
+}
+
+// Spec is one routing decision's speculative blocks: Keys counted as held
+// by Instance for TTL from receipt.
+type Spec struct {
+	Instance string
+	TTL      time.Duration
+	Keys     []uint64
+}
+
+// Message is one published message.
+type Message struct {
+	Kind Kind
+	// Replica names the sender; Incarnation is random per process start,
+	// so that a restarted replica's new counters replace, not add to, the
+	// old ones.
+	Replica     string
+	Incarnation uint64
+	// Seq increases with every load message of one incarnation; an older
+	// one arriving late is dropped.
+	Seq uint64
+	// Complete: Loads is the sender's whole table (instances absent hold
+	// nothing). Otherwise Loads updates the listed instances only.
+	Complete bool
+	Loads    []Load
+	Specs    []Spec
+}
+
+const flagComplete = 1
+
+// header: magic, version, kind, flags, replica (len + bytes),
+// incarnation (8 bytes), seq (uvarint), entry count (uvarint).
+
+// AppendBinary appends m's encoding to dst.
+func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
+	if err := checkName("replica", m.Replica); err != nil {
+		return dst, err
+	}
+	var flags byte
+	if m.Complete {
+		flags |= flagComplete
+	}
+	dst = append(dst, magic[0], magic[1], magic[2], Version, byte(m.Kind), flags)
+	dst = appendName(dst, m.Replica)
+	dst = binary.BigEndian.AppendUint64(dst, m.Incarnation)
+	dst = binary.AppendUvarint(dst, m.Seq)
+	switch m.Kind {
+	case KindLoad:
+		dst = binary.AppendUvarint(dst, uint64(len(m.Loads)))
+		for _, l := range m.Loads {
+			if err := checkName("instance", l.Instance); err != nil {
+				return dst, err
+			}
+			if l.InFlight < 0 || l.PendingTokens < 0 || l.PendingRequests < 0 {
+				return dst, fmt.Errorf("%w: negative counter for %s", ErrMalformed, l.Instance)
+			}
+			dst = appendName(dst, l.Instance)
+			dst = binary.AppendUvarint(dst, uint64(l.InFlight))
+			dst = binary.AppendUvarint(dst, uint64(l.PendingTokens))
+			dst = binary.AppendUvarint(dst, uint64(l.PendingRequests))
+		}
+	case KindSpec:
+		dst = binary.AppendUvarint(dst, uint64(len(m.Specs)))
+		for _, s := range m.Specs {
+			if err := checkName("instance", s.Instance); err != nil {
+				return dst, err
+			}
+			dst = appendName(dst, s.Instance)
+			dst = binary.AppendUvarint(dst, uint64(max(min(s.TTL, MaxTTL), 0)/time.Millisecond))
+			dst = binary.AppendUvarint(dst, uint64(len(s.Keys)))
+			for _, k := range s.Keys {
+				dst = binary.LittleEndian.AppendUint64(dst, k)
+			}
+		}
+	case KindHello:
+		dst = binary.AppendUvarint(dst, 0)
+	default:
+		return dst, fmt.Errorf("%w: kind %d", ErrMalformed, m.Kind)
+	}
+	return dst, nil
+}
+
+// Size of a load entry and of a spec entry's fixed part, at most: what a
+// sender budgets per entry before encoding.
+func loadSize(l Load) int { return 1 + len(l.Instance) + 3*binary.MaxVarintLen64 }
+func specSize(s Spec) int {
+	return 1 + len(s.Instance) + 2*binary.MaxVarintLen64 + 8*len(s.Keys)
+}
+
+// headerSize is a message's header size, at most.
+func headerSize(replica string) int { return 6 + 1 + len(replica) + 8 + 2*binary.MaxVarintLen64 }
+
+func appendName(dst []byte, s string) []byte {
+	dst = append(dst, byte(len(s)))
+	return append(dst, s...)
+}
+
+// checkName accepts 1..MaxNameLen bytes of [A-Za-z0-9_-]: the characters
+// of pool and instance names (events.ValidToken).
+func checkName(what, s string) error {
+	if len(s) == 0 || len(s) > MaxNameLen {
+		return fmt.Errorf("%w: %s name of %d bytes", ErrMalformed, what, len(s))
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+			return fmt.Errorf("%w: %s name %q", ErrMalformed, what, s)
+		}
+	}
+	return nil
+}
+
+// Decode parses one message. It never panics and allocates in proportion
+// to the input: counts are checked against the bytes left before any
+// slice is made.
+func Decode(b []byte) (Message, error) {
+	var m Message
+	if len(b) < 6 || b[0] != magic[0] || b[1] != magic[1] || b[2] != magic[2] {
+		return m, ErrMagic
+	}
+	if b[3] != Version {
+		return m, fmt.Errorf("%w: %d (this replica speaks %d)", ErrVersion, b[3], Version)
+	}
+	m.Kind, m.Complete = Kind(b[4]), b[5]&flagComplete != 0
+	r := reader{b: b[6:]}
+	m.Replica = r.name("replica")
+	m.Incarnation = r.u64be()
+	m.Seq = r.uvarint()
+	n := r.uvarint()
+	if r.err == nil && n > MaxEntries {
+		r.fail("%d entries", n)
+	}
+	switch m.Kind {
+	case KindLoad:
+		if r.err == nil && n > uint64(len(r.b))/5 { // an entry is at least 5 bytes
+			r.fail("%d load entries in %d bytes", n, len(r.b))
+		}
+		if r.err == nil && n > 0 {
+			m.Loads = make([]Load, 0, n)
+		}
+		for i := uint64(0); i < n && r.err == nil; i++ {
+			l := Load{Instance: r.name("instance")}
+			l.InFlight, l.PendingTokens, l.PendingRequests = r.count(), r.count(), r.count()
+			m.Loads = append(m.Loads, l)
+		}
+	case KindSpec:
+		if r.err == nil && n > uint64(len(r.b))/4 { // name, ttl, count: at least 4 bytes
+			r.fail("%d spec entries in %d bytes", n, len(r.b))
+		}
+		if r.err == nil && n > 0 {
+			m.Specs = make([]Spec, 0, n)
+		}
+		for i := uint64(0); i < n && r.err == nil; i++ {
+			s := Spec{Instance: r.name("instance")}
+			ttl := r.uvarint()
+			if r.err == nil && ttl > uint64(MaxTTL/time.Millisecond) {
+				r.fail("ttl %dms", ttl)
+			}
+			s.TTL = time.Duration(ttl) * time.Millisecond
+			k := r.uvarint()
+			if r.err == nil && k > uint64(len(r.b))/8 {
+				r.fail("%d keys in %d bytes", k, len(r.b))
+			}
+			if r.err == nil {
+				s.Keys = make([]uint64, k)
+				for j := range s.Keys {
+					s.Keys[j] = binary.LittleEndian.Uint64(r.b[8*j:])
+				}
+				r.b = r.b[8*k:]
+			}
+			m.Specs = append(m.Specs, s)
+		}
+	case KindHello:
+		if r.err == nil && n != 0 {
+			r.fail("hello with %d entries", n)
+		}
+	default:
+		r.fail("kind %d", m.Kind)
+	}
+	if r.err == nil && len(r.b) != 0 {
+		r.fail("%d trailing bytes", len(r.b))
+	}
+	if r.err != nil {
+		return Message{}, r.err
+	}
+	return m, nil
+}
+
+// reader consumes b; the first error sticks and later reads return zero.
+type reader struct {
+	b   []byte
+	err error
+}
+
+func (r *reader) fail(format string, args ...any) {
+	if r.err == nil {
+		r.err = fmt.Errorf("%w: "+format, append([]any{ErrMalformed}, args...)...)
+	}
+}
+
+func (r *reader) uvarint() uint64 {
+	if r.err != nil {
+		return 0
+	}
+	v, n := binary.Uvarint(r.b)
+	if n <= 0 {
+		r.fail("bad varint")
+		return 0
+	}
+	r.b = r.b[n:]
+	return v
+}
+
+// count is a non-negative int64 counter.
+func (r *reader) count() int64 {
+	v := r.uvarint()
+	if v > 1<<62 {
+		r.fail("counter %d", v)
+		return 0
+	}
+	return int64(v)
+}
+
+func (r *reader) u64be() uint64 {
+	if r.err != nil {
+		return 0
+	}
+	if len(r.b) < 8 {
+		r.fail("short")
+		return 0
+	}
+	v := binary.BigEndian.Uint64(r.b)
+	r.b = r.b[8:]
+	return v
+}
+
+func (r *reader) name(what string) string {
+	if r.err != nil {
+		return ""
+	}
+	if len(r.b) < 1 || len(r.b) < 1+int(r.b[0]) {
+		r.fail("short %s name", what)
+		return ""
+	}
+	s := string(r.b[1 : 1+int(r.b[0])])
+	r.b = r.b[1+int(r.b[0]):]
+	if err := checkName(what, s); err != nil {
+		r.err = err
+		return ""
+	}
+	return s
+}

@@ -1,0 +1,96 @@
+package replicasync
+
+import (
+	"bytes"
+	"errors"
+	"reflect"
+	"testing"
+	"time"
+)
+
+func sampleMessages() []Message {
+	return []Message{
+		{Kind: KindHello, Replica: "r-1", Incarnation: 7},
+		{Kind: KindLoad, Replica: "r-1", Incarnation: 7, Seq: 3, Complete: true,
+			Loads: []Load{{Instance: "vllm-0", InFlight: 4, PendingTokens: 9000, PendingRequests: 2}, {Instance: "vllm_1", InFlight: 1}}},
+		{Kind: KindLoad, Replica: "r-2", Incarnation: 1 << 63, Seq: 1 << 40},
+		{Kind: KindSpec, Replica: "r-2", Incarnation: 9, Seq: 2,
+			Specs: []Spec{{Instance: "a", TTL: 2 * time.Second, Keys: []uint64{1, 2, 1<<64 - 1}}, {Instance: "b", TTL: time.Millisecond, Keys: []uint64{}}}},
+	}
+}
+
+func TestRoundTrip(t *testing.T) {
+	for _, m := range sampleMessages() {
+		b, err := m.AppendBinary(nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := Decode(b)
+		if err != nil {
+			t.Fatalf("%+v: %v", m, err)
+		}
+		if !reflect.DeepEqual(got, m) {
+			t.Fatalf("round trip:\n got %+v\nwant %+v", got, m)
+		}
+	}
+}
+
+func TestDecodeRefuses(t *testing.T) {
+	good, _ := sampleMessages()[1].AppendBinary(nil)
+	newer := bytes.Clone(good)
+	newer[3] = Version + 1
+	tests := []struct {
+		name string
+		in   []byte
+		want error
+	}{
+		{"empty", nil, ErrMagic},
+		{"other traffic", []byte(`{"json":1}`), ErrMagic},
+		{"newer version", newer, ErrVersion},
+		{"truncated", good[:len(good)-1], ErrMalformed},
+		{"trailing", append(bytes.Clone(good), 0), ErrMalformed},
+		{"unknown kind", []byte{'K', 'R', 'S', Version, 9, 0, 1, 'a', 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, ErrMalformed},
+		{"bad replica name", []byte{'K', 'R', 'S', Version, 3, 0, 1, '.', 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, ErrMalformed},
+		{"huge count", []byte{'K', 'R', 'S', Version, 1, 0, 1, 'a', 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0x03}, ErrMalformed},
+		{"keys beyond the end", []byte{'K', 'R', 'S', Version, 2, 0, 1, 'a', 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 'b', 0, 5, 1, 2, 3}, ErrMalformed},
+	}
+	for _, tc := range tests {
+		if _, err := Decode(tc.in); !errors.Is(err, tc.want) {
+			t.Errorf("%s: %v, want %v", tc.name, err, tc.want)
+		}
+	}
+	for _, m := range []Message{
+		{Kind: KindLoad, Replica: "", Incarnation: 1},
+		{Kind: KindLoad, Replica: "r", Loads: []Load{{Instance: "a.b"}}},
+		{Kind: KindLoad, Replica: "r", Loads: []Load{{Instance: "a", InFlight: -1}}},
+		{Kind: 0, Replica: "r"},
+	} {
+		if _, err := m.AppendBinary(nil); err == nil {
+			t.Errorf("encoded %+v", m)
+		}
+	}
+}
+
+// FuzzDecode: Decode never panics, and what it accepts encodes back to
+// the same bytes.
+func FuzzDecode(f *testing.F) {
+	for _, m := range sampleMessages() {
+		b, _ := m.AppendBinary(nil)
+		f.Add(b)
+	}
+	f.Add([]byte("KRS"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		m, err := Decode(b)
+		if err != nil {
+			return
+		}
+		out, err := m.AppendBinary(nil)
+		if err != nil {
+			t.Fatalf("decoded %+v does not encode: %v", m, err)
+		}
+		again, err := Decode(out)
+		if err != nil || !reflect.DeepEqual(again, m) {
+			t.Fatalf("re-decode: %+v %v, want %+v", again, err, m)
+		}
+	})
+}

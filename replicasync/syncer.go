@@ -1,0 +1,509 @@
+package replicasync
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvrouter/kvrouter/kvindex"
+)
+
+// SubjectRoot is the subject root: a pool's replicas publish on
+// kv.replicas.<pool>.
+const SubjectRoot = "kv.replicas"
+
+// Defaults (Config's zero values).
+const (
+	// DefaultInterval is how often changes are sent. The speculative
+	// blocks exist for the requests that follow a new prompt within its
+	// prefill (~0.3 s for 8,000 tokens at 25,000 tokens/s): a peer learns
+	// of a decision within one interval plus a NATS hop (well under a
+	// millisecond on a LAN), so 50 ms covers most of that window, and a
+	// busy replica sends at most 20 load and 20 speculative messages a
+	// second per pool.
+	DefaultInterval = 50 * time.Millisecond
+	// DefaultHeartbeat is how often the whole load table is sent even
+	// when nothing changed: it refreshes every entry, so a lost update
+	// lasts at most this long, and it tells peers the replica is alive.
+	DefaultHeartbeat = time.Second
+	// DefaultPeerTimeout: a peer silent this long (three missed
+	// heartbeats, as a bridge's stale_after is three of its heartbeats)
+	// counts nothing until it is heard again, so a killed replica's
+	// requests in flight stop weighing on the instances it used.
+	DefaultPeerTimeout = 3 * time.Second
+	// DefaultMaxMessageBytes bounds one message: far under NATS's default
+	// max_payload (1 MiB); 64 KiB holds ~8,000 block keys (30 long
+	// prompts' new blocks) or ~3,000 instances' counters.
+	DefaultMaxMessageBytes = 64 << 10
+	// DefaultMaxBytesPerSecond bounds what one replica sends per pool.
+	// A replica routing 1,000 requests/s whose prompts each bring 500 new
+	// blocks (8,000 uncached tokens) announces 4 MB/s of keys; real
+	// traffic, mostly cached, sends a small fraction. Over the bound,
+	// speculative blocks are dropped (counted) before load counters,
+	// and routing degrades to each replica's own view, never worse.
+	DefaultMaxBytesPerSecond = 4 << 20
+	// DefaultSpecCapacity bounds the peers' speculative (block, instance)
+	// entries held, as the router's own overlay is bounded
+	// (router.DefaultSpeculativeCapacity).
+	DefaultSpecCapacity = 1 << 18
+)
+
+// Config configures a Syncer. Zero values mean the defaults above.
+type Config struct {
+	// Conn is the NATS connection; required. Core NATS only: nothing is
+	// stored, a message lost is replaced by the next one.
+	Conn *nats.Conn
+	// Pool names the pool; required.
+	Pool string
+	// Replica names this replica among the pool's (unique per process:
+	// the default, hostname-pid, is).
+	Replica           string
+	Interval          time.Duration
+	Heartbeat         time.Duration
+	PeerTimeout       time.Duration
+	MaxMessageBytes   int
+	MaxBytesPerSecond int
+	SpecCapacity      int
+	// Epoch is the instance's cache epoch as this replica counts it
+	// (router.CacheEpochs): a peer's speculative blocks count only while
+	// it stays what it was when they arrived. nil = always 0.
+	Epoch func(inst string) uint64
+	// Metrics, nil = kept but registered nowhere.
+	Metrics *Metrics
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+	// Now is the clock; nil = time.Now.
+	Now func() time.Time
+}
+
+// ErrConfig marks an invalid Config.
+var ErrConfig = errors.New("replicasync: invalid config")
+
+// DefaultReplica is hostname-pid, unique among the processes of a fleet.
+func DefaultReplica() string {
+	h, err := os.Hostname()
+	if err != nil || h == "" {
+		h = "router"
+	}
+	h = strings.Map(func(r rune) rune {
+		if r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_' {
+			return r
+		}
+		return '_'
+	}, h)
+	s := fmt.Sprintf("%s-%d", h, os.Getpid())
+	if len(s) > MaxNameLen {
+		s = s[len(s)-MaxNameLen:]
+	}
+	return s
+}
+
+// WithDefaults fills zero fields with the defaults.
+func (c Config) WithDefaults() Config {
+	if c.Replica == "" {
+		c.Replica = DefaultReplica()
+	}
+	if c.Interval == 0 {
+		c.Interval = DefaultInterval
+	}
+	if c.Heartbeat == 0 {
+		c.Heartbeat = DefaultHeartbeat
+	}
+	if c.PeerTimeout == 0 {
+		c.PeerTimeout = DefaultPeerTimeout
+	}
+	if c.MaxMessageBytes == 0 {
+		c.MaxMessageBytes = DefaultMaxMessageBytes
+	}
+	if c.MaxBytesPerSecond == 0 {
+		c.MaxBytesPerSecond = DefaultMaxBytesPerSecond
+	}
+	if c.SpecCapacity == 0 {
+		c.SpecCapacity = DefaultSpecCapacity
+	}
+	return c
+}
+
+// Validate checks a Config with defaults applied.
+func (c Config) Validate() error {
+	bad := func(f string, a ...any) error { return fmt.Errorf("%w: "+f, append([]any{ErrConfig}, a...)...) }
+	switch {
+	case checkName("pool", c.Pool) != nil:
+		return bad("pool %q", c.Pool)
+	case checkName("replica", c.Replica) != nil:
+		return bad("replica %q: 1..%d of [A-Za-z0-9_-]", c.Replica, MaxNameLen)
+	case c.Interval < time.Millisecond || c.Interval > 10*time.Second:
+		return bad("interval %v out of 1ms..10s", c.Interval)
+	case c.Heartbeat < c.Interval || c.Heartbeat > time.Minute:
+		return bad("heartbeat %v out of interval..1m", c.Heartbeat)
+	case c.PeerTimeout < 2*c.Heartbeat:
+		return bad("peer_timeout %v under two heartbeats (%v): one lost message would drop a live peer", c.PeerTimeout, 2*c.Heartbeat)
+	case c.MaxMessageBytes < 1<<10 || c.MaxMessageBytes > 1<<20:
+		return bad("max_message_bytes %d out of 1 KiB..1 MiB", c.MaxMessageBytes)
+	case c.MaxBytesPerSecond < c.MaxMessageBytes:
+		return bad("max_bytes_per_second %d under max_message_bytes %d", c.MaxBytesPerSecond, c.MaxMessageBytes)
+	case c.SpecCapacity < 0 || c.SpecCapacity > 1<<26:
+		return bad("spec_capacity %d out of 0..%d", c.SpecCapacity, 1<<26)
+	}
+	return nil
+}
+
+// Syncer is one replica's side of a pool's replica sync: it publishes the
+// replica's counters and speculative blocks and holds its peers' (Table).
+// Its methods are safe for concurrent use; Run owns the subscription and
+// the sending loop.
+type Syncer struct {
+	cfg         Config
+	subject     string
+	incarnation uint64
+	table       *Table
+	log         *slog.Logger
+	m           *Metrics
+
+	local atomic.Pointer[func(dst []Load) []Load]
+	hello atomic.Bool // a peer asked for our whole state
+
+	qMu    sync.Mutex // guards queue and queued
+	queue  []Spec
+	queued int // keys in queue
+
+	// Owned by Run's goroutine:
+	seq      uint64
+	lastSent map[string]Load
+	lastFull time.Time
+	recent   []sentSpec // our unexpired announcements, for hellos
+	budget   float64    // rate limiter: bytes that may be sent now
+	refilled time.Time
+	buf      []byte
+	loadBuf  []Load
+
+	dupWarned atomic.Int64 // unix nanos of the last duplicate-name warning
+}
+
+type sentSpec struct {
+	Spec
+	exp time.Time
+}
+
+// New builds a Syncer; Run starts it.
+func New(cfg Config) (*Syncer, error) {
+	cfg = cfg.WithDefaults()
+	if cfg.Conn == nil {
+		return nil, fmt.Errorf("%w: no NATS connection", ErrConfig)
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Metrics == nil {
+		cfg.Metrics, _ = NewMetrics(nil)
+	}
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	s := &Syncer{cfg: cfg, subject: SubjectRoot + "." + cfg.Pool, incarnation: binary.LittleEndian.Uint64(b[:]),
+		table: NewTable(cfg.PeerTimeout, cfg.SpecCapacity, cfg.Now), log: cfg.Logger.With("pool", cfg.Pool, "replica", cfg.Replica),
+		m: cfg.Metrics, lastSent: map[string]Load{}, budget: float64(cfg.MaxBytesPerSecond), refilled: cfg.Now()}
+	return s, nil
+}
+
+// Replica is this replica's name.
+func (s *Syncer) Replica() string { return s.cfg.Replica }
+
+// Table is what the peers have published.
+func (s *Syncer) Table() *Table { return s.table }
+
+// AttachLocal sets where this replica's own counters come from: f appends
+// one Load per instance with anything in flight or pending (the router's
+// KVState attaches itself; a later call replaces an earlier one).
+func (s *Syncer) AttachLocal(f func(dst []Load) []Load) { s.local.Store(&f) }
+
+// PeerLoad sums the live peers' counters for inst.
+func (s *Syncer) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests int64) {
+	return s.table.PeerLoad(inst)
+}
+
+// PeerExtend: see Table.PeerExtend.
+func (s *Syncer) PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int {
+	return s.table.PeerExtend(keys, from, inst, epoch)
+}
+
+// PeerHolders: see Table.PeerHolders.
+func (s *Syncer) PeerHolders(dst []string, key kvindex.Key) []string {
+	return s.table.PeerHolders(dst, key)
+}
+
+// Speculate queues a routing decision's speculative blocks for the next
+// send; it never blocks. Beyond what the rate bound lets one interval
+// carry, blocks are dropped (counted).
+func (s *Syncer) Speculate(inst string, keys []kvindex.Key, ttl time.Duration) {
+	if len(keys) == 0 || ttl <= 0 {
+		return
+	}
+	limit := max(s.cfg.MaxBytesPerSecond/8*int(s.cfg.Interval)/int(time.Second), s.cfg.MaxMessageBytes/8)
+	s.qMu.Lock()
+	if s.queued+len(keys) > limit {
+		s.qMu.Unlock()
+		s.m.dropped.WithLabelValues(s.cfg.Pool, "queue").Add(float64(len(keys)))
+		return
+	}
+	ks := make([]uint64, len(keys))
+	for i, k := range keys {
+		ks[i] = uint64(k)
+	}
+	s.queue = append(s.queue, Spec{Instance: inst, TTL: ttl, Keys: ks})
+	s.queued += len(keys)
+	s.qMu.Unlock()
+}
+
+// Peers lists the peers heard from.
+func (s *Syncer) Peers() []PeerStatus { return s.table.Peers() }
+
+// Run subscribes to the pool's subject, asks the peers for their state
+// (hello) and sends this replica's every Interval until ctx is done; it
+// returns ctx.Err(), or an error when it cannot subscribe.
+func (s *Syncer) Run(ctx context.Context) error {
+	sub, err := s.cfg.Conn.Subscribe(s.subject, s.receive)
+	if err != nil {
+		return fmt.Errorf("replicasync: subscribe %s: %w", s.subject, err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	s.send(&Message{Kind: KindHello})
+	tick := time.NewTicker(s.cfg.Interval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-tick.C:
+			s.flush()
+		}
+	}
+}
+
+// receive handles one message (on the subscription's goroutine).
+func (s *Syncer) receive(msg *nats.Msg) {
+	pool := s.cfg.Pool
+	m, err := Decode(msg.Data)
+	if err != nil {
+		reason := "malformed"
+		if errors.Is(err, ErrVersion) {
+			reason = "version"
+		}
+		s.m.dropped.WithLabelValues(pool, reason).Inc()
+		s.log.Debug("replica sync: message dropped", "err", err)
+		return
+	}
+	if m.Replica == s.cfg.Replica {
+		if m.Incarnation != s.incarnation {
+			s.m.dropped.WithLabelValues(pool, "duplicate_replica").Inc()
+			now := time.Now().UnixNano()
+			if last := s.dupWarned.Load(); now-last > int64(time.Minute) && s.dupWarned.CompareAndSwap(last, now) {
+				s.log.Warn("replica sync: another process publishes under this replica's name; give each replica its own events.replica_sync.replica")
+			}
+		}
+		return // our own
+	}
+	s.m.messages.WithLabelValues(pool, "received", m.Kind.String()).Inc()
+	s.m.bytes.WithLabelValues(pool, "received").Add(float64(len(msg.Data)))
+	switch m.Kind {
+	case KindHello:
+		s.hello.Store(true)
+	case KindLoad:
+		switch s.table.ApplyLoad(&m) {
+		case Stale:
+			s.m.dropped.WithLabelValues(pool, "stale").Inc()
+		case Restarted:
+			s.log.Info("replica sync: peer restarted; its old counters are dropped", "peer", m.Replica)
+		}
+	case KindSpec:
+		s.table.Touch(m.Replica, m.Incarnation)
+		if n := s.table.ApplySpec(&m, s.cfg.Epoch); n > 0 {
+			s.m.dropped.WithLabelValues(pool, "capacity").Add(float64(n))
+		}
+	}
+}
+
+// allow takes n bytes from the rate budget (refilled at MaxBytesPerSecond,
+// holding at most one second's worth).
+func (s *Syncer) allow(n int, now time.Time) bool {
+	rate := float64(s.cfg.MaxBytesPerSecond)
+	s.budget = min(rate, s.budget+rate*now.Sub(s.refilled).Seconds())
+	s.refilled = now
+	if float64(n) > s.budget {
+		return false
+	}
+	s.budget -= float64(n)
+	return true
+}
+
+// send encodes and publishes m within the rate bound; false when it was
+// not sent.
+func (s *Syncer) send(m *Message) bool {
+	pool := s.cfg.Pool
+	m.Replica, m.Incarnation = s.cfg.Replica, s.incarnation
+	if m.Kind == KindLoad {
+		s.seq++
+		m.Seq = s.seq
+	}
+	var err error
+	if s.buf, err = m.AppendBinary(s.buf[:0]); err != nil {
+		s.log.Error("replica sync: cannot encode", "err", err) // a bug: names are checked where they enter
+		return false
+	}
+	if !s.allow(len(s.buf), s.cfg.Now()) {
+		s.m.dropped.WithLabelValues(pool, "rate").Inc()
+		return false
+	}
+	if err := s.cfg.Conn.Publish(s.subject, s.buf); err != nil {
+		s.m.dropped.WithLabelValues(pool, "publish").Inc()
+		s.log.Debug("replica sync: publish failed", "err", err)
+		return false
+	}
+	s.m.messages.WithLabelValues(pool, "sent", m.Kind.String()).Inc()
+	s.m.bytes.WithLabelValues(pool, "sent").Add(float64(len(s.buf)))
+	return true
+}
+
+// flush sends what changed: the load table (whole every Heartbeat or
+// when a peer said hello, else the instances that changed), then the
+// queued speculative blocks.
+func (s *Syncer) flush() {
+	now := s.cfg.Now()
+	hello := s.hello.Swap(false)
+	s.loadBuf = s.loadBuf[:0]
+	if f := s.local.Load(); f != nil {
+		s.loadBuf = (*f)(s.loadBuf)
+	}
+	cur := make(map[string]Load, len(s.loadBuf))
+	for _, l := range s.loadBuf {
+		if l.InFlight < 0 || l.PendingTokens < 0 || l.PendingRequests < 0 || checkName("instance", l.Instance) != nil {
+			continue
+		}
+		if l.InFlight != 0 || l.PendingTokens != 0 || l.PendingRequests != 0 {
+			cur[l.Instance] = l
+		}
+	}
+	full := hello || now.Sub(s.lastFull) >= s.cfg.Heartbeat
+	var out []Load
+	if full {
+		for _, l := range cur {
+			out = append(out, l)
+		}
+	} else {
+		for id, l := range cur {
+			if s.lastSent[id] != l {
+				out = append(out, l)
+			}
+		}
+		for id := range s.lastSent {
+			if _, ok := cur[id]; !ok {
+				out = append(out, Load{Instance: id}) // now zero
+			}
+		}
+	}
+	if full || len(out) > 0 {
+		if s.sendLoads(out, full) {
+			s.lastSent = cur
+			if full {
+				s.lastFull = now
+			}
+		}
+	}
+	s.flushSpecs(now, hello)
+	s.m.peers.WithLabelValues(s.cfg.Pool).Set(float64(s.table.Forget()))
+}
+
+// sendLoads sends loads in messages of at most MaxMessageBytes; a full
+// table that fits in one message is marked Complete.
+func (s *Syncer) sendLoads(loads []Load, full bool) bool {
+	room := s.cfg.MaxMessageBytes - headerSize(s.cfg.Replica)
+	size := 0
+	for _, l := range loads {
+		size += loadSize(l)
+	}
+	if size <= room {
+		return s.send(&Message{Kind: KindLoad, Complete: full, Loads: loads})
+	}
+	ok := true
+	for start := 0; start < len(loads); {
+		n, end := 0, start
+		for end < len(loads) && n+loadSize(loads[end]) <= room {
+			n += loadSize(loads[end])
+			end++
+		}
+		ok = s.send(&Message{Kind: KindLoad, Loads: loads[start:end]}) && ok
+		start = end
+	}
+	return ok
+}
+
+// flushSpecs sends the queued speculative blocks (and, after a hello, our
+// unexpired earlier ones with their remaining TTL), packed into messages
+// of at most MaxMessageBytes.
+func (s *Syncer) flushSpecs(now time.Time, hello bool) {
+	s.qMu.Lock()
+	q := s.queue
+	s.queue, s.queued = nil, 0
+	s.qMu.Unlock()
+	// Forget expired announcements; bound what is kept for hellos.
+	kept := s.recent[:0]
+	keys := 0
+	for i := len(s.recent) - 1; i >= 0; i-- {
+		if r := s.recent[i]; r.exp.After(now) && keys+len(r.Keys) <= s.cfg.SpecCapacity {
+			keys += len(r.Keys)
+			kept = append(kept, r)
+		}
+	}
+	// kept is newest first; restore oldest first.
+	for i, j := 0, len(kept)-1; i < j; i, j = i+1, j-1 {
+		kept[i], kept[j] = kept[j], kept[i]
+	}
+	clear(s.recent[len(kept):])
+	s.recent = kept
+	var out []Spec
+	if hello {
+		for _, r := range s.recent {
+			out = append(out, Spec{Instance: r.Instance, TTL: r.exp.Sub(now), Keys: r.Keys})
+		}
+	}
+	out = append(out, q...)
+	if len(out) == 0 {
+		return
+	}
+	room := s.cfg.MaxMessageBytes - headerSize(s.cfg.Replica)
+	for start := 0; start < len(out); {
+		n, end := 0, start
+		for end < len(out) {
+			sz := specSize(out[end])
+			if sz > room { // one decision larger than a message: its leading blocks matter most
+				out[end].Keys = out[end].Keys[:(room-specSize(Spec{Instance: out[end].Instance}))/8]
+				sz = specSize(out[end])
+			}
+			if n+sz > room {
+				break
+			}
+			n += sz
+			end++
+		}
+		s.send(&Message{Kind: KindSpec, Specs: out[start:end]}) // a refusal is counted by send
+		start = end
+	}
+	for _, sp := range q {
+		s.recent = append(s.recent, sentSpec{Spec: sp, exp: now.Add(sp.TTL)})
+	}
+}

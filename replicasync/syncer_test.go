@@ -1,0 +1,328 @@
+package replicasync
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
+)
+
+// replica is one Syncer with a settable local table.
+type replica struct {
+	*Syncer
+	mu     sync.Mutex // guards loads
+	loads  []Load
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+func (r *replica) set(loads ...Load) {
+	r.mu.Lock()
+	r.loads = loads
+	r.mu.Unlock()
+}
+
+func (r *replica) stop() { r.cancel(); <-r.done }
+
+func connect(t *testing.T, url string) *nats.Conn {
+	t.Helper()
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	return nc
+}
+
+func startReplica(t *testing.T, url string, cfg Config) *replica {
+	t.Helper()
+	cfg.Conn = connect(t, url)
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &replica{Syncer: s, done: make(chan struct{})}
+	s.AttachLocal(func(dst []Load) []Load {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		return append(dst, r.loads...)
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	r.cancel = cancel
+	go func() { defer close(r.done); _ = s.Run(ctx) }()
+	t.Cleanup(r.stop)
+	return r
+}
+
+func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", d, what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func fast(pool, name string) Config {
+	return Config{Pool: pool, Replica: name, Interval: 10 * time.Millisecond, Heartbeat: 100 * time.Millisecond, PeerTimeout: 300 * time.Millisecond}
+}
+
+// Two replicas see each other's counters and speculative blocks, never
+// their own; a replica that stops publishing stops counting after the
+// peer timeout; one restarted under the same name replaces its old
+// counters.
+func TestTwoReplicasShareAndExpire(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	a := startReplica(t, url, fast(pool, "a"))
+	b := startReplica(t, url, fast(pool, "b"))
+	a.set(Load{Instance: "i0", InFlight: 3, PendingTokens: 4000, PendingRequests: 2})
+	b.set(Load{Instance: "i0", InFlight: 1}, Load{Instance: "i1", InFlight: 5})
+	waitFor(t, 10*time.Second, "b sees a", func() bool {
+		f, p, r := b.PeerLoad("i0")
+		return f == 3 && p == 4000 && r == 2
+	})
+	waitFor(t, 10*time.Second, "a sees b", func() bool {
+		f0, _, _ := a.PeerLoad("i0")
+		f1, _, _ := a.PeerLoad("i1")
+		return f0 == 1 && f1 == 5
+	})
+	// Changes travel as deltas; an instance back to zero is sent as zero.
+	a.set(Load{Instance: "i2", PendingTokens: 7})
+	waitFor(t, 10*time.Second, "b sees a's change", func() bool {
+		f, _, _ := b.PeerLoad("i0")
+		_, p, _ := b.PeerLoad("i2")
+		return f == 0 && p == 7
+	})
+	keys := []kvindex.Key{11, 12, 13, 14}
+	a.Speculate("i0", keys[1:3], 5*time.Second)
+	waitFor(t, 10*time.Second, "b sees a's speculative blocks", func() bool {
+		return b.PeerExtend(keys, 1, "i0", 0) == 3
+	})
+	if got := a.PeerExtend(keys, 1, "i0", 0); got != 1 {
+		t.Fatalf("a counts its own announcement as a peer's: extend %d", got)
+	}
+	if got := b.PeerExtend(keys, 1, "i0", 1); got != 1 {
+		t.Fatalf("a block announced in another cache epoch counts: extend %d", got)
+	}
+	if h := b.PeerHolders(nil, 12); len(h) != 1 || h[0] != "i0" {
+		t.Fatalf("holders %v", h)
+	}
+
+	// a killed: its contribution expires.
+	a.stop()
+	stopped := time.Now()
+	waitFor(t, 10*time.Second, "a's counters expire at b", func() bool {
+		_, p, _ := b.PeerLoad("i2")
+		ps := b.Peers()
+		return p == 0 && len(ps) == 1 && !ps[0].Live
+	})
+	if el := time.Since(stopped); el < 200*time.Millisecond {
+		t.Fatalf("a dropped after %v, before the peer timeout", el)
+	}
+
+	// a restarted under the same name: new counters, not added to old ones.
+	a2 := startReplica(t, url, fast(pool, "a"))
+	a2.set(Load{Instance: "i2", PendingTokens: 1})
+	waitFor(t, 10*time.Second, "b sees a's new incarnation", func() bool {
+		_, p, _ := b.PeerLoad("i2")
+		return p == 1
+	})
+}
+
+// A replica that joins catches up at once through its hello, without
+// waiting for a heartbeat: load counters and unexpired speculative blocks.
+func TestJoinCatchesUp(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	slow := func(name string) Config {
+		return Config{Pool: pool, Replica: name, Interval: 10 * time.Millisecond, Heartbeat: time.Minute, PeerTimeout: 3 * time.Minute}
+	}
+	a := startReplica(t, url, slow("a"))
+	a.set(Load{Instance: "i0", InFlight: 2})
+	a.Speculate("i0", []kvindex.Key{1, 2, 3}, time.Minute)
+	time.Sleep(100 * time.Millisecond) // a's first full table and its announcement go out to no one
+	start := time.Now()
+	c := startReplica(t, url, slow("c"))
+	waitFor(t, 10*time.Second, "c catches up", func() bool {
+		f, _, _ := c.PeerLoad("i0")
+		return f == 2 && c.PeerExtend([]kvindex.Key{1, 2, 3}, 0, "i0", 0) == 3
+	})
+	t.Logf("caught up in %v", time.Since(start))
+}
+
+// Messages never exceed MaxMessageBytes (a big table is split), the rate
+// bound drops and counts what exceeds it, and undecodable traffic on the
+// subject is counted and ignored.
+func TestBounds(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	watch := connect(t, url)
+	var biggest, total atomic.Int64
+	sub, err := watch.Subscribe(SubjectRoot+"."+pool, func(m *nats.Msg) {
+		total.Add(int64(len(m.Data)))
+		for {
+			b := biggest.Load()
+			if int64(len(m.Data)) <= b || biggest.CompareAndSwap(b, int64(len(m.Data))) {
+				break
+			}
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	reg := prometheus.NewRegistry()
+	m, err := NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := fast(pool, "a")
+	cfg.MaxMessageBytes, cfg.MaxBytesPerSecond, cfg.Metrics = 1<<10, 64<<10, m
+	a := startReplica(t, url, cfg)
+	bcfg := fast(pool, "b")
+	bcfg.Metrics = m
+	b := startReplica(t, url, bcfg)
+	var loads []Load
+	for i := 0; i < 200; i++ { // ~20 bytes each: several messages
+		loads = append(loads, Load{Instance: fmt.Sprintf("instance-%03d", i), InFlight: int64(i + 1)})
+	}
+	a.set(loads...)
+	waitFor(t, 10*time.Second, "b holds a's whole split table", func() bool {
+		for i := range loads {
+			if f, _, _ := b.PeerLoad(loads[i].Instance); f != int64(i+1) {
+				return false
+			}
+		}
+		return true
+	})
+	// Far more speculative blocks than 64 KiB/s carries.
+	for i := 0; i < 400; i++ {
+		ks := make([]kvindex.Key, 100)
+		for j := range ks {
+			ks[j] = kvindex.Key(i*1000 + j)
+		}
+		a.Speculate("instance-000", ks, time.Second)
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(200 * time.Millisecond)
+	if got := biggest.Load(); got > 1<<10 {
+		t.Fatalf("a message of %d bytes, bound 1024", got)
+	}
+	dropped := value(m.dropped.WithLabelValues(pool, "rate")) + value(m.dropped.WithLabelValues(pool, "queue"))
+	if dropped == 0 {
+		t.Fatalf("400×100 keys (320 KB) in ~0.6s under a 64 KiB/s bound: nothing dropped")
+	}
+	if sent := value(m.bytes.WithLabelValues(pool, "sent")); sent > 2*64<<10 {
+		t.Fatalf("%v bytes sent in well under 2s at 64 KiB/s (one second of burst)", sent)
+	}
+	if err := watch.Publish(SubjectRoot+"."+pool, []byte("KRS\x07junk")); err != nil {
+		t.Fatal(err)
+	}
+	if err := watch.Publish(SubjectRoot+"."+pool, []byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "junk counted", func() bool {
+		return value(m.dropped.WithLabelValues(pool, "version")) >= 2 &&
+			value(m.dropped.WithLabelValues(pool, "malformed")) >= 2
+	})
+}
+
+func TestConfigValidate(t *testing.T) {
+	good := Config{Pool: "p", Replica: "r"}.WithDefaults()
+	if err := good.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []Config{
+		{Pool: "p.x", Replica: "r"},
+		{Pool: "p", Replica: "r r"},
+		{Pool: "p", Replica: "r", Interval: time.Microsecond},
+		{Pool: "p", Replica: "r", Heartbeat: time.Second, PeerTimeout: time.Second},
+		{Pool: "p", Replica: "r", MaxMessageBytes: 10},
+		{Pool: "p", Replica: "r", MaxMessageBytes: 64 << 10, MaxBytesPerSecond: 1 << 10},
+	} {
+		if err := c.WithDefaults().Validate(); err == nil {
+			t.Errorf("%+v accepted", c)
+		}
+	}
+	if r := DefaultReplica(); checkName("replica", r) != nil {
+		t.Fatalf("default replica name %q invalid", r)
+	}
+}
+
+// The table: an older load message is stale, a complete one replaces,
+// an entry not refreshed within the timeout stops counting.
+func TestTableLoads(t *testing.T) {
+	now := time.Unix(1000, 0)
+	tb := NewTable(time.Second, 16, func() time.Time { return now })
+	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 2, Complete: true, Loads: []Load{{Instance: "x", InFlight: 2}, {Instance: "y", InFlight: 1}}})
+	if r := tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 1, Loads: []Load{{Instance: "x", InFlight: 9}}}); r != Stale {
+		t.Fatalf("older message: %v", r)
+	}
+	if f, _, _ := tb.PeerLoad("x"); f != 2 {
+		t.Fatalf("x %d", f)
+	}
+	now = now.Add(600 * time.Millisecond)
+	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 3, Loads: []Load{{Instance: "y", InFlight: 4}}})
+	now = now.Add(600 * time.Millisecond) // x not refreshed for 1.2s, y for 0.6s
+	if f, _, _ := tb.PeerLoad("x"); f != 0 {
+		t.Fatalf("x not refreshed within the timeout still counts %d", f)
+	}
+	if f, _, _ := tb.PeerLoad("y"); f != 4 {
+		t.Fatalf("y %d", f)
+	}
+	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 4, Complete: true, Loads: []Load{{Instance: "z", InFlight: 1}}})
+	if f, _, _ := tb.PeerLoad("y"); f != 0 {
+		t.Fatalf("a complete table without y leaves y at %d", f)
+	}
+	if r := tb.ApplyLoad(&Message{Replica: "a", Incarnation: 2, Seq: 1}); r != Restarted {
+		t.Fatalf("new incarnation: %v", r)
+	}
+	if f, _, _ := tb.PeerLoad("z"); f != 0 {
+		t.Fatalf("restarted peer's old counter %d", f)
+	}
+	now = now.Add(time.Hour)
+	if live := tb.Forget(); live != 0 || len(tb.Peers()) != 0 {
+		t.Fatalf("forget: live %d, peers %v", live, tb.Peers())
+	}
+}
+
+// Speculative entries are bounded: the oldest make way and are counted.
+func TestTableSpecCapacity(t *testing.T) {
+	now := time.Unix(1000, 0)
+	tb := NewTable(time.Second, 4, func() time.Time { return now })
+	ev := tb.ApplySpec(&Message{Specs: []Spec{{Instance: "x", TTL: time.Second, Keys: []uint64{1, 2, 3, 4, 5, 6}}}}, nil)
+	if ev != 2 || tb.SpecLen() != 4 {
+		t.Fatalf("evicted %d, held %d", ev, tb.SpecLen())
+	}
+	keys := []kvindex.Key{1, 2, 3, 4, 5, 6}
+	if got := tb.PeerExtend(keys, 2, "x", 0); got != 6 {
+		t.Fatalf("extend %d", got)
+	}
+	if got := tb.PeerExtend(keys, 0, "x", 0); got != 0 {
+		t.Fatalf("evicted key still held: extend %d", got)
+	}
+	now = now.Add(2 * time.Second)
+	if got := tb.PeerExtend(keys, 2, "x", 0); got != 2 {
+		t.Fatalf("expired keys still held: extend %d", got)
+	}
+}
+
+func value(c prometheus.Counter) float64 {
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		panic(err)
+	}
+	return m.GetCounter().GetValue()
+}

@@ -1,0 +1,301 @@
+package replicasync
+
+import (
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/kvrouter/kvrouter/kvindex"
+)
+
+// Table holds what the peers of one replica have published: per peer, its
+// load counters per instance; and, for all peers together, their
+// speculative blocks, bounded in number. A peer silent for longer than the
+// timeout counts for nothing until it publishes again. Safe for
+// concurrent use.
+type Table struct {
+	timeout time.Duration
+	now     func() time.Time
+
+	mu    sync.RWMutex // guards peers
+	peers map[string]*peer
+
+	specMu sync.RWMutex // guards holds, ring, head, n
+	holds  map[kvindex.Key][]peerHold
+	ring   []holdRef // FIFO of insertions, capacity = the bound
+	head   int
+	n      int
+}
+
+type peer struct {
+	incarnation uint64
+	seq         uint64 // last load message applied
+	seen        time.Time
+	loads       map[string]loadAt
+}
+
+type loadAt struct {
+	Load
+	at time.Time
+}
+
+type peerHold struct {
+	inst  string
+	exp   int64  // unix nanoseconds
+	epoch uint64 // the instance's cache epoch at receipt
+}
+
+type holdRef struct {
+	key  kvindex.Key
+	inst string
+	exp  int64
+}
+
+// NewTable returns an empty table; peers silent for timeout stop counting,
+// and at most capacity speculative (block, instance) entries are held
+// (the oldest make way).
+func NewTable(timeout time.Duration, capacity int, now func() time.Time) *Table {
+	if now == nil {
+		now = time.Now
+	}
+	return &Table{timeout: timeout, now: now, peers: map[string]*peer{},
+		holds: map[kvindex.Key][]peerHold{}, ring: make([]holdRef, max(capacity, 0))}
+}
+
+// Result of applying a load message.
+type Result int
+
+const (
+	Applied Result = iota
+	// Stale: an older message of the peer's current incarnation.
+	Stale
+	// Restarted: a new incarnation replaced the peer's old counters.
+	Restarted
+)
+
+// ApplyLoad records a peer's load message.
+func (t *Table) ApplyLoad(m *Message) Result {
+	now := t.now()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	p := t.peers[m.Replica]
+	res := Applied
+	switch {
+	case p == nil:
+		p = &peer{incarnation: m.Incarnation, loads: map[string]loadAt{}}
+		t.peers[m.Replica] = p
+	case p.incarnation != m.Incarnation:
+		// A restarted process: its requests in flight died with the old
+		// one. (Incarnations are random, not ordered: a late message of
+		// the old one would reset the new one's counters until its next
+		// message, at most a heartbeat later.)
+		*p = peer{incarnation: m.Incarnation, loads: map[string]loadAt{}}
+		res = Restarted
+	case m.Seq <= p.seq:
+		return Stale
+	}
+	p.seq, p.seen = m.Seq, now
+	if m.Complete {
+		clear(p.loads)
+	}
+	for _, l := range m.Loads {
+		if l.InFlight == 0 && l.PendingTokens == 0 && l.PendingRequests == 0 {
+			delete(p.loads, l.Instance)
+			continue
+		}
+		p.loads[l.Instance] = loadAt{Load: l, at: now}
+	}
+	return res
+}
+
+// Touch records that a peer is alive (any message from it).
+func (t *Table) Touch(replica string, incarnation uint64) {
+	now := t.now()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if p := t.peers[replica]; p != nil && p.incarnation == incarnation {
+		p.seen = now
+	}
+}
+
+// PeerLoad sums the live peers' counters for inst: a peer silent for the
+// timeout, or an entry not refreshed for as long (a lost update), counts
+// nothing.
+func (t *Table) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests int64) {
+	now := t.now()
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	for _, p := range t.peers {
+		if now.Sub(p.seen) > t.timeout {
+			continue
+		}
+		if l, ok := p.loads[inst]; ok && now.Sub(l.at) <= t.timeout {
+			inflight += l.InFlight
+			pendingTokens += l.PendingTokens
+			pendingRequests += l.PendingRequests
+		}
+	}
+	return inflight, pendingTokens, pendingRequests
+}
+
+// PeerStatus is one peer as this replica sees it.
+type PeerStatus struct {
+	Replica     string    `json:"replica"`
+	Incarnation uint64    `json:"incarnation"`
+	LastSeen    time.Time `json:"last_seen"`
+	Live        bool      `json:"live"`
+	InFlight    int64     `json:"in_flight"`
+	Pending     int64     `json:"pending_prefill_tokens"`
+}
+
+// Peers lists the peers known, live or not, by name.
+func (t *Table) Peers() []PeerStatus {
+	now := t.now()
+	t.mu.RLock()
+	out := make([]PeerStatus, 0, len(t.peers))
+	for name, p := range t.peers {
+		s := PeerStatus{Replica: name, Incarnation: p.incarnation, LastSeen: p.seen, Live: now.Sub(p.seen) <= t.timeout}
+		for _, l := range p.loads {
+			s.InFlight += l.InFlight
+			s.Pending += l.PendingTokens
+		}
+		out = append(out, s)
+	}
+	t.mu.RUnlock()
+	sort.Slice(out, func(i, j int) bool { return out[i].Replica < out[j].Replica })
+	return out
+}
+
+// Forget drops peers silent for ten timeouts (their entries already count
+// nothing), so that a fleet's churn of replica names does not grow the
+// table without end. It returns how many live peers remain.
+func (t *Table) Forget() (live int) {
+	now := t.now()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for name, p := range t.peers {
+		age := now.Sub(p.seen)
+		if age > 10*t.timeout {
+			delete(t.peers, name)
+		} else if age <= t.timeout {
+			live++
+		}
+	}
+	return live
+}
+
+// ApplySpec records a peer's speculative blocks, each held until receipt
+// + its TTL while the instance's cache epoch (epoch(inst), as this replica
+// counts it) stays what it is now. It returns how many entries were
+// dropped because the table was full (the oldest make way).
+func (t *Table) ApplySpec(m *Message, epoch func(string) uint64) (evicted int) {
+	if len(t.ring) == 0 {
+		return 0
+	}
+	now := t.now().UnixNano()
+	t.specMu.Lock()
+	defer t.specMu.Unlock()
+	for t.n > 0 && t.ring[t.head].exp <= now {
+		t.popLocked()
+	}
+	for _, s := range m.Specs {
+		exp := now + int64(min(s.TTL, MaxTTL))
+		var ep uint64
+		if epoch != nil {
+			ep = epoch(s.Instance)
+		}
+		for _, k := range s.Keys {
+			key := kvindex.Key(k)
+			if t.n == len(t.ring) {
+				t.popLocked()
+				evicted++
+			}
+			hs := t.holds[key]
+			held, found := exp, false
+			for i := range hs {
+				if hs[i].inst == s.Instance {
+					hs[i].exp, hs[i].epoch, found = max(hs[i].exp, exp), ep, true
+					held = hs[i].exp
+					break
+				}
+			}
+			if !found {
+				t.holds[key] = append(hs, peerHold{inst: s.Instance, exp: exp, epoch: ep})
+			}
+			t.ring[(t.head+t.n)%len(t.ring)] = holdRef{key: key, inst: s.Instance, exp: held}
+			t.n++
+		}
+	}
+	return evicted
+}
+
+func (t *Table) popLocked() {
+	r := t.ring[t.head]
+	t.ring[t.head] = holdRef{}
+	t.head = (t.head + 1) % len(t.ring)
+	t.n--
+	hs := t.holds[r.key]
+	for i := range hs {
+		if hs[i].inst == r.inst && hs[i].exp == r.exp {
+			hs[i] = hs[len(hs)-1]
+			hs = hs[:len(hs)-1]
+			break
+		}
+	}
+	if len(hs) == 0 {
+		delete(t.holds, r.key)
+	} else {
+		t.holds[r.key] = hs
+	}
+}
+
+// SpecLen is the number of speculative entries held (expired ones
+// included until the next insertion sweeps them).
+func (t *Table) SpecLen() int {
+	t.specMu.RLock()
+	defer t.specMu.RUnlock()
+	return t.n
+}
+
+// PeerExtend returns how far the peers' speculative blocks continue keys
+// on inst from block from: the largest k >= from with keys[from:k] all
+// held, unexpired, in inst's cache epoch epoch.
+func (t *Table) PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int {
+	if from >= len(keys) {
+		return from
+	}
+	now := t.now().UnixNano()
+	t.specMu.RLock()
+	defer t.specMu.RUnlock()
+	if len(t.holds) == 0 {
+		return from
+	}
+	k := from
+	for ; k < len(keys); k++ {
+		held := false
+		for _, h := range t.holds[keys[k]] {
+			if h.inst == inst && h.exp > now && h.epoch == epoch {
+				held = true
+				break
+			}
+		}
+		if !held {
+			break
+		}
+	}
+	return k
+}
+
+// PeerHolders appends to dst the instances that peers hold key on,
+// unexpired.
+func (t *Table) PeerHolders(dst []string, key kvindex.Key) []string {
+	now := t.now().UnixNano()
+	t.specMu.RLock()
+	defer t.specMu.RUnlock()
+	for _, h := range t.holds[key] {
+		if h.exp > now {
+			dst = append(dst, h.inst)
+		}
+	}
+	return dst
+}
