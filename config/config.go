@@ -42,7 +42,7 @@ type Config struct {
 	// from KVROUTER_CACHE_SALT_SECRET (hex, see DecodeCacheSaltSecret).
 	CacheSaltSecret []byte `yaml:"-" json:"-"`
 	// HeartbeatKey, when set, is the key bridge heartbeats must be signed
-	// with (events.SignHeartbeat) to count: a secret, only from
+	// with (kvstream.SignHeartbeat) to count: a secret, only from
 	// KVROUTER_HEARTBEAT_KEY (hex, at least 16 bytes; docs/security.md).
 	HeartbeatKey []byte `yaml:"-" json:"-"`
 	// DefaultPool serves raw /invocations requests without a pool header and

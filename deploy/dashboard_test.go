@@ -182,8 +182,8 @@ func TestDashboard(t *testing.T) {
 	if queries < 10 {
 		t.Errorf("only %d queries", queries)
 	}
-	// Issue 7: hit rate, TTFT, decisions by reason, evictions by tier,
-	// per-instance share, overflow, event lag.
+	// The panels an operator asks for: hit rate, TTFT, decisions by
+	// reason, evictions by tier, per-instance share, overflow, event lag.
 	for _, want := range []string{"hit rate", "ttft", "decisions by reason", "evictions by tier", "per-instance traffic share", "overflow", "event lag"} {
 		found := false
 		for title := range titles {

@@ -231,26 +231,37 @@ func (s *Server) uncachedOnDecode(ctx context.Context, pool *Pool, strat Strateg
 	}
 	var buf [32]*Instance
 	cands, _ := pool.Candidates(buf[:0], req.Adapter, nil)
+	held, prompt, ok := kv.Held(ctx, req, cands)
+	if !ok {
+		return 0, false
+	}
+	return max(prompt-held, 0), true
+}
+
+// Held is the most tokens of req's prompt any of cands holds (every tier,
+// fresh index and speculative entries) and the prompt's length, without
+// committing anything; ok is false when the prompt's tokens are unknown.
+// Disaggregation asks it before choosing between one stage and two.
+func (s *KVAware) Held(ctx context.Context, req *Request, cands []*Instance) (held, prompt int, ok bool) {
 	if len(cands) == 0 {
-		return 0, false
+		return 0, 0, false
 	}
-	_, ev, err := kv.pick(ctx, req, cands, false)
+	_, ev, err := s.pick(ctx, req, cands, false)
 	if err != nil || ev == nil {
-		return 0, false
+		return 0, 0, false
 	}
-	defer kv.st.putEval(ev)
+	defer s.st.putEval(ev)
 	if ev.tokens == 0 {
-		return 0, false
+		return 0, 0, false
 	}
-	best := 0
 	for i := range ev.cands {
-		held := 0
+		h := 0
 		for _, m := range ev.cands[i].matched {
-			held += m
+			h += m
 		}
-		best = max(best, held)
+		held = max(held, h)
 	}
-	return max(ev.tokens-best, 0), true
+	return held, ev.tokens, true
 }
 
 func truncate(b []byte, n int) string {

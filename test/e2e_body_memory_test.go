@@ -53,7 +53,7 @@ func peakRSS(t *testing.T, pid int) int64 {
 	return 0
 }
 
-// TestE2EChunkedUploadsBoundedMemory is issue 19's load test: the real
+// TestE2EChunkedUploadsBoundedMemory is the hostile-client load test: the real
 // kvrouter binary, loopback only, 64 concurrent 100 MB chunked (no
 // Content-Length) uploads beside normal chat traffic. Every upload is
 // refused (413 at max_body_bytes, or 503 when the body-memory budget is

@@ -6,10 +6,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrouter/kvrouter/events/enginezmq"
-
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )

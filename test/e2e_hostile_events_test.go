@@ -17,7 +17,6 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
-
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
@@ -170,7 +169,7 @@ func (r *hostileRig) records() map[string]bool {
 	return out
 }
 
-// Issue 19, discovery: with an allow-list and a heartbeat key, only a
+// Discovery: with an allow-list and a heartbeat key, only a
 // signed, fresh heartbeat announcing an allowed URL adds an instance
 // (logged and counted as a join); a URL outside the list, an unsigned,
 // a badly signed or a stale heartbeat is refused, logged and counted, and
@@ -240,7 +239,7 @@ func TestE2EDiscoveryRefusesUntrustedHeartbeats(t *testing.T) {
 	}
 }
 
-// Issue 19, cardinality: 10,000 junk names on kv.events create no record
+// Cardinality: 10,000 junk names on kv.events create no record
 // (only configured names may start from events), 10,000 junk heartbeats
 // fill at most events.max_instances records, every drop is counted, and
 // once the junk goes silent its records, pool entries and series are gone.
@@ -428,7 +427,7 @@ func pollReady(t *testing.T, url string, within time.Duration) (notReady int, wh
 	return 0, ""
 }
 
-// Issue 19: /readyz says ready only once the index has been rebuilt (here:
+// Readiness: /readyz says ready only once the index has been rebuilt (here:
 // a snapshot that takes 1.5 s to arrive is in the index when it first
 // answers 200), or once events.ready_timeout has passed.
 func TestE2EReadyzWaitsForTheIndex(t *testing.T) {

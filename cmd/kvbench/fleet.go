@@ -28,7 +28,7 @@ type simEngine struct {
 var _ des.Engine = (*simEngine)(nil)
 
 func (s *simEngine) Submit(r des.EngineRequest, now time.Duration) error {
-	return s.e.Submit(sim.Request{ID: r.ID, Prompt: r.Prompt, MaxTokens: r.MaxTokens, LoRA: r.Adapter, CacheSalt: r.CacheSalt}, now)
+	return s.e.Submit(sim.Request{ID: r.ID, Prompt: r.Prompt, MaxTokens: r.MaxTokens, LoRA: r.Adapter, CacheSalt: r.CacheSalt, RemotePrefill: r.RemotePrefill}, now)
 }
 
 func (s *simEngine) Advance(now time.Duration, out []des.Update) []des.Update {
@@ -57,6 +57,9 @@ func (s *simEngine) BusyTime() (busy, prefillBusy time.Duration) {
 	st := s.e.Stats()
 	return st.BusyTime, st.PrefillBusyTime
 }
+
+// RemoteTokens implements des.RemoteReporter.
+func (s *simEngine) RemoteTokens() uint64 { return s.e.Stats().RemoteTokens }
 
 // simFactory builds sim engines from one config; each instance gets its own
 // hash seed, as separate vLLM processes hash with their own PYTHONHASHSEED.
@@ -239,7 +242,7 @@ func (r *strategyRouter) Pick(ctx context.Context, req *des.RouteRequest, cands 
 		return des.Decision{}, fmt.Errorf("strategy %s returned no instance", r.s.Name())
 	}
 	if d.Observer != nil {
-		r.obs[uint64(req.ID)] = d.Observer
+		r.obs[req.EngineID] = d.Observer
 	}
 	return des.Decision{Instance: d.Instance.ID(), Reason: string(d.Reason),
 		Overflow: d.Reason == router.ReasonOverflow || d.Reason == router.ReasonSaturated}, nil

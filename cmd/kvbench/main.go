@@ -49,6 +49,7 @@ commands:
   synth    write a Mooncake-format trace synthesised from a trace's fitted shape
   des      discrete-event comparison of strategies on simulated engines (virtual clock)
   sweep    des over strategies × loads × fleet sizes × workloads: one table and chart per workload
+  disagg   des: aggregated vs disaggregated prefill/decode (P:D ratios, conditional) on the same instances
   live     drive a running kvrouter (with kvsim engines) over HTTP
   demo     embedded NATS + simulated fleet + router; compares strategies; exits by itself
 `
@@ -69,6 +70,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runSweep(ctx, rest, stdout, stderr)
 	case "des":
 		return runDES(ctx, rest, stdout, stderr)
+	case "disagg":
+		return runDisagg(ctx, rest, stdout, stderr)
 	case "live":
 		return runLive(ctx, rest, stdout, stderr)
 	case "demo":

@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/events"
-
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )

@@ -13,7 +13,6 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/kvrouter/kvrouter/events/enginezmq"
-
 	"github.com/kvrouter/kvrouter/events/kvstream"
 )
 

@@ -11,9 +11,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvrouter/kvrouter/events"
-
 	"github.com/kvrouter/kvrouter/events/enginezmq"
-
 	"github.com/kvrouter/kvrouter/events/kvstream"
 )
 

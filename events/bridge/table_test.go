@@ -10,7 +10,6 @@ import (
 	"testing"
 
 	"github.com/kvrouter/kvrouter/events"
-
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/tiers"
 )

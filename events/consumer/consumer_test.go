@@ -17,7 +17,6 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvrouter/kvrouter/events"
-
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"

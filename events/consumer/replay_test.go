@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/events"
-
 	"github.com/kvrouter/kvrouter/events/kvstream"
 )
 

@@ -744,7 +744,7 @@ type Event struct {
 	// router); a client that sees it non-zero has missed events.
 	Dropped uint64 `protobuf:"varint,14,opt,name=dropped,proto3" json:"dropped,omitempty"`
 	// Synthetic is set on events the bridge made rather than the engine
-	// ("gap", "restart", "resync": see events.HeaderSynthetic).
+	// ("gap", "restart", "resync": see kvstream.HeaderSynthetic).
 	Synthetic     string `protobuf:"bytes,15,opt,name=synthetic,proto3" json:"synthetic,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

@@ -53,6 +53,9 @@ type EngineRequest struct {
 	MaxTokens int
 	Adapter   string
 	CacheSalt string
+	// RemotePrefill: the prompt's KV was computed by a prefill instance and
+	// is received over the network (disaggregated decode).
+	RemotePrefill bool
 }
 
 // Engine is a simulated model server driven by the virtual clock. It is
@@ -82,6 +85,10 @@ type RouteRequest struct {
 	Now time.Duration
 	// CacheSalt is the cache_salt the request carries to the engine ("" for none).
 	CacheSalt string
+	// EngineID is the id the request will have at its engine, the one
+	// Started, FirstToken and Finished name: the workload index, or for a
+	// disaggregated request's prefill stage that index tagged (disagg.go).
+	EngineID uint64
 }
 
 // Decision is a router's pick.
@@ -151,6 +158,8 @@ type Config struct {
 	// components with their own notion of now (an index's last-event times,
 	// a router's speculative entries) can follow virtual time.
 	Clock func(now time.Duration)
+	// Disagg, when set, serves requests in two stages (disagg.go).
+	Disagg *Disagg
 }
 
 // Outcome is what happened to one request.
@@ -177,6 +186,9 @@ type Outcome struct {
 	// ErrKind is Err without request-specific details (the innermost
 	// error's text): failures group by it.
 	ErrKind string
+	// PrefillInstance is the prefill stage's instance of a disaggregated
+	// request (empty when it was served aggregated).
+	PrefillInstance string
 }
 
 // Utilisation is how busy one engine was over its life in the run.
@@ -211,6 +223,10 @@ type Result struct {
 	// Utilisation per instance (empty when the engines do not report busy
 	// time, see BusyReporter).
 	Utilisation []Utilisation
+	// RemoteTokens is the prompt tokens decode instances received from
+	// prefill instances (disaggregated runs; engines implementing
+	// RemoteReporter).
+	RemoteTokens uint64
 }
 
 type instance struct {
@@ -269,6 +285,12 @@ type run struct {
 	next     int // next request to issue
 	ups      []Update
 	tokBuf   []uint32
+	// Disaggregation (disagg.go): the prefill and decode sets, requests
+	// in their prefill stage (engine id → request), and prefills done
+	// whose decode stage is due.
+	prefillSet, decodeSet []string
+	prefilling            map[uint64]int
+	handoffs              []handoff
 }
 
 // Run plays the workload through the fleet and returns what happened to
@@ -300,6 +322,9 @@ func Run(ctx context.Context, cfg Config, w *workload.Workload) (*Result, error)
 			return nil, err
 		}
 	}
+	if err := r.splitRoles(); err != nil {
+		return nil, err
+	}
 	// Pin the driver to one OS thread so that the thread's CPU clock
 	// measures exactly the work of each Pick.
 	runtime.LockOSThread()
@@ -324,6 +349,9 @@ func (r *run) utilisation() {
 		}
 		busy, pre := br.BusyTime()
 		r.res.Utilisation = append(r.res.Utilisation, Utilisation{Instance: in.name, Life: max(end-in.born, 0), Busy: busy, PrefillBusy: pre})
+		if rr, ok := in.engine.(RemoteReporter); ok {
+			r.res.RemoteTokens += rr.RemoteTokens()
+		}
 	}
 }
 
@@ -396,7 +424,7 @@ func (r *run) loop(ctx context.Context) error {
 		tArr := never
 		if r.next < total {
 			if closed > 0 {
-				if len(r.inflight) < closed {
+				if len(r.inflight)-len(r.prefilling) < closed {
 					tArr = r.now
 				}
 			} else {
@@ -416,7 +444,11 @@ func (r *run) loop(ctx context.Context) error {
 		if ok {
 			tEng = wk.at
 		}
-		t := min(tArr, tFleet, tDel, tEng)
+		tHand := never
+		if len(r.handoffs) > 0 {
+			tHand = max(r.handoffs[0].at, r.now)
+		}
+		t := min(tArr, tFleet, tDel, tEng, tHand)
 		if t == never {
 			if r.done < total {
 				return fmt.Errorf("des: stalled with %d of %d requests unfinished", total-r.done, total)
@@ -441,6 +473,10 @@ func (r *run) loop(ctx context.Context) error {
 			if _, err := r.cfg.Index.Apply(ctx, d.inst, d.batch.Events); err != nil {
 				r.res.IndexErrors++
 			}
+		case tHand:
+			h := r.handoffs[0]
+			r.handoffs = r.handoffs[1:]
+			r.decodeStage(ctx, h)
 		case tFleet:
 			ev := r.w.Fleet[fleet]
 			fleet++
@@ -464,6 +500,10 @@ func (r *run) loop(ctx context.Context) error {
 func (r *run) advance(in *instance) {
 	r.ups = in.engine.Advance(r.now, r.ups[:0])
 	for _, u := range r.ups {
+		if u.ID&prefillTag != 0 {
+			r.prefillUpdate(in, u)
+			continue
+		}
 		o := &r.res.Outcomes[u.ID]
 		switch u.Kind {
 		case FirstToken:
@@ -518,10 +558,18 @@ func (r *run) issue(ctx context.Context, i int) {
 	if r.cfg.SaltByTenant {
 		salt = req.Tenant
 	}
-	rr := &RouteRequest{Request: req, Tokens: r.tokBuf, RoutingText: req.TextPrefix(r.cfg.PrefixLength), Now: r.now, CacheSalt: salt}
+	rr := &RouteRequest{Request: req, Tokens: r.tokBuf, RoutingText: req.TextPrefix(r.cfg.PrefixLength), Now: r.now, CacheSalt: salt, EngineID: uint64(i)}
+	cands := r.live
+	if r.cfg.Disagg != nil {
+		if r.prefillStage(ctx, i, rr) {
+			return
+		}
+		rr.EngineID = uint64(i)
+		cands = r.decodeSet
+	}
 	cpu0 := threadCPU()
 	start := time.Now()
-	d, err := r.cfg.Router.Pick(ctx, rr, r.live)
+	d, err := r.cfg.Router.Pick(ctx, rr, cands)
 	o.Decision = time.Since(start)
 	if cpu0 >= 0 {
 		o.DecisionCPU = max(threadCPU()-cpu0, 0)

@@ -1,0 +1,175 @@
+package consumer
+
+import (
+	"context"
+	"encoding/json"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvrouter/kvrouter/events/kvstream"
+)
+
+// seen records activity at t (an event's store time, a snapshot's time, a
+// heartbeat's arrival) and sets the state from it: live when recent, else
+// stale. Replaying an hour of stream history must not make instances that
+// died long ago look live. c.mu held.
+func (c *Consumer) seen(in *inst, t time.Time) {
+	if t.After(in.lastSeen) {
+		in.lastSeen = t
+	}
+	if in.status.EngineDown || in.reloading {
+		// Not live whatever arrives until the engine is back and the
+		// bridge's table reloaded (see heartbeat).
+		if in.status.State == StateLive {
+			in.status.State = StateStale
+		}
+	} else if time.Since(in.lastSeen) <= c.cfg.StaleAfter {
+		in.status.State = StateLive
+	} else if in.status.State == StateLive {
+		in.status.State = StateStale
+	}
+}
+
+// newInst makes an instance record first seen at t (zero: not yet, a
+// snapshot load will tell); c.mu held.
+func (c *Consumer) newInst(instance string, t time.Time) *inst {
+	in := &inst{status: InstanceStatus{Instance: instance, State: StateStale}, needLoad: true}
+	if !t.IsZero() {
+		c.seen(in, t)
+	}
+	return in
+}
+
+// refuseNew says why a name with no record may not get one ("" = it may):
+// over the cap, or, for a name seen only in events, not admitted by
+// Config.Admit. c.mu held.
+func (c *Consumer) refuseNew(instance string, fromEvent bool) string {
+	admitted := c.cfg.Admit != nil && c.cfg.Admit(instance)
+	if fromEvent && c.cfg.Admit != nil && !admitted {
+		return "unknown_instance"
+	}
+	if len(c.insts) >= c.cfg.MaxInstances && !admitted {
+		return "over_cap"
+	}
+	return ""
+}
+
+// dropNew counts and (rate-limited) logs a name refused a record.
+func (c *Consumer) dropNew(instance, reason, via string) {
+	if via == "heartbeat" {
+		c.m.heartbeats.WithLabelValues(reason).Inc()
+	} else {
+		c.m.messages.WithLabelValues(reason).Inc()
+	}
+	if ok, suppressed := c.logLimit.Allow(reason + via); ok {
+		c.cfg.Logger.Warn("consumer: instance refused a record", "instance", instance, "reason", reason, "via", via,
+			"max_instances", c.cfg.MaxInstances, "suppressed", suppressed)
+	}
+}
+
+// heartbeat records a bridge heartbeat; an instance seen for the first
+// time, or purged, gets its snapshot loaded.
+func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
+	_, pool, instance, err := kvstream.ParseSubject(m.Subject)
+	if err != nil || pool != c.cfg.Pool {
+		return
+	}
+	var hb kvstream.Heartbeat
+	if err := json.Unmarshal(m.Data, &hb); err != nil {
+		c.m.heartbeats.WithLabelValues("malformed").Inc()
+		return
+	}
+	if f := c.cfg.AdmitHeartbeat; f != nil && f(instance, m, &hb) != nil {
+		c.m.heartbeats.WithLabelValues("refused").Inc()
+		return
+	}
+	now := time.Now()
+	c.mu.Lock()
+	in := c.insts[instance]
+	if in == nil {
+		if reason := c.refuseNew(instance, false); reason != "" {
+			c.mu.Unlock()
+			c.dropNew(instance, reason, "heartbeat")
+			return
+		}
+	}
+	c.m.heartbeats.WithLabelValues("ok").Inc()
+	load, reload := false, false
+	if in == nil {
+		in = c.newInst(instance, now)
+		c.insts[instance] = in
+		load = !c.cfg.SharedIndex
+	} else if in.status.State == StatePurged {
+		load = !c.cfg.SharedIndex
+		in.status.State = StateLive
+	} else if in.status.State == StateStale {
+		in.status.State = StateLive
+	}
+	switch {
+	case hb.EngineDown:
+		// The engine is dead: its blocks must not count, now. They stay
+		// in the index, since the engine may come back as the same
+		// process (the bridge then keeps its table).
+		if !in.status.EngineDown {
+			c.cfg.Logger.Info("consumer: engine down, instance not live", "instance", instance)
+			in.lost++
+		}
+		in.status.EngineDown = true
+		in.status.State = StateStale
+	case in.status.EngineDown:
+		// Back up. The bridge decided before saying so whether this is
+		// the same process (table kept) or a new one (cleared), but the
+		// stream may not have brought that clear here yet: reload the
+		// bridge's table, and count the instance live only after.
+		in.status.EngineDown = false
+		in.reloading, reload = true, true
+		in.status.State = StateStale
+	case in.reloading:
+		in.status.State = StateStale
+	}
+	in.status.LastHeartbeat, in.lastSeen = now, now
+	in.status.Heartbeat = &hb
+	c.mu.Unlock()
+	switch {
+	case reload:
+		c.enqueue(ctx, work{kind: workReload, instance: instance})
+	case load:
+		c.enqueue(ctx, work{kind: workLoad, instance: instance})
+	}
+}
+
+// check marks silent instances stale and queues purges.
+func (c *Consumer) check(ctx context.Context) {
+	now := time.Now()
+	var purge []string
+	counts := map[State]int{}
+	c.mu.Lock()
+	for name, in := range c.insts {
+		if in.lastSeen.IsZero() {
+			counts[in.status.State]++ // its snapshot load is still queued
+			continue
+		}
+		silent := now.Sub(in.lastSeen)
+		switch in.status.State {
+		case StateLive:
+			if silent > c.cfg.StaleAfter {
+				in.status.State = StateStale
+				c.cfg.Logger.Info("consumer: instance stale", "instance", name, "silent", silent.Round(time.Millisecond))
+			}
+		case StateStale:
+			if silent > c.cfg.PurgeAfter {
+				in.status.State = StatePurged
+				purge = append(purge, name)
+			}
+		}
+		counts[in.status.State]++
+	}
+	c.mu.Unlock()
+	for _, s := range []State{StateLive, StateStale, StatePurged} {
+		c.m.instances.WithLabelValues(s.String()).Set(float64(counts[s]))
+	}
+	for _, name := range purge {
+		c.enqueue(ctx, work{kind: workPurge, instance: name})
+	}
+}

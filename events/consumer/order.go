@@ -1,0 +1,302 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"hash/maphash"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/kvindex"
+)
+
+// dispatch runs on the consume goroutine: route the message to its shard.
+func (c *Consumer) dispatch(ctx context.Context, m jetstream.Msg) {
+	_, pool, instance, err := kvstream.ParseSubject(m.Subject())
+	if err != nil || pool != c.cfg.Pool {
+		c.m.messages.WithLabelValues("bad_subject").Inc()
+		return
+	}
+	w := work{kind: workEvent, instance: instance, header: m.Headers(), data: m.Data()}
+	if md, err := m.Metadata(); err == nil {
+		w.streamSeq, w.stored = md.Sequence.Stream, md.Timestamp
+		// Measured here, on the one consume goroutine, so that it follows
+		// the stream's order (shards finish out of order). The newest
+		// message in the stream, however old, leaves nothing to catch up
+		// on: without that, a replay whose last message is older than
+		// MaxLag (an idle pool) kept the consumer unhealthy, and kv_aware
+		// routing by hash, until the next event.
+		lag := time.Since(md.Timestamp)
+		if md.NumPending == 0 {
+			lag = 0
+			c.caughtUp.Store(true)
+		}
+		c.lag.Store(int64(lag))
+	}
+	// A delivery after a consume error: consuming works again (an ordered
+	// consumer resumes at the next stream sequence, so nothing was
+	// skipped). Without this, losing one NATS node of a cluster cost 10s
+	// of routing by hash after the consumer was back.
+	if last := c.lastErr.Load(); last != 0 {
+		c.lastErr.CompareAndSwap(last, 0)
+	}
+	c.mu.Lock()
+	if c.insts[instance] == nil {
+		if reason := c.refuseNew(instance, true); reason != "" {
+			c.mu.Unlock()
+			c.dropNew(instance, reason, "event")
+			return
+		}
+		c.insts[instance] = c.newInst(instance, w.stored)
+	}
+	c.mu.Unlock()
+	c.enqueue(ctx, w)
+}
+
+// shardOf is the instance's shard: one goroutine does all of an
+// instance's work, so its messages are applied in the stream's order.
+func (c *Consumer) shardOf(instance string) chan work {
+	return c.shards[maphash.String(c.seed, instance)%uint64(len(c.shards))]
+}
+
+// enqueue queues w on its instance's shard, waiting while the shard is full.
+func (c *Consumer) enqueue(ctx context.Context, w work) {
+	select {
+	case c.shardOf(w.instance) <- w:
+	case <-ctx.Done():
+	}
+}
+
+// shard runs one shard's queue until ctx is done.
+func (c *Consumer) shard(ctx context.Context, ch chan work) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case w := <-ch:
+			c.m.queue.Set(float64(len(ch)))
+			if w.kind == workBarrier {
+				w.done()
+				continue
+			}
+			c.do(ctx, w)
+		}
+	}
+}
+
+// do runs one piece of an instance's work: a stream message, a snapshot
+// load or reload, or a purge.
+func (c *Consumer) do(ctx context.Context, w work) {
+	c.mu.Lock()
+	in := c.insts[w.instance]
+	c.mu.Unlock()
+	if in == nil {
+		// Forgotten after a purge since this was queued: the instance was
+		// silent for PurgeAfter; if it is back, its heartbeat (or, for an
+		// admitted name, its next event) makes a new record and reloads.
+		if w.kind == workEvent {
+			c.m.messages.WithLabelValues("purged_instance").Inc()
+		}
+		return
+	}
+	switch w.kind {
+	case workPurge:
+		c.mu.Lock()
+		still := in.status.State == StatePurged
+		c.mu.Unlock()
+		if !still {
+			return // came back since the purge was queued
+		}
+		if !c.cfg.SharedIndex {
+			if err := c.cfg.Applier.Purge(ctx, w.instance); err != nil {
+				c.cfg.Logger.Warn("consumer: purge", "instance", w.instance, "err", err)
+			}
+		}
+		in.needLoad, in.skipUpTo = true, 0
+		c.m.purges.Inc()
+		// Forget it: a purged name keeps no record and no metric series
+		// (the router's are read from the records), so names that come
+		// and go cannot accumulate.
+		c.mu.Lock()
+		if c.insts[w.instance] == in && in.status.State == StatePurged {
+			delete(c.insts, w.instance)
+		}
+		c.mu.Unlock()
+		c.cfg.Logger.Info("consumer: instance purged and forgotten", "instance", w.instance)
+	case workLoad:
+		if c.shared != nil {
+			c.syncShared(ctx, w.instance, in)
+			return
+		}
+		if in.needLoad && !c.cfg.SharedIndex {
+			c.load(ctx, w.instance, in, 0)
+		}
+	case workReload:
+		switch {
+		case c.shared != nil:
+			// LoadAt takes the bridge's table only when it is newer than
+			// the index's position; otherwise the clear arrives in order
+			// through the stream.
+			if _, err := c.seedShared(ctx, w.instance, in, 0); err != nil && ctx.Err() == nil {
+				c.cfg.Logger.Warn("consumer: reloading a restarted engine's table into the shared index failed; the stream will repair it", "instance", w.instance, "err", err)
+			}
+		case !c.cfg.SharedIndex:
+			c.load(ctx, w.instance, in, 0)
+		}
+		c.mu.Lock()
+		in.reloading = false
+		c.seen(in, time.Now())
+		c.mu.Unlock()
+	case workEvent:
+		c.event(ctx, w, in)
+	}
+}
+
+// clearsAll reports whether a batch empties the engine's cache.
+func clearsAll(evs []events.Event) bool {
+	for i := range evs {
+		if evs[i].Kind == events.AllBlocksCleared {
+			return true
+		}
+	}
+	return false
+}
+
+// event applies one stream message, unless a loaded snapshot covers it.
+func (c *Consumer) event(ctx context.Context, w work, in *inst) {
+	c.mu.Lock()
+	purged := in.status.State == StatePurged
+	c.mu.Unlock()
+	if purged && !c.cfg.SharedIndex {
+		if !w.stored.IsZero() && time.Since(w.stored) > c.cfg.StaleAfter {
+			// History of an instance purged for silence: not coming back.
+			c.m.messages.WithLabelValues("purged_instance").Inc()
+			return
+		}
+		// Fresh events after a purge: the instance is back.
+		in.needLoad = true
+	}
+	if in.needLoad && !c.cfg.SharedIndex {
+		c.load(ctx, w.instance, in, w.streamSeq)
+	}
+	if w.streamSeq != 0 && w.streamSeq <= in.skipUpTo {
+		c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
+		return
+	}
+	h, herr := kvstream.ParseEventHeaders(w.header)
+	engineMsg := herr == nil && h.HasSeq && h.Synthetic == ""
+	// LastSeq and hasSeq are written only by this goroutine, so reading
+	// them here without the lock is safe.
+	if engineMsg && in.hasSeq && h.Seq > in.status.LastSeq+1 {
+		// The bridge publishes every engine seq or a clear, so a hole here
+		// means the stream lost messages before we read them (retention
+		// passed us by): the snapshot is the only way back to the truth.
+		c.mu.Lock()
+		in.status.Gaps++
+		c.mu.Unlock()
+		c.m.gaps.Inc()
+		c.cfg.Logger.Warn("consumer: engine seq gap in the stream, reloading snapshot", "instance", w.instance,
+			"last_seq", in.status.LastSeq, "seq", h.Seq)
+		if !c.cfg.SharedIndex {
+			lostBefore := in.status.ReplayLost // written only by this goroutine
+			c.load(ctx, w.instance, in, w.streamSeq)
+			if w.streamSeq != 0 && w.streamSeq <= in.skipUpTo {
+				c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
+				return
+			}
+			if in.hasSeq && h.Seq > in.status.LastSeq+1 && in.status.ReplayLost == lostBefore {
+				// The snapshot and the replay after it still stop short
+				// of this message: what lay between is gone (see replay).
+				c.mu.Lock()
+				in.status.ReplayLost++
+				c.mu.Unlock()
+				c.m.replayLost.Inc()
+				c.cfg.Logger.Warn("consumer: engine seq gap remains after reload; keeping the snapshot and what remains",
+					"instance", w.instance, "last_seq", in.status.LastSeq, "seq", h.Seq)
+			}
+		} else if c.shared != nil {
+			// The stream lost messages of the instance: its state in the
+			// index misses them too. A snapshot past them replaces it.
+			if pos, err := c.seedShared(ctx, w.instance, in, w.streamSeq); err == nil {
+				c.setFrom(in, pos)
+			} else if !errors.Is(err, errOwned) {
+				c.setSynced(in, false)
+				c.cfg.Logger.Warn("consumer: snapshot load into the shared index failed, will retry", "instance", w.instance, "err", err)
+			}
+		}
+	}
+	batch, err := events.Decode(w.data)
+	var res kvindex.ApplyResult
+	var aerr error
+	switch {
+	case err == nil && c.shared != nil:
+		res, aerr = c.applyShared(ctx, w.instance, in, w.streamSeq, batch.Events)
+	case err == nil:
+		res, aerr = c.cfg.Applier.Apply(ctx, w.instance, batch.Events)
+	}
+	// Status changes only after Apply, so "at seq N" means applied through N.
+	now := time.Now()
+	c.mu.Lock()
+	st := &in.status
+	st.StreamSeq = max(st.StreamSeq, w.streamSeq)
+	if w.stored.IsZero() {
+		c.seen(in, now)
+	} else {
+		c.seen(in, w.stored)
+	}
+	if engineMsg {
+		st.LastSeq, in.hasSeq = h.Seq, true
+	}
+	switch h.Synthetic {
+	case kvstream.SyntheticGap, kvstream.SyntheticRestart, kvstream.SyntheticResync:
+		// The bridge cleared the instance: seq continuity starts over.
+		st.Clears++
+		in.hasSeq = false
+		in.lost++
+	}
+	if err == nil && clearsAll(batch.Events) {
+		in.lost++ // the engine emptied its cache (reset_prefix_cache)
+	}
+	if err != nil {
+		st.Malformed++
+	} else {
+		st.Unknown += uint64(batch.Unknown)
+		st.LastEvent = now
+	}
+	c.mu.Unlock()
+	if err != nil {
+		c.m.messages.WithLabelValues("malformed").Inc()
+		c.cfg.Logger.Warn("consumer: malformed payload skipped", "instance", w.instance, "stream_seq", w.streamSeq, "err", err)
+		return
+	}
+	if batch.Unknown > 0 {
+		c.m.unknown.Add(float64(batch.Unknown))
+	}
+	if aerr != nil {
+		c.m.applyErrors.Inc()
+		if c.shared != nil {
+			// Not live until repaired: by the next message of the
+			// instance, or the sync watchShared queues meanwhile.
+			c.cfg.Logger.Warn("consumer: apply to the shared index failed, will repair", "instance", w.instance, "err", aerr)
+			return
+		}
+		c.cfg.Logger.Warn("consumer: apply failed, will reload the snapshot", "instance", w.instance, "err", aerr)
+		// The index may now hold part of the batch or miss it: the next
+		// event of the instance reloads its snapshot to get back in step.
+		in.needLoad = true
+		return
+	}
+	c.m.messages.WithLabelValues("applied").Inc()
+	for i := range batch.Events {
+		c.m.events.WithLabelValues(batch.Events[i].Kind.String()).Inc()
+	}
+	c.m.stored.Add(float64(res.Stored))
+	c.m.removed.Add(float64(res.Removed))
+	c.countDropped(res)
+	if !w.stored.IsZero() {
+		c.m.lag.Observe(now.Sub(w.stored).Seconds())
+	}
+}

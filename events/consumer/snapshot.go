@@ -1,0 +1,271 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
+)
+
+// loadKnown queues a snapshot load for every instance of the pool that has
+// one in the bucket, before any stream message: the shard applies the
+// snapshot, then skips the stream up to its sequence.
+func (c *Consumer) loadKnown(ctx context.Context) {
+	lister, err := c.kv.ListKeysFiltered(ctx, c.cfg.Pool+".*")
+	if err != nil {
+		c.cfg.Logger.Warn("consumer: list snapshots", "err", err)
+		return
+	}
+	for key := range lister.Keys() {
+		instance := key[len(c.cfg.Pool)+1:]
+		if kvstream.ValidToken("instance", instance) != nil {
+			continue
+		}
+		c.mu.Lock()
+		if c.insts[instance] == nil {
+			if reason := c.refuseNew(instance, false); reason != "" {
+				c.mu.Unlock()
+				c.dropNew(instance, reason, "snapshot")
+				continue
+			}
+			c.insts[instance] = c.newInst(instance, time.Time{})
+		}
+		c.mu.Unlock()
+		c.enqueue(ctx, work{kind: workLoad, instance: instance})
+	}
+}
+
+// load replaces the instance's index state with its snapshot: from the
+// bridge (request-reply, the freshest), else the bucket, else nothing (the
+// stream alone then rebuilds what it still holds).
+//
+// cur is the stream sequence of the message being processed (0 for a load
+// with none: start-up, heartbeat). Every message of the instance below cur
+// (or, without one, up to the last one processed) has already gone
+// through this shard, so when the snapshot is older than that (a bucket
+// snapshot, up to its refresh period old, while the bridge is down) the
+// messages between the snapshot and cur are replayed from the stream
+// after it; otherwise a reload would drop everything applied since the
+// snapshot was taken.
+func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint64) {
+	in.needLoad = false
+	c.mu.Lock()
+	done := in.status.StreamSeq
+	c.mu.Unlock()
+	if cur != 0 {
+		done = cur - 1
+	}
+	snap, source, err := c.fetchSnapshot(ctx, instance)
+	if err != nil {
+		if !errors.Is(err, errNoSnapshot) && ctx.Err() == nil {
+			// There is one but it could not be read: try again at the
+			// instance's next event rather than trust the stream alone.
+			in.needLoad = true
+			c.m.snapshotLoads.WithLabelValues("error").Inc()
+			c.cfg.Logger.Warn("consumer: snapshot unreadable, will retry", "instance", instance, "err", err)
+		} else {
+			c.m.snapshotLoads.WithLabelValues("none").Inc()
+			c.cfg.Logger.Info("consumer: no snapshot, using the stream alone", "instance", instance, "err", err)
+		}
+		c.seenIfNever(in)
+		return
+	}
+	batch, err := events.Decode(snap.Batch)
+	if err != nil {
+		c.m.snapshotLoads.WithLabelValues("malformed").Inc()
+		c.cfg.Logger.Warn("consumer: malformed snapshot batch", "instance", instance, "source", source, "err", err)
+		c.seenIfNever(in)
+		return
+	}
+	if err := c.cfg.Applier.Purge(ctx, instance); err != nil {
+		c.cfg.Logger.Warn("consumer: purge before snapshot", "instance", instance, "err", err)
+	}
+	if _, err := c.cfg.Applier.Apply(ctx, instance, batch.Events); err != nil {
+		c.m.applyErrors.Inc()
+		c.cfg.Logger.Warn("consumer: apply snapshot", "instance", instance, "err", err)
+	}
+	in.skipUpTo = snap.StreamSeq
+	c.m.snapshotLoads.WithLabelValues(source).Inc()
+	c.mu.Lock()
+	in.status.SnapshotSeq = snap.StreamSeq
+	if snap.StreamSeq > in.status.StreamSeq {
+		in.status.StreamSeq = snap.StreamSeq
+	}
+	if snap.HasSeq {
+		in.status.LastSeq, in.hasSeq = snap.EngineSeq, true
+	} else {
+		in.hasSeq = false
+	}
+	if in.status.State == StatePurged {
+		in.status.State = StateStale // seen() decides from the snapshot's age
+	}
+	c.seen(in, snap.Taken)
+	c.mu.Unlock()
+	c.cfg.Logger.Info("consumer: loaded snapshot", "instance", instance, "source", source, "blocks", snap.Blocks, "stream_seq", snap.StreamSeq)
+	if done > snap.StreamSeq {
+		c.replay(ctx, instance, in, snap.StreamSeq, done)
+	}
+}
+
+// seenIfNever starts the silence clock of an instance that has never been
+// seen (listed from the bucket, but its snapshot is gone or unreadable):
+// without it check() would wait for a first sighting forever and the
+// instance would never be aged out. Its state is left as it is (stale):
+// nothing says it is alive.
+func (c *Consumer) seenIfNever(in *inst) {
+	c.mu.Lock()
+	if in.lastSeen.IsZero() {
+		in.lastSeen = time.Now()
+	}
+	c.mu.Unlock()
+}
+
+// replay re-applies the instance's stream messages with a stream sequence
+// in (from, to], in order, after a snapshot taken at from: they had been
+// applied before the reload purged them. It reads them one by one with
+// the stream's get-next-by-subject (a reload is rare; the messages are few
+// seconds' worth), then moves skipUpTo to to so the consumer does not
+// apply them twice.
+//
+// What it cannot replay is real loss: messages the stream no longer holds
+// (retention passed them), seen as an engine sequence that does not follow
+// on from the snapshot's. The bridge publishes every engine sequence or a
+// clear, so the lost messages may have held stores and removals. The
+// instance keeps the snapshot plus what survives, and the loss is counted
+// (kvrouter_events_replay_lost_total, InstanceStatus.ReplayLost) and
+// logged: clearing would throw away a table that is right but for those
+// messages and send every request to a cold cache, while an entry kept
+// wrongly costs one routing miss. The state is put right by the next
+// snapshot load (a later gap or failure), by the bridge's resync clear
+// when it restarts, or by the purge of a silent instance.
+func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, to uint64) {
+	subj, _ := kvstream.EventsSubject(c.cfg.Pool, instance)
+	var applied int
+	lost := false
+	seq := from + 1
+	for seq <= to && ctx.Err() == nil {
+		m, err := c.stream.GetMsg(ctx, seq, jetstream.WithGetMsgSubject(subj))
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			break
+		}
+		if err != nil {
+			// Could not read the stream: leave the snapshot and try the
+			// whole reload again at the instance's next event.
+			in.needLoad = true
+			c.m.applyErrors.Inc()
+			c.cfg.Logger.Warn("consumer: replay after snapshot failed, will reload", "instance", instance, "stream_seq", seq, "err", err)
+			break
+		}
+		if m.Sequence > to {
+			break
+		}
+		seq = m.Sequence + 1
+		h, herr := kvstream.ParseEventHeaders(m.Header)
+		engineMsg := herr == nil && h.HasSeq && h.Synthetic == ""
+		if engineMsg && in.hasSeq && h.Seq > in.status.LastSeq+1 {
+			lost = true
+		}
+		batch, err := events.Decode(m.Data)
+		if err == nil {
+			if _, aerr := c.cfg.Applier.Apply(ctx, instance, batch.Events); aerr != nil {
+				in.needLoad = true
+				c.m.applyErrors.Inc()
+				c.cfg.Logger.Warn("consumer: apply during replay failed, will reload", "instance", instance, "stream_seq", m.Sequence, "err", aerr)
+				break
+			}
+			applied++
+		}
+		c.mu.Lock()
+		in.status.StreamSeq = max(in.status.StreamSeq, m.Sequence)
+		if engineMsg {
+			in.status.LastSeq, in.hasSeq = h.Seq, true
+		}
+		switch h.Synthetic {
+		case kvstream.SyntheticGap, kvstream.SyntheticRestart, kvstream.SyntheticResync:
+			in.hasSeq = false
+		}
+		c.mu.Unlock()
+	}
+	if !in.needLoad {
+		in.skipUpTo = max(in.skipUpTo, to)
+	}
+	c.m.replayed.Add(float64(applied))
+	if lost {
+		c.mu.Lock()
+		in.status.ReplayLost++
+		c.mu.Unlock()
+		c.m.replayLost.Inc()
+		c.cfg.Logger.Warn("consumer: messages after the snapshot are gone from the stream; keeping the snapshot and what remains",
+			"instance", instance, "snapshot_stream_seq", from, "to", to)
+	}
+	c.cfg.Logger.Info("consumer: replayed messages after snapshot", "instance", instance, "from", from+1, "to", to, "applied", applied)
+}
+
+// errNoSnapshot: neither the bridge nor the bucket has one.
+var errNoSnapshot = errors.New("consumer: no snapshot")
+
+func (c *Consumer) fetchSnapshot(ctx context.Context, instance string) (kvstream.Snapshot, string, error) {
+	// A snapshot in the object store can be replaced while it is read (the
+	// bridge refreshes it); a second try reads the new one.
+	var err error
+	for attempt := 0; attempt < 3; attempt++ {
+		if attempt > 0 {
+			select {
+			case <-ctx.Done():
+				return kvstream.Snapshot{}, "", ctx.Err()
+			case <-time.After(50 * time.Millisecond):
+			}
+		}
+		var s kvstream.Snapshot
+		var source string
+		s, source, err = c.fetchSnapshotOnce(ctx, instance)
+		if err == nil || errors.Is(err, errNoSnapshot) {
+			return s, source, err
+		}
+		c.cfg.Logger.Debug("consumer: snapshot fetch failed, retrying", "instance", instance, "err", err)
+	}
+	return kvstream.Snapshot{}, "", err
+}
+
+func (c *Consumer) fetchSnapshotOnce(ctx context.Context, instance string) (kvstream.Snapshot, string, error) {
+	subj, err := kvstream.SnapshotSubject(c.cfg.Pool, instance)
+	if err != nil {
+		return kvstream.Snapshot{}, "", err
+	}
+	rctx, cancel := context.WithTimeout(ctx, c.cfg.SnapshotTimeout)
+	reply, err := c.cfg.Conn.RequestWithContext(rctx, subj, nil)
+	cancel()
+	if err == nil && reply.Header.Get("Kv-Error") == "" {
+		s, err := kvstream.UnmarshalSnapshot(reply.Data)
+		if err == nil {
+			s, err = kvstream.ResolveSnapshot(ctx, c.obs, s)
+		}
+		if err == nil && s.Instance == instance {
+			return s, "request", nil
+		}
+	}
+	key, _ := kvstream.SnapshotKey(c.cfg.Pool, instance)
+	e, err := c.kv.Get(ctx, key)
+	if errors.Is(err, jetstream.ErrKeyNotFound) {
+		return kvstream.Snapshot{}, "", fmt.Errorf("%w: %w", errNoSnapshot, err)
+	}
+	if err != nil {
+		return kvstream.Snapshot{}, "", fmt.Errorf("consumer: snapshot bucket: %w", err)
+	}
+	s, err := kvstream.UnmarshalSnapshot(e.Value())
+	if err == nil {
+		s, err = kvstream.ResolveSnapshot(ctx, c.obs, s)
+	}
+	if err != nil {
+		return kvstream.Snapshot{}, "", err
+	}
+	if s.Instance != instance {
+		return kvstream.Snapshot{}, "", fmt.Errorf("consumer: bucket key %s holds instance %q", key, s.Instance)
+	}
+	return s, "bucket", nil
+}
