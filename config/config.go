@@ -183,7 +183,10 @@ type IndexConfig struct {
 
 // RedisConfig configures a Redis (or Redis Cluster) index backend.
 type RedisConfig struct {
-	Addrs     []string      `yaml:"addrs" json:"addrs,omitempty"`
+	Addrs []string `yaml:"addrs" json:"addrs,omitempty"`
+	// Cluster: the addresses are Redis Cluster seeds even when there is
+	// only one (several addresses always are).
+	Cluster   bool          `yaml:"cluster" json:"cluster,omitempty"`
 	DB        int           `yaml:"db" json:"db,omitempty"`
 	KeyPrefix string        `yaml:"key_prefix" json:"key_prefix,omitempty"`
 	TTL       time.Duration `yaml:"ttl" json:"ttl,omitempty"`

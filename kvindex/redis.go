@@ -136,8 +136,9 @@ type Redis struct {
 	bitsArg  [256]any      // tier-bit values as Redis strings, boxed once
 
 	maps     mapCache
-	pool     sync.Pool   // *redisOverlay, reused across Apply calls
-	bsStored atomic.Bool // the learned block size is in <prefix>:v2:bs
+	topo     atomic.Pointer[string] // see topology
+	pool     sync.Pool              // *redisOverlay, reused across Apply calls
+	bsStored atomic.Bool            // the learned block size is in <prefix>:v2:bs
 }
 
 var _ Index = (*Redis)(nil)
@@ -187,6 +188,7 @@ const (
 	fieldEntries = "#n"
 	fieldTier    = "#t" // + tier digit
 	fieldGen     = "#g" // generation: a random token set by every commit
+	fieldIncNext = "#I" // incarnations handed out (see incarnations)
 	fieldName    = "#name"
 )
 
@@ -392,11 +394,11 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		}
 		var begin *redis.SliceCmd
 		_, err := r.pipelined(ctx, func(p redis.Pipeliner) {
-			begin = redis.NewSliceCmd(ctx, "evalsha", mapScript.Hash(), 2, mkey, lkey, "b", token, r.leaseArg, expected, newPos, m.gen)
+			begin = redis.NewSliceCmd(ctx, "evalsha", mapScript.Hash(), 2, mkey, lkey, "b", token, r.leaseArg, expected, newPos, m.gen, r.topology())
 			_ = p.Process(ctx, begin)
 		})
 		if err != nil {
-			return res, fmt.Errorf("kvindex: redis: read engine-hash map of %s: %w", instance, err)
+			return res, r.failed(fmt.Errorf("kvindex: redis: read engine-hash map of %s: %w", instance, err))
 		}
 		reply := begin.Val()
 		st, pos, err := scriptStatus(reply)
@@ -412,18 +414,20 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 			return res, nil
 		}
 		gen, _ := reply[2].(string)
-		if len(reply) > 3 || m.vals == nil {
+		inc, _ := reply[3].(string)
+		if len(reply) > 4 || m.vals == nil {
 			// The log, or (m.gen "" matched) no map at all.
 			var log string
-			if len(reply) > 3 {
-				chunks, _ := reply[3].([]any)
+			if len(reply) > 4 {
+				chunks, _ := reply[4].([]any)
 				log = joinChunks(chunks)
 			}
 			if err := m.load(gen, log); err != nil {
-				return res, fmt.Errorf("kvindex: redis: engine-hash map of %s: %w", instance, err)
+				return res, r.failed(fmt.Errorf("kvindex: redis: engine-hash map of %s: %w", instance, err))
 			}
 		}
 		m.gen = gen
+		m.inc = parseInc(inc)
 		if g != nil {
 			m.leased, m.pos = started, pos
 		}
@@ -452,6 +456,20 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		w = append(w, args...)
 		pipe.Do(ctx, w[start:len(w):len(w)]...)
 	}
+	// A load or a clear starts a new incarnation: every field written
+	// before it stops counting in lookups at once, whether this Apply
+	// removes it or not (see incarnations).
+	inc := m.inc
+	if o.cleared {
+		// Reserved apart from the commit, so that two attempts never use
+		// the same one: an attempt whose commit failed may have left
+		// fields of its incarnation behind.
+		n, err := r.rdb.HIncrBy(ctx, mkey, fieldIncNext, 1).Result()
+		if err != nil {
+			return res, r.failed(fmt.Errorf("kvindex: redis: new incarnation of %s: %w", instance, err))
+		}
+		inc = uint8(n % incarnations)
+	}
 	counts := m.counts
 	account := func(v mapVal, sign int) {
 		if v.bits&allTiers == 0 {
@@ -475,6 +493,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		counts = [1 + tiers.Count]int{}
 	}
 	var rec []byte
+	var placed []any // block key, value: the fields this Apply wrote
 	for h, v := range o.cur {
 		pv, had := m.vals[h]
 		if o.cleared {
@@ -496,7 +515,9 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		if had && pv == v {
 			continue // re-stored where it already was
 		}
-		cmd("hset", r.blockKey(v.key), idArg, r.bitsArg[v.bits])
+		bk, val := r.blockKey(v.key), r.bitsArg[uint8(v.bits)|inc<<4]
+		cmd("hset", bk, idArg, val)
+		placed = append(placed, bk, val)
 		rec = appendLogRecord(rec, h, v)
 	}
 	// The log is rewritten whole after a clear, and when it has grown to
@@ -510,7 +531,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	}
 	newGen := newToken()
 	commit := redis.NewSliceCmd(ctx, "evalsha", mapScript.Hash(), 2, mkey, lkey, "c", token, r.leaseArg, expected, newPos, m.gen,
-		newGen, mode, nil, counts[0], counts[1], counts[2], counts[3], counts[4], instance)
+		newGen, mode, nil, counts[0], counts[1], counts[2], counts[3], counts[4], instance, int(inc), r.topology())
 	if mode == "w" {
 		// Build the new map to write it whole.
 		next := r.merged(m.vals, o)
@@ -521,7 +542,8 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	}
 	commit.Args()[13] = rec
 	_ = pipe.Process(ctx, commit)
-	reg := redis.NewSliceCmd(ctx, "evalsha", regScript.Hash(), 1, r.regKey(), id, strconv.FormatInt(now.UnixMilli(), 10)+" "+instance, instance)
+	reg := redis.NewSliceCmd(ctx, "evalsha", regScript.Hash(), 1, r.regKey(), id,
+		strconv.FormatInt(now.UnixMilli(), 10)+" "+strconv.Itoa(int(inc))+" "+instance, instance)
 	_ = pipe.Process(ctx, reg)
 	storeBS := r.bs.configured == 0 && r.bs.get() != 0 && !r.bsStored.Load()
 	if storeBS {
@@ -536,28 +558,40 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		// A Redis that never ran the scripts (new, restarted): load them
 		// and send the commit and the registry write again; the block-key
 		// writes went through.
+		// Only the scripts that were refused run again: the other may
+		// have run (a commit twice would find its own generation).
 		err = r.loadScripts(ctx)
 		if err == nil {
-			commit = redis.NewSliceCmd(ctx, commit.Args()...)
-			reg = redis.NewSliceCmd(ctx, reg.Args()...)
 			_, err = r.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
-				_ = p.Process(ctx, commit)
-				_ = p.Process(ctx, reg)
+				if hasNoScript([]redis.Cmder{commit}) {
+					commit = redis.NewSliceCmd(ctx, commit.Args()...)
+					_ = p.Process(ctx, commit)
+				}
+				if hasNoScript([]redis.Cmder{reg}) {
+					reg = redis.NewSliceCmd(ctx, reg.Args()...)
+					_ = p.Process(ctx, reg)
+				}
 				return nil
 			})
 		}
 	}
 	if err != nil {
-		return res, fmt.Errorf("kvindex: redis: write %d changes of %s: %w", len(o.cur), instance, err)
+		r.unsettle(ctx, mkey, placed, idArg)
+		return res, r.failed(fmt.Errorf("kvindex: redis: write %d changes of %s: %w", len(o.cur), instance, err))
 	}
 	st, pos, err := scriptStatus(commit.Val())
 	if err != nil {
+		r.unsettle(ctx, mkey, placed, idArg)
 		return res, err
 	}
 	if st != SeqApplied {
 		// Lost the lease or the map between the two round trips, or the
 		// cached map was not current (Redis restarted, a purge, another
-		// writer): the block-key writes went out regardless.
+		// writer, a topology change, a lease that ran out while the write
+		// was under way): the block-key writes went out regardless, and
+		// may have crossed another writer's. Unsettled, the instance is
+		// reloaded in a new incarnation, which retires them.
+		r.unsettle(ctx, mkey, placed, idArg)
 		return res, fmt.Errorf("%w: %s is %s at %s", errMoved, instance, st, pos)
 	}
 	if v := reg.Val(); len(v) > 0 && v[0] != instance {
@@ -571,7 +605,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	} else {
 		m.logLen += len(rec)
 	}
-	m.gen, m.counts = newGen, counts
+	m.gen, m.counts, m.inc = newGen, counts, inc
 	r.maps.resize(m, r.mergeInto(m, o))
 	if g != nil {
 		m.leased, m.pos = started, pos
@@ -579,6 +613,40 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	res.Status, res.Position = SeqApplied, pos
 	ok = true
 	return res, nil
+}
+
+// unsettle is what a write whose outcome is unknown (an error: the commit
+// may or may not have run; on a Cluster the block keys and the instance's
+// map may lie on different masters, one of them failing) or that did not
+// commit (its map or lease was not current) leaves behind: block fields
+// the instance's map may not list — never cleaned by a reload or a purge,
+// answering lookups with blocks the instance may not hold — and fields it
+// lists missing. It takes back every field it wrote that still holds what
+// it wrote (delIfScript: one key each, so one slot), and marks the
+// instance's position as not to be trusted, so that the consumer's repair
+// reloads it (LoadAt rewrites every block of the snapshot, in a new
+// incarnation). Best effort: a master that cannot be reached now is
+// failed over, which changes the topology and unseeds every instance
+// anyway; what it leaves is retired by the incarnation.
+func (r *Redis) unsettle(ctx context.Context, mkey string, placed []any, id any) {
+	if ctx.Err() != nil {
+		// The caller gave up (a router shutting down): its writes may
+		// still land; the next writer's reload retires them.
+		ctx = context.Background()
+	}
+	ctx, cancel := context.WithTimeout(ctx, r.lease)
+	defer cancel()
+	for range 2 {
+		pipe := r.rdb.Pipeline()
+		for i := 0; i+1 < len(placed); i += 2 {
+			pipe.EvalSha(ctx, delIfScript.Hash(), []string{placed[i].(string)}, id, placed[i+1])
+		}
+		pipe.HSet(ctx, mkey, fieldTopology, "!")
+		cmds, err := pipe.Exec(ctx)
+		if err == nil || !hasNoScript(cmds) || r.loadScripts(ctx) != nil {
+			return
+		}
+	}
 }
 
 func b2i(b bool) int {
@@ -655,7 +723,7 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 		pcmds[i] = pipe.HGetAll(ctx, r.blockKey(keys[p]))
 	}
 	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
-		return nil, fmt.Errorf("kvindex: redis: lookup: %w", err)
+		return nil, r.failed(fmt.Errorf("kvindex: redis: lookup: %w", err))
 	}
 	cutoff := r.now().Add(-r.ttl).UnixMilli()
 	first := pcmds[0].Val()
@@ -666,18 +734,19 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 	type cand struct {
 		id    string // the field naming it in block keys
 		name  string
+		inc   uint8       // its incarnation: fields of another do not count
 		bound int         // first probed position it lacks (or len(keys))
 		bits  []tiers.Set // per position below bound, once known
 	}
 	var cands []cand
 	for id := range first {
-		ms, name, ok := parseRegEntry(regv[id])
-		if !ok || ms < cutoff {
-			continue // purged, or silent for longer than the TTL
+		ms, inc, name, ok := parseRegEntry(regv[id])
+		if !ok || ms < cutoff || fieldBits(first[id], inc) == 0 {
+			continue // purged, silent for longer than the TTL, or an old incarnation's
 		}
-		c := cand{id: id, name: name, bound: len(keys)}
+		c := cand{id: id, name: name, inc: inc, bound: len(keys)}
 		for i, p := range probes {
-			if _, ok := pcmds[i].Val()[id]; !ok {
+			if fieldBits(pcmds[i].Val()[id], inc) == 0 {
 				c.bound = p
 				break
 			}
@@ -714,7 +783,7 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 			if p >= c.bound {
 				break
 			}
-			b := parseBits(pcmds[i].Val()[c.id])
+			b := fieldBits(pcmds[i].Val()[c.id], c.inc)
 			c.bits[p] = b
 			var assumed tiers.Set
 			if !r.exact && cumTiers(b) == cumTiers(prevBits) {
@@ -750,13 +819,14 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 	}
 	if fills != nil {
 		if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
-			return nil, fmt.Errorf("kvindex: redis: lookup fill: %w", err)
+			return nil, r.failed(fmt.Errorf("kvindex: redis: lookup fill: %w", err))
 		}
 		for fi, cmd := range fills {
 			p := fillPos[fi]
 			for i, v := range cmd.Val() {
 				s, _ := v.(string)
-				cands[needers[p][i]].bits[p] = parseBits(s)
+				c := &cands[needers[p][i]]
+				c.bits[p] = fieldBits(s, c.inc)
 			}
 		}
 	}
@@ -806,14 +876,45 @@ func parseBits(s string) tiers.Set {
 	return tiers.Set(v)
 }
 
-// parseRegEntry parses a registry value: "<last event, unix ms> <name>".
-func parseRegEntry(v string) (ms int64, name string, ok bool) {
-	a, name, ok := strings.Cut(v, " ")
-	if !ok {
-		return 0, "", false
+// parseRegEntry parses a registry value: "<last event, unix ms>
+// <incarnation> <name>".
+func parseRegEntry(v string) (ms int64, inc uint8, name string, ok bool) {
+	a, rest, ok := strings.Cut(v, " ")
+	if !ok || len(rest) < 2 || rest[1] != ' ' {
+		return 0, 0, "", false
 	}
 	ms, err := strconv.ParseInt(a, 10, 64)
-	return ms, name, err == nil
+	return ms, parseInc(rest[:1]), rest[2:], err == nil
+}
+
+// incarnations: an instance's incarnation (0..7) changes at each load (a
+// snapshot replacing its state) and each clear — the next of a counter in
+// its metadata (#I), modulo 8, taken before the block writes, so that two
+// attempts (one of which may fail half-way) never share one — and
+// every block field carries it (value = tier bits | incarnation << 4, one
+// listpack byte up to 127); lookups count only the fields of the
+// incarnation in the registry. A load or a clear thus retires every field
+// written before it at once — including fields its map does not list
+// (block writes of an Apply whose commit failed, a late write of a router
+// whose lease ran out), which removals cannot reach. Such a field comes
+// back only if it survives eight more loads or clears of the instance.
+const incarnations = 8
+
+func parseInc(s string) uint8 {
+	if len(s) == 1 && s[0] >= '0' && s[0] < '0'+incarnations {
+		return s[0] - '0'
+	}
+	return 0
+}
+
+// fieldBits is a block field's tier bits when it belongs to incarnation
+// inc, else 0.
+func fieldBits(s string, inc uint8) tiers.Set {
+	b := parseBits(s)
+	if uint8(b)>>4 != inc {
+		return 0
+	}
+	return b & allTiers
 }
 
 // Purge implements Index: the instance's engine-hash log lists every block
@@ -826,7 +927,7 @@ func (r *Redis) Purge(ctx context.Context, instance string) error {
 	id := instID(instance)
 	chunks, err := r.rdb.LRange(ctx, r.logKey(id), 0, -1).Result()
 	if err != nil && !errors.Is(err, redis.Nil) {
-		return fmt.Errorf("kvindex: redis: purge %s: read map: %w", instance, err)
+		return r.failed(fmt.Errorf("kvindex: redis: purge %s: read map: %w", instance, err))
 	}
 	vals := make(map[uint64]mapVal)
 	_ = replayLog(strings.Join(chunks, ""), vals) // a partial record: purge what is whole
@@ -836,7 +937,7 @@ func (r *Redis) Purge(ctx context.Context, instance string) error {
 		pipe.Do(ctx, "hdel", r.blockKey(v.key), idArg)
 		if pipe.Len() >= 8192 {
 			if _, err := pipe.Exec(ctx); err != nil {
-				return fmt.Errorf("kvindex: redis: purge %s: %w", instance, err)
+				return r.failed(fmt.Errorf("kvindex: redis: purge %s: %w", instance, err))
 			}
 		}
 	}
@@ -844,7 +945,7 @@ func (r *Redis) Purge(ctx context.Context, instance string) error {
 	pipe.Del(ctx, r.logKey(id))
 	pipe.HDel(ctx, r.regKey(), id)
 	if _, err := pipe.Exec(ctx); err != nil {
-		return fmt.Errorf("kvindex: redis: purge %s: %w", instance, err)
+		return r.failed(fmt.Errorf("kvindex: redis: purge %s: %w", instance, err))
 	}
 	return nil
 }
@@ -856,19 +957,19 @@ func (r *Redis) Purge(ctx context.Context, instance string) error {
 func (r *Redis) Sweep(ctx context.Context) ([]string, error) {
 	reg, err := r.rdb.HGetAll(ctx, r.regKey()).Result()
 	if err != nil {
-		return nil, fmt.Errorf("kvindex: redis: sweep: %w", err)
+		return nil, r.failed(fmt.Errorf("kvindex: redis: sweep: %w", err))
 	}
 	cutoff := r.now().Add(-r.ttl).UnixMilli()
 	var out []string
 	for id, v := range reg {
-		ms, name, ok := parseRegEntry(v)
+		ms, _, name, ok := parseRegEntry(v)
 		if ok && ms >= cutoff {
 			continue
 		}
 		if !ok || instID(name) != id {
 			// Not written by this model: drop the entry alone.
 			if err := r.rdb.HDel(ctx, r.regKey(), id).Err(); err != nil {
-				return out, fmt.Errorf("kvindex: redis: sweep: %w", err)
+				return out, r.failed(fmt.Errorf("kvindex: redis: sweep: %w", err))
 			}
 			continue
 		}
@@ -885,7 +986,7 @@ func (r *Redis) Sweep(ctx context.Context) ([]string, error) {
 func (r *Redis) Instances(ctx context.Context) ([]InstanceStats, error) {
 	reg, err := r.rdb.HGetAll(ctx, r.regKey()).Result()
 	if err != nil {
-		return nil, fmt.Errorf("kvindex: redis: instances: %w", err)
+		return nil, r.failed(fmt.Errorf("kvindex: redis: instances: %w", err))
 	}
 	if len(reg) == 0 {
 		return nil, nil
@@ -895,7 +996,7 @@ func (r *Redis) Instances(ctx context.Context) ([]InstanceStats, error) {
 	out := make([]InstanceStats, 0, len(reg))
 	cmds := make([]*redis.SliceCmd, 0, len(reg))
 	for id, v := range reg {
-		ms, name, ok := parseRegEntry(v)
+		ms, _, name, ok := parseRegEntry(v)
 		if !ok {
 			continue
 		}
@@ -903,7 +1004,7 @@ func (r *Redis) Instances(ctx context.Context) ([]InstanceStats, error) {
 		cmds = append(cmds, pipe.HMGet(ctx, r.metaKey(id), fields...))
 	}
 	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
-		return nil, fmt.Errorf("kvindex: redis: instances: %w", err)
+		return nil, r.failed(fmt.Errorf("kvindex: redis: instances: %w", err))
 	}
 	for i, c := range cmds {
 		for t, v := range c.Val() {
@@ -920,7 +1021,7 @@ func (r *Redis) Instances(ctx context.Context) ([]InstanceStats, error) {
 func (r *Redis) Len(ctx context.Context) (int, error) {
 	reg, err := r.rdb.HKeys(ctx, r.regKey()).Result()
 	if err != nil {
-		return 0, fmt.Errorf("kvindex: redis: len: %w", err)
+		return 0, r.failed(fmt.Errorf("kvindex: redis: len: %w", err))
 	}
 	if len(reg) == 0 {
 		return 0, nil
@@ -931,7 +1032,7 @@ func (r *Redis) Len(ctx context.Context) (int, error) {
 		cmds[i] = pipe.HGet(ctx, r.metaKey(id), fieldEntries)
 	}
 	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
-		return 0, fmt.Errorf("kvindex: redis: len: %w", err)
+		return 0, r.failed(fmt.Errorf("kvindex: redis: len: %w", err))
 	}
 	n := 0
 	for _, c := range cmds {

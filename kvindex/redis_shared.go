@@ -6,10 +6,12 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/events"
@@ -152,31 +154,39 @@ func (r *Redis) WriterLease() time.Duration { return r.lease }
 
 // Position returns where the instance's state stands.
 func (r *Redis) Position(ctx context.Context, instance string) (Position, error) {
-	s, err := r.rdb.HGet(ctx, r.metaKey(instID(instance)), fieldPos).Result()
-	if errors.Is(err, redis.Nil) {
-		return Position{}, nil
-	}
+	v, err := r.rdb.HMGet(ctx, r.metaKey(instID(instance)), fieldPos, fieldTopology).Result()
 	if err != nil {
-		return Position{}, fmt.Errorf("kvindex: redis: position of %s: %w", instance, err)
+		return Position{}, r.failed(fmt.Errorf("kvindex: redis: position of %s: %w", instance, err))
 	}
-	return parsePosition(s), nil
+	return r.position(v), nil
+}
+
+// position reads an HMGET of fieldPos, fieldTopology: a position stamped
+// under another Cluster topology does not count (see topology).
+func (r *Redis) position(v []any) Position {
+	s, _ := v[0].(string)
+	e, _ := v[1].(string)
+	if e != r.topology() {
+		return Position{}
+	}
+	return parsePosition(s)
 }
 
 // Positions returns several instances' positions, in one pipelined round
 // trip.
 func (r *Redis) Positions(ctx context.Context, instances []string) ([]Position, error) {
 	pipe := r.rdb.Pipeline()
-	cmds := make([]*redis.StringCmd, len(instances))
+	cmds := make([]*redis.SliceCmd, len(instances))
 	for i, inst := range instances {
-		cmds[i] = pipe.HGet(ctx, r.metaKey(instID(inst)), fieldPos)
+		cmds[i] = pipe.HMGet(ctx, r.metaKey(instID(inst)), fieldPos, fieldTopology)
 	}
 	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
-		return nil, fmt.Errorf("kvindex: redis: positions: %w", err)
+		return nil, r.failed(fmt.Errorf("kvindex: redis: positions: %w", err))
 	}
 	out := make([]Position, len(instances))
 	for i, c := range cmds {
-		if s, err := c.Result(); err == nil {
-			out[i] = parsePosition(s)
+		if v, err := c.Result(); err == nil {
+			out[i] = r.position(v)
 		}
 	}
 	return out, nil
@@ -206,15 +216,63 @@ func (r *Redis) Epoch(ctx context.Context) (epoch string, created bool, err erro
 			r.bs.learned.CompareAndSwap(0, int64(n))
 		}
 	}
+	if err := r.refreshTopology(ctx); err != nil {
+		return "", false, err
+	}
+	topo := r.topology()
 	mine := newToken()
 	old, err := r.rdb.SetArgs(ctx, r.epochKey(), mine, redis.SetArgs{Mode: "NX", Get: true}).Result()
 	if errors.Is(err, redis.Nil) {
-		return mine, true, nil
+		return mine + topo, true, nil
 	}
 	if err != nil {
-		return "", false, fmt.Errorf("kvindex: redis: epoch: %w", err)
+		return "", false, r.failed(fmt.Errorf("kvindex: redis: epoch: %w", err))
 	}
-	return old, false, nil
+	return old + topo, false, nil
+}
+
+// On a Redis Cluster, a failover loses the writes the old master had not
+// replicated yet (replication is asynchronous): block keys anywhere may
+// miss recent placements while every instance's position, on another
+// master, says they were applied. Nothing in the data tells, so the
+// topology does: the masters' node ids per slot range, hashed. A guarded
+// write stamps the topology it saw on the instance (#e); once the masters
+// change, a position stamped under the old ones does not count (Position
+// reports the instance unseeded, ApplyAt answers behind) and the epoch
+// changes, so the consumers reload every instance from its snapshot
+// (LoadAt rewrites every block it holds) and replay the stream after it.
+// A failover, and a resharding, cost a reload of the pool; a replica that
+// restarts or joins does not.
+
+// topology is the Cluster topology as last seen ("" off a Cluster).
+func (r *Redis) topology() string {
+	if p := r.topo.Load(); p != nil {
+		return *p
+	}
+	return ""
+}
+
+// refreshTopology reads the Cluster's slot map (one CLUSTER SLOTS) and
+// updates topology; off a Cluster it does nothing.
+func (r *Redis) refreshTopology(ctx context.Context) error {
+	cc, ok := r.rdb.(*redis.ClusterClient)
+	if !ok {
+		return nil
+	}
+	slots, err := cc.ClusterSlots(ctx).Result() // any node's view: they agree within a gossip round
+	if err != nil || len(slots) == 0 {
+		return r.failed(fmt.Errorf("kvindex: redis: cluster slots: %w", err))
+	}
+	ranges := make([]string, 0, len(slots))
+	for _, s := range slots {
+		if len(s.Nodes) > 0 {
+			ranges = append(ranges, fmt.Sprintf("%d-%d:%s", s.Start, s.End, s.Nodes[0].ID))
+		}
+	}
+	slices.Sort(ranges)
+	t := fmt.Sprintf("/%016x", xxhash.Sum64String(strings.Join(ranges, ",")))
+	r.topo.Store(&t)
+	return nil
 }
 
 func (r *Redis) epochKey() string { return r.ns + "m" }
@@ -229,6 +287,7 @@ func newToken() string {
 // Instance metadata fields of the shared protocol (the others are in
 // redis.go).
 const (
+	fieldTopology   = "#e"
 	fieldPos        = "#s"
 	fieldOwner      = "#o"
 	fieldOwnerUntil = "#x"
@@ -247,9 +306,14 @@ const (
 //	commit: ARGV[7] the new generation; ARGV[8] "a" append ARGV[9] to the
 //	        log (a list of chunks of records), "w" replace the log with
 //	        it; ARGV[10..14] the counters
-//	        #n, #t0..#t3 after the change; ARGV[15] the instance's name
+//	        #n, #t0..#t3 after the change; ARGV[15] the instance's name;
+//	        ARGV[16] the instance's incarnation (see incarnations)
+//	last: the caller's view of the Cluster's topology (see topology);
+//	        a guarded write stamps it (#e), and a position stamped under
+//	        another topology does not count: the instance is unseeded
 //
-// It returns {status, position or nil, generation[, log]}, status "ok",
+// It returns {status, position or nil, generation, incarnation[, log]}
+// (the begin; the commit: {status, position or nil, generation}), status "ok",
 // "dup" (already at or past the new position), "owned" (another router's
 // lease), "behind" (not at the expected position) or "stale" (commit: the
 // caller's map is not the current one). The begin returns the log when
@@ -261,8 +325,11 @@ var mapScript = redis.NewScript(`
 local m, l = KEYS[1], KEYS[2]
 local guarded = ARGV[2] ~= ''
 local pos = false
+local topo = ARGV[#ARGV]
 if guarded then
-  pos = redis.call('HGET', m, '#s')
+  local st = redis.call('HMGET', m, '#s', '#e')
+  pos = st[1]
+  if pos and (st[2] or '') ~= topo then pos = false end
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local o = redis.call('HMGET', m, '#o', '#x')
@@ -277,14 +344,15 @@ if guarded then
 end
 local gen = redis.call('HGET', m, '#g') or ''
 if ARGV[1] == 'b' then
-  if gen == ARGV[6] then return {'ok', pos, gen} end
-  return {'ok', pos, gen, redis.call('LRANGE', l, 0, -1)}
+  local inc = redis.call('HGET', m, '#i') or '0'
+  if gen == ARGV[6] then return {'ok', pos, gen, inc} end
+  return {'ok', pos, gen, inc, redis.call('LRANGE', l, 0, -1)}
 end
 if gen ~= ARGV[6] then return {'stale', pos, gen} end
 if ARGV[8] == 'w' then redis.call('DEL', l) end
 if ARGV[9] ~= '' then redis.call('RPUSH', l, ARGV[9]) end
-redis.call('HSET', m, '#g', ARGV[7], '#n', ARGV[10], '#t0', ARGV[11], '#t1', ARGV[12], '#t2', ARGV[13], '#t3', ARGV[14], '#name', ARGV[15])
-if guarded then redis.call('HSET', m, '#s', ARGV[5]) end
+redis.call('HSET', m, '#g', ARGV[7], '#n', ARGV[10], '#t0', ARGV[11], '#t1', ARGV[12], '#t2', ARGV[13], '#t3', ARGV[14], '#name', ARGV[15], '#i', ARGV[16])
+if guarded then redis.call('HSET', m, '#s', ARGV[5], '#e', topo) end
 return {'ok', guarded and ARGV[5] or false, ARGV[7]}
 `)
 
@@ -294,17 +362,26 @@ return {'ok', guarded and ARGV[5] or false, ARGV[7]}
 var regScript = redis.NewScript(`
 local v = redis.call('HGET', KEYS[1], ARGV[1])
 if v then
-  local name = string.sub(v, (string.find(v, ' ', 1, true) or #v) + 1)
+  local name = string.sub(v, (string.find(v, ' ', 1, true) or #v) + 3)
   if name ~= ARGV[3] then return {name} end
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return {}
 `)
 
+// delIfScript deletes field ARGV[1] of KEYS[1] if it holds ARGV[2].
+var delIfScript = redis.NewScript(`
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
+`)
+
 // loadScripts loads the backend's scripts into Redis (every master of a
 // Cluster).
 func (r *Redis) loadScripts(ctx context.Context) error {
 	if err := mapScript.Load(ctx, r.rdb).Err(); err != nil {
+		return err
+	}
+	if err := delIfScript.Load(ctx, r.rdb).Err(); err != nil {
 		return err
 	}
 	return regScript.Load(ctx, r.rdb).Err()
@@ -360,4 +437,16 @@ func scriptStatus(reply []any) (SeqStatus, Position, error) {
 		return 0, pos, fmt.Errorf("%w: the cached engine-hash map is not the current one", errMoved)
 	}
 	return 0, pos, fmt.Errorf("kvindex: redis: script status %v", reply[0])
+}
+
+// failed is the backend's error path: on a Redis Cluster it also asks the
+// client to reload the slot map in the background, since go-redis learns
+// a failover only from a MOVED reply or its periodic refresh, and a
+// client without retries (the consumer repairs instead) would otherwise
+// keep dialling a dead master's address for that long.
+func (r *Redis) failed(err error) error {
+	if cc, ok := r.rdb.(*redis.ClusterClient); ok {
+		cc.ReloadState(context.Background())
+	}
+	return err
 }

@@ -373,7 +373,8 @@ func FuzzReplayLog(f *testing.F) {
 			t.Fatalf("rewritten log replays to %v (%v), want %v", again, err, vals)
 		}
 		_ = parseBits(log)
-		_, _, _ = parseRegEntry(log)
+		_, _, _, _ = parseRegEntry(log)
+		_ = fieldBits(log, 1)
 	})
 }
 
@@ -445,14 +446,36 @@ func TestRedisInstanceIDCollision(t *testing.T) {
 	r, _ := newCountedRedis(t, RedisConfig{Model: testModel})
 	ctx := context.Background()
 	// What a colliding "other" would have registered under pod's id.
-	if err := r.rdb.HSet(ctx, r.regKey(), instID("pod"), "1 other").Err(); err != nil {
+	if err := r.rdb.HSet(ctx, r.regKey(), instID("pod"), "1 0 other").Err(); err != nil {
 		t.Fatal(err)
 	}
 	c := newChain(Root(testModel, "", ""), 4, 4, 3, 1)
 	if _, err := r.Apply(ctx, "pod", []events.Event{c.stored(0, 4)}); !errors.Is(err, ErrInstanceID) || !strings.Contains(err.Error(), `"other"`) {
 		t.Fatalf("Apply = %v, want ErrInstanceID naming other", err)
 	}
-	if v, _ := r.rdb.HGet(ctx, r.regKey(), instID("pod")).Result(); v != "1 other" {
+	if v, _ := r.rdb.HGet(ctx, r.regKey(), instID("pod")).Result(); v != "1 0 other" {
 		t.Fatalf("registry entry overwritten: %q", v)
 	}
+}
+
+// A Redis that has one of the backend's scripts cached but not another
+// (flushed in between, or another version of kvrouter loaded the first)
+// refuses only that one: the write still succeeds once, without running
+// the commit twice.
+func TestRedisOneScriptMissing(t *testing.T) {
+	srv := testenv.StartRedis(t)
+	c := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { _ = c.Close() })
+	ctx := context.Background()
+	if err := mapScript.Load(ctx, c).Err(); err != nil {
+		t.Fatal(err)
+	}
+	r, err := NewRedis(c, RedisConfig{Prefix: testenv.UniqueName(t), Model: testModel})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch := newChain(Root(testModel, "", ""), 4, 4, 3, 1)
+	mustApply(t, r, "pod", ch.stored(0, 4))
+	mustApply(t, r, "pod", ch.removed("GPU", 3, 4))
+	checkLookup(t, r, query{ch.keys, map[string][tiers.Count]int{"pod": all(3)}}, "after the reload")
 }

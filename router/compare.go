@@ -59,6 +59,8 @@ type kvObserver struct {
 
 	timerMu sync.Mutex  // guards timer
 	timer   *time.Timer // releases the pending prefill of a non-streamed request
+
+	drain drainSample // what the first byte measures of the prefill rate (kvaware_drain.go)
 }
 
 // newObserver counts recompute tokens as pending on inst until the
@@ -97,7 +99,7 @@ func (o *kvObserver) releasePrefillAfter(d time.Duration) {
 
 // ObserveBody implements RequestObserver.
 func (o *kvObserver) ObserveBody(body io.ReadCloser, sse bool) io.ReadCloser {
-	o.tee = &usageTee{rc: body, sse: sse, onFirst: o.release}
+	o.tee = &usageTee{rc: body, sse: sse, onFirst: o.firstByte}
 	return o.tee
 }
 

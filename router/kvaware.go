@@ -161,6 +161,9 @@ type KVState struct {
 
 	util utilisation
 
+	drainRate prefillRate // measured prefill throughput (kvaware_drain.go)
+	behind    sampleMean  // requests joining a prefill busy period after another (kvaware_drain.go)
+
 	evalPool sync.Pool // *kvEval scratch
 }
 
@@ -169,6 +172,8 @@ type KVState struct {
 type pendingCounter struct {
 	tokens atomic.Int64
 	reqs   atomic.Int64
+	doneAt atomic.Int64 // when the routed work is predicted done, Unix ns (kvaware_drain.go)
+	period atomic.Int64 // requests routed since the pending queue was last empty
 }
 
 // NewKVState builds a pool's exact-routing state.
@@ -330,6 +335,7 @@ type candEval struct {
 	matched [tiers.Count]int
 	ttft    float64 // predicted, seconds
 	queue   float64 // predicted wait before its prefill starts, seconds
+	ahead   float64 // routed prefill tokens predicted left there (kvaware_drain.go)
 	// score is what the pick minimises: ttft plus the weighted prefill the
 	// pick adds to the fleet (see KVScoringConfig.PrefillCostWeight).
 	score float64
@@ -571,18 +577,21 @@ func (s *KVAware) predict(ev *kvEval) {
 		}
 	}
 	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
-	ev.weight = s.sc.weight(rho)
+	ev.weight = s.sc.weight(rho, st.behind.mean())
 	st.pendMu.RLock()
 	st.loads.mu.RLock()
 	for i := range ev.cands {
 		ce := &ev.cands[i]
-		var pTok, pReq int64
+		var pTok float64
+		var pReq int64
 		if pc := st.pend[ce.inst.id]; pc != nil {
-			pTok, pReq = pc.tokens.Load(), pc.reqs.Load()
+			pReq = pc.reqs.Load()
+			pTok = pc.drainedTokens(now, float64(pc.tokens.Load()), st.drainRate.rate(s.sc.prefill))
 		}
+		ce.ahead = pTok
 		ld, ok := st.loads.samples[ce.inst.id]
 		ok = ok && now.Sub(ld.at) <= s.loadAge
-		q := s.sc.queue(float64(pTok), int(pReq), ce.inst.InFlight(), ld, ok)
+		q := s.sc.queue(pTok, int(pReq), ce.inst.InFlight(), ld, ok)
 		ce.matched = tierTokens(ce.blocks, bs, ev.tokens)
 		ce.queue = q
 		ce.ttft = s.sc.ttft(q, ev.tokens, ce.matched)
@@ -737,7 +746,7 @@ func (s *KVAware) commit(dec *Decision, ev *kvEval, ce *candEval) {
 			st.m.specKeys.WithLabelValues(st.pool).Set(float64(s.spec.Len()))
 		}
 	}
-	dec.Observer = st.newObserver(ce.inst.id, ev.tokens-hit, hit)
+	dec.Observer = st.newDrainingObserver(ce, ev.tokens-hit, hit, s.sc.prefill)
 }
 
 // cacheSalt returns the request's "cache_salt" (vLLM's per-request KV

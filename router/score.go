@@ -39,10 +39,14 @@ const (
 	// token prefilled delays whoever queues behind it. w = 1 values that
 	// delay at least like the request's own wait.
 	DefaultPrefillCostWeight = 1.0
-	// MaxAdaptiveCostWeight caps the adaptive weight ρ/(1−ρ) at ρ = 0.95:
-	// past it the measured busy fraction is saturation, where the
-	// queueing formula diverges; 19 already makes a recompute worth it
-	// only when it saves 20 times its own prefill time in waiting.
+	// MaxAdaptiveCostWeight caps the adaptive weight: a recompute is worth
+	// it only when it saves 20 times its own prefill time in waiting.
+	// ρ/(1−ρ)² reaches it at ρ ≈ 0.8; past that the busy fraction the
+	// router measures (a decoding engine counts as busy) no longer tells
+	// how long the prefill queue is, and a larger weight would stop every
+	// move off a holder however long its queue — at saturation moving
+	// bursts off overloaded holders is what keeps the hit rate from
+	// collapsing (docs/BENCHMARKS.md §7).
 	MaxAdaptiveCostWeight = 19.0
 	// DefaultUtilisationWindow is the time constant of the busy-fraction
 	// average the adaptive weight reads: long against one prefill (an
@@ -230,20 +234,30 @@ func (s *kvScoring) prefillCost(w float64, promptTokens int, matched [tiers.Coun
 	return w * float64(max(rest, 0)) / s.prefill
 }
 
-// weight is the prefill cost weight for a fleet whose measured busy
-// fraction is rho: the fixed weight, or max(1, ρ/(1−ρ)) capped — in a
-// queue busy a fraction ρ of the time, work added delays the requests
-// that queue behind it, ρ/(1−ρ) of them on average (M/M/1), so a
-// recomputed prefix costs the fleet its prefill time that many times
-// over besides the request's own wait.
-func (s *kvScoring) weight(rho float64) float64 {
+// weight is the prefill cost weight: the fixed weight, or the number of
+// other requests that a recompute's work delays, estimated two ways and
+// the larger taken (each misses what the other sees), at least the floor,
+// capped. Work added at the back of a first-come-first-served queue delays
+// every request that arrives after it before the server next idles:
+//
+//   - from the busy fraction ρ, for Poisson arrivals (M/M/1): a request
+//     finds work V ahead of it, E[V] = ρ/(1−ρ) services; the busy period
+//     it extends lasts (V + its own service)/(1−ρ) and takes arrivals at
+//     rate ρ per service, so ρ/(1−ρ)² requests come after it;
+//   - measured directly, behind: the mean number of requests that joined
+//     an instance's prefill queue after another in the same busy period
+//     (as the router saw it), which follows bursts that a time-average
+//     busy fraction smooths away (by symmetry, the mean number ahead of a
+//     request in its busy period equals the mean number after it).
+func (s *kvScoring) weight(rho, behind float64) float64 {
 	if !s.adaptive {
 		return s.costWeight
 	}
 	if !(rho < 1) {
 		return MaxAdaptiveCostWeight
 	}
-	return min(max(s.costWeight, rho/(1-rho)), MaxAdaptiveCostWeight)
+	w := max(s.costWeight, rho/((1-rho)*(1-rho)), behind)
+	return min(w, MaxAdaptiveCostWeight)
 }
 
 // queue is the predicted wait before a new request's prefill starts on an

@@ -239,6 +239,9 @@ type fleetFlags struct {
 	prefixLen int
 	kvWeight  float64
 	salt      bool
+	// decisions, when set, receives the account of a KV-aware strategy's
+	// decisions (des --decisions, decisions.go).
+	decisions io.Writer
 }
 
 func (f *fleetFlags) register(fs *flag.FlagSet, instances int) {
@@ -289,6 +292,7 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	out := fs.String("out", "", "directory for report.md, report.csv, report.json, hit_rate.svg, ttft.svg")
 	bound := fs.Bool("bound", true, "report hit rate as a fraction of the pooled-cache bound: one LRU cache of the whole fleet's GPU tokens")
 	progress := fs.Bool("progress", true, "progress bar on stderr (only when it is a terminal)")
+	decisions := fs.Bool("decisions", false, "for kv_aware: print where its hit rate went, per decision reason (tokens the best holder held, lost moving off it, lost to evictions)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -297,6 +301,9 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		return err
 	}
 	wf.fleetToks = gpuTokens * int64(ff.instances)
+	if *decisions {
+		ff.decisions = stdout
+	}
 	b, err := wf.buildAll()
 	if err != nil {
 		return err
@@ -358,10 +365,21 @@ func runStrategy(ctx context.Context, name string, ff *fleetFlags, scfg sim.Conf
 	}
 	dc := rt.desConfig(ff.instances, scfg)
 	dc.EventDelay, dc.PrefixLength, dc.SaltByTenant, dc.Progress = ff.delay, ff.prefixLen, ff.salt, bar.Update
+	var trace *decisionTrace
+	if ff.decisions != nil && rt.kv != nil {
+		trace = newDecisionTrace(rt)
+		dc.Router = trace
+	}
 	res, err := des.Run(ctx, dc, b.w)
 	bar.Done()
 	if err != nil {
 		return report.Summary{}, fmt.Errorf("%s: %w", name, err)
+	}
+	if trace != nil {
+		rows, prompt := trace.breakdown(res)
+		if err := writeBreakdown(ff.decisions, name, rows, prompt); err != nil {
+			return report.Summary{}, err
+		}
 	}
 	s := report.Summarize(res, 0)
 	if boundHits != nil {

@@ -380,6 +380,7 @@ func (c *Consumer) syncKnown(ctx context.Context) {
 // have died before applying them).
 func (c *Consumer) watchShared(ctx context.Context) {
 	leaseWait := c.shared.idx.WriterLease()
+	var swept time.Time
 	tick := time.NewTicker(c.cfg.CheckInterval)
 	defer tick.Stop()
 	for {
@@ -419,6 +420,10 @@ func (c *Consumer) watchShared(ctx context.Context) {
 			}
 		}
 		c.updateConsistent()
+		if c.epochOK.Load() && time.Since(swept) >= c.cfg.PurgeAfter {
+			swept = time.Now()
+			c.sweep(ctx)
+		}
 		if c.epochOK.Load() {
 			for _, name := range c.dueShared(ctx, leaseWait) {
 				c.queueSync(ctx, name)

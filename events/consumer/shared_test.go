@@ -117,6 +117,9 @@ type sharedWorld struct {
 	// message, as a bridge keeps it (bridges also answer requests; the
 	// bucket is the path a consumer falls back to).
 	snapshots map[string]*snapshotTable
+	// newClient, when set, makes the routers' Redis clients (a Redis
+	// Cluster's); else they use redis.
+	newClient func() redis.UniversalClient
 }
 
 // snapshotTable is an engine's block table as the bridge keeps it: a
@@ -210,8 +213,13 @@ type router struct {
 
 func (w *sharedWorld) startRouter() *router {
 	w.t.Helper()
-	client := redis.NewClient(&redis.Options{Addr: w.redis.Addr, PoolSize: 4, MaxRetries: -1, DialTimeout: 200 * time.Millisecond,
-		ReadTimeout: time.Second, WriteTimeout: time.Second})
+	var client redis.UniversalClient
+	if w.newClient != nil {
+		client = w.newClient()
+	} else {
+		client = redis.NewClient(&redis.Options{Addr: w.redis.Addr, PoolSize: 4, MaxRetries: -1, DialTimeout: 200 * time.Millisecond,
+			ReadTimeout: time.Second, WriteTimeout: time.Second})
+	}
 	w.t.Cleanup(func() { _ = client.Close() })
 	idx, err := kvindex.NewRedis(client, kvindex.RedisConfig{Prefix: w.prefix, Model: sharedModel, BlockSize: sharedBS,
 		WriterLease: sharedLease, ExactLookup: true})

@@ -1,0 +1,121 @@
+//go:build unix
+
+package consumer
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
+)
+
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// BenchmarkConsumerThroughput is one router's consumer draining a
+// JetStream stream into the memory index: 64 instances, each sending
+// chains of 16-token blocks in events of evBlocks blocks (a vLLM batch
+// stores a scheduler step's new full blocks), published before the
+// consumer starts; one op is the whole stream. It reports blocks applied
+// per second (wall) and per CPU second of this process (consumer, NATS
+// client and the embedded server together).
+func BenchmarkConsumerThroughput(b *testing.B) {
+	for _, evBlocks := range []int{16, 64} {
+		b.Run(fmt.Sprintf("event=%dblocks", evBlocks), func(b *testing.B) {
+			const instances, perInst = 64, 2048 // blocks per instance
+			srv := testenv.StartNATS(b)
+			nc, err := nats.Connect(srv.URL())
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer nc.Close()
+			js, _ := jetstream.New(nc)
+			ctx := context.Background()
+			tokens := make([]uint32, evBlocks*16)
+			b.StopTimer()
+			var blocks, cpu time.Duration
+			var total int
+			for i := 0; i < b.N; i++ {
+				name := fmt.Sprintf("ct%d_%d_%d", evBlocks, i, time.Now().UnixNano())
+				pool := "p_" + name
+				cfg := Config{Conn: nc, Pool: pool, Stream: kvstream.StreamConfig{Name: "S_" + name, Memory: true},
+					Bucket: kvstream.BucketConfig{Name: "B_" + name, Memory: true}, Logger: slog.New(slog.DiscardHandler)}
+				if _, err := kvstream.EnsureStream(ctx, js, cfg.Stream); err != nil {
+					b.Fatal(err)
+				}
+				for inst := 0; inst < instances; inst++ {
+					subj, _ := kvstream.EventsSubject(pool, fmt.Sprintf("e%d", inst))
+					base := uint64(inst+1) << 32
+					for seq, from := uint64(1), 0; from < perInst; seq, from = seq+1, from+evBlocks {
+						ev := events.Event{Kind: events.BlockStored, BlockSize: 16, Medium: "GPU", TokenIDs: tokens}
+						for j := 0; j < evBlocks; j++ {
+							ev.BlockHashes = append(ev.BlockHashes, base+uint64(from+j))
+						}
+						if from > 0 {
+							ev.ParentHash, ev.HasParent = base+uint64(from-1), true
+						}
+						p, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: []events.Event{ev}}, events.EncodingMap)
+						if err != nil {
+							b.Fatal(err)
+						}
+						h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: fmt.Sprintf("e%d", inst)}
+						if _, err := js.PublishMsgAsync(&nats.Msg{Subject: subj, Data: p, Header: h.Header()}); err != nil {
+							b.Fatal(err)
+						}
+					}
+				}
+				<-js.PublishAsyncComplete()
+				idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: "m", Capacity: 2 * instances * perInst})
+				if err != nil {
+					b.Fatal(err)
+				}
+				cfg.Applier = idx
+				b.StartTimer()
+				start, cpu0 := time.Now(), cpuTime()
+				c, err := New(cfg)
+				if err != nil {
+					b.Fatal(err)
+				}
+				runCtx, cancel := context.WithCancel(ctx)
+				done := make(chan struct{})
+				go func() { defer close(done); _ = c.Run(runCtx) }()
+				deadline := time.Now().Add(2 * time.Minute)
+				for {
+					if n, _ := idx.Len(ctx); n == instances*perInst {
+						break
+					}
+					if time.Now().After(deadline) {
+						n, _ := idx.Len(ctx)
+						b.Fatalf("%d of %d blocks after 2 minutes", n, instances*perInst)
+					}
+					time.Sleep(time.Millisecond)
+				}
+				blocks += time.Since(start)
+				cpu += cpuTime() - cpu0
+				b.StopTimer()
+				cancel()
+				<-done
+				// Streams of every pool take kv.events.>: one at a time.
+				if err := js.DeleteStream(ctx, cfg.Stream.Name); err != nil {
+					b.Fatal(err)
+				}
+				total += instances * perInst
+			}
+			b.ReportMetric(float64(total)/blocks.Seconds(), "blocks/s")
+			b.ReportMetric(float64(total)/cpu.Seconds(), "blocks/cpu-s")
+		})
+	}
+}
