@@ -26,7 +26,13 @@ type blockMap struct {
 	hold  [][]uint32 // node → holder word (below); 0 = free
 	n     int32      // nodes handed out so far (high-water mark)
 	free  int32      // head of the free list, -1 when empty
-	index table      // router key → node
+	index table      // router key → node (live and dormant)
+	// dormant counts nodes that lost their last holder but stay indexed
+	// (hold 0, key kept): removing a key from the index reads the keys of
+	// the probe run behind it, at random, so released nodes wait for the
+	// next rebuild instead, and a key that comes back (a popular prefix
+	// evicted and stored again) finds its node still there.
+	dormant int
 
 	spills    []spill
 	freeSpill []int32
@@ -70,6 +76,7 @@ type holderSet struct {
 	lv    [tiers.Count][]uint64
 	hit   []uint64 // updated atomically by lookups
 	n     int      // holders
+	slow  int      // holders whose fastest tier is not the GPU: 0 = every lv[t] is lv[0]
 }
 
 // newBlockMap returns an empty block map whose index is sized for nodes
@@ -85,13 +92,26 @@ func (bm *blockMap) holdAt(j int32) *uint32 { return &bm.hold[j>>chunkBits][j&ch
 func (bm *blockMap) src() keySrc            { return keySrc{bm: bm, kf: nodeKeyOf} }
 
 // find returns the node of k, or -1.
-func (bm *blockMap) find(k Key) int32 { return bm.index.find(bm.src(), uint64(k)) }
+func (bm *blockMap) find(k Key) int32 {
+	j := bm.index.find(bm.src(), uint64(k))
+	if j >= 0 && atomic.LoadUint32(bm.holdAt(j)) == 0 {
+		return -1 // dormant
+	}
+	return j
+}
 
 // nodeFor returns the node of k, creating an empty one (no holder yet:
 // the caller adds one at once) when k has none.
 func (bm *blockMap) nodeFor(k Key) int32 {
+	size := len(bm.index.slots)
 	j, at := bm.index.findOrSlot(bm.src(), uint64(k))
+	if len(bm.index.slots) != size {
+		bm.refree() // the index grew, without the dormant nodes
+	}
 	if j >= 0 {
+		if *bm.holdAt(j) == 0 {
+			bm.dormant--
+		}
 		return j
 	}
 	if bm.free >= 0 {
@@ -113,12 +133,28 @@ func (bm *blockMap) nodeFor(k Key) int32 {
 // full reports whether every node index a table can hold is in use.
 func (bm *blockMap) full() bool { return bm.free < 0 && bm.n > maxIndex }
 
-// release frees node j, which has no holder left.
+// release makes node j, which has no holder left, dormant; once dormant
+// nodes are as many as live ones, the index is rebuilt without them (at
+// the same size: sequential reads, amortised over as many releases).
 func (bm *blockMap) release(j int32) {
-	bm.index.remove(bm.src(), j, uint64(*bm.keyAt(j)))
 	*bm.holdAt(j) = 0
-	*bm.keyAt(j) = Key(bm.free)
-	bm.free = j
+	bm.dormant++
+	if live := bm.index.n - bm.dormant; bm.dormant > max(live, 64) {
+		bm.index.rebuild(bm.src(), len(bm.index.slots))
+		bm.refree()
+	}
+}
+
+// refree puts every node without a holder on the free list, after the
+// index was rebuilt from the live ones.
+func (bm *blockMap) refree() {
+	bm.free, bm.dormant = -1, 0
+	for j := bm.n - 1; j >= 0; j-- {
+		if *bm.holdAt(j) == 0 {
+			*bm.keyAt(j) = Key(bm.free)
+			bm.free = j
+		}
+	}
 }
 
 // holds reports whether slot holds node j.
@@ -318,7 +354,13 @@ func (hs *holderSet) put(slot uint32, tierBits uint32, keepHit bool) {
 		hs.grow(wi + 1)
 	}
 	was := hs.lv[tiers.Count-1][wi]&bit != 0
+	if was && hs.lv[0][wi]&bit == 0 {
+		hs.slow--
+	}
 	lv := int(level(tierBits))
+	if tierBits != 0 && lv > 0 {
+		hs.slow++
+	}
 	for t := range tiers.Count {
 		if t >= lv {
 			hs.lv[t][wi] |= bit

@@ -16,22 +16,30 @@ import (
 // instances, or a few word operations per 64 instance slots while many
 // instances hold it).
 func (m *Memory) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
+	return m.LookupAppend(ctx, nil, keys)
+}
+
+// LookupAppend is Lookup writing its matches into dst's storage (its
+// contents are replaced), so that a caller deciding often reuses one
+// buffer instead of allocating a Match per holder per lookup.
+func (m *Memory) LookupAppend(ctx context.Context, dst []Match, keys []Key) ([]Match, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
 	if len(keys) == 0 {
-		return nil, nil
+		return dst[:0], nil
 	}
 	ls, _ := m.lookups.Get().(*lookupState)
 	if ls == nil {
 		ls = &lookupState{}
 	}
+	ls.out = dst[:0]
 	m.mu.RLock()
 	out := ls.run(m, keys)
 	m.mu.RUnlock()
-	ls.out = nil
+	ls.out, ls.bm = nil, nil // the pool must not keep results or the map alive
 	m.lookups.Put(ls)
-	return out, nil
+	return m.bs.roundUnits(out), nil
 }
 
 // lookupState is one lookup's working set, pooled. The instances still
@@ -52,6 +60,10 @@ type lookupState struct {
 	alive  [tiers.Count][]uint64
 	outIdx []int32
 	n      int // slots alive in some tier
+	// uniform: every alive[t] equals alive[0] (all matched in the GPU tier
+	// so far), so a holder set whose holders are all on GPU is intersected
+	// once rather than once per tier.
+	uniform bool
 }
 
 // cand is one instance still matching: from is the fastest tier whose run
@@ -67,7 +79,7 @@ func (ls *lookupState) run(m *Memory, keys []Key) []Match {
 	ls.bm = bm
 	node := bm.find(keys[0])
 	if node < 0 {
-		return nil
+		return ls.out
 	}
 	ls.start(m.slots, node)
 	i := 1
@@ -122,14 +134,14 @@ func (ls *lookupState) start(slots []*memInstance, node int32) {
 	p := ls.bm.holdAt(node)
 	w := atomic.LoadUint32(p)
 	if w&hSpill == 0 {
-		ls.out = []Match{{Instance: slots[holderSlot(w)].name}}
+		ls.out = append(ls.out, Match{Instance: slots[holderSlot(w)].name})
 		ls.cands = append(ls.cands, cand{slot: holderSlot(w), from: level(w)})
 		markHit(p)
 		return
 	}
 	sp := &ls.bm.spills[w&^hSpill]
 	if sp.set == nil {
-		ls.out = make([]Match, len(sp.list))
+		ls.out = resize(ls.out, len(sp.list))
 		for k := range sp.list {
 			w := atomic.LoadUint32(&sp.list[k])
 			ls.out[k].Instance = slots[holderSlot(w)].name
@@ -139,14 +151,14 @@ func (ls *lookupState) start(slots []*memInstance, node int32) {
 		return
 	}
 	hs := sp.set
-	ls.set, ls.words, ls.n = true, hs.words, hs.n
+	ls.set, ls.words, ls.n, ls.uniform = true, hs.words, hs.n, hs.slow == 0
 	for t := range ls.alive {
 		ls.alive[t] = append(ls.alive[t][:0], hs.lv[t]...)
 	}
 	if need := hs.words * 64; len(ls.outIdx) < need {
 		ls.outIdx = make([]int32, need)
 	}
-	ls.out = make([]Match, hs.n)
+	ls.out = resize(ls.out, hs.n)
 	k := int32(0)
 	eachBit(ls.alive[tiers.Count-1], func(slot int) {
 		ls.outIdx[slot] = k
@@ -242,6 +254,11 @@ func (ls *lookupState) advance(c *cand, l uint8, i int32) bool {
 
 // stepSets intersects the alive bitsets with a holder set's.
 func (ls *lookupState) stepSets(hs *holderSet, i int32) {
+	if ls.uniform && hs.slow == 0 {
+		ls.stepUniform(hs, i)
+		return
+	}
+	ls.uniform = false
 	for t := range tiers.Count {
 		a, lv := ls.alive[t], hs.lv[t]
 		for wi, x := range a {
@@ -258,6 +275,37 @@ func (ls *lookupState) stepSets(hs *holderSet, i int32) {
 			a[wi] = y
 		}
 	}
+	ls.settle(hs)
+}
+
+// stepUniform is stepSets when every tier's alive set and every tier's
+// holder set are the same: one intersection, its drops ending every tier.
+func (ls *lookupState) stepUniform(hs *holderSet, i int32) {
+	a, lv := ls.alive[0], hs.lv[0]
+	for wi, x := range a {
+		if x == 0 {
+			continue
+		}
+		var y uint64
+		if wi < len(lv) {
+			y = x & lv[wi]
+		}
+		for d := x &^ y; d != 0; d &= d - 1 {
+			m := &ls.out[ls.outIdx[wi*64+bits.TrailingZeros64(d)]]
+			for t := range tiers.Count {
+				m.Blocks[t] = int(i)
+			}
+		}
+		for t := range tiers.Count {
+			ls.alive[t][wi] = y
+		}
+	}
+	ls.settle(hs)
+}
+
+// settle counts the instances still matching after a set step, marks their
+// holds as hit, and goes to list mode when few are left.
+func (ls *lookupState) settle(hs *holderSet) {
 	top := ls.alive[tiers.Count-1]
 	n := 0
 	for _, x := range top {
@@ -295,6 +343,16 @@ func (ls *lookupState) finish(n int32) {
 	for t := range tiers.Count {
 		eachBit(ls.alive[t], func(slot int) { ls.out[ls.outIdx[slot]].Blocks[t] = int(n) })
 	}
+}
+
+// resize returns ms holding n zero Matches, reusing its storage.
+func resize(ms []Match, n int) []Match {
+	if cap(ms) < n {
+		return make([]Match, n)
+	}
+	ms = ms[:n]
+	clear(ms)
+	return ms
 }
 
 func eachBit(words []uint64, f func(int)) {

@@ -13,19 +13,19 @@ import (
 )
 
 // DefaultCapacity is the memory backend's default bound, in (block,
-// instance) entries: 4M entries are about 200 MB at the measured ~45 bytes
+// instance) entries: 4M entries are about 230 MB at the measured ~57 bytes
 // each, enough for 64 instances with 60,000 cached blocks apiece (an 80 GB
 // GPU holding ~1M tokens of a 8B model's KV is 60k blocks of 16).
 const DefaultCapacity = 4_000_000
 
-// maxCapacity bounds MemoryConfig.Capacity to half of what a table slot
+// MaxCapacity bounds MemoryConfig.Capacity to half of what a table slot
 // can index (2^26 blocks and entries per instance), leaving room for the
 // entries one event adds before eviction brings the index back within
 // capacity: 33M entries are ~2 GB.
-const maxCapacity = maxIndex / 2
+const MaxCapacity = maxIndex / 2
 
 // presizeDivisor sizes the block map's index up front for capacity/2
-// distinct keys (8 MB at the default capacity): growing it doubles a table
+// distinct keys (16 MB at the default capacity): growing it doubles a table
 // of millions of slots under the write lock, a pause every lookup waits
 // behind and, with its slots at random, the costliest part of ingesting
 // new blocks. An index that fills past half its capacity with distinct
@@ -58,8 +58,8 @@ func (c MemoryConfig) validate() error {
 	if c.Capacity < 0 {
 		return fmt.Errorf("%w: memory: capacity %d < 0", ErrConfig, c.Capacity)
 	}
-	if c.Capacity > maxCapacity {
-		return fmt.Errorf("%w: memory: capacity %d above %d", ErrConfig, c.Capacity, maxCapacity)
+	if c.Capacity > MaxCapacity {
+		return fmt.Errorf("%w: memory: capacity %d above %d", ErrConfig, c.Capacity, MaxCapacity)
 	}
 	return nil
 }
@@ -338,7 +338,7 @@ func (in *memInstance) store(h uint64, k Key, t tiers.Tier) bool {
 		_, at = in.byHash.findOrSlot(in.hashSrc(), h)
 	}
 	if in.slab.full() || in.blocks.full() {
-		return false // past what the tables index: dropped (see maxCapacity)
+		return false // past what the tables index: dropped (see MaxCapacity)
 	}
 	node := in.blocks.nodeFor(k)
 	alias := in.blocks.holds(node, in.slot)
@@ -456,7 +456,7 @@ func (in *memInstance) eachAlias(node int32, do func(*entry)) {
 	}
 	i, f := home(uint64(node), n)
 	for c := t.slots[i]; c != 0; c = t.slots[i] {
-		if c&^idxMask == f {
+		if c&^idxMask == f && c != tomb {
 			if e := in.slab.at(slotIdx(c)); e.node == node && e.meta&flagLive != 0 {
 				do(e)
 			}
@@ -479,9 +479,9 @@ func (in *memInstance) drop(j int32) {
 	}
 	e.meta &^= tierMask
 	in.syncHolder(e, true)
-	in.byHash.remove(in.hashSrc(), j, e.ehash())
+	in.byHash.remove(j, e.ehash())
 	if in.aliased {
-		in.byNode.remove(in.nodeSrc(), j, uint64(e.node))
+		in.byNode.remove(j, uint64(e.node))
 	}
 	in.unlink(j)
 	in.slab.release(j)

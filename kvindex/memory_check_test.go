@@ -98,6 +98,19 @@ func memoryInvariantsLocked(m *Memory) error {
 		if f := bm.find(k); f != j {
 			return fmt.Errorf("node %d: key %x finds node %d", j, k, f)
 		}
+		if w&hSpill != 0 {
+			if hs := bm.spills[w&^hSpill].set; hs != nil {
+				slow := 0
+				for _, x := range hs.toList() {
+					if level(x) > 0 {
+						slow++
+					}
+				}
+				if slow != hs.slow {
+					return fmt.Errorf("node %d: holder set counts %d holders off the GPU, has %d", j, hs.slow, slow)
+				}
+			}
+		}
 		got := holdersOf(bm, j)
 		exp := want[j]
 		if len(got) != len(exp) {
@@ -115,8 +128,18 @@ func memoryInvariantsLocked(m *Memory) error {
 	if len(want) != 0 {
 		return fmt.Errorf("entries point at %d nodes that are not live", len(want))
 	}
-	if bm.index.n != nodes {
-		return fmt.Errorf("block index has %d nodes, %d live", bm.index.n, nodes)
+	if bm.index.n != nodes+bm.dormant {
+		return fmt.Errorf("block index has %d nodes, %d live and %d dormant", bm.index.n, nodes, bm.dormant)
+	}
+	free := 0
+	for j := bm.free; j >= 0; j = int32(*bm.keyAt(j)) {
+		if *bm.holdAt(j) != 0 || free > int(bm.n) {
+			return fmt.Errorf("free list holds live node %d or loops", j)
+		}
+		free++
+	}
+	if free+nodes+bm.dormant != int(bm.n) {
+		return fmt.Errorf("%d free + %d live + %d dormant nodes, %d handed out", free, nodes, bm.dormant, bm.n)
 	}
 	return nil
 }

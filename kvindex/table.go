@@ -77,9 +77,17 @@ func (s *slab) release(i int32) {
 // per slot at a load factor of 3/8..3/4: 5.3-10.7 bytes per indexed item.
 // Several slots may hold the same key (byNode, when two engine hashes of
 // one instance map to one router key).
+//
+// Removal leaves a tombstone: shifting the rest of the probe run back
+// would read each moved item's key from the store, at random (with 6
+// fingerprint bits a slot does not say where its item's home is). Items
+// and tombstones together stay under 3/4 of the slots; an insert that
+// would pass it rebuilds the table, at the same size when tombstones are
+// at least half the items, so probe runs stay those of a 3/4-full table.
 type table struct {
 	slots []uint32
-	n     int
+	n     int    // items
+	tombs int    // tombstones
 	sink  uint32 // keeps grow's grouped loads from being optimised away
 }
 
@@ -88,7 +96,8 @@ const (
 	fpBits   = 6
 	idxBits  = 32 - fpBits
 	idxMask  = 1<<idxBits - 1
-	maxIndex = idxMask - 1 // highest index a table can hold
+	maxIndex = idxMask - 2 // highest index a table can hold
+	tomb     = ^uint32(0)  // a removed item's slot (index+1 = idxMask is never used)
 )
 
 func slotIdx(s uint32) int32 { return int32(s&idxMask) - 1 }
@@ -171,7 +180,7 @@ func (t *table) find(ks keySrc, k uint64) int32 {
 		if c == 0 {
 			return -1
 		}
-		if c&^idxMask == f {
+		if c&^idxMask == f && c != tomb {
 			if j := slotIdx(c); ks.of(j) == k {
 				return j
 			}
@@ -180,6 +189,20 @@ func (t *table) find(ks keySrc, k uint64) int32 {
 			i = 0
 		}
 	}
+}
+
+// makeRoom rebuilds the table before an insert that would take items and
+// tombstones past 3/4 of the slots: at twice the size, or at the same size
+// when tombstones are half the items or more.
+func (t *table) makeRoom(ks keySrc) {
+	if (t.n+t.tombs+1)*4 <= len(t.slots)*3 {
+		return
+	}
+	if t.tombs*2 >= t.n && len(t.slots) > 0 {
+		t.rebuild(ks, len(t.slots))
+		return
+	}
+	t.grow(ks)
 }
 
 // touch loads the home slots of keys, independent loads whose cache
@@ -218,17 +241,23 @@ type slotRef struct {
 // table first when one more item would pass 3/4 load. For tables whose
 // keys are unique (byHash, the block map's index).
 func (t *table) findOrSlot(ks keySrc, k uint64) (int32, slotRef) {
-	if (t.n+1)*4 > len(t.slots)*3 {
-		t.grow(ks)
-	}
+	t.makeRoom(ks)
 	n := len(t.slots)
 	i, f := home(k, n)
+	free := -1 // the first tombstone passed: where k goes when absent
 	for {
 		c := t.slots[i]
 		if c == 0 {
-			return -1, slotRef{i, f}
+			if free < 0 {
+				free = i
+			}
+			return -1, slotRef{free, f}
 		}
-		if c&^idxMask == f {
+		if c == tomb {
+			if free < 0 {
+				free = i
+			}
+		} else if c&^idxMask == f {
 			if j := slotIdx(c); ks.of(j) == k {
 				return j, slotRef{}
 			}
@@ -241,6 +270,9 @@ func (t *table) findOrSlot(ks keySrc, k uint64) (int32, slotRef) {
 
 // put indexes j at the slot findOrSlot returned.
 func (t *table) put(at slotRef, j int32) {
+	if t.slots[at.i] == tomb {
+		t.tombs--
+	}
 	t.slots[at.i] = at.f | uint32(j+1)
 	t.n++
 }
@@ -248,31 +280,36 @@ func (t *table) put(at slotRef, j int32) {
 // insert adds index j under key k. It returns the index of an item
 // already indexed under k, or -1: the caller marks duplicates.
 func (t *table) insert(ks keySrc, j int32, k uint64) int32 {
-	if (t.n+1)*4 > len(t.slots)*3 {
-		t.grow(ks)
-	}
+	t.makeRoom(ks)
 	n := len(t.slots)
 	i, f := home(k, n)
 	dup := int32(-1)
+	free := -1
 	for c := t.slots[i]; c != 0; c = t.slots[i] {
-		if dup < 0 && c&^idxMask == f && ks.of(slotIdx(c)) == k {
+		switch {
+		case c == tomb:
+			if free < 0 {
+				free = i
+			}
+		case dup < 0 && c&^idxMask == f && ks.of(slotIdx(c)) == k:
 			dup = slotIdx(c)
 		}
 		if i++; i == n {
 			i = 0
 		}
 	}
-	t.slots[i] = f | uint32(j+1)
-	t.n++
+	if free < 0 {
+		free = i
+	}
+	t.put(slotRef{free, f}, j)
 	return dup
 }
 
-func (t *table) grow(ks keySrc) {
-	size := 2 * len(t.slots)
-	if size < 16 {
-		size = 16
-	}
-	t.slots, t.n = make([]uint32, size), 0
+func (t *table) grow(ks keySrc) { t.rebuild(ks, max(2*len(t.slots), 16)) }
+
+// rebuild indexes the store's live items afresh in size slots.
+func (t *table) rebuild(ks keySrc, size int) {
+	t.slots, t.n, t.tombs = make([]uint32, size), 0, 0
 	// Re-insert from the store, in store order: reading it sequentially is
 	// much cheaper than following the old table's indices at random. The
 	// slots are random, so items go in groups: the homes of a group are
@@ -308,48 +345,23 @@ func (t *table) grow(ks keySrc) {
 	t.sink ^= sink
 }
 
-// remove drops index j (indexed under k) and closes the gap by shifting
-// later members of the probe run back (no tombstones, so probe runs never
-// lengthen with churn).
-func (t *table) remove(ks keySrc, j int32, k uint64) {
+// remove drops index j (indexed under k), leaving a tombstone.
+func (t *table) remove(j int32, k uint64) {
 	n := len(t.slots)
 	if n == 0 {
 		return
 	}
 	i, _ := home(k, n)
-	for t.slots[i] != 0 && slotIdx(t.slots[i]) != j {
+	for c := t.slots[i]; c != 0; c = t.slots[i] {
+		if c != tomb && slotIdx(c) == j {
+			t.slots[i] = tomb
+			t.n--
+			t.tombs++
+			return
+		}
 		if i++; i == n {
 			i = 0
 		}
-	}
-	if t.slots[i] == 0 {
-		return // not indexed: nothing to drop
-	}
-	t.n--
-	for {
-		t.slots[i] = 0
-		p := i
-		for {
-			if p++; p == n {
-				p = 0
-			}
-			if t.slots[p] == 0 {
-				return
-			}
-			h, _ := home(ks.of(slotIdx(t.slots[p])), n)
-			// The member at p may move to the gap at i unless its home lies
-			// cyclically in (i, p].
-			if i <= p {
-				if h > i && h <= p {
-					continue
-				}
-			} else if h > i || h <= p {
-				continue
-			}
-			break
-		}
-		t.slots[i] = t.slots[p]
-		i = p
 	}
 }
 

@@ -236,6 +236,7 @@ type KVAware struct {
 	fallback  *PrefixAware
 	spec      *speculative // nil when disabled
 	loadAge   time.Duration
+	cands     candIndexCache // the last candidate list's id → position
 }
 
 // NewKVAware builds the kv_aware strategy for rc (defaults applied) over
@@ -296,6 +297,9 @@ type candEval struct {
 	peer peerCounts
 	// scoreStale is score had the stale blocks counted (= score when none).
 	scoreStale float64
+	// scored is false for a cold candidate predict skipped (scores +Inf,
+	// see scoreCold): kvEval.find scores it when asked about it.
+	scored bool
 }
 
 // kvEval is what kv_aware knew about one request: pooled scratch.
@@ -309,6 +313,12 @@ type kvEval struct {
 	anyStale  bool
 	commit    bool    // the decision will be committed (not shadow scoring)
 	weight    float64 // prefill cost weight used
+	sc        *kvScoring
+	memo      scoreMemo
+	matches   []kvindex.Match // the lookup's answer, reused across decisions
+	ci        *candIndex      // the candidate index, when the decision used one
+	perm      []int32         // match k's candidate in the last decision over permOf
+	permOf    *candIndex
 }
 
 func (st *KVState) getEval() *kvEval {
@@ -319,18 +329,22 @@ func (st *KVState) getEval() *kvEval {
 }
 
 func (st *KVState) putEval(ev *kvEval) {
-	if cap(ev.keys) > 1<<16 {
-		return // don't keep a huge prompt's scratch alive
+	if cap(ev.keys) > 1<<16 || cap(ev.matches) > 1<<12 {
+		return // don't keep a huge prompt's (or fleet's) scratch alive
 	}
 	ev.cands = ev.cands[:0]
 	st.evalPool.Put(ev)
 }
 
-// find returns inst's evaluation, nil when inst was not a candidate.
+// find returns inst's evaluation, nil when inst was not a candidate; a
+// cold candidate the decision did not need to score is scored now.
 func (ev *kvEval) find(inst *Instance) *candEval {
 	for i := range ev.cands {
-		if ev.cands[i].inst == inst {
-			return &ev.cands[i]
+		if ce := &ev.cands[i]; ce.inst == inst {
+			if !ce.scored && ev.sc != nil {
+				ev.sc.score(ev, ce)
+			}
+			return ce
 		}
 	}
 	return nil
@@ -400,6 +414,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 		ev.cands = append(ev.cands, candEval{inst: c, rv: rendezvousScore(h, c.hash), full: c.Full(s.threshold)})
 	}
 	ev.tokens, ev.blockSize, ev.fallback, ev.anyStale, ev.keys, ev.commit = 0, 0, "", false, ev.keys[:0], commit
+	ev.sc = &s.sc
 	defer s.predict(ev)
 
 	if st.fresh != nil {
@@ -444,14 +459,16 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 	}
 	ev.blockSize = bs
 	ev.keys = kvindex.AppendKeys(ev.keys, kvindex.Root(st.model, req.Adapter, cacheSalt(req)), ids, bs)
-	matches, err := tracedLookup(ctx, st.index, ev.keys)
+	matches, err := tracedLookup(ctx, st.index, ev.matches, ev.keys)
+	ev.matches = matches
 	if err != nil {
 		st.m.lookupErrs.WithLabelValues(st.pool).Inc()
 		st.log.Debug("index lookup failed; routing on speculative entries and the heuristic", "pool", st.pool, "err", err)
 		matches = nil
 	}
-	for _, m := range matches {
-		ce := ev.byID(m.Instance)
+	byID := s.finder(ev, cands, len(matches))
+	for k, m := range matches {
+		ce := byID.find(k, m.Instance)
 		if ce == nil {
 			continue // not a candidate (unhealthy, full adapter set, other pool)
 		}
@@ -467,6 +484,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 		if st.peers.ps != nil {
 			ev.holders = st.peers.ps.PeerHolders(ev.holders, ev.keys[0])
 		}
+		var specAt specProbe
 		for i := range ev.cands {
 			ce := &ev.cands[i]
 			g := ce.blocks[tiers.GPU]
@@ -476,10 +494,14 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 			if ce.stale != ([tiers.Count]int{}) || (g == 0 && st.fresh != nil && st.fresh.Stale(ce.inst.id)) {
 				continue // nothing vouches for a stale instance, guesses included
 			}
-			if commit && g > 0 && s.spec.heldBy(ev.keys[g-1], ce.inst.id) {
+			below, at := specAt.at(s.spec, ev.keys, g)
+			if commit && below && s.spec.heldBy(ev.keys[g-1], ce.inst.id) {
 				// Events confirmed the guess up to g: hand those blocks
 				// over to the index, which will also see their eviction.
 				s.spec.confirm(ev.keys[:g], ce.inst.id)
+			}
+			if !at && st.peers.ps == nil {
+				continue // no guess at block g: nothing to extend
 			}
 			if ext := st.extendSpec(s.spec, ev.keys, g, ce.inst.id); ext > g {
 				for t := range tiers.Count {
@@ -526,7 +548,6 @@ func containsString(list []string, s string) bool {
 // predict computes every candidate's queue and predicted TTFT.
 func (s *KVAware) predict(ev *kvEval) {
 	st := s.st
-	bs := ev.blockSize
 	now := st.now()
 	busy := 0
 	for i := range ev.cands {
@@ -540,13 +561,16 @@ func (s *KVAware) predict(ev *kvEval) {
 	}
 	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
 	ev.weight = s.sc.weight(rho, st.behind.mean())
+	cold := coldMin{free: math.Inf(1), all: math.Inf(1)}
 	st.pendMu.RLock()
 	st.loads.mu.RLock()
+	ev.memo = scoreMemo{}
+	haveLoads := len(st.loads.samples) > 0
 	for i := range ev.cands {
 		ce := &ev.cands[i]
 		var pTok float64
 		var pReq int64
-		if pc := st.pend[ce.inst.id]; pc != nil {
+		if pc := ev.pending(st, i); pc != nil {
 			pReq = pc.reqs.Load()
 			pTok = pc.drainedTokens(now, float64(pc.tokens.Load()), st.drainRate.rate(s.sc.prefill))
 		}
@@ -555,25 +579,50 @@ func (s *KVAware) predict(ev *kvEval) {
 		pTok += float64(ce.peer.tokens)
 		pReq += ce.peer.reqs
 		ce.ahead = pTok
-		ld, ok := st.loads.samples[ce.inst.id]
-		ok = ok && now.Sub(ld.at) <= s.loadAge
-		q := s.sc.queue(pTok, int(pReq), ce.inst.InFlight()+ce.peer.inflight, ld, ok)
-		ce.matched = tierTokens(ce.blocks, bs, ev.tokens)
-		ce.queue = q
-		ce.ttft = s.sc.ttft(q, ev.tokens, ce.matched)
-		ce.score = ce.ttft + s.sc.prefillCost(ev.weight, ev.tokens, ce.matched)
-		ce.scoreStale = ce.score
-		if ce.stale != ([tiers.Count]int{}) {
-			var both [tiers.Count]int
-			for t := range tiers.Count {
-				both[t] = max(ce.blocks[t], ce.stale[t])
-			}
-			m := tierTokens(both, bs, ev.tokens)
-			ce.scoreStale = s.sc.ttft(q, ev.tokens, m) + s.sc.prefillCost(ev.weight, ev.tokens, m)
+		var ld loadSample
+		ok := false
+		if haveLoads {
+			ld, ok = st.loads.samples[ce.inst.id]
+			ok = ok && now.Sub(ld.at) <= s.loadAge
 		}
+		ce.queue = s.sc.queue(pTok, int(pReq), ce.inst.InFlight()+ce.peer.inflight, ld, ok)
+		if ce.cold() {
+			cold.note(ce)
+			continue
+		}
+		s.sc.score(ev, ce)
 	}
 	st.loads.mu.RUnlock()
 	st.pendMu.RUnlock()
+	s.scoreCold(ev, cold)
+}
+
+// score computes a candidate's matched tokens, predicted TTFT and score
+// from its queue.
+func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
+	bs, q := ev.blockSize, ce.queue
+	ce.scored = true
+	m := &ev.memo
+	if !m.ok || m.blocks != ce.blocks {
+		// Candidates holding the same blocks (a shared prefix) differ
+		// only by queue: the rest of the prediction is computed once.
+		m.ok, m.blocks = true, ce.blocks
+		m.matched = tierTokens(ce.blocks, bs, ev.tokens)
+		m.prefill = sc.ttft(0, ev.tokens, m.matched)
+		m.cost = sc.prefillCost(ev.weight, ev.tokens, m.matched)
+	}
+	ce.matched = m.matched
+	ce.ttft = q + m.prefill
+	ce.score = ce.ttft + m.cost
+	ce.scoreStale = ce.score
+	if ce.stale != ([tiers.Count]int{}) {
+		var both [tiers.Count]int
+		for t := range tiers.Count {
+			both[t] = max(ce.blocks[t], ce.stale[t])
+		}
+		m := tierTokens(both, bs, ev.tokens)
+		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, ev.tokens, m)
+	}
 }
 
 // decide picks for a request some instance holds: the least score

@@ -58,6 +58,9 @@ func (s *speculative) extend(keys []kvindex.Key, from int, inst string, epoch ui
 	return s.set.Extend(keys, from, inst, epoch, s.now().UnixNano())
 }
 
+// any reports whether any instance holds key speculatively (expired or not).
+func (s *speculative) any(key kvindex.Key) bool { return s.set.Any(key) }
+
 // holders appends to dst the instances holding keys[0] speculatively.
 func (s *speculative) holders(dst []string, key kvindex.Key) []string {
 	if s == nil {

@@ -308,9 +308,15 @@ func tracedTokens(ctx context.Context, src TokenSource, req *Request) ([]uint32,
 }
 
 // tracedLookup runs an index lookup under a lookup span.
-func tracedLookup(ctx context.Context, ix kvindex.Index, keys []kvindex.Key) ([]kvindex.Match, error) {
+func tracedLookup(ctx context.Context, ix kvindex.Index, dst []kvindex.Match, keys []kvindex.Key) ([]kvindex.Match, error) {
 	ctx, sp := startSpan(ctx, SpanLookup, trace.SpanKindInternal)
-	m, err := ix.Lookup(ctx, keys)
+	var m []kvindex.Match
+	var err error
+	if a, ok := ix.(lookupAppender); ok {
+		m, err = a.LookupAppend(ctx, dst, keys)
+	} else {
+		m, err = ix.Lookup(ctx, keys)
+	}
 	if sp.s != nil {
 		sp.s.SetAttributes(AttrLookupBlocks.Int(len(keys)), AttrLookupHolders.Int(len(m)))
 		sp.end(err, errDesc(err))

@@ -163,6 +163,13 @@ func (s *Set[K]) HeldBy(key K, inst string) bool {
 	return false
 }
 
+// Any reports whether any instance holds key (expired or not).
+func (s *Set[K]) Any(key K) bool {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return len(s.holds[key]) > 0
+}
+
 // Drop removes inst's holds of keys (their ring entries expire later
 // without effect).
 func (s *Set[K]) Drop(keys []K, inst string) {

@@ -7,7 +7,6 @@ import (
 	"hash/fnv"
 	"io"
 	"log/slog"
-	"math"
 	"time"
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
@@ -137,7 +136,7 @@ func indexCapacity(instances int, scfg sim.Config) int {
 	if scfg.GPUBlocks == 0 {
 		per += sim.DefaultGPUBlocks
 	}
-	return min(2*instances*per, math.MaxInt32/2)
+	return min(2*instances*per, kvindex.MaxCapacity)
 }
 
 // newStrategyRouterSized is newStrategyRouter with an index of capacity

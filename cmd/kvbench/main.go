@@ -6,6 +6,7 @@
 //	kvbench synth    write a trace synthesised from a trace's fitted shape
 //	kvbench des      discrete-event run: real strategies, simulated engines, virtual clock
 //	kvbench sweep    des over strategies × loads × fleet sizes × workloads: a table and a chart per workload
+//	kvbench indexer  trace replay through the KV block index alone: ops/s, lookup and apply CPU time, heap
 //	kvbench live     drive a running kvrouter over HTTP
 //	kvbench demo     start a small fleet in-process and compare strategies
 //
@@ -49,6 +50,7 @@ commands:
   synth    write a Mooncake-format trace synthesised from a trace's fitted shape
   des      discrete-event comparison of strategies on simulated engines (virtual clock)
   sweep    des over strategies × loads × fleet sizes × workloads: one table and chart per workload
+  indexer  trace replay through the KV block index alone (lookups and engine events, interleaved)
   disagg   des: aggregated vs disaggregated prefill/decode (P:D ratios, conditional) on the same instances
   live     drive a running kvrouter (with kvsim engines) over HTTP
   demo     embedded NATS + simulated fleet + router; compares strategies; exits by itself
@@ -70,6 +72,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runSweep(ctx, rest, stdout, stderr)
 	case "des":
 		return runDES(ctx, rest, stdout, stderr)
+	case "indexer":
+		return runIndexer(ctx, rest, stdout, stderr)
 	case "disagg":
 		return runDisagg(ctx, rest, stdout, stderr)
 	case "live":

@@ -1,0 +1,421 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/workload"
+)
+
+// The indexer benchmark replays a Mooncake-format trace against the block
+// index alone, in the order a fleet produces its operations: for each
+// request, the router's lookup of its prompt, then the KV events of the
+// engine it was placed on (the blocks it evicted, then the blocks it
+// stored). The shape follows Dynamo's lib/kv-router indexer benchmark
+// (https://github.com/ai-dynamo/dynamo, lib/kv-router/src/indexer/INDEXER_BENCH.md:
+// a Mooncake trace replayed through simulated workers, events and
+// find_matches interleaved); the engines here are LRU caches of the trace's
+// blocks, not a full engine simulation, so that only the index is measured.
+//
+// Each fleet size plays fleet/--trace-per copies of the trace (disjoint
+// hash ids, as --replicate), so every instance sees the same load at every
+// size and only the fleet grows. Operations run on one locked OS thread;
+// each is timed in CPU time of that thread (CLOCK_THREAD_CPUTIME_ID) and
+// wall time, so "ops per CPU-second" is the index's own cost, without the
+// generator's.
+
+// indexerBlockSize is the index's block size in the replay: each trace
+// hash id becomes --blocks-per-id blocks of this many synthetic tokens.
+const indexerBlockSize = 16
+
+func runIndexer(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("indexer", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	setUsage(fs, stderr, "kvbench indexer [--workload mooncake | synth-<shape>] [--instances 8,64,256] [flags]",
+		"Trace-replay benchmark of the KV block index: each request's lookup, then its engine's KV events\n(LRU caches of the trace's blocks), interleaved as a fleet produces them, on one thread. Reports\nops per CPU-second and per wall second, lookup and apply CPU-time percentiles, and the index's heap.",
+		[]string{"kvbench indexer", "kvbench indexer --workload synth-shared-prompts --instances 8,64,256", "kvbench indexer --blocks-per-id 32"})
+	var wf workloadFlags
+	wf.register(fs)
+	sizes := fs.String("instances", "8,64,256", "comma-separated fleet sizes")
+	gpu := fs.String("gpu-tokens", "1.35M", "GPU KV capacity per instance in tokens (each engine's LRU cache)")
+	perID := fs.Int("blocks-per-id", 1, "index blocks per trace hash id (a Mooncake id covers 512 tokens: 32 gives vLLM's 16-token blocks)")
+	tracePer := fs.Int("trace-per", 8, "play one copy of the trace per this many instances (0: one copy at every size)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	set := wf.setFlags()
+	if !set["workload"] {
+		wf.name = "mooncake"
+	}
+	if !isTrace(wf.name) {
+		return fmt.Errorf("--workload %s: the indexer benchmark replays traces (mooncake or synth-*)", wf.name)
+	}
+	if *perID < 1 {
+		return fmt.Errorf("--blocks-per-id %d: want >= 1", *perID)
+	}
+	gpuTokens, err := parseTokens(*gpu)
+	if err != nil {
+		return fmt.Errorf("--gpu-tokens: %w", err)
+	}
+	capBlocks := int(gpuTokens / workload.TraceBlockTokens) // trace blocks per engine
+	if capBlocks < 1 {
+		return fmt.Errorf("--gpu-tokens %d is under one block", gpuTokens)
+	}
+	var rows []replayResult
+	for _, s := range splitList(*sizes) {
+		n, err := strconv.Atoi(s)
+		if err != nil || n < 1 {
+			return fmt.Errorf("--instances: %q is not a fleet size", s)
+		}
+		if !set["replicate"] {
+			wf.replicate = 1
+			if *tracePer > 0 {
+				wf.replicate = max(1, n / *tracePer)
+			}
+		}
+		b, err := wf.buildAll()
+		if err != nil {
+			return err
+		}
+		r, err := replayIndex(ctx, b.recs, n, capBlocks, *perID)
+		if err != nil {
+			return err
+		}
+		runtime.KeepAlive(b.w) // freed mid-replay, it would read as the index's heap shrinking
+		r.Copies = wf.replicate
+		fmt.Fprintf(stderr, "%d instances: %d requests, %.0f ops/CPU-s\n", n, r.Requests, r.opsPerCPU())
+		rows = append(rows, r)
+	}
+	fmt.Fprintf(stdout, "workload %s, %d index block(s) of %d tokens per trace id, engines of %d trace blocks (LRU)\n\n",
+		wf.name, *perID, indexerBlockSize, capBlocks)
+	writeReplayTable(stdout, rows)
+	return nil
+}
+
+// replayResult is one fleet size's replay.
+type replayResult struct {
+	Instances, Copies, Requests int
+	Lookups, Applies, Events    int
+	Stored, Removed             int
+	Lookup, Apply               opStats
+	Entries                     int
+	HeapBytes                   int64
+}
+
+// ops counts as Dynamo's benchmark does: requests (lookups) and KV events
+// (one BlockStored or BlockRemoved, whatever its block count); an Apply
+// is one engine batch of events.
+func (r replayResult) ops() int { return r.Lookups + r.Events }
+
+func (r replayResult) opsPerCPU() float64 {
+	return float64(r.ops()) / (r.Lookup.cpu + r.Apply.cpu).Seconds()
+}
+
+func (r replayResult) opsPerWall() float64 {
+	return float64(r.ops()) / (r.Lookup.wall + r.Apply.wall).Seconds()
+}
+
+// opStats accumulates one kind of operation's times, less the timer's
+// own cost (overhead: CPU, wall).
+type opStats struct {
+	cpuTimes  []time.Duration
+	wallTimes []time.Duration
+	cpu, wall time.Duration
+	overhead  [2]time.Duration
+}
+
+func (s *opStats) add(cpu, wall time.Duration) {
+	cpu, wall = max(cpu-s.overhead[0], 0), max(wall-s.overhead[1], 0)
+	s.cpuTimes = append(s.cpuTimes, cpu)
+	s.wallTimes = append(s.wallTimes, wall)
+	s.cpu += cpu
+	s.wall += wall
+}
+
+// timerOverhead is what timing an empty section costs, in thread CPU
+// time and wall time (the medians of many): reading the thread CPU clock
+// is a system call, a few hundred nanoseconds next to a lookup's few
+// microseconds.
+func timerOverhead() [2]time.Duration {
+	const n = 20000
+	cs, ws := make([]time.Duration, n), make([]time.Duration, n)
+	for i := range cs {
+		c0, w0 := des.ThreadCPU(), time.Now()
+		w, c := time.Since(w0), des.ThreadCPU()
+		cs[i], ws[i] = c-c0, w
+	}
+	return [2]time.Duration{durPct(cs, 0.5), durPct(ws, 0.5)}
+}
+
+// durPct returns the p-quantile of ts (sorting it).
+func durPct(ts []time.Duration, p float64) time.Duration {
+	if len(ts) == 0 {
+		return 0
+	}
+	slices.Sort(ts)
+	return ts[min(len(ts)-1, int(p*float64(len(ts))))]
+}
+
+func writeReplayTable(w io.Writer, rows []replayResult) {
+	us := func(d time.Duration) string { return strconv.FormatFloat(float64(d)/1e3, 'f', 1, 64) }
+	fmt.Fprintln(w, "| instances | trace copies | lookups | events (applies) | blocks stored | blocks removed | ops/CPU-s | ops/s (wall) | lookup p50 / p99 CPU µs | lookup p99 wall µs | apply p50 / p99 CPU µs | entries | index heap MB | B/entry |")
+	fmt.Fprintln(w, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+	for _, r := range rows {
+		perEntry := 0.0
+		if r.Entries > 0 {
+			perEntry = float64(r.HeapBytes) / float64(r.Entries)
+		}
+		fmt.Fprintf(w, "| %d | %d | %d | %d (%d) | %d | %d | %.0f | %.0f | %s / %s | %s | %s / %s | %d | %.1f | %.1f |\n",
+			r.Instances, r.Copies, r.Lookups, r.Events, r.Applies, r.Stored, r.Removed, r.opsPerCPU(), r.opsPerWall(),
+			us(durPct(r.Lookup.cpuTimes, 0.5)), us(durPct(r.Lookup.cpuTimes, 0.99)), us(durPct(r.Lookup.wallTimes, 0.99)),
+			us(durPct(r.Apply.cpuTimes, 0.5)), us(durPct(r.Apply.cpuTimes, 0.99)),
+			r.Entries, float64(r.HeapBytes)/(1<<20), perEntry)
+	}
+}
+
+// replayIndex plays recs on a fleet of n LRU engines of capBlocks trace
+// blocks each, through a fresh memory index.
+func replayIndex(ctx context.Context, recs []workload.TraceRecord, n, capBlocks, perID int) (replayResult, error) {
+	res := replayResult{Instances: n, Requests: len(recs)}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	const model = "replay"
+	bs := indexerBlockSize
+	engines := make([]*lruEngine, n)
+	names := make([]string, n)
+	for i := range engines {
+		engines[i] = newLRUEngine(capBlocks * perID)
+		names[i] = fmt.Sprintf("engine-%d", i)
+	}
+	heap0 := liveHeap()
+	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: model, BlockSize: bs,
+		Capacity: min(2*n*capBlocks*perID, kvindex.MaxCapacity)})
+	if err != nil {
+		return res, err
+	}
+	root := kvindex.Root(model, "", "")
+	res.Lookup.overhead = timerOverhead()
+	res.Apply.overhead = res.Lookup.overhead
+	var (
+		toks   []uint32
+		hashes []uint64
+		keys   []kvindex.Key
+		evs    []events.Event
+		served = make([]int, n)
+	)
+	for ri, rec := range recs {
+		if ri%1024 == 0 && ctx.Err() != nil {
+			return res, ctx.Err()
+		}
+		toks, hashes = toks[:0], hashes[:0]
+		for _, id := range rec.HashIDs {
+			for j := 0; j < perID; j++ {
+				h := uint64(id)*uint64(perID) + uint64(j) + 1
+				hashes = append(hashes, h)
+				for t := 0; t < bs; t++ {
+					toks = append(toks, uint32(splitmix(h*uint64(bs)+uint64(t))))
+				}
+			}
+		}
+		keys = kvindex.AppendKeys(keys[:0], root, toks, bs)
+		c0, w0 := des.ThreadCPU(), time.Now()
+		ms, err := idx.Lookup(ctx, keys)
+		w, c := time.Since(w0), des.ThreadCPU()
+		res.Lookup.add(c-c0, w)
+		res.Lookups++
+		if err != nil {
+			return res, err
+		}
+		pick := placeByMatch(ms, served, names)
+		served[pick]++
+		evs = engines[pick].serve(evs[:0], hashes, toks, bs)
+		if len(evs) == 0 {
+			continue
+		}
+		res.Events += len(evs)
+		for _, ev := range evs {
+			if ev.Kind == events.BlockStored {
+				res.Stored += len(ev.BlockHashes)
+			} else {
+				res.Removed += len(ev.BlockHashes)
+			}
+		}
+		c0, w0 = des.ThreadCPU(), time.Now()
+		_, err = idx.Apply(ctx, names[pick], evs)
+		w, c = time.Since(w0), des.ThreadCPU()
+		res.Apply.add(c-c0, w)
+		res.Applies++
+		if err != nil {
+			return res, err
+		}
+	}
+	res.Entries, _ = idx.Len(ctx)
+	// The heap grown since the index was made: the index, and what the
+	// engines' caches grew by (small next to it: a map entry per cached
+	// block, preallocated to capacity).
+	res.HeapBytes = int64(liveHeap()) - int64(heap0)
+	runtime.KeepAlive(idx)
+	return res, nil
+}
+
+// placeByMatch is the replay's router: the instance matching the most
+// leading GPU blocks, unless it already served over 1.5× the mean (then,
+// as for a request nobody holds, the instance that served fewest).
+func placeByMatch(ms []kvindex.Match, served []int, names []string) int {
+	total := 0
+	for _, s := range served {
+		total += s
+	}
+	best, bestBlocks := -1, 0
+	for _, m := range ms {
+		if m.Blocks[0] <= bestBlocks {
+			continue
+		}
+		i, err := strconv.Atoi(strings.TrimPrefix(m.Instance, "engine-"))
+		if err != nil || i < 0 || i >= len(names) {
+			continue
+		}
+		if 2*served[i]*len(served) > 3*(total+len(served)) {
+			continue // overloaded: it would queue behind its own hits
+		}
+		best, bestBlocks = i, m.Blocks[0]
+	}
+	if best >= 0 {
+		return best
+	}
+	least := 0
+	for i, s := range served {
+		if s < served[least] {
+			least = i
+		}
+	}
+	return least
+}
+
+// lruEngine is an engine's GPU cache of blocks (by engine hash) with LRU
+// eviction, emitting the KV events vLLM would: a request's leading cached
+// blocks are hits, the rest are stored (after evicting what they displace),
+// and its blocks are touched last block first, so that eviction trims a
+// chain from its end, as vLLM's free queue does.
+type lruEngine struct {
+	capacity   int
+	slot       map[uint64]int32
+	key        []uint64
+	prev, next []int32
+	head, tail int32
+	free       []int32
+	removed    []uint64
+}
+
+func newLRUEngine(capacity int) *lruEngine {
+	return &lruEngine{capacity: capacity, slot: make(map[uint64]int32, capacity), head: -1, tail: -1}
+}
+
+func (e *lruEngine) unlink(s int32) {
+	if e.prev[s] >= 0 {
+		e.next[e.prev[s]] = e.next[s]
+	} else {
+		e.head = e.next[s]
+	}
+	if e.next[s] >= 0 {
+		e.prev[e.next[s]] = e.prev[s]
+	} else {
+		e.tail = e.prev[s]
+	}
+}
+
+func (e *lruEngine) pushFront(s int32) {
+	e.prev[s], e.next[s] = -1, e.head
+	if e.head >= 0 {
+		e.prev[e.head] = s
+	}
+	e.head = s
+	if e.tail < 0 {
+		e.tail = s
+	}
+}
+
+// serve appends to evs the events of serving a prompt of hashes (tokens of
+// bs per block).
+func (e *lruEngine) serve(evs []events.Event, hashes []uint64, toks []uint32, bs int) []events.Event {
+	hit := 0
+	for hit < len(hashes) {
+		if _, ok := e.slot[hashes[hit]]; !ok {
+			break
+		}
+		hit++
+	}
+	end := min(len(hashes), max(hit, e.capacity)) // a prompt larger than the cache keeps its head
+	for i := hit - 1; i >= 0; i-- {               // hits become most recent
+		s := e.slot[hashes[i]]
+		e.unlink(s)
+		e.pushFront(s)
+	}
+	e.removed = e.removed[:0]
+	for i := end - 1; i >= hit; i-- {
+		var s int32
+		switch {
+		case len(e.slot) < e.capacity && len(e.free) > 0:
+			s = e.free[len(e.free)-1]
+			e.free = e.free[:len(e.free)-1]
+		case len(e.slot) < e.capacity:
+			s = int32(len(e.key))
+			e.key, e.prev, e.next = append(e.key, 0), append(e.prev, -1), append(e.next, -1)
+		default: // evict the least recent block
+			s = e.tail
+			e.unlink(s)
+			delete(e.slot, e.key[s])
+			e.removed = append(e.removed, e.key[s])
+		}
+		e.key[s] = hashes[i]
+		e.slot[hashes[i]] = s
+		e.pushFront(s)
+	}
+	// Stored blocks were pushed last first: the chain's head is the most
+	// recent, ahead of the hits pushed before them; put the hits back on top.
+	for i := hit - 1; i >= 0; i-- {
+		s := e.slot[hashes[i]]
+		e.unlink(s)
+		e.pushFront(s)
+	}
+	if len(e.removed) > 0 {
+		evs = append(evs, events.Event{Kind: events.BlockRemoved, Medium: "GPU", BlockHashes: slices.Clone(e.removed)})
+	}
+	if end > hit {
+		ev := events.Event{Kind: events.BlockStored, Medium: "GPU", BlockSize: bs,
+			BlockHashes: slices.Clone(hashes[hit:end]), TokenIDs: slices.Clone(toks[hit*bs : end*bs])}
+		if hit > 0 {
+			ev.ParentHash, ev.HasParent = hashes[hit-1], true
+		}
+		evs = append(evs, ev)
+	}
+	return evs
+}
+
+// liveHeap is the heap in use after a full collection.
+func liveHeap() uint64 {
+	var ms runtime.MemStats
+	runtime.GC()
+	runtime.GC()
+	runtime.ReadMemStats(&ms)
+	return ms.HeapAlloc
+}
+
+// splitmix is a 64-bit mixer (SplitMix64's finaliser): synthetic token ids
+// from a block's engine hash.
+func splitmix(x uint64) uint64 {
+	x += 0x9e3779b97f4a7c15
+	x = (x ^ x>>30) * 0xbf58476d1ce4e5b9
+	x = (x ^ x>>27) * 0x94d049bb133111eb
+	return x ^ x>>31
+}
