@@ -55,7 +55,7 @@ deps-test: ## make sure what the tests need is installed (redis-server)
 	@./scripts/ensure-test-deps.sh
 
 test: lint deps-test ## vet, gofmt, race tests, brief fuzzing
-	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+	$(GO) test -race -count=1 -timeout 40m $(PKGS)
 	# deploy/ is its own module (Kubernetes deps kept out of the main one): docs/deploy.md
 	cd deploy && $(GO) vet ./... && $(GO) test -count=1 -timeout 15m ./...
 	@$(MAKE) --no-print-directory fuzz-brief

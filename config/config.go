@@ -230,6 +230,9 @@ type EventsConfig struct {
 	// past it the router reports ready anyway and kv_aware routes
 	// heuristically until the stream is healthy. Default 30s.
 	ReadyTimeout time.Duration `yaml:"ready_timeout" json:"ready_timeout,omitempty"`
+	// ReplicaSync shares load and speculative blocks between router
+	// replicas (docs/replicas.md); nil or enabled: false = off.
+	ReplicaSync *ReplicaSyncConfig `yaml:"replica_sync,omitempty" json:"replica_sync,omitempty"`
 }
 
 // NATSConfig configures the NATS connection for KV events.
@@ -647,6 +650,9 @@ func (c Config) Validate() error {
 		}
 		if e.StaleAfter < 0 || e.PurgeAfter < 0 || e.MaxLag < 0 || e.ReadyTimeout < 0 {
 			return bad("events: stale_after, purge_after, max_lag and ready_timeout must be >= 0")
+		}
+		if err := e.ReplicaSync.validate(); err != nil {
+			return err
 		}
 		if e.MaxInstances < 0 || e.MaxInstances > 1<<20 {
 			return bad("events.max_instances %d out of range 0..%d", e.MaxInstances, 1<<20)

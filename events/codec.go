@@ -169,11 +169,19 @@ func fullAttentionKind(kind string) bool {
 	return false
 }
 
-// FullAttention reports whether the event belongs to the full-attention KV
-// cache group, the only one whose blocks form a prefix chain the router can
-// index: group 0 and a full-attention spec kind (or none given, as engines
-// before vllm-project/vllm#40984 send). Sliding-window, chunked-local and
+// FullAttention reports whether the event belongs to a full-attention KV
+// cache group, the only kind whose blocks form a prefix chain the router
+// can index: a full-attention spec kind (full, MLA, sink), in whatever
+// group the model put it (Kimi-K3 has its MLA attention in group 3, after
+// three mamba groups), or, from engines that send no spec kind (before
+// vllm-project/vllm#40984), group 0. Sliding-window, chunked-local and
 // mamba groups, or a non-zero sliding window, are not.
 func (e Event) FullAttention() bool {
-	return e.GroupIdx == 0 && e.SlidingWindow == 0 && fullAttentionKind(e.SpecKind)
+	if e.SlidingWindow != 0 {
+		return false
+	}
+	if e.SpecKind == "" {
+		return e.GroupIdx == 0
+	}
+	return fullAttentionKind(e.SpecKind)
 }

@@ -89,7 +89,8 @@ func (d *decoder) batch() (Batch, error) {
 					id, haveTS, err = 0, true, d.ts(&b)
 				case "events":
 					id, haveEvents, err = 1, true, d.events(&b)
-				case "data_parallel_rank":
+				case "data_parallel_rank", "attn_dp_rank":
+					// attn_dp_rank: SGLang's name for the field (see sglang.go).
 					id, err = 2, d.rank(&b)
 				}
 			}

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"sync/atomic"
 
 	"github.com/kvrouter/kvrouter/events"
@@ -55,6 +54,26 @@ type prefetcher interface {
 type blockSizer struct {
 	configured int
 	learned    atomic.Int64
+	// units is, per tier, the largest engine block seen in it, in pool
+	// blocks (see units.go); 0 or 1: blocks are the pool's.
+	units [tiers.Count]atomic.Int64
+	// group is 1 + the full-attention KV-cache group whose stores are
+	// applied (the lowest seen); 0 before any.
+	group atomic.Int64
+}
+
+// primary reports whether stores of full-attention group g are applied:
+// g is the lowest full-attention group seen so far.
+func (b *blockSizer) primary(g int) bool {
+	for {
+		cur := b.group.Load()
+		if cur != 0 && int(cur-1) <= g {
+			return int(cur-1) == g
+		}
+		if b.group.CompareAndSwap(cur, int64(g)+1) {
+			return true
+		}
+	}
 }
 
 func (b *blockSizer) get() int {
@@ -95,6 +114,8 @@ func (b *blockSizer) resolve(evBS int) (int, error) {
 			return evBS, nil
 		}
 		return b.resolve(evBS) // another instance's event taught it first
+	case evBS != cur && evBS%cur == 0:
+		return cur, nil // engine blocks of several pool blocks (units.go)
 	case evBS != cur:
 		return 0, fmt.Errorf("%w: event block size %d, pool block size %d", ErrBlockSize, evBS, cur)
 	}
@@ -102,14 +123,10 @@ func (b *blockSizer) resolve(evBS int) (int, error) {
 }
 
 // skipEvent reports whether an event belongs to a KV-cache group the index
-// does not track: only full attention (group 0) maps prompts to blocks the
-// way block keys do; sliding-window groups hold only a window's tail.
-func skipEvent(ev *events.Event) bool {
-	if ev.GroupIdx != 0 {
-		return true
-	}
-	return ev.SpecKind != "" && strings.Contains(strings.ToLower(ev.SpecKind), "sliding")
-}
+// does not track: only full-attention groups map prompts to blocks the way
+// block keys do (events.Event.FullAttention); sliding-window groups hold
+// only a window's tail, mamba groups one state per chunk.
+func skipEvent(ev *events.Event) bool { return !ev.FullAttention() }
 
 // rootFor is the root of a chain that starts at block 0 in an event: the
 // adapter from the event when it has one, else the pool's model.
@@ -148,32 +165,42 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 			res.Skipped++
 			continue
 		}
+		if ev.Kind == events.BlockStored && !bs.primary(ev.GroupIdx) {
+			// A prefix is reusable only while every full-attention group
+			// holds it. Stores are taken from one of them (the lowest
+			// group seen); removals from any (vLLM hashes blocks alike in
+			// every group), so a block one group dropped is dropped here
+			// too. Under-claiming is the safe side.
+			res.Skipped++
+			continue
+		}
 		tier, known := tiers.FromMedium(ev.Medium)
 		if !known {
 			res.UnknownMedium += len(ev.BlockHashes)
 		}
 		if ev.Kind == events.BlockRemoved {
-			for _, h := range ev.BlockHashes {
-				_, removed := st.removeTier(h, tier)
-				if removed {
-					res.Removed++
-				} else {
-					// Unmapped also covers a tier the block was not held in
-					// (mapped but not removed): the index had nothing to drop.
-					res.Unmapped++
-				}
-			}
+			removeBlocks(st, bs, ev, tier, res)
 			continue
 		}
 		if len(ev.TokenIDs) == 0 {
 			// Tokenless stores (CPU offload, or engines that omit tokens)
-			// can only be placed through the engine-hash map.
+			// can only be placed through the engine-hash map
+			// (llm-d/llm-d-router#878: they must still be indexed).
+			k := max(1, unitOf(ev, bs.get()))
+			if k > 1 {
+				bs.learnUnit(tier, k)
+			}
 			for _, h := range ev.BlockHashes {
 				mapped, added := st.addTier(h, tier)
 				if !mapped {
 					res.Unmapped++
-				} else if added {
+					continue
+				}
+				if added {
 					res.Stored++
+				}
+				for i := 0; i < k-1; i++ {
+					st.addTier(unitHash(h, i), tier)
 				}
 			}
 			continue
@@ -183,10 +210,20 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 			invalid(i, err)
 			continue
 		}
-		if len(ev.TokenIDs)%size != 0 || len(ev.TokenIDs)/size != len(ev.BlockHashes) {
-			invalid(i, fmt.Errorf("%w: %d tokens, block size %d, %d block hashes",
-				ErrTokenCount, len(ev.TokenIDs), size, len(ev.BlockHashes)))
+		k := max(1, unitOf(ev, size))
+		if len(ev.TokenIDs)%size != 0 || len(ev.TokenIDs)/size != k*len(ev.BlockHashes) {
+			sentinel := ErrTokenCount
+			if k > 1 {
+				// Tokens that do not make whole engine blocks of a size other
+				// than the pool's: the size, not the count, is what is off.
+				sentinel = ErrBlockSize
+			}
+			invalid(i, fmt.Errorf("%w: %d tokens, block size %d (pool %d), %d block hashes",
+				sentinel, len(ev.TokenIDs), ev.BlockSize, size, len(ev.BlockHashes)))
 			continue
+		}
+		if k > 1 {
+			bs.learnUnit(tier, k)
 		}
 		parent := rootFor(model, ev)
 		if ev.HasParent {
@@ -208,10 +245,33 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 		// as the engine does, instead of cutting off their first blocks
 		// (which would make the rest unreachable).
 		for j := len(ev.BlockHashes) - 1; j >= 0; j-- {
-			if st.store(ev.BlockHashes[j], scratch[j], tier) {
+			h := ev.BlockHashes[j]
+			for i := k - 2; i >= 0; i-- {
+				st.store(unitHash(h, i), scratch[j*k+i], tier)
+			}
+			if st.store(h, scratch[j*k+k-1], tier) {
 				res.Stored++
 			}
 		}
 	}
 	return scratch
+}
+
+// removeBlocks drops ev's blocks from tier t, with the interior blocks of
+// units larger than the pool's (units.go).
+func removeBlocks(st instanceOps, bs *blockSizer, ev *events.Event, t tiers.Tier, res *ApplyResult) {
+	k := max(bs.unit(t), unitOf(ev, bs.get()))
+	for _, h := range ev.BlockHashes {
+		_, removed := st.removeTier(h, t)
+		if removed {
+			res.Removed++
+		} else {
+			// Unmapped also covers a tier the block was not held in
+			// (mapped but not removed): the index had nothing to drop.
+			res.Unmapped++
+		}
+		for i := 0; i < k-1; i++ {
+			st.removeTier(unitHash(h, i), t)
+		}
+	}
 }

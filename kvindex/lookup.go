@@ -39,7 +39,7 @@ func (m *Memory) LookupAppend(ctx context.Context, dst []Match, keys []Key) ([]M
 	m.mu.RUnlock()
 	ls.out, ls.bm = nil, nil // the pool must not keep results or the map alive
 	m.lookups.Put(ls)
-	return out, nil
+	return m.bs.roundUnits(out), nil
 }
 
 // lookupState is one lookup's working set, pooled. The instances still

@@ -852,7 +852,7 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 			out = append(out, m)
 		}
 	}
-	return out, nil
+	return r.bs.roundUnits(out), nil
 }
 
 // cumTiers is the set of tiers a block counts for in a Match: its fastest

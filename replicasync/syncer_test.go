@@ -274,15 +274,23 @@ func TestTableLoads(t *testing.T) {
 		t.Fatalf("x %d", f)
 	}
 	now = now.Add(600 * time.Millisecond)
+	// The next delta in sequence: x is unchanged, still current.
 	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 3, Loads: []Load{{Instance: "y", InFlight: 4}}})
-	now = now.Add(600 * time.Millisecond) // x not refreshed for 1.2s, y for 0.6s
+	now = now.Add(600 * time.Millisecond)
+	if f, _, _ := tb.PeerLoad("x"); f != 2 {
+		t.Fatalf("x, confirmed by a gapless delta 0.6s ago, counts %d", f)
+	}
+	// A delta after a gap (seq 5, 4 lost): x may have changed in the lost
+	// one, so it ages from its own last refresh (1.2s ago: expired).
+	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 5, Loads: []Load{{Instance: "y", InFlight: 4}}})
+	now = now.Add(500 * time.Millisecond)
 	if f, _, _ := tb.PeerLoad("x"); f != 0 {
-		t.Fatalf("x not refreshed within the timeout still counts %d", f)
+		t.Fatalf("x not refreshed within the timeout after a gap still counts %d", f)
 	}
 	if f, _, _ := tb.PeerLoad("y"); f != 4 {
 		t.Fatalf("y %d", f)
 	}
-	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 4, Complete: true, Loads: []Load{{Instance: "z", InFlight: 1}}})
+	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 6, Complete: true, Loads: []Load{{Instance: "z", InFlight: 1}}})
 	if f, _, _ := tb.PeerLoad("y"); f != 0 {
 		t.Fatalf("a complete table without y leaves y at %d", f)
 	}

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/spechold"
 )
 
 // Table holds what the peers of one replica have published: per peer, its
@@ -20,35 +21,26 @@ type Table struct {
 	mu    sync.RWMutex // guards peers
 	peers map[string]*peer
 
-	specMu sync.RWMutex // guards holds, ring, head, n
-	holds  map[kvindex.Key][]peerHold
-	ring   []holdRef // FIFO of insertions, capacity = the bound
-	head   int
-	n      int
+	// spec holds the peers' speculative blocks, all peers together.
+	spec *spechold.Set[kvindex.Key]
 }
 
 type peer struct {
 	incarnation uint64
 	seq         uint64 // last load message applied
 	seen        time.Time
-	loads       map[string]loadAt
+	// synced is when the peer's whole table was last known current: a
+	// complete table, or a delta that followed the previous message with
+	// no gap since the last complete one (chain). Entries count while
+	// either they or the whole table were refreshed within the timeout.
+	synced time.Time
+	chain  bool
+	loads  map[string]loadAt
 }
 
 type loadAt struct {
 	Load
 	at time.Time
-}
-
-type peerHold struct {
-	inst  string
-	exp   int64  // unix nanoseconds
-	epoch uint64 // the instance's cache epoch at receipt
-}
-
-type holdRef struct {
-	key  kvindex.Key
-	inst string
-	exp  int64
 }
 
 // NewTable returns an empty table; peers silent for timeout stop counting,
@@ -58,8 +50,7 @@ func NewTable(timeout time.Duration, capacity int, now func() time.Time) *Table 
 	if now == nil {
 		now = time.Now
 	}
-	return &Table{timeout: timeout, now: now, peers: map[string]*peer{},
-		holds: map[kvindex.Key][]peerHold{}, ring: make([]holdRef, max(capacity, 0))}
+	return &Table{timeout: timeout, now: now, peers: map[string]*peer{}, spec: spechold.New[kvindex.Key](capacity)}
 }
 
 // Result of applying a load message.
@@ -94,10 +85,16 @@ func (t *Table) ApplyLoad(m *Message) Result {
 	case m.Seq <= p.seq:
 		return Stale
 	}
-	p.seq, p.seen = m.Seq, now
-	if m.Complete {
+	switch {
+	case m.Complete:
 		clear(p.loads)
+		p.chain, p.synced = true, now
+	case m.Seq == p.seq+1 && p.chain:
+		p.synced = now // every entry not in this delta is unchanged
+	default:
+		p.chain = false // a lost message: unlisted entries age until refreshed
 	}
+	p.seq, p.seen = m.Seq, now
 	for _, l := range m.Loads {
 		if l.InFlight == 0 && l.PendingTokens == 0 && l.PendingRequests == 0 {
 			delete(p.loads, l.Instance)
@@ -129,7 +126,7 @@ func (t *Table) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests 
 		if now.Sub(p.seen) > t.timeout {
 			continue
 		}
-		if l, ok := p.loads[inst]; ok && now.Sub(l.at) <= t.timeout {
+		if l, ok := p.loads[inst]; ok && (now.Sub(l.at) <= t.timeout || now.Sub(p.synced) <= t.timeout) {
 			inflight += l.InFlight
 			pendingTokens += l.PendingTokens
 			pendingRequests += l.PendingRequests
@@ -189,113 +186,34 @@ func (t *Table) Forget() (live int) {
 // counts it) stays what it is now. It returns how many entries were
 // dropped because the table was full (the oldest make way).
 func (t *Table) ApplySpec(m *Message, epoch func(string) uint64) (evicted int) {
-	if len(t.ring) == 0 {
-		return 0
-	}
 	now := t.now().UnixNano()
-	t.specMu.Lock()
-	defer t.specMu.Unlock()
-	for t.n > 0 && t.ring[t.head].exp <= now {
-		t.popLocked()
-	}
 	for _, s := range m.Specs {
-		exp := now + int64(min(s.TTL, MaxTTL))
 		var ep uint64
 		if epoch != nil {
 			ep = epoch(s.Instance)
 		}
-		for _, k := range s.Keys {
-			key := kvindex.Key(k)
-			if t.n == len(t.ring) {
-				t.popLocked()
-				evicted++
-			}
-			hs := t.holds[key]
-			held, found := exp, false
-			for i := range hs {
-				if hs[i].inst == s.Instance {
-					hs[i].exp, hs[i].epoch, found = max(hs[i].exp, exp), ep, true
-					held = hs[i].exp
-					break
-				}
-			}
-			if !found {
-				t.holds[key] = append(hs, peerHold{inst: s.Instance, exp: exp, epoch: ep})
-			}
-			t.ring[(t.head+t.n)%len(t.ring)] = holdRef{key: key, inst: s.Instance, exp: held}
-			t.n++
+		keys := make([]kvindex.Key, len(s.Keys))
+		for i, k := range s.Keys {
+			keys[i] = kvindex.Key(k)
 		}
+		evicted += t.spec.Add(keys, s.Instance, now+int64(min(s.TTL, MaxTTL)), ep, now)
 	}
 	return evicted
 }
 
-func (t *Table) popLocked() {
-	r := t.ring[t.head]
-	t.ring[t.head] = holdRef{}
-	t.head = (t.head + 1) % len(t.ring)
-	t.n--
-	hs := t.holds[r.key]
-	for i := range hs {
-		if hs[i].inst == r.inst && hs[i].exp == r.exp {
-			hs[i] = hs[len(hs)-1]
-			hs = hs[:len(hs)-1]
-			break
-		}
-	}
-	if len(hs) == 0 {
-		delete(t.holds, r.key)
-	} else {
-		t.holds[r.key] = hs
-	}
-}
-
 // SpecLen is the number of speculative entries held (expired ones
 // included until the next insertion sweeps them).
-func (t *Table) SpecLen() int {
-	t.specMu.RLock()
-	defer t.specMu.RUnlock()
-	return t.n
-}
+func (t *Table) SpecLen() int { return t.spec.Len() }
 
 // PeerExtend returns how far the peers' speculative blocks continue keys
 // on inst from block from: the largest k >= from with keys[from:k] all
 // held, unexpired, in inst's cache epoch epoch.
 func (t *Table) PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int {
-	if from >= len(keys) {
-		return from
-	}
-	now := t.now().UnixNano()
-	t.specMu.RLock()
-	defer t.specMu.RUnlock()
-	if len(t.holds) == 0 {
-		return from
-	}
-	k := from
-	for ; k < len(keys); k++ {
-		held := false
-		for _, h := range t.holds[keys[k]] {
-			if h.inst == inst && h.exp > now && h.epoch == epoch {
-				held = true
-				break
-			}
-		}
-		if !held {
-			break
-		}
-	}
-	return k
+	return t.spec.Extend(keys, from, inst, epoch, t.now().UnixNano())
 }
 
 // PeerHolders appends to dst the instances that peers hold key on,
 // unexpired.
 func (t *Table) PeerHolders(dst []string, key kvindex.Key) []string {
-	now := t.now().UnixNano()
-	t.specMu.RLock()
-	defer t.specMu.RUnlock()
-	for _, h := range t.holds[key] {
-		if h.exp > now {
-			dst = append(dst, h.inst)
-		}
-	}
-	return dst
+	return t.spec.Holders(dst, key, t.now().UnixNano())
 }

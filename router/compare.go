@@ -513,6 +513,11 @@ type InstanceLoad struct {
 	InFlight             int    `json:"in_flight"`
 	PendingPrefillTokens int64  `json:"pending_prefill_tokens"`
 	PendingRequests      int64  `json:"pending_requests"`
+	// Peer* are the other router replicas' counters (replica sync), added
+	// to this router's in scoring.
+	PeerInFlight             int64 `json:"peer_in_flight,omitempty"`
+	PeerPendingPrefillTokens int64 `json:"peer_pending_prefill_tokens,omitempty"`
+	PeerPendingRequests      int64 `json:"peer_pending_requests,omitempty"`
 	// Waiting and Running are the engine's last scraped gauges; nil when
 	// no sample is fresh (scraping off or failing).
 	Waiting *float64 `json:"engine_waiting"`
@@ -566,6 +571,7 @@ func (st *KVState) Compare(strategy string, shadow bool, insts []*Instance, wind
 	for _, in := range insts {
 		l := InstanceLoad{ID: in.ID(), InFlight: in.InFlight()}
 		l.PendingPrefillTokens, l.PendingRequests = st.PendingPrefill(in.ID())
+		l.PeerInFlight, l.PeerPendingPrefillTokens, l.PeerPendingRequests = st.PeerLoad(in.ID())
 		if ls, ok := st.loads.get(in.ID(), now, 3*DefaultScrapeInterval); ok {
 			l.Waiting, l.Running = &ls.waiting, &ls.running
 		}

@@ -115,6 +115,8 @@ type KVState struct {
 	behind    sampleMean  // requests joining a prefill busy period after another (kvaware_drain.go)
 
 	evalPool sync.Pool // *kvEval scratch
+
+	peers kvPeers // replica sync (kvaware_peers.go)
 }
 
 // pendingCounter is the router-local prefill work routed to an instance
@@ -144,6 +146,7 @@ func NewKVState(cfg KVStateConfig) (*KVState, error) {
 	if st.now == nil {
 		st.now = time.Now
 	}
+	st.attachPeers()
 	return st, nil
 }
 
@@ -159,7 +162,7 @@ func (st *KVState) speculativeFor(ttl time.Duration, capacity int) *speculative 
 	}
 	st.specMu.Lock()
 	defer st.specMu.Unlock()
-	if st.spec == nil || st.spec.ttl != ttl || len(st.spec.ring) != capacity {
+	if st.spec == nil || st.spec.ttl != ttl || st.spec.set.Cap() != capacity {
 		st.spec = newSpeculative(ttl, capacity, st.now)
 	}
 	return st.spec
@@ -290,6 +293,8 @@ type candEval struct {
 	// score is what the pick minimises: ttft plus the weighted prefill the
 	// pick adds to the fleet (see KVScoringConfig.PrefillCostWeight).
 	score float64
+	// peer is the other replicas' load on the instance (replica sync).
+	peer peerCounts
 	// scoreStale is score had the stale blocks counted (= score when none).
 	scoreStale float64
 	// scored is false for a cold candidate predict skipped (scores +Inf,
@@ -474,8 +479,11 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 		}
 		ce.blocks = m.Blocks
 	}
-	if s.spec != nil && s.spec.Len() > 0 {
+	if s.spec != nil && (s.spec.Len() > 0 || st.peers.ps != nil) {
 		ev.holders = s.spec.holders(ev.holders[:0], ev.keys[0])
+		if st.peers.ps != nil {
+			ev.holders = st.peers.ps.PeerHolders(ev.holders, ev.keys[0])
+		}
 		var specAt specProbe
 		for i := range ev.cands {
 			ce := &ev.cands[i]
@@ -492,10 +500,10 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 				// over to the index, which will also see their eviction.
 				s.spec.confirm(ev.keys[:g], ce.inst.id)
 			}
-			if !at {
+			if !at && st.peers.ps == nil {
 				continue // no guess at block g: nothing to extend
 			}
-			if ext := s.spec.extend(ev.keys, g, ce.inst.id, st.lostEpoch(ce.inst.id)); ext > g {
+			if ext := st.extendSpec(s.spec, ev.keys, g, ce.inst.id); ext > g {
 				for t := range tiers.Count {
 					ce.blocks[t] = max(ce.blocks[t], ext)
 				}
@@ -543,7 +551,11 @@ func (s *KVAware) predict(ev *kvEval) {
 	now := st.now()
 	busy := 0
 	for i := range ev.cands {
-		if ev.cands[i].inst.InFlight() > 0 {
+		ce := &ev.cands[i]
+		if st.peers.ps != nil {
+			ce.peer = st.peerCounts(ce.inst.id) // once per candidate: the queue below reads it too
+		}
+		if ce.inst.InFlight()+ce.peer.inflight > 0 {
 			busy++
 		}
 	}
@@ -562,6 +574,10 @@ func (s *KVAware) predict(ev *kvEval) {
 			pReq = pc.reqs.Load()
 			pTok = pc.drainedTokens(now, float64(pc.tokens.Load()), st.drainRate.rate(s.sc.prefill))
 		}
+		// Other replicas' pending prefill (replica sync) counts in full:
+		// they publish what they routed, not how far it has drained.
+		pTok += float64(ce.peer.tokens)
+		pReq += ce.peer.reqs
 		ce.ahead = pTok
 		var ld loadSample
 		ok := false
@@ -569,7 +585,7 @@ func (s *KVAware) predict(ev *kvEval) {
 			ld, ok = st.loads.samples[ce.inst.id]
 			ok = ok && now.Sub(ld.at) <= s.loadAge
 		}
-		ce.queue = s.sc.queue(pTok, int(pReq), ce.inst.InFlight(), ld, ok)
+		ce.queue = s.sc.queue(pTok, int(pReq), ce.inst.InFlight()+ce.peer.inflight, ld, ok)
 		if ce.cold() {
 			cold.note(ce)
 			continue
@@ -742,6 +758,9 @@ func (s *KVAware) commit(dec *Decision, ev *kvEval, ce *candEval) {
 	if s.spec != nil {
 		if g := ce.blocks[tiers.GPU]; g < len(ev.keys) {
 			s.spec.add(ev.keys[g:], ce.inst.id, st.lostEpoch(ce.inst.id))
+			if st.peers.ps != nil {
+				st.peers.ps.Speculate(ce.inst.id, ev.keys[g:], s.spec.ttl)
+			}
 			st.m.specKeys.WithLabelValues(st.pool).Set(float64(s.spec.Len()))
 		}
 	}

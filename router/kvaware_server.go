@@ -75,6 +75,7 @@ func (s *Server) startKVLoopsLocked(ctx context.Context, p *Pool) {
 	if p.kv == nil {
 		return
 	}
+	p.kv.setInstances(p.Instances)
 	rc, _ := p.Routing()
 	sc := resolveScoring(rc.KV)
 	if sc.scrape < 0 {

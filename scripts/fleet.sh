@@ -4,24 +4,32 @@
 # in-memory index, kv_aware with shadow comparison). Nothing listens beyond
 # 127.0.0.1; everything stops on Ctrl-C.
 #
-#   scripts/fleet.sh [-n INSTANCES] [-p FIRST_PORT] [-d DIR]
+#   scripts/fleet.sh [-n INSTANCES] [-p FIRST_PORT] [-d DIR] [-e ENGINE]
 #
+# ENGINE is whose KV-event format the engines speak: vllm (default), sglang or
+# trtllm (kvsim --engine, kvbridge --format; docs/engines.md).
 # The ports are taken from FIRST_PORT (default 18000) upward, skipping any in
 # use; the script prints them, the config it wrote and a request to send.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-n=4 first=18000 dir=""
-while getopts "n:p:d:h" o; do
+n=4 first=18000 dir="" engine=vllm
+while getopts "n:p:d:e:h" o; do
   case $o in
     n) n=$OPTARG ;;
+    e) engine=$OPTARG ;;
     p) first=$OPTARG ;;
     d) dir=$OPTARG ;;
-    *) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
   esac
 done
 [[ $n =~ ^[0-9]+$ && $n -ge 1 && $n -le 64 ]] || { echo "fleet.sh: -n wants 1..64 instances" >&2; exit 2; }
 [[ $first =~ ^[0-9]+$ && $first -ge 1024 && $first -le 60000 ]] || { echo "fleet.sh: -p wants a port in 1024..60000" >&2; exit 2; }
+case $engine in
+  vllm | sglang) format=$engine ;;
+  trtllm) format=trtllm-json ;;
+  *) echo "fleet.sh: -e wants vllm, sglang or trtllm" >&2; exit 2 ;;
+esac
 
 # in_use PORT: something accepts connections on 127.0.0.1:PORT.
 in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -76,7 +84,7 @@ stop() { [ ${#pids[@]} -eq 0 ] || kill "${pids[@]}" 2>/dev/null; wait 2>/dev/nul
 trap stop EXIT
 trap 'exit 130' INT TERM
 
-bin/kvsim --instances "$n" --port "$http" --zmq-port "$zmq" --replay-port "$replay" >"$dir/kvsim.log" 2>&1 &
+bin/kvsim --instances "$n" --port "$http" --zmq-port "$zmq" --replay-port "$replay" --engine "$engine" >"$dir/kvsim.log" 2>&1 &
 pids+=($!)
 bin/kvrouter --config "$dir/router.yaml" >"$dir/kvrouter.log" 2>&1 &
 pids+=($!)
@@ -84,7 +92,7 @@ for ((i = 0; i < n; i++)); do
   bin/kvbridge --pool llama --instance "vllm-$i" --model "$model" \
     --nats-url "nats://127.0.0.1:$nats" --engine-url "http://127.0.0.1:$((http + i))" \
     --zmq-endpoint "tcp://127.0.0.1:$((zmq + i))" --replay-endpoint "tcp://127.0.0.1:$((replay + i))" \
-    --listen "127.0.0.1:$((bridge + i))" >"$dir/kvbridge-$i.log" 2>&1 &
+    --format "$format" --listen "127.0.0.1:$((bridge + i))" >"$dir/kvbridge-$i.log" 2>&1 &
   pids+=($!)
 done
 
@@ -99,7 +107,7 @@ done
 curl -fsS "http://127.0.0.1:$listen/readyz" >/dev/null || { echo "fleet.sh: kvrouter not ready after 30 s; logs in $dir" >&2; exit 1; }
 
 cat <<EOF
-kvrouter fleet up ($n kvsim engines, $n kvbridges, embedded NATS)
+kvrouter fleet up ($n kvsim engines speaking $engine's events, $n kvbridges, embedded NATS)
   data plane   http://127.0.0.1:$listen
   admin        http://127.0.0.1:$admin   (/dashboard, /metrics, /admin/pools/llama/compare)
   NATS         nats://127.0.0.1:$nats

@@ -51,7 +51,9 @@ type clusterEngine struct {
 	bridge *nats.Conn
 }
 
-func newClusterFleet(t testing.TB, engines, blocks int) *clusterFleet {
+// newClusterFleet starts engines kvsim engines of blocks GPU blocks each,
+// running timeScale times faster than real time.
+func newClusterFleet(t testing.TB, engines, blocks int, timeScale float64) *clusterFleet {
 	t.Helper()
 	name := testenv.UniqueName(t)
 	f := &clusterFleet{
@@ -66,7 +68,7 @@ func newClusterFleet(t testing.TB, engines, blocks int) *clusterFleet {
 		pubEP := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 		replayEP := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 		s, err := simserver.Start(f.ctx, simserver.Config{
-			Engine: sim.Config{Model: simModel, GPUBlocks: blocks, HashSeed: 3}, Listen: httpAddr, TimeScale: 50,
+			Engine: sim.Config{Model: simModel, GPUBlocks: blocks, HashSeed: 3}, Listen: httpAddr, TimeScale: timeScale,
 			Logger: quietLogger(), Events: simserver.EventsConfig{Endpoint: pubEP, ReplayEndpoint: replayEP},
 		})
 		if err != nil {
@@ -188,6 +190,7 @@ func (f *clusterFleet) lost(c *consumer.Consumer) (dropped, gaps uint64) {
 // clusterRouter is one kvrouter replica: the events pipeline on the
 // cluster and the HTTP server, routing the fleet's pool kv_aware.
 type clusterRouter struct {
+	reg  *prometheus.Registry
 	kve  *kvstate.Pipeline
 	srv  *router.Server
 	http *httptest.Server
@@ -229,7 +232,7 @@ func (f *clusterFleet) startRouter(cfg config.Config) *clusterRouter {
 	go func() { defer close(runDone); _ = srv.Run(ctx) }()
 	ts := httptest.NewServer(srv.Handler())
 	var once sync.Once
-	r := &clusterRouter{kve: kve, srv: srv, http: ts}
+	r := &clusterRouter{reg: reg, kve: kve, srv: srv, http: ts}
 	r.stop = func() {
 		once.Do(func() {
 			ts.CloseClientConnections()
@@ -317,4 +320,33 @@ func (l *load) summary() string {
 		return true
 	})
 	return fmt.Sprintf("sent %d, failed %d (%v), reasons %s", l.sent.Load(), l.failed.Load(), l.lastErr.Load(), strings.Join(parts, " "))
+}
+
+// poke sends each engine, directly, a fresh 2-block prompt every 100 ms
+// until the returned func is called, so that every engine stores new blocks.
+func (f *clusterFleet) poke() func() {
+	ctx, cancel := context.WithCancel(f.ctx)
+	var wg sync.WaitGroup
+	for i, e := range f.engines {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for n := 0; ctx.Err() == nil; n++ {
+				p := make([]uint32, 2*16)
+				for k := range p {
+					p[k] = uint32(200000 + i*100000 + n*40 + k)
+				}
+				body, _ := json.Marshal(map[string]any{"model": simModel, "prompt": p, "max_tokens": 1})
+				if resp, err := http.Post(e.url+"/v1/completions", "application/json", bytes.NewReader(body)); err == nil {
+					_, _ = io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+				select {
+				case <-ctx.Done():
+				case <-time.After(100 * time.Millisecond):
+				}
+			}
+		}()
+	}
+	return func() { cancel(); wg.Wait() }
 }

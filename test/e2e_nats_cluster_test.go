@@ -19,7 +19,7 @@ import (
 // replay), events flow again within a bound, and afterwards the index
 // holds every engine's cache block for block.
 func TestE2ENATSNodeKillUnderLoad(t *testing.T) {
-	f := newClusterFleet(t, 3, 128)
+	f := newClusterFleet(t, 3, 128, 50)
 	cfg := f.routerConfig()
 	r := f.startRouter(cfg)
 	if got := r.kve.Conn().Servers(); len(got) < 3 {
@@ -29,6 +29,11 @@ func TestE2ENATSNodeKillUnderLoad(t *testing.T) {
 		if !slices.Contains(r.kve.Conn().Servers(), u) {
 			t.Fatalf("seed %s missing from the router's server list %v", u, r.kve.Conn().Servers())
 		}
+		for _, e := range f.engines {
+			if !slices.Contains(e.bridge.Servers(), u) {
+				t.Fatalf("seed %s missing from %s's bridge server list %v", u, e.id, e.bridge.Servers())
+			}
+		}
 	}
 	c, a := f.startConsumer()
 	l := f.startLoad([]*clusterRouter{r}, 4, 1)
@@ -37,13 +42,19 @@ func TestE2ENATSNodeKillUnderLoad(t *testing.T) {
 
 	kill := func(what string, node int) {
 		t.Helper()
+		sentBefore := l.sent.Load()
+		killed := time.Now()
+		f.nc.Kill(node)
+		// Where each bridge was when the node went: what it publishes
+		// after must reach the consumer.
 		var before []uint64
 		for _, e := range f.engines {
 			before = append(before, e.br.Stats()[0].StreamSeq)
 		}
-		sentBefore := l.sent.Load()
-		killed := time.Now()
-		f.nc.Kill(node)
+		// Every engine gets fresh prompts of its own (besides the routed
+		// load, which may favour some), so each has events to carry.
+		stopPoke := f.poke()
+		defer stopPoke()
 		// Recovered: each bridge has published past where it was at the
 		// kill, and the consumer has applied it.
 		waitFor(t, 60*time.Second, what+": events flowing again", func() bool {

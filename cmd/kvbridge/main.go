@@ -74,6 +74,11 @@ type options struct {
 	bucket         string
 
 	listen, logLevel string
+
+	format       string        // --format: vllm, sglang, trtllm-json (trtllm.go)
+	pollInterval time.Duration // trtllm-json: wait between empty polls
+	trtllmWindow int           // trtllm-json: the full-attention window
+	ageOut       string        // --age-out tier=duration,...
 }
 
 // HeartbeatKeyEnv holds the hex key heartbeats are signed with (the
@@ -127,6 +132,10 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	fs.StringVar(&o.bucket, "bucket", "", "snapshot key-value bucket (default KV_SNAPSHOTS)")
 	fs.StringVar(&o.listen, "listen", envOr(getenv, ":9400", "KVBRIDGE_LISTEN"), "address for /metrics, /healthz and /readyz")
 	fs.StringVar(&o.logLevel, "log-level", envOr(getenv, "info", "KVBRIDGE_LOG_LEVEL"), "debug, info, warn or error")
+	fs.StringVar(&o.format, "format", envOr(getenv, formatVLLM, "KVBRIDGE_FORMAT"), "engine event format: vllm, sglang (both msgpack on ZMQ) or trtllm-json (polls the engine-url's POST /kv_cache_events) (env KVBRIDGE_FORMAT)")
+	fs.DurationVar(&o.pollInterval, "poll-interval", 100*time.Millisecond, "trtllm-json: wait after an empty poll")
+	fs.IntVar(&o.trtllmWindow, "trtllm-full-window", 0, "trtllm-json: attention window of the full-attention layers; events of other window_size values are a sliding-window group the router does not index (0: one window)")
+	fs.StringVar(&o.ageOut, "age-out", "", "stores-only tiers and their block lifetime, e.g. cpu=10m,shared=1h: blocks not stored again within it are removed (for sources that never report removals, such as LMCache)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -141,6 +150,15 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	}
 	if o.dpSize < 1 || o.dpSize > 1024 {
 		return nil, fmt.Errorf("--dp-size %d out of range 1..1024", o.dpSize)
+	}
+	if err := validFormat(o.format); err != nil {
+		return nil, err
+	}
+	if o.pollInterval <= 0 || o.trtllmWindow < 0 {
+		return nil, errors.New("--poll-interval must be positive and --trtllm-full-window not negative")
+	}
+	if _, err := bridge.ParseAgeOut(o.ageOut); err != nil {
+		return nil, fmt.Errorf("--age-out: %w", err)
 	}
 	if o.streamReplicas < 0 || o.streamReplicas > kvstream.MaxReplicas {
 		return nil, fmt.Errorf("--stream-replicas %d out of range 1..%d", o.streamReplicas, kvstream.MaxReplicas)
@@ -213,6 +231,20 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	if err != nil {
 		return err
 	}
+	ageOut, _ := bridge.ParseAgeOut(o.ageOut) // validated by parseFlags
+	var trt *bridge.TRTLLMPoller
+	if o.format == formatTRTLLM {
+		if trt, err = bridge.NewTRTLLMPoller(ctx, bridge.TRTLLMConfig{EngineURL: o.engineURL, Ranks: o.dpSize,
+			Interval: o.pollInterval, FullWindow: o.trtllmWindow, Logger: log}); err != nil {
+			return fmt.Errorf("--format trtllm-json: %w", err)
+		}
+		defer trt.Close()
+		// Every rank's URL is the one server: TensorRT-LLM gathers every
+		// rank's events on rank 0's.
+		for r := range srcs {
+			srcs[r] = trt.Source(r, srcs[r].Instance, o.engineURL)
+		}
+	}
 	// A secret, so only from the environment (never a flag, which ps shows).
 	hbKey, err := kvstream.DecodeHeartbeatKey(getenv(HeartbeatKeyEnv))
 	if err != nil {
@@ -248,6 +280,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		ReplayTimeout:       o.replayTimeout,
 		EngineProbeInterval: o.engineProbe,
 		HeartbeatKey:        hbKey,
+		AgeOut:              ageOut,
 		Registerer:          reg,
 		Logger:              log,
 	})
@@ -282,12 +315,20 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 
 	runErr := make(chan error, 1)
 	go func() { runErr <- br.Run(ctx) }()
+	trtDone := make(chan struct{})
+	if trt != nil {
+		go func() { defer close(trtDone); trt.Run(ctx) }()
+	} else {
+		close(trtDone)
+	}
 	select {
 	case err = <-runErr:
 	case err = <-srvErr:
 		cancel()
 		<-runErr
 	}
+	cancel()
+	<-trtDone // before the deferred close of its publishers
 	shutdownCtx, c2 := context.WithTimeout(context.Background(), 5*time.Second)
 	defer c2()
 	_ = srv.Shutdown(shutdownCtx)

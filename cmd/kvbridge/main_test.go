@@ -36,6 +36,13 @@ func TestSources(t *testing.T) {
 		{"bad dp", []string{"--pool", "p", "--dp-size", "0"}, nil, nil, "dp-size"},
 		{"bad stream replicas", []string{"--pool", "p", "--stream-replicas", "6"}, nil, nil, "stream-replicas 6"},
 		{"bad endpoint", []string{"--pool", "p", "--dp-size", "2", "--zmq-endpoint", "tcp://noport"}, nil, nil, "noport"},
+		{"sglang format", []string{"--pool", "p", "--format", "sglang"}, map[string]string{"POD_NAME": "sg"},
+			[]string{"sg tcp://127.0.0.1:5557 tcp://127.0.0.1:5558 http://127.0.0.1:8000"}, ""},
+		{"format from env", []string{"--pool", "p"}, map[string]string{"POD_NAME": "t", "KVBRIDGE_FORMAT": "trtllm-json"},
+			[]string{"t tcp://127.0.0.1:5557 tcp://127.0.0.1:5558 http://127.0.0.1:8000"}, ""},
+		{"bad format", []string{"--pool", "p", "--format", "tgi"}, nil, nil, "--format"},
+		{"bad age-out", []string{"--pool", "p", "--age-out", "gpu=1m"}, nil, nil, "--age-out"},
+		{"bad poll interval", []string{"--pool", "p", "--poll-interval", "0s"}, nil, nil, "--poll-interval"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

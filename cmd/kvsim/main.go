@@ -60,6 +60,7 @@ type options struct {
 	zmqDial, legacyReplay             bool
 	cpuWriteThrough                   bool
 	topic, encoding, hashAlgo         string
+	engine                            string // --engine: vllm, sglang, trtllm
 	bufferSteps                       int
 	timeScale                         float64
 	defaultMaxTokens, maxLoRAs        int
@@ -102,6 +103,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.legacyReplay, "legacy-replay", false, "answer replay with [seq, payload] (older vLLM) instead of [topic, seq, payload]")
 	fs.StringVar(&o.topic, "topic", "kv@{host}:{port}@{model}", "event topic; {host}, {port} (HTTP), {rank} and {model} are expanded (vLLM's default is \"kv\")")
 	fs.StringVar(&o.encoding, "event-encoding", "array", "event encoding: array (older vLLM) or map (vLLM ≥ mid-2026)")
+	fs.StringVar(&o.engine, "engine", "vllm", "whose KV events to emit: vllm, sglang (SGLang's msgpack on the same ZMQ sockets) or trtllm (TensorRT-LLM's JSON from POST /kv_cache_events, no ZMQ)")
 	fs.IntVar(&o.bufferSteps, "buffer-steps", 10000, "replay buffer length in batches")
 	fs.Float64Var(&o.timeScale, "time-scale", 1, "run virtual time this many times faster than real time")
 	fs.IntVar(&o.defaultMaxTokens, "default-max-tokens", 16, "max_tokens when a request sets none")
@@ -130,6 +132,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	}
 	if o.dp < 1 {
 		return nil, fmt.Errorf("--data-parallel-size %d < 1", o.dp)
+	}
+	if err := simserver.ValidFormat(o.engine); err != nil {
+		return nil, fmt.Errorf("--engine: %w", err)
 	}
 	last := o.instances*o.dp - 1
 	if o.events && (o.zmqPort < 1 || o.zmqPort+last > 65535 || o.replayPort < 0 || (o.replayPort > 0 && o.replayPort+last > 65535)) {
@@ -219,7 +224,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready fun
 			cfg.Events = simserver.EventsConfig{
 				Endpoint: fmt.Sprintf("tcp://%s:%d", o.zmqHost, o.zmqPort+i*o.dp),
 				Dial:     o.zmqDial, Topic: o.topic, Encoding: enc,
-				BufferSteps: o.bufferSteps, LegacyReplay: o.legacyReplay,
+				BufferSteps: o.bufferSteps, LegacyReplay: o.legacyReplay, Format: o.engine,
 			}
 			if o.replayPort > 0 {
 				cfg.Events.ReplayEndpoint = fmt.Sprintf("tcp://%s:%d", o.zmqHost, o.replayPort+i*o.dp)

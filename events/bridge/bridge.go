@@ -106,6 +106,11 @@ type Config struct {
 	// MaxBlocksPerMessage bounds a synthetic resync message (default 4096
 	// blocks, ~400 KB with 16-token blocks: under NATS's 1 MB max payload).
 	MaxBlocksPerMessage int
+	// AgeOut gives stores-only tiers (sources that never report removals,
+	// such as LMCache) a lifetime: a block held in such a tier and not
+	// stored there again within the duration is removed (aging.go). Tiers
+	// not listed never age.
+	AgeOut map[tiers.Tier]time.Duration
 	// Registerer receives the bridge's metrics (nil: not registered).
 	Registerer prometheus.Registerer
 	// Logger defaults to slog.Default().
@@ -281,6 +286,10 @@ func (b *Bridge) Run(ctx context.Context) error {
 			wg.Add(1)
 			go func() { defer wg.Done(); in.probe(ctx) }()
 		}
+		if len(b.cfg.AgeOut) > 0 {
+			wg.Add(1)
+			go func() { defer wg.Done(); in.ageTicker(ctx) }()
+		}
 	}
 	wg.Wait()
 	return ctx.Err()
@@ -296,6 +305,7 @@ type Stats struct {
 	Clears         uint64 `json:"clears"`  // synthetic clears (gap, restart, resync)
 	Dropped        uint64 `json:"dropped"` // dropped for a full buffer
 	Malformed      uint64 `json:"malformed"`
+	Aged           uint64 `json:"aged"` // blocks removed by aging (AgeOut)
 	Blocks         int    `json:"blocks"`
 	EngineDown     bool   `json:"engine_down"`
 	EngineSeq      uint64 `json:"engine_seq"`
@@ -329,6 +339,7 @@ type instance struct {
 	storeNow  chan struct{} // signalled (cap 1) when the stream had to be made again
 	tail      chan struct{} // signalled (cap 1) when the subscriber (re)connected
 	probes    chan probeResult
+	ageNow    chan struct{} // signalled (cap 1) when aged tiers are due a sweep
 	started   atomic.Bool
 	lastRecv  atomic.Int64 // unix nanos of the last engine message received
 	// engineDown: probes fail and no events arrive (heartbeats say so).
@@ -345,7 +356,7 @@ type instance struct {
 	// synthetic messages; read by the snapshot goroutines.
 	enc atomic.Uint32
 
-	published, gaps, replays, replayFails, clears, dropped, malformed atomic.Uint64
+	published, gaps, replays, replayFails, clears, dropped, malformed, aged atomic.Uint64
 
 	mu        sync.Mutex // guards table, engineSeq, hasSeq, streamSeq, storedSeq, lastHash, engineStart
 	table     *Table
@@ -392,6 +403,7 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		tail:     tail,
 		storeNow: make(chan struct{}, 1),
 		probes:   make(chan probeResult, 1),
+		ageNow:   make(chan struct{}, 1),
 		table:    NewTable(b.cfg.MaxBlocks),
 	}
 	in.enc.Store(uint32(events.EncodingMap))
@@ -410,7 +422,7 @@ func (in *instance) stats() Stats {
 	return Stats{
 		Instance: in.src.Instance, Published: in.published.Load(), Gaps: in.gaps.Load(), Replays: in.replays.Load(),
 		ReplayFailures: in.replayFails.Load(), Clears: in.clears.Load(), Dropped: in.dropped.Load(),
-		Malformed: in.malformed.Load(), Blocks: in.table.Len(), EngineDown: in.engineDown.Load(), EngineSeq: in.engineSeq, HasSeq: in.hasSeq, StreamSeq: in.streamSeq,
+		Malformed: in.malformed.Load(), Aged: in.aged.Load(), Blocks: in.table.Len(), EngineDown: in.engineDown.Load(), EngineSeq: in.engineSeq, HasSeq: in.hasSeq, StreamSeq: in.streamSeq,
 	}
 }
 
@@ -463,6 +475,14 @@ func (in *instance) process(ctx context.Context) {
 			}
 			depth.Set(0)
 			if err := in.catchTail(ctx); err != nil {
+				return
+			}
+		case <-in.ageNow:
+			if in.drain(ctx) != nil {
+				return
+			}
+			depth.Set(0)
+			if err := in.ageOut(ctx); err != nil {
 				return
 			}
 		case r := <-in.probes:

@@ -20,7 +20,10 @@ type block struct {
 	hasLoraID bool
 	salt      string
 	tiers     tiers.Set
-	elem      *list.Element // in Table.live (tiers != 0) or Table.ghosts (tiers 0)
+	// stored is, per tier, when the block was last stored there (the
+	// table's clock, unix nanoseconds): what aging reads (aging.go).
+	stored [tiers.Count]int64
+	elem   *list.Element // in Table.live (tiers != 0) or Table.ghosts (tiers 0)
 	// children counts blocks in the table whose parent this is. A block
 	// that leaves every tier while it has children stays as a ghost
 	// (tiers 0): a snapshot must still be able to key its descendants,
@@ -66,6 +69,20 @@ type Table struct {
 	live      *list.List        // engine hashes of held blocks, oldest (first stored) first
 	ghosts    *list.List        // engine hashes of ghosts, oldest first
 	blockSize int
+	// now is the clock of the stored stamps (nil: the wall clock).
+	now func() int64
+	// group is 1 + the full-attention KV-cache group whose stores count
+	// (the lowest seen); 0 before any.
+	group int
+}
+
+// primaryGroup reports whether stores of full-attention group g count: g
+// is the lowest full-attention group seen so far.
+func (t *Table) primaryGroup(g int) bool {
+	if t.group == 0 || g < t.group-1 {
+		t.group = g + 1
+	}
+	return g == t.group-1
 }
 
 // NewTable returns an empty table holding at most max blocks (0: no bound).
@@ -182,7 +199,9 @@ func (t *Table) Apply(evs []events.Event) TableResult {
 	var r TableResult
 	for i := range evs {
 		e := &evs[i]
-		if !e.FullAttention() {
+		if !e.FullAttention() || e.Kind == events.BlockStored && !t.primaryGroup(e.GroupIdx) {
+			// Stores come from one full-attention group, removals from
+			// all, as the index applies them (kvindex, docs/engines.md).
 			r.Skipped++
 			continue
 		}
@@ -247,6 +266,7 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 				b.elem = t.live.PushBack(h)
 			}
 			b.tiers |= tier.Bit()
+			b.stored[tier] = t.clock()
 			if b.tokens == nil && toks != nil {
 				t.fill(b, e, toks, parent, hasParent, i == 0)
 			}
@@ -256,6 +276,7 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 			r.Unplaced++
 		default:
 			b = &block{tiers: tier.Bit()}
+			b.stored[tier] = t.clock()
 			t.fill(b, e, toks, parent, hasParent, i == 0)
 			b.elem = t.live.PushBack(h)
 			t.blocks[h] = b

@@ -1,6 +1,10 @@
 package consumer
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter/kvrouter/kvindex"
+)
 
 // metrics are the consumer's series, labelled with its pool.
 type metrics struct {
@@ -10,6 +14,7 @@ type metrics struct {
 	gaps          prometheus.Counter
 	stored        prometheus.Counter
 	removed       prometheus.Counter
+	dropped       *prometheus.CounterVec
 	applyErrors   prometheus.Counter
 	consumeErrors prometheus.Counter
 	snapshotLoads *prometheus.CounterVec
@@ -61,12 +66,14 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 			Help: "1 while the index can be trusted; 0 while a shared (Redis) index is unreachable, lost its data or has instances being repaired (those count as stale)."}),
 		indexLost: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_index_lost_total", ConstLabels: cl,
 			Help: "Times the shared index was found to have lost its data (its epoch changed: Redis restarted empty or was flushed)."}),
+		dropped: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_events_blocks_dropped_total", ConstLabels: cl,
+			Help: "Blocks of applied events the index could not use, by reason: orphan (parent never seen), unmapped (hash never stored with tokens), other_group (a KV-cache group that is not full attention), invalid (block size or token count wrong; whole events), unknown_medium (placed in the CPU tier)."}, []string{"reason"}),
 		lag: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvrouter_events_lag_seconds", ConstLabels: cl,
 			Help:    "Time from a message's JetStream store to its application to the index.",
 			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 18)}),
 	}
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.messages, m.events, m.unknown, m.gaps, m.stored, m.removed, m.applyErrors,
+		for _, c := range []prometheus.Collector{m.messages, m.events, m.unknown, m.gaps, m.stored, m.removed, m.dropped, m.applyErrors,
 			m.consumeErrors, m.snapshotLoads, m.heartbeats, m.purges, m.replayed, m.replayLost, m.instances, m.queue, m.consistent, m.indexLost, m.lag} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
@@ -74,4 +81,17 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 		}
 	}
 	return m, nil
+}
+
+// countDropped counts what the index could not use of an applied batch
+// (docs/engines.md says which sources produce each).
+func (c *Consumer) countDropped(res kvindex.ApplyResult) {
+	for _, d := range [...]struct {
+		reason string
+		n      int
+	}{{"orphan", res.Orphans}, {"unmapped", res.Unmapped}, {"other_group", res.Skipped}, {"invalid", res.Invalid}, {"unknown_medium", res.UnknownMedium}} {
+		if d.n > 0 {
+			c.m.dropped.WithLabelValues(d.reason).Add(float64(d.n))
+		}
+	}
 }

@@ -295,6 +295,7 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 	}
 	c.m.stored.Add(float64(res.Stored))
 	c.m.removed.Add(float64(res.Removed))
+	c.countDropped(res)
 	if !w.stored.IsZero() {
 		c.m.lag.Observe(now.Sub(w.stored).Seconds())
 	}

@@ -89,6 +89,7 @@ type Pipeline struct {
 	acct     *tiermetrics.Accounting
 	embedded *kvstream.EmbeddedNATS
 	conn     *nats.Conn
+	replicas replicaSync // events.replica_sync (replicas.go)
 	ownConn  bool
 	natsURL  string
 	ctx      context.Context // the consumers run under it
@@ -347,8 +348,13 @@ func (k *Pipeline) pool(pc config.PoolConfig) (*kvPool, error) {
 		_ = idxs.Close()
 		return nil, fmt.Errorf("router: pool %q events consumer: %w", pc.Name, err)
 	}
-	p := &kvPool{model: pc.Model, idxs: idxs, index: index, cons: cons,
-		fresh: kvindex.FreshnessFuncs{Healthy: cons.Healthy, IsStale: func(id string) bool { return !cons.Live(id) }, Epoch: cons.LostEpoch}}
+	fresh, err := k.withReplicaSync(pc, cons,
+		kvindex.FreshnessFuncs{Healthy: cons.Healthy, IsStale: func(id string) bool { return !cons.Live(id) }, Epoch: cons.LostEpoch})
+	if err != nil {
+		_ = idxs.Close()
+		return nil, err
+	}
+	p := &kvPool{model: pc.Model, idxs: idxs, index: index, cons: cons, fresh: fresh}
 	k.pools[pc.Name] = p
 	k.wg.Go(func() {
 		if err := cons.Run(k.ctx); err != nil && !errors.Is(err, context.Canceled) {

@@ -85,6 +85,9 @@ type driver struct {
 	pubWake chan struct{}
 	pub     publisher
 	stats   pubStats
+
+	format string     // EventsConfig.Format (engines.go)
+	trt    *trtBuffer // FormatTRTLLM: events wait here for POST /kv_cache_events
 }
 
 type outMsg struct {
@@ -97,16 +100,16 @@ type pubStats struct {
 	batches, dropped, errors, enc uint64
 }
 
-func newDriver(cfg sim.Config, clock Clock, enc events.Encoding, hwm int, pub publisher, log *slog.Logger) (*driver, error) {
+func newDriver(cfg sim.Config, clock Clock, enc events.Encoding, hwm int, pub publisher, log *slog.Logger, trt *trtBuffer) (*driver, error) {
 	d := &driver{
-		rank: cfg.DPRank, clock: clock, log: log, enc: enc, hwm: hwm, pub: pub,
+		rank: cfg.DPRank, clock: clock, log: log, enc: enc, hwm: hwm, pub: pub, trt: trt,
 		waiters: make(map[uint64]*waiter),
 		wake:    make(chan struct{}, 1),
 		pubWake: make(chan struct{}, 1),
 	}
 	cfg.TokenUpdates = true
 	var sink func(events.Batch)
-	if pub != nil {
+	if pub != nil || trt != nil {
 		sink = d.sink
 	}
 	eng, err := sim.New(cfg, sink)
@@ -122,7 +125,17 @@ func newDriver(cfg sim.Config, clock Clock, enc events.Encoding, hwm int, pub pu
 // and goes to the replay buffer but not to subscribers, as a vLLM PUB
 // socket at its high-water mark drops messages.
 func (d *driver) sink(b events.Batch) {
-	payload, err := events.Encode(nil, b, d.enc)
+	if d.trt != nil {
+		d.trt.add(b)
+		return
+	}
+	var payload []byte
+	var err error
+	if d.format == FormatSGLang {
+		payload, err = events.EncodeSGLang(nil, b, events.SGLangOptions{Medium: true})
+	} else {
+		payload, err = events.Encode(nil, b, d.enc)
+	}
 	if err != nil {
 		d.stats.mu.Lock()
 		d.stats.enc++

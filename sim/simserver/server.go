@@ -89,6 +89,11 @@ type EventsConfig struct {
 	HWM int
 	// LegacyReplay answers replay with [seq, payload] instead of [topic, seq, payload].
 	LegacyReplay bool
+	// Format is the engine whose events the server emits: FormatVLLM
+	// (default), FormatSGLang or FormatTRTLLM (engines.go). With
+	// FormatTRTLLM there are no ZMQ sockets: Endpoint only switches events
+	// on, and POST /kv_cache_events serves them.
+	Format string
 }
 
 // ErrConfig wraps configuration errors.
@@ -161,6 +166,9 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 	if ev.HWM == 0 {
 		ev.HWM = 100000
 	}
+	if err := ValidFormat(ev.Format); err != nil {
+		return nil, err
+	}
 	switch {
 	case cfg.DataParallelSize < 1 || cfg.DataParallelSize > 64:
 		return nil, fmt.Errorf("%w: data-parallel size %d out of [1, 64]", ErrConfig, cfg.DataParallelSize)
@@ -207,7 +215,10 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 		ec.DPRank = r
 		ec.Epoch = float64(clock.Start.UnixNano()) / 1e9
 		var pub *enginezmq.Publisher
-		if ev.Endpoint != "" {
+		var trt *trtBuffer
+		if ev.Endpoint != "" && ev.Format == FormatTRTLLM {
+			trt = newTRTBuffer(r, cfg.DataParallelSize > 1)
+		} else if ev.Endpoint != "" {
 			pubEP, err := offsetEndpoint(ev.Endpoint, r)
 			if err != nil {
 				return fail(err)
@@ -233,10 +244,11 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 		if pub != nil {
 			p = pub
 		}
-		d, err := newDriver(ec, clock, ev.Encoding, ev.HWM, p, in.log.With("rank", r))
+		d, err := newDriver(ec, clock, ev.Encoding, ev.HWM, p, in.log.With("rank", r), trt)
 		if err != nil {
 			return fail(fmt.Errorf("%w: %w", ErrConfig, err))
 		}
+		d.format = ev.Format
 		in.ranks = append(in.ranks, d)
 	}
 	for name, path := range cfg.LoRAs {
@@ -264,6 +276,9 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 	mux.HandleFunc("POST /sleep", in.handleSleep)
 	mux.HandleFunc("POST /wake_up", in.handleWake)
 	mux.HandleFunc("GET /is_sleeping", in.handleIsSleeping)
+	if ev.Format == FormatTRTLLM {
+		mux.HandleFunc("POST /kv_cache_events", in.handleKVCacheEvents)
+	}
 	mux.Handle("GET /metrics", promhttp.HandlerFor(in.registry, promhttp.HandlerOpts{}))
 	in.http = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, BaseContext: func(net.Listener) context.Context { return ctx }}
 

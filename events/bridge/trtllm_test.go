@@ -1,0 +1,102 @@
+package bridge
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/enginezmq"
+)
+
+// The poller against a trtllm-serve stand-in: a failing answer is retried,
+// the fixture's events come out as vLLM-shaped batches on the rank's
+// loopback publisher (as the bridge subscribes to it), and events of a
+// rank beyond those configured are dropped and counted.
+func TestTRTLLMPoller(t *testing.T) {
+	fixture, err := os.ReadFile(filepath.Join("..", "testdata", "engines", "trtllm-kv_cache_events.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dp, err := os.ReadFile(filepath.Join("..", "testdata", "engines", "trtllm-attention-dp.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost || r.URL.Path != "/kv_cache_events" {
+			http.NotFound(w, r)
+			return
+		}
+		switch calls.Add(1) {
+		case 1:
+			http.Error(w, "warming up", http.StatusServiceUnavailable)
+		case 2:
+			_, _ = w.Write(fixture)
+		case 3:
+			_, _ = w.Write(dp)
+		default:
+			_, _ = w.Write([]byte("[]"))
+		}
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	p, err := NewTRTLLMPoller(ctx, TRTLLMConfig{EngineURL: srv.URL + "/", Interval: 10 * time.Millisecond, Logger: quietTestLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	src := p.Source(0, "trt-0", srv.URL)
+	got := make(chan enginezmq.Message, 16)
+	sub, err := enginezmq.NewSubscriber(enginezmq.SubscriberConfig{Endpoint: src.Endpoint, Logger: quietTestLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	subDone := make(chan struct{})
+	go func() { defer close(subDone); _ = sub.Run(ctx, func(m enginezmq.Message) { got <- m }) }()
+	// The subscription must reach the publisher before the first batch:
+	// wait for it before polling starts.
+	deadline := time.Now().Add(10 * time.Second)
+	for !p.pubs[0].Subscribed() && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	runDone := make(chan struct{})
+	go func() { defer close(runDone); p.Run(ctx) }()
+	var m enginezmq.Message
+	select {
+	case m = <-got:
+	case <-ctx.Done():
+		t.Fatal("no batch from the poller")
+	}
+	b, err := events.Decode(m.Payload)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.Encoding != events.EncodingMap || !b.HasDPRank || b.DPRank != 0 || len(b.Events) != 6 || b.Events[0].Kind != events.AllBlocksCleared {
+		t.Fatalf("first batch = %+v", b)
+	}
+	deadline = time.Now().Add(10 * time.Second)
+	for p.Stats().Lost == 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	st := p.Stats()
+	if st.Failures < 1 || st.Events != 8 || st.Lost != 2 {
+		t.Fatalf("stats %+v, want a failure, 8 events, 2 lost (rank 1 beyond one rank)", st)
+	}
+	cancel()
+	<-runDone
+	<-subDone
+	if _, err := NewTRTLLMPoller(context.Background(), TRTLLMConfig{}); err == nil {
+		t.Fatal("a poller without an engine URL was made")
+	}
+}
+
+func quietTestLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
