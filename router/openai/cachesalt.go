@@ -23,47 +23,13 @@ var errNotObject = errors.New("not a JSON object")
 // wins), else the body is returned as is. Other members keep their bytes
 // and order; whitespace between top-level members is dropped.
 func InjectCacheSalt(body []byte, salt string, overwrite bool) ([]byte, error) {
-	s := &jscan{b: body}
-	if s.peek() != '{' {
-		return nil, errNotObject
+	spans, err := topMembers(body)
+	if err != nil {
+		return nil, err
 	}
-	type span struct{ start, end int }
-	var keep []span // members other than cache_salt
 	found := false
-	s.i++
-	if s.peek() == '}' {
-		s.i++
-	} else {
-		for {
-			s.ws()
-			start := s.i
-			raw, esc, err := s.str()
-			if err != nil {
-				return nil, err
-			}
-			if err := s.expect(':'); err != nil {
-				return nil, err
-			}
-			if _, err := s.skip(1); err != nil {
-				return nil, err
-			}
-			if unquote(raw, esc) == "cache_salt" {
-				found = true
-			} else {
-				keep = append(keep, span{start, s.i})
-			}
-			if s.peek() == ',' {
-				s.i++
-				continue
-			}
-			if err := s.expect('}'); err != nil {
-				return nil, err
-			}
-			break
-		}
-	}
-	if s.peek() != 0 || s.i < len(s.b) {
-		return nil, s.errorf("invalid character after top-level value")
+	for _, m := range spans {
+		found = found || m.key == "cache_salt"
 	}
 	if found && !overwrite {
 		return body, nil
@@ -75,7 +41,10 @@ func InjectCacheSalt(body []byte, salt string, overwrite bool) ([]byte, error) {
 	out := make([]byte, 0, len(body)+len(q)+16)
 	out = append(out, `{"cache_salt":`...)
 	out = append(out, q...)
-	for _, m := range keep {
+	for _, m := range spans {
+		if m.key == "cache_salt" {
+			continue
+		}
 		out = append(out, ',')
 		out = append(out, body[m.start:m.end]...)
 	}
