@@ -92,15 +92,16 @@ func transferParams(answer []byte) (json.RawMessage, error) {
 // disaggregate runs the prefill stage of a request of a pool with
 // disaggregation on, and returns the request the decode stage routes: the
 // original with the prefill's kv_transfer_params, or the original
-// unchanged when the request goes aggregated (HeaderDisagg says why). It
-// never answers the client: a failed prefill falls back to aggregated
-// serving, since a decode-capable instance can always prefill itself.
-func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *Pool, strat Strategy, req *Request, path string) *Request {
+// unchanged when the request goes aggregated (HeaderDisagg says why), and
+// the time spent in prefill exchanges with the engines. It never answers
+// the client: a failed prefill falls back to aggregated serving, since a
+// decode-capable instance can always prefill itself.
+func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *Pool, strat Strategy, req *Request, path string) (_ *Request, exchange time.Duration) {
 	dc := pool.cfg.Disaggregation
-	aggregated := func(why string) *Request {
+	aggregated := func(why string) (*Request, time.Duration) {
 		w.Header().Set(HeaderDisagg, "aggregated; "+why)
 		s.m.disagg.WithLabelValues(pool.Name(), "aggregated", why).Inc()
-		return req
+		return req, exchange
 	}
 	var buf [32]*Instance
 	pcands := pool.PrefillCandidates(buf[:0], req.Adapter, nil)
@@ -138,7 +139,9 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *Pool
 			}
 			return aggregated(aggPrefillBusy)
 		}
+		t0 := time.Now()
 		kv, err := s.prefill(r, pool, dec, pbody, path, dc.PrefillTimeout)
+		exchange += time.Since(t0)
 		if err == nil && kv == nil {
 			s.log.Warn("disaggregation: the prefill instance answered without kv_transfer_params (is vLLM started with --kv-transfer-config?)", "pool", pool.Name(), "instance", dec.Instance.ID())
 			return aggregated(aggNoParams)
@@ -163,7 +166,7 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *Pool
 		// The prompt is unchanged, so whatever was derived from the body
 		// (routing text, tokens) still holds.
 		req.Body = dbody
-		return req
+		return req, exchange
 	}
 	return aggregated(aggPrefillError)
 }

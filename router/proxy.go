@@ -152,9 +152,6 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in Inbound) {
 	}
 	_, strat := pool.Routing()
 	path := r.URL.Path
-	if in.Endpoint.OpenAI() && pool.cfg.Disaggregation.Enabled() {
-		req = s.disaggregate(w, r, pool, strat, req, path)
-	}
 	switch in.Endpoint {
 	case EndpointInvoke:
 		path = pool.cfg.InvokePath
@@ -166,6 +163,13 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in Inbound) {
 		return
 	}
 	defer done()
+	if in.Endpoint.OpenAI() && pool.cfg.Disaggregation.Enabled() {
+		var exchange time.Duration
+		req, exchange = s.disaggregate(w, r, pool, strat, req, path)
+		// The prefill exchange is the engines' time, not the router's:
+		// x-kvrouter-overhead-us leaves it out.
+		ready = ready.Add(exchange)
+	}
 	s.route(w, r, st, pool, strat, req, path, ready)
 }
 
