@@ -105,6 +105,8 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *Pool
 	}
 	var buf [32]*Instance
 	pcands := pool.PrefillCandidates(buf[:0], req.Adapter, nil)
+	// Picked twice (prefill, then decode): the prompt's block keys are made once.
+	req.shareKeys = true
 	if len(pcands) == 0 {
 		return aggregated(aggNoPrefill)
 	}

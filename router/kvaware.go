@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -458,7 +459,15 @@ func (s *KVAware) evaluate(ctx context.Context, req *Request, cands []*Instance,
 		return
 	}
 	ev.blockSize = bs
-	ev.keys = kvindex.AppendKeys(ev.keys, kvindex.Root(st.model, req.Adapter, cacheSalt(req)), ids, bs)
+	root := kvindex.Root(st.model, req.Adapter, cacheSalt(req))
+	if req.keys != nil && req.keyRoot == root && req.keyBS == bs && req.keyN == len(ids) {
+		ev.keys = append(ev.keys[:0], req.keys...)
+	} else {
+		ev.keys = kvindex.AppendKeys(ev.keys, root, ids, bs)
+		if req.shareKeys {
+			req.keys, req.keyRoot, req.keyBS, req.keyN = slices.Clone(ev.keys), root, bs, len(ids)
+		}
+	}
 	matches, err := tracedLookup(ctx, st.index, ev.matches, ev.keys)
 	ev.matches = matches
 	if err != nil {

@@ -230,3 +230,45 @@ func BenchmarkKVAwareDecision(b *testing.B) {
 		}, nil)
 	})
 }
+
+// BenchmarkDisaggDecision: the two-stage decision of a disaggregated
+// request (kv_aware over the prefill half of the benchmark world's 64
+// instances, then over the decode half) beside one kv_aware decision over
+// all 64, same prompt and index, from token ids (docs/benchmarks/disagg.md:
+// the design allows 2×).
+func BenchmarkDisaggDecision(b *testing.B) {
+	w, ids := benchSetup(b)
+	s, err := NewKVAware(config.RoutingConfig{}, w.st)
+	if err != nil {
+		b.Fatal(err)
+	}
+	text := strings.Repeat("x", config.DefaultPrefixLength)
+	mk := func() *Request {
+		return &Request{Endpoint: EndpointCompletions, Model: kvTestModel, RoutingText: text, PromptTokens: ids}
+	}
+	pick := func(req *Request, cands []*Instance) {
+		d, err := s.Pick(context.Background(), req, cands)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if d.Observer != nil {
+			d.Observer.Done(200, -1)
+		}
+	}
+	run := func(b *testing.B, stages [][]*Instance) {
+		b.ReportAllocs()
+		cpu0, n := processCPU(), 0
+		for b.Loop() {
+			n++
+			req := mk()
+			req.shareKeys = len(stages) > 1 // as disaggregate sets it
+			for _, cands := range stages {
+				pick(req, cands)
+			}
+		}
+		b.ReportMetric(float64(processCPU()-cpu0)/float64(n), "cpu-ns/op")
+	}
+	half := len(w.insts) / 2
+	b.Run("aggregated", func(b *testing.B) { run(b, [][]*Instance{w.insts}) })
+	b.Run("prefill_then_decode", func(b *testing.B) { run(b, [][]*Instance{w.insts[:half], w.insts[half:]}) })
+}

@@ -11,6 +11,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/kvrouter/kvrouter/tiers"
 )
@@ -130,6 +131,15 @@ type Request struct {
 	tokOnce  sync.Once
 	tokens   []uint32
 	tokErr   error
+
+	// keys, when shareKeys is set (a disaggregated request, picked twice),
+	// keeps the prompt's block keys from the first pick for the second
+	// (kvaware.go), under the root, block size and length they were made for.
+	shareKeys bool
+	keys      []kvindex.Key
+	keyRoot   kvindex.Key
+	keyBS     int
+	keyN      int
 }
 
 // RoutingHash is xxhash64 of (RoutingText, TenantKey), computed once.

@@ -129,14 +129,22 @@ func TestNATSSlowConsumerIsStructured(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	found := false
-	for _, rec := range records(t, buf) {
-		if rec["kind"] == "slow_consumer" && rec["subject"] == subj {
-			found = true
+	// The count goes up before the line is written (emit counts, then
+	// logs): wait for the line too.
+	for {
+		found := false
+		for _, rec := range records(t, buf) {
+			if rec["kind"] == "slow_consumer" && rec["subject"] == subj {
+				found = true
+			}
 		}
-	}
-	if !found {
-		t.Fatal("no structured slow_consumer record with the subject")
+		if found {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no structured slow_consumer record with the subject")
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
 
