@@ -57,6 +57,7 @@ type options struct {
 
 	pool, instance, model, engineURL string
 	adapters                         string
+	role                             string
 	blockSize                        int
 
 	zmqEndpoint, replayEndpoint, topic string
@@ -132,6 +133,7 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	fs.StringVar(&o.bucket, "bucket", "", "snapshot key-value bucket (default KV_SNAPSHOTS)")
 	fs.StringVar(&o.listen, "listen", envOr(getenv, ":9400", "KVBRIDGE_LISTEN"), "address for /metrics, /healthz and /readyz")
 	fs.StringVar(&o.logLevel, "log-level", envOr(getenv, "info", "KVBRIDGE_LOG_LEVEL"), "debug, info, warn or error")
+	fs.StringVar(&o.role, "role", envOr(getenv, "both", "KVBRIDGE_ROLE"), "the engine's disaggregated-serving role, announced in heartbeats so a discovered instance joins the right set: both, prefill or decode (env KVBRIDGE_ROLE; docs/disaggregation.md)")
 	fs.StringVar(&o.format, "format", envOr(getenv, formatVLLM, "KVBRIDGE_FORMAT"), "engine event format: vllm, sglang (both msgpack on ZMQ) or trtllm-json (polls the engine-url's POST /kv_cache_events) (env KVBRIDGE_FORMAT)")
 	fs.DurationVar(&o.pollInterval, "poll-interval", 100*time.Millisecond, "trtllm-json: wait after an empty poll")
 	fs.IntVar(&o.trtllmWindow, "trtllm-full-window", 0, "trtllm-json: attention window of the full-attention layers; events of other window_size values are a sliding-window group the router does not index (0: one window)")
@@ -150,6 +152,11 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	}
 	if o.dpSize < 1 || o.dpSize > 1024 {
 		return nil, fmt.Errorf("--dp-size %d out of range 1..1024", o.dpSize)
+	}
+	switch o.role {
+	case "both", "prefill", "decode":
+	default:
+		return nil, fmt.Errorf("--role %q: want both, prefill or decode", o.role)
 	}
 	if err := validFormat(o.format); err != nil {
 		return nil, err
@@ -270,7 +277,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		}
 	}
 	br, err := bridge.New(bridge.Config{
-		Pool: o.pool, Model: o.model, BlockSize: o.blockSize, Adapters: adapters, Sources: srcs, Conn: nc,
+		Pool: o.pool, Model: o.model, BlockSize: o.blockSize, Adapters: adapters, Role: o.role, Sources: srcs, Conn: nc,
 		Stream:              kvstream.StreamConfig{Name: o.stream, MaxAge: o.streamMaxAge, MaxBytes: o.streamMaxBytes, Replicas: o.streamReplicas},
 		Bucket:              kvstream.BucketConfig{Name: o.bucket, Replicas: o.streamReplicas},
 		MaxBlocks:           o.maxBlocks,

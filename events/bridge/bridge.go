@@ -60,6 +60,9 @@ type Config struct {
 	BlockSize int
 	// Adapters are the LoRA adapters the instance serves (heartbeats).
 	Adapters []string
+	// Role is the engine's disaggregated-serving role (heartbeats):
+	// prefill, decode or both ("" = both).
+	Role string
 	// Sources lists the engine's publishers; at least one.
 	Sources []Source
 	// Conn is the NATS connection; required. Configure it to reconnect

@@ -401,7 +401,7 @@ func (in *instance) periodic(ctx context.Context) {
 func (in *instance) heartbeat() {
 	in.mu.Lock()
 	h := kvstream.Heartbeat{Pool: in.b.cfg.Pool, Instance: in.src.Instance, URL: in.src.URL, Model: in.b.cfg.Model,
-		BlockSize: in.table.BlockSize(), Adapters: in.b.cfg.Adapters, Rank: in.src.Rank, Blocks: in.table.Len(),
+		BlockSize: in.table.BlockSize(), Adapters: in.b.cfg.Adapters, Role: in.b.cfg.Role, Rank: in.src.Rank, Blocks: in.table.Len(),
 		EngineSeq: in.engineSeq, StreamSeq: in.streamSeq, Time: time.Now().UTC(),
 		IntervalMS: in.b.cfg.HeartbeatInterval.Milliseconds(), EngineDown: in.engineDown.Load(), EngineStart: in.engineStart}
 	in.mu.Unlock()

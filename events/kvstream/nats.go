@@ -381,4 +381,7 @@ type Heartbeat struct {
 	// its /metrics process_start_time_seconds), 0 when unknown: it changes
 	// exactly when the engine restarts.
 	EngineStart float64 `json:"engine_start,omitempty"`
+	// Role is the engine's disaggregated-serving role (prefill, decode or
+	// both; empty = both), so that discovered instances join the right set.
+	Role string `json:"role,omitempty"`
 }

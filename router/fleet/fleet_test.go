@@ -73,13 +73,25 @@ func TestReconciler(t *testing.T) {
 				t.Fatalf("%s: instances %v", what, ids())
 			}
 			// Heartbeats keep coming, as a bridge sends them.
-			data, _ := json.Marshal(kvstream.Heartbeat{Pool: pool, Instance: "disc-1", URL: "http://127.0.0.2:8000", Model: model, Time: time.Now(), IntervalMS: 1000})
+			data, _ := json.Marshal(kvstream.Heartbeat{Pool: pool, Instance: "disc-1", URL: "http://127.0.0.2:8000", Model: model, Time: time.Now(), IntervalMS: 1000, Role: config.RolePrefill})
 			if err := nc.Publish(subj, data); err != nil {
 				t.Fatal(err)
 			}
 		}
 	}
 	waitFor("heartbeat instance joins", func() bool { return slices.Contains(ids(), "disc-1") && kve.IsDiscovered(pool, "disc-1") })
+	// Its heartbeat's role places it: a prefill instance, never a candidate
+	// for a plain request.
+	if p, _ := srv.Pool(pool); p != nil {
+		for _, in := range p.Instances() {
+			if in.ID() == "disc-1" && in.Role() != config.RolePrefill {
+				t.Fatalf("discovered instance's role %q, want prefill", in.Role())
+			}
+		}
+		if c, _ := p.Candidates(nil, "", nil); slices.ContainsFunc(c, func(in *router.Instance) bool { return in.ID() == "disc-1" }) {
+			t.Fatal("a discovered prefill instance is a candidate for plain requests")
+		}
+	}
 
 	// A reload from the file keeps the discovered instance and applies the
 	// file's change.

@@ -619,7 +619,13 @@ func (k *Pipeline) Discovered(pool config.PoolConfig) []config.InstanceConfig {
 		if u, err := url.Parse(hb.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 			continue
 		}
-		out = append(out, config.InstanceConfig{ID: st.Instance, URL: hb.URL, Adapters: slices.Clone(hb.Adapters)})
+		role := hb.Role
+		switch role {
+		case "", config.RoleBoth, config.RolePrefill, config.RoleDecode:
+		default:
+			role = "" // a role this router does not know: serve it as both
+		}
+		out = append(out, config.InstanceConfig{ID: st.Instance, URL: hb.URL, Adapters: slices.Clone(hb.Adapters), Role: role})
 	}
 	return out
 }
