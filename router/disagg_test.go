@@ -145,6 +145,24 @@ func TestDisaggregatedServing(t *testing.T) {
 		t.Fatalf("2000-token prompt: disagg %q", got)
 	}
 
+	// The decode instance gone after the prefill: one clear error, the
+	// prefill done once, nothing generated twice.
+	e := newDisaggFleet(t, config.DisaggregationConfig{Mode: config.DisaggAlways}, 1, 1)
+	e.sims["d0"].Close()
+	b, _ := json.Marshal(map[string]any{"model": sim.DefaultModel, "prompt": long, "max_tokens": 3})
+	dresp, err := http.Post(e.ts.URL+"/v1/completions", "application/json", bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg, _ := io.ReadAll(dresp.Body)
+	dresp.Body.Close()
+	if dresp.StatusCode != http.StatusBadGateway || !strings.Contains(string(msg), "d0") || dresp.Header.Get(router.HeaderPrefillInstance) != "p0" {
+		t.Fatalf("decode instance down: %d %s (prefill %q)", dresp.StatusCode, msg, dresp.Header.Get(router.HeaderPrefillInstance))
+	}
+	if n := e.sims["p0"].Prefills(); n != 1 {
+		t.Fatalf("prefill instance answered %d prefills for one request, want 1", n)
+	}
+
 	// Every prefill instance gone: the request is served aggregated by a
 	// decode instance (which refuses nothing plain), not failed.
 	for id, in := range f.sims {
