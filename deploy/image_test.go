@@ -156,7 +156,8 @@ func TestDockerfile(t *testing.T) {
 		t.Fatalf("make -n image: %v", err)
 	}
 	got := strings.Join(strings.Fields(strings.ReplaceAll(string(out), "\\\n", " ")), " ")
-	want := "docker build -f deploy/Dockerfile --build-arg VERSION=v1.2.3 --build-arg COMMIT=abc123 -t " +
+	// BuildKit reads the RUN --mount cache mounts (Docker 20.10 needs it asked for).
+	want := "DOCKER_BUILDKIT=1 docker build -f deploy/Dockerfile --build-arg VERSION=v1.2.3 --build-arg COMMIT=abc123 -t " +
 		makeVar(t, mk, "IMAGE") + ":v1.2.3 ."
 	if got != want {
 		t.Errorf("make image runs\n  %s\nwant\n  %s", got, want)
