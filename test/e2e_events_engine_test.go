@@ -316,7 +316,8 @@ func (r *simRig) countEvictions() *evictionCounter {
 	r.t.Helper()
 	ec := &evictionCounter{hashes: map[uint64]int{}}
 	subj, _ := kvstream.EvictionsSubject(r.pool, r.instance)
-	sub, err := r.conn().Subscribe(subj, func(m *nats.Msg) {
+	nc := r.conn()
+	sub, err := nc.Subscribe(subj, func(m *nats.Msg) {
 		var rec kvstream.EvictionRecord
 		if json.Unmarshal(m.Data, &rec) != nil || rec.Reason != kvstream.ReasonEvicted {
 			return
@@ -332,6 +333,11 @@ func (r *simRig) countEvictions() *evictionCounter {
 		}
 	})
 	if err != nil {
+		r.t.Fatal(err)
+	}
+	// The subscription must be at the server before the traffic starts
+	// (core NATS delivers only to subscriptions it already has).
+	if err := nc.Flush(); err != nil {
 		r.t.Fatal(err)
 	}
 	r.t.Cleanup(func() { _ = sub.Unsubscribe() })
