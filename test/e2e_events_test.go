@@ -247,9 +247,12 @@ func testRouterRestart(t *testing.T, inline int) {
 	// From the bridge (request-reply).
 	c1, fromBridge, _ := r.startConsumer(consumer.Config{})
 	waitTable(t, fromBridge, r.instance, want)
-	if st := c1.Instances(); len(st) != 1 || st[0].SnapshotSeq == 0 {
-		t.Fatalf("consumer did not load a snapshot: %+v", st)
-	}
+	// The load applies the snapshot's blocks before it records its
+	// position: wait for the record too.
+	waitFor(t, 10*time.Second, "the consumer's status shows the snapshot it loaded", func() bool {
+		st := c1.Instances()
+		return len(st) == 1 && st[0].SnapshotSeq != 0
+	})
 
 	// From the bucket, with the bridge gone.
 	time.Sleep(200 * time.Millisecond) // a periodic snapshot store
