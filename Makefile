@@ -43,7 +43,8 @@ image-check: ## build the image and run it: non-root, --version of every binary,
 	DOCKER=$(DOCKER) IMAGE=$(IMAGE) IMAGE_TAG=$(IMAGE_TAG) IMAGE_BUILD_FLAGS="$(IMAGE_BUILD_FLAGS)" scripts/image-check.sh
 
 test-faults: ## the quarantined cluster fault tests (NATS node kill, Redis Cluster failover), race-enabled
-	KV_CLUSTER_FAULTS=1 $(GO) test -race -count=1 -timeout 20m -run 'TestE2ENATSNodeKillUnderLoad|TestSharedRedisClusterFailover' ./test/ ./events/consumer/
+	$(GO) vet -tags faults ./test/ ./events/consumer/
+	$(GO) test -tags faults -race -count=1 -timeout 20m -run 'TestE2ENATSNodeKillUnderLoad|TestSharedRedisClusterFailover' ./test/ ./events/consumer/
 
 vet: ## go vet
 	$(GO) vet $(PKGS)

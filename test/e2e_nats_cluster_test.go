@@ -1,7 +1,12 @@
+//go:build faults
+
+// Quarantined from `make test` (build tag "faults"; `make test-faults` runs
+// it with -race): it found a real but rare failure to converge after a node
+// dies (about 1 in 5 full runs, 2026-12-03), under investigation.
+
 package test
 
 import (
-	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -20,12 +25,6 @@ import (
 // replay), events flow again within a bound, and afterwards the index
 // holds every engine's cache block for block.
 func TestE2ENATSNodeKillUnderLoad(t *testing.T) {
-	// Quarantined from `make test` (KV_CLUSTER_FAULTS=1 or `make test-faults`
-	// runs it): it found a real but rare convergence failure after a node
-	// dies (1 in 5 full runs, 2026-12-03), under investigation.
-	if os.Getenv("KV_CLUSTER_FAULTS") == "" {
-		t.Skip("cluster fault test quarantined: set KV_CLUSTER_FAULTS=1 (make test-faults)")
-	}
 	f := newClusterFleet(t, 3, 128, 50)
 	cfg := f.routerConfig()
 	r := f.startRouter(cfg)

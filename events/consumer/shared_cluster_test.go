@@ -1,7 +1,12 @@
+//go:build faults
+
+// Quarantined from `make test` (build tag "faults"; `make test-faults` runs
+// it with -race): it found a real but rare failure to converge after a node
+// dies (about 1 in 5 full runs, 2026-12-03), under investigation.
+
 package consumer
 
 import (
-	"os"
 	"testing"
 	"time"
 
@@ -38,12 +43,6 @@ func (r *router) counter(t *testing.T, name string) float64 {
 // included. The old master, restarted, rejoins as a replica, and the
 // cluster keeps converging.
 func TestSharedRedisClusterFailover(t *testing.T) {
-	// Quarantined from `make test` (KV_CLUSTER_FAULTS=1 or `make test-faults`
-	// runs it): it found a real but rare convergence failure after a node
-	// dies (1 in 5 full runs, 2026-12-03), under investigation.
-	if os.Getenv("KV_CLUSTER_FAULTS") == "" {
-		t.Skip("cluster fault test quarantined: set KV_CLUSTER_FAULTS=1 (make test-faults)")
-	}
 	w := newSharedWorld(t, 21, "e0", "e1", "e2", "e3")
 	cluster := testenv.StartRedisCluster(t)
 	w.newClient = func() redis.UniversalClient {
