@@ -151,8 +151,9 @@ func (f *clusterFleet) startConsumer() (*consumer.Consumer, *tableApplier) {
 	return c, a
 }
 
-// waitExact waits until the table holds every engine's cache exactly.
-func (f *clusterFleet) waitExact(a *tableApplier, what string) {
+// waitExact waits until the table holds every engine's cache exactly; cs,
+// the consumers feeding it, are named in the failure.
+func (f *clusterFleet) waitExact(a *tableApplier, what string, cs ...*consumer.Consumer) {
 	f.t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
@@ -167,10 +168,28 @@ func (f *clusterFleet) waitExact(a *tableApplier, what string) {
 			return
 		}
 		if time.Now().After(deadline) {
-			f.t.Fatalf("%s: the index never matched the engines:%s", what, bad)
+			f.t.Fatalf("%s: the index never matched the engines:%s; %s", what, bad, f.positions(cs...))
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// positions says where each bridge and the consumers are: what a test
+// that did not converge prints.
+func (f *clusterFleet) positions(cs ...*consumer.Consumer) string {
+	var out []string
+	for _, e := range f.engines {
+		for _, s := range e.br.Stats() {
+			out = append(out, fmt.Sprintf("%s bridge: published %d, stream seq %d, engine seq %d, dropped %d, gaps %d, replay failures %d, engine down %v",
+				e.id, s.Published, s.StreamSeq, s.EngineSeq, s.Dropped, s.Gaps, s.ReplayFailures, s.EngineDown))
+		}
+	}
+	for i, c := range cs {
+		for _, s := range c.Instances() {
+			out = append(out, fmt.Sprintf("consumer %d %s: %s, stream seq %d, gaps %d, replay lost %d", i, s.Instance, s.State, s.StreamSeq, s.Gaps, s.ReplayLost))
+		}
+	}
+	return strings.Join(out, "; ")
 }
 
 // lost sums what the bridges dropped (outage buffer overflow) or could not

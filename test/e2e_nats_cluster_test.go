@@ -7,6 +7,9 @@
 package test
 
 import (
+	"fmt"
+	"os"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"testing"
@@ -49,6 +52,7 @@ func TestE2ENATSNodeKillUnderLoad(t *testing.T) {
 	kill := func(what string, node int) {
 		t.Helper()
 		sentBefore := l.sent.Load()
+		t.Logf("%s: JetStream health before killing node %d: %s", what, node, f.nc.Health())
 		killed := time.Now()
 		f.nc.Kill(node)
 		// Where each bridge was when the node went: what it publishes
@@ -63,24 +67,37 @@ func TestE2ENATSNodeKillUnderLoad(t *testing.T) {
 		defer stopPoke()
 		// Recovered: each bridge has published past where it was at the
 		// kill, and the consumer has applied it.
-		waitFor(t, 60*time.Second, what+": events flowing again", func() bool {
+		// stuck says which engines have not recovered yet: the bridge has
+		// published nothing since the kill, or the consumer has not
+		// applied what it published ("" once all have).
+		stuck := func() string {
+			var bad []string
 			for i, e := range f.engines {
 				seq := e.br.Stats()[0].StreamSeq
 				if seq <= before[i] {
-					return false
+					bad = append(bad, fmt.Sprintf("%s: bridge at %d, not past %d (connected to %q)", e.id, seq, before[i], e.bridge.ConnectedUrl()))
+					continue
 				}
-				applied := false
+				at := uint64(0)
 				for _, s := range c.Instances() {
-					if s.Instance == e.id && s.StreamSeq >= seq {
-						applied = true
+					if s.Instance == e.id {
+						at = s.StreamSeq
 					}
 				}
-				if !applied {
-					return false
+				if at < seq {
+					bad = append(bad, fmt.Sprintf("%s: bridge at %d, consumer at %d", e.id, seq, at))
 				}
 			}
-			return true
-		})
+			return strings.Join(bad, "; ")
+		}
+		deadline := time.Now().Add(60 * time.Second)
+		for d := stuck(); d != ""; d = stuck() {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: events not flowing again 60s after the kill: %s; consumer healthy=%v; stream leader node %d; JetStream health: %s; %s",
+					what, d, c.Healthy(), f.nc.StreamLeader(f.stream.Name), f.nc.Health(), dumpGoroutines(t))
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
 		recovery := time.Since(killed)
 		waitFor(t, 60*time.Second, what+": the router's stream healthy (exact routing)", func() bool { return r.kve.StreamHealthy(f.pool) })
 		exact := time.Since(killed)
@@ -89,6 +106,10 @@ func TestE2ENATSNodeKillUnderLoad(t *testing.T) {
 			what, node, recovery.Seconds(), exact.Seconds(), l.summary())
 		f.nc.Restart(node)
 		f.nc.WaitJetStream(30 * time.Second)
+		// The next kill only once the restarted node has caught up:
+		// killing a second node before it is current would take away
+		// two of the stream's three replicas, not one.
+		f.nc.WaitHealthy(60 * time.Second)
 	}
 	leader := f.nc.StreamLeader(f.stream.Name)
 	if leader < 0 {
@@ -101,7 +122,7 @@ func TestE2ENATSNodeKillUnderLoad(t *testing.T) {
 	if n := l.failed.Load(); n > 0 {
 		t.Fatalf("clients saw %d errors (last: %v); %s", n, l.lastErr.Load(), l.summary())
 	}
-	f.waitExact(a, "after the kills")
+	f.waitExact(a, "after the kills", c)
 	dropped, gaps := f.lost(c)
 	t.Logf("lost events: %d dropped or unreplayable at the bridges, %d gaps at the consumer; %s", dropped, gaps, l.summary())
 	if dropped+gaps > 0 {
@@ -140,4 +161,18 @@ func reasonCount(l *load, reason string) int64 {
 		return 0
 	}
 	return v.(interface{ Load() int64 }).Load()
+}
+
+// dumpGoroutines writes every goroutine's stack to a file (the evidence of
+// what a stalled pipeline waits on) and returns a note naming it.
+func dumpGoroutines(t *testing.T) string {
+	f, err := os.CreateTemp("", "kvrouter-goroutines-*.txt")
+	if err != nil {
+		return "goroutine dump failed: " + err.Error()
+	}
+	defer f.Close()
+	if err := pprof.Lookup("goroutine").WriteTo(f, 2); err != nil {
+		return "goroutine dump failed: " + err.Error()
+	}
+	return "goroutines dumped to " + f.Name()
 }

@@ -830,7 +830,14 @@ func (in *instance) publish(ctx context.Context, payload []byte, h kvstream.Even
 			// The stream may have been deleted (a wiped JetStream store):
 			// make it again, and once publishing works, store a snapshot
 			// at once, which makes the bucket again too.
-			_, _ = kvstream.EnsureStream(ctx, in.b.js, in.b.cfg.Stream)
+			// One attempt, bounded like a publish: a JetStream API
+			// request in flight when its server died is never answered,
+			// and nats.go bounds it only for a context without a
+			// deadline, so this goroutine (and every later event of the
+			// engine) waited for the run's end.
+			ectx, cancel := context.WithTimeout(ctx, in.b.cfg.PublishTimeout)
+			_, _ = kvstream.EnsureStream(ectx, in.b.js, in.b.cfg.Stream)
+			cancel()
 			remade = true
 		}
 		select {

@@ -134,6 +134,11 @@ func (in *instance) resync(ctx context.Context) error {
 // loadSnapshot reads the instance's snapshot from the bucket (nil: none or
 // unusable); nothing is applied yet.
 func (in *instance) loadSnapshot(ctx context.Context) *kvstream.Snapshot {
+	// Bounded like a store: a JetStream request in flight when its server
+	// died is never answered, and nats.go bounds it only for a context
+	// without a deadline.
+	ctx, cancel := context.WithTimeout(ctx, in.storeBudget())
+	defer cancel()
 	kv, obs := in.b.stores()
 	e, err := kv.Get(ctx, in.key)
 	if err != nil {

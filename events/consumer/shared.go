@@ -139,7 +139,9 @@ func (c *Consumer) repairShared(ctx context.Context, instance string, in *inst, 
 // streamLost reports whether messages after stream sequence seq may be
 // gone from the stream (retention passed them).
 func (c *Consumer) streamLost(ctx context.Context, seq uint64) (bool, error) {
-	info, err := c.stream.Info(ctx)
+	ictx, cancel := context.WithTimeout(ctx, apiTimeout)
+	info, err := c.stream.Info(ictx)
+	cancel()
 	if err != nil {
 		return false, fmt.Errorf("consumer: stream info: %w", err)
 	}
@@ -196,7 +198,7 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 	applied := 0
 	defer func() { c.m.replayed.Add(float64(applied)) }()
 	for next := pos.Seq + 1; next < upTo && ctx.Err() == nil; {
-		m, err := c.stream.GetMsg(ctx, next, jetstream.WithGetMsgSubject(subj))
+		m, err := getMsg(ctx, c.stream, next, subj)
 		if errors.Is(err, jetstream.ErrMsgNotFound) {
 			break
 		}

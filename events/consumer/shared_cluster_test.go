@@ -7,6 +7,7 @@
 package consumer
 
 import (
+	"log/slog"
 	"testing"
 	"time"
 
@@ -44,6 +45,15 @@ func (r *router) counter(t *testing.T, name string) float64 {
 // cluster keeps converging.
 func TestSharedRedisClusterFailover(t *testing.T) {
 	w := newSharedWorld(t, 21, "e0", "e1", "e2", "e3")
+	// The routers' logs, shown when the test fails: what they repaired
+	// and when is the evidence of a convergence bug.
+	var logs testenv.Logs
+	w.cfg.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("routers' logs:\n%s", logs.String())
+		}
+	})
 	cluster := testenv.StartRedisCluster(t)
 	w.newClient = func() redis.UniversalClient {
 		return redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), PoolSize: 4, MaxRetries: -1, MaxRedirects: -1,

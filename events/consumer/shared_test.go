@@ -120,6 +120,7 @@ type sharedWorld struct {
 	// newClient, when set, makes the routers' Redis clients (a Redis
 	// Cluster's); else they use redis.
 	newClient func() redis.UniversalClient
+	routers   int // started so far: each router's logs name it
 }
 
 // snapshotTable is an engine's block table as the bridge keeps it: a
@@ -229,6 +230,8 @@ func (w *sharedWorld) startRouter() *router {
 	reg := prometheus.NewRegistry()
 	cfg := w.cfg
 	cfg.Applier, cfg.SharedIndex, cfg.Registerer = idx, true, reg
+	w.routers++
+	cfg.Logger = cfg.Logger.With("router", w.routers)
 	cfg.CheckInterval, cfg.SnapshotTimeout = 50*time.Millisecond, 50*time.Millisecond
 	c, err := New(cfg)
 	if err != nil {

@@ -149,7 +149,7 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 	lost := false
 	seq := from + 1
 	for seq <= to && ctx.Err() == nil {
-		m, err := c.stream.GetMsg(ctx, seq, jetstream.WithGetMsgSubject(subj))
+		m, err := getMsg(ctx, c.stream, seq, subj)
 		if errors.Is(err, jetstream.ErrMsgNotFound) {
 			break
 		}
@@ -250,7 +250,9 @@ func (c *Consumer) fetchSnapshotOnce(ctx context.Context, instance string) (kvst
 		}
 	}
 	key, _ := kvstream.SnapshotKey(c.cfg.Pool, instance)
-	e, err := c.kv.Get(ctx, key)
+	kctx, cancel := context.WithTimeout(ctx, apiTimeout)
+	e, err := c.kv.Get(kctx, key)
+	cancel()
 	if errors.Is(err, jetstream.ErrKeyNotFound) {
 		return kvstream.Snapshot{}, "", fmt.Errorf("%w: %w", errNoSnapshot, err)
 	}
@@ -268,4 +270,21 @@ func (c *Consumer) fetchSnapshotOnce(ctx context.Context, instance string) (kvst
 		return kvstream.Snapshot{}, "", fmt.Errorf("consumer: bucket key %s holds instance %q", key, s.Instance)
 	}
 	return s, "bucket", nil
+}
+
+// apiTimeout bounds each single JetStream request the consumer makes from
+// a shard or a check (a stream message, stream or consumer info, a bucket
+// entry). A request in flight when its server died is never answered, and
+// nats.go bounds it by its own default (the same 5s) only when the
+// caller's context has no deadline: under a run context with one (a
+// test's, a shutdown deadline) the shard waited until it, and so did every
+// instance of the shard and, once the shard's queue filled, the stream.
+const apiTimeout = 5 * time.Second
+
+// getMsg reads the stream's first message on subj at or after seq, bounded
+// by apiTimeout.
+func getMsg(ctx context.Context, s jetstream.Stream, seq uint64, subj string) (*jetstream.RawStreamMsg, error) {
+	ctx, cancel := context.WithTimeout(ctx, apiTimeout)
+	defer cancel()
+	return s.GetMsg(ctx, seq, jetstream.WithGetMsgSubject(subj))
 }

@@ -128,6 +128,8 @@ func (c *Consumer) delivered(ctx context.Context, cons jetstream.Consumer) bool 
 	if c.caughtUp.Load() {
 		return true
 	}
+	ctx, cancel := context.WithTimeout(ctx, apiTimeout)
+	defer cancel()
 	info, err := cons.Info(ctx)
 	return err == nil && info.NumPending == 0 && info.Delivered.Consumer == 0
 }

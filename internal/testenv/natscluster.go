@@ -195,3 +195,58 @@ func (c *NATSCluster) StreamLeader(stream string) int {
 	}
 	return -1
 }
+
+// Health reports each node's JetStream health (the server's /healthz with
+// details: every stream and consumer replica it holds is current), or
+// "down" for a killed node: what a test prints when the cluster does not
+// recover.
+func (c *NATSCluster) Health() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var out []string
+	for _, n := range c.nodes {
+		out = append(out, n.name+": "+nodeHealth(n.srv))
+	}
+	return strings.Join(out, "; ")
+}
+
+func nodeHealth(s *server.Server) string {
+	if s == nil {
+		return "down"
+	}
+	h := s.Healthz(&server.HealthzOptions{Details: true})
+	if h.Status == "ok" {
+		return "ok"
+	}
+	var errs []string
+	for _, e := range h.Errors {
+		errs = append(errs, strings.TrimSpace(e.Stream+" "+e.Consumer+" "+e.Error))
+	}
+	return h.Status + " (" + strings.Join(errs, ", ") + ")"
+}
+
+// WaitHealthy waits until every running node reports JetStream healthy
+// (nodeHealth: meta, streams and consumers current, which a restarted node
+// is only once it has caught up from the others), and fails the test
+// after d. Killing a second node before a restarted one is current takes
+// away two of a 3-replica stream's peers, not one.
+func (c *NATSCluster) WaitHealthy(d time.Duration) {
+	c.t.Helper()
+	deadline := time.Now().Add(d)
+	for {
+		h := c.Health()
+		healthy := true
+		for _, part := range strings.Split(h, "; ") {
+			if !strings.HasSuffix(part, ": ok") && !strings.HasSuffix(part, ": down") {
+				healthy = false
+			}
+		}
+		if healthy {
+			return
+		}
+		if time.Now().After(deadline) {
+			c.t.Fatalf("testenv: nats cluster %s not healthy after %v: %s", c.Name, d, h)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
