@@ -2,17 +2,24 @@ package test
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
 
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
 // BenchmarkBridgeThroughput: engine messages (the 25 captured batches,
-// cycled) through ZMQ → kvbridge → JetStream publish with ack, on loopback.
+// cycled) through ZMQ → kvbridge → JetStream publish with ack, on loopback,
+// with the publish window off (1: each publish waits for its ack, as
+// before issue 15) and at its default, side by side in one run. Beside
+// wall-time rates it reports the CPU time of the whole process (engine
+// publisher, bridge and NATS server) per batch.
 func BenchmarkBridgeThroughput(b *testing.B) {
 	ps := capturedPayloads(b, "array.jsonl")
 	blocks := 0
@@ -25,29 +32,39 @@ func BenchmarkBridgeThroughput(b *testing.B) {
 			blocks += len(e.BlockHashes)
 		}
 	}
-	r := newRig(b, rigOpts{buffer: 1 << 20})
-	b.ReportAllocs()
-	b.ResetTimer()
-	start := time.Now()
-	for i := 0; i < b.N; i++ {
-		if _, err := r.pub.Publish(ps[i%len(ps)]); err != nil {
-			b.Fatal(err)
-		}
+	for _, window := range []int{1, bridge.DefaultPublishWindow} {
+		b.Run(fmt.Sprintf("window%d", window), func(b *testing.B) {
+			r := newRig(b, rigOpts{buffer: 1 << 20, window: window})
+			b.ReportAllocs()
+			b.ResetTimer()
+			start, cpu0 := time.Now(), testenv.ProcessCPU()
+			for i := 0; i < b.N; i++ {
+				if _, err := r.pub.Publish(ps[i%len(ps)]); err != nil {
+					b.Fatal(err)
+				}
+			}
+			deadline := time.Now().Add(5 * time.Minute)
+			for s := r.stats(); !s.HasSeq || s.EngineSeq < uint64(b.N); s = r.stats() {
+				if time.Now().After(deadline) {
+					b.Fatalf("bridge stuck at %+v", s)
+				}
+				time.Sleep(200 * time.Microsecond)
+			}
+			el, cpu := time.Since(start).Seconds(), (testenv.ProcessCPU() - cpu0).Seconds()
+			b.StopTimer()
+			s := r.stats()
+			if s.Dropped != 0 || s.Gaps != 0 {
+				b.Fatalf("bridge dropped messages: %+v", s)
+			}
+			if s.MaxInFlight > uint64(window) {
+				b.Fatalf("%d messages in flight at once, window %d", s.MaxInFlight, window)
+			}
+			b.ReportMetric(float64(b.N)/el, "batches/s")
+			b.ReportMetric(float64(b.N)/float64(len(ps))*float64(blocks)/el, "blocks/s")
+			b.ReportMetric(cpu*1e6/float64(b.N), "cpu-µs/batch")
+			b.ReportMetric(float64(s.MaxInFlight), "max-in-flight")
+		})
 	}
-	deadline := time.Now().Add(5 * time.Minute)
-	for s := r.stats(); !s.HasSeq || s.EngineSeq < uint64(b.N); s = r.stats() {
-		if time.Now().After(deadline) {
-			b.Fatalf("bridge stuck at %+v", s)
-		}
-		time.Sleep(time.Millisecond)
-	}
-	el := time.Since(start).Seconds()
-	b.StopTimer()
-	if s := r.stats(); s.Dropped != 0 || s.Gaps != 0 {
-		b.Fatalf("bridge dropped messages: %+v", s)
-	}
-	b.ReportMetric(float64(b.N)/el, "batches/s")
-	b.ReportMetric(float64(b.N)/float64(len(ps))*float64(blocks)/el, "blocks/s")
 }
 
 // notifier is an index that reports when a marked block became visible.

@@ -182,6 +182,7 @@ type rigOpts struct {
 	snapInterval time.Duration
 	buffer       int // bridge outage buffer (0: default)
 	inlineMax    int // bridge InlineSnapshotMax (0: default)
+	window       int // bridge PublishWindow (0: default)
 	heartbeatKey []byte
 	reg          prometheus.Registerer // bridge metrics (nil: none)
 }
@@ -244,6 +245,7 @@ func (r *rig) startBridge(o rigOpts) {
 		Bucket:            r.bucket,
 		Buffer:            o.buffer,
 		InlineSnapshotMax: o.inlineMax,
+		PublishWindow:     o.window,
 		HeartbeatInterval: 100 * time.Millisecond,
 		HeartbeatKey:      o.heartbeatKey,
 		Registerer:        o.reg,
@@ -305,6 +307,28 @@ func (r *rig) publish(payloads ...[]byte) {
 		if _, err := r.pub.Publish(p); err != nil {
 			r.t.Fatal(err)
 		}
+	}
+}
+
+// publishFollowed publishes each payload once the consumer has applied
+// the one before: for a stream that keeps only a few messages, which no
+// consumer can follow through a burst (the bridge publishes a burst as
+// fast as JetStream stores it).
+func (r *rig) publishFollowed(c *consumer.Consumer, payloads ...[]byte) {
+	r.t.Helper()
+	for _, p := range payloads {
+		seq, err := r.pub.Publish(p)
+		if err != nil {
+			r.t.Fatal(err)
+		}
+		waitFor(r.t, 20*time.Second, fmt.Sprintf("consumer at engine seq %d", seq), func() bool {
+			for _, st := range c.Instances() {
+				if st.Instance == r.instance && st.LastSeq >= seq {
+					return true
+				}
+			}
+			return false
+		})
 	}
 }
 

@@ -140,7 +140,7 @@ func TestE2EIndexRouterRestart(t *testing.T) {
 	}
 	steady := newIx()
 	cs := run(steady)
-	r.publish(ps[:23]...)
+	r.publishFollowed(cs, ps[:23]...)
 	r.waitPublished(23)
 	waitFor(t, 20*time.Second, "steady consumer at seq 23", func() bool {
 		st := cs.Instances()

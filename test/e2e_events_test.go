@@ -220,8 +220,8 @@ func TestE2ERouterRestart(t *testing.T) {
 func testRouterRestart(t *testing.T, inline int) {
 	ps := capturedPayloads(t, "array.jsonl")
 	r := newRig(t, rigOpts{maxMsgs: 4, snapInterval: 50 * time.Millisecond, inlineMax: inline})
-	_, steady, _ := r.startConsumer(consumer.Config{})
-	r.publish(ps[:23]...) // leave out the capture's final clear
+	c, steady, _ := r.startConsumer(consumer.Config{})
+	r.publishFollowed(c, ps[:23]...) // leave out the capture's final clear
 	want := reference(t, ps[:23]...)
 	waitTable(t, steady, r.instance, want)
 	r.waitPublished(23)

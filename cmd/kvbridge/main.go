@@ -64,7 +64,7 @@ type options struct {
 	zmqBind                            bool
 	dpSize                             int
 
-	maxBlocks, buffer                       int
+	maxBlocks, buffer, publishWindow        int
 	heartbeat, snapshotEvery, replayTimeout time.Duration
 	engineProbe                             time.Duration
 
@@ -122,6 +122,7 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	fs.IntVar(&o.dpSize, "dp-size", 1, "data-parallel ranks; each rank is its own instance <instance>-dp<r> served at engine-url port+r")
 	fs.IntVar(&o.maxBlocks, "max-blocks", 0, "bound on the block table: the engine's KV cache blocks over all tiers (default 1048576)")
 	fs.IntVar(&o.buffer, "buffer", 0, "engine messages buffered while NATS is unreachable (default 10000)")
+	fs.IntVar(&o.publishWindow, "publish-window", 0, fmt.Sprintf("engine messages per instance published to JetStream and not yet acknowledged (default %d; 1: wait for each ack before the next publish)", bridge.DefaultPublishWindow))
 	fs.DurationVar(&o.heartbeat, "heartbeat", 0, "heartbeat interval (default 5s)")
 	fs.DurationVar(&o.snapshotEvery, "snapshot-interval", 0, "snapshot bucket refresh interval (default 30s)")
 	fs.DurationVar(&o.replayTimeout, "replay-timeout", 0, "timeout of one replay request (default 5s)")
@@ -282,6 +283,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		Bucket:              kvstream.BucketConfig{Name: o.bucket, Replicas: o.streamReplicas},
 		MaxBlocks:           o.maxBlocks,
 		Buffer:              o.buffer,
+		PublishWindow:       o.publishWindow,
 		HeartbeatInterval:   o.heartbeat,
 		SnapshotInterval:    o.snapshotEvery,
 		ReplayTimeout:       o.replayTimeout,

@@ -99,8 +99,14 @@ type Config struct {
 	EngineProbeInterval time.Duration
 	// ReplayTimeout bounds one replay request (default 5s).
 	ReplayTimeout time.Duration
-	// PublishTimeout bounds one publish attempt (default 5s).
+	// PublishTimeout bounds one publish attempt, the wait for one ack
+	// (default 5s).
 	PublishTimeout time.Duration
+	// PublishWindow is the most engine messages per instance published
+	// and not yet acknowledged by JetStream (default DefaultPublishWindow;
+	// 1: wait for each ack before the next publish). Order and
+	// at-least-once delivery hold whatever the window (window.go).
+	PublishWindow int
 	// InlineSnapshotMax is the largest snapshot sent as one message (reply
 	// or bucket value); larger ones go to the snapshot object store and the
 	// message carries a pointer (default 512 KiB, half NATS's default 1 MB
@@ -203,12 +209,15 @@ func New(cfg Config) (*Bridge, error) {
 	if cfg.MaxBlocksPerMessage == 0 {
 		cfg.MaxBlocksPerMessage = 4096
 	}
+	if cfg.PublishWindow == 0 {
+		cfg.PublishWindow = DefaultPublishWindow
+	}
 	if cfg.InlineSnapshotMax == 0 {
 		cfg.InlineSnapshotMax = 512 << 10
 	}
 	if cfg.MaxBlocks < 0 || cfg.Buffer < 0 || cfg.HeartbeatInterval < 0 || cfg.SnapshotInterval < 0 ||
 		cfg.ReplayTimeout < 0 || cfg.PublishTimeout < 0 || cfg.MaxBlocksPerMessage < 0 || cfg.BlockSize < 0 ||
-		cfg.InlineSnapshotMax < 0 {
+		cfg.InlineSnapshotMax < 0 || cfg.PublishWindow < 0 {
 		return nil, errors.New("bridge: negative size or interval in config")
 	}
 	if cfg.HeartbeatKey != nil && len(cfg.HeartbeatKey) < kvstream.MinHeartbeatKeyBytes {
@@ -221,7 +230,12 @@ func New(cfg Config) (*Bridge, error) {
 	if err != nil {
 		return nil, fmt.Errorf("bridge: metrics: %w", err)
 	}
-	js, err := jetstream.New(cfg.Conn)
+	// The ack timeout bounds how long a pipelined publish waits (a lost
+	// ack would otherwise hold the window forever); every instance keeps
+	// at most PublishWindow in flight, so the client's own bound is never
+	// what stalls a publish.
+	js, err := jetstream.New(cfg.Conn, jetstream.WithPublishAsyncTimeout(cfg.PublishTimeout),
+		jetstream.WithPublishAsyncMaxPending(cfg.PublishWindow*len(cfg.Sources)+1))
 	if err != nil {
 		return nil, fmt.Errorf("bridge: jetstream: %w", err)
 	}
@@ -309,11 +323,20 @@ type Stats struct {
 	Dropped        uint64 `json:"dropped"` // dropped for a full buffer
 	Malformed      uint64 `json:"malformed"`
 	Aged           uint64 `json:"aged"` // blocks removed by aging (AgeOut)
-	Blocks         int    `json:"blocks"`
-	EngineDown     bool   `json:"engine_down"`
-	EngineSeq      uint64 `json:"engine_seq"`
-	HasSeq         bool   `json:"has_seq"`
-	StreamSeq      uint64 `json:"stream_seq"`
+	// Reorders counts publish failures after which the stream held the
+	// instance's messages out of order, repaired by a resync (window.go).
+	Reorders uint64 `json:"reorders"`
+	// Repairs counts publish failures in the window, after which its
+	// messages were settled and the failed ones resent in order.
+	Repairs uint64 `json:"repairs"`
+	// MaxInFlight is the most messages the instance had published and
+	// not yet acknowledged at once: at most PublishWindow.
+	MaxInFlight uint64 `json:"max_in_flight"`
+	Blocks      int    `json:"blocks"`
+	EngineDown  bool   `json:"engine_down"`
+	EngineSeq   uint64 `json:"engine_seq"`
+	HasSeq      bool   `json:"has_seq"`
+	StreamSeq   uint64 `json:"stream_seq"`
 }
 
 // Stats returns every instance's counters.
@@ -359,7 +382,14 @@ type instance struct {
 	// synthetic messages; read by the snapshot goroutines.
 	enc atomic.Uint32
 
-	published, gaps, replays, replayFails, clears, dropped, malformed, aged atomic.Uint64
+	published, gaps, replays, replayFails, clears, dropped, malformed, aged, reorders, repairs atomic.Uint64
+	maxInFlight                                                                                atomic.Uint64 // the window's high-water mark
+
+	win window // messages in flight (window.go); owned by the process goroutine
+	// sent and completed count messages handed to the window and those
+	// acknowledged and folded in: a snapshot request waits for the ones
+	// in flight (waitCompleted).
+	sent, completed atomic.Uint64
 
 	mu        sync.Mutex // guards table, engineSeq, hasSeq, streamSeq, storedSeq, lastHash, engineStart
 	table     *Table
@@ -425,7 +455,8 @@ func (in *instance) stats() Stats {
 	return Stats{
 		Instance: in.src.Instance, Published: in.published.Load(), Gaps: in.gaps.Load(), Replays: in.replays.Load(),
 		ReplayFailures: in.replayFails.Load(), Clears: in.clears.Load(), Dropped: in.dropped.Load(),
-		Malformed: in.malformed.Load(), Aged: in.aged.Load(), Blocks: in.table.Len(), EngineDown: in.engineDown.Load(), EngineSeq: in.engineSeq, HasSeq: in.hasSeq, StreamSeq: in.streamSeq,
+		Malformed: in.malformed.Load(), Aged: in.aged.Load(), Reorders: in.reorders.Load(),
+		Repairs: in.repairs.Load(), MaxInFlight: in.maxInFlight.Load(), Blocks: in.table.Len(), EngineDown: in.engineDown.Load(), EngineSeq: in.engineSeq, HasSeq: in.hasSeq, StreamSeq: in.streamSeq,
 	}
 }
 
@@ -463,6 +494,14 @@ func (in *instance) process(ctx context.Context) {
 			depth.Set(float64(len(in.in)))
 			if err := in.handle(ctx, m); err != nil {
 				return
+			}
+			if len(in.in) == 0 {
+				// Nothing more to send: take the acks now, so that the
+				// table, snapshots and heartbeats are current while the
+				// engine is quiet.
+				if in.flush(ctx) != nil {
+					return
+				}
 			}
 		case <-in.lost:
 			if in.drain(ctx) != nil {
@@ -502,7 +541,7 @@ func (in *instance) process(ctx context.Context) {
 	}
 }
 
-// drain handles every message already buffered.
+// drain handles every message already buffered and waits for their acks.
 func (in *instance) drain(ctx context.Context) error {
 	for {
 		select {
@@ -511,7 +550,7 @@ func (in *instance) drain(ctx context.Context) error {
 				return err
 			}
 		default:
-			return nil
+			return in.flush(ctx)
 		}
 	}
 }
@@ -582,6 +621,13 @@ func (in *instance) handle(ctx context.Context, m enginezmq.Message) error {
 	st, from := in.tracker.Observe(m.Seq)
 	if newPublisher {
 		st = enginezmq.SeqRestart
+	}
+	if st != enginezmq.SeqNext || wasDown {
+		// Repairs read the last message's hash and the table: let every
+		// message in flight be acknowledged first.
+		if err := in.flush(ctx); err != nil {
+			return err
+		}
 	}
 	if st == enginezmq.SeqNext && wasDown {
 		// Events again from an engine seen down: the seq follows on, but
@@ -681,17 +727,13 @@ func (in *instance) fillGap(ctx context.Context, from, to uint64) error {
 }
 
 // publishEngine publishes an engine message unchanged and folds it into
-// the table once JetStream has it.
+// the table once JetStream has acknowledged it (in publish order).
 func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) error {
 	batch, derr := events.Decode(m.Payload)
 	h := kvstream.EventHeaders{Seq: m.Seq, HasSeq: true, Rank: in.src.Rank, Pool: in.b.cfg.Pool, Instance: in.src.Instance, Model: in.b.cfg.Model}
 	if derr == nil && batch.Encoding != 0 {
 		h.Encoding = batch.Encoding.String()
 		in.enc.Store(uint32(batch.Encoding))
-	}
-	seq, err := in.publish(ctx, m.Payload, h)
-	if err != nil {
-		return err
 	}
 	if derr != nil {
 		// Published anyway: the payload is the engine's, and consumers
@@ -700,8 +742,13 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 		in.b.m.malformed.WithLabelValues(in.src.Instance).Inc()
 		in.log.Warn("malformed engine payload (published unchanged)", "seq", m.Seq, "err", derr)
 	}
+	return in.publishAsync(ctx, m.Payload, h, func(seq uint64) { in.applyAcked(m, batch.Events, seq) })
+}
+
+// applyAcked folds an acknowledged engine message into the table.
+func (in *instance) applyAcked(m enginezmq.Message, evs []events.Event, seq uint64) {
 	in.mu.Lock()
-	res := in.table.Apply(batch.Events)
+	res := in.table.Apply(evs)
 	in.engineSeq, in.hasSeq, in.streamSeq = m.Seq, true, seq
 	in.lastHash = xxhash.Sum64(m.Payload)
 	n := in.table.Len()
@@ -711,7 +758,7 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 		in.b.m.tableFull.WithLabelValues(in.src.Instance).Add(float64(res.Evicted))
 		in.log.Warn("block table full: dropped held blocks (raise --max-blocks to the engine's block count)", "dropped", res.Evicted, "max", in.b.cfg.MaxBlocks)
 	}
-	in.countEvents(batch.Events)
+	in.countEvents(evs)
 	now := time.Now().UTC()
 	for _, rm := range res.Removed {
 		in.evict(kvstream.EvictionRecord{Tier: rm.Tier.String(), Blocks: len(rm.Hashes), Hashes: rm.Hashes, Time: now, Reason: kvstream.ReasonEvicted})
@@ -719,7 +766,6 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 	if res.Cleared > 0 {
 		in.evict(kvstream.EvictionRecord{Tier: kvstream.TierAll, Blocks: res.Cleared, Time: now, Reason: kvstream.ReasonCleared})
 	}
-	return nil
 }
 
 func (in *instance) countEvents(evs []events.Event) {
@@ -788,65 +834,6 @@ func (in *instance) clear(ctx context.Context, reason string) error {
 	in.b.m.clears.WithLabelValues(in.src.Instance, reason).Inc()
 	in.evict(kvstream.EvictionRecord{Tier: kvstream.TierAll, Blocks: n, Time: time.Now().UTC(), Reason: reason})
 	return nil
-}
-
-// publish sends one message to the instance's subject, retrying with the
-// same message id (JetStream drops duplicates) until it is acknowledged or
-// ctx is done, and returns its stream sequence.
-func (in *instance) publish(ctx context.Context, payload []byte, h kvstream.EventHeaders) (uint64, error) {
-	in.msgCount++
-	id := fmt.Sprintf("%s.%s.%s.%d", in.b.cfg.Pool, in.src.Instance, in.b.runID, in.msgCount)
-	msg := &nats.Msg{Subject: in.subj, Data: payload, Header: h.Header()}
-	backoff := 50 * time.Millisecond
-	remade := false
-	for attempt := 0; ; attempt++ {
-		pctx, cancel := context.WithTimeout(ctx, in.b.cfg.PublishTimeout)
-		start := time.Now()
-		ack, err := in.b.js.PublishMsg(pctx, msg, jetstream.WithMsgID(id))
-		cancel()
-		if err == nil {
-			in.b.m.publishSecs.Observe(time.Since(start).Seconds())
-			in.published.Add(1)
-			in.b.m.batches.WithLabelValues(in.src.Instance).Inc()
-			if attempt > 0 {
-				in.log.Info("publish recovered", "attempts", attempt+1)
-			}
-			if remade {
-				select {
-				case in.storeNow <- struct{}{}:
-				default:
-				}
-			}
-			return ack.Sequence, nil
-		}
-		if ctx.Err() != nil {
-			return 0, ctx.Err()
-		}
-		in.b.m.retries.Inc()
-		if attempt == 0 {
-			in.log.Warn("publish failed, retrying (engine messages are buffered)", "err", err)
-		}
-		if errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders) {
-			// The stream may have been deleted (a wiped JetStream store):
-			// make it again, and once publishing works, store a snapshot
-			// at once, which makes the bucket again too.
-			// One attempt, bounded like a publish: a JetStream API
-			// request in flight when its server died is never answered,
-			// and nats.go bounds it only for a context without a
-			// deadline, so this goroutine (and every later event of the
-			// engine) waited for the run's end.
-			ectx, cancel := context.WithTimeout(ctx, in.b.cfg.PublishTimeout)
-			_, _ = kvstream.EnsureStream(ectx, in.b.js, in.b.cfg.Stream)
-			cancel()
-			remade = true
-		}
-		select {
-		case <-ctx.Done():
-			return 0, ctx.Err()
-		case <-time.After(backoff):
-		}
-		backoff = min(2*backoff, 2*time.Second)
-	}
 }
 
 func (in *instance) encoding() events.Encoding { return events.Encoding(in.enc.Load()) }

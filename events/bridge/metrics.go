@@ -24,6 +24,7 @@ type metrics struct {
 	storeBytes  *prometheus.GaugeVec
 	tableFull   *prometheus.CounterVec
 	engineDown  *prometheus.GaugeVec
+	reorders    *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -64,10 +65,13 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help: "Held blocks dropped from the block table by --max-blocks (zero while it is at least the engine's block count)."}, []string{"instance"}),
 		engineDown: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvbridge_engine_down",
 			Help: "1 while the engine's HTTP health fails and it publishes no events (heartbeats say so), else 0."}, []string{"instance"}),
+		reorders: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_publish_reorders_total",
+			Help: "Publish failures after which the stream held the instance's messages out of order, repaired by a resync (clear, then the table)."}, []string{"instance"}),
 	}
 	if reg != nil {
 		for _, c := range []prometheus.Collector{m.batches, m.events, m.blocks, m.gaps, m.replays, m.clears, m.drops,
-			m.malformed, m.publishSecs, m.retries, m.tableBlocks, m.bufferDepth, m.snapshots, m.storeSecs, m.storeBytes, m.tableFull, m.engineDown} {
+			m.malformed, m.publishSecs, m.retries, m.tableBlocks, m.bufferDepth, m.snapshots, m.storeSecs, m.storeBytes, m.tableFull, m.engineDown,
+			m.reorders} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}

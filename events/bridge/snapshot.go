@@ -306,6 +306,7 @@ func (in *instance) serveSnapshot(msg *nats.Msg) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), in.b.cfg.PublishTimeout)
 	defer cancel()
+	in.waitCompleted(in.b.cfg.PublishTimeout)
 	s, err := in.snapshot()
 	if err == nil {
 		reply.Data, err = in.marshalSnapshot(ctx, s)

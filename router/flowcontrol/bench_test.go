@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"testing"
 	"time"
+
+	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
 // BenchmarkOfferNext is the cost of one request through a saturated
@@ -67,9 +69,9 @@ func BenchmarkGateUncontended(b *testing.B) {
 // (cpu-ns/op): on a shared machine wall time includes time the benchmark
 // was not running. Call as defer reportCPU(b)() after setup.
 func reportCPU(b *testing.B) func() {
-	c0 := processCPU()
+	c0 := testenv.ProcessCPU()
 	return func() {
-		if c1 := processCPU(); c0 >= 0 && c1 >= 0 && b.N > 0 {
+		if c1 := testenv.ProcessCPU(); c0 >= 0 && c1 >= 0 && b.N > 0 {
 			b.ReportMetric(float64(c1-c0)/float64(b.N), "cpu-ns/op")
 		}
 	}

@@ -1,0 +1,200 @@
+package test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/events/kvstream"
+)
+
+// orderedPayloads makes n engine batches whose end state depends on their
+// order: each stores a chain of fresh blocks and removes some blocks an
+// earlier batch stored (removing one before its store leaves it held).
+func orderedPayloads(t testing.TB, n, chain int, seed uint64) [][]byte {
+	t.Helper()
+	rng := rand.New(rand.NewPCG(seed, 1))
+	var held []uint64
+	next := uint64(1)
+	out := make([][]byte, 0, n)
+	for i := 0; i < n; i++ {
+		hs := make([]uint64, chain)
+		for j := range hs {
+			hs[j] = next
+			next++
+		}
+		evs := []events.Event{{Kind: events.BlockStored, BlockHashes: hs, TokenIDs: make([]uint32, 16*chain), BlockSize: 16, Medium: "GPU"}}
+		if len(held) > 0 {
+			k := rng.IntN(min(len(held), chain) + 1)
+			rm := make([]uint64, 0, k)
+			for j := 0; j < k; j++ {
+				x := rng.IntN(len(held))
+				rm = append(rm, held[x])
+				held[x] = held[len(held)-1]
+				held = held[:len(held)-1]
+			}
+			if len(rm) > 0 {
+				evs = append(evs, events.Event{Kind: events.BlockRemoved, BlockHashes: rm, Medium: "GPU"})
+			}
+		}
+		held = append(held, hs...)
+		p, err := events.Encode(nil, events.Batch{TS: 1, Events: evs, HasDPRank: true}, events.EncodingArray)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, p)
+	}
+	return out
+}
+
+// streamEngineSeqs reads every message of the rig's instance subject and
+// returns the engine seqs of the engine messages in stream order, and
+// the number of synthetic resyncs.
+func streamEngineSeqs(t *testing.T, r *rig) (seqs []uint64, resyncs int) {
+	t.Helper()
+	js, err := jetstream.New(r.conn())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(r.ctx, 30*time.Second)
+	defer cancel()
+	subj, _ := kvstream.EventsSubject(r.pool, r.instance)
+	st, err := js.Stream(ctx, r.stream.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := st.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{FilterSubjects: []string{subj}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		m, err := c.Next(jetstream.FetchMaxWait(2 * time.Second))
+		if errors.Is(err, jetstream.ErrNoMessages) || errors.Is(err, context.DeadlineExceeded) {
+			return seqs, resyncs
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		h, err := kvstream.ParseEventHeaders(m.Headers())
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch {
+		case h.Synthetic == kvstream.SyntheticResync:
+			if b, err := events.Decode(m.Data()); err == nil && clearsOnly(b.Events) {
+				resyncs++
+			}
+		case h.Synthetic == "" && h.HasSeq:
+			seqs = append(seqs, h.Seq)
+		}
+		if md, err := m.Metadata(); err == nil && md.NumPending == 0 {
+			return seqs, resyncs
+		}
+	}
+}
+
+func clearsOnly(evs []events.Event) bool {
+	return len(evs) == 1 && evs[0].Kind == events.AllBlocksCleared
+}
+
+// Pipelined publishing across a NATS restart in the middle of a fast
+// stream: the engine publishes faster than the bridge, so the bridge's
+// window is full when NATS goes away. Nothing is lost (the index ends
+// equal to the engine), and the stream holds every engine message once,
+// in the engine's order — or, if a failure left it out of order, the
+// bridge said so (Reorders) and published a resync after it.
+func TestE2EPipelinedPublishNATSRestart(t *testing.T) {
+	ps := orderedPayloads(t, 3000, 8, 7)
+	r := newRig(t, rigOpts{buffer: 1 << 16})
+	_, a, _ := r.startConsumer(consumer.Config{})
+
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i, p := range ps {
+			if _, err := r.pub.Publish(p); err != nil {
+				t.Error(err)
+				return
+			}
+			if i%100 == 99 {
+				time.Sleep(time.Millisecond) // stay within the engine's PUB high-water mark
+			}
+		}
+	}()
+	r.waitPublished(600)
+	r.ns.Shutdown()
+	r.ns.WaitForShutdown()
+	time.Sleep(200 * time.Millisecond)
+	r.ns = r.ns.Restart(t)
+	<-done
+	r.waitPublished(uint64(len(ps)))
+
+	waitTable(t, a, r.instance, reference(t, ps...))
+	s := r.stats()
+	if s.Dropped != 0 {
+		t.Fatalf("bridge dropped engine messages with a buffer of 65536: %+v", s)
+	}
+	if s.Repairs == 0 {
+		t.Fatalf("no publish failed: NATS did not go away mid-window (%+v)", s)
+	}
+	seqs, resyncs := streamEngineSeqs(t, r)
+	t.Logf("bridge stats %+v; %d engine messages in the stream, %d resyncs", s, len(seqs), resyncs)
+	if s.Reorders != 0 {
+		if resyncs < 2 {
+			t.Fatalf("%d reorders but %d resyncs in the stream (want the start-up one and one per reorder)", s.Reorders, resyncs)
+		}
+		return
+	}
+	if resyncs != 1 {
+		t.Fatalf("%d resyncs in the stream, want only the start-up one", resyncs)
+	}
+	// Every engine message once, in order (gaps the bridge filled from the
+	// engine's replay are in place too).
+	if len(seqs) != len(ps) {
+		t.Fatalf("stream holds %d engine messages, want %d", len(seqs), len(ps))
+	}
+	for i, q := range seqs {
+		if q != uint64(i+1) {
+			t.Fatalf("stream message %d has engine seq %d, want %d", i, q, i+1)
+		}
+	}
+}
+
+// Order without failures: a long burst through the window arrives in the
+// stream exactly in the engine's order, each message once; the window is
+// used (more than one message in flight) and never exceeded.
+func TestE2EPipelinedPublishOrder(t *testing.T) {
+	ps := orderedPayloads(t, 2000, 4, 11)
+	for _, window := range []int{1, 8, bridge.DefaultPublishWindow} {
+		t.Run(fmt.Sprintf("window%d", window), func(t *testing.T) {
+			r := newRig(t, rigOpts{buffer: 1 << 16, window: window})
+			_, a, _ := r.startConsumer(consumer.Config{})
+			r.publish(ps...)
+			r.waitPublished(uint64(len(ps)))
+			waitTable(t, a, r.instance, reference(t, ps...))
+			seqs, resyncs := streamEngineSeqs(t, r)
+			s := r.stats()
+			t.Logf("bridge stats %+v", s)
+			if s.Reorders != 0 || s.Repairs != 0 || resyncs != 1 || len(seqs) != len(ps) {
+				t.Fatalf("stats %+v, %d resyncs, %d engine messages in the stream: want no failure, one resync, %d messages",
+					s, resyncs, len(seqs), len(ps))
+			}
+			for i, q := range seqs {
+				if q != uint64(i+1) {
+					t.Fatalf("stream message %d has engine seq %d, want %d", i, q, i+1)
+				}
+			}
+			if s.MaxInFlight > uint64(window) || (window > 1 && s.MaxInFlight < 2) {
+				t.Fatalf("at most %d messages in flight at once, want 2..%d", s.MaxInFlight, window)
+			}
+		})
+	}
+}
