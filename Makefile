@@ -26,7 +26,7 @@ DOCKER      ?= docker
 # e.g. --network host where the daemon has no bridge network
 IMAGE_BUILD_FLAGS ?=
 
-.PHONY: help build image image-check test test-faults test-short vet lint fmt bench fuzz fuzz-brief run demo clean deps-test proto
+.PHONY: help build image image-check test test-short vet lint fmt bench fuzz fuzz-brief run demo clean deps-test proto
 
 help: ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -41,10 +41,6 @@ image: ## build the container image $(IMAGE):$(IMAGE_TAG) (deploy/Dockerfile: mu
 
 image-check: ## build the image and run it: non-root, --version of every binary, kvrouter in front of kvsim in containers (scripts/image-check.sh)
 	DOCKER=$(DOCKER) IMAGE=$(IMAGE) IMAGE_TAG=$(IMAGE_TAG) IMAGE_BUILD_FLAGS="$(IMAGE_BUILD_FLAGS)" scripts/image-check.sh
-
-test-faults: ## the quarantined cluster fault tests (NATS node kill, Redis Cluster failover), race-enabled
-	$(GO) vet -tags faults ./test/ ./events/consumer/
-	$(GO) test -tags faults -race -count=1 -timeout 20m -run 'TestE2ENATSNodeKillUnderLoad|TestSharedRedisClusterFailover' ./test/ ./events/consumer/
 
 vet: ## go vet
 	$(GO) vet $(PKGS)

@@ -1,9 +1,3 @@
-//go:build faults
-
-// Quarantined from `make test` (build tag "faults"; `make test-faults` runs
-// it with -race): it found a real but rare failure to converge after a node
-// dies (about 1 in 5 full runs, 2026-12-03), under investigation.
-
 package test
 
 import (
