@@ -191,6 +191,41 @@ func TestPerInstanceOrder(t *testing.T) {
 	}
 }
 
+// An engine seq already applied comes again (a message stored twice, or
+// one stored after a later one): it is not applied again, and the
+// messages after it are.
+func TestDuplicateSeqSkipped(t *testing.T) {
+	e := newEnv(t)
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier = a
+	c := e.start(cfg)
+	e.store("i0", 1, 11)
+	e.store("i0", 2, 12)
+	e.store("i0", 1, 11) // again
+	e.store("i0", 2, 99) // a seq applied, whatever its payload
+	e.store("i0", 3, 13)
+	waitFor(t, 20*time.Second, "seq 3 applied", func() bool {
+		for _, s := range c.Instances() {
+			if s.Instance == "i0" && s.LastSeq == 3 {
+				return true
+			}
+		}
+		return false
+	})
+	if got, _ := a.get("i0"); !slices.Equal(got, []uint64{11, 12, 13}) {
+		t.Fatalf("applied stores %v, want [11 12 13]", got)
+	}
+	if n := counterValue(c.m.messages.WithLabelValues("duplicate_seq")); n != 2 {
+		t.Fatalf("%v messages counted duplicate_seq, want 2", n)
+	}
+	for _, s := range c.Instances() {
+		if s.Instance == "i0" && s.Gaps != 0 {
+			t.Fatalf("a repeated seq counted as a gap: %+v", s)
+		}
+	}
+}
+
 // Heartbeats discover an instance; silence makes it stale, then purged;
 // a heartbeat brings it back.
 func TestStaleAndPurge(t *testing.T) {

@@ -190,6 +190,21 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 	engineMsg := herr == nil && h.HasSeq && h.Synthetic == ""
 	// LastSeq and hasSeq are written only by this goroutine, so reading
 	// them here without the lock is safe.
+	if engineMsg && in.hasSeq && h.Seq <= in.status.LastSeq && c.shared == nil {
+		// An engine seq already applied, with no clear since (after one,
+		// hasSeq is false): a message stored twice (resent after
+		// JetStream's duplicate window), or one stored after a later one
+		// (a publish failure mid-window); the bridge publishes a resync
+		// right after either. Applying it meanwhile could bring back
+		// blocks removed since. (A shared index keeps its position by
+		// stream seq and replays every message: there the resync alone
+		// repairs it.)
+		c.m.messages.WithLabelValues("duplicate_seq").Inc()
+		c.mu.Lock()
+		in.status.StreamSeq = max(in.status.StreamSeq, w.streamSeq)
+		c.mu.Unlock()
+		return
+	}
 	if engineMsg && in.hasSeq && h.Seq > in.status.LastSeq+1 {
 		// The bridge publishes every engine seq or a clear, so a hole here
 		// means the stream lost messages before we read them (retention
