@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 
@@ -196,5 +197,74 @@ func TestE2EPipelinedPublishOrder(t *testing.T) {
 				t.Fatalf("at most %d messages in flight at once, want 2..%d", s.MaxInFlight, window)
 			}
 		})
+	}
+}
+
+// A message refused while later ones in the window are stored: the stream
+// refuses engine message 21 of a burst (larger than its MaxMsgSize) and
+// stores 22 and more behind it. The bridge resends 21 until the stream
+// takes it (the test raises the limit meanwhile), finds the stream holding
+// it after later messages, and publishes a resync. Message 22 removes half
+// the blocks 21 stored, so applying 21 late over it would leave blocks the
+// engine no longer holds: the router must still end equal to the engine.
+func TestE2EPipelinedPublishReorderResynced(t *testing.T) {
+	const maxSize = 2048
+	small := orderedPayloads(t, 300, 2, 5)
+	fresh := make([]uint64, 128)
+	for i := range fresh {
+		fresh[i] = 1<<40 + uint64(i)
+	}
+	large, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: []events.Event{{Kind: events.BlockStored,
+		BlockHashes: fresh, TokenIDs: make([]uint32, 16*len(fresh)), BlockSize: 16, Medium: "GPU"}}}, events.EncodingArray)
+	if err != nil {
+		t.Fatal(err)
+	}
+	removeHalf, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: []events.Event{{Kind: events.BlockRemoved,
+		BlockHashes: fresh[:64], Medium: "GPU"}}}, events.EncodingArray)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ps := append(append(append([][]byte{}, small[:20]...), large, removeHalf), small[20:]...)
+	for i, p := range ps {
+		if (len(p) > maxSize/2) != (i == 20) {
+			t.Fatalf("payload %d is %d bytes: the test needs only payload 20 over %d", i, len(p), maxSize/2)
+		}
+	}
+	if len(large) <= maxSize {
+		t.Fatalf("the large payload is %d bytes, not over the stream's %d", len(large), maxSize)
+	}
+
+	r := newRig(t, rigOpts{buffer: 1 << 16})
+	_, a, _ := r.startConsumer(consumer.Config{})
+	js, err := jetstream.New(r.conn())
+	if err != nil {
+		t.Fatal(err)
+	}
+	setMaxSize := func(n int32) {
+		t.Helper()
+		var st jetstream.Stream
+		waitFor(t, 10*time.Second, "the bridge's stream", func() bool { st, err = js.Stream(r.ctx, r.stream.Name); return err == nil })
+		cfg := st.CachedInfo().Config
+		cfg.MaxMsgSize = n
+		if _, err := js.UpdateStream(r.ctx, cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	setMaxSize(maxSize)
+	r.publish(ps...)
+	waitFor(t, 20*time.Second, "the refused message being resent", func() bool { return r.stats().Repairs > 0 })
+	time.Sleep(300 * time.Millisecond) // a few refused resends
+	setMaxSize(-1)
+	r.waitPublished(uint64(len(ps)))
+
+	waitTable(t, a, r.instance, reference(t, ps...))
+	s := r.stats()
+	seqs, resyncs := streamEngineSeqs(t, r)
+	t.Logf("bridge stats %+v; %d engine messages in the stream, %d resyncs", s, len(seqs), resyncs)
+	if s.Dropped != 0 || s.Reorders != 1 || resyncs != 2 {
+		t.Fatalf("bridge stats %+v, %d resyncs in the stream: want nothing dropped, one reorder, the start-up resync and one after it", s, resyncs)
+	}
+	if i := slices.Index(seqs, 21); i < 0 || !slices.Contains(seqs[:i], 22) {
+		t.Fatalf("engine message 21 not stored after 22: stream order %v", seqs[:min(len(seqs), 40)])
 	}
 }
