@@ -88,7 +88,14 @@ func newClusterFleet(t testing.TB, engines, blocks int, timeScale float64) *clus
 		}
 		ctx, cancel := context.WithCancel(f.ctx)
 		done := make(chan struct{})
-		go func() { defer close(done); _ = br.Run(ctx) }()
+		go func() {
+			defer close(done)
+			// Run returns early only for a configuration error: the
+			// bridge would never be ready, say why.
+			if err := br.Run(ctx); err != nil && ctx.Err() == nil {
+				t.Errorf("%s bridge stopped: %v", e.id, err)
+			}
+		}()
 		t.Cleanup(func() { cancel(); <-done })
 		e.br = br
 		f.engines = append(f.engines, e)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -31,6 +32,12 @@ func IsConfigError(err error) bool {
 	var je jetstream.JetStreamError
 	if errors.As(err, &je) {
 		if a := je.APIError(); a != nil {
+			if a.ErrorCode == jsErrNoPeers && strings.Contains(a.Description, "peer offline") {
+				// Enough servers, but one the replicas need is offline
+				// (restarting, or not yet known to a cluster just
+				// started): an outage, which passes.
+				return false
+			}
 			return a.Code == 400 || a.ErrorCode == jsErrReplicasNotSupported
 		}
 	}

@@ -3,6 +3,7 @@ package kvstream
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"strings"
 	"testing"
@@ -77,4 +78,29 @@ func TestEnsureAllReplicas(t *testing.T) {
 		refused(t, js, StreamConfig{Name: "S_" + name, Replicas: MaxReplicas + 1}, BucketConfig{Name: "B_" + name}, "replicas 6 of 1..5")
 		refused(t, js, StreamConfig{Name: "S_" + name}, BucketConfig{Name: "B_" + name, Replicas: -1}, "replicas -1 out of range")
 	})
+}
+
+// Which JetStream API errors are configuration errors (returned at once)
+// and which an outage (retried). "No suitable peers" with a peer offline
+// is an outage: a JetStream cluster that has just started answers it
+// until every server has reported in, and a bridge that took it for a
+// configuration error stopped and never became ready (1 fleet start in 20
+// in the cluster tests).
+func TestIsConfigErrorAPIErrors(t *testing.T) {
+	for _, tc := range []struct {
+		err  *jetstream.APIError
+		want bool
+	}{
+		{&jetstream.APIError{Code: 400, ErrorCode: jsErrNoPeers, Description: "no suitable peers for placement, peer offline"}, false},
+		{&jetstream.APIError{Code: 400, ErrorCode: jsErrNoPeers, Description: "no suitable peers for placement, peer offline, insufficient storage"}, false},
+		{&jetstream.APIError{Code: 400, ErrorCode: jsErrNoPeers, Description: "no suitable peers for placement"}, true},
+		{&jetstream.APIError{Code: 400, ErrorCode: jsErrSubjectOverlap, Description: "subjects overlap with an existing stream"}, true},
+		{&jetstream.APIError{Code: 500, ErrorCode: jsErrReplicasNotSupported, Description: "replicas > 1 not supported in non-clustered mode"}, true},
+		{&jetstream.APIError{Code: 503, ErrorCode: 10008, Description: "jetstream system temporarily unavailable"}, false},
+	} {
+		err := fmt.Errorf("kvstream: create stream S: %w", tc.err)
+		if got := IsConfigError(err); got != tc.want {
+			t.Errorf("IsConfigError(%v) = %v, want %v", err, got, tc.want)
+		}
+	}
 }
