@@ -216,7 +216,7 @@ func (in *instance) waitCompleted(d time.Duration) {
 	target := in.sent.Load()
 	deadline := time.Now().Add(d)
 	for in.completed.Load() < target && time.Now().Before(deadline) {
-		time.Sleep(100 * time.Microsecond)
+		time.Sleep(time.Millisecond) // a snapshot request is rare; its wait may last a publish timeout
 	}
 }
 
