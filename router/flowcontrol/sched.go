@@ -97,6 +97,19 @@ type Config struct {
 	// each): a tenant of weight 2 is admitted twice the tokens of one of
 	// weight 1 while both wait.
 	Weights map[string]float64
+	// InstanceConcurrency and InstancePrefill are the same budgets per
+	// instance (0 = none; instance.go): with either set a request is
+	// admitted only while an instance (SetInstances) has room for it, and
+	// the caller routes it to one that has (Room, Bind).
+	InstanceConcurrency int
+	InstancePrefill     int64
+	// Affinity, when set, is how many of an item's prompt tokens an
+	// instance with room holds in cache now. Among the waiting requests
+	// fair queuing considers due together (affinity.go) the one with the
+	// most goes first, so a freed slot goes to the request that gains most
+	// from it. Called with the queue's lock held (Gate): it must not call
+	// back into the queue.
+	Affinity func(it *Item) int64
 }
 
 // WithDefaults fills zero fields with their defaults.
@@ -126,6 +139,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: max_wait %v < 0", ErrConfig, c.MaxWait)
 	case c.AgingStep < 0:
 		return fmt.Errorf("%w: aging_step %v < 0", ErrConfig, c.AgingStep)
+	case c.InstanceConcurrency < 0 || c.InstancePrefill < 0:
+		return fmt.Errorf("%w: per-instance budgets %d, %d < 0", ErrConfig, c.InstanceConcurrency, c.InstancePrefill)
 	}
 	for t, w := range c.Weights {
 		if !(w > 0) || math.IsInf(w, 0) {
@@ -162,6 +177,7 @@ type Item struct {
 	expReason         Reason
 	fifo              *list.Element
 	state             itemState
+	inst              *instLoad // the instance it was bound to (Bind)
 }
 
 type itemState uint8
@@ -247,6 +263,13 @@ type Sched struct {
 	svcN int
 
 	counts Counts
+
+	// Per-instance budgets (instance.go): the instances' loads, how many
+	// are live, and admitted requests not yet bound to an instance.
+	insts   map[string]*instLoad
+	liveN   int
+	unbound int
+	affBuf  []*Item // scratch for preferred
 }
 
 // Counts are the queue's totals since it was made.
@@ -293,7 +316,10 @@ func (s *Sched) fits(it *Item) bool {
 	if s.conc > 0 && s.inflight >= s.conc {
 		return false
 	}
-	return s.prefill <= 0 || s.pending == 0 || s.pending+it.Prefill <= s.prefill
+	if !(s.prefill <= 0 || s.pending == 0 || s.pending+it.Prefill <= s.prefill) {
+		return false
+	}
+	return s.instancesFit(it)
 }
 
 func (s *Sched) weight(tenant string) float64 {
@@ -495,6 +521,7 @@ func (s *Sched) admit(it *Item, now time.Time) {
 	it.admitted, it.state = now, stAdmitted
 	s.inflight++
 	s.pending += it.Prefill
+	s.unbound++
 }
 
 // Next admits the next waiting request if the budgets allow, else returns
@@ -526,6 +553,8 @@ func (s *Sched) Next(now time.Time) *Item {
 	it := best.tags[0]
 	if aged {
 		it = best.fifo.Front().Value.(*Item)
+	} else if s.cfg.Affinity != nil {
+		it = s.preferred(best)
 	}
 	if !s.fits(it) {
 		return nil
@@ -548,6 +577,7 @@ func (s *Sched) FirstToken(it *Item, now time.Time) {
 	}
 	it.state = stPrefilled
 	s.pending -= it.Prefill
+	s.unbindPrefill(it)
 	d := max(now.Sub(it.admitted), 0)
 	if s.svcN < estimatorWindow {
 		s.svcN++
@@ -563,12 +593,14 @@ func (s *Sched) Done(it *Item, now time.Time) {
 	switch it.state {
 	case stAdmitted:
 		s.pending -= it.Prefill
+		s.unbindPrefill(it)
 	case stPrefilled:
 	default:
 		return
 	}
 	it.state = stDone
 	s.inflight--
+	s.release(it)
 }
 
 // Remove takes a waiting request out of the queue (its client went away:

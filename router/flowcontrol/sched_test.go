@@ -407,3 +407,91 @@ func TestStats(t *testing.T) {
 		t.Fatalf("%+v", st)
 	}
 }
+
+func TestPerInstancePrefillBudget(t *testing.T) {
+	s := mustNew(t, Config{InstancePrefill: 100})
+	s.SetInstances([]string{"a", "b"})
+	x, y := &Item{Prefill: 80, Cost: 80}, &Item{Prefill: 80, Cost: 80}
+	offer(t, s, x, at(0), Admitted)
+	if !s.Room("a", x) || !s.Room("b", x) {
+		t.Fatal("empty instances have no room")
+	}
+	s.Bind(x, "a")
+	if s.Room("a", y) {
+		t.Fatal("a has room for 80 more over its 100-token budget")
+	}
+	offer(t, s, y, at(1), Admitted) // b has room
+	s.Bind(y, "b")
+	z := &Item{Prefill: 10, Cost: 10}
+	offer(t, s, z, at(2), Admitted) // 80 + 10 <= 100: fits a
+	if !s.Room("a", z) || s.Room("b", &Item{Prefill: 30}) {
+		t.Fatal("room misjudged")
+	}
+	s.Bind(z, "a")
+	w := &Item{Prefill: 50, Cost: 50}
+	offer(t, s, w, at(3), Queued)
+	if s.Next(at(3)) != nil {
+		t.Fatal("admitted with no instance having room")
+	}
+	s.FirstToken(y, at(4)) // b's prefill done
+	if got := s.Next(at(4)); got != w {
+		t.Fatalf("Next after b freed = %v, want w", got)
+	}
+	if s.Room("a", w) || !s.Room("b", w) {
+		t.Fatal("room should be on b only")
+	}
+	// An admitted request not yet bound takes one instance with room.
+	v := &Item{Prefill: 20, Cost: 20} // a holds 90: only b has room
+	offer(t, s, v, at(5), Queued)
+	if s.Next(at(5)) != nil {
+		t.Fatal("admitted while the one instance with room is promised to an unbound request")
+	}
+	s.Bind(w, "b")
+	for _, it := range []*Item{x, y, z, w} {
+		s.Done(it, at(6))
+	}
+	if got := s.Next(at(6)); got != v {
+		t.Fatalf("Next = %v, want v", got)
+	}
+	s.Bind(v, "a")
+	s.Done(v, at(7))
+	st := s.Stats(at(7))
+	for _, l := range st.Instances {
+		if l.InFlight != 0 || l.PendingPrefill != 0 {
+			t.Fatalf("load left after every request ended: %+v", st.Instances)
+		}
+	}
+	// An instance that leaves is forgotten once empty; a large request
+	// fits an empty instance.
+	s.SetInstances([]string{"b"})
+	if len(s.Stats(at(8)).Instances) != 1 {
+		t.Fatalf("instances %+v", s.Stats(at(8)).Instances)
+	}
+	offer(t, s, &Item{Prefill: 1000, Cost: 1000}, at(8), Admitted)
+}
+
+func TestAffinityChoosesWithinFairWindow(t *testing.T) {
+	// a holds the cache of tenant "hit"'s requests; the freed slot goes to
+	// the due request with the most cached tokens, but never to one fair
+	// queuing puts beyond the head's finish tag.
+	gain := map[string]int64{"hit": 500}
+	s := mustNew(t, Config{MaxConcurrency: 1, Affinity: func(it *Item) int64 { return gain[it.Tenant] }})
+	first := &Item{Tenant: "x", Cost: 100}
+	offer(t, s, first, at(0), Admitted)
+	cold := &Item{Tenant: "cold", Cost: 100}
+	hot := &Item{Tenant: "hit", Cost: 100}
+	offer(t, s, cold, at(1), Queued)
+	offer(t, s, hot, at(2), Queued)
+	s.Done(first, at(3))
+	if got := s.Next(at(3)); got != hot {
+		t.Fatalf("Next = %+v, want the request with cached tokens", got)
+	}
+	s.Done(hot, at(4))
+	// hit's second request starts after its first finished (tag 100), at
+	// cold's finish tag: outside cold's window, so cold goes first.
+	hot2 := &Item{Tenant: "hit", Cost: 100}
+	offer(t, s, hot2, at(4), Queued)
+	if got := s.Next(at(4)); got != cold {
+		t.Fatalf("Next = %+v, want cold (hot2 is beyond its window)", got)
+	}
+}
