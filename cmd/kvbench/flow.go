@@ -206,7 +206,7 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	threshold := fs.Int("concurrency-threshold", config.DefaultConcurrencyThresh, "routing.concurrency_threshold; the queue's budget is this × instances")
 	heavy := fs.Float64("heavy-factor", 10, "the heavy tenant's tokens over one light tenant's")
 	urgent := fs.Float64("urgent-share", 0.25, "share of requests at priority 0 (the rest at 1)")
-	prefill := fs.Int64("prefill-budget", 2*sim.DefaultMaxNumBatchedTokens, "the queue's prefill_tokens_per_instance (default: two steps of the engine's max_num_batched_tokens; 0 = none)")
+	prefill := fs.Int64("prefill-budget", sim.DefaultMaxNumBatchedTokens, "the queue's prefill_tokens_per_instance (default: one step of the engine's max_num_batched_tokens; 0 = none)")
 	scope := fs.String("budget-scope", "instance", "instance: the budgets hold per instance and a request goes to an instance with room; pool: pool-wide (budget × instances)")
 	affinity := fs.Bool("affinity", true, "with kv_aware, a freed slot goes to the waiting request with the most cached tokens on an instance with room, among those fair queuing considers due together")
 	seed := fs.Int64("seed", 1, "seed")

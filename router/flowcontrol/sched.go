@@ -258,9 +258,11 @@ type Sched struct {
 	last       time.Time
 	busySec    float64
 	busyTokens float64
-	// svc is the average time from admission to first token.
-	svc  time.Duration
-	svcN int
+	// svc is the average time from admission to first token; svcFit
+	// predicts it from a request's prompt tokens (service.go).
+	svc    time.Duration
+	svcN   int
+	svcFit svcFit
 
 	counts Counts
 
@@ -354,7 +356,7 @@ func (s *Sched) Offer(it *Item, now time.Time) Outcome {
 		}
 	}
 	wait := s.predictWait(it, start)
-	if !it.Deadline.IsZero() && now.Add(wait+s.svc).After(it.Deadline) {
+	if !it.Deadline.IsZero() && now.Add(wait+s.service(it)).After(it.Deadline) {
 		return s.shed(it, ShedDeadline, wait)
 	}
 	var displaced *Item
@@ -477,7 +479,7 @@ func (s *Sched) enqueue(it *Item, start float64) {
 	it.expires, it.expReason = it.arrived.Add(s.cfg.MaxWait), ShedTimeout
 	if !it.Deadline.IsZero() {
 		// Past this point it cannot meet its deadline even if admitted.
-		if d := it.Deadline.Add(-s.svc); d.Before(it.expires) {
+		if d := it.Deadline.Add(-s.service(it)); d.Before(it.expires) {
 			it.expires, it.expReason = d, ShedDeadline
 		}
 	}
@@ -583,6 +585,7 @@ func (s *Sched) FirstToken(it *Item, now time.Time) {
 		s.svcN++
 	}
 	s.svc += (d - s.svc) / time.Duration(s.svcN)
+	s.svcFit.add(float64(it.Prefill), d.Seconds())
 }
 
 // Done ends an admitted request (finished, failed or abandoned), freeing

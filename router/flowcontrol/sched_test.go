@@ -495,3 +495,52 @@ func TestAffinityChoosesWithinFairWindow(t *testing.T) {
 		t.Fatalf("Next = %+v, want cold (hot2 is beyond its window)", got)
 	}
 }
+
+func TestServiceFitGrowsWithPrompt(t *testing.T) {
+	var f svcFit
+	if f.at(100) != 0 {
+		t.Fatal("prediction before any sample")
+	}
+	for i := range 200 {
+		// 20 ms of queueing plus 40 µs per token, alternating sizes.
+		x := float64(1000 + 9000*(i%2))
+		f.add(x, 0.020+x*40e-6)
+	}
+	for _, c := range []struct {
+		x    float64
+		want time.Duration
+	}{{1000, 60 * time.Millisecond}, {10000, 420 * time.Millisecond}, {5000, 220 * time.Millisecond}} {
+		if got := f.at(c.x); got < c.want-time.Millisecond || got > c.want+time.Millisecond {
+			t.Errorf("at(%v) = %v, want %v", c.x, got, c.want)
+		}
+	}
+	var g svcFit
+	for range 10 {
+		g.add(500, 0.1) // one length: the mean
+	}
+	if got := g.at(5000); got < 99*time.Millisecond || got > 101*time.Millisecond {
+		t.Errorf("one length: at = %v, want 100ms", got)
+	}
+}
+
+// The deadline test at arrival predicts each request's own time from
+// admission to first token: a short prompt that will meet its deadline is
+// queued, a long one with the same deadline that will not is shed (one
+// average for both would queue the long one, 110 ms < 150 ms, to fail).
+func TestDeadlineUsesServiceByPromptLength(t *testing.T) {
+	s := mustNew(t, Config{MaxConcurrency: 1, MaxWait: time.Hour, AgingStep: time.Hour})
+	now := at(0)
+	for i := range 64 {
+		p := int64(1000 + 9000*(i%2)) // 20 ms per 1,000 prompt tokens
+		it := &Item{Prefill: p, Cost: p}
+		offer(t, s, it, now, Admitted)
+		s.FirstToken(it, now.Add(time.Duration(p)*20*time.Microsecond))
+		now = now.Add(time.Second)
+		s.Done(it, now)
+	}
+	offer(t, s, &Item{Prefill: 1000, Cost: 1000}, now, Admitted) // holds the one slot
+	offer(t, s, &Item{Prefill: 1000, Cost: 1000, Deadline: now.Add(150 * time.Millisecond)}, now, Queued)
+	if out := offer(t, s, &Item{Prefill: 10000, Cost: 10000, Deadline: now.Add(150 * time.Millisecond)}, now, Shed); out.Reason != ShedDeadline {
+		t.Fatalf("long prompt: %+v, want shed for its deadline", out)
+	}
+}
