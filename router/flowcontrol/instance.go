@@ -19,6 +19,7 @@ import (
 type instLoad struct {
 	inflight int
 	pending  int64 // prompt tokens before their first token
+	big      int   // oversized prompts before their first token (reserve.go)
 	live     bool
 }
 
@@ -106,6 +107,7 @@ func (s *Sched) Bind(it *Item, instance string) {
 	l.inflight++
 	if it.state == stAdmitted {
 		l.pending += it.Prefill
+		s.bigBound(it)
 	}
 }
 

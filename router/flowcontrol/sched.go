@@ -110,6 +110,9 @@ type Config struct {
 	// from it. Called with the queue's lock held (Gate): it must not call
 	// back into the queue.
 	Affinity func(it *Item) int64
+	// ReserveInstance keeps one live instance free of prompts larger than
+	// InstancePrefill, for requests that fit a step (reserve.go).
+	ReserveInstance bool
 }
 
 // WithDefaults fills zero fields with their defaults.
@@ -178,6 +181,7 @@ type Item struct {
 	fifo              *list.Element
 	state             itemState
 	inst              *instLoad // the instance it was bound to (Bind)
+	big               bool      // an oversized prompt before its first token (reserve.go)
 }
 
 type itemState uint8
@@ -272,6 +276,9 @@ type Sched struct {
 	liveN   int
 	unbound int
 	affBuf  []*Item // scratch for preferred
+	// unboundBig counts oversized prompts admitted and not yet bound
+	// (reserve.go).
+	unboundBig int
 }
 
 // Counts are the queue's totals since it was made.
@@ -321,7 +328,7 @@ func (s *Sched) fits(it *Item) bool {
 	if !(s.prefill <= 0 || s.pending == 0 || s.pending+it.Prefill <= s.prefill) {
 		return false
 	}
-	return s.instancesFit(it)
+	return s.instancesFit(it) && !s.reserveBlocks(it)
 }
 
 func (s *Sched) weight(tenant string) float64 {
@@ -524,6 +531,7 @@ func (s *Sched) admit(it *Item, now time.Time) {
 	s.inflight++
 	s.pending += it.Prefill
 	s.unbound++
+	s.bigAdmitted(it)
 }
 
 // Next admits the next waiting request if the budgets allow, else returns
@@ -559,7 +567,14 @@ func (s *Sched) Next(now time.Time) *Item {
 		it = s.preferred(best)
 	}
 	if !s.fits(it) {
-		return nil
+		if !s.reserveBlocks(it) {
+			return nil
+		}
+		// Held back only by the reservation: the first request that fits
+		// a step goes onto the room it keeps.
+		if it = s.stepSized(best); it == nil {
+			return nil
+		}
 	}
 	best.vtime = max(best.vtime, it.start)
 	s.unqueue(it)
@@ -580,6 +595,7 @@ func (s *Sched) FirstToken(it *Item, now time.Time) {
 	it.state = stPrefilled
 	s.pending -= it.Prefill
 	s.unbindPrefill(it)
+	s.bigPrefilled(it)
 	d := max(now.Sub(it.admitted), 0)
 	if s.svcN < estimatorWindow {
 		s.svcN++
@@ -597,6 +613,7 @@ func (s *Sched) Done(it *Item, now time.Time) {
 	case stAdmitted:
 		s.pending -= it.Prefill
 		s.unbindPrefill(it)
+		s.bigPrefilled(it)
 	case stPrefilled:
 	default:
 		return

@@ -544,3 +544,74 @@ func TestDeadlineUsesServiceByPromptLength(t *testing.T) {
 		t.Fatalf("long prompt: %+v, want shed for its deadline", out)
 	}
 }
+
+// Prompts larger than the per-instance budget hold at most all but one
+// instance: a request that fits a step goes ahead of an oversized head
+// held back by the reservation, and the oversized one goes as soon as a
+// long prefill ends.
+func TestReserveInstanceForStepSized(t *testing.T) {
+	cfg := Config{InstancePrefill: 100, MaxWait: time.Hour, AgingStep: time.Hour}
+	free := mustNew(t, cfg)
+	free.SetInstances([]string{"a", "b", "c"})
+	for i, name := range []string{"a", "b", "c"} {
+		it := &Item{Tenant: "heavy", Prefill: 500, Cost: 500}
+		offer(t, free, it, at(i), Admitted) // without the reservation: all three
+		free.Bind(it, name)
+	}
+
+	cfg.ReserveInstance = true
+	s := mustNew(t, cfg)
+	s.SetInstances([]string{"a", "b", "c"})
+	big := make([]*Item, 4)
+	for i := range big {
+		big[i] = &Item{Tenant: "heavy", Prefill: 500, Cost: 500}
+	}
+	offer(t, s, big[0], at(0), Admitted)
+	s.Bind(big[0], "a")
+	offer(t, s, big[1], at(1), Admitted) // unbound: still counts
+	offer(t, s, big[2], at(2), Queued)   // two of three held
+	s.Bind(big[1], "b")
+	offer(t, s, big[3], at(3), Queued)
+	small := &Item{Tenant: "light", Prefill: 50, Cost: 50}
+	offer(t, s, small, at(4), Queued)
+	if got := s.Next(at(4)); got != small {
+		t.Fatalf("Next = %+v, want the step-sized request past the held-back head", got)
+	}
+	if s.Room("a", small) || !s.Room("c", small) {
+		t.Fatal("room misjudged")
+	}
+	s.Bind(small, "c")
+	if got := s.Next(at(5)); got != nil {
+		t.Fatalf("Next = %+v with two instances held by oversized prompts", got)
+	}
+	s.FirstToken(small, at(6)) // c is empty again, but reserved
+	if got := s.Next(at(6)); got != nil {
+		t.Fatalf("Next = %+v onto the reserved instance", got)
+	}
+	s.FirstToken(big[0], at(7)) // a's long prefill ends
+	if got := s.Next(at(7)); got != big[2] {
+		t.Fatalf("Next = %+v, want the oversized head", got)
+	}
+	s.Bind(big[2], "a")
+	s.Done(big[1], at(8)) // ended before its first token: b is free
+	if got := s.Next(at(8)); got != big[3] {
+		t.Fatalf("Next = %+v, want the last oversized prompt", got)
+	}
+	s.Bind(big[3], "b")
+	for _, it := range []*Item{big[0], big[2], big[3], small} {
+		s.Done(it, at(9))
+	}
+	if s.unboundBig != 0 {
+		t.Fatalf("unboundBig %d after every request ended", s.unboundBig)
+	}
+	for name, l := range s.insts {
+		if l.big != 0 || l.pending != 0 || l.inflight != 0 {
+			t.Fatalf("%s holds %+v after every request ended", name, *l)
+		}
+	}
+
+	// One instance: nothing to reserve.
+	one := mustNew(t, cfg)
+	one.SetInstances([]string{"a"})
+	offer(t, one, &Item{Prefill: 500, Cost: 500}, at(0), Admitted)
+}

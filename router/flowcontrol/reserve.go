@@ -1,0 +1,92 @@
+package flowcontrol
+
+// Reserving an instance for step-sized prompts.
+//
+// A prompt larger than InstancePrefill (one engine step's worth of
+// tokens, as the router configures it) cannot share a step: its engine
+// spends whole steps on it until its first token, and the per-instance
+// budget admits it only to an instance with nothing else prefilling. When
+// such prompts hold every instance, a short request that arrives waits in
+// the router for the first of them to finish: the residual of a long
+// prefill (a 10,000-token prompt is about 0.4 s on an 8×H100 Llama 70B),
+// however little its tenant sends and however far ahead fair queuing puts
+// it. Start-time fair queuing orders the queue; it cannot shorten a
+// non-preemptive job already running on every server.
+//
+// With Config.ReserveInstance, oversized prompts hold at most all but one
+// of the live instances at a time (counting those admitted and not yet
+// bound to one), so a request that fits a step always has an instance
+// whose pending prefill is bounded by the budget — its wait for room is at
+// most about one step, not one long prefill. One instance is the least
+// reservation that gives that bound; nothing is reserved with a single
+// instance. When the head of the queue is an oversized prompt held back
+// only by the reservation, the first request in fair-queuing order that
+// fits a step goes ahead of it, onto the room the reservation keeps; the
+// oversized prompt is admitted as soon as one of the others' long
+// prefills ends. The cost: a queue that holds nothing but oversized
+// prompts leaves one instance's prefill idle (1/N of the pool).
+
+// oversized reports whether it is a prompt the reservation keeps off the
+// last instance.
+func (s *Sched) oversized(it *Item) bool {
+	return s.cfg.ReserveInstance && s.cfg.InstancePrefill > 0 && it.Prefill > s.cfg.InstancePrefill
+}
+
+// reserveBlocks reports whether admitting it would leave no live instance
+// free of oversized prompts.
+func (s *Sched) reserveBlocks(it *Item) bool {
+	if !s.oversized(it) || s.liveN < 2 {
+		return false
+	}
+	held := s.unboundBig
+	for _, l := range s.insts {
+		if l.live && l.big > 0 {
+			held++
+		}
+	}
+	return held >= s.liveN-1
+}
+
+// stepSized is the request of band l that fair queuing puts first among
+// those that are not oversized and fit the budgets now (nil if none).
+func (s *Sched) stepSized(l *level) *Item {
+	var best *Item
+	for _, it := range l.tags {
+		if s.oversized(it) || !s.fits(it) {
+			continue
+		}
+		if best == nil || it.start < best.start || (it.start == best.start && it.seq < best.seq) {
+			best = it
+		}
+	}
+	return best
+}
+
+// bigAdmitted counts an oversized prompt from admission until its first
+// token (or end): against the unbound until Bind, then against its
+// instance.
+func (s *Sched) bigAdmitted(it *Item) {
+	if s.oversized(it) {
+		it.big = true
+		s.unboundBig++
+	}
+}
+
+func (s *Sched) bigBound(it *Item) {
+	if it.big {
+		s.unboundBig--
+		it.inst.big++
+	}
+}
+
+func (s *Sched) bigPrefilled(it *Item) {
+	if !it.big {
+		return
+	}
+	it.big = false
+	if it.inst != nil {
+		it.inst.big--
+	} else {
+		s.unboundBig--
+	}
+}
