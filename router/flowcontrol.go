@@ -68,10 +68,11 @@ func newFlowControl(cfg *config.FlowControlConfig, p, prev *Pool) (*flowControl,
 // concurrency budget and the healthy instances are read from the pool at
 // each decision (limits, instances). The prefill budget holds per
 // instance: a request goes to an instance with room for it (route), so no
-// engine queues more than its budget.
+// engine queues more than its budget, and prompts larger than it leave one
+// instance to the requests that fit it (flowcontrol.Config.ReserveInstance).
 func queueConfig(c *config.FlowControlConfig) flowcontrol.Config {
 	return flowcontrol.Config{MaxQueue: c.MaxQueue, MaxWait: c.MaxWait, AgingStep: c.AgingStep, Weights: c.TenantWeights,
-		InstancePrefill: c.PrefillTokensPerInstance}
+		InstancePrefill: c.PrefillTokensPerInstance, ReserveInstance: true}
 }
 
 // instances are the pool's healthy instances, where the per-instance

@@ -1,5 +1,7 @@
 package flowcontrol
 
+import "time"
+
 // Reserving an instance for step-sized prompts.
 //
 // A prompt larger than InstancePrefill (one engine step's worth of
@@ -19,7 +21,11 @@ package flowcontrol
 // whose pending prefill is bounded by the budget — its wait for room is at
 // most about one step, not one long prefill. One instance is the least
 // reservation that gives that bound; nothing is reserved with a single
-// instance. When the head of the queue is an oversized prompt held back
+// instance, nor while no request that fits a step has arrived within the
+// time an oversized prompt would hold the instance (its predicted
+// admission-to-first-token time, service.go): a pool serving only long
+// prompts keeps all its instances, and reserves again as soon as short
+// requests come. When the head of the queue is an oversized prompt held back
 // only by the reservation, the first request in fair-queuing order that
 // fits a step goes ahead of it, onto the room the reservation keeps; the
 // oversized prompt is admitted as soon as one of the others' long
@@ -35,7 +41,7 @@ func (s *Sched) oversized(it *Item) bool {
 // reserveBlocks reports whether admitting it would leave no live instance
 // free of oversized prompts.
 func (s *Sched) reserveBlocks(it *Item) bool {
-	if !s.oversized(it) || s.liveN < 2 {
+	if !s.oversized(it) || s.liveN < 2 || s.lastSmall.IsZero() || !s.last.Before(s.lastSmall.Add(s.service(it))) {
 		return false
 	}
 	held := s.unboundBig
@@ -60,6 +66,13 @@ func (s *Sched) stepSized(l *level) *Item {
 		}
 	}
 	return best
+}
+
+// noteArrival records when a request that fits a step arrived.
+func (s *Sched) noteArrival(it *Item, now time.Time) {
+	if s.cfg.ReserveInstance && s.cfg.InstancePrefill > 0 && !s.oversized(it) {
+		s.lastSmall = now
+	}
 }
 
 // bigAdmitted counts an oversized prompt from admission until its first

@@ -276,9 +276,11 @@ type Sched struct {
 	liveN   int
 	unbound int
 	affBuf  []*Item // scratch for preferred
-	// unboundBig counts oversized prompts admitted and not yet bound
+	// unboundBig counts oversized prompts admitted and not yet bound, and
+	// lastSmall is when a request that fits a step last arrived
 	// (reserve.go).
 	unboundBig int
+	lastSmall  time.Time
 }
 
 // Counts are the queue's totals since it was made.
@@ -349,6 +351,7 @@ func (s *Sched) Offer(it *Item, now time.Time) Outcome {
 	it.arrived = now
 	it.Cost = max(it.Cost, 1)
 	it.Prefill = max(it.Prefill, 0)
+	s.noteArrival(it, now)
 	if s.queued == 0 && s.fits(it) {
 		s.admit(it, now)
 		s.counts.AdmittedAtOnce++

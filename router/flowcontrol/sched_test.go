@@ -546,60 +546,86 @@ func TestDeadlineUsesServiceByPromptLength(t *testing.T) {
 }
 
 // Prompts larger than the per-instance budget hold at most all but one
-// instance: a request that fits a step goes ahead of an oversized head
-// held back by the reservation, and the oversized one goes as soon as a
-// long prefill ends.
+// instance while requests that fit a step are arriving: a step-sized
+// request goes ahead of an oversized head held back by the reservation,
+// and the oversized one goes as soon as a long prefill ends. Without
+// step-sized arrivals within an oversized prompt's service time, nothing
+// is reserved.
 func TestReserveInstanceForStepSized(t *testing.T) {
 	cfg := Config{InstancePrefill: 100, MaxWait: time.Hour, AgingStep: time.Hour}
+	// warm teaches the queue service times: 0.2 ms per prompt token.
+	warm := func(s *Sched) {
+		s.SetInstances([]string{"a", "b", "c"})
+		for i, p := range []int64{50, 500} {
+			it := &Item{Prefill: p, Cost: p}
+			offer(t, s, it, at(200*i), Admitted)
+			s.Bind(it, "a")
+			s.FirstToken(it, at(200*i).Add(time.Duration(p)*200*time.Microsecond))
+			s.Done(it, at(200*i+150))
+		}
+	}
 	free := mustNew(t, cfg)
-	free.SetInstances([]string{"a", "b", "c"})
+	warm(free)
 	for i, name := range []string{"a", "b", "c"} {
 		it := &Item{Tenant: "heavy", Prefill: 500, Cost: 500}
-		offer(t, free, it, at(i), Admitted) // without the reservation: all three
+		offer(t, free, it, at(1000+i), Admitted) // without the reservation: all three
 		free.Bind(it, name)
 	}
 
 	cfg.ReserveInstance = true
+	idle := mustNew(t, cfg)
+	warm(idle) // the last step-sized arrival is long past
+	for i, name := range []string{"a", "b", "c"} {
+		it := &Item{Tenant: "heavy", Prefill: 500, Cost: 500}
+		offer(t, idle, it, at(1000+i), Admitted)
+		idle.Bind(it, name)
+	}
+
 	s := mustNew(t, cfg)
-	s.SetInstances([]string{"a", "b", "c"})
+	warm(s)
+	first := &Item{Tenant: "light", Prefill: 50, Cost: 50}
+	offer(t, s, first, at(1000), Admitted)
+	s.Bind(first, "c")
+	s.FirstToken(first, at(1010))
+	s.Done(first, at(1010))
 	big := make([]*Item, 4)
 	for i := range big {
 		big[i] = &Item{Tenant: "heavy", Prefill: 500, Cost: 500}
 	}
-	offer(t, s, big[0], at(0), Admitted)
+	offer(t, s, big[0], at(1011), Admitted)
 	s.Bind(big[0], "a")
-	offer(t, s, big[1], at(1), Admitted) // unbound: still counts
-	offer(t, s, big[2], at(2), Queued)   // two of three held
+	offer(t, s, big[1], at(1012), Admitted) // unbound: still counts
+	offer(t, s, big[2], at(1013), Queued)   // two of three held, a short request 13 ms ago
 	s.Bind(big[1], "b")
-	offer(t, s, big[3], at(3), Queued)
+	offer(t, s, big[3], at(1014), Queued)
 	small := &Item{Tenant: "light", Prefill: 50, Cost: 50}
-	offer(t, s, small, at(4), Queued)
-	if got := s.Next(at(4)); got != small {
+	offer(t, s, small, at(1015), Queued)
+	if got := s.Next(at(1015)); got != small {
 		t.Fatalf("Next = %+v, want the step-sized request past the held-back head", got)
 	}
 	if s.Room("a", small) || !s.Room("c", small) {
 		t.Fatal("room misjudged")
 	}
 	s.Bind(small, "c")
-	if got := s.Next(at(5)); got != nil {
+	if got := s.Next(at(1016)); got != nil {
 		t.Fatalf("Next = %+v with two instances held by oversized prompts", got)
 	}
-	s.FirstToken(small, at(6)) // c is empty again, but reserved
-	if got := s.Next(at(6)); got != nil {
+	s.FirstToken(small, at(1017)) // c is empty again, but reserved
+	if got := s.Next(at(1017)); got != nil {
 		t.Fatalf("Next = %+v onto the reserved instance", got)
 	}
-	s.FirstToken(big[0], at(7)) // a's long prefill ends
-	if got := s.Next(at(7)); got != big[2] {
+	s.FirstToken(big[0], at(1018)) // a's long prefill ends
+	if got := s.Next(at(1018)); got != big[2] {
 		t.Fatalf("Next = %+v, want the oversized head", got)
 	}
 	s.Bind(big[2], "a")
-	s.Done(big[1], at(8)) // ended before its first token: b is free
-	if got := s.Next(at(8)); got != big[3] {
+	s.Done(big[1], at(1019)) // ended before its first token: b is free
+	if got := s.Next(at(1019)); got != big[3] {
 		t.Fatalf("Next = %+v, want the last oversized prompt", got)
 	}
 	s.Bind(big[3], "b")
 	for _, it := range []*Item{big[0], big[2], big[3], small} {
-		s.Done(it, at(9))
+		s.Done(it, at(1020))
 	}
 	if s.unboundBig != 0 {
 		t.Fatalf("unboundBig %d after every request ended", s.unboundBig)
@@ -612,6 +638,10 @@ func TestReserveInstanceForStepSized(t *testing.T) {
 
 	// One instance: nothing to reserve.
 	one := mustNew(t, cfg)
+	warm(one)
 	one.SetInstances([]string{"a"})
-	offer(t, one, &Item{Prefill: 500, Cost: 500}, at(0), Admitted)
+	short := &Item{Prefill: 50, Cost: 50}
+	offer(t, one, short, at(1000), Admitted)
+	one.Done(short, at(1000))
+	offer(t, one, &Item{Prefill: 500, Cost: 500}, at(1001), Admitted)
 }
