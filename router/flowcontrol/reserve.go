@@ -1,6 +1,9 @@
 package flowcontrol
 
-import "time"
+import (
+	"math"
+	"time"
+)
 
 // Reserving an instance for step-sized prompts.
 //
@@ -15,22 +18,36 @@ import "time"
 // it. Start-time fair queuing orders the queue; it cannot shorten a
 // non-preemptive job already running on every server.
 //
-// With Config.ReserveInstance, oversized prompts hold at most all but one
-// of the live instances at a time (counting those admitted and not yet
-// bound to one), so a request that fits a step always has an instance
-// whose pending prefill is bounded by the budget — its wait for room is at
-// most about one step, not one long prefill. One instance is the least
-// reservation that gives that bound; nothing is reserved with a single
-// instance, nor while no request that fits a step has arrived within the
-// time an oversized prompt would hold the instance (its predicted
-// admission-to-first-token time, service.go): a pool serving only long
-// prompts keeps all its instances, and reserves again as soon as short
-// requests come. When the head of the queue is an oversized prompt held back
-// only by the reservation, the first request in fair-queuing order that
-// fits a step goes ahead of it, onto the room the reservation keeps; the
-// oversized prompt is admitted as soon as one of the others' long
-// prefills ends. The cost: a queue that holds nothing but oversized
-// prompts leaves one instance's prefill idle (1/N of the pool).
+// With Config.ReserveInstance, oversized prompts leave k of the live
+// instances free of them (counting those admitted and not yet bound to
+// one), so a request that fits a step always has an instance whose
+// pending prefill is bounded by the budget — its wait for room is about
+// one step at most, not one long prefill. k is what the step-sized
+// requests need to carry their own demand: the pool's instances times
+// their share of what the pool serves, k = ⌈N · a / r⌉ — a the tokens of
+// step-sized requests arriving per second, r the queue's measured drain
+// rate (tokens admitted per second while requests wait, the pool's
+// throughput when it is saturated), both averaged over the last
+// estimatorWindow arrivals or admissions — at least 1 and at most N−1.
+// This is size-based task assignment (SITA: Harchol-Balter, Crovella and
+// Murta, "On choosing a task assignment policy for a distributed server
+// system", 1999): short jobs get servers in proportion to their load, so
+// they never queue behind long ones; a single reserved instance is not
+// enough once the short requests need more than one instance's prefill,
+// and they then wait behind the long prefills again. At most N−1 keeps one
+// instance for the long prompts (they are not starved; fair queuing
+// decides their share of it). Before the queue has been busy (r unknown),
+// k is 1. Nothing is reserved with a single instance, nor while no
+// request that fits a step has arrived within the time an oversized
+// prompt would hold the instance (its predicted admission-to-first-token
+// time, service.go): a pool serving only long prompts keeps all its
+// instances, and reserves again as soon as short requests come. When the
+// head of the queue is an oversized prompt held back only by the
+// reservation, the first request in fair-queuing order that fits a step
+// goes ahead of it, onto the room the reservation keeps; the oversized
+// prompt is admitted as soon as one of the others' long prefills ends.
+// The cost: while short requests keep arriving, long prompts get at most
+// N−k instances even when the short ones leave some of theirs idle.
 
 // oversized reports whether it is a prompt the reservation keeps off the
 // last instance.
@@ -50,7 +67,18 @@ func (s *Sched) reserveBlocks(it *Item) bool {
 			held++
 		}
 	}
-	return held >= s.liveN-1
+	return held >= s.liveN-s.reserved()
+}
+
+// reserved is k, the instances kept free of oversized prompts while
+// step-sized requests arrive: ⌈N · a / r⌉, between 1 and N−1.
+func (s *Sched) reserved() int {
+	k := 1
+	if r := s.rate(); r > 0 && s.arrSec > 0 {
+		a := s.arrSmall / s.arrSec
+		k = int(math.Ceil(float64(s.liveN) * a / r))
+	}
+	return min(max(k, 1), s.liveN-1)
 }
 
 // stepSized is the request of band l that fair queuing puts first among
@@ -70,8 +98,20 @@ func (s *Sched) stepSized(l *level) *Item {
 
 // noteArrival records when a request that fits a step arrived.
 func (s *Sched) noteArrival(it *Item, now time.Time) {
-	if s.cfg.ReserveInstance && s.cfg.InstancePrefill > 0 && !s.oversized(it) {
-		s.lastSmall = now
+	if !s.cfg.ReserveInstance || s.cfg.InstancePrefill <= 0 {
+		return
+	}
+	const keep = 1 - 1.0/estimatorWindow
+	small := 0.0
+	if !s.oversized(it) {
+		s.lastSmall, small = now, float64(it.Cost)
+	}
+	if !s.lastArr.IsZero() && now.After(s.lastArr) {
+		s.arrSec = s.arrSec*keep + now.Sub(s.lastArr).Seconds()
+		s.arrSmall = s.arrSmall*keep + small
+	}
+	if now.After(s.lastArr) {
+		s.lastArr = now
 	}
 }
 

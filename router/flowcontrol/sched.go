@@ -110,8 +110,9 @@ type Config struct {
 	// from it. Called with the queue's lock held (Gate): it must not call
 	// back into the queue.
 	Affinity func(it *Item) int64
-	// ReserveInstance keeps one live instance free of prompts larger than
-	// InstancePrefill, for requests that fit a step (reserve.go).
+	// ReserveInstance keeps live instances free of prompts larger than
+	// InstancePrefill, as many as the requests that fit a step need for
+	// their measured demand (reserve.go).
 	ReserveInstance bool
 }
 
@@ -281,6 +282,11 @@ type Sched struct {
 	// (reserve.go).
 	unboundBig int
 	lastSmall  time.Time
+	// Step-sized demand (reserve.go): seconds between arrivals and the
+	// step-sized requests' tokens among them, averaged over
+	// estimatorWindow arrivals.
+	lastArr          time.Time
+	arrSec, arrSmall float64
 }
 
 // Counts are the queue's totals since it was made.

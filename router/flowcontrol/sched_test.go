@@ -645,3 +645,32 @@ func TestReserveInstanceForStepSized(t *testing.T) {
 	one.Done(short, at(1000))
 	offer(t, one, &Item{Prefill: 500, Cost: 500}, at(1001), Admitted)
 }
+
+// The reservation grows with the step-sized requests' share of what the
+// pool serves: k = ⌈N · a / r⌉, at least 1 and at most N−1, and 1 before
+// the drain rate is known.
+func TestReservedInstancesFollowDemand(t *testing.T) {
+	s := mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true})
+	s.SetInstances([]string{"a", "b", "c", "d"})
+	// Arrivals every 10 ms, a third of them step-sized costing 120
+	// tokens: 4,000 step-sized tokens per second.
+	for i := range 300 {
+		it := &Item{Prefill: 500, Cost: 500}
+		if i%3 == 0 {
+			it = &Item{Prefill: 50, Cost: 120}
+		}
+		s.noteArrival(it, at(10*i))
+	}
+	if k := s.reserved(); k != 1 {
+		t.Fatalf("reserved = %d before the drain rate is known, want 1", k)
+	}
+	for _, c := range []struct {
+		rate float64
+		want int
+	}{{10000, 2}, {16000, 1}, {4500, 3}, {1000, 3}} {
+		s.busyTokens, s.busySec = c.rate, 1
+		if k := s.reserved(); k != c.want {
+			t.Errorf("drain %v tokens/s, 4,000 step-sized: reserved = %d, want %d", c.rate, k, c.want)
+		}
+	}
+}
