@@ -209,7 +209,7 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	prefill := fs.Int64("prefill-budget", sim.DefaultMaxNumBatchedTokens, "the queue's prefill_tokens_per_instance (default: one step of the engine's max_num_batched_tokens; 0 = none)")
 	scope := fs.String("budget-scope", "instance", "instance: the budgets hold per instance and a request goes to an instance with room; pool: pool-wide (budget × instances)")
 	affinity := fs.Bool("affinity", true, "with kv_aware, a freed slot goes to the waiting request with the most cached tokens on an instance with room, among those fair queuing considers due together")
-	reserve := fs.Bool("reserve-instance", true, "with --budget-scope instance, prompts larger than the prefill budget hold at most all but one instance (flow_control.reserve_instance)")
+	reserve := fs.Bool("reserve-instance", true, "with --budget-scope instance, prompts larger than the prefill budget leave as many instances to the requests that fit it as those need for their measured demand (flowcontrol.Config.ReserveInstance; the router always reserves)")
 	seed := fs.Int64("seed", 1, "seed")
 	if err := fs.Parse(args); err != nil {
 		return err

@@ -55,10 +55,14 @@ func (s *Sched) oversized(it *Item) bool {
 	return s.cfg.ReserveInstance && s.cfg.InstancePrefill > 0 && it.Prefill > s.cfg.InstancePrefill
 }
 
-// reserveBlocks reports whether admitting it would leave no live instance
-// free of oversized prompts.
+// reserveBlocks reports whether admitting it would leave fewer than
+// reserved instances free of oversized prompts.
 func (s *Sched) reserveBlocks(it *Item) bool {
-	if !s.oversized(it) || s.liveN < 2 || s.lastSmall.IsZero() || !s.last.Before(s.lastSmall.Add(s.service(it))) {
+	if !s.oversized(it) || s.liveN < 2 {
+		return false
+	}
+	k := s.reserved(it)
+	if k == 0 {
 		return false
 	}
 	held := s.unboundBig
@@ -67,23 +71,75 @@ func (s *Sched) reserveBlocks(it *Item) bool {
 			held++
 		}
 	}
-	return held >= s.liveN-s.reserved()
+	return held >= s.liveN-k
 }
 
-// reserved is k, the instances kept free of oversized prompts while
-// step-sized requests arrive: ⌈N · a / r⌉, between 1 and N−1.
-func (s *Sched) reserved() int {
+// reserved is k for the oversized prompt it: the instances kept free of
+// oversized prompts for the step-sized requests at least as urgent as it,
+// ⌈N · a / r⌉ between 1 and N−1; 0 when none of those has arrived within
+// its predicted service time (service.go).
+func (s *Sched) reserved(it *Item) int {
+	var a float64
+	var last time.Time
+	for p, d := range s.smallBy {
+		if p > it.Priority {
+			continue
+		}
+		a += d.at(s.arrN)
+		if d.last.After(last) {
+			last = d.last
+		}
+	}
+	if last.IsZero() || !s.last.Before(last.Add(s.service(it))) {
+		return 0
+	}
 	k := 1
 	if r := s.rate(); r > 0 && s.arrSec > 0 {
-		a := s.arrSmall / s.arrSec
-		k = int(math.Ceil(float64(s.liveN) * a / r))
+		k = int(math.Ceil(float64(s.liveN) * a / s.arrSec / r))
 	}
 	return min(max(k, 1), s.liveN-1)
 }
 
-// stepSized is the request of band l that fair queuing puts first among
-// those that are not oversized and fit the budgets now (nil if none).
-func (s *Sched) stepSized(l *level) *Item {
+// smallDemand is the step-sized requests of one priority: their tokens
+// among the arrivals, decayed like arrSec (by 1−1/estimatorWindow per
+// arrival, applied lazily: tokens is the value after arrival n), and when
+// the last arrived.
+type smallDemand struct {
+	tokens float64
+	n      uint64
+	last   time.Time
+}
+
+const arrivalKeep = 1 - 1.0/estimatorWindow
+
+func (d *smallDemand) at(n uint64) float64 {
+	return d.tokens * math.Pow(arrivalKeep, float64(n-d.n))
+}
+
+// stepSized is the request that goes onto the reserved room when the head
+// of band first is an oversized prompt held back by the reservation: the
+// one fair queuing puts first among those of band first that are not
+// oversized and fit the budgets now, else the same in the other bands by
+// priority (nil if none). A less urgent request may take it: the held-back
+// head cannot use that room, so it is not delayed by it; were only its own
+// band considered, a band whose head is a long prompt would stop the whole
+// queue while the room reserved for short requests stood idle.
+func (s *Sched) stepSized(first *level) *Item {
+	if it := s.stepSizedIn(first); it != nil {
+		return it
+	}
+	for _, l := range s.order {
+		if l == first {
+			continue
+		}
+		if it := s.stepSizedIn(l); it != nil {
+			return it
+		}
+	}
+	return nil
+}
+
+func (s *Sched) stepSizedIn(l *level) *Item {
 	var best *Item
 	for _, it := range l.tags {
 		if s.oversized(it) || !s.fits(it) {
@@ -96,22 +152,41 @@ func (s *Sched) stepSized(l *level) *Item {
 	return best
 }
 
-// noteArrival records when a request that fits a step arrived.
+// noteArrival accounts an arrival: the time since the previous one, and
+// a step-sized request's tokens under its priority. Priorities whose
+// demand has decayed below one token are forgotten (every
+// estimatorWindow arrivals), so the map holds the priorities of recent
+// arrivals only.
 func (s *Sched) noteArrival(it *Item, now time.Time) {
 	if !s.cfg.ReserveInstance || s.cfg.InstancePrefill <= 0 {
 		return
 	}
-	const keep = 1 - 1.0/estimatorWindow
-	small := 0.0
-	if !s.oversized(it) {
-		s.lastSmall, small = now, float64(it.Cost)
-	}
+	s.arrN++
 	if !s.lastArr.IsZero() && now.After(s.lastArr) {
-		s.arrSec = s.arrSec*keep + now.Sub(s.lastArr).Seconds()
-		s.arrSmall = s.arrSmall*keep + small
+		s.arrSec = s.arrSec*arrivalKeep + now.Sub(s.lastArr).Seconds()
+	} else {
+		s.arrSec *= arrivalKeep
 	}
 	if now.After(s.lastArr) {
 		s.lastArr = now
+	}
+	if !s.oversized(it) {
+		if s.smallBy == nil {
+			s.smallBy = map[int64]*smallDemand{}
+		}
+		d := s.smallBy[it.Priority]
+		if d == nil {
+			d = &smallDemand{}
+			s.smallBy[it.Priority] = d
+		}
+		d.tokens, d.n, d.last = d.at(s.arrN)+float64(it.Cost), s.arrN, now
+	}
+	if s.arrN%estimatorWindow == 0 {
+		for p, d := range s.smallBy {
+			if d.at(s.arrN) < 1 {
+				delete(s.smallBy, p)
+			}
+		}
 	}
 }
 

@@ -277,16 +277,16 @@ type Sched struct {
 	liveN   int
 	unbound int
 	affBuf  []*Item // scratch for preferred
-	// unboundBig counts oversized prompts admitted and not yet bound, and
-	// lastSmall is when a request that fits a step last arrived
+	// unboundBig counts oversized prompts admitted and not yet bound
 	// (reserve.go).
 	unboundBig int
-	lastSmall  time.Time
-	// Step-sized demand (reserve.go): seconds between arrivals and the
-	// step-sized requests' tokens among them, averaged over
-	// estimatorWindow arrivals.
-	lastArr          time.Time
-	arrSec, arrSmall float64
+	// Step-sized demand (reserve.go): arrivals counted, seconds between
+	// them (averaged over estimatorWindow arrivals), and the step-sized
+	// requests' tokens among them by priority.
+	arrN    uint64
+	lastArr time.Time
+	arrSec  float64
+	smallBy map[int64]*smallDemand
 }
 
 // Counts are the queue's totals since it was made.
@@ -585,7 +585,7 @@ func (s *Sched) Next(now time.Time) *Item {
 			return nil
 		}
 	}
-	best.vtime = max(best.vtime, it.start)
+	it.lvl.vtime = max(it.lvl.vtime, it.start) // best's, or another band's (stepSized)
 	s.unqueue(it)
 	s.busyTokens += float64(it.Cost)
 	s.busyTokens *= 1 - 1.0/estimatorWindow

@@ -648,29 +648,77 @@ func TestReserveInstanceForStepSized(t *testing.T) {
 
 // The reservation grows with the step-sized requests' share of what the
 // pool serves: k = ⌈N · a / r⌉, at least 1 and at most N−1, and 1 before
-// the drain rate is known.
+// the drain rate is known; a long prompt reserves only for short requests
+// at least as urgent as itself, and only while they are arriving.
 func TestReservedInstancesFollowDemand(t *testing.T) {
 	s := mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true})
 	s.SetInstances([]string{"a", "b", "c", "d"})
-	// Arrivals every 10 ms, a third of them step-sized costing 120
-	// tokens: 4,000 step-sized tokens per second.
+	s.svcN = 1
+	s.svcFit.add(500, 1) // a long prompt holds its instance ~1 s
+	// Arrivals every 10 ms, a third of them step-sized at priority 1
+	// costing 120 tokens: 4,000 step-sized tokens per second.
 	for i := range 300 {
-		it := &Item{Prefill: 500, Cost: 500}
+		it := &Item{Priority: 1, Prefill: 500, Cost: 500}
 		if i%3 == 0 {
-			it = &Item{Prefill: 50, Cost: 120}
+			it = &Item{Priority: 1, Prefill: 50, Cost: 120}
 		}
 		s.noteArrival(it, at(10*i))
+		s.last = at(10 * i)
 	}
-	if k := s.reserved(); k != 1 {
+	long := &Item{Priority: 1, Prefill: 500, Cost: 500}
+	if k := s.reserved(long); k != 1 {
 		t.Fatalf("reserved = %d before the drain rate is known, want 1", k)
 	}
 	for _, c := range []struct {
 		rate float64
 		want int
-	}{{10000, 2}, {16000, 1}, {4500, 3}, {1000, 3}} {
+	}{{10000, 2}, {20000, 1}, {4500, 3}, {1000, 3}} {
 		s.busyTokens, s.busySec = c.rate, 1
-		if k := s.reserved(); k != c.want {
+		if k := s.reserved(long); k != c.want {
 			t.Errorf("drain %v tokens/s, 4,000 step-sized: reserved = %d, want %d", c.rate, k, c.want)
 		}
+		if k := s.reserved(&Item{Priority: 2, Prefill: 500}); k != c.want {
+			t.Errorf("a less urgent long prompt: reserved = %d, want %d", k, c.want)
+		}
+		if k := s.reserved(&Item{Priority: 0, Prefill: 500}); k != 0 {
+			t.Errorf("an urgent long prompt reserves %d instances for less urgent short requests", k)
+		}
+	}
+	s.last = at(10*300 + 1500) // no short request for longer than a long prompt's service
+	if k := s.reserved(long); k != 0 {
+		t.Errorf("reserved = %d with no short request arriving, want 0", k)
+	}
+}
+
+// A long prompt held back by the reservation (for urgent short requests)
+// at the head of the most urgent band does not stop a less urgent short
+// request from taking the reserved room when no urgent one waits.
+func TestReserveBypassAcrossBands(t *testing.T) {
+	s := mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true, MaxWait: time.Hour, AgingStep: time.Hour})
+	s.SetInstances([]string{"a", "b"})
+	warm := &Item{Prefill: 50, Cost: 50} // teaches a service time of ~50 ms
+	offer(t, s, warm, at(0), Admitted)
+	s.Bind(warm, "b")
+	s.FirstToken(warm, at(100))
+	s.Done(warm, at(100))
+	first := &Item{Priority: 0, Prefill: 50, Cost: 50} // an urgent short request arrives
+	offer(t, s, first, at(1000), Admitted)
+	s.Bind(first, "b")
+	s.FirstToken(first, at(1001))
+	s.Done(first, at(1001))
+	long := &Item{Prefill: 500, Cost: 500}
+	offer(t, s, long, at(1002), Admitted)
+	s.Bind(long, "a")
+	urgentLong := &Item{Priority: 0, Prefill: 500, Cost: 500}
+	offer(t, s, urgentLong, at(1003), Queued) // b is reserved for short requests
+	short := &Item{Priority: 1, Prefill: 50, Cost: 50}
+	offer(t, s, short, at(1004), Queued)
+	if got := s.Next(at(1004)); got != short {
+		t.Fatalf("Next = %+v, want the priority-1 short request onto the reserved instance", got)
+	}
+	s.Bind(short, "b")
+	s.FirstToken(long, at(1005))
+	if got := s.Next(at(1005)); got != urgentLong {
+		t.Fatalf("Next = %+v, want the urgent long prompt once a's long prefill ends", got)
 	}
 }
