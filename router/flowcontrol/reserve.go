@@ -23,31 +23,38 @@ import (
 // one), so a request that fits a step always has an instance whose
 // pending prefill is bounded by the budget — its wait for room is about
 // one step at most, not one long prefill. k is what the step-sized
-// requests need to carry their own demand: the pool's instances times
-// their share of what the pool serves, k = ⌈N · a / r⌉ — a the tokens of
-// step-sized requests arriving per second, r the queue's measured drain
-// rate (tokens admitted per second while requests wait, the pool's
-// throughput when it is saturated), both averaged over the last
-// estimatorWindow arrivals or admissions — at least 1 and at most N−1.
+// requests at least as urgent as the long prompt need to carry their own
+// demand, their offered load in instances: k = ⌈a · b⌉, a the prompt
+// tokens of those requests arriving per second (averaged over the last
+// estimatorWindow arrivals), b the seconds of admission-to-first-token
+// each prompt token adds (the slope of the service-time line, service.go:
+// an instance's prefill time per token, cache hits included; the engine's
+// wait ahead of a request is the intercept), at least 1 and at most N−1.
 // This is size-based task assignment (SITA: Harchol-Balter, Crovella and
 // Murta, "On choosing a task assignment policy for a distributed server
 // system", 1999): short jobs get servers in proportion to their load, so
-// they never queue behind long ones; a single reserved instance is not
-// enough once the short requests need more than one instance's prefill,
-// and they then wait behind the long prefills again. At most N−1 keeps one
-// instance for the long prompts (they are not starved; fair queuing
-// decides their share of it). Before the queue has been busy (r unknown),
-// k is 1. Nothing is reserved with a single instance, nor while no
-// request that fits a step has arrived within the time an oversized
+// they do not queue behind long ones. A single reserved instance is not
+// enough once the short requests need more than one instance's prefill:
+// they then wait behind the long prefills again. At most N−1 keeps an
+// instance for the long prompts (fair queuing decides their share of it).
+// Until the slope is known (first tokens of prompts of more than one
+// length), k is 1. The offered load, not a share of the queue's drain
+// rate: that rate is measured only while requests wait, and at light load
+// those short spells put it far below the pool's capacity (kvbench flow
+// at half load: the heavy tenant's p99 1,229 ms with a drain-rate k, 685
+// ms with this one, 1,210 ms without the queue).
+//
+// Nothing is reserved with a single instance, nor while no step-sized
+// request at least as urgent has arrived within the time an oversized
 // prompt would hold the instance (its predicted admission-to-first-token
-// time, service.go): a pool serving only long prompts keeps all its
-// instances, and reserves again as soon as short requests come. When the
-// head of the queue is an oversized prompt held back only by the
-// reservation, the first request in fair-queuing order that fits a step
-// goes ahead of it, onto the room the reservation keeps; the oversized
-// prompt is admitted as soon as one of the others' long prefills ends.
-// The cost: while short requests keep arriving, long prompts get at most
-// N−k instances even when the short ones leave some of theirs idle.
+// time): a pool serving only long prompts keeps all its instances, and
+// reserves again as soon as short requests come. When the head of the
+// queue is an oversized prompt held back only by the reservation, the
+// first request in fair-queuing order that fits a step goes ahead of it,
+// onto the room the reservation keeps (stepSized); the oversized prompt
+// is admitted as soon as one of the others' long prefills ends. The cost:
+// while short requests keep arriving, long prompts get at most N−k
+// instances even when the short ones leave some of theirs idle.
 
 // oversized reports whether it is a prompt the reservation keeps off the
 // last instance.
@@ -76,8 +83,8 @@ func (s *Sched) reserveBlocks(it *Item) bool {
 
 // reserved is k for the oversized prompt it: the instances kept free of
 // oversized prompts for the step-sized requests at least as urgent as it,
-// ⌈N · a / r⌉ between 1 and N−1; 0 when none of those has arrived within
-// its predicted service time (service.go).
+// ⌈a · b⌉ between 1 and N−1; 0 when none of those has arrived within its
+// predicted service time (service.go).
 func (s *Sched) reserved(it *Item) int {
 	var a float64
 	var last time.Time
@@ -94,14 +101,14 @@ func (s *Sched) reserved(it *Item) int {
 		return 0
 	}
 	k := 1
-	if r := s.rate(); r > 0 && s.arrSec > 0 {
-		k = int(math.Ceil(float64(s.liveN) * a / s.arrSec / r))
+	if b := s.svcFit.slope(); b > 0 && s.arrSec > 0 {
+		k = int(math.Ceil(a / s.arrSec * b))
 	}
 	return min(max(k, 1), s.liveN-1)
 }
 
-// smallDemand is the step-sized requests of one priority: their tokens
-// among the arrivals, decayed like arrSec (by 1−1/estimatorWindow per
+// smallDemand is the step-sized requests of one priority: their prompt
+// tokens among the arrivals, decayed like arrSec (by 1−1/estimatorWindow per
 // arrival, applied lazily: tokens is the value after arrival n), and when
 // the last arrived.
 type smallDemand struct {
@@ -179,7 +186,7 @@ func (s *Sched) noteArrival(it *Item, now time.Time) {
 			d = &smallDemand{}
 			s.smallBy[it.Priority] = d
 		}
-		d.tokens, d.n, d.last = d.at(s.arrN)+float64(it.Cost), s.arrN, now
+		d.tokens, d.n, d.last = d.at(s.arrN)+float64(it.Prefill), s.arrN, now
 	}
 	if s.arrN%estimatorWindow == 0 {
 		for p, d := range s.smallBy {

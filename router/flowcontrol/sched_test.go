@@ -646,36 +646,41 @@ func TestReserveInstanceForStepSized(t *testing.T) {
 	offer(t, one, &Item{Prefill: 500, Cost: 500}, at(1001), Admitted)
 }
 
-// The reservation grows with the step-sized requests' share of what the
-// pool serves: k = ⌈N · a / r⌉, at least 1 and at most N−1, and 1 before
-// the drain rate is known; a long prompt reserves only for short requests
-// at least as urgent as itself, and only while they are arriving.
+// The reservation is the step-sized requests' offered load in instances,
+// k = ⌈a · b⌉ (a their prompt tokens per second, b the seconds each prompt
+// token adds to admission-to-first-token), at least 1 and at most N−1, and
+// 1 before b is known; a long prompt reserves only for short requests at
+// least as urgent as itself, and only while they are arriving.
 func TestReservedInstancesFollowDemand(t *testing.T) {
 	s := mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true})
 	s.SetInstances([]string{"a", "b", "c", "d"})
-	s.svcN = 1
-	s.svcFit.add(500, 1) // a long prompt holds its instance ~1 s
-	// Arrivals every 10 ms, a third of them step-sized at priority 1
-	// costing 120 tokens: 4,000 step-sized tokens per second.
+	// Arrivals every 10 ms, a third of them step-sized at priority 1 with
+	// 100-token prompts: 3,333 step-sized prompt tokens per second.
 	for i := range 300 {
 		it := &Item{Priority: 1, Prefill: 500, Cost: 500}
 		if i%3 == 0 {
-			it = &Item{Priority: 1, Prefill: 50, Cost: 120}
+			it = &Item{Priority: 1, Prefill: 100, Cost: 120}
 		}
 		s.noteArrival(it, at(10*i))
 		s.last = at(10 * i)
 	}
 	long := &Item{Priority: 1, Prefill: 500, Cost: 500}
+	s.svcN = 1
+	s.svcFit.add(500, 0.2) // one length: a service time, no slope
 	if k := s.reserved(long); k != 1 {
-		t.Fatalf("reserved = %d before the drain rate is known, want 1", k)
+		t.Fatalf("reserved = %d before the slope is known, want 1", k)
 	}
 	for _, c := range []struct {
-		rate float64
-		want int
-	}{{10000, 2}, {20000, 1}, {4500, 3}, {1000, 3}} {
-		s.busyTokens, s.busySec = c.rate, 1
+		perToken float64 // seconds
+		want     int
+	}{{0.0004, 2}, {0.0002, 1}, {0.001, 3}} {
+		s.svcFit = svcFit{}
+		for range 10 {
+			s.svcFit.add(100, 0.05+100*c.perToken)
+			s.svcFit.add(1000, 0.05+1000*c.perToken)
+		}
 		if k := s.reserved(long); k != c.want {
-			t.Errorf("drain %v tokens/s, 4,000 step-sized: reserved = %d, want %d", c.rate, k, c.want)
+			t.Errorf("%v s per token, 3,333 step-sized tokens/s: reserved = %d, want %d", c.perToken, k, c.want)
 		}
 		if k := s.reserved(&Item{Priority: 2, Prefill: 500}); k != c.want {
 			t.Errorf("a less urgent long prompt: reserved = %d, want %d", k, c.want)
@@ -684,7 +689,7 @@ func TestReservedInstancesFollowDemand(t *testing.T) {
 			t.Errorf("an urgent long prompt reserves %d instances for less urgent short requests", k)
 		}
 	}
-	s.last = at(10*300 + 1500) // no short request for longer than a long prompt's service
+	s.last = at(10*300 + 2000) // no short request for longer than a long prompt's service
 	if k := s.reserved(long); k != 0 {
 		t.Errorf("reserved = %d with no short request arriving, want 0", k)
 	}

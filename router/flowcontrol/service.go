@@ -49,3 +49,15 @@ func (s *Sched) service(it *Item) time.Duration {
 	}
 	return s.svcFit.at(float64(it.Prefill))
 }
+
+// slope is the fitted seconds per prompt token (0 while unknown).
+func (f *svcFit) slope() float64 {
+	if f.n == 0 {
+		return 0
+	}
+	mx, my := f.x/f.n, f.y/f.n
+	if v := f.xx/f.n - mx*mx; v > 1e-9*(1+mx*mx) {
+		return max((f.xy/f.n-mx*my)/v, 0)
+	}
+	return 0
+}
