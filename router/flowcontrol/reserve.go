@@ -57,7 +57,7 @@ import (
 // instances even when the short ones leave some of theirs idle.
 
 // oversized reports whether it is a prompt the reservation keeps off the
-// last instance.
+// reserved instances.
 func (s *Sched) oversized(it *Item) bool {
 	return s.cfg.ReserveInstance && s.cfg.InstancePrefill > 0 && it.Prefill > s.cfg.InstancePrefill
 }
