@@ -56,7 +56,7 @@ func newFlowControl(cfg *config.FlowControlConfig, p, prev *Pool) (*flowControl,
 	}
 	f := &flowControl{cfg: *cfg}
 	f.pool.Store(p)
-	g, err := flowcontrol.NewGate(queueConfig(cfg), flowcontrol.WithLimits(f.limits))
+	g, err := flowcontrol.NewGate(queueConfig(cfg), flowcontrol.WithLimits(f.limits), flowcontrol.WithInstances(f.instances))
 	if err != nil {
 		return nil, err
 	}
@@ -64,15 +64,33 @@ func newFlowControl(cfg *config.FlowControlConfig, p, prev *Pool) (*flowControl,
 	return f, nil
 }
 
-// queueConfig is the queue a pool's flow_control asks for; the budgets are
-// read from the pool at each decision (limits).
+// queueConfig is the queue a pool's flow_control asks for; the pool-wide
+// concurrency budget and the healthy instances are read from the pool at
+// each decision (limits, instances). The prefill budget holds per
+// instance: a request goes to an instance with room for it (route), so no
+// engine queues more than its budget, and prompts larger than it leave one
+// instance to the requests that fit it (flowcontrol.Config.ReserveInstance).
 func queueConfig(c *config.FlowControlConfig) flowcontrol.Config {
-	return flowcontrol.Config{MaxQueue: c.MaxQueue, MaxWait: c.MaxWait, AgingStep: c.AgingStep, Weights: c.TenantWeights}
+	return flowcontrol.Config{MaxQueue: c.MaxQueue, MaxWait: c.MaxWait, AgingStep: c.AgingStep, Weights: c.TenantWeights,
+		InstancePrefill: c.PrefillTokensPerInstance, ReserveInstance: true}
+}
+
+// instances are the pool's healthy instances, where the per-instance
+// prefill budget holds.
+func (f *flowControl) instances() []string {
+	p := f.pool.Load()
+	out := make([]string, 0, len(p.instances))
+	for _, in := range p.instances {
+		if in.Healthy() {
+			out = append(out, in.ID())
+		}
+	}
+	return out
 }
 
 // limits is the pool's budget now: the configured concurrency, or the
-// concurrency threshold of every healthy instance; the prefill budget of
-// every healthy instance. With no healthy instance one request goes
+// concurrency threshold of every healthy instance (the prefill budget is
+// per instance: queueConfig). With no healthy instance one request goes
 // through, to be answered 503 by the strategy rather than held.
 func (f *flowControl) limits() (int, int64) {
 	p := f.pool.Load()
@@ -88,7 +106,7 @@ func (f *flowControl) limits() (int, int64) {
 	if conc == 0 {
 		conc = n * rc.ConcurrencyThreshold
 	}
-	return conc, int64(n) * f.cfg.PrefillTokensPerInstance
+	return conc, 0
 }
 
 // item describes req to the queue: tenant, priority (header, else body),
@@ -171,6 +189,25 @@ func outputBound(p *openai.Request) int64 {
 }
 
 type ticketKey struct{}
+
+// flowRoom narrows cands, in place, to the instances with room under the
+// per-instance prefill budget for the request whose context carries a
+// flow-control ticket (all of them when none has room, or without a
+// ticket).
+func flowRoom(ctx context.Context, cands []*Instance) []*Instance {
+	if t, _ := ctx.Value(ticketKey{}).(*flowcontrol.Ticket); t != nil {
+		return flowcontrol.FilterRoom(t, cands, (*Instance).ID)
+	}
+	return cands
+}
+
+// flowBind charges the request's ticket to the instance it was routed to
+// (the first pick; a retry elsewhere stays charged to the first).
+func flowBind(ctx context.Context, in *Instance) {
+	if t, _ := ctx.Value(ticketKey{}).(*flowcontrol.Ticket); t != nil {
+		t.Bind(in.ID())
+	}
+}
 
 // flowFirstByte frees the pending prefill of the request whose context
 // carries a flow-control ticket (called at the upstream's first byte).

@@ -188,6 +188,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 	for n := 1; n <= maxAttempts; n++ {
 		t0 := time.Now()
 		cands, _ := pool.Candidates(buf[:0], req.Adapter, exclude)
+		cands = flowRoom(r.Context(), cands)
 		dctx, dsp := s.span(r.Context(), SpanDecide)
 		dec, err := strat.Pick(dctx, req, cands)
 		dsp.endDecide(r.Context(), dec, strat.Name(), len(cands), err)
@@ -210,6 +211,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 			s.m.requests.WithLabelValues(pool.Name(), "", strat.Name(), "", "503").Inc()
 			return
 		}
+		flowBind(r.Context(), dec.Instance)
 		if dec.Reason == ReasonOverflow || dec.Reason == ReasonSaturated {
 			s.m.overflows.WithLabelValues(pool.Name(), strat.Name(), string(dec.Reason)).Inc()
 		}

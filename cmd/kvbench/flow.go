@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/flowcontrol"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/workload"
@@ -26,16 +27,68 @@ type flowAdmission struct {
 	items map[uint64]*flowcontrol.Item
 	drop  []des.Dropped
 	buf   []*flowcontrol.Item
+	// For Config.Affinity: the workload's requests, the
+	// router whose cache view answers, and the live instances.
+	w      *workload.Workload
+	rt     *strategyRouter
+	live   []string
+	tokBuf []uint32
 }
 
-var _ des.Admission = (*flowAdmission)(nil)
+// affinity is Config.Affinity: kv_aware's Held over the instances with
+// room for it.
+func (a *flowAdmission) affinity(it *flowcontrol.Item) int64 {
+	if a.rt == nil {
+		return 0
+	}
+	kv, ok := a.rt.s.(*router.KVAware)
+	if !ok {
+		return 0
+	}
+	req := &a.w.Requests[it.Value.(uint64)]
+	var cands []*router.Instance
+	for _, name := range a.live {
+		if a.s.Room(name, it) {
+			in, err := a.rt.instance(name)
+			if err != nil {
+				return 0
+			}
+			cands = append(cands, in)
+		}
+	}
+	a.tokBuf = req.AppendTokens(a.tokBuf[:0])
+	rq := &router.Request{Endpoint: router.EndpointCompletions, Model: a.rt.model, Adapter: req.Adapter,
+		RoutingText: req.TextPrefix(8192), TenantKey: req.Tenant, PromptTokens: a.tokBuf}
+	held, _, ok := kv.Held(context.Background(), rq, cands)
+	if !ok {
+		return 0
+	}
+	return int64(held)
+}
 
-func newFlowAdmission(cfg flowcontrol.Config) (*flowAdmission, error) {
+var (
+	_ des.Admission = (*flowAdmission)(nil)
+	_ des.Placer    = (*flowAdmission)(nil)
+)
+
+// newFlowAdmission is the queue of cfg over w's requests. With rt a
+// kv_aware router the queue is cache-aware (flowcontrol.Config.Affinity):
+// among the requests fair queuing considers due together, the one with the
+// most prompt tokens cached on an instance with room goes first, as
+// kv_aware's index (fresh and speculative entries) sees it.
+func newFlowAdmission(cfg flowcontrol.Config, w *workload.Workload, rt *strategyRouter) (*flowAdmission, error) {
+	a := &flowAdmission{items: map[uint64]*flowcontrol.Item{}, w: w, rt: rt}
+	if rt != nil {
+		if _, ok := rt.s.(*router.KVAware); ok {
+			cfg.Affinity = a.affinity
+		}
+	}
 	s, err := flowcontrol.New(cfg)
 	if err != nil {
 		return nil, err
 	}
-	return &flowAdmission{s: s, items: map[uint64]*flowcontrol.Item{}}, nil
+	a.s = s
+	return a, nil
 }
 
 func vt(d time.Duration) time.Time { return epoch.Add(d) }
@@ -93,6 +146,30 @@ func (a *flowAdmission) FirstToken(id uint64, now time.Duration) {
 	}
 }
 
+func (a *flowAdmission) Fleet(live []string) {
+	a.live = append(a.live[:0], live...)
+	a.s.SetInstances(live)
+}
+
+func (a *flowAdmission) Candidates(id uint64, cands, dst []string) []string {
+	it := a.items[id]
+	if it == nil {
+		return dst
+	}
+	for _, c := range cands {
+		if a.s.Room(c, it) {
+			dst = append(dst, c)
+		}
+	}
+	return dst
+}
+
+func (a *flowAdmission) Placed(id uint64, instance string) {
+	if it := a.items[id]; it != nil {
+		a.s.Bind(it, instance)
+	}
+}
+
 func (a *flowAdmission) Finished(id uint64, now time.Duration) {
 	if it := a.items[id]; it != nil {
 		a.s.Done(it, vt(now))
@@ -129,7 +206,10 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	threshold := fs.Int("concurrency-threshold", config.DefaultConcurrencyThresh, "routing.concurrency_threshold; the queue's budget is this × instances")
 	heavy := fs.Float64("heavy-factor", 10, "the heavy tenant's tokens over one light tenant's")
 	urgent := fs.Float64("urgent-share", 0.25, "share of requests at priority 0 (the rest at 1)")
-	prefill := fs.Int64("prefill-budget", 2*sim.DefaultMaxNumBatchedTokens, "the queue's prefill_tokens_per_instance (default: two steps of the engine's max_num_batched_tokens; 0 = none)")
+	prefill := fs.Int64("prefill-budget", sim.DefaultMaxNumBatchedTokens, "the queue's prefill_tokens_per_instance (default: one step of the engine's max_num_batched_tokens; 0 = none)")
+	scope := fs.String("budget-scope", "instance", "instance: the budgets hold per instance and a request goes to an instance with room; pool: pool-wide (budget × instances)")
+	affinity := fs.Bool("affinity", true, "with kv_aware, a freed slot goes to the waiting request with the most cached tokens on an instance with room, among those fair queuing considers due together")
+	reserve := fs.Bool("reserve-instance", true, "with --budget-scope instance, prompts larger than the prefill budget leave as many instances to the requests that fit it as those need for their measured demand (flowcontrol.Config.ReserveInstance; the router always reserves)")
 	seed := fs.Int64("seed", 1, "seed")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -160,7 +240,17 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		}
 		dc := rt.desConfig(*instances, sim.Config{})
 		if flow {
-			a, err := newFlowAdmission(flowcontrol.Config{MaxConcurrency: *instances * *threshold, MaxPendingPrefill: int64(*instances) * prefillBudget})
+			fc := flowcontrol.Config{MaxConcurrency: *instances * *threshold, MaxPendingPrefill: int64(*instances) * prefillBudget}
+			if *scope == "instance" {
+				// As the router configures it (router/flowcontrol.go): the
+				// concurrency budget pool-wide, the prefill budget per instance.
+				fc = flowcontrol.Config{MaxConcurrency: *instances * *threshold, InstancePrefill: prefillBudget, ReserveInstance: *reserve}
+			}
+			var aff *strategyRouter
+			if *affinity {
+				aff = rt
+			}
+			a, err := newFlowAdmission(fc, w, aff)
 			if err != nil {
 				return nil, err
 			}
@@ -181,6 +271,7 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return fmt.Errorf("capacity: %w", err)
 	}
 	capacity := steadyRate(cres)
+	capTokens := capacity * shape.MeanTokens()
 	rate := prefillRate(cres)
 	fmt.Fprintf(stdout, "fleet: %d instances, strategy %s, budget %d in flight (%d per instance)\n", *instances, *strategy, *instances**threshold, *threshold)
 	fmt.Fprintf(stdout, "capacity: %.1f req/s (%.0f tokens/s) with %d in flight; mean request %.0f tokens\n",
@@ -246,12 +337,24 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 			fmt.Fprintf(stderr, "load %g queue %v: %d requests in %.1f s wall\n", load, flow, len(w.Requests), time.Since(start).Seconds())
 		}
 		off, on := pair[0], pair[1]
+		// The light tenants alone: the same burst without the heavy
+		// tenant's requests, through the same queue.
+		lw := lightOnly(w)
+		lres, err := run(lw, true)
+		if err != nil {
+			return fmt.Errorf("load %g, light alone: %w", load, err)
+		}
+		alone := flowRun{load: load, flow: true, w: lw, res: lres, window: win}
+		lp90, ap90 := flowPct(on.ttfts(classLight), 0.9), flowPct(alone.ttfts(classLight), 0.9)
 		notes = append(notes, fmt.Sprintf("load %g×: goodput %.1f → %.1f req/s (%.2f×); Jain over tenants' goodput tokens %.3f → %.3f; "+
-			"light p90 %s → %s (unloaded %s); priority 0 p99 %s → %s (unloaded %s); %s",
+			"light tenants alone (%.2f× capacity in tokens): p90 %s, beside the heavy tenant %s (%.2f×), shed %.1f%%; "+
+			"light p90 %s → %s (unloaded %s); priority 0 p99 %s → %s (unloaded %s; %.2f×), priority 0 shed %.1f%%; %s",
 			load, off.goodput(classAll), on.goodput(classAll), on.goodput(classAll)/max(off.goodput(classAll), 1e-9),
 			off.jain(), on.jain(),
+			alone.tokenRate()/capTokens, ms(ap90), ms(lp90), float64(lp90)/float64(max(ap90, 1)), 100*on.shedShare(classLight),
 			ms(flowPct(off.ttfts(classLight), 0.9)), ms(flowPct(on.ttfts(classLight), 0.9)), ms(flowPct(base.ttfts(classLight), 0.9)),
 			ms(flowPct(off.ttfts(classHigh), 0.99)), ms(flowPct(on.ttfts(classHigh), 0.99)), ms(flowPct(base.ttfts(classHigh), 0.99)),
+			float64(flowPct(on.ttfts(classHigh), 0.99))/float64(max(flowPct(base.ttfts(classHigh), 0.99), 1)), 100*on.shedShare(classHigh),
 			on.shedSummary()))
 	}
 	fmt.Fprintln(stdout)
@@ -259,6 +362,40 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		fmt.Fprintln(stdout, "- "+n)
 	}
 	return nil
+}
+
+// lightOnly is w without the heavy tenant's requests.
+func lightOnly(w *workload.Workload) *workload.Workload {
+	out := *w
+	out.Requests = nil
+	for _, r := range w.Requests {
+		if r.Tenant != workload.HeavyTenant {
+			out.Requests = append(out.Requests, r)
+		}
+	}
+	return &out
+}
+
+// tokenRate is the tokens the run's requests asked for per second of the
+// burst.
+func (f flowRun) tokenRate() float64 {
+	t := 0
+	for i := range f.w.Requests {
+		t += f.w.Requests[i].InputTokens() + f.w.Requests[i].OutputTokens
+	}
+	return float64(t) / f.window.Seconds()
+}
+
+// shedShare is the share of the class's requests shed.
+func (f flowRun) shedShare(c flowClass) float64 {
+	n, shed := 0, 0
+	f.each(c, func(o *des.Outcome, _ *workload.Request) {
+		n++
+		if o.Shed != "" {
+			shed++
+		}
+	})
+	return float64(shed) / float64(max(n, 1))
 }
 
 // steadyRate is the completion rate between the first and the last

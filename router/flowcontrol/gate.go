@@ -25,8 +25,9 @@ func (e *ShedError) Error() string {
 // request is admitted, shed, or its context ends. Each waiter owns a timer
 // for its own expiry, so the Gate starts no goroutine of its own.
 type Gate struct {
-	now    func() time.Time
-	limits func() (int, int64)
+	now       func() time.Time
+	limits    func() (int, int64)
+	instances func() []string
 
 	// mu guards s and the tickets' state (admission, shed reason).
 	mu      sync.Mutex
@@ -45,6 +46,13 @@ func WithClock(now func() time.Time) GateOption { return func(g *Gate) { g.now =
 // concurrency budget from its healthy instances.
 func WithLimits(f func() (maxConcurrency int, maxPendingPrefill int64)) GateOption {
 	return func(g *Gate) { g.limits = f }
+}
+
+// WithInstances makes the Gate read the instances requests may go to at
+// every decision (per-instance budgets: Config.InstanceConcurrency,
+// InstancePrefill).
+func WithInstances(f func() []string) GateOption {
+	return func(g *Gate) { g.instances = f }
 }
 
 // NewGate returns a Gate over a new Sched.
@@ -163,6 +171,47 @@ func (g *Gate) refresh() {
 	if g.limits != nil {
 		g.s.SetLimits(g.limits())
 	}
+	if g.instances != nil && g.s.perInstance() {
+		g.s.SetInstances(g.instances())
+	}
+}
+
+// FilterRoom keeps, in place, the candidates whose instance (named by id)
+// has room for the ticket's request under the per-instance budgets; when
+// none has (a budget lowered since admission) it returns cands unchanged,
+// so the request is still routed.
+func FilterRoom[T any](t *Ticket, cands []T, id func(T) string) []T {
+	g := t.g
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.s.perInstance() {
+		return cands
+	}
+	n := 0
+	for _, c := range cands {
+		if g.s.Room(id(c), &t.it) {
+			n++
+		}
+	}
+	if n == 0 {
+		return cands
+	}
+	out := cands[:0]
+	for _, c := range cands {
+		if g.s.Room(id(c), &t.it) {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+// Bind records the instance the request was routed to (the first call
+// counts; it is charged there until FirstToken and Done).
+func (t *Ticket) Bind(instance string) {
+	g := t.g
+	g.mu.Lock()
+	g.s.Bind(&t.it, instance)
+	g.mu.Unlock()
 }
 
 // dispatch sheds what has expired and admits what the budgets allow,

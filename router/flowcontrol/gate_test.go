@@ -139,3 +139,52 @@ func TestGateLimitsFollowPool(t *testing.T) {
 		t.Fatal("not admitted after the limit rose")
 	}
 }
+
+// TestGatePerInstance: with a per-instance prefill budget a request waits
+// until an instance has room, FilterRoom keeps the instances that have,
+// and Bind charges the one it went to.
+func TestGatePerInstance(t *testing.T) {
+	live := []string{"a", "b"}
+	g := mustGate(t, Config{InstancePrefill: 100, MaxWait: time.Minute}, WithInstances(func() []string { return live }))
+	ctx := context.Background()
+	t1, err := g.Acquire(ctx, Item{Prefill: 80, Cost: 80})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := FilterRoom(t1, []string{"a", "b"}, func(s string) string { return s }); len(got) != 2 {
+		t.Fatalf("FilterRoom = %v, want both", got)
+	}
+	t1.Bind("a")
+	t1.Bind("b") // only the first counts
+	t2, err := g.Acquire(ctx, Item{Prefill: 80, Cost: 80})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := FilterRoom(t2, []string{"a", "b"}, func(s string) string { return s }); len(got) != 1 || got[0] != "b" {
+		t.Fatalf("FilterRoom = %v, want [b]", got)
+	}
+	t2.Bind("b")
+	done := make(chan *Ticket)
+	go func() {
+		t3, err := g.Acquire(ctx, Item{Prefill: 80, Cost: 80})
+		if err != nil {
+			t.Error(err)
+		}
+		done <- t3
+	}()
+	waitQueued(t, g, 1)
+	t2.FirstToken()
+	t3 := <-done
+	if got := FilterRoom(t3, []string{"a", "b"}, func(s string) string { return s }); len(got) != 1 || got[0] != "b" {
+		t.Fatalf("FilterRoom = %v, want [b]", got)
+	}
+	t3.Bind("b")
+	for _, tk := range []*Ticket{t1, t2, t3} {
+		tk.Done()
+	}
+	for _, l := range g.Stats().Instances {
+		if l.InFlight != 0 || l.PendingPrefill != 0 {
+			t.Fatalf("load left: %+v", g.Stats().Instances)
+		}
+	}
+}

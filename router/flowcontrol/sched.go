@@ -97,6 +97,23 @@ type Config struct {
 	// each): a tenant of weight 2 is admitted twice the tokens of one of
 	// weight 1 while both wait.
 	Weights map[string]float64
+	// InstanceConcurrency and InstancePrefill are the same budgets per
+	// instance (0 = none; instance.go): with either set a request is
+	// admitted only while an instance (SetInstances) has room for it, and
+	// the caller routes it to one that has (Room, Bind).
+	InstanceConcurrency int
+	InstancePrefill     int64
+	// Affinity, when set, is how many of an item's prompt tokens an
+	// instance with room holds in cache now. Among the waiting requests
+	// fair queuing considers due together (affinity.go) the one with the
+	// most goes first, so a freed slot goes to the request that gains most
+	// from it. Called with the queue's lock held (Gate): it must not call
+	// back into the queue.
+	Affinity func(it *Item) int64
+	// ReserveInstance keeps live instances free of prompts larger than
+	// InstancePrefill, as many as the requests that fit a step need for
+	// their measured demand (reserve.go).
+	ReserveInstance bool
 }
 
 // WithDefaults fills zero fields with their defaults.
@@ -126,6 +143,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: max_wait %v < 0", ErrConfig, c.MaxWait)
 	case c.AgingStep < 0:
 		return fmt.Errorf("%w: aging_step %v < 0", ErrConfig, c.AgingStep)
+	case c.InstanceConcurrency < 0 || c.InstancePrefill < 0:
+		return fmt.Errorf("%w: per-instance budgets %d, %d < 0", ErrConfig, c.InstanceConcurrency, c.InstancePrefill)
 	}
 	for t, w := range c.Weights {
 		if !(w > 0) || math.IsInf(w, 0) {
@@ -162,6 +181,8 @@ type Item struct {
 	expReason         Reason
 	fifo              *list.Element
 	state             itemState
+	inst              *instLoad // the instance it was bound to (Bind)
+	big               bool      // an oversized prompt before its first token (reserve.go)
 }
 
 type itemState uint8
@@ -242,11 +263,30 @@ type Sched struct {
 	last       time.Time
 	busySec    float64
 	busyTokens float64
-	// svc is the average time from admission to first token.
-	svc  time.Duration
-	svcN int
+	// svc is the average time from admission to first token; svcFit
+	// predicts it from a request's prompt tokens (service.go).
+	svc    time.Duration
+	svcN   int
+	svcFit svcFit
 
 	counts Counts
+
+	// Per-instance budgets (instance.go): the instances' loads, how many
+	// are live, and admitted requests not yet bound to an instance.
+	insts   map[string]*instLoad
+	liveN   int
+	unbound int
+	affBuf  []*Item // scratch for preferred
+	// unboundBig counts oversized prompts admitted and not yet bound
+	// (reserve.go).
+	unboundBig int
+	// Step-sized demand (reserve.go): arrivals counted, seconds between
+	// them (averaged over estimatorWindow arrivals), and the step-sized
+	// requests' tokens among them by priority.
+	arrN    uint64
+	lastArr time.Time
+	arrSec  float64
+	smallBy map[int64]*smallDemand
 }
 
 // Counts are the queue's totals since it was made.
@@ -293,7 +333,10 @@ func (s *Sched) fits(it *Item) bool {
 	if s.conc > 0 && s.inflight >= s.conc {
 		return false
 	}
-	return s.prefill <= 0 || s.pending == 0 || s.pending+it.Prefill <= s.prefill
+	if !(s.prefill <= 0 || s.pending == 0 || s.pending+it.Prefill <= s.prefill) {
+		return false
+	}
+	return s.instancesFit(it) && !s.reserveBlocks(it)
 }
 
 func (s *Sched) weight(tenant string) float64 {
@@ -314,6 +357,7 @@ func (s *Sched) Offer(it *Item, now time.Time) Outcome {
 	it.arrived = now
 	it.Cost = max(it.Cost, 1)
 	it.Prefill = max(it.Prefill, 0)
+	s.noteArrival(it, now)
 	if s.queued == 0 && s.fits(it) {
 		s.admit(it, now)
 		s.counts.AdmittedAtOnce++
@@ -328,7 +372,7 @@ func (s *Sched) Offer(it *Item, now time.Time) Outcome {
 		}
 	}
 	wait := s.predictWait(it, start)
-	if !it.Deadline.IsZero() && now.Add(wait+s.svc).After(it.Deadline) {
+	if !it.Deadline.IsZero() && now.Add(wait+s.service(it)).After(it.Deadline) {
 		return s.shed(it, ShedDeadline, wait)
 	}
 	var displaced *Item
@@ -451,7 +495,7 @@ func (s *Sched) enqueue(it *Item, start float64) {
 	it.expires, it.expReason = it.arrived.Add(s.cfg.MaxWait), ShedTimeout
 	if !it.Deadline.IsZero() {
 		// Past this point it cannot meet its deadline even if admitted.
-		if d := it.Deadline.Add(-s.svc); d.Before(it.expires) {
+		if d := it.Deadline.Add(-s.service(it)); d.Before(it.expires) {
 			it.expires, it.expReason = d, ShedDeadline
 		}
 	}
@@ -495,6 +539,8 @@ func (s *Sched) admit(it *Item, now time.Time) {
 	it.admitted, it.state = now, stAdmitted
 	s.inflight++
 	s.pending += it.Prefill
+	s.unbound++
+	s.bigAdmitted(it)
 }
 
 // Next admits the next waiting request if the budgets allow, else returns
@@ -526,11 +572,20 @@ func (s *Sched) Next(now time.Time) *Item {
 	it := best.tags[0]
 	if aged {
 		it = best.fifo.Front().Value.(*Item)
+	} else if s.cfg.Affinity != nil {
+		it = s.preferred(best)
 	}
 	if !s.fits(it) {
-		return nil
+		if !s.reserveBlocks(it) {
+			return nil
+		}
+		// Held back only by the reservation: the first request that fits
+		// a step goes onto the room it keeps.
+		if it = s.stepSized(best); it == nil {
+			return nil
+		}
 	}
-	best.vtime = max(best.vtime, it.start)
+	it.lvl.vtime = max(it.lvl.vtime, it.start) // best's, or another band's (stepSized)
 	s.unqueue(it)
 	s.busyTokens += float64(it.Cost)
 	s.busyTokens *= 1 - 1.0/estimatorWindow
@@ -548,11 +603,14 @@ func (s *Sched) FirstToken(it *Item, now time.Time) {
 	}
 	it.state = stPrefilled
 	s.pending -= it.Prefill
+	s.unbindPrefill(it)
+	s.bigPrefilled(it)
 	d := max(now.Sub(it.admitted), 0)
 	if s.svcN < estimatorWindow {
 		s.svcN++
 	}
 	s.svc += (d - s.svc) / time.Duration(s.svcN)
+	s.svcFit.add(float64(it.Prefill), d.Seconds())
 }
 
 // Done ends an admitted request (finished, failed or abandoned), freeing
@@ -563,12 +621,15 @@ func (s *Sched) Done(it *Item, now time.Time) {
 	switch it.state {
 	case stAdmitted:
 		s.pending -= it.Prefill
+		s.unbindPrefill(it)
+		s.bigPrefilled(it)
 	case stPrefilled:
 	default:
 		return
 	}
 	it.state = stDone
 	s.inflight--
+	s.release(it)
 }
 
 // Remove takes a waiting request out of the queue (its client went away:

@@ -407,3 +407,323 @@ func TestStats(t *testing.T) {
 		t.Fatalf("%+v", st)
 	}
 }
+
+func TestPerInstancePrefillBudget(t *testing.T) {
+	s := mustNew(t, Config{InstancePrefill: 100})
+	s.SetInstances([]string{"a", "b"})
+	x, y := &Item{Prefill: 80, Cost: 80}, &Item{Prefill: 80, Cost: 80}
+	offer(t, s, x, at(0), Admitted)
+	if !s.Room("a", x) || !s.Room("b", x) {
+		t.Fatal("empty instances have no room")
+	}
+	s.Bind(x, "a")
+	if s.Room("a", y) {
+		t.Fatal("a has room for 80 more over its 100-token budget")
+	}
+	offer(t, s, y, at(1), Admitted) // b has room
+	s.Bind(y, "b")
+	z := &Item{Prefill: 10, Cost: 10}
+	offer(t, s, z, at(2), Admitted) // 80 + 10 <= 100: fits a
+	if !s.Room("a", z) || s.Room("b", &Item{Prefill: 30}) {
+		t.Fatal("room misjudged")
+	}
+	s.Bind(z, "a")
+	w := &Item{Prefill: 50, Cost: 50}
+	offer(t, s, w, at(3), Queued)
+	if s.Next(at(3)) != nil {
+		t.Fatal("admitted with no instance having room")
+	}
+	s.FirstToken(y, at(4)) // b's prefill done
+	if got := s.Next(at(4)); got != w {
+		t.Fatalf("Next after b freed = %v, want w", got)
+	}
+	if s.Room("a", w) || !s.Room("b", w) {
+		t.Fatal("room should be on b only")
+	}
+	// An admitted request not yet bound takes one instance with room.
+	v := &Item{Prefill: 20, Cost: 20} // a holds 90: only b has room
+	offer(t, s, v, at(5), Queued)
+	if s.Next(at(5)) != nil {
+		t.Fatal("admitted while the one instance with room is promised to an unbound request")
+	}
+	s.Bind(w, "b")
+	for _, it := range []*Item{x, y, z, w} {
+		s.Done(it, at(6))
+	}
+	if got := s.Next(at(6)); got != v {
+		t.Fatalf("Next = %v, want v", got)
+	}
+	s.Bind(v, "a")
+	s.Done(v, at(7))
+	st := s.Stats(at(7))
+	for _, l := range st.Instances {
+		if l.InFlight != 0 || l.PendingPrefill != 0 {
+			t.Fatalf("load left after every request ended: %+v", st.Instances)
+		}
+	}
+	// An instance that leaves is forgotten once empty; a large request
+	// fits an empty instance.
+	s.SetInstances([]string{"b"})
+	if len(s.Stats(at(8)).Instances) != 1 {
+		t.Fatalf("instances %+v", s.Stats(at(8)).Instances)
+	}
+	offer(t, s, &Item{Prefill: 1000, Cost: 1000}, at(8), Admitted)
+}
+
+func TestAffinityChoosesWithinFairWindow(t *testing.T) {
+	// a holds the cache of tenant "hit"'s requests; the freed slot goes to
+	// the due request with the most cached tokens, but never to one fair
+	// queuing puts beyond the head's finish tag.
+	gain := map[string]int64{"hit": 500}
+	s := mustNew(t, Config{MaxConcurrency: 1, Affinity: func(it *Item) int64 { return gain[it.Tenant] }})
+	first := &Item{Tenant: "x", Cost: 100}
+	offer(t, s, first, at(0), Admitted)
+	cold := &Item{Tenant: "cold", Cost: 100}
+	hot := &Item{Tenant: "hit", Cost: 100}
+	offer(t, s, cold, at(1), Queued)
+	offer(t, s, hot, at(2), Queued)
+	s.Done(first, at(3))
+	if got := s.Next(at(3)); got != hot {
+		t.Fatalf("Next = %+v, want the request with cached tokens", got)
+	}
+	s.Done(hot, at(4))
+	// hit's second request starts after its first finished (tag 100), at
+	// cold's finish tag: outside cold's window, so cold goes first.
+	hot2 := &Item{Tenant: "hit", Cost: 100}
+	offer(t, s, hot2, at(4), Queued)
+	if got := s.Next(at(4)); got != cold {
+		t.Fatalf("Next = %+v, want cold (hot2 is beyond its window)", got)
+	}
+}
+
+func TestServiceFitGrowsWithPrompt(t *testing.T) {
+	var f svcFit
+	if f.at(100) != 0 {
+		t.Fatal("prediction before any sample")
+	}
+	for i := range 200 {
+		// 20 ms of queueing plus 40 µs per token, alternating sizes.
+		x := float64(1000 + 9000*(i%2))
+		f.add(x, 0.020+x*40e-6)
+	}
+	for _, c := range []struct {
+		x    float64
+		want time.Duration
+	}{{1000, 60 * time.Millisecond}, {10000, 420 * time.Millisecond}, {5000, 220 * time.Millisecond}} {
+		if got := f.at(c.x); got < c.want-time.Millisecond || got > c.want+time.Millisecond {
+			t.Errorf("at(%v) = %v, want %v", c.x, got, c.want)
+		}
+	}
+	var g svcFit
+	for range 10 {
+		g.add(500, 0.1) // one length: the mean
+	}
+	if got := g.at(5000); got < 99*time.Millisecond || got > 101*time.Millisecond {
+		t.Errorf("one length: at = %v, want 100ms", got)
+	}
+}
+
+// The deadline test at arrival predicts each request's own time from
+// admission to first token: a short prompt that will meet its deadline is
+// queued, a long one with the same deadline that will not is shed (one
+// average for both would queue the long one, 110 ms < 150 ms, to fail).
+func TestDeadlineUsesServiceByPromptLength(t *testing.T) {
+	s := mustNew(t, Config{MaxConcurrency: 1, MaxWait: time.Hour, AgingStep: time.Hour})
+	now := at(0)
+	for i := range 64 {
+		p := int64(1000 + 9000*(i%2)) // 20 ms per 1,000 prompt tokens
+		it := &Item{Prefill: p, Cost: p}
+		offer(t, s, it, now, Admitted)
+		s.FirstToken(it, now.Add(time.Duration(p)*20*time.Microsecond))
+		now = now.Add(time.Second)
+		s.Done(it, now)
+	}
+	offer(t, s, &Item{Prefill: 1000, Cost: 1000}, now, Admitted) // holds the one slot
+	offer(t, s, &Item{Prefill: 1000, Cost: 1000, Deadline: now.Add(150 * time.Millisecond)}, now, Queued)
+	if out := offer(t, s, &Item{Prefill: 10000, Cost: 10000, Deadline: now.Add(150 * time.Millisecond)}, now, Shed); out.Reason != ShedDeadline {
+		t.Fatalf("long prompt: %+v, want shed for its deadline", out)
+	}
+}
+
+// Prompts larger than the per-instance budget hold at most all but one
+// instance while requests that fit a step are arriving: a step-sized
+// request goes ahead of an oversized head held back by the reservation,
+// and the oversized one goes as soon as a long prefill ends. Without
+// step-sized arrivals within an oversized prompt's service time, nothing
+// is reserved.
+func TestReserveInstanceForStepSized(t *testing.T) {
+	cfg := Config{InstancePrefill: 100, MaxWait: time.Hour, AgingStep: time.Hour}
+	// warm teaches the queue service times: 0.2 ms per prompt token.
+	warm := func(s *Sched) {
+		s.SetInstances([]string{"a", "b", "c"})
+		for i, p := range []int64{50, 500} {
+			it := &Item{Prefill: p, Cost: p}
+			offer(t, s, it, at(200*i), Admitted)
+			s.Bind(it, "a")
+			s.FirstToken(it, at(200*i).Add(time.Duration(p)*200*time.Microsecond))
+			s.Done(it, at(200*i+150))
+		}
+	}
+	free := mustNew(t, cfg)
+	warm(free)
+	for i, name := range []string{"a", "b", "c"} {
+		it := &Item{Tenant: "heavy", Prefill: 500, Cost: 500}
+		offer(t, free, it, at(1000+i), Admitted) // without the reservation: all three
+		free.Bind(it, name)
+	}
+
+	cfg.ReserveInstance = true
+	idle := mustNew(t, cfg)
+	warm(idle) // the last step-sized arrival is long past
+	for i, name := range []string{"a", "b", "c"} {
+		it := &Item{Tenant: "heavy", Prefill: 500, Cost: 500}
+		offer(t, idle, it, at(1000+i), Admitted)
+		idle.Bind(it, name)
+	}
+
+	s := mustNew(t, cfg)
+	warm(s)
+	first := &Item{Tenant: "light", Prefill: 50, Cost: 50}
+	offer(t, s, first, at(1000), Admitted)
+	s.Bind(first, "c")
+	s.FirstToken(first, at(1010))
+	s.Done(first, at(1010))
+	big := make([]*Item, 4)
+	for i := range big {
+		big[i] = &Item{Tenant: "heavy", Prefill: 500, Cost: 500}
+	}
+	offer(t, s, big[0], at(1011), Admitted)
+	s.Bind(big[0], "a")
+	offer(t, s, big[1], at(1012), Admitted) // unbound: still counts
+	offer(t, s, big[2], at(1013), Queued)   // two of three held, a short request 13 ms ago
+	s.Bind(big[1], "b")
+	offer(t, s, big[3], at(1014), Queued)
+	small := &Item{Tenant: "light", Prefill: 50, Cost: 50}
+	offer(t, s, small, at(1015), Queued)
+	if got := s.Next(at(1015)); got != small {
+		t.Fatalf("Next = %+v, want the step-sized request past the held-back head", got)
+	}
+	if s.Room("a", small) || !s.Room("c", small) {
+		t.Fatal("room misjudged")
+	}
+	s.Bind(small, "c")
+	if got := s.Next(at(1016)); got != nil {
+		t.Fatalf("Next = %+v with two instances held by oversized prompts", got)
+	}
+	s.FirstToken(small, at(1017)) // c is empty again, but reserved
+	if got := s.Next(at(1017)); got != nil {
+		t.Fatalf("Next = %+v onto the reserved instance", got)
+	}
+	s.FirstToken(big[0], at(1018)) // a's long prefill ends
+	if got := s.Next(at(1018)); got != big[2] {
+		t.Fatalf("Next = %+v, want the oversized head", got)
+	}
+	s.Bind(big[2], "a")
+	s.Done(big[1], at(1019)) // ended before its first token: b is free
+	if got := s.Next(at(1019)); got != big[3] {
+		t.Fatalf("Next = %+v, want the last oversized prompt", got)
+	}
+	s.Bind(big[3], "b")
+	for _, it := range []*Item{big[0], big[2], big[3], small} {
+		s.Done(it, at(1020))
+	}
+	if s.unboundBig != 0 {
+		t.Fatalf("unboundBig %d after every request ended", s.unboundBig)
+	}
+	for name, l := range s.insts {
+		if l.big != 0 || l.pending != 0 || l.inflight != 0 {
+			t.Fatalf("%s holds %+v after every request ended", name, *l)
+		}
+	}
+
+	// One instance: nothing to reserve.
+	one := mustNew(t, cfg)
+	warm(one)
+	one.SetInstances([]string{"a"})
+	short := &Item{Prefill: 50, Cost: 50}
+	offer(t, one, short, at(1000), Admitted)
+	one.Done(short, at(1000))
+	offer(t, one, &Item{Prefill: 500, Cost: 500}, at(1001), Admitted)
+}
+
+// The reservation is the step-sized requests' offered load in instances,
+// k = ⌈a · b⌉ (a their prompt tokens per second, b the seconds each prompt
+// token adds to admission-to-first-token), at least 1 and at most N−1, and
+// 1 before b is known; a long prompt reserves only for short requests at
+// least as urgent as itself, and only while they are arriving.
+func TestReservedInstancesFollowDemand(t *testing.T) {
+	s := mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true})
+	s.SetInstances([]string{"a", "b", "c", "d"})
+	// Arrivals every 10 ms, a third of them step-sized at priority 1 with
+	// 100-token prompts: 3,333 step-sized prompt tokens per second.
+	for i := range 300 {
+		it := &Item{Priority: 1, Prefill: 500, Cost: 500}
+		if i%3 == 0 {
+			it = &Item{Priority: 1, Prefill: 100, Cost: 120}
+		}
+		s.noteArrival(it, at(10*i))
+		s.last = at(10 * i)
+	}
+	long := &Item{Priority: 1, Prefill: 500, Cost: 500}
+	s.svcN = 1
+	s.svcFit.add(500, 0.2) // one length: a service time, no slope
+	if k := s.reserved(long); k != 1 {
+		t.Fatalf("reserved = %d before the slope is known, want 1", k)
+	}
+	for _, c := range []struct {
+		perToken float64 // seconds
+		want     int
+	}{{0.0004, 2}, {0.0002, 1}, {0.001, 3}} {
+		s.svcFit = svcFit{}
+		for range 10 {
+			s.svcFit.add(100, 0.05+100*c.perToken)
+			s.svcFit.add(1000, 0.05+1000*c.perToken)
+		}
+		if k := s.reserved(long); k != c.want {
+			t.Errorf("%v s per token, 3,333 step-sized tokens/s: reserved = %d, want %d", c.perToken, k, c.want)
+		}
+		if k := s.reserved(&Item{Priority: 2, Prefill: 500}); k != c.want {
+			t.Errorf("a less urgent long prompt: reserved = %d, want %d", k, c.want)
+		}
+		if k := s.reserved(&Item{Priority: 0, Prefill: 500}); k != 0 {
+			t.Errorf("an urgent long prompt reserves %d instances for less urgent short requests", k)
+		}
+	}
+	s.last = at(10*300 + 2000) // no short request for longer than a long prompt's service
+	if k := s.reserved(long); k != 0 {
+		t.Errorf("reserved = %d with no short request arriving, want 0", k)
+	}
+}
+
+// A long prompt held back by the reservation (for urgent short requests)
+// at the head of the most urgent band does not stop a less urgent short
+// request from taking the reserved room when no urgent one waits.
+func TestReserveBypassAcrossBands(t *testing.T) {
+	s := mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true, MaxWait: time.Hour, AgingStep: time.Hour})
+	s.SetInstances([]string{"a", "b"})
+	warm := &Item{Prefill: 50, Cost: 50} // teaches a service time of ~50 ms
+	offer(t, s, warm, at(0), Admitted)
+	s.Bind(warm, "b")
+	s.FirstToken(warm, at(100))
+	s.Done(warm, at(100))
+	first := &Item{Priority: 0, Prefill: 50, Cost: 50} // an urgent short request arrives
+	offer(t, s, first, at(1000), Admitted)
+	s.Bind(first, "b")
+	s.FirstToken(first, at(1001))
+	s.Done(first, at(1001))
+	long := &Item{Prefill: 500, Cost: 500}
+	offer(t, s, long, at(1002), Admitted)
+	s.Bind(long, "a")
+	urgentLong := &Item{Priority: 0, Prefill: 500, Cost: 500}
+	offer(t, s, urgentLong, at(1003), Queued) // b is reserved for short requests
+	short := &Item{Priority: 1, Prefill: 50, Cost: 50}
+	offer(t, s, short, at(1004), Queued)
+	if got := s.Next(at(1004)); got != short {
+		t.Fatalf("Next = %+v, want the priority-1 short request onto the reserved instance", got)
+	}
+	s.Bind(short, "b")
+	s.FirstToken(long, at(1005))
+	if got := s.Next(at(1005)); got != urgentLong {
+		t.Fatalf("Next = %+v, want the urgent long prompt once a's long prefill ends", got)
+	}
+}

@@ -26,6 +26,11 @@ type Stats struct {
 	// maxTenantStats).
 	Tenants []TenantStats `json:"tenants"`
 	Counts  Counts        `json:"counts"`
+	// Instances are the per-instance budgets' loads (absent without
+	// per-instance budgets), with the budgets.
+	InstanceConcurrency int            `json:"instance_concurrency,omitempty"`
+	InstancePrefill     int64          `json:"instance_prefill_tokens,omitempty"`
+	Instances           []InstanceLoad `json:"instances,omitempty"`
 }
 
 // BandStats is one priority band's queue.
@@ -52,6 +57,7 @@ func (s *Sched) Stats(now time.Time) Stats {
 		MaxConcurrency: s.conc, MaxPendingPrefill: s.prefill, MaxQueue: s.cfg.MaxQueue,
 		DrainTokensPerSec: s.rate(), ServiceTTFT: s.svc, Counts: s.Counts(),
 		Bands: []BandStats{}, Tenants: []TenantStats{},
+		InstanceConcurrency: s.cfg.InstanceConcurrency, InstancePrefill: s.cfg.InstancePrefill, Instances: s.instanceStats(),
 	}
 	tenants := map[string]*TenantStats{}
 	for _, l := range s.order {

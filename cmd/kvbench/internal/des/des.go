@@ -334,6 +334,8 @@ type run struct {
 	prefillSet, decodeSet []string
 	prefilling            map[uint64]int
 	handoffs              []handoff
+	// roomBuf is scratch for placeable (placer.go).
+	roomBuf []string
 }
 
 // Run plays the workload through the fleet and returns what happened to
@@ -368,6 +370,7 @@ func Run(ctx context.Context, cfg Config, w *workload.Workload) (*Result, error)
 	if err := r.splitRoles(); err != nil {
 		return nil, err
 	}
+	r.fleetChanged()
 	// Pin the driver to one OS thread so that the thread's CPU clock
 	// measures exactly the work of each Pick.
 	runtime.LockOSThread()
@@ -542,6 +545,7 @@ func (r *run) loop(ctx context.Context) error {
 					r.removeInstance()
 				}
 			}
+			r.fleetChanged()
 		default:
 			r.arrive(ctx, r.next)
 			r.next++
@@ -690,6 +694,7 @@ func (r *run) issue(ctx context.Context, i int) {
 		rr.EngineID = uint64(i)
 		cands = r.decodeSet
 	}
+	cands = r.placeable(uint64(i), cands)
 	cpu0 := threadCPU()
 	start := time.Now()
 	d, err := r.cfg.Router.Pick(ctx, rr, cands)
@@ -707,6 +712,7 @@ func (r *run) issue(ctx context.Context, i int) {
 		return
 	}
 	o.Instance, o.Reason, o.Overflow = d.Instance, d.Reason, d.Overflow
+	r.placed(uint64(i), in.name)
 	r.cfg.Router.Started(uint64(i), in.name)
 	// The engine keeps the prompt slice: give it its own copy.
 	prompt := append([]uint32(nil), r.tokBuf...)

@@ -1,0 +1,42 @@
+package des
+
+// Placer is an Admission whose budgets are per instance (router/flowcontrol
+// with instance budgets): it admits a request only while some instance has
+// room, and the driver routes the request among those instances.
+type Placer interface {
+	// Fleet: the live instances changed (called at the start and after
+	// every scale event).
+	Fleet(live []string)
+	// Candidates appends to dst those of cands that have room for request
+	// id; none means any of cands.
+	Candidates(id uint64, cands, dst []string) []string
+	// Placed: request id was routed to instance.
+	Placed(id uint64, instance string)
+}
+
+// fleetChanged tells a Placer the live instances.
+func (r *run) fleetChanged() {
+	if p, ok := r.cfg.Admission.(Placer); ok {
+		p.Fleet(r.live)
+	}
+}
+
+// placeable narrows cands to the instances a Placer has room in.
+func (r *run) placeable(id uint64, cands []string) []string {
+	p, ok := r.cfg.Admission.(Placer)
+	if !ok {
+		return cands
+	}
+	r.roomBuf = p.Candidates(id, cands, r.roomBuf[:0])
+	if len(r.roomBuf) == 0 {
+		return cands
+	}
+	return r.roomBuf
+}
+
+// placed tells a Placer where request id went.
+func (r *run) placed(id uint64, instance string) {
+	if p, ok := r.cfg.Admission.(Placer); ok {
+		p.Placed(id, instance)
+	}
+}

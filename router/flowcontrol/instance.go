@@ -1,0 +1,156 @@
+package flowcontrol
+
+import (
+	"slices"
+	"strings"
+)
+
+// Per-instance budgets. A pool-wide budget lets the strategy pile the
+// pool's whole allowance of pending prefill onto one engine (the cache
+// holder of a hot prefix, the least loaded by a stale count), where it
+// waits in vLLM's first-come-first-served queue behind work the router can
+// no longer reorder. With InstanceConcurrency or InstancePrefill set, a
+// request is admitted only while some instance has room for it, the caller
+// routes it among the instances with room (Room) and tells the queue where
+// it went (Bind); every engine then holds at most its budget and the rest
+// waits in the router, where priority and fair queuing order it.
+
+// instLoad is what one instance holds of the admitted requests.
+type instLoad struct {
+	inflight int
+	pending  int64 // prompt tokens before their first token
+	big      int   // oversized prompts before their first token (reserve.go)
+	live     bool
+}
+
+func (s *Sched) perInstance() bool { return s.cfg.InstanceConcurrency > 0 || s.cfg.InstancePrefill > 0 }
+
+// SetInstances sets the instances admitted requests may be routed to.
+// Budgets are per instance only when Config.InstanceConcurrency or
+// InstancePrefill is set; an instance that leaves keeps counting the
+// requests it holds until they end.
+func (s *Sched) SetInstances(names []string) {
+	if s.insts == nil {
+		s.insts = map[string]*instLoad{}
+	}
+	for _, l := range s.insts {
+		l.live = false
+	}
+	for _, n := range names {
+		if l := s.insts[n]; l != nil {
+			l.live = true
+		} else {
+			s.insts[n] = &instLoad{live: true}
+		}
+	}
+	for name, l := range s.insts {
+		if !l.live && l.inflight == 0 && l.pending == 0 {
+			delete(s.insts, name)
+		}
+	}
+	s.liveN = len(names)
+}
+
+// roomIn reports whether an instance holding l can take it.
+func (s *Sched) roomIn(l *instLoad, it *Item) bool {
+	if c := s.cfg.InstanceConcurrency; c > 0 && l.inflight >= c {
+		return false
+	}
+	p := s.cfg.InstancePrefill
+	return p <= 0 || l.pending == 0 || l.pending+it.Prefill <= p
+}
+
+// Room reports whether instance can take it under the per-instance
+// budgets (always true without them, and for an instance the queue does
+// not know yet: it holds nothing the queue admitted).
+func (s *Sched) Room(instance string, it *Item) bool {
+	l := s.insts[instance]
+	return l == nil || s.roomIn(l, it)
+}
+
+// instancesFit reports whether some instance has room for it beyond the
+// admitted requests not yet bound to one (each is assumed to take one of
+// the instances with room).
+func (s *Sched) instancesFit(it *Item) bool {
+	if !s.perInstance() || s.liveN == 0 {
+		return true
+	}
+	free := 0
+	for _, l := range s.insts {
+		if l.live && s.roomIn(l, it) {
+			free++
+			if free > s.unbound {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// Bind records the instance an admitted request was routed to: it counts
+// against that instance's budgets until FirstToken (prefill) and Done. An
+// item not admitted, or already bound, is left alone.
+func (s *Sched) Bind(it *Item, instance string) {
+	if it.inst != nil || (it.state != stAdmitted && it.state != stPrefilled) {
+		return
+	}
+	if s.insts == nil {
+		s.insts = map[string]*instLoad{}
+	}
+	l := s.insts[instance]
+	if l == nil {
+		l = &instLoad{}
+		s.insts[instance] = l
+	}
+	it.inst = l
+	s.unbound--
+	l.inflight++
+	if it.state == stAdmitted {
+		l.pending += it.Prefill
+		s.bigBound(it)
+	}
+}
+
+// unbindPrefill releases it's pending prefill on its instance.
+func (s *Sched) unbindPrefill(it *Item) {
+	if it.inst != nil {
+		it.inst.pending -= it.Prefill
+	}
+}
+
+// release frees it's place on its instance (or among the unbound).
+func (s *Sched) release(it *Item) {
+	l := it.inst
+	if l == nil {
+		s.unbound--
+		return
+	}
+	l.inflight--
+	if !l.live && l.inflight == 0 && l.pending == 0 {
+		for name, x := range s.insts {
+			if x == l {
+				delete(s.insts, name)
+			}
+		}
+	}
+}
+
+// InstanceLoad is one instance's share of the admitted requests.
+type InstanceLoad struct {
+	Instance       string `json:"instance"`
+	InFlight       int    `json:"in_flight"`
+	PendingPrefill int64  `json:"pending_prefill_tokens"`
+}
+
+// instanceStats lists the instances' loads, by name.
+func (s *Sched) instanceStats() []InstanceLoad {
+	if !s.perInstance() {
+		return nil
+	}
+	out := make([]InstanceLoad, 0, len(s.insts))
+	for name, l := range s.insts {
+		out = append(out, InstanceLoad{Instance: name, InFlight: l.inflight, PendingPrefill: l.pending})
+	}
+	slices.SortFunc(out, func(a, b InstanceLoad) int { return strings.Compare(a.Instance, b.Instance) })
+	return out
+}
