@@ -292,11 +292,17 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	out := fs.String("out", "", "directory for report.md, report.csv, report.json, hit_rate.svg, ttft.svg")
 	bound := fs.Bool("bound", true, "report hit rate as a fraction of the pooled-cache bound: one LRU cache of the whole fleet's GPU tokens")
 	progress := fs.Bool("progress", true, "progress bar on stderr (only when it is a terminal)")
+	var rf replicaFlags
+	rf.register(fs)
 	decisions := fs.Bool("decisions", false, "for kv_aware: print where its hit rate went, per decision reason (tokens the best holder held, lost moving off it, lost to evictions)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	scfg, gpuTokens, err := ff.simConfig()
+	if err != nil {
+		return err
+	}
+	runs, err := rf.runs()
 	if err != nil {
 		return err
 	}
@@ -331,18 +337,25 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		w.Name, len(w.Requests), w.InputTokens(), w.Duration().Seconds(), ff.instances, gpuTokens, b.describe())
 	var sums []report.Summary
 	for _, name := range splitList(*strategies) {
-		var bar *report.Progress
-		if *progress {
-			if f, ok := stderr.(*os.File); ok {
-				bar = report.NewProgress(f, name)
+		for _, run := range runs {
+			var bar *report.Progress
+			if *progress {
+				if f, ok := stderr.(*os.File); ok {
+					bar = report.NewProgress(f, run.label(name))
+				}
 			}
+			var s report.Summary
+			if run.routers == 1 {
+				s, err = runStrategy(ctx, name, &ff, scfg, &b, boundHits, uint64(wf.seed), bar)
+			} else {
+				s, err = runReplicated(ctx, name, run, &rf, &ff, scfg, &b, boundHits, uint64(wf.seed), bar, stdout)
+			}
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(stderr, "%s (%.1f s wall)\n", s, s.WallSec)
+			sums = append(sums, s)
 		}
-		s, err := runStrategy(ctx, name, &ff, scfg, &b, boundHits, uint64(wf.seed), bar)
-		if err != nil {
-			return err
-		}
-		fmt.Fprintf(stderr, "%s (%.1f s wall)\n", s, s.WallSec)
-		sums = append(sums, s)
 	}
 	if err := report.WriteMarkdown(stdout, sums); err != nil {
 		return err

@@ -1,0 +1,176 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
+	"github.com/kvrouter/kvrouter/sim"
+	"github.com/kvrouter/kvrouter/workload"
+)
+
+func TestReplicaFlagsRuns(t *testing.T) {
+	for _, tc := range []struct {
+		routers, lat, balance string
+		want                  []string
+		err                   bool
+	}{
+		{"1", "0", "round-robin", []string{"kv_aware"}, false},
+		{"1,2", "0,10ms,off", "random", []string{"kv_aware", "kv_aware x2 sync 0s", "kv_aware x2 sync 10ms", "kv_aware x2 no sync"}, false},
+		{"0", "0", "round-robin", nil, true},
+		{"2", "-1ms", "round-robin", nil, true},
+		{"2", "soon", "round-robin", nil, true},
+		{"2", "0", "least-conn", nil, true},
+		{"", "0", "round-robin", nil, true},
+	} {
+		f := replicaFlags{routers: tc.routers, latencies: tc.lat, balance: tc.balance, interval: 50 * time.Millisecond}
+		runs, err := f.runs()
+		if (err != nil) != tc.err {
+			t.Fatalf("%+v: err %v", tc, err)
+		}
+		var got []string
+		for _, r := range runs {
+			got = append(got, r.label("kv_aware"))
+		}
+		if strings.Join(got, "|") != strings.Join(tc.want, "|") {
+			t.Errorf("%+v: runs %q, want %q", tc, got, tc.want)
+		}
+	}
+}
+
+// syncWorld is a 3-replica kv_aware tier over two idle sim engines, driven
+// by hand: one request routed by replica 0, then the clock moved.
+func syncWorld(t *testing.T, run replicaRun) (*replicaSet, *des.RouteRequest) {
+	t.Helper()
+	ff := fleetFlags{instances: 2, gpuTokens: "100k", cpuTokens: "0"}
+	scfg, _, err := ff.simConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	rf := replicaFlags{balance: "round-robin", interval: 50 * time.Millisecond, agreement: true}
+	set, err := newReplicaSet("kv_aware", run, &rf, &ff, scfg, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []string{"a", "b"} {
+		e, err := sim.New(scfg, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range set.reps {
+			r.engineMade(n, e)
+		}
+	}
+	toks := make([]uint32, 64*sim.DefaultBlockSize)
+	for i := range toks {
+		toks[i] = uint32(1000 + i)
+	}
+	req := &des.RouteRequest{Request: &workload.Request{OutputTokens: 1}, Tokens: toks, EngineID: 7}
+	set.clock(time.Millisecond)
+	return set, req
+}
+
+func TestReplicaSyncDeliversAfterIntervalAndLatency(t *testing.T) {
+	set, req := syncWorld(t, replicaRun{routers: 3, sync: true, latency: 30 * time.Millisecond})
+	d, err := set.Pick(context.Background(), req, []string{"a", "b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	set.Started(req.EngineID, d.Instance)
+	if set.agree.probes != 2 {
+		t.Fatalf("probes %d, want 2 (the two other replicas)", set.agree.probes)
+	}
+	peer := set.reps[1].peers
+	for _, tc := range []struct {
+		at       time.Duration
+		inflight int64
+	}{
+		{49 * time.Millisecond, 0}, // before the first flush (50 ms)
+		{79 * time.Millisecond, 0}, // flushed, in transit until 80 ms
+		{80 * time.Millisecond, 1},
+		{2 * time.Second, 1}, // refreshed by every flush: still in flight
+	} {
+		set.clock(tc.at)
+		if f, tok, reqs := peer.PeerLoad(d.Instance); f != tc.inflight || (tc.inflight > 0 && (tok <= 0 || reqs != 1)) {
+			t.Errorf("at %v: peer load on %s = %d in flight, %d tokens, %d requests; want %d in flight", tc.at, d.Instance, f, tok, reqs, tc.inflight)
+		}
+	}
+	// The decision's speculative blocks reached the peer: the whole prompt
+	// is held on d.Instance as far as replica 1 knows.
+	if got, n := set.reps[1].peers.table.SpecLen(), len(req.Tokens)/sim.DefaultBlockSize; got < n {
+		t.Errorf("peer speculative entries %d, want >= %d", got, n)
+	}
+	set.Finished(req.EngineID, d.Instance, nil)
+	set.clock(2050 * time.Millisecond)
+	set.clock(2100 * time.Millisecond)
+	if f, tok, _ := peer.PeerLoad(d.Instance); f != 0 || tok != 0 {
+		t.Errorf("after the request finished: peer load %d in flight, %d tokens; want 0", f, tok)
+	}
+	// Settled: the same request evaluated on every replica picks the same.
+	set.last.req, set.last.cands = req, []string{"a", "b"}
+	before := set.agree.agreed
+	set.probeOthers(0, d.Instance)
+	if set.agree.agreed-before != 2 {
+		t.Errorf("settled state: %d of 2 replicas agree with replica 0", set.agree.agreed-before)
+	}
+}
+
+func TestReplicaNoSyncSharesNothing(t *testing.T) {
+	set, req := syncWorld(t, replicaRun{routers: 3})
+	d, err := set.Pick(context.Background(), req, []string{"a", "b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	set.Started(req.EngineID, d.Instance)
+	set.clock(time.Second)
+	for i, r := range set.reps {
+		if r.peers != nil {
+			t.Fatalf("replica %d has replica sync with sync off", i)
+		}
+		if f, _, _ := r.kv.state.PeerLoad(d.Instance); f != 0 {
+			t.Errorf("replica %d sees %d peer requests with sync off", i, f)
+		}
+	}
+}
+
+// TestDESReplicasCommand runs des with replicas end to end: every row
+// present, nothing failed, agreement reported; and with sync the replicas
+// agree at least as often as without.
+func TestDESReplicasCommand(t *testing.T) {
+	var out, errb bytes.Buffer
+	err := run(context.Background(), []string{"des", "--workload", "chat", "--limit", "300", "--instances", "4",
+		"--strategies", "kv_aware", "--routers", "1,3", "--sync-latency", "0,off", "--agreement", "--bound=false", "--progress=false"}, &out, &errb)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	s := out.String()
+	for _, row := range []string{"| kv_aware |", "| kv_aware x3 sync 0s |", "| kv_aware x3 no sync |"} {
+		if !strings.Contains(s, row) {
+			t.Errorf("no row %q in\n%s", row, s)
+		}
+	}
+	re := regexp.MustCompile(`agreement kv_aware x3 (sync 0s|no sync): ([0-9.]+)% of ([0-9]+)`)
+	got := map[string]float64{}
+	for _, m := range re.FindAllStringSubmatch(s, -1) {
+		pct, _ := strconv.ParseFloat(m[2], 64)
+		n, _ := strconv.Atoi(m[3])
+		if n != 600 {
+			t.Errorf("%s: %d probes, want 600 (2 other replicas × 300 requests)", m[1], n)
+		}
+		got[m[1]] = pct
+	}
+	if len(got) != 2 {
+		t.Fatalf("agreement lines: %v\n%s", got, s)
+	}
+	if got["sync 0s"] < got["no sync"] {
+		t.Errorf("agreement with sync %.2f%% < without %.2f%%", got["sync 0s"], got["no sync"])
+	}
+	if strings.Contains(s, "failed:") {
+		t.Errorf("failures reported:\n%s", s)
+	}
+}
