@@ -42,7 +42,7 @@ func (f *replicaFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.latencies, "sync-latency", "0", "replica sync delivery latency, a comma-separated list (e.g. 0,10ms,100ms,off); off = no replica sync: each replica routes on its own counters only")
 	fs.StringVar(&f.balance, "balance", "round-robin", "how the balancer spreads requests over replicas: round-robin or random")
 	fs.DurationVar(&f.interval, "sync-interval", replicasync.DefaultInterval, "replica sync interval (events.replica_sync.interval)")
-	fs.BoolVar(&f.agreement, "agreement", false, "with several replicas: after each decision, evaluate the same request on every other replica (dry) and report how often they agree")
+	fs.BoolVar(&f.agreement, "agreement", false, "with several replicas: after each decision, evaluate the same request on every other replica (dry) and report how often they agree, over all decisions and over those made while settled (every replica had applied the others' state as of the last change anywhere)")
 }
 
 // replicaRun is one replica configuration to run.
@@ -114,6 +114,10 @@ func (r replicaRun) label(strategy string) string {
 // agreement counts the dry evaluations of --agreement.
 type agreement struct {
 	probes, agreed int
+	// settled and settledAgreed count the probes of decisions made while
+	// the tier's state was settled: every replica had applied its peers'
+	// state as it was after the last change anywhere (replicaSet.settled).
+	settled, settledAgreed int
 	// byReason counts disagreements by the deciding replica's reason.
 	byReason map[string]int
 }
@@ -127,8 +131,12 @@ func (a *agreement) String() string {
 		parts = append(parts, fmt.Sprintf("%s %d", r, n))
 	}
 	sort.Strings(parts)
-	return fmt.Sprintf("%.2f%% of %d (disagreements by the deciding replica's reason: %s)",
-		100*float64(a.agreed)/float64(a.probes), a.probes, strings.Join(parts, ", "))
+	settled := "settled: no probes"
+	if a.settled > 0 {
+		settled = fmt.Sprintf("settled %.2f%% of %d", 100*float64(a.settledAgreed)/float64(a.settled), a.settled)
+	}
+	return fmt.Sprintf("%.2f%% of %d; %s (disagreements by the deciding replica's reason: %s)",
+		100*float64(a.agreed)/float64(a.probes), a.probes, settled, strings.Join(parts, ", "))
 }
 
 // runReplicated runs strategy name on a replicated router tier.
@@ -178,15 +186,22 @@ type replicaSet struct {
 	now               time.Duration
 	nextFlush         time.Duration
 	transit           []syncDelivery // in delivery order (constant latency)
+	// changed is when router-local state last changed on any replica (a
+	// decision, a start, a first token, an end); applied is the state time
+	// of the newest flush every peer has applied. changed < applied: each
+	// replica knows the others' state as it is (settled).
+	changed, applied time.Duration
+	changes          bool
 
 	agree *agreement // nil = no probes
 	// last is the decision just made, probed at Started (outside the
 	// driver's decision timing).
 	last struct {
-		req    *des.RouteRequest
-		cands  []string
-		reason string
-		from   int
+		req     *des.RouteRequest
+		cands   []string
+		reason  string
+		from    int
+		settled bool
 	}
 }
 
@@ -202,9 +217,11 @@ type replica struct {
 	fixed *fixedPick
 }
 
-// syncDelivery is one replica's flush, due at its peers at at.
+// syncDelivery is one replica's flush, due at its peers at at; state is
+// the virtual time whose state it carries (every change before it; the
+// state does not change between two driver steps).
 type syncDelivery struct {
-	at         time.Duration
+	at, state  time.Duration
 	from       int
 	load, spec *replicasync.Message
 }
@@ -269,13 +286,25 @@ func (s *replicaSet) Pick(ctx context.Context, req *des.RouteRequest, cands []st
 	} else {
 		s.next = (s.next + 1) % len(s.reps)
 	}
+	settled := s.settled()
 	d, err := s.reps[i].Pick(ctx, req, cands)
 	if err != nil {
 		return d, err
 	}
+	s.change()
 	s.owner[req.EngineID] = i
-	s.last.req, s.last.cands, s.last.reason, s.last.from = req, cands, d.Reason, i
+	s.last.req, s.last.cands, s.last.reason, s.last.from, s.last.settled = req, cands, d.Reason, i, settled
 	return d, nil
+}
+
+// change records that router-local state changed now.
+func (s *replicaSet) change() { s.changed, s.changes = s.now, true }
+
+// settled reports whether every replica has applied its peers' state as
+// it is now: the newest flush delivered everywhere was taken after the
+// last change on any replica (or nothing has changed yet).
+func (s *replicaSet) settled() bool {
+	return s.sync && (!s.changes || s.changed < s.applied)
 }
 
 func (s *replicaSet) Started(id uint64, inst string) {
@@ -284,6 +313,7 @@ func (s *replicaSet) Started(id uint64, inst string) {
 		return
 	}
 	s.reps[i].Started(id, inst)
+	s.change()
 	if s.agree != nil && s.last.req != nil && s.last.req.EngineID == id {
 		s.probeOthers(i, inst)
 	}
@@ -293,6 +323,7 @@ func (s *replicaSet) Started(id uint64, inst string) {
 func (s *replicaSet) FirstToken(id uint64, inst string, cached, prompt int) {
 	if i, ok := s.owner[id]; ok {
 		s.reps[i].FirstToken(id, inst, cached, prompt)
+		s.change()
 	}
 }
 
@@ -300,6 +331,7 @@ func (s *replicaSet) Finished(id uint64, inst string, err error) {
 	if i, ok := s.owner[id]; ok {
 		s.reps[i].Finished(id, inst, err)
 		delete(s.owner, id)
+		s.change()
 	}
 }
 
@@ -343,7 +375,14 @@ func (s *replicaSet) probeOthers(from int, inst string) {
 			d.Observer.Done(0, -1)
 		}
 		s.agree.probes++
-		if shadowAgreed(rep.reg) > before {
+		agreed := shadowAgreed(rep.reg) > before
+		if s.last.settled {
+			s.agree.settled++
+			if agreed {
+				s.agree.settledAgreed++
+			}
+		}
+		if agreed {
 			s.agree.agreed++
 		} else {
 			s.agree.byReason[s.last.reason]++
@@ -421,6 +460,11 @@ func (s *replicaSet) clock(now time.Duration) {
 				r.peers.table.ApplySpec(d.spec, nil)
 			}
 		}
+		// A flush's messages from every replica share their due time:
+		// after the last of them, every peer has applied its state.
+		if len(s.transit) == 0 || s.transit[0].at != d.at {
+			s.applied = max(s.applied, d.state)
+		}
 	}
 }
 
@@ -440,7 +484,7 @@ func (s *replicaSet) flush(b time.Duration) {
 			spec = &replicasync.Message{Kind: replicasync.KindSpec, Replica: p.name, Incarnation: 1, Specs: p.queue}
 			p.queue = nil
 		}
-		s.transit = append(s.transit, syncDelivery{at: b + s.latency, from: i, load: load, spec: spec})
+		s.transit = append(s.transit, syncDelivery{at: b + s.latency, state: b, from: i, load: load, spec: spec})
 	}
 }
 

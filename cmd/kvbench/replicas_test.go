@@ -174,3 +174,61 @@ func TestDESReplicasCommand(t *testing.T) {
 		t.Errorf("failures reported:\n%s", s)
 	}
 }
+
+// TestReplicaSettled: the tier is settled when every replica has applied
+// a flush taken after the last change anywhere; a decision probed while
+// settled counts in the settled agreement.
+func TestReplicaSettled(t *testing.T) {
+	set, req := syncWorld(t, replicaRun{routers: 2, sync: true, latency: 30 * time.Millisecond})
+	if !set.settled() {
+		t.Fatal("nothing changed yet: want settled")
+	}
+	d, err := set.Pick(context.Background(), req, []string{"a", "b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	set.Started(req.EngineID, d.Instance) // at 1 ms
+	if set.agree.settled != 1 {
+		t.Errorf("a decision made before any change: %d settled probes, want 1", set.agree.settled)
+	}
+	for _, tc := range []struct {
+		at      time.Duration
+		settled bool
+	}{
+		{49 * time.Millisecond, false}, // not flushed yet
+		{79 * time.Millisecond, false}, // flushed at 50 ms, in transit
+		{80 * time.Millisecond, true},  // applied by the peer
+	} {
+		set.clock(tc.at)
+		if got := set.settled(); got != tc.settled {
+			t.Errorf("at %v: settled %v, want %v", tc.at, got, tc.settled)
+		}
+	}
+	set.Finished(req.EngineID, d.Instance, nil) // at 80 ms: after the 50 ms flush's state
+	for _, tc := range []struct {
+		at      time.Duration
+		settled bool
+	}{
+		{100 * time.Millisecond, false},
+		{129 * time.Millisecond, false}, // the 100 ms flush (taken after the end) is in transit
+		{130 * time.Millisecond, true},
+	} {
+		set.clock(tc.at)
+		if got := set.settled(); got != tc.settled {
+			t.Errorf("after the end, at %v: settled %v, want %v", tc.at, got, tc.settled)
+		}
+	}
+	// Without sync nothing is ever settled: the replicas never learn.
+	off, req2 := syncWorld(t, replicaRun{routers: 2})
+	if off.settled() {
+		t.Error("no sync: want never settled")
+	}
+	d2, err := off.Pick(context.Background(), req2, []string{"a", "b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	off.Started(req2.EngineID, d2.Instance)
+	if off.agree.settled != 0 || off.agree.probes != 1 {
+		t.Errorf("no sync: %d settled of %d probes, want 0 of 1", off.agree.settled, off.agree.probes)
+	}
+}
