@@ -35,6 +35,7 @@ type workloadFlags struct {
 	scale     bool
 	trace     string
 	speed     float64
+	spread    bool
 	replicate int
 	fleetToks int64 // for cache-pressure: the fleet's GPU capacity
 	fs        *flag.FlagSet
@@ -54,6 +55,7 @@ type built struct {
 	// generated workloads; replicate applies to both).
 	trace     string
 	speed     float64
+	spread    bool
 	replicate int
 }
 
@@ -69,6 +71,7 @@ func (f *workloadFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&f.scale, "scale", false, "add a scale-out (+2 instances at 1/3) and a scale-in (-2 at 2/3)")
 	fs.StringVar(&f.trace, "trace", workload.DefaultTracePath, "trace for --workload mooncake, and the trace synth-* workloads are calibrated to (default: the bundled Mooncake conversation trace)")
 	fs.Float64Var(&f.speed, "speed", 1, "trace replay speed factor (2 = twice as fast)")
+	fs.BoolVar(&f.spread, "spread", false, "trace workloads: spread the requests that share an arrival time evenly over the gap to the next arrival time (the Mooncake trace's timestamps are 3 s epochs of ~10 requests each)")
 	fs.IntVar(&f.replicate, "replicate", 1, "play N disjoint copies of the workload at once (offset hash ids or seeds, shifted starts): the same per-instance load on an N-times larger fleet")
 	f.fs = fs
 }
@@ -128,9 +131,12 @@ func (f *workloadFlags) buildAll() (built, error) {
 				return built{}, err
 			}
 		}
-		return built{w: w, recs: recs, trace: f.trace, speed: f.speed, replicate: f.replicate}, nil
+		if f.spread {
+			spreadBatches(w.Requests)
+		}
+		return built{w: w, recs: recs, trace: f.trace, speed: f.speed, spread: f.spread, replicate: f.replicate}, nil
 	}
-	for _, fl := range []string{"speed", "trace"} {
+	for _, fl := range []string{"speed", "trace", "spread"} {
 		if set[fl] {
 			return built{}, fmt.Errorf("--%s applies to trace workloads only (use --rate for %s)", fl, f.name)
 		}
@@ -415,6 +421,9 @@ func (b *built) describe() string {
 	var parts []string
 	if b.trace != "" {
 		parts = append(parts, fmt.Sprintf("trace %s at speed %g", b.trace, b.speed))
+		if b.spread {
+			parts = append(parts, "same-time arrivals spread to the next arrival time")
+		}
 	}
 	if b.replicate > 1 {
 		parts = append(parts, fmt.Sprintf("%d disjoint copies", b.replicate))
@@ -484,4 +493,26 @@ func runDESOnce(ctx context.Context, n int, gpuTokens int64, rt *strategyRouter,
 		return report.Summary{}, err
 	}
 	return report.Summarize(res, 0), nil
+}
+
+// spreadBatches spreads each run of requests that share an arrival time
+// (reqs in arrival order) evenly over the gap to the next arrival time:
+// request k of n arrives k/n of the gap later. The last run takes the
+// gap before it. Order, and every other field, are unchanged.
+func spreadBatches(reqs []workload.Request) {
+	var gap time.Duration
+	for i := 0; i < len(reqs); {
+		j := i + 1
+		for j < len(reqs) && reqs[j].At == reqs[i].At {
+			j++
+		}
+		if j < len(reqs) {
+			gap = reqs[j].At - reqs[i].At
+		}
+		at, n := reqs[i].At, time.Duration(j-i)
+		for k := i; k < j; k++ {
+			reqs[k].At = at + gap*time.Duration(k-i)/n
+		}
+		i = j
+	}
 }

@@ -232,3 +232,37 @@ func TestReplicaSettled(t *testing.T) {
 		t.Errorf("no sync: %d settled of %d probes, want 0 of 1", off.agree.settled, off.agree.probes)
 	}
 }
+
+func TestSpreadBatches(t *testing.T) {
+	ms := time.Millisecond
+	reqs := []workload.Request{{ID: 0, At: 0}, {ID: 1, At: 0}, {ID: 2, At: 0}, {ID: 3, At: 3000 * ms}, {ID: 4, At: 4000 * ms}, {ID: 5, At: 4000 * ms}}
+	spreadBatches(reqs)
+	want := []time.Duration{0, 1000 * ms, 2000 * ms, 3000 * ms, 4000 * ms, 4500 * ms}
+	for i, r := range reqs {
+		if r.ID != i || r.At != want[i] {
+			t.Errorf("request %d: id %d at %v, want id %d at %v", i, r.ID, r.At, i, want[i])
+		}
+	}
+}
+
+// TestDESSpread: --spread spreads the trace's same-time arrivals and is
+// refused for a generated workload (it has none).
+func TestDESSpread(t *testing.T) {
+	f := workloadFlags{name: "mooncake", trace: workload.DefaultTracePath, speed: 1, replicate: 1, limit: 200, spread: true}
+	b, err := f.buildAll()
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[time.Duration]bool{}
+	for _, r := range b.w.Requests {
+		if seen[r.At] {
+			t.Fatalf("two requests at %v after --spread", r.At)
+		}
+		seen[r.At] = true
+	}
+	var out, errb bytes.Buffer
+	err = run(context.Background(), []string{"des", "--workload", "chat", "--spread", "--limit", "10", "--progress=false"}, &out, &errb)
+	if err == nil || !strings.Contains(err.Error(), "--spread applies to trace workloads only") {
+		t.Errorf("des --workload chat --spread: err %v, want refused", err)
+	}
+}
