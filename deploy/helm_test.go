@@ -32,7 +32,7 @@ var chartReleases = []struct {
 }{
 	{nil, overlay{dir: chartDir, namespace: "kvrouter", minRouters: 2, natsNodes: 1, engine: "vllm",
 		externalSecrets: []string{"kvrouter-admin"}}},
-	{[]string{"values-production.yaml"}, overlay{dir: chartDir, namespace: "kvrouter", minRouters: 3, natsNodes: 3, engine: "vllm",
+	{[]string{"values-production.yaml"}, overlay{dir: chartDir, namespace: "kvrouter", minRouters: 3, natsNodes: 3, engine: "vllm", replicaSync: true,
 		redis: true, externalSecrets: []string{"kvrouter-admin", "kvrouter-redis"}, production: true, monitoring: true}},
 }
 

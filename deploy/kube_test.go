@@ -44,12 +44,15 @@ type overlay struct {
 	production bool
 	// monitoring: a ServiceMonitor, a PodMonitor and the alert rules.
 	monitoring bool
+	// replicaSync: the router replicas share their state (events.replica_sync)
+	// and reach every NATS node (docs/replicas.md).
+	replicaSync bool
 }
 
 var overlays = []overlay{
 	{dir: "kubernetes/overlays/dev", namespace: "kvrouter-dev", minRouters: 1, natsNodes: 1, engine: "kvsim", monitoring: true},
 	{dir: "kubernetes/overlays/production", namespace: "kvrouter", minRouters: 3, natsNodes: 3, engine: "vllm", redis: true,
-		externalSecrets: []string{"kvrouter-admin", "kvrouter-redis"}, production: true, monitoring: true},
+		externalSecrets: []string{"kvrouter-admin", "kvrouter-redis"}, production: true, monitoring: true, replicaSync: true},
 }
 
 // vllmKVEventsConfig is the engine flag value of ARCHITECTURE "vLLM KV
@@ -596,7 +599,31 @@ func checkRouter(t *testing.T, b *bundle, ov overlay) config.Config {
 	if cfg.Events == nil || cfg.Events.NATS.URL == "" {
 		t.Errorf("router.yaml: events.nats.url must name the cluster's NATS")
 	}
+	if ov.replicaSync {
+		checkReplicaSync(t, cfg, ov)
+	}
 	return cfg
+}
+
+// checkReplicaSync: several router replicas share their router-local
+// state, each under its own name, and reach every NATS node, whose stream
+// keeps a copy on each (docs/replicas.md).
+func checkReplicaSync(t *testing.T, cfg config.Config, ov overlay) {
+	t.Helper()
+	rs := cfg.Events.ReplicaSync
+	if rs == nil || !rs.Enabled {
+		t.Errorf("router.yaml: %d replicas without events.replica_sync", ov.minRouters)
+		return
+	}
+	if rs.Replica != "" {
+		t.Errorf("events.replica_sync.replica %q: every pod of the Deployment would share it (leave it empty: hostname-pid)", rs.Replica)
+	}
+	if got := len(strings.Split(cfg.Events.NATS.URL, ",")); got != int(ov.natsNodes) {
+		t.Errorf("events.nats.url %q: %d seed URLs, want one per NATS node (%d)", cfg.Events.NATS.URL, got, ov.natsNodes)
+	}
+	if cfg.Events.NATS.StreamReplicas != int(ov.natsNodes) {
+		t.Errorf("events.nats.stream_replicas %d, want %d (one copy per node)", cfg.Events.NATS.StreamReplicas, ov.natsNodes)
+	}
 }
 
 // checkConfigWithBinary runs the real binary with the manifest's flags and
@@ -753,6 +780,9 @@ func checkServiceURL(t *testing.T, b *bundle, where, raw string) {
 			continue
 		}
 		host, port = h, p
+		if pod, svc, ok := strings.Cut(host, "."); ok && statefulPod(b, pod, svc) {
+			host = svc // a StatefulSet pod's stable name under its headless Service
+		}
 		s, ok := b.services[host]
 		if !ok {
 			t.Errorf("%s %q: no Service %s", where, one, host)
@@ -762,6 +792,23 @@ func checkServiceURL(t *testing.T, b *bundle, where, raw string) {
 			t.Errorf("%s %q: Service %s has no port %s", where, one, host, port)
 		}
 	}
+}
+
+// statefulPod reports whether pod is one of the pods of a StatefulSet
+// whose serviceName is the headless Service svc ("nats-2" of nats with
+// three replicas under nats-headless).
+func statefulPod(b *bundle, pod, svc string) bool {
+	i := strings.LastIndexByte(pod, '-')
+	if i < 0 {
+		return false
+	}
+	sts, ok := b.statefulSets[pod[:i]]
+	n, err := strconv.Atoi(pod[i+1:])
+	if !ok || err != nil || sts.Spec.ServiceName != svc || n < 0 || n >= int(derefReplicas(sts.Spec.Replicas)) {
+		return false
+	}
+	s, ok := b.services[svc]
+	return ok && s.Spec.ClusterIP == corev1.ClusterIPNone
 }
 
 // checkNATS: the NATS server's own parser accepts the config; JetStream is

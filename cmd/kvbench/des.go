@@ -35,6 +35,7 @@ type workloadFlags struct {
 	scale     bool
 	trace     string
 	speed     float64
+	spread    bool
 	replicate int
 	fleetToks int64 // for cache-pressure: the fleet's GPU capacity
 	fs        *flag.FlagSet
@@ -54,6 +55,7 @@ type built struct {
 	// generated workloads; replicate applies to both).
 	trace     string
 	speed     float64
+	spread    bool
 	replicate int
 }
 
@@ -69,6 +71,7 @@ func (f *workloadFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&f.scale, "scale", false, "add a scale-out (+2 instances at 1/3) and a scale-in (-2 at 2/3)")
 	fs.StringVar(&f.trace, "trace", workload.DefaultTracePath, "trace for --workload mooncake, and the trace synth-* workloads are calibrated to (default: the bundled Mooncake conversation trace)")
 	fs.Float64Var(&f.speed, "speed", 1, "trace replay speed factor (2 = twice as fast)")
+	fs.BoolVar(&f.spread, "spread", false, "trace workloads: spread the requests that share an arrival time evenly over the gap to the next arrival time (the Mooncake trace's timestamps are 3 s epochs of ~10 requests each)")
 	fs.IntVar(&f.replicate, "replicate", 1, "play N disjoint copies of the workload at once (offset hash ids or seeds, shifted starts): the same per-instance load on an N-times larger fleet")
 	f.fs = fs
 }
@@ -128,9 +131,12 @@ func (f *workloadFlags) buildAll() (built, error) {
 				return built{}, err
 			}
 		}
-		return built{w: w, recs: recs, trace: f.trace, speed: f.speed, replicate: f.replicate}, nil
+		if f.spread {
+			spreadBatches(w.Requests)
+		}
+		return built{w: w, recs: recs, trace: f.trace, speed: f.speed, spread: f.spread, replicate: f.replicate}, nil
 	}
-	for _, fl := range []string{"speed", "trace"} {
+	for _, fl := range []string{"speed", "trace", "spread"} {
 		if set[fl] {
 			return built{}, fmt.Errorf("--%s applies to trace workloads only (use --rate for %s)", fl, f.name)
 		}
@@ -292,11 +298,17 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	out := fs.String("out", "", "directory for report.md, report.csv, report.json, hit_rate.svg, ttft.svg")
 	bound := fs.Bool("bound", true, "report hit rate as a fraction of the pooled-cache bound: one LRU cache of the whole fleet's GPU tokens")
 	progress := fs.Bool("progress", true, "progress bar on stderr (only when it is a terminal)")
+	var rf replicaFlags
+	rf.register(fs)
 	decisions := fs.Bool("decisions", false, "for kv_aware: print where its hit rate went, per decision reason (tokens the best holder held, lost moving off it, lost to evictions)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	scfg, gpuTokens, err := ff.simConfig()
+	if err != nil {
+		return err
+	}
+	runs, err := rf.runs()
 	if err != nil {
 		return err
 	}
@@ -331,18 +343,25 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		w.Name, len(w.Requests), w.InputTokens(), w.Duration().Seconds(), ff.instances, gpuTokens, b.describe())
 	var sums []report.Summary
 	for _, name := range splitList(*strategies) {
-		var bar *report.Progress
-		if *progress {
-			if f, ok := stderr.(*os.File); ok {
-				bar = report.NewProgress(f, name)
+		for _, run := range runs {
+			var bar *report.Progress
+			if *progress {
+				if f, ok := stderr.(*os.File); ok {
+					bar = report.NewProgress(f, run.label(name))
+				}
 			}
+			var s report.Summary
+			if run.routers == 1 {
+				s, err = runStrategy(ctx, name, &ff, scfg, &b, boundHits, uint64(wf.seed), bar)
+			} else {
+				s, err = runReplicated(ctx, name, run, &rf, &ff, scfg, &b, boundHits, uint64(wf.seed), bar, stdout)
+			}
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(stderr, "%s (%.1f s wall)\n", s, s.WallSec)
+			sums = append(sums, s)
 		}
-		s, err := runStrategy(ctx, name, &ff, scfg, &b, boundHits, uint64(wf.seed), bar)
-		if err != nil {
-			return err
-		}
-		fmt.Fprintf(stderr, "%s (%.1f s wall)\n", s, s.WallSec)
-		sums = append(sums, s)
 	}
 	if err := report.WriteMarkdown(stdout, sums); err != nil {
 		return err
@@ -402,6 +421,9 @@ func (b *built) describe() string {
 	var parts []string
 	if b.trace != "" {
 		parts = append(parts, fmt.Sprintf("trace %s at speed %g", b.trace, b.speed))
+		if b.spread {
+			parts = append(parts, "same-time arrivals spread to the next arrival time")
+		}
 	}
 	if b.replicate > 1 {
 		parts = append(parts, fmt.Sprintf("%d disjoint copies", b.replicate))
@@ -471,4 +493,26 @@ func runDESOnce(ctx context.Context, n int, gpuTokens int64, rt *strategyRouter,
 		return report.Summary{}, err
 	}
 	return report.Summarize(res, 0), nil
+}
+
+// spreadBatches spreads each run of requests that share an arrival time
+// (reqs in arrival order) evenly over the gap to the next arrival time:
+// request k of n arrives k/n of the gap later. The last run takes the
+// gap before it. Order, and every other field, are unchanged.
+func spreadBatches(reqs []workload.Request) {
+	var gap time.Duration
+	for i := 0; i < len(reqs); {
+		j := i + 1
+		for j < len(reqs) && reqs[j].At == reqs[i].At {
+			j++
+		}
+		if j < len(reqs) {
+			gap = reqs[j].At - reqs[i].At
+		}
+		at, n := reqs[i].At, time.Duration(j-i)
+		for k := i; k < j; k++ {
+			reqs[k].At = at + gap*time.Duration(k-i)/n
+		}
+		i = j
+	}
 }

@@ -142,15 +142,31 @@ func indexCapacity(instances int, scfg sim.Config) int {
 // newStrategyRouterSized is newStrategyRouter with an index of capacity
 // (block, instance) entries (0 = kvindex's default).
 func newStrategyRouterSized(name string, cfg config.RoutingConfig, seed uint64, model string, capacity int) (*strategyRouter, error) {
+	return newStrategyRouterShared(name, cfg, seed, model, capacity, kvShare{})
+}
+
+// kvShare is what one router replica shares with the others of a
+// replicated run (replicas.go); the zero value shares nothing.
+type kvShare struct {
+	index   *kvindex.Memory   // nil = the replica's own index
+	fresh   kvindex.Freshness // replica sync (router.PeerState), nil = none
+	metrics *router.KVMetrics // nil = unregistered
+}
+
+func newStrategyRouterShared(name string, cfg config.RoutingConfig, seed uint64, model string, capacity int, share kvShare) (*strategyRouter, error) {
 	r := &strategyRouter{model: model, insts: map[string]*router.Instance{}, obs: map[uint64]router.Observer{}, cached: map[uint64]int{}}
 	opts := []router.StrategyOption{router.WithSeed(seed)}
 	if needsKV(name) {
 		k := &kvSim{engines: map[string]*sim.Engine{}, scrape: router.DefaultScrapeInterval}
-		idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: model, BlockSize: sim.DefaultBlockSize, Now: k.wall, Capacity: capacity})
-		if err != nil {
-			return nil, err
+		idx := share.index
+		if idx == nil {
+			var err error
+			if idx, err = kvindex.NewMemory(kvindex.MemoryConfig{Model: model, BlockSize: sim.DefaultBlockSize, Now: k.wall, Capacity: capacity}); err != nil {
+				return nil, err
+			}
 		}
 		st, err := router.NewKVState(router.KVStateConfig{Pool: "des", Model: model, Index: idx, Now: k.wall,
+			Freshness: share.fresh, Metrics: share.metrics,
 			Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 		if err != nil {
 			return nil, err
@@ -222,6 +238,23 @@ func (r *strategyRouter) Pick(ctx context.Context, req *des.RouteRequest, cands 
 		r.cands = append(r.cands, in)
 	}
 	r.loadScrape()
+	rq := r.request(req)
+	d, err := r.s.Pick(ctx, rq, r.cands)
+	if err != nil {
+		return des.Decision{}, err
+	}
+	if d.Instance == nil {
+		return des.Decision{}, fmt.Errorf("strategy %s returned no instance", r.s.Name())
+	}
+	if d.Observer != nil {
+		r.obs[req.EngineID] = d.Observer
+	}
+	return des.Decision{Instance: d.Instance.ID(), Reason: string(d.Reason),
+		Overflow: d.Reason == router.ReasonOverflow || d.Reason == router.ReasonSaturated}, nil
+}
+
+// request is the router's view of a driver request.
+func (r *strategyRouter) request(req *des.RouteRequest) *router.Request {
 	rq := &router.Request{
 		Endpoint:     router.EndpointCompletions,
 		Model:        r.model,
@@ -235,18 +268,7 @@ func (r *strategyRouter) Pick(ctx context.Context, req *des.RouteRequest, cands 
 		// its block keys fold the salt in as the engine's do.
 		rq.Body, _ = json.Marshal(map[string]string{"cache_salt": req.CacheSalt})
 	}
-	d, err := r.s.Pick(ctx, rq, r.cands)
-	if err != nil {
-		return des.Decision{}, err
-	}
-	if d.Instance == nil {
-		return des.Decision{}, fmt.Errorf("strategy %s returned no instance", r.s.Name())
-	}
-	if d.Observer != nil {
-		r.obs[req.EngineID] = d.Observer
-	}
-	return des.Decision{Instance: d.Instance.ID(), Reason: string(d.Reason),
-		Overflow: d.Reason == router.ReasonOverflow || d.Reason == router.ReasonSaturated}, nil
+	return rq
 }
 
 func (r *strategyRouter) Started(_ uint64, name string) {

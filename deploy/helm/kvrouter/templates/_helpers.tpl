@@ -15,10 +15,22 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
-{{/* The NATS URL routers and bridges use. */}}
+{{/*
+The NATS URL routers and bridges use: the Service for one node; for a
+cluster every node's stable name, so a client starts from whichever answers
+and reconnects to another when one goes.
+*/}}
 {{- define "kvrouter.natsURL" -}}
 {{- if .Values.nats.enabled -}}
+{{- if gt (int .Values.nats.replicas) 1 -}}
+{{- $seeds := list -}}
+{{- range $i := until (int .Values.nats.replicas) -}}
+{{- $seeds = append $seeds (printf "nats://nats-%d.nats-headless:4222" $i) -}}
+{{- end -}}
+{{ join "," $seeds }}
+{{- else -}}
 nats://nats:4222
+{{- end -}}
 {{- else -}}
 {{ .Values.vllm.bridge.natsURL | required "nats.enabled is false: set vllm.bridge.natsURL (and router.config.events.nats.url)" }}
 {{- end -}}

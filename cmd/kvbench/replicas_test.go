@@ -1,0 +1,268 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
+	"github.com/kvrouter/kvrouter/sim"
+	"github.com/kvrouter/kvrouter/workload"
+)
+
+func TestReplicaFlagsRuns(t *testing.T) {
+	for _, tc := range []struct {
+		routers, lat, balance string
+		want                  []string
+		err                   bool
+	}{
+		{"1", "0", "round-robin", []string{"kv_aware"}, false},
+		{"1,2", "0,10ms,off", "random", []string{"kv_aware", "kv_aware x2 sync 0s", "kv_aware x2 sync 10ms", "kv_aware x2 no sync"}, false},
+		{"0", "0", "round-robin", nil, true},
+		{"2", "-1ms", "round-robin", nil, true},
+		{"2", "soon", "round-robin", nil, true},
+		{"2", "0", "least-conn", nil, true},
+		{"", "0", "round-robin", nil, true},
+	} {
+		f := replicaFlags{routers: tc.routers, latencies: tc.lat, balance: tc.balance, interval: 50 * time.Millisecond}
+		runs, err := f.runs()
+		if (err != nil) != tc.err {
+			t.Fatalf("%+v: err %v", tc, err)
+		}
+		var got []string
+		for _, r := range runs {
+			got = append(got, r.label("kv_aware"))
+		}
+		if strings.Join(got, "|") != strings.Join(tc.want, "|") {
+			t.Errorf("%+v: runs %q, want %q", tc, got, tc.want)
+		}
+	}
+}
+
+// syncWorld is a 3-replica kv_aware tier over two idle sim engines, driven
+// by hand: one request routed by replica 0, then the clock moved.
+func syncWorld(t *testing.T, run replicaRun) (*replicaSet, *des.RouteRequest) {
+	t.Helper()
+	ff := fleetFlags{instances: 2, gpuTokens: "100k", cpuTokens: "0"}
+	scfg, _, err := ff.simConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	rf := replicaFlags{balance: "round-robin", interval: 50 * time.Millisecond, agreement: true}
+	set, err := newReplicaSet("kv_aware", run, &rf, &ff, scfg, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []string{"a", "b"} {
+		e, err := sim.New(scfg, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range set.reps {
+			r.engineMade(n, e)
+		}
+	}
+	toks := make([]uint32, 64*sim.DefaultBlockSize)
+	for i := range toks {
+		toks[i] = uint32(1000 + i)
+	}
+	req := &des.RouteRequest{Request: &workload.Request{OutputTokens: 1}, Tokens: toks, EngineID: 7}
+	set.clock(time.Millisecond)
+	return set, req
+}
+
+func TestReplicaSyncDeliversAfterIntervalAndLatency(t *testing.T) {
+	set, req := syncWorld(t, replicaRun{routers: 3, sync: true, latency: 30 * time.Millisecond})
+	d, err := set.Pick(context.Background(), req, []string{"a", "b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	set.Started(req.EngineID, d.Instance)
+	if set.agree.probes != 2 {
+		t.Fatalf("probes %d, want 2 (the two other replicas)", set.agree.probes)
+	}
+	peer := set.reps[1].peers
+	for _, tc := range []struct {
+		at       time.Duration
+		inflight int64
+	}{
+		{49 * time.Millisecond, 0}, // before the first flush (50 ms)
+		{79 * time.Millisecond, 0}, // flushed, in transit until 80 ms
+		{80 * time.Millisecond, 1},
+		{2 * time.Second, 1}, // refreshed by every flush: still in flight
+	} {
+		set.clock(tc.at)
+		if f, tok, reqs := peer.PeerLoad(d.Instance); f != tc.inflight || (tc.inflight > 0 && (tok <= 0 || reqs != 1)) {
+			t.Errorf("at %v: peer load on %s = %d in flight, %d tokens, %d requests; want %d in flight", tc.at, d.Instance, f, tok, reqs, tc.inflight)
+		}
+	}
+	// The decision's speculative blocks reached the peer: the whole prompt
+	// is held on d.Instance as far as replica 1 knows.
+	if got, n := set.reps[1].peers.table.SpecLen(), len(req.Tokens)/sim.DefaultBlockSize; got < n {
+		t.Errorf("peer speculative entries %d, want >= %d", got, n)
+	}
+	set.Finished(req.EngineID, d.Instance, nil)
+	set.clock(2050 * time.Millisecond)
+	set.clock(2100 * time.Millisecond)
+	if f, tok, _ := peer.PeerLoad(d.Instance); f != 0 || tok != 0 {
+		t.Errorf("after the request finished: peer load %d in flight, %d tokens; want 0", f, tok)
+	}
+	// Settled: the same request evaluated on every replica picks the same.
+	set.last.req, set.last.cands = req, []string{"a", "b"}
+	before := set.agree.agreed
+	set.probeOthers(0, d.Instance)
+	if set.agree.agreed-before != 2 {
+		t.Errorf("settled state: %d of 2 replicas agree with replica 0", set.agree.agreed-before)
+	}
+}
+
+func TestReplicaNoSyncSharesNothing(t *testing.T) {
+	set, req := syncWorld(t, replicaRun{routers: 3})
+	d, err := set.Pick(context.Background(), req, []string{"a", "b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	set.Started(req.EngineID, d.Instance)
+	set.clock(time.Second)
+	for i, r := range set.reps {
+		if r.peers != nil {
+			t.Fatalf("replica %d has replica sync with sync off", i)
+		}
+		if f, _, _ := r.kv.state.PeerLoad(d.Instance); f != 0 {
+			t.Errorf("replica %d sees %d peer requests with sync off", i, f)
+		}
+	}
+}
+
+// TestDESReplicasCommand runs des with replicas end to end: every row
+// present, nothing failed, agreement reported; and with sync the replicas
+// agree at least as often as without.
+func TestDESReplicasCommand(t *testing.T) {
+	var out, errb bytes.Buffer
+	err := run(context.Background(), []string{"des", "--workload", "chat", "--limit", "300", "--instances", "4",
+		"--strategies", "kv_aware", "--routers", "1,3", "--sync-latency", "0,off", "--agreement", "--bound=false", "--progress=false"}, &out, &errb)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	s := out.String()
+	for _, row := range []string{"| kv_aware |", "| kv_aware x3 sync 0s |", "| kv_aware x3 no sync |"} {
+		if !strings.Contains(s, row) {
+			t.Errorf("no row %q in\n%s", row, s)
+		}
+	}
+	re := regexp.MustCompile(`agreement kv_aware x3 (sync 0s|no sync): ([0-9.]+)% of ([0-9]+)`)
+	got := map[string]float64{}
+	for _, m := range re.FindAllStringSubmatch(s, -1) {
+		pct, _ := strconv.ParseFloat(m[2], 64)
+		n, _ := strconv.Atoi(m[3])
+		if n != 600 {
+			t.Errorf("%s: %d probes, want 600 (2 other replicas × 300 requests)", m[1], n)
+		}
+		got[m[1]] = pct
+	}
+	if len(got) != 2 {
+		t.Fatalf("agreement lines: %v\n%s", got, s)
+	}
+	if got["sync 0s"] < got["no sync"] {
+		t.Errorf("agreement with sync %.2f%% < without %.2f%%", got["sync 0s"], got["no sync"])
+	}
+	if strings.Contains(s, "failed:") {
+		t.Errorf("failures reported:\n%s", s)
+	}
+}
+
+// TestReplicaSettled: the tier is settled when every replica has applied
+// a flush taken after the last change anywhere; a decision probed while
+// settled counts in the settled agreement.
+func TestReplicaSettled(t *testing.T) {
+	set, req := syncWorld(t, replicaRun{routers: 2, sync: true, latency: 30 * time.Millisecond})
+	if !set.settled() {
+		t.Fatal("nothing changed yet: want settled")
+	}
+	d, err := set.Pick(context.Background(), req, []string{"a", "b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	set.Started(req.EngineID, d.Instance) // at 1 ms
+	if set.agree.settled != 1 {
+		t.Errorf("a decision made before any change: %d settled probes, want 1", set.agree.settled)
+	}
+	for _, tc := range []struct {
+		at      time.Duration
+		settled bool
+	}{
+		{49 * time.Millisecond, false}, // not flushed yet
+		{79 * time.Millisecond, false}, // flushed at 50 ms, in transit
+		{80 * time.Millisecond, true},  // applied by the peer
+	} {
+		set.clock(tc.at)
+		if got := set.settled(); got != tc.settled {
+			t.Errorf("at %v: settled %v, want %v", tc.at, got, tc.settled)
+		}
+	}
+	set.Finished(req.EngineID, d.Instance, nil) // at 80 ms: after the 50 ms flush's state
+	for _, tc := range []struct {
+		at      time.Duration
+		settled bool
+	}{
+		{100 * time.Millisecond, false},
+		{129 * time.Millisecond, false}, // the 100 ms flush (taken after the end) is in transit
+		{130 * time.Millisecond, true},
+	} {
+		set.clock(tc.at)
+		if got := set.settled(); got != tc.settled {
+			t.Errorf("after the end, at %v: settled %v, want %v", tc.at, got, tc.settled)
+		}
+	}
+	// Without sync nothing is ever settled: the replicas never learn.
+	off, req2 := syncWorld(t, replicaRun{routers: 2})
+	if off.settled() {
+		t.Error("no sync: want never settled")
+	}
+	d2, err := off.Pick(context.Background(), req2, []string{"a", "b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	off.Started(req2.EngineID, d2.Instance)
+	if off.agree.settled != 0 || off.agree.probes != 1 {
+		t.Errorf("no sync: %d settled of %d probes, want 0 of 1", off.agree.settled, off.agree.probes)
+	}
+}
+
+func TestSpreadBatches(t *testing.T) {
+	ms := time.Millisecond
+	reqs := []workload.Request{{ID: 0, At: 0}, {ID: 1, At: 0}, {ID: 2, At: 0}, {ID: 3, At: 3000 * ms}, {ID: 4, At: 4000 * ms}, {ID: 5, At: 4000 * ms}}
+	spreadBatches(reqs)
+	want := []time.Duration{0, 1000 * ms, 2000 * ms, 3000 * ms, 4000 * ms, 4500 * ms}
+	for i, r := range reqs {
+		if r.ID != i || r.At != want[i] {
+			t.Errorf("request %d: id %d at %v, want id %d at %v", i, r.ID, r.At, i, want[i])
+		}
+	}
+}
+
+// TestDESSpread: --spread spreads the trace's same-time arrivals and is
+// refused for a generated workload (it has none).
+func TestDESSpread(t *testing.T) {
+	f := workloadFlags{name: "mooncake", trace: workload.DefaultTracePath, speed: 1, replicate: 1, limit: 200, spread: true}
+	b, err := f.buildAll()
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[time.Duration]bool{}
+	for _, r := range b.w.Requests {
+		if seen[r.At] {
+			t.Fatalf("two requests at %v after --spread", r.At)
+		}
+		seen[r.At] = true
+	}
+	var out, errb bytes.Buffer
+	err = run(context.Background(), []string{"des", "--workload", "chat", "--spread", "--limit", "10", "--progress=false"}, &out, &errb)
+	if err == nil || !strings.Contains(err.Error(), "--spread applies to trace workloads only") {
+		t.Errorf("des --workload chat --spread: err %v, want refused", err)
+	}
+}
