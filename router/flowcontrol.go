@@ -254,9 +254,3 @@ func (p *Pool) QueueStatus() QueueStatus {
 	}
 	return qs
 }
-
-func (s *Server) serveQueue(w http.ResponseWriter, r *http.Request) {
-	if p := s.poolFromPath(w, r); p != nil {
-		writeJSON(w, p.QueueStatus())
-	}
-}

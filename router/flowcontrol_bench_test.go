@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -50,10 +51,10 @@ func BenchmarkFlowControl(b *testing.B) {
 	}
 	run := func(b *testing.B, h http.Handler, want int) {
 		b.ReportAllocs()
-		cpu0, n := router.ProcessCPUForTest(), 0
+		cpu0, n := cputime.Process(), 0
 		defer func() {
 			if n > 0 {
-				b.ReportMetric(float64(router.ProcessCPUForTest()-cpu0)/float64(n), "cpu-ns/op")
+				b.ReportMetric(float64(cputime.Process()-cpu0)/float64(n), "cpu-ns/op")
 			}
 		}()
 		for b.Loop() {

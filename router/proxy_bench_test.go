@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -191,10 +192,10 @@ func benchHandlerChat(b *testing.B, opts router.Options) {
 	body := bytes.Replace(chatBody(model, "question", false), []byte("You are a helpful assistant."), []byte(strings.Repeat("be helpful and concise. ", 80)), 1)
 	b.SetBytes(int64(len(body)))
 	b.ReportAllocs()
-	cpu0, n := router.ProcessCPUForTest(), 0
+	cpu0, n := cputime.Process(), 0
 	defer func() {
 		if n > 0 {
-			b.ReportMetric(float64(router.ProcessCPUForTest()-cpu0)/float64(n), "cpu-ns/op")
+			b.ReportMetric(float64(cputime.Process()-cpu0)/float64(n), "cpu-ns/op")
 		}
 	}()
 	for b.Loop() {

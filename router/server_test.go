@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
@@ -45,7 +46,7 @@ func newHarness(t testing.TB, n int, mod func(*config.Config)) *harness {
 	if mod != nil {
 		mod(&cfg)
 	}
-	srv, err := router.NewServer(cfg, router.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	srv, err := router.NewServer(cfg, router.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Admin: admin.Routes(nil)})
 	if err != nil {
 		t.Fatalf("NewServer: %v", err)
 	}

@@ -55,7 +55,9 @@ import (
 	"github.com/kvrouter/kvrouter/internal/tracing"
 	"github.com/kvrouter/kvrouter/internal/version"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/fleet"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 )
 
@@ -247,7 +249,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 		return err
 	}
 	redis.SetLogger(libs.Redis())
-	opts := router.Options{Logger: log, Registry: reg}
+	opts := router.Options{Logger: log, Registry: reg, Admin: admin.Routes(nil)}
 	// kvCtx owns the KV event pipeline (consumers, embedded NATS); it
 	// outlives the signal context so that in-flight requests drain with
 	// exact routing intact.
@@ -259,7 +261,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 			return err
 		}
 		defer kve.Close()
-		opts.KV, opts.KVEvents = kve.KV, kve
+		opts.KV, opts.KVEvents, opts.Admin = kvaware.NewSource(kve.KV), kve, admin.Routes(kve)
 		log.Info("consuming KV events", "nats_url", kve.NATSURL())
 	} else {
 		log.Info("KV events off: no pool needs KV state or events.enabled is false")
