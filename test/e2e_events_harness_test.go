@@ -6,6 +6,7 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
+	"github.com/prometheus/client_golang/prometheus"
 	"log/slog"
 	"os"
 	"reflect"
@@ -182,6 +183,7 @@ type rigOpts struct {
 	buffer       int // bridge outage buffer (0: default)
 	inlineMax    int // bridge InlineSnapshotMax (0: default)
 	heartbeatKey []byte
+	reg          prometheus.Registerer // bridge metrics (nil: none)
 }
 
 func newRig(t testing.TB, o rigOpts) *rig {
@@ -244,6 +246,7 @@ func (r *rig) startBridge(o rigOpts) {
 		InlineSnapshotMax: o.inlineMax,
 		HeartbeatInterval: 100 * time.Millisecond,
 		HeartbeatKey:      o.heartbeatKey,
+		Registerer:        o.reg,
 		SnapshotInterval:  snapEvery,
 		ReplayTimeout:     2 * time.Second,
 		PublishTimeout:    time.Second,

@@ -4,7 +4,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/consumer"
@@ -371,5 +373,67 @@ func TestE2EBridgeRestart(t *testing.T) {
 				t.Fatalf("consumer saw gaps: %+v", st)
 			}
 		})
+	}
+}
+
+// TestE2ESnapshotStoresBesideHeartbeats: periodic stores through the object
+// store (chunked) succeed under their deadline, are measured, and run beside
+// the heartbeats rather than in their way: heartbeats keep their interval
+// while a store due every 30 ms runs back to back.
+func TestE2ESnapshotStoresBesideHeartbeats(t *testing.T) {
+	ps := capturedPayloads(t, "array.jsonl")
+	reg := prometheus.NewRegistry()
+	r := newRig(t, rigOpts{snapInterval: 30 * time.Millisecond, inlineMax: 256, reg: reg})
+	nc := r.conn()
+	beats := make(chan time.Time, 1024)
+	sub, err := nc.Subscribe(kvstream.SubjectInstances+"."+r.pool+"."+r.instance, func(*nats.Msg) {
+		select {
+		case beats <- time.Now():
+		default:
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sub.Unsubscribe() })
+	r.publish(ps[:23]...)
+	r.waitPublished(23)
+	stores := func(result string) float64 {
+		return gatheredCounter(t, reg, "kvbridge_snapshots_total", map[string]string{"kind": "store", "result": result})
+	}
+	waitFor(t, 20*time.Second, "several periodic stores", func() bool { return stores("ok") >= 3 })
+	if n := stores("error"); n != 0 {
+		t.Fatalf("%v snapshot stores failed", n)
+	}
+	fams, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var timed uint64
+	var size float64
+	for _, f := range fams {
+		switch f.GetName() {
+		case "kvbridge_snapshot_store_seconds":
+			timed = f.GetMetric()[0].GetHistogram().GetSampleCount()
+		case "kvbridge_snapshot_bytes":
+			size = f.GetMetric()[0].GetGauge().GetValue()
+		}
+	}
+	if timed == 0 || size <= 256 {
+		t.Fatalf("stores timed %d, last snapshot %v bytes: want both measured (over the 256-byte inline limit)", timed, size)
+	}
+	// Heartbeats every 100 ms; a gap of 2 s would mean a store held them up.
+	first := <-beats
+	prev, n := first, 0
+	for n < 10 {
+		select {
+		case b := <-beats:
+			if gap := b.Sub(prev); gap > 2*time.Second {
+				t.Fatalf("heartbeat gap %v while stores ran", gap)
+			}
+			prev, n = b, n+1
+		case <-time.After(5 * time.Second):
+			t.Fatalf("no heartbeat for 5 s after %d", n)
+		}
 	}
 }

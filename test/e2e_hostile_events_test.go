@@ -103,9 +103,16 @@ func (r *hostileRig) heartbeat(instance, url string, at time.Time, key []byte, s
 // counter sums the samples of a counter family whose labels include want.
 func (r *hostileRig) counter(name string, want map[string]string) float64 {
 	r.t.Helper()
-	fams, err := r.reg.Gather()
+	return gatheredCounter(r.t, r.reg, name, want)
+}
+
+// gatheredCounter sums the samples of reg's counter family name whose labels
+// include want.
+func gatheredCounter(t testing.TB, reg prometheus.Gatherer, name string, want map[string]string) float64 {
+	t.Helper()
+	fams, err := reg.Gather()
 	if err != nil {
-		r.t.Fatal(err)
+		t.Fatal(err)
 	}
 	total := 0.0
 	for _, f := range fams {

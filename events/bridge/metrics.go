@@ -20,6 +20,8 @@ type metrics struct {
 	tableBlocks *prometheus.GaugeVec
 	bufferDepth *prometheus.GaugeVec
 	snapshots   *prometheus.CounterVec
+	storeSecs   prometheus.Histogram
+	storeBytes  *prometheus.GaugeVec
 	tableFull   *prometheus.CounterVec
 	engineDown  *prometheus.GaugeVec
 }
@@ -53,6 +55,11 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help: "Engine messages waiting to be published (outage buffer)."}, []string{"instance"}),
 		snapshots: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_snapshots_total",
 			Help: "Snapshots served or stored, by kind (request, store) and result (ok, error)."}, []string{"kind", "result"}),
+		storeSecs: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvbridge_snapshot_store_seconds",
+			Help:    "Time to put one snapshot in the bucket (object chunks included), per store that succeeded; near the snapshot interval means the server cannot keep up.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}),
+		storeBytes: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvbridge_snapshot_bytes",
+			Help: "Size of the instance's last stored snapshot (its encoded block table)."}, []string{"instance"}),
 		tableFull: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_table_evictions_total",
 			Help: "Held blocks dropped from the block table by --max-blocks (zero while it is at least the engine's block count)."}, []string{"instance"}),
 		engineDown: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvbridge_engine_down",
@@ -60,7 +67,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	}
 	if reg != nil {
 		for _, c := range []prometheus.Collector{m.batches, m.events, m.blocks, m.gaps, m.replays, m.clears, m.drops,
-			m.malformed, m.publishSecs, m.retries, m.tableBlocks, m.bufferDepth, m.snapshots, m.tableFull, m.engineDown} {
+			m.malformed, m.publishSecs, m.retries, m.tableBlocks, m.bufferDepth, m.snapshots, m.storeSecs, m.storeBytes, m.tableFull, m.engineDown} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}

@@ -5,6 +5,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
+	"sync"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
@@ -123,7 +125,9 @@ func (in *instance) resync(ctx context.Context) error {
 	if err := in.publishResync(ctx); err != nil {
 		return err
 	}
-	in.storeSnapshot(ctx)
+	sctx, cancel := context.WithTimeout(ctx, in.storeBudget())
+	defer cancel()
+	in.storeSnapshot(sctx)
 	return nil
 }
 
@@ -326,8 +330,18 @@ func (in *instance) marshalSnapshot(ctx context.Context, s kvstream.Snapshot) ([
 	return ptr.MarshalBinary()
 }
 
+// storeBudget bounds one snapshot store: the snapshot interval (the next
+// store supersedes this one, so finishing later is worth nothing), and at
+// least one publish timeout. Without a deadline on its context nats.go
+// gives every chunk of an object its own 5 s ack timeout (the JetStream
+// default), so a snapshot of many chunks written while the server is
+// busy failed every time; see docs/operations.md "snapshot store".
+func (in *instance) storeBudget() time.Duration {
+	return max(in.b.cfg.SnapshotInterval, in.b.cfg.PublishTimeout)
+}
+
 // storeSnapshot puts the current snapshot in the bucket unless the bucket
-// already has this stream position.
+// already has this stream position. ctx bounds the whole store.
 func (in *instance) storeSnapshot(ctx context.Context) {
 	in.mu.Lock()
 	cur, stored := in.streamSeq, in.storedSeq
@@ -340,6 +354,7 @@ func (in *instance) storeSnapshot(ctx context.Context) {
 			return
 		}
 	}
+	start := time.Now()
 	s, err := in.snapshot()
 	put := func() error {
 		data, err := in.marshalSnapshot(ctx, s)
@@ -357,23 +372,54 @@ func (in *instance) storeSnapshot(ctx context.Context) {
 			}
 		}
 	}
+	took := time.Since(start)
 	if err != nil {
 		in.b.m.snapshots.WithLabelValues("store", "error").Inc()
-		in.log.Warn("snapshot store failed", "err", err)
+		// One line per failed store, and stores are one per interval.
+		in.log.Warn("snapshot store failed", "err", err, "blocks", s.Blocks, "took", took.Round(time.Millisecond),
+			"budget", in.storeBudget())
 		return
 	}
 	in.b.m.snapshots.WithLabelValues("store", "ok").Inc()
+	in.b.m.storeSecs.Observe(took.Seconds())
+	in.b.m.storeBytes.WithLabelValues(in.src.Instance).Set(float64(len(s.Batch)))
 	in.mu.Lock()
 	in.storedSeq = s.StreamSeq
 	in.mu.Unlock()
 }
 
-// periodic publishes heartbeats and refreshes the bucket's snapshot.
+// periodic publishes heartbeats and refreshes the bucket's snapshot. A
+// store runs beside the heartbeats, never in their way (a store may take
+// up to storeBudget, longer than routers wait for a heartbeat), one at a
+// time (a store asked for while one runs follows it); the first periodic one waits a random part of the interval so that
+// bridges started together do not all write at the same instant.
 func (in *instance) periodic(ctx context.Context) {
 	hb := time.NewTicker(in.b.cfg.HeartbeatInterval)
 	defer hb.Stop()
-	snap := time.NewTicker(in.b.cfg.SnapshotInterval)
+	snap := time.NewTimer(time.Duration(rand.Int64N(int64(in.b.cfg.SnapshotInterval)) + 1))
 	defer snap.Stop()
+	var storing sync.WaitGroup
+	defer storing.Wait()
+	busy, again := false, false
+	done := make(chan struct{}, 1)
+	store := func() {
+		if !in.started.Load() {
+			return
+		}
+		if busy { // run once more when this one ends, with the table as it is then
+			again = true
+			return
+		}
+		busy = true
+		storing.Add(1)
+		go func() {
+			defer storing.Done()
+			sctx, cancel := context.WithTimeout(ctx, in.storeBudget())
+			defer cancel()
+			in.storeSnapshot(sctx)
+			done <- struct{}{}
+		}()
+	}
 	for {
 		select {
 		case <-ctx.Done():
@@ -386,14 +432,17 @@ func (in *instance) periodic(ctx context.Context) {
 			if in.started.Load() {
 				in.heartbeat()
 			}
+		case <-done:
+			busy = false
+			if again {
+				again = false
+				store()
+			}
 		case <-snap.C:
-			if in.started.Load() {
-				in.storeSnapshot(ctx)
-			}
+			snap.Reset(in.b.cfg.SnapshotInterval)
+			store()
 		case <-in.storeNow:
-			if in.started.Load() {
-				in.storeSnapshot(ctx)
-			}
+			store()
 		}
 	}
 }
