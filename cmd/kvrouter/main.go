@@ -59,6 +59,7 @@ import (
 	"github.com/kvrouter/kvrouter/router/fleet"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
+	"github.com/kvrouter/kvrouter/router/tlscert"
 )
 
 func main() {
@@ -321,9 +322,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	}
 	// TLS on every listener; the certificate files are re-read on SIGHUP and
 	// when they change (the file paths themselves change only on restart).
-	var certs *router.CertReloader
+	var certs *tlscert.Reloader
 	if cfg.TLS != nil {
-		if certs, err = router.NewCertReloader(*cfg.TLS, log); err != nil {
+		if certs, err = tlscert.NewReloader(*cfg.TLS, log); err != nil {
 			closeAll()
 			return err
 		}
@@ -509,7 +510,7 @@ func stopTracing(tp *sdktrace.TracerProvider, log *slog.Logger) {
 // token and TLS certificates of the HTTP listeners, Events.Watch on the KV
 // events' NATS connection (none without KV events: Watch is UNAVAILABLE),
 // metrics on reg, and drain as the graceful-stop budget.
-func newGRPC(cfg config.Config, srv *router.Server, kve *kvstate.Pipeline, certs *router.CertReloader,
+func newGRPC(cfg config.Config, srv *router.Server, kve *kvstate.Pipeline, certs *tlscert.Reloader,
 	reg prometheus.Registerer, log *slog.Logger, drain time.Duration) (*grpcapi.Server, error) {
 	ep := cfg.GRPC.ExtProc
 	body := ep.MaxBodyBytes

@@ -1,4 +1,8 @@
-package router
+// Package tlscert serves a listener's certificate from files that rotate:
+// the data and admin HTTP listeners and the gRPC listener share one
+// Reloader, which re-reads the files when they change and keeps the loaded
+// pair when a rotation is half-written.
+package tlscert
 
 import (
 	"bytes"
@@ -19,11 +23,11 @@ import (
 // ErrTLS reports TLS files that cannot be used.
 var ErrTLS = errors.New("router: tls")
 
-// CertReloader serves the current certificate (and client CAs) of a
+// Reloader serves the current certificate (and client CAs) of a
 // ServerTLSConfig to TLS handshakes, and re-reads the files on Reload and,
 // from Run, when their content changes. A reload that fails (a half-written
 // rotation: new certificate, old key) keeps the loaded pair and is retried.
-type CertReloader struct {
+type Reloader struct {
 	cfg config.ServerTLSConfig
 	min uint16
 	log *slog.Logger
@@ -37,9 +41,9 @@ type CertReloader struct {
 	cur atomic.Pointer[tls.Config]
 }
 
-// NewCertReloader loads the files of c (validated) and fails with an error
+// NewReloader loads the files of c (validated) and fails with an error
 // naming the file when one is missing, unreadable or not a matching pair.
-func NewCertReloader(c config.ServerTLSConfig, log *slog.Logger) (*CertReloader, error) {
+func NewReloader(c config.ServerTLSConfig, log *slog.Logger) (*Reloader, error) {
 	if err := c.Validate("tls"); err != nil {
 		return nil, err
 	}
@@ -47,7 +51,7 @@ func NewCertReloader(c config.ServerTLSConfig, log *slog.Logger) (*CertReloader,
 		log = slog.Default()
 	}
 	minV, _ := config.TLSMinVersion(c.MinVersion)
-	r := &CertReloader{cfg: c, min: minV, log: log}
+	r := &Reloader{cfg: c, min: minV, log: log}
 	if _, err := r.Reload(); err != nil {
 		return nil, err
 	}
@@ -56,7 +60,7 @@ func NewCertReloader(c config.ServerTLSConfig, log *slog.Logger) (*CertReloader,
 
 // Reload re-reads the files; changed is false when their content is the
 // same as what is loaded. On error the loaded certificate stays in use.
-func (r *CertReloader) Reload() (changed bool, err error) {
+func (r *Reloader) Reload() (changed bool, err error) {
 	paths := [3]string{r.cfg.CertFile, r.cfg.KeyFile, r.cfg.ClientCAFile}
 	var files [3][]byte
 	for i, p := range paths {
@@ -98,7 +102,7 @@ func (r *CertReloader) Reload() (changed bool, err error) {
 
 // TLSConfig is the config to serve with (tls.NewListener or
 // http.Server.TLSConfig): every handshake uses the latest loaded files.
-func (r *CertReloader) TLSConfig() *tls.Config {
+func (r *Reloader) TLSConfig() *tls.Config {
 	return &tls.Config{
 		MinVersion: r.min,
 		NextProtos: []string{"http/1.1"},
@@ -110,7 +114,7 @@ func (r *CertReloader) TLSConfig() *tls.Config {
 
 // Run re-reads the files every reload_interval until ctx ends (nothing
 // when the interval is negative), logging changes and failures.
-func (r *CertReloader) Run(ctx context.Context) {
+func (r *Reloader) Run(ctx context.Context) {
 	iv := r.cfg.ReloadInterval
 	if iv < 0 {
 		return
@@ -131,9 +135,9 @@ func (r *CertReloader) Run(ctx context.Context) {
 }
 
 // ReloadAndLog is Reload for a SIGHUP: the outcome is logged, not returned.
-func (r *CertReloader) ReloadAndLog() { r.reloadAndLog("reload") }
+func (r *Reloader) ReloadAndLog() { r.reloadAndLog("reload") }
 
-func (r *CertReloader) reloadAndLog(why string) {
+func (r *Reloader) reloadAndLog(why string) {
 	changed, err := r.Reload()
 	switch {
 	case err != nil:

@@ -1,4 +1,4 @@
-package router
+package tlscert
 
 import (
 	"context"
@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router"
 )
 
 // testCA is a certificate authority made in the test.
@@ -93,13 +94,13 @@ func writeFile(t *testing.T, path string, b []byte) {
 }
 
 // serveTLS serves h over TLS from r on a local port and returns its URL.
-func serveTLS(t *testing.T, r *CertReloader, h http.Handler) string {
+func serveTLS(t *testing.T, r *Reloader, h http.Handler) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	hs := NewHTTPServer(config.LimitsConfig{}, h)
+	hs := router.NewHTTPServer(config.LimitsConfig{}, h)
 	hs.ErrorLog = log.New(io.Discard, "", 0) // handshake failures are the point of some tests
 	go func() { _ = hs.Serve(tls.NewListener(ln, r.TLSConfig())) }()
 	t.Cleanup(func() { _ = hs.Close() })
@@ -123,7 +124,7 @@ func TestTLSServesHTTPSAndReloads(t *testing.T) {
 	c, k := ca.issue(t, "router", 100, true)
 	writeFile(t, certF, c)
 	writeFile(t, keyF, k)
-	r, err := NewCertReloader(config.ServerTLSConfig{CertFile: certF, KeyFile: keyF, ReloadInterval: 20 * time.Millisecond}, nil)
+	r, err := NewReloader(config.ServerTLSConfig{CertFile: certF, KeyFile: keyF, ReloadInterval: 20 * time.Millisecond}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -190,7 +191,7 @@ func TestTLSMutualRejectsUnknownClients(t *testing.T) {
 	for n, b := range paths {
 		writeFile(t, filepath.Join(dir, n), b)
 	}
-	r, err := NewCertReloader(config.ServerTLSConfig{
+	r, err := NewReloader(config.ServerTLSConfig{
 		CertFile: filepath.Join(dir, "tls.crt"), KeyFile: filepath.Join(dir, "tls.key"),
 		ClientCAFile: filepath.Join(dir, "clients.pem"), MinVersion: "1.3",
 	}, nil)
@@ -272,7 +273,7 @@ func TestNewCertReloaderErrors(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := NewCertReloader(tc.cfg, nil)
+			_, err := NewReloader(tc.cfg, nil)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("err = %v, want it to mention %q", err, tc.want)
 			}
