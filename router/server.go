@@ -94,17 +94,6 @@ type Server struct {
 	loopWG    sync.WaitGroup
 }
 
-// state is one loaded configuration: immutable once published, replaced
-// whole on reload.
-type state struct {
-	cfg         config.Config
-	pools       []*Pool
-	byName      map[string]*Pool
-	byModel     map[string]*Pool
-	defaultPool *Pool
-	retryStatus map[int]bool
-}
-
 // NewServer validates cfg and builds a Server. It starts no goroutines:
 // call Run for health checks and adapter discovery.
 func NewServer(cfg config.Config, opts Options) (*Server, error) {
@@ -176,36 +165,6 @@ func (s *Server) kvStateFor(pc config.PoolConfig, old *Pool) (Exact, error) {
 		return s.kv.For(pc, nil, config.PoolConfig{})
 	}
 	return s.kv.For(pc, old.kv, old.cfg)
-}
-
-func buildState(cfg config.Config, prev *state, kvFor func(config.PoolConfig, *Pool) (Exact, error)) (*state, error) {
-	st := &state{cfg: cfg, byName: map[string]*Pool{}, byModel: map[string]*Pool{}, retryStatus: map[int]bool{}}
-	for _, c := range cfg.Proxy.RetryStatuses {
-		if c != 0 {
-			st.retryStatus[c] = true
-		}
-	}
-	for _, pc := range cfg.Pools {
-		var old *Pool
-		if prev != nil {
-			old = prev.byName[pc.Name]
-		}
-		kv, err := kvFor(pc, old)
-		if err != nil {
-			return nil, err
-		}
-		p, err := NewPool(pc, old, WithPoolKVState(kv))
-		if err != nil {
-			return nil, err
-		}
-		st.pools = append(st.pools, p)
-		st.byName[p.Name()] = p
-		st.byModel[p.Model()] = p
-	}
-	if cfg.DefaultPool != "" {
-		st.defaultPool = st.byName[cfg.DefaultPool]
-	}
-	return st, nil
 }
 
 // Pools lists the current pools.
