@@ -192,12 +192,8 @@ func benchHandlerChat(b *testing.B, opts router.Options) {
 	body := bytes.Replace(chatBody(model, "question", false), []byte("You are a helpful assistant."), []byte(strings.Repeat("be helpful and concise. ", 80)), 1)
 	b.SetBytes(int64(len(body)))
 	b.ReportAllocs()
-	cpu0, n := cputime.Process(), 0
-	defer func() {
-		if n > 0 {
-			b.ReportMetric(float64(cputime.Process()-cpu0)/float64(n), "cpu-ns/op")
-		}
-	}()
+	report, n := cputime.Report(b), 0
+	defer func() { report(n) }()
 	for b.Loop() {
 		n++
 		rec := httptest.NewRecorder()

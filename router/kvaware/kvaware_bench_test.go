@@ -136,12 +136,8 @@ func benchSetup(b *testing.B) (*benchWorld, []uint32) {
 func benchDecide(b *testing.B, w *benchWorld, s *KVAware, mk func() *router.Request, want *router.Instance) {
 	b.ReportAllocs()
 	b.ResetTimer()
-	cpu0, n := cputime.Process(), 0
-	defer func() {
-		if n > 0 {
-			b.ReportMetric(float64(cputime.Process()-cpu0)/float64(n), "cpu-ns/op")
-		}
-	}()
+	report, n := cputime.Report(b), 0
+	defer func() { report(n) }()
 	for b.Loop() {
 		n++
 		d, err := s.Pick(context.Background(), mk(), w.insts)
