@@ -64,4 +64,3 @@ func BenchmarkGateUncontended(b *testing.B) {
 		tk.Done()
 	}
 }
-
