@@ -18,6 +18,7 @@ import (
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
@@ -64,7 +65,7 @@ func newHarness(t testing.TB, opts ...harnessOpt) *harness {
 		return pc
 	}
 	kv := pool("kv", kvModel, config.StrategyKVAware, 3)
-	kv.Tokenizer = &config.TokenizerConfig{Source: router.TokenSourceSimple}
+	kv.Tokenizer = &config.TokenizerConfig{Source: kvaware.TokenSourceSimple}
 	kv.Adapters = []string{"kv-lora"}
 	rcfg := config.Config{Pools: []config.PoolConfig{kv, pool("hash", hashModel, config.StrategyPrefixAware, 4)}}
 	gcfg := grpcapi.Config{Logger: slog.New(slog.DiscardHandler)}
@@ -73,12 +74,12 @@ func newHarness(t testing.TB, opts ...harnessOpt) *harness {
 	}
 	h.srv, err = router.NewServer(rcfg, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV: func(p config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
+		KV: kvaware.NewSource(func(p config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			if p.Name == "kv" {
 				return idx, nil
 			}
 			return nil, nil
-		},
+		}),
 	})
 	if err != nil {
 		t.Fatal(err)

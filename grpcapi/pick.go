@@ -14,6 +14,7 @@ import (
 	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -148,7 +149,7 @@ func (x indexService) Lookup(ctx context.Context, in *kvrouterv1.LookupRequest) 
 	if err != nil {
 		return nil, err
 	}
-	kv := p.KV()
+	kv := kvaware.Of(p)
 	if kv == nil {
 		return nil, status.Errorf(codes.FailedPrecondition, "pool %q has no KV index", p.Name())
 	}

@@ -54,7 +54,7 @@ const (
 	DefaultMaxBytesPerSecond = 4 << 20
 	// DefaultSpecCapacity bounds the peers' speculative (block, instance)
 	// entries held, as the router's own overlay is bounded
-	// (router.DefaultSpeculativeCapacity).
+	// (kvaware.DefaultSpeculativeCapacity).
 	DefaultSpecCapacity = 1 << 18
 )
 

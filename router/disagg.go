@@ -106,7 +106,7 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *Pool
 	var buf [32]*Instance
 	pcands := pool.PrefillCandidates(buf[:0], req.Adapter, nil)
 	// Picked twice (prefill, then decode): the prompt's block keys are made once.
-	req.shareKeys = true
+	req.ShareKeys = true
 	if len(pcands) == 0 {
 		return aggregated(aggNoPrefill)
 	}
@@ -227,12 +227,18 @@ func (s *Server) prefill(r *http.Request, pool *Pool, dec Decision, body []byte,
 	return transferParams(answer)
 }
 
+// promptHolder is a strategy that can tell how much of a prompt the
+// candidates hold without committing a pick (kv_aware).
+type promptHolder interface {
+	Held(ctx context.Context, req *Request, cands []*Instance) (held, prompt int, ok bool)
+}
+
 // uncachedOnDecode is the part of the prompt the best-placed decode
 // instance does not hold, from kv_aware's view without committing
 // anything; known is false when the strategy cannot tell (not kv_aware,
 // or the prompt's tokens are unknown).
 func (s *Server) uncachedOnDecode(ctx context.Context, pool *Pool, strat Strategy, req *Request) (uncached int, known bool) {
-	kv, ok := strat.(*KVAware)
+	kv, ok := strat.(promptHolder)
 	if !ok {
 		return 0, false
 	}
@@ -243,32 +249,6 @@ func (s *Server) uncachedOnDecode(ctx context.Context, pool *Pool, strat Strateg
 		return 0, false
 	}
 	return max(prompt-held, 0), true
-}
-
-// Held is the most tokens of req's prompt any of cands holds (every tier,
-// fresh index and speculative entries) and the prompt's length, without
-// committing anything; ok is false when the prompt's tokens are unknown.
-// Disaggregation asks it before choosing between one stage and two.
-func (s *KVAware) Held(ctx context.Context, req *Request, cands []*Instance) (held, prompt int, ok bool) {
-	if len(cands) == 0 {
-		return 0, 0, false
-	}
-	_, ev, err := s.pick(ctx, req, cands, false)
-	if err != nil || ev == nil {
-		return 0, 0, false
-	}
-	defer s.st.putEval(ev)
-	if ev.tokens == 0 {
-		return 0, 0, false
-	}
-	for i := range ev.cands {
-		h := 0
-		for _, m := range ev.cands[i].matched {
-			h += m
-		}
-		held = max(held, h)
-	}
-	return held, ev.tokens, true
 }
 
 func truncate(b []byte, n int) string {

@@ -15,6 +15,7 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
 )
@@ -58,7 +59,7 @@ func newDisaggFleet(t *testing.T, dc config.DisaggregationConfig, prefill, decod
 		t.Fatal(err)
 	}
 	srv, err := router.NewServer(cfg, router.Options{Logger: slog.New(slog.DiscardHandler),
-		KV: func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil }})
+		KV: kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil })})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -50,12 +51,8 @@ func BenchmarkFlowControl(b *testing.B) {
 	}
 	run := func(b *testing.B, h http.Handler, want int) {
 		b.ReportAllocs()
-		cpu0, n := router.ProcessCPUForTest(), 0
-		defer func() {
-			if n > 0 {
-				b.ReportMetric(float64(router.ProcessCPUForTest()-cpu0)/float64(n), "cpu-ns/op")
-			}
-		}()
+		report, n := cputime.Report(b), 0
+		defer func() { report(n) }()
 		for b.Loop() {
 			n++
 			if code := do(h, body); code != want {

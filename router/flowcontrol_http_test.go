@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/flowcontrol"
 )
 
@@ -77,7 +78,7 @@ func flowServer(t *testing.T, upstream string, fc *config.FlowControlConfig) (*r
 		Discovery:   config.DiscoveryConfig{Disable: true},
 		FlowControl: fc,
 		Instances:   []config.InstanceConfig{{ID: "e0", URL: upstream}},
-	}}}, router.Options{Logger: slog.New(slog.DiscardHandler)})
+	}}}, router.Options{Logger: slog.New(slog.DiscardHandler), Admin: admin.Routes(nil)})
 	if err != nil {
 		t.Fatal(err)
 	}

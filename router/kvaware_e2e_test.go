@@ -24,6 +24,7 @@ import (
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 )
 
 // TestKVAwareOverNATS is the whole exact path with real parts: vLLM-encoded
@@ -74,9 +75,9 @@ func TestKVAwareOverNATS(t *testing.T) {
 	}
 	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV: func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
+		KV: kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			return idx, kvindex.FreshnessFuncs{Healthy: c.Healthy, IsStale: func(id string) bool { return !c.Live(id) }}
-		},
+		}),
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -19,6 +19,8 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
@@ -137,11 +139,11 @@ func newKVHTTP(t *testing.T, n int, routing config.RoutingConfig) *kvHTTP {
 		h.engines[e.id] = e
 		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: e.id, URL: e.srv.URL})
 	}
-	h.srv, err = router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{
+	h.srv, err = router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{Admin: admin.Routes(nil),
 		Logger: slog.New(slog.DiscardHandler),
-		KV: func(p config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
+		KV: kvaware.NewSource(func(p config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			return idx, nil
-		},
+		}),
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -235,7 +237,7 @@ func TestKVAwareHTTP(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cmpResp.Body.Close()
-	var sum router.CompareSummary
+	var sum kvaware.CompareSummary
 	if err := json.NewDecoder(cmpResp.Body).Decode(&sum); err != nil {
 		t.Fatal(err)
 	}
@@ -260,7 +262,7 @@ func TestKVAwareHTTP(t *testing.T) {
 		t.Errorf("window %q started_by %q since %v", sum.Window, sum.StartedBy, sum.Since)
 	}
 	// A window, a bad window, and a reset.
-	getSum := func(method, path string, wantStatus int) router.CompareSummary {
+	getSum := func(method, path string, wantStatus int) kvaware.CompareSummary {
 		t.Helper()
 		req, _ := http.NewRequest(method, h.ts.URL+path, nil)
 		resp, err := http.DefaultClient.Do(req)
@@ -268,7 +270,7 @@ func TestKVAwareHTTP(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer resp.Body.Close()
-		var out router.CompareSummary
+		var out kvaware.CompareSummary
 		if resp.StatusCode != wantStatus {
 			b, _ := io.ReadAll(resp.Body)
 			t.Fatalf("%s %s: %d %s, want %d", method, path, resp.StatusCode, b, wantStatus)
@@ -378,7 +380,7 @@ func TestMidStreamDisconnectReleases(t *testing.T) {
 		Instances: []config.InstanceConfig{{ID: "a", URL: up.URL}}}
 	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV:     func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil },
+		KV:     kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil }),
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -403,10 +405,10 @@ func TestMidStreamDisconnectReleases(t *testing.T) {
 	if n := in.InFlight(); n != 0 {
 		t.Fatalf("%d requests still in flight after the client left", n)
 	}
-	if tok, n := p.KV().PendingPrefill("a"); tok != 0 || n != 0 {
+	if tok, n := kvaware.Of(p).PendingPrefill("a"); tok != 0 || n != 0 {
 		t.Fatalf("pending prefill %d tokens / %d requests after the client left", tok, n)
 	}
-	if got := p.KV().Compare(config.StrategyKVAware, false, nil, 0).Reported.Finished; got != 1 {
+	if got := kvaware.Of(p).Compare(config.StrategyKVAware, false, nil, 0).Reported.Finished; got != 1 {
 		t.Fatalf("%d observed requests finished, want 1", got)
 	}
 }

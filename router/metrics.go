@@ -82,7 +82,9 @@ func (s *Server) ForgetInstanceSeries(pool, instance string) {
 	s.m.probes.DeletePartialMatch(l)
 	s.m.streamErr.DeletePartialMatch(l)
 	s.m.disaggPrefillErrors.DeletePartialMatch(l)
-	s.kvm.scrapes.DeletePartialMatch(l)
+	if s.kv != nil {
+		s.kv.ForgetInstance(pool, instance)
+	}
 }
 
 // liveCollector reports gauges read from the live instance state at scrape

@@ -16,7 +16,7 @@ type Pool struct {
 	instances []*Instance
 	byID      map[string]*Instance
 	routing   atomic.Pointer[poolRouting]
-	kv        *KVState     // exact-routing state; nil when the pool has no KV index
+	kv        Exact        // exact-routing state (router/kvaware); nil when the pool has no KV index
 	flow      *flowControl // admission queue; nil when flow control is off
 }
 
@@ -95,7 +95,7 @@ func (p *Pool) SetRouting(rc config.RoutingConfig) error {
 	if p.kv != nil {
 		// A new routing mode starts a new comparison: figures of two
 		// strategies are never summed.
-		p.kv.cmp.setMode(st.Name(), rc.Shadow, p.kv.now())
+		p.kv.RoutingChanged(st.Name(), rc.Shadow)
 	}
 	p.routing.Store(&poolRouting{cfg: rc, strat: st})
 	return nil
@@ -189,4 +189,32 @@ func roleOf(r string) string {
 		return config.RoleBoth
 	}
 	return r
+}
+
+// PoolStatus is the admin view of a pool.
+type PoolStatus struct {
+	Name      string               `json:"name"`
+	Model     string               `json:"model"`
+	Adapters  []string             `json:"adapters"`
+	Routing   config.RoutingConfig `json:"routing"`
+	Instances []InstanceStatus     `json:"instances"`
+}
+
+// InstanceStatus is the admin view of an instance.
+type InstanceStatus struct {
+	ID       string   `json:"id"`
+	URL      string   `json:"url"`
+	Healthy  bool     `json:"healthy"`
+	InFlight int      `json:"in_flight"`
+	Adapters []string `json:"adapters"`
+}
+
+// Status reports the pool's live state.
+func (p *Pool) Status() PoolStatus {
+	rc, _ := p.Routing()
+	ps := PoolStatus{Name: p.Name(), Model: p.Model(), Adapters: p.Adapters(), Routing: rc}
+	for _, in := range p.Instances() {
+		ps.Instances = append(ps.Instances, InstanceStatus{ID: in.ID(), URL: in.URL().String(), Healthy: in.Healthy(), InFlight: in.InFlight(), Adapters: in.Adapters()})
+	}
+	return ps
 }

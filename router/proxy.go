@@ -226,8 +226,8 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *state, pool *
 			// A non-streamed response starts only after the whole
 			// generation: release its pending prefill when the prefill is
 			// predicted to be over rather than at the first byte.
-			if pr, ok := dec.Observer.(prefillReleaser); ok {
-				pr.releasePrefillAfter(dec.Explain.PredictedTTFT)
+			if pr, ok := dec.Observer.(PrefillReleaser); ok {
+				pr.ReleasePrefillAfter(dec.Explain.PredictedTTFT)
 			}
 		}
 		dec.Instance.Acquire()

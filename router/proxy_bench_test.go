@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -191,12 +192,8 @@ func benchHandlerChat(b *testing.B, opts router.Options) {
 	body := bytes.Replace(chatBody(model, "question", false), []byte("You are a helpful assistant."), []byte(strings.Repeat("be helpful and concise. ", 80)), 1)
 	b.SetBytes(int64(len(body)))
 	b.ReportAllocs()
-	cpu0, n := router.ProcessCPUForTest(), 0
-	defer func() {
-		if n > 0 {
-			b.ReportMetric(float64(router.ProcessCPUForTest()-cpu0)/float64(n), "cpu-ns/op")
-		}
-	}()
+	report, n := cputime.Report(b), 0
+	defer func() { report(n) }()
 	for b.Loop() {
 		n++
 		rec := httptest.NewRecorder()

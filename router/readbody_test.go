@@ -3,6 +3,7 @@ package router
 import (
 	"bytes"
 	"fmt"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 	"io"
 	"mime"
 	"net/http"
@@ -237,8 +238,8 @@ func BenchmarkReadBody(b *testing.B) {
 					w := httptest.NewRecorder()
 					b.SetBytes(int64(n))
 					b.ReportAllocs()
-					cpu0, ops := processCPU(), 0
-					defer func() { b.ReportMetric(float64(processCPU()-cpu0)/float64(max(ops, 1)), "cpu-ns/op") }()
+					cpu0, ops := cputime.Process(), 0
+					defer func() { b.ReportMetric(float64(cputime.Process()-cpu0)/float64(max(ops, 1)), "cpu-ns/op") }()
 					for b.Loop() {
 						ops++
 						rd.Reset(body)

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"bytes"
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/base64"
@@ -72,4 +73,32 @@ func (s *Server) TenantCacheSalt(pool, tenant string) (salt string, ok bool) {
 		return "", false
 	}
 	return DeriveCacheSalt(st.cfg.CacheSaltSecret, tenant), true
+}
+
+// CacheSalt returns the request's "cache_salt" (vLLM's per-request KV
+// isolation key, folded into the first block's hash by the engine, hence
+// into our root), without reading the body when it can: the salt the
+// router injected, else the one ParseOpenAI kept, else the one the router
+// wrote at the head of the body (salt.go); only other shapes are scanned.
+// Keys match exactly, as vLLM's do: "Cache_Salt" is not cache_salt.
+func (req *Request) CacheSalt() string {
+	if req.InjectedCacheSalt != "" {
+		return req.InjectedCacheSalt
+	}
+	if p := req.Parsed; p != nil && sameBytes(p.Source(), req.Body) {
+		salt, _ := openai.RawString(p.CacheSalt) // not a string: no salt, as before
+		return salt
+	}
+	if salt, ok := openai.LeadingCacheSalt(req.Body); ok {
+		return salt // as the router injected it (salt.go): no decode
+	}
+	if !bytes.Contains(req.Body, []byte(`"cache_salt"`)) && !bytes.Contains(req.Body, []byte(`\u`)) {
+		return "" // no key that could decode to cache_salt
+	}
+	return openai.CacheSalt(req.Body)
+}
+
+// sameBytes reports whether a and b are the same slice of memory.
+func sameBytes(a, b []byte) bool {
+	return len(a) == len(b) && (len(a) == 0 || &a[0] == &b[0])
 }

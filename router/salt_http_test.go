@@ -17,6 +17,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
@@ -109,7 +110,7 @@ func TestCacheSaltKVAware(t *testing.T) {
 	}
 	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}, CacheSaltSecret: secret}, router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV:     func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil },
+		KV:     kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil }),
 	})
 	if err != nil {
 		t.Fatal(err)

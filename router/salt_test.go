@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router/openai"
+	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
 var testSaltSecret = bytes.Repeat([]byte{0x5a}, 32)
@@ -124,7 +125,7 @@ func BenchmarkCacheSaltOfSaltedBody(b *testing.B) {
 		b.Run(fmt.Sprintf("%dKiB", n>>10), func(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
-				if cacheSalt(req) == "" {
+				if req.CacheSalt() == "" {
 					b.Fatal("no salt")
 				}
 			}
@@ -189,7 +190,7 @@ func TestCacheSaltOfRequest(t *testing.T) {
 		want string
 	}{"parsed, body rewritten", &Request{Body: salted, Parsed: parse(string(orig))}, "server"})
 	for _, tc := range tests {
-		if got := cacheSalt(tc.req); got != tc.want {
+		if got := tc.req.CacheSalt(); got != tc.want {
 			t.Errorf("%s: got %q, want %q", tc.name, got, tc.want)
 		}
 	}
@@ -225,7 +226,7 @@ func TestSaltRequestBody(t *testing.T) {
 			t.Errorf("%s: body differs from saltBody's", tc.name)
 		}
 		req := &Request{Body: out, InjectedCacheSalt: salt}
-		if got, scanned := cacheSalt(req), cacheSalt(&Request{Body: out}); got != scanned {
+		if got, scanned := req.CacheSalt(), (&Request{Body: out}).CacheSalt(); got != scanned {
 			t.Errorf("%s: recorded salt %q, body's %q", tc.name, got, scanned)
 		}
 	}
@@ -242,15 +243,15 @@ func FuzzCacheSalt(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, body []byte) {
-		scanned := cacheSalt(&Request{Body: body})
+		scanned := (&Request{Body: body}).CacheSalt()
 		parsed, err := ParseOpenAI(EndpointInvoke, body)
 		if err != nil {
 			return
 		}
-		if once := cacheSalt(&Request{Body: body, Parsed: parsed}); once != scanned {
+		if once := (&Request{Body: body, Parsed: parsed}).CacheSalt(); once != scanned {
 			t.Fatalf("%q: parsed %q, scanned %q", body, once, scanned)
 		}
-		if !comparableWithStd(body) {
+		if !routertest.ComparableWithStd(body) {
 			return
 		}
 		var v struct {

@@ -15,10 +15,10 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvrouter/kvrouter/config"
-	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router/openai"
 )
 
@@ -29,36 +29,54 @@ type Options struct {
 	// Registry receives the router's metrics and is served at /metrics;
 	// nil = a new registry of the server's own (never the global one).
 	Registry *prometheus.Registry
-	// KV gives a pool its exact-routing dependencies: its KV block index
-	// and the freshness of its event stream (the events consumer; nil =
-	// always fresh). nil, or a nil index for a pool, makes kv_aware and
-	// shadow mode unavailable for it (a config selecting them is rejected).
-	KV func(pool config.PoolConfig) (kvindex.Index, kvindex.Freshness)
-	// KVEvents serves the admin KV views (instances' event state) and the
-	// eviction stream (the binary's KVEvents); nil = instances show the
-	// index only and /v1/kv/evictions answers 503.
-	KVEvents KVEventsSource
+	// KV builds each pool's exact-routing state (kvaware.NewSource over
+	// the pipeline's index per pool). nil, or no index for a pool, makes
+	// kv_aware and shadow mode unavailable for it (a config selecting them
+	// is rejected).
+	KV ExactSource
+	// KVEvents says whether the KV index has been rebuilt since start
+	// (/readyz; the KV-state pipeline); nil = always.
+	KVEvents IndexReadiness
+	// Admin mounts the admin API (router/admin's Routes) on the admin
+	// listener, or on the data listener when admin_listen is empty; nil =
+	// /metrics only.
+	Admin func(mux *http.ServeMux, srv *Server)
 	// TracerProvider, when set, traces data-plane requests (tracing.go,
 	// docs/operations.md); nil = off, at no cost to the request path.
 	TracerProvider trace.TracerProvider
+}
+
+// IndexReadiness reports whether every pool's index has been rebuilt since
+// start (or the ready timeout passed); else why not.
+type IndexReadiness interface {
+	IndexReady() (bool, string)
+}
+
+// ExactSource builds pools' exact-routing state (kvaware.Source).
+type ExactSource interface {
+	// Attach registers its metrics on reg and logs to log.
+	Attach(reg prometheus.Registerer, log *slog.Logger) error
+	// For returns pool pc's state, reusing prev (built for prevCfg) when
+	// it still fits; nil, nil when the pool has no index.
+	For(pc config.PoolConfig, prev Exact, prevCfg config.PoolConfig) (Exact, error)
+	// ForgetInstance drops the series of an instance that left its pool.
+	ForgetInstance(pool, instance string)
 }
 
 // Server is the router: the HTTP data plane, the admin API and the
 // background health checks. Build it with NewServer, serve Handler (and
 // AdminHandler), and run Run for the health checks.
 type Server struct {
-	log   *slog.Logger
-	reg   *prometheus.Registry
-	m     *metrics
-	kvm   *KVMetrics                                                      // exact-routing metrics, all pools
-	kvOpt func(pool config.PoolConfig) (kvindex.Index, kvindex.Freshness) // Options.KV
-	// kvEvents and evictions: Options.KVEvents and its eviction stream.
-	kvEvents  KVEventsSource
-	evictions http.Handler
-	proxy     *httputil.ReverseProxy
-	tracer    trace.Tracer // nil = tracing off
-	probe     *http.Client
-	started   time.Time
+	log      *slog.Logger
+	reg      *prometheus.Registry
+	m        *metrics
+	kv       ExactSource    // Options.KV; nil = no pool has exact routing
+	kvEvents IndexReadiness // Options.KVEvents
+	admin    func(mux *http.ServeMux, srv *Server)
+	proxy    *httputil.ReverseProxy
+	tracer   trace.Tracer // nil = tracing off
+	probe    *http.Client
+	started  time.Time
 	// adminToken is read on each admin request; swapped on reload.
 	adminToken atomic.Pointer[string]
 	// adminOnData: admin routes are served on the data listener too.
@@ -74,17 +92,6 @@ type Server struct {
 	runCtx    context.Context
 	stopLoops context.CancelFunc
 	loopWG    sync.WaitGroup
-}
-
-// state is one loaded configuration: immutable once published, replaced
-// whole on reload.
-type state struct {
-	cfg         config.Config
-	pools       []*Pool
-	byName      map[string]*Pool
-	byModel     map[string]*Pool
-	defaultPool *Pool
-	retryStatus map[int]bool
 }
 
 // NewServer validates cfg and builds a Server. It starts no goroutines:
@@ -103,16 +110,16 @@ func NewServer(cfg config.Config, opts Options) (*Server, error) {
 	}
 	tok := cfg.AdminToken
 	s.adminToken.Store(&tok)
-	s.kvOpt = opts.KV
+	s.kv = opts.KV
 	if opts.TracerProvider != nil {
 		s.tracer = opts.TracerProvider.Tracer(TracerScope)
 	}
-	if s.kvEvents = opts.KVEvents; s.kvEvents != nil {
-		s.evictions = s.kvEvents.EvictionHandler()
-	}
+	s.kvEvents, s.admin = opts.KVEvents, opts.Admin
 	var err error
-	if s.kvm, err = NewKVMetrics(s.reg); err != nil {
-		return nil, fmt.Errorf("router: register metrics: %w", err)
+	if s.kv != nil {
+		if err = s.kv.Attach(s.reg, s.log); err != nil {
+			return nil, fmt.Errorf("router: register metrics: %w", err)
+		}
 	}
 	st, err := buildState(cfg, nil, s.kvStateFor)
 	if err != nil {
@@ -149,34 +156,15 @@ func NewServer(cfg config.Config, opts Options) (*Server, error) {
 	return s, nil
 }
 
-func buildState(cfg config.Config, prev *state, kvFor func(config.PoolConfig, *Pool) (*KVState, error)) (*state, error) {
-	st := &state{cfg: cfg, byName: map[string]*Pool{}, byModel: map[string]*Pool{}, retryStatus: map[int]bool{}}
-	for _, c := range cfg.Proxy.RetryStatuses {
-		if c != 0 {
-			st.retryStatus[c] = true
-		}
+// kvStateFor builds (or keeps across a reload) a pool's exact-routing state.
+func (s *Server) kvStateFor(pc config.PoolConfig, old *Pool) (Exact, error) {
+	if s.kv == nil {
+		return nil, nil
 	}
-	for _, pc := range cfg.Pools {
-		var old *Pool
-		if prev != nil {
-			old = prev.byName[pc.Name]
-		}
-		kv, err := kvFor(pc, old)
-		if err != nil {
-			return nil, err
-		}
-		p, err := NewPool(pc, old, WithPoolKVState(kv))
-		if err != nil {
-			return nil, err
-		}
-		st.pools = append(st.pools, p)
-		st.byName[p.Name()] = p
-		st.byModel[p.Model()] = p
+	if old == nil {
+		return s.kv.For(pc, nil, config.PoolConfig{})
 	}
-	if cfg.DefaultPool != "" {
-		st.defaultPool = st.byName[cfg.DefaultPool]
-	}
-	return st, nil
+	return s.kv.For(pc, old.kv, old.cfg)
 }
 
 // Pools lists the current pools.
@@ -251,7 +239,10 @@ func (s *Server) startLoopsLocked() {
 		if !p.cfg.Discovery.Disable {
 			s.loopWG.Go(func() { s.discoveryLoop(ctx, p) })
 		}
-		s.startKVLoopsLocked(ctx, p)
+		if p.kv != nil {
+			rc, _ := p.Routing()
+			s.loopWG.Go(func() { p.kv.Run(ctx, rc, p.Instances) })
+		}
 	}
 }
 
@@ -278,7 +269,6 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("GET /ping", s.serveReadyz) // SageMaker's health path
 	if s.adminOnData {
 		s.addAdminRoutes(mux)
-		s.addKVAdminRoutes(mux)
 	}
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
@@ -291,11 +281,27 @@ func (s *Server) Handler() http.Handler {
 func (s *Server) AdminHandler() http.Handler {
 	mux := http.NewServeMux()
 	s.addAdminRoutes(mux)
-	s.addKVAdminRoutes(mux)
 	mux.HandleFunc("GET /healthz", s.serveHealthz)
 	mux.HandleFunc("GET /readyz", s.serveReadyz)
 	return s.limitInput(mux)
 }
+
+// addAdminRoutes mounts /metrics and the admin API (Options.Admin).
+func (s *Server) addAdminRoutes(mux *http.ServeMux) {
+	mux.Handle("GET /metrics", promhttp.HandlerFor(s.reg, promhttp.HandlerOpts{}))
+	if s.admin != nil {
+		s.admin(mux, s)
+	}
+}
+
+// AdminToken is the admin API's bearer token ("" = none), as last loaded.
+func (s *Server) AdminToken() string { return *s.adminToken.Load() }
+
+// Logger is the server's logger.
+func (s *Server) Logger() *slog.Logger { return s.log }
+
+// Started is when the server was built.
+func (s *Server) Started() time.Time { return s.started }
 
 func (s *Server) serveHealthz(w http.ResponseWriter, _ *http.Request) {
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")

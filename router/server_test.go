@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -17,11 +16,15 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/routertest"
+	"github.com/kvrouter/kvrouter/router/servertest"
 )
 
-const model = "meta-llama/Llama-3.1-8B-Instruct"
+const model = servertest.Model
 
+// harness is servertest's harness under the names this package's tests
+// were written with.
 type harness struct {
+	sh   *servertest.Harness
 	t    testing.TB
 	srv  *router.Server
 	ts   *httptest.Server
@@ -33,35 +36,12 @@ type harness struct {
 // adjusts the config before the server is built.
 func newHarness(t testing.TB, n int, mod func(*config.Config)) *harness {
 	t.Helper()
-	h := &harness{t: t, byID: map[string]*routertest.Upstream{}}
-	pc := config.PoolConfig{Name: "llama", Model: model, Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
-	for i := range n {
-		u := routertest.New(t, fmt.Sprintf("vllm-%d", i), model)
-		h.ups = append(h.ups, u)
-		h.byID[u.ID] = u
-		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: u.ID, URL: u.URL()})
-	}
-	cfg := config.Config{Pools: []config.PoolConfig{pc}, Log: config.LogConfig{Level: "debug"}}
-	if mod != nil {
-		mod(&cfg)
-	}
-	srv, err := router.NewServer(cfg, router.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		t.Fatalf("NewServer: %v", err)
-	}
-	h.srv = srv
-	h.ts = httptest.NewServer(srv.Handler())
-	t.Cleanup(h.ts.Close)
-	return h
+	sh := servertest.New(t, n, mod)
+	return &harness{sh: sh, t: t, srv: sh.Srv, ts: sh.TS, ups: sh.Ups, byID: sh.ByID}
 }
 
 // run starts the server's background loops until the test ends.
-func (h *harness) run() {
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = h.srv.Run(ctx) }()
-	h.t.Cleanup(func() { cancel(); <-done })
-}
+func (h *harness) run() { h.sh.Run() }
 
 type result struct {
 	status int
@@ -71,51 +51,18 @@ type result struct {
 
 func (h *harness) do(method, path string, body []byte, hdr map[string]string) result {
 	h.t.Helper()
-	req, err := http.NewRequest(method, h.ts.URL+path, bytes.NewReader(body))
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	req.Header.Set("Content-Type", "application/json")
-	for k, v := range hdr {
-		req.Header.Set(k, v)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		h.t.Fatalf("%s %s: %v", method, path, err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		h.t.Fatalf("%s %s: read body: %v", method, path, err)
-	}
-	return result{resp.StatusCode, resp.Header, b}
+	r := servertest.Do(h.t, h.ts.URL, method, path, body, hdr)
+	return result{r.Status, r.Header, r.Body}
 }
 
 func chatBody(model, text string, stream bool) []byte {
-	b, _ := json.Marshal(map[string]any{"model": model, "stream": stream, "messages": []map[string]any{
-		{"role": "system", "content": "You are a helpful assistant."},
-		{"role": "user", "content": text},
-	}})
-	return b
+	return servertest.ChatBody(model, text, stream)
 }
 
 // errorOf decodes an OpenAI-shaped error body, failing if it is not one.
 func errorOf(t *testing.T, r result) (msg string, code int) {
 	t.Helper()
-	var e struct {
-		Error struct {
-			Message string `json:"message"`
-			Type    string `json:"type"`
-			Code    int    `json:"code"`
-		} `json:"error"`
-	}
-	if err := json.Unmarshal(r.body, &e); err != nil || e.Error.Message == "" || e.Error.Type == "" {
-		t.Fatalf("not an OpenAI error body (%v): %s", err, r.body)
-	}
-	if ct := r.header.Get("Content-Type"); ct != "application/json" {
-		t.Fatalf("error Content-Type %q", ct)
-	}
-	return e.Error.Message, e.Error.Code
+	return servertest.ErrorOf(t, servertest.Result{Status: r.status, Header: r.header, Body: r.body})
 }
 
 func TestChatCompletionsRoutesAndExplains(t *testing.T) {
@@ -481,13 +428,7 @@ func TestClientDisconnectCancelsUpstream(t *testing.T) {
 
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for: %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	servertest.WaitFor(t, what, cond)
 }
 
 func TestOverflowThroughProxy(t *testing.T) {

@@ -2,6 +2,7 @@ package router
 
 import (
 	"context"
+	"math/rand/v2"
 	"sync/atomic"
 
 	"github.com/kvrouter/kvrouter/config"
@@ -149,6 +150,15 @@ type PrefixAware struct {
 	rnd       func(n uint64) uint64
 }
 
+// NewPrefixAware is prefix_aware with threshold and randomness rnd (nil =
+// math/rand/v2): the fallback of the exact strategies.
+func NewPrefixAware(threshold int, rnd func(n uint64) uint64) *PrefixAware {
+	if rnd == nil {
+		rnd = rand.Uint64N
+	}
+	return &PrefixAware{Threshold: threshold, rnd: rnd}
+}
+
 // Name implements Strategy.
 func (*PrefixAware) Name() string { return config.StrategyPrefixAware }
 
@@ -181,6 +191,11 @@ func (s *PrefixAware) Pick(_ context.Context, req *Request, cands []*Instance) (
 
 // rendezvousScore is the weight of an instance for a request hash.
 func rendezvousScore(reqHash, instHash uint64) uint64 { return fmix64(reqHash ^ instHash) }
+
+// Rendezvous is the instance's weight for a request hash in rendezvous
+// order (the highest is first): how kv_aware breaks ties as prefix_aware
+// would.
+func (in *Instance) Rendezvous(reqHash uint64) uint64 { return rendezvousScore(reqHash, in.hash) }
 
 // RendezvousOrder returns cands sorted by descending rendezvous score for
 // req: the order prefix_aware overflows through. For tests, tools and

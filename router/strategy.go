@@ -5,13 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/kvrouter/kvrouter/config"
-	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/kvrouter/kvrouter/tiers"
 )
@@ -22,6 +23,10 @@ var ErrNoCandidates = errors.New("router: no eligible instance")
 
 // ErrUnknownStrategy is returned by NewStrategy for a name it does not know.
 var ErrUnknownStrategy = errors.New("router: unknown strategy")
+
+// ErrTokenSource reports a token source that cannot be built, or a body
+// it cannot tokenize.
+var ErrTokenSource = errors.New("router: token source")
 
 // ErrNoTokens is returned by Request.TokenIDs when the request carries no
 // token ids and no TokenSource is configured.
@@ -44,8 +49,7 @@ type Strategy interface {
 // Reason says why a decision picked its instance (the x-kvrouter-reason header).
 type Reason string
 
-// Reasons. The kv_aware strategy's own (kv_match, heuristic,
-// stale_fallback, stream_down) are in kvaware.go.
+// Reasons of the plain strategies; the kv_aware strategy's own follow.
 const (
 	ReasonHash             Reason = "hash"              // prefix_aware: first in rendezvous order
 	ReasonOverflow         Reason = "overflow"          // prefix_aware: first in rendezvous order was full
@@ -53,6 +57,28 @@ const (
 	ReasonRandom           Reason = "random"            // random
 	ReasonRoundRobin       Reason = "round_robin"       // round_robin
 	ReasonLeastOutstanding Reason = "least_outstanding" // least_outstanding
+)
+
+// Reasons of kv_aware decisions (the x-kvrouter-reason header). kv_aware
+// also returns ReasonOverflow (its best candidate was full) and
+// ReasonSaturated (every candidate was full).
+const (
+	// ReasonKVMatch: the candidate with the least predicted TTFT, from the
+	// blocks the index (or the speculative overlay) says it holds.
+	ReasonKVMatch Reason = "kv_match"
+	// ReasonHeuristic: nobody holds the prompt's first block, or the
+	// request has no token ids: prefix_aware decided.
+	ReasonHeuristic Reason = "heuristic"
+	// ReasonStaleFallback: a stale instance's blocks were not counted, and
+	// that changed the pick.
+	ReasonStaleFallback Reason = "stale_fallback"
+	// ReasonStreamDown: the pool's event stream is down, so the index may be
+	// arbitrarily wrong: prefix_aware decided.
+	ReasonStreamDown Reason = "stream_down"
+	// ReasonLoadBound: the preferred instance (the best holder, or the
+	// hash-home of a prompt nobody holds) was over the load bound; another
+	// took the request.
+	ReasonLoadBound Reason = "load_bound"
 )
 
 // Decision is a strategy's pick and its explanation.
@@ -74,6 +100,30 @@ type Explanation struct {
 	MatchedTokens [tiers.Count]int
 	PromptTokens  int
 	PredictedTTFT time.Duration
+}
+
+// Response headers of exact routing decisions.
+const (
+	// HeaderMatchedTokens lists the prompt tokens the chosen instance was
+	// predicted to hold, per tier, each beyond faster tiers:
+	// "gpu=128,cpu=32,disk=0,shared=0".
+	HeaderMatchedTokens = "X-Kvrouter-Matched-Tokens"
+	// HeaderPredictedTTFT is the predicted time to first token, in ms.
+	HeaderPredictedTTFT = "X-Kvrouter-Predicted-Ttft-Ms"
+)
+
+// MatchedTokensHeader formats MatchedTokens as HeaderMatchedTokens does.
+func (e *Explanation) MatchedTokensHeader() string {
+	var b strings.Builder
+	for t, n := range e.MatchedTokens {
+		if t > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(tiers.Tier(t).String())
+		b.WriteByte('=')
+		b.WriteString(strconv.Itoa(n))
+	}
+	return b.String()
 }
 
 // Endpoint is the kind of request being routed.
@@ -132,14 +182,12 @@ type Request struct {
 	tokens   []uint32
 	tokErr   error
 
-	// keys, when shareKeys is set (a disaggregated request, picked twice),
-	// keeps the prompt's block keys from the first pick for the second
-	// (kvaware.go), under the root, block size and length they were made for.
-	shareKeys bool
-	keys      []kvindex.Key
-	keyRoot   kvindex.Key
-	keyBS     int
-	keyN      int
+	// ShareKeys is set on a request picked twice (disaggregated: prefill,
+	// then decode): an exact strategy may keep what it derived from the
+	// prompt for the second pick in KeyMemo (router/kvaware keeps the
+	// prompt's block keys). The core never reads KeyMemo.
+	ShareKeys bool
+	KeyMemo   any
 }
 
 // RoutingHash is xxhash64 of (RoutingText, TenantKey), computed once.
@@ -191,7 +239,7 @@ type StrategyOption func(*strategyOptions)
 
 type strategyOptions struct {
 	rnd func(n uint64) uint64
-	kv  *KVState // the pool's exact-routing state (kv_aware, shadow mode); see WithKVState
+	kv  Exact // the pool's exact-routing state (kv_aware, shadow mode); see WithKVState
 }
 
 // WithSeed makes the random choices (random strategy, least-outstanding
@@ -206,6 +254,12 @@ func WithSeed(seed uint64) StrategyOption {
 			return r.Uint64N(n)
 		}
 	}
+}
+
+// WithRand makes rnd the strategy's randomness (rnd(n) is uniform in
+// [0, n) and safe for concurrent use).
+func WithRand(rnd func(n uint64) uint64) StrategyOption {
+	return func(o *strategyOptions) { o.rnd = rnd }
 }
 
 // NewStrategy builds the named strategy with cfg (defaults applied). It
@@ -224,7 +278,14 @@ func NewStrategy(name string, cfg config.RoutingConfig, opts ...StrategyOption) 
 		f(&o)
 	}
 	if cfg.Strategy == config.StrategyKVAware || cfg.Shadow {
-		return newKVStrategy(cfg, o.kv, o.rnd)
+		if o.kv == nil {
+			what := "kv_aware"
+			if cfg.Strategy != config.StrategyKVAware {
+				what = "shadow mode"
+			}
+			return nil, fmt.Errorf("%w: %s: configure index: (and events:) for the pool", ErrNoKVState, what)
+		}
+		return o.kv.Strategy(cfg, o.rnd)
 	}
 	thr := cfg.ConcurrencyThreshold
 	switch cfg.Strategy {

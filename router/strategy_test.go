@@ -2,7 +2,6 @@ package router
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math"
 	"strings"
@@ -249,24 +248,6 @@ func TestRandom(t *testing.T) {
 		if seen[id] < 850 || seen[id] > 1150 {
 			t.Errorf("%s picked %d of 3000 times, want ~1000", id, seen[id])
 		}
-	}
-}
-
-func TestStrategiesNoCandidates(t *testing.T) {
-	for _, name := range config.StrategyNames() {
-		s := mustStrategy(t, name, config.RoutingConfig{}, WithKVState(newKVWorld(t, 1).st))
-		if s.Name() != name {
-			t.Errorf("Name() = %q, want %q", s.Name(), name)
-		}
-		if _, err := s.Pick(context.Background(), &Request{}, nil); !errors.Is(err, ErrNoCandidates) {
-			t.Errorf("%s with no candidates: err %v, want ErrNoCandidates", name, err)
-		}
-	}
-	if _, err := NewStrategy("kv_magic", config.RoutingConfig{}); !errors.Is(err, ErrUnknownStrategy) {
-		t.Errorf("unknown strategy: err %v", err)
-	}
-	if _, err := NewStrategy(config.StrategyPrefixAware, config.RoutingConfig{PrefixLength: 10}); !errors.Is(err, config.ErrInvalidConfig) {
-		t.Errorf("bad prefix length: err %v", err)
 	}
 }
 

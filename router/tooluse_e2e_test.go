@@ -18,6 +18,7 @@ import (
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
 	"github.com/kvrouter/kvrouter/tokenizer"
@@ -106,11 +107,11 @@ func TestToolChatPredictionMatchesEngine(t *testing.T) {
 		// Speculative entries would count the router's own keys as held:
 		// expire them at once, so the prediction comes from engine events.
 		Routing:   config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &config.KVScoringConfig{SpeculativeTTL: time.Millisecond}},
-		Tokenizer: &config.TokenizerConfig{Source: router.TokenSourceSimple},
+		Tokenizer: &config.TokenizerConfig{Source: kvaware.TokenSourceSimple},
 		Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 		Instances: []config.InstanceConfig{{ID: "engine", URL: in.URL()}}}
 	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{Logger: log,
-		KV: func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil }})
+		KV: kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil })})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,7 +11,6 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -172,6 +171,32 @@ func startSpan(ctx context.Context, name string, kind trace.SpanKind) (context.C
 	return ctx, span{sp}
 }
 
+// StartSpan starts a child span of ctx's span when that one is recording
+// (for the strategies' own steps, such as kv_aware's index lookup); it
+// costs one context lookup with tracing off. End it with End.
+func StartSpan(ctx context.Context, name string) (context.Context, Span) {
+	ctx, sp := startSpan(ctx, name, trace.SpanKindInternal)
+	return ctx, Span{sp}
+}
+
+// Span is a span started by StartSpan (a no-op when not recording).
+type Span struct{ sp span }
+
+// Recording reports whether the span records (tracing on, sampled): set
+// attributes only then, so that an untraced request allocates nothing.
+func (s Span) Recording() bool { return s.sp.s != nil }
+
+// SetAttributes sets attributes on the span.
+func (s Span) SetAttributes(kv ...attribute.KeyValue) {
+	if s.sp.s != nil {
+		s.sp.s.SetAttributes(kv...)
+	}
+}
+
+// End ends the span, failed when err is not nil (its message, cut to 200
+// bytes, is the status: pass only errors that quote no request content).
+func (s Span) End(err error) { s.sp.end(err, errDesc(err)) }
+
 // end ends the span, marking it failed with desc when err is not nil.
 func (sp span) end(err error, desc string) {
 	if sp.s == nil {
@@ -305,21 +330,4 @@ func tracedTokens(ctx context.Context, src TokenSource, req *Request) ([]uint32,
 		sp.end(err, desc)
 	}
 	return ids, err
-}
-
-// tracedLookup runs an index lookup under a lookup span.
-func tracedLookup(ctx context.Context, ix kvindex.Index, dst []kvindex.Match, keys []kvindex.Key) ([]kvindex.Match, error) {
-	ctx, sp := startSpan(ctx, SpanLookup, trace.SpanKindInternal)
-	var m []kvindex.Match
-	var err error
-	if a, ok := ix.(lookupAppender); ok {
-		m, err = a.LookupAppend(ctx, dst, keys)
-	} else {
-		m, err = ix.Lookup(ctx, keys)
-	}
-	if sp.s != nil {
-		sp.s.SetAttributes(AttrLookupBlocks.Int(len(keys)), AttrLookupHolders.Int(len(m)))
-		sp.end(err, errDesc(err))
-	}
-	return m, err
 }

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 )
 
 // BenchmarkTracingHooksOff is every tracing hook one untraced request
@@ -25,7 +26,7 @@ func BenchmarkTracingHooksOff(b *testing.B) {
 	dec := Decision{Instance: inst, Strategy: config.StrategyKVAware, Reason: ReasonKVMatch, Explain: &Explanation{PromptTokens: 100}}
 	h := http.Header{}
 	b.ReportAllocs()
-	cpu0, n := processCPU(), 0
+	cpu0, n := cputime.Process(), 0
 	for b.Loop() {
 		n++
 		_, psp := s.span(ctx, SpanParse)
@@ -43,7 +44,7 @@ func BenchmarkTracingHooksOff(b *testing.B) {
 		a.firstByte()
 		a.endAttempt(false)
 	}
-	b.ReportMetric(float64(processCPU()-cpu0)/float64(n), "cpu-ns/op")
+	b.ReportMetric(float64(cputime.Process()-cpu0)/float64(n), "cpu-ns/op")
 	if len(h) != 0 {
 		b.Fatalf("tracing off wrote headers %v", h)
 	}

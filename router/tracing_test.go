@@ -25,6 +25,7 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
@@ -90,7 +91,7 @@ func newTraceRig(t *testing.T, n int, sampler sdktrace.Sampler, fail503 *atomic.
 	rig := &traceRig{t: t, exp: tracetest.NewInMemoryExporter()}
 	pc := config.PoolConfig{Name: "trace-pool", Model: traceModel,
 		Routing:   config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &config.KVScoringConfig{SpeculativeTTL: 10 * time.Minute}},
-		Tokenizer: &config.TokenizerConfig{Source: router.TokenSourceSimple},
+		Tokenizer: &config.TokenizerConfig{Source: kvaware.TokenSourceSimple},
 		Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
 	for i := range n {
 		e := newTraceEngine(t, fail503)
@@ -99,7 +100,7 @@ func newTraceRig(t *testing.T, n int, sampler sdktrace.Sampler, fail503 *atomic.
 	}
 	opts := router.Options{
 		Logger: slog.New(slog.DiscardHandler),
-		KV:     func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil },
+		KV:     kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil }),
 	}
 	if sampler != nil {
 		tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(rig.exp), sdktrace.WithSampler(sampler))

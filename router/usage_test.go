@@ -88,7 +88,7 @@ func FuzzUsageTee(f *testing.F) {
 	f.Add([]byte(usageSSE), true, 5)
 	f.Add([]byte("data: {\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":1e99}}}\n"), true, 1)
 	f.Fuzz(func(t *testing.T, body []byte, sse bool, chunk int) {
-		chunk = 1 + abs(chunk)%64
+		chunk = 1 + (chunk%64+64)%64
 		run := func(n int) (int, bool) {
 			tee := &usageTee{rc: io.NopCloser(&chunkReader{b: body, n: n}), sse: sse}
 			out, err := io.ReadAll(tee)

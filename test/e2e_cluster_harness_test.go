@@ -24,6 +24,8 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
@@ -248,7 +250,7 @@ func (f *clusterFleet) startRouter(cfg config.Config) *clusterRouter {
 		cancel()
 		f.t.Fatal(err)
 	}
-	srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), Registry: reg, KV: kve.KV, KVEvents: kve})
+	srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
 	if err != nil {
 		cancel()
 		kve.Close()

@@ -23,6 +23,8 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
@@ -212,7 +214,7 @@ func startEngineRouter(t *testing.T, ctx context.Context, natsURL, pool, stream,
 		t.Fatal(err)
 	}
 	t.Cleanup(kve.Close)
-	srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), Registry: reg, KV: kve.KV, KVEvents: kve})
+	srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -393,13 +395,13 @@ func TestE2EStoresOnlyLMCache(t *testing.T) {
 	publish(gpu, chunk0, chunk1)
 	// The GPU copy goes (vLLM evicts it); the chunks stay in LMCache.
 	publish(events.Event{Kind: events.BlockRemoved, BlockHashes: []uint64{1, 2, 3, 4, 5, 6, 7, 8}, Medium: "GPU"})
-	match := func(q []uint32) router.KVLookupMatch {
+	match := func(q []uint32) admin.KVLookupMatch {
 		for _, m := range r.lookup(q).Matches {
 			if m.Instance == inst {
 				return m
 			}
 		}
-		return router.KVLookupMatch{}
+		return admin.KVLookupMatch{}
 	}
 	// While waiting, the chunks are stored again now and then (LMCache
 	// re-puts what it keeps): a loaded machine can take longer than the

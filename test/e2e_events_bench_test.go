@@ -10,7 +10,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
-	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
@@ -37,7 +37,7 @@ func BenchmarkBridgeThroughput(b *testing.B) {
 			r := newRig(b, rigOpts{buffer: 1 << 20, window: window})
 			b.ReportAllocs()
 			b.ResetTimer()
-			start, cpu0 := time.Now(), testenv.ProcessCPU()
+			start, cpu0 := time.Now(), cputime.Process()
 			for i := 0; i < b.N; i++ {
 				if _, err := r.pub.Publish(ps[i%len(ps)]); err != nil {
 					b.Fatal(err)
@@ -50,7 +50,7 @@ func BenchmarkBridgeThroughput(b *testing.B) {
 				}
 				time.Sleep(200 * time.Microsecond)
 			}
-			el, cpu := time.Since(start).Seconds(), (testenv.ProcessCPU() - cpu0).Seconds()
+			el, cpu := time.Since(start).Seconds(), (cputime.Process() - cpu0).Seconds()
 			b.StopTimer()
 			s := r.stats()
 			if s.Dropped != 0 || s.Gaps != 0 {

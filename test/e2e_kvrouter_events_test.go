@@ -23,7 +23,9 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/fleet"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 )
 
@@ -123,26 +125,26 @@ func (r *kvrRouter) do(method, path string, body any) (*http.Response, []byte) {
 	return resp, b
 }
 
-func (r *kvrRouter) lookup(ids []uint32) router.KVLookupResponse {
+func (r *kvrRouter) lookup(ids []uint32) admin.KVLookupResponse {
 	r.t.Helper()
 	resp, b := r.do("POST", "/admin/pools/"+r.pool+"/lookup", map[string]any{"token_ids": ids})
 	if resp.StatusCode != 200 {
 		r.t.Fatalf("lookup: %d %s", resp.StatusCode, b)
 	}
-	var out router.KVLookupResponse
+	var out admin.KVLookupResponse
 	if err := json.Unmarshal(b, &out); err != nil {
 		r.t.Fatal(err)
 	}
 	return out
 }
 
-func (r *kvrRouter) instances() router.KVInstancesResponse {
+func (r *kvrRouter) instances() admin.KVInstancesResponse {
 	r.t.Helper()
 	resp, b := r.do("GET", "/admin/pools/"+r.pool+"/instances", nil)
 	if resp.StatusCode != 200 {
 		r.t.Fatalf("instances: %d %s", resp.StatusCode, b)
 	}
-	var out router.KVInstancesResponse
+	var out admin.KVInstancesResponse
 	if err := json.Unmarshal(b, &out); err != nil {
 		r.t.Fatal(err)
 	}
@@ -256,7 +258,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(kve.Close)
-	srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), Registry: reg, KV: kve.KV, KVEvents: kve})
+	srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -314,7 +316,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	eng.publish(t,
 		events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(1002, 2), Medium: "CPU"},
 		events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(1002, 2), Medium: "GPU"})
-	want := router.KVLookupMatch{Instance: "vllm-1", GPUBlocks: 2, CPUBlocks: 2, Live: true}
+	want := admin.KVLookupMatch{Instance: "vllm-1", GPUBlocks: 2, CPUBlocks: 2, Live: true}
 	waitFor(t, 15*time.Second, "lookup sees GPU and CPU blocks", func() bool {
 		lr := r.lookup(ids)
 		return len(lr.Matches) == 1 && lr.Matches[0] == want && lr.BlockSize == 16 && lr.Blocks == 4
@@ -332,7 +334,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 
 	// Instances view: blocks per tier from the index, state and seq from
 	// the consumer, membership from the pool.
-	var v1 router.KVInstanceView
+	var v1 admin.KVInstanceView
 	iv := r.instances()
 	for _, in := range iv.Instances {
 		if in.Instance == "vllm-1" {
@@ -475,7 +477,7 @@ func TestKVRouterEventsRedisIndex(t *testing.T) {
 		if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
 			t.Fatal(err)
 		}
-		srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), KV: kve.KV, KVEvents: kve})
+		srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -491,7 +493,7 @@ func TestKVRouterEventsRedisIndex(t *testing.T) {
 	eng := startKVREngine(t, ctx, ns.URL(), pool, "vllm-0", "http://127.0.0.1:1", stream, bucket)
 	ids := kvrTokens(7, 3*16)
 	eng.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(500, 3), TokenIDs: ids, BlockSize: 16, Medium: "GPU"})
-	want := router.KVLookupMatch{Instance: "vllm-0", GPUBlocks: 3, Live: true}
+	want := admin.KVLookupMatch{Instance: "vllm-0", GPUBlocks: 3, Live: true}
 	for i, r := range routers {
 		waitFor(t, 15*time.Second, fmt.Sprintf("router %d sees the blocks in Redis", i), func() bool {
 			lr := r.lookup(ids)
@@ -524,7 +526,7 @@ func TestKVRouterRestartRebuildsIndex(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), KV: kve.KV, KVEvents: kve})
+		srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -540,7 +542,7 @@ func TestKVRouterRestartRebuildsIndex(t *testing.T) {
 	eng.publish(t,
 		events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(703, 2), Medium: "CPU"},
 		events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(703, 2), Medium: "GPU"})
-	want := router.KVLookupMatch{Instance: "vllm-0", GPUBlocks: 3, CPUBlocks: 2, Live: true}
+	want := admin.KVLookupMatch{Instance: "vllm-0", GPUBlocks: 3, CPUBlocks: 2, Live: true}
 	waitFor(t, 15*time.Second, "the first router's index", func() bool {
 		lr := r1.lookup(ids)
 		return len(lr.Matches) == 1 && lr.Matches[0] == want

@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/replicasync"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 )
 
 // replicaConfig is the fleet's router config with replica sync on, under
@@ -33,13 +34,13 @@ type loadView struct{ inflight, tokens, reqs int64 }
 
 func (r *clusterRouter) view(t testing.TB, pool string) map[string]loadView {
 	p, ok := r.srv.Pool(pool)
-	if !ok || p.KV() == nil {
+	if !ok || kvaware.Of(p) == nil {
 		t.Fatalf("router has no kv state for %s", pool)
 	}
 	out := map[string]loadView{}
 	for _, in := range p.Instances() {
-		tok, reqs := p.KV().PendingPrefill(in.ID())
-		pf, pt, pr := p.KV().PeerLoad(in.ID())
+		tok, reqs := kvaware.Of(p).PendingPrefill(in.ID())
+		pf, pt, pr := kvaware.Of(p).PeerLoad(in.ID())
 		out[in.ID()] = loadView{int64(in.InFlight()) + pf, tok + pt, reqs + pr}
 	}
 	return out
@@ -57,7 +58,7 @@ func (r *clusterRouter) peerView(t testing.TB, pool string) loadView {
 	p, _ := r.srv.Pool(pool)
 	var v loadView
 	for _, in := range p.Instances() {
-		f, tk, rq := p.KV().PeerLoad(in.ID())
+		f, tk, rq := kvaware.Of(p).PeerLoad(in.ID())
 		v.inflight, v.tokens, v.reqs = v.inflight+f, v.tokens+tk, v.reqs+rq
 	}
 	return v

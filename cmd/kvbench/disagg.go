@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/sim"
 )
 
@@ -135,7 +136,7 @@ func runDisaggSetup(ctx context.Context, su disaggSetup, ff *fleetFlags, scfg si
 // uncached is how much of req the best decode candidate does not hold, as
 // the router's conditional disaggregation asks kv_aware.
 func (r *strategyRouter) uncached(ctx context.Context, req *des.RouteRequest, decode []string) (int, bool) {
-	kv, ok := r.s.(*router.KVAware)
+	kv, ok := r.s.(*kvaware.KVAware)
 	if !ok {
 		return 0, false
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/sim"
 )
 
@@ -103,7 +104,7 @@ var _ des.Router = (*strategyRouter)(nil)
 // kvSim is the exact-routing state of a simulated pool.
 type kvSim struct {
 	index   *kvindex.Memory
-	state   *router.KVState
+	state   *kvaware.KVState
 	engines map[string]*sim.Engine
 	// now is the driver's virtual clock (set through des.Config.Clock).
 	now        time.Duration
@@ -148,16 +149,16 @@ func newStrategyRouterSized(name string, cfg config.RoutingConfig, seed uint64, 
 // kvShare is what one router replica shares with the others of a
 // replicated run (replicas.go); the zero value shares nothing.
 type kvShare struct {
-	index   *kvindex.Memory   // nil = the replica's own index
-	fresh   kvindex.Freshness // replica sync (router.PeerState), nil = none
-	metrics *router.KVMetrics // nil = unregistered
+	index   *kvindex.Memory    // nil = the replica's own index
+	fresh   kvindex.Freshness  // replica sync (kvaware.PeerState), nil = none
+	metrics *kvaware.KVMetrics // nil = unregistered
 }
 
 func newStrategyRouterShared(name string, cfg config.RoutingConfig, seed uint64, model string, capacity int, share kvShare) (*strategyRouter, error) {
 	r := &strategyRouter{model: model, insts: map[string]*router.Instance{}, obs: map[uint64]router.Observer{}, cached: map[uint64]int{}}
 	opts := []router.StrategyOption{router.WithSeed(seed)}
 	if needsKV(name) {
-		k := &kvSim{engines: map[string]*sim.Engine{}, scrape: router.DefaultScrapeInterval}
+		k := &kvSim{engines: map[string]*sim.Engine{}, scrape: kvaware.DefaultScrapeInterval}
 		idx := share.index
 		if idx == nil {
 			var err error
@@ -165,7 +166,7 @@ func newStrategyRouterShared(name string, cfg config.RoutingConfig, seed uint64,
 				return nil, err
 			}
 		}
-		st, err := router.NewKVState(router.KVStateConfig{Pool: "des", Model: model, Index: idx, Now: k.wall,
+		st, err := kvaware.NewKVState(kvaware.KVStateConfig{Pool: "des", Model: model, Index: idx, Now: k.wall,
 			Freshness: share.fresh, Metrics: share.metrics,
 			Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 		if err != nil {

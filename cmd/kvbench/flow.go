@@ -15,6 +15,7 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/flowcontrol"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/workload"
 )
@@ -41,7 +42,7 @@ func (a *flowAdmission) affinity(it *flowcontrol.Item) int64 {
 	if a.rt == nil {
 		return 0
 	}
-	kv, ok := a.rt.s.(*router.KVAware)
+	kv, ok := a.rt.s.(*kvaware.KVAware)
 	if !ok {
 		return 0
 	}
@@ -79,7 +80,7 @@ var (
 func newFlowAdmission(cfg flowcontrol.Config, w *workload.Workload, rt *strategyRouter) (*flowAdmission, error) {
 	a := &flowAdmission{items: map[uint64]*flowcontrol.Item{}, w: w, rt: rt}
 	if rt != nil {
-		if _, ok := rt.s.(*router.KVAware); ok {
+		if _, ok := rt.s.(*kvaware.KVAware); ok {
 			cfg.Affinity = a.affinity
 		}
 	}

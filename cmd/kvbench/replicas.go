@@ -25,6 +25,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/replicasync"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/sim"
 )
 
@@ -213,7 +214,7 @@ type replica struct {
 	peers *simPeers // nil without sync
 	reg   *prometheus.Registry
 	// probe evaluates a request dry on this replica (kv_aware only).
-	probe *router.Shadow
+	probe *kvaware.Shadow
 	fixed *fixedPick
 }
 
@@ -249,7 +250,7 @@ func newReplicaSet(name string, run replicaRun, rf *replicaFlags, ff *fleetFlags
 		rep := &replica{reg: prometheus.NewRegistry()}
 		share := kvShare{index: s.index}
 		if s.index != nil {
-			m, err := router.NewKVMetrics(rep.reg)
+			m, err := kvaware.NewKVMetrics(rep.reg)
 			if err != nil {
 				return nil, err
 			}
@@ -266,9 +267,9 @@ func newReplicaSet(name string, run replicaRun, rf *replicaFlags, ff *fleetFlags
 			return nil, err
 		}
 		rep.strategyRouter = r
-		if kv, ok := r.s.(*router.KVAware); ok && s.agree != nil {
+		if kv, ok := r.s.(*kvaware.KVAware); ok && s.agree != nil {
 			rep.fixed = &fixedPick{}
-			rep.probe = router.NewShadow(rep.fixed, kv)
+			rep.probe = kvaware.NewShadow(rep.fixed, kv)
 		}
 		s.reps = append(s.reps, rep)
 	}
@@ -342,7 +343,7 @@ func (s *replicaSet) Removed(inst string) {
 }
 
 // probeOthers evaluates the request just routed by replica from to inst
-// on every other replica, dry (router.Shadow with the decision made as
+// on every other replica, dry (kvaware.Shadow with the decision made as
 // the strategy in use: kv_aware scores without committing anything), and
 // counts whether each would have picked inst. The shadow's observer is
 // ended at once, as the gRPC Pick does for a request routed elsewhere.
@@ -519,7 +520,7 @@ func (r *replica) localLoads() []replicasync.Load {
 	return loads
 }
 
-// simPeers is a replica's router.PeerState in the simulation: the real
+// simPeers is a replica's kvaware.PeerState in the simulation: the real
 // replicasync.Table on the virtual clock, fed by replicaSet.clock
 // instead of a NATS subscription.
 type simPeers struct {
@@ -531,7 +532,7 @@ type simPeers struct {
 	seq   uint64
 }
 
-var _ router.PeerState = (*simPeers)(nil)
+var _ kvaware.PeerState = (*simPeers)(nil)
 
 func (p *simPeers) PeerLoad(inst string) (int64, int64, int64) { return p.table.PeerLoad(inst) }
 

@@ -13,6 +13,7 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
@@ -47,7 +48,7 @@ func newTestRouter(t *testing.T, n int, two bool, mod func(*config.Config)) *tes
 	if mod != nil {
 		mod(&cfg)
 	}
-	srv, err := router.NewServer(cfg, router.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	srv, err := router.NewServer(cfg, router.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Admin: admin.Routes(nil)})
 	if err != nil {
 		t.Fatalf("NewServer: %v", err)
 	}

@@ -22,6 +22,8 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/router/routertest"
 	"github.com/kvrouter/kvrouter/tokenizer"
@@ -90,7 +92,7 @@ func TestKVCommandsEndToEnd(t *testing.T) {
 		Events:      &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
 		Pools: []config.PoolConfig{{Name: pool, Model: testModel,
 			Routing:   config.RoutingConfig{Strategy: config.StrategyKVAware},
-			Tokenizer: &config.TokenizerConfig{Source: router.TokenSourceSimple},
+			Tokenizer: &config.TokenizerConfig{Source: kvaware.TokenSourceSimple},
 			Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: u0.URL()}, {ID: "vllm-1", URL: u1.URL()}}}},
 	}
@@ -99,7 +101,7 @@ func TestKVCommandsEndToEnd(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(kve.Close)
-	srv, err := router.NewServer(cfg, router.Options{Logger: quiet(), KV: kve.KV, KVEvents: kve})
+	srv, err := router.NewServer(cfg, router.Options{Logger: quiet(), KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
 	if err != nil {
 		t.Fatal(err)
 	}

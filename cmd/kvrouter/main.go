@@ -55,8 +55,11 @@ import (
 	"github.com/kvrouter/kvrouter/internal/tracing"
 	"github.com/kvrouter/kvrouter/internal/version"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/fleet"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
+	"github.com/kvrouter/kvrouter/router/tlscert"
 )
 
 func main() {
@@ -247,7 +250,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 		return err
 	}
 	redis.SetLogger(libs.Redis())
-	opts := router.Options{Logger: log, Registry: reg}
+	opts := router.Options{Logger: log, Registry: reg, Admin: admin.Routes(nil)}
 	// kvCtx owns the KV event pipeline (consumers, embedded NATS); it
 	// outlives the signal context so that in-flight requests drain with
 	// exact routing intact.
@@ -259,7 +262,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 			return err
 		}
 		defer kve.Close()
-		opts.KV, opts.KVEvents = kve.KV, kve
+		opts.KV, opts.KVEvents, opts.Admin = kvaware.NewSource(kve.KV), kve, admin.Routes(kve)
 		log.Info("consuming KV events", "nats_url", kve.NATSURL())
 	} else {
 		log.Info("KV events off: no pool needs KV state or events.enabled is false")
@@ -319,9 +322,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	}
 	// TLS on every listener; the certificate files are re-read on SIGHUP and
 	// when they change (the file paths themselves change only on restart).
-	var certs *router.CertReloader
+	var certs *tlscert.Reloader
 	if cfg.TLS != nil {
-		if certs, err = router.NewCertReloader(*cfg.TLS, log); err != nil {
+		if certs, err = tlscert.NewReloader(*cfg.TLS, log); err != nil {
 			closeAll()
 			return err
 		}
@@ -507,7 +510,7 @@ func stopTracing(tp *sdktrace.TracerProvider, log *slog.Logger) {
 // token and TLS certificates of the HTTP listeners, Events.Watch on the KV
 // events' NATS connection (none without KV events: Watch is UNAVAILABLE),
 // metrics on reg, and drain as the graceful-stop budget.
-func newGRPC(cfg config.Config, srv *router.Server, kve *kvstate.Pipeline, certs *router.CertReloader,
+func newGRPC(cfg config.Config, srv *router.Server, kve *kvstate.Pipeline, certs *tlscert.Reloader,
 	reg prometheus.Registerer, log *slog.Logger, drain time.Duration) (*grpcapi.Server, error) {
 	ep := cfg.GRPC.ExtProc
 	body := ep.MaxBodyBytes

@@ -45,6 +45,8 @@ var rules = []rule{
 	{pkg: "events/kvstream", forbid: [][]string{zmqPkgs, redisPkgs}, why: "the NATS side knows nothing of the engine's sockets"},
 	{pkg: "config", stdOnly: true, allow: []string{"gopkg.in/yaml.v3"}, why: "a leaf: the whole binary's configuration, read by every component"},
 	{pkg: "router/openai", stdOnly: true, why: "a leaf: the OpenAI side of a request, shared by every edge"},
+	{pkg: "router", forbid: [][]string{natsPkgs, redisPkgs, zmqPkgs, {module + "/kvindex"}, {module + "/events"}}, why: "the core reaches exact-routing state through router.Exact (router/kvaware) and mounts the admin API it is given (router/admin); it carries no transport or index backend (Prometheus: still the data plane's metrics, docs/architecture.md)"},
+	{pkg: "router/tlscert", stdOnly: true, allow: []string{module + "/config", "gopkg.in/yaml.v3"}, why: "the listeners' certificates: crypto/tls over the config's tls: section, shared by the HTTP and gRPC listeners"},
 	{pkg: "router/kvstate", forbid: [][]string{{module + "/router"}, {module + "/grpcapi"}}, why: "the KV-state pipeline reports discoveries; it knows nothing of the router it feeds"},
 }
 

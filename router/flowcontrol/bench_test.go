@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 )
 
 // BenchmarkOfferNext is the cost of one request through a saturated
@@ -37,7 +37,7 @@ func benchOfferNext(b *testing.B, depth, tenants int) {
 	}
 	b.ReportAllocs()
 	b.ResetTimer()
-	defer reportCPU(b)()
+	defer cputime.Report(b)(b.N) // b.N is fixed for this call (for range b.N)
 	for i := range b.N {
 		now = now.Add(time.Millisecond)
 		it := &items[depth+1+i]
@@ -54,7 +54,7 @@ func BenchmarkGateUncontended(b *testing.B) {
 	g := mustGate(b, Config{MaxConcurrency: 1 << 20})
 	ctx := context.Background()
 	b.ReportAllocs()
-	defer reportCPU(b)()
+	defer cputime.Report(b)(b.N) // b.N is fixed for this call (for range b.N)
 	for range b.N {
 		tk, err := g.Acquire(ctx, Item{Tenant: "t", Cost: 1000, Prefill: 900})
 		if err != nil {
@@ -62,17 +62,5 @@ func BenchmarkGateUncontended(b *testing.B) {
 		}
 		tk.FirstToken()
 		tk.Done()
-	}
-}
-
-// reportCPU reports the process CPU time per op beside the wall time
-// (cpu-ns/op): on a shared machine wall time includes time the benchmark
-// was not running. Call as defer reportCPU(b)() after setup.
-func reportCPU(b *testing.B) func() {
-	c0 := testenv.ProcessCPU()
-	return func() {
-		if c1 := testenv.ProcessCPU(); c0 >= 0 && c1 >= 0 && b.N > 0 {
-			b.ReportMetric(float64(c1-c0)/float64(b.N), "cpu-ns/op")
-		}
 	}
 }

@@ -14,7 +14,7 @@ import (
 
 // PeerFreshness is a pool's Freshness with replica sync: the consumer's
 // freshness and the pool's Syncer, whose methods make it the router's
-// PeerState (router/kvaware_peers.go).
+// PeerState (router/kvaware/kvaware_peers.go).
 type PeerFreshness struct {
 	kvindex.FreshnessFuncs
 	*replicasync.Syncer

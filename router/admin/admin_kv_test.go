@@ -1,0 +1,219 @@
+package admin_test
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/kvaware"
+	"github.com/kvrouter/kvrouter/tokenizer"
+)
+
+const (
+	kvModel = "llama-kv-http"
+	kvBS    = 16
+)
+
+// kvAdminServer is a router with one kv_aware pool ("kv", simple
+// tokenizer) over idx and one heuristic pool without KV state ("plain").
+func kvAdminServer(t testing.TB, idx kvindex.Index, token string) *httptest.Server {
+	t.Helper()
+	pools := []config.PoolConfig{
+		{Name: "kv", Model: kvModel, Adapters: []string{"lora-a"}, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Tokenizer: &config.TokenizerConfig{Source: kvaware.TokenSourceSimple},
+			Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}, {ID: "vllm-1", URL: "http://127.0.0.1:2"}}},
+		{Name: "plain", Model: "other", Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "x", URL: "http://127.0.0.1:3"}}},
+	}
+	srv, err := router.NewServer(config.Config{Pools: pools, AdminToken: token}, router.Options{Admin: admin.Routes(nil),
+		Logger: slog.New(slog.DiscardHandler),
+		KV: kvaware.NewSource(func(pc config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
+			if pc.Name != "kv" {
+				return nil, nil
+			}
+			return idx, kvindex.FreshnessFuncs{IsStale: func(id string) bool { return id == "vllm-1" }}
+		}),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := httptest.NewServer(srv.Handler())
+	t.Cleanup(ts.Close)
+	return ts
+}
+
+func TestAdminKVLookupAndInstances(t *testing.T) {
+	ctx := context.Background()
+	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvModel})
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := strings.Repeat("the quick brown fox jumps over the lazy dog ", 20)
+	ids, err := tokenizer.Simple{}.Encode(text)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ids) < 4*kvBS {
+		t.Fatalf("prompt of %d tokens too short", len(ids))
+	}
+	// vllm-0: 4 blocks on GPU, the last one also offloaded to CPU and then
+	// dropped from GPU (3 GPU + 1 CPU); vllm-1 (stale): 2 blocks on GPU.
+	store := func(inst string, n int, base uint64) {
+		hs := make([]uint64, n)
+		for i := range hs {
+			hs[i] = base + uint64(i)
+		}
+		if _, err := idx.Apply(ctx, inst, []events.Event{{Kind: events.BlockStored, BlockHashes: hs, TokenIDs: ids[:n*kvBS], BlockSize: kvBS, Medium: "GPU"}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	store("vllm-0", 4, 100)
+	store("vllm-1", 2, 200)
+	// vllm-0 also holds 2 blocks of a chat, keyed from the chat's rendering.
+	msgs := []tokenizer.Message{{Role: "system", Content: strings.Repeat("You are helpful. ", 20)}, {Role: "user", Content: "hi"}}
+	rendered, err := tokenizer.Simple{}.Render(msgs, tokenizer.RenderOptions{AddGenerationPrompt: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	chatIDs, err := tokenizer.Simple{}.Encode(rendered)
+	if err != nil || len(chatIDs) < 2*kvBS {
+		t.Fatalf("chat of %d tokens: %v", len(chatIDs), err)
+	}
+	if _, err := idx.Apply(ctx, "vllm-0", []events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{300, 301}, TokenIDs: chatIDs[:2*kvBS], BlockSize: kvBS, Medium: "GPU"}}); err != nil {
+		t.Fatal(err)
+	}
+	msgsJSON, _ := json.Marshal(msgs)
+	if _, err := idx.Apply(ctx, "vllm-0", []events.Event{
+		{Kind: events.BlockStored, BlockHashes: []uint64{103}, Medium: "CPU"},
+		{Kind: events.BlockRemoved, BlockHashes: []uint64{103}, Medium: "GPU"},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	ts := kvAdminServer(t, idx, "tok")
+	idsJSON, _ := json.Marshal(ids)
+	textJSON, _ := json.Marshal(text)
+	matches := `[{"instance":"vllm-0","gpu_blocks":3,"cpu_blocks":1,"disk_blocks":0,"shared_blocks":0,"live":true},` +
+		`{"instance":"vllm-1","gpu_blocks":2,"cpu_blocks":0,"disk_blocks":0,"shared_blocks":0,"live":false}]`
+	tests := []struct {
+		name, method, path, body, token string
+		status                          int
+		want                            string // compact JSON of the answer's "matches", or a substring of an error
+	}{
+		{"token ids", "POST", "/admin/pools/kv/lookup", `{"token_ids":` + string(idsJSON) + `}`, "tok", 200, matches},
+		{"prompt through the pool's tokenizer", "POST", "/admin/pools/kv/lookup", `{"prompt":` + string(textJSON) + `}`, "tok", 200, matches},
+		{"other adapter's keys hold nothing", "POST", "/admin/pools/kv/lookup", `{"adapter":"lora-a","token_ids":` + string(idsJSON) + `}`, "tok", 200, `[]`},
+		{"cache salt changes the keys", "POST", "/admin/pools/kv/lookup", `{"cache_salt":"s","token_ids":` + string(idsJSON) + `}`, "tok", 200, `[]`},
+		{"short prompt: no full block", "POST", "/admin/pools/kv/lookup", `{"token_ids":[1,2,3]}`, "tok", 200, `[]`},
+		{"no token", "POST", "/admin/pools/kv/lookup", `{"token_ids":[1]}`, "", 401, "bearer"},
+		{"wrong token", "POST", "/admin/pools/kv/lookup", `{"token_ids":[1]}`, "nope", 401, "bearer"},
+		{"unknown pool", "POST", "/admin/pools/nope/lookup", `{"token_ids":[1]}`, "tok", 404, "no pool"},
+		{"pool without KV", "POST", "/admin/pools/plain/lookup", `{"token_ids":[1]}`, "tok", 409, "no KV index"},
+		{"chat messages through the pool's template", "POST", "/admin/pools/kv/lookup", `{"messages":` + string(msgsJSON) + `}`, "tok", 200,
+			`[{"instance":"vllm-0","gpu_blocks":2,"cpu_blocks":0,"disk_blocks":0,"shared_blocks":0,"live":true}]`},
+		{"malformed messages", "POST", "/admin/pools/kv/lookup", `{"messages":{"role":"user"}}`, "tok", 400, "lookup:"},
+		{"both inputs", "POST", "/admin/pools/kv/lookup", `{"token_ids":[1],"prompt":"x"}`, "tok", 400, "exactly one of token_ids, prompt and messages"},
+		{"prompt and messages", "POST", "/admin/pools/kv/lookup", `{"prompt":"x","messages":[]}`, "tok", 400, "exactly one of"},
+		{"neither input", "POST", "/admin/pools/kv/lookup", `{}`, "tok", 400, "exactly one of"},
+		{"malformed", "POST", "/admin/pools/kv/lookup", `{"token_ids":[-1]}`, "tok", 400, "malformed"},
+		{"unknown field", "POST", "/admin/pools/kv/lookup", `{"tokens":[1]}`, "tok", 400, "malformed"},
+		{"unknown adapter", "POST", "/admin/pools/kv/lookup", `{"adapter":"zzz","token_ids":[1]}`, "tok", 404, "adapter"},
+		{"evictions without events", "GET", "/v1/kv/evictions?pool=kv", "", "tok", 503, "events disabled"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			req, _ := http.NewRequest(tc.method, ts.URL+tc.path, strings.NewReader(tc.body))
+			if tc.token != "" {
+				req.Header.Set("Authorization", "Bearer "+tc.token)
+			}
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			b, _ := io.ReadAll(resp.Body)
+			if resp.StatusCode != tc.status {
+				t.Fatalf("status %d, want %d: %s", resp.StatusCode, tc.status, b)
+			}
+			if tc.status != 200 {
+				if !strings.Contains(string(b), tc.want) {
+					t.Fatalf("error %s lacks %q", b, tc.want)
+				}
+				return
+			}
+			var out struct {
+				BlockSize int             `json:"block_size"`
+				Matches   json.RawMessage `json:"matches"`
+			}
+			if err := json.Unmarshal(b, &out); err != nil {
+				t.Fatal(err)
+			}
+			if out.BlockSize != kvBS {
+				t.Errorf("block_size %d", out.BlockSize)
+			}
+			var got, want any
+			_ = json.Unmarshal(out.Matches, &got)
+			_ = json.Unmarshal([]byte(tc.want), &want)
+			g, _ := json.Marshal(got)
+			w, _ := json.Marshal(want)
+			if string(g) != string(w) {
+				t.Fatalf("matches %s, want %s", g, w)
+			}
+		})
+	}
+
+	// Instances: the index's blocks per tier beside the pool's membership
+	// (no events pipeline here: the consumer's fields stay zero).
+	req, _ := http.NewRequest("GET", ts.URL+"/admin/pools/kv/instances", nil)
+	req.Header.Set("Authorization", "Bearer tok")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var iv admin.KVInstancesResponse
+	if err := json.NewDecoder(resp.Body).Decode(&iv); err != nil {
+		t.Fatal(err)
+	}
+	if len(iv.Instances) != 2 || iv.BlockSize != kvBS {
+		t.Fatalf("instances %+v", iv)
+	}
+	v0 := iv.Instances[0]
+	// 3 of the prompt on GPU (its 4th moved to CPU) and the chat's 2.
+	if v0.Instance != "vllm-0" || !v0.InPool || !v0.Configured || v0.Blocks["gpu"] != 5 || v0.Blocks["cpu"] != 1 || v0.LastEvent.IsZero() || v0.State != "unknown" {
+		t.Fatalf("vllm-0 %+v", v0)
+	}
+}
+
+// FuzzAdminKVLookup: no body makes the lookup endpoint crash or answer 5xx.
+func FuzzAdminKVLookup(f *testing.F) {
+	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvModel, BlockSize: kvBS})
+	if err != nil {
+		f.Fatal(err)
+	}
+	ts := kvAdminServer(f, idx, "")
+	for _, s := range []string{`{"token_ids":[1,2,3]}`, `{"prompt":"hello world"}`, `{"prompt":""}`, `{"adapter":"lora-a","prompt":"x","cache_salt":"s"}`, `[]`, `{"token_ids":[4294967296]}`, `null`} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, body string) {
+		resp, err := http.Post(ts.URL+"/admin/pools/kv/lookup", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode >= 500 {
+			t.Fatalf("status %d for %q", resp.StatusCode, body)
+		}
+	})
+}

@@ -1,4 +1,0 @@
-package router
-
-// ProcessCPUForTest exposes processCPU to the external benchmarks.
-var ProcessCPUForTest = processCPU

@@ -1,0 +1,880 @@
+package kvaware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"math/rand/v2"
+	"net/http"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// maxKeyedTokens bounds the prompt tokens a decision keys and looks up
+// (2^20, eight times a 128k-token context): a hostile prompt of millions
+// of ids must not cost a million-key lookup.
+const maxKeyedTokens = 1 << 20
+
+// lostEpoch is the instance's cache epoch from the freshness source (0
+// without one).
+func (st *KVState) lostEpoch(instance string) uint64 {
+	if e, ok := st.fresh.(kvindex.CacheEpochs); ok {
+		return e.LostEpoch(instance)
+	}
+	return 0
+}
+
+// KVStateConfig is what a pool's exact routing is built from.
+type KVStateConfig struct {
+	// Pool and Model name the pool; Model is folded into block-key roots
+	// (kvindex.Root) for requests without a LoRA adapter, as the index does.
+	Pool  string
+	Model string
+	// Index is the pool's block map. Required.
+	Index kvindex.Index
+	// Freshness, nil = the stream is always healthy and no instance stale.
+	Freshness kvindex.Freshness
+	// Tokens produces token ids for requests that carry none; nil = such
+	// requests route heuristically.
+	Tokens router.TokenSource
+	// Metrics, nil = metrics kept but registered nowhere.
+	Metrics *KVMetrics
+	// Logger, nil = slog.Default().
+	Logger *slog.Logger
+	// Now is the clock (speculative entries, load samples); nil = time.Now.
+	// Simulations pass their virtual clock.
+	Now func() time.Time
+}
+
+// KVState is a pool's long-lived exact-routing state: the index and its
+// freshness, the token source, the speculative overlay, the router-local
+// pending prefill per instance, engine-reported load, and the
+// heuristic-versus-exact comparison. It outlives strategy switches and
+// reloads, so that switching kv_aware off and on again loses nothing.
+// Safe for concurrent use.
+type KVState struct {
+	pool, model string
+	index       kvindex.Index
+	fresh       kvindex.Freshness
+	tokens      router.TokenSource
+	m           *KVMetrics
+	log         *slog.Logger
+	now         func() time.Time
+
+	specMu sync.Mutex // guards spec, replaced when its TTL or capacity changes
+	spec   *speculative
+
+	pendMu sync.RWMutex // guards pend (the counters themselves are atomic)
+	pend   map[string]*pendingCounter
+
+	loads loadStore
+
+	// streamUp is the stream state last seen by a decision: 0 unknown, 1 up,
+	// 2 down; a transition logs once and counts.
+	streamUp atomic.Int32
+
+	cmp compareStats
+
+	util utilisation
+
+	drainRate prefillRate // measured prefill throughput (kvaware_drain.go)
+	behind    sampleMean  // requests joining a prefill busy period after another (kvaware_drain.go)
+
+	evalPool sync.Pool // *kvEval scratch
+
+	peers kvPeers // replica sync (kvaware_peers.go)
+
+	probe *http.Client // load scraping (Run); set by Source
+}
+
+// pendingCounter is the router-local prefill work routed to an instance
+// whose first response byte has not arrived yet.
+type pendingCounter struct {
+	tokens atomic.Int64
+	reqs   atomic.Int64
+	doneAt atomic.Int64 // when the routed work is predicted done, Unix ns (kvaware_drain.go)
+	period atomic.Int64 // requests routed since the pending queue was last empty
+}
+
+// NewKVState builds a pool's exact-routing state.
+func NewKVState(cfg KVStateConfig) (*KVState, error) {
+	if cfg.Index == nil {
+		return nil, fmt.Errorf("%w %q", router.ErrNoKVState, cfg.Pool)
+	}
+	st := &KVState{
+		pool: cfg.Pool, model: cfg.Model, index: cfg.Index, fresh: cfg.Freshness, tokens: cfg.Tokens,
+		m: cfg.Metrics, log: cfg.Logger, now: cfg.Now, pend: map[string]*pendingCounter{},
+	}
+	if st.m == nil {
+		st.m = newKVMetrics()
+	}
+	if st.log == nil {
+		st.log = slog.Default()
+	}
+	if st.now == nil {
+		st.now = time.Now
+	}
+	st.attachPeers()
+	return st, nil
+}
+
+// Index is the pool's block map.
+func (st *KVState) Index() kvindex.Index { return st.index }
+
+// speculativeFor returns the overlay for ttl and capacity, keeping the
+// current one when they are unchanged (a routing switch must not forget
+// the bursts in flight). ttl < 0 or capacity < 0 disables it (nil).
+func (st *KVState) speculativeFor(ttl time.Duration, capacity int) *speculative {
+	if ttl < 0 || capacity < 0 {
+		return nil
+	}
+	st.specMu.Lock()
+	defer st.specMu.Unlock()
+	if st.spec == nil || st.spec.ttl != ttl || st.spec.set.Cap() != capacity {
+		st.spec = newSpeculative(ttl, capacity, st.now)
+	}
+	return st.spec
+}
+
+func (st *KVState) pendingFor(inst string) *pendingCounter {
+	st.pendMu.RLock()
+	pc := st.pend[inst]
+	st.pendMu.RUnlock()
+	if pc != nil {
+		return pc
+	}
+	st.pendMu.Lock()
+	defer st.pendMu.Unlock()
+	if pc = st.pend[inst]; pc == nil {
+		pc = &pendingCounter{}
+		st.pend[inst] = pc
+	}
+	return pc
+}
+
+// PendingPrefill reports the router-local prefill tokens and requests
+// routed to inst that have not had their first response byte.
+func (st *KVState) PendingPrefill(inst string) (tokens, requests int64) {
+	st.pendMu.RLock()
+	pc := st.pend[inst]
+	st.pendMu.RUnlock()
+	if pc == nil {
+		return 0, 0
+	}
+	return pc.tokens.Load(), pc.reqs.Load()
+}
+
+// SetLoad records an engine-reported load sample for inst (the scraper
+// calls it; simulations may call it directly).
+func (st *KVState) SetLoad(inst string, waiting, running float64) {
+	st.loads.set(inst, loadSample{waiting: waiting, running: running, at: st.now()})
+}
+
+// noteStream logs and counts a change of the stream's health.
+func (st *KVState) noteStream(up bool) {
+	v := int32(2)
+	if up {
+		v = 1
+	}
+	old := st.streamUp.Swap(v)
+	if old == v {
+		return
+	}
+	if old == 0 && up {
+		st.m.streamUp.WithLabelValues(st.pool).Set(1) // the first decision: not a transition
+		return
+	}
+	if up {
+		st.m.streamUp.WithLabelValues(st.pool).Set(1)
+		st.m.streamTransitions.WithLabelValues(st.pool, "up").Inc()
+		st.log.Info("kv event stream healthy: exact routing resumed", "pool", st.pool)
+	} else {
+		st.m.streamUp.WithLabelValues(st.pool).Set(0)
+		st.m.streamTransitions.WithLabelValues(st.pool, "down").Inc()
+		st.log.Warn("kv event stream down: routing by prefix hash until it recovers", "pool", st.pool)
+	}
+}
+
+// KVAware is the kv_aware strategy for one routing configuration of a
+// pool: a value built per configuration, over the pool's long-lived KVState.
+type KVAware struct {
+	st        *KVState
+	sc        kvScoring
+	threshold int
+	fallback  *router.PrefixAware
+	rnd       func(n uint64) uint64 // the fallback's randomness, shared by the shadow's
+	spec      *speculative          // nil when disabled
+	loadAge   time.Duration
+	cands     candIndexCache // the last candidate list's id → position
+}
+
+// NewKVAware builds the kv_aware strategy for rc (defaults applied) over
+// st. Simulations call it directly; NewStrategy calls it for "kv_aware".
+func NewKVAware(rc config.RoutingConfig, st *KVState) (*KVAware, error) {
+	return newKVAware(rc, st, rand.Uint64N)
+}
+
+func newKVAware(rc config.RoutingConfig, st *KVState, rnd func(uint64) uint64) (*KVAware, error) {
+	if st == nil {
+		return nil, router.ErrNoKVState
+	}
+	rc = rc.WithDefaults()
+	if err := rc.KV.ValidateKV("routing.kv"); err != nil {
+		return nil, err
+	}
+	sc := resolveScoring(rc.KV)
+	return &KVAware{
+		st:        st,
+		sc:        sc,
+		threshold: rc.ConcurrencyThreshold,
+		fallback:  router.NewPrefixAware(rc.ConcurrencyThreshold, rnd),
+		rnd:       rnd,
+		spec:      st.speculativeFor(sc.specTTL, sc.specCap),
+		loadAge:   3 * max(sc.scrape, DefaultScrapeInterval),
+	}, nil
+}
+
+// Name implements Strategy.
+var _ router.Strategy = (*KVAware)(nil)
+
+func (*KVAware) Name() string { return config.StrategyKVAware }
+
+// Pick implements Strategy.
+func (s *KVAware) Pick(ctx context.Context, req *router.Request, cands []*router.Instance) (router.Decision, error) {
+	dec, ev, err := s.pick(ctx, req, cands, true)
+	if ev != nil {
+		s.st.putEval(ev)
+	}
+	return dec, err
+}
+
+// candEval is one candidate's score.
+type candEval struct {
+	inst   *router.Instance
+	rv     uint64           // rendezvous score for the request
+	full   bool             // at the concurrency threshold
+	blocks [tiers.Count]int // leading blocks held, cumulative per tier (fresh index + speculative)
+	stale  [tiers.Count]int // the index's blocks, not counted: the instance is stale
+	// matched is blocks in tokens per tier, each beyond faster tiers.
+	matched [tiers.Count]int
+	ttft    float64 // predicted, seconds
+	queue   float64 // predicted wait before its prefill starts, seconds
+	ahead   float64 // routed prefill tokens predicted left there (kvaware_drain.go)
+	// score is what the pick minimises: ttft plus the weighted prefill the
+	// pick adds to the fleet (see KVScoringConfig.PrefillCostWeight).
+	score float64
+	// peer is the other replicas' load on the instance (replica sync).
+	peer peerCounts
+	// scoreStale is score had the stale blocks counted (= score when none).
+	scoreStale float64
+	// scored is false for a cold candidate predict skipped (scores +Inf,
+	// see scoreCold): kvEval.find scores it when asked about it.
+	scored bool
+}
+
+// kvEval is what kv_aware knew about one request: pooled scratch.
+type kvEval struct {
+	cands     []candEval
+	keys      []kvindex.Key
+	holders   []string
+	tokens    int           // prompt tokens, 0 when unknown
+	blockSize int           // tokens per block, 0 when unknown
+	fallback  router.Reason // set when nobody's blocks count: why
+	anyStale  bool
+	commit    bool    // the decision will be committed (not shadow scoring)
+	weight    float64 // prefill cost weight used
+	sc        *kvScoring
+	memo      scoreMemo
+	matches   []kvindex.Match // the lookup's answer, reused across decisions
+	ci        *candIndex      // the candidate index, when the decision used one
+	perm      []int32         // match k's candidate in the last decision over permOf
+	permOf    *candIndex
+}
+
+func (st *KVState) getEval() *kvEval {
+	if ev, ok := st.evalPool.Get().(*kvEval); ok {
+		return ev
+	}
+	return &kvEval{}
+}
+
+func (st *KVState) putEval(ev *kvEval) {
+	if cap(ev.keys) > 1<<16 || cap(ev.matches) > 1<<12 {
+		return // don't keep a huge prompt's (or fleet's) scratch alive
+	}
+	ev.cands = ev.cands[:0]
+	st.evalPool.Put(ev)
+}
+
+// find returns inst's evaluation, nil when inst was not a candidate; a
+// cold candidate the decision did not need to score is scored now.
+func (ev *kvEval) find(inst *router.Instance) *candEval {
+	for i := range ev.cands {
+		if ce := &ev.cands[i]; ce.inst == inst {
+			if !ce.scored && ev.sc != nil {
+				ev.sc.score(ev, ce)
+			}
+			return ce
+		}
+	}
+	return nil
+}
+
+// pick decides; commit records the decision's side effects (speculative
+// entries, pending prefill, metrics, observer) — shadow scoring passes
+// false. The returned evaluation belongs to the caller (putEval); it is
+// nil only with an error.
+func (s *KVAware) pick(ctx context.Context, req *router.Request, cands []*router.Instance, commit bool) (router.Decision, *kvEval, error) {
+	if len(cands) == 0 {
+		return router.Decision{}, nil, router.ErrNoCandidates
+	}
+	ev := s.st.getEval()
+	s.evaluate(ctx, req, cands, ev, commit)
+	var dec router.Decision
+	switch {
+	case ev.fallback != "" && s.sc.loadBound >= 0:
+		// The index says nothing useful: the prompt's hash-home takes it,
+		// so the first requests of a new prefix land together, unless the
+		// home is over the load bound (then the next in rendezvous order
+		// under it: consistent hashing with bounded loads).
+		pick, reason := s.bounded(ev)
+		if reason == router.ReasonKVMatch {
+			reason = ev.fallback
+		}
+		dec = router.Decision{Instance: ev.cands[pick].inst, Reason: reason}
+	case ev.fallback != "":
+		dec, _ = s.fallback.Pick(ctx, req, cands)
+		if dec.Reason == router.ReasonHash {
+			dec.Reason = ev.fallback
+		}
+	default:
+		pick, reason := s.decide(ev, false)
+		if reason == router.ReasonKVMatch && ev.anyStale {
+			if with, _ := s.decide(ev, true); with != pick {
+				reason = router.ReasonStaleFallback
+			}
+		}
+		dec = router.Decision{Instance: ev.cands[pick].inst, Reason: reason}
+	}
+	dec.Strategy = config.StrategyKVAware
+	ce := ev.find(dec.Instance)
+	if ev.tokens > 0 && ce != nil {
+		dec.Explain = &router.Explanation{MatchedTokens: ce.matched, PromptTokens: ev.tokens, PredictedTTFT: seconds(ce.ttft)}
+	}
+	if commit {
+		s.commit(&dec, ev, ce)
+	}
+	return dec, ev, nil
+}
+
+func seconds(f float64) time.Duration {
+	if f > float64(math.MaxInt64)/1e9 || math.IsNaN(f) {
+		return math.MaxInt64
+	}
+	return time.Duration(f * 1e9)
+}
+
+// evaluate fills ev: token ids, block keys, one index lookup, speculative
+// holds, staleness, and each candidate's predicted TTFT. Without commit
+// (shadow scoring) it leaves the speculative overlay as it found it.
+func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*router.Instance, ev *kvEval, commit bool) {
+	st := s.st
+	h := req.RoutingHash()
+	for _, c := range cands {
+		ev.cands = append(ev.cands, candEval{inst: c, rv: c.Rendezvous(h), full: c.Full(s.threshold)})
+	}
+	ev.tokens, ev.blockSize, ev.fallback, ev.anyStale, ev.keys, ev.commit = 0, 0, "", false, ev.keys[:0], commit
+	ev.sc = &s.sc
+	defer s.predict(ev)
+
+	if st.fresh != nil {
+		up := st.fresh.StreamHealthy()
+		st.noteStream(up)
+		if !up {
+			ev.fallback = router.ReasonStreamDown
+			return
+		}
+	}
+	if req.Tokenizer == nil {
+		req.Tokenizer = st.tokens
+	}
+	tctx := ctx
+	if req.PromptTokens == nil && req.Tokenizer != nil {
+		var cancel context.CancelFunc
+		tctx, cancel = context.WithTimeout(ctx, s.sc.tokTimeout)
+		defer cancel()
+	}
+	ids, err := req.TokenIDs(tctx)
+	if err != nil {
+		if !errors.Is(err, router.ErrNoTokens) {
+			st.m.tokenErrs.WithLabelValues(st.pool).Inc()
+			st.log.Debug("no token ids for request; routing heuristically", "pool", st.pool, "err", err)
+		}
+		ev.fallback = router.ReasonHeuristic
+		return
+	}
+	if len(ids) > maxKeyedTokens {
+		ids = ids[:maxKeyedTokens] // matches are prefixes: the head decides
+	}
+	ev.tokens = len(ids)
+	bs := s.sc.blockSize
+	if bs <= 0 {
+		bs = st.index.BlockSize()
+	}
+	if bs <= 0 || len(ids) < bs {
+		// No block size learned yet (no event ever arrived), or a prompt
+		// shorter than one block: nothing can be cached.
+		ev.fallback = router.ReasonHeuristic
+		return
+	}
+	ev.blockSize = bs
+	root := kvindex.Root(st.model, req.Adapter, req.CacheSalt())
+	if m, ok := req.KeyMemo.(*keyMemo); ok && m.root == root && m.bs == bs && m.n == len(ids) {
+		ev.keys = append(ev.keys[:0], m.keys...)
+	} else {
+		ev.keys = kvindex.AppendKeys(ev.keys, root, ids, bs)
+		if req.ShareKeys {
+			req.KeyMemo = &keyMemo{keys: slices.Clone(ev.keys), root: root, bs: bs, n: len(ids)}
+		}
+	}
+	matches, err := tracedLookup(ctx, st.index, ev.matches, ev.keys)
+	ev.matches = matches
+	if err != nil {
+		st.m.lookupErrs.WithLabelValues(st.pool).Inc()
+		st.log.Debug("index lookup failed; routing on speculative entries and the heuristic", "pool", st.pool, "err", err)
+		matches = nil
+	}
+	byID := s.finder(ev, cands, len(matches))
+	for k, m := range matches {
+		ce := byID.find(k, m.Instance)
+		if ce == nil {
+			continue // not a candidate (unhealthy, full adapter set, other pool)
+		}
+		if st.fresh != nil && st.fresh.Stale(m.Instance) {
+			ce.stale = m.Blocks
+			ev.anyStale = true
+			continue
+		}
+		ce.blocks = m.Blocks
+	}
+	if s.spec != nil && (s.spec.Len() > 0 || st.peers.ps != nil) {
+		ev.holders = s.spec.holders(ev.holders[:0], ev.keys[0])
+		if st.peers.ps != nil {
+			ev.holders = st.peers.ps.PeerHolders(ev.holders, ev.keys[0])
+		}
+		var specAt specProbe
+		for i := range ev.cands {
+			ce := &ev.cands[i]
+			g := ce.blocks[tiers.GPU]
+			if g == 0 && !containsString(ev.holders, ce.inst.ID()) {
+				continue
+			}
+			if ce.stale != ([tiers.Count]int{}) || (g == 0 && st.fresh != nil && st.fresh.Stale(ce.inst.ID())) {
+				continue // nothing vouches for a stale instance, guesses included
+			}
+			below, at := specAt.at(s.spec, ev.keys, g)
+			if commit && below && s.spec.heldBy(ev.keys[g-1], ce.inst.ID()) {
+				// Events confirmed the guess up to g: hand those blocks
+				// over to the index, which will also see their eviction.
+				s.spec.confirm(ev.keys[:g], ce.inst.ID())
+			}
+			if !at && st.peers.ps == nil {
+				continue // no guess at block g: nothing to extend
+			}
+			if ext := st.extendSpec(s.spec, ev.keys, g, ce.inst.ID()); ext > g {
+				for t := range tiers.Count {
+					ce.blocks[t] = max(ce.blocks[t], ext)
+				}
+			}
+		}
+	}
+	held := false
+	for i := range ev.cands {
+		if ev.cands[i].blocks[tiers.Count-1] > 0 {
+			held = true
+			break
+		}
+	}
+	switch {
+	case held:
+	case ev.anyStale:
+		ev.fallback = router.ReasonStaleFallback
+	default:
+		ev.fallback = router.ReasonHeuristic
+	}
+}
+
+// byID finds a candidate by instance id.
+func (ev *kvEval) byID(id string) *candEval {
+	for i := range ev.cands {
+		if ev.cands[i].inst.ID() == id {
+			return &ev.cands[i]
+		}
+	}
+	return nil
+}
+
+func containsString(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
+
+// predict computes every candidate's queue and predicted TTFT.
+func (s *KVAware) predict(ev *kvEval) {
+	st := s.st
+	now := st.now()
+	busy := 0
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		if st.peers.ps != nil {
+			ce.peer = st.peerCounts(ce.inst.ID()) // once per candidate: the queue below reads it too
+		}
+		if ce.inst.InFlight()+ce.peer.inflight > 0 {
+			busy++
+		}
+	}
+	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
+	ev.weight = s.sc.weight(rho, st.behind.mean())
+	cold := coldMin{free: math.Inf(1), all: math.Inf(1)}
+	st.pendMu.RLock()
+	st.loads.mu.RLock()
+	ev.memo = scoreMemo{}
+	haveLoads := len(st.loads.samples) > 0
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		var pTok float64
+		var pReq int64
+		if pc := ev.pending(st, i); pc != nil {
+			pReq = pc.reqs.Load()
+			pTok = pc.drainedTokens(now, float64(pc.tokens.Load()), st.drainRate.rate(s.sc.prefill))
+		}
+		// Other replicas' pending prefill (replica sync) counts in full:
+		// they publish what they routed, not how far it has drained.
+		pTok += float64(ce.peer.tokens)
+		pReq += ce.peer.reqs
+		ce.ahead = pTok
+		var ld loadSample
+		ok := false
+		if haveLoads {
+			ld, ok = st.loads.samples[ce.inst.ID()]
+			ok = ok && now.Sub(ld.at) <= s.loadAge
+		}
+		ce.queue = s.sc.queue(pTok, int(pReq), ce.inst.InFlight()+ce.peer.inflight, ld, ok)
+		if ce.cold() {
+			cold.note(ce)
+			continue
+		}
+		s.sc.score(ev, ce)
+	}
+	st.loads.mu.RUnlock()
+	st.pendMu.RUnlock()
+	s.scoreCold(ev, cold)
+}
+
+// score computes a candidate's matched tokens, predicted TTFT and score
+// from its queue.
+func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
+	bs, q := ev.blockSize, ce.queue
+	ce.scored = true
+	m := &ev.memo
+	if !m.ok || m.blocks != ce.blocks {
+		// Candidates holding the same blocks (a shared prefix) differ
+		// only by queue: the rest of the prediction is computed once.
+		m.ok, m.blocks = true, ce.blocks
+		m.matched = tierTokens(ce.blocks, bs, ev.tokens)
+		m.prefill = sc.ttft(0, ev.tokens, m.matched)
+		m.cost = sc.prefillCost(ev.weight, ev.tokens, m.matched)
+	}
+	ce.matched = m.matched
+	ce.ttft = q + m.prefill
+	ce.score = ce.ttft + m.cost
+	ce.scoreStale = ce.score
+	if ce.stale != ([tiers.Count]int{}) {
+		var both [tiers.Count]int
+		for t := range tiers.Count {
+			both[t] = max(ce.blocks[t], ce.stale[t])
+		}
+		m := tierTokens(both, bs, ev.tokens)
+		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, ev.tokens, m)
+	}
+}
+
+// decide picks for a request some instance holds: the least score
+// (predicted TTFT plus the fleet's cost of the prefill it adds, at the
+// weight the measured utilisation gives).
+func (s *KVAware) decide(ev *kvEval, countStale bool) (int, router.Reason) {
+	return s.choose(ev, countStale)
+}
+
+// bounded is consistent hashing with bounded loads for a prompt nobody
+// holds: the hash-home (first in rendezvous order) takes it while its
+// predicted queue is at most (1+ε) × the mean queue of the candidates
+// under the concurrency threshold, plus the tie tolerance (so that an idle
+// fleet's noise moves nothing); reason kv_match. Otherwise the least
+// loaded candidate under the threshold takes it: reason load_bound when
+// the home was over the bound, overflow when it was full; saturated (the
+// least loaded of all) when every candidate is full.
+//
+// Spilling to the least loaded rather than the next in rendezvous order
+// (as the paper does) minimises the request's wait; the burst that
+// follows it still finds its blocks there, through the speculative
+// entries.
+func (s *KVAware) bounded(ev *kvEval) (int, router.Reason) {
+	free, sum := 0, 0.0
+	home := -1
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		if home < 0 || ce.rv > ev.cands[home].rv {
+			home = i
+		}
+		if !ce.full {
+			free++
+			sum += ce.queue
+		}
+	}
+	if free == 0 {
+		return s.leastQueue(ev, false), router.ReasonSaturated
+	}
+	limit := (1+s.sc.loadBound)*sum/float64(free) + s.sc.tieTol
+	h := &ev.cands[home]
+	switch {
+	case !h.full && h.queue <= limit:
+		return home, router.ReasonKVMatch
+	case h.full:
+		return s.leastQueue(ev, true), router.ReasonOverflow
+	}
+	return s.leastQueue(ev, true), router.ReasonLoadBound
+}
+
+// leastQueue is the candidate with the least predicted queue (among those
+// under the threshold when skipFull), ties within the tolerance by
+// rendezvous order.
+func (s *KVAware) leastQueue(ev *kvEval, skipFull bool) int {
+	minQ := math.Inf(1)
+	for i := range ev.cands {
+		if ce := &ev.cands[i]; !(skipFull && ce.full) {
+			minQ = min(minQ, ce.queue)
+		}
+	}
+	pick := -1
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		if (skipFull && ce.full) || ce.queue > minQ+s.sc.tieTol {
+			continue
+		}
+		if pick < 0 || ce.rv > ev.cands[pick].rv {
+			pick = i
+		}
+	}
+	return pick
+}
+
+// choose returns the candidate with the least score (predicted TTFT plus
+// weighted added prefill) among those
+// under the threshold (all of them when every one is full), ties within the
+// tolerance broken by the highest rendezvous score so replicas agree.
+// countStale scores with stale instances' blocks counted (to tell whether
+// ignoring them changed the pick).
+func (s *KVAware) choose(ev *kvEval, countStale bool) (int, router.Reason) {
+	score := func(ce *candEval) float64 {
+		if countStale {
+			return ce.scoreStale
+		}
+		return ce.score
+	}
+	best := func(skipFull bool) int {
+		minT := math.Inf(1)
+		for i := range ev.cands {
+			if ce := &ev.cands[i]; !(skipFull && ce.full) {
+				minT = min(minT, score(ce))
+			}
+		}
+		pick := -1
+		for i := range ev.cands {
+			ce := &ev.cands[i]
+			if (skipFull && ce.full) || score(ce) > minT+s.sc.tieTol {
+				continue
+			}
+			if pick < 0 || ce.rv > ev.cands[pick].rv {
+				pick = i
+			}
+		}
+		return pick
+	}
+	free := best(true)
+	if free < 0 {
+		return best(false), router.ReasonSaturated
+	}
+	if top := best(false); top != free {
+		return free, router.ReasonOverflow
+	}
+	return free, router.ReasonKVMatch
+}
+
+// commit records a decision: metrics, speculative entries for the blocks
+// the chosen instance is about to compute, pending prefill, and the
+// observer that follows the request to its end.
+func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
+	st := s.st
+	st.m.decisions.WithLabelValues(st.pool, string(dec.Reason)).Inc()
+	st.cmp.countReason(dec.Reason, st.now())
+	if ev.tokens == 0 || ce == nil {
+		return
+	}
+	hit := 0
+	for t, n := range ce.matched {
+		hit += n
+		if n > 0 {
+			st.m.matched.WithLabelValues(st.pool, tiers.Tier(t).String()).Add(float64(n))
+		}
+	}
+	st.m.prompt.WithLabelValues(st.pool).Add(float64(ev.tokens))
+	if s.spec != nil {
+		if g := ce.blocks[tiers.GPU]; g < len(ev.keys) {
+			s.spec.add(ev.keys[g:], ce.inst.ID(), st.lostEpoch(ce.inst.ID()))
+			if st.peers.ps != nil {
+				st.peers.ps.Speculate(ce.inst.ID(), ev.keys[g:], s.spec.ttl)
+			}
+			st.m.specKeys.WithLabelValues(st.pool).Set(float64(s.spec.Len()))
+		}
+	}
+	dec.Observer = st.newDrainingObserver(ce, ev.tokens-hit, hit, s.sc.prefill)
+}
+
+// keyMemo keeps a request's block keys from its first pick for its second
+// (router.Request.ShareKeys: a disaggregated request), under the root,
+// block size and prompt length they were made for.
+type keyMemo struct {
+	keys  []kvindex.Key
+	root  kvindex.Key
+	bs, n int
+}
+
+// Strategy builds kv_aware, or shadow mode around the configured
+// strategy, over st (router.Exact).
+func (st *KVState) Strategy(cfg config.RoutingConfig, rnd func(uint64) uint64) (router.Strategy, error) {
+	kv, err := newKVAware(cfg, st, rnd)
+	if err != nil {
+		return nil, err
+	}
+	if !cfg.Shadow {
+		return kv, nil
+	}
+	if cfg.Strategy == config.StrategyKVAware {
+		return NewShadow(kv, kv), nil
+	}
+	plain := cfg
+	plain.Shadow = false
+	inUse, err := router.NewStrategy(plain.Strategy, plain, router.WithRand(rnd))
+	if err != nil {
+		return nil, err
+	}
+	return NewShadow(inUse, kv), nil
+}
+
+// utilisation is the fleet's busy fraction as the router sees it: the
+// share of candidates with a request in flight (an engine with work steps;
+// one without idles), averaged exponentially over
+// DefaultUtilisationWindow of the decision clock.
+type utilisation struct {
+	mu  sync.Mutex
+	rho float64
+	at  time.Time
+	set bool
+}
+
+// read folds the sample busy (observed at now) into the average when
+// update is set (committed decisions; shadow scoring only reads) and
+// returns the average.
+func (u *utilisation) read(now time.Time, busy float64, update bool) float64 {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if !update {
+		if !u.set {
+			return busy
+		}
+		return u.rho
+	}
+	switch dt := now.Sub(u.at).Seconds(); {
+	case !u.set:
+		u.rho, u.set = busy, true
+	case dt > 0:
+		u.rho += (busy - u.rho) * (1 - math.Exp(-dt/DefaultUtilisationWindow.Seconds()))
+	}
+	u.at = now
+	return u.rho
+}
+
+// Utilisation is the pool's busy fraction as kv_aware measures it (for
+// tests and the compare endpoint).
+func (st *KVState) Utilisation() float64 {
+	st.util.mu.Lock()
+	defer st.util.mu.Unlock()
+	return st.util.rho
+}
+
+// TokenSource is the pool's token source for requests that carry no token
+// ids (nil when the pool has none): the gRPC Index.Lookup tokenizes prompts
+// with it exactly as kv_aware does.
+func (st *KVState) TokenSource() router.TokenSource {
+	if st == nil {
+		return nil
+	}
+	return st.tokens
+}
+
+// Held is the most tokens of req's prompt any of cands holds (every tier,
+// fresh index and speculative entries) and the prompt's length, without
+// committing anything; ok is false when the prompt's tokens are unknown.
+// Disaggregation asks it before choosing between one stage and two.
+func (s *KVAware) Held(ctx context.Context, req *router.Request, cands []*router.Instance) (held, prompt int, ok bool) {
+	if len(cands) == 0 {
+		return 0, 0, false
+	}
+	_, ev, err := s.pick(ctx, req, cands, false)
+	if err != nil || ev == nil {
+		return 0, 0, false
+	}
+	defer s.st.putEval(ev)
+	if ev.tokens == 0 {
+		return 0, 0, false
+	}
+	for i := range ev.cands {
+		h := 0
+		for _, m := range ev.cands[i].matched {
+			h += m
+		}
+		held = max(held, h)
+	}
+	return held, ev.tokens, true
+}
+
+// tracedLookup runs an index lookup under a lookup span.
+func tracedLookup(ctx context.Context, ix kvindex.Index, dst []kvindex.Match, keys []kvindex.Key) ([]kvindex.Match, error) {
+	ctx, sp := router.StartSpan(ctx, router.SpanLookup)
+	var m []kvindex.Match
+	var err error
+	if a, ok := ix.(lookupAppender); ok {
+		m, err = a.LookupAppend(ctx, dst, keys)
+	} else {
+		m, err = ix.Lookup(ctx, keys)
+	}
+	if sp.Recording() {
+		sp.SetAttributes(router.AttrLookupBlocks.Int(len(keys)), router.AttrLookupHolders.Int(len(m)))
+		sp.End(err)
+	}
+	return m, err
+}

@@ -1,0 +1,190 @@
+package kvaware
+
+import (
+	"context"
+	"math"
+	"slices"
+	"sync/atomic"
+
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// candIndex maps instance ids to positions in one candidate list, so that
+// kv_aware finds each index match's candidate in O(1) rather than by
+// scanning the list (which made a decision quadratic in the fleet when
+// many instances share a prefix). kv_aware keeps the last index it built
+// and reuses it while the candidate list is the same one (same instances,
+// same order): checking that costs a pointer comparison per candidate.
+type candIndex struct {
+	insts []*router.Instance
+	pos   map[string]int32
+	// pend caches each candidate's pending-prefill counter (KVState never
+	// drops one); nil where none existed yet when the index was built.
+	pend []atomic.Pointer[pendingCounter]
+}
+
+// candIndexMin is the fewest matches for which the index pays: below it a
+// scan of the candidates is cheaper than hashing the ids.
+const candIndexMin = 8
+
+// candIndexCache holds kv_aware's last candIndex.
+type candIndexCache struct{ last atomic.Pointer[candIndex] }
+
+// get returns an index of cands, the cached one when cands is its list.
+func (c *candIndexCache) get(cands []*router.Instance) *candIndex {
+	if ci := c.last.Load(); ci != nil && slices.Equal(ci.insts, cands) {
+		return ci
+	}
+	ci := &candIndex{insts: slices.Clone(cands), pos: make(map[string]int32, len(cands)), pend: make([]atomic.Pointer[pendingCounter], len(cands))}
+	for i, in := range cands {
+		if _, dup := ci.pos[in.ID()]; !dup {
+			ci.pos[in.ID()] = int32(i) // the first, as a scan would find
+		}
+	}
+	c.last.Store(ci)
+	return ci
+}
+
+// candFinder finds the candidate evaluation of an instance id: by the
+// index when there are many matches to place, else by scanning.
+type candFinder struct {
+	ev *kvEval
+	ci *candIndex
+}
+
+func (s *KVAware) finder(ev *kvEval, cands []*router.Instance, matches int) candFinder {
+	f := candFinder{ev: ev}
+	ev.ci = nil
+	if matches >= candIndexMin {
+		f.ci = s.cands.get(cands)
+		ev.ci = f.ci
+		if ev.permOf != f.ci {
+			ev.perm, ev.permOf = ev.perm[:0], f.ci
+		}
+	}
+	return f
+}
+
+// pending returns candidate i's pending-prefill counter (nil: none yet),
+// from the candidate index's cache when there is one. Called with
+// st.pendMu held for reading.
+func (ev *kvEval) pending(st *KVState, i int) *pendingCounter {
+	if ci := ev.ci; ci != nil {
+		if pc := ci.pend[i].Load(); pc != nil {
+			return pc
+		}
+		pc := st.pend[ev.cands[i].inst.ID()]
+		if pc != nil {
+			ci.pend[i].Store(pc) // decisions sharing the index agree: one counter per id
+		}
+		return pc
+	}
+	return st.pend[ev.cands[i].inst.ID()]
+}
+
+// scoreMemo is the part of a prediction that depends only on the blocks
+// a candidate holds (see kvScoring.score).
+type scoreMemo struct {
+	ok            bool
+	blocks        [tiers.Count]int
+	matched       [tiers.Count]int
+	prefill, cost float64
+}
+
+// find returns the candidate of match k, instance id. The index lists
+// holders in a stable order (its instance slots), so the candidate that
+// match k had in this evaluation's previous decision over the same list is
+// tried first: one string comparison instead of hashing the id.
+func (f candFinder) find(k int, id string) *candEval {
+	ev := f.ev
+	if f.ci == nil {
+		return ev.byID(id)
+	}
+	if k < len(ev.perm) {
+		if i := ev.perm[k]; i >= 0 && ev.cands[i].inst.ID() == id {
+			return &ev.cands[i]
+		}
+	}
+	i, ok := f.ci.pos[id]
+	if !ok {
+		i = -1
+	}
+	for len(ev.perm) <= k {
+		ev.perm = append(ev.perm, -1)
+	}
+	ev.perm[k] = i
+	if i < 0 {
+		return nil
+	}
+	return &ev.cands[i]
+}
+
+// cold reports whether nothing vouches for any of the prompt's blocks on
+// the candidate: its score is then a function of its queue alone.
+func (ce *candEval) cold() bool {
+	return ce.blocks[len(ce.blocks)-1] == 0 && ce.stale[len(ce.stale)-1] == 0
+}
+
+// coldMin tracks the least queue among cold candidates: under the
+// concurrency threshold (free) and overall (all).
+type coldMin struct{ free, all float64 }
+
+func (c *coldMin) note(ce *candEval) {
+	c.all = min(c.all, ce.queue)
+	if !ce.full {
+		c.free = min(c.free, ce.queue)
+	}
+}
+
+// scoreCold scores the cold candidates that can matter, and gives the
+// others an infinite score: a cold candidate's score is its queue plus
+// the same prefill for every cold one, so one whose queue exceeds the
+// least cold queue (among those under the threshold, or among all) by
+// more than the tie tolerance can neither win nor tie, and kv_aware's
+// per-decision work stays with the instances holding something plus the
+// cheapest cold ones, however large the fleet. Queues (all candidates
+// have theirs) still serve the load-bound and least-queue choices.
+func (s *KVAware) scoreCold(ev *kvEval, c coldMin) {
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		if !ce.cold() {
+			continue
+		}
+		if (!ce.full && ce.queue <= c.free+s.sc.tieTol) || ce.queue <= c.all+s.sc.tieTol {
+			s.sc.score(ev, ce)
+			continue
+		}
+		ce.matched, ce.ttft = [len(ce.matched)]int{}, math.Inf(1)
+		ce.score, ce.scoreStale, ce.scored = math.Inf(1), math.Inf(1), false
+	}
+}
+
+// lookupAppender is an index that writes a lookup's matches into the
+// caller's buffer (kvindex.Memory does): kv_aware reuses one per pooled
+// evaluation instead of allocating a Match per holder per decision.
+type lookupAppender interface {
+	LookupAppend(ctx context.Context, dst []kvindex.Match, keys []kvindex.Key) ([]kvindex.Match, error)
+}
+
+// specProbe remembers, for the last match length g asked about, whether
+// the speculative overlay holds anything at blocks g-1 and g: candidates
+// sharing a prefix share g, so one decision asks the overlay about a few
+// keys rather than twice per candidate.
+type specProbe struct {
+	g           int
+	ok          bool
+	below, here bool
+}
+
+// at reports whether any instance holds keys[g-1] (false when g is 0) and
+// keys[g] (false past the end) speculatively.
+func (p *specProbe) at(s *speculative, keys []kvindex.Key, g int) (below, at bool) {
+	if !p.ok || p.g != g {
+		p.ok, p.g = true, g
+		p.below = g > 0 && s.any(keys[g-1])
+		p.here = g < len(keys) && s.any(keys[g])
+	}
+	return p.below, p.here
+}

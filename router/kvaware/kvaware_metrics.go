@@ -1,0 +1,119 @@
+package kvaware
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// KVMetrics are the metrics of exact routing, shadow comparison and load
+// scraping, labelled by pool. One value serves every pool of a server.
+type KVMetrics struct {
+	decisions         *prometheus.CounterVec
+	matched           *prometheus.CounterVec
+	prompt            *prometheus.CounterVec
+	tokenErrs         *prometheus.CounterVec
+	lookupErrs        *prometheus.CounterVec
+	streamUp          *prometheus.GaugeVec
+	streamTransitions *prometheus.CounterVec
+	specKeys          *prometheus.GaugeVec
+	pending           *pendingCollector
+	scrapes           *prometheus.CounterVec
+	usage             *prometheus.CounterVec
+	reportedCached    *prometheus.CounterVec
+	predictedCached   *prometheus.CounterVec
+	predictionError   *prometheus.HistogramVec
+	shadow            *prometheus.CounterVec
+	shadowMatched     *prometheus.CounterVec
+	shadowTTFT        *prometheus.HistogramVec
+}
+
+// NewKVMetrics creates the exact-routing metrics and registers them on reg.
+func NewKVMetrics(reg prometheus.Registerer) (*KVMetrics, error) {
+	m := newKVMetrics()
+	for _, c := range m.collectors() {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+func newKVMetrics() *KVMetrics {
+	ttftBuckets := prometheus.ExponentialBuckets(0.001, 2, 17) // 1ms .. 65s
+	return &KVMetrics{
+		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_kv_decisions_total",
+			Help: "kv_aware decisions by reason (kv_match, heuristic, load_bound, overflow, saturated, stale_fallback, stream_down).",
+		}, []string{"pool", "reason"}),
+		matched: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_kv_matched_tokens_total",
+			Help: "Prompt tokens the chosen instance was predicted to hold, by tier (each beyond faster tiers).",
+		}, []string{"pool", "tier"}),
+		prompt: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_kv_prompt_tokens_total",
+			Help: "Prompt tokens of requests routed by kv_aware with known token ids.",
+		}, []string{"pool"}),
+		tokenErrs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_kv_tokenize_errors_total",
+			Help: "Requests whose token ids could not be produced (routed heuristically).",
+		}, []string{"pool"}),
+		lookupErrs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_kv_lookup_errors_total",
+			Help: "Index lookups that failed (routed on speculative entries, else heuristically).",
+		}, []string{"pool"}),
+		streamUp: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvrouter_kv_stream_healthy",
+			Help: "1 while the pool's KV event stream is healthy (exact routing), 0 while kv_aware falls back to prefix_aware.",
+		}, []string{"pool"}),
+		streamTransitions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_kv_stream_transitions_total",
+			Help: "Changes of the KV event stream's health as seen by kv_aware, by the new state.",
+		}, []string{"pool", "state"}),
+		specKeys: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvrouter_kv_speculative_entries",
+			Help: "(block, instance) entries in the speculative overlay (routed but not yet confirmed by events).",
+		}, []string{"pool"}),
+		pending: newPendingCollector(), // compare.go: read at scrape time
+		scrapes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_kv_load_scrapes_total",
+			Help: "Scrapes of instances' /metrics for vllm:num_requests_waiting/running, by result.",
+		}, []string{"pool", "instance", "result"}),
+		usage: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_kv_usage_reports_total",
+			Help: "Finished kv-scored requests by whether the engine reported usage.prompt_tokens_details.cached_tokens (reported, missing).",
+		}, []string{"pool", "result"}),
+		reportedCached: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_kv_engine_cached_tokens_total",
+			Help: "Cached prompt tokens reported by engines (usage.prompt_tokens_details.cached_tokens).",
+		}, []string{"pool"}),
+		predictedCached: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_kv_predicted_cached_tokens_total",
+			Help: "Matched tokens predicted at routing for requests whose engine reported cached tokens (compare with kvrouter_kv_engine_cached_tokens_total).",
+		}, []string{"pool"}),
+		predictionError: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "kvrouter_kv_prediction_error_tokens",
+			Help:    "|predicted matched − engine-reported cached| tokens per request.",
+			Buckets: []float64{0, 16, 64, 256, 1024, 4096, 16384, 65536},
+		}, []string{"pool"}),
+		shadow: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_shadow_decisions_total",
+			Help: "Shadow-mode decisions by whether prefix_aware and kv_aware picked the same instance.",
+		}, []string{"pool", "agree"}),
+		shadowMatched: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_shadow_predicted_matched_tokens_total",
+			Help: "Shadow mode: matched tokens the index predicts for each strategy's pick.",
+		}, []string{"pool", "strategy"}),
+		shadowTTFT: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "kvrouter_shadow_predicted_ttft_seconds",
+			Help:    "Shadow mode: predicted time to first token of each strategy's pick.",
+			Buckets: ttftBuckets,
+		}, []string{"pool", "strategy"}),
+	}
+}
+
+func (m *KVMetrics) collectors() []prometheus.Collector {
+	return []prometheus.Collector{
+		m.decisions, m.matched, m.prompt, m.tokenErrs, m.lookupErrs, m.streamUp, m.streamTransitions,
+		m.specKeys, m.pending, m.scrapes, m.usage, m.reportedCached, m.predictedCached,
+		m.predictionError, m.shadow, m.shadowMatched, m.shadowTTFT,
+	}
+}

@@ -1,0 +1,120 @@
+package kvaware
+
+import (
+	"sync/atomic"
+	"time"
+
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/replicasync"
+	"github.com/kvrouter/kvrouter/router"
+)
+
+// PeerState is what the pool's other router replicas add to this one's
+// picture (replica sync, docs/replicas.md): their requests in flight and
+// pending prefill per instance, and their speculative blocks. A Freshness
+// that implements it (the KV-state pipeline's does when events.replica_sync is on) is
+// picked up by NewKVState (router/kvstate's PeerFreshness is one), which then also reports its own counters and
+// speculative blocks to it. *replicasync.Syncer implements it.
+type PeerState interface {
+	PeerLoad(inst string) (inflight, pendingTokens, pendingRequests int64)
+	PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int
+	PeerHolders(dst []string, key kvindex.Key) []string
+	// Speculate announces this replica's speculative blocks; it must not
+	// block (it runs on the request path).
+	Speculate(inst string, keys []kvindex.Key, ttl time.Duration)
+	// AttachLocal gives the peer state this replica's own counters.
+	AttachLocal(func(dst []replicasync.Load) []replicasync.Load)
+}
+
+var _ PeerState = (*replicasync.Syncer)(nil)
+
+// kvPeers holds a KVState's replica-sync state.
+type kvPeers struct {
+	ps PeerState // nil without replica sync
+	// insts lists the pool's instances (set when the pool's loops start),
+	// whose in-flight counters this replica reports.
+	insts atomic.Pointer[func() []*router.Instance]
+}
+
+// attachPeers wires st to the Freshness's PeerState, if it has one.
+func (st *KVState) attachPeers() {
+	ps, ok := st.fresh.(PeerState)
+	if !ok {
+		return
+	}
+	st.peers.ps = ps
+	ps.AttachLocal(st.localLoads)
+}
+
+// setInstances tells st where the pool's instances are.
+func (st *KVState) setInstances(f func() []*router.Instance) { st.peers.insts.Store(&f) }
+
+// localLoads appends this replica's counters: requests in flight per
+// instance (all strategies: the proxy counts them) and kv_aware's pending
+// prefill.
+func (st *KVState) localLoads(dst []replicasync.Load) []replicasync.Load {
+	seen := map[string]int{}
+	if f := st.peers.insts.Load(); f != nil {
+		for _, in := range (*f)() {
+			if n := in.InFlight(); n > 0 {
+				seen[in.ID()] = len(dst)
+				dst = append(dst, replicasync.Load{Instance: in.ID(), InFlight: int64(n)})
+			}
+		}
+	}
+	st.pendMu.RLock()
+	defer st.pendMu.RUnlock()
+	for id, pc := range st.pend {
+		tok, reqs := pc.tokens.Load(), pc.reqs.Load()
+		if tok <= 0 && reqs <= 0 {
+			continue
+		}
+		if i, ok := seen[id]; ok {
+			dst[i].PendingTokens, dst[i].PendingRequests = max(tok, 0), max(reqs, 0)
+			continue
+		}
+		dst = append(dst, replicasync.Load{Instance: id, PendingTokens: max(tok, 0), PendingRequests: max(reqs, 0)})
+	}
+	return dst
+}
+
+// peerCounts is the other replicas' load on one instance.
+type peerCounts struct {
+	inflight     int
+	tokens, reqs int64
+}
+
+// peerCounts reads the peers' counters for inst (zero without sync).
+func (st *KVState) peerCounts(inst string) peerCounts {
+	if st.peers.ps == nil {
+		return peerCounts{}
+	}
+	f, t, r := st.peers.ps.PeerLoad(inst)
+	return peerCounts{inflight: int(f), tokens: t, reqs: r}
+}
+
+// extendSpec continues inst's held chain from block g with this
+// replica's speculative blocks and its peers', alternately, as far as
+// either reaches.
+func (st *KVState) extendSpec(spec *speculative, keys []kvindex.Key, g int, inst string) int {
+	epoch := st.lostEpoch(inst)
+	for {
+		next := spec.extend(keys, g, inst, epoch)
+		if st.peers.ps != nil {
+			next = st.peers.ps.PeerExtend(keys, next, inst, epoch)
+		}
+		if next == g {
+			return g
+		}
+		g = next
+	}
+}
+
+// PeerLoad is the other replicas' counters for inst (zero without replica
+// sync).
+func (st *KVState) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests int64) {
+	if st.peers.ps == nil {
+		return 0, 0, 0
+	}
+	return st.peers.ps.PeerLoad(inst)
+}

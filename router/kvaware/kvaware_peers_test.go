@@ -1,0 +1,221 @@
+package kvaware
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/replicasync"
+	"github.com/kvrouter/kvrouter/router"
+)
+
+// peerFreshness is a Freshness with replica sync, as router/kvstate's
+// PeerFreshness is.
+type peerFreshness struct {
+	kvindex.FreshnessFuncs
+	*replicasync.Syncer
+}
+
+// peerWorld is one router replica of a pool: its own (empty) index, its
+// own instances' counters, and replica sync on a real NATS server.
+type peerWorld struct {
+	*kvWorld
+	sync *replicasync.Syncer
+}
+
+func newPeerWorld(t *testing.T, url, pool, name string, n int) *peerWorld {
+	t.Helper()
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	s, err := replicasync.New(replicasync.Config{Conn: nc, Pool: pool, Replica: name,
+		Interval: 10 * time.Millisecond, Heartbeat: 100 * time.Millisecond, PeerTimeout: 500 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = s.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvTestModel, BlockSize: kvTestBS})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := &kvWorld{t: t, idx: idx, clock: newTestClock(), fresh: &testFreshness{}}
+	w.st, err = NewKVState(KVStateConfig{Pool: "p", Model: kvTestModel, Index: idx,
+		Freshness: peerFreshness{Syncer: s}, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range n {
+		w.add(fmt.Sprintf("vllm-%d", i))
+	}
+	w.st.setInstances(func() []*router.Instance { return w.insts })
+	return &peerWorld{kvWorld: w, sync: s}
+}
+
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// Requests in flight at one replica weigh on the other's decisions: a
+// cold prompt's hash-home, busy with the peer's requests, is passed over
+// (load_bound) at a replica that has sent it nothing, and is taken again
+// once the peer's requests end.
+func TestKVAwarePeerLoad(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	a := newPeerWorld(t, url, pool, "a", 3)
+	b := newPeerWorld(t, url, pool, "b", 3)
+	rc := config.RoutingConfig{Strategy: config.StrategyKVAware}
+	sb := b.strategy(rc)
+	home := kvPick(t, sb, kvRequest("cold", promptTokens(1, 4*kvTestBS)), b.insts)
+	h := home.Instance.ID()
+	for range 8 {
+		a.byID(h).Acquire()
+	}
+	waitUntil(t, "b sees a's requests", func() bool { f, _, _ := b.st.PeerLoad(h); return f == 8 })
+	d := kvPick(t, sb, kvRequest("cold", promptTokens(2, 4*kvTestBS)), b.insts)
+	if d.Instance.ID() == h || d.Reason != router.ReasonLoadBound {
+		t.Fatalf("with 8 of the peer's requests on the hash-home %s: picked %s (%s)", h, d.Instance.ID(), d.Reason)
+	}
+	for range 8 {
+		a.byID(h).Release()
+	}
+	waitUntil(t, "a's requests end at b", func() bool { f, _, _ := b.st.PeerLoad(h); return f == 0 })
+	if d := kvPick(t, sb, kvRequest("cold", promptTokens(3, 4*kvTestBS)), b.insts); d.Instance.ID() != h {
+		t.Fatalf("idle again: picked %s, want the hash-home %s", d.Instance.ID(), h)
+	}
+}
+
+// A decision at one replica makes its prompt's blocks count as held on the
+// chosen instance at the other (speculative blocks), so a burst sharing a
+// new prompt follows the first request whichever replica each lands on.
+func TestKVAwarePeerSpeculative(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	a := newPeerWorld(t, url, pool, "a", 4)
+	b := newPeerWorld(t, url, pool, "b", 4)
+	rc := config.RoutingConfig{Strategy: config.StrategyKVAware}
+	sa, sb := a.strategy(rc), b.strategy(rc)
+	tokens := promptTokens(9, 6*kvTestBS)
+	first := kvPick(t, sa, kvRequest("text-a", tokens), a.insts)
+	// A routing text whose hash-home at b is another instance: without
+	// sync, b would send the same prompt elsewhere.
+	var text string
+	for i := 0; ; i++ {
+		text = fmt.Sprintf("text-%d", i)
+		probe, err := newKVAware(rc, newPeerWorldless(t), func(uint64) uint64 { return 0 })
+		if err != nil {
+			t.Fatal(err)
+		}
+		d, _ := probe.Pick(context.Background(), kvRequest(text, promptTokens(uint32(100+i), 6*kvTestBS)), b.insts)
+		if d.Instance.ID() != first.Instance.ID() {
+			break
+		}
+	}
+	keys := kvindex.Keys(kvindex.Root(kvTestModel, "", ""), tokens, kvTestBS)
+	waitUntil(t, "b holds a's speculative blocks", func() bool {
+		return b.sync.PeerExtend(keys, 0, first.Instance.ID(), 0) == len(keys)
+	})
+	d := kvPick(t, sb, kvRequest(text, tokens), b.insts)
+	if d.Instance.ID() != first.Instance.ID() || matchedSum(d) == 0 {
+		t.Fatalf("b picked %s (%s, %d tokens matched); a routed the prompt to %s", d.Instance.ID(), d.Reason, matchedSum(d), first.Instance.ID())
+	}
+}
+
+// newPeerWorldless is a KVState with an empty index and no peers: where a
+// request would go on its routing text alone.
+func newPeerWorldless(t *testing.T) *KVState {
+	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvTestModel, BlockSize: kvTestBS})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := NewKVState(KVStateConfig{Pool: "p", Model: kvTestModel, Index: idx, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
+// BenchmarkKVAwarePeers: one kv_aware decision (a 500-block prompt from
+// token ids over 64 instances) without and with replica sync (3 peers,
+// each with counters on every instance, and 100,000 peer speculative
+// entries), side by side: what sync adds to a decision.
+func BenchmarkKVAwarePeers(b *testing.B) {
+	ids := promptTokens(4242, 500*kvTestBS)
+	build := func(fresh kvindex.Freshness) *benchWorld {
+		idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvTestModel, BlockSize: kvTestBS})
+		if err != nil {
+			b.Fatal(err)
+		}
+		w := &benchWorld{}
+		for i := range 64 {
+			in, _ := router.NewInstance(fmt.Sprintf("vllm-%02d", i), "http://127.0.0.1:9")
+			w.insts = append(w.insts, in)
+		}
+		wk := &kvWorld{t: b, idx: idx}
+		wk.store("vllm-07", ids, 0, 500)
+		w.st, err = NewKVState(KVStateConfig{Pool: "p", Model: kvTestModel, Index: idx, Freshness: fresh, Logger: slog.New(slog.DiscardHandler)})
+		if err != nil {
+			b.Fatal(err)
+		}
+		w.st.setInstances(func() []*router.Instance { return w.insts })
+		return w
+	}
+	nc, err := nats.Connect(testenv.NATSURL(b))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer nc.Close()
+	s, err := replicasync.New(replicasync.Config{Conn: nc, Pool: "p", Replica: "bench"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	for p := range 3 {
+		m := &replicasync.Message{Kind: replicasync.KindLoad, Replica: fmt.Sprintf("peer-%d", p), Incarnation: 1, Seq: 1, Complete: true}
+		for i := range 64 {
+			m.Loads = append(m.Loads, replicasync.Load{Instance: fmt.Sprintf("vllm-%02d", i), InFlight: 1, PendingTokens: 100, PendingRequests: 1})
+		}
+		s.Table().ApplyLoad(m)
+	}
+	spec := &replicasync.Message{Kind: replicasync.KindSpec, Replica: "peer-0", Incarnation: 1}
+	for i := range 1000 {
+		keys := make([]uint64, 100)
+		for j := range keys {
+			keys[j] = uint64(i*1000 + j + 1)
+		}
+		spec.Specs = append(spec.Specs, replicasync.Spec{Instance: fmt.Sprintf("vllm-%02d", i%64), TTL: time.Hour, Keys: keys})
+	}
+	s.Table().ApplySpec(spec, nil)
+	req := func() *router.Request {
+		return &router.Request{Endpoint: router.EndpointCompletions, Model: kvTestModel, RoutingText: "x", PromptTokens: ids}
+	}
+	for _, tc := range []struct {
+		name  string
+		fresh kvindex.Freshness
+	}{{"sync_off", kvindex.FreshnessFuncs{}}, {"sync_on", peerFreshness{Syncer: s}}} {
+		w := build(tc.fresh)
+		k, err := NewKVAware(config.RoutingConfig{}, w.st)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Run(tc.name, func(b *testing.B) { benchDecide(b, w, k, req, w.insts[7]) })
+	}
+}

@@ -1,0 +1,280 @@
+package kvaware
+
+import (
+	"math"
+	"time"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// Defaults of the kv_aware scoring constants that tiers.CostModel does not
+// already carry (its doc comment derives P and the tier load rates). The
+// reasoning for each is in docs/kv-aware.md.
+const (
+	// DefaultWaitingRequestTokens is the prefill work assumed for each
+	// request the engine reports waiting beyond those this router has
+	// pending there (other routers' traffic: the router does not know their
+	// prompts). 1,024 sits between ShareGPT's mean input of 202 tokens and
+	// the 8,000-token shared-prefix workloads, after their prefix hits
+	// (`docs/reference/workload-facts.md` §5, §6).
+	DefaultWaitingRequestTokens = 1024
+	// DefaultRunningRequestSeconds is what each running (decoding) request
+	// adds to a new request's time to first token: with chunked prefill a
+	// step carries one decode token per running sequence beside the prefill
+	// chunk, so each running sequence costs a little of every step. NIM's
+	// Llama-3.3-70B TP2 inter-token latency grows from 18.6 ms at
+	// concurrency 1 to 59.7 ms at 50, ≈ 0.84 ms per added sequence per
+	// step (docs/reference/workload-facts.md §2, derived here); at TP8 a step is cheaper, hence
+	// 0.5 ms. It makes 64 running requests cost ~30 ms, a tenth of an
+	// 8,000-token prefill at 25,000 tokens/s, so cached prefixes dominate
+	// until an instance is clearly busier.
+	DefaultRunningRequestSeconds = 0.0005
+	// DefaultPrefillCostWeight is the least weight w of the adaptive rule:
+	// the pick minimises ttft + w·(tokens it makes the instance
+	// prefill)/P. TTFT alone is greedy for the one request: a burst sharing
+	// a new prefix would see the first request's pending prefill on its
+	// instance and spread over idle instances, each recomputing the prefix
+	// (the very waste the speculative entries exist to avoid), and every
+	// token prefilled delays whoever queues behind it. w = 1 values that
+	// delay at least like the request's own wait.
+	DefaultPrefillCostWeight = 1.0
+	// MaxAdaptiveCostWeight caps the adaptive weight: a recompute is worth
+	// it only when it saves 20 times its own prefill time in waiting.
+	// ρ/(1−ρ)² reaches it at ρ ≈ 0.8; past that the busy fraction the
+	// router measures (a decoding engine counts as busy) no longer tells
+	// how long the prefill queue is, and a larger weight would stop every
+	// move off a holder however long its queue — at saturation moving
+	// bursts off overloaded holders is what keeps the hit rate from
+	// collapsing (docs/BENCHMARKS.md §7).
+	MaxAdaptiveCostWeight = 19.0
+	// DefaultUtilisationWindow is the time constant of the busy-fraction
+	// average the adaptive weight reads: long against one prefill (an
+	// 8,000-token prompt takes ~0.3 s) and against arrival bursts (the
+	// Mooncake conversation trace arrives in 3 s waves), so that it
+	// measures utilisation rather than whether a burst is in progress;
+	// short against load changes that matter (minutes).
+	DefaultUtilisationWindow = 10 * time.Second
+	// DefaultTieTolerance: predicted TTFTs within 1 ms are a tie, broken by
+	// rendezvous order so that replicas with slightly different local load
+	// still agree, and equal prefixes with nothing cached stay together.
+	DefaultTieTolerance = time.Millisecond
+	// DefaultLoadBound ε of the bounded-load rule: the preferred instance
+	// keeps a request while its predicted queue is at most (1+ε) × the
+	// fleet's mean. This is consistent hashing with bounded loads
+	// (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded
+	// Loads", SODA 2018): no instance is preferred past (1+ε) × the mean,
+	// and the expected number of requests that leave their preferred
+	// instance, hence of prefixes computed twice, shrinks as 1/ε². 0.25 caps
+	// the preferred instance at a quarter above the mean queue: under it,
+	// waiting costs a request at most a quarter of a mean queue, less than
+	// a recomputed prefix costs the fleet once load is high enough for
+	// queues to matter; above it, load differences are large enough that
+	// the score (queue plus recompute) should decide.
+	DefaultLoadBound = 0.25
+	// DefaultSpeculativeTTL is a few prefill times of a long prompt (an
+	// 8,000-token prompt takes ~0.3 s at 25,000 tokens/s) plus the event
+	// path (bridge → NATS → index, milliseconds): long enough for the
+	// engine's BlockStored to arrive, short enough that a wrong guess (the
+	// request failed, its blocks were evicted) is forgotten quickly.
+	DefaultSpeculativeTTL = 2 * time.Second
+	// DefaultSpeculativeCapacity bounds the speculative overlay in (block,
+	// instance) entries: 256k entries are ~500 long prompts in flight,
+	// about 20 MB at worst.
+	DefaultSpeculativeCapacity = 1 << 18
+	// DefaultScrapeInterval of instances' /metrics: vLLM's gauges change per
+	// scheduler step, and the router's own counters cover the sub-second
+	// picture, so 1 s keeps scrape load negligible.
+	DefaultScrapeInterval = time.Second
+	// DefaultScrapeTimeout bounds one scrape; an instance slower than this
+	// to answer /metrics is loaded anyway.
+	DefaultScrapeTimeout = 500 * time.Millisecond
+	// DefaultScrapePath is vLLM's Prometheus endpoint.
+	DefaultScrapePath = "/metrics"
+	// DefaultTokenizeTimeout bounds the token source (the engine's
+	// /tokenize is a network round trip): 200 ms is well under an 8k
+	// prefill (~330 ms); a later exact answer is worth less than the
+	// heuristic's answer now.
+	DefaultTokenizeTimeout = 200 * time.Millisecond
+)
+
+// kvScoring is KVScoringConfig with defaults applied, in scoring's units.
+type kvScoring struct {
+	prefill       float64              // P, tokens/s
+	load          [tiers.Count]float64 // X per tier, tokens/s (+Inf for GPU)
+	blockSize     int                  // 0 = the index's
+	waitingTokens float64
+	runningSec    float64
+	costWeight    float64 // fixed weight; adaptive when < 0
+	adaptive      bool
+	tieTol        float64 // seconds
+	loadBound     float64 // ε; < 0 = off
+	specTTL       time.Duration
+	specCap       int
+	scrape        time.Duration // < 0 = no scraping
+	scrapeTimeout time.Duration
+	scrapePath    string
+	tokTimeout    time.Duration
+}
+
+// resolve applies the documented defaults to k (nil = all defaults).
+func resolveScoring(k *config.KVScoringConfig) kvScoring {
+	var c config.KVScoringConfig
+	if k != nil {
+		c = *k
+	}
+	var cm tiers.CostModel // zero value = the documented defaults
+	s := kvScoring{
+		prefill:       pos(c.PrefillTokensPerSecond, cm.PrefillRate()),
+		blockSize:     c.BlockSize,
+		waitingTokens: float64(c.WaitingRequestTokens),
+		runningSec:    c.RunningRequestSeconds,
+		tieTol:        c.TieTolerance.Seconds(),
+		specTTL:       c.SpeculativeTTL,
+		specCap:       c.SpeculativeCapacity,
+		scrape:        c.ScrapeInterval,
+		scrapeTimeout: c.ScrapeTimeout,
+		scrapePath:    c.ScrapePath,
+		tokTimeout:    c.TokenizeTimeout,
+	}
+	s.load[tiers.GPU] = math.Inf(1)
+	s.load[tiers.CPU] = pos(c.CPULoadTokensPerSecond, cm.LoadTokensPerSec(tiers.CPU))
+	s.load[tiers.Disk] = pos(c.DiskLoadTokensPerSecond, cm.LoadTokensPerSec(tiers.Disk))
+	s.load[tiers.Shared] = pos(c.SharedLoadTokensPerSecond, cm.LoadTokensPerSec(tiers.Shared))
+	s.costWeight = c.PrefillCostWeight
+	if c.PrefillCostWeight == 0 {
+		s.costWeight, s.adaptive = DefaultPrefillCostWeight, true
+	}
+	if c.WaitingRequestTokens == 0 {
+		s.waitingTokens = DefaultWaitingRequestTokens
+	}
+	if c.RunningRequestSeconds == 0 {
+		s.runningSec = DefaultRunningRequestSeconds
+	}
+	if c.TieTolerance == 0 {
+		s.tieTol = DefaultTieTolerance.Seconds()
+	}
+	s.loadBound = c.LoadBound
+	if c.LoadBound == 0 {
+		s.loadBound = DefaultLoadBound
+	}
+	if c.SpeculativeTTL == 0 {
+		s.specTTL = DefaultSpeculativeTTL
+	}
+	if c.SpeculativeCapacity == 0 {
+		s.specCap = DefaultSpeculativeCapacity
+	}
+	if c.ScrapeInterval == 0 {
+		s.scrape = DefaultScrapeInterval
+	}
+	if c.ScrapeTimeout == 0 {
+		s.scrapeTimeout = DefaultScrapeTimeout
+	}
+	if c.ScrapePath == "" {
+		s.scrapePath = DefaultScrapePath
+	}
+	if c.TokenizeTimeout == 0 {
+		s.tokTimeout = DefaultTokenizeTimeout
+	}
+	// Negative means "off" for the knobs where off makes sense.
+	s.waitingTokens = max(s.waitingTokens, 0)
+	s.costWeight = max(s.costWeight, 0)
+	s.runningSec = max(s.runningSec, 0)
+	s.tieTol = max(s.tieTol, 0)
+	return s
+}
+
+func pos(v, def float64) float64 {
+	if v > 0 && !math.IsInf(v, 0) && !math.IsNaN(v) {
+		return v
+	}
+	return def
+}
+
+// tierTokens splits a match (cumulative blocks per tier, Blocks[t] = leading
+// blocks held in tier t or faster) into tokens per tier, each beyond those
+// of faster tiers, capped at the prompt's length.
+func tierTokens(blocks [tiers.Count]int, blockSize, promptTokens int) (out [tiers.Count]int) {
+	prev := 0
+	for t := range tiers.Count {
+		n := min(blocks[t]*blockSize, promptTokens)
+		if n > prev {
+			out[t] = n - prev
+			prev = n
+		}
+	}
+	return out
+}
+
+// ttft is the ARCHITECTURE's predicted time to first token, in seconds:
+//
+//	queue + (T − g − c − d − s)/P + c/X_cpu + d/X_disk + s/X_shared
+//
+// (the disk tier, which the architecture folds into "shared", has its own
+// rate here because tiers.CostModel prices it separately).
+func (s *kvScoring) ttft(queue float64, promptTokens int, matched [tiers.Count]int) float64 {
+	rest := promptTokens
+	load := 0.0
+	for t := range tiers.Count {
+		rest -= matched[t]
+		if t != int(tiers.GPU) && matched[t] > 0 {
+			load += float64(matched[t]) / s.load[t]
+		}
+	}
+	return queue + float64(max(rest, 0))/s.prefill + load
+}
+
+// prefillCost is the weighted time the fleet spends prefilling what the
+// instance does not hold: the second term of the score, at weight w.
+func (s *kvScoring) prefillCost(w float64, promptTokens int, matched [tiers.Count]int) float64 {
+	rest := promptTokens
+	for _, n := range matched {
+		rest -= n
+	}
+	return w * float64(max(rest, 0)) / s.prefill
+}
+
+// weight is the prefill cost weight: the fixed weight, or the number of
+// other requests that a recompute's work delays, estimated two ways and
+// the larger taken (each misses what the other sees), at least the floor,
+// capped. Work added at the back of a first-come-first-served queue delays
+// every request that arrives after it before the server next idles:
+//
+//   - from the busy fraction ρ, for Poisson arrivals (M/M/1): a request
+//     finds work V ahead of it, E[V] = ρ/(1−ρ) services; the busy period
+//     it extends lasts (V + its own service)/(1−ρ) and takes arrivals at
+//     rate ρ per service, so ρ/(1−ρ)² requests come after it;
+//   - measured directly, behind: the mean number of requests that joined
+//     an instance's prefill queue after another in the same busy period
+//     (as the router saw it), which follows bursts that a time-average
+//     busy fraction smooths away (by symmetry, the mean number ahead of a
+//     request in its busy period equals the mean number after it).
+func (s *kvScoring) weight(rho, behind float64) float64 {
+	if !s.adaptive {
+		return s.costWeight
+	}
+	if !(rho < 1) {
+		return MaxAdaptiveCostWeight
+	}
+	w := max(s.costWeight, rho/((1-rho)*(1-rho)), behind)
+	return min(w, MaxAdaptiveCostWeight)
+}
+
+// queue is the predicted wait before a new request's prefill starts on an
+// instance, in seconds: the router's own pending prefill tokens there,
+// or the engine's reported waiting requests when they say more (other
+// routers' traffic), plus a per-running-request share of each step.
+//
+// The max, not the sum: the engine's waiting count already includes this
+// router's pending requests, so adding both would count them twice.
+func (s *kvScoring) queue(pendingTokens float64, pendingReqs, inflight int, ld loadSample, haveLoad bool) float64 {
+	waitTokens := pendingTokens
+	running := float64(max(inflight-pendingReqs, 0))
+	if haveLoad {
+		if extra := ld.waiting - float64(pendingReqs); extra > 0 {
+			waitTokens = max(waitTokens, pendingTokens+extra*s.waitingTokens)
+		}
+		running = max(running, ld.running)
+	}
+	return waitTokens/s.prefill + running*s.runningSec
+}

@@ -1,0 +1,116 @@
+package kvaware
+
+import (
+	"context"
+	"strconv"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router"
+)
+
+// Shadow runs a pool's strategy and, beside it, scores every request with
+// the strategy not in use (kv_aware when prefix_aware or another heuristic
+// routes; prefix_aware when kv_aware does). Only the strategy in use
+// routes and changes state (speculative entries, pending prefill); the
+// other is evaluated dry. Each comparison records whether the two agree,
+// the matched tokens and TTFT the index predicts for both picks, and —
+// when the request ends — what the engine reported as cached.
+type Shadow struct {
+	inUse  router.Strategy
+	kv     *KVAware
+	prefix *router.PrefixAware
+}
+
+var _ router.Strategy = (*Shadow)(nil)
+
+// NewShadow wraps inUse with shadow scoring over kv (whose KVState keeps
+// the comparison). When inUse is kv itself, prefix_aware is the shadow.
+func NewShadow(inUse router.Strategy, kv *KVAware) *Shadow {
+	return &Shadow{inUse: inUse, kv: kv, prefix: router.NewPrefixAware(kv.threshold, kv.rnd)}
+}
+
+// Name implements Strategy: the strategy in use.
+func (s *Shadow) Name() string { return s.inUse.Name() }
+
+// shadowRecord is one comparison, completed by the request's observer.
+type shadowRecord struct {
+	inUse, other         string
+	inUsePick, otherPick shadowPick
+	agree                bool
+}
+
+type shadowPick struct {
+	inst    string
+	matched int
+	ttft    float64 // seconds
+}
+
+// Pick implements Strategy.
+func (s *Shadow) Pick(ctx context.Context, req *router.Request, cands []*router.Instance) (router.Decision, error) {
+	var dec, other router.Decision
+	var ev *kvEval
+	var err error
+	otherName := config.StrategyKVAware
+	if s.inUse == router.Strategy(s.kv) {
+		if dec, ev, err = s.kv.pick(ctx, req, cands, true); err != nil {
+			return dec, err
+		}
+		other, _ = s.prefix.Pick(ctx, req, cands)
+		otherName = config.StrategyPrefixAware
+	} else {
+		if dec, err = s.inUse.Pick(ctx, req, cands); err != nil {
+			return dec, err
+		}
+		if other, ev, err = s.kv.pick(ctx, req, cands, false); err != nil {
+			return dec, nil // shadow scoring never fails a request
+		}
+	}
+	defer s.kv.st.putEval(ev)
+	st := s.kv.st
+	rec := &shadowRecord{
+		inUse: s.inUse.Name(), other: otherName,
+		inUsePick: predictedPick(ev, dec.Instance), otherPick: predictedPick(ev, other.Instance),
+		agree: dec.Instance == other.Instance,
+	}
+	st.m.shadow.WithLabelValues(st.pool, strconv.FormatBool(rec.agree)).Inc()
+	for _, p := range []struct {
+		name string
+		p    shadowPick
+	}{{rec.inUse, rec.inUsePick}, {rec.other, rec.otherPick}} {
+		st.m.shadowMatched.WithLabelValues(st.pool, p.name).Add(float64(p.p.matched))
+		if ev.tokens > 0 {
+			st.m.shadowTTFT.WithLabelValues(st.pool, p.name).Observe(p.p.ttft)
+		}
+	}
+	st.cmp.addShadow(rec, st.now())
+	if o, ok := dec.Observer.(*kvObserver); ok {
+		o.shadow = rec
+	} else if dec.Observer == nil && ev.tokens > 0 {
+		// A heuristic in use: follow the request too, so the comparison
+		// learns what the engine reported for the heuristic's pick, and
+		// explain what the index predicted for it.
+		ce := ev.find(dec.Instance)
+		if ce != nil && dec.Explain == nil {
+			dec.Explain = &router.Explanation{MatchedTokens: ce.matched, PromptTokens: ev.tokens, PredictedTTFT: seconds(ce.ttft)}
+		}
+		o := st.newObserver(dec.Instance.ID(), ev.tokens-rec.inUsePick.matched, rec.inUsePick.matched)
+		o.shadow = rec
+		dec.Observer = o
+	}
+	return dec, nil
+}
+
+func predictedPick(ev *kvEval, inst *router.Instance) shadowPick {
+	p := shadowPick{}
+	if inst == nil {
+		return p
+	}
+	p.inst = inst.ID()
+	if ce := ev.find(inst); ce != nil {
+		for _, n := range ce.matched {
+			p.matched += n
+		}
+		p.ttft = ce.ttft
+	}
+	return p
+}

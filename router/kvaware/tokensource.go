@@ -1,0 +1,287 @@
+package kvaware
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/openai"
+	"github.com/kvrouter/kvrouter/tokenizer"
+)
+
+// Token sources (TokenizerConfig.Source).
+const (
+	TokenSourceNone   = "none"   // no tokens: kv_aware routes heuristically unless the request carries ids
+	TokenSourceSimple = "simple" // the simulator's dummy tokenizer (kvsim, llm-d-inference-sim)
+	TokenSourceFiles  = "files"  // the model's tokenizer.json + tokenizer_config.json, in process
+	TokenSourceEngine = "engine" // the engine's /tokenize endpoint
+)
+
+var _ router.TokenSource = (*ChatTokenSource)(nil)
+
+// NewTokenSource builds a pool's token source from its tokenizer config.
+// nil config or source "none" returns nil (no source). The engine source
+// calls tokenizer.url, else the pool's first instance (every instance of a
+// pool serves the same model, hence the same tokenizer and template).
+func NewTokenSource(cfg *config.TokenizerConfig, pool config.PoolConfig) (router.TokenSource, error) {
+	if cfg == nil {
+		return nil, nil
+	}
+	switch cfg.Source {
+	case "", TokenSourceNone:
+		return nil, nil
+	case TokenSourceSimple:
+		return &ChatTokenSource{Tokenizer: tokenizer.Local(tokenizer.Simple{})}, nil
+	case TokenSourceFiles:
+		if cfg.Path == "" {
+			return nil, fmt.Errorf("%w: tokenizer.path is required for source %q", router.ErrTokenSource, cfg.Source)
+		}
+		hf, err := tokenizer.LoadHF(cfg.Path, tokenizer.HFConfig{})
+		if err != nil {
+			return nil, fmt.Errorf("%w: load %s: %w", router.ErrTokenSource, cfg.Path, err)
+		}
+		return &ChatTokenSource{Tokenizer: tokenizer.Local(hf)}, nil
+	case TokenSourceEngine:
+		u := cfg.URL
+		if u == "" && len(pool.Instances) > 0 {
+			u = pool.Instances[0].URL
+		}
+		r, err := tokenizer.NewRemote(tokenizer.RemoteConfig{URL: u, Model: pool.Model})
+		if err != nil {
+			return nil, fmt.Errorf("%w: %w", router.ErrTokenSource, err)
+		}
+		return &ChatTokenSource{Tokenizer: r}, nil
+	}
+	return nil, fmt.Errorf("%w: unknown source %q", router.ErrTokenSource, cfg.Source)
+}
+
+// ChatTokenSource adapts a tokenizer.PromptTokenizer (Simple or HF through
+// tokenizer.Local, or the engine's /tokenize client tokenizer.Remote) to
+// TokenSource: chat requests are rendered with the model's chat template
+// and encoded with add_special_tokens=false, as vLLM does; completions
+// prompts are encoded as text.
+//
+// Completions text prompts are encoded as vLLM does: with the request's
+// add_special_tokens, true when absent, so a Llama 3 prompt gets its
+// <|begin_of_text|> (tokenizer.CompletionTokenizer, which Local and Remote
+// implement).
+type ChatTokenSource struct {
+	Tokenizer tokenizer.PromptTokenizer
+}
+
+// text tokenizes a completions text prompt as vLLM does.
+func (s *ChatTokenSource) text(ctx context.Context, text string, add bool) ([]uint32, error) {
+	ct, ok := s.Tokenizer.(tokenizer.CompletionTokenizer)
+	if !ok {
+		return s.Tokenizer.TokenizeText(ctx, text)
+	}
+	return ct.TokenizeCompletion(ctx, text, add)
+}
+
+// addSpecialTokens is a body's add_special_tokens (exact key, as vLLM
+// reads it), true unless false: the raw invoke path, which has no parsed
+// request.
+func addSpecialTokens(body []byte) bool {
+	if !bytes.Contains(body, []byte(`"add_special_tokens"`)) && !bytes.Contains(body, []byte(`\u`)) {
+		return true // no key that could decode to add_special_tokens
+	}
+	return rawAddSpecialTokens(openai.TopLevelRaw(body, "add_special_tokens"))
+}
+
+// rawAddSpecialTokens reads a raw add_special_tokens value: only false
+// turns the special tokens off.
+func rawAddSpecialTokens(v json.RawMessage) bool {
+	return string(v) != "false"
+}
+
+// chatBody is what rendering needs from an OpenAI chat body (vLLM's extra
+// fields included).
+type chatBody struct {
+	Messages             []tokenizer.Message `json:"messages"`
+	Tools                json.RawMessage     `json:"tools"`
+	AddGenerationPrompt  *bool               `json:"add_generation_prompt"`
+	ContinueFinalMessage bool                `json:"continue_final_message"`
+	ChatTemplateKwargs   map[string]any      `json:"chat_template_kwargs"`
+}
+
+// Tokens implements TokenSource.
+func (s *ChatTokenSource) Tokens(ctx context.Context, req *router.Request) ([]uint32, error) {
+	if s == nil || s.Tokenizer == nil {
+		return nil, router.ErrNoTokens
+	}
+	if len(req.Body) > config.MaxTokenizeBytes {
+		return nil, fmt.Errorf("%w: body of %d bytes exceeds %d", router.ErrTokenSource, len(req.Body), config.MaxTokenizeBytes)
+	}
+	switch req.Endpoint {
+	case router.EndpointCompletions:
+		if req.Parsed != nil && req.Parsed.Prompt != nil && len(req.Parsed.Prompt.Texts) > 0 {
+			return s.text(ctx, req.Parsed.Prompt.Texts[0], rawAddSpecialTokens(req.Parsed.AddSpecialTokens))
+		}
+		return nil, router.ErrNoTokens
+	case router.EndpointChatCompletions, router.EndpointInvoke, router.EndpointInvokeStream:
+	default:
+		return nil, router.ErrNoTokens
+	}
+	// The raw invoke path carries whatever body the engine's /invocations
+	// accepts: an OpenAI chat or completions body.
+	if !bytes.Contains(req.Body, []byte(`"messages"`)) && req.Endpoint != router.EndpointChatCompletions {
+		return s.promptTokens(ctx, req.Body)
+	}
+	b, ok, err := parsedChatBody(req.Parsed)
+	if err != nil {
+		return nil, err
+	}
+	if !ok {
+		if b, err = parseChatBody(req.Body); err != nil {
+			return nil, err
+		}
+	}
+	if len(b.Messages) == 0 {
+		return nil, router.ErrNoTokens
+	}
+	opts := tokenizer.RenderOptions{AddGenerationPrompt: true, Tools: b.Tools, Vars: b.ChatTemplateKwargs}
+	if b.AddGenerationPrompt != nil {
+		opts.AddGenerationPrompt = *b.AddGenerationPrompt
+	}
+	if b.ContinueFinalMessage {
+		// vLLM then renders without a generation prompt and cuts the final
+		// message's end-of-turn; rendering without the generation prompt
+		// gets every block but the last right.
+		opts.AddGenerationPrompt = false
+	}
+	return s.Tokenizer.TokenizeChat(ctx, b.Messages, opts)
+}
+
+// fastChatBody is chatBody with plain-string contents: decoding a long
+// string straight into a string scans it three times, where
+// tokenizer.Message's flexible content (string, null or parts) costs six
+// passes — most of a long chat's routing time. Bodies it cannot hold
+// (content parts, tool calls) take the general path.
+type fastChatBody struct {
+	Messages []struct {
+		Role             string          `json:"role"`
+		Content          *string         `json:"content"`
+		Name             string          `json:"name"`
+		ToolCallID       string          `json:"tool_call_id"`
+		ReasoningContent string          `json:"reasoning_content"`
+		ToolCalls        json.RawMessage `json:"tool_calls"`
+	} `json:"messages"`
+	Tools                json.RawMessage `json:"tools"`
+	AddGenerationPrompt  *bool           `json:"add_generation_prompt"`
+	ContinueFinalMessage bool            `json:"continue_final_message"`
+	ChatTemplateKwargs   map[string]any  `json:"chat_template_kwargs"`
+}
+
+// parsedChatBody builds the chat body from the request as ParseOpenAI
+// decoded it, without reading the body again; ok is false for shapes it
+// does not hold (no parsed request, content parts, tool calls), which take
+// parseChatBody. Values of the wrong type are errors, as encoding/json's are.
+func parsedChatBody(r *openai.Request) (b chatBody, ok bool, err error) {
+	if r == nil {
+		return b, false, nil
+	}
+	for _, m := range r.Messages {
+		if m.Content.Array || (len(m.ToolCalls) > 0 && string(m.ToolCalls) != "null") {
+			return b, false, nil
+		}
+	}
+	if len(r.Tools) > 0 {
+		b.Tools = r.Tools
+	}
+	if err := unmarshalRaw("add_generation_prompt", r.AddGenerationPrompt, &b.AddGenerationPrompt); err != nil {
+		return b, false, err
+	}
+	if err := unmarshalRaw("continue_final_message", r.ContinueFinalMessage, &b.ContinueFinalMessage); err != nil {
+		return b, false, err
+	}
+	if err := unmarshalRaw("chat_template_kwargs", r.ChatTemplateKwargs, &b.ChatTemplateKwargs); err != nil {
+		return b, false, err
+	}
+	b.Messages = make([]tokenizer.Message, len(r.Messages))
+	for i, m := range r.Messages {
+		tm := &b.Messages[i]
+		tm.Role = m.Role
+		if len(m.Content.Parts) > 0 {
+			tm.Content = m.Content.Parts[0]
+		} else {
+			tm.ContentNull = true
+		}
+		var okN, okID, okR bool
+		tm.Name, okN = openai.RawString(m.Name)
+		tm.ToolCallID, okID = openai.RawString(m.ToolCallID)
+		tm.ReasoningContent, okR = openai.RawString(m.ReasoningContent)
+		if !okN || !okID || !okR {
+			return b, false, fmt.Errorf("%w: chat body: messages[%d]: name, tool_call_id and reasoning_content must be strings", router.ErrTokenSource, i)
+		}
+	}
+	return b, true, nil
+}
+
+// unmarshalRaw decodes a raw member (absent: dst unchanged).
+func unmarshalRaw(field string, v json.RawMessage, dst any) error {
+	if len(v) == 0 {
+		return nil
+	}
+	if err := json.Unmarshal(v, dst); err != nil {
+		return fmt.Errorf("%w: chat body: %s: %w", router.ErrTokenSource, field, err)
+	}
+	return nil
+}
+
+// parseChatBody decodes a chat body, fast when every content is a string.
+func parseChatBody(body []byte) (chatBody, error) {
+	var f fastChatBody
+	if json.Unmarshal(body, &f) == nil {
+		b := chatBody{Tools: f.Tools, AddGenerationPrompt: f.AddGenerationPrompt, ContinueFinalMessage: f.ContinueFinalMessage, ChatTemplateKwargs: f.ChatTemplateKwargs}
+		b.Messages = make([]tokenizer.Message, len(f.Messages))
+		fast := true
+		for i, m := range f.Messages {
+			if len(m.ToolCalls) > 0 && string(m.ToolCalls) != "null" {
+				fast = false
+				break
+			}
+			b.Messages[i] = tokenizer.Message{Role: m.Role, Name: m.Name, ToolCallID: m.ToolCallID, ReasoningContent: m.ReasoningContent, ContentNull: m.Content == nil}
+			if m.Content != nil {
+				b.Messages[i].Content = *m.Content
+			}
+		}
+		if fast {
+			return b, nil
+		}
+	}
+	var b chatBody
+	if err := json.Unmarshal(body, &b); err != nil {
+		return b, fmt.Errorf("%w: chat body: %w", router.ErrTokenSource, err)
+	}
+	return b, nil
+}
+
+// promptTokens encodes a raw body's "prompt" (or "inputs") string, or
+// returns its token ids.
+func (s *ChatTokenSource) promptTokens(ctx context.Context, body []byte) ([]uint32, error) {
+	var b struct {
+		Prompt *openai.Prompt   `json:"prompt"`
+		Inputs *json.RawMessage `json:"inputs"`
+	}
+	if err := json.Unmarshal(body, &b); err != nil {
+		return nil, fmt.Errorf("%w: body: %w", router.ErrTokenSource, err)
+	}
+	if b.Prompt == nil && b.Inputs != nil {
+		b.Prompt = &openai.Prompt{}
+		if err := b.Prompt.UnmarshalJSON(*b.Inputs); err != nil {
+			return nil, fmt.Errorf("%w: inputs: %w", router.ErrTokenSource, err)
+		}
+	}
+	switch {
+	case b.Prompt == nil:
+		return nil, router.ErrNoTokens
+	case len(b.Prompt.Tokens) > 0:
+		return b.Prompt.Tokens[0], nil
+	case len(b.Prompt.Texts) > 0:
+		return s.text(ctx, b.Prompt.Texts[0], addSpecialTokens(body))
+	}
+	return nil, router.ErrNoTokens
+}

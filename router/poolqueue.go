@@ -1,0 +1,83 @@
+package router
+
+import (
+	"reflect"
+	"sync/atomic"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router/flowcontrol"
+)
+
+// flowControl is a pool's admission queue. It outlives a reload that
+// leaves flow_control unchanged (its waiting and admitted requests stay
+// counted); pool points at the pool currently serving it.
+type flowControl struct {
+	cfg  config.FlowControlConfig
+	gate *flowcontrol.Gate
+	pool atomic.Pointer[Pool]
+}
+
+// newFlowControl returns p's queue: prev's when its configuration is
+// unchanged, a new one otherwise, nil when flow control is off.
+func newFlowControl(cfg *config.FlowControlConfig, p, prev *Pool) (*flowControl, error) {
+	if !cfg.On() {
+		return nil, nil
+	}
+	if prev != nil && prev.flow != nil && reflect.DeepEqual(prev.flow.cfg, *cfg) {
+		prev.flow.pool.Store(p)
+		return prev.flow, nil
+	}
+	f := &flowControl{cfg: *cfg}
+	f.pool.Store(p)
+	g, err := flowcontrol.NewGate(queueConfig(cfg), flowcontrol.WithLimits(f.limits), flowcontrol.WithInstances(f.instances))
+	if err != nil {
+		return nil, err
+	}
+	f.gate = g
+	return f, nil
+}
+
+// queueConfig is the queue a pool's flow_control asks for; the pool-wide
+// concurrency budget and the healthy instances are read from the pool at
+// each decision (limits, instances). The prefill budget holds per
+// instance: a request goes to an instance with room for it (route), so no
+// engine queues more than its budget, and prompts larger than it leave one
+// instance to the requests that fit it (flowcontrol.Config.ReserveInstance).
+func queueConfig(c *config.FlowControlConfig) flowcontrol.Config {
+	return flowcontrol.Config{MaxQueue: c.MaxQueue, MaxWait: c.MaxWait, AgingStep: c.AgingStep, Weights: c.TenantWeights,
+		InstancePrefill: c.PrefillTokensPerInstance, ReserveInstance: true}
+}
+
+// instances are the pool's healthy instances, where the per-instance
+// prefill budget holds.
+func (f *flowControl) instances() []string {
+	p := f.pool.Load()
+	out := make([]string, 0, len(p.instances))
+	for _, in := range p.instances {
+		if in.Healthy() {
+			out = append(out, in.ID())
+		}
+	}
+	return out
+}
+
+// limits is the pool's budget now: the configured concurrency, or the
+// concurrency threshold of every healthy instance (the prefill budget is
+// per instance: queueConfig). With no healthy instance one request goes
+// through, to be answered 503 by the strategy rather than held.
+func (f *flowControl) limits() (int, int64) {
+	p := f.pool.Load()
+	rc, _ := p.Routing()
+	n := 0
+	for _, in := range p.instances {
+		if in.Healthy() {
+			n++
+		}
+	}
+	n = max(n, 1)
+	conc := f.cfg.MaxConcurrency
+	if conc == 0 {
+		conc = n * rc.ConcurrencyThreshold
+	}
+	return conc, 0
+}

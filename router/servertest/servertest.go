@@ -1,0 +1,162 @@
+// Package servertest runs a router's HTTP server in front of fake vLLM
+// instances (router/routertest) for the tests of the packages that serve
+// it: one harness, so that the data plane, the admin API and kv_aware are
+// tested through the same real HTTP path.
+package servertest
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/routertest"
+)
+
+// Model is the harness pool's model.
+const Model = "meta-llama/Llama-3.1-8B-Instruct"
+
+// Harness is a router (its data and admin routes on one listener) in front
+// of fake instances.
+type Harness struct {
+	T    testing.TB
+	Srv  *router.Server
+	TS   *httptest.Server
+	Ups  []*routertest.Upstream
+	ByID map[string]*routertest.Upstream
+}
+
+// Quiet is a logger that discards everything.
+func Quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+// New starts n fake instances ("vllm-0", …) in pool "llama" and a router
+// in front of them, with the admin API mounted; mod adjusts the config,
+// opts the server's options, before the server is built.
+func New(t testing.TB, n int, mod func(*config.Config), opts ...func(*router.Options)) *Harness {
+	t.Helper()
+	h := &Harness{T: t, ByID: map[string]*routertest.Upstream{}}
+	pc := config.PoolConfig{Name: "llama", Model: Model, Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
+	for i := range n {
+		u := routertest.New(t, fmt.Sprintf("vllm-%d", i), Model)
+		h.Ups = append(h.Ups, u)
+		h.ByID[u.ID] = u
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: u.ID, URL: u.URL()})
+	}
+	cfg := config.Config{Pools: []config.PoolConfig{pc}, Log: config.LogConfig{Level: "debug"}}
+	if mod != nil {
+		mod(&cfg)
+	}
+	o := router.Options{Logger: Quiet(), Admin: admin.Routes(nil)}
+	for _, f := range opts {
+		f(&o)
+	}
+	srv, err := router.NewServer(cfg, o)
+	if err != nil {
+		t.Fatalf("NewServer: %v", err)
+	}
+	h.Srv = srv
+	h.TS = httptest.NewServer(srv.Handler())
+	t.Cleanup(h.TS.Close)
+	return h
+}
+
+// Run starts the server's background loops until the test ends.
+func (h *Harness) Run() {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = h.Srv.Run(ctx) }()
+	h.T.Cleanup(func() { cancel(); <-done })
+}
+
+// Result is a response, read whole.
+type Result struct {
+	Status int
+	Header http.Header
+	Body   []byte
+}
+
+// Do sends a request with a JSON body and headers hdr to the router.
+func (h *Harness) Do(method, path string, body []byte, hdr map[string]string) Result {
+	h.T.Helper()
+	return Do(h.T, h.TS.URL, method, path, body, hdr)
+}
+
+// Do sends a request with a JSON body and headers hdr to base+path.
+func Do(t testing.TB, base, method, path string, body []byte, hdr map[string]string) Result {
+	t.Helper()
+	req, err := http.NewRequest(method, base+path, bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	for k, v := range hdr {
+		req.Header.Set(k, v)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("%s %s: %v", method, path, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("%s %s: read body: %v", method, path, err)
+	}
+	return Result{resp.StatusCode, resp.Header, b}
+}
+
+// ChatBody is a chat completion request: a system message and text.
+func ChatBody(model, text string, stream bool) []byte {
+	b, _ := json.Marshal(map[string]any{"model": model, "stream": stream, "messages": []map[string]any{
+		{"role": "system", "content": "You are a helpful assistant."},
+		{"role": "user", "content": text},
+	}})
+	return b
+}
+
+// ErrorOf decodes an OpenAI-shaped error body, failing if it is not one.
+func ErrorOf(t testing.TB, r Result) (msg string, code int) {
+	t.Helper()
+	var e struct {
+		Error struct {
+			Message string `json:"message"`
+			Type    string `json:"type"`
+			Code    int    `json:"code"`
+		} `json:"error"`
+	}
+	if err := json.Unmarshal(r.Body, &e); err != nil || e.Error.Message == "" || e.Error.Type == "" {
+		t.Fatalf("not an OpenAI error body (%v): %s", err, r.Body)
+	}
+	if ct := r.Header.Get("Content-Type"); ct != "application/json" {
+		t.Fatalf("error Content-Type %q", ct)
+	}
+	return e.Error.Message, e.Error.Code
+}
+
+// WaitFor polls cond until it holds, failing after a generous deadline.
+func WaitFor(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for: %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// Record serves one request without a body through h.
+func Record(t testing.TB, h http.Handler, method, path string) *httptest.ResponseRecorder {
+	t.Helper()
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, httptest.NewRequest(method, path, nil))
+	return rec
+}
