@@ -79,6 +79,10 @@ const (
 	// hash-home of a prompt nobody holds) was over the load bound; another
 	// took the request.
 	ReasonLoadBound Reason = "load_bound"
+	// ReasonReplicate: the best holder's prefix had paid, in its requests'
+	// extra waiting there, the price of a copy on the least-loaded
+	// instance, which took the request (router/kvaware/replicate.go).
+	ReasonReplicate Reason = "replicate"
 )
 
 // Decision is a strategy's pick and its explanation.

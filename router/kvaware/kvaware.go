@@ -88,6 +88,7 @@ type KVState struct {
 
 	drainRate prefillRate // measured prefill throughput (kvaware_drain.go)
 	behind    sampleMean  // requests joining a prefill busy period after another (kvaware_drain.go)
+	rent      rentTable   // hot prefixes' rent accounts (kvaware_replicate.go)
 
 	evalPool sync.Pool // *kvEval scratch
 
@@ -264,6 +265,9 @@ type candEval struct {
 	full   bool             // at the concurrency threshold
 	blocks [tiers.Count]int // leading blocks held, cumulative per tier (fresh index + speculative)
 	stale  [tiers.Count]int // the index's blocks, not counted: the instance is stale
+	// indexed is the leading blocks the index (not the speculative
+	// overlay) says it holds, in any tier.
+	indexed int
 	// matched is blocks in tokens per tier, each beyond faster tiers.
 	matched [tiers.Count]int
 	ttft    float64 // predicted, seconds
@@ -290,8 +294,9 @@ type kvEval struct {
 	blockSize int           // tokens per block, 0 when unknown
 	fallback  router.Reason // set when nobody's blocks count: why
 	anyStale  bool
-	commit    bool    // the decision will be committed (not shadow scoring)
-	weight    float64 // prefill cost weight used
+	commit    bool     // the decision will be committed (not shadow scoring)
+	weight    float64  // prefill cost weight used
+	rent      rentNote // what the pick pays or buys (kvaware_replicate.go)
 	sc        *kvScoring
 	memo      scoreMemo
 	matches   []kvindex.Match // the lookup's answer, reused across decisions
@@ -393,7 +398,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 		ev.cands = append(ev.cands, candEval{inst: c, rv: c.Rendezvous(h), full: c.Full(s.threshold)})
 	}
 	ev.tokens, ev.blockSize, ev.fallback, ev.anyStale, ev.keys, ev.commit = 0, 0, "", false, ev.keys[:0], commit
-	ev.sc = &s.sc
+	ev.sc, ev.rent = &s.sc, rentNote{}
 	defer s.predict(ev)
 
 	if st.fresh != nil {
@@ -465,6 +470,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 			continue
 		}
 		ce.blocks = m.Blocks
+		ce.indexed = m.Blocks[tiers.Count-1]
 	}
 	if s.spec != nil && (s.spec.Len() > 0 || st.peers.ps != nil) {
 		ev.holders = s.spec.holders(ev.holders[:0], ev.keys[0])
@@ -616,7 +622,11 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 // (predicted TTFT plus the fleet's cost of the prefill it adds, at the
 // weight the measured utilisation gives).
 func (s *KVAware) decide(ev *kvEval, countStale bool) (int, router.Reason) {
-	return s.choose(ev, countStale)
+	pick, reason := s.choose(ev, countStale)
+	if countStale {
+		return pick, reason
+	}
+	return s.replicate(ev, pick, reason)
 }
 
 // bounded is consistent hashing with bounded loads for a prompt nobody
@@ -731,6 +741,7 @@ func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
 	st := s.st
 	st.m.decisions.WithLabelValues(st.pool, string(dec.Reason)).Inc()
 	st.cmp.countReason(dec.Reason, st.now())
+	st.commitRent(ev.rent)
 	if ev.tokens == 0 || ce == nil {
 		return
 	}

@@ -1,0 +1,175 @@
+package kvaware
+
+import (
+	"math"
+	"sync"
+
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router"
+)
+
+// Hot-prefix replication: rent or buy.
+//
+// The score prices a move off a prefix's holder as if the recompute served
+// only the request that pays it. For a prefix that many requests share (one
+// system prompt for every tenant, a coding assistant's instructions) that
+// is wrong: a second copy costs one recompute and then serves every later
+// request of the prefix, so each request of it, one at a time, declines a
+// move that the prefix's requests together would have paid for many times
+// over, and one instance keeps the whole prefix's traffic.
+//
+// This is the ski-rental problem. Each request the rule sends to the busy
+// holder rather than the least-loaded instance pays rent: the queue it waits
+// for beyond that instance's, q_pick − q_alt, which a copy there would have
+// saved it. Buying is making the copy: sending this request to the
+// alternative, at the difference of their scores, score_alt − score_pick
+// (the request's own longer prefill and the weighted delay of the requests
+// behind the recompute, less the queue it saves). The deterministic rule —
+// keep paying rent until the rent paid since the last purchase reaches the
+// price, then buy — never pays more than twice what an offline optimum that
+// knew the prefix's future would pay (Karlin, Manasse, Rudolph, Sleator,
+// "Competitive snoopy caching", 1988), and it needs no constant: no rate
+// window, no horizon, no threshold on how hot "hot" is. A prefix with one
+// request never pays rent twice; one whose holders are not busier than the
+// rest of the fleet pays none.
+//
+// Rent is kept per prefix: on the first block of the stretch a copy on the
+// alternative would add (the first block the alternative does not hold,
+// below the pick's match). Every request that needed that stretch passes
+// through that block, so the requests a copy there would have served share
+// one account: every tenant of one system prompt; the requests of a coding
+// assistant's users, whose prompts share its instructions, when the
+// least-loaded instance holds none of them (the copy carries the
+// instructions and moves one user's context: the holder's excess load is
+// what the rent measured); the turns of one conversation, when the
+// alternative holds only what all conversations share.
+
+// rentSets is the number of sets of the rent table (two entries each): far
+// more than the prefixes hot at once (each needs many requests to matter),
+// and 96 KiB per pool.
+const rentSets = 2048
+
+type rentEntry struct {
+	key  kvindex.Key
+	rent float64 // seconds of waiting paid since the last copy
+	used bool
+}
+
+// rentTable is the rent accounts of recently used prefixes: a two-way
+// set-associative table that, on a miss in a full set, replaces the entry
+// with less rent (a cold prefix's account, not a hot one's). Safe for
+// concurrent use.
+type rentTable struct {
+	mu   sync.Mutex
+	sets [rentSets][2]rentEntry
+}
+
+func (t *rentTable) set(k kvindex.Key) *[2]rentEntry {
+	return &t.sets[(uint64(k)^uint64(k)>>29)%rentSets]
+}
+
+// get is the rent paid on k since its last copy.
+func (t *rentTable) get(k kvindex.Key) float64 {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	s := t.set(k)
+	for i := range s {
+		if s[i].used && s[i].key == k {
+			return s[i].rent
+		}
+	}
+	return 0
+}
+
+// add pays rent r on k.
+func (t *rentTable) add(k kvindex.Key, r float64) {
+	if !(r > 0) || math.IsInf(r, 0) {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	s := t.set(k)
+	for i := range s {
+		if s[i].used && s[i].key == k {
+			s[i].rent += r
+			return
+		}
+	}
+	v := 0
+	if s[0].used && (!s[1].used || s[1].rent < s[0].rent) {
+		v = 1
+	}
+	s[v] = rentEntry{key: k, rent: r, used: true}
+}
+
+// reset clears k's account: a copy was bought.
+func (t *rentTable) reset(k kvindex.Key) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	s := t.set(k)
+	for i := range s {
+		if s[i].used && s[i].key == k {
+			s[i] = rentEntry{}
+		}
+	}
+}
+
+// rentNote is what a decision leaves for its commit: pay rent on key, or
+// (bought) reset its account.
+type rentNote struct {
+	key    kvindex.Key
+	rent   float64
+	bought bool
+	ok     bool
+}
+
+// replicate applies the rent-or-buy rule to a kv_match pick: it returns the
+// least-queue candidate instead (reason replicate) when the rent the pick's
+// prefix has paid covers the price of a copy there, and otherwise notes the
+// rent this request pays.
+func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, router.Reason) {
+	ev.rent = rentNote{}
+	if reason != router.ReasonKVMatch || s.sc.loadBound < 0 {
+		return pick, reason
+	}
+	pc := &ev.cands[pick]
+	// Only what the engine has stored counts: while the holder's match is
+	// still being computed (speculative entries), the wait there is the
+	// prefix's own prefill, which a copy would take as long to make, and
+	// the first requests of a burst stay together.
+	depth := min(pc.indexed, len(ev.keys))
+	if depth == 0 {
+		return pick, reason
+	}
+	alt := s.leastQueue(ev, true)
+	if alt < 0 || alt == pick {
+		return pick, reason
+	}
+	ac := &ev.cands[alt]
+	saved := pc.queue - ac.queue
+	if !(saved > s.sc.tieTol) {
+		return pick, reason
+	}
+	if !ac.scored {
+		s.sc.score(ev, ac)
+	}
+	key := ev.keys[min(ac.blocks[len(ac.blocks)-1], depth-1)]
+	price := ac.score - pc.score
+	if s.st.rent.get(key) >= price {
+		ev.rent = rentNote{key: key, bought: true, ok: true}
+		return alt, router.ReasonReplicate
+	}
+	ev.rent = rentNote{key: key, rent: saved, ok: true}
+	return pick, reason
+}
+
+// commitRent records what the committed decision paid or bought.
+func (st *KVState) commitRent(n rentNote) {
+	switch {
+	case !n.ok:
+	case n.bought:
+		st.rent.reset(n.key)
+	default:
+		st.rent.add(n.key, n.rent)
+	}
+}

@@ -1,0 +1,118 @@
+package kvaware
+
+import (
+	"context"
+	"math"
+	"slices"
+	"testing"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router"
+)
+
+// TestHotPrefixReplicates: requests sharing a prefix whose one holder is
+// busier than the rest of the fleet pay rent (their extra wait there) on
+// the prefix; once the rent paid covers the price of a copy on the
+// least-loaded instance (the score difference of sending the request
+// there), the request goes there, reason replicate, and the account
+// starts again. A prefix whose holder is no busier pays nothing, and
+// shadow scoring pays nothing.
+func TestHotPrefixReplicates(t *testing.T) {
+	const running = 20 // in flight on the holder: a queue of 20 × R
+	system := promptTokens(61, 64*kvTestBS)
+	req := func(i int) *router.Request {
+		return kvRequest("tenant", append(slices.Clone(system), promptTokens(uint32(5000+i), 2*kvTestBS)...))
+	}
+	fixed := config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 1}}
+
+	w := newKVWorld(t, 4)
+	s := w.strategy(fixed)
+	holder := w.insts[1]
+	w.store(holder.ID(), system, 0, 64)
+	for range running {
+		holder.Acquire()
+	}
+	queue := running * DefaultRunningRequestSeconds
+	// Price of a copy elsewhere: the alternative's score less the
+	// holder's, (q_alt − q_holder) + (1 + w) × 64 blocks / P, with w = 1.
+	price := -queue + 2*float64(64*kvTestBS)/25000
+	want := int(math.Ceil(price/queue)) + 1 // the request after the rent reaches the price
+	got := -1
+	for i := 0; i < 4*want; i++ {
+		d := kvPick(t, s, req(i), w.insts)
+		if d.Reason == router.ReasonReplicate {
+			got = i + 1
+			if d.Instance == holder {
+				t.Fatalf("replicated onto the holder")
+			}
+			break
+		}
+		if d.Instance != holder || d.Reason != router.ReasonKVMatch {
+			t.Fatalf("request %d: %s (%s), want the holder (kv_match)", i, d.Instance.ID(), d.Reason)
+		}
+	}
+	if got != want {
+		t.Fatalf("replicated at request %d, want %d (price %.1f ms, rent %.1f ms a request)", got, want, price*1e3, queue*1e3)
+	}
+	// The copy (speculative entries) now takes the prefix's requests: the
+	// same match, a shorter queue.
+	if d := kvPick(t, s, req(1000), w.insts); d.Instance == holder || d.Reason != router.ReasonKVMatch {
+		t.Errorf("after the copy: %s (%s), want the copy (kv_match)", d.Instance.ID(), d.Reason)
+	}
+
+	// Shadow scoring reads the account without paying into it.
+	w2 := newKVWorld(t, 4)
+	s2 := w2.strategy(fixed)
+	w2.store(w2.insts[1].ID(), system, 0, 64)
+	for range running {
+		w2.insts[1].Acquire()
+	}
+	for i := 0; i < 4*want; i++ {
+		_, ev, err := s2.pick(context.Background(), req(i), w2.insts, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		w2.st.putEval(ev)
+	}
+	if d := kvPick(t, s2, req(0), w2.insts); d.Instance != w2.insts[1] || d.Reason != router.ReasonKVMatch {
+		t.Errorf("after dry scoring: %s (%s), want the holder (kv_match): dry scoring paid rent", d.Instance.ID(), d.Reason)
+	}
+
+	// A holder no busier than the rest pays no rent: it keeps the prefix.
+	w3 := newKVWorld(t, 4)
+	s3 := w3.strategy(fixed)
+	w3.store(w3.insts[1].ID(), system, 0, 64)
+	for i := 0; i < 4*want; i++ {
+		if d := kvPick(t, s3, req(i), w3.insts); d.Instance != w3.insts[1] || d.Reason != router.ReasonKVMatch {
+			t.Fatalf("idle holder, request %d: %s (%s)", i, d.Instance.ID(), d.Reason)
+		}
+	}
+}
+
+// TestRentTable: accounts add up per key, a reset clears one, and a full
+// set keeps the account with more rent.
+func TestRentTable(t *testing.T) {
+	var rt rentTable
+	rt.add(7, 0.5)
+	rt.add(7, 0.25)
+	rt.add(7, math.Inf(1)) // ignored
+	rt.add(7, -1)          // ignored
+	if got := rt.get(7); got != 0.75 {
+		t.Fatalf("rent on 7: %v", got)
+	}
+	// Keys of one set: 7 + k·rentSets (the low bits pick the set).
+	a, b := kvindex.Key(7+rentSets), kvindex.Key(7+2*rentSets)
+	if rt.set(a) != rt.set(7) || rt.set(b) != rt.set(7) {
+		t.Fatal("keys below 2^29 that agree mod rentSets should share a set")
+	}
+	rt.add(a, 0.1)
+	rt.add(b, 0.2) // evicts a (less rent than 7)
+	if rt.get(7) != 0.75 || rt.get(a) != 0 || rt.get(b) != 0.2 {
+		t.Fatalf("after eviction: 7=%v a=%v b=%v", rt.get(7), rt.get(a), rt.get(b))
+	}
+	rt.reset(7)
+	if rt.get(7) != 0 || rt.get(b) != 0.2 {
+		t.Fatalf("after reset: 7=%v b=%v", rt.get(7), rt.get(b))
+	}
+}
