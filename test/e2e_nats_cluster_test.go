@@ -46,7 +46,7 @@ func TestE2ENATSNodeKillUnderLoad(t *testing.T) {
 	kill := func(what string, node int) {
 		t.Helper()
 		sentBefore := l.sent.Load()
-		t.Logf("%s: JetStream health before killing node %d: %s", what, node, f.nc.Health())
+		t.Logf("%s: JetStream health before killing node %d (meta leader: node %d): %s", what, node, f.nc.MetaLeader(), f.nc.Health())
 		killed := time.Now()
 		f.nc.Kill(node)
 		// Where each bridge was when the node went: what it publishes
