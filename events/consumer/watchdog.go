@@ -67,8 +67,8 @@ type streamCons struct {
 	// while it swaps the consumer, so a message of the old consumer can
 	// neither be dispatched twice nor overtake the new consumer's.
 	mu   sync.Mutex
-	gen  atomic.Uint64 // the current consumer's generation; written under mu
-	seq  uint64        // stream sequence of the last message dispatched; guarded by mu
+	gen  atomic.Uint64            // the current consumer's generation; written under mu
+	seq  uint64                   // stream sequence of the last message dispatched; guarded by mu
 	cons jetstream.Consumer       // guarded by mu
 	cc   jetstream.ConsumeContext // guarded by mu
 
