@@ -34,6 +34,10 @@ import (
 // delivery) and replaces the ordered consumer with a new one that starts
 // right after the last message delivered, created with a bounded request
 // and retried at the next heartbeat, not after 10s.
+//
+// Its cost: while a pool's stream is quiet, one last-message request a
+// second per pool and router to the stream's leader, the same rate as the
+// idle heartbeats the server already sends; nothing while messages flow.
 
 // heartbeat is the idle heartbeat asked of the server for each pull; a
 // pull consumer lost with its server is noticed by nats.go after 2 missed
