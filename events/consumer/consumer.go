@@ -137,6 +137,10 @@ type Consumer struct {
 	ready   atomic.Bool
 	lastErr atomic.Int64 // unix nanos of the last consume error
 	lag     atomic.Int64 // nanoseconds behind the stream at the last message delivered
+	// evSubj, streamName: what is consumed (set by Run); sc: the ordered
+	// consumer in use and its watchdog's state (watchdog.go).
+	evSubj, streamName string
+	sc                 streamCons
 
 	// mu guards insts and every *inst's status fields. Read-mostly: Live
 	// is on the router's request path, once per candidate.
@@ -298,37 +302,35 @@ func (c *Consumer) Run(ctx context.Context) error {
 	default:
 		c.loadKnown(ctx)
 	}
-	evSubj, _ := kvstream.PoolSubjects(kvstream.SubjectEvents, c.cfg.Pool)
-	streamName := c.cfg.Stream.Name
-	if streamName == "" {
-		streamName = kvstream.DefaultStreamName
+	c.evSubj, _ = kvstream.PoolSubjects(kvstream.SubjectEvents, c.cfg.Pool)
+	c.streamName = c.cfg.Stream.Name
+	if c.streamName == "" {
+		c.streamName = kvstream.DefaultStreamName
 	}
-	cons, err := c.js.OrderedConsumer(ctx, streamName, jetstream.OrderedConsumerConfig{
-		FilterSubjects: []string{evSubj},
-		DeliverPolicy:  deliver,
-	})
+	s := &c.sc
+	cons, cc, err := c.startConsumer(ctx, ctx, 0, deliver, 0)
 	if err != nil {
-		return fmt.Errorf("consumer: ordered consumer on %s: %w", streamName, err)
+		return fmt.Errorf("consumer: %w", err)
 	}
-	cc, err := cons.Consume(func(m jetstream.Msg) { c.dispatch(ctx, m) },
-		// Idle heartbeats every second: a consumer lost with its server
-		// (one node of a cluster killed) is noticed and recreated after 2
-		// missed ones, not after nats.go's default of 2×5s; the cost is
-		// one small message a second per pool while the stream is idle.
-		jetstream.PullHeartbeat(time.Second),
-		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
-			c.lastErr.Store(time.Now().UnixNano())
-			c.m.consumeErrors.Inc()
-			c.cfg.Logger.Debug("consumer: consume error", "err", err)
-		}))
-	if err != nil {
-		return fmt.Errorf("consumer: consume %s: %w", streamName, err)
+	s.mu.Lock()
+	s.cons, s.cc = cons, cc
+	if info := cons.CachedInfo(); info != nil {
+		// Where it starts: what a replacement resumes after until it
+		// delivers (DeliverNew: the stream's last message at creation).
+		s.seq = info.Delivered.Stream
 	}
-	defer cc.Stop()
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		cc := s.cc
+		s.mu.Unlock()
+		cc.Stop()
+	}()
 	c.running.Store(true)
 	defer c.running.Store(false)
-	wg.Add(1)
-	go func() { defer wg.Done(); c.awaitRebuilt(ctx, cons) }()
+	wg.Add(2)
+	go func() { defer wg.Done(); c.awaitRebuilt(ctx, s.current) }()
+	go func() { defer wg.Done(); c.watch(ctx, deliver) }()
 
 	tick := time.NewTicker(c.cfg.CheckInterval)
 	defer tick.Stop()

@@ -17,6 +17,7 @@ type metrics struct {
 	dropped       *prometheus.CounterVec
 	applyErrors   prometheus.Counter
 	consumeErrors prometheus.Counter
+	stalls        prometheus.Counter
 	snapshotLoads *prometheus.CounterVec
 	heartbeats    *prometheus.CounterVec
 	purges        prometheus.Counter
@@ -48,6 +49,8 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 			Help: "Index Apply calls that failed."}),
 		consumeErrors: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_consume_errors_total", ConstLabels: cl,
 			Help: "JetStream consume errors (the ordered consumer recovers by itself)."}),
+		stalls: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_events_consumer_stalls_total", ConstLabels: cl,
+			Help: "Checks that found the consumer stalled (a stored message undelivered for 3 heartbeats, nothing delivered meanwhile) and re-created it."}),
 		snapshotLoads: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_events_snapshot_loads_total", ConstLabels: cl,
 			Help: "Instance snapshot loads, by source (request, bucket, none, malformed)."}, []string{"source"}),
 		heartbeats: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_events_heartbeats_total", ConstLabels: cl,
@@ -74,7 +77,7 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 	}
 	if reg != nil {
 		for _, c := range []prometheus.Collector{m.messages, m.events, m.unknown, m.gaps, m.stored, m.removed, m.dropped, m.applyErrors,
-			m.consumeErrors, m.snapshotLoads, m.heartbeats, m.purges, m.replayed, m.replayLost, m.instances, m.queue, m.consistent, m.indexLost, m.lag} {
+			m.consumeErrors, m.stalls, m.snapshotLoads, m.heartbeats, m.purges, m.replayed, m.replayLost, m.instances, m.queue, m.consistent, m.indexLost, m.lag} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}

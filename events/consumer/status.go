@@ -91,9 +91,9 @@ func (c *Consumer) Ready() bool { return c.ready.Load() }
 // awaitRebuilt sets ready once the consumer is healthy, has been
 // delivered everything the stream held for the pool, and every shard has
 // applied what was queued before (snapshot loads included).
-func (c *Consumer) awaitRebuilt(ctx context.Context, cons jetstream.Consumer) {
+func (c *Consumer) awaitRebuilt(ctx context.Context, cons func() jetstream.Consumer) {
 	t0 := time.Now()
-	for !c.delivered(ctx, cons) {
+	for !c.delivered(ctx, cons()) {
 		select {
 		case <-ctx.Done():
 			return

@@ -196,6 +196,19 @@ func (c *NATSCluster) StreamLeader(stream string) int {
 	return -1
 }
 
+// MetaLeader returns the index of the JetStream meta leader (the node
+// that answers consumer and stream creates), or -1 when none does.
+func (c *NATSCluster) MetaLeader() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for i, n := range c.nodes {
+		if n.srv != nil && n.srv.JetStreamIsLeader() {
+			return i
+		}
+	}
+	return -1
+}
+
 // Health reports each node's JetStream health (the server's /healthz with
 // details: every stream and consumer replica it holds is current), or
 // "down" for a killed node: what a test prints when the cluster does not

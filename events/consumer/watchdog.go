@@ -1,0 +1,220 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// The stream consumer and its watchdog.
+//
+// nats.go's ordered consumer recovers by itself from a lost pull (two
+// missed idle heartbeats) and from a reconnect: it re-creates its server
+// side consumer. But that re-create is one JetStream API request with a
+// fixed 10s timeout, retried 1s after a failure, and its errors are never
+// reported to the consume error handler. A consumer create is answered
+// only by the meta leader; when the NATS node that was the meta leader
+// dies, the surviving servers drop the request without a word until they
+// have elected a new one, so the ordered consumer waits out the full 10s
+// and delivers nothing, while Healthy still says yes (no consume error,
+// and the lag is only measured on a delivery). That is the 11–13s tail of
+// the node-kill recoveries.
+//
+// The watchdog bounds it: when nothing has been delivered for one
+// heartbeat, it asks the stream for the pool's newest message (one
+// bounded request); a message that was already in the stream
+// stallHeartbeats heartbeats ago and is still not delivered, with no
+// delivery in between and none in progress, means the consumer is
+// stalled. It then counts a consume error (Healthy says no until a
+// delivery) and replaces the ordered consumer with a new one that starts
+// right after the last message delivered, created with a bounded request
+// and retried at the next heartbeat, not after 10s.
+//
+// Its cost: while a pool's stream is quiet, one last-message request a
+// second per pool and router to the stream's leader, the same rate as the
+// idle heartbeats the server already sends; nothing while messages flow.
+
+// heartbeat is the idle heartbeat asked of the server for each pull; a
+// pull consumer lost with its server is noticed by nats.go after 2 missed
+// ones. Every second, not nats.go's default of 5s: the cost is one small
+// message a second per pool while the stream is idle.
+const heartbeat = time.Second
+
+// stallHeartbeats is how long, in heartbeats, a message may sit in the
+// stream undelivered, with nothing delivered meanwhile, before the
+// consumer is called stalled. A working consumer delivers a stored message
+// within milliseconds; one whose pull was lost notices after 2 missed
+// heartbeats and re-creates itself in one API round trip (milliseconds on
+// a healthy cluster). The third heartbeat is the slack for that round trip
+// and for a loaded machine: the watchdog acts only once nats.go's own
+// recovery has had its chance and not delivered.
+const stallHeartbeats = 3
+
+// createTimeout bounds the watchdog's requests (the stream's last message,
+// a consumer create): a healthy cluster answers in milliseconds, tens of
+// them on a loaded machine, one without a meta leader never does. Two
+// heartbeats is an order of magnitude above the first and a fifth of
+// nats.go's 10s; a failed create is retried at the next check.
+const createTimeout = 2 * heartbeat
+
+// streamCons is the current ordered consumer with its position: the
+// stream sequence of the last message it delivered (or where it started),
+// and what the watchdog has seen.
+type streamCons struct {
+	// mu serializes deliveries with a replacement: held by the message
+	// handler while it checks and dispatches a message, and by replace
+	// while it swaps the consumer, so a message of the old consumer can
+	// neither be dispatched twice nor overtake the new consumer's.
+	mu   sync.Mutex
+	gen  atomic.Uint64            // the current consumer's generation; written under mu
+	seq  uint64                   // stream sequence of the last message dispatched; guarded by mu
+	cons jetstream.Consumer       // guarded by mu
+	cc   jetstream.ConsumeContext // guarded by mu
+
+	at   atomic.Int64 // unix nanos of the last delivery
+	busy atomic.Bool  // a message is being dispatched (may wait on a full shard)
+
+	// The watchdog's own (its goroutine only): the newest message seen
+	// undelivered and when.
+	pending      uint64
+	pendingSince time.Time
+}
+
+// current is the consumer in use (for Info).
+func (s *streamCons) current() jetstream.Consumer {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cons
+}
+
+// startConsumer creates the ordered consumer of generation gen starting
+// at start (0: by policy deliver) and consumes it, with ctx bounding the
+// create.
+func (c *Consumer) startConsumer(ctx, runCtx context.Context, gen uint64, deliver jetstream.DeliverPolicy, start uint64) (jetstream.Consumer, jetstream.ConsumeContext, error) {
+	cfg := jetstream.OrderedConsumerConfig{FilterSubjects: []string{c.evSubj}, DeliverPolicy: deliver}
+	if start > 0 {
+		cfg.DeliverPolicy, cfg.OptStartSeq = jetstream.DeliverByStartSequencePolicy, start
+	}
+	cons, err := c.js.OrderedConsumer(ctx, c.streamName, cfg)
+	if err != nil {
+		return nil, nil, fmt.Errorf("ordered consumer on %s: %w", c.streamName, err)
+	}
+	s := &c.sc
+	cc, err := cons.Consume(func(m jetstream.Msg) { c.deliver(runCtx, gen, m) },
+		jetstream.PullHeartbeat(heartbeat),
+		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
+			if gen != s.gen.Load() {
+				return // a replaced consumer's
+			}
+			c.lastErr.Store(time.Now().UnixNano())
+			c.m.consumeErrors.Inc()
+			c.cfg.Logger.Debug("consumer: consume error", "err", err)
+		}))
+	if err != nil {
+		return nil, nil, fmt.Errorf("consume %s: %w", c.streamName, err)
+	}
+	return cons, cc, nil
+}
+
+// deliver takes a message from the consumer of generation gen: a message
+// of a replaced consumer, or one already dispatched, is dropped.
+func (c *Consumer) deliver(ctx context.Context, gen uint64, m jetstream.Msg) {
+	s := &c.sc
+	s.busy.Store(true)
+	defer s.busy.Store(false)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	md, err := m.Metadata()
+	if gen != s.gen.Load() || (err == nil && md.Sequence.Stream <= s.seq) {
+		return
+	}
+	if err == nil {
+		s.seq = md.Sequence.Stream
+	}
+	s.at.Store(time.Now().UnixNano())
+	c.dispatch(ctx, m)
+}
+
+// watch runs the watchdog until ctx is done.
+func (c *Consumer) watch(ctx context.Context, deliver jetstream.DeliverPolicy) {
+	t := time.NewTicker(heartbeat)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			if c.stalled(ctx, time.Now()) {
+				c.replace(ctx, deliver)
+			}
+		}
+	}
+}
+
+// stalled reports whether a message the stream held stallHeartbeats ago
+// is still undelivered with no delivery since.
+func (c *Consumer) stalled(ctx context.Context, now time.Time) bool {
+	s := &c.sc
+	last := time.Unix(0, s.at.Load())
+	if s.busy.Load() || now.Sub(last) < heartbeat {
+		s.pending = 0
+		return false
+	}
+	rctx, cancel := context.WithTimeout(ctx, createTimeout)
+	msg, err := c.stream.GetLastMsgForSubject(rctx, c.evSubj)
+	cancel()
+	if err != nil {
+		// No message (nothing to deliver) or no answer (the stream is
+		// down, nothing a new consumer would get either): not stalled.
+		if !errors.Is(err, jetstream.ErrMsgNotFound) {
+			c.cfg.Logger.Debug("consumer: watchdog: stream's last message", "err", err)
+		}
+		return false
+	}
+	s.mu.Lock()
+	seq := s.seq
+	s.mu.Unlock()
+	switch {
+	case msg.Sequence <= seq:
+		s.pending = 0
+		return false
+	case s.pending == 0 || last.After(s.pendingSince):
+		s.pending, s.pendingSince = msg.Sequence, now
+		return false
+	}
+	return now.Sub(s.pendingSince) >= stallHeartbeats*heartbeat
+}
+
+// replace swaps the stalled consumer for a new one starting after the
+// last message delivered; on failure the next check tries again.
+func (c *Consumer) replace(ctx context.Context, deliver jetstream.DeliverPolicy) {
+	s := &c.sc
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c.lastErr.Store(time.Now().UnixNano())
+	c.m.consumeErrors.Inc()
+	c.m.stalls.Inc()
+	silent := time.Since(time.Unix(0, s.at.Load()))
+	rctx, cancel := context.WithTimeout(ctx, createTimeout)
+	defer cancel()
+	cons, cc, err := c.startConsumer(rctx, ctx, s.gen.Load()+1, deliver, s.seq+1)
+	if err != nil {
+		c.cfg.Logger.Warn("consumer: stalled, nothing delivered; re-creating failed, retrying",
+			"pending", s.pending, "delivered", s.seq, "silent", silent.Round(time.Millisecond), "err", err)
+		return
+	}
+	old := s.cc
+	s.gen.Add(1)
+	s.cons, s.cc = cons, cc
+	s.pendingSince = time.Now()
+	c.cfg.Logger.Warn("consumer: stalled, nothing delivered; re-created the consumer",
+		"pending", s.pending, "delivered", s.seq, "silent", silent.Round(time.Millisecond))
+	// Stopping an ordered consumer waits while it is re-creating itself
+	// (up to its 10s request timeout): not on the watchdog.
+	go old.Stop()
+}
