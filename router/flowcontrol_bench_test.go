@@ -1,6 +1,7 @@
 package router_test
 
 import (
+	"context"
 	"io"
 	"log/slog"
 	"net/http"
@@ -64,15 +65,29 @@ func BenchmarkFlowControl(b *testing.B) {
 	on := handler(&config.FlowControlConfig{Enabled: true})
 	// The held requests must outlast the runs before "shed": no max_wait.
 	full := handler(&config.FlowControlConfig{Enabled: true, MaxQueue: 1, MaxWait: time.Hour})
-	// Fill full's one slot and its one-place queue; let them finish
-	// before the upstream closes.
+	// Fill full's one slot and its one-place queue with held requests; let
+	// them finish before the upstream closes. A probe that finds room in
+	// the queue waits there until it gives up (a client gone while queued
+	// leaves the queue); then another held request goes in. Held requests
+	// beyond the slot and the queue are shed and return at once.
 	var held sync.WaitGroup
-	for range 2 {
-		held.Go(func() { do(full, strings.Replace(body, "short", "hold", 1)) })
-	}
 	defer held.Wait()
 	defer close(release)
-	for do(full, body) != http.StatusTooManyRequests {
+	probe := func() int {
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer cancel()
+		rec := httptest.NewRecorder()
+		req := httptest.NewRequestWithContext(ctx, "POST", "/v1/completions", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		full.ServeHTTP(rec, req)
+		return rec.Code
+	}
+	for {
+		held.Go(func() { do(full, strings.Replace(body, "short", "hold", 1)) })
+		time.Sleep(10 * time.Millisecond)
+		if probe() == http.StatusTooManyRequests {
+			break
+		}
 	}
 	b.Run("off", func(b *testing.B) { run(b, off, http.StatusOK) })
 	b.Run("admitted", func(b *testing.B) { run(b, on, http.StatusOK) })
