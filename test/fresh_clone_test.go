@@ -52,7 +52,7 @@ func TestFreshClone(t *testing.T) {
 		cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
 		out, err := cmd.CombinedOutput()
 		if err != nil {
-			t.Fatalf("%s in the fresh clone: %v\n%s", name, err, tail(string(out), 60))
+			t.Fatalf("%s in the fresh clone: %v\nfailures:\n%s\nlast lines:\n%s", name, err, failures(string(out), 60), tail(string(out), 30))
 		}
 		return string(out)
 	}
@@ -85,6 +85,24 @@ func TestFreshClone(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(dir, "demo")); err != nil {
 		t.Errorf("the demo wrote no report: %v", err)
 	}
+}
+
+// failures is up to n lines of s that say what failed: go test's FAIL
+// lines, test log lines (file_test.go:N:) and panics; a package's debug
+// logs would otherwise push them out of the tail.
+func failures(s string, n int) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		t := strings.TrimSpace(l)
+		if strings.HasPrefix(t, "--- FAIL") || strings.HasPrefix(t, "FAIL") || strings.HasPrefix(t, "panic:") ||
+			strings.Contains(t, "_test.go:") {
+			out = append(out, l)
+		}
+		if len(out) == n {
+			break
+		}
+	}
+	return strings.Join(out, "\n")
 }
 
 // tail is the last n lines of s.
