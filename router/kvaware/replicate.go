@@ -138,7 +138,10 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 	// prefix's own prefill, which a copy would take as long to make, and
 	// the first requests of a burst stay together.
 	depth := min(pc.indexed, len(ev.keys))
-	if depth == 0 {
+	// No candidate's queue is below zero, so a holder whose own queue is
+	// within the tie tolerance saves nobody anything: skip the pass over
+	// the candidates (the common case of a fleet with room).
+	if depth == 0 || !(pc.queue > s.sc.tieTol) {
 		return pick, reason
 	}
 	alt := s.leastQueue(ev, true)
