@@ -33,7 +33,36 @@ func UniqueName(t testing.TB) string {
 	return fmt.Sprintf("t%d_%d_%s", os.Getpid(), seq.Add(1), n)
 }
 
-// FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
+// handedOut is every port FreePort and FreePorts returned in this process:
+// a port returned but not yet bound is free again, so without this a
+// harness that asks for several ports before starting anything could get
+// the same one twice (seen: a kvsim given one port for HTTP and ZMQ).
+var handedOut struct {
+	sync.Mutex
+	ports map[int]bool
+}
+
+// claim reserves ports p .. p+n-1 for the caller unless one was handed out
+// before.
+func claim(p, n int) bool {
+	handedOut.Lock()
+	defer handedOut.Unlock()
+	for j := range n {
+		if handedOut.ports[p+j] {
+			return false
+		}
+	}
+	if handedOut.ports == nil {
+		handedOut.ports = map[int]bool{}
+	}
+	for j := range n {
+		handedOut.ports[p+j] = true
+	}
+	return true
+}
+
+// FreePort returns a TCP port on 127.0.0.1 that was free a moment ago and
+// that no earlier call in this process returned.
 //
 // It draws from 20000..32767, below Linux's ephemeral range (32768..60999):
 // a port the kernel hands out itself can be taken again at once by any
@@ -43,6 +72,9 @@ func FreePort(t testing.TB) int {
 	t.Helper()
 	for i := 0; i < 200; i++ {
 		port := 20000 + rand.IntN(32768-20000)
+		if !claim(port, 1) {
+			continue
+		}
 		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
 		if err != nil {
 			continue
@@ -60,6 +92,9 @@ func FreePorts(t testing.TB, n int) int {
 	t.Helper()
 	for i := 0; i < 200; i++ {
 		p := 20000 + rand.IntN(32768-20000-n)
+		if !claim(p, n) {
+			continue
+		}
 		var ls []net.Listener
 		for j := 0; j < n; j++ {
 			l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p+j))

@@ -91,3 +91,21 @@ func TestRedisClusterFailover(t *testing.T) {
 		t.Fatalf("restarted master is %q, want slave", r)
 	}
 }
+
+// TestFreePortNeverTwice: ports handed out and not yet bound are free
+// again, yet no call returns a port an earlier one did (nor one inside a
+// FreePorts range).
+func TestFreePortNeverTwice(t *testing.T) {
+	seen := map[int]bool{}
+	base := FreePorts(t, 4)
+	for j := range 4 {
+		seen[base+j] = true
+	}
+	for range 2000 {
+		p := FreePort(t)
+		if seen[p] {
+			t.Fatalf("port %d handed out twice", p)
+		}
+		seen[p] = true
+	}
+}
