@@ -17,14 +17,12 @@ import (
 	"github.com/kvrouter/kvrouter/router/kvstate"
 )
 
-// Pools is the pool table fleet applies configurations to (router.Server).
+// Pools is the pool table fleet applies configurations to (httpapi.Server).
 type Pools interface {
 	Reload(config.Config) error
 	Pool(name string) (*router.Pool, bool)
 	ForgetInstanceSeries(pool, instance string)
 }
-
-var _ Pools = (*router.Server)(nil)
 
 // Discoverer is the KV-state pipeline side (kvstate.Pipeline).
 type Discoverer interface {
