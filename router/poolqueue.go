@@ -82,15 +82,6 @@ func (f *flowControl) limits() (int, int64) {
 	return conc, 0
 }
 
-// Queue is the pool's admission queue and its configuration; nil, nil
-// when flow control is off.
-func (p *Pool) Queue() (*flowcontrol.Gate, *config.FlowControlConfig) {
-	if p.flow == nil {
-		return nil, nil
-	}
-	return p.flow.gate, &p.flow.cfg
-}
-
 // QueueStatus is GET /admin/pools/{pool}/queue: whether flow control is on
 // and, when it is, the queue's state.
 type QueueStatus struct {
