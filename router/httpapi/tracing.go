@@ -118,7 +118,12 @@ func (s *Server) traced(pattern string, h http.HandlerFunc) http.HandlerFunc {
 				panic(p)
 			}
 		}()
-		h(sw, r.WithContext(router.WithSpans(ctx, childSpan)))
+		if sp.IsRecording() {
+			// The core's steps (tokenize, kv_aware's lookup) start their
+			// spans through it; an unsampled request is spared the value.
+			ctx = router.WithSpans(ctx, childSpan)
+		}
+		h(sw, r.WithContext(ctx))
 	}
 }
 
