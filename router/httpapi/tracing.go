@@ -20,12 +20,14 @@ import (
 // span per proxy attempt, whose context goes to the engine in traceparent
 // so that vLLM (--otlp-traces-endpoint) continues the trace.
 //
-// Off (Options.TracerProvider nil), the handlers are not wrapped and every
-// helper below returns after one context lookup: no span, no allocation,
-// no header. Spans carry routing facts (pool, model, strategy, reason,
+// Off (Options.TracerProvider nil), the handlers are not wrapped, every
+// helper below returns after a nil check and the core's router.StartSpan
+// after one context lookup: no span, no allocation, no header. Spans carry routing facts (pool, model, strategy, reason,
 // instance, token counts), never prompt text, bodies or headers.
 
-// TracerScope is the instrumentation scope of the router's spans.
+// TracerScope is the instrumentation scope of the router's spans (named
+// for package router, where the data plane was first: what trace queries
+// select on stays the same).
 const TracerScope = "github.com/kvrouter/kvrouter/router"
 
 // Span names of the request path (the server span is named after its
@@ -164,9 +166,8 @@ func (s *Server) span(ctx context.Context, name string) (context.Context, span) 
 	return startSpan(ctx, name, trace.SpanKindInternal)
 }
 
-// startSpan starts a child of ctx's span when that one is recording: with
-// tracing off, one context lookup (for the hooks below the server, which
-// do not know whether it is on).
+// startSpan starts a child of ctx's span when that one is recording: one
+// context lookup when it is not.
 func startSpan(ctx context.Context, name string, kind trace.SpanKind) (context.Context, span) {
 	parent := trace.SpanFromContext(ctx)
 	if !parent.IsRecording() {
@@ -186,6 +187,11 @@ func childSpan(ctx context.Context, name string) (context.Context, router.SpanEn
 	}
 	return ctx, sp
 }
+
+var (
+	_ router.Spans     = childSpan
+	_ router.SpanEnder = span{}
+)
 
 // SetInt implements router.SpanEnder.
 func (sp span) SetInt(key string, v int) { sp.s.SetAttributes(attribute.Int(key, v)) }
