@@ -47,7 +47,7 @@ func headerBytes(r *http.Request) int {
 // the header size and the body read deadline.
 func (s *Server) limitInput(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		l := s.table.Load().Config().Limits.WithDefaults()
+		l := s.table.Load().Config().Limits // defaults applied when the table was built
 		if n := headerBytes(r); n > l.MaxHeaderBytes {
 			openai.WriteError(w, http.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers of %d bytes exceed the limit of %d bytes", n, l.MaxHeaderBytes))
 			s.m.requests.WithLabelValues("", "", "", "", "431").Inc()

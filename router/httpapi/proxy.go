@@ -110,7 +110,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in router.Inbound
 		_, psp = s.span(r.Context(), SpanParse)
 	}
 	req, pool, err := st.Resolve(in)
-	psp.end(err, router.ErrDesc(err))
+	psp.endErr(err)
 	if err != nil {
 		re := router.AsRequestError(err)
 		s.reject(w, re.Pool, re.Status, re.Message)

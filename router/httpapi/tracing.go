@@ -199,6 +199,14 @@ func (sp span) SetInt(key string, v int) { sp.s.SetAttributes(attribute.Int(key,
 // End implements router.SpanEnder.
 func (sp span) End(err error, desc string) { sp.end(err, desc) }
 
+// endErr ends the span, failed with err's description (router.ErrDesc)
+// when err is not nil; the description is made only for a recorded span.
+func (sp span) endErr(err error) {
+	if sp.s != nil {
+		sp.end(err, router.ErrDesc(err))
+	}
+}
+
 // end ends the span, marking it failed with desc when err is not nil.
 func (sp span) end(err error, desc string) {
 	if sp.s == nil {
