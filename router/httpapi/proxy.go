@@ -27,49 +27,6 @@ const (
 	HeaderAttempts   = "X-Kvrouter-Attempts"
 )
 
-// attempt is one try of a request against one instance; it travels in the
-// request context from the handler to the ReverseProxy hooks.
-type attempt struct {
-	pool     *router.Pool
-	dec      router.Decision
-	path     string // upstream path
-	ready    time.Time
-	sent     time.Time
-	n        int // 1-based attempt number
-	canRetry bool
-	ticket   *flowcontrol.Ticket // the request's flow-control ticket; nil without a queue
-
-	// wrote is set by the transport (its write goroutine, through an
-	// httptrace hook) once the whole request went out to the instance:
-	// from then on the instance may be prefilling it, so a transport
-	// failure is not retried elsewhere (that would duplicate the work, and
-	// the request).
-	wrote atomic.Bool
-
-	// Set by the hooks (same goroutine as ServeHTTP).
-	retry     bool  // failed before any byte reached the client: try the next candidate
-	err       error // the failure
-	status    int
-	streamErr bool
-	// usage reads the engine-reported cached tokens from the response for
-	// the decision's Observer (nil without one, or without a response).
-	usage *usageTee
-
-	span span // the attempt's client span (tracing.go); empty when not traced
-}
-
-type attemptKey struct{}
-
-func attemptFrom(ctx context.Context) *attempt {
-	a, _ := ctx.Value(attemptKey{}).(*attempt)
-	return a
-}
-
-// errRetryStatus marks an upstream status that is retried elsewhere.
-type errRetryStatus int
-
-func (e errRetryStatus) Error() string { return fmt.Sprintf("upstream answered %d", int(e)) }
-
 // serveEndpoint serves one data-plane endpoint: /v1/chat/completions and
 // /v1/completions (OpenAI bodies) and the raw SageMaker invocations.
 func (s *Server) serveEndpoint(ep router.Endpoint) http.HandlerFunc {
@@ -89,8 +46,8 @@ func HTTPInbound(ep router.Endpoint, r *http.Request) router.Inbound {
 }
 
 // serve is the data plane's driver: every step of a request is a call
-// from here, in the order it is taken, and returns here; no step calls
-// another. Read the body (readRequest, over body.go), Resolve it against
+// from here, in the order it is taken, and returns here; no step hands the
+// request on to the next. Read the body (readRequest, over body.go), Resolve it against
 // the pool table as every edge does (router/resolve.go), admit it through
 // the pool's queue (flowcontrol.go, pools with flow_control), run its
 // prefill stage (disagg.go, pools with disaggregation), then route and
@@ -178,6 +135,49 @@ func (s *Server) reject(w http.ResponseWriter, pool string, status int, msg stri
 func (s *Server) countRejected(pool string, status int) {
 	s.m.requests.WithLabelValues(pool, "", "", "", strconv.Itoa(status)).Inc()
 }
+
+// attempt is one try of a request against one instance; it travels in the
+// request context from the handler to the ReverseProxy hooks.
+type attempt struct {
+	pool     *router.Pool
+	dec      router.Decision
+	path     string // upstream path
+	ready    time.Time
+	sent     time.Time
+	n        int // 1-based attempt number
+	canRetry bool
+	ticket   *flowcontrol.Ticket // the request's flow-control ticket; nil without a queue
+
+	// wrote is set by the transport (its write goroutine, through an
+	// httptrace hook) once the whole request went out to the instance:
+	// from then on the instance may be prefilling it, so a transport
+	// failure is not retried elsewhere (that would duplicate the work, and
+	// the request).
+	wrote atomic.Bool
+
+	// Set by the hooks (same goroutine as ServeHTTP).
+	retry     bool  // failed before any byte reached the client: try the next candidate
+	err       error // the failure
+	status    int
+	streamErr bool
+	// usage reads the engine-reported cached tokens from the response for
+	// the decision's Observer (nil without one, or without a response).
+	usage *usageTee
+
+	span span // the attempt's client span (tracing.go); empty when not traced
+}
+
+type attemptKey struct{}
+
+func attemptFrom(ctx context.Context) *attempt {
+	a, _ := ctx.Value(attemptKey{}).(*attempt)
+	return a
+}
+
+// errRetryStatus marks an upstream status that is retried elsewhere.
+type errRetryStatus int
+
+func (e errRetryStatus) Error() string { return fmt.Sprintf("upstream answered %d", int(e)) }
 
 // route picks an instance and proxies, retrying once on the next candidate
 // when the first fails before any byte reached the client, and either
