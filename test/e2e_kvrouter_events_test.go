@@ -25,6 +25,7 @@ import (
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/fleet"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 )
@@ -102,7 +103,7 @@ func kvrHashes(from, n int) []uint64 {
 type kvrRouter struct {
 	t    *testing.T
 	kve  *kvstate.Pipeline
-	srv  *router.Server
+	srv  *httpapi.Server
 	ts   *httptest.Server
 	pool string
 }
@@ -258,7 +259,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(kve.Close)
-	srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
+	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: quietLogger(), Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -477,7 +478,7 @@ func TestKVRouterEventsRedisIndex(t *testing.T) {
 		if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
 			t.Fatal(err)
 		}
-		srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
+		srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: quietLogger(), KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -526,7 +527,7 @@ func TestKVRouterRestartRebuildsIndex(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
+		srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: quietLogger(), KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
 		if err != nil {
 			t.Fatal(err)
 		}
