@@ -370,19 +370,26 @@ func TestComposeRuns(t *testing.T) {
 	}
 }
 
-// waitStreamEvents waits until JetStream holds an event of the instance
-// under its subject: its engine's events went through its bridge.
-func waitStreamEvents(t *testing.T, ctx context.Context, natsURL, pool, instance string) {
+// jetStream connects to the NATS server at url for the rest of the test.
+func jetStream(t *testing.T, url string) jetstream.JetStream {
 	t.Helper()
-	nc, err := nats.Connect(natsURL)
+	nc, err := nats.Connect(url)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer nc.Close()
+	t.Cleanup(nc.Close)
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)
 	}
+	return js
+}
+
+// waitStreamEvents waits until JetStream holds an event of the instance
+// under its subject: its engine's events went through its bridge.
+func waitStreamEvents(t *testing.T, ctx context.Context, natsURL, pool, instance string) {
+	t.Helper()
+	js := jetStream(t, natsURL)
 	subject := kvstream.SubjectEvents + "." + pool + "." + instance
 	waitFor(t, 30*time.Second, "events on "+subject, func() error {
 		st, err := js.Stream(ctx, kvstream.DefaultStreamName)
