@@ -18,6 +18,23 @@ import (
 // ErrInvalidConfig wraps every configuration validation error.
 var ErrInvalidConfig = errors.New("config: invalid config")
 
+// invalidf is a validator's error constructor: ErrInvalidConfig, then
+// path (the YAML path of the section checked, ending in "." unless empty),
+// then the message.
+func invalidf(path string) func(format string, a ...any) error {
+	return func(format string, a ...any) error {
+		return fmt.Errorf("%w: %s"+format, append([]any{ErrInvalidConfig, path}, a...)...)
+	}
+}
+
+// setDefault sets a field left at its zero value to its default.
+func setDefault[T comparable](p *T, v T) {
+	var zero T
+	if *p == zero {
+		*p = v
+	}
+}
+
 // Config is the whole router configuration (YAML file, see docs/configuration.md).
 // The zero value of every field means its documented default; Validate checks
 // ranges and WithDefaults fills the defaults in.
@@ -105,9 +122,7 @@ type GRPCExtProcConfig struct {
 // validate checks the grpc: section; adminToken is the configured admin
 // token (token_for_pick needs one).
 func (g GRPCConfig) validate(adminToken string) error {
-	bad := func(format string, a ...any) error {
-		return fmt.Errorf("%w: grpc."+format, append([]any{ErrInvalidConfig}, a...)...)
-	}
+	bad := invalidf("grpc.")
 	if g.Listen != "" {
 		if _, _, err := net.SplitHostPort(g.Listen); err != nil {
 			return bad("listen %q: want host:port", g.Listen)
@@ -448,12 +463,8 @@ func (r RoutingConfig) WithDefaults() RoutingConfig {
 	if r.Strategy == "" {
 		r.Strategy = DefaultStrategy
 	}
-	if r.PrefixLength == 0 {
-		r.PrefixLength = DefaultPrefixLength
-	}
-	if r.ConcurrencyThreshold == 0 {
-		r.ConcurrencyThreshold = DefaultConcurrencyThresh
-	}
+	setDefault(&r.PrefixLength, DefaultPrefixLength)
+	setDefault(&r.ConcurrencyThreshold, DefaultConcurrencyThresh)
 	return r
 }
 
@@ -506,18 +517,10 @@ func (h HealthConfig) WithDefaults() HealthConfig {
 	if h.Path == "" {
 		h.Path = "/health"
 	}
-	if h.Interval == 0 {
-		h.Interval = 5 * time.Second
-	}
-	if h.Timeout == 0 {
-		h.Timeout = 2 * time.Second
-	}
-	if h.UnhealthyThreshold == 0 {
-		h.UnhealthyThreshold = 3
-	}
-	if h.HealthyThreshold == 0 {
-		h.HealthyThreshold = 2
-	}
+	setDefault(&h.Interval, 5*time.Second)
+	setDefault(&h.Timeout, 2*time.Second)
+	setDefault(&h.UnhealthyThreshold, 3)
+	setDefault(&h.HealthyThreshold, 2)
 	return h
 }
 
@@ -534,9 +537,7 @@ func (c Config) WithDefaults() Config {
 	if c.Listen == "" {
 		c.Listen = ":8080"
 	}
-	if c.MaxBodyBytes == 0 {
-		c.MaxBodyBytes = 32 << 20
-	}
+	setDefault(&c.MaxBodyBytes, 32<<20)
 	c.Limits = c.Limits.WithDefaults()
 	if c.Log.Level == "" {
 		c.Log.Level = "info"
@@ -547,12 +548,8 @@ func (c Config) WithDefaults() Config {
 	if c.Proxy.RetryStatuses == nil {
 		c.Proxy.RetryStatuses = []int{502, 503, 504}
 	}
-	if c.Proxy.DialTimeout == 0 {
-		c.Proxy.DialTimeout = 2 * time.Second
-	}
-	if c.Proxy.MaxIdleConnsPerHost == 0 {
-		c.Proxy.MaxIdleConnsPerHost = 256
-	}
+	setDefault(&c.Proxy.DialTimeout, 2*time.Second)
+	setDefault(&c.Proxy.MaxIdleConnsPerHost, 256)
 	pools := make([]PoolConfig, len(c.Pools))
 	for i, p := range c.Pools {
 		if p.AdapterFallback == "" {
@@ -566,9 +563,7 @@ func (c Config) WithDefaults() Config {
 		}
 		p.Routing = p.Routing.WithDefaults()
 		p.Health = p.Health.WithDefaults()
-		if p.Discovery.Interval == 0 {
-			p.Discovery.Interval = 30 * time.Second
-		}
+		setDefault(&p.Discovery.Interval, 30*time.Second)
 		if p.Disaggregation != nil {
 			d := *p.Disaggregation
 			d.applyDefaults()
@@ -584,9 +579,7 @@ func (c Config) WithDefaults() Config {
 // the field by its YAML path.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	bad := func(format string, a ...any) error {
-		return fmt.Errorf("%w: "+format, append([]any{ErrInvalidConfig}, a...)...)
-	}
+	bad := invalidf("")
 	if c.MaxBodyBytes < 1024 || c.MaxBodyBytes > 1<<30 {
 		return bad("max_body_bytes %d out of range 1024..%d", c.MaxBodyBytes, 1<<30)
 	}
@@ -765,13 +758,17 @@ func (c Config) Validate() error {
 }
 
 // validName accepts names safe in metrics labels, URLs and NATS subjects.
-func ValidName(s string) bool {
-	if len(s) == 0 || len(s) > 64 {
+func ValidName(s string) bool { return nameOf(s, 64, true) }
+
+// nameOf reports whether s is 1..maxLen bytes of [A-Za-z0-9_-], and of
+// '.' when dot.
+func nameOf(s string, maxLen int, dot bool) bool {
+	if len(s) == 0 || len(s) > maxLen {
 		return false
 	}
 	for i := 0; i < len(s); i++ {
 		b := s[i]
-		if !(b >= 'a' && b <= 'z' || b >= 'A' && b <= 'Z' || b >= '0' && b <= '9' || b == '_' || b == '-' || b == '.') {
+		if !(b >= 'a' && b <= 'z' || b >= 'A' && b <= 'Z' || b >= '0' && b <= '9' || b == '_' || b == '-' || dot && b == '.') {
 			return false
 		}
 	}

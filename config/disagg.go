@@ -56,12 +56,8 @@ func (d *DisaggregationConfig) applyDefaults() {
 	if d.Mode == "" {
 		d.Mode = DisaggOff
 	}
-	if d.MinPrefillTokens == 0 {
-		d.MinPrefillTokens = DefaultMinPrefillTokens
-	}
-	if d.PrefillTimeout == 0 {
-		d.PrefillTimeout = 60 * time.Second
-	}
+	setDefault(&d.MinPrefillTokens, DefaultMinPrefillTokens)
+	setDefault(&d.PrefillTimeout, 60*time.Second)
 }
 
 func (d *DisaggregationConfig) validate(f string, instances []InstanceConfig) error {

@@ -1,7 +1,6 @@
 package config
 
 import (
-	"fmt"
 	"math"
 	"time"
 )
@@ -50,9 +49,7 @@ func (c *FlowControlConfig) validate(field string) error {
 	if !c.On() {
 		return nil
 	}
-	bad := func(format string, a ...any) error {
-		return fmt.Errorf("%w: %s."+format, append([]any{ErrInvalidConfig, field}, a...)...)
-	}
+	bad := invalidf(field + ".")
 	switch {
 	case c.MaxConcurrency < 0 || c.MaxConcurrency > 1<<24:
 		return bad("max_concurrency %d out of range 0..%d", c.MaxConcurrency, 1<<24)

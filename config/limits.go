@@ -58,36 +58,20 @@ const (
 
 // WithDefaults returns l with zero fields replaced by their defaults.
 func (l LimitsConfig) WithDefaults() LimitsConfig {
-	if l.MaxHeaderBytes == 0 {
-		l.MaxHeaderBytes = DefaultMaxHeaderBytes
-	}
-	if l.MaxMessages == 0 {
-		l.MaxMessages = DefaultMaxMessages
-	}
-	if l.MaxPromptTokenIDs == 0 {
-		l.MaxPromptTokenIDs = DefaultMaxPromptTokenIDs
-	}
-	if l.MaxTokenizeBytes == 0 {
-		l.MaxTokenizeBytes = MaxTokenizeBytes
-	}
-	if l.ReadHeaderTimeout == 0 {
-		l.ReadHeaderTimeout = DefaultReadHeaderTimeout
-	}
-	if l.BodyReadTimeout == 0 {
-		l.BodyReadTimeout = DefaultBodyReadTimeout
-	}
-	if l.IdleTimeout == 0 {
-		l.IdleTimeout = DefaultIdleTimeout
-	}
+	setDefault(&l.MaxHeaderBytes, DefaultMaxHeaderBytes)
+	setDefault(&l.MaxMessages, DefaultMaxMessages)
+	setDefault(&l.MaxPromptTokenIDs, DefaultMaxPromptTokenIDs)
+	setDefault(&l.MaxTokenizeBytes, MaxTokenizeBytes)
+	setDefault(&l.ReadHeaderTimeout, DefaultReadHeaderTimeout)
+	setDefault(&l.BodyReadTimeout, DefaultBodyReadTimeout)
+	setDefault(&l.IdleTimeout, DefaultIdleTimeout)
 	return l
 }
 
 // Validate checks l (after defaults), naming the field and its range.
 func (l LimitsConfig) Validate() error {
 	l = l.WithDefaults()
-	bad := func(format string, a ...any) error {
-		return fmt.Errorf("%w: limits."+format, append([]any{ErrInvalidConfig}, a...)...)
-	}
+	bad := invalidf("limits.")
 	switch {
 	case l.MaxHeaderBytes < 1024 || l.MaxHeaderBytes > maxHeaderBytesCeiling:
 		return bad("max_header_bytes %d out of range 1024..%d", l.MaxHeaderBytes, maxHeaderBytesCeiling)

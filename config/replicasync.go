@@ -45,15 +45,4 @@ func (r *ReplicaSyncConfig) validate() error {
 
 // replicaName accepts what the sync's wire format carries (as NATS
 // subject tokens: no dots).
-func replicaName(s string) bool {
-	if len(s) == 0 || len(s) > 128 {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		b := s[i]
-		if !(b >= 'a' && b <= 'z' || b >= 'A' && b <= 'Z' || b >= '0' && b <= '9' || b == '_' || b == '-') {
-			return false
-		}
-	}
-	return true
-}
+func replicaName(s string) bool { return nameOf(s, 128, false) }

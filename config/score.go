@@ -1,7 +1,6 @@
 package config
 
 import (
-	"fmt"
 	"math"
 	"time"
 )
@@ -13,9 +12,7 @@ func (k *KVScoringConfig) ValidateKV(f string) error {
 	if k == nil {
 		return nil
 	}
-	bad := func(format string, a ...any) error {
-		return fmt.Errorf("%w: %s."+format, append([]any{ErrInvalidConfig, f}, a...)...)
-	}
+	bad := invalidf(f + ".")
 	for _, v := range []struct {
 		name string
 		v    float64

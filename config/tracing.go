@@ -1,7 +1,6 @@
 package config
 
 import (
-	"fmt"
 	"math"
 	"net"
 	"net/url"
@@ -76,9 +75,7 @@ const (
 // validate checks the tracing: section. It is checked whether or not
 // enabled, so that turning tracing on later cannot reveal an old typo.
 func (t TracingConfig) validate() error {
-	bad := func(format string, a ...any) error {
-		return fmt.Errorf("%w: tracing."+format, append([]any{ErrInvalidConfig}, a...)...)
-	}
+	bad := invalidf("tracing.")
 	if t.ServiceName != "" && (len(t.ServiceName) > 255 || strings.ContainsFunc(t.ServiceName, func(r rune) bool { return r < 0x20 || r == 0x7f })) {
 		return bad("service_name %q: want 1-255 printable characters", t.ServiceName)
 	}

@@ -347,24 +347,7 @@ func TestComposeRuns(t *testing.T) {
 	waitExactRoute(t, client, fmt.Sprintf("http://127.0.0.1:%d/v1/chat/completions", m.local(routers[1], "8080")), body, picked[0])
 
 	// The engine's KV events reach JetStream under the instance's subject.
-	nc, err := nats.Connect(ns.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	subject := kvstream.SubjectEvents + ".llama." + picked[0]
-	waitFor(t, 30*time.Second, "events on "+subject, func() error {
-		st, err := js.Stream(ctx, kvstream.DefaultStreamName)
-		if err != nil {
-			return err
-		}
-		_, err = st.GetLastMsgForSubject(ctx, subject)
-		return err
-	})
+	waitStreamEvents(t, ctx, ns.ClientURL(), "llama", picked[0])
 
 	// The admin API wants the token the compose file sets.
 	adminURL := fmt.Sprintf("http://127.0.0.1:%d/admin/pools", m.local(routers[1], "8081"))
@@ -385,6 +368,37 @@ func TestComposeRuns(t *testing.T) {
 			t.Errorf("admin with token %q: status %d, want %d", tc.token, resp.StatusCode, tc.want)
 		}
 	}
+}
+
+// jetStream connects to the NATS server at url for the rest of the test.
+func jetStream(t *testing.T, url string) jetstream.JetStream {
+	t.Helper()
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return js
+}
+
+// waitStreamEvents waits until JetStream holds an event of the instance
+// under its subject: its engine's events went through its bridge.
+func waitStreamEvents(t *testing.T, ctx context.Context, natsURL, pool, instance string) {
+	t.Helper()
+	js := jetStream(t, natsURL)
+	subject := kvstream.SubjectEvents + "." + pool + "." + instance
+	waitFor(t, 30*time.Second, "events on "+subject, func() error {
+		st, err := js.Stream(ctx, kvstream.DefaultStreamName)
+		if err != nil {
+			return err
+		}
+		_, err = st.GetLastMsgForSubject(ctx, subject)
+		return err
+	})
 }
 
 // waitExactRoute repeats a request until the router routes it by its KV

@@ -15,11 +15,7 @@ import (
 	"time"
 
 	natsserver "github.com/nats-io/nats-server/v2/server"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	corev1 "k8s.io/api/core/v1"
-
-	"github.com/kvrouter/kvrouter/events/kvstream"
 )
 
 // pod is one pod of a rendered workload: its name (what the downward API
@@ -203,24 +199,7 @@ func TestDevOverlayRuns(t *testing.T) {
 
 	// Identity: the bridge beside that engine has no --instance and no
 	// KVBRIDGE_INSTANCE; its events carry the pod name.
-	nc, err := nats.Connect(ns.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	subject := kvstream.SubjectEvents + ".llama." + inst
-	waitFor(t, 30*time.Second, "events on "+subject, func() error {
-		st, err := js.Stream(ctx, kvstream.DefaultStreamName)
-		if err != nil {
-			return err
-		}
-		_, err = st.GetLastMsgForSubject(ctx, subject)
-		return err
-	})
+	waitStreamEvents(t, ctx, ns.ClientURL(), "llama", inst)
 	// And the router routes the prompt again by its index, to that pod.
 	waitExactRoute(t, client, portURL(router, "http", "/v1/chat/completions"), body, inst)
 

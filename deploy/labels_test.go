@@ -42,10 +42,10 @@ func (c *codeLabelSet) get(t *testing.T) map[string]map[string]bool {
 	return c.labels
 }
 
-// scanMetricLabels parses every non-test Go file of the main module,
-// directory by directory (consts resolve within a package).
-func scanMetricLabels(root string) (map[string]map[string]bool, error) {
-	out := map[string]map[string]bool{}
+// moduleGoFiles lists the non-test Go files of the main module below root
+// by directory, leaving out this module (deploy), testdata, vendor and
+// hidden directories.
+func moduleGoFiles(root string) (map[string][]string, error) {
 	dirs := map[string][]string{}
 	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
 		if err != nil {
@@ -63,6 +63,14 @@ func scanMetricLabels(root string) (map[string]map[string]bool, error) {
 		}
 		return nil
 	})
+	return dirs, err
+}
+
+// scanMetricLabels parses every non-test Go file of the main module,
+// directory by directory (consts resolve within a package).
+func scanMetricLabels(root string) (map[string]map[string]bool, error) {
+	out := map[string]map[string]bool{}
+	dirs, err := moduleGoFiles(root)
 	if err != nil {
 		return nil, err
 	}

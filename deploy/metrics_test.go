@@ -3,9 +3,7 @@ package deploy
 import (
 	"go/scanner"
 	"go/token"
-	"io/fs"
 	"os"
-	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -43,42 +41,34 @@ func (c *codeMetricSet) get(t *testing.T) map[string]bool {
 
 func scanMetricNames(root string) (map[string]bool, error) {
 	names := map[string]bool{}
-	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if d.IsDir() {
-			n := d.Name()
-			if path != root && (n == "deploy" || n == "testdata" || n == "vendor" || strings.HasPrefix(n, ".")) {
-				return filepath.SkipDir
+	dirs, err := moduleGoFiles(root)
+	if err != nil {
+		return nil, err
+	}
+	for _, files := range dirs {
+		for _, path := range files {
+			src, err := os.ReadFile(path)
+			if err != nil {
+				return nil, err
 			}
-			return nil
-		}
-		if !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") {
-			return nil
-		}
-		src, err := os.ReadFile(path)
-		if err != nil {
-			return err
-		}
-		fset := token.NewFileSet()
-		var s scanner.Scanner
-		s.Init(fset.AddFile(path, -1, len(src)), src, nil, 0)
-		for {
-			_, tok, lit := s.Scan()
-			if tok == token.EOF {
-				break
-			}
-			if tok != token.STRING {
-				continue
-			}
-			if v, err := strconv.Unquote(lit); err == nil && metricName.MatchString(v) {
-				names[v] = true
+			fset := token.NewFileSet()
+			var s scanner.Scanner
+			s.Init(fset.AddFile(path, -1, len(src)), src, nil, 0)
+			for {
+				_, tok, lit := s.Scan()
+				if tok == token.EOF {
+					break
+				}
+				if tok != token.STRING {
+					continue
+				}
+				if v, err := strconv.Unquote(lit); err == nil && metricName.MatchString(v) {
+					names[v] = true
+				}
 			}
 		}
-		return nil
-	})
-	return names, err
+	}
+	return names, nil
 }
 
 // exported reports whether the series name is exported by the code,

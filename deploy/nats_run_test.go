@@ -14,7 +14,6 @@ import (
 	"time"
 
 	natsserver "github.com/nats-io/nats-server/v2/server"
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvrouter/kvrouter/events/kvstream"
@@ -92,19 +91,7 @@ func TestProductionNATSClusterForms(t *testing.T) {
 	}
 	replicas, _ := strconv.Atoi(rm[0][1])
 
-	connect := func(i int) jetstream.JetStream {
-		nc, err := nats.Connect(servers[i].ClientURL())
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(nc.Close)
-		js, err := jetstream.New(nc)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return js
-	}
-	js0, js1, js2 := connect(0), connect(1), connect(2)
+	js0, js1, js2 := jetStream(t, servers[0].ClientURL()), jetStream(t, servers[1].ClientURL()), jetStream(t, servers[2].ClientURL())
 	var st jetstream.Stream
 	waitFor(t, 20*time.Second, "cluster routes", func() error {
 		for i, s := range servers {

@@ -399,13 +399,23 @@ func buildBPE(f *hfFile, byteLevel bool) (*bpe, []string, error) {
 	return m, idToToken, nil
 }
 
-func buildNormalizer(raw json.RawMessage) (normalizer, error) {
+// parseComponent decodes one component of tokenizer.json's pipeline
+// (what names it in errors); nil when it is absent or null.
+func parseComponent(raw json.RawMessage, what string) (*component, error) {
 	if len(raw) == 0 || string(raw) == "null" {
 		return nil, nil
 	}
 	var c component
 	if err := json.Unmarshal(raw, &c); err != nil {
-		return nil, fmt.Errorf("%w: normalizer: %w", ErrBadModelFile, err)
+		return nil, fmt.Errorf("%w: %s: %w", ErrBadModelFile, what, err)
+	}
+	return &c, nil
+}
+
+func buildNormalizer(raw json.RawMessage) (normalizer, error) {
+	c, err := parseComponent(raw, "normalizer")
+	if c == nil || err != nil {
+		return nil, err
 	}
 	switch c.Type {
 	case "NFC":
@@ -490,12 +500,9 @@ func (s metaspaceStage) apply(piece string, first bool, emit func(string, bool))
 
 // buildPreTokenizer returns the stages and whether the model is byte-level.
 func buildPreTokenizer(raw json.RawMessage) ([]preStage, bool, error) {
-	if len(raw) == 0 || string(raw) == "null" {
-		return nil, false, nil
-	}
-	var c component
-	if err := json.Unmarshal(raw, &c); err != nil {
-		return nil, false, fmt.Errorf("%w: pre_tokenizer: %w", ErrBadModelFile, err)
+	c, err := parseComponent(raw, "pre_tokenizer")
+	if c == nil || err != nil {
+		return nil, false, err
 	}
 	switch c.Type {
 	case "Sequence":
@@ -786,12 +793,9 @@ func (t *HF) Decode(ids []uint32) (string, error) {
 type decoderStep func(t *HF, toks []string) []string
 
 func buildDecoders(raw json.RawMessage) ([]decoderStep, error) {
-	if len(raw) == 0 || string(raw) == "null" {
-		return nil, nil
-	}
-	var c component
-	if err := json.Unmarshal(raw, &c); err != nil {
-		return nil, fmt.Errorf("%w: decoder: %w", ErrBadModelFile, err)
+	c, err := parseComponent(raw, "decoder")
+	if c == nil || err != nil {
+		return nil, err
 	}
 	switch c.Type {
 	case "Sequence":

@@ -18,9 +18,7 @@ type Arrivals struct {
 }
 
 func (a Arrivals) withDefault(rate float64) Arrivals {
-	if a.Rate == 0 {
-		a.Rate = rate
-	}
+	def(&a.Rate, rate)
 	return a
 }
 

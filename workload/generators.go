@@ -3,6 +3,7 @@ package workload
 import (
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"time"
 )
 
@@ -18,6 +19,73 @@ func positive(what string, vals map[string]int) error {
 		}
 	}
 	return nil
+}
+
+// genRun is what every generator starts from: its random source, the base
+// its segment seeds derive from, and the workload it fills.
+type genRun struct {
+	rng  *rand.Rand
+	base uint64
+	w    *Workload
+}
+
+// startRun checks what every generator checks, in this order: the counts
+// that must be positive, the generator's own checks (each nil when met),
+// the arrivals; then seeds the run from seed and the generator's name.
+func startRun(name string, seed int64, a Arrivals, counts map[string]int, checks ...error) (*genRun, error) {
+	if err := positive(name, counts); err != nil {
+		return nil, err
+	}
+	for _, err := range checks {
+		if err != nil {
+			return nil, err
+		}
+	}
+	if err := a.validate(name); err != nil {
+		return nil, err
+	}
+	return &genRun{
+		rng:  newRNG(seed, name),
+		base: derive(uint64(seed), name, 0),
+		w:    &Workload{Name: name, ClosedLoop: a.Concurrency},
+	}, nil
+}
+
+// invalidIf is a generator's error for a constraint between its fields
+// that does not hold (nil when bad is false).
+func invalidIf(bad bool, name, msg string) error {
+	if !bad {
+		return nil
+	}
+	return fmt.Errorf("%w: %s: %s", ErrInvalid, name, msg)
+}
+
+// poisson is a Poisson arrival process at rate per second on the run's
+// random source.
+func (run *genRun) poisson(rate float64) *poisson { return &poisson{rng: run.rng, rate: rate} }
+
+// seg is a segment whose seed derives from the run's.
+func (run *genRun) seg(label string, n uint64, length int, role string) Segment {
+	return seg(run.base, label, n, length, role)
+}
+
+// prefixGroups adds groups × perGroup requests in a random order, each a
+// group's shared prefix then a question of its own: the shape LongContext
+// and CachePressure share.
+func (run *genRun) prefixGroups(groups, perGroup, prefixTokens, questionTokens, outputTokens int, rate float64) {
+	order := run.rng.Perm(groups * perGroup)
+	arr := run.poisson(rate)
+	for k, i := range order {
+		g := i / perGroup
+		run.w.Requests = append(run.w.Requests, Request{
+			At: arr.next(), Session: fmt.Sprintf("g%d", g),
+			Prompt: []Segment{
+				run.seg("prefix", uint64(g), prefixTokens, "system"),
+				run.seg("question", uint64(k), questionTokens, "user"),
+			},
+			OutputTokens: outputTokens,
+		})
+	}
 }
 
 // LongContext is SageMaker's long-context benchmark shape: groups of
@@ -51,14 +119,10 @@ func (c LongContext) withDefaults() LongContext {
 	return c
 }
 
-func def(p *int, v int) {
-	if *p == 0 {
-		*p = v
-	}
-}
-
-func defF(p *float64, v float64) {
-	if *p == 0 {
+// def sets a field left at its zero value to its default.
+func def[T comparable](p *T, v T) {
+	var zero T
+	if *p == zero {
 		*p = v
 	}
 }
@@ -67,32 +131,13 @@ func defF(p *float64, v float64) {
 func (c LongContext) Generate(seed int64) (*Workload, error) {
 	c = c.withDefaults()
 	const name = "long-context"
-	if err := positive(name, map[string]int{"groups": c.Groups, "requests_per_group": c.RequestsPerGroup,
-		"prefix_tokens": c.PrefixTokens, "question_tokens": c.QuestionTokens, "output_tokens": c.OutputTokens}); err != nil {
+	run, err := startRun(name, seed, c.Arrivals, map[string]int{"groups": c.Groups, "requests_per_group": c.RequestsPerGroup,
+		"prefix_tokens": c.PrefixTokens, "question_tokens": c.QuestionTokens, "output_tokens": c.OutputTokens})
+	if err != nil {
 		return nil, err
 	}
-	if err := c.Arrivals.validate(name); err != nil {
-		return nil, err
-	}
-	rng := newRNG(seed, name)
-	base := derive(uint64(seed), name, 0)
-	n := c.Groups * c.RequestsPerGroup
-	order := rng.Perm(n)
-	arr := poisson{rng: rng, rate: c.Arrivals.Rate}
-	w := &Workload{Name: name, ClosedLoop: c.Arrivals.Concurrency}
-	for k, i := range order {
-		g := i / c.RequestsPerGroup
-		w.Requests = append(w.Requests, Request{
-			At:      arr.next(),
-			Session: fmt.Sprintf("g%d", g),
-			Prompt: []Segment{
-				seg(base, "prefix", uint64(g), c.PrefixTokens, "system"),
-				seg(base, "question", uint64(k), c.QuestionTokens, "user"),
-			},
-			OutputTokens: c.OutputTokens,
-		})
-	}
-	return w.finish(), nil
+	run.prefixGroups(c.Groups, c.RequestsPerGroup, c.PrefixTokens, c.QuestionTokens, c.OutputTokens, c.Arrivals.Rate)
+	return run.w.finish(), nil
 }
 
 // Chat is multi-turn chat in the style of ShareGPT: each session's prompt
@@ -129,16 +174,10 @@ func (c Chat) withDefaults() Chat {
 	def(&c.Sessions, 300)
 	def(&c.MinTurns, 2)
 	def(&c.MaxTurns, 6)
-	if c.Input == (LengthDist{}) {
-		c.Input = LengthDist{Mean: 202, Sigma: 1, Min: 4, Max: 1024}
-	}
-	if c.Output == (LengthDist{}) {
-		c.Output = LengthDist{Mean: 179, Sigma: 1, Min: 4, Max: 2048}
-	}
+	def(&c.Input, LengthDist{Mean: 202, Sigma: 1, Min: 4, Max: 1024})
+	def(&c.Output, LengthDist{Mean: 179, Sigma: 1, Min: 4, Max: 2048})
 	def(&c.MaxPairTokens, 2048)
-	if c.ThinkTime == 0 {
-		c.ThinkTime = 10 * time.Second
-	}
+	def(&c.ThinkTime, 10*time.Second)
 	c.Arrivals = c.Arrivals.withDefault(5)
 	return c
 }
@@ -147,34 +186,24 @@ func (c Chat) withDefaults() Chat {
 func (c Chat) Generate(seed int64) (*Workload, error) {
 	c = c.withDefaults()
 	const name = "chat"
-	if err := positive(name, map[string]int{"sessions": c.Sessions, "min_turns": c.MinTurns,
-		"max_turns": c.MaxTurns, "max_pair_tokens": c.MaxPairTokens}); err != nil {
+	run, err := startRun(name, seed, c.Arrivals, map[string]int{"sessions": c.Sessions, "min_turns": c.MinTurns,
+		"max_turns": c.MaxTurns, "max_pair_tokens": c.MaxPairTokens},
+		invalidIf(c.MaxTurns < c.MinTurns || c.SystemTokens < 0 || c.ThinkTime < 0, name,
+			"need min_turns <= max_turns, system_tokens >= 0, think_time >= 0"),
+		c.Input.validate(name+" input"), c.Output.validate(name+" output"))
+	if err != nil {
 		return nil, err
 	}
-	if c.MaxTurns < c.MinTurns || c.SystemTokens < 0 || c.ThinkTime < 0 {
-		return nil, fmt.Errorf("%w: %s: need min_turns <= max_turns, system_tokens >= 0, think_time >= 0", ErrInvalid, name)
-	}
-	if err := c.Input.validate(name + " input"); err != nil {
-		return nil, err
-	}
-	if err := c.Output.validate(name + " output"); err != nil {
-		return nil, err
-	}
-	if err := c.Arrivals.validate(name); err != nil {
-		return nil, err
-	}
-	rng := newRNG(seed, name)
-	base := derive(uint64(seed), name, 0)
+	rng, w := run.rng, run.w
 	in, out := newSampler(c.Input), newSampler(c.Output)
 	meanTurns := float64(c.MinTurns+c.MaxTurns) / 2
-	starts := poisson{rng: rng, rate: c.Arrivals.Rate / meanTurns}
-	w := &Workload{Name: name, ClosedLoop: c.Arrivals.Concurrency}
+	starts := run.poisson(c.Arrivals.Rate / meanTurns)
 	for s := 0; s < c.Sessions; s++ {
 		at := starts.next()
 		turns := c.MinTurns + rng.IntN(c.MaxTurns-c.MinTurns+1)
 		var hist []Segment
 		if c.SystemTokens > 0 {
-			hist = append(hist, seg(base, "system", 0, c.SystemTokens, "system"))
+			hist = append(hist, run.seg("system", 0, c.SystemTokens, "system"))
 		}
 		for t := 0; t < turns; t++ {
 			q, a := in.draw(rng), out.draw(rng)
@@ -182,14 +211,14 @@ func (c Chat) Generate(seed int64) (*Workload, error) {
 				q, a = in.draw(rng), out.draw(rng)
 			}
 			id := uint64(s)<<16 | uint64(t)
-			hist = append(hist, seg(base, "user", id, q, "user"))
+			hist = append(hist, run.seg("user", id, q, "user"))
 			w.Requests = append(w.Requests, Request{
 				At: at, Session: fmt.Sprintf("s%d", s), Turn: t,
 				Prompt: append([]Segment(nil), hist...), OutputTokens: a,
 			})
 			// The reply joins the history as the engine would see it in the
 			// next turn's prompt.
-			hist = append(hist, seg(base, "assistant", id, a, "assistant"))
+			hist = append(hist, run.seg("assistant", id, a, "assistant"))
 			at += expDur(rng, c.ThinkTime)
 		}
 	}
@@ -223,7 +252,7 @@ func (c RAG) withDefaults() RAG {
 	def(&c.Documents, 2000)
 	def(&c.DocumentTokens, 1000)
 	def(&c.TopK, 3)
-	defF(&c.ZipfS, 1.1)
+	def(&c.ZipfS, 1.1)
 	def(&c.SystemTokens, 300)
 	def(&c.QuestionTokens, 50)
 	def(&c.OutputTokens, 200)
@@ -236,24 +265,18 @@ func (c RAG) withDefaults() RAG {
 func (c RAG) Generate(seed int64) (*Workload, error) {
 	c = c.withDefaults()
 	const name = "rag"
-	if err := positive(name, map[string]int{"documents": c.Documents, "document_tokens": c.DocumentTokens,
+	run, err := startRun(name, seed, c.Arrivals, map[string]int{"documents": c.Documents, "document_tokens": c.DocumentTokens,
 		"top_k": c.TopK, "system_tokens": c.SystemTokens, "question_tokens": c.QuestionTokens,
-		"output_tokens": c.OutputTokens, "requests": c.Requests}); err != nil {
+		"output_tokens": c.OutputTokens, "requests": c.Requests},
+		invalidIf(c.TopK > c.Documents || !(c.ZipfS > 1) || math.IsInf(c.ZipfS, 0), name, "need top_k <= documents and zipf_s > 1"))
+	if err != nil {
 		return nil, err
 	}
-	if c.TopK > c.Documents || !(c.ZipfS > 1) || math.IsInf(c.ZipfS, 0) {
-		return nil, fmt.Errorf("%w: %s: need top_k <= documents and zipf_s > 1", ErrInvalid, name)
-	}
-	if err := c.Arrivals.validate(name); err != nil {
-		return nil, err
-	}
-	rng := newRNG(seed, name)
-	base := derive(uint64(seed), name, 0)
-	zipf := newZipf(rng, c.ZipfS, c.Documents)
-	arr := poisson{rng: rng, rate: c.Arrivals.Rate}
-	w := &Workload{Name: name, ClosedLoop: c.Arrivals.Concurrency}
+	w := run.w
+	zipf := newZipf(run.rng, c.ZipfS, c.Documents)
+	arr := run.poisson(c.Arrivals.Rate)
 	for i := 0; i < c.Requests; i++ {
-		p := []Segment{seg(base, "system", 0, c.SystemTokens, "system")}
+		p := []Segment{run.seg("system", 0, c.SystemTokens, "system")}
 		seen := map[int]bool{}
 		for len(seen) < c.TopK {
 			d := zipf.draw()
@@ -261,9 +284,9 @@ func (c RAG) Generate(seed int64) (*Workload, error) {
 				continue
 			}
 			seen[d] = true
-			p = append(p, seg(base, "doc", uint64(d), c.DocumentTokens, "user"))
+			p = append(p, run.seg("doc", uint64(d), c.DocumentTokens, "user"))
 		}
-		p = append(p, seg(base, "question", uint64(i), c.QuestionTokens, "user"))
+		p = append(p, run.seg("question", uint64(i), c.QuestionTokens, "user"))
 		w.Requests = append(w.Requests, Request{At: arr.next(), Prompt: p, OutputTokens: c.OutputTokens})
 	}
 	return w.finish(), nil
@@ -304,10 +327,8 @@ func (c Code) withDefaults() Code {
 	def(&c.SystemTokens, 500)
 	def(&c.EditTokens, 20)
 	def(&c.OutputTokens, 48)
-	defF(&c.SwitchProb, 0.1)
-	if c.ThinkTime == 0 {
-		c.ThinkTime = 4 * time.Second
-	}
+	def(&c.SwitchProb, 0.1)
+	def(&c.ThinkTime, 4*time.Second)
 	c.Arrivals = c.Arrivals.withDefault(6)
 	return c
 }
@@ -316,35 +337,29 @@ func (c Code) withDefaults() Code {
 func (c Code) Generate(seed int64) (*Workload, error) {
 	c = c.withDefaults()
 	const name = "code"
-	if err := positive(name, map[string]int{"users": c.Users, "requests_per_user": c.RequestsPerUser,
+	run, err := startRun(name, seed, c.Arrivals, map[string]int{"users": c.Users, "requests_per_user": c.RequestsPerUser,
 		"open_files": c.OpenFiles, "file_tokens": c.FileTokens, "system_tokens": c.SystemTokens,
-		"edit_tokens": c.EditTokens, "output_tokens": c.OutputTokens}); err != nil {
+		"edit_tokens": c.EditTokens, "output_tokens": c.OutputTokens},
+		invalidIf(c.SwitchProb < 0 || c.SwitchProb > 1 || c.ThinkTime < 0, name, "need 0 <= switch_prob <= 1 and think_time >= 0"))
+	if err != nil {
 		return nil, err
 	}
-	if c.SwitchProb < 0 || c.SwitchProb > 1 || c.ThinkTime < 0 {
-		return nil, fmt.Errorf("%w: %s: need 0 <= switch_prob <= 1 and think_time >= 0", ErrInvalid, name)
-	}
-	if err := c.Arrivals.validate(name); err != nil {
-		return nil, err
-	}
-	rng := newRNG(seed, name)
-	base := derive(uint64(seed), name, 0)
-	starts := poisson{rng: rng, rate: c.Arrivals.Rate / float64(c.RequestsPerUser)}
-	w := &Workload{Name: name, ClosedLoop: c.Arrivals.Concurrency}
+	rng, w := run.rng, run.w
+	starts := run.poisson(c.Arrivals.Rate / float64(c.RequestsPerUser))
 	for u := 0; u < c.Users; u++ {
 		at := starts.next()
-		ctx := []Segment{seg(base, "system", 0, c.SystemTokens, "system")}
+		ctx := []Segment{run.seg("system", 0, c.SystemTokens, "system")}
 		for f := 0; f < c.OpenFiles; f++ {
-			ctx = append(ctx, seg(base, "file", uint64(u)<<16|uint64(f), c.FileTokens, "user"))
+			ctx = append(ctx, run.seg("file", uint64(u)<<16|uint64(f), c.FileTokens, "user"))
 		}
 		file := 0
-		active := []Segment{seg(base, "active", uint64(u)<<16, c.FileTokens, "user")}
+		active := []Segment{run.seg("active", uint64(u)<<16, c.FileTokens, "user")}
 		for r := 0; r < c.RequestsPerUser; r++ {
 			if r > 0 && rng.Float64() < c.SwitchProb {
 				file++
-				active = []Segment{seg(base, "active", uint64(u)<<16|uint64(file), c.FileTokens, "user")}
+				active = []Segment{run.seg("active", uint64(u)<<16|uint64(file), c.FileTokens, "user")}
 			}
-			active = append(active, seg(base, "edit", uint64(u)<<32|uint64(r), c.EditTokens, "user"))
+			active = append(active, run.seg("edit", uint64(u)<<32|uint64(r), c.EditTokens, "user"))
 			p := append(append([]Segment(nil), ctx...), active...)
 			w.Requests = append(w.Requests, Request{At: at, Session: fmt.Sprintf("u%d", u), Turn: r,
 				Prompt: p, OutputTokens: c.OutputTokens})
@@ -384,24 +399,20 @@ func (c MultiTenant) withDefaults() MultiTenant {
 func (c MultiTenant) Generate(seed int64) (*Workload, error) {
 	c = c.withDefaults()
 	const name = "multi-tenant"
-	if err := positive(name, map[string]int{"tenants": c.Tenants, "system_tokens": c.SystemTokens,
-		"question_tokens": c.QuestionTokens, "output_tokens": c.OutputTokens, "requests": c.Requests}); err != nil {
+	run, err := startRun(name, seed, c.Arrivals, map[string]int{"tenants": c.Tenants, "system_tokens": c.SystemTokens,
+		"question_tokens": c.QuestionTokens, "output_tokens": c.OutputTokens, "requests": c.Requests})
+	if err != nil {
 		return nil, err
 	}
-	if err := c.Arrivals.validate(name); err != nil {
-		return nil, err
-	}
-	rng := newRNG(seed, name)
-	base := derive(uint64(seed), name, 0)
-	arr := poisson{rng: rng, rate: c.Arrivals.Rate}
-	w := &Workload{Name: name, ClosedLoop: c.Arrivals.Concurrency}
+	rng, w := run.rng, run.w
+	arr := run.poisson(c.Arrivals.Rate)
 	for i := 0; i < c.Requests; i++ {
 		t := rng.IntN(c.Tenants)
 		w.Requests = append(w.Requests, Request{
 			At: arr.next(), Tenant: fmt.Sprintf("tenant-%d", t),
 			Prompt: []Segment{
-				seg(base, "system", 0, c.SystemTokens, "system"),
-				seg(base, "question", uint64(i), c.QuestionTokens, "user"),
+				run.seg("system", 0, c.SystemTokens, "system"),
+				run.seg("question", uint64(i), c.QuestionTokens, "user"),
 			},
 			OutputTokens: c.OutputTokens,
 		})
@@ -434,10 +445,8 @@ type CachePressure struct {
 }
 
 func (c CachePressure) withDefaults() CachePressure {
-	if c.FleetTokens == 0 {
-		c.FleetTokens = DefaultFleetTokens
-	}
-	defF(&c.Demand, 1.5)
+	def(&c.FleetTokens, DefaultFleetTokens)
+	def(&c.Demand, 1.5)
 	def(&c.PrefixTokens, 6000)
 	def(&c.QuestionTokens, 1200)
 	def(&c.OutputTokens, 1000)
@@ -456,38 +465,18 @@ func (c CachePressure) Groups() int {
 func (c CachePressure) Generate(seed int64) (*Workload, error) {
 	c = c.withDefaults()
 	const name = "cache-pressure"
-	if err := positive(name, map[string]int{"prefix_tokens": c.PrefixTokens, "question_tokens": c.QuestionTokens,
-		"output_tokens": c.OutputTokens, "requests_per_group": c.RequestsPerGroup}); err != nil {
-		return nil, err
-	}
-	if c.FleetTokens <= 0 || !(c.Demand > 0) || math.IsInf(c.Demand, 0) {
-		return nil, fmt.Errorf("%w: %s: need fleet_tokens > 0 and demand > 0", ErrInvalid, name)
-	}
-	if err := c.Arrivals.validate(name); err != nil {
+	run, err := startRun(name, seed, c.Arrivals, map[string]int{"prefix_tokens": c.PrefixTokens, "question_tokens": c.QuestionTokens,
+		"output_tokens": c.OutputTokens, "requests_per_group": c.RequestsPerGroup},
+		invalidIf(c.FleetTokens <= 0 || !(c.Demand > 0) || math.IsInf(c.Demand, 0), name, "need fleet_tokens > 0 and demand > 0"))
+	if err != nil {
 		return nil, err
 	}
 	groups := c.Groups()
 	if groups > 10_000_000 {
 		return nil, fmt.Errorf("%w: %s: %d groups is too many", ErrInvalid, name, groups)
 	}
-	rng := newRNG(seed, name)
-	base := derive(uint64(seed), name, 0)
-	n := groups * c.RequestsPerGroup
-	order := rng.Perm(n)
-	arr := poisson{rng: rng, rate: c.Arrivals.Rate}
-	w := &Workload{Name: name, ClosedLoop: c.Arrivals.Concurrency}
-	for k, i := range order {
-		g := i / c.RequestsPerGroup
-		w.Requests = append(w.Requests, Request{
-			At: arr.next(), Session: fmt.Sprintf("g%d", g),
-			Prompt: []Segment{
-				seg(base, "prefix", uint64(g), c.PrefixTokens, "system"),
-				seg(base, "question", uint64(k), c.QuestionTokens, "user"),
-			},
-			OutputTokens: c.OutputTokens,
-		})
-	}
-	return w.finish(), nil
+	run.prefixGroups(groups, c.RequestsPerGroup, c.PrefixTokens, c.QuestionTokens, c.OutputTokens, c.Arrivals.Rate)
+	return run.w.finish(), nil
 }
 
 // Scale adds a scale-out and a scale-in to a workload, at fractions of its
@@ -502,8 +491,8 @@ type Scale struct {
 // Apply returns a copy of w with the scale events added (a value < 0 for
 // OutBy or InBy leaves that event out).
 func (s Scale) Apply(w *Workload) (*Workload, error) {
-	defF(&s.OutAt, 1.0/3)
-	defF(&s.InAt, 2.0/3)
+	def(&s.OutAt, 1.0/3)
+	def(&s.InAt, 2.0/3)
 	def(&s.OutBy, 2)
 	def(&s.InBy, 2)
 	if s.OutAt < 0 || s.OutAt > 1 || s.InAt < 0 || s.InAt > 1 {

@@ -44,9 +44,9 @@ func (c Overload) withDefaults() Overload {
 	def(&c.LightOutputTokens, 100)
 	def(&c.HeavyPromptTokens, 10000)
 	def(&c.HeavyOutputTokens, 100)
-	defF(&c.HeavyFactor, 10)
+	def(&c.HeavyFactor, 10)
 	def(&c.SystemTokens, 500)
-	defF(&c.UrgentShare, 0.25)
+	def(&c.UrgentShare, 0.25)
 	def(&c.Requests, 3000)
 	c.Arrivals = c.Arrivals.withDefault(10)
 	return c
@@ -76,25 +76,19 @@ func (c Overload) shares() (light, heavy float64) {
 func (c Overload) Generate(seed int64) (*Workload, error) {
 	c = c.withDefaults()
 	const name = "overload"
-	if err := positive(name, map[string]int{"light_tenants": c.LightTenants, "light_prompt_tokens": c.LightPromptTokens,
+	run, err := startRun(name, seed, c.Arrivals, map[string]int{"light_tenants": c.LightTenants, "light_prompt_tokens": c.LightPromptTokens,
 		"light_output_tokens": c.LightOutputTokens, "heavy_prompt_tokens": c.HeavyPromptTokens,
-		"heavy_output_tokens": c.HeavyOutputTokens, "system_tokens": c.SystemTokens, "requests": c.Requests}); err != nil {
+		"heavy_output_tokens": c.HeavyOutputTokens, "system_tokens": c.SystemTokens, "requests": c.Requests},
+		invalidIf(c.SystemTokens >= min(c.LightPromptTokens, c.HeavyPromptTokens), name,
+			fmt.Sprintf("system_tokens %d must be under both prompt lengths", c.SystemTokens)),
+		invalidIf(!(c.HeavyFactor > 0) || math.IsInf(c.HeavyFactor, 0) || !(c.UrgentShare <= 1) || c.TTFTObjective < 0, name,
+			"heavy_factor > 0, urgent_share <= 1, ttft_objective >= 0"))
+	if err != nil {
 		return nil, err
 	}
-	if c.SystemTokens >= min(c.LightPromptTokens, c.HeavyPromptTokens) {
-		return nil, fmt.Errorf("%w: %s: system_tokens %d must be under both prompt lengths", ErrInvalid, name, c.SystemTokens)
-	}
-	if !(c.HeavyFactor > 0) || math.IsInf(c.HeavyFactor, 0) || !(c.UrgentShare <= 1) || c.TTFTObjective < 0 {
-		return nil, fmt.Errorf("%w: %s: heavy_factor > 0, urgent_share <= 1, ttft_objective >= 0", ErrInvalid, name)
-	}
-	if err := c.Arrivals.validate(name); err != nil {
-		return nil, err
-	}
-	rng := newRNG(seed, name)
-	base := derive(uint64(seed), name, 0)
-	arr := poisson{rng: rng, rate: c.Arrivals.Rate}
+	rng, w := run.rng, run.w
+	arr := run.poisson(c.Arrivals.Rate)
 	_, heavy := c.shares()
-	w := &Workload{Name: name, ClosedLoop: c.Arrivals.Concurrency}
 	for i := 0; i < c.Requests; i++ {
 		tenant, tn := HeavyTenant, uint64(c.LightTenants)
 		prompt, out := c.HeavyPromptTokens, c.HeavyOutputTokens
@@ -110,8 +104,8 @@ func (c Overload) Generate(seed int64) (*Workload, error) {
 		w.Requests = append(w.Requests, Request{
 			At: arr.next(), Tenant: tenant, Priority: prio, TTFTObjective: c.TTFTObjective,
 			Prompt: []Segment{
-				seg(base, "system", tn, c.SystemTokens, "system"),
-				seg(base, "question", uint64(i), prompt-c.SystemTokens, "user"),
+				run.seg("system", tn, c.SystemTokens, "system"),
+				run.seg("question", uint64(i), prompt-c.SystemTokens, "user"),
 			},
 			OutputTokens: out,
 		})

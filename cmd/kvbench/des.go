@@ -216,23 +216,22 @@ func mixWorkload(seed int64, rate float64) (*workload.Workload, error) {
 	if rate > 0 {
 		r.Rate = rate / 4
 	}
-	chat, err := workload.Chat{Sessions: 150, Arrivals: r}.Generate(seed)
-	if err != nil {
-		return nil, err
+	var parts []*workload.Workload
+	for _, g := range []interface {
+		Generate(seed int64) (*workload.Workload, error)
+	}{
+		workload.Chat{Sessions: 150, Arrivals: r},
+		workload.RAG{Requests: 600, Arrivals: r},
+		workload.Code{Users: 24, Arrivals: r},
+		workload.MultiTenant{Requests: 600, Arrivals: r},
+	} {
+		w, err := g.Generate(seed)
+		if err != nil {
+			return nil, err
+		}
+		parts = append(parts, w)
 	}
-	rag, err := workload.RAG{Requests: 600, Arrivals: r}.Generate(seed)
-	if err != nil {
-		return nil, err
-	}
-	code, err := workload.Code{Users: 24, Arrivals: r}.Generate(seed)
-	if err != nil {
-		return nil, err
-	}
-	mt, err := workload.MultiTenant{Requests: 600, Arrivals: r}.Generate(seed)
-	if err != nil {
-		return nil, err
-	}
-	return workload.Merge("mix", chat, rag, code, mt)
+	return workload.Merge("mix", parts...)
 }
 
 // fleetFlags size the simulated engines.

@@ -44,51 +44,46 @@ func main() {
 	}
 }
 
-const usage = `usage: kvbench <command> [flags]
+// commands is the whole CLI, in the order "kvbench help" lists it.
+var commands = []struct {
+	name, summary string
+	run           func(ctx context.Context, args []string, stdout, stderr io.Writer) error
+}{
+	{"bounds", "hit-rate bounds of a Mooncake-format trace: pooled LRU caches and an infinite cache", runBounds},
+	{"synth", "write a Mooncake-format trace synthesised from a trace's fitted shape", runSynth},
+	{"des", "discrete-event comparison of strategies on simulated engines (virtual clock)", runDES},
+	{"sweep", "des over strategies × loads × fleet sizes × workloads: one table and chart per workload", runSweep},
+	{"flow", "des of overload bursts with and without flow control (priorities, tenants, TTFT objectives)", runFlow},
+	{"indexer", "trace replay through the KV block index alone (lookups and engine events, interleaved)", runIndexer},
+	{"disagg", "des: aggregated vs disaggregated prefill/decode (P:D ratios, conditional) on the same instances", runDisagg},
+	{"live", "drive a running kvrouter (with kvsim engines) over HTTP", runLive},
+	{"demo", "embedded NATS + simulated fleet + router; compares strategies; exits by itself", runDemo},
+}
 
-commands:
-  bounds   hit-rate bounds of a Mooncake-format trace: pooled LRU caches and an infinite cache
-  synth    write a Mooncake-format trace synthesised from a trace's fitted shape
-  des      discrete-event comparison of strategies on simulated engines (virtual clock)
-  sweep    des over strategies × loads × fleet sizes × workloads: one table and chart per workload
-  flow     des of overload bursts with and without flow control (priorities, tenants, TTFT objectives)
-  indexer  trace replay through the KV block index alone (lookups and engine events, interleaved)
-  disagg   des: aggregated vs disaggregated prefill/decode (P:D ratios, conditional) on the same instances
-  live     drive a running kvrouter (with kvsim engines) over HTTP
-  demo     embedded NATS + simulated fleet + router; compares strategies; exits by itself
-`
+func usage(w io.Writer) {
+	fmt.Fprint(w, "usage: kvbench <command> [flags]\n\ncommands:\n")
+	for _, c := range commands {
+		fmt.Fprintf(w, "  %-8s %s\n", c.name, c.summary)
+	}
+}
 
 // run is main without the process: tests call it.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 {
-		fmt.Fprint(stderr, usage)
+		usage(stderr)
 		return errors.New("no command")
 	}
 	cmd, rest := args[0], args[1:]
-	switch cmd {
-	case "bounds":
-		return runBounds(ctx, rest, stdout, stderr)
-	case "synth":
-		return runSynth(ctx, rest, stdout, stderr)
-	case "sweep":
-		return runSweep(ctx, rest, stdout, stderr)
-	case "des":
-		return runDES(ctx, rest, stdout, stderr)
-	case "flow":
-		return runFlow(ctx, rest, stdout, stderr)
-	case "indexer":
-		return runIndexer(ctx, rest, stdout, stderr)
-	case "disagg":
-		return runDisagg(ctx, rest, stdout, stderr)
-	case "live":
-		return runLive(ctx, rest, stdout, stderr)
-	case "demo":
-		return runDemo(ctx, rest, stdout, stderr)
-	case "help", "-h", "--help":
-		fmt.Fprint(stdout, usage)
+	for _, c := range commands {
+		if c.name == cmd {
+			return c.run(ctx, rest, stdout, stderr)
+		}
+	}
+	if cmd == "help" || cmd == "-h" || cmd == "--help" {
+		usage(stdout)
 		return nil
 	}
-	fmt.Fprint(stderr, usage)
+	usage(stderr)
 	return fmt.Errorf("unknown command %q", cmd)
 }
 

@@ -52,6 +52,21 @@ func addAdminFlags(fs *flag.FlagSet, o *adminOpts) {
 	fs.BoolVar(&o.json, "json", false, "print JSON for scripts instead of a table")
 }
 
+// adminFlagSet is the flag set of a command that talks to the router: the
+// admin flags on o, and a --help that prints usage (the command's own text,
+// ending in "Flags:"), its flags, then the common flags.
+func adminFlagSet(name string, stdout io.Writer, o *adminOpts, usage string) *flag.FlagSet {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(stdout)
+	addAdminFlags(fs, o)
+	fs.Usage = func() {
+		fmt.Fprintln(stdout, usage)
+		fs.PrintDefaults()
+		fmt.Fprintln(stdout, "\n"+adminFlagsHelp)
+	}
+	return fs
+}
+
 const adminFlagsHelp = `Common flags:
   --router URL     router admin API (env KVROUTER_ADMIN_URL, default http://127.0.0.1:8081)
   --token T        admin bearer token (env KVROUTER_ADMIN_TOKEN)
@@ -83,6 +98,15 @@ func (o *adminOpts) client() (*adminClient, error) {
 		ResponseHeaderTimeout: o.timeout,
 	}
 	return &adminClient{base: u, token: o.token, timeout: o.timeout, hc: &http.Client{Transport: tr}}, nil
+}
+
+// parseClient parses the flags of a command that takes no positional
+// arguments and builds its client.
+func (o *adminOpts) parseClient(fs *flag.FlagSet, args []string) (*adminClient, error) {
+	if err := parseFlags(fs, args); err != nil {
+		return nil, err
+	}
+	return o.client()
 }
 
 // httpError is a non-2xx answer from the router, with the message of its

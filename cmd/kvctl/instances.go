@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net/http"
@@ -79,13 +78,8 @@ type poolKV struct {
 }
 
 func runInstances(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := flag.NewFlagSet("instances", flag.ContinueOnError)
-	fs.SetOutput(stdout)
 	var o adminOpts
-	addAdminFlags(fs, &o)
-	pool := fs.String("pool", "", "only this pool (default: every pool)")
-	fs.Usage = func() {
-		fmt.Fprintln(stdout, `Usage: kvctl instances [--pool P]
+	fs := adminFlagSet("instances", stdout, &o, `Usage: kvctl instances [--pool P]
 
 Lists each pool's instances: health and in-flight requests (GET /admin/pools),
 joined with what the pool's KV index and event stream know of them
@@ -96,13 +90,8 @@ tier, last event time, last seq and gaps. Instances known only from events
 under "kv".
 
 Flags:`)
-		fs.PrintDefaults()
-		fmt.Fprintln(stdout, "\n"+adminFlagsHelp)
-	}
-	if err := parseFlags(fs, args); err != nil {
-		return err
-	}
-	c, err := o.client()
+	pool := fs.String("pool", "", "only this pool (default: every pool)")
+	c, err := o.parseClient(fs, args)
 	if err != nil {
 		return err
 	}

@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"math"
@@ -45,18 +44,8 @@ type lookupMatch struct {
 func (m lookupMatch) total() int { return m.GPUBlocks + m.CPUBlocks + m.DiskBlocks + m.SharedBlocks }
 
 func runLookup(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := flag.NewFlagSet("lookup", flag.ContinueOnError)
-	fs.SetOutput(stdout)
 	var o adminOpts
-	addAdminFlags(fs, &o)
-	pool := fs.String("pool", "", "pool whose index to ask (required)")
-	promptFile := fs.String("prompt-file", "", "file holding the prompt text, sent as is ('-' for stdin); the router tokenizes it with the pool's tokenizer")
-	tokensFile := fs.String("tokens", "", "file of token ids: a JSON array, or integers separated by whitespace or commas ('-' for stdin)")
-	chatFile := fs.String("chat-file", "", "file holding chat messages ('-' for stdin): a JSON array of {role, content}, or a whole chat request with \"messages\"; the router renders and tokenizes them as a chat request")
-	adapter := fs.String("adapter", "", "LoRA adapter the request would name (its blocks are keyed apart from the base model's)")
-	cacheSalt := fs.String("cache-salt", "", "cache_salt the request would carry (salted blocks are keyed apart)")
-	fs.Usage = func() {
-		fmt.Fprintln(stdout, `Usage: kvctl lookup --pool P (--prompt-file F | --chat-file F | --tokens F)
+	fs := adminFlagSet("lookup", stdout, &o, `Usage: kvctl lookup --pool P (--prompt-file F | --chat-file F | --tokens F)
 
 Asks the router which instances hold the prompt's KV blocks
 (POST /admin/pools/{pool}/lookup), and prints, per instance, the contiguous
@@ -74,9 +63,12 @@ Examples:
   kvctl lookup --pool llama --chat-file request.json     # {"model":..., "messages":[...]}
 
 Flags:`)
-		fs.PrintDefaults()
-		fmt.Fprintln(stdout, "\n"+adminFlagsHelp)
-	}
+	pool := fs.String("pool", "", "pool whose index to ask (required)")
+	promptFile := fs.String("prompt-file", "", "file holding the prompt text, sent as is ('-' for stdin); the router tokenizes it with the pool's tokenizer")
+	tokensFile := fs.String("tokens", "", "file of token ids: a JSON array, or integers separated by whitespace or commas ('-' for stdin)")
+	chatFile := fs.String("chat-file", "", "file holding chat messages ('-' for stdin): a JSON array of {role, content}, or a whole chat request with \"messages\"; the router renders and tokenizes them as a chat request")
+	adapter := fs.String("adapter", "", "LoRA adapter the request would name (its blocks are keyed apart from the base model's)")
+	cacheSalt := fs.String("cache-salt", "", "cache_salt the request would carry (salted blocks are keyed apart)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -204,6 +196,8 @@ var errNoTokens = errors.New("no token ids")
 // Python's print produce). Ids are uint32, as vLLM's token_ids are.
 func parseTokenIDs(b []byte) ([]uint32, error) {
 	t := bytes.TrimSpace(b)
+	var fields [][]byte
+	what := "token"
 	if len(t) > 0 && t[0] == '[' {
 		// Raw elements, not json.Number: that would also take "1" (a string).
 		var nums []json.RawMessage
@@ -214,25 +208,18 @@ func parseTokenIDs(b []byte) ([]uint32, error) {
 		if dec.More() {
 			return nil, errors.New("data after the JSON array")
 		}
-		ids := make([]uint32, 0, len(nums))
-		for i, n := range nums {
-			id, err := tokenID(string(n))
-			if err != nil {
-				return nil, fmt.Errorf("element %d: %w", i, err)
-			}
-			ids = append(ids, id)
+		for _, n := range nums {
+			fields = append(fields, n)
 		}
-		if len(ids) == 0 {
-			return nil, errNoTokens
-		}
-		return ids, nil
+		what = "element"
+	} else {
+		fields = bytes.FieldsFunc(t, func(r rune) bool { return unicode.IsSpace(r) || r == ',' })
 	}
-	var ids []uint32
-	sep := func(r rune) bool { return unicode.IsSpace(r) || r == ',' }
-	for i, f := range bytes.FieldsFunc(t, sep) {
+	ids := make([]uint32, 0, len(fields))
+	for i, f := range fields {
 		id, err := tokenID(string(f))
 		if err != nil {
-			return nil, fmt.Errorf("token %d: %w", i, err)
+			return nil, fmt.Errorf("%s %d: %w", what, i, err)
 		}
 		ids = append(ids, id)
 	}

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"io"
 	"maps"
@@ -22,13 +21,8 @@ type queueStatus struct {
 }
 
 func runQueue(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := flag.NewFlagSet("queue", flag.ContinueOnError)
-	fs.SetOutput(stdout)
 	var o adminOpts
-	addAdminFlags(fs, &o)
-	pool := fs.String("pool", "", "pool to show, with its priority bands and busiest tenants (default: a line per pool)")
-	fs.Usage = func() {
-		fmt.Fprintln(stdout, `Usage: kvctl queue [--pool P]
+	fs := adminFlagSet("queue", stdout, &o, `Usage: kvctl queue [--pool P]
 
 Shows the flow-control queue of every pool, or of one with its priority
 bands and the tenants with the most queued tokens
@@ -38,13 +32,8 @@ admitted and shed (by reason) since the queue was made. --json prints the
 router's answer (an array of them without --pool).
 
 Flags:`)
-		fs.PrintDefaults()
-		fmt.Fprintln(stdout, "\n"+adminFlagsHelp)
-	}
-	if err := parseFlags(fs, args); err != nil {
-		return err
-	}
-	c, err := o.client()
+	pool := fs.String("pool", "", "pool to show, with its priority bands and busiest tenants (default: a line per pool)")
+	c, err := o.parseClient(fs, args)
 	if err != nil {
 		return err
 	}

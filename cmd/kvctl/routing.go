@@ -28,17 +28,8 @@ type poolRouting struct {
 }
 
 func runRoutingSet(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := flag.NewFlagSet("routing set", flag.ContinueOnError)
-	fs.SetOutput(stdout)
 	var o adminOpts
-	addAdminFlags(fs, &o)
-	pool := fs.String("pool", "", "pool (model deployment) to change (required)")
-	strategy := fs.String("strategy", "", "random | round_robin | least_outstanding | prefix_aware | kv_aware")
-	prefixLen := fs.Int("prefix-length", 0, "routing text length, characters (OpenAI API) or bytes (raw invoke), 1024..65536")
-	threshold := fs.Int("concurrency-threshold", 0, "in-flight requests at which an instance overflows, 1..1024")
-	shadow := fs.Bool("shadow", false, "also score every request with the other strategy (needs the pool's KV index)")
-	fs.Usage = func() {
-		fmt.Fprintln(stdout, `Usage: kvctl routing set --pool P [--strategy S] [--prefix-length N] [--concurrency-threshold N] [--shadow=true|false]
+	fs := adminFlagSet("routing set", stdout, &o, `Usage: kvctl routing set --pool P [--strategy S] [--prefix-length N] [--concurrency-threshold N] [--shadow=true|false]
 
 Changes a pool's routing at runtime (PUT /admin/pools/{pool}/routing). Only
 the flags given are sent; the router keeps the other fields, validates the
@@ -49,9 +40,11 @@ Example:
   kvctl routing set --pool llama --strategy kv_aware --concurrency-threshold 32
 
 Flags:`)
-		fs.PrintDefaults()
-		fmt.Fprintln(stdout, "\n"+adminFlagsHelp)
-	}
+	pool := fs.String("pool", "", "pool (model deployment) to change (required)")
+	strategy := fs.String("strategy", "", "random | round_robin | least_outstanding | prefix_aware | kv_aware")
+	prefixLen := fs.Int("prefix-length", 0, "routing text length, characters (OpenAI API) or bytes (raw invoke), 1024..65536")
+	threshold := fs.Int("concurrency-threshold", 0, "in-flight requests at which an instance overflows, 1..1024")
+	shadow := fs.Bool("shadow", false, "also score every request with the other strategy (needs the pool's KV index)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -84,25 +77,26 @@ Flags:`)
 	if err != nil {
 		return err
 	}
+	return poolRoutingCall(ctx, c, "PUT", *pool, body, o.json, stdout)
+}
+
+// poolRoutingCall gets or sets one pool's routing and prints the routing
+// the router answers with: as it sent it with --json, else as a table.
+func poolRoutingCall(ctx context.Context, c *adminClient, method, pool string, body any, asJSON bool, stdout io.Writer) error {
 	var rv routingView
-	raw, err := c.callJSON(ctx, "PUT", poolPath(*pool, "routing"), body, &rv)
+	raw, err := c.callJSON(ctx, method, poolPath(pool, "routing"), body, &rv)
 	if err != nil {
 		return err
 	}
-	if o.json {
+	if asJSON {
 		return writeIndented(stdout, raw)
 	}
-	return writeRoutingTable(stdout, []poolRouting{{Name: *pool, Routing: rv}})
+	return writeRoutingTable(stdout, []poolRouting{{Name: pool, Routing: rv}})
 }
 
 func runRoutingGet(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := flag.NewFlagSet("routing get", flag.ContinueOnError)
-	fs.SetOutput(stdout)
 	var o adminOpts
-	addAdminFlags(fs, &o)
-	pool := fs.String("pool", "", "pool to show (default: every pool)")
-	fs.Usage = func() {
-		fmt.Fprintln(stdout, `Usage: kvctl routing get [--pool P]
+	fs := adminFlagSet("routing get", stdout, &o, `Usage: kvctl routing get [--pool P]
 
 Shows the routing in force: for one pool (GET /admin/pools/{pool}/routing),
 or for every pool (GET /admin/pools). --json prints the router's routing
@@ -110,26 +104,13 @@ block (one pool) or an array of {"pool", "model", "routing"} (every pool),
 including the kv_aware scoring constants when set.
 
 Flags:`)
-		fs.PrintDefaults()
-		fmt.Fprintln(stdout, "\n"+adminFlagsHelp)
-	}
-	if err := parseFlags(fs, args); err != nil {
-		return err
-	}
-	c, err := o.client()
+	pool := fs.String("pool", "", "pool to show (default: every pool)")
+	c, err := o.parseClient(fs, args)
 	if err != nil {
 		return err
 	}
 	if *pool != "" {
-		var rv routingView
-		raw, err := c.callJSON(ctx, "GET", poolPath(*pool, "routing"), nil, &rv)
-		if err != nil {
-			return err
-		}
-		if o.json {
-			return writeIndented(stdout, raw)
-		}
-		return writeRoutingTable(stdout, []poolRouting{{Name: *pool, Routing: rv}})
+		return poolRoutingCall(ctx, c, "GET", *pool, nil, o.json, stdout)
 	}
 	var pools []poolRouting
 	if _, err := c.callJSON(ctx, "GET", "/admin/pools", nil, &pools); err != nil {

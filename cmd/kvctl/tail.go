@@ -6,7 +6,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net/http"
@@ -210,21 +209,8 @@ func runTailEvictions(ctx context.Context, args []string, stdout io.Writer) erro
 
 // tailEvictions is 'tail evictions' with its diagnostics going to stderr.
 func tailEvictions(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("tail evictions", flag.ContinueOnError)
-	fs.SetOutput(stdout)
 	var o tailOpts
-	addAdminFlags(fs, &o.admin)
-	fs.StringVar(&o.pool, "pool", "", "pool to follow (required)")
-	fs.StringVar(&o.instance, "instance", "", "only this instance (default: every instance of the pool)")
-	fs.StringVar(&o.tier, "tier", "", "only this tier: gpu, cpu, disk, shared (records clearing every tier, tier \"all\", always show)")
-	fs.StringVar(&o.natsURL, "nats", "", "subscribe to NATS at this URL directly (e.g. nats://127.0.0.1:4222) instead of the router's SSE stream")
-	fs.StringVar(&o.creds, "nats-creds", "", "NATS credentials file (with --nats)")
-	fs.StringVar(&o.natsCA, "nats-ca", "", "CA file verifying the NATS server's TLS certificate (with --nats)")
-	fs.IntVar(&o.count, "count", 0, "exit after this many records (0: follow until interrupted)")
-	fs.BoolVar(&o.each, "each", false, "print one line per record instead of a summary every --every")
-	fs.DurationVar(&o.every, "every", 2*time.Second, "summary period: records and blocks per instance, tier and reason")
-	fs.Usage = func() {
-		fmt.Fprintln(stdout, `Usage: kvctl tail evictions --pool P [--instance I] [--tier T] [--nats URL] [--every D | --each | --json] [--count N]
+	fs := adminFlagSet("tail evictions", stdout, &o.admin, `Usage: kvctl tail evictions --pool P [--instance I] [--tier T] [--nats URL] [--every D | --each | --json] [--count N]
 
 Follows the KV blocks engines drop (engine evictions, whole-cache clears, and
 clears the bridge made after a gap or a restart). By default it prints, every
@@ -243,9 +229,15 @@ Examples:
   kvctl tail evictions --pool llama --nats nats://127.0.0.1:4222 --json | jq .blocks
 
 Flags:`)
-		fs.PrintDefaults()
-		fmt.Fprintln(stdout, "\n"+adminFlagsHelp)
-	}
+	fs.StringVar(&o.pool, "pool", "", "pool to follow (required)")
+	fs.StringVar(&o.instance, "instance", "", "only this instance (default: every instance of the pool)")
+	fs.StringVar(&o.tier, "tier", "", "only this tier: gpu, cpu, disk, shared (records clearing every tier, tier \"all\", always show)")
+	fs.StringVar(&o.natsURL, "nats", "", "subscribe to NATS at this URL directly (e.g. nats://127.0.0.1:4222) instead of the router's SSE stream")
+	fs.StringVar(&o.creds, "nats-creds", "", "NATS credentials file (with --nats)")
+	fs.StringVar(&o.natsCA, "nats-ca", "", "CA file verifying the NATS server's TLS certificate (with --nats)")
+	fs.IntVar(&o.count, "count", 0, "exit after this many records (0: follow until interrupted)")
+	fs.BoolVar(&o.each, "each", false, "print one line per record instead of a summary every --every")
+	fs.DurationVar(&o.every, "every", 2*time.Second, "summary period: records and blocks per instance, tier and reason")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}

@@ -8,7 +8,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -138,76 +137,68 @@ func checkJSONLines(t *testing.T, out string, want []int) {
 	}
 }
 
-func TestTailEvictionsNATS(t *testing.T) {
+// natsConn starts a NATS server and connects to it.
+func natsConn(t *testing.T) (*testenv.NATSServer, *nats.Conn) {
+	t.Helper()
 	srv := testenv.StartNATS(t)
 	nc, err := nats.Connect(srv.URL())
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer nc.Close()
-	for _, tc := range tailCases {
-		t.Run(tc.name, func(t *testing.T) {
-			pool := testenv.UniqueName(t)
-			pub := publisher{t, nc, pool}
-			args := append([]string{"--pool", pool, "--nats", srv.URL(), "--json", "--count", itoa(len(tc.want))}, tc.args...)
-			r := startTail(t, args...)
-			// Another pool's record, a malformed one: neither is printed.
-			r.ready(t)
-			publisher{t, nc, pool + "x"}.publish(tailRecords[0])
-			pub.raw("vllm-0", []byte("{not json"))
-			pub.raw("vllm-1", []byte("[1,2]"))
-			for _, rec := range tailRecords {
-				pub.publish(rec)
-			}
-			if err := r.wait(t); err != nil {
-				t.Fatalf("tail: %v\nstderr %s", err, r.errOut)
-			}
-			checkJSONLines(t, r.out.String(), tc.want)
-			if !strings.Contains(r.errOut.String(), "skipped a malformed record from kv.evictions."+pool+".vllm-") {
-				t.Errorf("stderr %q: want the malformed record reported", r.errOut)
-			}
-		})
+	t.Cleanup(nc.Close)
+	return srv, nc
+}
+
+// TestTailEvictionsFilters: both transports print the records tailCases
+// want, and neither prints another pool's record; over NATS, where the
+// tail decodes what the bridge published, malformed records are skipped and
+// reported.
+func TestTailEvictionsFilters(t *testing.T) {
+	srv, nc := natsConn(t)
+	routerURL := sseRouter(t, nc)
+	for _, tr := range []struct {
+		name      string
+		args      []string
+		malformed bool
+	}{
+		{"nats", []string{"--nats", srv.URL()}, true},
+		{"sse", []string{"--router", routerURL}, false},
+	} {
+		for _, tc := range tailCases {
+			t.Run(tr.name+"/"+tc.name, func(t *testing.T) {
+				pool := testenv.UniqueName(t)
+				pub := publisher{t, nc, pool}
+				args := append(append([]string{"--pool", pool, "--json", "--count", itoa(len(tc.want))}, tr.args...), tc.args...)
+				r := startTail(t, args...)
+				r.ready(t)
+				publisher{t, nc, pool + "x"}.publish(tailRecords[0])
+				if tr.malformed {
+					pub.raw("vllm-0", []byte("{not json"))
+					pub.raw("vllm-1", []byte("[1,2]"))
+				}
+				for _, rec := range tailRecords {
+					pub.publish(rec)
+				}
+				if err := r.wait(t); err != nil {
+					t.Fatalf("tail: %v\nstderr %s", err, r.errOut)
+				}
+				checkJSONLines(t, r.out.String(), tc.want)
+				if tr.malformed && !strings.Contains(r.errOut.String(), "skipped a malformed record from kv.evictions."+pool+".vllm-") {
+					t.Errorf("stderr %q: want the malformed record reported", r.errOut)
+				}
+			})
+		}
 	}
 }
 
 func itoa(n int) string { b, _ := json.Marshal(n); return string(b) }
 
-// sseRouter serves the eviction stream the way the router mounts it.
-func sseRouter(t *testing.T, nc *nats.Conn) (*httptest.Server, context.CancelFunc) {
+// sseRouter serves the eviction stream the way the router mounts it, on
+// any port, for the whole test.
+func sseRouter(t *testing.T, nc *nats.Conn) string {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	mux := http.NewServeMux()
-	mux.Handle("GET /v1/kv/evictions", kvstream.EvictionSSEHandler(ctx, nc, kvstream.EvictionSSEConfig{Heartbeat: 20 * time.Millisecond}))
-	ts := httptest.NewServer(mux)
-	t.Cleanup(func() { cancel(); ts.Close() })
-	return ts, cancel
-}
-
-func TestTailEvictionsSSE(t *testing.T) {
-	srv := testenv.StartNATS(t)
-	nc, err := nats.Connect(srv.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	ts, _ := sseRouter(t, nc)
-	for _, tc := range tailCases {
-		t.Run(tc.name, func(t *testing.T) {
-			pool := testenv.UniqueName(t)
-			pub := publisher{t, nc, pool}
-			args := append([]string{"--pool", pool, "--router", ts.URL, "--json", "--count", itoa(len(tc.want))}, tc.args...)
-			r := startTail(t, args...)
-			r.ready(t)
-			publisher{t, nc, pool + "x"}.publish(tailRecords[0])
-			for _, rec := range tailRecords {
-				pub.publish(rec)
-			}
-			if err := r.wait(t); err != nil {
-				t.Fatalf("tail: %v\nstderr %s", err, r.errOut)
-			}
-			checkJSONLines(t, r.out.String(), tc.want)
-		})
-	}
+	url, _ := sseRouterAt(t, nc, "127.0.0.1:0")
+	return url
 }
 
 // sseRouterAt serves the eviction stream on addr ("127.0.0.1:0" for any
@@ -247,12 +238,7 @@ func sseRouterAt(t *testing.T, nc *nats.Conn, addr string) (url string, stop fun
 // router restarting ends its stream with a close event, and the tail
 // reconnects to the new router and goes on.
 func TestTailEvictionsEachAndReconnect(t *testing.T) {
-	srv := testenv.StartNATS(t)
-	nc, err := nats.Connect(srv.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
+	_, nc := natsConn(t)
 	url, stopRouter := sseRouterAt(t, nc, "127.0.0.1:0")
 	pool := testenv.UniqueName(t)
 	r := startTail(t, "--pool", pool, "--router", url, "--each")
@@ -290,12 +276,7 @@ func TestTailEvictionsEachAndReconnect(t *testing.T) {
 // TestTailEvictionsSummary: by default the tail sums records per instance,
 // tier and reason over each period instead of a line per record.
 func TestTailEvictionsSummary(t *testing.T) {
-	srv := testenv.StartNATS(t)
-	nc, err := nats.Connect(srv.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
+	srv, nc := natsConn(t)
 	pool := testenv.UniqueName(t)
 	// A long period, so every record below lands in one summary: the one
 	// printed when --count ends the tail.
@@ -338,14 +319,9 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 }
 
 func TestTailEvictionsInterrupt(t *testing.T) {
-	srv := testenv.StartNATS(t)
-	nc, err := nats.Connect(srv.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	ts, _ := sseRouter(t, nc)
-	for _, extra := range [][]string{{"--router", ts.URL}, {"--nats", srv.URL()}} {
+	srv, nc := natsConn(t)
+	routerURL := sseRouter(t, nc)
+	for _, extra := range [][]string{{"--router", routerURL}, {"--nats", srv.URL()}} {
 		pool := testenv.UniqueName(t)
 		r := startTail(t, append([]string{"--pool", pool}, extra...)...)
 		r.ready(t)
@@ -357,27 +333,22 @@ func TestTailEvictionsInterrupt(t *testing.T) {
 }
 
 func TestTailEvictionsErrors(t *testing.T) {
-	srv := testenv.StartNATS(t)
-	nc, err := nats.Connect(srv.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	ts, _ := sseRouter(t, nc)
+	_, nc := natsConn(t)
+	routerURL := sseRouter(t, nc)
 	closed := "http://127.0.0.1:" + itoa(testenv.FreePort(t))
 	tests := []struct {
 		args []string
 		code int
 		msg  string
 	}{
-		{[]string{"--router", ts.URL}, 2, "--pool is required"},
-		{[]string{"--pool", "a.b", "--router", ts.URL}, 2, `pool "a.b" has '.'`},
-		{[]string{"--pool", "p", "--instance", "*", "--router", ts.URL}, 2, "--instance"},
-		{[]string{"--pool", "p", "--tier", "vram", "--router", ts.URL}, 2, `--tier "vram": want gpu, cpu, disk, shared or all`},
-		{[]string{"--pool", "p", "--count", "-1", "--router", ts.URL}, 2, "--count -1"},
+		{[]string{"--router", routerURL}, 2, "--pool is required"},
+		{[]string{"--pool", "a.b", "--router", routerURL}, 2, `pool "a.b" has '.'`},
+		{[]string{"--pool", "p", "--instance", "*", "--router", routerURL}, 2, "--instance"},
+		{[]string{"--pool", "p", "--tier", "vram", "--router", routerURL}, 2, `--tier "vram": want gpu, cpu, disk, shared or all`},
+		{[]string{"--pool", "p", "--count", "-1", "--router", routerURL}, 2, "--count -1"},
 		{[]string{"--pool", "p", "--nats-creds", "x"}, 2, "need --nats"},
 		{[]string{"--pool", "p", "--router", closed}, 1, "connection refused"},
-		{[]string{"--pool", "p", "--router", ts.URL + "/old"}, 1, "404 Not Found"},
+		{[]string{"--pool", "p", "--router", routerURL + "/old"}, 1, "404 Not Found"},
 		{[]string{"--pool", "p", "--nats", "nats://127.0.0.1:" + itoa(testenv.FreePort(t)), "--timeout", "1s"}, 1, "connect to nats"},
 	}
 	for _, tc := range tests {

@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"time"
 
 	"github.com/kvrouter/kvrouter/events"
@@ -262,6 +263,17 @@ type Result struct {
 	// prefill instances (disaggregated runs; engines implementing
 	// RemoteReporter).
 	RemoteTokens uint64
+}
+
+// Simulated is the outcomes without what the host measured (Decision and
+// DecisionCPU): the part of a run that its workload, configuration and
+// seeds determine, equal between two runs of the same inputs.
+func (r *Result) Simulated() []Outcome {
+	out := slices.Clone(r.Outcomes)
+	for i := range out {
+		out[i].Decision, out[i].DecisionCPU = 0, 0
+	}
+	return out
 }
 
 type instance struct {

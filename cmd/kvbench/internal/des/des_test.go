@@ -201,10 +201,7 @@ func TestRunDeterministic(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		for i := range res.Outcomes {
-			res.Outcomes[i].Decision, res.Outcomes[i].DecisionCPU = 0, 0 // measured
-		}
-		runs[k] = res.Outcomes
+		runs[k] = res.Simulated()
 	}
 	for i := range runs[0] {
 		if runs[0][i] != runs[1][i] {
