@@ -182,6 +182,10 @@ func (ls *lookupState) step(node int32, i int32) {
 			ls.stepSets(sp.set, i)
 			return
 		}
+		if sp == nil && ls.uniform {
+			ls.stepOne(p, w, i)
+			return
+		}
 		ls.toList() // few holders: at most that many instances go on
 	}
 	kept := 0
@@ -240,6 +244,38 @@ func (ls *lookupState) step(node int32, i int32) {
 		}
 	}
 	ls.cands = ls.cands[:kept]
+}
+
+// stepOne is step from set mode onto a block one instance holds (where a
+// shared prefix ends and one instance's own chain goes on), while every
+// instance still matching matches in every tier: the others' runs end at
+// i without first becoming candidates one by one.
+func (ls *lookupState) stepOne(p *uint32, w uint32, i int32) {
+	slot := holderSlot(w)
+	a := ls.alive[0]
+	held := false
+	for wi, x := range a {
+		for ; x != 0; x &= x - 1 {
+			s := wi*64 + bits.TrailingZeros64(x)
+			if uint32(s) == slot {
+				held = true
+				continue
+			}
+			m := &ls.out[ls.outIdx[s]]
+			for t := range tiers.Count {
+				m.Blocks[t] = int(i)
+			}
+		}
+	}
+	ls.set, ls.cands = false, ls.cands[:0]
+	if !held {
+		return
+	}
+	c := cand{slot: slot, out: ls.outIdx[slot]}
+	if ls.advance(&c, level(w), i) {
+		ls.cands = append(ls.cands, c)
+		markHit(p)
+	}
 }
 
 // advance applies a block whose fastest tier held by c is l (tiers.Count:
