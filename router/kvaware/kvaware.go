@@ -261,11 +261,11 @@ func (s *KVAware) Pick(ctx context.Context, req *router.Request, cands []*router
 // candEval is one candidate's score.
 type candEval struct {
 	inst     *router.Instance
-	rv       uint64 // rendezvous score for the request
-	inflight int    // the instance's requests in flight, read once per decision
-	full     bool   // at the concurrency threshold
-	blocks [tiers.Count]int // leading blocks held, cumulative per tier (fresh index + speculative)
-	stale  [tiers.Count]int // the index's blocks, not counted: the instance is stale
+	rv       uint64           // rendezvous score for the request
+	inflight int              // the instance's requests in flight, read once per decision
+	full     bool             // at the concurrency threshold
+	blocks   [tiers.Count]int // leading blocks held, cumulative per tier (fresh index + speculative)
+	stale    [tiers.Count]int // the index's blocks, not counted: the instance is stale
 	// indexed is the leading blocks the index (not the speculative
 	// overlay) says it holds, in any tier.
 	indexed int
