@@ -225,6 +225,7 @@ func replayIndex(ctx context.Context, recs []workload.TraceRecord, n, capBlocks,
 		hashes []uint64
 		keys   []kvindex.Key
 		evs    []events.Event
+		ms     []kvindex.Match
 		served = make([]int, n)
 	)
 	for ri, rec := range recs {
@@ -243,7 +244,8 @@ func replayIndex(ctx context.Context, recs []workload.TraceRecord, n, capBlocks,
 		}
 		keys = kvindex.AppendKeys(keys[:0], root, toks, bs)
 		c0, w0 := des.ThreadCPU(), time.Now()
-		ms, err := idx.Lookup(ctx, keys)
+		// Into a reused buffer, as kv_aware looks up (Memory.LookupAppend).
+		ms, err = idx.LookupAppend(ctx, ms, keys)
 		w, c := time.Since(w0), des.ThreadCPU()
 		res.Lookup.add(c-c0, w)
 		res.Lookups++
