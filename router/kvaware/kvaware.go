@@ -398,7 +398,8 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 	// Filled in place: a candEval is ~200 bytes, and a composite literal
 	// per candidate built and copied each one (a tenth of a 256-candidate
 	// decision). In-flight is read once per candidate and decision.
-	ev.cands = resizeCands(ev.cands, len(cands))
+	ev.cands = slices.Grow(ev.cands[:0], len(cands))[:len(cands)]
+	clear(ev.cands)
 	for i, c := range cands {
 		ce := &ev.cands[i]
 		ce.inst, ce.rv, ce.inflight = c, c.Rendezvous(h), c.InFlight()

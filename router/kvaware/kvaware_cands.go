@@ -200,13 +200,3 @@ func (p *specProbe) at(s *speculative, keys []kvindex.Key, g int) (below, at boo
 	}
 	return p.below, p.here
 }
-
-// resizeCands returns cs holding n zero candidates, reusing its storage.
-func resizeCands(cs []candEval, n int) []candEval {
-	if cap(cs) < n {
-		return make([]candEval, n)
-	}
-	cs = cs[:n]
-	clear(cs)
-	return cs
-}
