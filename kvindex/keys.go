@@ -59,6 +59,16 @@ func xxRound(acc, in uint64) uint64 {
 	return acc * prime1
 }
 
+// xxAvalanche is xxHash64's final mix.
+func xxAvalanche(h uint64) uint64 {
+	h ^= h >> 33
+	h *= prime2
+	h ^= h >> 29
+	h *= prime3
+	h ^= h >> 32
+	return h
+}
+
 func xxMerge(acc, v uint64) uint64 {
 	acc ^= xxRound(0, v)
 	return acc*prime1 + prime4
@@ -121,12 +131,7 @@ func xxh64Block(parent uint64, block []uint32) uint64 {
 		h ^= uint64(block[len(block)-1]) * prime1
 		h = bits.RotateLeft64(h, 23)*prime2 + prime3
 	}
-	h ^= h >> 33
-	h *= prime2
-	h ^= h >> 29
-	h *= prime3
-	h ^= h >> 32
-	return h
+	return xxAvalanche(h)
 }
 
 // xxh64Block16 is xxh64Block for a block of 16 tokens (vLLM's default
@@ -152,12 +157,7 @@ func xxh64Block16(parent uint64, b *[16]uint32) uint64 {
 	h += 8 + 4*16
 	h ^= t
 	h = bits.RotateLeft64(h, 27)*prime1 + prime4
-	h ^= h >> 33
-	h *= prime2
-	h ^= h >> 29
-	h *= prime3
-	h ^= h >> 32
-	return h
+	return xxAvalanche(h)
 }
 
 // AppendKeys appends to dst the keys of the full blocks of tokens, chained
