@@ -41,12 +41,16 @@ type instanceOps interface {
 	clearAll()
 }
 
-// prefetcher is implemented by backend state that gains from knowing a
-// stored event's keys before the stores, one by one, that apply them (the
-// memory backend loads their table slots together, so that the cache
-// misses overlap).
+// prefetcher is implemented by backend state that gains from knowing an
+// event's blocks before the stores or removals, one by one, that apply
+// them (the memory backend loads what they will touch together, so that
+// the cache misses overlap instead of coming one block at a time).
 type prefetcher interface {
-	prefetch(keys []Key)
+	// prefetch is called before storing blocks with engine hashes hs and
+	// router keys keys (one key per hash, or units of several: see units.go).
+	prefetch(hs []uint64, keys []Key)
+	// prefetchRemove is called before removing blocks with engine hashes hs.
+	prefetchRemove(hs []uint64)
 }
 
 // blockSizer holds the pool's block size: configured, else learned from the
@@ -238,7 +242,7 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 		}
 		scratch = AppendKeys(scratch[:0], parent, ev.TokenIDs, size)
 		if p, ok := st.(prefetcher); ok {
-			p.prefetch(scratch)
+			p.prefetch(ev.BlockHashes, scratch)
 		}
 		// Last block first, so that within an event the chain's head ends
 		// up most recent: LRU eviction then trims chains from their ends,
@@ -261,6 +265,9 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 // units larger than the pool's (units.go).
 func removeBlocks(st instanceOps, bs *blockSizer, ev *events.Event, t tiers.Tier, res *ApplyResult) {
 	k := max(bs.unit(t), unitOf(ev, bs.get()))
+	if p, ok := st.(prefetcher); ok {
+		p.prefetchRemove(ev.BlockHashes)
+	}
 	for _, h := range ev.BlockHashes {
 		_, removed := st.removeTier(h, t)
 		if removed {

@@ -59,6 +59,16 @@ func xxRound(acc, in uint64) uint64 {
 	return acc * prime1
 }
 
+// xxAvalanche is xxHash64's final mix.
+func xxAvalanche(h uint64) uint64 {
+	h ^= h >> 33
+	h *= prime2
+	h ^= h >> 29
+	h *= prime3
+	h ^= h >> 32
+	return h
+}
+
 func xxMerge(acc, v uint64) uint64 {
 	acc ^= xxRound(0, v)
 	return acc*prime1 + prime4
@@ -121,12 +131,33 @@ func xxh64Block(parent uint64, block []uint32) uint64 {
 		h ^= uint64(block[len(block)-1]) * prime1
 		h = bits.RotateLeft64(h, 23)*prime2 + prime3
 	}
-	h ^= h >> 33
-	h *= prime2
-	h ^= h >> 29
-	h *= prime3
-	h ^= h >> 32
-	return h
+	return xxAvalanche(h)
+}
+
+// xxh64Block16 is xxh64Block for a block of 16 tokens (vLLM's default
+// block size), written out: everything but the first lane and the merge
+// chain is independent of parent, so the CPU computes it ahead while the
+// previous block's key, which parent is, is still being finished. Keying
+// is latency-bound on that chain; the general loop left more work on it.
+func xxh64Block16(parent uint64, b *[16]uint32) uint64 {
+	w := func(i int) uint64 { return uint64(b[2*i]) | uint64(b[2*i+1])<<32 }
+	p1, p2 := prime1, prime2 // variables: the sums wrap, as the spec intends
+	v2 := xxRound(xxRound(p2, w(0)), w(4))
+	v3 := xxRound(xxRound(0, w(1)), w(5))
+	v4 := xxRound(xxRound(-p1, w(2)), w(6))
+	c := bits.RotateLeft64(v2, 7) + bits.RotateLeft64(v3, 12) + bits.RotateLeft64(v4, 18)
+	r2, r3, r4 := xxRound(0, v2), xxRound(0, v3), xxRound(0, v4)
+	t := xxRound(0, w(7))
+	v1 := xxRound(xxRound(p1+p2, parent), w(3))
+	h := bits.RotateLeft64(v1, 1) + c
+	h = (h^xxRound(0, v1))*prime1 + prime4
+	h = (h^r2)*prime1 + prime4
+	h = (h^r3)*prime1 + prime4
+	h = (h^r4)*prime1 + prime4
+	h += 8 + 4*16
+	h ^= t
+	h = bits.RotateLeft64(h, 27)*prime1 + prime4
+	return xxAvalanche(h)
 }
 
 // AppendKeys appends to dst the keys of the full blocks of tokens, chained
@@ -140,6 +171,13 @@ func AppendKeys(dst []Key, parent Key, tokens []uint32, blockSize int) []Key {
 	n := len(tokens) / blockSize
 	dst = grow(dst, n)
 	k := uint64(parent)
+	if blockSize == 16 {
+		for i := 0; i < n; i++ {
+			k = xxh64Block16(k, (*[16]uint32)(tokens[i*16:]))
+			dst = append(dst, Key(k))
+		}
+		return dst
+	}
 	for i := 0; i < n; i++ {
 		k = xxh64Block(k, tokens[i*blockSize:(i+1)*blockSize])
 		dst = append(dst, Key(k))

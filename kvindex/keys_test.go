@@ -36,6 +36,7 @@ func TestAppendKeys(t *testing.T) {
 		{"partial only", 15, 16, 0},
 		{"one block", 16, 16, 1},
 		{"trailing partial", 40, 16, 2},
+		{"many 16-token blocks (the written-out path)", 16*37 + 5, 16, 37},
 		{"block size 1", 5, 1, 5},
 		{"large block streams", 2 * 300, 300, 2},
 		{"zero block size", 32, 0, 0},

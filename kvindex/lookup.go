@@ -84,6 +84,11 @@ func (ls *lookupState) run(m *Memory, keys []Key) []Match {
 	ls.start(m.slots, node)
 	i := 1
 	for ; i < len(keys) && ls.alive1(); i++ {
+		if len(ls.cands) == 1 && !ls.set {
+			if i, node = ls.runOne(keys, i, node); i == len(keys) {
+				break
+			}
+		}
 		// The blocks of a chain stored by one event got adjacent nodes (last
 		// block first): try the neighbours before the table.
 		k, next := keys[i], int32(-1)
@@ -118,6 +123,35 @@ func (ls *lookupState) run(m *Memory, keys []Key) []Match {
 	}
 	ls.finish(int32(i))
 	return ls.out
+}
+
+// runOne follows the one candidate left from node along the nodes before
+// it (a chain stored by one event, last block first), while each is the
+// next key and held inline by the candidate alone: the tail of most
+// lookups, one instance's own continuation, without the general step's
+// checks per block. It returns the position of the first key it did not
+// take and the last node it took; the caller goes on from there.
+func (ls *lookupState) runOne(keys []Key, i int, node int32) (int, int32) {
+	bm, c := ls.bm, &ls.cands[0]
+	for ; i < len(keys) && node > 0; i++ {
+		j := node - 1
+		if bm.keys[j>>chunkBits][j&chunkMask] != keys[i] {
+			break
+		}
+		p := &bm.hold[j>>chunkBits][j&chunkMask]
+		w := atomic.LoadUint32(p)
+		if w == 0 || w&hSpill != 0 || holderSlot(w) != c.slot {
+			break
+		}
+		if l := level(w); l > c.from {
+			ls.advance(c, l, int32(i))
+		}
+		if w&hHit == 0 {
+			atomic.OrUint32(p, hHit)
+		}
+		node = j
+	}
+	return i, node
 }
 
 // alive1 reports whether any instance still matches.
@@ -182,6 +216,10 @@ func (ls *lookupState) step(node int32, i int32) {
 			ls.stepSets(sp.set, i)
 			return
 		}
+		if sp == nil && ls.uniform {
+			ls.stepOne(p, w, i)
+			return
+		}
 		ls.toList() // few holders: at most that many instances go on
 	}
 	kept := 0
@@ -240,6 +278,38 @@ func (ls *lookupState) step(node int32, i int32) {
 		}
 	}
 	ls.cands = ls.cands[:kept]
+}
+
+// stepOne is step from set mode onto a block one instance holds (where a
+// shared prefix ends and one instance's own chain goes on), while every
+// instance still matching matches in every tier: the others' runs end at
+// i without first becoming candidates one by one.
+func (ls *lookupState) stepOne(p *uint32, w uint32, i int32) {
+	slot := holderSlot(w)
+	a := ls.alive[0]
+	held := false
+	for wi, x := range a {
+		for ; x != 0; x &= x - 1 {
+			s := wi*64 + bits.TrailingZeros64(x)
+			if uint32(s) == slot {
+				held = true
+				continue
+			}
+			m := &ls.out[ls.outIdx[s]]
+			for t := range tiers.Count {
+				m.Blocks[t] = int(i)
+			}
+		}
+	}
+	ls.set, ls.cands = false, ls.cands[:0]
+	if !held {
+		return
+	}
+	c := cand{slot: slot, out: ls.outIdx[slot]}
+	if ls.advance(&c, level(w), i) {
+		ls.cands = append(ls.cands, c)
+		markHit(p)
+	}
 }
 
 // advance applies a block whose fastest tier held by c is l (tiers.Count:

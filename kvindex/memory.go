@@ -367,12 +367,27 @@ func (in *memInstance) store(h uint64, k Key, t tiers.Tier) bool {
 	return true
 }
 
-// prefetch loads the table slots a stored event's blocks will probe, so
-// that their cache misses overlap instead of coming one store at a time.
-// The instance's own engine-hash table is small enough to stay in cache
-// while its events apply; the block map's index is not.
-func (in *memInstance) prefetch(keys []Key) {
-	in.blocks.index.touch(keys)
+// prefetch loads the table slots a stored event's blocks will probe (the
+// block map's index, and the instance's engine-hash table: with hundreds
+// of instances their tables do not all stay in cache), so that their cache
+// misses overlap instead of coming one store at a time.
+func (in *memInstance) prefetch(hs []uint64, keys []Key) {
+	touch(&in.byHash, hs)
+	touch(&in.blocks.index, keys)
+}
+
+// prefetchRemove loads what removing blocks hs will read, in two rounds
+// of independent loads: their engine-hash table slots, then their entries
+// and the holder words of their block nodes.
+func (in *memInstance) prefetchRemove(hs []uint64) {
+	touch(&in.byHash, hs)
+	var x uint32
+	for _, h := range hs {
+		if j := in.byHash.find(in.hashSrc(), h); j >= 0 {
+			x |= *in.blocks.holdAt(in.slab.at(j).node)
+		}
+	}
+	in.byHash.sink ^= x
 }
 
 func (in *memInstance) addTier(h uint64, t tiers.Tier) (mapped, added bool) {

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -111,5 +112,57 @@ func TestMemoryCapacityChurn(t *testing.T) {
 	}
 	if n, _ := m.Len(context.Background()); n != total || n != 1000 {
 		t.Fatalf("Len = %d, GPU blocks over instances = %d, want both 1000", n, total)
+	}
+}
+
+// TestMemoryLookupSharedThenOne covers a lookup leaving a holder set (a
+// prefix every instance holds) for a block one instance holds: the others'
+// runs end there, and the one goes on in the tiers it holds the rest in,
+// or ends too when it no longer matches.
+func TestMemoryLookupSharedThenOne(t *testing.T) {
+	const sharers, shared, n = 100, 10, 20
+	root := Root(testModel, "", "")
+	c := newChain(root, n, 4, 1, 1000)
+	cases := []struct {
+		name string
+		x    []events.Event // the one instance's events after storing all n blocks
+		want [tiers.Count]int
+	}{
+		{"holds the rest on GPU", nil, all(n)},
+		{"holds the rest on CPU only", []events.Event{c.tierStored("CPU", shared, n), c.removed("GPU", shared, n)}, blocks(shared, n, n, n)},
+		{"lost a block inside the prefix", []events.Event{c.removed("GPU", 5, shared)}, all(5)},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			m, err := NewMemory(MemoryConfig{Model: testModel, BlockSize: 4})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i := range sharers {
+				if _, err := m.Apply(ctx, fmt.Sprintf("s%d", i), []events.Event{c.stored(0, shared)}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if _, err := m.Apply(ctx, "x", append([]events.Event{c.stored(0, n)}, tc.x...)); err != nil {
+				t.Fatal(err)
+			}
+			ms, err := m.Lookup(ctx, c.keys)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(ms) != sharers+1 {
+				t.Fatalf("%d matches, want %d", len(ms), sharers+1)
+			}
+			for _, mt := range ms {
+				want := all(shared)
+				if mt.Instance == "x" {
+					want = tc.want
+				}
+				if mt.Blocks != want {
+					t.Errorf("%s: %v, want %v", mt.Instance, mt.Blocks, want)
+				}
+			}
+		})
 	}
 }

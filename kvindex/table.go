@@ -207,7 +207,7 @@ func (t *table) makeRoom(ks keySrc) {
 
 // touch loads the home slots of keys, independent loads whose cache
 // misses overlap, ahead of probing them one by one.
-func (t *table) touch(keys []Key) {
+func touch[K ~uint64](t *table, keys []K) {
 	n := len(t.slots)
 	if n == 0 {
 		return

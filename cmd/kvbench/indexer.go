@@ -5,7 +5,9 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
 	"runtime"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -50,8 +52,20 @@ func runIndexer(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	gpu := fs.String("gpu-tokens", "1.35M", "GPU KV capacity per instance in tokens (each engine's LRU cache)")
 	perID := fs.Int("blocks-per-id", 1, "index blocks per trace hash id (a Mooncake id covers 512 tokens: 32 gives vLLM's 16-token blocks)")
 	tracePer := fs.Int("trace-per", 8, "play one copy of the trace per this many instances (0: one copy at every size)")
+	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the replays (all sizes) to this file")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			return fmt.Errorf("--cpuprofile: %w", err)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return fmt.Errorf("--cpuprofile: %w", err)
+		}
+		defer pprof.StopCPUProfile()
 	}
 	set := wf.setFlags()
 	if !set["workload"] {
@@ -211,6 +225,7 @@ func replayIndex(ctx context.Context, recs []workload.TraceRecord, n, capBlocks,
 		hashes []uint64
 		keys   []kvindex.Key
 		evs    []events.Event
+		ms     []kvindex.Match
 		served = make([]int, n)
 	)
 	for ri, rec := range recs {
@@ -229,7 +244,8 @@ func replayIndex(ctx context.Context, recs []workload.TraceRecord, n, capBlocks,
 		}
 		keys = kvindex.AppendKeys(keys[:0], root, toks, bs)
 		c0, w0 := des.ThreadCPU(), time.Now()
-		ms, err := idx.Lookup(ctx, keys)
+		// Into a reused buffer, as kv_aware looks up (Memory.LookupAppend).
+		ms, err = idx.LookupAppend(ctx, ms, keys)
 		w, c := time.Since(w0), des.ThreadCPU()
 		res.Lookup.add(c-c0, w)
 		res.Lookups++

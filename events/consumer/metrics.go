@@ -3,6 +3,7 @@ package consumer
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
@@ -28,6 +29,19 @@ type metrics struct {
 	consistent    prometheus.Gauge
 	indexLost     prometheus.Counter
 	lag           prometheus.Histogram
+
+	// Children every applied message counts in, resolved once: a
+	// CounterVec lookup hashes its label values on every call.
+	applied prometheus.Counter                              // messages{result="applied"}
+	byKind  [events.AllBlocksCleared + 1]prometheus.Counter // events by kind
+}
+
+// eventCounter is the applied-events counter for kind k.
+func (m *metrics) eventCounter(k events.Kind) prometheus.Counter {
+	if k > 0 && int(k) < len(m.byKind) {
+		return m.byKind[k]
+	}
+	return m.events.WithLabelValues(k.String())
 }
 
 func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
@@ -74,6 +88,10 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 		lag: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvrouter_events_lag_seconds", ConstLabels: cl,
 			Help:    "Time from a message's JetStream store to its application to the index.",
 			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 18)}),
+	}
+	m.applied = m.messages.WithLabelValues("applied")
+	for k := events.BlockStored; int(k) < len(m.byKind); k++ {
+		m.byKind[k] = m.events.WithLabelValues(k.String())
 	}
 	if reg != nil {
 		for _, c := range []prometheus.Collector{m.messages, m.events, m.unknown, m.gaps, m.stored, m.removed, m.dropped, m.applyErrors,

@@ -304,9 +304,9 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 		in.needLoad = true
 		return
 	}
-	c.m.messages.WithLabelValues("applied").Inc()
+	c.m.applied.Inc()
 	for i := range batch.Events {
-		c.m.events.WithLabelValues(batch.Events[i].Kind.String()).Inc()
+		c.m.eventCounter(batch.Events[i].Kind).Inc()
 	}
 	c.m.stored.Add(float64(res.Stored))
 	c.m.removed.Add(float64(res.Removed))

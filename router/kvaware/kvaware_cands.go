@@ -23,6 +23,11 @@ type candIndex struct {
 	// pend caches each candidate's pending-prefill counter (KVState never
 	// drops one); nil where none existed yet when the index was built.
 	pend []atomic.Pointer[pendingCounter]
+	// pendMiss is, per candidate without a counter, 1 + the number of
+	// counters KVState had when its lookup found none: while that number
+	// stands, none was made for it since (a fleet mostly idle but for a
+	// few instances skips a map lookup by id per candidate and decision).
+	pendMiss []atomic.Int64
 }
 
 // candIndexMin is the fewest matches for which the index pays: below it a
@@ -37,7 +42,8 @@ func (c *candIndexCache) get(cands []*router.Instance) *candIndex {
 	if ci := c.last.Load(); ci != nil && slices.Equal(ci.insts, cands) {
 		return ci
 	}
-	ci := &candIndex{insts: slices.Clone(cands), pos: make(map[string]int32, len(cands)), pend: make([]atomic.Pointer[pendingCounter], len(cands))}
+	ci := &candIndex{insts: slices.Clone(cands), pos: make(map[string]int32, len(cands)), pend: make([]atomic.Pointer[pendingCounter], len(cands)),
+		pendMiss: make([]atomic.Int64, len(cands))}
 	for i, in := range cands {
 		if _, dup := ci.pos[in.ID()]; !dup {
 			ci.pos[in.ID()] = int32(i) // the first, as a scan would find
@@ -75,9 +81,15 @@ func (ev *kvEval) pending(st *KVState, i int) *pendingCounter {
 		if pc := ci.pend[i].Load(); pc != nil {
 			return pc
 		}
+		n := int64(len(st.pend)) + 1
+		if ci.pendMiss[i].Load() == n {
+			return nil
+		}
 		pc := st.pend[ev.cands[i].inst.ID()]
 		if pc != nil {
 			ci.pend[i].Store(pc) // decisions sharing the index agree: one counter per id
+		} else {
+			ci.pendMiss[i].Store(n)
 		}
 		return pc
 	}
