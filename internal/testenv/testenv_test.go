@@ -109,3 +109,30 @@ func TestFreePortNeverTwice(t *testing.T) {
 		seen[p] = true
 	}
 }
+
+// stop cancels run's context and returns only once run has returned; a
+// second stop (the cleanup's) returns at once.
+func TestGoStopWaitsForRun(t *testing.T) {
+	started, returned := make(chan struct{}), false
+	stop := Go(t, context.Background(), func(ctx context.Context) error {
+		close(started)
+		<-ctx.Done()
+		time.Sleep(20 * time.Millisecond)
+		returned = true
+		return ctx.Err()
+	})
+	<-started
+	stop()
+	if !returned {
+		t.Fatal("stop returned before run did")
+	}
+	stop()
+}
+
+func TestWaitForPollsUntilTrue(t *testing.T) {
+	n := 0
+	WaitFor(t, 5*time.Second, "the third poll", func() bool { n++; return n == 3 })
+	if n != 3 {
+		t.Fatalf("cond polled %d times, want 3", n)
+	}
+}
