@@ -81,6 +81,29 @@ func (in *Instance) resolveModel(w http.ResponseWriter, model string) (lora stri
 	return "", false
 }
 
+// readGen reads a completion request's body into req, whose shared fields
+// are p, and checks what both endpoints check first: the model (lora is
+// the LoRA name, "" for the base model) and the token budget. On false
+// the error answer has been written.
+func (in *Instance) readGen(w http.ResponseWriter, r *http.Request, req any, p *genParams) (lora string, maxTok int, ok bool) {
+	if !readJSON(w, r, req) {
+		return "", 0, false
+	}
+	if lora, ok = in.resolveModel(w, p.Model); !ok {
+		return "", 0, false
+	}
+	maxTok, ok = in.maxTokens(w, p)
+	return lora, maxTok, ok
+}
+
+// salt is the request's cache_salt ("" when it has none).
+func (p *genParams) salt() string {
+	if p.CacheSalt == nil {
+		return ""
+	}
+	return *p.CacheSalt
+}
+
 func (in *Instance) maxTokens(w http.ResponseWriter, p *genParams) (int, bool) {
 	n := in.cfg.DefaultMaxTokens
 	if p.MaxCompletionTokens != nil {
@@ -258,14 +281,7 @@ type completionRequest struct {
 
 func (in *Instance) handleCompletions(w http.ResponseWriter, r *http.Request) {
 	var req completionRequest
-	if !readJSON(w, r, &req) {
-		return
-	}
-	lora, ok := in.resolveModel(w, req.Model)
-	if !ok {
-		return
-	}
-	maxTok, ok := in.maxTokens(w, &req.genParams)
+	lora, maxTok, ok := in.readGen(w, r, &req, &req.genParams)
 	if !ok {
 		return
 	}
@@ -286,10 +302,7 @@ func (in *Instance) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		badRequest(w, "too many prompts in one request (max 1024)")
 		return
 	}
-	salt := ""
-	if req.CacheSalt != nil {
-		salt = *req.CacheSalt
-	}
+	salt := req.salt()
 	jobs := make([]*job, 0, len(prompts))
 	for _, p := range prompts {
 		j, ok := in.startJob(w, p, maxTok, lora, salt, tr)
@@ -473,14 +486,7 @@ func (in *Instance) chatTokens(req *chatRequest) ([]uint32, error) {
 
 func (in *Instance) handleChat(w http.ResponseWriter, r *http.Request) {
 	var req chatRequest
-	if !readJSON(w, r, &req) {
-		return
-	}
-	lora, ok := in.resolveModel(w, req.Model)
-	if !ok {
-		return
-	}
-	maxTok, ok := in.maxTokens(w, &req.genParams)
+	lora, maxTok, ok := in.readGen(w, r, &req, &req.genParams)
 	if !ok {
 		return
 	}
@@ -493,10 +499,7 @@ func (in *Instance) handleChat(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	salt := ""
-	if req.CacheSalt != nil {
-		salt = *req.CacheSalt
-	}
+	salt := req.salt()
 	j, ok := in.startJob(w, prompt, maxTok, lora, salt, tr)
 	if !ok {
 		return
