@@ -96,16 +96,7 @@ func BenchmarkEventToIndexLatency(b *testing.B) {
 	}
 	n := &notifier{Index: ix, seen: make(chan uint64, 16)}
 	r := newRig(b, rigOpts{})
-	cfg := consumer.Config{Conn: r.conn(), Pool: r.pool, Applier: n, Stream: r.stream, Bucket: r.bucket, Logger: quietLogger()}
-	c, err := consumer.New(cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(r.ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = c.Run(ctx) }()
-	b.Cleanup(func() { cancel(); <-done })
-	waitFor(b, 20*time.Second, "consumer healthy", c.Healthy)
+	r.runConsumer(consumer.Config{Applier: n})
 
 	tokens := make([]uint32, 16)
 	lat := make([]time.Duration, 0, b.N)

@@ -30,8 +30,6 @@ import (
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
-	"github.com/kvrouter/kvrouter/router/admin"
-	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
@@ -43,26 +41,14 @@ import (
 // router-side consumers. The engine's own cache is the truth every test
 // compares the index with, block for block.
 type simRig struct {
-	t        testing.TB
-	ctx      context.Context
-	ns       *testenv.NATSServer
-	pool     string
-	instance string
-	stream   kvstream.StreamConfig
-	bucket   kvstream.BucketConfig
+	streamRig
 	httpAddr string
-	pubEP    string
-	replayEP string
 	blocks   int // engine GPU blocks
 	rng      *rand.Rand
 
 	engMu sync.Mutex // guards sim: a stale watch reads it while tests restart it
 	sim   *simserver.Instance
 	scr   *scriptEngine // instead of sim, when set
-
-	br           *bridge.Bridge
-	bridgeCancel context.CancelFunc
-	bridgeDone   chan struct{}
 }
 
 const simModel = "sim-model"
@@ -71,13 +57,15 @@ func newSimRig(t testing.TB, blocks int) *simRig {
 	t.Helper()
 	name := testenv.UniqueName(t)
 	return &simRig{
-		t: t, ctx: testenv.Context(t, 3*time.Minute), ns: testenv.StartNATS(t),
-		pool: "pool_" + name, instance: "sim-0",
-		stream:   kvstream.StreamConfig{Name: "EV_" + name},
-		bucket:   kvstream.BucketConfig{Name: "SN_" + name},
+		streamRig: streamRig{
+			t: t, ctx: testenv.Context(t, 3*time.Minute), ns: testenv.StartNATS(t),
+			pool: "pool_" + name, instance: "sim-0",
+			stream:   kvstream.StreamConfig{Name: "EV_" + name},
+			bucket:   kvstream.BucketConfig{Name: "SN_" + name},
+			pubEP:    fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
+			replayEP: fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
+		},
 		httpAddr: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)),
-		pubEP:    fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
-		replayEP: fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
 		blocks:   blocks,
 		rng:      rand.New(rand.NewPCG(uint64(len(name)), 7)),
 	}
@@ -130,44 +118,24 @@ type bridgeOpts struct {
 
 func (r *simRig) startBridge(o bridgeOpts) {
 	r.t.Helper()
-	nc := r.conn()
-	br, err := bridge.New(bridge.Config{
-		Pool: r.pool, Model: simModel, Conn: nc, Stream: r.stream, Bucket: r.bucket,
-		Sources:             []bridge.Source{{Instance: r.instance, Endpoint: r.pubEP, ReplayEndpoint: r.replayEP, URL: r.url()}},
-		MaxBlocks:           o.maxBlocks,
-		HeartbeatInterval:   200 * time.Millisecond,
-		SnapshotInterval:    300 * time.Millisecond,
-		EngineProbeInterval: 200 * time.Millisecond,
-		ReplayTimeout:       2 * time.Second,
-		PublishTimeout:      2 * time.Second,
-		Logger:              quietLogger(),
-	})
-	if err != nil {
-		r.t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(r.ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = br.Run(ctx) }()
-	r.br, r.bridgeCancel, r.bridgeDone = br, cancel, done
-	r.t.Cleanup(r.stopBridge)
+	r.runBridge(simBridgeTimings(bridge.Config{
+		Model:     simModel,
+		Sources:   []bridge.Source{{Instance: r.instance, Endpoint: r.pubEP, ReplayEndpoint: r.replayEP, URL: r.url()}},
+		MaxBlocks: o.maxBlocks,
+	}))
 }
 
-func (r *simRig) stopBridge() {
-	if r.bridgeCancel != nil {
-		r.bridgeCancel()
-		<-r.bridgeDone
-		r.bridgeCancel = nil
-	}
-}
-
-func (r *simRig) conn() *nats.Conn {
-	r.t.Helper()
-	nc, err := nats.Connect(r.ns.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond), nats.RetryOnFailedConnect(true))
-	if err != nil {
-		r.t.Fatalf("nats connect: %v", err)
-	}
-	r.t.Cleanup(nc.Close)
-	return nc
+// simBridgeTimings sets the intervals of the bridges in front of simulated
+// engines: heartbeats, snapshots and engine probes fast enough that a
+// test sees an engine restart or death within a second, replays and
+// publishes given 2s.
+func simBridgeTimings(cfg bridge.Config) bridge.Config {
+	cfg.HeartbeatInterval = 200 * time.Millisecond
+	cfg.SnapshotInterval = 300 * time.Millisecond
+	cfg.EngineProbeInterval = 200 * time.Millisecond
+	cfg.ReplayTimeout = 2 * time.Second
+	cfg.PublishTimeout = 2 * time.Second
+	return cfg
 }
 
 // startRouter runs a router-side consumer into a fresh index.
@@ -180,18 +148,8 @@ func (r *simRig) startRouter() (*consumer.Consumer, *tableApplier, func()) {
 
 func (r *simRig) startRouterInto(a consumer.Applier) (*consumer.Consumer, func()) {
 	r.t.Helper()
-	c, err := consumer.New(consumer.Config{Conn: r.conn(), Pool: r.pool, Applier: a, Stream: r.stream, Bucket: r.bucket,
-		StaleAfter: 3 * time.Second, PurgeAfter: time.Minute, CheckInterval: 100 * time.Millisecond, Logger: quietLogger()})
-	if err != nil {
-		r.t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(r.ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = c.Run(ctx) }()
-	stop := func() { cancel(); <-done }
-	r.t.Cleanup(stop)
-	waitFor(r.t, 20*time.Second, "consumer healthy", c.Healthy)
-	return c, stop
+	return r.runConsumer(consumer.Config{Applier: a,
+		StaleAfter: 3 * time.Second, PurgeAfter: time.Minute, CheckInterval: 100 * time.Millisecond})
 }
 
 // truth is what the engine holds on GPU (nothing while it is dead).
@@ -398,9 +356,9 @@ func testBoundedTable(t *testing.T, engine string) {
 		drive = func() { e.churn(150) }
 	}
 	r.startBridge(bridgeOpts{maxBlocks: blocks})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
 	if r.scr != nil {
-		waitFor(t, 20*time.Second, "bridge subscribed", r.scr.pub.Subscribed)
+		testenv.WaitFor(t, 20*time.Second, "bridge subscribed", r.scr.pub.Subscribed)
 	}
 	rl := &removalLog{tableApplier: newTableApplier(), removed: map[uint64]int{}}
 	_, stop := r.startRouterInto(rl)
@@ -447,7 +405,7 @@ func testBoundedTable(t *testing.T, engine string) {
 	if total < blocks {
 		t.Fatalf("only %d blocks removed: the churn did not churn", total)
 	}
-	waitFor(t, 10*time.Second, "eviction records for every removal", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "eviction records for every removal", func() bool {
 		ec.mu.Lock()
 		defer ec.mu.Unlock()
 		n := 0
@@ -699,7 +657,7 @@ func TestE2EEngineRestartFast(t *testing.T) {
 	r := newSimRig(t, 64)
 	r.startEngine()
 	r.startBridge(bridgeOpts{})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
 	c, a, _ := r.startRouter()
 	r.traffic(30)
 	r.waitIndex(a, "before the restart")
@@ -730,7 +688,7 @@ func TestE2EEngineRestartDuringBackoff(t *testing.T) {
 	r := newSimRig(t, 64)
 	r.startEngine()
 	r.startBridge(bridgeOpts{})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
 	c, a, _ := r.startRouter()
 	r.traffic(30)
 	r.waitIndex(a, "before the kill")
@@ -738,7 +696,7 @@ func TestE2EEngineRestartDuringBackoff(t *testing.T) {
 	w := r.watchStale(c, a)
 	killed := time.Now()
 	r.killEngine()
-	waitFor(t, 15*time.Second, "the router to see the engine down", func() bool {
+	testenv.WaitFor(t, 15*time.Second, "the router to see the engine down", func() bool {
 		st := c.Instances()
 		return len(st) == 1 && st[0].EngineDown && !c.Live(r.instance)
 	})
@@ -750,7 +708,7 @@ func TestE2EEngineRestartDuringBackoff(t *testing.T) {
 	r.traffic(20)
 	subscribed := r.sim.EventsSubscribed()
 	r.waitIndex(a, "after the restart")
-	waitFor(t, 15*time.Second, "instance live again", func() bool { return c.Live(r.instance) })
+	testenv.WaitFor(t, 15*time.Second, "instance live again", func() bool { return c.Live(r.instance) })
 	win := w.window()
 	t.Logf("engine down seen by the router after %v; stale window %v; bridge subscribed before the first batches: %v", down, win, subscribed)
 	if win > staleBound {
@@ -772,7 +730,7 @@ func TestE2EPodRestart(t *testing.T) {
 	r := newSimRig(t, 64)
 	r.startEngine()
 	r.startBridge(bridgeOpts{})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
 	c, a, _ := r.startRouter()
 	r.traffic(30)
 	r.waitIndex(a, "before the pod restart")
@@ -799,7 +757,7 @@ func TestE2EPodRestart(t *testing.T) {
 func TestE2EBridgeBeforeEngine(t *testing.T) {
 	r := newSimRig(t, 64)
 	r.startBridge(bridgeOpts{})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
 	_, a, _ := r.startRouter()
 	time.Sleep(3500 * time.Millisecond) // backoff past 1.6s
 	r.startEngine()
@@ -823,7 +781,7 @@ func TestE2EJetStreamWiped(t *testing.T) {
 	r := newSimRig(t, 64)
 	r.startEngine()
 	r.startBridge(bridgeOpts{})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
 	_, a, stop := r.startRouter()
 	r.traffic(30)
 	r.waitIndex(a, "before the wipe")
@@ -848,7 +806,7 @@ func TestE2EJetStreamWiped(t *testing.T) {
 		t.Fatal(err)
 	}
 	key, _ := kvstream.SnapshotKey(r.pool, r.instance)
-	waitFor(t, 20*time.Second, "stream, bucket, object store and snapshot made again", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "stream, bucket, object store and snapshot made again", func() bool {
 		ctx, cancel := context.WithTimeout(r.ctx, time.Second)
 		defer cancel()
 		if _, err := js.Stream(ctx, r.stream.Name); err != nil {
@@ -868,7 +826,7 @@ func TestE2EJetStreamWiped(t *testing.T) {
 	// rebuilds the engine's blocks.
 	r.stopBridge()
 	r.startBridge(bridgeOpts{})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
 	_, a2, _ := r.startRouter()
 	r.waitIndex(a2, "router after the wipe")
 	r.traffic(10)
@@ -902,7 +860,7 @@ func TestE2EConvergence(t *testing.T) {
 	r := newSimRig(t, 64)
 	r.startEngine()
 	r.startBridge(bridgeOpts{maxBlocks: 64})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
 	c, a, stopRouter := r.startRouter()
 	r.traffic(20)
 	r.waitIndex(a, "start")
@@ -941,7 +899,7 @@ func TestE2EConvergence(t *testing.T) {
 		}
 		// Settle without traffic: safe once the router counts no block
 		// the engine lacks (or does not count the instance at all).
-		waitFor(t, 30*time.Second, op.name+": no stale block counted live", func() bool {
+		testenv.WaitFor(t, 30*time.Second, op.name+": no stale block counted live", func() bool {
 			stale, _ := diff(keys(a.dump(r.instance)), r.truth())
 			return stale == 0 || !c.Live(r.instance)
 		})
@@ -950,7 +908,7 @@ func TestE2EConvergence(t *testing.T) {
 		r.traffic(10)
 		start := time.Now()
 		r.waitIndex(a, fmt.Sprintf("step %d (%s)", i, op.name))
-		waitFor(t, 30*time.Second, "instance live", func() bool { return c.Live(r.instance) })
+		testenv.WaitFor(t, 30*time.Second, "instance live", func() bool { return c.Live(r.instance) })
 		conv := time.Since(start)
 		t.Logf("step %d %-22s stale window %7.3fs, converged %6.3fs after traffic", i, op.name, win.Seconds(), conv.Seconds())
 		wv := worst[op.name]
@@ -989,7 +947,7 @@ func testRouterNoStaleKVMatch(t *testing.T, specTTL time.Duration) {
 	r := newSimRig(t, 256)
 	r.startEngine()
 	r.startBridge(bridgeOpts{})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
 	cfg := config.Config{
 		AdminToken: "adm",
 		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: r.ns.URL(), Stream: r.stream.Name}, Bucket: r.bucket.Name,
@@ -999,20 +957,8 @@ func testRouterNoStaleKVMatch(t *testing.T, specTTL time.Duration) {
 			Health:  config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 			Instances: []config.InstanceConfig{{ID: r.instance, URL: r.url()}}}},
 	}
-	reg := prometheus.NewRegistry()
-	kve, err := kvstate.Start(r.ctx, cfg, kvstate.Options{Registerer: reg, Logger: quietLogger()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(kve.Close)
-	srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rctx, stopRun := context.WithCancel(r.ctx)
-	runDone := make(chan struct{})
-	go func() { defer close(runDone); _ = srv.Run(rctx) }()
-	t.Cleanup(func() { stopRun(); <-runDone })
+	kve, srv := newKVRouter(t, r.ctx, cfg, kvstate.Options{Logger: quietLogger()}, prometheus.NewRegistry())
+	testenv.Go(t, r.ctx, srv.Run)
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(ts.Close)
 	if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
@@ -1038,7 +984,7 @@ func testRouterNoStaleKVMatch(t *testing.T, specTTL time.Duration) {
 	for _, p := range prompts {
 		complete(p)
 	}
-	waitFor(t, 20*time.Second, "the router matching a warm prompt", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the router matching a warm prompt", func() bool {
 		return complete(prompts[0]) == string(router.ReasonKVMatch)
 	})
 
@@ -1059,7 +1005,7 @@ func testRouterNoStaleKVMatch(t *testing.T, specTTL time.Duration) {
 		t.Fatalf("kv_match on a restarted engine's lost blocks %v after the restart", last)
 	}
 	// The prompts sent since are cached again, and matched.
-	waitFor(t, 20*time.Second, "the router matching a prompt cached by the new process", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the router matching a prompt cached by the new process", func() bool {
 		return complete(prompts[len(prompts)-1]) == string(router.ReasonKVMatch)
 	})
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
 // ZMQ publisher → kvbridge → JetStream → consumer → index: stores appear,
@@ -54,7 +55,7 @@ func TestE2EStoresThenRemovals(t *testing.T) {
 			if len(st) != 1 || st[0].Instance != r.instance || st[0].State != consumer.StateLive || st[0].LastSeq != uint64(len(ps)) {
 				t.Fatalf("consumer instances %+v", st)
 			}
-			waitFor(t, 5*time.Second, "a heartbeat", func() bool {
+			testenv.WaitFor(t, 5*time.Second, "a heartbeat", func() bool {
 				hb := c.Instances()[0].Heartbeat
 				return hb != nil && hb.URL == "http://127.0.0.1:18000" && hb.BlockSize == 16 && hb.Model == "fake-model"
 			})
@@ -97,7 +98,7 @@ func TestE2EOutageBufferOverflow(t *testing.T) {
 	r.ns.Shutdown()
 	r.ns.WaitForShutdown()
 	r.publish(ps[5:20]...)
-	waitFor(t, 10*time.Second, "drops", func() bool { return r.stats().Dropped > 0 })
+	testenv.WaitFor(t, 10*time.Second, "drops", func() bool { return r.stats().Dropped > 0 })
 	r.ns = r.ns.Restart(t)
 	r.publish(ps[20:]...)
 
@@ -152,7 +153,7 @@ func TestE2EReplayUnavailable(t *testing.T) {
 			}
 			// The consumer loaded the snapshot after the start-up clear, so
 			// it sees only the gap's clear.
-			waitFor(t, 5*time.Second, "consumer counts the clear", func() bool { return c.Instances()[0].Clears == 1 })
+			testenv.WaitFor(t, 5*time.Second, "consumer counts the clear", func() bool { return c.Instances()[0].Clears == 1 })
 		})
 	}
 }
@@ -168,7 +169,7 @@ func TestE2EEngineRestart(t *testing.T) {
 
 	_ = r.pub.Close()
 	r.startEngine(1)
-	waitFor(t, 20*time.Second, "bridge reconnected", r.pub.Subscribed)
+	testenv.WaitFor(t, 20*time.Second, "bridge reconnected", r.pub.Subscribed)
 	r.publish(ps[:4]...)
 	waitTable(t, a, r.instance, reference(t, ps[:4]...))
 	if s := r.stats(); s.Clears != 2 || s.Gaps != 0 {
@@ -193,7 +194,7 @@ func TestE2ENewPublisher(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = pub.Close() })
 	r.pub = pub
-	waitFor(t, 20*time.Second, "bridge reconnected", r.pub.Subscribed)
+	testenv.WaitFor(t, 20*time.Second, "bridge reconnected", r.pub.Subscribed)
 	r.publish(ps[:4]...)
 	waitTable(t, a, r.instance, reference(t, ps[:4]...))
 	if s := r.stats(); s.Clears != 2 || s.Gaps != 0 {
@@ -251,7 +252,7 @@ func testRouterRestart(t *testing.T, inline int) {
 	waitTable(t, fromBridge, r.instance, want)
 	// The load applies the snapshot's blocks before it records its
 	// position: wait for the record too.
-	waitFor(t, 10*time.Second, "the consumer's status shows the snapshot it loaded", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "the consumer's status shows the snapshot it loaded", func() bool {
 		st := c1.Instances()
 		return len(st) == 1 && st[0].SnapshotSeq != 0
 	})
@@ -296,7 +297,7 @@ func TestE2EMalformedAndUnknown(t *testing.T) {
 
 	want := reference(t, ps[0], unknown, ps[1])
 	waitTable(t, a, r.instance, want)
-	waitFor(t, 5*time.Second, "counters", func() bool {
+	testenv.WaitFor(t, 5*time.Second, "counters", func() bool {
 		st := c.Instances()[0]
 		return st.Malformed == 2 && st.Unknown == 1
 	})
