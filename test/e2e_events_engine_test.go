@@ -152,6 +152,30 @@ func (r *simRig) startRouterInto(a consumer.Applier) (*consumer.Consumer, func()
 		StaleAfter: 3 * time.Second, PurgeAfter: time.Minute, CheckInterval: 100 * time.Millisecond})
 }
 
+// serving starts the engine and its bridge, a router-side consumer into a
+// fresh index, and 30 requests, and waits until the index equals the
+// engine (what names this moment in a failure): where every restart test
+// starts from.
+func (r *simRig) serving(what string) (*consumer.Consumer, *tableApplier, func()) {
+	r.t.Helper()
+	r.startEngine()
+	r.startBridge(bridgeOpts{})
+	testenv.WaitFor(r.t, 20*time.Second, "bridge ready", r.br.Ready)
+	c, a, stop := r.startRouter()
+	r.traffic(30)
+	r.waitIndex(a, what)
+	return c, a, stop
+}
+
+// checkNewRouter starts another router-side consumer into a fresh index
+// and waits until that index equals the engine: a router (re)started now
+// rebuilds every block from the stream and the bridge's snapshot.
+func (r *simRig) checkNewRouter() {
+	r.t.Helper()
+	_, a, _ := r.startRouter()
+	r.waitIndex(a, "router restart")
+}
+
 // truth is what the engine holds on GPU (nothing while it is dead).
 func (r *simRig) truth() map[uint64]bool {
 	out := map[uint64]bool{}
@@ -430,8 +454,7 @@ func testBoundedTable(t *testing.T, engine string) {
 
 	// A router restart rebuilds every block from the snapshot and stream.
 	stop()
-	_, a2, _ := r.startRouter()
-	r.waitIndex(a2, "router restart")
+	r.checkNewRouter()
 	t.Logf("engine %d blocks, %d blocks removed, all in exactly one eviction record", len(r.truth()), total)
 }
 
@@ -655,12 +678,7 @@ const staleBound = 10 * time.Second
 // ends equal to it; a router started afterwards agrees.
 func TestE2EEngineRestartFast(t *testing.T) {
 	r := newSimRig(t, 64)
-	r.startEngine()
-	r.startBridge(bridgeOpts{})
-	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
-	c, a, _ := r.startRouter()
-	r.traffic(30)
-	r.waitIndex(a, "before the restart")
+	c, a, _ := r.serving("before the restart")
 
 	w := r.watchStale(c, a)
 	r.killEngine()
@@ -675,8 +693,7 @@ func TestE2EEngineRestartFast(t *testing.T) {
 	if s := r.br.Stats()[0]; s.Clears < 2 {
 		t.Fatalf("bridge stats %+v: want a restart clear after the resync clear", s)
 	}
-	_, a2, _ := r.startRouter()
-	r.waitIndex(a2, "router restart")
+	r.checkNewRouter()
 }
 
 // The engine dies and stays dead long enough for the bridge's reconnect
@@ -686,12 +703,7 @@ func TestE2EEngineRestartFast(t *testing.T) {
 // index ends equal to the engine.
 func TestE2EEngineRestartDuringBackoff(t *testing.T) {
 	r := newSimRig(t, 64)
-	r.startEngine()
-	r.startBridge(bridgeOpts{})
-	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
-	c, a, _ := r.startRouter()
-	r.traffic(30)
-	r.waitIndex(a, "before the kill")
+	c, a, _ := r.serving("before the kill")
 
 	w := r.watchStale(c, a)
 	killed := time.Now()
@@ -717,8 +729,7 @@ func TestE2EEngineRestartDuringBackoff(t *testing.T) {
 	if subscribed {
 		t.Log("the bridge reconnected before the first batches: the replay of the first messages was not exercised this run")
 	}
-	_, a2, _ := r.startRouter()
-	r.waitIndex(a2, "router restart")
+	r.checkNewRouter()
 }
 
 // A pod restart: engine and bridge both go; the engine comes back first and
@@ -728,12 +739,7 @@ func TestE2EEngineRestartDuringBackoff(t *testing.T) {
 // counts the old blocks live after the new bridge starts.
 func TestE2EPodRestart(t *testing.T) {
 	r := newSimRig(t, 64)
-	r.startEngine()
-	r.startBridge(bridgeOpts{})
-	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
-	c, a, _ := r.startRouter()
-	r.traffic(30)
-	r.waitIndex(a, "before the pod restart")
+	c, a, _ := r.serving("before the pod restart")
 	time.Sleep(500 * time.Millisecond) // a periodic snapshot store (300ms)
 	r.stopBridge()
 	r.killEngine()
@@ -747,8 +753,7 @@ func TestE2EPodRestart(t *testing.T) {
 	if win > staleBound {
 		t.Fatalf("stale blocks counted live for %v", win)
 	}
-	_, a2, _ := r.startRouter()
-	r.waitIndex(a2, "router restart")
+	r.checkNewRouter()
 }
 
 // The bridge starts well before its engine: its reconnect backoff has grown,
@@ -769,8 +774,7 @@ func TestE2EBridgeBeforeEngine(t *testing.T) {
 	if s := r.br.Stats()[0]; early && s.Replays == 0 {
 		t.Fatalf("bridge stats %+v: the early batches were not replayed", s)
 	}
-	_, a2, _ := r.startRouter()
-	r.waitIndex(a2, "router restart")
+	r.checkNewRouter()
 }
 
 // The JetStream store is wiped (NATS restarted on an empty store): the
@@ -779,12 +783,7 @@ func TestE2EBridgeBeforeEngine(t *testing.T) {
 // still know every block the engine holds.
 func TestE2EJetStreamWiped(t *testing.T) {
 	r := newSimRig(t, 64)
-	r.startEngine()
-	r.startBridge(bridgeOpts{})
-	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
-	_, a, stop := r.startRouter()
-	r.traffic(30)
-	r.waitIndex(a, "before the wipe")
+	_, _, stop := r.serving("before the wipe")
 	stop()
 
 	r.ns.Shutdown()

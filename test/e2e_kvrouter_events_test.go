@@ -114,29 +114,28 @@ func (r *kvrRouter) do(method, path string, body any) (*http.Response, []byte) {
 	return resp, b
 }
 
-func (r *kvrRouter) lookup(ids []uint32) admin.KVLookupResponse {
+// adminJSON sends an admin API request and decodes its answer, which must
+// be a 200, into out.
+func (r *kvrRouter) adminJSON(method, path string, body, out any) {
 	r.t.Helper()
-	resp, b := r.do("POST", "/admin/pools/"+r.pool+"/lookup", map[string]any{"token_ids": ids})
+	resp, b := r.do(method, path, body)
 	if resp.StatusCode != 200 {
-		r.t.Fatalf("lookup: %d %s", resp.StatusCode, b)
+		r.t.Fatalf("%s %s: %d %s", method, path, resp.StatusCode, b)
 	}
-	var out admin.KVLookupResponse
-	if err := json.Unmarshal(b, &out); err != nil {
+	if err := json.Unmarshal(b, out); err != nil {
 		r.t.Fatal(err)
 	}
+}
+
+func (r *kvrRouter) lookup(ids []uint32) (out admin.KVLookupResponse) {
+	r.t.Helper()
+	r.adminJSON("POST", "/admin/pools/"+r.pool+"/lookup", map[string]any{"token_ids": ids}, &out)
 	return out
 }
 
-func (r *kvrRouter) instances() admin.KVInstancesResponse {
+func (r *kvrRouter) instances() (out admin.KVInstancesResponse) {
 	r.t.Helper()
-	resp, b := r.do("GET", "/admin/pools/"+r.pool+"/instances", nil)
-	if resp.StatusCode != 200 {
-		r.t.Fatalf("instances: %d %s", resp.StatusCode, b)
-	}
-	var out admin.KVInstancesResponse
-	if err := json.Unmarshal(b, &out); err != nil {
-		r.t.Fatal(err)
-	}
+	r.adminJSON("GET", "/admin/pools/"+r.pool+"/instances", nil, &out)
 	return out
 }
 
