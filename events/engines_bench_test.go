@@ -12,17 +12,7 @@ import (
 // the process's CPU time per op (wall time on a shared machine includes
 // waiting for a core).
 func BenchmarkEngineFormats(b *testing.B) {
-	e := Event{Kind: BlockStored, BlockSize: 16, Medium: "GPU", BlockHashes: make([]uint64, 512), TokenIDs: make([]uint32, 512*16)}
-	x := uint64(0x9e3779b97f4a7c15)
-	for i := range e.BlockHashes {
-		x ^= x << 13
-		x ^= x >> 7
-		x ^= x << 17
-		e.BlockHashes[i] = x
-	}
-	for i := range e.TokenIDs {
-		e.TokenIDs[i] = uint32((uint64(i) * 2654435761) % 128256)
-	}
+	e := longPrompt()
 	batch := Batch{TS: 1, Events: []Event{e}, HasDPRank: true}
 	vllm, err := Encode(nil, batch, EncodingMap)
 	if err != nil {
