@@ -30,19 +30,9 @@ func (r *replica) set(loads ...Load) {
 	r.mu.Unlock()
 }
 
-func connect(t *testing.T, url string) *nats.Conn {
-	t.Helper()
-	nc, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	return nc
-}
-
 func startReplica(t *testing.T, url string, cfg Config) *replica {
 	t.Helper()
-	cfg.Conn = connect(t, url)
+	cfg.Conn = testenv.Connect(t, url)
 	s, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -151,7 +141,7 @@ func TestJoinCatchesUp(t *testing.T) {
 func TestBounds(t *testing.T) {
 	url := testenv.NATSURL(t)
 	pool := testenv.UniqueName(t)
-	watch := connect(t, url)
+	watch := testenv.Connect(t, url)
 	var biggest, total atomic.Int64
 	sub, err := watch.Subscribe(SubjectRoot+"."+pool, func(m *nats.Msg) {
 		total.Add(int64(len(m.Data)))

@@ -98,7 +98,7 @@ func (n *engineNode) stop() {
 // startBridge runs the bridge of the node's format until the test ends.
 func (n *engineNode) startBridge() {
 	n.t.Helper()
-	nc := connect(n.t, n.natsURL, nats.MaxReconnects(-1))
+	nc := testenv.Connect(n.t, n.natsURL, nats.MaxReconnects(-1))
 	src := bridge.Source{Instance: n.id, Endpoint: n.pubEP, ReplayEndpoint: n.replayEP, URL: n.url()}
 	if n.format == simserver.FormatTRTLLM {
 		p, err := bridge.NewTRTLLMPoller(n.ctx, bridge.TRTLLMConfig{EngineURL: n.url(), Interval: 20 * time.Millisecond, Logger: quietLogger()})
@@ -333,7 +333,7 @@ func TestE2EStoresOnlyLMCache(t *testing.T) {
 	r := startEngineRouter(t, ctx, ns.URL(), pool, stream.Name, bucket.Name,
 		[]config.InstanceConfig{{ID: inst, URL: "http://127.0.0.1:1"}}, 16)
 
-	nc := connect(t, ns.URL(), nats.MaxReconnects(-1))
+	nc := testenv.Connect(t, ns.URL(), nats.MaxReconnects(-1))
 	const lifetime = 2 * time.Second
 	br, _ := runBridge(t, ctx, bridge.Config{
 		Pool: pool, Model: engModel, Conn: nc, Stream: stream, Bucket: bucket,
@@ -436,7 +436,7 @@ func TestE2ESGLangAttentionDPRanks(t *testing.T) {
 			ReplayEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", replayBase+rk)})
 	}
 	r := startEngineRouter(t, ctx, ns.URL(), pool, stream.Name, bucket.Name, insts, 0)
-	nc := connect(t, ns.URL(), nats.MaxReconnects(-1))
+	nc := testenv.Connect(t, ns.URL(), nats.MaxReconnects(-1))
 	runBridge(t, ctx, bridge.Config{Pool: pool, Model: engModel, Conn: nc, Stream: stream, Bucket: bucket, Sources: srcs,
 		HeartbeatInterval: 200 * time.Millisecond, SnapshotInterval: 300 * time.Millisecond, EngineProbeInterval: -1,
 		ReplayTimeout: time.Second, PublishTimeout: 2 * time.Second})

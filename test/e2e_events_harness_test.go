@@ -172,23 +172,12 @@ type streamRig struct {
 // conn connects to the rig's NATS server, reconnecting forever.
 func (r *streamRig) conn() *nats.Conn {
 	r.t.Helper()
-	return connect(r.t, r.ns.URL(), reconnectForever...)
+	return testenv.Connect(r.t, r.ns.URL(), reconnectForever...)
 }
 
 // reconnectForever are the options of a connection that outlives NATS
 // restarts: it retries its first connect and every reconnect, 50ms apart.
 var reconnectForever = []nats.Option{nats.MaxReconnects(-1), nats.ReconnectWait(50 * time.Millisecond), nats.RetryOnFailedConnect(true)}
-
-// connect connects to NATS at url, closed when the test ends.
-func connect(t testing.TB, url string, opts ...nats.Option) *nats.Conn {
-	t.Helper()
-	nc, err := nats.Connect(url, opts...)
-	if err != nil {
-		t.Fatalf("nats connect: %v", err)
-	}
-	t.Cleanup(nc.Close)
-	return nc
-}
 
 // runBridge runs a bridge on cfg, given the rig's pool, connection,
 // stream and bucket (and a quiet logger unless cfg names one), until the

@@ -57,7 +57,7 @@ func newHostileRig(t *testing.T, mutate func(*config.Config)) *hostileRig {
 	if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
 		t.Fatal(err)
 	}
-	nc := connect(t, ns.URL())
+	nc := testenv.Connect(t, ns.URL())
 	return &hostileRig{t: t, nc: nc, pool: pool, kve: kve, srv: srv, reg: reg, logs: logs}
 }
 
@@ -329,7 +329,7 @@ func readyRig(t *testing.T, delay, readyTimeout time.Duration) (readyz string, b
 	name := testenv.UniqueName(t)
 	pool := "p_" + name
 	ns := testenv.StartNATS(t)
-	nc := connect(t, ns.URL())
+	nc := testenv.Connect(t, ns.URL())
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)

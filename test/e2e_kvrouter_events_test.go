@@ -45,7 +45,7 @@ func startKVREngine(t *testing.T, ctx context.Context, natsURL, pool, instance, 
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = pub.Close() }) // after the bridge and its connection (cleanups run last first)
-	nc := connect(t, natsURL, reconnectForever...)
+	nc := testenv.Connect(t, natsURL, reconnectForever...)
 	_, stop := runBridge(t, ctx, bridge.Config{Pool: pool, Model: kvrModel, BlockSize: 16, Conn: nc,
 		Sources: []bridge.Source{{Instance: instance, Endpoint: ep, ReplayEndpoint: rep, URL: url}},
 		Stream:  kvstream.StreamConfig{Name: stream}, Bucket: kvstream.BucketConfig{Name: bucket},

@@ -70,11 +70,7 @@ type env struct {
 
 func newEnv(t *testing.T) *env {
 	ctx := testenv.Context(t, time.Minute)
-	nc, err := nats.Connect(testenv.NATSURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := testenv.Connect(t, testenv.NATSURL(t))
 	js, _ := jetstream.New(nc)
 	name := testenv.UniqueName(t)
 	e := &env{t: t, ctx: ctx, nc: nc, js: js, pool: "p_" + name}

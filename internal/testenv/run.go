@@ -4,6 +4,8 @@ import (
 	"context"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
 )
 
 // Go runs run in a goroutine the test owns, on a context derived from ctx.
@@ -33,4 +35,16 @@ func WaitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// Connect connects to the NATS server at url with opts, and closes the
+// connection when the test ends.
+func Connect(t testing.TB, url string, opts ...nats.Option) *nats.Conn {
+	t.Helper()
+	nc, err := nats.Connect(url, opts...)
+	if err != nil {
+		t.Fatalf("nats connect %s: %v", url, err)
+	}
+	t.Cleanup(nc.Close)
+	return nc
 }
