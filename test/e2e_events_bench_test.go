@@ -10,6 +10,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
@@ -21,7 +22,7 @@ import (
 // wall-time rates it reports the CPU time of the whole process (engine
 // publisher, bridge and NATS server) per batch.
 func BenchmarkBridgeThroughput(b *testing.B) {
-	ps := capturedPayloads(b, "array.jsonl")
+	ps := eventstest.CapturedPayloads(b, "array.jsonl")
 	blocks := 0
 	for _, p := range ps {
 		bt, err := events.Decode(p)

@@ -8,6 +8,7 @@ import (
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
+	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
@@ -15,7 +16,7 @@ import (
 // Two data-parallel ranks, each its own publisher with its own seq (the
 // captured dp run: both start at 1), bridged as two instances.
 func TestE2EDataParallelRanks(t *testing.T) {
-	ps := capturedPayloads(t, "dp.array.jsonl")
+	ps := eventstest.CapturedPayloads(t, "dp.array.jsonl")
 	if len(ps) != 2 {
 		t.Fatalf("dp capture has %d messages, want one per rank", len(ps))
 	}

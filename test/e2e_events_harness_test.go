@@ -1,10 +1,7 @@
 package test
 
 import (
-	"bufio"
 	"context"
-	"encoding/base64"
-	"encoding/json"
 	"fmt"
 	"github.com/prometheus/client_golang/prometheus"
 	"log/slog"
@@ -29,37 +26,6 @@ import (
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 )
-
-// capturedPayloads returns the msgpack payloads of a capture file: real
-// llm-d-inference-sim messages (events/testdata/captured/DATA.md).
-func capturedPayloads(t testing.TB, name string) [][]byte {
-	t.Helper()
-	f, err := os.Open("../events/testdata/captured/" + name)
-	if err != nil {
-		t.Fatalf("captures: %v", err)
-	}
-	defer f.Close()
-	var out [][]byte
-	s := bufio.NewScanner(f)
-	s.Buffer(make([]byte, 1<<20), 1<<20)
-	for s.Scan() {
-		var line struct {
-			Payload string `json:"payload_b64"`
-		}
-		if err := json.Unmarshal(s.Bytes(), &line); err != nil {
-			t.Fatal(err)
-		}
-		p, err := base64.StdEncoding.DecodeString(line.Payload)
-		if err != nil {
-			t.Fatal(err)
-		}
-		out = append(out, p)
-	}
-	if len(out) == 0 {
-		t.Fatalf("captures: %s is empty", name)
-	}
-	return out
-}
 
 // tableApplier is an index that keeps, per instance, exactly the engine's
 // block table (bridge.Table), so tests can compare what a consumer built

@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tiers"
@@ -40,7 +41,7 @@ func TestE2EIndexLookup(t *testing.T) {
 	}
 	for _, be := range backends {
 		t.Run(be.name, func(t *testing.T) {
-			ps := capturedPayloads(t, "array.jsonl")
+			ps := eventstest.CapturedPayloads(t, "array.jsonl")
 			first, err := events.Decode(ps[0])
 			if err != nil {
 				t.Fatal(err)
@@ -107,7 +108,7 @@ func TestE2EIndexLookup(t *testing.T) {
 // stopped (the capture evicts parents before children, so this also checks
 // that such children survive a snapshot).
 func TestE2EIndexRouterRestart(t *testing.T) {
-	ps := capturedPayloads(t, "map.jsonl")
+	ps := eventstest.CapturedPayloads(t, "map.jsonl")
 	r := newRig(t, rigOpts{maxMsgs: 4})
 	run := func(ix kvindex.Index) *consumer.Consumer {
 		c, _ := r.runConsumer(consumer.Config{Applier: ix})
