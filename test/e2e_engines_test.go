@@ -161,14 +161,7 @@ func newEngineFleet(t *testing.T, formats ...string) *engineFleet {
 		n.startBridge()
 	}
 	for _, n := range f.nodes {
-		testenv.WaitFor(t, 20*time.Second, n.id+" live", func() bool {
-			for _, in := range f.r.instances().Instances {
-				if in.Instance == n.id {
-					return in.State == "live"
-				}
-			}
-			return false
-		})
+		f.r.waitLive(n.id, 20*time.Second)
 	}
 	return f
 }

@@ -139,6 +139,20 @@ func (r *kvrRouter) instances() (out admin.KVInstancesResponse) {
 	return out
 }
 
+// waitLive waits until the admin API lists instance id as live: its
+// bridge's heartbeats reach the router.
+func (r *kvrRouter) waitLive(id string, within time.Duration) {
+	r.t.Helper()
+	testenv.WaitFor(r.t, within, id+" live", func() bool {
+		for _, in := range r.instances().Instances {
+			if in.Instance == id {
+				return in.State == "live"
+			}
+		}
+		return false
+	})
+}
+
 // complete routes a /v1/completions request with token ids.
 func (r *kvrRouter) complete(ids []uint32) (instance, reason string) {
 	r.t.Helper()
@@ -251,14 +265,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	}
 
 	eng := startKVREngine(t, ctx, ns.URL(), pool, "vllm-1", ups[1].URL, stream, bucket)
-	testenv.WaitFor(t, 15*time.Second, "vllm-1 live", func() bool {
-		for _, in := range r.instances().Instances {
-			if in.Instance == "vllm-1" {
-				return in.State == "live"
-			}
-		}
-		return false
-	})
+	r.waitLive("vllm-1", 15*time.Second)
 	// A pool the router does not serve is a 404, not an empty stream.
 	unknown, _ := http.NewRequestWithContext(ctx, "GET", ts.URL+"/v1/kv/evictions?pool=no-such-pool", nil)
 	unknown.Header.Set("Authorization", "Bearer adm")
@@ -397,15 +404,8 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	// A bridge naming a configured engine (same URL) differently adds no
 	// second candidate for it.
 	alias := startKVREngine(t, ctx, ns.URL(), pool, "alias-of-0", ups[0].URL, stream, bucket)
-	testenv.WaitFor(t, 15*time.Second, "the alias's heartbeat", func() bool {
-		for _, in := range r.instances().Instances {
-			if in.Instance == "alias-of-0" {
-				return in.State == "live"
-			}
-		}
-		return false
-	})
-	time.Sleep(300 * time.Millisecond) // three discovery rounds
+	r.waitLive("alias-of-0", 15*time.Second) // its heartbeat arrived
+	time.Sleep(300 * time.Millisecond)       // three discovery rounds
 	if inPool("alias-of-0") {
 		t.Fatal("a heartbeat with a configured instance's URL became a second candidate")
 	}
