@@ -2,7 +2,8 @@ package events
 
 import (
 	"testing"
-	"time"
+
+	"github.com/kvrouter/kvrouter/internal/cputime"
 )
 
 // BenchmarkEngineFormats reads one 8,192-token prompt (512 blocks of 16) as
@@ -46,7 +47,7 @@ func BenchmarkEngineFormats(b *testing.B) {
 		b.Run(c.name, func(b *testing.B) {
 			b.ReportAllocs()
 			b.SetBytes(int64(len(c.p)))
-			cpu0 := processCPU()
+			reportCPU := cputime.Report(b)
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
 				if err := c.run(c.p); err != nil {
@@ -54,7 +55,7 @@ func BenchmarkEngineFormats(b *testing.B) {
 				}
 			}
 			b.StopTimer()
-			b.ReportMetric(float64((processCPU()-cpu0)/time.Nanosecond)/float64(b.N), "cpu-ns/op")
+			reportCPU(b.N)
 			b.ReportMetric(512*float64(b.N)/b.Elapsed().Seconds(), "blocks/s")
 		})
 	}
