@@ -2,6 +2,8 @@ package testenv
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"net"
 	"strings"
@@ -134,5 +136,27 @@ func TestWaitForPollsUntilTrue(t *testing.T) {
 	WaitFor(t, 5*time.Second, "the third poll", func() bool { n++; return n == 3 })
 	if n != 3 {
 		t.Fatalf("cond polled %d times, want 3", n)
+	}
+}
+
+// A certificate the CA issues verifies against the CA, for the use it was
+// issued for.
+func TestCAIssueVerifies(t *testing.T) {
+	ca := NewCA(t, "ca")
+	roots := x509.NewCertPool()
+	roots.AddCert(ca.Cert)
+	for _, server := range []bool{true, false} {
+		certPEM, keyPEM := ca.Issue(t, "leaf", 2, server)
+		pair, err := tls.X509KeyPair(certPEM, keyPEM)
+		if err != nil {
+			t.Fatal(err)
+		}
+		use, name := x509.ExtKeyUsageClientAuth, ""
+		if server {
+			use, name = x509.ExtKeyUsageServerAuth, "127.0.0.1"
+		}
+		if _, err := pair.Leaf.Verify(x509.VerifyOptions{Roots: roots, DNSName: name, KeyUsages: []x509.ExtKeyUsage{use}}); err != nil {
+			t.Errorf("server=%v: %v", server, err)
+		}
 	}
 }
