@@ -160,3 +160,18 @@ func TestCAIssueVerifies(t *testing.T) {
 		}
 	}
 }
+
+// SelfSigned's files make a key pair its pool trusts, for 127.0.0.1, as a
+// server and as a client.
+func TestSelfSignedTrusted(t *testing.T) {
+	certFile, keyFile, roots := SelfSigned(t, t.TempDir())
+	pair, err := tls.LoadX509KeyPair(certFile, keyFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, use := range []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth} {
+		if _, err := pair.Leaf.Verify(x509.VerifyOptions{Roots: roots, DNSName: "127.0.0.1", KeyUsages: []x509.ExtKeyUsage{use}}); err != nil {
+			t.Errorf("usage %v: %v", use, err)
+		}
+	}
+}
