@@ -63,28 +63,15 @@ func (n *engineNode) url() string { return "http://" + n.addr }
 
 func (n *engineNode) start() {
 	n.t.Helper()
-	var s *simserver.Instance
-	var err error
-	for try := 0; ; try++ {
-		s, err = simserver.Start(n.ctx, simserver.Config{
-			Engine:    sim.Config{Model: engModel, GPUBlocks: 40, HashSeed: uint64(len(n.id))},
-			Listen:    n.addr,
-			TimeScale: 50,
-			Logger:    quietLogger(),
-			Events:    simserver.EventsConfig{Endpoint: n.pubEP, ReplayEndpoint: n.replayEP, Format: n.format},
-		})
-		if err == nil || try == 50 {
-			break
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	if err != nil {
-		n.t.Fatalf("kvsim %s: %v", n.id, err)
-	}
+	s := startSim(n.t, n.ctx, simserver.Config{
+		Engine:    sim.Config{Model: engModel, GPUBlocks: 40, HashSeed: uint64(len(n.id))},
+		Listen:    n.addr,
+		TimeScale: 50,
+		Events:    simserver.EventsConfig{Endpoint: n.pubEP, ReplayEndpoint: n.replayEP, Format: n.format},
+	})
 	n.mu.Lock()
 	n.sim = s
 	n.mu.Unlock()
-	n.t.Cleanup(func() { _ = s.Close() })
 }
 
 func (n *engineNode) stop() {

@@ -78,28 +78,38 @@ func (r *simRig) url() string { return "http://" + r.httpAddr }
 // time).
 func (r *simRig) startEngine() {
 	r.t.Helper()
-	var s *simserver.Instance
-	var err error
-	for try := 0; ; try++ {
-		s, err = simserver.Start(r.ctx, simserver.Config{
-			Engine:    sim.Config{Model: simModel, GPUBlocks: r.blocks, HashSeed: 3},
-			Listen:    r.httpAddr,
-			TimeScale: 50,
-			Logger:    quietLogger(),
-			Events:    simserver.EventsConfig{Endpoint: r.pubEP, ReplayEndpoint: r.replayEP},
-		})
-		if err == nil || try == 50 {
-			break
-		}
-		time.Sleep(100 * time.Millisecond) // the killed one's ports are still closing
-	}
-	if err != nil {
-		r.t.Fatalf("kvsim: %v", err)
-	}
+	s := startSim(r.t, r.ctx, simserver.Config{
+		Engine:    sim.Config{Model: simModel, GPUBlocks: r.blocks, HashSeed: 3},
+		Listen:    r.httpAddr,
+		TimeScale: 50,
+		Events:    simserver.EventsConfig{Endpoint: r.pubEP, ReplayEndpoint: r.replayEP},
+	})
 	r.engMu.Lock()
 	r.sim = s
 	r.engMu.Unlock()
-	r.t.Cleanup(func() { _ = s.Close() })
+}
+
+// startSim starts a kvsim instance on cfg (a quiet logger unless cfg names
+// one), closed when the test ends. It tries for 5s: an instance started
+// again at a killed one's fixed addresses waits for their ports to close.
+func startSim(t testing.TB, ctx context.Context, cfg simserver.Config) *simserver.Instance {
+	t.Helper()
+	if cfg.Logger == nil {
+		cfg.Logger = quietLogger()
+	}
+	var s *simserver.Instance
+	var err error
+	for try := 0; ; try++ {
+		if s, err = simserver.Start(ctx, cfg); err == nil || try == 50 {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatalf("kvsim %s: %v", cfg.Listen, err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	return s
 }
 
 // killEngine stops the engine at once: its sockets close, its cache is gone.
