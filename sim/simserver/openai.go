@@ -597,8 +597,13 @@ func (in *Instance) handleLoadLoRA(w http.ResponseWriter, r *http.Request) {
 		apiError(w, http.StatusBadRequest, "InvalidUserInput", fmt.Sprintf("The lora adapter '%s' has already been loaded.", req.Name))
 		return
 	}
+	loraDone(w, req.Name, "added")
+}
+
+// loraDone answers a LoRA load or unload as vLLM does: plain text.
+func loraDone(w http.ResponseWriter, name, done string) {
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-	fmt.Fprintf(w, "Success: LoRA adapter '%s' added successfully.", req.Name)
+	fmt.Fprintf(w, "Success: LoRA adapter '%s' %s successfully.", name, done)
 }
 
 func (in *Instance) handleUnloadLoRA(w http.ResponseWriter, r *http.Request) {
@@ -612,8 +617,7 @@ func (in *Instance) handleUnloadLoRA(w http.ResponseWriter, r *http.Request) {
 		apiError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("The lora adapter '%s' cannot be found.", req.Name))
 		return
 	}
-	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-	fmt.Fprintf(w, "Success: LoRA adapter '%s' removed successfully.", req.Name)
+	loraDone(w, req.Name, "removed")
 }
 
 // handleTokenize serves vLLM's /tokenize: {prompt} or {messages}, answering
