@@ -34,7 +34,7 @@ type LimitsConfig struct {
 	// IdleTimeout closes keep-alive connections idle this long. Default 2m.
 	IdleTimeout time.Duration `yaml:"idle_timeout" json:"idle_timeout,omitempty"`
 	// MaxBodyMemoryBytes bounds the memory all request bodies in progress
-	// hold together (router/body.go): past it a request is answered 503
+	// hold together (router/httpapi/body.go): past it a request is answered 503
 	// with Retry-After rather than read. Default 128 MiB, or 4 x
 	// max_body_bytes when that is larger; at least 3 x max_body_bytes (a
 	// body of the limit read without a Content-Length briefly needs twice

@@ -53,6 +53,8 @@ var overlays = []overlay{
 	{dir: "kubernetes/overlays/dev", namespace: "kvrouter-dev", minRouters: 1, natsNodes: 1, engine: "kvsim", monitoring: true},
 	{dir: "kubernetes/overlays/production", namespace: "kvrouter", minRouters: 3, natsNodes: 3, engine: "vllm", redis: true,
 		externalSecrets: []string{"kvrouter-admin", "kvrouter-redis"}, production: true, monitoring: true, replicaSync: true},
+	{dir: "kubernetes/overlays/production-redis-cluster", namespace: "kvrouter", minRouters: 3, natsNodes: 3, engine: "vllm", redis: true,
+		externalSecrets: []string{"kvrouter-admin", "kvrouter-redis"}, production: true, monitoring: true, replicaSync: true},
 }
 
 // vllmKVEventsConfig is the engine flag value of ARCHITECTURE "vLLM KV
@@ -103,7 +105,7 @@ func checkBundle(t *testing.T, b *bundle, ov overlay) {
 // TestBaseRenders: the base alone decodes strictly too (it is what other
 // overlays, including users' own, start from).
 func TestBaseRenders(t *testing.T) {
-	for _, dir := range []string{"kubernetes/base", "kubernetes/nats", "kubernetes/redis", "kubernetes/vllm", "kubernetes/kvsim"} {
+	for _, dir := range []string{"kubernetes/base", "kubernetes/nats", "kubernetes/redis", "kubernetes/redis-cluster", "kubernetes/vllm", "kubernetes/kvsim"} {
 		b := render(t, dir)
 		if len(b.objects) == 0 {
 			t.Errorf("%s: nothing rendered", dir)
@@ -954,15 +956,77 @@ func checkRedis(t *testing.T, b *bundle, cfg config.Config) {
 		}
 		return ""
 	}
-	rd, ok := b.deployments["redis"]
-	if !ok {
-		t.Fatal("no Deployment redis")
+	var rs *corev1.Container
+	where := "Deployment/redis"
+	if cfg.Index.Redis.Cluster {
+		rs, where = checkRedisCluster(t, b, cfg.Index.Redis), "StatefulSet/redis-cluster"
+	} else {
+		rd, ok := b.deployments["redis"]
+		if !ok {
+			t.Fatal("no Deployment redis")
+		}
+		rs = &rd.Spec.Template.Spec.Containers[0]
 	}
-	rs := &rd.Spec.Template.Spec.Containers[0]
 	if got, want := ref(rc, "KVROUTER_REDIS_PASSWORD"), ref(rs, "REDIS_PASSWORD"); got == "" || got != want {
 		t.Errorf("router password from %q, Redis from %q: want the same Secret key", got, want)
 	}
 	// The kubelet expands $(REDIS_PASSWORD) in args; the router reads the
 	// same Secret key.
-	checkRedisACL(t, "Deployment/redis", rs.Args, cfg.Index.Redis, "$(REDIS_PASSWORD)")
+	checkRedisACL(t, where, rs.Args, cfg.Index.Redis, "$(REDIS_PASSWORD)")
+}
+
+// checkRedisCluster: the index on a Redis Cluster names every node of the
+// StatefulSet as a seed; the nodes run in cluster mode with their node
+// file on a volume that outlives the pod, announce their stable DNS names,
+// replicate with a user of their own; the create Job joins exactly those
+// nodes, three masters with one replica each. Returns the Redis container.
+func checkRedisCluster(t *testing.T, b *bundle, rc *config.RedisConfig) *corev1.Container {
+	t.Helper()
+	sts, ok := b.statefulSets["redis-cluster"]
+	if !ok {
+		t.Fatal("index.redis.cluster: no StatefulSet redis-cluster")
+	}
+	n := int(derefReplicas(sts.Spec.Replicas))
+	if n != 6 {
+		t.Errorf("StatefulSet/redis-cluster: %d pods, want 6 (3 masters, 3 replicas)", n)
+	}
+	var want []string
+	for i := range n {
+		want = append(want, fmt.Sprintf("redis-cluster-%d.%s:6379", i, sts.Spec.ServiceName))
+	}
+	if !slices.Equal(rc.Addrs, want) {
+		t.Errorf("index.redis.addrs %v, want every node %v", rc.Addrs, want)
+	}
+	c := &sts.Spec.Template.Spec.Containers[0]
+	arg := func(name string) string { return mustRedisArg(t, c.Args, name) }
+	if arg("cluster-enabled") != "yes" {
+		t.Error("StatefulSet/redis-cluster: not --cluster-enabled yes")
+	}
+	nodes := arg("cluster-config-file")
+	if !slices.ContainsFunc(c.VolumeMounts, func(m corev1.VolumeMount) bool {
+		return strings.HasPrefix(nodes, m.MountPath+"/") && slices.ContainsFunc(sts.Spec.VolumeClaimTemplates, func(v corev1.PersistentVolumeClaim) bool { return v.Name == m.Name })
+	}) {
+		t.Errorf("StatefulSet/redis-cluster: node file %s is not on a volume claim (a restarted pod would rejoin as a stranger)", nodes)
+	}
+	if got := arg("cluster-announce-hostname"); got != "$(POD_NAME)."+sts.Spec.ServiceName {
+		t.Errorf("StatefulSet/redis-cluster: announces %q, want its stable DNS name", got)
+	}
+	users := redisUsers(c.Args)
+	if u := arg("masteruser"); !users[u].on || u == rc.Username {
+		t.Errorf("StatefulSet/redis-cluster: replicas authenticate as %q: want an enabled user other than the routers'", u)
+	}
+	job, ok := b.jobs["redis-cluster-create"]
+	if !ok {
+		t.Fatal("no Job redis-cluster-create")
+	}
+	script := strings.Join(job.Spec.Template.Spec.Containers[0].Args, " ")
+	for _, a := range want {
+		if !strings.Contains(script, a) {
+			t.Errorf("Job/redis-cluster-create does not join %s", a)
+		}
+	}
+	if !strings.Contains(script, "--cluster-replicas 1") {
+		t.Error("Job/redis-cluster-create: not --cluster-replicas 1")
+	}
+	return c
 }

@@ -155,7 +155,7 @@ func TestMetricNamesScanned(t *testing.T) {
 	// A few names from each exporting package, so a broken scanner cannot
 	// let every dashboard and alert check pass vacuously.
 	for _, n := range []string{
-		"kvrouter_requests_total", "kvrouter_overflows_total", "kvrouter_instance_healthy", // router/metrics.go
+		"kvrouter_requests_total", "kvrouter_overflows_total", "kvrouter_instance_healthy", // router/httpapi/metrics.go
 		"kvrouter_kv_decisions_total",        // router/kvaware/kvaware_metrics.go
 		"kvrouter_events_lag_seconds",        // events/consumer/metrics.go
 		"kvbridge_gaps_total",                // events/bridge/metrics.go

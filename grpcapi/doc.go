@@ -3,8 +3,8 @@
 // reflection services, and an Envoy external-processing server that acts as
 // a Gateway API Inference Extension endpoint picker.
 //
-// It is separate from package router because it depends on router (pools,
-// strategies, the KV index) while router must not depend on gRPC or Envoy's
-// API types: the HTTP data plane stays free of those modules, and a binary
-// that does not serve gRPC does not link them.
+// It is an edge beside router/httpapi, over the same core (router.Table's
+// Resolve, the pools' strategies) and the KV index: the core and the HTTP
+// data plane stay free of gRPC and Envoy's API types, and a binary that
+// does not serve gRPC does not link them.
 package grpcapi

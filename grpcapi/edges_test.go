@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 )
 
 // resolved is what every edge must agree on about one request.
@@ -39,7 +40,7 @@ func summarise(req *router.Request, p *router.Pool, err error) resolved {
 }
 
 // TestEdgesResolveAlike runs a table of inbound requests through the three
-// edges' front halves — the HTTP data plane (router.HTTPInbound), Envoy's
+// edges' front halves — the HTTP data plane (httpapi.HTTPInbound), Envoy's
 // ext_proc (extProc.inbound) and gRPC Router.Pick (router.CompletionsInbound)
 // — and Resolve, asserting each edge yields the same Request (pool, model,
 // adapter, tenant, routing text, token ids, tokenize limit) or the same
@@ -52,9 +53,9 @@ func TestEdgesResolveAlike(t *testing.T) {
 			Instances: []config.InstanceConfig{{ID: name + "-0", URL: "http://10.0.0.1:8000"}}}
 	}
 	limits := config.LimitsConfig{MaxMessages: 2, MaxPromptTokenIDs: 8, MaxTokenizeBytes: 1024}
-	newServers := func(defaultPool string) (*router.Server, *extProc) {
-		rs, err := router.NewServer(config.Config{Pools: []config.PoolConfig{mk("a", "model-a"), mk("b", "model-b")}, Limits: limits, DefaultPool: defaultPool},
-			router.Options{Logger: slog.New(slog.DiscardHandler)})
+	newServers := func(defaultPool string) (*httpapi.Server, *extProc) {
+		rs, err := httpapi.NewServer(config.Config{Pools: []config.PoolConfig{mk("a", "model-a"), mk("b", "model-b")}, Limits: limits, DefaultPool: defaultPool},
+			httpapi.Options{Logger: slog.New(slog.DiscardHandler)})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -137,7 +138,7 @@ func TestEdgesResolveAlike(t *testing.T) {
 			if tc.adapter != "" {
 				hr.Header.Set(router.HeaderAdapter, tc.adapter)
 			}
-			in := router.HTTPInbound(ep, hr)
+			in := httpapi.HTTPInbound(ep, hr)
 			in.Body = []byte(tc.body)
 			viaHTTP := summarise(rs.Resolve(in))
 			// ext_proc: Envoy's headers, lower-cased; the pool header is

@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 )
 
 // newFuzzPicker builds an endpoint picker over a router whose instances
@@ -28,7 +29,7 @@ func newFuzzPicker(tb testing.TB, ep ExtProcConfig) (*extProc, map[string]bool) 
 		}
 		pools = append(pools, cfg)
 	}
-	rs, err := router.NewServer(config.Config{Pools: pools}, router.Options{Logger: slog.New(slog.DiscardHandler)})
+	rs, err := httpapi.NewServer(config.Config{Pools: pools}, httpapi.Options{Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		tb.Fatal(err)
 	}

@@ -18,9 +18,13 @@ import (
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
+
+// The HTTP data plane's server is what cmd/kvrouter gives the gRPC services.
+var _ grpcapi.Pools = (*httpapi.Server)(nil)
 
 const (
 	kvModel   = "llama-grpc"
@@ -33,7 +37,7 @@ const (
 // gRPC on a loopback listener.
 type harness struct {
 	t     testing.TB
-	srv   *router.Server
+	srv   *httpapi.Server
 	idx   *kvindex.Memory
 	ups   map[string]*routertest.Upstream // by instance id
 	api   *grpcapi.Server
@@ -72,7 +76,7 @@ func newHarness(t testing.TB, opts ...harnessOpt) *harness {
 	for _, o := range opts {
 		o(&rcfg, &gcfg)
 	}
-	h.srv, err = router.NewServer(rcfg, router.Options{
+	h.srv, err = httpapi.NewServer(rcfg, httpapi.Options{
 		Logger: slog.New(slog.DiscardHandler),
 		KV: kvaware.NewSource(func(p config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			if p.Name == "kv" {

@@ -34,17 +34,15 @@ import (
 var ErrInvalidConfig = errors.New("grpcapi: invalid config")
 
 // Pools is what the gRPC services need of the router: its current pools.
-// *router.Server implements it; the pools it returns are routed with their
+// *httpapi.Server implements it; the pools it returns are routed with their
 // own current strategy, so a runtime strategy switch applies here too.
 type Pools interface {
 	Pools() []*router.Pool
 	Pool(name string) (*router.Pool, bool)
 	// Resolve turns an inbound request into a routed Request, as the
-	// HTTP data plane does (router.Server.Resolve).
+	// HTTP data plane does (router.Table.Resolve).
 	Resolve(router.Inbound) (*router.Request, *router.Pool, error)
 }
-
-var _ Pools = (*router.Server)(nil)
 
 // Config configures the gRPC services. The zero value is usable: no token,
 // plaintext, Events.Watch unavailable, no load shedding.

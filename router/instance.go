@@ -85,10 +85,10 @@ func (i *Instance) SetHealthy(ok bool) {
 	i.streakMu.Unlock()
 }
 
-// observeProbe records one health-probe result: unhealthyAfter consecutive
+// ObserveProbe records one health-probe result: unhealthyAfter consecutive
 // failures eject a healthy instance, healthyAfter consecutive successes
 // re-admit an ejected one. It reports whether the state changed.
-func (i *Instance) observeProbe(ok bool, unhealthyAfter, healthyAfter int) (changed bool) {
+func (i *Instance) ObserveProbe(ok bool, unhealthyAfter, healthyAfter int) (changed bool) {
 	i.streakMu.Lock()
 	defer i.streakMu.Unlock()
 	if ok {

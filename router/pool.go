@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router/flowcontrol"
 )
 
 // Pool is one model deployment: its instances and its current routing.
@@ -75,6 +76,15 @@ func (p *Pool) Config() config.PoolConfig { return p.cfg }
 
 // Instances lists the pool's instances in configuration order.
 func (p *Pool) Instances() []*Instance { return slices.Clone(p.instances) }
+
+// Queue is the pool's admission queue and its configuration; nil, nil
+// when flow control is off.
+func (p *Pool) Queue() (*flowcontrol.Gate, *config.FlowControlConfig) {
+	if p.flow == nil {
+		return nil, nil
+	}
+	return p.flow.gate, &p.flow.cfg
+}
 
 // Routing returns the current routing config and strategy.
 func (p *Pool) Routing() (config.RoutingConfig, Strategy) {

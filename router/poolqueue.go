@@ -81,3 +81,23 @@ func (f *flowControl) limits() (int, int64) {
 	}
 	return conc, 0
 }
+
+// QueueStatus is GET /admin/pools/{pool}/queue: whether flow control is on
+// and, when it is, the queue's state.
+type QueueStatus struct {
+	Pool    string                    `json:"pool"`
+	Enabled bool                      `json:"enabled"`
+	Config  *config.FlowControlConfig `json:"config,omitempty"`
+	Queue   *flowcontrol.Stats        `json:"queue,omitempty"`
+}
+
+// QueueStatus reports the pool's flow-control queue.
+func (p *Pool) QueueStatus() QueueStatus {
+	qs := QueueStatus{Pool: p.Name()}
+	if f := p.flow; f != nil {
+		st := f.gate.Stats()
+		cfg := f.cfg
+		qs.Enabled, qs.Config, qs.Queue = true, &cfg, &st
+	}
+	return qs
+}

@@ -50,6 +50,74 @@ func AsRequestError(err error) *RequestError {
 	return &RequestError{Status: http.StatusInternalServerError, Message: err.Error()}
 }
 
+// The pool table: what Resolve reads and a reload replaces. The edge that
+// owns the table (router/httpapi's Server) publishes one at a time
+// (atomically); every edge resolves against the table it loaded, so a
+// request never sees two configurations.
+
+// Table is one loaded configuration: immutable once built, replaced whole
+// on reload.
+type Table struct {
+	cfg         config.Config
+	pools       []*Pool
+	byName      map[string]*Pool
+	byModel     map[string]*Pool
+	defaultPool *Pool
+	retryStatus map[int]bool
+}
+
+// NewTable builds the table of cfg (defaults applied and validated by the
+// caller), keeping what prev's pools of the same name hold (instances'
+// in-flight counts and health, exact-routing state through kvFor) across
+// a reload. prev may be nil.
+func NewTable(cfg config.Config, prev *Table, kvFor func(pc config.PoolConfig, prev *Pool) (Exact, error)) (*Table, error) {
+	t := &Table{cfg: cfg, byName: map[string]*Pool{}, byModel: map[string]*Pool{}, retryStatus: map[int]bool{}}
+	for _, c := range cfg.Proxy.RetryStatuses {
+		if c != 0 {
+			t.retryStatus[c] = true
+		}
+	}
+	for _, pc := range cfg.Pools {
+		var old *Pool
+		if prev != nil {
+			old = prev.byName[pc.Name]
+		}
+		kv, err := kvFor(pc, old)
+		if err != nil {
+			return nil, err
+		}
+		p, err := NewPool(pc, old, WithPoolKVState(kv))
+		if err != nil {
+			return nil, err
+		}
+		t.pools = append(t.pools, p)
+		t.byName[p.Name()] = p
+		t.byModel[p.Model()] = p
+	}
+	if cfg.DefaultPool != "" {
+		t.defaultPool = t.byName[cfg.DefaultPool]
+	}
+	return t, nil
+}
+
+// Config is the configuration the table was built from. Callers must not
+// modify it.
+func (t *Table) Config() *config.Config { return &t.cfg }
+
+// Pools lists the table's pools in configuration order. Callers must not
+// modify the slice.
+func (t *Table) Pools() []*Pool { return t.pools }
+
+// Pool returns the named pool.
+func (t *Table) Pool(name string) (*Pool, bool) {
+	p, ok := t.byName[name]
+	return p, ok
+}
+
+// RetryStatus reports whether an upstream answering status is retried on
+// the next candidate (proxy.retry_statuses).
+func (t *Table) RetryStatus(status int) bool { return t.retryStatus[status] }
+
 // Inbound is a request as an edge received it, before routing: the HTTP
 // data plane, Envoy's ext_proc and gRPC Router.Pick each fill one and call
 // Server.Resolve, so that all three turn the same request into the same
@@ -84,11 +152,7 @@ type Inbound struct {
 // Resolve turns an inbound request into the Request strategies route and
 // the pool that serves it, applying the limits, the tenant key and the
 // pool's cache salt in one place; refusals are *RequestError.
-func (s *Server) Resolve(in Inbound) (*Request, *Pool, error) {
-	return s.state.Load().resolve(in)
-}
-
-func (st *state) resolve(in Inbound) (*Request, *Pool, error) {
+func (st *Table) Resolve(in Inbound) (*Request, *Pool, error) {
 	tenant := ""
 	if len(in.Tenant) > 0 {
 		if len(in.Tenant) > 1 || !ValidTenantKey(in.Tenant[0]) {
@@ -117,7 +181,7 @@ func (st *state) resolve(in Inbound) (*Request, *Pool, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	if in.InjectSalt {
+	if in.InjectSalt && pool.cfg.CacheSalt != nil && pool.cfg.CacheSalt.Enabled {
 		// After the routing text: the salt changes the body, not the route.
 		// The injected salt is kept on the request so kv_aware folds it
 		// into its block keys without scanning the body again.
@@ -127,7 +191,7 @@ func (st *state) resolve(in Inbound) (*Request, *Pool, error) {
 	return req, pool, nil
 }
 
-func (st *state) resolveOpenAI(in Inbound, named *Pool, tenant string) (*Request, *Pool, error) {
+func (st *Table) resolveOpenAI(in Inbound, named *Pool, tenant string) (*Request, *Pool, error) {
 	parsed := in.Parsed
 	if parsed == nil {
 		var err error
@@ -197,7 +261,7 @@ func (st *state) resolveOpenAI(in Inbound, named *Pool, tenant string) (*Request
 	}, pool, nil
 }
 
-func (st *state) resolveInvoke(in Inbound, named *Pool, tenant string) (*Request, *Pool, error) {
+func (st *Table) resolveInvoke(in Inbound, named *Pool, tenant string) (*Request, *Pool, error) {
 	pool := named
 	switch {
 	case pool != nil:
@@ -279,6 +343,14 @@ var ErrBadRequest = errors.New("router: bad request")
 // TenantHeader carries the tenant key on the raw invoke path (SageMaker's
 // name, so clients written for PREFIX_AWARE routing work unchanged).
 const TenantHeader = "X-Amzn-SageMaker-Prefix-Aware-Id"
+
+// Request headers of the raw invoke path (HTTP and Envoy's ext_proc).
+const (
+	// HeaderPool selects the pool (else default_pool).
+	HeaderPool = "X-Kvrouter-Pool"
+	// HeaderAdapter names a LoRA adapter.
+	HeaderAdapter = "X-Kvrouter-Adapter"
+)
 
 // RawRoutingText is the routing text of a raw invoke body: its first limit
 // bytes, after canonicalising JSON when asked (and when the body is JSON).

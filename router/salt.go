@@ -66,8 +66,7 @@ func saltRequestBody(c *config.CacheSaltConfig, secret []byte, tenant string, bo
 // cache_salt off, or no tenant). For APIs that pick without forwarding
 // (gRPC Pick and Lookup, the admin lookup), so that they key blocks as the
 // forwarded requests will.
-func (s *Server) TenantCacheSalt(pool, tenant string) (salt string, ok bool) {
-	st := s.state.Load()
+func (st *Table) TenantCacheSalt(pool, tenant string) (salt string, ok bool) {
 	p := st.byName[pool]
 	if p == nil || tenant == "" || p.cfg.CacheSalt == nil || !p.cfg.CacheSalt.Enabled || len(st.cfg.CacheSaltSecret) == 0 {
 		return "", false

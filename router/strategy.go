@@ -106,9 +106,14 @@ type Explanation struct {
 	PredictedTTFT time.Duration
 }
 
-// Response headers of exact routing decisions.
+// Response headers explaining a decision, set by the edges that answer
+// (the HTTP data plane, Envoy's ext_proc).
 const (
-	// HeaderMatchedTokens lists the prompt tokens the chosen instance was
+	HeaderInstance = "X-Kvrouter-Instance"
+	HeaderStrategy = "X-Kvrouter-Strategy"
+	HeaderReason   = "X-Kvrouter-Reason"
+
+	// HeaderMatchedTokens (exact routing decisions) lists the prompt tokens the chosen instance was
 	// predicted to hold, per tier, each beyond faster tiers:
 	// "gpu=128,cpu=32,disk=0,shared=0".
 	HeaderMatchedTokens = "X-Kvrouter-Matched-Tokens"

@@ -25,6 +25,7 @@ import (
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/sim"
@@ -220,7 +221,7 @@ func (f *clusterFleet) lost(c *consumer.Consumer) (dropped, gaps uint64) {
 type clusterRouter struct {
 	reg  *prometheus.Registry
 	kve  *kvstate.Pipeline
-	srv  *router.Server
+	srv  *httpapi.Server
 	http *httptest.Server
 	stop func()
 }
@@ -250,7 +251,7 @@ func (f *clusterFleet) startRouter(cfg config.Config) *clusterRouter {
 		cancel()
 		f.t.Fatal(err)
 	}
-	srv, err := router.NewServer(cfg, router.Options{Logger: quietLogger(), Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
+	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: quietLogger(), Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
 	if err != nil {
 		cancel()
 		kve.Close()

@@ -21,8 +21,8 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
-	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 )
@@ -206,7 +206,7 @@ func runConsumer(t testing.TB, ctx context.Context, cfg consumer.Config, healthy
 // cmd/kvrouter wires them; both log to opts.Logger, and reg (nil: the
 // server's own) receives both one's metrics. Running the server and
 // waiting for the pipeline are the caller's.
-func newKVRouter(t testing.TB, ctx context.Context, cfg config.Config, opts kvstate.Options, reg *prometheus.Registry) (*kvstate.Pipeline, *router.Server) {
+func newKVRouter(t testing.TB, ctx context.Context, cfg config.Config, opts kvstate.Options, reg *prometheus.Registry) (*kvstate.Pipeline, *httpapi.Server) {
 	t.Helper()
 	if reg != nil {
 		opts.Registerer = reg
@@ -216,7 +216,7 @@ func newKVRouter(t testing.TB, ctx context.Context, cfg config.Config, opts kvst
 		t.Fatal(err)
 	}
 	t.Cleanup(kve.Close)
-	srv, err := router.NewServer(cfg, router.Options{Logger: opts.Logger, Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
+	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: opts.Logger, Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
 	if err != nil {
 		t.Fatal(err)
 	}

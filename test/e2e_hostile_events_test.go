@@ -18,8 +18,8 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
-	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/fleet"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
@@ -31,7 +31,7 @@ type hostileRig struct {
 	nc   *nats.Conn
 	pool string
 	kve  *kvstate.Pipeline
-	srv  *router.Server
+	srv  *httpapi.Server
 	reg  *prometheus.Registry
 	logs *testenv.Logs
 }

@@ -24,6 +24,7 @@ import (
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/fleet"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 )
 
@@ -91,7 +92,7 @@ func kvrHashes(from, n int) []uint64 {
 type kvrRouter struct {
 	t    *testing.T
 	kve  *kvstate.Pipeline
-	srv  *router.Server
+	srv  *httpapi.Server
 	ts   *httptest.Server
 	pool string
 }

@@ -20,8 +20,8 @@ import (
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/kvindex"
-	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/sim"
@@ -111,7 +111,7 @@ func startLocalFleet(ctx context.Context, spec fleetSpec) (*localFleet, error) {
 			sources = append(sources, bridge.Source{Instance: id, Endpoint: cfg.Events.Endpoint, ReplayEndpoint: cfg.Events.ReplayEndpoint, URL: in.URL()})
 		}
 	}
-	opts := router.Options{Logger: spec.Logger, Admin: admin.Routes(nil)}
+	opts := httpapi.Options{Logger: spec.Logger, Admin: admin.Routes(nil)}
 	if spec.Events {
 		if err := f.startEvents(ctx, pc, sources, spec.Logger); err != nil {
 			return fail(err)
@@ -119,7 +119,7 @@ func startLocalFleet(ctx context.Context, spec fleetSpec) (*localFleet, error) {
 		pc.Tokenizer = &config.TokenizerConfig{Source: kvaware.TokenSourceSimple}
 		opts.KV, opts.KVEvents, opts.Admin = kvaware.NewSource(f.kv.KV), f.kv, admin.Routes(f.kv)
 	}
-	srv, err := router.NewServer(config.Config{Listen: "127.0.0.1:0", Pools: []config.PoolConfig{pc}, DefaultPool: pool}, opts)
+	srv, err := httpapi.NewServer(config.Config{Listen: "127.0.0.1:0", Pools: []config.PoolConfig{pc}, DefaultPool: pool}, opts)
 	if err != nil {
 		return fail(err)
 	}

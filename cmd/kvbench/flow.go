@@ -243,7 +243,7 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		if flow {
 			fc := flowcontrol.Config{MaxConcurrency: *instances * *threshold, MaxPendingPrefill: int64(*instances) * prefillBudget}
 			if *scope == "instance" {
-				// As the router configures it (router/flowcontrol.go): the
+				// As the router configures it (router/poolqueue.go): the
 				// concurrency budget pool-wide, the prefill budget per instance.
 				fc = flowcontrol.Config{MaxConcurrency: *instances * *threshold, InstancePrefill: prefillBudget, ReserveInstance: *reserve}
 			}

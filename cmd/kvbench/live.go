@@ -19,6 +19,7 @@ import (
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/report"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/workload"
 )
@@ -187,7 +188,7 @@ func (c *liveClient) send(ctx context.Context, model string, r *workload.Request
 	o.Instance = resp.Header.Get(router.HeaderInstance)
 	o.Reason = resp.Header.Get(router.HeaderReason)
 	o.Overflow = o.Reason == string(router.ReasonOverflow) || o.Reason == string(router.ReasonSaturated)
-	if us, err := strconv.ParseInt(resp.Header.Get(router.HeaderOverheadUS), 10, 64); err == nil {
+	if us, err := strconv.ParseInt(resp.Header.Get(httpapi.HeaderOverheadUS), 10, 64); err == nil {
 		o.Decision = time.Duration(us) * time.Microsecond
 	}
 	if resp.StatusCode != http.StatusOK {

@@ -12,8 +12,8 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/internal/testenv"
-	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
@@ -22,7 +22,7 @@ const testModel = "meta-llama/Llama-3.1-8B-Instruct"
 // testRouter is a real in-process kvrouter with fake vLLM instances, its
 // admin API on an httptest server.
 type testRouter struct {
-	srv   *router.Server
+	srv   *httpapi.Server
 	admin *httptest.Server
 	ups   []*routertest.Upstream
 }
@@ -48,7 +48,7 @@ func newTestRouter(t *testing.T, n int, two bool, mod func(*config.Config)) *tes
 	if mod != nil {
 		mod(&cfg)
 	}
-	srv, err := router.NewServer(cfg, router.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Admin: admin.Routes(nil)})
+	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Admin: admin.Routes(nil)})
 	if err != nil {
 		t.Fatalf("NewServer: %v", err)
 	}

@@ -21,8 +21,8 @@ import (
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
-	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/router/routertest"
@@ -101,7 +101,7 @@ func TestKVCommandsEndToEnd(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(kve.Close)
-	srv, err := router.NewServer(cfg, router.Options{Logger: quiet(), KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
+	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: quiet(), KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
 	if err != nil {
 		t.Fatal(err)
 	}

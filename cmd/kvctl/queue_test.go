@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
-	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 )
 
 // TestQueue shows a pool whose one instance is held busy, with requests of
@@ -27,7 +27,7 @@ func TestQueue(t *testing.T) {
 		body := `{"model":"` + testModel + `","prompt":"hello there, a prompt of some length","max_tokens":8,"prompt_cache_key":"` + tenant + `"}`
 		req, _ := http.NewRequest("POST", data.URL+"/v1/completions", strings.NewReader(body))
 		req.Header.Set("Content-Type", "application/json")
-		req.Header.Set(router.HeaderPriority, prio)
+		req.Header.Set(httpapi.HeaderPriority, prio)
 		go func() {
 			if resp, err := http.DefaultClient.Do(req); err == nil {
 				resp.Body.Close()

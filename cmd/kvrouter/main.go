@@ -54,9 +54,9 @@ import (
 	"github.com/kvrouter/kvrouter/internal/liblog"
 	"github.com/kvrouter/kvrouter/internal/tracing"
 	"github.com/kvrouter/kvrouter/internal/version"
-	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/fleet"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/router/tlscert"
@@ -250,7 +250,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 		return err
 	}
 	redis.SetLogger(libs.Redis())
-	opts := router.Options{Logger: log, Registry: reg, Admin: admin.Routes(nil)}
+	opts := httpapi.Options{Logger: log, Registry: reg, Admin: admin.Routes(nil)}
 	// kvCtx owns the KV event pipeline (consumers, embedded NATS); it
 	// outlives the signal context so that in-flight requests drain with
 	// exact routing intact.
@@ -279,7 +279,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 		defer stopTracing(tp, log)
 		opts.TracerProvider = tp
 	}
-	srv, err := router.NewServer(cfg, opts)
+	srv, err := httpapi.NewServer(cfg, opts)
 	if err != nil {
 		return err
 	}
@@ -292,8 +292,8 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 		return fmt.Errorf("listen %s: %w", cfg.Listen, err)
 	}
 	// Header size, header and body read deadlines and idle time come from
-	// limits: (router.NewHTTPServer); no WriteTimeout, streams last minutes.
-	servers := []*http.Server{router.NewHTTPServer(cfg.Limits, srv.Handler())}
+	// limits: (httpapi.NewHTTPServer); no WriteTimeout, streams last minutes.
+	servers := []*http.Server{httpapi.NewHTTPServer(cfg.Limits, srv.Handler())}
 	listeners := []net.Listener{dataLn}
 	// grpcLn is the gRPC listener (nil = no gRPC); gRPC does its own TLS.
 	var grpcLn net.Listener
@@ -311,7 +311,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 			closeAll()
 			return fmt.Errorf("listen %s: %w", cfg.AdminListen, err)
 		}
-		servers = append(servers, router.NewHTTPServer(cfg.Limits, srv.AdminHandler()))
+		servers = append(servers, httpapi.NewHTTPServer(cfg.Limits, srv.AdminHandler()))
 		listeners = append(listeners, adminLn)
 	}
 	if cfg.GRPC.Listen != "" {
@@ -510,7 +510,7 @@ func stopTracing(tp *sdktrace.TracerProvider, log *slog.Logger) {
 // token and TLS certificates of the HTTP listeners, Events.Watch on the KV
 // events' NATS connection (none without KV events: Watch is UNAVAILABLE),
 // metrics on reg, and drain as the graceful-stop budget.
-func newGRPC(cfg config.Config, srv *router.Server, kve *kvstate.Pipeline, certs *tlscert.Reloader,
+func newGRPC(cfg config.Config, srv *httpapi.Server, kve *kvstate.Pipeline, certs *tlscert.Reloader,
 	reg prometheus.Registerer, log *slog.Logger, drain time.Duration) (*grpcapi.Server, error) {
 	ep := cfg.GRPC.ExtProc
 	body := ep.MaxBodyBytes

@@ -39,7 +39,7 @@ import (
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
-	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 )
 
 func TestFlagsOverrideFileAndEnvSetsSecrets(t *testing.T) {
@@ -763,7 +763,7 @@ pools:
 		byName[s.Name] = s
 	}
 	srv, ok := byName["POST /v1/chat/completions"]
-	proxy, ok2 := byName[router.SpanProxy]
+	proxy, ok2 := byName[httpapi.SpanProxy]
 	if !ok || !ok2 || srv.Service != "kvrouter-test" {
 		t.Fatalf("collector got %v, want the request's server and proxy spans of service kvrouter-test", byName)
 	}

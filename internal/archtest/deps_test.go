@@ -21,6 +21,7 @@ var (
 	httpServerPkgs = []string{"net/http"} // the server lives in net/http itself
 	redisPkgs      = []string{"github.com/redis"}
 	promPkgs       = []string{"github.com/prometheus"}
+	otelPkgs       = []string{"go.opentelemetry.io"}
 )
 
 // rule is one fact of docs/architecture.md ("Dependency facts"): pkg (a path
@@ -45,7 +46,7 @@ var rules = []rule{
 	{pkg: "events/kvstream", forbid: [][]string{zmqPkgs, redisPkgs}, why: "the NATS side knows nothing of the engine's sockets"},
 	{pkg: "config", stdOnly: true, allow: []string{"gopkg.in/yaml.v3"}, why: "a leaf: the whole binary's configuration, read by every component"},
 	{pkg: "router/openai", stdOnly: true, why: "a leaf: the OpenAI side of a request, shared by every edge"},
-	{pkg: "router", forbid: [][]string{natsPkgs, redisPkgs, zmqPkgs, {module + "/kvindex"}, {module + "/events"}}, why: "the core reaches exact-routing state through router.Exact (router/kvaware) and mounts the admin API it is given (router/admin); it carries no transport or index backend (Prometheus: still the data plane's metrics, docs/architecture.md)"},
+	{pkg: "router", forbid: [][]string{natsPkgs, redisPkgs, zmqPkgs, promPkgs, otelPkgs, {module + "/kvindex"}, {module + "/events"}}, why: "the core: it reaches exact-routing state through router.Exact (router/kvaware), traces through the router.Spans hook and serves nothing; the HTTP data plane's metrics and spans are router/httpapi's"},
 	{pkg: "router/tlscert", stdOnly: true, allow: []string{module + "/config", "gopkg.in/yaml.v3"}, why: "the listeners' certificates: crypto/tls over the config's tls: section, shared by the HTTP and gRPC listeners"},
 	{pkg: "router/kvstate", forbid: [][]string{{module + "/router"}, {module + "/grpcapi"}}, why: "the KV-state pipeline reports discoveries; it knows nothing of the router it feeds"},
 }
@@ -146,7 +147,7 @@ func TestDependencyFacts(t *testing.T) {
 // TestRulesCatchViolations holds the checker itself to account: on the
 // module's real dependency graph, rules that must fail do.
 func TestRulesCatchViolations(t *testing.T) {
-	all := goList(t, []string{module + "/events/kvstream", module + "/events/enginezmq", module + "/kvindex"})
+	all := goList(t, []string{module + "/events/kvstream", module + "/events/enginezmq", module + "/kvindex", module + "/router/httpapi"})
 	cases := []struct {
 		r    rule
 		want string // a dependency the rule must report
@@ -155,6 +156,9 @@ func TestRulesCatchViolations(t *testing.T) {
 		{rule{pkg: "events/kvstream", forbid: [][]string{httpServerPkgs}}, "net/http"},
 		{rule{pkg: "events/enginezmq", stdOnly: true}, "github.com/go-zeromq/zmq4"},
 		{rule{pkg: "kvindex", forbid: [][]string{redisPkgs}}, "github.com/redis/go-redis/v9"},
+		// The core's rule, on the data plane that does import them.
+		{rule{pkg: "router/httpapi", forbid: [][]string{promPkgs}}, "github.com/prometheus/client_golang"},
+		{rule{pkg: "router/httpapi", forbid: [][]string{otelPkgs}}, "go.opentelemetry.io/otel"},
 		{rule{pkg: "kvindex", stdOnly: true, allow: []string{"github.com/cespare", "github.com/redis", "go.uber.org", "golang.org/x/sys"}}, module + "/events"},
 	}
 	for _, c := range cases {

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/kvrouter/kvrouter/router"
 	"io"
 	"log/slog"
 	"net/http"
@@ -15,12 +14,14 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Server is what the admin API reads and changes of the router: its pool
-// table, metrics and admin token (router.Server).
+// table, metrics and admin token (httpapi.Server).
 type Server interface {
 	Pools() []*router.Pool
 	Pool(name string) (*router.Pool, bool)
@@ -39,12 +40,12 @@ type api struct {
 	evictions http.Handler
 }
 
-// Routes returns the admin API's mounter for router.Options.Admin: the
+// Routes returns the admin API's mounter for httpapi.Options.Admin: the
 // pools and their routing, the comparison, the KV views, the eviction
 // stream, the dashboard and the profiles, behind the admin token. kve
 // (the KV-state pipeline) may be nil.
-func Routes(kve KVEvents) func(mux *http.ServeMux, srv *router.Server) {
-	return func(mux *http.ServeMux, srv *router.Server) { Mount(mux, srv, kve) }
+func Routes(kve KVEvents) func(mux *http.ServeMux, srv *httpapi.Server) {
+	return func(mux *http.ServeMux, srv *httpapi.Server) { Mount(mux, srv, kve) }
 }
 
 // Mount mounts the admin API for srv on mux (see Routes).

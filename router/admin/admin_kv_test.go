@@ -13,8 +13,8 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
-	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
@@ -36,7 +36,7 @@ func kvAdminServer(t testing.TB, idx kvindex.Index, token string) *httptest.Serv
 		{Name: "plain", Model: "other", Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 			Instances: []config.InstanceConfig{{ID: "x", URL: "http://127.0.0.1:3"}}},
 	}
-	srv, err := router.NewServer(config.Config{Pools: pools, AdminToken: token}, router.Options{Admin: admin.Routes(nil),
+	srv, err := httpapi.NewServer(config.Config{Pools: pools, AdminToken: token}, httpapi.Options{Admin: admin.Routes(nil),
 		Logger: slog.New(slog.DiscardHandler),
 		KV: kvaware.NewSource(func(pc config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			if pc.Name != "kv" {

@@ -14,8 +14,8 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
-	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
@@ -26,7 +26,7 @@ const dashModel = "dash-model"
 // dashRouter is a router with a KV index in front of n simulated engines
 // (sim/simserver: real OpenAI handlers reporting cached tokens), kv_aware with
 // shadow comparison, behind an admin token.
-func dashRouter(t testing.TB, n int, mod func(*config.Config)) (*router.Server, kvindex.Index) {
+func dashRouter(t testing.TB, n int, mod func(*config.Config)) (*httpapi.Server, kvindex.Index) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
@@ -51,7 +51,7 @@ func dashRouter(t testing.TB, n int, mod func(*config.Config)) (*router.Server, 
 	if mod != nil {
 		mod(&cfg)
 	}
-	srv, err := router.NewServer(cfg, router.Options{Logger: log, Admin: admin.Routes(nil), KV: kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil })})
+	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: log, Admin: admin.Routes(nil), KV: kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil })})
 	if err != nil {
 		t.Fatal(err)
 	}

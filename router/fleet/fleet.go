@@ -1,7 +1,7 @@
 // Package fleet keeps the router's pool table equal to the configuration
 // file plus the instances the KV-state pipeline discovered from bridge
 // heartbeats. The pipeline (package kvstate) only reports what it found
-// (kvstate.Discovery); the router (package router) only applies whole
+// (kvstate.Discovery); the router (router/httpapi's Server) only applies whole
 // configurations (Server.Reload). Fleet is the one place that joins the
 // two, so neither calls back into the other.
 package fleet
@@ -17,14 +17,12 @@ import (
 	"github.com/kvrouter/kvrouter/router/kvstate"
 )
 
-// Pools is the pool table fleet applies configurations to (router.Server).
+// Pools is the pool table fleet applies configurations to (httpapi.Server).
 type Pools interface {
 	Reload(config.Config) error
 	Pool(name string) (*router.Pool, bool)
 	ForgetInstanceSeries(pool, instance string)
 }
-
-var _ Pools = (*router.Server)(nil)
 
 // Discoverer is the KV-state pipeline side (kvstate.Pipeline).
 type Discoverer interface {

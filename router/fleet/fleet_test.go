@@ -15,9 +15,13 @@ import (
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/fleet"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 )
+
+// The router's pool table is what fleet applies configurations to.
+var _ fleet.Pools = (*httpapi.Server)(nil)
 
 // TestReconciler runs a real pipeline (its own NATS server, stream and
 // bucket) and a real router: a heartbeat-announced instance joins its pool
@@ -41,7 +45,7 @@ func TestReconciler(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(kve.Close)
-	srv, err := router.NewServer(cfg, router.Options{Logger: log, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
+	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: log, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
 	if err != nil {
 		t.Fatal(err)
 	}

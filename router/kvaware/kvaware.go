@@ -884,7 +884,8 @@ func tracedLookup(ctx context.Context, ix kvindex.Index, dst []kvindex.Match, ke
 		m, err = ix.Lookup(ctx, keys)
 	}
 	if sp.Recording() {
-		sp.SetAttributes(router.AttrLookupBlocks.Int(len(keys)), router.AttrLookupHolders.Int(len(m)))
+		sp.SetInt(router.AttrLookupBlocks, len(keys))
+		sp.SetInt(router.AttrLookupHolders, len(m))
 		sp.End(err)
 	}
 	return m, err

@@ -17,6 +17,7 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 )
 
 func newPendingState(t *testing.T, reg prometheus.Registerer) *KVState {
@@ -249,7 +250,7 @@ func TestPendingNonStreamedReleasedBeforeResponse(t *testing.T) {
 			pc := config.PoolConfig{Name: "p", Model: kvTestModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
 				Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 				Instances: []config.InstanceConfig{{ID: "a", URL: up.URL}}}
-			srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{
+			srv, err := httpapi.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, httpapi.Options{
 				Logger: slog.New(slog.DiscardHandler),
 				KV:     NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil }),
 			})

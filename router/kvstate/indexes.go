@@ -5,6 +5,7 @@ import (
 	"crypto/x509"
 	"fmt"
 	"os"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
@@ -27,6 +28,18 @@ func (p *PoolIndexes) Close() error {
 	}
 	return nil
 }
+
+// ClusterStateReload bounds how long a Redis Cluster index may keep sending
+// a slot range to a master that died after its replica took over. go-redis
+// reloads its slot map at once on MOVED and ASK, but a dead master answers
+// nothing: connection errors reload nothing, and the periodic reload is
+// 60 s by default. A retry that happens to land on a live node gets MOVED
+// and recovers sooner (the index's pipelines did, ~1 s after the promotion
+// in deploy's TestProductionRedisClusterForms), but nothing bounds it: a
+// plain cluster client writing to the dead master's slots failed for 56 s
+// after the promotion there. One CLUSTER SLOTS a second costs the server
+// nothing measurable (a few hundred bytes for three shards).
+const ClusterStateReload = time.Second
 
 // NewPoolIndexes builds one KV index per pool from cfg.Index: the memory
 // backend (capacity index.capacity), or Redis (index.redis: one client
@@ -63,7 +76,13 @@ func NewPoolIndexes(cfg config.Config) (*PoolIndexes, error) {
 				opts.TLSConfig.RootCAs = pool
 			}
 		}
-		out.rdb = redis.NewUniversalClient(opts)
+		if rc.Cluster {
+			co := opts.Cluster()
+			co.ClusterStateReloadInterval = ClusterStateReload
+			out.rdb = redis.NewClusterClient(co)
+		} else {
+			out.rdb = redis.NewUniversalClient(opts)
+		}
 	}
 	for _, p := range cfg.Pools {
 		bs := 0

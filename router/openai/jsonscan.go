@@ -247,6 +247,54 @@ func (s *jscan) num() error {
 	return nil
 }
 
+// tokenIDs reads a flat array of token ids at s.i ('[' next) in one pass:
+// only plain decimal integers that fit a uint32. Anything else (a float,
+// an exponent, a sign, a nested array, strings, malformed JSON, an empty
+// list) leaves s.i where it was and returns ok false, so that the general
+// path decides, with encoding/json's errors. Long token-id prompts are
+// what kv_aware routes on; through encoding/json (a RawMessage per item,
+// then []uint32) they cost ~2 µs per 100 ids.
+func (s *jscan) tokenIDs() (ids []uint32, ok bool) {
+	b, i := s.b, s.i
+	if i >= len(b) || b[i] != '[' {
+		return nil, false
+	}
+	i++
+	ids = make([]uint32, 0, len(b[i:])/6+1)
+	for {
+		for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+			i++
+		}
+		if i >= len(b) || b[i] < '0' || b[i] > '9' || (b[i] == '0' && i+1 < len(b) && b[i+1] >= '0' && b[i+1] <= '9') {
+			return nil, false
+		}
+		var v uint64
+		for i < len(b) && b[i] >= '0' && b[i] <= '9' {
+			v = v*10 + uint64(b[i]-'0')
+			if v > 1<<32-1 {
+				return nil, false
+			}
+			i++
+		}
+		ids = append(ids, uint32(v))
+		for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+			i++
+		}
+		if i >= len(b) {
+			return nil, false
+		}
+		switch b[i] {
+		case ',':
+			i++
+		case ']':
+			s.i = i + 1
+			return ids, true
+		default:
+			return nil, false // '.', 'e', garbage: the general path says why
+		}
+	}
+}
+
 func (s *jscan) lit(word string) error {
 	if len(s.b)-s.i < len(word) || string(s.b[s.i:s.i+len(word)]) != word {
 		return s.errorf("invalid literal, want %s", word)
@@ -489,6 +537,10 @@ func (s *jscan) topMember(key string, r *Request) error {
 				return err
 			}
 			r.Prompt = &Prompt{Texts: []string{unquote(raw, esc)}}
+			return nil
+		}
+		if ids, ok := s.tokenIDs(); ok { // the common token-id case: no second pass
+			r.Prompt = &Prompt{Tokens: [][]uint32{ids}}
 			return nil
 		}
 		raw, err := s.skip(1)

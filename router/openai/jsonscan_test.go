@@ -2,7 +2,13 @@ package openai
 
 import (
 	"encoding/json"
+	"reflect"
+	"strconv"
+	"strings"
 	"testing"
+
+	"github.com/kvrouter/kvrouter/internal/cputime"
+	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
 func TestUnquoteMatchesStd(t *testing.T) {
@@ -20,4 +26,88 @@ func TestUnquoteMatchesStd(t *testing.T) {
 			t.Errorf("%q: got %q, want %q", s, got, want)
 		}
 	}
+}
+
+// FuzzPromptTokenIDsMatchStd holds the token-id fast path (tokenIDs) to
+// encoding/json: for any prompt value, the same accept/reject and the same
+// Prompt; a value the fast path declines goes the general way.
+func FuzzPromptTokenIDsMatchStd(f *testing.F) {
+	for _, v := range []string{
+		`[1,2,3]`, ` [ 1 , 2 ,3 ] `, "[\t0\n,\r7]", `[4294967295]`, `[4294967296]`, `[99999999999999999999]`,
+		`[01]`, `[1.0]`, `[1e3]`, `[1E3]`, `[-1]`, `[-0]`, `[]`, `[1,]`, `[1 2]`, `[1`, `[1,`, `[`, `[0]`,
+		`[[1],[2]]`, `["a"]`, `[1,"a"]`, `[1,null]`, `[1,[2]]`, `[1]x`, `[1]]`,
+	} {
+		f.Add(v)
+	}
+	f.Fuzz(func(t *testing.T, v string) {
+		body := []byte(`{"model":"m","prompt":` + v + `}`)
+		if !routertest.ComparableWithStd(body) {
+			return
+		}
+		var fast, std Request
+		ferr := Decode(body, &fast)
+		serr := json.Unmarshal(body, &std)
+		if (ferr == nil) != (serr == nil) {
+			t.Fatalf("%q: fast err %v, encoding/json err %v", v, ferr, serr)
+		}
+		if ferr == nil && !reflect.DeepEqual(fast.Prompt, std.Prompt) {
+			t.Fatalf("%q: fast %+v, encoding/json %+v", v, fast.Prompt, std.Prompt)
+		}
+	})
+}
+
+// TestPromptTokenIDsFastPath: a flat token-id prompt is read by the fast
+// path, in one pass, to the same ids; its neighbours are declined.
+func TestPromptTokenIDsFastPath(t *testing.T) {
+	ids := make([]string, 3000)
+	want := make([]uint32, 3000)
+	for i := range ids {
+		want[i] = uint32(i * 1_431_655)
+		ids[i] = strconv.FormatUint(uint64(want[i]), 10)
+	}
+	s := &jscan{b: []byte("[" + strings.Join(ids, ", ") + "]")}
+	got, ok := s.tokenIDs()
+	if !ok || !reflect.DeepEqual(got, want) || s.i != len(s.b) {
+		t.Fatalf("fast path: ok %v, %d ids, at %d of %d", ok, len(got), s.i, len(s.b))
+	}
+	for _, v := range []string{`[1.5]`, `[-1]`, `[]`, `[[1]]`, `[4294967296]`, `[01]`, `[1`} {
+		s := &jscan{b: []byte(v)}
+		if _, ok := s.tokenIDs(); ok || s.i != 0 {
+			t.Errorf("%s: taken by the fast path (ok %v, at %d)", v, ok, s.i)
+		}
+	}
+}
+
+// BenchmarkDecodeTokenIDPrompt decodes a completions body whose prompt is
+// 8,192 token ids, by the fast path and by the general path it replaced
+// (Prompt.UnmarshalJSON: encoding/json), side by side in one run.
+//
+//	go test -run XXX -bench DecodeTokenIDPrompt ./router/openai/
+func BenchmarkDecodeTokenIDPrompt(b *testing.B) {
+	ids := make([]string, 8192)
+	for i := range ids {
+		ids[i] = strconv.Itoa(1000 + i*37%120000)
+	}
+	prompt := "[" + strings.Join(ids, ",") + "]"
+	body := []byte(`{"model":"m","prompt":` + prompt + `,"max_tokens":1}`)
+	b.Run("scan", func(b *testing.B) {
+		report := cputime.Report(b)
+		for b.Loop() {
+			var r Request
+			if err := Decode(body, &r); err != nil || len(r.Prompt.Tokens[0]) != 8192 {
+				b.Fatal(err)
+			}
+		}
+		report(b.N)
+	})
+	b.Run("encoding-json", func(b *testing.B) {
+		report := cputime.Report(b)
+		for b.Loop() {
+			var p Prompt
+			if err := p.UnmarshalJSON([]byte(prompt)); err != nil || len(p.Tokens[0]) != 8192 {
+				b.Fatal(err)
+			}
+		}
+		report(b.N)
+	})
 }

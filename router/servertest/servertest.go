@@ -17,8 +17,8 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
-	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
@@ -29,7 +29,7 @@ const Model = "meta-llama/Llama-3.1-8B-Instruct"
 // of fake instances.
 type Harness struct {
 	T    testing.TB
-	Srv  *router.Server
+	Srv  *httpapi.Server
 	TS   *httptest.Server
 	Ups  []*routertest.Upstream
 	ByID map[string]*routertest.Upstream
@@ -41,7 +41,7 @@ func Quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)
 // New starts n fake instances ("vllm-0", …) in pool "llama" and a router
 // in front of them, with the admin API mounted; mod adjusts the config,
 // opts the server's options, before the server is built.
-func New(t testing.TB, n int, mod func(*config.Config), opts ...func(*router.Options)) *Harness {
+func New(t testing.TB, n int, mod func(*config.Config), opts ...func(*httpapi.Options)) *Harness {
 	t.Helper()
 	h := &Harness{T: t, ByID: map[string]*routertest.Upstream{}}
 	pc := config.PoolConfig{Name: "llama", Model: Model, Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
@@ -55,11 +55,11 @@ func New(t testing.TB, n int, mod func(*config.Config), opts ...func(*router.Opt
 	if mod != nil {
 		mod(&cfg)
 	}
-	o := router.Options{Logger: Quiet(), Admin: admin.Routes(nil)}
+	o := httpapi.Options{Logger: Quiet(), Admin: admin.Routes(nil)}
 	for _, f := range opts {
 		f(&o)
 	}
-	srv, err := router.NewServer(cfg, o)
+	srv, err := httpapi.NewServer(cfg, o)
 	if err != nil {
 		t.Fatalf("NewServer: %v", err)
 	}

@@ -22,7 +22,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
-	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 )
 
 // testCA is a certificate authority made in the test.
@@ -100,7 +100,7 @@ func serveTLS(t *testing.T, r *Reloader, h http.Handler) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hs := router.NewHTTPServer(config.LimitsConfig{}, h)
+	hs := httpapi.NewHTTPServer(config.LimitsConfig{}, h)
 	hs.ErrorLog = log.New(io.Discard, "", 0) // handshake failures are the point of some tests
 	go func() { _ = hs.Serve(tls.NewListener(ln, r.TLSConfig())) }()
 	t.Cleanup(func() { _ = hs.Close() })

@@ -26,8 +26,8 @@ import (
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
-	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/sim"
@@ -112,7 +112,7 @@ func startFleet(t *testing.T, ctx context.Context) *fleet {
 	if err != nil {
 		t.Fatalf("router events pipeline: %v", err)
 	}
-	srv, err := router.NewServer(cfg, router.Options{Logger: log, Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
+	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: log, Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
 	if err != nil {
 		t.Fatalf("router: %v", err)
 	}
@@ -446,7 +446,7 @@ func TestDashboardWithoutKVInChromium(t *testing.T) {
 		t.Cleanup(func() { _ = in.Close() })
 		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: fmt.Sprintf("plain%d", i), URL: in.URL()})
 	}
-	srv, err := router.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, router.Options{Logger: log, Admin: admin.Routes(nil)})
+	srv, err := httpapi.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, httpapi.Options{Logger: log, Admin: admin.Routes(nil)})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,262 @@
+package deploy
+
+import (
+		"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router/kvstate"
+)
+
+// TestProductionRedisClusterForms runs the production-redis-cluster
+// overlay's Redis Cluster as local processes: the StatefulSet's six
+// redis-server command lines (the downward API's pod name and the Secret's
+// password substituted as the kubelet would, ports mapped to loopback),
+// then the create Job's script with the pods' DNS names mapped. Then what
+// the manifests promise: every slot served, three masters each with a
+// replica linked through the replication user; the Job run again changes
+// nothing; the routers' index, built from the rendered router.yaml by the
+// router's own code, stores and looks up blocks as the kvrouter user, who
+// is refused keys outside the index's prefix; and with one master killed
+// (what the PDB allows) its replica takes over and the index keeps working.
+func TestProductionRedisClusterForms(t *testing.T) {
+	if testing.Short() {
+		t.Log("-short: the Redis Cluster is not started")
+		return
+	}
+	server, err := exec.LookPath("redis-server")
+	if err != nil {
+		t.Fatalf("no redis-server on PATH (run `make deps-test`): %v", err)
+	}
+	const password = "test-secret"
+	b := render(t, "kubernetes/overlays/production-redis-cluster")
+	sts := b.statefulSets["redis-cluster"]
+	c := &sts.Spec.Template.Spec.Containers[0]
+	n := int(derefReplicas(sts.Spec.Replicas))
+	cfg := checkRouter(t, b, overlays[2])
+
+	// Each pod: its own port, bus port and directory.
+	addr := map[string]string{} // pod DNS name:6379 -> 127.0.0.1:port
+	procs := make([]*exec.Cmd, n)
+	var local []string
+	for i := range n {
+		pod := fmt.Sprintf("%s-%d", sts.Name, i)
+		port, bus, dir := testenv.FreePort(t), testenv.FreePort(t), t.TempDir()
+		args := make([]string, 0, len(c.Args)+6)
+		for k := 0; k < len(c.Args); k++ {
+			a := strings.ReplaceAll(c.Args[k], "$(REDIS_PASSWORD)", password)
+			a = strings.ReplaceAll(a, "$(POD_NAME)."+sts.Spec.ServiceName, "127.0.0.1")
+			switch {
+			case c.Args[k] == "--port":
+				args = append(args, a, fmt.Sprint(port))
+				k++
+				continue
+			case c.Args[k] == "--cluster-config-file":
+				args = append(args, a, filepath.Join(dir, filepath.Base(c.Args[k+1])))
+				k++
+				continue
+			}
+			args = append(args, a)
+		}
+		// The bus port is the client port + 10000 in the pod; here a free one.
+		args = append(args, "--cluster-port", fmt.Sprint(bus), "--dir", dir)
+		cmd := exec.Command(server, args...)
+		cmd.Dir = dir
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		procs[i] = cmd
+		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+		addr[pod+"."+sts.Spec.ServiceName+":6379"] = fmt.Sprintf("127.0.0.1:%d", port)
+		local = append(local, fmt.Sprintf("127.0.0.1:%d", port))
+	}
+
+	// The create Job's script, the pods' names mapped, run twice.
+	job := b.jobs["redis-cluster-create"]
+	jc := &job.Spec.Template.Spec.Containers[0]
+	script := jc.Args[0]
+	for from, to := range addr {
+		script = strings.ReplaceAll(script, from, to)
+	}
+	runJob := func() {
+		var out []byte
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			cmd := exec.Command(jc.Command[0], append(jc.Command[1:], script)...)
+			cmd.Env = append(os.Environ(), "REDISCLI_AUTH="+password)
+			out, err = cmd.CombinedOutput()
+			if err == nil {
+				return
+			}
+			if time.Now().After(deadline) { // the Job's pod restarts until the nodes answer
+				t.Fatalf("create Job: %v\n%s", err, out)
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+	}
+	runJob()
+	admin := func(a string) *redis.Client {
+		cl := redis.NewClient(&redis.Options{Addr: a, Username: "admin", Password: password})
+		t.Cleanup(func() { _ = cl.Close() })
+		return cl
+	}
+	ctx := testenv.Context(t, 2*time.Minute)
+	healthy := func(nodes []string) error {
+		masters, linked := 0, 0
+		for _, a := range nodes {
+			info, err := admin(a).ClusterInfo(ctx).Result()
+			if err != nil || !strings.Contains(info, "cluster_state:ok") {
+				return fmt.Errorf("%s: cluster not ok (%v)", a, err)
+			}
+			repl, err := admin(a).Info(ctx, "replication").Result()
+			if err != nil {
+				return err
+			}
+			switch {
+			case strings.Contains(repl, "role:master"):
+				masters++
+			case strings.Contains(repl, "master_link_status:up"):
+				linked++
+			}
+		}
+		if masters != n/2 || linked != n/2 {
+			return fmt.Errorf("%d masters, %d replicas linked", masters, linked)
+		}
+		return nil
+	}
+	waitFor(t, 30*time.Second, "cluster ok, 3 masters, 3 linked replicas", func() error { return healthy(local) })
+	runJob() // again: a no-op on a formed cluster
+	if err := healthy(local); err != nil {
+		t.Fatalf("after the second run of the create Job: %v", err)
+	}
+
+	// The routers' index, from the rendered router.yaml.
+	rc := cfg.Index.Redis
+	for i, a := range rc.Addrs {
+		rc.Addrs[i] = addr[a]
+	}
+	rc.Password = password
+	idx, err := kvstate.NewPoolIndexes(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = idx.Close() })
+	pool := cfg.Pools[0]
+	index := idx.ByPool[pool.Name]
+	const bs = 16
+	tokens := make([]uint32, 64*bs)
+	for i := range tokens {
+		tokens[i] = uint32(1000 + i)
+	}
+	hashes := make([]uint64, 64)
+	for i := range hashes {
+		hashes[i] = uint64(500 + i)
+	}
+	keys := kvindex.Keys(kvindex.Root(pool.Model, "", ""), tokens, bs)
+	store := func(inst string) {
+		_, err := index.Apply(ctx, inst, []events.Event{{Kind: events.BlockStored, BlockHashes: hashes, TokenIDs: tokens, BlockSize: bs, Medium: "GPU"}})
+		if err != nil {
+			t.Fatalf("apply %s: %v", inst, err)
+		}
+	}
+	held := func(inst string) int {
+		ms, err := index.Lookup(ctx, keys)
+		if err != nil {
+			return -1
+		}
+		for _, m := range ms {
+			if m.Instance == inst {
+				return m.Blocks[0]
+			}
+		}
+		return 0
+	}
+	store("vllm-0")
+	if got := held("vllm-0"); got != len(keys) {
+		t.Fatalf("lookup after store: %d blocks, want %d", got, len(keys))
+	}
+	user := redis.NewClusterClient(&redis.ClusterOptions{Addrs: local, Username: rc.Username, Password: password})
+	t.Cleanup(func() { _ = user.Close() })
+	if err := user.Set(ctx, "not-the-index", "x", time.Minute).Err(); err == nil || !strings.Contains(err.Error(), "NOPERM") {
+		t.Errorf("the routers' user wrote outside the index's keys: %v", err)
+	}
+
+	// Kill the master of the index's first block key's slot: its replica
+	// takes over within cluster-node-timeout and the index works again.
+	slot, err := user.ClusterKeySlot(ctx, rc.KeyPrefix+":x").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	victim := -1
+	for i, a := range local {
+		slots, err := admin(a).ClusterSlots(ctx).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, s := range slots {
+			if int64(s.Start) <= slot && slot <= int64(s.End) && len(s.Nodes) > 0 && strings.HasSuffix(s.Nodes[0].Addr, a[strings.LastIndexByte(a, ':'):]) {
+				victim = i
+			}
+		}
+		if victim >= 0 {
+			break
+		}
+	}
+	if victim < 0 {
+		t.Fatalf("no master found for slot %d", slot)
+	}
+	_ = procs[victim].Process.Kill()
+	_ = procs[victim].Wait()
+	killed := time.Now()
+	rest := append(append([]string{}, local[:victim]...), local[victim+1:]...)
+	waitFor(t, 60*time.Second, "replica promoted", func() error {
+		slots, err := admin(rest[0]).ClusterSlots(ctx).Result()
+		if err != nil {
+			return err
+		}
+		for _, s := range slots {
+			if int64(s.Start) <= slot && slot <= int64(s.End) && len(s.Nodes) > 0 && s.Nodes[0].Addr != "" && !strings.HasSuffix(s.Nodes[0].Addr, local[victim][strings.LastIndexByte(local[victim], ':'):]) {
+				return nil
+			}
+		}
+		return fmt.Errorf("slot %d still on the killed master", slot)
+	})
+	promoted := time.Since(killed)
+	// The routers' index: a store and a lookup through the promoted replica.
+	// Within 30 s of the promotion (kvstate.ClusterStateReload: the slot
+	// map is at most a second old; measured ~1 s).
+	waitFor(t, 30*time.Second, "the index follows the failover", func() error {
+		if _, err := index.Apply(ctx, "vllm-1", []events.Event{{Kind: events.BlockStored, BlockHashes: hashes, TokenIDs: tokens, BlockSize: bs, Medium: "GPU"}}); err != nil {
+			return err
+		}
+		if got := held("vllm-1"); got != len(keys) {
+			return fmt.Errorf("lookup: %d blocks", got)
+		}
+		return nil
+	})
+	if got := held("vllm-0"); got != len(keys) {
+		t.Errorf("vllm-0's blocks after failover: %d, want %d (the replica had them)", got, len(keys))
+	}
+	t.Logf("master %s killed: its replica promoted %.1f s later, the index worked again %.1f s after the kill (cluster-node-timeout %s ms)",
+		local[victim], promoted.Seconds(), time.Since(killed).Seconds(), mustRedisArg(t, c.Args, "cluster-node-timeout"))
+}
+
+func mustRedisArg(t *testing.T, args []string, name string) string {
+	t.Helper()
+	for i, a := range args {
+		if a == "--"+name && i+1 < len(args) {
+			return args[i+1]
+		}
+	}
+	t.Fatalf("no --%s in %v", name, args)
+	return ""
+}

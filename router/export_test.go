@@ -1,0 +1,4 @@
+package router
+
+// LimitTokenizeForTest exposes limitTokenize to the external tests.
+var LimitTokenizeForTest = limitTokenize

@@ -1,0 +1,260 @@
+package httpapi
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/openai"
+)
+
+// Disaggregated serving: a pool with disaggregation on sends an OpenAI
+// request first to a prefill instance, as a prefill request (vLLM's
+// kv_transfer_params with do_remote_decode, max_tokens 1, not streamed),
+// then the original request, with the kv_transfer_params the prefill
+// answered, to a decode instance, which pulls the prompt's KV instead of
+// computing it. The protocol is vLLM's (NixlConnector; its proxy
+// tests/v1/kv_connector/nixl_integration/toy_proxy_server.py and
+// docs/features/nixl_connector_usage.md); the prefill's answer is passed
+// on unchanged, whatever fields the engine's connector version adds.
+// docs/disaggregation.md has the design.
+
+// Response headers of a disaggregated request.
+const (
+	// HeaderPrefillInstance names the instance that prefilled the request.
+	HeaderPrefillInstance = "X-Kvrouter-Prefill-Instance"
+	// HeaderDisagg says how the request was served: "disaggregated", or
+	// "aggregated; <why>" when a pool with disaggregation on served it
+	// whole on a decode-capable instance.
+	HeaderDisagg = "X-Kvrouter-Disagg"
+)
+
+// Why a request of a disaggregating pool went aggregated.
+const (
+	aggNoPrefill    = "no_prefill_instance" // no healthy prefill instance
+	aggShort        = "short"               // conditional: the uncached part is under min_prefill_tokens
+	aggPrefillBusy  = "prefill_saturated"   // conditional: every prefill instance is at its threshold
+	aggPrefillError = "prefill_failed"      // the prefill failed on every prefill instance tried
+	aggNoParams     = "no_transfer_params"  // the prefill answered without kv_transfer_params
+)
+
+// maxPrefillAnswer bounds the prefill's answer (one token and the transfer
+// parameters: a block id per 16 tokens, so a 128k-token prompt is ~50 KiB).
+const maxPrefillAnswer = 4 << 20
+
+// prefillOverrides turn a request into vLLM's prefill request (the toy
+// proxy's send_request_to_service): not streamed, one token, no minimum,
+// and kv_transfer_params asking for a remote decode.
+var prefillOverrides = []openai.Member{
+	{Key: "kv_transfer_params", Value: json.RawMessage(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)},
+	{Key: "stream", Value: json.RawMessage(`false`)},
+	{Key: "stream_options"},
+	{Key: "max_tokens", Value: json.RawMessage(`1`)},
+	{Key: "min_tokens"},
+	{Key: "min_completion_tokens"},
+}
+
+// prefillBody is body as a prefill request.
+func prefillBody(body []byte) ([]byte, error) {
+	set := prefillOverrides
+	if openai.TopLevelRaw(body, "max_completion_tokens") != nil {
+		set = append(append([]openai.Member(nil), set...), openai.Member{Key: "max_completion_tokens", Value: json.RawMessage(`1`)})
+	}
+	return openai.SetMembers(body, set...)
+}
+
+// transferParams reads kv_transfer_params from a prefill's answer; nil
+// when it has none (an engine without a KV connector).
+func transferParams(answer []byte) (json.RawMessage, error) {
+	var a struct {
+		KV json.RawMessage `json:"kv_transfer_params"`
+	}
+	if err := json.Unmarshal(answer, &a); err != nil {
+		return nil, fmt.Errorf("prefill answer is not JSON: %w", err)
+	}
+	if len(a.KV) == 0 || bytes.Equal(a.KV, []byte("null")) {
+		return nil, nil
+	}
+	if a.KV[0] != '{' {
+		return nil, fmt.Errorf("prefill answer's kv_transfer_params is not an object")
+	}
+	return a.KV, nil
+}
+
+// disaggregate runs the prefill stage of a request of a pool with
+// disaggregation on, and returns the request the decode stage routes: the
+// original with the prefill's kv_transfer_params, or the original
+// unchanged when the request goes aggregated (HeaderDisagg says why), and
+// the time spent in prefill exchanges with the engines. It never answers
+// the client: a failed prefill falls back to aggregated serving, since a
+// decode-capable instance can always prefill itself.
+func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *router.Pool, strat router.Strategy, req *router.Request, path string) (_ *router.Request, exchange time.Duration) {
+	dc := pool.Config().Disaggregation
+	aggregated := func(why string) (*router.Request, time.Duration) {
+		w.Header().Set(HeaderDisagg, "aggregated; "+why)
+		s.m.disagg.WithLabelValues(pool.Name(), "aggregated", why).Inc()
+		return req, exchange
+	}
+	var buf [32]*router.Instance
+	pcands := pool.PrefillCandidates(buf[:0], req.Adapter, nil)
+	// Picked twice (prefill, then decode): the prompt's block keys are made once.
+	req.ShareKeys = true
+	if len(pcands) == 0 {
+		return aggregated(aggNoPrefill)
+	}
+	if dc.Mode == config.DisaggConditional {
+		if uncached, known := s.uncachedOnDecode(r.Context(), pool, strat, req); known && uncached < dc.MinPrefillTokens {
+			return aggregated(aggShort)
+		}
+	}
+	pbody, err := prefillBody(req.Body)
+	if err != nil {
+		// Resolve parsed this body; an edit that fails is a bug, not the client's.
+		s.log.Error("disaggregation: cannot write the prefill request", "pool", pool.Name(), "err", err)
+		return aggregated(aggPrefillError)
+	}
+	var exclude *router.Instance
+	for n := 1; n <= 2; n++ {
+		if n > 1 {
+			pcands = pool.PrefillCandidates(buf[:0], req.Adapter, exclude)
+			if len(pcands) == 0 {
+				break
+			}
+		}
+		dec, err := strat.Pick(r.Context(), req, pcands)
+		if err != nil {
+			break
+		}
+		if n == 1 && dc.Mode == config.DisaggConditional && dec.Reason == router.ReasonSaturated {
+			// Every prefill instance is at its threshold: the prefill set is
+			// the bottleneck, and a decode-capable instance prefills now.
+			if dec.Observer != nil {
+				dec.Observer.Done(0, -1)
+			}
+			return aggregated(aggPrefillBusy)
+		}
+		t0 := time.Now()
+		kv, err := s.prefill(r, pool, dec, pbody, path, dc.PrefillTimeout)
+		exchange += time.Since(t0)
+		if err == nil && kv == nil {
+			s.log.Warn("disaggregation: the prefill instance answered without kv_transfer_params (is vLLM started with --kv-transfer-config?)", "pool", pool.Name(), "instance", dec.Instance.ID())
+			return aggregated(aggNoParams)
+		}
+		if err != nil {
+			if r.Context().Err() != nil {
+				return aggregated(aggPrefillError) // the client left; route will notice
+			}
+			s.log.Warn("disaggregation: prefill failed", "pool", pool.Name(), "instance", dec.Instance.ID(), "attempt", n, "err", err)
+			s.m.disaggPrefillErrors.WithLabelValues(pool.Name(), dec.Instance.ID()).Inc()
+			exclude = dec.Instance
+			continue
+		}
+		dbody, err := openai.SetMembers(req.Body, openai.Member{Key: "kv_transfer_params", Value: kv})
+		if err != nil {
+			s.log.Error("disaggregation: cannot write the decode request", "pool", pool.Name(), "err", err)
+			return aggregated(aggPrefillError)
+		}
+		w.Header().Set(HeaderPrefillInstance, dec.Instance.ID())
+		w.Header().Set(HeaderDisagg, "disaggregated")
+		s.m.disagg.WithLabelValues(pool.Name(), "disaggregated", "").Inc()
+		// The prompt is unchanged, so whatever was derived from the body
+		// (routing text, tokens) still holds.
+		req.Body = dbody
+		return req, exchange
+	}
+	return aggregated(aggPrefillError)
+}
+
+// prefill sends the prefill request to dec's instance and returns the
+// kv_transfer_params of its answer (nil when there are none).
+func (s *Server) prefill(r *http.Request, pool *router.Pool, dec router.Decision, body []byte, path string, timeout time.Duration) (kv json.RawMessage, err error) {
+	ctx, cancel := context.WithTimeout(r.Context(), timeout)
+	defer cancel()
+	u := *dec.Instance.URL()
+	u.Path = strings.TrimSuffix(u.Path, "/") + path
+	u.RawPath = ""
+	out, err := http.NewRequestWithContext(ctx, http.MethodPost, u.String(), bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	for k, v := range r.Header {
+		switch http.CanonicalHeaderKey(k) {
+		case "Content-Length", "Connection", "Te", "Trailer", "Transfer-Encoding", "Upgrade", "Keep-Alive", "Proxy-Connection", "Accept-Encoding":
+			continue
+		}
+		out.Header[k] = v
+	}
+	out.Header.Set("Content-Type", "application/json")
+	s.injectTrace(r.Context(), out.Header)
+	dec.Instance.Acquire()
+	status := 0
+	var usage *usageTee // the engine-reported cached tokens, for the observer
+	defer func() {
+		dec.Instance.Release()
+		if dec.Observer != nil {
+			dec.Observer.Done(status, usage.cachedTokens())
+		}
+	}()
+	resp, err := s.proxy.Transport.RoundTrip(out)
+	if err != nil {
+		return nil, err
+	}
+	status = resp.StatusCode
+	rc := resp.Body
+	if o := dec.Observer; o != nil {
+		usage = &usageTee{rc: rc, onFirst: o.FirstByte}
+		rc = usage
+	}
+	defer rc.Close()
+	answer, err := io.ReadAll(io.LimitReader(rc, maxPrefillAnswer+1))
+	if err != nil {
+		return nil, fmt.Errorf("reading the prefill answer: %w", err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("prefill answered %d: %s", resp.StatusCode, truncate(answer, 200))
+	}
+	if len(answer) > maxPrefillAnswer {
+		return nil, errors.New("prefill answer over " + strconv.Itoa(maxPrefillAnswer) + " bytes")
+	}
+	return transferParams(answer)
+}
+
+// promptHolder is a strategy that can tell how much of a prompt the
+// candidates hold without committing a pick (kv_aware).
+type promptHolder interface {
+	Held(ctx context.Context, req *router.Request, cands []*router.Instance) (held, prompt int, ok bool)
+}
+
+// uncachedOnDecode is the part of the prompt the best-placed decode
+// instance does not hold, from kv_aware's view without committing
+// anything; known is false when the strategy cannot tell (not kv_aware,
+// or the prompt's tokens are unknown).
+func (s *Server) uncachedOnDecode(ctx context.Context, pool *router.Pool, strat router.Strategy, req *router.Request) (uncached int, known bool) {
+	kv, ok := strat.(promptHolder)
+	if !ok {
+		return 0, false
+	}
+	var buf [32]*router.Instance
+	cands, _ := pool.Candidates(buf[:0], req.Adapter, nil)
+	held, prompt, ok := kv.Held(ctx, req, cands)
+	if !ok {
+		return 0, false
+	}
+	return max(prompt-held, 0), true
+}
+
+func truncate(b []byte, n int) string {
+	if len(b) > n {
+		return string(b[:n]) + "…"
+	}
+	return string(b)
+}

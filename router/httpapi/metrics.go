@@ -1,0 +1,134 @@
+package httpapi
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// metrics are the router's Prometheus metrics, registered on the
+// Registerer given to NewServer (never the global one).
+type metrics struct {
+	requests  *prometheus.CounterVec
+	overflows *prometheus.CounterVec
+	retries   *prometheus.CounterVec
+	decision  *prometheus.HistogramVec
+	ttfb      *prometheus.HistogramVec
+	probes    *prometheus.CounterVec
+	streamErr *prometheus.CounterVec
+	flow      *flowMetrics
+	// Disaggregated serving (disagg.go).
+	disagg              *prometheus.CounterVec
+	disaggPrefillErrors *prometheus.CounterVec
+}
+
+func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
+	m := &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_requests_total",
+			Help: "Requests answered, by pool, instance, strategy, reason and HTTP status (instance empty when none was picked).",
+		}, []string{"pool", "instance", "strategy", "reason", "status"}),
+		overflows: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_overflows_total",
+			Help: "Requests not sent to their first-choice instance because it was at the concurrency threshold (reason overflow or saturated).",
+		}, []string{"pool", "strategy", "reason"}),
+		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_retries_total",
+			Help: "Requests retried on another instance after the first failed before any byte reached the client.",
+		}, []string{"pool", "instance"}),
+		decision: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "kvrouter_decision_seconds",
+			Help:    "Time to pick an instance (candidate filtering and strategy).",
+			Buckets: prometheus.ExponentialBuckets(250e-9, 2, 16), // 250ns .. 8ms
+		}, []string{"pool", "strategy"}),
+		ttfb: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "kvrouter_upstream_ttfb_seconds",
+			Help:    "Time from sending a request upstream to its first response body byte (prefill plus queueing for streams).",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 18), // 0.5ms .. 65s
+		}, []string{"pool", "instance"}),
+		probes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_health_probes_total",
+			Help: "Active health probes by result.",
+		}, []string{"pool", "instance", "result"}),
+		streamErr: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_stream_errors_total",
+			Help: "Upstream responses that failed after bytes reached the client (streams end with an error event).",
+		}, []string{"pool", "instance"}),
+		disagg: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_disagg_requests_total",
+			Help: "Requests of pools with disaggregation on, by how they were served (disaggregated, or aggregated with the reason).",
+		}, []string{"pool", "mode", "reason"}),
+		disaggPrefillErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_disagg_prefill_errors_total",
+			Help: "Prefill requests that failed (transport error or a non-200 answer); the request was tried on another prefill instance or went aggregated.",
+		}, []string{"pool", "instance"}),
+	}
+	var flowCollectors []prometheus.Collector
+	m.flow, flowCollectors = newFlowMetrics(s)
+	for _, c := range append([]prometheus.Collector{m.requests, m.overflows, m.retries, m.decision, m.ttfb, m.probes, m.streamErr, m.disagg, m.disaggPrefillErrors, &liveCollector{s: s}}, flowCollectors...) {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+// ForgetInstanceSeries deletes the per-instance series of an instance that
+// left its pool, so that instance names that come and go (heartbeat
+// discovery) do not accumulate series.
+func (s *Server) ForgetInstanceSeries(pool, instance string) {
+	l := prometheus.Labels{"pool": pool, "instance": instance}
+	s.m.requests.DeletePartialMatch(l)
+	s.m.retries.DeletePartialMatch(l)
+	s.m.ttfb.DeletePartialMatch(l)
+	s.m.probes.DeletePartialMatch(l)
+	s.m.streamErr.DeletePartialMatch(l)
+	s.m.disaggPrefillErrors.DeletePartialMatch(l)
+	if s.kv != nil {
+		s.kv.ForgetInstance(pool, instance)
+	}
+}
+
+// liveCollector reports gauges read from the live instance state at scrape
+// time, so they follow reloads without stale series.
+type liveCollector struct{ s *Server }
+
+var (
+	inflightDesc = prometheus.NewDesc("kvrouter_instance_in_flight", "Requests in flight per instance (router-local).", []string{"pool", "instance"}, nil)
+	healthyDesc  = prometheus.NewDesc("kvrouter_instance_healthy", "1 when the instance is admitted by health checks.", []string{"pool", "instance"}, nil)
+	strategyDesc = prometheus.NewDesc("kvrouter_pool_strategy", "The pool's current strategy (value 1).", []string{"pool", "strategy"}, nil)
+	bodyUsedDesc = prometheus.NewDesc("kvrouter_body_memory_bytes", "Bytes of the request-body memory budget held by requests in progress.", nil, nil)
+	bodyMaxDesc  = prometheus.NewDesc("kvrouter_body_memory_limit_bytes", "The request-body memory budget (limits.max_body_memory_bytes).", nil, nil)
+	bodyRejDesc  = prometheus.NewDesc("kvrouter_body_budget_rejected_total", "Requests answered 503 because the request-body memory budget was exhausted.", nil, nil)
+)
+
+func (c *liveCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- inflightDesc
+	ch <- healthyDesc
+	ch <- strategyDesc
+	ch <- bodyUsedDesc
+	ch <- bodyMaxDesc
+	ch <- bodyRejDesc
+}
+
+func (c *liveCollector) Collect(ch chan<- prometheus.Metric) {
+	st := c.s.table.Load()
+	if st == nil {
+		return
+	}
+	if b := c.s.body; b != nil {
+		ch <- prometheus.MustNewConstMetric(bodyUsedDesc, prometheus.GaugeValue, float64(b.used.Load()))
+		ch <- prometheus.MustNewConstMetric(bodyMaxDesc, prometheus.GaugeValue, float64(b.limit.Load()))
+		ch <- prometheus.MustNewConstMetric(bodyRejDesc, prometheus.CounterValue, float64(b.rejected.Load()))
+	}
+	for _, p := range st.Pools() {
+		_, strat := p.Routing()
+		ch <- prometheus.MustNewConstMetric(strategyDesc, prometheus.GaugeValue, 1, p.Name(), strat.Name())
+		for _, in := range p.Instances() {
+			ch <- prometheus.MustNewConstMetric(inflightDesc, prometheus.GaugeValue, float64(in.InFlight()), p.Name(), in.ID())
+			h := 0.0
+			if in.Healthy() {
+				h = 1
+			}
+			ch <- prometheus.MustNewConstMetric(healthyDesc, prometheus.GaugeValue, h, p.Name(), in.ID())
+		}
+	}
+}

@@ -1,0 +1,376 @@
+package httpapi
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/openai"
+)
+
+// Options are the dependencies of a Server. The zero value is usable.
+type Options struct {
+	// Logger receives structured logs; nil = slog.Default().
+	Logger *slog.Logger
+	// Registry receives the router's metrics and is served at /metrics;
+	// nil = a new registry of the server's own (never the global one).
+	Registry *prometheus.Registry
+	// KV builds each pool's exact-routing state (kvaware.NewSource over
+	// the pipeline's index per pool). nil, or no index for a pool, makes
+	// kv_aware and shadow mode unavailable for it (a config selecting them
+	// is rejected).
+	KV ExactSource
+	// KVEvents says whether the KV index has been rebuilt since start
+	// (/readyz; the KV-state pipeline); nil = always.
+	KVEvents IndexReadiness
+	// Admin mounts the admin API (router/admin's Routes) on the admin
+	// listener, or on the data listener when admin_listen is empty; nil =
+	// /metrics only.
+	Admin func(mux *http.ServeMux, srv *Server)
+	// TracerProvider, when set, traces data-plane requests (tracing.go,
+	// docs/operations.md); nil = off, at no cost to the request path.
+	TracerProvider trace.TracerProvider
+}
+
+// IndexReadiness reports whether every pool's index has been rebuilt since
+// start (or the ready timeout passed); else why not.
+type IndexReadiness interface {
+	IndexReady() (bool, string)
+}
+
+// ExactSource builds pools' exact-routing state (kvaware.Source).
+type ExactSource interface {
+	// Attach registers its metrics on reg and logs to log.
+	Attach(reg prometheus.Registerer, log *slog.Logger) error
+	// For returns pool pc's state, reusing prev (built for prevCfg) when
+	// it still fits; nil, nil when the pool has no index.
+	For(pc config.PoolConfig, prev router.Exact, prevCfg config.PoolConfig) (router.Exact, error)
+	// ForgetInstance drops the series of an instance that left its pool.
+	ForgetInstance(pool, instance string)
+}
+
+// Server is the router: the HTTP data plane, the admin API and the
+// background health checks. Build it with NewServer, serve Handler (and
+// AdminHandler), and run Run for the health checks.
+type Server struct {
+	log      *slog.Logger
+	reg      *prometheus.Registry
+	m        *metrics
+	kv       ExactSource    // Options.KV; nil = no pool has exact routing
+	kvEvents IndexReadiness // Options.KVEvents
+	admin    func(mux *http.ServeMux, srv *Server)
+	proxy    *httputil.ReverseProxy
+	tracer   trace.Tracer // nil = tracing off
+	probe    *http.Client
+	started  time.Time
+	// adminToken is read on each admin request; swapped on reload.
+	adminToken atomic.Pointer[string]
+	// adminOnData: admin routes are served on the data listener too.
+	adminOnData bool
+	// body bounds the memory held by request bodies (limits.max_body_memory_bytes).
+	body *bodyBudget
+
+	// table is the pool table requests resolve against; swapped whole on
+	// reload.
+	table atomic.Pointer[router.Table]
+
+	// loopMu guards runCtx, stopLoops and loopWG: the background loops of
+	// the current state, restarted on reload.
+	loopMu    sync.Mutex
+	runCtx    context.Context
+	stopLoops context.CancelFunc
+	loopWG    sync.WaitGroup
+}
+
+// NewServer validates cfg and builds a Server. It starts no goroutines:
+// call Run for health checks and adapter discovery.
+func NewServer(cfg config.Config, opts Options) (*Server, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	s := &Server{log: opts.Logger, reg: opts.Registry, started: time.Now(), adminOnData: cfg.AdminListen == "", body: newBodyBudget(bodyMemory(cfg))}
+	if s.log == nil {
+		s.log = slog.Default()
+	}
+	if s.reg == nil {
+		s.reg = prometheus.NewRegistry()
+	}
+	tok := cfg.AdminToken
+	s.adminToken.Store(&tok)
+	s.kv = opts.KV
+	if opts.TracerProvider != nil {
+		s.tracer = opts.TracerProvider.Tracer(TracerScope)
+	}
+	s.kvEvents, s.admin = opts.KVEvents, opts.Admin
+	var err error
+	if s.kv != nil {
+		if err = s.kv.Attach(s.reg, s.log); err != nil {
+			return nil, fmt.Errorf("router: register metrics: %w", err)
+		}
+	}
+	st, err := router.NewTable(cfg, nil, s.kvStateFor)
+	if err != nil {
+		return nil, err
+	}
+	s.table.Store(st)
+	if s.m, err = newMetrics(s.reg, s); err != nil {
+		return nil, fmt.Errorf("router: register metrics: %w", err)
+	}
+	dialer := &net.Dialer{Timeout: cfg.Proxy.DialTimeout, KeepAlive: 30 * time.Second}
+	transport := &http.Transport{
+		Proxy:                 nil, // instances are addressed directly, never through an HTTP proxy from the environment
+		DialContext:           dialer.DialContext,
+		MaxIdleConns:          0,
+		MaxIdleConnsPerHost:   cfg.Proxy.MaxIdleConnsPerHost,
+		IdleConnTimeout:       90 * time.Second,
+		ResponseHeaderTimeout: cfg.Proxy.ResponseHeaderTimeout,
+		ForceAttemptHTTP2:     false, // vLLM serves HTTP/1.1; h2c is not negotiated
+	}
+	s.proxy = &httputil.ReverseProxy{
+		Rewrite:        s.rewrite,
+		Transport:      transport,
+		ModifyResponse: s.modifyResponse,
+		ErrorHandler:   s.errorHandler,
+		// Streams (text/event-stream, or no Content-Length) are flushed per
+		// write by ReverseProxy itself; other responses are small.
+		FlushInterval: 0,
+		ErrorLog:      slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+		// Without a pool ReverseProxy allocates a 32 KiB copy buffer per
+		// request: half of all bytes allocated on the request path.
+		BufferPool: newCopyBufferPool(32 << 10),
+	}
+	s.probe = &http.Client{Transport: &http.Transport{Proxy: nil, DialContext: dialer.DialContext, MaxIdleConnsPerHost: 2}}
+	return s, nil
+}
+
+// kvStateFor builds (or keeps across a reload) a pool's exact-routing state.
+func (s *Server) kvStateFor(pc config.PoolConfig, old *router.Pool) (router.Exact, error) {
+	if s.kv == nil {
+		return nil, nil
+	}
+	if old == nil {
+		return s.kv.For(pc, nil, config.PoolConfig{})
+	}
+	return s.kv.For(pc, old.Exact(), old.Config())
+}
+
+// Pools lists the current pools.
+func (s *Server) Pools() []*router.Pool { return slices.Clone(s.table.Load().Pools()) }
+
+// Pool returns the named pool.
+func (s *Server) Pool(name string) (*router.Pool, bool) {
+	return s.table.Load().Pool(name)
+}
+
+// Resolve resolves in against the current pool table
+// (router.Table.Resolve): how Envoy's ext_proc and gRPC Pick turn their
+// requests into the Request this data plane would route.
+func (s *Server) Resolve(in router.Inbound) (*router.Request, *router.Pool, error) {
+	return s.table.Load().Resolve(in)
+}
+
+// TenantCacheSalt is router.Table.TenantCacheSalt on the current table.
+func (s *Server) TenantCacheSalt(pool, tenant string) (salt string, ok bool) {
+	return s.table.Load().TenantCacheSalt(pool, tenant)
+}
+
+// Registry is the registry the server's metrics are on.
+func (s *Server) Registry() *prometheus.Registry { return s.reg }
+
+// Reload applies a new configuration: pools, instances, routing, limits and
+// the admin token. Instances with the same pool, id and URL keep their
+// in-flight counts and health. Listen addresses and proxy transport settings
+// are fixed at start; a change to them is logged and ignored. On error the
+// running configuration is kept.
+func (s *Server) Reload(cfg config.Config) error {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	s.loopMu.Lock()
+	defer s.loopMu.Unlock()
+	old := s.table.Load()
+	if oc := old.Config(); cfg.Listen != oc.Listen || cfg.AdminListen != oc.AdminListen {
+		s.log.Warn("reload: listen addresses change only on restart", "listen", oc.Listen, "admin_listen", oc.AdminListen)
+	}
+	st, err := router.NewTable(cfg, old, s.kvStateFor)
+	if err != nil {
+		return err
+	}
+	tok := cfg.AdminToken
+	s.adminToken.Store(&tok)
+	s.body.limit.Store(bodyMemory(cfg))
+	s.table.Store(st)
+	if s.runCtx != nil {
+		s.stopLoopsLocked()
+		s.startLoopsLocked()
+	}
+	s.log.Info("configuration reloaded", "pools", len(st.Pools()))
+	return nil
+}
+
+// Run runs health checks and adapter discovery until ctx ends.
+func (s *Server) Run(ctx context.Context) error {
+	s.loopMu.Lock()
+	if s.runCtx != nil {
+		s.loopMu.Unlock()
+		return errors.New("router: server already running")
+	}
+	s.runCtx = ctx
+	s.startLoopsLocked()
+	s.loopMu.Unlock()
+	<-ctx.Done()
+	s.loopMu.Lock()
+	s.stopLoopsLocked()
+	s.runCtx = nil
+	s.loopMu.Unlock()
+	return nil
+}
+
+func (s *Server) startLoopsLocked() {
+	ctx, cancel := context.WithCancel(s.runCtx)
+	s.stopLoops = cancel
+	for _, p := range s.table.Load().Pools() {
+		pc := p.Config()
+		if !pc.Health.Disable {
+			s.loopWG.Go(func() { s.healthLoop(ctx, p) })
+		}
+		if !pc.Discovery.Disable {
+			s.loopWG.Go(func() { s.discoveryLoop(ctx, p) })
+		}
+		if kv := p.Exact(); kv != nil {
+			rc, _ := p.Routing()
+			s.loopWG.Go(func() { kv.Run(ctx, rc, p.Instances) })
+		}
+	}
+}
+
+func (s *Server) stopLoopsLocked() {
+	if s.stopLoops != nil {
+		s.stopLoops()
+		s.stopLoops = nil
+	}
+	s.loopWG.Wait()
+}
+
+// Handler serves the data plane (/v1/..., /invocations..., /healthz,
+// /readyz) and, when admin_listen is empty, the admin API and /metrics.
+func (s *Server) Handler() http.Handler {
+	mux := http.NewServeMux()
+	traced := func(pattern string, h http.HandlerFunc) { mux.HandleFunc(pattern, s.traced(pattern, h)) }
+	traced("POST /v1/chat/completions", s.serveEndpoint(router.EndpointChatCompletions))
+	traced("POST /v1/completions", s.serveEndpoint(router.EndpointCompletions))
+	mux.HandleFunc("GET /v1/models", s.serveModels)
+	traced("POST /invocations", s.serveEndpoint(router.EndpointInvoke))
+	traced("POST /invocations-response-stream", s.serveEndpoint(router.EndpointInvokeStream))
+	mux.HandleFunc("GET /healthz", s.serveHealthz)
+	mux.HandleFunc("GET /readyz", s.serveReadyz)
+	mux.HandleFunc("GET /ping", s.serveReadyz) // SageMaker's health path
+	if s.adminOnData {
+		s.addAdminRoutes(mux)
+	}
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		openai.WriteError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
+	})
+	return s.limitInput(mux)
+}
+
+// AdminHandler serves the admin API, /metrics, /healthz and /readyz (for a
+// separate admin listener).
+func (s *Server) AdminHandler() http.Handler {
+	mux := http.NewServeMux()
+	s.addAdminRoutes(mux)
+	mux.HandleFunc("GET /healthz", s.serveHealthz)
+	mux.HandleFunc("GET /readyz", s.serveReadyz)
+	return s.limitInput(mux)
+}
+
+// addAdminRoutes mounts /metrics and the admin API (Options.Admin).
+func (s *Server) addAdminRoutes(mux *http.ServeMux) {
+	mux.Handle("GET /metrics", promhttp.HandlerFor(s.reg, promhttp.HandlerOpts{}))
+	if s.admin != nil {
+		s.admin(mux, s)
+	}
+}
+
+// AdminToken is the admin API's bearer token ("" = none), as last loaded.
+func (s *Server) AdminToken() string { return *s.adminToken.Load() }
+
+// Logger is the server's logger.
+func (s *Server) Logger() *slog.Logger { return s.log }
+
+// Started is when the server was built.
+func (s *Server) Started() time.Time { return s.started }
+
+func (s *Server) serveHealthz(w http.ResponseWriter, _ *http.Request) {
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	_, _ = io.WriteString(w, "ok\n")
+}
+
+// serveReadyz is ready when the KV index has been rebuilt (snapshots and
+// stream history applied, or events.ready_timeout passed: before that
+// kv_aware would route on an empty index) and at least one pool has a
+// healthy instance: a router that can serve some model should stay in its
+// load balancer.
+func (s *Server) serveReadyz(w http.ResponseWriter, _ *http.Request) {
+	if s.kvEvents != nil {
+		if ok, why := s.kvEvents.IndexReady(); !ok {
+			openai.WriteError(w, http.StatusServiceUnavailable, why)
+			return
+		}
+	}
+	for _, p := range s.table.Load().Pools() {
+		for _, in := range p.Instances() {
+			if in.Healthy() {
+				w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+				_, _ = io.WriteString(w, "ready\n")
+				return
+			}
+		}
+	}
+	openai.WriteError(w, http.StatusServiceUnavailable, "no healthy instance in any pool")
+}
+
+// serveModels lists the union of what the pools serve, in OpenAI's shape.
+func (s *Server) serveModels(w http.ResponseWriter, _ *http.Request) {
+	type model struct {
+		ID      string  `json:"id"`
+		Object  string  `json:"object"`
+		Created int64   `json:"created"`
+		OwnedBy string  `json:"owned_by"`
+		Root    string  `json:"root"`
+		Parent  *string `json:"parent"`
+	}
+	st := s.table.Load()
+	out := struct {
+		Object string  `json:"object"`
+		Data   []model `json:"data"`
+	}{Object: "list", Data: []model{}}
+	created := s.started.Unix()
+	for _, p := range st.Pools() {
+		base := p.Model()
+		out.Data = append(out.Data, model{ID: base, Object: "model", Created: created, OwnedBy: "kvrouter", Root: base})
+		for _, a := range p.Adapters() {
+			out.Data = append(out.Data, model{ID: a, Object: "model", Created: created, OwnedBy: "kvrouter", Root: a, Parent: &base})
+		}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(out)
+}

@@ -1,0 +1,152 @@
+package httpapi_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/enginezmq"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/httpapi"
+	"github.com/kvrouter/kvrouter/router/kvaware"
+	"github.com/kvrouter/kvrouter/sim"
+	"github.com/kvrouter/kvrouter/sim/simserver"
+	"github.com/kvrouter/kvrouter/tokenizer"
+)
+
+// toolChat is an agent's chat after a tool round trip: the assistant's tool
+// call (no content), the tool's answer, and the follow-up.
+const toolChat = `{"model":"tool-model","max_tokens":2,"messages":[
+ {"role":"system","content":"You are a weather assistant. Answer in one short sentence, citing the tool output verbatim when it helps the user."},
+ {"role":"user","content":"What is the weather in Paris and in Lyon today, and should I take an umbrella for the evening walk?"},
+ {"role":"assistant","content":null,"tool_calls":[
+   {"id":"call_paris_1","type":"function","function":{"name":"get_weather","arguments":"{\"city\": \"Paris\", \"unit\": \"celsius\", \"hours\": [18, 19, 20, 21]}"}},
+   {"id":"call_lyon_2","type":"function","function":{"name":"get_weather","arguments":"{\"city\": \"Lyon\", \"unit\": \"celsius\", \"hours\": [18, 19, 20, 21]}"}}]},
+ {"role":"tool","tool_call_id":"call_paris_1","content":"Paris: 18C at 18h, light rain from 19h to 21h, wind 20 km/h from the west, humidity 85 percent."},
+ {"role":"tool","tool_call_id":"call_lyon_2","content":"Lyon: 22C at 18h, clear sky all evening, wind 5 km/h from the south, humidity 40 percent."},
+ {"role":"user","content":"Thanks. Summarise both cities for me."}],
+ "tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}]}`
+
+// llmdSimChat plays the engine's side: llm-d-inference-sim's dummy
+// tokenizer, written here from its source (llm-d/llm-d-inference-sim at
+// eec055a39e6b: pkg/tokenizer/tokenizer.go SimpleTokenizer.RenderMessages,
+// pkg/api/response.go Message.PlainText) rather than taken from
+// tokenizer.Simple, so that the router's rendering is checked against it.
+type llmdSimChat struct{ tokenizer.Simple }
+
+func (llmdSimChat) Render(msgs []tokenizer.Message, _ tokenizer.RenderOptions) (string, error) {
+	var out string
+	for _, m := range msgs {
+		role := m.Role
+		if m.ToolCallID != "" {
+			role += "(" + m.ToolCallID + ")"
+		}
+		text := role + ": " + m.Content
+		for _, tc := range m.ToolCalls {
+			var args string
+			if err := json.Unmarshal(tc.Function.Arguments, &args); err != nil {
+				return "", err
+			}
+			text += "[" + tc.Function.Name + "(" + args + ")]"
+		}
+		out += "### " + text + "\n"
+	}
+	return out, nil
+}
+
+// TestToolChatPredictionMatchesEngine sends a tool-calling chat twice
+// through kv_aware (the Simple token source) in front of a simulated engine
+// (sim/simserver) that renders chats as llm-d-inference-sim does and whose KV
+// events feed the index: the second time, the router's predicted cached
+// tokens equal what the engine reports it served from cache. Keying tool
+// calls short (without the tool call id and [name(args)]) predicted only
+// the blocks before the first tool call.
+func TestToolChatPredictionMatchesEngine(t *testing.T) {
+	ctx := testenv.Context(t, time.Minute)
+	const model = "tool-model"
+	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: model, BlockSize: sim.DefaultBlockSize})
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := testenv.FreePort(t)
+	sub, err := enginezmq.NewSubscriber(enginezmq.SubscriberConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port), Bind: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	subCtx, stopSub := context.WithCancel(ctx)
+	subDone := make(chan struct{})
+	go func() {
+		defer close(subDone)
+		_ = sub.Run(subCtx, func(m enginezmq.Message) {
+			if b, err := events.Decode(m.Payload); err == nil {
+				_, _ = idx.Apply(ctx, "engine", b.Events)
+			}
+		})
+	}()
+	t.Cleanup(func() { stopSub(); <-subDone })
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	in, err := simserver.Start(ctx, simserver.Config{Engine: sim.Config{Model: model}, TimeScale: 100, Logger: log, Tokenizer: llmdSimChat{},
+		Events: simserver.EventsConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port), Dial: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = in.Close() })
+	waitUntil(t, "events subscribed", in.EventsSubscribed)
+
+	pc := config.PoolConfig{Name: "tools", Model: model,
+		// Speculative entries would count the router's own keys as held:
+		// expire them at once, so the prediction comes from engine events.
+		Routing:   config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &config.KVScoringConfig{SpeculativeTTL: time.Millisecond}},
+		Tokenizer: &config.TokenizerConfig{Source: kvaware.TokenSourceSimple},
+		Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+		Instances: []config.InstanceConfig{{ID: "engine", URL: in.URL()}}}
+	srv, err := httpapi.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, httpapi.Options{Logger: log,
+		KV: kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil })})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := httptest.NewServer(srv.Handler())
+	t.Cleanup(ts.Close)
+	chat := func() (predicted string, cached int) {
+		t.Helper()
+		resp, err := http.Post(ts.URL+"/v1/chat/completions", "application/json", strings.NewReader(toolChat))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var body struct {
+			Usage struct {
+				PromptTokens int `json:"prompt_tokens"`
+				Details      struct {
+					Cached int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			} `json:"usage"`
+		}
+		if err := json.NewDecoder(resp.Body).Decode(&body); err != nil || resp.StatusCode != 200 {
+			t.Fatalf("chat: %d %v", resp.StatusCode, err)
+		}
+		if body.Usage.PromptTokens < 8*sim.DefaultBlockSize {
+			t.Fatalf("prompt of %d tokens: too short to tell", body.Usage.PromptTokens)
+		}
+		return resp.Header.Get(router.HeaderMatchedTokens), body.Usage.Details.Cached
+	}
+	if _, cached := chat(); cached != 0 {
+		t.Fatalf("first chat: engine cached %d", cached)
+	}
+	waitUntil(t, "the engine's blocks in the index", func() bool { n, _ := idx.Len(ctx); return n >= 8 })
+	predicted, cached := chat()
+	if want := fmt.Sprintf("gpu=%d,cpu=0,disk=0,shared=0", cached); cached == 0 || predicted != want {
+		t.Fatalf("repeated tool chat: router predicted %q, engine served %d tokens from cache (want %q)", predicted, cached, want)
+	}
+}
