@@ -95,6 +95,17 @@ func (r *reader) need(n int) error {
 	return nil
 }
 
+// take consumes the next n bytes and returns them, aliasing the payload
+// (capped, so that an append to them cannot write into it).
+func (r *reader) take(n int) ([]byte, error) {
+	if err := r.need(n); err != nil {
+		return nil, err
+	}
+	s := r.b[r.off : r.off+n : r.off+n]
+	r.off += n
+	return s, nil
+}
+
 func (r *reader) u8() uint8 { v := r.b[r.off]; r.off++; return v }
 func (r *reader) u16() uint16 {
 	v := binary.BigEndian.Uint16(r.b[r.off:])
@@ -140,39 +151,19 @@ func (r *reader) length(w int) (int, error) {
 // remaining bytes (minElem bytes per element at least), so a claimed length
 // of billions fails here instead of in an allocation.
 func (r *reader) arrayHeader(minElem int) (int, error) {
-	if r.off >= len(r.b) {
-		return 0, errTruncated
-	}
-	c := r.b[r.off]
-	var n int
-	var err error
-	switch {
-	case c >= 0x90 && c <= 0x9f:
-		r.off++
-		n = int(c & 0x0f)
-	case c == 0xdc:
-		r.off++
-		n, err = r.length(2)
-	case c == 0xdd:
-		r.off++
-		n, err = r.length(4)
-	default:
-		return 0, wrongType("array", c)
-	}
-	if err != nil {
-		return 0, err
-	}
-	if minElem < 1 {
-		minElem = 1
-	}
-	if n > r.remaining()/minElem {
-		return 0, fmt.Errorf("array of %d elements in %d bytes: %w", n, r.remaining(), errTruncated)
-	}
-	return n, nil
+	return r.header(0x90, 0xdc, 0xdd, max(minElem, 1), "array", "elements")
 }
 
 // mapHeader reads a map header; each entry takes at least two bytes.
 func (r *reader) mapHeader() (int, error) {
+	return r.header(0x80, 0xde, 0xdf, 2, "map", "entries")
+}
+
+// header reads the header of an array or a map, whose forms are the fix
+// form fix..fix+0x0f (the count in the low nibble) and 16- and 32-bit
+// counts after the bytes b16 and b32; a count of more items than the
+// remaining bytes can hold at minItem bytes each is truncated input.
+func (r *reader) header(fix, b16, b32 byte, minItem int, kind, items string) (int, error) {
 	if r.off >= len(r.b) {
 		return 0, errTruncated
 	}
@@ -180,23 +171,23 @@ func (r *reader) mapHeader() (int, error) {
 	var n int
 	var err error
 	switch {
-	case c >= 0x80 && c <= 0x8f:
+	case c >= fix && c <= fix|0x0f:
 		r.off++
 		n = int(c & 0x0f)
-	case c == 0xde:
+	case c == b16:
 		r.off++
 		n, err = r.length(2)
-	case c == 0xdf:
+	case c == b32:
 		r.off++
 		n, err = r.length(4)
 	default:
-		return 0, wrongType("map", c)
+		return 0, wrongType(kind, c)
 	}
 	if err != nil {
 		return 0, err
 	}
-	if n > r.remaining()/2 {
-		return 0, fmt.Errorf("map of %d entries in %d bytes: %w", n, r.remaining(), errTruncated)
+	if n > r.remaining()/minItem {
+		return 0, fmt.Errorf("%s of %d %s in %d bytes: %w", kind, n, items, r.remaining(), errTruncated)
 	}
 	return n, nil
 }
@@ -320,12 +311,7 @@ func (r *reader) readStr() ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := r.need(n); err != nil {
-		return nil, err
-	}
-	s := r.b[r.off : r.off+n : r.off+n]
-	r.off += n
-	return s, nil
+	return r.take(n)
 }
 
 // readBin returns the bytes of a bin, aliasing the payload.
@@ -349,12 +335,7 @@ func (r *reader) readBin() ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := r.need(n); err != nil {
-		return nil, err
-	}
-	s := r.b[r.off : r.off+n : r.off+n]
-	r.off += n
-	return s, nil
+	return r.take(n)
 }
 
 // skip consumes one complete element of any type. It is iterative: it keeps

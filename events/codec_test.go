@@ -14,23 +14,19 @@ import (
 // mp builds msgpack by hand for tests, independently of the codec's writer.
 type mp []byte
 
-func (m mp) arr(n int) mp {
+func (m mp) arr(n int) mp  { return m.header(n, 0x90, 0xdc, 0xdd) }
+func (m mp) mapH(n int) mp { return m.header(n, 0x80, 0xde, 0xdf) }
+
+// header appends an array or map header: the fix form (fix|n) below 16,
+// else the 16- or 32-bit count after b16 or b32.
+func (m mp) header(n int, fix, b16, b32 byte) mp {
 	if n < 16 {
-		return append(m, 0x90|byte(n))
+		return append(m, fix|byte(n))
 	}
 	if n <= 0xffff {
-		return binary.BigEndian.AppendUint16(append(m, 0xdc), uint16(n))
+		return binary.BigEndian.AppendUint16(append(m, b16), uint16(n))
 	}
-	return binary.BigEndian.AppendUint32(append(m, 0xdd), uint32(n))
-}
-func (m mp) mapH(n int) mp {
-	if n < 16 {
-		return append(m, 0x80|byte(n))
-	}
-	if n <= 0xffff {
-		return binary.BigEndian.AppendUint16(append(m, 0xde), uint16(n))
-	}
-	return binary.BigEndian.AppendUint32(append(m, 0xdf), uint32(n))
+	return binary.BigEndian.AppendUint32(append(m, b32), uint32(n))
 }
 func (m mp) str(s string) mp {
 	if len(s) < 32 {

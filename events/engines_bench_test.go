@@ -2,7 +2,8 @@ package events
 
 import (
 	"testing"
-	"time"
+
+	"github.com/kvrouter/kvrouter/internal/cputime"
 )
 
 // BenchmarkEngineFormats reads one 8,192-token prompt (512 blocks of 16) as
@@ -12,17 +13,7 @@ import (
 // the process's CPU time per op (wall time on a shared machine includes
 // waiting for a core).
 func BenchmarkEngineFormats(b *testing.B) {
-	e := Event{Kind: BlockStored, BlockSize: 16, Medium: "GPU", BlockHashes: make([]uint64, 512), TokenIDs: make([]uint32, 512*16)}
-	x := uint64(0x9e3779b97f4a7c15)
-	for i := range e.BlockHashes {
-		x ^= x << 13
-		x ^= x >> 7
-		x ^= x << 17
-		e.BlockHashes[i] = x
-	}
-	for i := range e.TokenIDs {
-		e.TokenIDs[i] = uint32((uint64(i) * 2654435761) % 128256)
-	}
+	e := longPrompt()
 	batch := Batch{TS: 1, Events: []Event{e}, HasDPRank: true}
 	vllm, err := Encode(nil, batch, EncodingMap)
 	if err != nil {
@@ -56,7 +47,7 @@ func BenchmarkEngineFormats(b *testing.B) {
 		b.Run(c.name, func(b *testing.B) {
 			b.ReportAllocs()
 			b.SetBytes(int64(len(c.p)))
-			cpu0 := processCPU()
+			reportCPU := cputime.Report(b)
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
 				if err := c.run(c.p); err != nil {
@@ -64,7 +55,7 @@ func BenchmarkEngineFormats(b *testing.B) {
 				}
 			}
 			b.StopTimer()
-			b.ReportMetric(float64((processCPU()-cpu0)/time.Nanosecond)/float64(b.N), "cpu-ns/op")
+			reportCPU(b.N)
 			b.ReportMetric(512*float64(b.N)/b.Elapsed().Seconds(), "blocks/s")
 		})
 	}

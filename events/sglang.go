@@ -77,14 +77,7 @@ func EncodeSGLang(dst []byte, b Batch, o SGLangOptions) ([]byte, error) {
 		case BlockStored:
 			parent, hasParent := e.ParentHash, e.HasParent
 			for j, h := range e.BlockHashes {
-				if o.Medium {
-					dst = appendArrayHeader(dst, 7)
-				} else {
-					dst = appendArrayHeader(dst, 6)
-				}
-				dst = appendStr(dst, "BlockStored")
-				dst = appendArrayHeader(dst, 1)
-				dst = appendInt(dst, int64(h))
+				dst = appendSGLangBlock(dst, "BlockStored", 6, o.Medium, h)
 				if hasParent {
 					dst = appendInt(dst, int64(parent))
 				} else {
@@ -109,14 +102,7 @@ func EncodeSGLang(dst []byte, b Batch, o SGLangOptions) ([]byte, error) {
 			}
 		case BlockRemoved:
 			for _, h := range e.BlockHashes {
-				if o.Medium {
-					dst = appendArrayHeader(dst, 3)
-				} else {
-					dst = appendArrayHeader(dst, 2)
-				}
-				dst = appendStr(dst, "BlockRemoved")
-				dst = appendArrayHeader(dst, 1)
-				dst = appendInt(dst, int64(h))
+				dst = appendSGLangBlock(dst, "BlockRemoved", 2, o.Medium, h)
 				if o.Medium {
 					dst = appendStr(dst, sglangMedium(e.Medium))
 				}
@@ -134,6 +120,19 @@ func EncodeSGLang(dst []byte, b Batch, o SGLangOptions) ([]byte, error) {
 		}
 	}
 	return dst, nil
+}
+
+// appendSGLangBlock starts an SGLang event about one block, as SGLang
+// sends one per block: its array header (fields, one more when the medium
+// follows the event's other fields), its tag and its one-hash list.
+func appendSGLangBlock(dst []byte, tag string, fields int, medium bool, hash uint64) []byte {
+	if medium {
+		fields++
+	}
+	dst = appendArrayHeader(dst, fields)
+	dst = appendStr(dst, tag)
+	dst = appendArrayHeader(dst, 1)
+	return appendInt(dst, int64(hash))
 }
 
 // sglangMedium names a tier as SGLang's StorageMedium does: GPU for device

@@ -19,10 +19,9 @@ import (
 // replica is one Syncer with a settable local table.
 type replica struct {
 	*Syncer
-	mu     sync.Mutex // guards loads
-	loads  []Load
-	cancel context.CancelFunc
-	done   chan struct{}
+	mu    sync.Mutex // guards loads
+	loads []Load
+	stop  func() // stops Run and waits for it
 }
 
 func (r *replica) set(loads ...Load) {
@@ -31,47 +30,21 @@ func (r *replica) set(loads ...Load) {
 	r.mu.Unlock()
 }
 
-func (r *replica) stop() { r.cancel(); <-r.done }
-
-func connect(t *testing.T, url string) *nats.Conn {
-	t.Helper()
-	nc, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	return nc
-}
-
 func startReplica(t *testing.T, url string, cfg Config) *replica {
 	t.Helper()
-	cfg.Conn = connect(t, url)
+	cfg.Conn = testenv.Connect(t, url)
 	s, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := &replica{Syncer: s, done: make(chan struct{})}
+	r := &replica{Syncer: s}
 	s.AttachLocal(func(dst []Load) []Load {
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		return append(dst, r.loads...)
 	})
-	ctx, cancel := context.WithCancel(context.Background())
-	r.cancel = cancel
-	go func() { defer close(r.done); _ = s.Run(ctx) }()
-	t.Cleanup(r.stop)
+	r.stop = testenv.Go(t, context.Background(), s.Run)
 	return r
-}
-
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", d, what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 func fast(pool, name string) Config {
@@ -89,25 +62,25 @@ func TestTwoReplicasShareAndExpire(t *testing.T) {
 	b := startReplica(t, url, fast(pool, "b"))
 	a.set(Load{Instance: "i0", InFlight: 3, PendingTokens: 4000, PendingRequests: 2})
 	b.set(Load{Instance: "i0", InFlight: 1}, Load{Instance: "i1", InFlight: 5})
-	waitFor(t, 10*time.Second, "b sees a", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "b sees a", func() bool {
 		f, p, r := b.PeerLoad("i0")
 		return f == 3 && p == 4000 && r == 2
 	})
-	waitFor(t, 10*time.Second, "a sees b", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "a sees b", func() bool {
 		f0, _, _ := a.PeerLoad("i0")
 		f1, _, _ := a.PeerLoad("i1")
 		return f0 == 1 && f1 == 5
 	})
 	// Changes travel as deltas; an instance back to zero is sent as zero.
 	a.set(Load{Instance: "i2", PendingTokens: 7})
-	waitFor(t, 10*time.Second, "b sees a's change", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "b sees a's change", func() bool {
 		f, _, _ := b.PeerLoad("i0")
 		_, p, _ := b.PeerLoad("i2")
 		return f == 0 && p == 7
 	})
 	keys := []kvindex.Key{11, 12, 13, 14}
 	a.Speculate("i0", keys[1:3], 5*time.Second)
-	waitFor(t, 10*time.Second, "b sees a's speculative blocks", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "b sees a's speculative blocks", func() bool {
 		return b.PeerExtend(keys, 1, "i0", 0) == 3
 	})
 	if got := a.PeerExtend(keys, 1, "i0", 0); got != 1 {
@@ -123,7 +96,7 @@ func TestTwoReplicasShareAndExpire(t *testing.T) {
 	// a killed: its contribution expires.
 	a.stop()
 	stopped := time.Now()
-	waitFor(t, 10*time.Second, "a's counters expire at b", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "a's counters expire at b", func() bool {
 		_, p, _ := b.PeerLoad("i2")
 		ps := b.Peers()
 		return p == 0 && len(ps) == 1 && !ps[0].Live
@@ -135,7 +108,7 @@ func TestTwoReplicasShareAndExpire(t *testing.T) {
 	// a restarted under the same name: new counters, not added to old ones.
 	a2 := startReplica(t, url, fast(pool, "a"))
 	a2.set(Load{Instance: "i2", PendingTokens: 1})
-	waitFor(t, 10*time.Second, "b sees a's new incarnation", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "b sees a's new incarnation", func() bool {
 		_, p, _ := b.PeerLoad("i2")
 		return p == 1
 	})
@@ -155,7 +128,7 @@ func TestJoinCatchesUp(t *testing.T) {
 	time.Sleep(100 * time.Millisecond) // a's first full table and its announcement go out to no one
 	start := time.Now()
 	c := startReplica(t, url, slow("c"))
-	waitFor(t, 10*time.Second, "c catches up", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "c catches up", func() bool {
 		f, _, _ := c.PeerLoad("i0")
 		return f == 2 && c.PeerExtend([]kvindex.Key{1, 2, 3}, 0, "i0", 0) == 3
 	})
@@ -168,7 +141,7 @@ func TestJoinCatchesUp(t *testing.T) {
 func TestBounds(t *testing.T) {
 	url := testenv.NATSURL(t)
 	pool := testenv.UniqueName(t)
-	watch := connect(t, url)
+	watch := testenv.Connect(t, url)
 	var biggest, total atomic.Int64
 	sub, err := watch.Subscribe(SubjectRoot+"."+pool, func(m *nats.Msg) {
 		total.Add(int64(len(m.Data)))
@@ -199,7 +172,7 @@ func TestBounds(t *testing.T) {
 		loads = append(loads, Load{Instance: fmt.Sprintf("instance-%03d", i), InFlight: int64(i + 1)})
 	}
 	a.set(loads...)
-	waitFor(t, 10*time.Second, "b holds a's whole split table", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "b holds a's whole split table", func() bool {
 		for i := range loads {
 			if f, _, _ := b.PeerLoad(loads[i].Instance); f != int64(i+1) {
 				return false
@@ -233,7 +206,7 @@ func TestBounds(t *testing.T) {
 	if err := watch.Publish(SubjectRoot+"."+pool, []byte("hello")); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 10*time.Second, "junk counted", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "junk counted", func() bool {
 		return value(m.dropped.WithLabelValues(pool, "version")) >= 2 &&
 			value(m.dropped.WithLabelValues(pool, "malformed")) >= 2
 	})

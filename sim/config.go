@@ -133,51 +133,31 @@ func ParseHashAlgo(s string) (HashAlgo, error) {
 // ErrConfig is wrapped by every configuration error.
 var ErrConfig = errors.New("sim: invalid config")
 
+// setDefault sets *field to def when it is the zero value.
+func setDefault[T comparable](field *T, def T) {
+	var zero T
+	if *field == zero {
+		*field = def
+	}
+}
+
 // withDefaults returns c with zero fields replaced by defaults, validated.
 func (c Config) withDefaults() (Config, error) {
-	if c.Model == "" {
-		c.Model = DefaultModel
-	}
-	if c.BlockSize == 0 {
-		c.BlockSize = DefaultBlockSize
-	}
-	if c.GPUBlocks == 0 {
-		c.GPUBlocks = DefaultGPUBlocks
-	}
-	if c.MaxNumBatchedTokens == 0 {
-		c.MaxNumBatchedTokens = DefaultMaxNumBatchedTokens
-	}
-	if c.MaxModelLen == 0 {
-		c.MaxModelLen = DefaultMaxModelLen
-	}
-	if c.MaxNumSeqs == 0 {
-		c.MaxNumSeqs = DefaultMaxNumSeqs
-	}
+	setDefault(&c.Model, DefaultModel)
+	setDefault(&c.BlockSize, DefaultBlockSize)
+	setDefault(&c.GPUBlocks, DefaultGPUBlocks)
+	setDefault(&c.MaxNumBatchedTokens, DefaultMaxNumBatchedTokens)
+	setDefault(&c.MaxModelLen, DefaultMaxModelLen)
+	setDefault(&c.MaxNumSeqs, DefaultMaxNumSeqs)
 	t := &c.Timing
-	if t.FLOPS == 0 {
-		t.FLOPS = defaultFLOPS
-	}
-	if t.FLOPsPerToken == 0 {
-		t.FLOPsPerToken = defaultFLOPsPerToken
-	}
-	if t.AttnFLOPsPerPair == 0 {
-		t.AttnFLOPsPerPair = defaultAttnFLOPsPerPair
-	}
-	if t.WeightReadTime == 0 {
-		t.WeightReadTime = defaultWeightReadTime
-	}
-	if t.KVReadSecondsPerToken == 0 {
-		t.KVReadSecondsPerToken = defaultKVReadSecondsPerTok
-	}
-	if t.StepOverhead == 0 {
-		t.StepOverhead = defaultStepOverhead
-	}
-	if t.KVTransferTokensPerSec == 0 {
-		t.KVTransferTokensPerSec = defaultKVTransferTokPerSec
-	}
-	if t.CPULoadTokensPerSec == 0 {
-		t.CPULoadTokensPerSec = defaultCPULoadTokensPerSec
-	}
+	setDefault(&t.FLOPS, defaultFLOPS)
+	setDefault(&t.FLOPsPerToken, defaultFLOPsPerToken)
+	setDefault(&t.AttnFLOPsPerPair, defaultAttnFLOPsPerPair)
+	setDefault(&t.WeightReadTime, defaultWeightReadTime)
+	setDefault(&t.KVReadSecondsPerToken, defaultKVReadSecondsPerTok)
+	setDefault(&t.StepOverhead, defaultStepOverhead)
+	setDefault(&t.KVTransferTokensPerSec, defaultKVTransferTokPerSec)
+	setDefault(&t.CPULoadTokensPerSec, defaultCPULoadTokensPerSec)
 	switch {
 	case c.BlockSize < 1 || c.BlockSize > 1<<16:
 		return c, fmt.Errorf("%w: block size %d out of range [1, 65536]", ErrConfig, c.BlockSize)

@@ -15,6 +15,7 @@ import (
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
 // orderedPayloads makes n engine batches whose end state depends on their
@@ -243,7 +244,7 @@ func TestE2EPipelinedPublishReorderResynced(t *testing.T) {
 	setMaxSize := func(n int32) {
 		t.Helper()
 		var st jetstream.Stream
-		waitFor(t, 10*time.Second, "the bridge's stream", func() bool { st, err = js.Stream(r.ctx, r.stream.Name); return err == nil })
+		testenv.WaitFor(t, 10*time.Second, "the bridge's stream", func() bool { st, err = js.Stream(r.ctx, r.stream.Name); return err == nil })
 		cfg := st.CachedInfo().Config
 		cfg.MaxMsgSize = n
 		if _, err := js.UpdateStream(r.ctx, cfg); err != nil {
@@ -252,7 +253,7 @@ func TestE2EPipelinedPublishReorderResynced(t *testing.T) {
 	}
 	setMaxSize(maxSize)
 	r.publish(ps...)
-	waitFor(t, 20*time.Second, "the refused message being resent", func() bool { return r.stats().Repairs > 0 })
+	testenv.WaitFor(t, 20*time.Second, "the refused message being resent", func() bool { return r.stats().Repairs > 0 })
 	time.Sleep(300 * time.Millisecond) // a few refused resends
 	setMaxSize(-1)
 	r.waitPublished(uint64(len(ps)))

@@ -104,7 +104,7 @@ func newClusterFleet(t testing.TB, engines, blocks int, timeScale float64) *clus
 		f.engines = append(f.engines, e)
 	}
 	for _, e := range f.engines {
-		waitFor(t, 30*time.Second, e.id+" bridge ready", e.br.Ready)
+		testenv.WaitFor(t, 30*time.Second, e.id+" bridge ready", e.br.Ready)
 	}
 	return f
 }
@@ -157,7 +157,7 @@ func (f *clusterFleet) startConsumer() (*consumer.Consumer, *tableApplier) {
 	done := make(chan struct{})
 	go func() { defer close(done); _ = c.Run(ctx) }()
 	f.t.Cleanup(func() { cancel(); <-done })
-	waitFor(f.t, 30*time.Second, "consumer healthy", c.Healthy)
+	testenv.WaitFor(f.t, 30*time.Second, "consumer healthy", c.Healthy)
 	return c, a
 }
 

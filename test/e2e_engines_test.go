@@ -24,8 +24,6 @@ import (
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
-	"github.com/kvrouter/kvrouter/router/httpapi"
-	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
@@ -65,28 +63,15 @@ func (n *engineNode) url() string { return "http://" + n.addr }
 
 func (n *engineNode) start() {
 	n.t.Helper()
-	var s *simserver.Instance
-	var err error
-	for try := 0; ; try++ {
-		s, err = simserver.Start(n.ctx, simserver.Config{
-			Engine:    sim.Config{Model: engModel, GPUBlocks: 40, HashSeed: uint64(len(n.id))},
-			Listen:    n.addr,
-			TimeScale: 50,
-			Logger:    quietLogger(),
-			Events:    simserver.EventsConfig{Endpoint: n.pubEP, ReplayEndpoint: n.replayEP, Format: n.format},
-		})
-		if err == nil || try == 50 {
-			break
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	if err != nil {
-		n.t.Fatalf("kvsim %s: %v", n.id, err)
-	}
+	s := startSim(n.t, n.ctx, simserver.Config{
+		Engine:    sim.Config{Model: engModel, GPUBlocks: 40, HashSeed: uint64(len(n.id))},
+		Listen:    n.addr,
+		TimeScale: 50,
+		Events:    simserver.EventsConfig{Endpoint: n.pubEP, ReplayEndpoint: n.replayEP, Format: n.format},
+	})
 	n.mu.Lock()
 	n.sim = s
 	n.mu.Unlock()
-	n.t.Cleanup(func() { _ = s.Close() })
 }
 
 func (n *engineNode) stop() {
@@ -100,40 +85,21 @@ func (n *engineNode) stop() {
 // startBridge runs the bridge of the node's format until the test ends.
 func (n *engineNode) startBridge() {
 	n.t.Helper()
-	nc, err := nats.Connect(n.natsURL, nats.MaxReconnects(-1))
-	if err != nil {
-		n.t.Fatal(err)
-	}
-	n.t.Cleanup(nc.Close)
+	nc := testenv.Connect(n.t, n.natsURL, nats.MaxReconnects(-1))
 	src := bridge.Source{Instance: n.id, Endpoint: n.pubEP, ReplayEndpoint: n.replayEP, URL: n.url()}
-	ctx, cancel := context.WithCancel(n.ctx)
-	var wg sync.WaitGroup
 	if n.format == simserver.FormatTRTLLM {
-		p, err := bridge.NewTRTLLMPoller(ctx, bridge.TRTLLMConfig{EngineURL: n.url(), Interval: 20 * time.Millisecond, Logger: quietLogger()})
+		p, err := bridge.NewTRTLLMPoller(n.ctx, bridge.TRTLLMConfig{EngineURL: n.url(), Interval: 20 * time.Millisecond, Logger: quietLogger()})
 		if err != nil {
 			n.t.Fatal(err)
 		}
 		src = p.Source(0, n.id, n.url())
-		wg.Add(1)
-		go func() { defer wg.Done(); p.Run(ctx) }()
-		n.t.Cleanup(p.Close) // after the wait below (cleanups run last first)
+		n.t.Cleanup(p.Close) // after the poller has stopped (cleanups run last first)
+		testenv.Go(n.t, n.ctx, func(ctx context.Context) error { p.Run(ctx); return nil })
 	}
-	br, err := bridge.New(bridge.Config{
+	runBridge(n.t, n.ctx, simBridgeTimings(bridge.Config{
 		Pool: n.pool, Model: engModel, Conn: nc, Stream: n.stream, Bucket: n.bucket,
-		Sources:             []bridge.Source{src},
-		HeartbeatInterval:   200 * time.Millisecond,
-		SnapshotInterval:    300 * time.Millisecond,
-		EngineProbeInterval: 200 * time.Millisecond,
-		ReplayTimeout:       2 * time.Second,
-		PublishTimeout:      2 * time.Second,
-		Logger:              quietLogger(),
-	})
-	if err != nil {
-		n.t.Fatal(err)
-	}
-	wg.Add(1)
-	go func() { defer wg.Done(); _ = br.Run(ctx) }()
-	n.t.Cleanup(func() { cancel(); wg.Wait() })
+		Sources: []bridge.Source{src},
+	}))
 }
 
 // completeDirect sends a prompt straight to the engine (not through the
@@ -182,14 +148,7 @@ func newEngineFleet(t *testing.T, formats ...string) *engineFleet {
 		n.startBridge()
 	}
 	for _, n := range f.nodes {
-		waitFor(t, 20*time.Second, n.id+" live", func() bool {
-			for _, in := range f.r.instances().Instances {
-				if in.Instance == n.id {
-					return in.State == "live"
-				}
-			}
-			return false
-		})
+		f.r.waitLive(n.id, 20*time.Second)
 	}
 	return f
 }
@@ -209,20 +168,8 @@ func startEngineRouter(t *testing.T, ctx context.Context, natsURL, pool, stream,
 			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 			Instances: insts}},
 	}
-	reg := prometheus.NewRegistry()
-	kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Registerer: reg, Logger: quietLogger(), SnapshotTimeout: 300 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(kve.Close)
-	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: quietLogger(), Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rctx, stopRun := context.WithCancel(ctx)
-	runDone := make(chan struct{})
-	go func() { defer close(runDone); _ = srv.Run(rctx) }()
-	t.Cleanup(func() { stopRun(); <-runDone })
+	kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: quietLogger(), SnapshotTimeout: 300 * time.Millisecond}, prometheus.NewRegistry())
+	testenv.Go(t, ctx, srv.Run)
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(ts.Close)
 	r := &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
@@ -286,7 +233,7 @@ func TestE2EEngineSources(t *testing.T) {
 			a, other := f.nodes[0], f.nodes[1]
 			prompt := engTokens(1, 8*16+5) // 8 full blocks
 			a.completeDirect(prompt)
-			waitFor(t, 20*time.Second, "the index holds the prompt on "+a.id, func() bool { return f.gpuBlocks(prompt, a.id) == 8 })
+			testenv.WaitFor(t, 20*time.Second, "the index holds the prompt on "+a.id, func() bool { return f.gpuBlocks(prompt, a.id) == 8 })
 			if n := f.gpuBlocks(prompt, other.id); n != 0 {
 				t.Fatalf("%s holds %d blocks it never computed", other.id, n)
 			}
@@ -300,16 +247,16 @@ func TestE2EEngineSources(t *testing.T) {
 			for s := 2; s < 9; s++ {
 				a.completeDirect(engTokens(s, 8*16+5))
 			}
-			waitFor(t, 20*time.Second, "the evicted prompt gone from the index", func() bool { return f.gpuBlocks(prompt, a.id) < 8 })
+			testenv.WaitFor(t, 20*time.Second, "the evicted prompt gone from the index", func() bool { return f.gpuBlocks(prompt, a.id) < 8 })
 
 			// A restarted engine: nothing of the old process stays.
 			last := engTokens(8, 8*16+5)
-			waitFor(t, 20*time.Second, "the last prompt indexed", func() bool { return f.gpuBlocks(last, a.id) == 8 })
+			testenv.WaitFor(t, 20*time.Second, "the last prompt indexed", func() bool { return f.gpuBlocks(last, a.id) == 8 })
 			a.stop()
 			a.start()
-			waitFor(t, 20*time.Second, "the restarted engine's blocks cleared", func() bool { return f.gpuBlocks(last, a.id) == 0 })
+			testenv.WaitFor(t, 20*time.Second, "the restarted engine's blocks cleared", func() bool { return f.gpuBlocks(last, a.id) == 0 })
 			a.completeDirect(prompt)
-			waitFor(t, 20*time.Second, "the new process's blocks indexed", func() bool { return f.gpuBlocks(prompt, a.id) == 8 })
+			testenv.WaitFor(t, 20*time.Second, "the new process's blocks indexed", func() bool { return f.gpuBlocks(prompt, a.id) == 8 })
 		})
 	}
 }
@@ -322,7 +269,7 @@ func TestE2EMixedVLLMSGLangPool(t *testing.T) {
 	pv, ps := engTokens(21, 6*16+1), engTokens(22, 5*16+9)
 	v.completeDirect(pv)
 	s.completeDirect(ps)
-	waitFor(t, 20*time.Second, "both engines indexed", func() bool { return f.gpuBlocks(pv, v.id) == 6 && f.gpuBlocks(ps, s.id) == 5 })
+	testenv.WaitFor(t, 20*time.Second, "both engines indexed", func() bool { return f.gpuBlocks(pv, v.id) == 6 && f.gpuBlocks(ps, s.id) == 5 })
 	for _, c := range []struct {
 		ids    []uint32
 		inst   string
@@ -366,28 +313,16 @@ func TestE2EStoresOnlyLMCache(t *testing.T) {
 	r := startEngineRouter(t, ctx, ns.URL(), pool, stream.Name, bucket.Name,
 		[]config.InstanceConfig{{ID: inst, URL: "http://127.0.0.1:1"}}, 16)
 
-	nc, err := nats.Connect(ns.URL(), nats.MaxReconnects(-1))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := testenv.Connect(t, ns.URL(), nats.MaxReconnects(-1))
 	const lifetime = 2 * time.Second
-	br, err := bridge.New(bridge.Config{
+	br, _ := runBridge(t, ctx, bridge.Config{
 		Pool: pool, Model: engModel, Conn: nc, Stream: stream, Bucket: bucket,
 		Sources:           []bridge.Source{{Instance: inst, Endpoint: pubEP, ReplayEndpoint: replayEP}},
 		HeartbeatInterval: 200 * time.Millisecond, SnapshotInterval: 300 * time.Millisecond,
 		EngineProbeInterval: -1, ReplayTimeout: 2 * time.Second, PublishTimeout: 2 * time.Second,
 		AgeOut: map[tiers.Tier]time.Duration{tiers.CPU: lifetime},
-		Logger: quietLogger(),
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	bctx, stopBridge := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = br.Run(bctx) }()
-	t.Cleanup(func() { stopBridge(); <-done })
-	waitFor(t, 20*time.Second, "bridge subscribed", eng.Subscribed)
+	testenv.WaitFor(t, 20*time.Second, "bridge subscribed", eng.Subscribed)
 
 	ids := engTokens(31, 8*16) // two 64-token chunks
 	gpu := events.Event{Kind: events.BlockStored, BlockHashes: []uint64{1, 2, 3, 4, 5, 6, 7, 8}, TokenIDs: ids, BlockSize: 16, Medium: "GPU"}
@@ -408,7 +343,7 @@ func TestE2EStoresOnlyLMCache(t *testing.T) {
 	// re-puts what it keeps): a loaded machine can take longer than the
 	// 2 s lifetime to show them, and re-stores are what keep them alive.
 	refreshed := time.Now()
-	waitFor(t, 10*time.Second, "both chunks on CPU", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "both chunks on CPU", func() bool {
 		m := match(ids)
 		if m.GPUBlocks == 0 && m.CPUBlocks == 8 {
 			return true
@@ -427,7 +362,7 @@ func TestE2EStoresOnlyLMCache(t *testing.T) {
 	time.Sleep(lifetime / 2)
 	publish(chunk0)
 	refreshed = time.Now()
-	waitFor(t, 10*time.Second, "chunk 1 aged out, chunk 0 kept", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "chunk 1 aged out, chunk 0 kept", func() bool {
 		m := match(ids)
 		if m.CPUBlocks == 4 {
 			return true
@@ -441,7 +376,7 @@ func TestE2EStoresOnlyLMCache(t *testing.T) {
 	if st := br.Stats()[0]; st.Aged != 1 {
 		t.Fatalf("bridge aged %d blocks, want 1 (the one engine block of chunk 1)", st.Aged)
 	}
-	waitFor(t, 10*time.Second, "chunk 0 aged out too", func() bool { return match(ids).CPUBlocks == 0 })
+	testenv.WaitFor(t, 10*time.Second, "chunk 0 aged out too", func() bool { return match(ids).CPUBlocks == 0 })
 }
 
 // SGLang under attention DP: each rank publishes on port + rank
@@ -481,22 +416,11 @@ func TestE2ESGLangAttentionDPRanks(t *testing.T) {
 			ReplayEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", replayBase+rk)})
 	}
 	r := startEngineRouter(t, ctx, ns.URL(), pool, stream.Name, bucket.Name, insts, 0)
-	nc, err := nats.Connect(ns.URL(), nats.MaxReconnects(-1))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	br, err := bridge.New(bridge.Config{Pool: pool, Model: engModel, Conn: nc, Stream: stream, Bucket: bucket, Sources: srcs,
+	nc := testenv.Connect(t, ns.URL(), nats.MaxReconnects(-1))
+	runBridge(t, ctx, bridge.Config{Pool: pool, Model: engModel, Conn: nc, Stream: stream, Bucket: bucket, Sources: srcs,
 		HeartbeatInterval: 200 * time.Millisecond, SnapshotInterval: 300 * time.Millisecond, EngineProbeInterval: -1,
-		ReplayTimeout: time.Second, PublishTimeout: 2 * time.Second, Logger: quietLogger()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	bctx, stop := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = br.Run(bctx) }()
-	t.Cleanup(func() { stop(); <-done })
-	waitFor(t, 20*time.Second, "both ranks subscribed", s.EventsSubscribed)
+		ReplayTimeout: time.Second, PublishTimeout: 2 * time.Second})
+	testenv.WaitFor(t, 20*time.Second, "both ranks subscribed", s.EventsSubscribed)
 
 	// Concurrent prompts spread over both ranks (the server sends each to
 	// the rank with the least work); rounds until both got some, so a
@@ -535,7 +459,7 @@ func TestE2ESGLangAttentionDPRanks(t *testing.T) {
 	if held(0) == 0 || held(1) == 0 {
 		t.Fatalf("ranks hold %d and %d blocks: the prompts did not reach both", held(0), held(1))
 	}
-	waitFor(t, 20*time.Second, "each rank's blocks under its own instance", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "each rank's blocks under its own instance", func() bool {
 		return indexed("sg-dp0") == held(0) && indexed("sg-dp1") == held(1)
 	})
 	if n := indexed("sg-dp2"); n > 0 {

@@ -10,6 +10,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
@@ -21,7 +22,7 @@ import (
 // wall-time rates it reports the CPU time of the whole process (engine
 // publisher, bridge and NATS server) per batch.
 func BenchmarkBridgeThroughput(b *testing.B) {
-	ps := capturedPayloads(b, "array.jsonl")
+	ps := eventstest.CapturedPayloads(b, "array.jsonl")
 	blocks := 0
 	for _, p := range ps {
 		bt, err := events.Decode(p)
@@ -96,16 +97,7 @@ func BenchmarkEventToIndexLatency(b *testing.B) {
 	}
 	n := &notifier{Index: ix, seen: make(chan uint64, 16)}
 	r := newRig(b, rigOpts{})
-	cfg := consumer.Config{Conn: r.conn(), Pool: r.pool, Applier: n, Stream: r.stream, Bucket: r.bucket, Logger: quietLogger()}
-	c, err := consumer.New(cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(r.ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = c.Run(ctx) }()
-	b.Cleanup(func() { cancel(); <-done })
-	waitFor(b, 20*time.Second, "consumer healthy", c.Healthy)
+	r.runConsumer(consumer.Config{Applier: n})
 
 	tokens := make([]uint32, 16)
 	lat := make([]time.Duration, 0, b.N)

@@ -1,7 +1,6 @@
 package test
 
 import (
-	"context"
 	"fmt"
 	"testing"
 	"time"
@@ -9,6 +8,7 @@ import (
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
+	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
@@ -16,11 +16,11 @@ import (
 // Two data-parallel ranks, each its own publisher with its own seq (the
 // captured dp run: both start at 1), bridged as two instances.
 func TestE2EDataParallelRanks(t *testing.T) {
-	ps := capturedPayloads(t, "dp.array.jsonl")
+	ps := eventstest.CapturedPayloads(t, "dp.array.jsonl")
 	if len(ps) != 2 {
 		t.Fatalf("dp capture has %d messages, want one per rank", len(ps))
 	}
-	r := &rig{t: t, ctx: testenv.Context(t, time.Minute), ns: testenv.StartNATS(t)}
+	r := &rig{streamRig: streamRig{t: t, ctx: testenv.Context(t, time.Minute), ns: testenv.StartNATS(t)}}
 	name := testenv.UniqueName(t)
 	r.pool = "pool_" + name
 	r.stream = kvstream.StreamConfig{Name: "EV_" + name}
@@ -39,18 +39,10 @@ func TestE2EDataParallelRanks(t *testing.T) {
 		pubs = append(pubs, pub)
 		srcs = append(srcs, bridge.Source{Instance: fmt.Sprintf("vllm-0-dp%d", rank), Rank: rank, Endpoint: ep, ReplayEndpoint: rep})
 	}
-	br, err := bridge.New(bridge.Config{Pool: r.pool, Model: "fake-model", Sources: srcs, Conn: r.conn(),
-		Stream: r.stream, Bucket: r.bucket, Logger: quietLogger()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(r.ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = br.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
-	waitFor(t, 20*time.Second, "bridge ready", br.Ready)
+	r.runBridge(bridge.Config{Model: "fake-model", Sources: srcs})
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
 	for _, p := range pubs {
-		waitFor(t, 20*time.Second, "subscribed", p.Subscribed)
+		testenv.WaitFor(t, 20*time.Second, "subscribed", p.Subscribed)
 	}
 	c, a, _ := r.startConsumer(consumer.Config{})
 	for rank, p := range pubs {
@@ -65,7 +57,7 @@ func TestE2EDataParallelRanks(t *testing.T) {
 	if len(st) != 2 || st[0].LastSeq != 1 || st[1].LastSeq != 1 || st[0].Gaps+st[1].Gaps != 0 {
 		t.Fatalf("instances %+v", st)
 	}
-	for _, s := range br.Stats() {
+	for _, s := range r.br.Stats() {
 		if s.Gaps != 0 || s.Clears != 1 {
 			t.Fatalf("rank stats %+v: each rank has its own seq, no gaps", s)
 		}

@@ -30,9 +30,6 @@ import (
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
-	"github.com/kvrouter/kvrouter/router/admin"
-	"github.com/kvrouter/kvrouter/router/httpapi"
-	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
@@ -44,26 +41,14 @@ import (
 // router-side consumers. The engine's own cache is the truth every test
 // compares the index with, block for block.
 type simRig struct {
-	t        testing.TB
-	ctx      context.Context
-	ns       *testenv.NATSServer
-	pool     string
-	instance string
-	stream   kvstream.StreamConfig
-	bucket   kvstream.BucketConfig
+	streamRig
 	httpAddr string
-	pubEP    string
-	replayEP string
 	blocks   int // engine GPU blocks
 	rng      *rand.Rand
 
 	engMu sync.Mutex // guards sim: a stale watch reads it while tests restart it
 	sim   *simserver.Instance
 	scr   *scriptEngine // instead of sim, when set
-
-	br           *bridge.Bridge
-	bridgeCancel context.CancelFunc
-	bridgeDone   chan struct{}
 }
 
 const simModel = "sim-model"
@@ -72,13 +57,15 @@ func newSimRig(t testing.TB, blocks int) *simRig {
 	t.Helper()
 	name := testenv.UniqueName(t)
 	return &simRig{
-		t: t, ctx: testenv.Context(t, 3*time.Minute), ns: testenv.StartNATS(t),
-		pool: "pool_" + name, instance: "sim-0",
-		stream:   kvstream.StreamConfig{Name: "EV_" + name},
-		bucket:   kvstream.BucketConfig{Name: "SN_" + name},
+		streamRig: streamRig{
+			t: t, ctx: testenv.Context(t, 3*time.Minute), ns: testenv.StartNATS(t),
+			pool: "pool_" + name, instance: "sim-0",
+			stream:   kvstream.StreamConfig{Name: "EV_" + name},
+			bucket:   kvstream.BucketConfig{Name: "SN_" + name},
+			pubEP:    fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
+			replayEP: fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
+		},
 		httpAddr: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)),
-		pubEP:    fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
-		replayEP: fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
 		blocks:   blocks,
 		rng:      rand.New(rand.NewPCG(uint64(len(name)), 7)),
 	}
@@ -91,28 +78,38 @@ func (r *simRig) url() string { return "http://" + r.httpAddr }
 // time).
 func (r *simRig) startEngine() {
 	r.t.Helper()
-	var s *simserver.Instance
-	var err error
-	for try := 0; ; try++ {
-		s, err = simserver.Start(r.ctx, simserver.Config{
-			Engine:    sim.Config{Model: simModel, GPUBlocks: r.blocks, HashSeed: 3},
-			Listen:    r.httpAddr,
-			TimeScale: 50,
-			Logger:    quietLogger(),
-			Events:    simserver.EventsConfig{Endpoint: r.pubEP, ReplayEndpoint: r.replayEP},
-		})
-		if err == nil || try == 50 {
-			break
-		}
-		time.Sleep(100 * time.Millisecond) // the killed one's ports are still closing
-	}
-	if err != nil {
-		r.t.Fatalf("kvsim: %v", err)
-	}
+	s := startSim(r.t, r.ctx, simserver.Config{
+		Engine:    sim.Config{Model: simModel, GPUBlocks: r.blocks, HashSeed: 3},
+		Listen:    r.httpAddr,
+		TimeScale: 50,
+		Events:    simserver.EventsConfig{Endpoint: r.pubEP, ReplayEndpoint: r.replayEP},
+	})
 	r.engMu.Lock()
 	r.sim = s
 	r.engMu.Unlock()
-	r.t.Cleanup(func() { _ = s.Close() })
+}
+
+// startSim starts a kvsim instance on cfg (a quiet logger unless cfg names
+// one), closed when the test ends. It tries for 5s: an instance started
+// again at a killed one's fixed addresses waits for their ports to close.
+func startSim(t testing.TB, ctx context.Context, cfg simserver.Config) *simserver.Instance {
+	t.Helper()
+	if cfg.Logger == nil {
+		cfg.Logger = quietLogger()
+	}
+	var s *simserver.Instance
+	var err error
+	for try := 0; ; try++ {
+		if s, err = simserver.Start(ctx, cfg); err == nil || try == 50 {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatalf("kvsim %s: %v", cfg.Listen, err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	return s
 }
 
 // killEngine stops the engine at once: its sockets close, its cache is gone.
@@ -131,44 +128,24 @@ type bridgeOpts struct {
 
 func (r *simRig) startBridge(o bridgeOpts) {
 	r.t.Helper()
-	nc := r.conn()
-	br, err := bridge.New(bridge.Config{
-		Pool: r.pool, Model: simModel, Conn: nc, Stream: r.stream, Bucket: r.bucket,
-		Sources:             []bridge.Source{{Instance: r.instance, Endpoint: r.pubEP, ReplayEndpoint: r.replayEP, URL: r.url()}},
-		MaxBlocks:           o.maxBlocks,
-		HeartbeatInterval:   200 * time.Millisecond,
-		SnapshotInterval:    300 * time.Millisecond,
-		EngineProbeInterval: 200 * time.Millisecond,
-		ReplayTimeout:       2 * time.Second,
-		PublishTimeout:      2 * time.Second,
-		Logger:              quietLogger(),
-	})
-	if err != nil {
-		r.t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(r.ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = br.Run(ctx) }()
-	r.br, r.bridgeCancel, r.bridgeDone = br, cancel, done
-	r.t.Cleanup(r.stopBridge)
+	r.runBridge(simBridgeTimings(bridge.Config{
+		Model:     simModel,
+		Sources:   []bridge.Source{{Instance: r.instance, Endpoint: r.pubEP, ReplayEndpoint: r.replayEP, URL: r.url()}},
+		MaxBlocks: o.maxBlocks,
+	}))
 }
 
-func (r *simRig) stopBridge() {
-	if r.bridgeCancel != nil {
-		r.bridgeCancel()
-		<-r.bridgeDone
-		r.bridgeCancel = nil
-	}
-}
-
-func (r *simRig) conn() *nats.Conn {
-	r.t.Helper()
-	nc, err := nats.Connect(r.ns.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond), nats.RetryOnFailedConnect(true))
-	if err != nil {
-		r.t.Fatalf("nats connect: %v", err)
-	}
-	r.t.Cleanup(nc.Close)
-	return nc
+// simBridgeTimings sets the intervals of the bridges in front of simulated
+// engines: heartbeats, snapshots and engine probes fast enough that a
+// test sees an engine restart or death within a second, replays and
+// publishes given 2s.
+func simBridgeTimings(cfg bridge.Config) bridge.Config {
+	cfg.HeartbeatInterval = 200 * time.Millisecond
+	cfg.SnapshotInterval = 300 * time.Millisecond
+	cfg.EngineProbeInterval = 200 * time.Millisecond
+	cfg.ReplayTimeout = 2 * time.Second
+	cfg.PublishTimeout = 2 * time.Second
+	return cfg
 }
 
 // startRouter runs a router-side consumer into a fresh index.
@@ -181,18 +158,32 @@ func (r *simRig) startRouter() (*consumer.Consumer, *tableApplier, func()) {
 
 func (r *simRig) startRouterInto(a consumer.Applier) (*consumer.Consumer, func()) {
 	r.t.Helper()
-	c, err := consumer.New(consumer.Config{Conn: r.conn(), Pool: r.pool, Applier: a, Stream: r.stream, Bucket: r.bucket,
-		StaleAfter: 3 * time.Second, PurgeAfter: time.Minute, CheckInterval: 100 * time.Millisecond, Logger: quietLogger()})
-	if err != nil {
-		r.t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(r.ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = c.Run(ctx) }()
-	stop := func() { cancel(); <-done }
-	r.t.Cleanup(stop)
-	waitFor(r.t, 20*time.Second, "consumer healthy", c.Healthy)
-	return c, stop
+	return r.runConsumer(consumer.Config{Applier: a,
+		StaleAfter: 3 * time.Second, PurgeAfter: time.Minute, CheckInterval: 100 * time.Millisecond})
+}
+
+// serving starts the engine and its bridge, a router-side consumer into a
+// fresh index, and 30 requests, and waits until the index equals the
+// engine (what names this moment in a failure): where every restart test
+// starts from.
+func (r *simRig) serving(what string) (*consumer.Consumer, *tableApplier, func()) {
+	r.t.Helper()
+	r.startEngine()
+	r.startBridge(bridgeOpts{})
+	testenv.WaitFor(r.t, 20*time.Second, "bridge ready", r.br.Ready)
+	c, a, stop := r.startRouter()
+	r.traffic(30)
+	r.waitIndex(a, what)
+	return c, a, stop
+}
+
+// checkNewRouter starts another router-side consumer into a fresh index
+// and waits until that index equals the engine: a router (re)started now
+// rebuilds every block from the stream and the bridge's snapshot.
+func (r *simRig) checkNewRouter() {
+	r.t.Helper()
+	_, a, _ := r.startRouter()
+	r.waitIndex(a, "router restart")
 }
 
 // truth is what the engine holds on GPU (nothing while it is dead).
@@ -399,9 +390,9 @@ func testBoundedTable(t *testing.T, engine string) {
 		drive = func() { e.churn(150) }
 	}
 	r.startBridge(bridgeOpts{maxBlocks: blocks})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
 	if r.scr != nil {
-		waitFor(t, 20*time.Second, "bridge subscribed", r.scr.pub.Subscribed)
+		testenv.WaitFor(t, 20*time.Second, "bridge subscribed", r.scr.pub.Subscribed)
 	}
 	rl := &removalLog{tableApplier: newTableApplier(), removed: map[uint64]int{}}
 	_, stop := r.startRouterInto(rl)
@@ -448,7 +439,7 @@ func testBoundedTable(t *testing.T, engine string) {
 	if total < blocks {
 		t.Fatalf("only %d blocks removed: the churn did not churn", total)
 	}
-	waitFor(t, 10*time.Second, "eviction records for every removal", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "eviction records for every removal", func() bool {
 		ec.mu.Lock()
 		defer ec.mu.Unlock()
 		n := 0
@@ -473,8 +464,7 @@ func testBoundedTable(t *testing.T, engine string) {
 
 	// A router restart rebuilds every block from the snapshot and stream.
 	stop()
-	_, a2, _ := r.startRouter()
-	r.waitIndex(a2, "router restart")
+	r.checkNewRouter()
 	t.Logf("engine %d blocks, %d blocks removed, all in exactly one eviction record", len(r.truth()), total)
 }
 
@@ -698,12 +688,7 @@ const staleBound = 10 * time.Second
 // ends equal to it; a router started afterwards agrees.
 func TestE2EEngineRestartFast(t *testing.T) {
 	r := newSimRig(t, 64)
-	r.startEngine()
-	r.startBridge(bridgeOpts{})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
-	c, a, _ := r.startRouter()
-	r.traffic(30)
-	r.waitIndex(a, "before the restart")
+	c, a, _ := r.serving("before the restart")
 
 	w := r.watchStale(c, a)
 	r.killEngine()
@@ -718,8 +703,7 @@ func TestE2EEngineRestartFast(t *testing.T) {
 	if s := r.br.Stats()[0]; s.Clears < 2 {
 		t.Fatalf("bridge stats %+v: want a restart clear after the resync clear", s)
 	}
-	_, a2, _ := r.startRouter()
-	r.waitIndex(a2, "router restart")
+	r.checkNewRouter()
 }
 
 // The engine dies and stays dead long enough for the bridge's reconnect
@@ -729,17 +713,12 @@ func TestE2EEngineRestartFast(t *testing.T) {
 // index ends equal to the engine.
 func TestE2EEngineRestartDuringBackoff(t *testing.T) {
 	r := newSimRig(t, 64)
-	r.startEngine()
-	r.startBridge(bridgeOpts{})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
-	c, a, _ := r.startRouter()
-	r.traffic(30)
-	r.waitIndex(a, "before the kill")
+	c, a, _ := r.serving("before the kill")
 
 	w := r.watchStale(c, a)
 	killed := time.Now()
 	r.killEngine()
-	waitFor(t, 15*time.Second, "the router to see the engine down", func() bool {
+	testenv.WaitFor(t, 15*time.Second, "the router to see the engine down", func() bool {
 		st := c.Instances()
 		return len(st) == 1 && st[0].EngineDown && !c.Live(r.instance)
 	})
@@ -751,7 +730,7 @@ func TestE2EEngineRestartDuringBackoff(t *testing.T) {
 	r.traffic(20)
 	subscribed := r.sim.EventsSubscribed()
 	r.waitIndex(a, "after the restart")
-	waitFor(t, 15*time.Second, "instance live again", func() bool { return c.Live(r.instance) })
+	testenv.WaitFor(t, 15*time.Second, "instance live again", func() bool { return c.Live(r.instance) })
 	win := w.window()
 	t.Logf("engine down seen by the router after %v; stale window %v; bridge subscribed before the first batches: %v", down, win, subscribed)
 	if win > staleBound {
@@ -760,8 +739,7 @@ func TestE2EEngineRestartDuringBackoff(t *testing.T) {
 	if subscribed {
 		t.Log("the bridge reconnected before the first batches: the replay of the first messages was not exercised this run")
 	}
-	_, a2, _ := r.startRouter()
-	r.waitIndex(a2, "router restart")
+	r.checkNewRouter()
 }
 
 // A pod restart: engine and bridge both go; the engine comes back first and
@@ -771,12 +749,7 @@ func TestE2EEngineRestartDuringBackoff(t *testing.T) {
 // counts the old blocks live after the new bridge starts.
 func TestE2EPodRestart(t *testing.T) {
 	r := newSimRig(t, 64)
-	r.startEngine()
-	r.startBridge(bridgeOpts{})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
-	c, a, _ := r.startRouter()
-	r.traffic(30)
-	r.waitIndex(a, "before the pod restart")
+	c, a, _ := r.serving("before the pod restart")
 	time.Sleep(500 * time.Millisecond) // a periodic snapshot store (300ms)
 	r.stopBridge()
 	r.killEngine()
@@ -790,8 +763,7 @@ func TestE2EPodRestart(t *testing.T) {
 	if win > staleBound {
 		t.Fatalf("stale blocks counted live for %v", win)
 	}
-	_, a2, _ := r.startRouter()
-	r.waitIndex(a2, "router restart")
+	r.checkNewRouter()
 }
 
 // The bridge starts well before its engine: its reconnect backoff has grown,
@@ -800,7 +772,7 @@ func TestE2EPodRestart(t *testing.T) {
 func TestE2EBridgeBeforeEngine(t *testing.T) {
 	r := newSimRig(t, 64)
 	r.startBridge(bridgeOpts{})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
 	_, a, _ := r.startRouter()
 	time.Sleep(3500 * time.Millisecond) // backoff past 1.6s
 	r.startEngine()
@@ -812,8 +784,7 @@ func TestE2EBridgeBeforeEngine(t *testing.T) {
 	if s := r.br.Stats()[0]; early && s.Replays == 0 {
 		t.Fatalf("bridge stats %+v: the early batches were not replayed", s)
 	}
-	_, a2, _ := r.startRouter()
-	r.waitIndex(a2, "router restart")
+	r.checkNewRouter()
 }
 
 // The JetStream store is wiped (NATS restarted on an empty store): the
@@ -822,12 +793,7 @@ func TestE2EBridgeBeforeEngine(t *testing.T) {
 // still know every block the engine holds.
 func TestE2EJetStreamWiped(t *testing.T) {
 	r := newSimRig(t, 64)
-	r.startEngine()
-	r.startBridge(bridgeOpts{})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
-	_, a, stop := r.startRouter()
-	r.traffic(30)
-	r.waitIndex(a, "before the wipe")
+	_, _, stop := r.serving("before the wipe")
 	stop()
 
 	r.ns.Shutdown()
@@ -849,7 +815,7 @@ func TestE2EJetStreamWiped(t *testing.T) {
 		t.Fatal(err)
 	}
 	key, _ := kvstream.SnapshotKey(r.pool, r.instance)
-	waitFor(t, 20*time.Second, "stream, bucket, object store and snapshot made again", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "stream, bucket, object store and snapshot made again", func() bool {
 		ctx, cancel := context.WithTimeout(r.ctx, time.Second)
 		defer cancel()
 		if _, err := js.Stream(ctx, r.stream.Name); err != nil {
@@ -869,7 +835,7 @@ func TestE2EJetStreamWiped(t *testing.T) {
 	// rebuilds the engine's blocks.
 	r.stopBridge()
 	r.startBridge(bridgeOpts{})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
 	_, a2, _ := r.startRouter()
 	r.waitIndex(a2, "router after the wipe")
 	r.traffic(10)
@@ -903,7 +869,7 @@ func TestE2EConvergence(t *testing.T) {
 	r := newSimRig(t, 64)
 	r.startEngine()
 	r.startBridge(bridgeOpts{maxBlocks: 64})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
 	c, a, stopRouter := r.startRouter()
 	r.traffic(20)
 	r.waitIndex(a, "start")
@@ -942,7 +908,7 @@ func TestE2EConvergence(t *testing.T) {
 		}
 		// Settle without traffic: safe once the router counts no block
 		// the engine lacks (or does not count the instance at all).
-		waitFor(t, 30*time.Second, op.name+": no stale block counted live", func() bool {
+		testenv.WaitFor(t, 30*time.Second, op.name+": no stale block counted live", func() bool {
 			stale, _ := diff(keys(a.dump(r.instance)), r.truth())
 			return stale == 0 || !c.Live(r.instance)
 		})
@@ -951,7 +917,7 @@ func TestE2EConvergence(t *testing.T) {
 		r.traffic(10)
 		start := time.Now()
 		r.waitIndex(a, fmt.Sprintf("step %d (%s)", i, op.name))
-		waitFor(t, 30*time.Second, "instance live", func() bool { return c.Live(r.instance) })
+		testenv.WaitFor(t, 30*time.Second, "instance live", func() bool { return c.Live(r.instance) })
 		conv := time.Since(start)
 		t.Logf("step %d %-22s stale window %7.3fs, converged %6.3fs after traffic", i, op.name, win.Seconds(), conv.Seconds())
 		wv := worst[op.name]
@@ -990,7 +956,7 @@ func testRouterNoStaleKVMatch(t *testing.T, specTTL time.Duration) {
 	r := newSimRig(t, 256)
 	r.startEngine()
 	r.startBridge(bridgeOpts{})
-	waitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)
 	cfg := config.Config{
 		AdminToken: "adm",
 		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: r.ns.URL(), Stream: r.stream.Name}, Bucket: r.bucket.Name,
@@ -1000,20 +966,8 @@ func testRouterNoStaleKVMatch(t *testing.T, specTTL time.Duration) {
 			Health:  config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 			Instances: []config.InstanceConfig{{ID: r.instance, URL: r.url()}}}},
 	}
-	reg := prometheus.NewRegistry()
-	kve, err := kvstate.Start(r.ctx, cfg, kvstate.Options{Registerer: reg, Logger: quietLogger()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(kve.Close)
-	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: quietLogger(), Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rctx, stopRun := context.WithCancel(r.ctx)
-	runDone := make(chan struct{})
-	go func() { defer close(runDone); _ = srv.Run(rctx) }()
-	t.Cleanup(func() { stopRun(); <-runDone })
+	kve, srv := newKVRouter(t, r.ctx, cfg, kvstate.Options{Logger: quietLogger()}, prometheus.NewRegistry())
+	testenv.Go(t, r.ctx, srv.Run)
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(ts.Close)
 	if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
@@ -1039,7 +993,7 @@ func testRouterNoStaleKVMatch(t *testing.T, specTTL time.Duration) {
 	for _, p := range prompts {
 		complete(p)
 	}
-	waitFor(t, 20*time.Second, "the router matching a warm prompt", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the router matching a warm prompt", func() bool {
 		return complete(prompts[0]) == string(router.ReasonKVMatch)
 	})
 
@@ -1060,7 +1014,7 @@ func testRouterNoStaleKVMatch(t *testing.T, specTTL time.Duration) {
 		t.Fatalf("kv_match on a restarted engine's lost blocks %v after the restart", last)
 	}
 	// The prompts sent since are cached again, and matched.
-	waitFor(t, 20*time.Second, "the router matching a prompt cached by the new process", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the router matching a prompt cached by the new process", func() bool {
 		return complete(prompts[len(prompts)-1]) == string(router.ReasonKVMatch)
 	})
 }

@@ -1,10 +1,7 @@
 package test
 
 import (
-	"bufio"
 	"context"
-	"encoding/base64"
-	"encoding/json"
 	"fmt"
 	"github.com/prometheus/client_golang/prometheus"
 	"log/slog"
@@ -16,6 +13,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
@@ -23,38 +21,11 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/httpapi"
+	"github.com/kvrouter/kvrouter/router/kvaware"
+	"github.com/kvrouter/kvrouter/router/kvstate"
 )
-
-// capturedPayloads returns the msgpack payloads of a capture file: real
-// llm-d-inference-sim messages (events/testdata/captured/DATA.md).
-func capturedPayloads(t testing.TB, name string) [][]byte {
-	t.Helper()
-	f, err := os.Open("../events/testdata/captured/" + name)
-	if err != nil {
-		t.Fatalf("captures: %v", err)
-	}
-	defer f.Close()
-	var out [][]byte
-	s := bufio.NewScanner(f)
-	s.Buffer(make([]byte, 1<<20), 1<<20)
-	for s.Scan() {
-		var line struct {
-			Payload string `json:"payload_b64"`
-		}
-		if err := json.Unmarshal(s.Bytes(), &line); err != nil {
-			t.Fatal(err)
-		}
-		p, err := base64.StdEncoding.DecodeString(line.Payload)
-		if err != nil {
-			t.Fatal(err)
-		}
-		out = append(out, p)
-	}
-	if len(out) == 0 {
-		t.Fatalf("captures: %s is empty", name)
-	}
-	return out
-}
 
 // tableApplier is an index that keeps, per instance, exactly the engine's
 // block table (bridge.Table), so tests can compare what a consumer built
@@ -116,17 +87,6 @@ func reference(t testing.TB, payloads ...[]byte) map[uint64]bridge.Placement {
 	return tab.Dump()
 }
 
-func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", d, what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 // waitTable waits until the applier holds want for the instance.
 func waitTable(t testing.TB, a *tableApplier, instance string, want map[uint64]bridge.Placement) {
 	t.Helper()
@@ -157,8 +117,10 @@ func waitTable(t testing.TB, a *tableApplier, instance string, want map[uint64]b
 	}
 }
 
-// rig is one engine (ZMQ PUB + replay), NATS, a bridge and consumers.
-type rig struct {
+// streamRig is what both event rigs (rig, simRig) share: one NATS
+// server, one pool's stream and snapshot bucket, one instance's engine
+// endpoints, and the bridge that carries its events into the stream.
+type streamRig struct {
 	t        testing.TB
 	ctx      context.Context
 	ns       *testenv.NATSServer
@@ -169,11 +131,102 @@ type rig struct {
 	pubEP    string
 	replayEP string
 
-	pub *enginezmq.Publisher
+	br        *bridge.Bridge
+	brStopped func() // stops br and waits for it (nil: not running)
+}
 
-	bridgeCancel context.CancelFunc
-	bridgeDone   chan struct{}
-	br           *bridge.Bridge
+// conn connects to the rig's NATS server, reconnecting forever.
+func (r *streamRig) conn() *nats.Conn {
+	r.t.Helper()
+	return testenv.Connect(r.t, r.ns.URL(), reconnectForever...)
+}
+
+// reconnectForever are the options of a connection that outlives NATS
+// restarts: it retries its first connect and every reconnect, 50ms apart.
+var reconnectForever = []nats.Option{nats.MaxReconnects(-1), nats.ReconnectWait(50 * time.Millisecond), nats.RetryOnFailedConnect(true)}
+
+// runBridge runs a bridge on cfg, given the rig's pool, connection,
+// stream and bucket (and a quiet logger unless cfg names one), until the
+// test ends or stopBridge.
+func (r *streamRig) runBridge(cfg bridge.Config) {
+	r.t.Helper()
+	cfg.Pool, cfg.Conn, cfg.Stream, cfg.Bucket = r.pool, r.conn(), r.stream, r.bucket
+	r.br, r.brStopped = runBridge(r.t, r.ctx, cfg)
+}
+
+func (r *streamRig) stopBridge() {
+	if r.brStopped != nil {
+		r.brStopped()
+		r.brStopped = nil
+	}
+}
+
+// runConsumer runs a router-side consumer on cfg, given the rig's pool,
+// connection, stream and bucket (and a quiet logger unless cfg names one),
+// until the test ends or stop; it returns once the consumer is healthy.
+func (r *streamRig) runConsumer(cfg consumer.Config) (c *consumer.Consumer, stop func()) {
+	r.t.Helper()
+	cfg.Conn, cfg.Pool, cfg.Stream, cfg.Bucket = r.conn(), r.pool, r.stream, r.bucket
+	return runConsumer(r.t, r.ctx, cfg, 20*time.Second)
+}
+
+// runBridge runs a bridge on cfg (a quiet logger unless cfg names one)
+// until the test ends or stop.
+func runBridge(t testing.TB, ctx context.Context, cfg bridge.Config) (br *bridge.Bridge, stop func()) {
+	t.Helper()
+	if cfg.Logger == nil {
+		cfg.Logger = quietLogger()
+	}
+	br, err := bridge.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return br, testenv.Go(t, ctx, br.Run)
+}
+
+// runConsumer runs a router-side consumer on cfg (a quiet logger unless
+// cfg names one) until the test ends or stop; it returns once the consumer
+// is healthy, and fails the test if it is not within healthy.
+func runConsumer(t testing.TB, ctx context.Context, cfg consumer.Config, healthy time.Duration) (c *consumer.Consumer, stop func()) {
+	t.Helper()
+	if cfg.Logger == nil {
+		cfg.Logger = quietLogger()
+	}
+	c, err := consumer.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop = testenv.Go(t, ctx, c.Run)
+	testenv.WaitFor(t, healthy, "consumer healthy", c.Healthy)
+	return c, stop
+}
+
+// newKVRouter starts cfg's KV-state pipeline on ctx (closed when the test
+// ends) and a router server over it with the admin API mounted, as
+// cmd/kvrouter wires them; both log to opts.Logger, and reg (nil: the
+// server's own) receives both one's metrics. Running the server and
+// waiting for the pipeline are the caller's.
+func newKVRouter(t testing.TB, ctx context.Context, cfg config.Config, opts kvstate.Options, reg *prometheus.Registry) (*kvstate.Pipeline, *httpapi.Server) {
+	t.Helper()
+	if reg != nil {
+		opts.Registerer = reg
+	}
+	kve, err := kvstate.Start(ctx, cfg, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(kve.Close)
+	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: opts.Logger, Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return kve, srv
+}
+
+// rig is one engine (ZMQ PUB + replay), NATS, a bridge and consumers.
+type rig struct {
+	streamRig
+	pub *enginezmq.Publisher
 }
 
 type rigOpts struct {
@@ -190,7 +243,7 @@ type rigOpts struct {
 func newRig(t testing.TB, o rigOpts) *rig {
 	t.Helper()
 	name := testenv.UniqueName(t)
-	r := &rig{
+	r := &rig{streamRig: streamRig{
 		t:        t,
 		ctx:      testenv.Context(t, 2*time.Minute),
 		ns:       testenv.StartNATS(t),
@@ -199,23 +252,13 @@ func newRig(t testing.TB, o rigOpts) *rig {
 		stream:   kvstream.StreamConfig{Name: "EV_" + name, MaxMsgs: o.maxMsgs},
 		bucket:   kvstream.BucketConfig{Name: "SN_" + name},
 		pubEP:    fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)),
-	}
+	}}
 	if !o.noReplay {
 		r.replayEP = fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 	}
 	r.startEngine(1)
 	r.startBridge(o)
 	return r
-}
-
-func (r *rig) conn() *nats.Conn {
-	r.t.Helper()
-	nc, err := nats.Connect(r.ns.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond), nats.RetryOnFailedConnect(true))
-	if err != nil {
-		r.t.Fatalf("nats connect: %v", err)
-	}
-	r.t.Cleanup(nc.Close)
-	return nc
 }
 
 func (r *rig) startEngine(firstSeq uint64) {
@@ -235,14 +278,10 @@ func (r *rig) startBridge(o rigOpts) {
 	if snapEvery == 0 {
 		snapEvery = time.Hour
 	}
-	br, err := bridge.New(bridge.Config{
-		Pool:  r.pool,
+	r.runBridge(bridge.Config{
 		Model: "fake-model",
 		Sources: []bridge.Source{{Instance: r.instance, Endpoint: r.pubEP, ReplayEndpoint: r.replayEP,
 			URL: "http://127.0.0.1:18000"}},
-		Conn:              r.conn(),
-		Stream:            r.stream,
-		Bucket:            r.bucket,
 		Buffer:            o.buffer,
 		InlineSnapshotMax: o.inlineMax,
 		PublishWindow:     o.window,
@@ -255,49 +294,19 @@ func (r *rig) startBridge(o rigOpts) {
 		// No HTTP server stands behind this engine's URL: a probe would
 		// rightly call it down.
 		EngineProbeInterval: -1,
-		Logger:              quietLogger(),
 	})
-	if err != nil {
-		r.t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(r.ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = br.Run(ctx) }()
-	r.br, r.bridgeCancel, r.bridgeDone = br, cancel, done
-	r.t.Cleanup(r.stopBridge)
-	waitFor(r.t, 20*time.Second, "bridge ready", br.Ready)
-	waitFor(r.t, 20*time.Second, "bridge subscribed to the engine", r.pub.Subscribed)
-}
-
-func (r *rig) stopBridge() {
-	if r.bridgeCancel != nil {
-		r.bridgeCancel()
-		<-r.bridgeDone
-		r.bridgeCancel = nil
-	}
+	testenv.WaitFor(r.t, 20*time.Second, "bridge ready", r.br.Ready)
+	testenv.WaitFor(r.t, 20*time.Second, "bridge subscribed to the engine", r.pub.Subscribed)
 }
 
 func (r *rig) stats() bridge.Stats { return r.br.Stats()[0] }
 
 // startConsumer runs a router-side consumer into a fresh applier.
-func (r *rig) startConsumer(cfg consumer.Config) (*consumer.Consumer, *tableApplier, context.CancelFunc) {
+func (r *rig) startConsumer(cfg consumer.Config) (*consumer.Consumer, *tableApplier, func()) {
 	r.t.Helper()
 	a := newTableApplier()
-	cfg.Conn, cfg.Pool, cfg.Applier = r.conn(), r.pool, a
-	cfg.Stream, cfg.Bucket = r.stream, r.bucket
-	if cfg.Logger == nil {
-		cfg.Logger = quietLogger()
-	}
-	c, err := consumer.New(cfg)
-	if err != nil {
-		r.t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(r.ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = c.Run(ctx) }()
-	stop := func() { cancel(); <-done }
-	r.t.Cleanup(stop)
-	waitFor(r.t, 20*time.Second, "consumer healthy", c.Healthy)
+	cfg.Applier = a
+	c, stop := r.runConsumer(cfg)
 	return c, a, stop
 }
 
@@ -321,7 +330,7 @@ func (r *rig) publishFollowed(c *consumer.Consumer, payloads ...[]byte) {
 		if err != nil {
 			r.t.Fatal(err)
 		}
-		waitFor(r.t, 20*time.Second, fmt.Sprintf("consumer at engine seq %d", seq), func() bool {
+		testenv.WaitFor(r.t, 20*time.Second, fmt.Sprintf("consumer at engine seq %d", seq), func() bool {
 			for _, st := range c.Instances() {
 				if st.Instance == r.instance && st.LastSeq >= seq {
 					return true
@@ -335,7 +344,7 @@ func (r *rig) publishFollowed(c *consumer.Consumer, payloads ...[]byte) {
 // waitPublished waits until the bridge has published through engine seq.
 func (r *rig) waitPublished(seq uint64) {
 	r.t.Helper()
-	waitFor(r.t, 20*time.Second, fmt.Sprintf("bridge at engine seq %d", seq), func() bool {
+	testenv.WaitFor(r.t, 20*time.Second, fmt.Sprintf("bridge at engine seq %d", seq), func() bool {
 		s := r.stats()
 		return s.HasSeq && s.EngineSeq >= seq
 	})

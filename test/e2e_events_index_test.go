@@ -1,7 +1,6 @@
 package test
 
 import (
-	"context"
 	"testing"
 	"time"
 
@@ -9,6 +8,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/tiers"
@@ -41,7 +41,7 @@ func TestE2EIndexLookup(t *testing.T) {
 	}
 	for _, be := range backends {
 		t.Run(be.name, func(t *testing.T) {
-			ps := capturedPayloads(t, "array.jsonl")
+			ps := eventstest.CapturedPayloads(t, "array.jsonl")
 			first, err := events.Decode(ps[0])
 			if err != nil {
 				t.Fatal(err)
@@ -54,16 +54,7 @@ func TestE2EIndexLookup(t *testing.T) {
 
 			ix := be.make(t)
 			r := newRig(t, rigOpts{})
-			cfg := consumer.Config{Conn: r.conn(), Pool: r.pool, Applier: ix, Stream: r.stream, Bucket: r.bucket, Logger: quietLogger()}
-			c, err := consumer.New(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ctx, cancel := context.WithCancel(r.ctx)
-			done := make(chan struct{})
-			go func() { defer close(done); _ = c.Run(ctx) }()
-			t.Cleanup(func() { cancel(); <-done })
-			waitFor(t, 20*time.Second, "consumer healthy", c.Healthy)
+			c, _ := r.runConsumer(consumer.Config{Applier: ix})
 
 			gpuBlocks := func() int {
 				ms, err := ix.Lookup(r.ctx, keys)
@@ -78,7 +69,7 @@ func TestE2EIndexLookup(t *testing.T) {
 				return 0
 			}
 			r.publish(ps[0])
-			waitFor(t, 20*time.Second, "chat_A's 12 blocks in the index", func() bool { return gpuBlocks() == 12 })
+			testenv.WaitFor(t, 20*time.Second, "chat_A's 12 blocks in the index", func() bool { return gpuBlocks() == 12 })
 
 			// The fills evict blocks of chat_A (the capture's BlockRemoved):
 			// the lookup sees the chain cut at the first evicted block.
@@ -94,10 +85,10 @@ func TestE2EIndexLookup(t *testing.T) {
 			if lead == 12 {
 				t.Fatal("capture changed: chat_A not evicted by seq 22")
 			}
-			waitFor(t, 20*time.Second, "chat_A's removals in the index", func() bool { return gpuBlocks() == lead })
+			testenv.WaitFor(t, 20*time.Second, "chat_A's removals in the index", func() bool { return gpuBlocks() == lead })
 			r.publish(ps[22])
 			r.waitPublished(23)
-			waitFor(t, 20*time.Second, "consumer at the bridge's position", func() bool {
+			testenv.WaitFor(t, 20*time.Second, "consumer at the bridge's position", func() bool {
 				st := c.Instances()
 				return len(st) == 1 && st[0].LastSeq == 23
 			})
@@ -106,7 +97,7 @@ func TestE2EIndexLookup(t *testing.T) {
 				t.Fatalf("after re-store: %d GPU blocks, want 12", n)
 			}
 			r.publish(ps[23]) // AllBlocksCleared (sleep)
-			waitFor(t, 20*time.Second, "chat_A cleared from the index", func() bool { return gpuBlocks() == 0 })
+			testenv.WaitFor(t, 20*time.Second, "chat_A cleared from the index", func() bool { return gpuBlocks() == 0 })
 		})
 	}
 }
@@ -117,18 +108,10 @@ func TestE2EIndexLookup(t *testing.T) {
 // stopped (the capture evicts parents before children, so this also checks
 // that such children survive a snapshot).
 func TestE2EIndexRouterRestart(t *testing.T) {
-	ps := capturedPayloads(t, "map.jsonl")
+	ps := eventstest.CapturedPayloads(t, "map.jsonl")
 	r := newRig(t, rigOpts{maxMsgs: 4})
 	run := func(ix kvindex.Index) *consumer.Consumer {
-		c, err := consumer.New(consumer.Config{Conn: r.conn(), Pool: r.pool, Applier: ix, Stream: r.stream, Bucket: r.bucket, Logger: quietLogger()})
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(r.ctx)
-		done := make(chan struct{})
-		go func() { defer close(done); _ = c.Run(ctx) }()
-		t.Cleanup(func() { cancel(); <-done })
-		waitFor(t, 20*time.Second, "consumer healthy", c.Healthy)
+		c, _ := r.runConsumer(consumer.Config{Applier: ix})
 		return c
 	}
 	newIx := func() *kvindex.Memory {
@@ -142,13 +125,13 @@ func TestE2EIndexRouterRestart(t *testing.T) {
 	cs := run(steady)
 	r.publishFollowed(cs, ps[:23]...)
 	r.waitPublished(23)
-	waitFor(t, 20*time.Second, "steady consumer at seq 23", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "steady consumer at seq 23", func() bool {
 		st := cs.Instances()
 		return len(st) == 1 && st[0].LastSeq == 23
 	})
 	late := newIx()
 	cl := run(late)
-	waitFor(t, 20*time.Second, "late consumer loaded", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "late consumer loaded", func() bool {
 		st := cl.Instances()
 		return len(st) == 1 && st[0].SnapshotSeq > 0
 	})

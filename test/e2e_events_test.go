@@ -11,7 +11,9 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
+	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
 // ZMQ publisher → kvbridge → JetStream → consumer → index: stores appear,
@@ -19,7 +21,7 @@ import (
 func TestE2EStoresThenRemovals(t *testing.T) {
 	for _, file := range []string{"array.jsonl", "map.jsonl"} {
 		t.Run(file, func(t *testing.T) {
-			ps := capturedPayloads(t, file)
+			ps := eventstest.CapturedPayloads(t, file)
 			r := newRig(t, rigOpts{})
 			c, a, _ := r.startConsumer(consumer.Config{})
 
@@ -54,7 +56,7 @@ func TestE2EStoresThenRemovals(t *testing.T) {
 			if len(st) != 1 || st[0].Instance != r.instance || st[0].State != consumer.StateLive || st[0].LastSeq != uint64(len(ps)) {
 				t.Fatalf("consumer instances %+v", st)
 			}
-			waitFor(t, 5*time.Second, "a heartbeat", func() bool {
+			testenv.WaitFor(t, 5*time.Second, "a heartbeat", func() bool {
 				hb := c.Instances()[0].Heartbeat
 				return hb != nil && hb.URL == "http://127.0.0.1:18000" && hb.BlockSize == 16 && hb.Model == "fake-model"
 			})
@@ -65,7 +67,7 @@ func TestE2EStoresThenRemovals(t *testing.T) {
 // NATS restarts in the middle of the stream: the bridge buffers and
 // retries, the consumer recovers, nothing is lost.
 func TestE2ENATSRestart(t *testing.T) {
-	ps := capturedPayloads(t, "array.jsonl")
+	ps := eventstest.CapturedPayloads(t, "array.jsonl")
 	r := newRig(t, rigOpts{})
 	_, a, _ := r.startConsumer(consumer.Config{})
 	r.publish(ps[:10]...)
@@ -88,7 +90,7 @@ func TestE2ENATSRestart(t *testing.T) {
 // and counted, and the hole is filled from the engine's replay once NATS
 // is back, so the index still ends equal to the engine.
 func TestE2EOutageBufferOverflow(t *testing.T) {
-	ps := capturedPayloads(t, "array.jsonl")
+	ps := eventstest.CapturedPayloads(t, "array.jsonl")
 	r := newRig(t, rigOpts{buffer: 2})
 	_, a, _ := r.startConsumer(consumer.Config{})
 	r.publish(ps[:5]...) // with a buffer of 2, some are dropped already
@@ -97,7 +99,7 @@ func TestE2EOutageBufferOverflow(t *testing.T) {
 	r.ns.Shutdown()
 	r.ns.WaitForShutdown()
 	r.publish(ps[5:20]...)
-	waitFor(t, 10*time.Second, "drops", func() bool { return r.stats().Dropped > 0 })
+	testenv.WaitFor(t, 10*time.Second, "drops", func() bool { return r.stats().Dropped > 0 })
 	r.ns = r.ns.Restart(t)
 	r.publish(ps[20:]...)
 
@@ -110,7 +112,7 @@ func TestE2EOutageBufferOverflow(t *testing.T) {
 // The PUB socket drops batches: the bridge sees the gap and fills it from
 // the engine's replay socket.
 func TestE2EGapFilledFromReplay(t *testing.T) {
-	ps := capturedPayloads(t, "map.jsonl")
+	ps := eventstest.CapturedPayloads(t, "map.jsonl")
 	r := newRig(t, rigOpts{})
 	c, a, _ := r.startConsumer(consumer.Config{})
 	r.publish(ps[:5]...)
@@ -135,7 +137,7 @@ func TestE2EGapFilledFromReplay(t *testing.T) {
 func TestE2EReplayUnavailable(t *testing.T) {
 	for _, mode := range []string{"no replay socket", "replay buffer too short"} {
 		t.Run(mode, func(t *testing.T) {
-			ps := capturedPayloads(t, "array.jsonl")
+			ps := eventstest.CapturedPayloads(t, "array.jsonl")
 			r := newRig(t, rigOpts{noReplay: mode == "no replay socket"})
 			c, a, _ := r.startConsumer(consumer.Config{})
 			r.publish(ps[:10]...)
@@ -152,7 +154,7 @@ func TestE2EReplayUnavailable(t *testing.T) {
 			}
 			// The consumer loaded the snapshot after the start-up clear, so
 			// it sees only the gap's clear.
-			waitFor(t, 5*time.Second, "consumer counts the clear", func() bool { return c.Instances()[0].Clears == 1 })
+			testenv.WaitFor(t, 5*time.Second, "consumer counts the clear", func() bool { return c.Instances()[0].Clears == 1 })
 		})
 	}
 }
@@ -160,7 +162,7 @@ func TestE2EReplayUnavailable(t *testing.T) {
 // The engine restarts (seq back to 1): the bridge clears the instance
 // first, then the new engine's blocks are rebuilt.
 func TestE2EEngineRestart(t *testing.T) {
-	ps := capturedPayloads(t, "array.jsonl")
+	ps := eventstest.CapturedPayloads(t, "array.jsonl")
 	r := newRig(t, rigOpts{})
 	_, a, _ := r.startConsumer(consumer.Config{})
 	r.publish(ps[:12]...)
@@ -168,7 +170,7 @@ func TestE2EEngineRestart(t *testing.T) {
 
 	_ = r.pub.Close()
 	r.startEngine(1)
-	waitFor(t, 20*time.Second, "bridge reconnected", r.pub.Subscribed)
+	testenv.WaitFor(t, 20*time.Second, "bridge reconnected", r.pub.Subscribed)
 	r.publish(ps[:4]...)
 	waitTable(t, a, r.instance, reference(t, ps[:4]...))
 	if s := r.stats(); s.Clears != 2 || s.Gaps != 0 {
@@ -179,7 +181,7 @@ func TestE2EEngineRestart(t *testing.T) {
 // A new publisher (another topic: the engine came back on another pod IP)
 // whose seq happens to continue the old one's is still a restart.
 func TestE2ENewPublisher(t *testing.T) {
-	ps := capturedPayloads(t, "array.jsonl")
+	ps := eventstest.CapturedPayloads(t, "array.jsonl")
 	r := newRig(t, rigOpts{})
 	_, a, _ := r.startConsumer(consumer.Config{})
 	r.publish(ps[:12]...)
@@ -193,7 +195,7 @@ func TestE2ENewPublisher(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = pub.Close() })
 	r.pub = pub
-	waitFor(t, 20*time.Second, "bridge reconnected", r.pub.Subscribed)
+	testenv.WaitFor(t, 20*time.Second, "bridge reconnected", r.pub.Subscribed)
 	r.publish(ps[:4]...)
 	waitTable(t, a, r.instance, reference(t, ps[:4]...))
 	if s := r.stats(); s.Clears != 2 || s.Gaps != 0 {
@@ -218,7 +220,7 @@ func TestE2ERouterRestart(t *testing.T) {
 }
 
 func testRouterRestart(t *testing.T, inline int) {
-	ps := capturedPayloads(t, "array.jsonl")
+	ps := eventstest.CapturedPayloads(t, "array.jsonl")
 	r := newRig(t, rigOpts{maxMsgs: 4, snapInterval: 50 * time.Millisecond, inlineMax: inline})
 	c, steady, _ := r.startConsumer(consumer.Config{})
 	r.publishFollowed(c, ps[:23]...) // leave out the capture's final clear
@@ -251,7 +253,7 @@ func testRouterRestart(t *testing.T, inline int) {
 	waitTable(t, fromBridge, r.instance, want)
 	// The load applies the snapshot's blocks before it records its
 	// position: wait for the record too.
-	waitFor(t, 10*time.Second, "the consumer's status shows the snapshot it loaded", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "the consumer's status shows the snapshot it loaded", func() bool {
 		st := c1.Instances()
 		return len(st) == 1 && st[0].SnapshotSeq != 0
 	})
@@ -274,7 +276,7 @@ func testRouterRestart(t *testing.T, inline int) {
 // Malformed payloads and unknown event types in the stream are counted and
 // skipped; the rest of the batch, and later batches, apply.
 func TestE2EMalformedAndUnknown(t *testing.T) {
-	ps := capturedPayloads(t, "array.jsonl")
+	ps := eventstest.CapturedPayloads(t, "array.jsonl")
 	r := newRig(t, rigOpts{})
 	c, a, _ := r.startConsumer(consumer.Config{})
 	r.publish(ps[0])
@@ -296,7 +298,7 @@ func TestE2EMalformedAndUnknown(t *testing.T) {
 
 	want := reference(t, ps[0], unknown, ps[1])
 	waitTable(t, a, r.instance, want)
-	waitFor(t, 5*time.Second, "counters", func() bool {
+	testenv.WaitFor(t, 5*time.Second, "counters", func() bool {
 		st := c.Instances()[0]
 		return st.Malformed == 2 && st.Unknown == 1
 	})
@@ -339,7 +341,7 @@ func unknownThenStored(t testing.TB) []byte {
 func TestE2EBridgeRestart(t *testing.T) {
 	for _, replayKept := range []bool{true, false} {
 		t.Run(map[bool]string{true: "replay_kept", false: "replay_lost"}[replayKept], func(t *testing.T) {
-			ps := capturedPayloads(t, "array.jsonl")
+			ps := eventstest.CapturedPayloads(t, "array.jsonl")
 			o := rigOpts{snapInterval: 20 * time.Millisecond}
 			r := newRig(t, o)
 			c, a, _ := r.startConsumer(consumer.Config{})
@@ -381,7 +383,7 @@ func TestE2EBridgeRestart(t *testing.T) {
 // the heartbeats rather than in their way: heartbeats keep their interval
 // while a store due every 30 ms runs back to back.
 func TestE2ESnapshotStoresBesideHeartbeats(t *testing.T) {
-	ps := capturedPayloads(t, "array.jsonl")
+	ps := eventstest.CapturedPayloads(t, "array.jsonl")
 	reg := prometheus.NewRegistry()
 	r := newRig(t, rigOpts{snapInterval: 30 * time.Millisecond, inlineMax: 256, reg: reg})
 	nc := r.conn()

@@ -1,7 +1,6 @@
 package test
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"log/slog"
@@ -19,10 +18,8 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
-	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/fleet"
 	"github.com/kvrouter/kvrouter/router/httpapi"
-	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
@@ -54,28 +51,13 @@ func newHostileRig(t *testing.T, mutate func(*config.Config)) *hostileRig {
 	logs := &testenv.Logs{}
 	log := slog.New(slog.NewJSONHandler(logs, nil))
 	reg := prometheus.NewRegistry()
-	kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Registerer: reg, Logger: log, SnapshotTimeout: 200 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(kve.Close)
-	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: log, Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rctx, stop := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = srv.Run(rctx) }()
-	go func() { _ = fleet.New(srv, kve, cfg, 50*time.Millisecond, log).Run(rctx) }()
-	t.Cleanup(func() { stop(); <-done })
+	kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: log, SnapshotTimeout: 200 * time.Millisecond}, reg)
+	testenv.Go(t, ctx, srv.Run)
+	testenv.Go(t, ctx, fleet.New(srv, kve, cfg, 50*time.Millisecond, log).Run)
 	if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
 		t.Fatal(err)
 	}
-	nc, err := nats.Connect(ns.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := testenv.Connect(t, ns.URL())
 	return &hostileRig{t: t, nc: nc, pool: pool, kve: kve, srv: srv, reg: reg, logs: logs}
 }
 
@@ -203,13 +185,13 @@ func TestE2EDiscoveryRefusesUntrustedHeartbeats(t *testing.T) {
 	// carries (the file's URL is the one used); it still needs the key.
 	r.heartbeat("vllm-0", "http://10.1.1.1:8000", now, key, "")
 
-	waitFor(t, 15*time.Second, "the two trusted instances in the pool", func() bool {
+	testenv.WaitFor(t, 15*time.Second, "the two trusted instances in the pool", func() bool {
 		in := r.poolInstances()
 		return in["good"] == "http://127.0.0.1:20450" && in["good-name"] == "http://a.vllm.internal:8000"
 	})
 	refused := map[string]string{"outside": "url_not_allowed", "wrong-port": "url_not_allowed", "unsigned": "unsigned",
 		"forged": "bad_signature", "replayed": "stale"}
-	waitFor(t, 15*time.Second, "every refusal counted", func() bool {
+	testenv.WaitFor(t, 15*time.Second, "every refusal counted", func() bool {
 		return r.counter("kvrouter_discovery_heartbeats_refused_total", map[string]string{"pool": r.pool}) == float64(len(refused))
 	})
 	for reason, n := range map[string]float64{"url_not_allowed": 2, "unsigned": 1, "bad_signature": 1, "stale": 1} {
@@ -238,7 +220,7 @@ func TestE2EDiscoveryRefusesUntrustedHeartbeats(t *testing.T) {
 	// The join is logged and counted as the pool table is published, which
 	// may trail the pool's view above by a moment: wait for both.
 	joined := map[string]string{}
-	waitFor(t, 15*time.Second, "both joins logged and counted", func() bool {
+	testenv.WaitFor(t, 15*time.Second, "both joins logged and counted", func() bool {
 		clear(joined)
 		for _, rec := range r.logs.Lines("instance joined pool from heartbeat") {
 			joined[rec["instance"].(string)] = rec["url"].(string)
@@ -277,7 +259,7 @@ func TestE2EJunkInstanceNamesBounded(t *testing.T) {
 	}
 	msgs := map[string]string{"pool": r.pool, "result": "unknown_instance"}
 	over := map[string]string{"pool": r.pool, "result": "over_cap"}
-	waitFor(t, 60*time.Second, "every junk message and heartbeat counted", func() bool {
+	testenv.WaitFor(t, 60*time.Second, "every junk message and heartbeat counted", func() bool {
 		return r.counter("kvrouter_events_messages_total", msgs) == junk &&
 			r.counter("kvrouter_events_heartbeats_total", over)+r.counter("kvrouter_events_heartbeats_total", map[string]string{"pool": r.pool, "result": "ok"}) >= junk
 	})
@@ -313,7 +295,7 @@ func TestE2EJunkInstanceNamesBounded(t *testing.T) {
 		t.Fatalf("%d log lines for %d refused names, want a few (rate-limited)", len(logged), 2*junk)
 	}
 	// Silent junk is purged and forgotten: records, pool entries, series.
-	waitFor(t, 30*time.Second, "junk purged and forgotten", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "junk purged and forgotten", func() bool {
 		return len(r.records()) == 0 && len(r.poolInstances()) == 1 && r.seriesWithInstance("hb-") == 0
 	})
 }
@@ -347,11 +329,7 @@ func readyRig(t *testing.T, delay, readyTimeout time.Duration) (readyz string, b
 	name := testenv.UniqueName(t)
 	pool := "p_" + name
 	ns := testenv.StartNATS(t)
-	nc, err := nats.Connect(ns.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := testenv.Connect(t, ns.URL())
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)
@@ -391,15 +369,7 @@ func readyRig(t *testing.T, delay, readyTimeout time.Duration) (readyz string, b
 	}
 	logs = &testenv.Logs{}
 	log := slog.New(slog.NewJSONHandler(logs, nil))
-	kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Logger: log, SnapshotTimeout: 10 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(kve.Close)
-	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: log, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
-	if err != nil {
-		t.Fatal(err)
-	}
+	kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: log, SnapshotTimeout: 10 * time.Second}, nil)
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(ts.Close)
 	idx, _ := kve.KV(cfg.Pools[0])

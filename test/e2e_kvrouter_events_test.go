@@ -13,7 +13,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/config"
@@ -26,7 +25,6 @@ import (
 	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/fleet"
 	"github.com/kvrouter/kvrouter/router/httpapi"
-	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 )
 
@@ -36,8 +34,7 @@ const kvrModel = "kvr-model"
 // (PUB + replay) and a kvbridge forwarding it to NATS.
 type kvrEngine struct {
 	pub  *enginezmq.Publisher
-	stop context.CancelFunc
-	done chan struct{}
+	stop func() // stops the bridge and waits for it
 }
 
 func startKVREngine(t *testing.T, ctx context.Context, natsURL, pool, instance, url, stream, bucket string) *kvrEngine {
@@ -48,26 +45,18 @@ func startKVREngine(t *testing.T, ctx context.Context, natsURL, pool, instance, 
 	if err != nil {
 		t.Fatal(err)
 	}
-	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond), nats.RetryOnFailedConnect(true))
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := bridge.New(bridge.Config{Pool: pool, Model: kvrModel, BlockSize: 16, Conn: nc,
+	t.Cleanup(func() { _ = pub.Close() }) // after the bridge and its connection (cleanups run last first)
+	nc := testenv.Connect(t, natsURL, reconnectForever...)
+	_, stop := runBridge(t, ctx, bridge.Config{Pool: pool, Model: kvrModel, BlockSize: 16, Conn: nc,
 		Sources: []bridge.Source{{Instance: instance, Endpoint: ep, ReplayEndpoint: rep, URL: url}},
 		Stream:  kvstream.StreamConfig{Name: stream}, Bucket: kvstream.BucketConfig{Name: bucket},
-		HeartbeatInterval: 200 * time.Millisecond, Logger: quietLogger()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	bctx, cancel := context.WithCancel(ctx)
-	e := &kvrEngine{pub: pub, stop: cancel, done: make(chan struct{})}
-	go func() { defer close(e.done); _ = b.Run(bctx) }()
-	t.Cleanup(func() { e.close(); nc.Close(); _ = pub.Close() })
-	waitFor(t, 15*time.Second, "the bridge subscribed to the engine", pub.Subscribed)
+		HeartbeatInterval: 200 * time.Millisecond})
+	e := &kvrEngine{pub: pub, stop: stop}
+	testenv.WaitFor(t, 15*time.Second, "the bridge subscribed to the engine", pub.Subscribed)
 	return e
 }
 
-func (e *kvrEngine) close() { e.stop(); <-e.done }
+func (e *kvrEngine) close() { e.stop() }
 
 // publish sends one vLLM batch (array encoding, as the engine does).
 func (e *kvrEngine) publish(t *testing.T, evs ...events.Event) {
@@ -126,30 +115,43 @@ func (r *kvrRouter) do(method, path string, body any) (*http.Response, []byte) {
 	return resp, b
 }
 
-func (r *kvrRouter) lookup(ids []uint32) admin.KVLookupResponse {
+// adminJSON sends an admin API request and decodes its answer, which must
+// be a 200, into out.
+func (r *kvrRouter) adminJSON(method, path string, body, out any) {
 	r.t.Helper()
-	resp, b := r.do("POST", "/admin/pools/"+r.pool+"/lookup", map[string]any{"token_ids": ids})
+	resp, b := r.do(method, path, body)
 	if resp.StatusCode != 200 {
-		r.t.Fatalf("lookup: %d %s", resp.StatusCode, b)
+		r.t.Fatalf("%s %s: %d %s", method, path, resp.StatusCode, b)
 	}
-	var out admin.KVLookupResponse
-	if err := json.Unmarshal(b, &out); err != nil {
+	if err := json.Unmarshal(b, out); err != nil {
 		r.t.Fatal(err)
 	}
+}
+
+func (r *kvrRouter) lookup(ids []uint32) (out admin.KVLookupResponse) {
+	r.t.Helper()
+	r.adminJSON("POST", "/admin/pools/"+r.pool+"/lookup", map[string]any{"token_ids": ids}, &out)
 	return out
 }
 
-func (r *kvrRouter) instances() admin.KVInstancesResponse {
+func (r *kvrRouter) instances() (out admin.KVInstancesResponse) {
 	r.t.Helper()
-	resp, b := r.do("GET", "/admin/pools/"+r.pool+"/instances", nil)
-	if resp.StatusCode != 200 {
-		r.t.Fatalf("instances: %d %s", resp.StatusCode, b)
-	}
-	var out admin.KVInstancesResponse
-	if err := json.Unmarshal(b, &out); err != nil {
-		r.t.Fatal(err)
-	}
+	r.adminJSON("GET", "/admin/pools/"+r.pool+"/instances", nil, &out)
 	return out
+}
+
+// waitLive waits until the admin API lists instance id as live: its
+// bridge's heartbeats reach the router.
+func (r *kvrRouter) waitLive(id string, within time.Duration) {
+	r.t.Helper()
+	testenv.WaitFor(r.t, within, id+" live", func() bool {
+		for _, in := range r.instances().Instances {
+			if in.Instance == id {
+				return in.State == "live"
+			}
+		}
+		return false
+	})
 }
 
 // complete routes a /v1/completions request with token ids.
@@ -253,21 +255,9 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	if !config.KVEventsWanted(cfg) {
 		t.Fatal("a kv_aware pool does not want KV events")
 	}
-	reg := prometheus.NewRegistry()
-	kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Registerer: reg, Logger: quietLogger(), SnapshotTimeout: 300 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(kve.Close)
-	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: quietLogger(), Registry: reg, KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rctx, stopRun := context.WithCancel(ctx)
-	runDone := make(chan struct{})
-	go func() { defer close(runDone); _ = srv.Run(rctx) }()
-	go func() { _ = fleet.New(srv, kve, cfg, 100*time.Millisecond, quietLogger()).Run(rctx) }()
-	t.Cleanup(func() { stopRun(); <-runDone })
+	kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: quietLogger(), SnapshotTimeout: 300 * time.Millisecond}, prometheus.NewRegistry())
+	testenv.Go(t, ctx, srv.Run)
+	testenv.Go(t, ctx, fleet.New(srv, kve, cfg, 100*time.Millisecond, quietLogger()).Run)
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(ts.Close)
 	r := &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
@@ -276,14 +266,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	}
 
 	eng := startKVREngine(t, ctx, ns.URL(), pool, "vllm-1", ups[1].URL, stream, bucket)
-	waitFor(t, 15*time.Second, "vllm-1 live", func() bool {
-		for _, in := range r.instances().Instances {
-			if in.Instance == "vllm-1" {
-				return in.State == "live"
-			}
-		}
-		return false
-	})
+	r.waitLive("vllm-1", 15*time.Second)
 	// A pool the router does not serve is a 404, not an empty stream.
 	unknown, _ := http.NewRequestWithContext(ctx, "GET", ts.URL+"/v1/kv/evictions?pool=no-such-pool", nil)
 	unknown.Header.Set("Authorization", "Bearer adm")
@@ -305,7 +288,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	}
 	gone.cancel()
 	<-gone.done
-	waitFor(t, 10*time.Second, "the left client's subscription dropped", func() bool { return kve.Conn().NumSubscriptions() == base })
+	testenv.WaitFor(t, 10*time.Second, "the left client's subscription dropped", func() bool { return kve.Conn().NumSubscriptions() == base })
 
 	sse := openEvictions(t, ctx, ts.URL+"/v1/kv/evictions?pool="+pool+"&instance=vllm-1&tier=gpu")
 	defer sse.cancel()
@@ -318,7 +301,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 		events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(1002, 2), Medium: "CPU"},
 		events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(1002, 2), Medium: "GPU"})
 	want := admin.KVLookupMatch{Instance: "vllm-1", GPUBlocks: 2, CPUBlocks: 2, Live: true}
-	waitFor(t, 15*time.Second, "lookup sees GPU and CPU blocks", func() bool {
+	testenv.WaitFor(t, 15*time.Second, "lookup sees GPU and CPU blocks", func() bool {
 		lr := r.lookup(ids)
 		return len(lr.Matches) == 1 && lr.Matches[0] == want && lr.BlockSize == 16 && lr.Blocks == 4
 	})
@@ -347,7 +330,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	}
 	// Tier accounting and the consumer's metrics on the router's registry
 	// (the consumer's instance gauge is sampled once a second).
-	waitFor(t, 5*time.Second, "the consumer's instance gauge", func() bool {
+	testenv.WaitFor(t, 5*time.Second, "the consumer's instance gauge", func() bool {
 		return strings.Contains(r.metrics(), fmt.Sprintf(`kvrouter_events_instances{pool=%q,state="live"} 1`, pool))
 	})
 	m := r.metrics()
@@ -369,7 +352,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 
 	// Exact routing follows the index (after the first request's
 	// speculative entries on the hash-home expire).
-	waitFor(t, 30*time.Second, "kv_match to vllm-1", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "kv_match to vllm-1", func() bool {
 		in, reason := r.complete(ids)
 		return in == "vllm-1" && reason == string(router.ReasonKVMatch)
 	})
@@ -378,7 +361,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	// heuristically; back up: exact again.
 	ns.Shutdown()
 	ns.WaitForShutdown()
-	waitFor(t, 20*time.Second, "stream unhealthy", func() bool { return !r.instances().StreamHealthy })
+	testenv.WaitFor(t, 20*time.Second, "stream unhealthy", func() bool { return !r.instances().StreamHealthy })
 	if m := r.metrics(); !strings.Contains(m, fmt.Sprintf(`kvrouter_events_stream_healthy{pool=%q} 0`, pool)) {
 		t.Error("kvrouter_events_stream_healthy not 0 while NATS is down")
 	}
@@ -386,7 +369,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 		t.Fatalf("NATS down: reason %q, want %s", reason, router.ReasonStreamDown)
 	}
 	ns = ns.Restart(t)
-	waitFor(t, 30*time.Second, "exact routing after NATS is back", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "exact routing after NATS is back", func() bool {
 		in, reason := r.complete(ids)
 		return in == "vllm-1" && reason == string(router.ReasonKVMatch)
 	})
@@ -395,7 +378,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	eng.publish(t,
 		events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(1000, 2), Medium: "GPU"},
 		events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(1002, 2), Medium: "CPU"})
-	waitFor(t, 15*time.Second, "lookup sees the removal", func() bool { return len(r.lookup(ids).Matches) == 0 })
+	testenv.WaitFor(t, 15*time.Second, "lookup sees the removal", func() bool { return len(r.lookup(ids).Matches) == 0 })
 	if m := r.metrics(); !strings.Contains(m, `kvrouter_tier_blocks{instance="vllm-1",tier="gpu"} 0`) || !strings.Contains(m, `kvrouter_tier_blocks{instance="vllm-1",tier="cpu"} 0`) {
 		t.Error("tier gauges not back to 0 after the removal")
 	}
@@ -413,7 +396,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 		}
 		return false
 	}
-	waitFor(t, 15*time.Second, "vllm-2 discovered", func() bool { return inPool("vllm-2") })
+	testenv.WaitFor(t, 15*time.Second, "vllm-2 discovered", func() bool { return inPool("vllm-2") })
 	for _, in := range r.instances().Instances {
 		if in.Instance == "vllm-2" && (in.Configured || !in.InPool || in.URL != ups[2].URL) {
 			t.Fatalf("discovered instance view %+v", in)
@@ -422,21 +405,14 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	// A bridge naming a configured engine (same URL) differently adds no
 	// second candidate for it.
 	alias := startKVREngine(t, ctx, ns.URL(), pool, "alias-of-0", ups[0].URL, stream, bucket)
-	waitFor(t, 15*time.Second, "the alias's heartbeat", func() bool {
-		for _, in := range r.instances().Instances {
-			if in.Instance == "alias-of-0" {
-				return in.State == "live"
-			}
-		}
-		return false
-	})
-	time.Sleep(300 * time.Millisecond) // three discovery rounds
+	r.waitLive("alias-of-0", 15*time.Second) // its heartbeat arrived
+	time.Sleep(300 * time.Millisecond)       // three discovery rounds
 	if inPool("alias-of-0") {
 		t.Fatal("a heartbeat with a configured instance's URL became a second candidate")
 	}
 	alias.close()
 	eng2.close()
-	waitFor(t, 20*time.Second, "vllm-2 purged and out of the pool", func() bool { return !inPool("vllm-2") })
+	testenv.WaitFor(t, 20*time.Second, "vllm-2 purged and out of the pool", func() bool { return !inPool("vllm-2") })
 	if !inPool("vllm-0") || !inPool("vllm-1") {
 		t.Fatal("configured instances left the pool")
 	}
@@ -470,16 +446,8 @@ func TestKVRouterEventsRedisIndex(t *testing.T) {
 	}
 	var routers []*kvrRouter
 	for range 2 {
-		kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Logger: quietLogger()})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(kve.Close)
+		kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: quietLogger()}, nil)
 		if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
-			t.Fatal(err)
-		}
-		srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: quietLogger(), KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
-		if err != nil {
 			t.Fatal(err)
 		}
 		ts := httptest.NewServer(srv.Handler())
@@ -496,14 +464,14 @@ func TestKVRouterEventsRedisIndex(t *testing.T) {
 	eng.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(500, 3), TokenIDs: ids, BlockSize: 16, Medium: "GPU"})
 	want := admin.KVLookupMatch{Instance: "vllm-0", GPUBlocks: 3, Live: true}
 	for i, r := range routers {
-		waitFor(t, 15*time.Second, fmt.Sprintf("router %d sees the blocks in Redis", i), func() bool {
+		testenv.WaitFor(t, 15*time.Second, fmt.Sprintf("router %d sees the blocks in Redis", i), func() bool {
 			lr := r.lookup(ids)
 			return len(lr.Matches) == 1 && lr.Matches[0] == want
 		})
 	}
 	eng.publish(t, events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(500, 3), Medium: "GPU"})
 	for i, r := range routers {
-		waitFor(t, 15*time.Second, fmt.Sprintf("router %d sees the removal", i), func() bool { return len(r.lookup(ids).Matches) == 0 })
+		testenv.WaitFor(t, 15*time.Second, fmt.Sprintf("router %d sees the removal", i), func() bool { return len(r.lookup(ids).Matches) == 0 })
 	}
 }
 
@@ -523,17 +491,9 @@ func TestKVRouterRestartRebuildsIndex(t *testing.T) {
 			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
 	}
 	start := func() *kvrRouter {
-		kve, err := kvstate.Start(ctx, cfg, kvstate.Options{Logger: quietLogger(), SnapshotTimeout: 500 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: quietLogger(), KV: kvaware.NewSource(kve.KV), KVEvents: kve, Admin: admin.Routes(kve)})
-		if err != nil {
-			t.Fatal(err)
-		}
+		kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: quietLogger(), SnapshotTimeout: 500 * time.Millisecond}, nil)
 		ts := httptest.NewServer(srv.Handler())
 		t.Cleanup(ts.Close)
-		t.Cleanup(kve.Close)
 		return &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
 	}
 	r1 := start()
@@ -544,14 +504,14 @@ func TestKVRouterRestartRebuildsIndex(t *testing.T) {
 		events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(703, 2), Medium: "CPU"},
 		events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(703, 2), Medium: "GPU"})
 	want := admin.KVLookupMatch{Instance: "vllm-0", GPUBlocks: 3, CPUBlocks: 2, Live: true}
-	waitFor(t, 15*time.Second, "the first router's index", func() bool {
+	testenv.WaitFor(t, 15*time.Second, "the first router's index", func() bool {
 		lr := r1.lookup(ids)
 		return len(lr.Matches) == 1 && lr.Matches[0] == want
 	})
 	r1.kve.Close()
 
 	r2 := start()
-	waitFor(t, 20*time.Second, "the restarted router's index", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the restarted router's index", func() bool {
 		lr := r2.lookup(ids)
 		return len(lr.Matches) == 1 && lr.Matches[0] == want
 	})

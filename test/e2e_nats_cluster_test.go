@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/events/consumer"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/tiers"
 )
@@ -42,7 +43,7 @@ func TestE2ENATSNodeKillUnderLoad(t *testing.T) {
 	c, a := f.startConsumer()
 	l := f.startLoad([]*clusterRouter{r}, 4, 1)
 	defer l.finish()
-	waitFor(t, 30*time.Second, "traffic", func() bool { return l.sent.Load() > 50 })
+	testenv.WaitFor(t, 30*time.Second, "traffic", func() bool { return l.sent.Load() > 50 })
 
 	// Both consumers must recover: the test's own and the router's (its
 	// index is what routing reads; a stall there alone once went unseen
@@ -107,9 +108,9 @@ func TestE2ENATSNodeKillUnderLoad(t *testing.T) {
 			time.Sleep(10 * time.Millisecond)
 		}
 		recovery := time.Since(killed)
-		waitFor(t, 60*time.Second, what+": the router's stream healthy (exact routing)", func() bool { return r.kve.StreamHealthy(f.pool) })
+		testenv.WaitFor(t, 60*time.Second, what+": the router's stream healthy (exact routing)", func() bool { return r.kve.StreamHealthy(f.pool) })
 		exact := time.Since(killed)
-		waitFor(t, 30*time.Second, what+": routing after the kill", func() bool { return l.sent.Load() > sentBefore+50 })
+		testenv.WaitFor(t, 30*time.Second, what+": routing after the kill", func() bool { return l.sent.Load() > sentBefore+50 })
 		t.Logf("%s (node %d): events flowing end to end again %.3fs after the kill, the router routing exactly again after %.3fs; %s",
 			what, node, recovery.Seconds(), exact.Seconds(), l.summary())
 		f.nc.Restart(node)
@@ -137,7 +138,7 @@ func TestE2ENATSNodeKillUnderLoad(t *testing.T) {
 		t.Fatalf("lost events: %d dropped at the bridges, %d gaps at the consumer", dropped, gaps)
 	}
 	// The router's own index agrees on every engine's block count.
-	waitFor(t, 30*time.Second, "router index block counts", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "router index block counts", func() bool {
 		idx, _ := r.kve.KV(cfg.Pools[0])
 		st, err := idx.Instances(f.ctx)
 		if err != nil {

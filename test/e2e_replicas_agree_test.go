@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -142,7 +143,7 @@ func TestE2EReplicaDecisionAgreement(t *testing.T) {
 	// or its peers', then probe one request at a time, each after the
 	// previous one's state has gone round (two sync intervals).
 	for i, r := range routers {
-		waitFor(t, 30*time.Second, fmt.Sprintf("r%d idle", i), func() bool {
+		testenv.WaitFor(t, 30*time.Second, fmt.Sprintf("r%d idle", i), func() bool {
 			for _, v := range r.view(t, f.pool) {
 				if v.inflight != 0 || v.reqs != 0 {
 					return false

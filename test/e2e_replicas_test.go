@@ -15,6 +15,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/replicasync"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 )
@@ -104,7 +105,7 @@ func TestE2EReplicaSyncActiveActive(t *testing.T) {
 	wait1 := hold(t, r1, 4, 1)
 	start := time.Now()
 	var agreedAfter time.Duration
-	waitFor(t, 20*time.Second, "both replicas see all 9 requests per instance alike", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "both replicas see all 9 requests per instance alike", func() bool {
 		v0, v1 := r0.view(t, f.pool), r1.view(t, f.pool)
 		total := int64(0)
 		for id, a := range v0 {
@@ -126,7 +127,7 @@ func TestE2EReplicaSyncActiveActive(t *testing.T) {
 	joined := time.Now()
 	r2 := f.startRouter(f.replicaConfig("r2"))
 	var caughtUp time.Duration
-	waitFor(t, 20*time.Second, "the joining replica sees the others' requests", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the joining replica sees the others' requests", func() bool {
 		caughtUp = time.Since(joined)
 		return r2.peerView(t, f.pool).inflight == 9
 	})
@@ -140,7 +141,7 @@ func TestE2EReplicaSyncActiveActive(t *testing.T) {
 		t.Fatalf("r1's requests dropped at r0 at once (%d left): expiry must wait for the timeout", pv.inflight)
 	}
 	var expired, silent time.Duration
-	waitFor(t, 20*time.Second, "r1's contribution expires at r0", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "r1's contribution expires at r0", func() bool {
 		expired = time.Since(cut)
 		// r0's peers are r1 and r2, which routes nothing.
 		if r0.peerView(t, f.pool).inflight != 0 {
@@ -162,7 +163,7 @@ func TestE2EReplicaSyncActiveActive(t *testing.T) {
 	wait0()
 	wait1()
 	// Nothing in flight anywhere: the views settle at zero.
-	waitFor(t, 60*time.Second, "views back to zero", func() bool {
+	testenv.WaitFor(t, 60*time.Second, "views back to zero", func() bool {
 		for _, r := range []*clusterRouter{r0, r2} {
 			for _, v := range r.view(t, f.pool) {
 				if v != (loadView{}) {

@@ -142,7 +142,7 @@ func BenchmarkRouterTier(b *testing.B) {
 				if !c.sync {
 					break
 				}
-				waitFor(b, 30*time.Second, "replica sync peers", func() bool {
+				testenv.WaitFor(b, 30*time.Second, "replica sync peers", func() bool {
 					return r.metric(b, "kvrouter_replica_sync_peers{pool=\""+pool+"\"}") == float64(replicas-1)
 				})
 			}
@@ -247,7 +247,7 @@ func startTierReplica(b *testing.B, bin string, cfg config.Config) *tierReplica 
 		})
 	}
 	b.Cleanup(r.stop)
-	waitFor(b, 60*time.Second, "kvrouter ready", func() bool {
+	testenv.WaitFor(b, 60*time.Second, "kvrouter ready", func() bool {
 		resp, err := http.Get(r.url + "/readyz")
 		if err != nil {
 			return false

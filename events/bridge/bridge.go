@@ -487,6 +487,9 @@ func (in *instance) process(ctx context.Context) {
 	in.heartbeat()
 	depth := in.b.m.bufferDepth.WithLabelValues(in.src.Instance)
 	for {
+		// Each signal but a message is handled after the messages already
+		// buffered (drained, acked), by its own step.
+		var step func(context.Context) error
 		select {
 		case <-ctx.Done():
 			return
@@ -504,39 +507,25 @@ func (in *instance) process(ctx context.Context) {
 				}
 			}
 		case <-in.lost:
-			if in.drain(ctx) != nil {
-				return
-			}
-			depth.Set(0)
-			if err := in.catchUp(ctx); err != nil {
-				return
-			}
+			step = in.catchUp
 		case <-in.tail:
-			if in.drain(ctx) != nil {
-				return
-			}
-			depth.Set(0)
-			if err := in.catchTail(ctx); err != nil {
-				return
-			}
+			step = in.catchTail
 		case <-in.ageNow:
-			if in.drain(ctx) != nil {
-				return
-			}
-			depth.Set(0)
-			if err := in.ageOut(ctx); err != nil {
-				return
-			}
+			step = in.ageOut
 		case r := <-in.probes:
 			// Messages received before the probe belong to whatever
-			// process sent them; handle them first.
-			if in.drain(ctx) != nil {
-				return
-			}
-			depth.Set(0)
-			if err := in.onProbe(ctx, r); err != nil {
-				return
-			}
+			// process sent them: handled first, as for every step.
+			step = func(ctx context.Context) error { return in.onProbe(ctx, r) }
+		}
+		if step == nil {
+			continue
+		}
+		if in.drain(ctx) != nil {
+			return
+		}
+		depth.Set(0)
+		if err := step(ctx); err != nil {
+			return
 		}
 	}
 }
@@ -572,19 +561,13 @@ func (in *instance) catchUp(ctx context.Context) error {
 		// Without replay the next live message reveals the gap and clears.
 		return nil
 	}
-	var msgs []enginezmq.Message
-	err := enginezmq.Replay(ctx, in.replay, from, func(m enginezmq.Message) bool {
-		msgs = append(msgs, m)
-		return true
-	})
+	msgs, err := in.replayAll(ctx, from)
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
 	if err != nil || !contiguous(msgs, from, false) {
-		in.gaps.Add(1)
-		in.b.m.gaps.WithLabelValues(in.src.Instance).Inc()
-		in.replayFails.Add(1)
-		in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
+		in.countGap()
+		in.countReplay(false)
 		in.log.Warn("dropped messages: replay cannot fill them, clearing instance", "from", from, "err", err)
 		in.tracker.Reset()
 		return in.clear(ctx, kvstream.SyntheticGap)
@@ -592,19 +575,10 @@ func (in *instance) catchUp(ctx context.Context) error {
 	if len(msgs) == 0 {
 		return nil
 	}
-	in.gaps.Add(1)
-	in.b.m.gaps.WithLabelValues(in.src.Instance).Inc()
-	in.replays.Add(1)
-	in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
+	in.countGap()
+	in.countReplay(true)
 	in.log.Info("dropped messages filled from replay", "from", from, "messages", len(msgs))
-	for _, m := range msgs {
-		if err := in.publishEngine(ctx, m); err != nil {
-			return err
-		}
-		in.tracker.Set(m.Seq)
-		in.replayed.add(m)
-	}
-	return nil
+	return in.publishReplayed(ctx, msgs)
 }
 
 // handle publishes one live message after repairing what precedes it.
@@ -649,8 +623,7 @@ func (in *instance) handle(ctx context.Context, m enginezmq.Message) error {
 			return err
 		}
 	case enginezmq.SeqGap:
-		in.gaps.Add(1)
-		in.b.m.gaps.WithLabelValues(in.src.Instance).Inc()
+		in.countGap()
 		err := in.fillGap(ctx, from, m.Seq)
 		if !errors.Is(err, errNotSameEngine) {
 			if err != nil {
@@ -704,8 +677,7 @@ func (in *instance) fillGap(ctx context.Context, from, to uint64) error {
 			msgs = msgs[1:]
 		}
 		if err == nil {
-			in.replays.Add(1)
-			in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
+			in.countReplay(true)
 			in.log.Info("gap filled from replay", "from", from, "to", to)
 			for _, m := range msgs {
 				if err := in.publishEngine(ctx, m); err != nil {
@@ -721,8 +693,7 @@ func (in *instance) fillGap(ctx context.Context, from, to uint64) error {
 	} else {
 		in.log.Warn("gap: no replay endpoint, clearing instance", "from", from, "to", to)
 	}
-	in.replayFails.Add(1)
-	in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
+	in.countReplay(false)
 	return in.clear(ctx, kvstream.SyntheticGap)
 }
 

@@ -238,11 +238,7 @@ func (in *instance) restarted(ctx context.Context) error {
 	if in.src.ReplayEndpoint == "" {
 		return nil
 	}
-	var msgs []enginezmq.Message
-	err := enginezmq.Replay(ctx, in.replay, 0, func(m enginezmq.Message) bool {
-		msgs = append(msgs, m)
-		return true
-	})
+	msgs, err := in.replayAll(ctx, 0)
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
@@ -251,8 +247,7 @@ func (in *instance) restarted(ctx context.Context) error {
 		return nil
 	}
 	if len(msgs) > 0 {
-		in.replays.Add(1)
-		in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
+		in.countReplay(true)
 		in.log.Info("restarted engine's history replayed", "messages", len(msgs))
 	}
 	return in.publishReplayed(ctx, msgs)
@@ -271,8 +266,7 @@ func (in *instance) fillStart(ctx context.Context, seq uint64) error {
 	if in.src.ReplayEndpoint == "" {
 		if seq > 1 {
 			in.log.Warn("first message is not the engine's first and there is no replay: the blocks it stored before are unknown", "seq", seq)
-			in.replayFails.Add(1)
-			in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
+			in.countReplay(false)
 		}
 		return nil
 	}
@@ -281,18 +275,45 @@ func (in *instance) fillStart(ctx context.Context, seq uint64) error {
 		return ctx.Err()
 	}
 	if err != nil {
-		in.replayFails.Add(1)
-		in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
+		in.countReplay(false)
 		in.log.Warn("engine's history before its first message seen cannot be replayed: those blocks stay unknown", "seq", seq, "err", err)
 		return nil
 	}
 	if len(msgs) == 0 {
 		return nil
 	}
-	in.replays.Add(1)
-	in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
+	in.countReplay(true)
 	in.log.Info("engine's history before its first message seen filled from replay", "seq", seq, "messages", len(msgs))
 	return in.publishReplayed(ctx, msgs)
+}
+
+// replayAll asks the engine's replay socket for every message from seq
+// from on.
+func (in *instance) replayAll(ctx context.Context, from uint64) ([]enginezmq.Message, error) {
+	var msgs []enginezmq.Message
+	err := enginezmq.Replay(ctx, in.replay, from, func(m enginezmq.Message) bool {
+		msgs = append(msgs, m)
+		return true
+	})
+	return msgs, err
+}
+
+// countGap counts a gap in the engine's seq: in Stats and the metric.
+func (in *instance) countGap() {
+	in.gaps.Add(1)
+	in.b.m.gaps.WithLabelValues(in.src.Instance).Inc()
+}
+
+// countReplay counts a replay that filled what it was asked for (ok) or
+// could not: in Stats and the metric.
+func (in *instance) countReplay(ok bool) {
+	if ok {
+		in.replays.Add(1)
+		in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
+		return
+	}
+	in.replayFails.Add(1)
+	in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
 }
 
 // publishReplayed publishes replayed messages in order and remembers them
@@ -338,11 +359,7 @@ func (in *instance) catchTail(ctx context.Context) error {
 	case known:
 		from = last + 1
 	}
-	var msgs []enginezmq.Message
-	err := enginezmq.Replay(ctx, in.replay, from, func(m enginezmq.Message) bool {
-		msgs = append(msgs, m)
-		return true
-	})
+	msgs, err := in.replayAll(ctx, from)
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
@@ -365,16 +382,13 @@ func (in *instance) catchTail(ctx context.Context) error {
 			in.log.Debug("engine's history no longer replayable from its start; the next message asks again")
 			return nil
 		}
-		in.gaps.Add(1)
-		in.b.m.gaps.WithLabelValues(in.src.Instance).Inc()
-		in.replayFails.Add(1)
-		in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
+		in.countGap()
+		in.countReplay(false)
 		in.log.Warn("messages missed while disconnected: replay cannot fill them, clearing instance", "from", from)
 		in.tracker.Reset()
 		return in.clear(ctx, kvstream.SyntheticGap)
 	}
-	in.replays.Add(1)
-	in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
+	in.countReplay(true)
 	in.log.Info("messages published while disconnected filled from replay", "from", from, "messages", len(msgs))
 	return in.publishReplayed(ctx, msgs)
 }

@@ -63,11 +63,7 @@ func (in *instance) resync(ctx context.Context) error {
 			in.log.Info("snapshot cannot be tied to the engine process (no hash, no start time): starting empty")
 			snap = nil
 		}
-		var msgs []enginezmq.Message
-		err := enginezmq.Replay(ctx, in.replay, from, func(m enginezmq.Message) bool {
-			msgs = append(msgs, m)
-			return true
-		})
+		msgs, err := in.replayAll(ctx, from)
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
@@ -97,12 +93,10 @@ func (in *instance) resync(ctx context.Context) error {
 			for _, m := range msgs {
 				in.replayed.add(m)
 			}
-			in.replays.Add(1)
-			in.b.m.replays.WithLabelValues(in.src.Instance, "ok").Inc()
+			in.countReplay(true)
 			in.log.Info("caught up from replay", "from", from, "messages", len(msgs), "snapshot", snap != nil)
 		} else {
-			in.replayFails.Add(1)
-			in.b.m.replays.WithLabelValues(in.src.Instance, "failed").Inc()
+			in.countReplay(false)
 			if snap != nil {
 				in.log.Warn("snapshot not provably of this engine process, or replay cannot close the gap since it: starting empty", "from", from, "err", err)
 			} else {

@@ -1,16 +1,13 @@
 package bridge
 
 import (
-	"bufio"
-	"encoding/base64"
-	"encoding/json"
 	"math/rand/v2"
-	"os"
 	"reflect"
 	"testing"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
+	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -18,25 +15,8 @@ import (
 // llm-d-inference-sim messages; see its DATA.md).
 func capturedBatches(t testing.TB, name string) []events.Batch {
 	t.Helper()
-	f, err := os.Open("../testdata/captured/" + name)
-	if err != nil {
-		t.Fatalf("captures: %v", err)
-	}
-	defer f.Close()
 	var out []events.Batch
-	s := bufio.NewScanner(f)
-	s.Buffer(make([]byte, 1<<20), 1<<20)
-	for s.Scan() {
-		var line struct {
-			Payload string `json:"payload_b64"`
-		}
-		if err := json.Unmarshal(s.Bytes(), &line); err != nil {
-			t.Fatal(err)
-		}
-		p, err := base64.StdEncoding.DecodeString(line.Payload)
-		if err != nil {
-			t.Fatal(err)
-		}
+	for _, p := range eventstest.CapturedPayloads(t, name) {
 		b, err := events.Decode(p)
 		if err != nil {
 			t.Fatalf("decode capture: %v", err)

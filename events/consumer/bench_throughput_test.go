@@ -6,7 +6,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"syscall"
 	"testing"
 	"time"
 
@@ -15,15 +14,10 @@ import (
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
-
-func cpuTime() time.Duration {
-	var ru syscall.Rusage
-	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-}
 
 // BenchmarkConsumerThroughput is one router's consumer draining a
 // JetStream stream into the memory index: 64 instances, each sending
@@ -84,7 +78,7 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 				}
 				cfg.Applier = idx
 				b.StartTimer()
-				start, cpu0 := time.Now(), cpuTime()
+				start, cpu0 := time.Now(), cputime.Process()
 				c, err := New(cfg)
 				if err != nil {
 					b.Fatal(err)
@@ -104,7 +98,7 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 					time.Sleep(time.Millisecond)
 				}
 				blocks += time.Since(start)
-				cpu += cpuTime() - cpu0
+				cpu += cputime.Process() - cpu0
 				b.StopTimer()
 				cancel()
 				<-done

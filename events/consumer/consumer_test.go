@@ -59,17 +59,6 @@ func (r *recorder) get(instance string) ([]uint64, int) {
 	return append([]uint64(nil), r.stored[instance]...), r.purges[instance]
 }
 
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", d, what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 type env struct {
 	t    *testing.T
 	ctx  context.Context
@@ -81,11 +70,7 @@ type env struct {
 
 func newEnv(t *testing.T) *env {
 	ctx := testenv.Context(t, time.Minute)
-	nc, err := nats.Connect(testenv.NATSURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := testenv.Connect(t, testenv.NATSURL(t))
 	js, _ := jetstream.New(nc)
 	name := testenv.UniqueName(t)
 	e := &env{t: t, ctx: ctx, nc: nc, js: js, pool: "p_" + name}
@@ -103,11 +88,8 @@ func (e *env) start(cfg Config) *Consumer {
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(e.ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = c.Run(ctx) }()
-	e.t.Cleanup(func() { cancel(); <-done })
-	waitFor(e.t, 10*time.Second, "consumer healthy", c.Healthy)
+	testenv.Go(e.t, e.ctx, c.Run)
+	testenv.WaitFor(e.t, 10*time.Second, "consumer healthy", c.Healthy)
 	return c
 }
 
@@ -170,7 +152,7 @@ func TestPerInstanceOrder(t *testing.T) {
 	}
 	for in := 0; in < instances; in++ {
 		name := fmt.Sprintf("i%d", in)
-		waitFor(t, 20*time.Second, name+" applied", func() bool { s, _ := a.get(name); return len(s) == per })
+		testenv.WaitFor(t, 20*time.Second, name+" applied", func() bool { s, _ := a.get(name); return len(s) == per })
 		s, _ := a.get(name)
 		for i, h := range s {
 			if h != uint64(i+1) {
@@ -205,7 +187,7 @@ func TestDuplicateSeqSkipped(t *testing.T) {
 	e.store("i0", 1, 11) // again
 	e.store("i0", 2, 99) // a seq applied, whatever its payload
 	e.store("i0", 3, 13)
-	waitFor(t, 20*time.Second, "seq 3 applied", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "seq 3 applied", func() bool {
 		for _, s := range c.Instances() {
 			if s.Instance == "i0" && s.LastSeq == 3 {
 				return true
@@ -243,13 +225,13 @@ func TestStaleAndPurge(t *testing.T) {
 		return 0
 	}
 	e.heartbeat("vllm-0")
-	waitFor(t, 5*time.Second, "discovery", func() bool { return state() == StateLive && c.Live("vllm-0") })
+	testenv.WaitFor(t, 5*time.Second, "discovery", func() bool { return state() == StateLive && c.Live("vllm-0") })
 	e.store("vllm-0", 1, 42)
-	waitFor(t, 5*time.Second, "event applied", func() bool { s, _ := a.get("vllm-0"); return len(s) == 1 })
+	testenv.WaitFor(t, 5*time.Second, "event applied", func() bool { s, _ := a.get("vllm-0"); return len(s) == 1 })
 	if hb := c.Instances()[0].Heartbeat; hb == nil || hb.URL != "http://vllm-0" {
 		t.Fatalf("heartbeat %+v", hb)
 	}
-	waitFor(t, 5*time.Second, "stale", func() bool { return state() == StateStale })
+	testenv.WaitFor(t, 5*time.Second, "stale", func() bool { return state() == StateStale })
 	if c.Live("vllm-0") {
 		t.Fatal("stale instance reported live")
 	}
@@ -257,9 +239,9 @@ func TestStaleAndPurge(t *testing.T) {
 		t.Fatal("purged while only stale")
 	}
 	// Purged, then forgotten: no record is left to list or export.
-	waitFor(t, 5*time.Second, "purged and forgotten", func() bool { _, p := a.get("vllm-0"); return state() == 0 && p == 1 })
+	testenv.WaitFor(t, 5*time.Second, "purged and forgotten", func() bool { _, p := a.get("vllm-0"); return state() == 0 && p == 1 })
 	e.heartbeat("vllm-0")
-	waitFor(t, 5*time.Second, "back to live", func() bool { return state() == StateLive })
+	testenv.WaitFor(t, 5*time.Second, "back to live", func() bool { return state() == StateLive })
 	if c.Live("unknown") {
 		t.Fatal("unknown instance reported live")
 	}
@@ -275,7 +257,7 @@ func TestSharedIndex(t *testing.T) {
 	cfg.Applier, cfg.SharedIndex = a, true
 	e.start(cfg)
 	e.store("i0", 2, 2)
-	waitFor(t, 5*time.Second, "new event", func() bool { s, _ := a.get("i0"); return len(s) == 1 })
+	testenv.WaitFor(t, 5*time.Second, "new event", func() bool { s, _ := a.get("i0"); return len(s) == 1 })
 	if s, p := a.get("i0"); s[0] != 2 || p != 0 {
 		t.Fatalf("stored %v purges %d", s, p)
 	}
@@ -336,7 +318,7 @@ func TestApplyFailureReloadsSnapshot(t *testing.T) {
 	e.start(cfg)
 	e.store("i0", 1, 1) // fails
 	e.store("i0", 2, 2)
-	waitFor(t, 10*time.Second, "event 2", func() bool { s, _ := a.get("i0"); return len(s) > 0 && s[len(s)-1] == 2 })
+	testenv.WaitFor(t, 10*time.Second, "event 2", func() bool { s, _ := a.get("i0"); return len(s) > 0 && s[len(s)-1] == 2 })
 	s, purges := a.get("i0")
 	// Start-up load (snapshot), then after the failure a reload (purge +
 	// snapshot), then the replay of event 1 (after the snapshot's stream
@@ -359,14 +341,14 @@ func TestHistoryOfDeadInstance(t *testing.T) {
 	cfg.Applier, cfg.StaleAfter, cfg.PurgeAfter, cfg.CheckInterval = a, 200*time.Millisecond, 500*time.Millisecond, 20*time.Millisecond
 	c := e.start(cfg)
 	e.store("new", 1, 7)
-	waitFor(t, 5*time.Second, "new applied", func() bool { s, _ := a.get("new"); return len(s) == 1 })
+	testenv.WaitFor(t, 5*time.Second, "new applied", func() bool { s, _ := a.get("new"); return len(s) == 1 })
 	if !c.Live("new") {
 		t.Fatal("fresh instance not live")
 	}
 	if c.Live("old") {
 		t.Fatal("instance silent for 700ms (stale after 200ms) reported live")
 	}
-	waitFor(t, 5*time.Second, "old purged and forgotten", func() bool {
+	testenv.WaitFor(t, 5*time.Second, "old purged and forgotten", func() bool {
 		_, purges := a.get("old")
 		for _, s := range c.Instances() {
 			if s.Instance == "old" {
@@ -397,15 +379,15 @@ func TestJunkNamesBounded(t *testing.T) {
 		e.store(fmt.Sprintf("junk-%d", i), 1, uint64(i))
 	}
 	e.store("vllm-0", 1, 7)
-	waitFor(t, 10*time.Second, "the admitted instance's event", func() bool { s, _ := a.get("vllm-0"); return len(s) == 1 })
-	waitFor(t, 10*time.Second, "junk events counted", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "the admitted instance's event", func() bool { s, _ := a.get("vllm-0"); return len(s) == 1 })
+	testenv.WaitFor(t, 10*time.Second, "junk events counted", func() bool {
 		return counterValue(c.m.messages.WithLabelValues("unknown_instance")) == 200
 	})
 	for i := range 10 {
 		e.heartbeat(fmt.Sprintf("hb-%d", i))
 	}
 	e.heartbeat("bad-0")
-	waitFor(t, 10*time.Second, "heartbeats counted", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "heartbeats counted", func() bool {
 		return counterValue(c.m.heartbeats.WithLabelValues("over_cap")) == 6 &&
 			counterValue(c.m.heartbeats.WithLabelValues("refused")) == 1
 	})
@@ -453,15 +435,15 @@ func TestEngineDownHeartbeat(t *testing.T) {
 	}
 	hb(false)
 	e.store("i0", 1, 1)
-	waitFor(t, 10*time.Second, "live", func() bool { return c.Live("i0") })
+	testenv.WaitFor(t, 10*time.Second, "live", func() bool { return c.Live("i0") })
 
 	hb(true)
-	waitFor(t, 10*time.Second, "not live while the engine is down", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "not live while the engine is down", func() bool {
 		st := c.Instances()
 		return !c.Live("i0") && len(st) == 1 && st[0].EngineDown
 	})
 	e.store("i0", 2, 2) // late events of the dead engine
-	waitFor(t, 10*time.Second, "late event applied", func() bool { s, _ := a.get("i0"); return len(s) == 2 })
+	testenv.WaitFor(t, 10*time.Second, "late event applied", func() bool { s, _ := a.get("i0"); return len(s) == 2 })
 	for end := time.Now().Add(300 * time.Millisecond); time.Now().Before(end); time.Sleep(10 * time.Millisecond) {
 		if c.Live("i0") {
 			t.Fatal("an event made an instance whose engine is down live")
@@ -469,7 +451,7 @@ func TestEngineDownHeartbeat(t *testing.T) {
 	}
 
 	hb(false)
-	waitFor(t, 10*time.Second, "live again after the reload", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "live again after the reload", func() bool {
 		st := c.Instances()
 		return c.Live("i0") && !st[0].EngineDown
 	})

@@ -1,9 +1,10 @@
 package consumer
 
 import (
-	"context"
 	"testing"
 	"time"
+
+	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
 // A consumer that has replayed the whole stream is caught up even when the
@@ -31,15 +32,12 @@ func TestHealthyAfterReplayOfOldMessages(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			ctx, cancel := context.WithCancel(e.ctx)
-			done := make(chan struct{})
-			go func() { defer close(done); _ = c.Run(ctx) }()
-			t.Cleanup(func() { cancel(); <-done })
-			waitFor(t, 10*time.Second, "replay applied", func() bool {
+			testenv.Go(t, e.ctx, c.Run)
+			testenv.WaitFor(t, 10*time.Second, "replay applied", func() bool {
 				s, _ := a.get("vllm-0")
 				return len(s) == tt.messages
 			})
-			waitFor(t, 5*time.Second, "caught-up consumer healthy", c.Healthy)
+			testenv.WaitFor(t, 5*time.Second, "caught-up consumer healthy", c.Healthy)
 		})
 	}
 }

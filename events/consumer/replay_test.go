@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
 // putSnapshot writes a bucket snapshot of instance at stream position
@@ -110,14 +111,14 @@ func TestReloadReplaysMessagesAfterSnapshot(t *testing.T) {
 			cfg := e.cfg
 			cfg.Applier, cfg.SnapshotTimeout = a, 100*time.Millisecond
 			c := e.start(cfg)
-			waitFor(t, 10*time.Second, "snapshot + message 2", func() bool { s, _ := a.get("i0"); return slices.Equal(s, []uint64{1, 2}) })
+			testenv.WaitFor(t, 10*time.Second, "snapshot + message 2", func() bool { s, _ := a.get("i0"); return slices.Equal(s, []uint64{1, 2}) })
 			e.store("i0", 3, 3)
 			e.store("i0", 4, 4)
-			waitFor(t, 10*time.Second, "messages 3 and 4", func() bool { s, _ := a.get("i0"); return len(s) == 4 })
+			testenv.WaitFor(t, 10*time.Second, "messages 3 and 4", func() bool { s, _ := a.get("i0"); return len(s) == 4 })
 
 			tc.trigger(e)
 			last := tc.want[len(tc.want)-1]
-			waitFor(t, 10*time.Second, "the triggering message", func() bool { s, _ := a.get("i0"); return len(s) > 0 && s[len(s)-1] == last })
+			testenv.WaitFor(t, 10*time.Second, "the triggering message", func() bool { s, _ := a.get("i0"); return len(s) > 0 && s[len(s)-1] == last })
 			s, purges := a.get("i0")
 			if !slices.Equal(s, tc.want) || purges != tc.wantPurges {
 				t.Fatalf("index holds %v after %d purges, want %v after %d", s, purges, tc.want, tc.wantPurges)
@@ -131,7 +132,7 @@ func TestReloadReplaysMessagesAfterSnapshot(t *testing.T) {
 			}
 			// Nothing is applied twice afterwards: the next message follows on.
 			e.store("i0", last+1, last+1)
-			waitFor(t, 10*time.Second, "next message", func() bool { s, _ := a.get("i0"); return len(s) == len(tc.want)+1 })
+			testenv.WaitFor(t, 10*time.Second, "next message", func() bool { s, _ := a.get("i0"); return len(s) == len(tc.want)+1 })
 			if s, _ := a.get("i0"); !slices.Equal(s, append(slices.Clone(tc.want), last+1)) {
 				t.Fatalf("after the next message the index holds %v", s)
 			}

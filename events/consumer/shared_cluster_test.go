@@ -61,7 +61,7 @@ func TestSharedRedisClusterFailover(t *testing.T) {
 	// first messages now and then (seen only here, where the routers'
 	// first cluster round trips are slower): wait for it.
 	for _, r := range []*router{r1, r2} {
-		waitFor(t, 20*time.Second, "router ready", func() bool { return r.c.Healthy() && r.c.IndexConsistent() })
+		testenv.WaitFor(t, 20*time.Second, "router ready", func() bool { return r.c.Healthy() && r.c.IndexConsistent() })
 	}
 	w.publish(1)
 	w.converge("first messages", r1, r2)
@@ -74,7 +74,7 @@ func TestSharedRedisClusterFailover(t *testing.T) {
 	killed := time.Now()
 	masters[0].Kill()
 	w.publish(40) // while the cluster notices and promotes the replica
-	waitFor(t, 30*time.Second, "a replica promoted", func() bool { return len(cluster.Masters()) == 3 })
+	testenv.WaitFor(t, 30*time.Second, "a replica promoted", func() bool { return len(cluster.Masters()) == 3 })
 	promoted := time.Since(killed)
 	w.publish(20)
 	w.converge("after a master failed over", r1, r2)

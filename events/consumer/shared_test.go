@@ -463,7 +463,7 @@ func TestSharedRedisRestartEmpty(t *testing.T) {
 	w.redis.Kill()
 	w.publish(10, "e0", "e1")
 	for _, r := range []*router{r1, r2} {
-		waitFor(t, 10*time.Second, "outage noticed", func() bool { return !r.c.IndexConsistent() && !r.c.Healthy() })
+		testenv.WaitFor(t, 10*time.Second, "outage noticed", func() bool { return !r.c.IndexConsistent() && !r.c.Healthy() })
 		if g := r.consistentGauge(t); g != 0 {
 			t.Fatalf("kvrouter_events_index_consistent = %v during the outage", g)
 		}

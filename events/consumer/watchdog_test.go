@@ -4,6 +4,8 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
 // The ordered consumer stops delivering without a word (as when its
@@ -30,7 +32,7 @@ func TestWatchdogReplacesStalledConsumer(t *testing.T) {
 			if shared {
 				want = []uint64{2}
 			}
-			waitFor(t, 10*time.Second, "first events applied", func() bool { s, _ := a.get("i0"); return len(s) == len(want) })
+			testenv.WaitFor(t, 10*time.Second, "first events applied", func() bool { s, _ := a.get("i0"); return len(s) == len(want) })
 
 			// Stall: the consumer in use stops, silently.
 			c.sc.mu.Lock()
@@ -41,7 +43,7 @@ func TestWatchdogReplacesStalledConsumer(t *testing.T) {
 				e.store("i0", i, i)
 				want = append(want, i)
 			}
-			waitFor(t, 20*time.Second, "events after the stall applied", func() bool {
+			testenv.WaitFor(t, 20*time.Second, "events after the stall applied", func() bool {
 				s, _ := a.get("i0")
 				return len(s) >= len(want)
 			})

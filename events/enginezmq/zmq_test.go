@@ -149,17 +149,6 @@ func (c *collector) seqs() []uint64 {
 	return out
 }
 
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", d, what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 func TestSubscriberLive(t *testing.T) {
 	for _, bind := range []bool{false, true} {
 		t.Run(fmt.Sprintf("bind=%v", bind), func(t *testing.T) {
@@ -180,13 +169,13 @@ func TestSubscriberLive(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			waitFor(t, 10*time.Second, "subscription", pub.Subscribed)
+			testenv.WaitFor(t, 10*time.Second, "subscription", pub.Subscribed)
 			for i := 0; i < 5; i++ {
 				if _, err := pub.Publish([]byte{byte(i)}); err != nil {
 					t.Fatal(err)
 				}
 			}
-			waitFor(t, 10*time.Second, "5 messages", func() bool { return len(got.seqs()) == 5 })
+			testenv.WaitFor(t, 10*time.Second, "5 messages", func() bool { return len(got.seqs()) == 5 })
 			if s := got.seqs(); s[0] != 1 || s[4] != 5 {
 				t.Fatalf("seqs %v", s)
 			}
@@ -197,11 +186,11 @@ func TestSubscriberLive(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer pub2.Close()
-			waitFor(t, 10*time.Second, "resubscription", pub2.Subscribed)
+			testenv.WaitFor(t, 10*time.Second, "resubscription", pub2.Subscribed)
 			if _, err := pub2.Publish([]byte("again")); err != nil {
 				t.Fatal(err)
 			}
-			waitFor(t, 10*time.Second, "message after reconnect", func() bool { return len(got.seqs()) == 6 })
+			testenv.WaitFor(t, 10*time.Second, "message after reconnect", func() bool { return len(got.seqs()) == 6 })
 			cancel()
 			if err := <-done; !errors.Is(err, context.Canceled) {
 				t.Fatalf("Run returned %v", err)
@@ -295,7 +284,7 @@ func TestSubscriberMalformedFrames(t *testing.T) {
 	}
 	var got collector
 	go func() { _ = sub.Run(ctx, got.add) }()
-	waitFor(t, 10*time.Second, "subscription", func() bool { return len(pub.(zmq4.Topics).Topics()) > 0 })
+	testenv.WaitFor(t, 10*time.Second, "subscription", func() bool { return len(pub.(zmq4.Topics).Topics()) > 0 })
 	for _, m := range []zmq4.Msg{
 		zmq4.NewMsgFrom([]byte("kv")),                            // one frame
 		zmq4.NewMsgFrom([]byte("kv"), []byte{1, 2}, []byte{3}),   // 2-byte seq
@@ -305,7 +294,7 @@ func TestSubscriberMalformedFrames(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	waitFor(t, 10*time.Second, "the good message", func() bool { return len(got.seqs()) == 1 })
+	testenv.WaitFor(t, 10*time.Second, "the good message", func() bool { return len(got.seqs()) == 1 })
 	if s := sub.Stats(); s.Malformed != 2 || bad.Load() != 2 || s.Messages != 1 || got.seqs()[0] != 9 {
 		t.Fatalf("stats %+v, hook %d", s, bad.Load())
 	}
@@ -379,16 +368,16 @@ func TestSubscriberKick(t *testing.T) {
 	var got collector
 	go func() { _ = sub.Run(ctx, got.add) }()
 	// Nobody listens: the first dial fails and the next waits an hour.
-	waitFor(t, 20*time.Second, "a failed dial", func() bool { return sub.Stats().Reconnects >= 1 })
+	testenv.WaitFor(t, 20*time.Second, "a failed dial", func() bool { return sub.Stats().Reconnects >= 1 })
 	pub, err := NewPublisher(ctx, PublisherConfig{Endpoint: ep, Topic: "kv"})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer pub.Close()
 	sub.Kick()
-	waitFor(t, 10*time.Second, "subscribed after the kick", pub.Subscribed)
+	testenv.WaitFor(t, 10*time.Second, "subscribed after the kick", pub.Subscribed)
 	// The log says the outage ended, not only that it began.
-	waitFor(t, 10*time.Second, "the reconnection logged", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "the reconnection logged", func() bool {
 		return strings.Contains(logs.String(), "zmq subscriber: connected again")
 	})
 }

@@ -167,6 +167,15 @@ func (c StreamConfig) withDefaults() StreamConfig {
 	return c
 }
 
+// storageOf is the JetStream storage of a stream or bucket kept in memory
+// or, by default, in files.
+func storageOf(memory bool) jetstream.StorageType {
+	if memory {
+		return jetstream.MemoryStorage
+	}
+	return jetstream.FileStorage
+}
+
 // EnsureStream returns the events stream, creating it when missing. An
 // existing stream is left as it is (another bridge or the operator made it).
 func EnsureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig) (jetstream.Stream, error) {
@@ -182,10 +191,7 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 	if !errors.Is(err, jetstream.ErrStreamNotFound) {
 		return nil, fmt.Errorf("kvstream: look up stream %s: %w", cfg.Name, err)
 	}
-	storage := jetstream.FileStorage
-	if cfg.Memory {
-		storage = jetstream.MemoryStorage
-	}
+	storage := storageOf(cfg.Memory)
 	s, err = js.CreateStream(ctx, jetstream.StreamConfig{
 		Name:        cfg.Name,
 		Description: "kvrouter: vLLM KV-cache events per pool and instance",
@@ -266,10 +272,7 @@ func EnsureBucket(ctx context.Context, js jetstream.JetStream, cfg BucketConfig)
 	if !errors.Is(err, jetstream.ErrBucketNotFound) {
 		return nil, fmt.Errorf("kvstream: look up bucket %s: %w", cfg.Name, err)
 	}
-	storage := jetstream.FileStorage
-	if cfg.Memory {
-		storage = jetstream.MemoryStorage
-	}
+	storage := storageOf(cfg.Memory)
 	kv, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
 		Bucket:       cfg.Name,
 		Description:  "kvrouter: latest block-table snapshot per pool.instance",
@@ -318,10 +321,7 @@ func EnsureObjectStore(ctx context.Context, js jetstream.JetStream, cfg BucketCo
 	if !errors.Is(err, jetstream.ErrBucketNotFound) {
 		return nil, fmt.Errorf("kvstream: look up object store %s: %w", name, err)
 	}
-	storage := jetstream.FileStorage
-	if cfg.Memory {
-		storage = jetstream.MemoryStorage
-	}
+	storage := storageOf(cfg.Memory)
 	obs, err = js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{
 		Bucket:      name,
 		Description: "kvrouter: block-table snapshots too large for one message",

@@ -18,11 +18,7 @@ import (
 // makes everything when the configuration is sound.
 func TestEnsureAllConfigErrors(t *testing.T) {
 	ctx := testenv.Context(t, time.Minute)
-	nc, err := nats.Connect(testenv.NATSURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := testenv.Connect(t, testenv.NATSURL(t))
 	js, _ := jetstream.New(nc)
 	name := testenv.UniqueName(t)
 	log := slog.New(slog.DiscardHandler)

@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvrouter/kvrouter/internal/testenv"
@@ -23,11 +22,7 @@ func TestEnsureAllReplicas(t *testing.T) {
 	ctx := testenv.Context(t, 2*time.Minute)
 	log := slog.New(slog.DiscardHandler)
 	connect := func(url string) jetstream.JetStream {
-		nc, err := nats.Connect(url)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(nc.Close)
+		nc := testenv.Connect(t, url)
 		js, err := jetstream.New(nc)
 		if err != nil {
 			t.Fatal(err)

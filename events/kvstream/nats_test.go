@@ -65,11 +65,7 @@ func FuzzParseEventHeaders(f *testing.F) {
 
 func TestEnsureStreamAndBucket(t *testing.T) {
 	ctx := testenv.Context(t, 30*time.Second)
-	nc, err := nats.Connect(testenv.NATSURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
+	nc := testenv.Connect(t, testenv.NATSURL(t))
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)
@@ -150,11 +146,7 @@ func TestEmbeddedNATS(t *testing.T) {
 func TestEvictionSSE(t *testing.T) {
 	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
 	defer cancel()
-	nc, err := nats.Connect(testenv.NATSURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
+	nc := testenv.Connect(t, testenv.NATSURL(t))
 	pool := "p_" + testenv.UniqueName(t)
 	srvCtx, srvStop := context.WithCancel(context.Background())
 	defer srvStop()

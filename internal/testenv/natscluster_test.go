@@ -14,11 +14,7 @@ import (
 // killed node catches up when it returns.
 func TestNATSClusterSurvivesLeaderKill(t *testing.T) {
 	c := StartNATSCluster(t, 3)
-	nc, err := nats.Connect(c.URLs(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
+	nc := Connect(t, c.URLs(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)

@@ -2,6 +2,8 @@ package testenv
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"net"
 	"strings"
@@ -107,5 +109,69 @@ func TestFreePortNeverTwice(t *testing.T) {
 			t.Fatalf("port %d handed out twice", p)
 		}
 		seen[p] = true
+	}
+}
+
+// stop cancels run's context and returns only once run has returned; a
+// second stop (the cleanup's) returns at once.
+func TestGoStopWaitsForRun(t *testing.T) {
+	started, returned := make(chan struct{}), false
+	stop := Go(t, context.Background(), func(ctx context.Context) error {
+		close(started)
+		<-ctx.Done()
+		time.Sleep(20 * time.Millisecond)
+		returned = true
+		return ctx.Err()
+	})
+	<-started
+	stop()
+	if !returned {
+		t.Fatal("stop returned before run did")
+	}
+	stop()
+}
+
+func TestWaitForPollsUntilTrue(t *testing.T) {
+	n := 0
+	WaitFor(t, 5*time.Second, "the third poll", func() bool { n++; return n == 3 })
+	if n != 3 {
+		t.Fatalf("cond polled %d times, want 3", n)
+	}
+}
+
+// A certificate the CA issues verifies against the CA, for the use it was
+// issued for.
+func TestCAIssueVerifies(t *testing.T) {
+	ca := NewCA(t, "ca")
+	roots := x509.NewCertPool()
+	roots.AddCert(ca.Cert)
+	for _, server := range []bool{true, false} {
+		certPEM, keyPEM := ca.Issue(t, "leaf", 2, server)
+		pair, err := tls.X509KeyPair(certPEM, keyPEM)
+		if err != nil {
+			t.Fatal(err)
+		}
+		use, name := x509.ExtKeyUsageClientAuth, ""
+		if server {
+			use, name = x509.ExtKeyUsageServerAuth, "127.0.0.1"
+		}
+		if _, err := pair.Leaf.Verify(x509.VerifyOptions{Roots: roots, DNSName: name, KeyUsages: []x509.ExtKeyUsage{use}}); err != nil {
+			t.Errorf("server=%v: %v", server, err)
+		}
+	}
+}
+
+// SelfSigned's files make a key pair its pool trusts, for 127.0.0.1, as a
+// server and as a client.
+func TestSelfSignedTrusted(t *testing.T) {
+	certFile, keyFile, roots := SelfSigned(t, t.TempDir())
+	pair, err := tls.LoadX509KeyPair(certFile, keyFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, use := range []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth} {
+		if _, err := pair.Leaf.Verify(x509.VerifyOptions{Roots: roots, DNSName: "127.0.0.1", KeyUsages: []x509.ExtKeyUsage{use}}); err != nil {
+			t.Errorf("usage %v: %v", use, err)
+		}
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"testing"
+	"time"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/testenv"
@@ -33,7 +34,7 @@ func TestAgreesWithCapturedSimulator(t *testing.T) {
 		Events:    EventsConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", pubPort)},
 	})
 	s := subscribe(t, fmt.Sprintf("tcp://127.0.0.1:%d", pubPort))
-	waitFor(t, "subscription", in.EventsSubscribed)
+	testenv.WaitFor(t, 10*time.Second, "subscription", in.EventsSubscribed)
 
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
@@ -63,7 +64,7 @@ func TestAgreesWithCapturedSimulator(t *testing.T) {
 			t.Fatalf("%s: status %d, captured %d (%s)", c.Label, code, c.Status, out)
 		}
 		if c.Path == "/sleep" {
-			waitFor(t, "AllBlocksCleared after /sleep", func() bool {
+			testenv.WaitFor(t, 10*time.Second, "AllBlocksCleared after /sleep", func() bool {
 				m := s.messages()
 				if len(m) == 0 {
 					return false
@@ -122,7 +123,7 @@ func TestAgreesWithCapturedSimulator(t *testing.T) {
 	if len(want) != 144 {
 		t.Fatalf("read %d captured blocks, want 144", len(want))
 	}
-	waitFor(t, "kvsim's events to cover the captured blocks", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "kvsim's events to cover the captured blocks", func() bool {
 		ours := map[string]bool{}
 		for _, m := range s.messages() {
 			b, err := events.Decode(m.Payload)

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
@@ -43,14 +44,14 @@ func TestInteropWithProjectSubscriber(t *testing.T) {
 			ReplayEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", replayPort), LegacyReplay: true,
 		},
 	})
-	waitFor(t, "subscription", in.EventsSubscribed)
+	testenv.WaitFor(t, 10*time.Second, "subscription", in.EventsSubscribed)
 	for i := range 3 {
 		code, body := post(t, in.URL()+"/v1/completions", map[string]any{"prompt": strings.Repeat(fmt.Sprintf("prompt %d words ", i), 30), "max_tokens": 2})
 		if code != 200 {
 			t.Fatalf("completion %d: %s", code, body)
 		}
 	}
-	waitFor(t, "3 batches", func() bool { mu.Lock(); defer mu.Unlock(); return len(got) >= 3 })
+	testenv.WaitFor(t, 10*time.Second, "3 batches", func() bool { mu.Lock(); defer mu.Unlock(); return len(got) >= 3 })
 	mu.Lock()
 	live := append([]enginezmq.Message(nil), got...)
 	mu.Unlock()

@@ -81,6 +81,29 @@ func (in *Instance) resolveModel(w http.ResponseWriter, model string) (lora stri
 	return "", false
 }
 
+// readGen reads a completion request's body into req, whose shared fields
+// are p, and checks what both endpoints check first: the model (lora is
+// the LoRA name, "" for the base model) and the token budget. On false
+// the error answer has been written.
+func (in *Instance) readGen(w http.ResponseWriter, r *http.Request, req any, p *genParams) (lora string, maxTok int, ok bool) {
+	if !readJSON(w, r, req) {
+		return "", 0, false
+	}
+	if lora, ok = in.resolveModel(w, p.Model); !ok {
+		return "", 0, false
+	}
+	maxTok, ok = in.maxTokens(w, p)
+	return lora, maxTok, ok
+}
+
+// salt is the request's cache_salt ("" when it has none).
+func (p *genParams) salt() string {
+	if p.CacheSalt == nil {
+		return ""
+	}
+	return *p.CacheSalt
+}
+
 func (in *Instance) maxTokens(w http.ResponseWriter, p *genParams) (int, bool) {
 	n := in.cfg.DefaultMaxTokens
 	if p.MaxCompletionTokens != nil {
@@ -258,14 +281,7 @@ type completionRequest struct {
 
 func (in *Instance) handleCompletions(w http.ResponseWriter, r *http.Request) {
 	var req completionRequest
-	if !readJSON(w, r, &req) {
-		return
-	}
-	lora, ok := in.resolveModel(w, req.Model)
-	if !ok {
-		return
-	}
-	maxTok, ok := in.maxTokens(w, &req.genParams)
+	lora, maxTok, ok := in.readGen(w, r, &req, &req.genParams)
 	if !ok {
 		return
 	}
@@ -286,10 +302,7 @@ func (in *Instance) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		badRequest(w, "too many prompts in one request (max 1024)")
 		return
 	}
-	salt := ""
-	if req.CacheSalt != nil {
-		salt = *req.CacheSalt
-	}
+	salt := req.salt()
 	jobs := make([]*job, 0, len(prompts))
 	for _, p := range prompts {
 		j, ok := in.startJob(w, p, maxTok, lora, salt, tr)
@@ -473,14 +486,7 @@ func (in *Instance) chatTokens(req *chatRequest) ([]uint32, error) {
 
 func (in *Instance) handleChat(w http.ResponseWriter, r *http.Request) {
 	var req chatRequest
-	if !readJSON(w, r, &req) {
-		return
-	}
-	lora, ok := in.resolveModel(w, req.Model)
-	if !ok {
-		return
-	}
-	maxTok, ok := in.maxTokens(w, &req.genParams)
+	lora, maxTok, ok := in.readGen(w, r, &req, &req.genParams)
 	if !ok {
 		return
 	}
@@ -493,10 +499,7 @@ func (in *Instance) handleChat(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	salt := ""
-	if req.CacheSalt != nil {
-		salt = *req.CacheSalt
-	}
+	salt := req.salt()
 	j, ok := in.startJob(w, prompt, maxTok, lora, salt, tr)
 	if !ok {
 		return
@@ -594,8 +597,13 @@ func (in *Instance) handleLoadLoRA(w http.ResponseWriter, r *http.Request) {
 		apiError(w, http.StatusBadRequest, "InvalidUserInput", fmt.Sprintf("The lora adapter '%s' has already been loaded.", req.Name))
 		return
 	}
+	loraDone(w, req.Name, "added")
+}
+
+// loraDone answers a LoRA load or unload as vLLM does: plain text.
+func loraDone(w http.ResponseWriter, name, done string) {
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-	fmt.Fprintf(w, "Success: LoRA adapter '%s' added successfully.", req.Name)
+	fmt.Fprintf(w, "Success: LoRA adapter '%s' %s successfully.", name, done)
 }
 
 func (in *Instance) handleUnloadLoRA(w http.ResponseWriter, r *http.Request) {
@@ -609,8 +617,7 @@ func (in *Instance) handleUnloadLoRA(w http.ResponseWriter, r *http.Request) {
 		apiError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("The lora adapter '%s' cannot be found.", req.Name))
 		return
 	}
-	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-	fmt.Fprintf(w, "Success: LoRA adapter '%s' removed successfully.", req.Name)
+	loraDone(w, req.Name, "removed")
 }
 
 // handleTokenize serves vLLM's /tokenize: {prompt} or {messages}, answering

@@ -79,17 +79,6 @@ func startInstance(t *testing.T, cfg Config) *Instance {
 	return in
 }
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 func post(t *testing.T, url string, body any) (int, []byte) {
 	t.Helper()
 	b, _ := json.Marshal(body)
@@ -176,7 +165,7 @@ func testEndToEnd(t *testing.T, enc events.Encoding) {
 		},
 	})
 	s := subscribe(t, fmt.Sprintf("tcp://127.0.0.1:%d", pubPort))
-	waitFor(t, "subscription", in.EventsSubscribed)
+	testenv.WaitFor(t, 10*time.Second, "subscription", in.EventsSubscribed)
 
 	msgs := []map[string]string{
 		{"role": "system", "content": strings.Repeat("You are a careful assistant who answers briefly. ", 8)},
@@ -251,7 +240,7 @@ func testEndToEnd(t *testing.T, enc events.Encoding) {
 		}
 		return slices.Equal(r.sorted(0), gpuHashes) && slices.Equal(r.sorted(1), cpuHashes)
 	}
-	waitFor(t, "events to match the cache", check)
+	testenv.WaitFor(t, 10*time.Second, "events to match the cache", check)
 	live := s.messages()
 	for i, m := range live {
 		if m.Seq != uint64(i+1) {
@@ -304,7 +293,7 @@ func testEndToEnd(t *testing.T, enc events.Encoding) {
 	if code != 200 {
 		t.Fatalf("reset: %d %s", code, body)
 	}
-	waitFor(t, "AllBlocksCleared", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "AllBlocksCleared", func() bool {
 		m := s.messages()
 		b, err := events.Decode(m[len(m)-1].Payload)
 		return err == nil && len(b.Events) > 0 && b.Events[len(b.Events)-1].Kind == events.AllBlocksCleared
@@ -461,7 +450,7 @@ func TestDataParallelRanks(t *testing.T) {
 	})
 	s0 := subscribe(t, fmt.Sprintf("tcp://127.0.0.1:%d", pubPort))
 	s1 := subscribe(t, fmt.Sprintf("tcp://127.0.0.1:%d", pubPort+1))
-	waitFor(t, "subscriptions", in.EventsSubscribed)
+	testenv.WaitFor(t, 10*time.Second, "subscriptions", in.EventsSubscribed)
 	var wg sync.WaitGroup
 	for i := range 6 {
 		wg.Add(1)
@@ -473,7 +462,7 @@ func TestDataParallelRanks(t *testing.T) {
 	}
 	wg.Wait()
 	for r, s := range []*sub{s0, s1} {
-		waitFor(t, fmt.Sprintf("rank %d events", r), func() bool { return len(s.messages()) > 0 })
+		testenv.WaitFor(t, 10*time.Second, fmt.Sprintf("rank %d events", r), func() bool { return len(s.messages()) > 0 })
 		m := s.messages()[0]
 		b, err := events.Decode(m.Payload)
 		if err != nil || !b.HasDPRank || b.DPRank != r || m.Seq != 1 {

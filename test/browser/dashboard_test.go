@@ -204,6 +204,26 @@ func chromium(t *testing.T) string {
 	return p
 }
 
+// openDashboard launches Chromium with cfg and opens the dashboard of the
+// router at url in a page; both close when the test ends.
+func openDashboard(t *testing.T, ctx context.Context, cfg browser.Config, url string) *browser.Page {
+	t.Helper()
+	b, err := browser.Launch(ctx, cfg)
+	if err != nil {
+		t.Fatalf("launch chromium: %v", err)
+	}
+	t.Cleanup(b.Close)
+	page, err := b.Page(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = page.Close() })
+	if err := page.Navigate(ctx, url+"/dashboard"); err != nil {
+		t.Fatal(err)
+	}
+	return page
+}
+
 // pageState is what the dashboard shows, read from its DOM.
 type pageState struct {
 	Polls     int               `json:"polls"`
@@ -281,19 +301,7 @@ func TestDashboardInChromium(t *testing.T) {
 	wg.Go(func() { workload(wctx, f.url, &sent, errs) })
 	defer func() { stopWork(); wg.Wait() }()
 
-	b, err := browser.Launch(ctx, browser.Config{Binary: bin, Width: 1400, Height: 1100})
-	if err != nil {
-		t.Fatalf("launch chromium: %v", err)
-	}
-	defer b.Close()
-	page, err := b.Page(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer page.Close()
-	if err := page.Navigate(ctx, f.url+"/dashboard"); err != nil {
-		t.Fatal(err)
-	}
+	page := openDashboard(t, ctx, browser.Config{Binary: bin, Width: 1400, Height: 1100}, f.url)
 
 	read := func() pageState {
 		t.Helper()
@@ -459,19 +467,7 @@ func TestDashboardWithoutKVInChromium(t *testing.T) {
 	wg.Go(func() { workload(wctx, url, &sent, errs) })
 	defer func() { stopWork(); wg.Wait() }()
 
-	b, err := browser.Launch(ctx, browser.Config{Binary: bin})
-	if err != nil {
-		t.Fatalf("launch chromium: %v", err)
-	}
-	defer b.Close()
-	page, err := b.Page(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer page.Close()
-	if err := page.Navigate(ctx, url+"/dashboard"); err != nil {
-		t.Fatal(err)
-	}
+	page := openDashboard(t, ctx, browser.Config{Binary: bin}, url)
 	var s pageState
 	var index string
 	end := time.Now().Add(30 * time.Second)
