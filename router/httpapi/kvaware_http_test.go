@@ -34,14 +34,18 @@ const (
 // completions with usage.prompt_tokens_details.cached_tokens computed from
 // the blocks it holds, and — like the engine with KV events on — reports
 // every block it stores to the router's index (the events consumer's job
-// in production, done directly here).
+// in production, done directly here). It honours cache_salt as vLLM does:
+// the salt roots the block chain, so a prompt cached under one salt is a
+// miss under another, and the salt goes on the event (vLLM puts it in
+// block 0's extra_keys).
 type kvEngine struct {
 	id  string
 	idx kvindex.Index
 	srv *httptest.Server
 
-	mu   sync.Mutex // guards held
-	held map[kvindex.Key]bool
+	mu    sync.Mutex // guards held and salts
+	held  map[kvindex.Key]bool
+	salts []string // cache_salt of every request received, in order ("" = none)
 }
 
 func newKVEngine(t *testing.T, id string, idx kvindex.Index) *kvEngine {
@@ -53,10 +57,10 @@ func newKVEngine(t *testing.T, id string, idx kvindex.Index) *kvEngine {
 
 func (e *kvEngine) hash(k kvindex.Key) uint64 { return uint64(k) ^ 0x5bd1e995 ^ uint64(len(e.id))<<40 }
 
-// store computes the prompt's blocks: cached_tokens for it, then
-// BlockStored for the new blocks.
-func (e *kvEngine) store(tokens []uint32) (cached int) {
-	keys := kvindex.Keys(kvindex.Root(kvModel, "", ""), tokens, kvBS)
+// store computes the prompt's blocks under salt: cached_tokens for it,
+// then BlockStored for the new blocks.
+func (e *kvEngine) store(salt string, tokens []uint32) (cached int) {
+	keys := kvindex.Keys(kvindex.Root(kvModel, "", salt), tokens, kvBS)
 	e.mu.Lock()
 	hit := 0
 	for hit < len(keys) && e.held[keys[hit]] {
@@ -67,7 +71,7 @@ func (e *kvEngine) store(tokens []uint32) (cached int) {
 	}
 	e.mu.Unlock()
 	if hit < len(keys) {
-		ev := events.Event{Kind: events.BlockStored, BlockSize: kvBS, Medium: "GPU", TokenIDs: tokens[hit*kvBS : len(keys)*kvBS]}
+		ev := events.Event{Kind: events.BlockStored, BlockSize: kvBS, Medium: "GPU", CacheSalt: salt, TokenIDs: tokens[hit*kvBS : len(keys)*kvBS]}
 		for _, k := range keys[hit:] {
 			ev.BlockHashes = append(ev.BlockHashes, e.hash(k))
 		}
@@ -97,14 +101,18 @@ func (e *kvEngine) evict() {
 
 func (e *kvEngine) serve(w http.ResponseWriter, r *http.Request) {
 	var req struct {
-		Prompt []uint32 `json:"prompt"`
-		Stream bool     `json:"stream"`
+		Prompt    []uint32 `json:"prompt"`
+		Stream    bool     `json:"stream"`
+		CacheSalt string   `json:"cache_salt"`
 	}
 	if err := json.NewDecoder(r.Body).Decode(&req); err != nil {
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return
 	}
-	cached := e.store(req.Prompt)
+	e.mu.Lock()
+	e.salts = append(e.salts, req.CacheSalt)
+	e.mu.Unlock()
+	cached := e.store(req.CacheSalt, req.Prompt)
 	usage := fmt.Sprintf(`{"prompt_tokens":%d,"completion_tokens":2,"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}`, len(req.Prompt), len(req.Prompt)+2, cached)
 	if !req.Stream {
 		w.Header().Set("Content-Type", "application/json")
@@ -120,6 +128,15 @@ func (e *kvEngine) serve(w http.ResponseWriter, r *http.Request) {
 	fmt.Fprintf(w, "data: {\"id\":\"cmpl-%s\",\"choices\":[],\"usage\":%s}\n\ndata: [DONE]\n\n", e.id, usage)
 }
 
+func (e *kvEngine) lastSalt() string {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(e.salts) == 0 {
+		return "<no request>"
+	}
+	return e.salts[len(e.salts)-1]
+}
+
 type kvHTTP struct {
 	t       *testing.T
 	srv     *httpapi.Server
@@ -127,7 +144,9 @@ type kvHTTP struct {
 	engines map[string]*kvEngine
 }
 
-func newKVHTTP(t *testing.T, n int, routing config.RoutingConfig) *kvHTTP {
+// newKVHTTP serves one pool "p" of n kvEngines sharing a memory index;
+// edits change the configuration before the server is built.
+func newKVHTTP(t *testing.T, n int, routing config.RoutingConfig, edits ...func(*config.Config)) *kvHTTP {
 	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvModel, BlockSize: kvBS})
 	if err != nil {
 		t.Fatal(err)
@@ -140,7 +159,11 @@ func newKVHTTP(t *testing.T, n int, routing config.RoutingConfig) *kvHTTP {
 		h.engines[e.id] = e
 		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: e.id, URL: e.srv.URL})
 	}
-	h.srv, err = httpapi.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, httpapi.Options{Admin: admin.Routes(nil),
+	cfg := config.Config{Pools: []config.PoolConfig{pc}}
+	for _, edit := range edits {
+		edit(&cfg)
+	}
+	h.srv, err = httpapi.NewServer(cfg, httpapi.Options{Admin: admin.Routes(nil),
 		Logger: slog.New(slog.DiscardHandler),
 		KV: kvaware.NewSource(func(p config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			return idx, nil
@@ -202,7 +225,7 @@ func TestKVAwareHTTP(t *testing.T) {
 		}
 	}
 	h.engines[home].evict()
-	h.engines[other].store(prompt)
+	h.engines[other].store("", prompt)
 	time.Sleep(150 * time.Millisecond)
 
 	resp, body := h.complete(prompt, false)
