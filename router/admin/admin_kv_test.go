@@ -16,6 +16,7 @@ import (
 	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
+	"github.com/kvrouter/kvrouter/router/servertest"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
@@ -36,7 +37,7 @@ func kvAdminServer(t testing.TB, idx kvindex.Index, token string) *httptest.Serv
 		{Name: "plain", Model: "other", Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 			Instances: []config.InstanceConfig{{ID: "x", URL: "http://127.0.0.1:3"}}},
 	}
-	srv, err := httpapi.NewServer(config.Config{Pools: pools, AdminToken: token}, httpapi.Options{Admin: admin.Routes(nil),
+	_, ts := servertest.Serve(t, config.Config{Pools: pools, AdminToken: token}, httpapi.Options{Admin: admin.Routes(nil),
 		Logger: slog.New(slog.DiscardHandler),
 		KV: kvaware.NewSource(func(pc config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			if pc.Name != "kv" {
@@ -45,11 +46,6 @@ func kvAdminServer(t testing.TB, idx kvindex.Index, token string) *httptest.Serv
 			return idx, kvindex.FreshnessFuncs{IsStale: func(id string) bool { return id == "vllm-1" }}
 		}),
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(srv.Handler())
-	t.Cleanup(ts.Close)
 	return ts
 }
 

@@ -19,6 +19,7 @@ import (
 	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/flowcontrol"
 	"github.com/kvrouter/kvrouter/router/httpapi"
+	"github.com/kvrouter/kvrouter/router/servertest"
 )
 
 // orderUpstream is a one-slot engine for flow-control tests: it answers
@@ -72,7 +73,7 @@ func (u *orderUpstream) arrivals() []string {
 // that takes one request at a time, behind flow control fc.
 func flowServer(t *testing.T, upstream string, fc *config.FlowControlConfig) (*httpapi.Server, *httptest.Server) {
 	t.Helper()
-	srv, err := httpapi.NewServer(config.Config{Pools: []config.PoolConfig{{
+	srv, ts := servertest.Serve(t, config.Config{Pools: []config.PoolConfig{{
 		Name: "p", Model: "m",
 		Routing:     config.RoutingConfig{Strategy: config.StrategyLeastOutstanding, ConcurrencyThreshold: 1},
 		Health:      config.HealthConfig{Disable: true},
@@ -80,11 +81,6 @@ func flowServer(t *testing.T, upstream string, fc *config.FlowControlConfig) (*h
 		FlowControl: fc,
 		Instances:   []config.InstanceConfig{{ID: "e0", URL: upstream}},
 	}}}, httpapi.Options{Logger: slog.New(slog.DiscardHandler), Admin: admin.Routes(nil)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(srv.Handler())
-	t.Cleanup(ts.Close)
 	return srv, ts
 }
 

@@ -23,6 +23,7 @@ import (
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/routertest"
+	"github.com/kvrouter/kvrouter/router/servertest"
 )
 
 const (
@@ -163,17 +164,12 @@ func newKVHTTP(t *testing.T, n int, routing config.RoutingConfig, edits ...func(
 	for _, edit := range edits {
 		edit(&cfg)
 	}
-	h.srv, err = httpapi.NewServer(cfg, httpapi.Options{Admin: admin.Routes(nil),
+	h.srv, h.ts = servertest.Serve(t, cfg, httpapi.Options{Admin: admin.Routes(nil),
 		Logger: slog.New(slog.DiscardHandler),
 		KV: kvaware.NewSource(func(p config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			return idx, nil
 		}),
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h.ts = httptest.NewServer(h.srv.Handler())
-	t.Cleanup(h.ts.Close)
 	return h
 }
 

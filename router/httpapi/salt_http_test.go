@@ -6,7 +6,6 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
-	"net/http/httptest"
 	"strings"
 	"testing"
 
@@ -14,6 +13,7 @@ import (
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/routertest"
+	"github.com/kvrouter/kvrouter/router/servertest"
 )
 
 // TestCacheSaltKVAware: with cache_salt on, the upstream receives the
@@ -97,12 +97,7 @@ func TestCacheSaltRawPath(t *testing.T) {
 		Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 		Instances: []config.InstanceConfig{{ID: up.ID, URL: up.URL()}},
 	}}}
-	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(srv.Handler())
-	t.Cleanup(ts.Close)
+	srv, ts := servertest.Serve(t, cfg, httpapi.Options{Logger: slog.New(slog.DiscardHandler)})
 	want, ok := srv.TenantCacheSalt("p", "t-1")
 	if !ok || want != router.DeriveCacheSalt(secret, "t-1") {
 		t.Fatalf("TenantCacheSalt = %q %v", want, ok)

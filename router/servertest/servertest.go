@@ -59,14 +59,21 @@ func New(t testing.TB, n int, mod func(*config.Config), opts ...func(*httpapi.Op
 	for _, f := range opts {
 		f(&o)
 	}
+	h.Srv, h.TS = Serve(t, cfg, o)
+	return h
+}
+
+// Serve builds a server from cfg and o and serves its handler on a test
+// listener until the test ends.
+func Serve(t testing.TB, cfg config.Config, o httpapi.Options) (*httpapi.Server, *httptest.Server) {
+	t.Helper()
 	srv, err := httpapi.NewServer(cfg, o)
 	if err != nil {
 		t.Fatalf("NewServer: %v", err)
 	}
-	h.Srv = srv
-	h.TS = httptest.NewServer(srv.Handler())
-	t.Cleanup(h.TS.Close)
-	return h
+	ts := httptest.NewServer(srv.Handler())
+	t.Cleanup(ts.Close)
+	return srv, ts
 }
 
 // Run starts the server's background loops until the test ends.
