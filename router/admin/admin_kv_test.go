@@ -128,18 +128,14 @@ func TestAdminKVLookupAndInstances(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			req, _ := http.NewRequest(tc.method, ts.URL+tc.path, strings.NewReader(tc.body))
+			hdr := map[string]string{}
 			if tc.token != "" {
-				req.Header.Set("Authorization", "Bearer "+tc.token)
+				hdr["Authorization"] = "Bearer " + tc.token
 			}
-			resp, err := http.DefaultClient.Do(req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer resp.Body.Close()
-			b, _ := io.ReadAll(resp.Body)
-			if resp.StatusCode != tc.status {
-				t.Fatalf("status %d, want %d: %s", resp.StatusCode, tc.status, b)
+			r := servertest.Do(t, ts.URL, tc.method, tc.path, []byte(tc.body), hdr)
+			b := r.Body
+			if r.Status != tc.status {
+				t.Fatalf("status %d, want %d: %s", r.Status, tc.status, b)
 			}
 			if tc.status != 200 {
 				if !strings.Contains(string(b), tc.want) {
