@@ -340,14 +340,8 @@ func TestKVAwareHTTP(t *testing.T) {
 func TestKVAwareHTTPSwitching(t *testing.T) {
 	h := newKVHTTP(t, 3, config.RoutingConfig{})
 	put := func(body string) (int, string) {
-		req, _ := http.NewRequest(http.MethodPut, h.ts.URL+"/admin/pools/p/routing", strings.NewReader(body))
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
+		r := servertest.Do(t, h.ts.URL, http.MethodPut, "/admin/pools/p/routing", []byte(body), nil)
+		return r.Status, string(r.Body)
 	}
 	prompt := routertest.Prompt(2, 40*kvBS)
 	if resp, _ := h.complete(prompt, false); resp.Header.Get(router.HeaderStrategy) != config.StrategyPrefixAware || resp.Header.Get(router.HeaderMatchedTokens) != "" {

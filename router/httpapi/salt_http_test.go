@@ -3,7 +3,6 @@ package httpapi_test
 import (
 	"bytes"
 	"encoding/json"
-	"io"
 	"log/slog"
 	"net/http"
 	"strings"
@@ -36,20 +35,15 @@ func TestCacheSaltKVAware(t *testing.T) {
 			body["cache_salt"] = clientSalt
 		}
 		b, _ := json.Marshal(body)
-		req, _ := http.NewRequest(http.MethodPost, h.ts.URL+"/v1/completions", bytes.NewReader(b))
+		hdr := map[string]string{}
 		if tenant != "" {
-			req.Header.Set(router.TenantHeader, tenant)
+			hdr[router.TenantHeader] = tenant
 		}
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
+		r := servertest.Do(t, h.ts.URL, http.MethodPost, "/v1/completions", b, hdr)
+		if r.Status != http.StatusOK {
+			t.Fatalf("status %d: %s", r.Status, r.Body)
 		}
-		defer resp.Body.Close()
-		rb, _ := io.ReadAll(resp.Body)
-		if resp.StatusCode != http.StatusOK {
-			t.Fatalf("status %d: %s", resp.StatusCode, rb)
-		}
-		return resp.Header.Get(router.HeaderInstance), resp.Header.Get(router.HeaderReason), resp.Header.Get(router.HeaderMatchedTokens)
+		return r.Header.Get(router.HeaderInstance), r.Header.Get(router.HeaderReason), r.Header.Get(router.HeaderMatchedTokens)
 	}
 	saltA, saltB := router.DeriveCacheSalt(secret, "tenant-a"), router.DeriveCacheSalt(secret, "tenant-b")
 	const none = "gpu=0,cpu=0,disk=0,shared=0"
