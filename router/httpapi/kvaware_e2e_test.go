@@ -165,13 +165,8 @@ func TestKVAwareOverNATS(t *testing.T) {
 	}
 }
 
+// waitUntil waits out what a real NATS server and consumer take.
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	servertest.WaitWithin(t, 30*time.Second, what, cond)
 }

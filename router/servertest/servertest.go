@@ -151,7 +151,13 @@ func ErrorOf(t testing.TB, r Result) (msg string, code int) {
 // WaitFor polls cond until it holds, failing after a generous deadline.
 func WaitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
+	WaitWithin(t, 5*time.Second, what, cond)
+}
+
+// WaitWithin polls cond until it holds, failing after d.
+func WaitWithin(t testing.TB, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting for: %s", what)
