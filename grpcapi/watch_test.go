@@ -19,6 +19,7 @@ import (
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router/routertest"
+	"github.com/kvrouter/kvrouter/router/servertest"
 )
 
 // TestWatch streams a pool's events from a real NATS server, as the
@@ -281,16 +282,7 @@ drain:
 
 func dropped(t *testing.T, reg *prometheus.Registry) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() == "kvrouter_grpc_watch_dropped_total" {
-			return mf.GetMetric()[0].GetCounter().GetValue()
-		}
-	}
-	return 0
+	return servertest.Metric(t, reg, "kvrouter_grpc_watch_dropped_total", nil)
 }
 
 // TestServeStopsWithOpenWatch: Serve's graceful stop ends open Watch

@@ -259,37 +259,9 @@ func TestFlowControlSheds(t *testing.T) {
 	if c.Shed["canceled"] != 1 || c.Shed["deadline"] != 1 || c.Shed["queue_full"] != 1 {
 		t.Fatalf("counts %+v", c)
 	}
-	if got := (&counterReader{srv: srv, reason: "deadline"}).value(t); got != 1 {
+	if got := servertest.Metric(t, srv.Registry(), "kvrouter_queue_shed_total", map[string]string{"pool": "p", "priority": "0", "reason": "deadline"}); got != 1 {
 		t.Fatalf("kvrouter_queue_shed_total{reason=deadline} = %v", got)
 	}
-}
-
-// counterReader reads kvrouter_queue_shed_total{pool="p",priority="0",reason}.
-type counterReader struct {
-	srv    *httpapi.Server
-	reason string
-}
-
-func (c *counterReader) value(t *testing.T) float64 {
-	mfs, err := c.srv.Registry().Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != "kvrouter_queue_shed_total" {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			l := map[string]string{}
-			for _, lp := range m.GetLabel() {
-				l[lp.GetName()] = lp.GetValue()
-			}
-			if l["pool"] == "p" && l["priority"] == "0" && l["reason"] == c.reason {
-				return m.GetCounter().GetValue()
-			}
-		}
-	}
-	return 0
 }
 
 // TestFlowControlOffKeepsBehaviour: without flow_control the request path
