@@ -392,15 +392,10 @@ func TestMidStreamDisconnectReleases(t *testing.T) {
 	pc := config.PoolConfig{Name: "p", Model: kvModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
 		Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 		Instances: []config.InstanceConfig{{ID: "a", URL: up.URL}}}
-	srv, err := httpapi.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, httpapi.Options{
+	srv, ts := servertest.Serve(t, config.Config{Pools: []config.PoolConfig{pc}}, httpapi.Options{
 		Logger: slog.New(slog.DiscardHandler),
 		KV:     kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil }),
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(srv.Handler())
-	defer ts.Close()
 	body, _ := json.Marshal(map[string]any{"model": kvModel, "prompt": routertest.Prompt(9, 40*kvBS), "stream": true})
 	resp, err := http.Post(ts.URL+"/v1/completions", "application/json", bytes.NewReader(body))
 	if err != nil {
