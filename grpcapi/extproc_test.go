@@ -82,6 +82,14 @@ func (e *envoy) body(md *corev3.Metadata, body []byte) *extprocv3.ProcessingResp
 		RequestBody: &extprocv3.HttpBody{Body: body, EndOfStream: true}}})
 }
 
+// chat sends a chat completion of text to the hash pool, headers then
+// body, and returns what the body's answer told Envoy.
+func (e *envoy) chat(text string) outcome {
+	e.t.Helper()
+	e.headers(nil, false, ":method", "POST", ":path", "/v1/chat/completions")
+	return outcomeOf(e.t, e.body(nil, chatBody(hashModel, text)))
+}
+
 // outcome is what an ext_proc answer told Envoy.
 type outcome struct {
 	status     int    // immediate response status, 0 = routed
@@ -267,8 +275,7 @@ func maxBody(n int) harnessOpt {
 func TestExtProcInFlight(t *testing.T) {
 	h := newHarness(t)
 	e := h.envoy(t)
-	e.headers(nil, false, ":method", "POST", ":path", "/v1/chat/completions")
-	o := outcomeOf(t, e.body(nil, chatBody(hashModel, "count me")))
+	o := e.chat("count me")
 	in := h.instance("hash", o.instance)
 	if n := in.InFlight(); n != 1 {
 		t.Fatalf("in flight during the request: %d, want 1", n)
@@ -331,8 +338,7 @@ func TestExtProcSpreads(t *testing.T) {
 func TestExtProcServedElsewhere(t *testing.T) {
 	h := newHarness(t)
 	e := h.envoy(t)
-	e.headers(nil, false, ":method", "POST", ":path", "/v1/chat/completions")
-	o := outcomeOf(t, e.body(nil, chatBody(hashModel, "retry me")))
+	o := e.chat("retry me")
 	picked := h.instance("hash", o.instance)
 	other := "hash-0"
 	if o.instance == other {
@@ -376,8 +382,7 @@ func TestServeDrainTimeout(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.DrainTimeout = drain })
 			e := h.envoy(t)
-			e.headers(nil, false, ":method", "POST", ":path", "/v1/chat/completions")
-			if o := outcomeOf(t, e.body(nil, chatBody(hashModel, "drain me"))); o.status != 0 {
+			if o := e.chat("drain me"); o.status != 0 {
 				t.Fatalf("not routed: %+v", o)
 			}
 			if tc.finish {

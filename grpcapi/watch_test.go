@@ -19,17 +19,13 @@ import (
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router/routertest"
+	"github.com/kvrouter/kvrouter/router/servertest"
 )
 
 // TestWatch streams a pool's events from a real NATS server, as the
 // bridges publish them, through Events.Watch with each filter.
 func TestWatch(t *testing.T) {
-	ns := testenv.StartNATS(t)
-	nc, err := nats.Connect(ns.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := connectNATS(t)
 	reg := prometheus.NewRegistry()
 	h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.NATS, g.Registerer = nc, reg })
 	pool := "kv" // the NATS server is this test's own
@@ -159,6 +155,18 @@ func TestWatch(t *testing.T) {
 
 }
 
+// connectNATS starts this test's own NATS server and connects to it.
+func connectNATS(t *testing.T) *nats.Conn {
+	t.Helper()
+	ns := testenv.StartNATS(t)
+	nc, err := nats.Connect(ns.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	return nc
+}
+
 func mustEncode(t *testing.T, b events.Batch) []byte {
 	t.Helper()
 	p, err := events.Encode(nil, b, events.EncodingMap)
@@ -170,12 +178,7 @@ func mustEncode(t *testing.T, b events.Batch) []byte {
 
 // TestWatchBadRequests: Watch validates before subscribing.
 func TestWatchBadRequests(t *testing.T) {
-	ns := testenv.StartNATS(t)
-	nc, err := nats.Connect(ns.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := connectNATS(t)
 	h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.NATS = nc })
 	for _, tc := range []struct {
 		name string
@@ -203,12 +206,7 @@ func TestWatchBadRequests(t *testing.T) {
 // TestWatchSlowClient: a watcher that stops reading loses events instead of
 // stalling the router, and is told how many: received + dropped = published.
 func TestWatchSlowClient(t *testing.T) {
-	ns := testenv.StartNATS(t)
-	nc, err := nats.Connect(ns.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := connectNATS(t)
 	reg := prometheus.NewRegistry()
 	h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.NATS, g.Registerer, g.WatchBuffer = nc, reg, 1 })
 	pool := "hash" // the NATS server is this test's own
@@ -284,27 +282,13 @@ drain:
 
 func dropped(t *testing.T, reg *prometheus.Registry) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() == "kvrouter_grpc_watch_dropped_total" {
-			return mf.GetMetric()[0].GetCounter().GetValue()
-		}
-	}
-	return 0
+	return servertest.Metric(t, reg, "kvrouter_grpc_watch_dropped_total", nil)
 }
 
 // TestServeStopsWithOpenWatch: Serve's graceful stop ends open Watch
 // streams cleanly instead of waiting out its 5 s grace period.
 func TestServeStopsWithOpenWatch(t *testing.T) {
-	ns := testenv.StartNATS(t)
-	nc, err := nats.Connect(ns.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := connectNATS(t)
 	h := newHarness(t, func(_ *config.Config, g *grpcapi.Config) { g.NATS = nc })
 	st, err := kvrouterv1.NewEventsClient(h.conn).Watch(ctxT(t), &kvrouterv1.WatchRequest{Pool: "kv"})
 	if err != nil {

@@ -16,6 +16,7 @@ import (
 	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
+	"github.com/kvrouter/kvrouter/router/servertest"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
@@ -36,7 +37,7 @@ func kvAdminServer(t testing.TB, idx kvindex.Index, token string) *httptest.Serv
 		{Name: "plain", Model: "other", Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 			Instances: []config.InstanceConfig{{ID: "x", URL: "http://127.0.0.1:3"}}},
 	}
-	srv, err := httpapi.NewServer(config.Config{Pools: pools, AdminToken: token}, httpapi.Options{Admin: admin.Routes(nil),
+	_, ts := servertest.Serve(t, config.Config{Pools: pools, AdminToken: token}, httpapi.Options{Admin: admin.Routes(nil),
 		Logger: slog.New(slog.DiscardHandler),
 		KV: kvaware.NewSource(func(pc config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			if pc.Name != "kv" {
@@ -45,11 +46,6 @@ func kvAdminServer(t testing.TB, idx kvindex.Index, token string) *httptest.Serv
 			return idx, kvindex.FreshnessFuncs{IsStale: func(id string) bool { return id == "vllm-1" }}
 		}),
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(srv.Handler())
-	t.Cleanup(ts.Close)
 	return ts
 }
 
@@ -132,18 +128,14 @@ func TestAdminKVLookupAndInstances(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			req, _ := http.NewRequest(tc.method, ts.URL+tc.path, strings.NewReader(tc.body))
+			hdr := map[string]string{}
 			if tc.token != "" {
-				req.Header.Set("Authorization", "Bearer "+tc.token)
+				hdr["Authorization"] = "Bearer " + tc.token
 			}
-			resp, err := http.DefaultClient.Do(req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer resp.Body.Close()
-			b, _ := io.ReadAll(resp.Body)
-			if resp.StatusCode != tc.status {
-				t.Fatalf("status %d, want %d: %s", resp.StatusCode, tc.status, b)
+			r := servertest.Do(t, ts.URL, tc.method, tc.path, []byte(tc.body), hdr)
+			b := r.Body
+			if r.Status != tc.status {
+				t.Fatalf("status %d, want %d: %s", r.Status, tc.status, b)
 			}
 			if tc.status != 200 {
 				if !strings.Contains(string(b), tc.want) {

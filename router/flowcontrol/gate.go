@@ -83,21 +83,18 @@ type Ticket struct {
 func (t *Ticket) Waited() time.Duration { return t.it.Waited() }
 
 // FirstToken frees the request's pending prefill.
-func (t *Ticket) FirstToken() {
-	g := t.g
-	g.mu.Lock()
-	now := g.now()
-	g.s.FirstToken(&t.it, now)
-	g.dispatch(now)
-	g.mu.Unlock()
-}
+func (t *Ticket) FirstToken() { t.settle((*Sched).FirstToken) }
 
 // Done ends the request and admits whoever its budget lets in.
-func (t *Ticket) Done() {
+func (t *Ticket) Done() { t.settle((*Sched).Done) }
+
+// settle applies step to the request under the gate's lock, at one clock
+// reading, then admits whoever that lets in.
+func (t *Ticket) settle(step func(*Sched, *Item, time.Time)) {
 	g := t.g
 	g.mu.Lock()
 	now := g.now()
-	g.s.Done(&t.it, now)
+	step(g.s, &t.it, now)
 	g.dispatch(now)
 	g.mu.Unlock()
 }

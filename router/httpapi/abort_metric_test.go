@@ -8,29 +8,14 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvrouter/kvrouter/router/servertest"
 )
 
 // requestsWithStatus sums kvrouter_requests_total over series with status.
 func (h *harness) requestsWithStatus(status string) float64 {
 	h.t.Helper()
-	mfs, err := h.srv.Registry().Gather()
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	total := 0.0
-	for _, mf := range mfs {
-		if mf.GetName() != "kvrouter_requests_total" {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "status" && l.GetValue() == status {
-					total += m.GetCounter().GetValue()
-				}
-			}
-		}
-	}
-	return total
+	return servertest.Metric(h.t, h.srv.Registry(), "kvrouter_requests_total", map[string]string{"status": status})
 }
 
 // A client that goes away mid-stream aborts the proxy (http.ErrAbortHandler):

@@ -17,6 +17,7 @@ import (
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
+	"github.com/kvrouter/kvrouter/router/servertest"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
 )
@@ -59,13 +60,8 @@ func newDisaggFleet(t *testing.T, dc config.DisaggregationConfig, prefill, decod
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: slog.New(slog.DiscardHandler),
+	_, f.ts = servertest.Serve(t, cfg, httpapi.Options{Logger: slog.New(slog.DiscardHandler),
 		KV: kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil })})
-	if err != nil {
-		t.Fatal(err)
-	}
-	f.ts = httptest.NewServer(srv.Handler())
-	t.Cleanup(f.ts.Close)
 	return f
 }
 

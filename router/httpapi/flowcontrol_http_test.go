@@ -19,6 +19,7 @@ import (
 	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/flowcontrol"
 	"github.com/kvrouter/kvrouter/router/httpapi"
+	"github.com/kvrouter/kvrouter/router/servertest"
 )
 
 // orderUpstream is a one-slot engine for flow-control tests: it answers
@@ -72,7 +73,7 @@ func (u *orderUpstream) arrivals() []string {
 // that takes one request at a time, behind flow control fc.
 func flowServer(t *testing.T, upstream string, fc *config.FlowControlConfig) (*httpapi.Server, *httptest.Server) {
 	t.Helper()
-	srv, err := httpapi.NewServer(config.Config{Pools: []config.PoolConfig{{
+	srv, ts := servertest.Serve(t, config.Config{Pools: []config.PoolConfig{{
 		Name: "p", Model: "m",
 		Routing:     config.RoutingConfig{Strategy: config.StrategyLeastOutstanding, ConcurrencyThreshold: 1},
 		Health:      config.HealthConfig{Disable: true},
@@ -80,11 +81,6 @@ func flowServer(t *testing.T, upstream string, fc *config.FlowControlConfig) (*h
 		FlowControl: fc,
 		Instances:   []config.InstanceConfig{{ID: "e0", URL: upstream}},
 	}}}, httpapi.Options{Logger: slog.New(slog.DiscardHandler), Admin: admin.Routes(nil)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(srv.Handler())
-	t.Cleanup(ts.Close)
 	return srv, ts
 }
 
@@ -263,37 +259,9 @@ func TestFlowControlSheds(t *testing.T) {
 	if c.Shed["canceled"] != 1 || c.Shed["deadline"] != 1 || c.Shed["queue_full"] != 1 {
 		t.Fatalf("counts %+v", c)
 	}
-	if got := (&counterReader{srv: srv, reason: "deadline"}).value(t); got != 1 {
+	if got := servertest.Metric(t, srv.Registry(), "kvrouter_queue_shed_total", map[string]string{"pool": "p", "priority": "0", "reason": "deadline"}); got != 1 {
 		t.Fatalf("kvrouter_queue_shed_total{reason=deadline} = %v", got)
 	}
-}
-
-// counterReader reads kvrouter_queue_shed_total{pool="p",priority="0",reason}.
-type counterReader struct {
-	srv    *httpapi.Server
-	reason string
-}
-
-func (c *counterReader) value(t *testing.T) float64 {
-	mfs, err := c.srv.Registry().Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != "kvrouter_queue_shed_total" {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			l := map[string]string{}
-			for _, lp := range m.GetLabel() {
-				l[lp.GetName()] = lp.GetValue()
-			}
-			if l["pool"] == "p" && l["priority"] == "0" && l["reason"] == c.reason {
-				return m.GetCounter().GetValue()
-			}
-		}
-	}
-	return 0
 }
 
 // TestFlowControlOffKeepsBehaviour: without flow_control the request path

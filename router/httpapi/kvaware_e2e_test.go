@@ -19,6 +19,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/routertest"
+	"github.com/kvrouter/kvrouter/router/servertest"
 
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/events/kvstream"
@@ -74,17 +75,12 @@ func TestKVAwareOverNATS(t *testing.T) {
 		t.Cleanup(up.Close)
 		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: fmt.Sprintf("vllm-%d", i), URL: up.URL})
 	}
-	srv, err := httpapi.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, httpapi.Options{
+	srv, ts := servertest.Serve(t, config.Config{Pools: []config.PoolConfig{pc}}, httpapi.Options{
 		Logger: slog.New(slog.DiscardHandler),
 		KV: kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			return idx, kvindex.FreshnessFuncs{Healthy: c.Healthy, IsStale: func(id string) bool { return !c.Live(id) }}
 		}),
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(srv.Handler())
-	t.Cleanup(ts.Close)
 	h := &kvHTTP{t: t, srv: srv, ts: ts}
 
 	prompt := routertest.Prompt(77, 48*kvBS+3)
@@ -169,13 +165,8 @@ func TestKVAwareOverNATS(t *testing.T) {
 	}
 }
 
+// waitUntil waits out what a real NATS server and consumer take.
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	servertest.WaitWithin(t, 30*time.Second, what, cond)
 }

@@ -23,6 +23,7 @@ import (
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/routertest"
+	"github.com/kvrouter/kvrouter/router/servertest"
 )
 
 const (
@@ -34,14 +35,18 @@ const (
 // completions with usage.prompt_tokens_details.cached_tokens computed from
 // the blocks it holds, and — like the engine with KV events on — reports
 // every block it stores to the router's index (the events consumer's job
-// in production, done directly here).
+// in production, done directly here). It honours cache_salt as vLLM does:
+// the salt roots the block chain, so a prompt cached under one salt is a
+// miss under another, and the salt goes on the event (vLLM puts it in
+// block 0's extra_keys).
 type kvEngine struct {
 	id  string
 	idx kvindex.Index
 	srv *httptest.Server
 
-	mu   sync.Mutex // guards held
-	held map[kvindex.Key]bool
+	mu    sync.Mutex // guards held and salts
+	held  map[kvindex.Key]bool
+	salts []string // cache_salt of every request received, in order ("" = none)
 }
 
 func newKVEngine(t *testing.T, id string, idx kvindex.Index) *kvEngine {
@@ -53,10 +58,10 @@ func newKVEngine(t *testing.T, id string, idx kvindex.Index) *kvEngine {
 
 func (e *kvEngine) hash(k kvindex.Key) uint64 { return uint64(k) ^ 0x5bd1e995 ^ uint64(len(e.id))<<40 }
 
-// store computes the prompt's blocks: cached_tokens for it, then
-// BlockStored for the new blocks.
-func (e *kvEngine) store(tokens []uint32) (cached int) {
-	keys := kvindex.Keys(kvindex.Root(kvModel, "", ""), tokens, kvBS)
+// store computes the prompt's blocks under salt: cached_tokens for it,
+// then BlockStored for the new blocks.
+func (e *kvEngine) store(salt string, tokens []uint32) (cached int) {
+	keys := kvindex.Keys(kvindex.Root(kvModel, "", salt), tokens, kvBS)
 	e.mu.Lock()
 	hit := 0
 	for hit < len(keys) && e.held[keys[hit]] {
@@ -67,7 +72,7 @@ func (e *kvEngine) store(tokens []uint32) (cached int) {
 	}
 	e.mu.Unlock()
 	if hit < len(keys) {
-		ev := events.Event{Kind: events.BlockStored, BlockSize: kvBS, Medium: "GPU", TokenIDs: tokens[hit*kvBS : len(keys)*kvBS]}
+		ev := events.Event{Kind: events.BlockStored, BlockSize: kvBS, Medium: "GPU", CacheSalt: salt, TokenIDs: tokens[hit*kvBS : len(keys)*kvBS]}
 		for _, k := range keys[hit:] {
 			ev.BlockHashes = append(ev.BlockHashes, e.hash(k))
 		}
@@ -97,14 +102,18 @@ func (e *kvEngine) evict() {
 
 func (e *kvEngine) serve(w http.ResponseWriter, r *http.Request) {
 	var req struct {
-		Prompt []uint32 `json:"prompt"`
-		Stream bool     `json:"stream"`
+		Prompt    []uint32 `json:"prompt"`
+		Stream    bool     `json:"stream"`
+		CacheSalt string   `json:"cache_salt"`
 	}
 	if err := json.NewDecoder(r.Body).Decode(&req); err != nil {
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return
 	}
-	cached := e.store(req.Prompt)
+	e.mu.Lock()
+	e.salts = append(e.salts, req.CacheSalt)
+	e.mu.Unlock()
+	cached := e.store(req.CacheSalt, req.Prompt)
 	usage := fmt.Sprintf(`{"prompt_tokens":%d,"completion_tokens":2,"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}`, len(req.Prompt), len(req.Prompt)+2, cached)
 	if !req.Stream {
 		w.Header().Set("Content-Type", "application/json")
@@ -120,6 +129,15 @@ func (e *kvEngine) serve(w http.ResponseWriter, r *http.Request) {
 	fmt.Fprintf(w, "data: {\"id\":\"cmpl-%s\",\"choices\":[],\"usage\":%s}\n\ndata: [DONE]\n\n", e.id, usage)
 }
 
+func (e *kvEngine) lastSalt() string {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(e.salts) == 0 {
+		return "<no request>"
+	}
+	return e.salts[len(e.salts)-1]
+}
+
 type kvHTTP struct {
 	t       *testing.T
 	srv     *httpapi.Server
@@ -127,7 +145,9 @@ type kvHTTP struct {
 	engines map[string]*kvEngine
 }
 
-func newKVHTTP(t *testing.T, n int, routing config.RoutingConfig) *kvHTTP {
+// newKVHTTP serves one pool "p" of n kvEngines sharing a memory index;
+// edits change the configuration before the server is built.
+func newKVHTTP(t *testing.T, n int, routing config.RoutingConfig, edits ...func(*config.Config)) *kvHTTP {
 	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvModel, BlockSize: kvBS})
 	if err != nil {
 		t.Fatal(err)
@@ -140,17 +160,16 @@ func newKVHTTP(t *testing.T, n int, routing config.RoutingConfig) *kvHTTP {
 		h.engines[e.id] = e
 		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: e.id, URL: e.srv.URL})
 	}
-	h.srv, err = httpapi.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, httpapi.Options{Admin: admin.Routes(nil),
+	cfg := config.Config{Pools: []config.PoolConfig{pc}}
+	for _, edit := range edits {
+		edit(&cfg)
+	}
+	h.srv, h.ts = servertest.Serve(t, cfg, httpapi.Options{Admin: admin.Routes(nil),
 		Logger: slog.New(slog.DiscardHandler),
 		KV: kvaware.NewSource(func(p config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			return idx, nil
 		}),
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h.ts = httptest.NewServer(h.srv.Handler())
-	t.Cleanup(h.ts.Close)
 	return h
 }
 
@@ -202,7 +221,7 @@ func TestKVAwareHTTP(t *testing.T) {
 		}
 	}
 	h.engines[home].evict()
-	h.engines[other].store(prompt)
+	h.engines[other].store("", prompt)
 	time.Sleep(150 * time.Millisecond)
 
 	resp, body := h.complete(prompt, false)
@@ -321,14 +340,8 @@ func TestKVAwareHTTP(t *testing.T) {
 func TestKVAwareHTTPSwitching(t *testing.T) {
 	h := newKVHTTP(t, 3, config.RoutingConfig{})
 	put := func(body string) (int, string) {
-		req, _ := http.NewRequest(http.MethodPut, h.ts.URL+"/admin/pools/p/routing", strings.NewReader(body))
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
+		r := servertest.Do(t, h.ts.URL, http.MethodPut, "/admin/pools/p/routing", []byte(body), nil)
+		return r.Status, string(r.Body)
 	}
 	prompt := routertest.Prompt(2, 40*kvBS)
 	if resp, _ := h.complete(prompt, false); resp.Header.Get(router.HeaderStrategy) != config.StrategyPrefixAware || resp.Header.Get(router.HeaderMatchedTokens) != "" {
@@ -379,15 +392,10 @@ func TestMidStreamDisconnectReleases(t *testing.T) {
 	pc := config.PoolConfig{Name: "p", Model: kvModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
 		Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 		Instances: []config.InstanceConfig{{ID: "a", URL: up.URL}}}
-	srv, err := httpapi.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, httpapi.Options{
+	srv, ts := servertest.Serve(t, config.Config{Pools: []config.PoolConfig{pc}}, httpapi.Options{
 		Logger: slog.New(slog.DiscardHandler),
 		KV:     kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil }),
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(srv.Handler())
-	defer ts.Close()
 	body, _ := json.Marshal(map[string]any{"model": kvModel, "prompt": routertest.Prompt(9, 40*kvBS), "stream": true})
 	resp, err := http.Post(ts.URL+"/v1/completions", "application/json", bytes.NewReader(body))
 	if err != nil {

@@ -16,6 +16,7 @@ import (
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/routertest"
+	"github.com/kvrouter/kvrouter/router/servertest"
 )
 
 // limitsRig is a router with one fake vLLM behind it, served by the same
@@ -97,18 +98,10 @@ func TestInputLimits(t *testing.T) {
 			if tc.body == "" {
 				method = http.MethodGet
 			}
-			req, _ := http.NewRequest(method, "http://"+r.addr+tc.path, strings.NewReader(tc.body))
-			for k, v := range tc.header {
-				req.Header.Set(k, v)
-			}
-			resp, err := http.DefaultClient.Do(req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer resp.Body.Close()
-			b, _ := io.ReadAll(resp.Body)
-			if resp.StatusCode != tc.status {
-				t.Fatalf("status %d, want %d: %s", resp.StatusCode, tc.status, b)
+			res := servertest.Do(t, "http://"+r.addr, method, tc.path, []byte(tc.body), tc.header)
+			b := res.Body
+			if res.Status != tc.status {
+				t.Fatalf("status %d, want %d: %s", res.Status, tc.status, b)
 			}
 			if tc.msg == "" {
 				return

@@ -6,7 +6,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"net/http/httptest"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -16,6 +15,7 @@ import (
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/routertest"
+	"github.com/kvrouter/kvrouter/router/servertest"
 )
 
 // silentMode is what silentUpstream does once it has read a whole request.
@@ -165,12 +165,7 @@ func TestRetryOnlyBeforeWrite(t *testing.T) {
 			}
 			cfg := config.Config{Pools: []config.PoolConfig{pc}}
 			cfg.Proxy.ResponseHeaderTimeout = 300 * time.Millisecond
-			srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: slog.New(slog.DiscardHandler)})
-			if err != nil {
-				t.Fatalf("NewServer: %v", err)
-			}
-			ts := httptest.NewServer(srv.Handler())
-			t.Cleanup(ts.Close)
+			srv, ts := servertest.Serve(t, cfg, httpapi.Options{Logger: slog.New(slog.DiscardHandler)})
 			h := &harness{t: t, srv: srv, ts: ts}
 
 			r := h.do("POST", "/v1/chat/completions", chatBody(model, firstChoiceText(t, srv, "bad"), false), nil)

@@ -2,92 +2,18 @@ package httpapi_test
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
-	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
-	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/kvrouter/kvrouter/config"
-	"github.com/kvrouter/kvrouter/events"
-	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/httpapi"
-	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/routertest"
+	"github.com/kvrouter/kvrouter/router/servertest"
 )
-
-// saltEngine is a fake vLLM instance that honours cache_salt as vLLM does:
-// the salt roots the block chain, so a prompt cached under one salt is a
-// miss under another. It reports what it stores to the index, with the
-// salt on the event (vLLM puts it in block 0's extra_keys).
-type saltEngine struct {
-	id  string
-	idx kvindex.Index
-	srv *httptest.Server
-
-	mu    sync.Mutex // guards held and salts
-	held  map[kvindex.Key]bool
-	salts []string // cache_salt of every request received, in order ("" = none)
-}
-
-func newSaltEngine(t *testing.T, id string, idx kvindex.Index) *saltEngine {
-	e := &saltEngine{id: id, idx: idx, held: map[kvindex.Key]bool{}}
-	e.srv = httptest.NewServer(http.HandlerFunc(e.serve))
-	t.Cleanup(e.srv.Close)
-	return e
-}
-
-func (e *saltEngine) serve(w http.ResponseWriter, r *http.Request) {
-	var req struct {
-		Prompt    []uint32 `json:"prompt"`
-		CacheSalt string   `json:"cache_salt"`
-	}
-	if err := json.NewDecoder(r.Body).Decode(&req); err != nil {
-		http.Error(w, err.Error(), http.StatusBadRequest)
-		return
-	}
-	keys := kvindex.Keys(kvindex.Root(kvModel, "", req.CacheSalt), req.Prompt, kvBS)
-	e.mu.Lock()
-	e.salts = append(e.salts, req.CacheSalt)
-	hit := 0
-	for hit < len(keys) && e.held[keys[hit]] {
-		hit++
-	}
-	for _, k := range keys[hit:] {
-		e.held[k] = true
-	}
-	e.mu.Unlock()
-	if hit < len(keys) {
-		ev := events.Event{Kind: events.BlockStored, BlockSize: kvBS, Medium: "GPU", CacheSalt: req.CacheSalt, TokenIDs: req.Prompt[hit*kvBS : len(keys)*kvBS]}
-		for _, k := range keys[hit:] {
-			ev.BlockHashes = append(ev.BlockHashes, uint64(k)^0xabcdef)
-		}
-		if hit > 0 {
-			ev.ParentHash, ev.HasParent = uint64(keys[hit-1])^0xabcdef, true
-		}
-		if _, err := e.idx.Apply(context.Background(), e.id, []events.Event{ev}); err != nil {
-			http.Error(w, err.Error(), http.StatusInternalServerError)
-			return
-		}
-	}
-	w.Header().Set("Content-Type", "application/json")
-	fmt.Fprintf(w, `{"id":"cmpl-%s","object":"text_completion","choices":[{"index":0,"text":"ok"}],"usage":{"prompt_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}}`, e.id, len(req.Prompt), hit*kvBS)
-}
-
-func (e *saltEngine) lastSalt() string {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if len(e.salts) == 0 {
-		return "<no request>"
-	}
-	return e.salts[len(e.salts)-1]
-}
 
 // TestCacheSaltKVAware: with cache_salt on, the upstream receives the
 // tenant's derived salt (equal for equal tenants, different otherwise, a
@@ -95,29 +21,11 @@ func (e *saltEngine) lastSalt() string {
 // salt: a tenant matches its own cached prompt and never another's.
 func TestCacheSaltKVAware(t *testing.T) {
 	secret := bytes.Repeat([]byte{7}, 32)
-	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvModel, BlockSize: kvBS})
-	if err != nil {
-		t.Fatal(err)
-	}
-	engines := map[string]*saltEngine{}
-	pc := config.PoolConfig{Name: "p", Model: kvModel,
-		Routing:   config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &config.KVScoringConfig{SpeculativeTTL: -1}},
-		CacheSalt: &config.CacheSaltConfig{Enabled: true},
-		Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
-	for i := range 3 {
-		e := newSaltEngine(t, fmt.Sprintf("vllm-%d", i), idx)
-		engines[e.id] = e
-		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: e.id, URL: e.srv.URL})
-	}
-	srv, err := httpapi.NewServer(config.Config{Pools: []config.PoolConfig{pc}, CacheSaltSecret: secret}, httpapi.Options{
-		Logger: slog.New(slog.DiscardHandler),
-		KV:     kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil }),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(srv.Handler())
-	t.Cleanup(ts.Close)
+	h := newKVHTTP(t, 3, config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &config.KVScoringConfig{SpeculativeTTL: -1}},
+		func(c *config.Config) {
+			c.Pools[0].CacheSalt = &config.CacheSaltConfig{Enabled: true}
+			c.CacheSaltSecret = secret
+		})
 
 	prompt := routertest.Prompt(42, 32*kvBS)
 	send := func(tenant, clientSalt string) (instance, reason, matched string) {
@@ -127,20 +35,15 @@ func TestCacheSaltKVAware(t *testing.T) {
 			body["cache_salt"] = clientSalt
 		}
 		b, _ := json.Marshal(body)
-		req, _ := http.NewRequest(http.MethodPost, ts.URL+"/v1/completions", bytes.NewReader(b))
+		hdr := map[string]string{}
 		if tenant != "" {
-			req.Header.Set(router.TenantHeader, tenant)
+			hdr[router.TenantHeader] = tenant
 		}
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
+		r := servertest.Do(t, h.ts.URL, http.MethodPost, "/v1/completions", b, hdr)
+		if r.Status != http.StatusOK {
+			t.Fatalf("status %d: %s", r.Status, r.Body)
 		}
-		defer resp.Body.Close()
-		rb, _ := io.ReadAll(resp.Body)
-		if resp.StatusCode != http.StatusOK {
-			t.Fatalf("status %d: %s", resp.StatusCode, rb)
-		}
-		return resp.Header.Get(router.HeaderInstance), resp.Header.Get(router.HeaderReason), resp.Header.Get(router.HeaderMatchedTokens)
+		return r.Header.Get(router.HeaderInstance), r.Header.Get(router.HeaderReason), r.Header.Get(router.HeaderMatchedTokens)
 	}
 	saltA, saltB := router.DeriveCacheSalt(secret, "tenant-a"), router.DeriveCacheSalt(secret, "tenant-b")
 	const none = "gpu=0,cpu=0,disk=0,shared=0"
@@ -163,7 +66,7 @@ func TestCacheSaltKVAware(t *testing.T) {
 	for _, st := range steps {
 		inst, reason, matched := send(st.tenant, st.clientSalt)
 		at[st.name] = inst
-		if got := engines[inst].lastSalt(); got != st.wantSalt {
+		if got := h.engines[inst].lastSalt(); got != st.wantSalt {
 			t.Errorf("%s: upstream cache_salt %q, want %q", st.name, got, st.wantSalt)
 		}
 		if reason != st.wantReason || matched != st.wantMatched {
@@ -188,12 +91,7 @@ func TestCacheSaltRawPath(t *testing.T) {
 		Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 		Instances: []config.InstanceConfig{{ID: up.ID, URL: up.URL()}},
 	}}}
-	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(srv.Handler())
-	t.Cleanup(ts.Close)
+	srv, ts := servertest.Serve(t, cfg, httpapi.Options{Logger: slog.New(slog.DiscardHandler)})
 	want, ok := srv.TenantCacheSalt("p", "t-1")
 	if !ok || want != router.DeriveCacheSalt(secret, "t-1") {
 		t.Fatalf("TenantCacheSalt = %q %v", want, ok)

@@ -28,6 +28,7 @@ import (
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/routertest"
+	"github.com/kvrouter/kvrouter/router/servertest"
 )
 
 const (
@@ -108,12 +109,7 @@ func newTraceRig(t *testing.T, n int, sampler sdktrace.Sampler, fail503 *atomic.
 		t.Cleanup(func() { _ = tp.Shutdown(t.Context()) })
 		opts.TracerProvider = tp
 	}
-	srv, err := httpapi.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	rig.ts = httptest.NewServer(srv.Handler())
-	t.Cleanup(rig.ts.Close)
+	_, rig.ts = servertest.Serve(t, config.Config{Pools: []config.PoolConfig{pc}}, opts)
 	return rig
 }
 
@@ -499,12 +495,7 @@ func newUpstreamTraceRig(t *testing.T, u *routertest.Upstream) *traceRig {
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 	pc := config.PoolConfig{Name: "p", Model: traceModel, Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 		Instances: []config.InstanceConfig{{ID: u.ID, URL: u.URL()}}}
-	srv, err := httpapi.NewServer(config.Config{Pools: []config.PoolConfig{pc}}, httpapi.Options{Logger: slog.New(slog.DiscardHandler), TracerProvider: tp})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rig.ts = httptest.NewServer(srv.Handler())
-	t.Cleanup(rig.ts.Close)
+	_, rig.ts = servertest.Serve(t, config.Config{Pools: []config.PoolConfig{pc}}, httpapi.Options{Logger: slog.New(slog.DiscardHandler), TracerProvider: tp})
 	return rig
 }
 

@@ -63,6 +63,15 @@ func newPeerWorld(t *testing.T, url, pool, name string, n int) *peerWorld {
 	return &peerWorld{kvWorld: w, sync: s}
 }
 
+// newPeerPair is two replicas, "a" and "b", of one pool of n instances,
+// synced through the test NATS server.
+func newPeerPair(t *testing.T, n int) (a, b *peerWorld) {
+	t.Helper()
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	return newPeerWorld(t, url, pool, "a", n), newPeerWorld(t, url, pool, "b", n)
+}
+
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
@@ -79,10 +88,7 @@ func waitUntil(t *testing.T, what string, cond func() bool) {
 // (load_bound) at a replica that has sent it nothing, and is taken again
 // once the peer's requests end.
 func TestKVAwarePeerLoad(t *testing.T) {
-	url := testenv.NATSURL(t)
-	pool := testenv.UniqueName(t)
-	a := newPeerWorld(t, url, pool, "a", 3)
-	b := newPeerWorld(t, url, pool, "b", 3)
+	a, b := newPeerPair(t, 3)
 	rc := config.RoutingConfig{Strategy: config.StrategyKVAware}
 	sb := b.strategy(rc)
 	home := kvPick(t, sb, kvRequest("cold", promptTokens(1, 4*kvTestBS)), b.insts)
@@ -108,10 +114,7 @@ func TestKVAwarePeerLoad(t *testing.T) {
 // chosen instance at the other (speculative blocks), so a burst sharing a
 // new prompt follows the first request whichever replica each lands on.
 func TestKVAwarePeerSpeculative(t *testing.T) {
-	url := testenv.NATSURL(t)
-	pool := testenv.UniqueName(t)
-	a := newPeerWorld(t, url, pool, "a", 4)
-	b := newPeerWorld(t, url, pool, "b", 4)
+	a, b := newPeerPair(t, 4)
 	rc := config.RoutingConfig{Strategy: config.StrategyKVAware}
 	sa, sb := a.strategy(rc), b.strategy(rc)
 	tokens := promptTokens(9, 6*kvTestBS)

@@ -376,17 +376,7 @@ func (s *jscan) skip(depth int) ([]byte, error) {
 // object iterates the members of an object at s.i, calling member with the
 // decoded key; member must consume the value.
 func (s *jscan) object(depth int, member func(key string) error) error {
-	if depth > maxJSONDepth {
-		return errJSONDepth
-	}
-	if err := s.expect('{'); err != nil {
-		return err
-	}
-	if s.peek() == '}' {
-		s.i++
-		return nil
-	}
-	for {
+	return s.container(depth, '{', '}', func() error {
 		raw, esc, err := s.str()
 		if err != nil {
 			return err
@@ -394,26 +384,25 @@ func (s *jscan) object(depth int, member func(key string) error) error {
 		if err := s.expect(':'); err != nil {
 			return err
 		}
-		if err := member(unquote(raw, esc)); err != nil {
-			return err
-		}
-		if s.peek() == ',' {
-			s.i++
-			continue
-		}
-		return s.expect('}')
-	}
+		return member(unquote(raw, esc))
+	})
 }
 
 // array iterates the elements of an array at s.i; elem must consume each.
 func (s *jscan) array(depth int, elem func() error) error {
+	return s.container(depth, '[', ']', elem)
+}
+
+// container walks an object or array at s.i from opener to closer, calling
+// elem for each comma-separated item; elem must consume it.
+func (s *jscan) container(depth int, opener, closer byte, elem func() error) error {
 	if depth > maxJSONDepth {
 		return errJSONDepth
 	}
-	if err := s.expect('['); err != nil {
+	if err := s.expect(opener); err != nil {
 		return err
 	}
-	if s.peek() == ']' {
+	if s.peek() == closer {
 		s.i++
 		return nil
 	}
@@ -425,7 +414,7 @@ func (s *jscan) array(depth int, elem func() error) error {
 			s.i++
 			continue
 		}
-		return s.expect(']')
+		return s.expect(closer)
 	}
 }
 

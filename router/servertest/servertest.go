@@ -16,6 +16,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/httpapi"
@@ -59,14 +61,21 @@ func New(t testing.TB, n int, mod func(*config.Config), opts ...func(*httpapi.Op
 	for _, f := range opts {
 		f(&o)
 	}
+	h.Srv, h.TS = Serve(t, cfg, o)
+	return h
+}
+
+// Serve builds a server from cfg and o and serves its handler on a test
+// listener until the test ends.
+func Serve(t testing.TB, cfg config.Config, o httpapi.Options) (*httpapi.Server, *httptest.Server) {
+	t.Helper()
 	srv, err := httpapi.NewServer(cfg, o)
 	if err != nil {
 		t.Fatalf("NewServer: %v", err)
 	}
-	h.Srv = srv
-	h.TS = httptest.NewServer(srv.Handler())
-	t.Cleanup(h.TS.Close)
-	return h
+	ts := httptest.NewServer(srv.Handler())
+	t.Cleanup(ts.Close)
+	return srv, ts
 }
 
 // Run starts the server's background loops until the test ends.
@@ -141,10 +150,46 @@ func ErrorOf(t testing.TB, r Result) (msg string, code int) {
 	return e.Error.Message, e.Error.Code
 }
 
+// Metric sums the counter or gauge samples of the family name gathered
+// from g whose labels include every one of labels (0 when none do).
+func Metric(t testing.TB, g prometheus.Gatherer, name string, labels map[string]string) float64 {
+	t.Helper()
+	mfs, err := g.Gather()
+	if err != nil {
+		t.Fatalf("gather: %v", err)
+	}
+	total := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	samples:
+		for _, m := range mf.GetMetric() {
+			have := map[string]string{}
+			for _, lp := range m.GetLabel() {
+				have[lp.GetName()] = lp.GetValue()
+			}
+			for k, v := range labels {
+				if have[k] != v {
+					continue samples
+				}
+			}
+			total += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+		}
+	}
+	return total
+}
+
 // WaitFor polls cond until it holds, failing after a generous deadline.
 func WaitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
+	WaitWithin(t, 5*time.Second, what, cond)
+}
+
+// WaitWithin polls cond until it holds, failing after d.
+func WaitWithin(t testing.TB, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting for: %s", what)
