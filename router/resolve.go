@@ -66,11 +66,13 @@ type Table struct {
 	retryStatus map[int]bool
 }
 
-// NewTable builds the table of cfg (defaults applied and validated by the
-// caller), keeping what prev's pools of the same name hold (instances'
+// NewTable builds the table of cfg (validated by the caller; its defaults
+// are applied here too, as the request path reads the limits as they are),
+// keeping what prev's pools of the same name hold (instances'
 // in-flight counts and health, exact-routing state through kvFor) across
 // a reload. prev may be nil.
 func NewTable(cfg config.Config, prev *Table, kvFor func(pc config.PoolConfig, prev *Pool) (Exact, error)) (*Table, error) {
+	cfg = cfg.WithDefaults() // idempotent: a caller's defaults stay
 	t := &Table{cfg: cfg, byName: map[string]*Pool{}, byModel: map[string]*Pool{}, retryStatus: map[int]bool{}}
 	for _, c := range cfg.Proxy.RetryStatuses {
 		if c != 0 {

@@ -38,7 +38,8 @@ func (p *PoolIndexes) Close() error {
 // in deploy's TestProductionRedisClusterForms), but nothing bounds it: a
 // plain cluster client writing to the dead master's slots failed for 56 s
 // after the promotion there. One CLUSTER SLOTS a second costs the server
-// nothing measurable (a few hundred bytes for three shards).
+// nothing measurable (a few hundred bytes for three shards); go-redis
+// reloads lazily, on the first command after the interval.
 const ClusterStateReload = time.Second
 
 // NewPoolIndexes builds one KV index per pool from cfg.Index: the memory
@@ -76,7 +77,7 @@ func NewPoolIndexes(cfg config.Config) (*PoolIndexes, error) {
 				opts.TLSConfig.RootCAs = pool
 			}
 		}
-		if rc.Cluster {
+		if rc.Cluster || len(rc.Addrs) > 1 { // several seeds always mean a cluster (config.RedisConfig)
 			co := opts.Cluster()
 			co.ClusterStateReloadInterval = ClusterStateReload
 			out.rdb = redis.NewClusterClient(co)

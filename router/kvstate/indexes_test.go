@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/testenv"
@@ -80,4 +82,37 @@ func seqTokens(n int) []uint32 {
 		out[i] = uint32(1000 + i)
 	}
 	return out
+}
+
+// TestRedisClusterSlotMapReload: a Redis Cluster index (cluster: true, or
+// several seeds, which always mean a cluster) reloads its slot map every
+// ClusterStateReload, not go-redis's 60 s; one address without cluster is
+// a plain client. Nothing is dialled to build them.
+func TestRedisClusterSlotMapReload(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		rc      config.RedisConfig
+		cluster bool
+	}{
+		{"cluster flag", config.RedisConfig{Addrs: []string{"127.0.0.1:1"}, Cluster: true}, true},
+		{"several seeds", config.RedisConfig{Addrs: []string{"127.0.0.1:1", "127.0.0.1:2"}}, true},
+		{"one node", config.RedisConfig{Addrs: []string{"127.0.0.1:1"}}, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			rc := c.rc
+			idx, err := NewPoolIndexes(config.Config{Index: &config.IndexConfig{Backend: "redis", Redis: &rc},
+				Pools: []config.PoolConfig{{Name: "p", Model: "m"}}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer idx.Close()
+			cc, ok := idx.rdb.(*redis.ClusterClient)
+			if ok != c.cluster {
+				t.Fatalf("cluster client %v, want %v (%T)", ok, c.cluster, idx.rdb)
+			}
+			if ok && cc.Options().ClusterStateReloadInterval != ClusterStateReload {
+				t.Errorf("slot map reloaded every %v, want %v", cc.Options().ClusterStateReloadInterval, ClusterStateReload)
+			}
+		})
+	}
 }

@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -260,7 +261,15 @@ func (s *jscan) tokenIDs() (ids []uint32, ok bool) {
 		return nil, false
 	}
 	i++
-	ids = make([]uint32, 0, len(b[i:])/6+1)
+	// A flat array ends at its first ']': size the ids from the array, not
+	// from the rest of the body (a short prompt before megabytes of other
+	// fields must not reserve memory for them), and decline at once what
+	// has no end or nests.
+	end := bytes.IndexByte(b[i:], ']')
+	if end < 0 || bytes.IndexByte(b[i:i+end], '[') >= 0 {
+		return nil, false
+	}
+	ids = make([]uint32, 0, bytes.Count(b[i:i+end], []byte{','})+1)
 	for {
 		for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
 			i++

@@ -111,3 +111,16 @@ func BenchmarkDecodeTokenIDPrompt(b *testing.B) {
 		report(b.N)
 	})
 }
+
+// TestPromptTokenIDsSizedByArray: the fast path reserves memory for the
+// array's ids, not for the rest of the body after it.
+func TestPromptTokenIDsSizedByArray(t *testing.T) {
+	body := []byte(`{"model":"m","prompt":[1,2,3],"user":"` + strings.Repeat("x", 1<<20) + `"}`)
+	var r Request
+	if err := Decode(body, &r); err != nil {
+		t.Fatal(err)
+	}
+	if ids := r.Prompt.Tokens[0]; len(ids) != 3 || cap(ids) > 8 {
+		t.Fatalf("ids %v with capacity %d for a 3-id prompt in a 1 MiB body", ids, cap(ids))
+	}
+}
