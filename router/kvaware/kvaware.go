@@ -713,30 +713,33 @@ func (s *KVAware) choose(ev *kvEval, countStale bool) (int, router.Reason) {
 		}
 		return ce.score
 	}
-	best := func(skipFull bool) int {
-		minT := math.Inf(1)
-		for i := range ev.cands {
-			if ce := &ev.cands[i]; !(skipFull && ce.full) {
-				minT = min(minT, score(ce))
-			}
+	// One pass for both minima (under the threshold, and over all), one for
+	// both picks: the same answers as a min-then-pick pass pair for each
+	// (NaN included: "not above", as those passes tested).
+	minFree, minAll := math.Inf(1), math.Inf(1)
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		t := score(ce)
+		minAll = min(minAll, t)
+		if !ce.full {
+			minFree = min(minFree, t)
 		}
-		pick := -1
-		for i := range ev.cands {
-			ce := &ev.cands[i]
-			if (skipFull && ce.full) || score(ce) > minT+s.sc.tieTol {
-				continue
-			}
-			if pick < 0 || ce.rv > ev.cands[pick].rv {
-				pick = i
-			}
-		}
-		return pick
 	}
-	free := best(true)
+	free, top := -1, -1
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		t := score(ce)
+		if !(t > minAll+s.sc.tieTol) && (top < 0 || ce.rv > ev.cands[top].rv) {
+			top = i
+		}
+		if !ce.full && !(t > minFree+s.sc.tieTol) && (free < 0 || ce.rv > ev.cands[free].rv) {
+			free = i
+		}
+	}
 	if free < 0 {
-		return best(false), router.ReasonSaturated
+		return top, router.ReasonSaturated
 	}
-	if top := best(false); top != free {
+	if top != free {
 		return free, router.ReasonOverflow
 	}
 	return free, router.ReasonKVMatch
