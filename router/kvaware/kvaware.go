@@ -324,15 +324,28 @@ func (st *KVState) putEval(ev *kvEval) {
 // find returns inst's evaluation, nil when inst was not a candidate; a
 // cold candidate the decision did not need to score is scored now.
 func (ev *kvEval) find(inst *router.Instance) *candEval {
+	if ci := ev.ci; ci != nil && inst != nil {
+		// The candidate index holds each id's first position: when inst is
+		// there, no earlier candidate is inst (it would share the id).
+		if i, ok := ci.pos[inst.ID()]; ok && ev.cands[i].inst == inst {
+			return ev.scoredAt(int(i))
+		}
+	}
 	for i := range ev.cands {
-		if ce := &ev.cands[i]; ce.inst == inst {
-			if !ce.scored && ev.sc != nil {
-				ev.sc.score(ev, ce)
-			}
-			return ce
+		if ev.cands[i].inst == inst {
+			return ev.scoredAt(i)
 		}
 	}
 	return nil
+}
+
+// scoredAt is candidate i's evaluation, scored now if predict skipped it.
+func (ev *kvEval) scoredAt(i int) *candEval {
+	ce := &ev.cands[i]
+	if !ce.scored && ev.sc != nil {
+		ev.sc.score(ev, ce)
+	}
+	return ce
 }
 
 // pick decides; commit records the decision's side effects (speculative
@@ -406,7 +419,10 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 		ce.full = ce.inflight >= s.threshold
 	}
 	ev.tokens, ev.blockSize, ev.fallback, ev.anyStale, ev.keys, ev.commit = 0, 0, "", false, ev.keys[:0], commit
-	ev.sc, ev.rent = &s.sc, rentNote{}
+	// ci belongs to the decision that set it: a pooled evaluation must not
+	// carry the last one's (another candidate list's) into a decision that
+	// returns before the lookup, where pending and find read it.
+	ev.sc, ev.rent, ev.ci = &s.sc, rentNote{}, nil
 	defer s.predict(ev)
 
 	if st.fresh != nil {
