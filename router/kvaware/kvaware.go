@@ -295,6 +295,8 @@ type kvEval struct {
 	blockSize int           // tokens per block, 0 when unknown
 	fallback  router.Reason // set when nobody's blocks count: why
 	anyStale  bool
+	busy      int      // candidates with requests in flight (this router's)
+	cold      []int32  // the cold candidates' positions, for scoreCold
 	commit    bool     // the decision will be committed (not shadow scoring)
 	weight    float64  // prefill cost weight used
 	rent      rentNote // what the pick pays or buys (kvaware_replicate.go)
@@ -413,11 +415,16 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 	// decision). In-flight is read once per candidate and decision.
 	ev.cands = slices.Grow(ev.cands[:0], len(cands))[:len(cands)]
 	clear(ev.cands)
+	busy := 0
 	for i, c := range cands {
 		ce := &ev.cands[i]
 		ce.inst, ce.rv, ce.inflight = c, c.Rendezvous(h), c.InFlight()
 		ce.full = ce.inflight >= s.threshold
+		if ce.inflight > 0 {
+			busy++
+		}
 	}
+	ev.busy = busy
 	ev.tokens, ev.blockSize, ev.fallback, ev.anyStale, ev.keys, ev.commit = 0, 0, "", false, ev.keys[:0], commit
 	// ci belongs to the decision that set it: a pooled evaluation must not
 	// carry the last one's (another candidate list's) into a decision that
@@ -566,19 +573,21 @@ func containsString(list []string, s string) bool {
 func (s *KVAware) predict(ev *kvEval) {
 	st := s.st
 	now := st.now()
-	busy := 0
-	for i := range ev.cands {
-		ce := &ev.cands[i]
-		if st.peers.ps != nil {
+	busy := ev.busy // evaluate counted it without peers
+	if st.peers.ps != nil {
+		busy = 0
+		for i := range ev.cands {
+			ce := &ev.cands[i]
 			ce.peer = st.peerCounts(ce.inst.ID()) // once per candidate: the queue below reads it too
-		}
-		if ce.inflight+ce.peer.inflight > 0 {
-			busy++
+			if ce.inflight+ce.peer.inflight > 0 {
+				busy++
+			}
 		}
 	}
 	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
 	ev.weight = s.sc.weight(rho, st.behind.mean())
 	cold := coldMin{free: math.Inf(1), all: math.Inf(1)}
+	ev.cold = ev.cold[:0]
 	st.pendMu.RLock()
 	st.loads.mu.RLock()
 	ev.memo = scoreMemo{}
@@ -605,6 +614,7 @@ func (s *KVAware) predict(ev *kvEval) {
 		ce.queue = s.sc.queue(pTok, int(pReq), ce.inflight+ce.peer.inflight, ld, ok)
 		if ce.cold() {
 			cold.note(ce)
+			ev.cold = append(ev.cold, int32(i))
 			continue
 		}
 		s.sc.score(ev, ce)
