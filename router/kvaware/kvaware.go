@@ -17,6 +17,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/tiers"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // maxKeyedTokens bounds the prompt tokens a decision keys and looks up
@@ -67,6 +68,7 @@ type KVState struct {
 	fresh       kvindex.Freshness
 	tokens      router.TokenSource
 	m           *KVMetrics
+	dm          decisionMetrics // m's per-decision children for pool
 	log         *slog.Logger
 	now         func() time.Time
 
@@ -776,7 +778,7 @@ func (s *KVAware) choose(ev *kvEval, countStale bool) (int, router.Reason) {
 // observer that follows the request to its end.
 func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
 	st := s.st
-	st.m.decisions.WithLabelValues(st.pool, string(dec.Reason)).Inc()
+	st.decisionCounter(dec.Reason).Inc()
 	st.cmp.countReason(dec.Reason, st.now())
 	st.commitRent(ev.rent)
 	if ev.tokens == 0 || ce == nil {
@@ -786,17 +788,17 @@ func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
 	for t, n := range ce.matched {
 		hit += n
 		if n > 0 {
-			st.m.matched.WithLabelValues(st.pool, tiers.Tier(t).String()).Add(float64(n))
+			st.matchedCounter(tiers.Tier(t)).Add(float64(n))
 		}
 	}
-	st.m.prompt.WithLabelValues(st.pool).Add(float64(ev.tokens))
+	st.dm.prompt.get(func() prometheus.Counter { return st.m.prompt.WithLabelValues(st.pool) }).Add(float64(ev.tokens))
 	if s.spec != nil {
 		if g := ce.blocks[tiers.GPU]; g < len(ev.keys) {
 			s.spec.add(ev.keys[g:], ce.inst.ID(), st.lostEpoch(ce.inst.ID()))
 			if st.peers.ps != nil {
 				st.peers.ps.Speculate(ce.inst.ID(), ev.keys[g:], s.spec.ttl)
 			}
-			st.m.specKeys.WithLabelValues(st.pool).Set(float64(s.spec.Len()))
+			st.dm.spec.get(func() prometheus.Gauge { return st.m.specKeys.WithLabelValues(st.pool) }).Set(float64(s.spec.Len()))
 		}
 	}
 	dec.Observer = st.newDrainingObserver(ce, ev.tokens-hit, hit, s.sc.prefill)
