@@ -260,32 +260,35 @@ func (s *KVAware) Pick(ctx context.Context, req *router.Request, cands []*router
 	return dec, err
 }
 
-// candEval is one candidate's score.
+// candEval is one candidate's score. The fields every pass over the
+// candidates reads (choose's two, bounded's, leastQueue's) come first, in
+// one cache line of the ~200-byte value: those passes touch one line per
+// candidate rather than three.
 type candEval struct {
-	inst     *router.Instance
-	rv       uint64           // rendezvous score for the request
-	inflight int              // the instance's requests in flight, read once per decision
-	full     bool             // at the concurrency threshold
-	blocks   [tiers.Count]int // leading blocks held, cumulative per tier (fresh index + speculative)
-	stale    [tiers.Count]int // the index's blocks, not counted: the instance is stale
+	inst *router.Instance
+	rv   uint64 // rendezvous score for the request
+	// score is what the pick minimises: ttft plus the weighted prefill the
+	// pick adds to the fleet (see KVScoringConfig.PrefillCostWeight).
+	score float64
+	// scoreStale is score had the stale blocks counted (= score when none).
+	scoreStale float64
+	queue      float64 // predicted wait before its prefill starts, seconds
+	inflight   int     // the instance's requests in flight, read once per decision
+	full       bool    // at the concurrency threshold
+	// scored is false for a cold candidate predict skipped (scores +Inf,
+	// see scoreCold): kvEval.find scores it when asked about it.
+	scored bool
+	blocks [tiers.Count]int // leading blocks held, cumulative per tier (fresh index + speculative)
+	stale  [tiers.Count]int // the index's blocks, not counted: the instance is stale
 	// indexed is the leading blocks the index (not the speculative
 	// overlay) says it holds, in any tier.
 	indexed int
 	// matched is blocks in tokens per tier, each beyond faster tiers.
 	matched [tiers.Count]int
 	ttft    float64 // predicted, seconds
-	queue   float64 // predicted wait before its prefill starts, seconds
 	ahead   float64 // routed prefill tokens predicted left there (kvaware_drain.go)
-	// score is what the pick minimises: ttft plus the weighted prefill the
-	// pick adds to the fleet (see KVScoringConfig.PrefillCostWeight).
-	score float64
 	// peer is the other replicas' load on the instance (replica sync).
 	peer peerCounts
-	// scoreStale is score had the stale blocks counted (= score when none).
-	scoreStale float64
-	// scored is false for a cold candidate predict skipped (scores +Inf,
-	// see scoreCold): kvEval.find scores it when asked about it.
-	scored bool
 }
 
 // kvEval is what kv_aware knew about one request: pooled scratch.
