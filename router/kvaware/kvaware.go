@@ -417,14 +417,18 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 	h := req.RoutingHash()
 	// Filled in place: a candEval is ~200 bytes, and a composite literal
 	// per candidate built and copied each one (a tenth of a 256-candidate
-	// decision). In-flight is read once per candidate and decision.
+	// decision); clearing the list first was another pass over it. The
+	// fields zeroed here are those only some candidates get: predict sets
+	// queue and ahead, and score or scoreCold the score fields, matched
+	// and ttft, of every candidate. In-flight is read once per candidate
+	// and decision.
 	ev.cands = slices.Grow(ev.cands[:0], len(cands))[:len(cands)]
-	clear(ev.cands)
 	busy := 0
 	for i, c := range cands {
 		ce := &ev.cands[i]
 		ce.inst, ce.rv, ce.inflight = c, c.Rendezvous(h), c.InFlight()
 		ce.full = ce.inflight >= s.threshold
+		ce.blocks, ce.stale, ce.indexed, ce.peer = [tiers.Count]int{}, [tiers.Count]int{}, 0, peerCounts{}
 		if ce.inflight > 0 {
 			busy++
 		}
