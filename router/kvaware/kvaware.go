@@ -17,6 +17,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/tiers"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // maxKeyedTokens bounds the prompt tokens a decision keys and looks up
@@ -67,6 +68,7 @@ type KVState struct {
 	fresh       kvindex.Freshness
 	tokens      router.TokenSource
 	m           *KVMetrics
+	dm          decisionMetrics // m's per-decision children for pool
 	log         *slog.Logger
 	now         func() time.Time
 
@@ -258,32 +260,35 @@ func (s *KVAware) Pick(ctx context.Context, req *router.Request, cands []*router
 	return dec, err
 }
 
-// candEval is one candidate's score.
+// candEval is one candidate's score. The fields every pass over the
+// candidates reads (choose's two, bounded's, leastQueue's) come first, in
+// one cache line of the ~200-byte value: those passes touch one line per
+// candidate rather than three.
 type candEval struct {
-	inst     *router.Instance
-	rv       uint64           // rendezvous score for the request
-	inflight int              // the instance's requests in flight, read once per decision
-	full     bool             // at the concurrency threshold
-	blocks   [tiers.Count]int // leading blocks held, cumulative per tier (fresh index + speculative)
-	stale    [tiers.Count]int // the index's blocks, not counted: the instance is stale
+	inst *router.Instance
+	rv   uint64 // rendezvous score for the request
+	// score is what the pick minimises: ttft plus the weighted prefill the
+	// pick adds to the fleet (see KVScoringConfig.PrefillCostWeight).
+	score float64
+	// scoreStale is score had the stale blocks counted (= score when none).
+	scoreStale float64
+	queue      float64 // predicted wait before its prefill starts, seconds
+	inflight   int     // the instance's requests in flight, read once per decision
+	full       bool    // at the concurrency threshold
+	// scored is false for a cold candidate predict skipped (scores +Inf,
+	// see scoreCold): kvEval.find scores it when asked about it.
+	scored bool
+	blocks [tiers.Count]int // leading blocks held, cumulative per tier (fresh index + speculative)
+	stale  [tiers.Count]int // the index's blocks, not counted: the instance is stale
 	// indexed is the leading blocks the index (not the speculative
 	// overlay) says it holds, in any tier.
 	indexed int
 	// matched is blocks in tokens per tier, each beyond faster tiers.
 	matched [tiers.Count]int
 	ttft    float64 // predicted, seconds
-	queue   float64 // predicted wait before its prefill starts, seconds
 	ahead   float64 // routed prefill tokens predicted left there (kvaware_drain.go)
-	// score is what the pick minimises: ttft plus the weighted prefill the
-	// pick adds to the fleet (see KVScoringConfig.PrefillCostWeight).
-	score float64
 	// peer is the other replicas' load on the instance (replica sync).
 	peer peerCounts
-	// scoreStale is score had the stale blocks counted (= score when none).
-	scoreStale float64
-	// scored is false for a cold candidate predict skipped (scores +Inf,
-	// see scoreCold): kvEval.find scores it when asked about it.
-	scored bool
 }
 
 // kvEval is what kv_aware knew about one request: pooled scratch.
@@ -295,6 +300,8 @@ type kvEval struct {
 	blockSize int           // tokens per block, 0 when unknown
 	fallback  router.Reason // set when nobody's blocks count: why
 	anyStale  bool
+	busy      int      // candidates with requests in flight (this router's)
+	cold      []int32  // the cold candidates' positions, for scoreCold
 	commit    bool     // the decision will be committed (not shadow scoring)
 	weight    float64  // prefill cost weight used
 	rent      rentNote // what the pick pays or buys (kvaware_replicate.go)
@@ -324,15 +331,28 @@ func (st *KVState) putEval(ev *kvEval) {
 // find returns inst's evaluation, nil when inst was not a candidate; a
 // cold candidate the decision did not need to score is scored now.
 func (ev *kvEval) find(inst *router.Instance) *candEval {
+	if ci := ev.ci; ci != nil && inst != nil {
+		// The candidate index holds each id's first position: when inst is
+		// there, no earlier candidate is inst (it would share the id).
+		if i, ok := ci.pos[inst.ID()]; ok && ev.cands[i].inst == inst {
+			return ev.scoredAt(int(i))
+		}
+	}
 	for i := range ev.cands {
-		if ce := &ev.cands[i]; ce.inst == inst {
-			if !ce.scored && ev.sc != nil {
-				ev.sc.score(ev, ce)
-			}
-			return ce
+		if ev.cands[i].inst == inst {
+			return ev.scoredAt(i)
 		}
 	}
 	return nil
+}
+
+// scoredAt is candidate i's evaluation, scored now if predict skipped it.
+func (ev *kvEval) scoredAt(i int) *candEval {
+	ce := &ev.cands[i]
+	if !ce.scored && ev.sc != nil {
+		ev.sc.score(ev, ce)
+	}
+	return ce
 }
 
 // pick decides; commit records the decision's side effects (speculative
@@ -397,16 +417,28 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 	h := req.RoutingHash()
 	// Filled in place: a candEval is ~200 bytes, and a composite literal
 	// per candidate built and copied each one (a tenth of a 256-candidate
-	// decision). In-flight is read once per candidate and decision.
+	// decision); clearing the list first was another pass over it. The
+	// fields zeroed here are those only some candidates get: predict sets
+	// queue and ahead, and score or scoreCold the score fields, matched
+	// and ttft, of every candidate. In-flight is read once per candidate
+	// and decision.
 	ev.cands = slices.Grow(ev.cands[:0], len(cands))[:len(cands)]
-	clear(ev.cands)
+	busy := 0
 	for i, c := range cands {
 		ce := &ev.cands[i]
 		ce.inst, ce.rv, ce.inflight = c, c.Rendezvous(h), c.InFlight()
 		ce.full = ce.inflight >= s.threshold
+		ce.blocks, ce.stale, ce.indexed, ce.peer = [tiers.Count]int{}, [tiers.Count]int{}, 0, peerCounts{}
+		if ce.inflight > 0 {
+			busy++
+		}
 	}
+	ev.busy = busy
 	ev.tokens, ev.blockSize, ev.fallback, ev.anyStale, ev.keys, ev.commit = 0, 0, "", false, ev.keys[:0], commit
-	ev.sc, ev.rent = &s.sc, rentNote{}
+	// ci belongs to the decision that set it: a pooled evaluation must not
+	// carry the last one's (another candidate list's) into a decision that
+	// returns before the lookup, where pending and find read it.
+	ev.sc, ev.rent, ev.ci = &s.sc, rentNote{}, nil
 	defer s.predict(ev)
 
 	if st.fresh != nil {
@@ -550,19 +582,21 @@ func containsString(list []string, s string) bool {
 func (s *KVAware) predict(ev *kvEval) {
 	st := s.st
 	now := st.now()
-	busy := 0
-	for i := range ev.cands {
-		ce := &ev.cands[i]
-		if st.peers.ps != nil {
+	busy := ev.busy // evaluate counted it without peers
+	if st.peers.ps != nil {
+		busy = 0
+		for i := range ev.cands {
+			ce := &ev.cands[i]
 			ce.peer = st.peerCounts(ce.inst.ID()) // once per candidate: the queue below reads it too
-		}
-		if ce.inflight+ce.peer.inflight > 0 {
-			busy++
+			if ce.inflight+ce.peer.inflight > 0 {
+				busy++
+			}
 		}
 	}
 	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
 	ev.weight = s.sc.weight(rho, st.behind.mean())
 	cold := coldMin{free: math.Inf(1), all: math.Inf(1)}
+	ev.cold = ev.cold[:0]
 	st.pendMu.RLock()
 	st.loads.mu.RLock()
 	ev.memo = scoreMemo{}
@@ -589,6 +623,7 @@ func (s *KVAware) predict(ev *kvEval) {
 		ce.queue = s.sc.queue(pTok, int(pReq), ce.inflight+ce.peer.inflight, ld, ok)
 		if ce.cold() {
 			cold.note(ce)
+			ev.cold = append(ev.cold, int32(i))
 			continue
 		}
 		s.sc.score(ev, ce)
@@ -713,30 +748,33 @@ func (s *KVAware) choose(ev *kvEval, countStale bool) (int, router.Reason) {
 		}
 		return ce.score
 	}
-	best := func(skipFull bool) int {
-		minT := math.Inf(1)
-		for i := range ev.cands {
-			if ce := &ev.cands[i]; !(skipFull && ce.full) {
-				minT = min(minT, score(ce))
-			}
+	// One pass for both minima (under the threshold, and over all), one for
+	// both picks: the same answers as a min-then-pick pass pair for each
+	// (NaN included: "not above", as those passes tested).
+	minFree, minAll := math.Inf(1), math.Inf(1)
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		t := score(ce)
+		minAll = min(minAll, t)
+		if !ce.full {
+			minFree = min(minFree, t)
 		}
-		pick := -1
-		for i := range ev.cands {
-			ce := &ev.cands[i]
-			if (skipFull && ce.full) || score(ce) > minT+s.sc.tieTol {
-				continue
-			}
-			if pick < 0 || ce.rv > ev.cands[pick].rv {
-				pick = i
-			}
-		}
-		return pick
 	}
-	free := best(true)
+	free, top := -1, -1
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		t := score(ce)
+		if !(t > minAll+s.sc.tieTol) && (top < 0 || ce.rv > ev.cands[top].rv) {
+			top = i
+		}
+		if !ce.full && !(t > minFree+s.sc.tieTol) && (free < 0 || ce.rv > ev.cands[free].rv) {
+			free = i
+		}
+	}
 	if free < 0 {
-		return best(false), router.ReasonSaturated
+		return top, router.ReasonSaturated
 	}
-	if top := best(false); top != free {
+	if top != free {
 		return free, router.ReasonOverflow
 	}
 	return free, router.ReasonKVMatch
@@ -747,7 +785,7 @@ func (s *KVAware) choose(ev *kvEval, countStale bool) (int, router.Reason) {
 // observer that follows the request to its end.
 func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
 	st := s.st
-	st.m.decisions.WithLabelValues(st.pool, string(dec.Reason)).Inc()
+	st.decisionCounter(dec.Reason).Inc()
 	st.cmp.countReason(dec.Reason, st.now())
 	st.commitRent(ev.rent)
 	if ev.tokens == 0 || ce == nil {
@@ -757,17 +795,17 @@ func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
 	for t, n := range ce.matched {
 		hit += n
 		if n > 0 {
-			st.m.matched.WithLabelValues(st.pool, tiers.Tier(t).String()).Add(float64(n))
+			st.matchedCounter(tiers.Tier(t)).Add(float64(n))
 		}
 	}
-	st.m.prompt.WithLabelValues(st.pool).Add(float64(ev.tokens))
+	st.dm.prompt.get(func() prometheus.Counter { return st.m.prompt.WithLabelValues(st.pool) }).Add(float64(ev.tokens))
 	if s.spec != nil {
 		if g := ce.blocks[tiers.GPU]; g < len(ev.keys) {
 			s.spec.add(ev.keys[g:], ce.inst.ID(), st.lostEpoch(ce.inst.ID()))
 			if st.peers.ps != nil {
 				st.peers.ps.Speculate(ce.inst.ID(), ev.keys[g:], s.spec.ttl)
 			}
-			st.m.specKeys.WithLabelValues(st.pool).Set(float64(s.spec.Len()))
+			st.dm.spec.get(func() prometheus.Gauge { return st.m.specKeys.WithLabelValues(st.pool) }).Set(float64(s.spec.Len()))
 		}
 	}
 	dec.Observer = st.newDrainingObserver(ce, ev.tokens-hit, hit, s.sc.prefill)

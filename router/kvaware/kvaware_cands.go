@@ -159,11 +159,8 @@ func (c *coldMin) note(ce *candEval) {
 // cheapest cold ones, however large the fleet. Queues (all candidates
 // have theirs) still serve the load-bound and least-queue choices.
 func (s *KVAware) scoreCold(ev *kvEval, c coldMin) {
-	for i := range ev.cands {
+	for _, i := range ev.cold {
 		ce := &ev.cands[i]
-		if !ce.cold() {
-			continue
-		}
 		if (!ce.full && ce.queue <= c.free+s.sc.tieTol) || ce.queue <= c.all+s.sc.tieTol {
 			s.sc.score(ev, ce)
 			continue

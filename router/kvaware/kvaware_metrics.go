@@ -1,6 +1,10 @@
 package kvaware
 
 import (
+	"sync/atomic"
+
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/tiers"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -116,4 +120,51 @@ func (m *KVMetrics) collectors() []prometheus.Collector {
 		m.specKeys, m.pending, m.scrapes, m.usage, m.reportedCached, m.predictedCached,
 		m.predictionError, m.shadow, m.shadowMatched, m.shadowTTFT,
 	}
+}
+
+// decisionMetrics are one pool's per-decision metric children, looked up
+// by label on first use and kept: a vector's WithLabelValues hashes the
+// labels and takes the vector's lock, several times per decision
+// otherwise. Resolved lazily so that /metrics shows a series only once it
+// has counted something, as before. A KVState's pool never changes and
+// these series are never deleted, so a kept child stays the exported one.
+type decisionMetrics struct {
+	reasons [len(kvReasons)]lazyChild[prometheus.Counter] // decisions, by kvReasons position
+	matched [tiers.Count]lazyChild[prometheus.Counter]    // matched tokens, by tier
+	prompt  lazyChild[prometheus.Counter]
+	spec    lazyChild[prometheus.Gauge]
+}
+
+// kvReasons are the reasons a kv_aware decision counts under; another
+// reason is looked up by label each time.
+var kvReasons = [...]router.Reason{
+	router.ReasonKVMatch, router.ReasonHeuristic, router.ReasonStaleFallback, router.ReasonStreamDown,
+	router.ReasonLoadBound, router.ReasonOverflow, router.ReasonSaturated, router.ReasonReplicate, router.ReasonHash,
+}
+
+// lazyChild is a metric vector's child, resolved once.
+type lazyChild[M any] struct{ p atomic.Pointer[M] }
+
+func (l *lazyChild[M]) get(resolve func() M) M {
+	if p := l.p.Load(); p != nil {
+		return *p
+	}
+	m := resolve()
+	l.p.Store(&m) // racing resolvers store the same child
+	return m
+}
+
+// decisionCounter is the decisions counter for reason.
+func (st *KVState) decisionCounter(reason router.Reason) prometheus.Counter {
+	for i, r := range kvReasons {
+		if r == reason {
+			return st.dm.reasons[i].get(func() prometheus.Counter { return st.m.decisions.WithLabelValues(st.pool, string(reason)) })
+		}
+	}
+	return st.m.decisions.WithLabelValues(st.pool, string(reason))
+}
+
+// matchedCounter is the matched-tokens counter for tier t.
+func (st *KVState) matchedCounter(t tiers.Tier) prometheus.Counter {
+	return st.dm.matched[t].get(func() prometheus.Counter { return st.m.matched.WithLabelValues(st.pool, t.String()) })
 }
