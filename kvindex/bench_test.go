@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
@@ -103,9 +104,9 @@ func BenchmarkMemoryBuild(b *testing.B) {
 					b.Fatal(err)
 				}
 				b.StartTimer()
-				cpu0 := processCPU()
+				cpu0 := cputime.Process()
 				s.fill(b, m, shapeChains)
-				cpu += processCPU() - cpu0
+				cpu += cputime.Process() - cpu0
 				b.StopTimer()
 				if n, _ := m.Len(context.Background()); n != entries {
 					b.Fatalf("Len = %d, want %d", n, entries)
@@ -158,7 +159,7 @@ func BenchmarkMemoryLookup512(b *testing.B) {
 		b.Run(c.name, func(b *testing.B) {
 			b.ReportAllocs()
 			i := 0
-			cpu0 := processCPU()
+			report := cputime.Report(b)
 			for b.Loop() {
 				ms, err := m.Lookup(ctx, c.keys[i%len(c.keys)])
 				if err != nil || len(ms) != c.want || c.want > 0 && ms[0].Blocks[0] != shapeBlocks {
@@ -166,7 +167,7 @@ func BenchmarkMemoryLookup512(b *testing.B) {
 				}
 				i++
 			}
-			b.ReportMetric(float64(processCPU()-cpu0)/float64(i), "cpu-ns/op")
+			report(i)
 		})
 	}
 }
@@ -221,7 +222,7 @@ func BenchmarkRedisApply(b *testing.B) {
 				pos := map[string]Position{}
 				b.ReportAllocs()
 				n := 0
-				cpu0, srv0 := processCPU(), redisCPU(b, r)
+				cpu0, srv0 := cputime.Process(), redisCPU(b, r)
 				for b.Loop() {
 					chain := (n / perChain) % len(s.evs)
 					inst := fmt.Sprintf("pod-%d", chain/8)
@@ -246,7 +247,7 @@ func BenchmarkRedisApply(b *testing.B) {
 				}
 				blocks := float64(evBlocks * n)
 				b.ReportMetric(blocks/b.Elapsed().Seconds(), "blocks/s")
-				b.ReportMetric(blocks/(processCPU()-cpu0).Seconds(), "blocks/client-cpu-s")
+				b.ReportMetric(blocks/(cputime.Process()-cpu0).Seconds(), "blocks/client-cpu-s")
 				b.ReportMetric(blocks/(redisCPU(b, r)-srv0).Seconds(), "blocks/server-cpu-s")
 			})
 		}
@@ -297,7 +298,7 @@ func BenchmarkRedisLookup512(b *testing.B) {
 		b.Run(c.name, func(b *testing.B) {
 			b.ReportAllocs()
 			n := 0
-			cpu0, srv0 := processCPU(), redisCPU(b, r)
+			cpu0, srv0 := cputime.Process(), redisCPU(b, r)
 			for b.Loop() {
 				ms, err := r.Lookup(ctx, c.keys)
 				if err != nil || len(ms) != c.want || c.want > 0 && ms[0].Blocks[0] != shapeBlocks {
@@ -305,7 +306,7 @@ func BenchmarkRedisLookup512(b *testing.B) {
 				}
 				n++
 			}
-			b.ReportMetric(float64(processCPU()-cpu0)/float64(n), "client-cpu-ns/op")
+			b.ReportMetric(float64(cputime.Process()-cpu0)/float64(n), "client-cpu-ns/op")
 			b.ReportMetric(float64(redisCPU(b, r)-srv0)/float64(n), "server-cpu-ns/op")
 		})
 	}
