@@ -60,6 +60,22 @@ func (s *shape) keys(inst, chain int) []Key {
 	return Keys(Root(testModel, "", fmt.Sprintf("i%d-c%d", inst, chain)), s.tokens, shapeBS)
 }
 
+// fillCommon stores on every instance the first chain's blocks salted
+// "common" (a fleet-wide system prompt), and returns its keys.
+func (s *shape) fillCommon(b testing.TB, idx Index) []Key {
+	for i := 0; i < shapeInstances; i++ {
+		ev := s.evs[0][0]
+		ev.CacheSalt = "common"
+		hs := make([]uint64, len(ev.BlockHashes))
+		for j := range hs {
+			hs[j] = uint64(1<<40) + uint64(j)
+		}
+		ev.BlockHashes = hs
+		mustApply(b, idx, fmt.Sprintf("pod-%d", i), ev)
+	}
+	return Keys(Root(testModel, "", "common"), s.tokens, shapeBS)
+}
+
 func (s *shape) fill(b testing.TB, idx Index, chains int) {
 	ctx := context.Background()
 	names := make([]string, len(s.evs)/chains+1)
@@ -132,18 +148,7 @@ func BenchmarkMemoryLookup512(b *testing.B) {
 		b.Fatal(err)
 	}
 	s.fill(b, m, shapeChains)
-	// A chain everyone holds (a fleet-wide system prompt), on top.
-	common := Keys(Root(testModel, "", "common"), s.tokens, shapeBS)
-	for i := 0; i < shapeInstances; i++ {
-		ev := s.evs[0][0]
-		ev.CacheSalt = "common"
-		hs := make([]uint64, len(ev.BlockHashes))
-		for j := range hs {
-			hs[j] = uint64(1<<40) + uint64(j)
-		}
-		ev.BlockHashes = hs
-		mustApply(b, m, fmt.Sprintf("pod-%d", i), ev)
-	}
+	common := s.fillCommon(b, m)
 	miss := Keys(Root(testModel, "", "nobody"), s.tokens, shapeBS)
 	cases := []struct {
 		name string
@@ -268,18 +273,7 @@ func BenchmarkRedisLookup512(b *testing.B) {
 	s := newShape(shapeInstances, 2, shapeBlocks, shapeBlocks)
 	s.fill(b, r, 2)
 	miss := Keys(Root(testModel, "", "nobody"), s.tokens, shapeBS)
-	// A chain every instance holds (a fleet-wide system prompt).
-	common := Keys(Root(testModel, "", "common"), s.tokens, shapeBS)
-	for i := 0; i < shapeInstances; i++ {
-		ev := s.evs[0][0]
-		ev.CacheSalt = "common"
-		hs := make([]uint64, len(ev.BlockHashes))
-		for j := range hs {
-			hs[j] = uint64(1<<40) + uint64(j)
-		}
-		ev.BlockHashes = hs
-		mustApply(b, r, fmt.Sprintf("pod-%d", i), ev)
-	}
+	common := s.fillCommon(b, r)
 	cases := []struct {
 		name string
 		idx  *Redis
