@@ -1,7 +1,7 @@
 package deploy
 
 import (
-		"fmt"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
