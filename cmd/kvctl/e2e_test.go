@@ -13,8 +13,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
@@ -45,21 +43,15 @@ func startEngine(t *testing.T, ctx context.Context, natsURL, pool, instance, url
 	if err != nil {
 		t.Fatal(err)
 	}
-	nc, err := nats.Connect(natsURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := bridge.New(bridge.Config{Pool: pool, Model: testModel, BlockSize: 16, Conn: nc,
+	t.Cleanup(func() { _ = pub.Close() })
+	b, err := bridge.New(bridge.Config{Pool: pool, Model: testModel, BlockSize: 16, Conn: testenv.Connect(t, natsURL),
 		Sources: []bridge.Source{{Instance: instance, Endpoint: ep, ReplayEndpoint: rep, URL: url}},
 		Stream:  kvstream.StreamConfig{Name: stream}, Bucket: kvstream.BucketConfig{Name: bucket},
 		HeartbeatInterval: 200 * time.Millisecond, Logger: quiet()})
 	if err != nil {
 		t.Fatal(err)
 	}
-	bctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = b.Run(bctx) }()
-	t.Cleanup(func() { cancel(); <-done; nc.Close(); _ = pub.Close() })
+	testenv.Go(t, ctx, b.Run)
 	testenv.WaitFor(t, 10*time.Second, "the bridge subscribed to the engine", pub.Subscribed)
 	return &engine{pub: pub}
 }

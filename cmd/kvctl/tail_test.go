@@ -141,12 +141,7 @@ func checkJSONLines(t *testing.T, out string, want []int) {
 func natsConn(t *testing.T) (*testenv.NATSServer, *nats.Conn) {
 	t.Helper()
 	srv := testenv.StartNATS(t)
-	nc, err := nats.Connect(srv.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	return srv, nc
+	return srv, testenv.Connect(t, srv.URL())
 }
 
 // TestTailEvictionsFilters: both transports print the records tailCases

@@ -166,19 +166,13 @@ func engine(t *testing.T, natsURL, pool, model, instance string) *enginezmq.Publ
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = pub.Close() })
-	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := testenv.Connect(t, natsURL, nats.MaxReconnects(-1))
 	b, err := bridge.New(bridge.Config{Pool: pool, Model: model, BlockSize: 16, Conn: nc, HeartbeatInterval: 200 * time.Millisecond,
 		Sources: []bridge.Source{{Instance: instance, Endpoint: ep}}, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	bdone := make(chan struct{})
-	go func() { defer close(bdone); _ = b.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-bdone })
+	testenv.Go(t, ctx, b.Run)
 	testenv.WaitFor(t, 30*time.Second, "the bridge subscribed", pub.Subscribed)
 	return pub
 }
