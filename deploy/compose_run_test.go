@@ -14,12 +14,10 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	natsserver "github.com/nats-io/nats-server/v2/server"
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/redis/go-redis/v9"
 
@@ -119,22 +117,9 @@ func (m *portMap) localText(s string) string {
 	})
 }
 
-// lockedBuffer collects a process's output for failure messages.
-type lockedBuffer struct {
-	mu sync.Mutex // guards b
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) tail() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	s := l.b.String()
+// tail is the end of a process's output, for failure messages.
+func tail(out *testenv.Logs) string {
+	s := out.String()
 	if len(s) > 3000 {
 		s = "…" + s[len(s)-3000:]
 	}
@@ -373,12 +358,7 @@ func TestComposeRuns(t *testing.T) {
 // jetStream connects to the NATS server at url for the rest of the test.
 func jetStream(t *testing.T, url string) jetstream.JetStream {
 	t.Helper()
-	nc, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
+	js, err := jetstream.New(testenv.Connect(t, url))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -436,7 +416,7 @@ func start(t *testing.T, ctx context.Context, name, bin string, args, env []stri
 	cmd.Env = append(os.Environ(), env...)
 	cmd.Cancel = func() error { return cmd.Process.Signal(os.Interrupt) }
 	cmd.WaitDelay = 5 * time.Second
-	out := &lockedBuffer{}
+	out := &testenv.Logs{}
 	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("start %s: %v", name, err)
@@ -452,7 +432,7 @@ func start(t *testing.T, ctx context.Context, name, bin string, args, env []stri
 			<-done
 		}
 		if t.Failed() {
-			t.Logf("--- %s %s\n%s", name, strings.Join(args, " "), out.tail())
+			t.Logf("--- %s %s\n%s", name, strings.Join(args, " "), tail(out))
 		}
 	})
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
@@ -102,7 +103,7 @@ func BenchmarkRedisLookupHolders(b *testing.B) {
 		b.Run(fmt.Sprintf("holders=%d", holders), func(b *testing.B) {
 			b.ReportAllocs()
 			n := 0
-			cpu0, srv0 := processCPU(), redisCPU(b, r)
+			cpu0, srv0 := cputime.Process(), redisCPU(b, r)
 			for b.Loop() {
 				ms, err := r.Lookup(ctx, keys)
 				if err != nil || len(ms) != holders || ms[0].Blocks[0] != shapeBlocks {
@@ -110,7 +111,7 @@ func BenchmarkRedisLookupHolders(b *testing.B) {
 				}
 				n++
 			}
-			b.ReportMetric(float64(processCPU()-cpu0)/float64(n), "client-cpu-ns/op")
+			b.ReportMetric(float64(cputime.Process()-cpu0)/float64(n), "client-cpu-ns/op")
 			b.ReportMetric(float64(redisCPU(b, r)-srv0)/float64(n), "server-cpu-ns/op")
 		})
 	}

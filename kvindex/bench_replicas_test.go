@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
@@ -30,7 +31,7 @@ func BenchmarkRedisApplyTwoRouters(b *testing.B) {
 	ctx := context.Background()
 	b.ReportAllocs()
 	n := 0
-	cpu0, srv0 := processCPU(), redisCPU(b, rs[0])
+	cpu0, srv0 := cputime.Process(), redisCPU(b, rs[0])
 	for b.Loop() {
 		chain := (n / perChain) % len(s.evs)
 		inst := fmt.Sprintf("pod-%d", chain/8)
@@ -42,6 +43,6 @@ func BenchmarkRedisApplyTwoRouters(b *testing.B) {
 	}
 	blocks := float64(evBlocks * n)
 	b.ReportMetric(blocks/b.Elapsed().Seconds(), "blocks/s")
-	b.ReportMetric(blocks/(processCPU()-cpu0).Seconds(), "blocks/client-cpu-s")
+	b.ReportMetric(blocks/(cputime.Process()-cpu0).Seconds(), "blocks/client-cpu-s")
 	b.ReportMetric(blocks/(redisCPU(b, rs[0])-srv0).Seconds(), "blocks/server-cpu-s")
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 )
 
 // The heavy-sharing shape (issue 15, "Mooncake-like"): every one of N
@@ -76,9 +77,9 @@ func BenchmarkMemoryLookupShared(b *testing.B) {
 			times := make(opTimes, 0, 1<<16)
 			b.ReportAllocs()
 			for b.Loop() {
-				t0 := threadCPU()
+				t0 := cputime.Thread()
 				ms, err := m.Lookup(ctx, query)
-				d := threadCPU() - t0
+				d := cputime.Thread() - t0
 				if err != nil || len(ms) != n {
 					b.Fatalf("lookup: %d matches, %v", len(ms), err)
 				}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
@@ -59,6 +60,22 @@ func (s *shape) keys(inst, chain int) []Key {
 	return Keys(Root(testModel, "", fmt.Sprintf("i%d-c%d", inst, chain)), s.tokens, shapeBS)
 }
 
+// fillCommon stores on every instance the first chain's blocks salted
+// "common" (a fleet-wide system prompt), and returns its keys.
+func (s *shape) fillCommon(b testing.TB, idx Index) []Key {
+	for i := 0; i < shapeInstances; i++ {
+		ev := s.evs[0][0]
+		ev.CacheSalt = "common"
+		hs := make([]uint64, len(ev.BlockHashes))
+		for j := range hs {
+			hs[j] = uint64(1<<40) + uint64(j)
+		}
+		ev.BlockHashes = hs
+		mustApply(b, idx, fmt.Sprintf("pod-%d", i), ev)
+	}
+	return Keys(Root(testModel, "", "common"), s.tokens, shapeBS)
+}
+
 func (s *shape) fill(b testing.TB, idx Index, chains int) {
 	ctx := context.Background()
 	names := make([]string, len(s.evs)/chains+1)
@@ -103,9 +120,9 @@ func BenchmarkMemoryBuild(b *testing.B) {
 					b.Fatal(err)
 				}
 				b.StartTimer()
-				cpu0 := processCPU()
+				cpu0 := cputime.Process()
 				s.fill(b, m, shapeChains)
-				cpu += processCPU() - cpu0
+				cpu += cputime.Process() - cpu0
 				b.StopTimer()
 				if n, _ := m.Len(context.Background()); n != entries {
 					b.Fatalf("Len = %d, want %d", n, entries)
@@ -131,18 +148,7 @@ func BenchmarkMemoryLookup512(b *testing.B) {
 		b.Fatal(err)
 	}
 	s.fill(b, m, shapeChains)
-	// A chain everyone holds (a fleet-wide system prompt), on top.
-	common := Keys(Root(testModel, "", "common"), s.tokens, shapeBS)
-	for i := 0; i < shapeInstances; i++ {
-		ev := s.evs[0][0]
-		ev.CacheSalt = "common"
-		hs := make([]uint64, len(ev.BlockHashes))
-		for j := range hs {
-			hs[j] = uint64(1<<40) + uint64(j)
-		}
-		ev.BlockHashes = hs
-		mustApply(b, m, fmt.Sprintf("pod-%d", i), ev)
-	}
+	common := s.fillCommon(b, m)
 	miss := Keys(Root(testModel, "", "nobody"), s.tokens, shapeBS)
 	cases := []struct {
 		name string
@@ -158,7 +164,7 @@ func BenchmarkMemoryLookup512(b *testing.B) {
 		b.Run(c.name, func(b *testing.B) {
 			b.ReportAllocs()
 			i := 0
-			cpu0 := processCPU()
+			report := cputime.Report(b)
 			for b.Loop() {
 				ms, err := m.Lookup(ctx, c.keys[i%len(c.keys)])
 				if err != nil || len(ms) != c.want || c.want > 0 && ms[0].Blocks[0] != shapeBlocks {
@@ -166,7 +172,7 @@ func BenchmarkMemoryLookup512(b *testing.B) {
 				}
 				i++
 			}
-			b.ReportMetric(float64(processCPU()-cpu0)/float64(i), "cpu-ns/op")
+			report(i)
 		})
 	}
 }
@@ -221,7 +227,7 @@ func BenchmarkRedisApply(b *testing.B) {
 				pos := map[string]Position{}
 				b.ReportAllocs()
 				n := 0
-				cpu0, srv0 := processCPU(), redisCPU(b, r)
+				cpu0, srv0 := cputime.Process(), redisCPU(b, r)
 				for b.Loop() {
 					chain := (n / perChain) % len(s.evs)
 					inst := fmt.Sprintf("pod-%d", chain/8)
@@ -246,7 +252,7 @@ func BenchmarkRedisApply(b *testing.B) {
 				}
 				blocks := float64(evBlocks * n)
 				b.ReportMetric(blocks/b.Elapsed().Seconds(), "blocks/s")
-				b.ReportMetric(blocks/(processCPU()-cpu0).Seconds(), "blocks/client-cpu-s")
+				b.ReportMetric(blocks/(cputime.Process()-cpu0).Seconds(), "blocks/client-cpu-s")
 				b.ReportMetric(blocks/(redisCPU(b, r)-srv0).Seconds(), "blocks/server-cpu-s")
 			})
 		}
@@ -267,18 +273,7 @@ func BenchmarkRedisLookup512(b *testing.B) {
 	s := newShape(shapeInstances, 2, shapeBlocks, shapeBlocks)
 	s.fill(b, r, 2)
 	miss := Keys(Root(testModel, "", "nobody"), s.tokens, shapeBS)
-	// A chain every instance holds (a fleet-wide system prompt).
-	common := Keys(Root(testModel, "", "common"), s.tokens, shapeBS)
-	for i := 0; i < shapeInstances; i++ {
-		ev := s.evs[0][0]
-		ev.CacheSalt = "common"
-		hs := make([]uint64, len(ev.BlockHashes))
-		for j := range hs {
-			hs[j] = uint64(1<<40) + uint64(j)
-		}
-		ev.BlockHashes = hs
-		mustApply(b, r, fmt.Sprintf("pod-%d", i), ev)
-	}
+	common := s.fillCommon(b, r)
 	cases := []struct {
 		name string
 		idx  *Redis
@@ -297,7 +292,7 @@ func BenchmarkRedisLookup512(b *testing.B) {
 		b.Run(c.name, func(b *testing.B) {
 			b.ReportAllocs()
 			n := 0
-			cpu0, srv0 := processCPU(), redisCPU(b, r)
+			cpu0, srv0 := cputime.Process(), redisCPU(b, r)
 			for b.Loop() {
 				ms, err := r.Lookup(ctx, c.keys)
 				if err != nil || len(ms) != c.want || c.want > 0 && ms[0].Blocks[0] != shapeBlocks {
@@ -305,7 +300,7 @@ func BenchmarkRedisLookup512(b *testing.B) {
 				}
 				n++
 			}
-			b.ReportMetric(float64(processCPU()-cpu0)/float64(n), "client-cpu-ns/op")
+			b.ReportMetric(float64(cputime.Process()-cpu0)/float64(n), "client-cpu-ns/op")
 			b.ReportMetric(float64(redisCPU(b, r)-srv0)/float64(n), "server-cpu-ns/op")
 		})
 	}

@@ -5,6 +5,8 @@ import (
 	"testing"
 
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/kvrouter/kvrouter/internal/cputime"
 )
 
 // refKey is the block-key definition written out the slow way.
@@ -126,12 +128,12 @@ func benchKeys(b *testing.B, n, bs int) {
 	b.ReportAllocs()
 	b.SetBytes(int64(4 * n))
 	ops := 0
-	cpu0 := processCPU()
+	report := cputime.Report(b)
 	for b.Loop() {
 		dst = AppendKeys(dst[:0], root, toks, bs)
 		ops++
 	}
-	b.ReportMetric(float64(processCPU()-cpu0)/float64(ops), "cpu-ns/op")
+	report(ops)
 }
 
 func TestBlockKeyEveryLength(t *testing.T) {

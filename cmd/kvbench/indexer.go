@@ -13,8 +13,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/workload"
 )
@@ -164,8 +164,8 @@ func timerOverhead() [2]time.Duration {
 	const n = 20000
 	cs, ws := make([]time.Duration, n), make([]time.Duration, n)
 	for i := range cs {
-		c0, w0 := des.ThreadCPU(), time.Now()
-		w, c := time.Since(w0), des.ThreadCPU()
+		c0, w0 := cputime.Thread(), time.Now()
+		w, c := time.Since(w0), cputime.Thread()
 		cs[i], ws[i] = c-c0, w
 	}
 	return [2]time.Duration{durPct(cs, 0.5), durPct(ws, 0.5)}
@@ -243,10 +243,10 @@ func replayIndex(ctx context.Context, recs []workload.TraceRecord, n, capBlocks,
 			}
 		}
 		keys = kvindex.AppendKeys(keys[:0], root, toks, bs)
-		c0, w0 := des.ThreadCPU(), time.Now()
+		c0, w0 := cputime.Thread(), time.Now()
 		// Into a reused buffer, as kv_aware looks up (Memory.LookupAppend).
 		ms, err = idx.LookupAppend(ctx, ms, keys)
-		w, c := time.Since(w0), des.ThreadCPU()
+		w, c := time.Since(w0), cputime.Thread()
 		res.Lookup.add(c-c0, w)
 		res.Lookups++
 		if err != nil {
@@ -266,9 +266,9 @@ func replayIndex(ctx context.Context, recs []workload.TraceRecord, n, capBlocks,
 				res.Removed += len(ev.BlockHashes)
 			}
 		}
-		c0, w0 = des.ThreadCPU(), time.Now()
+		c0, w0 = cputime.Thread(), time.Now()
 		_, err = idx.Apply(ctx, names[pick], evs)
-		w, c = time.Since(w0), des.ThreadCPU()
+		w, c = time.Since(w0), cputime.Thread()
 		res.Apply.add(c-c0, w)
 		res.Applies++
 		if err != nil {

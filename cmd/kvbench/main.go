@@ -21,27 +21,14 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/signal"
-	"syscall"
 
-	"github.com/kvrouter/kvrouter/internal/version"
+	"github.com/kvrouter/kvrouter/cmd/internal/cli"
 )
 
 func main() {
-	if version.Requested(os.Args[1:]) {
-		fmt.Println(version.Get().String("kvbench"))
-		return
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
-	stop()
-	if errors.Is(err, flag.ErrHelp) {
-		return // help was asked for and printed: not a failure
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "kvbench:", err)
-		os.Exit(2)
-	}
+	cli.Main("kvbench", 2, func(ctx context.Context, args []string) error {
+		return run(ctx, args, os.Stdout, os.Stderr)
+	})
 }
 
 // commands is the whole CLI, in the order "kvbench help" lists it.

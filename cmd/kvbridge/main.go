@@ -12,43 +12,33 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"log/slog"
 	"net"
 	"net/http"
 	"net/url"
 	"os"
-	"os/signal"
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/kvrouter/kvrouter/cmd/internal/cli"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/liblog"
-	"github.com/kvrouter/kvrouter/internal/version"
 )
 
 func main() {
-	if version.Requested(os.Args[1:]) {
-		fmt.Println(version.Get().String("kvbridge"))
-		return
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	err := run(ctx, os.Args[1:], os.Getenv, os.Stderr)
-	if errors.Is(err, flag.ErrHelp) {
-		return
-	}
-	if err != nil && !errors.Is(err, context.Canceled) {
-		fmt.Fprintln(os.Stderr, "kvbridge:", err)
-		os.Exit(1)
-	}
+	cli.Main("kvbridge", 1, func(ctx context.Context, args []string) error {
+		err := run(ctx, args, os.Getenv, os.Stderr)
+		if errors.Is(err, context.Canceled) {
+			return nil // stopped by a signal
+		}
+		return err
+	})
 }
 
 // options are the parsed flags.
@@ -230,11 +220,10 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	if err != nil {
 		return err
 	}
-	var level slog.Level
-	if err := level.UnmarshalText([]byte(o.logLevel)); err != nil {
-		return fmt.Errorf("--log-level: %w", err)
+	log, err := cli.Logger(stderr, o.logLevel)
+	if err != nil {
+		return err
 	}
-	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
 	srcs, err := o.sources()
 	if err != nil {
 		return err

@@ -13,8 +13,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
@@ -45,22 +43,16 @@ func startEngine(t *testing.T, ctx context.Context, natsURL, pool, instance, url
 	if err != nil {
 		t.Fatal(err)
 	}
-	nc, err := nats.Connect(natsURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := bridge.New(bridge.Config{Pool: pool, Model: testModel, BlockSize: 16, Conn: nc,
+	t.Cleanup(func() { _ = pub.Close() })
+	b, err := bridge.New(bridge.Config{Pool: pool, Model: testModel, BlockSize: 16, Conn: testenv.Connect(t, natsURL),
 		Sources: []bridge.Source{{Instance: instance, Endpoint: ep, ReplayEndpoint: rep, URL: url}},
 		Stream:  kvstream.StreamConfig{Name: stream}, Bucket: kvstream.BucketConfig{Name: bucket},
 		HeartbeatInterval: 200 * time.Millisecond, Logger: quiet()})
 	if err != nil {
 		t.Fatal(err)
 	}
-	bctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = b.Run(bctx) }()
-	t.Cleanup(func() { cancel(); <-done; nc.Close(); _ = pub.Close() })
-	waitFor(t, "the bridge subscribed to the engine", pub.Subscribed)
+	testenv.Go(t, ctx, b.Run)
+	testenv.WaitFor(t, 10*time.Second, "the bridge subscribed to the engine", pub.Subscribed)
 	return &engine{pub: pub}
 }
 
@@ -157,7 +149,7 @@ func TestKVCommandsEndToEnd(t *testing.T) {
 	eng.publish(t,
 		events.Event{Kind: events.BlockStored, BlockHashes: []uint64{13, 14}, Medium: "CPU"},
 		events.Event{Kind: events.BlockRemoved, BlockHashes: []uint64{13, 14}, Medium: "GPU"})
-	waitFor(t, "lookup sees GPU and CPU blocks", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "lookup sees GPU and CPU blocks", func() bool {
 		a := lookup()
 		return a.BlockSize == 16 && a.Blocks == 4 && len(a.Matches) == 1 &&
 			a.Matches[0] == lookupMatch{Instance: "vllm-1", GPUBlocks: 2, CPUBlocks: 2, Live: true}
@@ -229,7 +221,7 @@ func TestKVCommandsEndToEnd(t *testing.T) {
 	}
 	eng0 := startEngine(t, ctx, ns.URL(), pool, "vllm-0", u0.URL(), stream, bucket)
 	eng0.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: []uint64{21, 22}, TokenIDs: pids[:32], BlockSize: 16, Medium: "GPU"})
-	waitFor(t, "prompt lookup sees vllm-0", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "prompt lookup sees vllm-0", func() bool {
 		code, out, _ := runCLI(t, "lookup", "--pool", pool, "--prompt-file", promptFile, "--json")
 		var a lookupAnswer
 		return code == 0 && json.Unmarshal([]byte(out), &a) == nil && a.PromptTokens == len(pids) &&
@@ -253,7 +245,7 @@ func TestKVCommandsEndToEnd(t *testing.T) {
 		t.Fatal(err)
 	}
 	eng0.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: []uint64{31, 32, 33}, TokenIDs: cids[:48], BlockSize: 16, Medium: "GPU"})
-	waitFor(t, "chat lookup sees vllm-0", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "chat lookup sees vllm-0", func() bool {
 		code, out, _ := runCLI(t, "lookup", "--pool", pool, "--chat-file", chatFile, "--json")
 		var a lookupAnswer
 		return code == 0 && json.Unmarshal([]byte(out), &a) == nil && a.PromptTokens == len(cids) &&
@@ -264,7 +256,7 @@ func TestKVCommandsEndToEnd(t *testing.T) {
 	eng.publish(t,
 		events.Event{Kind: events.BlockRemoved, BlockHashes: []uint64{11, 12}, Medium: "GPU"},
 		events.Event{Kind: events.BlockRemoved, BlockHashes: []uint64{13, 14}, Medium: "CPU"})
-	waitFor(t, "lookup sees the removal", func() bool { return len(lookup().Matches) == 0 })
+	testenv.WaitFor(t, 10*time.Second, "lookup sees the removal", func() bool { return len(lookup().Matches) == 0 })
 	code, out, _ = runCLI(t, "lookup", "--pool", pool, "--tokens", tokFile)
 	if code != 0 || !strings.Contains(out, "no instance holds the prompt's first block") {
 		t.Errorf("lookup after removal (exit %d):\n%s", code, out)

@@ -4,12 +4,13 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"encoding/base64"
 	"encoding/json"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvrouter/kvrouter/events/eventstest"
 )
 
 const captures = "../../events/testdata/captured/"
@@ -126,18 +127,7 @@ func TestEventsDecodeJSONL(t *testing.T) {
 }
 
 func TestEventsDecodeRawAndStdin(t *testing.T) {
-	f, err := os.Open(captures + "array.jsonl")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	var c struct {
-		PayloadB64 string `json:"payload_b64"`
-	}
-	if err := json.NewDecoder(f).Decode(&c); err != nil {
-		t.Fatal(err)
-	}
-	payload, _ := base64.StdEncoding.DecodeString(c.PayloadB64)
+	payload := eventstest.CapturedPayloads(t, "array.jsonl")[0]
 	raw := filepath.Join(t.TempDir(), "batch.msgpack")
 	if err := os.WriteFile(raw, payload, 0o600); err != nil {
 		t.Fatal(err)

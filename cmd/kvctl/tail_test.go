@@ -46,7 +46,7 @@ func startTail(t *testing.T, args ...string) *tailRun {
 // published from now on is missed.
 func (r *tailRun) ready(t *testing.T) {
 	t.Helper()
-	waitFor(t, "the tail to follow", func() bool { return strings.Contains(r.errOut.String(), "following ") })
+	testenv.WaitFor(t, 10*time.Second, "the tail to follow", func() bool { return strings.Contains(r.errOut.String(), "following ") })
 }
 
 // wait returns the tail's result, failing the test if it does not end.
@@ -141,12 +141,7 @@ func checkJSONLines(t *testing.T, out string, want []int) {
 func natsConn(t *testing.T) (*testenv.NATSServer, *nats.Conn) {
 	t.Helper()
 	srv := testenv.StartNATS(t)
-	nc, err := nats.Connect(srv.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	return srv, nc
+	return srv, testenv.Connect(t, srv.URL())
 }
 
 // TestTailEvictionsFilters: both transports print the records tailCases
@@ -246,17 +241,17 @@ func TestTailEvictionsEachAndReconnect(t *testing.T) {
 	for _, rec := range tailRecords[:2] {
 		publisher{t, nc, pool}.publish(rec)
 	}
-	waitFor(t, "2 rows", func() bool { return strings.Count(r.out.String(), "\n") == 3 })
+	testenv.WaitFor(t, 10*time.Second, "2 rows", func() bool { return strings.Count(r.out.String(), "\n") == 3 })
 	stopRouter()
-	waitFor(t, "the tail to say it reconnects", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "the tail to say it reconnects", func() bool {
 		return strings.Contains(r.errOut.String(), "the router closed the stream (shutting down); reconnecting")
 	})
 	_, _ = sseRouterAt(t, nc, strings.TrimPrefix(url, "http://"))
-	waitFor(t, "the tail to follow the new router", func() bool { return strings.Count(r.errOut.String(), "following ") == 2 })
+	testenv.WaitFor(t, 10*time.Second, "the tail to follow the new router", func() bool { return strings.Count(r.errOut.String(), "following ") == 2 })
 	for _, rec := range tailRecords[2:] {
 		publisher{t, nc, pool}.publish(rec)
 	}
-	waitFor(t, "4 rows", func() bool { return strings.Count(r.out.String(), "\n") == 5 })
+	testenv.WaitFor(t, 10*time.Second, "4 rows", func() bool { return strings.Count(r.out.String(), "\n") == 5 })
 	r.cancel()
 	if err := r.wait(t); err != nil {
 		t.Fatalf("interrupted tail: %v", err)
@@ -304,17 +299,6 @@ func TestTailEvictionsSummary(t *testing.T) {
 		if f := strings.Fields(lines[i+1]); len(f) != 6 || strings.Join(f[1:], " ") != w {
 			t.Errorf("row %d %q, want time + %q", i, lines[i+1], w)
 		}
-	}
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 

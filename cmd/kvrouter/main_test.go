@@ -115,53 +115,26 @@ func TestFlagErrors(t *testing.T) {
 	}
 }
 
-// syncBuffer collects the router's log lines for the test to read.
-type syncBuffer struct {
-	mu sync.Mutex // guards b
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-// field returns the string field of the first JSON log line whose msg is msg.
-func (s *syncBuffer) field(msg, key string) string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, line := range strings.Split(s.b.String(), "\n") {
-		var m map[string]any
-		if json.Unmarshal([]byte(line), &m) == nil && m["msg"] == msg {
-			v, _ := m[key].(string)
-			return v
-		}
+// field returns the string field key of the router's first JSON log line
+// whose msg is msg.
+func field(logs *testenv.Logs, msg, key string) string {
+	if recs := logs.Lines(msg); len(recs) > 0 {
+		v, _ := recs[0][key].(string)
+		return v
 	}
 	return ""
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(25 * time.Millisecond)
-	}
 }
 
 // startRun runs the kvrouter command on the config doc (written to a file)
 // until the test ends or stop is called, and returns its log, the config
 // path and stop, which ends the command and returns what run returned.
-func startRun(t *testing.T, doc string, env map[string]string) (logs *syncBuffer, path string, stop func() error) {
+func startRun(t *testing.T, doc string, env map[string]string) (logs *testenv.Logs, path string, stop func() error) {
 	t.Helper()
 	path = filepath.Join(t.TempDir(), "r.yaml")
 	if err := os.WriteFile(path, []byte(doc), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	logs = &syncBuffer{}
+	logs = &testenv.Logs{}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
@@ -193,20 +166,14 @@ func engine(t *testing.T, natsURL, pool, model, instance string) *enginezmq.Publ
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = pub.Close() })
-	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := testenv.Connect(t, natsURL, nats.MaxReconnects(-1))
 	b, err := bridge.New(bridge.Config{Pool: pool, Model: model, BlockSize: 16, Conn: nc, HeartbeatInterval: 200 * time.Millisecond,
 		Sources: []bridge.Source{{Instance: instance, Endpoint: ep}}, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	bdone := make(chan struct{})
-	go func() { defer close(bdone); _ = b.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-bdone })
-	waitFor(t, "the bridge subscribed", pub.Subscribed)
+	testenv.Go(t, ctx, b.Run)
+	testenv.WaitFor(t, 30*time.Second, "the bridge subscribed", pub.Subscribed)
 	return pub
 }
 
@@ -250,8 +217,8 @@ pools:
 `, filepath.Join(t.TempDir(), "nats"))
 	logs, path, _ := startRun(t, doc, nil)
 	var natsURL, admin string
-	waitFor(t, "the router to listen", func() bool {
-		natsURL, admin = logs.field("consuming KV events", "nats_url"), logs.field("kvrouter listening", "admin_listen")
+	testenv.WaitFor(t, 30*time.Second, "the router to listen", func() bool {
+		natsURL, admin = field(logs, "consuming KV events", "nats_url"), field(logs, "kvrouter listening", "admin_listen")
 		return natsURL != "" && admin != ""
 	})
 
@@ -280,13 +247,13 @@ pools:
 		return fmt.Sprintf("%d %+v", out.BlockSize, out.Matches)
 	}
 	want := "16 [{Instance:vllm-0 GPUBlocks:3 CPUBlocks:0}]"
-	waitFor(t, "lookup "+want, func() bool { return lookup() == want })
+	testenv.WaitFor(t, 30*time.Second, "lookup "+want, func() bool { return lookup() == want })
 
 	// SIGHUP reloads the file; the consumer and its index stay.
 	if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the reload", func() bool { return logs.field("reloaded", "config") == path })
+	testenv.WaitFor(t, 30*time.Second, "the reload", func() bool { return field(logs, "reloaded", "config") == path })
 	if got := lookup(); got != want {
 		t.Fatalf("after reload: %s", got)
 	}
@@ -345,8 +312,8 @@ pools:
 	const tok = "grpc-admin-token"
 	logs, _, stop := startRun(t, doc, map[string]string{"KVROUTER_ADMIN_TOKEN": tok})
 	var natsURL, addr string
-	waitFor(t, "the router to listen", func() bool {
-		natsURL, addr = logs.field("consuming KV events", "nats_url"), logs.field("kvrouter listening", "grpc_listen")
+	testenv.WaitFor(t, 30*time.Second, "the router to listen", func() bool {
+		natsURL, addr = field(logs, "consuming KV events", "nats_url"), field(logs, "kvrouter listening", "grpc_listen")
 		return natsURL != "" && addr != ""
 	})
 	conn := grpcConn(t, addr, nil)
@@ -405,7 +372,7 @@ pools:
 		return fmt.Sprintf("%d %v", resp.GetBlockSize(), ms)
 	}
 	want := "16 [vllm-0 gpu=3]"
-	waitFor(t, "Lookup "+want, func() bool { return lookup() == want })
+	testenv.WaitFor(t, 30*time.Second, "Lookup "+want, func() bool { return lookup() == want })
 
 	// Pick is open (no token_for_pick) and sees the same index.
 	pick, err := kvrouterv1.NewRouterClient(conn).Pick(ctx, &kvrouterv1.PickRequest{Model: "m", TokenIds: ids})
@@ -516,8 +483,8 @@ pools:
 	const tok = "tls-token"
 	logs, _, _ := startRun(t, doc, map[string]string{"KVROUTER_ADMIN_TOKEN": tok})
 	var addr string
-	waitFor(t, "the router to listen", func() bool {
-		addr = logs.field("kvrouter listening", "grpc_listen")
+	testenv.WaitFor(t, 30*time.Second, "the router to listen", func() bool {
+		addr = field(logs, "kvrouter listening", "grpc_listen")
 		return addr != ""
 	})
 	ctx := ctxT(t)
@@ -649,8 +616,8 @@ pools:
 `
 	logs, _, _ := startRun(t, doc, map[string]string{"KVROUTER_ADMIN_TOKEN": "tok"})
 	var admin string
-	waitFor(t, "the router to listen", func() bool {
-		admin = logs.field("kvrouter listening", "admin_listen")
+	testenv.WaitFor(t, 30*time.Second, "the router to listen", func() bool {
+		admin = field(logs, "kvrouter listening", "admin_listen")
 		return admin != ""
 	})
 	get := func(path, auth string) (int, string) {
@@ -733,7 +700,7 @@ pools:
 	}
 	logs, _, stop := startRun(t, doc, env)
 	var listen string
-	waitFor(t, "the router to listen", func() bool { listen = logs.field("kvrouter listening", "listen"); return listen != "" })
+	testenv.WaitFor(t, 30*time.Second, "the router to listen", func() bool { listen = field(logs, "kvrouter listening", "listen"); return listen != "" })
 	resp, err := http.Post("http://"+listen+"/v1/chat/completions", "application/json",
 		strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
 	if err != nil {
@@ -753,7 +720,7 @@ pools:
 		if spans := coll.Spans(); len(spans) != 0 || len(parents) != 1 || parents[0] != "" {
 			t.Errorf("OTEL_SDK_DISABLED: %d spans exported, engine traceparents %q", len(spans), parents)
 		}
-		if logs.field("tracing: enabled in the file but OTEL_SDK_DISABLED=true: off", "level") == "" {
+		if field(logs, "tracing: enabled in the file but OTEL_SDK_DISABLED=true: off", "level") == "" {
 			t.Error("OTEL_SDK_DISABLED not logged")
 		}
 		return

@@ -10,40 +10,26 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"log/slog"
 	"net"
 	"os"
-	"os/signal"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
+	"github.com/kvrouter/kvrouter/cmd/internal/cli"
 	"github.com/kvrouter/kvrouter/events"
-	"github.com/kvrouter/kvrouter/internal/version"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
 func main() {
-	if version.Requested(os.Args[1:]) {
-		fmt.Println(version.Get().String("kvsim"))
-		return
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr, nil); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			os.Exit(0)
-		}
-		fmt.Fprintln(os.Stderr, "kvsim:", err)
-		os.Exit(2)
-	}
+	cli.Main("kvsim", 2, func(ctx context.Context, args []string) error {
+		return run(ctx, args, os.Stdout, os.Stderr, nil)
+	})
 }
 
 // options are the command-line flags.
@@ -165,11 +151,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready fun
 	if err != nil {
 		return err
 	}
-	var level slog.Level
-	if err := level.UnmarshalText([]byte(o.logLevel)); err != nil {
-		return fmt.Errorf("--log-level: %w", err)
+	log, err := cli.Logger(stderr, o.logLevel)
+	if err != nil {
+		return err
 	}
-	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
 	enc, err := events.ParseEncoding(o.encoding)
 	if err != nil {
 		return fmt.Errorf("--event-encoding: %w", err)

@@ -362,17 +362,7 @@ func (c *Consumer) queueSync(ctx context.Context, instance string) {
 // at start, and when Redis lost its data, so that instances that send
 // nothing are repaired too.
 func (c *Consumer) syncKnown(ctx context.Context) {
-	lister, err := c.kv.ListKeysFiltered(ctx, c.cfg.Pool+".*")
-	if err != nil {
-		c.cfg.Logger.Warn("consumer: list snapshots", "err", err)
-		return
-	}
-	for key := range lister.Keys() {
-		instance := key[len(c.cfg.Pool)+1:]
-		if kvstream.ValidToken("instance", instance) == nil {
-			c.queueSync(ctx, instance)
-		}
-	}
+	c.forSnapshots(ctx, func(instance string) { c.queueSync(ctx, instance) })
 }
 
 // watchShared checks the shared index every CheckInterval: its epoch (a

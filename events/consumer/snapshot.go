@@ -16,6 +16,25 @@ import (
 // one in the bucket, before any stream message: the shard applies the
 // snapshot, then skips the stream up to its sequence.
 func (c *Consumer) loadKnown(ctx context.Context) {
+	c.forSnapshots(ctx, func(instance string) {
+		c.mu.Lock()
+		if c.insts[instance] == nil {
+			if reason := c.refuseNew(instance, false); reason != "" {
+				c.mu.Unlock()
+				c.dropNew(instance, reason, "snapshot")
+				return
+			}
+			c.insts[instance] = c.newInst(instance, time.Time{})
+		}
+		c.mu.Unlock()
+		c.enqueue(ctx, work{kind: workLoad, instance: instance})
+	})
+}
+
+// forSnapshots calls f for every instance of the pool that has a snapshot
+// in the bucket (keys whose instance is not a valid token are skipped); a
+// failed listing is logged and calls f for none.
+func (c *Consumer) forSnapshots(ctx context.Context, f func(instance string)) {
 	lister, err := c.kv.ListKeysFiltered(ctx, c.cfg.Pool+".*")
 	if err != nil {
 		c.cfg.Logger.Warn("consumer: list snapshots", "err", err)
@@ -23,20 +42,9 @@ func (c *Consumer) loadKnown(ctx context.Context) {
 	}
 	for key := range lister.Keys() {
 		instance := key[len(c.cfg.Pool)+1:]
-		if kvstream.ValidToken("instance", instance) != nil {
-			continue
+		if kvstream.ValidToken("instance", instance) == nil {
+			f(instance)
 		}
-		c.mu.Lock()
-		if c.insts[instance] == nil {
-			if reason := c.refuseNew(instance, false); reason != "" {
-				c.mu.Unlock()
-				c.dropNew(instance, reason, "snapshot")
-				continue
-			}
-			c.insts[instance] = c.newInst(instance, time.Time{})
-		}
-		c.mu.Unlock()
-		c.enqueue(ctx, work{kind: workLoad, instance: instance})
 	}
 }
 

@@ -1,6 +1,6 @@
-// Package cputime reads the process's CPU time, for benchmarks that report
-// CPU time per op beside wall time: on a shared machine wall time per op
-// mostly measures waiting for a core.
+// Package cputime reads the process's CPU time and an OS thread's, for
+// benchmarks that report CPU time per op beside wall time: on a shared
+// machine wall time per op mostly measures waiting for a core.
 package cputime
 
 import (
@@ -11,6 +11,12 @@ import (
 // Process is the process's user+system CPU time (GC included), -1 where
 // the platform does not report it.
 func Process() time.Duration { return process() }
+
+// Thread is the calling OS thread's CPU time (CLOCK_THREAD_CPUTIME_ID), -1
+// where the platform has no per-thread CPU clock. Callers lock their
+// goroutine to its thread (runtime.LockOSThread) for differences to mean
+// anything; reading it is a system call, a few hundred nanoseconds.
+func Thread() time.Duration { return thread() }
 
 // Report starts counting b's CPU time and returns the function that, run
 // after b's loop with the number of ops n, reports cpu-ns/op (nothing when

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/workload"
 )
@@ -707,12 +708,12 @@ func (r *run) issue(ctx context.Context, i int) {
 		cands = r.decodeSet
 	}
 	cands = r.placeable(uint64(i), cands)
-	cpu0 := threadCPU()
+	cpu0 := cputime.Thread()
 	start := time.Now()
 	d, err := r.cfg.Router.Pick(ctx, rr, cands)
 	o.Decision = time.Since(start)
 	if cpu0 >= 0 {
-		o.DecisionCPU = max(threadCPU()-cpu0, 0)
+		o.DecisionCPU = max(cputime.Thread()-cpu0, 0)
 	}
 	in := r.byName[d.Instance]
 	if err == nil && (in == nil || !in.live) {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"time"
+
+	"github.com/kvrouter/kvrouter/internal/cputime"
 )
 
 // Disagg serves requests in two stages, as kvrouter does for a pool with
@@ -79,14 +81,14 @@ func (r *run) prefillStage(ctx context.Context, i int, rr *RouteRequest) bool {
 			return false
 		}
 	}
-	cpu0 := threadCPU()
+	cpu0 := cputime.Thread()
 	start := time.Now()
 	pid := uint64(i) | prefillTag
 	rr.EngineID = pid
 	dec, err := r.cfg.Router.Pick(ctx, rr, r.prefillSet)
 	o.Decision += time.Since(start)
 	if cpu0 >= 0 {
-		o.DecisionCPU += max(threadCPU()-cpu0, 0)
+		o.DecisionCPU += max(cputime.Thread()-cpu0, 0)
 	}
 	in := r.byName[dec.Instance]
 	if err != nil || in == nil || !in.live {
@@ -136,12 +138,12 @@ func (r *run) decodeStage(ctx context.Context, h handoff) {
 	}
 	r.tokBuf = req.AppendTokens(r.tokBuf[:0])
 	rr := &RouteRequest{Request: req, Tokens: r.tokBuf, RoutingText: req.TextPrefix(r.cfg.PrefixLength), Now: r.now, CacheSalt: salt, EngineID: uint64(h.req)}
-	cpu0 := threadCPU()
+	cpu0 := cputime.Thread()
 	start := time.Now()
 	d, err := r.cfg.Router.Pick(ctx, rr, r.decodeSet)
 	o.Decision += time.Since(start)
 	if cpu0 >= 0 {
-		o.DecisionCPU += max(threadCPU()-cpu0, 0)
+		o.DecisionCPU += max(cputime.Thread()-cpu0, 0)
 	}
 	in := r.byName[d.Instance]
 	if err == nil && (in == nil || !in.live) {

@@ -1,4 +1,4 @@
-package des
+package cputime
 
 import (
 	"time"
@@ -6,9 +6,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// threadCPU is the calling OS thread's CPU time (CLOCK_THREAD_CPUTIME_ID),
-// -1 when the clock is unavailable.
-func threadCPU() time.Duration {
+func thread() time.Duration {
 	var ts unix.Timespec
 	if err := unix.ClockGettime(unix.CLOCK_THREAD_CPUTIME_ID, &ts); err != nil {
 		return -1

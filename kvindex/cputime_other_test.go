@@ -1,8 +1,0 @@
-//go:build !unix
-
-package kvindex
-
-import "time"
-
-// processCPU is unknown on this platform; CPU-time metrics read 0.
-func processCPU() time.Duration { return 0 }
