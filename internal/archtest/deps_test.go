@@ -51,6 +51,13 @@ var rules = []rule{
 	{pkg: "router/kvstate", forbid: [][]string{{module + "/router"}, {module + "/grpcapi"}}, why: "the KV-state pipeline reports discoveries; it knows nothing of the router it feeds"},
 }
 
+func init() {
+	for _, b := range []string{"kvrouter", "kvbridge", "kvsim", "kvbench", "kvctl"} {
+		rules = append(rules, rule{pkg: "cmd/" + b, forbid: [][]string{{"testing"}},
+			why: "a shipped binary links no test framework (shared benchmark helpers such as internal/cputime take interfaces, not *testing.B)"})
+	}
+}
+
 // listed is what `go list -deps -json` says of one package.
 type listed struct {
 	ImportPath string
@@ -147,7 +154,7 @@ func TestDependencyFacts(t *testing.T) {
 // TestRulesCatchViolations holds the checker itself to account: on the
 // module's real dependency graph, rules that must fail do.
 func TestRulesCatchViolations(t *testing.T) {
-	all := goList(t, []string{module + "/events/kvstream", module + "/events/enginezmq", module + "/kvindex", module + "/router/httpapi"})
+	all := goList(t, []string{module + "/events/kvstream", module + "/events/enginezmq", module + "/kvindex", module + "/router/httpapi", module + "/internal/testenv"})
 	cases := []struct {
 		r    rule
 		want string // a dependency the rule must report
@@ -159,6 +166,8 @@ func TestRulesCatchViolations(t *testing.T) {
 		// The core's rule, on the data plane that does import them.
 		{rule{pkg: "router/httpapi", forbid: [][]string{promPkgs}}, "github.com/prometheus/client_golang"},
 		{rule{pkg: "router/httpapi", forbid: [][]string{otelPkgs}}, "go.opentelemetry.io/otel"},
+		// The binaries' rule, on the test helpers that do link testing.
+		{rule{pkg: "internal/testenv", forbid: [][]string{{"testing"}}}, "testing"},
 		{rule{pkg: "kvindex", stdOnly: true, allow: []string{"github.com/cespare", "github.com/redis", "go.uber.org", "golang.org/x/sys"}}, module + "/events"},
 	}
 	for _, c := range cases {

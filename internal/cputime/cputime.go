@@ -3,10 +3,7 @@
 // machine wall time per op mostly measures waiting for a core.
 package cputime
 
-import (
-	"testing"
-	"time"
-)
+import "time"
 
 // Process is the process's user+system CPU time (GC included), -1 where
 // the platform does not report it.
@@ -18,10 +15,17 @@ func Process() time.Duration { return process() }
 // anything; reading it is a system call, a few hundred nanoseconds.
 func Thread() time.Duration { return thread() }
 
+// Metrics is where Report puts its figure: a *testing.B. An interface, so
+// that binaries that read CPU time (kvbench's simulator) do not link the
+// testing package.
+type Metrics interface {
+	ReportMetric(n float64, unit string)
+}
+
 // Report starts counting b's CPU time and returns the function that, run
 // after b's loop with the number of ops n, reports cpu-ns/op (nothing when
 // n is 0 or the platform reports no CPU time).
-func Report(b *testing.B) func(n int) {
+func Report(b Metrics) func(n int) {
 	cpu0 := Process()
 	return func(n int) {
 		if cpu1 := Process(); n > 0 && cpu0 >= 0 && cpu1 >= 0 {
