@@ -1002,11 +1002,19 @@ func checkRedisCluster(t *testing.T, b *bundle, rc *config.RedisConfig) *corev1.
 	if arg("cluster-enabled") != "yes" {
 		t.Error("StatefulSet/redis-cluster: not --cluster-enabled yes")
 	}
-	nodes := arg("cluster-config-file")
-	if !slices.ContainsFunc(c.VolumeMounts, func(m corev1.VolumeMount) bool {
-		return strings.HasPrefix(nodes, m.MountPath+"/") && slices.ContainsFunc(sts.Spec.VolumeClaimTemplates, func(v corev1.PersistentVolumeClaim) bool { return v.Name == m.Name })
-	}) {
+	onClaim := func(path string) bool {
+		return slices.ContainsFunc(c.VolumeMounts, func(m corev1.VolumeMount) bool {
+			return (path == m.MountPath || strings.HasPrefix(path, m.MountPath+"/")) &&
+				slices.ContainsFunc(sts.Spec.VolumeClaimTemplates, func(v corev1.PersistentVolumeClaim) bool { return v.Name == m.Name })
+		})
+	}
+	if nodes := arg("cluster-config-file"); !onClaim(nodes) {
 		t.Errorf("StatefulSet/redis-cluster: node file %s is not on a volume claim (a restarted pod would rejoin as a stranger)", nodes)
+	}
+	// A master restarted before failover keeps its node id: without its
+	// data on disk it would come back empty, unseen by the routers' epoch.
+	if arg("appendonly") != "yes" || !onClaim(arg("dir")) {
+		t.Errorf("StatefulSet/redis-cluster: appendonly %q in --dir %q: want the append-only file on the volume claim", arg("appendonly"), arg("dir"))
 	}
 	if got := arg("cluster-announce-hostname"); got != "$(POD_NAME)."+sts.Spec.ServiceName {
 		t.Errorf("StatefulSet/redis-cluster: announces %q, want its stable DNS name", got)

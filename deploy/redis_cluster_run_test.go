@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -60,6 +61,10 @@ func TestProductionRedisClusterForms(t *testing.T) {
 				args = append(args, a, fmt.Sprint(port))
 				k++
 				continue
+			case c.Args[k] == "--dir":
+				args = append(args, a, dir)
+				k++
+				continue
 			case c.Args[k] == "--cluster-config-file":
 				args = append(args, a, filepath.Join(dir, filepath.Base(c.Args[k+1])))
 				k++
@@ -68,7 +73,7 @@ func TestProductionRedisClusterForms(t *testing.T) {
 			args = append(args, a)
 		}
 		// The bus port is the client port + 10000 in the pod; here a free one.
-		args = append(args, "--cluster-port", fmt.Sprint(bus), "--dir", dir)
+		args = append(args, "--cluster-port", fmt.Sprint(bus))
 		cmd := exec.Command(server, args...)
 		cmd.Dir = dir
 		if err := cmd.Start(); err != nil {
@@ -184,6 +189,22 @@ func TestProductionRedisClusterForms(t *testing.T) {
 	if got := held("vllm-0"); got != len(keys) {
 		t.Fatalf("lookup after store: %d blocks, want %d", got, len(keys))
 	}
+	// The shared index's epoch (events/consumer watches it): a failover
+	// must change it, because replication is asynchronous and the
+	// promoted replica may miss recent writes that positions elsewhere
+	// say were applied (kvindex/redis_shared.go): the consumers then reload
+	// every instance.
+	type epocher interface {
+		Epoch(ctx context.Context) (string, bool, error)
+	}
+	ep, ok := index.(epocher)
+	if !ok {
+		t.Fatalf("the Redis index (%T) has no epoch", index)
+	}
+	epoch0, _, err := ep.Epoch(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
 	user := redis.NewClusterClient(&redis.ClusterOptions{Addrs: local, Username: rc.Username, Password: password})
 	t.Cleanup(func() { _ = user.Close() })
 	if err := user.Set(ctx, "not-the-index", "x", time.Minute).Err(); err == nil || !strings.Contains(err.Error(), "NOPERM") {
@@ -248,9 +269,12 @@ func TestProductionRedisClusterForms(t *testing.T) {
 		}
 		return nil
 	})
-	if got := held("vllm-0"); got != len(keys) {
-		t.Errorf("vllm-0's blocks after failover: %d, want %d (the replica had them)", got, len(keys))
+	// vllm-0's blocks written before the kill may or may not all have
+	// reached the replica; what must hold is that the epoch says so.
+	if epoch1, _, err := ep.Epoch(ctx); err != nil || epoch1 == epoch0 {
+		t.Errorf("epoch after failover %q (err %v), before %q: consumers would not reload what the failover may have lost", epoch1, err, epoch0)
 	}
+	t.Logf("vllm-0's blocks after failover: %d of %d (asynchronous replication; the epoch changed)", held("vllm-0"), len(keys))
 	t.Logf("master %s killed: its replica promoted %.1f s later, the index worked again %.1f s after the kill (cluster-node-timeout %s ms)",
 		local[victim], promoted.Seconds(), time.Since(killed).Seconds(), mustRedisArg(t, c.Args, "cluster-node-timeout"))
 }
