@@ -2,8 +2,9 @@ package kvindex
 
 import (
 	"context"
-	"encoding/base64"
+	"crypto/rand"
 	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"slices"
@@ -37,10 +38,12 @@ const DefaultRedisPrefix = "kvindex"
 // ~40 bytes each (~160 MB) when one router writes a whole fleet.
 const DefaultRedisMapCache = 4_000_000
 
-// redisLayout names this data model in every key (<prefix>:v2:...), so an
-// index written by an older kvrouter (v1: <prefix>:b:<hex>, with a TTL on
-// every key) is never read as this one: see docs/kvindex.md (upgrades).
-const redisLayout = "v2"
+// redisLayout names this data model in every key but the block keys
+// (<prefix>:v3:...), so an index written by an older kvrouter (v1:
+// <prefix>:b:<hex>, with a TTL on every key; v2: block keys of 11
+// characters, fields named by a fixed instance id) is never read as this
+// one: see docs/kvindex.md (upgrades).
+const redisLayout = "v3"
 
 // RedisConfig configures the Redis backend. The zero value is valid, but
 // pools sharing one Redis must each set their own Prefix.
@@ -122,8 +125,8 @@ func (c RedisConfig) validate() error {
 // consumer shards by instance); routers sharing an index use ApplyAt.
 type Redis struct {
 	rdb    redis.UniversalClient
-	prefix string // <prefix>: block keys are prefix + 11 characters
-	ns     string // <prefix>:v2: every other key starts with it
+	prefix string // <prefix>: block keys are prefix + 10 characters
+	ns     string // <prefix>:v3: every other key starts with it
 	model  string
 	ttl    time.Duration
 	now    func() time.Time
@@ -138,7 +141,7 @@ type Redis struct {
 	maps     mapCache
 	topo     atomic.Pointer[string] // see topology
 	pool     sync.Pool              // *redisOverlay, reused across Apply calls
-	bsStored atomic.Bool            // the learned block size is in <prefix>:v2:bs
+	bsStored atomic.Bool            // the learned block size is in <prefix>:v3:bs
 }
 
 var _ Index = (*Redis)(nil)
@@ -183,39 +186,48 @@ func NewRedis(client redis.UniversalClient, cfg RedisConfig) (*Redis, error) {
 	return r, nil
 }
 
-// Instance metadata fields (the per-instance hash <prefix>:v2:i:{id}).
+// Instance metadata fields (the per-instance hash <prefix>:v3:i:{id}).
 const (
 	fieldEntries = "#n"
 	fieldTier    = "#t" // + tier digit
 	fieldGen     = "#g" // generation: a random token set by every commit
-	fieldIncNext = "#I" // incarnations handed out (see incarnations)
+	fieldField   = "#f" // the instance's field name in block keys (see fieldIDs)
 	fieldName    = "#name"
 )
 
-// keyAlphabet encodes block keys in 11 characters with neither a hash-tag
-// brace nor a colon, so block keys never collide with <prefix>:v2:... and
-// never name a Cluster hash tag.
-var keyAlphabet = base64.RawURLEncoding
+// keyAlphabet writes block keys' 8 bytes as 10 digits in base 85 (85¹⁰ >
+// 2⁶⁴): printable ASCII without a hash-tag brace, a colon or a glob
+// character (*?[]\), so block keys never collide with <prefix>:v3:...,
+// never name a Cluster hash tag, and are matched literally by SCAN
+// patterns. Ten characters, not base64's eleven: an index of this data
+// model and one of v2 (11) never share a block key, and a v2 index's
+// block keys are told apart by their length (see docs/kvindex.md).
+const keyAlphabet = "!\"#$%&()+,-./0123456789;<=>@ABCDEFGHIJKLMNOPQRSTUVWXYZ^_`abcdefghijklmnopqrstuvwxyz|~"
 
-// blockKey is <prefix><11 characters>: short, because there is one per
+// blockKeyDigits is the length of a block key after the prefix.
+const blockKeyDigits = 10
+
+// blockKey is <prefix><10 characters>: short, because there is one per
 // block and its name is a good part of its memory.
 func (r *Redis) blockKey(k Key) string {
-	var raw [8]byte
-	binary.BigEndian.PutUint64(raw[:], uint64(k))
 	var b [64]byte
 	s := append(b[:0], r.prefix...)
-	s = keyAlphabet.AppendEncode(s, raw[:])
+	n := len(s)
+	s = s[:n+blockKeyDigits]
+	for i, v := n+blockKeyDigits-1, uint64(k); i >= n; i-- {
+		s[i] = keyAlphabet[v%uint64(len(keyAlphabet))]
+		v /= uint64(len(keyAlphabet))
+	}
 	return string(s)
 }
 
-// instID is an instance's id: the field naming it in block keys and the
-// registry. Its 5 bytes (the top 40 bits of the name's xxhash64) keep a
-// block key's hash small enough for Redis' smallest listpack allocation
-// (16 bytes: an 8-byte id would take 24), once per (block, instance). Two
-// names of a pool share an id with probability n²/2⁴¹ (3·10⁻⁸ for 256
+// instID is an instance's id: the hash tag of its metadata and log keys
+// and its field in the registry, the top 40 bits of the name's xxhash64.
+// Two names of a pool share an id with probability n²/2⁴¹ (3·10⁻⁸ for 256
 // instances, 5·10⁻⁵ for 10,000); the registry write detects it
 // (ErrInstanceID) rather than letting two instances' blocks merge
-// silently.
+// silently. Block keys name the instance by its field id instead (see
+// fieldIDs).
 func instID(instance string) string {
 	var b [8]byte
 	binary.BigEndian.PutUint64(b[:], xxhash.Sum64String(instance))
@@ -414,7 +426,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 			return res, nil
 		}
 		gen, _ := reply[2].(string)
-		inc, _ := reply[3].(string)
+		fid, _ := reply[3].(string)
 		if len(reply) > 4 || m.vals == nil {
 			// The log, or (m.gen "" matched) no map at all.
 			var log string
@@ -427,7 +439,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 			}
 		}
 		m.gen = gen
-		m.inc = parseInc(inc)
+		m.fid = fid
 		if g != nil {
 			m.leased, m.pos = started, pos
 		}
@@ -448,7 +460,6 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	}
 	now := r.now()
 	pipe := r.rdb.Pipeline()
-	idArg := any(id)
 	// One backing array for every block-key command's arguments.
 	w := make([]any, 0, 4*len(o.cur)+3*len(m.vals)*b2i(o.cleared)+16)
 	cmd := func(args ...any) {
@@ -456,20 +467,19 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		w = append(w, args...)
 		pipe.Do(ctx, w[start:len(w):len(w)]...)
 	}
-	// A load or a clear starts a new incarnation: every field written
-	// before it stops counting in lookups at once, whether this Apply
-	// removes it or not (see incarnations).
-	inc := m.inc
-	if o.cleared {
-		// Reserved apart from the commit, so that two attempts never use
-		// the same one: an attempt whose commit failed may have left
-		// fields of its incarnation behind.
-		n, err := r.rdb.HIncrBy(ctx, mkey, fieldIncNext, 1).Result()
-		if err != nil {
-			return res, r.failed(fmt.Errorf("kvindex: redis: new incarnation of %s: %w", instance, err))
-		}
-		inc = uint8(n % incarnations)
+	// A load or a clear starts a new incarnation under a new field id:
+	// every field written before it stops counting in lookups at once,
+	// whether this Apply removes it or not (see fieldIDs). So does the
+	// first write of an instance whose metadata names none (new, or lost
+	// by Redis).
+	fid := m.fid
+	if fid == "" && len(m.vals) > 0 {
+		return res, fmt.Errorf("kvindex: redis: the map of %s has %d entries and no field id (%s)", instance, len(m.vals), mkey)
 	}
+	if o.cleared || fid == "" {
+		fid = newFieldID()
+	}
+	oldArg, fidArg := any(m.fid), any(fid)
 	counts := m.counts
 	account := func(v mapVal, sign int) {
 		if v.bits&allTiers == 0 {
@@ -483,12 +493,11 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		}
 	}
 	if o.cleared {
-		// Drop this instance's field from every block it held, except
-		// those the events re-stored after the clear (written below).
-		for h, v := range m.vals {
-			if nv, ok := o.cur[h]; !ok || nv.bits == 0 || nv.key != v.key {
-				cmd("hdel", r.blockKey(v.key), idArg)
-			}
+		// Drop this instance's field from every block it held (the
+		// blocks re-stored after the clear are written under the new id
+		// below).
+		for _, v := range m.vals {
+			cmd("hdel", r.blockKey(v.key), oldArg)
 		}
 		counts = [1 + tiers.Count]int{}
 	}
@@ -504,7 +513,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		}
 		account(v, +1)
 		if had && (v.bits == 0 || pv.key != v.key) {
-			cmd("hdel", r.blockKey(pv.key), idArg)
+			cmd("hdel", r.blockKey(pv.key), fidArg)
 		}
 		if v.bits == 0 {
 			if had {
@@ -515,8 +524,8 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		if had && pv == v {
 			continue // re-stored where it already was
 		}
-		bk, val := r.blockKey(v.key), r.bitsArg[uint8(v.bits)|inc<<4]
-		cmd("hset", bk, idArg, val)
+		bk, val := r.blockKey(v.key), r.bitsArg[uint8(v.bits)]
+		cmd("hset", bk, fidArg, val)
 		placed = append(placed, bk, val)
 		rec = appendLogRecord(rec, h, v)
 	}
@@ -531,7 +540,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	}
 	newGen := newToken()
 	commit := redis.NewSliceCmd(ctx, "evalsha", mapScript.Hash(), 2, mkey, lkey, "c", token, r.leaseArg, expected, newPos, m.gen,
-		newGen, mode, nil, counts[0], counts[1], counts[2], counts[3], counts[4], instance, int(inc), r.topology())
+		newGen, mode, nil, counts[0], counts[1], counts[2], counts[3], counts[4], instance, fid, r.topology())
 	if mode == "w" {
 		// Build the new map to write it whole.
 		next := r.merged(m.vals, o)
@@ -543,7 +552,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	commit.Args()[13] = rec
 	_ = pipe.Process(ctx, commit)
 	reg := redis.NewSliceCmd(ctx, "evalsha", regScript.Hash(), 1, r.regKey(), id,
-		strconv.FormatInt(now.UnixMilli(), 10)+" "+strconv.Itoa(int(inc))+" "+instance, instance)
+		strconv.FormatInt(now.UnixMilli(), 10)+" "+hex.EncodeToString([]byte(fid))+" "+instance, instance)
 	_ = pipe.Process(ctx, reg)
 	storeBS := r.bs.configured == 0 && r.bs.get() != 0 && !r.bsStored.Load()
 	if storeBS {
@@ -576,12 +585,12 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		}
 	}
 	if err != nil {
-		r.unsettle(ctx, mkey, placed, idArg)
+		r.unsettle(ctx, mkey, placed, fidArg)
 		return res, r.failed(fmt.Errorf("kvindex: redis: write %d changes of %s: %w", len(o.cur), instance, err))
 	}
 	st, pos, err := scriptStatus(commit.Val())
 	if err != nil {
-		r.unsettle(ctx, mkey, placed, idArg)
+		r.unsettle(ctx, mkey, placed, fidArg)
 		return res, err
 	}
 	if st != SeqApplied {
@@ -591,7 +600,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		// was under way): the block-key writes went out regardless, and
 		// may have crossed another writer's. Unsettled, the instance is
 		// reloaded in a new incarnation, which retires them.
-		r.unsettle(ctx, mkey, placed, idArg)
+		r.unsettle(ctx, mkey, placed, fidArg)
 		return res, fmt.Errorf("%w: %s is %s at %s", errMoved, instance, st, pos)
 	}
 	if v := reg.Val(); len(v) > 0 && v[0] != instance {
@@ -605,7 +614,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	} else {
 		m.logLen += len(rec)
 	}
-	m.gen, m.counts, m.inc = newGen, counts, inc
+	m.gen, m.counts, m.fid = newGen, counts, fid
 	r.maps.resize(m, r.mergeInto(m, o))
 	if g != nil {
 		m.leased, m.pos = started, pos
@@ -730,23 +739,27 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 	if len(first) == 0 {
 		return nil, nil
 	}
-	regv := reg.Val()
 	type cand struct {
-		id    string // the field naming it in block keys
+		id    string // the field naming it in block keys (its field id)
 		name  string
-		inc   uint8       // its incarnation: fields of another do not count
 		bound int         // first probed position it lacks (or len(keys))
 		bits  []tiers.Set // per position below bound, once known
 	}
 	var cands []cand
-	for id := range first {
-		ms, inc, name, ok := parseRegEntry(regv[id])
-		if !ok || ms < cutoff || fieldBits(first[id], inc) == 0 {
-			continue // purged, silent for longer than the TTL, or an old incarnation's
+	// The registry names each instance's current field id: fields of any
+	// other (an old incarnation's, a purged instance's) do not count.
+	for _, v := range reg.Val() {
+		fid, ok := regFieldID(v)
+		if !ok || fieldBits(first[string(fid[:])]) == 0 {
+			continue
 		}
-		c := cand{id: id, name: name, inc: inc, bound: len(keys)}
+		ms, _, name, ok := parseRegEntry(v)
+		if !ok || ms < cutoff {
+			continue // silent for longer than the TTL
+		}
+		c := cand{id: string(fid[:]), name: name, bound: len(keys)}
 		for i, p := range probes {
-			if fieldBits(pcmds[i].Val()[id], inc) == 0 {
+			if fieldBits(pcmds[i].Val()[c.id]) == 0 {
 				c.bound = p
 				break
 			}
@@ -783,7 +796,7 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 			if p >= c.bound {
 				break
 			}
-			b := fieldBits(pcmds[i].Val()[c.id], c.inc)
+			b := fieldBits(pcmds[i].Val()[c.id])
 			c.bits[p] = b
 			var assumed tiers.Set
 			if !r.exact && cumTiers(b) == cumTiers(prevBits) {
@@ -826,7 +839,7 @@ func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 			for i, v := range cmd.Val() {
 				s, _ := v.(string)
 				c := &cands[needers[p][i]]
-				c.bits[p] = fieldBits(s, c.inc)
+				c.bits[p] = fieldBits(s)
 			}
 		}
 	}
@@ -876,45 +889,75 @@ func parseBits(s string) tiers.Set {
 	return tiers.Set(v)
 }
 
-// parseRegEntry parses a registry value: "<last event, unix ms>
-// <incarnation> <name>".
-func parseRegEntry(v string) (ms int64, inc uint8, name string, ok bool) {
+// parseRegEntry parses a registry value: "<last event, unix ms> <field
+// id, 10 hex digits> <name>".
+func parseRegEntry(v string) (ms int64, fid [fieldIDLen]byte, name string, ok bool) {
 	a, rest, ok := strings.Cut(v, " ")
-	if !ok || len(rest) < 2 || rest[1] != ' ' {
-		return 0, 0, "", false
+	if !ok {
+		return 0, fid, "", false
+	}
+	if fid, ok = regFieldID(v); !ok {
+		return 0, fid, "", false
 	}
 	ms, err := strconv.ParseInt(a, 10, 64)
-	return ms, parseInc(rest[:1]), rest[2:], err == nil
+	return ms, fid, rest[2*fieldIDLen+1:], err == nil
 }
 
-// incarnations: an instance's incarnation (0..7) changes at each load (a
-// snapshot replacing its state) and each clear — the next of a counter in
-// its metadata (#I), modulo 8, taken before the block writes, so that two
-// attempts (one of which may fail half-way) never share one — and
-// every block field carries it (value = tier bits | incarnation << 4, one
-// listpack byte up to 127); lookups count only the fields of the
-// incarnation in the registry. A load or a clear thus retires every field
-// written before it at once — including fields its map does not list
-// (block writes of an Apply whose commit failed, a late write of a router
-// whose lease ran out), which removals cannot reach. Such a field comes
-// back only if it survives eight more loads or clears of the instance.
-const incarnations = 8
-
-func parseInc(s string) uint8 {
-	if len(s) == 1 && s[0] >= '0' && s[0] < '0'+incarnations {
-		return s[0] - '0'
+// regFieldID reads the field id of a registry value.
+func regFieldID(v string) (fid [fieldIDLen]byte, ok bool) {
+	sp := strings.IndexByte(v, ' ')
+	if sp < 0 || len(v) < sp+2*fieldIDLen+2 || v[sp+1+2*fieldIDLen] != ' ' {
+		return fid, false
 	}
-	return 0
+	for i := range fieldIDLen {
+		hi, lo := unhex(v[sp+1+2*i]), unhex(v[sp+2+2*i])
+		if hi > 15 || lo > 15 {
+			return fid, false
+		}
+		fid[i] = hi<<4 | lo
+	}
+	return fid, true
 }
 
-// fieldBits is a block field's tier bits when it belongs to incarnation
-// inc, else 0.
-func fieldBits(s string, inc uint8) tiers.Set {
-	b := parseBits(s)
-	if uint8(b)>>4 != inc {
-		return 0
+func unhex(c byte) byte {
+	switch {
+	case '0' <= c && c <= '9':
+		return c - '0'
+	case 'a' <= c && c <= 'f':
+		return c - 'a' + 10
 	}
-	return b & allTiers
+	return 255
+}
+
+// fieldIDs: block keys name an instance by a field id, 5 random bytes
+// drawn anew at each load (a snapshot replacing its state), at each clear
+// and at the first write of an instance whose metadata holds none (#f);
+// the registry and the metadata hold the current one, and lookups count
+// only the fields under it. A load or a clear thus retires every field
+// written before it at once and for good — including fields its map does
+// not list (block writes of an Apply whose commit failed, a late write of
+// a router whose lease ran out, and what a Redis Cluster failover leaves
+// when it loses the instance's last metadata writes or a block key's last
+// removals), which removals cannot reach. Drawn, not counted: a counter
+// in the metadata can itself lose its last increments in a failover and
+// hand the same number out twice, bringing back the fields written under
+// it, and a small counter wraps (docs/kvindex.md, "Incarnations"). Each
+// attempt draws its own, so two attempts (one of which may fail half-way)
+// never share one. Five bytes keep a one-holder block key in Redis'
+// smallest listpack allocation (16 bytes: an 8-byte id would take 24);
+// two field ids of a pool's live and retired incarnations coincide with
+// probability n²/2⁴¹ for n of them (about 3·10⁻⁸ for 256).
+const fieldIDLen = 5
+
+func newFieldID() string {
+	var b [fieldIDLen]byte
+	_, _ = rand.Read(b[:])
+	return string(b[:])
+}
+
+// fieldBits is a block field's tier bits.
+func fieldBits(s string) tiers.Set {
+	return parseBits(s) & allTiers
 }
 
 // Purge implements Index: the instance's engine-hash log lists every block
@@ -925,16 +968,24 @@ func (r *Redis) Purge(ctx context.Context, instance string) error {
 	defer m.mu.Unlock()
 	r.maps.forget(m)
 	id := instID(instance)
-	chunks, err := r.rdb.LRange(ctx, r.logKey(id), 0, -1).Result()
+	var chunks *redis.StringSliceCmd
+	var fid *redis.StringCmd
+	_, err := r.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+		chunks = p.LRange(ctx, r.logKey(id), 0, -1)
+		fid = p.HGet(ctx, r.metaKey(id), fieldField)
+		return nil
+	})
 	if err != nil && !errors.Is(err, redis.Nil) {
 		return r.failed(fmt.Errorf("kvindex: redis: purge %s: read map: %w", instance, err))
 	}
 	vals := make(map[uint64]mapVal)
-	_ = replayLog(strings.Join(chunks, ""), vals) // a partial record: purge what is whole
+	if fid.Val() != "" { // none: no block field can be told to be the instance's
+		_ = replayLog(strings.Join(chunks.Val(), ""), vals) // a partial record: purge what is whole
+	}
 	pipe := r.rdb.Pipeline()
-	idArg := any(id)
+	fidArg := any(fid.Val())
 	for _, v := range vals {
-		pipe.Do(ctx, "hdel", r.blockKey(v.key), idArg)
+		pipe.Do(ctx, "hdel", r.blockKey(v.key), fidArg)
 		if pipe.Len() >= 8192 {
 			if _, err := pipe.Exec(ctx); err != nil {
 				return r.failed(fmt.Errorf("kvindex: redis: purge %s: %w", instance, err))

@@ -100,7 +100,7 @@ type instMap struct {
 	gen    string
 	counts [1 + tiers.Count]int // of vals
 	logLen int                  // bytes of the log in Redis
-	inc    uint8                // the instance's incarnation (see incarnations)
+	fid    string               // the instance's field id in block keys (see fieldIDs)
 	// pos and leased: the position this process last saw applied and when
 	// it took or renewed the instance's writer lease (zero: never).
 	pos    Position

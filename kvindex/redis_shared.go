@@ -307,12 +307,12 @@ const (
 //	        log (a list of chunks of records), "w" replace the log with
 //	        it; ARGV[10..14] the counters
 //	        #n, #t0..#t3 after the change; ARGV[15] the instance's name;
-//	        ARGV[16] the instance's incarnation (see incarnations)
+//	        ARGV[16] the instance's field id (see fieldIDs)
 //	last: the caller's view of the Cluster's topology (see topology);
 //	        a guarded write stamps it (#e), and a position stamped under
 //	        another topology does not count: the instance is unseeded
 //
-// It returns {status, position or nil, generation, incarnation[, log]}
+// It returns {status, position or nil, generation, field id[, log]}
 // (the begin; the commit: {status, position or nil, generation}), status "ok",
 // "dup" (already at or past the new position), "owned" (another router's
 // lease), "behind" (not at the expected position) or "stale" (commit: the
@@ -344,14 +344,14 @@ if guarded then
 end
 local gen = redis.call('HGET', m, '#g') or ''
 if ARGV[1] == 'b' then
-  local inc = redis.call('HGET', m, '#i') or '0'
-  if gen == ARGV[6] then return {'ok', pos, gen, inc} end
-  return {'ok', pos, gen, inc, redis.call('LRANGE', l, 0, -1)}
+  local fid = redis.call('HGET', m, '#f') or ''
+  if gen == ARGV[6] then return {'ok', pos, gen, fid} end
+  return {'ok', pos, gen, fid, redis.call('LRANGE', l, 0, -1)}
 end
 if gen ~= ARGV[6] then return {'stale', pos, gen} end
 if ARGV[8] == 'w' then redis.call('DEL', l) end
 if ARGV[9] ~= '' then redis.call('RPUSH', l, ARGV[9]) end
-redis.call('HSET', m, '#g', ARGV[7], '#n', ARGV[10], '#t0', ARGV[11], '#t1', ARGV[12], '#t2', ARGV[13], '#t3', ARGV[14], '#name', ARGV[15], '#i', ARGV[16])
+redis.call('HSET', m, '#g', ARGV[7], '#n', ARGV[10], '#t0', ARGV[11], '#t1', ARGV[12], '#t2', ARGV[13], '#t3', ARGV[14], '#name', ARGV[15], '#f', ARGV[16])
 if guarded then redis.call('HSET', m, '#s', ARGV[5], '#e', topo) end
 return {'ok', guarded and ARGV[5] or false, ARGV[7]}
 `)
@@ -362,7 +362,7 @@ return {'ok', guarded and ARGV[5] or false, ARGV[7]}
 var regScript = redis.NewScript(`
 local v = redis.call('HGET', KEYS[1], ARGV[1])
 if v then
-  local name = string.sub(v, (string.find(v, ' ', 1, true) or #v) + 3)
+  local name = string.sub(v, (string.find(v, ' ', (string.find(v, ' ', 1, true) or #v) + 1, true) or #v) + 1)
   if name ~= ARGV[3] then return {name} end
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])

@@ -135,7 +135,7 @@ func (h *tripCounter) record(c redis.Cmder) {
 	for i, a := range keyArgs {
 		s, _ := a.(string)
 		t := hashTag(s)
-		if t != "" && !strings.Contains(s, ":v2:i:{") && !strings.Contains(s, ":v2:l:{") {
+		if t != "" && !strings.Contains(s, ":"+redisLayout+":i:{") && !strings.Contains(s, ":"+redisLayout+":l:{") {
 			h.t.Errorf("key %q has a hash tag", s)
 		}
 		if i > 0 && (t == "" || t != tag) {
@@ -283,8 +283,9 @@ func TestRedisSilentInstanceAgesOut(t *testing.T) {
 	if err != nil || len(gone) != 1 || gone[0] != "quiet" {
 		t.Fatalf("Sweep = %v, %v; want [quiet]", gone, err)
 	}
-	if f, err := r.rdb.HKeys(ctx, bk).Result(); err != nil || len(f) != 1 || f[0] != instID("busy") {
-		t.Fatalf("block key fields after sweep = %q, %v; want busy's id alone", f, err)
+	busy, _ := r.rdb.HGet(ctx, r.metaKey(instID("busy")), fieldField).Result()
+	if f, err := r.rdb.HKeys(ctx, bk).Result(); err != nil || len(f) != 1 || f[0] != busy || busy == "" {
+		t.Fatalf("block key fields after sweep = %q, %v; want busy's field id (%q) alone", f, err, busy)
 	}
 	for _, k := range []string{r.metaKey(instID("quiet")), r.logKey(instID("quiet"))} {
 		if n, err := r.rdb.Exists(ctx, k).Result(); err != nil || n != 0 {
@@ -373,8 +374,12 @@ func FuzzReplayLog(f *testing.F) {
 			t.Fatalf("rewritten log replays to %v (%v), want %v", again, err, vals)
 		}
 		_ = parseBits(log)
-		_, _, _, _ = parseRegEntry(log)
-		_ = fieldBits(log, 1)
+		if _, fid, _, ok := parseRegEntry(log); ok {
+			if f, fok := regFieldID(log); !fok || f != fid {
+				t.Fatalf("parseRegEntry(%q) has field id %x, regFieldID %x (%v)", log, fid, f, fok)
+			}
+		}
+		_ = fieldBits(log)
 	})
 }
 
@@ -446,14 +451,14 @@ func TestRedisInstanceIDCollision(t *testing.T) {
 	r, _ := newCountedRedis(t, RedisConfig{Model: testModel})
 	ctx := context.Background()
 	// What a colliding "other" would have registered under pod's id.
-	if err := r.rdb.HSet(ctx, r.regKey(), instID("pod"), "1 0 other").Err(); err != nil {
+	if err := r.rdb.HSet(ctx, r.regKey(), instID("pod"), "1 0000000000 other").Err(); err != nil {
 		t.Fatal(err)
 	}
 	c := newChain(Root(testModel, "", ""), 4, 4, 3, 1)
 	if _, err := r.Apply(ctx, "pod", []events.Event{c.stored(0, 4)}); !errors.Is(err, ErrInstanceID) || !strings.Contains(err.Error(), `"other"`) {
 		t.Fatalf("Apply = %v, want ErrInstanceID naming other", err)
 	}
-	if v, _ := r.rdb.HGet(ctx, r.regKey(), instID("pod")).Result(); v != "1 0 other" {
+	if v, _ := r.rdb.HGet(ctx, r.regKey(), instID("pod")).Result(); v != "1 0000000000 other" {
 		t.Fatalf("registry entry overwritten: %q", v)
 	}
 }
