@@ -474,7 +474,10 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	// by Redis).
 	fid := m.fid
 	if fid == "" && len(m.vals) > 0 {
-		return res, fmt.Errorf("kvindex: redis: the map of %s has %d entries and no field id (%s)", instance, len(m.vals), mkey)
+		// A map without a field id (its metadata deleted by hand, say):
+		// its fields cannot be told apart, so it starts over, keeping
+		// only what these events stored or changed.
+		o.cleared = true
 	}
 	if o.cleared || fid == "" {
 		fid = newFieldID()
@@ -496,8 +499,10 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		// Drop this instance's field from every block it held (the
 		// blocks re-stored after the clear are written under the new id
 		// below).
-		for _, v := range m.vals {
-			cmd("hdel", r.blockKey(v.key), oldArg)
+		if m.fid != "" {
+			for _, v := range m.vals {
+				cmd("hdel", r.blockKey(v.key), oldArg)
+			}
 		}
 		counts = [1 + tiers.Count]int{}
 	}
@@ -992,8 +997,11 @@ func (r *Redis) Purge(ctx context.Context, instance string) error {
 			}
 		}
 	}
-	pipe.Del(ctx, r.metaKey(id))
+	// The log before the metadata: a purge cut short between the two
+	// leaves metadata without a log (an empty map), never a map without
+	// its field id.
 	pipe.Del(ctx, r.logKey(id))
+	pipe.Del(ctx, r.metaKey(id))
 	pipe.HDel(ctx, r.regKey(), id)
 	if _, err := pipe.Exec(ctx); err != nil {
 		return r.failed(fmt.Errorf("kvindex: redis: purge %s: %w", instance, err))

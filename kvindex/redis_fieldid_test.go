@@ -137,3 +137,27 @@ func TestRedisBlockKeyEncoding(t *testing.T) {
 		}
 	}
 }
+
+// A map whose metadata lost its field id (deleted by hand) cannot tell its
+// fields apart: the next write starts the instance over with what it
+// stores, instead of failing every write from then on.
+func TestRedisMapWithoutFieldID(t *testing.T) {
+	ctx := context.Background()
+	r, _ := newCountedRedis(t, RedisConfig{Model: testModel})
+	a := newChain(Root(testModel, "", ""), 4, 4, 1, 10)
+	b := newChain(Root(testModel, "", ""), 4, 4, 2, 10)
+	mustApply(t, r, "i", a.stored(0, 4))
+	if err := r.rdb.HDel(ctx, r.metaKey(instID("i")), fieldField).Err(); err != nil {
+		t.Fatal(err)
+	}
+	r2, err := NewRedis(r.rdb, RedisConfig{Prefix: strings.TrimSuffix(r.prefix, ":"), Model: testModel}) // no cached map
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustApply(t, r2, "i", b.stored(0, 2))
+	checkLookup(t, r2, query{b.keys, map[string][tiers.Count]int{"i": all(2)}}, "what the write stored")
+	checkLookup(t, r2, query{a.keys, map[string][tiers.Count]int{}}, "the map before it")
+	if st, err := r2.Instances(ctx); err != nil || len(st) != 1 || st[0].Blocks != blocks(2, 0, 0, 0) {
+		t.Fatalf("counters %+v, %v; want 2 blocks", st, err)
+	}
+}
