@@ -53,6 +53,16 @@ func TestRedisOrphanFieldRetiredForGood(t *testing.T) {
 	}
 }
 
+// holdingChain returns an index where instance "i" holds chain a (4
+// blocks), and a second chain b.
+func holdingChain(t *testing.T) (r *Redis, a, b chain) {
+	r, _ = newCountedRedis(t, RedisConfig{Model: testModel})
+	a = newChain(Root(testModel, "", ""), 4, 4, 1, 10)
+	b = newChain(Root(testModel, "", ""), 4, 4, 2, 10)
+	mustApply(t, r, "i", a.stored(0, 4))
+	return r, a, b
+}
+
 // A failover that loses the last writes of an instance's own slot (its
 // metadata and map: a clear and the blocks stored after it) while the
 // block keys, on other masters, keep the fields written after the clear:
@@ -62,10 +72,7 @@ func TestRedisOrphanFieldRetiredForGood(t *testing.T) {
 // and brought them all back.)
 func TestRedisReloadAfterLostMetadata(t *testing.T) {
 	ctx := context.Background()
-	r, _ := newCountedRedis(t, RedisConfig{Model: testModel})
-	a := newChain(Root(testModel, "", ""), 4, 4, 1, 10)
-	b := newChain(Root(testModel, "", ""), 4, 4, 2, 10)
-	mustApply(t, r, "i", a.stored(0, 4))
+	r, a, b := holdingChain(t)
 	// DUMP and RESTORE on a client of the test's own (the index's checks
 	// its commands), to the same server.
 	raw := redis.NewClient(r.rdb.(*redis.Client).Options())
@@ -143,10 +150,7 @@ func TestRedisBlockKeyEncoding(t *testing.T) {
 // stores, instead of failing every write from then on.
 func TestRedisMapWithoutFieldID(t *testing.T) {
 	ctx := context.Background()
-	r, _ := newCountedRedis(t, RedisConfig{Model: testModel})
-	a := newChain(Root(testModel, "", ""), 4, 4, 1, 10)
-	b := newChain(Root(testModel, "", ""), 4, 4, 2, 10)
-	mustApply(t, r, "i", a.stored(0, 4))
+	r, a, b := holdingChain(t)
 	if err := r.rdb.HDel(ctx, r.metaKey(instID("i")), fieldField).Err(); err != nil {
 		t.Fatal(err)
 	}
