@@ -218,6 +218,7 @@ func BenchmarkRouterTier(b *testing.B) {
 // tierReplica is one kvrouter process of BenchmarkRouterTier.
 type tierReplica struct {
 	url, admin string
+	pid        int
 	stop       func()
 }
 
@@ -239,7 +240,7 @@ func startTierReplica(b *testing.B, bin string, cfg config.Config) *tierReplica 
 		b.Fatal(err)
 	}
 	var once sync.Once
-	r := &tierReplica{url: "http://" + cfg.Listen, admin: "http://" + cfg.AdminListen}
+	r := &tierReplica{url: "http://" + cfg.Listen, admin: "http://" + cfg.AdminListen, pid: cmd.Process.Pid}
 	r.stop = func() {
 		once.Do(func() {
 			_ = cmd.Process.Kill()
@@ -262,7 +263,23 @@ func startTierReplica(b *testing.B, bin string, cfg config.Config) *tierReplica 
 // labels as the exposition writes them (0 when absent).
 func (r *tierReplica) metric(b *testing.B, series string) float64 {
 	b.Helper()
-	req, _ := http.NewRequest("GET", r.admin+"/metrics", nil)
+	out := 0.0
+	scrape(b, r.admin, func(line string) {
+		if v, ok := strings.CutPrefix(line, series+" "); ok {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				b.Fatalf("%s: %v", series, err)
+			}
+			out = f
+		}
+	})
+	return out
+}
+
+// scrape calls fn with each line of a router's /metrics (admin token adm).
+func scrape(b *testing.B, admin string, fn func(line string)) {
+	b.Helper()
+	req, _ := http.NewRequest("GET", admin+"/metrics", nil)
 	req.Header.Set("Authorization", "Bearer adm")
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -272,13 +289,6 @@ func (r *tierReplica) metric(b *testing.B, series string) float64 {
 	sc := bufio.NewScanner(resp.Body)
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), series+" "); ok {
-			f, err := strconv.ParseFloat(v, 64)
-			if err != nil {
-				b.Fatalf("%s: %v", series, err)
-			}
-			return f
-		}
+		fn(sc.Text())
 	}
-	return 0
 }

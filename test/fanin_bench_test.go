@@ -1,0 +1,284 @@
+package test
+
+import (
+	"fmt"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/enginezmq"
+	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/cputime"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+)
+
+// mooncakeEventsPerEngine is the block events per second one engine
+// produces under the Mooncake trace's load: 5,117 prompt tokens/s per
+// engine, 65.8 % of them not cached (kv_aware at 128 instances, the trace
+// at 16× speed: its per-instance load), in 16-token blocks, stored and
+// about as many removed in steady state (docs/BENCHMARKS.md §3, "One
+// router's consumer"): 2 × 5117 × 0.658 / 16 ≈ 420.
+const mooncakeEventsPerEngine = 420
+
+// fanInBlocks is the blocks per engine batch: the captured vLLM shape's
+// mean is 8.84 (docs/BENCHMARKS.md §3).
+const fanInBlocks = 8
+
+// fanInHeld is how many of its stored batches an engine keeps before it
+// removes the oldest: 64 × 8 = 512 blocks per engine, a steady cache.
+const fanInHeld = 64
+
+// BenchmarkEventFanIn is issue 14's fan-in run: engines (vLLM's wire
+// format on ZMQ), one kvbridge each, publishing into a 3-node JetStream
+// cluster (stream and bucket at 3 replicas), consumed by one kvrouter
+// process into its memory index. The offered rate steps up from a quarter
+// of what the Mooncake trace's load implies to several times it; each step
+// reports the block events the router applied per second, its consumer's
+// lag (JetStream store → index) p50/p99 over the step, and the router's
+// CPU (its own process) and this process's (engines, bridges and the three
+// NATS servers). The router keeps up at a step when it applied what was
+// offered within 2 % and its lag p99 stayed under a second; the run stops
+// at the first step where it did not, or where the bridges and NATS here
+// could not carry the offered rate (then the router's CPU per block says
+// how far one router would go on its own core).
+//
+//	go test -run '^$' -bench EventFanIn -benchtime 1x -timeout 30m ./test/
+func BenchmarkEventFanIn(b *testing.B) {
+	engines := 256
+	if s := os.Getenv("KV_FANIN_ENGINES"); s != "" {
+		engines, _ = strconv.Atoi(s)
+	}
+	bin := filepath.Join(b.TempDir(), "kvrouter")
+	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/kvrouter").CombinedOutput(); err != nil {
+		b.Fatalf("go build: %v\n%s", err, out)
+	}
+	name := testenv.UniqueName(b)
+	ctx := testenv.Context(b, 30*time.Minute)
+	nc := testenv.StartNATSCluster(b, 3)
+	pool := "fanin_" + name
+	stream := kvstream.StreamConfig{Name: "EV_" + name, Replicas: 3}
+	bucket := kvstream.BucketConfig{Name: "SN_" + name, Replicas: 3}
+
+	type engine struct {
+		id   string
+		pub  *enginezmq.Publisher
+		next uint64     // next block hash (unique per engine)
+		held [][]uint64 // stored batches not yet removed, oldest first
+	}
+	es := make([]*engine, engines)
+	var bridges []*bridge.Bridge
+	for i := range es {
+		e := &engine{id: fmt.Sprintf("vllm-%03d", i), next: uint64(i+1) << 40}
+		pubEP := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(b))
+		pub, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: pubEP, Topic: "kv@" + e.id + "@" + simModel})
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { _ = pub.Close() })
+		e.pub = pub
+		// Each bridge on its own connection, spread over the nodes as a
+		// sidecar's seed list would land it.
+		urls := strings.Split(nc.URLs(), ",")
+		conn, err := kvstream.NATSConfig{URL: strings.Join(append(urls[i%3:], urls[:i%3]...), ","), Name: "kvbridge " + e.id,
+			ReconnectWait: 50 * time.Millisecond, Logger: quietLogger()}.Connect()
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(conn.Close)
+		br, stop := runBridge(b, ctx, bridge.Config{Pool: pool, Model: simModel, Conn: conn, Stream: stream, Bucket: bucket,
+			Sources:           []bridge.Source{{Instance: e.id, Endpoint: pubEP, URL: "http://127.0.0.1:1"}},
+			HeartbeatInterval: time.Second, SnapshotInterval: time.Hour, EngineProbeInterval: -1,
+			PublishTimeout: 5 * time.Second, Logger: quietLogger()})
+		b.Cleanup(stop)
+		bridges = append(bridges, br)
+		es[i] = e
+	}
+	for i, br := range bridges {
+		testenv.WaitFor(b, 2*time.Minute, es[i].id+" bridge ready", br.Ready)
+		testenv.WaitFor(b, 2*time.Minute, es[i].id+" bridge subscribed", es[i].pub.Subscribed)
+	}
+
+	cfg := config.Config{AdminToken: "adm",
+		Listen:      fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(b)),
+		AdminListen: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(b)),
+		Log:         config.LogConfig{Level: "warn", Format: "json"},
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: nc.URLs(), Stream: stream.Name, StreamReplicas: 3}, Bucket: bucket.Name,
+			MaxInstances: 2 * engines},
+		Pools: []config.PoolConfig{{Name: pool, Model: simModel,
+			Routing: config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &config.KVScoringConfig{BlockSize: 16}},
+			Health:  config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "static-0", URL: "http://127.0.0.1:1"}}}},
+	}
+	rt := startTierReplica(b, bin, cfg)
+	testenv.WaitFor(b, 2*time.Minute, "router sees every instance", func() bool {
+		return rt.metric(b, `kvrouter_events_instances{pool="`+pool+`",state="live"}`) >= float64(engines)
+	})
+
+	// batch is an engine's next batch: once it holds fanInHeld batches, a
+	// removal of its oldest and a store of a new one alternate.
+	batch := func(e *engine) []byte {
+		var ev events.Event
+		if len(e.held) >= fanInHeld && e.next%2 == 0 {
+			ev = events.Event{Kind: events.BlockRemoved, BlockHashes: e.held[0], Medium: "GPU"}
+			e.held = e.held[1:]
+			e.next++
+		} else {
+			hs := make([]uint64, fanInBlocks)
+			toks := make([]uint32, 16*fanInBlocks)
+			for k := range hs {
+				hs[k] = e.next
+				e.next++
+			}
+			for k := range toks {
+				toks[k] = uint32(hs[0]>>8) + uint32(k) // distinct per batch: distinct router keys
+			}
+			e.held = append(e.held, hs)
+			ev = events.Event{Kind: events.BlockStored, BlockHashes: hs, TokenIDs: toks, BlockSize: 16, Medium: "GPU"}
+		}
+		p, err := events.Encode(nil, events.Batch{TS: float64(time.Now().UnixNano()) / 1e9, HasDPRank: true, Events: []events.Event{ev}}, events.EncodingArray)
+		if err != nil {
+			b.Fatal(err)
+		}
+		return p
+	}
+
+	applied := func() float64 {
+		return rt.metric(b, `kvrouter_events_blocks_stored_total{pool="`+pool+`"}`) + rt.metric(b, `kvrouter_events_blocks_removed_total{pool="`+pool+`"}`)
+	}
+	var offered atomic.Int64
+	b.ResetTimer()
+	for _, mult := range []float64{0.25, 0.5, 1, 2, 4, 8} {
+		rate := mult * mooncakeEventsPerEngine * float64(engines) // block events/s
+		lag0 := lagBuckets(b, rt.admin)
+		a0, o0 := applied(), offered.Load()
+		rcpu0, cpu0, t0 := processCPU(b, rt.pid), cputime.Process(), time.Now()
+		const step = 10 * time.Second
+		// Eight drivers, each pacing its share of the engines.
+		var wg sync.WaitGroup
+		for d := 0; d < 8; d++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				mine := es[d*engines/8 : (d+1)*engines/8]
+				share := rate * float64(len(mine)) / float64(engines) / fanInBlocks // batches/s
+				tick := time.NewTicker(5 * time.Millisecond)
+				defer tick.Stop()
+				sent, k := 0, 0
+				for now := range tick.C {
+					el := now.Sub(t0)
+					if el > step {
+						return
+					}
+					for due := int(share * el.Seconds()); sent < due; sent++ {
+						e := mine[k%len(mine)]
+						k++
+						if _, err := e.pub.Publish(batch(e)); err != nil {
+							b.Error(err)
+							return
+						}
+						offered.Add(fanInBlocks)
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		el := time.Since(t0).Seconds()
+		a1, o1 := applied(), offered.Load()
+		rcpu, cpu := processCPU(b, rt.pid)-rcpu0, cputime.Process()-cpu0
+		lag := lagBuckets(b, rt.admin).sub(lag0)
+		// What the router had not applied when the offer stopped, and how
+		// long it took to catch up.
+		behind := float64(o1-o0) - (a1 - a0)
+		drain := time.Now()
+		for applied()-a0 < float64(o1-o0) && time.Since(drain) < 30*time.Second {
+			time.Sleep(50 * time.Millisecond)
+		}
+		p50, p99 := lag.quantile(0.5), lag.quantile(0.99)
+		keeps := behind <= 0.02*float64(o1-o0) && p99 < 1
+		b.Logf("engines=%d offered %.2f× Mooncake = %.0f block events/s: applied %.0f/s during the step, %.0f behind at its end (caught up in %v); lag p50 %.1f ms p99 %.1f ms; router CPU %.2f cores (%.2f µs per block event), this process (engines, bridges, 3 NATS servers) %.2f cores; keeps up: %v",
+			engines, mult, float64(o1-o0)/el, (a1-a0)/el, behind, time.Since(drain).Round(10*time.Millisecond), p50*1e3, p99*1e3,
+			rcpu.Seconds()/el, rcpu.Seconds()*1e6/max(a1-a0, 1), cpu.Seconds()/el, keeps)
+		b.ReportMetric((a1-a0)/el, fmt.Sprintf("applied/s@%g×", mult))
+		b.ReportMetric(p99*1e3, fmt.Sprintf("lag-p99-ms@%g×", mult))
+		if !keeps {
+			break
+		}
+	}
+}
+
+// processCPU is a process's user+system CPU time from /proc.
+func processCPU(b *testing.B, pid int) time.Duration {
+	b.Helper()
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	// Fields after the command name (in parentheses, may hold spaces).
+	f := strings.Fields(string(data[strings.LastIndexByte(string(data), ')')+2:]))
+	ut, _ := strconv.ParseInt(f[11], 10, 64)
+	st, _ := strconv.ParseInt(f[12], 10, 64)
+	return time.Duration(ut+st) * 10 * time.Millisecond // USER_HZ is 100 on Linux
+}
+
+// histogram is a Prometheus histogram's cumulative bucket counts by upper
+// bound.
+type histogram struct {
+	le    []float64
+	count []float64
+}
+
+// lagBuckets reads the router's kvrouter_events_lag_seconds buckets.
+func lagBuckets(b *testing.B, admin string) histogram {
+	b.Helper()
+	var h histogram
+	scrape(b, admin, func(line string) {
+		if !strings.HasPrefix(line, "kvrouter_events_lag_seconds_bucket{") {
+			return
+		}
+		i := strings.Index(line, `le="`)
+		j := strings.Index(line[i+4:], `"`)
+		le, err1 := strconv.ParseFloat(line[i+4:i+4+j], 64)
+		n, err2 := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
+		if err1 != nil || err2 != nil {
+			b.Fatalf("lag bucket line %q", line)
+		}
+		h.le, h.count = append(h.le, le), append(h.count, n)
+	})
+	return h
+}
+
+func (h histogram) sub(o histogram) histogram {
+	out := histogram{le: h.le, count: make([]float64, len(h.count))}
+	for i := range h.count {
+		out.count[i] = h.count[i]
+		if i < len(o.count) {
+			out.count[i] -= o.count[i]
+		}
+	}
+	return out
+}
+
+// quantile is the upper bound of the bucket holding quantile q (+Inf: past
+// the last finite bound).
+func (h histogram) quantile(q float64) float64 {
+	if len(h.count) == 0 || h.count[len(h.count)-1] == 0 {
+		return 0
+	}
+	want := q * h.count[len(h.count)-1]
+	for i, c := range h.count {
+		if c >= want {
+			return h.le[i]
+		}
+	}
+	return math.Inf(1)
+}
