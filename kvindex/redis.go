@@ -106,11 +106,12 @@ func (c RedisConfig) validate() error {
 // server or a Redis Cluster.
 //
 // Data model (docs/kvindex.md has the table): one small hash per block key
-// (field: the holding instance's 8-byte id, value: tier bits), with no
-// TTL; per instance a metadata hash (position, writer lease, counters) and
-// an append-only log of its engine-hash map's changes, both hash-tagged
-// with the instance's id so that one script changes them atomically on
-// one Cluster slot; a registry hash (instance id → last event, name).
+// (field: the holding instance's 5-byte field id, random per incarnation;
+// value: tier bits), with no TTL; per instance a metadata hash (position,
+// writer lease, counters, field id) and an append-only log of its
+// engine-hash map's changes, both hash-tagged with the instance's id so
+// that one script changes them atomically on one Cluster slot; a registry
+// hash (instance id → last event, field id, name).
 // Block keys carry no hash tag, so they spread over every slot.
 //
 // The writer keeps each instance's engine-hash map in process (MapCache),
@@ -472,17 +473,19 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	// whether this Apply removes it or not (see fieldIDs). So does the
 	// first write of an instance whose metadata names none (new, or lost
 	// by Redis).
-	fid := m.fid
+	fid, oldFid := m.fid, m.fid
 	if fid == "" && len(m.vals) > 0 {
-		// A map without a field id (its metadata deleted by hand, say):
-		// its fields cannot be told apart, so it starts over, keeping
-		// only what these events stored or changed.
+		// A map without a field id (its metadata lost or deleted by hand
+		// while its log was not): it starts over, keeping only what these
+		// events stored or changed; its fields are removed under the id
+		// the registry names, if the registry still knows one.
 		o.cleared = true
+		oldFid = r.registryFieldID(ctx, id, instance)
 	}
 	if o.cleared || fid == "" {
 		fid = newFieldID()
 	}
-	oldArg, fidArg := any(m.fid), any(fid)
+	oldArg, fidArg := any(oldFid), any(fid)
 	counts := m.counts
 	account := func(v mapVal, sign int) {
 		if v.bits&allTiers == 0 {
@@ -499,7 +502,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		// Drop this instance's field from every block it held (the
 		// blocks re-stored after the clear are written under the new id
 		// below).
-		if m.fid != "" {
+		if oldFid != "" {
 			for _, v := range m.vals {
 				cmd("hdel", r.blockKey(v.key), oldArg)
 			}
@@ -556,8 +559,9 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	}
 	commit.Args()[13] = rec
 	_ = pipe.Process(ctx, commit)
-	reg := redis.NewSliceCmd(ctx, "evalsha", regScript.Hash(), 1, r.regKey(), id,
-		strconv.FormatInt(now.UnixMilli(), 10)+" "+hex.EncodeToString([]byte(fid))+" "+instance, instance)
+	entry := strconv.FormatInt(now.UnixMilli(), 10) + " " + hex.EncodeToString([]byte(fid)) + " " + instance
+	reg := redis.NewSliceCmd(ctx, "evalsha", regScript.Hash(), 1, r.regKey(), id, entry, instance,
+		hex.EncodeToString([]byte(fid)), hex.EncodeToString([]byte(m.fid)))
 	_ = pipe.Process(ctx, reg)
 	storeBS := r.bs.configured == 0 && r.bs.get() != 0 && !r.bsStored.Load()
 	if storeBS {
@@ -608,10 +612,16 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		r.unsettle(ctx, mkey, placed, fidArg)
 		return res, fmt.Errorf("%w: %s is %s at %s", errMoved, instance, st, pos)
 	}
-	if v := reg.Val(); len(v) > 0 && v[0] != instance {
+	if v := reg.Val(); len(v) == 2 && v[0] == "name" {
 		// The block-key writes went out: the two instances' blocks are
 		// mixed until one of them is renamed.
-		return res, fmt.Errorf("%w: %q and %q", ErrInstanceID, instance, v[0])
+		return res, fmt.Errorf("%w: %q and %q", ErrInstanceID, instance, v[1])
+	} else if len(v) == 2 && v[0] == "fid" {
+		// The commit applied, so this write is the instance's current
+		// one: the registry lost a write (a failover) and must follow.
+		if err := r.rdb.HSet(ctx, r.regKey(), id, entry).Err(); err != nil {
+			return res, r.failed(fmt.Errorf("kvindex: redis: registry entry of %s: %w", instance, err))
+		}
 	}
 	// The cached map follows the commit.
 	if mode == "w" {
@@ -960,6 +970,21 @@ func newFieldID() string {
 	return string(b[:])
 }
 
+// registryFieldID is the field id the registry names for the instance
+// ("" when it names none, or the entry is another name's, or Redis cannot
+// be read: then nothing can be told to be the instance's).
+func (r *Redis) registryFieldID(ctx context.Context, id, instance string) string {
+	v, err := r.rdb.HGet(ctx, r.regKey(), id).Result()
+	if err != nil {
+		return ""
+	}
+	_, fid, name, ok := parseRegEntry(v)
+	if !ok || name != instance {
+		return ""
+	}
+	return string(fid[:])
+}
+
 // fieldBits is a block field's tier bits.
 func fieldBits(s string) tiers.Set {
 	return parseBits(s) & allTiers
@@ -974,21 +999,25 @@ func (r *Redis) Purge(ctx context.Context, instance string) error {
 	r.maps.forget(m)
 	id := instID(instance)
 	var chunks *redis.StringSliceCmd
-	var fid *redis.StringCmd
+	var fidCmd *redis.StringCmd
 	_, err := r.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
 		chunks = p.LRange(ctx, r.logKey(id), 0, -1)
-		fid = p.HGet(ctx, r.metaKey(id), fieldField)
+		fidCmd = p.HGet(ctx, r.metaKey(id), fieldField)
 		return nil
 	})
 	if err != nil && !errors.Is(err, redis.Nil) {
 		return r.failed(fmt.Errorf("kvindex: redis: purge %s: read map: %w", instance, err))
 	}
+	fid := fidCmd.Val()
+	if fid == "" {
+		fid = r.registryFieldID(ctx, id, instance) // the metadata lost, the log not
+	}
 	vals := make(map[uint64]mapVal)
-	if fid.Val() != "" { // none: no block field can be told to be the instance's
+	if fid != "" { // none: no block field can be told to be the instance's
 		_ = replayLog(strings.Join(chunks.Val(), ""), vals) // a partial record: purge what is whole
 	}
 	pipe := r.rdb.Pipeline()
-	fidArg := any(fid.Val())
+	fidArg := any(fid)
 	for _, v := range vals {
 		pipe.Do(ctx, "hdel", r.blockKey(v.key), fidArg)
 		if pipe.Len() >= 8192 {

@@ -201,7 +201,7 @@ func parsePosition(s string) Position {
 }
 
 // Epoch returns the index's epoch: a random value stored under
-// <prefix>:v2:m the first time it is asked for. It changes only when Redis
+// <prefix>:v3:m the first time it is asked for. It changes only when Redis
 // loses it (restarted without persistence, flushed, failed over to a
 // replica that never had it), which is how a router learns that every
 // instance must be checked and reloaded; created reports that this call
@@ -313,6 +313,8 @@ const (
 //	        another topology does not count: the instance is unseeded
 //
 // It returns {status, position or nil, generation, field id[, log]}
+// (the log whenever the metadata has no generation: the metadata was lost
+// while the log was not, and the caller must see what the log holds)
 // (the begin; the commit: {status, position or nil, generation}), status "ok",
 // "dup" (already at or past the new position), "owned" (another router's
 // lease), "behind" (not at the expected position) or "stale" (commit: the
@@ -345,7 +347,7 @@ end
 local gen = redis.call('HGET', m, '#g') or ''
 if ARGV[1] == 'b' then
   local fid = redis.call('HGET', m, '#f') or ''
-  if gen == ARGV[6] then return {'ok', pos, gen, fid} end
+  if gen == ARGV[6] and gen ~= '' then return {'ok', pos, gen, fid} end
   return {'ok', pos, gen, fid, redis.call('LRANGE', l, 0, -1)}
 end
 if gen ~= ARGV[6] then return {'stale', pos, gen} end
@@ -357,13 +359,24 @@ return {'ok', guarded and ARGV[5] or false, ARGV[7]}
 `)
 
 // regScript writes an instance's registry entry (KEYS[1] the registry,
-// ARGV[1] the instance id, ARGV[2] the entry, ARGV[3] the name) unless the
-// id is another name's: then it returns that name and writes nothing.
+// ARGV[1] the instance id, ARGV[2] the entry, ARGV[3] the name, ARGV[4]
+// the entry's field id and ARGV[5] the one the writer replaces, both in
+// hex) unless the id is another name's — then it returns {'name', that
+// name} — or the entry names a third field id: another writer moved the
+// instance on (this write is a late one, and must not point lookups back
+// at retired fields) or the registry lost a write (a Cluster failover);
+// then it returns {'fid', that id} and the caller, once its commit is
+// known to have applied, writes the entry unconditionally. Nothing is
+// written in either case.
 var regScript = redis.NewScript(`
 local v = redis.call('HGET', KEYS[1], ARGV[1])
 if v then
-  local name = string.sub(v, (string.find(v, ' ', (string.find(v, ' ', 1, true) or #v) + 1, true) or #v) + 1)
-  if name ~= ARGV[3] then return {name} end
+  local sp = string.find(v, ' ', 1, true) or #v
+  local sp2 = string.find(v, ' ', sp + 1, true) or #v
+  local name = string.sub(v, sp2 + 1)
+  if name ~= ARGV[3] then return {'name', name} end
+  local cur = string.sub(v, sp + 1, sp2 - 1)
+  if cur ~= ARGV[4] and cur ~= ARGV[5] then return {'fid', cur} end
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return {}

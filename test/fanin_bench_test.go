@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
@@ -111,7 +113,7 @@ func BenchmarkEventFanIn(b *testing.B) {
 	cfg := config.Config{AdminToken: "adm",
 		Listen:      fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(b)),
 		AdminListen: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(b)),
-		Log:         config.LogConfig{Level: "warn", Format: "json"},
+		Log:         config.LogConfig{Level: "info", Format: "json"},
 		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: nc.URLs(), Stream: stream.Name, StreamReplicas: 3}, Bucket: bucket.Name,
 			MaxInstances: 2 * engines},
 		Pools: []config.PoolConfig{{Name: pool, Model: simModel,
@@ -120,6 +122,15 @@ func BenchmarkEventFanIn(b *testing.B) {
 			Instances: []config.InstanceConfig{{ID: "static-0", URL: "http://127.0.0.1:1"}}}},
 	}
 	rt := startTierReplica(b, bin, cfg)
+	obs, err := kvstream.NATSConfig{URL: nc.URLs(), Name: "fan-in observer", Logger: quietLogger()}.Connect()
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(obs.Close)
+	js, err := jetstream.New(obs)
+	if err != nil {
+		b.Fatal(err)
+	}
 	testenv.WaitFor(b, 2*time.Minute, "router sees every instance", func() bool {
 		return rt.metric(b, `kvrouter_events_instances{pool="`+pool+`",state="live"}`) >= float64(engines)
 	})
@@ -157,7 +168,10 @@ func BenchmarkEventFanIn(b *testing.B) {
 	}
 	var offered atomic.Int64
 	b.ResetTimer()
-	for _, mult := range []float64{0.25, 0.5, 1, 2, 4, 8} {
+	// The first step warms up (the router's snapshot loads, the stream's
+	// first messages of each instance, the Go runtime) and is not reported.
+	for i, mult := range []float64{0.25, 0.25, 0.5, 1, 2, 4, 8} {
+		warm := i == 0
 		rate := mult * mooncakeEventsPerEngine * float64(engines) // block events/s
 		lag0 := lagBuckets(b, rt.admin)
 		a0, o0 := applied(), offered.Load()
@@ -203,7 +217,28 @@ func BenchmarkEventFanIn(b *testing.B) {
 		for applied()-a0 < float64(o1-o0) && time.Since(drain) < 30*time.Second {
 			time.Sleep(50 * time.Millisecond)
 		}
+		if warm {
+			continue
+		}
 		p50, p99 := lag.quantile(0.5), lag.quantile(0.99)
+		var counters []string
+		scrape(b, rt.admin, func(line string) {
+			for _, m := range []string{"kvrouter_events_messages_total", "kvrouter_events_snapshot_loads_total", "kvrouter_events_consumer_stalls_total",
+				"kvrouter_events_consume_errors_total", "kvrouter_events_seq_gaps_total", "kvrouter_events_shard_queue"} {
+				if strings.HasPrefix(line, m) {
+					counters = append(counters, line)
+				}
+			}
+		})
+		info, err := js.Stream(ctx, stream.Name)
+		if err != nil {
+			b.Fatal(err)
+		}
+		si, err := info.Info(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Logf("stream holds %d messages (%d bytes, last seq %d); router: %s", si.State.Msgs, si.State.Bytes, si.State.LastSeq, strings.Join(counters, "; "))
 		keeps := behind <= 0.02*float64(o1-o0) && p99 < 1
 		b.Logf("engines=%d offered %.2f× Mooncake = %.0f block events/s: applied %.0f/s during the step, %.0f behind at its end (caught up in %v); lag p50 %.1f ms p99 %.1f ms; router CPU %.2f cores (%.2f µs per block event), this process (engines, bridges, 3 NATS servers) %.2f cores; keeps up: %v",
 			engines, mult, float64(o1-o0)/el, (a1-a0)/el, behind, time.Since(drain).Round(10*time.Millisecond), p50*1e3, p99*1e3,

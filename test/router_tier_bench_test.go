@@ -232,9 +232,14 @@ func startTierReplica(b *testing.B, bin string, cfg config.Config) *tierReplica 
 	if err := os.WriteFile(path, data, 0o600); err != nil {
 		b.Fatal(err)
 	}
-	var logs bytes.Buffer
+	var logs testenv.Logs
 	cmd := exec.Command(bin, "--config", path)
 	cmd.Stdout, cmd.Stderr = &logs, &logs
+	b.Cleanup(func() {
+		if b.Failed() || os.Getenv("KV_TEST_LOG") != "" {
+			b.Logf("kvrouter %s logs:\n%s", cfg.Listen, logs.String())
+		}
+	})
 	cmd.Env = append(os.Environ(), "KVROUTER_ADMIN_TOKEN=adm")
 	if err := cmd.Start(); err != nil {
 		b.Fatal(err)
