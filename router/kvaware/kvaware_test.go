@@ -720,6 +720,9 @@ func TestKVScoringConfigValidate(t *testing.T) {
 		{config.KVScoringConfig{ScrapePath: "metrics"}, false},
 		{config.KVScoringConfig{SpeculativeCapacity: -1}, false},
 		{config.KVScoringConfig{RunningRequestSeconds: 100}, false},
+		{config.KVScoringConfig{DecodeStepSeconds: 100}, false},
+		{config.KVScoringConfig{DecodeStepSeconds: -1}, false},
+		{config.KVScoringConfig{DecodeStepSeconds: 0.02}, true},
 	}
 	for i, tc := range tests {
 		k := tc.k
