@@ -424,6 +424,10 @@ type KVScoringConfig struct {
 	// RunningRequestSeconds is what each running request adds to a new
 	// request's TTFT. Default 0.0005.
 	RunningRequestSeconds float64 `yaml:"running_request_seconds" json:"running_request_seconds,omitempty"`
+	// DecodeStepSeconds is the engine's step time with a decode batch and
+	// no prefill: a request arriving while the engine runs steps waits for
+	// the one in progress, half of it on average. Default 0.008.
+	DecodeStepSeconds float64 `yaml:"decode_step_seconds" json:"decode_step_seconds,omitempty"`
 	// PrefillCostWeight w: the pick minimises predicted TTFT plus w × the
 	// prefill time it makes the fleet do (docs/kv-aware.md). 0 = adaptive
 	// (the default): w = max(1, ρ/(1−ρ)) for the fleet's measured busy

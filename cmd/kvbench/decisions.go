@@ -4,7 +4,9 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"slices"
 	"sort"
+	"time"
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
 	"github.com/kvrouter/kvrouter/kvindex"
@@ -28,6 +30,11 @@ type decisionTrace struct {
 type decisionRec struct {
 	reason       string
 	best, chosen int // GPU tokens held at the decision: best holder, chosen instance
+	// running and waiting are the chosen engine's own counts at the
+	// decision (not the router's scraped view); predicted is the router's
+	// predicted time to first token there.
+	running, waiting int
+	predicted        time.Duration
 }
 
 var _ des.Router = (*decisionTrace)(nil)
@@ -53,7 +60,11 @@ func (t *decisionTrace) Pick(ctx context.Context, req *des.RouteRequest, cands [
 	if err != nil {
 		return d, err
 	}
-	rec := decisionRec{reason: d.Reason, chosen: held[d.Instance]}
+	rec := decisionRec{reason: d.Reason, chosen: held[d.Instance], predicted: t.predicted}
+	if e := t.kv.engines[d.Instance]; e != nil {
+		st := e.Stats()
+		rec.running, rec.waiting = st.Running, st.Waiting
+	}
 	for _, n := range held {
 		rec.best = max(rec.best, n)
 	}
@@ -117,6 +128,102 @@ func writeBreakdown(w io.Writer, strategy string, rows []decisionBreakdown, prom
 		_, err := fmt.Fprintf(w, "| %s | %d | %.3f | %.3f | %.4f | %.4f | %.4f |\n", b.Reason, b.Requests, frac(b.Prompt),
 			float64(b.Cached)/float64(max(b.Prompt, 1)), frac(b.BestHeld), frac(b.LostMove), frac(b.LostEvict))
 		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// queueProfile is what the router predicted against what happened, for
+// the requests served from cache (≥ 90% of the prompt cached, so that the
+// time to first token is mostly wait, not the request's own prefill):
+// by the chosen engine's running requests at the decision, and per
+// instance with its share of all requests.
+func (t *decisionTrace) writeQueueProfile(w io.Writer, res *des.Result) error {
+	type acc struct {
+		n, hits     int
+		pred, act   time.Duration
+		acts        []time.Duration
+		run, waited int
+	}
+	byRun := map[int]*acc{}
+	byInst := map[string]*acc{}
+	bucket := func(r int) int {
+		switch {
+		case r == 0:
+			return 0
+		case r <= 2:
+			return 1
+		case r <= 5:
+			return 3
+		case r <= 10:
+			return 6
+		}
+		return 11
+	}
+	total := 0
+	for _, o := range res.Outcomes {
+		rec, ok := t.recs[uint64(o.ID)]
+		if !ok || o.Err != "" {
+			continue
+		}
+		total++
+		ia := byInst[o.Instance]
+		if ia == nil {
+			ia = &acc{}
+			byInst[o.Instance] = ia
+		}
+		ia.n++
+		ia.run += rec.running
+		if rec.waiting > 0 {
+			ia.waited++
+		}
+		if 10*o.CachedTokens < 9*o.PromptTokens {
+			continue
+		}
+		for _, a := range []*acc{ia, byRun[bucket(rec.running)]} {
+			if a == nil {
+				a = &acc{}
+				byRun[bucket(rec.running)] = a
+			}
+			a.hits++
+			a.pred += rec.predicted
+			a.act += o.TTFT
+			a.acts = append(a.acts, o.TTFT)
+		}
+	}
+	ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
+	p50 := func(a *acc) float64 {
+		if len(a.acts) == 0 {
+			return 0
+		}
+		slices.Sort(a.acts)
+		return ms(a.acts[len(a.acts)/2])
+	}
+	fmt.Fprintln(w, "\nrequests served from cache (>= 90% cached): predicted vs measured TTFT, by the chosen engine's running requests at the decision:")
+	fmt.Fprintln(w, "\n| running | requests | predicted mean ms | measured mean ms | measured p50 ms |\n|---:|---:|---:|---:|---:|")
+	for _, b := range []int{0, 1, 3, 6, 11} {
+		a := byRun[b]
+		if a == nil {
+			continue
+		}
+		label := map[int]string{0: "0", 1: "1-2", 3: "3-5", 6: "6-10", 11: "> 10"}[b]
+		fmt.Fprintf(w, "| %s | %d | %.1f | %.1f | %.1f |\n", label, a.hits, ms(a.pred/time.Duration(a.hits)), ms(a.act/time.Duration(a.hits)), p50(a))
+	}
+	names := make([]string, 0, len(byInst))
+	for n := range byInst {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	fmt.Fprintln(w, "\n| instance | share | mean running at decision | found a queue | cache-served: predicted mean ms | measured mean ms | p50 ms |\n|---|---:|---:|---:|---:|---:|---:|")
+	for _, n := range names {
+		a := byInst[n]
+		pm, am := 0.0, 0.0
+		if a.hits > 0 {
+			pm, am = ms(a.pred/time.Duration(a.hits)), ms(a.act/time.Duration(a.hits))
+		}
+		if _, err := fmt.Fprintf(w, "| %s | %.3f | %.1f | %.3f | %.1f | %.1f | %.1f |\n", n, float64(a.n)/float64(max(total, 1)),
+			float64(a.run)/float64(max(a.n, 1)), float64(a.waited)/float64(max(a.n, 1)), pm, am, p50(a)); err != nil {
 			return err
 		}
 	}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
 )
@@ -60,5 +61,41 @@ func TestDESDecisions(t *testing.T) {
 	}
 	if !strings.Contains(s, "| kv_match | ") {
 		t.Fatalf("no kv_match row:\n%s", s)
+	}
+}
+
+// TestQueueProfile: the queue profile compares the router's predicted time
+// to first token with the measured one for requests served from cache,
+// by the chosen engine's running requests at the decision, and gives each
+// instance's share of all requests.
+func TestQueueProfile(t *testing.T) {
+	tr := newDecisionTrace(&strategyRouter{})
+	tr.recs[1] = decisionRec{reason: "kv_match", running: 0, predicted: 1 * time.Millisecond}
+	tr.recs[2] = decisionRec{reason: "kv_match", running: 0, predicted: 3 * time.Millisecond}
+	tr.recs[3] = decisionRec{reason: "kv_match", running: 2, waiting: 1, predicted: 5 * time.Millisecond}
+	tr.recs[4] = decisionRec{reason: "heuristic", running: 4} // cold: in the share only
+	res := &des.Result{Outcomes: []des.Outcome{
+		{ID: 1, Instance: "a", PromptTokens: 1000, CachedTokens: 992, TTFT: 8 * time.Millisecond},
+		{ID: 2, Instance: "a", PromptTokens: 1000, CachedTokens: 992, TTFT: 10 * time.Millisecond},
+		{ID: 3, Instance: "b", PromptTokens: 1000, CachedTokens: 900, TTFT: 16 * time.Millisecond},
+		{ID: 4, Instance: "b", PromptTokens: 1000, TTFT: 50 * time.Millisecond},
+	}}
+	var out bytes.Buffer
+	if err := tr.writeQueueProfile(&out, res); err != nil {
+		t.Fatal(err)
+	}
+	s := out.String()
+	for _, want := range []string{
+		"| 0 | 2 | 2.0 | 9.0 | 10.0 |",
+		"| 1-2 | 1 | 5.0 | 16.0 | 16.0 |",
+		"| a | 0.500 | 0.0 | 0.000 | 2.0 | 9.0 | 10.0 |",
+		"| b | 0.500 | 3.0 | 0.500 | 5.0 | 16.0 | 16.0 |",
+	} {
+		if !strings.Contains(s, want) {
+			t.Errorf("no %q in:\n%s", want, s)
+		}
+	}
+	if strings.Contains(s, "| 3-5 |") {
+		t.Errorf("the cold request counted as served from cache:\n%s", s)
 	}
 }

@@ -398,6 +398,9 @@ func runStrategy(ctx context.Context, name string, ff *fleetFlags, scfg sim.Conf
 		if err := writeBreakdown(ff.decisions, name, rows, prompt); err != nil {
 			return report.Summary{}, err
 		}
+		if err := trace.writeQueueProfile(ff.decisions, res); err != nil {
+			return report.Summary{}, err
+		}
 	}
 	s := report.Summarize(res, 0)
 	if boundHits != nil {

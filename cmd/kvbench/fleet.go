@@ -97,6 +97,9 @@ type strategyRouter struct {
 	// cached holds the engine-reported cached tokens of each request whose
 	// response started (FirstToken), for its observer's Done.
 	cached map[uint64]int
+	// predicted is the last decision's predicted time to first token
+	// (0 when the strategy gave none), for the decision trace.
+	predicted time.Duration
 }
 
 var _ des.Router = (*strategyRouter)(nil)
@@ -249,6 +252,10 @@ func (r *strategyRouter) Pick(ctx context.Context, req *des.RouteRequest, cands 
 	}
 	if d.Observer != nil {
 		r.obs[req.EngineID] = d.Observer
+	}
+	r.predicted = 0
+	if d.Explain != nil {
+		r.predicted = d.Explain.PredictedTTFT
 	}
 	return des.Decision{Instance: d.Instance.ID(), Reason: string(d.Reason),
 		Overflow: d.Reason == router.ReasonOverflow || d.Reason == router.ReasonSaturated}, nil

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -689,6 +690,20 @@ func TestTierTokensAndTTFT(t *testing.T) {
 	if want := (2000+2*1024)/1000.0 + 3*DefaultRunningRequestSeconds; q != want {
 		t.Errorf("blended queue %v, want %v", q, want)
 	}
+	// An engine that only decodes still makes a new request wait for the
+	// step in progress: half of a step of S plus the running sequences'
+	// share, beside that share of the request's own step; an idle engine
+	// none; prefill work ahead longer than that step covers it.
+	S, R := DefaultDecodeStepSeconds, DefaultRunningRequestSeconds
+	if q, want := sc.queue(0, 0, 4, loadSample{}, false), (S+4*R)/2+4*R; math.Abs(q-want) > 1e-12 {
+		t.Errorf("decoding engine's queue %v, want %v", q, want)
+	}
+	if q := sc.queue(0, 0, 0, loadSample{}, false); q != 0 {
+		t.Errorf("idle engine's queue %v, want 0", q)
+	}
+	if q, want := sc.queue(1, 1, 4, loadSample{}, false), (S+3*R)/2+3*R; math.Abs(q-want) > 1e-12 {
+		t.Errorf("short prefill ahead: queue %v, want the step's residual %v", q, want)
+	}
 }
 
 func TestKVScoringConfigValidate(t *testing.T) {
@@ -705,6 +720,9 @@ func TestKVScoringConfigValidate(t *testing.T) {
 		{config.KVScoringConfig{ScrapePath: "metrics"}, false},
 		{config.KVScoringConfig{SpeculativeCapacity: -1}, false},
 		{config.KVScoringConfig{RunningRequestSeconds: 100}, false},
+		{config.KVScoringConfig{DecodeStepSeconds: 100}, false},
+		{config.KVScoringConfig{DecodeStepSeconds: -1}, false},
+		{config.KVScoringConfig{DecodeStepSeconds: 0.02}, true},
 	}
 	for i, tc := range tests {
 		k := tc.k

@@ -19,7 +19,7 @@ import (
 // starts again. A prefix whose holder is no busier pays nothing, and
 // shadow scoring pays nothing.
 func TestHotPrefixReplicates(t *testing.T) {
-	const running = 20 // in flight on the holder: a queue of 20 × R
+	const running = 20 // in flight on the holder: a queue of (S + 20 × R)/2 + 20 × R
 	system := promptTokens(61, 64*kvTestBS)
 	req := func(i int) *router.Request {
 		return kvRequest("tenant", append(slices.Clone(system), promptTokens(uint32(5000+i), 2*kvTestBS)...))
@@ -33,7 +33,7 @@ func TestHotPrefixReplicates(t *testing.T) {
 	for range running {
 		holder.Acquire()
 	}
-	queue := running * DefaultRunningRequestSeconds
+	queue := (DefaultDecodeStepSeconds+running*DefaultRunningRequestSeconds)/2 + running*DefaultRunningRequestSeconds
 	// Price of a copy elsewhere: the alternative's score less the
 	// holder's, (q_alt − q_holder) + (1 + w) × 64 blocks / P, with w = 1.
 	price := -queue + 2*float64(64*kvTestBS)/25000

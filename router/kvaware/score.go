@@ -30,6 +30,17 @@ const (
 	// 8,000-token prefill at 25,000 tokens/s, so cached prefixes dominate
 	// until an instance is clearly busier.
 	DefaultRunningRequestSeconds = 0.0005
+	// DefaultDecodeStepSeconds is the time of one engine step that carries
+	// only decode tokens: memory bound, it reads each GPU's share of the
+	// weights once. The published inter-token latencies of Llama-3.x-70B
+	// at low concurrency with ~35 GB of weights per GPU are 18.6 ms (NIM,
+	// FP8 TP2) and 13–14 ms (llm-d, BF16 TP4); BF16 TP8 reads half that
+	// per GPU, so 7–9 ms (docs/reference/workload-facts.md §2, derived
+	// here). A request that arrives while an engine runs steps joins at
+	// the next step boundary: for back-to-back steps of length S it waits
+	// S/2 on average (the residual of a renewal interval, E[S²]/2E[S], S
+	// nearly constant), a wait an idle engine does not have.
+	DefaultDecodeStepSeconds = 0.008
 	// DefaultPrefillCostWeight is the least weight w of the adaptive rule:
 	// the pick minimises ttft + w·(tokens it makes the instance
 	// prefill)/P. TTFT alone is greedy for the one request: a burst sharing
@@ -105,6 +116,7 @@ type kvScoring struct {
 	blockSize     int                  // 0 = the index's
 	waitingTokens float64
 	runningSec    float64
+	stepSec       float64 // decode step time; its half is the wait at a busy engine
 	costWeight    float64 // fixed weight; adaptive when < 0
 	adaptive      bool
 	tieTol        float64 // seconds
@@ -129,6 +141,7 @@ func resolveScoring(k *config.KVScoringConfig) kvScoring {
 		blockSize:     c.BlockSize,
 		waitingTokens: float64(c.WaitingRequestTokens),
 		runningSec:    c.RunningRequestSeconds,
+		stepSec:       c.DecodeStepSeconds,
 		tieTol:        c.TieTolerance.Seconds(),
 		specTTL:       c.SpeculativeTTL,
 		specCap:       c.SpeculativeCapacity,
@@ -150,6 +163,9 @@ func resolveScoring(k *config.KVScoringConfig) kvScoring {
 	}
 	if c.RunningRequestSeconds == 0 {
 		s.runningSec = DefaultRunningRequestSeconds
+	}
+	if c.DecodeStepSeconds == 0 {
+		s.stepSec = DefaultDecodeStepSeconds
 	}
 	if c.TieTolerance == 0 {
 		s.tieTol = DefaultTieTolerance.Seconds()
@@ -180,6 +196,7 @@ func resolveScoring(k *config.KVScoringConfig) kvScoring {
 	s.waitingTokens = max(s.waitingTokens, 0)
 	s.costWeight = max(s.costWeight, 0)
 	s.runningSec = max(s.runningSec, 0)
+	s.stepSec = max(s.stepSec, 0)
 	s.tieTol = max(s.tieTol, 0)
 	return s
 }
@@ -276,5 +293,13 @@ func (s *kvScoring) queue(pendingTokens float64, pendingReqs, inflight int, ld l
 		}
 		running = max(running, ld.running)
 	}
-	return waitTokens/s.prefill + running*s.runningSec
+	wait := waitTokens / s.prefill
+	if running > 0 {
+		// The engine is running steps: nothing starts before the step in
+		// progress ends, S/2 on average for a step of S = the decode step
+		// plus the running sequences' share of it. Prefill work ahead
+		// already includes that step.
+		wait = max(wait, (s.stepSec+running*s.runningSec)/2)
+	}
+	return wait + running*s.runningSec
 }
