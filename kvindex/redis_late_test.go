@@ -60,7 +60,7 @@ func metaFID(t *testing.T, r *Redis, inst string) string {
 func TestRedisLateWriterKeepsFieldIDRetired(t *testing.T) {
 	ctx := context.Background()
 	prefix := testenv.UniqueName(t)
-	lease := 100 * time.Millisecond
+	lease := time.Second // well over one LoadAt on a loaded machine (a write starts only within half of it)
 	addr := testenv.Redis(t)
 	c1 := redis.NewClient(&redis.Options{Addr: addr})
 	c2 := redis.NewClient(&redis.Options{Addr: addr})
@@ -94,7 +94,7 @@ func TestRedisLateWriterKeepsFieldIDRetired(t *testing.T) {
 	var f2 string
 	h.fn = func() {
 		t.Logf("stalled pipeline %v after the load", time.Since(t0))
-		time.Sleep(lease + 50*time.Millisecond)
+		time.Sleep(lease + 200*time.Millisecond)
 		if res, err := r2.LoadAt(ctx, "i", 5, []events.Event{a.stored(0, 3)}); err != nil || res.Status != SeqApplied {
 			t.Errorf("r2 load: %v %v", res, err)
 		}
