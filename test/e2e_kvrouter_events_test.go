@@ -19,6 +19,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
+	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
@@ -39,16 +40,10 @@ type kvrEngine struct {
 
 func startKVREngine(t *testing.T, ctx context.Context, natsURL, pool, instance, url, stream, bucket string) *kvrEngine {
 	t.Helper()
-	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	pub, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = pub.Close() }) // after the bridge and its connection (cleanups run last first)
+	pub, pc := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{}) // closed after the bridge and its connection (cleanups run last first)
 	nc := testenv.Connect(t, natsURL, reconnectForever...)
 	_, stop := runBridge(t, ctx, bridge.Config{Pool: pool, Model: kvrModel, BlockSize: 16, Conn: nc,
-		Sources: []bridge.Source{{Instance: instance, Endpoint: ep, ReplayEndpoint: rep, URL: url}},
+		Sources: []bridge.Source{{Instance: instance, Endpoint: pc.Endpoint, ReplayEndpoint: pc.ReplayEndpoint, URL: url}},
 		Stream:  kvstream.StreamConfig{Name: stream}, Bucket: kvstream.BucketConfig{Name: bucket},
 		HeartbeatInterval: 200 * time.Millisecond})
 	e := &kvrEngine{pub: pub, stop: stop}
@@ -61,13 +56,7 @@ func (e *kvrEngine) close() { e.stop() }
 // publish sends one vLLM batch (array encoding, as the engine does).
 func (e *kvrEngine) publish(t *testing.T, evs ...events.Event) {
 	t.Helper()
-	payload, err := events.Encode(nil, events.Batch{TS: float64(time.Now().UnixNano()) / 1e9, Events: evs}, events.EncodingArray)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := e.pub.Publish(payload); err != nil {
-		t.Fatal(err)
-	}
+	eventstest.Publish(t, e.pub, events.Batch{TS: float64(time.Now().UnixNano()) / 1e9, Events: evs})
 }
 
 func kvrTokens(seed, n int) []uint32 {
