@@ -26,6 +26,7 @@ import (
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/kvstate"
+	"github.com/kvrouter/kvrouter/router/routertest"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
 	"github.com/kvrouter/kvrouter/tiers"
@@ -200,11 +201,7 @@ func (f *engineFleet) route(ids []uint32) (inst, reason string, matched, cached 
 		f.t.Fatalf("completion: %d %s", resp.StatusCode, b)
 	}
 	var out struct {
-		Usage struct {
-			Details struct {
-				Cached int `json:"cached_tokens"`
-			} `json:"prompt_tokens_details"`
-		} `json:"usage"`
+		Usage routertest.Usage `json:"usage"`
 	}
 	if err := json.Unmarshal(b, &out); err != nil {
 		f.t.Fatalf("completion body %s: %v", b, err)
