@@ -53,6 +53,37 @@ func startKVREngine(t *testing.T, ctx context.Context, natsURL, pool, instance, 
 
 func (e *kvrEngine) close() { e.stop() }
 
+// kvrScene is how the Redis-index and restart tests open: a context,
+// names unique to the test, an embedded NATS server, and a config of one
+// kv_aware pool (model kvrModel, health checks and discovery off) holding
+// one instance, vllm-0, whose events go through that server.
+type kvrScene struct {
+	ctx                        context.Context
+	name, pool, stream, bucket string
+	ns                         *testenv.NATSServer
+	cfg                        config.Config
+}
+
+func newKVRScene(t *testing.T) *kvrScene {
+	t.Helper()
+	ctx := testenv.Context(t, 2*time.Minute)
+	name := testenv.UniqueName(t)
+	sc := &kvrScene{ctx: ctx, name: name, pool: "p_" + name, stream: "EV_" + name, bucket: "SN_" + name, ns: testenv.StartNATS(t)}
+	sc.cfg = config.Config{
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: sc.ns.URL(), Stream: sc.stream}, Bucket: sc.bucket},
+		Pools: []config.PoolConfig{{Name: sc.pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
+	}
+	return sc
+}
+
+// engine starts vllm-0's engine side: its publisher and its bridge.
+func (sc *kvrScene) engine(t *testing.T) *kvrEngine {
+	t.Helper()
+	return startKVREngine(t, sc.ctx, sc.ns.URL(), sc.pool, "vllm-0", "http://127.0.0.1:1", sc.stream, sc.bucket)
+}
+
 // publish sends one vLLM batch (array encoding, as the engine does).
 func (e *kvrEngine) publish(t *testing.T, evs ...events.Event) {
 	t.Helper()
@@ -421,18 +452,9 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 // new events), and a second router's pipeline on the same Redis and NATS
 // sees the same blocks.
 func TestKVRouterEventsRedisIndex(t *testing.T) {
-	ctx := testenv.Context(t, 2*time.Minute)
-	name := testenv.UniqueName(t)
-	pool := "p_" + name
-	stream, bucket := "EV_"+name, "SN_"+name
-	ns := testenv.StartNATS(t)
-	cfg := config.Config{
-		Index:  &config.IndexConfig{Backend: "redis", Redis: &config.RedisConfig{Addrs: []string{testenv.Redis(t)}, KeyPrefix: name}},
-		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
-		Pools: []config.PoolConfig{{Name: pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
-			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
-			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
-	}
+	sc := newKVRScene(t)
+	ctx, pool, cfg := sc.ctx, sc.pool, sc.cfg
+	cfg.Index = &config.IndexConfig{Backend: "redis", Redis: &config.RedisConfig{Addrs: []string{testenv.Redis(t)}, KeyPrefix: sc.name}}
 	var routers []*kvrRouter
 	for range 2 {
 		kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: quietLogger()}, nil)
@@ -448,7 +470,7 @@ func TestKVRouterEventsRedisIndex(t *testing.T) {
 		idx, _ := routers[0].kve.KV(cfg.Pools[0])
 		_ = idx.Purge(context.Background(), "vllm-0")
 	})
-	eng := startKVREngine(t, ctx, ns.URL(), pool, "vllm-0", "http://127.0.0.1:1", stream, bucket)
+	eng := sc.engine(t)
 	ids := kvrTokens(7, 3*16)
 	eng.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(500, 3), TokenIDs: ids, BlockSize: 16, Medium: "GPU"})
 	want := admin.KVLookupMatch{Instance: "vllm-0", GPUBlocks: 3, Live: true}
@@ -468,17 +490,8 @@ func TestKVRouterEventsRedisIndex(t *testing.T) {
 // the same NATS) rebuilds its memory index from the bridges' snapshots and
 // the stream, to what the first one held — GPU and CPU tiers alike.
 func TestKVRouterRestartRebuildsIndex(t *testing.T) {
-	ctx := testenv.Context(t, 2*time.Minute)
-	name := testenv.UniqueName(t)
-	pool := "p_" + name
-	stream, bucket := "EV_"+name, "SN_"+name
-	ns := testenv.StartNATS(t)
-	cfg := config.Config{
-		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
-		Pools: []config.PoolConfig{{Name: pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
-			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
-			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
-	}
+	sc := newKVRScene(t)
+	ctx, pool, cfg := sc.ctx, sc.pool, sc.cfg
 	start := func() *kvrRouter {
 		kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: quietLogger(), SnapshotTimeout: 500 * time.Millisecond}, nil)
 		ts := httptest.NewServer(srv.Handler())
@@ -486,7 +499,7 @@ func TestKVRouterRestartRebuildsIndex(t *testing.T) {
 		return &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
 	}
 	r1 := start()
-	eng := startKVREngine(t, ctx, ns.URL(), pool, "vllm-0", "http://127.0.0.1:1", stream, bucket)
+	eng := sc.engine(t)
 	ids := kvrTokens(9, 5*16)
 	eng.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(700, 5), TokenIDs: ids, BlockSize: 16, Medium: "GPU"})
 	eng.publish(t,
