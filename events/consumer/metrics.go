@@ -4,6 +4,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/metricset"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
@@ -45,81 +46,57 @@ func (m *metrics) eventCounter(k events.Kind) prometheus.Counter {
 }
 
 func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
-	// Every series carries the pool label and is registered: the
-	// constructors below add both, so each metric is written once.
-	cl := prometheus.Labels{"pool": pool}
-	var all []prometheus.Collector
-	add := func(c prometheus.Collector) { all = append(all, c) }
-	counter := func(name, help string) prometheus.Counter {
-		c := prometheus.NewCounter(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: cl})
-		add(c)
-		return c
-	}
-	counterVec := func(name, help, label string) *prometheus.CounterVec {
-		c := prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: cl}, []string{label})
-		add(c)
-		return c
-	}
-	gauge := func(name, help string) prometheus.Gauge {
-		g := prometheus.NewGauge(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: cl})
-		add(g)
-		return g
-	}
+	// Every series carries the pool label.
+	ms := metricset.Set{ConstLabels: prometheus.Labels{"pool": pool}}
 	m := &metrics{
-		messages: counterVec("kvrouter_events_messages_total",
+		messages: ms.CounterVec("kvrouter_events_messages_total",
 			"kv.events messages consumed, by result (applied, malformed, covered_by_snapshot, bad_subject, purged_instance, unknown_instance, over_cap).", "result"),
-		events: counterVec("kvrouter_events_applied_total",
+		events: ms.CounterVec("kvrouter_events_applied_total",
 			"Engine events applied to the index, by type.", "type"),
-		unknown: counter("kvrouter_events_unknown_total",
+		unknown: ms.Counter("kvrouter_events_unknown_total",
 			"Events of unknown type skipped (the rest of their batch applied)."),
-		gaps: counter("kvrouter_events_seq_gaps_total",
+		gaps: ms.Counter("kvrouter_events_seq_gaps_total",
 			"Engine sequence gaps seen in the stream (the bridge repaired or cleared them)."),
-		stored: counter("kvrouter_events_blocks_stored_total",
+		stored: ms.Counter("kvrouter_events_blocks_stored_total",
 			"Block placements the index added."),
-		removed: counter("kvrouter_events_blocks_removed_total",
+		removed: ms.Counter("kvrouter_events_blocks_removed_total",
 			"Block placements the index dropped."),
-		dropped: counterVec("kvrouter_events_blocks_dropped_total",
+		dropped: ms.CounterVec("kvrouter_events_blocks_dropped_total",
 			"Blocks of applied events the index could not use, by reason: orphan (parent never seen), unmapped (hash never stored with tokens), other_group (a KV-cache group that is not full attention), invalid (block size or token count wrong; whole events), unknown_medium (placed in the CPU tier).", "reason"),
-		applyErrors: counter("kvrouter_events_apply_errors_total",
+		applyErrors: ms.Counter("kvrouter_events_apply_errors_total",
 			"Index Apply calls that failed."),
-		consumeErrors: counter("kvrouter_events_consume_errors_total",
+		consumeErrors: ms.Counter("kvrouter_events_consume_errors_total",
 			"JetStream consume errors (the ordered consumer recovers by itself)."),
-		stalls: counter("kvrouter_events_consumer_stalls_total",
+		stalls: ms.Counter("kvrouter_events_consumer_stalls_total",
 			"Checks that found the consumer stalled (a stored message undelivered for 3 heartbeats, nothing delivered meanwhile) and re-created it."),
-		snapshotLoads: counterVec("kvrouter_events_snapshot_loads_total",
+		snapshotLoads: ms.CounterVec("kvrouter_events_snapshot_loads_total",
 			"Instance snapshot loads, by source (request, bucket, none, malformed).", "source"),
-		heartbeats: counterVec("kvrouter_events_heartbeats_total",
+		heartbeats: ms.CounterVec("kvrouter_events_heartbeats_total",
 			"Bridge heartbeats received, by result (ok, malformed, refused, over_cap).", "result"),
-		purges: counter("kvrouter_events_instance_purges_total",
+		purges: ms.Counter("kvrouter_events_instance_purges_total",
 			"Instances purged from the index after PurgeAfter of silence."),
-		replayed: counter("kvrouter_events_replayed_total",
+		replayed: ms.Counter("kvrouter_events_replayed_total",
 			"Stream messages re-applied after a snapshot reload older than what had been applied."),
-		replayLost: counter("kvrouter_events_replay_lost_total",
+		replayLost: ms.Counter("kvrouter_events_replay_lost_total",
 			"Snapshot reloads that could not replay every message since the snapshot: the stream no longer held them."),
-		instances: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvrouter_events_instances", ConstLabels: cl,
-			Help: "Known instances by state (live, stale, purged)."}, []string{"state"}),
-		queue: gauge("kvrouter_events_shard_queue",
+		instances: ms.GaugeVec("kvrouter_events_instances",
+			"Known instances by state (live, stale, purged).", "state"),
+		queue: ms.Gauge("kvrouter_events_shard_queue",
 			"Messages waiting in a shard's queue (last sampled)."),
-		consistent: gauge("kvrouter_events_index_consistent",
+		consistent: ms.Gauge("kvrouter_events_index_consistent",
 			"1 while the index can be trusted; 0 while a shared (Redis) index is unreachable, lost its data or has instances being repaired (those count as stale)."),
-		indexLost: counter("kvrouter_events_index_lost_total",
+		indexLost: ms.Counter("kvrouter_events_index_lost_total",
 			"Times the shared index was found to have lost its data (its epoch changed: Redis restarted empty or was flushed)."),
-		lag: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvrouter_events_lag_seconds", ConstLabels: cl,
-			Help:    "Time from a message's JetStream store to its application to the index.",
-			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 18)}),
+		lag: ms.Histogram("kvrouter_events_lag_seconds",
+			"Time from a message's JetStream store to its application to the index.",
+			prometheus.ExponentialBuckets(0.0001, 2, 18)),
 	}
-	add(m.instances)
-	add(m.lag)
 	m.applied = m.messages.WithLabelValues("applied")
 	for k := events.BlockStored; int(k) < len(m.byKind); k++ {
 		m.byKind[k] = m.events.WithLabelValues(k.String())
 	}
-	if reg != nil {
-		for _, c := range all {
-			if err := reg.Register(c); err != nil {
-				return nil, err
-			}
-		}
+	if err := ms.Register(reg); err != nil {
+		return nil, err
 	}
 	return m, nil
 }

@@ -2,6 +2,8 @@ package httpapi
 
 import (
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter/kvrouter/internal/metricset"
 )
 
 // metrics are the router's Prometheus metrics, registered on the
@@ -21,56 +23,44 @@ type metrics struct {
 }
 
 func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
-	// The constructors collect what they build, so each metric is written
-	// once and registered below.
-	var all []prometheus.Collector
-	counterVec := func(name, help string, labels ...string) *prometheus.CounterVec {
-		c := prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help}, labels)
-		all = append(all, c)
-		return c
-	}
-	histogramVec := func(name, help string, buckets []float64, labels ...string) *prometheus.HistogramVec {
-		h := prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: name, Help: help, Buckets: buckets}, labels)
-		all = append(all, h)
-		return h
-	}
+	var ms metricset.Set
 	m := &metrics{
-		requests: counterVec("kvrouter_requests_total",
+		requests: ms.CounterVec("kvrouter_requests_total",
 			"Requests answered, by pool, instance, strategy, reason and HTTP status (instance empty when none was picked).",
 			"pool", "instance", "strategy", "reason", "status"),
-		overflows: counterVec("kvrouter_overflows_total",
+		overflows: ms.CounterVec("kvrouter_overflows_total",
 			"Requests not sent to their first-choice instance because it was at the concurrency threshold (reason overflow or saturated).",
 			"pool", "strategy", "reason"),
-		retries: counterVec("kvrouter_retries_total",
+		retries: ms.CounterVec("kvrouter_retries_total",
 			"Requests retried on another instance after the first failed before any byte reached the client.",
 			"pool", "instance"),
-		decision: histogramVec("kvrouter_decision_seconds",
+		decision: ms.HistogramVec("kvrouter_decision_seconds",
 			"Time to pick an instance (candidate filtering and strategy).",
 			prometheus.ExponentialBuckets(250e-9, 2, 16), // 250ns .. 8ms
 			"pool", "strategy"),
-		ttfb: histogramVec("kvrouter_upstream_ttfb_seconds",
+		ttfb: ms.HistogramVec("kvrouter_upstream_ttfb_seconds",
 			"Time from sending a request upstream to its first response body byte (prefill plus queueing for streams).",
 			prometheus.ExponentialBuckets(0.0005, 2, 18), // 0.5ms .. 65s
 			"pool", "instance"),
-		probes: counterVec("kvrouter_health_probes_total",
+		probes: ms.CounterVec("kvrouter_health_probes_total",
 			"Active health probes by result.",
 			"pool", "instance", "result"),
-		streamErr: counterVec("kvrouter_stream_errors_total",
+		streamErr: ms.CounterVec("kvrouter_stream_errors_total",
 			"Upstream responses that failed after bytes reached the client (streams end with an error event).",
 			"pool", "instance"),
-		disagg: counterVec("kvrouter_disagg_requests_total",
+		disagg: ms.CounterVec("kvrouter_disagg_requests_total",
 			"Requests of pools with disaggregation on, by how they were served (disaggregated, or aggregated with the reason).",
 			"pool", "mode", "reason"),
-		disaggPrefillErrors: counterVec("kvrouter_disagg_prefill_errors_total",
+		disaggPrefillErrors: ms.CounterVec("kvrouter_disagg_prefill_errors_total",
 			"Prefill requests that failed (transport error or a non-200 answer); the request was tried on another prefill instance or went aggregated.",
 			"pool", "instance"),
 	}
+	ms.Add(&liveCollector{s: s})
 	var flowCollectors []prometheus.Collector
 	m.flow, flowCollectors = newFlowMetrics(s)
-	for _, c := range append(append(all, &liveCollector{s: s}), flowCollectors...) {
-		if err := reg.Register(c); err != nil {
-			return nil, err
-		}
+	ms.Add(flowCollectors...)
+	if err := ms.Register(reg); err != nil {
+		return nil, err
 	}
 	return m, nil
 }
