@@ -16,46 +16,40 @@ type Set struct {
 // Add adds collectors built elsewhere (a custom Collector) to the set.
 func (s *Set) Add(cs ...prometheus.Collector) { s.all = append(s.all, cs...) }
 
+// add adds c to s and returns it.
+func add[C prometheus.Collector](s *Set, c C) C {
+	s.all = append(s.all, c)
+	return c
+}
+
 // Counter builds a counter.
 func (s *Set) Counter(name, help string) prometheus.Counter {
-	c := prometheus.NewCounter(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: s.ConstLabels})
-	s.Add(c)
-	return c
+	return add(s, prometheus.NewCounter(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: s.ConstLabels}))
 }
 
 // CounterVec builds a counter vector with the given labels.
 func (s *Set) CounterVec(name, help string, labels ...string) *prometheus.CounterVec {
-	c := prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: s.ConstLabels}, labels)
-	s.Add(c)
-	return c
+	return add(s, prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: s.ConstLabels}, labels))
 }
 
 // Gauge builds a gauge.
 func (s *Set) Gauge(name, help string) prometheus.Gauge {
-	g := prometheus.NewGauge(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: s.ConstLabels})
-	s.Add(g)
-	return g
+	return add(s, prometheus.NewGauge(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: s.ConstLabels}))
 }
 
 // GaugeVec builds a gauge vector with the given labels.
 func (s *Set) GaugeVec(name, help string, labels ...string) *prometheus.GaugeVec {
-	g := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: s.ConstLabels}, labels)
-	s.Add(g)
-	return g
+	return add(s, prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: s.ConstLabels}, labels))
 }
 
 // Histogram builds a histogram with the given buckets.
 func (s *Set) Histogram(name, help string, buckets []float64) prometheus.Histogram {
-	h := prometheus.NewHistogram(prometheus.HistogramOpts{Name: name, Help: help, ConstLabels: s.ConstLabels, Buckets: buckets})
-	s.Add(h)
-	return h
+	return add(s, prometheus.NewHistogram(prometheus.HistogramOpts{Name: name, Help: help, ConstLabels: s.ConstLabels, Buckets: buckets}))
 }
 
 // HistogramVec builds a histogram vector with the given buckets and labels.
 func (s *Set) HistogramVec(name, help string, buckets []float64, labels ...string) *prometheus.HistogramVec {
-	h := prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: name, Help: help, ConstLabels: s.ConstLabels, Buckets: buckets}, labels)
-	s.Add(h)
-	return h
+	return add(s, prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: name, Help: help, ConstLabels: s.ConstLabels, Buckets: buckets}, labels))
 }
 
 // Register registers every collector of the set on reg, in the order
