@@ -1,6 +1,10 @@
 package grpcapi
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter/kvrouter/internal/metricset"
+)
 
 type metrics struct {
 	authFailures *prometheus.CounterVec // method
@@ -11,35 +15,26 @@ type metrics struct {
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	var ms metricset.Set
 	m := &metrics{
-		authFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_grpc_auth_failures_total",
-			Help: "gRPC admin calls refused for a missing or wrong bearer token.",
-		}, []string{"method"}),
-		extproc: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_extproc_requests_total",
-			Help: "Envoy ext_proc endpoint-picker requests by outcome: routed, or the immediate response status.",
-		}, []string{"pool", "outcome"}),
-		watchDropped: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_grpc_watch_dropped_total",
-			Help: "Events.Watch events dropped because a watcher read too slowly.",
-		}, []string{"pool"}),
-		watchBad: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_grpc_watch_undecodable_total",
-			Help: "kv.events messages Events.Watch skipped because they did not decode.",
-		}, []string{"pool"}),
-		picks: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_grpc_picks_total",
-			Help: "Router.Pick calls by pool and gRPC status code.",
-		}, []string{"pool", "code"}),
+		authFailures: ms.CounterVec("kvrouter_grpc_auth_failures_total",
+			"gRPC admin calls refused for a missing or wrong bearer token.",
+			"method"),
+		extproc: ms.CounterVec("kvrouter_extproc_requests_total",
+			"Envoy ext_proc endpoint-picker requests by outcome: routed, or the immediate response status.",
+			"pool", "outcome"),
+		watchDropped: ms.CounterVec("kvrouter_grpc_watch_dropped_total",
+			"Events.Watch events dropped because a watcher read too slowly.",
+			"pool"),
+		watchBad: ms.CounterVec("kvrouter_grpc_watch_undecodable_total",
+			"kv.events messages Events.Watch skipped because they did not decode.",
+			"pool"),
+		picks: ms.CounterVec("kvrouter_grpc_picks_total",
+			"Router.Pick calls by pool and gRPC status code.",
+			"pool", "code"),
 	}
-	if reg == nil {
-		return m, nil
-	}
-	for _, c := range []prometheus.Collector{m.authFailures, m.extproc, m.watchDropped, m.watchBad, m.picks} {
-		if err := reg.Register(c); err != nil {
-			return nil, err
-		}
+	if err := ms.Register(reg); err != nil {
+		return nil, err
 	}
 	return m, nil
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"slices"
 	"testing"
-	"time"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/tiers"
@@ -166,24 +165,13 @@ func testEngineRegressions(t *testing.T, newIndex factory) {
 // adds nothing (the placement is known) but refreshes the blocks' recency,
 // so a bounded index keeps the prefixes engines are using.
 func TestReuseReportRefreshesRecency(t *testing.T) {
-	root := Root(testModel, "", "")
-	a := newChain(root, 50, 4, 1, 1000)
-	b := newChain(root, 50, 4, 2, 2000)
-	c := newChain(root, 20, 4, 3, 3000)
-	clock := time.Unix(1_800_000_000, 0)
-	m, err := NewMemory(MemoryConfig{Model: testModel, Capacity: 100, Now: func() time.Time { return clock }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	mustApply(t, m, "a", a.stored(0, 50))
-	clock = clock.Add(time.Second)
-	mustApply(t, m, "b", b.stored(0, 50))
-	clock = clock.Add(time.Second)
+	s := newLRUScene(t)
+	m, a, b, c := s.m, s.a, s.b, s.c
 	// The reuse report of a's whole prefix: no new placement.
 	if res := mustApply(t, m, "a", a.stored(0, 50)); res.Stored != 0 || res.Invalid != 0 {
 		t.Fatalf("reuse report = %+v, want nothing added", res)
 	}
-	clock = clock.Add(time.Second)
+	s.tick()
 	mustApply(t, m, "c", c.stored(0, 20))
 	type want map[string][tiers.Count]int
 	checkLookup(t, m, query{a.keys, want{"a": all(50)}}, "reported a kept")

@@ -43,11 +43,35 @@ func TestMemoryConfig(t *testing.T) {
 	}
 }
 
-func TestMemoryCapacityLRU(t *testing.T) {
+// lruScene is the capacity scenario TestMemoryCapacityLRU and
+// TestReuseReportRefreshesRecency share: a Memory of 100 blocks on a
+// clock that tick moves a second on, holding chain a (50 blocks) stored a
+// second before chain b (50 blocks), a second ago; chain c (20 blocks) is
+// not stored and overflows it.
+type lruScene struct {
+	m       *Memory
+	a, b, c chain
+	tick    func()
+}
+
+func newLRUScene(t *testing.T) lruScene {
+	t.Helper()
 	root := Root(testModel, "", "")
-	a := newChain(root, 50, 4, 1, 1000)
-	b := newChain(root, 50, 4, 2, 2000)
-	c := newChain(root, 20, 4, 3, 3000)
+	clock := time.Unix(1_800_000_000, 0)
+	m, err := NewMemory(MemoryConfig{Model: testModel, Capacity: 100, Now: func() time.Time { return clock }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := lruScene{m: m, a: newChain(root, 50, 4, 1, 1000), b: newChain(root, 50, 4, 2, 2000), c: newChain(root, 20, 4, 3, 3000),
+		tick: func() { clock = clock.Add(time.Second) }}
+	mustApply(t, m, "a", s.a.stored(0, 50))
+	s.tick()
+	mustApply(t, m, "b", s.b.stored(0, 50))
+	s.tick()
+	return s
+}
+
+func TestMemoryCapacityLRU(t *testing.T) {
 	type want map[string][tiers.Count]int
 	cases := []struct {
 		name        string
@@ -64,15 +88,8 @@ func TestMemoryCapacityLRU(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			clock := time.Unix(1_800_000_000, 0)
-			m, err := NewMemory(MemoryConfig{Model: testModel, Capacity: 100, Now: func() time.Time { return clock }})
-			if err != nil {
-				t.Fatal(err)
-			}
-			mustApply(t, m, "a", a.stored(0, 50))
-			clock = clock.Add(time.Second)
-			mustApply(t, m, "b", b.stored(0, 50))
-			clock = clock.Add(time.Second)
+			s := newLRUScene(t)
+			m, a, b, c := s.m, s.a, s.b, s.c
 			if tc.hitA {
 				checkLookup(t, m, query{a.keys, want{"a": all(50)}}, "hit a")
 			}

@@ -1,6 +1,10 @@
 package kvindex
 
-import "math/bits"
+import (
+	"math/bits"
+
+	"github.com/kvrouter/kvrouter/internal/fmix"
+)
 
 // chunkBits sizes the memory backend's slab chunks (1024 entries, 32 KiB):
 // a slab grows a chunk at a time, so no growth ever copies entries and the
@@ -102,21 +106,10 @@ const (
 
 func slotIdx(s uint32) int32 { return int32(s&idxMask) - 1 }
 
-// mix is a 64-bit finaliser (murmur3 fmix64): engine hashes are not always
-// uniform (tests and some engines use small integers).
-func mix(k uint64) uint64 {
-	k ^= k >> 33
-	k *= 0xff51afd7ed558ccd
-	k ^= k >> 33
-	k *= 0xc4ceb9fe1a85ec53
-	k ^= k >> 33
-	return k
-}
-
 // home returns the home slot of k in a table of size n, and its
 // fingerprint already in slot position.
 func home(k uint64, n int) (int, uint32) {
-	h := mix(k)
+	h := fmix.Mix64(k) // engine hashes are not always uniform
 	hi, _ := bits.Mul64(h, uint64(n))
 	return int(hi), uint32(h) << idxBits
 }

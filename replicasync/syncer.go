@@ -15,6 +15,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvrouter/kvrouter/internal/tick"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
@@ -283,16 +284,7 @@ func (s *Syncer) Run(ctx context.Context) error {
 	}
 	defer func() { _ = sub.Unsubscribe() }()
 	s.send(&Message{Kind: KindHello})
-	tick := time.NewTicker(s.cfg.Interval)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-tick.C:
-			s.flush()
-		}
-	}
+	return tick.Every(ctx, s.cfg.Interval, s.flush)
 }
 
 // receive handles one message (on the subscription's goroutine).

@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/fmix"
 )
 
 // Interface guards.
@@ -137,7 +138,7 @@ func leastOutstanding(cands []*Instance, rnd func(uint64) uint64) *Instance {
 
 // PrefixAware is rendezvous (highest-random-weight) hashing of the
 // request's (routing text, tenant key) over the candidates: each candidate
-// scores fmix64(requestHash ^ instanceHash) and the highest wins. Equal
+// scores fmix64(requestHash ^ instanceHash) (internal/fmix) and the highest wins. Equal
 // prefixes land on the same instance; adding an instance moves only the
 // prefixes it now wins (~1/n), removing one moves only its own.
 //
@@ -190,7 +191,7 @@ func (s *PrefixAware) Pick(_ context.Context, req *Request, cands []*Instance) (
 }
 
 // rendezvousScore is the weight of an instance for a request hash.
-func rendezvousScore(reqHash, instHash uint64) uint64 { return fmix64(reqHash ^ instHash) }
+func rendezvousScore(reqHash, instHash uint64) uint64 { return fmix.Mix64(reqHash ^ instHash) }
 
 // Rendezvous is the instance's weight for a request hash in rendezvous
 // order (the highest is first): how kv_aware breaks ties as prefix_aware

@@ -13,6 +13,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/fmix"
 	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/kvrouter/kvrouter/tiers"
 )
@@ -209,7 +210,7 @@ func (r *Request) RoutingHash() uint64 {
 		if r.TenantKey != "" {
 			// Mix rather than concatenate: no copy of the text is needed, and
 			// fmix64 spreads the tenant's bits over the whole word.
-			h = fmix64(h ^ fmix64(xxhash.Sum64String(r.TenantKey)+0x9e3779b97f4a7c15))
+			h = fmix.Mix64(h ^ fmix.Mix64(xxhash.Sum64String(r.TenantKey)+0x9e3779b97f4a7c15))
 		}
 		r.hash, r.hashOnce = h, true
 	}
@@ -230,17 +231,6 @@ func (r *Request) TokenIDs(ctx context.Context) ([]uint32, error) {
 		r.tokens, r.tokErr = tracedTokens(ctx, r.Tokenizer, r)
 	})
 	return r.tokens, r.tokErr
-}
-
-// fmix64 is MurmurHash3's 64-bit finaliser: a bijection with full avalanche,
-// cheap enough to run once per candidate.
-func fmix64(k uint64) uint64 {
-	k ^= k >> 33
-	k *= 0xff51afd7ed558ccd
-	k ^= k >> 33
-	k *= 0xc4ceb9fe1a85ec53
-	k ^= k >> 33
-	return k
 }
 
 // StrategyOption adjusts a strategy built by NewStrategy.

@@ -20,11 +20,13 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
+	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/kvstate"
+	"github.com/kvrouter/kvrouter/router/routertest"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
 	"github.com/kvrouter/kvrouter/tiers"
@@ -199,11 +201,7 @@ func (f *engineFleet) route(ids []uint32) (inst, reason string, matched, cached 
 		f.t.Fatalf("completion: %d %s", resp.StatusCode, b)
 	}
 	var out struct {
-		Usage struct {
-			Details struct {
-				Cached int `json:"cached_tokens"`
-			} `json:"prompt_tokens_details"`
-		} `json:"usage"`
+		Usage routertest.Usage `json:"usage"`
 	}
 	if err := json.Unmarshal(b, &out); err != nil {
 		f.t.Fatalf("completion body %s: %v", b, err)
@@ -292,22 +290,10 @@ func TestE2EStoresOnlyLMCache(t *testing.T) {
 	ns := testenv.StartNATS(t)
 	pool := "p_" + name
 	stream, bucket := kvstream.StreamConfig{Name: "EV_" + name}, kvstream.BucketConfig{Name: "SN_" + name}
-	pubEP := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	replayEP := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	eng, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: pubEP, ReplayEndpoint: replayEP, Topic: "kv", FirstSeq: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = eng.Close() })
+	eng, pc := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{FirstSeq: 1})
 	publish := func(evs ...events.Event) {
 		t.Helper()
-		payload, err := events.Encode(nil, events.Batch{TS: 1, Events: evs, HasDPRank: true}, events.EncodingArray)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := eng.Publish(payload); err != nil {
-			t.Fatal(err)
-		}
+		eventstest.Publish(t, eng, events.Batch{TS: 1, Events: evs, HasDPRank: true})
 	}
 	const inst = "lmc-0"
 	r := startEngineRouter(t, ctx, ns.URL(), pool, stream.Name, bucket.Name,
@@ -317,7 +303,7 @@ func TestE2EStoresOnlyLMCache(t *testing.T) {
 	const lifetime = 2 * time.Second
 	br, _ := runBridge(t, ctx, bridge.Config{
 		Pool: pool, Model: engModel, Conn: nc, Stream: stream, Bucket: bucket,
-		Sources:           []bridge.Source{{Instance: inst, Endpoint: pubEP, ReplayEndpoint: replayEP}},
+		Sources:           []bridge.Source{{Instance: inst, Endpoint: pc.Endpoint, ReplayEndpoint: pc.ReplayEndpoint}},
 		HeartbeatInterval: 200 * time.Millisecond, SnapshotInterval: 300 * time.Millisecond,
 		EngineProbeInterval: -1, ReplayTimeout: 2 * time.Second, PublishTimeout: 2 * time.Second,
 		AgeOut: map[tiers.Tier]time.Duration{tiers.CPU: lifetime},

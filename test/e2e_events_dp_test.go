@@ -28,16 +28,10 @@ func TestE2EDataParallelRanks(t *testing.T) {
 	var pubs []*enginezmq.Publisher
 	var srcs []bridge.Source
 	for rank := 0; rank < 2; rank++ {
-		ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-		rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-		pub, err := enginezmq.NewPublisher(r.ctx, enginezmq.PublisherConfig{Endpoint: ep, ReplayEndpoint: rep,
+		pub, pc := eventstest.Publisher(t, r.ctx, enginezmq.PublisherConfig{
 			Topic: fmt.Sprintf("kv@127.0.0.1:%d@fake-model", 18000+rank), FirstSeq: 1})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = pub.Close() })
 		pubs = append(pubs, pub)
-		srcs = append(srcs, bridge.Source{Instance: fmt.Sprintf("vllm-0-dp%d", rank), Rank: rank, Endpoint: ep, ReplayEndpoint: rep})
+		srcs = append(srcs, bridge.Source{Instance: fmt.Sprintf("vllm-0-dp%d", rank), Rank: rank, Endpoint: pc.Endpoint, ReplayEndpoint: pc.ReplayEndpoint})
 	}
 	r.runBridge(bridge.Config{Model: "fake-model", Sources: srcs})
 	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)

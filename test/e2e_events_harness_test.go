@@ -256,15 +256,20 @@ func newRig(t testing.TB, o rigOpts) *rig {
 	if !o.noReplay {
 		r.replayEP = fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
 	}
-	r.startEngine(1)
+	r.startEngine(rigTopic, 1)
 	r.startBridge(o)
 	return r
 }
 
-func (r *rig) startEngine(firstSeq uint64) {
+// rigTopic is the rig's engine's ZMQ topic (vLLM's kv@<ip>:<port>@<model>).
+const rigTopic = "kv@127.0.0.1:18000@fake-model"
+
+// startEngine starts the engine's publisher on the rig's endpoints, its
+// first batch numbered firstSeq.
+func (r *rig) startEngine(topic string, firstSeq uint64) {
 	r.t.Helper()
 	pub, err := enginezmq.NewPublisher(r.ctx, enginezmq.PublisherConfig{
-		Endpoint: r.pubEP, ReplayEndpoint: r.replayEP, Topic: "kv@127.0.0.1:18000@fake-model", FirstSeq: firstSeq})
+		Endpoint: r.pubEP, ReplayEndpoint: r.replayEP, Topic: topic, FirstSeq: firstSeq})
 	if err != nil {
 		r.t.Fatal(err)
 	}

@@ -10,7 +10,6 @@ import (
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/consumer"
-	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
@@ -159,47 +158,35 @@ func TestE2EReplayUnavailable(t *testing.T) {
 	}
 }
 
-// The engine restarts (seq back to 1): the bridge clears the instance
+// The engine restarts (seq back to 1), or a new publisher takes its place
+// (another topic: the engine came back on another pod IP) whose seq happens
+// to continue the old one's: either way the bridge clears the instance
 // first, then the new engine's blocks are rebuilt.
 func TestE2EEngineRestart(t *testing.T) {
-	ps := eventstest.CapturedPayloads(t, "array.jsonl")
-	r := newRig(t, rigOpts{})
-	_, a, _ := r.startConsumer(consumer.Config{})
-	r.publish(ps[:12]...)
-	waitTable(t, a, r.instance, reference(t, ps[:12]...))
+	for _, tc := range []struct {
+		name     string
+		topic    string
+		firstSeq uint64
+	}{
+		{"restart", rigTopic, 1},
+		{"new publisher", "kv@127.0.0.2:18000@fake-model", 13},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ps := eventstest.CapturedPayloads(t, "array.jsonl")
+			r := newRig(t, rigOpts{})
+			_, a, _ := r.startConsumer(consumer.Config{})
+			r.publish(ps[:12]...)
+			waitTable(t, a, r.instance, reference(t, ps[:12]...))
 
-	_ = r.pub.Close()
-	r.startEngine(1)
-	testenv.WaitFor(t, 20*time.Second, "bridge reconnected", r.pub.Subscribed)
-	r.publish(ps[:4]...)
-	waitTable(t, a, r.instance, reference(t, ps[:4]...))
-	if s := r.stats(); s.Clears != 2 || s.Gaps != 0 {
-		t.Fatalf("bridge stats %+v: want the start-up and the restart clears", s)
-	}
-}
-
-// A new publisher (another topic: the engine came back on another pod IP)
-// whose seq happens to continue the old one's is still a restart.
-func TestE2ENewPublisher(t *testing.T) {
-	ps := eventstest.CapturedPayloads(t, "array.jsonl")
-	r := newRig(t, rigOpts{})
-	_, a, _ := r.startConsumer(consumer.Config{})
-	r.publish(ps[:12]...)
-	waitTable(t, a, r.instance, reference(t, ps[:12]...))
-
-	_ = r.pub.Close()
-	pub, err := enginezmq.NewPublisher(r.ctx, enginezmq.PublisherConfig{Endpoint: r.pubEP, ReplayEndpoint: r.replayEP,
-		Topic: "kv@127.0.0.2:18000@fake-model", FirstSeq: 13})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = pub.Close() })
-	r.pub = pub
-	testenv.WaitFor(t, 20*time.Second, "bridge reconnected", r.pub.Subscribed)
-	r.publish(ps[:4]...)
-	waitTable(t, a, r.instance, reference(t, ps[:4]...))
-	if s := r.stats(); s.Clears != 2 || s.Gaps != 0 {
-		t.Fatalf("bridge stats %+v: want the start-up and the new-publisher clears", s)
+			_ = r.pub.Close()
+			r.startEngine(tc.topic, tc.firstSeq)
+			testenv.WaitFor(t, 20*time.Second, "bridge reconnected", r.pub.Subscribed)
+			r.publish(ps[:4]...)
+			waitTable(t, a, r.instance, reference(t, ps[:4]...))
+			if s := r.stats(); s.Clears != 2 || s.Gaps != 0 {
+				t.Fatalf("bridge stats %+v: want the start-up clear and the %s's", s, tc.name)
+			}
+		})
 	}
 }
 
@@ -401,7 +388,7 @@ func TestE2ESnapshotStoresBesideHeartbeats(t *testing.T) {
 	r.publish(ps[:23]...)
 	r.waitPublished(23)
 	stores := func(result string) float64 {
-		return gatheredCounter(t, reg, "kvbridge_snapshots_total", map[string]string{"kind": "store", "result": result})
+		return testenv.Metric(t, reg, "kvbridge_snapshots_total", map[string]string{"kind": "store", "result": result})
 	}
 	// A store is skipped while the stream has not moved since the last
 	// one, and the bridge publishes the 23 messages faster than one

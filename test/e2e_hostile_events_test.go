@@ -85,39 +85,7 @@ func (r *hostileRig) heartbeat(instance, url string, at time.Time, key []byte, s
 // counter sums the samples of a counter family whose labels include want.
 func (r *hostileRig) counter(name string, want map[string]string) float64 {
 	r.t.Helper()
-	return gatheredCounter(r.t, r.reg, name, want)
-}
-
-// gatheredCounter sums the samples of reg's counter family name whose labels
-// include want.
-func gatheredCounter(t testing.TB, reg prometheus.Gatherer, name string, want map[string]string) float64 {
-	t.Helper()
-	fams, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	total := 0.0
-	for _, f := range fams {
-		if f.GetName() != name {
-			continue
-		}
-	metric:
-		for _, m := range f.GetMetric() {
-			for k, v := range want {
-				found := false
-				for _, l := range m.GetLabel() {
-					if l.GetName() == k && l.GetValue() == v {
-						found = true
-					}
-				}
-				if !found {
-					continue metric
-				}
-			}
-			total += m.GetCounter().GetValue()
-		}
-	}
-	return total
+	return testenv.Metric(r.t, r.reg, name, want)
 }
 
 // seriesWithInstance counts the series, over every family, whose instance

@@ -19,6 +19,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
+	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
@@ -39,16 +40,10 @@ type kvrEngine struct {
 
 func startKVREngine(t *testing.T, ctx context.Context, natsURL, pool, instance, url, stream, bucket string) *kvrEngine {
 	t.Helper()
-	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	pub, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = pub.Close() }) // after the bridge and its connection (cleanups run last first)
+	pub, pc := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{}) // closed after the bridge and its connection (cleanups run last first)
 	nc := testenv.Connect(t, natsURL, reconnectForever...)
 	_, stop := runBridge(t, ctx, bridge.Config{Pool: pool, Model: kvrModel, BlockSize: 16, Conn: nc,
-		Sources: []bridge.Source{{Instance: instance, Endpoint: ep, ReplayEndpoint: rep, URL: url}},
+		Sources: []bridge.Source{{Instance: instance, Endpoint: pc.Endpoint, ReplayEndpoint: pc.ReplayEndpoint, URL: url}},
 		Stream:  kvstream.StreamConfig{Name: stream}, Bucket: kvstream.BucketConfig{Name: bucket},
 		HeartbeatInterval: 200 * time.Millisecond})
 	e := &kvrEngine{pub: pub, stop: stop}
@@ -58,16 +53,41 @@ func startKVREngine(t *testing.T, ctx context.Context, natsURL, pool, instance, 
 
 func (e *kvrEngine) close() { e.stop() }
 
+// kvrScene is how the Redis-index and restart tests open: a context,
+// names unique to the test, an embedded NATS server, and a config of one
+// kv_aware pool (model kvrModel, health checks and discovery off) holding
+// one instance, vllm-0, whose events go through that server.
+type kvrScene struct {
+	ctx                        context.Context
+	name, pool, stream, bucket string
+	ns                         *testenv.NATSServer
+	cfg                        config.Config
+}
+
+func newKVRScene(t *testing.T) *kvrScene {
+	t.Helper()
+	ctx := testenv.Context(t, 2*time.Minute)
+	name := testenv.UniqueName(t)
+	sc := &kvrScene{ctx: ctx, name: name, pool: "p_" + name, stream: "EV_" + name, bucket: "SN_" + name, ns: testenv.StartNATS(t)}
+	sc.cfg = config.Config{
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: sc.ns.URL(), Stream: sc.stream}, Bucket: sc.bucket},
+		Pools: []config.PoolConfig{{Name: sc.pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
+			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
+			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
+	}
+	return sc
+}
+
+// engine starts vllm-0's engine side: its publisher and its bridge.
+func (sc *kvrScene) engine(t *testing.T) *kvrEngine {
+	t.Helper()
+	return startKVREngine(t, sc.ctx, sc.ns.URL(), sc.pool, "vllm-0", "http://127.0.0.1:1", sc.stream, sc.bucket)
+}
+
 // publish sends one vLLM batch (array encoding, as the engine does).
 func (e *kvrEngine) publish(t *testing.T, evs ...events.Event) {
 	t.Helper()
-	payload, err := events.Encode(nil, events.Batch{TS: float64(time.Now().UnixNano()) / 1e9, Events: evs}, events.EncodingArray)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := e.pub.Publish(payload); err != nil {
-		t.Fatal(err)
-	}
+	eventstest.Publish(t, e.pub, events.Batch{TS: float64(time.Now().UnixNano()) / 1e9, Events: evs})
 }
 
 func kvrTokens(seed, n int) []uint32 {
@@ -432,18 +452,9 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 // new events), and a second router's pipeline on the same Redis and NATS
 // sees the same blocks.
 func TestKVRouterEventsRedisIndex(t *testing.T) {
-	ctx := testenv.Context(t, 2*time.Minute)
-	name := testenv.UniqueName(t)
-	pool := "p_" + name
-	stream, bucket := "EV_"+name, "SN_"+name
-	ns := testenv.StartNATS(t)
-	cfg := config.Config{
-		Index:  &config.IndexConfig{Backend: "redis", Redis: &config.RedisConfig{Addrs: []string{testenv.Redis(t)}, KeyPrefix: name}},
-		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
-		Pools: []config.PoolConfig{{Name: pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
-			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
-			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
-	}
+	sc := newKVRScene(t)
+	ctx, pool, cfg := sc.ctx, sc.pool, sc.cfg
+	cfg.Index = &config.IndexConfig{Backend: "redis", Redis: &config.RedisConfig{Addrs: []string{testenv.Redis(t)}, KeyPrefix: sc.name}}
 	var routers []*kvrRouter
 	for range 2 {
 		kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: quietLogger()}, nil)
@@ -459,7 +470,7 @@ func TestKVRouterEventsRedisIndex(t *testing.T) {
 		idx, _ := routers[0].kve.KV(cfg.Pools[0])
 		_ = idx.Purge(context.Background(), "vllm-0")
 	})
-	eng := startKVREngine(t, ctx, ns.URL(), pool, "vllm-0", "http://127.0.0.1:1", stream, bucket)
+	eng := sc.engine(t)
 	ids := kvrTokens(7, 3*16)
 	eng.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(500, 3), TokenIDs: ids, BlockSize: 16, Medium: "GPU"})
 	want := admin.KVLookupMatch{Instance: "vllm-0", GPUBlocks: 3, Live: true}
@@ -479,17 +490,8 @@ func TestKVRouterEventsRedisIndex(t *testing.T) {
 // the same NATS) rebuilds its memory index from the bridges' snapshots and
 // the stream, to what the first one held — GPU and CPU tiers alike.
 func TestKVRouterRestartRebuildsIndex(t *testing.T) {
-	ctx := testenv.Context(t, 2*time.Minute)
-	name := testenv.UniqueName(t)
-	pool := "p_" + name
-	stream, bucket := "EV_"+name, "SN_"+name
-	ns := testenv.StartNATS(t)
-	cfg := config.Config{
-		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket},
-		Pools: []config.PoolConfig{{Name: pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
-			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
-			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
-	}
+	sc := newKVRScene(t)
+	ctx, pool, cfg := sc.ctx, sc.pool, sc.cfg
 	start := func() *kvrRouter {
 		kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: quietLogger(), SnapshotTimeout: 500 * time.Millisecond}, nil)
 		ts := httptest.NewServer(srv.Handler())
@@ -497,7 +499,7 @@ func TestKVRouterRestartRebuildsIndex(t *testing.T) {
 		return &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
 	}
 	r1 := start()
-	eng := startKVREngine(t, ctx, ns.URL(), pool, "vllm-0", "http://127.0.0.1:1", stream, bucket)
+	eng := sc.engine(t)
 	ids := kvrTokens(9, 5*16)
 	eng.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(700, 5), TokenIDs: ids, BlockSize: 16, Medium: "GPU"})
 	eng.publish(t,

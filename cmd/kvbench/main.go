@@ -77,12 +77,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 // setUsage gives a command's -h what kvctl's and kvbridge's have: the
 // synopsis, what the command does, examples, then the flags.
 func setUsage(fs *flag.FlagSet, w io.Writer, synopsis, description string, examples []string) {
-	fs.Usage = func() {
-		fmt.Fprintf(w, "usage: %s\n\n%s\n\nExamples:\n", synopsis, description)
-		for _, e := range examples {
-			fmt.Fprintf(w, "  %s\n", e)
-		}
-		fmt.Fprintf(w, "\nFlags:\n")
-		fs.PrintDefaults()
+	head := fmt.Sprintf("usage: %s\n\n%s\n\nExamples:\n", synopsis, description)
+	for _, e := range examples {
+		head += fmt.Sprintf("  %s\n", e)
 	}
+	cli.SetUsage(fs, w, head+"\nFlags:\n", "")
 }

@@ -15,6 +15,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/kvrouter/kvrouter/cmd/internal/cli"
 )
 
 // Environment variables that default the common admin flags, so that an
@@ -59,11 +61,7 @@ func adminFlagSet(name string, stdout io.Writer, o *adminOpts, usage string) *fl
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(stdout)
 	addAdminFlags(fs, o)
-	fs.Usage = func() {
-		fmt.Fprintln(stdout, usage)
-		fs.PrintDefaults()
-		fmt.Fprintln(stdout, "\n"+adminFlagsHelp)
-	}
+	cli.SetUsage(fs, stdout, usage+"\n", "\n"+adminFlagsHelp+"\n")
 	return fs
 }
 

@@ -17,6 +17,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
+	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router/admin"
@@ -37,15 +38,9 @@ type engine struct {
 
 func startEngine(t *testing.T, ctx context.Context, natsURL, pool, instance, url, stream, bucket string) *engine {
 	t.Helper()
-	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	pub, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = pub.Close() })
+	pub, pc := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{})
 	b, err := bridge.New(bridge.Config{Pool: pool, Model: testModel, BlockSize: 16, Conn: testenv.Connect(t, natsURL),
-		Sources: []bridge.Source{{Instance: instance, Endpoint: ep, ReplayEndpoint: rep, URL: url}},
+		Sources: []bridge.Source{{Instance: instance, Endpoint: pc.Endpoint, ReplayEndpoint: pc.ReplayEndpoint, URL: url}},
 		Stream:  kvstream.StreamConfig{Name: stream}, Bucket: kvstream.BucketConfig{Name: bucket},
 		HeartbeatInterval: 200 * time.Millisecond, Logger: quiet()})
 	if err != nil {
@@ -58,13 +53,7 @@ func startEngine(t *testing.T, ctx context.Context, natsURL, pool, instance, url
 
 func (e *engine) publish(t *testing.T, evs ...events.Event) {
 	t.Helper()
-	payload, err := events.Encode(nil, events.Batch{TS: float64(time.Now().UnixNano()) / 1e9, Events: evs}, events.EncodingArray)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := e.pub.Publish(payload); err != nil {
-		t.Fatal(err)
-	}
+	eventstest.Publish(t, e.pub, events.Batch{TS: float64(time.Now().UnixNano()) / 1e9, Events: evs})
 }
 
 // TestKVCommandsEndToEnd runs kvctl lookup, instances and tail evictions

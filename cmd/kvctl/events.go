@@ -12,6 +12,7 @@ import (
 	"os"
 	"strconv"
 
+	"github.com/kvrouter/kvrouter/cmd/internal/cli"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/tiers"
 )
@@ -73,8 +74,7 @@ func runEventsDecode(ctx context.Context, args []string, stdout io.Writer) error
 	var o decodeOpts
 	fs.BoolVar(&o.hex, "hex", false, "print block hashes as 16-digit hex strings (JSON numbers above 2^53 lose precision in many tools)")
 	fs.BoolVar(&o.noTokens, "no-tokens", false, "omit token ids")
-	fs.Usage = func() {
-		fmt.Fprintln(stdout, `Usage: kvctl events decode [flags] FILE
+	cli.SetUsage(fs, stdout, `Usage: kvctl events decode [flags] FILE
 
 Prints a vLLM KV-event capture as one JSON object per event. FILE ('-' for
 stdin) is either one raw msgpack EventBatch payload, or JSON lines carrying
@@ -83,9 +83,8 @@ known), as kvrouter's captures and kvbridge dumps do. Lines without a payload
 (replay requests, the replay end marker) are skipped. A message that does not
 decode prints {"error": ...} and makes the exit status 1.
 
-Flags:`)
-		fs.PrintDefaults()
-	}
+Flags:
+`, "")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}

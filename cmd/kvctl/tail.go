@@ -18,6 +18,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/tick"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -163,16 +164,7 @@ func (s *recordSink) summarise(ctx context.Context, every time.Duration) (stop f
 	ctx, cancel := context.WithCancel(ctx)
 	go func() {
 		defer close(done)
-		t := time.NewTicker(every)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-				_ = s.flush()
-			}
-		}
+		_ = tick.Every(ctx, every, func() { _ = s.flush() })
 	}()
 	return func() {
 		cancel()

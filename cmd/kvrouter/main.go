@@ -48,6 +48,7 @@ import (
 	"go.opentelemetry.io/otel"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
+	"github.com/kvrouter/kvrouter/cmd/internal/cli"
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/grpcapi"
@@ -127,11 +128,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	var f flags
 	fs := flag.NewFlagSet("kvrouter", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.Usage = func() {
-		fmt.Fprint(stderr, usageText)
-		fs.PrintDefaults()
-		fmt.Fprint(stderr, usageFooter)
-	}
+	cli.SetUsage(fs, stderr, usageText, usageFooter)
 	fs.StringVar(&f.config, "config", "", "path to the YAML configuration (required)")
 	fs.StringVar(&f.listen, "listen", "", "data-plane listen address (overrides listen)")
 	fs.StringVar(&f.adminListen, "admin-listen", "", "admin API and /metrics listen address (overrides admin_listen)")

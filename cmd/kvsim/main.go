@@ -61,10 +61,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	o := &options{}
 	fs := flag.NewFlagSet("kvsim", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "usage: kvsim [flags]\n\nRuns simulated vLLM instances (HTTP API + ZMQ KV events). Instance i serves HTTP on\n--port+i; rank r of instance i publishes on --zmq-port + i*dp + r (replay likewise).\nZero-valued engine flags take the defaults documented in docs/kvsim.md (Llama 3.1 70B, TP8, 8×H100).\n\n")
-		fs.PrintDefaults()
-	}
+	cli.SetUsage(fs, stderr, "usage: kvsim [flags]\n\nRuns simulated vLLM instances (HTTP API + ZMQ KV events). Instance i serves HTTP on\n--port+i; rank r of instance i publishes on --zmq-port + i*dp + r (replay likewise).\nZero-valued engine flags take the defaults documented in docs/kvsim.md (Llama 3.1 70B, TP8, 8×H100).\n\n", "")
 	fs.IntVar(&o.instances, "instances", 1, "number of simulated vLLM servers")
 	fs.StringVar(&o.host, "host", "127.0.0.1", "HTTP listen host")
 	fs.IntVar(&o.port, "port", 8000, "HTTP port of instance 0 (instance i uses port+i; 0 = free ports)")

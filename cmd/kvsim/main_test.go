@@ -16,6 +16,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/router/routertest"
 	"github.com/kvrouter/kvrouter/sim/simserver"
 )
 
@@ -102,12 +103,7 @@ func TestRunFleet(t *testing.T) {
 				t.Fatal(err)
 			}
 			var u struct {
-				Usage struct {
-					PromptTokens int `json:"prompt_tokens"`
-					Details      struct {
-						Cached int `json:"cached_tokens"`
-					} `json:"prompt_tokens_details"`
-				} `json:"usage"`
+				Usage routertest.Usage `json:"usage"`
 			}
 			if err := json.NewDecoder(resp.Body).Decode(&u); err != nil || resp.StatusCode != 200 {
 				t.Fatalf("completion: %d %v", resp.StatusCode, err)

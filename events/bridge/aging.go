@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/tick"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -108,19 +109,12 @@ func ageInterval(ageOut map[tiers.Tier]time.Duration) time.Duration {
 
 // ageTicker asks the process goroutine to sweep, every ageInterval.
 func (in *instance) ageTicker(ctx context.Context) {
-	tk := time.NewTicker(ageInterval(in.b.cfg.AgeOut))
-	defer tk.Stop()
-	for {
+	_ = tick.Every(ctx, ageInterval(in.b.cfg.AgeOut), func() {
 		select {
-		case <-ctx.Done():
-			return
-		case <-tk.C:
-			select {
-			case in.ageNow <- struct{}{}:
-			default:
-			}
+		case in.ageNow <- struct{}{}:
+		default:
 		}
-	}
+	})
 }
 
 // ageOut publishes removals of the blocks of aged tiers that were not

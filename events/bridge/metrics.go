@@ -2,6 +2,8 @@ package bridge
 
 import (
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter/kvrouter/internal/metricset"
 )
 
 // metrics are kvbridge's Prometheus series, registered on the Registerer
@@ -28,54 +30,49 @@ type metrics struct {
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	var ms metricset.Set
 	m := &metrics{
-		batches: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_batches_total",
-			Help: "Event batches published to NATS, by instance (synthetic ones included)."}, []string{"instance"}),
-		events: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_events_total",
-			Help: "Engine events published, by type and tier."}, []string{"type", "tier"}),
-		blocks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_blocks_total",
-			Help: "Blocks in published engine events, by event type and tier."}, []string{"type", "tier"}),
-		gaps: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_gaps_total",
-			Help: "Sequence gaps detected in the engine's PUB stream."}, []string{"instance"}),
-		replays: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_replays_total",
-			Help: "Replay requests to the engine, by result (ok, failed)."}, []string{"instance", "result"}),
-		clears: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_clears_total",
-			Help: "Synthetic clears published, by reason (gap, restart, resync)."}, []string{"instance", "reason"}),
-		drops: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_drops_total",
-			Help: "Engine messages dropped before publishing, by reason (buffer_full: NATS outage outlasted the buffer; frames: malformed ZMQ frames)."}, []string{"instance", "reason"}),
-		malformed: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_malformed_payloads_total",
-			Help: "Engine payloads that did not decode (published unchanged; the table ignores them)."}, []string{"instance"}),
-		publishSecs: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvbridge_publish_seconds",
-			Help:    "JetStream publish latency, from send to ack, per attempt that succeeded.",
-			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 16)}),
-		retries: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvbridge_publish_retries_total",
-			Help: "JetStream publish attempts that failed and were retried."}),
-		tableBlocks: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvbridge_table_blocks",
-			Help: "Blocks in the instance's live block table."}, []string{"instance"}),
-		bufferDepth: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvbridge_buffer_depth",
-			Help: "Engine messages waiting to be published (outage buffer)."}, []string{"instance"}),
-		snapshots: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_snapshots_total",
-			Help: "Snapshots served or stored, by kind (request, store) and result (ok, error)."}, []string{"kind", "result"}),
-		storeSecs: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvbridge_snapshot_store_seconds",
-			Help:    "Time to put one snapshot in the bucket (object chunks included), per store that succeeded; near the snapshot interval means the server cannot keep up.",
-			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}),
-		storeBytes: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvbridge_snapshot_bytes",
-			Help: "Size of the instance's last stored snapshot (its encoded block table)."}, []string{"instance"}),
-		tableFull: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_table_evictions_total",
-			Help: "Held blocks dropped from the block table by --max-blocks (zero while it is at least the engine's block count)."}, []string{"instance"}),
-		engineDown: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvbridge_engine_down",
-			Help: "1 while the engine's HTTP health fails and it publishes no events (heartbeats say so), else 0."}, []string{"instance"}),
-		reorders: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge_publish_reorders_total",
-			Help: "Publish failures after which the stream held the instance's messages out of order, repaired by a resync (clear, then the table)."}, []string{"instance"}),
+		batches: ms.CounterVec("kvbridge_batches_total",
+			"Event batches published to NATS, by instance (synthetic ones included).", "instance"),
+		events: ms.CounterVec("kvbridge_events_total",
+			"Engine events published, by type and tier.", "type", "tier"),
+		blocks: ms.CounterVec("kvbridge_blocks_total",
+			"Blocks in published engine events, by event type and tier.", "type", "tier"),
+		gaps: ms.CounterVec("kvbridge_gaps_total",
+			"Sequence gaps detected in the engine's PUB stream.", "instance"),
+		replays: ms.CounterVec("kvbridge_replays_total",
+			"Replay requests to the engine, by result (ok, failed).", "instance", "result"),
+		clears: ms.CounterVec("kvbridge_clears_total",
+			"Synthetic clears published, by reason (gap, restart, resync).", "instance", "reason"),
+		drops: ms.CounterVec("kvbridge_drops_total",
+			"Engine messages dropped before publishing, by reason (buffer_full: NATS outage outlasted the buffer; frames: malformed ZMQ frames).", "instance", "reason"),
+		malformed: ms.CounterVec("kvbridge_malformed_payloads_total",
+			"Engine payloads that did not decode (published unchanged; the table ignores them).", "instance"),
+		publishSecs: ms.Histogram("kvbridge_publish_seconds",
+			"JetStream publish latency, from send to ack, per attempt that succeeded.",
+			prometheus.ExponentialBuckets(0.0001, 2, 16)),
+		retries: ms.Counter("kvbridge_publish_retries_total",
+			"JetStream publish attempts that failed and were retried."),
+		tableBlocks: ms.GaugeVec("kvbridge_table_blocks",
+			"Blocks in the instance's live block table.", "instance"),
+		bufferDepth: ms.GaugeVec("kvbridge_buffer_depth",
+			"Engine messages waiting to be published (outage buffer).", "instance"),
+		snapshots: ms.CounterVec("kvbridge_snapshots_total",
+			"Snapshots served or stored, by kind (request, store) and result (ok, error).", "kind", "result"),
+		storeSecs: ms.Histogram("kvbridge_snapshot_store_seconds",
+			"Time to put one snapshot in the bucket (object chunks included), per store that succeeded; near the snapshot interval means the server cannot keep up.",
+			prometheus.ExponentialBuckets(0.001, 2, 16)),
+		storeBytes: ms.GaugeVec("kvbridge_snapshot_bytes",
+			"Size of the instance's last stored snapshot (its encoded block table).", "instance"),
+		tableFull: ms.CounterVec("kvbridge_table_evictions_total",
+			"Held blocks dropped from the block table by --max-blocks (zero while it is at least the engine's block count).", "instance"),
+		engineDown: ms.GaugeVec("kvbridge_engine_down",
+			"1 while the engine's HTTP health fails and it publishes no events (heartbeats say so), else 0.", "instance"),
+		reorders: ms.CounterVec("kvbridge_publish_reorders_total",
+			"Publish failures after which the stream held the instance's messages out of order, repaired by a resync (clear, then the table).", "instance"),
 	}
-	if reg != nil {
-		for _, c := range []prometheus.Collector{m.batches, m.events, m.blocks, m.gaps, m.replays, m.clears, m.drops,
-			m.malformed, m.publishSecs, m.retries, m.tableBlocks, m.bufferDepth, m.snapshots, m.storeSecs, m.storeBytes, m.tableFull, m.engineDown,
-			m.reorders} {
-			if err := reg.Register(c); err != nil {
-				return nil, err
-			}
-		}
+	if err := ms.Register(reg); err != nil {
+		return nil, err
 	}
 	return m, nil
 }

@@ -30,6 +30,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/ratelog"
+	"github.com/kvrouter/kvrouter/internal/tick"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
@@ -332,14 +333,5 @@ func (c *Consumer) Run(ctx context.Context) error {
 	go func() { defer wg.Done(); c.awaitRebuilt(ctx, s.current) }()
 	go func() { defer wg.Done(); c.watch(ctx, deliver) }()
 
-	tick := time.NewTicker(c.cfg.CheckInterval)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-tick.C:
-			c.check(ctx)
-		}
-	}
+	return tick.Every(ctx, c.cfg.CheckInterval, func() { c.check(ctx) })
 }

@@ -13,20 +13,7 @@ import (
 // counter reads a counter from the router's registry.
 func (r *router) counter(t *testing.T, name string) float64 {
 	t.Helper()
-	mfs, err := r.reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() == name {
-			total := 0.0
-			for _, m := range mf.GetMetric() {
-				total += m.GetCounter().GetValue()
-			}
-			return total
-		}
-	}
-	return 0
+	return testenv.Metric(t, r.reg, name, nil)
 }
 
 // Two routers share a Redis index on a 3-master, 3-replica Redis Cluster

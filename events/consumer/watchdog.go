@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvrouter/kvrouter/internal/tick"
 )
 
 // The stream consumer and its watchdog.
@@ -142,18 +144,11 @@ func (c *Consumer) deliver(ctx context.Context, gen uint64, m jetstream.Msg) {
 
 // watch runs the watchdog until ctx is done.
 func (c *Consumer) watch(ctx context.Context, deliver jetstream.DeliverPolicy) {
-	t := time.NewTicker(heartbeat)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			if c.stalled(ctx, time.Now()) {
-				c.replace(ctx, deliver)
-			}
+	_ = tick.Every(ctx, heartbeat, func() {
+		if c.stalled(ctx, time.Now()) {
+			c.replace(ctx, deliver)
 		}
-	}
+	})
 }
 
 // stalled reports whether a message the stream held stallHeartbeats ago

@@ -1,6 +1,7 @@
 // Package eventstest gives tests in any package the real engine messages
 // captured in events/testdata/captured (llm-d-inference-sim; see its
-// DATA.md), as the engine's ZMQ payloads.
+// DATA.md), as the engine's ZMQ payloads, and a vLLM-format publisher to
+// send them on (engine.go).
 package eventstest
 
 import (

@@ -10,7 +10,6 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/events/kvstream"
@@ -40,30 +39,14 @@ func newLogs(t *testing.T) (*liblog.Logs, *testenv.Logs, *prometheus.Registry) {
 	return l, buf, reg
 }
 
+// count sums the library's line counter, of one kind or ("") all.
 func count(t *testing.T, reg *prometheus.Registry, library, kind string) float64 {
 	t.Helper()
-	fams, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
+	labels := map[string]string{"library": library}
+	if kind != "" {
+		labels["kind"] = kind
 	}
-	total := 0.0
-	for _, f := range fams {
-		for _, m := range f.GetMetric() {
-			if label(m, "library") == library && (kind == "" || label(m, "kind") == kind) {
-				total += m.GetCounter().GetValue()
-			}
-		}
-	}
-	return total
-}
-
-func label(m *dto.Metric, name string) string {
-	for _, l := range m.GetLabel() {
-		if l.GetName() == name {
-			return l.GetValue()
-		}
-	}
-	return ""
+	return testenv.Metric(t, reg, "test_library_log_lines_total", labels)
 }
 
 // A go-redis client hammering a dead server: every line it reports is

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/tick"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 )
@@ -85,16 +86,8 @@ func (r *Reconciler) Apply(cfg config.Config) error {
 // the pools with the base configuration plus the discovered instances,
 // keeping each pool's current (possibly admin-changed) routing.
 func (r *Reconciler) Run(ctx context.Context) error {
-	t := time.NewTicker(r.interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-t.C:
-			r.sync()
-		}
-	}
+	_ = tick.Every(ctx, r.interval, r.sync)
+	return nil
 }
 
 func (r *Reconciler) sync() {

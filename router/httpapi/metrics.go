@@ -2,6 +2,8 @@ package httpapi
 
 import (
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter/kvrouter/internal/metricset"
 )
 
 // metrics are the router's Prometheus metrics, registered on the
@@ -21,52 +23,44 @@ type metrics struct {
 }
 
 func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
+	var ms metricset.Set
 	m := &metrics{
-		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_requests_total",
-			Help: "Requests answered, by pool, instance, strategy, reason and HTTP status (instance empty when none was picked).",
-		}, []string{"pool", "instance", "strategy", "reason", "status"}),
-		overflows: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_overflows_total",
-			Help: "Requests not sent to their first-choice instance because it was at the concurrency threshold (reason overflow or saturated).",
-		}, []string{"pool", "strategy", "reason"}),
-		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_retries_total",
-			Help: "Requests retried on another instance after the first failed before any byte reached the client.",
-		}, []string{"pool", "instance"}),
-		decision: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "kvrouter_decision_seconds",
-			Help:    "Time to pick an instance (candidate filtering and strategy).",
-			Buckets: prometheus.ExponentialBuckets(250e-9, 2, 16), // 250ns .. 8ms
-		}, []string{"pool", "strategy"}),
-		ttfb: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "kvrouter_upstream_ttfb_seconds",
-			Help:    "Time from sending a request upstream to its first response body byte (prefill plus queueing for streams).",
-			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 18), // 0.5ms .. 65s
-		}, []string{"pool", "instance"}),
-		probes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_health_probes_total",
-			Help: "Active health probes by result.",
-		}, []string{"pool", "instance", "result"}),
-		streamErr: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_stream_errors_total",
-			Help: "Upstream responses that failed after bytes reached the client (streams end with an error event).",
-		}, []string{"pool", "instance"}),
-		disagg: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_disagg_requests_total",
-			Help: "Requests of pools with disaggregation on, by how they were served (disaggregated, or aggregated with the reason).",
-		}, []string{"pool", "mode", "reason"}),
-		disaggPrefillErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_disagg_prefill_errors_total",
-			Help: "Prefill requests that failed (transport error or a non-200 answer); the request was tried on another prefill instance or went aggregated.",
-		}, []string{"pool", "instance"}),
+		requests: ms.CounterVec("kvrouter_requests_total",
+			"Requests answered, by pool, instance, strategy, reason and HTTP status (instance empty when none was picked).",
+			"pool", "instance", "strategy", "reason", "status"),
+		overflows: ms.CounterVec("kvrouter_overflows_total",
+			"Requests not sent to their first-choice instance because it was at the concurrency threshold (reason overflow or saturated).",
+			"pool", "strategy", "reason"),
+		retries: ms.CounterVec("kvrouter_retries_total",
+			"Requests retried on another instance after the first failed before any byte reached the client.",
+			"pool", "instance"),
+		decision: ms.HistogramVec("kvrouter_decision_seconds",
+			"Time to pick an instance (candidate filtering and strategy).",
+			prometheus.ExponentialBuckets(250e-9, 2, 16), // 250ns .. 8ms
+			"pool", "strategy"),
+		ttfb: ms.HistogramVec("kvrouter_upstream_ttfb_seconds",
+			"Time from sending a request upstream to its first response body byte (prefill plus queueing for streams).",
+			prometheus.ExponentialBuckets(0.0005, 2, 18), // 0.5ms .. 65s
+			"pool", "instance"),
+		probes: ms.CounterVec("kvrouter_health_probes_total",
+			"Active health probes by result.",
+			"pool", "instance", "result"),
+		streamErr: ms.CounterVec("kvrouter_stream_errors_total",
+			"Upstream responses that failed after bytes reached the client (streams end with an error event).",
+			"pool", "instance"),
+		disagg: ms.CounterVec("kvrouter_disagg_requests_total",
+			"Requests of pools with disaggregation on, by how they were served (disaggregated, or aggregated with the reason).",
+			"pool", "mode", "reason"),
+		disaggPrefillErrors: ms.CounterVec("kvrouter_disagg_prefill_errors_total",
+			"Prefill requests that failed (transport error or a non-200 answer); the request was tried on another prefill instance or went aggregated.",
+			"pool", "instance"),
 	}
+	ms.Add(&liveCollector{s: s})
 	var flowCollectors []prometheus.Collector
 	m.flow, flowCollectors = newFlowMetrics(s)
-	for _, c := range append([]prometheus.Collector{m.requests, m.overflows, m.retries, m.decision, m.ttfb, m.probes, m.streamErr, m.disagg, m.disaggPrefillErrors, &liveCollector{s: s}}, flowCollectors...) {
-		if err := reg.Register(c); err != nil {
-			return nil, err
-		}
+	ms.Add(flowCollectors...)
+	if err := ms.Register(reg); err != nil {
+		return nil, err
 	}
 	return m, nil
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
+	"github.com/kvrouter/kvrouter/router/routertest"
 	"github.com/kvrouter/kvrouter/router/servertest"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/sim/simserver"
@@ -121,12 +122,7 @@ func TestToolChatPredictionMatchesEngine(t *testing.T) {
 		}
 		defer resp.Body.Close()
 		var body struct {
-			Usage struct {
-				PromptTokens int `json:"prompt_tokens"`
-				Details      struct {
-					Cached int `json:"cached_tokens"`
-				} `json:"prompt_tokens_details"`
-			} `json:"usage"`
+			Usage routertest.Usage `json:"usage"`
 		}
 		if err := json.NewDecoder(resp.Body).Decode(&body); err != nil || resp.StatusCode != 200 {
 			t.Fatalf("chat: %d %v", resp.StatusCode, err)

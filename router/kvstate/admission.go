@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/metricset"
 	"github.com/kvrouter/kvrouter/internal/ratelog"
 )
 
@@ -91,20 +92,17 @@ type discoveryMetrics struct {
 }
 
 func newDiscoveryMetrics(reg prometheus.Registerer) (*discoveryMetrics, error) {
+	var ms metricset.Set
 	m := &discoveryMetrics{
-		refused: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_discovery_heartbeats_refused_total",
-			Help: "Heartbeats refused before they could create or refresh an instance, by pool and reason (unsigned, bad_signature, stale, url_not_allowed)."}, []string{"pool", "reason"}),
-		joins: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_discovery_joins_total",
-			Help: "Instances added to a pool from heartbeats."}, []string{"pool"}),
-		leaves: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_discovery_leaves_total",
-			Help: "Heartbeat-discovered instances removed from a pool (purged for silence, or no longer allowed)."}, []string{"pool"}),
+		refused: ms.CounterVec("kvrouter_discovery_heartbeats_refused_total",
+			"Heartbeats refused before they could create or refresh an instance, by pool and reason (unsigned, bad_signature, stale, url_not_allowed).", "pool", "reason"),
+		joins: ms.CounterVec("kvrouter_discovery_joins_total",
+			"Instances added to a pool from heartbeats.", "pool"),
+		leaves: ms.CounterVec("kvrouter_discovery_leaves_total",
+			"Heartbeat-discovered instances removed from a pool (purged for silence, or no longer allowed).", "pool"),
 	}
-	if reg != nil {
-		for _, c := range []prometheus.Collector{m.refused, m.joins, m.leaves} {
-			if err := reg.Register(c); err != nil {
-				return nil, err
-			}
-		}
+	if err := ms.Register(reg); err != nil {
+		return nil, err
 	}
 	return m, nil
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/routertest"
@@ -151,33 +152,11 @@ func ErrorOf(t testing.TB, r Result) (msg string, code int) {
 }
 
 // Metric sums the counter or gauge samples of the family name gathered
-// from g whose labels include every one of labels (0 when none do).
+// from g whose labels include every one of labels (0 when none do): it is
+// testenv.Metric, kept here for the data-plane tests that use this harness.
 func Metric(t testing.TB, g prometheus.Gatherer, name string, labels map[string]string) float64 {
 	t.Helper()
-	mfs, err := g.Gather()
-	if err != nil {
-		t.Fatalf("gather: %v", err)
-	}
-	total := 0.0
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	samples:
-		for _, m := range mf.GetMetric() {
-			have := map[string]string{}
-			for _, lp := range m.GetLabel() {
-				have[lp.GetName()] = lp.GetValue()
-			}
-			for k, v := range labels {
-				if have[k] != v {
-					continue samples
-				}
-			}
-			total += m.GetCounter().GetValue() + m.GetGauge().GetValue()
-		}
-	}
-	return total
+	return testenv.Metric(t, g, name, labels)
 }
 
 // WaitFor polls cond until it holds, failing after a generous deadline.

@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/router/routertest"
 	"github.com/kvrouter/kvrouter/sim"
 )
 
@@ -41,16 +42,11 @@ func TestAgreesWithCapturedSimulator(t *testing.T) {
 	n := 0
 	for sc.Scan() {
 		var c struct {
-			Label   string          `json:"label"`
-			Path    string          `json:"path"`
-			Request json.RawMessage `json:"request"`
-			Status  int             `json:"status"`
-			Usage   *struct {
-				PromptTokens int `json:"prompt_tokens"`
-				Details      struct {
-					Cached int `json:"cached_tokens"`
-				} `json:"prompt_tokens_details"`
-			} `json:"usage"`
+			Label   string            `json:"label"`
+			Path    string            `json:"path"`
+			Request json.RawMessage   `json:"request"`
+			Status  int               `json:"status"`
+			Usage   *routertest.Usage `json:"usage"`
 		}
 		if err := json.Unmarshal(sc.Bytes(), &c); err != nil {
 			t.Fatal(err)
@@ -80,9 +76,9 @@ func TestAgreesWithCapturedSimulator(t *testing.T) {
 		if err := json.Unmarshal(out, &u); err != nil {
 			t.Fatalf("%s: %v", c.Label, err)
 		}
-		if u.Usage.PromptTokens != c.Usage.PromptTokens || u.Usage.PromptTokensDetails.CachedTokens != c.Usage.Details.Cached {
+		if u.Usage.PromptTokens != c.Usage.PromptTokens || u.Usage.Details.Cached != c.Usage.Details.Cached {
 			t.Errorf("%s: prompt %d cached %d; captured prompt %d cached %d", c.Label,
-				u.Usage.PromptTokens, u.Usage.PromptTokensDetails.CachedTokens, c.Usage.PromptTokens, c.Usage.Details.Cached)
+				u.Usage.PromptTokens, u.Usage.Details.Cached, c.Usage.PromptTokens, c.Usage.Details.Cached)
 		}
 		n++
 	}

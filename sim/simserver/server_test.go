@@ -19,6 +19,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/router/routertest"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
@@ -92,13 +93,7 @@ func post(t *testing.T, url string, body any) (int, []byte) {
 }
 
 type usageResp struct {
-	Usage struct {
-		PromptTokens        int `json:"prompt_tokens"`
-		CompletionTokens    int `json:"completion_tokens"`
-		PromptTokensDetails struct {
-			CachedTokens int `json:"cached_tokens"`
-		} `json:"prompt_tokens_details"`
-	} `json:"usage"`
+	Usage   routertest.Usage `json:"usage"`
 	Choices []struct {
 		Text    string `json:"text"`
 		Message struct {
@@ -179,7 +174,7 @@ func testEndToEnd(t *testing.T, enc events.Encoding) {
 	if code != 200 || json.Unmarshal(body, &r1) != nil {
 		t.Fatalf("chat: %d %s", code, body)
 	}
-	if r1.Usage.PromptTokens != len(want) || r1.Usage.CompletionTokens != 5 || r1.Usage.PromptTokensDetails.CachedTokens != 0 {
+	if r1.Usage.PromptTokens != len(want) || r1.Usage.CompletionTokens != 5 || r1.Usage.Details.Cached != 0 {
 		t.Fatalf("first chat usage %+v, want %d prompt tokens, 5 out, 0 cached", r1.Usage, len(want))
 	}
 	if r1.Choices[0].FinishReason != "length" || len(strings.Fields(r1.Choices[0].Message.Content)) != 5 {
@@ -189,7 +184,7 @@ func testEndToEnd(t *testing.T, enc events.Encoding) {
 	if code != 200 || json.Unmarshal(body, &r2) != nil {
 		t.Fatalf("chat repeat: %d %s", code, body)
 	}
-	if got, exp := r2.Usage.PromptTokensDetails.CachedTokens, (len(want)-1)/16*16; got != exp || exp == 0 {
+	if got, exp := r2.Usage.Details.Cached, (len(want)-1)/16*16; got != exp || exp == 0 {
 		t.Fatalf("repeat cached_tokens %d, want %d", got, exp)
 	}
 
@@ -222,7 +217,7 @@ func testEndToEnd(t *testing.T, enc events.Encoding) {
 	ids, _ := tokenizer.Simple{}.Encode(strings.Repeat("stream me please ", 20))
 	var r3 usageResp
 	code, body = post(t, in.URL()+"/v1/completions", map[string]any{"model": "fake-model", "prompt": ids, "max_tokens": 1})
-	if code != 200 || json.Unmarshal(body, &r3) != nil || r3.Usage.PromptTokensDetails.CachedTokens != (len(ids)-1)/16*16 {
+	if code != 200 || json.Unmarshal(body, &r3) != nil || r3.Usage.Details.Cached != (len(ids)-1)/16*16 {
 		t.Fatalf("token-id prompt: %d %s", code, body)
 	}
 

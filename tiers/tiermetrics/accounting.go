@@ -6,6 +6,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrouter/kvrouter/internal/metricset"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -50,32 +51,25 @@ type instanceAccount struct {
 // NewAccounting creates the metrics and registers them on reg; a nil reg
 // keeps them unregistered (still counted, readable through Held).
 func NewAccounting(reg prometheus.Registerer) (*Accounting, error) {
+	var ms metricset.Set
 	a := &Accounting{
-		held: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: MetricBlocksHeld,
-			Help: "KV blocks each instance holds per storage tier, as the router's index knows them.",
-		}, []string{"instance", "tier"}),
-		stored: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: MetricBlocksStored,
-			Help: "KV blocks stored, per instance and tier (from BlockStored events).",
-		}, []string{"instance", "tier"}),
-		evicted: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: MetricBlocksEvicted,
-			Help: "KV blocks evicted, per instance and tier (BlockRemoved events and cache clears).",
-		}, []string{"instance", "tier"}),
-		unknown: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: MetricUnknownMediums,
-			Help: "Events whose medium is not in the tier table; mapped to the unknown-medium tier. Medium label bounded; the rest are \"other\".",
-		}, []string{"medium"}),
+		held: ms.GaugeVec(MetricBlocksHeld,
+			"KV blocks each instance holds per storage tier, as the router's index knows them.",
+			"instance", "tier"),
+		stored: ms.CounterVec(MetricBlocksStored,
+			"KV blocks stored, per instance and tier (from BlockStored events).",
+			"instance", "tier"),
+		evicted: ms.CounterVec(MetricBlocksEvicted,
+			"KV blocks evicted, per instance and tier (BlockRemoved events and cache clears).",
+			"instance", "tier"),
+		unknown: ms.CounterVec(MetricUnknownMediums,
+			"Events whose medium is not in the tier table; mapped to the unknown-medium tier. Medium label bounded; the rest are \"other\".",
+			"medium"),
 		instances: make(map[string]*instanceAccount),
 		mediums:   make(map[string]struct{}),
 	}
-	if reg != nil {
-		for _, c := range []prometheus.Collector{a.held, a.stored, a.evicted, a.unknown} {
-			if err := reg.Register(c); err != nil {
-				return nil, fmt.Errorf("tiermetrics: register accounting metrics: %w", err)
-			}
-		}
+	if err := ms.Register(reg); err != nil {
+		return nil, fmt.Errorf("tiermetrics: register accounting metrics: %w", err)
 	}
 	return a, nil
 }

@@ -1,6 +1,6 @@
-// Package cli is what kvbench, kvbridge and kvsim share at the edge of the
-// process: their main (--version, signals, exit status) and the logger
-// their --log-level names. It holds no state; each binary's run stays a
+// Package cli is what the binaries share at the edge of the process:
+// kvbench's, kvbridge's and kvsim's main (--version, signals, exit status)
+// and the logger their --log-level names, and every binary's --help layout. It holds no state; each binary's run stays a
 // function of its arguments, which its tests call.
 package cli
 
@@ -33,6 +33,18 @@ func Main(name string, failCode int, run func(ctx context.Context, args []string
 	if err != nil && !errors.Is(err, flag.ErrHelp) {
 		fmt.Fprintf(os.Stderr, "%s: %v\n", name, err)
 		os.Exit(failCode)
+	}
+}
+
+// SetUsage makes fs's --help print head on w, fs's flags (on fs's output,
+// which each binary sets to w too), then foot on w: the shape of every
+// binary's help (what it does and how it is called, the flags, then
+// anything that follows them).
+func SetUsage(fs *flag.FlagSet, w io.Writer, head, foot string) {
+	fs.Usage = func() {
+		fmt.Fprint(w, head)
+		fs.PrintDefaults()
+		fmt.Fprint(w, foot)
 	}
 }
 

@@ -2,6 +2,8 @@ package cli
 
 import (
 	"bytes"
+	"errors"
+	"flag"
 	"strings"
 	"testing"
 )
@@ -41,5 +43,21 @@ func TestLogger(t *testing.T) {
 				t.Errorf("info line written %t, want %t", got, tc.wantInfo)
 			}
 		})
+	}
+}
+
+// --help prints the head, the flags, then the foot.
+func TestSetUsage(t *testing.T) {
+	var buf bytes.Buffer
+	fs := flag.NewFlagSet("x", flag.ContinueOnError)
+	fs.SetOutput(&buf) // where PrintDefaults writes: each binary sets it to the same writer
+	fs.Int("n", 3, "how many")
+	SetUsage(fs, &buf, "usage: x [flags]\n", "see docs\n")
+	if err := fs.Parse([]string{"--help"}); !errors.Is(err, flag.ErrHelp) {
+		t.Fatalf("parse --help: %v", err)
+	}
+	want := "usage: x [flags]\n  -n int\n    \thow many (default 3)\nsee docs\n"
+	if buf.String() != want {
+		t.Fatalf("help %q, want %q", buf.String(), want)
 	}
 }

@@ -1,0 +1,36 @@
+package tick
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+)
+
+// Every calls f on every tick until ctx ends, then returns its error.
+func TestEvery(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	calls := 0
+	err := Every(ctx, time.Millisecond, func() {
+		calls++
+		if calls == 3 {
+			cancel()
+		}
+	})
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("Every returned %v, want context.Canceled", err)
+	}
+	if calls != 3 && calls != 4 { // a tick ready with the cancel may run f once more
+		t.Fatalf("%d calls, want 3 (or 4)", calls)
+	}
+}
+
+// Nothing runs before the first period has passed, and a done context
+// returns at once.
+func TestEveryDone(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := Every(ctx, time.Hour, func() { t.Fatal("f ran on a done context") }); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Every returned %v", err)
+	}
+}
