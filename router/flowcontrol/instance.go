@@ -17,6 +17,7 @@ import (
 
 // instLoad is what one instance holds of the admitted requests.
 type instLoad struct {
+	name     string
 	inflight int
 	pending  int64 // prompt tokens before their first token
 	big      int   // oversized prompts before their first token (reserve.go)
@@ -40,7 +41,7 @@ func (s *Sched) SetInstances(names []string) {
 		if l := s.insts[n]; l != nil {
 			l.live = true
 		} else {
-			s.insts[n] = &instLoad{live: true}
+			s.insts[n] = &instLoad{name: n, live: true}
 		}
 	}
 	for name, l := range s.insts {
@@ -57,7 +58,7 @@ func (s *Sched) roomIn(l *instLoad, it *Item) bool {
 		return false
 	}
 	p := s.cfg.InstancePrefill
-	return p <= 0 || l.pending == 0 || l.pending+it.Prefill <= p
+	return p <= 0 || l.pending == 0 || l.pending+it.uncachedOn(l.name) <= p
 }
 
 // Room reports whether instance can take it under the per-instance
@@ -99,14 +100,14 @@ func (s *Sched) Bind(it *Item, instance string) {
 	}
 	l := s.insts[instance]
 	if l == nil {
-		l = &instLoad{}
+		l = &instLoad{name: instance}
 		s.insts[instance] = l
 	}
-	it.inst = l
+	it.inst, it.charge = l, it.uncachedOn(instance)
 	s.unbound--
 	l.inflight++
 	if it.state == stAdmitted {
-		l.pending += it.Prefill
+		l.pending += it.charge
 		s.bigBound(it)
 	}
 }
@@ -114,7 +115,7 @@ func (s *Sched) Bind(it *Item, instance string) {
 // unbindPrefill releases it's pending prefill on its instance.
 func (s *Sched) unbindPrefill(it *Item) {
 	if it.inst != nil {
-		it.inst.pending -= it.Prefill
+		it.inst.pending -= it.charge
 	}
 }
 
@@ -153,4 +154,37 @@ func (s *Sched) instanceStats() []InstanceLoad {
 	}
 	slices.SortFunc(out, func(a, b InstanceLoad) int { return strings.Compare(a.Instance, b.Instance) })
 	return out
+}
+
+// Hold is how many of a request's leading prompt tokens one instance
+// holds in cache (Item.Cached).
+type Hold struct {
+	Instance string
+	Tokens   int64
+}
+
+// uncachedOn is the prompt tokens instance would have to prefill: what
+// the per-instance budget charges it.
+func (it *Item) uncachedOn(instance string) int64 {
+	for _, h := range it.Cached {
+		if h.Instance == instance {
+			return it.Prefill - min(max(h.Tokens, 0), it.Prefill)
+		}
+	}
+	return it.Prefill
+}
+
+// compute is the prompt tokens it prefills: what its instance was
+// charged once bound, else what the instance holding most of it would
+// prefill (where a cache-aware pick sends it). The reservation's demand
+// and the service-time line count these.
+func (it *Item) compute() int64 {
+	if it.inst != nil {
+		return it.charge
+	}
+	held := int64(0)
+	for _, h := range it.Cached {
+		held = max(held, h.Tokens)
+	}
+	return it.Prefill - min(held, it.Prefill)
 }
