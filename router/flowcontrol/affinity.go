@@ -19,7 +19,11 @@ const maxAffinityCandidates = 16
 // queuing already has between requests due at once (Goyal, Vin and Cheng,
 // "Start-time Fair Queuing", SIGCOMM 1996: its fairness bound is one
 // maximum request per flow), so a tenant's lag grows by at most one
-// request. Nothing fits: the head, which then blocks the queue as usual.
+// request. No request there holds anything on an instance with room for
+// it (requests without Item.Cached hold nothing): the head, which blocks
+// the queue as usual when it does not fit — so a queue whose requests
+// carry no cached tokens (a strategy other than kv_aware) orders exactly
+// as without the preference.
 func (s *Sched) preferred(l *level) *Item {
 	head := l.tags[0]
 	if len(l.tags) == 1 {
@@ -46,7 +50,7 @@ func (s *Sched) preferred(l *level) *Item {
 		return 0
 	})
 	cands = cands[:min(len(cands), maxAffinityCandidates)]
-	best, bestGain := head, int64(-1)
+	best, bestGain := head, int64(0)
 	for _, it := range cands {
 		if !s.fits(it) {
 			continue

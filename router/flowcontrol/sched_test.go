@@ -816,3 +816,23 @@ func TestReserveBypassAcrossBands(t *testing.T) {
 		t.Fatalf("Next = %+v, want the urgent long prompt once a's long prefill ends", got)
 	}
 }
+
+func TestPreferCachedWithoutCacheKeepsOrder(t *testing.T) {
+	// Requests that carry no cached tokens (a strategy other than
+	// kv_aware) are ordered as without the preference: a head that does
+	// not fit blocks the queue, a smaller request behind it waits.
+	s := mustNew(t, Config{MaxConcurrency: 2, MaxPendingPrefill: 1000, PreferCached: true})
+	first := &Item{Tenant: "x", Cost: 900, Prefill: 900}
+	offer(t, s, first, at(0), Admitted)
+	big := &Item{Tenant: "a", Cost: 800, Prefill: 800}
+	small := &Item{Tenant: "b", Cost: 800, Prefill: 50}
+	offer(t, s, big, at(1), Queued)
+	offer(t, s, small, at(2), Queued)
+	if got := s.Next(at(3)); got != nil {
+		t.Fatalf("Next = %+v, want nil (the head does not fit and blocks)", got)
+	}
+	s.FirstToken(first, at(4))
+	if got := s.Next(at(4)); got != big {
+		t.Fatalf("Next = %+v, want the head", got)
+	}
+}
