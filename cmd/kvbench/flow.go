@@ -212,7 +212,8 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	prefill := fs.Int64("prefill-budget", sim.DefaultMaxNumBatchedTokens, "the queue's prefill_tokens_per_instance (default: one step of the engine's max_num_batched_tokens; 0 = none)")
 	scope := fs.String("budget-scope", "instance", "instance: the budgets hold per instance and a request goes to an instance with room; pool: pool-wide (budget × instances)")
 	affinity := fs.Bool("affinity", true, "with kv_aware, a freed slot goes to the waiting request with the most cached tokens on an instance with room, among those fair queuing considers due together (flowcontrol.Config.PreferCached)")
-	cachedTokens := fs.Bool("cached-tokens", true, "with kv_aware, each request carries from its arrival the tokens each instance holds (flowcontrol.Item.Cached), as the router's HTTP path computes them: the per-instance budget charges only uncached tokens, and --affinity reads them; false: whole prompts, no preference")
+	cachedTokens := fs.Bool("cached-tokens", true, "with kv_aware, each request carries from its arrival the tokens each instance holds (flowcontrol.Item.Cached), as the router's HTTP path computes them, and --affinity reads them; false: no preference")
+	chargeUncached := fs.Bool("charge-uncached", false, "with --cached-tokens, the per-instance budget charges an instance only the tokens it does not hold, and the reservation's demand and the service-time line count those (flowcontrol.Config.ChargeUncached; the router leaves it off)")
 	reserve := fs.Bool("reserve-instance", true, "with --budget-scope instance, prompts larger than the prefill budget leave as many instances to the requests that fit it as those need for their measured demand (flowcontrol.Config.ReserveInstance; the router always reserves)")
 	seed := fs.Int64("seed", 1, "seed")
 	if err := fs.Parse(args); err != nil {
@@ -250,7 +251,7 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 				// concurrency budget pool-wide, the prefill budget per instance.
 				fc = flowcontrol.Config{MaxConcurrency: *instances * *threshold, InstancePrefill: prefillBudget, ReserveInstance: *reserve}
 			}
-			fc.PreferCached = *affinity
+			fc.PreferCached, fc.ChargeUncached = *affinity, *chargeUncached
 			var view *strategyRouter
 			if *cachedTokens {
 				view = rt

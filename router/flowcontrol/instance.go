@@ -58,7 +58,7 @@ func (s *Sched) roomIn(l *instLoad, it *Item) bool {
 		return false
 	}
 	p := s.cfg.InstancePrefill
-	return p <= 0 || l.pending == 0 || l.pending+it.uncachedOn(l.name) <= p
+	return p <= 0 || l.pending == 0 || l.pending+s.charge(it, l.name) <= p
 }
 
 // Room reports whether instance can take it under the per-instance
@@ -103,7 +103,7 @@ func (s *Sched) Bind(it *Item, instance string) {
 		l = &instLoad{name: instance}
 		s.insts[instance] = l
 	}
-	it.inst, it.charge = l, it.uncachedOn(instance)
+	it.inst, it.charge = l, s.charge(it, instance)
 	s.unbound--
 	l.inflight++
 	if it.state == stAdmitted {
@@ -163,9 +163,13 @@ type Hold struct {
 	Tokens   int64
 }
 
-// uncachedOn is the prompt tokens instance would have to prefill: what
-// the per-instance budget charges it.
-func (it *Item) uncachedOn(instance string) int64 {
+// charge is what the per-instance budget charges instance for it: its
+// whole prompt, or with Config.ChargeUncached the tokens instance does not
+// hold (Item.Cached).
+func (s *Sched) charge(it *Item, instance string) int64 {
+	if !s.cfg.ChargeUncached {
+		return it.Prefill
+	}
 	for _, h := range it.Cached {
 		if h.Instance == instance {
 			return it.Prefill - min(max(h.Tokens, 0), it.Prefill)
@@ -174,11 +178,15 @@ func (it *Item) uncachedOn(instance string) int64 {
 	return it.Prefill
 }
 
-// compute is the prompt tokens it prefills: what its instance was
-// charged once bound, else what the instance holding most of it would
-// prefill (where a cache-aware pick sends it). The reservation's demand
-// and the service-time line count these.
-func (it *Item) compute() int64 {
+// compute is the prompt tokens the reservation's demand and the
+// service-time line count for it: its whole prompt, or with
+// Config.ChargeUncached what its instance was charged once bound, else
+// what the instance holding most of it would prefill (where a cache-aware
+// pick sends it).
+func (s *Sched) compute(it *Item) int64 {
+	if !s.cfg.ChargeUncached {
+		return it.Prefill
+	}
 	if it.inst != nil {
 		return it.charge
 	}

@@ -108,6 +108,14 @@ type Config struct {
 	// (Item.Cached) on an instance with room goes first, so a freed slot
 	// goes to the request that gains most from that instance's cache.
 	PreferCached bool
+	// ChargeUncached makes the per-instance budget charge an instance only
+	// the prompt tokens it does not hold (Item.Cached), and the
+	// reservation's demand and the service-time line count those tokens.
+	// Off by default: measured (docs/BENCHMARKS.md §12) it fixes kv_aware's
+	// tail at half load but lowers goodput under 2× overload, because an
+	// instance then queues a full budget of real prefill (320 ms at 8,192
+	// tokens), more than a short request's objective.
+	ChargeUncached bool
 	// ReserveInstance keeps live instances free of prompts larger than
 	// InstancePrefill, as many as the requests that fit a step need for
 	// their measured demand (reserve.go).
@@ -163,8 +171,8 @@ type Item struct {
 	// tokens plus the output tokens it may generate (at least 1).
 	Cost int64
 	// Prefill is the prompt tokens counted against MaxPendingPrefill until
-	// FirstToken. Per instance (InstancePrefill) an instance is charged
-	// only the tokens it does not hold (Cached).
+	// FirstToken (per instance with Config.ChargeUncached: only the tokens
+	// the instance does not hold, Cached).
 	Prefill int64
 	// Cached is, per instance, how many of the prompt's leading tokens it
 	// holds in cache, as the router's index saw them when the request
@@ -616,7 +624,7 @@ func (s *Sched) FirstToken(it *Item, now time.Time) {
 		s.svcN++
 	}
 	s.svc += (d - s.svc) / time.Duration(s.svcN)
-	s.svcFit.add(float64(it.compute()), d.Seconds())
+	s.svcFit.add(float64(s.compute(it)), d.Seconds())
 }
 
 // Done ends an admitted request (finished, failed or abandoned), freeing

@@ -524,7 +524,7 @@ func TestInstanceBudgetChargesUncached(t *testing.T) {
 	// holder of a 900-token prefix takes a 1,000-token prompt beside
 	// 850 tokens already prefilling (100 new tokens fit the 1,000-token
 	// budget), another instance does not.
-	s := mustNew(t, Config{InstancePrefill: 1000})
+	s := mustNew(t, Config{InstancePrefill: 1000, ChargeUncached: true})
 	s.SetInstances([]string{"a", "b"})
 	busyA := &Item{Cost: 850, Prefill: 850}
 	busyB := &Item{Cost: 850, Prefill: 850}
@@ -564,7 +564,7 @@ func TestInstanceBudgetChargesUncached(t *testing.T) {
 func TestReserveCountsUncachedDemand(t *testing.T) {
 	// A prompt larger than the budget whose uncached part fits it is not
 	// oversized: the reservation does not keep it off any instance.
-	s := mustNew(t, Config{InstancePrefill: 1000, ReserveInstance: true})
+	s := mustNew(t, Config{InstancePrefill: 1000, ReserveInstance: true, ChargeUncached: true})
 	it := &Item{Prefill: 3000, Cached: []Hold{{"a", 2500}}}
 	if s.oversized(it) {
 		t.Fatal("3,000-token prompt with 2,500 cached is oversized for a 1,000-token budget")
@@ -834,5 +834,19 @@ func TestPreferCachedWithoutCacheKeepsOrder(t *testing.T) {
 	s.FirstToken(first, at(4))
 	if got := s.Next(at(4)); got != big {
 		t.Fatalf("Next = %+v, want the head", got)
+	}
+}
+
+func TestInstanceBudgetChargesWholePromptByDefault(t *testing.T) {
+	// Without ChargeUncached the cached tokens order the queue
+	// (PreferCached) but the budget charges the whole prompt.
+	s := mustNew(t, Config{InstancePrefill: 1000})
+	s.SetInstances([]string{"a"})
+	busy := &Item{Cost: 850, Prefill: 850}
+	offer(t, s, busy, at(0), Admitted)
+	s.Bind(busy, "a")
+	it := &Item{Cost: 1000, Prefill: 1000, Cached: []Hold{{"a", 900}}}
+	if s.Room("a", it) {
+		t.Fatal("room on a for 1,000 more tokens beside 850 under a 1,000-token budget")
 	}
 }

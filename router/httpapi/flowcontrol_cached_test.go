@@ -26,8 +26,7 @@ import (
 // from its arrival the tokens each instance holds, and when the pool's one
 // slot frees, the waiting request whose prompt the instance holds goes
 // first, ahead of one that arrived earlier from another tenant (both due
-// together under fair queuing). The instance is charged only the tokens it
-// does not hold.
+// together under fair queuing).
 func TestFlowControlFreedSlotPrefersCached(t *testing.T) {
 	const bs = 16
 	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: "m", BlockSize: bs})
