@@ -850,3 +850,30 @@ func TestInstanceBudgetChargesWholePromptByDefault(t *testing.T) {
 		t.Fatal("room on a for 1,000 more tokens beside 850 under a 1,000-token budget")
 	}
 }
+
+func TestInstanceRoomHoldsDeadline(t *testing.T) {
+	// An instance with prefill ahead has room for a request with a
+	// deadline only if the prefill ahead and its own, at the service
+	// line's cost per token, end before the deadline; an idle instance
+	// always has room, a request without a deadline only needs the budget.
+	s := mustNew(t, Config{InstancePrefill: 10000})
+	for i := range 64 {
+		x := float64(1000 + 9000*(i%2))
+		s.svcFit.add(x, 0.010+x*1e-4) // 0.1 ms per token
+	}
+	s.SetInstances([]string{"a", "b"})
+	busy := &Item{Cost: 5000, Prefill: 5000}
+	offer(t, s, busy, at(0), Admitted)
+	s.Bind(busy, "a")
+	now := at(1)
+	s.tick(now)
+	tight := &Item{Cost: 100, Prefill: 100, Deadline: now.Add(200 * time.Millisecond)}
+	loose := &Item{Cost: 100, Prefill: 100, Deadline: now.Add(time.Second)}
+	none := &Item{Cost: 100, Prefill: 100}
+	if s.Room("a", tight) || !s.Room("b", tight) {
+		t.Fatalf("tight deadline: room on a %v, b %v; want b only (5,100 tokens ahead are 510 ms)", s.Room("a", tight), s.Room("b", tight))
+	}
+	if !s.Room("a", loose) || !s.Room("a", none) {
+		t.Fatalf("room on a: 1 s deadline %v, none %v; want both", s.Room("a", loose), s.Room("a", none))
+	}
+}
