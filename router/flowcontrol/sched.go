@@ -112,9 +112,9 @@ type Config struct {
 	// the prompt tokens it does not hold (Item.Cached), and the
 	// reservation's demand and the service-time line count those tokens.
 	// Off by default: measured (docs/BENCHMARKS.md §12) it fixes kv_aware's
-	// tail at half load but lowers goodput under 2× overload, because an
-	// instance then queues a full budget of real prefill (320 ms at 8,192
-	// tokens), more than a short request's objective.
+	// tail at half load but lowers goodput under 2× overload: the
+	// reservation then keeps the short requests only their bare offered
+	// load of instances, which runs them at utilisation ~1.
 	ChargeUncached bool
 	// ReserveInstance keeps live instances free of prompts larger than
 	// InstancePrefill, as many as the requests that fit a step need for
