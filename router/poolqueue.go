@@ -43,9 +43,15 @@ func newFlowControl(cfg *config.FlowControlConfig, p, prev *Pool) (*flowControl,
 // instance: a request goes to an instance with room for it (route), so no
 // engine queues more than its budget, and prompts larger than it leave one
 // instance to the requests that fit it (flowcontrol.Config.ReserveInstance).
+// With kv_aware each request carries the tokens every instance holds
+// (httpapi's cachedHolds), and a freed slot goes to the due request that
+// holds most on an instance with room (flowcontrol.Config.PreferCached).
+// Instances are still charged whole prompts: charging only uncached tokens
+// (Config.ChargeUncached) lowered goodput under overload (docs/BENCHMARKS.md
+// §12).
 func queueConfig(c *config.FlowControlConfig) flowcontrol.Config {
 	return flowcontrol.Config{MaxQueue: c.MaxQueue, MaxWait: c.MaxWait, AgingStep: c.AgingStep, Weights: c.TenantWeights,
-		InstancePrefill: c.PrefillTokensPerInstance, ReserveInstance: true}
+		InstancePrefill: c.PrefillTokensPerInstance, ReserveInstance: true, PreferCached: true}
 }
 
 // instances are the pool's healthy instances, where the per-instance

@@ -28,43 +28,46 @@ type flowAdmission struct {
 	items map[uint64]*flowcontrol.Item
 	drop  []des.Dropped
 	buf   []*flowcontrol.Item
-	// For Config.Affinity: the workload's requests, the
-	// router whose cache view answers, and the live instances.
+	// For Item.Cached: the workload's requests, the router whose cache
+	// view answers (nil: none), and the live instances.
 	w      *workload.Workload
 	rt     *strategyRouter
+	kv     *kvaware.KVAware
 	live   []string
 	tokBuf []uint32
+	held   []int
 }
 
-// affinity is Config.Affinity: kv_aware's Held over the instances with
-// room for it.
-func (a *flowAdmission) affinity(it *flowcontrol.Item) int64 {
-	if a.rt == nil {
-		return 0
+// cached is Item.Cached for request id, as the router computes it when a
+// request arrives (router/httpapi's cachedHolds): kv_aware's tokens held
+// by each live instance, without committing a pick.
+func (a *flowAdmission) cached(req *workload.Request) []flowcontrol.Hold {
+	if a.kv == nil {
+		return nil
 	}
-	kv, ok := a.rt.s.(*kvaware.KVAware)
-	if !ok {
-		return 0
-	}
-	req := &a.w.Requests[it.Value.(uint64)]
-	var cands []*router.Instance
+	cands := make([]*router.Instance, 0, len(a.live))
 	for _, name := range a.live {
-		if a.s.Room(name, it) {
-			in, err := a.rt.instance(name)
-			if err != nil {
-				return 0
-			}
-			cands = append(cands, in)
+		in, err := a.rt.instance(name)
+		if err != nil {
+			return nil
 		}
+		cands = append(cands, in)
 	}
 	a.tokBuf = req.AppendTokens(a.tokBuf[:0])
 	rq := &router.Request{Endpoint: router.EndpointCompletions, Model: a.rt.model, Adapter: req.Adapter,
 		RoutingText: req.TextPrefix(8192), TenantKey: req.Tenant, PromptTokens: a.tokBuf}
-	held, _, ok := kv.Held(context.Background(), rq, cands)
+	per, _, ok := a.kv.HeldBy(context.Background(), rq, cands, a.held[:0])
+	a.held = per
 	if !ok {
-		return 0
+		return nil
 	}
-	return int64(held)
+	var out []flowcontrol.Hold
+	for i, h := range per {
+		if h > 0 {
+			out = append(out, flowcontrol.Hold{Instance: a.live[i], Tokens: int64(h)})
+		}
+	}
+	return out
 }
 
 var (
@@ -73,16 +76,15 @@ var (
 )
 
 // newFlowAdmission is the queue of cfg over w's requests. With rt a
-// kv_aware router the queue is cache-aware (flowcontrol.Config.Affinity):
-// among the requests fair queuing considers due together, the one with the
-// most prompt tokens cached on an instance with room goes first, as
-// kv_aware's index (fresh and speculative entries) sees it.
+// kv_aware router each request carries, from its arrival, the tokens each
+// instance holds (Item.Cached, as kv_aware's index, fresh and speculative
+// entries, sees them then): the per-instance budget charges only the
+// tokens an instance must prefill, and with cfg.PreferCached a freed slot
+// goes to the due request that holds most on an instance with room.
 func newFlowAdmission(cfg flowcontrol.Config, w *workload.Workload, rt *strategyRouter) (*flowAdmission, error) {
 	a := &flowAdmission{items: map[uint64]*flowcontrol.Item{}, w: w, rt: rt}
 	if rt != nil {
-		if _, ok := rt.s.(*kvaware.KVAware); ok {
-			cfg.Affinity = a.affinity
-		}
+		a.kv, _ = rt.s.(*kvaware.KVAware)
 	}
 	s, err := flowcontrol.New(cfg)
 	if err != nil {
@@ -96,7 +98,7 @@ func vt(d time.Duration) time.Time { return epoch.Add(d) }
 
 func (a *flowAdmission) Arrive(id uint64, req *workload.Request, now time.Duration) (bool, string) {
 	it := &flowcontrol.Item{Tenant: req.Tenant, Priority: req.Priority, Value: id,
-		Prefill: int64(req.InputTokens()), Cost: int64(req.InputTokens() + req.OutputTokens)}
+		Prefill: int64(req.InputTokens()), Cost: int64(req.InputTokens() + req.OutputTokens), Cached: a.cached(req)}
 	if req.TTFTObjective > 0 {
 		it.Deadline = vt(now + req.TTFTObjective)
 	}
@@ -209,7 +211,9 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	urgent := fs.Float64("urgent-share", 0.25, "share of requests at priority 0 (the rest at 1)")
 	prefill := fs.Int64("prefill-budget", sim.DefaultMaxNumBatchedTokens, "the queue's prefill_tokens_per_instance (default: one step of the engine's max_num_batched_tokens; 0 = none)")
 	scope := fs.String("budget-scope", "instance", "instance: the budgets hold per instance and a request goes to an instance with room; pool: pool-wide (budget × instances)")
-	affinity := fs.Bool("affinity", true, "with kv_aware, a freed slot goes to the waiting request with the most cached tokens on an instance with room, among those fair queuing considers due together")
+	affinity := fs.Bool("affinity", true, "with kv_aware, a freed slot goes to the waiting request with the most cached tokens on an instance with room, among those fair queuing considers due together (flowcontrol.Config.PreferCached)")
+	cachedTokens := fs.Bool("cached-tokens", true, "with kv_aware, each request carries from its arrival the tokens each instance holds (flowcontrol.Item.Cached), as the router's HTTP path computes them, and --affinity reads them; false: no preference")
+	chargeUncached := fs.Bool("charge-uncached", false, "with --cached-tokens, the per-instance budget charges an instance only the tokens it does not hold, and the reservation's demand and the service-time line count those (flowcontrol.Config.ChargeUncached; the router leaves it off)")
 	reserve := fs.Bool("reserve-instance", true, "with --budget-scope instance, prompts larger than the prefill budget leave as many instances to the requests that fit it as those need for their measured demand (flowcontrol.Config.ReserveInstance; the router always reserves)")
 	seed := fs.Int64("seed", 1, "seed")
 	if err := fs.Parse(args); err != nil {
@@ -247,11 +251,12 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 				// concurrency budget pool-wide, the prefill budget per instance.
 				fc = flowcontrol.Config{MaxConcurrency: *instances * *threshold, InstancePrefill: prefillBudget, ReserveInstance: *reserve}
 			}
-			var aff *strategyRouter
-			if *affinity {
-				aff = rt
+			fc.PreferCached, fc.ChargeUncached = *affinity, *chargeUncached
+			var view *strategyRouter
+			if *cachedTokens {
+				view = rt
 			}
-			a, err := newFlowAdmission(fc, w, aff)
+			a, err := newFlowAdmission(fc, w, view)
 			if err != nil {
 				return nil, err
 			}

@@ -2,15 +2,15 @@ package flowcontrol
 
 import "slices"
 
-// maxAffinityCandidates bounds the Affinity calls of one admission: each
-// is a cache lookup (kv_aware's is microseconds), and an admission happens
-// at every first token and completion, so 16 keeps the choice within tens
-// of microseconds of CPU while covering one due request from each of 16
-// tenants (more tenants than that rarely have a request due in the same
-// window of virtual time).
+// maxAffinityCandidates bounds the requests one admission compares: each
+// costs a pass over its Cached list and the instances with room, under
+// the queue's lock, and an admission happens at every first token and
+// completion, so 16 keeps the choice within microseconds of CPU while
+// covering one due request from each of 16 tenants (more tenants than
+// that rarely have a request due in the same window of virtual time).
 const maxAffinityCandidates = 16
 
-// preferred is the request of band l to admit when Config.Affinity is set:
+// preferred is the request of band l to admit when Config.PreferCached is set:
 // among the requests fair queuing considers due together — start tag
 // before the head's finish tag, the head being the request start-time fair
 // queuing would admit — the one that fits the budgets with the most cached
@@ -19,7 +19,11 @@ const maxAffinityCandidates = 16
 // queuing already has between requests due at once (Goyal, Vin and Cheng,
 // "Start-time Fair Queuing", SIGCOMM 1996: its fairness bound is one
 // maximum request per flow), so a tenant's lag grows by at most one
-// request. Nothing fits: the head, which then blocks the queue as usual.
+// request. No request there holds anything on an instance with room for
+// it (requests without Item.Cached hold nothing): the head, which blocks
+// the queue as usual when it does not fit — so a queue whose requests
+// carry no cached tokens (a strategy other than kv_aware) orders exactly
+// as without the preference.
 func (s *Sched) preferred(l *level) *Item {
 	head := l.tags[0]
 	if len(l.tags) == 1 {
@@ -46,16 +50,35 @@ func (s *Sched) preferred(l *level) *Item {
 		return 0
 	})
 	cands = cands[:min(len(cands), maxAffinityCandidates)]
-	best, bestGain := head, int64(-1)
+	best, bestGain := head, int64(0)
 	for _, it := range cands {
 		if !s.fits(it) {
 			continue
 		}
-		if g := s.cfg.Affinity(it); g > bestGain {
+		if g := s.cachedRoom(it); g > bestGain {
 			best, bestGain = it, g
 		}
 	}
 	clear(cands)
 	s.affBuf = cands[:0]
 	return best
+}
+
+// cachedRoom is the most prompt tokens of it that an instance with room
+// for it holds (any instance without per-instance budgets).
+func (s *Sched) cachedRoom(it *Item) int64 {
+	best := int64(0)
+	for _, h := range it.Cached {
+		if h.Tokens <= best {
+			continue
+		}
+		if s.perInstance() {
+			l := s.insts[h.Instance]
+			if l != nil && (!l.live || !s.roomIn(l, it)) {
+				continue
+			}
+		}
+		best = h.Tokens
+	}
+	return min(best, it.Prefill)
 }

@@ -59,7 +59,7 @@ import (
 // oversized reports whether it is a prompt the reservation keeps off the
 // reserved instances.
 func (s *Sched) oversized(it *Item) bool {
-	return s.cfg.ReserveInstance && s.cfg.InstancePrefill > 0 && it.Prefill > s.cfg.InstancePrefill
+	return s.cfg.ReserveInstance && s.cfg.InstancePrefill > 0 && s.compute(it) > s.cfg.InstancePrefill
 }
 
 // reserveBlocks reports whether admitting it would leave fewer than
@@ -186,7 +186,7 @@ func (s *Sched) noteArrival(it *Item, now time.Time) {
 			d = &smallDemand{}
 			s.smallBy[it.Priority] = d
 		}
-		d.tokens, d.n, d.last = d.at(s.arrN)+float64(it.Prefill), s.arrN, now
+		d.tokens, d.n, d.last = d.at(s.arrN)+float64(s.compute(it)), s.arrN, now
 	}
 	if s.arrN%estimatorWindow == 0 {
 		for p, d := range s.smallBy {

@@ -103,13 +103,19 @@ type Config struct {
 	// the caller routes it to one that has (Room, Bind).
 	InstanceConcurrency int
 	InstancePrefill     int64
-	// Affinity, when set, is how many of an item's prompt tokens an
-	// instance with room holds in cache now. Among the waiting requests
-	// fair queuing considers due together (affinity.go) the one with the
-	// most goes first, so a freed slot goes to the request that gains most
-	// from it. Called with the queue's lock held (Gate): it must not call
-	// back into the queue.
-	Affinity func(it *Item) int64
+	// PreferCached: among the waiting requests fair queuing considers due
+	// together (affinity.go), the one with the most prompt tokens cached
+	// (Item.Cached) on an instance with room goes first, so a freed slot
+	// goes to the request that gains most from that instance's cache.
+	PreferCached bool
+	// ChargeUncached makes the per-instance budget charge an instance only
+	// the prompt tokens it does not hold (Item.Cached), and the
+	// reservation's demand and the service-time line count those tokens.
+	// Off by default: measured (docs/BENCHMARKS.md §12) it fixes kv_aware's
+	// tail at half load but lowers goodput under 2× overload: the
+	// reservation then keeps the short requests only their bare offered
+	// load of instances, which runs them at utilisation ~1.
+	ChargeUncached bool
 	// ReserveInstance keeps live instances free of prompts larger than
 	// InstancePrefill, as many as the requests that fit a step need for
 	// their measured demand (reserve.go).
@@ -165,8 +171,15 @@ type Item struct {
 	// tokens plus the output tokens it may generate (at least 1).
 	Cost int64
 	// Prefill is the prompt tokens counted against MaxPendingPrefill until
-	// FirstToken.
+	// FirstToken (per instance with Config.ChargeUncached: only the tokens
+	// the instance does not hold, Cached).
 	Prefill int64
+	// Cached is, per instance, how many of the prompt's leading tokens it
+	// holds in cache, as the router's index saw them when the request
+	// arrived (instances not listed hold none). The caller computes it
+	// before Offer, outside the queue's lock (with a shared index it is a
+	// round trip).
+	Cached []Hold
 	// Deadline is the time by which its first token is due; zero = none.
 	Deadline time.Time
 	// Value is the caller's own (the Gate keeps its waiter here).
@@ -182,6 +195,7 @@ type Item struct {
 	fifo              *list.Element
 	state             itemState
 	inst              *instLoad // the instance it was bound to (Bind)
+	charge            int64     // the prefill tokens charged to inst (Bind)
 	big               bool      // an oversized prompt before its first token (reserve.go)
 }
 
@@ -572,7 +586,7 @@ func (s *Sched) Next(now time.Time) *Item {
 	it := best.tags[0]
 	if aged {
 		it = best.fifo.Front().Value.(*Item)
-	} else if s.cfg.Affinity != nil {
+	} else if s.cfg.PreferCached {
 		it = s.preferred(best)
 	}
 	if !s.fits(it) {
@@ -610,7 +624,7 @@ func (s *Sched) FirstToken(it *Item, now time.Time) {
 		s.svcN++
 	}
 	s.svc += (d - s.svc) / time.Duration(s.svcN)
-	s.svcFit.add(float64(it.Prefill), d.Seconds())
+	s.svcFit.add(float64(s.compute(it)), d.Seconds())
 }
 
 // Done ends an admitted request (finished, failed or abandoned), freeing

@@ -470,16 +470,16 @@ func TestPerInstancePrefillBudget(t *testing.T) {
 	offer(t, s, &Item{Prefill: 1000, Cost: 1000}, at(8), Admitted)
 }
 
-func TestAffinityChoosesWithinFairWindow(t *testing.T) {
+func TestPreferCachedChoosesWithinFairWindow(t *testing.T) {
 	// a holds the cache of tenant "hit"'s requests; the freed slot goes to
 	// the due request with the most cached tokens, but never to one fair
 	// queuing puts beyond the head's finish tag.
-	gain := map[string]int64{"hit": 500}
-	s := mustNew(t, Config{MaxConcurrency: 1, Affinity: func(it *Item) int64 { return gain[it.Tenant] }})
+	s := mustNew(t, Config{MaxConcurrency: 1, PreferCached: true})
+	hold := []Hold{{Instance: "a", Tokens: 500}}
 	first := &Item{Tenant: "x", Cost: 100}
 	offer(t, s, first, at(0), Admitted)
-	cold := &Item{Tenant: "cold", Cost: 100}
-	hot := &Item{Tenant: "hit", Cost: 100}
+	cold := &Item{Tenant: "cold", Cost: 100, Prefill: 1000}
+	hot := &Item{Tenant: "hit", Cost: 100, Prefill: 1000, Cached: hold}
 	offer(t, s, cold, at(1), Queued)
 	offer(t, s, hot, at(2), Queued)
 	s.Done(first, at(3))
@@ -489,11 +489,100 @@ func TestAffinityChoosesWithinFairWindow(t *testing.T) {
 	s.Done(hot, at(4))
 	// hit's second request starts after its first finished (tag 100), at
 	// cold's finish tag: outside cold's window, so cold goes first.
-	hot2 := &Item{Tenant: "hit", Cost: 100}
+	hot2 := &Item{Tenant: "hit", Cost: 100, Prefill: 1000, Cached: hold}
 	offer(t, s, hot2, at(4), Queued)
 	if got := s.Next(at(4)); got != cold {
 		t.Fatalf("Next = %+v, want cold (hot2 is beyond its window)", got)
 	}
+}
+
+func TestPreferCachedOnInstanceWithRoom(t *testing.T) {
+	// Per-instance budgets: a request's cached tokens count only on an
+	// instance with room for it. b is busy prefilling, so the request
+	// whose prefix b holds gains nothing now; the one a holds goes first
+	// although it arrived later.
+	s := mustNew(t, Config{InstancePrefill: 1000, PreferCached: true})
+	s.SetInstances([]string{"a", "b"})
+	busyA := &Item{Tenant: "x", Cost: 900, Prefill: 900}
+	busyB := &Item{Tenant: "y", Cost: 900, Prefill: 900}
+	offer(t, s, busyA, at(0), Admitted)
+	s.Bind(busyA, "a")
+	offer(t, s, busyB, at(0), Admitted)
+	s.Bind(busyB, "b")
+	onB := &Item{Tenant: "p", Cost: 800, Prefill: 800, Cached: []Hold{{"b", 600}}}
+	onA := &Item{Tenant: "q", Cost: 800, Prefill: 800, Cached: []Hold{{"a", 600}}}
+	offer(t, s, onB, at(1), Queued)
+	offer(t, s, onA, at(2), Queued)
+	s.FirstToken(busyA, at(3)) // a's prefill is over: a has room
+	if got := s.Next(at(3)); got != onA {
+		t.Fatalf("Next = %+v, want the request a holds (b has no room)", got)
+	}
+}
+
+func TestInstanceBudgetChargesUncached(t *testing.T) {
+	// An instance is charged only the prompt tokens it does not hold: the
+	// holder of a 900-token prefix takes a 1,000-token prompt beside
+	// 850 tokens already prefilling (100 new tokens fit the 1,000-token
+	// budget), another instance does not.
+	s := mustNew(t, Config{InstancePrefill: 1000, ChargeUncached: true})
+	s.SetInstances([]string{"a", "b"})
+	busyA := &Item{Cost: 850, Prefill: 850}
+	busyB := &Item{Cost: 850, Prefill: 850}
+	offer(t, s, busyA, at(0), Admitted)
+	s.Bind(busyA, "a")
+	offer(t, s, busyB, at(0), Admitted)
+	s.Bind(busyB, "b")
+	it := &Item{Cost: 1000, Prefill: 1000, Cached: []Hold{{"a", 900}}}
+	if !s.Room("a", it) || s.Room("b", it) {
+		t.Fatalf("room on a %v, b %v; want a only", s.Room("a", it), s.Room("b", it))
+	}
+	offer(t, s, it, at(1), Admitted)
+	s.Bind(it, "a")
+	if got := instLoadOf(t, s, at(1), "a").PendingPrefill; got != 950 {
+		t.Fatalf("a's pending prefill = %d, want 850 + 100 uncached", got)
+	}
+	// Its first token releases what it was charged, not its whole prompt.
+	s.FirstToken(it, at(2))
+	if got := instLoadOf(t, s, at(2), "a").PendingPrefill; got != 850 {
+		t.Fatalf("a's pending prefill after the first token = %d, want 850", got)
+	}
+	s.Done(it, at(3))
+	s.Done(busyA, at(3))
+	if got := instLoadOf(t, s, at(3), "a"); got.PendingPrefill != 0 || got.InFlight != 0 {
+		t.Fatalf("a's load after every request ended: %+v", got)
+	}
+	// Cached tokens beyond the prompt (a stale or generous index) charge
+	// nothing below zero.
+	over := &Item{Cost: 10, Prefill: 10, Cached: []Hold{{"b", 500}}}
+	offer(t, s, over, at(4), Admitted)
+	s.Bind(over, "b")
+	if got := instLoadOf(t, s, at(4), "b").PendingPrefill; got != 850 {
+		t.Fatalf("b's pending prefill = %d, want 850 (the request is all cached)", got)
+	}
+}
+
+func TestReserveCountsUncachedDemand(t *testing.T) {
+	// A prompt larger than the budget whose uncached part fits it is not
+	// oversized: the reservation does not keep it off any instance.
+	s := mustNew(t, Config{InstancePrefill: 1000, ReserveInstance: true, ChargeUncached: true})
+	it := &Item{Prefill: 3000, Cached: []Hold{{"a", 2500}}}
+	if s.oversized(it) {
+		t.Fatal("3,000-token prompt with 2,500 cached is oversized for a 1,000-token budget")
+	}
+	if !s.oversized(&Item{Prefill: 3000, Cached: []Hold{{"a", 1000}}}) {
+		t.Fatal("3,000-token prompt with 1,000 cached is not oversized")
+	}
+}
+
+func instLoadOf(t *testing.T, s *Sched, now time.Time, name string) InstanceLoad {
+	t.Helper()
+	for _, l := range s.Stats(now).Instances {
+		if l.Instance == name {
+			return l
+		}
+	}
+	t.Fatalf("no instance %q in %+v", name, s.Stats(now).Instances)
+	return InstanceLoad{}
 }
 
 func TestServiceFitGrowsWithPrompt(t *testing.T) {
@@ -725,5 +814,66 @@ func TestReserveBypassAcrossBands(t *testing.T) {
 	s.FirstToken(long, at(1005))
 	if got := s.Next(at(1005)); got != urgentLong {
 		t.Fatalf("Next = %+v, want the urgent long prompt once a's long prefill ends", got)
+	}
+}
+
+func TestPreferCachedWithoutCacheKeepsOrder(t *testing.T) {
+	// Requests that carry no cached tokens (a strategy other than
+	// kv_aware) are ordered as without the preference: a head that does
+	// not fit blocks the queue, a smaller request behind it waits.
+	s := mustNew(t, Config{MaxConcurrency: 2, MaxPendingPrefill: 1000, PreferCached: true})
+	first := &Item{Tenant: "x", Cost: 900, Prefill: 900}
+	offer(t, s, first, at(0), Admitted)
+	big := &Item{Tenant: "a", Cost: 800, Prefill: 800}
+	small := &Item{Tenant: "b", Cost: 800, Prefill: 50}
+	offer(t, s, big, at(1), Queued)
+	offer(t, s, small, at(2), Queued)
+	if got := s.Next(at(3)); got != nil {
+		t.Fatalf("Next = %+v, want nil (the head does not fit and blocks)", got)
+	}
+	s.FirstToken(first, at(4))
+	if got := s.Next(at(4)); got != big {
+		t.Fatalf("Next = %+v, want the head", got)
+	}
+}
+
+func TestInstanceBudgetChargesWholePromptByDefault(t *testing.T) {
+	// Without ChargeUncached the cached tokens order the queue
+	// (PreferCached) but the budget charges the whole prompt.
+	s := mustNew(t, Config{InstancePrefill: 1000})
+	s.SetInstances([]string{"a"})
+	busy := &Item{Cost: 850, Prefill: 850}
+	offer(t, s, busy, at(0), Admitted)
+	s.Bind(busy, "a")
+	it := &Item{Cost: 1000, Prefill: 1000, Cached: []Hold{{"a", 900}}}
+	if s.Room("a", it) {
+		t.Fatal("room on a for 1,000 more tokens beside 850 under a 1,000-token budget")
+	}
+}
+
+func TestInstanceRoomHoldsDeadline(t *testing.T) {
+	// An instance with prefill ahead has room for a request with a
+	// deadline only if the prefill ahead and its own, at the service
+	// line's cost per token, end before the deadline; an idle instance
+	// always has room, a request without a deadline only needs the budget.
+	s := mustNew(t, Config{InstancePrefill: 10000})
+	for i := range 64 {
+		x := float64(1000 + 9000*(i%2))
+		s.svcFit.add(x, 0.010+x*1e-4) // 0.1 ms per token
+	}
+	s.SetInstances([]string{"a", "b"})
+	busy := &Item{Cost: 5000, Prefill: 5000}
+	offer(t, s, busy, at(0), Admitted)
+	s.Bind(busy, "a")
+	now := at(1)
+	s.tick(now)
+	tight := &Item{Cost: 100, Prefill: 100, Deadline: now.Add(200 * time.Millisecond)}
+	loose := &Item{Cost: 100, Prefill: 100, Deadline: now.Add(time.Second)}
+	none := &Item{Cost: 100, Prefill: 100}
+	if s.Room("a", tight) || !s.Room("b", tight) {
+		t.Fatalf("tight deadline: room on a %v, b %v; want b only (5,100 tokens ahead are 510 ms)", s.Room("a", tight), s.Room("b", tight))
+	}
+	if !s.Room("a", loose) || !s.Room("a", none) {
+		t.Fatalf("room on a: 1 s deadline %v, none %v; want both", s.Room("a", loose), s.Room("a", none))
 	}
 }

@@ -47,7 +47,7 @@ func (s *Sched) service(it *Item) time.Duration {
 	if s.svcN == 0 {
 		return 0
 	}
-	return s.svcFit.at(float64(it.Prefill))
+	return s.svcFit.at(float64(s.compute(it)))
 }
 
 // slope is the fitted seconds per prompt token (0 while unknown).

@@ -1,6 +1,7 @@
 package httpapi
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"math"
@@ -124,6 +125,11 @@ func (s *Server) admit(w http.ResponseWriter, r *http.Request, pool *router.Pool
 		s.reject(w, pool.Name(), http.StatusBadRequest, err.Error())
 		return nil, false
 	}
+	if holds, prompt, ok := cachedHolds(r.Context(), pool, strat, req); ok {
+		out := it.Cost - it.Prefill
+		it.Prefill, it.Cached = int64(prompt), holds
+		it.Cost = it.Prefill + out
+	}
 	fm := s.m.flow
 	prio := priorityLabel(it.Priority)
 	tk, err = gate.Acquire(r.Context(), it)
@@ -161,4 +167,38 @@ func priorityLabel(p int64) string {
 		return ">10"
 	}
 	return strconv.FormatInt(p, 10)
+}
+
+// cacheHolder is a strategy that can tell how much of a prompt each
+// candidate holds without committing a pick (kv_aware).
+type cacheHolder interface {
+	HeldBy(ctx context.Context, req *router.Request, cands []*router.Instance, dst []int) (per []int, prompt int, ok bool)
+}
+
+// cachedHolds is, for the queue (flowcontrol.Item.Cached), how many of
+// req's prompt tokens each of the pool's candidates holds, and the
+// prompt's length in tokens; ok is false when the strategy cannot tell.
+// It runs before the request is offered, outside the queue's lock: with
+// a shared index the lookup is a round trip. The pick that follows
+// admission reuses the prompt's token ids and block keys
+// (router.Request.ShareKeys) and looks the index up again, fresh.
+func cachedHolds(ctx context.Context, pool *router.Pool, strat router.Strategy, req *router.Request) (holds []flowcontrol.Hold, prompt int, ok bool) {
+	kv, isKV := strat.(cacheHolder)
+	if !isKV {
+		return nil, 0, false
+	}
+	var buf [32]*router.Instance
+	cands, _ := pool.Candidates(buf[:0], req.Adapter, nil)
+	req.ShareKeys = true
+	var hb [32]int
+	per, prompt, ok := kv.HeldBy(ctx, req, cands, hb[:0])
+	if !ok || prompt <= 0 {
+		return nil, 0, false
+	}
+	for i, h := range per {
+		if h > 0 {
+			holds = append(holds, flowcontrol.Hold{Instance: cands[i].ID(), Tokens: int64(h)})
+		}
+	}
+	return holds, prompt, true
 }

@@ -898,25 +898,42 @@ func (st *KVState) TokenSource() router.TokenSource {
 // committing anything; ok is false when the prompt's tokens are unknown.
 // Disaggregation asks it before choosing between one stage and two.
 func (s *KVAware) Held(ctx context.Context, req *router.Request, cands []*router.Instance) (held, prompt int, ok bool) {
+	var buf [32]int
+	per, prompt, ok := s.HeldBy(ctx, req, cands, buf[:0])
+	for _, h := range per {
+		held = max(held, h)
+	}
+	return held, prompt, ok
+}
+
+// HeldBy appends to dst how many tokens of req's prompt each of cands
+// holds (every tier, fresh index and speculative entries; dst[i] is
+// cands[i]'s) and returns the prompt's length, without committing
+// anything; ok is false when the prompt's tokens are unknown. Flow control
+// asks it when a request arrives, before it queues: the queue charges an
+// instance only what it does not hold and gives a freed slot to the
+// waiting request that holds most there. With req.ShareKeys set the
+// prompt's block keys are kept for the pick that follows.
+func (s *KVAware) HeldBy(ctx context.Context, req *router.Request, cands []*router.Instance, dst []int) (per []int, prompt int, ok bool) {
 	if len(cands) == 0 {
-		return 0, 0, false
+		return dst, 0, false
 	}
 	_, ev, err := s.pick(ctx, req, cands, false)
 	if err != nil || ev == nil {
-		return 0, 0, false
+		return dst, 0, false
 	}
 	defer s.st.putEval(ev)
 	if ev.tokens == 0 {
-		return 0, 0, false
+		return dst, 0, false
 	}
 	for i := range ev.cands {
 		h := 0
 		for _, m := range ev.cands[i].matched {
 			h += m
 		}
-		held = max(held, h)
+		dst = append(dst, h)
 	}
-	return held, ev.tokens, true
+	return dst, ev.tokens, true
 }
 
 // tracedLookup runs an index lookup under a lookup span.

@@ -257,3 +257,43 @@ func BenchmarkDisaggDecision(b *testing.B) {
 	b.Run("aggregated", func(b *testing.B) { run(b, [][]*router.Instance{w.insts}) })
 	b.Run("prefill_then_decode", func(b *testing.B) { run(b, [][]*router.Instance{w.insts[:half], w.insts[half:]}) })
 }
+
+// BenchmarkQueuedDecision: what flow control adds to a kv_aware request —
+// HeldBy over the pool's candidates when the request arrives (before it
+// is offered to the queue), then the pick, the prompt's keys shared
+// between them — beside the pick alone; same prompt, index and 64
+// instances, from token ids.
+func BenchmarkQueuedDecision(b *testing.B) {
+	w, ids := benchSetup(b)
+	s, err := NewKVAware(config.RoutingConfig{}, w.st)
+	if err != nil {
+		b.Fatal(err)
+	}
+	text := strings.Repeat("x", config.DefaultPrefixLength)
+	run := func(b *testing.B, held bool) {
+		b.ReportAllocs()
+		var per []int
+		cpu0, n := cputime.Process(), 0
+		for b.Loop() {
+			n++
+			req := &router.Request{Endpoint: router.EndpointCompletions, Model: kvTestModel, RoutingText: text, PromptTokens: ids}
+			if held {
+				req.ShareKeys = true // as httpapi's cachedHolds sets it
+				var ok bool
+				if per, _, ok = s.HeldBy(context.Background(), req, w.insts, per[:0]); !ok {
+					b.Fatal("HeldBy: prompt unknown")
+				}
+			}
+			d, err := s.Pick(context.Background(), req, w.insts)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if d.Observer != nil {
+				d.Observer.Done(200, -1)
+			}
+		}
+		b.ReportMetric(float64(cputime.Process()-cpu0)/float64(n), "cpu-ns/op")
+	}
+	b.Run("pick", func(b *testing.B) { run(b, false) })
+	b.Run("held_by_then_pick", func(b *testing.B) { run(b, true) })
+}
