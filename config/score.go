@@ -22,7 +22,6 @@ func (k *KVScoringConfig) ValidateKV(f string) error {
 		{"disk_load_tokens_per_second", k.DiskLoadTokensPerSecond},
 		{"shared_load_tokens_per_second", k.SharedLoadTokensPerSecond},
 		{"running_request_seconds", k.RunningRequestSeconds},
-		{"decode_step_seconds", k.DecodeStepSeconds},
 	} {
 		if v.v < 0 || math.IsNaN(v.v) || math.IsInf(v.v, 0) {
 			return bad("%s %v: want a finite number >= 0 (0 = default)", v.name, v.v)
@@ -34,8 +33,8 @@ func (k *KVScoringConfig) ValidateKV(f string) error {
 	if k.RunningRequestSeconds > 60 {
 		return bad("running_request_seconds %v out of range 0..60", k.RunningRequestSeconds)
 	}
-	if k.DecodeStepSeconds > 60 {
-		return bad("decode_step_seconds %v out of range 0..60", k.DecodeStepSeconds)
+	if math.IsNaN(k.DecodeStepSeconds) || math.IsInf(k.DecodeStepSeconds, 0) || k.DecodeStepSeconds > 60 {
+		return bad("decode_step_seconds %v out of range (negative = no step time, 0 = default, at most 60)", k.DecodeStepSeconds)
 	}
 	if k.WaitingRequestTokens < 0 || k.WaitingRequestTokens > 1<<22 {
 		return bad("waiting_request_tokens %d out of range 0..%d", k.WaitingRequestTokens, 1<<22)

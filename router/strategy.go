@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
@@ -191,6 +192,7 @@ type Request struct {
 	tokOnce  sync.Once
 	tokens   []uint32
 	tokErr   error
+	tokErrN  atomic.Bool // TokenErrorFirst has said true
 
 	// ShareKeys is set on a request picked twice (disaggregated: prefill,
 	// then decode): an exact strategy may keep what it derived from the
@@ -232,6 +234,12 @@ func (r *Request) TokenIDs(ctx context.Context) ([]uint32, error) {
 	})
 	return r.tokens, r.tokErr
 }
+
+// TokenErrorFirst reports whether the caller is the first to see the
+// request's tokenization error: a request is evaluated more than once
+// (flow control's estimate at arrival, the pick, a disaggregated second
+// pick) and its failure must count once.
+func (r *Request) TokenErrorFirst() bool { return r.tokErrN.CompareAndSwap(false, true) }
 
 // StrategyOption adjusts a strategy built by NewStrategy.
 type StrategyOption func(*strategyOptions)

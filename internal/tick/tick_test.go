@@ -25,8 +25,22 @@ func TestEvery(t *testing.T) {
 	}
 }
 
-// Nothing runs before the first period has passed, and a done context
-// returns at once.
+// The first call comes a period after Every is called, not at once.
+func TestEveryFirstCallAfterAPeriod(t *testing.T) {
+	const d = 200 * time.Millisecond
+	ctx, cancel := context.WithCancel(context.Background())
+	start := time.Now()
+	var first time.Duration
+	_ = Every(ctx, d, func() {
+		first = time.Since(start)
+		cancel()
+	})
+	if first < d { // a loaded machine only delays it
+		t.Fatalf("first call %v after Every, want at least %v", first, d)
+	}
+}
+
+// A done context returns at once, without calling f.
 func TestEveryDone(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()

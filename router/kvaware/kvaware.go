@@ -460,7 +460,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 	}
 	ids, err := req.TokenIDs(tctx)
 	if err != nil {
-		if !errors.Is(err, router.ErrNoTokens) {
+		if !errors.Is(err, router.ErrNoTokens) && req.TokenErrorFirst() {
 			st.m.tokenErrs.WithLabelValues(st.pool).Inc()
 			st.log.Debug("no token ids for request; routing heuristically", "pool", st.pool, "err", err)
 		}

@@ -721,7 +721,8 @@ func TestKVScoringConfigValidate(t *testing.T) {
 		{config.KVScoringConfig{SpeculativeCapacity: -1}, false},
 		{config.KVScoringConfig{RunningRequestSeconds: 100}, false},
 		{config.KVScoringConfig{DecodeStepSeconds: 100}, false},
-		{config.KVScoringConfig{DecodeStepSeconds: -1}, false},
+		{config.KVScoringConfig{DecodeStepSeconds: -1}, true}, // no step time
+		{config.KVScoringConfig{DecodeStepSeconds: math.NaN()}, false},
 		{config.KVScoringConfig{DecodeStepSeconds: 0.02}, true},
 	}
 	for i, tc := range tests {
