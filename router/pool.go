@@ -19,6 +19,7 @@ type Pool struct {
 	routing   atomic.Pointer[poolRouting]
 	kv        Exact        // exact-routing state (router/kvaware); nil when the pool has no KV index
 	flow      *flowControl // admission queue; nil when flow control is off
+	disagg    bool         // cfg.Disaggregation.Enabled(), read once
 }
 
 type poolRouting struct {
@@ -30,7 +31,7 @@ type poolRouting struct {
 // instances from prev with the same id and URL so that in-flight counts and
 // health survive a reload. prev may be nil.
 func NewPool(cfg config.PoolConfig, prev *Pool, opts ...PoolOption) (*Pool, error) {
-	p := &Pool{cfg: cfg, byID: make(map[string]*Instance, len(cfg.Instances))}
+	p := &Pool{cfg: cfg, byID: make(map[string]*Instance, len(cfg.Instances)), disagg: cfg.Disaggregation.Enabled()}
 	for _, o := range opts {
 		o(p)
 	}
@@ -73,6 +74,11 @@ func (p *Pool) Model() string { return p.cfg.Model }
 // Config is the pool's configuration as loaded (routing as at load time;
 // see Routing for the current one).
 func (p *Pool) Config() config.PoolConfig { return p.cfg }
+
+// Disaggregated reports whether the pool splits requests into prefill and
+// decode (its config's disaggregation, read when the pool was built: the
+// request path reads typed values, not the config's methods).
+func (p *Pool) Disaggregated() bool { return p.disagg }
 
 // Instances lists the pool's instances in configuration order.
 func (p *Pool) Instances() []*Instance { return slices.Clone(p.instances) }

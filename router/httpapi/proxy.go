@@ -91,7 +91,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in router.Inbound
 		defer tk.Done()
 	}
 
-	if in.Endpoint.OpenAI() && pc.Disaggregation.Enabled() {
+	if in.Endpoint.OpenAI() && pool.Disaggregated() {
 		var exchange time.Duration
 		req, exchange = s.disaggregate(w, r, pool, strat, req, path)
 		// The prefill exchange is the engines' time, not the router's:
