@@ -150,12 +150,16 @@ type PeerQueue struct {
 	// Started is the latest first byte any of those peers saw from the
 	// instance (their clocks, Unix ns).
 	Started int64
+	// InFlight, Tokens and Requests are the sums PeerLoad returns, read
+	// in the same pass.
+	InFlight, Tokens, Requests int64
 }
 
 // PeerQueue appends to q (reset first) the live peers' pending requests on
 // inst; the same liveness rules as PeerLoad.
 func (t *Table) PeerQueue(inst string, q *PeerQueue) {
-	q.Pending, q.Rates, q.Unlisted, q.Started = q.Pending[:0], q.Rates[:0], 0, 0
+	q.Pending, q.Rates = q.Pending[:0], q.Rates[:0]
+	q.Unlisted, q.Started, q.InFlight, q.Tokens, q.Requests = 0, 0, 0, 0, 0
 	now := t.now()
 	t.mu.RLock()
 	defer t.mu.RUnlock()
@@ -168,6 +172,9 @@ func (t *Table) PeerQueue(inst string, q *PeerQueue) {
 			continue
 		}
 		q.Started = max(q.Started, l.Started)
+		q.InFlight += l.InFlight
+		q.Tokens += l.PendingTokens
+		q.Requests += l.PendingRequests
 		var listed int64
 		for _, r := range l.Pending {
 			listed += r.Tokens

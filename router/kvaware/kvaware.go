@@ -591,11 +591,18 @@ func (s *KVAware) predict(ev *kvEval) {
 		busy = 0
 		for i := range ev.cands {
 			ce := &ev.cands[i]
-			ce.peer = st.peerCounts(ce.inst.ID()) // once per candidate: the queue below reads it too
+			// Once per candidate: the queue below reads it too.
+			q := ev.shared.peerQ(i)
+			st.peers.ps.PeerQueue(ce.inst.ID(), q)
+			ce.peer = peerCounts{inflight: int(q.InFlight), tokens: q.Tokens, reqs: q.Requests}
 			if ce.inflight+ce.peer.inflight > 0 {
 				busy++
 			}
 		}
+	}
+	var ownRate int64
+	if st.peers.ps != nil {
+		ownRate = st.publishedRate()
 	}
 	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
 	ev.weight = s.sc.weight(rho, st.behind.mean())
@@ -632,9 +639,8 @@ func (s *KVAware) predict(ev *kvEval) {
 				}
 				pTok = float64(max(pc.tokens.Load()-listed, 0))
 			}
-			st.peers.ps.PeerQueue(ce.inst.ID(), &sc.q)
 			mine := ce.inflight > 0 || pReq > 0
-			pTok += sharedQueue(now.UnixNano(), sc.own, started, mine, st.publishedRate(), &sc.q, sc)
+			pTok += sharedQueue(now.UnixNano(), sc.own, started, mine, ownRate, sc.peerQ(i), sc)
 		}
 		pReq += ce.peer.reqs
 		ce.ahead = pTok

@@ -157,5 +157,13 @@ type sharedScratch struct {
 	own   []replicasync.Pending
 	all   []replicasync.Pending
 	rates []int64
-	q     replicasync.PeerQueue
+	peers []replicasync.PeerQueue // per candidate
+}
+
+// peerQ is candidate i's peer queue, kept for reuse.
+func (s *sharedScratch) peerQ(i int) *replicasync.PeerQueue {
+	for len(s.peers) <= i {
+		s.peers = append(s.peers, replicasync.PeerQueue{})
+	}
+	return &s.peers[i]
 }
