@@ -20,10 +20,18 @@ import (
 	"time"
 )
 
-// Version is the wire format's version. A message of another version is
+// Version is the wire format's version. A message of a newer version is
 // counted and dropped: replicas of different versions each route on their
-// own counters rather than misread each other's.
-const Version = 1
+// own counters rather than misread each other's. Version 2 adds to each
+// load entry the sender's prefill rate and its pending requests (routing
+// time and tokens), so that every replica drains every replica's pending
+// prefill by the same model from the same facts; a version 1 message is
+// still read (its entries carry neither: their pending prefill counts in
+// full, as version 1 replicas count it).
+const Version = 2
+
+// minVersion is the oldest version Decode reads.
+const minVersion = 1
 
 // magic starts every message, so that stray traffic on the subject is told
 // apart from a version mismatch.
@@ -79,6 +87,44 @@ type Load struct {
 	// (no first response byte yet).
 	PendingTokens   int64
 	PendingRequests int64
+	// Rate is the sender's prefill rate (tokens/s) by which it drains its
+	// pending prefill, 0 if unknown (version 1).
+	Rate int64
+	// Started is when the sender last saw a first byte from the instance
+	// (Unix ns, its clock; 0 none): the engine's queue was past that
+	// request's prefill by then, so pending work starts no earlier.
+	Started int64
+	// Pending lists the sender's pending requests on the instance, oldest
+	// first, at most MaxPending; PendingTokens beyond their sum are
+	// unlisted and count in full.
+	Pending []Pending
+}
+
+// Pending is one request routed to an instance whose first byte has not
+// arrived: when it was routed (the sender's clock, Unix ns) and its
+// prefill tokens.
+type Pending struct {
+	At     int64
+	Tokens int64
+}
+
+// MaxPending bounds the pending requests listed per load entry: the oldest
+// are listed (they decide when the queue's work ends), the rest count in
+// full.
+const MaxPending = 64
+
+// Equal reports whether l and o carry the same values.
+func (l Load) Equal(o Load) bool {
+	if l.Instance != o.Instance || l.InFlight != o.InFlight || l.PendingTokens != o.PendingTokens ||
+		l.PendingRequests != o.PendingRequests || l.Rate != o.Rate || l.Started != o.Started || len(l.Pending) != len(o.Pending) {
+		return false
+	}
+	for i := range l.Pending {
+		if l.Pending[i] != o.Pending[i] {
+			return false
+		}
+	}
+	return true
 }
 
 // Spec is one routing decision's speculative blocks: Keys counted as held
@@ -132,13 +178,23 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 			if err := checkName("instance", l.Instance); err != nil {
 				return dst, err
 			}
-			if l.InFlight < 0 || l.PendingTokens < 0 || l.PendingRequests < 0 {
-				return dst, fmt.Errorf("%w: negative counter for %s", ErrMalformed, l.Instance)
+			if l.InFlight < 0 || l.PendingTokens < 0 || l.PendingRequests < 0 || l.Rate < 0 || l.Started < 0 || len(l.Pending) > MaxPending {
+				return dst, fmt.Errorf("%w: negative counter or too many pending for %s", ErrMalformed, l.Instance)
 			}
 			dst = appendName(dst, l.Instance)
 			dst = binary.AppendUvarint(dst, uint64(l.InFlight))
 			dst = binary.AppendUvarint(dst, uint64(l.PendingTokens))
 			dst = binary.AppendUvarint(dst, uint64(l.PendingRequests))
+			dst = binary.AppendUvarint(dst, uint64(l.Rate))
+			dst = binary.AppendUvarint(dst, uint64(l.Started))
+			dst = binary.AppendUvarint(dst, uint64(len(l.Pending)))
+			for _, p := range l.Pending {
+				if p.At < 0 || p.Tokens < 0 {
+					return dst, fmt.Errorf("%w: negative pending request for %s", ErrMalformed, l.Instance)
+				}
+				dst = binary.AppendUvarint(dst, uint64(p.At))
+				dst = binary.AppendUvarint(dst, uint64(p.Tokens))
+			}
 		}
 	case KindSpec:
 		dst = binary.AppendUvarint(dst, uint64(len(m.Specs)))
@@ -163,7 +219,9 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 
 // Size of a load entry and of a spec entry's fixed part, at most: what a
 // sender budgets per entry before encoding.
-func loadSize(l Load) int { return 1 + len(l.Instance) + 3*binary.MaxVarintLen64 }
+func loadSize(l Load) int {
+	return 1 + len(l.Instance) + (6+2*len(l.Pending))*binary.MaxVarintLen64
+}
 func specSize(s Spec) int {
 	return 1 + len(s.Instance) + 2*binary.MaxVarintLen64 + 8*len(s.Keys)
 }
@@ -199,9 +257,10 @@ func Decode(b []byte) (Message, error) {
 	if len(b) < 6 || b[0] != magic[0] || b[1] != magic[1] || b[2] != magic[2] {
 		return m, ErrMagic
 	}
-	if b[3] != Version {
-		return m, fmt.Errorf("%w: %d (this replica speaks %d)", ErrVersion, b[3], Version)
+	if b[3] < minVersion || b[3] > Version {
+		return m, fmt.Errorf("%w: %d (this replica speaks %d to %d)", ErrVersion, b[3], minVersion, Version)
 	}
+	v := b[3]
 	m.Kind, m.Complete = Kind(b[4]), b[5]&flagComplete != 0
 	r := reader{b: b[6:]}
 	m.Replica = r.name("replica")
@@ -222,6 +281,19 @@ func Decode(b []byte) (Message, error) {
 		for i := uint64(0); i < n && r.err == nil; i++ {
 			l := Load{Instance: r.name("instance")}
 			l.InFlight, l.PendingTokens, l.PendingRequests = r.count(), r.count(), r.count()
+			if v >= 2 {
+				l.Rate, l.Started = r.count(), r.count()
+				k := r.uvarint()
+				if r.err == nil && (k > MaxPending || k > uint64(len(r.b))/2) { // a pending request is at least 2 bytes
+					r.fail("%d pending requests in %d bytes", k, len(r.b))
+				}
+				if r.err == nil && k > 0 {
+					l.Pending = make([]Pending, k)
+					for j := range l.Pending {
+						l.Pending[j] = Pending{At: r.count(), Tokens: r.count()}
+					}
+				}
+			}
 			m.Loads = append(m.Loads, l)
 		}
 	case KindSpec:

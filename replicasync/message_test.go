@@ -13,6 +13,9 @@ func sampleMessages() []Message {
 		{Kind: KindHello, Replica: "r-1", Incarnation: 7},
 		{Kind: KindLoad, Replica: "r-1", Incarnation: 7, Seq: 3, Complete: true,
 			Loads: []Load{{Instance: "vllm-0", InFlight: 4, PendingTokens: 9000, PendingRequests: 2}, {Instance: "vllm_1", InFlight: 1}}},
+		{Kind: KindLoad, Replica: "r-3", Incarnation: 2, Seq: 5,
+			Loads: []Load{{Instance: "a", InFlight: 2, PendingTokens: 5000, PendingRequests: 2, Rate: 21000, Started: 1_800_000_000_000_000_000,
+				Pending: []Pending{{At: 1_800_000_000_100_000_000, Tokens: 3000}, {At: 1_800_000_000_200_000_000, Tokens: 2000}}}}},
 		{Kind: KindLoad, Replica: "r-2", Incarnation: 1 << 63, Seq: 1 << 40},
 		{Kind: KindSpec, Replica: "r-2", Incarnation: 9, Seq: 2,
 			Specs: []Spec{{Instance: "a", TTL: 2 * time.Second, Keys: []uint64{1, 2, 1<<64 - 1}}, {Instance: "b", TTL: time.Millisecond, Keys: []uint64{}}}},
@@ -68,6 +71,30 @@ func TestDecodeRefuses(t *testing.T) {
 		if _, err := m.AppendBinary(nil); err == nil {
 			t.Errorf("encoded %+v", m)
 		}
+	}
+}
+
+// TestDecodeVersion1 reads a version 1 load message (no rate, no pending
+// list): a replica of the previous version is still counted, its pending
+// prefill in full.
+func TestDecodeVersion1(t *testing.T) {
+	v1 := []byte{'K', 'R', 'S', 1, byte(KindLoad), flagComplete, 2, 'r', '1', 0, 0, 0, 0, 0, 0, 0, 7, 3, 1,
+		1, 'a', 4, 0xa8, 0x46, 2} // instance a: 4 in flight, 9000 pending tokens in 2 requests
+	m, err := Decode(v1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Message{Kind: KindLoad, Replica: "r1", Incarnation: 7, Seq: 3, Complete: true,
+		Loads: []Load{{Instance: "a", InFlight: 4, PendingTokens: 9000, PendingRequests: 2}}}
+	if !reflect.DeepEqual(m, want) {
+		t.Fatalf("got %+v\nwant %+v", m, want)
+	}
+	tb := NewTable(time.Second, 16, nil)
+	tb.ApplyLoad(&m)
+	var q PeerQueue
+	tb.PeerQueue("a", &q)
+	if q.Unlisted != 9000 || len(q.Pending) != 0 || len(q.Rates) != 0 {
+		t.Fatalf("version 1 peer's queue %+v, want 9000 unlisted", q)
 	}
 }
 

@@ -238,7 +238,10 @@ func (s *Syncer) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests
 	return s.table.PeerLoad(inst)
 }
 
-// PeerExtend: see Table.PeerExtend.
+// PeerQueue: see Table.PeerQueue.
+func (s *Syncer) PeerQueue(inst string, q *PeerQueue) { s.table.PeerQueue(inst, q) }
+
+// PeerExtend implements kvaware.PeerState.
 func (s *Syncer) PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int {
 	return s.table.PeerExtend(keys, from, inst, epoch)
 }
@@ -398,7 +401,7 @@ func (s *Syncer) flush() {
 		}
 	} else {
 		for id, l := range cur {
-			if s.lastSent[id] != l {
+			if !s.lastSent[id].Equal(l) {
 				out = append(out, l)
 			}
 		}

@@ -135,6 +135,58 @@ func (t *Table) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests 
 	return inflight, pendingTokens, pendingRequests
 }
 
+// PeerQueue is what the live peers have pending on one instance, for a
+// replica to drain with its own by the same model (docs/replicas.md,
+// "Pending prefill: one model, the same facts").
+type PeerQueue struct {
+	// Pending lists the peers' listed pending requests.
+	Pending []Pending
+	// Rates holds the rate of each live peer with pending requests on the
+	// instance (version 2 peers; 0 entries skipped).
+	Rates []int64
+	// Unlisted is pending prefill the peers did not list (version 1 peers,
+	// or beyond MaxPending): it counts in full.
+	Unlisted int64
+	// Started is the latest first byte any of those peers saw from the
+	// instance (their clocks, Unix ns).
+	Started int64
+	// InFlight, Tokens and Requests are the sums PeerLoad returns, read
+	// in the same pass.
+	InFlight, Tokens, Requests int64
+}
+
+// PeerQueue appends to q (reset first) the live peers' pending requests on
+// inst; the same liveness rules as PeerLoad.
+func (t *Table) PeerQueue(inst string, q *PeerQueue) {
+	q.Pending, q.Rates = q.Pending[:0], q.Rates[:0]
+	q.Unlisted, q.Started, q.InFlight, q.Tokens, q.Requests = 0, 0, 0, 0, 0
+	now := t.now()
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	for _, p := range t.peers {
+		if now.Sub(p.seen) > t.timeout {
+			continue
+		}
+		l, ok := p.loads[inst]
+		if !ok || (now.Sub(l.at) > t.timeout && now.Sub(p.synced) > t.timeout) {
+			continue
+		}
+		q.Started = max(q.Started, l.Started)
+		q.InFlight += l.InFlight
+		q.Tokens += l.PendingTokens
+		q.Requests += l.PendingRequests
+		var listed int64
+		for _, r := range l.Pending {
+			listed += r.Tokens
+		}
+		q.Pending = append(q.Pending, l.Pending...)
+		q.Unlisted += max(l.PendingTokens-listed, 0)
+		if l.Rate > 0 && len(l.Pending) > 0 {
+			q.Rates = append(q.Rates, l.Rate)
+		}
+	}
+}
+
 // PeerStatus is one peer as this replica sees it.
 type PeerStatus struct {
 	Replica     string    `json:"replica"`

@@ -536,6 +536,8 @@ var _ kvaware.PeerState = (*simPeers)(nil)
 
 func (p *simPeers) PeerLoad(inst string) (int64, int64, int64) { return p.table.PeerLoad(inst) }
 
+func (p *simPeers) PeerQueue(inst string, q *replicasync.PeerQueue) { p.table.PeerQueue(inst, q) }
+
 func (p *simPeers) PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int {
 	return p.table.PeerExtend(keys, from, inst, epoch)
 }

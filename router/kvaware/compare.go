@@ -23,6 +23,7 @@ type kvObserver struct {
 	inst      string
 	pc        *pendingCounter
 	pendTok   int64
+	listed    bool          // in pc.pl (replica sync)
 	predicted int           // matched tokens predicted at routing
 	shadow    *shadowRecord // nil outside shadow mode
 	released  atomic.Bool   // the pending prefill was given back (once)
@@ -40,6 +41,10 @@ func (st *KVState) newObserver(inst string, recompute, predicted int) *kvObserve
 	o := &kvObserver{st: st, inst: inst, pc: st.pendingFor(inst), pendTok: int64(max(recompute, 0)), predicted: predicted}
 	o.pc.tokens.Add(o.pendTok)
 	o.pc.reqs.Add(1)
+	if st.peers.ps != nil {
+		o.listed = true
+		o.pc.pl.add(o, st.now().UnixNano())
+	}
 	st.m.pending.track(st.pool, inst, o.pc)
 	return o
 }
@@ -49,6 +54,9 @@ func (st *KVState) newObserver(inst string, recompute, predicted int) *kvObserve
 // goroutine).
 func (o *kvObserver) release() {
 	if o.released.CompareAndSwap(false, true) {
+		if o.listed {
+			o.pc.pl.remove(o, o.st.now().UnixNano())
+		}
 		o.pc.tokens.Add(-o.pendTok)
 		o.pc.reqs.Add(-1)
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/replicasync"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/tiers"
 	"github.com/prometheus/client_golang/prometheus"
@@ -88,9 +89,10 @@ type KVState struct {
 
 	util utilisation
 
-	drainRate prefillRate // measured prefill throughput (kvaware_drain.go)
-	behind    sampleMean  // requests joining a prefill busy period after another (kvaware_drain.go)
-	rent      rentTable   // hot prefixes' rent accounts (kvaware_replicate.go)
+	drainRate  prefillRate   // measured prefill throughput (kvaware_drain.go)
+	prefillDef atomic.Uint64 // the configured P (float64 bits) the measured rate falls back to
+	behind     sampleMean    // requests joining a prefill busy period after another (kvaware_drain.go)
+	rent       rentTable     // hot prefixes' rent accounts (kvaware_replicate.go)
 
 	evalPool sync.Pool // *kvEval scratch
 
@@ -106,6 +108,7 @@ type pendingCounter struct {
 	reqs   atomic.Int64
 	doneAt atomic.Int64 // when the routed work is predicted done, Unix ns (kvaware_drain.go)
 	period atomic.Int64 // requests routed since the pending queue was last empty
+	pl     pendList     // the pending requests themselves, with replica sync (kvaware_sharedq.go)
 }
 
 // NewKVState builds a pool's exact-routing state.
@@ -307,6 +310,7 @@ type kvEval struct {
 	rent      rentNote // what the pick pays or buys (kvaware_replicate.go)
 	sc        *kvScoring
 	memo      scoreMemo
+	shared    sharedScratch   // replica sync's shared queue (kvaware_sharedq.go)
 	matches   []kvindex.Match // the lookup's answer, reused across decisions
 	ci        *candIndex      // the candidate index, when the decision used one
 	perm      []int32         // match k's candidate in the last decision over permOf
@@ -587,11 +591,18 @@ func (s *KVAware) predict(ev *kvEval) {
 		busy = 0
 		for i := range ev.cands {
 			ce := &ev.cands[i]
-			ce.peer = st.peerCounts(ce.inst.ID()) // once per candidate: the queue below reads it too
+			// Once per candidate: the queue below reads it too.
+			q := ev.shared.peerQ(i)
+			st.peers.ps.PeerQueue(ce.inst.ID(), q)
+			ce.peer = peerCounts{inflight: int(q.InFlight), tokens: q.Tokens, reqs: q.Requests}
 			if ce.inflight+ce.peer.inflight > 0 {
 				busy++
 			}
 		}
+	}
+	var ownRate int64
+	if st.peers.ps != nil {
+		ownRate = st.publishedRate()
 	}
 	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
 	ev.weight = s.sc.weight(rho, st.behind.mean())
@@ -605,13 +616,32 @@ func (s *KVAware) predict(ev *kvEval) {
 		ce := &ev.cands[i]
 		var pTok float64
 		var pReq int64
-		if pc := ev.pending(st, i); pc != nil {
+		pc := ev.pending(st, i)
+		if pc != nil {
 			pReq = pc.reqs.Load()
-			pTok = pc.drainedTokens(now, float64(pc.tokens.Load()), st.drainRate.rate(s.sc.prefill))
 		}
-		// Other replicas' pending prefill (replica sync) counts in full:
-		// they publish what they routed, not how far it has drained.
-		pTok += float64(ce.peer.tokens)
+		if st.peers.ps == nil {
+			if pc != nil {
+				pTok = pc.drainedTokens(now, float64(pc.tokens.Load()), st.drainRate.rate(s.sc.prefill))
+			}
+		} else {
+			// Replica sync: every replica's pending prefill drains by
+			// one model from the same facts (kvaware_sharedq.go).
+			sc := &ev.shared
+			var started int64
+			sc.own = sc.own[:0]
+			if pc != nil {
+				sc.own, started = pc.pl.snapshot(sc.own, replicasync.MaxPending)
+				// Beyond the listed: in full, as peers count them.
+				var listed int64
+				for _, p := range sc.own {
+					listed += p.Tokens
+				}
+				pTok = float64(max(pc.tokens.Load()-listed, 0))
+			}
+			mine := ce.inflight > 0 || pReq > 0
+			pTok += sharedQueue(now.UnixNano(), sc.own, started, mine, ownRate, sc.peerQ(i), sc)
+		}
 		pReq += ce.peer.reqs
 		ce.ahead = pTok
 		var ld loadSample

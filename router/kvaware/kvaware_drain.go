@@ -125,6 +125,7 @@ type drainSample struct {
 func (st *KVState) newDrainingObserver(ce *candEval, recompute, predicted int, prefill float64) *kvObserver {
 	o := st.newObserver(ce.inst.ID(), recompute, predicted)
 	now := st.now()
+	st.prefillDef.Store(math.Float64bits(prefill))
 	rate := st.drainRate.rate(prefill)
 	first := o.pc.reqs.Load() == 1
 	o.pc.addWork(now, seconds(float64(o.pendTok)/rate), first)

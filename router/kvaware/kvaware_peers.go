@@ -17,6 +17,8 @@ import (
 // speculative blocks to it. *replicasync.Syncer implements it.
 type PeerState interface {
 	PeerLoad(inst string) (inflight, pendingTokens, pendingRequests int64)
+	// PeerQueue sets q to the peers' pending requests on inst.
+	PeerQueue(inst string, q *replicasync.PeerQueue)
 	PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int
 	PeerHolders(dst []string, key kvindex.Key) []string
 	// Speculate announces this replica's speculative blocks; it must not
@@ -62,18 +64,27 @@ func (st *KVState) localLoads(dst []replicasync.Load) []replicasync.Load {
 			}
 		}
 	}
+	rate := st.publishedRate()
 	st.pendMu.RLock()
 	defer st.pendMu.RUnlock()
 	for id, pc := range st.pend {
 		tok, reqs := pc.tokens.Load(), pc.reqs.Load()
-		if tok <= 0 && reqs <= 0 {
+		i, ok := seen[id]
+		if !ok && tok <= 0 && reqs <= 0 {
 			continue
 		}
-		if i, ok := seen[id]; ok {
-			dst[i].PendingTokens, dst[i].PendingRequests = max(tok, 0), max(reqs, 0)
-			continue
+		if !ok {
+			i = len(dst)
+			dst = append(dst, replicasync.Load{Instance: id})
 		}
-		dst = append(dst, replicasync.Load{Instance: id, PendingTokens: max(tok, 0), PendingRequests: max(reqs, 0)})
+		l := &dst[i]
+		l.PendingTokens, l.PendingRequests = max(tok, 0), max(reqs, 0)
+		// The facts its peers drain this replica's pending prefill by
+		// (kvaware_sharedq.go).
+		l.Pending, l.Started = pc.pl.snapshot(nil, replicasync.MaxPending)
+		if len(l.Pending) > 0 {
+			l.Rate = rate
+		}
 	}
 	return dst
 }
