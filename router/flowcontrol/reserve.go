@@ -83,44 +83,121 @@ func (s *Sched) reserveBlocks(it *Item) bool {
 
 // reserved is k for the oversized prompt it: the instances kept free of
 // oversized prompts for the step-sized requests at least as urgent as it,
-// ⌈a · b⌉ between 1 and N−1; 0 when none of those has arrived within its
+// between 1 and N−1 (staff); 0 when none of those has arrived within its
 // predicted service time (service.go).
 func (s *Sched) reserved(it *Item) int {
-	var a float64
+	var d smallDemand
 	var last time.Time
-	for p, d := range s.smallBy {
-		if p > it.Priority {
-			continue
-		}
-		a += d.at(s.arrN)
-		if d.last.After(last) {
-			last = d.last
+	for p, e := range s.smallBy {
+		if p <= it.Priority {
+			d.add(e, s.arrN)
+			if e.last.After(last) {
+				last = e.last
+			}
 		}
 	}
 	if last.IsZero() || !s.last.Before(last.Add(s.service(it))) {
 		return 0
 	}
-	k := 1
-	if b := s.svcFit.slope(); b > 0 && s.arrSec > 0 {
-		k = int(math.Ceil(a / s.arrSec * b))
+	b := s.svcFit.slope()
+	if b <= 0 || s.arrSec <= 0 || d.reqs <= 0 {
+		return min(1, s.liveN-1)
 	}
-	return min(max(k, 1), s.liveN-1)
+	load := d.tokens / s.arrSec * b // offered load, in instances
+	work := d.tokens / d.reqs * b   // one request's prefill, in seconds of an instance
+	target := -1.0                  // the wait their objectives leave (< 0: none)
+	if d.objN > 0 {
+		target = d.obj/d.objN - s.svcFit.at(d.computed/d.reqs).Seconds()
+	}
+	return staff(load, work, target, s.liveN-1)
 }
 
-// smallDemand is the step-sized requests of one priority: their prompt
-// tokens among the arrivals, decayed like arrSec (by 1−1/estimatorWindow per
-// arrival, applied lazily: tokens is the value after arrival n), and when
-// the last arrived.
+// missShare is the share of a class's requests allowed to wait longer than
+// their objectives leave: one in ten, the 90th percentile, the percentile
+// issue 17 states the light tenants' objective in.
+const missShare = 0.1
+
+// staff is the fewest servers, between 1 and most, that carry a class of
+// offered load a (in servers) whose requests need work seconds of one
+// server each, so that at most missShare of them wait longer than target
+// seconds for a server: the smallest k > a with P(wait > target) =
+// C(k, a) · exp(−(k − a) · target / work) ≤ missShare (an M/M/k queue:
+// Poisson arrivals, exponential work; C is Erlang's C formula, the
+// probability of waiting at all). A class with no load needs one (none
+// wait). With no target (target < 0: no objectives) the fewest that are
+// stable, ⌊a⌋ + 1; when no k up to most meets the target, most.
+func staff(a, work, target float64, most int) int {
+	if most < 1 {
+		return 0
+	}
+	if a <= 0 || work <= 0 {
+		return 1
+	}
+	if target < 0 {
+		return min(int(math.Floor(a))+1, most)
+	}
+	for k := 1; k < most; k++ {
+		if float64(k) > a && erlangC(k, a)*math.Exp(-(float64(k)-a)*target/work) <= missShare {
+			return k
+		}
+	}
+	return most
+}
+
+// erlangC is the probability that an arrival waits in an M/M/k queue of
+// offered load a < k: from the Erlang-B recursion B(i) = a·B(i−1) / (i +
+// a·B(i−1)), C = k·B / (k − a·(1 − B)).
+func erlangC(k int, a float64) float64 {
+	bl := 1.0
+	for i := 1; i <= k; i++ {
+		bl = a * bl / (float64(i) + a*bl)
+	}
+	return float64(k) * bl / (float64(k) - a*(1-bl))
+}
+
+// smallDemand is the step-sized requests of one priority, among the
+// arrivals, decayed like arrSec (by 1−1/estimatorWindow per arrival, applied
+// lazily: the sums are their values after arrival n): their tokens of
+// prefill work (uncached: what an instance holding most of the prompt
+// would prefill), the tokens the service line counts for them (compute),
+// their number, the sum and number of their TTFT objectives (deadline −
+// arrival), and when the last arrived.
 type smallDemand struct {
-	tokens float64
-	n      uint64
-	last   time.Time
+	tokens, computed, reqs, obj, objN float64
+	n                                 uint64
+	last                              time.Time
 }
 
 const arrivalKeep = 1 - 1.0/estimatorWindow
 
-func (d *smallDemand) at(n uint64) float64 {
-	return d.tokens * math.Pow(arrivalKeep, float64(n-d.n))
+// count is the arrivals d holds, decayed to arrival n.
+func (d *smallDemand) count(n uint64) float64 {
+	return d.reqs * math.Pow(arrivalKeep, float64(n-d.n))
+}
+
+// add adds e, decayed to arrival n, to d.
+func (d *smallDemand) add(e *smallDemand, n uint64) {
+	f := math.Pow(arrivalKeep, float64(n-e.n))
+	d.tokens += e.tokens * f
+	d.computed += e.computed * f
+	d.reqs += e.reqs * f
+	d.obj += e.obj * f
+	d.objN += e.objN * f
+}
+
+// note decays d to the current arrival and adds it, arrived at now.
+func (d *smallDemand) note(s *Sched, it *Item, now time.Time) {
+	n := s.arrN
+	f := math.Pow(arrivalKeep, float64(n-d.n))
+	d.tokens = d.tokens*f + float64(uncached(it))
+	d.computed = d.computed*f + float64(s.compute(it))
+	d.reqs = d.reqs*f + 1
+	d.obj, d.objN = d.obj*f, d.objN*f
+	if !it.Deadline.IsZero() {
+		d.obj += max(it.Deadline.Sub(now).Seconds(), 0)
+		d.objN++
+	}
+	d.n, d.last = n, now
 }
 
 // stepSized is the request that goes onto the reserved room when the head
@@ -183,14 +260,14 @@ func (s *Sched) noteArrival(it *Item, now time.Time) {
 		}
 		d := s.smallBy[it.Priority]
 		if d == nil {
-			d = &smallDemand{}
+			d = &smallDemand{n: s.arrN}
 			s.smallBy[it.Priority] = d
 		}
-		d.tokens, d.n, d.last = d.at(s.arrN)+float64(s.compute(it)), s.arrN, now
+		d.note(s, it, now)
 	}
 	if s.arrN%estimatorWindow == 0 {
 		for p, d := range s.smallBy {
-			if d.at(s.arrN) < 1 {
+			if d.count(s.arrN) < 1 {
 				delete(s.smallBy, p)
 			}
 		}
@@ -224,4 +301,14 @@ func (s *Sched) bigPrefilled(it *Item) {
 	} else {
 		s.unboundBig--
 	}
+}
+
+// uncached is the prompt tokens of it that the instance holding most of
+// it does not hold: its prefill work where a cache-aware pick sends it.
+func uncached(it *Item) int64 {
+	held := int64(0)
+	for _, h := range it.Cached {
+		held = max(held, h.Tokens)
+	}
+	return it.Prefill - min(held, it.Prefill)
 }
