@@ -103,6 +103,9 @@ func (s *Sched) reserved(it *Item) int {
 	if b <= 0 || s.arrSec <= 0 || d.reqs <= 0 {
 		return min(1, s.liveN-1)
 	}
+	if others := s.queued - btoi(it.state == stQueued); others > 0 {
+		return min(max(int(math.Ceil(d.computed/s.arrSec*b)), 1), s.liveN-1)
+	}
 	load := d.tokens / s.arrSec * b // offered load, in instances
 	work := d.tokens / d.reqs * b   // one request's prefill, in seconds of an instance
 	target := -1.0                  // the wait their objectives leave (< 0: none)
@@ -311,4 +314,11 @@ func uncached(it *Item) int64 {
 		held = max(held, h.Tokens)
 	}
 	return it.Prefill - min(held, it.Prefill)
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
