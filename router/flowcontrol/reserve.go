@@ -22,27 +22,46 @@ import (
 // instances free of them (counting those admitted and not yet bound to
 // one), so a request that fits a step always has an instance whose
 // pending prefill is bounded by the budget — its wait for room is about
-// one step at most, not one long prefill. k is what the step-sized
-// requests at least as urgent as the long prompt need to carry their own
-// demand, their offered load in instances: k = ⌈a · b⌉, a the prompt
-// tokens of those requests arriving per second (averaged over the last
-// estimatorWindow arrivals), b the seconds of admission-to-first-token
-// each prompt token adds (the slope of the service-time line, service.go:
-// an instance's prefill time per token, cache hits included; the engine's
-// wait ahead of a request is the intercept), at least 1 and at most N−1.
-// This is size-based task assignment (SITA: Harchol-Balter, Crovella and
-// Murta, "On choosing a task assignment policy for a distributed server
-// system", 1999): short jobs get servers in proportion to their load, so
-// they do not queue behind long ones. A single reserved instance is not
-// enough once the short requests need more than one instance's prefill:
-// they then wait behind the long prefills again. At most N−1 keeps an
-// instance for the long prompts (fair queuing decides their share of it).
-// Until the slope is known (first tokens of prompts of more than one
-// length), k is 1. The offered load, not a share of the queue's drain
-// rate: that rate is measured only while requests wait, and at light load
-// those short spells put it far below the pool's capacity (kvbench flow
-// at half load: the heavy tenant's p99 1,229 ms with a drain-rate k, 685
-// ms with this one, 1,210 ms without the queue).
+// one step at most, not one long prefill. k is how many instances the
+// step-sized requests at least as urgent as the long prompt need, from
+// their demand over the last estimatorWindow arrivals: a, their prompt
+// tokens arriving per second, and b, the seconds of admission-to-first-
+// token each prompt token adds (the slope of the service-time line,
+// service.go: an instance's prefill time per token; the engine's wait
+// ahead of a request is the intercept). This is size-based task
+// assignment (SITA: Harchol-Balter, Crovella and Murta, "On choosing a
+// task assignment policy for a distributed server system", 1999): short
+// jobs get servers of their own, so they do not queue behind long ones.
+// k is at least 1 and at most N−1 (one instance stays for the long
+// prompts; fair queuing decides their share of it), and 1 until the slope
+// is known (first tokens of prompts of more than one length).
+//
+//   - While nothing else waits, the short requests are placed by the
+//     strategy among all instances with room, a cache-aware one onto the
+//     instance holding their prefix, so their work is their uncached
+//     tokens (Item.Cached), and k is a staffing question: the fewest
+//     instances on which, as an M/M/k queue (offered load a·b in
+//     instances, a request's work its uncached tokens × b), at most one
+//     request in ten waits longer than its objective leaves (the mean
+//     objective less the service line's prediction for a short prompt);
+//     without objectives, the fewest that carry the load, ⌊a·b⌋ + 1
+//     (staff). Counting whole prompts here kept two of four instances for
+//     light requests whose prefill needs half of one (kv_aware, kvbench
+//     flow at half load: a·b median 1.02 on whole prompts, 0.43–0.84
+//     uncached), and the heavy tenant's 10,000-token prompts waited: p99
+//     of all requests 529 ms against 420 ms without the queue; 401 ms
+//     with this rule.
+//   - While other requests wait, k = ⌈a·b⌉ on whole prompts, the short
+//     requests' offered load: a waiting short request goes to whichever
+//     instance frees, holding its prefix or not, and the staffing rule
+//     applied there reserved more than this and cost goodput under
+//     overload (kv_aware, 4 instances, 4×: 82.1 → 78.1 req/s; counting
+//     uncached tokens there: 91.5 → 83.7 at 2×). The offered load, not a
+//     share of the queue's drain rate: that rate is measured only while
+//     requests wait, and at light load those short spells put it far
+//     below the pool's capacity (the heavy tenant's p99 at half load
+//     1,229 ms with a drain-rate k, 685 ms with this one, 1,210 ms without
+//     the queue).
 //
 // Nothing is reserved with a single instance, nor while no step-sized
 // request at least as urgent has arrived within the time an oversized
@@ -110,7 +129,7 @@ func (s *Sched) reserved(it *Item) int {
 	work := d.tokens / d.reqs * b   // one request's prefill, in seconds of an instance
 	target := -1.0                  // the wait their objectives leave (< 0: none)
 	if d.objN > 0 {
-		target = d.obj/d.objN - s.svcFit.at(d.computed/d.reqs).Seconds()
+		target = max(d.obj/d.objN-s.svcFit.at(d.computed/d.reqs).Seconds(), 0)
 	}
 	return staff(load, work, target, s.liveN-1)
 }

@@ -62,8 +62,9 @@ func TestStaffMeetsTheTargetWithFewestServers(t *testing.T) {
 // work and their objectives as the wait they can spare: the same arrivals
 // reserve three of four instances when every prompt token is prefilled and
 // one when nine tenths are cached; a looser objective reserves fewer.
+// While other requests wait it is their offered load on whole prompts.
 func TestReservationFromUncachedDemandAndObjectives(t *testing.T) {
-	reserved := func(cachedShare float64, objective time.Duration) int {
+	reserved := func(cachedShare float64, objective time.Duration, waiting int) int {
 		s := mustNew(t, Config{InstancePrefill: 2000, ReserveInstance: true})
 		s.SetInstances([]string{"a", "b", "c", "d"})
 		// Arrivals every 10 ms, a third of them 1,000-token step-sized
@@ -85,19 +86,30 @@ func TestReservationFromUncachedDemandAndObjectives(t *testing.T) {
 			s.svcFit.add(1000, 0.02+1000*40e-6)
 			s.svcFit.add(5000, 0.02+5000*40e-6)
 		}
+		s.queued = waiting
 		return s.reserved(&Item{Prefill: 5000, Cost: 5000})
 	}
 	// Uncached: 1.33 instances of 40 ms requests with 90 ms to spare; two
 	// instances let 12 % wait longer, three 1.5 %.
-	if k := reserved(0, 150*time.Millisecond); k != 3 {
+	if k := reserved(0, 150*time.Millisecond, 0); k != 3 {
 		t.Errorf("uncached prompts, 150 ms objective: reserved = %d, want 3", k)
 	}
 	// Nine tenths cached: 0.13 instances of 4 ms requests.
-	if k := reserved(0.9, 150*time.Millisecond); k != 1 {
+	if k := reserved(0.9, 150*time.Millisecond, 0); k != 1 {
 		t.Errorf("90%% cached prompts: reserved = %d, want 1", k)
 	}
 	// 440 ms to spare: two instances let 0.2 % wait longer.
-	if k := reserved(0, 500*time.Millisecond); k != 2 {
+	if k := reserved(0, 500*time.Millisecond, 0); k != 2 {
 		t.Errorf("uncached prompts, 500 ms objective: reserved = %d, want 2", k)
+	}
+	// While other requests wait, the short ones' offered load on whole
+	// prompts, ⌈1.33⌉, cached or not.
+	if k := reserved(0.9, 150*time.Millisecond, 1); k != 2 {
+		t.Errorf("90%% cached prompts, requests waiting: reserved = %d, want 2", k)
+	}
+	// An objective the service alone spends leaves no wait: the fewest
+	// instances on which at most one request in ten waits at all.
+	if k := reserved(0.9, 50*time.Millisecond, 0); k != 2 {
+		t.Errorf("objective shorter than the service: reserved = %d, want 2", k)
 	}
 }
