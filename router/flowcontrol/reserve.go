@@ -259,10 +259,10 @@ func (s *Sched) stepSizedIn(l *level) *Item {
 }
 
 // noteArrival accounts an arrival: the time since the previous one, and
-// a step-sized request's tokens under its priority. Priorities whose
-// demand has decayed below one token are forgotten (every
-// estimatorWindow arrivals), so the map holds the priorities of recent
-// arrivals only.
+// a step-sized request's demand under its priority. Priorities whose
+// arrivals have decayed below one are forgotten (every estimatorWindow
+// arrivals), so the map holds the priorities of recent arrivals only (by
+// count, not tokens: a fully cached prompt is an arrival with no work).
 func (s *Sched) noteArrival(it *Item, now time.Time) {
 	if !s.cfg.ReserveInstance || s.cfg.InstancePrefill <= 0 {
 		return
