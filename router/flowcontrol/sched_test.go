@@ -735,10 +735,11 @@ func TestReserveInstanceForStepSized(t *testing.T) {
 	offer(t, one, &Item{Prefill: 500, Cost: 500}, at(1001), Admitted)
 }
 
-// The reservation is the step-sized requests' offered load in instances,
-// k = ⌈a · b⌉ (a their prompt tokens per second, b the seconds each prompt
-// token adds to admission-to-first-token), at least 1 and at most N−1, and
-// 1 before b is known; a long prompt reserves only for short requests at
+// Without objectives the reservation is the fewest instances that carry
+// the step-sized requests' offered load, k = ⌊a · b⌋ + 1 (a their prompt
+// tokens per second, b the seconds each prompt token adds to
+// admission-to-first-token), at least 1 and at most N−1, and 1 before b is
+// known; a long prompt reserves only for short requests at
 // least as urgent as itself, and only while they are arriving.
 func TestReservedInstancesFollowDemand(t *testing.T) {
 	s := mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true})
