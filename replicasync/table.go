@@ -119,6 +119,18 @@ func (t *Table) Touch(replica string, incarnation uint64) {
 // timeout, or an entry not refreshed for as long (a lost update), counts
 // nothing.
 func (t *Table) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests int64) {
+	t.livePeerLoads(inst, func(l *loadAt) {
+		inflight += l.InFlight
+		pendingTokens += l.PendingTokens
+		pendingRequests += l.PendingRequests
+	})
+	return inflight, pendingTokens, pendingRequests
+}
+
+// livePeerLoads calls f, under the read lock, with each live peer's entry
+// for inst that is still current: a peer silent for the timeout, or an
+// entry not refreshed for as long (a lost update), is skipped.
+func (t *Table) livePeerLoads(inst string, f func(l *loadAt)) {
 	now := t.now()
 	t.mu.RLock()
 	defer t.mu.RUnlock()
@@ -127,12 +139,9 @@ func (t *Table) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests 
 			continue
 		}
 		if l, ok := p.loads[inst]; ok && (now.Sub(l.at) <= t.timeout || now.Sub(p.synced) <= t.timeout) {
-			inflight += l.InFlight
-			pendingTokens += l.PendingTokens
-			pendingRequests += l.PendingRequests
+			f(&l)
 		}
 	}
-	return inflight, pendingTokens, pendingRequests
 }
 
 // PeerQueue is what the live peers have pending on one instance, for a
@@ -160,17 +169,7 @@ type PeerQueue struct {
 func (t *Table) PeerQueue(inst string, q *PeerQueue) {
 	q.Pending, q.Rates = q.Pending[:0], q.Rates[:0]
 	q.Unlisted, q.Started, q.InFlight, q.Tokens, q.Requests = 0, 0, 0, 0, 0
-	now := t.now()
-	t.mu.RLock()
-	defer t.mu.RUnlock()
-	for _, p := range t.peers {
-		if now.Sub(p.seen) > t.timeout {
-			continue
-		}
-		l, ok := p.loads[inst]
-		if !ok || (now.Sub(l.at) > t.timeout && now.Sub(p.synced) > t.timeout) {
-			continue
-		}
+	t.livePeerLoads(inst, func(l *loadAt) {
 		q.Started = max(q.Started, l.Started)
 		q.InFlight += l.InFlight
 		q.Tokens += l.PendingTokens
@@ -184,7 +183,7 @@ func (t *Table) PeerQueue(inst string, q *PeerQueue) {
 		if l.Rate > 0 && len(l.Pending) > 0 {
 			q.Rates = append(q.Rates, l.Rate)
 		}
-	}
+	})
 }
 
 // PeerStatus is one peer as this replica sees it.

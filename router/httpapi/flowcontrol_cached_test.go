@@ -4,11 +4,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
-	"strings"
 	"sync"
 	"testing"
 
@@ -110,20 +108,5 @@ func TestFlowControlFreedSlotPrefersCached(t *testing.T) {
 // postCompletionRaw posts a completion whose prompt is the JSON value
 // prompt (token ids).
 func postCompletionRaw(ctx context.Context, url, prompt string, header map[string]string) flowReply {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url+"/v1/completions",
-		strings.NewReader(`{"model":"m","prompt":`+prompt+`,"max_tokens":1}`))
-	if err != nil {
-		return flowReply{err: err}
-	}
-	req.Header.Set("Content-Type", "application/json")
-	for k, v := range header {
-		req.Header.Set(k, v)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return flowReply{err: err}
-	}
-	_, _ = io.Copy(io.Discard, resp.Body)
-	resp.Body.Close()
-	return flowReply{status: resp.StatusCode, header: resp.Header}
+	return postCompletionBody(ctx, url, `{"model":"m","prompt":`+prompt+`,"max_tokens":1}`, header)
 }

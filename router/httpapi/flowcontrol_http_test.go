@@ -91,7 +91,11 @@ type flowReply struct {
 }
 
 func postCompletion(ctx context.Context, url, prompt string, header map[string]string, extra string) flowReply {
-	body := fmt.Sprintf(`{"model":"m","prompt":%q,"max_tokens":1%s}`, prompt, extra)
+	return postCompletionBody(ctx, url, fmt.Sprintf(`{"model":"m","prompt":%q,"max_tokens":1%s}`, prompt, extra), header)
+}
+
+// postCompletionBody posts body to the completions endpoint.
+func postCompletionBody(ctx context.Context, url, body string, header map[string]string) flowReply {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url+"/v1/completions", strings.NewReader(body))
 	if err != nil {
 		return flowReply{err: err}
