@@ -161,6 +161,31 @@ func scanFileLabels(af *ast.File, consts map[string]string, out map[string]map[s
 		}
 		return true
 	})
+	// Const labels of internal/metricset Sets built in the file
+	// (metricset.Set{ConstLabels: ...}): every metric the Set declares
+	// carries them.
+	var setConst []string
+	ast.Inspect(af, func(n ast.Node) bool {
+		cl, ok := n.(*ast.CompositeLit)
+		if !ok {
+			return true
+		}
+		if se, ok := cl.Type.(*ast.SelectorExpr); !ok || se.Sel.Name != "Set" {
+			return true
+		}
+		for _, el := range cl.Elts {
+			if kv, ok := el.(*ast.KeyValueExpr); ok {
+				if key, _ := kv.Key.(*ast.Ident); key != nil && key.Name == "ConstLabels" {
+					if _, isLit := kv.Value.(*ast.CompositeLit); isLit {
+						setConst = append(setConst, labelKeys(kv.Value)...)
+					} else {
+						setConst = append(setConst, fileConst...)
+					}
+				}
+			}
+		}
+		return true
+	})
 	resolve := func(e ast.Expr) (string, bool) {
 		if s, ok := stringLit(e); ok {
 			return s, true
@@ -189,6 +214,30 @@ func scanFileLabels(af *ast.File, consts map[string]string, out map[string]map[s
 		}
 		se, ok := call.Fun.(*ast.SelectorExpr)
 		if !ok {
+			return true
+		}
+		if x, ok := se.X.(*ast.Ident); ok && x.Name != "prometheus" {
+			// A metricset.Set method: (name, help[, buckets], labels...).
+			first := map[string]int{"Counter": -1, "Gauge": -1, "Histogram": -1, "CounterVec": 2, "GaugeVec": 2, "HistogramVec": 3}
+			at, isSet := first[se.Sel.Name]
+			if !isSet || len(call.Args) < 2 {
+				return true
+			}
+			name, ok := resolve(call.Args[0])
+			if !ok {
+				return true
+			}
+			lbls := append([]string(nil), setConst...)
+			if at > 0 {
+				for _, a := range call.Args[min(at, len(call.Args)):] {
+					if l, ok := stringLit(a); ok {
+						lbls = append(lbls, l)
+					} else {
+						lbls = append(lbls, stringList(a)...)
+					}
+				}
+			}
+			add(name, lbls)
 			return true
 		}
 		if x, ok := se.X.(*ast.Ident); !ok || x.Name != "prometheus" {
