@@ -559,9 +559,9 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	}
 	commit.Args()[13] = rec
 	_ = pipe.Process(ctx, commit)
-	entry := strconv.FormatInt(now.UnixMilli(), 10) + " " + hex.EncodeToString([]byte(fid)) + " " + instance
-	reg := redis.NewSliceCmd(ctx, "evalsha", regScript.Hash(), 1, r.regKey(), id, entry, instance,
-		hex.EncodeToString([]byte(fid)), hex.EncodeToString([]byte(m.fid)))
+	fidHex, prevHex := hex.EncodeToString([]byte(fid)), prevFidHex(m.fid, fid)
+	entry := strconv.FormatInt(now.UnixMilli(), 10) + " " + fidHex + " " + instance
+	reg := redis.NewSliceCmd(ctx, "evalsha", regScript.Hash(), 1, r.regKey(), id, entry, instance, fidHex, prevHex)
 	_ = pipe.Process(ctx, reg)
 	storeBS := r.bs.configured == 0 && r.bs.get() != 0 && !r.bsStored.Load()
 	if storeBS {
@@ -968,6 +968,15 @@ func newFieldID() string {
 	var b [fieldIDLen]byte
 	_, _ = rand.Read(b[:])
 	return string(b[:])
+}
+
+// prevFidHex is the hex of the field id a write replaces: the one it writes
+// (no new incarnation) is encoded once, not twice, on every Apply.
+func prevFidHex(prev, cur string) string {
+	if prev == cur {
+		return "" // regScript compares ARGV[4] first; "" never matches an entry
+	}
+	return hex.EncodeToString([]byte(prev))
 }
 
 // registryFieldID is the field id the registry names for the instance
