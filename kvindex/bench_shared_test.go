@@ -6,7 +6,6 @@ import (
 	"runtime"
 	"slices"
 	"testing"
-	"time"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/cputime"
@@ -47,20 +46,6 @@ func fillShared(tb testing.TB, idx Index, n int) []Key {
 	return query
 }
 
-// opTimes collects per-operation CPU times and reports their percentiles.
-type opTimes []time.Duration
-
-func (o opTimes) report(b *testing.B, unit string) {
-	if len(o) == 0 || o[0] < 0 {
-		return
-	}
-	s := slices.Clone(o)
-	slices.Sort(s)
-	pct := func(p float64) float64 { return float64(s[min(len(s)-1, int(p*float64(len(s))))]) }
-	b.ReportMetric(pct(0.50), "p50-"+unit)
-	b.ReportMetric(pct(0.99), "p99-"+unit)
-}
-
 // BenchmarkMemoryLookupShared is the heavy-sharing lookup at 8, 64 and 256
 // instances: its CPU time per lookup should not grow with N (docs/BENCHMARKS.md).
 func BenchmarkMemoryLookupShared(b *testing.B) {
@@ -74,20 +59,17 @@ func BenchmarkMemoryLookupShared(b *testing.B) {
 			ctx := context.Background()
 			runtime.LockOSThread()
 			defer runtime.UnlockOSThread()
-			times := make(opTimes, 0, 1<<16)
+			times := cputime.NewOpTimes(1 << 16)
 			b.ReportAllocs()
 			for b.Loop() {
-				t0 := cputime.Thread()
+				t0 := times.Start()
 				ms, err := m.Lookup(ctx, query)
-				d := cputime.Thread() - t0
+				times.Stop(t0)
 				if err != nil || len(ms) != n {
 					b.Fatalf("lookup: %d matches, %v", len(ms), err)
 				}
-				if len(times) < cap(times) {
-					times = append(times, d)
-				}
 			}
-			times.report(b, "cpu-ns")
+			times.Report(b, "cpu-ns")
 		})
 	}
 }

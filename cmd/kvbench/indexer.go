@@ -156,30 +156,6 @@ func (s *opStats) add(cpu, wall time.Duration) {
 	s.wall += wall
 }
 
-// timerOverhead is what timing an empty section costs, in thread CPU
-// time and wall time (the medians of many): reading the thread CPU clock
-// is a system call, a few hundred nanoseconds next to a lookup's few
-// microseconds.
-func timerOverhead() [2]time.Duration {
-	const n = 20000
-	cs, ws := make([]time.Duration, n), make([]time.Duration, n)
-	for i := range cs {
-		c0, w0 := cputime.Thread(), time.Now()
-		w, c := time.Since(w0), cputime.Thread()
-		cs[i], ws[i] = c-c0, w
-	}
-	return [2]time.Duration{durPct(cs, 0.5), durPct(ws, 0.5)}
-}
-
-// durPct returns the p-quantile of ts (sorting it).
-func durPct(ts []time.Duration, p float64) time.Duration {
-	if len(ts) == 0 {
-		return 0
-	}
-	slices.Sort(ts)
-	return ts[min(len(ts)-1, int(p*float64(len(ts))))]
-}
-
 func writeReplayTable(w io.Writer, rows []replayResult) {
 	us := func(d time.Duration) string { return strconv.FormatFloat(float64(d)/1e3, 'f', 1, 64) }
 	fmt.Fprintln(w, "| instances | trace copies | lookups | events (applies) | blocks stored | blocks removed | ops/CPU-s | ops/s (wall) | lookup p50 / p99 CPU µs | lookup p99 wall µs | apply p50 / p99 CPU µs | entries | index heap MB | B/entry |")
@@ -191,8 +167,8 @@ func writeReplayTable(w io.Writer, rows []replayResult) {
 		}
 		fmt.Fprintf(w, "| %d | %d | %d | %d (%d) | %d | %d | %.0f | %.0f | %s / %s | %s | %s / %s | %d | %.1f | %.1f |\n",
 			r.Instances, r.Copies, r.Lookups, r.Events, r.Applies, r.Stored, r.Removed, r.opsPerCPU(), r.opsPerWall(),
-			us(durPct(r.Lookup.cpuTimes, 0.5)), us(durPct(r.Lookup.cpuTimes, 0.99)), us(durPct(r.Lookup.wallTimes, 0.99)),
-			us(durPct(r.Apply.cpuTimes, 0.5)), us(durPct(r.Apply.cpuTimes, 0.99)),
+			us(cputime.Quantile(r.Lookup.cpuTimes, 0.5)), us(cputime.Quantile(r.Lookup.cpuTimes, 0.99)), us(cputime.Quantile(r.Lookup.wallTimes, 0.99)),
+			us(cputime.Quantile(r.Apply.cpuTimes, 0.5)), us(cputime.Quantile(r.Apply.cpuTimes, 0.99)),
 			r.Entries, float64(r.HeapBytes)/(1<<20), perEntry)
 	}
 }
@@ -218,7 +194,8 @@ func replayIndex(ctx context.Context, recs []workload.TraceRecord, n, capBlocks,
 		return res, err
 	}
 	root := kvindex.Root(model, "", "")
-	res.Lookup.overhead = timerOverhead()
+	cpuOver, wallOver := cputime.Overhead()
+	res.Lookup.overhead = [2]time.Duration{max(cpuOver, 0), wallOver}
 	res.Apply.overhead = res.Lookup.overhead
 	var (
 		toks   []uint32

@@ -5,15 +5,13 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime"
-	"slices"
 	"testing"
-	"time"
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
-	"golang.org/x/sys/unix"
 )
 
 // BenchmarkKVAwareDecisionShared is one kv_aware decision from token ids
@@ -70,33 +68,19 @@ func BenchmarkKVAwareDecisionShared(b *testing.B) {
 	text := string(make([]byte, config.DefaultPrefixLength))
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	times := make([]time.Duration, 0, 1<<16)
+	times := cputime.NewOpTimes(1 << 16)
 	b.ReportAllocs()
 	for b.Loop() {
 		req := &router.Request{Endpoint: router.EndpointCompletions, Model: kvTestModel, RoutingText: text, PromptTokens: ids}
-		c0 := threadCPU()
+		c0 := times.Start()
 		d, err := s.Pick(ctx, req, insts)
-		c := threadCPU() - c0
+		times.Stop(c0)
 		if err != nil || d.Instance != holder {
 			b.Fatalf("picked %v (%s), %v; want %s", d.Instance, d.Reason, err, holder.ID())
 		}
 		if d.Observer != nil {
 			d.Observer.Done(200, -1) // the request ends: the next decision sees the same load
 		}
-		if len(times) < cap(times) {
-			times = append(times, c)
-		}
 	}
-	slices.Sort(times)
-	b.ReportMetric(float64(times[len(times)/2]), "p50-cpu-ns")
-	b.ReportMetric(float64(times[len(times)*99/100]), "p99-cpu-ns")
-}
-
-// threadCPU is the calling OS thread's CPU time (CLOCK_THREAD_CPUTIME_ID).
-func threadCPU() time.Duration {
-	var ts unix.Timespec
-	if err := unix.ClockGettime(unix.CLOCK_THREAD_CPUTIME_ID, &ts); err != nil {
-		return 0
-	}
-	return time.Duration(ts.Nano())
+	times.Report(b, "cpu-ns")
 }
