@@ -2,7 +2,6 @@ package test
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -117,33 +116,24 @@ type kvrRouter struct {
 	pool string
 }
 
-func (r *kvrRouter) do(method, path string, body any) (*http.Response, []byte) {
+func (r *kvrRouter) do(method, path string, body any) testenv.Result {
 	r.t.Helper()
-	var rd io.Reader
+	var b []byte
 	if body != nil {
-		b, _ := json.Marshal(body)
-		rd = bytes.NewReader(b)
+		b, _ = json.Marshal(body)
 	}
-	req, _ := http.NewRequest(method, r.ts.URL+path, rd)
-	req.Header.Set("Authorization", "Bearer adm")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		r.t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp, b
+	return testenv.Do(r.t, method, r.ts.URL+path, b, map[string]string{"Authorization": "Bearer adm"})
 }
 
 // adminJSON sends an admin API request and decodes its answer, which must
 // be a 200, into out.
 func (r *kvrRouter) adminJSON(method, path string, body, out any) {
 	r.t.Helper()
-	resp, b := r.do(method, path, body)
-	if resp.StatusCode != 200 {
-		r.t.Fatalf("%s %s: %d %s", method, path, resp.StatusCode, b)
+	resp := r.do(method, path, body)
+	if resp.Status != 200 {
+		r.t.Fatalf("%s %s: %d %s", method, path, resp.Status, resp.Body)
 	}
-	if err := json.Unmarshal(b, out); err != nil {
+	if err := json.Unmarshal(resp.Body, out); err != nil {
 		r.t.Fatal(err)
 	}
 }
@@ -177,16 +167,15 @@ func (r *kvrRouter) waitLive(id string, within time.Duration) {
 // complete routes a /v1/completions request with token ids.
 func (r *kvrRouter) complete(ids []uint32) (instance, reason string) {
 	r.t.Helper()
-	resp, b := r.do("POST", "/v1/completions", map[string]any{"model": kvrModel, "prompt": ids, "max_tokens": 1})
-	if resp.StatusCode != 200 {
-		r.t.Fatalf("completion: %d %s", resp.StatusCode, b)
+	resp := r.do("POST", "/v1/completions", map[string]any{"model": kvrModel, "prompt": ids, "max_tokens": 1})
+	if resp.Status != 200 {
+		r.t.Fatalf("completion: %d %s", resp.Status, resp.Body)
 	}
 	return resp.Header.Get(router.HeaderInstance), resp.Header.Get(router.HeaderReason)
 }
 
 func (r *kvrRouter) metrics() string {
-	_, b := r.do("GET", "/metrics", nil)
-	return string(b)
+	return string(r.do("GET", "/metrics", nil).Body)
 }
 
 // sseReader reads an event stream line by line in the background.

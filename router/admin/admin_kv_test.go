@@ -166,15 +166,9 @@ func TestAdminKVLookupAndInstances(t *testing.T) {
 
 	// Instances: the index's blocks per tier beside the pool's membership
 	// (no events pipeline here: the consumer's fields stay zero).
-	req, _ := http.NewRequest("GET", ts.URL+"/admin/pools/kv/instances", nil)
-	req.Header.Set("Authorization", "Bearer tok")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
+	resp := servertest.Do(t, ts.URL, "GET", "/admin/pools/kv/instances", nil, map[string]string{"Authorization": "Bearer tok"})
 	var iv admin.KVInstancesResponse
-	if err := json.NewDecoder(resp.Body).Decode(&iv); err != nil {
+	if err := json.Unmarshal(resp.Body, &iv); err != nil {
 		t.Fatal(err)
 	}
 	if len(iv.Instances) != 2 || iv.BlockSize != kvBS {

@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net/http"
-	"strings"
 	"testing"
 	"time"
 
@@ -116,16 +114,12 @@ func TestToolChatPredictionMatchesEngine(t *testing.T) {
 		KV: kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil })})
 	chat := func() (predicted string, cached int) {
 		t.Helper()
-		resp, err := http.Post(ts.URL+"/v1/chat/completions", "application/json", strings.NewReader(toolChat))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
+		resp := servertest.Do(t, ts.URL, "POST", "/v1/chat/completions", []byte(toolChat), nil)
 		var body struct {
 			Usage routertest.Usage `json:"usage"`
 		}
-		if err := json.NewDecoder(resp.Body).Decode(&body); err != nil || resp.StatusCode != 200 {
-			t.Fatalf("chat: %d %v", resp.StatusCode, err)
+		if err := json.Unmarshal(resp.Body, &body); err != nil || resp.Status != 200 {
+			t.Fatalf("chat: %d %v", resp.Status, err)
 		}
 		if body.Usage.PromptTokens < 8*sim.DefaultBlockSize {
 			t.Fatalf("prompt of %d tokens: too short to tell", body.Usage.PromptTokens)
