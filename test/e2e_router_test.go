@@ -24,7 +24,7 @@ import (
 const routerModel = "meta-llama/Llama-3.1-8B-Instruct"
 
 // buildRouter builds the real kvrouter binary into a temporary directory.
-func buildRouter(t *testing.T) string {
+func buildRouter(t testing.TB) string {
 	t.Helper()
 	bin := filepath.Join(t.TempDir(), "kvrouter")
 	out, err := exec.Command("go", "build", "-o", bin, "../cmd/kvrouter").CombinedOutput()
