@@ -34,7 +34,7 @@ func dashRouter(t testing.TB, n int, mod func(*config.Config)) (*httpapi.Server,
 	if err != nil {
 		t.Fatal(err)
 	}
-	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	log := slog.New(slog.DiscardHandler)
 	pc := config.PoolConfig{Name: "dash", Model: dashModel,
 		Routing:   config.RoutingConfig{Strategy: "kv_aware", Shadow: true},
 		Tokenizer: &config.TokenizerConfig{Source: kvaware.TokenSourceSimple},

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"log/slog"
 	"testing"
 	"time"
@@ -94,7 +93,7 @@ func TestToolChatPredictionMatchesEngine(t *testing.T) {
 		})
 	}()
 	t.Cleanup(func() { stopSub(); <-subDone })
-	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	log := slog.New(slog.DiscardHandler)
 	in, err := simserver.Start(ctx, simserver.Config{Engine: sim.Config{Model: model}, TimeScale: 100, Logger: log, Tokenizer: llmdSimChat{},
 		Events: simserver.EventsConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port), Dial: true}})
 	if err != nil {
