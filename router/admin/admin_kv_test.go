@@ -3,9 +3,7 @@ package admin_test
 import (
 	"context"
 	"encoding/json"
-	"io"
 	"log/slog"
-	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
@@ -192,14 +190,8 @@ func FuzzAdminKVLookup(f *testing.F) {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, body string) {
-		resp, err := http.Post(ts.URL+"/admin/pools/kv/lookup", "application/json", strings.NewReader(body))
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, _ = io.Copy(io.Discard, resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode >= 500 {
-			t.Fatalf("status %d for %q", resp.StatusCode, body)
+		if resp := servertest.Do(t, ts.URL, "POST", "/admin/pools/kv/lookup", []byte(body), nil); resp.Status >= 500 {
+			t.Fatalf("status %d for %q", resp.Status, body)
 		}
 	})
 }
