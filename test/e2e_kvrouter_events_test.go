@@ -277,16 +277,8 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	eng := startKVREngine(t, ctx, ns.URL(), pool, "vllm-1", ups[1].URL, stream, bucket)
 	r.waitLive("vllm-1", 15*time.Second)
 	// A pool the router does not serve is a 404, not an empty stream.
-	unknown, _ := http.NewRequestWithContext(ctx, "GET", ts.URL+"/v1/kv/evictions?pool=no-such-pool", nil)
-	unknown.Header.Set("Authorization", "Bearer adm")
-	if resp, err := http.DefaultClient.Do(unknown); err != nil {
-		t.Fatal(err)
-	} else {
-		body, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusNotFound || !strings.Contains(string(body), `unknown pool "no-such-pool"`) {
-			t.Fatalf("evictions of an unknown pool: %d %q, want 404", resp.StatusCode, body)
-		}
+	if resp := r.do("GET", "/v1/kv/evictions?pool=no-such-pool", nil); resp.Status != http.StatusNotFound || !strings.Contains(string(resp.Body), `unknown pool "no-such-pool"`) {
+		t.Fatalf("evictions of an unknown pool: %d %q, want 404", resp.Status, resp.Body)
 	}
 	// A client that leaves: its NATS subscription goes with it.
 	base := kve.Conn().NumSubscriptions()
