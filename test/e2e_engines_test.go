@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"strconv"
 	"strings"
 	"sync"
@@ -166,9 +165,7 @@ func startEngineRouter(t *testing.T, ctx context.Context, natsURL, pool, stream,
 	}
 	kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: quietLogger(), SnapshotTimeout: 300 * time.Millisecond}, prometheus.NewRegistry())
 	testenv.Go(t, ctx, srv.Run)
-	ts := httptest.NewServer(srv.Handler())
-	t.Cleanup(ts.Close)
-	r := &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
+	r := serveKVR(t, kve, srv, pool)
 	if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
 		t.Fatal(err)
 	}

@@ -116,6 +116,14 @@ type kvrRouter struct {
 	pool string
 }
 
+// serveKVR serves srv on a test listener for the test's lifetime: the
+// kvrRouter the tests drive.
+func serveKVR(t *testing.T, kve *kvstate.Pipeline, srv *httpapi.Server, pool string) *kvrRouter {
+	ts := httptest.NewServer(srv.Handler())
+	t.Cleanup(ts.Close)
+	return &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
+}
+
 func (r *kvrRouter) do(method, path string, body any) testenv.Result {
 	r.t.Helper()
 	var b []byte
@@ -267,9 +275,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: quietLogger(), SnapshotTimeout: 300 * time.Millisecond}, prometheus.NewRegistry())
 	testenv.Go(t, ctx, srv.Run)
 	testenv.Go(t, ctx, fleet.New(srv, kve, cfg, 100*time.Millisecond, quietLogger()).Run)
-	ts := httptest.NewServer(srv.Handler())
-	t.Cleanup(ts.Close)
-	r := &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
+	r := serveKVR(t, kve, srv, pool)
 	if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
 		t.Fatal(err)
 	}
@@ -282,7 +288,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	}
 	// A client that leaves: its NATS subscription goes with it.
 	base := kve.Conn().NumSubscriptions()
-	gone := openEvictions(t, ctx, ts.URL+"/v1/kv/evictions?pool="+pool)
+	gone := openEvictions(t, ctx, r.ts.URL+"/v1/kv/evictions?pool="+pool)
 	gone.next(t, ": kv evictions", 10*time.Second)
 	if n := kve.Conn().NumSubscriptions(); n != base+1 {
 		t.Fatalf("subscriptions with a client: %d, want %d", n, base+1)
@@ -291,7 +297,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	<-gone.done
 	testenv.WaitFor(t, 10*time.Second, "the left client's subscription dropped", func() bool { return kve.Conn().NumSubscriptions() == base })
 
-	sse := openEvictions(t, ctx, ts.URL+"/v1/kv/evictions?pool="+pool+"&instance=vllm-1&tier=gpu")
+	sse := openEvictions(t, ctx, r.ts.URL+"/v1/kv/evictions?pool="+pool+"&instance=vllm-1&tier=gpu")
 	defer sse.cancel()
 
 	// Four blocks stored on GPU; the last two offloaded to CPU, then
@@ -442,9 +448,7 @@ func TestKVRouterEventsRedisIndex(t *testing.T) {
 		if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
 			t.Fatal(err)
 		}
-		ts := httptest.NewServer(srv.Handler())
-		t.Cleanup(ts.Close)
-		routers = append(routers, &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool})
+		routers = append(routers, serveKVR(t, kve, srv, pool))
 	}
 	t.Cleanup(func() {
 		// Only this test's keys: its own prefix.
@@ -475,9 +479,7 @@ func TestKVRouterRestartRebuildsIndex(t *testing.T) {
 	ctx, pool, cfg := sc.ctx, sc.pool, sc.cfg
 	start := func() *kvrRouter {
 		kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: quietLogger(), SnapshotTimeout: 500 * time.Millisecond}, nil)
-		ts := httptest.NewServer(srv.Handler())
-		t.Cleanup(ts.Close)
-		return &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
+		return serveKVR(t, kve, srv, pool)
 	}
 	r1 := start()
 	eng := sc.engine(t)
