@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"strconv"
 	"strings"
 	"sync"
@@ -108,14 +107,8 @@ func (n *engineNode) startBridge() {
 // router), to fill its cache.
 func (n *engineNode) completeDirect(ids []uint32) {
 	n.t.Helper()
-	body, _ := json.Marshal(map[string]any{"model": engModel, "prompt": ids, "max_tokens": 1})
-	resp, err := http.Post(n.url()+"/v1/completions", "application/json", strings.NewReader(string(body)))
-	if err != nil {
-		n.t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	if b, _ := io.ReadAll(resp.Body); resp.StatusCode != 200 {
-		n.t.Fatalf("%s: completion %d %s", n.id, resp.StatusCode, b)
+	if resp := testenv.PostJSON(n.t, n.url()+"/v1/completions", map[string]any{"model": engModel, "prompt": ids, "max_tokens": 1}); resp.Status != 200 {
+		n.t.Fatalf("%s: completion %d %s", n.id, resp.Status, resp.Body)
 	}
 }
 
@@ -172,9 +165,7 @@ func startEngineRouter(t *testing.T, ctx context.Context, natsURL, pool, stream,
 	}
 	kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: quietLogger(), SnapshotTimeout: 300 * time.Millisecond}, prometheus.NewRegistry())
 	testenv.Go(t, ctx, srv.Run)
-	ts := httptest.NewServer(srv.Handler())
-	t.Cleanup(ts.Close)
-	r := &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
+	r := serveKVR(t, kve, srv, pool)
 	if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
 		t.Fatal(err)
 	}
@@ -196,9 +187,10 @@ func (f *engineFleet) gpuBlocks(ids []uint32, inst string) int {
 // reported cached.
 func (f *engineFleet) route(ids []uint32) (inst, reason string, matched, cached int) {
 	f.t.Helper()
-	resp, b := f.r.do("POST", "/v1/completions", map[string]any{"model": engModel, "prompt": ids, "max_tokens": 1})
-	if resp.StatusCode != 200 {
-		f.t.Fatalf("completion: %d %s", resp.StatusCode, b)
+	resp := f.r.do("POST", "/v1/completions", map[string]any{"model": engModel, "prompt": ids, "max_tokens": 1})
+	b := resp.Body
+	if resp.Status != 200 {
+		f.t.Fatalf("completion: %d %s", resp.Status, b)
 	}
 	var out struct {
 		Usage routertest.Usage `json:"usage"`

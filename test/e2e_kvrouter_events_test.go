@@ -2,7 +2,6 @@ package test
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -117,33 +116,32 @@ type kvrRouter struct {
 	pool string
 }
 
-func (r *kvrRouter) do(method, path string, body any) (*http.Response, []byte) {
+// serveKVR serves srv on a test listener for the test's lifetime: the
+// kvrRouter the tests drive.
+func serveKVR(t *testing.T, kve *kvstate.Pipeline, srv *httpapi.Server, pool string) *kvrRouter {
+	ts := httptest.NewServer(srv.Handler())
+	t.Cleanup(ts.Close)
+	return &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
+}
+
+func (r *kvrRouter) do(method, path string, body any) testenv.Result {
 	r.t.Helper()
-	var rd io.Reader
+	var b []byte
 	if body != nil {
-		b, _ := json.Marshal(body)
-		rd = bytes.NewReader(b)
+		b, _ = json.Marshal(body)
 	}
-	req, _ := http.NewRequest(method, r.ts.URL+path, rd)
-	req.Header.Set("Authorization", "Bearer adm")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		r.t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp, b
+	return testenv.Do(r.t, method, r.ts.URL+path, b, map[string]string{"Authorization": "Bearer adm"})
 }
 
 // adminJSON sends an admin API request and decodes its answer, which must
 // be a 200, into out.
 func (r *kvrRouter) adminJSON(method, path string, body, out any) {
 	r.t.Helper()
-	resp, b := r.do(method, path, body)
-	if resp.StatusCode != 200 {
-		r.t.Fatalf("%s %s: %d %s", method, path, resp.StatusCode, b)
+	resp := r.do(method, path, body)
+	if resp.Status != 200 {
+		r.t.Fatalf("%s %s: %d %s", method, path, resp.Status, resp.Body)
 	}
-	if err := json.Unmarshal(b, out); err != nil {
+	if err := json.Unmarshal(resp.Body, out); err != nil {
 		r.t.Fatal(err)
 	}
 }
@@ -177,16 +175,15 @@ func (r *kvrRouter) waitLive(id string, within time.Duration) {
 // complete routes a /v1/completions request with token ids.
 func (r *kvrRouter) complete(ids []uint32) (instance, reason string) {
 	r.t.Helper()
-	resp, b := r.do("POST", "/v1/completions", map[string]any{"model": kvrModel, "prompt": ids, "max_tokens": 1})
-	if resp.StatusCode != 200 {
-		r.t.Fatalf("completion: %d %s", resp.StatusCode, b)
+	resp := r.do("POST", "/v1/completions", map[string]any{"model": kvrModel, "prompt": ids, "max_tokens": 1})
+	if resp.Status != 200 {
+		r.t.Fatalf("completion: %d %s", resp.Status, resp.Body)
 	}
 	return resp.Header.Get(router.HeaderInstance), resp.Header.Get(router.HeaderReason)
 }
 
 func (r *kvrRouter) metrics() string {
-	_, b := r.do("GET", "/metrics", nil)
-	return string(b)
+	return string(r.do("GET", "/metrics", nil).Body)
 }
 
 // sseReader reads an event stream line by line in the background.
@@ -278,9 +275,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: quietLogger(), SnapshotTimeout: 300 * time.Millisecond}, prometheus.NewRegistry())
 	testenv.Go(t, ctx, srv.Run)
 	testenv.Go(t, ctx, fleet.New(srv, kve, cfg, 100*time.Millisecond, quietLogger()).Run)
-	ts := httptest.NewServer(srv.Handler())
-	t.Cleanup(ts.Close)
-	r := &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
+	r := serveKVR(t, kve, srv, pool)
 	if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
 		t.Fatal(err)
 	}
@@ -288,20 +283,12 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	eng := startKVREngine(t, ctx, ns.URL(), pool, "vllm-1", ups[1].URL, stream, bucket)
 	r.waitLive("vllm-1", 15*time.Second)
 	// A pool the router does not serve is a 404, not an empty stream.
-	unknown, _ := http.NewRequestWithContext(ctx, "GET", ts.URL+"/v1/kv/evictions?pool=no-such-pool", nil)
-	unknown.Header.Set("Authorization", "Bearer adm")
-	if resp, err := http.DefaultClient.Do(unknown); err != nil {
-		t.Fatal(err)
-	} else {
-		body, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusNotFound || !strings.Contains(string(body), `unknown pool "no-such-pool"`) {
-			t.Fatalf("evictions of an unknown pool: %d %q, want 404", resp.StatusCode, body)
-		}
+	if resp := r.do("GET", "/v1/kv/evictions?pool=no-such-pool", nil); resp.Status != http.StatusNotFound || !strings.Contains(string(resp.Body), `unknown pool "no-such-pool"`) {
+		t.Fatalf("evictions of an unknown pool: %d %q, want 404", resp.Status, resp.Body)
 	}
 	// A client that leaves: its NATS subscription goes with it.
 	base := kve.Conn().NumSubscriptions()
-	gone := openEvictions(t, ctx, ts.URL+"/v1/kv/evictions?pool="+pool)
+	gone := openEvictions(t, ctx, r.ts.URL+"/v1/kv/evictions?pool="+pool)
 	gone.next(t, ": kv evictions", 10*time.Second)
 	if n := kve.Conn().NumSubscriptions(); n != base+1 {
 		t.Fatalf("subscriptions with a client: %d, want %d", n, base+1)
@@ -310,7 +297,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	<-gone.done
 	testenv.WaitFor(t, 10*time.Second, "the left client's subscription dropped", func() bool { return kve.Conn().NumSubscriptions() == base })
 
-	sse := openEvictions(t, ctx, ts.URL+"/v1/kv/evictions?pool="+pool+"&instance=vllm-1&tier=gpu")
+	sse := openEvictions(t, ctx, r.ts.URL+"/v1/kv/evictions?pool="+pool+"&instance=vllm-1&tier=gpu")
 	defer sse.cancel()
 
 	// Four blocks stored on GPU; the last two offloaded to CPU, then
@@ -461,9 +448,7 @@ func TestKVRouterEventsRedisIndex(t *testing.T) {
 		if err := kve.WaitReady(testenv.Context(t, 20*time.Second)); err != nil {
 			t.Fatal(err)
 		}
-		ts := httptest.NewServer(srv.Handler())
-		t.Cleanup(ts.Close)
-		routers = append(routers, &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool})
+		routers = append(routers, serveKVR(t, kve, srv, pool))
 	}
 	t.Cleanup(func() {
 		// Only this test's keys: its own prefix.
@@ -494,9 +479,7 @@ func TestKVRouterRestartRebuildsIndex(t *testing.T) {
 	ctx, pool, cfg := sc.ctx, sc.pool, sc.cfg
 	start := func() *kvrRouter {
 		kve, srv := newKVRouter(t, ctx, cfg, kvstate.Options{Logger: quietLogger(), SnapshotTimeout: 500 * time.Millisecond}, nil)
-		ts := httptest.NewServer(srv.Handler())
-		t.Cleanup(ts.Close)
-		return &kvrRouter{t: t, kve: kve, srv: srv, ts: ts, pool: pool}
+		return serveKVR(t, kve, srv, pool)
 	}
 	r1 := start()
 	eng := sc.engine(t)

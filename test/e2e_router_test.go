@@ -17,13 +17,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
 const routerModel = "meta-llama/Llama-3.1-8B-Instruct"
 
 // buildRouter builds the real kvrouter binary into a temporary directory.
-func buildRouter(t *testing.T) string {
+func buildRouter(t testing.TB) string {
 	t.Helper()
 	bin := filepath.Join(t.TempDir(), "kvrouter")
 	out, err := exec.Command("go", "build", "-o", bin, "../cmd/kvrouter").CombinedOutput()
@@ -120,22 +121,11 @@ type httpResult struct {
 	body   string
 }
 
+// httpDo is testenv.Do with the body and the answer as strings.
 func httpDo(t *testing.T, method, url, body string, hdr map[string]string) httpResult {
 	t.Helper()
-	req, err := http.NewRequest(method, url, strings.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for k, v := range hdr {
-		req.Header.Set(k, v)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatalf("%s %s: %v", method, url, err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return httpResult{resp.StatusCode, resp.Header, string(b)}
+	r := testenv.Do(t, method, url, []byte(body), hdr)
+	return httpResult{r.Status, r.Header, string(r.Body)}
 }
 
 func chatJSON(model, text string, stream bool) string {
@@ -189,18 +179,16 @@ func TestE2ERouterBinary(t *testing.T) {
 		defer resp.Body.Close()
 		var finishedAtFirst int64 = -1
 		var events []string
-		sc := bufio.NewScanner(resp.Body)
-		for sc.Scan() {
-			if d, ok := strings.CutPrefix(sc.Text(), "data: "); ok {
-				if len(events) == 0 {
-					finishedAtFirst = 0
-					for _, u := range ups {
-						finishedAtFirst += u.Finished.Load()
-					}
+		testenv.EachSSEData(resp.Body, func(d string) bool {
+			if len(events) == 0 {
+				finishedAtFirst = 0
+				for _, u := range ups {
+					finishedAtFirst += u.Finished.Load()
 				}
-				events = append(events, d)
 			}
-		}
+			events = append(events, d)
+			return true
+		})
 		if finishedAtFirst != 0 || len(events) != 4 || events[3] != "[DONE]" {
 			t.Fatalf("finished streams at first event: %d; events %q", finishedAtFirst, events)
 		}

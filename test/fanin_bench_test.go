@@ -4,8 +4,6 @@ import (
 	"fmt"
 	"math"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -61,10 +59,7 @@ func BenchmarkEventFanIn(b *testing.B) {
 	if s := os.Getenv("KV_FANIN_ENGINES"); s != "" {
 		engines, _ = strconv.Atoi(s)
 	}
-	bin := filepath.Join(b.TempDir(), "kvrouter")
-	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/kvrouter").CombinedOutput(); err != nil {
-		b.Fatalf("go build: %v\n%s", err, out)
-	}
+	bin := buildRouter(b)
 	name := testenv.UniqueName(b)
 	ctx := testenv.Context(b, 30*time.Minute)
 	nc := testenv.StartNATSCluster(b, 3)

@@ -75,14 +75,9 @@ func TestFleetScript(t *testing.T) {
 		t.Fatalf("fleet took the busy port %d: %s", base, url)
 	}
 	body := `{"model":"meta-llama/Llama-3.1-70B-Instruct","messages":[{"role":"user","content":"hello"}],"max_tokens":4}`
-	resp, err := http.Post(url+"/v1/chat/completions", "application/json", strings.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	if resp.StatusCode != 200 || resp.Header.Get("X-Kvrouter-Strategy") != "kv_aware" || resp.Header.Get("X-Kvrouter-Instance") == "" {
-		t.Fatalf("request through the fleet: %d %v %s", resp.StatusCode, resp.Header, b)
+	resp := testenv.Do(t, http.MethodPost, url+"/v1/chat/completions", []byte(body), nil)
+	if resp.Status != 200 || resp.Header.Get("X-Kvrouter-Strategy") != "kv_aware" || resp.Header.Get("X-Kvrouter-Instance") == "" {
+		t.Fatalf("request through the fleet: %d %v %s", resp.Status, resp.Header, resp.Body)
 	}
 
 	// Ctrl-C: the script stops its processes and exits; the router's port

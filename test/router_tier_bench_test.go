@@ -44,11 +44,7 @@ import (
 //
 //	go test -run XXX -bench RouterTier -benchtime 20000x ./test/
 func BenchmarkRouterTier(b *testing.B) {
-	bin := filepath.Join(b.TempDir(), "kvrouter")
-	build := exec.Command("go", "build", "-o", bin, "../cmd/kvrouter")
-	if out, err := build.CombinedOutput(); err != nil {
-		b.Fatalf("go build: %v\n%s", err, out)
-	}
+	bin := buildRouter(b)
 	ns := testenv.StartNATS(b)
 	name := testenv.UniqueName(b)
 	pool := "tier_" + name

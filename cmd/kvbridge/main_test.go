@@ -128,10 +128,7 @@ func TestRunServesMetricsAndReadiness(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 	// /status is JSON: the bridge and each instance's counters.
-	resp, err := http.Get("http://" + addr + "/status")
-	if err != nil {
-		t.Fatal(err)
-	}
+	resp := testenv.Do(t, "GET", "http://"+addr+"/status", nil, nil)
 	var st struct {
 		Pool      string `json:"pool"`
 		Ready     bool   `json:"ready"`
@@ -142,9 +139,7 @@ func TestRunServesMetricsAndReadiness(t *testing.T) {
 			EngineSeq uint64 `json:"engine_seq"`
 		} `json:"instances"`
 	}
-	derr := json.NewDecoder(resp.Body).Decode(&st)
-	resp.Body.Close()
-	if derr != nil || resp.Header.Get("Content-Type") != "application/json" {
+	if derr := json.Unmarshal(resp.Body, &st); derr != nil || resp.Header.Get("Content-Type") != "application/json" {
 		t.Fatalf("/status: %v, Content-Type %q", derr, resp.Header.Get("Content-Type"))
 	}
 	if st.Pool != "p_"+name || !st.Ready || len(st.Instances) != 1 || st.Instances[0].Instance != "i0" || st.Instances[0].Blocks != 2 || st.Instances[0].Published == 0 {

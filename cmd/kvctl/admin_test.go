@@ -3,7 +3,6 @@ package main
 import (
 	"encoding/json"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -48,7 +47,7 @@ func newTestRouter(t *testing.T, n int, two bool, mod func(*config.Config)) *tes
 	if mod != nil {
 		mod(&cfg)
 	}
-	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Admin: admin.Routes(nil)})
+	srv, err := httpapi.NewServer(cfg, httpapi.Options{Logger: slog.New(slog.DiscardHandler), Admin: admin.Routes(nil)})
 	if err != nil {
 		t.Fatalf("NewServer: %v", err)
 	}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http/httptest"
 	"os"
@@ -28,7 +27,7 @@ import (
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
 
-func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 
 // engine is one simulated vLLM engine's KV-event side: a vLLM-format ZMQ
 // publisher and the real kvbridge forwarding it to NATS.

@@ -621,17 +621,12 @@ pools:
 		return admin != ""
 	})
 	get := func(path, auth string) (int, string) {
-		req, _ := http.NewRequest(http.MethodGet, "http://"+admin+path, nil)
+		var hdr map[string]string
 		if auth != "" {
-			req.Header.Set("Authorization", auth)
+			hdr = map[string]string{"Authorization": auth}
 		}
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
+		r := testenv.Do(t, http.MethodGet, "http://"+admin+path, nil, hdr)
+		return r.Status, string(r.Body)
 	}
 	_, metrics := get("/metrics", "")
 	for _, series := range []string{"go_goroutines ", "go_memstats_heap_inuse_bytes ", "process_resident_memory_bytes ", "process_open_fds "} {

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -97,18 +96,13 @@ func TestRunFleet(t *testing.T) {
 		prompt := strings.Repeat(fmt.Sprintf("instance %d shared context. ", i), 30)
 		var cached []int
 		for range 2 {
-			b, _ := json.Marshal(map[string]any{"model": "sql", "prompt": prompt, "max_tokens": 3})
-			resp, err := http.Post(in.URL()+"/v1/completions", "application/json", bytes.NewReader(b))
-			if err != nil {
-				t.Fatal(err)
-			}
+			resp := testenv.PostJSON(t, in.URL()+"/v1/completions", map[string]any{"model": "sql", "prompt": prompt, "max_tokens": 3})
 			var u struct {
 				Usage routertest.Usage `json:"usage"`
 			}
-			if err := json.NewDecoder(resp.Body).Decode(&u); err != nil || resp.StatusCode != 200 {
-				t.Fatalf("completion: %d %v", resp.StatusCode, err)
+			if err := json.Unmarshal(resp.Body, &u); err != nil || resp.Status != 200 {
+				t.Fatalf("completion: %d %v", resp.Status, err)
 			}
-			resp.Body.Close()
 			cached = append(cached, u.Usage.Details.Cached)
 			if u.Usage.PromptTokens < 32 {
 				t.Fatalf("prompt tokens %d", u.Usage.PromptTokens)

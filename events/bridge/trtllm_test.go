@@ -2,7 +2,6 @@ package bridge
 
 import (
 	"context"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -99,4 +98,4 @@ func TestTRTLLMPoller(t *testing.T) {
 	}
 }
 
-func quietTestLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+func quietTestLogger() *slog.Logger { return slog.New(slog.DiscardHandler) }

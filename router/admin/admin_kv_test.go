@@ -3,9 +3,7 @@ package admin_test
 import (
 	"context"
 	"encoding/json"
-	"io"
 	"log/slog"
-	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
@@ -166,15 +164,9 @@ func TestAdminKVLookupAndInstances(t *testing.T) {
 
 	// Instances: the index's blocks per tier beside the pool's membership
 	// (no events pipeline here: the consumer's fields stay zero).
-	req, _ := http.NewRequest("GET", ts.URL+"/admin/pools/kv/instances", nil)
-	req.Header.Set("Authorization", "Bearer tok")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
+	resp := servertest.Do(t, ts.URL, "GET", "/admin/pools/kv/instances", nil, map[string]string{"Authorization": "Bearer tok"})
 	var iv admin.KVInstancesResponse
-	if err := json.NewDecoder(resp.Body).Decode(&iv); err != nil {
+	if err := json.Unmarshal(resp.Body, &iv); err != nil {
 		t.Fatal(err)
 	}
 	if len(iv.Instances) != 2 || iv.BlockSize != kvBS {
@@ -198,14 +190,8 @@ func FuzzAdminKVLookup(f *testing.F) {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, body string) {
-		resp, err := http.Post(ts.URL+"/admin/pools/kv/lookup", "application/json", strings.NewReader(body))
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, _ = io.Copy(io.Discard, resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode >= 500 {
-			t.Fatalf("status %d for %q", resp.StatusCode, body)
+		if resp := servertest.Do(t, ts.URL, "POST", "/admin/pools/kv/lookup", []byte(body), nil); resp.Status >= 500 {
+			t.Fatalf("status %d for %q", resp.Status, body)
 		}
 	})
 }

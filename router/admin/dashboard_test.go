@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -13,6 +12,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/httpapi"
@@ -34,7 +34,7 @@ func dashRouter(t testing.TB, n int, mod func(*config.Config)) (*httpapi.Server,
 	if err != nil {
 		t.Fatal(err)
 	}
-	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	log := slog.New(slog.DiscardHandler)
 	pc := config.PoolConfig{Name: "dash", Model: dashModel,
 		Routing:   config.RoutingConfig{Strategy: "kv_aware", Shadow: true},
 		Tokenizer: &config.TokenizerConfig{Source: kvaware.TokenSourceSimple},
@@ -141,18 +141,12 @@ func TestDashboardSummary(t *testing.T) {
 	ts := httptest.NewServer(srv.Handler())
 	defer ts.Close()
 	const requests = 5
-	body, _ := json.Marshal(map[string]any{"model": dashModel, "max_tokens": 2, "messages": []map[string]string{
+	body := map[string]any{"model": dashModel, "max_tokens": 2, "messages": []map[string]string{
 		{"role": "system", "content": strings.Repeat("a long shared system prompt for the dashboard test ", 20)},
-		{"role": "user", "content": "hello"}}})
+		{"role": "user", "content": "hello"}}}
 	for range requests {
-		resp, err := http.Post(ts.URL+"/v1/chat/completions", "application/json", bytes.NewReader(body))
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, _ = io.Copy(io.Discard, resp.Body)
-		_ = resp.Body.Close()
-		if resp.StatusCode != 200 {
-			t.Fatalf("chat: HTTP %d", resp.StatusCode)
+		if resp := testenv.PostJSON(t, ts.URL+"/v1/chat/completions", body); resp.Status != 200 {
+			t.Fatalf("chat: HTTP %d", resp.Status)
 		}
 	}
 

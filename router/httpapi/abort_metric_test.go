@@ -1,14 +1,13 @@
 package httpapi_test
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"net/http"
-	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router/servertest"
 )
 
@@ -40,11 +39,9 @@ func TestClientAbortMidStreamIsCounted(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			sc := bufio.NewScanner(resp.Body)
-			for got := 0; got < tt.readEvents && sc.Scan(); {
-				if strings.HasPrefix(sc.Text(), "data: ") {
-					got++
-				}
+			got := 0
+			if tt.readEvents > 0 {
+				testenv.EachSSEData(resp.Body, func(string) bool { got++; return got < tt.readEvents })
 			}
 			cancel()
 			resp.Body.Close()

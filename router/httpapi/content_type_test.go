@@ -24,7 +24,7 @@ func (h *harness) doContentType(path, ct string, body []byte) result {
 	}
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
-	return result{resp.StatusCode, resp.Header, b}
+	return result{Status: resp.StatusCode, Header: resp.Header, Body: b}
 }
 
 // Data-plane bodies are JSON: another declared media type is 415 before
@@ -53,20 +53,20 @@ func TestRequestContentTypeAndUTF8(t *testing.T) {
 	for _, path := range []string{"/v1/chat/completions", "/invocations"} {
 		for _, tc := range tests {
 			r := h.doContentType(path, tc.ct, chatBody(model, "hello", false))
-			if r.status != tc.status {
-				t.Errorf("POST %s with Content-Type %q: %d %s, want %d", path, tc.ct, r.status, r.body, tc.status)
+			if r.Status != tc.status {
+				t.Errorf("POST %s with Content-Type %q: %d %s, want %d", path, tc.ct, r.Status, r.Body, tc.status)
 			}
-			if tc.status == 415 && !strings.Contains(string(r.body), `"invalid_request_error"`) {
-				t.Errorf("415 not OpenAI-shaped: %s", r.body)
+			if tc.status == 415 && !strings.Contains(string(r.Body), `"invalid_request_error"`) {
+				t.Errorf("415 not OpenAI-shaped: %s", r.Body)
 			}
 		}
 		bad := []byte(`{"model":"` + model + `","messages":[{"role":"user","content":"caf` + "\xe9" + `"}]}`)
-		if r := h.do("POST", path, bad, nil); r.status != 400 || !strings.Contains(string(r.body), "UTF-8") {
-			t.Errorf("POST %s with a Latin-1 byte: %d %s, want 400 naming UTF-8", path, r.status, r.body)
+		if r := h.do("POST", path, bad, nil); r.Status != 400 || !strings.Contains(string(r.Body), "UTF-8") {
+			t.Errorf("POST %s with a Latin-1 byte: %d %s, want 400 naming UTF-8", path, r.Status, r.Body)
 		}
 		good := []byte(`{"model":"` + model + `","messages":[{"role":"user","content":"café ☕ 日本"}]}`)
-		if r := h.do("POST", path, good, nil); r.status != 200 {
-			t.Errorf("POST %s with multi-byte UTF-8: %d %s", path, r.status, r.body)
+		if r := h.do("POST", path, good, nil); r.Status != 200 {
+			t.Errorf("POST %s with multi-byte UTF-8: %d %s", path, r.Status, r.Body)
 		}
 	}
 }

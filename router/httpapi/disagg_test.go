@@ -1,11 +1,8 @@
 package httpapi_test
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -13,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/httpapi"
@@ -65,19 +63,13 @@ func newDisaggFleet(t *testing.T, dc config.DisaggregationConfig, prefill, decod
 	return f
 }
 
-func (f *disaggFleet) post(path string, body map[string]any) (*http.Response, string) {
+func (f *disaggFleet) post(path string, body map[string]any) (servertest.Result, string) {
 	f.t.Helper()
-	b, _ := json.Marshal(body)
-	resp, err := http.Post(f.ts.URL+path, "application/json", bytes.NewReader(b))
-	if err != nil {
-		f.t.Fatal(err)
+	resp := testenv.PostJSON(f.t, f.ts.URL+path, body)
+	if resp.Status != http.StatusOK {
+		f.t.Fatalf("%s: %d %s", path, resp.Status, resp.Body)
 	}
-	defer resp.Body.Close()
-	out, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode != http.StatusOK {
-		f.t.Fatalf("%s: %d %s", path, resp.StatusCode, out)
-	}
-	return resp, string(out)
+	return resp, string(resp.Body)
 }
 
 func tokenPrompt(seed, n int) []int {
@@ -147,15 +139,9 @@ func TestDisaggregatedServing(t *testing.T) {
 	// prefill done once, nothing generated twice.
 	e := newDisaggFleet(t, config.DisaggregationConfig{Mode: config.DisaggAlways}, 1, 1)
 	e.sims["d0"].Close()
-	b, _ := json.Marshal(map[string]any{"model": sim.DefaultModel, "prompt": long, "max_tokens": 3})
-	dresp, err := http.Post(e.ts.URL+"/v1/completions", "application/json", bytes.NewReader(b))
-	if err != nil {
-		t.Fatal(err)
-	}
-	msg, _ := io.ReadAll(dresp.Body)
-	dresp.Body.Close()
-	if dresp.StatusCode != http.StatusBadGateway || !strings.Contains(string(msg), "d0") || dresp.Header.Get(httpapi.HeaderPrefillInstance) != "p0" {
-		t.Fatalf("decode instance down: %d %s (prefill %q)", dresp.StatusCode, msg, dresp.Header.Get(httpapi.HeaderPrefillInstance))
+	dresp := testenv.PostJSON(t, e.ts.URL+"/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": long, "max_tokens": 3})
+	if dresp.Status != http.StatusBadGateway || !strings.Contains(string(dresp.Body), "d0") || dresp.Header.Get(httpapi.HeaderPrefillInstance) != "p0" {
+		t.Fatalf("decode instance down: %d %s (prefill %q)", dresp.Status, dresp.Body, dresp.Header.Get(httpapi.HeaderPrefillInstance))
 	}
 	if n := e.sims["p0"].Prefills(); n != 1 {
 		t.Fatalf("prefill instance answered %d prefills for one request, want 1", n)

@@ -3,7 +3,6 @@ package httpapi_test
 import (
 	"context"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -148,12 +147,7 @@ func TestKVAwareOverNATS(t *testing.T) {
 	if resp.Header.Get(router.HeaderInstance) != holder || resp.Header.Get(router.HeaderReason) != string(router.ReasonKVMatch) {
 		t.Fatalf("after recovery: %s (%s)", resp.Header.Get(router.HeaderInstance), resp.Header.Get(router.HeaderReason))
 	}
-	mresp, err := http.Get(ts.URL + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mresp.Body.Close()
-	body, _ := io.ReadAll(mresp.Body)
+	body := testenv.Do(t, "GET", ts.URL+"/metrics", nil, nil).Body
 	for _, want := range []string{
 		fmt.Sprintf(`kvrouter_kv_stream_transitions_total{pool=%q,state="down"} 1`, pool),
 		fmt.Sprintf(`kvrouter_kv_stream_transitions_total{pool=%q,state="up"} 1`, pool),

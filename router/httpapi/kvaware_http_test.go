@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -17,6 +16,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/admin"
@@ -173,22 +173,13 @@ func newKVHTTP(t *testing.T, n int, routing config.RoutingConfig, edits ...func(
 	return h
 }
 
-func (h *kvHTTP) complete(tokens []uint32, stream bool) (*http.Response, []byte) {
+func (h *kvHTTP) complete(tokens []uint32, stream bool) (servertest.Result, []byte) {
 	h.t.Helper()
-	body, _ := json.Marshal(map[string]any{"model": kvModel, "prompt": tokens, "stream": stream, "stream_options": map[string]any{"include_usage": true}})
-	resp, err := http.Post(h.ts.URL+"/v1/completions", "application/json", bytes.NewReader(body))
-	if err != nil {
-		h.t.Fatal(err)
+	resp := testenv.PostJSON(h.t, h.ts.URL+"/v1/completions", map[string]any{"model": kvModel, "prompt": tokens, "stream": stream, "stream_options": map[string]any{"include_usage": true}})
+	if resp.Status != http.StatusOK {
+		h.t.Fatalf("status %d: %s", resp.Status, resp.Body)
 	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	if resp.StatusCode != http.StatusOK {
-		h.t.Fatalf("status %d: %s", resp.StatusCode, b)
-	}
-	return resp, b
+	return resp, resp.Body
 }
 
 // TestKVAwareHTTP runs kv_aware in shadow mode through the real server in
@@ -284,19 +275,13 @@ func TestKVAwareHTTP(t *testing.T) {
 	// A window, a bad window, and a reset.
 	getSum := func(method, path string, wantStatus int) kvaware.CompareSummary {
 		t.Helper()
-		req, _ := http.NewRequest(method, h.ts.URL+path, nil)
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
+		resp := testenv.Do(t, method, h.ts.URL+path, nil, nil)
 		var out kvaware.CompareSummary
-		if resp.StatusCode != wantStatus {
-			b, _ := io.ReadAll(resp.Body)
-			t.Fatalf("%s %s: %d %s, want %d", method, path, resp.StatusCode, b, wantStatus)
+		if resp.Status != wantStatus {
+			t.Fatalf("%s %s: %d %s, want %d", method, path, resp.Status, resp.Body, wantStatus)
 		}
 		if wantStatus == 200 {
-			if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+			if err := json.Unmarshal(resp.Body, &out); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -317,12 +302,7 @@ func TestKVAwareHTTP(t *testing.T) {
 	}
 
 	// 5. Metrics.
-	mresp, err := http.Get(h.ts.URL + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	mb, _ := io.ReadAll(mresp.Body)
-	mresp.Body.Close()
+	mb := testenv.Do(t, "GET", h.ts.URL+"/metrics", nil, nil).Body
 	for _, want := range []string{
 		`kvrouter_kv_decisions_total{pool="p",reason="kv_match"} 2`,
 		`kvrouter_kv_engine_cached_tokens_total{pool="p"} 2048`,

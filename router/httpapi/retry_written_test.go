@@ -169,14 +169,14 @@ func TestRetryOnlyBeforeWrite(t *testing.T) {
 			h := &harness{t: t, srv: srv, ts: ts}
 
 			r := h.do("POST", "/v1/chat/completions", chatBody(model, firstChoiceText(t, srv, "bad"), false), nil)
-			if r.status != tc.wantStatus {
-				t.Fatalf("status %d, want %d: %s", r.status, tc.wantStatus, r.body)
+			if r.Status != tc.wantStatus {
+				t.Fatalf("status %d, want %d: %s", r.Status, tc.wantStatus, r.Body)
 			}
 			if tc.retried {
-				if got := r.header.Get(router.HeaderInstance); got != good.ID {
+				if got := r.Header.Get(router.HeaderInstance); got != good.ID {
 					t.Errorf("answered by %q, want the retry on %q", got, good.ID)
 				}
-				if a := r.header.Get(httpapi.HeaderAttempts); a != "2" {
+				if a := r.Header.Get(httpapi.HeaderAttempts); a != "2" {
 					t.Errorf("attempts %q, want 2", a)
 				}
 				if n := good.Requests.Load(); n != 1 {
@@ -185,10 +185,10 @@ func TestRetryOnlyBeforeWrite(t *testing.T) {
 				return
 			}
 			errorOf(t, r)
-			if got := r.header.Get(router.HeaderInstance); got != "bad" {
+			if got := r.Header.Get(router.HeaderInstance); got != "bad" {
 				t.Errorf("failure reported for %q, want bad", got)
 			}
-			if a := r.header.Get(httpapi.HeaderAttempts); a != "" {
+			if a := r.Header.Get(httpapi.HeaderAttempts); a != "" {
 				t.Errorf("attempts %q: the request was retried", a)
 			}
 			if n := badRequests(); n != 1 {

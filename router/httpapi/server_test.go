@@ -1,7 +1,6 @@
 package httpapi_test
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -14,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/routertest"
@@ -44,16 +44,11 @@ func newHarness(t testing.TB, n int, mod func(*config.Config)) *harness {
 // run starts the server's background loops until the test ends.
 func (h *harness) run() { h.sh.Run() }
 
-type result struct {
-	status int
-	header http.Header
-	body   []byte
-}
+type result = servertest.Result
 
 func (h *harness) do(method, path string, body []byte, hdr map[string]string) result {
 	h.t.Helper()
-	r := servertest.Do(h.t, h.ts.URL, method, path, body, hdr)
-	return result{r.Status, r.Header, r.Body}
+	return servertest.Do(h.t, h.ts.URL, method, path, body, hdr)
 }
 
 func chatBody(model, text string, stream bool) []byte {
@@ -63,31 +58,31 @@ func chatBody(model, text string, stream bool) []byte {
 // errorOf decodes an OpenAI-shaped error body, failing if it is not one.
 func errorOf(t *testing.T, r result) (msg string, code int) {
 	t.Helper()
-	return servertest.ErrorOf(t, servertest.Result{Status: r.status, Header: r.header, Body: r.body})
+	return servertest.ErrorOf(t, servertest.Result{Status: r.Status, Header: r.Header, Body: r.Body})
 }
 
 func TestChatCompletionsRoutesAndExplains(t *testing.T) {
 	h := newHarness(t, 4, nil)
 	body := chatBody(model, "Summarise the attached contract.", false)
 	r := h.do("POST", "/v1/chat/completions", body, nil)
-	if r.status != 200 {
-		t.Fatalf("status %d: %s", r.status, r.body)
+	if r.Status != 200 {
+		t.Fatalf("status %d: %s", r.Status, r.Body)
 	}
-	inst := r.header.Get(router.HeaderInstance)
+	inst := r.Header.Get(router.HeaderInstance)
 	if h.byID[inst] == nil {
 		t.Fatalf("x-kvrouter-instance %q is not an instance", inst)
 	}
-	if r.header.Get("X-Upstream-Id") != inst {
-		t.Fatalf("header says %s, upstream %s answered", inst, r.header.Get("X-Upstream-Id"))
+	if r.Header.Get("X-Upstream-Id") != inst {
+		t.Fatalf("header says %s, upstream %s answered", inst, r.Header.Get("X-Upstream-Id"))
 	}
-	if got := r.header.Get(router.HeaderStrategy); got != "prefix_aware" {
+	if got := r.Header.Get(router.HeaderStrategy); got != "prefix_aware" {
 		t.Errorf("strategy header %q", got)
 	}
-	if got := r.header.Get(router.HeaderReason); got != "hash" {
+	if got := r.Header.Get(router.HeaderReason); got != "hash" {
 		t.Errorf("reason header %q", got)
 	}
-	if _, err := fmt.Sscan(r.header.Get(httpapi.HeaderOverheadUS), new(int)); err != nil {
-		t.Errorf("overhead header %q: %v", r.header.Get(httpapi.HeaderOverheadUS), err)
+	if _, err := fmt.Sscan(r.Header.Get(httpapi.HeaderOverheadUS), new(int)); err != nil {
+		t.Errorf("overhead header %q: %v", r.Header.Get(httpapi.HeaderOverheadUS), err)
 	}
 	if !bytes.Equal(h.byID[inst].LastBody(), body) {
 		t.Errorf("body not forwarded unchanged")
@@ -97,7 +92,7 @@ func TestChatCompletionsRoutesAndExplains(t *testing.T) {
 	}
 	// The same prompt goes to the same instance, every time.
 	for range 10 {
-		if got := h.do("POST", "/v1/chat/completions", body, nil).header.Get(router.HeaderInstance); got != inst {
+		if got := h.do("POST", "/v1/chat/completions", body, nil).Header.Get(router.HeaderInstance); got != inst {
 			t.Fatalf("same prompt went to %s, then %s", inst, got)
 		}
 	}
@@ -123,8 +118,8 @@ func TestCompletionsPromptShapes(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			body := []byte(fmt.Sprintf(`{"model":%q,"prompt":%s,"max_tokens":8}`, model, tc.prompt))
 			r := h.do("POST", "/v1/completions", body, nil)
-			if r.status != tc.status {
-				t.Fatalf("status %d, want %d: %s", r.status, tc.status, r.body)
+			if r.Status != tc.status {
+				t.Fatalf("status %d, want %d: %s", r.Status, tc.status, r.Body)
 			}
 			if tc.status != 200 {
 				errorOf(t, r)
@@ -161,8 +156,8 @@ func TestErrorPaths(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			r := h.do("POST", tc.path, tc.body, tc.hdr)
-			if r.status != tc.status {
-				t.Fatalf("status %d, want %d: %s", r.status, tc.status, r.body)
+			if r.Status != tc.status {
+				t.Fatalf("status %d, want %d: %s", r.Status, tc.status, r.Body)
 			}
 			msg, code := errorOf(t, r)
 			if code != tc.status || !strings.Contains(msg, tc.msg) {
@@ -196,15 +191,15 @@ func TestNoEligibleInstance(t *testing.T) {
 		}
 	}
 	r := h.do("POST", "/v1/chat/completions", chatBody(model, "hi", false), nil)
-	if r.status != 503 {
-		t.Fatalf("status %d, want 503", r.status)
+	if r.Status != 503 {
+		t.Fatalf("status %d, want 503", r.Status)
 	}
-	if r.header.Get("Retry-After") == "" {
+	if r.Header.Get("Retry-After") == "" {
 		t.Error("503 without Retry-After")
 	}
 	errorOf(t, r)
-	if rr := h.do("GET", "/readyz", nil, nil); rr.status != 503 {
-		t.Errorf("readyz with no healthy instance: %d", rr.status)
+	if rr := h.do("GET", "/readyz", nil, nil); rr.Status != 503 {
+		t.Errorf("readyz with no healthy instance: %d", rr.Status)
 	}
 }
 
@@ -223,18 +218,18 @@ func TestRetryOnNextCandidate(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newHarness(t, 3, nil)
 			body := chatBody(model, "retry me "+tc.name, false)
-			first := h.do("POST", "/v1/chat/completions", body, nil).header.Get(router.HeaderInstance)
+			first := h.do("POST", "/v1/chat/completions", body, nil).Header.Get(router.HeaderInstance)
 			h.byID[first].Set(tc.behavior, tc.status, 0)
 			r := h.do("POST", "/v1/chat/completions", body, nil)
-			if r.status != 200 {
-				t.Fatalf("status %d: %s", r.status, r.body)
+			if r.Status != 200 {
+				t.Fatalf("status %d: %s", r.Status, r.Body)
 			}
-			got := r.header.Get(router.HeaderInstance)
-			if got == first || r.header.Get("X-Upstream-Id") != got {
-				t.Fatalf("retried on %s (upstream %s), first choice %s", got, r.header.Get("X-Upstream-Id"), first)
+			got := r.Header.Get(router.HeaderInstance)
+			if got == first || r.Header.Get("X-Upstream-Id") != got {
+				t.Fatalf("retried on %s (upstream %s), first choice %s", got, r.Header.Get("X-Upstream-Id"), first)
 			}
-			if r.header.Get(httpapi.HeaderAttempts) != "2" {
-				t.Errorf("attempts header %q", r.header.Get(httpapi.HeaderAttempts))
+			if r.Header.Get(httpapi.HeaderAttempts) != "2" {
+				t.Errorf("attempts header %q", r.Header.Get(httpapi.HeaderAttempts))
 			}
 			// The retry goes to the next instance in the prefix's rendezvous order.
 			p, _ := h.srv.Pool("llama")
@@ -253,20 +248,20 @@ func TestRetryExhausted(t *testing.T) {
 			u.Set(routertest.Status, 502, 0)
 		}
 		r := h.do("POST", "/v1/chat/completions", chatBody(model, "hi", false), nil)
-		if r.status != 502 {
-			t.Fatalf("status %d, want 502: %s", r.status, r.body)
+		if r.Status != 502 {
+			t.Fatalf("status %d, want 502: %s", r.Status, r.Body)
 		}
 		errorOf(t, r)
-		if r.header.Get(httpapi.HeaderAttempts) != "2" {
-			t.Errorf("attempts %q, want 2", r.header.Get(httpapi.HeaderAttempts))
+		if r.Header.Get(httpapi.HeaderAttempts) != "2" {
+			t.Errorf("attempts %q, want 2", r.Header.Get(httpapi.HeaderAttempts))
 		}
 	})
 	t.Run("single instance: no retry", func(t *testing.T) {
 		h := newHarness(t, 1, nil)
 		h.ups[0].Set(routertest.HangUp, 0, 0)
 		r := h.do("POST", "/v1/chat/completions", chatBody(model, "hi", false), nil)
-		if r.status != 502 {
-			t.Fatalf("status %d, want 502", r.status)
+		if r.Status != 502 {
+			t.Fatalf("status %d, want 502", r.Status)
 		}
 		errorOf(t, r)
 		if h.ups[0].Requests.Load() != 1 {
@@ -277,8 +272,8 @@ func TestRetryExhausted(t *testing.T) {
 		h := newHarness(t, 1, nil)
 		h.ups[0].Set(routertest.Status, 503, 0)
 		r := h.do("POST", "/v1/chat/completions", chatBody(model, "hi", false), nil)
-		if r.status != 503 || !strings.Contains(string(r.body), "fake vllm-0 failure") {
-			t.Fatalf("status %d body %s, want the upstream's 503", r.status, r.body)
+		if r.Status != 503 || !strings.Contains(string(r.Body), "fake vllm-0 failure") {
+			t.Fatalf("status %d body %s, want the upstream's 503", r.Status, r.Body)
 		}
 	})
 	t.Run("retry disabled", func(t *testing.T) {
@@ -287,8 +282,8 @@ func TestRetryExhausted(t *testing.T) {
 			u.Set(routertest.HangUp, 0, 0)
 		}
 		r := h.do("POST", "/v1/chat/completions", chatBody(model, "hi", false), nil)
-		if r.status != 502 {
-			t.Fatalf("status %d, want 502", r.status)
+		if r.Status != 502 {
+			t.Fatalf("status %d, want 502", r.Status)
 		}
 		total := int64(0)
 		for _, u := range h.ups {
@@ -304,24 +299,10 @@ func TestRetryExhausted(t *testing.T) {
 			u.Set(routertest.Status, 500, 0)
 		}
 		r := h.do("POST", "/v1/chat/completions", chatBody(model, "hi", false), nil)
-		if r.status != 500 || r.header.Get(httpapi.HeaderAttempts) != "" {
-			t.Fatalf("status %d attempts %q, want 500 after one attempt", r.status, r.header.Get(httpapi.HeaderAttempts))
+		if r.Status != 500 || r.Header.Get(httpapi.HeaderAttempts) != "" {
+			t.Fatalf("status %d attempts %q, want 500 after one attempt", r.Status, r.Header.Get(httpapi.HeaderAttempts))
 		}
 	})
-}
-
-// readEvents reads SSE data lines from r, calling fn for each.
-func readEvents(t *testing.T, r io.Reader, fn func(data string) bool) {
-	t.Helper()
-	sc := bufio.NewScanner(r)
-	for sc.Scan() {
-		line := sc.Text()
-		if data, ok := strings.CutPrefix(line, "data: "); ok {
-			if !fn(data) {
-				return
-			}
-		}
-	}
 }
 
 func TestStreamingFirstEventBeforeUpstreamFinishes(t *testing.T) {
@@ -340,7 +321,7 @@ func TestStreamingFirstEventBeforeUpstreamFinishes(t *testing.T) {
 		t.Fatalf("decision headers missing on a stream: %v", resp.Header)
 	}
 	var events []string
-	readEvents(t, resp.Body, func(data string) bool {
+	testenv.EachSSEData(resp.Body, func(data string) bool {
 		if len(events) == 0 && u.Finished.Load() != 0 {
 			t.Fatal("first event arrived only after the upstream finished")
 		}
@@ -366,8 +347,7 @@ func TestStreamBrokenMidwayEndsWithErrorEvent(t *testing.T) {
 	if resp.StatusCode != 200 {
 		t.Fatalf("status %d", resp.StatusCode)
 	}
-	var events []string
-	readEvents(t, resp.Body, func(d string) bool { events = append(events, d); return true })
+	events := testenv.SSEData(resp.Body)
 	if len(events) != 4 {
 		t.Fatalf("events %q: want 2 content events, an error event and [DONE]", events)
 	}
@@ -435,7 +415,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 func TestOverflowThroughProxy(t *testing.T) {
 	h := newHarness(t, 4, func(c *config.Config) { c.Pools[0].Routing.ConcurrencyThreshold = 1 })
 	body := chatBody(model, "hot prefix", false)
-	first := h.do("POST", "/v1/chat/completions", body, nil).header.Get(router.HeaderInstance)
+	first := h.do("POST", "/v1/chat/completions", body, nil).Header.Get(router.HeaderInstance)
 	release := h.byID[first].Hold()
 	done := make(chan result, 1)
 	go func() {
@@ -447,17 +427,17 @@ func TestOverflowThroughProxy(t *testing.T) {
 		}
 		b, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
-		done <- result{resp.StatusCode, resp.Header, b}
+		done <- result{Status: resp.StatusCode, Header: resp.Header, Body: b}
 	}()
 	<-h.byID[first].Started
 	<-h.byID[first].Started // the first (unheld) request also signalled
 	r := h.do("POST", "/v1/chat/completions", body, nil)
 	release()
-	if r.status != 200 || r.header.Get(router.HeaderReason) != "overflow" || r.header.Get(router.HeaderInstance) == first {
-		t.Fatalf("status %d reason %q instance %q (first %s)", r.status, r.header.Get(router.HeaderReason), r.header.Get(router.HeaderInstance), first)
+	if r.Status != 200 || r.Header.Get(router.HeaderReason) != "overflow" || r.Header.Get(router.HeaderInstance) == first {
+		t.Fatalf("status %d reason %q instance %q (first %s)", r.Status, r.Header.Get(router.HeaderReason), r.Header.Get(router.HeaderInstance), first)
 	}
-	if held := <-done; held.status != 200 || held.header.Get(router.HeaderInstance) != first {
-		t.Fatalf("held request: %d on %s", held.status, held.header.Get(router.HeaderInstance))
+	if held := <-done; held.Status != 200 || held.Header.Get(router.HeaderInstance) != first {
+		t.Fatalf("held request: %d on %s", held.Status, held.Header.Get(router.HeaderInstance))
 	}
 }
 
@@ -469,10 +449,10 @@ func TestRawInvoke(t *testing.T) {
 	})
 	body := []byte(`{"inputs": "Tell me a story", "parameters": {"max_new_tokens": 32, "temperature": 0.5}}`)
 	r := h.do("POST", "/invocations", body, nil)
-	if r.status != 200 {
-		t.Fatalf("status %d: %s", r.status, r.body)
+	if r.Status != 200 {
+		t.Fatalf("status %d: %s", r.Status, r.Body)
 	}
-	inst := h.byID[r.header.Get(router.HeaderInstance)]
+	inst := h.byID[r.Header.Get(router.HeaderInstance)]
 	if !bytes.Equal(inst.LastBody(), body) {
 		t.Fatalf("raw body changed: %s", inst.LastBody())
 	}
@@ -480,16 +460,16 @@ func TestRawInvoke(t *testing.T) {
 		t.Fatalf("upstream path %q", p[len(p)-1])
 	}
 	r = h.do("POST", "/invocations-response-stream", body, map[string]string{router.HeaderPool: "llama"})
-	inst = h.byID[r.header.Get(router.HeaderInstance)]
-	if p := inst.Paths(); r.status != 200 || p[len(p)-1] != "/v2/generate_stream" || !strings.Contains(string(r.body), "data: [DONE]") {
-		t.Fatalf("stream invoke: %d, path %q, body %s", r.status, p[len(p)-1], r.body)
+	inst = h.byID[r.Header.Get(router.HeaderInstance)]
+	if p := inst.Paths(); r.Status != 200 || p[len(p)-1] != "/v2/generate_stream" || !strings.Contains(string(r.Body), "data: [DONE]") {
+		t.Fatalf("stream invoke: %d, path %q, body %s", r.Status, p[len(p)-1], r.Body)
 	}
 	// Canonicalisation: the same document serialised differently routes together.
 	for i := range 20 {
 		a := fmt.Sprintf(`{"inputs":"doc %d","parameters":{"a":1,"b":[1,2]}}`, i)
 		b := fmt.Sprintf("{\n  \"parameters\": {\"b\": [1, 2], \"a\": 1},\n  \"inputs\": \"doc %d\"\n}", i)
-		ia := h.do("POST", "/invocations", []byte(a), nil).header.Get(router.HeaderInstance)
-		ib := h.do("POST", "/invocations", []byte(b), nil).header.Get(router.HeaderInstance)
+		ia := h.do("POST", "/invocations", []byte(a), nil).Header.Get(router.HeaderInstance)
+		ib := h.do("POST", "/invocations", []byte(b), nil).Header.Get(router.HeaderInstance)
 		if ia != ib {
 			t.Fatalf("doc %d: %s vs %s for equal JSON", i, ia, ib)
 		}
@@ -501,16 +481,16 @@ func TestTenantKeySpreadsEqualPrompts(t *testing.T) {
 	seen := map[string]bool{}
 	for i := range 40 {
 		hdr := map[string]string{router.TenantHeader: fmt.Sprintf("tenant-%d", i)}
-		a := h.do("POST", "/invocations", []byte(`{"inputs":"same"}`), hdr).header.Get(router.HeaderInstance)
-		b := h.do("POST", "/invocations", []byte(`{"inputs":"same"}`), hdr).header.Get(router.HeaderInstance)
+		a := h.do("POST", "/invocations", []byte(`{"inputs":"same"}`), hdr).Header.Get(router.HeaderInstance)
+		b := h.do("POST", "/invocations", []byte(`{"inputs":"same"}`), hdr).Header.Get(router.HeaderInstance)
 		if a != b {
 			t.Fatalf("tenant %d moved from %s to %s", i, a, b)
 		}
 		seen[a] = true
 		// prompt_cache_key on the OpenAI path does the same.
 		body := []byte(fmt.Sprintf(`{"model":%q,"prompt":"same","prompt_cache_key":"tenant-%d"}`, model, i))
-		c := h.do("POST", "/v1/completions", body, nil).header.Get(router.HeaderInstance)
-		d := h.do("POST", "/v1/completions", body, nil).header.Get(router.HeaderInstance)
+		c := h.do("POST", "/v1/completions", body, nil).Header.Get(router.HeaderInstance)
+		d := h.do("POST", "/v1/completions", body, nil).Header.Get(router.HeaderInstance)
 		if c != d {
 			t.Fatalf("prompt_cache_key tenant %d moved from %s to %s", i, c, d)
 		}
@@ -546,10 +526,10 @@ func TestStreamBrokenMidEvent(t *testing.T) {
 				c.Pools[0].Instances = []config.InstanceConfig{{ID: "only", URL: up.URL}}
 			})
 			r := h.do("POST", "/v1/chat/completions", chatBody(model, "x", true), nil)
-			if r.status != 200 || !strings.HasPrefix(string(r.body), tc.sent) {
-				t.Fatalf("status %d body %q", r.status, r.body)
+			if r.Status != 200 || !strings.HasPrefix(string(r.Body), tc.sent) {
+				t.Fatalf("status %d body %q", r.Status, r.Body)
 			}
-			rest := string(r.body[len(tc.sent):])
+			rest := string(r.Body[len(tc.sent):])
 			// Everything after what the upstream sent: the end of the broken
 			// event (if any), the error event, [DONE].
 			i := strings.Index(rest, "data: {\"error\"")
@@ -574,8 +554,8 @@ func TestInstanceURLPathPrefix(t *testing.T) {
 		{"/v1/chat/completions", "/tenant-a/v1/chat/completions"},
 		{"/invocations", "/tenant-a/invocations"},
 	} {
-		if r := h.do("POST", tc.path, chatBody(model, "x", false), nil); r.status != 200 {
-			t.Fatalf("%s: %d %s", tc.path, r.status, r.body)
+		if r := h.do("POST", tc.path, chatBody(model, "x", false), nil); r.Status != 200 {
+			t.Fatalf("%s: %d %s", tc.path, r.Status, r.Body)
 		}
 		if p := u.Paths(); p[len(p)-1] != tc.want {
 			t.Fatalf("upstream saw %q, want %q", p[len(p)-1], tc.want)

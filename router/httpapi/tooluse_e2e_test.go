@@ -4,10 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"log/slog"
-	"net/http"
-	"strings"
 	"testing"
 	"time"
 
@@ -96,7 +93,7 @@ func TestToolChatPredictionMatchesEngine(t *testing.T) {
 		})
 	}()
 	t.Cleanup(func() { stopSub(); <-subDone })
-	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	log := slog.New(slog.DiscardHandler)
 	in, err := simserver.Start(ctx, simserver.Config{Engine: sim.Config{Model: model}, TimeScale: 100, Logger: log, Tokenizer: llmdSimChat{},
 		Events: simserver.EventsConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port), Dial: true}})
 	if err != nil {
@@ -116,16 +113,12 @@ func TestToolChatPredictionMatchesEngine(t *testing.T) {
 		KV: kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil })})
 	chat := func() (predicted string, cached int) {
 		t.Helper()
-		resp, err := http.Post(ts.URL+"/v1/chat/completions", "application/json", strings.NewReader(toolChat))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
+		resp := servertest.Do(t, ts.URL, "POST", "/v1/chat/completions", []byte(toolChat), nil)
 		var body struct {
 			Usage routertest.Usage `json:"usage"`
 		}
-		if err := json.NewDecoder(resp.Body).Decode(&body); err != nil || resp.StatusCode != 200 {
-			t.Fatalf("chat: %d %v", resp.StatusCode, err)
+		if err := json.Unmarshal(resp.Body, &body); err != nil || resp.Status != 200 {
+			t.Fatalf("chat: %d %v", resp.Status, err)
 		}
 		if body.Usage.PromptTokens < 8*sim.DefaultBlockSize {
 			t.Fatalf("prompt of %d tokens: too short to tell", body.Usage.PromptTokens)

@@ -1,8 +1,6 @@
 package kvaware
 
 import (
-	"bytes"
-	"encoding/json"
 	"io"
 	"log/slog"
 	"net/http"
@@ -15,6 +13,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/httpapi"
@@ -265,15 +264,9 @@ func TestPendingNonStreamedReleasedBeforeResponse(t *testing.T) {
 			for i := range prompt {
 				prompt[i] = uint32(1000 + i)
 			}
-			body, _ := json.Marshal(map[string]any{"model": kvTestModel, "prompt": prompt, "stream": tc.stream})
-			resp, err := http.Post(ts.URL+"/v1/completions", "application/json", bytes.NewReader(body))
-			if err != nil {
-				t.Fatal(err)
-			}
-			_, _ = io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode != 200 {
-				t.Fatalf("status %d", resp.StatusCode)
+			resp := testenv.PostJSON(t, ts.URL+"/v1/completions", map[string]any{"model": kvTestModel, "prompt": prompt, "stream": tc.stream})
+			if resp.Status != 200 {
+				t.Fatalf("status %d", resp.Status)
 			}
 			if resp.Header.Get(router.HeaderPredictedTTFT) == "" {
 				t.Fatal("no predicted TTFT: the request was not kv-scored")

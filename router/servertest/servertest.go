@@ -5,7 +5,6 @@
 package servertest
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -88,39 +87,18 @@ func (h *Harness) Run() {
 }
 
 // Result is a response, read whole.
-type Result struct {
-	Status int
-	Header http.Header
-	Body   []byte
-}
+type Result = testenv.Result
 
 // Do sends a request with a JSON body and headers hdr to the router.
 func (h *Harness) Do(method, path string, body []byte, hdr map[string]string) Result {
 	h.T.Helper()
-	return Do(h.T, h.TS.URL, method, path, body, hdr)
+	return testenv.Do(h.T, method, h.TS.URL+path, body, hdr)
 }
 
 // Do sends a request with a JSON body and headers hdr to base+path.
 func Do(t testing.TB, base, method, path string, body []byte, hdr map[string]string) Result {
 	t.Helper()
-	req, err := http.NewRequest(method, base+path, bytes.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	req.Header.Set("Content-Type", "application/json")
-	for k, v := range hdr {
-		req.Header.Set(k, v)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatalf("%s %s: %v", method, path, err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatalf("%s %s: read body: %v", method, path, err)
-	}
-	return Result{resp.StatusCode, resp.Header, b}
+	return testenv.Do(t, method, base+path, body, hdr)
 }
 
 // ChatBody is a chat completion request: a system message and text.

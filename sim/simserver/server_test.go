@@ -1,13 +1,10 @@
 package simserver
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
-	"net/http"
 	"slices"
 	"strings"
 	"sync"
@@ -82,14 +79,8 @@ func startInstance(t *testing.T, cfg Config) *Instance {
 
 func post(t *testing.T, url string, body any) (int, []byte) {
 	t.Helper()
-	b, _ := json.Marshal(body)
-	resp, err := http.Post(url, "application/json", bytes.NewReader(b))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	out, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, out
+	r := testenv.PostJSON(t, url, body)
+	return r.Status, r.Body
 }
 
 type usageResp struct {
@@ -189,22 +180,12 @@ func testEndToEnd(t *testing.T, enc events.Encoding) {
 	}
 
 	// Streamed completion with usage.
-	resp, err := http.Post(in.URL()+"/v1/completions", "application/json", strings.NewReader(
-		`{"model":"fake-model","prompt":"`+strings.Repeat("stream me please ", 20)+`","max_tokens":7,"stream":true,"stream_options":{"include_usage":true}}`))
-	if err != nil {
-		t.Fatal(err)
-	}
+	resp := testenv.Do(t, "POST", in.URL()+"/v1/completions", []byte(
+		`{"model":"fake-model","prompt":"`+strings.Repeat("stream me please ", 20)+`","max_tokens":7,"stream":true,"stream_options":{"include_usage":true}}`), nil)
 	if ct := resp.Header.Get("Content-Type"); !strings.HasPrefix(ct, "text/event-stream") {
 		t.Fatalf("stream content type %q", ct)
 	}
-	var chunks []string
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		if line, ok := strings.CutPrefix(sc.Text(), "data: "); ok {
-			chunks = append(chunks, line)
-		}
-	}
-	resp.Body.Close()
+	chunks := testenv.SSEData(bytes.NewReader(resp.Body))
 	if len(chunks) != 7+2 || chunks[len(chunks)-1] != "[DONE]" {
 		t.Fatalf("stream: %d chunks (want 7 tokens + usage + [DONE]): %q", len(chunks), chunks)
 	}
@@ -306,13 +287,8 @@ func toMessages(m []map[string]string) []tokenizer.Message {
 func TestAPISurface(t *testing.T) {
 	in := startInstance(t, Config{Engine: sim.Config{Model: "base", GPUBlocks: 100}, TimeScale: 50})
 	get := func(path string) (int, string) {
-		resp, err := http.Get(in.URL() + path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
+		r := testenv.Do(t, "GET", in.URL()+path, nil, nil)
+		return r.Status, string(r.Body)
 	}
 	if code, _ := get("/health"); code != 200 {
 		t.Fatalf("/health %d", code)
@@ -417,19 +393,15 @@ func TestAPISurface(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			resp, err := http.Post(in.URL()+tc.path, "application/json", strings.NewReader(tc.body))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer resp.Body.Close()
+			resp := testenv.Do(t, "POST", in.URL()+tc.path, []byte(tc.body), nil)
 			var e struct {
 				Error struct {
 					Message string `json:"message"`
 					Code    int    `json:"code"`
 				} `json:"error"`
 			}
-			if resp.StatusCode != tc.code || json.NewDecoder(resp.Body).Decode(&e) != nil || e.Error.Code != tc.code || e.Error.Message == "" {
-				t.Fatalf("status %d error %+v, want %d with a message", resp.StatusCode, e, tc.code)
+			if resp.Status != tc.code || json.Unmarshal(resp.Body, &e) != nil || e.Error.Code != tc.code || e.Error.Message == "" {
+				t.Fatalf("status %d error %+v, want %d with a message", resp.Status, e, tc.code)
 			}
 		})
 	}
@@ -509,18 +481,7 @@ func TestStreamChunks(t *testing.T) {
 		{"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":4,"stream":true,"stream_options":{"include_usage":true}}`, 4, true, true},
 	} {
 		t.Run(fmt.Sprintf("%s_%d", tc.path, tc.max), func(t *testing.T) {
-			resp, err := http.Post(in.URL()+tc.path, "application/json", strings.NewReader(tc.body))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer resp.Body.Close()
-			var lines []string
-			sc := bufio.NewScanner(resp.Body)
-			for sc.Scan() {
-				if l, ok := strings.CutPrefix(sc.Text(), "data: "); ok {
-					lines = append(lines, l)
-				}
-			}
+			lines := testenv.SSEData(bytes.NewReader(testenv.Do(t, "POST", in.URL()+tc.path, []byte(tc.body), nil).Body))
 			if len(lines) == 0 || lines[len(lines)-1] != "[DONE]" {
 				t.Fatalf("stream did not end with [DONE]: %q", lines)
 			}

@@ -53,7 +53,7 @@ type fleet struct {
 
 func startFleet(t *testing.T, ctx context.Context) *fleet {
 	t.Helper()
-	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	log := slog.New(slog.DiscardHandler)
 	name := testenv.UniqueName(t)
 	pool, streamName, bucketName := "dash", "EV_"+name, "SN_"+name
 	ns := testenv.StartNATS(t)
@@ -436,7 +436,7 @@ func TestDashboardWithoutKVInChromium(t *testing.T) {
 	bin := chromium(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	log := slog.New(slog.DiscardHandler)
 	pc := config.PoolConfig{Name: "plain", Model: model}
 	for i := range 2 {
 		in, err := simserver.Start(ctx, simserver.Config{Engine: sim.Config{Model: model, HashSeed: uint64(i + 1)}, TimeScale: 20, Logger: log})
