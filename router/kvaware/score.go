@@ -71,8 +71,9 @@ const (
 	// still agree, and equal prefixes with nothing cached stay together.
 	DefaultTieTolerance = time.Millisecond
 	// DefaultLoadBound ε of the bounded-load rule: the preferred instance
-	// keeps a request while its predicted queue is at most (1+ε) × the
-	// fleet's mean. This is consistent hashing with bounded loads
+	// keeps a request while its load (the predicted queue without the step
+	// in progress, kvScoring.queue) is at most (1+ε) × the fleet's mean.
+	// This is consistent hashing with bounded loads
 	// (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded
 	// Loads", SODA 2018): no instance is preferred past (1+ε) × the mean,
 	// and the expected number of requests that leave their preferred
