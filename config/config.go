@@ -437,11 +437,12 @@ type KVScoringConfig struct {
 	// TieTolerance: predicted TTFTs this close are a tie, broken by
 	// rendezvous order. Default 1ms.
 	TieTolerance time.Duration `yaml:"tie_tolerance" json:"tie_tolerance,omitempty"`
-	// LoadBound ε: the preferred instance (the best cache holder, or the
-	// prompt's hash-home when nobody holds it) keeps the request while its
-	// predicted queue is at most (1+ε) × the candidates' mean; past that
-	// the request spills (docs/kv-aware.md). 0 = default 0.25; negative =
-	// off (always score every candidate).
+	// LoadBound ε: the prompt's hash-home, when nobody holds the prompt,
+	// keeps it while its load (the predicted queue without the decode step
+	// in progress) is at most (1+ε) × the candidates' mean; past that the
+	// request spills (docs/kv-aware.md). It also turns on the replication
+	// of hot prefixes. 0 = default 0.25; negative = off (plain
+	// prefix_aware for cold prompts, no replication).
 	LoadBound float64 `yaml:"load_bound" json:"load_bound,omitempty"`
 	// SpeculativeTTL: a routed request's blocks count as held by its
 	// instance this long, until events confirm them. Default 2s; negative = off.

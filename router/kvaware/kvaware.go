@@ -276,6 +276,7 @@ type candEval struct {
 	// scoreStale is score had the stale blocks counted (= score when none).
 	scoreStale float64
 	queue      float64 // predicted wait before its prefill starts, seconds
+	load       float64 // queue without the step in progress: the bounded-load rule's measure
 	inflight   int     // the instance's requests in flight, read once per decision
 	full       bool    // at the concurrency threshold
 	// scored is false for a cold candidate predict skipped (scores +Inf,
@@ -650,7 +651,7 @@ func (s *KVAware) predict(ev *kvEval) {
 			ld, ok = st.loads.samples[ce.inst.ID()]
 			ok = ok && now.Sub(ld.at) <= s.loadAge
 		}
-		ce.queue = s.sc.queue(pTok, int(pReq), ce.inflight+ce.peer.inflight, ld, ok)
+		ce.queue, ce.load = s.sc.queue(pTok, int(pReq), ce.inflight+ce.peer.inflight, ld, ok)
 		if ce.cold() {
 			cold.note(ce)
 			ev.cold = append(ev.cold, int32(i))
@@ -704,10 +705,11 @@ func (s *KVAware) decide(ev *kvEval, countStale bool) (int, router.Reason) {
 
 // bounded is consistent hashing with bounded loads for a prompt nobody
 // holds: the hash-home (first in rendezvous order) takes it while its
-// predicted queue is at most (1+ε) × the mean queue of the candidates
-// under the concurrency threshold, plus the tie tolerance (so that an idle
-// fleet's noise moves nothing); reason kv_match. Otherwise the least
-// loaded candidate under the threshold takes it: reason load_bound when
+// load (the predicted queue without the step in progress, kvScoring.queue)
+// is at most (1+ε) × the mean load of the candidates under the
+// concurrency threshold, plus the tie tolerance (so that an idle fleet's
+// noise moves nothing); reason kv_match. Otherwise the candidate under
+// the threshold with the least predicted queue takes it: reason load_bound when
 // the home was over the bound, overflow when it was full; saturated (the
 // least loaded of all) when every candidate is full.
 //
@@ -725,7 +727,7 @@ func (s *KVAware) bounded(ev *kvEval) (int, router.Reason) {
 		}
 		if !ce.full {
 			free++
-			sum += ce.queue
+			sum += ce.load
 		}
 	}
 	if free == 0 {
@@ -734,7 +736,7 @@ func (s *KVAware) bounded(ev *kvEval) (int, router.Reason) {
 	limit := (1+s.sc.loadBound)*sum/float64(free) + s.sc.tieTol
 	h := &ev.cands[home]
 	switch {
-	case !h.full && h.queue <= limit:
+	case !h.full && h.load <= limit:
 		return home, router.ReasonKVMatch
 	case h.full:
 		return s.leastQueue(ev, true), router.ReasonOverflow

@@ -51,6 +51,38 @@ func TestColdBoundedLoad(t *testing.T) {
 	}
 }
 
+// TestColdHomeDecoding: the bounded-load rule compares work queued, not
+// the residual of the step in progress. A cold prompt's home that decodes
+// one request while the rest of the fleet is idle predicts a longer wait
+// (half a decode step) but holds no more work than a share of one step:
+// it keeps the prompt. A home decoding many requests is loaded (each
+// running sequence adds to every step) and the prompt leaves it.
+func TestColdHomeDecoding(t *testing.T) {
+	w := newKVWorld(t, 4)
+	s := w.strategy(config.RoutingConfig{})
+	cold := promptTokens(51, 64*kvTestBS)
+	home := router.RendezvousOrder(kvRequest("cold", cold), w.insts)[0]
+	home.Acquire() // one request decoding there: in flight, no prefill pending
+	d := kvPick(t, s, kvRequest("cold", cold), w.insts)
+	if d.Instance != home || d.Reason != router.ReasonHeuristic {
+		t.Fatalf("home decoding one request, fleet idle: picked %s (%s), want the home %s (heuristic)", d.Instance.ID(), d.Reason, home.ID())
+	}
+	if d.Explain == nil || d.Explain.PredictedTTFT < time.Duration(DefaultDecodeStepSeconds/2*1e9) {
+		t.Errorf("the predicted TTFT at the home leaves out the step in progress: %+v", d.Explain)
+	}
+	// On a fresh fleet, a home decoding 16 requests: 8 ms of every step is
+	// theirs, past (1+ε) × the mean load, with no prefill queued anywhere.
+	w2 := newKVWorld(t, 4)
+	s2 := w2.strategy(config.RoutingConfig{})
+	home2 := router.RendezvousOrder(kvRequest("cold", cold), w2.insts)[0]
+	for range 16 {
+		home2.Acquire()
+	}
+	if d := kvPick(t, s2, kvRequest("cold", cold), w2.insts); d.Instance == home2 || d.Reason != router.ReasonLoadBound {
+		t.Errorf("home decoding 16 requests: picked %s (%s), want another (load_bound)", d.Instance.ID(), d.Reason)
+	}
+}
+
 // TestAdaptiveWeight: the prefill cost weight follows the measured busy
 // fraction ρ as max(1, ρ/(1−ρ)², requests measured behind others), capped;
 // a fixed weight stays fixed.

@@ -682,11 +682,11 @@ func TestTierTokensAndTTFT(t *testing.T) {
 	}
 	// Queue: the router's pending work, or the engine's waiting count
 	// when it says more, plus running requests.
-	q := sc.queue(2000, 2, 2, loadSample{}, false)
+	q, _ := sc.queue(2000, 2, 2, loadSample{}, false)
 	if q != 2.0 {
 		t.Errorf("local queue %v, want 2", q)
 	}
-	q = sc.queue(2000, 2, 2, loadSample{waiting: 4, running: 3}, true)
+	q, _ = sc.queue(2000, 2, 2, loadSample{waiting: 4, running: 3}, true)
 	if want := (2000+2*1024)/1000.0 + 3*DefaultRunningRequestSeconds; q != want {
 		t.Errorf("blended queue %v, want %v", q, want)
 	}
@@ -694,15 +694,17 @@ func TestTierTokensAndTTFT(t *testing.T) {
 	// step in progress: half of a step of S plus the running sequences'
 	// share, beside that share of the request's own step; an idle engine
 	// none; prefill work ahead longer than that step covers it.
+	// The load (what the bounded-load rule compares) leaves the residual
+	// out: the work queued, prefill ahead and the running share.
 	S, R := DefaultDecodeStepSeconds, DefaultRunningRequestSeconds
-	if q, want := sc.queue(0, 0, 4, loadSample{}, false), (S+4*R)/2+4*R; math.Abs(q-want) > 1e-12 {
-		t.Errorf("decoding engine's queue %v, want %v", q, want)
+	if q, l := sc.queue(0, 0, 4, loadSample{}, false); math.Abs(q-((S+4*R)/2+4*R)) > 1e-12 || math.Abs(l-4*R) > 1e-12 {
+		t.Errorf("decoding engine's queue, load %v, %v, want %v, %v", q, l, (S+4*R)/2+4*R, 4*R)
 	}
-	if q := sc.queue(0, 0, 0, loadSample{}, false); q != 0 {
-		t.Errorf("idle engine's queue %v, want 0", q)
+	if q, l := sc.queue(0, 0, 0, loadSample{}, false); q != 0 || l != 0 {
+		t.Errorf("idle engine's queue, load %v, %v, want 0", q, l)
 	}
-	if q, want := sc.queue(1, 1, 4, loadSample{}, false), (S+3*R)/2+3*R; math.Abs(q-want) > 1e-12 {
-		t.Errorf("short prefill ahead: queue %v, want the step's residual %v", q, want)
+	if q, l := sc.queue(1, 1, 4, loadSample{}, false); math.Abs(q-((S+3*R)/2+3*R)) > 1e-12 || math.Abs(l-(0.001+3*R)) > 1e-12 {
+		t.Errorf("short prefill ahead: queue, load %v, %v, want the step's residual %v, the work %v", q, l, (S+3*R)/2+3*R, 0.001+3*R)
 	}
 }
 

@@ -71,8 +71,9 @@ const (
 	// still agree, and equal prefixes with nothing cached stay together.
 	DefaultTieTolerance = time.Millisecond
 	// DefaultLoadBound ε of the bounded-load rule: the preferred instance
-	// keeps a request while its predicted queue is at most (1+ε) × the
-	// fleet's mean. This is consistent hashing with bounded loads
+	// keeps a request while its load (the predicted queue without the step
+	// in progress, kvScoring.queue) is at most (1+ε) × the fleet's mean.
+	// This is consistent hashing with bounded loads
 	// (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded
 	// Loads", SODA 2018): no instance is preferred past (1+ε) × the mean,
 	// and the expected number of requests that leave their preferred
@@ -284,7 +285,14 @@ func (s *kvScoring) weight(rho, behind float64) float64 {
 //
 // The max, not the sum: the engine's waiting count already includes this
 // router's pending requests, so adding both would count them twice.
-func (s *kvScoring) queue(pendingTokens float64, pendingReqs, inflight int, ld loadSample, haveLoad bool) float64 {
+//
+// load is the same wait without the residual of the step in progress:
+// the work queued there (prefill ahead, and each running sequence's share
+// of every step), the quantity the bounded-load rule compares. The
+// residual is not load: every decoding engine has it alike, it does not
+// grow with the work given to the instance (beyond the running share
+// load already counts) and is never more than one step.
+func (s *kvScoring) queue(pendingTokens float64, pendingReqs, inflight int, ld loadSample, haveLoad bool) (wait, load float64) {
 	waitTokens := pendingTokens
 	running := float64(max(inflight-pendingReqs, 0))
 	if haveLoad {
@@ -293,7 +301,8 @@ func (s *kvScoring) queue(pendingTokens float64, pendingReqs, inflight int, ld l
 		}
 		running = max(running, ld.running)
 	}
-	wait := waitTokens / s.prefill
+	wait = waitTokens / s.prefill
+	load = wait + running*s.runningSec
 	if running > 0 {
 		// The engine is running steps: nothing starts before the step in
 		// progress ends, S/2 on average for a step of S = the decode step
@@ -301,5 +310,5 @@ func (s *kvScoring) queue(pendingTokens float64, pendingReqs, inflight int, ld l
 		// already includes that step.
 		wait = max(wait, (s.stepSec+running*s.runningSec)/2)
 	}
-	return wait + running*s.runningSec
+	return wait + running*s.runningSec, load
 }
