@@ -389,7 +389,7 @@ func (s *Syncer) flush() {
 		if l.InFlight < 0 || l.PendingTokens < 0 || l.PendingRequests < 0 || checkName("instance", l.Instance) != nil {
 			continue
 		}
-		if l.InFlight != 0 || l.PendingTokens != 0 || l.PendingRequests != 0 {
+		if !l.Empty() {
 			cur[l.Instance] = l
 		}
 	}

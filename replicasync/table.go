@@ -96,7 +96,7 @@ func (t *Table) ApplyLoad(m *Message) Result {
 	}
 	p.seq, p.seen = m.Seq, now
 	for _, l := range m.Loads {
-		if l.InFlight == 0 && l.PendingTokens == 0 && l.PendingRequests == 0 {
+		if l.Empty() {
 			delete(p.loads, l.Instance)
 			continue
 		}
@@ -162,12 +162,15 @@ type PeerQueue struct {
 	// InFlight, Tokens and Requests are the sums PeerLoad returns, read
 	// in the same pass.
 	InFlight, Tokens, Requests int64
+	// Ended lists the peers' requests that recently ended on the
+	// instance (version 3 peers).
+	Ended []Ended
 }
 
 // PeerQueue appends to q (reset first) the live peers' pending requests on
 // inst; the same liveness rules as PeerLoad.
 func (t *Table) PeerQueue(inst string, q *PeerQueue) {
-	q.Pending, q.Rates = q.Pending[:0], q.Rates[:0]
+	q.Pending, q.Rates, q.Ended = q.Pending[:0], q.Rates[:0], q.Ended[:0]
 	q.Unlisted, q.Started, q.InFlight, q.Tokens, q.Requests = 0, 0, 0, 0, 0
 	t.livePeerLoads(inst, func(l *loadAt) {
 		q.Started = max(q.Started, l.Started)
@@ -179,6 +182,7 @@ func (t *Table) PeerQueue(inst string, q *PeerQueue) {
 			listed += r.Tokens
 		}
 		q.Pending = append(q.Pending, l.Pending...)
+		q.Ended = append(q.Ended, l.Ended...)
 		q.Unlisted += max(l.PendingTokens-listed, 0)
 		if l.Rate > 0 && len(l.Pending) > 0 {
 			q.Rates = append(q.Rates, l.Rate)

@@ -7,12 +7,14 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 )
 
 // probePrompt is one of the load's 16 shared prefixes (startLoad's: 3
@@ -31,10 +33,12 @@ func probePrompt(i int) []uint32 {
 }
 
 // probeAll sends the same completion to every router at once and returns
-// the instance each one picked ("" for a failed request).
-func probeAll(routers []*clusterRouter, prompt []uint32) []string {
+// the instance each one picked ("" for a failed request) and how each
+// explained it (reason, predicted TTFT, matched tokens).
+func probeAll(routers []*clusterRouter, prompt []uint32) (picks, why []string) {
 	body, _ := json.Marshal(map[string]any{"model": simModel, "prompt": prompt, "max_tokens": 1})
-	picks := make([]string, len(routers))
+	picks = make([]string, len(routers))
+	why = make([]string, len(routers))
 	var wg sync.WaitGroup
 	for i, r := range routers {
 		wg.Add(1)
@@ -48,11 +52,34 @@ func probeAll(routers []*clusterRouter, prompt []uint32) []string {
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusOK {
 				picks[i] = resp.Header.Get(router.HeaderInstance)
+				why[i] = resp.Header.Get(router.HeaderReason) + " ttft=" + resp.Header.Get(router.HeaderPredictedTTFT) +
+					"ms matched=" + resp.Header.Get(router.HeaderMatchedTokens)
 			}
 		}()
 	}
 	wg.Wait()
-	return picks
+	return picks, why
+}
+
+// engineLoads is what each router last scraped from the engines
+// (waiting/running per instance, "-" when it holds no fresh sample): the
+// input a settled split is explained by.
+func engineLoads(routers []*clusterRouter, pool string) []string {
+	out := make([]string, len(routers))
+	for i, r := range routers {
+		p, _ := r.srv.Pool(pool)
+		st := kvaware.Of(p)
+		var b strings.Builder
+		for _, l := range st.Compare("", false, p.Instances(), 0).Instances {
+			if l.Waiting == nil {
+				fmt.Fprintf(&b, " %s=-", l.ID)
+				continue
+			}
+			fmt.Fprintf(&b, " %s=%g/%g", l.ID, *l.Waiting, *l.Running)
+		}
+		out[i] = b.String()
+	}
+	return out
 }
 
 // agreeCount tallies probes: all replicas picked the same instance, or not.
@@ -61,12 +88,13 @@ type agreeCount struct {
 	splits                 map[string]int // disagreeing pick sets, for the log
 }
 
-func (a *agreeCount) add(picks []string) {
+// add counts one probe; false for a split.
+func (a *agreeCount) add(picks []string) bool {
 	a.probes++
 	for _, p := range picks {
 		if p == "" {
 			a.failed++
-			return
+			return true
 		}
 	}
 	for _, p := range picks[1:] {
@@ -75,10 +103,11 @@ func (a *agreeCount) add(picks []string) {
 				a.splits = map[string]int{}
 			}
 			a.splits[fmt.Sprint(picks)]++
-			return
+			return false
 		}
 	}
 	a.agreed++
+	return true
 }
 
 func (a *agreeCount) frac() float64 { return float64(a.agreed) / float64(max(a.probes, 1)) }
@@ -125,7 +154,8 @@ func TestE2EReplicaDecisionAgreement(t *testing.T) {
 	var busy agreeCount
 	start := time.Now()
 	for i := 0; time.Since(start) < time.Duration(secs*float64(time.Second)); i++ {
-		busy.add(probeAll(routers, probePrompt(1000+i)))
+		picks, _ := probeAll(routers, probePrompt(1000+i))
+		busy.add(picks)
 		time.Sleep(20 * time.Millisecond)
 	}
 	l.finish()
@@ -154,7 +184,11 @@ func TestE2EReplicaDecisionAgreement(t *testing.T) {
 	}
 	var settled agreeCount
 	for i := 0; i < 100; i++ {
-		settled.add(probeAll(routers, probePrompt(i)))
+		loads := engineLoads(routers, f.pool)
+		picks, why := probeAll(routers, probePrompt(i))
+		if !settled.add(picks) {
+			t.Logf("settled split %d: picks %v; why %q; scraped waiting/running before it %q", i, picks, why, loads)
+		}
 		time.Sleep(150 * time.Millisecond)
 	}
 	t.Logf("settled: %d of %d probes agreed (%.1f%%), %d failed; splits %v",

@@ -65,12 +65,14 @@ func (st *KVState) localLoads(dst []replicasync.Load) []replicasync.Load {
 		}
 	}
 	rate := st.publishedRate()
+	now, keep := st.now().UnixNano(), st.endKeep.get()
 	st.pendMu.RLock()
 	defer st.pendMu.RUnlock()
 	for id, pc := range st.pend {
 		tok, reqs := pc.tokens.Load(), pc.reqs.Load()
+		ended := pc.ends.snapshot(nil, now, keep)
 		i, ok := seen[id]
-		if !ok && tok <= 0 && reqs <= 0 {
+		if !ok && tok <= 0 && reqs <= 0 && len(ended) == 0 {
 			continue
 		}
 		if !ok {
@@ -85,6 +87,9 @@ func (st *KVState) localLoads(dst []replicasync.Load) []replicasync.Load {
 		if len(l.Pending) > 0 {
 			l.Rate = rate
 		}
+		// What its peers take out of their engine-load samples
+		// (loadended.go).
+		l.Ended = ended
 	}
 	return dst
 }
