@@ -63,7 +63,7 @@ func TestLoadSampleLessPeerEnded(t *testing.T) {
 	idle := probeQueue(t, sb, b.kvWorld, b.insts[0])
 	r := kvPickOn(t, sa, a.insts[0], 1)
 	r.dec.Observer.FirstByte()
-	time.Sleep(time.Millisecond) // the sample is taken after the routing, on the wall clock
+	time.Sleep(time.Millisecond)        // the sample is taken after the routing, on the wall clock
 	b.st.SetLoad(b.insts[0].ID(), 0, 1) // b's scrape catches a's request running
 	if q := probeQueue(t, sb, b.kvWorld, b.insts[0]); !(q > idle) {
 		t.Fatalf("b's queue on the scraped instance %v, want above idle %v", q, idle)
