@@ -129,14 +129,17 @@ func TestTableEnded(t *testing.T) {
 	tb := NewTable(time.Second, 16, nil)
 	e := []Ended{{At: 1, End: 3}}
 	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 1, Complete: true, Loads: []Load{{Instance: "x", Ended: e}}})
-	var q PeerQueue
-	tb.PeerQueue("x", &q)
-	if !reflect.DeepEqual(q.Ended, e) || q.InFlight != 0 {
-		t.Fatalf("peer queue %+v, want the end listed", q)
+	for _, c := range []struct {
+		asked, got int64
+		want       int
+	}{{2, 2, 1}, {0, 1, 0}, {3, 4, 0}, {0, 2, 1}, {2, 5, 1}} {
+		if n := tb.PeerEnded("x", c.asked, c.got); n != c.want {
+			t.Errorf("a sample asked at %d, answered at %d: %d ended, want %d", c.asked, c.got, n, c.want)
+		}
 	}
 	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 2, Loads: []Load{{Instance: "x"}}})
-	if tb.PeerQueue("x", &q); len(q.Ended) != 0 {
-		t.Fatalf("an emptied entry still lists %v", q.Ended)
+	if n := tb.PeerEnded("x", 2, 2); n != 0 {
+		t.Fatalf("an emptied entry still counts %d", n)
 	}
 }
 

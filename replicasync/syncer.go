@@ -241,6 +241,9 @@ func (s *Syncer) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests
 // PeerQueue: see Table.PeerQueue.
 func (s *Syncer) PeerQueue(inst string, q *PeerQueue) { s.table.PeerQueue(inst, q) }
 
+// PeerEnded: see Table.PeerEnded.
+func (s *Syncer) PeerEnded(inst string, asked, got int64) int { return s.table.PeerEnded(inst, asked, got) }
+
 // PeerExtend implements kvaware.PeerState.
 func (s *Syncer) PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int {
 	return s.table.PeerExtend(keys, from, inst, epoch)

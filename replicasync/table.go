@@ -162,15 +162,12 @@ type PeerQueue struct {
 	// InFlight, Tokens and Requests are the sums PeerLoad returns, read
 	// in the same pass.
 	InFlight, Tokens, Requests int64
-	// Ended lists the peers' requests that recently ended on the
-	// instance (version 3 peers).
-	Ended []Ended
 }
 
 // PeerQueue appends to q (reset first) the live peers' pending requests on
 // inst; the same liveness rules as PeerLoad.
 func (t *Table) PeerQueue(inst string, q *PeerQueue) {
-	q.Pending, q.Rates, q.Ended = q.Pending[:0], q.Rates[:0], q.Ended[:0]
+	q.Pending, q.Rates = q.Pending[:0], q.Rates[:0]
 	q.Unlisted, q.Started, q.InFlight, q.Tokens, q.Requests = 0, 0, 0, 0, 0
 	t.livePeerLoads(inst, func(l *loadAt) {
 		q.Started = max(q.Started, l.Started)
@@ -182,12 +179,32 @@ func (t *Table) PeerQueue(inst string, q *PeerQueue) {
 			listed += r.Tokens
 		}
 		q.Pending = append(q.Pending, l.Pending...)
-		q.Ended = append(q.Ended, l.Ended...)
 		q.Unlisted += max(l.PendingTokens-listed, 0)
 		if l.Rate > 0 && len(l.Pending) > 0 {
 			q.Rates = append(q.Rates, l.Rate)
 		}
 	})
+}
+
+// PeerEnded counts the live peers' requests on inst that an engine-load
+// sample asked for at asked and answered at got (Unix ns) may have
+// counted and that have ended since (EndedIn); the same liveness rules as
+// PeerLoad.
+func (t *Table) PeerEnded(inst string, asked, got int64) (n int) {
+	t.livePeerLoads(inst, func(l *loadAt) { n += EndedIn(l.Ended, asked, got) })
+	return n
+}
+
+// EndedIn counts the requests of ends that a sample asked for at asked and
+// answered at got may have counted: routed before got, ended after asked.
+func EndedIn(ends []Ended, asked, got int64) int {
+	n := 0
+	for _, e := range ends {
+		if e.At < got && e.End > asked {
+			n++
+		}
+	}
+	return n
 }
 
 // PeerStatus is one peer as this replica sees it.

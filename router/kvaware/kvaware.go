@@ -662,7 +662,7 @@ func (s *KVAware) predict(ev *kvEval) {
 					gone = pc.ends.inSample(asked, got)
 				}
 				if st.peers.ps != nil {
-					gone += countInSample(ev.shared.peerQ(i).Ended, asked, got)
+					gone += st.peers.ps.PeerEnded(ce.inst.ID(), asked, got)
 				}
 				ld = ld.less(gone)
 			}

@@ -19,6 +19,10 @@ type PeerState interface {
 	PeerLoad(inst string) (inflight, pendingTokens, pendingRequests int64)
 	// PeerQueue sets q to the peers' pending requests on inst.
 	PeerQueue(inst string, q *replicasync.PeerQueue)
+	// PeerEnded counts the peers' requests on inst that ended since an
+	// engine-load sample asked for at asked and answered at got (Unix ns)
+	// may have counted them (loadended.go).
+	PeerEnded(inst string, asked, got int64) int
 	PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int
 	PeerHolders(dst []string, key kvindex.Key) []string
 	// Speculate announces this replica's speculative blocks; it must not

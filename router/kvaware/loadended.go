@@ -79,17 +79,7 @@ func (l *endList) snapshot(dst []replicasync.Ended, now, keep int64) []replicasy
 func (l *endList) inSample(asked, got int64) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return countInSample(l.list, asked, got)
-}
-
-func countInSample(ends []replicasync.Ended, asked, got int64) int {
-	n := 0
-	for _, e := range ends {
-		if e.At < got && e.End > asked {
-			n++
-		}
-	}
-	return n
+	return replicasync.EndedIn(l.list, asked, got)
 }
 
 // less is the sample without n of its requests, which have ended.
