@@ -242,7 +242,9 @@ func (s *Syncer) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests
 func (s *Syncer) PeerQueue(inst string, q *PeerQueue) { s.table.PeerQueue(inst, q) }
 
 // PeerEnded: see Table.PeerEnded.
-func (s *Syncer) PeerEnded(inst string, asked, got int64) int { return s.table.PeerEnded(inst, asked, got) }
+func (s *Syncer) PeerEnded(inst string, asked, got int64) int {
+	return s.table.PeerEnded(inst, asked, got)
+}
 
 // PeerExtend implements kvaware.PeerState.
 func (s *Syncer) PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int {
