@@ -118,16 +118,22 @@ func (a *agreeCount) frac() float64 { return float64(a.agreed) / float64(max(a.p
 // picks the same instance:
 //
 //   - once state has settled (traffic stopped, sync and events delivered):
-//     in at least 95% of probes — the test's assertion. The issue's target
-//     is 99%; measured 97–100% over five runs on a loaded 2-core machine
-//     (docs/BENCHMARKS.md §11), so 99% would fail about every other run;
-//     the splits left are one replica of three apart (below);
+//     in at least 97% of probes — the test's assertion; the issue's target
+//     is 99%. Each split is logged with every replica's reason and the
+//     engine-load samples it held. Before the samples left out the
+//     requests any replica saw end since they were taken (loadended.go,
+//     sync version 3), 93–98 of 100 agreed on a loaded 2-core machine
+//     (94–97 in the runs beside the change: three of four under 97) and
+//     every split was a kv_match tie broken by a sample that one replica's
+//     scrape had taken while an earlier probe (or the load) ran; after,
+//     98–100 in seven runs (docs/BENCHMARKS.md §11), so 97% catches the
+//     old behaviour and leaves a split or two for a loaded machine;
 //   - under steady load through all three (round robin, as an L4 balancer):
 //     measured and logged (KV_AGREE_SECONDS, default 5 s), not asserted:
-//     each replica drains its own pending prefill by the measured rate
-//     but counts its peers' in full until their first byte, scrapes the
-//     engines' queues at its own moments, and learns a peer's decisions an
-//     interval later (docs/replicas.md, "What can still differ").
+//     each replica learns a peer's decisions an interval later, scrapes
+//     the engines at its own moments, and follows utilisation and the
+//     prefill-cost weight from its own decisions (docs/replicas.md, "What
+//     can still differ").
 func TestE2EReplicaDecisionAgreement(t *testing.T) {
 	f := newClusterFleet(t, 4, 512, 20)
 	routers := []*clusterRouter{
@@ -193,7 +199,7 @@ func TestE2EReplicaDecisionAgreement(t *testing.T) {
 	}
 	t.Logf("settled: %d of %d probes agreed (%.1f%%), %d failed; splits %v",
 		settled.agreed, settled.probes, 100*settled.frac(), settled.failed, settled.splits)
-	if settled.failed > 0 || settled.frac() < 0.95 {
-		t.Fatalf("settled agreement %.1f%% (%d failed), want >= 95%%", 100*settled.frac(), settled.failed)
+	if settled.failed > 0 || settled.frac() < 0.97 {
+		t.Fatalf("settled agreement %.1f%% (%d failed), want >= 97%%", 100*settled.frac(), settled.failed)
 	}
 }
