@@ -314,11 +314,7 @@ func Decode(b []byte) (Message, error) {
 			l.InFlight, l.PendingTokens, l.PendingRequests = r.count(), r.count(), r.count()
 			if v >= 2 {
 				l.Rate, l.Started = r.count(), r.count()
-				k := r.uvarint()
-				if r.err == nil && (k > MaxPending || k > uint64(len(r.b))/2) { // a pending request is at least 2 bytes
-					r.fail("%d pending requests in %d bytes", k, len(r.b))
-				}
-				if r.err == nil && k > 0 {
+				if k := r.pairs(MaxPending, "pending"); k > 0 {
 					l.Pending = make([]Pending, k)
 					for j := range l.Pending {
 						l.Pending[j] = Pending{At: r.count(), Tokens: r.count()}
@@ -326,11 +322,7 @@ func Decode(b []byte) (Message, error) {
 				}
 			}
 			if v >= 3 {
-				k := r.uvarint()
-				if r.err == nil && (k > MaxEnded || k > uint64(len(r.b))/2) { // an ended request is at least 2 bytes
-					r.fail("%d ended requests in %d bytes", k, len(r.b))
-				}
-				if r.err == nil && k > 0 {
+				if k := r.pairs(MaxEnded, "ended"); k > 0 {
 					l.Ended = make([]Ended, k)
 					for j := range l.Ended {
 						at := r.count()
@@ -409,6 +401,19 @@ func (r *reader) uvarint() uint64 {
 	}
 	r.b = r.b[n:]
 	return v
+}
+
+// pairs reads the length of a list of at most limit pairs of uvarints
+// (each at least 2 bytes); 0 after an error.
+func (r *reader) pairs(limit int, what string) uint64 {
+	k := r.uvarint()
+	if r.err == nil && (k > uint64(limit) || k > uint64(len(r.b))/2) {
+		r.fail("%d %s requests in %d bytes", k, what, len(r.b))
+	}
+	if r.err != nil {
+		return 0
+	}
+	return k
 }
 
 // count is a non-negative int64 counter.
