@@ -120,6 +120,44 @@ type Ended struct {
 // version 3.
 const MaxEnded = 64
 
+// sinceSent is l as a delta after prev was sent for the same instance:
+// Ended holds only the ends added since (the list grows at its end), so
+// that an end goes out once per heartbeat rather than with every change
+// of the instance's counters; the receiver merges them into what it holds
+// (Table.ApplyLoad). The whole list when prev's newest end is no longer in
+// it, or when the delta would otherwise say the instance holds nothing.
+func (l Load) sinceSent(prev []Ended) Load {
+	if len(prev) == 0 || len(l.Ended) == 0 {
+		return l
+	}
+	i := slices.Index(l.Ended, prev[len(prev)-1])
+	if i < 0 {
+		return l
+	}
+	d := l
+	d.Ended = l.Ended[i+1:]
+	if d.Empty() {
+		d.Ended = l.Ended
+	}
+	return d
+}
+
+// mergeEnded is held followed by the ends of add not already there, once
+// each, the newest MaxEnded (a new slice).
+func mergeEnded(held, add []Ended) []Ended {
+	if len(add) == 0 {
+		return held
+	}
+	out := make([]Ended, 0, len(held)+len(add))
+	out = append(out, held...)
+	for _, e := range add {
+		if !slices.Contains(out, e) {
+			out = append(out, e)
+		}
+	}
+	return out[max(len(out)-MaxEnded, 0):]
+}
+
 // Empty reports whether l carries nothing: no load and no recent end. A
 // sender leaves such an instance out of its whole table; a receiver
 // forgets its entry.

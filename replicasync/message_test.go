@@ -137,9 +137,45 @@ func TestTableEnded(t *testing.T) {
 			t.Errorf("a sample asked at %d, answered at %d: %d ended, want %d", c.asked, c.got, n, c.want)
 		}
 	}
-	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 2, Loads: []Load{{Instance: "x"}}})
-	if n := tb.PeerEnded("x", 2, 2); n != 0 {
+	// A delta's ends add to those held; a complete table replaces them.
+	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 2, Loads: []Load{{Instance: "x", InFlight: 1, Ended: []Ended{{At: 4, End: 6}, {At: 1, End: 3}}}}})
+	if n := tb.PeerEnded("x", 2, 5); n != 2 {
+		t.Fatalf("after a delta: %d ended, want 2 (held and added, once each)", n)
+	}
+	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 3, Complete: true, Loads: []Load{{Instance: "x", Ended: []Ended{{At: 4, End: 6}}}}})
+	if n := tb.PeerEnded("x", 2, 5); n != 1 {
+		t.Fatalf("after a complete table: %d ended, want 1", n)
+	}
+	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 4, Loads: []Load{{Instance: "x"}}})
+	if n := tb.PeerEnded("x", 2, 5); n != 0 {
 		t.Fatalf("an emptied entry still counts %d", n)
+	}
+}
+
+// A delta carries only the ends added since the last message, unless that
+// would say the instance holds nothing; merged, at most MaxEnded are held.
+func TestEndedDelta(t *testing.T) {
+	a, b, c := Ended{At: 1, End: 2}, Ended{At: 2, End: 3}, Ended{At: 3, End: 4}
+	l := Load{Instance: "x", InFlight: 1, Ended: []Ended{b, c}}
+	if d := l.sinceSent([]Ended{a, b}); !reflect.DeepEqual(d.Ended, []Ended{c}) {
+		t.Fatalf("delta ends %v, want [c]", d.Ended)
+	}
+	if d := l.sinceSent([]Ended{c}); len(d.Ended) != 0 || d.InFlight != 1 {
+		t.Fatalf("nothing new: %+v", d)
+	}
+	if d := l.sinceSent([]Ended{{At: 9, End: 9}}); len(d.Ended) != 2 {
+		t.Fatalf("the last one sent is gone: %v, want the whole list", d.Ended)
+	}
+	idle := Load{Instance: "x", Ended: []Ended{b, c}}
+	if d := idle.sinceSent([]Ended{b, c}); len(d.Ended) != 2 {
+		t.Fatalf("an idle instance with ends sent as %+v (would read as nothing)", d)
+	}
+	var held []Ended
+	for i := range MaxEnded + 5 {
+		held = mergeEnded(held, []Ended{{At: int64(i), End: int64(i)}, {At: int64(i), End: int64(i)}})
+	}
+	if len(held) != MaxEnded || held[0].At != 5 {
+		t.Fatalf("merged %d, oldest %v", len(held), held[0])
 	}
 }
 

@@ -406,8 +406,8 @@ func (s *Syncer) flush() {
 		}
 	} else {
 		for id, l := range cur {
-			if !s.lastSent[id].Equal(l) {
-				out = append(out, l)
+			if prev := s.lastSent[id]; !prev.Equal(l) {
+				out = append(out, l.sinceSent(prev.Ended))
 			}
 		}
 		for id := range s.lastSent {

@@ -96,10 +96,13 @@ func (t *Table) ApplyLoad(m *Message) Result {
 	}
 	p.seq, p.seen = m.Seq, now
 	for _, l := range m.Loads {
-		if l.Empty() {
+		if l.Empty() { // the sender holds nothing there, ends included
 			delete(p.loads, l.Instance)
 			continue
 		}
+		// A delta's ends add to those held (Load.sinceSent); a complete
+		// table has cleared them.
+		l.Ended = mergeEnded(p.loads[l.Instance].Ended, l.Ended)
 		p.loads[l.Instance] = loadAt{Load: l, at: now}
 	}
 	return res

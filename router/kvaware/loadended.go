@@ -93,9 +93,11 @@ func (ls loadSample) less(n int) loadSample {
 	return ls
 }
 
-// endKeep is how long ends are remembered (ns): as long as a sample that
-// preceded them can still be used (KVAware.loadAge; the longest of the
-// pool's configurations), after which no sample counts them.
+// endKeep is how long ends are remembered (ns): as long as a sample asked
+// for before them can still be in use, i.e. until the scraper's next round
+// has replaced it (newKVAware; the longest of the pool's configurations).
+// A simulation's samples, taken at decisions (SetLoad), are replaced by
+// the first decision a scrape interval later.
 type endKeep struct{ ns atomic.Int64 }
 
 func (k *endKeep) atLeast(ns int64) {
@@ -111,7 +113,7 @@ func (k *endKeep) get() int64 {
 	if v := k.ns.Load(); v > 0 {
 		return v
 	}
-	return int64(3 * DefaultScrapeInterval)
+	return int64(DefaultScrapeInterval + DefaultScrapeTimeout)
 }
 
 // ended records that o's request ended on its instance now, for the
