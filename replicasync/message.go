@@ -142,8 +142,10 @@ func (l Load) sinceSent(prev []Ended) Load {
 	return d
 }
 
-// mergeEnded is held followed by the ends of add not already there, once
-// each, the newest MaxEnded (a new slice).
+// mergeEnded is held followed by the ends of add that held does not list
+// (a delta sent again after a failed send), the newest MaxEnded (a new
+// slice). Equal ends within add are distinct requests (routed and ended
+// at the same instant): both count.
 func mergeEnded(held, add []Ended) []Ended {
 	if len(add) == 0 {
 		return held
@@ -151,7 +153,7 @@ func mergeEnded(held, add []Ended) []Ended {
 	out := make([]Ended, 0, len(held)+len(add))
 	out = append(out, held...)
 	for _, e := range add {
-		if !slices.Contains(out, e) {
+		if !slices.Contains(held, e) {
 			out = append(out, e)
 		}
 	}

@@ -172,10 +172,16 @@ func TestEndedDelta(t *testing.T) {
 	}
 	var held []Ended
 	for i := range MaxEnded + 5 {
-		held = mergeEnded(held, []Ended{{At: int64(i), End: int64(i)}, {At: int64(i), End: int64(i)}})
+		e := Ended{At: int64(i), End: int64(i)}
+		held = mergeEnded(held, []Ended{e})
+		held = mergeEnded(held, []Ended{e}) // sent again: held once
 	}
 	if len(held) != MaxEnded || held[0].At != 5 {
 		t.Fatalf("merged %d, oldest %v", len(held), held[0])
+	}
+	// Two requests routed and ended at the same instant both count.
+	if got := mergeEnded(nil, []Ended{a, a}); len(got) != 2 {
+		t.Fatalf("two equal ends merged into %v", got)
 	}
 }
 

@@ -242,11 +242,7 @@ func newKVAware(rc config.RoutingConfig, st *KVState, rnd func(uint64) uint64) (
 	}
 	sc := resolveScoring(rc.KV)
 	loadAge := 3 * max(sc.scrape, DefaultScrapeInterval)
-	// A scraped sample is replaced (or dropped, when its scrape fails)
-	// within the next round: at most max(interval, timeout) + timeout
-	// after it was asked for (a round waits for its slowest scrape).
-	interval := max(sc.scrape, DefaultScrapeInterval)
-	st.endKeep.atLeast(int64(max(interval, sc.scrapeTimeout) + sc.scrapeTimeout))
+	st.endKeep.atLeast(int64(loadAge))
 	return &KVAware{
 		st:        st,
 		sc:        sc,
