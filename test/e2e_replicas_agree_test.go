@@ -126,7 +126,7 @@ func (a *agreeCount) frac() float64 { return float64(a.agreed) / float64(max(a.p
 //     (94–97 in the runs beside the change: three of four under 97) and
 //     every split was a kv_match tie broken by a sample that one replica's
 //     scrape had taken while an earlier probe (or the load) ran; after,
-//     98–100 in seven runs (docs/BENCHMARKS.md §11), so 97% catches the
+//     98–100 in eleven runs (docs/BENCHMARKS.md §11), so 97% catches the
 //     old behaviour and leaves a split or two for a loaded machine;
 //   - under steady load through all three (round robin, as an L4 balancer):
 //     measured and logged (KV_AGREE_SECONDS, default 5 s), not asserted:
