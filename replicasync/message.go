@@ -17,6 +17,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 )
 
@@ -27,8 +28,12 @@ import (
 // time and tokens), so that every replica drains every replica's pending
 // prefill by the same model from the same facts; a version 1 message is
 // still read (its entries carry neither: their pending prefill counts in
-// full, as version 1 replicas count it).
-const Version = 2
+// full, as version 1 replicas count it). Version 3 adds the sender's
+// requests that recently ended on the instance (routing and end time), so
+// that every replica can take out of an engine-load sample, scraped at its
+// own moment, the requests any replica saw end since (docs/replicas.md);
+// a version 2 message is read as listing none.
+const Version = 3
 
 // minVersion is the oldest version Decode reads.
 const minVersion = 1
@@ -98,6 +103,68 @@ type Load struct {
 	// first, at most MaxPending; PendingTokens beyond their sum are
 	// unlisted and count in full.
 	Pending []Pending
+	// Ended lists the sender's requests that ended on the instance
+	// recently (version 3), at most MaxEnded, the newest.
+	Ended []Ended
+}
+
+// Ended is one request that ended on an instance: when it was routed and
+// when its response ended (the sender's clock, Unix ns; End >= At).
+type Ended struct {
+	At, End int64
+}
+
+// MaxEnded bounds the ended requests listed per load entry: the newest
+// are listed (a receiver needs those that ended after its latest
+// engine-load sample); beyond them a sample counts in full, as before
+// version 3.
+const MaxEnded = 64
+
+// sinceSent is l as a delta after prev was sent for the same instance:
+// Ended holds only the ends added since (the list grows at its end), so
+// that an end goes out once per heartbeat rather than with every change
+// of the instance's counters; the receiver merges them into what it holds
+// (Table.ApplyLoad). The whole list when prev's newest end is no longer in
+// it, or when the delta would otherwise say the instance holds nothing.
+func (l Load) sinceSent(prev []Ended) Load {
+	if len(prev) == 0 || len(l.Ended) == 0 {
+		return l
+	}
+	i := slices.Index(l.Ended, prev[len(prev)-1])
+	if i < 0 {
+		return l
+	}
+	d := l
+	d.Ended = l.Ended[i+1:]
+	if d.Empty() {
+		d.Ended = l.Ended
+	}
+	return d
+}
+
+// mergeEnded is held followed by the ends of add that held does not list
+// (a delta sent again after a failed send), the newest MaxEnded (a new
+// slice). Equal ends within add are distinct requests (routed and ended
+// at the same instant): both count.
+func mergeEnded(held, add []Ended) []Ended {
+	if len(add) == 0 {
+		return held
+	}
+	out := make([]Ended, 0, len(held)+len(add))
+	out = append(out, held...)
+	for _, e := range add {
+		if !slices.Contains(held, e) {
+			out = append(out, e)
+		}
+	}
+	return out[max(len(out)-MaxEnded, 0):]
+}
+
+// Empty reports whether l carries nothing: no load and no recent end. A
+// sender leaves such an instance out of its whole table; a receiver
+// forgets its entry.
+func (l *Load) Empty() bool {
+	return l.InFlight == 0 && l.PendingTokens == 0 && l.PendingRequests == 0 && len(l.Ended) == 0
 }
 
 // Pending is one request routed to an instance whose first byte has not
@@ -116,15 +183,10 @@ const MaxPending = 64
 // Equal reports whether l and o carry the same values.
 func (l Load) Equal(o Load) bool {
 	if l.Instance != o.Instance || l.InFlight != o.InFlight || l.PendingTokens != o.PendingTokens ||
-		l.PendingRequests != o.PendingRequests || l.Rate != o.Rate || l.Started != o.Started || len(l.Pending) != len(o.Pending) {
+		l.PendingRequests != o.PendingRequests || l.Rate != o.Rate || l.Started != o.Started {
 		return false
 	}
-	for i := range l.Pending {
-		if l.Pending[i] != o.Pending[i] {
-			return false
-		}
-	}
-	return true
+	return slices.Equal(l.Pending, o.Pending) && slices.Equal(l.Ended, o.Ended)
 }
 
 // Spec is one routing decision's speculative blocks: Keys counted as held
@@ -178,8 +240,9 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 			if err := checkName("instance", l.Instance); err != nil {
 				return dst, err
 			}
-			if l.InFlight < 0 || l.PendingTokens < 0 || l.PendingRequests < 0 || l.Rate < 0 || l.Started < 0 || len(l.Pending) > MaxPending {
-				return dst, fmt.Errorf("%w: negative counter or too many pending for %s", ErrMalformed, l.Instance)
+			if l.InFlight < 0 || l.PendingTokens < 0 || l.PendingRequests < 0 || l.Rate < 0 || l.Started < 0 ||
+				len(l.Pending) > MaxPending || len(l.Ended) > MaxEnded {
+				return dst, fmt.Errorf("%w: negative counter or too many pending or ended for %s", ErrMalformed, l.Instance)
 			}
 			dst = appendName(dst, l.Instance)
 			dst = binary.AppendUvarint(dst, uint64(l.InFlight))
@@ -194,6 +257,14 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 				}
 				dst = binary.AppendUvarint(dst, uint64(p.At))
 				dst = binary.AppendUvarint(dst, uint64(p.Tokens))
+			}
+			dst = binary.AppendUvarint(dst, uint64(len(l.Ended)))
+			for _, e := range l.Ended {
+				if e.At < 0 || e.End < e.At {
+					return dst, fmt.Errorf("%w: ended request before it was routed for %s", ErrMalformed, l.Instance)
+				}
+				dst = binary.AppendUvarint(dst, uint64(e.At))
+				dst = binary.AppendUvarint(dst, uint64(e.End-e.At))
 			}
 		}
 	case KindSpec:
@@ -220,7 +291,7 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 // Size of a load entry and of a spec entry's fixed part, at most: what a
 // sender budgets per entry before encoding.
 func loadSize(l Load) int {
-	return 1 + len(l.Instance) + (6+2*len(l.Pending))*binary.MaxVarintLen64
+	return 1 + len(l.Instance) + (7+2*len(l.Pending)+2*len(l.Ended))*binary.MaxVarintLen64
 }
 func specSize(s Spec) int {
 	return 1 + len(s.Instance) + 2*binary.MaxVarintLen64 + 8*len(s.Keys)
@@ -283,14 +354,22 @@ func Decode(b []byte) (Message, error) {
 			l.InFlight, l.PendingTokens, l.PendingRequests = r.count(), r.count(), r.count()
 			if v >= 2 {
 				l.Rate, l.Started = r.count(), r.count()
-				k := r.uvarint()
-				if r.err == nil && (k > MaxPending || k > uint64(len(r.b))/2) { // a pending request is at least 2 bytes
-					r.fail("%d pending requests in %d bytes", k, len(r.b))
-				}
-				if r.err == nil && k > 0 {
+				if k := r.pairs(MaxPending, "pending"); k > 0 {
 					l.Pending = make([]Pending, k)
 					for j := range l.Pending {
 						l.Pending[j] = Pending{At: r.count(), Tokens: r.count()}
+					}
+				}
+			}
+			if v >= 3 {
+				if k := r.pairs(MaxEnded, "ended"); k > 0 {
+					l.Ended = make([]Ended, k)
+					for j := range l.Ended {
+						at := r.count()
+						l.Ended[j] = Ended{At: at, End: at + r.count()}
+						if l.Ended[j].End < 0 { // the sum of two counts wrapped
+							r.fail("ended request time")
+						}
 					}
 				}
 			}
@@ -362,6 +441,19 @@ func (r *reader) uvarint() uint64 {
 	}
 	r.b = r.b[n:]
 	return v
+}
+
+// pairs reads the length of a list of at most limit pairs of uvarints
+// (each at least 2 bytes); 0 after an error.
+func (r *reader) pairs(limit int, what string) uint64 {
+	k := r.uvarint()
+	if r.err == nil && (k > uint64(limit) || k > uint64(len(r.b))/2) {
+		r.fail("%d %s requests in %d bytes", k, what, len(r.b))
+	}
+	if r.err != nil {
+		return 0
+	}
+	return k
 }
 
 // count is a non-negative int64 counter.

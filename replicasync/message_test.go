@@ -15,7 +15,9 @@ func sampleMessages() []Message {
 			Loads: []Load{{Instance: "vllm-0", InFlight: 4, PendingTokens: 9000, PendingRequests: 2}, {Instance: "vllm_1", InFlight: 1}}},
 		{Kind: KindLoad, Replica: "r-3", Incarnation: 2, Seq: 5,
 			Loads: []Load{{Instance: "a", InFlight: 2, PendingTokens: 5000, PendingRequests: 2, Rate: 21000, Started: 1_800_000_000_000_000_000,
-				Pending: []Pending{{At: 1_800_000_000_100_000_000, Tokens: 3000}, {At: 1_800_000_000_200_000_000, Tokens: 2000}}}}},
+				Pending: []Pending{{At: 1_800_000_000_100_000_000, Tokens: 3000}, {At: 1_800_000_000_200_000_000, Tokens: 2000}},
+				Ended:   []Ended{{At: 1_799_999_999_000_000_000, End: 1_799_999_999_900_000_000}, {At: 5, End: 5}}},
+				{Instance: "b", Ended: []Ended{{At: 1, End: 2}}}}},
 		{Kind: KindLoad, Replica: "r-2", Incarnation: 1 << 63, Seq: 1 << 40},
 		{Kind: KindSpec, Replica: "r-2", Incarnation: 9, Seq: 2,
 			Specs: []Spec{{Instance: "a", TTL: 2 * time.Second, Keys: []uint64{1, 2, 1<<64 - 1}}, {Instance: "b", TTL: time.Millisecond, Keys: []uint64{}}}},
@@ -66,6 +68,8 @@ func TestDecodeRefuses(t *testing.T) {
 		{Kind: KindLoad, Replica: "", Incarnation: 1},
 		{Kind: KindLoad, Replica: "r", Loads: []Load{{Instance: "a.b"}}},
 		{Kind: KindLoad, Replica: "r", Loads: []Load{{Instance: "a", InFlight: -1}}},
+		{Kind: KindLoad, Replica: "r", Loads: []Load{{Instance: "a", Ended: []Ended{{At: 2, End: 1}}}}},
+		{Kind: KindLoad, Replica: "r", Loads: []Load{{Instance: "a", Ended: make([]Ended, MaxEnded+1)}}},
 		{Kind: 0, Replica: "r"},
 	} {
 		if _, err := m.AppendBinary(nil); err == nil {
@@ -95,6 +99,89 @@ func TestDecodeVersion1(t *testing.T) {
 	tb.PeerQueue("a", &q)
 	if q.Unlisted != 9000 || len(q.Pending) != 0 || len(q.Rates) != 0 {
 		t.Fatalf("version 1 peer's queue %+v, want 9000 unlisted", q)
+	}
+}
+
+// TestDecodeVersion2 reads a version 2 load message (no ended requests):
+// its entries list none. The same bytes marked version 3 are short.
+func TestDecodeVersion2(t *testing.T) {
+	v2 := []byte{'K', 'R', 'S', 2, byte(KindLoad), flagComplete, 2, 'r', '2', 0, 0, 0, 0, 0, 0, 0, 7, 3, 1,
+		1, 'a', 1, 0xe8, 0x07, 1, 0x90, 0x4e, 0, 1, 5, 0xe8, 0x07} // a: 1 in flight, 1000 pending tokens in 1 request at 5, rate 10000
+	m, err := Decode(v2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Message{Kind: KindLoad, Replica: "r2", Incarnation: 7, Seq: 3, Complete: true,
+		Loads: []Load{{Instance: "a", InFlight: 1, PendingTokens: 1000, PendingRequests: 1, Rate: 10000, Pending: []Pending{{At: 5, Tokens: 1000}}}}}
+	if !reflect.DeepEqual(m, want) {
+		t.Fatalf("got %+v\nwant %+v", m, want)
+	}
+	v3 := bytes.Clone(v2)
+	v3[3] = 3
+	if _, err := Decode(v3); !errors.Is(err, ErrMalformed) {
+		t.Fatalf("version 3 without the ended list: %v", err)
+	}
+}
+
+// A peer's entry that holds only recent ends (nothing in flight) is kept
+// and listed; an empty one is forgotten.
+func TestTableEnded(t *testing.T) {
+	tb := NewTable(time.Second, 16, nil)
+	e := []Ended{{At: 1, End: 3}}
+	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 1, Complete: true, Loads: []Load{{Instance: "x", Ended: e}}})
+	for _, c := range []struct {
+		asked, got int64
+		want       int
+	}{{2, 2, 1}, {0, 1, 0}, {3, 4, 0}, {0, 2, 1}, {2, 5, 1}} {
+		if n := tb.PeerEnded("x", c.asked, c.got); n != c.want {
+			t.Errorf("a sample asked at %d, answered at %d: %d ended, want %d", c.asked, c.got, n, c.want)
+		}
+	}
+	// A delta's ends add to those held; a complete table replaces them.
+	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 2, Loads: []Load{{Instance: "x", InFlight: 1, Ended: []Ended{{At: 4, End: 6}, {At: 1, End: 3}}}}})
+	if n := tb.PeerEnded("x", 2, 5); n != 2 {
+		t.Fatalf("after a delta: %d ended, want 2 (held and added, once each)", n)
+	}
+	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 3, Complete: true, Loads: []Load{{Instance: "x", Ended: []Ended{{At: 4, End: 6}}}}})
+	if n := tb.PeerEnded("x", 2, 5); n != 1 {
+		t.Fatalf("after a complete table: %d ended, want 1", n)
+	}
+	tb.ApplyLoad(&Message{Replica: "a", Incarnation: 1, Seq: 4, Loads: []Load{{Instance: "x"}}})
+	if n := tb.PeerEnded("x", 2, 5); n != 0 {
+		t.Fatalf("an emptied entry still counts %d", n)
+	}
+}
+
+// A delta carries only the ends added since the last message, unless that
+// would say the instance holds nothing; merged, at most MaxEnded are held.
+func TestEndedDelta(t *testing.T) {
+	a, b, c := Ended{At: 1, End: 2}, Ended{At: 2, End: 3}, Ended{At: 3, End: 4}
+	l := Load{Instance: "x", InFlight: 1, Ended: []Ended{b, c}}
+	if d := l.sinceSent([]Ended{a, b}); !reflect.DeepEqual(d.Ended, []Ended{c}) {
+		t.Fatalf("delta ends %v, want [c]", d.Ended)
+	}
+	if d := l.sinceSent([]Ended{c}); len(d.Ended) != 0 || d.InFlight != 1 {
+		t.Fatalf("nothing new: %+v", d)
+	}
+	if d := l.sinceSent([]Ended{{At: 9, End: 9}}); len(d.Ended) != 2 {
+		t.Fatalf("the last one sent is gone: %v, want the whole list", d.Ended)
+	}
+	idle := Load{Instance: "x", Ended: []Ended{b, c}}
+	if d := idle.sinceSent([]Ended{b, c}); len(d.Ended) != 2 {
+		t.Fatalf("an idle instance with ends sent as %+v (would read as nothing)", d)
+	}
+	var held []Ended
+	for i := range MaxEnded + 5 {
+		e := Ended{At: int64(i), End: int64(i)}
+		held = mergeEnded(held, []Ended{e})
+		held = mergeEnded(held, []Ended{e}) // sent again: held once
+	}
+	if len(held) != MaxEnded || held[0].At != 5 {
+		t.Fatalf("merged %d, oldest %v", len(held), held[0])
+	}
+	// Two requests routed and ended at the same instant both count.
+	if got := mergeEnded(nil, []Ended{a, a}); len(got) != 2 {
+		t.Fatalf("two equal ends merged into %v", got)
 	}
 }
 

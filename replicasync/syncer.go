@@ -241,6 +241,11 @@ func (s *Syncer) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests
 // PeerQueue: see Table.PeerQueue.
 func (s *Syncer) PeerQueue(inst string, q *PeerQueue) { s.table.PeerQueue(inst, q) }
 
+// PeerEnded: see Table.PeerEnded.
+func (s *Syncer) PeerEnded(inst string, asked, got int64) int {
+	return s.table.PeerEnded(inst, asked, got)
+}
+
 // PeerExtend implements kvaware.PeerState.
 func (s *Syncer) PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int {
 	return s.table.PeerExtend(keys, from, inst, epoch)
@@ -389,7 +394,7 @@ func (s *Syncer) flush() {
 		if l.InFlight < 0 || l.PendingTokens < 0 || l.PendingRequests < 0 || checkName("instance", l.Instance) != nil {
 			continue
 		}
-		if l.InFlight != 0 || l.PendingTokens != 0 || l.PendingRequests != 0 {
+		if !l.Empty() {
 			cur[l.Instance] = l
 		}
 	}
@@ -401,8 +406,8 @@ func (s *Syncer) flush() {
 		}
 	} else {
 		for id, l := range cur {
-			if !s.lastSent[id].Equal(l) {
-				out = append(out, l)
+			if prev := s.lastSent[id]; !prev.Equal(l) {
+				out = append(out, l.sinceSent(prev.Ended))
 			}
 		}
 		for id := range s.lastSent {

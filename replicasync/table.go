@@ -96,10 +96,13 @@ func (t *Table) ApplyLoad(m *Message) Result {
 	}
 	p.seq, p.seen = m.Seq, now
 	for _, l := range m.Loads {
-		if l.InFlight == 0 && l.PendingTokens == 0 && l.PendingRequests == 0 {
+		if l.Empty() { // the sender holds nothing there, ends included
 			delete(p.loads, l.Instance)
 			continue
 		}
+		// A delta's ends add to those held (Load.sinceSent); a complete
+		// table has cleared them.
+		l.Ended = mergeEnded(p.loads[l.Instance].Ended, l.Ended)
 		p.loads[l.Instance] = loadAt{Load: l, at: now}
 	}
 	return res
@@ -119,7 +122,7 @@ func (t *Table) Touch(replica string, incarnation uint64) {
 // timeout, or an entry not refreshed for as long (a lost update), counts
 // nothing.
 func (t *Table) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests int64) {
-	t.livePeerLoads(inst, func(l *loadAt) {
+	t.livePeerLoads(inst, func(l loadAt) {
 		inflight += l.InFlight
 		pendingTokens += l.PendingTokens
 		pendingRequests += l.PendingRequests
@@ -129,8 +132,10 @@ func (t *Table) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests 
 
 // livePeerLoads calls f, under the read lock, with each live peer's entry
 // for inst that is still current: a peer silent for the timeout, or an
-// entry not refreshed for as long (a lost update), is skipped.
-func (t *Table) livePeerLoads(inst string, f func(l *loadAt)) {
+// entry not refreshed for as long (a lost update), is skipped. The entry
+// is passed by value: a pointer to the loop's copy escaped to the heap,
+// one allocation per live peer per call (per candidate of a decision).
+func (t *Table) livePeerLoads(inst string, f func(l loadAt)) {
 	now := t.now()
 	t.mu.RLock()
 	defer t.mu.RUnlock()
@@ -139,7 +144,7 @@ func (t *Table) livePeerLoads(inst string, f func(l *loadAt)) {
 			continue
 		}
 		if l, ok := p.loads[inst]; ok && (now.Sub(l.at) <= t.timeout || now.Sub(p.synced) <= t.timeout) {
-			f(&l)
+			f(l)
 		}
 	}
 }
@@ -169,7 +174,7 @@ type PeerQueue struct {
 func (t *Table) PeerQueue(inst string, q *PeerQueue) {
 	q.Pending, q.Rates = q.Pending[:0], q.Rates[:0]
 	q.Unlisted, q.Started, q.InFlight, q.Tokens, q.Requests = 0, 0, 0, 0, 0
-	t.livePeerLoads(inst, func(l *loadAt) {
+	t.livePeerLoads(inst, func(l loadAt) {
 		q.Started = max(q.Started, l.Started)
 		q.InFlight += l.InFlight
 		q.Tokens += l.PendingTokens
@@ -184,6 +189,27 @@ func (t *Table) PeerQueue(inst string, q *PeerQueue) {
 			q.Rates = append(q.Rates, l.Rate)
 		}
 	})
+}
+
+// PeerEnded counts the live peers' requests on inst that an engine-load
+// sample asked for at asked and answered at got (Unix ns) may have
+// counted and that have ended since (EndedIn); the same liveness rules as
+// PeerLoad.
+func (t *Table) PeerEnded(inst string, asked, got int64) (n int) {
+	t.livePeerLoads(inst, func(l loadAt) { n += EndedIn(l.Ended, asked, got) })
+	return n
+}
+
+// EndedIn counts the requests of ends that a sample asked for at asked and
+// answered at got may have counted: routed before got, ended after asked.
+func EndedIn(ends []Ended, asked, got int64) int {
+	n := 0
+	for _, e := range ends {
+		if e.At < got && e.End > asked {
+			n++
+		}
+	}
+	return n
 }
 
 // PeerStatus is one peer as this replica sees it.

@@ -7,12 +7,14 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 )
 
 // probePrompt is one of the load's 16 shared prefixes (startLoad's: 3
@@ -31,10 +33,12 @@ func probePrompt(i int) []uint32 {
 }
 
 // probeAll sends the same completion to every router at once and returns
-// the instance each one picked ("" for a failed request).
-func probeAll(routers []*clusterRouter, prompt []uint32) []string {
+// the instance each one picked ("" for a failed request) and how each
+// explained it (reason, predicted TTFT, matched tokens).
+func probeAll(routers []*clusterRouter, prompt []uint32) (picks, why []string) {
 	body, _ := json.Marshal(map[string]any{"model": simModel, "prompt": prompt, "max_tokens": 1})
-	picks := make([]string, len(routers))
+	picks = make([]string, len(routers))
+	why = make([]string, len(routers))
 	var wg sync.WaitGroup
 	for i, r := range routers {
 		wg.Add(1)
@@ -48,11 +52,34 @@ func probeAll(routers []*clusterRouter, prompt []uint32) []string {
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusOK {
 				picks[i] = resp.Header.Get(router.HeaderInstance)
+				why[i] = resp.Header.Get(router.HeaderReason) + " ttft=" + resp.Header.Get(router.HeaderPredictedTTFT) +
+					"ms matched=" + resp.Header.Get(router.HeaderMatchedTokens)
 			}
 		}()
 	}
 	wg.Wait()
-	return picks
+	return picks, why
+}
+
+// engineLoads is what each router last scraped from the engines
+// (waiting/running per instance, "-" when it holds no fresh sample): the
+// input a settled split is explained by.
+func engineLoads(routers []*clusterRouter, pool string) []string {
+	out := make([]string, len(routers))
+	for i, r := range routers {
+		p, _ := r.srv.Pool(pool)
+		st := kvaware.Of(p)
+		var b strings.Builder
+		for _, l := range st.Compare("", false, p.Instances(), 0).Instances {
+			if l.Waiting == nil {
+				fmt.Fprintf(&b, " %s=-", l.ID)
+				continue
+			}
+			fmt.Fprintf(&b, " %s=%g/%g", l.ID, *l.Waiting, *l.Running)
+		}
+		out[i] = b.String()
+	}
+	return out
 }
 
 // agreeCount tallies probes: all replicas picked the same instance, or not.
@@ -61,12 +88,13 @@ type agreeCount struct {
 	splits                 map[string]int // disagreeing pick sets, for the log
 }
 
-func (a *agreeCount) add(picks []string) {
+// add counts one probe; false for a split.
+func (a *agreeCount) add(picks []string) bool {
 	a.probes++
 	for _, p := range picks {
 		if p == "" {
 			a.failed++
-			return
+			return true
 		}
 	}
 	for _, p := range picks[1:] {
@@ -75,10 +103,11 @@ func (a *agreeCount) add(picks []string) {
 				a.splits = map[string]int{}
 			}
 			a.splits[fmt.Sprint(picks)]++
-			return
+			return false
 		}
 	}
 	a.agreed++
+	return true
 }
 
 func (a *agreeCount) frac() float64 { return float64(a.agreed) / float64(max(a.probes, 1)) }
@@ -89,16 +118,22 @@ func (a *agreeCount) frac() float64 { return float64(a.agreed) / float64(max(a.p
 // picks the same instance:
 //
 //   - once state has settled (traffic stopped, sync and events delivered):
-//     in at least 95% of probes — the test's assertion. The issue's target
-//     is 99%; measured 97–100% over five runs on a loaded 2-core machine
-//     (docs/BENCHMARKS.md §11), so 99% would fail about every other run;
-//     the splits left are one replica of three apart (below);
+//     in at least 97% of probes — the test's assertion; the issue's target
+//     is 99%. Each split is logged with every replica's reason and the
+//     engine-load samples it held. Before the samples left out the
+//     requests any replica saw end since they were taken (loadended.go,
+//     sync version 3), 93–98 of 100 agreed on a loaded 2-core machine
+//     (94–97 in the runs beside the change: three of four under 97) and
+//     every split was a kv_match tie broken by a sample that one replica's
+//     scrape had taken while an earlier probe (or the load) ran; after,
+//     98–100 in eleven runs (docs/BENCHMARKS.md §11), so 97% catches the
+//     old behaviour and leaves a split or two for a loaded machine;
 //   - under steady load through all three (round robin, as an L4 balancer):
 //     measured and logged (KV_AGREE_SECONDS, default 5 s), not asserted:
-//     each replica drains its own pending prefill by the measured rate
-//     but counts its peers' in full until their first byte, scrapes the
-//     engines' queues at its own moments, and learns a peer's decisions an
-//     interval later (docs/replicas.md, "What can still differ").
+//     each replica learns a peer's decisions an interval later, scrapes
+//     the engines at its own moments, and follows utilisation and the
+//     prefill-cost weight from its own decisions (docs/replicas.md, "What
+//     can still differ").
 func TestE2EReplicaDecisionAgreement(t *testing.T) {
 	f := newClusterFleet(t, 4, 512, 20)
 	routers := []*clusterRouter{
@@ -125,7 +160,8 @@ func TestE2EReplicaDecisionAgreement(t *testing.T) {
 	var busy agreeCount
 	start := time.Now()
 	for i := 0; time.Since(start) < time.Duration(secs*float64(time.Second)); i++ {
-		busy.add(probeAll(routers, probePrompt(1000+i)))
+		picks, _ := probeAll(routers, probePrompt(1000+i))
+		busy.add(picks)
 		time.Sleep(20 * time.Millisecond)
 	}
 	l.finish()
@@ -154,12 +190,16 @@ func TestE2EReplicaDecisionAgreement(t *testing.T) {
 	}
 	var settled agreeCount
 	for i := 0; i < 100; i++ {
-		settled.add(probeAll(routers, probePrompt(i)))
+		loads := engineLoads(routers, f.pool)
+		picks, why := probeAll(routers, probePrompt(i))
+		if !settled.add(picks) {
+			t.Logf("settled split %d: picks %v; why %q; scraped waiting/running before it %q", i, picks, why, loads)
+		}
 		time.Sleep(150 * time.Millisecond)
 	}
 	t.Logf("settled: %d of %d probes agreed (%.1f%%), %d failed; splits %v",
 		settled.agreed, settled.probes, 100*settled.frac(), settled.failed, settled.splits)
-	if settled.failed > 0 || settled.frac() < 0.95 {
-		t.Fatalf("settled agreement %.1f%% (%d failed), want >= 95%%", 100*settled.frac(), settled.failed)
+	if settled.failed > 0 || settled.frac() < 0.97 {
+		t.Fatalf("settled agreement %.1f%% (%d failed), want >= 97%%", 100*settled.frac(), settled.failed)
 	}
 }

@@ -538,6 +538,10 @@ func (p *simPeers) PeerLoad(inst string) (int64, int64, int64) { return p.table.
 
 func (p *simPeers) PeerQueue(inst string, q *replicasync.PeerQueue) { p.table.PeerQueue(inst, q) }
 
+func (p *simPeers) PeerEnded(inst string, asked, got int64) int {
+	return p.table.PeerEnded(inst, asked, got)
+}
+
 func (p *simPeers) PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int {
 	return p.table.PeerExtend(keys, from, inst, epoch)
 }

@@ -24,6 +24,7 @@ type kvObserver struct {
 	pc        *pendingCounter
 	pendTok   int64
 	listed    bool          // in pc.pl (replica sync)
+	at        int64         // routing time, Unix ns
 	predicted int           // matched tokens predicted at routing
 	shadow    *shadowRecord // nil outside shadow mode
 	released  atomic.Bool   // the pending prefill was given back (once)
@@ -41,9 +42,10 @@ func (st *KVState) newObserver(inst string, recompute, predicted int) *kvObserve
 	o := &kvObserver{st: st, inst: inst, pc: st.pendingFor(inst), pendTok: int64(max(recompute, 0)), predicted: predicted}
 	o.pc.tokens.Add(o.pendTok)
 	o.pc.reqs.Add(1)
+	o.at = st.now().UnixNano()
 	if st.peers.ps != nil {
 		o.listed = true
-		o.pc.pl.add(o, st.now().UnixNano())
+		o.pc.pl.add(o, o.at)
 	}
 	st.m.pending.track(st.pool, inst, o.pc)
 	return o
@@ -91,6 +93,7 @@ func (o *kvObserver) Done(status, cached int) {
 	}
 	o.timerMu.Unlock()
 	o.release()
+	o.ended(status)
 	found := cached >= 0
 	if !found {
 		cached = -1

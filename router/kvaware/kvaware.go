@@ -79,7 +79,8 @@ type KVState struct {
 	pendMu sync.RWMutex // guards pend (the counters themselves are atomic)
 	pend   map[string]*pendingCounter
 
-	loads loadStore
+	loads   loadStore
+	endKeep endKeep // how long ended requests are remembered (loadended.go)
 
 	// streamUp is the stream state last seen by a decision: 0 unknown, 1 up,
 	// 2 down; a transition logs once and counts.
@@ -109,6 +110,7 @@ type pendingCounter struct {
 	doneAt atomic.Int64 // when the routed work is predicted done, Unix ns (kvaware_drain.go)
 	period atomic.Int64 // requests routed since the pending queue was last empty
 	pl     pendList     // the pending requests themselves, with replica sync (kvaware_sharedq.go)
+	ends   endList      // requests that ended recently (loadended.go)
 }
 
 // NewKVState builds a pool's exact-routing state.
@@ -182,7 +184,8 @@ func (st *KVState) PendingPrefill(inst string) (tokens, requests int64) {
 // SetLoad records an engine-reported load sample for inst (the scraper
 // calls it; simulations may call it directly).
 func (st *KVState) SetLoad(inst string, waiting, running float64) {
-	st.loads.set(inst, loadSample{waiting: waiting, running: running, at: st.now()})
+	now := st.now()
+	st.loads.set(inst, loadSample{waiting: waiting, running: running, at: now, got: now})
 }
 
 // noteStream logs and counts a change of the stream's health.
@@ -238,6 +241,8 @@ func newKVAware(rc config.RoutingConfig, st *KVState, rnd func(uint64) uint64) (
 		return nil, err
 	}
 	sc := resolveScoring(rc.KV)
+	loadAge := 3 * max(sc.scrape, DefaultScrapeInterval)
+	st.endKeep.atLeast(int64(loadAge))
 	return &KVAware{
 		st:        st,
 		sc:        sc,
@@ -245,7 +250,7 @@ func newKVAware(rc config.RoutingConfig, st *KVState, rnd func(uint64) uint64) (
 		fallback:  router.NewPrefixAware(rc.ConcurrencyThreshold, rnd),
 		rnd:       rnd,
 		spec:      st.speculativeFor(sc.specTTL, sc.specCap),
-		loadAge:   3 * max(sc.scrape, DefaultScrapeInterval),
+		loadAge:   loadAge,
 	}, nil
 }
 
@@ -650,6 +655,18 @@ func (s *KVAware) predict(ev *kvEval) {
 		if haveLoads {
 			ld, ok = st.loads.samples[ce.inst.ID()]
 			ok = ok && now.Sub(ld.at) <= s.loadAge
+			if ok {
+				// Without the requests any replica saw end since the
+				// sample was taken (loadended.go).
+				asked, got, gone := ld.at.UnixNano(), ld.got.UnixNano(), 0
+				if pc != nil {
+					gone = pc.ends.inSample(asked, got)
+				}
+				if st.peers.ps != nil {
+					gone += st.peers.ps.PeerEnded(ce.inst.ID(), asked, got)
+				}
+				ld = ld.less(gone)
+			}
 		}
 		ce.queue, ce.load = s.sc.queue(pTok, int(pReq), ce.inflight+ce.peer.inflight, ld, ok)
 		if ce.cold() {

@@ -19,6 +19,10 @@ type PeerState interface {
 	PeerLoad(inst string) (inflight, pendingTokens, pendingRequests int64)
 	// PeerQueue sets q to the peers' pending requests on inst.
 	PeerQueue(inst string, q *replicasync.PeerQueue)
+	// PeerEnded counts the peers' requests on inst that ended since an
+	// engine-load sample asked for at asked and answered at got (Unix ns)
+	// may have counted them (loadended.go).
+	PeerEnded(inst string, asked, got int64) int
 	PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int
 	PeerHolders(dst []string, key kvindex.Key) []string
 	// Speculate announces this replica's speculative blocks; it must not
@@ -65,12 +69,14 @@ func (st *KVState) localLoads(dst []replicasync.Load) []replicasync.Load {
 		}
 	}
 	rate := st.publishedRate()
+	now, keep := st.now().UnixNano(), st.endKeep.get()
 	st.pendMu.RLock()
 	defer st.pendMu.RUnlock()
 	for id, pc := range st.pend {
 		tok, reqs := pc.tokens.Load(), pc.reqs.Load()
+		ended := pc.ends.snapshot(nil, now, keep)
 		i, ok := seen[id]
-		if !ok && tok <= 0 && reqs <= 0 {
+		if !ok && tok <= 0 && reqs <= 0 && len(ended) == 0 {
 			continue
 		}
 		if !ok {
@@ -85,6 +91,9 @@ func (st *KVState) localLoads(dst []replicasync.Load) []replicasync.Load {
 		if len(l.Pending) > 0 {
 			l.Rate = rate
 		}
+		// What its peers take out of their engine-load samples
+		// (loadended.go).
+		l.Ended = ended
 	}
 	return dst
 }

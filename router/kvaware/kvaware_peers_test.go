@@ -187,7 +187,10 @@ func BenchmarkKVAwarePeers(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer nc.Close()
-	s, err := replicasync.New(replicasync.Config{Conn: nc, Pool: "p", Replica: "bench"})
+	// Peers that stay live however long the benchmark runs on a loaded
+	// machine (at the default 3 s timeout they went silent part way, and
+	// the later runs measured a decision without them).
+	s, err := replicasync.New(replicasync.Config{Conn: nc, Pool: "p", Replica: "bench", PeerTimeout: time.Hour})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -210,14 +213,45 @@ func BenchmarkKVAwarePeers(b *testing.B) {
 	req := func() *router.Request {
 		return &router.Request{Endpoint: router.EndpointCompletions, Model: kvTestModel, RoutingText: "x", PromptTokens: ids}
 	}
+	// The most the ended lists cost (loadended.go): a fresh engine-load
+	// sample on every instance, and every peer listing MaxEnded ended
+	// requests on each.
+	ends, err := replicasync.New(replicasync.Config{Conn: nc, Pool: "p", Replica: "bench-ends", PeerTimeout: time.Hour})
+	if err != nil {
+		b.Fatal(err)
+	}
+	now := time.Now().UnixNano()
+	for p := range 3 {
+		m := &replicasync.Message{Kind: replicasync.KindLoad, Replica: fmt.Sprintf("peer-%d", p), Incarnation: 1, Seq: 1, Complete: true}
+		for i := range 64 {
+			l := replicasync.Load{Instance: fmt.Sprintf("vllm-%02d", i), InFlight: 1, PendingTokens: 100, PendingRequests: 1}
+			for e := range replicasync.MaxEnded {
+				l.Ended = append(l.Ended, replicasync.Ended{At: now - int64(e+2)*1e7, End: now - int64(e)*1e7})
+			}
+			m.Loads = append(m.Loads, l)
+		}
+		ends.Table().ApplyLoad(m)
+	}
+	ends.Table().ApplySpec(spec, nil)
 	for _, tc := range []struct {
-		name  string
-		fresh kvindex.Freshness
-	}{{"sync_off", kvindex.FreshnessFuncs{}}, {"sync_on", peerFreshness{Syncer: s}}} {
+		name    string
+		fresh   kvindex.Freshness
+		samples bool
+	}{{"sync_off", kvindex.FreshnessFuncs{}, false}, {"sync_on", peerFreshness{Syncer: s}, false},
+		{"sync_on_samples_ended", peerFreshness{Syncer: ends}, true}} {
 		w := build(tc.fresh)
-		k, err := NewKVAware(config.RoutingConfig{}, w.st)
+		rc := config.RoutingConfig{}
+		if tc.samples { // samples and ends usable for 3 hours
+			rc.KV = &config.KVScoringConfig{ScrapeInterval: time.Hour}
+		}
+		k, err := NewKVAware(rc, w.st)
 		if err != nil {
 			b.Fatal(err)
+		}
+		if tc.samples {
+			for _, in := range w.insts {
+				w.st.SetLoad(in.ID(), 1, 2)
+			}
 		}
 		b.Run(tc.name, func(b *testing.B) { benchDecide(b, w, k, req, w.insts[7]) })
 	}

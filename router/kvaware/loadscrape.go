@@ -29,7 +29,9 @@ const maxMetricsBytes = 4 << 20
 type loadSample struct {
 	waiting float64 // vllm:num_requests_waiting, summed over series (DP ranks)
 	running float64 // vllm:num_requests_running
-	at      time.Time
+	// at is when the sample was asked for and got when it arrived: the
+	// engine took it in between (both equal for a sample set directly).
+	at, got time.Time
 }
 
 // loadStore holds the latest sample per instance.
@@ -186,7 +188,7 @@ func scrapeLoad(ctx context.Context, client *http.Client, in *router.Instance, p
 	if !found {
 		return loadSample{}, fmt.Errorf("router: scrape %s: %w: no vllm:num_requests_waiting/running", in.ID(), ErrMetricsFormat)
 	}
-	return loadSample{waiting: w, running: r, at: time.Now()}, nil
+	return loadSample{waiting: w, running: r}, nil
 }
 
 func trimSlash(p string) string {
@@ -207,6 +209,10 @@ func (st *KVState) runScraper(ctx context.Context, client *http.Client, instance
 		var wg sync.WaitGroup
 		for _, in := range instances() {
 			wg.Go(func() {
+				// The engine took the sample between the request and its
+				// answer; loadended.go needs both (on the decision's
+				// clock, which simulations replace).
+				at := st.now()
 				ls, err := scrapeLoad(ctx, client, in, path, timeout)
 				if err != nil {
 					if ctx.Err() != nil {
@@ -218,7 +224,7 @@ func (st *KVState) runScraper(ctx context.Context, client *http.Client, instance
 					return
 				}
 				st.m.scrapes.WithLabelValues(st.pool, in.ID(), "ok").Inc()
-				ls.at = st.now() // the decision's clock, which simulations replace
+				ls.at, ls.got = at, st.now()
 				st.loads.set(in.ID(), ls)
 			})
 		}

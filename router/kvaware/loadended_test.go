@@ -1,0 +1,102 @@
+package kvaware
+
+import (
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/replicasync"
+)
+
+// A request routed before an engine-load sample and ended after it leaves
+// the sample: its instance's queue falls as each such request ends, not
+// at the next scrape; requests routed after the sample, or never sent,
+// leave it as it is; the running count goes first, then the waiting one.
+func TestLoadSampleLessEnded(t *testing.T) {
+	w := newKVWorld(t, 2)
+	s := w.strategy(config.RoutingConfig{Strategy: config.StrategyKVAware})
+	x := w.insts[0]
+	queueWith := func(waiting, running float64) float64 {
+		return s.sc.queue(0, 0, 0, loadSample{waiting: waiting, running: running}, true)
+	}
+	var before []pickedOn
+	for i := range 3 {
+		d := kvPickOn(t, s, x, uint32(10+i))
+		d.dec.Observer.FirstByte() // no pending prefill: the sample alone counts
+		before = append(before, d)
+	}
+	w.clock.Advance(10 * time.Millisecond)
+	w.st.SetLoad(x.ID(), 1, 2) // the three: two running, one waiting
+	w.clock.Advance(10 * time.Millisecond)
+	after := kvPickOn(t, s, x, 20) // routed after the sample: not in it
+	after.dec.Observer.FirstByte()
+	unsent := kvPickOn(t, s, w.insts[1], 21)
+	if got, want := probeQueue(t, s, w, x), queueWith(1, 2); got != want {
+		t.Fatalf("queue %v with the sample as scraped, want %v", got, want)
+	}
+	w.clock.Advance(10 * time.Millisecond)
+	after.dec.Observer.Done(200, -1)
+	unsent.dec.Observer.Done(0, -1)
+	if got, want := probeQueue(t, s, w, x), queueWith(1, 2); got != want {
+		t.Fatalf("a request routed after the sample ended: queue %v, want %v (unchanged)", got, want)
+	}
+	for i, want := range []float64{queueWith(1, 1), queueWith(1, 0), queueWith(0, 0)} {
+		before[i].dec.Observer.Done(200, -1)
+		if got := probeQueue(t, s, w, x); got != want {
+			t.Fatalf("%d of the sample's requests ended: queue %v, want %v", i+1, got, want)
+		}
+	}
+	if q := queueWith(0, 0); q != 0 {
+		t.Fatalf("an empty sample's queue %v", q)
+	}
+}
+
+// With replica sync, a replica takes out of its own sample the requests
+// its peer saw end since: the replica that scraped an instance while the
+// peer's request ran there sees it idle once that request has ended, as
+// the peer does, without waiting for its next scrape.
+func TestLoadSampleLessPeerEnded(t *testing.T) {
+	a, b := newPeerPair(t, 2)
+	// Samples usable for 3 minutes: only the peer's end can move b's.
+	rc := config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &config.KVScoringConfig{ScrapeInterval: time.Minute}}
+	sa, sb := a.strategy(rc), b.strategy(rc)
+	idle := probeQueue(t, sb, b.kvWorld, b.insts[0])
+	r := kvPickOn(t, sa, a.insts[0], 1)
+	r.dec.Observer.FirstByte()
+	time.Sleep(time.Millisecond)        // the sample is taken after the routing, on the wall clock
+	b.st.SetLoad(b.insts[0].ID(), 0, 1) // b's scrape catches a's request running
+	if q := probeQueue(t, sb, b.kvWorld, b.insts[0]); !(q > idle) {
+		t.Fatalf("b's queue on the scraped instance %v, want above idle %v", q, idle)
+	}
+	r.dec.Observer.Done(200, -1)
+	waitUntil(t, "b sees a's request end", func() bool { return probeQueue(t, sb, b.kvWorld, b.insts[0]) == idle })
+	if q := probeQueue(t, sa, a.kvWorld, a.insts[0]); q != idle {
+		t.Fatalf("a (no sample) sees %v, want idle %v", q, idle)
+	}
+}
+
+// The end list keeps the newest ends within its age bound, at most
+// replicasync.MaxEnded, and counts those a sample held.
+func TestEndList(t *testing.T) {
+	var l endList
+	const keep = int64(3 * time.Second)
+	for i := range replicasync.MaxEnded + 10 {
+		l.add(replicasync.Ended{At: int64(i) * 1e6, End: int64(i)*1e6 + 5e6}, keep)
+	}
+	if got := l.snapshot(nil, 0, keep); len(got) != replicasync.MaxEnded || got[0].At != 10e6 {
+		t.Fatalf("kept %d, oldest routed at %d; want %d from 10 ms", len(got), got[0].At, replicasync.MaxEnded)
+	}
+	// A sample at 20.5 ms held requests routed at 16..20 ms (ended 21..25).
+	if n := l.inSample(20.5e6, 20.5e6); n != 5 {
+		t.Fatalf("%d in a sample at 20.5 ms, want 5", n)
+	}
+	// Asked at 20.5 ms, answered at 22.5: those routed before 22.5 and
+	// ended after 20.5 may have been in it (16..22 ms).
+	if n := l.inSample(20.5e6, 22.5e6); n != 7 {
+		t.Fatalf("%d in a sample taken between 20.5 and 22.5 ms, want 7", n)
+	}
+	l.add(replicasync.Ended{At: 10e9, End: 10e9}, keep) // 10 s later: the old ones are past any sample
+	if got := l.snapshot(nil, 10e9, keep); len(got) != 1 {
+		t.Fatalf("after 10 s kept %v", got)
+	}
+}
