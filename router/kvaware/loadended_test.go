@@ -17,7 +17,8 @@ func TestLoadSampleLessEnded(t *testing.T) {
 	s := w.strategy(config.RoutingConfig{Strategy: config.StrategyKVAware})
 	x := w.insts[0]
 	queueWith := func(waiting, running float64) float64 {
-		return s.sc.queue(0, 0, 0, loadSample{waiting: waiting, running: running}, true)
+		wait, _ := s.sc.queue(0, 0, 0, loadSample{waiting: waiting, running: running}, true)
+		return wait
 	}
 	var before []pickedOn
 	for i := range 3 {
