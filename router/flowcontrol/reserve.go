@@ -129,7 +129,7 @@ func (s *Sched) reserved(it *Item) int {
 	work := d.tokens / d.reqs * b   // one request's prefill, in seconds of an instance
 	target := -1.0                  // the wait their objectives leave (< 0: none)
 	if d.objN > 0 {
-		target = max(d.obj/d.objN-s.svcFit.at(d.computed/d.reqs).Seconds(), 0)
+		target = max(d.obj/d.objN-s.svcFit.at(d.tokens/d.reqs).Seconds(), 0)
 	}
 	return staff(load, work, target, s.liveN-1)
 }

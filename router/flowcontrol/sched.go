@@ -196,6 +196,8 @@ type Item struct {
 	state             itemState
 	inst              *instLoad // the instance it was bound to (Bind)
 	charge            int64     // the prefill tokens charged to inst (Bind)
+	work              int64     // its prefill: the prompt tokens inst (Bind; until then the best holder) lacks
+	ahead             int64     // inst's prefill work before it, when bound
 	big               bool      // an oversized prompt before its first token (reserve.go)
 }
 
@@ -551,6 +553,7 @@ func (s *Sched) unqueue(it *Item) {
 
 func (s *Sched) admit(it *Item, now time.Time) {
 	it.admitted, it.state = now, stAdmitted
+	it.work = uncached(it) // until Bind says where
 	s.inflight++
 	s.pending += it.Prefill
 	s.unbound++
@@ -624,7 +627,9 @@ func (s *Sched) FirstToken(it *Item, now time.Time) {
 		s.svcN++
 	}
 	s.svc += (d - s.svc) / time.Duration(s.svcN)
-	s.svcFit.add(float64(s.compute(it)), d.Seconds())
+	// Its engine prefilled the work ahead of it there, then its own
+	// (service.go).
+	s.svcFit.add(float64(it.ahead+it.work), d.Seconds())
 }
 
 // Done ends an admitted request (finished, failed or abandoned), freeing

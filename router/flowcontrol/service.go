@@ -2,15 +2,32 @@ package flowcontrol
 
 import "time"
 
-// svcFit is a least-squares line through (prompt tokens, admission to
+// svcFit is a least-squares line through (prefill work, admission to
 // first token) over about the last estimatorWindow first tokens
-// (exponentially weighted sums). The time from admission to first token is
-// the engine's wait for the prefill already ahead of the request (bounded
-// by the budgets, about the same for every request) plus its own prefill,
-// which grows with its prompt: a 10,000-token prompt takes several of a
-// 1,000-token one's steps. One average for both admits a long prompt too
-// late to meet its deadline and sheds a short one that would have; the
-// line predicts each from its own length.
+// (exponentially weighted sums). A request's work is the prompt tokens its
+// engine prefills before its first token: the uncached tokens of the
+// requests bound to its instance before it and not yet at their first
+// token, then its own uncached tokens (vLLM schedules prefill first come,
+// first served). The slope is the engine's time per prefilled token, the
+// intercept what every request waits besides prefill (the step in
+// progress, its own step's decode batch).
+//
+// The work ahead is in x, not left in the intercept: a line through a
+// request's own prompt length alone averages into each length the wait
+// ahead of the requests of that length that were admitted, and a class
+// that was then shed on arrival for that average (it passed the class's
+// objective) added no sample to lower it: the line kept its transient
+// value for good, since new samples at other lengths, decayed alike,
+// cannot move it there. kv_aware at 8 instances, 4× load, shed 97 % of
+// requests for good after the burst's first half second (docs/BENCHMARKS.md
+// §12, "The service line learns the work ahead"). A prediction from the
+// work ahead is one the router checks against the instances themselves
+// (pastDeadline); at arrival and expiry, where the instance is not chosen
+// yet, a request is predicted with nothing ahead: shed or expired only
+// when no instance could meet its deadline. And in uncached tokens, not
+// whole prompts: a cached 1,000-token prompt is ~50 tokens of prefill, and
+// whole prompts put kv_aware's light requests far off the line the long
+// prompts draw.
 type svcFit struct {
 	n, x, y, xx, xy float64
 }
@@ -24,7 +41,7 @@ func (f *svcFit) add(x, y float64) {
 	f.xy = f.xy*keep + x*y
 }
 
-// at is the predicted service time for a prompt of x tokens (0 before any
+// at is the predicted service time for x tokens of work (0 before any
 // sample). The slope is at least 0 (more prompt never prefills faster) and
 // the prediction at least the intercept; with prompts all of one length
 // it is their mean.
@@ -42,15 +59,17 @@ func (f *svcFit) at(x float64) time.Duration {
 	return time.Duration(y * float64(time.Second))
 }
 
-// service is the predicted time from admission to first token of it.
+// service is the predicted time from admission to first token of it on an
+// instance with nothing ahead of it, the one holding most of its prompt:
+// the least any instance can give it.
 func (s *Sched) service(it *Item) time.Duration {
 	if s.svcN == 0 {
 		return 0
 	}
-	return s.svcFit.at(float64(s.compute(it)))
+	return s.svcFit.at(float64(uncached(it)))
 }
 
-// slope is the fitted seconds per prompt token (0 while unknown).
+// slope is the fitted seconds per token of work (0 while unknown).
 func (f *svcFit) slope() float64 {
 	if f.n == 0 {
 		return 0
