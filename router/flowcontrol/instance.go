@@ -63,24 +63,24 @@ func (s *Sched) roomIn(l *instLoad, it *Item) bool {
 		return true
 	}
 	c := s.charge(it, l.name)
-	return l.pending+c <= p && !s.pastDeadline(l.work+workOn(it, l.name), it)
+	return l.pending+c <= p && !s.pastDeadline(workOn(it, l.name), l.work, it)
 }
 
 // pastDeadline reports whether a request with a deadline, sent now to an
-// instance with work tokens of prefill to do before its first token (the
-// uncached tokens ahead of it there and its own), would get its first
-// token after the deadline: the service line's prediction for that work
-// (service.go). A budget in tokens bounds the engine's wait for everyone
-// alike; a request whose objective is shorter than that wait (8,192
-// tokens are 320 ms on an 8×H100 Llama 70B) goes only to an instance with
-// little enough ahead, and waits in the router otherwise, where priority,
-// fairness and its deadline order it. An idle instance always takes it
-// (roomIn).
-func (s *Sched) pastDeadline(work int64, it *Item) bool {
+// instance with ahead tokens of prefill work before it there (the
+// uncached tokens of the requests bound there and not yet at their first
+// token) and own of its own, would get its first token after the
+// deadline: the service fit's prediction (service.go). A budget in tokens
+// bounds the engine's wait for everyone alike; a request whose objective
+// is shorter than that wait (8,192 tokens are 320 ms on an 8×H100 Llama
+// 70B) goes only to an instance with little enough ahead, and waits in the
+// router otherwise, where priority, fairness and its deadline order it.
+// An idle instance always takes it (roomIn).
+func (s *Sched) pastDeadline(own, ahead int64, it *Item) bool {
 	if it.Deadline.IsZero() || s.svcFit.n == 0 {
 		return false
 	}
-	return s.last.Add(s.svcFit.at(float64(work))).After(it.Deadline)
+	return s.last.Add(s.svcFit.at(float64(own), float64(ahead))).After(it.Deadline)
 }
 
 // Room reports whether instance can take it under the per-instance

@@ -83,8 +83,8 @@ func TestReservationFromUncachedDemandAndObjectives(t *testing.T) {
 		// prompt is predicted at 60 ms and is 40 ms of an instance's prefill.
 		s.svcN = 1
 		for range 10 {
-			s.svcFit.add(1000, 0.02+1000*40e-6)
-			s.svcFit.add(5000, 0.02+5000*40e-6)
+			s.svcFit.add(1000, 0, 0.02+1000*40e-6)
+			s.svcFit.add(5000, 0, 0.02+5000*40e-6)
 		}
 		s.queued = waiting
 		return s.reserved(&Item{Prefill: 5000, Cost: 5000})

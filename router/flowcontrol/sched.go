@@ -110,7 +110,8 @@ type Config struct {
 	PreferCached bool
 	// ChargeUncached makes the per-instance budget charge an instance only
 	// the prompt tokens it does not hold (Item.Cached), and the
-	// reservation's demand and the service-time line count those tokens.
+	// reservation's demand counts those tokens in both regimes (the
+	// service fit counts them whether or not this is set: service.go).
 	// Off by default: measured (docs/BENCHMARKS.md §12) it fixes kv_aware's
 	// tail at half load but lowers goodput under 2× overload: the
 	// reservation then keeps the short requests only their bare offered
@@ -629,7 +630,7 @@ func (s *Sched) FirstToken(it *Item, now time.Time) {
 	s.svc += (d - s.svc) / time.Duration(s.svcN)
 	// Its engine prefilled the work ahead of it there, then its own
 	// (service.go).
-	s.svcFit.add(float64(it.ahead+it.work), d.Seconds())
+	s.svcFit.add(float64(it.work), float64(it.ahead), d.Seconds())
 }
 
 // Done ends an admitted request (finished, failed or abandoned), freeing

@@ -587,27 +587,27 @@ func instLoadOf(t *testing.T, s *Sched, now time.Time, name string) InstanceLoad
 
 func TestServiceFitGrowsWithPrompt(t *testing.T) {
 	var f svcFit
-	if f.at(100) != 0 {
+	if f.at(100, 0) != 0 {
 		t.Fatal("prediction before any sample")
 	}
 	for i := range 200 {
 		// 20 ms of queueing plus 40 µs per token, alternating sizes.
 		x := float64(1000 + 9000*(i%2))
-		f.add(x, 0.020+x*40e-6)
+		f.add(x, 0, 0.020+x*40e-6)
 	}
 	for _, c := range []struct {
 		x    float64
 		want time.Duration
 	}{{1000, 60 * time.Millisecond}, {10000, 420 * time.Millisecond}, {5000, 220 * time.Millisecond}} {
-		if got := f.at(c.x); got < c.want-time.Millisecond || got > c.want+time.Millisecond {
+		if got := f.at(c.x, 0); got < c.want-time.Millisecond || got > c.want+time.Millisecond {
 			t.Errorf("at(%v) = %v, want %v", c.x, got, c.want)
 		}
 	}
 	var g svcFit
 	for range 10 {
-		g.add(500, 0.1) // one length: the mean
+		g.add(500, 0, 0.1) // one length: the mean
 	}
-	if got := g.at(5000); got < 99*time.Millisecond || got > 101*time.Millisecond {
+	if got := g.at(5000, 0); got < 99*time.Millisecond || got > 101*time.Millisecond {
 		t.Errorf("one length: at = %v, want 100ms", got)
 	}
 }
@@ -756,7 +756,7 @@ func TestReservedInstancesFollowDemand(t *testing.T) {
 	}
 	long := &Item{Priority: 1, Prefill: 500, Cost: 500}
 	s.svcN = 1
-	s.svcFit.add(500, 0.2) // one length: a service time, no slope
+	s.svcFit.add(500, 0, 0.2) // one length: a service time, no slope
 	if k := s.reserved(long); k != 1 {
 		t.Fatalf("reserved = %d before the slope is known, want 1", k)
 	}
@@ -766,8 +766,8 @@ func TestReservedInstancesFollowDemand(t *testing.T) {
 	}{{0.0004, 2}, {0.0002, 1}, {0.001, 3}} {
 		s.svcFit = svcFit{}
 		for range 10 {
-			s.svcFit.add(100, 0.05+100*c.perToken)
-			s.svcFit.add(1000, 0.05+1000*c.perToken)
+			s.svcFit.add(100, 0, 0.05+100*c.perToken)
+			s.svcFit.add(1000, 0, 0.05+1000*c.perToken)
 		}
 		if k := s.reserved(long); k != c.want {
 			t.Errorf("%v s per token, 3,333 step-sized tokens/s: reserved = %d, want %d", c.perToken, k, c.want)
@@ -860,7 +860,7 @@ func TestInstanceRoomHoldsDeadline(t *testing.T) {
 	s := mustNew(t, Config{InstancePrefill: 10000})
 	for i := range 64 {
 		x := float64(1000 + 9000*(i%2))
-		s.svcFit.add(x, 0.010+x*1e-4) // 0.1 ms per token
+		s.svcFit.add(x, 0, 0.010+x*1e-4) // 0.1 ms per token
 	}
 	s.SetInstances([]string{"a", "b"})
 	busy := &Item{Cost: 5000, Prefill: 5000}

@@ -2,61 +2,92 @@ package flowcontrol
 
 import "time"
 
-// svcFit is a least-squares line through (prefill work, admission to
-// first token) over about the last estimatorWindow first tokens
-// (exponentially weighted sums). A request's work is the prompt tokens its
-// engine prefills before its first token: the uncached tokens of the
-// requests bound to its instance before it and not yet at their first
-// token, then its own uncached tokens (vLLM schedules prefill first come,
-// first served). The slope is the engine's time per prefilled token, the
-// intercept what every request waits besides prefill (the step in
-// progress, its own step's decode batch).
-//
-// The work ahead is in x, not left in the intercept: a line through a
-// request's own prompt length alone averages into each length the wait
-// ahead of the requests of that length that were admitted, and a class
-// that was then shed on arrival for that average (it passed the class's
-// objective) added no sample to lower it: the line kept its transient
-// value for good, since new samples at other lengths, decayed alike,
-// cannot move it there. kv_aware at 8 instances, 4× load, shed 97 % of
-// requests for good after the burst's first half second (docs/BENCHMARKS.md
-// §12, "The service line learns the work ahead"). A prediction from the
-// work ahead is one the router checks against the instances themselves
-// (pastDeadline); at arrival and expiry, where the instance is not chosen
-// yet, a request is predicted with nothing ahead: shed or expired only
-// when no instance could meet its deadline. And in uncached tokens, not
-// whole prompts: a cached 1,000-token prompt is ~50 tokens of prefill, and
-// whole prompts put kv_aware's light requests far off the line the long
-// prompts draw.
+// svcFit is a least-squares fit of the time from admission to first
+// token, over about the last estimatorWindow first tokens (exponentially
+// weighted sums), on two amounts of prefill work: the request's own (its
+// prompt tokens its instance does not hold) and the work ahead of it there
+// when it was bound (the uncached tokens of the requests bound there
+// before it and not yet at their first token; vLLM prefills first come,
+// first served). y = a + b·own + c·ahead: b is the engine's time per token
+// of a prompt's own prefill (a 10,000-token prompt takes several of a
+// 1,000-token one's steps), c what a token still ahead adds (less than b
+// when part of it is already prefilled), a what every request waits
+// besides (the step in progress, its own step's decode batch). With a
+// line through the request's own length alone, the wait ahead of the
+// requests of each length was averaged into that length's prediction; a
+// class then shed on arrival for that average (it passed the class's
+// objective) added no sample to lower it, and the line kept the value for
+// good — new samples at other lengths, decayed alike, cannot move it
+// there. kv_aware at 8 instances, 4× load, shed 97 % of requests for good
+// after the burst's first half second (docs/BENCHMARKS.md §12, "The
+// service line learns the work ahead"). Now the router predicts with the
+// work ahead on an instance where it knows it (pastDeadline) and, at
+// arrival and expiry, before an instance is chosen, with nothing ahead: a
+// request is shed or expires only when no instance could meet its
+// deadline.
 type svcFit struct {
-	n, x, y, xx, xy float64
+	n, x, z, y, xx, xz, zz, xy, zy float64
 }
 
-func (f *svcFit) add(x, y float64) {
+func (f *svcFit) add(own, ahead, y float64) {
 	const keep = 1 - 1.0/estimatorWindow
 	f.n = f.n*keep + 1
-	f.x = f.x*keep + x
+	f.x = f.x*keep + own
+	f.z = f.z*keep + ahead
 	f.y = f.y*keep + y
-	f.xx = f.xx*keep + x*x
-	f.xy = f.xy*keep + x*y
+	f.xx = f.xx*keep + own*own
+	f.xz = f.xz*keep + own*ahead
+	f.zz = f.zz*keep + ahead*ahead
+	f.xy = f.xy*keep + own*y
+	f.zy = f.zy*keep + ahead*y
 }
 
-// at is the predicted service time for x tokens of work (0 before any
-// sample). The slope is at least 0 (more prompt never prefills faster) and
-// the prediction at least the intercept; with prompts all of one length
-// it is their mean.
-func (f *svcFit) at(x float64) time.Duration {
+// coef is the fit: a in seconds, b and c in seconds per token, each at
+// least 0. A coefficient the samples cannot tell (nothing was ever ahead,
+// or every prompt was as long) is taken equal to the other: the engine
+// prefills a token ahead as it does one of its own.
+func (f *svcFit) coef() (a, b, c float64) {
 	if f.n == 0 {
-		return 0
+		return 0, 0, 0
 	}
-	mx, my := f.x/f.n, f.y/f.n
-	b := 0.0
-	if v := f.xx/f.n - mx*mx; v > 1e-9*(1+mx*mx) {
-		b = max((f.xy/f.n-mx*my)/v, 0)
+	mx, mz, my := f.x/f.n, f.z/f.n, f.y/f.n
+	vxx, vzz, vxz := f.xx/f.n-mx*mx, f.zz/f.n-mz*mz, f.xz/f.n-mx*mz
+	cxy, czy := f.xy/f.n-mx*my, f.zy/f.n-mz*my
+	okx, okz := vxx > 1e-9*(1+mx*mx), vzz > 1e-9*(1+mz*mz)
+	one := func(v, cv float64) float64 { return max(cv/v, 0) }
+	switch {
+	case okx && okz:
+		if det := vxx*vzz - vxz*vxz; det > 1e-9*vxx*vzz {
+			b = (vzz*cxy - vxz*czy) / det
+			c = (vxx*czy - vxz*cxy) / det
+		}
+		switch {
+		case b < 0 && c < 0, b == 0 && c == 0:
+			b, c = 0, 0
+			b = one(vxx, cxy)
+			if b == 0 {
+				c = one(vzz, czy)
+			}
+		case b < 0:
+			b, c = 0, one(vzz, czy)
+		case c < 0:
+			b, c = one(vxx, cxy), 0
+		}
+	case okx:
+		b = one(vxx, cxy)
+		c = b
+	case okz:
+		c = one(vzz, czy)
+		b = c
 	}
-	a := my - b*mx
-	y := max(a+b*x, 0)
-	return time.Duration(y * float64(time.Second))
+	return my - b*mx - c*mz, b, c
+}
+
+// at is the predicted service time for own tokens of work with ahead
+// tokens of work before it (0 before any sample), at least 0.
+func (f *svcFit) at(own, ahead float64) time.Duration {
+	a, b, c := f.coef()
+	return time.Duration(max(a+b*own+c*ahead, 0) * float64(time.Second))
 }
 
 // service is the predicted time from admission to first token of it on an
@@ -66,17 +97,12 @@ func (s *Sched) service(it *Item) time.Duration {
 	if s.svcN == 0 {
 		return 0
 	}
-	return s.svcFit.at(float64(uncached(it)))
+	return s.svcFit.at(float64(uncached(it)), 0)
 }
 
-// slope is the fitted seconds per token of work (0 while unknown).
+// slope is the fitted seconds per token of a request's own work (0 while
+// unknown).
 func (f *svcFit) slope() float64 {
-	if f.n == 0 {
-		return 0
-	}
-	mx, my := f.x/f.n, f.y/f.n
-	if v := f.xx/f.n - mx*mx; v > 1e-9*(1+mx*mx) {
-		return max((f.xy/f.n-mx*my)/v, 0)
-	}
-	return 0
+	_, b, _ := f.coef()
+	return b
 }
