@@ -935,3 +935,22 @@ func TestServiceLineCountsWorkAhead(t *testing.T) {
 		t.Fatalf("next %v (room on b %v), want the short request onto idle b", got, s.Room("b", it))
 	}
 }
+
+// The fit tells a prompt's own prefill from the work still ahead of it,
+// which costs less when part of it is already done: here 40 µs per own
+// token and 20 µs per token ahead, 20 ms besides.
+func TestServiceFitSeparatesWorkAhead(t *testing.T) {
+	var f svcFit
+	for i := range 300 {
+		own := float64(1000 + 9000*(i%2))
+		ahead := float64(1000 * (i % 5))
+		f.add(own, ahead, 0.020+own*40e-6+ahead*20e-6)
+	}
+	a, b, c := f.coef()
+	if math.Abs(a-0.020) > 1e-6 || math.Abs(b-40e-6) > 1e-9 || math.Abs(c-20e-6) > 1e-9 {
+		t.Fatalf("fit a=%v b=%v c=%v, want 0.020, 40e-6, 20e-6", a, b, c)
+	}
+	if got := f.at(1000, 3000); got < 119*time.Millisecond || got > 121*time.Millisecond {
+		t.Fatalf("at(1000, 3000) = %v, want 120ms", got)
+	}
+}
