@@ -954,3 +954,31 @@ func TestServiceFitSeparatesWorkAhead(t *testing.T) {
 		t.Fatalf("at(1000, 3000) = %v, want 120ms", got)
 	}
 }
+
+// The room test keeps a margin of the fit's spread: with first tokens ±10
+// ms about the line, an instance where the mean just meets a deadline is
+// one where half of them would miss it, so it has no room; one where the
+// mean leaves 1.28 spreads (the 90th percentile) has.
+func TestRoomKeepsTheFitsSpread(t *testing.T) {
+	s := mustNew(t, Config{InstancePrefill: 10000})
+	for i := range 256 {
+		own, ahead := float64(1000+9000*(i%2)), float64(1000*(i%3))
+		e := 0.010 * float64(1-2*(i/2%2)) // +10, +10, -10, -10 ms, ...
+		s.svcFit.add(own, ahead, 0.020+(own+ahead)*40e-6+e)
+	}
+	if sd := s.svcFit.spread(); math.Abs(sd-0.010) > 0.0005 {
+		t.Fatalf("spread %v, want 10ms", sd)
+	}
+	s.SetInstances([]string{"a", "b"})
+	busy := &Item{Cost: 2000, Prefill: 2000}
+	offer(t, s, busy, at(0), Admitted)
+	s.Bind(busy, "a")
+	now := at(1)
+	s.tick(now)
+	// 2,000 tokens ahead and 1,000 of its own: 140 ms on average.
+	edge := &Item{Cost: 1000, Prefill: 1000, Deadline: now.Add(141 * time.Millisecond)}
+	margin := &Item{Cost: 1000, Prefill: 1000, Deadline: now.Add(154 * time.Millisecond)}
+	if s.Room("a", edge) || !s.Room("a", margin) {
+		t.Fatalf("room on a: deadline at the mean %v, 1.4 spreads after it %v; want false, true", s.Room("a", edge), s.Room("a", margin))
+	}
+}

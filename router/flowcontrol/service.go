@@ -1,6 +1,9 @@
 package flowcontrol
 
-import "time"
+import (
+	"math"
+	"time"
+)
 
 // svcFit is a least-squares fit of the time from admission to first
 // token, over about the last estimatorWindow first tokens (exponentially
@@ -26,7 +29,7 @@ import "time"
 // request is shed or expires only when no instance could meet its
 // deadline.
 type svcFit struct {
-	n, x, z, y, xx, xz, zz, xy, zy float64
+	n, x, z, y, xx, xz, zz, xy, zy, yy float64
 }
 
 func (f *svcFit) add(own, ahead, y float64) {
@@ -40,6 +43,7 @@ func (f *svcFit) add(own, ahead, y float64) {
 	f.zz = f.zz*keep + ahead*ahead
 	f.xy = f.xy*keep + own*y
 	f.zy = f.zy*keep + ahead*y
+	f.yy = f.yy*keep + y*y
 }
 
 // coef is the fit: a in seconds, b and c in seconds per token, each at
@@ -105,4 +109,30 @@ func (s *Sched) service(it *Item) time.Duration {
 func (f *svcFit) slope() float64 {
 	_, b, _ := f.coef()
 	return b
+}
+
+// spread is the standard deviation, in seconds, of the samples about the
+// fit (the exponentially weighted mean of the squared residuals, from the
+// same sums: for any b and c the residuals' mean is 0, a being taken so).
+func (f *svcFit) spread() float64 {
+	if f.n == 0 {
+		return 0
+	}
+	_, b, c := f.coef()
+	mx, mz, my := f.x/f.n, f.z/f.n, f.y/f.n
+	vxx, vzz, vxz := f.xx/f.n-mx*mx, f.zz/f.n-mz*mz, f.xz/f.n-mx*mz
+	cxy, czy, vyy := f.xy/f.n-mx*my, f.zy/f.n-mz*my, f.yy/f.n-my*my
+	return math.Sqrt(max(vyy-2*b*cxy-2*c*czy+b*b*vxx+c*c*vzz+2*b*c*vxz, 0))
+}
+
+// tailZ is how many spreads above the fit's mean a first token comes at
+// most missShare of the time, the residuals taken as normal: the quantile
+// 1 − missShare of the standard normal (1.28 for one in ten).
+var tailZ = math.Sqrt2 * math.Erfinv(1-2*missShare)
+
+// late is the time from admission to first token that at most missShare
+// of requests with own tokens of work and ahead tokens before them
+// exceed (pastDeadline).
+func (f *svcFit) late(own, ahead float64) time.Duration {
+	return f.at(own, ahead) + time.Duration(tailZ*f.spread()*float64(time.Second))
 }
