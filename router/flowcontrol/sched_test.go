@@ -862,12 +862,7 @@ func TestInstanceRoomHoldsDeadline(t *testing.T) {
 		x := float64(1000 + 9000*(i%2))
 		s.svcFit.add(x, 0, 0.010+x*1e-4) // 0.1 ms per token
 	}
-	s.SetInstances([]string{"a", "b"})
-	busy := &Item{Cost: 5000, Prefill: 5000}
-	offer(t, s, busy, at(0), Admitted)
-	s.Bind(busy, "a")
-	now := at(1)
-	s.tick(now)
+	now := busyOnA(t, s, 5000)
 	tight := &Item{Cost: 100, Prefill: 100, Deadline: now.Add(200 * time.Millisecond)}
 	loose := &Item{Cost: 100, Prefill: 100, Deadline: now.Add(time.Second)}
 	none := &Item{Cost: 100, Prefill: 100}
@@ -969,16 +964,23 @@ func TestRoomKeepsTheFitsSpread(t *testing.T) {
 	if sd := s.svcFit.spread(); math.Abs(sd-0.010) > 0.0005 {
 		t.Fatalf("spread %v, want 10ms", sd)
 	}
-	s.SetInstances([]string{"a", "b"})
-	busy := &Item{Cost: 2000, Prefill: 2000}
-	offer(t, s, busy, at(0), Admitted)
-	s.Bind(busy, "a")
-	now := at(1)
-	s.tick(now)
+	now := busyOnA(t, s, 2000)
 	// 2,000 tokens ahead and 1,000 of its own: 140 ms on average.
 	edge := &Item{Cost: 1000, Prefill: 1000, Deadline: now.Add(141 * time.Millisecond)}
 	margin := &Item{Cost: 1000, Prefill: 1000, Deadline: now.Add(154 * time.Millisecond)}
 	if s.Room("a", edge) || !s.Room("a", margin) {
 		t.Fatalf("room on a: deadline at the mean %v, 1.4 spreads after it %v; want false, true", s.Room("a", edge), s.Room("a", margin))
 	}
+}
+
+// busyOnA gives s instances a and b, a prompt of tokens admitted to a and
+// prefilling, and returns a moment later.
+func busyOnA(t *testing.T, s *Sched, tokens int64) time.Time {
+	s.SetInstances([]string{"a", "b"})
+	busy := &Item{Cost: tokens, Prefill: tokens}
+	offer(t, s, busy, at(0), Admitted)
+	s.Bind(busy, "a")
+	now := at(1)
+	s.tick(now)
+	return now
 }
