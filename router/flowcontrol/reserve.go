@@ -26,15 +26,14 @@ import (
 // step-sized requests at least as urgent as the long prompt need, from
 // their demand over the last estimatorWindow arrivals: a, their prompt
 // tokens arriving per second, and b, the seconds of admission-to-first-
-// token each prompt token adds (the slope of the service-time line,
-// service.go: an instance's prefill time per token; the engine's wait
-// ahead of a request is the intercept). This is size-based task
-// assignment (SITA: Harchol-Balter, Crovella and Murta, "On choosing a
-// task assignment policy for a distributed server system", 1999): short
-// jobs get servers of their own, so they do not queue behind long ones.
-// k is at least 1 and at most N−1 (one instance stays for the long
-// prompts; fair queuing decides their share of it), and 1 until the slope
-// is known (first tokens of prompts of more than one length).
+// token each prompt token adds (the own-work slope of the service fit,
+// service.go: an instance's prefill time per token of work). This is
+// size-based task assignment (SITA: Harchol-Balter, Crovella and Murta,
+// "On choosing a task assignment policy for a distributed server system",
+// 1999): short jobs get servers of their own, so they do not queue behind
+// long ones. k is at least 1 and at most N−1 (one instance stays for the
+// long prompts; fair queuing decides their share of it), and 1 until the
+// slope is known (first tokens after more than one amount of work).
 //
 //   - While nothing else waits, the short requests are placed by the
 //     strategy among all instances with room, a cache-aware one onto the
@@ -43,14 +42,14 @@ import (
 //     instances on which, as an M/M/k queue (offered load a·b in
 //     instances, a request's work its uncached tokens × b), at most one
 //     request in ten waits longer than its objective leaves (the mean
-//     objective less the service line's prediction for a short prompt);
-//     without objectives, the fewest that carry the load, ⌊a·b⌋ + 1
-//     (staff). Counting whole prompts here kept two of four instances for
-//     light requests whose prefill needs half of one (kv_aware, kvbench
-//     flow at half load: a·b median 1.02 on whole prompts, 0.43–0.84
-//     uncached), and the heavy tenant's 10,000-token prompts waited: p99
-//     of all requests 529 ms against 420 ms without the queue; 401 ms
-//     with this rule.
+//     objective less the service fit's prediction for a short prompt's
+//     uncached tokens with nothing ahead); without objectives, the fewest
+//     that carry the load, ⌊a·b⌋ + 1 (staff). Counting whole prompts here
+//     kept two of four instances for light requests whose prefill needs
+//     half of one (kv_aware, kvbench flow at half load: a·b median 1.02
+//     on whole prompts, 0.43–0.84 uncached), and the heavy tenant's
+//     10,000-token prompts waited: p99 of all requests 529 ms against 420
+//     ms without the queue; 401 ms with this rule.
 //   - While other requests wait, k = ⌈a·b⌉ on whole prompts, the short
 //     requests' offered load: a waiting short request goes to whichever
 //     instance frees, holding its prefix or not, and the staffing rule
@@ -129,7 +128,7 @@ func (s *Sched) reserved(it *Item) int {
 	work := d.tokens / d.reqs * b   // one request's prefill, in seconds of an instance
 	target := -1.0                  // the wait their objectives leave (< 0: none)
 	if d.objN > 0 {
-		target = max(d.obj/d.objN-s.svcFit.at(d.computed/d.reqs).Seconds(), 0)
+		target = max(d.obj/d.objN-s.svcFit.at(d.tokens/d.reqs, 0).Seconds(), 0)
 	}
 	return staff(load, work, target, s.liveN-1)
 }

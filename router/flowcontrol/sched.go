@@ -110,7 +110,8 @@ type Config struct {
 	PreferCached bool
 	// ChargeUncached makes the per-instance budget charge an instance only
 	// the prompt tokens it does not hold (Item.Cached), and the
-	// reservation's demand and the service-time line count those tokens.
+	// reservation's demand counts those tokens in both regimes (the
+	// service fit counts them whether or not this is set: service.go).
 	// Off by default: measured (docs/BENCHMARKS.md §12) it fixes kv_aware's
 	// tail at half load but lowers goodput under 2× overload: the
 	// reservation then keeps the short requests only their bare offered
@@ -196,6 +197,8 @@ type Item struct {
 	state             itemState
 	inst              *instLoad // the instance it was bound to (Bind)
 	charge            int64     // the prefill tokens charged to inst (Bind)
+	work              int64     // its prefill: the prompt tokens inst (Bind; until then the best holder) lacks
+	ahead             int64     // inst's prefill work before it, when bound
 	big               bool      // an oversized prompt before its first token (reserve.go)
 }
 
@@ -551,6 +554,7 @@ func (s *Sched) unqueue(it *Item) {
 
 func (s *Sched) admit(it *Item, now time.Time) {
 	it.admitted, it.state = now, stAdmitted
+	it.work = uncached(it) // until Bind says where
 	s.inflight++
 	s.pending += it.Prefill
 	s.unbound++
@@ -624,7 +628,9 @@ func (s *Sched) FirstToken(it *Item, now time.Time) {
 		s.svcN++
 	}
 	s.svc += (d - s.svc) / time.Duration(s.svcN)
-	s.svcFit.add(float64(s.compute(it)), d.Seconds())
+	// Its engine prefilled the work ahead of it there, then its own
+	// (service.go).
+	s.svcFit.add(float64(it.work), float64(it.ahead), d.Seconds())
 }
 
 // Done ends an admitted request (finished, failed or abandoned), freeing

@@ -1,63 +1,138 @@
 package flowcontrol
 
-import "time"
+import (
+	"math"
+	"time"
+)
 
-// svcFit is a least-squares line through (prompt tokens, admission to
-// first token) over about the last estimatorWindow first tokens
-// (exponentially weighted sums). The time from admission to first token is
-// the engine's wait for the prefill already ahead of the request (bounded
-// by the budgets, about the same for every request) plus its own prefill,
-// which grows with its prompt: a 10,000-token prompt takes several of a
-// 1,000-token one's steps. One average for both admits a long prompt too
-// late to meet its deadline and sheds a short one that would have; the
-// line predicts each from its own length.
+// svcFit is a least-squares fit of the time from admission to first
+// token, over about the last estimatorWindow first tokens (exponentially
+// weighted sums), on two amounts of prefill work: the request's own (its
+// prompt tokens its instance does not hold) and the work ahead of it there
+// when it was bound (the uncached tokens of the requests bound there
+// before it and not yet at their first token; vLLM prefills first come,
+// first served). y = a + b·own + c·ahead: b is the engine's time per token
+// of a prompt's own prefill (a 10,000-token prompt takes several of a
+// 1,000-token one's steps), c what a token still ahead adds (less than b
+// when part of it is already prefilled), a what every request waits
+// besides (the step in progress, its own step's decode batch). With a
+// line through the request's own length alone, the wait ahead of the
+// requests of each length was averaged into that length's prediction; a
+// class then shed on arrival for that average (it passed the class's
+// objective) added no sample to lower it, and the line kept the value for
+// good — new samples at other lengths, decayed alike, cannot move it
+// there. kv_aware at 8 instances, 4× load, shed 97 % of requests for good
+// after the burst's first half second (docs/BENCHMARKS.md §12, "The
+// service line learns the work ahead"). Now the router predicts with the
+// work ahead on an instance where it knows it (pastDeadline) and, at
+// arrival and expiry, before an instance is chosen, with nothing ahead: a
+// request is shed or expires only when no instance could meet its
+// deadline.
 type svcFit struct {
-	n, x, y, xx, xy float64
+	n, x, z, y, xx, xz, zz, xy, zy, yy float64
 }
 
-func (f *svcFit) add(x, y float64) {
+func (f *svcFit) add(own, ahead, y float64) {
 	const keep = 1 - 1.0/estimatorWindow
 	f.n = f.n*keep + 1
-	f.x = f.x*keep + x
+	f.x = f.x*keep + own
+	f.z = f.z*keep + ahead
 	f.y = f.y*keep + y
-	f.xx = f.xx*keep + x*x
-	f.xy = f.xy*keep + x*y
+	f.xx = f.xx*keep + own*own
+	f.xz = f.xz*keep + own*ahead
+	f.zz = f.zz*keep + ahead*ahead
+	f.xy = f.xy*keep + own*y
+	f.zy = f.zy*keep + ahead*y
+	f.yy = f.yy*keep + y*y
 }
 
-// at is the predicted service time for a prompt of x tokens (0 before any
-// sample). The slope is at least 0 (more prompt never prefills faster) and
-// the prediction at least the intercept; with prompts all of one length
-// it is their mean.
-func (f *svcFit) at(x float64) time.Duration {
+// coef is the fit: a in seconds, b and c in seconds per token, each at
+// least 0. A coefficient the samples cannot tell (nothing was ever ahead,
+// or every prompt was as long) is taken equal to the other: the engine
+// prefills a token ahead as it does one of its own.
+func (f *svcFit) coef() (a, b, c float64) {
 	if f.n == 0 {
-		return 0
+		return 0, 0, 0
 	}
-	mx, my := f.x/f.n, f.y/f.n
-	b := 0.0
-	if v := f.xx/f.n - mx*mx; v > 1e-9*(1+mx*mx) {
-		b = max((f.xy/f.n-mx*my)/v, 0)
+	mx, mz, my := f.x/f.n, f.z/f.n, f.y/f.n
+	vxx, vzz, vxz := f.xx/f.n-mx*mx, f.zz/f.n-mz*mz, f.xz/f.n-mx*mz
+	cxy, czy := f.xy/f.n-mx*my, f.zy/f.n-mz*my
+	okx, okz := vxx > 1e-9*(1+mx*mx), vzz > 1e-9*(1+mz*mz)
+	one := func(v, cv float64) float64 { return max(cv/v, 0) }
+	switch {
+	case okx && okz:
+		if det := vxx*vzz - vxz*vxz; det > 1e-9*vxx*vzz {
+			b = (vzz*cxy - vxz*czy) / det
+			c = (vxx*czy - vxz*cxy) / det
+		}
+		switch {
+		case b < 0 && c < 0, b == 0 && c == 0:
+			b, c = 0, 0
+			b = one(vxx, cxy)
+			if b == 0 {
+				c = one(vzz, czy)
+			}
+		case b < 0:
+			b, c = 0, one(vzz, czy)
+		case c < 0:
+			b, c = one(vxx, cxy), 0
+		}
+	case okx:
+		b = one(vxx, cxy)
+		c = b
+	case okz:
+		c = one(vzz, czy)
+		b = c
 	}
-	a := my - b*mx
-	y := max(a+b*x, 0)
-	return time.Duration(y * float64(time.Second))
+	return my - b*mx - c*mz, b, c
 }
 
-// service is the predicted time from admission to first token of it.
+// at is the predicted service time for own tokens of work with ahead
+// tokens of work before it (0 before any sample), at least 0.
+func (f *svcFit) at(own, ahead float64) time.Duration {
+	a, b, c := f.coef()
+	return time.Duration(max(a+b*own+c*ahead, 0) * float64(time.Second))
+}
+
+// service is the predicted time from admission to first token of it on an
+// instance with nothing ahead of it, the one holding most of its prompt:
+// the least any instance can give it.
 func (s *Sched) service(it *Item) time.Duration {
 	if s.svcN == 0 {
 		return 0
 	}
-	return s.svcFit.at(float64(s.compute(it)))
+	return s.svcFit.at(float64(uncached(it)), 0)
 }
 
-// slope is the fitted seconds per prompt token (0 while unknown).
+// slope is the fitted seconds per token of a request's own work (0 while
+// unknown).
 func (f *svcFit) slope() float64 {
+	_, b, _ := f.coef()
+	return b
+}
+
+// spread is the standard deviation, in seconds, of the samples about the
+// fit (the exponentially weighted mean of the squared residuals, from the
+// same sums: for any b and c the residuals' mean is 0, a being taken so).
+func (f *svcFit) spread() float64 {
 	if f.n == 0 {
 		return 0
 	}
-	mx, my := f.x/f.n, f.y/f.n
-	if v := f.xx/f.n - mx*mx; v > 1e-9*(1+mx*mx) {
-		return max((f.xy/f.n-mx*my)/v, 0)
-	}
-	return 0
+	_, b, c := f.coef()
+	mx, mz, my := f.x/f.n, f.z/f.n, f.y/f.n
+	vxx, vzz, vxz := f.xx/f.n-mx*mx, f.zz/f.n-mz*mz, f.xz/f.n-mx*mz
+	cxy, czy, vyy := f.xy/f.n-mx*my, f.zy/f.n-mz*my, f.yy/f.n-my*my
+	return math.Sqrt(max(vyy-2*b*cxy-2*c*czy+b*b*vxx+c*c*vzz+2*b*c*vxz, 0))
+}
+
+// tailZ is how many spreads above the fit's mean a first token comes at
+// most missShare of the time, the residuals taken as normal: the quantile
+// 1 − missShare of the standard normal (1.28 for one in ten).
+var tailZ = math.Sqrt2 * math.Erfinv(1-2*missShare)
+
+// late is the time from admission to first token that at most missShare
+// of requests with own tokens of work and ahead tokens before them
+// exceed (pastDeadline).
+func (f *svcFit) late(own, ahead float64) time.Duration {
+	return f.at(own, ahead) + time.Duration(tailZ*f.spread()*float64(time.Second))
 }
