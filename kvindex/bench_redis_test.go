@@ -90,7 +90,7 @@ func BenchmarkRedisLookupHolders(b *testing.B) {
 	for _, holders := range []int{1, 9, 64} {
 		salt := fmt.Sprintf("shared-%d", holders)
 		for i := 0; i < holders; i++ {
-			ev := s.evs[0][0]
+			ev := s.ev(0, 0)
 			ev.CacheSalt = salt
 			hs := make([]uint64, len(ev.BlockHashes))
 			for j := range hs {

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
@@ -27,15 +28,17 @@ func BenchmarkRedisApplyTwoRouters(b *testing.B) {
 		rs[i], from[i] = r, map[string]uint64{}
 	}
 	s := newShape(16, 8, shapeBlocks, evBlocks)
-	perChain := shapeBlocks / evBlocks
+	perChain := s.perChain()
 	ctx := context.Background()
+	one := make([]events.Event, 1)
 	b.ReportAllocs()
 	n := 0
 	cpu0, srv0 := cputime.Process(), redisCPU(b, rs[0])
 	for b.Loop() {
-		chain := (n / perChain) % len(s.evs)
+		chain := (n / perChain) % s.chains()
 		inst := fmt.Sprintf("pod-%d", chain/8)
-		evs := s.evs[chain][n%perChain : n%perChain+1]
+		one[0] = s.ev(chain, n%perChain)
+		evs := one
 		for i, r := range rs {
 			applyForBench(b, ctx, r, from[i], inst, uint64(n+1), evs)
 		}

@@ -26,34 +26,51 @@ const (
 	shapeBS        = 16
 )
 
+// shape holds its events as flat, pointer-free arrays and makes each
+// event when it is applied (ev), as the consumer decodes one message at a
+// time: 61,440 prebuilt 16-block events, each with its own slices, were a
+// heap the collector scanned on every cycle of a build, and that CPU time
+// counted as the index's (docs/BENCHMARKS.md §10, "Quiet machine, session 6").
 type shape struct {
-	tokens []uint32
-	evs    [][]events.Event // [instance*chains+chain] one BlockStored of a whole chain
+	tokens      []uint32
+	hashes      []uint64 // [chain*blocksPer+block]: each chain's engine block hashes
+	salts       []string // [chain]: chains are instance*chains+chain
+	blocksPer   int
+	eventBlocks int
 }
 
 func newShape(instances, chains, blocksPer, eventBlocks int) *shape {
-	s := &shape{tokens: seqTokens(blocksPer*shapeBS, 1)}
+	s := &shape{tokens: seqTokens(blocksPer*shapeBS, 1), blocksPer: blocksPer, eventBlocks: eventBlocks}
+	s.hashes = make([]uint64, 0, instances*chains*blocksPer)
 	for i := 0; i < instances; i++ {
 		for c := 0; c < chains; c++ {
-			salt := fmt.Sprintf("i%d-c%d", i, c)
+			s.salts = append(s.salts, fmt.Sprintf("i%d-c%d", i, c))
 			base := uint64(i*chains+c) << 20
-			var evs []events.Event
-			for from := 0; from < blocksPer; from += eventBlocks {
-				to := min(from+eventBlocks, blocksPer)
-				ev := events.Event{Kind: events.BlockStored, BlockSize: shapeBS, Medium: "GPU", CacheSalt: salt,
-					TokenIDs: s.tokens[from*shapeBS : to*shapeBS]}
-				for b := from; b < to; b++ {
-					ev.BlockHashes = append(ev.BlockHashes, base+uint64(b))
-				}
-				if from > 0 {
-					ev.ParentHash, ev.HasParent = base+uint64(from-1), true
-				}
-				evs = append(evs, ev)
+			for b := 0; b < blocksPer; b++ {
+				s.hashes = append(s.hashes, base+uint64(b))
 			}
-			s.evs = append(s.evs, evs)
 		}
 	}
 	return s
+}
+
+// chains is how many chains the shape has (instances × chains).
+func (s *shape) chains() int { return len(s.salts) }
+
+// perChain is how many events store one chain.
+func (s *shape) perChain() int { return (s.blocksPer + s.eventBlocks - 1) / s.eventBlocks }
+
+// ev is chain's k-th BlockStored event.
+func (s *shape) ev(chain, k int) events.Event {
+	from := k * s.eventBlocks
+	to := min(from+s.eventBlocks, s.blocksPer)
+	hs := s.hashes[chain*s.blocksPer : (chain+1)*s.blocksPer]
+	ev := events.Event{Kind: events.BlockStored, BlockSize: shapeBS, Medium: "GPU", CacheSalt: s.salts[chain],
+		TokenIDs: s.tokens[from*shapeBS : to*shapeBS], BlockHashes: hs[from:to:to]}
+	if from > 0 {
+		ev.ParentHash, ev.HasParent = hs[from-1], true
+	}
+	return ev
 }
 
 func (s *shape) keys(inst, chain int) []Key {
@@ -64,7 +81,7 @@ func (s *shape) keys(inst, chain int) []Key {
 // "common" (a fleet-wide system prompt), and returns its keys.
 func (s *shape) fillCommon(b testing.TB, idx Index) []Key {
 	for i := 0; i < shapeInstances; i++ {
-		ev := s.evs[0][0]
+		ev := s.ev(0, 0)
 		ev.CacheSalt = "common"
 		hs := make([]uint64, len(ev.BlockHashes))
 		for j := range hs {
@@ -78,14 +95,16 @@ func (s *shape) fillCommon(b testing.TB, idx Index) []Key {
 
 func (s *shape) fill(b testing.TB, idx Index, chains int) {
 	ctx := context.Background()
-	names := make([]string, len(s.evs)/chains+1)
+	names := make([]string, s.chains()/chains+1)
 	for i := range names {
 		names[i] = fmt.Sprintf("pod-%d", i)
 	}
-	for n, evs := range s.evs {
+	one := make([]events.Event, 1)
+	for n := range s.chains() {
 		// One Apply per event, as the consumer applies one engine batch.
-		for i := range evs {
-			if _, err := idx.Apply(ctx, names[n/chains], evs[i:i+1]); err != nil {
+		for k := range s.perChain() {
+			one[0] = s.ev(n, k)
+			if _, err := idx.Apply(ctx, names[n/chains], one); err != nil {
 				b.Fatal(err)
 			}
 		}
@@ -191,9 +210,10 @@ func BenchmarkMemoryApplyParallel(b *testing.B) {
 		id := int(atomicAdd(&next))
 		inst := fmt.Sprintf("pod-%d", id)
 		k := 0
+		one := make([]events.Event, 1)
 		for pb.Next() {
-			chain := s.evs[(id*4+k/32)%len(s.evs)]
-			if _, err := m.Apply(context.Background(), inst, chain[k%32:k%32+1]); err != nil {
+			one[0] = s.ev((id*4+k/32)%s.chains(), k%32)
+			if _, err := m.Apply(context.Background(), inst, one); err != nil {
 				b.Error(err)
 				return
 			}
@@ -222,16 +242,18 @@ func BenchmarkRedisApply(b *testing.B) {
 					b.Fatal(err)
 				}
 				s := newShape(16, 8, shapeBlocks, evBlocks)
-				perChain := shapeBlocks / evBlocks
+				perChain := s.perChain()
 				ctx := context.Background()
 				pos := map[string]Position{}
+				one := make([]events.Event, 1)
 				b.ReportAllocs()
 				n := 0
 				cpu0, srv0 := cputime.Process(), redisCPU(b, r)
 				for b.Loop() {
-					chain := (n / perChain) % len(s.evs)
+					chain := (n / perChain) % s.chains()
 					inst := fmt.Sprintf("pod-%d", chain/8)
-					evs := s.evs[chain][n%perChain : n%perChain+1]
+					one[0] = s.ev(chain, n%perChain)
+					evs := one
 					if shared {
 						from := pos[inst]
 						if !from.Seeded {
