@@ -748,7 +748,7 @@ func (s *KVAware) bounded(ev *kvEval) (int, router.Reason) {
 		}
 	}
 	if free == 0 {
-		return s.leastQueue(ev, false), router.ReasonSaturated
+		return s.leastQueue(ev, false, -1), router.ReasonSaturated
 	}
 	limit := (1+s.sc.loadBound)*sum/float64(free) + s.sc.tieTol
 	h := &ev.cands[home]
@@ -756,25 +756,29 @@ func (s *KVAware) bounded(ev *kvEval) (int, router.Reason) {
 	case !h.full && h.load <= limit:
 		return home, router.ReasonKVMatch
 	case h.full:
-		return s.leastQueue(ev, true), router.ReasonOverflow
+		return s.leastQueue(ev, true, -1), router.ReasonOverflow
 	}
-	return s.leastQueue(ev, true), router.ReasonLoadBound
+	// Another takes it, even one whose queue only ties the home's: every
+	// decoding instance's queue holds a step residual the bound leaves out,
+	// so a home over the bound can tie an idler one's queue, and the tie
+	// rule (highest rendezvous score: the home) would keep it there.
+	return s.leastQueue(ev, true, home), router.ReasonLoadBound
 }
 
 // leastQueue is the candidate with the least predicted queue (among those
-// under the threshold when skipFull), ties within the tolerance by
-// rendezvous order.
-func (s *KVAware) leastQueue(ev *kvEval, skipFull bool) int {
+// under the threshold when skipFull, other than exclude when it is not
+// -1), ties within the tolerance by rendezvous order.
+func (s *KVAware) leastQueue(ev *kvEval, skipFull bool, exclude int) int {
 	minQ := math.Inf(1)
 	for i := range ev.cands {
-		if ce := &ev.cands[i]; !(skipFull && ce.full) {
+		if ce := &ev.cands[i]; !(skipFull && ce.full) && i != exclude {
 			minQ = min(minQ, ce.queue)
 		}
 	}
 	pick := -1
 	for i := range ev.cands {
 		ce := &ev.cands[i]
-		if (skipFull && ce.full) || ce.queue > minQ+s.sc.tieTol {
+		if (skipFull && ce.full) || i == exclude || ce.queue > minQ+s.sc.tieTol {
 			continue
 		}
 		if pick < 0 || ce.rv > ev.cands[pick].rv {

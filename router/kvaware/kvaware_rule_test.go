@@ -83,6 +83,30 @@ func TestColdHomeDecoding(t *testing.T) {
 	}
 }
 
+// TestLoadBoundLeavesHome: a cold prompt's home over the load bound gives
+// the prompt to another instance even when its queue only ties theirs (the
+// others decode, so their queues hold a step residual the bound leaves
+// out, and a tie goes to the highest rendezvous score: the home). Found
+// in review: the home kept the prompt with reason load_bound.
+func TestLoadBoundLeavesHome(t *testing.T) {
+	w := newKVWorld(t, 4)
+	s := w.strategy(config.RoutingConfig{})
+	cold := promptTokens(51, 64*kvTestBS)
+	home := router.RendezvousOrder(kvRequest("cold", cold), w.insts)[0]
+	if _, err := s.Pick(context.Background(), kvRequest("x", promptTokens(7, 8*kvTestBS)), []*router.Instance{home}); err != nil {
+		t.Fatal(err) // 128 tokens of prefill pending on the home (~5.1 ms), not released
+	}
+	for _, in := range w.insts {
+		if in != home {
+			in.Acquire() // the others decode one request each: queue ~4.75 ms, load 0.5 ms
+		}
+	}
+	d := kvPick(t, s, kvRequest("cold", cold), w.insts)
+	if d.Instance == home || d.Reason != router.ReasonLoadBound {
+		t.Fatalf("home over the bound, queues tied: picked %s (%s), want another instance (load_bound)", d.Instance.ID(), d.Reason)
+	}
+}
+
 // TestAdaptiveWeight: the prefill cost weight follows the measured busy
 // fraction ρ as max(1, ρ/(1−ρ)², requests measured behind others), capped;
 // a fixed weight stays fixed.

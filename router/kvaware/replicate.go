@@ -144,7 +144,7 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 	if depth == 0 || !(pc.queue > s.sc.tieTol) {
 		return pick, reason
 	}
-	alt := s.leastQueue(ev, true)
+	alt := s.leastQueue(ev, true, -1)
 	if alt < 0 || alt == pick {
 		return pick, reason
 	}
