@@ -984,3 +984,51 @@ func busyOnA(t *testing.T, s *Sched, tokens int64) time.Time {
 	s.tick(now)
 	return now
 }
+
+// One slow first token behind work, among samples that had nothing
+// ahead, does not make a token ahead cost more than one of the request's
+// own (found in review: the fit read its whole excess as c = 5·b, and an
+// instance with anything ahead had no room for a deadline for good).
+func TestServiceFitAheadCostsAtMostOwn(t *testing.T) {
+	s := mustNew(t, Config{InstancePrefill: 10000})
+	for i := range 64 {
+		own := float64(500 + 1000*(i%4))
+		s.svcFit.add(own, 0, 0.020+own*40e-6)
+	}
+	s.svcFit.add(1000, 2000, 0.300) // one stall behind 2,000 tokens
+	if _, b, c := s.svcFit.coef(); c > b || b <= 0 {
+		t.Fatalf("fit b=%v c=%v: want 0 < c ≤ b", b, c)
+	}
+	// A request that an engine would serve in ~80 ms behind 500 tokens
+	// finds room for a 150 ms objective.
+	now := busyOnA(t, s, 500)
+	it := &Item{Cost: 1000, Prefill: 1000, Deadline: now.Add(150 * time.Millisecond)}
+	if !s.Room("a", it) {
+		t.Fatalf("no room on a behind 500 tokens for a 150 ms objective (predicted %v)", s.svcFit.late(1000, 500))
+	}
+}
+
+// Without a per-instance prefill budget nothing keeps a request off an
+// instance with work ahead, so arrival shedding and expiry predict with
+// the work ahead the samples saw on average, not with none (found in
+// review: a request that would certainly miss was queued).
+func TestServiceCountsMeanAheadWithoutPrefillBudget(t *testing.T) {
+	for _, c := range []struct {
+		cfg  Config
+		want time.Duration
+	}{
+		{Config{MaxConcurrency: 4}, 120 * time.Millisecond},    // 20 + 40 + 60 ms: 1,500 tokens ahead on average
+		{Config{InstancePrefill: 8192}, 60 * time.Millisecond}, // the room test checks what is ahead
+	} {
+		s := mustNew(t, c.cfg)
+		for i := range 256 {
+			own, ahead := float64(1000+1000*(i%2)), float64(1000*(i%4))
+			s.svcFit.add(own, ahead, 0.020+(own+ahead)*40e-6)
+		}
+		s.svcN = 1
+		got := s.service(&Item{Cost: 1000, Prefill: 1000})
+		if d := got - c.want; d < -time.Millisecond || d > time.Millisecond {
+			t.Errorf("%+v: service %v, want %v", c.cfg, got, c.want)
+		}
+	}
+}

@@ -77,6 +77,19 @@ func (f *svcFit) coef() (a, b, c float64) {
 		case c < 0:
 			b, c = one(vxx, cxy), 0
 		}
+		if c > b {
+			// A token ahead costs at most what one of the request's own
+			// does (part of it may be prefilled already, none of it
+			// twice). Fitted above that, c read noise — one slow first
+			// token behind work, among samples that had nothing ahead,
+			// fixed c at its whole excess, and an instance with anything
+			// ahead had no room for a request with a deadline until that
+			// sample decayed, while only idle instances' samples came.
+			// The least-squares fit held to c ≤ b is, when the bound
+			// binds, one coefficient on the sum of the two.
+			b = max((cxy+czy)/(vxx+vzz+2*vxz), 0)
+			c = b
+		}
 	case okx:
 		b = one(vxx, cxy)
 		c = b
@@ -96,12 +109,21 @@ func (f *svcFit) at(own, ahead float64) time.Duration {
 
 // service is the predicted time from admission to first token of it on an
 // instance with nothing ahead of it, the one holding most of its prompt:
-// the least any instance can give it.
+// the least any instance can give it — where the room test keeps a
+// request with a deadline off an instance with too much ahead
+// (InstancePrefill, pastDeadline). Without it nothing does, and a
+// request goes wherever a slot is free with the usual work ahead: the
+// prediction counts the fit's mean work ahead (the line through the
+// request's own length alone averaged it in the same way).
 func (s *Sched) service(it *Item) time.Duration {
 	if s.svcN == 0 {
 		return 0
 	}
-	return s.svcFit.at(float64(uncached(it)), 0)
+	ahead := 0.0
+	if s.cfg.InstancePrefill <= 0 && s.svcFit.n > 0 {
+		ahead = s.svcFit.z / s.svcFit.n
+	}
+	return s.svcFit.at(float64(uncached(it)), ahead)
 }
 
 // slope is the fitted seconds per token of a request's own work (0 while
