@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 )
 
 // Result is an HTTP response, read whole.
@@ -17,8 +18,15 @@ type Result struct {
 	Body   []byte
 }
 
+// doClient gives up on a response not read whole within two minutes: a
+// handler that streams when it should answer (an event stream served for
+// an unknown pool) fails its test with the URL instead of hanging it
+// until go test's own timeout.
+var doClient = &http.Client{Timeout: 2 * time.Minute}
+
 // Do sends a request with a JSON body (nil for none) and the headers hdr
-// to url and reads the response whole, failing the test when it cannot.
+// to url and reads the response whole, failing the test when it cannot
+// (or not within two minutes).
 func Do(t testing.TB, method, url string, body []byte, hdr map[string]string) Result {
 	t.Helper()
 	req, err := http.NewRequest(method, url, bytes.NewReader(body))
@@ -29,7 +37,7 @@ func Do(t testing.TB, method, url string, body []byte, hdr map[string]string) Re
 	for k, v := range hdr {
 		req.Header.Set(k, v)
 	}
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := doClient.Do(req)
 	if err != nil {
 		t.Fatalf("%s %s: %v", method, url, err)
 	}
