@@ -78,8 +78,10 @@ const (
 	// Loads", SODA 2018): no instance is preferred past (1+ε) × the mean,
 	// and the expected number of requests that leave their preferred
 	// instance, hence of prefixes computed twice, shrinks as 1/ε². 0.25 caps
-	// the preferred instance at a quarter above the mean queue: under it,
-	// waiting costs a request at most a quarter of a mean queue, less than
+	// the preferred instance at a quarter above the mean load: under it,
+	// waiting costs a request at most a quarter of a mean queue's work
+	// (plus, at a decoding home, the residual of the step in progress,
+	// which every decoding instance makes a request wait alike), less than
 	// a recomputed prefix costs the fleet once load is high enough for
 	// queues to matter; above it, load differences are large enough that
 	// the score (queue plus recompute) should decide.
