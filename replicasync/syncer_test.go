@@ -3,6 +3,8 @@ package replicasync
 import (
 	"context"
 	"fmt"
+	"math"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -162,7 +164,7 @@ func TestBounds(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg := fast(pool, "a")
-	cfg.MaxMessageBytes, cfg.MaxBytesPerSecond, cfg.Metrics = 1<<10, 64<<10, m
+	cfg.MaxMessageBytes, cfg.MaxBytesPerSecond, cfg.Metrics = MinMessageBytes, 64<<10, m
 	a := startReplica(t, url, cfg)
 	bcfg := fast(pool, "b")
 	bcfg.Metrics = m
@@ -190,8 +192,8 @@ func TestBounds(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	time.Sleep(200 * time.Millisecond)
-	if got := biggest.Load(); got > 1<<10 {
-		t.Fatalf("a message of %d bytes, bound 1024", got)
+	if got := biggest.Load(); got > int64(MinMessageBytes) {
+		t.Fatalf("a message of %d bytes, bound %d", got, MinMessageBytes)
 	}
 	dropped := value(m.dropped.WithLabelValues(pool, "rate")) + value(m.dropped.WithLabelValues(pool, "queue"))
 	if dropped == 0 {
@@ -223,6 +225,7 @@ func TestConfigValidate(t *testing.T) {
 		{Pool: "p", Replica: "r", Interval: time.Microsecond},
 		{Pool: "p", Replica: "r", Heartbeat: time.Second, PeerTimeout: time.Second},
 		{Pool: "p", Replica: "r", MaxMessageBytes: 10},
+		{Pool: "p", Replica: "r", MaxMessageBytes: 1 << 10}, // under the largest load entry
 		{Pool: "p", Replica: "r", MaxMessageBytes: 64 << 10, MaxBytesPerSecond: 1 << 10},
 	} {
 		if err := c.WithDefaults().Validate(); err == nil {
@@ -306,4 +309,32 @@ func value(c prometheus.Counter) float64 {
 		panic(err)
 	}
 	return m.GetCounter().GetValue()
+}
+
+// The largest load entry there can be (an instance and a replica name of
+// MaxNameLen, MaxPending pending and MaxEnded ended requests, every number
+// at its longest) fits in one message of MinMessageBytes: a replica never
+// has an entry it cannot send (found in review: at 1 KiB, sendLoads spun
+// on empty messages once an instance had 64 recent ends).
+func TestMinMessageHoldsLargestLoad(t *testing.T) {
+	const big = 1 << 62 // the largest counter a message carries
+	l := Load{Instance: strings.Repeat("i", MaxNameLen), InFlight: big, PendingTokens: big,
+		PendingRequests: big, Rate: big, Started: big}
+	for i := range MaxPending {
+		l.Pending = append(l.Pending, Pending{At: big - int64(MaxPending-i), Tokens: big})
+	}
+	for i := range MaxEnded {
+		l.Ended = append(l.Ended, Ended{At: 1 + int64(i), End: big - int64(MaxEnded-i)})
+	}
+	m := Message{Kind: KindLoad, Replica: strings.Repeat("r", MaxNameLen), Incarnation: math.MaxUint64, Seq: big, Loads: []Load{l}}
+	b, err := m.AppendBinary(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(b) > MinMessageBytes {
+		t.Fatalf("largest load message %d bytes, MinMessageBytes %d", len(b), MinMessageBytes)
+	}
+	if got, err := Decode(b); err != nil || len(got.Loads) != 1 || len(got.Loads[0].Ended) != MaxEnded {
+		t.Fatalf("decode: %v, %+v", err, got.Loads)
+	}
 }

@@ -120,9 +120,12 @@ func (k *endKeep) get() int64 {
 }
 
 // ended records that o's request ended on its instance now, for the
-// instance's load sample to leave it out (status 0: it was never sent).
+// instance's load sample to leave it out: a 2xx, or a client that left
+// (499, vLLM aborts the request then). Not one the engine refused or never
+// got (429, 503, a failed connection: 502; status 0, never sent), which no
+// sample counted (found in review).
 func (o *kvObserver) ended(status int) {
-	if status <= 0 || o.at == 0 {
+	if !(status >= 200 && status < 300 || status == 499) || o.at == 0 {
 		return
 	}
 	now := o.st.now().UnixNano()
