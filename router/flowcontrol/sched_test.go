@@ -1032,3 +1032,26 @@ func TestServiceCountsMeanAheadWithoutPrefillBudget(t *testing.T) {
 		}
 	}
 }
+
+// Samples whose own and ahead work always add up to the same amount say
+// nothing about the cost of their sum: the bound c ≤ b keeps the fit
+// finite (no division by their zero variance).
+func TestServiceFitConstantSum(t *testing.T) {
+	var f svcFit
+	for i := range 100 {
+		own := float64(1000 + 100*(i%10))
+		f.add(own, 3000-own, 0.020+own*10e-6+(3000-own)*50e-6)
+	}
+	a, b, c := f.coef()
+	for _, v := range []float64{a, b, c} {
+		if math.IsNaN(v) || math.IsInf(v, 0) {
+			t.Fatalf("fit a=%v b=%v c=%v: not finite", a, b, c)
+		}
+	}
+	if c > b {
+		t.Fatalf("fit b=%v c=%v: want c ≤ b", b, c)
+	}
+	if got := f.at(1500, 1500); got < 0 || got > time.Second {
+		t.Fatalf("at(1500, 1500) = %v", got)
+	}
+}

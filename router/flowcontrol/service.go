@@ -87,7 +87,11 @@ func (f *svcFit) coef() (a, b, c float64) {
 			// sample decayed, while only idle instances' samples came.
 			// The least-squares fit held to c ≤ b is, when the bound
 			// binds, one coefficient on the sum of the two.
-			b = max((cxy+czy)/(vxx+vzz+2*vxz), 0)
+			// (Where own + ahead never varied, that sum says nothing: b
+			// stays as fitted.)
+			if vs := vxx + vzz + 2*vxz; vs > 1e-9*(1+(mx+mz)*(mx+mz)) {
+				b = max((cxy+czy)/vs, 0)
+			}
 			c = b
 		}
 	case okx:
