@@ -7,6 +7,8 @@ import (
 	"hash/fnv"
 	"io"
 	"log/slog"
+	"maps"
+	"slices"
 	"time"
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
@@ -177,6 +179,10 @@ func newStrategyRouterShared(name string, cfg config.RoutingConfig, seed uint64,
 		}
 		k.index, k.state = idx, st
 		r.kv = k
+		// The proxy's pool loops tell the state where the instances are,
+		// so that replica sync publishes their in-flight counts; without
+		// this a simulated replica's peers never saw its requests start.
+		st.SetInstances(r.instanceList)
 		opts = append(opts, router.WithKVState(st))
 	}
 	s, err := router.NewStrategy(name, cfg, opts...)
@@ -217,6 +223,15 @@ func (r *strategyRouter) loadScrape() {
 }
 
 func (r *strategyRouter) Name() string { return r.s.Name() }
+
+// instanceList is every instance this router has seen, in name order.
+func (r *strategyRouter) instanceList() []*router.Instance {
+	out := make([]*router.Instance, 0, len(r.insts))
+	for _, name := range slices.Sorted(maps.Keys(r.insts)) {
+		out = append(out, r.insts[name])
+	}
+	return out
+}
 
 func (r *strategyRouter) instance(name string) (*router.Instance, error) {
 	in, ok := r.insts[name]

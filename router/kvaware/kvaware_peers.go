@@ -52,8 +52,10 @@ func (st *KVState) attachPeers() {
 	ps.AttachLocal(st.localLoads)
 }
 
-// setInstances tells st where the pool's instances are.
-func (st *KVState) setInstances(f func() []*router.Instance) { st.peers.insts.Store(&f) }
+// SetInstances tells st where the pool's instances are, whose in-flight
+// counters it publishes to its replica-sync peers. Run sets it; a caller
+// that routes without Run (the simulator) sets it itself.
+func (st *KVState) SetInstances(f func() []*router.Instance) { st.peers.insts.Store(&f) }
 
 // localLoads appends this replica's counters: requests in flight per
 // instance (all strategies: the proxy counts them) and kv_aware's pending

@@ -59,7 +59,7 @@ func newPeerWorld(t *testing.T, url, pool, name string, n int) *peerWorld {
 	for i := range n {
 		w.add(fmt.Sprintf("vllm-%d", i))
 	}
-	w.st.setInstances(func() []*router.Instance { return w.insts })
+	w.st.SetInstances(func() []*router.Instance { return w.insts })
 	return &peerWorld{kvWorld: w, sync: s}
 }
 
@@ -179,7 +179,7 @@ func BenchmarkKVAwarePeers(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		w.st.setInstances(func() []*router.Instance { return w.insts })
+		w.st.SetInstances(func() []*router.Instance { return w.insts })
 		return w
 	}
 	nc, err := nats.Connect(testenv.NATSURL(b))

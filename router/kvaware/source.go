@@ -102,7 +102,7 @@ func (st *KVState) RoutingChanged(strategy string, shadow bool) {
 // Run implements router.Exact: it scrapes the engines' load (/metrics)
 // every scrape interval of rc until ctx ends.
 func (st *KVState) Run(ctx context.Context, rc config.RoutingConfig, instances func() []*router.Instance) {
-	st.setInstances(instances)
+	st.SetInstances(instances)
 	sc := resolveScoring(rc.KV)
 	if sc.scrape < 0 {
 		return
