@@ -1,6 +1,9 @@
 package config
 
 import (
+	"encoding/hex"
+	"errors"
+	"strings"
 	"testing"
 )
 
@@ -28,3 +31,29 @@ func TestCacheSaltConfigValidate(t *testing.T) {
 }
 
 var testSaltSecret = []byte("0123456789abcdef0123456789abcdef")
+
+// DecodeCacheSaltSecret never panics; it accepts exactly the hex strings
+// (spaces around allowed) of at least the minimum length, returns their
+// bytes, and says ErrCacheSalt for everything else.
+func FuzzDecodeCacheSaltSecret(f *testing.F) {
+	for _, s := range []string{"", "  ", "00", strings.Repeat("ab", MinCacheSaltSecretBytes), " " + strings.Repeat("AB", MinCacheSaltSecretBytes+1) + "\n", strings.Repeat("zz", MinCacheSaltSecretBytes), strings.Repeat("a", 2*MinCacheSaltSecretBytes+1)} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		b, err := DecodeCacheSaltSecret(s)
+		trimmed := strings.TrimSpace(s)
+		want, herr := hex.DecodeString(trimmed)
+		switch {
+		case trimmed == "":
+			if b != nil || err != nil {
+				t.Fatalf("%q: %x, %v; want no secret", s, b, err)
+			}
+		case herr != nil || len(want) < MinCacheSaltSecretBytes:
+			if err == nil || !errors.Is(err, ErrCacheSalt) {
+				t.Fatalf("%q: accepted %x (%v)", s, b, err)
+			}
+		case err != nil || string(b) != string(want):
+			t.Fatalf("%q: %x, %v; want %x", s, b, err, want)
+		}
+	})
+}

@@ -1,7 +1,9 @@
 package bridge
 
 import (
+	"maps"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -56,4 +58,32 @@ func TestParseAgeOut(t *testing.T) {
 	if d := ageInterval(map[tiers.Tier]time.Duration{tiers.CPU: time.Hour}); d != time.Minute {
 		t.Errorf("ageInterval = %v, want the 1m ceiling", d)
 	}
+}
+
+// ParseAgeOut never panics; what it accepts is a positive duration per
+// non-GPU tier, and writing that map out again parses to the same map.
+func FuzzParseAgeOut(f *testing.F) {
+	for _, s := range []string{"", "cpu=10m", "cpu=1h,disk=24h", " shared = 5s ", "gpu=1s", "cpu=0s", "cpu=-1s", "cpu", "cpu=1m,cpu=2m", "disk=1h,,", "cpu=1e3s"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		m, err := ParseAgeOut(s)
+		if err != nil {
+			if m != nil {
+				t.Fatalf("%q: error %v with a map %v", s, err, m)
+			}
+			return
+		}
+		var parts []string
+		for tier, d := range m {
+			if tier == tiers.GPU || d <= 0 {
+				t.Fatalf("%q: accepted %s=%v", s, tier, d)
+			}
+			parts = append(parts, tier.String()+"="+d.String())
+		}
+		again, err := ParseAgeOut(strings.Join(parts, ","))
+		if err != nil || !maps.Equal(again, m) {
+			t.Fatalf("%q: %v written out as %q parses to %v, %v", s, m, parts, again, err)
+		}
+	})
 }

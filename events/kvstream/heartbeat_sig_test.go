@@ -1,6 +1,7 @@
 package kvstream
 
 import (
+	"encoding/hex"
 	"errors"
 	"strings"
 	"testing"
@@ -80,6 +81,32 @@ func FuzzVerifyHeartbeat(f *testing.F) {
 		rest, ok := strings.CutPrefix(sig, "v1=")
 		if (err == nil) != (ok && strings.EqualFold(rest, want[3:])) {
 			t.Fatalf("verify(%q) = %v for subject %q", sig, err, subject)
+		}
+	})
+}
+
+// DecodeHeartbeatKey never panics; it accepts exactly the hex strings
+// (spaces around allowed) of at least the minimum length and returns
+// their bytes.
+func FuzzDecodeHeartbeatKey(f *testing.F) {
+	for _, s := range []string{"", "00", strings.Repeat("ab", MinHeartbeatKeyBytes), " " + strings.Repeat("AB", MinHeartbeatKeyBytes) + "\t", strings.Repeat("g0", MinHeartbeatKeyBytes)} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		b, err := DecodeHeartbeatKey(s)
+		trimmed := strings.TrimSpace(s)
+		want, herr := hex.DecodeString(trimmed)
+		switch {
+		case trimmed == "":
+			if b != nil || err != nil {
+				t.Fatalf("%q: %x, %v; want no key", s, b, err)
+			}
+		case herr != nil || len(want) < MinHeartbeatKeyBytes:
+			if err == nil {
+				t.Fatalf("%q: accepted %x", s, b)
+			}
+		case err != nil || string(b) != string(want):
+			t.Fatalf("%q: %x, %v; want %x", s, b, err, want)
 		}
 	})
 }
