@@ -49,9 +49,21 @@ import (
 //     ~14 later requests. ū is floored at one block: an engine recomputes
 //     at least the last, partial block of every prompt.
 //
+// The term counts only while the prefill cost weight is at its floor of 1
+// (adaptive or fixed): the step residual is the wait a later request meets
+// only while requests do not queue behind each other's prefill. Once they
+// do — the weight's own estimates, ρ/(1−ρ)² and the requests measured
+// behind others, past 1 — a later request's wait is the prefill queue it
+// will find, which the busy fraction does not measure (a decoding engine
+// is busy), and the queue term and the weighted recompute already price
+// it. Measured: on the bundled trace at 8 instances, 1× (weight ~19) the
+// term on at every weight moved long prompts by a few ms of ρ̄ differences
+// and lost 0.8 point of hit rate (0.985 → 0.958 of the pooled bound).
+//
 // No constant is added: S is the queue's, the window the utilisation's,
-// the averaging the drain rate's. The term is not in the predicted TTFT
-// (the header): it is the fleet's, like the weighted recompute.
+// the averaging the drain rate's, the floor the weight's. The term is not
+// in the predicted TTFT (the header): it is the fleet's, like the weighted
+// recompute.
 
 // busyAverage is one instance's busy fraction as the router sees it,
 // averaged exponentially over DefaultUtilisationWindow of the decision
@@ -112,7 +124,7 @@ func laterRequests(newTokens int, meanComputed float64, blockSize int) float64 {
 // notePlacement sets ev.later (n) from the best match among the candidates.
 func (st *KVState) notePlacement(ev *kvEval) {
 	ev.later = 0
-	if ev.tokens == 0 || ev.blockSize == 0 || ev.fallback != "" {
+	if ev.tokens == 0 || ev.blockSize == 0 || ev.fallback != "" || ev.weight > DefaultPrefillCostWeight {
 		return
 	}
 	best := 0

@@ -67,8 +67,22 @@ func TestBusyAverage(t *testing.T) {
 // the mean new tokens (a follow-up) places nothing and keeps the
 // rendezvous tie-break. Without the placement term both would tie.
 func TestSessionPlacement(t *testing.T) {
+	sessionPlacement(t, config.RoutingConfig{}, 1)
+}
+
+// TestSessionPlacementQueued: with requests queueing behind each other's
+// prefill (a weight past 1, here fixed at 2) the later requests' wait is
+// the prefill queue, not the step residual: no placement term, and the
+// request with new context keeps the rendezvous tie-break.
+func TestSessionPlacementQueued(t *testing.T) {
+	sessionPlacement(t, config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 2}}, 0)
+}
+
+// sessionPlacement builds the scene; want is the instance (0 or 1) the
+// request with new context should go to.
+func sessionPlacement(t *testing.T, rc config.RoutingConfig, want int) {
 	w := newKVWorld(t, 3)
-	s := w.strategy(config.RoutingConfig{})
+	s := w.strategy(rc)
 	a, b := w.insts[0], w.insts[1]
 	shared := promptTokens(3, 32*kvTestBS) // the instructions, 512 tokens
 	w.store(a.ID(), shared, 0, 32)
@@ -98,8 +112,8 @@ func TestSessionPlacement(t *testing.T) {
 			follow = r
 		}
 	}
-	if d := kvPick(t, s, first, []*router.Instance{a, b}); d.Instance != b {
-		t.Errorf("new context: picked %s (%s), want %s, idle over the last window", d.Instance.ID(), d.Reason, b.ID())
+	if d := kvPick(t, s, first, []*router.Instance{a, b}); d.Instance != w.insts[want] {
+		t.Errorf("new context: picked %s (%s), want %s (a busy over the last window, b idle)", d.Instance.ID(), d.Reason, w.insts[want].ID())
 	}
 	w.clock.Advance(time.Second)
 	if d := kvPick(t, s, follow, []*router.Instance{a, b}); d.Instance != a {
