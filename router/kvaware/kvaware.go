@@ -112,7 +112,7 @@ type pendingCounter struct {
 	period atomic.Int64 // requests routed since the pending queue was last empty
 	pl     pendList     // the pending requests themselves, with replica sync (kvaware_sharedq.go)
 	ends   endList      // requests that ended recently (loadended.go)
-	busy   busyAverage  // long-run busy fraction (placement.go)
+	queued queueAverage // predicted queue, averaged over time (placement.go)
 }
 
 // NewKVState builds a pool's exact-routing state.
@@ -166,7 +166,7 @@ func (st *KVState) pendingFor(inst string) *pendingCounter {
 	defer st.pendMu.Unlock()
 	if pc = st.pend[inst]; pc == nil {
 		pc = &pendingCounter{}
-		pc.busy.at = st.now() // idle, as far as this router knows, until now
+		pc.queued.at = st.now() // nothing of this router's queued there until now
 		st.pend[inst] = pc
 	}
 	return pc
@@ -678,7 +678,7 @@ func (s *KVAware) predict(ev *kvEval) {
 		ce.queue, ce.load = s.sc.queue(pTok, int(pReq), ce.inflight+ce.peer.inflight, ld, ok)
 		ce.place = 0
 		if pc != nil {
-			ce.place = ev.later * pc.busy.read(now, ce.inflight+ce.peer.inflight > 0, ev.commit, &decay) * s.sc.stepSec
+			ce.place = ev.later * 2 * pc.queued.read(now, ce.queue, ev.commit, &decay)
 		}
 		if ce.cold() {
 			cold.note(ce)

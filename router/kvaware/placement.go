@@ -24,19 +24,19 @@ import (
 //
 // The term prices the later requests on each candidate i:
 //
-//	place_i = n · ρ̄_i · S
+//	place_i = n · 2·W̄_i
 //
-//   - ρ̄_i is the instance's busy fraction as this router sees it (a request
-//     in flight), averaged exponentially over DefaultUtilisationWindow (the
-//     fleet's ρ per instance, same window, same reasons). A later request
-//     arriving at i finds it mid-step with probability ρ̄_i (arrivals see
-//     time averages, PASTA) and then waits the residual of the step in
-//     progress, S/2 on average (S = decode_step_seconds, Queue in
-//     docs/kv-aware.md). Its own busy time raises ρ̄_i, making i's other
-//     requests wait as often more: the cost ρ·S/2 per request summed over
-//     an instance's requests grows with the square of its load, and a
-//     marginal request costs its derivative, twice the mean — ρ̄_i · S.
-//     Only differences between candidates count.
+//   - W̄_i is the instance's predicted queue (the score's own, Queue in
+//     docs/kv-aware.md: prefill ahead, drained, and the residual of the
+//     step in progress) averaged exponentially over DefaultUtilisationWindow
+//     of the decision clock (the fleet's ρ's window, same reasons), sampled
+//     at each committed decision. Requests arriving at random moments see
+//     the time average (PASTA), so W̄_i is what a later request of the
+//     context is expected to wait there. It also adds its own work to i,
+//     making i's other requests wait as much more: at light load the wait
+//     grows in proportion to the load, the total wait λ·W with the square
+//     of it, and a marginal request costs the derivative, twice the mean:
+//     2·W̄_i. Only differences between candidates count.
 //   - n is the number of later requests expected to read the new context,
 //     the same for every candidate: the context no candidate holds,
 //     T − (the best match), over the mean tokens a request computes (ū,
@@ -49,15 +49,21 @@ import (
 //     ~14 later requests. ū is floored at one block: an engine recomputes
 //     at least the last, partial block of every prompt.
 //
+// A first version priced the wait by the instance's busy fraction ρ̄_i
+// times the step S (the residual S/2, twice): it leaves out the prefill
+// steps in a busy period, whose residual is longer (an arrival is more
+// likely to land in a long step), and on the code workload at 128
+// instances, 2×, it moved p50 1.26 → 1.16× prefix_aware's where the
+// average queue gives 1.05× (docs/BENCHMARKS.md §7, "Placement").
+//
 // The term counts only while the prefill cost weight is at its floor of 1
 // (adaptive or fixed): the step residual is the wait a later request meets
 // only while requests do not queue behind each other's prefill. Once they
 // do — the weight's own estimates, ρ/(1−ρ)² and the requests measured
 // behind others, past 1 — a later request's wait is the prefill queue it
-// will find, which the busy fraction does not measure (a decoding engine
-// is busy), and the queue term and the weighted recompute already price
+// will find, which the step residual does not measure, and the queue term and the weighted recompute already price
 // it. Measured: on the bundled trace at 8 instances, 1× (weight ~19) the
-// term on at every weight moved long prompts by a few ms of ρ̄ differences
+// first version's term, on at every weight, moved long prompts by a few ms of ρ̄ differences
 // and lost 0.8 point of hit rate (0.985 → 0.958 of the pooled bound).
 //
 // No constant is added: S is the queue's, the window the utilisation's,
@@ -65,21 +71,22 @@ import (
 // in the predicted TTFT (the header): it is the fleet's, like the weighted
 // recompute.
 
-// busyAverage is one instance's busy fraction as the router sees it,
-// averaged exponentially over DefaultUtilisationWindow of the decision
-// clock. An instance's average starts at 0 when the router first routes
-// to it (it had nothing of this router's in flight before).
-type busyAverage struct {
-	mu  sync.Mutex
-	rho float64
-	at  time.Time
+// queueAverage is one instance's predicted queue (seconds) averaged
+// exponentially over DefaultUtilisationWindow of the decision clock,
+// sample and hold between committed decisions. It starts at 0 when the
+// router first routes to the instance (nothing of this router's was
+// queued there before).
+type queueAverage struct {
+	mu sync.Mutex
+	q  float64
+	at time.Time
 }
 
-// read folds busy (observed at now) in when update is set (committed
-// decisions; shadow scoring only reads) and returns the average. decay is
-// a one-entry memo of 1 − e^(−dt/window) shared by one decision's
-// candidates, which were mostly last updated together.
-func (b *busyAverage) read(now time.Time, busy, update bool, decay *decayMemo) float64 {
+// read folds the queue q (predicted at now) in when update is set
+// (committed decisions; shadow scoring only reads) and returns the
+// average. decay is a one-entry memo of 1 − e^(−dt/window) shared by one
+// decision's candidates, which were mostly last updated together.
+func (b *queueAverage) read(now time.Time, q float64, update bool, decay *decayMemo) float64 {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if update {
@@ -87,15 +94,11 @@ func (b *busyAverage) read(now time.Time, busy, update bool, decay *decayMemo) f
 			b.at = now
 		}
 		if dt := now.Sub(b.at); dt > 0 {
-			v := 0.0
-			if busy {
-				v = 1
-			}
-			b.rho += (v - b.rho) * decay.of(dt)
+			b.q += (q - b.q) * decay.of(dt)
 		}
 		b.at = now
 	}
-	return b.rho
+	return b.q
 }
 
 // decayMemo remembers 1 − e^(−dt/window) for the last dt asked about.

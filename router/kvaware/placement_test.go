@@ -35,27 +35,27 @@ func TestLaterRequests(t *testing.T) {
 	}
 }
 
-// TestBusyAverage: an instance's busy fraction starts at 0 when first
-// routed to, moves toward 1 as 1 − e^(−t/window) while it stays busy,
-// decays the same way when idle, and shadow reads do not move it.
-func TestBusyAverage(t *testing.T) {
+// TestQueueAverage: an instance's average queue starts at 0 when first
+// routed to, moves toward a held queue as 1 − e^(−t/window), decays the
+// same way when the queue is empty, and shadow reads do not move it.
+func TestQueueAverage(t *testing.T) {
 	t0 := time.Unix(1000, 0)
-	var b busyAverage
+	var b queueAverage
 	var m decayMemo
 	b.at = t0
 	win := DefaultUtilisationWindow
-	if got := b.read(t0.Add(win), true, false, &m); got != 0 {
+	if got := b.read(t0.Add(win), 1, false, &m); got != 0 {
 		t.Fatalf("a shadow read moved the average: %v", got)
 	}
-	got := b.read(t0.Add(win), true, true, &m)
+	got := b.read(t0.Add(win), 1, true, &m)
 	if want := 1 - math.Exp(-1); math.Abs(got-want) > 1e-9 {
-		t.Fatalf("busy for one window: %v, want %v", got, want)
+		t.Fatalf("queue 1 s for one window: %v, want %v", got, want)
 	}
-	got2 := b.read(t0.Add(2*win), false, true, &m) // same dt: the memo's factor
+	got2 := b.read(t0.Add(2*win), 0, true, &m) // same dt: the memo's factor
 	if want := got * math.Exp(-1); math.Abs(got2-want) > 1e-9 {
-		t.Fatalf("then idle for one window: %v, want %v", got2, want)
+		t.Fatalf("then empty for one window: %v, want %v", got2, want)
 	}
-	if got3 := b.read(t0.Add(2*win), true, true, &m); got3 != got2 {
+	if got3 := b.read(t0.Add(2*win), 1, true, &m); got3 != got2 {
 		t.Fatalf("no time passed, the average moved: %v → %v", got2, got3)
 	}
 }
