@@ -2,13 +2,13 @@ package kvaware
 
 import (
 	"fmt"
+	"math"
 	"slices"
+	"testing"
+	"time"
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
-	"math"
-	"testing"
-	"time"
 )
 
 // TestLaterRequests: n is the new context over the mean computed tokens
