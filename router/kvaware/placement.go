@@ -17,10 +17,11 @@ import (
 // instant, which says little about how many sessions already live there —
 // so the first request of each session went to whichever holder of the
 // shared instructions was idle now, and sessions piled onto the few
-// instances holding the instructions: on the code workload kv_aware's
-// requests found their engine mid-step ~50% of the time against ~30% for
-// prefix_aware's hash at the same fleet busy fraction (docs/BENCHMARKS.md
-// §7, "Placement").
+// instances holding the instructions: on the code workload at 128
+// instances, 2×, 54% of kv_aware's cache-served requests found their
+// engine mid-step with the fleet no busier than under prefix_aware's hash,
+// whose p50 (8.7 ms) is an idle engine's (docs/BENCHMARKS.md §7,
+// "Placement").
 //
 // The term prices the later requests on each candidate i:
 //
