@@ -93,6 +93,7 @@ type KVState struct {
 	drainRate  prefillRate   // measured prefill throughput (kvaware_drain.go)
 	prefillDef atomic.Uint64 // the configured P (float64 bits) the measured rate falls back to
 	behind     sampleMean    // requests joining a prefill busy period after another (kvaware_drain.go)
+	computed   sampleMean    // tokens a pick makes its instance compute, ū (placement.go)
 	rent       rentTable     // hot prefixes' rent accounts (kvaware_replicate.go)
 
 	evalPool sync.Pool // *kvEval scratch
@@ -111,6 +112,7 @@ type pendingCounter struct {
 	period atomic.Int64 // requests routed since the pending queue was last empty
 	pl     pendList     // the pending requests themselves, with replica sync (kvaware_sharedq.go)
 	ends   endList      // requests that ended recently (loadended.go)
+	queued queueAverage // predicted queue, averaged over time (placement.go)
 }
 
 // NewKVState builds a pool's exact-routing state.
@@ -164,6 +166,7 @@ func (st *KVState) pendingFor(inst string) *pendingCounter {
 	defer st.pendMu.Unlock()
 	if pc = st.pend[inst]; pc == nil {
 		pc = &pendingCounter{}
+		pc.queued.at = st.now() // nothing of this router's queued there until now
 		st.pend[inst] = pc
 	}
 	return pc
@@ -296,6 +299,7 @@ type candEval struct {
 	matched [tiers.Count]int
 	ttft    float64 // predicted, seconds
 	ahead   float64 // routed prefill tokens predicted left there (kvaware_drain.go)
+	place   float64 // later requests' cost of the new context here, seconds (placement.go)
 	// peer is the other replicas' load on the instance (replica sync).
 	peer peerCounts
 }
@@ -313,6 +317,7 @@ type kvEval struct {
 	cold      []int32  // the cold candidates' positions, for scoreCold
 	commit    bool     // the decision will be committed (not shadow scoring)
 	weight    float64  // prefill cost weight used
+	later     float64  // n: later requests expected to read the new context (placement.go)
 	rent      rentNote // what the pick pays or buys (kvaware_replicate.go)
 	sc        *kvScoring
 	memo      scoreMemo
@@ -612,6 +617,8 @@ func (s *KVAware) predict(ev *kvEval) {
 	}
 	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
 	ev.weight = s.sc.weight(rho, st.behind.mean())
+	st.notePlacement(ev)
+	var decay decayMemo
 	cold := coldMin{free: math.Inf(1), all: math.Inf(1)}
 	ev.cold = ev.cold[:0]
 	st.pendMu.RLock()
@@ -669,6 +676,10 @@ func (s *KVAware) predict(ev *kvEval) {
 			}
 		}
 		ce.queue, ce.load = s.sc.queue(pTok, int(pReq), ce.inflight+ce.peer.inflight, ld, ok)
+		ce.place = 0
+		if pc != nil {
+			ce.place = ev.later * 2 * pc.queued.read(now, ce.queue, ev.commit, &decay)
+		}
 		if ce.cold() {
 			cold.note(ce)
 			ev.cold = append(ev.cold, int32(i))
@@ -697,7 +708,7 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 	}
 	ce.matched = m.matched
 	ce.ttft = q + m.prefill
-	ce.score = ce.ttft + m.cost
+	ce.score = ce.ttft + m.cost + ce.place
 	ce.scoreStale = ce.score
 	if ce.stale != ([tiers.Count]int{}) {
 		var both [tiers.Count]int
@@ -705,7 +716,7 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 			both[t] = max(ce.blocks[t], ce.stale[t])
 		}
 		m := tierTokens(both, bs, ev.tokens)
-		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, ev.tokens, m)
+		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, ev.tokens, m) + ce.place
 	}
 }
 
@@ -851,6 +862,7 @@ func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
 			st.matchedCounter(tiers.Tier(t)).Add(float64(n))
 		}
 	}
+	st.computed.add(float64(max(ev.tokens-hit, 0)))
 	st.dm.prompt.get(func() prometheus.Counter { return st.m.prompt.WithLabelValues(st.pool) }).Add(float64(ev.tokens))
 	if s.spec != nil {
 		if g := ce.blocks[tiers.GPU]; g < len(ev.keys) {

@@ -144,9 +144,9 @@ func (ce *candEval) cold() bool {
 type coldMin struct{ free, all float64 }
 
 func (c *coldMin) note(ce *candEval) {
-	c.all = min(c.all, ce.queue)
+	c.all = min(c.all, ce.queue+ce.place)
 	if !ce.full {
-		c.free = min(c.free, ce.queue)
+		c.free = min(c.free, ce.queue+ce.place)
 	}
 }
 
@@ -161,7 +161,7 @@ func (c *coldMin) note(ce *candEval) {
 func (s *KVAware) scoreCold(ev *kvEval, c coldMin) {
 	for _, i := range ev.cold {
 		ce := &ev.cands[i]
-		if (!ce.full && ce.queue <= c.free+s.sc.tieTol) || ce.queue <= c.all+s.sc.tieTol {
+		if k := ce.queue + ce.place; (!ce.full && k <= c.free+s.sc.tieTol) || k <= c.all+s.sc.tieTol {
 			s.sc.score(ev, ce)
 			continue
 		}

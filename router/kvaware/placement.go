@@ -1,0 +1,139 @@
+package kvaware
+
+import (
+	"math"
+	"sync"
+	"time"
+)
+
+// Placement: where a prompt's new context goes, its later requests follow.
+//
+// Every other term of the score is about the request being placed. But a
+// request that computes context nobody holds also places that context: the
+// requests that later read it (a coding assistant user's next ~24 edits
+// over the ~6,000 tokens of files the first request brings) can only hit
+// their cache where it went. The queue the score reads is the instance's
+// state now — at light load, whether it happens to be decoding at this
+// instant, which says little about how many sessions already live there —
+// so the first request of each session went to whichever holder of the
+// shared instructions was idle now, and sessions piled onto the few
+// instances holding the instructions: on the code workload at 128
+// instances, 2×, 54% of kv_aware's cache-served requests found their
+// engine mid-step with the fleet no busier than under prefix_aware's hash,
+// whose p50 (8.7 ms) is an idle engine's (docs/BENCHMARKS.md §7,
+// "Placement").
+//
+// The term prices the later requests on each candidate i:
+//
+//	place_i = n · 2·W̄_i
+//
+//   - W̄_i is the instance's predicted queue (the score's own, Queue in
+//     docs/kv-aware.md: prefill ahead, drained, and the residual of the
+//     step in progress) averaged exponentially over DefaultUtilisationWindow
+//     of the decision clock (the fleet's ρ's window, same reasons), sampled
+//     at each committed decision. Requests arriving at random moments see
+//     the time average (PASTA), so W̄_i is what a later request of the
+//     context is expected to wait there. It also adds its own work to i,
+//     making i's other requests wait as much more: at light load the wait
+//     grows in proportion to the load, the total wait λ·W with the square
+//     of it, and a marginal request costs the derivative, twice the mean:
+//     2·W̄_i. Only differences between candidates count.
+//   - n is the number of later requests expected to read the new context,
+//     the same for every candidate: the context no candidate holds,
+//     T − (the best match), over the mean tokens a request computes (ū,
+//     measured over the last ~64 picks as the drain rate is), less the
+//     request itself (its own wait is the score's queue). Conservation
+//     of work gives it: the fleet computes ū tokens per request, so each
+//     computed token is, on average, what 1/ū requests come for.
+//     A follow-up that adds a short turn (about ū tokens) places nothing
+//     (n ≈ 0); a request bringing 15 times the mean new context places
+//     ~14 later requests. ū is floored at one block: an engine recomputes
+//     at least the last, partial block of every prompt.
+//
+// A first version priced the wait by the instance's busy fraction ρ̄_i
+// times the step S (the residual S/2, twice): it leaves out the prefill
+// steps in a busy period, whose residual is longer (an arrival is more
+// likely to land in a long step), and on the code workload at 128
+// instances, 2×, it moved p50 1.26 → 1.16× prefix_aware's where the
+// average queue gives 1.05× (docs/BENCHMARKS.md §7, "Placement").
+//
+// The term counts only while the prefill cost weight is at its floor of 1
+// (adaptive or fixed): the step residual is the wait a later request meets
+// only while requests do not queue behind each other's prefill. Once they
+// do — the weight's own estimates, ρ/(1−ρ)² and the requests measured
+// behind others, past 1 — a later request's wait is the prefill queue it
+// will find, which the step residual does not measure, and the queue term and the weighted recompute already price
+// it. Measured: on the bundled trace at 8 instances, 1× (weight ~19) the
+// first version's term, on at every weight, moved long prompts by a few ms of ρ̄ differences
+// and lost 0.8 point of hit rate (0.985 → 0.958 of the pooled bound).
+//
+// No constant is added: S is the queue's, the window the utilisation's,
+// the averaging the drain rate's, the floor the weight's. The term is not
+// in the predicted TTFT (the header): it is the fleet's, like the weighted
+// recompute.
+
+// queueAverage is one instance's predicted queue (seconds) averaged
+// exponentially over DefaultUtilisationWindow of the decision clock,
+// sample and hold between committed decisions. It starts at 0 when the
+// router first routes to the instance (nothing of this router's was
+// queued there before).
+type queueAverage struct {
+	mu sync.Mutex
+	q  float64
+	at time.Time
+}
+
+// read folds the queue q (predicted at now) in when update is set
+// (committed decisions; shadow scoring only reads) and returns the
+// average. decay is a one-entry memo of 1 − e^(−dt/window) shared by one
+// decision's candidates, which were mostly last updated together.
+func (b *queueAverage) read(now time.Time, q float64, update bool, decay *decayMemo) float64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if update {
+		if b.at.IsZero() {
+			b.at = now
+		}
+		if dt := now.Sub(b.at); dt > 0 {
+			b.q += (q - b.q) * decay.of(dt)
+		}
+		b.at = now
+	}
+	return b.q
+}
+
+// decayMemo remembers 1 − e^(−dt/window) for the last dt asked about.
+type decayMemo struct {
+	dt time.Duration
+	f  float64
+}
+
+func (m *decayMemo) of(dt time.Duration) float64 {
+	if dt != m.dt || m.f == 0 {
+		m.dt, m.f = dt, 1-math.Exp(-dt.Seconds()/DefaultUtilisationWindow.Seconds())
+	}
+	return m.f
+}
+
+// laterRequests is n: the later requests expected to read newTokens of
+// context nobody holds, given ū (the mean tokens a request computes, 0
+// while unmeasured: then nothing is priced) and the block size.
+func laterRequests(newTokens int, meanComputed float64, blockSize int) float64 {
+	if newTokens <= 0 || !(meanComputed > 0) || blockSize <= 0 {
+		return 0
+	}
+	return max(0, float64(newTokens)/max(meanComputed, float64(blockSize))-1)
+}
+
+// notePlacement sets ev.later (n) from the best match among the candidates.
+func (st *KVState) notePlacement(ev *kvEval) {
+	ev.later = 0
+	if ev.tokens == 0 || ev.blockSize == 0 || ev.fallback != "" || ev.weight > DefaultPrefillCostWeight {
+		return
+	}
+	best := 0
+	for i := range ev.cands {
+		best = max(best, ev.cands[i].blocks[len(ev.cands[i].blocks)-1])
+	}
+	ev.later = laterRequests(ev.tokens-min(best*ev.blockSize, ev.tokens), st.computed.mean(), ev.blockSize)
+}

@@ -1,0 +1,126 @@
+package kvaware
+
+import (
+	"fmt"
+	"math"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router"
+)
+
+// TestLaterRequests: n is the new context over the mean computed tokens
+// (floored at a block), less the request itself; nothing while ū is
+// unmeasured or when nothing is new.
+func TestLaterRequests(t *testing.T) {
+	for _, c := range []struct {
+		newTok int
+		mean   float64
+		bs     int
+		want   float64
+	}{
+		{6000, 400, 16, 14}, // a session's first request: files nobody holds
+		{20, 400, 16, 0},    // a follow-up adding a short edit
+		{400, 400, 16, 0},   // a mean request places only itself
+		{160, 1, 16, 9},     // ū under a block: floored at one block
+		{6000, 0, 16, 0},    // ū not measured yet
+		{0, 400, 16, 0},     // nothing new
+		{6000, 400, 0, 0},   // no block size: nothing keyed
+	} {
+		if got := laterRequests(c.newTok, c.mean, c.bs); math.Abs(got-c.want) > 1e-9 {
+			t.Errorf("laterRequests(%d, %v, %d) = %v, want %v", c.newTok, c.mean, c.bs, got, c.want)
+		}
+	}
+}
+
+// TestQueueAverage: an instance's average queue starts at 0 when first
+// routed to, moves toward a held queue as 1 − e^(−t/window), decays the
+// same way when the queue is empty, and shadow reads do not move it.
+func TestQueueAverage(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	var b queueAverage
+	var m decayMemo
+	b.at = t0
+	win := DefaultUtilisationWindow
+	if got := b.read(t0.Add(win), 1, false, &m); got != 0 {
+		t.Fatalf("a shadow read moved the average: %v", got)
+	}
+	got := b.read(t0.Add(win), 1, true, &m)
+	if want := 1 - math.Exp(-1); math.Abs(got-want) > 1e-9 {
+		t.Fatalf("queue 1 s for one window: %v, want %v", got, want)
+	}
+	got2 := b.read(t0.Add(2*win), 0, true, &m) // same dt: the memo's factor
+	if want := got * math.Exp(-1); math.Abs(got2-want) > 1e-9 {
+		t.Fatalf("then empty for one window: %v, want %v", got2, want)
+	}
+	if got3 := b.read(t0.Add(2*win), 1, true, &m); got3 != got2 {
+		t.Fatalf("no time passed, the average moved: %v → %v", got2, got3)
+	}
+}
+
+// TestSessionPlacement: two idle instances hold a shared prefix; one has
+// been busy for the last window, the other idle. A request bringing much
+// new context (a session's first request) goes to the one that has been
+// idle, though rendezvous order prefers the other; a request adding about
+// the mean new tokens (a follow-up) places nothing and keeps the
+// rendezvous tie-break. Without the placement term both would tie.
+func TestSessionPlacement(t *testing.T) {
+	sessionPlacement(t, config.RoutingConfig{}, 1)
+}
+
+// TestSessionPlacementQueued: with requests queueing behind each other's
+// prefill (a weight past 1, here fixed at 2) the later requests' wait is
+// the prefill queue, not the step residual: no placement term, and the
+// request with new context keeps the rendezvous tie-break.
+func TestSessionPlacementQueued(t *testing.T) {
+	sessionPlacement(t, config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 2}}, 0)
+}
+
+// sessionPlacement builds the scene; want is the instance (0 or 1) the
+// request with new context should go to.
+func sessionPlacement(t *testing.T, rc config.RoutingConfig, want int) {
+	w := newKVWorld(t, 3)
+	s := w.strategy(rc)
+	a, b := w.insts[0], w.insts[1]
+	shared := promptTokens(3, 32*kvTestBS) // the instructions, 512 tokens
+	w.store(a.ID(), shared, 0, 32)
+	w.store(b.ID(), shared, 0, 32)
+	// ū: picks that each compute 4 blocks (64 tokens), on both holders.
+	for i := range 2 * drainMinSamples {
+		in := []*router.Instance{a, b}[i%2]
+		kvPick(t, s, kvRequest("warm", append(slices.Clone(shared), promptTokens(uint32(100+i), 4*kvTestBS)...)), []*router.Instance{in})
+	}
+	// a busy for one window, b idle: committed decisions sample both.
+	a.Acquire()
+	for range 10 {
+		w.clock.Advance(DefaultUtilisationWindow / 10)
+		kvPick(t, s, kvRequest("tick", promptTokens(7, 4*kvTestBS)), []*router.Instance{w.insts[2], a, b})
+	}
+	a.Release()
+	w.clock.Advance(time.Second) // every pending prefill drained: both queues 0 now
+	// A request whose rendezvous order puts a before b.
+	var first, follow *router.Request
+	for i := uint32(0); first == nil || follow == nil; i++ {
+		ctx := append(slices.Clone(shared), promptTokens(1000+i, 64*kvTestBS)...) // 1,024 new tokens: 16 × ū
+		edit := append(slices.Clone(shared), promptTokens(2000+i, 4*kvTestBS)...) // 64 new tokens: ū
+		if r := kvRequest(fmt.Sprintf("s%d", i), ctx); first == nil && rendezvousBefore(r, a, b) {
+			first = r
+		}
+		if r := kvRequest(fmt.Sprintf("f%d", i), edit); follow == nil && rendezvousBefore(r, a, b) {
+			follow = r
+		}
+	}
+	if d := kvPick(t, s, first, []*router.Instance{a, b}); d.Instance != w.insts[want] {
+		t.Errorf("new context: picked %s (%s), want %s (a busy over the last window, b idle)", d.Instance.ID(), d.Reason, w.insts[want].ID())
+	}
+	w.clock.Advance(time.Second)
+	if d := kvPick(t, s, follow, []*router.Instance{a, b}); d.Instance != a {
+		t.Errorf("a follow-up (about ū new tokens): picked %s (%s), want the rendezvous tie-break %s", d.Instance.ID(), d.Reason, a.ID())
+	}
+}
+
+func rendezvousBefore(r *router.Request, a, b *router.Instance) bool {
+	return a.Rendezvous(r.RoutingHash()) > b.Rendezvous(r.RoutingHash())
+}
