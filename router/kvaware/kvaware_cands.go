@@ -151,9 +151,9 @@ func (c *coldMin) note(ce *candEval) {
 }
 
 // scoreCold scores the cold candidates that can matter, and gives the
-// others an infinite score: a cold candidate's score is its queue plus
-// the same prefill for every cold one, so one whose queue exceeds the
-// least cold queue (among those under the threshold, or among all) by
+// others an infinite score: a cold candidate's score is its queue and
+// placement term plus the same prefill for every cold one, so one whose
+// queue and placement exceed the least cold ones (among those under the threshold, or among all) by
 // more than the tie tolerance can neither win nor tie, and kv_aware's
 // per-decision work stays with the instances holding something plus the
 // cheapest cold ones, however large the fleet. Queues (all candidates

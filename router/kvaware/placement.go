@@ -31,7 +31,7 @@ import (
 //     docs/kv-aware.md: prefill ahead, drained, and the residual of the
 //     step in progress) averaged exponentially over DefaultUtilisationWindow
 //     of the decision clock (the fleet's ρ's window, same reasons), sampled
-//     at each committed decision. Requests arriving at random moments see
+//     at each committed decision and held until the next. Requests arriving at random moments see
 //     the time average (PASTA), so W̄_i is what a later request of the
 //     context is expected to wait there. It also adds its own work to i,
 //     making i's other requests wait as much more: at light load the wait
@@ -41,7 +41,8 @@ import (
 //   - n is the number of later requests expected to read the new context,
 //     the same for every candidate: the context no candidate holds,
 //     T − (the best match), over the mean tokens a request computes (ū,
-//     measured over the last ~64 picks as the drain rate is), less the
+//     an exponential average over picks with the drain rate's half-life
+//     of 64 picks, and none until 8 picks are seen), less the
 //     request itself (its own wait is the score's queue). Conservation
 //     of work gives it: the fleet computes ū tokens per request, so each
 //     computed token is, on average, what 1/ū requests come for.
@@ -57,7 +58,7 @@ import (
 // instances, 2×, it moved p50 1.26 → 1.16× prefix_aware's where the
 // average queue gives 1.05× (docs/BENCHMARKS.md §7, "Placement").
 //
-// The term counts only while the prefill cost weight is at its floor of 1
+// The term counts only while the prefill cost weight is at most its floor of 1
 // (adaptive or fixed): the step residual is the wait a later request meets
 // only while requests do not queue behind each other's prefill. Once they
 // do — the weight's own estimates, ρ/(1−ρ)² and the requests measured
@@ -73,31 +74,44 @@ import (
 // recompute.
 
 // queueAverage is one instance's predicted queue (seconds) averaged
-// exponentially over DefaultUtilisationWindow of the decision clock,
-// sample and hold between committed decisions. It starts at 0 when the
-// router first routes to the instance (nothing of this router's was
-// queued there before).
+// exponentially over DefaultUtilisationWindow of the decision clock. The
+// queue is sampled at committed decisions and held between them: a
+// sample's weight is the time until the next one, so a queue seen once
+// just before a long quiet spell counts for that spell, and a burst of
+// decisions within a millisecond counts for that millisecond. The
+// average starts at the first sample (an instance this router has not
+// routed to yet has no history; starting it at 0 would make every new
+// instance look like the quietest and draw sessions to it until its
+// average caught up).
 type queueAverage struct {
-	mu sync.Mutex
-	q  float64
-	at time.Time
+	mu   sync.Mutex
+	q    float64   // the average up to at
+	last float64   // the queue sampled at at, held since
+	at   time.Time // the last sample's time; zero before the first
 }
 
 // read folds the queue q (predicted at now) in when update is set
 // (committed decisions; shadow scoring only reads) and returns the
-// average. decay is a one-entry memo of 1 − e^(−dt/window) shared by one
+// average. A sample that is not a finite non-negative number is not
+// folded in (one NaN would poison the average for good), and the clock
+// never moves it backwards (concurrent decisions can commit out of
+// order: the later sample folds in as if taken at the latest time seen).
+// decay is a one-entry memo of 1 − e^(−dt/window) shared by one
 // decision's candidates, which were mostly last updated together.
 func (b *queueAverage) read(now time.Time, q float64, update bool, decay *decayMemo) float64 {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if update {
-		if b.at.IsZero() {
-			b.at = now
-		}
-		if dt := now.Sub(b.at); dt > 0 {
-			b.q += (q - b.q) * decay.of(dt)
-		}
-		b.at = now
+	if !update || !(q >= 0) || math.IsInf(q, 1) {
+		return b.q
+	}
+	switch {
+	case b.at.IsZero():
+		b.q, b.last, b.at = q, q, now
+	case now.After(b.at):
+		b.q += (b.last - b.q) * decay.of(now.Sub(b.at))
+		b.last, b.at = q, now
+	default:
+		b.last = q
 	}
 	return b.q
 }
@@ -110,7 +124,7 @@ type decayMemo struct {
 
 func (m *decayMemo) of(dt time.Duration) float64 {
 	if dt != m.dt || m.f == 0 {
-		m.dt, m.f = dt, 1-math.Exp(-dt.Seconds()/DefaultUtilisationWindow.Seconds())
+		m.dt, m.f = dt, -math.Expm1(-dt.Seconds()/DefaultUtilisationWindow.Seconds())
 	}
 	return m.f
 }
@@ -128,6 +142,9 @@ func laterRequests(newTokens int, meanComputed float64, blockSize int) float64 {
 // notePlacement sets ev.later (n) from the best match among the candidates.
 func (st *KVState) notePlacement(ev *kvEval) {
 	ev.later = 0
+	// At most the floor: a fixed weight under 1 (recompute priced below
+	// its cost) also means requests are not priced as queueing behind
+	// each other's prefill, so the term stays on.
 	if ev.tokens == 0 || ev.blockSize == 0 || ev.fallback != "" || ev.weight > DefaultPrefillCostWeight {
 		return
 	}

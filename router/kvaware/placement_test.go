@@ -35,28 +35,58 @@ func TestLaterRequests(t *testing.T) {
 	}
 }
 
-// TestQueueAverage: an instance's average queue starts at 0 when first
-// routed to, moves toward a held queue as 1 − e^(−t/window), decays the
-// same way when the queue is empty, and shadow reads do not move it.
+// TestQueueAverage: an instance's average queue starts at its first
+// sample, each sample holds until the next (the average moves toward it
+// as 1 − e^(−t/window) over the time it held), shadow reads do not move
+// it, a sample that is not a finite non-negative number is dropped, and
+// a sample older than the last does not move the clock back.
 func TestQueueAverage(t *testing.T) {
 	t0 := time.Unix(1000, 0)
 	var b queueAverage
 	var m decayMemo
-	b.at = t0
 	win := DefaultUtilisationWindow
-	if got := b.read(t0.Add(win), 1, false, &m); got != 0 {
+	if got := b.read(t0, 0.5, false, &m); got != 0 {
+		t.Fatalf("a shadow read before any sample: %v", got)
+	}
+	if got := b.read(t0, 0.5, true, &m); got != 0.5 {
+		t.Fatalf("the first sample: average %v, want the sample 0.5", got)
+	}
+	if got := b.read(t0.Add(win), 2, false, &m); got != 0.5 {
 		t.Fatalf("a shadow read moved the average: %v", got)
 	}
-	got := b.read(t0.Add(win), 1, true, &m)
-	if want := 1 - math.Exp(-1); math.Abs(got-want) > 1e-9 {
-		t.Fatalf("queue 1 s for one window: %v, want %v", got, want)
+	// 0.5 held for one window, then 1 sampled: the average has only seen 0.5.
+	if got := b.read(t0.Add(win), 1, true, &m); got != 0.5 {
+		t.Fatalf("0.5 held for a window: %v, want 0.5", got)
 	}
-	got2 := b.read(t0.Add(2*win), 0, true, &m) // same dt: the memo's factor
+	// 1 held for a window, then 0: the average moves toward 1.
+	got := b.read(t0.Add(2*win), 0, true, &m)
+	if want := 0.5 + 0.5*(1-math.Exp(-1)); math.Abs(got-want) > 1e-9 {
+		t.Fatalf("1 held for one window: %v, want %v", got, want)
+	}
+	for _, bad := range []float64{math.NaN(), math.Inf(1), math.Inf(-1), -1} {
+		if g := b.read(t0.Add(3*win), bad, true, &m); g != got {
+			t.Fatalf("sample %v moved the average: %v → %v", bad, got, g)
+		}
+	}
+	// 0 held for a window (the bad samples were dropped, the clock kept).
+	got2 := b.read(t0.Add(3*win), 0, true, &m)
 	if want := got * math.Exp(-1); math.Abs(got2-want) > 1e-9 {
-		t.Fatalf("then empty for one window: %v, want %v", got2, want)
+		t.Fatalf("0 held for one window: %v, want %v", got2, want)
 	}
-	if got3 := b.read(t0.Add(2*win), 1, true, &m); got3 != got2 {
-		t.Fatalf("no time passed, the average moved: %v → %v", got2, got3)
+	if g := b.read(t0.Add(3*win), 5, true, &m); g != got2 {
+		t.Fatalf("no time passed, the average moved: %v → %v", got2, g)
+	}
+	// A decision that committed late (older clock): it replaces the held
+	// sample but the clock stays, so the next fold spans real time only.
+	if g := b.read(t0.Add(2*win), 0, true, &m); g != got2 {
+		t.Fatalf("an older sample moved the average: %v → %v", got2, g)
+	}
+	if !b.at.Equal(t0.Add(3 * win)) {
+		t.Fatalf("an older sample moved the clock back to %v", b.at)
+	}
+	got3 := b.read(t0.Add(4*win), 0, true, &m)
+	if want := got2 * math.Exp(-1); math.Abs(got3-want) > 1e-9 {
+		t.Fatalf("after the late sample, 0 held for one window: %v, want %v", got3, want)
 	}
 }
 
@@ -116,6 +146,12 @@ func sessionPlacement(t *testing.T, rc config.RoutingConfig, want int) {
 		t.Errorf("new context: picked %s (%s), want %s (a busy over the last window, b idle)", d.Instance.ID(), d.Reason, w.insts[want].ID())
 	}
 	w.clock.Advance(time.Second)
+	// The follow-up adds about ū new tokens, so it places nothing: n is
+	// under one later request with ū as it stands now (the first pick,
+	// 16 ū of new context, moved ū up, which only lowers n further).
+	if n := laterRequests(4*kvTestBS, s.st.computed.mean(), kvTestBS); n >= 1 {
+		t.Fatalf("the follow-up places %v later requests (ū %v), want under 1", n, s.st.computed.mean())
+	}
 	if d := kvPick(t, s, follow, []*router.Instance{a, b}); d.Instance != a {
 		t.Errorf("a follow-up (about ū new tokens): picked %s (%s), want the rendezvous tie-break %s", d.Instance.ID(), d.Reason, a.ID())
 	}
