@@ -187,7 +187,7 @@ func replayIndex(ctx context.Context, recs []workload.TraceRecord, n, capBlocks,
 		engines[i] = newLRUEngine(capBlocks * perID)
 		names[i] = fmt.Sprintf("engine-%d", i)
 	}
-	heap0 := liveHeap()
+	heap0 := cputime.LiveHeap()
 	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: model, BlockSize: bs,
 		Capacity: min(2*n*capBlocks*perID, kvindex.MaxCapacity)})
 	if err != nil {
@@ -256,7 +256,7 @@ func replayIndex(ctx context.Context, recs []workload.TraceRecord, n, capBlocks,
 	// The heap grown since the index was made: the index, and what the
 	// engines' caches grew by (small next to it: a map entry per cached
 	// block, preallocated to capacity).
-	res.HeapBytes = int64(liveHeap()) - int64(heap0)
+	res.HeapBytes = int64(cputime.LiveHeap()) - int64(heap0)
 	runtime.KeepAlive(idx)
 	return res, nil
 }
@@ -306,7 +306,6 @@ type lruEngine struct {
 	key        []uint64
 	prev, next []int32
 	head, tail int32
-	free       []int32
 	removed    []uint64
 }
 
@@ -358,9 +357,6 @@ func (e *lruEngine) serve(evs []events.Event, hashes []uint64, toks []uint32, bs
 	for i := end - 1; i >= hit; i-- {
 		var s int32
 		switch {
-		case len(e.slot) < e.capacity && len(e.free) > 0:
-			s = e.free[len(e.free)-1]
-			e.free = e.free[:len(e.free)-1]
 		case len(e.slot) < e.capacity:
 			s = int32(len(e.key))
 			e.key, e.prev, e.next = append(e.key, 0), append(e.prev, -1), append(e.next, -1)
@@ -393,15 +389,6 @@ func (e *lruEngine) serve(evs []events.Event, hashes []uint64, toks []uint32, bs
 		evs = append(evs, ev)
 	}
 	return evs
-}
-
-// liveHeap is the heap in use after a full collection.
-func liveHeap() uint64 {
-	var ms runtime.MemStats
-	runtime.GC()
-	runtime.GC()
-	runtime.ReadMemStats(&ms)
-	return ms.HeapAlloc
 }
 
 // splitmix is a 64-bit mixer (SplitMix64's finaliser): synthetic token ids

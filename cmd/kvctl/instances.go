@@ -47,7 +47,8 @@ type kvInstance struct {
 	InPool        bool           `json:"in_pool"`
 	Configured    bool           `json:"configured"`
 	URL           string         `json:"url,omitempty"`
-	Blocks        map[string]int `json:"blocks"` // by tiers.Tier.String()
+	Healthy       bool           `json:"healthy"` // the router's health check; false when not in the pool
+	Blocks        map[string]int `json:"blocks"`  // by tiers.Tier.String()
 	LastEvent     time.Time      `json:"last_event,omitzero"`
 	LastHeartbeat time.Time      `json:"last_heartbeat,omitzero"`
 	LastSeq       uint64         `json:"last_seq"`
