@@ -3,6 +3,7 @@ package slotlist
 import (
 	"container/list"
 	"math/rand/v2"
+	"slices"
 	"testing"
 )
 
@@ -42,27 +43,27 @@ func TestAgainstContainerList(t *testing.T) {
 	}
 }
 
-// check compares l's order, both ways, with ref's.
+// check compares l's order, walked both ways, with ref's.
 func check(t *testing.T, l *List, ref *list.List) {
 	t.Helper()
-	s := l.head
+	var want []int32
 	for e := ref.Front(); e != nil; e = e.Next() {
-		if s != e.Value.(int32) {
-			t.Fatalf("forward: slot %d, want %d", s, e.Value.(int32))
-		}
-		s = l.next[s]
+		want = append(want, e.Value.(int32))
 	}
-	if s != -1 {
-		t.Fatalf("forward: list longer than %d", ref.Len())
+	forward := walk(l.head, l.next, len(want))
+	backward := walk(l.tail, l.prev, len(want))
+	slices.Reverse(backward)
+	if !slices.Equal(forward, want) || !slices.Equal(backward, want) {
+		t.Fatalf("order: forward %v, backward reversed %v, want %v", forward, backward, want)
 	}
-	s = l.tail
-	for e := ref.Back(); e != nil; e = e.Prev() {
-		if s != e.Value.(int32) {
-			t.Fatalf("backward: slot %d, want %d", s, e.Value.(int32))
-		}
-		s = l.prev[s]
+}
+
+// walk follows links from s until -1, at most limit+1 steps (a cycle or a
+// list longer than limit shows as an extra slot).
+func walk(s int32, links []int32, limit int) []int32 {
+	var out []int32
+	for ; s != -1 && len(out) <= limit; s = links[s] {
+		out = append(out, s)
 	}
-	if s != -1 {
-		t.Fatalf("backward: list longer than %d", ref.Len())
-	}
+	return out
 }

@@ -29,7 +29,7 @@ type KVMetrics struct {
 	shadow            *prometheus.CounterVec
 	shadowMatched     *prometheus.CounterVec
 	shadowTTFT        *prometheus.HistogramVec
-	set               metricset.Set // all of the above, in declaration order
+	set               metricset.Set // all of the above, registered together
 }
 
 // NewKVMetrics creates the exact-routing metrics and registers them on reg.
@@ -43,60 +43,44 @@ func NewKVMetrics(reg prometheus.Registerer) (*KVMetrics, error) {
 
 func newKVMetrics() *KVMetrics {
 	ttftBuckets := prometheus.ExponentialBuckets(0.001, 2, 17) // 1ms .. 65s
-	m := &KVMetrics{}
-	ms := &m.set
-	m.decisions = ms.CounterVec("kvrouter_kv_decisions_total",
-		"kv_aware decisions by reason (kv_match, heuristic, load_bound, overflow, saturated, stale_fallback, stream_down).",
-		"pool", "reason")
-	m.matched = ms.CounterVec("kvrouter_kv_matched_tokens_total",
-		"Prompt tokens the chosen instance was predicted to hold, by tier (each beyond faster tiers).",
-		"pool", "tier")
-	m.prompt = ms.CounterVec("kvrouter_kv_prompt_tokens_total",
-		"Prompt tokens of requests routed by kv_aware with known token ids.",
-		"pool")
-	m.tokenErrs = ms.CounterVec("kvrouter_kv_tokenize_errors_total",
-		"Requests whose token ids could not be produced (routed heuristically).",
-		"pool")
-	m.lookupErrs = ms.CounterVec("kvrouter_kv_lookup_errors_total",
-		"Index lookups that failed (routed on speculative entries, else heuristically).",
-		"pool")
-	m.streamUp = ms.GaugeVec("kvrouter_kv_stream_healthy",
-		"1 while the pool's KV event stream is healthy (exact routing), 0 while kv_aware falls back to prefix_aware.",
-		"pool")
-	m.streamTransitions = ms.CounterVec("kvrouter_kv_stream_transitions_total",
-		"Changes of the KV event stream's health as seen by kv_aware, by the new state.",
-		"pool", "state")
-	m.specKeys = ms.GaugeVec("kvrouter_kv_speculative_entries",
-		"(block, instance) entries in the speculative overlay (routed but not yet confirmed by events).",
-		"pool")
-	m.pending = newPendingCollector() // compare.go: read at scrape time
+	var ms metricset.Set
+	m := &KVMetrics{
+		decisions: ms.CounterVec("kvrouter_kv_decisions_total",
+			"kv_aware decisions by reason (kv_match, heuristic, load_bound, overflow, saturated, stale_fallback, stream_down).", "pool", "reason"),
+		matched: ms.CounterVec("kvrouter_kv_matched_tokens_total",
+			"Prompt tokens the chosen instance was predicted to hold, by tier (each beyond faster tiers).", "pool", "tier"),
+		prompt: ms.CounterVec("kvrouter_kv_prompt_tokens_total",
+			"Prompt tokens of requests routed by kv_aware with known token ids.", "pool"),
+		tokenErrs: ms.CounterVec("kvrouter_kv_tokenize_errors_total",
+			"Requests whose token ids could not be produced (routed heuristically).", "pool"),
+		lookupErrs: ms.CounterVec("kvrouter_kv_lookup_errors_total",
+			"Index lookups that failed (routed on speculative entries, else heuristically).", "pool"),
+		streamUp: ms.GaugeVec("kvrouter_kv_stream_healthy",
+			"1 while the pool's KV event stream is healthy (exact routing), 0 while kv_aware falls back to prefix_aware.", "pool"),
+		streamTransitions: ms.CounterVec("kvrouter_kv_stream_transitions_total",
+			"Changes of the KV event stream's health as seen by kv_aware, by the new state.", "pool", "state"),
+		specKeys: ms.GaugeVec("kvrouter_kv_speculative_entries",
+			"(block, instance) entries in the speculative overlay (routed but not yet confirmed by events).", "pool"),
+		pending: newPendingCollector(), // compare.go: read at scrape time
+		scrapes: ms.CounterVec("kvrouter_kv_load_scrapes_total",
+			"Scrapes of instances' /metrics for vllm:num_requests_waiting/running, by result.", "pool", "instance", "result"),
+		usage: ms.CounterVec("kvrouter_kv_usage_reports_total",
+			"Finished kv-scored requests by whether the engine reported usage.prompt_tokens_details.cached_tokens (reported, missing).", "pool", "result"),
+		reportedCached: ms.CounterVec("kvrouter_kv_engine_cached_tokens_total",
+			"Cached prompt tokens reported by engines (usage.prompt_tokens_details.cached_tokens).", "pool"),
+		predictedCached: ms.CounterVec("kvrouter_kv_predicted_cached_tokens_total",
+			"Matched tokens predicted at routing for requests whose engine reported cached tokens (compare with kvrouter_kv_engine_cached_tokens_total).", "pool"),
+		predictionError: ms.HistogramVec("kvrouter_kv_prediction_error_tokens",
+			"|predicted matched − engine-reported cached| tokens per request.", []float64{0, 16, 64, 256, 1024, 4096, 16384, 65536}, "pool"),
+		shadow: ms.CounterVec("kvrouter_shadow_decisions_total",
+			"Shadow-mode decisions by whether prefix_aware and kv_aware picked the same instance.", "pool", "agree"),
+		shadowMatched: ms.CounterVec("kvrouter_shadow_predicted_matched_tokens_total",
+			"Shadow mode: matched tokens the index predicts for each strategy's pick.", "pool", "strategy"),
+		shadowTTFT: ms.HistogramVec("kvrouter_shadow_predicted_ttft_seconds",
+			"Shadow mode: predicted time to first token of each strategy's pick.", ttftBuckets, "pool", "strategy"),
+	}
 	ms.Add(m.pending)
-	m.scrapes = ms.CounterVec("kvrouter_kv_load_scrapes_total",
-		"Scrapes of instances' /metrics for vllm:num_requests_waiting/running, by result.",
-		"pool", "instance", "result")
-	m.usage = ms.CounterVec("kvrouter_kv_usage_reports_total",
-		"Finished kv-scored requests by whether the engine reported usage.prompt_tokens_details.cached_tokens (reported, missing).",
-		"pool", "result")
-	m.reportedCached = ms.CounterVec("kvrouter_kv_engine_cached_tokens_total",
-		"Cached prompt tokens reported by engines (usage.prompt_tokens_details.cached_tokens).",
-		"pool")
-	m.predictedCached = ms.CounterVec("kvrouter_kv_predicted_cached_tokens_total",
-		"Matched tokens predicted at routing for requests whose engine reported cached tokens (compare with kvrouter_kv_engine_cached_tokens_total).",
-		"pool")
-	m.predictionError = ms.HistogramVec("kvrouter_kv_prediction_error_tokens",
-		"|predicted matched − engine-reported cached| tokens per request.",
-		[]float64{0, 16, 64, 256, 1024, 4096, 16384, 65536},
-		"pool")
-	m.shadow = ms.CounterVec("kvrouter_shadow_decisions_total",
-		"Shadow-mode decisions by whether prefix_aware and kv_aware picked the same instance.",
-		"pool", "agree")
-	m.shadowMatched = ms.CounterVec("kvrouter_shadow_predicted_matched_tokens_total",
-		"Shadow mode: matched tokens the index predicts for each strategy's pick.",
-		"pool", "strategy")
-	m.shadowTTFT = ms.HistogramVec("kvrouter_shadow_predicted_ttft_seconds",
-		"Shadow mode: predicted time to first token of each strategy's pick.",
-		ttftBuckets,
-		"pool", "strategy")
+	m.set = ms
 	return m
 }
 
