@@ -6,8 +6,6 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
-	"reflect"
-	"slices"
 	"strings"
 	"testing"
 
@@ -224,29 +222,3 @@ func TestHelpPerCommand(t *testing.T) {
 	}
 }
 
-// TestKVInstanceFieldsMatchAdmin: kvctl decodes the admin API's KV
-// instance views into its own types (it does not link the router); every
-// field the API answers must have a place to land, or kvctl's JSON output
-// drops it silently.
-func TestKVInstanceFieldsMatchAdmin(t *testing.T) {
-	for _, c := range []struct{ api, ours any }{
-		{admin.KVInstanceView{}, kvInstance{}},
-		{admin.KVInstancesResponse{}, kvInstances{}},
-	} {
-		if a, o := jsonFields(c.api), jsonFields(c.ours); a != o {
-			t.Errorf("%T fields %s; kvctl's %T has %s", c.api, a, c.ours, o)
-		}
-	}
-}
-
-// jsonFields is the sorted JSON names of v's struct fields.
-func jsonFields(v any) string {
-	typ := reflect.TypeOf(v)
-	var names []string
-	for i := range typ.NumField() {
-		name, _, _ := strings.Cut(typ.Field(i).Tag.Get("json"), ",")
-		names = append(names, name)
-	}
-	slices.Sort(names)
-	return strings.Join(names, " ")
-}
