@@ -221,4 +221,3 @@ func TestHelpPerCommand(t *testing.T) {
 		}
 	}
 }
-
