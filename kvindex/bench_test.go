@@ -111,14 +111,6 @@ func (s *shape) fill(b testing.TB, idx Index, chains int) {
 	}
 }
 
-func heapAlloc() uint64 {
-	var ms runtime.MemStats
-	runtime.GC()
-	runtime.GC()
-	runtime.ReadMemStats(&ms)
-	return ms.HeapAlloc
-}
-
 // BenchmarkMemoryBuild applies the whole llm-d shape (983,040 blocks) per
 // op into a fresh index; it reports stored blocks/s and heap bytes per
 // (block, instance) entry. Run with -cpu 1 for the one-core figure.
@@ -133,7 +125,7 @@ func BenchmarkMemoryBuild(b *testing.B) {
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
 				b.StopTimer()
-				before := heapAlloc()
+				before := cputime.LiveHeap()
 				m, err := NewMemory(MemoryConfig{Model: testModel, Capacity: 2 * entries})
 				if err != nil {
 					b.Fatal(err)
@@ -146,7 +138,7 @@ func BenchmarkMemoryBuild(b *testing.B) {
 				if n, _ := m.Len(context.Background()); n != entries {
 					b.Fatalf("Len = %d, want %d", n, entries)
 				}
-				perEntry = float64(heapAlloc()-before) / float64(entries)
+				perEntry = float64(cputime.LiveHeap()-before) / float64(entries)
 				runtime.KeepAlive(m)
 				b.StartTimer()
 			}

@@ -16,8 +16,6 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
-
-	"github.com/kvrouter/kvrouter/router/routertest"
 )
 
 // endlessA yields 'a' forever (the uploads' body, cut by io.LimitReader).
@@ -68,10 +66,7 @@ func TestE2EChunkedUploadsBoundedMemory(t *testing.T) {
 		rssBound   = 256 << 20
 	)
 	bin := buildRouter(t)
-	var ups []*routertest.Upstream
-	for i := range 2 {
-		ups = append(ups, routertest.New(t, fmt.Sprintf("vllm-%d", i), routerModel))
-	}
+	ups := routerUpstreams(t, 2)
 	cfgPath := filepath.Join(t.TempDir(), "router.yaml")
 	writeRouterConfig(t, cfgPath, "least_outstanding", ups)
 	cfg, err := os.ReadFile(cfgPath)

@@ -852,18 +852,8 @@ func TestE2EJetStreamWiped(t *testing.T) {
 // KV_CONVERGENCE_SEED replays one interleaving; KV_CONVERGENCE_STEPS sets
 // its length (default 10).
 func TestE2EConvergence(t *testing.T) {
-	seed := uint64(time.Now().UnixNano())
-	if v := os.Getenv("KV_CONVERGENCE_SEED"); v != "" {
-		if _, err := fmt.Sscan(v, &seed); err != nil {
-			t.Fatalf("KV_CONVERGENCE_SEED: %v", err)
-		}
-	}
-	steps := 10
-	if v := os.Getenv("KV_CONVERGENCE_STEPS"); v != "" {
-		if _, err := fmt.Sscan(v, &steps); err != nil {
-			t.Fatalf("KV_CONVERGENCE_STEPS: %v", err)
-		}
-	}
+	seed := testenv.Value(t, "KV_CONVERGENCE_SEED", uint64(time.Now().UnixNano()))
+	steps := testenv.Value(t, "KV_CONVERGENCE_STEPS", 10)
 	t.Logf("seed %d, %d steps", seed, steps)
 	rng := rand.New(rand.NewPCG(seed, 11))
 	r := newSimRig(t, 64)

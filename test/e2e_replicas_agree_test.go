@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -141,12 +140,7 @@ func TestE2EReplicaDecisionAgreement(t *testing.T) {
 		f.startRouter(f.replicaConfig("r1")),
 		f.startRouter(f.replicaConfig("r2")),
 	}
-	secs := 5.0
-	if v := os.Getenv("KV_AGREE_SECONDS"); v != "" {
-		if _, err := fmt.Sscan(v, &secs); err != nil {
-			t.Fatal(err)
-		}
-	}
+	secs := testenv.Value(t, "KV_AGREE_SECONDS", 5.0)
 	// Warm every shared prefix into the fleet, through all three.
 	l := f.startLoad(routers, 6, 11)
 	time.Sleep(2 * time.Second)

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -182,12 +181,7 @@ func TestE2EReplicaSyncTraffic(t *testing.T) {
 	f := newClusterFleet(t, 3, 256, 50)
 	r0 := f.startRouter(f.replicaConfig("r0"))
 	r1 := f.startRouter(f.replicaConfig("r1"))
-	secs := 5.0
-	if v := os.Getenv("KV_REPLICA_SECONDS"); v != "" {
-		if _, err := fmt.Sscan(v, &secs); err != nil {
-			t.Fatal(err)
-		}
-	}
+	secs := testenv.Value(t, "KV_REPLICA_SECONDS", 5.0)
 	before := [2]syncCounters{r0.syncCounters(t), r1.syncCounters(t)}
 	l := f.startLoad([]*clusterRouter{r0, r1}, 8, 3)
 	time.Sleep(time.Duration(secs * float64(time.Second)))

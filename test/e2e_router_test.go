@@ -101,6 +101,16 @@ func startRouter(t *testing.T, bin string, env []string, args ...string) *router
 	return p
 }
 
+// routerUpstreams starts n fake vLLM instances of routerModel, vllm-0 ..
+// vllm-(n-1).
+func routerUpstreams(t *testing.T, n int) []*routertest.Upstream {
+	ups := make([]*routertest.Upstream, n)
+	for i := range ups {
+		ups[i] = routertest.New(t, fmt.Sprintf("vllm-%d", i), routerModel)
+	}
+	return ups
+}
+
 func writeRouterConfig(t *testing.T, path, strategy string, ups []*routertest.Upstream) {
 	t.Helper()
 	var b strings.Builder
@@ -138,10 +148,7 @@ func chatJSON(model, text string, stream bool) string {
 // request path, every error path, the admin API, SIGHUP reload and SIGTERM.
 func TestE2ERouterBinary(t *testing.T) {
 	bin := buildRouter(t)
-	var ups []*routertest.Upstream
-	for i := range 3 {
-		ups = append(ups, routertest.New(t, fmt.Sprintf("vllm-%d", i), routerModel))
-	}
+	ups := routerUpstreams(t, 3)
 	cfgPath := filepath.Join(t.TempDir(), "router.yaml")
 	writeRouterConfig(t, cfgPath, "prefix_aware", ups)
 	p := startRouter(t, bin, []string{"KVROUTER_ADMIN_TOKEN=e2e-token"}, "--config", cfgPath, "--max-body-bytes", "4096")

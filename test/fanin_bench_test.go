@@ -55,10 +55,7 @@ const fanInHeld = 64
 //
 //	go test -run '^$' -bench EventFanIn -benchtime 1x -timeout 30m ./test/
 func BenchmarkEventFanIn(b *testing.B) {
-	engines := 256
-	if s := os.Getenv("KV_FANIN_ENGINES"); s != "" {
-		engines, _ = strconv.Atoi(s)
-	}
+	engines := testenv.Value(b, "KV_FANIN_ENGINES", 256)
 	bin := buildRouter(b)
 	name := testenv.UniqueName(b)
 	ctx := testenv.Context(b, 30*time.Minute)

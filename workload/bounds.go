@@ -5,6 +5,8 @@ import (
 	"fmt"
 
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/kvrouter/kvrouter/internal/slotlist"
 )
 
 // Bound is the hit rate a cache reaches on a trace when every request is
@@ -129,64 +131,34 @@ func pooledBound(recs []TraceRecord, blockTokens int, capacityTokens int64, perR
 // lru is a set of ids with least-recently-used eviction, as a doubly linked
 // list over slot indices (no per-entry allocation). capacity 0 = unbounded.
 type lru struct {
-	capacity   int64
-	slot       map[int64]int32
-	id         []int64
-	prev, next []int32
-	head, tail int32 // most and least recently used; -1 when empty
+	capacity int64
+	slot     map[int64]int32
+	id       []int64 // by slot
+	order    slotlist.List
 }
 
 func newLRU(capacity int64) *lru {
-	return &lru{capacity: capacity, slot: map[int64]int32{}, head: -1, tail: -1}
+	return &lru{capacity: capacity, slot: map[int64]int32{}, order: slotlist.New()}
 }
 
 func (l *lru) contains(h int64) bool { _, ok := l.slot[h]; return ok }
-
-func (l *lru) unlink(s int32) {
-	p, n := l.prev[s], l.next[s]
-	if p >= 0 {
-		l.next[p] = n
-	} else {
-		l.head = n
-	}
-	if n >= 0 {
-		l.prev[n] = p
-	} else {
-		l.tail = p
-	}
-}
-
-func (l *lru) pushFront(s int32) {
-	l.prev[s], l.next[s] = -1, l.head
-	if l.head >= 0 {
-		l.prev[l.head] = s
-	}
-	l.head = s
-	if l.tail < 0 {
-		l.tail = s
-	}
-}
 
 // touch makes h the most recently used, inserting it (and evicting the
 // least recently used when full) if absent.
 func (l *lru) touch(h int64) {
 	if s, ok := l.slot[h]; ok {
-		l.unlink(s)
-		l.pushFront(s)
+		l.order.MoveToFront(s)
 		return
 	}
 	var s int32
 	if l.capacity > 0 && int64(len(l.slot)) >= l.capacity {
-		s = l.tail
-		l.unlink(s)
+		s = l.order.Back()
+		l.order.MoveToFront(s)
 		delete(l.slot, l.id[s])
 		l.id[s] = h
 	} else {
-		s = int32(len(l.id))
+		s = l.order.Add()
 		l.id = append(l.id, h)
-		l.prev = append(l.prev, -1)
-		l.next = append(l.next, -1)
 	}
 	l.slot[h] = s
-	l.pushFront(s)
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/cputime"
+	"github.com/kvrouter/kvrouter/internal/slotlist"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/workload"
 )
@@ -187,7 +188,7 @@ func replayIndex(ctx context.Context, recs []workload.TraceRecord, n, capBlocks,
 		engines[i] = newLRUEngine(capBlocks * perID)
 		names[i] = fmt.Sprintf("engine-%d", i)
 	}
-	heap0 := liveHeap()
+	heap0 := cputime.LiveHeap()
 	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: model, BlockSize: bs,
 		Capacity: min(2*n*capBlocks*perID, kvindex.MaxCapacity)})
 	if err != nil {
@@ -256,7 +257,7 @@ func replayIndex(ctx context.Context, recs []workload.TraceRecord, n, capBlocks,
 	// The heap grown since the index was made: the index, and what the
 	// engines' caches grew by (small next to it: a map entry per cached
 	// block, preallocated to capacity).
-	res.HeapBytes = int64(liveHeap()) - int64(heap0)
+	res.HeapBytes = int64(cputime.LiveHeap()) - int64(heap0)
 	runtime.KeepAlive(idx)
 	return res, nil
 }
@@ -301,41 +302,15 @@ func placeByMatch(ms []kvindex.Match, served []int, names []string) int {
 // and its blocks are touched last block first, so that eviction trims a
 // chain from its end, as vLLM's free queue does.
 type lruEngine struct {
-	capacity   int
-	slot       map[uint64]int32
-	key        []uint64
-	prev, next []int32
-	head, tail int32
-	free       []int32
-	removed    []uint64
+	capacity int
+	slot     map[uint64]int32
+	key      []uint64 // by slot
+	order    slotlist.List
+	removed  []uint64
 }
 
 func newLRUEngine(capacity int) *lruEngine {
-	return &lruEngine{capacity: capacity, slot: make(map[uint64]int32, capacity), head: -1, tail: -1}
-}
-
-func (e *lruEngine) unlink(s int32) {
-	if e.prev[s] >= 0 {
-		e.next[e.prev[s]] = e.next[s]
-	} else {
-		e.head = e.next[s]
-	}
-	if e.next[s] >= 0 {
-		e.prev[e.next[s]] = e.prev[s]
-	} else {
-		e.tail = e.prev[s]
-	}
-}
-
-func (e *lruEngine) pushFront(s int32) {
-	e.prev[s], e.next[s] = -1, e.head
-	if e.head >= 0 {
-		e.prev[e.head] = s
-	}
-	e.head = s
-	if e.tail < 0 {
-		e.tail = s
-	}
+	return &lruEngine{capacity: capacity, slot: make(map[uint64]int32, capacity), order: slotlist.New()}
 }
 
 // serve appends to evs the events of serving a prompt of hashes (tokens of
@@ -350,36 +325,28 @@ func (e *lruEngine) serve(evs []events.Event, hashes []uint64, toks []uint32, bs
 	}
 	end := min(len(hashes), max(hit, e.capacity)) // a prompt larger than the cache keeps its head
 	for i := hit - 1; i >= 0; i-- {               // hits become most recent
-		s := e.slot[hashes[i]]
-		e.unlink(s)
-		e.pushFront(s)
+		e.order.MoveToFront(e.slot[hashes[i]])
 	}
 	e.removed = e.removed[:0]
 	for i := end - 1; i >= hit; i-- {
 		var s int32
 		switch {
-		case len(e.slot) < e.capacity && len(e.free) > 0:
-			s = e.free[len(e.free)-1]
-			e.free = e.free[:len(e.free)-1]
 		case len(e.slot) < e.capacity:
-			s = int32(len(e.key))
-			e.key, e.prev, e.next = append(e.key, 0), append(e.prev, -1), append(e.next, -1)
+			s = e.order.Add()
+			e.key = append(e.key, 0)
 		default: // evict the least recent block
-			s = e.tail
-			e.unlink(s)
+			s = e.order.Back()
+			e.order.MoveToFront(s)
 			delete(e.slot, e.key[s])
 			e.removed = append(e.removed, e.key[s])
 		}
 		e.key[s] = hashes[i]
 		e.slot[hashes[i]] = s
-		e.pushFront(s)
 	}
 	// Stored blocks were pushed last first: the chain's head is the most
 	// recent, ahead of the hits pushed before them; put the hits back on top.
 	for i := hit - 1; i >= 0; i-- {
-		s := e.slot[hashes[i]]
-		e.unlink(s)
-		e.pushFront(s)
+		e.order.MoveToFront(e.slot[hashes[i]])
 	}
 	if len(e.removed) > 0 {
 		evs = append(evs, events.Event{Kind: events.BlockRemoved, Medium: "GPU", BlockHashes: slices.Clone(e.removed)})
@@ -393,15 +360,6 @@ func (e *lruEngine) serve(evs []events.Event, hashes []uint64, toks []uint32, bs
 		evs = append(evs, ev)
 	}
 	return evs
-}
-
-// liveHeap is the heap in use after a full collection.
-func liveHeap() uint64 {
-	var ms runtime.MemStats
-	runtime.GC()
-	runtime.GC()
-	runtime.ReadMemStats(&ms)
-	return ms.HeapAlloc
 }
 
 // splitmix is a 64-bit mixer (SplitMix64's finaliser): synthetic token ids

@@ -11,6 +11,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/kvrouter/kvrouter/router/admin/adminapi"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -32,31 +33,12 @@ type instanceStatus struct {
 }
 
 // kvInstances is GET /admin/pools/{pool}/instances: what the pool's KV
-// index and event consumer know of each instance (blocks per
-// tier, last event time, last seq, gaps, state).
-type kvInstances struct {
-	Pool          string       `json:"pool"`
-	StreamHealthy bool         `json:"stream_healthy"`
-	BlockSize     int          `json:"block_size"`
-	Instances     []kvInstance `json:"instances"`
-}
-
-type kvInstance struct {
-	Instance      string         `json:"instance"`
-	State         string         `json:"state"` // live, stale, purged, unknown
-	InPool        bool           `json:"in_pool"`
-	Configured    bool           `json:"configured"`
-	URL           string         `json:"url,omitempty"`
-	Blocks        map[string]int `json:"blocks"` // by tiers.Tier.String()
-	LastEvent     time.Time      `json:"last_event,omitzero"`
-	LastHeartbeat time.Time      `json:"last_heartbeat,omitzero"`
-	LastSeq       uint64         `json:"last_seq"`
-	StreamSeq     uint64         `json:"stream_seq"`
-	Gaps          uint64         `json:"gaps"`
-	Clears        uint64         `json:"clears"`
-	Malformed     uint64         `json:"malformed"`
-	Unknown       uint64         `json:"unknown_events"`
-}
+// index and event consumer know of each instance (blocks per tier, last
+// event time, last seq, gaps, state), decoded into the server's own types.
+type (
+	kvInstances = adminapi.KVInstancesResponse
+	kvInstance  = adminapi.KVInstanceView
+)
 
 // instanceRow is what kvctl prints per instance: the router's view
 // (health, in-flight) joined with the KV view when the pool has one.

@@ -12,6 +12,8 @@ import (
 	"strconv"
 	"text/tabwriter"
 	"unicode"
+
+	"github.com/kvrouter/kvrouter/router/admin/adminapi"
 )
 
 // maxLookupFile bounds a prompt or token file: the longest contexts are
@@ -22,26 +24,15 @@ const maxLookupFile = 64 << 20
 // {"pool": "llama", "block_size": 16, "prompt_tokens": 40, "blocks": 2,
 // "matches": [{"instance": "vllm-0", "gpu_blocks": 2, "cpu_blocks": 0,
 // ..., "live": true}]}, each tier's blocks counted beyond the faster tiers'.
-type lookupAnswer struct {
-	Pool         string        `json:"pool"`
-	BlockSize    int           `json:"block_size"`
-	PromptTokens int           `json:"prompt_tokens"`
-	Blocks       int           `json:"blocks"`
-	Matches      []lookupMatch `json:"matches"`
-}
+type (
+	lookupAnswer = adminapi.KVLookupResponse
+	lookupMatch  = adminapi.KVLookupMatch
+)
 
-type lookupMatch struct {
-	Instance     string `json:"instance"`
-	GPUBlocks    int    `json:"gpu_blocks"`
-	CPUBlocks    int    `json:"cpu_blocks"`
-	DiskBlocks   int    `json:"disk_blocks"`
-	SharedBlocks int    `json:"shared_blocks"`
-	// Live is false for an instance the router counts as stale: kv_aware
-	// ignores its blocks.
-	Live bool `json:"live"`
+// matchTotal is the blocks m holds over every tier.
+func matchTotal(m lookupMatch) int {
+	return m.GPUBlocks + m.CPUBlocks + m.DiskBlocks + m.SharedBlocks
 }
-
-func (m lookupMatch) total() int { return m.GPUBlocks + m.CPUBlocks + m.DiskBlocks + m.SharedBlocks }
 
 func runLookup(ctx context.Context, args []string, stdout io.Writer) error {
 	var o adminOpts
@@ -260,9 +251,9 @@ func writeLookupTable(w io.Writer, ans lookupAnswer) error {
 		}
 		share := "-"
 		if ans.Blocks > 0 {
-			share = fmt.Sprintf("%.0f%%", 100*float64(m.total())/float64(ans.Blocks))
+			share = fmt.Sprintf("%.0f%%", 100*float64(matchTotal(m))/float64(ans.Blocks))
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%s\n", m.Instance, live, m.GPUBlocks, m.CPUBlocks, m.DiskBlocks, m.SharedBlocks, m.total(), m.total()*ans.BlockSize, share)
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%s\n", m.Instance, live, m.GPUBlocks, m.CPUBlocks, m.DiskBlocks, m.SharedBlocks, matchTotal(m), matchTotal(m)*ans.BlockSize, share)
 	}
 	if err := tw.Flush(); err != nil {
 		return err

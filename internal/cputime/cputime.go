@@ -1,9 +1,13 @@
 // Package cputime reads the process's CPU time and an OS thread's, for
 // benchmarks that report CPU time per op beside wall time: on a shared
-// machine wall time per op mostly measures waiting for a core.
+// machine wall time per op mostly measures waiting for a core; and the
+// live heap, for benchmarks that report the memory a structure holds.
 package cputime
 
-import "time"
+import (
+	"runtime"
+	"time"
+)
 
 // Process is the process's user+system CPU time (GC included), -1 where
 // the platform does not report it.
@@ -32,4 +36,15 @@ func Report(b Metrics) func(n int) {
 			b.ReportMetric(float64(cpu1-cpu0)/float64(n), "cpu-ns/op")
 		}
 	}
+}
+
+// LiveHeap is the heap in use after a full collection (two, so that
+// objects freed by finalizers run in the first are gone too): the
+// difference of two readings is what the code between them keeps live.
+func LiveHeap() uint64 {
+	var ms runtime.MemStats
+	runtime.GC()
+	runtime.GC()
+	runtime.ReadMemStats(&ms)
+	return ms.HeapAlloc
 }

@@ -257,3 +257,20 @@ func Context(t testing.TB, d time.Duration) context.Context {
 	t.Cleanup(cancel)
 	return ctx
 }
+
+// Value is the environment variable name read as a T (fmt.Sscan: numbers,
+// durations in seconds as floats, words), def when it is unset or empty. A
+// value that does not read as a T fails the test: a mistyped knob should
+// not run the default silently.
+func Value[T any](t testing.TB, name string, def T) T {
+	t.Helper()
+	s := os.Getenv(name)
+	if s == "" {
+		return def
+	}
+	var v T
+	if _, err := fmt.Sscan(s, &v); err != nil {
+		t.Fatalf("%s=%q: %v", name, s, err)
+	}
+	return v
+}

@@ -175,3 +175,34 @@ func TestSelfSignedTrusted(t *testing.T) {
 		}
 	}
 }
+
+// fatalRecorder is a testing.TB whose Fatalf records instead of stopping.
+type fatalRecorder struct {
+	testing.TB
+	msg string
+}
+
+func (f *fatalRecorder) Helper()                           {}
+func (f *fatalRecorder) Fatalf(format string, args ...any) { f.msg = fmt.Sprintf(format, args...) }
+
+func TestValue(t *testing.T) {
+	const name = "KVROUTER_TESTENV_VALUE"
+	t.Setenv(name, "")
+	if v := Value(t, name, 2.5); v != 2.5 {
+		t.Errorf("unset: %v, want the default 2.5", v)
+	}
+	t.Setenv(name, "7.25")
+	if v := Value(t, name, 2.5); v != 7.25 {
+		t.Errorf("7.25: %v", v)
+	}
+	t.Setenv(name, "18446744073709551615")
+	if v := Value(t, name, uint64(1)); v != 1<<64-1 {
+		t.Errorf("max uint64: %v", v)
+	}
+	t.Setenv(name, "many")
+	f := &fatalRecorder{TB: t}
+	Value(f, name, 3)
+	if !strings.Contains(f.msg, name) {
+		t.Errorf("a value that is not a number: fatal %q, want one naming %s", f.msg, name)
+	}
+}

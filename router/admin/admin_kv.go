@@ -16,6 +16,7 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router/admin/adminapi"
 	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/kvrouter/kvrouter/tiers"
 )
@@ -59,27 +60,14 @@ type KVLookupRequest struct {
 	CacheSalt string          `json:"cache_salt"`
 }
 
-// KVLookupMatch is what one instance holds of the looked-up prompt: its
-// leading blocks on GPU, then the blocks beyond those on CPU, and so on.
-type KVLookupMatch struct {
-	Instance     string `json:"instance"`
-	GPUBlocks    int    `json:"gpu_blocks"`
-	CPUBlocks    int    `json:"cpu_blocks"`
-	DiskBlocks   int    `json:"disk_blocks"`
-	SharedBlocks int    `json:"shared_blocks"`
-	// Live is false when the consumer marks the instance stale or does
-	// not know it: kv_aware does not count its blocks then.
-	Live bool `json:"live"`
-}
-
-// KVLookupResponse answers POST /admin/pools/{pool}/lookup.
-type KVLookupResponse struct {
-	Pool         string          `json:"pool"`
-	BlockSize    int             `json:"block_size"`
-	PromptTokens int             `json:"prompt_tokens"`
-	Blocks       int             `json:"blocks"`
-	Matches      []KVLookupMatch `json:"matches"`
-}
+// The KV endpoints' answers, declared in adminapi so that clients
+// (kvctl) decode the very types the server encodes.
+type (
+	KVLookupMatch       = adminapi.KVLookupMatch
+	KVLookupResponse    = adminapi.KVLookupResponse
+	KVInstanceView      = adminapi.KVInstanceView
+	KVInstancesResponse = adminapi.KVInstancesResponse
+)
 
 func (s *api) kvPool(w http.ResponseWriter, r *http.Request) (*router.Pool, *kvaware.KVState) {
 	p := s.poolFromPath(w, r)
@@ -217,40 +205,6 @@ func (s *api) lookupTokens(ctx context.Context, p *router.Pool, kv *kvaware.KVSt
 		return nil, fmt.Errorf("tokenize prompt: %w", err)
 	}
 	return ids, nil
-}
-
-// KVInstanceView is one instance in GET /admin/pools/{pool}/instances: the
-// index's blocks per tier merged with the consumer's view and the pool's
-// membership.
-type KVInstanceView struct {
-	Instance string `json:"instance"`
-	// State is the consumer's: live, stale, purged; "unknown" for an
-	// instance it has never heard from.
-	State string `json:"state"`
-	// InPool: a candidate of the pool (configured or discovered);
-	// Configured: listed in the file.
-	InPool     bool   `json:"in_pool"`
-	Configured bool   `json:"configured"`
-	URL        string `json:"url,omitempty"`
-	Healthy    bool   `json:"healthy"`
-	// Blocks per tier as the index holds them.
-	Blocks        map[string]int `json:"blocks"`
-	LastEvent     time.Time      `json:"last_event,omitzero"`
-	LastHeartbeat time.Time      `json:"last_heartbeat,omitzero"`
-	LastSeq       uint64         `json:"last_seq"`
-	StreamSeq     uint64         `json:"stream_seq"`
-	Gaps          uint64         `json:"gaps"`
-	Clears        uint64         `json:"clears"`
-	Malformed     uint64         `json:"malformed"`
-	Unknown       uint64         `json:"unknown_events"`
-}
-
-// KVInstancesResponse answers GET /admin/pools/{pool}/instances.
-type KVInstancesResponse struct {
-	Pool          string           `json:"pool"`
-	StreamHealthy bool             `json:"stream_healthy"`
-	BlockSize     int              `json:"block_size"`
-	Instances     []KVInstanceView `json:"instances"`
 }
 
 func (s *api) serveKVInstances(w http.ResponseWriter, r *http.Request) {

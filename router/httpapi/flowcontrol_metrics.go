@@ -2,6 +2,8 @@ package httpapi
 
 import (
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter/kvrouter/internal/metricset"
 )
 
 // flowMetrics are the flow-control queue's metrics: counters and the wait
@@ -14,23 +16,23 @@ type flowMetrics struct {
 	wait     *prometheus.HistogramVec
 }
 
-func newFlowMetrics(s *Server) (*flowMetrics, []prometheus.Collector) {
+// newFlowMetrics builds the queue's metrics in ms, its scrape-time gauges
+// read from s.
+func newFlowMetrics(ms *metricset.Set, s *Server) *flowMetrics {
 	m := &flowMetrics{
-		admitted: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_queue_admitted_total",
-			Help: "Requests admitted by the pool's flow-control queue, by priority (clamped to -10..10).",
-		}, []string{"pool", "priority"}),
-		shed: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_queue_shed_total",
-			Help: "Requests the flow-control queue answered 429 (queue_full, displaced, deadline, timeout) or lost to their client while waiting (canceled).",
-		}, []string{"pool", "priority", "reason"}),
-		wait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "kvrouter_queue_wait_seconds",
-			Help:    "Time admitted requests waited in the flow-control queue (0 when admitted at once).",
-			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16), // 1ms .. 33s
-		}, []string{"pool", "priority"}),
+		admitted: ms.CounterVec("kvrouter_queue_admitted_total",
+			"Requests admitted by the pool's flow-control queue, by priority (clamped to -10..10).",
+			"pool", "priority"),
+		shed: ms.CounterVec("kvrouter_queue_shed_total",
+			"Requests the flow-control queue answered 429 (queue_full, displaced, deadline, timeout) or lost to their client while waiting (canceled).",
+			"pool", "priority", "reason"),
+		wait: ms.HistogramVec("kvrouter_queue_wait_seconds",
+			"Time admitted requests waited in the flow-control queue (0 when admitted at once).",
+			prometheus.ExponentialBuckets(0.001, 2, 16), // 1ms .. 33s
+			"pool", "priority"),
 	}
-	return m, []prometheus.Collector{m.admitted, m.shed, m.wait, &flowCollector{s: s}}
+	ms.Add(&flowCollector{s: s})
+	return m
 }
 
 var (

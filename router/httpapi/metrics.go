@@ -56,9 +56,7 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 			"pool", "instance"),
 	}
 	ms.Add(&liveCollector{s: s})
-	var flowCollectors []prometheus.Collector
-	m.flow, flowCollectors = newFlowMetrics(s)
-	ms.Add(flowCollectors...)
+	m.flow = newFlowMetrics(&ms, s)
 	if err := ms.Register(reg); err != nil {
 		return nil, err
 	}

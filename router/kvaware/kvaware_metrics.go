@@ -3,6 +3,7 @@ package kvaware
 import (
 	"sync/atomic"
 
+	"github.com/kvrouter/kvrouter/internal/metricset"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/tiers"
 	"github.com/prometheus/client_golang/prometheus"
@@ -28,98 +29,59 @@ type KVMetrics struct {
 	shadow            *prometheus.CounterVec
 	shadowMatched     *prometheus.CounterVec
 	shadowTTFT        *prometheus.HistogramVec
+	set               metricset.Set // all of the above, registered together
 }
 
 // NewKVMetrics creates the exact-routing metrics and registers them on reg.
 func NewKVMetrics(reg prometheus.Registerer) (*KVMetrics, error) {
 	m := newKVMetrics()
-	for _, c := range m.collectors() {
-		if err := reg.Register(c); err != nil {
-			return nil, err
-		}
+	if err := m.set.Register(reg); err != nil {
+		return nil, err
 	}
 	return m, nil
 }
 
 func newKVMetrics() *KVMetrics {
 	ttftBuckets := prometheus.ExponentialBuckets(0.001, 2, 17) // 1ms .. 65s
-	return &KVMetrics{
-		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_kv_decisions_total",
-			Help: "kv_aware decisions by reason (kv_match, heuristic, load_bound, overflow, saturated, stale_fallback, stream_down).",
-		}, []string{"pool", "reason"}),
-		matched: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_kv_matched_tokens_total",
-			Help: "Prompt tokens the chosen instance was predicted to hold, by tier (each beyond faster tiers).",
-		}, []string{"pool", "tier"}),
-		prompt: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_kv_prompt_tokens_total",
-			Help: "Prompt tokens of requests routed by kv_aware with known token ids.",
-		}, []string{"pool"}),
-		tokenErrs: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_kv_tokenize_errors_total",
-			Help: "Requests whose token ids could not be produced (routed heuristically).",
-		}, []string{"pool"}),
-		lookupErrs: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_kv_lookup_errors_total",
-			Help: "Index lookups that failed (routed on speculative entries, else heuristically).",
-		}, []string{"pool"}),
-		streamUp: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "kvrouter_kv_stream_healthy",
-			Help: "1 while the pool's KV event stream is healthy (exact routing), 0 while kv_aware falls back to prefix_aware.",
-		}, []string{"pool"}),
-		streamTransitions: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_kv_stream_transitions_total",
-			Help: "Changes of the KV event stream's health as seen by kv_aware, by the new state.",
-		}, []string{"pool", "state"}),
-		specKeys: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "kvrouter_kv_speculative_entries",
-			Help: "(block, instance) entries in the speculative overlay (routed but not yet confirmed by events).",
-		}, []string{"pool"}),
+	var ms metricset.Set
+	m := &KVMetrics{
+		decisions: ms.CounterVec("kvrouter_kv_decisions_total",
+			"kv_aware decisions by reason (kv_match, heuristic, load_bound, overflow, saturated, stale_fallback, stream_down).", "pool", "reason"),
+		matched: ms.CounterVec("kvrouter_kv_matched_tokens_total",
+			"Prompt tokens the chosen instance was predicted to hold, by tier (each beyond faster tiers).", "pool", "tier"),
+		prompt: ms.CounterVec("kvrouter_kv_prompt_tokens_total",
+			"Prompt tokens of requests routed by kv_aware with known token ids.", "pool"),
+		tokenErrs: ms.CounterVec("kvrouter_kv_tokenize_errors_total",
+			"Requests whose token ids could not be produced (routed heuristically).", "pool"),
+		lookupErrs: ms.CounterVec("kvrouter_kv_lookup_errors_total",
+			"Index lookups that failed (routed on speculative entries, else heuristically).", "pool"),
+		streamUp: ms.GaugeVec("kvrouter_kv_stream_healthy",
+			"1 while the pool's KV event stream is healthy (exact routing), 0 while kv_aware falls back to prefix_aware.", "pool"),
+		streamTransitions: ms.CounterVec("kvrouter_kv_stream_transitions_total",
+			"Changes of the KV event stream's health as seen by kv_aware, by the new state.", "pool", "state"),
+		specKeys: ms.GaugeVec("kvrouter_kv_speculative_entries",
+			"(block, instance) entries in the speculative overlay (routed but not yet confirmed by events).", "pool"),
 		pending: newPendingCollector(), // compare.go: read at scrape time
-		scrapes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_kv_load_scrapes_total",
-			Help: "Scrapes of instances' /metrics for vllm:num_requests_waiting/running, by result.",
-		}, []string{"pool", "instance", "result"}),
-		usage: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_kv_usage_reports_total",
-			Help: "Finished kv-scored requests by whether the engine reported usage.prompt_tokens_details.cached_tokens (reported, missing).",
-		}, []string{"pool", "result"}),
-		reportedCached: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_kv_engine_cached_tokens_total",
-			Help: "Cached prompt tokens reported by engines (usage.prompt_tokens_details.cached_tokens).",
-		}, []string{"pool"}),
-		predictedCached: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_kv_predicted_cached_tokens_total",
-			Help: "Matched tokens predicted at routing for requests whose engine reported cached tokens (compare with kvrouter_kv_engine_cached_tokens_total).",
-		}, []string{"pool"}),
-		predictionError: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "kvrouter_kv_prediction_error_tokens",
-			Help:    "|predicted matched − engine-reported cached| tokens per request.",
-			Buckets: []float64{0, 16, 64, 256, 1024, 4096, 16384, 65536},
-		}, []string{"pool"}),
-		shadow: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_shadow_decisions_total",
-			Help: "Shadow-mode decisions by whether prefix_aware and kv_aware picked the same instance.",
-		}, []string{"pool", "agree"}),
-		shadowMatched: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvrouter_shadow_predicted_matched_tokens_total",
-			Help: "Shadow mode: matched tokens the index predicts for each strategy's pick.",
-		}, []string{"pool", "strategy"}),
-		shadowTTFT: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "kvrouter_shadow_predicted_ttft_seconds",
-			Help:    "Shadow mode: predicted time to first token of each strategy's pick.",
-			Buckets: ttftBuckets,
-		}, []string{"pool", "strategy"}),
+		scrapes: ms.CounterVec("kvrouter_kv_load_scrapes_total",
+			"Scrapes of instances' /metrics for vllm:num_requests_waiting/running, by result.", "pool", "instance", "result"),
+		usage: ms.CounterVec("kvrouter_kv_usage_reports_total",
+			"Finished kv-scored requests by whether the engine reported usage.prompt_tokens_details.cached_tokens (reported, missing).", "pool", "result"),
+		reportedCached: ms.CounterVec("kvrouter_kv_engine_cached_tokens_total",
+			"Cached prompt tokens reported by engines (usage.prompt_tokens_details.cached_tokens).", "pool"),
+		predictedCached: ms.CounterVec("kvrouter_kv_predicted_cached_tokens_total",
+			"Matched tokens predicted at routing for requests whose engine reported cached tokens (compare with kvrouter_kv_engine_cached_tokens_total).", "pool"),
+		predictionError: ms.HistogramVec("kvrouter_kv_prediction_error_tokens",
+			"|predicted matched − engine-reported cached| tokens per request.", []float64{0, 16, 64, 256, 1024, 4096, 16384, 65536}, "pool"),
+		shadow: ms.CounterVec("kvrouter_shadow_decisions_total",
+			"Shadow-mode decisions by whether prefix_aware and kv_aware picked the same instance.", "pool", "agree"),
+		shadowMatched: ms.CounterVec("kvrouter_shadow_predicted_matched_tokens_total",
+			"Shadow mode: matched tokens the index predicts for each strategy's pick.", "pool", "strategy"),
+		shadowTTFT: ms.HistogramVec("kvrouter_shadow_predicted_ttft_seconds",
+			"Shadow mode: predicted time to first token of each strategy's pick.", ttftBuckets, "pool", "strategy"),
 	}
-}
-
-func (m *KVMetrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{
-		m.decisions, m.matched, m.prompt, m.tokenErrs, m.lookupErrs, m.streamUp, m.streamTransitions,
-		m.specKeys, m.pending, m.scrapes, m.usage, m.reportedCached, m.predictedCached,
-		m.predictionError, m.shadow, m.shadowMatched, m.shadowTTFT,
-	}
+	ms.Add(m.pending)
+	m.set = ms
+	return m
 }
 
 // decisionMetrics are one pool's per-decision metric children, looked up

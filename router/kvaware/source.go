@@ -42,12 +42,7 @@ func (s *Source) Attach(reg prometheus.Registerer, log *slog.Logger) error {
 	if log != nil {
 		s.log = log
 	}
-	for _, c := range s.m.collectors() {
-		if err := reg.Register(c); err != nil {
-			return err
-		}
-	}
-	return nil
+	return s.m.set.Register(reg)
 }
 
 // For returns pool pc's exact-routing state, keeping prev across a reload
