@@ -541,6 +541,7 @@ func (r *run) loop(ctx context.Context) error {
 			}
 		case tExp:
 			r.drop()
+			r.freed = true // the requests behind one that expired may go now
 		case tHand:
 			h := r.handoffs[0]
 			r.handoffs = r.handoffs[1:]
@@ -591,6 +592,10 @@ func (r *run) arrive(ctx context.Context, i int) {
 		r.waiting++
 	}
 	r.drop() // an arrival may displace a waiting request
+	// A queued arrival may go at once (ahead of a request held back only
+	// by the reservation, or in a more urgent band), and a displaced one
+	// may unblock those behind it: dispatch as the router's Gate does.
+	r.freed = true
 }
 
 // drop ends the waiting requests the admission queue shed by now.
