@@ -36,32 +36,35 @@ import (
 // long prompts; fair queuing decides their share of it), and 1 until the
 // slope is known (first tokens after more than one amount of work).
 //
-//   - While nothing else waits, the short requests are placed by the
-//     strategy among all instances with room, a cache-aware one onto the
-//     instance holding their prefix, so their work is their uncached
-//     tokens (Item.Cached), and k is a staffing question: the fewest
-//     instances on which, as an M/M/k queue (offered load a·b in
-//     instances, a request's work its uncached tokens × b), at most one
-//     request in ten waits longer than its objective leaves (the mean
-//     objective less the service fit's prediction for a short prompt's
-//     uncached tokens with nothing ahead); without objectives, the fewest
-//     that carry the load, ⌊a·b⌋ + 1 (staff). Counting whole prompts here
-//     kept two of four instances for light requests whose prefill needs
-//     half of one (kv_aware, kvbench flow at half load: a·b median 1.02
-//     on whole prompts, 0.43–0.84 uncached), and the heavy tenant's
-//     10,000-token prompts waited: p99 of all requests 529 ms against 420
-//     ms without the queue; 401 ms with this rule.
-//   - While other requests wait, k = ⌈a·b⌉ on whole prompts, the short
-//     requests' offered load: a waiting short request goes to whichever
-//     instance frees, holding its prefix or not, and the staffing rule
-//     applied there reserved more than this and cost goodput under
-//     overload (kv_aware, 4 instances, 4×: 82.1 → 78.1 req/s; counting
-//     uncached tokens there: 91.5 → 83.7 at 2×). The offered load, not a
-//     share of the queue's drain rate: that rate is measured only while
-//     requests wait, and at light load those short spells put it far
-//     below the pool's capacity (the heavy tenant's p99 at half load
-//     1,229 ms with a drain-rate k, 685 ms with this one, 1,210 ms without
-//     the queue).
+//   - While nothing but long prompts waits, the short requests are placed
+//     by the strategy among all instances with room, a cache-aware one onto
+//     the instance holding their prefix, so their work is their uncached
+//     tokens (Item.Cached), and a long prompt is held back when, admitted,
+//     it would leave them instances on which more than one request in ten
+//     waits longer than its objective leaves (the mean objective less the
+//     service fit's prediction for a short prompt's uncached tokens with
+//     nothing ahead): Erlang C on what remains, one instance more as each
+//     long prompt holding one reaches its predicted first token, averaged
+//     over the new prompt's hold (shortTail). At least one instance stays.
+//     Without objectives, the fewest that carry the load, ⌊a·b⌋ + 1
+//     (staff). The rule before took the short requests to be confined to
+//     k instances for good; at half load they are so only while long
+//     prompts hold every other instance, until those prompts' first
+//     tokens, and it held long prompts back on its one-in-ten boundary
+//     (kvbench flow --seed 2). Counting whole prompts here kept two of four
+//     instances for light requests whose prefill needs half of one.
+//   - While step-sized requests wait, or every arrival's offered work is
+//     at least the pool's instances (overloaded), k = ⌈a·b⌉ on whole
+//     prompts, the short requests' offered load: a waiting short request
+//     goes to whichever instance frees, holding its prefix or not, and the
+//     staffing rule applied there reserved more than this and cost goodput
+//     under overload (kv_aware, 4 instances, 4×: 82.1 → 78.1 req/s;
+//     counting uncached tokens there: 91.5 → 83.7 at 2×). The offered load,
+//     not a share of the queue's drain rate: that rate is measured only
+//     while requests wait, and at light load those short spells put it far
+//     below the pool's capacity (the heavy tenant's p99 at half load 1,229
+//     ms with a drain-rate k, 685 ms with this one, 1,210 ms without the
+//     queue).
 //
 // Nothing is reserved with a single instance, nor while no step-sized
 // request at least as urgent has arrived within the time an oversized
@@ -70,7 +73,8 @@ import (
 // reserves again as soon as short requests come. When the head of the
 // queue is an oversized prompt held back only by the reservation, the
 // first request in fair-queuing order that fits a step goes ahead of it,
-// onto the room the reservation keeps (stepSized); the oversized prompt
+// onto the room the reservation keeps (stepSized), and such a request
+// arriving then is admitted at once (passesHeld); the oversized prompt
 // is admitted as soon as one of the others' long prefills ends. The cost:
 // while short requests keep arriving, long prompts get at most N−k
 // instances even when the short ones leave some of theirs idle.
