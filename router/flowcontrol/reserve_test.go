@@ -214,30 +214,38 @@ func TestReservationCountsLongPromptsLoad(t *testing.T) {
 	}
 }
 
+// twoWithHeldLong is a queue over instances a and b, with room for one
+// step-sized prompt each, that has served two short requests (the last at
+// 1 s), holds the long prompt long on a and keeps b for short requests:
+// the long prompt held, of priority prio, waits, held back by the
+// reservation.
+func twoWithHeldLong(t *testing.T, prio int64) (s *Sched, long, held *Item) {
+	s = mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true, MaxWait: time.Hour, AgingStep: time.Hour})
+	s.SetInstances([]string{"a", "b"})
+	for i, ms := range []int{0, 1000} {
+		short := &Item{Prefill: 50, Cost: 50}
+		offer(t, s, short, at(ms), Admitted)
+		s.Bind(short, "b")
+		ft := at(ms + []int{50, 1}[i]) // teaches a service time of ~25 ms
+		s.FirstToken(short, ft)
+		s.Done(short, ft)
+	}
+	long = &Item{Prefill: 500, Cost: 500}
+	offer(t, s, long, at(1002), Admitted)
+	s.Bind(long, "a")
+	held = &Item{Priority: prio, Prefill: 500, Cost: 500}
+	offer(t, s, held, at(1003), Queued)
+	return s, long, held
+}
+
 // TestStepSizedArrivalPassesHeldLongPrompts: a step-sized request that
 // arrives while only a long prompt held back by the reservation waits goes
 // at once onto the reserved instance, not queued and predicted behind that
 // prompt's tokens (here 0.5 s at the queue's drain rate, past its 200 ms
 // objective: it was shed on arrival); a long arrival still waits.
 func TestStepSizedArrivalPassesHeldLongPrompts(t *testing.T) {
-	s := mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true, MaxWait: time.Hour, AgingStep: time.Hour})
-	s.SetInstances([]string{"a", "b"})
-	warm := &Item{Prefill: 50, Cost: 50}
-	offer(t, s, warm, at(0), Admitted)
-	s.Bind(warm, "b")
-	s.FirstToken(warm, at(50))
-	s.Done(warm, at(50))
-	first := &Item{Prefill: 50, Cost: 50}
-	offer(t, s, first, at(1000), Admitted)
-	s.Bind(first, "b")
-	s.FirstToken(first, at(1001))
-	s.Done(first, at(1001))
-	long := &Item{Prefill: 500, Cost: 500}
-	offer(t, s, long, at(1002), Admitted)
-	s.Bind(long, "a")
-	held := &Item{Prefill: 500, Cost: 500}
-	offer(t, s, held, at(1003), Queued) // b is kept for step-sized requests
-	s.busySec, s.busyTokens = 1, 1000   // the queue drains 1,000 tokens a second
+	s, _, _ := twoWithHeldLong(t, 0)
+	s.busySec, s.busyTokens = 1, 1000 // the queue drains 1,000 tokens a second
 	short := &Item{Prefill: 50, Cost: 50, Deadline: at(1204)}
 	offer(t, s, short, at(1004), Admitted)
 	if n := s.Counts().Shed[ShedDeadline]; n != 0 {

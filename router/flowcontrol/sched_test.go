@@ -788,23 +788,7 @@ func TestReservedInstancesFollowDemand(t *testing.T) {
 // at the head of the most urgent band does not stop a less urgent short
 // request from taking the reserved room when no urgent one waits.
 func TestReserveBypassAcrossBands(t *testing.T) {
-	s := mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true, MaxWait: time.Hour, AgingStep: time.Hour})
-	s.SetInstances([]string{"a", "b"})
-	warm := &Item{Prefill: 50, Cost: 50} // teaches a service time of ~50 ms
-	offer(t, s, warm, at(0), Admitted)
-	s.Bind(warm, "b")
-	s.FirstToken(warm, at(100))
-	s.Done(warm, at(100))
-	first := &Item{Priority: 0, Prefill: 50, Cost: 50} // an urgent short request arrives
-	offer(t, s, first, at(1000), Admitted)
-	s.Bind(first, "b")
-	s.FirstToken(first, at(1001))
-	s.Done(first, at(1001))
-	long := &Item{Prefill: 500, Cost: 500}
-	offer(t, s, long, at(1002), Admitted)
-	s.Bind(long, "a")
-	urgentLong := &Item{Priority: 0, Prefill: 500, Cost: 500}
-	offer(t, s, urgentLong, at(1003), Queued) // b is reserved for short requests
+	s, long, urgentLong := twoWithHeldLong(t, 0) // b is reserved for short requests
 	short := &Item{Priority: 1, Prefill: 50, Cost: 50}
 	offer(t, s, short, at(1004), Admitted) // onto the reserved instance, past the held-back head
 	s.Bind(short, "b")
