@@ -107,7 +107,7 @@ func (s *Sched) reserveBlocks(it *Item) bool {
 		return left < 1
 	}
 	if s.overloaded(b) {
-		return left < min(max(int(math.Ceil(d.computed/s.arrSec*b)), 1), s.liveN-1)
+		return left < s.offeredK(d, b)
 	}
 	load := d.tokens / s.arrSec * b // offered load, in instances
 	work := d.tokens / d.reqs * b   // one request's prefill, in seconds of an instance
@@ -152,19 +152,9 @@ func (s *Sched) overloaded(b float64) bool {
 	return s.queuedSmall > 0 || s.arrTok/s.arrSec*b >= float64(s.liveN)
 }
 
-// reserved is k for the oversized prompt it under overload (overloaded):
-// the short requests' offered load on whole prompts, ⌈a·b⌉, between 1
-// and N−1; 0 when none of them has arrived within its predicted service
-// time, 1 while the slope is unknown.
-func (s *Sched) reserved(it *Item) int {
-	d, ok := s.smallDemandFor(it)
-	if !ok {
-		return 0
-	}
-	b := s.svcFit.slope()
-	if b <= 0 || s.arrSec <= 0 || d.reqs <= 0 {
-		return min(1, s.liveN-1)
-	}
+// offeredK is the instances kept under overload: the short requests'
+// offered load on whole prompts, ⌈a·b⌉, between 1 and N−1.
+func (s *Sched) offeredK(d smallDemand, b float64) int {
 	return min(max(int(math.Ceil(d.computed/s.arrSec*b)), 1), s.liveN-1)
 }
 

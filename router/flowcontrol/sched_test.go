@@ -1035,3 +1035,18 @@ func TestServiceFitConstantSum(t *testing.T) {
 		t.Fatalf("at(1500, 1500) = %v", got)
 	}
 }
+
+// reserved is the instances the overload form keeps for the step-sized
+// requests at least as urgent as it: 0 when none arrived within its
+// predicted service time, 1 while the slope is unknown, else offeredK.
+func (s *Sched) reserved(it *Item) int {
+	d, ok := s.smallDemandFor(it)
+	if !ok {
+		return 0
+	}
+	b := s.svcFit.slope()
+	if b <= 0 || s.arrSec <= 0 || d.reqs <= 0 {
+		return min(1, s.liveN-1)
+	}
+	return s.offeredK(d, b)
+}
