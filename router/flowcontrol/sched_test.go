@@ -734,8 +734,9 @@ func TestReserveInstanceForStepSized(t *testing.T) {
 	offer(t, one, &Item{Prefill: 500, Cost: 500}, at(1001), Admitted)
 }
 
-// Without objectives the reservation is the fewest instances that carry
-// the step-sized requests' offered load, k = ⌊a · b⌋ + 1 (a their prompt
+// Under overload the reservation is the step-sized requests' offered load,
+// k = ⌈a · b⌉ (on these loads the same as the fewest instances that carry
+// it without objectives, ⌊a · b⌋ + 1) (a their prompt
 // tokens per second, b the seconds each prompt token adds to
 // admission-to-first-token), at least 1 and at most N−1, and 1 before b is
 // known; a long prompt reserves only for short requests at
