@@ -98,6 +98,12 @@ func (s *Sched) reserveBlocks(it *Item) bool {
 		}
 	}
 	left := s.liveN - held - 1 // the instances it would leave them
+	if held == 0 {
+		// One instance always stays for the long prompts (k ≤ N−1): with
+		// none held, a pool whose short requests' objectives no number
+		// of instances meets would otherwise starve them.
+		return false
+	}
 	d, ok := s.smallDemandFor(it)
 	if !ok {
 		return false

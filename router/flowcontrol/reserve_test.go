@@ -122,6 +122,10 @@ func TestReservationFromUncachedDemandAndObjectives(t *testing.T) {
 		// Nine tenths cached: 0.13 instances of 4 ms requests; one does.
 		{"cached, one left", 0.9, 150 * time.Millisecond, false, 2, false},
 		{"cached, none left", 0.9, 150 * time.Millisecond, false, 3, true},
+		// An objective the service alone spends (60 ms of 20): no number
+		// of instances meets it, but one always stays for long prompts.
+		{"objective spent, none held", 0, 20 * time.Millisecond, false, 0, false},
+		{"objective spent, one held", 0, 20 * time.Millisecond, false, 1, true},
 		// Short requests waiting: two instances stay theirs.
 		{"waiting, two left", 0.9, 150 * time.Millisecond, true, 1, false},
 		{"waiting, one left", 0.9, 150 * time.Millisecond, true, 2, true},
