@@ -45,7 +45,8 @@ import (
 //     service fit's prediction for a short prompt's uncached tokens with
 //     nothing ahead): Erlang C on what remains, one instance more as each
 //     long prompt holding one reaches its predicted first token, averaged
-//     over the new prompt's hold (shortTail). At least one instance stays.
+//     over the new prompt's hold (shortTail). At least one instance stays
+//     theirs, and one the long prompts'.
 //     Without objectives, the fewest that carry the load, ⌊a·b⌋ + 1
 //     (staff). The rule before took the short requests to be confined to
 //     k instances for good; at half load they are so only while long
