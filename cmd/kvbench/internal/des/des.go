@@ -128,8 +128,8 @@ type Router interface {
 
 // Admission is a flow-control queue in front of the router (package
 // kvbench wires router/flowcontrol): it decides on each arrival and
-// releases waiting requests as capacity frees. The driver calls it from
-// one goroutine.
+// releases waiting requests as capacity frees and after each arrival and
+// expiry (Admitted). The driver calls it from one goroutine.
 type Admission interface {
 	// Arrive: request id arrives at now. admit: route it now; otherwise
 	// it waits, unless shed is set (refused at once, with that reason).
@@ -615,7 +615,7 @@ func (r *run) shed(o *Outcome, reason string) {
 }
 
 // admitWaiting routes the waiting requests the admission queue admits now
-// (called when capacity may have freed).
+// (called when capacity may have freed, and after an arrival or expiry).
 func (r *run) admitWaiting(ctx context.Context) {
 	a := r.cfg.Admission
 	if a == nil {
