@@ -119,6 +119,7 @@ func (g *Gate) Acquire(ctx context.Context, it Item) (*Ticket, error) {
 		g.mu.Unlock()
 		return t, nil
 	case Shed:
+		g.dispatch(now) // the expiries above may have freed the queue's head
 		g.mu.Unlock()
 		return nil, &ShedError{Reason: out.Reason, RetryAfter: out.RetryAfter}
 	}
@@ -138,14 +139,17 @@ func (g *Gate) Acquire(ctx context.Context, it Item) (*Ticket, error) {
 			if !g.s.Remove(&t.it, Canceled, now) && t.shed == "" {
 				// Admitted as the client left: give the slot back.
 				g.s.Done(&t.it, now)
-				g.dispatch(now)
 			}
+			g.dispatch(now) // it may have been the head holding the others back
 			g.mu.Unlock()
 			return nil, ctx.Err()
 		case <-timer.C:
 			g.mu.Lock()
 			now := g.now()
-			g.expire(now)
+			// Shed what expired and admit at once whoever that unblocks
+			// (the expired request may have been the head holding the
+			// others back), not at the next first token or end.
+			g.dispatch(now)
 			if t.it.state == stQueued { // our clock and the timer's differ slightly
 				timer.Reset(max(t.it.expires.Sub(now), time.Millisecond))
 			}

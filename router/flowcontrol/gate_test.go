@@ -188,3 +188,42 @@ func TestGatePerInstance(t *testing.T) {
 		}
 	}
 }
+
+// TestGateExpiryAdmitsTheRequestsBehind: a head that blocks the queue (its
+// prompt does not fit the prefill budget beside the request in flight)
+// expires at its deadline; the request behind it, which fits, is admitted
+// then, not at the next first token or end (none comes here).
+func TestGateExpiryAdmitsTheRequestsBehind(t *testing.T) {
+	g := mustGate(t, Config{MaxPendingPrefill: 100})
+	first, err := g.Acquire(context.Background(), Item{Prefill: 50})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer first.Done()
+	headErr := make(chan error, 1)
+	go func() {
+		_, err := g.Acquire(context.Background(), Item{Prefill: 100, Deadline: time.Now().Add(50 * time.Millisecond)})
+		headErr <- err
+	}()
+	waitQueued(t, g, 1)
+	behind := make(chan error, 1)
+	go func() {
+		tk, err := g.Acquire(context.Background(), Item{Prefill: 10})
+		if err == nil {
+			tk.Done()
+		}
+		behind <- err
+	}()
+	var se *ShedError
+	if err := <-headErr; !errors.As(err, &se) || se.Reason != ShedDeadline {
+		t.Fatalf("head: %v, want shed for its deadline", err)
+	}
+	select {
+	case err := <-behind:
+		if err != nil {
+			t.Fatalf("behind: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the request behind the expired head was not admitted")
+	}
+}

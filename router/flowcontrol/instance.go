@@ -3,6 +3,7 @@ package flowcontrol
 import (
 	"slices"
 	"strings"
+	"time"
 )
 
 // Per-instance budgets. A pool-wide budget lets the strategy pile the
@@ -19,9 +20,10 @@ import (
 type instLoad struct {
 	name     string
 	inflight int
-	pending  int64 // prompt tokens before their first token
-	work     int64 // of those, the tokens it does not hold (workOn)
-	big      int   // oversized prompts before their first token (reserve.go)
+	pending  int64     // prompt tokens before their first token
+	work     int64     // of those, the tokens it does not hold (workOn)
+	big      int       // oversized prompts before their first token (reserve.go)
+	bigEnd   time.Time // when the last bound of them is predicted to reach it (reserve.go)
 	live     bool
 }
 

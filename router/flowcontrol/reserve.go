@@ -2,6 +2,7 @@ package flowcontrol
 
 import (
 	"math"
+	"slices"
 	"time"
 )
 
@@ -35,32 +36,36 @@ import (
 // long prompts; fair queuing decides their share of it), and 1 until the
 // slope is known (first tokens after more than one amount of work).
 //
-//   - While nothing else waits, the short requests are placed by the
-//     strategy among all instances with room, a cache-aware one onto the
-//     instance holding their prefix, so their work is their uncached
-//     tokens (Item.Cached), and k is a staffing question: the fewest
-//     instances on which, as an M/M/k queue (offered load a·b in
-//     instances, a request's work its uncached tokens × b), at most one
-//     request in ten waits longer than its objective leaves (the mean
-//     objective less the service fit's prediction for a short prompt's
-//     uncached tokens with nothing ahead); without objectives, the fewest
-//     that carry the load, ⌊a·b⌋ + 1 (staff). Counting whole prompts here
-//     kept two of four instances for light requests whose prefill needs
-//     half of one (kv_aware, kvbench flow at half load: a·b median 1.02
-//     on whole prompts, 0.43–0.84 uncached), and the heavy tenant's
-//     10,000-token prompts waited: p99 of all requests 529 ms against 420
-//     ms without the queue; 401 ms with this rule.
-//   - While other requests wait, k = ⌈a·b⌉ on whole prompts, the short
-//     requests' offered load: a waiting short request goes to whichever
-//     instance frees, holding its prefix or not, and the staffing rule
-//     applied there reserved more than this and cost goodput under
-//     overload (kv_aware, 4 instances, 4×: 82.1 → 78.1 req/s; counting
-//     uncached tokens there: 91.5 → 83.7 at 2×). The offered load, not a
-//     share of the queue's drain rate: that rate is measured only while
-//     requests wait, and at light load those short spells put it far
-//     below the pool's capacity (the heavy tenant's p99 at half load
-//     1,229 ms with a drain-rate k, 685 ms with this one, 1,210 ms without
-//     the queue).
+//   - While nothing but long prompts waits, the short requests are placed
+//     by the strategy among all instances with room, a cache-aware one onto
+//     the instance holding their prefix, so their work is their uncached
+//     tokens (Item.Cached), and a long prompt is held back when, admitted,
+//     it would leave them instances on which more than one request in ten
+//     waits longer than its objective leaves (the mean objective less the
+//     service fit's prediction for a short prompt's uncached tokens with
+//     nothing ahead): Erlang C on what remains, one instance more as each
+//     long prompt holding one reaches its predicted first token, averaged
+//     over the new prompt's hold (shortTail). At least one instance stays
+//     theirs, and one the long prompts'.
+//     Without objectives, the fewest that carry the load, ⌊a·b⌋ + 1
+//     (staff). The rule before took the short requests to be confined to
+//     k instances for good; at half load they are so only while long
+//     prompts hold every other instance, until those prompts' first
+//     tokens, and it held long prompts back on its one-in-ten boundary
+//     (kvbench flow --seed 2). Counting whole prompts here kept two of four
+//     instances for light requests whose prefill needs half of one.
+//   - While step-sized requests wait, or every arrival's offered work is
+//     at least the pool's instances (overloaded), k = ⌈a·b⌉ on whole
+//     prompts, the short requests' offered load: a waiting short request
+//     goes to whichever instance frees, holding its prefix or not, and the
+//     staffing rule applied there reserved more than this and cost goodput
+//     under overload (kv_aware, 4 instances, 4×: 82.1 → 78.1 req/s;
+//     counting uncached tokens there: 91.5 → 83.7 at 2×). The offered load,
+//     not a share of the queue's drain rate: that rate is measured only
+//     while requests wait, and at light load those short spells put it far
+//     below the pool's capacity (the heavy tenant's p99 at half load 1,229
+//     ms with a drain-rate k, 685 ms with this one, 1,210 ms without the
+//     queue).
 //
 // Nothing is reserved with a single instance, nor while no step-sized
 // request at least as urgent has arrived within the time an oversized
@@ -69,7 +74,8 @@ import (
 // reserves again as soon as short requests come. When the head of the
 // queue is an oversized prompt held back only by the reservation, the
 // first request in fair-queuing order that fits a step goes ahead of it,
-// onto the room the reservation keeps (stepSized); the oversized prompt
+// onto the room the reservation keeps (stepSized), and such a request
+// arriving then is admitted at once (passesHeld); the oversized prompt
 // is admitted as soon as one of the others' long prefills ends. The cost:
 // while short requests keep arriving, long prompts get at most N−k
 // instances even when the short ones leave some of theirs idle.
@@ -80,14 +86,10 @@ func (s *Sched) oversized(it *Item) bool {
 	return s.cfg.ReserveInstance && s.cfg.InstancePrefill > 0 && s.compute(it) > s.cfg.InstancePrefill
 }
 
-// reserveBlocks reports whether admitting it would leave fewer than
-// reserved instances free of oversized prompts.
+// reserveBlocks reports whether admitting it would leave the step-sized
+// requests too few instances free of oversized prompts.
 func (s *Sched) reserveBlocks(it *Item) bool {
 	if !s.oversized(it) || s.liveN < 2 {
-		return false
-	}
-	k := s.reserved(it)
-	if k == 0 {
 		return false
 	}
 	held := s.unboundBig
@@ -96,15 +98,43 @@ func (s *Sched) reserveBlocks(it *Item) bool {
 			held++
 		}
 	}
-	return held >= s.liveN-k
+	left := s.liveN - held - 1 // the instances it would leave them
+	if held == 0 {
+		// One instance always stays for the long prompts (k ≤ N−1): with
+		// none held, a pool whose short requests' objectives no number
+		// of instances meets would otherwise starve them.
+		return false
+	}
+	d, ok := s.smallDemandFor(it)
+	if !ok {
+		return false
+	}
+	b := s.svcFit.slope()
+	if b <= 0 || s.arrSec <= 0 || d.reqs <= 0 {
+		return left < 1
+	}
+	if s.overloaded(b) {
+		return left < s.offeredK(d, b)
+	}
+	load := d.tokens / s.arrSec * b // offered load, in instances
+	work := d.tokens / d.reqs * b   // one request's prefill, in seconds of an instance
+	if d.objN <= 0 {
+		// No objectives: the fewest that carry the load.
+		return left < staff(load, work, -1, s.liveN-1)
+	}
+	if left < 1 {
+		return true
+	}
+	target := max(d.obj/d.objN-s.svcFit.at(d.tokens/d.reqs, 0).Seconds(), 0)
+	hold := s.service(it).Seconds()
+	return shortTail(load, work, target, left, hold, s.bigEnds(hold)) > missShare
 }
 
-// reserved is k for the oversized prompt it: the instances kept free of
-// oversized prompts for the step-sized requests at least as urgent as it,
-// between 1 and N−1 (staff); 0 when none of those has arrived within its
-// predicted service time (service.go).
-func (s *Sched) reserved(it *Item) int {
-	var d smallDemand
+// smallDemandFor is the demand of the step-sized requests at least as
+// urgent as the oversized prompt it; ok is false when none of them has
+// arrived within its predicted service time (service.go): then nothing is
+// reserved.
+func (s *Sched) smallDemandFor(it *Item) (d smallDemand, ok bool) {
 	var last time.Time
 	for p, e := range s.smallBy {
 		if p <= it.Priority {
@@ -114,23 +144,44 @@ func (s *Sched) reserved(it *Item) int {
 			}
 		}
 	}
-	if last.IsZero() || !s.last.Before(last.Add(s.service(it))) {
-		return 0
+	return d, !last.IsZero() && s.last.Before(last.Add(s.service(it)))
+}
+
+// overloaded reports whether the reservation is sized by the short
+// requests' bare offered load (⌈a·b⌉ on whole prompts) rather than by
+// staffing: while step-sized requests wait (a waiting short request goes
+// to whichever instance frees, holding its prefix or not), or while the
+// offered work of every arrival, long prompts included, is at least the
+// pool's instances (b seconds per token): the queue then cannot stay empty
+// for long, whatever it holds at the moment. A long prompt waiting alone
+// at light load is not overload: the staffing rule sizes its reservation.
+func (s *Sched) overloaded(b float64) bool {
+	return s.queuedSmall > 0 || s.arrTok/s.arrSec*b >= float64(s.liveN)
+}
+
+// offeredK is the instances kept under overload: the short requests'
+// offered load on whole prompts, ⌈a·b⌉, between 1 and N−1.
+func (s *Sched) offeredK(d smallDemand, b float64) int {
+	return min(max(int(math.Ceil(d.computed/s.arrSec*b)), 1), s.liveN-1)
+}
+
+// bigEnds is, in seconds from now and sorted, when each oversized prompt
+// holding an instance is predicted to reach its first token (0 for one
+// predicted already there; hold for one admitted and not yet bound, as
+// for the prompt it, admitted now, whose end is among them).
+func (s *Sched) bigEnds(hold float64) []float64 {
+	ends := append(s.endsBuf[:0], hold)
+	for _, l := range s.insts {
+		if l.live && l.big > 0 {
+			ends = append(ends, max(l.bigEnd.Sub(s.last).Seconds(), 0))
+		}
 	}
-	b := s.svcFit.slope()
-	if b <= 0 || s.arrSec <= 0 || d.reqs <= 0 {
-		return min(1, s.liveN-1)
+	for range s.unboundBig {
+		ends = append(ends, hold)
 	}
-	if others := s.queued - btoi(it.state == stQueued); others > 0 {
-		return min(max(int(math.Ceil(d.computed/s.arrSec*b)), 1), s.liveN-1)
-	}
-	load := d.tokens / s.arrSec * b // offered load, in instances
-	work := d.tokens / d.reqs * b   // one request's prefill, in seconds of an instance
-	target := -1.0                  // the wait their objectives leave (< 0: none)
-	if d.objN > 0 {
-		target = max(d.obj/d.objN-s.svcFit.at(d.tokens/d.reqs, 0).Seconds(), 0)
-	}
-	return staff(load, work, target, s.liveN-1)
+	slices.Sort(ends)
+	s.endsBuf = ends
+	return ends
 }
 
 // missShare is the share of a class's requests allowed to wait longer than
@@ -174,6 +225,72 @@ func erlangC(k int, a float64) float64 {
 		bl = a * bl / (float64(i) + a*bl)
 	}
 	return float64(k) * bl / (float64(k) - a*(1-bl))
+}
+
+// tailSamples is how many arrival times across a long prompt's hold
+// shortTail averages over: its error is below a sixteenth of the hold's
+// span of the tail probability, well inside the 1/√64 the estimators
+// carry.
+const tailSamples = 16
+
+// shortTail is the share of the step-sized requests arriving while an
+// oversized prompt admitted now holds its instance (hold seconds) that
+// wait longer than target for an instance: the short requests are an
+// M/M/c queue of offered load a (in instances) and work seconds per
+// request on the c instances the long prompts leave them — left now, one
+// more as each long prompt holding one reaches its first token (ends,
+// seconds from now, sorted; the new one's at hold). An arrival at u waits
+// with Erlang's probability C(c(u), a) (1 when c(u) ≤ a), and the wait
+// exceeds target with P = C · exp(−∫ (c(s) − a)⁺ ds / work) over [u, u +
+// target]: the queue drains at (c − a)/work while c servers serve it. The
+// share is P averaged over u uniform in [0, hold) (Poisson arrivals).
+// With every long prompt held for good (ends beyond the horizon) this is
+// staff's criterion on left instances; counting them as they end is what
+// the confinement to k instances missed: at half load the short requests
+// are confined only while long prompts hold every other instance, for
+// the rest of those prompts' prefill.
+func shortTail(a, work, target float64, left int, hold float64, ends []float64) float64 {
+	if a <= 0 || work <= 0 {
+		return 0
+	}
+	servers := func(t float64) int { // instances free of long prompts at t
+		c := left
+		for _, e := range ends {
+			if e > t {
+				break
+			}
+			c++
+		}
+		return c
+	}
+	n := tailSamples
+	if hold <= 0 {
+		n = 1
+	}
+	sum := 0.0
+	for i := range n {
+		u := hold * (float64(i) + 0.5) / float64(n)
+		c := servers(u)
+		p := 1.0
+		if float64(c) > a {
+			p = erlangC(c, a)
+		}
+		// ∫ (c(s) − a)⁺ ds over [u, u+target], piecewise between the ends.
+		integral, from, to := 0.0, u, u+target
+		for _, e := range ends {
+			if e <= from {
+				continue
+			}
+			if e >= to {
+				break
+			}
+			integral += max(float64(servers(from))-a, 0) * (e - from)
+			from = e
+		}
+		integral += max(float64(servers(from))-a, 0) * (to - from)
+		sum += p * math.Exp(-integral/work)
+	}
+	return sum / float64(n)
 }
 
 // smallDemand is the step-sized requests of one priority, among the
@@ -257,6 +374,26 @@ func (s *Sched) stepSizedIn(l *level) *Item {
 	return best
 }
 
+// passesHeld reports whether the arriving request it, one that fits a
+// step, finds only oversized prompts waiting, each held back by the
+// reservation alone: it goes at once if it fits (Offer), onto the room
+// the reservation keeps for it, instead of being queued and predicted
+// behind prompts it would pass at the next dispatch anyway (stepSized)
+// — and shed on arrival for their tokens, the half-load sheds.
+func (s *Sched) passesHeld(it *Item) bool {
+	if s.queuedSmall > 0 || s.oversized(it) {
+		return false
+	}
+	for _, l := range s.order {
+		for _, w := range l.tags {
+			if !s.reserveBlocks(w) {
+				return false
+			}
+		}
+	}
+	return true
+}
+
 // noteArrival accounts an arrival: the time since the previous one, and
 // a step-sized request's demand under its priority. Priorities whose
 // arrivals have decayed below one are forgotten (every estimatorWindow
@@ -275,6 +412,7 @@ func (s *Sched) noteArrival(it *Item, now time.Time) {
 	if now.After(s.lastArr) {
 		s.lastArr = now
 	}
+	s.arrTok = s.arrTok*arrivalKeep + float64(uncached(it))
 	if !s.oversized(it) {
 		if s.smallBy == nil {
 			s.smallBy = map[int64]*smallDemand{}
@@ -309,6 +447,7 @@ func (s *Sched) bigBound(it *Item) {
 	if it.big {
 		s.unboundBig--
 		it.inst.big++
+		it.inst.bigEnd = it.admitted.Add(s.svcFit.at(float64(it.work), float64(it.ahead)))
 	}
 }
 

@@ -58,59 +58,202 @@ func TestStaffMeetsTheTargetWithFewestServers(t *testing.T) {
 	}
 }
 
-// The reservation counts the step-sized requests' uncached tokens as their
-// work and their objectives as the wait they can spare: the same arrivals
-// reserve three of four instances when every prompt token is prefilled and
-// one when nine tenths are cached; a looser objective reserves fewer.
-// While other requests wait it is their offered load on whole prompts.
+// demandSched is a queue over instances a–d that has seen arrivals every
+// 10 ms for 3 s: a 1,000-token step-sized prompt (cachedShare of it held
+// by a, the given objective) every 30 ms — 1.33 instances of their whole
+// prompts' prefill — and between them 5,000-token prompts, one every
+// longEvery arrivals; and whose service fit is 20 ms plus 40 µs per token
+// of own work (a 1,000-token prompt: 60 ms, 40 ms of an instance).
+func demandSched(t *testing.T, cachedShare float64, objective time.Duration, longEvery int) *Sched {
+	s := mustNew(t, Config{InstancePrefill: 2000, ReserveInstance: true})
+	s.SetInstances([]string{"a", "b", "c", "d"})
+	for i := range 300 {
+		now := at(10 * i)
+		var it *Item
+		switch {
+		case i%3 == 0:
+			cached := int64(cachedShare * 1000)
+			it = &Item{Prefill: 1000, Cost: 1100, Deadline: now.Add(objective), Cached: []Hold{{"a", cached}}}
+		case i%longEvery == 1:
+			it = &Item{Prefill: 5000, Cost: 5000}
+		default:
+			continue
+		}
+		s.noteArrival(it, now)
+		s.last = now
+	}
+	s.svcN = 1
+	for range 10 {
+		s.svcFit.add(1000, 0, 0.02+1000*40e-6)
+		s.svcFit.add(5000, 0, 0.02+5000*40e-6)
+	}
+	return s
+}
+
+// holdLong marks the first n of the instances held by long prompts whose
+// first tokens are predicted after d.
+func holdLong(s *Sched, n int, d time.Duration) {
+	for _, name := range []string{"a", "b", "c", "d"}[:n] {
+		s.insts[name].big, s.insts[name].bigEnd = 1, s.last.Add(d)
+	}
+}
+
+// While nothing waits, a long prompt is held back when the instances it
+// would leave the step-sized requests let more than one in ten of them
+// wait past what their objective leaves (uncached work, Erlang C);
+// counting only their uncached tokens, a cached class needs fewer. While
+// step-sized requests wait, the reservation is their offered load on whole
+// prompts, ⌈1.33⌉ = 2, cached or not.
 func TestReservationFromUncachedDemandAndObjectives(t *testing.T) {
-	reserved := func(cachedShare float64, objective time.Duration, waiting int) int {
-		s := mustNew(t, Config{InstancePrefill: 2000, ReserveInstance: true})
-		s.SetInstances([]string{"a", "b", "c", "d"})
-		// Arrivals every 10 ms, a third of them 1,000-token step-sized
-		// prompts: 33 per second, 33,333 prompt tokens per second.
-		for i := range 300 {
-			now := at(10 * i)
-			it := &Item{Prefill: 5000, Cost: 5000}
-			if i%3 == 0 {
-				cached := int64(cachedShare * 1000)
-				it = &Item{Prefill: 1000, Cost: 1100, Deadline: now.Add(objective), Cached: []Hold{{"a", cached}}}
-			}
-			s.noteArrival(it, now)
-			s.last = now
+	long := &Item{Prefill: 5000, Cost: 5000}
+	for _, c := range []struct {
+		name      string
+		cached    float64
+		objective time.Duration
+		waiting   bool
+		held      int
+		want      bool
+	}{
+		// 1.33 instances of 40 ms requests, 90 ms to spare: the two left
+		// by two held long prompts let 9 % wait longer (averaged over the
+		// new prompt's 220 ms hold, at whose end a third frees), one 80 %.
+		{"uncached, two left", 0, 150 * time.Millisecond, false, 1, false},
+		{"uncached, one left", 0, 150 * time.Millisecond, false, 2, true},
+		// Nine tenths cached: 0.13 instances of 4 ms requests; one does.
+		{"cached, one left", 0.9, 150 * time.Millisecond, false, 2, false},
+		{"cached, none left", 0.9, 150 * time.Millisecond, false, 3, true},
+		// An objective the service alone spends (60 ms of 20): no number
+		// of instances meets it, but one always stays for long prompts.
+		{"objective spent, none held", 0, 20 * time.Millisecond, false, 0, false},
+		{"objective spent, one held", 0, 20 * time.Millisecond, false, 1, true},
+		// Short requests waiting: two instances stay theirs.
+		{"waiting, two left", 0.9, 150 * time.Millisecond, true, 1, false},
+		{"waiting, one left", 0.9, 150 * time.Millisecond, true, 2, true},
+	} {
+		s := demandSched(t, c.cached, c.objective, 1000)
+		holdLong(s, c.held, time.Hour)
+		s.queuedSmall = btoi(c.waiting)
+		if got := s.reserveBlocks(long); got != c.want {
+			t.Errorf("%s: held back %v, want %v", c.name, got, c.want)
 		}
-		// 20 ms in the engine plus 40 µs per prompt token: a 1,000-token
-		// prompt is predicted at 60 ms and is 40 ms of an instance's prefill.
-		s.svcN = 1
-		for range 10 {
-			s.svcFit.add(1000, 0, 0.02+1000*40e-6)
-			s.svcFit.add(5000, 0, 0.02+5000*40e-6)
+	}
+}
+
+// TestStaffCountsTheInstancesLongPromptsLeave: the short requests' tail
+// counts the instances long prompts leave them now and one more as each
+// of those prompts reaches its first token. With every long prompt held
+// for good it is staff's criterion on the instances left; a long prompt
+// ending within the wait the objective leaves shortens the tail; averaged
+// over a new prompt's hold, the arrivals after the others end wait less.
+func TestStaffCountsTheInstancesLongPromptsLeave(t *testing.T) {
+	const a, work, target = 0.53, 0.02, 0.069 // kvbench flow --seed 2 at half load
+	never := []float64{math.Inf(1)}
+	confined := shortTail(a, work, target, 1, 0, never)
+	if want := erlangC(1, a) * math.Exp(-(1-a)*target/work); math.Abs(confined-want) > 1e-12 {
+		t.Fatalf("confined to one instance: %v, want C·e^(−(k−a)t/w) = %v", confined, want)
+	}
+	if confined <= missShare {
+		t.Fatalf("confined to one instance: %v, want past the one-in-ten boundary (the seed-2 cell)", confined)
+	}
+	soon := shortTail(a, work, target, 1, 0, []float64{0.01, math.Inf(1)})
+	if soon >= confined/10 {
+		t.Fatalf("a second instance freed after 10 ms: %v, want far below %v", soon, confined)
+	}
+	// A 400 ms hold, the other long prompts ending at 100 and 200 ms.
+	if got := shortTail(a, work, target, 1, 0.4, []float64{0.1, 0.2, 0.4}); got > missShare {
+		t.Fatalf("others ending within the hold: %v, want within one in ten", got)
+	}
+	// The others held for good: over a 400 ms hold only the arrivals in
+	// its last 69 ms see the new prompt's instance free in time (a sixth
+	// of them); none left: every one waits.
+	if got := shortTail(a, work, target, 1, 0.4, []float64{0.4, math.Inf(1)}); got < confined*0.8 || got > confined {
+		t.Fatalf("others held for good over a hold: %v, want a little below %v", got, confined)
+	}
+	if got := shortTail(a, work, target, 0, 0, never); got != 1 {
+		t.Fatalf("no instance left: %v, want 1", got)
+	}
+	if got := shortTail(0, work, target, 1, 0, never); got != 0 {
+		t.Fatalf("no load: %v, want 0", got)
+	}
+	for left := 1; left < 4; left++ {
+		if shortTail(a, work, target, left+1, 0.4, []float64{0.4}) > shortTail(a, work, target, left, 0.4, []float64{0.4}) {
+			t.Fatalf("more instances left, a longer tail at %d", left)
 		}
-		s.queued = waiting
-		return s.reserved(&Item{Prefill: 5000, Cost: 5000})
 	}
-	// Uncached: 1.33 instances of 40 ms requests with 90 ms to spare; two
-	// instances let 12 % wait longer, three 1.5 %.
-	if k := reserved(0, 150*time.Millisecond, 0); k != 3 {
-		t.Errorf("uncached prompts, 150 ms objective: reserved = %d, want 3", k)
+}
+
+// TestReservationCountsLongPromptsLoad: with nothing waiting, whether the
+// reservation stages the short requests (Erlang C) or keeps them their
+// bare offered load depends on every prompt's offered work: at 2 of 4
+// instances (a long prompt every 300 ms) a long prompt leaving two
+// instances goes; at 8 (one every 30 ms) the pool is overloaded whatever
+// waits at the moment, and the short requests keep ⌈1.33⌉ = 2.
+func TestReservationCountsLongPromptsLoad(t *testing.T) {
+	long := &Item{Prefill: 5000, Cost: 5000}
+	light := demandSched(t, 0, 150*time.Millisecond, 30)
+	heavy := demandSched(t, 0, 150*time.Millisecond, 3)
+	b := light.svcFit.slope()
+	if light.overloaded(b) || !heavy.overloaded(b) {
+		t.Fatalf("overloaded: light %v (%.2f instances), heavy %v (%.2f)", light.overloaded(b),
+			light.arrTok/light.arrSec*b, heavy.overloaded(b), heavy.arrTok/heavy.arrSec*b)
 	}
-	// Nine tenths cached: 0.13 instances of 4 ms requests.
-	if k := reserved(0.9, 150*time.Millisecond, 0); k != 1 {
-		t.Errorf("90%% cached prompts: reserved = %d, want 1", k)
+	for _, c := range []struct {
+		s    *Sched
+		held int
+		want bool
+	}{{light, 1, false}, {light, 2, true}, {heavy, 1, false}, {heavy, 2, true}} {
+		holdLong(c.s, c.held, time.Hour)
+		if got := c.s.reserveBlocks(long); got != c.want {
+			t.Errorf("overloaded %v, %d held: held back %v, want %v", c.s.overloaded(b), c.held, got, c.want)
+		}
 	}
-	// 440 ms to spare: two instances let 0.2 % wait longer.
-	if k := reserved(0, 500*time.Millisecond, 0); k != 2 {
-		t.Errorf("uncached prompts, 500 ms objective: reserved = %d, want 2", k)
+	// The difference: cached short requests (0.13 instances) leave the
+	// long prompts three instances under staffing, two under overload.
+	light, heavy = demandSched(t, 0.9, 150*time.Millisecond, 30), demandSched(t, 0.9, 150*time.Millisecond, 3)
+	holdLong(light, 2, time.Hour)
+	holdLong(heavy, 2, time.Hour)
+	if light.reserveBlocks(long) || !heavy.reserveBlocks(long) {
+		t.Fatalf("cached short requests, two held: held back %v (light), %v (overloaded); want false, true",
+			light.reserveBlocks(long), heavy.reserveBlocks(long))
 	}
-	// While other requests wait, the short ones' offered load on whole
-	// prompts, ⌈1.33⌉, cached or not.
-	if k := reserved(0.9, 150*time.Millisecond, 1); k != 2 {
-		t.Errorf("90%% cached prompts, requests waiting: reserved = %d, want 2", k)
+}
+
+// twoWithHeldLong is a queue over instances a and b, with room for one
+// step-sized prompt each, that has served two short requests (the last at
+// 1 s), holds the long prompt long on a and keeps b for short requests:
+// the long prompt held, of priority prio, waits, held back by the
+// reservation.
+func twoWithHeldLong(t *testing.T, prio int64) (s *Sched, long, held *Item) {
+	s = mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true, MaxWait: time.Hour, AgingStep: time.Hour})
+	s.SetInstances([]string{"a", "b"})
+	for i, ms := range []int{0, 1000} {
+		short := &Item{Prefill: 50, Cost: 50}
+		offer(t, s, short, at(ms), Admitted)
+		s.Bind(short, "b")
+		ft := at(ms + []int{50, 1}[i]) // teaches a service time of ~25 ms
+		s.FirstToken(short, ft)
+		s.Done(short, ft)
 	}
-	// An objective the service alone spends (a 90 % cached prompt is
-	// predicted at 24 ms on the instance holding it) leaves no wait: the
-	// fewest instances on which at most one request in ten waits at all.
-	if k := reserved(0.9, 20*time.Millisecond, 0); k != 2 {
-		t.Errorf("objective shorter than the service: reserved = %d, want 2", k)
+	long = &Item{Prefill: 500, Cost: 500}
+	offer(t, s, long, at(1002), Admitted)
+	s.Bind(long, "a")
+	held = &Item{Priority: prio, Prefill: 500, Cost: 500}
+	offer(t, s, held, at(1003), Queued)
+	return s, long, held
+}
+
+// TestStepSizedArrivalPassesHeldLongPrompts: a step-sized request that
+// arrives while only a long prompt held back by the reservation waits goes
+// at once onto the reserved instance, not queued and predicted behind that
+// prompt's tokens (here 0.5 s at the queue's drain rate, past its 200 ms
+// objective: it was shed on arrival); a long arrival still waits.
+func TestStepSizedArrivalPassesHeldLongPrompts(t *testing.T) {
+	s, _, _ := twoWithHeldLong(t, 0)
+	s.busySec, s.busyTokens = 1, 1000 // the queue drains 1,000 tokens a second
+	short := &Item{Prefill: 50, Cost: 50, Deadline: at(1204)}
+	offer(t, s, short, at(1004), Admitted)
+	if n := s.Counts().Shed[ShedDeadline]; n != 0 {
+		t.Fatalf("%d shed for their deadline", n)
 	}
+	offer(t, s, &Item{Prefill: 500, Cost: 500}, at(1005), Queued)
 }

@@ -304,6 +304,12 @@ type Sched struct {
 	lastArr time.Time
 	arrSec  float64
 	smallBy map[int64]*smallDemand
+	// arrTok is every arrival's uncached prompt tokens, decayed like
+	// arrSec: the offered work of all prompts; queuedSmall the waiting
+	// requests that fit a step (reserve.go).
+	arrTok      float64
+	queuedSmall int
+	endsBuf     []float64
 }
 
 // Counts are the queue's totals since it was made.
@@ -375,7 +381,7 @@ func (s *Sched) Offer(it *Item, now time.Time) Outcome {
 	it.Cost = max(it.Cost, 1)
 	it.Prefill = max(it.Prefill, 0)
 	s.noteArrival(it, now)
-	if s.queued == 0 && s.fits(it) {
+	if (s.queued == 0 || s.passesHeld(it)) && s.fits(it) {
 		s.admit(it, now)
 		s.counts.AdmittedAtOnce++
 		return Outcome{Verdict: Admitted}
@@ -508,6 +514,7 @@ func (s *Sched) enqueue(it *Item, start float64) {
 	heap.Push(&lvl.tags, it)
 	it.fifo = lvl.fifo.PushBack(it)
 	s.queued++
+	s.queuedSmall += btoi(!s.oversized(it))
 	s.cost += it.Cost
 	it.expires, it.expReason = it.arrived.Add(s.cfg.MaxWait), ShedTimeout
 	if !it.Deadline.IsZero() {
@@ -530,6 +537,7 @@ func (s *Sched) unqueue(it *Item) {
 	t.cost -= it.Cost
 	lvl.cost -= it.Cost
 	s.queued--
+	s.queuedSmall -= btoi(!s.oversized(it))
 	s.cost -= it.Cost
 	it.fifo, it.lvl, it.state = nil, nil, stDone
 	if lvl.fifo.Len() == 0 {

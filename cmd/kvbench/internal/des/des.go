@@ -128,8 +128,8 @@ type Router interface {
 
 // Admission is a flow-control queue in front of the router (package
 // kvbench wires router/flowcontrol): it decides on each arrival and
-// releases waiting requests as capacity frees. The driver calls it from
-// one goroutine.
+// releases waiting requests as capacity frees and after each arrival and
+// expiry (Admitted). The driver calls it from one goroutine.
 type Admission interface {
 	// Arrive: request id arrives at now. admit: route it now; otherwise
 	// it waits, unless shed is set (refused at once, with that reason).
@@ -541,6 +541,7 @@ func (r *run) loop(ctx context.Context) error {
 			}
 		case tExp:
 			r.drop()
+			r.freed = true // the requests behind one that expired may go now
 		case tHand:
 			h := r.handoffs[0]
 			r.handoffs = r.handoffs[1:]
@@ -591,6 +592,10 @@ func (r *run) arrive(ctx context.Context, i int) {
 		r.waiting++
 	}
 	r.drop() // an arrival may displace a waiting request
+	// A queued arrival may go at once (ahead of a request held back only
+	// by the reservation, or in a more urgent band), and a displaced one
+	// may unblock those behind it: dispatch as the router's Gate does.
+	r.freed = true
 }
 
 // drop ends the waiting requests the admission queue shed by now.
@@ -610,7 +615,7 @@ func (r *run) shed(o *Outcome, reason string) {
 }
 
 // admitWaiting routes the waiting requests the admission queue admits now
-// (called when capacity may have freed).
+// (called when capacity may have freed, and after an arrival or expiry).
 func (r *run) admitWaiting(ctx context.Context) {
 	a := r.cfg.Admission
 	if a == nil {
