@@ -112,6 +112,8 @@ func TestConfigRejects(t *testing.T) {
 		{"admin on every interface of the data port", "listen: '127.0.0.1:8080'\nadmin_listen: '0.0.0.0:8080'\n" + strings.Replace(base, "%s", "", 1), `admin_listen "0.0.0.0:8080" is the same address as listen`},
 		{"grpc on the admin port", "admin_listen: '127.0.0.1:8081'\ngrpc: {listen: '127.0.0.1:8081'}\n" + strings.Replace(base, "%s", "", 1), `grpc.listen "127.0.0.1:8081" is the same address as admin_listen`},
 		{"token in file", "admin_token: x\n" + strings.Replace(base, "%s", "", 1), "admin_token: unknown field"},
+		{"sync min_gap too small", "events: {nats: {url: 'nats://h:4222'}, replica_sync: {enabled: true, min_gap: 10us}}\n" + strings.Replace(base, "%s", "", 1), "events.replica_sync.min_gap 10µs out of range 100µs..interval (50ms)"},
+		{"sync min_gap over interval", "events: {nats: {url: 'nats://h:4222'}, replica_sync: {enabled: true, interval: 5ms, min_gap: 6ms}}\n" + strings.Replace(base, "%s", "", 1), "events.replica_sync.min_gap 6ms out of range 100µs..interval (5ms)"},
 		{"tokenizer source", strings.Replace(base, "%s", "tokenizer: {source: magic},", 1), `tokenizer.source "magic"`},
 	}
 	for _, tc := range tests {

@@ -17,6 +17,14 @@ type ReplicaSyncConfig struct {
 	Replica string `yaml:"replica" json:"replica,omitempty"`
 	// Interval between sends of what changed. Default 50ms.
 	Interval time.Duration `yaml:"interval" json:"interval,omitempty"`
+	// MinGap: after a change (a routing decision, a request's end, a
+	// peer's hello) what changed is sent this much later, ahead of the
+	// interval, at most once per gap and only within the byte budget.
+	// Default 1ms; 100µs..interval.
+	MinGap time.Duration `yaml:"min_gap" json:"min_gap,omitempty"`
+	// DisableEarlySend: changes wait for the next interval (the
+	// behaviour before min_gap; for comparisons).
+	DisableEarlySend bool `yaml:"disable_early_send" json:"disable_early_send,omitempty"`
 	// Heartbeat: the whole load table is sent this often. Default 1s.
 	Heartbeat time.Duration `yaml:"heartbeat" json:"heartbeat,omitempty"`
 	// PeerTimeout: a replica silent this long counts nothing. Default 3s;
@@ -27,6 +35,14 @@ type ReplicaSyncConfig struct {
 	// MaxBytesPerSecond bounds what this router sends per pool. Default 4 MiB.
 	MaxBytesPerSecond int `yaml:"max_bytes_per_second" json:"max_bytes_per_second,omitempty"`
 }
+
+// The replica sync's default interval and least min_gap, as
+// replicasync.DefaultInterval and replicasync.MinMinGap (config imports no
+// other package of the project; a test holds them equal).
+const (
+	defaultSyncInterval = 50 * time.Millisecond
+	minSyncGap          = 100 * time.Microsecond
+)
 
 // validate checks what does not depend on the other fields' defaults
 // (the router checks the rest when it starts the sync).
@@ -39,6 +55,15 @@ func (r *ReplicaSyncConfig) validate() error {
 	}
 	if r.Interval < 0 || r.Heartbeat < 0 || r.PeerTimeout < 0 || r.MaxMessageBytes < 0 || r.MaxBytesPerSecond < 0 {
 		return fmt.Errorf("%w: events.replica_sync: interval, heartbeat, peer_timeout, max_message_bytes and max_bytes_per_second must be >= 0", ErrInvalidConfig)
+	}
+	if r.MinGap != 0 {
+		interval := r.Interval
+		if interval == 0 {
+			interval = defaultSyncInterval
+		}
+		if r.MinGap < minSyncGap || r.MinGap > interval {
+			return fmt.Errorf("%w: events.replica_sync.min_gap %v out of range %v..interval (%v)", ErrInvalidConfig, r.MinGap, minSyncGap, interval)
+		}
 	}
 	return nil
 }

@@ -13,6 +13,7 @@ type Metrics struct {
 	bytes    *prometheus.CounterVec
 	dropped  *prometheus.CounterVec
 	peers    *prometheus.GaugeVec
+	early    *prometheus.CounterVec
 }
 
 // NewMetrics registers the metrics on reg (nil = kept but registered
@@ -29,6 +30,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 				"publish: NATS refused; malformed, version: undecodable messages; stale: an older load message; capacity: peer speculative entries evicted; duplicate_replica: another process uses this replica's name).", "pool", "reason"),
 		peers: ms.GaugeVec("kvrouter_replica_sync_peers",
 			"Peer replicas of the pool heard from within peer_timeout.", "pool"),
+		early: ms.CounterVec("kvrouter_replica_sync_early_sends_total",
+			"Replica sync early sends (min_gap after a change), by pool and outcome (sent; deferred: the byte budget did not hold a whole message, the next interval carries the change).", "pool", "outcome"),
 	}
 	if err := ms.Register(reg); err != nil {
 		return nil, err

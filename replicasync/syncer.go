@@ -15,7 +15,6 @@ import (
 
 	"github.com/nats-io/nats.go"
 
-	"github.com/kvrouter/kvrouter/internal/tick"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
@@ -33,6 +32,19 @@ const (
 	// busy replica sends at most 20 load and 20 speculative messages a
 	// second per pool.
 	DefaultInterval = 50 * time.Millisecond
+	// DefaultMinGap is how long after a change (Changed: a routing
+	// decision, a request's end, a peer's hello) an early send goes out,
+	// and the least time between two early sends. A NATS hop on a LAN is
+	// ~100 µs, so a peer hears of a decision ~1.1 ms after it instead of
+	// up to an interval later; one replica's decisions come milliseconds
+	// apart (1,000 requests/s is one a millisecond), so a gap of 1 ms
+	// still sends about once per decision at that rate and coalesces
+	// more at higher ones: at most 1,000 early sends a second on top of
+	// the interval's, each a delta of the few instances that changed, and
+	// never beyond the byte budget (an early send goes only when the
+	// budget holds a whole message). The gap also covers the proxy's
+	// in-flight increment, made just after the strategy returns.
+	DefaultMinGap = time.Millisecond
 	// DefaultHeartbeat is how often the whole load table is sent even
 	// when nothing changed: it refreshes every entry, so a lost update
 	// lasts at most this long, and it tells peers the replica is alive.
@@ -68,8 +80,14 @@ type Config struct {
 	Pool string
 	// Replica names this replica among the pool's (unique per process:
 	// the default, hostname-pid, is).
-	Replica           string
-	Interval          time.Duration
+	Replica  string
+	Interval time.Duration
+	// MinGap: an early send follows a change (Changed) this much later,
+	// and early sends are at least this far apart; 100µs..Interval.
+	MinGap time.Duration
+	// NoEarlySend turns early sends off: changes wait for the next
+	// interval (as before early sends; for comparisons).
+	NoEarlySend       bool
 	Heartbeat         time.Duration
 	PeerTimeout       time.Duration
 	MaxMessageBytes   int
@@ -86,6 +104,10 @@ type Config struct {
 	// Now is the clock; nil = time.Now.
 	Now func() time.Time
 }
+
+// MinMinGap is the least MinGap: about one NATS hop on a LAN; a shorter
+// gap would send more often than a peer can hear the difference.
+const MinMinGap = 100 * time.Microsecond
 
 // ErrConfig marks an invalid Config.
 var ErrConfig = errors.New("replicasync: invalid config")
@@ -117,6 +139,9 @@ func (c Config) WithDefaults() Config {
 	if c.Interval == 0 {
 		c.Interval = DefaultInterval
 	}
+	if c.MinGap == 0 {
+		c.MinGap = min(DefaultMinGap, c.Interval)
+	}
 	if c.Heartbeat == 0 {
 		c.Heartbeat = DefaultHeartbeat
 	}
@@ -145,6 +170,8 @@ func (c Config) Validate() error {
 		return bad("replica %q: 1..%d of [A-Za-z0-9_-]", c.Replica, MaxNameLen)
 	case c.Interval < time.Millisecond || c.Interval > 10*time.Second:
 		return bad("interval %v out of 1ms..10s", c.Interval)
+	case c.MinGap < MinMinGap || c.MinGap > c.Interval:
+		return bad("min_gap %v out of %v..interval (%v)", c.MinGap, MinMinGap, c.Interval)
 	case c.Heartbeat < c.Interval || c.Heartbeat > time.Minute:
 		return bad("heartbeat %v out of interval..1m", c.Heartbeat)
 	case c.PeerTimeout < 2*c.Heartbeat:
@@ -173,6 +200,9 @@ type Syncer struct {
 
 	local atomic.Pointer[func(dst []Load) []Load]
 	hello atomic.Bool // a peer asked for our whole state
+	// changed holds a pending early-send request (Changed); Run's
+	// goroutine takes it and sends MinGap later.
+	changed chan struct{}
 
 	qMu    sync.Mutex // guards queue and queued
 	queue  []Spec
@@ -218,7 +248,7 @@ func New(cfg Config) (*Syncer, error) {
 	_, _ = rand.Read(b[:])
 	s := &Syncer{cfg: cfg, subject: SubjectRoot + "." + cfg.Pool, incarnation: binary.LittleEndian.Uint64(b[:]),
 		table: NewTable(cfg.PeerTimeout, cfg.SpecCapacity, cfg.Now), log: cfg.Logger.With("pool", cfg.Pool, "replica", cfg.Replica),
-		m: cfg.Metrics, lastSent: map[string]Load{}, budget: float64(cfg.MaxBytesPerSecond), refilled: cfg.Now()}
+		m: cfg.Metrics, lastSent: map[string]Load{}, changed: make(chan struct{}, 1), budget: float64(cfg.MaxBytesPerSecond), refilled: cfg.Now()}
 	return s, nil
 }
 
@@ -279,6 +309,19 @@ func (s *Syncer) Speculate(inst string, keys []kvindex.Key, ttl time.Duration) {
 	s.qMu.Unlock()
 }
 
+// Changed tells the syncer that this replica's state changed (a routing
+// decision, a request's end): it sends what changed MinGap later, ahead of
+// the next interval, if the byte budget holds a whole message then (else
+// the interval's send carries it). Call it after the change (the sent
+// state is read when the send goes out); it never blocks, and calls
+// within one gap share one send.
+func (s *Syncer) Changed() {
+	select {
+	case s.changed <- struct{}{}:
+	default:
+	}
+}
+
 // Peers lists the peers heard from.
 func (s *Syncer) Peers() []PeerStatus { return s.table.Peers() }
 
@@ -292,7 +335,41 @@ func (s *Syncer) Run(ctx context.Context) error {
 	}
 	defer func() { _ = sub.Unsubscribe() }()
 	s.send(&Message{Kind: KindHello})
-	return tick.Every(ctx, s.cfg.Interval, s.flush)
+	t := time.NewTicker(s.cfg.Interval)
+	defer t.Stop()
+	gap := time.NewTimer(s.cfg.MinGap)
+	gap.Stop()
+	armed := false
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+			s.flush()
+		case <-s.changed:
+			// One early send per gap: a change signalled while armed is
+			// read by the send already due (it reads the state then).
+			if !armed && !s.cfg.NoEarlySend {
+				gap.Reset(s.cfg.MinGap)
+				armed = true
+			}
+		case <-gap.C:
+			armed = false
+			s.early()
+		}
+	}
+}
+
+// early is Changed's send: what changed, unless the byte budget cannot
+// hold a whole message now (the next interval's send then carries it, as
+// without early sends).
+func (s *Syncer) early() {
+	if s.refill(s.cfg.Now()) < float64(s.cfg.MaxMessageBytes) {
+		s.m.early.WithLabelValues(s.cfg.Pool, "deferred").Inc()
+		return
+	}
+	s.m.early.WithLabelValues(s.cfg.Pool, "sent").Inc()
+	s.flush()
 }
 
 // receive handles one message (on the subscription's goroutine).
@@ -323,6 +400,7 @@ func (s *Syncer) receive(msg *nats.Msg) {
 	switch m.Kind {
 	case KindHello:
 		s.hello.Store(true)
+		s.Changed() // the newcomer catches up within a gap, not an interval
 	case KindLoad:
 		switch s.table.ApplyLoad(&m) {
 		case Stale:
@@ -341,14 +419,19 @@ func (s *Syncer) receive(msg *nats.Msg) {
 // allow takes n bytes from the rate budget (refilled at MaxBytesPerSecond,
 // holding at most one second's worth).
 func (s *Syncer) allow(n int, now time.Time) bool {
-	rate := float64(s.cfg.MaxBytesPerSecond)
-	s.budget = min(rate, s.budget+rate*now.Sub(s.refilled).Seconds())
-	s.refilled = now
-	if float64(n) > s.budget {
+	if float64(n) > s.refill(now) {
 		return false
 	}
 	s.budget -= float64(n)
 	return true
+}
+
+// refill brings the rate budget up to now and returns it.
+func (s *Syncer) refill(now time.Time) float64 {
+	rate := float64(s.cfg.MaxBytesPerSecond)
+	s.budget = min(rate, s.budget+rate*now.Sub(s.refilled).Seconds())
+	s.refilled = now
+	return s.budget
 }
 
 // send encodes and publishes m within the rate bound; false when it was
@@ -405,16 +488,7 @@ func (s *Syncer) flush() {
 			out = append(out, l)
 		}
 	} else {
-		for id, l := range cur {
-			if prev := s.lastSent[id]; !prev.Equal(l) {
-				out = append(out, l.sinceSent(prev.Ended))
-			}
-		}
-		for id := range s.lastSent {
-			if _, ok := cur[id]; !ok {
-				out = append(out, Load{Instance: id}) // now zero
-			}
-		}
+		out = Delta(out, s.lastSent, cur)
 	}
 	if full || len(out) > 0 {
 		if s.sendLoads(out, full) {
@@ -426,6 +500,24 @@ func (s *Syncer) flush() {
 	}
 	s.flushSpecs(now, hello)
 	s.m.peers.WithLabelValues(s.cfg.Pool).Set(float64(s.table.Forget()))
+}
+
+// Delta appends to dst the load entries a delta message carries from the
+// table last sent to cur (both by instance, without empty entries): the
+// instances whose counters changed, each with only the ends added since,
+// and those back to zero, sent as zero.
+func Delta(dst []Load, last, cur map[string]Load) []Load {
+	for id, l := range cur {
+		if prev := last[id]; !prev.Equal(l) {
+			dst = append(dst, l.sinceSent(prev.Ended))
+		}
+	}
+	for id := range last {
+		if _, ok := cur[id]; !ok {
+			dst = append(dst, Load{Instance: id}) // now zero
+		}
+	}
+	return dst
 }
 
 // MinMessageBytes is the least max_message_bytes: one message holds the

@@ -238,6 +238,8 @@ func TestConfigValidate(t *testing.T) {
 		{Pool: "p.x", Replica: "r"},
 		{Pool: "p", Replica: "r r"},
 		{Pool: "p", Replica: "r", Interval: time.Microsecond},
+		{Pool: "p", Replica: "r", MinGap: 50 * time.Microsecond},                                // under a NATS hop
+		{Pool: "p", Replica: "r", Interval: 5 * time.Millisecond, MinGap: 6 * time.Millisecond}, // over the interval
 		{Pool: "p", Replica: "r", Heartbeat: time.Second, PeerTimeout: time.Second},
 		{Pool: "p", Replica: "r", MaxMessageBytes: 10},
 		{Pool: "p", Replica: "r", MaxMessageBytes: 1 << 10}, // under the largest load entry
@@ -245,6 +247,15 @@ func TestConfigValidate(t *testing.T) {
 	} {
 		if err := c.WithDefaults().Validate(); err == nil {
 			t.Errorf("%+v accepted", c)
+		}
+	}
+	for _, c := range []Config{
+		{Pool: "p", Replica: "r", Interval: time.Millisecond}, // the default gap, cut to the interval
+		{Pool: "p", Replica: "r", MinGap: MinMinGap},
+		{Pool: "p", Replica: "r", MinGap: DefaultInterval},
+	} {
+		if err := c.WithDefaults().Validate(); err != nil {
+			t.Errorf("%+v refused: %v", c, err)
 		}
 	}
 	if r := DefaultReplica(); checkName("replica", r) != nil {

@@ -112,12 +112,18 @@ func BenchmarkRouterTier(b *testing.B) {
 		return body
 	}
 
+	// With sync, early sends (events.replica_sync.min_gap) on and off side
+	// by side: their cost in router CPU and in sync messages.
 	for _, c := range []struct {
-		replicas int
-		sync     bool
-	}{{1, true}, {2, false}, {2, true}, {3, false}, {3, true}} {
+		replicas    int
+		sync, early bool
+	}{{1, true, true}, {2, false, false}, {2, true, false}, {2, true, true}, {3, false, false}, {3, true, false}, {3, true, true}} {
 		replicas := c.replicas
-		b.Run(fmt.Sprintf("replicas=%d/sync=%v", replicas, c.sync), func(b *testing.B) {
+		name := fmt.Sprintf("replicas=%d/sync=%v", replicas, c.sync)
+		if c.sync {
+			name += fmt.Sprintf("/early=%v", c.early)
+		}
+		b.Run(name, func(b *testing.B) {
 			var rs []*tierReplica
 			for r := 0; r < replicas; r++ {
 				cfg := config.Config{AdminToken: "adm",
@@ -125,7 +131,7 @@ func BenchmarkRouterTier(b *testing.B) {
 					AdminListen: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(b)),
 					Log:         config.LogConfig{Level: "warn", Format: "json"},
 					Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: "EV_" + name}, Bucket: "SN_" + name,
-						ReplicaSync: &config.ReplicaSyncConfig{Enabled: c.sync, Replica: fmt.Sprintf("r%d-of-%d", r, replicas)}},
+						ReplicaSync: &config.ReplicaSyncConfig{Enabled: c.sync, Replica: fmt.Sprintf("r%d-of-%d", r, replicas), DisableEarlySend: !c.early}},
 					Pools: []config.PoolConfig{{Name: pool, Model: simModel,
 						Routing: config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &config.KVScoringConfig{BlockSize: 16}},
 						Health:  config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
@@ -178,26 +184,34 @@ func BenchmarkRouterTier(b *testing.B) {
 				wg.Wait()
 			}
 			send(2000, false) // warm: connections, speculative entries
-			cpu0, sync0 := 0.0, 0.0
+			msgs := func(r *tierReplica) float64 {
+				return r.metric(b, "kvrouter_replica_sync_messages_total{direction=\"sent\",kind=\"load\",pool=\""+pool+"\"}") +
+					r.metric(b, "kvrouter_replica_sync_messages_total{direction=\"sent\",kind=\"spec\",pool=\""+pool+"\"}")
+			}
+			cpu0, sync0, msgs0 := 0.0, 0.0, 0.0
 			for _, r := range rs {
 				cpu0 += r.metric(b, "process_cpu_seconds_total")
 				sync0 += r.metric(b, "kvrouter_replica_sync_bytes_total{direction=\"sent\",pool=\""+pool+"\"}")
+				msgs0 += msgs(r)
 			}
 			start := time.Now()
 			b.ResetTimer()
 			send(b.N, true)
 			b.StopTimer()
 			wall := time.Since(start)
-			cpu1, sync1 := 0.0, 0.0
+			cpu1, sync1, msgs1 := 0.0, 0.0, 0.0
 			for _, r := range rs {
 				cpu1 += r.metric(b, "process_cpu_seconds_total")
 				sync1 += r.metric(b, "kvrouter_replica_sync_bytes_total{direction=\"sent\",pool=\""+pool+"\"}")
+				msgs1 += msgs(r)
 			}
 			cpu := cpu1 - cpu0
 			b.ReportMetric(cpu/float64(b.N)*1e6, "router-CPU-µs/req")
 			b.ReportMetric(float64(b.N)/cpu, "req/router-CPU-s")
 			b.ReportMetric(float64(b.N)/wall.Seconds(), "req/s")
 			b.ReportMetric((sync1-sync0)/float64(b.N), "sync-B/req")
+			b.ReportMetric((msgs1-msgs0)/wall.Seconds()/float64(replicas), "sync-msgs/s/replica")
+			b.ReportMetric((sync1-sync0)/wall.Seconds()/float64(replicas), "sync-B/s/replica")
 			var rsn []string
 			reasons.Range(func(k, v any) bool {
 				rsn = append(rsn, fmt.Sprintf("%s=%d", k, v.(*atomic.Int64).Load()))

@@ -35,6 +35,7 @@ type replicaFlags struct {
 	latencies string
 	balance   string
 	interval  time.Duration
+	minGaps   string
 	agreement bool
 }
 
@@ -43,6 +44,7 @@ func (f *replicaFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.latencies, "sync-latency", "0", "replica sync delivery latency, a comma-separated list (e.g. 0,10ms,100ms,off); off = no replica sync: each replica routes on its own counters only")
 	fs.StringVar(&f.balance, "balance", "round-robin", "how the balancer spreads requests over replicas: round-robin or random")
 	fs.DurationVar(&f.interval, "sync-interval", replicasync.DefaultInterval, "replica sync interval (events.replica_sync.interval)")
+	fs.StringVar(&f.minGaps, "sync-min-gap", replicasync.DefaultMinGap.String(), "replica sync early send: a replica sends this long after a decision or an end, ahead of the interval (events.replica_sync.min_gap); a comma-separated list to compare (e.g. 1ms,off); off = only every interval (disable_early_send)")
 	fs.BoolVar(&f.agreement, "agreement", false, "with several replicas: after each decision, evaluate the same request on every other replica (dry) and report how often they agree, over all decisions and over those made while settled (every replica had applied the others' state as of the last change anywhere)")
 }
 
@@ -51,6 +53,7 @@ type replicaRun struct {
 	routers int
 	sync    bool
 	latency time.Duration
+	gap     time.Duration // early sends' min_gap; 0 = off
 }
 
 // runs lists the configurations asked for: one router first (sync has
@@ -61,6 +64,21 @@ func (f *replicaFlags) runs() ([]replicaRun, error) {
 	}
 	if f.interval <= 0 {
 		return nil, fmt.Errorf("--sync-interval %v: want > 0", f.interval)
+	}
+	var gaps []time.Duration
+	for _, s := range splitList(f.minGaps) {
+		if s == "off" {
+			gaps = append(gaps, 0)
+			continue
+		}
+		d, err := time.ParseDuration(s)
+		if err != nil || d < replicasync.MinMinGap || d > f.interval {
+			return nil, fmt.Errorf("--sync-min-gap %q: want a duration in %v..--sync-interval (%v), or off", s, replicasync.MinMinGap, f.interval)
+		}
+		gaps = append(gaps, d)
+	}
+	if len(gaps) == 0 {
+		return nil, errors.New("--sync-min-gap: empty")
 	}
 	var lats []replicaRun
 	for _, s := range splitList(f.latencies) {
@@ -75,7 +93,9 @@ func (f *replicaFlags) runs() ([]replicaRun, error) {
 		if err != nil || d < 0 {
 			return nil, fmt.Errorf("--sync-latency %q: want a duration >= 0 or off", s)
 		}
-		lats = append(lats, replicaRun{sync: true, latency: d})
+		for _, g := range gaps {
+			lats = append(lats, replicaRun{sync: true, latency: d, gap: g})
+		}
 	}
 	if len(lats) == 0 {
 		return nil, errors.New("--sync-latency: empty")
@@ -109,7 +129,10 @@ func (r replicaRun) label(strategy string) string {
 	case !r.sync:
 		return fmt.Sprintf("%s x%d no sync", strategy, r.routers)
 	}
-	return fmt.Sprintf("%s x%d sync %v", strategy, r.routers, r.latency)
+	if r.gap == 0 {
+		return fmt.Sprintf("%s x%d sync %v", strategy, r.routers, r.latency)
+	}
+	return fmt.Sprintf("%s x%d sync %v early %v", strategy, r.routers, r.latency, r.gap)
 }
 
 // agreement counts the dry evaluations of --agreement.
@@ -164,6 +187,9 @@ func runReplicated(ctx context.Context, name string, run replicaRun, rf *replica
 	if set.agree != nil {
 		fmt.Fprintf(stdout, "agreement %s: %s\n", set.Name(), set.agree)
 	}
+	if set.sync && len(set.reps) > 1 {
+		fmt.Fprintf(stdout, "sync traffic %s: %s\n", set.Name(), set.traffic(res.End))
+	}
 	s := report.Summarize(res, 0)
 	if boundHits != nil {
 		s = report.SummarizeBound(res, boundHits)
@@ -184,15 +210,11 @@ type replicaSet struct {
 
 	sync              bool
 	latency, interval time.Duration
+	gap               time.Duration // early sends' min_gap (0 = off)
 	now               time.Duration
 	nextFlush         time.Duration
 	transit           []syncDelivery // in delivery order (constant latency)
-	// changed is when router-local state last changed on any replica (a
-	// decision, a start, a first token, an end); applied is the state time
-	// of the newest flush every peer has applied. changed < applied: each
-	// replica knows the others' state as it is (settled).
-	changed, applied time.Duration
-	changes          bool
+	probing           bool           // probeOthers runs: its dry picks change nothing to send
 
 	agree *agreement // nil = no probes
 	// last is the decision just made, probed at Started (outside the
@@ -216,6 +238,12 @@ type replica struct {
 	// probe evaluates a request dry on this replica (kv_aware only).
 	probe *kvaware.Shadow
 	fixed *fixedPick
+	// changed is when the replica's router-local state last changed (a
+	// decision, a start, a first token, an end); applied is the state
+	// time of its newest flush every peer has applied. changed < applied
+	// on every replica: each knows the others' state as it is (settled).
+	changed, applied time.Duration
+	changes          bool
 }
 
 // syncDelivery is one replica's flush, due at its peers at at; state is
@@ -228,7 +256,7 @@ type syncDelivery struct {
 }
 
 func newReplicaSet(name string, run replicaRun, rf *replicaFlags, ff *fleetFlags, scfg sim.Config, seed uint64) (*replicaSet, error) {
-	s := &replicaSet{name: run.label(name), owner: map[uint64]int{}, sync: run.sync, latency: run.latency, interval: rf.interval}
+	s := &replicaSet{name: run.label(name), owner: map[uint64]int{}, sync: run.sync, latency: run.latency, interval: rf.interval, gap: run.gap}
 	if rf.balance == "random" {
 		s.random = rand.New(rand.NewPCG(seed, 0x5eed))
 	}
@@ -256,8 +284,11 @@ func newReplicaSet(name string, run replicaRun, rf *replicaFlags, ff *fleetFlags
 			}
 			share.metrics = m
 			if s.sync {
-				rep.peers = &simPeers{name: fmt.Sprintf("r%d", i),
-					table: replicasync.NewTable(replicasync.DefaultPeerTimeout, replicasync.DefaultSpecCapacity, s.wall)}
+				p := &simPeers{name: fmt.Sprintf("r%d", i),
+					table:  replicasync.NewTable(replicasync.DefaultPeerTimeout, replicasync.DefaultSpecCapacity, s.wall),
+					budget: replicasync.DefaultMaxBytesPerSecond, lastSent: map[string]replicasync.Load{}}
+				p.onChange = func() { s.early(p) }
+				rep.peers = p
 				share.fresh = rep.peers
 			}
 		}
@@ -292,20 +323,38 @@ func (s *replicaSet) Pick(ctx context.Context, req *des.RouteRequest, cands []st
 	if err != nil {
 		return d, err
 	}
-	s.change()
+	s.change(i)
 	s.owner[req.EngineID] = i
 	s.last.req, s.last.cands, s.last.reason, s.last.from, s.last.settled = req, cands, d.Reason, i, settled
 	return d, nil
 }
 
-// change records that router-local state changed now.
-func (s *replicaSet) change() { s.changed, s.changes = s.now, true }
+// change records that replica i's router-local state changed now.
+func (s *replicaSet) change(i int) { s.reps[i].changed, s.reps[i].changes = s.now, true }
 
 // settled reports whether every replica has applied its peers' state as
-// it is now: the newest flush delivered everywhere was taken after the
-// last change on any replica (or nothing has changed yet).
+// it is now: each replica's newest flush delivered everywhere was taken
+// after its last change (or it has not changed yet).
 func (s *replicaSet) settled() bool {
-	return s.sync && (!s.changes || s.changed < s.applied)
+	if !s.sync {
+		return false
+	}
+	for _, r := range s.reps {
+		if r.changes && r.changed >= r.applied {
+			return false
+		}
+	}
+	return true
+}
+
+// early is a replica's Changed (kv_aware calls it after a decision and
+// after an end): with early sends on, the replica flushes gap later
+// (replicasync.Syncer.Changed; one send per gap: a change while one is
+// due shares it).
+func (s *replicaSet) early(p *simPeers) {
+	if s.gap > 0 && !s.probing && !p.earlyDue {
+		p.earlyDue, p.earlyAt = true, s.now+s.gap
+	}
 }
 
 func (s *replicaSet) Started(id uint64, inst string) {
@@ -314,7 +363,7 @@ func (s *replicaSet) Started(id uint64, inst string) {
 		return
 	}
 	s.reps[i].Started(id, inst)
-	s.change()
+	s.change(i)
 	if s.agree != nil && s.last.req != nil && s.last.req.EngineID == id {
 		s.probeOthers(i, inst)
 	}
@@ -324,7 +373,7 @@ func (s *replicaSet) Started(id uint64, inst string) {
 func (s *replicaSet) FirstToken(id uint64, inst string, cached, prompt int) {
 	if i, ok := s.owner[id]; ok {
 		s.reps[i].FirstToken(id, inst, cached, prompt)
-		s.change()
+		s.change(i)
 	}
 }
 
@@ -332,7 +381,7 @@ func (s *replicaSet) Finished(id uint64, inst string, err error) {
 	if i, ok := s.owner[id]; ok {
 		s.reps[i].Finished(id, inst, err)
 		delete(s.owner, id)
-		s.change()
+		s.change(i)
 	}
 }
 
@@ -348,6 +397,8 @@ func (s *replicaSet) Removed(inst string) {
 // counts whether each would have picked inst. The shadow's observer is
 // ended at once, as the gRPC Pick does for a request routed elsewhere.
 func (s *replicaSet) probeOthers(from int, inst string) {
+	s.probing = true
+	defer func() { s.probing = false }()
 	req := s.last.req
 	for j, rep := range s.reps {
 		if j == from || rep.probe == nil {
@@ -427,8 +478,10 @@ func (f *fixedPick) Pick(context.Context, *router.Request, []*router.Instance) (
 // clock follows the virtual clock and runs replica sync: each replica
 // flushes its state at every interval boundary (the state between two
 // driver steps does not change, so one flush at the first boundary after
-// the previous step, and one at the last, carry everything), and peers
-// apply it latency later — before any decision at or after that time.
+// the previous step, and one at the last, carry everything) and, with
+// early sends, gap after a change (one per gap, within the byte budget);
+// peers apply a flush latency later — before any decision at or after
+// that time.
 func (s *replicaSet) clock(now time.Duration) {
 	s.now = now
 	for _, r := range s.reps {
@@ -440,14 +493,37 @@ func (s *replicaSet) clock(now time.Duration) {
 	if s.nextFlush == 0 {
 		s.nextFlush = s.interval
 	}
+	// The sends due by now, in time order (transit stays in delivery
+	// order); the state they carry is the state now.
+	type due struct {
+		at  time.Duration
+		rep int // -1: every replica's interval flush
+	}
+	var dues []due
 	if now >= s.nextFlush {
 		first := s.nextFlush
 		last := first + (now-first)/s.interval*s.interval
-		s.flush(first)
+		dues = append(dues, due{first, -1})
 		if last != first {
-			s.flush(last)
+			dues = append(dues, due{last, -1})
 		}
 		s.nextFlush = last + s.interval
+	}
+	for i, r := range s.reps {
+		if p := r.peers; p != nil && p.earlyDue && p.earlyAt <= now {
+			p.earlyDue = false
+			dues = append(dues, due{p.earlyAt, i})
+		}
+	}
+	sort.SliceStable(dues, func(a, b int) bool { return dues[a].at < dues[b].at })
+	for _, d := range dues {
+		if d.rep < 0 {
+			for i := range s.reps {
+				s.flush(i, d.at, false)
+			}
+			continue
+		}
+		s.flush(d.rep, d.at, true)
 	}
 	for len(s.transit) > 0 && s.transit[0].at <= now {
 		d := s.transit[0]
@@ -461,32 +537,58 @@ func (s *replicaSet) clock(now time.Duration) {
 				r.peers.table.ApplySpec(d.spec, nil)
 			}
 		}
-		// A flush's messages from every replica share their due time:
-		// after the last of them, every peer has applied its state.
-		if len(s.transit) == 0 || s.transit[0].at != d.at {
-			s.applied = max(s.applied, d.state)
-		}
+		s.reps[d.from].applied = max(s.reps[d.from].applied, d.state)
 	}
 }
 
-// flush sends every replica's whole load table (complete: a lossless
-// network makes deltas and heartbeats equivalent to it) and its queued
-// speculative blocks, due at the peers at b + latency.
-func (s *replicaSet) flush(b time.Duration) {
-	for i, r := range s.reps {
-		p := r.peers
-		if p == nil {
-			continue
-		}
-		p.seq++
-		load := &replicasync.Message{Kind: replicasync.KindLoad, Replica: p.name, Incarnation: 1, Seq: p.seq, Complete: true, Loads: r.localLoads()}
-		var spec *replicasync.Message
-		if len(p.queue) > 0 {
-			spec = &replicasync.Message{Kind: replicasync.KindSpec, Replica: p.name, Incarnation: 1, Specs: p.queue}
-			p.queue = nil
-		}
-		s.transit = append(s.transit, syncDelivery{at: b + s.latency, state: b, from: i, load: load, spec: spec})
+// flush sends replica i's whole load table (complete: a lossless network
+// makes deltas and heartbeats equivalent to it) and its queued speculative
+// blocks, due at the peers at b + latency. An early send goes only when
+// the replica's byte budget holds a whole message (else the interval's
+// flush carries the change), as the Syncer's does. The budget and the
+// traffic count what the Syncer would send: deltas between heartbeats.
+func (s *replicaSet) flush(i int, b time.Duration, early bool) {
+	r := s.reps[i]
+	p := r.peers
+	if p == nil {
+		return
 	}
+	if early {
+		if p.refill(b) < replicasync.DefaultMaxMessageBytes {
+			p.deferred++
+			return
+		}
+		p.early++
+	}
+	p.seq++
+	loads := r.localLoads()
+	load := &replicasync.Message{Kind: replicasync.KindLoad, Replica: p.name, Incarnation: 1, Seq: p.seq, Complete: true, Loads: loads}
+	p.account(b, loads)
+	var spec *replicasync.Message
+	if len(p.queue) > 0 {
+		spec = &replicasync.Message{Kind: replicasync.KindSpec, Replica: p.name, Incarnation: 1, Specs: p.queue}
+		p.queue = nil
+		p.count(b, spec)
+	}
+	s.transit = append(s.transit, syncDelivery{at: b + s.latency, state: b, from: i, load: load, spec: spec})
+}
+
+// traffic is what one replica sent on average over the run's d.
+func (s *replicaSet) traffic(d time.Duration) string {
+	var msgs, bytes, early, deferred float64
+	n := 0
+	for _, r := range s.reps {
+		if p := r.peers; p != nil {
+			msgs, bytes, early, deferred = msgs+float64(p.msgs), bytes+float64(p.bytes), early+float64(p.early), deferred+float64(p.deferred)
+			n++
+		}
+	}
+	if n == 0 || d <= 0 {
+		return "none"
+	}
+	sec := d.Seconds() * float64(n)
+	return fmt.Sprintf("%.1f messages/s, %.0f bytes/s per replica (%.1f early sends/s, %.1f deferred by the byte budget; deltas between 1 s heartbeats, as the Syncer sends)",
+		msgs/sec, bytes/sec, early/sec, deferred/sec)
 }
 
 // localLoads is what the replica publishes: its requests in flight per
@@ -530,6 +632,22 @@ type simPeers struct {
 	local func(dst []replicasync.Load) []replicasync.Load
 	queue []replicasync.Spec
 	seq   uint64
+	// onChange is Changed (replicaSet.early); earlyDue and earlyAt: an
+	// early send is due at earlyAt.
+	onChange func()
+	earlyDue bool
+	earlyAt  time.Duration
+	// What the Syncer would send, for the byte budget and the traffic
+	// line: the table last sent (deltas), the last heartbeat, the token
+	// bucket (replicasync's MaxBytesPerSecond, holding one second's worth).
+	lastSent        map[string]replicasync.Load
+	lastFull        time.Duration
+	sentAny         bool
+	budget          float64
+	refilled        time.Duration
+	buf             []byte
+	msgs, bytes     int64
+	early, deferred int64
 }
 
 var _ kvaware.PeerState = (*simPeers)(nil)
@@ -561,3 +679,56 @@ func (p *simPeers) Speculate(inst string, keys []kvindex.Key, ttl time.Duration)
 }
 
 func (p *simPeers) AttachLocal(f func(dst []replicasync.Load) []replicasync.Load) { p.local = f }
+
+// Changed asks for an early send (replicaSet.early).
+func (p *simPeers) Changed() {
+	if p.onChange != nil {
+		p.onChange()
+	}
+}
+
+// refill brings the byte budget up to virtual time t and returns it.
+func (p *simPeers) refill(t time.Duration) float64 {
+	const rate = float64(replicasync.DefaultMaxBytesPerSecond)
+	p.budget = min(rate, p.budget+rate*(t-p.refilled).Seconds())
+	p.refilled = t
+	return p.budget
+}
+
+// account counts the load message the Syncer would send at t for loads:
+// the whole table every heartbeat, else the changes since the last send
+// (nothing when none).
+func (p *simPeers) account(t time.Duration, loads []replicasync.Load) {
+	cur := make(map[string]replicasync.Load, len(loads))
+	for _, l := range loads {
+		if !l.Empty() {
+			cur[l.Instance] = l
+		}
+	}
+	full := !p.sentAny || t-p.lastFull >= replicasync.DefaultHeartbeat
+	var out []replicasync.Load
+	if full {
+		for _, l := range cur {
+			out = append(out, l)
+		}
+	} else if out = replicasync.Delta(out, p.lastSent, cur); len(out) == 0 {
+		return
+	}
+	p.lastSent, p.sentAny = cur, true
+	if full {
+		p.lastFull = t
+	}
+	p.count(t, &replicasync.Message{Kind: replicasync.KindLoad, Replica: p.name, Incarnation: 1, Seq: p.seq, Complete: full, Loads: out})
+}
+
+// count takes a message's encoded size from the budget and the totals.
+func (p *simPeers) count(t time.Duration, m *replicasync.Message) {
+	var err error
+	if p.buf, err = m.AppendBinary(p.buf[:0]); err != nil {
+		return
+	}
+	p.refill(t)
+	p.budget -= float64(len(p.buf))
+	p.msgs++
+	p.bytes += int64(len(p.buf))
+}

@@ -16,19 +16,24 @@ import (
 
 func TestReplicaFlagsRuns(t *testing.T) {
 	for _, tc := range []struct {
-		routers, lat, balance string
-		want                  []string
-		err                   bool
+		routers, lat, gaps, balance string
+		want                        []string
+		err                         bool
 	}{
-		{"1", "0", "round-robin", []string{"kv_aware"}, false},
-		{"1,2", "0,10ms,off", "random", []string{"kv_aware", "kv_aware x2 sync 0s", "kv_aware x2 sync 10ms", "kv_aware x2 no sync"}, false},
-		{"0", "0", "round-robin", nil, true},
-		{"2", "-1ms", "round-robin", nil, true},
-		{"2", "soon", "round-robin", nil, true},
-		{"2", "0", "least-conn", nil, true},
-		{"", "0", "round-robin", nil, true},
+		{"1", "0", "off", "round-robin", []string{"kv_aware"}, false},
+		{"1,2", "0,10ms,off", "off", "random", []string{"kv_aware", "kv_aware x2 sync 0s", "kv_aware x2 sync 10ms", "kv_aware x2 no sync"}, false},
+		{"2", "0,off", "1ms,off", "round-robin", []string{"kv_aware x2 sync 0s early 1ms", "kv_aware x2 sync 0s", "kv_aware x2 no sync"}, false},
+		{"2", "0", "50ms", "round-robin", []string{"kv_aware x2 sync 0s early 50ms"}, false},
+		{"2", "0", "51ms", "round-robin", nil, true}, // over the interval
+		{"2", "0", "10us", "round-robin", nil, true},
+		{"2", "0", "", "round-robin", nil, true},
+		{"0", "0", "off", "round-robin", nil, true},
+		{"2", "-1ms", "off", "round-robin", nil, true},
+		{"2", "soon", "off", "round-robin", nil, true},
+		{"2", "0", "off", "least-conn", nil, true},
+		{"", "0", "off", "round-robin", nil, true},
 	} {
-		f := replicaFlags{routers: tc.routers, latencies: tc.lat, balance: tc.balance, interval: 50 * time.Millisecond}
+		f := replicaFlags{routers: tc.routers, latencies: tc.lat, minGaps: tc.gaps, balance: tc.balance, interval: 50 * time.Millisecond}
 		runs, err := f.runs()
 		if (err != nil) != tc.err {
 			t.Fatalf("%+v: err %v", tc, err)
@@ -120,6 +125,71 @@ func TestReplicaSyncDeliversAfterIntervalAndLatency(t *testing.T) {
 	}
 }
 
+// With early sends a decision reaches the peers gap + latency after it,
+// not at the next interval; a second decision within the gap shares the
+// first one's send; the byte budget's deferrals are counted.
+func TestReplicaSyncEarlySend(t *testing.T) {
+	set, req := syncWorld(t, replicaRun{routers: 3, sync: true, latency: 5 * time.Millisecond, gap: time.Millisecond})
+	d, err := set.Pick(context.Background(), req, []string{"a", "b"}) // at 1 ms
+	if err != nil {
+		t.Fatal(err)
+	}
+	set.Started(req.EngineID, d.Instance)
+	peer := set.reps[1].peers
+	if !set.reps[0].peers.earlyDue || set.reps[0].peers.earlyAt != 2*time.Millisecond {
+		t.Fatalf("early send due %v at %v, want at 2ms", set.reps[0].peers.earlyDue, set.reps[0].peers.earlyAt)
+	}
+	for _, tc := range []struct {
+		at       time.Duration
+		inflight int64
+	}{
+		{6 * time.Millisecond, 0}, // sent at 2 ms, in transit until 7 ms
+		{7 * time.Millisecond, 1}, // long before the first interval (50 ms)
+	} {
+		set.clock(tc.at)
+		if f, _, _ := peer.PeerLoad(d.Instance); f != tc.inflight {
+			t.Errorf("at %v: peer in flight %d, want %d", tc.at, f, tc.inflight)
+		}
+	}
+	if got := set.reps[0].peers.early; got != 1 {
+		t.Errorf("early sends %d, want 1", got)
+	}
+	// Two decisions 0.5 ms apart on replica 0 (round robin: requests 3k):
+	// one send.
+	for k, at := range []time.Duration{10 * time.Millisecond, 10*time.Millisecond + 500*time.Microsecond} {
+		set.clock(at)
+		for j := range 3 {
+			r := *req
+			r.EngineID = uint64(100 + 10*k + j)
+			d, err := set.Pick(context.Background(), &r, []string{"a", "b"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			set.Started(r.EngineID, d.Instance)
+		}
+	}
+	set.clock(20 * time.Millisecond)
+	if got := set.reps[0].peers.early; got != 2 {
+		t.Errorf("early sends %d after two decisions within one gap, want 2 in all", got)
+	}
+	// An empty budget defers the early send to the interval.
+	p := set.reps[0].peers
+	p.budget, p.refilled = 0, set.now
+	r := *req
+	r.EngineID = 200
+	set.next = 0
+	if _, err := set.Pick(context.Background(), &r, []string{"a", "b"}); err != nil {
+		t.Fatal(err)
+	}
+	set.clock(22 * time.Millisecond)
+	if p.deferred != 1 || p.early != 2 {
+		t.Errorf("with no budget: %d deferred, %d early sends; want 1, 2", p.deferred, p.early)
+	}
+	if p.msgs == 0 || p.bytes == 0 {
+		t.Errorf("traffic not counted: %d messages, %d bytes", p.msgs, p.bytes)
+	}
+}
+
 func TestReplicaNoSyncSharesNothing(t *testing.T) {
 	set, req := syncWorld(t, replicaRun{routers: 3})
 	d, err := set.Pick(context.Background(), req, []string{"a", "b"})
@@ -144,17 +214,18 @@ func TestReplicaNoSyncSharesNothing(t *testing.T) {
 func TestDESReplicasCommand(t *testing.T) {
 	var out, errb bytes.Buffer
 	err := run(context.Background(), []string{"des", "--workload", "chat", "--limit", "300", "--instances", "4",
-		"--strategies", "kv_aware", "--routers", "1,3", "--sync-latency", "0,off", "--agreement", "--bound=false", "--progress=false"}, &out, &errb)
+		"--strategies", "kv_aware", "--routers", "1,3", "--sync-latency", "0,off", "--sync-min-gap", "1ms,off", "--agreement", "--bound=false", "--progress=false"}, &out, &errb)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, errb.String())
 	}
 	s := out.String()
-	for _, row := range []string{"| kv_aware |", "| kv_aware x3 sync 0s |", "| kv_aware x3 no sync |"} {
+	for _, row := range []string{"| kv_aware |", "| kv_aware x3 sync 0s early 1ms |", "| kv_aware x3 sync 0s |", "| kv_aware x3 no sync |",
+		"sync traffic kv_aware x3 sync 0s early 1ms: ", "sync traffic kv_aware x3 sync 0s: "} {
 		if !strings.Contains(s, row) {
 			t.Errorf("no row %q in\n%s", row, s)
 		}
 	}
-	re := regexp.MustCompile(`agreement kv_aware x3 (sync 0s|no sync): ([0-9.]+)% of ([0-9]+)`)
+	re := regexp.MustCompile(`agreement kv_aware x3 (sync 0s early 1ms|sync 0s|no sync): ([0-9.]+)% of ([0-9]+)`)
 	got := map[string]float64{}
 	for _, m := range re.FindAllStringSubmatch(s, -1) {
 		pct, _ := strconv.ParseFloat(m[2], 64)
@@ -164,11 +235,13 @@ func TestDESReplicasCommand(t *testing.T) {
 		}
 		got[m[1]] = pct
 	}
-	if len(got) != 2 {
+	if len(got) != 3 {
 		t.Fatalf("agreement lines: %v\n%s", got, s)
 	}
-	if got["sync 0s"] < got["no sync"] {
-		t.Errorf("agreement with sync %.2f%% < without %.2f%%", got["sync 0s"], got["no sync"])
+	for _, k := range []string{"sync 0s", "sync 0s early 1ms"} {
+		if got[k] < got["no sync"] {
+			t.Errorf("agreement with %s %.2f%% < without sync %.2f%%", k, got[k], got["no sync"])
+		}
 	}
 	if strings.Contains(s, "failed:") {
 		t.Errorf("failures reported:\n%s", s)

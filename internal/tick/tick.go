@@ -1,5 +1,5 @@
 // Package tick runs periodic work: the ticker loop that the router's
-// background goroutines (consumer checks, replica sync, fleet
+// background goroutines (consumer checks, fleet
 // reconciliation, the bridge's age sweeps, kvctl's summaries) all ran
 // written out, once.
 package tick

@@ -94,6 +94,7 @@ func (o *kvObserver) Done(status, cached int) {
 	o.timerMu.Unlock()
 	o.release()
 	o.ended(status)
+	o.st.changed()
 	found := cached >= 0
 	if !found {
 		cached = -1

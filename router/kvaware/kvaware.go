@@ -413,6 +413,7 @@ func (s *KVAware) pick(ctx context.Context, req *router.Request, cands []*router
 	}
 	if commit {
 		s.commit(&dec, ev, ce)
+		s.st.changed()
 	}
 	return dec, ev, nil
 }

@@ -30,6 +30,10 @@ type PeerState interface {
 	Speculate(inst string, keys []kvindex.Key, ttl time.Duration)
 	// AttachLocal gives the peer state this replica's own counters.
 	AttachLocal(func(dst []replicasync.Load) []replicasync.Load)
+	// Changed tells the peer state that this replica's counters changed
+	// (a decision, a request's end), so that it may send early; it must
+	// not block.
+	Changed()
 }
 
 var _ PeerState = (*replicasync.Syncer)(nil)
@@ -139,4 +143,15 @@ func (st *KVState) PeerLoad(inst string) (inflight, pendingTokens, pendingReques
 		return 0, 0, 0
 	}
 	return st.peers.ps.PeerLoad(inst)
+}
+
+// changed tells the peers' side that this replica's state changed: after
+// a decision (the proxy's in-flight increment follows Pick's return by
+// microseconds, well within the early send's min_gap, which reads the
+// state only then) and after a request's end (the proxy releases its
+// in-flight count before Done).
+func (st *KVState) changed() {
+	if st.peers.ps != nil {
+		st.peers.ps.Changed()
+	}
 }

@@ -49,7 +49,7 @@ func (k *Pipeline) withReplicaSync(pc config.PoolConfig, cons *consumer.Consumer
 	}
 	s, err := replicasync.New(replicasync.Config{
 		Conn: k.conn, Pool: pc.Name, Replica: rc.Replica,
-		Interval: rc.Interval, Heartbeat: rc.Heartbeat, PeerTimeout: rc.PeerTimeout,
+		Interval: rc.Interval, MinGap: rc.MinGap, NoEarlySend: rc.DisableEarlySend, Heartbeat: rc.Heartbeat, PeerTimeout: rc.PeerTimeout,
 		MaxMessageBytes: rc.MaxMessageBytes, MaxBytesPerSecond: rc.MaxBytesPerSecond,
 		Epoch: cons.LostEpoch, Metrics: rs.m, Logger: k.log,
 	})
