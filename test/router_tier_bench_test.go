@@ -25,6 +25,7 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/router"
 )
 
 // BenchmarkRouterTier measures the router tier's throughput with 1, 2 and
@@ -112,6 +113,13 @@ func BenchmarkRouterTier(b *testing.B) {
 		return body
 	}
 
+	// One stream and bucket for every case: a stream takes the pool's
+	// kv.events subjects, which two streams cannot share, and a NATS
+	// stream name cannot hold the case's "/" (with it no consumer ran and
+	// every decision fell back as stream_down). The cases run one at a
+	// time, so their routers consume it in turn.
+	stream, bucket := "EV_"+name, "SN_"+name
+
 	// With sync, early sends (events.replica_sync.min_gap) on and off side
 	// by side: their cost in router CPU and in sync messages.
 	for _, c := range []struct {
@@ -119,18 +127,18 @@ func BenchmarkRouterTier(b *testing.B) {
 		sync, early bool
 	}{{1, true, true}, {2, false, false}, {2, true, false}, {2, true, true}, {3, false, false}, {3, true, false}, {3, true, true}} {
 		replicas := c.replicas
-		name := fmt.Sprintf("replicas=%d/sync=%v", replicas, c.sync)
+		sub := fmt.Sprintf("replicas=%d/sync=%v", replicas, c.sync)
 		if c.sync {
-			name += fmt.Sprintf("/early=%v", c.early)
+			sub += fmt.Sprintf("/early=%v", c.early)
 		}
-		b.Run(name, func(b *testing.B) {
+		b.Run(sub, func(b *testing.B) {
 			var rs []*tierReplica
 			for r := 0; r < replicas; r++ {
 				cfg := config.Config{AdminToken: "adm",
 					Listen:      fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(b)),
 					AdminListen: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(b)),
 					Log:         config.LogConfig{Level: "warn", Format: "json"},
-					Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: "EV_" + name}, Bucket: "SN_" + name,
+					Events: &config.EventsConfig{NATS: config.NATSConfig{URL: ns.URL(), Stream: stream}, Bucket: bucket,
 						ReplicaSync: &config.ReplicaSyncConfig{Enabled: c.sync, Replica: fmt.Sprintf("r%d-of-%d", r, replicas), DisableEarlySend: !c.early}},
 					Pools: []config.PoolConfig{{Name: pool, Model: simModel,
 						Routing: config.RoutingConfig{Strategy: config.StrategyKVAware, KV: &config.KVScoringConfig{BlockSize: 16}},
@@ -218,6 +226,10 @@ func BenchmarkRouterTier(b *testing.B) {
 				return true
 			})
 			b.Logf("replicas=%d reasons: %s", replicas, strings.Join(rsn, " "))
+			if v, ok := reasons.Load(string(router.ReasonStreamDown)); ok && v.(*atomic.Int64).Load() > 0 {
+				// The figure would be the heuristic fallback's, not kv_aware's.
+				b.Fatalf("%d decisions fell back as stream_down: the replicas consume no stream", v.(*atomic.Int64).Load())
+			}
 			for _, r := range rs {
 				r.stop()
 			}
