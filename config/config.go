@@ -638,6 +638,11 @@ func (c Config) Validate() error {
 				return bad("events.nats.listen %q: want host:port", e.NATS.Listen)
 			}
 		}
+		for _, n := range []struct{ key, v string }{{"events.nats.stream", e.NATS.Stream}, {"events.bucket", e.Bucket}} {
+			if n.v != "" && !jetStreamName(n.v) {
+				return bad("%s %q: not a JetStream name (at most 255 bytes; no whitespace, '.', '*', '>', '/' or '\\')", n.key, n.v)
+			}
+		}
 		if r := e.NATS.StreamReplicas; r < 0 || r > 5 { // JetStream's limit (kvstream.MaxReplicas)
 			return bad("events.nats.stream_replicas %d out of range 0..5", r)
 		} else if r > 1 && e.NATS.URL == "" {
@@ -760,6 +765,25 @@ func (c Config) Validate() error {
 		return bad("default_pool %q: no such pool", c.DefaultPool)
 	}
 	return nil
+}
+
+// jetStreamName reports whether s is a name the NATS server accepts for a
+// stream (and so for a key-value bucket, whose stream is KV_<bucket>): at
+// most 255 bytes, no whitespace or control characters, none of '.', '*',
+// '>' (subject tokens) nor '/', '\\' (the server stores streams in
+// directories of that name). The server refuses any other at creation,
+// after which nothing is consumed and every kv_aware decision falls back:
+// refused here instead, at load.
+func jetStreamName(s string) bool {
+	if len(s) == 0 || len(s) > 255 {
+		return false
+	}
+	for _, r := range s {
+		if r <= ' ' || r == 0x7f || strings.ContainsRune(".*>/\\", r) {
+			return false
+		}
+	}
+	return true
 }
 
 // validName accepts names safe in metrics labels, URLs and NATS subjects.

@@ -230,3 +230,41 @@ func TestSameListenAddr(t *testing.T) {
 		}
 	}
 }
+
+// TestJetStreamNames: a stream or bucket name the NATS server would refuse
+// is refused at load, naming the key (with it the router would start,
+// consume nothing and route every kv_aware decision as stream_down).
+func TestJetStreamNames(t *testing.T) {
+	const pool = "pools:\n  - name: p\n    model: m\n    instances: [{id: a, url: 'http://h:1'}]\n"
+	for _, tc := range []struct {
+		stream, bucket string
+		bad            string // the key the error names; "" = accepted
+	}{
+		{"KV_EVENTS", "KV_SNAPSHOTS", ""},
+		{"EV_t1_2_replicas=2-sync=true", "SN_x", ""},
+		{"EV_replicas=2/sync=true", "", "events.nats.stream"},
+		{"a.b", "", "events.nats.stream"},
+		{"a b", "", "events.nats.stream"},
+		{"a>", "", "events.nats.stream"},
+		{`a\b`, "", "events.nats.stream"},
+		{strings.Repeat("s", 256), "", "events.nats.stream"},
+		{"", "snap*", "events.bucket"},
+		{"", "x/y", "events.bucket"},
+	} {
+		doc := pool + "events:\n  nats: {stream: '" + tc.stream + "'}\n  bucket: '" + tc.bucket + "'\n"
+		c, err := ParseConfig(strings.NewReader(doc))
+		if err != nil {
+			t.Fatalf("parse: %v", err)
+		}
+		err = c.Validate()
+		if tc.bad == "" {
+			if err != nil {
+				t.Errorf("stream %q bucket %q: %v", tc.stream, tc.bucket, err)
+			}
+			continue
+		}
+		if err == nil || !errors.Is(err, ErrInvalidConfig) || !strings.Contains(err.Error(), tc.bad+" ") {
+			t.Errorf("stream %.20q bucket %q: err %v, want ErrInvalidConfig naming %s", tc.stream, tc.bucket, err, tc.bad)
+		}
+	}
+}
