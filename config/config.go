@@ -639,7 +639,7 @@ func (c Config) Validate() error {
 			}
 		}
 		for _, n := range []struct{ key, v string }{{"events.nats.stream", e.NATS.Stream}, {"events.bucket", e.Bucket}} {
-			if n.v != "" && !jetStreamName(n.v) {
+			if n.v != "" && !JetStreamName(n.v) {
 				return bad("%s %q: not a JetStream name (at most 255 bytes; no whitespace, '.', '*', '>', '/' or '\\')", n.key, n.v)
 			}
 		}
@@ -767,14 +767,14 @@ func (c Config) Validate() error {
 	return nil
 }
 
-// jetStreamName reports whether s is a name the NATS server accepts for a
+// JetStreamName reports whether s is a name the NATS server accepts for a
 // stream (and so for a key-value bucket, whose stream is KV_<bucket>): at
 // most 255 bytes, no whitespace or control characters, none of '.', '*',
 // '>' (subject tokens) nor '/', '\\' (the server stores streams in
 // directories of that name). The server refuses any other at creation,
 // after which nothing is consumed and every kv_aware decision falls back:
 // refused here instead, at load.
-func jetStreamName(s string) bool {
+func JetStreamName(s string) bool {
 	if len(s) == 0 || len(s) > 255 {
 		return false
 	}

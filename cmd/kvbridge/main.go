@@ -26,6 +26,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/kvrouter/kvrouter/cmd/internal/cli"
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/liblog"
@@ -157,6 +158,11 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	}
 	if o.streamReplicas < 0 || o.streamReplicas > kvstream.MaxReplicas {
 		return nil, fmt.Errorf("--stream-replicas %d out of range 1..%d", o.streamReplicas, kvstream.MaxReplicas)
+	}
+	for _, n := range []struct{ flag, v string }{{"--stream", o.stream}, {"--bucket", o.bucket}} {
+		if n.v != "" && !config.JetStreamName(n.v) {
+			return nil, fmt.Errorf("%s %q: not a JetStream name (at most 255 bytes; no whitespace, '.', '*', '>', '/' or '\\')", n.flag, n.v)
+		}
 	}
 	return o, nil
 }
