@@ -375,23 +375,19 @@ func (s *Sched) stepSizedIn(l *level) *Item {
 }
 
 // passesHeld reports whether the arriving request it, one that fits a
-// step, finds only oversized prompts waiting, each held back by the
-// reservation alone: it goes at once if it fits (Offer), onto the room
-// the reservation keeps for it, instead of being queued and predicted
-// behind prompts it would pass at the next dispatch anyway (stepSized)
-// — and shed on arrival for their tokens, the half-load sheds.
-func (s *Sched) passesHeld(it *Item) bool {
+// step, finds only oversized prompts waiting with the one Next would
+// admit first held back by the reservation alone: Next would then let the
+// first step-sized request in fair-queuing order go onto the room the
+// reservation keeps (stepSized), so it goes at once if it fits (Offer),
+// instead of being queued and predicted behind prompts it would pass at
+// the next dispatch anyway — and shed on arrival for their tokens, the
+// half-load sheds. One reservation check, as Next makes.
+func (s *Sched) passesHeld(it *Item, now time.Time) bool {
 	if s.queuedSmall > 0 || s.oversized(it) {
 		return false
 	}
-	for _, l := range s.order {
-		for _, w := range l.tags {
-			if !s.reserveBlocks(w) {
-				return false
-			}
-		}
-	}
-	return true
+	h, _ := s.head(now)
+	return !s.fits(h) && s.reserveBlocks(h)
 }
 
 // noteArrival accounts an arrival: the time since the previous one, and

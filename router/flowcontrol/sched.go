@@ -381,7 +381,7 @@ func (s *Sched) Offer(it *Item, now time.Time) Outcome {
 	it.Cost = max(it.Cost, 1)
 	it.Prefill = max(it.Prefill, 0)
 	s.noteArrival(it, now)
-	if (s.queued == 0 || s.passesHeld(it)) && s.fits(it) {
+	if (s.queued == 0 || s.passesHeld(it, now)) && s.fits(it) {
 		s.admit(it, now)
 		s.counts.AdmittedAtOnce++
 		return Outcome{Verdict: Admitted}
@@ -569,19 +569,9 @@ func (s *Sched) admit(it *Item, now time.Time) {
 	s.bigAdmitted(it)
 }
 
-// Next admits the next waiting request if the budgets allow, else returns
-// nil. The band is the most urgent after aging (a request's band improves
-// by one per AgingStep waited; ties go to the band that is there by its own
-// priority); within a band the oldest request goes first once aging has
-// promoted it, else the one fair queuing puts first. The request chosen
-// that does not fit the budgets blocks the queue, so that a large prompt
-// is not overtaken by smaller ones of its own tenant or of tenants fair
-// queuing puts behind it; only an arrival ranked ahead of it goes first.
-func (s *Sched) Next(now time.Time) *Item {
-	s.tick(now)
-	if s.queued == 0 {
-		return nil
-	}
+// head is the waiting request Next considers first, and its band (the
+// queue is not empty).
+func (s *Sched) head(now time.Time) (*Item, *level) {
 	var best *level
 	bestEff, aged := int64(0), false
 	for _, l := range s.order {
@@ -595,12 +585,29 @@ func (s *Sched) Next(now time.Time) *Item {
 			best, bestEff, aged = l, eff, eff < l.prio
 		}
 	}
-	it := best.tags[0]
-	if aged {
-		it = best.fifo.Front().Value.(*Item)
-	} else if s.cfg.PreferCached {
-		it = s.preferred(best)
+	switch {
+	case aged:
+		return best.fifo.Front().Value.(*Item), best
+	case s.cfg.PreferCached:
+		return s.preferred(best), best
 	}
+	return best.tags[0], best
+}
+
+// Next admits the next waiting request if the budgets allow, else returns
+// nil. The band is the most urgent after aging (a request's band improves
+// by one per AgingStep waited; ties go to the band that is there by its own
+// priority); within a band the oldest request goes first once aging has
+// promoted it, else the one fair queuing puts first. The request chosen
+// that does not fit the budgets blocks the queue, so that a large prompt
+// is not overtaken by smaller ones of its own tenant or of tenants fair
+// queuing puts behind it; only an arrival ranked ahead of it goes first.
+func (s *Sched) Next(now time.Time) *Item {
+	s.tick(now)
+	if s.queued == 0 {
+		return nil
+	}
+	it, best := s.head(now)
 	if !s.fits(it) {
 		if !s.reserveBlocks(it) {
 			return nil
