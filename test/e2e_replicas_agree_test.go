@@ -2,6 +2,7 @@ package test
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -31,33 +32,72 @@ func probePrompt(i int) []uint32 {
 	return p
 }
 
-// probeAll sends the same completion to every router at once and returns
-// the instance each one picked ("" for a failed request) and how each
-// explained it (reason, predicted TTFT, matched tokens).
-func probeAll(routers []*clusterRouter, prompt []uint32) (picks, why []string) {
+// previewAll asks every router, at one instant, which instance it would
+// pick for the same completion and why (reason, predicted TTFT, matched
+// tokens), dry (kvaware.Preview: nothing committed, so no replica's answer
+// is a peer's state). Copies of one request sent to all three at once
+// would not compare like with like: a replica that decides first sends its
+// in-flight request to its peers a millisecond later (early sends,
+// docs/replicas.md), and one that decides after that sees it, as it
+// should. The request is resolved as the HTTP edge resolves it.
+func previewAll(t *testing.T, routers []*clusterRouter, pool string, prompt []uint32) (picks, why []string) {
+	t.Helper()
 	body, _ := json.Marshal(map[string]any{"model": simModel, "prompt": prompt, "max_tokens": 1})
 	picks = make([]string, len(routers))
 	why = make([]string, len(routers))
+	errs := make([]error, len(routers))
 	var wg sync.WaitGroup
 	for i, r := range routers {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			resp, err := http.Post(r.http.URL+"/v1/completions", "application/json", bytes.NewReader(body))
+			req, p, err := r.srv.Resolve(router.Inbound{Endpoint: router.EndpointCompletions, Body: body, InjectSalt: true})
 			if err != nil {
+				errs[i] = err
 				return
 			}
-			_, _ = io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				picks[i] = resp.Header.Get(router.HeaderInstance)
-				why[i] = resp.Header.Get(router.HeaderReason) + " ttft=" + resp.Header.Get(router.HeaderPredictedTTFT) +
-					"ms matched=" + resp.Header.Get(router.HeaderMatchedTokens)
+			if p.Name() != pool {
+				errs[i] = fmt.Errorf("resolved to pool %s, want %s", p.Name(), pool)
+				return
+			}
+			_, strat := p.Routing()
+			cands, _ := p.Candidates(nil, req.Adapter, nil)
+			d, err := kvaware.Preview(context.Background(), strat, req, cands)
+			if err != nil {
+				errs[i] = err
+				return
+			}
+			picks[i] = d.Instance.ID()
+			why[i] = string(d.Reason)
+			if e := d.Explain; e != nil {
+				why[i] += fmt.Sprintf(" ttft=%v matched=%v", e.PredictedTTFT, e.MatchedTokens)
 			}
 		}()
 	}
 	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("preview on r%d: %v", i, err)
+		}
+	}
 	return picks, why
+}
+
+// sendProbe routes the probe for real through one router, so that it
+// leaves what a request leaves (speculative and stored blocks, load) for
+// the probes after it.
+func sendProbe(t *testing.T, r *clusterRouter, prompt []uint32) {
+	t.Helper()
+	body, _ := json.Marshal(map[string]any{"model": simModel, "prompt": prompt, "max_tokens": 1})
+	resp, err := http.Post(r.http.URL+"/v1/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatalf("probe: %v", err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("probe: status %d", resp.StatusCode)
+	}
 }
 
 // engineLoads is what each router last scraped from the engines
@@ -83,19 +123,13 @@ func engineLoads(routers []*clusterRouter, pool string) []string {
 
 // agreeCount tallies probes: all replicas picked the same instance, or not.
 type agreeCount struct {
-	probes, agreed, failed int
-	splits                 map[string]int // disagreeing pick sets, for the log
+	probes, agreed int
+	splits         map[string]int // disagreeing pick sets, for the log
 }
 
 // add counts one probe; false for a split.
 func (a *agreeCount) add(picks []string) bool {
 	a.probes++
-	for _, p := range picks {
-		if p == "" {
-			a.failed++
-			return true
-		}
-	}
 	for _, p := range picks[1:] {
 		if p != picks[0] {
 			if a.splits == nil {
@@ -113,26 +147,28 @@ func (a *agreeCount) frac() float64 { return float64(a.agreed) / float64(max(a.p
 
 // Decision agreement between three router replicas (issue 14): each with
 // its own memory index fed from the same JetStream stream on a 3-node
-// cluster, replica sync on. The same request sent to all three at once
-// picks the same instance:
+// cluster, replica sync on. Each replica, asked at one instant which
+// instance it would pick for the same request (previewAll: dry, nothing
+// committed), names the same one:
 //
 //   - once state has settled (traffic stopped, sync and events delivered):
 //     in at least 97% of probes — the test's assertion; the issue's target
 //     is 99%. Each split is logged with every replica's reason and the
-//     engine-load samples it held. Before the samples left out the
-//     requests any replica saw end since they were taken (loadended.go,
-//     sync version 3), 93–98 of 100 agreed on a loaded 2-core machine
-//     (94–97 in the runs beside the change: three of four under 97) and
-//     every split was a kv_match tie broken by a sample that one replica's
-//     scrape had taken while an earlier probe (or the load) ran; after,
-//     98–100 in eleven runs (docs/BENCHMARKS.md §11), so 97% catches the
-//     old behaviour and leaves a split or two for a loaded machine;
+//     engine-load samples it held. Each probe is then routed for real
+//     through one replica in turn, so the next probes meet its blocks and
+//     load. 100 of 100 in three runs (docs/BENCHMARKS.md §11); 97% leaves
+//     a split or two for a loaded machine.
+//     Until stop 27 the probe was sent live to all three at once: with
+//     early sends (1 ms) the replicas that decided later saw the first
+//     one's request in flight and, rightly, avoided it — 95 of 100 in one
+//     CI run, every split two-against-one, all kv_match at the same
+//     predicted TTFT;
 //   - under steady load through all three (round robin, as an L4 balancer):
 //     measured and logged (KV_AGREE_SECONDS, default 5 s), not asserted:
-//     each replica learns a peer's decisions an interval later, scrapes
-//     the engines at its own moments, and follows utilisation and the
-//     prefill-cost weight from its own decisions (docs/replicas.md, "What
-//     can still differ").
+//     each replica learns a peer's decisions a millisecond or more later,
+//     scrapes the engines at its own moments, and follows utilisation and
+//     the prefill-cost weight from its own decisions (docs/replicas.md,
+//     "What can still differ").
 func TestE2EReplicaDecisionAgreement(t *testing.T) {
 	f := newClusterFleet(t, 4, 512, 20)
 	routers := []*clusterRouter{
@@ -154,7 +190,7 @@ func TestE2EReplicaDecisionAgreement(t *testing.T) {
 	var busy agreeCount
 	start := time.Now()
 	for i := 0; time.Since(start) < time.Duration(secs*float64(time.Second)); i++ {
-		picks, _ := probeAll(routers, probePrompt(1000+i))
+		picks, _ := previewAll(t, routers, f.pool, probePrompt(1000+i))
 		busy.add(picks)
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -163,15 +199,13 @@ func TestE2EReplicaDecisionAgreement(t *testing.T) {
 		t.Fatalf("load: %s", l.summary())
 	}
 	rate := float64(l.sent.Load()) / secs
-	t.Logf("under load (%.0f requests/s through 3 replicas): %d of %d probes agreed (%.1f%%), %d failed; splits %v",
-		rate, busy.agreed, busy.probes, 100*busy.frac(), busy.failed, busy.splits)
-	if busy.failed > 0 {
-		t.Fatalf("%d probes failed under load", busy.failed)
-	}
+	t.Logf("under load (%.0f requests/s through 3 replicas): %d of %d probes agreed (%.1f%%); splits %v",
+		rate, busy.agreed, busy.probes, 100*busy.frac(), busy.splits)
 
 	// Settled: wait until no replica counts anything in flight, its own
-	// or its peers', then probe one request at a time, each after the
-	// previous one's state has gone round (two sync intervals).
+	// or its peers', then probe one request at a time: ask all three,
+	// then route it for real through one of them (in turn), and wait for
+	// its state to go round before the next.
 	for i, r := range routers {
 		testenv.WaitFor(t, 30*time.Second, fmt.Sprintf("r%d idle", i), func() bool {
 			for _, v := range r.view(t, f.pool) {
@@ -185,15 +219,16 @@ func TestE2EReplicaDecisionAgreement(t *testing.T) {
 	var settled agreeCount
 	for i := 0; i < 100; i++ {
 		loads := engineLoads(routers, f.pool)
-		picks, why := probeAll(routers, probePrompt(i))
+		picks, why := previewAll(t, routers, f.pool, probePrompt(i))
 		if !settled.add(picks) {
 			t.Logf("settled split %d: picks %v; why %q; scraped waiting/running before it %q", i, picks, why, loads)
 		}
+		sendProbe(t, routers[i%len(routers)], probePrompt(i))
 		time.Sleep(150 * time.Millisecond)
 	}
-	t.Logf("settled: %d of %d probes agreed (%.1f%%), %d failed; splits %v",
-		settled.agreed, settled.probes, 100*settled.frac(), settled.failed, settled.splits)
-	if settled.failed > 0 || settled.frac() < 0.97 {
-		t.Fatalf("settled agreement %.1f%% (%d failed), want >= 97%%", 100*settled.frac(), settled.failed)
+	t.Logf("settled: %d of %d probes agreed (%.1f%%); splits %v",
+		settled.agreed, settled.probes, 100*settled.frac(), settled.splits)
+	if settled.frac() < 0.97 {
+		t.Fatalf("settled agreement %.1f%%, want >= 97%%", 100*settled.frac())
 	}
 }

@@ -2,6 +2,7 @@ package kvaware
 
 import (
 	"context"
+	"fmt"
 	"strconv"
 
 	"github.com/kvrouter/kvrouter/config"
@@ -113,4 +114,27 @@ func predictedPick(ev *kvEval, inst *router.Instance) shadowPick {
 		p.ttft = ce.ttft
 	}
 	return p
+}
+
+// Preview is the decision kv_aware would make for req over cands now,
+// evaluated dry: nothing is committed (no speculative entries, pending
+// prefill, averages, rent, metrics or replica-sync change), so asking
+// several router replicas at one instant compares what each would decide
+// from the state it holds. s is a pool's strategy: kv_aware itself or
+// shadow scoring around it; any other is an error.
+func Preview(ctx context.Context, s router.Strategy, req *router.Request, cands []*router.Instance) (router.Decision, error) {
+	var kv *KVAware
+	switch v := s.(type) {
+	case *KVAware:
+		kv = v
+	case *Shadow:
+		kv = v.kv
+	default:
+		return router.Decision{}, fmt.Errorf("kvaware: preview: strategy %s does not score with kv_aware", s.Name())
+	}
+	dec, ev, err := kv.pick(ctx, req, cands, false)
+	if ev != nil {
+		kv.st.putEval(ev)
+	}
+	return dec, err
 }
