@@ -62,7 +62,7 @@ func previewAll(t *testing.T, routers []*clusterRouter, pool string, prompt []ui
 			}
 			_, strat := p.Routing()
 			cands, _ := p.Candidates(nil, req.Adapter, nil)
-			d, err := kvaware.Preview(context.Background(), strat, req, cands)
+			d, _, err := kvaware.Preview(context.Background(), strat, req, cands)
 			if err != nil {
 				errs[i] = err
 				return

@@ -208,6 +208,7 @@ func TestHelpPerCommand(t *testing.T) {
 	}{
 		{[]string{"instances", "--help"}, "GET /admin/pools/{pool}/instances", true},
 		{[]string{"lookup", "--help"}, "--prompt-file", true},
+		{[]string{"decide", "--help"}, "POST /admin/pools/{pool}/decide", true},
 		{[]string{"routing", "set", "--help"}, "PUT /admin/pools/{pool}/routing", true},
 		{[]string{"routing", "get", "-h"}, "GET /admin/pools/{pool}/routing", true},
 		{[]string{"tail", "evictions", "--help"}, "kv.evictions.<pool>.<instance>", true},

@@ -20,6 +20,7 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/admin/adminapi"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
@@ -152,6 +153,34 @@ func TestKVCommandsEndToEnd(t *testing.T) {
 		if !strings.Contains(out, s) {
 			t.Errorf("lookup table lacks %q:\n%s", s, out)
 		}
+	}
+
+	// decide: kv_aware would send the prompt to vllm-1 for what it holds
+	// there (2 blocks on GPU, 2 more on CPU); asking commits nothing.
+	for range 2 {
+		code, out, errOut = runCLI(t, "decide", "--pool", pool, "--tokens", tokFile, "--json")
+		if code != 0 {
+			t.Fatalf("decide: exit %d: %s", code, errOut)
+		}
+		var d adminapi.DecideResponse
+		if err := json.Unmarshal([]byte(out), &d); err != nil {
+			t.Fatalf("decide --json: %v\n%s", err, out)
+		}
+		if k := d.KVAware; d.Pool != pool || d.Endpoint != "completions" || k.Instance != "vllm-1" || k.Reason != "kv_match" ||
+			k.GPUTokens != 32 || k.CPUTokens != 32 || k.PromptTokens != len(ids) || k.PredictedTTFTMs == nil || d.PrefixAware.Instance == "" {
+			t.Fatalf("decide: %s", out)
+		}
+	}
+	code, out, errOut = runCLI(t, "decide", "--pool", pool, "--tokens", tokFile)
+	if code != 0 || !strings.Contains(out, "kv_aware      vllm-1") || !strings.Contains(out, "kv_match") {
+		t.Errorf("decide table (exit %d, %s):\n%s", code, errOut, out)
+	}
+	notJSON := filepath.Join(t.TempDir(), "req.json")
+	if err := os.WriteFile(notJSON, []byte(`{"prompt":`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if code, _, errOut = runCLI(t, "decide", "--pool", pool, "--request", notJSON); code != 2 || !strings.Contains(errOut, "not JSON") {
+		t.Errorf("decide --request with a broken body: exit %d: %s", code, errOut)
 	}
 
 	// The GPU eviction reached both tails.

@@ -35,6 +35,7 @@ type command struct {
 
 // commands is the whole CLI; adding a command is adding one line.
 var commands = []command{
+	{"decide", "ask where the router would send a request now and why: kv_aware's pick beside the hash's (dry, nothing routed)", runDecide},
 	{"events decode", "print a KV-event capture (raw msgpack payload or JSONL with payload_b64; - for stdin) as one JSON object per event", runEventsDecode},
 	{"instances", "list pools' instances: health, in-flight, KV blocks per tier, event stream state", runInstances},
 	{"lookup", "ask a pool's KV index which instances hold a prompt's blocks, per tier", runLookup},

@@ -25,6 +25,9 @@ import (
 type Server interface {
 	Pools() []*router.Pool
 	Pool(name string) (*router.Pool, bool)
+	// Resolve turns a request into the Request the data plane would
+	// route (router.Table.Resolve on the current table).
+	Resolve(in router.Inbound) (*router.Request, *router.Pool, error)
 	Registry() *prometheus.Registry
 	AdminToken() string
 	Logger() *slog.Logger

@@ -44,6 +44,7 @@ const maxLookupBody = 16 << 20
 func (s *api) addKVAdminRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("POST /admin/pools/{pool}/lookup", s.auth(s.serveKVLookup))
 	mux.HandleFunc("GET /admin/pools/{pool}/instances", s.auth(s.serveKVInstances))
+	mux.HandleFunc("POST /admin/pools/{pool}/decide", s.auth(s.serveDecide))
 	mux.HandleFunc("GET /v1/kv/evictions", s.auth(s.serveEvictions))
 }
 

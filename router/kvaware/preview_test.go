@@ -2,6 +2,7 @@ package kvaware
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"testing"
@@ -23,9 +24,13 @@ func TestPreviewCommitsNothing(t *testing.T) {
 	}
 	for _, strat := range []router.Strategy{s, NewShadow(router.NewPrefixAware(0, nil), s)} {
 		for i := range 8 {
-			d, err := Preview(context.Background(), strat, req(i), w.insts)
+			d, h, err := Preview(context.Background(), strat, req(i), w.insts)
 			if err != nil {
 				t.Fatal(err)
+			}
+			// Nothing held: kv_aware's heuristic is the hash-home.
+			if h.Strategy != config.StrategyPrefixAware || h.Instance != d.Instance {
+				t.Fatalf("preview %d: hash pick %s (%s), kv_aware's heuristic %s", i, h.Instance.ID(), h.Strategy, d.Instance.ID())
 			}
 			if d.Reason != router.ReasonHeuristic || d.Observer != nil || d.Explain == nil {
 				t.Fatalf("%s preview %d: reason %s, observer %v, explain %v; want heuristic, none, set", strat.Name(), i, d.Reason, d.Observer, d.Explain)
@@ -38,14 +43,14 @@ func TestPreviewCommitsNothing(t *testing.T) {
 		}
 	}
 	first := kvPick(t, s, req(100), w.insts)
-	d, err := Preview(context.Background(), s, req(101), w.insts)
+	d, _, err := Preview(context.Background(), s, req(101), w.insts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if d.Instance != first.Instance || d.Reason != router.ReasonKVMatch {
 		t.Fatalf("after a pick on %s: preview %s %s, want it kv_match", first.Instance.ID(), d.Instance.ID(), d.Reason)
 	}
-	if _, err := Preview(context.Background(), router.NewPrefixAware(0, nil), req(0), w.insts); err == nil {
-		t.Fatal("preview of prefix_aware: no error")
+	if _, _, err := Preview(context.Background(), router.NewPrefixAware(0, nil), req(0), w.insts); !errors.Is(err, ErrNoPreview) {
+		t.Fatalf("preview of prefix_aware: %v, want ErrNoPreview", err)
 	}
 }

@@ -2,6 +2,7 @@ package kvaware
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 
@@ -117,24 +118,38 @@ func predictedPick(ev *kvEval, inst *router.Instance) shadowPick {
 }
 
 // Preview is the decision kv_aware would make for req over cands now,
-// evaluated dry: nothing is committed (no speculative entries, pending
-// prefill, averages, rent, metrics or replica-sync change), so asking
-// several router replicas at one instant compares what each would decide
-// from the state it holds. s is a pool's strategy: kv_aware itself or
-// shadow scoring around it; any other is an error.
-func Preview(ctx context.Context, s router.Strategy, req *router.Request, cands []*router.Instance) (router.Decision, error) {
-	var kv *KVAware
+// evaluated dry, and prefix_aware's (the hash kv_aware falls back to) beside
+// it: nothing is committed (no speculative entries, pending prefill,
+// averages, rent, metrics or replica-sync change), so asking several router
+// replicas at one instant compares what each would decide from the state it
+// holds, and an operator can ask why a prompt would go where it goes
+// (POST /admin/pools/{pool}/decide). s is a pool's strategy: kv_aware
+// itself or shadow scoring around it; any other is an error.
+func Preview(ctx context.Context, s router.Strategy, req *router.Request, cands []*router.Instance) (kv, hash router.Decision, err error) {
+	var k *KVAware
 	switch v := s.(type) {
 	case *KVAware:
-		kv = v
+		k = v
 	case *Shadow:
-		kv = v.kv
+		k = v.kv
 	default:
-		return router.Decision{}, fmt.Errorf("kvaware: preview: strategy %s does not score with kv_aware", s.Name())
+		return kv, hash, fmt.Errorf("%w: strategy %s does not score with kv_aware", ErrNoPreview, s.Name())
 	}
-	dec, ev, err := kv.pick(ctx, req, cands, false)
-	if ev != nil {
-		kv.st.putEval(ev)
+	kv, ev, err := k.pick(ctx, req, cands, false)
+	if err != nil {
+		return kv, hash, err
 	}
-	return dec, err
+	defer k.st.putEval(ev)
+	if hash, err = k.fallback.Pick(ctx, req, cands); err != nil {
+		return kv, hash, err
+	}
+	// kv_aware's prediction for the hash's pick, as for its own.
+	if ce := ev.find(hash.Instance); ce != nil && ev.tokens > 0 {
+		hash.Explain = &router.Explanation{MatchedTokens: ce.matched, PromptTokens: ev.tokens, PredictedTTFT: seconds(ce.ttft)}
+	}
+	return kv, hash, nil
 }
+
+// ErrNoPreview: the pool's strategy does not score with kv_aware (neither
+// kv_aware nor shadow scoring), so there is no exact decision to preview.
+var ErrNoPreview = errors.New("kvaware: no kv_aware decision to preview")

@@ -62,3 +62,33 @@ type KVInstancesResponse struct {
 	BlockSize     int              `json:"block_size"`
 	Instances     []KVInstanceView `json:"instances"`
 }
+
+// DecidePick is one strategy's pick in POST /admin/pools/{pool}/decide,
+// with kv_aware's prediction for that instance: the prompt's tokens it
+// holds per tier (each beyond the faster tiers') and the time to first
+// token the model predicts there. The prediction is absent when the
+// prompt's tokens are unknown (no token ids and no tokenizer).
+type DecidePick struct {
+	Instance        string   `json:"instance"`
+	Reason          string   `json:"reason"`
+	PromptTokens    int      `json:"prompt_tokens,omitempty"`
+	GPUTokens       int      `json:"gpu_tokens,omitempty"`
+	CPUTokens       int      `json:"cpu_tokens,omitempty"`
+	DiskTokens      int      `json:"disk_tokens,omitempty"`
+	SharedTokens    int      `json:"shared_tokens,omitempty"`
+	PredictedTTFTMs *float64 `json:"predicted_ttft_ms,omitempty"`
+}
+
+// DecideResponse answers POST /admin/pools/{pool}/decide: where kv_aware
+// would send the request now, and where prefix_aware's hash would,
+// evaluated dry (nothing is routed or committed).
+type DecideResponse struct {
+	Pool string `json:"pool"`
+	// Endpoint is "chat" for a body with messages, else "completions".
+	Endpoint string `json:"endpoint"`
+	// Strategy is the strategy the pool routes with (kv_aware, or the
+	// heuristic shadow scoring runs beside).
+	Strategy    string     `json:"strategy"`
+	KVAware     DecidePick `json:"kv_aware"`
+	PrefixAware DecidePick `json:"prefix_aware"`
+}
