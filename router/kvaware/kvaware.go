@@ -93,7 +93,6 @@ type KVState struct {
 	drainRate  prefillRate   // measured prefill throughput (kvaware_drain.go)
 	prefillDef atomic.Uint64 // the configured P (float64 bits) the measured rate falls back to
 	behind     sampleMean    // requests joining a prefill busy period after another (kvaware_drain.go)
-	follow     followTable   // followers in a busy period per level of the fleet's pending work (follow.go)
 	computed   sampleMean    // tokens a pick makes its instance compute, ū (placement.go)
 	rent       rentTable     // hot prefixes' rent accounts (kvaware_replicate.go)
 
@@ -111,7 +110,6 @@ type pendingCounter struct {
 	reqs   atomic.Int64
 	doneAt atomic.Int64 // when the routed work is predicted done, Unix ns (kvaware_drain.go)
 	period atomic.Int64 // requests routed since the pending queue was last empty
-	levels periodLevels // the same requests per level of the fleet's pending work (follow.go)
 	pl     pendList     // the pending requests themselves, with replica sync (kvaware_sharedq.go)
 	ends   endList      // requests that ended recently (loadended.go)
 	queued queueAverage // predicted queue, averaged over time (placement.go)
@@ -319,7 +317,6 @@ type kvEval struct {
 	cold      []int32  // the cold candidates' positions, for scoreCold
 	commit    bool     // the decision will be committed (not shadow scoring)
 	weight    float64  // prefill cost weight used
-	level     int      // level of the fleet's pending work at the decision (follow.go)
 	later     float64  // n: later requests expected to read the new context (placement.go)
 	rent      rentNote // what the pick pays or buys (kvaware_replicate.go)
 	sc        *kvScoring
@@ -620,8 +617,7 @@ func (s *KVAware) predict(ev *kvEval) {
 		ownRate = st.publishedRate()
 	}
 	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
-	ev.level = st.fleetLevel(ev)
-	ev.weight = s.sc.weight(rho, st.behindAt(ev.level))
+	ev.weight = s.sc.weight(rho, st.behind.mean())
 	st.notePlacement(ev)
 	var decay decayMemo
 	cold := coldMin{free: math.Inf(1), all: math.Inf(1)}
@@ -878,7 +874,7 @@ func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
 			st.dm.spec.get(func() prometheus.Gauge { return st.m.specKeys.WithLabelValues(st.pool) }).Set(float64(s.spec.Len()))
 		}
 	}
-	dec.Observer = st.newDrainingObserver(ce, ev.tokens-hit, hit, s.sc.prefill, ev.level)
+	dec.Observer = st.newDrainingObserver(ce, ev.tokens-hit, hit, s.sc.prefill)
 }
 
 // keyMemo keeps a request's block keys from its first pick for its second

@@ -121,10 +121,8 @@ type drainSample struct {
 // newDrainingObserver is newObserver for the chosen candidate ce, also
 // advancing the instance's predicted end of work by the request's
 // recompute (at the measured rate) and remembering what its first byte
-// will measure, and counting it among the followers of the requests ahead
-// of it in the instance's busy period (follow.go), at the fleet's pending
-// level of its decision.
-func (st *KVState) newDrainingObserver(ce *candEval, recompute, predicted int, prefill float64, level int) *kvObserver {
+// will measure.
+func (st *KVState) newDrainingObserver(ce *candEval, recompute, predicted int, prefill float64) *kvObserver {
 	o := st.newObserver(ce.inst.ID(), recompute, predicted)
 	now := st.now()
 	st.prefillDef.Store(math.Float64bits(prefill))
@@ -135,7 +133,6 @@ func (st *KVState) newDrainingObserver(ce *candEval, recompute, predicted int, p
 		o.pc.period.Store(0)
 	}
 	st.behind.add(float64(o.pc.period.Add(1) - 1))
-	st.follow.add(level, o.pc.levels.join(level, first))
 	o.drain = drainSample{at: now, work: ce.ahead + float64(o.pendTok)}
 	return o
 }
