@@ -388,7 +388,7 @@ func (m *Memory) peerMean(self *memInstance) int {
 // pool holds on average (sizeHint). Growing a table from empty one
 // doubling at a time re-inserts every item about once more over the
 // doublings (half the items at the last, a quarter at the one before, ...):
-// ~14 % of filling the index from empty (docs/BENCHMARKS.md §10). The
+// 14–18 % of filling the index from empty (docs/BENCHMARKS.md §10). The
 // engines of a pool are alike (one model, one KV-cache size), so an
 // instance that starts empty (new, purged and reloaded from a snapshot,
 // or cleared by a restart) fills to about what its peers hold; a snapshot
