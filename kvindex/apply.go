@@ -229,7 +229,7 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 		if k > 1 {
 			bs.learnUnit(tier, k)
 		}
-		parent := rootFor(model, ev)
+		var parent Key
 		if ev.HasParent {
 			k, ok := st.keyOf(ev.ParentHash)
 			if !ok {
@@ -239,6 +239,8 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 				continue
 			}
 			parent = k
+		} else {
+			parent = rootFor(model, ev) // hashes the model name: only for a chain's first event
 		}
 		scratch = AppendKeys(scratch[:0], parent, ev.TokenIDs, size)
 		if p, ok := st.(prefetcher); ok {

@@ -151,6 +151,53 @@ func BenchmarkMemoryBuild(b *testing.B) {
 	}
 }
 
+// BenchmarkMemoryBuildInterleaved is BenchmarkMemoryBuild at 16-block
+// events with every instance filling at once (a fleet starting cold): the
+// events go round-robin over the instances, so no instance has full peers
+// when it starts and each engine-hash table grows from empty.
+func BenchmarkMemoryBuildInterleaved(b *testing.B) {
+	s := newShape(shapeInstances, shapeChains, shapeBlocks, 16)
+	entries := shapeInstances * shapeChains * shapeBlocks
+	ctx := context.Background()
+	names := make([]string, shapeInstances)
+	for i := range names {
+		names[i] = fmt.Sprintf("pod-%d", i)
+	}
+	one := make([]events.Event, 1)
+	var cpu time.Duration
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		b.StopTimer()
+		m, err := NewMemory(MemoryConfig{Model: testModel, Capacity: 2 * entries})
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
+		cpu0 := cputime.Process()
+		for c := range shapeChains {
+			for k := range s.perChain() {
+				for inst := range shapeInstances {
+					one[0] = s.ev(inst*shapeChains+c, k)
+					if _, err := m.Apply(ctx, names[inst], one); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+		}
+		cpu += cputime.Process() - cpu0
+		b.StopTimer()
+		if n, _ := m.Len(ctx); n != entries {
+			b.Fatalf("Len = %d, want %d", n, entries)
+		}
+		b.StartTimer()
+	}
+	b.ReportMetric(float64(entries)*float64(b.N)/b.Elapsed().Seconds(), "blocks/s")
+	if cpu > 0 {
+		b.ReportMetric(float64(entries)*float64(b.N)/cpu.Seconds(), "blocks/cpu-s")
+	}
+}
+
 // BenchmarkMemoryLookup512 looks up a 512-block chain in the full shape.
 func BenchmarkMemoryLookup512(b *testing.B) {
 	s := newShape(shapeInstances, shapeChains, shapeBlocks, shapeBlocks)

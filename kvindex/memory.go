@@ -137,6 +137,9 @@ type memInstance struct {
 	n       int   // live entries
 	count   [tiers.Count]int
 	stamp   uint32 // current Apply's clock, for entries it places
+	// sizeHint is what an empty instance's engine-hash table is sized for
+	// when its first blocks arrive (see sizeEmpty); set by Apply.
+	sizeHint int
 
 	lastEvent atomic.Int64 // unix nanoseconds of the last Apply
 }
@@ -186,6 +189,9 @@ func (m *Memory) Apply(ctx context.Context, instance string, evs []events.Event)
 		}
 		before := in.n
 		in.stamp = stamp
+		if in.n == 0 && len(in.byHash.slots) == 0 {
+			in.sizeHint = m.peerMean(in)
+		}
 		if i < len(evs) {
 			m.scratch = applyEvents(in, m.model, &m.bs, evs[i:i+1], &res, m.scratch)
 		}
@@ -367,11 +373,46 @@ func (in *memInstance) store(h uint64, k Key, t tiers.Tier) bool {
 	return true
 }
 
+// peerMean is the mean number of entries the other instances hold (0
+// when there are none). Called with mu held for writing.
+func (m *Memory) peerMean(self *memInstance) int {
+	peers := len(m.insts) - 1
+	if peers <= 0 {
+		return 0
+	}
+	return int(max(0, m.entries.Load()-int64(self.n)) / int64(peers))
+}
+
+// sizeEmpty sizes an empty instance's engine-hash table, before its first
+// stores, for the larger of the event's blocks and what an instance of the
+// pool holds on average (sizeHint). Growing a table from empty one
+// doubling at a time re-inserts every item about once more over the
+// doublings (half the items at the last, a quarter at the one before, ...):
+// 14–18 % of filling the index from empty (docs/BENCHMARKS.md §10). The
+// engines of a pool are alike (one model, one KV-cache size), so an
+// instance that starts empty (new, purged and reloaded from a snapshot,
+// or cleared by a restart) fills to about what its peers hold; a snapshot
+// load is one event of all its blocks. The table gets the size doubling
+// would reach for that many, so a full instance costs the same memory; one
+// that stays smaller costs at most a peer's table (4 bytes a slot, 5.3–10.7
+// bytes per peer entry).
+func (in *memInstance) sizeEmpty(blocks int) {
+	if in.n != 0 || in.byHash.n != 0 || in.byHash.tombs != 0 {
+		return
+	}
+	want := max(blocks, in.sizeHint)
+	if want*4 <= len(in.byHash.slots)*3 {
+		return
+	}
+	in.byHash.presize(want)
+}
+
 // prefetch loads the table slots a stored event's blocks will probe (the
 // block map's index, and the instance's engine-hash table: with hundreds
 // of instances their tables do not all stay in cache), so that their cache
 // misses overlap instead of coming one store at a time.
 func (in *memInstance) prefetch(hs []uint64, keys []Key) {
+	in.sizeEmpty(len(hs))
 	touch(&in.byHash, hs)
 	touch(&in.blocks.index, keys)
 }

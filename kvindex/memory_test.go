@@ -183,3 +183,75 @@ func TestMemoryLookupSharedThenOne(t *testing.T) {
 		})
 	}
 }
+
+// TestMemorySizeEmpty: an instance that starts empty gets its engine-hash
+// table sized, before its first stores, for the larger of its first
+// event's blocks and what its peers hold on average, so it fills without
+// a rebuild; the size is the one doubling would reach, so a full instance
+// costs no more memory. Its blocks all stay findable.
+func TestMemorySizeEmpty(t *testing.T) {
+	ctx := context.Background()
+	s := newShape(4, 2, 256, 16) // 4 instances × 2 chains × 256 blocks
+	m, err := NewMemory(MemoryConfig{Model: testModel})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rebuilds := func(name string, chains []int) (sizes []int) {
+		one := make([]events.Event, 1)
+		for _, c := range chains {
+			for k := range s.perChain() {
+				one[0] = s.ev(c, k)
+				if _, err := m.Apply(ctx, name, one); err != nil {
+					t.Fatal(err)
+				}
+				n := len(m.insts[name].byHash.slots)
+				if len(sizes) == 0 || sizes[len(sizes)-1] != n {
+					sizes = append(sizes, n)
+				}
+			}
+		}
+		return sizes
+	}
+	var grown table
+	grown.presize(512)
+	final := len(grown.slots) // what doubling reaches for 512 entries
+	// The first instance has no peers: its table grows a doubling at a time.
+	if got := rebuilds("pod-0", []int{0, 1}); len(got) < 3 || got[len(got)-1] != final {
+		t.Fatalf("first instance's table sizes %v, want several doublings up to %d", got, final)
+	}
+	// The next ones start at their peers' size and never rebuild.
+	for i := 1; i < 4; i++ {
+		if got := rebuilds(fmt.Sprintf("pod-%d", i), []int{2 * i, 2*i + 1}); len(got) != 1 || got[0] != final {
+			t.Fatalf("pod-%d table sizes %v, want [%d]", i, got, final)
+		}
+	}
+	// Purged, then loaded as one event (a snapshot): sized for it at once.
+	if err := m.Purge(ctx, "pod-3"); err != nil {
+		t.Fatal(err)
+	}
+	big := s.ev(6, 0)
+	big.TokenIDs, big.BlockHashes = s.tokens[:256*shapeBS], s.hashes[6*256:7*256]
+	if _, err := m.Apply(ctx, "pod-3", []events.Event{big}); err != nil {
+		t.Fatal(err)
+	}
+	if got := len(m.insts["pod-3"].byHash.slots); got != final {
+		t.Fatalf("reloaded instance's table has %d slots, want %d (its peers' size)", got, final)
+	}
+	for i := range 4 {
+		for c := range 2 {
+			if i == 3 && c == 1 {
+				continue // not reloaded
+			}
+			ms, err := m.Lookup(ctx, s.keys(i, c))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(ms) != 1 || ms[0].Instance != fmt.Sprintf("pod-%d", i) || ms[0].Blocks[tiers.GPU] != 256 {
+				t.Fatalf("pod-%d chain %d: matches %+v, want its 256 blocks", i, c, ms)
+			}
+		}
+	}
+	if n, _ := m.Len(ctx); n != 7*256 {
+		t.Fatalf("Len = %d, want %d", n, 7*256)
+	}
+}

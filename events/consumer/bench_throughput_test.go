@@ -27,7 +27,7 @@ import (
 // per second (wall) and per CPU second of this process (consumer, NATS
 // client and the embedded server together).
 func BenchmarkConsumerThroughput(b *testing.B) {
-	for _, evBlocks := range []int{16, 64} {
+	for _, evBlocks := range []int{16, 64, 256} {
 		b.Run(fmt.Sprintf("event=%dblocks", evBlocks), func(b *testing.B) {
 			const instances, perInst = 64, 2048 // blocks per instance
 			srv := testenv.StartNATS(b)
