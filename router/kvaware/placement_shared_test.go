@@ -34,7 +34,7 @@ func (p *tablePeers) PeerExtend(keys []kvindex.Key, from int, inst string, epoch
 func (p *tablePeers) PeerHolders(dst []string, key kvindex.Key) []string {
 	return p.table.PeerHolders(dst, key)
 }
-func (p *tablePeers) Speculate(string, []kvindex.Key, time.Duration)        {}
+func (p *tablePeers) Speculate(string, []kvindex.Key, time.Duration)          {}
 func (p *tablePeers) AttachLocal(func([]replicasync.Load) []replicasync.Load) {}
 func (p *tablePeers) Changed()                                                {}
 func (p *tablePeers) AttachPlacement(f func([]replicasync.Queued) ([]replicasync.Queued, float64)) {
