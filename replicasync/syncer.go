@@ -380,10 +380,16 @@ func (s *Syncer) Run(ctx context.Context) error {
 	}
 }
 
-// early is Changed's send: what changed, unless the byte budget cannot
-// hold a whole message now (the next interval's send then carries it, as
-// without early sends).
+// early is Changed's send: what changed, unless no peer is live (a lone
+// replica would send one message per decision to no one; a newcomer's
+// hello makes it live, and the interval's sends keep going out for a peer
+// that joins without one) or the byte budget cannot hold a whole message
+// now (the next interval's send then carries it, as without early sends).
 func (s *Syncer) early() {
+	if s.table.Live() == 0 {
+		s.m.early.WithLabelValues(s.cfg.Pool, "no_peer").Inc()
+		return
+	}
 	if s.refill(s.cfg.Now()) < float64(s.cfg.MaxMessageBytes) {
 		s.m.early.WithLabelValues(s.cfg.Pool, "deferred").Inc()
 		return
@@ -419,6 +425,7 @@ func (s *Syncer) receive(msg *nats.Msg) {
 	s.m.bytes.WithLabelValues(pool, "received").Add(float64(len(msg.Data)))
 	switch m.Kind {
 	case KindHello:
+		s.table.Hello(m.Replica, m.Incarnation)
 		s.hello.Store(true)
 		s.Changed() // the newcomer catches up within a gap, not an interval
 	case KindLoad:

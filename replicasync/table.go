@@ -184,6 +184,35 @@ func (t *Table) livePlacements(f func(p *placement)) {
 	}
 }
 
+// Hello records a peer's hello: a peer that has just started (or
+// restarted: a new incarnation's counters replace the old one's) is live
+// from now, before its first load message, so that the early send that
+// answers it goes out (Syncer.early sends only while a peer is live).
+func (t *Table) Hello(replica string, incarnation uint64) {
+	now := t.now()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	p := t.peers[replica]
+	if p == nil || p.incarnation != incarnation {
+		p = &peer{incarnation: incarnation, loads: map[string]loadAt{}}
+		t.peers[replica] = p
+	}
+	p.seen = now
+}
+
+// Live counts the peers heard from within the timeout.
+func (t *Table) Live() (n int) {
+	now := t.now()
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	for _, p := range t.peers {
+		if now.Sub(p.seen) <= t.timeout {
+			n++
+		}
+	}
+	return n
+}
+
 // Touch records that a peer is alive (any message from it).
 func (t *Table) Touch(replica string, incarnation uint64) {
 	now := t.now()
