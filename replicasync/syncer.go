@@ -527,7 +527,9 @@ func (s *Syncer) flush(tick bool) {
 			}
 		}
 	}
-	if tick || full {
+	// Placement averages on the interval, while a peer may hear them (a
+	// newcomer's hello brings them whole).
+	if full || tick && s.table.Live() > 0 {
 		s.flushPlacement(full)
 	}
 	s.flushSpecs(now, hello)
