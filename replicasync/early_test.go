@@ -157,3 +157,35 @@ func TestChangedFloodBounded(t *testing.T) {
 		})
 	}
 }
+
+// A replica with no live peer sends no early messages (it would send one
+// per decision to no one); a peer's hello makes it send again, early.
+func TestNoEarlySendWithoutPeer(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	am := newTestMetrics(t)
+	a := startReplica(t, url, slowTick(pool, "a", am))
+	time.Sleep(100 * time.Millisecond) // a's own hello went out
+	for i := range 5 {
+		a.set(Load{Instance: "i0", InFlight: int64(i + 1)})
+		a.Changed()
+		time.Sleep(10 * time.Millisecond)
+	}
+	testenv.WaitFor(t, 5*time.Second, "a's lone changes counted", func() bool {
+		return value(am.early.WithLabelValues(pool, "no_peer")) >= 1
+	})
+	if n := value(am.messages.WithLabelValues(pool, "sent", "load")); n != 0 {
+		t.Fatalf("a lone replica sent %v load messages within its 10 s interval", n)
+	}
+	b := startReplica(t, url, slowTick(pool, "b", nil))
+	testenv.WaitFor(t, 5*time.Second, "b catches up by a's early send", func() bool {
+		f, _, _ := b.PeerLoad("i0")
+		return f == 5
+	})
+	a.set(Load{Instance: "i0", InFlight: 9})
+	a.Changed()
+	testenv.WaitFor(t, 5*time.Second, "b hears a's change early", func() bool {
+		f, _, _ := b.PeerLoad("i0")
+		return f == 9
+	})
+}

@@ -17,6 +17,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"time"
 )
@@ -32,8 +33,21 @@ import (
 // requests that recently ended on the instance (routing and end time), so
 // that every replica can take out of an engine-load sample, scraped at its
 // own moment, the requests any replica saw end since (docs/replicas.md);
-// a version 2 message is read as listing none.
-const Version = 3
+// a version 2 message is read as listing none. Version 4 adds the
+// placement message (KindPlacement: the sender's mean tokens computed per
+// pick and its averaged predicted queue per instance, from which every
+// replica computes kv_aware's placement term alike); load, spec and hello
+// messages are unchanged and still go out as version 3, so that a version
+// 3 peer keeps reading them and drops only the placement messages.
+const Version = 4
+
+// version is the version m goes out as: the oldest that carries its kind.
+func (m *Message) version() byte {
+	if m.Kind == KindPlacement {
+		return 4
+	}
+	return 3
+}
 
 // minVersion is the oldest version Decode reads.
 const minVersion = 1
@@ -52,6 +66,8 @@ const (
 	KindSpec Kind = 2
 	// KindHello asks every peer to publish its whole state now.
 	KindHello Kind = 3
+	// KindPlacement carries the sender's placement averages (version 4).
+	KindPlacement Kind = 4
 )
 
 func (k Kind) String() string {
@@ -62,6 +78,8 @@ func (k Kind) String() string {
 		return "spec"
 	case KindHello:
 		return "hello"
+	case KindPlacement:
+		return "placement"
 	}
 	return "unknown"
 }
@@ -213,7 +231,25 @@ type Message struct {
 	Complete bool
 	Loads    []Load
 	Specs    []Spec
+	// Computed and Queues are a placement message's (KindPlacement):
+	// the sender's mean tokens a pick makes its instance compute (0:
+	// not measured yet) and its averaged predicted queue per instance.
+	// Complete: Queues lists every instance the sender averages;
+	// otherwise it adds to (replaces the listed of) the previous.
+	Computed float64
+	Queues   []Queued
 }
+
+// Queued is one instance's predicted queue (seconds), averaged over time
+// by the sender (kv_aware's W̄, router/kvaware/placement.go).
+type Queued struct {
+	Instance string
+	Wait     float64
+}
+
+// placementValue reports whether v may go on the wire as a placement
+// average: finite and not negative.
+func placementValue(v float64) bool { return v >= 0 && !math.IsInf(v, 1) }
 
 const flagComplete = 1
 
@@ -229,7 +265,7 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 	if m.Complete {
 		flags |= flagComplete
 	}
-	dst = append(dst, magic[0], magic[1], magic[2], Version, byte(m.Kind), flags)
+	dst = append(dst, magic[0], magic[1], magic[2], m.version(), byte(m.Kind), flags)
 	dst = appendName(dst, m.Replica)
 	dst = binary.BigEndian.AppendUint64(dst, m.Incarnation)
 	dst = binary.AppendUvarint(dst, m.Seq)
@@ -282,6 +318,22 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 		}
 	case KindHello:
 		dst = binary.AppendUvarint(dst, 0)
+	case KindPlacement:
+		if !placementValue(m.Computed) {
+			return dst, fmt.Errorf("%w: computed tokens %v", ErrMalformed, m.Computed)
+		}
+		dst = binary.AppendUvarint(dst, uint64(len(m.Queues)))
+		dst = binary.BigEndian.AppendUint64(dst, math.Float64bits(m.Computed))
+		for _, q := range m.Queues {
+			if err := checkName("instance", q.Instance); err != nil {
+				return dst, err
+			}
+			if !placementValue(q.Wait) {
+				return dst, fmt.Errorf("%w: queue %v for %s", ErrMalformed, q.Wait, q.Instance)
+			}
+			dst = appendName(dst, q.Instance)
+			dst = binary.BigEndian.AppendUint64(dst, math.Float64bits(q.Wait))
+		}
 	default:
 		return dst, fmt.Errorf("%w: kind %d", ErrMalformed, m.Kind)
 	}
@@ -296,6 +348,9 @@ func loadSize(l Load) int {
 func specSize(s Spec) int {
 	return 1 + len(s.Instance) + 2*binary.MaxVarintLen64 + 8*len(s.Keys)
 }
+
+// queuedSize is a placement entry's size.
+func queuedSize(q Queued) int { return 1 + len(q.Instance) + 8 }
 
 // headerSize is a message's header size, at most.
 func headerSize(replica string) int { return 6 + 1 + len(replica) + 8 + 2*binary.MaxVarintLen64 }
@@ -406,6 +461,22 @@ func Decode(b []byte) (Message, error) {
 		if r.err == nil && n != 0 {
 			r.fail("hello with %d entries", n)
 		}
+	case KindPlacement:
+		if v < 4 {
+			r.fail("placement in version %d", v)
+		}
+		m.Computed = r.placementValue("computed tokens")
+		if r.err == nil && n > uint64(len(r.b))/10 { // name of >= 1 byte, length, 8 bytes
+			r.fail("%d placement entries in %d bytes", n, len(r.b))
+		}
+		if r.err == nil && n > 0 {
+			m.Queues = make([]Queued, 0, n)
+		}
+		for i := uint64(0); i < n && r.err == nil; i++ {
+			q := Queued{Instance: r.name("instance")}
+			q.Wait = r.placementValue("queue")
+			m.Queues = append(m.Queues, q)
+		}
 	default:
 		r.fail("kind %d", m.Kind)
 	}
@@ -476,6 +547,17 @@ func (r *reader) u64be() uint64 {
 	}
 	v := binary.BigEndian.Uint64(r.b)
 	r.b = r.b[8:]
+	return v
+}
+
+// placementValue is a float64 (8 bytes, big-endian) that placementValue
+// accepts.
+func (r *reader) placementValue(what string) float64 {
+	v := math.Float64frombits(r.u64be())
+	if r.err == nil && !placementValue(v) {
+		r.fail("%s %v", what, v)
+		return 0
+	}
 	return v
 }
 

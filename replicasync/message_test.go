@@ -2,8 +2,11 @@ package replicasync
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
+	"math"
 	"reflect"
+	"slices"
 	"testing"
 	"time"
 )
@@ -21,6 +24,9 @@ func sampleMessages() []Message {
 		{Kind: KindLoad, Replica: "r-2", Incarnation: 1 << 63, Seq: 1 << 40},
 		{Kind: KindSpec, Replica: "r-2", Incarnation: 9, Seq: 2,
 			Specs: []Spec{{Instance: "a", TTL: 2 * time.Second, Keys: []uint64{1, 2, 1<<64 - 1}}, {Instance: "b", TTL: time.Millisecond, Keys: []uint64{}}}},
+		{Kind: KindPlacement, Replica: "r-4", Incarnation: 3, Complete: true, Computed: 612.25,
+			Queues: []Queued{{Instance: "vllm-0", Wait: 0.0125}, {Instance: "vllm-1", Wait: 0}}},
+		{Kind: KindPlacement, Replica: "r-4", Incarnation: 3},
 	}
 }
 
@@ -71,10 +77,97 @@ func TestDecodeRefuses(t *testing.T) {
 		{Kind: KindLoad, Replica: "r", Loads: []Load{{Instance: "a", Ended: []Ended{{At: 2, End: 1}}}}},
 		{Kind: KindLoad, Replica: "r", Loads: []Load{{Instance: "a", Ended: make([]Ended, MaxEnded+1)}}},
 		{Kind: 0, Replica: "r"},
+		{Kind: KindPlacement, Replica: "r", Computed: math.NaN()},
+		{Kind: KindPlacement, Replica: "r", Computed: -1},
+		{Kind: KindPlacement, Replica: "r", Queues: []Queued{{Instance: "a", Wait: math.Inf(1)}}},
+		{Kind: KindPlacement, Replica: "r", Queues: []Queued{{Instance: "a.b"}}},
 	} {
 		if _, err := m.AppendBinary(nil); err == nil {
 			t.Errorf("encoded %+v", m)
 		}
+	}
+}
+
+// Only the placement message needs version 4: load, spec and hello
+// messages go out as version 3, which a version 3 peer reads; a placement
+// message claiming an older version, or carrying a value a sender may
+// not send, is refused.
+func TestPlacementVersion(t *testing.T) {
+	for _, m := range sampleMessages() {
+		b, err := m.AppendBinary(nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := byte(3)
+		if m.Kind == KindPlacement {
+			want = 4
+		}
+		if b[3] != want {
+			t.Errorf("%s message goes out as version %d, want %d", m.Kind, b[3], want)
+		}
+	}
+	m := Message{Kind: KindPlacement, Replica: "r", Computed: 100, Queues: []Queued{{Instance: "a", Wait: 0.5}}}
+	good, _ := m.AppendBinary(nil)
+	older := bytes.Clone(good)
+	older[3] = 3
+	if _, err := Decode(older); !errors.Is(err, ErrMalformed) {
+		t.Errorf("placement as version 3: %v, want malformed", err)
+	}
+	for name, v := range map[string]float64{"NaN": math.NaN(), "negative": -2, "infinite": math.Inf(1)} {
+		bad := bytes.Clone(good)
+		binary.BigEndian.PutUint64(bad[len(bad)-8:], math.Float64bits(v)) // the queue
+		if _, err := Decode(bad); !errors.Is(err, ErrMalformed) {
+			t.Errorf("%s queue: %v, want malformed", name, err)
+		}
+	}
+	huge := bytes.Clone(good)
+	huge[len(good)-8-2-8-1] = 0x7f // the entry count
+	if _, err := Decode(huge); !errors.Is(err, ErrMalformed) {
+		t.Errorf("entry count beyond the bytes: %v, want malformed", err)
+	}
+}
+
+// A placement message replaces what the peer said before when complete
+// and adds to it otherwise; a peer silent for the timeout counts nothing;
+// a new incarnation's replaces the old one's.
+func TestTablePlacement(t *testing.T) {
+	now := time.Unix(100, 0)
+	tb := NewTable(time.Second, 16, func() time.Time { return now })
+	if vals, n := tb.PeerComputed(nil); n != 0 || len(vals) != 0 {
+		t.Fatalf("empty table: %v from %d peers", vals, n)
+	}
+	tb.ApplyPlacement(&Message{Kind: KindPlacement, Replica: "a", Incarnation: 1, Complete: true, Computed: 500, Queues: []Queued{{"i0", 0.5}, {"i1", 0.25}}})
+	tb.ApplyPlacement(&Message{Kind: KindPlacement, Replica: "b", Incarnation: 1, Complete: true, Queues: []Queued{{"i0", 0.125}}})
+	vals, n := tb.PeerComputed(nil)
+	if n != 2 || !slices.Equal(vals, []float64{500}) {
+		t.Fatalf("computed %v from %d peers, want [500] (b has measured none) from 2", vals, n)
+	}
+	got := tb.PeerQueued("i0", nil)
+	slices.Sort(got)
+	if !slices.Equal(got, []float64{0.125, 0.5}) {
+		t.Fatalf("i0 queues %v", got)
+	}
+	// Partial adds, complete replaces.
+	tb.ApplyPlacement(&Message{Kind: KindPlacement, Replica: "b", Incarnation: 1, Queues: []Queued{{"i1", 1}}})
+	if got := tb.PeerQueued("i0", nil); len(got) != 2 {
+		t.Fatalf("a partial message dropped b's i0: %v", got)
+	}
+	tb.ApplyPlacement(&Message{Kind: KindPlacement, Replica: "a", Incarnation: 1, Complete: true, Computed: 400, Queues: []Queued{{"i1", 2}}})
+	if got := tb.PeerQueued("i0", nil); !slices.Equal(got, []float64{0.125}) {
+		t.Fatalf("a complete message kept a's old i0: %v", got)
+	}
+	// A new incarnation of b: its old averages are gone.
+	tb.ApplyPlacement(&Message{Kind: KindPlacement, Replica: "b", Incarnation: 2, Complete: true, Computed: 300})
+	if got := tb.PeerQueued("i0", nil); len(got) != 0 {
+		t.Fatalf("restarted b's old i0 still counts: %v", got)
+	}
+	// b goes silent; a speaks on.
+	now = now.Add(800 * time.Millisecond)
+	tb.Touch("a", 1)
+	now = now.Add(400 * time.Millisecond)
+	vals, n = tb.PeerComputed(nil)
+	if n != 1 || !slices.Equal(vals, []float64{400}) {
+		t.Fatalf("after b's timeout: %v from %d peers, want [400] from 1", vals, n)
 	}
 }
 

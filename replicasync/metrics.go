@@ -31,7 +31,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		peers: ms.GaugeVec("kvrouter_replica_sync_peers",
 			"Peer replicas of the pool heard from within peer_timeout.", "pool"),
 		early: ms.CounterVec("kvrouter_replica_sync_early_sends_total",
-			"Replica sync early sends (min_gap after a change), by pool and outcome (sent; deferred: the byte budget did not hold a whole message, the next interval carries the change).", "pool", "outcome"),
+			"Replica sync early sends (min_gap after a change), by pool and outcome (sent; deferred: the byte budget did not hold a whole message, the next interval carries the change; no_peer: no live peer to send to).", "pool", "outcome"),
 	}
 	if err := ms.Register(reg); err != nil {
 		return nil, err

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -199,6 +200,7 @@ type Syncer struct {
 	m           *Metrics
 
 	local atomic.Pointer[func(dst []Load) []Load]
+	place atomic.Pointer[func(dst []Queued) ([]Queued, float64)]
 	hello atomic.Bool // a peer asked for our whole state
 	// changed holds a pending early-send request (Changed); Run's
 	// goroutine takes it and sends MinGap later.
@@ -211,12 +213,15 @@ type Syncer struct {
 	// Owned by Run's goroutine:
 	seq      uint64
 	lastSent map[string]Load
-	lastFull time.Time
-	recent   []sentSpec // our unexpired announcements, for hellos
-	budget   float64    // rate limiter: bytes that may be sent now
-	refilled time.Time
-	buf      []byte
-	loadBuf  []Load
+	// lastPlace is the placement message last sent (Computed, Queues).
+	lastPlace Message
+	placeSent bool
+	lastFull  time.Time
+	recent    []sentSpec // our unexpired announcements, for hellos
+	budget    float64    // rate limiter: bytes that may be sent now
+	refilled  time.Time
+	buf       []byte
+	loadBuf   []Load
 
 	dupWarned atomic.Int64 // unix nanos of the last duplicate-name warning
 }
@@ -262,6 +267,21 @@ func (s *Syncer) Table() *Table { return s.table }
 // one Load per instance with anything in flight or pending (the router's
 // KVState attaches itself; a later call replaces an earlier one).
 func (s *Syncer) AttachLocal(f func(dst []Load) []Load) { s.local.Store(&f) }
+
+// AttachPlacement sets where this replica's placement averages come from
+// (kv_aware's mean tokens computed per pick and averaged queue per
+// instance): f appends the queues to dst and returns them with the mean.
+// They go out every Interval when they changed (not in early sends: they
+// move slowly), and whole with every heartbeat and after a hello.
+func (s *Syncer) AttachPlacement(f func(dst []Queued) ([]Queued, float64)) { s.place.Store(&f) }
+
+// PeerComputed: see Table.PeerComputed.
+func (s *Syncer) PeerComputed(dst []float64) ([]float64, int) { return s.table.PeerComputed(dst) }
+
+// PeerQueued: see Table.PeerQueued.
+func (s *Syncer) PeerQueued(inst string, dst []float64) []float64 {
+	return s.table.PeerQueued(inst, dst)
+}
 
 // PeerLoad sums the live peers' counters for inst.
 func (s *Syncer) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests int64) {
@@ -345,7 +365,7 @@ func (s *Syncer) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-t.C:
-			s.flush()
+			s.flush(true)
 		case <-s.changed:
 			// One early send per gap: a change signalled while armed is
 			// read by the send already due (it reads the state then).
@@ -360,16 +380,22 @@ func (s *Syncer) Run(ctx context.Context) error {
 	}
 }
 
-// early is Changed's send: what changed, unless the byte budget cannot
-// hold a whole message now (the next interval's send then carries it, as
-// without early sends).
+// early is Changed's send: what changed, unless no peer is live (a lone
+// replica would send one message per decision to no one; a newcomer's
+// hello makes it live, and the interval's sends keep going out for a peer
+// that joins without one) or the byte budget cannot hold a whole message
+// now (the next interval's send then carries it, as without early sends).
 func (s *Syncer) early() {
+	if s.table.Live() == 0 {
+		s.m.early.WithLabelValues(s.cfg.Pool, "no_peer").Inc()
+		return
+	}
 	if s.refill(s.cfg.Now()) < float64(s.cfg.MaxMessageBytes) {
 		s.m.early.WithLabelValues(s.cfg.Pool, "deferred").Inc()
 		return
 	}
 	s.m.early.WithLabelValues(s.cfg.Pool, "sent").Inc()
-	s.flush()
+	s.flush(false)
 }
 
 // receive handles one message (on the subscription's goroutine).
@@ -399,6 +425,7 @@ func (s *Syncer) receive(msg *nats.Msg) {
 	s.m.bytes.WithLabelValues(pool, "received").Add(float64(len(msg.Data)))
 	switch m.Kind {
 	case KindHello:
+		s.table.Hello(m.Replica, m.Incarnation)
 		s.hello.Store(true)
 		s.Changed() // the newcomer catches up within a gap, not an interval
 	case KindLoad:
@@ -408,6 +435,8 @@ func (s *Syncer) receive(msg *nats.Msg) {
 		case Restarted:
 			s.log.Info("replica sync: peer restarted; its old counters are dropped", "peer", m.Replica)
 		}
+	case KindPlacement:
+		s.table.ApplyPlacement(&m)
 	case KindSpec:
 		s.table.Touch(m.Replica, m.Incarnation)
 		if n := s.table.ApplySpec(&m, s.cfg.Epoch); n > 0 {
@@ -463,9 +492,9 @@ func (s *Syncer) send(m *Message) bool {
 }
 
 // flush sends what changed: the load table (whole every Heartbeat or
-// when a peer said hello, else the instances that changed), then the
-// queued speculative blocks.
-func (s *Syncer) flush() {
+// when a peer said hello, else the instances that changed), the placement
+// averages (on the interval, tick), then the queued speculative blocks.
+func (s *Syncer) flush(tick bool) {
 	now := s.cfg.Now()
 	hello := s.hello.Swap(false)
 	s.loadBuf = s.loadBuf[:0]
@@ -497,6 +526,11 @@ func (s *Syncer) flush() {
 				s.lastFull = now
 			}
 		}
+	}
+	// Placement averages on the interval, while a peer may hear them (a
+	// newcomer's hello brings them whole).
+	if full || tick && s.table.Live() > 0 {
+		s.flushPlacement(full)
 	}
 	s.flushSpecs(now, hello)
 	s.m.peers.WithLabelValues(s.cfg.Pool).Set(float64(s.table.Forget()))
@@ -558,6 +592,48 @@ func (s *Syncer) sendLoads(loads []Load, full bool) bool {
 		start = end
 	}
 	return ok
+}
+
+// flushPlacement sends the placement averages when they changed since
+// the last sent (always when full), in messages of at most
+// MaxMessageBytes, the first Complete.
+func (s *Syncer) flushPlacement(full bool) {
+	f := s.place.Load()
+	if f == nil {
+		return
+	}
+	qs, computed := (*f)(nil)
+	kept := qs[:0]
+	for _, q := range qs {
+		if checkName("instance", q.Instance) == nil && placementValue(q.Wait) {
+			kept = append(kept, q)
+		}
+	}
+	qs = kept
+	if !placementValue(computed) {
+		computed = 0
+	}
+	if !full && s.placeSent && computed == s.lastPlace.Computed && slices.Equal(qs, s.lastPlace.Queues) {
+		return
+	}
+	room := s.cfg.MaxMessageBytes - headerSize(s.cfg.Replica) - 8
+	ok := true
+	for start := 0; start == 0 || start < len(qs); {
+		n, end := 0, start
+		for end < len(qs) && n+queuedSize(qs[end]) <= room {
+			n += queuedSize(qs[end])
+			end++
+		}
+		end = max(end, min(start+1, len(qs))) // a name fits: MinMessageBytes
+		ok = s.send(&Message{Kind: KindPlacement, Complete: start == 0, Computed: computed, Queues: qs[start:end]}) && ok
+		if end == start {
+			break
+		}
+		start = end
+	}
+	if ok {
+		s.lastPlace, s.placeSent = Message{Computed: computed, Queues: qs}, true
+	}
 }
 
 // flushSpecs sends the queued speculative blocks (and, after a hello, our

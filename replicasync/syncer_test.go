@@ -364,3 +364,35 @@ func TestMinMessageHoldsLargestLoad(t *testing.T) {
 		t.Fatalf("decode: %v, %+v", err, got.Loads)
 	}
 }
+
+// A replica's placement averages reach its peer every interval, and a
+// change replaces them there.
+func TestPlacementShared(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	a := startReplica(t, url, fast(pool, "a"))
+	b := startReplica(t, url, fast(pool, "b"))
+	var mu sync.Mutex
+	computed, wait := 250.0, 0.5
+	a.AttachPlacement(func(dst []Queued) ([]Queued, float64) {
+		mu.Lock()
+		defer mu.Unlock()
+		return append(dst, Queued{Instance: "i0", Wait: wait}), computed
+	})
+	testenv.WaitFor(t, 10*time.Second, "b hears a's placement", func() bool {
+		vals, n := b.PeerComputed(nil)
+		q := b.PeerQueued("i0", nil)
+		return n == 1 && len(vals) == 1 && vals[0] == 250 && len(q) == 1 && q[0] == 0.5
+	})
+	mu.Lock()
+	computed, wait = 300, 0.75
+	mu.Unlock()
+	testenv.WaitFor(t, 10*time.Second, "b hears a's change", func() bool {
+		vals, _ := b.PeerComputed(nil)
+		q := b.PeerQueued("i0", nil)
+		return len(vals) == 1 && vals[0] == 300 && len(q) == 1 && q[0] == 0.75
+	})
+	if _, n := a.PeerComputed(nil); n != 0 {
+		t.Fatalf("a counts %d peers publishing placement; b publishes none", n)
+	}
+}

@@ -36,6 +36,15 @@ type peer struct {
 	synced time.Time
 	chain  bool
 	loads  map[string]loadAt
+	// place is the peer's latest placement averages (version 4), nil
+	// before its first placement message.
+	place *placement
+}
+
+// placement is one peer's placement averages (Message.Computed, Queues).
+type placement struct {
+	computed float64
+	queues   map[string]float64
 }
 
 type loadAt struct {
@@ -106,6 +115,102 @@ func (t *Table) ApplyLoad(m *Message) Result {
 		p.loads[l.Instance] = loadAt{Load: l, at: now}
 	}
 	return res
+}
+
+// ApplyPlacement records a peer's placement message (KindPlacement): a
+// complete one replaces what the peer's previous ones said, a partial one
+// (the rest of a list too long for one message) adds to it. A new
+// incarnation's placement replaces the old one's (its counters follow
+// with its load messages).
+func (t *Table) ApplyPlacement(m *Message) {
+	now := t.now()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	p := t.peers[m.Replica]
+	switch {
+	case p == nil:
+		// Its load messages start it counting; until then it is seen.
+		p = &peer{incarnation: m.Incarnation, loads: map[string]loadAt{}}
+		t.peers[m.Replica] = p
+	case p.incarnation != m.Incarnation:
+		*p = peer{incarnation: m.Incarnation, loads: map[string]loadAt{}}
+	}
+	p.seen = now
+	if p.place == nil || m.Complete {
+		p.place = &placement{queues: make(map[string]float64, len(m.Queues))}
+	}
+	p.place.computed = m.Computed
+	for _, q := range m.Queues {
+		p.place.queues[q.Instance] = q.Wait
+	}
+}
+
+// PeerComputed appends to dst the mean tokens per pick of each live peer
+// that has published one (> 0), in no particular order (a caller that sums
+// them sorts first, so that every replica adds the same numbers in the
+// same order), and counts the live peers that have published placement
+// averages at all.
+func (t *Table) PeerComputed(dst []float64) (_ []float64, peers int) {
+	t.livePlacements(func(p *placement) {
+		peers++
+		if p.computed > 0 {
+			dst = append(dst, p.computed)
+		}
+	})
+	return dst, peers
+}
+
+// PeerQueued appends to dst each live peer's averaged queue on inst, in no
+// particular order (as PeerComputed).
+func (t *Table) PeerQueued(inst string, dst []float64) []float64 {
+	t.livePlacements(func(p *placement) {
+		if w, ok := p.queues[inst]; ok {
+			dst = append(dst, w)
+		}
+	})
+	return dst
+}
+
+// livePlacements calls f, under the read lock, with each live peer's
+// placement averages.
+func (t *Table) livePlacements(f func(p *placement)) {
+	now := t.now()
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	for _, p := range t.peers {
+		if p.place != nil && now.Sub(p.seen) <= t.timeout {
+			f(p.place)
+		}
+	}
+}
+
+// Hello records a peer's hello: a peer that has just started (or
+// restarted: a new incarnation's counters replace the old one's) is live
+// from now, before its first load message, so that the early send that
+// answers it goes out (Syncer.early sends only while a peer is live).
+func (t *Table) Hello(replica string, incarnation uint64) {
+	now := t.now()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	p := t.peers[replica]
+	if p == nil || p.incarnation != incarnation {
+		p = &peer{incarnation: incarnation, loads: map[string]loadAt{}}
+		t.peers[replica] = p
+	}
+	p.seen = now
+}
+
+// Live counts the peers heard from within the timeout.
+func (t *Table) Live() (n int) {
+	now := t.now()
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	for _, p := range t.peers {
+		if now.Sub(p.seen) <= t.timeout {
+			n++
+		}
+	}
+	return n
 }
 
 // Touch records that a peer is alive (any message from it).

@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -253,6 +254,7 @@ type syncDelivery struct {
 	at, state  time.Duration
 	from       int
 	load, spec *replicasync.Message
+	place      *replicasync.Message // placement averages (interval flushes)
 }
 
 func newReplicaSet(name string, run replicaRun, rf *replicaFlags, ff *fleetFlags, scfg sim.Config, seed uint64) (*replicaSet, error) {
@@ -533,6 +535,9 @@ func (s *replicaSet) clock(now time.Duration) {
 				continue
 			}
 			r.peers.table.ApplyLoad(d.load)
+			if d.place != nil {
+				r.peers.table.ApplyPlacement(d.place)
+			}
 			if d.spec != nil {
 				r.peers.table.ApplySpec(d.spec, nil)
 			}
@@ -570,7 +575,17 @@ func (s *replicaSet) flush(i int, b time.Duration, early bool) {
 		p.queue = nil
 		p.count(b, spec)
 	}
-	s.transit = append(s.transit, syncDelivery{at: b + s.latency, state: b, from: i, load: load, spec: spec})
+	var place *replicasync.Message
+	if !early && p.place != nil {
+		// Every interval, as the Syncer sends them (whole: lossless).
+		qs, computed := p.place(nil)
+		place = &replicasync.Message{Kind: replicasync.KindPlacement, Replica: p.name, Incarnation: 1, Complete: true, Computed: computed, Queues: qs}
+		if !p.placeSent || computed != p.lastPlace.Computed || !slices.Equal(qs, p.lastPlace.Queues) {
+			p.count(b, place)
+			p.lastPlace, p.placeSent = *place, true
+		}
+	}
+	s.transit = append(s.transit, syncDelivery{at: b + s.latency, state: b, from: i, load: load, spec: spec, place: place})
 }
 
 // traffic is what one replica sent on average over the run's d.
@@ -630,8 +645,13 @@ type simPeers struct {
 	name  string
 	table *replicasync.Table
 	local func(dst []replicasync.Load) []replicasync.Load
-	queue []replicasync.Spec
-	seq   uint64
+	place func(dst []replicasync.Queued) ([]replicasync.Queued, float64)
+	// lastPlace is the placement message last counted (the Syncer sends
+	// one when they changed).
+	lastPlace replicasync.Message
+	placeSent bool
+	queue     []replicasync.Spec
+	seq       uint64
 	// onChange is Changed (replicaSet.early); earlyDue and earlyAt: an
 	// early send is due at earlyAt.
 	onChange func()
@@ -650,7 +670,10 @@ type simPeers struct {
 	early, deferred int64
 }
 
-var _ kvaware.PeerState = (*simPeers)(nil)
+var (
+	_ kvaware.PeerState      = (*simPeers)(nil)
+	_ kvaware.PlacementPeers = (*simPeers)(nil)
+)
 
 func (p *simPeers) PeerLoad(inst string) (int64, int64, int64) { return p.table.PeerLoad(inst) }
 
@@ -676,6 +699,16 @@ func (p *simPeers) Speculate(inst string, keys []kvindex.Key, ttl time.Duration)
 		ks[i] = uint64(k)
 	}
 	p.queue = append(p.queue, replicasync.Spec{Instance: inst, TTL: ttl, Keys: ks})
+}
+
+func (p *simPeers) AttachPlacement(f func(dst []replicasync.Queued) ([]replicasync.Queued, float64)) {
+	p.place = f
+}
+
+func (p *simPeers) PeerComputed(dst []float64) ([]float64, int) { return p.table.PeerComputed(dst) }
+
+func (p *simPeers) PeerQueued(inst string, dst []float64) []float64 {
+	return p.table.PeerQueued(inst, dst)
 }
 
 func (p *simPeers) AttachLocal(f func(dst []replicasync.Load) []replicasync.Load) { p.local = f }

@@ -618,7 +618,11 @@ func (s *KVAware) predict(ev *kvEval) {
 	}
 	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
 	ev.weight = s.sc.weight(rho, st.behind.mean())
-	st.notePlacement(ev)
+	shared, meanComputed := st.placementShared(&ev.shared.place)
+	if !shared {
+		meanComputed = st.computed.mean()
+	}
+	st.notePlacement(ev, meanComputed)
 	var decay decayMemo
 	cold := coldMin{free: math.Inf(1), all: math.Inf(1)}
 	ev.cold = ev.cold[:0]
@@ -678,8 +682,16 @@ func (s *KVAware) predict(ev *kvEval) {
 		}
 		ce.queue, ce.load = s.sc.queue(pTok, int(pReq), ce.inflight+ce.peer.inflight, ld, ok)
 		ce.place = 0
+		var avg float64
 		if pc != nil {
-			ce.place = ev.later * 2 * pc.queued.read(now, ce.queue, ev.commit, &decay)
+			avg = pc.queued.read(now, ce.queue, ev.commit, &decay)
+		}
+		if shared && ev.later > 0 {
+			// The pool's published averages (placement_shared.go).
+			avg = st.sharedQueued(ce.inst.ID(), &ev.shared.place)
+		}
+		if pc != nil || shared {
+			ce.place = ev.later * 2 * avg
 		}
 		if ce.cold() {
 			cold.note(ce)

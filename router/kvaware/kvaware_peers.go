@@ -41,6 +41,10 @@ var _ PeerState = (*replicasync.Syncer)(nil)
 // kvPeers holds a KVState's replica-sync state.
 type kvPeers struct {
 	ps PeerState // nil without replica sync
+	// pp is ps when it shares placement averages (placement_shared.go);
+	// snap is what this replica last published of them.
+	pp   PlacementPeers
+	snap placeSnap
 	// insts lists the pool's instances (set when the pool's loops start),
 	// whose in-flight counters this replica reports.
 	insts atomic.Pointer[func() []*router.Instance]
@@ -54,6 +58,10 @@ func (st *KVState) attachPeers() {
 	}
 	st.peers.ps = ps
 	ps.AttachLocal(st.localLoads)
+	if pp, ok := ps.(PlacementPeers); ok {
+		st.peers.pp = pp
+		pp.AttachPlacement(st.publishPlacement)
+	}
 }
 
 // SetInstances tells st where the pool's instances are, whose in-flight

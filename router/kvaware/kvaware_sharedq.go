@@ -158,6 +158,7 @@ type sharedScratch struct {
 	all   []replicasync.Pending
 	rates []int64
 	peers []replicasync.PeerQueue // per candidate
+	place []float64               // placement averages (placement_shared.go)
 }
 
 // peerQ is candidate i's peer queue, kept for reuse.

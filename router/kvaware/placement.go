@@ -116,6 +116,14 @@ func (b *queueAverage) read(now time.Time, q float64, update bool, decay *decayM
 	return b.q
 }
 
+// value is the average up to the last sample (what read returns without
+// update).
+func (b *queueAverage) value() float64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.q
+}
+
 // decayMemo remembers 1 − e^(−dt/window) for the last dt asked about.
 type decayMemo struct {
 	dt time.Duration
@@ -139,8 +147,9 @@ func laterRequests(newTokens int, meanComputed float64, blockSize int) float64 {
 	return max(0, float64(newTokens)/max(meanComputed, float64(blockSize))-1)
 }
 
-// notePlacement sets ev.later (n) from the best match among the candidates.
-func (st *KVState) notePlacement(ev *kvEval) {
+// notePlacement sets ev.later (n) from the best match among the
+// candidates, given ū (meanComputed).
+func (st *KVState) notePlacement(ev *kvEval, meanComputed float64) {
 	ev.later = 0
 	// At most the floor: a fixed weight under 1 (recompute priced below
 	// its cost) also means requests are not priced as queueing behind
@@ -152,5 +161,5 @@ func (st *KVState) notePlacement(ev *kvEval) {
 	for i := range ev.cands {
 		best = max(best, ev.cands[i].blocks[len(ev.cands[i].blocks)-1])
 	}
-	ev.later = laterRequests(ev.tokens-min(best*ev.blockSize, ev.tokens), st.computed.mean(), ev.blockSize)
+	ev.later = laterRequests(ev.tokens-min(best*ev.blockSize, ev.tokens), meanComputed, ev.blockSize)
 }
