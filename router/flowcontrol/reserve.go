@@ -386,7 +386,7 @@ func (s *Sched) passesHeld(it *Item, now time.Time) bool {
 	if s.queuedSmall > 0 || s.oversized(it) {
 		return false
 	}
-	h, _ := s.head(now)
+	h, _, _ := s.head(now)
 	return !s.fits(h) && s.reserveBlocks(h)
 }
 

@@ -194,6 +194,7 @@ type Item struct {
 	expires           time.Time
 	expReason         Reason
 	fifo              *list.Element
+	tfifo             *list.Element // in its tenant's items
 	state             itemState
 	inst              *instLoad // the instance it was bound to (Bind)
 	charge            int64     // the prefill tokens charged to inst (Bind)
@@ -255,6 +256,11 @@ type tenantState struct {
 	finish float64 // finish tag of its last queued item
 	queued int
 	cost   int64
+	// items are its queued requests, oldest first; lifo: newest first
+	// (lifo.go) since one of them was shed for its deadline or wait bound
+	// while others of it waited, until none waits.
+	items list.List
+	lifo  bool
 }
 
 // Sched is one pool's queue. It is not safe for concurrent use (Gate adds
@@ -388,14 +394,16 @@ func (s *Sched) Offer(it *Item, now time.Time) Outcome {
 	}
 	lvl := s.levels[it.Priority]
 	start := 0.0
+	var ts *tenantState
 	if lvl != nil {
 		start = lvl.vtime
-		if t := lvl.tenants[it.Tenant]; t != nil {
-			start = max(start, t.finish)
+		if ts = lvl.tenants[it.Tenant]; ts != nil {
+			start = max(start, s.arrivalTag(ts, it.Tenant))
 		}
 	}
 	wait := s.predictWait(it, start)
 	if !it.Deadline.IsZero() && now.Add(wait+s.service(it)).After(it.Deadline) {
+		s.overrun(ts)
 		return s.shed(it, ShedDeadline, wait)
 	}
 	var displaced *Item
@@ -473,7 +481,9 @@ func (s *Sched) predictWait(it *Item, start float64) time.Duration {
 			switch {
 			case t.queued == 0:
 			case name == it.Tenant:
-				ahead += t.cost
+				if !t.lifo { // newest first: its own backlog goes after it
+					ahead += t.cost
+				}
 			default:
 				ahead += min(t.cost, int64(span*s.weight(name)))
 			}
@@ -513,6 +523,7 @@ func (s *Sched) enqueue(it *Item, start float64) {
 	lvl.cost += it.Cost
 	heap.Push(&lvl.tags, it)
 	it.fifo = lvl.fifo.PushBack(it)
+	it.tfifo = t.items.PushBack(it)
 	s.queued++
 	s.queuedSmall += btoi(!s.oversized(it))
 	s.cost += it.Cost
@@ -533,13 +544,15 @@ func (s *Sched) unqueue(it *Item) {
 	lvl.fifo.Remove(it.fifo)
 	heap.Remove(&s.exp, it.expIdx)
 	t := lvl.tenants[it.Tenant]
+	t.items.Remove(it.tfifo)
 	t.queued--
+	t.lifo = t.lifo && t.queued > 0
 	t.cost -= it.Cost
 	lvl.cost -= it.Cost
 	s.queued--
 	s.queuedSmall -= btoi(!s.oversized(it))
 	s.cost -= it.Cost
-	it.fifo, it.lvl, it.state = nil, nil, stDone
+	it.fifo, it.tfifo, it.lvl, it.state = nil, nil, nil, stDone
 	if lvl.fifo.Len() == 0 {
 		// An empty band forgets its tenants: fair queuing starts afresh
 		// with the next busy period, and memory stays bounded by the
@@ -571,7 +584,7 @@ func (s *Sched) admit(it *Item, now time.Time) {
 
 // head is the waiting request Next considers first, and its band (the
 // queue is not empty).
-func (s *Sched) head(now time.Time) (*Item, *level) {
+func (s *Sched) head(now time.Time) (*Item, *level, bool) {
 	var best *level
 	bestEff, aged := int64(0), false
 	for _, l := range s.order {
@@ -587,11 +600,11 @@ func (s *Sched) head(now time.Time) (*Item, *level) {
 	}
 	switch {
 	case aged:
-		return best.fifo.Front().Value.(*Item), best
+		return best.fifo.Front().Value.(*Item), best, true
 	case s.cfg.PreferCached:
-		return s.preferred(best), best
+		return s.preferred(best), best, false
 	}
-	return best.tags[0], best
+	return best.tags[0], best, false
 }
 
 // Next admits the next waiting request if the budgets allow, else returns
@@ -607,7 +620,7 @@ func (s *Sched) Next(now time.Time) *Item {
 	if s.queued == 0 {
 		return nil
 	}
-	it, best := s.head(now)
+	it, best, aged := s.head(now)
 	if !s.fits(it) {
 		if !s.reserveBlocks(it) {
 			return nil
@@ -617,6 +630,9 @@ func (s *Sched) Next(now time.Time) *Item {
 		if it = s.stepSized(best); it == nil {
 			return nil
 		}
+	}
+	if !aged {
+		it = s.newest(it)
 	}
 	it.lvl.vtime = max(it.lvl.vtime, it.start) // best's, or another band's (stepSized)
 	s.unqueue(it)
@@ -687,7 +703,9 @@ func (s *Sched) Expire(now time.Time, dst []*Item) []*Item {
 	for len(s.exp) > 0 && !s.exp[0].expires.After(now) {
 		it := s.exp[0]
 		r := it.expReason
+		t := it.lvl.tenants[it.Tenant]
 		s.unqueue(it)
+		s.overrun(t)
 		it.expReason = r
 		s.counts.Shed[r]++
 		dst = append(dst, it)

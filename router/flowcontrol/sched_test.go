@@ -311,13 +311,19 @@ func TestDeadlineShedAtOnce(t *testing.T) {
 	for range 20 { // 20 x 1,000 tokens ahead: ~2 s of waiting
 		offer(t, s, &Item{Cost: 1000}, now, Queued)
 	}
-	out := offer(t, s, &Item{Cost: 1000, Deadline: now.Add(time.Second)}, now, Shed)
+	out := offer(t, s, &Item{Cost: 1000, Deadline: now.Add(3 * time.Second)}, now, Queued)
+	if out.PredictedWait < 1900*time.Millisecond || out.PredictedWait > 2100*time.Millisecond {
+		t.Fatalf("predicted wait %v, want ~2s", out.PredictedWait)
+	}
+	out = offer(t, s, &Item{Cost: 1000, Deadline: now.Add(time.Second)}, now, Shed)
 	if out.Reason != ShedDeadline || out.RetryAfter != 2*time.Second {
 		t.Fatalf("outcome %+v, want deadline with Retry-After 2s", out)
 	}
-	out = offer(t, s, &Item{Cost: 1000, Deadline: now.Add(3 * time.Second)}, now, Queued)
-	if out.PredictedWait < 1900*time.Millisecond || out.PredictedWait > 2100*time.Millisecond {
-		t.Fatalf("predicted wait %v, want ~2s", out.PredictedWait)
+	// Shed behind its own tenant's backlog, the tenant goes newest first
+	// (lifo.go): the next arrival is predicted ahead of that backlog.
+	out = offer(t, s, &Item{Cost: 1000, Deadline: now.Add(time.Second)}, now, Queued)
+	if out.PredictedWait != 0 {
+		t.Fatalf("predicted wait %v newest first, want 0", out.PredictedWait)
 	}
 	// A more urgent request does not wait behind them: it meets the same
 	// deadline.
