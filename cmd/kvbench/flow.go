@@ -316,9 +316,16 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	}
 	prefillBudget = *prefill
 	fmt.Fprintf(stdout, "prefill: %.0f tokens/s per instance measured; queue budget %d pending prefill tokens per instance\n", rate, prefillBudget)
-	fmt.Fprintf(stdout, "unloaded (0.25× capacity): TTFT p50 %s p90 %s p99 %s (light tenants p90 %s, priority 0 p99 %s); objectives: light %s, heavy %s\n\n",
+	// A run without urgent requests (--urgent-share 0) has no priority-0
+	// figures to show: say so rather than print zeros.
+	hasUrgent := len(base.ttfts(classHigh)) > 0
+	p0 := "no priority-0 requests"
+	if hasUrgent {
+		p0 = "priority 0 p99 " + ms(flowPct(base.ttfts(classHigh), 0.99))
+	}
+	fmt.Fprintf(stdout, "unloaded (0.25× capacity): TTFT p50 %s p90 %s p99 %s (light tenants p90 %s, %s); objectives: light %s, heavy %s\n\n",
 		ms(flowPct(base.ttfts(classAll), 0.5)), ms(flowPct(base.ttfts(classAll), 0.9)), ms(flowPct(base.ttfts(classAll), 0.99)),
-		ms(flowPct(base.ttfts(classLight), 0.9)), ms(flowPct(base.ttfts(classHigh), 0.99)), ms(objLight), ms(objHeavy))
+		ms(flowPct(base.ttfts(classLight), 0.9)), p0, ms(objLight), ms(objHeavy))
 
 	fmt.Fprintln(stdout, "| load | queue | class | requests | shed | TTFT p50 | p90 | p99 | queued p90 | goodput req/s |")
 	fmt.Fprintln(stdout, "|---|---|---|---|---|---|---|---|---|---|")
@@ -352,16 +359,20 @@ func runFlow(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		}
 		alone := flowRun{load: load, flow: true, w: lw, res: lres, window: win}
 		lp90, ap90 := flowPct(on.ttfts(classLight), 0.9), flowPct(alone.ttfts(classLight), 0.9)
+		p0 := "no priority-0 requests"
+		if hasUrgent {
+			p0 = fmt.Sprintf("priority 0 p99 %s → %s (unloaded %s; %.2f×), priority 0 shed %.1f%%",
+				ms(flowPct(off.ttfts(classHigh), 0.99)), ms(flowPct(on.ttfts(classHigh), 0.99)), ms(flowPct(base.ttfts(classHigh), 0.99)),
+				float64(flowPct(on.ttfts(classHigh), 0.99))/float64(max(flowPct(base.ttfts(classHigh), 0.99), 1)), 100*on.shedShare(classHigh))
+		}
 		notes = append(notes, fmt.Sprintf("load %g×: goodput %.1f → %.1f req/s (%.2f×); Jain over tenants' goodput tokens %.3f → %.3f; "+
 			"light tenants alone (%.2f× capacity in tokens): p90 %s, beside the heavy tenant %s (%.2f×), shed %.1f%%; "+
-			"light p90 %s → %s (unloaded %s); priority 0 p99 %s → %s (unloaded %s; %.2f×), priority 0 shed %.1f%%; %s",
+			"light p90 %s → %s (unloaded %s); %s; %s",
 			load, off.goodput(classAll), on.goodput(classAll), on.goodput(classAll)/max(off.goodput(classAll), 1e-9),
 			off.jain(), on.jain(),
 			alone.tokenRate()/capTokens, ms(ap90), ms(lp90), float64(lp90)/float64(max(ap90, 1)), 100*on.shedShare(classLight),
 			ms(flowPct(off.ttfts(classLight), 0.9)), ms(flowPct(on.ttfts(classLight), 0.9)), ms(flowPct(base.ttfts(classLight), 0.9)),
-			ms(flowPct(off.ttfts(classHigh), 0.99)), ms(flowPct(on.ttfts(classHigh), 0.99)), ms(flowPct(base.ttfts(classHigh), 0.99)),
-			float64(flowPct(on.ttfts(classHigh), 0.99))/float64(max(flowPct(base.ttfts(classHigh), 0.99), 1)), 100*on.shedShare(classHigh),
-			on.shedSummary()))
+			p0, on.shedSummary()))
 	}
 	fmt.Fprintln(stdout)
 	for _, n := range notes {
