@@ -374,11 +374,19 @@ pools:
 	want := "16 [vllm-0 gpu=3]"
 	testenv.WaitFor(t, 30*time.Second, "Lookup "+want, func() bool { return lookup() == want })
 
-	// Pick is open (no token_for_pick) and sees the same index.
-	pick, err := kvrouterv1.NewRouterClient(conn).Pick(ctx, &kvrouterv1.PickRequest{Model: "m", TokenIds: ids})
-	if err != nil {
-		t.Fatal(err)
-	}
+	// Pick is open (no token_for_pick) and sees the same index, once the
+	// router counts the stream healthy: on a loaded machine a consume
+	// error or lag at start keeps kv_aware on stream_down for a while
+	// (events/consumer Healthy), which the lookup does not check (one CI
+	// run picked stream_down with the blocks already visible).
+	var pick *kvrouterv1.PickResponse
+	testenv.WaitFor(t, 30*time.Second, "Pick with the stream healthy", func() bool {
+		var err error
+		if pick, err = kvrouterv1.NewRouterClient(conn).Pick(ctx, &kvrouterv1.PickRequest{Model: "m", TokenIds: ids}); err != nil {
+			t.Fatal(err)
+		}
+		return pick.GetReason() != "stream_down"
+	})
 	if pick.GetPool() != "p" || pick.GetInstance() != "vllm-0" || pick.GetAddress() != "127.0.0.1:1" || pick.GetStrategy() != "kv_aware" || pick.GetMatchedTokens().GetGpu() != 48 {
 		t.Errorf("Pick: %v, want vllm-0 by kv_aware with 48 GPU tokens matched", pick)
 	}
