@@ -102,13 +102,17 @@ func writeQueueDetail(w io.Writer, q *flowcontrol.Stats) error {
 	}
 	fmt.Fprintln(w)
 	tw = tabwriter.NewWriter(w, 2, 8, 2, ' ', 0)
-	fmt.Fprintln(tw, "TENANT\tQUEUED\tTOKENS")
+	fmt.Fprintln(tw, "TENANT\tQUEUED\tTOKENS\tORDER")
 	for _, t := range q.Tenants {
 		name := t.Tenant
 		if name == "" {
 			name = "(none)"
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\n", name, t.Queued, t.Tokens)
+		order := "oldest first"
+		if t.NewestFirst {
+			order = "newest first"
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\n", name, t.Queued, t.Tokens, order)
 	}
 	return tw.Flush()
 }

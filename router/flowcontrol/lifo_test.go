@@ -47,7 +47,10 @@ func TestNewestFirstOnceATenantOverruns(t *testing.T) {
 	if out := offer(t, s, &Item{Cost: 10, Deadline: at(24)}, at(23), Shed); out.Reason != ShedDeadline {
 		t.Fatalf("shed %s", out.Reason)
 	}
-	// Waiting: a[1], a[2], b[0], b[1]; newest first now.
+	// Waiting: a[1], a[2], b[0], b[1]; newest first now, and shown so.
+	if st := s.Stats(at(50)); st.NewestFirstTenants != 1 || len(st.Tenants) != 1 || !st.Tenants[0].NewestFirst {
+		t.Fatalf("stats after the shed: %d newest-first tenants, %+v", st.NewestFirstTenants, st.Tenants)
+	}
 	got, running = admitOrder(t, s, running, 60, 4)
 	want := []*Item{b[1], b[0], a[2], a[1]}
 	for i := range want {
@@ -59,6 +62,9 @@ func TestNewestFirstOnceATenantOverruns(t *testing.T) {
 	c := []*Item{{Cost: 10}, {Cost: 10}}
 	for i, it := range c {
 		offer(t, s, it, at(200+i), Queued)
+	}
+	if st := s.Stats(at(205)); st.NewestFirstTenants != 0 || len(st.Tenants) != 1 || st.Tenants[0].NewestFirst {
+		t.Fatalf("stats after the backlog emptied: %d newest-first tenants, %+v", st.NewestFirstTenants, st.Tenants)
 	}
 	got, _ = admitOrder(t, s, running, 210, 2)
 	if got[0] != c[0] || got[1] != c[1] {

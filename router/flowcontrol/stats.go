@@ -25,7 +25,11 @@ type Stats struct {
 	// Tenants are the waiting tenants with the most queued tokens (at most
 	// maxTenantStats).
 	Tenants []TenantStats `json:"tenants"`
-	Counts  Counts        `json:"counts"`
+	// NewestFirstTenants counts the waiting tenants whose requests go
+	// newest first (lifo.go: one of them was shed for its deadline or
+	// wait bound while others waited), all of them, not only those listed.
+	NewestFirstTenants int    `json:"newest_first_tenants"`
+	Counts             Counts `json:"counts"`
 	// Instances are the per-instance budgets' loads (absent without
 	// per-instance budgets), with the budgets.
 	InstanceConcurrency int            `json:"instance_concurrency,omitempty"`
@@ -46,6 +50,8 @@ type TenantStats struct {
 	Tenant string `json:"tenant"`
 	Queued int    `json:"queued"`
 	Tokens int64  `json:"tokens"`
+	// NewestFirst: its requests go newest first in some band (lifo.go).
+	NewestFirst bool `json:"newest_first,omitempty"`
 }
 
 const maxTenantStats = 10
@@ -76,6 +82,12 @@ func (s *Sched) Stats(now time.Time) Stats {
 			}
 			ts.Queued += t.queued
 			ts.Tokens += t.cost
+			ts.NewestFirst = ts.NewestFirst || t.lifo
+		}
+	}
+	for _, ts := range tenants {
+		if ts.NewestFirst {
+			st.NewestFirstTenants++
 		}
 	}
 	for _, ts := range tenants {

@@ -266,6 +266,24 @@ func TestFlowControlSheds(t *testing.T) {
 	if got := servertest.Metric(t, srv.Registry(), "kvrouter_queue_shed_total", map[string]string{"pool": "p", "priority": "0", "reason": "deadline"}); got != 1 {
 		t.Fatalf("kvrouter_queue_shed_total{reason=deadline} = %v", got)
 	}
+	// The newest-first gauge is exported per pool (its semantics:
+	// flowcontrol's TestNewestFirstOnceATenantOverruns); the deadline shed
+	// above found no other request of its tenant waiting, so none is.
+	mfs, err := srv.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			if mf.GetName() == "kvrouter_queue_newest_first_tenants" && len(m.GetLabel()) == 1 && m.GetLabel()[0].GetValue() == "p" {
+				found = m.GetGauge().GetValue() == 0
+			}
+		}
+	}
+	if !found {
+		t.Fatal("kvrouter_queue_newest_first_tenants{pool=p} not exported as 0")
+	}
 }
 
 // TestFlowControlOffKeepsBehaviour: without flow_control the request path

@@ -42,12 +42,13 @@ var (
 	queueFlightDesc  = prometheus.NewDesc("kvrouter_queue_in_flight", "Requests admitted by the queue and not finished.", []string{"pool"}, nil)
 	queueLimitDesc   = prometheus.NewDesc("kvrouter_queue_concurrency_limit", "The pool's in-flight budget (0 = none).", []string{"pool"}, nil)
 	queuePrefillDesc = prometheus.NewDesc("kvrouter_queue_pending_prefill_tokens", "Prompt tokens admitted and not yet answered with a first byte.", []string{"pool"}, nil)
+	queueLIFODesc    = prometheus.NewDesc("kvrouter_queue_newest_first_tenants", "Waiting tenants whose requests go newest first: one of them was shed for its deadline or wait bound while others waited (docs/flow-control.md).", []string{"pool"}, nil)
 )
 
 type flowCollector struct{ s *Server }
 
 func (c *flowCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{queueDepthDesc, queueTokensDesc, queueOldestDesc, queueFlightDesc, queueLimitDesc, queuePrefillDesc} {
+	for _, d := range []*prometheus.Desc{queueDepthDesc, queueTokensDesc, queueOldestDesc, queueFlightDesc, queueLimitDesc, queuePrefillDesc, queueLIFODesc} {
 		ch <- d
 	}
 }
@@ -75,5 +76,6 @@ func (c *flowCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(queueFlightDesc, prometheus.GaugeValue, float64(q.InFlight), p.Name())
 		ch <- prometheus.MustNewConstMetric(queueLimitDesc, prometheus.GaugeValue, float64(q.MaxConcurrency), p.Name())
 		ch <- prometheus.MustNewConstMetric(queuePrefillDesc, prometheus.GaugeValue, float64(q.PendingPrefill), p.Name())
+		ch <- prometheus.MustNewConstMetric(queueLIFODesc, prometheus.GaugeValue, float64(q.NewestFirstTenants), p.Name())
 	}
 }
