@@ -287,7 +287,7 @@ func newReplicaSet(name string, run replicaRun, rf *replicaFlags, ff *fleetFlags
 			share.metrics = m
 			if s.sync {
 				p := &simPeers{name: fmt.Sprintf("r%d", i),
-					table:  replicasync.NewTable(replicasync.DefaultPeerTimeout, replicasync.DefaultSpecCapacity, s.wall),
+					Table:  replicasync.NewTable(replicasync.DefaultPeerTimeout, replicasync.DefaultSpecCapacity, s.wall),
 					budget: replicasync.DefaultMaxBytesPerSecond, lastSent: map[string]replicasync.Load{}}
 				p.onChange = func() { s.early(p) }
 				rep.peers = p
@@ -534,12 +534,12 @@ func (s *replicaSet) clock(now time.Duration) {
 			if j == d.from || r.peers == nil {
 				continue
 			}
-			r.peers.table.ApplyLoad(d.load)
+			r.peers.Table.ApplyLoad(d.load)
 			if d.place != nil {
-				r.peers.table.ApplyPlacement(d.place)
+				r.peers.Table.ApplyPlacement(d.place)
 			}
 			if d.spec != nil {
-				r.peers.table.ApplySpec(d.spec, nil)
+				r.peers.Table.ApplySpec(d.spec, nil)
 			}
 		}
 		s.reps[d.from].applied = max(s.reps[d.from].applied, d.state)
@@ -642,8 +642,11 @@ func (r *replica) localLoads() []replicasync.Load {
 // instead of a NATS subscription.
 type simPeers struct {
 	kvindex.FreshnessFuncs
-	name  string
-	table *replicasync.Table
+	name string
+	// The peer table answers kvaware's questions about the peers (PeerLoad,
+	// PeerQueue, PeerEnded, PeerExtend, PeerHolders, PeerComputed,
+	// PeerQueued) as a Syncer's does.
+	*replicasync.Table
 	local func(dst []replicasync.Load) []replicasync.Load
 	place func(dst []replicasync.Queued) ([]replicasync.Queued, float64)
 	// lastPlace is the placement message last counted (the Syncer sends
@@ -675,22 +678,6 @@ var (
 	_ kvaware.PlacementPeers = (*simPeers)(nil)
 )
 
-func (p *simPeers) PeerLoad(inst string) (int64, int64, int64) { return p.table.PeerLoad(inst) }
-
-func (p *simPeers) PeerQueue(inst string, q *replicasync.PeerQueue) { p.table.PeerQueue(inst, q) }
-
-func (p *simPeers) PeerEnded(inst string, asked, got int64) int {
-	return p.table.PeerEnded(inst, asked, got)
-}
-
-func (p *simPeers) PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int {
-	return p.table.PeerExtend(keys, from, inst, epoch)
-}
-
-func (p *simPeers) PeerHolders(dst []string, key kvindex.Key) []string {
-	return p.table.PeerHolders(dst, key)
-}
-
 // Speculate queues a decision's blocks for the next flush (unbounded: the
 // simulation measures the protocol's timing, not its rate bound).
 func (p *simPeers) Speculate(inst string, keys []kvindex.Key, ttl time.Duration) {
@@ -703,12 +690,6 @@ func (p *simPeers) Speculate(inst string, keys []kvindex.Key, ttl time.Duration)
 
 func (p *simPeers) AttachPlacement(f func(dst []replicasync.Queued) ([]replicasync.Queued, float64)) {
 	p.place = f
-}
-
-func (p *simPeers) PeerComputed(dst []float64) ([]float64, int) { return p.table.PeerComputed(dst) }
-
-func (p *simPeers) PeerQueued(inst string, dst []float64) []float64 {
-	return p.table.PeerQueued(inst, dst)
 }
 
 func (p *simPeers) AttachLocal(f func(dst []replicasync.Load) []replicasync.Load) { p.local = f }

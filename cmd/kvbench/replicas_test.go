@@ -107,7 +107,7 @@ func TestReplicaSyncDeliversAfterIntervalAndLatency(t *testing.T) {
 	}
 	// The decision's speculative blocks reached the peer: the whole prompt
 	// is held on d.Instance as far as replica 1 knows.
-	if got, n := set.reps[1].peers.table.SpecLen(), len(req.Tokens)/sim.DefaultBlockSize; got < n {
+	if got, n := set.reps[1].peers.Table.SpecLen(), len(req.Tokens)/sim.DefaultBlockSize; got < n {
 		t.Errorf("peer speculative entries %d, want >= %d", got, n)
 	}
 	set.Finished(req.EngineID, d.Instance, nil)

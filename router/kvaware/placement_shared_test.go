@@ -17,32 +17,15 @@ import (
 // the test feeds by hand (as the simulator's replicas are fed).
 type tablePeers struct {
 	kvindex.FreshnessFuncs
-	table *replicasync.Table
-	place func(dst []replicasync.Queued) ([]replicasync.Queued, float64)
+	*replicasync.Table // the peers' state, as a Syncer's
+	place              func(dst []replicasync.Queued) ([]replicasync.Queued, float64)
 }
 
-func (p *tablePeers) PeerLoad(inst string) (int64, int64, int64) { return p.table.PeerLoad(inst) }
-func (p *tablePeers) PeerQueue(inst string, q *replicasync.PeerQueue) {
-	p.table.PeerQueue(inst, q)
-}
-func (p *tablePeers) PeerEnded(inst string, asked, got int64) int {
-	return p.table.PeerEnded(inst, asked, got)
-}
-func (p *tablePeers) PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int {
-	return p.table.PeerExtend(keys, from, inst, epoch)
-}
-func (p *tablePeers) PeerHolders(dst []string, key kvindex.Key) []string {
-	return p.table.PeerHolders(dst, key)
-}
 func (p *tablePeers) Speculate(string, []kvindex.Key, time.Duration)          {}
 func (p *tablePeers) AttachLocal(func([]replicasync.Load) []replicasync.Load) {}
 func (p *tablePeers) Changed()                                                {}
 func (p *tablePeers) AttachPlacement(f func([]replicasync.Queued) ([]replicasync.Queued, float64)) {
 	p.place = f
-}
-func (p *tablePeers) PeerComputed(dst []float64) ([]float64, int) { return p.table.PeerComputed(dst) }
-func (p *tablePeers) PeerQueued(inst string, dst []float64) []float64 {
-	return p.table.PeerQueued(inst, dst)
 }
 
 // newTableWorld is a replica of a pool of n instances whose peers are
@@ -54,7 +37,7 @@ func newTableWorld(t *testing.T, n int) (*kvWorld, *tablePeers) {
 		t.Fatal(err)
 	}
 	w := &kvWorld{t: t, idx: idx, clock: newTestClock(), fresh: &testFreshness{}}
-	p := &tablePeers{table: replicasync.NewTable(time.Hour, 1<<10, w.clock.Now)}
+	p := &tablePeers{Table: replicasync.NewTable(time.Hour, 1<<10, w.clock.Now)}
 	w.st, err = NewKVState(KVStateConfig{Pool: "p", Model: kvTestModel, Index: idx, Freshness: p, Now: w.clock.Now, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
@@ -81,7 +64,7 @@ func publish(t *testing.T, name string, from *tablePeers, to ...*tablePeers) {
 		t.Fatal(err)
 	}
 	for _, p := range to {
-		p.table.ApplyPlacement(&got)
+		p.Table.ApplyPlacement(&got)
 	}
 }
 
