@@ -1,7 +1,6 @@
 package admin
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -44,15 +43,11 @@ func (s *api) serveDecide(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("decide: body over %d bytes", maxLookupBody))
 		return
 	}
-	var probe struct {
-		Messages json.RawMessage `json:"messages"`
-	}
-	if err := json.Unmarshal(body, &probe); err != nil {
-		openai.WriteError(w, http.StatusBadRequest, "decide: malformed JSON: "+err.Error())
-		return
-	}
+	// A chat request is one with messages; anything else, malformed JSON
+	// included, is parsed as a completion by Resolve (which says what is
+	// wrong with it).
 	ep, epName := router.EndpointCompletions, "completions"
-	if len(probe.Messages) > 0 {
+	if openai.TopLevelRaw(body, "messages") != nil {
 		ep, epName = router.EndpointChatCompletions, "chat"
 	}
 	req, pool, err := s.srv.Resolve(router.Inbound{Endpoint: ep, Body: body, PoolName: p.Name(), PoolHeader: "pool",
