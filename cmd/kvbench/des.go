@@ -247,6 +247,10 @@ type fleetFlags struct {
 	// decisions, when set, receives the account of a KV-aware strategy's
 	// decisions (des --decisions, decisions.go).
 	decisions io.Writer
+	// requestsDir, when set, receives requests-<strategy>.csv: one row per
+	// request of a single-router run (des --out), to find where a tail
+	// came from.
+	requestsDir string
 }
 
 func (f *fleetFlags) register(fs *flag.FlagSet, instances int) {
@@ -294,7 +298,7 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	wf.register(fs)
 	ff.register(fs, 7)
 	strategies := fs.String("strategies", "random,round_robin,least_outstanding,prefix_aware,kv_aware", "comma-separated strategies to compare")
-	out := fs.String("out", "", "directory for report.md, report.csv, report.json, hit_rate.svg, ttft.svg")
+	out := fs.String("out", "", "directory for report.md, report.csv, report.json, hit_rate.svg, ttft.svg and, for single-router runs, requests-<strategy>.csv (one row per request)")
 	bound := fs.Bool("bound", true, "report hit rate as a fraction of the pooled-cache bound: one LRU cache of the whole fleet's GPU tokens")
 	progress := fs.Bool("progress", true, "progress bar on stderr (only when it is a terminal)")
 	var rf replicaFlags
@@ -314,6 +318,12 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	wf.fleetToks = gpuTokens * int64(ff.instances)
 	if *decisions {
 		ff.decisions = stdout
+	}
+	if *out != "" {
+		if err := os.MkdirAll(*out, 0o755); err != nil {
+			return err
+		}
+		ff.requestsDir = *out
 	}
 	b, err := wf.buildAll()
 	if err != nil {
@@ -399,6 +409,11 @@ func runStrategy(ctx context.Context, name string, ff *fleetFlags, scfg sim.Conf
 			return report.Summary{}, err
 		}
 		if err := trace.writeQueueProfile(ff.decisions, res); err != nil {
+			return report.Summary{}, err
+		}
+	}
+	if ff.requestsDir != "" {
+		if err := writeRequestsCSV(filepath.Join(ff.requestsDir, "requests-"+name+".csv"), res); err != nil {
 			return report.Summary{}, err
 		}
 	}

@@ -3,13 +3,16 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/csv"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -66,6 +69,30 @@ func TestDESCommand(t *testing.T) {
 	for _, f := range []string{"report.md", "report.csv", "hit_rate.svg", "ttft.svg"} {
 		if st, err := os.Stat(filepath.Join(dir, f)); err != nil || st.Size() == 0 {
 			t.Errorf("%s: %v", f, err)
+		}
+	}
+	// One row per request per strategy, agreeing with the summary.
+	for i, name := range []string{"random", "prefix_aware"} {
+		f, err := os.Open(filepath.Join(dir, "requests-"+name+".csv"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		rows, err := csv.NewReader(f).ReadAll()
+		f.Close()
+		if err != nil || len(rows) != 151 || rows[0][8] != "ttft_ms" {
+			t.Fatalf("requests-%s.csv: %v, %d rows, header %v", name, err, len(rows), rows[0])
+		}
+		var prompt, cached float64
+		for _, r := range rows[1:] {
+			p, _ := strconv.ParseFloat(r[5], 64)
+			c, _ := strconv.ParseFloat(r[6], 64)
+			if ttft, _ := strconv.ParseFloat(r[8], 64); !(ttft > 0) || r[2] == "" || r[11] != "" {
+				t.Fatalf("requests-%s.csv row %v: want a served request with a TTFT", name, r)
+			}
+			prompt, cached = prompt+p, cached+c
+		}
+		if got, want := cached/prompt, sums[i]["hit_rate"].(float64); math.Abs(got-want) > 0.0005 {
+			t.Errorf("requests-%s.csv: hit %.4f, summary %.4f", name, got, want)
 		}
 	}
 }
