@@ -24,6 +24,7 @@ func smallGenerators() map[string]generator {
 		"code":           Code{Users: 5, RequestsPerUser: 10},
 		"multi-tenant":   MultiTenant{Requests: 100},
 		"cache-pressure": CachePressure{FleetTokens: 200_000},
+		"agent":          Agent{Sessions: 30},
 	}
 }
 
@@ -354,6 +355,9 @@ func TestInvalidConfigs(t *testing.T) {
 		"switch prob > 1":  Code{SwitchProb: 2},
 		"negative tenants": MultiTenant{Tenants: -3},
 		"negative demand":  CachePressure{Demand: -1},
+		"tools reversed":   Agent{MinToolTokens: 900, MaxToolTokens: 800},
+		"agent zipf <= 1":  Agent{ZipfS: 1},
+		"steps reversed":   Agent{MinSteps: 4, MaxSteps: 3},
 	}
 	for name, g := range tests {
 		if _, err := g.Generate(1); !errors.Is(err, ErrInvalid) {

@@ -18,7 +18,7 @@ import (
 )
 
 // workloadNames lists what --workload accepts.
-var workloadNames = []string{"long-context", "chat", "rag", "code", "multi-tenant", "cache-pressure", "mix", "mooncake",
+var workloadNames = []string{"long-context", "chat", "rag", "code", "multi-tenant", "agent", "cache-pressure", "mix", "mooncake",
 	"synth-calibrated", "synth-shared-prompts", "synth-bursty-long"}
 
 // synthPrefix names synthesised traces: "synth-<shape>" is a trace drawn
@@ -189,6 +189,8 @@ func (f *workloadFlags) generate() (*workload.Workload, error) {
 		w, err = workload.Code{Arrivals: arr}.Generate(f.seed)
 	case "multi-tenant":
 		w, err = workload.MultiTenant{Arrivals: arr}.Generate(f.seed)
+	case "agent":
+		w, err = workload.Agent{Arrivals: arr}.Generate(f.seed)
 	case "cache-pressure":
 		// Sized for the fleet one copy will see when replicated.
 		w, err = workload.CachePressure{FleetTokens: f.fleetToks / int64(f.replicate), Arrivals: arr}.Generate(f.seed)

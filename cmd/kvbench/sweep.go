@@ -18,7 +18,7 @@ import (
 // defaultRates are the generated workloads' default arrival rates (req/s;
 // workload/generators.go and mixWorkload), the 1× load of a sweep.
 var defaultRates = map[string]float64{
-	"long-context": 7, "chat": 5, "rag": 8, "code": 6, "multi-tenant": 8, "cache-pressure": 10, "mix": 8,
+	"long-context": 7, "chat": 5, "rag": 8, "code": 6, "multi-tenant": 8, "cache-pressure": 10, "mix": 8, "agent": 4,
 }
 
 // sweepRow is one run of a sweep.
@@ -42,7 +42,7 @@ func runSweep(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	setUsage(fs, stderr, "kvbench sweep [--fleets 8,32] [--loads 1,2,4] [--workloads a,b] [--out DIR]", "Runs des over strategies × loads × fleet sizes × workloads and writes one table and one chart\nper workload (docs/benchmarks/sweep.md shows the output).", []string{"kvbench sweep --fleets 8 --loads 1,2 --limit 2000 --out sweep8"})
 	var ff fleetFlags
 	ff.register(fs, 8)
-	workloads := fs.String("workloads", "mooncake,synth-calibrated,synth-shared-prompts,synth-bursty-long,long-context,chat,rag,code,multi-tenant,cache-pressure,mix,long-context+scale,chat+scale", "comma-separated workloads (NAME+scale: with a scale-out at 1/3 and a scale-in at 2/3)")
+	workloads := fs.String("workloads", "mooncake,synth-calibrated,synth-shared-prompts,synth-bursty-long,long-context,chat,rag,code,multi-tenant,agent,cache-pressure,mix,long-context+scale,chat+scale", "comma-separated workloads (NAME+scale: with a scale-out at 1/3 and a scale-in at 2/3)")
 	strategies := fs.String("strategies", "prefix_aware,kv_aware", "comma-separated strategies")
 	loads := fs.String("loads", "1,1.5,2,3,4", "comma-separated load multipliers")
 	fleets := fs.String("fleets", "8,32,128", "comma-separated fleet sizes (multiples of --instances)")
