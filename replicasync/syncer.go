@@ -280,9 +280,9 @@ func (s *Syncer) AttachPlacement(f func(dst []Queued) ([]Queued, float64)) { s.p
 // hot-prefix rent or buy): f appends every account it holds when full,
 // else those that changed since its previous call (a dropped one as
 // Removed), and forgets the changes. They go out with every send, early
-// ones included, while a peer is live (a purchase or the rent of a
-// decision is news to the peers' next decision), and whole with every
-// heartbeat and after a hello.
+// ones included, and whole with every heartbeat and after a hello, while
+// a peer is live (a purchase or the rent of a decision is news to the
+// peers' next decision).
 func (s *Syncer) AttachRent(f func(dst []Rent, full bool) []Rent) { s.rent.Store(&f) }
 
 // RentAccount: see Table.RentAccount.
@@ -655,19 +655,20 @@ func (s *Syncer) flushPlacement(full bool) {
 	}
 }
 
-// flushRents sends the rent accounts that changed since the last send
-// (while a peer is live) or, when full, all of them, in messages of at
-// most MaxMessageBytes, the first of a whole table Complete. The changes
-// are taken from kv_aware every flush, so that they do not pile up while
-// no peer listens; a change lost with a refused send is repaired by the
-// next heartbeat's whole table.
+// flushRents sends, while a peer is live, the rent accounts that changed
+// since the last send or, when full, all of them, in messages of at most
+// MaxMessageBytes, the first of a whole table Complete. The changes are
+// taken from kv_aware every flush, so that they do not pile up while no
+// peer listens (a lone replica sends none: a newcomer's hello makes it
+// live and brings the whole table); a change lost with a refused send is
+// repaired by the next heartbeat's whole table.
 func (s *Syncer) flushRents(full, live bool) {
 	f := s.rent.Load()
 	if f == nil {
 		return
 	}
 	rs := (*f)(nil, full)
-	if !full && (!live || len(rs) == 0) {
+	if !live || !full && len(rs) == 0 {
 		return
 	}
 	kept := rs[:0]
