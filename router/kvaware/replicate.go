@@ -5,6 +5,7 @@ import (
 	"sync"
 
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/replicasync"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -147,10 +148,18 @@ func (t *rentTable) entry(k kvindex.Key, gen uint64) *rentEntry {
 }
 
 // touch marks k's account as changed since the last send; t.mu held.
+// The sync drains the changes every interval; should it stop, they are
+// bounded by what a peer holds of one replica (replicasync.MaxPeerRents),
+// and beyond that forgotten: the next whole table (every heartbeat)
+// carries them.
 func (t *rentTable) touch(k kvindex.Key) {
-	if t.peers != nil {
-		t.dirty[k] = struct{}{}
+	if t.peers == nil {
+		return
 	}
+	if len(t.dirty) >= replicasync.MaxPeerRents {
+		clear(t.dirty)
+	}
+	t.dirty[k] = struct{}{}
 }
 
 // add pays rent r on k.

@@ -6,8 +6,10 @@ import (
 	"math"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/replicasync"
 	"github.com/kvrouter/kvrouter/router"
 )
@@ -166,5 +168,34 @@ func TestRentSharedSameDecisionOnEveryReplica(t *testing.T) {
 	acc = []float64{key(0), key(1), key(2)}
 	if acc[0] != acc[1] || acc[1] != acc[2] || !(acc[0] > 0) || acc[0] > queue*1.0001 {
 		t.Fatalf("accounts after one more payment: %v, want equal, one payment (%v)", acc, queue)
+	}
+}
+
+// The changes kept for the next send are bounded even if no send drains
+// them (what a whole table repairs), and a drained delta lists a dropped
+// account as removed.
+func TestRentDirtyBounded(t *testing.T) {
+	var rt rentTable
+	p := &rentPeers{tablePeers: &tablePeers{Table: replicasync.NewTable(time.Hour, 16, nil)}}
+	rt.share(p)
+	for k := range 3 * replicasync.MaxPeerRents {
+		rt.add(kvindex.Key(k), 0.5)
+	}
+	if n := len(rt.dirty); n == 0 || n > replicasync.MaxPeerRents {
+		t.Fatalf("%d changes kept, want 1..%d", n, replicasync.MaxPeerRents)
+	}
+	// A fresh table. Keys of one set: the third evicts the poorer of the
+	// first two.
+	rt = rentTable{}
+	rt.share(p)
+	a, b, c := kvindex.Key(7), kvindex.Key(7+rentSets), kvindex.Key(7+2*rentSets)
+	rt.add(a, 0.5)
+	rt.add(b, 0.25)
+	p.rent(nil, false)
+	rt.add(c, 1)
+	got := p.rent(nil, false)
+	want := []replicasync.Rent{{Key: uint64(b)}, {Key: uint64(c), Rent: 1}}
+	if !slices.Equal(got, want) {
+		t.Fatalf("delta %v, want %v (b dropped, c added)", got, want)
 	}
 }
