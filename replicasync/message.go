@@ -39,12 +39,19 @@ import (
 // replica computes kv_aware's placement term alike); load, spec and hello
 // messages are unchanged and still go out as version 3, so that a version
 // 3 peer keeps reading them and drops only the placement messages.
-const Version = 4
+// Version 5 adds the rent message (KindRent: the sender's rent-or-buy
+// accounts of hot prefixes, from which every replica sums the pool's
+// account alike); the other kinds go out as before, so that a version 3
+// or 4 peer drops only the rent messages.
+const Version = 5
 
 // version is the version m goes out as: the oldest that carries its kind.
 func (m *Message) version() byte {
-	if m.Kind == KindPlacement {
+	switch m.Kind {
+	case KindPlacement:
 		return 4
+	case KindRent:
+		return 5
 	}
 	return 3
 }
@@ -68,6 +75,8 @@ const (
 	KindHello Kind = 3
 	// KindPlacement carries the sender's placement averages (version 4).
 	KindPlacement Kind = 4
+	// KindRent carries the sender's rent accounts (version 5).
+	KindRent Kind = 5
 )
 
 func (k Kind) String() string {
@@ -80,6 +89,8 @@ func (k Kind) String() string {
 		return "hello"
 	case KindPlacement:
 		return "placement"
+	case KindRent:
+		return "rent"
 	}
 	return "unknown"
 }
@@ -238,7 +249,29 @@ type Message struct {
 	// otherwise it adds to (replaces the listed of) the previous.
 	Computed float64
 	Queues   []Queued
+	// Rents is a rent message's (KindRent) accounts. Complete: every
+	// account the sender holds (those absent it holds none of);
+	// otherwise the listed accounts replace what the sender said of
+	// them before.
+	Rents []Rent
 }
+
+// Rent is the sender's rent-or-buy account of one prefix (kv_aware's
+// hot-prefix replication, router/kvaware/replicate.go): the purchases of
+// a copy the pool has made of it as far as the sender knows (Gen) and the
+// rent the sender itself has paid on it since the last of them (seconds).
+// Gen 0 with Rent 0 says the sender holds no account for Key any more.
+type Rent struct {
+	Key  uint64
+	Gen  uint64
+	Rent float64
+}
+
+// Removed reports whether r says the sender dropped its account.
+func (r Rent) Removed() bool { return r.Gen == 0 && r.Rent == 0 }
+
+// rentSize is a rent entry's size, at most.
+const rentSize = 8 + binary.MaxVarintLen64 + 8
 
 // Queued is one instance's predicted queue (seconds), averaged over time
 // by the sender (kv_aware's W̄, router/kvaware/placement.go).
@@ -333,6 +366,16 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 			}
 			dst = appendName(dst, q.Instance)
 			dst = binary.BigEndian.AppendUint64(dst, math.Float64bits(q.Wait))
+		}
+	case KindRent:
+		dst = binary.AppendUvarint(dst, uint64(len(m.Rents)))
+		for _, r := range m.Rents {
+			if !placementValue(r.Rent) {
+				return dst, fmt.Errorf("%w: rent %v on %x", ErrMalformed, r.Rent, r.Key)
+			}
+			dst = binary.LittleEndian.AppendUint64(dst, r.Key)
+			dst = binary.AppendUvarint(dst, r.Gen)
+			dst = binary.BigEndian.AppendUint64(dst, math.Float64bits(r.Rent))
 		}
 	default:
 		return dst, fmt.Errorf("%w: kind %d", ErrMalformed, m.Kind)
@@ -477,6 +520,22 @@ func Decode(b []byte) (Message, error) {
 			q.Wait = r.placementValue("queue")
 			m.Queues = append(m.Queues, q)
 		}
+	case KindRent:
+		if v < 5 {
+			r.fail("rent in version %d", v)
+		}
+		if r.err == nil && n > uint64(len(r.b))/17 { // key, gen, rent: at least 17 bytes
+			r.fail("%d rent entries in %d bytes", n, len(r.b))
+		}
+		if r.err == nil && n > 0 {
+			m.Rents = make([]Rent, 0, n)
+		}
+		for i := uint64(0); i < n && r.err == nil; i++ {
+			e := Rent{Key: r.u64le()}
+			e.Gen = r.uvarint()
+			e.Rent = r.placementValue("rent")
+			m.Rents = append(m.Rents, e)
+		}
 	default:
 		r.fail("kind %d", m.Kind)
 	}
@@ -537,15 +596,19 @@ func (r *reader) count() int64 {
 	return int64(v)
 }
 
-func (r *reader) u64be() uint64 {
-	if r.err != nil {
-		return 0
-	}
-	if len(r.b) < 8 {
+func (r *reader) u64be() uint64 { return binary.BigEndian.Uint64(r.take8()) }
+
+func (r *reader) u64le() uint64 { return binary.LittleEndian.Uint64(r.take8()) }
+
+// take8 consumes 8 bytes (zeros after an error).
+func (r *reader) take8() []byte {
+	if r.err == nil && len(r.b) < 8 {
 		r.fail("short")
-		return 0
 	}
-	v := binary.BigEndian.Uint64(r.b)
+	if r.err != nil {
+		return make([]byte, 8)
+	}
+	v := r.b[:8]
 	r.b = r.b[8:]
 	return v
 }

@@ -27,6 +27,9 @@ func sampleMessages() []Message {
 		{Kind: KindPlacement, Replica: "r-4", Incarnation: 3, Complete: true, Computed: 612.25,
 			Queues: []Queued{{Instance: "vllm-0", Wait: 0.0125}, {Instance: "vllm-1", Wait: 0}}},
 		{Kind: KindPlacement, Replica: "r-4", Incarnation: 3},
+		{Kind: KindRent, Replica: "r-5", Incarnation: 4, Complete: true,
+			Rents: []Rent{{Key: 1, Gen: 0, Rent: 0.375}, {Key: 1<<64 - 1, Gen: 1 << 40, Rent: 0}, {Key: 9}}},
+		{Kind: KindRent, Replica: "r-5", Incarnation: 4},
 	}
 }
 
@@ -99,8 +102,11 @@ func TestPlacementVersion(t *testing.T) {
 			t.Fatal(err)
 		}
 		want := byte(3)
-		if m.Kind == KindPlacement {
+		switch m.Kind {
+		case KindPlacement:
 			want = 4
+		case KindRent:
+			want = 5
 		}
 		if b[3] != want {
 			t.Errorf("%s message goes out as version %d, want %d", m.Kind, b[3], want)
@@ -113,17 +119,117 @@ func TestPlacementVersion(t *testing.T) {
 	if _, err := Decode(older); !errors.Is(err, ErrMalformed) {
 		t.Errorf("placement as version 3: %v, want malformed", err)
 	}
+	refusesBadTail(t, good, len(good)-8-2-8-1, nil)
+}
+
+// refusesBadTail checks that Decode refuses good (one entry ending in a
+// float64) with a value a sender may not send in its last 8 bytes
+// (rejected by encode too, if given), or with the entry count at
+// countAt beyond the bytes.
+func refusesBadTail(t *testing.T, good []byte, countAt int, encode func(float64) error) {
+	t.Helper()
 	for name, v := range map[string]float64{"NaN": math.NaN(), "negative": -2, "infinite": math.Inf(1)} {
 		bad := bytes.Clone(good)
-		binary.BigEndian.PutUint64(bad[len(bad)-8:], math.Float64bits(v)) // the queue
+		binary.BigEndian.PutUint64(bad[len(bad)-8:], math.Float64bits(v))
 		if _, err := Decode(bad); !errors.Is(err, ErrMalformed) {
-			t.Errorf("%s queue: %v, want malformed", name, err)
+			t.Errorf("%s value: %v, want malformed", name, err)
+		}
+		if encode != nil {
+			if err := encode(v); !errors.Is(err, ErrMalformed) {
+				t.Errorf("%s value encoded: %v, want malformed", name, err)
+			}
 		}
 	}
 	huge := bytes.Clone(good)
-	huge[len(good)-8-2-8-1] = 0x7f // the entry count
+	huge[countAt] = 0x7f // the entry count
 	if _, err := Decode(huge); !errors.Is(err, ErrMalformed) {
 		t.Errorf("entry count beyond the bytes: %v, want malformed", err)
+	}
+}
+
+// Only the rent message needs version 5 (a version 4 peer drops it as of
+// a newer version and reads the rest); one claiming an older version, or
+// carrying a rent a sender may not send, is refused.
+func TestRentVersion(t *testing.T) {
+	m := Message{Kind: KindRent, Replica: "r", Rents: []Rent{{Key: 5, Gen: 2, Rent: 0.5}}}
+	good, err := m.AppendBinary(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if good[3] != 5 {
+		t.Fatalf("rent goes out as version %d", good[3])
+	}
+	older := bytes.Clone(good)
+	older[3] = 4
+	if _, err := Decode(older); !errors.Is(err, ErrMalformed) {
+		t.Errorf("rent as version 4: %v, want malformed", err)
+	}
+	refusesBadTail(t, good, len(good)-8-1-8-1, func(v float64) error {
+		_, err := (&Message{Kind: KindRent, Replica: "r", Rents: []Rent{{Key: 5, Rent: v}}}).AppendBinary(nil)
+		return err
+	})
+}
+
+// A peer's rent accounts: a complete message replaces the previous ones,
+// a partial one replaces the listed accounts and drops the removed; the
+// account of a key is the sum of the rents of the latest generation any
+// live replica knows, own included; a silent peer's rent stops counting
+// and a restarted peer's old accounts are gone.
+func TestTableRent(t *testing.T) {
+	now := time.Unix(100, 0)
+	tb := NewTable(time.Second, 16, func() time.Time { return now })
+	if g, acc := tb.RentAccount(7, 2, 0.5); g != 2 || acc != 0.5 {
+		t.Fatalf("no peers: gen %d account %v, want own (2, 0.5)", g, acc)
+	}
+	tb.ApplyRent(&Message{Kind: KindRent, Replica: "a", Incarnation: 1, Complete: true, Rents: []Rent{{Key: 7, Gen: 2, Rent: 0.25}, {Key: 8, Gen: 0, Rent: 1}}})
+	tb.ApplyRent(&Message{Kind: KindRent, Replica: "b", Incarnation: 1, Complete: true, Rents: []Rent{{Key: 7, Gen: 2, Rent: 0.125}}})
+	if g, acc := tb.RentAccount(7, 2, 0.5); g != 2 || acc != 0.875 {
+		t.Fatalf("same gen: (%d, %v), want (2, 0.875)", g, acc)
+	}
+	if g, acc := tb.RentAccount(7, 1, 0.5); g != 2 || acc != 0.375 {
+		t.Fatalf("own gen behind: (%d, %v), want the peers' (2, 0.375)", g, acc)
+	}
+	if g, acc := tb.RentAccount(7, 3, 0); g != 3 || acc != 0 {
+		t.Fatalf("own purchase ahead: (%d, %v), want (3, 0)", g, acc)
+	}
+	// b bought a copy: generation 3 with nothing paid; a's rent is of 2.
+	tb.ApplyRent(&Message{Kind: KindRent, Replica: "b", Incarnation: 1, Rents: []Rent{{Key: 7, Gen: 3}}})
+	if g, acc := tb.RentAccount(7, 2, 0.5); g != 3 || acc != 0 {
+		t.Fatalf("after b's purchase: (%d, %v), want (3, 0)", g, acc)
+	}
+	// a drops 8, a partial message keeps a's 7.
+	tb.ApplyRent(&Message{Kind: KindRent, Replica: "a", Incarnation: 1, Rents: []Rent{{Key: 8}}})
+	if _, acc := tb.RentAccount(8, 0, 0); acc != 0 {
+		t.Fatalf("removed account counts %v", acc)
+	}
+	if _, acc := tb.RentAccount(7, 0, 0); acc != 0 {
+		t.Fatalf("7: %v", acc)
+	}
+	// b goes silent: its generation stops counting, a's rent is back.
+	now = now.Add(800 * time.Millisecond)
+	tb.ApplyRent(&Message{Kind: KindRent, Replica: "a", Incarnation: 1, Rents: []Rent{{Key: 7, Gen: 2, Rent: 0.75}}})
+	now = now.Add(400 * time.Millisecond)
+	if g, acc := tb.RentAccount(7, 2, 0.5); g != 2 || acc != 1.25 {
+		t.Fatalf("after b's timeout: (%d, %v), want (2, 1.25)", g, acc)
+	}
+	// A new incarnation of a: its old accounts are gone.
+	tb.ApplyRent(&Message{Kind: KindRent, Replica: "a", Incarnation: 2, Rents: []Rent{{Key: 9, Gen: 1, Rent: 1}}})
+	if g, acc := tb.RentAccount(7, 2, 0.5); g != 2 || acc != 0.5 {
+		t.Fatalf("after a's restart: (%d, %v), want own (2, 0.5)", g, acc)
+	}
+	// A peer's accounts are bounded: new keys beyond MaxPeerRents wait
+	// for its next whole table; known ones still update.
+	big := make([]Rent, MaxPeerRents+10)
+	for i := range big {
+		big[i] = Rent{Key: uint64(1000 + i), Rent: 1}
+	}
+	tb.ApplyRent(&Message{Kind: KindRent, Replica: "c", Incarnation: 1, Complete: true, Rents: big})
+	if _, acc := tb.RentAccount(uint64(1000+MaxPeerRents), 0, 0); acc != 0 {
+		t.Fatalf("account beyond the bound held: %v", acc)
+	}
+	tb.ApplyRent(&Message{Kind: KindRent, Replica: "c", Incarnation: 1, Rents: []Rent{{Key: 1000, Rent: 2}}})
+	if _, acc := tb.RentAccount(1000, 0, 0); acc != 2 {
+		t.Fatalf("held account not updated: %v", acc)
 	}
 }
 

@@ -201,6 +201,7 @@ type Syncer struct {
 
 	local atomic.Pointer[func(dst []Load) []Load]
 	place atomic.Pointer[func(dst []Queued) ([]Queued, float64)]
+	rent  atomic.Pointer[func(dst []Rent, full bool) []Rent]
 	hello atomic.Bool // a peer asked for our whole state
 	// changed holds a pending early-send request (Changed); Run's
 	// goroutine takes it and sends MinGap later.
@@ -274,6 +275,20 @@ func (s *Syncer) AttachLocal(f func(dst []Load) []Load) { s.local.Store(&f) }
 // They go out every Interval when they changed (not in early sends: they
 // move slowly), and whole with every heartbeat and after a hello.
 func (s *Syncer) AttachPlacement(f func(dst []Queued) ([]Queued, float64)) { s.place.Store(&f) }
+
+// AttachRent sets where this replica's rent accounts come from (kv_aware's
+// hot-prefix rent or buy): f appends every account it holds when full,
+// else those that changed since its previous call (a dropped one as
+// Removed), and forgets the changes. They go out with every send, early
+// ones included, and whole with every heartbeat and after a hello, while
+// a peer is live (a purchase or the rent of a decision is news to the
+// peers' next decision).
+func (s *Syncer) AttachRent(f func(dst []Rent, full bool) []Rent) { s.rent.Store(&f) }
+
+// RentAccount: see Table.RentAccount.
+func (s *Syncer) RentAccount(key, gen uint64, rent float64) (uint64, float64) {
+	return s.table.RentAccount(key, gen, rent)
+}
 
 // PeerComputed: see Table.PeerComputed.
 func (s *Syncer) PeerComputed(dst []float64) ([]float64, int) { return s.table.PeerComputed(dst) }
@@ -437,6 +452,8 @@ func (s *Syncer) receive(msg *nats.Msg) {
 		}
 	case KindPlacement:
 		s.table.ApplyPlacement(&m)
+	case KindRent:
+		s.table.ApplyRent(&m)
 	case KindSpec:
 		s.table.Touch(m.Replica, m.Incarnation)
 		if n := s.table.ApplySpec(&m, s.cfg.Epoch); n > 0 {
@@ -529,9 +546,11 @@ func (s *Syncer) flush(tick bool) {
 	}
 	// Placement averages on the interval, while a peer may hear them (a
 	// newcomer's hello brings them whole).
-	if full || tick && s.table.Live() > 0 {
+	live := s.table.Live() > 0
+	if full || tick && live {
 		s.flushPlacement(full)
 	}
+	s.flushRents(full, live)
 	s.flushSpecs(now, hello)
 	s.m.peers.WithLabelValues(s.cfg.Pool).Set(float64(s.table.Forget()))
 }
@@ -633,6 +652,39 @@ func (s *Syncer) flushPlacement(full bool) {
 	}
 	if ok {
 		s.lastPlace, s.placeSent = Message{Computed: computed, Queues: qs}, true
+	}
+}
+
+// flushRents sends, while a peer is live, the rent accounts that changed
+// since the last send or, when full, all of them, in messages of at most
+// MaxMessageBytes, the first of a whole table Complete. The changes are
+// taken from kv_aware every flush, so that they do not pile up while no
+// peer listens (a lone replica sends none: a newcomer's hello makes it
+// live and brings the whole table); a change lost with a refused send is
+// repaired by the next heartbeat's whole table.
+func (s *Syncer) flushRents(full, live bool) {
+	f := s.rent.Load()
+	if f == nil {
+		return
+	}
+	rs := (*f)(nil, full)
+	if !live || !full && len(rs) == 0 {
+		return
+	}
+	kept := rs[:0]
+	for _, r := range rs {
+		if placementValue(r.Rent) {
+			kept = append(kept, r)
+		}
+	}
+	rs = kept
+	per := max((s.cfg.MaxMessageBytes-headerSize(s.cfg.Replica))/rentSize, 1)
+	for start := 0; start == 0 || start < len(rs); start += per {
+		end := min(start+per, len(rs))
+		s.send(&Message{Kind: KindRent, Complete: full && start == 0, Rents: rs[start:end]})
+		if end == start {
+			break
+		}
 	}
 }
 

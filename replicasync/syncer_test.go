@@ -396,3 +396,59 @@ func TestPlacementShared(t *testing.T) {
 		t.Fatalf("a counts %d peers publishing placement; b publishes none", n)
 	}
 }
+
+// TestRentShared: a replica's rent accounts reach its peer over NATS (a
+// delta with a change, and the whole table after a hello), and a dropped
+// account leaves the peer's table.
+func TestRentShared(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	a := startReplica(t, url, fast(pool, "a"))
+	b := startReplica(t, url, fast(pool, "b"))
+	var mu sync.Mutex
+	accounts := map[uint64]Rent{7: {Key: 7, Gen: 1, Rent: 0.25}}
+	changed := map[uint64]bool{7: true}
+	a.AttachRent(func(dst []Rent, full bool) []Rent {
+		mu.Lock()
+		defer mu.Unlock()
+		for k := range changed {
+			if !full {
+				dst = append(dst, accounts[k]) // zero Rent{Key: k}: removed
+			}
+		}
+		if full {
+			for _, r := range accounts {
+				dst = append(dst, r)
+			}
+		}
+		clear(changed)
+		return dst
+	})
+	account := func(key uint64) (uint64, float64) { return b.RentAccount(key, 0, 0) }
+	testenv.WaitFor(t, 10*time.Second, "b hears a's account", func() bool {
+		g, acc := account(7)
+		return g == 1 && acc == 0.25
+	})
+	mu.Lock()
+	accounts[7] = Rent{Key: 7, Gen: 2}
+	accounts[8] = Rent{Key: 8, Rent: 0.5}
+	changed[7], changed[8] = true, true
+	mu.Unlock()
+	a.Changed()
+	testenv.WaitFor(t, 10*time.Second, "b hears a's purchase and new rent", func() bool {
+		g7, acc7 := account(7)
+		_, acc8 := account(8)
+		return g7 == 2 && acc7 == 0 && acc8 == 0.5
+	})
+	mu.Lock()
+	delete(accounts, 8)
+	changed[8] = true
+	mu.Unlock()
+	testenv.WaitFor(t, 10*time.Second, "b drops a's removed account", func() bool {
+		_, acc8 := account(8)
+		return acc8 == 0
+	})
+	if g, acc := a.RentAccount(7, 0, 0); g != 0 || acc != 0 {
+		t.Fatalf("a holds accounts (%d, %v); b publishes none", g, acc)
+	}
+}

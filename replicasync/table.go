@@ -1,6 +1,7 @@
 package replicasync
 
 import (
+	"slices"
 	"sort"
 	"sync"
 	"time"
@@ -39,7 +40,16 @@ type peer struct {
 	// place is the peer's latest placement averages (version 4), nil
 	// before its first placement message.
 	place *placement
+	// rents is the peer's rent accounts by prefix key (version 5), nil
+	// before its first rent message.
+	rents map[uint64]Rent
 }
+
+// MaxPeerRents bounds the rent accounts held per peer: twice what one
+// kv_aware replica keeps (its table holds 4,096), so that a whole table
+// and the deltas of the heartbeat that follows it fit. Beyond it a peer's
+// new accounts are left out until its next whole table.
+const MaxPeerRents = 1 << 13
 
 // placement is one peer's placement averages (Message.Computed, Queues).
 type placement struct {
@@ -117,25 +127,32 @@ func (t *Table) ApplyLoad(m *Message) Result {
 	return res
 }
 
+// heard is the peer that sent m (a placement or rent message), seen now:
+// a new one (its load messages start it counting; until then it is
+// seen), or a new incarnation's, which replaces the old one's state.
+// t.mu held.
+func (t *Table) heard(m *Message) *peer {
+	p := t.peers[m.Replica]
+	switch {
+	case p == nil:
+		p = &peer{incarnation: m.Incarnation, loads: map[string]loadAt{}}
+		t.peers[m.Replica] = p
+	case p.incarnation != m.Incarnation:
+		*p = peer{incarnation: m.Incarnation, loads: map[string]loadAt{}}
+	}
+	p.seen = t.now()
+	return p
+}
+
 // ApplyPlacement records a peer's placement message (KindPlacement): a
 // complete one replaces what the peer's previous ones said, a partial one
 // (the rest of a list too long for one message) adds to it. A new
 // incarnation's placement replaces the old one's (its counters follow
 // with its load messages).
 func (t *Table) ApplyPlacement(m *Message) {
-	now := t.now()
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	p := t.peers[m.Replica]
-	switch {
-	case p == nil:
-		// Its load messages start it counting; until then it is seen.
-		p = &peer{incarnation: m.Incarnation, loads: map[string]loadAt{}}
-		t.peers[m.Replica] = p
-	case p.incarnation != m.Incarnation:
-		*p = peer{incarnation: m.Incarnation, loads: map[string]loadAt{}}
-	}
-	p.seen = now
+	p := t.heard(m)
 	if p.place == nil || m.Complete {
 		p.place = &placement{queues: make(map[string]float64, len(m.Queues))}
 	}
@@ -143,6 +160,67 @@ func (t *Table) ApplyPlacement(m *Message) {
 	for _, q := range m.Queues {
 		p.place.queues[q.Instance] = q.Wait
 	}
+}
+
+// ApplyRent records a peer's rent message (KindRent): a complete one
+// replaces the accounts its previous ones gave, a partial one (a delta,
+// or the rest of a whole table too long for one message) replaces the
+// listed accounts and drops those it says the peer removed. A new
+// incarnation's accounts replace the old one's.
+func (t *Table) ApplyRent(m *Message) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	p := t.heard(m)
+	if p.rents == nil || m.Complete {
+		p.rents = make(map[uint64]Rent, len(m.Rents))
+	}
+	for _, r := range m.Rents {
+		switch _, held := p.rents[r.Key]; {
+		case r.Removed():
+			delete(p.rents, r.Key)
+		case held || len(p.rents) < MaxPeerRents:
+			p.rents[r.Key] = r
+		}
+	}
+}
+
+// RentAccount is the pool's rent-or-buy account of the prefix key, given
+// this replica's own (gen purchases known, rent paid since the last):
+// gen is the most purchases any live replica knows of, and account the
+// sum, in ascending order (so that every replica adding the same numbers
+// gets the same bits), of the rent each replica at that gen has paid,
+// own included. Without a live peer's account of key it is own's.
+func (t *Table) RentAccount(key, own uint64, rent float64) (uint64, float64) {
+	var buf [16]float64
+	vals, gen := buf[:0], own
+	now := t.now()
+	t.mu.RLock()
+	for _, p := range t.peers {
+		if p.rents == nil || now.Sub(p.seen) > t.timeout {
+			continue
+		}
+		r, ok := p.rents[key]
+		switch {
+		case !ok || r.Gen < gen:
+		case r.Gen > gen:
+			gen, vals = r.Gen, append(vals[:0], r.Rent)
+		default:
+			vals = append(vals, r.Rent)
+		}
+	}
+	t.mu.RUnlock()
+	if len(vals) == 0 {
+		return gen, rent
+	}
+	if own == gen {
+		vals = append(vals, rent)
+	}
+	slices.Sort(vals)
+	var sum float64
+	for _, v := range vals {
+		sum += v
+	}
+	return gen, sum
 }
 
 // PeerComputed appends to dst the mean tokens per pick of each live peer

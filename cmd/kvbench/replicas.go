@@ -255,6 +255,7 @@ type syncDelivery struct {
 	from       int
 	load, spec *replicasync.Message
 	place      *replicasync.Message // placement averages (interval flushes)
+	rent       *replicasync.Message // rent accounts changed (every flush)
 }
 
 func newReplicaSet(name string, run replicaRun, rf *replicaFlags, ff *fleetFlags, scfg sim.Config, seed uint64) (*replicaSet, error) {
@@ -541,6 +542,9 @@ func (s *replicaSet) clock(now time.Duration) {
 			if d.spec != nil {
 				r.peers.Table.ApplySpec(d.spec, nil)
 			}
+			if d.rent != nil {
+				r.peers.Table.ApplyRent(d.rent)
+			}
 		}
 		s.reps[d.from].applied = max(s.reps[d.from].applied, d.state)
 	}
@@ -585,7 +589,20 @@ func (s *replicaSet) flush(i int, b time.Duration, early bool) {
 			p.lastPlace, p.placeSent = *place, true
 		}
 	}
-	s.transit = append(s.transit, syncDelivery{at: b + s.latency, state: b, from: i, load: load, spec: spec, place: place})
+	var rent *replicasync.Message
+	if p.rent != nil {
+		// With every send, as the Syncer sends them: the accounts that
+		// changed, all of them every heartbeat.
+		full := !p.rentSent || b-p.rentFull >= replicasync.DefaultHeartbeat
+		if rs := p.rent(nil, full); full || len(rs) > 0 {
+			rent = &replicasync.Message{Kind: replicasync.KindRent, Replica: p.name, Incarnation: 1, Complete: full, Rents: rs}
+			p.count(b, rent)
+			if full {
+				p.rentFull, p.rentSent = b, true
+			}
+		}
+	}
+	s.transit = append(s.transit, syncDelivery{at: b + s.latency, state: b, from: i, load: load, spec: spec, place: place, rent: rent})
 }
 
 // traffic is what one replica sent on average over the run's d.
@@ -653,8 +670,13 @@ type simPeers struct {
 	// one when they changed).
 	lastPlace replicasync.Message
 	placeSent bool
-	queue     []replicasync.Spec
-	seq       uint64
+	// rent is kv_aware's rent accounts (AttachRent); rentFull is when
+	// they last went whole.
+	rent     func(dst []replicasync.Rent, full bool) []replicasync.Rent
+	rentFull time.Duration
+	rentSent bool
+	queue    []replicasync.Spec
+	seq      uint64
 	// onChange is Changed (replicaSet.early); earlyDue and earlyAt: an
 	// early send is due at earlyAt.
 	onChange func()
@@ -676,6 +698,7 @@ type simPeers struct {
 var (
 	_ kvaware.PeerState      = (*simPeers)(nil)
 	_ kvaware.PlacementPeers = (*simPeers)(nil)
+	_ kvaware.RentPeers      = (*simPeers)(nil)
 )
 
 // Speculate queues a decision's blocks for the next flush (unbounded: the
@@ -690,6 +713,10 @@ func (p *simPeers) Speculate(inst string, keys []kvindex.Key, ttl time.Duration)
 
 func (p *simPeers) AttachPlacement(f func(dst []replicasync.Queued) ([]replicasync.Queued, float64)) {
 	p.place = f
+}
+
+func (p *simPeers) AttachRent(f func(dst []replicasync.Rent, full bool) []replicasync.Rent) {
+	p.rent = f
 }
 
 func (p *simPeers) AttachLocal(f func(dst []replicasync.Load) []replicasync.Load) { p.local = f }

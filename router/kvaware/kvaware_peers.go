@@ -62,6 +62,9 @@ func (st *KVState) attachPeers() {
 		st.peers.pp = pp
 		pp.AttachPlacement(st.publishPlacement)
 	}
+	if rp, ok := ps.(RentPeers); ok {
+		st.rent.share(rp) // replicate_shared.go
+	}
 }
 
 // SetInstances tells st where the pool's instances are, whose in-flight

@@ -5,6 +5,7 @@ import (
 	"sync"
 
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/replicasync"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -52,6 +53,10 @@ const rentSets = 2048
 type rentEntry struct {
 	key  kvindex.Key
 	rent float64 // seconds of waiting paid since the last copy
+	// gen counts the copies bought of the prefix, as far as this replica
+	// knows (its own purchases and, with replica sync, the pool's:
+	// replicate_shared.go); the rent is that generation's.
+	gen  uint64
 	used bool
 }
 
@@ -59,26 +64,102 @@ type rentEntry struct {
 // set-associative table that, on a miss in a full set, replaces the entry
 // with less rent (a cold prefix's account, not a hot one's). Safe for
 // concurrent use.
+//
+// A purchase leaves its entry in place with no rent and the next
+// generation (the peers must hear of it); as the victim of a miss it
+// behaves as the free slot it was before (no other entry holds no rent),
+// and rent paid on it again starts from nothing, as on a new entry: one
+// router's accounts are the same either way.
 type rentTable struct {
 	mu   sync.Mutex
 	sets [rentSets][2]rentEntry
+	// peers makes the accounts the pool's (replicate_shared.go); nil
+	// without replica sync (or peers that do not share them).
+	peers RentPeers
+	// dirty holds the keys whose account changed or was dropped since
+	// the peers were last sent them (only while peers is set).
+	dirty map[kvindex.Key]struct{}
 }
 
 func (t *rentTable) set(k kvindex.Key) *[2]rentEntry {
 	return &t.sets[(uint64(k)^uint64(k)>>29)%rentSets]
 }
 
-// get is the rent paid on k since its last copy.
-func (t *rentTable) get(k kvindex.Key) float64 {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+// find is k's entry, nil if none; t.mu held.
+func (t *rentTable) find(k kvindex.Key) *rentEntry {
 	s := t.set(k)
 	for i := range s {
 		if s[i].used && s[i].key == k {
-			return s[i].rent
+			return &s[i]
 		}
 	}
-	return 0
+	return nil
+}
+
+// own is this replica's account of k: the generation and the rent it has
+// paid in it (zero without one).
+func (t *rentTable) own(k kvindex.Key) (gen uint64, rent float64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if e := t.find(k); e != nil {
+		return e.gen, e.rent
+	}
+	return 0, 0
+}
+
+// get is the rent paid on k since its last copy: this replica's own, or
+// with peers that share theirs the pool's (replicate_shared.go).
+func (t *rentTable) get(k kvindex.Key) float64 {
+	gen, rent := t.own(k)
+	if t.peers == nil {
+		return rent
+	}
+	_, acc := t.peers.RentAccount(uint64(k), gen, rent)
+	return acc
+}
+
+// poolGen is the latest generation of k any live replica knows of, at
+// least gen (gen without peers).
+func (t *rentTable) poolGen(k kvindex.Key) uint64 {
+	if t.peers == nil {
+		return 0
+	}
+	gen, rent := t.own(k)
+	g, _ := t.peers.RentAccount(uint64(k), gen, rent)
+	return g
+}
+
+// entry is k's entry, made (in generation gen) if there is none; t.mu
+// held.
+func (t *rentTable) entry(k kvindex.Key, gen uint64) *rentEntry {
+	if e := t.find(k); e != nil {
+		return e
+	}
+	s := t.set(k)
+	v := 0
+	if s[0].used && (!s[1].used || s[1].rent < s[0].rent) {
+		v = 1
+	}
+	if s[v].used {
+		t.touch(s[v].key) // dropped: the peers forget it too
+	}
+	s[v] = rentEntry{key: k, gen: gen, used: true}
+	return &s[v]
+}
+
+// touch marks k's account as changed since the last send; t.mu held.
+// The sync drains the changes every interval; should it stop, they are
+// bounded by what a peer holds of one replica (replicasync.MaxPeerRents),
+// and beyond that forgotten: the next whole table (every heartbeat)
+// carries them.
+func (t *rentTable) touch(k kvindex.Key) {
+	if t.peers == nil {
+		return
+	}
+	if len(t.dirty) >= replicasync.MaxPeerRents {
+		clear(t.dirty)
+	}
+	t.dirty[k] = struct{}{}
 }
 
 // add pays rent r on k.
@@ -86,32 +167,28 @@ func (t *rentTable) add(k kvindex.Key, r float64) {
 	if !(r > 0) || math.IsInf(r, 0) {
 		return
 	}
+	g := t.poolGen(k)
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	s := t.set(k)
-	for i := range s {
-		if s[i].used && s[i].key == k {
-			s[i].rent += r
-			return
-		}
+	e := t.entry(k, g)
+	if e.gen < g { // a peer bought a copy since: its rent starts again
+		e.gen, e.rent = g, 0
 	}
-	v := 0
-	if s[0].used && (!s[1].used || s[1].rent < s[0].rent) {
-		v = 1
-	}
-	s[v] = rentEntry{key: k, rent: r, used: true}
+	e.rent += r
+	t.touch(k)
 }
 
 // reset clears k's account: a copy was bought.
 func (t *rentTable) reset(k kvindex.Key) {
+	g := t.poolGen(k)
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	s := t.set(k)
-	for i := range s {
-		if s[i].used && s[i].key == k {
-			s[i] = rentEntry{}
-		}
+	if t.peers == nil && t.find(k) == nil {
+		return // one router: nothing to clear, nobody to tell
 	}
+	e := t.entry(k, g)
+	e.gen, e.rent = max(e.gen, g)+1, 0
+	t.touch(k)
 }
 
 // rentNote is what a decision leaves for its commit: pay rent on key, or
