@@ -428,11 +428,35 @@ func (d *decoder) findTag(n int) (Kind, bool, error) {
 	return 0, false, nil
 }
 
+// fieldID is the id of a map-era key (-1 for none): a switch, which the
+// compiler turns into a search by length and content, where a loop over
+// fieldNames compared each key with up to 12 names.
 func fieldID(key []byte) int {
-	for i, name := range fieldNames {
-		if string(key) == name {
-			return i
-		}
+	switch string(key) {
+	case "type":
+		return fType
+	case "block_hashes":
+		return fHashes
+	case "parent_block_hash":
+		return fParent
+	case "token_ids":
+		return fTokens
+	case "block_size":
+		return fBlockSize
+	case "lora_id":
+		return fLoraID
+	case "medium":
+		return fMedium
+	case "lora_name":
+		return fLoraName
+	case "extra_keys":
+		return fExtraKeys
+	case "group_idx":
+		return fGroupIdx
+	case "kv_cache_spec_kind":
+		return fSpecKind
+	case "kv_cache_spec_sliding_window":
+		return fSlidingWindow
 	}
 	return -1
 }
@@ -558,30 +582,35 @@ func (d *decoder) tokens(e *Event, st *fieldState) error {
 		return err
 	}
 	e.TokenIDs = d.tokSlice(n)
-	for i := range e.TokenIDs {
-		// Fast paths for the forms engines use: 0xce (Go encoders, every
-		// capture) and the compact forms msgspec picks for a vocabulary
-		// below 2^32.
-		if rem := d.r.remaining(); rem >= 5 {
-			switch c := d.r.b[d.r.off]; {
-			case c == 0xce:
-				d.r.off++
-				e.TokenIDs[i] = d.r.u32()
-				st.tokens++
-				st.tokenFixed++
-				continue
-			case c <= 0x7f:
-				d.r.off++
-				e.TokenIDs[i] = uint32(c)
-				st.tokens++
-				continue
-			case c == 0xcd:
-				d.r.off++
-				e.TokenIDs[i] = uint32(d.r.u16())
-				st.tokens++
-				continue
-			}
+	// Fast path for the forms engines use: 0xce (Go encoders, every
+	// capture) and the compact forms msgspec picks for a vocabulary below
+	// 2^32, read with the payload and offset in locals; it stops at the
+	// first other form, or where fewer than 5 bytes are left, and readInt
+	// takes the rest.
+	b, off := d.r.b, d.r.off
+	fixed, i := 0, 0
+	for ; i < n && off+5 <= len(b); i++ {
+		switch c := b[off]; {
+		case c <= 0x7f:
+			e.TokenIDs[i] = uint32(c)
+			off++
+			continue
+		case c == 0xce:
+			e.TokenIDs[i] = uint32(b[off+1])<<24 | uint32(b[off+2])<<16 | uint32(b[off+3])<<8 | uint32(b[off+4])
+			off += 5
+			fixed++
+			continue
+		case c == 0xcd:
+			e.TokenIDs[i] = uint32(b[off+1])<<8 | uint32(b[off+2])
+			off += 3
+			continue
 		}
+		break
+	}
+	d.r.off = off
+	st.tokens += i
+	st.tokenFixed += fixed
+	for ; i < n; i++ {
 		v, neg, err := d.r.readInt()
 		if err != nil {
 			return fmt.Errorf("[%d]: %w", i, err)

@@ -135,3 +135,18 @@ func FuzzDecoder(f *testing.F) {
 		decodeBoth(t, &dec, p)
 	})
 }
+
+// TestFieldIDNames: every map-era key maps to its own field id, and
+// nothing else (prefixes, other case) maps to one.
+func TestFieldIDNames(t *testing.T) {
+	for id, name := range fieldNames {
+		if got := fieldID([]byte(name)); got != id {
+			t.Errorf("fieldID(%q) = %d, want %d", name, got, id)
+		}
+		for _, other := range []string{name[:len(name)-1], name + "x", "X" + name[1:]} {
+			if got := fieldID([]byte(other)); got != -1 {
+				t.Errorf("fieldID(%q) = %d, want -1", other, got)
+			}
+		}
+	}
+}
