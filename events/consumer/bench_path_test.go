@@ -34,6 +34,23 @@ func (m *pathMsg) Headers() nats.Header                      { return m.hdr }
 func (m *pathMsg) Data() []byte                              { return m.data }
 func (m *pathMsg) Metadata() (*jetstream.MsgMetadata, error) { return m.md, nil }
 
+// benchPayload is the benchmarks' message: one BlockStored of evBlocks
+// blocks, hashes base+from on, chained to the block before from.
+func benchPayload(b *testing.B, base uint64, from, evBlocks int, tokens []uint32) []byte {
+	ev := events.Event{Kind: events.BlockStored, BlockSize: 16, Medium: "GPU", TokenIDs: tokens}
+	for j := 0; j < evBlocks; j++ {
+		ev.BlockHashes = append(ev.BlockHashes, base+uint64(from+j))
+	}
+	if from > 0 {
+		ev.ParentHash, ev.HasParent = base+uint64(from-1), true
+	}
+	p, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: []events.Event{ev}}, events.EncodingMap)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return p
+}
+
 // BenchmarkConsumerPath is the consumer's own per-message path without
 // NATS: the stream of BenchmarkConsumerThroughput (64 instances × 2,048
 // blocks in events of evBlocks blocks) handed to dispatch as received
@@ -61,17 +78,7 @@ func BenchmarkConsumerPath(b *testing.B) {
 					name := fmt.Sprintf("e%d", inst)
 					subj, _ := kvstream.EventsSubject(pool, name)
 					base := uint64(inst+1) << 32
-					ev := events.Event{Kind: events.BlockStored, BlockSize: 16, Medium: "GPU", TokenIDs: tokens}
-					for j := 0; j < evBlocks; j++ {
-						ev.BlockHashes = append(ev.BlockHashes, base+uint64(from+j))
-					}
-					if from > 0 {
-						ev.ParentHash, ev.HasParent = base+uint64(from-1), true
-					}
-					p, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: []events.Event{ev}}, events.EncodingMap)
-					if err != nil {
-						b.Fatal(err)
-					}
+					p := benchPayload(b, base, from, evBlocks, tokens)
 					h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: name}
 					md := &jetstream.MsgMetadata{Timestamp: stored, NumPending: 1}
 					md.Sequence.Stream = uint64(len(msgs) + 1)
