@@ -52,9 +52,9 @@ func benchPayload(b *testing.B, base uint64, from, evBlocks int, tokens []uint32
 }
 
 // BenchmarkConsumerPath is the consumer's own per-message path without
-// NATS: the stream of BenchmarkConsumerThroughput (64 instances × 2,048
-// blocks in events of evBlocks blocks) handed to dispatch as received
-// messages, each taken from its shard's queue and applied (header, decode,
+// NATS: the messages of BenchmarkConsumerThroughput (64 instances × 2,048
+// blocks in events of evBlocks blocks), round-robin over the instances as
+// a live fleet sends them, handed to dispatch as received messages, each taken from its shard's queue and applied (header, decode,
 // instance state, the memory index, metrics) on one goroutine. One op is
 // the whole stream into a fresh index; it reports CPU per message and
 // blocks per CPU-second of the path alone, the part of
