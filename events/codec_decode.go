@@ -31,11 +31,81 @@ func Decode(payload []byte) (Batch, error) {
 	return b, nil
 }
 
+// Decoder decodes batches as Decode does, into buffers it keeps from one
+// call to the next: once they have grown to a stream's usual batch, a
+// batch decodes without allocating (Decode allocates its events, and each
+// event's block hashes and token ids). The batch a call returns, its
+// events and their BlockHashes and TokenIDs are valid only until the next
+// call; ExtraKeys and strings are not reused and stay valid. The zero
+// value is ready to use; a Decoder is not safe for concurrent use.
+type Decoder struct {
+	d decoder
+}
+
+// Decode parses payload as the package-level Decode does (same results,
+// same errors), into the decoder's buffers.
+func (dec *Decoder) Decode(payload []byte) (Batch, error) {
+	d := &dec.d
+	d.r = reader{b: payload}
+	d.reuse = true
+	d.hashUsed, d.tokUsed = 0, 0
+	b, err := d.batch()
+	off := d.r.off
+	d.r = reader{} // the payload is not kept
+	if err != nil {
+		return Batch{}, fmt.Errorf("%w (at byte %d)", err, off)
+	}
+	return b, nil
+}
+
 type decoder struct {
 	r reader
 	// lastLora caches the previous LoRA name so a batch of events for one
 	// adapter allocates it once.
 	lastLora string
+
+	// reuse (a Decoder): events, block hashes and token ids are carved
+	// out of the buffers below, kept across batches, instead of allocated.
+	reuse             bool
+	evBuf             []Event
+	hashBuf           []uint64
+	tokBuf            []uint32
+	hashUsed, tokUsed int
+}
+
+// hashSlice returns n block hashes' room: from the reused buffer with a
+// Decoder, else newly allocated. A buffer too small for the rest of the
+// batch is replaced by a larger one; events decoded before keep the old
+// one (it stays alive through them until the next batch).
+func (d *decoder) hashSlice(n int) []uint64 {
+	if !d.reuse {
+		return make([]uint64, n)
+	}
+	if n == 0 {
+		return []uint64{} // as make: empty, not nil
+	}
+	if d.hashUsed+n > len(d.hashBuf) {
+		d.hashBuf, d.hashUsed = make([]uint64, max(2*len(d.hashBuf), n, 64)), 0
+	}
+	s := d.hashBuf[d.hashUsed : d.hashUsed+n : d.hashUsed+n]
+	d.hashUsed += n
+	return s
+}
+
+// tokSlice is hashSlice for token ids.
+func (d *decoder) tokSlice(n int) []uint32 {
+	if !d.reuse {
+		return make([]uint32, n)
+	}
+	if n == 0 {
+		return []uint32{}
+	}
+	if d.tokUsed+n > len(d.tokBuf) {
+		d.tokBuf, d.tokUsed = make([]uint32, max(2*len(d.tokBuf), n, 1024)), 0
+	}
+	s := d.tokBuf[d.tokUsed : d.tokUsed+n : d.tokUsed+n]
+	d.tokUsed += n
+	return s
 }
 
 func (d *decoder) batch() (Batch, error) {
@@ -166,7 +236,15 @@ func (d *decoder) events(b *Batch) error {
 		return fmt.Errorf("events: %w", err)
 	}
 	hint := min(n, d.r.remaining()/minEventBytes, 1024)
-	b.Events = make([]Event, 0, hint)
+	if d.reuse {
+		if cap(d.evBuf) < hint {
+			d.evBuf = make([]Event, 0, hint)
+		}
+		b.Events = d.evBuf[:0]
+		defer func() { d.evBuf = b.Events[:0] }()
+	} else {
+		b.Events = make([]Event, 0, hint)
+	}
 	for i := 0; i < n; i++ {
 		var e Event
 		known, enc, err := d.event(&e)
@@ -350,11 +428,35 @@ func (d *decoder) findTag(n int) (Kind, bool, error) {
 	return 0, false, nil
 }
 
+// fieldID is the id of a map-era key (-1 for none): a switch, which the
+// compiler turns into a search by length and content, where a loop over
+// fieldNames compared each key with up to 12 names.
 func fieldID(key []byte) int {
-	for i, name := range fieldNames {
-		if string(key) == name {
-			return i
-		}
+	switch string(key) {
+	case "type":
+		return fType
+	case "block_hashes":
+		return fHashes
+	case "parent_block_hash":
+		return fParent
+	case "token_ids":
+		return fTokens
+	case "block_size":
+		return fBlockSize
+	case "lora_id":
+		return fLoraID
+	case "medium":
+		return fMedium
+	case "lora_name":
+		return fLoraName
+	case "extra_keys":
+		return fExtraKeys
+	case "group_idx":
+		return fGroupIdx
+	case "kv_cache_spec_kind":
+		return fSpecKind
+	case "kv_cache_spec_sliding_window":
+		return fSlidingWindow
 	}
 	return -1
 }
@@ -431,7 +533,7 @@ func (d *decoder) hashes(e *Event, st *fieldState) error {
 	if err != nil {
 		return err
 	}
-	e.BlockHashes = make([]uint64, n)
+	e.BlockHashes = d.hashSlice(n)
 	for i := range e.BlockHashes {
 		if e.BlockHashes[i], err = d.hash(st); err != nil {
 			return fmt.Errorf("[%d]: %w", i, err)
@@ -479,31 +581,36 @@ func (d *decoder) tokens(e *Event, st *fieldState) error {
 	if err != nil {
 		return err
 	}
-	e.TokenIDs = make([]uint32, n)
-	for i := range e.TokenIDs {
-		// Fast paths for the forms engines use: 0xce (Go encoders, every
-		// capture) and the compact forms msgspec picks for a vocabulary
-		// below 2^32.
-		if rem := d.r.remaining(); rem >= 5 {
-			switch c := d.r.b[d.r.off]; {
-			case c == 0xce:
-				d.r.off++
-				e.TokenIDs[i] = d.r.u32()
-				st.tokens++
-				st.tokenFixed++
-				continue
-			case c <= 0x7f:
-				d.r.off++
-				e.TokenIDs[i] = uint32(c)
-				st.tokens++
-				continue
-			case c == 0xcd:
-				d.r.off++
-				e.TokenIDs[i] = uint32(d.r.u16())
-				st.tokens++
-				continue
-			}
+	e.TokenIDs = d.tokSlice(n)
+	// Fast path for the forms engines use: 0xce (Go encoders, every
+	// capture) and the compact forms msgspec picks for a vocabulary below
+	// 2^32, read with the payload and offset in locals; it stops at the
+	// first other form, or where fewer than 5 bytes are left, and readInt
+	// takes the rest.
+	b, off := d.r.b, d.r.off
+	fixed, i := 0, 0
+	for ; i < n && off+5 <= len(b); i++ {
+		switch c := b[off]; {
+		case c <= 0x7f:
+			e.TokenIDs[i] = uint32(c)
+			off++
+			continue
+		case c == 0xce:
+			e.TokenIDs[i] = uint32(b[off+1])<<24 | uint32(b[off+2])<<16 | uint32(b[off+3])<<8 | uint32(b[off+4])
+			off += 5
+			fixed++
+			continue
+		case c == 0xcd:
+			e.TokenIDs[i] = uint32(b[off+1])<<8 | uint32(b[off+2])
+			off += 3
+			continue
 		}
+		break
+	}
+	d.r.off = off
+	st.tokens += i
+	st.tokenFixed += fixed
+	for ; i < n; i++ {
 		v, neg, err := d.r.readInt()
 		if err != nil {
 			return fmt.Errorf("[%d]: %w", i, err)

@@ -381,10 +381,18 @@ func (hs *holderSet) put(slot uint32, tierBits uint32, keepHit bool) {
 
 func (hs *holderSet) grow(words int) {
 	words = max(words, 2*hs.words)
+	// The tier bitsets and the hit bitset share one backing array: one
+	// allocation per growth where there were tiers.Count+1 (a block
+	// turning into a set when its ninth holder arrives paid five).
+	buf := make([]uint64, (tiers.Count+1)*words)
 	for t := range hs.lv {
-		hs.lv[t] = append(hs.lv[t], make([]uint64, words-hs.words)...)
+		lv := buf[t*words : (t+1)*words : (t+1)*words]
+		copy(lv, hs.lv[t])
+		hs.lv[t] = lv
 	}
-	hs.hit = append(hs.hit, make([]uint64, words-hs.words)...)
+	hit := buf[tiers.Count*words:]
+	copy(hit, hs.hit)
+	hs.hit = hit
 	hs.words = words
 }
 

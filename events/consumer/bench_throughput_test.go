@@ -12,7 +12,6 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/internal/testenv"
@@ -54,17 +53,7 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 					subj, _ := kvstream.EventsSubject(pool, fmt.Sprintf("e%d", inst))
 					base := uint64(inst+1) << 32
 					for seq, from := uint64(1), 0; from < perInst; seq, from = seq+1, from+evBlocks {
-						ev := events.Event{Kind: events.BlockStored, BlockSize: 16, Medium: "GPU", TokenIDs: tokens}
-						for j := 0; j < evBlocks; j++ {
-							ev.BlockHashes = append(ev.BlockHashes, base+uint64(from+j))
-						}
-						if from > 0 {
-							ev.ParentHash, ev.HasParent = base+uint64(from-1), true
-						}
-						p, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: []events.Event{ev}}, events.EncodingMap)
-						if err != nil {
-							b.Fatal(err)
-						}
+						p := benchPayload(b, base, from, evBlocks, tokens)
 						h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: fmt.Sprintf("e%d", inst)}
 						if _, err := js.PublishMsgAsync(&nats.Msg{Subject: subj, Data: p, Header: h.Header()}); err != nil {
 							b.Fatal(err)

@@ -36,7 +36,9 @@ import (
 
 // Applier is what the consumer feeds: kvindex.Index satisfies it. Apply
 // calls for one instance come from one goroutine, in stream order; calls
-// for different instances may overlap.
+// for different instances may overlap. evs and their slices are the
+// consumer's decode buffers, valid only until Apply returns: an Applier
+// copies what it keeps.
 type Applier interface {
 	Apply(ctx context.Context, instance string, evs []events.Event) (kvindex.ApplyResult, error)
 	Purge(ctx context.Context, instance string) error

@@ -43,6 +43,13 @@ func (c *Consumer) dispatch(ctx context.Context, m jetstream.Msg) {
 	if last := c.lastErr.Load(); last != 0 {
 		c.lastErr.CompareAndSwap(last, 0)
 	}
+	c.mu.RLock()
+	known := c.insts[instance] != nil
+	c.mu.RUnlock()
+	if known {
+		c.enqueue(ctx, w)
+		return
+	}
 	c.mu.Lock()
 	if c.insts[instance] == nil {
 		if reason := c.refuseNew(instance, true); reason != "" {
@@ -72,6 +79,10 @@ func (c *Consumer) enqueue(ctx context.Context, w work) {
 
 // shard runs one shard's queue until ctx is done.
 func (c *Consumer) shard(ctx context.Context, ch chan work) {
+	// One decoder per shard: a message's batch is applied before the
+	// shard takes the next, so its buffers are reused from one message to
+	// the next instead of allocated for each.
+	var dec events.Decoder
 	for {
 		select {
 		case <-ctx.Done():
@@ -82,17 +93,18 @@ func (c *Consumer) shard(ctx context.Context, ch chan work) {
 				w.done()
 				continue
 			}
-			c.do(ctx, w)
+			c.do(ctx, w, &dec)
 		}
 	}
 }
 
 // do runs one piece of an instance's work: a stream message, a snapshot
 // load or reload, or a purge.
-func (c *Consumer) do(ctx context.Context, w work) {
-	c.mu.Lock()
+func (c *Consumer) do(ctx context.Context, w work, dec *events.Decoder) {
+	c.mu.RLock()
 	in := c.insts[w.instance]
-	c.mu.Unlock()
+	purged := in != nil && in.status.State == StatePurged
+	c.mu.RUnlock()
 	if in == nil {
 		// Forgotten after a purge since this was queued: the instance was
 		// silent for PurgeAfter; if it is back, its heartbeat (or, for an
@@ -151,7 +163,7 @@ func (c *Consumer) do(ctx context.Context, w work) {
 		c.seen(in, time.Now())
 		c.mu.Unlock()
 	case workEvent:
-		c.event(ctx, w, in)
+		c.event(ctx, w, in, purged, dec)
 	}
 }
 
@@ -166,10 +178,9 @@ func clearsAll(evs []events.Event) bool {
 }
 
 // event applies one stream message, unless a loaded snapshot covers it.
-func (c *Consumer) event(ctx context.Context, w work, in *inst) {
-	c.mu.Lock()
-	purged := in.status.State == StatePurged
-	c.mu.Unlock()
+// purged is whether the instance's record said purged when do read it;
+// dec decodes the payload (the shard's).
+func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec *events.Decoder) {
 	if purged && !c.cfg.SharedIndex {
 		if !w.stored.IsZero() && time.Since(w.stored) > c.cfg.StaleAfter {
 			// History of an instance purged for silence: not coming back.
@@ -243,7 +254,7 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst) {
 			}
 		}
 	}
-	batch, err := events.Decode(w.data)
+	batch, err := dec.Decode(w.data) // valid until the shard's next message
 	var res kvindex.ApplyResult
 	var aerr error
 	switch {

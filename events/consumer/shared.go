@@ -36,6 +36,7 @@ import (
 //     at 0 while either lasts.
 type SharedApplier interface {
 	Applier
+	// ApplyAt's evs, like Apply's, are valid only until it returns.
 	ApplyAt(ctx context.Context, instance string, from kvindex.Position, seq uint64, evs []events.Event) (kvindex.SeqResult, error)
 	LoadAt(ctx context.Context, instance string, seq uint64, evs []events.Event) (kvindex.SeqResult, error)
 	Position(ctx context.Context, instance string) (kvindex.Position, error)

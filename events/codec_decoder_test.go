@@ -1,0 +1,152 @@
+package events
+
+import (
+	"errors"
+	"fmt"
+	"reflect"
+	"testing"
+)
+
+// decodeBoth decodes p with Decode and with dec, and fails unless both give
+// the same batch (deeply: events, layouts, empty-but-not-nil slices) or the
+// same error.
+func decodeBoth(t *testing.T, dec *Decoder, p []byte) (Batch, error) {
+	t.Helper()
+	want, werr := Decode(p)
+	got, gerr := dec.Decode(p)
+	if (werr == nil) != (gerr == nil) || (werr != nil && werr.Error() != gerr.Error()) {
+		t.Fatalf("Decoder.Decode error %v, Decode %v (payload %x)", gerr, werr, p)
+	}
+	if werr != nil && !errors.Is(gerr, ErrMalformed) {
+		t.Fatalf("error not ErrMalformed: %v", gerr)
+	}
+	if !reflect.DeepEqual(want, got) {
+		t.Fatalf("Decoder.Decode differs from Decode for %x:\n got %#v\nwant %#v", p, got, want)
+	}
+	return got, gerr
+}
+
+// TestDecoderMatchesDecode runs every capture through one Decoder in turn
+// (buffers reused from batch to batch, growing and shrinking), then in
+// reverse, and checks each batch against Decode's.
+func TestDecoderMatchesDecode(t *testing.T) {
+	var ps [][]byte
+	for _, c := range loadCaptures(t) {
+		ps = append(ps, c.payload(t))
+	}
+	e := longPrompt()
+	big, err := Encode(nil, Batch{TS: 1, Events: []Event{e, e}}, EncodingArray)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ps = append(ps, big, []byte{0x92, 0x01}, ps[0])
+	var dec Decoder
+	for _, p := range ps {
+		decodeBoth(t, &dec, p)
+	}
+	for i := len(ps) - 1; i >= 0; i-- {
+		decodeBoth(t, &dec, ps[i])
+	}
+}
+
+// TestDecoderBatchValidUntilNext: every event of one batch keeps its own
+// hashes and tokens while the batch is read, even when the buffers had to
+// grow part-way through it.
+func TestDecoderBatchValidUntilNext(t *testing.T) {
+	var evs []Event
+	for i := range 40 {
+		ev := Event{Kind: BlockStored, BlockSize: 16, Medium: "GPU"}
+		n := 1 + i*7%33
+		for j := range n {
+			ev.BlockHashes = append(ev.BlockHashes, uint64(i)<<32|uint64(j))
+		}
+		for j := range 16 * n {
+			ev.TokenIDs = append(ev.TokenIDs, uint32(i*100000+j))
+		}
+		evs = append(evs, ev)
+	}
+	p, err := Encode(nil, Batch{TS: 1, Events: evs}, EncodingMap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dec Decoder
+	for round := range 3 {
+		b, err := dec.Decode(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, ev := range b.Events {
+			if !reflect.DeepEqual(ev.BlockHashes, evs[i].BlockHashes) || !reflect.DeepEqual(ev.TokenIDs, evs[i].TokenIDs) {
+				t.Fatalf("round %d: event %d's blocks or tokens overwritten within its batch", round, i)
+			}
+		}
+	}
+}
+
+// TestDecoderDoesNotAllocate: once its buffers have grown, a Decoder
+// decodes a stream's usual batch without allocating.
+func TestDecoderDoesNotAllocate(t *testing.T) {
+	ev := Event{Kind: BlockStored, BlockSize: 16, Medium: "GPU", HasParent: true, ParentHash: 7,
+		BlockHashes: make([]uint64, 16), TokenIDs: make([]uint32, 256), SpecKind: "full_attention"}
+	for i := range ev.BlockHashes {
+		ev.BlockHashes[i] = uint64(i) * 0x9e3779b97f4a7c15
+	}
+	for _, enc := range []Encoding{EncodingArray, EncodingMap} {
+		p, err := Encode(nil, Batch{TS: 1, Events: []Event{ev}, HasDPRank: true}, enc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var dec Decoder
+		if _, err := dec.Decode(p); err != nil {
+			t.Fatal(err)
+		}
+		if n := testing.AllocsPerRun(100, func() {
+			if _, err := dec.Decode(p); err != nil {
+				t.Fatal(err)
+			}
+		}); n != 0 {
+			t.Errorf("%v: %.1f allocations per batch, want 0", enc, n)
+		}
+	}
+}
+
+// FuzzDecoder checks that a Decoder that has already decoded other batches
+// (its buffers holding their contents) decodes anything exactly as Decode
+// does, twice in a row.
+func FuzzDecoder(f *testing.F) {
+	var seeds [][]byte
+	for _, c := range loadCaptures(f) {
+		seeds = append(seeds, c.payload(f))
+	}
+	for _, s := range seeds {
+		f.Add(s)
+	}
+	f.Add([]byte(mp{}.arr(2).f64(1).arr(2).arr(1).str("AllBlocksCleared").arr(2).str("Other").arr(0)))
+	f.Fuzz(func(t *testing.T, p []byte) {
+		var dec Decoder
+		for i, s := range seeds {
+			if i%3 == len(p)%3 {
+				if _, err := dec.Decode(s); err != nil {
+					t.Fatal(fmt.Errorf("seed %d: %w", i, err))
+				}
+			}
+		}
+		decodeBoth(t, &dec, p)
+		decodeBoth(t, &dec, p)
+	})
+}
+
+// TestFieldIDNames: every map-era key maps to its own field id, and
+// nothing else (prefixes, other case) maps to one.
+func TestFieldIDNames(t *testing.T) {
+	for id, name := range fieldNames {
+		if got := fieldID([]byte(name)); got != id {
+			t.Errorf("fieldID(%q) = %d, want %d", name, got, id)
+		}
+		for _, other := range []string{name[:len(name)-1], name + "x", "X" + name[1:]} {
+			if got := fieldID([]byte(other)); got != -1 {
+				t.Errorf("fieldID(%q) = %d, want -1", other, got)
+			}
+		}
+	}
+}

@@ -1,0 +1,15 @@
+//go:build unix
+
+package consumer
+
+import (
+	"context"
+
+	"github.com/kvrouter/kvrouter/events"
+)
+
+var pathDec events.Decoder
+
+// pathDo runs one queued piece of work as a shard does (the old tree's
+// copy of this file calls c.do(ctx, w)).
+func pathDo(ctx context.Context, c *Consumer, w work) { c.do(ctx, w, &pathDec) }

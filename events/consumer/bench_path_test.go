@@ -1,0 +1,125 @@
+//go:build unix
+
+package consumer
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/cputime"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
+)
+
+// pathMsg is a stream message as the consume goroutine receives it, with
+// its metadata already parsed: what the consumer's own path reads of it.
+type pathMsg struct {
+	jetstream.Msg
+	subj string
+	hdr  nats.Header
+	data []byte
+	md   *jetstream.MsgMetadata
+}
+
+func (m *pathMsg) Subject() string                           { return m.subj }
+func (m *pathMsg) Headers() nats.Header                      { return m.hdr }
+func (m *pathMsg) Data() []byte                              { return m.data }
+func (m *pathMsg) Metadata() (*jetstream.MsgMetadata, error) { return m.md, nil }
+
+// benchPayload is the benchmarks' message: one BlockStored of evBlocks
+// blocks, hashes base+from on, chained to the block before from.
+func benchPayload(b *testing.B, base uint64, from, evBlocks int, tokens []uint32) []byte {
+	ev := events.Event{Kind: events.BlockStored, BlockSize: 16, Medium: "GPU", TokenIDs: tokens}
+	for j := 0; j < evBlocks; j++ {
+		ev.BlockHashes = append(ev.BlockHashes, base+uint64(from+j))
+	}
+	if from > 0 {
+		ev.ParentHash, ev.HasParent = base+uint64(from-1), true
+	}
+	p, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: []events.Event{ev}}, events.EncodingMap)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return p
+}
+
+// BenchmarkConsumerPath is the consumer's own per-message path without
+// NATS: the messages of BenchmarkConsumerThroughput (64 instances × 2,048
+// blocks in events of evBlocks blocks), round-robin over the instances as
+// a live fleet sends them, handed to dispatch as received messages, each taken from its shard's queue and applied (header, decode,
+// instance state, the memory index, metrics) on one goroutine. One op is
+// the whole stream into a fresh index; it reports CPU per message and
+// blocks per CPU-second of the path alone, the part of
+// BenchmarkConsumerThroughput's per-message cost that is the consumer's.
+func BenchmarkConsumerPath(b *testing.B) {
+	for _, evBlocks := range []int{16, 64} {
+		b.Run(fmt.Sprintf("event=%dblocks", evBlocks), func(b *testing.B) {
+			const instances, perInst = 64, 2048
+			srv := testenv.StartNATS(b)
+			nc, err := nats.Connect(srv.URL())
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer nc.Close()
+			const pool = "pp"
+			tokens := make([]uint32, evBlocks*16)
+			var msgs []*pathMsg
+			stored := time.Now()
+			for seq, from := uint64(1), 0; from < perInst; seq, from = seq+1, from+evBlocks {
+				for inst := 0; inst < instances; inst++ {
+					name := fmt.Sprintf("e%d", inst)
+					subj, _ := kvstream.EventsSubject(pool, name)
+					base := uint64(inst+1) << 32
+					p := benchPayload(b, base, from, evBlocks, tokens)
+					h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: name}
+					md := &jetstream.MsgMetadata{Timestamp: stored, NumPending: 1}
+					md.Sequence.Stream = uint64(len(msgs) + 1)
+					msgs = append(msgs, &pathMsg{subj: subj, hdr: h.Header(), data: p, md: md})
+				}
+			}
+			ctx := context.Background()
+			var cpu time.Duration
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				b.StopTimer()
+				idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: "m", Capacity: 2 * instances * perInst})
+				if err != nil {
+					b.Fatal(err)
+				}
+				c, err := New(Config{Conn: nc, Pool: pool, Applier: idx, Shards: 1, Logger: slog.New(slog.DiscardHandler)})
+				if err != nil {
+					b.Fatal(err)
+				}
+				for inst := 0; inst < instances; inst++ {
+					in := c.newInst(fmt.Sprintf("e%d", inst), stored)
+					in.needLoad = false // loaded: no snapshot in this benchmark
+					c.insts[in.status.Instance] = in
+				}
+				b.StartTimer()
+				cpu0 := cputime.Process()
+				for _, m := range msgs {
+					c.dispatch(ctx, m)
+					pathDo(ctx, c, <-c.shards[0])
+				}
+				cpu += cputime.Process() - cpu0
+				b.StopTimer()
+				if n, _ := idx.Len(ctx); n != instances*perInst {
+					b.Fatalf("index holds %d entries, want %d", n, instances*perInst)
+				}
+				b.StartTimer()
+			}
+			n := float64(b.N) * float64(len(msgs))
+			b.ReportMetric(cpu.Seconds()*1e6/n, "cpu-us/msg")
+			b.ReportMetric(n*float64(evBlocks)/cpu.Seconds(), "blocks/cpu-s")
+		})
+	}
+}
