@@ -499,15 +499,16 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 	}
 	ev.blockSize = bs
 	root := kvindex.Root(st.model, req.Adapter, req.CacheSalt())
+	var matches []kvindex.Match
 	if m, ok := req.KeyMemo.(*keyMemo); ok && m.root == root && m.bs == bs && m.n == len(ids) {
 		ev.keys = append(ev.keys[:0], m.keys...)
+		matches, err = tracedLookup(ctx, st.index, ev.matches, ev.keys)
 	} else {
-		ev.keys = kvindex.AppendKeys(ev.keys, root, ids, bs)
+		matches, ev.keys, err = keyAndLookup(ctx, st.index, ev.matches, ev.keys, root, ids, bs)
 		if req.ShareKeys {
 			req.KeyMemo = &keyMemo{keys: slices.Clone(ev.keys), root: root, bs: bs, n: len(ids)}
 		}
 	}
-	matches, err := tracedLookup(ctx, st.index, ev.matches, ev.keys)
 	ev.matches = matches
 	if err != nil {
 		st.m.lookupErrs.WithLabelValues(st.pool).Inc()
@@ -1012,6 +1013,27 @@ func (s *KVAware) HeldBy(ctx context.Context, req *router.Request, cands []*rout
 		dst = append(dst, h)
 	}
 	return dst, ev.tokens, true
+}
+
+// keyAndLookup appends to keys the block keys of ids (kvindex.AppendKeys
+// from root) and runs their index lookup under a lookup span: in one walk
+// when the index keys as it looks up (tokenLookuper), the span then
+// covering the keying too.
+func keyAndLookup(ctx context.Context, ix kvindex.Index, dst []kvindex.Match, keys []kvindex.Key, root kvindex.Key, ids []uint32, bs int) ([]kvindex.Match, []kvindex.Key, error) {
+	tl, ok := ix.(tokenLookuper)
+	if !ok {
+		keys = kvindex.AppendKeys(keys, root, ids, bs)
+		m, err := tracedLookup(ctx, ix, dst, keys)
+		return m, keys, err
+	}
+	ctx, sp := router.StartSpan(ctx, router.SpanLookup)
+	m, keys, err := tl.LookupTokens(ctx, dst, keys, root, ids, bs)
+	if sp.Recording() {
+		sp.SetInt(router.AttrLookupBlocks, len(keys))
+		sp.SetInt(router.AttrLookupHolders, len(m))
+		sp.End(err)
+	}
+	return m, keys, err
 }
 
 // tracedLookup runs an index lookup under a lookup span.

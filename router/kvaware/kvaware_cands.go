@@ -177,6 +177,13 @@ type lookupAppender interface {
 	LookupAppend(ctx context.Context, dst []kvindex.Match, keys []kvindex.Key) ([]kvindex.Match, error)
 }
 
+// tokenLookuper is an index that keys a prompt as it looks it up
+// (kvindex.Memory.LookupTokens): the keys are as kvindex.AppendKeys makes
+// them, the matches as LookupAppend finds them.
+type tokenLookuper interface {
+	LookupTokens(ctx context.Context, dst []kvindex.Match, keys []kvindex.Key, parent kvindex.Key, tokens []uint32, blockSize int) ([]kvindex.Match, []kvindex.Key, error)
+}
+
 // specProbe remembers, for the last match length g asked about, whether
 // the speculative overlay holds anything at blocks g-1 and g: candidates
 // sharing a prefix share g, so one decision asks the overlay about a few
