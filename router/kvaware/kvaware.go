@@ -313,14 +313,13 @@ type kvEval struct {
 	blockSize int           // tokens per block, 0 when unknown
 	fallback  router.Reason // set when nobody's blocks count: why
 	anyStale  bool
-	busy      int       // candidates with requests in flight (this router's)
-	best      int       // the most leading blocks any candidate holds (blocks, every tier)
-	mins      scoreMins // choose's minima, noted as predict scores
-	cold      []int32   // the cold candidates' positions, for scoreCold
-	commit    bool      // the decision will be committed (not shadow scoring)
-	weight    float64   // prefill cost weight used
-	later     float64   // n: later requests expected to read the new context (placement.go)
-	rent      rentNote  // what the pick pays or buys (kvaware_replicate.go)
+	busy      int      // candidates with requests in flight (this router's)
+	best      int      // the most leading blocks any candidate holds (blocks, every tier)
+	cold      []int32  // the cold candidates' positions, for scoreCold
+	commit    bool     // the decision will be committed (not shadow scoring)
+	weight    float64  // prefill cost weight used
+	later     float64  // n: later requests expected to read the new context (placement.go)
+	rent      rentNote // what the pick pays or buys (kvaware_replicate.go)
 	sc        *kvScoring
 	memo      scoreMemo
 	shared    sharedScratch   // replica sync's shared queue (kvaware_sharedq.go)
@@ -623,7 +622,6 @@ func (s *KVAware) predict(ev *kvEval) {
 	st.notePlacement(ev, meanComputed)
 	var decay decayMemo
 	cold := coldMin{free: math.Inf(1), all: math.Inf(1)}
-	ev.mins = newScoreMins()
 	ev.cold = ev.cold[:0]
 	st.pendMu.RLock()
 	st.loads.mu.RLock()
@@ -698,12 +696,10 @@ func (s *KVAware) predict(ev *kvEval) {
 			continue
 		}
 		s.sc.score(ev, ce)
-		ev.mins.note(ce)
 	}
 	st.loads.mu.RUnlock()
 	st.pendMu.RUnlock()
 	s.scoreCold(ev, cold)
-	ev.mins.ok = true
 }
 
 // score computes a candidate's matched tokens, predicted TTFT and score
@@ -711,7 +707,6 @@ func (s *KVAware) predict(ev *kvEval) {
 func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 	bs, q := ev.blockSize, ce.queue
 	ce.scored = true
-	ev.mins.ok = false // a score changed since predict noted them
 	m := &ev.memo
 	if !m.ok || m.blocks != ce.blocks {
 		// Candidates holding the same blocks (a shared prefix) differ
@@ -827,20 +822,17 @@ func (s *KVAware) choose(ev *kvEval, countStale bool) (int, router.Reason) {
 		}
 		return ce.score
 	}
-	// Both minima (under the threshold, and over all) as predict noted
-	// them, else in one pass; one pass for both picks: the same answers
-	// as a min-then-pick pass pair for each (NaN included: "not above", as
-	// those passes tested).
-	if !ev.mins.ok {
-		ev.mins = newScoreMins()
-		for i := range ev.cands {
-			ev.mins.note(&ev.cands[i])
+	// One pass for both minima (under the threshold, and over all), one for
+	// both picks: the same answers as a min-then-pick pass pair for each
+	// (NaN included: "not above", as those passes tested).
+	minFree, minAll := math.Inf(1), math.Inf(1)
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		t := score(ce)
+		minAll = min(minAll, t)
+		if !ce.full {
+			minFree = min(minFree, t)
 		}
-		ev.mins.ok = true
-	}
-	minFree, minAll := ev.mins.free, ev.mins.all
-	if countStale {
-		minFree, minAll = ev.mins.freeStale, ev.mins.allStale
 	}
 	free, top := -1, -1
 	for i := range ev.cands {

@@ -163,36 +163,10 @@ func (s *KVAware) scoreCold(ev *kvEval, c coldMin) {
 		ce := &ev.cands[i]
 		if k := ce.queue + ce.place; (!ce.full && k <= c.free+s.sc.tieTol) || k <= c.all+s.sc.tieTol {
 			s.sc.score(ev, ce)
-		} else {
-			ce.matched, ce.ttft = [len(ce.matched)]int{}, math.Inf(1)
-			ce.score, ce.scoreStale, ce.scored = math.Inf(1), math.Inf(1), false
+			continue
 		}
-		ev.mins.note(ce)
-	}
-}
-
-// scoreMins are the least scores (score, and scoreStale) among the
-// candidates under the concurrency threshold and among all: predict notes
-// each candidate once its score is final, so choose needs no pass of its
-// own to find them. ok is false until predict has noted every candidate,
-// and again once a score changes after (a cold candidate scored on
-// demand).
-type scoreMins struct {
-	free, all           float64
-	freeStale, allStale float64
-	ok                  bool
-}
-
-func newScoreMins() scoreMins {
-	inf := math.Inf(1)
-	return scoreMins{free: inf, all: inf, freeStale: inf, allStale: inf}
-}
-
-// note folds ce's scores in (min: a NaN stays, whatever the order).
-func (m *scoreMins) note(ce *candEval) {
-	m.all, m.allStale = min(m.all, ce.score), min(m.allStale, ce.scoreStale)
-	if !ce.full {
-		m.free, m.freeStale = min(m.free, ce.score), min(m.freeStale, ce.scoreStale)
+		ce.matched, ce.ttft = [len(ce.matched)]int{}, math.Inf(1)
+		ce.score, ce.scoreStale, ce.scored = math.Inf(1), math.Inf(1), false
 	}
 }
 
