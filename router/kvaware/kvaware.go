@@ -325,7 +325,7 @@ type kvEval struct {
 	shared    sharedScratch   // replica sync's shared queue (kvaware_sharedq.go)
 	matches   []kvindex.Match // the lookup's answer, reused across decisions
 	ci        *candIndex      // the candidate index, when the decision used one
-	perm      []int32         // match k's candidate in the last decision over permOf
+	perm      []permEntry     // match k's candidate in the last decision over permOf
 	permOf    *candIndex
 }
 
