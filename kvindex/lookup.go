@@ -211,9 +211,14 @@ func (ls *lookupState) run(m *Memory, keys *chainKeys) []Match {
 // take and the last node it took; the caller goes on from there.
 func (ls *lookupState) runOne(keys *chainKeys, i int, node int32) (int, int32) {
 	bm, c := ls.bm, &ls.cands[0]
-	for ; i < keys.n && node > 0; i++ {
+	made, n := keys.keys, keys.n // in registers: the loop stores through pointers
+	for ; i < n && node > 0; i++ {
 		j := node - 1
-		if bm.keys[j>>chunkBits][j&chunkMask] != keys.at(i) {
+		if i >= len(made) {
+			keys.make(i)
+			made = keys.keys
+		}
+		if bm.keys[j>>chunkBits][j&chunkMask] != made[i] {
 			break
 		}
 		p := &bm.hold[j>>chunkBits][j&chunkMask]
