@@ -29,12 +29,16 @@ func BenchmarkLookupTokensShared(b *testing.B) {
 		b.Fatal("the query's tokens do not key to its keys")
 	}
 	ctx := context.Background()
-	for _, fused := range []bool{false, true} {
-		name := "keys+lookup"
-		if fused {
-			name = "fused"
-		}
-		b.Run(name, func(b *testing.B) {
+	// A prompt that shares only the 64 blocks every instance holds: the
+	// walk stops there, and the other 448 keys are made after it.
+	other := append(seqTokens(sharedBlocks*shapeBS, 1), seqTokens((sharedChain-sharedBlocks)*shapeBS, 77777)...)
+	for _, c := range []struct {
+		name  string
+		toks  []uint32
+		fused bool
+	}{{"keys+lookup", toks, false}, {"fused", toks, true}, {"diverging/keys+lookup", other, false}, {"diverging/fused", other, true}} {
+		toks, fused := c.toks, c.fused
+		b.Run(c.name, func(b *testing.B) {
 			runtime.LockOSThread()
 			defer runtime.UnlockOSThread()
 			times := cputime.NewOpTimes(1 << 16)
