@@ -29,17 +29,95 @@ func (m *Memory) LookupAppend(ctx context.Context, dst []Match, keys []Key) ([]M
 	if len(keys) == 0 {
 		return dst[:0], nil
 	}
+	ck := chainKeys{keys: keys, n: len(keys)}
+	return m.lookup(dst, &ck), nil
+}
+
+// LookupTokens is AppendKeys(keys, parent, tokens, blockSize) and
+// LookupAppend(ctx, dst, the appended keys) in one walk: it returns the
+// matches and keys with the keys of every full block appended, also when
+// ctx is done (then with no matches and ctx's error) or the walk stops
+// early.
+//
+// Keying a block is one chain of dependent multiplies on the previous
+// block's key: the CPU waits on that chain with most of its units idle.
+// The walk's work on a block does not depend on the next key, so making
+// each key as the walk reaches it lets the CPU do both at once; keying
+// first and walking after pays for them one after the other.
+func (m *Memory) LookupTokens(ctx context.Context, dst []Match, keys []Key, parent Key, tokens []uint32, blockSize int) ([]Match, []Key, error) {
+	start := len(keys)
+	if err := ctx.Err(); err != nil || blockSize <= 0 || len(tokens) < blockSize {
+		keys = AppendKeys(keys, parent, tokens, blockSize)
+		if err != nil {
+			return nil, keys, err
+		}
+		out, err := m.LookupAppend(ctx, dst, keys[start:])
+		return out, keys, err
+	}
+	n := len(tokens) / blockSize
+	keys = grow(keys, n)
+	ck := chainKeys{keys: keys[start:start], n: n, parent: parent, tokens: tokens[:n*blockSize], bs: blockSize}
+	out := m.lookup(dst, &ck)
+	ck.rest()
+	return out, keys[:start+n], nil
+}
+
+// lookup runs one lookup of ck's keys into dst's storage.
+func (m *Memory) lookup(dst []Match, ck *chainKeys) []Match {
 	ls, _ := m.lookups.Get().(*lookupState)
 	if ls == nil {
 		ls = &lookupState{}
 	}
 	ls.out = dst[:0]
 	m.mu.RLock()
-	out := ls.run(m, keys)
+	out := ls.run(m, ck)
 	m.mu.RUnlock()
 	ls.out, ls.bm = nil, nil // the pool must not keep results or the map alive
 	m.lookups.Put(ls)
-	return m.bs.roundUnits(out), nil
+	return m.bs.roundUnits(out)
+}
+
+// chainKeys is a lookup's keys: n in all, keys[i] made when first asked
+// for from the blocks of tokens (LookupTokens), or all given.
+type chainKeys struct {
+	keys   []Key // made so far; its storage holds n
+	n      int
+	parent Key      // of block 0
+	tokens []uint32 // n blocks of bs tokens; unused when all keys are given
+	bs     int
+}
+
+// at returns key i (< n).
+func (ck *chainKeys) at(i int) Key {
+	if i < len(ck.keys) {
+		return ck.keys[i]
+	}
+	return ck.make(i)
+}
+
+// make makes the keys up to i, as AppendKeys does.
+func (ck *chainKeys) make(i int) Key {
+	j := len(ck.keys)
+	k := ck.parent
+	if j > 0 {
+		k = ck.keys[j-1]
+	}
+	if ck.bs == 16 {
+		for ; j <= i; j++ {
+			k = Key(xxh64Block16(uint64(k), (*[16]uint32)(ck.tokens[j*16:])))
+			ck.keys = append(ck.keys, k)
+		}
+		return ck.keys[i]
+	}
+	ck.keys = AppendKeys(ck.keys, k, ck.tokens[j*ck.bs:(i+1)*ck.bs], ck.bs)
+	return ck.keys[i]
+}
+
+// rest makes the keys the walk did not ask for.
+func (ck *chainKeys) rest() {
+	if len(ck.keys) < ck.n {
+		ck.make(ck.n - 1)
+	}
 }
 
 // lookupState is one lookup's working set, pooled. The instances still
@@ -74,24 +152,24 @@ type cand struct {
 	out  int32
 }
 
-func (ls *lookupState) run(m *Memory, keys []Key) []Match {
+func (ls *lookupState) run(m *Memory, keys *chainKeys) []Match {
 	bm := &m.blocks
 	ls.bm = bm
-	node := bm.find(keys[0])
+	node := bm.find(keys.at(0))
 	if node < 0 {
 		return ls.out
 	}
 	ls.start(m.slots, node)
 	i := 1
-	for ; i < len(keys) && ls.alive1(); i++ {
+	for ; i < keys.n && ls.alive1(); i++ {
 		if len(ls.cands) == 1 && !ls.set {
-			if i, node = ls.runOne(keys, i, node); i == len(keys) {
+			if i, node = ls.runOne(keys, i, node); i == keys.n {
 				break
 			}
 		}
 		// The blocks of a chain stored by one event got adjacent nodes (last
 		// block first): try the neighbours before the table.
-		k, next := keys[i], int32(-1)
+		k, next := keys.at(i), int32(-1)
 		switch {
 		case node > 0 && *bm.keyAt(node - 1) == k && atomic.LoadUint32(bm.holdAt(node-1)) != 0:
 			next = node - 1
@@ -131,11 +209,16 @@ func (ls *lookupState) run(m *Memory, keys []Key) []Match {
 // lookups, one instance's own continuation, without the general step's
 // checks per block. It returns the position of the first key it did not
 // take and the last node it took; the caller goes on from there.
-func (ls *lookupState) runOne(keys []Key, i int, node int32) (int, int32) {
+func (ls *lookupState) runOne(keys *chainKeys, i int, node int32) (int, int32) {
 	bm, c := ls.bm, &ls.cands[0]
-	for ; i < len(keys) && node > 0; i++ {
+	made, n := keys.keys, keys.n // in registers: the loop stores through pointers
+	for ; i < n && node > 0; i++ {
 		j := node - 1
-		if bm.keys[j>>chunkBits][j&chunkMask] != keys[i] {
+		if i >= len(made) {
+			keys.make(i)
+			made = keys.keys
+		}
+		if bm.keys[j>>chunkBits][j&chunkMask] != made[i] {
 			break
 		}
 		p := &bm.hold[j>>chunkBits][j&chunkMask]
@@ -286,7 +369,11 @@ func (ls *lookupState) step(node int32, i int32) {
 // i without first becoming candidates one by one.
 func (ls *lookupState) stepOne(p *uint32, w uint32, i int32) {
 	slot := holderSlot(w)
-	a := ls.alive[0]
+	a, out, outIdx := ls.alive[0], ls.out, ls.outIdx
+	var ended [tiers.Count]int
+	for t := range ended {
+		ended[t] = int(i)
+	}
 	held := false
 	for wi, x := range a {
 		for ; x != 0; x &= x - 1 {
@@ -295,10 +382,7 @@ func (ls *lookupState) stepOne(p *uint32, w uint32, i int32) {
 				held = true
 				continue
 			}
-			m := &ls.out[ls.outIdx[s]]
-			for t := range tiers.Count {
-				m.Blocks[t] = int(i)
-			}
+			out[outIdx[s]].Blocks = ended
 		}
 	}
 	ls.set, ls.cands = false, ls.cands[:0]
@@ -350,8 +434,13 @@ func (ls *lookupState) stepSets(hs *holderSet, i int32) {
 
 // stepUniform is stepSets when every tier's alive set and every tier's
 // holder set are the same: one intersection, its drops ending every tier.
+//
+// Along a prefix every instance still matching holds (the common case:
+// a fleet-wide system prompt) nothing drops: the alive sets stay as they
+// are, unwritten, and so does their count.
 func (ls *lookupState) stepUniform(hs *holderSet, i int32) {
 	a, lv := ls.alive[0], hs.lv[0]
+	dropped := false
 	for wi, x := range a {
 		if x == 0 {
 			continue
@@ -360,6 +449,10 @@ func (ls *lookupState) stepUniform(hs *holderSet, i int32) {
 		if wi < len(lv) {
 			y = x & lv[wi]
 		}
+		if y == x {
+			continue
+		}
+		dropped = true
 		for d := x &^ y; d != 0; d &= d - 1 {
 			m := &ls.out[ls.outIdx[wi*64+bits.TrailingZeros64(d)]]
 			for t := range tiers.Count {
@@ -369,6 +462,10 @@ func (ls *lookupState) stepUniform(hs *holderSet, i int32) {
 		for t := range tiers.Count {
 			ls.alive[t][wi] = y
 		}
+	}
+	if !dropped && !(ls.n > 0 && ls.n <= listMax) {
+		hs.markHits(a) // settle's work, with n unchanged
+		return
 	}
 	ls.settle(hs)
 }

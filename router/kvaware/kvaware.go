@@ -314,6 +314,7 @@ type kvEval struct {
 	fallback  router.Reason // set when nobody's blocks count: why
 	anyStale  bool
 	busy      int      // candidates with requests in flight (this router's)
+	best      int      // the most leading blocks any candidate holds (blocks, every tier)
 	cold      []int32  // the cold candidates' positions, for scoreCold
 	commit    bool     // the decision will be committed (not shadow scoring)
 	weight    float64  // prefill cost weight used
@@ -324,7 +325,7 @@ type kvEval struct {
 	shared    sharedScratch   // replica sync's shared queue (kvaware_sharedq.go)
 	matches   []kvindex.Match // the lookup's answer, reused across decisions
 	ci        *candIndex      // the candidate index, when the decision used one
-	perm      []int32         // match k's candidate in the last decision over permOf
+	perm      []permEntry     // match k's candidate in the last decision over permOf
 	permOf    *candIndex
 }
 
@@ -449,7 +450,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 			busy++
 		}
 	}
-	ev.busy = busy
+	ev.busy, ev.best = busy, 0
 	ev.tokens, ev.blockSize, ev.fallback, ev.anyStale, ev.keys, ev.commit = 0, 0, "", false, ev.keys[:0], commit
 	// ci belongs to the decision that set it: a pooled evaluation must not
 	// carry the last one's (another candidate list's) into a decision that
@@ -499,15 +500,16 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 	}
 	ev.blockSize = bs
 	root := kvindex.Root(st.model, req.Adapter, req.CacheSalt())
+	var matches []kvindex.Match
 	if m, ok := req.KeyMemo.(*keyMemo); ok && m.root == root && m.bs == bs && m.n == len(ids) {
 		ev.keys = append(ev.keys[:0], m.keys...)
+		matches, err = tracedLookup(ctx, st.index, ev.matches, ev.keys)
 	} else {
-		ev.keys = kvindex.AppendKeys(ev.keys, root, ids, bs)
+		matches, ev.keys, err = keyAndLookup(ctx, st.index, ev.matches, ev.keys, root, ids, bs)
 		if req.ShareKeys {
 			req.KeyMemo = &keyMemo{keys: slices.Clone(ev.keys), root: root, bs: bs, n: len(ids)}
 		}
 	}
-	matches, err := tracedLookup(ctx, st.index, ev.matches, ev.keys)
 	ev.matches = matches
 	if err != nil {
 		st.m.lookupErrs.WithLabelValues(st.pool).Inc()
@@ -527,6 +529,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 		}
 		ce.blocks = m.Blocks
 		ce.indexed = m.Blocks[tiers.Count-1]
+		ev.best = max(ev.best, ce.indexed)
 	}
 	if s.spec != nil && (s.spec.Len() > 0 || st.peers.ps != nil) {
 		ev.holders = s.spec.holders(ev.holders[:0], ev.keys[0])
@@ -556,18 +559,12 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 				for t := range tiers.Count {
 					ce.blocks[t] = max(ce.blocks[t], ext)
 				}
+				ev.best = max(ev.best, ce.blocks[tiers.Count-1])
 			}
 		}
 	}
-	held := false
-	for i := range ev.cands {
-		if ev.cands[i].blocks[tiers.Count-1] > 0 {
-			held = true
-			break
-		}
-	}
 	switch {
-	case held:
+	case ev.best > 0:
 	case ev.anyStale:
 		ev.fallback = router.ReasonStaleFallback
 	default:
@@ -1012,6 +1009,27 @@ func (s *KVAware) HeldBy(ctx context.Context, req *router.Request, cands []*rout
 		dst = append(dst, h)
 	}
 	return dst, ev.tokens, true
+}
+
+// keyAndLookup appends to keys the block keys of ids (kvindex.AppendKeys
+// from root) and runs their index lookup under a lookup span: in one walk
+// when the index keys as it looks up (tokenLookuper), the span then
+// covering the keying too.
+func keyAndLookup(ctx context.Context, ix kvindex.Index, dst []kvindex.Match, keys []kvindex.Key, root kvindex.Key, ids []uint32, bs int) ([]kvindex.Match, []kvindex.Key, error) {
+	tl, ok := ix.(tokenLookuper)
+	if !ok {
+		keys = kvindex.AppendKeys(keys, root, ids, bs)
+		m, err := tracedLookup(ctx, ix, dst, keys)
+		return m, keys, err
+	}
+	ctx, sp := router.StartSpan(ctx, router.SpanLookup)
+	m, keys, err := tl.LookupTokens(ctx, dst, keys, root, ids, bs)
+	if sp.Recording() {
+		sp.SetInt(router.AttrLookupBlocks, len(keys))
+		sp.SetInt(router.AttrLookupHolders, len(m))
+		sp.End(err)
+	}
+	return m, keys, err
 }
 
 // tracedLookup runs an index lookup under a lookup span.

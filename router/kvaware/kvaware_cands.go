@@ -105,18 +105,29 @@ type scoreMemo struct {
 	prefill, cost float64
 }
 
+// permEntry is match k's candidate i (-1: none) in an evaluation's last
+// decision over a candidate list, and the match's instance id then.
+type permEntry struct {
+	id string
+	i  int32
+}
+
 // find returns the candidate of match k, instance id. The index lists
 // holders in a stable order (its instance slots), so the candidate that
 // match k had in this evaluation's previous decision over the same list is
-// tried first: one string comparison instead of hashing the id.
+// tried first: when the id is the one match k had then, so is the
+// candidate (the list, hence each position's instance, is the same). The
+// index hands out the same string for an instance each time, so comparing
+// the two ids is a pointer comparison, reading neither the candidate nor
+// its instance.
 func (f candFinder) find(k int, id string) *candEval {
 	ev := f.ev
 	if f.ci == nil {
 		return ev.byID(id)
 	}
 	if k < len(ev.perm) {
-		if i := ev.perm[k]; i >= 0 && ev.cands[i].inst.ID() == id {
-			return &ev.cands[i]
+		if p := ev.perm[k]; p.i >= 0 && p.id == id {
+			return &ev.cands[p.i]
 		}
 	}
 	i, ok := f.ci.pos[id]
@@ -124,9 +135,9 @@ func (f candFinder) find(k int, id string) *candEval {
 		i = -1
 	}
 	for len(ev.perm) <= k {
-		ev.perm = append(ev.perm, -1)
+		ev.perm = append(ev.perm, permEntry{i: -1})
 	}
-	ev.perm[k] = i
+	ev.perm[k] = permEntry{id: id, i: i}
 	if i < 0 {
 		return nil
 	}
@@ -175,6 +186,13 @@ func (s *KVAware) scoreCold(ev *kvEval, c coldMin) {
 // evaluation instead of allocating a Match per holder per decision.
 type lookupAppender interface {
 	LookupAppend(ctx context.Context, dst []kvindex.Match, keys []kvindex.Key) ([]kvindex.Match, error)
+}
+
+// tokenLookuper is an index that keys a prompt as it looks it up
+// (kvindex.Memory.LookupTokens): the keys are as kvindex.AppendKeys makes
+// them, the matches as LookupAppend finds them.
+type tokenLookuper interface {
+	LookupTokens(ctx context.Context, dst []kvindex.Match, keys []kvindex.Key, parent kvindex.Key, tokens []uint32, blockSize int) ([]kvindex.Match, []kvindex.Key, error)
 }
 
 // specProbe remembers, for the last match length g asked about, whether

@@ -157,9 +157,5 @@ func (st *KVState) notePlacement(ev *kvEval, meanComputed float64) {
 	if ev.tokens == 0 || ev.blockSize == 0 || ev.fallback != "" || ev.weight > DefaultPrefillCostWeight {
 		return
 	}
-	best := 0
-	for i := range ev.cands {
-		best = max(best, ev.cands[i].blocks[len(ev.cands[i].blocks)-1])
-	}
-	ev.later = laterRequests(ev.tokens-min(best*ev.blockSize, ev.tokens), meanComputed, ev.blockSize)
+	ev.later = laterRequests(ev.tokens-min(ev.best*ev.blockSize, ev.tokens), meanComputed, ev.blockSize)
 }
