@@ -110,23 +110,42 @@ func (t *rentTable) own(k kvindex.Key) (gen uint64, rent float64) {
 // get is the rent paid on k since its last copy: this replica's own, or
 // with peers that share theirs the pool's (replicate_shared.go).
 func (t *rentTable) get(k kvindex.Key) float64 {
-	gen, rent := t.own(k)
 	if t.peers == nil {
+		_, rent := t.own(k)
 		return rent
 	}
-	_, acc := t.peers.RentAccount(uint64(k), gen, rent)
+	_, acc := t.pool(k)
 	return acc
 }
 
 // poolGen is the latest generation of k any live replica knows of, at
-// least gen (gen without peers).
+// least this replica's own (0 without peers).
 func (t *rentTable) poolGen(k kvindex.Key) uint64 {
 	if t.peers == nil {
 		return 0
 	}
-	gen, rent := t.own(k)
-	g, _ := t.peers.RentAccount(uint64(k), gen, rent)
+	g, _ := t.pool(k)
 	return g
+}
+
+// pool is the pool's account of k (RentPeers.RentAccount). A generation
+// above this replica's own is adopted at once (its entry moves to it with
+// no rent, and the peers hear of it): a purchase seen once is never
+// un-seen, even when the replica that made it restarts or dies before
+// this one pays rent again. Without an entry this replica has no rent
+// that could count again, and none is made (it would evict an account).
+func (t *rentTable) pool(k kvindex.Key) (uint64, float64) {
+	gen, rent := t.own(k)
+	g, acc := t.peers.RentAccount(uint64(k), gen, rent)
+	if g > gen {
+		t.mu.Lock()
+		if e := t.find(k); e != nil && e.gen < g {
+			e.gen, e.rent = g, 0
+			t.touch(k)
+		}
+		t.mu.Unlock()
+	}
+	return g, acc
 }
 
 // entry is k's entry, made (in generation gen) if there is none; t.mu

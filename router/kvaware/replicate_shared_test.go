@@ -199,3 +199,49 @@ func TestRentDirtyBounded(t *testing.T) {
 		t.Fatalf("delta %v, want %v (b dropped, c added)", got, want)
 	}
 }
+
+// A purchase seen once is never un-seen: A has paid rent on a prefix, B
+// buys a copy and publishes it; A's account is then nothing, and stays
+// nothing when B restarts (its new incarnation's first message replaces
+// its old state) or dies past the peer timeout, until A pays rent again.
+// Before, A relied on B to hold the new generation, and A's old rent
+// counted again: A bought a second copy.
+func TestRentPurchaseSurvivesBuyerRestartOrDeath(t *testing.T) {
+	for _, fate := range []string{"restart", "death"} {
+		t.Run(fate, func(t *testing.T) {
+			now := time.Unix(1000, 0)
+			clock := func() time.Time { return now }
+			const timeout = 3 * time.Second
+			pa := &rentPeers{tablePeers: &tablePeers{Table: replicasync.NewTable(timeout, 16, clock)}}
+			pb := &rentPeers{tablePeers: &tablePeers{Table: replicasync.NewTable(timeout, 16, clock)}}
+			var a, b rentTable
+			a.share(pa)
+			b.share(pb)
+			k := kvindex.Key(42)
+			a.add(k, 1)
+			sendRents(t, "a", pa, true, pb)
+			b.reset(k)
+			sendRents(t, "b", pb, true, pa)
+			if got := a.get(k); got != 0 {
+				t.Fatalf("A's account after B bought: %v, want 0", got)
+			}
+			switch fate {
+			case "restart": // B's new incarnation has no account of k yet
+				m := &replicasync.Message{Kind: replicasync.KindRent, Replica: "b", Incarnation: 2, Complete: true}
+				pa.Table.ApplyRent(m)
+			case "death":
+				now = now.Add(2 * timeout)
+			}
+			if got := a.get(k); got != 0 {
+				t.Fatalf("A's account after B's %s: %v, want 0 (the purchase un-seen)", fate, got)
+			}
+			if g, r := a.own(k); g != 1 || r != 0 {
+				t.Fatalf("A's own account: gen %d rent %v, want gen 1 rent 0", g, r)
+			}
+			a.add(k, 0.5)
+			if got := a.get(k); got != 0.5 {
+				t.Fatalf("A's account after one more payment: %v, want 0.5", got)
+			}
+		})
+	}
+}
