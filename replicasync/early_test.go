@@ -3,6 +3,7 @@ package replicasync
 import (
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -188,4 +189,40 @@ func TestNoEarlySendWithoutPeer(t *testing.T) {
 		f, _, _ := b.PeerLoad("i0")
 		return f == 9
 	})
+}
+
+// A replica that hears no live peer still sends its whole rent table on
+// the heartbeat, as it does its load table: a peer that hears it (its
+// own messages lost on the way back, or a peer whose hello was missed)
+// counts it live by its load messages, and would otherwise keep summing
+// its last accounts, frozen. Deltas wait for a live peer.
+func TestRentTableOnHeartbeatWithoutPeer(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	am := newTestMetrics(t)
+	cfg := fast(pool, "a")
+	cfg.Metrics = am
+	a := startReplica(t, url, cfg)
+	var deltas atomic.Int64
+	a.AttachRent(func(dst []Rent, full bool) []Rent {
+		if !full {
+			deltas.Add(1)
+			return append(dst, Rent{Key: 8, Rent: 0.5}) // a change every flush
+		}
+		return append(dst, Rent{Key: 7, Gen: 1, Rent: 0.25})
+	})
+	testenv.WaitFor(t, 5*time.Second, "a lone replica's heartbeats", func() bool {
+		return value(am.messages.WithLabelValues(pool, "sent", "load")) >= 3 && deltas.Load() >= 3
+	})
+	rents := value(am.messages.WithLabelValues(pool, "sent", "rent"))
+	loads := value(am.messages.WithLabelValues(pool, "sent", "load"))
+	if rents < 1 {
+		t.Fatalf("a lone replica sent %v load messages and no rent message", loads)
+	}
+	// Heartbeats only (one whole table each, a message each), not a
+	// delta every interval: no more rent messages than load heartbeats
+	// could allow (a load message goes out only on the heartbeat here).
+	if rents > loads+1 {
+		t.Fatalf("a lone replica sent %v rent messages for %v load heartbeats: deltas to no one", rents, loads)
+	}
 }

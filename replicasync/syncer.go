@@ -655,20 +655,24 @@ func (s *Syncer) flushPlacement(full bool) {
 	}
 }
 
-// flushRents sends, while a peer is live, the rent accounts that changed
-// since the last send or, when full, all of them, in messages of at most
-// MaxMessageBytes, the first of a whole table Complete. The changes are
-// taken from kv_aware every flush, so that they do not pile up while no
-// peer listens (a lone replica sends none: a newcomer's hello makes it
-// live and brings the whole table); a change lost with a refused send is
-// repaired by the next heartbeat's whole table.
+// flushRents sends the rent accounts that changed since the last send
+// (while a peer is live) or, when full, all of them (whatever live says,
+// as the load table and the placement averages: a peer may hear this
+// replica, and count it live by its load messages, while this replica
+// hears no one, and it must not keep summing frozen accounts), in
+// messages of at most MaxMessageBytes, the first of a whole table
+// Complete. The changes are taken from kv_aware every flush, so that they
+// do not pile up while no peer listens (a lone replica sends no deltas: a
+// newcomer's hello makes it live and brings the whole table); a change
+// lost with a refused send is repaired by the next heartbeat's whole
+// table.
 func (s *Syncer) flushRents(full, live bool) {
 	f := s.rent.Load()
 	if f == nil {
 		return
 	}
 	rs := (*f)(nil, full)
-	if !live || !full && len(rs) == 0 {
+	if !full && (!live || len(rs) == 0) {
 		return
 	}
 	kept := rs[:0]
