@@ -267,6 +267,22 @@ type Rent struct {
 	Rent float64
 }
 
+// MaxRent bounds a rent account on the wire and in a sum (seconds). An
+// account is the waiting a prefix's requests have paid since its last
+// copy; once it reaches the price of a copy (a score difference: seconds
+// of prefill and of the delay of the requests behind it, far below an
+// hour) the prefix buys and the account starts again. 1e9 s (32 years)
+// is far above anything an account can reach, and far enough below the
+// largest float64 that sums of many stay finite: a peer's rent above it
+// is refused, and a sum above it is MaxRent (two of 1e308 would be +Inf,
+// and force a purchase).
+const MaxRent = 1e9
+
+// MaxRentGen bounds a rent account's generation (the purchases of copies
+// of one prefix), as the decoder bounds every count: a purchase takes
+// the next generation, which must not wrap to 0.
+const MaxRentGen = 1 << 62
+
 // Removed reports whether r says the sender dropped its account.
 func (r Rent) Removed() bool { return r.Gen == 0 && r.Rent == 0 }
 
@@ -283,6 +299,10 @@ type Queued struct {
 // placementValue reports whether v may go on the wire as a placement
 // average: finite and not negative.
 func placementValue(v float64) bool { return v >= 0 && !math.IsInf(v, 1) }
+
+// rentValue reports whether r may go on the wire: a rent not negative
+// and at most MaxRent, a generation at most MaxRentGen.
+func rentValue(r Rent) bool { return r.Rent >= 0 && r.Rent <= MaxRent && r.Gen <= MaxRentGen }
 
 const flagComplete = 1
 
@@ -370,8 +390,8 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 	case KindRent:
 		dst = binary.AppendUvarint(dst, uint64(len(m.Rents)))
 		for _, r := range m.Rents {
-			if !placementValue(r.Rent) {
-				return dst, fmt.Errorf("%w: rent %v on %x", ErrMalformed, r.Rent, r.Key)
+			if !rentValue(r) {
+				return dst, fmt.Errorf("%w: rent %v in generation %d on %x", ErrMalformed, r.Rent, r.Gen, r.Key)
 			}
 			dst = binary.LittleEndian.AppendUint64(dst, r.Key)
 			dst = binary.AppendUvarint(dst, r.Gen)
@@ -532,8 +552,11 @@ func Decode(b []byte) (Message, error) {
 		}
 		for i := uint64(0); i < n && r.err == nil; i++ {
 			e := Rent{Key: r.u64le()}
-			e.Gen = r.uvarint()
+			e.Gen = uint64(r.count()) // <= MaxRentGen
 			e.Rent = r.placementValue("rent")
+			if r.err == nil && e.Rent > MaxRent {
+				r.fail("rent %v", e.Rent)
+			}
 			m.Rents = append(m.Rents, e)
 		}
 	default:

@@ -392,6 +392,15 @@ func FuzzDecode(f *testing.F) {
 		f.Add(b)
 	}
 	f.Add([]byte("KRS"))
+	// Rent entries at and beyond the bounds (MaxRentGen, MaxRent).
+	bound, _ := (&Message{Kind: KindRent, Replica: "r", Rents: []Rent{{Key: 1, Gen: MaxRentGen, Rent: MaxRent}}}).AppendBinary(nil)
+	f.Add(bound)
+	head := bound[:len(bound)-8-binary.PutUvarint(make([]byte, binary.MaxVarintLen64), MaxRentGen)-8]
+	for _, r := range []Rent{{Key: 1, Gen: MaxRentGen + 1}, {Key: 1, Gen: math.MaxUint64}, {Key: 1, Rent: 1e308}} {
+		b := binary.LittleEndian.AppendUint64(bytes.Clone(head), r.Key)
+		b = binary.AppendUvarint(b, r.Gen)
+		f.Add(binary.BigEndian.AppendUint64(b, math.Float64bits(r.Rent)))
+	}
 	f.Fuzz(func(t *testing.T, b []byte) {
 		m, err := Decode(b)
 		if err != nil {
@@ -406,4 +415,47 @@ func FuzzDecode(f *testing.F) {
 			t.Fatalf("re-decode: %+v %v, want %+v", again, err, m)
 		}
 	})
+}
+
+// A rent message's values are bounded on the wire: a generation beyond
+// 2^62 (max(gen)+1 would wrap to 0, un-buying every copy) and a rent
+// above MaxRent (two of 1e308 sum to +Inf and force a purchase) are
+// refused, by the decoder and the encoder; the bounds themselves pass.
+func TestRentBounds(t *testing.T) {
+	enc := func(r Rent) ([]byte, error) {
+		return (&Message{Kind: KindRent, Replica: "r", Rents: []Rent{r}}).AppendBinary(nil)
+	}
+	for _, r := range []Rent{{Key: 1, Gen: 1 << 62, Rent: MaxRent}, {Key: 2, Gen: 3, Rent: 1e9 - 1}} {
+		b, err := enc(r)
+		if err != nil {
+			t.Fatalf("%+v: %v", r, err)
+		}
+		if m, err := Decode(b); err != nil || m.Rents[0] != r {
+			t.Fatalf("%+v decodes as %+v, %v", r, m.Rents, err)
+		}
+	}
+	good, err := enc(Rent{Key: 1, Gen: 1, Rent: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range []Rent{{Key: 1, Gen: 1<<62 + 1}, {Key: 1, Gen: math.MaxUint64, Rent: 1}, {Key: 1, Gen: 1, Rent: math.Nextafter(MaxRent, math.Inf(1))}, {Key: 1, Gen: 1, Rent: 1e308}} {
+		if _, err := enc(r); !errors.Is(err, ErrMalformed) {
+			t.Errorf("%+v encoded: %v, want malformed", r, err)
+		}
+		// The same entry by hand, as a peer that does not check would.
+		bad := binary.LittleEndian.AppendUint64(bytes.Clone(good[:len(good)-8-1-8]), r.Key)
+		bad = binary.AppendUvarint(bad, r.Gen)
+		bad = binary.BigEndian.AppendUint64(bad, math.Float64bits(r.Rent))
+		if _, err := Decode(bad); !errors.Is(err, ErrMalformed) {
+			t.Errorf("%+v decoded: %v, want malformed", r, err)
+		}
+	}
+	// The sum of accounts at the bound stays finite.
+	tb := NewTable(time.Hour, 16, nil)
+	for _, p := range []string{"a", "b", "c"} {
+		tb.ApplyRent(&Message{Kind: KindRent, Replica: p, Incarnation: 1, Complete: true, Rents: []Rent{{Key: 7, Gen: 1, Rent: MaxRent}}})
+	}
+	if _, acc := tb.RentAccount(7, 1, MaxRent); acc != MaxRent {
+		t.Fatalf("account of four replicas at MaxRent: %v, want %v (saturated)", acc, MaxRent)
+	}
 }

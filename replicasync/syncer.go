@@ -677,7 +677,7 @@ func (s *Syncer) flushRents(full, live bool) {
 	}
 	kept := rs[:0]
 	for _, r := range rs {
-		if placementValue(r.Rent) {
+		if rentValue(r) {
 			kept = append(kept, r)
 		}
 	}

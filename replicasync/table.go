@@ -189,7 +189,7 @@ func (t *Table) ApplyRent(m *Message) {
 // gen is the most purchases any live replica knows of, and account the
 // sum, in ascending order (so that every replica adding the same numbers
 // gets the same bits), of the rent each replica at that gen has paid,
-// own included. Without a live peer's account of key it is own's.
+// own included, at most MaxRent. Without a live peer's account of key it is own's.
 func (t *Table) RentAccount(key, own uint64, rent float64) (uint64, float64) {
 	var buf [16]float64
 	vals, gen := buf[:0], own
@@ -220,7 +220,7 @@ func (t *Table) RentAccount(key, own uint64, rent float64) (uint64, float64) {
 	for _, v := range vals {
 		sum += v
 	}
-	return gen, sum
+	return gen, min(sum, MaxRent)
 }
 
 // PeerComputed appends to dst the mean tokens per pick of each live peer

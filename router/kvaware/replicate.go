@@ -193,7 +193,7 @@ func (t *rentTable) add(k kvindex.Key, r float64) {
 	if e.gen < g { // a peer bought a copy since: its rent starts again
 		e.gen, e.rent = g, 0
 	}
-	e.rent += r
+	e.rent = min(e.rent+r, replicasync.MaxRent) // what the wire carries
 	t.touch(k)
 }
 
@@ -206,7 +206,9 @@ func (t *rentTable) reset(k kvindex.Key) {
 		return // one router: nothing to clear, nobody to tell
 	}
 	e := t.entry(k, g)
-	e.gen, e.rent = max(e.gen, g)+1, 0
+	// A generation at the wire's bound (a peer's, 2^62 purchases) stays
+	// there rather than wrap or go where peers refuse it.
+	e.gen, e.rent = min(max(e.gen, g)+1, replicasync.MaxRentGen), 0
 	t.touch(k)
 }
 

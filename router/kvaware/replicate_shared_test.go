@@ -245,3 +245,30 @@ func TestRentPurchaseSurvivesBuyerRestartOrDeath(t *testing.T) {
 		})
 	}
 }
+
+// An account stays within what the wire carries: rent saturates at
+// replicasync.MaxRent, and a purchase on a peer's last generation
+// (replicasync.MaxRentGen) does not wrap to 0 (which would make every
+// older rent count again) nor go beyond what a peer accepts.
+func TestRentAccountBounded(t *testing.T) {
+	p := &rentPeers{tablePeers: &tablePeers{Table: replicasync.NewTable(time.Hour, 16, nil)}}
+	var rt rentTable
+	rt.share(p)
+	k := kvindex.Key(3)
+	rt.add(k, 0.9*replicasync.MaxRent)
+	rt.add(k, 0.9*replicasync.MaxRent)
+	if got := rt.get(k); got != replicasync.MaxRent {
+		t.Fatalf("account %v, want %v", got, replicasync.MaxRent)
+	}
+	p.Table.ApplyRent(&replicasync.Message{Kind: replicasync.KindRent, Replica: "b", Incarnation: 1, Complete: true,
+		Rents: []replicasync.Rent{{Key: uint64(k), Gen: replicasync.MaxRentGen}}})
+	rt.reset(k)
+	if g, _ := rt.own(k); g != replicasync.MaxRentGen {
+		t.Fatalf("generation after a purchase on the last: %d, want %d", g, uint64(replicasync.MaxRentGen))
+	}
+	for _, r := range p.rent(nil, true) {
+		if _, err := (&replicasync.Message{Kind: replicasync.KindRent, Replica: "a", Rents: []replicasync.Rent{r}}).AppendBinary(nil); err != nil {
+			t.Fatalf("published %+v does not encode: %v", r, err)
+		}
+	}
+}
