@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"math"
+	"unsafe"
 )
 
 // Decode parses one vLLM EventBatch payload (msgpack). It accepts both event
@@ -49,6 +50,7 @@ func (dec *Decoder) Decode(payload []byte) (Batch, error) {
 	d.r = reader{b: payload}
 	d.reuse = true
 	d.hashUsed, d.tokUsed = 0, 0
+	d.trim(len(payload))
 	b, err := d.batch()
 	off := d.r.off
 	d.r = reader{} // the payload is not kept
@@ -56,6 +58,39 @@ func (dec *Decoder) Decode(payload []byte) (Batch, error) {
 		return Batch{}, fmt.Errorf("%w (at byte %d)", err, off)
 	}
 	return b, nil
+}
+
+// decoderKeep bounds (bytes) a Decoder buffer kept for a batch that can
+// use at most a quarter of it: a stream's usual batches (a few dozen
+// events of 16 blocks: ~100 KiB of events, 256 tokens and 16 hashes
+// each) stay far below it and keep their buffers, and one huge batch
+// (a long prompt stored at once) does not pin megabytes per shard for
+// the stream's life.
+const decoderKeep = 1 << 20
+
+// eventBytes is an Event's size in the event buffer.
+const eventBytes = int(unsafe.Sizeof(Event{}))
+
+// trim prepares the reused buffers for a batch of payloadLen bytes. The
+// previous batch's events are cleared (its slots left past this batch's
+// would otherwise pin their hashes, tokens and strings, old buffers
+// included). A buffer over decoderKeep that is more than four times what
+// the batch can need (every hash, token and event takes at least one,
+// one and minEventBytes bytes of payload) is dropped: a steady stream of
+// large batches keeps its buffers, and a Decoder does not allocate
+// for batches like the one before.
+func (d *decoder) trim(payloadLen int) {
+	clear(d.evBuf[:d.evUsed])
+	d.evUsed = 0
+	if len(d.hashBuf)*8 > decoderKeep && len(d.hashBuf) > 4*payloadLen {
+		d.hashBuf = nil
+	}
+	if len(d.tokBuf)*4 > decoderKeep && len(d.tokBuf) > 4*payloadLen {
+		d.tokBuf = nil
+	}
+	if cap(d.evBuf)*eventBytes > decoderKeep && cap(d.evBuf) > 4*(payloadLen/minEventBytes+1) {
+		d.evBuf = nil
+	}
 }
 
 type decoder struct {
@@ -68,6 +103,7 @@ type decoder struct {
 	// out of the buffers below, kept across batches, instead of allocated.
 	reuse             bool
 	evBuf             []Event
+	evUsed            int // events of the last batch in evBuf
 	hashBuf           []uint64
 	tokBuf            []uint32
 	hashUsed, tokUsed int
@@ -241,7 +277,7 @@ func (d *decoder) events(b *Batch) error {
 			d.evBuf = make([]Event, 0, hint)
 		}
 		b.Events = d.evBuf[:0]
-		defer func() { d.evBuf = b.Events[:0] }()
+		defer func() { d.evBuf, d.evUsed = b.Events[:0], len(b.Events) }()
 	} else {
 		b.Events = make([]Event, 0, hint)
 	}

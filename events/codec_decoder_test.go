@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"reflect"
 	"testing"
+	"unsafe"
 )
 
 // decodeBoth decodes p with Decode and with dec, and fails unless both give
@@ -148,5 +149,64 @@ func TestFieldIDNames(t *testing.T) {
 				t.Errorf("fieldID(%q) = %d, want -1", other, got)
 			}
 		}
+	}
+}
+
+// One huge batch does not pin memory in a Decoder for good: after a small
+// batch, no buffer is much larger than decoderKeep (a steady stream of
+// huge batches keeps its buffers, TestDecoderDoesNotAllocate the small
+// ones), and the events of an earlier, longer batch left in the event
+// buffer's unused tail are cleared (they would pin their hashes, tokens
+// and strings).
+func TestDecoderReleasesHugeBatch(t *testing.T) {
+	encode := func(evs []Event) []byte {
+		p, err := Encode(nil, Batch{TS: 1, Events: evs}, EncodingArray)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	const blocks = 1 << 17 // 1 MiB of hashes and of tokens (each of two events)
+	huge := Event{Kind: BlockStored, BlockSize: 2, Medium: "GPU", BlockHashes: make([]uint64, blocks), TokenIDs: make([]uint32, 2*blocks)}
+	many := make([]Event, 1<<14) // evBuf: 16,384 events (> 1 MiB)
+	for i := range many {
+		many[i] = Event{Kind: BlockRemoved, BlockHashes: []uint64{uint64(i) + 1}, Medium: "GPU"}
+	}
+	small := encode([]Event{{Kind: BlockRemoved, BlockHashes: []uint64{9}, Medium: "GPU"}})
+	var dec Decoder
+	hugeP := encode([]Event{huge, huge})
+	for _, p := range [][]byte{hugeP, encode(many)} {
+		if _, err := dec.Decode(p); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := dec.Decode(small); err != nil {
+			t.Fatal(err)
+		}
+		d := &dec.d
+		if n := cap(d.hashBuf) * 8; n > decoderKeep {
+			t.Errorf("hash buffer of %d bytes kept after a small batch", n)
+		}
+		if n := cap(d.tokBuf) * 4; n > decoderKeep {
+			t.Errorf("token buffer of %d bytes kept after a small batch", n)
+		}
+		if n := cap(d.evBuf) * int(unsafe.Sizeof(Event{})); n > decoderKeep {
+			t.Errorf("event buffer of %d bytes kept after a small batch", n)
+		}
+		for i, e := range d.evBuf[1:cap(d.evBuf)] {
+			if !reflect.ValueOf(e).IsZero() {
+				t.Fatalf("event %d of an earlier batch left in the buffer (%d hashes)", i+1, len(e.BlockHashes))
+			}
+		}
+	}
+	// A stream of huge batches keeps its buffers.
+	if _, err := dec.Decode(hugeP); err != nil {
+		t.Fatal(err)
+	}
+	if n := testing.AllocsPerRun(3, func() {
+		if _, err := dec.Decode(hugeP); err != nil {
+			t.Fatal(err)
+		}
+	}); n != 0 {
+		t.Errorf("%.1f allocations per huge batch in a stream of them, want 0", n)
 	}
 }
