@@ -194,9 +194,10 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *router.Table,
 	if st.Config().Proxy.DisableRetry {
 		maxAttempts = 1
 	}
-	// This edge sends warm-up copies (warm.go); picks made before it (a
+	// This edge sends warm-up copies (warm.go) of OpenAI requests, whose
+	// body it can rewrite to one output token; picks made before it (a
 	// disaggregated request's prefill stage) leave the flag false.
-	req.Warmable = warmable(req)
+	req.Warmable = req.Endpoint.OpenAI() && len(req.Body) > 0
 	defer func() { req.Warmable = false }()
 	for n := 1; n <= maxAttempts; n++ {
 		t0 := time.Now()

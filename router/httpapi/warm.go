@@ -23,10 +23,6 @@ const warmTimeout = 2 * time.Minute
 // completion and its usage): the rest is discarded.
 const warmAnswerLimit = 64 << 10
 
-// warmable says whether the edge can send a warm-up copy of req: an OpenAI
-// request, whose body it can rewrite to one output token.
-func warmable(req *router.Request) bool { return req.Endpoint.OpenAI() && len(req.Body) > 0 }
-
 // warmBody is the request's body as a warm-up copy: the same prompt
 // (messages and template options, cache salt, adapter) for one output
 // token, not streamed, one choice. A minimum above one token would be
