@@ -97,6 +97,20 @@ type Decision struct {
 	Explain *Explanation
 	// Observer, when set, follows the routed attempt (see Observer).
 	Observer Observer
+	// Warm, when set, asks the edge to copy the request's prompt onto
+	// another instance beside this attempt (a hot prefix's purchase,
+	// router/kvaware/replicate.go). Set only for requests marked
+	// Warmable; the edge must end Warm.Observer whatever happens.
+	Warm *Warm
+}
+
+// Warm is a warm-up copy: the edge sends the request's prompt to Instance
+// for one output token, so that the instance computes and caches it, and
+// follows that request with Observer (first byte, then done) as it would
+// a routed attempt.
+type Warm struct {
+	Instance *Instance
+	Observer Observer
 }
 
 // Explanation is the optional detail of a kv-aware decision.
@@ -193,6 +207,11 @@ type Request struct {
 	tokens   []uint32
 	tokErr   error
 	tokErrN  atomic.Bool // TokenErrorFirst has said true
+
+	// Warmable says the edge can send a warm-up copy (Decision.Warm)
+	// beside this request: an exact strategy may then make a hot prefix's
+	// copy without moving the request. Edges that cannot leave it false.
+	Warmable bool
 
 	// ShareKeys is set on a request picked twice (disaggregated: prefill,
 	// then decode): an exact strategy may keep what it derived from the

@@ -268,12 +268,20 @@ func (r *strategyRouter) Pick(ctx context.Context, req *des.RouteRequest, cands 
 	if d.Observer != nil {
 		r.obs[req.EngineID] = d.Observer
 	}
+	warm := ""
+	if d.Warm != nil {
+		// The warm-up copy's lifecycle calls come under its own id.
+		warm = d.Warm.Instance.ID()
+		if d.Warm.Observer != nil {
+			r.obs[req.EngineID|des.WarmTag] = d.Warm.Observer
+		}
+	}
 	r.predicted = 0
 	if d.Explain != nil {
 		r.predicted = d.Explain.PredictedTTFT
 	}
 	return des.Decision{Instance: d.Instance.ID(), Reason: string(d.Reason),
-		Overflow: d.Reason == router.ReasonOverflow || d.Reason == router.ReasonSaturated}, nil
+		Overflow: d.Reason == router.ReasonOverflow || d.Reason == router.ReasonSaturated, Warm: warm}, nil
 }
 
 // request is the router's view of a driver request.
@@ -285,6 +293,9 @@ func (r *strategyRouter) request(req *des.RouteRequest) *router.Request {
 		RoutingText:  req.RoutingText,
 		TenantKey:    req.Tenant,
 		PromptTokens: req.Tokens,
+		// The driver sends warm-up copies (des.Decision.Warm), as the
+		// HTTP edge does.
+		Warmable: true,
 	}
 	if req.CacheSalt != "" {
 		// The router reads cache_salt from the body it forwards, so that

@@ -385,3 +385,37 @@ func TestCommandHelp(t *testing.T) {
 		}
 	}
 }
+
+// TestDESWarmCopies: on the agent workload (long toolsets shared by many
+// sessions) kv_aware buys copies of hot prefixes; the driver sends them as
+// warm-up requests (des.Decision.Warm) beside the requests that bought
+// them, every request is served, and every copy's pending prefill is
+// released by the end of the run.
+func TestDESWarmCopies(t *testing.T) {
+	w, err := workload.Agent{Sessions: 160, Arrivals: workload.Arrivals{Rate: 3}}.Generate(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rt, err := newStrategyRouter("kv_aware", routingDefaults(), 1, sim.DefaultModel)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := des.Run(context.Background(), rt.desConfig(4, sim.Config{}), w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Warms == 0 {
+		t.Fatal("no warm-up copy in the run: the workload's hot toolsets bought none")
+	}
+	for _, o := range res.Outcomes {
+		if o.Err != "" || o.TTFT <= 0 {
+			t.Fatalf("request %d: %q (TTFT %v)", o.ID, o.Err, o.TTFT)
+		}
+	}
+	for _, name := range res.Instances {
+		if tok, n := rt.kv.state.PendingPrefill(name); tok != 0 || n != 0 {
+			t.Errorf("%s: %d pending prefill tokens in %d requests after the run", name, tok, n)
+		}
+	}
+	t.Logf("%d requests, %d warm-up copies", len(res.Outcomes), res.Warms)
+}

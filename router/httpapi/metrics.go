@@ -20,6 +20,8 @@ type metrics struct {
 	// Disaggregated serving (disagg.go).
 	disagg              *prometheus.CounterVec
 	disaggPrefillErrors *prometheus.CounterVec
+	// Warm-up copies of hot prefixes (warm.go).
+	warms *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
@@ -54,6 +56,9 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		disaggPrefillErrors: ms.CounterVec("kvrouter_disagg_prefill_errors_total",
 			"Prefill requests that failed (transport error or a non-200 answer); the request was tried on another prefill instance or went aggregated.",
 			"pool", "instance"),
+		warms: ms.CounterVec("kvrouter_warm_copies_total",
+			"Warm-up copies of a hot prefix sent beside the request that bought them (kv_aware's rent or buy), by outcome: ok, error (transport or timeout), status (a non-200 answer), body (the request could not be rewritten).",
+			"pool", "instance", "outcome"),
 	}
 	ms.Add(&liveCollector{s: s})
 	m.flow = newFlowMetrics(&ms, s)
@@ -74,6 +79,7 @@ func (s *Server) ForgetInstanceSeries(pool, instance string) {
 	s.m.probes.DeletePartialMatch(l)
 	s.m.streamErr.DeletePartialMatch(l)
 	s.m.disaggPrefillErrors.DeletePartialMatch(l)
+	s.m.warms.DeletePartialMatch(l)
 	if s.kv != nil {
 		s.kv.ForgetInstance(pool, instance)
 	}

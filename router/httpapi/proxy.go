@@ -194,6 +194,11 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *router.Table,
 	if st.Config().Proxy.DisableRetry {
 		maxAttempts = 1
 	}
+	// This edge sends warm-up copies (warm.go) of OpenAI requests, whose
+	// body it can rewrite to one output token; picks made before it (a
+	// disaggregated request's prefill stage) leave the flag false.
+	req.Warmable = req.Endpoint.OpenAI() && len(req.Body) > 0
+	defer func() { req.Warmable = false }()
 	for n := 1; n <= maxAttempts; n++ {
 		t0 := time.Now()
 		cands, _ := pool.Candidates(buf[:0], req.Adapter, exclude)
@@ -221,6 +226,9 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *router.Table,
 			openai.WriteError(w, http.StatusServiceUnavailable, msg)
 			s.m.requests.WithLabelValues(pool.Name(), "", strat.Name(), "", "503").Inc()
 			return
+		}
+		if dec.Warm != nil {
+			s.sendWarm(r, pool, req, path, dec.Warm)
 		}
 		if tk != nil {
 			tk.Bind(dec.Instance.ID()) // the first pick; a retry elsewhere stays charged to it

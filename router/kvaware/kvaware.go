@@ -320,6 +320,7 @@ type kvEval struct {
 	weight    float64  // prefill cost weight used
 	later     float64  // n: later requests expected to read the new context (placement.go)
 	rent      rentNote // what the pick pays or buys (kvaware_replicate.go)
+	warmable  bool     // the request's edge can send a warm-up copy (router.Request.Warmable)
 	sc        *kvScoring
 	memo      scoreMemo
 	shared    sharedScratch   // replica sync's shared queue (kvaware_sharedq.go)
@@ -380,6 +381,7 @@ func (s *KVAware) pick(ctx context.Context, req *router.Request, cands []*router
 		return router.Decision{}, nil, router.ErrNoCandidates
 	}
 	ev := s.st.getEval()
+	ev.warmable = req.Warmable && commit
 	s.evaluate(ctx, req, cands, ev, commit)
 	var dec router.Decision
 	switch {
@@ -874,16 +876,36 @@ func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
 	}
 	st.computed.add(float64(max(ev.tokens-hit, 0)))
 	st.dm.prompt.get(func() prometheus.Counter { return st.m.prompt.WithLabelValues(st.pool) }).Add(float64(ev.tokens))
-	if s.spec != nil {
-		if g := ce.blocks[tiers.GPU]; g < len(ev.keys) {
-			s.spec.add(ev.keys[g:], ce.inst.ID(), st.lostEpoch(ce.inst.ID()))
-			if st.peers.ps != nil {
-				st.peers.ps.Speculate(ce.inst.ID(), ev.keys[g:], s.spec.ttl)
-			}
-			st.dm.spec.get(func() prometheus.Gauge { return st.m.specKeys.WithLabelValues(st.pool) }).Set(float64(s.spec.Len()))
-		}
-	}
+	s.speculate(ev, ce)
 	dec.Observer = st.newDrainingObserver(ce, ev.tokens-hit, hit, s.sc.prefill)
+	if ev.rent.warm {
+		// The warm-up copy: the alternative is about to compute the prompt
+		// as a routed request would (speculative entries, pending prefill
+		// until the copy's first byte).
+		ac := &ev.cands[ev.rent.warmAt]
+		held := 0
+		for _, n := range ac.matched {
+			held += n
+		}
+		s.speculate(ev, ac)
+		dec.Warm = &router.Warm{Instance: ac.inst, Observer: st.newDrainingObserver(ac, ev.tokens-held, held, s.sc.prefill)}
+	}
+}
+
+// speculate records the blocks ce is about to compute as speculative
+// entries (and tells the replicas).
+func (s *KVAware) speculate(ev *kvEval, ce *candEval) {
+	st := s.st
+	if s.spec == nil {
+		return
+	}
+	if g := ce.blocks[tiers.GPU]; g < len(ev.keys) {
+		s.spec.add(ev.keys[g:], ce.inst.ID(), st.lostEpoch(ce.inst.ID()))
+		if st.peers.ps != nil {
+			st.peers.ps.Speculate(ce.inst.ID(), ev.keys[g:], s.spec.ttl)
+		}
+		st.dm.spec.get(func() prometheus.Gauge { return st.m.specKeys.WithLabelValues(st.pool) }).Set(float64(s.spec.Len()))
+	}
 }
 
 // keyMemo keeps a request's block keys from its first pick for its second

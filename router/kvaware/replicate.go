@@ -219,6 +219,10 @@ type rentNote struct {
 	rent   float64
 	bought bool
 	ok     bool
+	// warm is set when the purchase is a warm-up copy on the candidate
+	// at warmAt, made beside the request instead of moving it.
+	warm   bool
+	warmAt int
 }
 
 // replicate applies the rent-or-buy rule to a kv_match pick: it returns the
@@ -258,6 +262,17 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 	price := ac.score - pc.score
 	if s.st.rent.get(key) >= price {
 		ev.rent = rentNote{key: key, bought: true, ok: true}
+		// Moving the request makes it recompute the prefix in its own time
+		// to first token. Where that is slower for it than the holder, and
+		// the edge can, the copy is made beside it instead: a warm-up
+		// request to the alternative (router.Warm), paid by the fleet's
+		// idle capacity, not by a client. No request is slowed to buy a
+		// copy; where the holder's queue already exceeds the recompute,
+		// moving costs the request nothing and relieves the holder at once.
+		if ev.warmable && ac.ttft > pc.ttft {
+			ev.rent.warm, ev.rent.warmAt = true, alt
+			return pick, reason
+		}
 		return alt, router.ReasonReplicate
 	}
 	ev.rent = rentNote{key: key, rent: saved, ok: true}

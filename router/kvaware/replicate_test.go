@@ -116,3 +116,99 @@ func TestRentTable(t *testing.T) {
 		t.Fatalf("after reset: 7=%v b=%v", rt.get(7), rt.get(b))
 	}
 }
+
+// TestHotPrefixWarmCopy: where the edge can send a warm-up copy
+// (Request.Warmable), the purchase of TestHotPrefixReplicates keeps the
+// request on the holder and names the least-loaded instance for the copy
+// (Decision.Warm), at the same request: the copy's recompute counts as
+// pending prefill there until its observer ends, and the prefix's next
+// request follows the copy. Where the holder is congested enough that
+// moving costs the request nothing (its TTFT there is no better than the
+// recompute elsewhere), the purchase moves it as before.
+func TestHotPrefixWarmCopy(t *testing.T) {
+	system := promptTokens(61, 64*kvTestBS)
+	req := func(i int) *router.Request {
+		r := kvRequest("tenant", append(slices.Clone(system), promptTokens(uint32(5000+i), 2*kvTestBS)...))
+		r.Warmable = true
+		return r
+	}
+	fixed := config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 1}}
+	buy := func(running int) (w *kvWorld, s *KVAware, at int, d router.Decision) {
+		w = newKVWorld(t, 4)
+		s = w.strategy(fixed)
+		w.store(w.insts[1].ID(), system, 0, 64)
+		for range running {
+			w.insts[1].Acquire()
+		}
+		for i := 0; i < 200; i++ {
+			d, err := s.Pick(context.Background(), req(i), w.insts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d.Observer != nil {
+				d.Observer.Done(200, -1)
+			}
+			if d.Warm != nil || d.Reason == router.ReasonReplicate {
+				return w, s, i + 1, d
+			}
+			if d.Instance != w.insts[1] || d.Reason != router.ReasonKVMatch {
+				t.Fatalf("request %d: %s (%s), want the holder (kv_match)", i, d.Instance.ID(), d.Reason)
+			}
+		}
+		t.Fatal("no purchase in 200 requests")
+		return
+	}
+
+	const running = 20 // as TestHotPrefixReplicates: the holder's TTFT ~20 ms, the recompute ~42 ms
+	queue := (DefaultDecodeStepSeconds+running*DefaultRunningRequestSeconds)/2 + running*DefaultRunningRequestSeconds
+	price := -queue + 2*float64(64*kvTestBS)/25000
+	w, s, at, d := buy(running)
+	if want := int(math.Ceil(price/queue)) + 1; at != want {
+		t.Fatalf("bought at request %d, want %d (the rent rule's request)", at, want)
+	}
+	holder := w.insts[1]
+	if d.Instance != holder || d.Reason != router.ReasonKVMatch || d.Warm == nil || d.Warm.Instance == holder || d.Warm.Observer == nil {
+		t.Fatalf("purchase: %s (%s), warm %+v; want the holder (kv_match) and a warm-up copy elsewhere", d.Instance.ID(), d.Reason, d.Warm)
+	}
+	alt := d.Warm.Instance
+	if tok, n := w.st.PendingPrefill(alt.ID()); tok != int64(66*kvTestBS) || n != 1 {
+		t.Fatalf("pending on the copy's instance: %d tokens in %d requests, want the whole prompt (%d) in 1", tok, n, 66*kvTestBS)
+	}
+	d.Warm.Observer.FirstByte()
+	d.Warm.Observer.Done(200, -1)
+	if tok, n := w.st.PendingPrefill(alt.ID()); tok != 0 || n != 0 {
+		t.Fatalf("after the copy: %d pending tokens in %d requests, want none", tok, n)
+	}
+	if d := kvPick(t, s, req(1000), w.insts); d.Instance != alt || d.Reason != router.ReasonKVMatch || d.Warm != nil {
+		t.Errorf("after the copy: %s (%s, warm %v), want the copy's instance %s (kv_match)", d.Instance.ID(), d.Reason, d.Warm != nil, alt.ID())
+	}
+
+	// Without the edge's support, the same purchase moves the request.
+	w2 := newKVWorld(t, 4)
+	s2 := w2.strategy(fixed)
+	w2.store(w2.insts[1].ID(), system, 0, 64)
+	for range running {
+		w2.insts[1].Acquire()
+	}
+	for i := 0; i < at; i++ {
+		r := req(i)
+		r.Warmable = false
+		d := kvPick(t, s2, r, w2.insts)
+		if d.Warm != nil {
+			t.Fatalf("request %d: a warm-up copy for a request whose edge cannot send one", i)
+		}
+		if i == at-1 && (d.Reason != router.ReasonReplicate || d.Instance == w2.insts[1]) {
+			t.Fatalf("request %d: %s (%s), want the purchase to move it (replicate)", i, d.Instance.ID(), d.Reason)
+		}
+	}
+
+	// A congested holder: the request's TTFT there exceeds the recompute
+	// elsewhere, so moving it is the purchase.
+	// 60 in flight (under the concurrency threshold, 64): a queue of ~49 ms, over the 42 ms recompute, while the
+	// holder's score (queue + its own 2 blocks) still beats the
+	// alternative's (recompute, weighted twice).
+	w3, _, _, d := buy(60)
+	if d.Warm != nil || d.Reason != router.ReasonReplicate || d.Instance == w3.insts[1] {
+		t.Fatalf("congested holder: %s (%s), warm %v; want the request moved (replicate)", d.Instance.ID(), d.Reason, d.Warm != nil)
+	}
+}

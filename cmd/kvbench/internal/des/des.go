@@ -101,6 +101,11 @@ type Decision struct {
 	// Overflow is true when the router could not use its first choice
 	// because it was full.
 	Overflow bool
+	// Warm, when set, names the instance the router asked to compute a
+	// warm-up copy of the prompt beside the request (router.Warm): the
+	// driver submits it as an engine request of one output token, id
+	// ID|WarmTag, through the same lifecycle calls as a request.
+	Warm string
 }
 
 // Router picks an instance for each request. The driver calls it from one
@@ -257,6 +262,8 @@ type Result struct {
 	// IndexDeliveries counts event batches applied to the index; IndexErrors
 	// counts those Apply refused.
 	IndexDeliveries, IndexErrors int
+	// Warms counts the warm-up copies submitted (Decision.Warm).
+	Warms int
 	// Utilisation per instance (empty when the engines do not report busy
 	// time, see BusyReporter).
 	Utilisation []Utilisation
@@ -635,6 +642,19 @@ func (r *run) advance(in *instance) {
 			r.prefillUpdate(in, u)
 			continue
 		}
+		if u.ID&WarmTag != 0 {
+			switch u.Kind {
+			case FirstToken:
+				r.cfg.Router.FirstToken(u.ID, in.name, u.CachedTokens, len(r.w.Requests[u.ID&^WarmTag].Tokens()))
+			case Finished, Aborted:
+				var err error
+				if u.Kind == Aborted {
+					err = errAborted
+				}
+				r.cfg.Router.Finished(u.ID, in.name, err)
+			}
+			continue
+		}
 		o := &r.res.Outcomes[u.ID]
 		switch u.Kind {
 		case FirstToken:
@@ -749,6 +769,33 @@ func (r *run) issue(ctx context.Context, i int) {
 		return
 	}
 	r.inflight[uint64(i)] = in
+	r.schedule(in)
+	if d.Warm != "" {
+		r.warm(uint64(i), d.Warm, req, salt)
+	}
+}
+
+// WarmTag marks engine request ids of warm-up copies (request ids are
+// far below it; prefillTag is the bit above).
+const WarmTag = uint64(1) << 61
+
+// warm submits request id's warm-up copy to the named instance: its prompt
+// for one output token. Its updates reach the router's lifecycle calls
+// under id|WarmTag and nothing else: it is no request of the workload.
+func (r *run) warm(id uint64, name string, req *workload.Request, salt string) {
+	wid := id | WarmTag
+	in := r.byName[name]
+	if in == nil || !in.live {
+		r.cfg.Router.Finished(wid, name, fmt.Errorf("%w: warm-up on %q", errNotLive, name))
+		return
+	}
+	r.cfg.Router.Started(wid, in.name)
+	prompt := append([]uint32(nil), r.tokBuf...)
+	if err := in.engine.Submit(EngineRequest{ID: wid, Prompt: prompt, MaxTokens: 1, Adapter: req.Adapter, CacheSalt: salt}, r.now); err != nil {
+		r.cfg.Router.Finished(wid, in.name, err)
+		return
+	}
+	r.res.Warms++
 	r.schedule(in)
 }
 

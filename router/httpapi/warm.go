@@ -1,0 +1,113 @@
+package httpapi
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/openai"
+)
+
+// warmTimeout bounds a warm-up copy: a prefill of the longest prompt an
+// engine takes (131,072 tokens at a few thousand tokens a second) with
+// room for a queue; past it the copy is given up and its pending prefill
+// released.
+const warmTimeout = 2 * time.Minute
+
+// warmAnswerLimit is how much of a warm-up's answer is read (one token's
+// completion and its usage): the rest is discarded.
+const warmAnswerLimit = 64 << 10
+
+// warmBody is the request's body as a warm-up copy: the same prompt
+// (messages and template options, cache salt, adapter) for one output
+// token, not streamed, one choice. A minimum above one token would be
+// refused (vLLM checks min_tokens <= max_tokens); for chat,
+// max_completion_tokens wins over max_tokens, so both are set.
+func warmBody(req *router.Request) ([]byte, error) {
+	one := json.RawMessage("1")
+	set := []openai.Member{
+		{Key: "max_tokens", Value: one},
+		{Key: "stream", Value: json.RawMessage("false")},
+		{Key: "stream_options"}, {Key: "n"}, {Key: "best_of"}, {Key: "min_tokens"},
+		{Key: "logprobs"}, {Key: "top_logprobs"}, {Key: "prompt_logprobs"}, {Key: "kv_transfer_params"},
+	}
+	if req.Endpoint == router.EndpointChatCompletions {
+		set = append(set, openai.Member{Key: "max_completion_tokens", Value: one})
+	}
+	return openai.SetMembers(req.Body, set...)
+}
+
+// sendWarm sends w, a warm-up copy a decision asked for (router.Warm), to
+// its instance in the background: the request's prompt for one output
+// token, with the client's headers as the proxy forwards them. It outlives
+// the client's request (the copy serves later requests) but not
+// warmTimeout. Its observer ends whatever happens, so the pending prefill
+// the strategy counted there is always released; the instance counts it
+// in flight meanwhile.
+func (s *Server) sendWarm(r *http.Request, pool *router.Pool, req *router.Request, path string, w *router.Warm) {
+	body, err := warmBody(req)
+	if err != nil {
+		s.m.warms.WithLabelValues(pool.Name(), w.Instance.ID(), "body").Inc()
+		if w.Observer != nil {
+			w.Observer.Done(0, -1)
+		}
+		return
+	}
+	u := *w.Instance.URL()
+	u.Path = strings.TrimSuffix(u.Path, "/") + path
+	u.RawPath = ""
+	hdr := make(http.Header, len(r.Header))
+	for k, v := range r.Header {
+		switch http.CanonicalHeaderKey(k) {
+		case "Content-Length", "Connection", "Te", "Trailer", "Transfer-Encoding", "Upgrade", "Keep-Alive", "Proxy-Connection", "Accept-Encoding":
+			continue
+		}
+		hdr[k] = v
+	}
+	hdr.Set("Content-Type", "application/json")
+	w.Instance.Acquire()
+	go func() {
+		status, cached := 0, -1
+		defer func() {
+			w.Instance.Release()
+			if w.Observer != nil {
+				w.Observer.Done(status, cached)
+			}
+		}()
+		ctx, cancel := context.WithTimeout(context.Background(), warmTimeout)
+		defer cancel()
+		out, err := http.NewRequestWithContext(ctx, http.MethodPost, u.String(), bytes.NewReader(body))
+		if err != nil {
+			s.m.warms.WithLabelValues(pool.Name(), w.Instance.ID(), "error").Inc()
+			return
+		}
+		out.Header = hdr
+		resp, err := s.proxy.Transport.RoundTrip(out)
+		if err != nil {
+			s.m.warms.WithLabelValues(pool.Name(), w.Instance.ID(), "error").Inc()
+			s.log.Debug("warm-up copy failed", "pool", pool.Name(), "instance", w.Instance.ID(), "err", err)
+			return
+		}
+		status = resp.StatusCode
+		rc := io.ReadCloser(resp.Body)
+		var usage *usageTee
+		if w.Observer != nil {
+			usage = &usageTee{rc: rc, onFirst: w.Observer.FirstByte}
+			rc = usage
+		}
+		_, _ = io.Copy(io.Discard, io.LimitReader(rc, warmAnswerLimit))
+		_ = rc.Close()
+		cached = usage.cachedTokens()
+		outcome := "ok"
+		if status != http.StatusOK {
+			outcome = "status"
+			s.log.Debug("warm-up copy refused", "pool", pool.Name(), "instance", w.Instance.ID(), "status", status)
+		}
+		s.m.warms.WithLabelValues(pool.Name(), w.Instance.ID(), outcome).Inc()
+	}()
+}

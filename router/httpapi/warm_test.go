@@ -1,0 +1,97 @@
+package httpapi_test
+
+import (
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/httpapi"
+	"github.com/kvrouter/kvrouter/router/routertest"
+)
+
+// doneObserver records what a warm-up copy's observer was told.
+type doneObserver struct {
+	first  int
+	status chan int
+}
+
+func (o *doneObserver) FirstByte()              { o.first++ }
+func (o *doneObserver) Done(status, cached int) { o.status <- status }
+
+// TestWarmCopy: a warm-up copy goes to its instance as the client's
+// request rewritten to one output token, not streamed, one choice (the
+// prompt and its options kept; the members vLLM would refuse beside
+// max_tokens 1 removed), with the client's headers; the instance counts
+// it in flight until it ends, and its observer ends whatever the answer:
+// 200, an error status, or a body the router cannot rewrite.
+func TestWarmCopy(t *testing.T) {
+	h := newHarness(t, 2, nil)
+	pool := h.srv.Pools()[0]
+	var inst *router.Instance
+	for _, c := range pool.Instances() {
+		if c.ID() == h.ups[1].ID {
+			inst = c
+		}
+	}
+	if inst == nil {
+		t.Fatalf("no instance %s in pool %s", h.ups[1].ID, pool.Name())
+	}
+	body := `{"model":"` + model + `","messages":[{"role":"system","content":"tools"},{"role":"user","content":"go"}],` +
+		`"stream":true,"stream_options":{"include_usage":true},"max_completion_tokens":500,"min_tokens":5,"n":2,"cache_salt":"s1","temperature":0.2}`
+	send := func(body string) (int, *doneObserver) {
+		t.Helper()
+		r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", nil)
+		r.Header.Set("Authorization", "Bearer k")
+		req := &router.Request{Endpoint: router.EndpointChatCompletions, Pool: pool.Name(), Model: model, Body: []byte(body)}
+		o := &doneObserver{status: make(chan int, 1)}
+		httpapi.SendWarm(h.srv, r, pool, req, "/v1/chat/completions", &router.Warm{Instance: inst, Observer: o})
+		select {
+		case st := <-o.status:
+			return st, o
+		case <-time.After(30 * time.Second):
+			t.Fatal("the warm-up copy's observer never ended")
+		}
+		return 0, nil
+	}
+
+	st, o := send(body)
+	if st != http.StatusOK || o.first != 1 {
+		t.Fatalf("warm-up copy: status %d, first byte %d times; want 200 once", st, o.first)
+	}
+	var got map[string]any
+	if err := json.Unmarshal(h.ups[1].LastBody(), &got); err != nil {
+		t.Fatalf("upstream body: %v: %s", err, h.ups[1].LastBody())
+	}
+	for k, want := range map[string]any{"max_tokens": 1.0, "max_completion_tokens": 1.0, "stream": false, "cache_salt": "s1", "temperature": 0.2, "model": model} {
+		if got[k] != want {
+			t.Errorf("%s = %v, want %v", k, got[k], want)
+		}
+	}
+	for _, k := range []string{"stream_options", "min_tokens", "n"} {
+		if _, ok := got[k]; ok {
+			t.Errorf("%s kept: vLLM refuses it beside one output token or a non-streamed answer", k)
+		}
+	}
+	if m, _ := got["messages"].([]any); len(m) != 2 {
+		t.Errorf("messages = %v, want the client's two", got["messages"])
+	}
+	if n := inst.InFlight(); n != 0 {
+		t.Errorf("instance in flight %d after the copy ended, want 0", n)
+	}
+
+	h.ups[1].Set(routertest.Status, http.StatusServiceUnavailable, 0)
+	if st, _ := send(body); st != http.StatusServiceUnavailable {
+		t.Errorf("refused copy: observer ended with %d, want 503", st)
+	}
+	h.ups[1].Set(routertest.Normal, 0, 0)
+	before := len(h.ups[1].Paths())
+	if st, _ := send(`{"messages":`); st != 0 || len(h.ups[1].Paths()) != before {
+		t.Errorf("unrewritable body: observer ended with %d and %d requests sent, want 0 and none", st, len(h.ups[1].Paths())-before)
+	}
+	if n := inst.InFlight(); n != 0 {
+		t.Errorf("instance in flight %d at the end, want 0", n)
+	}
+}
