@@ -328,6 +328,11 @@ func (s *replicaSet) Pick(ctx context.Context, req *des.RouteRequest, cands []st
 	}
 	s.change(i)
 	s.owner[req.EngineID] = i
+	if d.Warm != "" {
+		// The warm-up copy's lifecycle calls come under its own id; its
+		// observer is this replica's.
+		s.owner[req.EngineID|des.WarmTag] = i
+	}
 	s.last.req, s.last.cands, s.last.reason, s.last.from, s.last.settled = req, cands, d.Reason, i, settled
 	return d, nil
 }

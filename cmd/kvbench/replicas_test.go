@@ -339,3 +339,50 @@ func TestDESSpread(t *testing.T) {
 		t.Errorf("des --workload chat --spread: err %v, want refused", err)
 	}
 }
+
+// TestReplicaWarmCopies: with two synced replicas on the agent workload,
+// each warm-up copy's lifecycle reaches the replica whose decision asked
+// for it: every request is served and no replica is left counting a
+// copy's prefill as pending.
+func TestReplicaWarmCopies(t *testing.T) {
+	w, err := workload.Agent{Sessions: 160, Arrivals: workload.Arrivals{Rate: 3}}.Generate(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ff := fleetFlags{instances: 4, gpuTokens: "1.35M", cpuTokens: "0", delay: 5 * time.Millisecond}
+	scfg, _, err := ff.simConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	rf := replicaFlags{balance: "round-robin", interval: 50 * time.Millisecond}
+	set, err := newReplicaSet("kv_aware", replicaRun{routers: 2, sync: true, latency: time.Millisecond}, &rf, &ff, scfg, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	made := func(inst string, e *sim.Engine) {
+		for _, r := range set.reps {
+			r.engineMade(inst, e)
+		}
+	}
+	dc := des.Config{Instances: ff.instances, NewEngine: simFactory(scfg, made), Router: set, Clock: set.clock, EventDelay: ff.delay, Index: set.index}
+	res, err := des.Run(context.Background(), dc, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Warms == 0 {
+		t.Fatal("no warm-up copy with two replicas")
+	}
+	for _, o := range res.Outcomes {
+		if o.Err != "" || o.TTFT <= 0 {
+			t.Fatalf("request %d: %q (TTFT %v)", o.ID, o.Err, o.TTFT)
+		}
+	}
+	for i, r := range set.reps {
+		for _, name := range res.Instances {
+			if tok, n := r.kv.state.PendingPrefill(name); tok != 0 || n != 0 {
+				t.Errorf("replica %d, %s: %d pending prefill tokens in %d requests after the run", i, name, tok, n)
+			}
+		}
+	}
+	t.Logf("%d requests, %d warm-up copies", len(res.Outcomes), res.Warms)
+}
