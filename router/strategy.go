@@ -104,6 +104,11 @@ type Decision struct {
 	Warm *Warm
 }
 
+// ProxyCanWarm reports whether the HTTP data plane can send a warm-up
+// copy of r: an OpenAI request, whose body it can rewrite to one output
+// token (router/httpapi/warm.go).
+func (r *Request) ProxyCanWarm() bool { return r.Endpoint.OpenAI() && len(r.Body) > 0 }
+
 // Warm is a warm-up copy: the edge sends the request's prompt to Instance
 // for one output token, so that the instance computes and caches it, and
 // follows that request with Observer (first byte, then done) as it would
@@ -210,7 +215,9 @@ type Request struct {
 
 	// Warmable says the edge can send a warm-up copy (Decision.Warm)
 	// beside this request: an exact strategy may then make a hot prefix's
-	// copy without moving the request. Edges that cannot leave it false.
+	// copy without moving the request. Edges that cannot leave it false;
+	// a dry evaluation of what the HTTP data plane would decide sets it as
+	// that edge does (ProxyCanWarm).
 	Warmable bool
 
 	// ShareKeys is set on a request picked twice (disaggregated: prefill,

@@ -62,6 +62,7 @@ func previewAll(t *testing.T, routers []*clusterRouter, pool string, prompt []ui
 			}
 			_, strat := p.Routing()
 			cands, _ := p.Candidates(nil, req.Adapter, nil)
+			req.Warmable = req.ProxyCanWarm() // as the data plane routes it
 			d, _, err := kvaware.Preview(context.Background(), strat, req, cands)
 			if err != nil {
 				errs[i] = err

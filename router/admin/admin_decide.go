@@ -63,6 +63,7 @@ func (s *api) serveDecide(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, http.StatusServiceUnavailable, fmt.Sprintf("decide: pool %q has no healthy instance for the request", pool.Name()))
 		return
 	}
+	req.Warmable = req.ProxyCanWarm() // decide as the data plane would
 	kv, hash, err := kvaware.Preview(r.Context(), strat, req, cands)
 	switch {
 	case errors.Is(err, kvaware.ErrNoPreview):

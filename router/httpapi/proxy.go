@@ -197,7 +197,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *router.Table,
 	// This edge sends warm-up copies (warm.go) of OpenAI requests, whose
 	// body it can rewrite to one output token; picks made before it (a
 	// disaggregated request's prefill stage) leave the flag false.
-	req.Warmable = req.Endpoint.OpenAI() && len(req.Body) > 0
+	req.Warmable = req.ProxyCanWarm()
 	defer func() { req.Warmable = false }()
 	for n := 1; n <= maxAttempts; n++ {
 		t0 := time.Now()

@@ -381,7 +381,9 @@ func (s *KVAware) pick(ctx context.Context, req *router.Request, cands []*router
 		return router.Decision{}, nil, router.ErrNoCandidates
 	}
 	ev := s.st.getEval()
-	ev.warmable = req.Warmable && commit
+	// A dry evaluation decides as a committed one would (the request
+	// stays on the holder); only a commit asks for the copy.
+	ev.warmable = req.Warmable
 	s.evaluate(ctx, req, cands, ev, commit)
 	var dec router.Decision
 	switch {

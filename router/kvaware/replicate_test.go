@@ -183,6 +183,25 @@ func TestHotPrefixWarmCopy(t *testing.T) {
 		t.Errorf("after the copy: %s (%s, warm %v), want the copy's instance %s (kv_match)", d.Instance.ID(), d.Reason, d.Warm != nil, alt.ID())
 	}
 
+	// A dry evaluation (Preview: replicas compared at one instant, the
+	// admin decide endpoint) of the buying request decides as the commit
+	// will — the holder — and asks for no copy.
+	w4 := newKVWorld(t, 4)
+	s4 := w4.strategy(fixed)
+	w4.store(w4.insts[1].ID(), system, 0, 64)
+	for range running {
+		w4.insts[1].Acquire()
+	}
+	for i := 0; i < at-1; i++ {
+		kvPick(t, s4, req(i), w4.insts)
+	}
+	if kv, _, err := Preview(context.Background(), s4, req(at-1), w4.insts); err != nil || kv.Instance != w4.insts[1] || kv.Reason != router.ReasonKVMatch || kv.Warm != nil {
+		t.Fatalf("preview of the purchase: %v %s (%s), warm %v; want the holder, no copy", err, kv.Instance.ID(), kv.Reason, kv.Warm != nil)
+	}
+	if d := kvPick(t, s4, req(at-1), w4.insts); d.Instance != w4.insts[1] || d.Warm == nil {
+		t.Fatalf("the purchase after its preview: %s, warm %v; want the holder with a copy", d.Instance.ID(), d.Warm != nil)
+	}
+
 	// Without the edge's support, the same purchase moves the request.
 	w2 := newKVWorld(t, 4)
 	s2 := w2.strategy(fixed)
