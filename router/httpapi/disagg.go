@@ -179,21 +179,11 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 func (s *Server) prefill(r *http.Request, pool *router.Pool, dec router.Decision, body []byte, path string, timeout time.Duration) (kv json.RawMessage, err error) {
 	ctx, cancel := context.WithTimeout(r.Context(), timeout)
 	defer cancel()
-	u := *dec.Instance.URL()
-	u.Path = strings.TrimSuffix(u.Path, "/") + path
-	u.RawPath = ""
-	out, err := http.NewRequestWithContext(ctx, http.MethodPost, u.String(), bytes.NewReader(body))
+	out, err := http.NewRequestWithContext(ctx, http.MethodPost, sideURL(dec.Instance, path), bytes.NewReader(body))
 	if err != nil {
 		return nil, err
 	}
-	for k, v := range r.Header {
-		switch http.CanonicalHeaderKey(k) {
-		case "Content-Length", "Connection", "Te", "Trailer", "Transfer-Encoding", "Upgrade", "Keep-Alive", "Proxy-Connection", "Accept-Encoding":
-			continue
-		}
-		out.Header[k] = v
-	}
-	out.Header.Set("Content-Type", "application/json")
+	out.Header = sideHeader(r)
 	s.injectTrace(r.Context(), out.Header)
 	dec.Instance.Acquire()
 	status := 0
@@ -226,6 +216,31 @@ func (s *Server) prefill(r *http.Request, pool *router.Pool, dec router.Decision
 		return nil, errors.New("prefill answer over " + strconv.Itoa(maxPrefillAnswer) + " bytes")
 	}
 	return transferParams(answer)
+}
+
+// sideURL is path on inst: where a request the router makes beside the
+// client's (a prefill stage, a warm-up copy) goes.
+func sideURL(inst *router.Instance, path string) string {
+	u := *inst.URL()
+	u.Path = strings.TrimSuffix(u.Path, "/") + path
+	u.RawPath = ""
+	return u.String()
+}
+
+// sideHeader is the client's headers as a request beside it carries them
+// (credentials and tenant kept; hop-by-hop and length headers dropped; a
+// JSON body).
+func sideHeader(r *http.Request) http.Header {
+	h := make(http.Header, len(r.Header))
+	for k, v := range r.Header {
+		switch http.CanonicalHeaderKey(k) {
+		case "Content-Length", "Connection", "Te", "Trailer", "Transfer-Encoding", "Upgrade", "Keep-Alive", "Proxy-Connection", "Accept-Encoding":
+			continue
+		}
+		h[k] = v
+	}
+	h.Set("Content-Type", "application/json")
+	return h
 }
 
 // promptHolder is a strategy that can tell how much of a prompt the

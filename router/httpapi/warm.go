@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
-	"strings"
 	"time"
 
 	"github.com/kvrouter/kvrouter/router"
@@ -58,18 +57,7 @@ func (s *Server) sendWarm(r *http.Request, pool *router.Pool, req *router.Reques
 		}
 		return
 	}
-	u := *w.Instance.URL()
-	u.Path = strings.TrimSuffix(u.Path, "/") + path
-	u.RawPath = ""
-	hdr := make(http.Header, len(r.Header))
-	for k, v := range r.Header {
-		switch http.CanonicalHeaderKey(k) {
-		case "Content-Length", "Connection", "Te", "Trailer", "Transfer-Encoding", "Upgrade", "Keep-Alive", "Proxy-Connection", "Accept-Encoding":
-			continue
-		}
-		hdr[k] = v
-	}
-	hdr.Set("Content-Type", "application/json")
+	target, hdr := sideURL(w.Instance, path), sideHeader(r)
 	w.Instance.Acquire()
 	go func() {
 		status, cached := 0, -1
@@ -81,7 +69,7 @@ func (s *Server) sendWarm(r *http.Request, pool *router.Pool, req *router.Reques
 		}()
 		ctx, cancel := context.WithTimeout(context.Background(), warmTimeout)
 		defer cancel()
-		out, err := http.NewRequestWithContext(ctx, http.MethodPost, u.String(), bytes.NewReader(body))
+		out, err := http.NewRequestWithContext(ctx, http.MethodPost, target, bytes.NewReader(body))
 		if err != nil {
 			s.m.warms.WithLabelValues(pool.Name(), w.Instance.ID(), "error").Inc()
 			return
