@@ -20,6 +20,7 @@ import (
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/report"
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/workload"
 )
@@ -404,6 +405,13 @@ func TestDESWarmCopies(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	checkWarmRun(t, res, rt.kv.state)
+}
+
+// checkWarmRun: the run sent warm-up copies, served every request, and
+// left no copy's prefill pending in any router's state.
+func checkWarmRun(t *testing.T, res *des.Result, states ...*kvaware.KVState) {
+	t.Helper()
 	if res.Warms == 0 {
 		t.Fatal("no warm-up copy in the run: the workload's hot toolsets bought none")
 	}
@@ -412,9 +420,11 @@ func TestDESWarmCopies(t *testing.T) {
 			t.Fatalf("request %d: %q (TTFT %v)", o.ID, o.Err, o.TTFT)
 		}
 	}
-	for _, name := range res.Instances {
-		if tok, n := rt.kv.state.PendingPrefill(name); tok != 0 || n != 0 {
-			t.Errorf("%s: %d pending prefill tokens in %d requests after the run", name, tok, n)
+	for i, st := range states {
+		for _, name := range res.Instances {
+			if tok, n := st.PendingPrefill(name); tok != 0 || n != 0 {
+				t.Errorf("router %d, %s: %d pending prefill tokens in %d requests after the run", i, name, tok, n)
+			}
 		}
 	}
 	t.Logf("%d requests, %d warm-up copies", len(res.Outcomes), res.Warms)

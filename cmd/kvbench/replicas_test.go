@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"regexp"
 	"strconv"
 	"strings"
@@ -369,20 +370,9 @@ func TestReplicaWarmCopies(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if res.Warms == 0 {
-		t.Fatal("no warm-up copy with two replicas")
-	}
-	for _, o := range res.Outcomes {
-		if o.Err != "" || o.TTFT <= 0 {
-			t.Fatalf("request %d: %q (TTFT %v)", o.ID, o.Err, o.TTFT)
-		}
-	}
+	states := make([]*kvaware.KVState, len(set.reps))
 	for i, r := range set.reps {
-		for _, name := range res.Instances {
-			if tok, n := r.kv.state.PendingPrefill(name); tok != 0 || n != 0 {
-				t.Errorf("replica %d, %s: %d pending prefill tokens in %d requests after the run", i, name, tok, n)
-			}
-		}
+		states[i] = r.kv.state
 	}
-	t.Logf("%d requests, %d warm-up copies", len(res.Outcomes), res.Warms)
+	checkWarmRun(t, res, states...)
 }
