@@ -54,18 +54,24 @@ func newTableWorld(t *testing.T, n int) (*kvWorld, *tablePeers) {
 func publish(t *testing.T, name string, from *tablePeers, to ...*tablePeers) {
 	t.Helper()
 	qs, computed := from.place(nil)
-	m := &replicasync.Message{Kind: replicasync.KindPlacement, Replica: name, Incarnation: 1, Complete: true, Computed: computed, Queues: qs}
+	got := throughWire(t, &replicasync.Message{Kind: replicasync.KindPlacement, Replica: name, Incarnation: 1, Complete: true, Computed: computed, Queues: qs})
+	for _, p := range to {
+		p.Table.ApplyPlacement(&got)
+	}
+}
+
+// throughWire is m as a peer receives it: encoded, then decoded.
+func throughWire(t *testing.T, m *replicasync.Message) replicasync.Message {
+	t.Helper()
 	b, err := m.AppendBinary(nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err := replicasync.Decode(b) // through the wire format
+	got, err := replicasync.Decode(b)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, p := range to {
-		p.Table.ApplyPlacement(&got)
-	}
+	return got
 }
 
 // Three replicas with different histories (each averaged ū and W̄ from its

@@ -26,15 +26,7 @@ func (p *rentPeers) AttachRent(f func([]replicasync.Rent, bool) []replicasync.Re
 // through the wire format, as a replica's flush does.
 func sendRents(t *testing.T, name string, from *rentPeers, full bool, to ...*rentPeers) {
 	t.Helper()
-	m := &replicasync.Message{Kind: replicasync.KindRent, Replica: name, Incarnation: 1, Complete: full, Rents: from.rent(nil, full)}
-	b, err := m.AppendBinary(nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	got, err := replicasync.Decode(b)
-	if err != nil {
-		t.Fatal(err)
-	}
+	got := throughWire(t, &replicasync.Message{Kind: replicasync.KindRent, Replica: name, Incarnation: 1, Complete: full, Rents: from.rent(nil, full)})
 	for _, p := range to {
 		p.Table.ApplyRent(&got)
 	}
