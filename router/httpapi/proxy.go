@@ -198,7 +198,6 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *router.Table,
 	// body it can rewrite to one output token; picks made before it (a
 	// disaggregated request's prefill stage) leave the flag false.
 	req.Warmable = req.ProxyCanWarm()
-	defer func() { req.Warmable = false }()
 	for n := 1; n <= maxAttempts; n++ {
 		t0 := time.Now()
 		cands, _ := pool.Candidates(buf[:0], req.Adapter, exclude)

@@ -784,12 +784,12 @@ const WarmTag = uint64(1) << 61
 // under id|WarmTag and nothing else: it is no request of the workload.
 func (r *run) warm(id uint64, name string, req *workload.Request, salt string) {
 	wid := id | WarmTag
+	r.cfg.Router.Started(wid, name) // every end below releases what this counts
 	in := r.byName[name]
 	if in == nil || !in.live {
 		r.cfg.Router.Finished(wid, name, fmt.Errorf("%w: warm-up on %q", errNotLive, name))
 		return
 	}
-	r.cfg.Router.Started(wid, in.name)
 	prompt := append([]uint32(nil), r.tokBuf...)
 	if err := in.engine.Submit(EngineRequest{ID: wid, Prompt: prompt, MaxTokens: 1, Adapter: req.Adapter, CacheSalt: salt}, r.now); err != nil {
 		r.cfg.Router.Finished(wid, in.name, err)
