@@ -1,7 +1,9 @@
 package workload
 
 import (
+	"bytes"
 	"container/heap"
+	"encoding/json"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -261,13 +263,8 @@ type SynthShape struct {
 
 // Apply returns the profile moved by the shape.
 func (s SynthShape) Apply(p SynthProfile) (SynthProfile, error) {
-	for _, v := range []float64{s.DepthScale, s.RootZipf, s.BurstScale, s.LengthScale, s.FollowUpScale} {
-		if v < 0 || math.IsNaN(v) || math.IsInf(v, 0) {
-			return p, fmt.Errorf("%w: synth shape %q: scales must be finite and >= 0", ErrInvalid, s.Name)
-		}
-	}
-	if s.Roots < 0 || s.MinRootDepth < 0 || s.FollowUp > 0.95 || math.IsNaN(s.FollowUp) {
-		return p, fmt.Errorf("%w: synth shape %q: roots and min depth >= 0, follow-up <= 0.95", ErrInvalid, s.Name)
+	if err := s.Validate(); err != nil {
+		return p, err
 	}
 	if s.DepthScale > 0 {
 		p.RootDepth = p.RootDepth.scaled(s.DepthScale)
@@ -315,6 +312,87 @@ func (s SynthShape) Apply(p SynthProfile) (SynthProfile, error) {
 		p.FollowUp = min(p.FollowUp*s.FollowUpScale, 0.95)
 	}
 	return p, nil
+}
+
+// Validate reports a shape whose values Apply cannot use.
+func (s SynthShape) Validate() error {
+	for _, v := range []float64{s.DepthScale, s.RootZipf, s.BurstScale, s.LengthScale, s.FollowUpScale} {
+		if v < 0 || math.IsNaN(v) || math.IsInf(v, 0) {
+			return fmt.Errorf("%w: synth shape %q: scales must be finite and >= 0", ErrInvalid, s.Name)
+		}
+	}
+	if s.Roots < 0 || s.MinRootDepth < 0 || s.FollowUp > 0.95 || math.IsNaN(s.FollowUp) || math.IsInf(s.FollowUp, 0) {
+		return fmt.Errorf("%w: synth shape %q: roots and min depth >= 0, follow-up <= 0.95", ErrInvalid, s.Name)
+	}
+	// Bounds that keep a drawn trace meaningful and its drawing cheap.
+	for _, v := range []float64{s.DepthScale, s.BurstScale, s.LengthScale, s.FollowUpScale} {
+		if v > maxSynthScale {
+			return fmt.Errorf("%w: synth shape %q: scales must be <= %g", ErrInvalid, s.Name, float64(maxSynthScale))
+		}
+	}
+	if s.RootZipf > maxSynthScale || s.Roots > maxSynthRoots || s.MinRootDepth > maxSynthRootDepth {
+		return fmt.Errorf("%w: synth shape %q: root zipf <= %g, roots <= %d, min root depth <= %d blocks", ErrInvalid, s.Name, float64(maxSynthScale), maxSynthRoots, maxSynthRootDepth)
+	}
+	return nil
+}
+
+// Bounds on a shape. A scale moves an axis by at most 64× (six doublings:
+// a 3 s burst epoch becomes at most 3 min; beyond that a trace is a
+// different workload, not a moved one). 2^16 roots is more shared prompts
+// than the bundled trace's 12,031 requests can use. 256 blocks of 512
+// tokens is 131,072 tokens, the longest context the simulated engine
+// takes (Llama 3.1's, sim.DefaultMaxModelLen).
+const (
+	maxSynthScale     = 64
+	maxSynthRoots     = 1 << 16
+	maxSynthRootDepth = 256
+)
+
+// ParseSynthShapes reads shapes beyond the built-in ones from JSON: an
+// object from name to SynthShape (its JSON fields, e.g.
+// {"bursty": {"burst_scale": 8, "follow_up": 0.8}}). A name is lower-case
+// letters, digits and '-', at most 64 bytes, and not a built-in shape's;
+// an unknown field or a value Apply cannot use is an error, not ignored.
+func ParseSynthShapes(data []byte) (map[string]SynthShape, error) {
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	var raw map[string]SynthShape
+	if err := dec.Decode(&raw); err != nil {
+		return nil, fmt.Errorf("%w: synth shapes: %v", ErrInvalid, err)
+	}
+	if dec.More() {
+		return nil, fmt.Errorf("%w: synth shapes: more than one JSON value", ErrInvalid)
+	}
+	out := make(map[string]SynthShape, len(raw))
+	for name, s := range raw {
+		if !validShapeName(name) {
+			return nil, fmt.Errorf("%w: synth shape name %q: want 1-64 of [a-z0-9-]", ErrInvalid, name)
+		}
+		if _, ok := SynthShapes[name]; ok {
+			return nil, fmt.Errorf("%w: synth shape %q is built in", ErrInvalid, name)
+		}
+		if s.Name != "" && s.Name != name {
+			return nil, fmt.Errorf("%w: synth shape %q names itself %q", ErrInvalid, name, s.Name)
+		}
+		s.Name = name
+		if err := s.Validate(); err != nil {
+			return nil, err
+		}
+		out[name] = s
+	}
+	return out, nil
+}
+
+func validShapeName(name string) bool {
+	if name == "" || len(name) > 64 {
+		return false
+	}
+	for _, c := range name {
+		if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-') {
+			return false
+		}
+	}
+	return true
 }
 
 // meanRate is the profile's mean arrival rate, requests per second.
@@ -469,12 +547,19 @@ func (g *synthGen) followUp(parent TraceRecord) (TraceRecord, bool) {
 }
 
 // Synthesise fits recs and draws a trace of n requests (0 = as many as
-// recs) with the named shape (see SynthShapes).
-func Synthesise(recs []TraceRecord, shape string, n int, seed uint64) ([]TraceRecord, error) {
-	s, ok := SynthShapes[shape]
+// recs) with the named shape: one of extra (ParseSynthShapes; may be nil)
+// or of SynthShapes.
+func Synthesise(recs []TraceRecord, shape string, extra map[string]SynthShape, n int, seed uint64) ([]TraceRecord, error) {
+	s, ok := extra[shape]
 	if !ok {
-		names := make([]string, 0, len(SynthShapes))
+		s, ok = SynthShapes[shape]
+	}
+	if !ok {
+		names := make([]string, 0, len(SynthShapes)+len(extra))
 		for k := range SynthShapes {
+			names = append(names, k)
+		}
+		for k := range extra {
 			names = append(names, k)
 		}
 		sort.Strings(names)

@@ -3,6 +3,7 @@ package workload
 import (
 	"errors"
 	"math"
+	"os"
 	"reflect"
 	"sort"
 	"testing"
@@ -20,7 +21,7 @@ func TestSynthCalibrated(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	syn, err := Synthesise(recs, "calibrated", 0, 1)
+	syn, err := Synthesise(recs, "calibrated", nil, 0, 1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -72,7 +73,7 @@ func TestSynthShapes(t *testing.T) {
 		t.Fatal(err)
 	}
 	fit := func(shape string) SynthProfile {
-		syn, err := Synthesise(recs, shape, 0, 2)
+		syn, err := Synthesise(recs, shape, nil, 0, 2)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -115,9 +116,9 @@ func TestSynthShapes(t *testing.T) {
 
 func TestSynthDeterministicAndErrors(t *testing.T) {
 	recs := loadTrace(t)[:1500]
-	a, _ := Synthesise(recs, "bursty-long", 500, 7)
-	b, _ := Synthesise(recs, "bursty-long", 500, 7)
-	c, _ := Synthesise(recs, "bursty-long", 500, 8)
+	a, _ := Synthesise(recs, "bursty-long", nil, 500, 7)
+	b, _ := Synthesise(recs, "bursty-long", nil, 500, 7)
+	c, _ := Synthesise(recs, "bursty-long", nil, 500, 8)
 	if !reflect.DeepEqual(a, b) || reflect.DeepEqual(a, c) || len(a) != 500 {
 		t.Errorf("same seed must give the same trace, another seed another (%d records)", len(a))
 	}
@@ -126,7 +127,7 @@ func TestSynthDeterministicAndErrors(t *testing.T) {
 			t.Fatalf("synthesised record invalid: %v", err)
 		}
 	}
-	if _, err := Synthesise(recs, "nope", 0, 1); !errors.Is(err, ErrInvalid) {
+	if _, err := Synthesise(recs, "nope", nil, 0, 1); !errors.Is(err, ErrInvalid) {
 		t.Errorf("unknown shape: %v", err)
 	}
 	if _, err := Fit(recs[:1]); !errors.Is(err, ErrInvalid) {
@@ -201,4 +202,95 @@ func TestReplicateWorkload(t *testing.T) {
 	if _, err := Replicate(&Workload{ClosedLoop: 2}, 2); !errors.Is(err, ErrInvalid) {
 		t.Errorf("closed loop: %v", err)
 	}
+}
+
+// TestParseSynthShapes: shapes from a file draw like the built-in ones
+// (the probe file's bursty shape makes bursts as a built-in shape with the
+// same fields does), and every kind of bad file is refused with
+// ErrInvalid rather than partly read.
+func TestParseSynthShapes(t *testing.T) {
+	shapes, err := ParseSynthShapes([]byte(`{"wave": {"burst_scale": 4, "length_scale": 1.5, "follow_up": 0.6}, "deep-2": {"roots": 4, "min_root_depth": 64}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(shapes) != 2 || shapes["wave"].Name != "wave" || shapes["deep-2"].MinRootDepth != 64 {
+		t.Fatalf("shapes %+v", shapes)
+	}
+	recs := loadTrace(t)[:1500]
+	// The same fields as the built-in bursty-long: the same trace.
+	got, err := Synthesise(recs, "wave", shapes, 300, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, err := Synthesise(recs, "bursty-long", nil, 300, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Error("a file shape with bursty-long's fields drew another trace")
+	}
+	deep, err := Synthesise(recs, "deep-2", shapes, 300, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots := map[int64]bool{}
+	for _, r := range deep {
+		roots[r.HashIDs[0]] = true
+	}
+	if len(roots) > 4 {
+		t.Errorf("deep-2: %d distinct first blocks, want at most 4 roots", len(roots))
+	}
+	for _, bad := range []string{
+		``, `[]`, `{"x": 1}`, `{"x": {"burst": 2}}`, `{"x": {"burst_scale": -1}}`,
+		`{"x": {"follow_up": 0.99}}`, `{"x": {"roots": 2000000}}`, `{"x": {"min_root_depth": 300}}`, `{"x": {"burst_scale": 65}}`, `{"x": {"root_zipf": 1e9}}`,
+		`{"X": {}}`, `{"": {}}`, `{"bursty-long": {}}`, `{"x": {"name": "y"}}`, `{"x": {}} {"y": {}}`,
+	} {
+		if _, err := ParseSynthShapes([]byte(bad)); !errors.Is(err, ErrInvalid) {
+			t.Errorf("%q: err %v, want ErrInvalid", bad, err)
+		}
+	}
+}
+
+// FuzzParseSynthShapes: whatever the file, the parser errs or returns
+// shapes that validate and draw a trace of the asked size.
+func FuzzParseSynthShapes(f *testing.F) {
+	f.Add([]byte(`{"a": {"burst_scale": 8, "follow_up": 0.8}}`))
+	f.Add([]byte(`{"b": {"roots": 16, "root_zipf": 1.2, "min_root_depth": 32, "poisson": true}}`))
+	f.Add([]byte(`{"c": {"follow_up": -1, "length_scale": 0}}`))
+	probe, err := os.ReadFile("../docs/benchmarks/shapes-probe.json")
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(probe)
+	prof, err := Fit(loadTrace(f)[:400])
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		shapes, err := ParseSynthShapes(data)
+		if err != nil {
+			if !errors.Is(err, ErrInvalid) {
+				t.Fatalf("error without ErrInvalid: %v", err)
+			}
+			return
+		}
+		for name, s := range shapes {
+			if s.Name != name || s.Validate() != nil {
+				t.Fatalf("shape %q accepted but invalid: %+v", name, s)
+			}
+			p, err := s.Apply(prof)
+			if err != nil {
+				t.Fatalf("shape %q accepted but not applied: %v", name, err)
+			}
+			syn, err := p.Generate(50, 1)
+			if err != nil || len(syn) != 50 {
+				t.Fatalf("shape %q: %d records, want 50: %v", name, len(syn), err)
+			}
+			for _, r := range syn {
+				if err := r.validate(); err != nil {
+					t.Fatalf("shape %q drew an invalid record: %v", name, err)
+				}
+			}
+		}
+	})
 }

@@ -37,7 +37,11 @@ type workloadFlags struct {
 	speed     float64
 	spread    bool
 	replicate int
-	fleetToks int64 // for cache-pressure: the fleet's GPU capacity
+	// shapesFile names a JSON file of synth shapes beyond the built-in
+	// ones (--synth-shapes); shapes is what it held, read once.
+	shapesFile string
+	shapes     map[string]workload.SynthShape
+	fleetToks  int64 // for cache-pressure: the fleet's GPU capacity
 	fs        *flag.FlagSet
 	// traces caches parsed traces by path across builds (a sweep builds
 	// many workloads from one trace); nil = no cache. Records are never
@@ -72,8 +76,46 @@ func (f *workloadFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.trace, "trace", workload.DefaultTracePath, "trace for --workload mooncake, and the trace synth-* workloads are calibrated to (default: the bundled Mooncake conversation trace)")
 	fs.Float64Var(&f.speed, "speed", 1, "trace replay speed factor (2 = twice as fast)")
 	fs.BoolVar(&f.spread, "spread", false, "trace workloads: spread the requests that share an arrival time evenly over the gap to the next arrival time (the Mooncake trace's timestamps are 3 s epochs of ~10 requests each)")
+	fs.StringVar(&f.shapesFile, "synth-shapes", "", synthShapesUsage)
 	fs.IntVar(&f.replicate, "replicate", 1, "play N disjoint copies of the workload at once (offset hash ids or seeds, shifted starts): the same per-instance load on an N-times larger fleet")
 	f.fs = fs
+}
+
+// synthShapesUsage documents --synth-shapes wherever it is offered.
+const synthShapesUsage = "JSON file of synth shapes beyond the built-in ones, {\"name\": {\"burst_scale\": 8, ...}}, used as synth-<name> (docs/kvbench.md; docs/benchmarks/shapes-probe.json is one)"
+
+// synthShapes reads --synth-shapes once (nil without it).
+func (f *workloadFlags) synthShapes() (map[string]workload.SynthShape, error) {
+	if f.shapesFile == "" || f.shapes != nil {
+		return f.shapes, nil
+	}
+	shapes, err := readSynthShapes(f.shapesFile)
+	if err != nil {
+		return nil, err
+	}
+	f.shapes = shapes
+	return shapes, nil
+}
+
+// readSynthShapes reads a --synth-shapes file (at most 1 MiB).
+func readSynthShapes(path string) (map[string]workload.SynthShape, error) {
+	fh, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("--synth-shapes: %w", err)
+	}
+	defer fh.Close()
+	data, err := io.ReadAll(io.LimitReader(fh, 1<<20+1))
+	if err != nil {
+		return nil, fmt.Errorf("--synth-shapes %s: %w", path, err)
+	}
+	if len(data) > 1<<20 {
+		return nil, fmt.Errorf("--synth-shapes %s: larger than 1 MiB", path)
+	}
+	shapes, err := workload.ParseSynthShapes(data)
+	if err != nil {
+		return nil, fmt.Errorf("--synth-shapes %s: %w", path, err)
+	}
+	return shapes, nil
 }
 
 // setFlags are the flags given on the command line.
@@ -100,6 +142,9 @@ func (f *workloadFlags) buildAll() (built, error) {
 	if f.replicate < 1 {
 		return built{}, fmt.Errorf("--replicate %d: want >= 1", f.replicate)
 	}
+	if set["synth-shapes"] && !strings.HasPrefix(f.name, synthPrefix) {
+		return built{}, fmt.Errorf("--synth-shapes applies to synth-* workloads only, not %s", f.name)
+	}
 	if isTrace(f.name) {
 		for _, fl := range []string{"rate", "concurrency"} {
 			if set[fl] {
@@ -111,8 +156,12 @@ func (f *workloadFlags) buildAll() (built, error) {
 			return built{}, err
 		}
 		if shape, ok := strings.CutPrefix(f.name, synthPrefix); ok {
+			shapes, err := f.synthShapes()
+			if err != nil {
+				return built{}, err
+			}
 			// Draw only the requests kept (--limit), as many as the trace otherwise.
-			if recs, err = workload.Synthesise(recs, shape, max(f.limit, 0), uint64(f.seed)); err != nil {
+			if recs, err = workload.Synthesise(recs, shape, shapes, max(f.limit, 0), uint64(f.seed)); err != nil {
 				return built{}, err
 			}
 		}

@@ -326,6 +326,61 @@ func TestSynthCommand(t *testing.T) {
 	}
 }
 
+// TestSynthShapesFile: the shapes in --synth-shapes (the committed probe
+// file) run as synth-<name> through synth, des and sweep; des refuses the
+// flag for a workload that is not synthesised, and a bad file is an error
+// naming it.
+func TestSynthShapesFile(t *testing.T) {
+	const probe = "../../docs/benchmarks/shapes-probe.json"
+	dir := t.TempDir()
+	var out, errb bytes.Buffer
+	p := filepath.Join(dir, "p.jsonl")
+	if err := run(context.Background(), []string{"synth", "--synth-shapes", probe, "--shape", "probe-3", "--requests", "200", "--out", p}, &out, &errb); err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	recs, err := workload.OpenTrace(p)
+	if err != nil || len(recs) != 200 {
+		t.Fatalf("%d records: %v", len(recs), err)
+	}
+	roots := map[int64]bool{}
+	for _, r := range recs {
+		roots[r.HashIDs[0]] = true
+	}
+	if len(roots) > 16 { // probe-3 has 16 roots
+		t.Errorf("probe-3: %d roots, want at most 16", len(roots))
+	}
+	out.Reset()
+	if err := run(context.Background(), []string{"des", "--workload", "synth-probe-9", "--synth-shapes", probe, "--limit", "150", "--instances", "2",
+		"--strategies", "prefix_aware"}, &out, &errb); err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	if !strings.Contains(out.String(), "workload synth-probe-9: 150 requests") {
+		t.Errorf("des output:\n%s", out.String())
+	}
+	sw := filepath.Join(dir, "sweep")
+	if err := run(context.Background(), []string{"sweep", "--synth-shapes", probe, "--workloads", "synth-probe-1", "--loads", "1", "--fleets", "2",
+		"--instances", "2", "--limit", "30", "--out", sw}, &out, &errb); err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	if _, err := os.Stat(filepath.Join(sw, "synth-probe-1.md")); err != nil {
+		t.Error(err)
+	}
+	bad := filepath.Join(dir, "bad.json")
+	if err := os.WriteFile(bad, []byte(`{"x": {"burst_scale": -2}}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{
+		{"des", "--workload", "chat", "--synth-shapes", probe, "--limit", "5"},
+		{"des", "--workload", "synth-x", "--synth-shapes", bad, "--limit", "5"},
+		{"des", "--workload", "synth-probe-1", "--limit", "5"}, // no file: unknown shape
+		{"sweep", "--synth-shapes", filepath.Join(dir, "missing.json"), "--workloads", "synth-probe-1", "--out", sw},
+	} {
+		if err := run(context.Background(), args, &out, &errb); err == nil {
+			t.Errorf("%v: no error", args)
+		}
+	}
+}
+
 // TestSweepCommand: a small sweep writes a table and a chart per workload,
 // with kv_aware's ratios to prefix_aware at each fleet size and load.
 func TestSweepCommand(t *testing.T) {

@@ -50,6 +50,7 @@ func runSweep(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	limit128 := fs.Int("limit-large", 0, "requests per copy for fleets over --instances (0 = --limit): keeps large fleets affordable")
 	seed := fs.Int64("seed", 1, "seed")
 	trace := fs.String("trace", workload.DefaultTracePath, "trace for mooncake and synth-* workloads")
+	shapesFile := fs.String("synth-shapes", "", synthShapesUsage)
 	quick := fs.Bool("quick", false, "a small sweep for a quick look: loads 1,2,4, fleet 8, 1,500 requests per workload")
 	out := fs.String("out", "", "directory for <workload>.md and <workload>.svg (required)")
 	if err := fs.Parse(args); err != nil {
@@ -85,13 +86,19 @@ func runSweep(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err := os.MkdirAll(*out, 0o755); err != nil {
 		return err
 	}
+	var shapes map[string]workload.SynthShape
+	if *shapesFile != "" {
+		if shapes, err = readSynthShapes(*shapesFile); err != nil {
+			return err
+		}
+	}
 	traces := map[string][]workload.TraceRecord{}
 	for _, wname := range splitList(*workloads) {
 		var rows []sweepRow
 		for _, n := range fl {
 			for _, load := range ls {
 				name, scale := strings.CutSuffix(wname, "+scale")
-				wf := workloadFlags{name: name, seed: *seed, trace: *trace, speed: 1, replicate: n / base, limit: *limit, scale: scale, traces: traces}
+				wf := workloadFlags{name: name, seed: *seed, trace: *trace, speed: 1, replicate: n / base, limit: *limit, scale: scale, traces: traces, shapes: shapes}
 				if n > base && *limit128 > 0 {
 					wf.limit = *limit128
 				}

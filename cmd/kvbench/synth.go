@@ -20,13 +20,14 @@ func runSynth(_ context.Context, args []string, stdout, stderr io.Writer) error 
 	fs := flag.NewFlagSet("synth", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	setUsage(fs, stderr, "kvbench synth --shape S [--trace FILE] [--out FILE]", "Writes a trace synthesised from a trace's fitted shape (prefix tree, lengths, bursts, turn\norder), so a rule can be tried on traffic it was not developed against (docs/kvbench.md).", []string{"kvbench synth --shape calibrated --out synth.jsonl.gz"})
-	shapes := make([]string, 0, len(workload.SynthShapes))
+	names := make([]string, 0, len(workload.SynthShapes))
 	for k := range workload.SynthShapes {
-		shapes = append(shapes, k)
+		names = append(names, k)
 	}
-	sort.Strings(shapes)
+	sort.Strings(names)
 	trace := fs.String("trace", workload.DefaultTracePath, "trace to calibrate to (Mooncake format, plain or gzip)")
-	shape := fs.String("shape", "calibrated", "shape: "+strings.Join(shapes, ", "))
+	shape := fs.String("shape", "calibrated", "shape: "+strings.Join(names, ", ")+", or one of --synth-shapes")
+	shapesFile := fs.String("synth-shapes", "", synthShapesUsage)
 	n := fs.Int("requests", 0, "requests to draw (0 = as many as the trace)")
 	seed := fs.Uint64("seed", 1, "seed (same seed, same trace)")
 	out := fs.String("out", "", "file to write the trace to (JSON lines; required)")
@@ -36,11 +37,18 @@ func runSynth(_ context.Context, args []string, stdout, stderr io.Writer) error 
 	if *out == "" {
 		return fmt.Errorf("--out is required")
 	}
+	var shapes map[string]workload.SynthShape
+	if *shapesFile != "" {
+		var err error
+		if shapes, err = readSynthShapes(*shapesFile); err != nil {
+			return err
+		}
+	}
 	recs, err := workload.OpenTrace(*trace)
 	if err != nil {
 		return err
 	}
-	syn, err := workload.Synthesise(recs, *shape, *n, *seed)
+	syn, err := workload.Synthesise(recs, *shape, shapes, *n, *seed)
 	if err != nil {
 		return err
 	}
