@@ -1,7 +1,6 @@
 package workload
 
 import (
-	"fmt"
 	"time"
 
 	"github.com/kvrouter/kvrouter/internal/zero"
@@ -85,14 +84,8 @@ func (c Agent) Generate(seed int64) (*Workload, error) {
 		hist := []Segment{run.seg("toolset", uint64(tool), tools[tool], "system")}
 		steps := c.MinSteps + rng.IntN(c.MaxSteps-c.MinSteps+1)
 		for t := 0; t < steps; t++ {
-			id := uint64(s)<<16 | uint64(t)
-			hist = append(hist, run.seg("observation", id, obs.draw(rng), "user"))
-			a := out.draw(rng)
-			w.Requests = append(w.Requests, Request{
-				At: at, Session: fmt.Sprintf("a%d", s), Turn: t,
-				Prompt: append([]Segment(nil), hist...), OutputTokens: a,
-			})
-			hist = append(hist, run.seg("assistant", id, a, "assistant"))
+			o := obs.draw(rng)
+			hist = run.turn(hist, at, "a", s, t, "observation", o, out.draw(rng))
 			at += expDur(rng, c.StepTime)
 		}
 	}

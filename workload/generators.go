@@ -90,6 +90,21 @@ func (run *genRun) prefixGroups(groups, perGroup, prefixTokens, questionTokens, 
 	}
 }
 
+// turn adds turn t of session s (named prefix+s) whose prompt is its whole
+// history: the turn's input (label, in tokens) joins hist, the request sends
+// the history so far and asks for out tokens, and the reply joins the history
+// as the engine would see it in the next turn's prompt. The shape Chat and
+// Agent share; it returns the history after the turn.
+func (run *genRun) turn(hist []Segment, at time.Duration, prefix string, s, t int, label string, in, out int) []Segment {
+	id := uint64(s)<<16 | uint64(t)
+	hist = append(hist, run.seg(label, id, in, "user"))
+	run.w.Requests = append(run.w.Requests, Request{
+		At: at, Session: fmt.Sprintf("%s%d", prefix, s), Turn: t,
+		Prompt: append([]Segment(nil), hist...), OutputTokens: out,
+	})
+	return append(hist, run.seg("assistant", id, out, "assistant"))
+}
+
 // LongContext is SageMaker's long-context benchmark shape: groups of
 // requests that share a long prefix (a document, a system prompt) and each
 // ask a short question. The zero value means the defaults documented on each
@@ -204,15 +219,7 @@ func (c Chat) Generate(seed int64) (*Workload, error) {
 			for q+a > c.MaxPairTokens {
 				q, a = in.draw(rng), out.draw(rng)
 			}
-			id := uint64(s)<<16 | uint64(t)
-			hist = append(hist, run.seg("user", id, q, "user"))
-			w.Requests = append(w.Requests, Request{
-				At: at, Session: fmt.Sprintf("s%d", s), Turn: t,
-				Prompt: append([]Segment(nil), hist...), OutputTokens: a,
-			})
-			// The reply joins the history as the engine would see it in the
-			// next turn's prompt.
-			hist = append(hist, run.seg("assistant", id, a, "assistant"))
+			hist = run.turn(hist, at, "s", s, t, "user", q, a)
 			at += expDur(rng, c.ThinkTime)
 		}
 	}
