@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"gopkg.in/yaml.v3"
+
+	"github.com/kvrouter/kvrouter/internal/zero"
 )
 
 // ErrInvalidConfig wraps every configuration validation error.
@@ -24,14 +26,6 @@ var ErrInvalidConfig = errors.New("config: invalid config")
 func invalidf(path string) func(format string, a ...any) error {
 	return func(format string, a ...any) error {
 		return fmt.Errorf("%w: %s"+format, append([]any{ErrInvalidConfig, path}, a...)...)
-	}
-}
-
-// setDefault sets a field left at its zero value to its default.
-func setDefault[T comparable](p *T, v T) {
-	var zero T
-	if *p == zero {
-		*p = v
 	}
 }
 
@@ -468,8 +462,8 @@ func (r RoutingConfig) WithDefaults() RoutingConfig {
 	if r.Strategy == "" {
 		r.Strategy = DefaultStrategy
 	}
-	setDefault(&r.PrefixLength, DefaultPrefixLength)
-	setDefault(&r.ConcurrencyThreshold, DefaultConcurrencyThresh)
+	zero.Default(&r.PrefixLength, DefaultPrefixLength)
+	zero.Default(&r.ConcurrencyThreshold, DefaultConcurrencyThresh)
 	return r
 }
 
@@ -522,10 +516,10 @@ func (h HealthConfig) WithDefaults() HealthConfig {
 	if h.Path == "" {
 		h.Path = "/health"
 	}
-	setDefault(&h.Interval, 5*time.Second)
-	setDefault(&h.Timeout, 2*time.Second)
-	setDefault(&h.UnhealthyThreshold, 3)
-	setDefault(&h.HealthyThreshold, 2)
+	zero.Default(&h.Interval, 5*time.Second)
+	zero.Default(&h.Timeout, 2*time.Second)
+	zero.Default(&h.UnhealthyThreshold, 3)
+	zero.Default(&h.HealthyThreshold, 2)
 	return h
 }
 
@@ -542,7 +536,7 @@ func (c Config) WithDefaults() Config {
 	if c.Listen == "" {
 		c.Listen = ":8080"
 	}
-	setDefault(&c.MaxBodyBytes, 32<<20)
+	zero.Default(&c.MaxBodyBytes, 32<<20)
 	c.Limits = c.Limits.WithDefaults()
 	if c.Log.Level == "" {
 		c.Log.Level = "info"
@@ -553,8 +547,8 @@ func (c Config) WithDefaults() Config {
 	if c.Proxy.RetryStatuses == nil {
 		c.Proxy.RetryStatuses = []int{502, 503, 504}
 	}
-	setDefault(&c.Proxy.DialTimeout, 2*time.Second)
-	setDefault(&c.Proxy.MaxIdleConnsPerHost, 256)
+	zero.Default(&c.Proxy.DialTimeout, 2*time.Second)
+	zero.Default(&c.Proxy.MaxIdleConnsPerHost, 256)
 	pools := make([]PoolConfig, len(c.Pools))
 	for i, p := range c.Pools {
 		if p.AdapterFallback == "" {
@@ -568,7 +562,7 @@ func (c Config) WithDefaults() Config {
 		}
 		p.Routing = p.Routing.WithDefaults()
 		p.Health = p.Health.WithDefaults()
-		setDefault(&p.Discovery.Interval, 30*time.Second)
+		zero.Default(&p.Discovery.Interval, 30*time.Second)
 		if p.Disaggregation != nil {
 			d := *p.Disaggregation
 			d.applyDefaults()

@@ -3,6 +3,8 @@ package config
 import (
 	"fmt"
 	"time"
+
+	"github.com/kvrouter/kvrouter/internal/zero"
 )
 
 // Instance roles in disaggregated serving (vLLM's kv_role): a prefill
@@ -56,8 +58,8 @@ func (d *DisaggregationConfig) applyDefaults() {
 	if d.Mode == "" {
 		d.Mode = DisaggOff
 	}
-	setDefault(&d.MinPrefillTokens, DefaultMinPrefillTokens)
-	setDefault(&d.PrefillTimeout, 60*time.Second)
+	zero.Default(&d.MinPrefillTokens, DefaultMinPrefillTokens)
+	zero.Default(&d.PrefillTimeout, 60*time.Second)
 }
 
 func (d *DisaggregationConfig) validate(f string, instances []InstanceConfig) error {

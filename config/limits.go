@@ -3,6 +3,8 @@ package config
 import (
 	"fmt"
 	"time"
+
+	"github.com/kvrouter/kvrouter/internal/zero"
 )
 
 // LimitsConfig is the limits: section: bounds on every client input beside
@@ -58,13 +60,13 @@ const (
 
 // WithDefaults returns l with zero fields replaced by their defaults.
 func (l LimitsConfig) WithDefaults() LimitsConfig {
-	setDefault(&l.MaxHeaderBytes, DefaultMaxHeaderBytes)
-	setDefault(&l.MaxMessages, DefaultMaxMessages)
-	setDefault(&l.MaxPromptTokenIDs, DefaultMaxPromptTokenIDs)
-	setDefault(&l.MaxTokenizeBytes, MaxTokenizeBytes)
-	setDefault(&l.ReadHeaderTimeout, DefaultReadHeaderTimeout)
-	setDefault(&l.BodyReadTimeout, DefaultBodyReadTimeout)
-	setDefault(&l.IdleTimeout, DefaultIdleTimeout)
+	zero.Default(&l.MaxHeaderBytes, DefaultMaxHeaderBytes)
+	zero.Default(&l.MaxMessages, DefaultMaxMessages)
+	zero.Default(&l.MaxPromptTokenIDs, DefaultMaxPromptTokenIDs)
+	zero.Default(&l.MaxTokenizeBytes, MaxTokenizeBytes)
+	zero.Default(&l.ReadHeaderTimeout, DefaultReadHeaderTimeout)
+	zero.Default(&l.BodyReadTimeout, DefaultBodyReadTimeout)
+	zero.Default(&l.IdleTimeout, DefaultIdleTimeout)
 	return l
 }
 

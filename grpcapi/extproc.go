@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/kvrouter/kvrouter/internal/zero"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -66,19 +67,11 @@ type ExtProcConfig struct {
 }
 
 func (c ExtProcConfig) withDefaults() ExtProcConfig {
-	if c.PoolHeader == "" {
-		c.PoolHeader = router.HeaderPool
-	}
+	zero.Default(&c.PoolHeader, router.HeaderPool)
 	c.PoolHeader = strings.ToLower(c.PoolHeader) // Envoy sends lower-case names
-	if c.DestinationNamespace == "" {
-		c.DestinationNamespace = DefaultDestinationNamespace
-	}
-	if c.SubsetNamespace == "" {
-		c.SubsetNamespace = DefaultSubsetNamespace
-	}
-	if c.MaxBodyBytes == 0 {
-		c.MaxBodyBytes = DefaultMaxMessageBytes
-	}
+	zero.Default(&c.DestinationNamespace, DefaultDestinationNamespace)
+	zero.Default(&c.SubsetNamespace, DefaultSubsetNamespace)
+	zero.Default(&c.MaxBodyBytes, DefaultMaxMessageBytes)
 	return c
 }
 

@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/internal/zero"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -90,15 +91,9 @@ const (
 )
 
 func (c Config) withDefaults() Config {
-	if c.WatchBuffer == 0 {
-		c.WatchBuffer = DefaultWatchBuffer
-	}
-	if c.MaxMessageBytes == 0 {
-		c.MaxMessageBytes = DefaultMaxMessageBytes
-	}
-	if c.DrainTimeout == 0 {
-		c.DrainTimeout = DefaultDrainTimeout
-	}
+	zero.Default(&c.WatchBuffer, DefaultWatchBuffer)
+	zero.Default(&c.MaxMessageBytes, DefaultMaxMessageBytes)
+	zero.Default(&c.DrainTimeout, DefaultDrainTimeout)
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}

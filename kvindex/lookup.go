@@ -406,6 +406,16 @@ func (ls *lookupState) advance(c *cand, l uint8, i int32) bool {
 	return c.from < tiers.Count
 }
 
+// word is word wi of the bitset lv, zero past its end (a holder set's
+// words stop at its highest slot): what stepSets and stepUniform intersect
+// an alive word with.
+func word(lv []uint64, wi int) uint64 {
+	if wi < len(lv) {
+		return lv[wi]
+	}
+	return 0
+}
+
 // stepSets intersects the alive bitsets with a holder set's.
 func (ls *lookupState) stepSets(hs *holderSet, i int32) {
 	if ls.uniform && hs.slow == 0 {
@@ -419,10 +429,7 @@ func (ls *lookupState) stepSets(hs *holderSet, i int32) {
 			if x == 0 {
 				continue
 			}
-			var y uint64
-			if wi < len(lv) {
-				y = x & lv[wi]
-			}
+			y := x & word(lv, wi)
 			for d := x &^ y; d != 0; d &= d - 1 {
 				ls.out[ls.outIdx[wi*64+bits.TrailingZeros64(d)]].Blocks[t] = int(i)
 			}
@@ -445,10 +452,7 @@ func (ls *lookupState) stepUniform(hs *holderSet, i int32) {
 		if x == 0 {
 			continue
 		}
-		var y uint64
-		if wi < len(lv) {
-			y = x & lv[wi]
-		}
+		y := x & word(lv, wi)
 		if y == x {
 			continue
 		}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvrouter/kvrouter/internal/zero"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
@@ -134,30 +135,16 @@ func DefaultReplica() string {
 
 // WithDefaults fills zero fields with the defaults.
 func (c Config) WithDefaults() Config {
-	if c.Replica == "" {
+	if c.Replica == "" { // DefaultReplica asks the OS: only when needed
 		c.Replica = DefaultReplica()
 	}
-	if c.Interval == 0 {
-		c.Interval = DefaultInterval
-	}
-	if c.MinGap == 0 {
-		c.MinGap = min(DefaultMinGap, c.Interval)
-	}
-	if c.Heartbeat == 0 {
-		c.Heartbeat = DefaultHeartbeat
-	}
-	if c.PeerTimeout == 0 {
-		c.PeerTimeout = DefaultPeerTimeout
-	}
-	if c.MaxMessageBytes == 0 {
-		c.MaxMessageBytes = DefaultMaxMessageBytes
-	}
-	if c.MaxBytesPerSecond == 0 {
-		c.MaxBytesPerSecond = DefaultMaxBytesPerSecond
-	}
-	if c.SpecCapacity == 0 {
-		c.SpecCapacity = DefaultSpecCapacity
-	}
+	zero.Default(&c.Interval, DefaultInterval)
+	zero.Default(&c.MinGap, min(DefaultMinGap, c.Interval))
+	zero.Default(&c.Heartbeat, DefaultHeartbeat)
+	zero.Default(&c.PeerTimeout, DefaultPeerTimeout)
+	zero.Default(&c.MaxMessageBytes, DefaultMaxMessageBytes)
+	zero.Default(&c.MaxBytesPerSecond, DefaultMaxBytesPerSecond)
+	zero.Default(&c.SpecCapacity, DefaultSpecCapacity)
 	return c
 }
 

@@ -53,6 +53,14 @@ func fast(pool, name string) Config {
 	return Config{Pool: pool, Replica: name, Interval: 10 * time.Millisecond, Heartbeat: 100 * time.Millisecond, PeerTimeout: 300 * time.Millisecond}
 }
 
+// fastPair starts replicas a and b of a pool of their own on a test NATS
+// server, both with fast timings.
+func fastPair(t *testing.T) (a, b *replica) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	return startReplica(t, url, fast(pool, "a")), startReplica(t, url, fast(pool, "b"))
+}
+
 // Two replicas see each other's counters and speculative blocks, never
 // their own; a replica that stops publishing stops counting after the
 // peer timeout; one restarted under the same name replaces its old
@@ -368,10 +376,7 @@ func TestMinMessageHoldsLargestLoad(t *testing.T) {
 // A replica's placement averages reach its peer every interval, and a
 // change replaces them there.
 func TestPlacementShared(t *testing.T) {
-	url := testenv.NATSURL(t)
-	pool := testenv.UniqueName(t)
-	a := startReplica(t, url, fast(pool, "a"))
-	b := startReplica(t, url, fast(pool, "b"))
+	a, b := fastPair(t)
 	var mu sync.Mutex
 	computed, wait := 250.0, 0.5
 	a.AttachPlacement(func(dst []Queued) ([]Queued, float64) {
@@ -401,10 +406,7 @@ func TestPlacementShared(t *testing.T) {
 // delta with a change, and the whole table after a hello), and a dropped
 // account leaves the peer's table.
 func TestRentShared(t *testing.T) {
-	url := testenv.NATSURL(t)
-	pool := testenv.UniqueName(t)
-	a := startReplica(t, url, fast(pool, "a"))
-	b := startReplica(t, url, fast(pool, "b"))
+	a, b := fastPair(t)
 	var mu sync.Mutex
 	accounts := map[uint64]Rent{7: {Key: 7, Gen: 1, Rent: 0.25}}
 	changed := map[uint64]bool{7: true}

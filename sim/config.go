@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"math"
 	"time"
+
+	"github.com/kvrouter/kvrouter/internal/zero"
 )
 
 // Config describes one simulated engine (one vLLM data-parallel rank). The
@@ -133,31 +135,23 @@ func ParseHashAlgo(s string) (HashAlgo, error) {
 // ErrConfig is wrapped by every configuration error.
 var ErrConfig = errors.New("sim: invalid config")
 
-// setDefault sets *field to def when it is the zero value.
-func setDefault[T comparable](field *T, def T) {
-	var zero T
-	if *field == zero {
-		*field = def
-	}
-}
-
 // withDefaults returns c with zero fields replaced by defaults, validated.
 func (c Config) withDefaults() (Config, error) {
-	setDefault(&c.Model, DefaultModel)
-	setDefault(&c.BlockSize, DefaultBlockSize)
-	setDefault(&c.GPUBlocks, DefaultGPUBlocks)
-	setDefault(&c.MaxNumBatchedTokens, DefaultMaxNumBatchedTokens)
-	setDefault(&c.MaxModelLen, DefaultMaxModelLen)
-	setDefault(&c.MaxNumSeqs, DefaultMaxNumSeqs)
+	zero.Default(&c.Model, DefaultModel)
+	zero.Default(&c.BlockSize, DefaultBlockSize)
+	zero.Default(&c.GPUBlocks, DefaultGPUBlocks)
+	zero.Default(&c.MaxNumBatchedTokens, DefaultMaxNumBatchedTokens)
+	zero.Default(&c.MaxModelLen, DefaultMaxModelLen)
+	zero.Default(&c.MaxNumSeqs, DefaultMaxNumSeqs)
 	t := &c.Timing
-	setDefault(&t.FLOPS, defaultFLOPS)
-	setDefault(&t.FLOPsPerToken, defaultFLOPsPerToken)
-	setDefault(&t.AttnFLOPsPerPair, defaultAttnFLOPsPerPair)
-	setDefault(&t.WeightReadTime, defaultWeightReadTime)
-	setDefault(&t.KVReadSecondsPerToken, defaultKVReadSecondsPerTok)
-	setDefault(&t.StepOverhead, defaultStepOverhead)
-	setDefault(&t.KVTransferTokensPerSec, defaultKVTransferTokPerSec)
-	setDefault(&t.CPULoadTokensPerSec, defaultCPULoadTokensPerSec)
+	zero.Default(&t.FLOPS, defaultFLOPS)
+	zero.Default(&t.FLOPsPerToken, defaultFLOPsPerToken)
+	zero.Default(&t.AttnFLOPsPerPair, defaultAttnFLOPsPerPair)
+	zero.Default(&t.WeightReadTime, defaultWeightReadTime)
+	zero.Default(&t.KVReadSecondsPerToken, defaultKVReadSecondsPerTok)
+	zero.Default(&t.StepOverhead, defaultStepOverhead)
+	zero.Default(&t.KVTransferTokensPerSec, defaultKVTransferTokPerSec)
+	zero.Default(&t.CPULoadTokensPerSec, defaultCPULoadTokensPerSec)
 	switch {
 	case c.BlockSize < 1 || c.BlockSize > 1<<16:
 		return c, fmt.Errorf("%w: block size %d out of range [1, 65536]", ErrConfig, c.BlockSize)

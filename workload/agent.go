@@ -1,8 +1,9 @@
 package workload
 
 import (
-	"fmt"
 	"time"
+
+	"github.com/kvrouter/kvrouter/internal/zero"
 )
 
 // Agent is tool-using agents: each session is one task run by an agent
@@ -43,16 +44,16 @@ type Agent struct {
 }
 
 func (c Agent) withDefaults() Agent {
-	def(&c.Toolsets, 30)
-	def(&c.MinToolTokens, 5000)
-	def(&c.MaxToolTokens, 20000)
-	def(&c.ZipfS, 1.2)
-	def(&c.Sessions, 600)
-	def(&c.MinSteps, 2)
-	def(&c.MaxSteps, 10)
-	def(&c.Observation, LengthDist{Mean: 1200, Sigma: 0.6, Min: 128, Max: 4096})
-	def(&c.Output, LengthDist{Mean: 150, Sigma: 0.6, Min: 16, Max: 600})
-	def(&c.StepTime, 3*time.Second)
+	zero.Default(&c.Toolsets, 30)
+	zero.Default(&c.MinToolTokens, 5000)
+	zero.Default(&c.MaxToolTokens, 20000)
+	zero.Default(&c.ZipfS, 1.2)
+	zero.Default(&c.Sessions, 600)
+	zero.Default(&c.MinSteps, 2)
+	zero.Default(&c.MaxSteps, 10)
+	zero.Default(&c.Observation, LengthDist{Mean: 1200, Sigma: 0.6, Min: 128, Max: 4096})
+	zero.Default(&c.Output, LengthDist{Mean: 150, Sigma: 0.6, Min: 16, Max: 600})
+	zero.Default(&c.StepTime, 3*time.Second)
 	c.Arrivals = c.Arrivals.withDefault(4)
 	return c
 }
@@ -83,14 +84,8 @@ func (c Agent) Generate(seed int64) (*Workload, error) {
 		hist := []Segment{run.seg("toolset", uint64(tool), tools[tool], "system")}
 		steps := c.MinSteps + rng.IntN(c.MaxSteps-c.MinSteps+1)
 		for t := 0; t < steps; t++ {
-			id := uint64(s)<<16 | uint64(t)
-			hist = append(hist, run.seg("observation", id, obs.draw(rng), "user"))
-			a := out.draw(rng)
-			w.Requests = append(w.Requests, Request{
-				At: at, Session: fmt.Sprintf("a%d", s), Turn: t,
-				Prompt: append([]Segment(nil), hist...), OutputTokens: a,
-			})
-			hist = append(hist, run.seg("assistant", id, a, "assistant"))
+			o := obs.draw(rng)
+			hist = run.turn(hist, at, "a", s, t, "observation", o, out.draw(rng))
 			at += expDur(rng, c.StepTime)
 		}
 	}

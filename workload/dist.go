@@ -5,6 +5,8 @@ import (
 	"math"
 	"math/rand/v2"
 	"time"
+
+	"github.com/kvrouter/kvrouter/internal/zero"
 )
 
 // Arrivals says when requests arrive.
@@ -18,7 +20,7 @@ type Arrivals struct {
 }
 
 func (a Arrivals) withDefault(rate float64) Arrivals {
-	def(&a.Rate, rate)
+	zero.Default(&a.Rate, rate)
 	return a
 }
 

@@ -5,6 +5,8 @@ import (
 	"math"
 	"math/rand/v2"
 	"time"
+
+	"github.com/kvrouter/kvrouter/internal/zero"
 )
 
 // seg makes a segment whose seed is derived from the run seed, a label and numbers.
@@ -88,6 +90,21 @@ func (run *genRun) prefixGroups(groups, perGroup, prefixTokens, questionTokens, 
 	}
 }
 
+// turn adds turn t of session s (named prefix+s) whose prompt is its whole
+// history: the turn's input (label, in tokens) joins hist, the request sends
+// the history so far and asks for out tokens, and the reply joins the history
+// as the engine would see it in the next turn's prompt. The shape Chat and
+// Agent share; it returns the history after the turn.
+func (run *genRun) turn(hist []Segment, at time.Duration, prefix string, s, t int, label string, in, out int) []Segment {
+	id := uint64(s)<<16 | uint64(t)
+	hist = append(hist, run.seg(label, id, in, "user"))
+	run.w.Requests = append(run.w.Requests, Request{
+		At: at, Session: fmt.Sprintf("%s%d", prefix, s), Turn: t,
+		Prompt: append([]Segment(nil), hist...), OutputTokens: out,
+	})
+	return append(hist, run.seg("assistant", id, out, "assistant"))
+}
+
 // LongContext is SageMaker's long-context benchmark shape: groups of
 // requests that share a long prefix (a document, a system prompt) and each
 // ask a short question. The zero value means the defaults documented on each
@@ -110,21 +127,13 @@ type LongContext struct {
 }
 
 func (c LongContext) withDefaults() LongContext {
-	def(&c.Groups, 200)
-	def(&c.RequestsPerGroup, 5)
-	def(&c.PrefixTokens, 8000)
-	def(&c.QuestionTokens, 50)
-	def(&c.OutputTokens, 100)
+	zero.Default(&c.Groups, 200)
+	zero.Default(&c.RequestsPerGroup, 5)
+	zero.Default(&c.PrefixTokens, 8000)
+	zero.Default(&c.QuestionTokens, 50)
+	zero.Default(&c.OutputTokens, 100)
 	c.Arrivals = c.Arrivals.withDefault(7)
 	return c
-}
-
-// def sets a field left at its zero value to its default.
-func def[T comparable](p *T, v T) {
-	var zero T
-	if *p == zero {
-		*p = v
-	}
 }
 
 // Generate builds the workload; the same seed gives the same workload.
@@ -171,13 +180,13 @@ type Chat struct {
 }
 
 func (c Chat) withDefaults() Chat {
-	def(&c.Sessions, 300)
-	def(&c.MinTurns, 2)
-	def(&c.MaxTurns, 6)
-	def(&c.Input, LengthDist{Mean: 202, Sigma: 1, Min: 4, Max: 1024})
-	def(&c.Output, LengthDist{Mean: 179, Sigma: 1, Min: 4, Max: 2048})
-	def(&c.MaxPairTokens, 2048)
-	def(&c.ThinkTime, 10*time.Second)
+	zero.Default(&c.Sessions, 300)
+	zero.Default(&c.MinTurns, 2)
+	zero.Default(&c.MaxTurns, 6)
+	zero.Default(&c.Input, LengthDist{Mean: 202, Sigma: 1, Min: 4, Max: 1024})
+	zero.Default(&c.Output, LengthDist{Mean: 179, Sigma: 1, Min: 4, Max: 2048})
+	zero.Default(&c.MaxPairTokens, 2048)
+	zero.Default(&c.ThinkTime, 10*time.Second)
 	c.Arrivals = c.Arrivals.withDefault(5)
 	return c
 }
@@ -210,15 +219,7 @@ func (c Chat) Generate(seed int64) (*Workload, error) {
 			for q+a > c.MaxPairTokens {
 				q, a = in.draw(rng), out.draw(rng)
 			}
-			id := uint64(s)<<16 | uint64(t)
-			hist = append(hist, run.seg("user", id, q, "user"))
-			w.Requests = append(w.Requests, Request{
-				At: at, Session: fmt.Sprintf("s%d", s), Turn: t,
-				Prompt: append([]Segment(nil), hist...), OutputTokens: a,
-			})
-			// The reply joins the history as the engine would see it in the
-			// next turn's prompt.
-			hist = append(hist, run.seg("assistant", id, a, "assistant"))
+			hist = run.turn(hist, at, "s", s, t, "user", q, a)
 			at += expDur(rng, c.ThinkTime)
 		}
 	}
@@ -249,14 +250,14 @@ type RAG struct {
 }
 
 func (c RAG) withDefaults() RAG {
-	def(&c.Documents, 2000)
-	def(&c.DocumentTokens, 1000)
-	def(&c.TopK, 3)
-	def(&c.ZipfS, 1.1)
-	def(&c.SystemTokens, 300)
-	def(&c.QuestionTokens, 50)
-	def(&c.OutputTokens, 200)
-	def(&c.Requests, 3000)
+	zero.Default(&c.Documents, 2000)
+	zero.Default(&c.DocumentTokens, 1000)
+	zero.Default(&c.TopK, 3)
+	zero.Default(&c.ZipfS, 1.1)
+	zero.Default(&c.SystemTokens, 300)
+	zero.Default(&c.QuestionTokens, 50)
+	zero.Default(&c.OutputTokens, 200)
+	zero.Default(&c.Requests, 3000)
 	c.Arrivals = c.Arrivals.withDefault(8)
 	return c
 }
@@ -320,15 +321,15 @@ type Code struct {
 }
 
 func (c Code) withDefaults() Code {
-	def(&c.Users, 40)
-	def(&c.RequestsPerUser, 25)
-	def(&c.OpenFiles, 3)
-	def(&c.FileTokens, 1500)
-	def(&c.SystemTokens, 500)
-	def(&c.EditTokens, 20)
-	def(&c.OutputTokens, 48)
-	def(&c.SwitchProb, 0.1)
-	def(&c.ThinkTime, 4*time.Second)
+	zero.Default(&c.Users, 40)
+	zero.Default(&c.RequestsPerUser, 25)
+	zero.Default(&c.OpenFiles, 3)
+	zero.Default(&c.FileTokens, 1500)
+	zero.Default(&c.SystemTokens, 500)
+	zero.Default(&c.EditTokens, 20)
+	zero.Default(&c.OutputTokens, 48)
+	zero.Default(&c.SwitchProb, 0.1)
+	zero.Default(&c.ThinkTime, 4*time.Second)
 	c.Arrivals = c.Arrivals.withDefault(6)
 	return c
 }
@@ -386,11 +387,11 @@ type MultiTenant struct {
 }
 
 func (c MultiTenant) withDefaults() MultiTenant {
-	def(&c.Tenants, 8)
-	def(&c.SystemTokens, 4000)
-	def(&c.QuestionTokens, 100)
-	def(&c.OutputTokens, 100)
-	def(&c.Requests, 2000)
+	zero.Default(&c.Tenants, 8)
+	zero.Default(&c.SystemTokens, 4000)
+	zero.Default(&c.QuestionTokens, 100)
+	zero.Default(&c.OutputTokens, 100)
+	zero.Default(&c.Requests, 2000)
 	c.Arrivals = c.Arrivals.withDefault(8)
 	return c
 }
@@ -445,12 +446,12 @@ type CachePressure struct {
 }
 
 func (c CachePressure) withDefaults() CachePressure {
-	def(&c.FleetTokens, DefaultFleetTokens)
-	def(&c.Demand, 1.5)
-	def(&c.PrefixTokens, 6000)
-	def(&c.QuestionTokens, 1200)
-	def(&c.OutputTokens, 1000)
-	def(&c.RequestsPerGroup, 5)
+	zero.Default(&c.FleetTokens, DefaultFleetTokens)
+	zero.Default(&c.Demand, 1.5)
+	zero.Default(&c.PrefixTokens, 6000)
+	zero.Default(&c.QuestionTokens, 1200)
+	zero.Default(&c.OutputTokens, 1000)
+	zero.Default(&c.RequestsPerGroup, 5)
 	c.Arrivals = c.Arrivals.withDefault(10)
 	return c
 }
@@ -491,10 +492,10 @@ type Scale struct {
 // Apply returns a copy of w with the scale events added (a value < 0 for
 // OutBy or InBy leaves that event out).
 func (s Scale) Apply(w *Workload) (*Workload, error) {
-	def(&s.OutAt, 1.0/3)
-	def(&s.InAt, 2.0/3)
-	def(&s.OutBy, 2)
-	def(&s.InBy, 2)
+	zero.Default(&s.OutAt, 1.0/3)
+	zero.Default(&s.InAt, 2.0/3)
+	zero.Default(&s.OutBy, 2)
+	zero.Default(&s.InBy, 2)
 	if s.OutAt < 0 || s.OutAt > 1 || s.InAt < 0 || s.InAt > 1 {
 		return nil, fmt.Errorf("%w: scale: out_at and in_at must be fractions in [0, 1]", ErrInvalid)
 	}

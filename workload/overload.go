@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"math"
 	"time"
+
+	"github.com/kvrouter/kvrouter/internal/zero"
 )
 
 // Overload is a flow-control workload: one heavy tenant beside light ones,
@@ -39,15 +41,15 @@ type Overload struct {
 const HeavyTenant = "heavy"
 
 func (c Overload) withDefaults() Overload {
-	def(&c.LightTenants, 9)
-	def(&c.LightPromptTokens, 1000)
-	def(&c.LightOutputTokens, 100)
-	def(&c.HeavyPromptTokens, 10000)
-	def(&c.HeavyOutputTokens, 100)
-	def(&c.HeavyFactor, 10)
-	def(&c.SystemTokens, 500)
-	def(&c.UrgentShare, 0.25)
-	def(&c.Requests, 3000)
+	zero.Default(&c.LightTenants, 9)
+	zero.Default(&c.LightPromptTokens, 1000)
+	zero.Default(&c.LightOutputTokens, 100)
+	zero.Default(&c.HeavyPromptTokens, 10000)
+	zero.Default(&c.HeavyOutputTokens, 100)
+	zero.Default(&c.HeavyFactor, 10)
+	zero.Default(&c.SystemTokens, 500)
+	zero.Default(&c.UrgentShare, 0.25)
+	zero.Default(&c.Requests, 3000)
 	c.Arrivals = c.Arrivals.withDefault(10)
 	return c
 }

@@ -125,6 +125,18 @@ func field(logs *testenv.Logs, msg, key string) string {
 	return ""
 }
 
+// logged waits for the router to log msg with key set (a listener's
+// address, the embedded NATS URL) and returns key's value.
+func logged(t *testing.T, logs *testenv.Logs, msg, key string) string {
+	t.Helper()
+	var v string
+	testenv.WaitFor(t, 30*time.Second, fmt.Sprintf("the router to log %q with %s", msg, key), func() bool {
+		v = field(logs, msg, key)
+		return v != ""
+	})
+	return v
+}
+
 // startRun runs the kvrouter command on the config doc (written to a file)
 // until the test ends or stop is called, and returns its log, the config
 // path and stop, which ends the command and returns what run returned.
@@ -198,11 +210,12 @@ func tokenIDs(n int) []uint32 {
 	return ids
 }
 
-// TestRunEmbeddedNATS runs the kvrouter command with no NATS URL: it starts
-// its embedded NATS server, a kvbridge publishes an engine's events to it,
-// the admin lookup sees the blocks, and a SIGHUP reload keeps the consumer.
-func TestRunEmbeddedNATS(t *testing.T) {
-	doc := fmt.Sprintf(`
+// embeddedDoc is a router config whose KV events come from its embedded
+// NATS server (stored in a temporary folder), with one kv_aware pool p of
+// one instance, vllm-0, and no health checks or discovery. It ends in the
+// pools: list, so a test may append pools and then other sections.
+func embeddedDoc(t *testing.T) string {
+	return fmt.Sprintf(`
 listen: "127.0.0.1:0"
 admin_listen: "127.0.0.1:0"
 events:
@@ -215,12 +228,15 @@ pools:
     discovery: {disable: true}
     instances: [{id: vllm-0, url: "http://127.0.0.1:1"}]
 `, filepath.Join(t.TempDir(), "nats"))
-	logs, path, _ := startRun(t, doc, nil)
-	var natsURL, admin string
-	testenv.WaitFor(t, 30*time.Second, "the router to listen", func() bool {
-		natsURL, admin = field(logs, "consuming KV events", "nats_url"), field(logs, "kvrouter listening", "admin_listen")
-		return natsURL != "" && admin != ""
-	})
+}
+
+// TestRunEmbeddedNATS runs the kvrouter command with no NATS URL: it starts
+// its embedded NATS server, a kvbridge publishes an engine's events to it,
+// the admin lookup sees the blocks, and a SIGHUP reload keeps the consumer.
+func TestRunEmbeddedNATS(t *testing.T) {
+	logs, path, _ := startRun(t, embeddedDoc(t), nil)
+	natsURL := logged(t, logs, "consuming KV events", "nats_url")
+	admin := logged(t, logs, "kvrouter listening", "admin_listen")
 
 	// An engine and its bridge, publishing to the router's embedded NATS.
 	pub := engine(t, natsURL, "p", "m", "vllm-0")
@@ -288,34 +304,19 @@ func bearer(ctx context.Context, tok string) context.Context {
 // router's embedded NATS) and the ext_proc picker (with the file's
 // ext_proc settings) answer on it, and shutdown ends an open Watch.
 func TestRunGRPC(t *testing.T) {
-	doc := fmt.Sprintf(`
-listen: "127.0.0.1:0"
-admin_listen: "127.0.0.1:0"
-grpc:
-  listen: "127.0.0.1:0"
-  ext_proc: {pool_header: X-Team-Pool, max_body_bytes: 2048}
-events:
-  nats: {listen: "127.0.0.1:0", store_dir: %q}
-pools:
-  - name: p
-    model: m
-    routing: {strategy: kv_aware}
-    health: {disable: true}
-    discovery: {disable: true}
-    instances: [{id: vllm-0, url: "http://127.0.0.1:1"}]
-  - name: q
+	doc := embeddedDoc(t) + `  - name: q
     model: m2
     health: {disable: true}
     discovery: {disable: true}
     instances: [{id: vllm-q, url: "http://127.0.0.1:2"}]
-`, filepath.Join(t.TempDir(), "nats"))
+grpc:
+  listen: "127.0.0.1:0"
+  ext_proc: {pool_header: X-Team-Pool, max_body_bytes: 2048}
+`
 	const tok = "grpc-admin-token"
 	logs, _, stop := startRun(t, doc, map[string]string{"KVROUTER_ADMIN_TOKEN": tok})
-	var natsURL, addr string
-	testenv.WaitFor(t, 30*time.Second, "the router to listen", func() bool {
-		natsURL, addr = field(logs, "consuming KV events", "nats_url"), field(logs, "kvrouter listening", "grpc_listen")
-		return natsURL != "" && addr != ""
-	})
+	natsURL := logged(t, logs, "consuming KV events", "nats_url")
+	addr := logged(t, logs, "kvrouter listening", "grpc_listen")
 	conn := grpcConn(t, addr, nil)
 	ctx := ctxT(t)
 
@@ -490,11 +491,7 @@ pools:
 `, certFile, keyFile)
 	const tok = "tls-token"
 	logs, _, _ := startRun(t, doc, map[string]string{"KVROUTER_ADMIN_TOKEN": tok})
-	var addr string
-	testenv.WaitFor(t, 30*time.Second, "the router to listen", func() bool {
-		addr = field(logs, "kvrouter listening", "grpc_listen")
-		return addr != ""
-	})
+	addr := logged(t, logs, "kvrouter listening", "grpc_listen")
 	ctx := ctxT(t)
 	tlsConn := grpcConn(t, addr, credentials.NewTLS(&tls.Config{RootCAs: roots, ServerName: "127.0.0.1"}))
 	plainConn := grpcConn(t, addr, nil)
@@ -623,11 +620,7 @@ pools:
     instances: [{id: vllm-0, url: "http://127.0.0.1:1"}]
 `
 	logs, _, _ := startRun(t, doc, map[string]string{"KVROUTER_ADMIN_TOKEN": "tok"})
-	var admin string
-	testenv.WaitFor(t, 30*time.Second, "the router to listen", func() bool {
-		admin = field(logs, "kvrouter listening", "admin_listen")
-		return admin != ""
-	})
+	admin := logged(t, logs, "kvrouter listening", "admin_listen")
 	get := func(path, auth string) (int, string) {
 		var hdr map[string]string
 		if auth != "" {
@@ -702,8 +695,7 @@ pools:
 		env["OTEL_SDK_DISABLED"] = "true"
 	}
 	logs, _, stop := startRun(t, doc, env)
-	var listen string
-	testenv.WaitFor(t, 30*time.Second, "the router to listen", func() bool { listen = field(logs, "kvrouter listening", "listen"); return listen != "" })
+	listen := logged(t, logs, "kvrouter listening", "listen")
 	resp, err := http.Post("http://"+listen+"/v1/chat/completions", "application/json",
 		strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
 	if err != nil {

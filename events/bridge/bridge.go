@@ -26,6 +26,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/zero"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -185,36 +186,16 @@ func New(cfg Config) (*Bridge, error) {
 	if len(cfg.Sources) == 0 {
 		return nil, errors.New("bridge: no sources (engine endpoints)")
 	}
-	if cfg.MaxBlocks == 0 {
-		cfg.MaxBlocks = 1 << 20
-	}
-	if cfg.Buffer == 0 {
-		cfg.Buffer = 10000
-	}
-	if cfg.HeartbeatInterval == 0 {
-		cfg.HeartbeatInterval = 5 * time.Second
-	}
-	if cfg.SnapshotInterval == 0 {
-		cfg.SnapshotInterval = 30 * time.Second
-	}
-	if cfg.ReplayTimeout == 0 {
-		cfg.ReplayTimeout = 5 * time.Second
-	}
-	if cfg.EngineProbeInterval == 0 {
-		cfg.EngineProbeInterval = time.Second
-	}
-	if cfg.PublishTimeout == 0 {
-		cfg.PublishTimeout = 5 * time.Second
-	}
-	if cfg.MaxBlocksPerMessage == 0 {
-		cfg.MaxBlocksPerMessage = 4096
-	}
-	if cfg.PublishWindow == 0 {
-		cfg.PublishWindow = DefaultPublishWindow
-	}
-	if cfg.InlineSnapshotMax == 0 {
-		cfg.InlineSnapshotMax = 512 << 10
-	}
+	zero.Default(&cfg.MaxBlocks, 1<<20)
+	zero.Default(&cfg.Buffer, 10000)
+	zero.Default(&cfg.HeartbeatInterval, 5*time.Second)
+	zero.Default(&cfg.SnapshotInterval, 30*time.Second)
+	zero.Default(&cfg.ReplayTimeout, 5*time.Second)
+	zero.Default(&cfg.EngineProbeInterval, time.Second)
+	zero.Default(&cfg.PublishTimeout, 5*time.Second)
+	zero.Default(&cfg.MaxBlocksPerMessage, 4096)
+	zero.Default(&cfg.PublishWindow, DefaultPublishWindow)
+	zero.Default(&cfg.InlineSnapshotMax, 512<<10)
 	if cfg.MaxBlocks < 0 || cfg.Buffer < 0 || cfg.HeartbeatInterval < 0 || cfg.SnapshotInterval < 0 ||
 		cfg.ReplayTimeout < 0 || cfg.PublishTimeout < 0 || cfg.MaxBlocksPerMessage < 0 || cfg.BlockSize < 0 ||
 		cfg.InlineSnapshotMax < 0 || cfg.PublishWindow < 0 {

@@ -31,6 +31,7 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/ratelog"
 	"github.com/kvrouter/kvrouter/internal/tick"
+	"github.com/kvrouter/kvrouter/internal/zero"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
@@ -212,27 +213,13 @@ func New(cfg Config) (*Consumer, error) {
 	if err := kvstream.ValidToken("pool", cfg.Pool); err != nil {
 		return nil, fmt.Errorf("consumer: %w", err)
 	}
-	if cfg.Shards == 0 {
-		cfg.Shards = 4
-	}
-	if cfg.SnapshotTimeout == 0 {
-		cfg.SnapshotTimeout = 2 * time.Second
-	}
-	if cfg.StaleAfter == 0 {
-		cfg.StaleAfter = 15 * time.Second
-	}
-	if cfg.PurgeAfter == 0 {
-		cfg.PurgeAfter = 10 * time.Minute
-	}
-	if cfg.CheckInterval == 0 {
-		cfg.CheckInterval = time.Second
-	}
-	if cfg.MaxLag == 0 {
-		cfg.MaxLag = 5 * time.Second
-	}
-	if cfg.MaxInstances == 0 {
-		cfg.MaxInstances = DefaultMaxInstances
-	}
+	zero.Default(&cfg.Shards, 4)
+	zero.Default(&cfg.SnapshotTimeout, 2*time.Second)
+	zero.Default(&cfg.StaleAfter, 15*time.Second)
+	zero.Default(&cfg.PurgeAfter, 10*time.Minute)
+	zero.Default(&cfg.CheckInterval, time.Second)
+	zero.Default(&cfg.MaxLag, 5*time.Second)
+	zero.Default(&cfg.MaxInstances, DefaultMaxInstances)
 	if cfg.MaxInstances < 0 || cfg.MaxLag < 0 || cfg.Shards < 0 || cfg.SnapshotTimeout < 0 || cfg.StaleAfter < 0 || cfg.PurgeAfter < 0 || cfg.CheckInterval < 0 {
 		return nil, errors.New("consumer: negative shards or interval in config")
 	}
@@ -307,9 +294,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 	c.evSubj, _ = kvstream.PoolSubjects(kvstream.SubjectEvents, c.cfg.Pool)
 	c.streamName = c.cfg.Stream.Name
-	if c.streamName == "" {
-		c.streamName = kvstream.DefaultStreamName
-	}
+	zero.Default(&c.streamName, kvstream.DefaultStreamName)
 	s := &c.sc
 	cons, cc, err := c.startConsumer(ctx, ctx, 0, deliver, 0)
 	if err != nil {

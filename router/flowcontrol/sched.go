@@ -8,6 +8,8 @@ import (
 	"math"
 	"slices"
 	"time"
+
+	"github.com/kvrouter/kvrouter/internal/zero"
 )
 
 // ErrConfig is wrapped by configuration errors.
@@ -125,15 +127,9 @@ type Config struct {
 
 // WithDefaults fills zero fields with their defaults.
 func (c Config) WithDefaults() Config {
-	if c.MaxQueue == 0 {
-		c.MaxQueue = DefaultMaxQueue
-	}
-	if c.MaxWait == 0 {
-		c.MaxWait = DefaultMaxWait
-	}
-	if c.AgingStep == 0 {
-		c.AgingStep = max(c.MaxWait/agingBands, time.Millisecond)
-	}
+	zero.Default(&c.MaxQueue, DefaultMaxQueue)
+	zero.Default(&c.MaxWait, DefaultMaxWait)
+	zero.Default(&c.AgingStep, max(c.MaxWait/agingBands, time.Millisecond))
 	return c
 }
 

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/zero"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -161,40 +162,18 @@ func resolveScoring(k *config.KVScoringConfig) kvScoring {
 	if c.PrefillCostWeight == 0 {
 		s.costWeight, s.adaptive = DefaultPrefillCostWeight, true
 	}
-	if c.WaitingRequestTokens == 0 {
-		s.waitingTokens = DefaultWaitingRequestTokens
-	}
-	if c.RunningRequestSeconds == 0 {
-		s.runningSec = DefaultRunningRequestSeconds
-	}
-	if c.DecodeStepSeconds == 0 {
-		s.stepSec = DefaultDecodeStepSeconds
-	}
-	if c.TieTolerance == 0 {
-		s.tieTol = DefaultTieTolerance.Seconds()
-	}
+	zero.Default(&s.waitingTokens, DefaultWaitingRequestTokens)
+	zero.Default(&s.runningSec, DefaultRunningRequestSeconds)
+	zero.Default(&s.stepSec, DefaultDecodeStepSeconds)
+	zero.Default(&s.tieTol, DefaultTieTolerance.Seconds())
 	s.loadBound = c.LoadBound
-	if c.LoadBound == 0 {
-		s.loadBound = DefaultLoadBound
-	}
-	if c.SpeculativeTTL == 0 {
-		s.specTTL = DefaultSpeculativeTTL
-	}
-	if c.SpeculativeCapacity == 0 {
-		s.specCap = DefaultSpeculativeCapacity
-	}
-	if c.ScrapeInterval == 0 {
-		s.scrape = DefaultScrapeInterval
-	}
-	if c.ScrapeTimeout == 0 {
-		s.scrapeTimeout = DefaultScrapeTimeout
-	}
-	if c.ScrapePath == "" {
-		s.scrapePath = DefaultScrapePath
-	}
-	if c.TokenizeTimeout == 0 {
-		s.tokTimeout = DefaultTokenizeTimeout
-	}
+	zero.Default(&s.loadBound, DefaultLoadBound)
+	zero.Default(&s.specTTL, DefaultSpeculativeTTL)
+	zero.Default(&s.specCap, DefaultSpeculativeCapacity)
+	zero.Default(&s.scrape, DefaultScrapeInterval)
+	zero.Default(&s.scrapeTimeout, DefaultScrapeTimeout)
+	zero.Default(&s.scrapePath, DefaultScrapePath)
+	zero.Default(&s.tokTimeout, DefaultTokenizeTimeout)
 	// Negative means "off" for the knobs where off makes sense.
 	s.waitingTokens = max(s.waitingTokens, 0)
 	s.costWeight = max(s.costWeight, 0)
