@@ -42,7 +42,7 @@ type workloadFlags struct {
 	shapesFile string
 	shapes     map[string]workload.SynthShape
 	fleetToks  int64 // for cache-pressure: the fleet's GPU capacity
-	fs        *flag.FlagSet
+	fs         *flag.FlagSet
 	// traces caches parsed traces by path across builds (a sweep builds
 	// many workloads from one trace); nil = no cache. Records are never
 	// modified once read.

@@ -36,6 +36,8 @@ type flowAdmission struct {
 	live   []string
 	tokBuf []uint32
 	held   []int
+	// companions counts the warm-up copies the queue counted (Companion).
+	companions int
 }
 
 // cached is Item.Cached for request id, as the router computes it when a
@@ -170,6 +172,20 @@ func (a *flowAdmission) Candidates(id uint64, cands, dst []string) []string {
 func (a *flowAdmission) Placed(id uint64, instance string) {
 	if it := a.items[id]; it != nil {
 		a.s.Bind(it, instance)
+	}
+}
+
+// Companion counts a warm-up copy of admitted request of on instance, as
+// the HTTP data plane does (flowcontrol.Ticket.Companion).
+func (a *flowAdmission) Companion(of uint64, instance string, now time.Duration) {
+	it := a.items[of]
+	if it == nil {
+		return
+	}
+	c := &flowcontrol.Item{Value: of | des.WarmTag}
+	if a.s.Companion(it, c, instance, vt(now)) {
+		a.items[of|des.WarmTag] = c
+		a.companions++
 	}
 }
 

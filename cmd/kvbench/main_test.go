@@ -20,6 +20,7 @@ import (
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/report"
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/flowcontrol"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/workload"
@@ -448,6 +449,48 @@ func TestCommandHelp(t *testing.T) {
 // them, every request is served, and every copy's pending prefill is
 // released by the end of the run.
 func TestDESWarmCopies(t *testing.T) {
+	w, rt := warmWorkload(t)
+	res, err := des.Run(context.Background(), rt.desConfig(4, sim.Config{}), w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkWarmRun(t, res, rt.kv.state)
+}
+
+// TestDESWarmCopiesUnderFlowControl: with the router's admission queue
+// (per-instance prefill budget), every warm-up copy holds its instance's
+// budget like a request — the queue counts it — and ends: after the run
+// nothing is in flight or pending in the queue.
+func TestDESWarmCopiesUnderFlowControl(t *testing.T) {
+	w, rt := warmWorkload(t)
+	dc := rt.desConfig(4, sim.Config{})
+	a, err := newFlowAdmission(flowcontrol.Config{MaxConcurrency: 4 * 64, InstancePrefill: 1 << 16}, w, rt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dc.Admission = a
+	res, err := des.Run(context.Background(), dc, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkWarmRun(t, res, rt.kv.state)
+	if a.companions != res.Warms {
+		t.Errorf("the queue counted %d warm-up copies of %d sent", a.companions, res.Warms)
+	}
+	if n := a.s.InFlight(); n != 0 || len(a.items) != 0 {
+		t.Errorf("after the run: %d in flight in the queue, %d items held", n, len(a.items))
+	}
+	for _, l := range a.s.Stats(vt(res.End)).Instances {
+		if l.InFlight != 0 || l.PendingPrefill != 0 {
+			t.Errorf("instance load left after the run: %+v", l)
+		}
+	}
+}
+
+// warmWorkload is an agent workload whose hot toolsets buy warm-up
+// copies on 4 instances, and a kv_aware router for it.
+func warmWorkload(t *testing.T) (*workload.Workload, *strategyRouter) {
+	t.Helper()
 	w, err := workload.Agent{Sessions: 160, Arrivals: workload.Arrivals{Rate: 3}}.Generate(2)
 	if err != nil {
 		t.Fatal(err)
@@ -456,11 +499,7 @@ func TestDESWarmCopies(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	res, err := des.Run(context.Background(), rt.desConfig(4, sim.Config{}), w)
-	if err != nil {
-		t.Fatal(err)
-	}
-	checkWarmRun(t, res, rt.kv.state)
+	return w, rt
 }
 
 // checkWarmRun: the run sent warm-up copies, served every request, and

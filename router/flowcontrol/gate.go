@@ -215,6 +215,23 @@ func (t *Ticket) Bind(instance string) {
 	g.mu.Unlock()
 }
 
+// Companion counts a warm-up copy of t's request sent to instance
+// (Sched.Companion): call FirstToken and Done on the ticket it returns as
+// for a request. It returns nil when t is no longer admitted (the copy is
+// then not counted).
+func (t *Ticket) Companion(instance string) *Ticket {
+	g := t.g
+	c := &Ticket{g: g, ready: make(chan struct{})}
+	c.it.Value = c
+	close(c.ready)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.s.Companion(&t.it, &c.it, instance, g.now()) {
+		return nil
+	}
+	return c
+}
+
 // dispatch sheds what has expired and admits what the budgets allow,
 // waking each waiter. Callers hold g.mu.
 func (g *Gate) dispatch(now time.Time) {

@@ -118,6 +118,28 @@ func (s *Sched) instancesFit(it *Item) bool {
 	return false
 }
 
+// Companion admits it, outside the queue, as a warm-up copy of the
+// admitted request of (its exported fields are set from of's): the same prompt (Tenant, Priority, Cost, Prefill, Cached)
+// sent to instance for one output token beside it (router.Warm). It
+// counts like a request bound there — in flight, its prefill pending on
+// instance until FirstToken, its place until Done — so that the budgets
+// see the prefill the copy puts on that engine; it is not charged to fair
+// queuing (the router chose to send it, not the tenant) nor counted among
+// admissions. It rides on of's admission rather than waiting: the
+// strategy chose instance among those with room for of, and a copy held
+// back would be a purchase not made. It reports false, and counts
+// nothing, when of is not admitted or in flight, or it is not new.
+func (s *Sched) Companion(of, it *Item, instance string, now time.Time) bool {
+	if (of.state != stAdmitted && of.state != stPrefilled) || it.state != stNew {
+		return false
+	}
+	s.tick(now)
+	*it = Item{Tenant: of.Tenant, Priority: of.Priority, Cost: of.Cost, Prefill: of.Prefill, Cached: of.Cached, Value: it.Value, arrived: now}
+	s.admit(it, now)
+	s.Bind(it, instance)
+	return true
+}
+
 // Bind records the instance an admitted request was routed to: it counts
 // against that instance's budgets until FirstToken (prefill) and Done. An
 // item not admitted, or already bound, is left alone.

@@ -476,6 +476,68 @@ func TestPerInstancePrefillBudget(t *testing.T) {
 	offer(t, s, &Item{Prefill: 1000, Cost: 1000}, at(8), Admitted)
 }
 
+// TestCompanionHoldsInstanceBudget: a warm-up copy of an admitted request
+// counts on its instance like a request — the next request waits for
+// that instance's prefill budget until the copy's first token, and the
+// pool's in-flight count until it ends — without being queued, charged
+// to its tenant or counted among admissions; one of a request not
+// admitted is refused.
+func TestCompanionHoldsInstanceBudget(t *testing.T) {
+	s := mustNew(t, Config{InstancePrefill: 1000, MaxConcurrency: 3})
+	s.SetInstances([]string{"a", "b"})
+	x := &Item{Tenant: "t", Prefill: 600, Cost: 610}
+	offer(t, s, x, at(0), Admitted)
+	s.Bind(x, "a")
+	var c Item
+	if !s.Companion(x, &c, "b", at(1)) {
+		t.Fatal("companion of an admitted request refused")
+	}
+	if c.Tenant != "t" || c.Prefill != 600 || c.inst == nil || c.inst.name != "b" {
+		t.Fatalf("companion %+v", c)
+	}
+	y := &Item{Tenant: "u", Prefill: 600, Cost: 600}
+	if s.Room("a", y) || s.Room("b", y) {
+		t.Fatal("room for 600 more beside 600 on each instance under a 1,000-token budget")
+	}
+	offer(t, s, y, at(2), Queued)
+	if s.Next(at(2)) != nil {
+		t.Fatal("admitted while the copy held b's budget")
+	}
+	s.FirstToken(&c, at(3))
+	if got := s.Next(at(3)); got != y {
+		t.Fatalf("Next after the copy's first token = %v, want y", got)
+	}
+	s.Bind(y, "b")
+	// Three in flight (x, the copy, y) under a pool-wide budget of 3.
+	z := &Item{Prefill: 10, Cost: 10}
+	offer(t, s, z, at(4), Queued)
+	s.Done(&c, at(5))
+	s.Done(&c, at(5)) // a second end is a no-op
+	if got := s.Next(at(5)); got != z {
+		t.Fatalf("Next after the copy ended = %v, want z", got)
+	}
+	if st := s.Counts(); st.AdmittedAtOnce != 1 || st.AdmittedQueued != 2 {
+		t.Errorf("admissions %d at once, %d queued: the copy must not count", st.AdmittedAtOnce, st.AdmittedQueued)
+	}
+	var c2 Item
+	if s.Companion(&Item{Prefill: 5}, &c2, "a", at(6)) || c2.inst != nil {
+		t.Error("companion of a request never admitted was counted")
+	}
+	s.Done(x, at(7))
+	if s.Companion(x, &c2, "a", at(7)) {
+		t.Error("companion of an ended request was counted")
+	}
+	s.Bind(z, "a")
+	for _, it := range []*Item{y, z} {
+		s.Done(it, at(8))
+	}
+	for _, l := range s.Stats(at(8)).Instances {
+		if l.InFlight != 0 || l.PendingPrefill != 0 {
+			t.Fatalf("load left after every request and copy ended: %+v", l)
+		}
+	}
+}
+
 func TestPreferCachedChoosesWithinFairWindow(t *testing.T) {
 	// a holds the cache of tenant "hit"'s requests; the freed slot goes to
 	// the due request with the most cached tokens, but never to one fair

@@ -227,7 +227,12 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *router.Table,
 			return
 		}
 		if dec.Warm != nil {
-			s.sendWarm(r, pool, req, path, dec.Warm)
+			var wt *flowcontrol.Ticket
+			if tk != nil {
+				// The copy holds its instance's budgets as a request would.
+				wt = tk.Companion(dec.Warm.Instance.ID())
+			}
+			s.sendWarm(r, pool, req, path, dec.Warm, wt)
 		}
 		if tk != nil {
 			tk.Bind(dec.Instance.ID()) // the first pick; a retry elsewhere stays charged to it

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/flowcontrol"
 	"github.com/kvrouter/kvrouter/router/openai"
 )
 
@@ -47,11 +48,16 @@ func warmBody(req *router.Request) ([]byte, error) {
 // the client's request (the copy serves later requests) but not
 // warmTimeout. Its observer ends whatever happens, so the pending prefill
 // the strategy counted there is always released; the instance counts it
-// in flight meanwhile.
-func (s *Server) sendWarm(r *http.Request, pool *router.Pool, req *router.Request, path string, w *router.Warm) {
+// in flight meanwhile, and so does the pool's flow-control queue through
+// tk (Ticket.Companion; nil without a queue): its prefill until the first
+// byte, its place until it ends.
+func (s *Server) sendWarm(r *http.Request, pool *router.Pool, req *router.Request, path string, w *router.Warm, tk *flowcontrol.Ticket) {
 	body, err := warmBody(req)
 	if err != nil {
 		s.m.warms.WithLabelValues(pool.Name(), w.Instance.ID(), "body").Inc()
+		if tk != nil {
+			tk.Done()
+		}
 		if w.Observer != nil {
 			w.Observer.Done(0, -1)
 		}
@@ -63,6 +69,9 @@ func (s *Server) sendWarm(r *http.Request, pool *router.Pool, req *router.Reques
 		status, cached := 0, -1
 		defer func() {
 			w.Instance.Release()
+			if tk != nil {
+				tk.Done()
+			}
 			if w.Observer != nil {
 				w.Observer.Done(status, cached)
 			}
@@ -84,8 +93,15 @@ func (s *Server) sendWarm(r *http.Request, pool *router.Pool, req *router.Reques
 		status = resp.StatusCode
 		rc := io.ReadCloser(resp.Body)
 		var usage *usageTee
-		if w.Observer != nil {
-			usage = &usageTee{rc: rc, onFirst: w.Observer.FirstByte}
+		if w.Observer != nil || tk != nil {
+			usage = &usageTee{rc: rc, onFirst: func() {
+				if w.Observer != nil {
+					w.Observer.FirstByte()
+				}
+				if tk != nil {
+					tk.FirstToken()
+				}
+			}}
 			rc = usage
 		}
 		_, _ = io.Copy(io.Discard, io.LimitReader(rc, warmAnswerLimit))

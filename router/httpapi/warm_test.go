@@ -1,6 +1,7 @@
 package httpapi_test
 
 import (
+	"context"
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
@@ -8,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/flowcontrol"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
@@ -41,15 +43,38 @@ func TestWarmCopy(t *testing.T) {
 	}
 	body := `{"model":"` + model + `","messages":[{"role":"system","content":"tools"},{"role":"user","content":"go"}],` +
 		`"stream":true,"stream_options":{"include_usage":true},"max_completion_tokens":500,"min_tokens":5,"n":2,"cache_salt":"s1","temperature":0.2}`
+	gate, err := flowcontrol.NewGate(flowcontrol.Config{InstancePrefill: 8192, MaxConcurrency: 8},
+		flowcontrol.WithInstances(func() []string { return []string{h.ups[0].ID, inst.ID()} }))
+	if err != nil {
+		t.Fatal(err)
+	}
 	send := func(body string) (int, *doneObserver) {
 		t.Helper()
+		// The request the copy rides on, admitted and bound to the holder;
+		// the copy holds its own instance's budget until it ends.
+		tk, err := gate.Acquire(context.Background(), flowcontrol.Item{Prefill: 3000, Cost: 3500})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tk.Done()
+		tk.Bind(h.ups[0].ID)
+		wt := tk.Companion(inst.ID())
+		if wt == nil {
+			t.Fatal("no companion ticket for an admitted request")
+		}
+		if l := instanceLoad(gate, inst.ID()); l.InFlight != 1 || l.PendingPrefill != 3000 {
+			t.Fatalf("the copy's instance before it was sent: %+v, want 1 in flight, 3,000 pending", l)
+		}
 		r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", nil)
 		r.Header.Set("Authorization", "Bearer k")
 		req := &router.Request{Endpoint: router.EndpointChatCompletions, Pool: pool.Name(), Model: model, Body: []byte(body)}
 		o := &doneObserver{status: make(chan int, 1)}
-		httpapi.SendWarm(h.srv, r, pool, req, "/v1/chat/completions", &router.Warm{Instance: inst, Observer: o})
+		httpapi.SendWarm(h.srv, r, pool, req, "/v1/chat/completions", &router.Warm{Instance: inst, Observer: o}, wt)
 		select {
 		case st := <-o.status:
+			if l := instanceLoad(gate, inst.ID()); l.InFlight != 0 || l.PendingPrefill != 0 {
+				t.Errorf("the copy's instance after it ended: %+v, want nothing held", l)
+			}
 			return st, o
 		case <-time.After(30 * time.Second):
 			t.Fatal("the warm-up copy's observer never ended")
@@ -94,4 +119,14 @@ func TestWarmCopy(t *testing.T) {
 	if n := inst.InFlight(); n != 0 {
 		t.Errorf("instance in flight %d at the end, want 0", n)
 	}
+}
+
+// instanceLoad is the gate's load on instance (zero when it holds none).
+func instanceLoad(g *flowcontrol.Gate, instance string) flowcontrol.InstanceLoad {
+	for _, l := range g.Stats().Instances {
+		if l.Instance == instance {
+			return l
+		}
+	}
+	return flowcontrol.InstanceLoad{}
 }

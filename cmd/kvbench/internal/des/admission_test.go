@@ -45,8 +45,9 @@ func (q *headQueue) NextExpiry() (time.Duration, bool) {
 	return 0, false
 }
 
-func (q *headQueue) FirstToken(uint64, time.Duration) {}
-func (q *headQueue) Finished(uint64, time.Duration)   {}
+func (q *headQueue) FirstToken(uint64, time.Duration)        {}
+func (q *headQueue) Finished(uint64, time.Duration)          {}
+func (q *headQueue) Companion(uint64, string, time.Duration) {}
 
 // TestFlowQueueDispatchesOnArrivalAndExpiry: the driver asks the queue for
 // admissions after an arrival and after an expiry, as the router's Gate

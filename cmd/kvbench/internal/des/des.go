@@ -148,9 +148,15 @@ type Admission interface {
 	// none waits.
 	NextExpiry() (t time.Duration, ok bool)
 	// FirstToken and Finished follow an admitted request (Finished once,
-	// whichever way it ended, including a routing failure).
+	// whichever way it ended, including a routing failure), and a warm-up
+	// copy (id|WarmTag).
 	FirstToken(id uint64, now time.Duration)
 	Finished(id uint64, now time.Duration)
+	// Companion: the router sent a warm-up copy of admitted request of,
+	// id of|WarmTag, to instance (router.Warm); it holds that instance's
+	// budgets like a request until its FirstToken and Finished (the HTTP
+	// data plane's flowcontrol.Ticket.Companion).
+	Companion(of uint64, instance string, now time.Duration)
 }
 
 // Dropped is a waiting request the admission queue shed.
@@ -646,12 +652,15 @@ func (r *run) advance(in *instance) {
 			switch u.Kind {
 			case FirstToken:
 				r.cfg.Router.FirstToken(u.ID, in.name, u.CachedTokens, len(r.w.Requests[u.ID&^WarmTag].Tokens()))
+				if a := r.cfg.Admission; a != nil {
+					a.FirstToken(u.ID, u.At)
+				}
 			case Finished, Aborted:
 				var err error
 				if u.Kind == Aborted {
 					err = errAborted
 				}
-				r.cfg.Router.Finished(u.ID, in.name, err)
+				r.warmEnd(u.ID, in.name, err)
 			}
 			continue
 		}
@@ -785,18 +794,30 @@ const WarmTag = uint64(1) << 61
 func (r *run) warm(id uint64, name string, req *workload.Request, salt string) {
 	wid := id | WarmTag
 	r.cfg.Router.Started(wid, name) // every end below releases what this counts
+	if a := r.cfg.Admission; a != nil {
+		a.Companion(id, name, r.now)
+	}
 	in := r.byName[name]
 	if in == nil || !in.live {
-		r.cfg.Router.Finished(wid, name, fmt.Errorf("%w: warm-up on %q", errNotLive, name))
+		r.warmEnd(wid, name, fmt.Errorf("%w: warm-up on %q", errNotLive, name))
 		return
 	}
 	prompt := append([]uint32(nil), r.tokBuf...)
 	if err := in.engine.Submit(EngineRequest{ID: wid, Prompt: prompt, MaxTokens: 1, Adapter: req.Adapter, CacheSalt: salt}, r.now); err != nil {
-		r.cfg.Router.Finished(wid, in.name, err)
+		r.warmEnd(wid, in.name, err)
 		return
 	}
 	r.res.Warms++
 	r.schedule(in)
+}
+
+// warmEnd ends warm-up copy wid, however it ended, for the router and the
+// admission queue.
+func (r *run) warmEnd(wid uint64, name string, err error) {
+	r.cfg.Router.Finished(wid, name, err)
+	if a := r.cfg.Admission; a != nil {
+		a.Finished(wid, r.now)
+	}
 }
 
 var errNotLive = errors.New("not a live instance")
