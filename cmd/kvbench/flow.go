@@ -36,8 +36,6 @@ type flowAdmission struct {
 	live   []string
 	tokBuf []uint32
 	held   []int
-	// companions counts the warm-up copies the queue counted (Companion).
-	companions int
 }
 
 // cached is Item.Cached for request id, as the router computes it when a
@@ -185,7 +183,6 @@ func (a *flowAdmission) Companion(of uint64, instance string, now time.Duration)
 	c := &flowcontrol.Item{Value: of | des.WarmTag}
 	if a.s.Companion(it, c, instance, vt(now)) {
 		a.items[of|des.WarmTag] = c
-		a.companions++
 	}
 }
 

@@ -474,8 +474,8 @@ func TestDESWarmCopiesUnderFlowControl(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkWarmRun(t, res, rt.kv.state)
-	if a.companions != res.Warms {
-		t.Errorf("the queue counted %d warm-up copies of %d sent", a.companions, res.Warms)
+	if n := a.s.Counts().Companions; n != uint64(res.Warms) {
+		t.Errorf("the queue counted %d warm-up copies of %d sent", n, res.Warms)
 	}
 	if n := a.s.InFlight(); n != 0 || len(a.items) != 0 {
 		t.Errorf("after the run: %d in flight in the queue, %d items held", n, len(a.items))

@@ -137,6 +137,7 @@ func (s *Sched) Companion(of, it *Item, instance string, now time.Time) bool {
 	*it = Item{Tenant: of.Tenant, Priority: of.Priority, Cost: of.Cost, Prefill: of.Prefill, Cached: of.Cached, Value: it.Value, arrived: now}
 	s.admit(it, now)
 	s.Bind(it, instance)
+	s.counts.Companions++
 	return true
 }
 

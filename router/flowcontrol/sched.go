@@ -321,6 +321,9 @@ type Counts struct {
 	// Shed counts requests that left without admission, by reason
 	// (Canceled included).
 	Shed map[Reason]uint64 `json:"shed"`
+	// Companions counts warm-up copies counted beside admitted requests
+	// (Companion), not among admissions.
+	Companions uint64 `json:"companions"`
 }
 
 // New returns an empty queue; cfg is completed with WithDefaults.

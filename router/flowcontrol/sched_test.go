@@ -516,8 +516,8 @@ func TestCompanionHoldsInstanceBudget(t *testing.T) {
 	if got := s.Next(at(5)); got != z {
 		t.Fatalf("Next after the copy ended = %v, want z", got)
 	}
-	if st := s.Counts(); st.AdmittedAtOnce != 1 || st.AdmittedQueued != 2 {
-		t.Errorf("admissions %d at once, %d queued: the copy must not count", st.AdmittedAtOnce, st.AdmittedQueued)
+	if st := s.Counts(); st.AdmittedAtOnce != 1 || st.AdmittedQueued != 2 || st.Companions != 1 {
+		t.Errorf("admissions %d at once, %d queued, %d companions: the copy counts as a companion only", st.AdmittedAtOnce, st.AdmittedQueued, st.Companions)
 	}
 	var c2 Item
 	if s.Companion(&Item{Prefill: 5}, &c2, "a", at(6)) || c2.inst != nil {

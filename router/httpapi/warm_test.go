@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 
@@ -129,4 +130,65 @@ func instanceLoad(g *flowcontrol.Gate, instance string) flowcontrol.InstanceLoad
 		}
 	}
 	return flowcontrol.InstanceLoad{}
+}
+
+// warmPick decides as kv_aware does when it buys a hot prefix's copy by
+// warming it: the request to one instance, a warm-up copy to another.
+type warmPick struct {
+	to, warm *router.Instance
+	obs      router.Observer
+}
+
+func (p *warmPick) Name() string { return "warm-pick" }
+
+func (p *warmPick) Pick(context.Context, *router.Request, []*router.Instance) (router.Decision, error) {
+	return router.Decision{Instance: p.to, Strategy: "warm-pick", Reason: router.ReasonKVMatch,
+		Warm: &router.Warm{Instance: p.warm, Observer: p.obs}}, nil
+}
+
+// TestRouteWarmCopyHoldsFlowBudget: with a flow-control queue, the data
+// plane counts a decision's warm-up copy beside the request
+// (Ticket.Companion), and the copy's budget is free again once it ends.
+func TestRouteWarmCopyHoldsFlowBudget(t *testing.T) {
+	h := newHarness(t, 2, nil)
+	pool := h.srv.Pools()[0]
+	byID := map[string]*router.Instance{}
+	for _, c := range pool.Instances() {
+		byID[c.ID()] = c
+	}
+	holder, other := byID[h.ups[0].ID], byID[h.ups[1].ID]
+	gate, err := flowcontrol.NewGate(flowcontrol.Config{InstancePrefill: 8192, MaxConcurrency: 8},
+		flowcontrol.WithInstances(func() []string { return []string{holder.ID(), other.ID()} }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tk, err := gate.Acquire(context.Background(), flowcontrol.Item{Prefill: 3000, Cost: 3500})
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := `{"model":"` + model + `","messages":[{"role":"user","content":"go"}],"max_tokens":20}`
+	req := &router.Request{Endpoint: router.EndpointChatCompletions, Pool: pool.Name(), Model: model, Body: []byte(body)}
+	o := &doneObserver{status: make(chan int, 1)}
+	r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(body))
+	rec := httptest.NewRecorder()
+	httpapi.RouteForTest(h.srv, rec, r, pool, &warmPick{to: holder, warm: other, obs: o}, req, tk, "/v1/chat/completions")
+	if rec.Code != http.StatusOK {
+		t.Fatalf("request: %d %s", rec.Code, rec.Body.String())
+	}
+	select {
+	case <-o.status:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the warm-up copy's observer never ended")
+	}
+	tk.Done()
+	st := gate.Stats()
+	if st.Counts.Companions != 1 {
+		t.Errorf("companions counted %d, want the one warm-up copy", st.Counts.Companions)
+	}
+	if st.InFlight != 0 || st.PendingPrefill != 0 {
+		t.Errorf("queue after the request and its copy ended: %d in flight, %d pending", st.InFlight, st.PendingPrefill)
+	}
+	if got := h.ups[1].Paths(); len(got) != 1 {
+		t.Errorf("the copy's instance got %d requests, want the one copy", len(got))
+	}
 }
