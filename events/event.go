@@ -59,7 +59,8 @@ type Event struct {
 	// Medium as the engine wrote it ("GPU", "CPU", ...); see tiers.FromMedium.
 	Medium string
 
-	// CacheSalt from the first block's extra_keys, when present.
+	// CacheSalt from the first block's extra_keys, when present, or from
+	// SGLang's BlockStored metadata (then ExtraKeys is built to carry it).
 	CacheSalt string
 
 	// GroupIdx is the KV-cache group; only group 0 (full attention) is indexed.
@@ -71,7 +72,9 @@ type Event struct {
 
 	// ExtraKeys is the event's extra_keys value exactly as received
 	// (msgpack, one entry per block: LoRA name, multimodal hashes, the
-	// cache salt on block 0), or nil. CacheSalt is decoded from it.
+	// cache salt on block 0), or nil. CacheSalt is decoded from it. For an
+	// SGLang store whose metadata carries a salt and that has no extra_keys,
+	// it is the vLLM form that carries the salt (Encode writes that back).
 	ExtraKeys []byte
 
 	// Layout records the wire layout for byte-exact re-encoding (see
