@@ -590,3 +590,74 @@ func TestModernFormMatchesVLLM(t *testing.T) {
 		t.Fatal("decoded vLLM payload does not re-encode byte for byte")
 	}
 }
+
+// TestNewestVLLMSource pins the newest vllm/distributed/kv_events.py the
+// search store holds (vllm-project/vllm @ 0181ea3173e53eea8cf04a86891488e3dc89bb34):
+// EventBatch and KVCacheEvent are msgspec structs with omit_defaults and no
+// array_like, so the batch too is a map {"ts", "events",
+// "data_parallel_rank"} (the publisher always sets the rank, so it is never
+// omitted); events carry the tag under "type" first, then their fields in
+// declaration order, the seven without defaults always (nil when None),
+// extra_keys, group_idx, kv_cache_spec_kind and kv_cache_spec_sliding_window
+// only when not None. Block hashes are ExternalBlockHash (bytes | int):
+// integers by default, the 32-byte digest with
+// VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0; both must give the same hashes.
+func TestNewestVLLMSource(t *testing.T) {
+	digest := func(last uint64) []byte {
+		d := bytes.Repeat([]byte{0xab}, 24)
+		return binary.BigEndian.AppendUint64(d, last)
+	}
+	h1, h2, h3 := uint64(15760518052499183552), uint64(0x0102030405060708), uint64(77)
+	payload := func(bin bool) []byte {
+		hash := func(m mp, h uint64) mp {
+			if bin {
+				return m.bin(digest(h))
+			}
+			return m.u(h)
+		}
+		m := mp{}.mapH(3).str("ts").f64(1789095808.5).str("events").arr(4)
+		m = m.mapH(11).str("type").str("BlockStored")
+		m = hash(m.str("block_hashes").arr(1), h1)
+		m = m.str("parent_block_hash").nil().str("token_ids").arr(2).u(151644).u(872).
+			str("block_size").u(2).str("lora_id").nil().str("medium").str("GPU").str("lora_name").nil().
+			str("extra_keys").arr(1).arr(1).str("salt-a").str("group_idx").u(0).
+			str("kv_cache_spec_kind").str("full_attention")
+		m = m.mapH(11).str("type").str("BlockStored")
+		m = hash(m.str("block_hashes").arr(1), h2)
+		m = hash(m.str("parent_block_hash"), h1)
+		m = m.str("token_ids").arr(2).u(198).u(9064).str("block_size").u(2).str("lora_id").nil().
+			str("medium").str("GPU").str("lora_name").nil().str("group_idx").u(1).
+			str("kv_cache_spec_kind").str("sliding_window").str("kv_cache_spec_sliding_window").u(4096)
+		m = m.mapH(4).str("type").str("BlockRemoved")
+		m = hash(m.str("block_hashes").arr(1), h3)
+		m = m.str("medium").str("GPU").str("group_idx").u(0)
+		m = m.mapH(1).str("type").str("AllBlocksCleared")
+		return m.str("data_parallel_rank").u(0)
+	}
+	for _, bin := range []bool{false, true} {
+		p := payload(bin)
+		b, err := Decode(p)
+		if err != nil {
+			t.Fatalf("bin=%v: %v", bin, err)
+		}
+		if !b.Layout.Map || !b.HasDPRank || b.DPRank != 0 || b.TS != 1789095808.5 || b.Encoding != EncodingMap || len(b.Events) != 4 {
+			t.Fatalf("bin=%v: envelope %+v", bin, b)
+		}
+		s, c, r := b.Events[0], b.Events[1], b.Events[2]
+		if s.Kind != BlockStored || s.BlockHashes[0] != h1 || s.HasParent || s.BlockSize != 2 || s.Medium != "GPU" ||
+			s.CacheSalt != "salt-a" || !s.FullAttention() || len(s.TokenIDs) != 2 {
+			t.Errorf("bin=%v: store %+v", bin, s)
+		}
+		if c.BlockHashes[0] != h2 || !c.HasParent || c.ParentHash != h1 || c.GroupIdx != 1 || c.SlidingWindow != 4096 || c.FullAttention() {
+			t.Errorf("bin=%v: sliding-window store %+v", bin, c)
+		}
+		if r.Kind != BlockRemoved || r.BlockHashes[0] != h3 || r.Medium != "GPU" || b.Events[3].Kind != AllBlocksCleared {
+			t.Errorf("bin=%v: removal/clear %+v %+v", bin, r, b.Events[3])
+		}
+		if !bin {
+			if q, _ := Encode(nil, b, b.Encoding); !bytes.Equal(q, p) {
+				t.Errorf("does not re-encode byte for byte:\n got %x\nwant %x", q, p)
+			}
+		}
+	}
+}
