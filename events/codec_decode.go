@@ -2,6 +2,7 @@ package events
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"math"
 	"unsafe"
@@ -18,9 +19,13 @@ import (
 // of nil or 0 means no parent.
 //
 // Events of unknown type are skipped and counted in Batch.Unknown; events of
-// non-full-attention groups are kept (see Event.FullAttention). Anything
-// else that does not fit returns an error wrapping ErrMalformed; no input
-// panics, and no allocation exceeds a small multiple of len(payload).
+// non-full-attention groups are kept (see Event.FullAttention). An event
+// that is whole msgpack but cannot be read (a field of an unexpected type
+// or out of range, no tag) is skipped and counted in Batch.Invalid, and the
+// rest of the batch is kept. Anything else that does not fit (truncation,
+// an envelope of the wrong shape) returns an error wrapping ErrMalformed;
+// no input panics, and no allocation exceeds a small multiple of
+// len(payload).
 //
 // The returned batch does not alias payload.
 func Decode(payload []byte) (Batch, error) {
@@ -283,9 +288,23 @@ func (d *decoder) events(b *Batch) error {
 	}
 	for i := 0; i < n; i++ {
 		var e Event
+		start := d.r.off
 		known, enc, err := d.event(&e)
 		if err != nil {
-			return fmt.Errorf("event %d: %w", i, err)
+			// An event that cannot be read costs only itself when its
+			// extent can still be found: skip it whole and count it.
+			if errors.Is(err, errTruncated) {
+				return fmt.Errorf("event %d: %w", i, err)
+			}
+			d.r.off = start
+			if d.r.skip() != nil {
+				return fmt.Errorf("event %d: %w", i, err)
+			}
+			if b.Invalid == 0 {
+				b.InvalidErr = fmt.Errorf("event %d: %w", i, err)
+			}
+			b.Invalid++
+			continue
 		}
 		if b.Encoding == 0 {
 			b.Encoding = enc

@@ -265,6 +265,26 @@ func TestDecodeRejects(t *testing.T) {
 		{"billions of tokens", stored(3, mp{}.arr(1<<30)), "truncated"},
 		{"map claims billions", batch3(0, mp{}.mapH(math.MaxUint32)), "truncated"},
 		{"string claims 4 GiB", batch3(0, mp{}.arr(1).raw(0xdb, 0xff, 0xff, 0xff, 0xff)), "truncated"},
+		{"extra_keys truncated", stored(8, mp{}.arr(100)), "truncated"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := Decode(tc.payload)
+			if !errors.Is(err, ErrMalformed) {
+				t.Fatalf("err = %v, want ErrMalformed", err)
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("err = %q, want it to mention %q", err, tc.want)
+			}
+		})
+	}
+	// Events that are whole msgpack but cannot be read cost only
+	// themselves: skipped, counted, the first reason kept.
+	for _, tc := range []struct {
+		name    string
+		payload []byte
+		want    string
+	}{
 		{"empty event array", batch3(0, mp{}.arr(0)), "empty event"},
 		{"tag not a string", batch3(0, mp{}.arr(1).fix(1)), "event tag"},
 		{"map without type", batch3(0, mp{}.mapH(1).str("block_hashes").arr(0)), "no \"type\""},
@@ -284,20 +304,21 @@ func TestDecodeRejects(t *testing.T) {
 		{"lora_id over int64", stored(5, mp{}.u64(math.MaxUint64)), "lora_id"},
 		{"medium an int", stored(6, mp{}.fix(1)), "medium"},
 		{"lora_name an array", stored(7, mp{}.arr(0)), "lora_name"},
-		{"extra_keys truncated", stored(8, mp{}.arr(100)), "truncated"},
 		{"group_idx a string", stored(9, mp{}.str("0")), "group_idx"},
 		{"spec kind an int", stored(10, mp{}.fix(0)), "kv_cache_spec_kind"},
 		{"sliding window a bool", stored(11, mp{}.raw(0xc3)), "kv_cache_spec_sliding_window"},
 		{"map field wrong type", batch3(0, mp{}.mapH(2).str("type").str("BlockRemoved").str("medium").fix(1)), "medium"},
-	}
-	for _, tc := range tests {
+	} {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := Decode(tc.payload)
-			if !errors.Is(err, ErrMalformed) {
-				t.Fatalf("err = %v, want ErrMalformed", err)
+			b, err := Decode(tc.payload)
+			if err != nil {
+				t.Fatalf("err = %v, want the event skipped", err)
 			}
-			if !strings.Contains(err.Error(), tc.want) {
-				t.Fatalf("err = %q, want it to mention %q", err, tc.want)
+			if b.Invalid != 1 || len(b.Events) != 0 || !errors.Is(b.InvalidErr, ErrMalformed) {
+				t.Fatalf("invalid %d (%v), events %d", b.Invalid, b.InvalidErr, len(b.Events))
+			}
+			if !strings.Contains(b.InvalidErr.Error(), tc.want) {
+				t.Fatalf("reason %q, want it to mention %q", b.InvalidErr, tc.want)
 			}
 		})
 	}
@@ -317,7 +338,8 @@ func TestDecodeEveryTruncation(t *testing.T) {
 }
 
 // TestDecodeDeepNesting: a million nested arrays inside a tolerated field
-// are skipped without recursion; as the event itself they are an error.
+// are skipped without recursion; as the event itself they are skipped and
+// counted as an invalid event.
 func TestDecodeDeepNesting(t *testing.T) {
 	const depth = 1 << 20
 	nest := bytes.Repeat([]byte{0x91}, depth)
@@ -326,8 +348,8 @@ func TestDecodeDeepNesting(t *testing.T) {
 	if b, err := Decode(ok); err != nil || len(b.Events) != 1 {
 		t.Fatalf("nested extra_keys: %v", err)
 	}
-	if _, err := Decode(batch3(0, mp{}.raw(nest...))); !errors.Is(err, ErrMalformed) {
-		t.Fatalf("nested event: %v", err)
+	if b, err := Decode(batch3(0, mp{}.raw(nest...))); err != nil || b.Invalid != 1 {
+		t.Fatalf("nested event: %v, invalid %d (want skipped and counted)", err, b.Invalid)
 	}
 	if _, err := Decode(batch3(0, mp{}.arr(2).str("Unknown").raw(nest[:depth-1]...))); !errors.Is(err, ErrMalformed) {
 		t.Fatalf("truncated nesting in an unknown event: %v", err)
@@ -659,5 +681,47 @@ func TestNewestVLLMSource(t *testing.T) {
 				t.Errorf("does not re-encode byte for byte:\n got %x\nwant %x", q, p)
 			}
 		}
+	}
+}
+
+// TestDecodeIsolatesBadEvent: an event that is well-formed msgpack but whose
+// fields do not have the types the codec knows (a future engine changing a
+// field, SGLang's metadata before it was known: ai-dynamo/dynamo#14530 lost
+// whole batches that way) is skipped and counted in Batch.Invalid; the
+// events beside it are kept. Truncation still fails the batch.
+func TestDecodeIsolatesBadEvent(t *testing.T) {
+	good := mp{}.arr(7).str("BlockStored").arr(1).fix(1).nil().arr(1).fix(5).fix(1).nil().str("GPU")
+	bads := map[string]mp{
+		"medium an int":       mp{}.arr(7).str("BlockStored").arr(1).fix(2).nil().arr(1).fix(6).fix(1).nil().fix(3),
+		"hash a float":        mp{}.arr(2).str("BlockRemoved").arr(1).f64(1),
+		"map field a map":     mp{}.mapH(2).str("type").str("BlockStored").str("block_size").mapH(0),
+		"map without type":    mp{}.mapH(1).str("block_hashes").arr(0),
+		"event an int":        mp{}.fix(3),
+		"tag not a string":    mp{}.arr(2).fix(1).fix(2),
+		"empty event array":   mp{}.arr(0),
+		"token over uint32":   mp{}.arr(4).str("BlockStored").arr(1).fix(1).nil().arr(1).u64(1 << 32),
+		"empty hash bytes":    mp{}.arr(2).str("BlockRemoved").arr(1).bin(nil),
+		"parent an array":     mp{}.arr(3).str("BlockStored").arr(0).arr(0),
+		"group_idx a string":  mp{}.mapH(2).str("type").str("BlockRemoved").str("group_idx").str("0"),
+		"sliding window bool": mp{}.arr(12).str("BlockStored").arr(0).nil().arr(0).fix(0).nil().nil().nil().nil().nil().nil().raw(0xc3),
+	}
+	for name, bad := range bads {
+		t.Run(name, func(t *testing.T) {
+			removed := mp{}.arr(2).str("BlockRemoved").arr(1).fix(9)
+			p := batch3(0, good, bad, removed)
+			for _, dec := range []func([]byte) (Batch, error){Decode, new(Decoder).Decode} {
+				b, err := dec(p)
+				if err != nil {
+					t.Fatalf("one bad event failed the batch: %v", err)
+				}
+				if b.Invalid != 1 || len(b.Events) != 2 || b.Events[0].BlockHashes[0] != 1 || b.Events[1].BlockHashes[0] != 9 {
+					t.Fatalf("invalid %d, events %+v", b.Invalid, b.Events)
+				}
+			}
+		})
+	}
+	// A bad event whose extent cannot be found (truncated) fails the batch.
+	if _, err := Decode(batch3(0, good, mp{}.arr(3).str("BlockStored").arr(5).fix(1))); !errors.Is(err, ErrMalformed) {
+		t.Fatalf("truncated event: %v", err)
 	}
 }

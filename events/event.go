@@ -96,6 +96,13 @@ type Batch struct {
 	Encoding Encoding
 	// Unknown counts events of unknown type that Decode skipped.
 	Unknown int
+	// Invalid counts events Decode skipped because they could not be read:
+	// well-formed msgpack, but not an event the codec knows how to read (a
+	// field of another type or out of range, no tag). The other events of
+	// the batch are kept. InvalidErr is the first one's reason (wrapping
+	// ErrMalformed), for logs.
+	Invalid    int
+	InvalidErr error
 	// Layout records the envelope's wire layout (see BatchLayout).
 	Layout BatchLayout
 }
