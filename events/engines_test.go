@@ -314,3 +314,24 @@ func TestSGLangCacheSaltMetadata(t *testing.T) {
 		}
 	}
 }
+
+// TestTRTLLMV2Metadata: KVCacheManagerV2's events (NVIDIA/TensorRT-LLM#13589,
+// merged 2026-04-29) keep the V1 JSON shapes and add "hash_algo"
+// ("v1_block_key" / "v2_sha256") and "layer_group_id" metadata, with 64-bit
+// hashes; where the serializer puts those keys is not in the PR description,
+// so both the event and its data carry them here. They are skipped; the
+// events read as V1's.
+func TestTRTLLMV2Metadata(t *testing.T) {
+	raw := []byte(`[{"event_id":0,"window_size":4096,"hash_algo":"v2_sha256","layer_group_id":0,` +
+		`"data":{"type":"stored","parent_hash":null,"hash_algo":"v2_sha256","layer_group_id":0,` +
+		`"blocks":[{"type":"stored_block","block_hash":18446744073709551615,"tokens":[{"type":"unique_token","token_id":1,"token_extra_id":0}],"lora_id":null,"cache_level":0,"priority":35,"mm_keys":[]}]}},` +
+		`{"event_id":1,"window_size":4096,"hash_algo":"v2_sha256","layer_group_id":0,"data":{"type":"removed","block_hashes":[18446744073709551615],"layer_group_id":0}}]`)
+	evs, err := DecodeTRTLLM(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(evs) != 2 || evs[0].Type != "stored" || len(evs[0].Blocks) != 1 || evs[0].Blocks[0].Hash != math.MaxUint64 ||
+		evs[0].Blocks[0].Tokens[0] != 1 || evs[1].Type != "removed" || evs[1].Hashes[0] != math.MaxUint64 {
+		t.Fatalf("%+v", evs)
+	}
+}
