@@ -725,3 +725,28 @@ func TestDecodeIsolatesBadEvent(t *testing.T) {
 		t.Fatalf("truncated event: %v", err)
 	}
 }
+
+// TestVLLMProposedFieldsSkipped: fields proposed or added to the map-era
+// events after vllm @ 0181ea3 — BlockStored "ownership"
+// (vllm-project/vllm#52067) and "origin" (#51699, "NEW" / "REUSED"),
+// BlockRemoved "remaining_copy_counts" (#48933, aligned with block_hashes)
+// — are skipped by name and leave the event as it was.
+func TestVLLMProposedFieldsSkipped(t *testing.T) {
+	p := batch3(0,
+		mp{}.mapH(10).str("type").str("BlockStored").str("block_hashes").arr(1).u(5).str("parent_block_hash").nil().
+			str("token_ids").arr(1).u(7).str("block_size").u(1).str("lora_id").nil().str("medium").str("CPU").
+			str("lora_name").nil().str("ownership").str("offloading").str("origin").str("REUSED"),
+		mp{}.mapH(5).str("type").str("BlockRemoved").str("block_hashes").arr(2).u(5).u(6).str("medium").str("GPU").
+			str("group_idx").u(0).str("remaining_copy_counts").arr(2).u(1).u(0))
+	b, err := Decode(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []Event{
+		{Kind: BlockStored, BlockHashes: []uint64{5}, TokenIDs: []uint32{7}, BlockSize: 1, Medium: "CPU"},
+		{Kind: BlockRemoved, BlockHashes: []uint64{5, 6}, Medium: "GPU"},
+	}
+	if d := diffBatch(Batch{TS: b.TS, HasDPRank: true, Events: want}, b); d != "" || b.Invalid != 0 || b.Unknown != 0 {
+		t.Fatalf("%s (invalid %d, unknown %d)", d, b.Invalid, b.Unknown)
+	}
+}
