@@ -8,8 +8,9 @@ import (
 
 // Encoding is the msgpack shape of the events inside a batch. vLLM sent
 // events as tagged positional arrays until vllm-project/vllm#42892
-// (2026-05) and as tagged maps since; the batch itself stays a 3-element
-// array in both.
+// (2026-05) and as tagged maps since; the batch itself stayed a 3-element
+// array in vLLM 0.26, while kv_events.py @ 0181ea3 declares it as a map too
+// (Decode reads both; Batch.Layout.Map records which).
 type Encoding uint8
 
 const (

@@ -2,6 +2,7 @@ package events
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"math"
 	"unsafe"
@@ -18,9 +19,13 @@ import (
 // of nil or 0 means no parent.
 //
 // Events of unknown type are skipped and counted in Batch.Unknown; events of
-// non-full-attention groups are kept (see Event.FullAttention). Anything
-// else that does not fit returns an error wrapping ErrMalformed; no input
-// panics, and no allocation exceeds a small multiple of len(payload).
+// non-full-attention groups are kept (see Event.FullAttention). An event
+// that is whole msgpack but cannot be read (a field of an unexpected type
+// or out of range, no tag) is skipped and counted in Batch.Invalid, and the
+// rest of the batch is kept. Anything else that does not fit (truncation,
+// an envelope of the wrong shape) returns an error wrapping ErrMalformed;
+// no input panics, and no allocation exceeds a small multiple of
+// len(payload).
 //
 // The returned batch does not alias payload.
 func Decode(payload []byte) (Batch, error) {
@@ -283,9 +288,23 @@ func (d *decoder) events(b *Batch) error {
 	}
 	for i := 0; i < n; i++ {
 		var e Event
+		start := d.r.off
 		known, enc, err := d.event(&e)
 		if err != nil {
-			return fmt.Errorf("event %d: %w", i, err)
+			// An event that cannot be read costs only itself when its
+			// extent can still be found: skip it whole and count it.
+			if errors.Is(err, errTruncated) {
+				return fmt.Errorf("event %d: %w", i, err)
+			}
+			d.r.off = start
+			if d.r.skip() != nil {
+				return fmt.Errorf("event %d: %w", i, err)
+			}
+			if b.Invalid == 0 {
+				b.InvalidErr = fmt.Errorf("event %d: %w", i, err)
+			}
+			b.Invalid++
+			continue
 		}
 		if b.Encoding == 0 {
 			b.Encoding = enc
@@ -319,14 +338,14 @@ func (d *decoder) event(e *Event) (known bool, enc Encoding, err error) {
 	if err != nil {
 		return false, 0, err
 	}
-	var extra []byte
+	var st fieldState
 	switch t {
 	case mpArray:
 		enc = EncodingArray
-		known, extra, err = d.arrayEvent(e)
+		known, err = d.arrayEvent(e, &st)
 	case mpMap:
 		enc = EncodingMap
-		known, extra, err = d.mapEvent(e)
+		known, err = d.mapEvent(e, &st)
 	default:
 		return false, 0, fmt.Errorf("%w: event is a %s, want array or map", ErrMalformed, t)
 	}
@@ -334,11 +353,61 @@ func (d *decoder) event(e *Event) (known bool, enc Encoding, err error) {
 		return known, enc, err
 	}
 	e.Layout.Encoding = enc
-	if len(extra) > 0 {
-		e.ExtraKeys = bytes.Clone(extra)
-		e.CacheSalt = cacheSalt(extra, e)
+	if len(st.extra) > 0 {
+		e.ExtraKeys = bytes.Clone(st.extra)
+		e.CacheSalt = cacheSalt(st.extra, e)
+	}
+	if st.salt != nil && e.CacheSalt == "" && !e.HasParent {
+		// SGLang's salt (see sglangMetadata): kept as vLLM would carry it,
+		// in extra_keys on block 0, so that Encode writes it back.
+		e.CacheSalt = string(st.salt)
+		if e.ExtraKeys == nil {
+			e.ExtraKeys = appendExtraKeys(nil, e)
+		}
 	}
 	return true, enc, nil
+}
+
+// sglangMetadata reads SGLang's BlockStored metadata map
+// (sgl-project/sglang#30827, #37482: {"cache_salt": str, "session_id": str}),
+// which SGLang writes as the 8th array element, where vLLM has lora_name,
+// or under the "metadata" key. Only cache_salt is kept; other keys are
+// skipped.
+func (d *decoder) sglangMetadata(st *fieldState) error {
+	n, err := d.r.mapHeader()
+	if err != nil {
+		return err
+	}
+	for i := 0; i < n; i++ {
+		key, isStr, err := d.key()
+		if err != nil {
+			return err
+		}
+		if isStr && string(key) == "cache_salt" {
+			err = d.sglangSalt(st)
+		} else {
+			err = d.r.skip()
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// sglangSalt reads an SGLang cache_salt value: a string, or nil for none.
+func (d *decoder) sglangSalt(st *fieldState) error {
+	if d.r.readNil() {
+		return nil
+	}
+	s, err := d.r.readStr()
+	if err != nil {
+		return fmt.Errorf("cache_salt: %w", err)
+	}
+	if len(s) > 0 {
+		st.salt = s
+	}
+	return nil
 }
 
 func (d *decoder) tag() (Kind, error) {
@@ -349,93 +418,106 @@ func (d *decoder) tag() (Kind, error) {
 	return kindOf(tag), nil
 }
 
-func (d *decoder) arrayEvent(e *Event) (bool, []byte, error) {
+func (d *decoder) arrayEvent(e *Event, st *fieldState) (bool, error) {
 	n, err := d.r.arrayHeader(1)
 	if err != nil {
-		return false, nil, err
+		return false, err
 	}
 	if n == 0 {
-		return false, nil, fmt.Errorf("%w: empty event array", ErrMalformed)
+		return false, fmt.Errorf("%w: empty event array", ErrMalformed)
 	}
 	k, err := d.tag()
 	if err != nil {
-		return false, nil, err
+		return false, err
 	}
 	if k == 0 {
 		for i := 1; i < n; i++ {
 			if err := d.r.skip(); err != nil {
-				return false, nil, err
+				return false, err
 			}
 		}
-		return false, nil, nil
+		return false, nil
 	}
 	e.Kind = k
 	e.Layout.N = clampU8(n)
 	fields := kindFields(k)
-	var st fieldState
 	for i := 1; i < n; i++ {
 		if i >= len(fields) {
 			if err := d.r.skip(); err != nil {
-				return false, nil, err
+				return false, err
 			}
 			continue
 		}
-		if err := d.field(e, fields[i], &st); err != nil {
-			return false, nil, err
+		if err := d.field(e, fields[i], st); err != nil {
+			return false, err
 		}
 	}
 	st.finish(e)
-	return true, st.extra, nil
+	return true, nil
 }
 
-func (d *decoder) mapEvent(e *Event) (bool, []byte, error) {
+func (d *decoder) mapEvent(e *Event, st *fieldState) (bool, error) {
 	n, err := d.r.mapHeader()
 	if err != nil {
-		return false, nil, err
+		return false, err
 	}
 	start := d.r.off
 	// The tag normally comes first (msgspec writes it first); otherwise
 	// find it in a first pass, so fields are read knowing the event type.
 	k, found, err := d.findTag(n)
 	if err != nil {
-		return false, nil, err
+		return false, err
 	}
 	if !found {
-		return false, nil, fmt.Errorf("%w: event map has no \"type\"", ErrMalformed)
+		return false, fmt.Errorf("%w: event map has no \"type\"", ErrMalformed)
 	}
 	d.r.off = start
 	if k == 0 {
 		for i := 0; i < 2*n; i++ {
 			if err := d.r.skip(); err != nil {
-				return false, nil, err
+				return false, err
 			}
 		}
-		return false, nil, nil
+		return false, nil
 	}
 	e.Kind = k
 	mask := kindMask(k)
-	var st fieldState
 	for i := 0; i < n; i++ {
 		key, isStr, err := d.key()
 		if err != nil {
-			return false, nil, err
+			return false, err
 		}
 		f := -1
 		if isStr {
 			f = fieldID(key)
+			if f < 0 && k == BlockStored {
+				// SGLang's salt, in its metadata map or as a key of its own.
+				switch string(key) {
+				case "metadata":
+					if err := d.sglangMetadata(st); err != nil {
+						return false, fmt.Errorf("metadata: %w", err)
+					}
+					continue
+				case "cache_salt":
+					if err := d.sglangSalt(st); err != nil {
+						return false, err
+					}
+					continue
+				}
+			}
 		}
 		if f < 0 || mask&(1<<f) == 0 {
 			if err := d.r.skip(); err != nil {
-				return false, nil, err
+				return false, err
 			}
 			continue
 		}
 		if f == fType {
 			if _, err := d.r.readStr(); err != nil {
-				return false, nil, err
+				return false, err
 			}
-		} else if err := d.field(e, uint8(f), &st); err != nil {
-			return false, nil, err
+		} else if err := d.field(e, uint8(f), st); err != nil {
+			return false, err
 		}
 		if e.Layout.N < 16 {
 			e.Layout.Order |= uint64(f) << (4 * e.Layout.N)
@@ -443,7 +525,7 @@ func (d *decoder) mapEvent(e *Event) (bool, []byte, error) {
 		}
 	}
 	st.finish(e)
-	return true, st.extra, nil
+	return true, nil
 }
 
 // findTag scans n map entries for "type" and returns its kind.
@@ -500,6 +582,7 @@ func fieldID(key []byte) int {
 // fieldState accumulates per-event facts that span several fields.
 type fieldState struct {
 	extra []byte // raw extra_keys, aliasing the payload
+	salt  []byte // SGLang's cache_salt (sglangMetadata), aliasing the payload
 	// Integer-width observations, turned into layout flags by finish.
 	hashInts, hashFixed, hashBin int
 	tokens, tokenFixed           int
@@ -542,6 +625,11 @@ func (d *decoder) field(e *Event, f uint8, st *fieldState) error {
 	case fMedium:
 		e.Medium, err = d.str("medium")
 	case fLoraName:
+		if t, _ := d.r.peek(); t == mpMap {
+			// SGLang's metadata sits where vLLM has lora_name.
+			err = d.sglangMetadata(st)
+			break
+		}
 		e.LoraName, err = d.str("lora_name")
 	case fExtraKeys:
 		start := d.r.off

@@ -20,6 +20,12 @@ func FuzzDecode(f *testing.F) {
 	f.Add([]byte(mp{}.mapH(3).str("ts").raw(0xca, 0, 0, 0, 0).str("events").arr(1).mapH(2).str("type").str("BlockRemoved").
 		str("block_hashes").arr(1).fix(1).str("data_parallel_rank").nil()))
 	f.Add([]byte(mp{}.arr(2).f64(1).arr(2).arr(1).str("AllBlocksCleared").arr(2).str("Other").arr(0)))
+	// Unreadable events (fixints where events belong), skipped and counted.
+	f.Add([]byte{0x93, 0x30, 0x99, 0x30, 0x30, 0x30, 0xce, 0x30, 0x30, 0x30, 0x30, 0xce, 0x30, 0x30, 0x30, 0x30, 0x30, 0x30, 0x30, 0x30, 0x30})
+	// SGLang's salted store: metadata where vLLM has lora_name, and as a map key.
+	f.Add(batch3(0, mp{}.arr(8).str("BlockStored").arr(1).i64(-7).nil().arr(1).fix(1).fix(1).nil().str("GPU").
+		mapH(2).str("cache_salt").str("t").str("session_id").str("s"),
+		mp{}.mapH(3).str("type").str("BlockStored").str("block_hashes").arr(1).fix(2).str("metadata").mapH(1).str("cache_salt").str("u")))
 	f.Fuzz(func(t *testing.T, p []byte) {
 		b, err := Decode(p)
 		if err != nil {

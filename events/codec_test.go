@@ -265,6 +265,26 @@ func TestDecodeRejects(t *testing.T) {
 		{"billions of tokens", stored(3, mp{}.arr(1<<30)), "truncated"},
 		{"map claims billions", batch3(0, mp{}.mapH(math.MaxUint32)), "truncated"},
 		{"string claims 4 GiB", batch3(0, mp{}.arr(1).raw(0xdb, 0xff, 0xff, 0xff, 0xff)), "truncated"},
+		{"extra_keys truncated", stored(8, mp{}.arr(100)), "truncated"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := Decode(tc.payload)
+			if !errors.Is(err, ErrMalformed) {
+				t.Fatalf("err = %v, want ErrMalformed", err)
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("err = %q, want it to mention %q", err, tc.want)
+			}
+		})
+	}
+	// Events that are whole msgpack but cannot be read cost only
+	// themselves: skipped, counted, the first reason kept.
+	for _, tc := range []struct {
+		name    string
+		payload []byte
+		want    string
+	}{
 		{"empty event array", batch3(0, mp{}.arr(0)), "empty event"},
 		{"tag not a string", batch3(0, mp{}.arr(1).fix(1)), "event tag"},
 		{"map without type", batch3(0, mp{}.mapH(1).str("block_hashes").arr(0)), "no \"type\""},
@@ -284,20 +304,21 @@ func TestDecodeRejects(t *testing.T) {
 		{"lora_id over int64", stored(5, mp{}.u64(math.MaxUint64)), "lora_id"},
 		{"medium an int", stored(6, mp{}.fix(1)), "medium"},
 		{"lora_name an array", stored(7, mp{}.arr(0)), "lora_name"},
-		{"extra_keys truncated", stored(8, mp{}.arr(100)), "truncated"},
 		{"group_idx a string", stored(9, mp{}.str("0")), "group_idx"},
 		{"spec kind an int", stored(10, mp{}.fix(0)), "kv_cache_spec_kind"},
 		{"sliding window a bool", stored(11, mp{}.raw(0xc3)), "kv_cache_spec_sliding_window"},
 		{"map field wrong type", batch3(0, mp{}.mapH(2).str("type").str("BlockRemoved").str("medium").fix(1)), "medium"},
-	}
-	for _, tc := range tests {
+	} {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := Decode(tc.payload)
-			if !errors.Is(err, ErrMalformed) {
-				t.Fatalf("err = %v, want ErrMalformed", err)
+			b, err := Decode(tc.payload)
+			if err != nil {
+				t.Fatalf("err = %v, want the event skipped", err)
 			}
-			if !strings.Contains(err.Error(), tc.want) {
-				t.Fatalf("err = %q, want it to mention %q", err, tc.want)
+			if b.Invalid != 1 || len(b.Events) != 0 || !errors.Is(b.InvalidErr, ErrMalformed) {
+				t.Fatalf("invalid %d (%v), events %d", b.Invalid, b.InvalidErr, len(b.Events))
+			}
+			if !strings.Contains(b.InvalidErr.Error(), tc.want) {
+				t.Fatalf("reason %q, want it to mention %q", b.InvalidErr, tc.want)
 			}
 		})
 	}
@@ -317,7 +338,8 @@ func TestDecodeEveryTruncation(t *testing.T) {
 }
 
 // TestDecodeDeepNesting: a million nested arrays inside a tolerated field
-// are skipped without recursion; as the event itself they are an error.
+// are skipped without recursion; as the event itself they are skipped and
+// counted as an invalid event.
 func TestDecodeDeepNesting(t *testing.T) {
 	const depth = 1 << 20
 	nest := bytes.Repeat([]byte{0x91}, depth)
@@ -326,8 +348,8 @@ func TestDecodeDeepNesting(t *testing.T) {
 	if b, err := Decode(ok); err != nil || len(b.Events) != 1 {
 		t.Fatalf("nested extra_keys: %v", err)
 	}
-	if _, err := Decode(batch3(0, mp{}.raw(nest...))); !errors.Is(err, ErrMalformed) {
-		t.Fatalf("nested event: %v", err)
+	if b, err := Decode(batch3(0, mp{}.raw(nest...))); err != nil || b.Invalid != 1 {
+		t.Fatalf("nested event: %v, invalid %d (want skipped and counted)", err, b.Invalid)
 	}
 	if _, err := Decode(batch3(0, mp{}.arr(2).str("Unknown").raw(nest[:depth-1]...))); !errors.Is(err, ErrMalformed) {
 		t.Fatalf("truncated nesting in an unknown event: %v", err)
@@ -588,5 +610,143 @@ func TestModernFormMatchesVLLM(t *testing.T) {
 	}
 	if again, _ := Encode(nil, dec, dec.Encoding); !bytes.Equal(again, want) {
 		t.Fatal("decoded vLLM payload does not re-encode byte for byte")
+	}
+}
+
+// TestNewestVLLMSource pins the newest vllm/distributed/kv_events.py the
+// search store holds (vllm-project/vllm @ 0181ea3173e53eea8cf04a86891488e3dc89bb34):
+// EventBatch and KVCacheEvent are msgspec structs with omit_defaults and no
+// array_like, so the batch too is a map {"ts", "events",
+// "data_parallel_rank"} (the publisher always sets the rank, so it is never
+// omitted); events carry the tag under "type" first, then their fields in
+// declaration order, the seven without defaults always (nil when None),
+// extra_keys, group_idx, kv_cache_spec_kind and kv_cache_spec_sliding_window
+// only when not None. Block hashes are ExternalBlockHash (bytes | int):
+// integers by default, the 32-byte digest with
+// VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0; both must give the same hashes.
+func TestNewestVLLMSource(t *testing.T) {
+	digest := func(last uint64) []byte {
+		d := bytes.Repeat([]byte{0xab}, 24)
+		return binary.BigEndian.AppendUint64(d, last)
+	}
+	h1, h2, h3 := uint64(15760518052499183552), uint64(0x0102030405060708), uint64(77)
+	payload := func(bin bool) []byte {
+		hash := func(m mp, h uint64) mp {
+			if bin {
+				return m.bin(digest(h))
+			}
+			return m.u(h)
+		}
+		m := mp{}.mapH(3).str("ts").f64(1789095808.5).str("events").arr(4)
+		m = m.mapH(11).str("type").str("BlockStored")
+		m = hash(m.str("block_hashes").arr(1), h1)
+		m = m.str("parent_block_hash").nil().str("token_ids").arr(2).u(151644).u(872).
+			str("block_size").u(2).str("lora_id").nil().str("medium").str("GPU").str("lora_name").nil().
+			str("extra_keys").arr(1).arr(1).str("salt-a").str("group_idx").u(0).
+			str("kv_cache_spec_kind").str("full_attention")
+		m = m.mapH(11).str("type").str("BlockStored")
+		m = hash(m.str("block_hashes").arr(1), h2)
+		m = hash(m.str("parent_block_hash"), h1)
+		m = m.str("token_ids").arr(2).u(198).u(9064).str("block_size").u(2).str("lora_id").nil().
+			str("medium").str("GPU").str("lora_name").nil().str("group_idx").u(1).
+			str("kv_cache_spec_kind").str("sliding_window").str("kv_cache_spec_sliding_window").u(4096)
+		m = m.mapH(4).str("type").str("BlockRemoved")
+		m = hash(m.str("block_hashes").arr(1), h3)
+		m = m.str("medium").str("GPU").str("group_idx").u(0)
+		m = m.mapH(1).str("type").str("AllBlocksCleared")
+		return m.str("data_parallel_rank").u(0)
+	}
+	for _, bin := range []bool{false, true} {
+		p := payload(bin)
+		b, err := Decode(p)
+		if err != nil {
+			t.Fatalf("bin=%v: %v", bin, err)
+		}
+		if !b.Layout.Map || !b.HasDPRank || b.DPRank != 0 || b.TS != 1789095808.5 || b.Encoding != EncodingMap || len(b.Events) != 4 {
+			t.Fatalf("bin=%v: envelope %+v", bin, b)
+		}
+		s, c, r := b.Events[0], b.Events[1], b.Events[2]
+		if s.Kind != BlockStored || s.BlockHashes[0] != h1 || s.HasParent || s.BlockSize != 2 || s.Medium != "GPU" ||
+			s.CacheSalt != "salt-a" || !s.FullAttention() || len(s.TokenIDs) != 2 {
+			t.Errorf("bin=%v: store %+v", bin, s)
+		}
+		if c.BlockHashes[0] != h2 || !c.HasParent || c.ParentHash != h1 || c.GroupIdx != 1 || c.SlidingWindow != 4096 || c.FullAttention() {
+			t.Errorf("bin=%v: sliding-window store %+v", bin, c)
+		}
+		if r.Kind != BlockRemoved || r.BlockHashes[0] != h3 || r.Medium != "GPU" || b.Events[3].Kind != AllBlocksCleared {
+			t.Errorf("bin=%v: removal/clear %+v %+v", bin, r, b.Events[3])
+		}
+		if !bin {
+			if q, _ := Encode(nil, b, b.Encoding); !bytes.Equal(q, p) {
+				t.Errorf("does not re-encode byte for byte:\n got %x\nwant %x", q, p)
+			}
+		}
+	}
+}
+
+// TestDecodeIsolatesBadEvent: an event that is well-formed msgpack but whose
+// fields do not have the types the codec knows (a future engine changing a
+// field, SGLang's metadata before it was known: ai-dynamo/dynamo#14530 lost
+// whole batches that way) is skipped and counted in Batch.Invalid; the
+// events beside it are kept. Truncation still fails the batch.
+func TestDecodeIsolatesBadEvent(t *testing.T) {
+	good := mp{}.arr(7).str("BlockStored").arr(1).fix(1).nil().arr(1).fix(5).fix(1).nil().str("GPU")
+	bads := map[string]mp{
+		"medium an int":       mp{}.arr(7).str("BlockStored").arr(1).fix(2).nil().arr(1).fix(6).fix(1).nil().fix(3),
+		"hash a float":        mp{}.arr(2).str("BlockRemoved").arr(1).f64(1),
+		"map field a map":     mp{}.mapH(2).str("type").str("BlockStored").str("block_size").mapH(0),
+		"map without type":    mp{}.mapH(1).str("block_hashes").arr(0),
+		"event an int":        mp{}.fix(3),
+		"tag not a string":    mp{}.arr(2).fix(1).fix(2),
+		"empty event array":   mp{}.arr(0),
+		"token over uint32":   mp{}.arr(4).str("BlockStored").arr(1).fix(1).nil().arr(1).u64(1 << 32),
+		"empty hash bytes":    mp{}.arr(2).str("BlockRemoved").arr(1).bin(nil),
+		"parent an array":     mp{}.arr(3).str("BlockStored").arr(0).arr(0),
+		"group_idx a string":  mp{}.mapH(2).str("type").str("BlockRemoved").str("group_idx").str("0"),
+		"sliding window bool": mp{}.arr(12).str("BlockStored").arr(0).nil().arr(0).fix(0).nil().nil().nil().nil().nil().nil().raw(0xc3),
+	}
+	for name, bad := range bads {
+		t.Run(name, func(t *testing.T) {
+			removed := mp{}.arr(2).str("BlockRemoved").arr(1).fix(9)
+			p := batch3(0, good, bad, removed)
+			for _, dec := range []func([]byte) (Batch, error){Decode, new(Decoder).Decode} {
+				b, err := dec(p)
+				if err != nil {
+					t.Fatalf("one bad event failed the batch: %v", err)
+				}
+				if b.Invalid != 1 || len(b.Events) != 2 || b.Events[0].BlockHashes[0] != 1 || b.Events[1].BlockHashes[0] != 9 {
+					t.Fatalf("invalid %d, events %+v", b.Invalid, b.Events)
+				}
+			}
+		})
+	}
+	// A bad event whose extent cannot be found (truncated) fails the batch.
+	if _, err := Decode(batch3(0, good, mp{}.arr(3).str("BlockStored").arr(5).fix(1))); !errors.Is(err, ErrMalformed) {
+		t.Fatalf("truncated event: %v", err)
+	}
+}
+
+// TestVLLMProposedFieldsSkipped: fields proposed or added to the map-era
+// events after vllm @ 0181ea3 — BlockStored "ownership"
+// (vllm-project/vllm#52067) and "origin" (#51699, "NEW" / "REUSED"),
+// BlockRemoved "remaining_copy_counts" (#48933, aligned with block_hashes)
+// — are skipped by name and leave the event as it was.
+func TestVLLMProposedFieldsSkipped(t *testing.T) {
+	p := batch3(0,
+		mp{}.mapH(10).str("type").str("BlockStored").str("block_hashes").arr(1).u(5).str("parent_block_hash").nil().
+			str("token_ids").arr(1).u(7).str("block_size").u(1).str("lora_id").nil().str("medium").str("CPU").
+			str("lora_name").nil().str("ownership").str("offloading").str("origin").str("REUSED"),
+		mp{}.mapH(5).str("type").str("BlockRemoved").str("block_hashes").arr(2).u(5).u(6).str("medium").str("GPU").
+			str("group_idx").u(0).str("remaining_copy_counts").arr(2).u(1).u(0))
+	b, err := Decode(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []Event{
+		{Kind: BlockStored, BlockHashes: []uint64{5}, TokenIDs: []uint32{7}, BlockSize: 1, Medium: "CPU"},
+		{Kind: BlockRemoved, BlockHashes: []uint64{5, 6}, Medium: "GPU"},
+	}
+	if d := diffBatch(Batch{TS: b.TS, HasDPRank: true, Events: want}, b); d != "" || b.Invalid != 0 || b.Unknown != 0 {
+		t.Fatalf("%s (invalid %d, unknown %d)", d, b.Invalid, b.Unknown)
 	}
 }

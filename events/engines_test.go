@@ -3,6 +3,7 @@ package events
 import (
 	"bytes"
 	"encoding/hex"
+	"math"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -249,5 +250,88 @@ func TestDecodeTRTLLMRejects(t *testing.T) {
 	evs, err := DecodeTRTLLM([]byte(`{"event_id":3,"data":{"type":"removed","block_hashes":[-1]},"window_size":0}`))
 	if err != nil || len(evs) != 1 || evs[0].Hashes[0] != 1<<64-1 {
 		t.Errorf("single object with an int64 hash: %+v, %v", evs, err)
+	}
+}
+
+// TestSGLangCacheSaltMetadata: SGLang since sgl-project/sglang#30827 (in
+// 0.5.18) writes a salted store as its 7-field positional BlockStored plus
+// an 8th element, a metadata map {"cache_salt": ...} (and, since
+// sgl-project/sglang#37482, "session_id"), where vLLM has lora_name; unsalted
+// stores keep 7 fields. Since #37482 the events are named-field maps with the
+// salt in that metadata or, per the maintainers (sgl-project/sglang#38561),
+// as a "cache_salt" key of the event. Sources: the descriptions of
+// sgl-project/sglang#30827, #37271, #37482, #38562 and ai-dynamo/dynamo#14530
+// (the engine source at those commits was not in the searchable store; the
+// shapes are built from those descriptions). Before this, the map in the
+// lora_name slot failed the whole batch, its unsalted stores included.
+func TestSGLangCacheSaltMetadata(t *testing.T) {
+	page := func(m mp) mp { // block_hashes, parent, tokens, block_size, lora_id, medium
+		return m.arr(1).i64(-7).nil().arr(2).u(11).u(12).u(2).nil().str("GPU")
+	}
+	unsalted := page(mp{}.arr(7).str("BlockStored"))
+	salted := page(mp{}.arr(8).str("BlockStored")).mapH(2).str("cache_salt").str("tenant-a").str("session_id").str("s1")
+	child := mp{}.arr(8).str("BlockStored").arr(1).i64(-8).i64(-7).arr(2).u(13).u(14).u(2).nil().str("GPU").
+		mapH(1).str("cache_salt").str("tenant-a")
+	mapMeta := mp{}.mapH(8).str("type").str("BlockStored").str("block_hashes").arr(1).i64(-9).
+		str("parent_block_hash").nil().str("token_ids").arr(2).u(1).u(2).str("block_size").u(2).
+		str("lora_id").nil().str("medium").str("GPU").str("metadata").mapH(1).str("cache_salt").str("tenant-b")
+	mapKey := mp{}.mapH(9).str("type").str("BlockStored").str("block_hashes").arr(1).i64(-10).
+		str("parent_block_hash").nil().str("token_ids").arr(2).u(1).u(2).str("block_size").u(2).
+		str("lora_id").nil().str("medium").str("GPU").str("cache_salt").str("tenant-c").str("session_id").str("s2")
+	p := mp{}.arr(3).f64(1).arr(5)
+	for _, e := range []mp{unsalted, salted, child, mapMeta, mapKey} {
+		p = append(p, e...)
+	}
+	p = p.u(0)
+	b, err := Decode(p)
+	if err != nil {
+		t.Fatalf("salted SGLang stores rejected the batch: %v", err)
+	}
+	want := []string{"", "tenant-a", "", "tenant-b", "tenant-c"}
+	if len(b.Events) != len(want) {
+		t.Fatalf("%d events, want %d", len(b.Events), len(want))
+	}
+	for i, e := range b.Events {
+		if e.CacheSalt != want[i] || e.LoraName != "" || len(e.BlockHashes) != 1 {
+			t.Errorf("event %d: salt %q lora_name %q hashes %x, want salt %q", i, e.CacheSalt, e.LoraName, e.BlockHashes, want[i])
+		}
+	}
+	if e := b.Events[2]; !e.HasParent || e.ParentHash != uint64(math.MaxUint64-6) {
+		t.Errorf("child parent %x", e.ParentHash)
+	}
+	// Re-encoded in vLLM's form the salt survives (in extra_keys).
+	for _, enc := range []Encoding{EncodingArray, EncodingMap} {
+		q, err := Encode(nil, b, enc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		back, err := Decode(q)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d := diffBatch(b, back); d != "" {
+			t.Fatalf("%v: %s", enc, d)
+		}
+	}
+}
+
+// TestTRTLLMV2Metadata: KVCacheManagerV2's events (NVIDIA/TensorRT-LLM#13589,
+// merged 2026-04-29) keep the V1 JSON shapes and add "hash_algo"
+// ("v1_block_key" / "v2_sha256") and "layer_group_id" metadata, with 64-bit
+// hashes; where the serializer puts those keys is not in the PR description,
+// so both the event and its data carry them here. They are skipped; the
+// events read as V1's.
+func TestTRTLLMV2Metadata(t *testing.T) {
+	raw := []byte(`[{"event_id":0,"window_size":4096,"hash_algo":"v2_sha256","layer_group_id":0,` +
+		`"data":{"type":"stored","parent_hash":null,"hash_algo":"v2_sha256","layer_group_id":0,` +
+		`"blocks":[{"type":"stored_block","block_hash":18446744073709551615,"tokens":[{"type":"unique_token","token_id":1,"token_extra_id":0}],"lora_id":null,"cache_level":0,"priority":35,"mm_keys":[]}]}},` +
+		`{"event_id":1,"window_size":4096,"hash_algo":"v2_sha256","layer_group_id":0,"data":{"type":"removed","block_hashes":[18446744073709551615],"layer_group_id":0}}]`)
+	evs, err := DecodeTRTLLM(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(evs) != 2 || evs[0].Type != "stored" || len(evs[0].Blocks) != 1 || evs[0].Blocks[0].Hash != math.MaxUint64 ||
+		evs[0].Blocks[0].Tokens[0] != 1 || evs[1].Type != "removed" || evs[1].Hashes[0] != math.MaxUint64 {
+		t.Fatalf("%+v", evs)
 	}
 }

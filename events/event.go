@@ -59,7 +59,8 @@ type Event struct {
 	// Medium as the engine wrote it ("GPU", "CPU", ...); see tiers.FromMedium.
 	Medium string
 
-	// CacheSalt from the first block's extra_keys, when present.
+	// CacheSalt from the first block's extra_keys, when present, or from
+	// SGLang's BlockStored metadata (then ExtraKeys is built to carry it).
 	CacheSalt string
 
 	// GroupIdx is the KV-cache group; only group 0 (full attention) is indexed.
@@ -71,7 +72,9 @@ type Event struct {
 
 	// ExtraKeys is the event's extra_keys value exactly as received
 	// (msgpack, one entry per block: LoRA name, multimodal hashes, the
-	// cache salt on block 0), or nil. CacheSalt is decoded from it.
+	// cache salt on block 0), or nil. CacheSalt is decoded from it. For an
+	// SGLang store whose metadata carries a salt and that has no extra_keys,
+	// it is the vLLM form that carries the salt (Encode writes that back).
 	ExtraKeys []byte
 
 	// Layout records the wire layout for byte-exact re-encoding (see
@@ -93,6 +96,13 @@ type Batch struct {
 	Encoding Encoding
 	// Unknown counts events of unknown type that Decode skipped.
 	Unknown int
+	// Invalid counts events Decode skipped because they could not be read:
+	// well-formed msgpack, but not an event the codec knows how to read (a
+	// field of another type or out of range, no tag). The other events of
+	// the batch are kept. InvalidErr is the first one's reason (wrapping
+	// ErrMalformed), for logs.
+	Invalid    int
+	InvalidErr error
 	// Layout records the envelope's wire layout (see BatchLayout).
 	Layout BatchLayout
 }

@@ -27,7 +27,11 @@ import (
 // size must equal SGLang's --page-size), hashes that are signed int64
 // (hash_str_to_int64; Decode takes a negative integer as two's
 // complement), a parent of None at the radix root, no extra_keys (so no
-// LoRA name and no cache_salt), and no group fields.
+// LoRA name), and no group fields. Since 0.5.18 (sgl-project/sglang#30827)
+// a salted store appends a metadata map {"cache_salt", "session_id"} as an
+// 8th element, where vLLM has lora_name; since #37482 events are maps with
+// the salt under "metadata" or "cache_salt". Decode reads the salt into
+// CacheSalt (see sglangMetadata in codec_decode.go).
 
 // SGLangOptions selects which SGLang release's shape EncodeSGLang writes.
 type SGLangOptions struct {

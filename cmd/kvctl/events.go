@@ -47,13 +47,15 @@ type eventJSON struct {
 }
 
 // problemJSON reports a message that could not be decoded, or events of
-// unknown type skipped in one that could.
+// unknown type or that could not be read (the first one's reason in Error)
+// skipped in one that could.
 type problemJSON struct {
 	Source        string  `json:"source,omitempty"`
 	Topic         string  `json:"topic,omitempty"`
 	Seq           *uint64 `json:"seq,omitempty"`
 	Error         string  `json:"error,omitempty"`
 	UnknownEvents int     `json:"unknown_events,omitempty"`
+	InvalidEvents int     `json:"invalid_events,omitempty"`
 }
 
 // captureLine is the JSONL capture form (testdata/captured/DATA.md).
@@ -241,8 +243,11 @@ func printBatch(enc *json.Encoder, payload []byte, where problemJSON, o decodeOp
 		}
 		enc.Encode(j)
 	}
-	if b.Unknown > 0 {
-		where.UnknownEvents = b.Unknown
+	if b.Unknown > 0 || b.Invalid > 0 {
+		where.UnknownEvents, where.InvalidEvents = b.Unknown, b.Invalid
+		if b.InvalidErr != nil {
+			where.Error = b.InvalidErr.Error()
+		}
 		enc.Encode(where)
 	}
 	return false

@@ -693,6 +693,9 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 		in.malformed.Add(1)
 		in.b.m.malformed.WithLabelValues(in.src.Instance).Inc()
 		in.log.Warn("malformed engine payload (published unchanged)", "seq", m.Seq, "err", derr)
+	} else if batch.Invalid > 0 {
+		in.log.Warn("unreadable engine events (published unchanged; consumers skip and count them)",
+			"seq", m.Seq, "events", batch.Invalid, "first", batch.InvalidErr)
 	}
 	return in.publishAsync(ctx, m.Payload, h, func(seq uint64) { in.applyAcked(m, batch.Events, seq) })
 }

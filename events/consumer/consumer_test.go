@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"log/slog"
@@ -108,6 +109,16 @@ func (e *env) store(instance string, seq uint64, hash uint64) {
 	}
 }
 
+// startRecording starts a consumer with the default config applying into
+// a new recorder.
+func (e *env) startRecording() (*Consumer, *recorder) {
+	e.t.Helper()
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier = a
+	return e.start(cfg), a
+}
+
 func (e *env) heartbeat(instance string) {
 	subj, _ := kvstream.InstancesSubject(e.pool, instance)
 	b, _ := json.Marshal(kvstream.Heartbeat{Pool: e.pool, Instance: instance, URL: "http://" + instance, BlockSize: 16, Time: time.Now()})
@@ -178,10 +189,7 @@ func TestPerInstanceOrder(t *testing.T) {
 // messages after it are.
 func TestDuplicateSeqSkipped(t *testing.T) {
 	e := newEnv(t)
-	a := newRecorder()
-	cfg := e.cfg
-	cfg.Applier = a
-	c := e.start(cfg)
+	c, a := e.startRecording()
 	e.store("i0", 1, 11)
 	e.store("i0", 2, 12)
 	e.store("i0", 1, 11) // again
@@ -455,4 +463,40 @@ func TestEngineDownHeartbeat(t *testing.T) {
 		st := c.Instances()
 		return c.Live("i0") && !st[0].EngineDown
 	})
+}
+
+// An event the codec cannot read (here a BlockStored whose medium is an
+// integer) is skipped and counted; the stores beside it in its batch apply.
+func TestUnreadableEventCounted(t *testing.T) {
+	e := newEnv(t)
+	c, a := e.startRecording()
+	stored := func(hash uint64, medium []byte) []byte {
+		p := []byte{0x97, 0xab}
+		p = append(p, "BlockStored"...)
+		p = append(p, 0x91, 0xcf)
+		p = binary.BigEndian.AppendUint64(p, hash)
+		p = append(p, 0xc0, 0x90, 0x10, 0xc0) // parent nil, no tokens, block_size 16, lora_id nil
+		return append(p, medium...)
+	}
+	batch := []byte{0x93, 0x01, 0x93} // [1, [3 events], 0]
+	batch = append(batch, stored(21, []byte{0xa3, 'G', 'P', 'U'})...)
+	batch = append(batch, stored(22, []byte{0x07})...)
+	batch = append(batch, stored(23, []byte{0xa3, 'G', 'P', 'U'})...)
+	batch = append(batch, 0x00)
+	subj, _ := kvstream.EventsSubject(e.pool, "i0")
+	h := kvstream.EventHeaders{Seq: 1, HasSeq: true, Pool: e.pool, Instance: "i0"}
+	if _, err := e.js.PublishMsg(e.ctx, &nats.Msg{Subject: subj, Data: batch, Header: h.Header()}); err != nil {
+		t.Fatal(err)
+	}
+	testenv.WaitFor(t, 20*time.Second, "batch applied and counted", func() bool {
+		return counterValue(c.m.invalid) == 1 && counterValue(c.m.applied) == 1
+	})
+	if got, _ := a.get("i0"); !slices.Equal(got, []uint64{21, 23}) {
+		t.Fatalf("applied stores %v, want [21 23]", got)
+	}
+	for _, s := range c.Instances() {
+		if s.Instance == "i0" && (s.Invalid != 1 || s.Malformed != 0) {
+			t.Fatalf("status %+v, want invalid 1, malformed 0", s)
+		}
+	}
 }

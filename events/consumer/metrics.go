@@ -13,6 +13,7 @@ type metrics struct {
 	messages      *prometheus.CounterVec
 	events        *prometheus.CounterVec
 	unknown       prometheus.Counter
+	invalid       prometheus.Counter
 	gaps          prometheus.Counter
 	stored        prometheus.Counter
 	removed       prometheus.Counter
@@ -55,6 +56,8 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 			"Engine events applied to the index, by type.", "type"),
 		unknown: ms.Counter("kvrouter_events_unknown_total",
 			"Events of unknown type skipped (the rest of their batch applied)."),
+		invalid: ms.Counter("kvrouter_events_invalid_total",
+			"Events skipped because they could not be read (a field of an unexpected type or out of range; the rest of their batch applied)."),
 		gaps: ms.Counter("kvrouter_events_seq_gaps_total",
 			"Engine sequence gaps seen in the stream (the bridge repaired or cleared them)."),
 		stored: ms.Counter("kvrouter_events_blocks_stored_total",

@@ -290,6 +290,7 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 		st.Malformed++
 	} else {
 		st.Unknown += uint64(batch.Unknown)
+		st.Invalid += uint64(batch.Invalid)
 		st.LastEvent = now
 	}
 	c.mu.Unlock()
@@ -300,6 +301,11 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 	}
 	if batch.Unknown > 0 {
 		c.m.unknown.Add(float64(batch.Unknown))
+	}
+	if batch.Invalid > 0 {
+		c.m.invalid.Add(float64(batch.Invalid))
+		c.cfg.Logger.Warn("consumer: unreadable events skipped", "instance", w.instance, "stream_seq", w.streamSeq,
+			"events", batch.Invalid, "first", batch.InvalidErr)
 	}
 	if aerr != nil {
 		c.m.applyErrors.Inc()

@@ -49,7 +49,10 @@ type InstanceStatus struct {
 	Clears        uint64    `json:"clears"`
 	Malformed     uint64    `json:"malformed"`
 	Unknown       uint64    `json:"unknown_events"`
-	SnapshotSeq   uint64    `json:"snapshot_stream_seq"`
+	// Invalid counts events skipped because they could not be read
+	// (events.Batch.Invalid).
+	Invalid     uint64 `json:"invalid_events"`
+	SnapshotSeq uint64 `json:"snapshot_stream_seq"`
 	// ReplayLost counts reloads whose snapshot was older than messages
 	// already applied that the stream no longer holds (see replay).
 	ReplayLost uint64 `json:"replay_lost"`
