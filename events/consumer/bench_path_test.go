@@ -107,7 +107,7 @@ func BenchmarkConsumerPath(b *testing.B) {
 				b.StartTimer()
 				cpu0 := cputime.Process()
 				for _, m := range msgs {
-					c.dispatch(ctx, m)
+					pathDispatch(ctx, c, m)
 					pathDo(ctx, c, <-c.shards[0])
 				}
 				cpu += cputime.Process() - cpu0

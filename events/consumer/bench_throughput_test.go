@@ -67,28 +67,31 @@ func benchConsumerThroughput(b *testing.B, evBlocks int, proc bool) {
 	ctx := context.Background()
 	tokens := make([]uint32, evBlocks*16)
 	b.StopTimer()
+	// The stream is published once; each op drains all of it with a new
+	// consumer into a new index.
+	name := fmt.Sprintf("ct%d_%d", evBlocks, time.Now().UnixNano())
+	pool := "p_" + name
+	streamCfg := kvstream.StreamConfig{Name: "S_" + name, Memory: true}
+	if _, err := kvstream.EnsureStream(ctx, js, streamCfg); err != nil {
+		b.Fatal(err)
+	}
+	for inst := 0; inst < instances; inst++ {
+		subj, _ := kvstream.EventsSubject(pool, fmt.Sprintf("e%d", inst))
+		base := uint64(inst+1) << 32
+		for seq, from := uint64(1), 0; from < perInst; seq, from = seq+1, from+evBlocks {
+			p := benchPayload(b, base, from, evBlocks, tokens)
+			h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: fmt.Sprintf("e%d", inst)}
+			if _, err := js.PublishMsgAsync(&nats.Msg{Subject: subj, Data: p, Header: h.Header()}); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	<-js.PublishAsyncComplete()
 	var blocks, cpu, scpu time.Duration
 	var total int
 	for i := 0; i < b.N; i++ {
-		name := fmt.Sprintf("ct%d_%d_%d", evBlocks, i, time.Now().UnixNano())
-		pool := "p_" + name
-		cfg := Config{Conn: nc, Pool: pool, Stream: kvstream.StreamConfig{Name: "S_" + name, Memory: true},
-			Bucket: kvstream.BucketConfig{Name: "B_" + name, Memory: true}, Logger: slog.New(slog.DiscardHandler)}
-		if _, err := kvstream.EnsureStream(ctx, js, cfg.Stream); err != nil {
-			b.Fatal(err)
-		}
-		for inst := 0; inst < instances; inst++ {
-			subj, _ := kvstream.EventsSubject(pool, fmt.Sprintf("e%d", inst))
-			base := uint64(inst+1) << 32
-			for seq, from := uint64(1), 0; from < perInst; seq, from = seq+1, from+evBlocks {
-				p := benchPayload(b, base, from, evBlocks, tokens)
-				h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: fmt.Sprintf("e%d", inst)}
-				if _, err := js.PublishMsgAsync(&nats.Msg{Subject: subj, Data: p, Header: h.Header()}); err != nil {
-					b.Fatal(err)
-				}
-			}
-		}
-		<-js.PublishAsyncComplete()
+		cfg := Config{Conn: nc, Pool: pool, Stream: streamCfg, Bucket: kvstream.BucketConfig{Name: fmt.Sprintf("B_%s_%d", name, i), Memory: true},
+			Logger: slog.New(slog.DiscardHandler)}
 		idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: "m", Capacity: 2 * instances * perInst})
 		if err != nil {
 			b.Fatal(err)
@@ -120,10 +123,6 @@ func benchConsumerThroughput(b *testing.B, evBlocks int, proc bool) {
 		b.StopTimer()
 		cancel()
 		<-done
-		// Streams of every pool take kv.events.>: one at a time.
-		if err := js.DeleteStream(ctx, cfg.Stream.Name); err != nil {
-			b.Fatal(err)
-		}
 		total += instances * perInst
 	}
 	b.ReportMetric(float64(total)/blocks.Seconds(), "blocks/s")

@@ -132,14 +132,19 @@ func (c *Consumer) deliver(ctx context.Context, gen uint64, m jetstream.Msg) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	md, err := m.Metadata()
-	if gen != s.gen.Load() || (err == nil && md.Sequence.Stream <= s.seq) {
+	if err != nil {
+		md = nil
+	}
+	if gen != s.gen.Load() || (md != nil && md.Sequence.Stream <= s.seq) {
 		return
 	}
-	if err == nil {
+	if md != nil {
 		s.seq = md.Sequence.Stream
 	}
-	s.at.Store(time.Now().UnixNano())
-	c.dispatch(ctx, m)
+	// One clock read per message: the delivery time and the lag.
+	now := time.Now()
+	s.at.Store(now.UnixNano())
+	c.dispatch(ctx, m, md, now)
 }
 
 // watch runs the watchdog until ctx is done.
