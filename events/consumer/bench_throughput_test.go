@@ -81,7 +81,10 @@ func benchConsumerThroughput(b *testing.B, evBlocks int, proc bool) {
 		for seq, from := uint64(1), 0; from < perInst; seq, from = seq+1, from+evBlocks {
 			p := benchPayload(b, base, from, evBlocks, tokens)
 			h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: fmt.Sprintf("e%d", inst)}
-			if _, err := js.PublishMsgAsync(&nats.Msg{Subject: subj, Data: p, Header: h.Header()}); err != nil {
+			// A loaded machine may take longer than nats.go's default
+			// 200 ms stall wait to ack 4,000 messages: wait instead of
+			// failing.
+			if _, err := js.PublishMsgAsync(&nats.Msg{Subject: subj, Data: p, Header: h.Header()}, jetstream.WithStallWait(time.Minute)); err != nil {
 				b.Fatal(err)
 			}
 		}
