@@ -18,6 +18,5 @@ func pathDo(ctx context.Context, c *Consumer, w work) { c.do(ctx, w, &pathDec) }
 // pathDispatch hands m to dispatch as deliver does (the old tree's copy
 // calls c.dispatch(ctx, m)).
 func pathDispatch(ctx context.Context, c *Consumer, m *pathMsg) {
-	md, _ := m.Metadata()
-	c.dispatch(ctx, m, md, time.Now())
+	c.dispatch(ctx, m, parseAckReply(m.Reply()), time.Now())
 }

@@ -19,20 +19,30 @@ import (
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
-// pathMsg is a stream message as the consume goroutine receives it, with
-// its metadata already parsed: what the consumer's own path reads of it.
+// pathMsg is a stream message as the consume goroutine receives it: its
+// metadata as JetStream sends it (the reply subject, which this tree's
+// deliver parses) and parsed (what an older tree's dispatch read through
+// Metadata): what the consumer's own path reads of it.
 type pathMsg struct {
 	jetstream.Msg
-	subj string
-	hdr  nats.Header
-	data []byte
-	md   *jetstream.MsgMetadata
+	subj  string
+	reply string // ackReply(md)
+	hdr   nats.Header
+	data  []byte
+	md    *jetstream.MsgMetadata
 }
 
 func (m *pathMsg) Subject() string                           { return m.subj }
+func (m *pathMsg) Reply() string                             { return m.reply }
 func (m *pathMsg) Headers() nats.Header                      { return m.hdr }
 func (m *pathMsg) Data() []byte                              { return m.data }
 func (m *pathMsg) Metadata() (*jetstream.MsgMetadata, error) { return m.md, nil }
+
+// ackReply is the reply subject JetStream gives a message with metadata
+// md (the form with domain and account hash).
+func ackReply(md *jetstream.MsgMetadata) string {
+	return fmt.Sprintf("$JS.ACK._.ACCOUNTHASH.S.C.1.%d.%d.%d.%d.TOKEN", md.Sequence.Stream, md.Sequence.Stream, md.Timestamp.UnixNano(), md.NumPending)
+}
 
 // benchPayload is the benchmarks' message: one BlockStored of evBlocks
 // blocks, hashes base+from on, chained to the block before from.
@@ -82,7 +92,7 @@ func BenchmarkConsumerPath(b *testing.B) {
 					h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: name}
 					md := &jetstream.MsgMetadata{Timestamp: stored, NumPending: 1}
 					md.Sequence.Stream = uint64(len(msgs) + 1)
-					msgs = append(msgs, &pathMsg{subj: subj, hdr: h.Header(), data: p, md: md})
+					msgs = append(msgs, &pathMsg{subj: subj, reply: ackReply(md), hdr: h.Header(), data: p, md: md})
 				}
 			}
 			ctx := context.Background()

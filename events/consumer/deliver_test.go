@@ -12,7 +12,8 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 )
 
-// deliver reads a message's metadata and the clock once and hands both
+// deliver reads a message's metadata (from its reply subject, without
+// allocating) and the clock once and hands both
 // on: the message is queued with its stream sequence and store time, the
 // lag is the delivery time less the store time (0 once nothing is
 // pending), the delivery time is the watchdog's, and a stream sequence
@@ -31,7 +32,7 @@ func TestDeliverReadsMetadataAndClockOnce(t *testing.T) {
 		md := &jetstream.MsgMetadata{Timestamp: stored, NumPending: pending}
 		md.Sequence.Stream = seq
 		h := kvstream.EventHeaders{Seq: seq, HasSeq: true}
-		return &pathMsg{subj: subj, hdr: h.Header(), data: []byte{1}, md: md}
+		return &pathMsg{subj: subj, reply: ackReply(md), hdr: h.Header(), data: []byte{1}, md: md}
 	}
 	stored := time.Now().Add(-2 * time.Second)
 	before := time.Now()

@@ -131,15 +131,12 @@ func (c *Consumer) deliver(ctx context.Context, gen uint64, m jetstream.Msg) {
 	defer s.busy.Store(false)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	md, err := m.Metadata()
-	if err != nil {
-		md = nil
-	}
-	if gen != s.gen.Load() || (md != nil && md.Sequence.Stream <= s.seq) {
+	md := parseAckReply(m.Reply())
+	if gen != s.gen.Load() || (md.ok && md.streamSeq <= s.seq) {
 		return
 	}
-	if md != nil {
-		s.seq = md.Sequence.Stream
+	if md.ok {
+		s.seq = md.streamSeq
 	}
 	// One clock read per message: the delivery time and the lag.
 	now := time.Now()
