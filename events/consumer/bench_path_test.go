@@ -64,8 +64,10 @@ func benchPayload(b *testing.B, base uint64, from, evBlocks int, tokens []uint32
 // BenchmarkConsumerPath is the consumer's own per-message path without
 // NATS: the messages of BenchmarkConsumerThroughput (64 instances × 2,048
 // blocks in events of evBlocks blocks), round-robin over the instances as
-// a live fleet sends them, handed to dispatch as received messages, each taken from its shard's queue and applied (header, decode,
-// instance state, the memory index, metrics) on one goroutine. One op is
+// a live fleet sends them, handed to dispatch as received messages (their
+// metadata read from the reply subject, pathDispatch), each taken from its
+// shard's queue and applied (header, decode, instance state, the memory
+// index, metrics) on one goroutine. One op is
 // the whole stream into a fresh index; it reports CPU per message and
 // blocks per CPU-second of the path alone, the part of
 // BenchmarkConsumerThroughput's per-message cost that is the consumer's.
