@@ -4,6 +4,7 @@ package consumer
 
 import (
 	"context"
+	"time"
 
 	"github.com/kvrouter/kvrouter/events"
 )
@@ -13,3 +14,9 @@ var pathDec events.Decoder
 // pathDo runs one queued piece of work as a shard does (the old tree's
 // copy of this file calls c.do(ctx, w)).
 func pathDo(ctx context.Context, c *Consumer, w work) { c.do(ctx, w, &pathDec) }
+
+// pathDispatch hands m to dispatch as deliver does (the old tree's copy
+// calls c.dispatch(ctx, m)).
+func pathDispatch(ctx context.Context, c *Consumer, m *pathMsg) {
+	c.dispatch(ctx, m, parseAckReply(m.Reply()), time.Now())
+}

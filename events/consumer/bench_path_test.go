@@ -19,20 +19,30 @@ import (
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
-// pathMsg is a stream message as the consume goroutine receives it, with
-// its metadata already parsed: what the consumer's own path reads of it.
+// pathMsg is a stream message as the consume goroutine receives it: its
+// metadata as JetStream sends it (the reply subject, which this tree's
+// deliver parses) and parsed (what an older tree's dispatch read through
+// Metadata): what the consumer's own path reads of it.
 type pathMsg struct {
 	jetstream.Msg
-	subj string
-	hdr  nats.Header
-	data []byte
-	md   *jetstream.MsgMetadata
+	subj  string
+	reply string // ackReply(md)
+	hdr   nats.Header
+	data  []byte
+	md    *jetstream.MsgMetadata
 }
 
 func (m *pathMsg) Subject() string                           { return m.subj }
+func (m *pathMsg) Reply() string                             { return m.reply }
 func (m *pathMsg) Headers() nats.Header                      { return m.hdr }
 func (m *pathMsg) Data() []byte                              { return m.data }
 func (m *pathMsg) Metadata() (*jetstream.MsgMetadata, error) { return m.md, nil }
+
+// ackReply is the reply subject JetStream gives a message with metadata
+// md (the form with domain and account hash).
+func ackReply(md *jetstream.MsgMetadata) string {
+	return fmt.Sprintf("$JS.ACK._.ACCOUNTHASH.S.C.1.%d.%d.%d.%d.TOKEN", md.Sequence.Stream, md.Sequence.Stream, md.Timestamp.UnixNano(), md.NumPending)
+}
 
 // benchPayload is the benchmarks' message: one BlockStored of evBlocks
 // blocks, hashes base+from on, chained to the block before from.
@@ -54,8 +64,10 @@ func benchPayload(b *testing.B, base uint64, from, evBlocks int, tokens []uint32
 // BenchmarkConsumerPath is the consumer's own per-message path without
 // NATS: the messages of BenchmarkConsumerThroughput (64 instances × 2,048
 // blocks in events of evBlocks blocks), round-robin over the instances as
-// a live fleet sends them, handed to dispatch as received messages, each taken from its shard's queue and applied (header, decode,
-// instance state, the memory index, metrics) on one goroutine. One op is
+// a live fleet sends them, handed to dispatch as received messages (their
+// metadata read from the reply subject, pathDispatch), each taken from its
+// shard's queue and applied (header, decode, instance state, the memory
+// index, metrics) on one goroutine. One op is
 // the whole stream into a fresh index; it reports CPU per message and
 // blocks per CPU-second of the path alone, the part of
 // BenchmarkConsumerThroughput's per-message cost that is the consumer's.
@@ -82,7 +94,7 @@ func BenchmarkConsumerPath(b *testing.B) {
 					h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: name}
 					md := &jetstream.MsgMetadata{Timestamp: stored, NumPending: 1}
 					md.Sequence.Stream = uint64(len(msgs) + 1)
-					msgs = append(msgs, &pathMsg{subj: subj, hdr: h.Header(), data: p, md: md})
+					msgs = append(msgs, &pathMsg{subj: subj, reply: ackReply(md), hdr: h.Header(), data: p, md: md})
 				}
 			}
 			ctx := context.Background()
@@ -107,7 +119,7 @@ func BenchmarkConsumerPath(b *testing.B) {
 				b.StartTimer()
 				cpu0 := cputime.Process()
 				for _, m := range msgs {
-					c.dispatch(ctx, m)
+					pathDispatch(ctx, c, m)
 					pathDo(ctx, c, <-c.shards[0])
 				}
 				cpu += cputime.Process() - cpu0

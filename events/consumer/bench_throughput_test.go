@@ -23,82 +23,117 @@ import (
 // chains of 16-token blocks in events of evBlocks blocks (a vLLM batch
 // stores a scheduler step's new full blocks), published before the
 // consumer starts; one op is the whole stream. It reports blocks applied
-// per second (wall) and per CPU second of this process (consumer, NATS
-// client and the embedded server together).
+// per second (wall) and per CPU second of this process. With
+// server=inproc the NATS server is embedded in this process, so its CPU
+// is in that figure; with server=process it runs in a process of its own
+// (as in production, where the JetStream cluster has its own pods), this
+// process's CPU is the router's alone (consumer and NATS client), and the
+// server's is reported beside it: server-cpu-us/msg, and blocks/cpu-s-both
+// for the two processes together.
 func BenchmarkConsumerThroughput(b *testing.B) {
 	for _, evBlocks := range []int{16, 64, 256} {
-		b.Run(fmt.Sprintf("event=%dblocks", evBlocks), func(b *testing.B) {
-			const instances, perInst = 64, 2048 // blocks per instance
-			srv := testenv.StartNATS(b)
-			nc, err := nats.Connect(srv.URL())
-			if err != nil {
+		for _, proc := range []bool{false, true} {
+			name := fmt.Sprintf("event=%dblocks/server=inproc", evBlocks)
+			if proc {
+				name = fmt.Sprintf("event=%dblocks/server=process", evBlocks)
+			}
+			b.Run(name, func(b *testing.B) { benchConsumerThroughput(b, evBlocks, proc) })
+		}
+	}
+}
+
+// benchConsumerThroughput is one case of BenchmarkConsumerThroughput.
+func benchConsumerThroughput(b *testing.B, evBlocks int, proc bool) {
+	const instances, perInst = 64, 2048 // blocks per instance
+	url, serverPid := "", 0
+	if proc {
+		srv := testenv.StartNATSProcess(b)
+		url, serverPid = srv.URL(), srv.Pid
+	} else {
+		url = testenv.StartNATS(b).URL()
+	}
+	serverCPU := func() time.Duration {
+		if serverPid == 0 {
+			return 0
+		}
+		return cputime.OfProcess(serverPid)
+	}
+	nc, err := nats.Connect(url)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer nc.Close()
+	js, _ := jetstream.New(nc)
+	ctx := context.Background()
+	tokens := make([]uint32, evBlocks*16)
+	b.StopTimer()
+	// The stream is published once; each op drains all of it with a new
+	// consumer into a new index.
+	name := fmt.Sprintf("ct%d_%d", evBlocks, time.Now().UnixNano())
+	pool := "p_" + name
+	streamCfg := kvstream.StreamConfig{Name: "S_" + name, Memory: true}
+	if _, err := kvstream.EnsureStream(ctx, js, streamCfg); err != nil {
+		b.Fatal(err)
+	}
+	for inst := 0; inst < instances; inst++ {
+		subj, _ := kvstream.EventsSubject(pool, fmt.Sprintf("e%d", inst))
+		base := uint64(inst+1) << 32
+		for seq, from := uint64(1), 0; from < perInst; seq, from = seq+1, from+evBlocks {
+			p := benchPayload(b, base, from, evBlocks, tokens)
+			h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: fmt.Sprintf("e%d", inst)}
+			// A loaded machine may take longer than nats.go's default
+			// 200 ms stall wait to ack 4,000 messages: wait instead of
+			// failing.
+			if _, err := js.PublishMsgAsync(&nats.Msg{Subject: subj, Data: p, Header: h.Header()}, jetstream.WithStallWait(time.Minute)); err != nil {
 				b.Fatal(err)
 			}
-			defer nc.Close()
-			js, _ := jetstream.New(nc)
-			ctx := context.Background()
-			tokens := make([]uint32, evBlocks*16)
-			b.StopTimer()
-			var blocks, cpu time.Duration
-			var total int
-			for i := 0; i < b.N; i++ {
-				name := fmt.Sprintf("ct%d_%d_%d", evBlocks, i, time.Now().UnixNano())
-				pool := "p_" + name
-				cfg := Config{Conn: nc, Pool: pool, Stream: kvstream.StreamConfig{Name: "S_" + name, Memory: true},
-					Bucket: kvstream.BucketConfig{Name: "B_" + name, Memory: true}, Logger: slog.New(slog.DiscardHandler)}
-				if _, err := kvstream.EnsureStream(ctx, js, cfg.Stream); err != nil {
-					b.Fatal(err)
-				}
-				for inst := 0; inst < instances; inst++ {
-					subj, _ := kvstream.EventsSubject(pool, fmt.Sprintf("e%d", inst))
-					base := uint64(inst+1) << 32
-					for seq, from := uint64(1), 0; from < perInst; seq, from = seq+1, from+evBlocks {
-						p := benchPayload(b, base, from, evBlocks, tokens)
-						h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: fmt.Sprintf("e%d", inst)}
-						if _, err := js.PublishMsgAsync(&nats.Msg{Subject: subj, Data: p, Header: h.Header()}); err != nil {
-							b.Fatal(err)
-						}
-					}
-				}
-				<-js.PublishAsyncComplete()
-				idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: "m", Capacity: 2 * instances * perInst})
-				if err != nil {
-					b.Fatal(err)
-				}
-				cfg.Applier = idx
-				b.StartTimer()
-				start, cpu0 := time.Now(), cputime.Process()
-				c, err := New(cfg)
-				if err != nil {
-					b.Fatal(err)
-				}
-				runCtx, cancel := context.WithCancel(ctx)
-				done := make(chan struct{})
-				go func() { defer close(done); _ = c.Run(runCtx) }()
-				deadline := time.Now().Add(2 * time.Minute)
-				for {
-					if n, _ := idx.Len(ctx); n == instances*perInst {
-						break
-					}
-					if time.Now().After(deadline) {
-						n, _ := idx.Len(ctx)
-						b.Fatalf("%d of %d blocks after 2 minutes", n, instances*perInst)
-					}
-					time.Sleep(time.Millisecond)
-				}
-				blocks += time.Since(start)
-				cpu += cputime.Process() - cpu0
-				b.StopTimer()
-				cancel()
-				<-done
-				// Streams of every pool take kv.events.>: one at a time.
-				if err := js.DeleteStream(ctx, cfg.Stream.Name); err != nil {
-					b.Fatal(err)
-				}
-				total += instances * perInst
+		}
+	}
+	<-js.PublishAsyncComplete()
+	var blocks, cpu, scpu time.Duration
+	var total int
+	for i := 0; i < b.N; i++ {
+		cfg := Config{Conn: nc, Pool: pool, Stream: streamCfg, Bucket: kvstream.BucketConfig{Name: fmt.Sprintf("B_%s_%d", name, i), Memory: true},
+			Logger: slog.New(slog.DiscardHandler)}
+		idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: "m", Capacity: 2 * instances * perInst})
+		if err != nil {
+			b.Fatal(err)
+		}
+		cfg.Applier = idx
+		b.StartTimer()
+		start, cpu0, scpu0 := time.Now(), cputime.Process(), serverCPU()
+		c, err := New(cfg)
+		if err != nil {
+			b.Fatal(err)
+		}
+		runCtx, cancel := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() { defer close(done); _ = c.Run(runCtx) }()
+		deadline := time.Now().Add(2 * time.Minute)
+		for {
+			if n, _ := idx.Len(ctx); n == instances*perInst {
+				break
 			}
-			b.ReportMetric(float64(total)/blocks.Seconds(), "blocks/s")
-			b.ReportMetric(float64(total)/cpu.Seconds(), "blocks/cpu-s")
-		})
+			if time.Now().After(deadline) {
+				n, _ := idx.Len(ctx)
+				b.Fatalf("%d of %d blocks after 2 minutes", n, instances*perInst)
+			}
+			time.Sleep(time.Millisecond)
+		}
+		blocks += time.Since(start)
+		cpu += cputime.Process() - cpu0
+		scpu += serverCPU() - scpu0
+		b.StopTimer()
+		cancel()
+		<-done
+		total += instances * perInst
+	}
+	b.ReportMetric(float64(total)/blocks.Seconds(), "blocks/s")
+	b.ReportMetric(float64(total)/cpu.Seconds(), "blocks/cpu-s")
+	msgs := float64(total) / float64(evBlocks)
+	b.ReportMetric(cpu.Seconds()*1e6/msgs, "cpu-us/msg")
+	if proc {
+		b.ReportMetric(scpu.Seconds()*1e6/msgs, "server-cpu-us/msg")
+		b.ReportMetric(float64(total)/(cpu+scpu).Seconds(), "blocks/cpu-s-both")
 	}
 }

@@ -14,7 +14,11 @@ import (
 // heartbeat's arrival) and sets the state from it: live when recent, else
 // stale. Replaying an hour of stream history must not make instances that
 // died long ago look live. c.mu held.
-func (c *Consumer) seen(in *inst, t time.Time) {
+func (c *Consumer) seen(in *inst, t time.Time) { c.seenAt(in, t, time.Now()) }
+
+// seenAt is seen with the clock already read (now): a stream message's
+// path reads it once.
+func (c *Consumer) seenAt(in *inst, t, now time.Time) {
 	if t.After(in.lastSeen) {
 		in.lastSeen = t
 	}
@@ -24,7 +28,7 @@ func (c *Consumer) seen(in *inst, t time.Time) {
 		if in.status.State == StateLive {
 			in.status.State = StateStale
 		}
-	} else if time.Since(in.lastSeen) <= c.cfg.StaleAfter {
+	} else if now.Sub(in.lastSeen) <= c.cfg.StaleAfter {
 		in.status.State = StateLive
 	} else if in.status.State == StateLive {
 		in.status.State = StateStale

@@ -14,23 +14,25 @@ import (
 )
 
 // dispatch runs on the consume goroutine: route the message to its shard.
-func (c *Consumer) dispatch(ctx context.Context, m jetstream.Msg) {
+// md is its JetStream metadata and now the time it was delivered, both
+// read once by deliver.
+func (c *Consumer) dispatch(ctx context.Context, m jetstream.Msg, md msgMeta, now time.Time) {
 	_, pool, instance, err := kvstream.ParseSubject(m.Subject())
 	if err != nil || pool != c.cfg.Pool {
 		c.m.messages.WithLabelValues("bad_subject").Inc()
 		return
 	}
 	w := work{kind: workEvent, instance: instance, header: m.Headers(), data: m.Data()}
-	if md, err := m.Metadata(); err == nil {
-		w.streamSeq, w.stored = md.Sequence.Stream, md.Timestamp
+	if md.ok {
+		w.streamSeq, w.stored = md.streamSeq, md.stored
 		// Measured here, on the one consume goroutine, so that it follows
 		// the stream's order (shards finish out of order). The newest
 		// message in the stream, however old, leaves nothing to catch up
 		// on: without that, a replay whose last message is older than
 		// MaxLag (an idle pool) kept the consumer unhealthy, and kv_aware
 		// routing by hash, until the next event.
-		lag := time.Since(md.Timestamp)
-		if md.NumPending == 0 {
+		lag := now.Sub(md.stored)
+		if md.pending == 0 {
 			lag = 0
 			c.caughtUp.Store(true)
 		}
@@ -269,9 +271,9 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 	st := &in.status
 	st.StreamSeq = max(st.StreamSeq, w.streamSeq)
 	if w.stored.IsZero() {
-		c.seen(in, now)
+		c.seenAt(in, now, now)
 	} else {
-		c.seen(in, w.stored)
+		c.seenAt(in, w.stored, now)
 	}
 	if engineMsg {
 		st.LastSeq, in.hasSeq = h.Seq, true

@@ -131,15 +131,17 @@ func (c *Consumer) deliver(ctx context.Context, gen uint64, m jetstream.Msg) {
 	defer s.busy.Store(false)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	md, err := m.Metadata()
-	if gen != s.gen.Load() || (err == nil && md.Sequence.Stream <= s.seq) {
+	md := parseAckReply(m.Reply())
+	if gen != s.gen.Load() || (md.ok && md.streamSeq <= s.seq) {
 		return
 	}
-	if err == nil {
-		s.seq = md.Sequence.Stream
+	if md.ok {
+		s.seq = md.streamSeq
 	}
-	s.at.Store(time.Now().UnixNano())
-	c.dispatch(ctx, m)
+	// One clock read per message: the delivery time and the lag.
+	now := time.Now()
+	s.at.Store(now.UnixNano())
+	c.dispatch(ctx, m, md, now)
 }
 
 // watch runs the watchdog until ctx is done.

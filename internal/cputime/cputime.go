@@ -13,6 +13,12 @@ import (
 // the platform does not report it.
 func Process() time.Duration { return process() }
 
+// OfProcess is process pid's user+system CPU time, all its threads, -1
+// where the platform does not let one process read another's (Linux does):
+// for benchmarks that run a server in its own process and report its CPU
+// beside their own.
+func OfProcess(pid int) time.Duration { return ofProcess(pid) }
+
 // Thread is the calling OS thread's CPU time (CLOCK_THREAD_CPUTIME_ID), -1
 // where the platform has no per-thread CPU clock. Callers lock their
 // goroutine to its thread (runtime.LockOSThread) for differences to mean
