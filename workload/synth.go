@@ -5,6 +5,9 @@ import (
 	"container/heap"
 	"encoding/json"
 	"fmt"
+	"io"
+	"reflect"
+	"strings"
 	"math"
 	"math/rand/v2"
 	"sort"
@@ -352,35 +355,107 @@ const (
 // object from name to SynthShape (its JSON fields, e.g.
 // {"bursty": {"burst_scale": 8, "follow_up": 0.8}}). A name is lower-case
 // letters, digits and '-', at most 64 bytes, and not a built-in shape's;
-// an unknown field or a value Apply cannot use is an error, not ignored.
+// names and fields are spelled exactly and given once, and the file holds
+// one object with at least one shape. An unknown field, a value Apply
+// cannot use, or root_zipf without roots is an error, not ignored.
 func ParseSynthShapes(data []byte) (map[string]SynthShape, error) {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: synth shapes: "+format, append([]any{ErrInvalid}, args...)...)
+	}
 	dec := json.NewDecoder(bytes.NewReader(data))
-	dec.DisallowUnknownFields()
-	var raw map[string]SynthShape
-	if err := dec.Decode(&raw); err != nil {
-		return nil, fmt.Errorf("%w: synth shapes: %v", ErrInvalid, err)
+	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
+		return nil, bad("want a JSON object of name to shape")
 	}
-	if dec.More() {
-		return nil, fmt.Errorf("%w: synth shapes: more than one JSON value", ErrInvalid)
-	}
-	out := make(map[string]SynthShape, len(raw))
-	for name, s := range raw {
+	out := map[string]SynthShape{}
+	for dec.More() {
+		t, err := dec.Token()
+		if err != nil {
+			return nil, bad("%v", err)
+		}
+		name, _ := t.(string)
 		if !validShapeName(name) {
-			return nil, fmt.Errorf("%w: synth shape name %q: want 1-64 of [a-z0-9-]", ErrInvalid, name)
+			return nil, bad("name %q: want 1-64 of [a-z0-9-]", name)
+		}
+		if _, ok := out[name]; ok {
+			return nil, bad("%q given twice", name)
 		}
 		if _, ok := SynthShapes[name]; ok {
-			return nil, fmt.Errorf("%w: synth shape %q is built in", ErrInvalid, name)
+			return nil, bad("%q is built in", name)
 		}
-		if s.Name != "" && s.Name != name {
-			return nil, fmt.Errorf("%w: synth shape %q names itself %q", ErrInvalid, name, s.Name)
+		var raw json.RawMessage
+		if err := dec.Decode(&raw); err != nil {
+			return nil, bad("%q: %v", name, err)
 		}
-		s.Name = name
-		if err := s.Validate(); err != nil {
+		sh, err := decodeShape(raw)
+		if err != nil {
+			return nil, bad("%q: %v", name, err)
+		}
+		if sh.Name != "" && sh.Name != name {
+			return nil, bad("%q names itself %q", name, sh.Name)
+		}
+		sh.Name = name
+		if err := sh.Validate(); err != nil {
 			return nil, err
 		}
-		out[name] = s
+		if sh.RootZipf != 0 && sh.Roots == 0 {
+			return nil, bad("%q: root_zipf applies with roots only", name)
+		}
+		out[name] = sh
+	}
+	if _, err := dec.Token(); err != nil { // the closing brace
+		return nil, bad("%v", err)
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return nil, bad("more than one JSON value")
+	}
+	if len(out) == 0 {
+		return nil, bad("no shapes")
 	}
 	return out, nil
+}
+
+// decodeShape reads one shape object: its members named exactly as
+// SynthShape's JSON fields (encoding/json alone would match any case and
+// keep the last of two equal names), each once.
+func decodeShape(raw json.RawMessage) (SynthShape, error) {
+	var sh SynthShape
+	var members map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &members); err != nil || members == nil {
+		return sh, fmt.Errorf("want an object of shape fields")
+	}
+	fields := map[string]bool{}
+	st := reflect.TypeFor[SynthShape]()
+	for i := range st.NumField() {
+		tag, _, _ := strings.Cut(st.Field(i).Tag.Get("json"), ",")
+		fields[tag] = true
+	}
+	seen := map[string]bool{}
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	_, _ = dec.Token() // '{', checked above
+	for dec.More() {
+		t, err := dec.Token()
+		if err != nil {
+			return sh, err
+		}
+		k, _ := t.(string)
+		if !fields[k] {
+			return sh, fmt.Errorf("unknown field %q", k)
+		}
+		if seen[k] {
+			return sh, fmt.Errorf("field %q given twice", k)
+		}
+		seen[k] = true
+		var skip json.RawMessage
+		if err := dec.Decode(&skip); err != nil {
+			return sh, err
+		}
+	}
+	strict := json.NewDecoder(bytes.NewReader(raw))
+	strict.DisallowUnknownFields()
+	if err := strict.Decode(&sh); err != nil {
+		return sh, err
+	}
+	return sh, nil
 }
 
 func validShapeName(name string) bool {

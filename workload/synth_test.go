@@ -244,6 +244,8 @@ func TestParseSynthShapes(t *testing.T) {
 		``, `[]`, `{"x": 1}`, `{"x": {"burst": 2}}`, `{"x": {"burst_scale": -1}}`,
 		`{"x": {"follow_up": 0.99}}`, `{"x": {"roots": 2000000}}`, `{"x": {"min_root_depth": 300}}`, `{"x": {"burst_scale": 65}}`, `{"x": {"root_zipf": 1e9}}`,
 		`{"X": {}}`, `{"": {}}`, `{"bursty-long": {}}`, `{"x": {"name": "y"}}`, `{"x": {}} {"y": {}}`,
+		`{"x": {}} ]`, `{"x": {}} }`, `null`, `{}`, `{"x": null}`, `{"x": {"burst_scale": 2}, "x": {"roots": 3}}`,
+		`{"x": {"BURST_SCALE": 2}}`, `{"x": {"burst_scale": 2, "burst_scale": 3}}`, `{"x": {"root_zipf": 1.2}}`,
 	} {
 		if _, err := ParseSynthShapes([]byte(bad)); !errors.Is(err, ErrInvalid) {
 			t.Errorf("%q: err %v, want ErrInvalid", bad, err)

@@ -375,10 +375,14 @@ func TestSynthShapesFile(t *testing.T) {
 		{"des", "--workload", "synth-x", "--synth-shapes", bad, "--limit", "5"},
 		{"des", "--workload", "synth-probe-1", "--limit", "5"}, // no file: unknown shape
 		{"sweep", "--synth-shapes", filepath.Join(dir, "missing.json"), "--workloads", "synth-probe-1", "--out", sw},
+		{"sweep", "--synth-shapes", probe, "--workloads", "chat", "--out", filepath.Join(dir, "never")},
 	} {
 		if err := run(context.Background(), args, &out, &errb); err == nil {
 			t.Errorf("%v: no error", args)
 		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, "never")); err == nil {
+		t.Error("a sweep refused for its flags created its output folder")
 	}
 }
 

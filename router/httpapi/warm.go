@@ -98,7 +98,9 @@ func (s *Server) sendWarm(r *http.Request, pool *router.Pool, req *router.Reques
 				if w.Observer != nil {
 					w.Observer.FirstByte()
 				}
-				if tk != nil {
+				if tk != nil && status == http.StatusOK {
+					// A refusal's first byte is no prefill: the queue would
+					// learn a whole prompt's service time as a millisecond.
 					tk.FirstToken()
 				}
 			}}

@@ -109,8 +109,12 @@ func TestWarmCopy(t *testing.T) {
 	}
 
 	h.ups[1].Set(routertest.Status, http.StatusServiceUnavailable, 0)
+	svc := gate.Stats().ServiceTTFT
 	if st, _ := send(body); st != http.StatusServiceUnavailable {
 		t.Errorf("refused copy: observer ended with %d, want 503", st)
+	}
+	if got := gate.Stats().ServiceTTFT; got != svc {
+		t.Errorf("a refused copy taught the queue a service time: %v, was %v", got, svc)
 	}
 	h.ups[1].Set(routertest.Normal, 0, 0)
 	before := len(h.ups[1].Paths())

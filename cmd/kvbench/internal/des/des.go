@@ -654,6 +654,7 @@ func (r *run) advance(in *instance) {
 				r.cfg.Router.FirstToken(u.ID, in.name, u.CachedTokens, len(r.w.Requests[u.ID&^WarmTag].Tokens()))
 				if a := r.cfg.Admission; a != nil {
 					a.FirstToken(u.ID, u.At)
+					r.freed = true // the copy's prefill budget is free: who waits for it may go
 				}
 			case Finished, Aborted:
 				var err error
@@ -794,9 +795,6 @@ const WarmTag = uint64(1) << 61
 func (r *run) warm(id uint64, name string, req *workload.Request, salt string) {
 	wid := id | WarmTag
 	r.cfg.Router.Started(wid, name) // every end below releases what this counts
-	if a := r.cfg.Admission; a != nil {
-		a.Companion(id, name, r.now)
-	}
 	in := r.byName[name]
 	if in == nil || !in.live {
 		r.warmEnd(wid, name, fmt.Errorf("%w: warm-up on %q", errNotLive, name))
@@ -807,6 +805,11 @@ func (r *run) warm(id uint64, name string, req *workload.Request, salt string) {
 		r.warmEnd(wid, in.name, err)
 		return
 	}
+	if a := r.cfg.Admission; a != nil {
+		// Counted once the engine has it, as the data plane counts a copy
+		// it sends (an end before this is a no-op for the queue).
+		a.Companion(id, name, r.now)
+	}
 	r.res.Warms++
 	r.schedule(in)
 }
@@ -815,9 +818,7 @@ func (r *run) warm(id uint64, name string, req *workload.Request, salt string) {
 // admission queue.
 func (r *run) warmEnd(wid uint64, name string, err error) {
 	r.cfg.Router.Finished(wid, name, err)
-	if a := r.cfg.Admission; a != nil {
-		a.Finished(wid, r.now)
-	}
+	r.admissionDone(wid)
 }
 
 var errNotLive = errors.New("not a live instance")
