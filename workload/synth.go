@@ -6,11 +6,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"reflect"
-	"strings"
 	"math"
 	"math/rand/v2"
+	"reflect"
 	"sort"
+	"strings"
 )
 
 // A trace synthesiser: Fit measures a Mooncake-format trace's shape — its
