@@ -313,6 +313,7 @@ type kvEval struct {
 	blockSize int           // tokens per block, 0 when unknown
 	fallback  router.Reason // set when nobody's blocks count: why
 	anyStale  bool
+	busy      int      // candidates with requests in flight (this router's)
 	best      int      // the most leading blocks any candidate holds (blocks, every tier)
 	cold      []int32  // the cold candidates' positions, for scoreCold
 	commit    bool     // the decision will be committed (not shadow scoring)
@@ -443,13 +444,17 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 	// and ttft, of every candidate. In-flight is read once per candidate
 	// and decision.
 	ev.cands = slices.Grow(ev.cands[:0], len(cands))[:len(cands)]
+	busy := 0
 	for i, c := range cands {
 		ce := &ev.cands[i]
 		ce.inst, ce.rv, ce.inflight = c, c.Rendezvous(h), c.InFlight()
 		ce.full = ce.inflight >= s.threshold
 		ce.blocks, ce.stale, ce.indexed, ce.peer = [tiers.Count]int{}, [tiers.Count]int{}, 0, peerCounts{}
+		if ce.inflight > 0 {
+			busy++
+		}
 	}
-	ev.best = 0
+	ev.busy, ev.best = busy, 0
 	ev.tokens, ev.blockSize, ev.fallback, ev.anyStale, ev.keys, ev.commit = 0, 0, "", false, ev.keys[:0], commit
 	// ci belongs to the decision that set it: a pooled evaluation must not
 	// carry the last one's (another candidate list's) into a decision that
@@ -594,16 +599,20 @@ func containsString(list []string, s string) bool {
 func (s *KVAware) predict(ev *kvEval) {
 	st := s.st
 	now := st.now()
+	busy := ev.busy // evaluate counted it without peers
 	if st.peers.ps != nil {
+		busy = 0
 		for i := range ev.cands {
 			ce := &ev.cands[i]
 			// Once per candidate: the queue below reads it too.
 			q := ev.shared.peerQ(i)
 			st.peers.ps.PeerQueue(ce.inst.ID(), q)
 			ce.peer = peerCounts{inflight: int(q.InFlight), tokens: q.Tokens, reqs: q.Requests}
+			if ce.inflight+ce.peer.inflight > 0 {
+				busy++
+			}
 		}
 	}
-	busy := st.prefillBusy(ev, now, s.loadAge)
 	var ownRate int64
 	if st.peers.ps != nil {
 		ownRate = st.publishedRate()
@@ -932,43 +941,9 @@ func (st *KVState) Strategy(cfg config.RoutingConfig, rnd func(uint64) uint64) (
 	return NewShadow(inUse, kv), nil
 }
 
-// prefillBusy is how many of ev's candidates have prefill pending or in
-// progress as the router sees it: a request routed there (by this router
-// or, with replica sync, a peer) whose first byte has not arrived, or a
-// fresh load sample reporting requests waiting (other routers' traffic).
-// It is the server the adaptive weight's ρ/(1−ρ)² is about: a recompute
-// delays the requests that queue behind it for prefill, and under
-// continuous batching a request that only decodes there makes a new
-// prefill wait one step's share, not a whole service.
-func (st *KVState) prefillBusy(ev *kvEval, now time.Time, loadAge time.Duration) int {
-	busy := 0
-	st.pendMu.RLock()
-	st.loads.mu.RLock()
-	haveLoads := len(st.loads.samples) > 0
-	for i := range ev.cands {
-		ce := &ev.cands[i]
-		if ce.peer.reqs > 0 {
-			busy++
-			continue
-		}
-		if pc := ev.pending(st, i); pc != nil && pc.reqs.Load() > 0 {
-			busy++
-			continue
-		}
-		if haveLoads {
-			if ld, ok := st.loads.samples[ce.inst.ID()]; ok && now.Sub(ld.at) <= loadAge && ld.waiting > 0 {
-				busy++
-			}
-		}
-	}
-	st.loads.mu.RUnlock()
-	st.pendMu.RUnlock()
-	return busy
-}
-
-// utilisation is the fleet's prefill busy fraction as the router sees it:
-// the share of candidates with prefill pending or in progress
-// (KVState.prefillBusy), averaged exponentially over
+// utilisation is the fleet's busy fraction as the router sees it: the
+// share of candidates with a request in flight (an engine with work steps;
+// one without idles), averaged exponentially over
 // DefaultUtilisationWindow of the decision clock.
 type utilisation struct {
 	mu  sync.Mutex

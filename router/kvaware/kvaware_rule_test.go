@@ -107,8 +107,8 @@ func TestLoadBoundLeavesHome(t *testing.T) {
 	}
 }
 
-// TestAdaptiveWeight: the prefill cost weight follows the measured prefill
-// busy fraction ρ as max(1, ρ/(1−ρ)², requests measured behind others), capped;
+// TestAdaptiveWeight: the prefill cost weight follows the measured busy
+// fraction ρ as max(1, ρ/(1−ρ)², requests measured behind others), capped;
 // a fixed weight stays fixed.
 func TestAdaptiveWeight(t *testing.T) {
 	ad := resolveScoring(&config.KVScoringConfig{})
@@ -132,47 +132,29 @@ func TestAdaptiveWeight(t *testing.T) {
 		t.Errorf("negative weight: %v", got)
 	}
 
-	// The busy fraction averages the share of candidates with prefill
-	// pending or in progress over the window of the decision clock; an
-	// instance that only decodes is not busy for it.
+	// The busy fraction averages the share of candidates with requests in
+	// flight over the window of the decision clock.
 	w := newKVWorld(t, 4)
 	s := w.strategy(config.RoutingConfig{})
 	p := promptTokens(41, 8*kvTestBS)
-	for _, in := range w.insts {
-		in.Acquire() // every instance decodes
-	}
-	kvPick(t, s, kvRequest("a", p), w.insts)
+	kvPick(t, s, kvRequest("a", p), w.insts) // idle: ρ = 0
 	if u := w.st.Utilisation(); u != 0 {
-		t.Fatalf("utilisation %v with every instance decoding and no prefill pending, want 0", u)
+		t.Fatalf("idle utilisation %v", u)
 	}
-	var pending []*kvObserver
-	for _, in := range w.insts[:3] {
-		pending = append(pending, w.st.newObserver(in.ID(), 100, 20))
+	for _, in := range w.insts {
+		in.Acquire()
 	}
 	w.clock.Advance(DefaultUtilisationWindow)
 	kvPick(t, s, kvRequest("b", p), w.insts)
-	if u, want := w.st.Utilisation(), 0.75*(1-math.Exp(-1)); math.Abs(u-want) > 1e-6 {
-		t.Errorf("after one window with prefill pending on 3 of 4: %v, want %v", u, want)
+	if u, want := w.st.Utilisation(), 1-math.Exp(-1); math.Abs(u-want) > 1e-6 {
+		t.Errorf("after one window fully busy: %v, want %v", u, want)
 	}
-	// An engine reporting requests waiting (another router's) is busy too.
-	w.st.loads.mu.Lock()
-	w.st.loads.samples = map[string]loadSample{w.insts[3].ID(): {waiting: 2, at: w.clock.Now(), got: w.clock.Now()}}
-	w.st.loads.mu.Unlock()
 	w.clock.Advance(10 * DefaultUtilisationWindow)
-	w.st.loads.mu.Lock()
-	w.st.loads.samples[w.insts[3].ID()] = loadSample{waiting: 2, at: w.clock.Now(), got: w.clock.Now()}
-	w.st.loads.mu.Unlock()
 	kvPick(t, s, kvRequest("c", p), w.insts)
 	if u := w.st.Utilisation(); u < 0.99 {
-		t.Errorf("after ten windows with prefill pending everywhere: %v", u)
+		t.Errorf("after ten windows fully busy: %v", u)
 	}
 	// Shadow (dry) scoring reads the average without moving it.
-	for _, o := range pending {
-		o.Done(200, -1)
-	}
-	w.st.loads.mu.Lock()
-	w.st.loads.samples = nil
-	w.st.loads.mu.Unlock()
 	for _, in := range w.insts {
 		in.Release()
 	}
