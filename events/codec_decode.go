@@ -304,6 +304,9 @@ func (d *decoder) events(b *Batch) error {
 				b.InvalidErr = fmt.Errorf("event %d: %w", i, err)
 			}
 			b.Invalid++
+			if e.Kind == BlockRemoved || e.Kind == AllBlocksCleared {
+				b.InvalidRemovals++
+			}
 			continue
 		}
 		if b.Encoding == 0 {

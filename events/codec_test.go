@@ -717,6 +717,15 @@ func TestDecodeIsolatesBadEvent(t *testing.T) {
 				if b.Invalid != 1 || len(b.Events) != 2 || b.Events[0].BlockHashes[0] != 1 || b.Events[1].BlockHashes[0] != 9 {
 					t.Fatalf("invalid %d, events %+v", b.Invalid, b.Events)
 				}
+				// A removal whose tag was read counts as an unreadable
+				// removal (the bridge clears the instance after it).
+				wantRm := 0
+				if strings.Contains(string(bad), "BlockRemoved") {
+					wantRm = 1
+				}
+				if b.InvalidRemovals != wantRm {
+					t.Fatalf("invalid removals %d, want %d", b.InvalidRemovals, wantRm)
+				}
 			}
 		})
 	}

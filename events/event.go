@@ -103,6 +103,11 @@ type Batch struct {
 	// ErrMalformed), for logs.
 	Invalid    int
 	InvalidErr error
+	// InvalidRemovals counts, of Invalid, the BlockRemoved and
+	// AllBlocksCleared events (their tag read, a field not): blocks the
+	// engine dropped that no index can be told of. The bridge clears the
+	// instance after such a batch, as after a gap it cannot fill.
+	InvalidRemovals int
 	// Layout records the envelope's wire layout (see BatchLayout).
 	Layout BatchLayout
 }

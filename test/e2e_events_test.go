@@ -1,6 +1,7 @@
 package test
 
 import (
+	"encoding/binary"
 	"testing"
 	"time"
 
@@ -9,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/events/kvstream"
@@ -292,6 +294,42 @@ func TestE2EMalformedAndUnknown(t *testing.T) {
 	if s := r.stats(); s.Malformed != 1 {
 		t.Fatalf("bridge malformed = %d, want 1", s.Malformed)
 	}
+}
+
+// TestE2EUnreadableRemovalClears: a batch whose BlockRemoved the codec
+// cannot read (its medium an integer) names blocks the engine dropped that
+// no index can be told of; the bridge publishes it and then clears the
+// instance, as after a gap it cannot fill, so neither its table nor the
+// router's index keeps them as fresh. The engine's next stores count again.
+func TestE2EUnreadableRemovalClears(t *testing.T) {
+	ps := eventstest.CapturedPayloads(t, "array.jsonl")
+	r := newRig(t, rigOpts{})
+	_, a, _ := r.startConsumer(consumer.Config{})
+	r.publish(ps[0])
+	want := reference(t, ps[0])
+	waitTable(t, a, r.instance, want)
+	clears := r.stats().Clears // the bridge's own start-up clear, if any
+	var h uint64
+	for k := range want {
+		h = k
+		break
+	}
+	// [ts, [["BlockRemoved", [h], 7]], 0]: the medium must be a string.
+	bad := []byte{0x93, 0x01, 0x91, 0x93, 0xac}
+	bad = append(bad, "BlockRemoved"...)
+	bad = append(bad, 0x91, 0xcf)
+	bad = binary.BigEndian.AppendUint64(bad, h)
+	bad = append(bad, 0x07, 0x00)
+	if b, err := events.Decode(bad); err != nil || b.InvalidRemovals != 1 {
+		t.Fatalf("the test's batch: %+v, %v; want one unreadable removal", b, err)
+	}
+	r.publish(bad)
+	waitTable(t, a, r.instance, map[uint64]bridge.Placement{})
+	if s := r.stats(); s.Clears != clears+1 {
+		t.Fatalf("bridge clears = %d, want %d", s.Clears, clears+1)
+	}
+	r.publish(ps[1])
+	waitTable(t, a, r.instance, reference(t, ps[1]))
 }
 
 // unknownThenStored is a batch [ts, [["FutureEvent", 1], BlockStored], 0].

@@ -697,7 +697,18 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 		in.log.Warn("unreadable engine events (published unchanged; consumers skip and count them)",
 			"seq", m.Seq, "events", batch.Invalid, "first", batch.InvalidErr)
 	}
-	return in.publishAsync(ctx, m.Payload, h, func(seq uint64) { in.applyAcked(m, batch.Events, seq) })
+	if err := in.publishAsync(ctx, m.Payload, h, func(seq uint64) { in.applyAcked(m, batch.Events, seq) }); err != nil {
+		return err
+	}
+	if derr == nil && batch.InvalidRemovals > 0 {
+		// The engine dropped blocks nobody can be told of: the table and
+		// every index would hold them as fresh. Clear the instance, as
+		// after a gap replay cannot fill (publish flushes the window
+		// first, so the message's own blocks are folded in before).
+		in.log.Warn("unreadable removal: clearing instance", "seq", m.Seq, "events", batch.InvalidRemovals)
+		return in.clear(ctx, kvstream.SyntheticGap)
+	}
+	return nil
 }
 
 // applyAcked folds an acknowledged engine message into the table.
