@@ -26,6 +26,7 @@ import (
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/ratelog"
 	"github.com/kvrouter/kvrouter/internal/zero"
 	"github.com/kvrouter/kvrouter/tiers"
 )
@@ -136,6 +137,9 @@ type Bridge struct {
 	insts []*instance
 	ready atomic.Bool
 	http  *http.Client // engine probes
+	// logLimit bounds the lines logged for engine payloads and events
+	// that cannot be read (each is counted regardless).
+	logLimit *ratelog.Limiter
 
 	storesMu sync.Mutex // guards kv and obs, replaced when JetStream lost them
 	kv       jetstream.KeyValue
@@ -222,7 +226,7 @@ func New(cfg Config) (*Bridge, error) {
 	}
 	var id [6]byte
 	_, _ = rand.Read(id[:])
-	b := &Bridge{cfg: cfg, js: js, m: m, runID: hex.EncodeToString(id[:]), http: &http.Client{}}
+	b := &Bridge{cfg: cfg, js: js, m: m, runID: hex.EncodeToString(id[:]), http: &http.Client{}, logLimit: ratelog.New(10*time.Second, 5)}
 	seen := map[string]bool{}
 	for _, s := range cfg.Sources {
 		if seen[s.Instance] {
@@ -692,10 +696,14 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 		// count what they cannot read. The table cannot use it.
 		in.malformed.Add(1)
 		in.b.m.malformed.WithLabelValues(in.src.Instance).Inc()
-		in.log.Warn("malformed engine payload (published unchanged)", "seq", m.Seq, "err", derr)
+		if ok, suppressed := in.b.logLimit.Allow("malformed " + in.src.Instance); ok {
+			in.log.Warn("malformed engine payload (published unchanged)", "seq", m.Seq, "err", derr, "suppressed", suppressed)
+		}
 	} else if batch.Invalid > 0 {
-		in.log.Warn("unreadable engine events (published unchanged; consumers skip and count them)",
-			"seq", m.Seq, "events", batch.Invalid, "first", batch.InvalidErr)
+		if ok, suppressed := in.b.logLimit.Allow("invalid " + in.src.Instance); ok {
+			in.log.Warn("unreadable engine events (published unchanged; consumers skip and count them)",
+				"seq", m.Seq, "events", batch.Invalid, "first", batch.InvalidErr, "suppressed", suppressed)
+		}
 	}
 	if err := in.publishAsync(ctx, m.Payload, h, func(seq uint64) { in.applyAcked(m, batch.Events, seq) }); err != nil {
 		return err

@@ -124,7 +124,8 @@ type Consumer struct {
 	obs    jetstream.ObjectStore
 	m      *metrics
 	seed   maphash.Seed
-	// logLimit bounds the lines logged for names refused a record.
+	// logLimit bounds the lines logged for names refused a record and for
+	// payloads or events that could not be read.
 	logLimit *ratelog.Limiter
 
 	shards []chan work

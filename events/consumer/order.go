@@ -298,7 +298,9 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 	c.mu.Unlock()
 	if err != nil {
 		c.m.messages.WithLabelValues("malformed").Inc()
-		c.cfg.Logger.Warn("consumer: malformed payload skipped", "instance", w.instance, "stream_seq", w.streamSeq, "err", err)
+		if ok, suppressed := c.logLimit.Allow("malformed"); ok {
+			c.cfg.Logger.Warn("consumer: malformed payload skipped", "instance", w.instance, "stream_seq", w.streamSeq, "err", err, "suppressed", suppressed)
+		}
 		return
 	}
 	if batch.Unknown > 0 {
@@ -306,8 +308,12 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 	}
 	if batch.Invalid > 0 {
 		c.m.invalid.Add(float64(batch.Invalid))
-		c.cfg.Logger.Warn("consumer: unreadable events skipped", "instance", w.instance, "stream_seq", w.streamSeq,
-			"events", batch.Invalid, "first", batch.InvalidErr)
+		// Counted every time; logged at most a few lines per interval, as
+		// an engine whose every batch carries one would flood the log.
+		if ok, suppressed := c.logLimit.Allow("invalid"); ok {
+			c.cfg.Logger.Warn("consumer: unreadable events skipped", "instance", w.instance, "stream_seq", w.streamSeq,
+				"events", batch.Invalid, "first", batch.InvalidErr, "suppressed", suppressed)
+		}
 	}
 	if aerr != nil {
 		c.m.applyErrors.Inc()
