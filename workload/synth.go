@@ -414,31 +414,34 @@ func ParseSynthShapes(data []byte) (map[string]SynthShape, error) {
 	return out, nil
 }
 
+// shapeFields are SynthShape's JSON member names.
+var shapeFields = func() map[string]bool {
+	f := map[string]bool{}
+	st := reflect.TypeFor[SynthShape]()
+	for i := range st.NumField() {
+		tag, _, _ := strings.Cut(st.Field(i).Tag.Get("json"), ",")
+		f[tag] = true
+	}
+	return f
+}()
+
 // decodeShape reads one shape object: its members named exactly as
 // SynthShape's JSON fields (encoding/json alone would match any case and
 // keep the last of two equal names), each once.
 func decodeShape(raw json.RawMessage) (SynthShape, error) {
 	var sh SynthShape
-	var members map[string]json.RawMessage
-	if err := json.Unmarshal(raw, &members); err != nil || members == nil {
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
 		return sh, fmt.Errorf("want an object of shape fields")
 	}
-	fields := map[string]bool{}
-	st := reflect.TypeFor[SynthShape]()
-	for i := range st.NumField() {
-		tag, _, _ := strings.Cut(st.Field(i).Tag.Get("json"), ",")
-		fields[tag] = true
-	}
 	seen := map[string]bool{}
-	dec := json.NewDecoder(bytes.NewReader(raw))
-	_, _ = dec.Token() // '{', checked above
 	for dec.More() {
 		t, err := dec.Token()
 		if err != nil {
 			return sh, err
 		}
 		k, _ := t.(string)
-		if !fields[k] {
+		if !shapeFields[k] {
 			return sh, fmt.Errorf("unknown field %q", k)
 		}
 		if seen[k] {
@@ -450,9 +453,7 @@ func decodeShape(raw json.RawMessage) (SynthShape, error) {
 			return sh, err
 		}
 	}
-	strict := json.NewDecoder(bytes.NewReader(raw))
-	strict.DisallowUnknownFields()
-	if err := strict.Decode(&sh); err != nil {
+	if err := json.Unmarshal(raw, &sh); err != nil {
 		return sh, err
 	}
 	return sh, nil

@@ -86,19 +86,20 @@ const synthShapesUsage = "JSON file of synth shapes beyond the built-in ones, {\
 
 // synthShapes reads --synth-shapes once (nil without it).
 func (f *workloadFlags) synthShapes() (map[string]workload.SynthShape, error) {
-	if f.shapesFile == "" || f.shapes != nil {
+	if f.shapes != nil {
 		return f.shapes, nil
 	}
 	shapes, err := readSynthShapes(f.shapesFile)
-	if err != nil {
-		return nil, err
-	}
 	f.shapes = shapes
-	return shapes, nil
+	return shapes, err
 }
 
-// readSynthShapes reads a --synth-shapes file (at most 1 MiB).
+// readSynthShapes reads a --synth-shapes file (at most 1 MiB); no path,
+// no shapes.
 func readSynthShapes(path string) (map[string]workload.SynthShape, error) {
+	if path == "" {
+		return nil, nil
+	}
 	fh, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("--synth-shapes: %w", err)

@@ -84,14 +84,12 @@ func runSweep(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
-	var shapes map[string]workload.SynthShape
-	if *shapesFile != "" {
-		if !slices.ContainsFunc(splitList(*workloads), func(w string) bool { return strings.HasPrefix(w, synthPrefix) }) {
-			return fmt.Errorf("--synth-shapes applies to synth-* workloads only, and --workloads names none")
-		}
-		if shapes, err = readSynthShapes(*shapesFile); err != nil {
-			return err
-		}
+	if *shapesFile != "" && !slices.ContainsFunc(splitList(*workloads), func(w string) bool { return strings.HasPrefix(w, synthPrefix) }) {
+		return fmt.Errorf("--synth-shapes applies to synth-* workloads only, and --workloads names none")
+	}
+	shapes, err := readSynthShapes(*shapesFile)
+	if err != nil {
+		return err
 	}
 	if err := os.MkdirAll(*out, 0o755); err != nil {
 		return err

@@ -37,12 +37,9 @@ func runSynth(_ context.Context, args []string, stdout, stderr io.Writer) error 
 	if *out == "" {
 		return fmt.Errorf("--out is required")
 	}
-	var shapes map[string]workload.SynthShape
-	if *shapesFile != "" {
-		var err error
-		if shapes, err = readSynthShapes(*shapesFile); err != nil {
-			return err
-		}
+	shapes, err := readSynthShapes(*shapesFile)
+	if err != nil {
+		return err
 	}
 	recs, err := workload.OpenTrace(*trace)
 	if err != nil {
