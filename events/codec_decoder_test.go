@@ -98,14 +98,7 @@ func TestDecoderDoesNotAllocate(t *testing.T) {
 			t.Fatal(err)
 		}
 		var dec Decoder
-		if _, err := dec.Decode(p); err != nil {
-			t.Fatal(err)
-		}
-		if n := testing.AllocsPerRun(100, func() {
-			if _, err := dec.Decode(p); err != nil {
-				t.Fatal(err)
-			}
-		}); n != 0 {
+		if n := decodeAllocs(t, &dec, p, 100); n != 0 {
 			t.Errorf("%v: %.1f allocations per batch, want 0", enc, n)
 		}
 	}
@@ -199,14 +192,21 @@ func TestDecoderReleasesHugeBatch(t *testing.T) {
 		}
 	}
 	// A stream of huge batches keeps its buffers.
-	if _, err := dec.Decode(hugeP); err != nil {
-		t.Fatal(err)
-	}
-	if n := testing.AllocsPerRun(3, func() {
-		if _, err := dec.Decode(hugeP); err != nil {
-			t.Fatal(err)
-		}
-	}); n != 0 {
+	if n := decodeAllocs(t, &dec, hugeP, 3); n != 0 {
 		t.Errorf("%.1f allocations per huge batch in a stream of them, want 0", n)
 	}
+}
+
+// decodeAllocs decodes p once with dec (its buffers grown) and returns
+// the allocations per further decode of p.
+func decodeAllocs(t *testing.T, dec *Decoder, p []byte, runs int) float64 {
+	t.Helper()
+	if _, err := dec.Decode(p); err != nil {
+		t.Fatal(err)
+	}
+	return testing.AllocsPerRun(runs, func() {
+		if _, err := dec.Decode(p); err != nil {
+			t.Fatal(err)
+		}
+	})
 }
