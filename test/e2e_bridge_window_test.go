@@ -107,45 +107,67 @@ func clearsOnly(evs []events.Event) bool {
 	return len(evs) == 1 && evs[0].Kind == events.AllBlocksCleared
 }
 
-// Pipelined publishing across a NATS restart in the middle of a fast
-// stream: the engine publishes faster than the bridge, so the bridge's
-// window is full when NATS goes away. Nothing is lost (the index ends
-// equal to the engine), and the stream holds every engine message once,
-// in the engine's order — or, if a failure left it out of order, the
-// bridge said so (Reorders) and published a resync after it.
+// Pipelined publishing across a NATS restart with messages in flight:
+// NATS stores the bridge's messages but its acks are held back (a reply
+// gate between the bridge and NATS), so what the bridge sent is in flight,
+// whatever the machine's speed, when NATS goes away, and the engine's
+// 3,000 messages wait in the bridge's outage buffer. Nothing is lost (the index ends equal
+// to the engine), and the stream holds every engine message once, in the
+// engine's order — or, if a failure left it out of order, the bridge said
+// so (Reorders) and published a resync after it.
 func TestE2EPipelinedPublishNATSRestart(t *testing.T) {
 	ps := orderedPayloads(t, 3000, 8, 7)
-	r := newRig(t, rigOpts{buffer: 1 << 16})
+	r := newRig(t, rigOpts{buffer: 1 << 16, gate: true})
 	_, a, _ := r.startConsumer(consumer.Config{})
 
+	// The engine's first message takes the bridge's synchronous start path
+	// (fillStart); the rest go through the window.
+	r.publish(ps[0])
+	r.waitPublished(1)
+	r.gate.Hold()
 	done := make(chan struct{})
-	// NATS goes away the moment the engine has published its 600th
-	// message (not when the bridge has taken it, polled: a fast bridge
-	// could publish the whole stream between two polls, leaving nothing in
-	// flight to fail): the bridge, slower than the engine, has a window in
-	// flight then, and 2,400 more messages keep coming through the outage.
-	half := make(chan struct{})
 	go func() {
 		defer close(done)
-		for i, p := range ps {
+		for i, p := range ps[1:] {
 			if _, err := r.pub.Publish(p); err != nil {
 				t.Error(err)
 				return
-			}
-			if i == 599 {
-				close(half)
 			}
 			if i%100 == 99 {
 				time.Sleep(time.Millisecond) // stay within the engine's PUB high-water mark
 			}
 		}
 	}()
-	<-half
+	// Held, nothing the bridge sends from here on is acknowledged. Wait
+	// until NATS has stored some of it (a message still in the client's
+	// write buffer would be sent again after the restart and acknowledged
+	// then: no failure to repair); their acks are lost with the server.
+	<-done
+	js, err := jetstream.New(r.conn())
+	if err != nil {
+		t.Fatal(err)
+	}
+	subj, _ := kvstream.EventsSubject(r.pool, r.instance)
+	testenv.WaitFor(t, 30*time.Second, "NATS storing engine messages whose acks are held", func() bool {
+		st, err := js.Stream(r.ctx, r.stream.Name)
+		if err != nil {
+			return false
+		}
+		m, err := st.GetLastMsgForSubject(r.ctx, subj)
+		if err != nil {
+			return false
+		}
+		h, err := kvstream.ParseEventHeaders(m.Header)
+		return err == nil && h.HasSeq && h.Seq > 1
+	})
 	r.ns.Shutdown()
 	r.ns.WaitForShutdown()
+	// The replies held die with the server's connections: release the
+	// gate only once it has dropped them, or it would deliver them.
+	testenv.WaitFor(t, 30*time.Second, "the gate dropping the dead server's connections", func() bool { return r.gate.Conns() == 0 })
+	r.gate.Release()
 	time.Sleep(200 * time.Millisecond)
 	r.ns = r.ns.Restart(t)
-	<-done
 	r.waitPublished(uint64(len(ps)))
 
 	waitTable(t, a, r.instance, reference(t, ps...))

@@ -133,6 +133,8 @@ type streamRig struct {
 
 	br        *bridge.Bridge
 	brStopped func() // stops br and waits for it (nil: not running)
+	// gate, when set, stands between the bridge and NATS (rigOpts.gate).
+	gate *testenv.ReplyGate
 }
 
 // conn connects to the rig's NATS server, reconnecting forever.
@@ -151,6 +153,9 @@ var reconnectForever = []nats.Option{nats.MaxReconnects(-1), nats.ReconnectWait(
 func (r *streamRig) runBridge(cfg bridge.Config) {
 	r.t.Helper()
 	cfg.Pool, cfg.Conn, cfg.Stream, cfg.Bucket = r.pool, r.conn(), r.stream, r.bucket
+	if r.gate != nil {
+		cfg.Conn = testenv.Connect(r.t, "nats://"+r.gate.Addr(), reconnectForever...)
+	}
 	r.br, r.brStopped = runBridge(r.t, r.ctx, cfg)
 }
 
@@ -238,6 +243,9 @@ type rigOpts struct {
 	window       int // bridge PublishWindow (0: default)
 	heartbeatKey []byte
 	reg          prometheus.Registerer // bridge metrics (nil: none)
+	// gate puts a testenv.ReplyGate between the bridge and NATS, so a
+	// test can hold JetStream's acks back (rig.gate).
+	gate bool
 }
 
 func newRig(t testing.TB, o rigOpts) *rig {
@@ -255,6 +263,9 @@ func newRig(t testing.TB, o rigOpts) *rig {
 	}}
 	if !o.noReplay {
 		r.replayEP = fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	}
+	if o.gate {
+		r.gate = testenv.StartReplyGate(t, fmt.Sprintf("127.0.0.1:%d", r.ns.Port))
 	}
 	r.startEngine(rigTopic, 1)
 	r.startBridge(o)
