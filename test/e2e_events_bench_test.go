@@ -18,7 +18,10 @@ import (
 // BenchmarkBridgeThroughput: engine messages (the 25 captured batches,
 // cycled) through ZMQ → kvbridge → JetStream publish with ack, on loopback,
 // with the publish window off (1: each publish waits for its ack, as
-// before issue 15) and at its default, side by side in one run. Beside
+// before issue 15), at its default, and at its default with coalescing
+// (the burst queues behind the window, so the bridge joins up to
+// DefaultCoalesce engine messages per NATS message), side by side in one
+// run. Beside
 // wall-time rates it reports the CPU time of the whole process (engine
 // publisher, bridge and NATS server) per batch.
 func BenchmarkBridgeThroughput(b *testing.B) {
@@ -33,9 +36,14 @@ func BenchmarkBridgeThroughput(b *testing.B) {
 			blocks += len(e.BlockHashes)
 		}
 	}
-	for _, window := range []int{1, bridge.DefaultPublishWindow} {
-		b.Run(fmt.Sprintf("window%d", window), func(b *testing.B) {
-			r := newRig(b, rigOpts{buffer: 1 << 20, window: window})
+	for _, c := range []struct{ window, coalesce int }{{1, 0}, {bridge.DefaultPublishWindow, 0}, {bridge.DefaultPublishWindow, bridge.DefaultCoalesce}} {
+		name := fmt.Sprintf("window%d", c.window)
+		if c.coalesce > 0 {
+			name += fmt.Sprintf("/coalesce%d", c.coalesce)
+		}
+		window := c.window
+		b.Run(name, func(b *testing.B) {
+			r := newRig(b, rigOpts{buffer: 1 << 20, window: window, coalesce: c.coalesce})
 			b.ReportAllocs()
 			b.ResetTimer()
 			start, cpu0 := time.Now(), cputime.Process()
@@ -64,6 +72,7 @@ func BenchmarkBridgeThroughput(b *testing.B) {
 			b.ReportMetric(float64(b.N)/float64(len(ps))*float64(blocks)/el, "blocks/s")
 			b.ReportMetric(cpu*1e6/float64(b.N), "cpu-µs/batch")
 			b.ReportMetric(float64(s.MaxInFlight), "max-in-flight")
+			b.ReportMetric(float64(s.CoalescedBatches)/float64(b.N), "coalesced-frac")
 		})
 	}
 }
