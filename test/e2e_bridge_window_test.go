@@ -2,13 +2,16 @@ package test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvrouter/kvrouter/events"
@@ -364,6 +367,7 @@ func TestE2ECoalescedBurst(t *testing.T) {
 			r := newRig(t, rigOpts{buffer: 1 << 16, gate: true, window: 4, coalesce: c.coalesce, coalesceMax: c.bytes,
 				publishTimeout: time.Minute})
 			_, a, _ := r.startConsumer(consumer.Config{})
+			evicted := collectEvicted(t, r)
 			r.publish(ps[0]) // the start path (synchronous)
 			r.waitPublished(1)
 			r.gate.Hold()
@@ -419,6 +423,25 @@ func TestE2ECoalescedBurst(t *testing.T) {
 			if bad != 1 {
 				t.Fatalf("the malformed payload is in %d messages of its own, want 1", bad)
 			}
+			// Eviction records (one per tier per NATS message when
+			// coalesced) name every removed block exactly once.
+			var removed []uint64
+			for _, p := range good {
+				b, err := events.Decode(p)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, e := range b.Events {
+					if e.Kind == events.BlockRemoved {
+						removed = append(removed, e.BlockHashes...)
+					}
+				}
+			}
+			slices.Sort(removed)
+			testenv.WaitFor(t, 10*time.Second, "eviction records of every removed block", func() bool { return len(evicted()) >= len(removed) })
+			if got := evicted(); !slices.Equal(got, removed) {
+				t.Fatalf("eviction records name %d blocks, want the %d removed, each once", len(got), len(removed))
+			}
 			if uint64(coalesced) != s.Coalesced {
 				t.Fatalf("%d coalesced messages in the stream, the bridge counted %d", coalesced, s.Coalesced)
 			}
@@ -432,5 +455,36 @@ func TestE2ECoalescedBurst(t *testing.T) {
 				t.Fatalf("a backlog of %d engine messages went uncoalesced: %+v", len(ps), s)
 			}
 		})
+	}
+}
+
+// collectEvicted subscribes to the rig instance's eviction records; the
+// function returned gives the hashes named by "evicted" records so far,
+// sorted.
+func collectEvicted(t *testing.T, r *rig) func() []uint64 {
+	t.Helper()
+	subj, _ := kvstream.EvictionsSubject(r.pool, r.instance)
+	var mu sync.Mutex
+	var got []uint64
+	sub, err := r.conn().Subscribe(subj, func(m *nats.Msg) {
+		var rec kvstream.EvictionRecord
+		if json.Unmarshal(m.Data, &rec) != nil || rec.Reason != kvstream.ReasonEvicted {
+			return
+		}
+		mu.Lock()
+		got = append(got, rec.Hashes...)
+		mu.Unlock()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sub.Unsubscribe() })
+	if err := r.conn().Flush(); err != nil {
+		t.Fatal(err)
+	}
+	return func() []uint64 {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Sorted(slices.Values(got))
 	}
 }

@@ -741,7 +741,7 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 	if err := in.seal(ctx); err != nil {
 		return err
 	}
-	if err := in.publishAsync(ctx, m.Payload, h, 1, func(seq uint64) { in.applyAcked(m, batch.Events, seq) }); err != nil {
+	if err := in.publishAsync(ctx, m.Payload, h, 1, func(seq uint64) { in.applyAcked(m, batch.Events, seq, nil) }); err != nil {
 		return err
 	}
 	if derr == nil && batch.InvalidRemovals > 0 {
@@ -755,8 +755,10 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 	return nil
 }
 
-// applyAcked folds an acknowledged engine message into the table.
-func (in *instance) applyAcked(m enginezmq.Message, evs []events.Event, seq uint64) {
+// applyAcked folds an acknowledged engine message into the table. Its
+// eviction records are published at once, or, with acc (the batches of a
+// coalesced message), gathered into acc and published by acc.flush.
+func (in *instance) applyAcked(m enginezmq.Message, evs []events.Event, seq uint64, acc *evictions) {
 	in.mu.Lock()
 	res := in.table.Apply(evs)
 	in.engineSeq, in.hasSeq, in.streamSeq = m.Seq, true, seq
@@ -769,13 +771,51 @@ func (in *instance) applyAcked(m enginezmq.Message, evs []events.Event, seq uint
 		in.log.Warn("block table full: dropped held blocks (raise --max-blocks to the engine's block count)", "dropped", res.Evicted, "max", in.b.cfg.MaxBlocks)
 	}
 	in.countEvents(evs)
-	now := time.Now().UTC()
+	local := acc == nil
+	if local {
+		acc = &evictions{}
+	}
 	for _, rm := range res.Removed {
-		in.evict(kvstream.EvictionRecord{Tier: rm.Tier.String(), Blocks: len(rm.Hashes), Hashes: rm.Hashes, Time: now, Reason: kvstream.ReasonEvicted})
+		acc.add(rm.Tier, rm.Hashes)
 	}
 	if res.Cleared > 0 {
-		in.evict(kvstream.EvictionRecord{Tier: kvstream.TierAll, Blocks: res.Cleared, Time: now, Reason: kvstream.ReasonCleared})
+		acc.flush(in)
+		in.evict(kvstream.EvictionRecord{Tier: kvstream.TierAll, Blocks: res.Cleared, Time: time.Now().UTC(), Reason: kvstream.ReasonCleared})
 	}
+	if local {
+		acc.flush(in)
+	}
+}
+
+// evictions gathers removed blocks by tier, in the order the tiers first
+// appear, so that a coalesced message's batches publish one eviction
+// record per tier (evict splits a long one) instead of one per batch.
+type evictions struct {
+	tiers  []tiers.Tier
+	hashes [][]uint64
+}
+
+func (a *evictions) add(t tiers.Tier, hs []uint64) {
+	for i, have := range a.tiers {
+		if have == t {
+			a.hashes[i] = append(a.hashes[i], hs...)
+			return
+		}
+	}
+	a.tiers = append(a.tiers, t)
+	a.hashes = append(a.hashes, hs)
+}
+
+// flush publishes what was gathered and empties a.
+func (a *evictions) flush(in *instance) {
+	if len(a.tiers) == 0 {
+		return
+	}
+	now := time.Now().UTC()
+	for i, t := range a.tiers {
+		in.evict(kvstream.EvictionRecord{Tier: t.String(), Blocks: len(a.hashes[i]), Hashes: a.hashes[i], Time: now, Reason: kvstream.ReasonEvicted})
+	}
+	a.tiers, a.hashes = a.tiers[:0], a.hashes[:0]
 }
 
 func (in *instance) countEvents(evs []events.Event) {

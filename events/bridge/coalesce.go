@@ -118,8 +118,10 @@ func (in *instance) seal(ctx context.Context) error {
 		}
 	}
 	return in.publishAsync(ctx, payload, h, len(g.msgs), func(seq uint64) {
+		var acc evictions // one eviction record per tier for the message
 		for i := range g.msgs {
-			in.applyAcked(g.msgs[i], g.evs[i], seq)
+			in.applyAcked(g.msgs[i], g.evs[i], seq, &acc)
 		}
+		acc.flush(in)
 	})
 }
