@@ -11,7 +11,6 @@ import (
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/events/eventstest"
-	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
@@ -26,16 +25,6 @@ import (
 // publisher, bridge and NATS server) per batch.
 func BenchmarkBridgeThroughput(b *testing.B) {
 	ps := eventstest.CapturedPayloads(b, "array.jsonl")
-	blocks := 0
-	for _, p := range ps {
-		bt, err := events.Decode(p)
-		if err != nil {
-			b.Fatal(err)
-		}
-		for _, e := range bt.Events {
-			blocks += len(e.BlockHashes)
-		}
-	}
 	for _, c := range []struct{ window, coalesce int }{{1, 0}, {bridge.DefaultPublishWindow, 0}, {bridge.DefaultPublishWindow, bridge.DefaultCoalesce}} {
 		name := fmt.Sprintf("window%d", c.window)
 		if c.coalesce > 0 {
@@ -44,23 +33,11 @@ func BenchmarkBridgeThroughput(b *testing.B) {
 		window := c.window
 		b.Run(name, func(b *testing.B) {
 			r := newRig(b, rigOpts{buffer: 1 << 20, window: window, coalesce: c.coalesce})
-			b.ReportAllocs()
-			b.ResetTimer()
-			start, cpu0 := time.Now(), cputime.Process()
-			for i := 0; i < b.N; i++ {
-				if _, err := r.pub.Publish(ps[i%len(ps)]); err != nil {
+			eventstest.Burst(b, ps, func(_ uint64, p []byte) {
+				if _, err := r.pub.Publish(p); err != nil {
 					b.Fatal(err)
 				}
-			}
-			deadline := time.Now().Add(5 * time.Minute)
-			for s := r.stats(); !s.HasSeq || s.EngineSeq < uint64(b.N); s = r.stats() {
-				if time.Now().After(deadline) {
-					b.Fatalf("bridge stuck at %+v", s)
-				}
-				time.Sleep(200 * time.Microsecond)
-			}
-			el, cpu := time.Since(start).Seconds(), (cputime.Process() - cpu0).Seconds()
-			b.StopTimer()
+			}, func(n uint64) bool { s := r.stats(); return s.HasSeq && s.EngineSeq >= n }, func() any { return r.stats() })
 			s := r.stats()
 			if s.Dropped != 0 || s.Gaps != 0 {
 				b.Fatalf("bridge dropped messages: %+v", s)
@@ -68,9 +45,6 @@ func BenchmarkBridgeThroughput(b *testing.B) {
 			if s.MaxInFlight > uint64(window) {
 				b.Fatalf("%d messages in flight at once, window %d", s.MaxInFlight, window)
 			}
-			b.ReportMetric(float64(b.N)/el, "batches/s")
-			b.ReportMetric(float64(b.N)/float64(len(ps))*float64(blocks)/el, "blocks/s")
-			b.ReportMetric(cpu*1e6/float64(b.N), "cpu-µs/batch")
 			b.ReportMetric(float64(s.MaxInFlight), "max-in-flight")
 			b.ReportMetric(float64(s.CoalescedBatches)/float64(b.N), "coalesced-frac")
 		})
