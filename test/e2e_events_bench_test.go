@@ -46,7 +46,7 @@ func BenchmarkBridgeThroughput(b *testing.B) {
 				b.Fatalf("%d messages in flight at once, window %d", s.MaxInFlight, window)
 			}
 			b.ReportMetric(float64(s.MaxInFlight), "max-in-flight")
-			b.ReportMetric(float64(s.CoalescedBatches)/float64(b.N), "coalesced-frac")
+			b.ReportMetric(float64(b.N)/float64(uint64(b.N)-s.CoalescedBatches+s.Coalesced), "batches/nats-msg")
 		})
 	}
 }
