@@ -177,25 +177,43 @@ func (w *watcher) libDrops() {
 }
 
 func (w *watcher) send(m *nats.Msg) error {
-	x, pool, f, stream := w.x, w.pool, w.f, w.stream
+	x, pool := w.x, w.pool
 	w.libDrops()
 	_, _, instance, err := kvstream.ParseSubject(m.Subject)
 	if err != nil {
 		x.s.m.watchBad.WithLabelValues(pool).Inc()
 		return nil
 	}
-	b, err := events.Decode(m.Data)
+	var h kvstream.EventHeaders
+	if m.Header != nil {
+		if hh, err := kvstream.ParseEventHeaders(m.Header); err == nil {
+			h = hh
+		}
+	}
+	// A coalesced message carries several engine payloads, the i-th with
+	// engine seq h.Seq+i: each is sent as a message of its own.
+	parts, err := kvstream.SplitPayload(h, m.Data, nil)
 	if err != nil {
 		x.s.m.watchBad.WithLabelValues(pool).Inc()
-		x.s.log.Debug("events watch: undecodable batch skipped", "subject", m.Subject, "err", err)
+		x.s.log.Debug("events watch: unsplittable coalesced message skipped", "subject", m.Subject, "err", err)
 		return nil
 	}
-	var seq uint64
-	var synthetic string
-	if m.Header != nil {
-		if h, err := kvstream.ParseEventHeaders(m.Header); err == nil {
-			seq, synthetic = h.Seq, h.Synthetic
+	for i, p := range parts {
+		if err := w.sendBatch(instance, p, h.Seq+uint64(i), h.Synthetic); err != nil {
+			return err
 		}
+	}
+	return nil
+}
+
+// sendBatch sends one engine payload's events that pass the filter.
+func (w *watcher) sendBatch(instance string, data []byte, seq uint64, synthetic string) error {
+	x, pool, f, stream := w.x, w.pool, w.f, w.stream
+	b, err := events.Decode(data)
+	if err != nil {
+		x.s.m.watchBad.WithLabelValues(pool).Inc()
+		x.s.log.Debug("events watch: undecodable batch skipped", "instance", instance, "err", err)
+		return nil
 	}
 	var ts *timestamppb.Timestamp
 	if b.TS > 0 && b.TS < math.MaxInt64/1e9 {

@@ -40,17 +40,30 @@ func TestWatch(t *testing.T) {
 	batchB := events.Batch{TS: 1700000001, Events: []events.Event{
 		{Kind: events.BlockStored, BlockHashes: []uint64{21}, ParentHash: 20, HasParent: true, Medium: "CPU_PINNED", LoraName: "lora-b"},
 	}}
-	publish := func(inst string, b events.Batch, seq uint64) {
+	// batchC follows batchB in one coalesced message (a kvbridge with
+	// --coalesce): sent as a message of its own, with its own seq.
+	batchC := events.Batch{TS: 1700000002, Events: []events.Event{
+		{Kind: events.BlockStored, BlockHashes: []uint64{31}, Medium: "GPU"},
+	}}
+	publish := func(inst string, seq uint64, bs ...events.Batch) {
 		t.Helper()
-		payload, err := events.Encode(nil, b, events.EncodingArray)
-		if err != nil {
-			t.Fatal(err)
+		var payload []byte
+		for _, b := range bs {
+			p, err := events.Encode(nil, b, events.EncodingArray)
+			if err != nil {
+				t.Fatal(err)
+			}
+			payload = append(payload, p...)
 		}
 		subj, err := kvstream.EventsSubject(pool, inst)
 		if err != nil {
 			t.Fatal(err)
 		}
-		hd := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: inst}.Header()
+		h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: inst}
+		if len(bs) > 1 {
+			h.Batches, h.Last = len(bs), seq+uint64(len(bs)-1)
+		}
+		hd := h.Header()
 		if err := nc.PublishMsg(&nats.Msg{Subject: subj, Data: payload, Header: hd}); err != nil {
 			t.Fatal(err)
 		}
@@ -74,12 +87,12 @@ func TestWatch(t *testing.T) {
 	}{
 		{name: "everything", req: &kvrouterv1.WatchRequest{}, want: []string{
 			ev("a", stored, gpu, 7, 11, 12), ev("a", stored, cpu, 7, 11), ev("a", removed, gpu, 7, 12), ev("a", cleared, none, 7),
-			ev("b", stored, cpu, 9, 21)}},
+			ev("b", stored, cpu, 9, 21), ev("b", stored, gpu, 10, 31)}},
 		{name: "cpu tier (clears span every tier)", req: &kvrouterv1.WatchRequest{Tiers: []kvrouterv1.Tier{cpu}}, want: []string{
 			ev("a", stored, cpu, 7, 11), ev("a", cleared, none, 7), ev("b", stored, cpu, 9, 21)}},
-		{name: "one instance", req: &kvrouterv1.WatchRequest{Instance: "b"}, want: []string{ev("b", stored, cpu, 9, 21)}},
+		{name: "one instance", req: &kvrouterv1.WatchRequest{Instance: "b"}, want: []string{ev("b", stored, cpu, 9, 21), ev("b", stored, gpu, 10, 31)}},
 		{name: "removals", req: &kvrouterv1.WatchRequest{Kinds: []kvrouterv1.EventKind{removed}}, want: []string{ev("a", removed, gpu, 7, 12)}},
-		{name: "gpu stores", req: &kvrouterv1.WatchRequest{Kinds: []kvrouterv1.EventKind{stored}, Tiers: []kvrouterv1.Tier{gpu}}, want: []string{ev("a", stored, gpu, 7, 11, 12)}},
+		{name: "gpu stores", req: &kvrouterv1.WatchRequest{Kinds: []kvrouterv1.EventKind{stored}, Tiers: []kvrouterv1.Tier{gpu}}, want: []string{ev("a", stored, gpu, 7, 11, 12), ev("b", stored, gpu, 10, 31)}},
 	}
 	type watch struct {
 		got  chan *kvrouterv1.Event
@@ -113,11 +126,11 @@ func TestWatch(t *testing.T) {
 		}()
 		watches = append(watches, w)
 	}
-	publish("a", batchA, 7)
+	publish("a", 7, batchA)
 	if err := nc.Publish("kv.events."+pool+".a", []byte("not msgpack")); err != nil { // skipped, counted
 		t.Fatal(err)
 	}
-	publish("b", batchB, 9)
+	publish("b", 9, batchB, batchC)
 	if err := nc.Publish("kv.events."+pool+"x.a", mustEncode(t, batchB)); err != nil { // another pool
 		t.Fatal(err)
 	}

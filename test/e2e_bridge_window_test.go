@@ -2,13 +2,16 @@ package test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvrouter/kvrouter/events"
@@ -58,9 +61,35 @@ func orderedPayloads(t testing.TB, n, chain int, seed uint64) [][]byte {
 }
 
 // streamEngineSeqs reads every message of the rig's instance subject and
-// returns the engine seqs of the engine messages in stream order, and
-// the number of synthetic resyncs.
+// returns the engine seqs of the engine messages in stream order (a
+// coalesced message's each), and the number of synthetic resyncs.
 func streamEngineSeqs(t *testing.T, r *rig) (seqs []uint64, resyncs int) {
+	t.Helper()
+	for _, m := range streamMessages(t, r) {
+		switch {
+		case m.h.Synthetic == kvstream.SyntheticResync:
+			if b, err := events.Decode(m.data); err == nil && clearsOnly(b.Events) {
+				resyncs++
+			}
+		case m.h.Synthetic == "" && m.h.HasSeq:
+			for i := range max(m.h.Batches, 1) {
+				seqs = append(seqs, m.h.Seq+uint64(i))
+			}
+		}
+	}
+	return seqs, resyncs
+}
+
+// streamMsg is a stream message's parsed headers and payload.
+type streamMsg struct {
+	h    kvstream.EventHeaders
+	data []byte
+}
+
+// streamMessages reads every message of the rig's instance subject, in
+// stream order; a coalesced one must split into its headers' count of
+// payloads.
+func streamMessages(t *testing.T, r *rig) []streamMsg {
 	t.Helper()
 	js, err := jetstream.New(r.conn())
 	if err != nil {
@@ -77,10 +106,11 @@ func streamEngineSeqs(t *testing.T, r *rig) (seqs []uint64, resyncs int) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	var out []streamMsg
 	for {
 		m, err := c.Next(jetstream.FetchMaxWait(2 * time.Second))
 		if errors.Is(err, jetstream.ErrNoMessages) || errors.Is(err, context.DeadlineExceeded) {
-			return seqs, resyncs
+			return out
 		}
 		if err != nil {
 			t.Fatal(err)
@@ -89,16 +119,12 @@ func streamEngineSeqs(t *testing.T, r *rig) (seqs []uint64, resyncs int) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		switch {
-		case h.Synthetic == kvstream.SyntheticResync:
-			if b, err := events.Decode(m.Data()); err == nil && clearsOnly(b.Events) {
-				resyncs++
-			}
-		case h.Synthetic == "" && h.HasSeq:
-			seqs = append(seqs, h.Seq)
+		if _, err := kvstream.SplitPayload(h, m.Data(), nil); err != nil {
+			t.Fatalf("stream message with headers %+v: %v", h, err)
 		}
+		out = append(out, streamMsg{h: h, data: m.Data()})
 		if md, err := m.Metadata(); err == nil && md.NumPending == 0 {
-			return seqs, resyncs
+			return out
 		}
 	}
 }
@@ -116,8 +142,17 @@ func clearsOnly(evs []events.Event) bool {
 // engine's order — or, if a failure left it out of order, the bridge said
 // so (Reorders) and published a resync after it.
 func TestE2EPipelinedPublishNATSRestart(t *testing.T) {
+	for _, coalesce := range []int{0, bridge.DefaultCoalesce} {
+		t.Run(fmt.Sprintf("coalesce%d", coalesce), func(t *testing.T) { pipelinedPublishNATSRestart(t, coalesce) })
+	}
+}
+
+// pipelinedPublishNATSRestart is TestE2EPipelinedPublishNATSRestart with
+// the bridge's Config.Coalesce (the engine's messages queue behind the
+// held window, so with it on they go coalesced).
+func pipelinedPublishNATSRestart(t *testing.T, coalesce int) {
 	ps := orderedPayloads(t, 3000, 8, 7)
-	r := newRig(t, rigOpts{buffer: 1 << 16, gate: true})
+	r := newRig(t, rigOpts{buffer: 1 << 16, gate: true, coalesce: coalesce})
 	_, a, _ := r.startConsumer(consumer.Config{})
 
 	// The engine's first message takes the bridge's synchronous start path
@@ -177,6 +212,9 @@ func TestE2EPipelinedPublishNATSRestart(t *testing.T) {
 	}
 	if s.Repairs == 0 {
 		t.Fatalf("no publish failed: NATS did not go away mid-window (%+v)", s)
+	}
+	if (s.Coalesced > 0) != (coalesce > 1) || s.MaxCoalesced > uint64(coalesce) {
+		t.Fatalf("coalesce %d: %d coalesced messages, the largest of %d engine messages", coalesce, s.Coalesced, s.MaxCoalesced)
 	}
 	seqs, resyncs := streamEngineSeqs(t, r)
 	t.Logf("bridge stats %+v; %d engine messages in the stream, %d resyncs", s, len(seqs), resyncs)
@@ -298,5 +336,155 @@ func TestE2EPipelinedPublishReorderResynced(t *testing.T) {
 	}
 	if i := slices.Index(seqs, 21); i < 0 || !slices.Contains(seqs[:i], 22) {
 		t.Fatalf("engine message 21 not stored after 22: stream order %v", seqs[:min(len(seqs), 40)])
+	}
+}
+
+// A burst queued behind a held publish window (the gate holds JetStream's
+// acks) goes through a coalescing bridge as NATS messages of several
+// engine messages each, within both limits (engine messages per NATS
+// message, payload bytes); the router's index ends exactly equal to the
+// engine's, and the stream holds every engine seq once, in order. With
+// coalescing off every engine message is a NATS message of its own, as
+// before. A payload that does not decode (engine seq badSeq) is
+// published alone, unchanged, and counted.
+func TestE2ECoalescedBurst(t *testing.T) {
+	good := orderedPayloads(t, 1500, 4, 13)
+	largest := 0
+	for _, p := range good {
+		largest = max(largest, len(p))
+	}
+	const badSeq = 700
+	ps := slices.Concat(good[:badSeq-1], [][]byte{{0xc1, 0x00, 0xff}}, good[badSeq-1:])
+	for _, c := range []struct {
+		name            string
+		coalesce, bytes int
+	}{
+		{"off", 0, 0},
+		{"count-bound", 8, 0},
+		{"byte-bound", 64, 3 * largest},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r := newRig(t, rigOpts{buffer: 1 << 16, gate: true, window: 4, coalesce: c.coalesce, coalesceMax: c.bytes,
+				publishTimeout: time.Minute})
+			_, a, _ := r.startConsumer(consumer.Config{})
+			evicted := collectEvicted(t, r)
+			r.publish(ps[0]) // the start path (synchronous)
+			r.waitPublished(1)
+			r.gate.Hold()
+			for i, p := range ps[1:] {
+				if _, err := r.pub.Publish(p); err != nil {
+					t.Fatal(err)
+				}
+				if i%100 == 99 {
+					time.Sleep(time.Millisecond) // stay within the engine's PUB high-water mark
+				}
+			}
+			// The engine's messages queue in the bridge behind the four
+			// unacknowledged ones meanwhile.
+			time.Sleep(300 * time.Millisecond)
+			r.gate.Release()
+			r.waitPublished(uint64(len(ps)))
+			waitTable(t, a, r.instance, reference(t, good...))
+
+			s := r.stats()
+			msgs := streamMessages(t, r)
+			seqs, resyncs := streamEngineSeqs(t, r)
+			t.Logf("bridge stats %+v; %d stream messages carry %d engine messages", s, len(msgs), len(seqs))
+			if s.Dropped != 0 || s.Repairs != 0 || s.Reorders != 0 || resyncs != 1 || s.Malformed != 1 {
+				t.Fatalf("stats %+v, %d resyncs: want no drop, no failure, the start-up resync only", s, resyncs)
+			}
+			if len(seqs) != len(ps) {
+				t.Fatalf("stream holds %d engine messages, want %d", len(seqs), len(ps))
+			}
+			for i, q := range seqs {
+				if q != uint64(i+1) {
+					t.Fatalf("engine message %d in the stream has seq %d, want %d", i, q, i+1)
+				}
+			}
+			coalesced, bad := 0, 0
+			for _, m := range msgs {
+				if m.h.Seq == badSeq && !m.h.Coalesced() && m.h.Synthetic == "" {
+					bad++
+				}
+				if !m.h.Coalesced() {
+					continue
+				}
+				if m.h.Seq <= badSeq && badSeq <= m.h.Last {
+					t.Fatalf("the malformed payload was coalesced (seqs %d..%d)", m.h.Seq, m.h.Last)
+				}
+				coalesced++
+				if m.h.Batches > c.coalesce {
+					t.Fatalf("a NATS message carries %d engine messages, over the bound %d", m.h.Batches, c.coalesce)
+				}
+				if c.bytes > 0 && len(m.data) > c.bytes {
+					t.Fatalf("a coalesced payload of %d bytes, over the bound %d", len(m.data), c.bytes)
+				}
+			}
+			if bad != 1 {
+				t.Fatalf("the malformed payload is in %d messages of its own, want 1", bad)
+			}
+			// Eviction records (one per tier per NATS message when
+			// coalesced) name every removed block exactly once.
+			var removed []uint64
+			for _, p := range good {
+				b, err := events.Decode(p)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, e := range b.Events {
+					if e.Kind == events.BlockRemoved {
+						removed = append(removed, e.BlockHashes...)
+					}
+				}
+			}
+			slices.Sort(removed)
+			testenv.WaitFor(t, 10*time.Second, "eviction records of every removed block", func() bool { return len(evicted()) >= len(removed) })
+			if got := evicted(); !slices.Equal(got, removed) {
+				t.Fatalf("eviction records name %d blocks, want the %d removed, each once", len(got), len(removed))
+			}
+			if uint64(coalesced) != s.Coalesced {
+				t.Fatalf("%d coalesced messages in the stream, the bridge counted %d", coalesced, s.Coalesced)
+			}
+			if c.coalesce == 0 {
+				if coalesced != 0 {
+					t.Fatalf("coalescing off, yet %d coalesced messages", coalesced)
+				}
+				return
+			}
+			if coalesced == 0 || s.MaxCoalesced < 2 {
+				t.Fatalf("a backlog of %d engine messages went uncoalesced: %+v", len(ps), s)
+			}
+		})
+	}
+}
+
+// collectEvicted subscribes to the rig instance's eviction records; the
+// function returned gives the hashes named by "evicted" records so far,
+// sorted.
+func collectEvicted(t *testing.T, r *rig) func() []uint64 {
+	t.Helper()
+	subj, _ := kvstream.EvictionsSubject(r.pool, r.instance)
+	var mu sync.Mutex
+	var got []uint64
+	sub, err := r.conn().Subscribe(subj, func(m *nats.Msg) {
+		var rec kvstream.EvictionRecord
+		if json.Unmarshal(m.Data, &rec) != nil || rec.Reason != kvstream.ReasonEvicted {
+			return
+		}
+		mu.Lock()
+		got = append(got, rec.Hashes...)
+		mu.Unlock()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sub.Unsubscribe() })
+	if err := r.conn().Flush(); err != nil {
+		t.Fatal(err)
+	}
+	return func() []uint64 {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Sorted(slices.Values(got))
 	}
 }

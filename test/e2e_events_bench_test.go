@@ -11,48 +11,33 @@ import (
 	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/events/eventstest"
-	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
 // BenchmarkBridgeThroughput: engine messages (the 25 captured batches,
 // cycled) through ZMQ → kvbridge → JetStream publish with ack, on loopback,
 // with the publish window off (1: each publish waits for its ack, as
-// before issue 15) and at its default, side by side in one run. Beside
+// before issue 15), at its default, and at its default with coalescing
+// (the burst queues behind the window, so the bridge joins up to
+// DefaultCoalesce engine messages per NATS message), side by side in one
+// run. Beside
 // wall-time rates it reports the CPU time of the whole process (engine
 // publisher, bridge and NATS server) per batch.
 func BenchmarkBridgeThroughput(b *testing.B) {
 	ps := eventstest.CapturedPayloads(b, "array.jsonl")
-	blocks := 0
-	for _, p := range ps {
-		bt, err := events.Decode(p)
-		if err != nil {
-			b.Fatal(err)
+	for _, c := range []struct{ window, coalesce int }{{1, 0}, {bridge.DefaultPublishWindow, 0}, {bridge.DefaultPublishWindow, bridge.DefaultCoalesce}} {
+		name := fmt.Sprintf("window%d", c.window)
+		if c.coalesce > 0 {
+			name += fmt.Sprintf("/coalesce%d", c.coalesce)
 		}
-		for _, e := range bt.Events {
-			blocks += len(e.BlockHashes)
-		}
-	}
-	for _, window := range []int{1, bridge.DefaultPublishWindow} {
-		b.Run(fmt.Sprintf("window%d", window), func(b *testing.B) {
-			r := newRig(b, rigOpts{buffer: 1 << 20, window: window})
-			b.ReportAllocs()
-			b.ResetTimer()
-			start, cpu0 := time.Now(), cputime.Process()
-			for i := 0; i < b.N; i++ {
-				if _, err := r.pub.Publish(ps[i%len(ps)]); err != nil {
+		window := c.window
+		b.Run(name, func(b *testing.B) {
+			r := newRig(b, rigOpts{buffer: 1 << 20, window: window, coalesce: c.coalesce})
+			eventstest.Burst(b, ps, func(_ uint64, p []byte) {
+				if _, err := r.pub.Publish(p); err != nil {
 					b.Fatal(err)
 				}
-			}
-			deadline := time.Now().Add(5 * time.Minute)
-			for s := r.stats(); !s.HasSeq || s.EngineSeq < uint64(b.N); s = r.stats() {
-				if time.Now().After(deadline) {
-					b.Fatalf("bridge stuck at %+v", s)
-				}
-				time.Sleep(200 * time.Microsecond)
-			}
-			el, cpu := time.Since(start).Seconds(), (cputime.Process() - cpu0).Seconds()
-			b.StopTimer()
+			}, func(n uint64) bool { s := r.stats(); return s.HasSeq && s.EngineSeq >= n }, func() any { return r.stats() })
 			s := r.stats()
 			if s.Dropped != 0 || s.Gaps != 0 {
 				b.Fatalf("bridge dropped messages: %+v", s)
@@ -60,10 +45,8 @@ func BenchmarkBridgeThroughput(b *testing.B) {
 			if s.MaxInFlight > uint64(window) {
 				b.Fatalf("%d messages in flight at once, window %d", s.MaxInFlight, window)
 			}
-			b.ReportMetric(float64(b.N)/el, "batches/s")
-			b.ReportMetric(float64(b.N)/float64(len(ps))*float64(blocks)/el, "blocks/s")
-			b.ReportMetric(cpu*1e6/float64(b.N), "cpu-µs/batch")
 			b.ReportMetric(float64(s.MaxInFlight), "max-in-flight")
+			b.ReportMetric(float64(b.N)/float64(uint64(b.N)-s.CoalescedBatches+s.Coalesced), "batches/nats-msg")
 		})
 	}
 }

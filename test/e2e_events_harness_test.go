@@ -1,6 +1,7 @@
 package test
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"github.com/prometheus/client_golang/prometheus"
@@ -241,8 +242,12 @@ type rigOpts struct {
 	buffer       int // bridge outage buffer (0: default)
 	inlineMax    int // bridge InlineSnapshotMax (0: default)
 	window       int // bridge PublishWindow (0: default)
-	heartbeatKey []byte
-	reg          prometheus.Registerer // bridge metrics (nil: none)
+	coalesce     int // bridge Coalesce (0: off)
+	coalesceMax  int // bridge CoalesceBytes (0: default)
+	// publishTimeout is the bridge's PublishTimeout (0: 1s).
+	publishTimeout time.Duration
+	heartbeatKey   []byte
+	reg            prometheus.Registerer // bridge metrics (nil: none)
 	// gate puts a testenv.ReplyGate between the bridge and NATS, so a
 	// test can hold JetStream's acks back (rig.gate).
 	gate bool
@@ -301,12 +306,14 @@ func (r *rig) startBridge(o rigOpts) {
 		Buffer:            o.buffer,
 		InlineSnapshotMax: o.inlineMax,
 		PublishWindow:     o.window,
+		Coalesce:          o.coalesce,
+		CoalesceBytes:     o.coalesceMax,
 		HeartbeatInterval: 100 * time.Millisecond,
 		HeartbeatKey:      o.heartbeatKey,
 		Registerer:        o.reg,
 		SnapshotInterval:  snapEvery,
 		ReplayTimeout:     2 * time.Second,
-		PublishTimeout:    time.Second,
+		PublishTimeout:    cmp.Or(o.publishTimeout, time.Second),
 		// No HTTP server stands behind this engine's URL: a probe would
 		// rightly call it down.
 		EngineProbeInterval: -1,

@@ -109,6 +109,20 @@ type Config struct {
 	// 1: wait for each ack before the next publish). Order and
 	// at-least-once delivery hold whatever the window (window.go).
 	PublishWindow int
+	// Coalesce is the most consecutive engine messages of an instance
+	// published as one NATS message when they are already queued behind
+	// the publish window (a backlog): their payloads concatenated
+	// unchanged, headers naming the seq range (kvstream.HeaderBatches).
+	// 0 or 1 (the default): off, one NATS message per engine message.
+	// Nothing waits to be joined, so a quiet engine's latency is
+	// unchanged. Every router reading the stream must understand
+	// coalesced messages before a bridge turns it on (coalesce.go); at
+	// most kvstream.MaxCoalesced. DefaultCoalesce is the advised value.
+	Coalesce int
+	// CoalesceBytes bounds a coalesced message's payload (default, and
+	// at most, a quarter of the server's max payload: coalesce.go). An
+	// engine message larger than it is published alone.
+	CoalesceBytes int
 	// InlineSnapshotMax is the largest snapshot sent as one message (reply
 	// or bucket value); larger ones go to the snapshot object store and the
 	// message carries a pointer (default 512 KiB, half NATS's default 1 MB
@@ -202,8 +216,11 @@ func New(cfg Config) (*Bridge, error) {
 	zero.Default(&cfg.InlineSnapshotMax, 512<<10)
 	if cfg.MaxBlocks < 0 || cfg.Buffer < 0 || cfg.HeartbeatInterval < 0 || cfg.SnapshotInterval < 0 ||
 		cfg.ReplayTimeout < 0 || cfg.PublishTimeout < 0 || cfg.MaxBlocksPerMessage < 0 || cfg.BlockSize < 0 ||
-		cfg.InlineSnapshotMax < 0 || cfg.PublishWindow < 0 {
+		cfg.InlineSnapshotMax < 0 || cfg.PublishWindow < 0 || cfg.Coalesce < 0 || cfg.CoalesceBytes < 0 {
 		return nil, errors.New("bridge: negative size or interval in config")
+	}
+	if cfg.Coalesce > kvstream.MaxCoalesced {
+		return nil, fmt.Errorf("bridge: coalesce %d is over %d engine messages per NATS message", cfg.Coalesce, kvstream.MaxCoalesced)
 	}
 	if cfg.HeartbeatKey != nil && len(cfg.HeartbeatKey) < kvstream.MinHeartbeatKeyBytes {
 		return nil, fmt.Errorf("bridge: heartbeat key of %d bytes, want at least %d", len(cfg.HeartbeatKey), kvstream.MinHeartbeatKeyBytes)
@@ -300,7 +317,7 @@ func (b *Bridge) Run(ctx context.Context) error {
 // Stats is one instance's counters, for tests and the health page.
 type Stats struct {
 	Instance       string `json:"instance"`
-	Published      uint64 `json:"published"` // messages published (engine and synthetic)
+	Published      uint64 `json:"published"` // engine and synthetic messages published (a coalesced NATS message counts its engine messages)
 	Gaps           uint64 `json:"gaps"`
 	Replays        uint64 `json:"replays"` // replays that filled a gap
 	ReplayFailures uint64 `json:"replay_failures"`
@@ -317,11 +334,17 @@ type Stats struct {
 	// MaxInFlight is the most messages the instance had published and
 	// not yet acknowledged at once: at most PublishWindow.
 	MaxInFlight uint64 `json:"max_in_flight"`
-	Blocks      int    `json:"blocks"`
-	EngineDown  bool   `json:"engine_down"`
-	EngineSeq   uint64 `json:"engine_seq"`
-	HasSeq      bool   `json:"has_seq"`
-	StreamSeq   uint64 `json:"stream_seq"`
+	// Coalesced counts NATS messages that carried several engine
+	// messages (Config.Coalesce), and CoalescedBatches those engine
+	// messages; MaxCoalesced is the most one carried.
+	Coalesced        uint64 `json:"coalesced"`
+	CoalescedBatches uint64 `json:"coalesced_batches"`
+	MaxCoalesced     uint64 `json:"max_coalesced"`
+	Blocks           int    `json:"blocks"`
+	EngineDown       bool   `json:"engine_down"`
+	EngineSeq        uint64 `json:"engine_seq"`
+	HasSeq           bool   `json:"has_seq"`
+	StreamSeq        uint64 `json:"stream_seq"`
 }
 
 // Stats returns every instance's counters.
@@ -369,6 +392,10 @@ type instance struct {
 
 	published, gaps, replays, replayFails, clears, dropped, malformed, aged, reorders, repairs atomic.Uint64
 	maxInFlight                                                                                atomic.Uint64 // the window's high-water mark
+	coalesced, coalescedBatches, maxCoalesced                                                  atomic.Uint64 // coalesce.go
+	// group is the engine messages being joined into one NATS message
+	// (coalesce.go); owned by the process goroutine.
+	group group
 
 	win window // messages in flight (window.go); owned by the process goroutine
 	// sent and completed count messages handed to the window and those
@@ -441,7 +468,8 @@ func (in *instance) stats() Stats {
 		Instance: in.src.Instance, Published: in.published.Load(), Gaps: in.gaps.Load(), Replays: in.replays.Load(),
 		ReplayFailures: in.replayFails.Load(), Clears: in.clears.Load(), Dropped: in.dropped.Load(),
 		Malformed: in.malformed.Load(), Aged: in.aged.Load(), Reorders: in.reorders.Load(),
-		Repairs: in.repairs.Load(), MaxInFlight: in.maxInFlight.Load(), Blocks: in.table.Len(), EngineDown: in.engineDown.Load(), EngineSeq: in.engineSeq, HasSeq: in.hasSeq, StreamSeq: in.streamSeq,
+		Repairs: in.repairs.Load(), MaxInFlight: in.maxInFlight.Load(),
+		Coalesced: in.coalesced.Load(), CoalescedBatches: in.coalescedBatches.Load(), MaxCoalesced: in.maxCoalesced.Load(), Blocks: in.table.Len(), EngineDown: in.engineDown.Load(), EngineSeq: in.engineSeq, HasSeq: in.hasSeq, StreamSeq: in.streamSeq,
 	}
 }
 
@@ -705,7 +733,15 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 				"seq", m.Seq, "events", batch.Invalid, "first", batch.InvalidErr, "suppressed", suppressed)
 		}
 	}
-	if err := in.publishAsync(ctx, m.Payload, h, func(seq uint64) { in.applyAcked(m, batch.Events, seq) }); err != nil {
+	if derr == nil && batch.InvalidRemovals == 0 && in.b.cfg.Coalesce > 1 {
+		// Joinable: a well-formed payload that needs no clear after it.
+		return in.join(ctx, m, batch.Events, h.Encoding)
+	}
+	// Published alone, after whatever is being joined.
+	if err := in.seal(ctx); err != nil {
+		return err
+	}
+	if err := in.publishAsync(ctx, m.Payload, h, 1, func(seq uint64) { in.applyAcked(m, batch.Events, seq, nil) }); err != nil {
 		return err
 	}
 	if derr == nil && batch.InvalidRemovals > 0 {
@@ -719,8 +755,10 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 	return nil
 }
 
-// applyAcked folds an acknowledged engine message into the table.
-func (in *instance) applyAcked(m enginezmq.Message, evs []events.Event, seq uint64) {
+// applyAcked folds an acknowledged engine message into the table. Its
+// eviction records are published at once, or, with acc (the batches of a
+// coalesced message), gathered into acc and published by acc.flush.
+func (in *instance) applyAcked(m enginezmq.Message, evs []events.Event, seq uint64, acc *evictions) {
 	in.mu.Lock()
 	res := in.table.Apply(evs)
 	in.engineSeq, in.hasSeq, in.streamSeq = m.Seq, true, seq
@@ -733,13 +771,51 @@ func (in *instance) applyAcked(m enginezmq.Message, evs []events.Event, seq uint
 		in.log.Warn("block table full: dropped held blocks (raise --max-blocks to the engine's block count)", "dropped", res.Evicted, "max", in.b.cfg.MaxBlocks)
 	}
 	in.countEvents(evs)
-	now := time.Now().UTC()
+	local := acc == nil
+	if local {
+		acc = &evictions{}
+	}
 	for _, rm := range res.Removed {
-		in.evict(kvstream.EvictionRecord{Tier: rm.Tier.String(), Blocks: len(rm.Hashes), Hashes: rm.Hashes, Time: now, Reason: kvstream.ReasonEvicted})
+		acc.add(rm.Tier, rm.Hashes)
 	}
 	if res.Cleared > 0 {
-		in.evict(kvstream.EvictionRecord{Tier: kvstream.TierAll, Blocks: res.Cleared, Time: now, Reason: kvstream.ReasonCleared})
+		acc.flush(in)
+		in.evict(kvstream.EvictionRecord{Tier: kvstream.TierAll, Blocks: res.Cleared, Time: time.Now().UTC(), Reason: kvstream.ReasonCleared})
 	}
+	if local {
+		acc.flush(in)
+	}
+}
+
+// evictions gathers removed blocks by tier, in the order the tiers first
+// appear, so that a coalesced message's batches publish one eviction
+// record per tier (evict splits a long one) instead of one per batch.
+type evictions struct {
+	tiers  []tiers.Tier
+	hashes [][]uint64
+}
+
+func (a *evictions) add(t tiers.Tier, hs []uint64) {
+	for i, have := range a.tiers {
+		if have == t {
+			a.hashes[i] = append(a.hashes[i], hs...)
+			return
+		}
+	}
+	a.tiers = append(a.tiers, t)
+	a.hashes = append(a.hashes, hs)
+}
+
+// flush publishes what was gathered and empties a.
+func (a *evictions) flush(in *instance) {
+	if len(a.tiers) == 0 {
+		return
+	}
+	now := time.Now().UTC()
+	for i, t := range a.tiers {
+		in.evict(kvstream.EvictionRecord{Tier: t.String(), Blocks: len(a.hashes[i]), Hashes: a.hashes[i], Time: now, Reason: kvstream.ReasonEvicted})
+	}
+	a.tiers, a.hashes = a.tiers[:0], a.hashes[:0]
 }
 
 func (in *instance) countEvents(evs []events.Event) {

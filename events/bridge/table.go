@@ -249,6 +249,7 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 		t.blockSize = bs
 	}
 	parent, hasParent := e.ParentHash, e.HasParent
+	now := t.clock() // one event's blocks are stored at one instant
 	for i, h := range e.BlockHashes {
 		var toks []uint32
 		if bs > 0 && len(e.TokenIDs) >= (i+1)*bs {
@@ -266,7 +267,7 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 				b.elem = t.live.PushBack(h)
 			}
 			b.tiers |= tier.Bit()
-			b.stored[tier] = t.clock()
+			b.stored[tier] = now
 			if b.tokens == nil && toks != nil {
 				t.fill(b, e, toks, parent, hasParent, i == 0)
 			}
@@ -276,7 +277,7 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 			r.Unplaced++
 		default:
 			b = &block{tiers: tier.Bit()}
-			b.stored[tier] = t.clock()
+			b.stored[tier] = now
 			t.fill(b, e, toks, parent, hasParent, i == 0)
 			b.elem = t.live.PushBack(h)
 			t.blocks[h] = b

@@ -55,6 +55,9 @@ type pending struct {
 	fut  jetstream.PubAckFuture // nil when sending failed at once (err)
 	err  error
 	sent time.Time
+	// batches is the number of engine messages it carries (1, or more
+	// when coalesced), and 1 for the bridge's own.
+	batches int
 	// done runs, in publish order, once the message is acknowledged.
 	done func(streamSeq uint64)
 }
@@ -82,8 +85,8 @@ func (in *instance) msgID() string {
 // waiting for its ack; done runs with its stream sequence once it and
 // everything published before it are acknowledged. It waits only while
 // the window is full, and while a failure is being repaired.
-func (in *instance) publishAsync(ctx context.Context, payload []byte, h kvstream.EventHeaders, done func(uint64)) error {
-	p := pending{msg: &nats.Msg{Subject: in.subj, Data: payload, Header: h.Header()}, id: in.msgID(), done: done}
+func (in *instance) publishAsync(ctx context.Context, payload []byte, h kvstream.EventHeaders, batches int, done func(uint64)) error {
+	p := pending{msg: &nats.Msg{Subject: in.subj, Data: payload, Header: h.Header()}, id: in.msgID(), batches: batches, done: done}
 	in.sent.Add(1)
 	if !in.b.cfg.Conn.IsConnected() {
 		// An outage: one message at a time, retried, until it is over, so
@@ -153,10 +156,14 @@ func (in *instance) takeHead(ctx context.Context) error {
 	return nil
 }
 
-// flush waits until every message in flight is acknowledged and
-// completed (repairing failures): what reads the table, the last hash or
-// the stream position, and every synchronous publish, comes after it.
+// flush publishes the engine messages being joined (coalesce.go) and
+// waits until every message in flight is acknowledged and completed
+// (repairing failures): what reads the table, the last hash or the
+// stream position, and every synchronous publish, comes after it.
 func (in *instance) flush(ctx context.Context) error {
+	if err := in.seal(ctx); err != nil {
+		return err
+	}
 	for len(in.win.q) > 0 {
 		if err := in.takeHead(ctx); err != nil {
 			return err
@@ -199,8 +206,9 @@ func (in *instance) complete(p *pending, seq uint64) {
 	if !p.sent.IsZero() {
 		in.b.m.publishSecs.Observe(time.Since(p.sent).Seconds())
 	}
-	in.published.Add(1)
-	in.b.m.batches.WithLabelValues(in.src.Instance).Inc()
+	n := uint64(max(p.batches, 1))
+	in.published.Add(n)
+	in.b.m.batches.WithLabelValues(in.src.Instance).Add(float64(n))
 	if p.done != nil {
 		p.done(seq)
 	}

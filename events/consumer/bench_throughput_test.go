@@ -29,21 +29,29 @@ import (
 // (as in production, where the JetStream cluster has its own pods), this
 // process's CPU is the router's alone (consumer and NATS client), and the
 // server's is reported beside it: server-cpu-us/msg, and blocks/cpu-s-both
-// for the two processes together.
+// for the two processes together. The coalesce=N cases publish N
+// consecutive events of an instance per NATS message, as a coalescing
+// kvbridge does with a backlog (kvstream.HeaderBatches).
 func BenchmarkConsumerThroughput(b *testing.B) {
 	for _, evBlocks := range []int{16, 64, 256} {
-		for _, proc := range []bool{false, true} {
-			name := fmt.Sprintf("event=%dblocks/server=inproc", evBlocks)
-			if proc {
-				name = fmt.Sprintf("event=%dblocks/server=process", evBlocks)
+		for _, coalesce := range []int{1, 8, 64} {
+			if coalesce > 1 && evBlocks != 16 {
+				continue // the small events, where the per-message cost dominates
 			}
-			b.Run(name, func(b *testing.B) { benchConsumerThroughput(b, evBlocks, proc) })
+			for _, proc := range []bool{false, true} {
+				name := fmt.Sprintf("event=%dblocks", evBlocks)
+				if coalesce > 1 {
+					name += fmt.Sprintf("/coalesce=%d", coalesce)
+				}
+				name += map[bool]string{false: "/server=inproc", true: "/server=process"}[proc]
+				b.Run(name, func(b *testing.B) { benchConsumerThroughput(b, evBlocks, coalesce, proc) })
+			}
 		}
 	}
 }
 
 // benchConsumerThroughput is one case of BenchmarkConsumerThroughput.
-func benchConsumerThroughput(b *testing.B, evBlocks int, proc bool) {
+func benchConsumerThroughput(b *testing.B, evBlocks, coalesce int, proc bool) {
 	const instances, perInst = 64, 2048 // blocks per instance
 	url, serverPid := "", 0
 	if proc {
@@ -78,9 +86,16 @@ func benchConsumerThroughput(b *testing.B, evBlocks int, proc bool) {
 	for inst := 0; inst < instances; inst++ {
 		subj, _ := kvstream.EventsSubject(pool, fmt.Sprintf("e%d", inst))
 		base := uint64(inst+1) << 32
-		for seq, from := uint64(1), 0; from < perInst; seq, from = seq+1, from+evBlocks {
-			p := benchPayload(b, base, from, evBlocks, tokens)
+		for seq, from := uint64(1), 0; from < perInst; {
+			var p []byte
 			h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: fmt.Sprintf("e%d", inst)}
+			n := 0
+			for ; n < coalesce && from < perInst; n, seq, from = n+1, seq+1, from+evBlocks {
+				p = append(p, benchPayload(b, base, from, evBlocks, tokens)...)
+			}
+			if n > 1 {
+				h.Batches, h.Last = n, seq-1
+			}
 			// A loaded machine may take longer than nats.go's default
 			// 200 ms stall wait to ack 4,000 messages: wait instead of
 			// failing.
@@ -130,8 +145,9 @@ func benchConsumerThroughput(b *testing.B, evBlocks int, proc bool) {
 	}
 	b.ReportMetric(float64(total)/blocks.Seconds(), "blocks/s")
 	b.ReportMetric(float64(total)/cpu.Seconds(), "blocks/cpu-s")
-	msgs := float64(total) / float64(evBlocks)
+	msgs := float64(total) / float64(evBlocks*coalesce)
 	b.ReportMetric(cpu.Seconds()*1e6/msgs, "cpu-us/msg")
+	b.ReportMetric(cpu.Seconds()*1e6*float64(evBlocks)/float64(total), "cpu-us/event")
 	if proc {
 		b.ReportMetric(scpu.Seconds()*1e6/msgs, "server-cpu-us/msg")
 		b.ReportMetric(float64(total)/(cpu+scpu).Seconds(), "blocks/cpu-s-both")

@@ -181,7 +181,9 @@ func clearsAll(evs []events.Event) bool {
 
 // event applies one stream message, unless a loaded snapshot covers it.
 // purged is whether the instance's record said purged when do read it;
-// dec decodes the payload (the shard's).
+// dec decodes the payload (the shard's). A coalesced message (several
+// engine payloads, kvstream.HeaderBatches) is applied payload by payload,
+// each checked against the instance's engine seq as a message of its own.
 func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec *events.Decoder) {
 	if purged && !c.cfg.SharedIndex {
 		if !w.stored.IsZero() && time.Since(w.stored) > c.cfg.StaleAfter {
@@ -201,9 +203,64 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 	}
 	h, herr := kvstream.ParseEventHeaders(w.header)
 	engineMsg := herr == nil && h.HasSeq && h.Synthetic == ""
+	if !h.Coalesced() {
+		if engineMsg && c.seqCheck(ctx, w, in, h.Seq) != seqApply {
+			return
+		}
+		batch, err := dec.Decode(w.data) // valid until the shard's next message
+		c.applyBatch(ctx, w, in, h, engineMsg, h.Seq, batch, err)
+		return
+	}
+	if c.shared != nil {
+		// The shared index keeps its position by stream seq: the message
+		// is applied at once, its payloads' events joined in order.
+		if c.seqCheck(ctx, w, in, h.Seq) != seqApply {
+			return
+		}
+		joined, err := decodeJoined(h, w.data)
+		c.applyBatch(ctx, w, in, h, err == nil, h.Last, joined, err)
+		return
+	}
+	parts, err := kvstream.SplitPayload(h, w.data, nil)
+	if err != nil {
+		// Not the payloads its headers promise: nothing of it can be
+		// applied, and what it held is not known. Counted malformed; the
+		// instance reloads its snapshot at its next message.
+		c.applyBatch(ctx, w, in, kvstream.EventHeaders{}, false, 0, events.Batch{}, err)
+		if !c.cfg.SharedIndex {
+			in.needLoad = true
+		}
+		return
+	}
+	for i, p := range parts {
+		seq := h.Seq + uint64(i)
+		switch c.seqCheck(ctx, w, in, seq) {
+		case seqSkip:
+			continue
+		case seqCovered:
+			return
+		}
+		batch, err := dec.Decode(p)
+		c.applyBatch(ctx, w, in, h, true, seq, batch, err)
+		if in.needLoad {
+			return // an apply failed: the snapshot reload brings the rest
+		}
+	}
+}
+
+// Outcomes of seqCheck.
+const (
+	seqApply   = iota // apply the payload
+	seqSkip           // an engine seq already applied: skip the payload
+	seqCovered        // a snapshot loaded for a gap covers the whole message
+)
+
+// seqCheck checks an engine payload's seq against the instance's last:
+// one already applied is skipped; a gap reloads the snapshot.
+func (c *Consumer) seqCheck(ctx context.Context, w work, in *inst, seq uint64) int {
 	// LastSeq and hasSeq are written only by this goroutine, so reading
 	// them here without the lock is safe.
-	if engineMsg && in.hasSeq && h.Seq <= in.status.LastSeq && c.shared == nil {
+	if in.hasSeq && seq <= in.status.LastSeq && c.shared == nil {
 		// An engine seq already applied, with no clear since (after one,
 		// hasSeq is false): a message stored twice (resent after
 		// JetStream's duplicate window), or one stored after a later one
@@ -216,9 +273,9 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 		c.mu.Lock()
 		in.status.StreamSeq = max(in.status.StreamSeq, w.streamSeq)
 		c.mu.Unlock()
-		return
+		return seqSkip
 	}
-	if engineMsg && in.hasSeq && h.Seq > in.status.LastSeq+1 {
+	if in.hasSeq && seq > in.status.LastSeq+1 {
 		// The bridge publishes every engine seq or a clear, so a hole here
 		// means the stream lost messages before we read them (retention
 		// passed us by): the snapshot is the only way back to the truth.
@@ -227,15 +284,20 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 		c.mu.Unlock()
 		c.m.gaps.Inc()
 		c.cfg.Logger.Warn("consumer: engine seq gap in the stream, reloading snapshot", "instance", w.instance,
-			"last_seq", in.status.LastSeq, "seq", h.Seq)
+			"last_seq", in.status.LastSeq, "seq", seq)
 		if !c.cfg.SharedIndex {
 			lostBefore := in.status.ReplayLost // written only by this goroutine
 			c.load(ctx, w.instance, in, w.streamSeq)
 			if w.streamSeq != 0 && w.streamSeq <= in.skipUpTo {
 				c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
-				return
+				return seqCovered
 			}
-			if in.hasSeq && h.Seq > in.status.LastSeq+1 && in.status.ReplayLost == lostBefore {
+			if in.hasSeq && seq <= in.status.LastSeq {
+				// The snapshot already holds this engine seq: applying it
+				// again could bring back blocks removed since.
+				return seqSkip
+			}
+			if in.hasSeq && seq > in.status.LastSeq+1 && in.status.ReplayLost == lostBefore {
 				// The snapshot and the replay after it still stop short
 				// of this message: what lay between is gone (see replay).
 				c.mu.Lock()
@@ -243,7 +305,7 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 				c.mu.Unlock()
 				c.m.replayLost.Inc()
 				c.cfg.Logger.Warn("consumer: engine seq gap remains after reload; keeping the snapshot and what remains",
-					"instance", w.instance, "last_seq", in.status.LastSeq, "seq", h.Seq)
+					"instance", w.instance, "last_seq", in.status.LastSeq, "seq", seq)
 			}
 		} else if c.shared != nil {
 			// The stream lost messages of the instance: its state in the
@@ -256,7 +318,13 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 			}
 		}
 	}
-	batch, err := dec.Decode(w.data) // valid until the shard's next message
+	return seqApply
+}
+
+// applyBatch applies one decoded engine payload (err: it could not be
+// decoded) of message w, whose headers are h; seq is its engine seq when
+// engineMsg.
+func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.EventHeaders, engineMsg bool, seq uint64, batch events.Batch, err error) {
 	var res kvindex.ApplyResult
 	var aerr error
 	switch {
@@ -276,7 +344,7 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 		c.seenAt(in, w.stored, now)
 	}
 	if engineMsg {
-		st.LastSeq, in.hasSeq = h.Seq, true
+		st.LastSeq, in.hasSeq = seq, true
 	}
 	switch h.Synthetic {
 	case kvstream.SyntheticGap, kvstream.SyntheticRestart, kvstream.SyntheticResync:

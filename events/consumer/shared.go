@@ -1,6 +1,7 @@
 package consumer
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -210,7 +211,8 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 			break
 		}
 		next = m.Sequence + 1
-		batch, err := events.Decode(m.Data)
+		h, herr := kvstream.ParseEventHeaders(m.Header)
+		batch, err := decodeJoined(h, m.Data)
 		if err != nil {
 			continue // malformed: skipped (and counted) when consumed, never applied
 		}
@@ -228,10 +230,10 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 			return r.Position, fmt.Errorf("consumer: shared index of %s moved to %v during replay", instance, r.Position)
 		}
 		pos = r.Position
-		if h, herr := kvstream.ParseEventHeaders(m.Header); herr == nil {
+		if herr == nil {
 			c.mu.Lock()
 			if h.HasSeq && h.Synthetic == "" {
-				in.status.LastSeq, in.hasSeq = h.Seq, true
+				in.status.LastSeq, in.hasSeq = max(h.Seq, h.Last), true
 			}
 			switch h.Synthetic {
 			case kvstream.SyntheticGap, kvstream.SyntheticRestart, kvstream.SyntheticResync:
@@ -463,4 +465,30 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) []str
 		}
 	}
 	return due
+}
+
+// decodeJoined decodes a stream message's payload, a coalesced message's
+// payloads joined into one batch in order (the shared index applies a
+// message at its stream seq at once). Its events are owned.
+func decodeJoined(h kvstream.EventHeaders, data []byte) (events.Batch, error) {
+	if !h.Coalesced() {
+		return events.Decode(data)
+	}
+	parts, err := kvstream.SplitPayload(h, data, nil)
+	if err != nil {
+		return events.Batch{}, err
+	}
+	var joined events.Batch
+	for _, p := range parts {
+		b, err := events.Decode(p)
+		if err != nil {
+			joined.Invalid++ // unreadable payload of a coalesced message: the bridge joins none
+			continue
+		}
+		joined.Events = append(joined.Events, b.Events...)
+		joined.Unknown += b.Unknown
+		joined.Invalid += b.Invalid
+		joined.InvalidErr = cmp.Or(joined.InvalidErr, b.InvalidErr)
+	}
+	return joined, nil
 }

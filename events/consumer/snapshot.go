@@ -154,6 +154,7 @@ func (c *Consumer) seenIfNever(in *inst) {
 func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, to uint64) {
 	subj, _ := kvstream.EventsSubject(c.cfg.Pool, instance)
 	var applied int
+	var parts [][]byte
 	lost := false
 	seq := from + 1
 	for seq <= to && ctx.Err() == nil {
@@ -178,20 +179,31 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 		if engineMsg && in.hasSeq && h.Seq > in.status.LastSeq+1 {
 			lost = true
 		}
-		batch, err := events.Decode(m.Data)
-		if err == nil {
+		// A coalesced message's payloads in order (one that does not
+		// split is skipped whole, as a malformed payload is).
+		parts, _ = kvstream.SplitPayload(h, m.Data, parts)
+		failed := false
+		for _, p := range parts {
+			batch, err := events.Decode(p)
+			if err != nil {
+				continue
+			}
 			if _, aerr := c.cfg.Applier.Apply(ctx, instance, batch.Events); aerr != nil {
 				in.needLoad = true
 				c.m.applyErrors.Inc()
 				c.cfg.Logger.Warn("consumer: apply during replay failed, will reload", "instance", instance, "stream_seq", m.Sequence, "err", aerr)
+				failed = true
 				break
 			}
 			applied++
 		}
+		if failed {
+			break
+		}
 		c.mu.Lock()
 		in.status.StreamSeq = max(in.status.StreamSeq, m.Sequence)
 		if engineMsg {
-			in.status.LastSeq, in.hasSeq = h.Seq, true
+			in.status.LastSeq, in.hasSeq = max(h.Seq, h.Last), true
 		}
 		switch h.Synthetic {
 		case kvstream.SyntheticGap, kvstream.SyntheticRestart, kvstream.SyntheticResync:

@@ -9,6 +9,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvrouter/kvrouter/events"
 )
 
 // Headers on every kv.events message. The payload itself is the engine's
@@ -30,7 +32,24 @@ const (
 	// HeaderSynthetic marks a message the bridge made rather than the
 	// engine: its value is the reason (one of the Synthetic* constants).
 	HeaderSynthetic = "Kv-Synthetic"
+	// HeaderBatches marks a coalesced message: its payload is this many
+	// (at least 2) consecutive engine payloads of the instance,
+	// concatenated unchanged (msgpack values are self-delimiting), with
+	// engine seqs HeaderSeq (the first) through HeaderSeqLast. A bridge
+	// publishes one only with coalescing on (kvbridge --coalesce), which
+	// needs every router reading the stream to understand it. A router
+	// from before it counts such a message malformed (its decoder refuses
+	// the bytes after the first batch), takes HeaderSeq as the message's
+	// seq, and so meets a seq gap at the instance's next message and
+	// reloads the snapshot: it never applies part of one.
+	HeaderBatches = "Kv-Batches"
+	// HeaderSeqLast is a coalesced message's last engine seq.
+	HeaderSeqLast = "Kv-Seq-Last"
 )
+
+// MaxCoalesced bounds HeaderBatches: a reader refuses a larger count
+// (the bridge's --coalesce is at most this).
+const MaxCoalesced = 1024
 
 // Reasons for synthetic messages (HeaderSynthetic values) and for clears.
 const (
@@ -57,7 +76,15 @@ type EventHeaders struct {
 	Instance  string
 	Model     string
 	Synthetic string
+	// Batches is the number of engine payloads a coalesced message
+	// carries (HeaderBatches), with seqs Seq..Last; 0 for a message of
+	// one payload (Last is then 0 too).
+	Batches int
+	Last    uint64
 }
+
+// Coalesced reports whether the message carries several engine payloads.
+func (h EventHeaders) Coalesced() bool { return h.Batches > 1 }
 
 // Header renders h as NATS headers.
 func (h EventHeaders) Header() nats.Header {
@@ -80,6 +107,10 @@ func (h EventHeaders) Header() nats.Header {
 	}
 	if h.Synthetic != "" {
 		hd.Set(HeaderSynthetic, h.Synthetic)
+	}
+	if h.Batches > 1 {
+		hd.Set(HeaderBatches, strconv.Itoa(h.Batches))
+		hd.Set(HeaderSeqLast, strconv.FormatUint(h.Last, 10))
 	}
 	return hd
 }
@@ -107,7 +138,36 @@ func ParseEventHeaders(hd nats.Header) (EventHeaders, error) {
 	h.Instance = hd.Get(HeaderInstance)
 	h.Model = hd.Get(HeaderModel)
 	h.Synthetic = hd.Get(HeaderSynthetic)
+	nv, lv := hd.Get(HeaderBatches), hd.Get(HeaderSeqLast)
+	if nv == "" && lv == "" {
+		return h, nil
+	}
+	// A coalesced message: n >= 2 engine payloads with consecutive seqs
+	// Seq..Last, never synthetic.
+	n, err := strconv.Atoi(nv)
+	if err != nil || n < 2 || n > MaxCoalesced {
+		return EventHeaders{}, fmt.Errorf("%w: %s %q (want 2..%d)", ErrBadHeader, HeaderBatches, nv, MaxCoalesced)
+	}
+	last, err := strconv.ParseUint(lv, 10, 64)
+	if err != nil || !h.HasSeq || h.Synthetic != "" || last < h.Seq || last-h.Seq != uint64(n-1) {
+		return EventHeaders{}, fmt.Errorf("%w: coalesced message with %s %q, %s %q, %s %q, %s %q", ErrBadHeader,
+			HeaderSeq, hd.Get(HeaderSeq), HeaderSeqLast, lv, HeaderBatches, nv, HeaderSynthetic, h.Synthetic)
+	}
+	h.Batches, h.Last = n, last
 	return h, nil
+}
+
+// SplitPayload returns the engine payloads a message with headers h
+// carries, appended to dst[:0] (they alias data): data itself, or a
+// coalesced message's h.Batches payloads, the i-th with engine seq
+// h.Seq+i. An error (wrapping events.ErrMalformed) means a coalesced
+// payload that is not exactly h.Batches complete msgpack values: the
+// message is unreadable as a whole.
+func SplitPayload(h EventHeaders, data []byte, dst [][]byte) ([][]byte, error) {
+	if !h.Coalesced() {
+		return append(dst[:0], data), nil
+	}
+	return events.SplitValues(data, h.Batches, dst)
 }
 
 // StreamConfig is the JetStream stream over kv.events.>. Zero values mean

@@ -15,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
@@ -24,6 +25,8 @@ func TestEventHeadersRoundTrip(t *testing.T) {
 		{Seq: 0, HasSeq: true},
 		{Seq: enginezmq.EndSeq - 1, HasSeq: true, Rank: 3, Encoding: "map", Pool: "p", Instance: "i", Model: "m"},
 		{Rank: 1, Encoding: "array", Synthetic: SyntheticGap},
+		{Seq: 7, HasSeq: true, Batches: 3, Last: 9, Encoding: "array", Pool: "p", Instance: "i"},
+		{Seq: 0, HasSeq: true, Batches: MaxCoalesced, Last: MaxCoalesced - 1},
 	}
 	for _, h := range tests {
 		got, err := ParseEventHeaders(h.Header())
@@ -43,21 +46,84 @@ func TestParseEventHeadersRejects(t *testing.T) {
 	}
 }
 
-func FuzzParseEventHeaders(f *testing.F) {
-	f.Add("12", "0", "map", "")
-	f.Add("x", "-1", "", "gap")
-	f.Fuzz(func(t *testing.T, seq, rank, enc, syn string) {
+// A coalesced message's headers must agree: n in 2..MaxCoalesced engine
+// payloads with consecutive seqs first..last, not synthetic.
+func TestParseEventHeadersRejectsCoalesced(t *testing.T) {
+	for _, c := range []struct{ seq, last, n, syn string }{
+		{"5", "7", "2", ""},       // range of 3, count 2
+		{"5", "6", "3", ""},       // range of 2, count 3
+		{"5", "4", "2", ""},       // last before first
+		{"", "6", "2", ""},        // no first seq
+		{"5", "", "2", ""},        // no last seq
+		{"5", "6", "", ""},        // no count
+		{"5", "5", "1", ""},       // one payload is not coalesced
+		{"5", "6", "2", "resync"}, // synthetic
+		{"0", "1024", "1025", ""}, // over MaxCoalesced
+		{"5", "x", "2", ""},
+		{"5", "6", "two", ""},
+		{"18446744073709551615", "0", "2", ""}, // wraps
+	} {
 		h := nats.Header{}
-		h.Set(HeaderSeq, seq)
-		h.Set(HeaderRank, rank)
-		h.Set(HeaderEncoding, enc)
-		h.Set(HeaderSynthetic, syn)
+		for k, v := range map[string]string{HeaderSeq: c.seq, HeaderSeqLast: c.last, HeaderBatches: c.n, HeaderSynthetic: c.syn} {
+			if v != "" {
+				h.Set(k, v)
+			}
+		}
+		if got, err := ParseEventHeaders(h); !errors.Is(err, ErrBadHeader) {
+			t.Errorf("%+v: got %+v, err %v, want ErrBadHeader", c, got, err)
+		}
+	}
+}
+
+// SplitPayload gives a single message's payload as it is, a coalesced
+// one's as its parts, and refuses a coalesced payload whose value count
+// differs from its header's.
+func TestSplitPayload(t *testing.T) {
+	one := []byte{0x92, 0x01, 0x90} // [1, []]
+	parts, err := SplitPayload(EventHeaders{Seq: 3, HasSeq: true}, one, nil)
+	if err != nil || len(parts) != 1 || string(parts[0]) != string(one) {
+		t.Fatalf("single: %q %v", parts, err)
+	}
+	three := append(append(append([]byte(nil), one...), one...), one...)
+	h := EventHeaders{Seq: 3, HasSeq: true, Batches: 3, Last: 5}
+	parts, err = SplitPayload(h, three, parts)
+	if err != nil || len(parts) != 3 {
+		t.Fatalf("coalesced: %d parts, %v", len(parts), err)
+	}
+	h.Batches, h.Last = 2, 4
+	if _, err := SplitPayload(h, three, nil); !errors.Is(err, events.ErrMalformed) {
+		t.Fatalf("3 values under a count of 2: err = %v", err)
+	}
+}
+
+// FuzzParseEventHeaders: what parses renders back to the same headers,
+// and coalesced headers always describe n consecutive engine seqs.
+func FuzzParseEventHeaders(f *testing.F) {
+	f.Add("12", "0", "map", "", "", "")
+	f.Add("x", "-1", "", "gap", "", "")
+	f.Add("5", "0", "array", "", "7", "3")
+	f.Add("0", "1", "", "gap", "1", "2")
+	f.Add("18446744073709551614", "0", "", "", "18446744073709551615", "2")
+	f.Fuzz(func(t *testing.T, seq, rank, enc, syn, last, n string) {
+		h := nats.Header{}
+		for k, v := range map[string]string{HeaderSeq: seq, HeaderRank: rank, HeaderEncoding: enc, HeaderSynthetic: syn,
+			HeaderSeqLast: last, HeaderBatches: n} {
+			if v != "" {
+				h.Set(k, v)
+			}
+		}
 		got, err := ParseEventHeaders(h)
 		if err != nil {
 			return
 		}
+		if got.Coalesced() && (!got.HasSeq || got.Synthetic != "" || got.Last-got.Seq != uint64(got.Batches-1) || got.Batches > MaxCoalesced) {
+			t.Fatalf("accepted inconsistent coalesced headers: %+v", got)
+		}
+		if !got.Coalesced() && (got.Batches != 0 || got.Last != 0) {
+			t.Fatalf("batches without coalescing: %+v", got)
+		}
 		again, err := ParseEventHeaders(got.Header())
-		if err != nil || again.Seq != got.Seq || again.Rank != got.Rank || again.HasSeq != got.HasSeq {
+		if err != nil || again != got {
 			t.Fatalf("re-parse %+v -> %+v %v", got, again, err)
 		}
 	})

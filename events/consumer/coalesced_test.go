@@ -1,0 +1,85 @@
+package consumer
+
+import (
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+)
+
+// storePayload is an engine batch storing one block, hash seq*10.
+func storePayload(t *testing.T, seq uint64) []byte {
+	t.Helper()
+	p, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: []events.Event{{Kind: events.BlockStored,
+		BlockHashes: []uint64{seq * 10}, TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"}}}, events.EncodingArray)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// coalesced publishes engine seqs first..last as one coalesced message
+// (one payload when first == last); extra payloads beyond the headers'
+// count make it malformed.
+func (e *env) coalesced(instance string, first, last uint64, extra int) {
+	e.t.Helper()
+	var data []byte
+	for s := first; s <= last; s++ {
+		data = append(data, storePayload(e.t, s)...)
+	}
+	for range extra {
+		data = append(data, storePayload(e.t, last)...)
+	}
+	h := kvstream.EventHeaders{Seq: first, HasSeq: true, Pool: e.pool, Instance: instance}
+	if last > first {
+		h.Batches, h.Last = int(last-first+1), last
+	}
+	subj, _ := kvstream.EventsSubject(e.pool, instance)
+	if _, err := e.js.PublishMsg(e.ctx, &nats.Msg{Subject: subj, Data: data, Header: h.Header()}); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// A coalesced message is applied payload by payload in order, each engine
+// seq once: payloads of a range that overlaps what was applied (a bridge
+// that restarted, a message stored twice) are skipped, the new ones
+// applied. A coalesced message whose payload does not split into its
+// headers' count is unreadable as a whole: counted malformed, nothing of
+// it applied.
+func TestCoalescedMessages(t *testing.T) {
+	e := newEnv(t)
+	c, a := e.startRecording()
+	e.coalesced("i0", 1, 1, 0)
+	e.coalesced("i0", 2, 4, 0)
+	e.coalesced("i0", 3, 6, 0) // 3, 4 seen: 5, 6 new
+	e.coalesced("i0", 5, 6, 0) // all seen
+	e.coalesced("i0", 7, 7, 0)
+	e.coalesced("i0", 8, 9, 1) // three payloads under a count of two
+	want := []uint64{10, 20, 30, 40, 50, 60, 70}
+	testenv.WaitFor(t, 10*time.Second, "malformed coalesced message counted", func() bool {
+		st := c.Instances()
+		return len(st) == 1 && st[0].Malformed == 1
+	})
+	e.coalesced("i0", 8, 9, 0) // the same seqs, well formed
+	want = append(want, 80, 90)
+	testenv.WaitFor(t, 10*time.Second, "payloads applied", func() bool {
+		got, _ := a.get("i0")
+		return len(got) >= len(want)
+	})
+	time.Sleep(100 * time.Millisecond) // anything applied twice would show by now
+	got, _ := a.get("i0")
+	if !slices.Equal(got, want) {
+		t.Fatalf("applied %v, want %v", got, want)
+	}
+	if st := c.Instances()[0]; st.LastSeq != 9 {
+		t.Fatalf("last seq %d, want 9", st.LastSeq)
+	}
+	if n := counterValue(c.m.messages.WithLabelValues("duplicate_seq")); n != 4 {
+		t.Fatalf("%v duplicate payloads skipped, want 4 (3, 4, 5, 6)", n)
+	}
+}
