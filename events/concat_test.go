@@ -40,8 +40,8 @@ func TestSplitValues(t *testing.T) {
 		{"empty", nil, 1},
 		{"zero wanted", joined, 0},
 	} {
-		if _, err := SplitValues(bad.p, bad.n, nil); !errors.Is(err, ErrMalformed) {
-			t.Errorf("%s: err = %v, want ErrMalformed", bad.name, err)
+		if parts, err := SplitValues(bad.p, bad.n, nil); !errors.Is(err, ErrMalformed) || len(parts) != 0 {
+			t.Errorf("%s: %d parts, err = %v, want none and ErrMalformed", bad.name, len(parts), err)
 		}
 	}
 	// The decoder refuses a joined payload as a whole (what a reader
@@ -67,8 +67,8 @@ func FuzzSplitValues(f *testing.F) {
 		}
 		parts, err := SplitValues(p, n, nil)
 		if err != nil {
-			if !errors.Is(err, ErrMalformed) {
-				t.Fatalf("error not ErrMalformed: %v", err)
+			if !errors.Is(err, ErrMalformed) || len(parts) != 0 {
+				t.Fatalf("%d parts with error %v, want none and ErrMalformed", len(parts), err)
 			}
 			return
 		}

@@ -83,3 +83,62 @@ func TestCoalescedMessages(t *testing.T) {
 		t.Fatalf("%v duplicate payloads skipped, want 4 (3, 4, 5, 6)", n)
 	}
 }
+
+// Every payload of a coalesced message is applied while the instance
+// waits for a snapshot it cannot get (an unreadable one in the bucket, no
+// bridge to ask) and in the shared-index mode over a plain applier (which
+// never loads one): only a refused apply stops a message part way.
+func TestCoalescedAppliedWhileSnapshotPending(t *testing.T) {
+	for _, mode := range []string{"unreadable snapshot", "shared index, plain applier"} {
+		t.Run(mode, func(t *testing.T) {
+			e := newEnv(t)
+			var a *recorder
+			if mode == "unreadable snapshot" {
+				kv, err := kvstream.EnsureBucket(e.ctx, e.js, e.cfg.Bucket)
+				if err != nil {
+					t.Fatal(err)
+				}
+				key, _ := kvstream.SnapshotKey(e.pool, "i0")
+				if _, err := kv.Put(e.ctx, key, []byte("not a snapshot")); err != nil {
+					t.Fatal(err)
+				}
+				_, a = e.startRecording()
+			} else {
+				a = newRecorder()
+				cfg := e.cfg
+				cfg.Applier, cfg.SharedIndex = a, true
+				e.start(cfg)
+			}
+			e.coalesced("i0", 1, 3, 0)
+			e.coalesced("i0", 4, 6, 0)
+			want := []uint64{10, 20, 30, 40, 50, 60}
+			testenv.WaitFor(t, 10*time.Second, "six payloads applied", func() bool {
+				got, _ := a.get("i0")
+				return len(got) >= len(want)
+			})
+			if got, _ := a.get("i0"); !slices.Equal(got, want) {
+				t.Fatalf("applied %v, want %v", got, want)
+			}
+		})
+	}
+}
+
+// The replay after a snapshot load skips a coalesced message that does
+// not split into its headers' count, as the live path does, instead of
+// applying the payloads it could split.
+func TestCoalescedMalformedSkippedInReplay(t *testing.T) {
+	e := newEnv(t)
+	e.coalesced("i0", 1, 3, 1) // four payloads under a count of three
+	e.coalesced("i0", 4, 4, 0)
+	c, a := e.startRecording()
+	testenv.WaitFor(t, 10*time.Second, "the good message applied", func() bool {
+		got, _ := a.get("i0")
+		return slices.Contains(got, 40)
+	})
+	if got, _ := a.get("i0"); !slices.Equal(got, []uint64{40}) {
+		t.Fatalf("applied %v, want only [40]", got)
+	}
+	if n := counterValue(c.m.messages.WithLabelValues("malformed")); n != 1 {
+		t.Fatalf("%v malformed messages counted, want 1", n)
+	}
+}

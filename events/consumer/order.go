@@ -241,9 +241,8 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 			return
 		}
 		batch, err := dec.Decode(p)
-		c.applyBatch(ctx, w, in, h, true, seq, batch, err)
-		if in.needLoad {
-			return // an apply failed: the snapshot reload brings the rest
+		if c.applyBatch(ctx, w, in, h, true, seq, batch, err) {
+			return // the apply failed: the snapshot reload brings the rest
 		}
 	}
 }
@@ -323,8 +322,10 @@ func (c *Consumer) seqCheck(ctx context.Context, w work, in *inst, seq uint64) i
 
 // applyBatch applies one decoded engine payload (err: it could not be
 // decoded) of message w, whose headers are h; seq is its engine seq when
-// engineMsg.
-func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.EventHeaders, engineMsg bool, seq uint64, batch events.Batch, err error) {
+// engineMsg. It reports whether the index refused the apply (the
+// instance then reloads its snapshot, or is repaired in the shared
+// index): what follows in the same message is not applied after it.
+func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.EventHeaders, engineMsg bool, seq uint64, batch events.Batch, err error) (failed bool) {
 	var res kvindex.ApplyResult
 	var aerr error
 	switch {
@@ -369,7 +370,7 @@ func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.
 		if ok, suppressed := c.logLimit.Allow("malformed"); ok {
 			c.cfg.Logger.Warn("consumer: malformed payload skipped", "instance", w.instance, "stream_seq", w.streamSeq, "err", err, "suppressed", suppressed)
 		}
-		return
+		return false
 	}
 	if batch.Unknown > 0 {
 		c.m.unknown.Add(float64(batch.Unknown))
@@ -389,13 +390,13 @@ func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.
 			// Not live until repaired: by the next message of the
 			// instance, or the sync watchShared queues meanwhile.
 			c.cfg.Logger.Warn("consumer: apply to the shared index failed, will repair", "instance", w.instance, "err", aerr)
-			return
+			return true
 		}
 		c.cfg.Logger.Warn("consumer: apply failed, will reload the snapshot", "instance", w.instance, "err", aerr)
 		// The index may now hold part of the batch or miss it: the next
 		// event of the instance reloads its snapshot to get back in step.
 		in.needLoad = true
-		return
+		return true
 	}
 	c.m.applied.Inc()
 	for i := range batch.Events {
@@ -407,4 +408,5 @@ func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.
 	if !w.stored.IsZero() {
 		c.m.lag.Observe(now.Sub(w.stored).Seconds())
 	}
+	return false
 }

@@ -179,9 +179,15 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 		if engineMsg && in.hasSeq && h.Seq > in.status.LastSeq+1 {
 			lost = true
 		}
-		// A coalesced message's payloads in order (one that does not
-		// split is skipped whole, as a malformed payload is).
-		parts, _ = kvstream.SplitPayload(h, m.Data, parts)
+		// A coalesced message's payloads in order. One that does not
+		// split into its headers' count is skipped whole and counted, as
+		// the live path does: nothing of it is applied, and its seqs are
+		// not taken as applied.
+		var serr error
+		if parts, serr = kvstream.SplitPayload(h, m.Data, parts); serr != nil {
+			parts, engineMsg = parts[:0], false
+			c.m.messages.WithLabelValues("malformed").Inc()
+		}
 		failed := false
 		for _, p := range parts {
 			batch, err := events.Decode(p)
