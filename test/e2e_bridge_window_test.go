@@ -488,3 +488,32 @@ func collectEvicted(t *testing.T, r *rig) func() []uint64 {
 		return slices.Sorted(slices.Values(got))
 	}
 }
+
+// Messages the bridge publishes from the engine's replay after its buffer
+// overflowed (catchUp), with the engine quiet afterwards, reach the
+// stream with coalescing on as with it off: a step that publishes from
+// the replay sends what it joined before waiting for the next signal
+// (nothing else may come to send it). The gate holds acks while the
+// engine publishes into a two-message buffer, so it overflows.
+func TestE2ECoalescedCatchUpAfterDrops(t *testing.T) {
+	for _, co := range []int{0, 8} {
+		t.Run(fmt.Sprintf("coalesce%d", co), func(t *testing.T) {
+			ps := orderedPayloads(t, 30, 2, 7)
+			r := newRig(t, rigOpts{buffer: 2, gate: true, window: 1, coalesce: co, publishTimeout: time.Minute})
+			_, a, _ := r.startConsumer(consumer.Config{})
+			r.publish(ps[0])
+			r.waitPublished(1)
+			r.gate.Hold()
+			for _, p := range ps[1:] {
+				r.publish(p)
+				time.Sleep(2 * time.Millisecond) // each reaches the bridge: the buffer overflows
+			}
+			testenv.WaitFor(t, 20*time.Second, "the bridge dropping messages", func() bool { return r.stats().Dropped > 0 })
+			r.gate.Release()
+			waitTable(t, a, r.instance, reference(t, ps...))
+			if s := r.stats(); s.EngineSeq != uint64(len(ps)) {
+				t.Fatalf("bridge at engine seq %d, want %d: %+v", s.EngineSeq, len(ps), s)
+			}
+		})
+	}
+}

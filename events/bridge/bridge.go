@@ -540,6 +540,14 @@ func (in *instance) process(ctx context.Context) {
 		if err := step(ctx); err != nil {
 			return
 		}
+		// A step may have published engine messages from the replay
+		// (catchUp, catchTail, a restart found by a probe): with
+		// coalescing the last of them could still be waiting to be joined,
+		// and nothing else may come to publish them. Send them and take
+		// the acks, as after the last buffered message.
+		if in.flush(ctx) != nil {
+			return
+		}
 	}
 }
 
