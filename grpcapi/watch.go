@@ -190,6 +190,9 @@ func (w *watcher) send(m *nats.Msg) error {
 			h = hh
 		}
 	}
+	if !h.Coalesced() {
+		return w.sendBatch(instance, m.Data, h.Seq, h.Synthetic)
+	}
 	// A coalesced message carries several engine payloads, the i-th with
 	// engine seq h.Seq+i: each is sent as a message of its own.
 	parts, err := kvstream.SplitPayload(h, m.Data, nil)
