@@ -74,6 +74,8 @@ type bufConn struct {
 	r *bufio.Reader
 }
 
-func newBufConn(c net.Conn) *bufConn { return &bufConn{Conn: c, r: bufio.NewReaderSize(c, bufConnSize)} }
+func newBufConn(c net.Conn) *bufConn {
+	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, bufConnSize)}
+}
 
 func (c *bufConn) Read(p []byte) (int, error) { return c.r.Read(p) }
