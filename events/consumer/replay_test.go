@@ -57,6 +57,9 @@ func TestReloadReplaysMessagesAfterSnapshot(t *testing.T) {
 		maxMsgs int64
 		// failHash makes the Apply of that block fail once (0: none).
 		failHash uint64
+		// middle publishes what is applied after the snapshot (nil:
+		// engine seqs 3 and 4, one message each, blocks 3 and 4).
+		middle func(e *env)
 		// trigger publishes the messages that cause the reload.
 		trigger    func(e *env)
 		want       []uint64
@@ -70,6 +73,16 @@ func TestReloadReplaysMessagesAfterSnapshot(t *testing.T) {
 			// lost; 2..4, applied since the snapshot, must survive.
 			trigger:    func(e *env) { e.store("i0", 10, 10) },
 			want:       []uint64{1, 2, 3, 4, 10},
+			wantLost:   1,
+			wantPurges: 2,
+		},
+		{
+			name: "engine seq gap after a coalesced message",
+			// Engine seqs 3 and 4 in one coalesced message (blocks 30,
+			// 40): the replay after the snapshot applies both.
+			middle:     func(e *env) { e.coalesced("i0", 3, 4, 0) },
+			trigger:    func(e *env) { e.store("i0", 10, 10) },
+			want:       []uint64{1, 2, 30, 40, 10},
 			wantLost:   1,
 			wantPurges: 2,
 		},
@@ -112,8 +125,12 @@ func TestReloadReplaysMessagesAfterSnapshot(t *testing.T) {
 			cfg.Applier, cfg.SnapshotTimeout = a, 100*time.Millisecond
 			c := e.start(cfg)
 			testenv.WaitFor(t, 10*time.Second, "snapshot + message 2", func() bool { s, _ := a.get("i0"); return slices.Equal(s, []uint64{1, 2}) })
-			e.store("i0", 3, 3)
-			e.store("i0", 4, 4)
+			if tc.middle != nil {
+				tc.middle(e)
+			} else {
+				e.store("i0", 3, 3)
+				e.store("i0", 4, 4)
+			}
 			testenv.WaitFor(t, 10*time.Second, "messages 3 and 4", func() bool { s, _ := a.get("i0"); return len(s) == 4 })
 
 			tc.trigger(e)

@@ -121,6 +121,9 @@ type sharedWorld struct {
 	// Cluster's); else they use redis.
 	newClient func() redis.UniversalClient
 	routers   int // started so far: each router's logs name it
+	// coalesce, when over 1, makes each round publish up to that many
+	// consecutive batches of an engine as one coalesced message.
+	coalesce int
 }
 
 // snapshotTable is an engine's block table as the bridge keeps it: a
@@ -149,22 +152,31 @@ func (w *sharedWorld) publish(rounds int, only ...string) {
 			if len(only) > 0 && !slices.Contains(only, f.name) {
 				continue
 			}
-			evs := f.next(w.rng)
-			if evs == nil {
+			var p []byte
+			var batches [][]events.Event
+			for len(batches) < max(w.coalesce, 1) {
+				evs := f.next(w.rng)
+				if evs == nil {
+					break
+				}
+				b, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: evs}, events.EncodingMap)
+				if err != nil {
+					w.t.Fatal(err)
+				}
+				p = append(p, b...)
+				batches = append(batches, evs)
+			}
+			if len(batches) == 0 {
 				continue
 			}
-			f.seq++
-			p, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: evs}, events.EncodingMap)
-			if err != nil {
-				w.t.Fatal(err)
-			}
 			subj, _ := kvstream.EventsSubject(w.pool, f.name)
-			h := kvstream.EventHeaders{Seq: f.seq, HasSeq: true, Pool: w.pool, Instance: f.name}
+			h := kvstream.EventHeaders{Seq: f.seq + 1, HasSeq: true, Pool: w.pool, Instance: f.name}
+			f.seq += uint64(len(batches))
+			if len(batches) > 1 {
+				h.Batches, h.Last = len(batches), f.seq
+			}
 			ack, err := w.js.PublishMsg(w.ctx, &nats.Msg{Subject: subj, Data: p, Header: h.Header()})
 			if err != nil {
-				w.t.Fatal(err)
-			}
-			if _, err := w.truth.Apply(w.ctx, f.name, evs); err != nil {
 				w.t.Fatal(err)
 			}
 			st := w.snapshots[f.name]
@@ -172,10 +184,15 @@ func (w *sharedWorld) publish(rounds int, only ...string) {
 				st = &snapshotTable{}
 				w.snapshots[f.name] = st
 			}
-			if evs[0].Kind == events.AllBlocksCleared {
-				st.evs = nil
-			} else {
-				st.evs = append(st.evs, evs...)
+			for _, evs := range batches {
+				if _, err := w.truth.Apply(w.ctx, f.name, evs); err != nil {
+					w.t.Fatal(err)
+				}
+				if evs[0].Kind == events.AllBlocksCleared {
+					st.evs = nil
+				} else {
+					st.evs = append(st.evs, evs...)
+				}
 			}
 			w.putSnapshot(f.name, ack.Sequence, f.seq, st.evs)
 		}
@@ -409,9 +426,15 @@ func (w *sharedWorld) watchNegative(idx *kvindex.Redis, stop <-chan struct{}) *s
 // writer leases), and a new one starts after. The index equals the
 // engines' truth, counters included, and no counter is ever negative.
 func TestSharedRedisRouters(t *testing.T) {
-	for _, n := range []int{2, 3} {
-		t.Run(fmt.Sprintf("routers-%d", n), func(t *testing.T) {
+	for _, c := range []struct{ routers, coalesce int }{{2, 1}, {3, 1}, {2, 8}} {
+		n := c.routers
+		name := fmt.Sprintf("routers-%d", n)
+		if c.coalesce > 1 {
+			name += fmt.Sprintf("/coalesce-%d", c.coalesce) // coalesced messages, as a kvbridge with --coalesce sends a backlog
+		}
+		t.Run(name, func(t *testing.T) {
 			w := newSharedWorld(t, uint64(n), "e0", "e1", "e2")
+			w.coalesce = c.coalesce
 			stop := make(chan struct{})
 			hb := w.heartbeats(stop)
 			var rs []*router

@@ -274,10 +274,10 @@ func (s *Subscriber) session(ctx context.Context, handle func(Message)) (got boo
 		return false, fmt.Errorf("subscribe: %w", err)
 	}
 	if s.cfg.Bind {
-		if err := sock.Listen(s.cfg.Endpoint); err != nil {
+		if err := sock.Listen(bufEndpoint(s.cfg.Endpoint)); err != nil {
 			return false, fmt.Errorf("listen: %w", err)
 		}
-	} else if err := sock.Dial(s.cfg.Endpoint); err != nil {
+	} else if err := sock.Dial(bufEndpoint(s.cfg.Endpoint)); err != nil {
 		return false, fmt.Errorf("dial: %w", err)
 	}
 	if n := s.reconnects.Load(); n > 0 {

@@ -1,0 +1,81 @@
+package enginezmq
+
+import (
+	"bufio"
+	"context"
+	"net"
+	"strings"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/go-zeromq/zmq4/transport"
+)
+
+// bufTCP is the transport scheme of the subscriber's TCP connections:
+// "tcp" whose reads go through a buffer. go-zeromq reads every frame's
+// header and then its body with an io.ReadFull each on the connection,
+// so an engine message (three frames) cost six read system calls, which
+// were a quarter of a loaded bridge's CPU (docs/BENCHMARKS.md §3,
+// "Session 12"); through a buffer one read takes whatever the kernel
+// holds. Writes are not buffered (a subscriber writes only its
+// handshake and subscription).
+const bufTCP = "kvbuftcp"
+
+// bufConnSize is the read buffer: a few engine messages (vLLM's batches
+// are ~1–10 KB), and the most one read system call usually returns on
+// loopback.
+const bufConnSize = 64 << 10
+
+func init() {
+	if err := zmq4.RegisterTransport(bufTCP, bufTransport{transport.New("tcp")}); err != nil {
+		panic(err)
+	}
+}
+
+// bufEndpoint is the endpoint the subscriber dials or binds: a tcp://
+// endpoint under bufTCP; others unchanged.
+func bufEndpoint(ep string) string {
+	if rest, ok := strings.CutPrefix(ep, "tcp://"); ok {
+		return bufTCP + "://" + rest
+	}
+	return ep
+}
+
+type bufTransport struct{ transport.Transport }
+
+func (t bufTransport) Dial(ctx context.Context, d transport.Dialer, addr string) (net.Conn, error) {
+	c, err := t.Transport.Dial(ctx, d, addr)
+	if err != nil {
+		return nil, err
+	}
+	return newBufConn(c), nil
+}
+
+func (t bufTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
+	l, err := t.Transport.Listen(ctx, addr)
+	if err != nil {
+		return nil, err
+	}
+	return bufListener{l}, nil
+}
+
+type bufListener struct{ net.Listener }
+
+func (l bufListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return newBufConn(c), nil
+}
+
+// bufConn is a connection whose reads go through a buffer.
+type bufConn struct {
+	net.Conn
+	r *bufio.Reader
+}
+
+func newBufConn(c net.Conn) *bufConn {
+	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, bufConnSize)}
+}
+
+func (c *bufConn) Read(p []byte) (int, error) { return c.r.Read(p) }
