@@ -144,15 +144,23 @@ func (c *NATSCluster) Restart(i int) {
 }
 
 // WaitJetStream waits until the running nodes agree on a JetStream meta
-// leader, and fails the test after d.
+// leader that counts every running node as a peer it can place replicas
+// on (online, with JetStream and its first statistics: before that a
+// stream of as many replicas as nodes is refused "no suitable peers for
+// placement"), and fails the test after d.
 func (c *NATSCluster) WaitJetStream(d time.Duration) {
 	c.t.Helper()
 	deadline := time.Now().Add(d)
 	for time.Now().Before(deadline) {
 		c.mu.Lock()
-		leader := false
+		leader, running := false, 0
 		for _, n := range c.nodes {
-			if n.srv != nil && n.srv.JetStreamIsLeader() {
+			if n.srv != nil {
+				running++
+			}
+		}
+		for _, n := range c.nodes {
+			if n.srv != nil && n.srv.JetStreamIsLeader() && len(n.srv.JetStreamClusterPeers()) >= running {
 				leader = true
 			}
 		}
