@@ -287,10 +287,6 @@ type candEval struct {
 	load       float64 // queue without the step in progress: the bounded-load rule's measure
 	inflight   int     // the instance's requests in flight, read once per decision
 	full       bool    // at the concurrency threshold
-	// queued: prefill is queued there (the router's pending work, drained,
-	// or requests the engine reports waiting): the instance is not idle
-	// capacity (roomBelowMean).
-	queued bool
 	// scored is false for a cold candidate predict skipped (scores +Inf,
 	// see scoreCold): kvEval.find scores it when asked about it.
 	scored bool
@@ -332,14 +328,6 @@ type kvEval struct {
 	ci        *candIndex      // the candidate index, when the decision used one
 	perm      []permEntry     // match k's candidate in the last decision over permOf
 	permOf    *candIndex
-
-	// meanQ is the mean predicted queue of the candidates under the
-	// concurrency threshold, and heldFree (heldFreeStale: stale blocks
-	// counted) the most leading blocks one of them holds: a candidate
-	// with prefill queued holding less is scored with its queue at least
-	// meanQ (roomBelowMean).
-	meanQ                   float64
-	heldFree, heldFreeStale int
 }
 
 func (st *KVState) getEval() *kvEval {
@@ -639,9 +627,6 @@ func (s *KVAware) predict(ev *kvEval) {
 	var decay decayMemo
 	cold := coldMin{free: math.Inf(1), all: math.Inf(1)}
 	ev.cold = ev.cold[:0]
-	var sumQ float64
-	var free int
-	ev.heldFree, ev.heldFreeStale = 0, 0
 	st.pendMu.RLock()
 	st.loads.mu.RLock()
 	ev.memo = scoreMemo{}
@@ -697,7 +682,6 @@ func (s *KVAware) predict(ev *kvEval) {
 			}
 		}
 		ce.queue, ce.load = s.sc.queue(pTok, int(pReq), ce.inflight+ce.peer.inflight, ld, ok)
-		ce.queued = pTok > 0 || (ok && ld.waiting > float64(pReq))
 		ce.place = 0
 		var avg float64
 		if pc != nil {
@@ -710,14 +694,6 @@ func (s *KVAware) predict(ev *kvEval) {
 		if pc != nil || shared {
 			ce.place = ev.later * 2 * avg
 		}
-		if !ce.full {
-			free++
-			sumQ += ce.queue
-			ev.heldFree = max(ev.heldFree, ce.blocks[tiers.Count-1])
-			if ev.anyStale {
-				ev.heldFreeStale = max(ev.heldFreeStale, ce.stale[tiers.Count-1])
-			}
-		}
 		if ce.cold() {
 			cold.note(ce)
 			ev.cold = append(ev.cold, int32(i))
@@ -727,11 +703,6 @@ func (s *KVAware) predict(ev *kvEval) {
 	}
 	st.loads.mu.RUnlock()
 	st.pendMu.RUnlock()
-	ev.meanQ = 0
-	if free > 0 {
-		ev.meanQ = sumQ / float64(free)
-	}
-	ev.heldFreeStale = max(ev.heldFreeStale, ev.heldFree)
 	s.scoreCold(ev, cold)
 }
 
@@ -761,29 +732,6 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 		m := tierTokens(both, bs, ev.tokens)
 		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, ev.tokens, m) + ce.place
 	}
-}
-
-// roomBelowMean is what ce's queue is short of the mean queue of the
-// candidates under the threshold when ce has prefill queued and holds less
-// of the prompt than the best of them (0 otherwise). The room below the
-// mean on a busy instance is not the request's to take: the fleet's next
-// arrivals take it (docs/kv-aware.md, "Moves off the best holder"), so a
-// move off the best holder there saves at most the holder's excess over
-// the mean. An instance with no prefill queued is idle capacity, lost if
-// unused: its room is the request's. countStale counts stale instances'
-// blocks as held.
-func (ev *kvEval) roomBelowMean(ce *candEval, countStale bool) float64 {
-	if !ce.queued || !(ce.queue < ev.meanQ) {
-		return 0
-	}
-	h, best := ce.blocks[tiers.Count-1], ev.heldFree
-	if countStale {
-		h, best = max(h, ce.stale[tiers.Count-1]), ev.heldFreeStale
-	}
-	if h >= best {
-		return 0
-	}
-	return ev.meanQ - ce.queue
 }
 
 // decide picks for a request some instance holds: the least score
@@ -874,9 +822,9 @@ func (s *KVAware) leastQueue(ev *kvEval, skipFull bool, exclude int) int {
 func (s *KVAware) choose(ev *kvEval, countStale bool) (int, router.Reason) {
 	score := func(ce *candEval) float64 {
 		if countStale {
-			return ce.scoreStale + ev.roomBelowMean(ce, true)
+			return ce.scoreStale
 		}
-		return ce.score + ev.roomBelowMean(ce, false)
+		return ce.score
 	}
 	// One pass for both minima (under the threshold, and over all), one for
 	// both picks: the same answers as a min-then-pick pass pair for each

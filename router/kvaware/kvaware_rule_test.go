@@ -3,12 +3,10 @@ package kvaware
 import (
 	"context"
 	"math"
-	"slices"
 	"testing"
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
-	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -167,78 +165,5 @@ func TestAdaptiveWeight(t *testing.T) {
 	w.st.putEval(ev)
 	if w.st.Utilisation() != before {
 		t.Errorf("dry scoring moved the utilisation from %v to %v", before, w.st.Utilisation())
-	}
-}
-
-// TestMoveOffHolderAgainstMean: a move off the best holder to a busy
-// instance saves the fleet only the holder's queue beyond the mean queue —
-// the room below the mean there is what the fleet's next arrivals take — so
-// a candidate with prefill queued that holds less is scored with its queue
-// counted as at least the mean. A holder at the fleet's level keeps the
-// request that a less busy instance would have drawn off, and the rent the
-// request pays on the prefix is the holder's excess over the mean. An idle
-// instance is capacity lost if unused: the request still moves there. A
-// holder far above the mean loses the request.
-func TestMoveOffHolderAgainstMean(t *testing.T) {
-	prefix := promptTokens(71, 64*kvTestBS)
-	prompt := append(slices.Clone(prefix), promptTokens(72, 2*kvTestBS)...)
-	fixed := config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 1}}
-	perWaiting := float64(DefaultWaitingRequestTokens) / 25000 // seconds of prefill per waiting request
-	// The move pays (1 + w) × the prefix's prefill: 2 × 1,024 tokens at 25,000/s, 82 ms.
-	recompute := 2 * float64(64*kvTestBS) / 25000
-	key := kvindex.Keys(kvindex.Root(kvTestModel, "", ""), prompt, kvTestBS)[0]
-
-	// The holder and two others have 4 waiting requests each (164 ms), the
-	// fourth instance 1 (41 ms) or none: the holder is 123 ms or more above
-	// it (over the 82 ms a move costs) but within 82 ms of the mean.
-	world := func(quiet int) (*kvWorld, *router.Instance) {
-		w := newKVWorld(t, 4)
-		holder := w.insts[1]
-		w.store(holder.ID(), prefix, 0, 64)
-		for _, in := range w.insts[1:] {
-			w.st.SetLoad(in.ID(), 4, 0)
-		}
-		w.st.SetLoad(w.insts[0].ID(), float64(quiet), 0)
-		return w, holder
-	}
-	q, mean := 4*perWaiting, 13*perWaiting/4
-	if !(q-perWaiting > recompute && q-mean < recompute) {
-		t.Fatalf("set-up: queue %.0f ms, mean %.0f ms, recompute %.0f ms", q*1e3, mean*1e3, recompute*1e3)
-	}
-	w, holder := world(1)
-	d := kvPick(t, w.strategy(fixed), kvRequest("p", prompt), w.insts)
-	if d.Instance != holder || d.Reason != router.ReasonKVMatch {
-		t.Fatalf("holder at the fleet's level: picked %s (%s), want the holder %s (kv_match)", d.Instance.ID(), d.Reason, holder.ID())
-	}
-	// The header is the request's own prediction there, not the floor.
-	if want := q + float64(2*kvTestBS)/25000; d.Explain == nil || math.Abs(d.Explain.PredictedTTFT.Seconds()-want) > 1e-6 {
-		t.Errorf("predicted TTFT %+v, want %.4f s", d.Explain, want)
-	}
-	if got := w.st.rent.get(key); math.Abs(got-(q-mean)) > 1e-9 {
-		t.Errorf("rent paid %.4f s, want the holder's excess over the mean %.4f s", got, q-mean)
-	}
-
-	// The fourth instance idle: its room is spare capacity, the request
-	// takes it.
-	w, holder = world(0)
-	if d := kvPick(t, w.strategy(fixed), kvRequest("p", prompt), w.insts); d.Instance != w.insts[0] || d.Reason != router.ReasonKVMatch {
-		t.Fatalf("an idle instance: picked %s (%s), want %s (kv_match)", d.Instance.ID(), d.Reason, w.insts[0].ID())
-	}
-
-	// The holder alone busy with 6 waiting (246 ms): 184 ms above the mean,
-	// more than the move costs, and the others with 1 waiting each: the
-	// request leaves the holder for a busy instance.
-	w2 := newKVWorld(t, 4)
-	holder2 := w2.insts[1]
-	w2.store(holder2.ID(), prefix, 0, 64)
-	w2.st.SetLoad(holder2.ID(), 6, 0)
-	for _, in := range []*router.Instance{w2.insts[0], w2.insts[2], w2.insts[3]} {
-		w2.st.SetLoad(in.ID(), 1, 0)
-	}
-	if q, mean := 6*perWaiting, 9*perWaiting/4; !(q-mean > recompute) {
-		t.Fatalf("set-up: queue %.0f ms, mean %.0f ms", q*1e3, mean*1e3)
-	}
-	if d := kvPick(t, w2.strategy(fixed), kvRequest("p", prompt), w2.insts); d.Instance == holder2 || d.Reason != router.ReasonKVMatch {
-		t.Fatalf("holder far above the mean: picked %s (%s), want another instance (kv_match)", d.Instance.ID(), d.Reason)
 	}
 }

@@ -251,12 +251,7 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 		return pick, reason
 	}
 	ac := &ev.cands[alt]
-	// A copy on an alternative with prefill queued saves this request's
-	// wait only down to the fleet's mean queue: the room below it there is
-	// the fleet's next arrivals', not the prefix's (roomBelowMean), in the
-	// rent as in the price.
-	room := ev.roomBelowMean(ac, false)
-	saved := pc.queue - (ac.queue + room)
+	saved := pc.queue - ac.queue
 	if !(saved > s.sc.tieTol) {
 		return pick, reason
 	}
@@ -264,7 +259,7 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 		s.sc.score(ev, ac)
 	}
 	key := ev.keys[min(ac.blocks[len(ac.blocks)-1], depth-1)]
-	price := ac.score + room - (pc.score + ev.roomBelowMean(pc, false))
+	price := ac.score - pc.score
 	if s.st.rent.get(key) >= price {
 		ev.rent = rentNote{key: key, bought: true, ok: true}
 		// Moving the request makes it recompute the prefix in its own time
