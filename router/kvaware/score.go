@@ -262,8 +262,7 @@ func (s *kvScoring) weight(rho, behind float64) float64 {
 // queue is the predicted wait before a new request's prefill starts on an
 // instance, in seconds: the router's own pending prefill tokens there,
 // or the engine's reported waiting requests when they say more (other
-// routers' traffic), plus a per-running-request share of each step, plus,
-// on an engine running steps, the residual of the step in progress.
+// routers' traffic), plus a per-running-request share of each step.
 //
 // The max, not the sum: the engine's waiting count already includes this
 // router's pending requests, so adding both would count them twice.
@@ -288,13 +287,9 @@ func (s *kvScoring) queue(pendingTokens float64, pendingReqs, inflight int, ld l
 	if running > 0 {
 		// The engine is running steps: nothing starts before the step in
 		// progress ends, S/2 on average for a step of S = the decode step
-		// plus the running sequences' share of it. The sum, not the max:
-		// the prefill ahead is drained as a first-come-first-served queue
-		// that started when its first request was routed
-		// (kvaware_drain.go), but an engine running steps starts a routed
-		// prompt only at its next step boundary, S/2 later on average, so
-		// the work ahead ends that much after the drained prediction.
-		wait += (s.stepSec + running*s.runningSec) / 2
+		// plus the running sequences' share of it. Prefill work ahead
+		// already includes that step.
+		wait = max(wait, (s.stepSec+running*s.runningSec)/2)
 	}
 	return wait + running*s.runningSec, load
 }
