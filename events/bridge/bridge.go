@@ -543,9 +543,13 @@ func (in *instance) process(ctx context.Context) {
 		// A step may have published engine messages from the replay
 		// (catchUp, catchTail, a restart found by a probe): with
 		// coalescing the last of them could still be waiting to be joined,
-		// and nothing else may come to publish them. Send them and take
-		// the acks, as after the last buffered message.
-		if in.flush(ctx) != nil {
+		// and nothing else may come to publish them. Send them; take the
+		// acks now only if no engine message waits, as after the last
+		// buffered one.
+		if in.seal(ctx) != nil {
+			return
+		}
+		if len(in.in) == 0 && in.flush(ctx) != nil {
 			return
 		}
 	}

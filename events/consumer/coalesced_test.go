@@ -146,4 +146,7 @@ func TestCoalescedMalformedSkippedInReplay(t *testing.T) {
 	if n := counterValue(c.m.messages.WithLabelValues("malformed")); n < 2 {
 		t.Fatalf("%v malformed messages counted, want the live one and the replayed one", n)
 	}
+	if st := c.status("i0"); st.ReplayLost != 0 {
+		t.Fatalf("the malformed message counted as lost from the stream: %+v", st)
+	}
 }

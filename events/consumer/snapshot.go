@@ -180,12 +180,13 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 			lost = true
 		}
 		// A coalesced message's payloads in order. One that does not
-		// split into its headers' count is skipped whole and counted, as
-		// the live path does: nothing of it is applied, and its seqs are
-		// not taken as applied.
+		// split into its headers' count is skipped whole and counted
+		// malformed: nothing of it is applied, and its seqs are taken as
+		// seen, as a single malformed payload's is (the stream did not
+		// lose them: the next message is no gap).
 		var serr error
 		if parts, serr = kvstream.SplitPayload(h, m.Data, parts); serr != nil {
-			parts, engineMsg = parts[:0], false
+			parts = parts[:0]
 			c.m.messages.WithLabelValues("malformed").Inc()
 		}
 		failed := false

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/url"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -153,15 +154,10 @@ func (c *NATSCluster) WaitJetStream(d time.Duration) {
 	deadline := time.Now().Add(d)
 	for time.Now().Before(deadline) {
 		c.mu.Lock()
-		leader, running := false, 0
+		leader := false
 		for _, n := range c.nodes {
-			if n.srv != nil {
-				running++
-			}
-		}
-		for _, n := range c.nodes {
-			if n.srv != nil && n.srv.JetStreamIsLeader() && len(n.srv.JetStreamClusterPeers()) >= running {
-				leader = true
+			if n.srv != nil && n.srv.JetStreamIsLeader() {
+				leader = c.allPeers(n.srv.JetStreamClusterPeers())
 			}
 		}
 		c.mu.Unlock()
@@ -171,6 +167,16 @@ func (c *NATSCluster) WaitJetStream(d time.Duration) {
 		time.Sleep(50 * time.Millisecond)
 	}
 	c.t.Fatalf("testenv: nats cluster %s has no JetStream meta leader after %v", c.Name, d)
+}
+
+// allPeers reports whether peers names every running node; c.mu is held.
+func (c *NATSCluster) allPeers(peers []string) bool {
+	for _, n := range c.nodes {
+		if n.srv != nil && !slices.Contains(peers, n.srv.Name()) {
+			return false
+		}
+	}
+	return true
 }
 
 // jetStreamAnswers reports whether the JetStream API answers through the

@@ -33,6 +33,9 @@ type gatedConn struct {
 	client, server net.Conn
 	buf            []byte
 	closed         bool
+	// eof: the server closed while replies were still to deliver and
+	// the gate was open; deliver closes the client after writing them.
+	eof bool
 }
 
 // StartReplyGate starts a gate in front of target (host:port) on a free
@@ -159,13 +162,30 @@ func (g *ReplyGate) readReplies(c *gatedConn) {
 		if n > 0 && !c.closed {
 			c.buf = append(c.buf, buf[:n]...)
 		}
+		if err != nil && !g.held && len(c.buf) > 0 {
+			// What the server sent before closing (an -ERR, say) still
+			// reaches the client; deliver closes it after.
+			c.eof = true
+			err = nil
+		}
 		g.mu.Unlock()
 		g.cond.Broadcast()
 		if err != nil {
 			g.dropLocked(c)
 			return
 		}
+		if c.eofSeen(g) {
+			return
+		}
 	}
+}
+
+// eofSeen reports whether the server's side ended with replies left to
+// deliver (deliver closes the connection after them).
+func (c *gatedConn) eofSeen(g *ReplyGate) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return c.eof
 }
 
 // deliver writes the replies read to the client whenever the gate is not
@@ -174,6 +194,12 @@ func (g *ReplyGate) deliver(c *gatedConn) {
 	for {
 		g.mu.Lock()
 		for !c.closed && (g.held || len(c.buf) == 0) {
+			if c.eof && (g.held || len(c.buf) == 0) {
+				// The server is gone: held replies die with it, and
+				// nothing more is coming.
+				g.drop(c)
+				break
+			}
 			g.cond.Wait()
 		}
 		if c.closed {

@@ -102,3 +102,40 @@ func TestReplyGate(t *testing.T) {
 		t.Fatal("a connection with no server behind it stayed open")
 	}
 }
+
+// A server that sends its last words and closes while the gate is open:
+// the client reads them, then the end of the connection.
+func TestReplyGateLastWords(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			_, _ = c.Write([]byte("-ERR bye\n"))
+			_ = c.Close()
+		}
+	}()
+	g := StartReplyGate(t, ln.Addr().String())
+	for range 20 {
+		c, err := net.Dial("tcp", g.Addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := bufio.NewReader(c)
+		if l, err := readLine(t, r, c, 10*time.Second); err != nil || l != "-ERR bye\n" {
+			t.Fatalf("got %q, %v; want the server's last line", l, err)
+		}
+		if _, err := readLine(t, r, c, 10*time.Second); err == nil {
+			t.Fatal("the connection stayed open after the server closed")
+		} else if ne, ok := err.(net.Error); ok && ne.Timeout() {
+			t.Fatal("the client's side stayed open after the server closed")
+		}
+		c.Close()
+	}
+}
