@@ -44,8 +44,10 @@ import (
 // a message costs the bridge a few microseconds, so at ~100 k messages/s
 // a 0.2–1 ms round trip (loopback to another rack) keeps 20–100 in
 // flight. 128 covers that with room; memory is bounded by 128 engine
-// batches (a few MB at vLLM's batch sizes), and what a failure resends is
-// at most that many messages.
+// batches (a few MB at vLLM's batch sizes) — with coalescing (coalesce.go)
+// by 128 NATS messages of at most the coalesced byte bound each (32 MiB
+// at NATS's default max payload) — and what a failure resends is at most
+// that many messages.
 const DefaultPublishWindow = 128
 
 // pending is a message published and not yet acknowledged.
