@@ -189,7 +189,7 @@ func unum(t testing.TB, v any) uint64 {
 // semantic strips the wire layout, and the counts of skipped events (Encode
 // writes only the events kept), so batches compare by content.
 func semantic(b Batch) Batch {
-	b.Layout, b.Encoding, b.Unknown, b.Invalid, b.InvalidErr = BatchLayout{}, 0, 0, 0, nil
+	b.Layout, b.Encoding, b.Unknown, b.Invalid, b.InvalidErr, b.InvalidRemovals = BatchLayout{}, 0, 0, 0, nil, 0
 	evs := make([]Event, len(b.Events))
 	for i, e := range b.Events {
 		e.Layout = EventLayout{}
