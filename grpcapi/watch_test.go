@@ -61,7 +61,7 @@ func TestWatch(t *testing.T) {
 		}
 		h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: pool, Instance: inst}
 		if len(bs) > 1 {
-			h.Batches, h.Last = len(bs), seq+uint64(len(bs)-1)
+			h.Batches = len(bs)
 		}
 		hd := h.Header()
 		if err := nc.PublishMsg(&nats.Msg{Subject: subj, Data: payload, Header: hd}); err != nil {

@@ -411,8 +411,8 @@ func TestE2ECoalescedBurst(t *testing.T) {
 				if !m.h.Coalesced() {
 					continue
 				}
-				if m.h.Seq <= badSeq && badSeq <= m.h.Last {
-					t.Fatalf("the malformed payload was coalesced (seqs %d..%d)", m.h.Seq, m.h.Last)
+				if m.h.Seq <= badSeq && badSeq <= m.h.LastSeq() {
+					t.Fatalf("the malformed payload was coalesced (seqs %d..%d)", m.h.Seq, m.h.LastSeq())
 				}
 				coalesced++
 				if m.h.Batches > c.coalesce {

@@ -544,12 +544,13 @@ func (in *instance) process(ctx context.Context) {
 		// (catchUp, catchTail, a restart found by a probe): with
 		// coalescing the last of them could still be waiting to be joined,
 		// and nothing else may come to publish them. Send them; take the
-		// acks now only if no engine message waits, as after the last
-		// buffered one.
-		if in.seal(ctx) != nil {
-			return
+		// acks too (flush) only if no engine message waits, as after the
+		// last buffered one.
+		done := in.seal
+		if len(in.in) == 0 {
+			done = in.flush
 		}
-		if len(in.in) == 0 && in.flush(ctx) != nil {
+		if done(ctx) != nil {
 			return
 		}
 	}

@@ -101,12 +101,12 @@ func (in *instance) seal(ctx context.Context) error {
 		return nil
 	}
 	in.group = group{}
-	first, last := g.msgs[0], g.msgs[len(g.msgs)-1]
+	first := g.msgs[0]
 	h := kvstream.EventHeaders{Seq: first.Seq, HasSeq: true, Rank: in.src.Rank, Pool: in.b.cfg.Pool, Instance: in.src.Instance,
 		Model: in.b.cfg.Model, Encoding: g.enc}
 	payload := first.Payload
 	if n := len(g.msgs); n > 1 {
-		h.Batches, h.Last = n, last.Seq
+		h.Batches = n
 		payload = make([]byte, 0, g.bytes)
 		for _, m := range g.msgs {
 			payload = append(payload, m.Payload...)

@@ -37,7 +37,7 @@ func (e *env) coalesced(instance string, first, last uint64, extra int) {
 	}
 	h := kvstream.EventHeaders{Seq: first, HasSeq: true, Pool: e.pool, Instance: instance}
 	if last > first {
-		h.Batches, h.Last = int(last-first+1), last
+		h.Batches = int(last - first + 1)
 	}
 	subj, _ := kvstream.EventsSubject(e.pool, instance)
 	if _, err := e.js.PublishMsg(e.ctx, &nats.Msg{Subject: subj, Data: data, Header: h.Header()}); err != nil {

@@ -218,7 +218,7 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 			return
 		}
 		joined, err := decodeJoined(h, w.data)
-		c.applyBatch(ctx, w, in, h, err == nil, h.Last, joined, err)
+		c.applyBatch(ctx, w, in, h, err == nil, h.LastSeq(), joined, err)
 		return
 	}
 	parts, err := kvstream.SplitPayload(h, w.data, nil)

@@ -233,7 +233,7 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 		if herr == nil {
 			c.mu.Lock()
 			if h.HasSeq && h.Synthetic == "" {
-				in.status.LastSeq, in.hasSeq = max(h.Seq, h.Last), true
+				in.status.LastSeq, in.hasSeq = h.LastSeq(), true
 			}
 			switch h.Synthetic {
 			case kvstream.SyntheticGap, kvstream.SyntheticRestart, kvstream.SyntheticResync:

@@ -173,7 +173,7 @@ func (w *sharedWorld) publish(rounds int, only ...string) {
 			h := kvstream.EventHeaders{Seq: f.seq + 1, HasSeq: true, Pool: w.pool, Instance: f.name}
 			f.seq += uint64(len(batches))
 			if len(batches) > 1 {
-				h.Batches, h.Last = len(batches), f.seq
+				h.Batches = len(batches)
 			}
 			ack, err := w.js.PublishMsg(w.ctx, &nats.Msg{Subject: subj, Data: p, Header: h.Header()})
 			if err != nil {

@@ -210,7 +210,7 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 		c.mu.Lock()
 		in.status.StreamSeq = max(in.status.StreamSeq, m.Sequence)
 		if engineMsg {
-			in.status.LastSeq, in.hasSeq = max(h.Seq, h.Last), true
+			in.status.LastSeq, in.hasSeq = h.LastSeq(), true
 		}
 		switch h.Synthetic {
 		case kvstream.SyntheticGap, kvstream.SyntheticRestart, kvstream.SyntheticResync:

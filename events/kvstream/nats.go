@@ -77,14 +77,22 @@ type EventHeaders struct {
 	Model     string
 	Synthetic string
 	// Batches is the number of engine payloads a coalesced message
-	// carries (HeaderBatches), with seqs Seq..Last; 0 for a message of
-	// one payload (Last is then 0 too).
+	// carries (HeaderBatches), with seqs Seq..LastSeq(); 0 for a message
+	// of one payload.
 	Batches int
-	Last    uint64
 }
 
 // Coalesced reports whether the message carries several engine payloads.
 func (h EventHeaders) Coalesced() bool { return h.Batches > 1 }
+
+// LastSeq is the last engine seq the message carries: Seq, or a
+// coalesced message's Seq+Batches-1 (HeaderSeqLast on the wire).
+func (h EventHeaders) LastSeq() uint64 {
+	if h.Coalesced() {
+		return h.Seq + uint64(h.Batches-1)
+	}
+	return h.Seq
+}
 
 // Header renders h as NATS headers.
 func (h EventHeaders) Header() nats.Header {
@@ -110,7 +118,7 @@ func (h EventHeaders) Header() nats.Header {
 	}
 	if h.Batches > 1 {
 		hd.Set(HeaderBatches, strconv.Itoa(h.Batches))
-		hd.Set(HeaderSeqLast, strconv.FormatUint(h.Last, 10))
+		hd.Set(HeaderSeqLast, strconv.FormatUint(h.LastSeq(), 10))
 	}
 	return hd
 }
@@ -153,7 +161,7 @@ func ParseEventHeaders(hd nats.Header) (EventHeaders, error) {
 		return EventHeaders{}, fmt.Errorf("%w: coalesced message with %s %q, %s %q, %s %q, %s %q", ErrBadHeader,
 			HeaderSeq, hd.Get(HeaderSeq), HeaderSeqLast, lv, HeaderBatches, nv, HeaderSynthetic, h.Synthetic)
 	}
-	h.Batches, h.Last = n, last
+	h.Batches = n
 	return h, nil
 }
 

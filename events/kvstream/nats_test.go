@@ -25,8 +25,8 @@ func TestEventHeadersRoundTrip(t *testing.T) {
 		{Seq: 0, HasSeq: true},
 		{Seq: enginezmq.EndSeq - 1, HasSeq: true, Rank: 3, Encoding: "map", Pool: "p", Instance: "i", Model: "m"},
 		{Rank: 1, Encoding: "array", Synthetic: SyntheticGap},
-		{Seq: 7, HasSeq: true, Batches: 3, Last: 9, Encoding: "array", Pool: "p", Instance: "i"},
-		{Seq: 0, HasSeq: true, Batches: MaxCoalesced, Last: MaxCoalesced - 1},
+		{Seq: 7, HasSeq: true, Batches: 3, Encoding: "array", Pool: "p", Instance: "i"},
+		{Seq: 0, HasSeq: true, Batches: MaxCoalesced},
 	}
 	for _, h := range tests {
 		got, err := ParseEventHeaders(h.Header())
@@ -85,12 +85,12 @@ func TestSplitPayload(t *testing.T) {
 		t.Fatalf("single: %q %v", parts, err)
 	}
 	three := append(append(append([]byte(nil), one...), one...), one...)
-	h := EventHeaders{Seq: 3, HasSeq: true, Batches: 3, Last: 5}
+	h := EventHeaders{Seq: 3, HasSeq: true, Batches: 3}
 	parts, err = SplitPayload(h, three, parts)
 	if err != nil || len(parts) != 3 {
 		t.Fatalf("coalesced: %d parts, %v", len(parts), err)
 	}
-	h.Batches, h.Last = 2, 4
+	h.Batches = 2
 	if _, err := SplitPayload(h, three, nil); !errors.Is(err, events.ErrMalformed) {
 		t.Fatalf("3 values under a count of 2: err = %v", err)
 	}
@@ -116,10 +116,10 @@ func FuzzParseEventHeaders(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if got.Coalesced() && (!got.HasSeq || got.Synthetic != "" || got.Last-got.Seq != uint64(got.Batches-1) || got.Batches > MaxCoalesced) {
+		if got.Coalesced() && (!got.HasSeq || got.Synthetic != "" || got.LastSeq()-got.Seq != uint64(got.Batches-1) || got.Batches > MaxCoalesced) {
 			t.Fatalf("accepted inconsistent coalesced headers: %+v", got)
 		}
-		if !got.Coalesced() && (got.Batches != 0 || got.Last != 0) {
+		if !got.Coalesced() && (got.Batches != 0 || got.LastSeq() != got.Seq) {
 			t.Fatalf("batches without coalescing: %+v", got)
 		}
 		again, err := ParseEventHeaders(got.Header())
