@@ -1,6 +1,8 @@
 package test
 
 import (
+	"cmp"
+	"context"
 	"fmt"
 	"math"
 	"os"
@@ -9,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -55,6 +58,177 @@ const fanInHeld = 64
 //
 //	go test -run '^$' -bench EventFanIn -benchtime 1x -timeout 30m ./test/
 func BenchmarkEventFanIn(b *testing.B) {
+	r := newFanIn(b)
+	r.startRouter()
+	b.ResetTimer()
+	// The first step warms up (the router's snapshot loads, the stream's
+	// first messages of each instance, the Go runtime) and is not reported.
+	for i, mult := range []float64{0.25, 0.25, 0.5, 1, 2, 4, 8} {
+		warm := i == 0
+		rate := mult * mooncakeEventsPerEngine * float64(r.engines) // block events/s
+		lag0 := lagBuckets(b, r.rt.admin)
+		a0, o0 := r.applied(), r.offered.Load()
+		rcpu0, cpu0, t0 := processCPU(b, r.rt.pid), cputime.Process(), time.Now()
+		const step = 10 * time.Second
+		c0 := r.committed()
+		// The router's backlog, sampled every 100 ms through the step.
+		var backlog []float64
+		var sampler sync.WaitGroup
+		sampler.Add(1)
+		go func() {
+			defer sampler.Done()
+			for time.Since(t0) < step {
+				time.Sleep(100 * time.Millisecond)
+				c := r.committed()
+				backlog = append(backlog, max(c-r.processed(), 0))
+			}
+		}()
+		r.offer(rate, t0, step)
+		sampler.Wait()
+		el := time.Since(t0).Seconds()
+		c1 := r.committed()
+		a1, o1 := r.applied(), r.offered.Load()
+		rcpu, cpu := processCPU(b, r.rt.pid)-rcpu0, cputime.Process()-cpu0
+		lag := lagBuckets(b, r.rt.admin).sub(lag0)
+		// What the router had not applied when the offer stopped, and how
+		// long it took to catch up.
+		behind := float64(o1-o0) - (a1 - a0)
+		drain := time.Now()
+		for r.applied()-a0 < float64(o1-o0) && time.Since(drain) < 30*time.Second {
+			time.Sleep(50 * time.Millisecond)
+		}
+		if warm {
+			continue
+		}
+		p50, p99 := lag.quantile(0.5), lag.quantile(0.99)
+		slices.Sort(backlog)
+		bl99 := 0.0
+		if len(backlog) > 0 {
+			bl99 = backlog[(len(backlog)-1)*99/100]
+		}
+		commitRate := (c1 - c0) / el * fanInBlocks // block events/s the cluster committed
+		// The router keeps up when its own backlog stays under a tenth of
+		// a second of what the cluster commits; the sending side carried
+		// the offer when it committed 98 % of it.
+		routerKeeps := bl99*fanInBlocks < 0.1*max(commitRate, 1)
+		carried := commitRate >= 0.98*float64(o1-o0)/el
+		keeps := routerKeeps && carried
+		b.Logf("engines=%d offered %.2f× Mooncake = %.0f block events/s: committed by the cluster %.0f/s, applied by the router %.0f/s; router backlog p99 %.0f messages (%.0f ms of commits); store→index lag p50 %.0f ms p99 %.0f ms (includes the cluster's replication); %.0f behind at the end, caught up in %v; router CPU %.2f cores (%.2f µs per block event), this process (engines, bridges, 3 NATS servers) %.2f cores; router keeps up: %v, sending side carried the offer: %v",
+			r.engines, mult, float64(o1-o0)/el, commitRate, (a1-a0)/el, bl99, bl99*fanInBlocks/max(commitRate, 1)*1e3, p50*1e3, p99*1e3,
+			behind, time.Since(drain).Round(10*time.Millisecond), rcpu.Seconds()/el, rcpu.Seconds()*1e6/max(a1-a0, 1), cpu.Seconds()/el, routerKeeps, carried)
+		b.ReportMetric((a1-a0)/el, fmt.Sprintf("applied/s@%g×", mult))
+		b.ReportMetric(p99*1e3, fmt.Sprintf("lag-p99-ms@%g×", mult))
+		b.ReportMetric(bl99, fmt.Sprintf("router-backlog-p99@%g×", mult))
+		if !keeps {
+			break
+		}
+	}
+}
+
+// BenchmarkEventFanInDrain finds where one router stops keeping up
+// without the senders sharing its cores. One kvrouter process starts and
+// catches up; it is then stopped (SIGSTOP) while the engines and bridges
+// fill the 3-node cluster's stream with a backlog (KV_FANIN_BACKLOG_S
+// seconds, 40 by default, at KV_FANIN_BACKLOG_RATE times the Mooncake
+// rate, 0.25 by default: what this machine's senders carried in
+// BenchmarkEventFanIn); once the bridges have flushed, it is continued
+// (SIGCONT) and drains the backlog while only it and the cluster work. Its
+// drain rate is the most block events one router applies per second of
+// wall time with its share of the machine, and its CPU per block event
+// what one router core carries; both against the Mooncake rate of the
+// fleet. (A router started after the backlog would not drain it: it asks
+// the bridges for snapshots and reads on from their seqs.)
+//
+//	go test -run '^$' -bench EventFanInDrain -benchtime 1x -timeout 30m ./test/
+func BenchmarkEventFanInDrain(b *testing.B) {
+	r := newFanIn(b)
+	secs := testenv.Value(b, "KV_FANIN_BACKLOG_S", 40)
+	mult, err := strconv.ParseFloat(cmp.Or(os.Getenv("KV_FANIN_BACKLOG_RATE"), "0.25"), 64)
+	if err != nil || mult <= 0 {
+		b.Fatalf("KV_FANIN_BACKLOG_RATE=%q: a positive number", os.Getenv("KV_FANIN_BACKLOG_RATE"))
+	}
+	r.startRouter()
+	// settled waits until the stream stops growing but for the bridges'
+	// heartbeats (one per engine a second) and the router has taken
+	// everything committed when procs is true.
+	settled := func(procs bool) float64 {
+		last := r.committed()
+		for {
+			time.Sleep(time.Second)
+			c := r.committed()
+			if c-last <= 2*float64(r.engines) && (!procs || r.processed() >= c-2*float64(r.engines)) {
+				return c
+			}
+			last = c
+		}
+	}
+	settled(true)
+	proc, err := os.FindProcess(r.rt.pid)
+	if err != nil {
+		b.Fatal(err)
+	}
+	p0, a0 := r.processed(), r.applied()
+	c0 := r.committed()
+	if err := proc.Signal(syscall.SIGSTOP); err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	t0 := time.Now()
+	r.offer(mult*mooncakeEventsPerEngine*float64(r.engines), t0, time.Duration(secs)*time.Second)
+	offerEl := time.Since(t0).Seconds()
+	backlog := settled(false) - c0
+	offered := float64(r.offered.Load())
+	rcpu0, cpu0, s0 := processCPU(b, r.rt.pid), cputime.Process(), time.Now()
+	if err := proc.Signal(syscall.SIGCONT); err != nil {
+		b.Fatal(err)
+	}
+	for r.processed()-p0 < backlog {
+		if time.Since(s0) > 10*time.Minute {
+			b.Fatalf("router took %.0f of %.0f backlog messages in 10 minutes", r.processed()-p0, backlog)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	el := time.Since(s0)
+	rcpu := processCPU(b, r.rt.pid) - rcpu0
+	cpu := cputime.Process() - cpu0
+	applied := r.applied() - a0
+	if applied < offered {
+		b.Errorf("router applied %.0f block events of %.0f offered", applied, offered)
+	}
+	rate := applied / el.Seconds()
+	mooncake := mooncakeEventsPerEngine * float64(r.engines)
+	b.Logf("engines=%d backlog: %.0f block events offered over %.1f s (%.2f× Mooncake), %.0f stream messages; the router drained it in %v: %.0f block events/s = %.2f× the %d-engine Mooncake rate; router CPU %v (%.2f µs per block event: one router core ≈ %.0f block events/s = %.2f× Mooncake), this process (3 NATS servers delivering; engines and bridges idle but for heartbeats) %.2f cores",
+		r.engines, offered, offerEl, offered/offerEl/mooncake, backlog, el.Round(10*time.Millisecond),
+		rate, rate/mooncake, r.engines, rcpu.Round(time.Millisecond), rcpu.Seconds()*1e6/applied, applied/rcpu.Seconds(), applied/rcpu.Seconds()/mooncake, cpu.Seconds()/el.Seconds())
+	b.ReportMetric(rate, "drained/s")
+	b.ReportMetric(rcpu.Seconds()*1e6/applied, "router-CPU-µs/event")
+	b.ReportMetric(rate/mooncake, "×Mooncake")
+}
+
+// fanIn is the fan-in rig: a 3-node JetStream cluster, engines (vLLM's
+// wire format on ZMQ) with a kvbridge each on its own connection, and one
+// kvrouter process once startRouter runs.
+type fanIn struct {
+	b       *testing.B
+	engines int
+	pool    string
+	stream  kvstream.StreamConfig
+	es      []*fanInEngine
+	rt      *tierReplica
+	startRt func()
+	js      jetstream.JetStream
+	ctx     context.Context
+	offered atomic.Int64
+}
+
+type fanInEngine struct {
+	id   string
+	pub  *enginezmq.Publisher
+	next uint64     // next block hash (unique per engine)
+	held [][]uint64 // stored batches not yet removed, oldest first
+}
+
+func newFanIn(b *testing.B) *fanIn {
 	engines := testenv.Value(b, "KV_FANIN_ENGINES", 256)
 	bin := buildRouter(b)
 	name := testenv.UniqueName(b)
@@ -63,17 +237,12 @@ func BenchmarkEventFanIn(b *testing.B) {
 	pool := "fanin_" + name
 	stream := kvstream.StreamConfig{Name: "EV_" + name, Replicas: 3}
 	bucket := kvstream.BucketConfig{Name: "SN_" + name, Replicas: 3}
+	r := &fanIn{b: b, engines: engines, pool: pool, stream: stream, ctx: ctx}
 
-	type engine struct {
-		id   string
-		pub  *enginezmq.Publisher
-		next uint64     // next block hash (unique per engine)
-		held [][]uint64 // stored batches not yet removed, oldest first
-	}
-	es := make([]*engine, engines)
+	es := make([]*fanInEngine, engines)
 	var bridges []*bridge.Bridge
 	for i := range es {
-		e := &engine{id: fmt.Sprintf("vllm-%03d", i), next: uint64(i+1) << 40}
+		e := &fanInEngine{id: fmt.Sprintf("vllm-%03d", i), next: uint64(i+1) << 40}
 		pubEP := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(b))
 		pub, err := enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{Endpoint: pubEP, Topic: "kv@" + e.id + "@" + simModel})
 		if err != nil {
@@ -102,6 +271,7 @@ func BenchmarkEventFanIn(b *testing.B) {
 		testenv.WaitFor(b, 2*time.Minute, es[i].id+" bridge ready", br.Ready)
 		testenv.WaitFor(b, 2*time.Minute, es[i].id+" bridge subscribed", es[i].pub.Subscribed)
 	}
+	r.es = es
 
 	cfg := config.Config{AdminToken: "adm",
 		Listen:      fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(b)),
@@ -114,168 +284,116 @@ func BenchmarkEventFanIn(b *testing.B) {
 			Health:  config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 			Instances: []config.InstanceConfig{{ID: "static-0", URL: "http://127.0.0.1:1"}}}},
 	}
-	rt := startTierReplica(b, bin, cfg)
+	r.startRt = func() { r.rt = startTierReplica(b, bin, cfg) }
 	obs, err := kvstream.NATSConfig{URL: nc.URLs(), Name: "fan-in observer", Logger: quietLogger()}.Connect()
 	if err != nil {
 		b.Fatal(err)
 	}
 	b.Cleanup(obs.Close)
-	js, err := jetstream.New(obs)
-	if err != nil {
+	if r.js, err = jetstream.New(obs); err != nil {
 		b.Fatal(err)
 	}
-	testenv.WaitFor(b, 2*time.Minute, "router sees every instance", func() bool {
-		return rt.metric(b, `kvrouter_events_instances{pool="`+pool+`",state="live"}`) >= float64(engines)
+	return r
+}
+
+// startRouter starts the kvrouter process and waits until it is ready.
+func (r *fanIn) startRouter() {
+	r.startRt()
+	testenv.WaitFor(r.b, 2*time.Minute, "router sees every instance", func() bool {
+		return r.rt.metric(r.b, `kvrouter_events_instances{pool="`+r.pool+`",state="live"}`) >= float64(r.engines)
 	})
+}
 
-	// batch is an engine's next batch: once it holds fanInHeld batches, a
-	// removal of its oldest and a store of a new one alternate.
-	batch := func(e *engine) []byte {
-		var ev events.Event
-		if len(e.held) >= fanInHeld && e.next%2 == 0 {
-			ev = events.Event{Kind: events.BlockRemoved, BlockHashes: e.held[0], Medium: "GPU"}
-			e.held = e.held[1:]
+// batch is an engine's next batch: once it holds fanInHeld batches, a
+// removal of its oldest and a store of a new one alternate.
+func (r *fanIn) batch(e *fanInEngine) []byte {
+	var ev events.Event
+	if len(e.held) >= fanInHeld && e.next%2 == 0 {
+		ev = events.Event{Kind: events.BlockRemoved, BlockHashes: e.held[0], Medium: "GPU"}
+		e.held = e.held[1:]
+		e.next++
+	} else {
+		hs := make([]uint64, fanInBlocks)
+		toks := make([]uint32, 16*fanInBlocks)
+		for k := range hs {
+			hs[k] = e.next
 			e.next++
-		} else {
-			hs := make([]uint64, fanInBlocks)
-			toks := make([]uint32, 16*fanInBlocks)
-			for k := range hs {
-				hs[k] = e.next
-				e.next++
-			}
-			for k := range toks {
-				toks[k] = uint32(hs[0]>>8) + uint32(k) // distinct per batch: distinct router keys
-			}
-			e.held = append(e.held, hs)
-			ev = events.Event{Kind: events.BlockStored, BlockHashes: hs, TokenIDs: toks, BlockSize: 16, Medium: "GPU"}
 		}
-		p, err := events.Encode(nil, events.Batch{TS: float64(time.Now().UnixNano()) / 1e9, HasDPRank: true, Events: []events.Event{ev}}, events.EncodingArray)
-		if err != nil {
-			b.Fatal(err)
+		for k := range toks {
+			toks[k] = uint32(hs[0]>>8) + uint32(k) // distinct per batch: distinct router keys
 		}
-		return p
+		e.held = append(e.held, hs)
+		ev = events.Event{Kind: events.BlockStored, BlockHashes: hs, TokenIDs: toks, BlockSize: 16, Medium: "GPU"}
 	}
+	p, err := events.Encode(nil, events.Batch{TS: float64(time.Now().UnixNano()) / 1e9, HasDPRank: true, Events: []events.Event{ev}}, events.EncodingArray)
+	if err != nil {
+		r.b.Fatal(err)
+	}
+	return p
+}
 
-	// processed is how many stream messages the router has taken (applied
-	// or skipped, every result); committed is the stream's last sequence:
-	// their difference is the router's own backlog, whatever the bridges
-	// and the cluster's replication add before a message is committed.
-	processed := func() float64 {
-		n := 0.0
-		scrape(b, rt.admin, func(line string) {
-			if strings.HasPrefix(line, "kvrouter_events_messages_total{") {
-				v, _ := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
-				n += v
-			}
-		})
-		return n
-	}
-	committed := func() float64 {
-		st, err := js.Stream(ctx, stream.Name)
-		if err != nil {
-			b.Fatal(err)
-		}
-		si, err := st.Info(ctx)
-		if err != nil {
-			b.Fatal(err)
-		}
-		return float64(si.State.LastSeq)
-	}
-	applied := func() float64 {
-		return rt.metric(b, `kvrouter_events_blocks_stored_total{pool="`+pool+`"}`) + rt.metric(b, `kvrouter_events_blocks_removed_total{pool="`+pool+`"}`)
-	}
-	var offered atomic.Int64
-	b.ResetTimer()
-	// The first step warms up (the router's snapshot loads, the stream's
-	// first messages of each instance, the Go runtime) and is not reported.
-	for i, mult := range []float64{0.25, 0.25, 0.5, 1, 2, 4, 8} {
-		warm := i == 0
-		rate := mult * mooncakeEventsPerEngine * float64(engines) // block events/s
-		lag0 := lagBuckets(b, rt.admin)
-		a0, o0 := applied(), offered.Load()
-		rcpu0, cpu0, t0 := processCPU(b, rt.pid), cputime.Process(), time.Now()
-		const step = 10 * time.Second
-		c0 := committed()
-		// The router's backlog, sampled every 100 ms through the step.
-		var backlog []float64
-		var sampler sync.WaitGroup
-		sampler.Add(1)
+// offer publishes rate block events a second over the engines from t0
+// for d: eight drivers, each pacing its share of the engines.
+func (r *fanIn) offer(rate float64, t0 time.Time, d time.Duration) {
+	var wg sync.WaitGroup
+	for k := 0; k < 8; k++ {
+		wg.Add(1)
 		go func() {
-			defer sampler.Done()
-			for time.Since(t0) < step {
-				time.Sleep(100 * time.Millisecond)
-				c := committed()
-				backlog = append(backlog, max(c-processed(), 0))
-			}
-		}()
-		// Eight drivers, each pacing its share of the engines.
-		var wg sync.WaitGroup
-		for d := 0; d < 8; d++ {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				mine := es[d*engines/8 : (d+1)*engines/8]
-				share := rate * float64(len(mine)) / float64(engines) / fanInBlocks // batches/s
-				tick := time.NewTicker(5 * time.Millisecond)
-				defer tick.Stop()
-				sent, k := 0, 0
-				for now := range tick.C {
-					el := now.Sub(t0)
-					if el > step {
+			defer wg.Done()
+			mine := r.es[k*r.engines/8 : (k+1)*r.engines/8]
+			share := rate * float64(len(mine)) / float64(r.engines) / fanInBlocks // batches/s
+			tick := time.NewTicker(5 * time.Millisecond)
+			defer tick.Stop()
+			sent, n := 0, 0
+			for now := range tick.C {
+				el := now.Sub(t0)
+				if el > d {
+					return
+				}
+				for due := int(share * el.Seconds()); sent < due; sent++ {
+					e := mine[n%len(mine)]
+					n++
+					if _, err := e.pub.Publish(r.batch(e)); err != nil {
+						r.b.Error(err)
 						return
 					}
-					for due := int(share * el.Seconds()); sent < due; sent++ {
-						e := mine[k%len(mine)]
-						k++
-						if _, err := e.pub.Publish(batch(e)); err != nil {
-							b.Error(err)
-							return
-						}
-						offered.Add(fanInBlocks)
-					}
+					r.offered.Add(fanInBlocks)
 				}
-			}()
-		}
-		wg.Wait()
-		sampler.Wait()
-		el := time.Since(t0).Seconds()
-		c1 := committed()
-		a1, o1 := applied(), offered.Load()
-		rcpu, cpu := processCPU(b, rt.pid)-rcpu0, cputime.Process()-cpu0
-		lag := lagBuckets(b, rt.admin).sub(lag0)
-		// What the router had not applied when the offer stopped, and how
-		// long it took to catch up.
-		behind := float64(o1-o0) - (a1 - a0)
-		drain := time.Now()
-		for applied()-a0 < float64(o1-o0) && time.Since(drain) < 30*time.Second {
-			time.Sleep(50 * time.Millisecond)
-		}
-		if warm {
-			continue
-		}
-		p50, p99 := lag.quantile(0.5), lag.quantile(0.99)
-		slices.Sort(backlog)
-		bl99 := 0.0
-		if len(backlog) > 0 {
-			bl99 = backlog[(len(backlog)-1)*99/100]
-		}
-		commitRate := (c1 - c0) / el * fanInBlocks // block events/s the cluster committed
-		// The router keeps up when its own backlog stays under a tenth of
-		// a second of what the cluster commits; the sending side carried
-		// the offer when it committed 98 % of it.
-		routerKeeps := bl99*fanInBlocks < 0.1*max(commitRate, 1)
-		carried := commitRate >= 0.98*float64(o1-o0)/el
-		keeps := routerKeeps && carried
-		b.Logf("engines=%d offered %.2f× Mooncake = %.0f block events/s: committed by the cluster %.0f/s, applied by the router %.0f/s; router backlog p99 %.0f messages (%.0f ms of commits); store→index lag p50 %.0f ms p99 %.0f ms (includes the cluster's replication); %.0f behind at the end, caught up in %v; router CPU %.2f cores (%.2f µs per block event), this process (engines, bridges, 3 NATS servers) %.2f cores; router keeps up: %v, sending side carried the offer: %v",
-			engines, mult, float64(o1-o0)/el, commitRate, (a1-a0)/el, bl99, bl99*fanInBlocks/max(commitRate, 1)*1e3, p50*1e3, p99*1e3,
-			behind, time.Since(drain).Round(10*time.Millisecond), rcpu.Seconds()/el, rcpu.Seconds()*1e6/max(a1-a0, 1), cpu.Seconds()/el, routerKeeps, carried)
-		b.ReportMetric((a1-a0)/el, fmt.Sprintf("applied/s@%g×", mult))
-		b.ReportMetric(p99*1e3, fmt.Sprintf("lag-p99-ms@%g×", mult))
-		b.ReportMetric(bl99, fmt.Sprintf("router-backlog-p99@%g×", mult))
-		if !keeps {
-			break
-		}
+			}
+		}()
 	}
+	wg.Wait()
+}
+
+// processed is how many stream messages the router has taken (applied or
+// skipped, every result); committed is the stream's last sequence: their
+// difference is the router's own backlog, whatever the bridges and the
+// cluster's replication add before a message is committed.
+func (r *fanIn) processed() float64 {
+	n := 0.0
+	scrape(r.b, r.rt.admin, func(line string) {
+		if strings.HasPrefix(line, "kvrouter_events_messages_total{") {
+			v, _ := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
+			n += v
+		}
+	})
+	return n
+}
+
+func (r *fanIn) committed() float64 {
+	st, err := r.js.Stream(r.ctx, r.stream.Name)
+	if err != nil {
+		r.b.Fatal(err)
+	}
+	si, err := st.Info(r.ctx)
+	if err != nil {
+		r.b.Fatal(err)
+	}
+	return float64(si.State.LastSeq)
+}
+
+func (r *fanIn) applied() float64 {
+	return r.rt.metric(r.b, `kvrouter_events_blocks_stored_total{pool="`+r.pool+`"}`) + r.rt.metric(r.b, `kvrouter_events_blocks_removed_total{pool="`+r.pool+`"}`)
 }
 
 // processCPU is a process's user+system CPU time from /proc.
