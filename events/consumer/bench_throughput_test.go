@@ -6,7 +6,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"runtime/debug"
 	"testing"
 	"time"
 
@@ -116,12 +115,6 @@ func benchConsumerThroughput(b *testing.B, evBlocks, coalesce int, proc bool) {
 			b.Fatal(err)
 		}
 		cfg.Applier = idx
-		// The previous op's consumer and index are garbage now: collect
-		// them and hand their pages back to the OS (FreeOSMemory does
-		// both) before the clocks start, so that this op's CPU is its
-		// own, not the collector's and the scavenger's work on what the
-		// last op dropped (a running router never drops its index).
-		debug.FreeOSMemory()
 		b.StartTimer()
 		start, cpu0, scpu0 := time.Now(), cputime.Process(), serverCPU()
 		c, err := New(cfg)
