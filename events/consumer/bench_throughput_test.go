@@ -6,12 +6,14 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/cputime"
 	"github.com/kvrouter/kvrouter/internal/testenv"
@@ -31,8 +33,17 @@ import (
 // server's is reported beside it: server-cpu-us/msg, and blocks/cpu-s-both
 // for the two processes together. The coalesce=N cases publish N
 // consecutive events of an instance per NATS message, as a coalescing
-// kvbridge does with a backlog (kvstream.HeaderBatches).
+// kvbridge does with a backlog (kvstream.HeaderBatches). The floor=
+// cases (16-block events, server process) measure what lies under the
+// consumer's figure: floor=noindex is the consumer with an Applier that
+// only counts blocks (the transport, delivery, decode and the consumer's
+// own work, no index), floor=nats an ordered consumer on the same stream
+// whose handler only counts messages (the NATS client's cost per
+// message, under any consumer).
 func BenchmarkConsumerThroughput(b *testing.B) {
+	for _, sink := range []string{"nats", "noindex"} {
+		b.Run("event=16blocks/floor="+sink+"/server=process", func(b *testing.B) { benchConsumerThroughput(b, 16, 1, true, sink) })
+	}
 	for _, evBlocks := range []int{16, 64, 256} {
 		for _, coalesce := range []int{1, 8, 64} {
 			if coalesce > 1 && evBlocks != 16 {
@@ -44,14 +55,29 @@ func BenchmarkConsumerThroughput(b *testing.B) {
 					name += fmt.Sprintf("/coalesce=%d", coalesce)
 				}
 				name += map[bool]string{false: "/server=inproc", true: "/server=process"}[proc]
-				b.Run(name, func(b *testing.B) { benchConsumerThroughput(b, evBlocks, coalesce, proc) })
+				b.Run(name, func(b *testing.B) { benchConsumerThroughput(b, evBlocks, coalesce, proc, "index") })
 			}
 		}
 	}
 }
 
-// benchConsumerThroughput is one case of BenchmarkConsumerThroughput.
-func benchConsumerThroughput(b *testing.B, evBlocks, coalesce int, proc bool) {
+// countApplier is floor=noindex's Applier: it counts the blocks stored.
+type countApplier struct{ blocks atomic.Int64 }
+
+func (a *countApplier) Apply(_ context.Context, _ string, evs []events.Event) (kvindex.ApplyResult, error) {
+	for i := range evs {
+		if evs[i].Kind == events.BlockStored {
+			a.blocks.Add(int64(len(evs[i].BlockHashes)))
+		}
+	}
+	return kvindex.ApplyResult{}, nil
+}
+
+func (a *countApplier) Purge(context.Context, string) error { return nil }
+
+// benchConsumerThroughput is one case of BenchmarkConsumerThroughput;
+// sink is "index" (the consumer into the memory index) or a floor case.
+func benchConsumerThroughput(b *testing.B, evBlocks, coalesce int, proc bool, sink string) {
 	const instances, perInst = 64, 2048 // blocks per instance
 	url, serverPid := "", 0
 	if proc {
@@ -115,23 +141,42 @@ func benchConsumerThroughput(b *testing.B, evBlocks, coalesce int, proc bool) {
 			b.Fatal(err)
 		}
 		cfg.Applier = idx
+		applied := func() int { n, _ := idx.Len(ctx); return n }
+		if sink == "noindex" {
+			ca := &countApplier{}
+			cfg.Applier, applied = ca, func() int { return int(ca.blocks.Load()) }
+		}
 		b.StartTimer()
 		start, cpu0, scpu0 := time.Now(), cputime.Process(), serverCPU()
-		c, err := New(cfg)
-		if err != nil {
-			b.Fatal(err)
-		}
 		runCtx, cancel := context.WithCancel(ctx)
 		done := make(chan struct{})
-		go func() { defer close(done); _ = c.Run(runCtx) }()
+		if sink == "nats" {
+			var n atomic.Int64
+			subj, _ := kvstream.PoolSubjects(kvstream.SubjectEvents, pool)
+			cons, err := js.OrderedConsumer(ctx, streamCfg.Name, jetstream.OrderedConsumerConfig{FilterSubjects: []string{subj}})
+			if err != nil {
+				b.Fatal(err)
+			}
+			cc, err := cons.Consume(func(jetstream.Msg) { n.Add(int64(evBlocks * coalesce)) })
+			if err != nil {
+				b.Fatal(err)
+			}
+			applied = func() int { return int(n.Load()) }
+			go func() { defer close(done); <-runCtx.Done(); cc.Stop() }()
+		} else {
+			c, err := New(cfg)
+			if err != nil {
+				b.Fatal(err)
+			}
+			go func() { defer close(done); _ = c.Run(runCtx) }()
+		}
 		deadline := time.Now().Add(2 * time.Minute)
 		for {
-			if n, _ := idx.Len(ctx); n == instances*perInst {
+			if applied() == instances*perInst {
 				break
 			}
 			if time.Now().After(deadline) {
-				n, _ := idx.Len(ctx)
-				b.Fatalf("%d of %d blocks after 2 minutes", n, instances*perInst)
+				b.Fatalf("%d of %d blocks after 2 minutes", applied(), instances*perInst)
 			}
 			time.Sleep(time.Millisecond)
 		}

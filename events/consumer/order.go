@@ -73,8 +73,17 @@ func (c *Consumer) shardOf(instance string) chan work {
 
 // enqueue queues w on its instance's shard, waiting while the shard is full.
 func (c *Consumer) enqueue(ctx context.Context, w work) {
+	ch := c.shardOf(w.instance)
+	// A shard with room takes w at once: a send on its channel alone,
+	// without the two-case select that locks ctx's channel too (once per
+	// stream message, and the shards' receives contend for that lock).
 	select {
-	case c.shardOf(w.instance) <- w:
+	case ch <- w:
+		return
+	default:
+	}
+	select {
+	case ch <- w:
 	case <-ctx.Done():
 	}
 }
@@ -85,18 +94,32 @@ func (c *Consumer) shard(ctx context.Context, ch chan work) {
 	// shard takes the next, so its buffers are reused from one message to
 	// the next instead of allocated for each.
 	var dec events.Decoder
+	done := ctx.Done()
 	for {
+		var w work
+		// While work is queued, a receive on the queue alone (see
+		// enqueue); the select with ctx only when it is empty. ctx is
+		// still checked between two pieces of work.
 		select {
-		case <-ctx.Done():
-			return
-		case w := <-ch:
-			c.m.queue.Set(float64(len(ch)))
-			if w.kind == workBarrier {
-				w.done()
-				continue
+		case w = <-ch:
+			select {
+			case <-done:
+				return
+			default:
 			}
-			c.do(ctx, w, &dec)
+		default:
+			select {
+			case <-done:
+				return
+			case w = <-ch:
+			}
 		}
+		c.m.queue.Set(float64(len(ch)))
+		if w.kind == workBarrier {
+			w.done()
+			continue
+		}
+		c.do(ctx, w, &dec)
 	}
 }
 
