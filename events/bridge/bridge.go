@@ -9,7 +9,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -862,7 +861,7 @@ func (in *instance) evict(rec kvstream.EvictionRecord) {
 			rec.Hashes, rest = rest[:n], rest[n:]
 			rec.Blocks = n
 		}
-		data, err := json.Marshal(rec)
+		data, err := rec.AppendJSON(make([]byte, 0, 160+21*len(rec.Hashes)))
 		if err != nil {
 			return
 		}
