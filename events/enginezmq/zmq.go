@@ -35,13 +35,22 @@ type Message struct {
 
 // ParseLiveFrames parses a PUB message [topic, seq, payload]. A two-frame
 // [seq, payload] is accepted too (no topic configured).
-func ParseLiveFrames(frames [][]byte) (Message, error) {
+func ParseLiveFrames(frames [][]byte) (Message, error) { return parseLiveFrames(frames, "") }
+
+// parseLiveFrames is ParseLiveFrames returning last as the topic when the
+// topic frame spells it: an engine's topic never changes, and this way
+// its string is not made again for every message.
+func parseLiveFrames(frames [][]byte, last string) (Message, error) {
 	switch len(frames) {
 	case 3:
 		if len(frames[1]) != 8 {
 			return Message{}, fmt.Errorf("%w: seq frame is %d bytes, want 8", ErrBadFrames, len(frames[1]))
 		}
-		return Message{Topic: string(frames[0]), Seq: binary.BigEndian.Uint64(frames[1]), Payload: frames[2]}, nil
+		topic := last
+		if string(frames[0]) != last {
+			topic = string(frames[0])
+		}
+		return Message{Topic: topic, Seq: binary.BigEndian.Uint64(frames[1]), Payload: frames[2]}, nil
 	case 2:
 		if len(frames[0]) != 8 {
 			return Message{}, fmt.Errorf("%w: seq frame is %d bytes, want 8", ErrBadFrames, len(frames[0]))
@@ -185,6 +194,7 @@ type Subscriber struct {
 	cfg                             SubscriberConfig
 	messages, malformed, reconnects atomic.Uint64
 	kick                            chan struct{}
+	topic                           string // of the last message (owned by Run)
 }
 
 // NewSubscriber validates cfg and fills its defaults.
@@ -364,7 +374,7 @@ func (s *Subscriber) connected() {
 // deliver hands one message's frames on, or counts them malformed; it
 // reports whether they were a message.
 func (s *Subscriber) deliver(frames [][]byte, handle func(Message)) bool {
-	m, err := ParseLiveFrames(frames)
+	m, err := parseLiveFrames(frames, s.topic)
 	if err != nil {
 		s.malformed.Add(1)
 		s.cfg.Logger.Warn("zmq subscriber: dropped malformed message", "endpoint", s.cfg.Endpoint, "err", err)
@@ -373,6 +383,7 @@ func (s *Subscriber) deliver(frames [][]byte, handle func(Message)) bool {
 		}
 		return false
 	}
+	s.topic = m.Topic
 	s.messages.Add(1)
 	handle(m)
 	return true

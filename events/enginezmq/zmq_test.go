@@ -381,3 +381,14 @@ func TestSubscriberKick(t *testing.T) {
 		return strings.Contains(logs.String(), "zmq subscriber: connected again")
 	})
 }
+
+// TestParseLiveFramesLastTopic: the topic returned is the frame's, whether
+// or not it spells the last one.
+func TestParseLiveFramesLastTopic(t *testing.T) {
+	for _, last := range []string{"", "kv", "kv@a", "kv@b"} {
+		m, err := parseLiveFrames([][]byte{[]byte("kv@a"), SeqBytes(7), []byte("p")}, last)
+		if err != nil || m.Topic != "kv@a" || m.Seq != 7 || string(m.Payload) != "p" {
+			t.Fatalf("last %q: %+v, %v", last, m, err)
+		}
+	}
+}
