@@ -50,11 +50,9 @@ func (t *Table) Expired(tier tiers.Tier, cutoff int64, max int) []uint64 {
 		at int64
 	}
 	var out []aged
-	for e := t.live.Front(); e != nil; e = e.Next() {
-		h := e.Value.(uint64)
-		b := t.blocks[h]
+	for b := t.live.Front(); b != nil; b = b.next {
 		if b.tiers.Has(tier) && b.stored[tier] < cutoff {
-			out = append(out, aged{h, b.stored[tier]})
+			out = append(out, aged{b.hash, b.stored[tier]})
 		}
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].at < out[j].at })

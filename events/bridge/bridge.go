@@ -9,7 +9,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -398,6 +397,8 @@ type instance struct {
 	group group
 
 	win window // messages in flight (window.go); owned by the process goroutine
+
+	counters *instanceCounters // owned by the process goroutine
 	// sent and completed count messages handed to the window and those
 	// acknowledged and folded in: a snapshot request waits for the ones
 	// in flight (waitCompleted).
@@ -450,6 +451,7 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		probes:   make(chan probeResult, 1),
 		ageNow:   make(chan struct{}, 1),
 		table:    NewTable(b.cfg.MaxBlocks),
+		counters: newInstanceCounters(b.m, s.Instance),
 	}
 	in.enc.Store(uint32(events.EncodingMap))
 	pool := b.cfg.Pool
@@ -778,7 +780,7 @@ func (in *instance) applyAcked(m enginezmq.Message, evs []events.Event, seq uint
 	in.lastHash = xxhash.Sum64(m.Payload)
 	n := in.table.Len()
 	in.mu.Unlock()
-	in.b.m.tableBlocks.WithLabelValues(in.src.Instance).Set(float64(n))
+	in.counters.tableBlocks.Set(float64(n))
 	if res.Evicted > 0 {
 		in.b.m.tableFull.WithLabelValues(in.src.Instance).Add(float64(res.Evicted))
 		in.log.Warn("block table full: dropped held blocks (raise --max-blocks to the engine's block count)", "dropped", res.Evicted, "max", in.b.cfg.MaxBlocks)
@@ -834,15 +836,15 @@ func (a *evictions) flush(in *instance) {
 func (in *instance) countEvents(evs []events.Event) {
 	for i := range evs {
 		e := &evs[i]
-		tier := kvstream.TierAll
+		tier, tierIdx := kvstream.TierAll, tiers.Count
 		if e.Kind != events.AllBlocksCleared {
 			t, _ := tiers.FromMedium(e.Medium)
-			tier = t.String()
+			tier, tierIdx = t.String(), int(t)
 		}
-		k := e.Kind.String()
-		in.b.m.events.WithLabelValues(k, tier).Inc()
+		c := in.counters.kind(e.Kind, tierIdx, tier)
+		c[0].Inc()
 		if n := len(e.BlockHashes); n > 0 {
-			in.b.m.blocks.WithLabelValues(k, tier).Add(float64(n))
+			c[1].Add(float64(n))
 		}
 	}
 }
@@ -859,7 +861,7 @@ func (in *instance) evict(rec kvstream.EvictionRecord) {
 			rec.Hashes, rest = rest[:n], rest[n:]
 			rec.Blocks = n
 		}
-		data, err := json.Marshal(rec)
+		data, err := rec.AppendJSON(make([]byte, 0, 160+21*len(rec.Hashes)))
 		if err != nil {
 			return
 		}

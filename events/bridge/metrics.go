@@ -3,7 +3,9 @@ package bridge
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/metricset"
+	"github.com/kvrouter/kvrouter/tiers"
 )
 
 // metrics are kvbridge's Prometheus series, registered on the Registerer
@@ -75,4 +77,37 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		return nil, err
 	}
 	return m, nil
+}
+
+// instanceCounters are the series the per-message path of one instance
+// updates, each looked up once: WithLabelValues hashes its label values on
+// every call, which was ~4 % of a loaded bridge's CPU (docs/BENCHMARKS.md
+// §3, "Session 13"). Owned by the instance's process goroutine.
+type instanceCounters struct {
+	m           *metrics
+	instance    string
+	batches     prometheus.Counter
+	tableBlocks prometheus.Gauge
+	// byKind is the events and blocks series by event kind and tier (the
+	// last tier slot: kvstream.TierAll, for clears).
+	byKind [events.AllBlocksCleared + 1][tiers.Count + 1]*[2]prometheus.Counter
+}
+
+func newInstanceCounters(m *metrics, instance string) *instanceCounters {
+	return &instanceCounters{m: m, instance: instance,
+		batches: m.batches.WithLabelValues(instance), tableBlocks: m.tableBlocks.WithLabelValues(instance)}
+}
+
+// kind is the events and blocks series of events of kind k in tier
+// (tierIdx tiers.Count: kvstream.TierAll).
+func (c *instanceCounters) kind(k events.Kind, tierIdx int, tier string) *[2]prometheus.Counter {
+	if int(k) >= len(c.byKind) {
+		return &[2]prometheus.Counter{c.m.events.WithLabelValues(k.String(), tier), c.m.blocks.WithLabelValues(k.String(), tier)}
+	}
+	p := c.byKind[k][tierIdx]
+	if p == nil {
+		p = &[2]prometheus.Counter{c.m.events.WithLabelValues(k.String(), tier), c.m.blocks.WithLabelValues(k.String(), tier)}
+		c.byKind[k][tierIdx] = p
+	}
+	return p
 }

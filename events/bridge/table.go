@@ -1,8 +1,6 @@
 package bridge
 
 import (
-	"container/list"
-
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/tiers"
 )
@@ -23,7 +21,10 @@ type block struct {
 	// stored is, per tier, when the block was last stored there (the
 	// table's clock, unix nanoseconds): what aging reads (aging.go).
 	stored [tiers.Count]int64
-	elem   *list.Element // in Table.live (tiers != 0) or Table.ghosts (tiers 0)
+	// hash is the block's engine hash; prev and next link it in
+	// Table.live (tiers != 0) or Table.ghosts (tiers 0).
+	hash       uint64
+	prev, next *block
 	// children counts blocks in the table whose parent this is. A block
 	// that leaves every tier while it has children stays as a ghost
 	// (tiers 0): a snapshot must still be able to key its descendants,
@@ -66,8 +67,8 @@ type TableResult struct {
 type Table struct {
 	max       int
 	blocks    map[uint64]*block // held blocks and ghosts
-	live      *list.List        // engine hashes of held blocks, oldest (first stored) first
-	ghosts    *list.List        // engine hashes of ghosts, oldest first
+	live      blockList         // held blocks, oldest (first stored) first
+	ghosts    blockList         // ghosts, oldest first
 	blockSize int
 	// now is the clock of the stored stamps (nil: the wall clock).
 	now func() int64
@@ -87,7 +88,7 @@ func (t *Table) primaryGroup(g int) bool {
 
 // NewTable returns an empty table holding at most max blocks (0: no bound).
 func NewTable(max int) *Table {
-	return &Table{max: max, blocks: make(map[uint64]*block), live: list.New(), ghosts: list.New()}
+	return &Table{max: max, blocks: make(map[uint64]*block)}
 }
 
 // Len is the number of blocks held (ghosts excluded).
@@ -109,18 +110,59 @@ func (t *Table) Clear() int {
 	return n
 }
 
-// listOf is the list b's element sits in.
-func (t *Table) listOf(b *block) *list.List {
+// listOf is the list b sits in.
+func (t *Table) listOf(b *block) *blockList {
 	if b.tiers == 0 {
-		return t.ghosts
+		return &t.ghosts
 	}
-	return t.live
+	return &t.live
+}
+
+// blockList is a list of blocks linked through their prev and next: what
+// container/list would be without the element and the boxed hash it
+// allocated per block stored (two of a new block's four allocations).
+type blockList struct {
+	head, tail *block
+	n          int
+}
+
+func (l *blockList) Len() int      { return l.n }
+func (l *blockList) Front() *block { return l.head }
+
+// Init empties the list (its blocks are being dropped).
+func (l *blockList) Init() { *l = blockList{} }
+
+func (l *blockList) PushBack(b *block) {
+	b.prev, b.next = l.tail, nil
+	if l.tail != nil {
+		l.tail.next = b
+	} else {
+		l.head = b
+	}
+	l.tail = b
+	l.n++
+}
+
+// Remove takes b, which is in l, out of it.
+func (l *blockList) Remove(b *block) {
+	if b.prev != nil {
+		b.prev.next = b.next
+	} else {
+		l.head = b.next
+	}
+	if b.next != nil {
+		b.next.prev = b.prev
+	} else {
+		l.tail = b.prev
+	}
+	b.prev, b.next = nil, nil
+	l.n--
 }
 
 // drop deletes a block and releases its parent: a ghost whose last child
 // goes, goes too, and so on up the chain.
 func (t *Table) drop(h uint64, b *block) {
-	t.listOf(b).Remove(b.elem)
+	t.listOf(b).Remove(b)
 	delete(t.blocks, h)
 	t.release(b)
 }
@@ -135,7 +177,7 @@ func (t *Table) release(b *block) {
 		if p.tiers != 0 || p.children > 0 {
 			return
 		}
-		t.ghosts.Remove(p.elem)
+		t.ghosts.Remove(p)
 		delete(t.blocks, b.parent)
 		b = p
 	}
@@ -145,16 +187,16 @@ func (t *Table) release(b *block) {
 // it becomes a ghost if held blocks descend from it, else it goes. It
 // returns the number of held blocks dropped by the ghost bound.
 func (t *Table) unhold(h uint64, b *block) int {
-	t.live.Remove(b.elem)
+	t.live.Remove(b)
 	if b.children == 0 {
 		delete(t.blocks, h)
 		t.release(b)
 		return 0
 	}
-	b.elem = t.ghosts.PushBack(h)
+	t.ghosts.PushBack(b)
 	dropped := 0
 	for t.max > 0 && t.ghosts.Len() > t.max {
-		dropped += t.dropSubtree(t.ghosts.Front().Value.(uint64))
+		dropped += t.dropSubtree(t.ghosts.Front().hash)
 	}
 	return dropped
 }
@@ -184,10 +226,10 @@ func (t *Table) dropSubtree(root uint64) int {
 		if b.tiers != 0 {
 			held++
 		}
-		t.listOf(b).Remove(b.elem)
+		t.listOf(b).Remove(b)
 		delete(t.blocks, h)
 	}
-	t.ghosts.Remove(rb.elem)
+	t.ghosts.Remove(rb)
 	delete(t.blocks, root)
 	t.release(rb)
 	return held
@@ -251,10 +293,10 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 	parent, hasParent := e.ParentHash, e.HasParent
 	now := t.clock() // one event's blocks are stored at one instant
 	for i, h := range e.BlockHashes {
-		var toks []uint32
-		if bs > 0 && len(e.TokenIDs) >= (i+1)*bs {
-			toks = append([]uint32(nil), e.TokenIDs[i*bs:(i+1)*bs]...)
-		}
+		// The block's tokens, copied only when kept (a store of a block
+		// held already keeps none).
+		hasToks := bs > 0 && len(e.TokenIDs) >= (i+1)*bs
+		toks := func() []uint32 { return append([]uint32(nil), e.TokenIDs[i*bs:(i+1)*bs]...) }
 		b := t.blocks[h]
 		switch {
 		case b != nil:
@@ -263,23 +305,23 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 			}
 			if b.tiers == 0 {
 				// A ghost stored again: held, and the newest.
-				t.ghosts.Remove(b.elem)
-				b.elem = t.live.PushBack(h)
+				t.ghosts.Remove(b)
+				t.live.PushBack(b)
 			}
 			b.tiers |= tier.Bit()
 			b.stored[tier] = now
-			if b.tokens == nil && toks != nil {
-				t.fill(b, e, toks, parent, hasParent, i == 0)
+			if b.tokens == nil && hasToks {
+				t.fill(b, e, toks(), parent, hasParent, i == 0)
 			}
-		case toks == nil:
+		case !hasToks:
 			// A tokenless (offload-tier) store of a block never seen
 			// with tokens: nobody can place it in a key chain.
 			r.Unplaced++
 		default:
-			b = &block{tiers: tier.Bit()}
+			b = &block{hash: h, tiers: tier.Bit()}
 			b.stored[tier] = now
-			t.fill(b, e, toks, parent, hasParent, i == 0)
-			b.elem = t.live.PushBack(h)
+			t.fill(b, e, toks(), parent, hasParent, i == 0)
+			t.live.PushBack(b)
 			t.blocks[h] = b
 			if hasParent {
 				if p := t.blocks[parent]; p != nil {
@@ -297,10 +339,9 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 func (t *Table) bound() int {
 	n := 0
 	for t.max > 0 && t.live.Len() > t.max {
-		h := t.live.Front().Value.(uint64)
-		b := t.blocks[h]
+		b := t.live.Front()
 		b.tiers = 0
-		n += 1 + t.unhold(h, b)
+		n += 1 + t.unhold(b.hash, b)
 	}
 	return n
 }
@@ -354,8 +395,8 @@ func (t *Table) Events() []events.Event {
 		})
 		lastHash = h
 	}
-	for el := t.live.Front(); el != nil; el = el.Next() {
-		h := el.Value.(uint64)
+	for el := t.live.Front(); el != nil; el = el.next {
+		h := el.hash
 		if emitted[h] {
 			continue
 		}
@@ -379,21 +420,19 @@ func (t *Table) Events() []events.Event {
 	var notGPU []uint64
 	for _, tier := range tiers.All[1:] {
 		var hs []uint64
-		for el := t.live.Front(); el != nil; el = el.Next() {
-			h := el.Value.(uint64)
-			if t.blocks[h].tiers.Has(tier) {
-				hs = append(hs, h)
+		for b := t.live.Front(); b != nil; b = b.next {
+			if b.tiers.Has(tier) {
+				hs = append(hs, b.hash)
 			}
 		}
 		if len(hs) > 0 {
 			out = append(out, events.Event{Kind: events.BlockStored, BlockHashes: hs, Medium: tierMedium[tier]})
 		}
 	}
-	for _, l := range []*list.List{t.live, t.ghosts} {
-		for el := l.Front(); el != nil; el = el.Next() {
-			h := el.Value.(uint64)
-			if emitted[h] && !t.blocks[h].tiers.Has(tiers.GPU) {
-				notGPU = append(notGPU, h)
+	for _, l := range []*blockList{&t.live, &t.ghosts} {
+		for b := l.Front(); b != nil; b = b.next {
+			if emitted[b.hash] && !b.tiers.Has(tiers.GPU) {
+				notGPU = append(notGPU, b.hash)
 			}
 		}
 	}

@@ -210,7 +210,7 @@ func (in *instance) complete(p *pending, seq uint64) {
 	}
 	n := uint64(max(p.batches, 1))
 	in.published.Add(n)
-	in.b.m.batches.WithLabelValues(in.src.Instance).Add(float64(n))
+	in.counters.batches.Add(float64(n))
 	if p.done != nil {
 		p.done(seq)
 	}

@@ -8,11 +8,13 @@ import (
 	"io"
 	"log"
 	"log/slog"
+	"net"
 	"strings"
 	"sync/atomic"
 	"time"
 
 	"github.com/go-zeromq/zmq4"
+	"github.com/go-zeromq/zmq4/security/null"
 )
 
 // EndSeq is the sequence number of the replay end marker (sent with an
@@ -33,13 +35,22 @@ type Message struct {
 
 // ParseLiveFrames parses a PUB message [topic, seq, payload]. A two-frame
 // [seq, payload] is accepted too (no topic configured).
-func ParseLiveFrames(frames [][]byte) (Message, error) {
+func ParseLiveFrames(frames [][]byte) (Message, error) { return parseLiveFrames(frames, "") }
+
+// parseLiveFrames is ParseLiveFrames returning last as the topic when the
+// topic frame spells it: an engine's topic never changes, and this way
+// its string is not made again for every message.
+func parseLiveFrames(frames [][]byte, last string) (Message, error) {
 	switch len(frames) {
 	case 3:
 		if len(frames[1]) != 8 {
 			return Message{}, fmt.Errorf("%w: seq frame is %d bytes, want 8", ErrBadFrames, len(frames[1]))
 		}
-		return Message{Topic: string(frames[0]), Seq: binary.BigEndian.Uint64(frames[1]), Payload: frames[2]}, nil
+		topic := last
+		if string(frames[0]) != last {
+			topic = string(frames[0])
+		}
+		return Message{Topic: topic, Seq: binary.BigEndian.Uint64(frames[1]), Payload: frames[2]}, nil
 	case 2:
 		if len(frames[0]) != 8 {
 			return Message{}, fmt.Errorf("%w: seq frame is %d bytes, want 8", ErrBadFrames, len(frames[0]))
@@ -183,6 +194,7 @@ type Subscriber struct {
 	cfg                             SubscriberConfig
 	messages, malformed, reconnects atomic.Uint64
 	kick                            chan struct{}
+	topic                           string // of the last message (owned by Run)
 }
 
 // NewSubscriber validates cfg and fills its defaults.
@@ -266,6 +278,9 @@ func (s *Subscriber) Run(ctx context.Context, handle func(Message)) error {
 // session runs one socket until it fails; got reports whether any message
 // arrived (which resets the backoff).
 func (s *Subscriber) session(ctx context.Context, handle func(Message)) (got bool, err error) {
+	if addr, ok := strings.CutPrefix(s.cfg.Endpoint, "tcp://"); ok && !s.cfg.Bind {
+		return s.dialSession(ctx, addr, handle)
+	}
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	sock := zmq4.NewSub(sctx, zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(quietZMQLogger()), zmq4.WithDialerTimeout(5*time.Second))
@@ -280,14 +295,7 @@ func (s *Subscriber) session(ctx context.Context, handle func(Message)) (got boo
 	} else if err := sock.Dial(bufEndpoint(s.cfg.Endpoint)); err != nil {
 		return false, fmt.Errorf("dial: %w", err)
 	}
-	if n := s.reconnects.Load(); n > 0 {
-		// Said once per (re)connection, so an operator reading the log
-		// sees the outage end, not only begin.
-		s.cfg.Logger.Info("zmq subscriber: connected again", "endpoint", s.cfg.Endpoint, "bind", s.cfg.Bind, "reconnects", n)
-	}
-	if s.cfg.OnConnect != nil {
-		s.cfg.OnConnect()
-	}
+	s.connected()
 	for {
 		msg, err := sock.Recv()
 		if err != nil {
@@ -302,19 +310,83 @@ func (s *Subscriber) session(ctx context.Context, handle func(Message)) (got boo
 			}
 			return got, fmt.Errorf("recv: %w", err)
 		}
-		m, err := ParseLiveFrames(msg.Frames)
-		if err != nil {
-			s.malformed.Add(1)
-			s.cfg.Logger.Warn("zmq subscriber: dropped malformed message", "endpoint", s.cfg.Endpoint, "err", err)
-			if s.cfg.OnMalformed != nil {
-				s.cfg.OnMalformed(err)
-			}
-			continue
-		}
-		got = true
-		s.messages.Add(1)
-		handle(m)
+		got = s.deliver(msg.Frames, handle) || got
 	}
+}
+
+// dialSession is session for a TCP endpoint the subscriber dials (vLLM's
+// layout): the one connection is read on this goroutine. A go-zeromq SUB
+// socket reads each connection on a goroutine of its own and hands every
+// message to Recv through a channel: a goroutine switch per engine
+// message, about a fifth of a loaded bridge's CPU with the ZMQ read
+// (docs/BENCHMARKS.md §3, "Session 13"). Here go-zeromq still does the
+// ZMTP handshake and reads the frames (zmq4.Open, (*zmq4.Conn).RecvMsg,
+// which also answers a heartbeat PING); the subscription is the message a
+// go-zeromq SUB socket sends, [0x01 topic].
+func (s *Subscriber) dialSession(ctx context.Context, addr string, handle func(Message)) (got bool, err error) {
+	d := net.Dialer{Timeout: 5 * time.Second}
+	c, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return false, fmt.Errorf("dial: %w", err)
+	}
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	defer stop()
+	defer c.Close()
+	// The handshake has the dial's time bound; a silent engine afterwards
+	// is normal.
+	_ = c.SetDeadline(time.Now().Add(d.Timeout))
+	zc, err := zmq4.Open(newBufConn(c), null.Security(), zmq4.Sub, nil, false, nil)
+	if err != nil {
+		return false, fmt.Errorf("dial: %w", err)
+	}
+	if err := zc.SendMsg(zmq4.NewMsg(append([]byte{1}, s.cfg.Topic...))); err != nil {
+		return false, fmt.Errorf("subscribe: %w", err)
+	}
+	_ = c.SetDeadline(time.Time{})
+	s.connected()
+	for {
+		msg, err := zc.RecvMsg()
+		if err != nil {
+			if ctx.Err() != nil {
+				return got, ctx.Err()
+			}
+			return got, fmt.Errorf("recv: %w", err)
+		}
+		if msg.Type == zmq4.CmdMsg {
+			continue // a heartbeat (answered by RecvMsg) or other command
+		}
+		got = s.deliver(msg.Frames, handle) || got
+	}
+}
+
+// connected logs a reconnection and tells the owner.
+func (s *Subscriber) connected() {
+	if n := s.reconnects.Load(); n > 0 {
+		// Said once per (re)connection, so an operator reading the log
+		// sees the outage end, not only begin.
+		s.cfg.Logger.Info("zmq subscriber: connected again", "endpoint", s.cfg.Endpoint, "bind", s.cfg.Bind, "reconnects", n)
+	}
+	if s.cfg.OnConnect != nil {
+		s.cfg.OnConnect()
+	}
+}
+
+// deliver hands one message's frames on, or counts them malformed; it
+// reports whether they were a message.
+func (s *Subscriber) deliver(frames [][]byte, handle func(Message)) bool {
+	m, err := parseLiveFrames(frames, s.topic)
+	if err != nil {
+		s.malformed.Add(1)
+		s.cfg.Logger.Warn("zmq subscriber: dropped malformed message", "endpoint", s.cfg.Endpoint, "err", err)
+		if s.cfg.OnMalformed != nil {
+			s.cfg.OnMalformed(err)
+		}
+		return false
+	}
+	s.topic = m.Topic
+	s.messages.Add(1)
+	handle(m)
+	return true
 }
 
 // ErrReplayIncomplete is returned by Replay when the engine's replay buffer

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -13,6 +14,7 @@ import (
 	"time"
 
 	"github.com/go-zeromq/zmq4"
+	"github.com/go-zeromq/zmq4/security/null"
 
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
@@ -380,4 +382,64 @@ func TestSubscriberKick(t *testing.T) {
 	testenv.WaitFor(t, 10*time.Second, "the reconnection logged", func() bool {
 		return strings.Contains(logs.String(), "zmq subscriber: connected again")
 	})
+}
+
+// TestParseLiveFramesLastTopic: the topic returned is the frame's, whether
+// or not it spells the last one.
+func TestParseLiveFramesLastTopic(t *testing.T) {
+	for _, last := range []string{"", "kv", "kv@a", "kv@b"} {
+		m, err := parseLiveFrames([][]byte{[]byte("kv@a"), SeqBytes(7), []byte("p")}, last)
+		if err != nil || m.Topic != "kv@a" || m.Seq != 7 || string(m.Payload) != "p" {
+			t.Fatalf("last %q: %+v, %v", last, m, err)
+		}
+	}
+}
+
+// TestSubscriberAnswersHeartbeat: a PUB that sends ZMTP 3.1 heartbeats
+// (libzmq with ZMQ_HEARTBEAT_IVL set) between messages: the dialing
+// subscriber answers the PING with a PONG and goes on reading messages.
+func TestSubscriberAnswersHeartbeat(t *testing.T) {
+	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
+	defer cancel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	sub, err := NewSubscriber(SubscriberConfig{Endpoint: "tcp://" + ln.Addr().String(), Topic: "kv"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got collector
+	go func() { _ = sub.Run(ctx, got.add) }()
+	c, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+	pub, err := zmq4.Open(c, null.Security(), zmq4.Pub, nil, true, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m, err := pub.RecvMsg(); err != nil || len(m.Frames) != 1 || string(m.Frames[0]) != "\x01kv" {
+		t.Fatalf("subscription %q, %v", m.Frames, err)
+	}
+	send := func(seq uint64) {
+		if err := pub.SendMsg(zmq4.NewMsgFrom([]byte("kv"), SeqBytes(seq), []byte{0x93})); err != nil {
+			t.Fatal(err)
+		}
+	}
+	send(1)
+	if err := pub.SendCmd(zmq4.CmdPing, []byte{0, 10}); err != nil { // TTL 1 s, no context
+		t.Fatal(err)
+	}
+	send(2)
+	if cmd, err := pub.RecvCmd(); err != nil || cmd.Name != zmq4.CmdPong {
+		t.Fatalf("answer to the ping: %+v, %v", cmd, err)
+	}
+	testenv.WaitFor(t, 10*time.Second, "both messages", func() bool { return len(got.seqs()) == 2 })
+	if s := sub.Stats(); s.Messages != 2 || s.Malformed != 0 {
+		t.Fatalf("stats %+v", s)
+	}
 }

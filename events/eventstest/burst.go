@@ -16,16 +16,7 @@ import (
 // stopped when it returns.
 func Burst(b *testing.B, ps [][]byte, send func(seq uint64, p []byte), handled func(n uint64) bool, state func() any) {
 	b.Helper()
-	blocks := 0
-	for _, p := range ps {
-		bt, err := events.Decode(p)
-		if err != nil {
-			b.Fatal(err)
-		}
-		for _, e := range bt.Events {
-			blocks += len(e.BlockHashes)
-		}
-	}
+	blocks := CountBlocks(b, ps)
 	b.ReportAllocs()
 	b.ResetTimer()
 	start, cpu0 := time.Now(), cputime.Process()
@@ -44,4 +35,20 @@ func Burst(b *testing.B, ps [][]byte, send func(seq uint64, p []byte), handled f
 	b.ReportMetric(float64(b.N)/el, "batches/s")
 	b.ReportMetric(float64(b.N)/float64(len(ps))*float64(blocks)/el, "blocks/s")
 	b.ReportMetric(cpu*1e6/float64(b.N), "cpu-µs/batch")
+}
+
+// CountBlocks is the number of blocks the events of payloads ps name.
+func CountBlocks(t testing.TB, ps [][]byte) int {
+	t.Helper()
+	blocks := 0
+	for _, p := range ps {
+		bt, err := events.Decode(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range bt.Events {
+			blocks += len(e.BlockHashes)
+		}
+	}
+	return blocks
 }

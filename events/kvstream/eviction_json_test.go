@@ -1,0 +1,29 @@
+package kvstream
+
+import (
+	"bytes"
+	"encoding/json"
+	"math/rand/v2"
+	"testing"
+	"time"
+)
+
+// TestEvictionRecordAppendJSON: AppendJSON writes json.Marshal's bytes,
+// for plain records and for every kind of string and time that takes the
+// fallback.
+func TestEvictionRecordAppendJSON(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	strs := []string{"", "llama", "vllm-0", "gpu", ReasonEvicted, `a"b`, `a\\b`, "a<b>&c", "ü", "\x00", "\x7f", "\xff"}
+	times := []time.Time{{}, time.Unix(1764900000, 0).UTC(), time.Unix(1764900000, 123456789).UTC(), time.Unix(1764900000, 120000000).In(time.FixedZone("X", 5*3600+30*60)),
+		time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC), time.Date(2026, 1, 1, 0, 0, 0, 0, time.FixedZone("S", 61)), time.Date(2026, 1, 1, 0, 0, 0, 0, time.FixedZone("D", 25*3600))}
+	hashes := [][]uint64{nil, {}, {0}, {1, 1 << 63, ^uint64(0)}}
+	for i := 0; i < 2000; i++ {
+		r := EvictionRecord{Pool: strs[rng.IntN(len(strs))], Instance: strs[rng.IntN(len(strs))], Tier: strs[rng.IntN(len(strs))],
+			Blocks: rng.IntN(200) - 1, Hashes: hashes[rng.IntN(len(hashes))], Time: times[rng.IntN(len(times))], Reason: strs[rng.IntN(len(strs))]}
+		want, werr := json.Marshal(r)
+		got, gerr := r.AppendJSON([]byte("x"))
+		if (werr == nil) != (gerr == nil) || (werr == nil && !bytes.Equal(got, append([]byte("x"), want...))) {
+			t.Fatalf("%+v:\n got %s (%v)\nwant x%s (%v)", r, got, gerr, want, werr)
+		}
+	}
+}
