@@ -223,28 +223,14 @@ func (s *kvScoring) ttft(queue float64, promptTokens int, matched [tiers.Count]i
 	return queue + float64(max(rest, 0))/s.prefill + load
 }
 
-// evictedReturn is the share of the tokens a full cache evicts that the
-// fleet computes again later: each token a pick prefills is also written
-// into the instance's cache, and in a full cache it displaces a token
-// held there (the LRU tail), which, when a later request needs it, is
-// recomputed — delaying the requests behind that recompute as the pick's
-// own recompute delays those behind it. Pricing it at its ceiling, 1
-// (every displaced token is needed again), bounds what a move's copy can
-// cost in cache space (issue 12, cause 4; docs/BENCHMARKS.md §7,
-// "Session 13"). Measured on the cells cause 4 is about, the share is
-// 0.16–0.22 (the run's misses beyond an infinite cache over the tokens
-// its engines evicted).
-const evictedReturn = 1.0
-
 // prefillCost is the weighted time the fleet spends prefilling what the
-// instance does not hold, and recomputing later what those tokens evict
-// from its cache: the second term of the score, at weight w.
+// instance does not hold: the second term of the score, at weight w.
 func (s *kvScoring) prefillCost(w float64, promptTokens int, matched [tiers.Count]int) float64 {
 	rest := promptTokens
 	for _, n := range matched {
 		rest -= n
 	}
-	return w * (1 + evictedReturn) * float64(max(rest, 0)) / s.prefill
+	return w * float64(max(rest, 0)) / s.prefill
 }
 
 // weight is the prefill cost weight: the fixed weight, or the number of
