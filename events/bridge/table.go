@@ -143,8 +143,14 @@ func (l *blockList) PushBack(b *block) {
 	l.n++
 }
 
-// Remove takes b, which is in l, out of it.
+// Remove takes b, which is in l, out of it. A block already out of every
+// list (no links, not a head) is left alone, as container/list's Remove
+// leaves an element of no list; callers know which list a block is in
+// (listOf), so a block in the other list is not asked for.
 func (l *blockList) Remove(b *block) {
+	if b.prev == nil && b.next == nil && l.head != b {
+		return
+	}
 	if b.prev != nil {
 		b.prev.next = b.next
 	} else {
@@ -204,16 +210,35 @@ func (t *Table) unhold(h uint64, b *block) int {
 // dropSubtree drops the ghost root and every block descending from it,
 // and returns how many held blocks went. It walks the whole table: it
 // runs only past the ghost bound, which vLLM's eviction order keeps far.
+//
+// Each block has at most one parent, so "under root" follows one chain
+// up; the walk is iterative and stops at a block it is already on, so a
+// parent cycle (an engine that names a block its own ancestor: a hash
+// collision, or a broken engine) ends it instead of recursing forever.
 func (t *Table) dropSubtree(root uint64) int {
 	in := map[uint64]bool{root: true}
-	var under func(h uint64) bool
-	under = func(h uint64) bool {
-		if v, ok := in[h]; ok {
-			return v
+	var path []uint64
+	onPath := map[uint64]bool{}
+	under := func(h uint64) bool {
+		path = path[:0]
+		v := false
+		clear(onPath)
+		for {
+			if known, ok := in[h]; ok {
+				v = known
+				break
+			}
+			b := t.blocks[h]
+			if b == nil || !b.hasParent || onPath[h] {
+				break // the chain ends, or closes on itself without root
+			}
+			path = append(path, h)
+			onPath[h] = true
+			h = b.parent
 		}
-		b := t.blocks[h]
-		v := b != nil && b.hasParent && under(b.parent)
-		in[h] = v
+		for _, p := range path {
+			in[p] = v
+		}
 		return v
 	}
 	held := 0
@@ -368,6 +393,7 @@ func (t *Table) Events() []events.Event {
 	emitted := make(map[uint64]bool, len(t.blocks))
 	var lastHash uint64
 	var stack []uint64
+	onStack := map[uint64]bool{}
 	emit := func(h uint64, b *block) {
 		emitted[h] = true
 		if n := len(out); n > 0 {
@@ -400,14 +426,17 @@ func (t *Table) Events() []events.Event {
 		if emitted[h] {
 			continue
 		}
-		// Walk up to the oldest ancestor not yet emitted, then emit down.
+		// Walk up to the oldest ancestor not yet emitted, then emit down;
+		// a parent cycle (a broken engine's) ends the walk where it closes.
 		stack = stack[:0]
+		clear(onStack)
 		for cur := h; ; {
 			b := t.blocks[cur]
-			if b == nil || emitted[cur] {
+			if b == nil || emitted[cur] || onStack[cur] {
 				break
 			}
 			stack = append(stack, cur)
+			onStack[cur] = true
 			if !b.hasParent {
 				break
 			}

@@ -103,6 +103,9 @@ func (s *StreamPUB) Accept(timeout time.Duration) error {
 // Send writes n messages numbered first, first+1, …; payload i is
 // ps[i % len(ps)]. It returns when the last byte is written.
 func (s *StreamPUB) Send(first, n uint64) error {
+	if len(s.ps) == 0 {
+		return fmt.Errorf("stream pub: no payloads to send")
+	}
 	// One chunk of whole cycles of the payloads, at least 256 KiB (a few
 	// socket buffers: large writes, few system calls); only the seq
 	// frames change from one chunk to the next.
