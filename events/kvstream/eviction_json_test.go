@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"math/rand/v2"
+	"reflect"
 	"testing"
 	"time"
 )
@@ -12,6 +13,11 @@ import (
 // for plain records and for every kind of string and time that takes the
 // fallback.
 func TestEvictionRecordAppendJSON(t *testing.T) {
+	// AppendJSON writes each field by hand: a field added to the record
+	// must be added there (and to the records below) too.
+	if n := reflect.TypeOf(EvictionRecord{}).NumField(); n != 7 {
+		t.Fatalf("EvictionRecord has %d fields, AppendJSON writes 7: update it and this test", n)
+	}
 	rng := rand.New(rand.NewPCG(3, 4))
 	strs := []string{"", "llama", "vllm-0", "gpu", ReasonEvicted, `a"b`, `a\\b`, "a<b>&c", "ü", "\x00", "\x7f", "\xff"}
 	times := []time.Time{{}, time.Unix(1764900000, 0).UTC(), time.Unix(1764900000, 123456789).UTC(), time.Unix(1764900000, 120000000).In(time.FixedZone("X", 5*3600+30*60)),
