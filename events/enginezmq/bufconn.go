@@ -68,14 +68,29 @@ func (l bufListener) Accept() (net.Conn, error) {
 	return newBufConn(c), nil
 }
 
-// bufConn is a connection whose reads go through a buffer.
+// bufConn is a connection whose reads go through a buffer, each frame's
+// size checked against MaxFrame (frameGuard) before go-zeromq reads it.
 type bufConn struct {
 	net.Conn
-	r *bufio.Reader
+	r     *bufio.Reader
+	guard frameGuard
+	err   error // the guard's refusal: every later read returns it
 }
 
 func newBufConn(c net.Conn) *bufConn {
-	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, bufConnSize)}
+	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, bufConnSize), guard: newFrameGuard(MaxFrame)}
 }
 
-func (c *bufConn) Read(p []byte) (int, error) { return c.r.Read(p) }
+func (c *bufConn) Read(p []byte) (int, error) {
+	if c.err != nil {
+		return 0, c.err
+	}
+	n, err := c.r.Read(p)
+	if gerr := c.guard.scan(p[:n]); gerr != nil {
+		// None of this read goes on: the size that completes in it is
+		// the refused one, and the connection is done.
+		c.err = gerr
+		return 0, gerr
+	}
+	return n, err
+}

@@ -350,6 +350,12 @@ func (s *Subscriber) dialSession(ctx context.Context, addr string, handle func(M
 			if ctx.Err() != nil {
 				return got, ctx.Err()
 			}
+			if errors.Is(err, ErrFrameTooLarge) {
+				s.malformed.Add(1)
+				if s.cfg.OnMalformed != nil {
+					s.cfg.OnMalformed(err)
+				}
+			}
 			return got, fmt.Errorf("recv: %w", err)
 		}
 		if msg.Type == zmq4.CmdMsg {

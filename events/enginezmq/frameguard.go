@@ -1,0 +1,74 @@
+package enginezmq
+
+import (
+	"errors"
+	"fmt"
+)
+
+// MaxFrame is the largest ZMTP frame a subscriber accepts from an engine:
+// NATS's largest message payload (64 MiB, the server's max_payload
+// ceiling), so no frame a bridge could forward is refused. go-zeromq
+// allocates a frame's whole body from the size in its header before
+// reading it, so a header claiming terabytes (a corrupt stream, or
+// something other than an engine on the port) would make it ask the
+// runtime for that much at once: a fatal out-of-memory error, not an
+// error a caller can handle.
+const MaxFrame = 64 << 20
+
+// ErrFrameTooLarge is the read error of a connection that sent a frame
+// over MaxFrame.
+var ErrFrameTooLarge = errors.New("zmq frame over the size limit")
+
+// zmtpGreeting is the length of a ZMTP 3 greeting (RFC 23/ZMTP), which
+// precedes the frames.
+const zmtpGreeting = 64
+
+// frameGuard follows the ZMTP framing of the bytes a connection reads
+// (the greeting, then per frame a flags byte, its size in one byte or,
+// with the LONG flag, eight big-endian, and the body) and refuses a frame
+// whose size is over max before the bytes that complete its size reach
+// the reader. It only looks: the bytes are passed on unchanged.
+type frameGuard struct {
+	max      uint64
+	skip     uint64 // greeting or body bytes still to pass
+	head     int    // size bytes still to read (0: at a flags byte)
+	size     uint64 // the size read so far
+	greeting bool   // the greeting is being passed
+}
+
+func newFrameGuard(max uint64) frameGuard {
+	return frameGuard{max: max, skip: zmtpGreeting, greeting: true}
+}
+
+// scan follows p, bytes the connection has just read; it returns an error
+// at the first frame over the limit.
+func (g *frameGuard) scan(p []byte) error {
+	for len(p) > 0 {
+		switch {
+		case g.skip > 0:
+			n := min(g.skip, uint64(len(p)))
+			g.skip -= n
+			p = p[n:]
+			if g.skip == 0 {
+				g.greeting = false
+			}
+		case g.head > 0:
+			g.size = g.size<<8 | uint64(p[0])
+			g.head--
+			p = p[1:]
+			if g.head == 0 {
+				if g.size > g.max {
+					return fmt.Errorf("%w: %d bytes, over %d (not an engine's KV events)", ErrFrameTooLarge, g.size, g.max)
+				}
+				g.skip = g.size
+			}
+		default: // a flags byte
+			g.head, g.size = 1, 0
+			if p[0]&0x02 != 0 { // LONG: an eight-byte size
+				g.head = 8
+			}
+			p = p[1:]
+		}
+	}
+	return nil
+}
