@@ -88,13 +88,8 @@ func FuzzFrameGuard(f *testing.F) {
 // session with a counted, logged error, not an allocation of that size
 // (go-zeromq sizes a frame's buffer from its header).
 func TestSubscriberRefusesHugeFrame(t *testing.T) {
-	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
+	ctx, cancel, ln := engineListener(t)
 	defer cancel()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
 	var bad error
 	sub, err := NewSubscriber(SubscriberConfig{Endpoint: "tcp://" + ln.Addr().String(), Topic: "kv",
 		OnMalformed: func(err error) { bad = err }})
@@ -126,4 +121,17 @@ func TestSubscriberRefusesHugeFrame(t *testing.T) {
 	if !errors.Is(bad, ErrFrameTooLarge) {
 		t.Fatalf("OnMalformed got %v", bad)
 	}
+}
+
+// engineListener is a test's context and the TCP listener an engine's PUB
+// socket would be, for a subscriber to dial; both end with the test.
+func engineListener(t *testing.T) (context.Context, context.CancelFunc, net.Listener) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	return ctx, cancel, ln
 }

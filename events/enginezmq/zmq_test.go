@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -399,13 +398,8 @@ func TestParseLiveFramesLastTopic(t *testing.T) {
 // (libzmq with ZMQ_HEARTBEAT_IVL set) between messages: the dialing
 // subscriber answers the PING with a PONG and goes on reading messages.
 func TestSubscriberAnswersHeartbeat(t *testing.T) {
-	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
+	ctx, cancel, ln := engineListener(t)
 	defer cancel()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
 	sub, err := NewSubscriber(SubscriberConfig{Endpoint: "tcp://" + ln.Addr().String(), Topic: "kv"})
 	if err != nil {
 		t.Fatal(err)
