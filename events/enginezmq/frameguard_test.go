@@ -135,3 +135,31 @@ func engineListener(t *testing.T) (context.Context, context.CancelFunc, net.List
 	t.Cleanup(func() { _ = ln.Close() })
 	return ctx, cancel, ln
 }
+
+// The replay client reads through the same guard: a reply frame claiming a
+// terabyte fails the replay (an error within its timeout), not the process.
+func TestReplayRefusesHugeFrame(t *testing.T) {
+	ctx, cancel, ln := engineListener(t)
+	defer cancel()
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+		zc, err := zmq4.Open(c, null.Security(), zmq4.Router, nil, true, nil)
+		if err != nil {
+			return
+		}
+		if _, err := zc.RecvMsg(); err != nil { // the request
+			return
+		}
+		_, _ = c.Write(binary.BigEndian.AppendUint64([]byte{0x02}, 1<<40))
+		<-ctx.Done()
+	}()
+	err := Replay(ctx, ReplayConfig{Endpoint: "tcp://" + ln.Addr().String(), Timeout: 2 * time.Second}, 0, func(Message) bool { return true })
+	if err == nil {
+		t.Fatal("replay answered with a 1 TiB frame succeeded")
+	}
+}

@@ -430,7 +430,9 @@ func Replay(ctx context.Context, cfg ReplayConfig, from uint64, fn func(Message)
 	defer cancel()
 	sock := zmq4.NewDealer(rctx, zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(quietZMQLogger()), zmq4.WithDialerTimeout(cfg.Timeout), zmq4.WithTimeout(cfg.Timeout))
 	defer sock.Close()
-	if err := sock.Dial(cfg.Endpoint); err != nil {
+	// Through the buffered transport: its frame guard refuses a reply
+	// frame over MaxFrame before go-zeromq sizes a buffer from it.
+	if err := sock.Dial(bufEndpoint(cfg.Endpoint)); err != nil {
 		return fmt.Errorf("enginezmq: replay dial %s: %w", cfg.Endpoint, err)
 	}
 	// A DEALER talking to a ROUTER that expects REQ framing sends the
