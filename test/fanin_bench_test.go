@@ -152,8 +152,11 @@ func BenchmarkEventFanInDrain(b *testing.B) {
 	// heartbeats (one per engine a second) and the router has taken
 	// everything committed when procs is true.
 	settled := func(procs bool) float64 {
-		last := r.committed()
+		last, t0 := r.committed(), time.Now()
 		for {
+			if time.Since(t0) > 5*time.Minute {
+				b.Fatalf("the stream did not settle in 5 minutes (committed %.0f, router took %.0f)", r.committed(), r.processed())
+			}
 			time.Sleep(time.Second)
 			c := r.committed()
 			if c-last <= 2*float64(r.engines) && (!procs || r.processed() >= c-2*float64(r.engines)) {
@@ -169,9 +172,11 @@ func BenchmarkEventFanInDrain(b *testing.B) {
 	}
 	p0, a0 := r.processed(), r.applied()
 	c0 := r.committed()
+	slow0 := r.slowConsumers()
 	if err := proc.Signal(syscall.SIGSTOP); err != nil {
 		b.Fatal(err)
 	}
+	testenv.WaitFor(b, 10*time.Second, "the router stopped", func() bool { return processState(b, r.rt.pid) == 'T' })
 	b.ResetTimer()
 	t0 := time.Now()
 	r.offer(mult*mooncakeEventsPerEngine*float64(r.engines), t0, time.Duration(secs)*time.Second)
@@ -182,9 +187,12 @@ func BenchmarkEventFanInDrain(b *testing.B) {
 	if err := proc.Signal(syscall.SIGCONT); err != nil {
 		b.Fatal(err)
 	}
-	for r.processed()-p0 < backlog {
+	// Drained when it has taken the backlog's messages and applied every
+	// block event offered (p0 may trail the stream by a heartbeat or two).
+	for r.processed()-p0 < backlog || r.applied()-a0 < offered {
 		if time.Since(s0) > 10*time.Minute {
-			b.Fatalf("router took %.0f of %.0f backlog messages in 10 minutes", r.processed()-p0, backlog)
+			b.Fatalf("router took %.0f of %.0f backlog messages and applied %.0f of %.0f block events in 10 minutes",
+				r.processed()-p0, backlog, r.applied()-a0, offered)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
@@ -192,8 +200,10 @@ func BenchmarkEventFanInDrain(b *testing.B) {
 	rcpu := processCPU(b, r.rt.pid) - rcpu0
 	cpu := cputime.Process() - cpu0
 	applied := r.applied() - a0
-	if applied < offered {
-		b.Errorf("router applied %.0f block events of %.0f offered", applied, offered)
+	if slow := r.slowConsumers() - slow0; slow > 0 {
+		// The server dropped the stopped router as a slow consumer: the
+		// drain above includes its reconnect and the consumer's recovery.
+		b.Logf("the NATS servers counted %d slow consumers while the router was stopped", slow)
 	}
 	rate := applied / el.Seconds()
 	mooncake := mooncakeEventsPerEngine * float64(r.engines)
@@ -217,6 +227,7 @@ type fanIn struct {
 	rt      *tierReplica
 	startRt func()
 	js      jetstream.JetStream
+	nc      *testenv.NATSCluster
 	ctx     context.Context
 	offered atomic.Int64
 }
@@ -237,7 +248,7 @@ func newFanIn(b *testing.B) *fanIn {
 	pool := "fanin_" + name
 	stream := kvstream.StreamConfig{Name: "EV_" + name, Replicas: 3}
 	bucket := kvstream.BucketConfig{Name: "SN_" + name, Replicas: 3}
-	r := &fanIn{b: b, engines: engines, pool: pool, stream: stream, ctx: ctx}
+	r := &fanIn{b: b, engines: engines, pool: pool, stream: stream, ctx: ctx, nc: nc}
 
 	es := make([]*fanInEngine, engines)
 	var bridges []*bridge.Bridge
@@ -392,8 +403,34 @@ func (r *fanIn) committed() float64 {
 	return float64(si.State.LastSeq)
 }
 
+// slowConsumers is the cluster's count of clients dropped as slow
+// consumers, over its nodes.
+func (r *fanIn) slowConsumers() int64 {
+	var n int64
+	for i := range r.nc.Size() {
+		if srv := r.nc.Server(i); srv != nil {
+			v, err := srv.Varz(nil)
+			if err != nil {
+				r.b.Fatal(err)
+			}
+			n += v.SlowConsumers
+		}
+	}
+	return n
+}
+
 func (r *fanIn) applied() float64 {
 	return r.rt.metric(r.b, `kvrouter_events_blocks_stored_total{pool="`+r.pool+`"}`) + r.rt.metric(r.b, `kvrouter_events_blocks_removed_total{pool="`+r.pool+`"}`)
+}
+
+// processState is a process's state letter from /proc (T: stopped).
+func processState(b *testing.B, pid int) byte {
+	b.Helper()
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return data[strings.LastIndexByte(string(data), ')')+2]
 }
 
 // processCPU is a process's user+system CPU time from /proc.

@@ -90,6 +90,7 @@ func (c *bufConn) Read(p []byte) (int, error) {
 		// None of this read goes on: the size that completes in it is
 		// the refused one, and the connection is done.
 		c.err = gerr
+		_ = c.Conn.Close()
 		return 0, gerr
 	}
 	return n, err

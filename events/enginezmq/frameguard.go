@@ -19,6 +19,19 @@ const MaxFrame = 64 << 20
 // over MaxFrame.
 var ErrFrameTooLarge = errors.New("zmq frame over the size limit")
 
+// frameError is a refused frame. It is a net.Error that is no timeout, so
+// that go-zeromq's reader marks the connection closed (and a listening
+// socket drops it) rather than keeping it as a live peer; it matches
+// ErrFrameTooLarge.
+type frameError struct{ size, max uint64 }
+
+func (e *frameError) Error() string {
+	return fmt.Sprintf("%v: %d bytes, over %d (not an engine's KV events)", ErrFrameTooLarge, e.size, e.max)
+}
+func (e *frameError) Is(target error) bool { return target == ErrFrameTooLarge }
+func (e *frameError) Timeout() bool        { return false }
+func (e *frameError) Temporary() bool      { return false }
+
 // zmtpGreeting is the length of a ZMTP 3 greeting (RFC 23/ZMTP), which
 // precedes the frames.
 const zmtpGreeting = 64
@@ -58,7 +71,7 @@ func (g *frameGuard) scan(p []byte) error {
 			p = p[1:]
 			if g.head == 0 {
 				if g.size > g.max {
-					return fmt.Errorf("%w: %d bytes, over %d (not an engine's KV events)", ErrFrameTooLarge, g.size, g.max)
+					return &frameError{size: g.size, max: g.max}
 				}
 				g.skip = g.size
 			}

@@ -5,7 +5,10 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"net"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -16,32 +19,44 @@ import (
 )
 
 // zmtpStream is a greeting's worth of bytes, then frames of the given
-// sizes (SHORT up to 255, LONG above), bodies filled with their index.
-func zmtpStream(sizes []uint64) []byte {
+// sizes, bodies filled with their index: flags[i]'s MORE and COMMAND bits
+// kept, LONG set when the size is over 255 or flags[i] asks for it (a
+// small size in the long form is legal ZMTP).
+func zmtpStream(sizes []uint64, flags []byte) []byte {
 	out := bytes.Repeat([]byte{0xff}, zmtpGreeting)
 	for i, n := range sizes {
-		if n > 255 {
-			out = append(out, 0x02)
+		fl := flags[i] & 0x05
+		if n > 255 || flags[i]&0x02 != 0 {
+			out = append(out, fl|0x02)
 			out = binary.BigEndian.AppendUint64(out, n)
 		} else {
-			out = append(out, 0x00, byte(n))
+			out = append(out, fl, byte(n))
 		}
-		out = append(out, bytes.Repeat([]byte{byte(i)}, int(n))...)
+		if n <= 1<<12 { // an over-limit frame's body is never reached
+			out = append(out, bytes.Repeat([]byte{byte(i)}, int(n))...)
+		}
 	}
 	return out
 }
 
 // FuzzFrameGuard: a stream of frames within the limit passes in any split
-// into reads; one over it is refused exactly when its size completes, and
-// never after its body has started.
+// into reads; one over it is refused exactly in the read that completes its
+// size, and never after its body has started.
 func FuzzFrameGuard(f *testing.F) {
-	f.Add([]byte{3, 200, 1, 44, 9}, uint16(300))
-	f.Add([]byte{0, 255, 7}, uint16(256))
-	f.Fuzz(func(t *testing.T, spec []byte, limit uint16) {
+	f.Add([]byte{3, 200, 1, 0, 44, 9, 2, 0}, uint16(300), uint8(1))
+	f.Add([]byte{0, 255, 7, 1}, uint16(256), uint8(5))
+	f.Add([]byte{0xff, 0xff, 0xff, 0xff}, uint16(0), uint8(3))
+	f.Fuzz(func(t *testing.T, spec []byte, limit uint16, split uint8) {
 		max := uint64(limit) + 1
 		var sizes []uint64
-		for i := 0; i+1 < len(spec) && len(sizes) < 32; i += 2 {
-			sizes = append(sizes, uint64(spec[i])<<2|uint64(spec[i+1]&3)) // 0..1023
+		var flags []byte
+		for i := 0; i+3 < len(spec) && len(sizes) < 32; i += 4 {
+			n := uint64(spec[i])<<4 | uint64(spec[i+1]&15) // 0..4095
+			if spec[i+2]&0x80 != 0 {
+				n |= uint64(spec[i+2]) << 40 // a size with high bytes: always over the limit
+			}
+			sizes = append(sizes, n)
+			flags = append(flags, spec[i+3])
 		}
 		over := -1
 		for i, n := range sizes {
@@ -50,28 +65,31 @@ func FuzzFrameGuard(f *testing.F) {
 				break
 			}
 		}
-		stream := zmtpStream(sizes)
-		// Where the first oversize frame's size field ends.
-		refuseAt := -1
 		if over >= 0 {
-			refuseAt = len(zmtpStream(sizes[:over])) + 1 + 1
-			if sizes[over] > 255 {
+			sizes, flags = sizes[:over+1], flags[:over+1] // the stream ends in its size
+		}
+		stream := zmtpStream(sizes, flags)
+		refuseAt := -1 // where the first oversize frame's size field ends
+		if over >= 0 {
+			refuseAt = len(zmtpStream(sizes[:over], flags[:over])) + 2
+			if sizes[over] > 255 || flags[over]&0x02 != 0 {
 				refuseAt += 7
 			}
+			stream = stream[:refuseAt]
 		}
 		g := newFrameGuard(max)
-		pos, step := 0, 1
+		pos, step := 0, int(split)%17+1
 		for pos < len(stream) {
 			n := min(step, len(stream)-pos)
-			step = step*3%17 + 1 // reads of 1..17 bytes
+			step = (step*7+int(split))%23 + 1 // reads of 1..23 bytes, from the input
 			err := g.scan(stream[pos : pos+n])
 			end := pos + n
 			switch {
 			case err != nil && !errors.Is(err, ErrFrameTooLarge):
 				t.Fatalf("error %v", err)
-			case err != nil && !(refuseAt >= pos+1 && refuseAt <= end):
+			case err != nil && !(refuseAt > pos && refuseAt <= end):
 				t.Fatalf("refused in bytes %d..%d, the oversize size ends at %d (sizes %v, max %d)", pos, end, refuseAt, sizes, max)
-			case err == nil && refuseAt >= 0 && refuseAt <= end:
+			case err == nil && refuseAt > 0 && refuseAt <= end:
 				t.Fatalf("bytes %d..%d passed, the frame of %d bytes ends its size at %d (max %d)", pos, end, sizes[over], refuseAt, max)
 			case err != nil:
 				return
@@ -158,8 +176,61 @@ func TestReplayRefusesHugeFrame(t *testing.T) {
 		_, _ = c.Write(binary.BigEndian.AppendUint64([]byte{0x02}, 1<<40))
 		<-ctx.Done()
 	}()
-	err := Replay(ctx, ReplayConfig{Endpoint: "tcp://" + ln.Addr().String(), Timeout: 2 * time.Second}, 0, func(Message) bool { return true })
-	if err == nil {
-		t.Fatal("replay answered with a 1 TiB frame succeeded")
+	start := time.Now()
+	err := Replay(ctx, ReplayConfig{Endpoint: "tcp://" + ln.Addr().String(), Timeout: 10 * time.Second}, 0, func(Message) bool { return true })
+	if !errors.Is(err, ErrFrameTooLarge) {
+		t.Fatalf("replay answered with a 1 TiB frame: %v, want ErrFrameTooLarge", err)
+	}
+	if el := time.Since(start); el > 5*time.Second {
+		t.Fatalf("refused after %v: the guard, not the replay's timeout, must end it", el)
+	}
+}
+
+// A listening subscriber (engines that dial, --zmq-bind) refuses the frame
+// too, counts it, drops that peer, and takes the next one.
+func TestBoundSubscriberRefusesHugeFrame(t *testing.T) {
+	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
+	defer cancel()
+	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	var bad error
+	var mu sync.Mutex
+	sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, Bind: true, Topic: "kv",
+		OnMalformed: func(err error) { mu.Lock(); bad = err; mu.Unlock() }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got collector
+	done := make(chan struct{})
+	go func() { defer close(done); _ = sub.Run(ctx, got.add) }()
+	addr := strings.TrimPrefix(ep, "tcp://")
+	var c net.Conn
+	testenv.WaitFor(t, 10*time.Second, "the subscriber listens", func() bool {
+		c, err = net.Dial("tcp", addr)
+		return err == nil
+	})
+	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+	if _, err := zmq4.Open(c, null.Security(), zmq4.Pub, nil, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Write(binary.BigEndian.AppendUint64([]byte{0x02}, 1<<40)); err != nil {
+		t.Fatal(err)
+	}
+	testenv.WaitFor(t, 10*time.Second, "the refusal counted", func() bool { return sub.Stats().Malformed == 1 })
+	// The next engine to dial in is read as before.
+	pub, err := NewPublisher(ctx, PublisherConfig{Endpoint: ep, Dial: true, Topic: "kv"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	testenv.WaitFor(t, 15*time.Second, "a message from the next engine", func() bool {
+		_, _ = pub.Publish([]byte{0x90})
+		return len(got.seqs()) > 0
+	})
+	cancel()
+	<-done
+	mu.Lock()
+	defer mu.Unlock()
+	if !errors.Is(bad, ErrFrameTooLarge) {
+		t.Fatalf("OnMalformed got %v", bad)
 	}
 }

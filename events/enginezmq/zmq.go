@@ -302,6 +302,7 @@ func (s *Subscriber) session(ctx context.Context, handle func(Message)) (got boo
 			if ctx.Err() != nil {
 				return got, ctx.Err()
 			}
+			s.refused(err)
 			if s.cfg.Bind {
 				// One peer went away; the listener still accepts others
 				// (and the same engine when it comes back).
@@ -350,18 +351,27 @@ func (s *Subscriber) dialSession(ctx context.Context, addr string, handle func(M
 			if ctx.Err() != nil {
 				return got, ctx.Err()
 			}
-			if errors.Is(err, ErrFrameTooLarge) {
-				s.malformed.Add(1)
-				if s.cfg.OnMalformed != nil {
-					s.cfg.OnMalformed(err)
-				}
-			}
+			s.refused(err)
 			return got, fmt.Errorf("recv: %w", err)
 		}
 		if msg.Type == zmq4.CmdMsg {
 			continue // a heartbeat (answered by RecvMsg) or other command
 		}
 		got = s.deliver(msg.Frames, handle) || got
+	}
+}
+
+// refused counts, logs and reports a receive error that was a frame over
+// MaxFrame (the connection that sent it is closed); other errors are the
+// caller's.
+func (s *Subscriber) refused(err error) {
+	if !errors.Is(err, ErrFrameTooLarge) {
+		return
+	}
+	s.malformed.Add(1)
+	s.cfg.Logger.Warn("zmq subscriber: refused an oversize frame; connection closed", "endpoint", s.cfg.Endpoint, "err", err)
+	if s.cfg.OnMalformed != nil {
+		s.cfg.OnMalformed(err)
 	}
 }
 

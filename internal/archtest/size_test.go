@@ -2,6 +2,7 @@ package archtest
 
 import (
 	"bytes"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -22,41 +23,130 @@ const (
 	sizeSlackLines = 50
 )
 
+// mapHeader opens the package map's table in docs/architecture.md.
+const mapHeader = "| package | owns | may import (project) | lines |"
+
 // TestPackageSizes checks docs/architecture.md's package map against the
-// tree: every package's non-test Go lines (generated files apart) within
-// sizeSlack of the count in its row, and each package over sizeLimit
-// lines named in a paragraph that gives its reason ("`pkg` is … lines").
+// tree: one row per package of the module (a `dir/*` row covers every
+// package below dir, its count their total; a row's count "—" is not
+// checked), no package without a row and no row twice; every count within
+// sizeSlack (or sizeSlackLines) of the package's non-test Go lines, generated
+// files apart; and each package over sizeLimit lines named in a paragraph
+// that gives its reason ("`pkg` is … lines").
 func TestPackageSizes(t *testing.T) {
 	root := repoRoot(t)
 	doc, err := os.ReadFile(filepath.Join(root, "docs", "architecture.md"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	rows := map[string]int{}
-	row := regexp.MustCompile("(?m)^\\| `([a-z0-9/]+)` \\|.*\\| ([0-9][0-9,]*) \\|$")
-	for _, m := range row.FindAllSubmatch(doc, -1) {
-		n, err := strconv.Atoi(strings.ReplaceAll(string(m[2]), ",", ""))
-		if err != nil {
-			t.Fatalf("row %s: %v", m[1], err)
+	rows := packageMap(t, doc)
+	pkgs := modulePackages(t, root)
+	counted := map[string]int{} // row → the tree's lines under it
+	for pkg, n := range pkgs {
+		row := ""
+		if _, ok := rows[pkg]; ok {
+			row = pkg
+		} else {
+			for r := range rows {
+				if dir, ok := strings.CutSuffix(r, "/*"); ok && strings.HasPrefix(pkg, dir+"/") && len(r) > len(row) {
+					row = r
+				}
+			}
 		}
-		rows[string(m[1])] = n
+		if row == "" {
+			t.Errorf("package `%s` (%d lines) has no row in docs/architecture.md's package map", pkg, n)
+			continue
+		}
+		counted[row] += n
+		if n > sizeLimit && !bytes.Contains(doc, []byte("`"+pkg+"` is ")) {
+			t.Errorf("`%s` has %d lines, over %d, and docs/architecture.md gives no reason (a paragraph \"`%s` is …\")", pkg, n, sizeLimit, pkg)
+		}
+	}
+	for row, want := range rows {
+		got, ok := counted[row]
+		if !ok {
+			t.Errorf("docs/architecture.md's package map names `%s`, which holds no package of the module", row)
+			continue
+		}
+		if want < 0 {
+			continue // "—"
+		}
+		if d := max(got-want, want-got); d > sizeSlackLines && float64(d) > sizeSlack*float64(want) {
+			t.Errorf("`%s`: the package map says %d lines, the tree has %d (more than %.0f%% and %d lines apart): update docs/architecture.md", row, want, got, sizeSlack*100, sizeSlackLines)
+		}
+	}
+}
+
+// packageMap reads the package map's rows: package (or `dir/*`) → its line
+// count, -1 for "—".
+func packageMap(t *testing.T, doc []byte) map[string]int {
+	t.Helper()
+	i := bytes.Index(doc, []byte(mapHeader))
+	if i < 0 {
+		t.Fatalf("docs/architecture.md has no package map (%q)", mapHeader)
+	}
+	row := regexp.MustCompile("^\\| `([a-z0-9/]+(?:/\\*)?)` \\|.*\\| ([0-9][0-9,]*|—) \\|$")
+	rows := map[string]int{}
+	lines := strings.Split(string(doc[i:]), "\n")
+	for _, line := range lines[2:] { // past the header and its rule
+		if !strings.HasPrefix(line, "|") {
+			break
+		}
+		m := row.FindStringSubmatch(line)
+		if m == nil {
+			t.Fatalf("a package map row not of the form | `pkg` | … | lines |: %.80s", line)
+		}
+		if _, dup := rows[m[1]]; dup {
+			t.Errorf("`%s` has two rows in the package map", m[1])
+		}
+		n := -1
+		if m[2] != "—" {
+			var err error
+			if n, err = strconv.Atoi(strings.ReplaceAll(m[2], ",", "")); err != nil {
+				t.Fatalf("row %s: %v", m[1], err)
+			}
+		}
+		rows[m[1]] = n
 	}
 	if len(rows) < 20 {
 		t.Fatalf("read %d rows of the package map; the table's shape changed?", len(rows))
 	}
-	for pkg, want := range rows {
-		got := packageLines(t, filepath.Join(root, pkg))
-		if got == 0 {
-			t.Errorf("docs/architecture.md names `%s`, which has no Go files", pkg)
-			continue
+	return rows
+}
+
+// modulePackages is every directory of the module holding non-test Go
+// code (generated files apart), by path from the root, with its lines;
+// directories of other modules (their own go.mod), testdata and hidden
+// ones are left out.
+func modulePackages(t *testing.T, root string) map[string]int {
+	t.Helper()
+	out := map[string]int{}
+	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
 		}
-		if d := max(got-want, want-got); d > sizeSlackLines && float64(d) > sizeSlack*float64(want) {
-			t.Errorf("`%s`: the package map says %d lines, the tree has %d (more than %.0f%% and %d lines apart): update docs/architecture.md", pkg, want, got, sizeSlack*100, sizeSlackLines)
+		if !d.IsDir() {
+			return nil
 		}
-		if got > sizeLimit && !bytes.Contains(doc, []byte("`"+pkg+"` is ")) {
-			t.Errorf("`%s` has %d lines, over %d, and docs/architecture.md gives no reason (a paragraph \"`%s` is …\")", pkg, got, sizeLimit, pkg)
+		name := d.Name()
+		if path != root {
+			if strings.HasPrefix(name, ".") || name == "testdata" || name == "vendor" || name == "node_modules" {
+				return filepath.SkipDir
+			}
+			if _, err := os.Stat(filepath.Join(path, "go.mod")); err == nil {
+				return filepath.SkipDir // another module
+			}
 		}
+		if n := packageLines(t, path); n > 0 {
+			rel, _ := filepath.Rel(root, path)
+			out[filepath.ToSlash(rel)] = n
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
+	return out
 }
 
 // packageLines counts the lines of a directory's non-test, non-generated
