@@ -165,6 +165,10 @@ type inst struct {
 	// vouched for: a clear by the bridge (gap, restart, resync) or the
 	// engine, the engine reported down, a purge. Guarded by Consumer.mu.
 	lost uint64
+	// loadFailed: its last snapshot load found a snapshot it could not
+	// read; the next heartbeat queues another (a quiet engine sends no
+	// event to retry at). Guarded by Consumer.mu.
+	loadFailed bool
 	// Owned by the instance's shard goroutine.
 	needLoad bool
 	skipUpTo uint64

@@ -500,3 +500,39 @@ func TestUnreadableEventCounted(t *testing.T) {
 		}
 	}
 }
+
+// A snapshot that cannot be read is tried again at the instance's next
+// heartbeat, not only at its next event: a quiet engine sends none, and
+// its blocks would stay out of the index until it did.
+func TestUnreadableSnapshotRetriedAtHeartbeat(t *testing.T) {
+	e := newEnv(t)
+	kv, err := kvstream.EnsureBucket(e.ctx, e.js, e.cfg.Bucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, _ := kvstream.SnapshotKey(e.pool, "i0")
+	if _, err := kv.Put(e.ctx, key, []byte("not a snapshot")); err != nil {
+		t.Fatal(err)
+	}
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier, cfg.SnapshotTimeout = a, 100*time.Millisecond
+	c := e.start(cfg)
+	testenv.WaitFor(t, 10*time.Second, "the start-up load failed", func() bool {
+		var m dto.Metric
+		_ = c.m.snapshotLoads.WithLabelValues("error").Write(&m)
+		return m.GetCounter().GetValue() >= 1
+	})
+	batch, _ := events.Encode(nil, events.Batch{Events: []events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{100},
+		TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"}}}, events.EncodingMap)
+	snap, _ := kvstream.Snapshot{Pool: e.pool, Instance: "i0", Blocks: 1, Batch: batch}.MarshalBinary()
+	if _, err := kv.Put(e.ctx, key, snap); err != nil {
+		t.Fatal(err)
+	}
+	// No event: only heartbeats.
+	testenv.WaitFor(t, 15*time.Second, "the snapshot loaded at a heartbeat", func() bool {
+		e.heartbeat("i0")
+		s, _ := a.get("i0")
+		return slices.Equal(s, []uint64{100})
+	})
+}

@@ -110,6 +110,11 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 	} else if in.status.State == StateStale {
 		in.status.State = StateLive
 	}
+	if in.loadFailed && !c.cfg.SharedIndex {
+		// Its snapshot could not be read last time: try again now, as
+		// an engine with nothing to say sends no event to try at.
+		load = true
+	}
 	switch {
 	case hb.EngineDown:
 		// The engine is dead: its blocks must not count, now. They stay

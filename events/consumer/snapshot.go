@@ -64,6 +64,7 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint
 	in.needLoad = false
 	c.mu.Lock()
 	done := in.status.StreamSeq
+	in.loadFailed = false
 	c.mu.Unlock()
 	if cur != 0 {
 		done = cur - 1
@@ -72,8 +73,12 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint
 	if err != nil {
 		if !errors.Is(err, errNoSnapshot) && ctx.Err() == nil {
 			// There is one but it could not be read: try again at the
-			// instance's next event rather than trust the stream alone.
+			// instance's next event or heartbeat rather than trust the
+			// stream alone.
 			in.needLoad = true
+			c.mu.Lock()
+			in.loadFailed = true
+			c.mu.Unlock()
 			c.m.snapshotLoads.WithLabelValues("error").Inc()
 			c.cfg.Logger.Warn("consumer: snapshot unreadable, will retry", "instance", instance, "err", err)
 		} else {
