@@ -94,14 +94,7 @@ func TestCoalescedAppliedWhileSnapshotPending(t *testing.T) {
 			e := newEnv(t)
 			var a *recorder
 			if mode == "unreadable snapshot" {
-				kv, err := kvstream.EnsureBucket(e.ctx, e.js, e.cfg.Bucket)
-				if err != nil {
-					t.Fatal(err)
-				}
-				key, _ := kvstream.SnapshotKey(e.pool, "i0")
-				if _, err := kv.Put(e.ctx, key, []byte("not a snapshot")); err != nil {
-					t.Fatal(err)
-				}
+				e.putSnapshotBytes("i0", []byte("not a snapshot"))
 				_, a = e.startRecording()
 			} else {
 				a = newRecorder()

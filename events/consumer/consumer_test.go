@@ -119,6 +119,27 @@ func (e *env) startRecording() (*Consumer, *recorder) {
 	return e.start(cfg), a
 }
 
+// putSnapshotBytes stores data as instance's snapshot in the pool's bucket.
+func (e *env) putSnapshotBytes(instance string, data []byte) {
+	e.t.Helper()
+	kv, err := kvstream.EnsureBucket(e.ctx, e.js, e.cfg.Bucket)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	key, _ := kvstream.SnapshotKey(e.pool, instance)
+	if _, err := kv.Put(e.ctx, key, data); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// oneBlockSnapshot is instance's snapshot holding one stored block.
+func (e *env) oneBlockSnapshot(instance string, hash uint64) []byte {
+	batch, _ := events.Encode(nil, events.Batch{Events: []events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{hash},
+		TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"}}}, events.EncodingMap)
+	snap, _ := kvstream.Snapshot{Pool: e.pool, Instance: instance, Blocks: 1, Batch: batch}.MarshalBinary()
+	return snap
+}
+
 func (e *env) heartbeat(instance string) {
 	subj, _ := kvstream.InstancesSubject(e.pool, instance)
 	b, _ := json.Marshal(kvstream.Heartbeat{Pool: e.pool, Instance: instance, URL: "http://" + instance, BlockSize: 16, Time: time.Now()})
@@ -309,17 +330,7 @@ func (f *failOnce) Apply(ctx context.Context, instance string, evs []events.Even
 // bucket: no bridge answers) before applying further events.
 func TestApplyFailureReloadsSnapshot(t *testing.T) {
 	e := newEnv(t)
-	kv, err := kvstream.EnsureBucket(e.ctx, e.js, e.cfg.Bucket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	batch, _ := events.Encode(nil, events.Batch{Events: []events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{100},
-		TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"}}}, events.EncodingMap)
-	snap, _ := kvstream.Snapshot{Pool: e.pool, Instance: "i0", Blocks: 1, Batch: batch}.MarshalBinary()
-	key, _ := kvstream.SnapshotKey(e.pool, "i0")
-	if _, err := kv.Put(e.ctx, key, snap); err != nil {
-		t.Fatal(err)
-	}
+	e.putSnapshotBytes("i0", e.oneBlockSnapshot("i0", 100))
 	a := &failOnce{recorder: newRecorder(), hash: 1}
 	cfg := e.cfg
 	cfg.Applier, cfg.SnapshotTimeout = a, 100*time.Millisecond
@@ -506,14 +517,7 @@ func TestUnreadableEventCounted(t *testing.T) {
 // its blocks would stay out of the index until it did.
 func TestUnreadableSnapshotRetriedAtHeartbeat(t *testing.T) {
 	e := newEnv(t)
-	kv, err := kvstream.EnsureBucket(e.ctx, e.js, e.cfg.Bucket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	key, _ := kvstream.SnapshotKey(e.pool, "i0")
-	if _, err := kv.Put(e.ctx, key, []byte("not a snapshot")); err != nil {
-		t.Fatal(err)
-	}
+	e.putSnapshotBytes("i0", []byte("not a snapshot"))
 	a := newRecorder()
 	cfg := e.cfg
 	cfg.Applier, cfg.SnapshotTimeout = a, 100*time.Millisecond
@@ -523,12 +527,7 @@ func TestUnreadableSnapshotRetriedAtHeartbeat(t *testing.T) {
 		_ = c.m.snapshotLoads.WithLabelValues("error").Write(&m)
 		return m.GetCounter().GetValue() >= 1
 	})
-	batch, _ := events.Encode(nil, events.Batch{Events: []events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{100},
-		TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"}}}, events.EncodingMap)
-	snap, _ := kvstream.Snapshot{Pool: e.pool, Instance: "i0", Blocks: 1, Batch: batch}.MarshalBinary()
-	if _, err := kv.Put(e.ctx, key, snap); err != nil {
-		t.Fatal(err)
-	}
+	e.putSnapshotBytes("i0", e.oneBlockSnapshot("i0", 100))
 	// No event: only heartbeats.
 	testenv.WaitFor(t, 15*time.Second, "the snapshot loaded at a heartbeat", func() bool {
 		e.heartbeat("i0")

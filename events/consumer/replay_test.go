@@ -15,10 +15,6 @@ import (
 // bridge does every refresh period.
 func (e *env) putSnapshot(instance string, streamSeq, engineSeq uint64, hashes ...uint64) {
 	e.t.Helper()
-	kv, err := kvstream.EnsureBucket(e.ctx, e.js, e.cfg.Bucket)
-	if err != nil {
-		e.t.Fatal(err)
-	}
 	var evs []events.Event
 	for _, h := range hashes {
 		evs = append(evs, events.Event{Kind: events.BlockStored, BlockHashes: []uint64{h}, TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"})
@@ -29,10 +25,7 @@ func (e *env) putSnapshot(instance string, streamSeq, engineSeq uint64, hashes .
 	}
 	snap, _ := kvstream.Snapshot{Pool: e.pool, Instance: instance, Blocks: len(hashes), StreamSeq: streamSeq,
 		EngineSeq: engineSeq, HasSeq: true, Taken: time.Now(), Batch: batch}.MarshalBinary()
-	key, _ := kvstream.SnapshotKey(e.pool, instance)
-	if _, err := kv.Put(e.ctx, key, snap); err != nil {
-		e.t.Fatal(err)
-	}
+	e.putSnapshotBytes(instance, snap)
 }
 
 func (c *Consumer) status(instance string) InstanceStatus {
