@@ -212,29 +212,25 @@ func (t *Table) unhold(h uint64, b *block) int {
 // runs only past the ghost bound, which vLLM's eviction order keeps far.
 //
 // Each block has at most one parent, so "under root" follows one chain
-// up; the walk is iterative and stops at a block it is already on, so a
-// parent cycle (an engine that names a block its own ancestor: a hash
-// collision, or a broken engine) ends it instead of recursing forever.
+// up; the walk is iterative, and each block it passes is marked "not
+// under" until the chain's answer is known, so a parent cycle (an engine
+// that names a block its own ancestor: a hash collision, or a broken
+// engine) meets its own mark and ends instead of recursing forever.
 func (t *Table) dropSubtree(root uint64) int {
 	in := map[uint64]bool{root: true}
 	var path []uint64
-	onPath := map[uint64]bool{}
 	under := func(h uint64) bool {
 		path = path[:0]
-		v := false
-		clear(onPath)
-		for {
-			if known, ok := in[h]; ok {
-				v = known
-				break
-			}
+		v, known := in[h]
+		for !known {
 			b := t.blocks[h]
-			if b == nil || !b.hasParent || onPath[h] {
-				break // the chain ends, or closes on itself without root
+			if b == nil || !b.hasParent {
+				break // the chain ends without root
 			}
+			in[h] = false
 			path = append(path, h)
-			onPath[h] = true
 			h = b.parent
+			v, known = in[h]
 		}
 		for _, p := range path {
 			in[p] = v
@@ -393,7 +389,6 @@ func (t *Table) Events() []events.Event {
 	emitted := make(map[uint64]bool, len(t.blocks))
 	var lastHash uint64
 	var stack []uint64
-	onStack := map[uint64]bool{}
 	emit := func(h uint64, b *block) {
 		emitted[h] = true
 		if n := len(out); n > 0 {
@@ -426,17 +421,17 @@ func (t *Table) Events() []events.Event {
 		if emitted[h] {
 			continue
 		}
-		// Walk up to the oldest ancestor not yet emitted, then emit down;
-		// a parent cycle (a broken engine's) ends the walk where it closes.
+		// Walk up to the oldest ancestor not yet emitted, then emit down.
+		// A block is marked when the walk takes it, so a parent cycle (a
+		// broken engine's) ends the walk where it closes.
 		stack = stack[:0]
-		clear(onStack)
 		for cur := h; ; {
 			b := t.blocks[cur]
-			if b == nil || emitted[cur] || onStack[cur] {
+			if b == nil || emitted[cur] {
 				break
 			}
 			stack = append(stack, cur)
-			onStack[cur] = true
+			emitted[cur] = true
 			if !b.hasParent {
 				break
 			}
