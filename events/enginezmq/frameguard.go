@@ -42,15 +42,14 @@ const zmtpGreeting = 64
 // whose size is over max before the bytes that complete its size reach
 // the reader. It only looks: the bytes are passed on unchanged.
 type frameGuard struct {
-	max      uint64
-	skip     uint64 // greeting or body bytes still to pass
-	head     int    // size bytes still to read (0: at a flags byte)
-	size     uint64 // the size read so far
-	greeting bool   // the greeting is being passed
+	max  uint64
+	skip uint64 // greeting or body bytes still to pass
+	head int    // size bytes still to read (0: at a flags byte)
+	size uint64 // the size read so far
 }
 
 func newFrameGuard(max uint64) frameGuard {
-	return frameGuard{max: max, skip: zmtpGreeting, greeting: true}
+	return frameGuard{max: max, skip: zmtpGreeting}
 }
 
 // scan follows p, bytes the connection has just read; it returns an error
@@ -62,9 +61,6 @@ func (g *frameGuard) scan(p []byte) error {
 			n := min(g.skip, uint64(len(p)))
 			g.skip -= n
 			p = p[n:]
-			if g.skip == 0 {
-				g.greeting = false
-			}
 		case g.head > 0:
 			g.size = g.size<<8 | uint64(p[0])
 			g.head--
