@@ -69,28 +69,38 @@ func (l bufListener) Accept() (net.Conn, error) {
 }
 
 // bufConn is a connection whose reads go through a buffer, each frame's
-// size checked against MaxFrame (frameGuard) before go-zeromq reads it.
+// size checked against MaxFrame (frameGuard) as the buffer fills, before
+// go-zeromq reads it: one scan per fill (up to bufConnSize bytes, many
+// frames), not one per go-zeromq read (two or three per frame).
 type bufConn struct {
 	net.Conn
-	r     *bufio.Reader
+	r *bufio.Reader
+}
+
+func newBufConn(c net.Conn) *bufConn {
+	return &bufConn{Conn: c, r: bufio.NewReaderSize(&guardedReader{c: c, guard: newFrameGuard(MaxFrame)}, bufConnSize)}
+}
+
+func (c *bufConn) Read(p []byte) (int, error) { return c.r.Read(p) }
+
+// guardedReader is the connection under the buffer: every byte read from
+// it passes the frame guard once.
+type guardedReader struct {
+	c     net.Conn
 	guard frameGuard
 	err   error // the guard's refusal: every later read returns it
 }
 
-func newBufConn(c net.Conn) *bufConn {
-	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, bufConnSize), guard: newFrameGuard(MaxFrame)}
-}
-
-func (c *bufConn) Read(p []byte) (int, error) {
-	if c.err != nil {
-		return 0, c.err
+func (g *guardedReader) Read(p []byte) (int, error) {
+	if g.err != nil {
+		return 0, g.err
 	}
-	n, err := c.r.Read(p)
-	if gerr := c.guard.scan(p[:n]); gerr != nil {
+	n, err := g.c.Read(p)
+	if gerr := g.guard.scan(p[:n]); gerr != nil {
 		// None of this read goes on: the size that completes in it is
 		// the refused one, and the connection is done.
-		c.err = gerr
-		_ = c.Conn.Close()
+		g.err = gerr
+		_ = g.c.Close()
 		return 0, gerr
 	}
 	return n, err
