@@ -85,7 +85,6 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 // §3, "Session 13"). Owned by the instance's process goroutine.
 type instanceCounters struct {
 	m           *metrics
-	instance    string
 	batches     prometheus.Counter
 	tableBlocks prometheus.Gauge
 	// byKind is the events and blocks series by event kind and tier (the
@@ -94,19 +93,19 @@ type instanceCounters struct {
 }
 
 func newInstanceCounters(m *metrics, instance string) *instanceCounters {
-	return &instanceCounters{m: m, instance: instance,
+	return &instanceCounters{m: m,
 		batches: m.batches.WithLabelValues(instance), tableBlocks: m.tableBlocks.WithLabelValues(instance)}
 }
 
 // kind is the events and blocks series of events of kind k in tier
 // (tierIdx tiers.Count: kvstream.TierAll).
 func (c *instanceCounters) kind(k events.Kind, tierIdx int, tier string) *[2]prometheus.Counter {
-	if int(k) >= len(c.byKind) {
-		return &[2]prometheus.Counter{c.m.events.WithLabelValues(k.String(), tier), c.m.blocks.WithLabelValues(k.String(), tier)}
+	known := int(k) < len(c.byKind)
+	if known && c.byKind[k][tierIdx] != nil {
+		return c.byKind[k][tierIdx]
 	}
-	p := c.byKind[k][tierIdx]
-	if p == nil {
-		p = &[2]prometheus.Counter{c.m.events.WithLabelValues(k.String(), tier), c.m.blocks.WithLabelValues(k.String(), tier)}
+	p := &[2]prometheus.Counter{c.m.events.WithLabelValues(k.String(), tier), c.m.blocks.WithLabelValues(k.String(), tier)}
+	if known {
 		c.byKind[k][tierIdx] = p
 	}
 	return p
