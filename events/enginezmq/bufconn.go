@@ -96,11 +96,16 @@ func (g *guardedReader) Read(p []byte) (int, error) {
 		return 0, g.err
 	}
 	n, err := g.c.Read(p)
-	if gerr := g.guard.scan(p[:n]); gerr != nil {
-		// None of this read goes on: the size that completes in it is
-		// the refused one, and the connection is done.
+	ok, gerr := g.guard.scan(p[:n])
+	if gerr != nil {
+		// The bytes before the refused frame's header go on (a handshake
+		// in the same read completes); the next read returns the refusal.
+		// The connection is done.
 		g.err = gerr
 		_ = g.c.Close()
+		if ok > 0 {
+			return ok, nil
+		}
 		return 0, gerr
 	}
 	return n, err

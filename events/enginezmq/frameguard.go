@@ -52,32 +52,37 @@ func newFrameGuard(max uint64) frameGuard {
 	return frameGuard{max: max, skip: zmtpGreeting}
 }
 
-// scan follows p, bytes the connection has just read; it returns an error
-// at the first frame over the limit.
-func (g *frameGuard) scan(p []byte) error {
-	for len(p) > 0 {
+// scan follows p, bytes the connection has just read. At the first frame
+// over the limit it returns an error and how many of p's bytes come before
+// that frame's header (those may still be read: a handshake ahead of it in
+// the same read completes, and the refusal reaches the reader as an error
+// of its own); otherwise len(p).
+func (g *frameGuard) scan(p []byte) (int, error) {
+	hdr := 0 // where in p the current frame's header began (0: before p)
+	for i := 0; i < len(p); {
 		switch {
 		case g.skip > 0:
-			n := min(g.skip, uint64(len(p)))
-			g.skip -= n
-			p = p[n:]
+			n := int(min(g.skip, uint64(len(p)-i)))
+			g.skip -= uint64(n)
+			i += n
 		case g.head > 0:
-			g.size = g.size<<8 | uint64(p[0])
+			g.size = g.size<<8 | uint64(p[i])
 			g.head--
-			p = p[1:]
+			i++
 			if g.head == 0 {
 				if g.size > g.max {
-					return &frameError{size: g.size, max: g.max}
+					return hdr, &frameError{size: g.size, max: g.max}
 				}
 				g.skip = g.size
 			}
 		default: // a flags byte
+			hdr = i
 			g.head, g.size = 1, 0
-			if p[0]&0x02 != 0 { // LONG: an eight-byte size
+			if p[i]&0x02 != 0 { // LONG: an eight-byte size
 				g.head = 8
 			}
-			p = p[1:]
+			i++
 		}
 	}
-	return nil
+	return len(p), nil
 }

@@ -69,9 +69,10 @@ func FuzzFrameGuard(f *testing.F) {
 			sizes, flags = sizes[:over+1], flags[:over+1] // the stream ends in its size
 		}
 		stream := zmtpStream(sizes, flags)
-		refuseAt := -1 // where the first oversize frame's size field ends
+		refuseAt, hdrAt := -1, -1 // where the first oversize frame's size field ends, and its header begins
 		if over >= 0 {
-			refuseAt = len(zmtpStream(sizes[:over], flags[:over])) + 2
+			hdrAt = len(zmtpStream(sizes[:over], flags[:over]))
+			refuseAt = hdrAt + 2
 			if sizes[over] > 255 || flags[over]&0x02 != 0 {
 				refuseAt += 7
 			}
@@ -82,7 +83,7 @@ func FuzzFrameGuard(f *testing.F) {
 		for pos < len(stream) {
 			n := min(step, len(stream)-pos)
 			step = (step*7+int(split))%23 + 1 // reads of 1..23 bytes, from the input
-			err := g.scan(stream[pos : pos+n])
+			ok, err := g.scan(stream[pos : pos+n])
 			end := pos + n
 			switch {
 			case err != nil && !errors.Is(err, ErrFrameTooLarge):
@@ -91,7 +92,18 @@ func FuzzFrameGuard(f *testing.F) {
 				t.Fatalf("refused in bytes %d..%d, the oversize size ends at %d (sizes %v, max %d)", pos, end, refuseAt, sizes, max)
 			case err == nil && refuseAt > 0 && refuseAt <= end:
 				t.Fatalf("bytes %d..%d passed, the frame of %d bytes ends its size at %d (max %d)", pos, end, sizes[over], refuseAt, max)
+			case err == nil && ok != n:
+				t.Fatalf("bytes %d..%d passed, %d of them readable", pos, end, ok)
 			case err != nil:
+				// What may still be read is what comes before the frame's
+				// header, in this read.
+				want := hdrAt - pos
+				if want < 0 {
+					want = 0
+				}
+				if ok != want {
+					t.Fatalf("refused with %d bytes readable, want %d (the header starts at %d, the read at %d)", ok, want, hdrAt, pos)
+				}
 				return
 			}
 			pos = end
