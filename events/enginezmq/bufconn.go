@@ -93,20 +93,28 @@ type guardedReader struct {
 
 func (g *guardedReader) Read(p []byte) (int, error) {
 	if g.err != nil {
-		return 0, g.err
+		return 0, g.refuse()
 	}
 	n, err := g.c.Read(p)
 	ok, gerr := g.guard.scan(p[:n])
 	if gerr != nil {
-		// The bytes before the refused frame's header go on (a handshake
-		// in the same read completes); the next read returns the refusal.
-		// The connection is done.
+		// The bytes before the refused frame's header go on, and the
+		// connection stays open until the refusal is returned: a
+		// handshake in the same read completes and the subscription that
+		// follows it is written, so the reader that meets the refusal is
+		// the one that counts it.
 		g.err = gerr
-		_ = g.c.Close()
 		if ok > 0 {
 			return ok, nil
 		}
-		return 0, gerr
+		return 0, g.refuse()
 	}
 	return n, err
+}
+
+// refuse closes the connection (nothing after a refused header can be
+// read as frames) and returns the refusal.
+func (g *guardedReader) refuse() error {
+	_ = g.c.Close()
+	return g.err
 }
