@@ -10,15 +10,20 @@ import (
 	"github.com/go-zeromq/zmq4/transport"
 )
 
-// bufTCP is the transport scheme of the subscriber's TCP connections:
-// "tcp" whose reads go through a buffer. go-zeromq reads every frame's
-// header and then its body with an io.ReadFull each on the connection,
-// so an engine message (three frames) cost six read system calls, which
-// were a quarter of a loaded bridge's CPU (docs/BENCHMARKS.md §3,
-// "Session 12"); through a buffer one read takes whatever the kernel
-// holds. Writes are not buffered (a subscriber writes only its
-// handshake and subscription).
-const bufTCP = "kvbuftcp"
+// bufTCP and bufIPC are the transport schemes of the subscriber's and the
+// replay client's connections: "tcp" and "ipc" (a Unix socket, where an
+// engine outside the process writes as over TCP) whose reads go through a
+// buffer and the frame guard. go-zeromq reads every frame's header and
+// then its body with an io.ReadFull each on the connection, so an engine
+// message (three frames) cost six read system calls, which were a quarter
+// of a loaded bridge's CPU (docs/BENCHMARKS.md §3, "Session 12"); through
+// a buffer one read takes whatever the kernel holds. Writes are not
+// buffered (a subscriber writes only its handshake and subscription).
+// inproc:// stays go-zeromq's own: its peer is in this process.
+const (
+	bufTCP = "kvbuftcp"
+	bufIPC = "kvbufipc"
+)
 
 // bufConnSize is the read buffer: a few engine messages (vLLM's batches
 // are ~1–10 KB), and the most one read system call usually returns on
@@ -26,16 +31,21 @@ const bufTCP = "kvbuftcp"
 const bufConnSize = 64 << 10
 
 func init() {
-	if err := zmq4.RegisterTransport(bufTCP, bufTransport{transport.New("tcp")}); err != nil {
-		panic(err)
+	for scheme, network := range map[string]string{bufTCP: "tcp", bufIPC: "unix"} {
+		if err := zmq4.RegisterTransport(scheme, bufTransport{transport.New(network)}); err != nil {
+			panic(err)
+		}
 	}
 }
 
-// bufEndpoint is the endpoint the subscriber dials or binds: a tcp://
-// endpoint under bufTCP; others unchanged.
+// bufEndpoint is the endpoint the subscriber dials or binds: a tcp:// or
+// ipc:// endpoint under its buffered, guarded scheme; others unchanged.
 func bufEndpoint(ep string) string {
 	if rest, ok := strings.CutPrefix(ep, "tcp://"); ok {
 		return bufTCP + "://" + rest
+	}
+	if rest, ok := strings.CutPrefix(ep, "ipc://"); ok {
+		return bufIPC + "://" + rest
 	}
 	return ep
 }

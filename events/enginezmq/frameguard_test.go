@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -116,49 +117,72 @@ func FuzzFrameGuard(f *testing.F) {
 
 // An engine socket that sends a frame header claiming a terabyte ends the
 // session with a counted, logged error, not an allocation of that size
-// (go-zeromq sizes a frame's buffer from its header).
+// (go-zeromq sizes a frame's buffer from its header): over TCP (the
+// subscriber reads its one connection itself) and over a Unix socket
+// (ipc://, through a go-zeromq SUB socket).
 func TestSubscriberRefusesHugeFrame(t *testing.T) {
-	ctx, cancel, ln := engineListener(t)
-	defer cancel()
-	var bad error
-	sub, err := NewSubscriber(SubscriberConfig{Endpoint: "tcp://" + ln.Addr().String(), Topic: "kv",
-		OnMalformed: func(err error) { bad = err }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() { defer close(done); _ = sub.Run(ctx, func(Message) {}) }()
-	c, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
-	if _, err := zmq4.Open(c, null.Security(), zmq4.Pub, nil, true, nil); err != nil {
-		t.Fatal(err)
-	}
-	// A LONG frame of 1 TiB: flags, eight size bytes, a little body.
-	hdr := binary.BigEndian.AppendUint64([]byte{0x02}, 1<<40)
-	if _, err := c.Write(append(hdr, "body"...)); err != nil {
-		t.Fatal(err)
-	}
-	testenv.WaitFor(t, 10*time.Second, "the session ended and counted", func() bool {
-		s := sub.Stats()
-		return s.Malformed == 1 && s.Reconnects >= 1
-	})
-	cancel()
-	<-done
-	if !errors.Is(bad, ErrFrameTooLarge) {
-		t.Fatalf("OnMalformed got %v", bad)
+	for _, network := range []string{"tcp", "unix"} {
+		t.Run(network, func(t *testing.T) {
+			ctx, cancel, ln := engineListenerOn(t, network)
+			defer cancel()
+			ep := "tcp://" + ln.Addr().String()
+			if network == "unix" {
+				ep = "ipc://" + ln.Addr().String()
+			}
+			var bad error
+			var mu sync.Mutex
+			sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, Topic: "kv",
+				OnMalformed: func(err error) { mu.Lock(); bad = err; mu.Unlock() }})
+			if err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan struct{})
+			go func() { defer close(done); _ = sub.Run(ctx, func(Message) {}) }()
+			c, err := ln.Accept()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+			if _, err := zmq4.Open(c, null.Security(), zmq4.Pub, nil, true, nil); err != nil {
+				t.Fatal(err)
+			}
+			// A LONG frame of 1 TiB: flags, eight size bytes, a little body.
+			hdr := binary.BigEndian.AppendUint64([]byte{0x02}, 1<<40)
+			if _, err := c.Write(append(hdr, "body"...)); err != nil {
+				t.Fatal(err)
+			}
+			testenv.WaitFor(t, 10*time.Second, "the session ended and counted", func() bool {
+				s := sub.Stats()
+				return s.Malformed == 1 && s.Reconnects >= 1
+			})
+			cancel()
+			<-done
+			mu.Lock()
+			defer mu.Unlock()
+			if !errors.Is(bad, ErrFrameTooLarge) {
+				t.Fatalf("OnMalformed got %v", bad)
+			}
+		})
 	}
 }
 
 // engineListener is a test's context and the TCP listener an engine's PUB
 // socket would be, for a subscriber to dial; both end with the test.
 func engineListener(t *testing.T) (context.Context, context.CancelFunc, net.Listener) {
+	return engineListenerOn(t, "tcp")
+}
+
+// engineListenerOn is engineListener on a network: "tcp" (a loopback
+// port) or "unix" (a socket file in the test's directory).
+func engineListenerOn(t *testing.T, network string) (context.Context, context.CancelFunc, net.Listener) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	addr := "127.0.0.1:0"
+	if network == "unix" {
+		addr = filepath.Join(t.TempDir(), "engine.sock")
+	}
+	ln, err := net.Listen(network, addr)
 	if err != nil {
 		t.Fatal(err)
 	}
