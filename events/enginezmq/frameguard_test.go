@@ -129,10 +129,8 @@ func TestSubscriberRefusesHugeFrame(t *testing.T) {
 			if network == "unix" {
 				ep = "ipc://" + ln.Addr().String()
 			}
-			var bad error
-			var mu sync.Mutex
-			sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, Topic: "kv",
-				OnMalformed: func(err error) { mu.Lock(); bad = err; mu.Unlock() }})
+			var bad lastError
+			sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, Topic: "kv", OnMalformed: bad.set})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -158,11 +156,7 @@ func TestSubscriberRefusesHugeFrame(t *testing.T) {
 			})
 			cancel()
 			<-done
-			mu.Lock()
-			defer mu.Unlock()
-			if !errors.Is(bad, ErrFrameTooLarge) {
-				t.Fatalf("OnMalformed got %v", bad)
-			}
+			bad.mustBe(t, ErrFrameTooLarge)
 		})
 	}
 }
@@ -228,10 +222,8 @@ func TestBoundSubscriberRefusesHugeFrame(t *testing.T) {
 	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
 	defer cancel()
 	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	var bad error
-	var mu sync.Mutex
-	sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, Bind: true, Topic: "kv",
-		OnMalformed: func(err error) { mu.Lock(); bad = err; mu.Unlock() }})
+	var bad lastError
+	sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, Bind: true, Topic: "kv", OnMalformed: bad.set})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -264,9 +256,22 @@ func TestBoundSubscriberRefusesHugeFrame(t *testing.T) {
 	})
 	cancel()
 	<-done
-	mu.Lock()
-	defer mu.Unlock()
-	if !errors.Is(bad, ErrFrameTooLarge) {
-		t.Fatalf("OnMalformed got %v", bad)
+	bad.mustBe(t, ErrFrameTooLarge)
+}
+
+// lastError keeps the last error a subscriber's OnMalformed reported.
+type lastError struct {
+	mu  sync.Mutex
+	err error
+}
+
+func (l *lastError) set(err error) { l.mu.Lock(); l.err = err; l.mu.Unlock() }
+
+func (l *lastError) mustBe(t *testing.T, want error) {
+	t.Helper()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !errors.Is(l.err, want) {
+		t.Fatalf("OnMalformed got %v, want %v", l.err, want)
 	}
 }
