@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"path/filepath"
 	"strings"
@@ -273,5 +274,51 @@ func (l *lastError) mustBe(t *testing.T, want error) {
 	defer l.mu.Unlock()
 	if !errors.Is(l.err, want) {
 		t.Fatalf("OnMalformed got %v, want %v", l.err, want)
+	}
+}
+
+// A simulated engine (the Publisher kvsim runs) reads its peers' frames
+// through the guard too: a replay request, or a subscriber's message,
+// claiming a terabyte closes that peer's connection, and the engine goes
+// on publishing and answering replays.
+func TestPublisherRefusesHugeFrame(t *testing.T) {
+	ctx := testenv.Context(t, 30*time.Second)
+	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	pub, err := NewPublisher(ctx, PublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	for _, c := range []struct {
+		addr string
+		typ  zmq4.SocketType
+	}{{ep, zmq4.Sub}, {rep, zmq4.Dealer}} {
+		conn, err := net.Dial("tcp", strings.TrimPrefix(c.addr, "tcp://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = conn.SetDeadline(time.Now().Add(20 * time.Second))
+		if _, err := zmq4.Open(conn, null.Security(), c.typ, nil, false, nil); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := conn.Write(binary.BigEndian.AppendUint64([]byte{0x02}, 1<<40)); err != nil {
+			t.Fatal(err)
+		}
+		// The engine closes that connection: the read ends.
+		if _, err := io.Copy(io.Discard, conn); err != nil {
+			t.Fatalf("%s: the connection with the huge frame was not closed: %v", c.addr, err)
+		}
+		_ = conn.Close()
+	}
+	if _, err := pub.Publish([]byte{0x90}); err != nil {
+		t.Fatal(err)
+	}
+	var n int
+	if err := Replay(ctx, ReplayConfig{Endpoint: rep, Timeout: 10 * time.Second}, 0, func(Message) bool { n++; return true }); err != nil {
+		t.Fatalf("replay after the refusals: %v", err)
+	}
+	if n != 1 {
+		t.Fatalf("replay after the refusals returned %d messages, want 1", n)
 	}
 }

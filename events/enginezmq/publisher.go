@@ -60,10 +60,13 @@ func NewPublisher(ctx context.Context, cfg PublisherConfig) (*Publisher, error) 
 	p := &Publisher{cfg: cfg, cancel: cancel, next: cfg.FirstSeq}
 	p.pub = zmq4.NewPub(ctx, zmq4.WithLogger(quietZMQLogger()), zmq4.WithDialerMaxRetries(-1))
 	var err error
+	// Peers' frames (subscriptions, replay requests) are read through the
+	// frame guard, as the subscriber's are: anything may dial a simulated
+	// engine's ports.
 	if cfg.Dial {
-		err = p.pub.Dial(cfg.Endpoint)
+		err = p.pub.Dial(bufEndpoint(cfg.Endpoint))
 	} else {
-		err = p.pub.Listen(cfg.Endpoint)
+		err = p.pub.Listen(bufEndpoint(cfg.Endpoint))
 	}
 	if err != nil {
 		cancel()
@@ -72,7 +75,7 @@ func NewPublisher(ctx context.Context, cfg PublisherConfig) (*Publisher, error) 
 	}
 	if cfg.ReplayEndpoint != "" {
 		p.router = zmq4.NewRouter(ctx, zmq4.WithLogger(quietZMQLogger()))
-		if err := p.router.Listen(cfg.ReplayEndpoint); err != nil {
+		if err := p.router.Listen(bufEndpoint(cfg.ReplayEndpoint)); err != nil {
 			cancel()
 			p.pub.Close()
 			p.router.Close()
