@@ -172,6 +172,9 @@ type inst struct {
 	// Owned by the instance's shard goroutine.
 	needLoad bool
 	skipUpTo uint64
+	// retryAt: after a failed load, no event or heartbeat tries again
+	// before it (loadRetryAt); zero when the last load did not fail.
+	retryAt time.Time
 	// Shared index (shared.go). from: the position the index should be at
 	// before this router's next message of the instance (shard-owned;
 	// expect is a copy for watchShared, guarded by Consumer.mu);

@@ -535,3 +535,31 @@ func TestUnreadableSnapshotRetriedAtHeartbeat(t *testing.T) {
 		return slices.Equal(s, []uint64{100})
 	})
 }
+
+// A snapshot that stays unreadable is not fetched again at every event: a
+// busy engine's events would each wait for a failed load (three tries,
+// with pauses), and so would every instance of the shard behind them.
+// Retries are spaced in time; the events apply from the stream meanwhile.
+func TestUnreadableSnapshotRetriesSpaced(t *testing.T) {
+	e := newEnv(t)
+	e.putSnapshotBytes("i0", []byte("not a snapshot"))
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier, cfg.Shards = a, 1 // i0 and i1 share the one shard
+	c := e.start(cfg)
+	const n = 300
+	for i := uint64(1); i <= n; i++ {
+		e.store("i0", i, 1000+i)
+	}
+	e.store("i1", 1, 7)
+	testenv.WaitFor(t, 20*time.Second, "every event applied, the other instance's too", func() bool {
+		s0, _ := a.get("i0")
+		s1, _ := a.get("i1")
+		return len(s0) == n && len(s1) == 1
+	})
+	var m dto.Metric
+	_ = c.m.snapshotLoads.WithLabelValues("error").Write(&m)
+	if got := m.GetCounter().GetValue(); got > 20 {
+		t.Fatalf("%v failed snapshot loads for %d events: retried per event, not spaced in time", got, n)
+	}
+}

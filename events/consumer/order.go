@@ -168,7 +168,7 @@ func (c *Consumer) do(ctx context.Context, w work, dec *events.Decoder) {
 			c.syncShared(ctx, w.instance, in)
 			return
 		}
-		if in.needLoad && !c.cfg.SharedIndex {
+		if in.needLoad && !c.cfg.SharedIndex && in.loadDue() {
 			c.load(ctx, w.instance, in, 0)
 		}
 	case workReload:
@@ -217,7 +217,7 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 		// Fresh events after a purge: the instance is back.
 		in.needLoad = true
 	}
-	if in.needLoad && !c.cfg.SharedIndex {
+	if in.needLoad && !c.cfg.SharedIndex && in.loadDue() {
 		c.load(ctx, w.instance, in, w.streamSeq)
 	}
 	if w.streamSeq != 0 && w.streamSeq <= in.skipUpTo {

@@ -61,7 +61,8 @@ func (c *Consumer) forSnapshots(ctx context.Context, f func(instance string)) {
 // after it; otherwise a reload would drop everything applied since the
 // snapshot was taken.
 func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint64) {
-	in.needLoad = false
+	in.needLoad, in.retryAt = false, time.Time{}
+	start := time.Now()
 	c.mu.Lock()
 	done := in.status.StreamSeq
 	in.loadFailed = false
@@ -73,9 +74,9 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint
 	if err != nil {
 		if !errors.Is(err, errNoSnapshot) && ctx.Err() == nil {
 			// There is one but it could not be read: try again at the
-			// instance's next event or heartbeat rather than trust the
-			// stream alone.
-			in.needLoad = true
+			// instance's next event or heartbeat after loadRetryAt
+			// rather than trust the stream alone.
+			in.needLoad, in.retryAt = true, loadRetryAt(start, time.Now())
 			c.mu.Lock()
 			in.loadFailed = true
 			c.mu.Unlock()
@@ -123,6 +124,26 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint
 	if done > snap.StreamSeq {
 		c.replay(ctx, instance, in, snap.StreamSeq, done)
 	}
+}
+
+// loadRetryAt is when an instance whose snapshot load failed (it began
+// at start and gave up at end) may try again: a second later at the
+// soonest, and never sooner than nine times that load's own duration
+// after it. A load holds its shard (every instance on it waits), so a
+// snapshot that stays unreadable takes at most a tenth of the shard's
+// time, however many events the instance sends; its events apply from the
+// stream meanwhile. The second bounds the retries of a fast failure (a
+// corrupt bucket entry fails in well under a millisecond) to the pace of
+// the bridge's heartbeats, and its log line to one a second.
+func loadRetryAt(start, end time.Time) time.Time {
+	return end.Add(max(time.Second, 9*end.Sub(start)))
+}
+
+// loadDue reports whether an instance waiting for its snapshot may load it
+// now: its last load did not fail (no clock read), or its retry time has
+// come.
+func (in *inst) loadDue() bool {
+	return in.retryAt.IsZero() || !time.Now().Before(in.retryAt)
 }
 
 // seenIfNever starts the silence clock of an instance that has never been
