@@ -79,15 +79,17 @@ func (run *genRun) prefixGroups(groups, perGroup, prefixTokens, questionTokens, 
 	arr := run.poisson(rate)
 	for k, i := range order {
 		g := i / perGroup
-		run.w.Requests = append(run.w.Requests, Request{
-			At: arr.next(), Session: fmt.Sprintf("g%d", g),
-			Prompt: []Segment{
-				run.seg("prefix", uint64(g), prefixTokens, "system"),
-				run.seg("question", uint64(k), questionTokens, "user"),
-			},
-			OutputTokens: outputTokens,
-		})
+		run.ask(Request{At: arr.next(), Session: fmt.Sprintf("g%d", g), OutputTokens: outputTokens},
+			run.seg("prefix", uint64(g), prefixTokens, "system"), uint64(k), questionTokens)
 	}
+}
+
+// ask adds r with a prompt of shared (a system part other requests send
+// too) then question q of its own, questionTokens long: the request
+// LongContext, CachePressure, MultiTenant and Overload send.
+func (run *genRun) ask(r Request, shared Segment, q uint64, questionTokens int) {
+	r.Prompt = []Segment{shared, run.seg("question", q, questionTokens, "user")}
+	run.w.Requests = append(run.w.Requests, r)
 }
 
 // turn adds turn t of session s (named prefix+s) whose prompt is its whole
@@ -421,20 +423,13 @@ func (c MultiTenant) Generate(seed int64) (*Workload, error) {
 	if err != nil {
 		return nil, err
 	}
-	rng, w := run.rng, run.w
 	arr := run.poisson(c.Arrivals.Rate)
 	for i := 0; i < c.Requests; i++ {
-		t := rng.IntN(c.Tenants)
-		w.Requests = append(w.Requests, Request{
-			At: arr.next(), Tenant: fmt.Sprintf("tenant-%d", t),
-			Prompt: []Segment{
-				run.seg("system", 0, c.SystemTokens, "system"),
-				run.seg("question", uint64(i), c.QuestionTokens, "user"),
-			},
-			OutputTokens: c.OutputTokens,
-		})
+		t := run.rng.IntN(c.Tenants)
+		run.ask(Request{At: arr.next(), Tenant: fmt.Sprintf("tenant-%d", t), OutputTokens: c.OutputTokens},
+			run.seg("system", 0, c.SystemTokens, "system"), uint64(i), c.QuestionTokens)
 	}
-	return w.finish(), nil
+	return run.w.finish(), nil
 }
 
 // DefaultFleetTokens is the GPU KV capacity of 8 instances of Llama 3.1 70B
