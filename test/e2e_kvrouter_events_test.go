@@ -89,6 +89,19 @@ func (e *kvrEngine) publish(t *testing.T, evs ...events.Event) {
 	eventstest.Publish(t, e.pub, events.Batch{TS: float64(time.Now().UnixNano()) / 1e9, Events: evs})
 }
 
+// offload publishes what vLLM with CPU offloading sends for a prompt of n
+// 16-token blocks (hashes from, from+1, ...; tokens ids): the blocks stored
+// on the GPU, then its last cpu blocks stored on the CPU and removed from
+// the GPU, in one batch.
+func (e *kvrEngine) offload(t *testing.T, ids []uint32, from, n, cpu int) {
+	t.Helper()
+	e.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(from, n), TokenIDs: ids[:n*16], BlockSize: 16, Medium: "GPU"})
+	moved := kvrHashes(from+n-cpu, cpu)
+	e.publish(t,
+		events.Event{Kind: events.BlockStored, BlockHashes: moved, Medium: "CPU"},
+		events.Event{Kind: events.BlockRemoved, BlockHashes: moved, Medium: "GPU"})
+}
+
 func kvrTokens(seed, n int) []uint32 {
 	out := make([]uint32, n)
 	for i := range out {
@@ -303,10 +316,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	// Four blocks stored on GPU; the last two offloaded to CPU, then
 	// evicted from GPU: GPU holds 2 leading blocks, CPU 2 more.
 	ids := kvrTokens(1, 4*16+5)
-	eng.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(1000, 4), TokenIDs: ids[:64], BlockSize: 16, Medium: "GPU"})
-	eng.publish(t,
-		events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(1002, 2), Medium: "CPU"},
-		events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(1002, 2), Medium: "GPU"})
+	eng.offload(t, ids, 1000, 4, 2)
 	want := admin.KVLookupMatch{Instance: "vllm-1", GPUBlocks: 2, CPUBlocks: 2, Live: true}
 	testenv.WaitFor(t, 15*time.Second, "lookup sees GPU and CPU blocks", func() bool {
 		lr := r.lookup(ids)
@@ -484,10 +494,7 @@ func TestKVRouterRestartRebuildsIndex(t *testing.T) {
 	r1 := start()
 	eng := sc.engine(t)
 	ids := kvrTokens(9, 5*16)
-	eng.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(700, 5), TokenIDs: ids, BlockSize: 16, Medium: "GPU"})
-	eng.publish(t,
-		events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(703, 2), Medium: "CPU"},
-		events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(703, 2), Medium: "GPU"})
+	eng.offload(t, ids, 700, 5, 2)
 	want := admin.KVLookupMatch{Instance: "vllm-0", GPUBlocks: 3, CPUBlocks: 2, Live: true}
 	testenv.WaitFor(t, 15*time.Second, "the first router's index", func() bool {
 		lr := r1.lookup(ids)
