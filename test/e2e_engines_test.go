@@ -112,22 +112,22 @@ func (n *engineNode) completeDirect(ids []uint32) {
 	}
 }
 
-// engineScene is how the engine tests open: a context of its own timeout,
-// names unique to the test (pool p_, stream EV_, bucket SN_) and an
-// embedded NATS server.
+// engineScene is how the engine tests and kvrScene open: a context of its
+// own timeout, names unique to the test (name; pool p_, stream EV_, bucket
+// SN_ of it) and an embedded NATS server.
 type engineScene struct {
-	ctx    context.Context
-	ns     *testenv.NATSServer
-	pool   string
-	stream kvstream.StreamConfig
-	bucket kvstream.BucketConfig
+	ctx        context.Context
+	ns         *testenv.NATSServer
+	name, pool string
+	stream     kvstream.StreamConfig
+	bucket     kvstream.BucketConfig
 }
 
 func newEngineScene(t *testing.T, timeout time.Duration) engineScene {
 	t.Helper()
 	ctx := testenv.Context(t, timeout)
 	name := testenv.UniqueName(t)
-	return engineScene{ctx: ctx, ns: testenv.StartNATS(t), pool: "p_" + name,
+	return engineScene{ctx: ctx, ns: testenv.StartNATS(t), name: name, pool: "p_" + name,
 		stream: kvstream.StreamConfig{Name: "EV_" + name}, bucket: kvstream.BucketConfig{Name: "SN_" + name}}
 }
 

@@ -52,24 +52,20 @@ func startKVREngine(t *testing.T, ctx context.Context, natsURL, pool, instance, 
 
 func (e *kvrEngine) close() { e.stop() }
 
-// kvrScene is how the Redis-index and restart tests open: a context,
-// names unique to the test, an embedded NATS server, and a config of one
-// kv_aware pool (model kvrModel, health checks and discovery off) holding
-// one instance, vllm-0, whose events go through that server.
+// kvrScene is how the Redis-index and restart tests open: an engineScene
+// (a context, names unique to the test, an embedded NATS server) and a
+// config of one kv_aware pool (model kvrModel, health checks and discovery
+// off) holding one instance, vllm-0, whose events go through that server.
 type kvrScene struct {
-	ctx                        context.Context
-	name, pool, stream, bucket string
-	ns                         *testenv.NATSServer
-	cfg                        config.Config
+	engineScene
+	cfg config.Config
 }
 
 func newKVRScene(t *testing.T) *kvrScene {
 	t.Helper()
-	ctx := testenv.Context(t, 2*time.Minute)
-	name := testenv.UniqueName(t)
-	sc := &kvrScene{ctx: ctx, name: name, pool: "p_" + name, stream: "EV_" + name, bucket: "SN_" + name, ns: testenv.StartNATS(t)}
+	sc := &kvrScene{engineScene: newEngineScene(t, 2*time.Minute)}
 	sc.cfg = config.Config{
-		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: sc.ns.URL(), Stream: sc.stream}, Bucket: sc.bucket},
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: sc.ns.URL(), Stream: sc.stream.Name}, Bucket: sc.bucket.Name},
 		Pools: []config.PoolConfig{{Name: sc.pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
 			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
@@ -80,7 +76,7 @@ func newKVRScene(t *testing.T) *kvrScene {
 // engine starts vllm-0's engine side: its publisher and its bridge.
 func (sc *kvrScene) engine(t *testing.T) *kvrEngine {
 	t.Helper()
-	return startKVREngine(t, sc.ctx, sc.ns.URL(), sc.pool, "vllm-0", "http://127.0.0.1:1", sc.stream, sc.bucket)
+	return startKVREngine(t, sc.ctx, sc.ns.URL(), sc.pool, "vllm-0", "http://127.0.0.1:1", sc.stream.Name, sc.bucket.Name)
 }
 
 // publish sends one vLLM batch (array encoding, as the engine does).
