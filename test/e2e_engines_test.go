@@ -112,6 +112,25 @@ func (n *engineNode) completeDirect(ids []uint32) {
 	}
 }
 
+// engineScene is how the engine tests and kvrScene open: a context of its
+// own timeout, names unique to the test (name; pool p_, stream EV_, bucket
+// SN_ of it) and an embedded NATS server.
+type engineScene struct {
+	ctx        context.Context
+	ns         *testenv.NATSServer
+	name, pool string
+	stream     kvstream.StreamConfig
+	bucket     kvstream.BucketConfig
+}
+
+func newEngineScene(t *testing.T, timeout time.Duration) engineScene {
+	t.Helper()
+	ctx := testenv.Context(t, timeout)
+	name := testenv.UniqueName(t)
+	return engineScene{ctx: ctx, ns: testenv.StartNATS(t), name: name, pool: "p_" + name,
+		stream: kvstream.StreamConfig{Name: "EV_" + name}, bucket: kvstream.BucketConfig{Name: "SN_" + name}}
+}
+
 type engineFleet struct {
 	t     *testing.T
 	nodes []*engineNode
@@ -121,11 +140,8 @@ type engineFleet struct {
 // newEngineFleet starts NATS, the router (one kv_aware pool) and one
 // engine with its bridge per format given.
 func newEngineFleet(t *testing.T, formats ...string) *engineFleet {
-	ctx := testenv.Context(t, 3*time.Minute)
-	name := testenv.UniqueName(t)
-	ns := testenv.StartNATS(t)
-	pool := "p_" + name
-	stream, bucket := kvstream.StreamConfig{Name: "EV_" + name}, kvstream.BucketConfig{Name: "SN_" + name}
+	sc := newEngineScene(t, 3*time.Minute)
+	ctx, ns, pool, stream, bucket := sc.ctx, sc.ns, sc.pool, sc.stream, sc.bucket
 	f := &engineFleet{t: t}
 	var insts []config.InstanceConfig
 	for i, format := range formats {
@@ -277,11 +293,8 @@ func TestE2EMixedVLLMSGLangPool(t *testing.T) {
 // real bridge ages the CPU tier out (--age-out cpu=…); the router scores a
 // chunk only whole (llm-d-router#2889) and drops it once aged.
 func TestE2EStoresOnlyLMCache(t *testing.T) {
-	ctx := testenv.Context(t, 2*time.Minute)
-	name := testenv.UniqueName(t)
-	ns := testenv.StartNATS(t)
-	pool := "p_" + name
-	stream, bucket := kvstream.StreamConfig{Name: "EV_" + name}, kvstream.BucketConfig{Name: "SN_" + name}
+	sc := newEngineScene(t, 2*time.Minute)
+	ctx, ns, pool, stream, bucket := sc.ctx, sc.ns, sc.pool, sc.stream, sc.bucket
 	eng, pc := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{FirstSeq: 1})
 	publish := func(evs ...events.Event) {
 		t.Helper()
@@ -363,11 +376,8 @@ func TestE2EStoresOnlyLMCache(t *testing.T) {
 // rank that never publishes (sgl-project/sglang#16030: only tp_rank 0
 // emitted) stays empty rather than being credited with rank 0's blocks.
 func TestE2ESGLangAttentionDPRanks(t *testing.T) {
-	ctx := testenv.Context(t, 2*time.Minute)
-	name := testenv.UniqueName(t)
-	ns := testenv.StartNATS(t)
-	pool := "p_" + name
-	stream, bucket := kvstream.StreamConfig{Name: "EV_" + name}, kvstream.BucketConfig{Name: "SN_" + name}
+	sc := newEngineScene(t, 2*time.Minute)
+	ctx, ns, pool, stream, bucket := sc.ctx, sc.ns, sc.pool, sc.stream, sc.bucket
 	pubBase, replayBase := testenv.FreePorts(t, 3), testenv.FreePorts(t, 3)
 	addr := fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
 	s, err := simserver.Start(ctx, simserver.Config{

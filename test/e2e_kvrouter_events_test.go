@@ -52,24 +52,20 @@ func startKVREngine(t *testing.T, ctx context.Context, natsURL, pool, instance, 
 
 func (e *kvrEngine) close() { e.stop() }
 
-// kvrScene is how the Redis-index and restart tests open: a context,
-// names unique to the test, an embedded NATS server, and a config of one
-// kv_aware pool (model kvrModel, health checks and discovery off) holding
-// one instance, vllm-0, whose events go through that server.
+// kvrScene is how the Redis-index and restart tests open: an engineScene
+// (a context, names unique to the test, an embedded NATS server) and a
+// config of one kv_aware pool (model kvrModel, health checks and discovery
+// off) holding one instance, vllm-0, whose events go through that server.
 type kvrScene struct {
-	ctx                        context.Context
-	name, pool, stream, bucket string
-	ns                         *testenv.NATSServer
-	cfg                        config.Config
+	engineScene
+	cfg config.Config
 }
 
 func newKVRScene(t *testing.T) *kvrScene {
 	t.Helper()
-	ctx := testenv.Context(t, 2*time.Minute)
-	name := testenv.UniqueName(t)
-	sc := &kvrScene{ctx: ctx, name: name, pool: "p_" + name, stream: "EV_" + name, bucket: "SN_" + name, ns: testenv.StartNATS(t)}
+	sc := &kvrScene{engineScene: newEngineScene(t, 2*time.Minute)}
 	sc.cfg = config.Config{
-		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: sc.ns.URL(), Stream: sc.stream}, Bucket: sc.bucket},
+		Events: &config.EventsConfig{NATS: config.NATSConfig{URL: sc.ns.URL(), Stream: sc.stream.Name}, Bucket: sc.bucket.Name},
 		Pools: []config.PoolConfig{{Name: sc.pool, Model: kvrModel, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
 			Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 			Instances: []config.InstanceConfig{{ID: "vllm-0", URL: "http://127.0.0.1:1"}}}},
@@ -80,13 +76,26 @@ func newKVRScene(t *testing.T) *kvrScene {
 // engine starts vllm-0's engine side: its publisher and its bridge.
 func (sc *kvrScene) engine(t *testing.T) *kvrEngine {
 	t.Helper()
-	return startKVREngine(t, sc.ctx, sc.ns.URL(), sc.pool, "vllm-0", "http://127.0.0.1:1", sc.stream, sc.bucket)
+	return startKVREngine(t, sc.ctx, sc.ns.URL(), sc.pool, "vllm-0", "http://127.0.0.1:1", sc.stream.Name, sc.bucket.Name)
 }
 
 // publish sends one vLLM batch (array encoding, as the engine does).
 func (e *kvrEngine) publish(t *testing.T, evs ...events.Event) {
 	t.Helper()
 	eventstest.Publish(t, e.pub, events.Batch{TS: float64(time.Now().UnixNano()) / 1e9, Events: evs})
+}
+
+// offload publishes what vLLM with CPU offloading sends for a prompt of n
+// 16-token blocks (hashes from, from+1, ...; tokens ids): the blocks stored
+// on the GPU, then its last cpu blocks stored on the CPU and removed from
+// the GPU, in one batch.
+func (e *kvrEngine) offload(t *testing.T, ids []uint32, from, n, cpu int) {
+	t.Helper()
+	e.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(from, n), TokenIDs: ids[:n*16], BlockSize: 16, Medium: "GPU"})
+	moved := kvrHashes(from+n-cpu, cpu)
+	e.publish(t,
+		events.Event{Kind: events.BlockStored, BlockHashes: moved, Medium: "CPU"},
+		events.Event{Kind: events.BlockRemoved, BlockHashes: moved, Medium: "GPU"})
 }
 
 func kvrTokens(seed, n int) []uint32 {
@@ -303,10 +312,7 @@ func TestKVRouterEventsEndToEnd(t *testing.T) {
 	// Four blocks stored on GPU; the last two offloaded to CPU, then
 	// evicted from GPU: GPU holds 2 leading blocks, CPU 2 more.
 	ids := kvrTokens(1, 4*16+5)
-	eng.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(1000, 4), TokenIDs: ids[:64], BlockSize: 16, Medium: "GPU"})
-	eng.publish(t,
-		events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(1002, 2), Medium: "CPU"},
-		events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(1002, 2), Medium: "GPU"})
+	eng.offload(t, ids, 1000, 4, 2)
 	want := admin.KVLookupMatch{Instance: "vllm-1", GPUBlocks: 2, CPUBlocks: 2, Live: true}
 	testenv.WaitFor(t, 15*time.Second, "lookup sees GPU and CPU blocks", func() bool {
 		lr := r.lookup(ids)
@@ -484,10 +490,7 @@ func TestKVRouterRestartRebuildsIndex(t *testing.T) {
 	r1 := start()
 	eng := sc.engine(t)
 	ids := kvrTokens(9, 5*16)
-	eng.publish(t, events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(700, 5), TokenIDs: ids, BlockSize: 16, Medium: "GPU"})
-	eng.publish(t,
-		events.Event{Kind: events.BlockStored, BlockHashes: kvrHashes(703, 2), Medium: "CPU"},
-		events.Event{Kind: events.BlockRemoved, BlockHashes: kvrHashes(703, 2), Medium: "GPU"})
+	eng.offload(t, ids, 700, 5, 2)
 	want := admin.KVLookupMatch{Instance: "vllm-0", GPUBlocks: 3, CPUBlocks: 2, Live: true}
 	testenv.WaitFor(t, 15*time.Second, "the first router's index", func() bool {
 		lr := r1.lookup(ids)

@@ -46,10 +46,7 @@ func TestReferenceVectors(t *testing.T) {
 	for _, name := range models {
 		t.Run(name, func(t *testing.T) {
 			tok := loadModel(t, name)
-			vecs := readJSONLines[vector](t, "testdata/"+name+"/vectors.jsonl")
-			if len(vecs) < 100 {
-				t.Fatalf("only %d vectors", len(vecs))
-			}
+			vecs := readVectors[vector](t, "testdata/"+name+"/vectors.jsonl", 100)
 			texts, chats := 0, 0
 			for pass := range 2 { // pass 1 runs on a warm cache
 				for i, v := range vecs {
@@ -63,23 +60,30 @@ func TestReferenceVectors(t *testing.T) {
 						continue
 					}
 					chats++
-					ids, rendered, err := EncodeChat(tok, v.Messages, RenderOptions{AddGenerationPrompt: v.AddGenerationPrompt})
-					if err != nil {
-						t.Errorf("%s: %v", label, err)
-						continue
-					}
-					if rendered != v.Rendered {
-						t.Errorf("%s: rendered\n got %q\nwant %q", label, rendered, v.Rendered)
-					}
-					if !slices.Equal(ids, v.IDs) {
-						t.Errorf("%s: ids of rendered chat\n got %v\nwant %v", label, ids, v.IDs)
-					}
+					checkChat(t, label, tok, v.Messages, RenderOptions{AddGenerationPrompt: v.AddGenerationPrompt}, v.Rendered, v.IDs)
 				}
 			}
 			if texts == 0 || chats == 0 {
 				t.Fatalf("texts=%d chats=%d: both kinds must be present", texts, chats)
 			}
 		})
+	}
+}
+
+// checkChat renders and encodes msgs with tok as a chat and reports, under
+// label, where the prompt text or its ids differ from the reference's.
+func checkChat(t *testing.T, label string, tok ChatTokenizer, msgs []Message, opts RenderOptions, rendered string, ids []uint32) {
+	t.Helper()
+	gotIDs, got, err := EncodeChat(tok, msgs, opts)
+	if err != nil {
+		t.Errorf("%s: %v", label, err)
+		return
+	}
+	if got != rendered {
+		t.Errorf("%s: rendered\n got %q\nwant %q", label, got, rendered)
+	}
+	if !slices.Equal(gotIDs, ids) {
+		t.Errorf("%s: ids of the rendered chat\n got %v\nwant %v", label, gotIDs, ids)
 	}
 }
 

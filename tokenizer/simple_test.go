@@ -23,6 +23,17 @@ type captureRequest struct {
 	} `json:"usage"`
 }
 
+// readVectors reads a reference-vector file, one T a line, and fails the
+// test when it holds fewer than least (a truncated or emptied file).
+func readVectors[T any](t testing.TB, path string, least int) []T {
+	t.Helper()
+	vecs := readJSONLines[T](t, path)
+	if len(vecs) < least {
+		t.Fatalf("%s: only %d vectors", path, len(vecs))
+	}
+	return vecs
+}
+
 func readJSONLines[T any](t testing.TB, path string) []T {
 	t.Helper()
 	f, err := os.Open(path)

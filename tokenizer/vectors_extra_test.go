@@ -20,10 +20,7 @@ func TestSentencePieceVectors(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			vecs := readJSONLines[vector](t, dir+"/vectors.jsonl")
-			if len(vecs) < 10 {
-				t.Fatalf("only %d vectors", len(vecs))
-			}
+			vecs := readVectors[vector](t, dir+"/vectors.jsonl", 10)
 			for i, v := range vecs {
 				label := fmt.Sprintf("line %d", i+1)
 				if v.Text != nil {
@@ -43,10 +40,7 @@ func TestSentencePieceVectors(t *testing.T) {
 					}
 					continue
 				}
-				ids, rendered, err := EncodeChat(tok, v.Messages, RenderOptions{AddGenerationPrompt: v.AddGenerationPrompt})
-				if err != nil || rendered != v.Rendered || !slices.Equal(ids, v.IDs) {
-					t.Errorf("%s: chat = %q %v %v\nwant %q %v", label, rendered, ids, err, v.Rendered, v.IDs)
-				}
+				checkChat(t, label, tok, v.Messages, RenderOptions{AddGenerationPrompt: v.AddGenerationPrompt}, v.Rendered, v.IDs)
 			}
 			// The template's own raise_exception surfaces as ErrTemplate.
 			_, err = tok.Render([]Message{{Role: "assistant", Content: "x"}}, RenderOptions{})
@@ -73,26 +67,13 @@ func TestToolVectors(t *testing.T) {
 	for _, name := range models {
 		t.Run(name, func(t *testing.T) {
 			tok := loadModel(t, name)
-			vecs := readJSONLines[toolVector](t, "testdata/tools/"+name+".jsonl")
-			if len(vecs) < 5 {
-				t.Fatalf("only %d vectors", len(vecs))
-			}
+			vecs := readVectors[toolVector](t, "testdata/tools/"+name+".jsonl", 5)
 			for i, v := range vecs {
 				opts := RenderOptions{AddGenerationPrompt: v.AddGenerationPrompt, Tools: v.Tools}
 				if v.EnableThinking != nil {
 					opts.Vars = map[string]any{"enable_thinking": *v.EnableThinking}
 				}
-				ids, rendered, err := EncodeChat(tok, v.Messages, opts)
-				if err != nil {
-					t.Errorf("line %d: %v", i+1, err)
-					continue
-				}
-				if rendered != v.Rendered {
-					t.Errorf("line %d: rendered\n got %q\nwant %q", i+1, rendered, v.Rendered)
-				}
-				if !slices.Equal(ids, v.IDs) {
-					t.Errorf("line %d: ids\n got %v\nwant %v", i+1, ids, v.IDs)
-				}
+				checkChat(t, fmt.Sprintf("line %d", i+1), tok, v.Messages, opts, v.Rendered, v.IDs)
 			}
 		})
 	}

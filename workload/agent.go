@@ -70,24 +70,21 @@ func (c Agent) Generate(seed int64) (*Workload, error) {
 	if err != nil {
 		return nil, err
 	}
-	rng, w := run.rng, run.w
+	rng := run.rng
 	tools := make([]int, c.Toolsets)
 	for i := range tools {
-		tools[i] = c.MinToolTokens + rng.IntN(c.MaxToolTokens-c.MinToolTokens+1)
+		tools[i] = run.uniform(c.MinToolTokens, c.MaxToolTokens)
 	}
 	zipf := newZipf(rng, c.ZipfS, c.Toolsets)
 	obs, out := newSampler(c.Observation), newSampler(c.Output)
-	starts := run.poisson(c.Arrivals.Rate / (float64(c.MinSteps+c.MaxSteps) / 2))
-	for s := 0; s < c.Sessions; s++ {
-		at := starts.next()
+	var hist []Segment
+	run.sessions(c.Sessions, c.Arrivals.Rate/(float64(c.MinSteps+c.MaxSteps)/2), c.StepTime, func(int) int {
 		tool := zipf.draw()
-		hist := []Segment{run.seg("toolset", uint64(tool), tools[tool], "system")}
-		steps := c.MinSteps + rng.IntN(c.MaxSteps-c.MinSteps+1)
-		for t := 0; t < steps; t++ {
-			o := obs.draw(rng)
-			hist = run.turn(hist, at, "a", s, t, "observation", o, out.draw(rng))
-			at += expDur(rng, c.StepTime)
-		}
-	}
-	return w.finish(), nil
+		hist = []Segment{run.seg("toolset", uint64(tool), tools[tool], "system")}
+		return run.uniform(c.MinSteps, c.MaxSteps)
+	}, func(s, t int, at time.Duration) {
+		o := obs.draw(rng)
+		hist = run.turn(hist, at, "a", s, t, "observation", o, out.draw(rng))
+	})
+	return run.w.finish(), nil
 }

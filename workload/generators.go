@@ -79,15 +79,17 @@ func (run *genRun) prefixGroups(groups, perGroup, prefixTokens, questionTokens, 
 	arr := run.poisson(rate)
 	for k, i := range order {
 		g := i / perGroup
-		run.w.Requests = append(run.w.Requests, Request{
-			At: arr.next(), Session: fmt.Sprintf("g%d", g),
-			Prompt: []Segment{
-				run.seg("prefix", uint64(g), prefixTokens, "system"),
-				run.seg("question", uint64(k), questionTokens, "user"),
-			},
-			OutputTokens: outputTokens,
-		})
+		run.ask(Request{At: arr.next(), Session: fmt.Sprintf("g%d", g), OutputTokens: outputTokens},
+			run.seg("prefix", uint64(g), prefixTokens, "system"), uint64(k), questionTokens)
 	}
+}
+
+// ask adds r with a prompt of shared (a system part other requests send
+// too) then question q of its own, questionTokens long: the request
+// LongContext, CachePressure, MultiTenant and Overload send.
+func (run *genRun) ask(r Request, shared Segment, q uint64, questionTokens int) {
+	r.Prompt = []Segment{shared, run.seg("question", q, questionTokens, "user")}
+	run.w.Requests = append(run.w.Requests, r)
 }
 
 // turn adds turn t of session s (named prefix+s) whose prompt is its whole
@@ -104,6 +106,25 @@ func (run *genRun) turn(hist []Segment, at time.Duration, prefix string, s, t in
 	})
 	return append(hist, run.seg("assistant", id, out, "assistant"))
 }
+
+// sessions adds n sessions that start as a Poisson process at rate per
+// second: begin sets session s up and says how many steps it takes, step
+// adds its step t at time at, and a session's steps are an exponential gap
+// of mean think apart. The shape Chat, Code and Agent share.
+func (run *genRun) sessions(n int, rate float64, think time.Duration, begin func(s int) (steps int), step func(s, t int, at time.Duration)) {
+	starts := run.poisson(rate)
+	for s := 0; s < n; s++ {
+		at := starts.next()
+		steps := begin(s)
+		for t := 0; t < steps; t++ {
+			step(s, t, at)
+			at += expDur(run.rng, think)
+		}
+	}
+}
+
+// uniform draws an integer uniformly from [lo, hi].
+func (run *genRun) uniform(lo, hi int) int { return lo + run.rng.IntN(hi-lo+1) }
 
 // LongContext is SageMaker's long-context benchmark shape: groups of
 // requests that share a long prefix (a document, a system prompt) and each
@@ -203,27 +224,25 @@ func (c Chat) Generate(seed int64) (*Workload, error) {
 	if err != nil {
 		return nil, err
 	}
-	rng, w := run.rng, run.w
+	rng := run.rng
 	in, out := newSampler(c.Input), newSampler(c.Output)
 	meanTurns := float64(c.MinTurns+c.MaxTurns) / 2
-	starts := run.poisson(c.Arrivals.Rate / meanTurns)
-	for s := 0; s < c.Sessions; s++ {
-		at := starts.next()
-		turns := c.MinTurns + rng.IntN(c.MaxTurns-c.MinTurns+1)
-		var hist []Segment
+	var hist []Segment
+	run.sessions(c.Sessions, c.Arrivals.Rate/meanTurns, c.ThinkTime, func(int) int {
+		turns := run.uniform(c.MinTurns, c.MaxTurns)
+		hist = nil
 		if c.SystemTokens > 0 {
 			hist = append(hist, run.seg("system", 0, c.SystemTokens, "system"))
 		}
-		for t := 0; t < turns; t++ {
-			q, a := in.draw(rng), out.draw(rng)
-			for q+a > c.MaxPairTokens {
-				q, a = in.draw(rng), out.draw(rng)
-			}
-			hist = run.turn(hist, at, "s", s, t, "user", q, a)
-			at += expDur(rng, c.ThinkTime)
+		return turns
+	}, func(s, t int, at time.Duration) {
+		q, a := in.draw(rng), out.draw(rng)
+		for q+a > c.MaxPairTokens {
+			q, a = in.draw(rng), out.draw(rng)
 		}
-	}
-	return w.finish(), nil
+		hist = run.turn(hist, at, "s", s, t, "user", q, a)
+	})
+	return run.w.finish(), nil
 }
 
 // RAG is retrieval-augmented generation over a document set whose
@@ -345,28 +364,27 @@ func (c Code) Generate(seed int64) (*Workload, error) {
 	if err != nil {
 		return nil, err
 	}
-	rng, w := run.rng, run.w
-	starts := run.poisson(c.Arrivals.Rate / float64(c.RequestsPerUser))
-	for u := 0; u < c.Users; u++ {
-		at := starts.next()
-		ctx := []Segment{run.seg("system", 0, c.SystemTokens, "system")}
+	w := run.w
+	var ctx, active []Segment // the user's other open files; the edited one so far
+	file := 0
+	run.sessions(c.Users, c.Arrivals.Rate/float64(c.RequestsPerUser), c.ThinkTime, func(u int) int {
+		ctx = []Segment{run.seg("system", 0, c.SystemTokens, "system")}
 		for f := 0; f < c.OpenFiles; f++ {
 			ctx = append(ctx, run.seg("file", uint64(u)<<16|uint64(f), c.FileTokens, "user"))
 		}
-		file := 0
-		active := []Segment{run.seg("active", uint64(u)<<16, c.FileTokens, "user")}
-		for r := 0; r < c.RequestsPerUser; r++ {
-			if r > 0 && rng.Float64() < c.SwitchProb {
-				file++
-				active = []Segment{run.seg("active", uint64(u)<<16|uint64(file), c.FileTokens, "user")}
-			}
-			active = append(active, run.seg("edit", uint64(u)<<32|uint64(r), c.EditTokens, "user"))
-			p := append(append([]Segment(nil), ctx...), active...)
-			w.Requests = append(w.Requests, Request{At: at, Session: fmt.Sprintf("u%d", u), Turn: r,
-				Prompt: p, OutputTokens: c.OutputTokens})
-			at += expDur(rng, c.ThinkTime)
+		file = 0
+		active = []Segment{run.seg("active", uint64(u)<<16, c.FileTokens, "user")}
+		return c.RequestsPerUser
+	}, func(u, r int, at time.Duration) {
+		if r > 0 && run.rng.Float64() < c.SwitchProb {
+			file++
+			active = []Segment{run.seg("active", uint64(u)<<16|uint64(file), c.FileTokens, "user")}
 		}
-	}
+		active = append(active, run.seg("edit", uint64(u)<<32|uint64(r), c.EditTokens, "user"))
+		p := append(append([]Segment(nil), ctx...), active...)
+		w.Requests = append(w.Requests, Request{At: at, Session: fmt.Sprintf("u%d", u), Turn: r,
+			Prompt: p, OutputTokens: c.OutputTokens})
+	})
 	return w.finish(), nil
 }
 
@@ -405,20 +423,13 @@ func (c MultiTenant) Generate(seed int64) (*Workload, error) {
 	if err != nil {
 		return nil, err
 	}
-	rng, w := run.rng, run.w
 	arr := run.poisson(c.Arrivals.Rate)
 	for i := 0; i < c.Requests; i++ {
-		t := rng.IntN(c.Tenants)
-		w.Requests = append(w.Requests, Request{
-			At: arr.next(), Tenant: fmt.Sprintf("tenant-%d", t),
-			Prompt: []Segment{
-				run.seg("system", 0, c.SystemTokens, "system"),
-				run.seg("question", uint64(i), c.QuestionTokens, "user"),
-			},
-			OutputTokens: c.OutputTokens,
-		})
+		t := run.rng.IntN(c.Tenants)
+		run.ask(Request{At: arr.next(), Tenant: fmt.Sprintf("tenant-%d", t), OutputTokens: c.OutputTokens},
+			run.seg("system", 0, c.SystemTokens, "system"), uint64(i), c.QuestionTokens)
 	}
-	return w.finish(), nil
+	return run.w.finish(), nil
 }
 
 // DefaultFleetTokens is the GPU KV capacity of 8 instances of Llama 3.1 70B

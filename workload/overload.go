@@ -88,7 +88,7 @@ func (c Overload) Generate(seed int64) (*Workload, error) {
 	if err != nil {
 		return nil, err
 	}
-	rng, w := run.rng, run.w
+	rng := run.rng
 	arr := run.poisson(c.Arrivals.Rate)
 	_, heavy := c.shares()
 	for i := 0; i < c.Requests; i++ {
@@ -103,14 +103,8 @@ func (c Overload) Generate(seed int64) (*Workload, error) {
 		if rng.Float64() < c.UrgentShare {
 			prio = 0
 		}
-		w.Requests = append(w.Requests, Request{
-			At: arr.next(), Tenant: tenant, Priority: prio, TTFTObjective: c.TTFTObjective,
-			Prompt: []Segment{
-				run.seg("system", tn, c.SystemTokens, "system"),
-				run.seg("question", uint64(i), prompt-c.SystemTokens, "user"),
-			},
-			OutputTokens: out,
-		})
+		run.ask(Request{At: arr.next(), Tenant: tenant, Priority: prio, TTFTObjective: c.TTFTObjective, OutputTokens: out},
+			run.seg("system", tn, c.SystemTokens, "system"), uint64(i), prompt-c.SystemTokens)
 	}
-	return w.finish(), nil
+	return run.w.finish(), nil
 }

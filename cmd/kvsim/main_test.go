@@ -13,7 +13,7 @@ import (
 	"github.com/go-zeromq/zmq4"
 
 	"github.com/kvrouter/kvrouter/events"
-	"github.com/kvrouter/kvrouter/events/enginezmq"
+	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router/routertest"
 	"github.com/kvrouter/kvrouter/sim/simserver"
@@ -111,14 +111,7 @@ func TestRunFleet(t *testing.T) {
 		if cached[0] != 0 || cached[1] == 0 {
 			t.Fatalf("instance %d cached_tokens %v, want [0, >0]", i, cached)
 		}
-		msg, err := sub.Recv()
-		if err != nil {
-			t.Fatal(err)
-		}
-		m, err := enginezmq.ParseLiveFrames(msg.Frames)
-		if err != nil {
-			t.Fatal(err)
-		}
+		m := eventstest.Recv(t, sub)
 		b, err := events.Decode(m.Payload)
 		if err != nil || m.Seq != 1 || b.Encoding != events.EncodingMap || len(b.Events) == 0 ||
 			b.Events[0].Kind != events.BlockStored || b.Events[0].LoraName != "sql" {

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/go-zeromq/zmq4"
+
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/internal/testenv"
@@ -44,4 +46,20 @@ func Publish(t testing.TB, pub *enginezmq.Publisher, b events.Batch) {
 	if _, err := pub.Publish(payload); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// Recv reads the next message from a subscriber of a vLLM-format publisher
+// and splits its frames (topic, sequence, payload), failing the test when
+// either step fails.
+func Recv(t testing.TB, sub zmq4.Socket) enginezmq.Message {
+	t.Helper()
+	msg, err := sub.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := enginezmq.ParseLiveFrames(msg.Frames)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
 }

@@ -95,14 +95,7 @@ func TestStreamPUBWritesGoZeromqBytes(t *testing.T) {
 	n := uint64(3*len(ps) + 1)
 	go func() { errc <- s.Send(100, n) }()
 	for i := range n {
-		msg, err := sub.Recv()
-		if err != nil {
-			t.Fatal(err)
-		}
-		m, err := enginezmq.ParseLiveFrames(msg.Frames)
-		if err != nil {
-			t.Fatal(err)
-		}
+		m := eventstest.Recv(t, sub)
 		if m.Topic != topic || m.Seq != 100+i || !bytes.Equal(m.Payload, ps[int(i)%len(ps)]) {
 			t.Fatalf("message %d: got topic %q seq %d payload of %d bytes", i, m.Topic, m.Seq, len(m.Payload))
 		}
