@@ -563,3 +563,19 @@ func TestUnreadableSnapshotRetriesSpaced(t *testing.T) {
 		t.Fatalf("%v failed snapshot loads for %d events: retried per event, not spaced in time", got, n)
 	}
 }
+
+// A failed load's next try: a second at the soonest, nine times the
+// failure's own duration for a slow one, the stale window at the latest.
+func TestLoadRetryAt(t *testing.T) {
+	start := time.Unix(1000, 0)
+	for _, c := range []struct{ took, want time.Duration }{
+		{time.Millisecond, time.Second},
+		{500 * time.Millisecond, 4500 * time.Millisecond},
+		{6 * time.Second, 15 * time.Second},
+	} {
+		end := start.Add(c.took)
+		if got := loadRetryAt(start, end, 15*time.Second).Sub(end); got != c.want {
+			t.Errorf("a load that failed after %v: retry %v later, want %v", c.took, got, c.want)
+		}
+	}
+}

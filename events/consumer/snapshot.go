@@ -76,7 +76,7 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint
 			// There is one but it could not be read: try again at the
 			// instance's next event or heartbeat after loadRetryAt
 			// rather than trust the stream alone.
-			in.needLoad, in.retryAt = true, loadRetryAt(start, time.Now())
+			in.needLoad, in.retryAt = true, loadRetryAt(start, time.Now(), c.cfg.StaleAfter)
 			c.mu.Lock()
 			in.loadFailed = true
 			c.mu.Unlock()
@@ -129,14 +129,18 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint
 // loadRetryAt is when an instance whose snapshot load failed (it began
 // at start and gave up at end) may try again: a second later at the
 // soonest, and never sooner than nine times that load's own duration
-// after it. A load holds its shard (every instance on it waits), so a
-// snapshot that stays unreadable takes at most a tenth of the shard's
-// time, however many events the instance sends; its events apply from the
-// stream meanwhile. The second bounds the retries of a fast failure (a
-// corrupt bucket entry fails in well under a millisecond) to the pace of
-// the bridge's heartbeats, and its log line to one a second.
-func loadRetryAt(start, end time.Time) time.Time {
-	return end.Add(max(time.Second, 9*end.Sub(start)))
+// after it, but no later than ceiling (the consumer's StaleAfter: the
+// window in which an instance is trusted without news). A load holds its
+// shard (every instance on it waits), so a snapshot that stays unreadable
+// takes at most a tenth of the shard's time, however many events the
+// instance sends — unless its loads fail by timing out (seconds each: the
+// bridge or the bucket not answering), where the ceiling keeps the next
+// try within one stale window. Its events apply from the stream
+// meanwhile. The second bounds the retries of a fast failure (a corrupt
+// bucket entry fails in well under a millisecond) to the pace of the
+// bridge's heartbeats, and its log line to one a second.
+func loadRetryAt(start, end time.Time, ceiling time.Duration) time.Time {
+	return end.Add(min(ceiling, max(time.Second, 9*end.Sub(start))))
 }
 
 // loadDue reports whether an instance waiting for its snapshot may load it

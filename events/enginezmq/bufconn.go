@@ -5,6 +5,7 @@ import (
 	"context"
 	"net"
 	"strings"
+	"time"
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/go-zeromq/zmq4/transport"
@@ -113,14 +114,24 @@ func (g *guardedReader) Read(p []byte) (int, error) {
 		// handshake in the same read completes and the subscription that
 		// follows it is written, so the reader that meets the refusal is
 		// the one that counts it.
+		// go-zeromq leaves a connection whose handshake fails unclosed
+		// and unread, so a refusal deferred behind a handshake that then
+		// fails would never be returned: the connection is closed after
+		// refusedLinger whatever happens.
 		g.err = gerr
 		if ok > 0 {
+			time.AfterFunc(refusedLinger, func() { _ = g.c.Close() })
 			return ok, nil
 		}
 		return 0, g.refuse()
 	}
 	return n, err
 }
+
+// refusedLinger bounds how long a connection whose frame was refused stays
+// open for the bytes before that frame: the handshake's own time bound
+// (dialSession's dial timeout).
+const refusedLinger = 5 * time.Second
 
 // refuse closes the connection (nothing after a refused header can be
 // read as frames) and returns the refusal.

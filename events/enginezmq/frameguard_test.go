@@ -322,3 +322,42 @@ func TestPublisherRefusesHugeFrame(t *testing.T) {
 		t.Fatalf("replay after the refusals returned %d messages, want 1", n)
 	}
 }
+
+// A peer whose handshake fails (a PUB dialing a simulated engine's PUB
+// socket) and whose huge frame came in the same read is closed all the
+// same: go-zeromq drops a failed handshake without closing or reading
+// its connection, so the refusal the guard holds back for the bytes
+// before it would never be returned.
+func TestRefusedFrameBehindFailedHandshakeCloses(t *testing.T) {
+	ctx := testenv.Context(t, 30*time.Second)
+	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	pub, err := NewPublisher(ctx, PublisherConfig{Endpoint: ep, Topic: "kv"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	conn, err := net.Dial("tcp", strings.TrimPrefix(ep, "tcp://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	// ZMTP 3.0's greeting (signature, version 3.0, NULL, not as server),
+	// READY with Socket-Type PUB (a PUB socket takes SUB peers only), and
+	// a 1 TiB frame header, in one write.
+	b := append([]byte{0xff, 0, 0, 0, 0, 0, 0, 0, 0, 0x7f, 3, 0}, "NULL"...)
+	b = append(b, make([]byte, 16+1+31)...)
+	ready := append([]byte{5}, "READY"...)
+	ready = append(ready, 11)
+	ready = append(ready, "Socket-Type"...)
+	ready = binary.BigEndian.AppendUint32(ready, 3)
+	ready = append(ready, "PUB"...)
+	b = append(append(b, 0x04, byte(len(ready))), ready...)
+	b = binary.BigEndian.AppendUint64(append(b, 0x02), 1<<40)
+	if _, err := conn.Write(b); err != nil {
+		t.Fatal(err)
+	}
+	_ = conn.SetDeadline(time.Now().Add(20 * time.Second))
+	if _, err := io.Copy(io.Discard, conn); err != nil {
+		t.Fatalf("the connection was not closed: %v", err)
+	}
+}
