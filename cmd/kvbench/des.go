@@ -140,6 +140,11 @@ func (f *workloadFlags) build() (*workload.Workload, error) {
 
 func (f *workloadFlags) buildAll() (built, error) {
 	set := f.setFlags()
+	if set["trace"] && !set["workload"] {
+		// --trace FILE alone replays that trace (the usage's
+		// "--workload W | --trace FILE").
+		f.name = "mooncake"
+	}
 	if f.replicate < 1 {
 		return built{}, fmt.Errorf("--replicate %d: want >= 1", f.replicate)
 	}
@@ -188,7 +193,7 @@ func (f *workloadFlags) buildAll() (built, error) {
 	}
 	for _, fl := range []string{"speed", "trace", "spread"} {
 		if set[fl] {
-			return built{}, fmt.Errorf("--%s applies to trace workloads only (use --rate for %s)", fl, f.name)
+			return built{}, fmt.Errorf("--%s applies to trace workloads only (--workload mooncake or synth-*; %s is generated: use --rate)", fl, f.name)
 		}
 	}
 	w, err := f.generate()

@@ -291,7 +291,8 @@ func TestRefusedPromptReleasesRouterState(t *testing.T) {
 		}
 	}
 	var out, errb bytes.Buffer
-	if err := run(context.Background(), []string{"des", "--workload", "mooncake", "--trace", trace, "--instances", "2",
+	// --trace alone replays that trace (no --workload mooncake needed).
+	if err := run(context.Background(), []string{"des", "--trace", trace, "--instances", "2",
 		"--gpu-tokens", "200K", "--strategies", "kv_aware"}, &out, &errb); err != nil {
 		t.Fatalf("%v\n%s", err, errb.String())
 	}
