@@ -177,7 +177,11 @@ func (f *workloadFlags) buildAll() (built, error) {
 		if recs, err = workload.ReplicateTrace(recs, f.replicate); err != nil {
 			return built{}, err
 		}
-		w, err := workload.TraceReplay{Name: f.name, Speed: f.speed}.Workload(recs)
+		name := f.name
+		if name == "mooncake" && f.trace != workload.DefaultTracePath {
+			name = "trace:" + filepath.Base(f.trace) // not the bundled Mooncake trace
+		}
+		w, err := workload.TraceReplay{Name: name, Speed: f.speed}.Workload(recs)
 		if err != nil {
 			return built{}, err
 		}

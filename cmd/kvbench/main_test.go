@@ -296,7 +296,7 @@ func TestRefusedPromptReleasesRouterState(t *testing.T) {
 		"--gpu-tokens", "200K", "--strategies", "kv_aware"}, &out, &errb); err != nil {
 		t.Fatalf("%v\n%s", err, errb.String())
 	}
-	if !strings.Contains(out.String(), "mooncake/kv_aware: 5 failed: 5 × submit: sim: request longer than the model or cache allows") {
+	if !strings.Contains(out.String(), "trace:t.jsonl/kv_aware: 5 failed: 5 × submit: sim: request longer than the model or cache allows") {
 		t.Errorf("output does not say why requests failed:\n%s", out.String())
 	}
 }
