@@ -25,6 +25,22 @@ import (
 type decisionTrace struct {
 	*strategyRouter
 	recs map[uint64]decisionRec
+	// bound is the pooled bound's hit tokens per request id (nil: no
+	// bound); placed, gaps and life follow the bound's gap (decisions_gap.go).
+	bound  []int64
+	placed map[kvindex.Key]placement
+	gaps   map[uint64]gapRec
+	life   *lifeTracker
+	ever   map[kvindex.Key]uint64 // instances (bits) a block was ever placed on
+	uses   map[kvindex.Key]int    // requests that carried a block
+	// evictSeen: per evicted deficit, idle time, own and longest other turnover
+	evictSeen [][3]time.Duration
+	bits      map[string]uint64
+	moves     map[string]moveRow
+	// moveRecs follow each move to the next request reading its context;
+	// waitNext indexes them by the context's last block.
+	moveRecs []moveRec
+	waitNext map[kvindex.Key][]int
 }
 
 type decisionRec struct {
@@ -40,14 +56,16 @@ type decisionRec struct {
 var _ des.Router = (*decisionTrace)(nil)
 
 func newDecisionTrace(r *strategyRouter) *decisionTrace {
-	return &decisionTrace{strategyRouter: r, recs: map[uint64]decisionRec{}}
+	return &decisionTrace{strategyRouter: r, recs: map[uint64]decisionRec{}, gaps: map[uint64]gapRec{},
+		waitNext: map[kvindex.Key][]int{}}
 }
 
 // Pick implements des.Router.
 func (t *decisionTrace) Pick(ctx context.Context, req *des.RouteRequest, cands []string) (des.Decision, error) {
 	held := map[string]int{}
+	var keys []kvindex.Key
 	if t.kv != nil && len(req.Tokens) >= sim.DefaultBlockSize {
-		keys := kvindex.AppendKeys(nil, kvindex.Root(t.model, req.Adapter, req.CacheSalt), req.Tokens, sim.DefaultBlockSize)
+		keys = kvindex.AppendKeys(nil, kvindex.Root(t.model, req.Adapter, req.CacheSalt), req.Tokens, sim.DefaultBlockSize)
 		ms, err := t.kv.index.Lookup(ctx, keys)
 		if err != nil {
 			return des.Decision{}, err
@@ -69,6 +87,8 @@ func (t *decisionTrace) Pick(ctx context.Context, req *des.RouteRequest, cands [
 		rec.best = max(rec.best, n)
 	}
 	t.recs[uint64(req.ID)] = rec
+	t.noteMove(req, keys, held, rec.best, rec.chosen, d.Instance)
+	t.noteGap(req, keys, rec.best, d.Instance, d.Reason, rec.chosen < rec.best)
 	return d, nil
 }
 

@@ -8,6 +8,9 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/sim"
+	"github.com/kvrouter/kvrouter/workload"
 )
 
 // TestDecisionBreakdown: the account splits each request's uncached
@@ -97,5 +100,113 @@ func TestQueueProfile(t *testing.T) {
 	}
 	if strings.Contains(s, "| 3-5 |") {
 		t.Errorf("the cold request counted as served from cache:\n%s", s)
+	}
+}
+
+// TestGapAccount: a request's deficit against the pooled bound is traced to
+// the decision that placed its first missing block: still in its prefill
+// ("in flight"), or evicted since, compared with the instances' turnover.
+func TestGapAccount(t *testing.T) {
+	tr := newDecisionTrace(&strategyRouter{})
+	const B = sim.DefaultBlockSize
+	tr.bound = []int64{0, 0, 4 * B, 4 * B, 2 * B}
+	keys := []kvindex.Key{11, 12, 13, 14}
+	s := time.Second
+	mk := func(id int, now time.Duration) *des.RouteRequest {
+		return &des.RouteRequest{Request: &workload.Request{ID: id}, Now: now}
+	}
+	tr.noteGap(mk(0, 0), keys, 0, "a", "heuristic", false)
+	tr.noteGap(mk(1, s), []kvindex.Key{21, 22}, 0, "b", "kv_match", true)
+	// Request 2 at 100 s finds nothing held: request 0 placed it on a,
+	// finished at 10 s; a turns over in 50 s, b in 200 s.
+	tr.life = &lifeTracker{ages: map[string][]time.Duration{"a": fill(50 * s), "b": fill(200 * s)}}
+	tr.noteGap(mk(2, 100*s), keys, 0, "b", "heuristic", false)
+	// Request 3 at 300 s: older than every turnover, placed by request 2.
+	tr.noteGap(mk(3, 300*s), keys, B, "b", "kv_match", false)
+	// Request 4 at 1.5 s: request 1 (moved) had not had its first token.
+	tr.noteGap(mk(4, 1500*time.Millisecond), []kvindex.Key{21, 22}, 0, "a", "kv_match", false)
+	res := &des.Result{Outcomes: []des.Outcome{
+		{ID: 0, Arrival: 0, TTFT: s, Finish: 10 * s},
+		{ID: 1, Arrival: s, TTFT: 2 * s, Finish: 5 * s},
+		{ID: 2, Arrival: 100 * s, TTFT: s, Finish: 110 * s},
+		{ID: 3, Arrival: 300 * s, TTFT: s, Finish: 310 * s},
+		{ID: 4, Arrival: 1500 * time.Millisecond, TTFT: s, Finish: 9 * s},
+	}}
+	rows := tr.gapAccount(res)
+	got := map[string]int64{}
+	for _, r := range rows {
+		got[r.Class+"/"+r.Placer] = r.Tokens
+	}
+	want := map[string]int64{
+		"evicted, would outlive it elsewhere/heuristic":                 4 * B,
+		"evicted, older than every other instance's turnover/heuristic": 3 * B,
+		"in flight/kv_match (moved)":                                    2 * B,
+	}
+	if len(got) != len(want) {
+		t.Fatalf("rows %+v, want %v", rows, want)
+	}
+	for k, v := range want {
+		if got[k] != v {
+			t.Fatalf("rows %+v, want %v", rows, want)
+		}
+	}
+}
+
+func fill(d time.Duration) []time.Duration {
+	a := make([]time.Duration, lifeWindow)
+	for i := range a {
+		a[i] = d
+	}
+	return a
+}
+
+// TestMoveOutcomes: a move off the best holder is followed to the next
+// request carrying its context's last whole trace block, and classed by
+// that request's idle time against the left holder's and the target's
+// turnover; a context nobody reads again is its own class.
+func TestMoveOutcomes(t *testing.T) {
+	tr := newDecisionTrace(&strategyRouter{})
+	s := time.Second
+	tr.life = &lifeTracker{ages: map[string][]time.Duration{"h": fill(100 * s), "y": fill(300 * s)}}
+	per := workload.TraceBlockTokens / sim.DefaultBlockSize
+	ctx := func(base, n int) []kvindex.Key {
+		k := make([]kvindex.Key, n)
+		for i := range k {
+			k[i] = kvindex.Key(base + i)
+		}
+		return k
+	}
+	mk := func(id int, now time.Duration) *des.RouteRequest {
+		return &des.RouteRequest{Request: &workload.Request{ID: id}, Now: now}
+	}
+	held := map[string]int{"h": 64, "y": 0}
+	pick := func(id int, now time.Duration, keys []kvindex.Key, chosenHeld int) {
+		tr.noteMove(mk(id, now), keys, held, 64, chosenHeld, "y")
+		tr.noteGap(mk(id, now), keys, 64, "y", "kv_match", chosenHeld < 64)
+	}
+	a := ctx(1000, per+3) // one whole trace block and a partial one
+	pick(0, 0, a, 0)
+	pick(1, s, ctx(5000, per), 0) // never read again
+	// Request 2 carries a's whole block (not its partial tail) 200 s after
+	// request 0 finished: beyond h's 100 s, within y's 300 s.
+	pick(2, 210*s, append(ctx(1000, per), ctx(9000, 2)...), 64)
+	res := &des.Result{Outcomes: []des.Outcome{
+		{ID: 0, TTFT: s, Finish: 10 * s}, {ID: 1, Arrival: s, TTFT: s, Finish: 5 * s},
+		{ID: 2, Arrival: 210 * s, TTFT: s, Finish: 215 * s},
+	}}
+	var out bytes.Buffer
+	if err := tr.writeMoveOutcomes(&out, res, 1000); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"| beyond the holder's turnover, within the target's (the move kept it) | 1 | 0.0640 |",
+		"| no later request read the context | 1 | 0.0640 |",
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Fatalf("want %q in\n%s", want, out.String())
+		}
+	}
+	if len(tr.moves) != 1 {
+		t.Fatalf("move account %+v", tr.moves)
 	}
 }

@@ -458,6 +458,9 @@ func runStrategy(ctx context.Context, name string, ff *fleetFlags, scfg sim.Conf
 	if ff.decisions != nil && rt.kv != nil {
 		trace = newDecisionTrace(rt)
 		dc.Router = trace
+		trace.bound = boundHits
+		trace.life = newLifeTracker(dc.Index, func() time.Duration { return rt.kv.now })
+		dc.Index = trace.life
 	}
 	res, err := des.Run(ctx, dc, b.w)
 	bar.Done()
@@ -467,6 +470,18 @@ func runStrategy(ctx context.Context, name string, ff *fleetFlags, scfg sim.Conf
 	if trace != nil {
 		rows, prompt := trace.breakdown(res)
 		if err := writeBreakdown(ff.decisions, name, rows, prompt); err != nil {
+			return report.Summary{}, err
+		}
+		if err := writeGapAccount(ff.decisions, trace.gapAccount(res), prompt); err != nil {
+			return report.Summary{}, err
+		}
+		if err := writeMoveAccount(ff.decisions, trace.moves, prompt); err != nil {
+			return report.Summary{}, err
+		}
+		if err := trace.writeMoveOutcomes(ff.decisions, res, prompt); err != nil {
+			return report.Summary{}, err
+		}
+		if err := trace.writeTurnover(ff.decisions); err != nil {
 			return report.Summary{}, err
 		}
 		if err := trace.writeQueueProfile(ff.decisions, res); err != nil {
