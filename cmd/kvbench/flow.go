@@ -167,6 +167,13 @@ func (a *flowAdmission) Candidates(id uint64, cands, dst []string) []string {
 	return dst
 }
 
+func (a *flowAdmission) KeptFree(id uint64, dst []string) []string {
+	if it := a.items[id]; it != nil {
+		return a.s.KeptFree(it, dst)
+	}
+	return dst
+}
+
 func (a *flowAdmission) Placed(id uint64, instance string) {
 	if it := a.items[id]; it != nil {
 		a.s.Bind(it, instance)

@@ -206,6 +206,16 @@ func FilterRoom[T any](t *Ticket, cands []T, id func(T) string) []T {
 	return out
 }
 
+// KeptFree appends to dst the instances the queue keeps free of prompts
+// larger than a step, for the ticket's request (Sched.KeptFree;
+// router.Request.KeptFree).
+func (t *Ticket) KeptFree(dst []string) []string {
+	g := t.g
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.s.KeptFree(&t.it, dst)
+}
+
 // Bind records the instance the request was routed to (the first call
 // counts; it is charged there until FirstToken and Done).
 func (t *Ticket) Bind(instance string) {

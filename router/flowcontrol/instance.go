@@ -24,6 +24,7 @@ type instLoad struct {
 	work     int64     // of those, the tokens it does not hold (workOn)
 	big      int       // oversized prompts before their first token (reserve.go)
 	bigEnd   time.Time // when the last bound of them is predicted to reach it (reserve.go)
+	long     int       // oversized requests bound there, until they end (reserve.go)
 	live     bool
 }
 
@@ -57,6 +58,12 @@ func (s *Sched) SetInstances(names []string) {
 
 // roomIn reports whether an instance holding l can take it.
 func (s *Sched) roomIn(l *instLoad, it *Item) bool {
+	return s.mayTake(l, it) && s.budgetRoom(l, it)
+}
+
+// budgetRoom reports whether the budgets of an instance holding l leave
+// room for it.
+func (s *Sched) budgetRoom(l *instLoad, it *Item) bool {
 	if c := s.cfg.InstanceConcurrency; c > 0 && l.inflight >= c {
 		return false
 	}
@@ -164,6 +171,10 @@ func (s *Sched) Bind(it *Item, instance string) {
 		l.work += it.work
 		s.bigBound(it)
 	}
+	if s.oversized(it) {
+		it.long = true
+		l.long++
+	}
 }
 
 // unbindPrefill releases it's pending prefill on its instance.
@@ -182,6 +193,10 @@ func (s *Sched) release(it *Item) {
 		return
 	}
 	l.inflight--
+	if it.long {
+		it.long = false
+		l.long--
+	}
 	if !l.live && l.inflight == 0 && l.pending == 0 {
 		for name, x := range s.insts {
 			if x == l {

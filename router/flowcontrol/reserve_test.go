@@ -2,6 +2,7 @@ package flowcontrol
 
 import (
 	"math"
+	"slices"
 	"testing"
 	"time"
 )
@@ -256,4 +257,69 @@ func TestStepSizedArrivalPassesHeldLongPrompts(t *testing.T) {
 		t.Fatalf("%d shed for their deadline", n)
 	}
 	offer(t, s, &Item{Prefill: 500, Cost: 500}, at(1005), Queued)
+}
+
+// TestOverloadKeepsInstancesFreeOfLongRequests: under overload the short
+// requests keep their offered load of instances, ⌈1.33⌉ = 2 of a–d, free
+// of long requests in prefill or in decode (a long prompt past its first
+// token still runs its decode steps there, and a short prompt waits for
+// the step in progress). With long requests decoding on c and d, a long
+// prompt has room on c or d only, and is held back (letting step-sized
+// requests pass) when neither has. With only a free, b, running the
+// fewest long requests, takes no more until they end. With none anywhere
+// a long prompt may take the two instances the short requests use least.
+// Short requests have room everywhere and are told which instances are
+// kept. Not overloaded, the staffing rule alone decides.
+func TestOverloadKeepsInstancesFreeOfLongRequests(t *testing.T) {
+	long := &Item{Prefill: 5000, Cost: 5000}
+	short := &Item{Prefill: 1000, Cost: 1100}
+	room := func(s *Sched, what string, want map[string]bool) {
+		t.Helper()
+		for name, w := range want {
+			if got := s.Room(name, long); got != w {
+				t.Errorf("%s: room for a long prompt on %s %v, want %v", what, name, got, w)
+			}
+			if !s.Room(name, short) {
+				t.Errorf("%s: no room for a short request on %s", what, name)
+			}
+		}
+	}
+	heavy := demandSched(t, 0, 150*time.Millisecond, 3)
+	if k, ok := heavy.keepK(long); !ok || k != 2 {
+		t.Fatalf("kept %d (%v), want 2", k, ok)
+	}
+	heavy.insts["c"].long, heavy.insts["d"].long = 1, 1
+	room(heavy, "long decodes on c, d", map[string]bool{"a": false, "b": false, "c": true, "d": true})
+	if heavy.reserveBlocks(long) {
+		t.Errorf("long decodes on c, d, both with room: held back")
+	}
+	kept := heavy.KeptFree(short, nil)
+	slices.Sort(kept)
+	if !slices.Equal(kept, []string{"a", "b"}) || heavy.KeptFree(long, nil) != nil {
+		t.Errorf("kept free for a short request %v, for a long one %v; want [a b], none", kept, heavy.KeptFree(long, nil))
+	}
+	heavy.insts["c"].pending, heavy.insts["d"].pending = 1000, 1000
+	if !heavy.reserveBlocks(long) || heavy.fits(long) {
+		t.Errorf("c and d busy: held back %v, fits %v; want held back by the reservation", heavy.reserveBlocks(long), heavy.fits(long))
+	}
+
+	drain := demandSched(t, 0, 150*time.Millisecond, 3)
+	drain.insts["b"].long, drain.insts["c"].long, drain.insts["d"].long = 1, 2, 3
+	room(drain, "only a free", map[string]bool{"a": false, "b": false, "c": true, "d": true})
+
+	none := demandSched(t, 0, 150*time.Millisecond, 3)
+	none.insts["d"].inflight = 2 // d serves short requests; then a, b, c by name
+	room(none, "no long requests", map[string]bool{"a": false, "b": true, "c": true, "d": false})
+	if kept := none.KeptFree(short, nil); !slices.Equal(kept, []string{"d", "a"}) {
+		t.Errorf("no long requests: kept %v, want [d a]", kept)
+	}
+
+	light := demandSched(t, 0, 150*time.Millisecond, 30)
+	if _, ok := light.keepK(long); ok {
+		t.Errorf("not overloaded: instances kept free of long decodes")
+	}
+	light.insts["c"].long, light.insts["d"].long = 1, 1
+	if !light.Room("a", long) {
+		t.Errorf("not overloaded: no room on a")
+	}
 }

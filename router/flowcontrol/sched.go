@@ -197,6 +197,7 @@ type Item struct {
 	work              int64     // its prefill: the prompt tokens inst (Bind; until then the best holder) lacks
 	ahead             int64     // inst's prefill work before it, when bound
 	big               bool      // an oversized prompt before its first token (reserve.go)
+	long              bool      // an oversized request bound to inst, until it ends (reserve.go)
 }
 
 type itemState uint8
