@@ -159,8 +159,9 @@ func (a *flowAdmission) Candidates(id uint64, cands, dst []string) []string {
 	if it == nil {
 		return dst
 	}
+	room := a.s.RoomFor(it)
 	for _, c := range cands {
-		if a.s.Room(c, it) {
+		if room.Has(c) {
 			dst = append(dst, c)
 		}
 	}

@@ -188,9 +188,10 @@ func FilterRoom[T any](t *Ticket, cands []T, id func(T) string) []T {
 	if !g.s.perInstance() {
 		return cands
 	}
+	room := g.s.RoomFor(&t.it)
 	n := 0
 	for _, c := range cands {
-		if g.s.Room(id(c), &t.it) {
+		if room.Has(id(c)) {
 			n++
 		}
 	}
@@ -199,7 +200,7 @@ func FilterRoom[T any](t *Ticket, cands []T, id func(T) string) []T {
 	}
 	out := cands[:0]
 	for _, c := range cands {
-		if g.s.Room(id(c), &t.it) {
+		if room.Has(id(c)) {
 			out = append(out, c)
 		}
 	}

@@ -56,9 +56,10 @@ func (s *Sched) SetInstances(names []string) {
 	s.liveN = len(names)
 }
 
-// roomIn reports whether an instance holding l can take it.
-func (s *Sched) roomIn(l *instLoad, it *Item) bool {
-	return s.mayTake(l, it) && s.budgetRoom(l, it)
+// roomIn reports whether an instance holding l can take it (v: it's
+// keepView, s.keep(it)).
+func (s *Sched) roomIn(v *keepView, l *instLoad, it *Item) bool {
+	return v.mayTake(l) && s.budgetRoom(l, it)
 }
 
 // budgetRoom reports whether the budgets of an instance holding l leave
@@ -100,10 +101,32 @@ func (s *Sched) pastDeadline(own, ahead int64, it *Item) bool {
 
 // Room reports whether instance can take it under the per-instance
 // budgets (always true without them, and for an instance the queue does
-// not know yet: it holds nothing the queue admitted).
+// not know yet: it holds nothing the queue admitted). To ask of many
+// instances, RoomFor.
 func (s *Sched) Room(instance string, it *Item) bool {
-	l := s.insts[instance]
-	return l == nil || s.roomIn(l, it)
+	c := s.RoomFor(it)
+	return c.Has(instance)
+}
+
+// RoomCheck answers Room for one request, with what the answer needs of
+// the whole pool gathered once (RoomFor): asking it of every candidate is
+// one pass over the pool, not one per candidate. Valid until the queue
+// next changes.
+type RoomCheck struct {
+	s  *Sched
+	it *Item
+	v  keepView
+}
+
+// RoomFor is the RoomCheck of it.
+func (s *Sched) RoomFor(it *Item) RoomCheck {
+	return RoomCheck{s: s, it: it, v: s.keep(it)}
+}
+
+// Has reports whether instance can take the request (Room).
+func (c *RoomCheck) Has(instance string) bool {
+	l := c.s.insts[instance]
+	return l == nil || c.s.roomIn(&c.v, l, c.it)
 }
 
 // instancesFit reports whether some instance has room for it beyond the
@@ -114,8 +137,9 @@ func (s *Sched) instancesFit(it *Item) bool {
 		return true
 	}
 	free := 0
+	v := s.keep(it)
 	for _, l := range s.insts {
-		if l.live && s.roomIn(l, it) {
+		if l.live && s.roomIn(&v, l, it) {
 			free++
 			if free > s.unbound {
 				return true

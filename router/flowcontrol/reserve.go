@@ -162,43 +162,102 @@ func (s *Sched) keepK(it *Item) (k int, ok bool) {
 	return s.offeredK(d, b), true
 }
 
-// mayTake reports whether the oversized prompt it may go to l: always for
-// a request that fits a step, and while the reservation keeps no
-// instances free of oversized requests (keepK). To an instance with none
-// in flight, when that leaves keepK such instances (the oversized prompts
-// admitted and not yet bound each taking one) and the ones left are those
-// serving the step-sized requests most (servesMore): the kept set stays
-// where their copies of hot prefixes are, and the long prompt takes the
-// free instance they use least. To one running oversized requests, unless
-// fewer than keepK are free and it is among the ones running fewest,
-// one for each instance missing: those take no more until their long
-// requests end, and the kept set grows to what the short requests need.
-func (s *Sched) mayTake(l *instLoad, it *Item) bool {
+// keepView is what mayTake needs of the whole pool for one oversized
+// prompt, gathered once (keep) so that a walk over the instances asking
+// each (instancesFit, keptOut, FilterRoom) is one pass and a sort, not one
+// pass per instance: on is false where the reservation keeps nothing free
+// of oversized requests (keepK), and every instance may take it.
+type keepView struct {
+	on bool
+	// top is the keepK-th of the instances free of oversized requests by
+	// servesMore (nil with fewer than keepK free): the kept set is it and
+	// those before it.
+	top *instLoad
+	// spare: the free instances beyond keepK, less the admitted unbound
+	// oversized prompts that will each take one.
+	spare int
+	// last is, when fewer than keepK are free, the need-th of the
+	// instances running oversized requests by fewest (need: the free
+	// instances missing; nil with fewer such instances): it and those
+	// before it take no more until theirs end.
+	last *instLoad
+	need int
+}
+
+// keep gathers the keepView of the oversized prompt it (off for any other
+// request, or where nothing is kept).
+func (s *Sched) keep(it *Item) keepView {
 	if !s.oversized(it) || s.liveN < 2 {
-		return true
+		return keepView{}
 	}
 	k, ok := s.keepK(it)
 	if !ok {
-		return true
+		return keepView{}
 	}
-	free, above, fewer := 0, 0, 0
-	for _, o := range s.insts {
+	free, busy := s.keepFree[:0], s.keepBusy[:0]
+	for _, l := range s.insts {
 		switch {
-		case !o.live || o == l:
-		case o.long == 0:
-			free++
-			if servesMore(o, l) {
-				above++
-			}
-		case o.long < l.long || (o.long == l.long && o.name < l.name):
-			fewer++
+		case !l.live:
+		case l.long == 0:
+			free = append(free, l)
+		default:
+			busy = append(busy, l)
 		}
 	}
+	s.keepFree, s.keepBusy = free, busy
 	others := max(s.unboundBig-btoi(it.big), 0)
-	if l.long == 0 {
-		return free-others >= k && above >= k
+	v := keepView{on: true, spare: len(free) - others - k, need: k - (len(free) - others)}
+	if len(free) >= k {
+		slices.SortFunc(free, func(a, b *instLoad) int { return order(servesMore(a, b), a == b) })
+		v.top = free[k-1]
 	}
-	return fewer >= k-(free-others)
+	if v.need > 0 && len(busy) >= v.need {
+		slices.SortFunc(busy, func(a, b *instLoad) int { return order(fewerLong(a, b), a == b) })
+		v.last = busy[v.need-1]
+	}
+	return v
+}
+
+// order is a comparison's result from "a goes before b" and "a is b".
+func order(before, same bool) int {
+	switch {
+	case same:
+		return 0
+	case before:
+		return -1
+	}
+	return 1
+}
+
+// fewerLong orders instances running oversized requests by how many, then
+// by name.
+func fewerLong(a, b *instLoad) bool {
+	return a.long < b.long || (a.long == b.long && a.name < b.name)
+}
+
+// mayTake reports whether the oversized prompt of the view may go to l:
+// always for a request that fits a step, and while the reservation keeps
+// no instances free of oversized requests (keepK). To an instance with
+// none in flight, when that leaves keepK such instances (the oversized
+// prompts admitted and not yet bound each taking one) and the ones left
+// are those serving the step-sized requests most (servesMore): the kept
+// set stays where their copies of hot prefixes are, and the long prompt
+// takes the free instance they use least. To one running oversized
+// requests, unless fewer than keepK are free and it is among the ones
+// running fewest, one for each instance missing: those take no more until
+// their long requests end, and the kept set grows to what the short
+// requests need.
+func (v *keepView) mayTake(l *instLoad) bool {
+	if !v.on {
+		return true
+	}
+	if l.long == 0 {
+		// The free instances other than l leave keepK (l itself is one of
+		// the free counted, when live), and l is not among the keepK
+		// serving most.
+		return v.spare >= btoi(l.live) && v.top != nil && servesMore(v.top, l)
+	}
+	return v.need <= 0 || (v.last != nil && fewerLong(v.last, l))
 }
 
 // servesMore orders instances free of oversized requests by the requests
@@ -214,12 +273,16 @@ func (s *Sched) keptOut(it *Item) bool {
 	if !s.oversized(it) {
 		return false
 	}
+	v := s.keep(it)
+	if !v.on {
+		return false
+	}
 	kept := false
 	for _, l := range s.insts {
 		if !l.live || !s.budgetRoom(l, it) {
 			continue
 		}
-		if s.mayTake(l, it) {
+		if v.mayTake(l) {
 			return false
 		}
 		kept = true

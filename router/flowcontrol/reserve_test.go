@@ -2,6 +2,7 @@ package flowcontrol
 
 import (
 	"math"
+	"math/rand/v2"
 	"slices"
 	"testing"
 	"time"
@@ -321,5 +322,68 @@ func TestOverloadKeepsInstancesFreeOfLongRequests(t *testing.T) {
 	light.insts["c"].long, light.insts["d"].long = 1, 1
 	if !light.Room("a", long) {
 		t.Errorf("not overloaded: no room on a")
+	}
+}
+
+// mayTakeRef is mayTake as first written: a pass over the pool for each
+// instance asked. keepView must answer the same.
+func mayTakeRef(s *Sched, l *instLoad, it *Item) bool {
+	if !s.oversized(it) || s.liveN < 2 {
+		return true
+	}
+	k, ok := s.keepK(it)
+	if !ok {
+		return true
+	}
+	free, above, fewer := 0, 0, 0
+	for _, o := range s.insts {
+		switch {
+		case !o.live || o == l:
+		case o.long == 0:
+			free++
+			if servesMore(o, l) {
+				above++
+			}
+		case o.long < l.long || (o.long == l.long && o.name < l.name):
+			fewer++
+		}
+	}
+	others := max(s.unboundBig-btoi(it.big), 0)
+	if l.long == 0 {
+		return free-others >= k && above >= k
+	}
+	return fewer >= k-(free-others)
+}
+
+// The view gathered once per request answers every instance as the pass
+// per instance did, over random pools: long requests, requests in flight,
+// instances gone, admitted long prompts not yet bound.
+func TestKeepViewMatchesPassPerInstance(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	long := &Item{Prefill: 5000, Cost: 5000}
+	checked := 0
+	for range 300 {
+		s := demandSched(t, 0, 150*time.Millisecond, 3)
+		for _, l := range s.insts {
+			l.long = rng.IntN(3) * rng.IntN(2)
+			l.inflight = rng.IntN(4)
+			l.live = rng.IntN(8) != 0
+		}
+		s.unboundBig = rng.IntN(3)
+		long.big = rng.IntN(2) == 0
+		if _, ok := s.keepK(long); !ok {
+			continue
+		}
+		v := s.keep(long)
+		for name, l := range s.insts {
+			checked++
+			if got, want := v.mayTake(l), mayTakeRef(s, l, long); got != want {
+				t.Fatalf("%s (long %d, in flight %d, live %v; unbound %d, big %v): view %v, pass %v",
+					name, l.long, l.inflight, l.live, s.unboundBig, long.big, got, want)
+			}
+		}
+	}
+	if checked < 400 {
+		t.Fatalf("only %d answers compared", checked)
 	}
 }

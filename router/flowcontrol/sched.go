@@ -293,10 +293,12 @@ type Sched struct {
 
 	// Per-instance budgets (instance.go): the instances' loads, how many
 	// are live, and admitted requests not yet bound to an instance.
-	insts   map[string]*instLoad
-	liveN   int
-	unbound int
-	affBuf  []*Item // scratch for preferred
+	insts map[string]*instLoad
+	// keepFree and keepBusy are keep's scratch (reserve.go).
+	keepFree, keepBusy []*instLoad
+	liveN              int
+	unbound            int
+	affBuf             []*Item // scratch for preferred
 	// unboundBig counts oversized prompts admitted and not yet bound
 	// (reserve.go).
 	unboundBig int
