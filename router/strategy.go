@@ -220,6 +220,14 @@ type Request struct {
 	// that edge does (ProxyCanWarm).
 	Warmable bool
 
+	// KeptFree names the instances the admission queue keeps free of
+	// prompts larger than a step (flowcontrol.Sched.KeptFree), set for a
+	// request that fits a step: a copy of its prefix that an exact
+	// strategy buys goes to one of them with room rather than to an
+	// instance running long contexts, whose decode steps it would wait
+	// behind. Nil: no preference.
+	KeptFree []string
+
 	// ShareKeys is set on a request picked twice (disaggregated: prefill,
 	// then decode): an exact strategy may keep what it derived from the
 	// prompt for the second pick in KeyMemo (router/kvaware keeps the

@@ -296,6 +296,7 @@ func (r *strategyRouter) request(req *des.RouteRequest) *router.Request {
 		// The driver sends warm-up copies (des.Decision.Warm), as the
 		// HTTP edge does.
 		Warmable: true,
+		KeptFree: req.KeptFree,
 	}
 	if req.CacheSalt != "" {
 		// The router reads cache_salt from the body it forwards, so that

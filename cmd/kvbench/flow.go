@@ -159,10 +159,18 @@ func (a *flowAdmission) Candidates(id uint64, cands, dst []string) []string {
 	if it == nil {
 		return dst
 	}
+	room := a.s.RoomFor(it)
 	for _, c := range cands {
-		if a.s.Room(c, it) {
+		if room.Has(c) {
 			dst = append(dst, c)
 		}
+	}
+	return dst
+}
+
+func (a *flowAdmission) KeptFree(id uint64, dst []string) []string {
+	if it := a.items[id]; it != nil {
+		return a.s.KeptFree(it, dst)
 	}
 	return dst
 }

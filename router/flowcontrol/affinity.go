@@ -68,6 +68,10 @@ func (s *Sched) preferred(l *level) *Item {
 // for it holds (any instance without per-instance budgets).
 func (s *Sched) cachedRoom(it *Item) int64 {
 	best := int64(0)
+	var v keepView
+	if s.perInstance() && len(it.Cached) > 0 {
+		v = s.keep(it)
+	}
 	for _, h := range it.Cached {
 		if h.Tokens <= best {
 			continue
@@ -76,7 +80,7 @@ func (s *Sched) cachedRoom(it *Item) int64 {
 			// An instance the queue no longer knows (gone unhealthy or
 			// removed since the request arrived) has no room.
 			l := s.insts[h.Instance]
-			if l == nil || !l.live || !s.roomIn(l, it) {
+			if l == nil || !l.live || !s.roomIn(&v, l, it) {
 				continue
 			}
 		}

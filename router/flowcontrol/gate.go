@@ -188,9 +188,10 @@ func FilterRoom[T any](t *Ticket, cands []T, id func(T) string) []T {
 	if !g.s.perInstance() {
 		return cands
 	}
+	room := g.s.RoomFor(&t.it)
 	n := 0
 	for _, c := range cands {
-		if g.s.Room(id(c), &t.it) {
+		if room.Has(id(c)) {
 			n++
 		}
 	}
@@ -199,11 +200,21 @@ func FilterRoom[T any](t *Ticket, cands []T, id func(T) string) []T {
 	}
 	out := cands[:0]
 	for _, c := range cands {
-		if g.s.Room(id(c), &t.it) {
+		if room.Has(id(c)) {
 			out = append(out, c)
 		}
 	}
 	return out
+}
+
+// KeptFree appends to dst the instances the queue keeps free of prompts
+// larger than a step, for the ticket's request (Sched.KeptFree;
+// router.Request.KeptFree).
+func (t *Ticket) KeptFree(dst []string) []string {
+	g := t.g
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.s.KeptFree(&t.it, dst)
 }
 
 // Bind records the instance the request was routed to (the first call

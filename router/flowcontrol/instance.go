@@ -24,6 +24,7 @@ type instLoad struct {
 	work     int64     // of those, the tokens it does not hold (workOn)
 	big      int       // oversized prompts before their first token (reserve.go)
 	bigEnd   time.Time // when the last bound of them is predicted to reach it (reserve.go)
+	long     int       // oversized requests bound there, until they end (reserve.go)
 	live     bool
 }
 
@@ -55,8 +56,15 @@ func (s *Sched) SetInstances(names []string) {
 	s.liveN = len(names)
 }
 
-// roomIn reports whether an instance holding l can take it.
-func (s *Sched) roomIn(l *instLoad, it *Item) bool {
+// roomIn reports whether an instance holding l can take it (v: it's
+// keepView, s.keep(it)).
+func (s *Sched) roomIn(v *keepView, l *instLoad, it *Item) bool {
+	return v.mayTake(l) && s.budgetRoom(l, it)
+}
+
+// budgetRoom reports whether the budgets of an instance holding l leave
+// room for it.
+func (s *Sched) budgetRoom(l *instLoad, it *Item) bool {
 	if c := s.cfg.InstanceConcurrency; c > 0 && l.inflight >= c {
 		return false
 	}
@@ -93,10 +101,32 @@ func (s *Sched) pastDeadline(own, ahead int64, it *Item) bool {
 
 // Room reports whether instance can take it under the per-instance
 // budgets (always true without them, and for an instance the queue does
-// not know yet: it holds nothing the queue admitted).
+// not know yet: it holds nothing the queue admitted). To ask of many
+// instances, RoomFor.
 func (s *Sched) Room(instance string, it *Item) bool {
-	l := s.insts[instance]
-	return l == nil || s.roomIn(l, it)
+	c := s.RoomFor(it)
+	return c.Has(instance)
+}
+
+// RoomCheck answers Room for one request, with what the answer needs of
+// the whole pool gathered once (RoomFor): asking it of every candidate is
+// one pass over the pool, not one per candidate. Valid until the queue
+// next changes.
+type RoomCheck struct {
+	s  *Sched
+	it *Item
+	v  keepView
+}
+
+// RoomFor is the RoomCheck of it.
+func (s *Sched) RoomFor(it *Item) RoomCheck {
+	return RoomCheck{s: s, it: it, v: s.keep(it)}
+}
+
+// Has reports whether instance can take the request (Room).
+func (c *RoomCheck) Has(instance string) bool {
+	l := c.s.insts[instance]
+	return l == nil || c.s.roomIn(&c.v, l, c.it)
 }
 
 // instancesFit reports whether some instance has room for it beyond the
@@ -107,8 +137,9 @@ func (s *Sched) instancesFit(it *Item) bool {
 		return true
 	}
 	free := 0
+	v := s.keep(it)
 	for _, l := range s.insts {
-		if l.live && s.roomIn(l, it) {
+		if l.live && s.roomIn(&v, l, it) {
 			free++
 			if free > s.unbound {
 				return true
@@ -164,6 +195,10 @@ func (s *Sched) Bind(it *Item, instance string) {
 		l.work += it.work
 		s.bigBound(it)
 	}
+	if s.oversized(it) {
+		it.long = true
+		l.long++
+	}
 }
 
 // unbindPrefill releases it's pending prefill on its instance.
@@ -182,6 +217,10 @@ func (s *Sched) release(it *Item) {
 		return
 	}
 	l.inflight--
+	if it.long {
+		it.long = false
+		l.long--
+	}
 	if !l.live && l.inflight == 0 && l.pending == 0 {
 		for name, x := range s.insts {
 			if x == l {

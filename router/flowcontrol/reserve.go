@@ -65,7 +65,20 @@ import (
 //     while requests wait, and at light load those short spells put it far
 //     below the pool's capacity (the heavy tenant's p99 at half load 1,229
 //     ms with a drain-rate k, 685 ms with this one, 1,210 ms without the
-//     queue).
+//     queue). In this regime the k instances are kept free of oversized
+//     requests for their whole life, decode included, not only until
+//     their first tokens (mayTake): a long context decoding on an
+//     instance makes each step there ~12–14 ms at 25–35 such requests,
+//     and a short prompt waits for the step in progress, so a short
+//     request there has a p90 at 1.5 times its unloaded one whatever
+//     its prefix hit (docs/BENCHMARKS.md §12, session 13). The kept
+//     instances are those serving the short requests most (a long
+//     prompt takes the free instance they use least), and while fewer
+//     than k are free, the instances running fewest long requests take
+//     no more until theirs end. A short request is told which they are
+//     (KeptFree): a copy of its prefix bought by a cache-aware strategy
+//     goes there (router.Request.KeptFree), where it is neither behind
+//     long decodes nor evicted by long contexts.
 //
 // Nothing is reserved with a single instance, nor while no step-sized
 // request at least as urgent has arrived within the time an oversized
@@ -91,6 +104,9 @@ func (s *Sched) oversized(it *Item) bool {
 func (s *Sched) reserveBlocks(it *Item) bool {
 	if !s.oversized(it) || s.liveN < 2 {
 		return false
+	}
+	if s.keptOut(it) {
+		return true
 	}
 	held := s.unboundBig
 	for _, l := range s.insts {
@@ -128,6 +144,180 @@ func (s *Sched) reserveBlocks(it *Item) bool {
 	target := max(d.obj/d.objN-s.svcFit.at(d.tokens/d.reqs, 0).Seconds(), 0)
 	hold := s.service(it).Seconds()
 	return shortTail(load, work, target, left, hold, s.bigEnds(hold)) > missShare
+}
+
+// keepK is how many instances free of oversized requests (prefill and
+// decode alike) the oversized prompt it leaves the step-sized requests:
+// ok is false where none is kept that way (not overloaded, the demand or
+// the slope not known yet).
+func (s *Sched) keepK(it *Item) (k int, ok bool) {
+	d, ok := s.smallDemandFor(it)
+	if !ok {
+		return 0, false
+	}
+	b := s.svcFit.slope()
+	if b <= 0 || s.arrSec <= 0 || d.reqs <= 0 || !s.overloaded(b) {
+		return 0, false
+	}
+	return s.offeredK(d, b), true
+}
+
+// keepView is what mayTake needs of the whole pool for one oversized
+// prompt, gathered once (keep) so that a walk over the instances asking
+// each (instancesFit, keptOut, FilterRoom) is one pass and a sort, not one
+// pass per instance: on is false where the reservation keeps nothing free
+// of oversized requests (keepK), and every instance may take it.
+type keepView struct {
+	on bool
+	// top is the keepK-th of the instances free of oversized requests by
+	// servesMore (nil with fewer than keepK free): the kept set is it and
+	// those before it.
+	top *instLoad
+	// spare: the free instances beyond keepK, less the admitted unbound
+	// oversized prompts that will each take one.
+	spare int
+	// last is, when fewer than keepK are free, the need-th of the
+	// instances running oversized requests by fewest (need: the free
+	// instances missing; nil with fewer such instances): it and those
+	// before it take no more until theirs end.
+	last *instLoad
+	need int
+}
+
+// keep gathers the keepView of the oversized prompt it (off for any other
+// request, or where nothing is kept).
+func (s *Sched) keep(it *Item) keepView {
+	if !s.oversized(it) || s.liveN < 2 {
+		return keepView{}
+	}
+	k, ok := s.keepK(it)
+	if !ok {
+		return keepView{}
+	}
+	free, busy := s.keepFree[:0], s.keepBusy[:0]
+	for _, l := range s.insts {
+		switch {
+		case !l.live:
+		case l.long == 0:
+			free = append(free, l)
+		default:
+			busy = append(busy, l)
+		}
+	}
+	s.keepFree, s.keepBusy = free, busy
+	others := max(s.unboundBig-btoi(it.big), 0)
+	v := keepView{on: true, spare: len(free) - others - k, need: k - (len(free) - others)}
+	if len(free) >= k {
+		slices.SortFunc(free, func(a, b *instLoad) int { return order(servesMore(a, b), a == b) })
+		v.top = free[k-1]
+	}
+	if v.need > 0 && len(busy) >= v.need {
+		slices.SortFunc(busy, func(a, b *instLoad) int { return order(fewerLong(a, b), a == b) })
+		v.last = busy[v.need-1]
+	}
+	return v
+}
+
+// order is a comparison's result from "a goes before b" and "a is b".
+func order(before, same bool) int {
+	switch {
+	case same:
+		return 0
+	case before:
+		return -1
+	}
+	return 1
+}
+
+// fewerLong orders instances running oversized requests by how many, then
+// by name.
+func fewerLong(a, b *instLoad) bool {
+	return a.long < b.long || (a.long == b.long && a.name < b.name)
+}
+
+// mayTake reports whether the oversized prompt of the view may go to l:
+// always for a request that fits a step, and while the reservation keeps
+// no instances free of oversized requests (keepK). To an instance with
+// none in flight, when that leaves keepK such instances (the oversized
+// prompts admitted and not yet bound each taking one) and the ones left
+// are those serving the step-sized requests most (servesMore): the kept
+// set stays where their copies of hot prefixes are, and the long prompt
+// takes the free instance they use least. To one running oversized
+// requests, unless fewer than keepK are free and it is among the ones
+// running fewest, one for each instance missing: those take no more until
+// their long requests end, and the kept set grows to what the short
+// requests need.
+func (v *keepView) mayTake(l *instLoad) bool {
+	if !v.on {
+		return true
+	}
+	if l.long == 0 {
+		// The free instances other than l leave keepK (l itself is one of
+		// the free counted, when live), and l is not among the keepK
+		// serving most.
+		return v.spare >= btoi(l.live) && v.top != nil && servesMore(v.top, l)
+	}
+	return v.need <= 0 || (v.last != nil && fewerLong(v.last, l))
+}
+
+// servesMore orders instances free of oversized requests by the requests
+// in flight there (all step-sized), then by name.
+func servesMore(a, b *instLoad) bool {
+	return a.inflight > b.inflight || (a.inflight == b.inflight && a.name < b.name)
+}
+
+// keptOut reports whether the oversized prompt it is held back by the
+// instances kept free of oversized requests alone: some instance has room
+// for it under the budgets, and each of them is one it may not take.
+func (s *Sched) keptOut(it *Item) bool {
+	if !s.oversized(it) {
+		return false
+	}
+	v := s.keep(it)
+	if !v.on {
+		return false
+	}
+	kept := false
+	for _, l := range s.insts {
+		if !l.live || !s.budgetRoom(l, it) {
+			continue
+		}
+		if v.mayTake(l) {
+			return false
+		}
+		kept = true
+	}
+	return kept
+}
+
+// KeptFree appends to dst the instances kept free of oversized requests
+// for a request it that fits a step (none for an oversized one, or
+// without the reservation): under overload the keepK instances with no
+// oversized request in flight that serve the step-sized requests most,
+// which long prompts may not take (mayTake); otherwise every one
+// with none in flight. A copy of its prefix there serves it away from the
+// long prompts' decodes (router.Request.KeptFree).
+func (s *Sched) KeptFree(it *Item, dst []string) []string {
+	if !s.cfg.ReserveInstance || s.cfg.InstancePrefill <= 0 || s.oversized(it) {
+		return dst
+	}
+	from := len(dst)
+	for name, l := range s.insts {
+		if l.live && l.long == 0 {
+			dst = append(dst, name)
+		}
+	}
+	probe := &Item{Priority: it.Priority, Prefill: s.cfg.InstancePrefill + 1, Cost: s.cfg.InstancePrefill + 1}
+	if k, ok := s.keepK(probe); ok && len(dst)-from > k {
+		slices.SortFunc(dst[from:], func(a, b string) int {
+			if servesMore(s.insts[a], s.insts[b]) {
+				return -1
+			}
+			return 1
+		})
+		dst = dst[:from+k]
+	}
+	return dst
 }
 
 // smallDemandFor is the demand of the step-sized requests at least as

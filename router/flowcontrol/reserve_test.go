@@ -2,6 +2,8 @@ package flowcontrol
 
 import (
 	"math"
+	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 )
@@ -256,4 +258,132 @@ func TestStepSizedArrivalPassesHeldLongPrompts(t *testing.T) {
 		t.Fatalf("%d shed for their deadline", n)
 	}
 	offer(t, s, &Item{Prefill: 500, Cost: 500}, at(1005), Queued)
+}
+
+// TestOverloadKeepsInstancesFreeOfLongRequests: under overload the short
+// requests keep their offered load of instances, ⌈1.33⌉ = 2 of a–d, free
+// of long requests in prefill or in decode (a long prompt past its first
+// token still runs its decode steps there, and a short prompt waits for
+// the step in progress). With long requests decoding on c and d, a long
+// prompt has room on c or d only, and is held back (letting step-sized
+// requests pass) when neither has. With only a free, b, running the
+// fewest long requests, takes no more until they end. With none anywhere
+// a long prompt may take the two instances the short requests use least.
+// Short requests have room everywhere and are told which instances are
+// kept. Not overloaded, the staffing rule alone decides.
+func TestOverloadKeepsInstancesFreeOfLongRequests(t *testing.T) {
+	long := &Item{Prefill: 5000, Cost: 5000}
+	short := &Item{Prefill: 1000, Cost: 1100}
+	room := func(s *Sched, what string, want map[string]bool) {
+		t.Helper()
+		for name, w := range want {
+			if got := s.Room(name, long); got != w {
+				t.Errorf("%s: room for a long prompt on %s %v, want %v", what, name, got, w)
+			}
+			if !s.Room(name, short) {
+				t.Errorf("%s: no room for a short request on %s", what, name)
+			}
+		}
+	}
+	heavy := demandSched(t, 0, 150*time.Millisecond, 3)
+	if k, ok := heavy.keepK(long); !ok || k != 2 {
+		t.Fatalf("kept %d (%v), want 2", k, ok)
+	}
+	heavy.insts["c"].long, heavy.insts["d"].long = 1, 1
+	room(heavy, "long decodes on c, d", map[string]bool{"a": false, "b": false, "c": true, "d": true})
+	if heavy.reserveBlocks(long) {
+		t.Errorf("long decodes on c, d, both with room: held back")
+	}
+	kept := heavy.KeptFree(short, nil)
+	slices.Sort(kept)
+	if !slices.Equal(kept, []string{"a", "b"}) || heavy.KeptFree(long, nil) != nil {
+		t.Errorf("kept free for a short request %v, for a long one %v; want [a b], none", kept, heavy.KeptFree(long, nil))
+	}
+	heavy.insts["c"].pending, heavy.insts["d"].pending = 1000, 1000
+	if !heavy.reserveBlocks(long) || heavy.fits(long) {
+		t.Errorf("c and d busy: held back %v, fits %v; want held back by the reservation", heavy.reserveBlocks(long), heavy.fits(long))
+	}
+
+	drain := demandSched(t, 0, 150*time.Millisecond, 3)
+	drain.insts["b"].long, drain.insts["c"].long, drain.insts["d"].long = 1, 2, 3
+	room(drain, "only a free", map[string]bool{"a": false, "b": false, "c": true, "d": true})
+
+	none := demandSched(t, 0, 150*time.Millisecond, 3)
+	none.insts["d"].inflight = 2 // d serves short requests; then a, b, c by name
+	room(none, "no long requests", map[string]bool{"a": false, "b": true, "c": true, "d": false})
+	if kept := none.KeptFree(short, nil); !slices.Equal(kept, []string{"d", "a"}) {
+		t.Errorf("no long requests: kept %v, want [d a]", kept)
+	}
+
+	light := demandSched(t, 0, 150*time.Millisecond, 30)
+	if _, ok := light.keepK(long); ok {
+		t.Errorf("not overloaded: instances kept free of long decodes")
+	}
+	light.insts["c"].long, light.insts["d"].long = 1, 1
+	if !light.Room("a", long) {
+		t.Errorf("not overloaded: no room on a")
+	}
+}
+
+// mayTakeRef is mayTake as first written: a pass over the pool for each
+// instance asked. keepView must answer the same.
+func mayTakeRef(s *Sched, l *instLoad, it *Item) bool {
+	if !s.oversized(it) || s.liveN < 2 {
+		return true
+	}
+	k, ok := s.keepK(it)
+	if !ok {
+		return true
+	}
+	free, above, fewer := 0, 0, 0
+	for _, o := range s.insts {
+		switch {
+		case !o.live || o == l:
+		case o.long == 0:
+			free++
+			if servesMore(o, l) {
+				above++
+			}
+		case o.long < l.long || (o.long == l.long && o.name < l.name):
+			fewer++
+		}
+	}
+	others := max(s.unboundBig-btoi(it.big), 0)
+	if l.long == 0 {
+		return free-others >= k && above >= k
+	}
+	return fewer >= k-(free-others)
+}
+
+// The view gathered once per request answers every instance as the pass
+// per instance did, over random pools: long requests, requests in flight,
+// instances gone, admitted long prompts not yet bound.
+func TestKeepViewMatchesPassPerInstance(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	long := &Item{Prefill: 5000, Cost: 5000}
+	checked := 0
+	for range 300 {
+		s := demandSched(t, 0, 150*time.Millisecond, 3)
+		for _, l := range s.insts {
+			l.long = rng.IntN(3) * rng.IntN(2)
+			l.inflight = rng.IntN(4)
+			l.live = rng.IntN(8) != 0
+		}
+		s.unboundBig = rng.IntN(3)
+		long.big = rng.IntN(2) == 0
+		if _, ok := s.keepK(long); !ok {
+			continue
+		}
+		v := s.keep(long)
+		for name, l := range s.insts {
+			checked++
+			if got, want := v.mayTake(l), mayTakeRef(s, l, long); got != want {
+				t.Fatalf("%s (long %d, in flight %d, live %v; unbound %d, big %v): view %v, pass %v",
+					name, l.long, l.inflight, l.live, s.unboundBig, long.big, got, want)
+			}
+		}
+	}
+	if checked < 400 {
+		t.Fatalf("only %d answers compared", checked)
+	}
 }

@@ -197,6 +197,7 @@ type Item struct {
 	work              int64     // its prefill: the prompt tokens inst (Bind; until then the best holder) lacks
 	ahead             int64     // inst's prefill work before it, when bound
 	big               bool      // an oversized prompt before its first token (reserve.go)
+	long              bool      // an oversized request bound to inst, until it ends (reserve.go)
 }
 
 type itemState uint8
@@ -292,10 +293,12 @@ type Sched struct {
 
 	// Per-instance budgets (instance.go): the instances' loads, how many
 	// are live, and admitted requests not yet bound to an instance.
-	insts   map[string]*instLoad
-	liveN   int
-	unbound int
-	affBuf  []*Item // scratch for preferred
+	insts map[string]*instLoad
+	// keepFree and keepBusy are keep's scratch (reserve.go).
+	keepFree, keepBusy []*instLoad
+	liveN              int
+	unbound            int
+	affBuf             []*Item // scratch for preferred
 	// unboundBig counts oversized prompts admitted and not yet bound
 	// (reserve.go).
 	unboundBig int

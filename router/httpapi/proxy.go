@@ -203,6 +203,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *router.Table,
 		cands, _ := pool.Candidates(buf[:0], req.Adapter, exclude)
 		if tk != nil {
 			cands = flowcontrol.FilterRoom(tk, cands, (*router.Instance).ID)
+			req.KeptFree = tk.KeptFree(req.KeptFree[:0])
 		}
 		dctx, dsp := s.span(r.Context(), SpanDecide)
 		dec, err := strat.Pick(dctx, req, cands)

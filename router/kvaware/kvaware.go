@@ -321,6 +321,7 @@ type kvEval struct {
 	later     float64  // n: later requests expected to read the new context (placement.go)
 	rent      rentNote // what the pick pays or buys (kvaware_replicate.go)
 	warmable  bool     // the request's edge can send a warm-up copy (router.Request.Warmable)
+	keptFree  []string // instances kept free of long prompts (router.Request.KeptFree)
 	sc        *kvScoring
 	memo      scoreMemo
 	shared    sharedScratch   // replica sync's shared queue (kvaware_sharedq.go)
@@ -342,6 +343,7 @@ func (st *KVState) putEval(ev *kvEval) {
 		return // don't keep a huge prompt's (or fleet's) scratch alive
 	}
 	ev.cands = ev.cands[:0]
+	ev.keptFree = nil // the request's, not the pool's
 	st.evalPool.Put(ev)
 }
 
@@ -384,6 +386,7 @@ func (s *KVAware) pick(ctx context.Context, req *router.Request, cands []*router
 	// A dry evaluation decides as a committed one would (the request
 	// stays on the holder); only a commit asks for the copy.
 	ev.warmable = req.Warmable
+	ev.keptFree = req.KeptFree
 	s.evaluate(ctx, req, cands, ev, commit)
 	var dec router.Decision
 	switch {

@@ -2,6 +2,7 @@ package kvaware
 
 import (
 	"math"
+	"slices"
 	"sync"
 
 	"github.com/kvrouter/kvrouter/kvindex"
@@ -246,7 +247,7 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 	if depth == 0 || !(pc.queue > s.sc.tieTol) {
 		return pick, reason
 	}
-	alt := s.leastQueue(ev, true, -1)
+	alt := s.copyDest(ev, pick)
 	if alt < 0 || alt == pick {
 		return pick, reason
 	}
@@ -277,6 +278,30 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 	}
 	ev.rent = rentNote{key: key, rent: saved, ok: true}
 	return pick, reason
+}
+
+// copyDest is where a copy of the pick's prefix would go: the candidate
+// with the least queue among those with room that the admission queue
+// keeps free of long prompts (kvEval.keptFree), other than the pick; else
+// the least-queue candidate of all. On an instance running long contexts
+// a copy serves its requests behind their decode steps, and is evicted
+// by them within seconds (docs/BENCHMARKS.md §12, session 13).
+func (s *KVAware) copyDest(ev *kvEval, pick int) int {
+	best := -1
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		if ce.full || i == pick || !slices.Contains(ev.keptFree, ce.inst.ID()) {
+			continue
+		}
+		if best < 0 || ce.queue < ev.cands[best].queue-s.sc.tieTol ||
+			(!(ce.queue > ev.cands[best].queue+s.sc.tieTol) && ce.rv > ev.cands[best].rv) {
+			best = i
+		}
+	}
+	if best >= 0 {
+		return best
+	}
+	return s.leastQueue(ev, true, -1)
 }
 
 // commitRent records what the committed decision paid or bought.

@@ -231,3 +231,54 @@ func TestHotPrefixWarmCopy(t *testing.T) {
 		t.Fatalf("congested holder: %s (%s), warm %v; want the request moved (replicate)", d.Instance.ID(), d.Reason, d.Warm != nil)
 	}
 }
+
+// TestCopyGoesToKeptFree: a request that fits a step names the instances
+// the admission queue keeps free of long prompts (Request.KeptFree); the
+// copy its prefix buys goes to one of them with room, not to the
+// least-queue instance of the fleet (where long contexts may decode), and
+// to the least-queue instance when the holder is the only one kept free.
+func TestCopyGoesToKeptFree(t *testing.T) {
+	system := promptTokens(61, 64*kvTestBS)
+	fixed := config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 1}}
+	buy := func(kept func(w *kvWorld) []string) *router.Instance {
+		w := newKVWorld(t, 4)
+		s := w.strategy(fixed)
+		w.store(w.insts[1].ID(), system, 0, 64)
+		for range 20 {
+			w.insts[1].Acquire()
+		}
+		for i := 0; i < 200; i++ {
+			r := kvRequest("tenant", append(slices.Clone(system), promptTokens(uint32(5000+i), 2*kvTestBS)...))
+			r.Warmable = true
+			r.KeptFree = kept(w)
+			d, err := s.Pick(context.Background(), r, w.insts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d.Observer != nil {
+				d.Observer.Done(200, -1)
+			}
+			if d.Warm != nil {
+				return d.Warm.Instance
+			}
+		}
+		t.Fatal("no purchase in 200 requests")
+		return nil
+	}
+	least := buy(func(*kvWorld) []string { return nil })
+	// Every instance but the holder is idle: keep one the least-queue
+	// rule does not pick.
+	other := ""
+	for _, id := range []string{"vllm-0", "vllm-2", "vllm-3"} {
+		if id != least.ID() {
+			other = id
+			break
+		}
+	}
+	if got := buy(func(w *kvWorld) []string { return []string{w.insts[1].ID(), other} }); got.ID() != other {
+		t.Fatalf("copy on %s, want %s, the instance kept free of long prompts (least queue: %s)", got.ID(), other, least.ID())
+	}
+	if got := buy(func(w *kvWorld) []string { return []string{w.insts[1].ID()} }); got.ID() != least.ID() {
+		t.Fatalf("only the holder kept free: copy on %s, want the least-queue %s", got.ID(), least.ID())
+	}
+}

@@ -91,6 +91,9 @@ type RouteRequest struct {
 	// Started, FirstToken and Finished name: the workload index, or for a
 	// disaggregated request's prefill stage that index tagged (disagg.go).
 	EngineID uint64
+	// KeptFree is the instances the admission queue keeps free of long
+	// prompts for this request (Placer.KeptFree; router.Request.KeptFree).
+	KeptFree []string
 }
 
 // Decision is a router's pick.
@@ -362,6 +365,8 @@ type run struct {
 	handoffs              []handoff
 	// roomBuf is scratch for placeable (placer.go).
 	roomBuf []string
+	// keptBuf is scratch for keptFree (placer.go).
+	keptBuf []string
 }
 
 // Run plays the workload through the fleet and returns what happened to
@@ -743,6 +748,7 @@ func (r *run) issue(ctx context.Context, i int) {
 		cands = r.decodeSet
 	}
 	cands = r.placeable(uint64(i), cands)
+	rr.KeptFree = r.keptFree(uint64(i))
 	cpu0 := cputime.Thread()
 	start := time.Now()
 	d, err := r.cfg.Router.Pick(ctx, rr, cands)

@@ -12,6 +12,9 @@ type Placer interface {
 	Candidates(id uint64, cands, dst []string) []string
 	// Placed: request id was routed to instance.
 	Placed(id uint64, instance string)
+	// KeptFree appends to dst the instances kept free of long prompts
+	// for request id (RouteRequest.KeptFree).
+	KeptFree(id uint64, dst []string) []string
 }
 
 // fleetChanged tells a Placer the live instances.
@@ -32,6 +35,17 @@ func (r *run) placeable(id uint64, cands []string) []string {
 		return cands
 	}
 	return r.roomBuf
+}
+
+// keptFree is the instances a Placer keeps free of long prompts for
+// request id (nil without a Placer).
+func (r *run) keptFree(id uint64) []string {
+	p, ok := r.cfg.Admission.(Placer)
+	if !ok {
+		return nil
+	}
+	r.keptBuf = p.KeptFree(id, r.keptBuf[:0])
+	return r.keptBuf
 }
 
 // placed tells a Placer where request id went.
