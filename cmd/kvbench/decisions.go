@@ -35,6 +35,10 @@ type decisionTrace struct {
 	uses   map[kvindex.Key]int    // requests that carried a block
 	// evictSeen: per evicted deficit, idle time, own and longest other turnover
 	evictSeen [][3]time.Duration
+	// beyond: tokens best holders held past the pooled bound's hit, summed
+	// over the decisions where they did (the bound's LRU is not a ceiling
+	// per request: the gap is the deficits less this)
+	beyond int64
 	bits      map[string]uint64
 	moves     map[string]moveRow
 	// moveRecs follow each move to the next request reading its context;

@@ -379,6 +379,8 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	wf.fleetToks = gpuTokens * int64(ff.instances)
 	if *decisions {
 		ff.decisions = stdout
+		// Its bookkeeping runs inside each timed decision.
+		fmt.Fprintln(stdout, "note: with --decisions the decision time columns include its own bookkeeping (several times a decision's cost); compare them from a run without it")
 	}
 	if *out != "" {
 		if err := os.MkdirAll(*out, 0o755); err != nil {
@@ -472,7 +474,7 @@ func runStrategy(ctx context.Context, name string, ff *fleetFlags, scfg sim.Conf
 		if err := writeBreakdown(ff.decisions, name, rows, prompt); err != nil {
 			return report.Summary{}, err
 		}
-		if err := writeGapAccount(ff.decisions, trace.gapAccount(res), prompt); err != nil {
+		if err := writeGapAccount(ff.decisions, trace.gapAccount(res), trace.beyond, prompt); err != nil {
 			return report.Summary{}, err
 		}
 		if err := writeMoveAccount(ff.decisions, trace.moves, prompt); err != nil {
