@@ -37,10 +37,10 @@ type decisionTrace struct {
 	evictSeen [][3]time.Duration
 	// beyond: tokens best holders held past the pooled bound's hit, summed
 	// over the decisions where they did (the bound's LRU is not a ceiling
-	// per request: the gap is the deficits less this)
+	// per request; writeGapAccount)
 	beyond int64
-	bits      map[string]uint64
-	moves     map[string]moveRow
+	bits   map[string]uint64
+	moves  map[string]moveRow
 	// moveRecs follow each move to the next request reading its context;
 	// waitNext indexes them by the context's last block.
 	moveRecs []moveRec
