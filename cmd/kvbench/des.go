@@ -149,7 +149,7 @@ func (f *workloadFlags) buildAll() (built, error) {
 		return built{}, fmt.Errorf("--replicate %d: want >= 1", f.replicate)
 	}
 	if set["synth-shapes"] && !strings.HasPrefix(f.name, synthPrefix) {
-		return built{}, fmt.Errorf("--synth-shapes applies to synth-* workloads only, not %s", f.name)
+		return built{}, fmt.Errorf("--synth-shapes applies to synth-* workloads only (--workload synth-NAME), not %s", f.name)
 	}
 	if isTrace(f.name) {
 		for _, fl := range []string{"rate", "concurrency"} {
