@@ -205,7 +205,8 @@ func (s *Sched) keep(it *Item) keepView {
 		}
 	}
 	s.keepFree, s.keepBusy = free, busy
-	others := max(s.unboundBig-btoi(it.big), 0)
+	// it itself, admitted and not yet bound, is among the unbound.
+	others := max(s.unboundBig-btoi(it.big && it.inst == nil), 0)
 	v := keepView{on: true, spare: len(free) - others - k, need: k - (len(free) - others)}
 	if len(free) >= k {
 		slices.SortFunc(free, func(a, b *instLoad) int { return order(servesMore(a, b), a == b) })
@@ -301,21 +302,20 @@ func (s *Sched) KeptFree(it *Item, dst []string) []string {
 	if !s.cfg.ReserveInstance || s.cfg.InstancePrefill <= 0 || s.oversized(it) {
 		return dst
 	}
-	from := len(dst)
-	for name, l := range s.insts {
+	free := s.keepFree[:0]
+	for _, l := range s.insts {
 		if l.live && l.long == 0 {
-			dst = append(dst, name)
+			free = append(free, l)
 		}
 	}
-	probe := &Item{Priority: it.Priority, Prefill: s.cfg.InstancePrefill + 1, Cost: s.cfg.InstancePrefill + 1}
-	if k, ok := s.keepK(probe); ok && len(dst)-from > k {
-		slices.SortFunc(dst[from:], func(a, b string) int {
-			if servesMore(s.insts[a], s.insts[b]) {
-				return -1
-			}
-			return 1
-		})
-		dst = dst[:from+k]
+	s.keepFree = free
+	probe := Item{Priority: it.Priority, Prefill: s.cfg.InstancePrefill + 1, Cost: s.cfg.InstancePrefill + 1}
+	if k, ok := s.keepK(&probe); ok && len(free) > k {
+		slices.SortFunc(free, func(a, b *instLoad) int { return order(servesMore(a, b), a == b) })
+		free = free[:k]
+	}
+	for _, l := range free {
+		dst = append(dst, l.name)
 	}
 	return dst
 }

@@ -348,7 +348,7 @@ func mayTakeRef(s *Sched, l *instLoad, it *Item) bool {
 			fewer++
 		}
 	}
-	others := max(s.unboundBig-btoi(it.big), 0)
+	others := max(s.unboundBig-btoi(it.big && it.inst == nil), 0)
 	if l.long == 0 {
 		return free-others >= k && above >= k
 	}

@@ -313,15 +313,16 @@ type kvEval struct {
 	blockSize int           // tokens per block, 0 when unknown
 	fallback  router.Reason // set when nobody's blocks count: why
 	anyStale  bool
-	busy      int      // candidates with requests in flight (this router's)
-	best      int      // the most leading blocks any candidate holds (blocks, every tier)
-	cold      []int32  // the cold candidates' positions, for scoreCold
-	commit    bool     // the decision will be committed (not shadow scoring)
-	weight    float64  // prefill cost weight used
-	later     float64  // n: later requests expected to read the new context (placement.go)
-	rent      rentNote // what the pick pays or buys (kvaware_replicate.go)
-	warmable  bool     // the request's edge can send a warm-up copy (router.Request.Warmable)
-	keptFree  []string // instances kept free of long prompts (router.Request.KeptFree)
+	busy      int                 // candidates with requests in flight (this router's)
+	best      int                 // the most leading blocks any candidate holds (blocks, every tier)
+	cold      []int32             // the cold candidates' positions, for scoreCold
+	commit    bool                // the decision will be committed (not shadow scoring)
+	weight    float64             // prefill cost weight used
+	later     float64             // n: later requests expected to read the new context (placement.go)
+	rent      rentNote            // what the pick pays or buys (kvaware_replicate.go)
+	warmable  bool                // the request's edge can send a warm-up copy (router.Request.Warmable)
+	keptFree  []string            // instances kept free of long prompts (router.Request.KeptFree)
+	keptSet   map[string]struct{} // keptFree as a set (copyDest; kept across evaluations, cleared)
 	sc        *kvScoring
 	memo      scoreMemo
 	shared    sharedScratch   // replica sync's shared queue (kvaware_sharedq.go)
@@ -344,6 +345,7 @@ func (st *KVState) putEval(ev *kvEval) {
 	}
 	ev.cands = ev.cands[:0]
 	ev.keptFree = nil // the request's, not the pool's
+	clear(ev.keptSet)
 	st.evalPool.Put(ev)
 }
 
@@ -797,16 +799,32 @@ func (s *KVAware) bounded(ev *kvEval) (int, router.Reason) {
 // under the threshold when skipFull, other than exclude when it is not
 // -1), ties within the tolerance by rendezvous order.
 func (s *KVAware) leastQueue(ev *kvEval, skipFull bool, exclude int) int {
+	return s.leastQueueOf(ev, skipFull, exclude, nil)
+}
+
+// leastQueueOf is leastQueue among the candidates in set (all of them
+// for a nil set).
+func (s *KVAware) leastQueueOf(ev *kvEval, skipFull bool, exclude int, set map[string]struct{}) int {
+	in := func(ce *candEval) bool {
+		if skipFull && ce.full {
+			return false
+		}
+		if set == nil {
+			return true
+		}
+		_, ok := set[ce.inst.ID()]
+		return ok
+	}
 	minQ := math.Inf(1)
 	for i := range ev.cands {
-		if ce := &ev.cands[i]; !(skipFull && ce.full) && i != exclude {
+		if ce := &ev.cands[i]; i != exclude && in(ce) {
 			minQ = min(minQ, ce.queue)
 		}
 	}
 	pick := -1
 	for i := range ev.cands {
 		ce := &ev.cands[i]
-		if (skipFull && ce.full) || i == exclude || ce.queue > minQ+s.sc.tieTol {
+		if i == exclude || !in(ce) || ce.queue > minQ+s.sc.tieTol {
 			continue
 		}
 		if pick < 0 || ce.rv > ev.cands[pick].rv {

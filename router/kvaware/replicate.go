@@ -2,7 +2,6 @@ package kvaware
 
 import (
 	"math"
-	"slices"
 	"sync"
 
 	"github.com/kvrouter/kvrouter/kvindex"
@@ -287,19 +286,16 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 // a copy serves its requests behind their decode steps, and is evicted
 // by them within seconds (docs/BENCHMARKS.md §12, session 13).
 func (s *KVAware) copyDest(ev *kvEval, pick int) int {
-	best := -1
-	for i := range ev.cands {
-		ce := &ev.cands[i]
-		if ce.full || i == pick || !slices.Contains(ev.keptFree, ce.inst.ID()) {
-			continue
+	if len(ev.keptFree) > 0 {
+		if ev.keptSet == nil {
+			ev.keptSet = make(map[string]struct{}, len(ev.keptFree))
 		}
-		if best < 0 || ce.queue < ev.cands[best].queue-s.sc.tieTol ||
-			(!(ce.queue > ev.cands[best].queue+s.sc.tieTol) && ce.rv > ev.cands[best].rv) {
-			best = i
+		for _, name := range ev.keptFree {
+			ev.keptSet[name] = struct{}{}
 		}
-	}
-	if best >= 0 {
-		return best
+		if best := s.leastQueueOf(ev, true, pick, ev.keptSet); best >= 0 {
+			return best
+		}
 	}
 	return s.leastQueue(ev, true, -1)
 }
