@@ -87,6 +87,7 @@ func runIndexer(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return fmt.Errorf("--gpu-tokens %d is under one block", gpuTokens)
 	}
 	var rows []replayResult
+	name := wf.name
 	for _, s := range splitList(*sizes) {
 		n, err := strconv.Atoi(s)
 		if err != nil || n < 1 {
@@ -107,12 +108,13 @@ func runIndexer(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			return err
 		}
 		runtime.KeepAlive(b.w) // freed mid-replay, it would read as the index's heap shrinking
+		name = b.w.Name // trace:<file> for a trace other than the bundled one
 		r.Copies = wf.replicate
 		fmt.Fprintf(stderr, "%d instances: %d requests, %.0f ops/CPU-s\n", n, r.Requests, r.opsPerCPU())
 		rows = append(rows, r)
 	}
 	fmt.Fprintf(stdout, "workload %s, %d index block(s) of %d tokens per trace id, engines of %d trace blocks (LRU)\n\n",
-		wf.name, *perID, indexerBlockSize, capBlocks)
+		name, *perID, indexerBlockSize, capBlocks)
 	writeReplayTable(stdout, rows)
 	return nil
 }
