@@ -152,6 +152,39 @@ func TestGapAccount(t *testing.T) {
 	}
 }
 
+// TestGapAccountPlacerAndIdle: the deficit goes to the request that placed
+// the first block the best holder lacks (not the block before it, placed by
+// another), and its idle time runs from that request's end (not its
+// arrival): finished at 100 s and read again at 250 s, 150 s idle is within
+// b's 200 s turnover; 250 s from its arrival would not be.
+func TestGapAccountPlacerAndIdle(t *testing.T) {
+	tr := newDecisionTrace(&strategyRouter{})
+	const B = sim.DefaultBlockSize
+	tr.bound = []int64{0, 0, 3 * B, 0}
+	s := time.Second
+	mk := func(id int, now time.Duration) *des.RouteRequest {
+		return &des.RouteRequest{Request: &workload.Request{ID: id}, Now: now}
+	}
+	tr.noteGap(mk(0, 0), []kvindex.Key{31}, 0, "a", "heuristic", false)
+	tr.noteGap(mk(1, s), []kvindex.Key{32}, 0, "a", "kv_match", true)
+	tr.noteGap(mk(3, 2*s), []kvindex.Key{33}, 0, "a", "replicate", false)
+	tr.life = &lifeTracker{ages: map[string][]time.Duration{"a": fill(20 * s), "b": fill(200 * s)}}
+	// Request 2 finds block 31 still held (best = one block): its first
+	// missing block, 32, was placed by request 1 (moved), not request 0
+	// (31) nor request 3 (33).
+	tr.noteGap(mk(2, 250*s), []kvindex.Key{31, 32, 33}, B, "b", "kv_match", false)
+	res := &des.Result{Outcomes: []des.Outcome{
+		{ID: 0, Arrival: 0, TTFT: s, Finish: 2 * s},
+		{ID: 1, Arrival: s, TTFT: s, Finish: 100 * s},
+		{ID: 2, Arrival: 250 * s, TTFT: s, Finish: 260 * s},
+		{ID: 3, Arrival: 2 * s, TTFT: s, Finish: 240 * s},
+	}}
+	rows := tr.gapAccount(res)
+	if len(rows) != 1 || rows[0].Class != "evicted, would outlive it elsewhere" || rows[0].Placer != "kv_match (moved)" || rows[0].Tokens != 2*B {
+		t.Fatalf("rows %+v, want one: evicted, would outlive it elsewhere / kv_match (moved) / %d tokens", rows, 2*B)
+	}
+}
+
 func fill(d time.Duration) []time.Duration {
 	a := make([]time.Duration, lifeWindow)
 	for i := range a {
