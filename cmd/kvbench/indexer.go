@@ -108,7 +108,7 @@ func runIndexer(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			return err
 		}
 		runtime.KeepAlive(b.w) // freed mid-replay, it would read as the index's heap shrinking
-		name = b.w.Name // trace:<file> for a trace other than the bundled one
+		name = b.w.Name        // trace:<file> for a trace other than the bundled one
 		r.Copies = wf.replicate
 		fmt.Fprintf(stderr, "%d instances: %d requests, %.0f ops/CPU-s\n", n, r.Requests, r.opsPerCPU())
 		rows = append(rows, r)
