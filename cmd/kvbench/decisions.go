@@ -26,13 +26,11 @@ type decisionTrace struct {
 	*strategyRouter
 	recs map[uint64]decisionRec
 	// bound is the pooled bound's hit tokens per request id (nil: no
-	// bound); placed, gaps and life follow the bound's gap (decisions_gap.go).
+	// bound); blocks, gaps and life follow the bound's gap (decisions_gap.go).
 	bound  []int64
-	placed map[kvindex.Key]placement
+	blocks map[kvindex.Key]blockRec // per block ever placed: its last placement, on which instances, by how many requests
 	gaps   map[uint64]gapRec
 	life   *lifeTracker
-	ever   map[kvindex.Key]uint64 // instances (bits) a block was ever placed on
-	uses   map[kvindex.Key]int    // requests that carried a block
 	// evictSeen: per evicted deficit, idle time, own and longest other turnover
 	evictSeen [][3]time.Duration
 	// beyond: tokens best holders held past the pooled bound's hit, summed

@@ -34,6 +34,15 @@ type placement struct {
 	moved  bool // the pick held less than the best holder
 }
 
+// blockRec is what the trace keeps of a block: the decision that last
+// placed it, the instances (bits, decisionTrace.bit) it was ever placed on,
+// and how many requests carried it.
+type blockRec struct {
+	last placement
+	ever uint64
+	uses int
+}
+
 // gapRec is a request's deficit against the bound at its decision.
 type gapRec struct {
 	deficit int // bound − best holder's tokens (> 0)
@@ -171,7 +180,7 @@ func (t *decisionTrace) noteMove(req *des.RouteRequest, keys []kvindex.Key, held
 	}
 	kind := "never held"
 	if i := chosenHeld / sim.DefaultBlockSize; i < len(keys) {
-		if t.ever[keys[i]]&t.bit(chosen) != 0 {
+		if t.blocks[keys[i]].ever&t.bit(chosen) != 0 {
 			kind = "held before, evicted"
 		}
 	}
@@ -183,7 +192,7 @@ func (t *decisionTrace) noteMove(req *des.RouteRequest, keys []kvindex.Key, held
 	// How many earlier requests carried the first lost block: 1 is a
 	// session's own context (its previous turn), more a shared prefix.
 	if i := chosenHeld / sim.DefaultBlockSize; i < len(keys) {
-		switch n := t.uses[keys[i]]; {
+		switch n := t.blocks[keys[i]].uses; {
 		case n <= 1:
 			kind += ", block of 1 earlier request"
 		case n <= 3:
@@ -240,8 +249,8 @@ func writeMoveAccount(w io.Writer, moves map[string]moveRow, prompt int64) error
 // and what placed its first missing block; then marks the request's blocks
 // as placed on the chosen instance.
 func (t *decisionTrace) noteGap(req *des.RouteRequest, keys []kvindex.Key, best int, chosen string, reason string, moved bool) {
-	if t.placed == nil {
-		t.placed = map[kvindex.Key]placement{}
+	if t.blocks == nil {
+		t.blocks = map[kvindex.Key]blockRec{}
 	}
 	id := uint64(req.ID)
 	for _, k := range keys {
@@ -268,7 +277,9 @@ func (t *decisionTrace) noteGap(req *des.RouteRequest, keys []kvindex.Key, best 
 	} else if b > best {
 		g := gapRec{deficit: b - best, now: req.Now}
 		if i := best / sim.DefaultBlockSize; i < len(keys) {
-			g.placer, g.found = t.placed[keys[i]]
+			var b blockRec
+			b, g.found = t.blocks[keys[i]]
+			g.placer = b.last
 		}
 		if t.life != nil {
 			g.turnover = t.life.turnover()
@@ -276,14 +287,11 @@ func (t *decisionTrace) noteGap(req *des.RouteRequest, keys []kvindex.Key, best 
 		t.gaps[id] = g
 	}
 	p := placement{id: id, inst: chosen, reason: reason, moved: moved}
-	if t.ever == nil {
-		t.ever, t.uses = map[kvindex.Key]uint64{}, map[kvindex.Key]int{}
-	}
 	bit := t.bit(chosen)
 	for _, k := range keys {
-		t.placed[k] = p
-		t.ever[k] |= bit
-		t.uses[k]++
+		b := t.blocks[k]
+		b.last, b.ever, b.uses = p, b.ever|bit, b.uses+1
+		t.blocks[k] = b
 	}
 }
 
