@@ -194,7 +194,26 @@ func (s *Sched) keep(it *Item) keepView {
 	if !ok {
 		return keepView{}
 	}
-	free, busy := s.keepFree[:0], s.keepBusy[:0]
+	free, busy := s.splitLong()
+	// it itself, admitted and not yet bound, is among the unbound.
+	others := max(s.unboundBig-btoi(it.big && it.inst == nil), 0)
+	v := keepView{on: true, spare: len(free) - others - k, need: k - (len(free) - others)}
+	if len(free) >= k {
+		sortServing(free)
+		v.top = free[k-1]
+	}
+	if v.need > 0 && len(busy) >= v.need {
+		slices.SortFunc(busy, func(a, b *instLoad) int { return order(fewerLong(a, b), a == b) })
+		v.last = busy[v.need-1]
+	}
+	return v
+}
+
+// splitLong sorts the live instances into those with no oversized request
+// in flight and those running some (in the Sched's scratch: valid until
+// the next call).
+func (s *Sched) splitLong() (free, busy []*instLoad) {
+	free, busy = s.keepFree[:0], s.keepBusy[:0]
 	for _, l := range s.insts {
 		switch {
 		case !l.live:
@@ -205,18 +224,13 @@ func (s *Sched) keep(it *Item) keepView {
 		}
 	}
 	s.keepFree, s.keepBusy = free, busy
-	// it itself, admitted and not yet bound, is among the unbound.
-	others := max(s.unboundBig-btoi(it.big && it.inst == nil), 0)
-	v := keepView{on: true, spare: len(free) - others - k, need: k - (len(free) - others)}
-	if len(free) >= k {
-		slices.SortFunc(free, func(a, b *instLoad) int { return order(servesMore(a, b), a == b) })
-		v.top = free[k-1]
-	}
-	if v.need > 0 && len(busy) >= v.need {
-		slices.SortFunc(busy, func(a, b *instLoad) int { return order(fewerLong(a, b), a == b) })
-		v.last = busy[v.need-1]
-	}
-	return v
+	return free, busy
+}
+
+// sortServing orders instances by servesMore: those the step-sized
+// requests use most first.
+func sortServing(ls []*instLoad) {
+	slices.SortFunc(ls, func(a, b *instLoad) int { return order(servesMore(a, b), a == b) })
 }
 
 // order is a comparison's result from "a goes before b" and "a is b".
@@ -302,16 +316,10 @@ func (s *Sched) KeptFree(it *Item, dst []string) []string {
 	if !s.cfg.ReserveInstance || s.cfg.InstancePrefill <= 0 || s.oversized(it) {
 		return dst
 	}
-	free := s.keepFree[:0]
-	for _, l := range s.insts {
-		if l.live && l.long == 0 {
-			free = append(free, l)
-		}
-	}
-	s.keepFree = free
+	free, _ := s.splitLong()
 	probe := Item{Priority: it.Priority, Prefill: s.cfg.InstancePrefill + 1, Cost: s.cfg.InstancePrefill + 1}
 	if k, ok := s.keepK(&probe); ok && len(free) > k {
-		slices.SortFunc(free, func(a, b *instLoad) int { return order(servesMore(a, b), a == b) })
+		sortServing(free)
 		free = free[:k]
 	}
 	for _, l := range free {
