@@ -136,3 +136,46 @@ func TestAgedGoesOldestFirstNewestFirstOrNot(t *testing.T) {
 		t.Fatalf("aged admission: seq %d, want the oldest (%d)", it.seq, old.seq)
 	}
 }
+
+// A request queued on a prediction that held at its arrival is shed at
+// once when newer requests of its tenant, newest first, go ahead of it so
+// far that it can no longer meet its deadline — not kept until its
+// deadline less its service. The newer ones, and the tenant's requests
+// that can still make it, stay.
+func TestNewestFirstShedsThePassedAtOnce(t *testing.T) {
+	s := mustNew(t, Config{MaxConcurrency: 1, MaxWait: time.Hour, AgingStep: time.Hour})
+	running := &Item{Cost: 10}
+	offer(t, s, running, at(0), Admitted)
+	for i := range 3 {
+		offer(t, s, &Item{Cost: 10}, at(1+i), Queued)
+	}
+	_, running = admitOrder(t, s, running, 10, 3) // the drain rate is known
+	// Shed on arrival, predicted behind its backlog: newest first now.
+	offer(t, s, &Item{Cost: 10}, at(40), Queued)
+	if out := offer(t, s, &Item{Cost: 10, Deadline: at(42)}, at(41), Shed); out.Reason != ShedDeadline {
+		t.Fatalf("shed %s", out.Reason)
+	}
+	old := &Item{Cost: 10, Deadline: at(150)}
+	if out := offer(t, s, old, at(50), Queued); out.PredictedWait > 50*time.Millisecond {
+		t.Fatalf("predicted wait %v on arrival, want it first of its tenant", out.PredictedWait)
+	}
+	var newer []*Item
+	for i := range 20 {
+		it := &Item{Cost: 10, Deadline: at(51 + i + 100)}
+		offer(t, s, it, at(51+i), Queued)
+		newer = append(newer, it)
+		if got := s.Expire(at(51+i), nil); len(got) > 0 {
+			if len(got) != 1 || got[0] != old || got[0].ExpiredReason() != ShedDeadline {
+				t.Fatalf("after %d newer: shed %d, want the old request for its deadline", i+1, len(got))
+			}
+			if i == 0 {
+				t.Fatalf("shed after one newer request, with %v of its deadline left", at(150).Sub(at(51)))
+			}
+			if s.Len() != 1+len(newer) {
+				t.Fatalf("%d waiting after the shed, want %d", s.Len(), 1+len(newer))
+			}
+			return
+		}
+	}
+	t.Fatalf("twenty newer requests ahead of it, the old request still waits (expires %v, deadline %v)", old.expires.Sub(t0), old.Deadline.Sub(t0))
+}
