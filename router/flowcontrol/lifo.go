@@ -1,9 +1,6 @@
 package flowcontrol
 
-import (
-	"container/heap"
-	"time"
-)
+import "container/heap"
 
 // Newest first within a tenant once it overruns (adaptive LIFO).
 //
@@ -63,47 +60,4 @@ func (s *Sched) newest(it *Item) *Item {
 	heap.Fix(&it.lvl.tags, it.tagIdx)
 	heap.Fix(&nw.lvl.tags, nw.tagIdx)
 	return nw
-}
-
-// passed sheds at once the waiting requests of tenant name (state t) that
-// its arrival it, enqueued ahead of them because the tenant goes newest
-// first, leaves unable to meet their deadlines: each is marked expired
-// now, for the Expire that follows the Offer (the Gate's dispatch, the
-// simulator's drop). Predicted as an arrival is (predictWait, then its
-// service), with the tenant's newer requests ahead of it: its start tag
-// that of the backlog's first request plus their cost, and their tokens
-// added to those before it. Without this a request admitted to the
-// queue on a prediction that held at its arrival waited until its
-// deadline less its service before its 429, although every newer request
-// of its tenant went ahead of it (kvbench flow --urgent-share 0, 4×: 74–92
-// % of the sheds, after waits of up to 0.8–2 s). Oldest first, the scan
-// stops at the first request that still meets its deadline: the older
-// have more ahead and, with one objective per class, earlier deadlines.
-// Only an arrival with a deadline scans, so a pool without objectives pays
-// nothing.
-func (s *Sched) passed(t *tenantState, name string, it *Item, now time.Time) {
-	r := s.rate()
-	if t == nil || !t.lifo || it.Deadline.IsZero() || r == 0 {
-		return
-	}
-	newer := t.cost
-	for e := t.items.Front(); e != nil; e = e.Next() {
-		q := e.Value.(*Item)
-		newer -= q.Cost
-		if q == it {
-			return
-		}
-		if q.Deadline.IsZero() {
-			continue
-		}
-		start := max(q.lvl.vtime, s.arrivalTag(t, name)+float64(newer)/s.weight(name))
-		wait := s.predictWait(q, start) + time.Duration(float64(newer)/r*float64(time.Second))
-		if !now.Add(wait + s.service(q)).After(q.Deadline) {
-			return
-		}
-		if q.expires.After(now) {
-			q.expires, q.expReason = now, ShedDeadline
-			heap.Fix(&s.exp, q.expIdx)
-		}
-	}
 }

@@ -425,7 +425,6 @@ func (s *Sched) Offer(it *Item, now time.Time) Outcome {
 		}
 	}
 	s.enqueue(it, start)
-	s.passed(s.levels[it.Priority].tenants[it.Tenant], it.Tenant, it, now)
 	return Outcome{Verdict: Queued, PredictedWait: wait, Displaced: displaced}
 }
 
