@@ -622,7 +622,8 @@ func maxMinShares(demand map[string]float64, capacity float64) map[string]float6
 func (f flowRun) shedSummary() string {
 	by := map[string]int{}
 	atOnce, n := 0, 0
-	var waited time.Duration
+	var waits []time.Duration
+	var sum time.Duration
 	f.each(classAll, func(o *des.Outcome, _ *workload.Request) {
 		if o.Shed == "" {
 			return
@@ -632,7 +633,8 @@ func (f flowRun) shedSummary() string {
 		if o.Queued == 0 {
 			atOnce++
 		}
-		waited = max(waited, o.Queued)
+		waits = append(waits, o.Queued)
+		sum += o.Queued
 	})
 	if n == 0 {
 		return "nothing shed"
@@ -641,8 +643,8 @@ func (f flowRun) shedSummary() string {
 	for _, r := range slices.Sorted(maps.Keys(by)) {
 		parts = append(parts, fmt.Sprintf("%s %d", r, by[r]))
 	}
-	return fmt.Sprintf("shed %d (%s), %.0f%% on arrival, longest wait before a shed %s", n, strings.Join(parts, ", "),
-		100*float64(atOnce)/float64(n), ms(waited))
+	return fmt.Sprintf("shed %d (%s), %.0f%% on arrival, wait before a shed mean %s p50 %s p90 %s longest %s", n, strings.Join(parts, ", "),
+		100*float64(atOnce)/float64(n), ms(sum/time.Duration(n)), ms(flowPct(waits, 0.5)), ms(flowPct(waits, 0.9)), ms(slices.Max(waits)))
 }
 
 // flowPct is the q-quantile of ds (nearest rank), 0 for none.
