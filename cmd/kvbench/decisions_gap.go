@@ -397,7 +397,7 @@ func writeGapAccount(w io.Writer, rows []gapRow, beyond, prompt int64) error {
 			return err
 		}
 	}
-	_, err := fmt.Fprintf(w, "| all | | | %.4f |\n| best holders beyond the bound at other decisions (bound − hit = all − this + moves off the best holder + blocks lost after the decision) | | | %.4f |\n",
+	_, err := fmt.Fprintf(w, "| all | | | %.4f |\n| best holders beyond the bound at other decisions (bound − hit = all − this + moves off the best holder + blocks lost after the decision − blocks gained after it: the next table) | | | %.4f |\n",
 		float64(sum)/float64(max(prompt, 1)), float64(beyond)/float64(max(prompt, 1)))
 	return err
 }
