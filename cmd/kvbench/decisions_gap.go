@@ -386,7 +386,7 @@ func (t *decisionTrace) gapAccount(res *des.Result) []gapRow {
 // beyond is what best holders held past the bound at other decisions
 // (decisionTrace.beyond): the bound's gap is the rows, less it, plus the
 // moves off the best holder and what the chosen engine lost after the
-// decision.
+// decision, less what it gained after it (writeGapIdentity).
 func writeGapAccount(w io.Writer, rows []gapRow, beyond, prompt int64) error {
 	fmt.Fprintln(w, "\nthe bound's gap: tokens the pooled bound hits that no instance held at the decision, by what became of the block's last placement (fractions of all prompt tokens):")
 	fmt.Fprintln(w, "\n| class | placed by | requests | tokens |\n|---|---|---:|---:|")
