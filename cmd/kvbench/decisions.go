@@ -103,6 +103,11 @@ type decisionBreakdown struct {
 	BestHeld  int64 // tokens the best holder held at the decisions
 	LostMove  int64 // best − chosen, where the pick was not the best holder
 	LostEvict int64 // chosen held − cached, where the engine had lost some
+	// GainAfter is cached − chosen held, where the engine served more than
+	// it held at the decision: blocks in flight then (the router's
+	// speculative entries, not yet in the index) computed on the chosen
+	// instance before this request's prefill.
+	GainAfter int64
 }
 
 // breakdown sums the recorded decisions with the run's outcomes, by
@@ -126,6 +131,7 @@ func (t *decisionTrace) breakdown(res *des.Result) (rows []decisionBreakdown, pr
 		b.BestHeld += int64(rec.best)
 		b.LostMove += int64(max(rec.best-rec.chosen, 0))
 		b.LostEvict += int64(max(rec.chosen-o.CachedTokens, 0))
+		b.GainAfter += int64(max(o.CachedTokens-rec.chosen, 0))
 	}
 	for _, b := range by {
 		rows = append(rows, *b)

@@ -386,7 +386,7 @@ func (t *decisionTrace) gapAccount(res *des.Result) []gapRow {
 // beyond is what best holders held past the bound at other decisions
 // (decisionTrace.beyond): the bound's gap is the rows, less it, plus the
 // moves off the best holder and what the chosen engine lost after the
-// decision.
+// decision, less what it gained after it (writeGapIdentity).
 func writeGapAccount(w io.Writer, rows []gapRow, beyond, prompt int64) error {
 	fmt.Fprintln(w, "\nthe bound's gap: tokens the pooled bound hits that no instance held at the decision, by what became of the block's last placement (fractions of all prompt tokens):")
 	fmt.Fprintln(w, "\n| class | placed by | requests | tokens |\n|---|---|---:|---:|")
@@ -397,7 +397,7 @@ func writeGapAccount(w io.Writer, rows []gapRow, beyond, prompt int64) error {
 			return err
 		}
 	}
-	_, err := fmt.Fprintf(w, "| all | | | %.4f |\n| best holders beyond the bound at other decisions (bound − hit = all − this + moves off the best holder + blocks lost after the decision) | | | %.4f |\n",
+	_, err := fmt.Fprintf(w, "| all | | | %.4f |\n| best holders beyond the bound at other decisions (bound − hit = all − this + moves off the best holder + blocks lost after the decision − blocks gained after it: the next table) | | | %.4f |\n",
 		float64(sum)/float64(max(prompt, 1)), float64(beyond)/float64(max(prompt, 1)))
 	return err
 }
@@ -490,6 +490,54 @@ func (t *decisionTrace) writeMoveOutcomes(w io.Writer, res *des.Result, prompt i
 	for _, c := range order {
 		a := by[c]
 		if _, err := fmt.Fprintf(w, "| %s | %d | %.4f | %.4f |\n", c, a.n, f(a.lost), f(a.ctxs)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// writeGapIdentity prints the bound's gap, bound − hit, term by term over
+// the requests that completed: per request bound − cached = (bound − best
+// holder) + (best holder − chosen) + (chosen held − cached). The first is
+// the gap account's rows when positive, a best holder beyond the bound
+// when negative; the second the moves off the best holder; the third is
+// signed — blocks the chosen instance held at the decision and evicted
+// before the prefill, less blocks it did not hold yet (in flight: the
+// router's speculative entries) and computed before the prefill. Without
+// the last term the in-flight rows read as lost although most of them are
+// served.
+func (t *decisionTrace) writeGapIdentity(w io.Writer, res *des.Result, prompt int64) error {
+	var bound, hit, gap, beyond, moves, lost, gained int64
+	for _, o := range res.Outcomes {
+		rec, ok := t.recs[uint64(o.ID)]
+		if !ok || o.Err != "" {
+			continue
+		}
+		b := int64(t.boundAt(o.ID))
+		best, chosen, cached := int64(rec.best), int64(rec.chosen), int64(o.CachedTokens)
+		bound += b
+		hit += cached
+		gap += max(b-best, 0)
+		beyond += max(best-b, 0)
+		moves += best - chosen
+		lost += max(chosen-cached, 0)
+		gained += max(cached-chosen, 0)
+	}
+	f := func(n int64) float64 { return float64(n) / float64(max(prompt, 1)) }
+	fmt.Fprintln(w, "\nthe bound's gap term by term (fractions of all prompt tokens; bound − hit = sum of the terms):")
+	fmt.Fprintln(w, "\n| term | tokens |\n|---|---:|")
+	for _, r := range []struct {
+		name string
+		n    int64
+	}{
+		{"bound − hit", bound - hit},
+		{"no instance held at the decision (the gap account's all)", gap},
+		{"− best holders beyond the bound", -beyond},
+		{"+ moves off the best holder", moves},
+		{"+ held by the chosen instance at the decision, gone by its prefill", lost},
+		{"− not held at the decision, computed on the chosen instance by its prefill (in flight then)", -gained},
+	} {
+		if _, err := fmt.Fprintf(w, "| %s | %.4f |\n", r.name, f(r.n)); err != nil {
 			return err
 		}
 	}

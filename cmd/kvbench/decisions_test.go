@@ -243,3 +243,40 @@ func TestMoveOutcomes(t *testing.T) {
 		t.Fatalf("move account %+v", tr.moves)
 	}
 }
+
+// TestGapIdentity: the bound's gap closes term by term. A request whose
+// prefix was in flight at its decision (no instance held it) but computed
+// on the chosen instance by its prefill is served: the in-flight deficit is
+// offset by the gained term, so the printed terms sum to bound − hit.
+func TestGapIdentity(t *testing.T) {
+	tr := newDecisionTrace(&strategyRouter{})
+	const B = sim.DefaultBlockSize
+	tr.bound = []int64{0, 4 * B, 4 * B, 2 * B}
+	tr.recs[0] = decisionRec{reason: "heuristic"}
+	tr.recs[1] = decisionRec{reason: "kv_match"}                             // in flight: 4 blocks gained by the prefill
+	tr.recs[2] = decisionRec{reason: "kv_match", best: 4 * B, chosen: B}     // moved: 3 blocks lost
+	tr.recs[3] = decisionRec{reason: "kv_match", best: 3 * B, chosen: 3 * B} // beyond the bound by one; one evicted since
+	res := &des.Result{Outcomes: []des.Outcome{
+		{ID: 0, PromptTokens: 5 * B},
+		{ID: 1, PromptTokens: 5 * B, CachedTokens: 4 * B},
+		{ID: 2, PromptTokens: 5 * B, CachedTokens: B},
+		{ID: 3, PromptTokens: 5 * B, CachedTokens: 2 * B},
+	}}
+	var out bytes.Buffer
+	if err := tr.writeGapIdentity(&out, res, 20*B); err != nil {
+		t.Fatal(err)
+	}
+	// bound 10 blocks, hit 7: 3 = 4 (in flight) − 1 (beyond) + 3 (moved) + 1 (evicted) − 4 (gained).
+	for _, want := range []string{
+		"| bound − hit | 0.1500 |",
+		"| no instance held at the decision (the gap account's all) | 0.2000 |",
+		"| − best holders beyond the bound | -0.0500 |",
+		"| + moves off the best holder | 0.1500 |",
+		"| + held by the chosen instance at the decision, gone by its prefill | 0.0500 |",
+		"| − not held at the decision, computed on the chosen instance by its prefill (in flight then) | -0.2000 |",
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("no %q in:\n%s", want, out.String())
+		}
+	}
+}

@@ -477,6 +477,9 @@ func runStrategy(ctx context.Context, name string, ff *fleetFlags, scfg sim.Conf
 		if err := writeGapAccount(ff.decisions, trace.gapAccount(res), trace.beyond, prompt); err != nil {
 			return report.Summary{}, err
 		}
+		if err := trace.writeGapIdentity(ff.decisions, res, prompt); err != nil {
+			return report.Summary{}, err
+		}
 		if err := writeMoveAccount(ff.decisions, trace.moves, prompt); err != nil {
 			return report.Summary{}, err
 		}
