@@ -55,6 +55,10 @@ func TestHelpAndDispatch(t *testing.T) {
 		{[]string{"events", "decode", "--help"}, 0, "payload_b64", "", ""},
 		{[]string{"events", "decode"}, 2, "Usage: kvctl events decode", "want exactly one FILE", ""},
 		{[]string{"nope"}, 2, "", "unknown command", ""},
+		{[]string{"--router", "http://127.0.0.1:1", "nope"}, 2, "", "unknown command", ""},
+		// flags before the command go to it ("kvctl --router URL instances")
+		{[]string{"--bogus", "events", "decode"}, 2, "Usage: kvctl events decode", "flag provided but not defined: -bogus", ""},
+		{[]string{"--help", "events", "decode"}, 0, "Commands:", "", ""},
 		{[]string{"events", "decode", "/does/not/exist"}, 1, "", "no such file", ""},
 	}
 	for _, tc := range tests {

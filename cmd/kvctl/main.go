@@ -71,6 +71,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	cmd, rest := lookup(commands, args)
 	if cmd == nil {
+		cmd, rest = lookupAfterFlags(commands, args)
+	}
+	if cmd == nil {
 		// A group name alone ("kvctl events") or with --help lists its commands.
 		prefix := strings.Join(leadingWords(args), " ")
 		if group := matching(commands, prefix); len(group) > 0 {
@@ -122,6 +125,23 @@ func lookup(cmds []command, args []string) (*command, []string) {
 		return nil, nil
 	}
 	return best, args[bestLen:]
+}
+
+// lookupAfterFlags finds a command named after leading flags ("kvctl --router URL
+// instances", as many CLIs allow) and hands those flags to it, before its own arguments.
+func lookupAfterFlags(cmds []command, args []string) (*command, []string) {
+	if len(args) == 0 || !strings.HasPrefix(args[0], "-") {
+		return nil, nil
+	}
+	for i := 1; i < len(args); i++ {
+		if strings.HasPrefix(args[i], "-") {
+			continue
+		}
+		if cmd, rest := lookup(cmds, args[i:]); cmd != nil {
+			return cmd, append(append([]string(nil), args[:i]...), rest...)
+		}
+	}
+	return nil, nil
 }
 
 func equalWords(a, b []string) bool {
