@@ -819,8 +819,10 @@ func TestReservedInstancesFollowDemand(t *testing.T) {
 		// 1.33 instances of 40 ms requests: ⌈a·b⌉ = 2, on which C(2,
 		// 1.33) = 53 % of them wait; C(3) = 18 %, C(4) = 5.2 %.
 		{0.0004, 0, 4},
-		// 0.67 instances: C(2) = 17 %, C(3) = 3.3 %.
-		{0.0002, 0, 3},
+		// 0.67 instances: C(2) = 17 %, C(3) = 3.3 %; but the long prompts,
+		// as urgent, offer 6.67 instances, which fit beside ⌈0.8⌉ = 1 on
+		// whole prompts: they keep their ⌈6.67⌉ = 7, the short ones 1.
+		{0.0002, 0, 1},
 		// 3.33 instances: C(6) = 15 %, C(7) = 6.1 %, the most (N−1).
 		{0.001, 0, 7},
 		// 95 % cached: 0.067 instances of uncached work wait with C(1) =
@@ -872,6 +874,46 @@ func TestReservedInstancesFollowDemand(t *testing.T) {
 	s.last = at(10*300 + 2000) // no short request for longer than a long prompt's service
 	if k := s.reserved(long); k != 0 {
 		t.Errorf("reserved = %d with no short request arriving, want 0", k)
+	}
+}
+
+// The instances kept beyond the short requests' ⌈a·b⌉ for their wait come
+// only out of what the long prompts at least as urgent as the one asking
+// leave beside their own offered load, ⌈a_L·b⌉; long prompts whose load
+// does not fit beside ⌈a·b⌉ bound nothing (their queue grows whatever is
+// kept). 8 instances, arrivals every 10 ms in sixes: two 100-token
+// short requests at priority 0 (1.33 instances; C(4) = 5.2 % wait, ⌈a·b⌉
+// = 2), one 700-token prompt at priority 0 (4.67 instances: ⌈⌉ 5 ≤ 8 − 2)
+// and three 500-token ones at priority 1 (10 instances).
+func TestReservationLeavesUrgentLongPromptsTheirLoad(t *testing.T) {
+	s := mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true})
+	s.SetInstances([]string{"a", "b", "c", "d", "e", "f", "g", "h"})
+	for i := range 600 {
+		it := &Item{Priority: 1, Prefill: 500, Cost: 500}
+		switch i % 6 {
+		case 0, 1:
+			it = &Item{Priority: 0, Prefill: 100, Cost: 100}
+		case 2:
+			it = &Item{Priority: 0, Prefill: 700, Cost: 700}
+		}
+		s.noteArrival(it, at(10*i))
+		s.last = at(10 * i)
+	}
+	s.svcN = 1
+	for range 10 {
+		s.svcFit.add(100, 0, 0.05+100*0.0004)
+		s.svcFit.add(1000, 0, 0.05+1000*0.0004)
+	}
+	for _, c := range []struct {
+		prio int64
+		want int
+	}{
+		{0, 3}, // 8 − 5: the urgent long prompts keep their 5
+		{1, 4}, // 14.67 instances of long prompts: the short ones' wait-free 4
+	} {
+		if k := s.reserved(&Item{Priority: c.prio, Prefill: 500, Cost: 500}); k != c.want {
+			t.Errorf("a long prompt at priority %d: reserved = %d, want %d", c.prio, k, c.want)
+		}
 	}
 }
 
@@ -1139,5 +1181,5 @@ func (s *Sched) reserved(it *Item) int {
 	if b <= 0 || s.arrSec <= 0 || d.reqs <= 0 {
 		return min(1, s.liveN-1)
 	}
-	return s.offeredK(d, b)
+	return s.offeredK(it, d, b)
 }
