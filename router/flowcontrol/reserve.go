@@ -392,8 +392,9 @@ func (s *Sched) offeredK(it *Item, d smallDemand, b float64) int {
 // their uncached tokens. When that load does not fit beside k0 (⌈a_L·b⌉
 // > N − k0) the long prompts' queue grows whatever is kept for the short
 // ones: no k bounds their wait, and what they lose to the short ones'
-// wait is goodput alone, already bought at that price by a heavy tenant
-// sending past the pool (×90); then the bound is the pool's, N − 1.
+// wait is goodput alone, of a class already asking past what the pool
+// leaves it (×90: a heavy tenant at 1.8–3.6× the fleet); then the bound is
+// the pool's, N − 1.
 func (s *Sched) longRoom(it *Item, k0 int, b float64) int {
 	var d smallDemand
 	for p, e := range s.longBy {
@@ -537,8 +538,9 @@ func shortTail(a, work, target float64, left int, hold float64, ends []float64) 
 }
 
 // smallDemand is the step-sized requests of one priority (in longBy, the
-// oversized prompts of one), among the arrivals, decayed like arrSec (by 1−1/estimatorWindow per arrival, applied
-// lazily: the sums are their values after arrival n): their tokens of
+// oversized prompts of one), among the arrivals, decayed like arrSec (by
+// 1−1/estimatorWindow per arrival, applied lazily: the sums are their
+// values after arrival n): their tokens of
 // prefill work (uncached: what an instance holding most of the prompt
 // would prefill), the tokens the service line counts for them (compute),
 // their number, the sum and number of their TTFT objectives (deadline −
@@ -637,8 +639,8 @@ func (s *Sched) passesHeld(it *Item, now time.Time) bool {
 // its demand under its priority, a step-sized request's in smallBy, an
 // oversized prompt's in longBy. Priorities whose arrivals have decayed
 // below one are forgotten (every estimatorWindow arrivals), so the maps
-// hold the priorities of recent arrivals only (by
-// count, not tokens: a fully cached prompt is an arrival with no work).
+// hold the priorities of recent arrivals only (by count, not tokens: a
+// fully cached prompt is an arrival with no work).
 func (s *Sched) noteArrival(it *Item, now time.Time) {
 	if !s.cfg.ReserveInstance || s.cfg.InstancePrefill <= 0 {
 		return
