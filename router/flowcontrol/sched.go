@@ -309,6 +309,9 @@ type Sched struct {
 	lastArr time.Time
 	arrSec  float64
 	smallBy map[int64]*smallDemand
+	// longBy is the oversized prompts' demand by priority, as smallBy
+	// the step-sized requests' (offeredK's bound, longRoom).
+	longBy map[int64]*smallDemand
 	// arrTok is every arrival's uncached prompt tokens, decayed like
 	// arrSec: the offered work of all prompts; queuedSmall the waiting
 	// requests that fit a step (reserve.go).

@@ -802,43 +802,56 @@ func TestReserveInstanceForStepSized(t *testing.T) {
 	offer(t, one, &Item{Prefill: 500, Cost: 500}, at(1001), Admitted)
 }
 
-// Under overload the reservation is the step-sized requests' offered load,
-// k = ⌈a · b⌉ (on these loads the same as the fewest instances that carry
-// it without objectives, ⌊a · b⌋ + 1) (a their prompt
-// tokens per second, b the seconds each prompt token adds to
-// admission-to-first-token), at least 1 and at most N−1, and 1 before b is
-// known; a long prompt reserves only for short requests at
-// least as urgent as itself, and only while they are arriving.
+// Under overload the reservation is the fewest instances on which at most
+// one step-sized request in ten waits for an instance at all (Erlang C on
+// their uncached load a_u·b, a their prompt tokens per second, b the
+// seconds each prompt token adds to admission-to-first-token), never fewer
+// than their offered load on whole prompts, ⌈a·b⌉; at least 1 and at most
+// N−1, and 1 before b is known; a long prompt reserves only for short
+// requests at least as urgent as itself, and only while they are arriving.
 func TestReservedInstancesFollowDemand(t *testing.T) {
-	s := mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true})
-	s.SetInstances([]string{"a", "b", "c", "d"})
-	// Arrivals every 10 ms, a third of them step-sized at priority 1 with
-	// 100-token prompts: 3,333 step-sized prompt tokens per second.
-	for i := range 300 {
-		it := &Item{Priority: 1, Prefill: 500, Cost: 500}
-		if i%3 == 0 {
-			it = &Item{Priority: 1, Prefill: 100, Cost: 120}
-		}
-		s.noteArrival(it, at(10*i))
-		s.last = at(10 * i)
-	}
 	long := &Item{Priority: 1, Prefill: 500, Cost: 500}
-	s.svcN = 1
-	s.svcFit.add(500, 0, 0.2) // one length: a service time, no slope
-	if k := s.reserved(long); k != 1 {
-		t.Fatalf("reserved = %d before the slope is known, want 1", k)
-	}
 	for _, c := range []struct {
 		perToken float64 // seconds
+		cached   int64   // of each 100-token prompt, on instance a
 		want     int
-	}{{0.0004, 2}, {0.0002, 1}, {0.001, 3}} {
-		s.svcFit = svcFit{}
+	}{
+		// 1.33 instances of 40 ms requests: ⌈a·b⌉ = 2, on which C(2,
+		// 1.33) = 53 % of them wait; C(3) = 18 %, C(4) = 5.2 %.
+		{0.0004, 0, 4},
+		// 0.67 instances: C(2) = 17 %, C(3) = 3.3 %; but the long prompts,
+		// as urgent, offer 6.67 instances, which fit beside ⌈0.8⌉ = 1 on
+		// whole prompts: they keep their ⌈6.67⌉ = 7, the short ones 1.
+		{0.0002, 0, 1},
+		// 3.33 instances: C(6) = 15 %, C(7) = 6.1 %, the most (N−1).
+		{0.001, 0, 7},
+		// 95 % cached: 0.067 instances of uncached work wait with C(1) =
+		// 6.7 %, but the whole prompts' ⌈1.33⌉ = 2 stays the floor.
+		{0.0004, 95, 2},
+	} {
+		s := mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true})
+		s.SetInstances([]string{"a", "b", "c", "d", "e", "f", "g", "h"})
+		// Arrivals every 10 ms, a third of them step-sized at priority 1
+		// with 100-token prompts: 3,333 step-sized prompt tokens per second.
+		for i := range 300 {
+			it := &Item{Priority: 1, Prefill: 500, Cost: 500}
+			if i%3 == 0 {
+				it = &Item{Priority: 1, Prefill: 100, Cost: 120, Cached: []Hold{{"a", c.cached}}}
+			}
+			s.noteArrival(it, at(10*i))
+			s.last = at(10 * i)
+		}
+		s.svcN = 1
+		s.svcFit.add(500, 0, 0.2) // one length: a service time, no slope
+		if k := s.reserved(long); k != 1 {
+			t.Fatalf("reserved = %d before the slope is known, want 1", k)
+		}
 		for range 10 {
 			s.svcFit.add(100, 0, 0.05+100*c.perToken)
 			s.svcFit.add(1000, 0, 0.05+1000*c.perToken)
 		}
 		if k := s.reserved(long); k != c.want {
-			t.Errorf("%v s per token, 3,333 step-sized tokens/s: reserved = %d, want %d", c.perToken, k, c.want)
+			t.Errorf("%v s per token, 3,333 step-sized tokens/s, %d%% cached: reserved = %d, want %d", c.perToken, c.cached, k, c.want)
 		}
 		if k := s.reserved(&Item{Priority: 2, Prefill: 500}); k != c.want {
 			t.Errorf("a less urgent long prompt: reserved = %d, want %d", k, c.want)
@@ -847,9 +860,60 @@ func TestReservedInstancesFollowDemand(t *testing.T) {
 			t.Errorf("an urgent long prompt reserves %d instances for less urgent short requests", k)
 		}
 	}
+	s := mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true})
+	s.SetInstances([]string{"a", "b", "c", "d"})
+	for i := range 300 {
+		if i%3 == 0 {
+			s.noteArrival(&Item{Priority: 1, Prefill: 100, Cost: 120}, at(10*i))
+			s.last = at(10 * i)
+		}
+	}
+	s.svcN = 1
+	s.svcFit.add(100, 0, 0.09)
+	s.svcFit.add(1000, 0, 0.45)
 	s.last = at(10*300 + 2000) // no short request for longer than a long prompt's service
 	if k := s.reserved(long); k != 0 {
 		t.Errorf("reserved = %d with no short request arriving, want 0", k)
+	}
+}
+
+// The instances kept beyond the short requests' ⌈a·b⌉ for their wait come
+// only out of what the long prompts at least as urgent as the one asking
+// leave beside their own offered load, ⌈a_L·b⌉; long prompts whose load
+// does not fit beside ⌈a·b⌉ bound nothing (their queue grows whatever is
+// kept). 8 instances, arrivals every 10 ms in sixes: two 100-token
+// short requests at priority 0 (1.33 instances; C(4) = 5.2 % wait, ⌈a·b⌉
+// = 2), one 700-token prompt at priority 0 (4.67 instances: ⌈⌉ 5 ≤ 8 − 2)
+// and three 500-token ones at priority 1 (10 instances).
+func TestReservationLeavesUrgentLongPromptsTheirLoad(t *testing.T) {
+	s := mustNew(t, Config{InstancePrefill: 100, ReserveInstance: true})
+	s.SetInstances([]string{"a", "b", "c", "d", "e", "f", "g", "h"})
+	for i := range 600 {
+		it := &Item{Priority: 1, Prefill: 500, Cost: 500}
+		switch i % 6 {
+		case 0, 1:
+			it = &Item{Priority: 0, Prefill: 100, Cost: 100}
+		case 2:
+			it = &Item{Priority: 0, Prefill: 700, Cost: 700}
+		}
+		s.noteArrival(it, at(10*i))
+		s.last = at(10 * i)
+	}
+	s.svcN = 1
+	for range 10 {
+		s.svcFit.add(100, 0, 0.05+100*0.0004)
+		s.svcFit.add(1000, 0, 0.05+1000*0.0004)
+	}
+	for _, c := range []struct {
+		prio int64
+		want int
+	}{
+		{0, 3}, // 8 − 5: the urgent long prompts keep their 5
+		{1, 4}, // 14.67 instances of long prompts: the short ones' wait-free 4
+	} {
+		if k := s.reserved(&Item{Priority: c.prio, Prefill: 500, Cost: 500}); k != c.want {
+			t.Errorf("a long prompt at priority %d: reserved = %d, want %d", c.prio, k, c.want)
+		}
 	}
 }
 
@@ -1117,5 +1181,5 @@ func (s *Sched) reserved(it *Item) int {
 	if b <= 0 || s.arrSec <= 0 || d.reqs <= 0 {
 		return min(1, s.liveN-1)
 	}
-	return s.offeredK(d, b)
+	return s.offeredK(it, d, b)
 }
