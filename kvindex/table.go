@@ -222,7 +222,8 @@ func (t *table) presize(n int) {
 	t.slots = newSlots(size)
 }
 
-// newSlots returns size empty slots, every page of them written once.
+// newSlots returns size empty slots (a table's, or a block map chunk's
+// holder words), every page of them written once.
 // A fresh allocation can be memory the kernel has not mapped yet (a
 // process's first fill: its start-up), and a table's first access to a
 // page is often a read (touch, rebuild's group loads, a probe): the kernel
@@ -235,6 +236,9 @@ func newSlots(size int) []uint32 {
 	s := make([]uint32, size)
 	for i := 0; i < len(s); i += pageSlots {
 		s[i] = 0
+	}
+	if len(s) > 0 {
+		s[len(s)-1] = 0 // the last page, when s does not start on one
 	}
 	return s
 }
