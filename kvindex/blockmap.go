@@ -120,7 +120,7 @@ func (bm *blockMap) nodeFor(k Key) int32 {
 	} else {
 		if int(bm.n)>>chunkBits == len(bm.keys) {
 			bm.keys = append(bm.keys, make([]Key, chunkSize))
-			bm.hold = append(bm.hold, make([]uint32, chunkSize))
+			bm.hold = append(bm.hold, newSlots(chunkSize)) // read (holds) before written (set)
 		}
 		j = bm.n
 		bm.n++

@@ -219,8 +219,32 @@ func (t *table) presize(n int) {
 	for size*3 < n*4 {
 		size *= 2
 	}
-	t.slots = make([]uint32, size)
+	t.slots = newSlots(size)
 }
+
+// newSlots returns size empty slots (a table's, or a block map chunk's
+// holder words), every page of them written once.
+// A fresh allocation can be memory the kernel has not mapped yet (a
+// process's first fill: its start-up), and a table's first access to a
+// page is often a read (touch, rebuild's group loads, a probe): the kernel
+// maps its shared zero page, then the first put faults again to replace
+// it, a copy-on-write fault that also flushes the page's TLB entry on
+// every CPU the process has run on. Writing one word per page here takes
+// one plain fault per page, in address order; on memory the heap reuses
+// (already mapped and zeroed by the allocator) it is one store per 4 KiB.
+func newSlots(size int) []uint32 {
+	s := make([]uint32, size)
+	for i := 0; i < len(s); i += pageSlots {
+		s[i] = 0
+	}
+	if len(s) > 0 {
+		s[len(s)-1] = 0 // the last page, when s does not start on one
+	}
+	return s
+}
+
+// pageSlots is how many slots a 4 KiB page holds.
+const pageSlots = 4096 / 4
 
 // slotRef is where findOrSlot found room for a key.
 type slotRef struct {
@@ -302,7 +326,7 @@ func (t *table) grow(ks keySrc) { t.rebuild(ks, max(2*len(t.slots), 16)) }
 
 // rebuild indexes the store's live items afresh in size slots.
 func (t *table) rebuild(ks keySrc, size int) {
-	t.slots, t.n, t.tombs = make([]uint32, size), 0, 0
+	t.slots, t.n, t.tombs = newSlots(size), 0, 0
 	// Re-insert from the store, in store order: reading it sequentially is
 	// much cheaper than following the old table's indices at random. The
 	// slots are random, so items go in groups: the homes of a group are
