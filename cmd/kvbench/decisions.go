@@ -108,6 +108,11 @@ type decisionBreakdown struct {
 	// speculative entries, not yet in the index) computed on the chosen
 	// instance before this request's prefill.
 	GainAfter int64
+	// Bound is the pooled bound's hit tokens for these requests (0 without
+	// a bound); BoundShort
+	// what the bound hit beyond the best holder (no instance held it at the
+	// decision), BoundBeyond what the best holder held past the bound.
+	Bound, BoundShort, BoundBeyond int64
 }
 
 // breakdown sums the recorded decisions with the run's outcomes, by
@@ -132,6 +137,12 @@ func (t *decisionTrace) breakdown(res *des.Result) (rows []decisionBreakdown, pr
 		b.LostMove += int64(max(rec.best-rec.chosen, 0))
 		b.LostEvict += int64(max(rec.chosen-o.CachedTokens, 0))
 		b.GainAfter += int64(max(o.CachedTokens-rec.chosen, 0))
+		if t.bound != nil {
+			bound := t.boundAt(o.ID)
+			b.Bound += int64(bound)
+			b.BoundShort += int64(max(bound-rec.best, 0))
+			b.BoundBeyond += int64(max(rec.best-bound, 0))
+		}
 	}
 	for _, b := range by {
 		rows = append(rows, *b)

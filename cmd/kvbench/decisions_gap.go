@@ -497,31 +497,25 @@ func (t *decisionTrace) writeMoveOutcomes(w io.Writer, res *des.Result, prompt i
 }
 
 // writeGapIdentity prints the bound's gap, bound − hit, term by term over
-// the requests that completed: per request bound − cached = (bound − best
-// holder) + (best holder − chosen) + (chosen held − cached). The first is
-// the gap account's rows when positive, a best holder beyond the bound
-// when negative; the second the moves off the best holder; the third is
-// signed — blocks the chosen instance held at the decision and evicted
-// before the prefill, less blocks it did not hold yet (in flight: the
-// router's speculative entries) and computed before the prefill. Without
-// the last term the in-flight rows read as lost although most of them are
-// served.
-func (t *decisionTrace) writeGapIdentity(w io.Writer, res *des.Result, prompt int64) error {
-	var bound, hit, gap, beyond, moves, lost, gained int64
-	for _, o := range res.Outcomes {
-		rec, ok := t.recs[uint64(o.ID)]
-		if !ok || o.Err != "" {
-			continue
-		}
-		b := int64(t.boundAt(o.ID))
-		best, chosen, cached := int64(rec.best), int64(rec.chosen), int64(o.CachedTokens)
-		bound += b
-		hit += cached
-		gap += max(b-best, 0)
-		beyond += max(best-b, 0)
-		moves += best - chosen
-		lost += max(chosen-cached, 0)
-		gained += max(cached-chosen, 0)
+// the requests that completed (breakdown's rows): per request bound −
+// cached = (bound − best holder) + (best holder − chosen) + (chosen held −
+// cached). The first is the gap account's rows when positive, a best
+// holder beyond the bound when negative; the second the moves off the best
+// holder; the third is signed — blocks the chosen instance held at the
+// decision and evicted before the prefill, less blocks it did not hold yet
+// (in flight: the router's speculative entries) and computed before the
+// prefill. Without the last term the in-flight rows read as lost although
+// most of them are served.
+func writeGapIdentity(w io.Writer, rows []decisionBreakdown, prompt int64) error {
+	var sum decisionBreakdown
+	for _, r := range rows {
+		sum.Bound += r.Bound
+		sum.Cached += r.Cached
+		sum.BoundShort += r.BoundShort
+		sum.BoundBeyond += r.BoundBeyond
+		sum.LostMove += r.LostMove
+		sum.LostEvict += r.LostEvict
+		sum.GainAfter += r.GainAfter
 	}
 	f := func(n int64) float64 { return float64(n) / float64(max(prompt, 1)) }
 	fmt.Fprintln(w, "\nthe bound's gap term by term (fractions of all prompt tokens; bound − hit = sum of the terms):")
@@ -530,12 +524,12 @@ func (t *decisionTrace) writeGapIdentity(w io.Writer, res *des.Result, prompt in
 		name string
 		n    int64
 	}{
-		{"bound − hit", bound - hit},
-		{"no instance held at the decision (the gap account's all)", gap},
-		{"− best holders beyond the bound", -beyond},
-		{"+ moves off the best holder", moves},
-		{"+ held by the chosen instance at the decision, gone by its prefill", lost},
-		{"− not held at the decision, computed on the chosen instance by its prefill (in flight then)", -gained},
+		{"bound − hit", sum.Bound - sum.Cached},
+		{"no instance held at the decision (the gap account's all)", sum.BoundShort},
+		{"− best holders beyond the bound", -sum.BoundBeyond},
+		{"+ moves off the best holder", sum.LostMove},
+		{"+ held by the chosen instance at the decision, gone by its prefill", sum.LostEvict},
+		{"− not held at the decision, computed on the chosen instance by its prefill (in flight then)", -sum.GainAfter},
 	} {
 		if _, err := fmt.Fprintf(w, "| %s | %.4f |\n", r.name, f(r.n)); err != nil {
 			return err

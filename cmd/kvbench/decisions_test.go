@@ -263,7 +263,8 @@ func TestGapIdentity(t *testing.T) {
 		{ID: 3, PromptTokens: 5 * B, CachedTokens: 2 * B},
 	}}
 	var out bytes.Buffer
-	if err := tr.writeGapIdentity(&out, res, 20*B); err != nil {
+	rows, prompt := tr.breakdown(res)
+	if err := writeGapIdentity(&out, rows, prompt); err != nil {
 		t.Fatal(err)
 	}
 	// bound 10 blocks, hit 7: 3 = 4 (in flight) − 1 (beyond) + 3 (moved) + 1 (evicted) − 4 (gained).

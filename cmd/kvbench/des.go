@@ -477,7 +477,7 @@ func runStrategy(ctx context.Context, name string, ff *fleetFlags, scfg sim.Conf
 		if err := writeGapAccount(ff.decisions, trace.gapAccount(res), trace.beyond, prompt); err != nil {
 			return report.Summary{}, err
 		}
-		if err := trace.writeGapIdentity(ff.decisions, res, prompt); err != nil {
+		if err := writeGapIdentity(ff.decisions, rows, prompt); err != nil {
 			return report.Summary{}, err
 		}
 		if err := writeMoveAccount(ff.decisions, trace.moves, prompt); err != nil {
