@@ -333,16 +333,22 @@ func (s *Sched) KeptFree(it *Item, dst []string) []string {
 // arrived within its predicted service time (service.go): then nothing is
 // reserved.
 func (s *Sched) smallDemandFor(it *Item) (d smallDemand, ok bool) {
-	var last time.Time
-	for p, e := range s.smallBy {
-		if p <= it.Priority {
+	d, last := s.demandAtLeast(s.smallBy, it.Priority)
+	return d, !last.IsZero() && s.last.Before(last.Add(s.service(it)))
+}
+
+// demandAtLeast sums by's demand of the priorities at least as urgent as
+// prio, with the latest arrival among them.
+func (s *Sched) demandAtLeast(by map[int64]*smallDemand, prio int64) (d smallDemand, last time.Time) {
+	for p, e := range by {
+		if p <= prio {
 			d.add(e, s.arrN)
 			if e.last.After(last) {
 				last = e.last
 			}
 		}
 	}
-	return d, !last.IsZero() && s.last.Before(last.Add(s.service(it)))
+	return d, last
 }
 
 // overloaded reports whether the reservation is sized by the short
@@ -381,7 +387,9 @@ func (s *Sched) overloaded(b float64) bool {
 func (s *Sched) offeredK(it *Item, d smallDemand, b float64) int {
 	k := int(math.Ceil(d.computed / s.arrSec * b))
 	if d.reqs > 0 {
-		k = max(k, min(staff(d.tokens/s.arrSec*b, d.tokens/d.reqs*b, 0, s.liveN-1), s.longRoom(it, k, b)))
+		if w := staff(d.tokens/s.arrSec*b, d.tokens/d.reqs*b, 0, s.liveN-1); w > k {
+			k = max(k, min(w, s.longRoom(it, k, b)))
+		}
 	}
 	return min(max(k, 1), s.liveN-1)
 }
@@ -396,12 +404,7 @@ func (s *Sched) offeredK(it *Item, d smallDemand, b float64) int {
 // leaves it (×90: a heavy tenant at 1.8–3.6× the fleet); then the bound is
 // the pool's, N − 1.
 func (s *Sched) longRoom(it *Item, k0 int, b float64) int {
-	var d smallDemand
-	for p, e := range s.longBy {
-		if p <= it.Priority {
-			d.add(e, s.arrN)
-		}
-	}
+	d, _ := s.demandAtLeast(s.longBy, it.Priority)
 	need := int(math.Ceil(d.tokens / s.arrSec * b))
 	if need > s.liveN-k0 {
 		return s.liveN - 1
