@@ -369,7 +369,7 @@ func (r *Redis) Apply(ctx context.Context, instance string, evs []events.Event) 
 // lease taken, and the map's log when the cached map is not current) is
 // skipped when the cached map is current and, with a guard, this index
 // took or renewed the instance's lease less than half a lease ago at the
-// position the guard expects: nobody else can have written the instance
+// position the guard expects, below the guard's new one: nobody else can have written the instance
 // since, and the commit checks all of it again.
 //
 // Arguments are passed pre-boxed (one interface value per block key,
@@ -398,7 +398,11 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	started := time.Now()
 	skip := m.vals != nil && r.maps.limit > 0
 	if g != nil {
-		skip = skip && !g.load && m.pos == g.from && g.from.Seeded &&
+		// A message at or below the expected position (one a snapshot
+		// loaded ahead of it already covers) is the begin's to answer
+		// as a duplicate: skipped, its block writes would go out and
+		// the commit's refusal would unsettle a good state.
+		skip = skip && !g.load && m.pos == g.from && g.from.Seeded && g.seq > g.from.Seq &&
 			!m.leased.IsZero() && started.Sub(m.leased) < r.lease/2
 	}
 	if !skip {

@@ -412,7 +412,12 @@ func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.
 		if c.shared != nil {
 			// Not live until repaired: by the next message of the
 			// instance, or the sync watchShared queues meanwhile.
-			c.cfg.Logger.Warn("consumer: apply to the shared index failed, will repair", "instance", w.instance, "err", aerr)
+			// Counted every time (kvrouter_events_apply_errors_total);
+			// logged a few lines per interval, as every message fails
+			// alike while Redis is down.
+			if ok, suppressed := c.logLimit.Allow("shared_apply"); ok {
+				c.cfg.Logger.Warn("consumer: apply to the shared index failed, will repair", "instance", w.instance, "err", aerr, "suppressed", suppressed)
+			}
 			return true
 		}
 		c.cfg.Logger.Warn("consumer: apply failed, will reload the snapshot", "instance", w.instance, "err", aerr)
