@@ -669,10 +669,19 @@ func (c Config) Validate() error {
 	}
 	names := map[string]bool{}
 	models := map[string]string{}
+	// With KV events pool names and instance ids are NATS subject tokens
+	// (kv.events.<pool>.<instance>, kvstream.ValidToken): a dot would
+	// split the token, and kvbridge refuses one, so no bridge could ever
+	// publish for that name.
+	events := KVEventsWanted(c)
+	const dotWithEvents = "%s %q: '.' cannot be used with KV events (names are NATS subject tokens; kvbridge --pool/--instance must equal them): use letters, digits, '-', '_'"
 	for i, p := range c.Pools {
 		f := fmt.Sprintf("pools[%d]", i)
 		if !ValidName(p.Name) {
 			return bad("%s.name %q: want 1-64 characters of [A-Za-z0-9_.-]", f, p.Name)
+		}
+		if events && strings.Contains(p.Name, ".") {
+			return bad(dotWithEvents, f+".name", p.Name)
 		}
 		if names[p.Name] {
 			return bad("%s.name %q: duplicate pool name", f, p.Name)
@@ -744,6 +753,9 @@ func (c Config) Validate() error {
 			fi := fmt.Sprintf("%s.instances[%d]", f, j)
 			if !ValidName(in.ID) {
 				return bad("%s.id %q: want 1-64 characters of [A-Za-z0-9_.-]", fi, in.ID)
+			}
+			if events && strings.Contains(in.ID, ".") {
+				return bad(dotWithEvents, fi+".id", in.ID)
 			}
 			if ids[in.ID] {
 				return bad("%s.id %q: duplicate instance id in pool", fi, in.ID)

@@ -115,6 +115,14 @@ func TestConfigRejects(t *testing.T) {
 		{"sync min_gap too small", "events: {nats: {url: 'nats://h:4222'}, replica_sync: {enabled: true, min_gap: 10us}}\n" + strings.Replace(base, "%s", "", 1), "events.replica_sync.min_gap 10µs out of range 100µs..interval (50ms)"},
 		{"sync min_gap over interval", "events: {nats: {url: 'nats://h:4222'}, replica_sync: {enabled: true, interval: 5ms, min_gap: 6ms}}\n" + strings.Replace(base, "%s", "", 1), "events.replica_sync.min_gap 6ms out of range 100µs..interval (5ms)"},
 		{"tokenizer source", strings.Replace(base, "%s", "tokenizer: {source: magic},", 1), `tokenizer.source "magic"`},
+		// With KV events a pool name and an instance id are NATS subject
+		// tokens (kv.events.<pool>.<instance>): a dot can never match a
+		// bridge (kvbridge refuses it), so the instance's blocks would
+		// silently never count.
+		{"dot in instance id with events", "index: {backend: memory}\npools: [{name: p, model: m, instances: [{id: vllm.1, url: 'http://h:1'}]}]",
+			`pools[0].instances[0].id "vllm.1": '.' cannot be used with KV events`},
+		{"dot in pool name with events", "pools: [{name: p.x, model: m, routing: {strategy: kv_aware}, instances: [{id: a, url: 'http://h:1'}]}]",
+			`pools[0].name "p.x": '.' cannot be used with KV events`},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -266,5 +274,16 @@ func TestJetStreamNames(t *testing.T) {
 		if err == nil || !errors.Is(err, ErrInvalidConfig) || !strings.Contains(err.Error(), tc.bad+" ") {
 			t.Errorf("stream %.20q bucket %q: err %v, want ErrInvalidConfig naming %s", tc.stream, tc.bucket, err, tc.bad)
 		}
+	}
+}
+
+// Without KV events a dot stays a valid name (nothing is a NATS subject).
+func TestConfigDotsWithoutEvents(t *testing.T) {
+	cfg, err := ParseConfig(strings.NewReader("pools: [{name: p.x, model: m, instances: [{id: vllm.1, url: 'http://h:1'}]}]"))
+	if err == nil {
+		err = cfg.Validate()
+	}
+	if err != nil {
+		t.Fatal(err)
 	}
 }
