@@ -171,9 +171,8 @@ func (s *api) servePutRouting(w http.ResponseWriter, r *http.Request) {
 	if p == nil {
 		return
 	}
-	body, err := io.ReadAll(io.LimitReader(r.Body, 64<<10))
-	if err != nil {
-		openai.WriteError(w, http.StatusBadRequest, "reading body: "+err.Error())
+	body, ok := readBody(w, r, "routing", 64<<10)
+	if !ok {
 		return
 	}
 	rc, _ := p.Routing()
@@ -194,4 +193,20 @@ func (s *api) servePutRouting(w http.ResponseWriter, r *http.Request) {
 	nrc, _ := p.Routing()
 	s.log.Info("routing changed", "pool", p.Name(), "strategy", nrc.Strategy, "prefix_length", nrc.PrefixLength, "concurrency_threshold", nrc.ConcurrencyThreshold)
 	writeJSON(w, nrc)
+}
+
+// readBody reads an admin request's body of at most limit bytes; a longer
+// one is answered 413 (not cut short, which JSON would report as an
+// unexpected end), an unreadable one 400, each prefixed with what.
+func readBody(w http.ResponseWriter, r *http.Request, what string, limit int) ([]byte, bool) {
+	body, err := io.ReadAll(io.LimitReader(r.Body, int64(limit)+1))
+	if err != nil {
+		openai.WriteError(w, http.StatusBadRequest, what+": reading the body: "+err.Error())
+		return nil, false
+	}
+	if len(body) > limit {
+		openai.WriteError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("%s: body over %d bytes", what, limit))
+		return nil, false
+	}
+	return body, true
 }

@@ -3,7 +3,6 @@ package admin
 import (
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"time"
 
@@ -34,13 +33,8 @@ func (s *api) serveDecide(w http.ResponseWriter, r *http.Request) {
 	if p == nil {
 		return
 	}
-	body, err := io.ReadAll(io.LimitReader(r.Body, maxLookupBody+1))
-	if err != nil {
-		openai.WriteError(w, http.StatusBadRequest, "decide: reading the body: "+err.Error())
-		return
-	}
-	if len(body) > maxLookupBody {
-		openai.WriteError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("decide: body over %d bytes", maxLookupBody))
+	body, ok := readBody(w, r, "decide", maxLookupBody)
+	if !ok {
 		return
 	}
 	// A chat request is one with messages; anything else, malformed JSON

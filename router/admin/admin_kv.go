@@ -1,13 +1,13 @@
 package admin
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/kvaware"
-	"io"
 	"net/http"
 	"slices"
 	"strings"
@@ -88,7 +88,11 @@ func (s *api) serveKVLookup(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	var req KVLookupRequest
-	dec := json.NewDecoder(io.LimitReader(r.Body, maxLookupBody))
+	body, ok := readBody(w, r, "lookup", maxLookupBody)
+	if !ok {
+		return
+	}
+	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&req); err != nil {
 		openai.WriteError(w, http.StatusBadRequest, "lookup: malformed JSON: "+err.Error())

@@ -123,6 +123,10 @@ func TestAdminKVLookupAndInstances(t *testing.T) {
 		{"unknown field", "POST", "/admin/pools/kv/lookup", `{"tokens":[1]}`, "tok", 400, "malformed"},
 		{"unknown adapter", "POST", "/admin/pools/kv/lookup", `{"adapter":"zzz","token_ids":[1]}`, "tok", 404, "adapter"},
 		{"evictions without events", "GET", "/v1/kv/evictions?pool=kv", "", "tok", 503, "events disabled"},
+		// A body over the bound is refused as such, not cut short and
+		// reported as malformed JSON ("unexpected EOF").
+		{"lookup body over the bound", "POST", "/admin/pools/kv/lookup", `{"token_ids":[` + strings.Repeat("1,", 9<<20) + `1]}`, "tok", 413, "lookup: body over 16777216 bytes"},
+		{"routing body over the bound", "PUT", "/admin/pools/kv/routing", `{"strategy":"kv_aware"` + strings.Repeat(" ", 64<<10) + `}`, "tok", 413, "routing: body over 65536 bytes"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
