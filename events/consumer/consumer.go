@@ -171,7 +171,11 @@ type inst struct {
 	loadFailed bool
 	// Owned by the instance's shard goroutine.
 	needLoad bool
-	skipUpTo uint64
+	// run and prevRun: the bridge runs (from the message ids) of the
+	// instance's last message and of the last one before it from another
+	// run; a message of prevRun means two bridges alternate (publisher).
+	run, prevRun string
+	skipUpTo     uint64
 	// retryAt: after a failed load, no event or heartbeat tries again
 	// before it (loadRetryAt); zero when the last load did not fail.
 	retryAt time.Time

@@ -579,3 +579,52 @@ func TestLoadRetryAt(t *testing.T) {
 		}
 	}
 }
+
+// Two kvbridges publishing for one instance by mistake (a second sidecar, a
+// bridge with another engine's --instance) are told apart from a bridge
+// restart by their message ids (<pool>.<instance>.<run>.<n>): a restart
+// moves to a new run for good, two live bridges alternate. Counted and
+// logged; a restart is not.
+func TestTwoBridgesForOneInstance(t *testing.T) {
+	e := newEnv(t)
+	c, _ := e.startRecording()
+	subj, _ := kvstream.EventsSubject(e.pool, "i0")
+	pub := func(run string, seq uint64) {
+		t.Helper()
+		p, _ := events.Encode(nil, events.Batch{TS: 1, Events: []events.Event{{Kind: events.BlockStored,
+			BlockHashes: []uint64{seq}, TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"}}}, events.EncodingMap)
+		h := kvstream.EventHeaders{Seq: seq, HasSeq: true, Pool: e.pool, Instance: "i0"}.Header()
+		h.Set(jetstream.MsgIDHeader, fmt.Sprintf("%s.i0.%s.%d", e.pool, run, seq))
+		if _, err := e.js.PublishMsg(e.ctx, &nats.Msg{Subject: subj, Data: p, Header: h}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	applied := func(seq uint64) {
+		t.Helper()
+		testenv.WaitFor(t, 20*time.Second, fmt.Sprintf("seq %d applied", seq), func() bool {
+			for _, s := range c.Instances() {
+				if s.Instance == "i0" && s.LastSeq >= seq {
+					return true
+				}
+			}
+			return false
+		})
+	}
+	// A bridge, then its restart (a new run), then another restart.
+	pub("aaaa", 1)
+	pub("aaaa", 2)
+	pub("bbbb", 3)
+	pub("cccc", 4)
+	applied(4)
+	if n := counterValue(c.m.twoBridges); n != 0 {
+		t.Fatalf("bridge restarts counted as two bridges: %v", n)
+	}
+	// Two bridges at once: their messages alternate.
+	pub("dddd", 5)
+	pub("cccc", 6)
+	pub("dddd", 7)
+	applied(7)
+	if n := counterValue(c.m.twoBridges); n != 2 {
+		t.Fatalf("two bridges' alternating messages counted %v, want 2", n)
+	}
+}

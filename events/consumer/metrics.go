@@ -21,6 +21,7 @@ type metrics struct {
 	applyErrors   prometheus.Counter
 	consumeErrors prometheus.Counter
 	stalls        prometheus.Counter
+	twoBridges    prometheus.Counter
 	snapshotLoads *prometheus.CounterVec
 	heartbeats    *prometheus.CounterVec
 	purges        prometheus.Counter
@@ -70,6 +71,8 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 			"Index Apply calls that failed."),
 		consumeErrors: ms.Counter("kvrouter_events_consume_errors_total",
 			"JetStream consume errors (the ordered consumer recovers by itself)."),
+		twoBridges: ms.Counter("kvrouter_events_two_bridges_total",
+			"Messages of an instance from a bridge run that had already been followed by another run's: two kvbridges publish for one instance (a bridge restart moves to a new run for good)."),
 		stalls: ms.Counter("kvrouter_events_consumer_stalls_total",
 			"Checks that found the consumer stalled (a stored message undelivered for 3 heartbeats, nothing delivered meanwhile) and re-created it."),
 		snapshotLoads: ms.CounterVec("kvrouter_events_snapshot_loads_total",

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"hash/maphash"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -224,6 +225,7 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 		c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
 		return
 	}
+	c.publisher(w, in)
 	h, herr := kvstream.ParseEventHeaders(w.header)
 	engineMsg := herr == nil && h.HasSeq && h.Synthetic == ""
 	if !h.Coalesced() {
@@ -268,6 +270,34 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 			return // the apply failed: the snapshot reload brings the rest
 		}
 	}
+}
+
+// publisher notes which bridge run published message w (its message id is
+// <pool>.<instance>.<run>.<n>) and counts and logs two bridges publishing
+// for the instance at once: a bridge that restarts moves to a new run for
+// good, while two live ones alternate. Nothing else notices them: their
+// copies of each engine message are applied once (duplicate_seq; the
+// shared index re-applies them), but each one's resync rolls the index
+// back to its own table, and a bridge given another engine's --instance
+// publishes blocks the instance does not hold.
+func (c *Consumer) publisher(w work, in *inst) {
+	id := w.header.Get(jetstream.MsgIDHeader)
+	prefix := c.cfg.Pool + "." + w.instance + "."
+	if !strings.HasPrefix(id, prefix) {
+		return
+	}
+	run, _, ok := strings.Cut(id[len(prefix):], ".")
+	if !ok || run == in.run {
+		return
+	}
+	if run == in.prevRun {
+		c.m.twoBridges.Inc()
+		if ok, suppressed := c.logLimit.Allow("two_bridges"); ok {
+			c.cfg.Logger.Warn("consumer: two kvbridges publish for one instance (their messages alternate); stop one, or give it its own engine's --instance",
+				"instance", w.instance, "runs", []string{in.run, run}, "suppressed", suppressed)
+		}
+	}
+	in.prevRun, in.run = in.run, run
 }
 
 // Outcomes of seqCheck.
