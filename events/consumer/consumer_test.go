@@ -599,6 +599,7 @@ func TestTwoBridgesForOneInstance(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	var seq uint64
 	applied := func(seq uint64) {
 		t.Helper()
 		testenv.WaitFor(t, 20*time.Second, fmt.Sprintf("seq %d applied", seq), func() bool {
@@ -610,21 +611,21 @@ func TestTwoBridgesForOneInstance(t *testing.T) {
 			return false
 		})
 	}
-	// A bridge, then its restart (a new run), then another restart.
-	pub("aaaa", 1)
-	pub("aaaa", 2)
-	pub("bbbb", 3)
-	pub("cccc", 4)
-	applied(4)
-	if n := counterValue(c.m.twoBridges); n != 0 {
-		t.Fatalf("bridge restarts counted as two bridges: %v", n)
-	}
-	// Two bridges at once: their messages alternate.
-	pub("dddd", 5)
-	pub("cccc", 6)
-	pub("dddd", 7)
-	applied(7)
-	if n := counterValue(c.m.twoBridges); n != 2 {
-		t.Fatalf("two bridges' alternating messages counted %v, want 2", n)
+	for _, step := range []struct {
+		what string
+		runs []string // the runs of the next messages, in order
+		want float64  // the counter after them
+	}{
+		{"a bridge, its restart (a new run), another restart", []string{"aaaa", "aaaa", "bbbb", "cccc"}, 0},
+		{"two bridges at once: their messages alternate", []string{"dddd", "cccc", "dddd"}, 2},
+	} {
+		for _, run := range step.runs {
+			seq++
+			pub(run, seq)
+		}
+		applied(seq)
+		if n := counterValue(c.m.twoBridges); n != step.want {
+			t.Fatalf("%s: counted %v, want %v", step.what, n, step.want)
+		}
 	}
 }
