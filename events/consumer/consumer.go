@@ -202,6 +202,9 @@ const (
 	// everything queued before it has been applied.
 	workBarrier
 	workReload // the engine is back up: reload the bridge's table, then live
+	// workRestream: the stream was re-created; the instance's positions in
+	// the old one are forgotten and its snapshot reloaded (restream).
+	workRestream
 )
 
 type work struct {

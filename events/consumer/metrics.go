@@ -10,28 +10,29 @@ import (
 
 // metrics are the consumer's series, labelled with its pool.
 type metrics struct {
-	messages      *prometheus.CounterVec
-	events        *prometheus.CounterVec
-	unknown       prometheus.Counter
-	invalid       prometheus.Counter
-	gaps          prometheus.Counter
-	stored        prometheus.Counter
-	removed       prometheus.Counter
-	dropped       *prometheus.CounterVec
-	applyErrors   prometheus.Counter
-	consumeErrors prometheus.Counter
-	stalls        prometheus.Counter
-	twoBridges    prometheus.Counter
-	snapshotLoads *prometheus.CounterVec
-	heartbeats    *prometheus.CounterVec
-	purges        prometheus.Counter
-	replayed      prometheus.Counter
-	replayLost    prometheus.Counter
-	instances     *prometheus.GaugeVec
-	queue         prometheus.Gauge
-	consistent    prometheus.Gauge
-	indexLost     prometheus.Counter
-	lag           prometheus.Histogram
+	messages        *prometheus.CounterVec
+	events          *prometheus.CounterVec
+	unknown         prometheus.Counter
+	invalid         prometheus.Counter
+	gaps            prometheus.Counter
+	stored          prometheus.Counter
+	removed         prometheus.Counter
+	dropped         *prometheus.CounterVec
+	applyErrors     prometheus.Counter
+	consumeErrors   prometheus.Counter
+	stalls          prometheus.Counter
+	twoBridges      prometheus.Counter
+	streamRecreated prometheus.Counter
+	snapshotLoads   *prometheus.CounterVec
+	heartbeats      *prometheus.CounterVec
+	purges          prometheus.Counter
+	replayed        prometheus.Counter
+	replayLost      prometheus.Counter
+	instances       *prometheus.GaugeVec
+	queue           prometheus.Gauge
+	consistent      prometheus.Gauge
+	indexLost       prometheus.Counter
+	lag             prometheus.Histogram
 
 	// Children every applied message counts in, resolved once: a
 	// CounterVec lookup hashes its label values on every call.
@@ -71,6 +72,8 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 			"Index Apply calls that failed."),
 		consumeErrors: ms.Counter("kvrouter_events_consume_errors_total",
 			"JetStream consume errors (the ordered consumer recovers by itself)."),
+		streamRecreated: ms.Counter("kvrouter_events_stream_recreated_total",
+			"Times the watchdog found the stream re-created (its last sequence below the last one delivered: a JetStream store wiped, the stream deleted and made again) and consumed it from its start, reloading every instance."),
 		twoBridges: ms.Counter("kvrouter_events_two_bridges_total",
 			"Messages of an instance from a bridge run that had already been followed by another run's: two kvbridges publish for one instance (a bridge restart moves to a new run for good)."),
 		stalls: ms.Counter("kvrouter_events_consumer_stalls_total",

@@ -188,6 +188,18 @@ func (c *Consumer) do(ctx context.Context, w work, dec *events.Decoder) {
 		in.reloading = false
 		c.seen(in, time.Now())
 		c.mu.Unlock()
+	case workRestream:
+		c.mu.Lock()
+		in.status.StreamSeq, in.status.SnapshotSeq = 0, 0
+		c.mu.Unlock()
+		c.load(ctx, w.instance, in, 0)
+		// The snapshot's stream seq may number the old stream (a bridge
+		// that has not published since): as a position in the new one it
+		// would skip the new messages it does not hold. Nothing is
+		// skipped by it; the engine seq, set by the snapshot, still skips
+		// what it holds (duplicate_seq), and a bridge's resync or clear
+		// in the new stream rebuilds the table in order.
+		in.skipUpTo = 0
 	case workEvent:
 		c.event(ctx, w, in, purged, dec)
 	}

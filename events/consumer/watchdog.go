@@ -82,9 +82,11 @@ type streamCons struct {
 	busy atomic.Bool  // a message is being dispatched (may wait on a full shard)
 
 	// The watchdog's own (its goroutine only): the newest message seen
-	// undelivered and when.
+	// undelivered and when; recreated: the stream's sequences started
+	// over (stalled found it), so replace consumes it from its start.
 	pending      uint64
 	pendingSince time.Time
+	recreated    bool
 }
 
 // current is the consumer in use (for Info).
@@ -177,6 +179,9 @@ func (c *Consumer) stalled(ctx context.Context, now time.Time) bool {
 	seq := s.seq
 	s.mu.Unlock()
 	switch {
+	case msg.Sequence < seq && c.streamRecreated(ctx, seq):
+		s.recreated = true
+		return true
 	case msg.Sequence <= seq:
 		s.pending = 0
 		return false
@@ -187,14 +192,34 @@ func (c *Consumer) stalled(ctx context.Context, now time.Time) bool {
 	return now.Sub(s.pendingSince) >= stallHeartbeats*heartbeat
 }
 
+// streamRecreated reports whether the stream's last sequence is below seq,
+// the last one this consumer delivered: its sequences started over (a
+// JetStream store wiped, the stream deleted and created again). The pool's
+// newest message being older than the last one delivered is otherwise
+// seen only while a consumer started at the end of a stream other pools
+// also write (DeliverNew) has delivered nothing yet; one stream info
+// request tells them apart.
+func (c *Consumer) streamRecreated(ctx context.Context, seq uint64) bool {
+	rctx, cancel := context.WithTimeout(ctx, createTimeout)
+	info, err := c.stream.Info(rctx)
+	cancel()
+	return err == nil && info.State.LastSeq < seq
+}
+
 // replace swaps the stalled consumer for a new one starting after the
-// last message delivered; on failure the next check tries again.
+// last message delivered, or, when the stream was re-created, at the new
+// stream's start (with every instance reloaded); on failure the next check
+// tries again.
 func (c *Consumer) replace(ctx context.Context, deliver jetstream.DeliverPolicy) {
 	s := &c.sc
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	c.lastErr.Store(time.Now().UnixNano())
 	c.m.consumeErrors.Inc()
+	if s.recreated {
+		c.restream(ctx, deliver)
+		return
+	}
 	c.m.stalls.Inc()
 	silent := time.Since(time.Unix(0, s.at.Load()))
 	rctx, cancel := context.WithTimeout(ctx, createTimeout)
@@ -213,5 +238,47 @@ func (c *Consumer) replace(ctx context.Context, deliver jetstream.DeliverPolicy)
 		"pending", s.pending, "delivered", s.seq, "silent", silent.Round(time.Millisecond))
 	// Stopping an ordered consumer waits while it is re-creating itself
 	// (up to its 10s request timeout): not on the watchdog.
+	go old.Stop()
+}
+
+// restream follows a re-created stream (s.mu held): every instance's
+// stream positions (snapshot coverage, the stream seq it is at) point into
+// the old stream, so each is reset and its snapshot reloaded on its shard,
+// queued before the new consumer's first message; the new consumer then
+// delivers the new stream from its start. A shared index keeps positions of
+// the old stream in Redis: it is not repaired here (docs/transport.md,
+// "JetStream store wiped").
+func (c *Consumer) restream(ctx context.Context, deliver jetstream.DeliverPolicy) {
+	s := &c.sc
+	c.m.streamRecreated.Inc()
+	if c.cfg.SharedIndex {
+		c.cfg.Logger.Error("consumer: the stream was re-created (its sequences started over); the shared index's positions point into the old one: restart the routers and flush the pool's index keys",
+			"stream", c.streamName, "delivered", s.seq)
+		s.recreated = false
+		s.seq = 0
+		return
+	}
+	c.mu.Lock()
+	names := make([]string, 0, len(c.insts))
+	for name := range c.insts {
+		names = append(names, name)
+	}
+	c.mu.Unlock()
+	for _, name := range names {
+		c.enqueue(ctx, work{kind: workRestream, instance: name})
+	}
+	rctx, cancel := context.WithTimeout(ctx, createTimeout)
+	defer cancel()
+	cons, cc, err := c.startConsumer(rctx, ctx, s.gen.Load()+1, jetstream.DeliverAllPolicy, 0)
+	if err != nil {
+		c.cfg.Logger.Warn("consumer: the stream was re-created; consuming it from its start failed, retrying", "err", err)
+		return
+	}
+	old := s.cc
+	s.gen.Add(1)
+	s.cons, s.cc = cons, cc
+	c.cfg.Logger.Warn("consumer: the stream was re-created (its sequences started over): consuming it from its start and reloading every instance",
+		"stream", c.streamName, "delivered", s.seq, "instances", len(names))
+	s.seq, s.recreated, s.pending = 0, false, 0
 	go old.Stop()
 }

@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
@@ -64,5 +66,47 @@ func TestWatchdogReplacesStalledConsumer(t *testing.T) {
 			}
 			t.Logf("recovered %.2fs after the stall", took.Seconds())
 		})
+	}
+}
+
+// A stream re-created under a running consumer (a JetStream store wiped, the
+// stream deleted and made again) starts its sequences over. The ordered
+// consumer resumed after the old last sequence and delivered nothing of the
+// new stream until it grew past it (thousands of messages), while the
+// instance stayed live with its old blocks: stale state presented as fresh.
+// The watchdog notices the stream's last sequence below the consumer's and
+// consumes the new stream from its start.
+func TestStreamRecreatedConsumedFromStart(t *testing.T) {
+	e := newEnv(t)
+	c, a := e.startRecording()
+	for seq := uint64(1); seq <= 5; seq++ {
+		e.store("i0", seq, 10+seq)
+	}
+	testenv.WaitFor(t, 20*time.Second, "first stream applied", func() bool {
+		got, _ := a.get("i0")
+		return slices.Contains(got, 15)
+	})
+	// The bridge's snapshot, current to the old stream's last message
+	// (stream seq 5): the bridge has not published since the wipe.
+	batch, _ := events.Encode(nil, events.Batch{Events: []events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{11, 12, 13, 14, 15},
+		TokenIDs: make([]uint32, 5*16), BlockSize: 16, Medium: "GPU"}}}, events.EncodingMap)
+	snap, _ := kvstream.Snapshot{Pool: e.pool, Instance: "i0", Blocks: 5, Batch: batch, StreamSeq: 5, EngineSeq: 5, HasSeq: true}.MarshalBinary()
+	e.putSnapshotBytes("i0", snap)
+	if err := e.js.DeleteStream(e.ctx, e.cfg.Stream.Name); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := kvstream.EnsureStream(e.ctx, e.js, e.cfg.Stream); err != nil {
+		t.Fatal(err)
+	}
+	// The bridge carries on: the engine's next seqs go to the new stream, at
+	// stream sequences 1 and 2, below the snapshot's old-stream position.
+	e.store("i0", 6, 16)
+	e.store("i0", 7, 17)
+	testenv.WaitFor(t, 20*time.Second, "re-created stream applied", func() bool {
+		got, _ := a.get("i0")
+		return slices.Contains(got, 16) && slices.Contains(got, 17)
+	})
+	if n := counterValue(c.m.streamRecreated); n != 1 {
+		t.Fatalf("re-created stream counted %v times, want 1", n)
 	}
 }
