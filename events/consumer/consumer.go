@@ -131,9 +131,13 @@ type Consumer struct {
 	shards []chan work
 
 	// shared is set with SharedIndex and a SharedApplier (see shared.go).
-	shared   *sharedState
-	epochOK  atomic.Bool  // shared: Redis answered the last epoch check, data not lost since
-	unsynced atomic.Int64 // shared: instances with status.IndexUnsynced
+	shared  *sharedState
+	epochOK atomic.Bool // shared: Redis answered the last epoch check, data not lost since
+	// renumbered: shared index, the stream was re-created under it (see
+	// restream): the index's positions number the old stream, so the
+	// consumer reports itself unhealthy until the router restarts.
+	renumbered atomic.Bool
+	unsynced   atomic.Int64 // shared: instances with status.IndexUnsynced
 
 	running atomic.Bool
 	// caughtUp: a message was dispatched with nothing pending after it.

@@ -252,7 +252,10 @@ func (c *Consumer) restream(ctx context.Context, deliver jetstream.DeliverPolicy
 	s := &c.sc
 	c.m.streamRecreated.Inc()
 	if c.cfg.SharedIndex {
-		c.cfg.Logger.Error("consumer: the stream was re-created (its sequences started over); the shared index's positions point into the old one: restart the routers and flush the pool's index keys",
+		// Its messages would fall below the positions and be taken as
+		// applied: unhealthy, kv_aware falls back rather than trust it.
+		c.renumbered.Store(true)
+		c.cfg.Logger.Error("consumer: the stream was re-created (its sequences started over); the shared index's positions point into the old one, so exact routing is off: restart the routers with the pool's index keys flushed",
 			"stream", c.streamName, "delivered", s.seq)
 		s.recreated = false
 		s.seq = 0

@@ -110,3 +110,38 @@ func TestStreamRecreatedConsumedFromStart(t *testing.T) {
 		t.Fatalf("re-created stream counted %v times, want 1", n)
 	}
 }
+
+// With a shared index the re-created stream's messages fall below the
+// positions the index keeps of the old one: the consumer reports itself
+// unhealthy (kv_aware falls back) instead of presenting the index as
+// current.
+func TestStreamRecreatedSharedUnhealthy(t *testing.T) {
+	e := newEnv(t)
+	cfg := e.cfg
+	cfg.Applier, cfg.SharedIndex = newRecorder(), true
+	c := e.start(cfg)
+	for seq := uint64(1); seq <= 3; seq++ {
+		e.store("i0", seq, 10+seq)
+	}
+	testenv.WaitFor(t, 20*time.Second, "first stream delivered", func() bool {
+		for _, s := range c.Instances() {
+			if s.Instance == "i0" && s.LastSeq == 3 {
+				return true
+			}
+		}
+		return false
+	})
+	if err := e.js.DeleteStream(e.ctx, e.cfg.Stream.Name); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := kvstream.EnsureStream(e.ctx, e.js, e.cfg.Stream); err != nil {
+		t.Fatal(err)
+	}
+	e.store("i0", 4, 14)
+	testenv.WaitFor(t, 20*time.Second, "re-created stream noticed", func() bool { return counterValue(c.m.streamRecreated) == 1 })
+	// Past the 10 s a consume error keeps it unhealthy: still unhealthy.
+	c.lastErr.Store(0)
+	if c.Healthy() {
+		t.Fatal("healthy over a shared index whose positions number the old stream")
+	}
+}
