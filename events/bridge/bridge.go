@@ -399,6 +399,10 @@ type instance struct {
 	win window // messages in flight (window.go); owned by the process goroutine
 	// results is applyAcked's buffer, reused (process goroutine).
 	results []TableResult
+	// dec decodes engine payloads (process goroutine). Retaining: a
+	// message's events are kept until its ack, and messages are dropped
+	// in the order they were decoded, so batches share allocations.
+	dec events.Decoder
 
 	counters *instanceCounters // owned by the process goroutine
 	// sent and completed count messages handed to the window and those
@@ -454,6 +458,7 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		ageNow:   make(chan struct{}, 1),
 		table:    NewTable(b.cfg.MaxBlocks),
 		counters: newInstanceCounters(b.m, s.Instance),
+		dec:      events.Decoder{Retain: true},
 	}
 	in.enc.Store(uint32(events.EncodingMap))
 	pool := b.cfg.Pool
@@ -730,7 +735,7 @@ func (in *instance) fillGap(ctx context.Context, from, to uint64) error {
 // publishEngine publishes an engine message unchanged and folds it into
 // the table once JetStream has acknowledged it (in publish order).
 func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) error {
-	batch, derr := events.Decode(m.Payload)
+	batch, derr := in.dec.Decode(m.Payload)
 	h := kvstream.EventHeaders{Seq: m.Seq, HasSeq: true, Rank: in.src.Rank, Pool: in.b.cfg.Pool, Instance: in.src.Instance, Model: in.b.cfg.Model}
 	if derr == nil && batch.Encoding != 0 {
 		h.Encoding = batch.Encoding.String()
