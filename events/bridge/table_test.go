@@ -377,3 +377,31 @@ func BenchmarkBridgePublish(b *testing.B) {
 		})
 	}
 }
+
+// TestTableRemovedHashes: the hashes a removal reports are exactly the
+// held ones it removed, in the event's order, whether they are a prefix
+// of the event's (reported without a copy) or not; appending to them (as
+// eviction records gathered per tier do) leaves the event unchanged.
+func TestTableRemovedHashes(t *testing.T) {
+	for _, tc := range []struct{ rm, want []uint64 }{
+		{[]uint64{1, 2, 3}, []uint64{1, 2, 3}},
+		{[]uint64{1, 2, 9}, []uint64{1, 2}},
+		{[]uint64{1, 9, 2, 3}, []uint64{1, 2, 3}},
+		{[]uint64{9, 3, 1}, []uint64{3, 1}},
+		{[]uint64{9, 8}, nil},
+	} {
+		tab := NewTable(0)
+		tab.Apply([]events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{1, 2, 3}, BlockSize: 1, TokenIDs: []uint32{1, 2, 3}, Medium: "GPU"}})
+		ev := events.Event{Kind: events.BlockRemoved, BlockHashes: tc.rm, Medium: "GPU"}
+		sent := append([]uint64(nil), tc.rm...)
+		r := tab.Apply([]events.Event{ev})
+		var got []uint64
+		for _, x := range r.Removed {
+			got = append(got, x.Hashes...)
+			_ = append(x.Hashes, 77)
+		}
+		if !reflect.DeepEqual(got, tc.want) || !reflect.DeepEqual(ev.BlockHashes, sent) {
+			t.Fatalf("removing %v: reported %v, want %v; the event's hashes now %v", sent, got, tc.want, ev.BlockHashes)
+		}
+	}
+}
