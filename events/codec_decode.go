@@ -44,9 +44,27 @@ func Decode(payload []byte) (Batch, error) {
 // events and their BlockHashes and TokenIDs are valid only until the next
 // call; ExtraKeys and strings are not reused and stay valid. The zero
 // value is ready to use; a Decoder is not safe for concurrent use.
+//
+// With Retain set, nothing is reused: each batch's events, hashes and
+// tokens are carved from chunks of retainChunk bytes shared with the
+// batches decoded before and after it, and stay valid for as long as the
+// caller keeps them (a chunk lives while any batch carved from it does).
+// A stream of small batches then costs an allocation per chunk rather
+// than several per batch; a caller that drops batches in the order it
+// decoded them (kvbridge, at each ack) frees chunks whole.
 type Decoder struct {
 	d decoder
+	// Retain keeps every batch valid after the next call (see above).
+	// Set it before the first Decode and leave it.
+	Retain bool
 }
+
+// retainChunk is the size of a retaining Decoder's chunks, per kind
+// (events, hashes, tokens): many of a stream's usual batches (vLLM's are
+// hundreds of bytes to a few KiB decoded) share one allocation, and a
+// batch kept alone (its neighbours dropped) holds at most this much
+// beside its own data. A batch larger than a chunk gets its own.
+const retainChunk = 16 << 10
 
 // Decode parses payload as the package-level Decode does (same results,
 // same errors), into the decoder's buffers.
@@ -54,8 +72,11 @@ func (dec *Decoder) Decode(payload []byte) (Batch, error) {
 	d := &dec.d
 	d.r = reader{b: payload}
 	d.reuse = true
-	d.hashUsed, d.tokUsed = 0, 0
-	d.trim(len(payload))
+	d.retain = dec.Retain
+	if !d.retain {
+		d.hashUsed, d.tokUsed = 0, 0
+		d.trim(len(payload))
+	}
 	b, err := d.batch()
 	off := d.r.off
 	d.r = reader{} // the payload is not kept
@@ -107,6 +128,7 @@ type decoder struct {
 	// reuse (a Decoder): events, block hashes and token ids are carved
 	// out of the buffers below, kept across batches, instead of allocated.
 	reuse             bool
+	retain            bool // Decoder.Retain: carve, never reuse
 	evBuf             []Event
 	evUsed            int // events of the last batch in evBuf
 	hashBuf           []uint64
@@ -126,7 +148,11 @@ func (d *decoder) hashSlice(n int) []uint64 {
 		return []uint64{} // as make: empty, not nil
 	}
 	if d.hashUsed+n > len(d.hashBuf) {
-		d.hashBuf, d.hashUsed = make([]uint64, max(2*len(d.hashBuf), n, 64)), 0
+		size := max(2*len(d.hashBuf), n, 64)
+		if d.retain {
+			size = max(n, retainChunk/8)
+		}
+		d.hashBuf, d.hashUsed = make([]uint64, size), 0
 	}
 	s := d.hashBuf[d.hashUsed : d.hashUsed+n : d.hashUsed+n]
 	d.hashUsed += n
@@ -142,7 +168,11 @@ func (d *decoder) tokSlice(n int) []uint32 {
 		return []uint32{}
 	}
 	if d.tokUsed+n > len(d.tokBuf) {
-		d.tokBuf, d.tokUsed = make([]uint32, max(2*len(d.tokBuf), n, 1024)), 0
+		size := max(2*len(d.tokBuf), n, 1024)
+		if d.retain {
+			size = max(n, retainChunk/4)
+		}
+		d.tokBuf, d.tokUsed = make([]uint32, size), 0
 	}
 	s := d.tokBuf[d.tokUsed : d.tokUsed+n : d.tokUsed+n]
 	d.tokUsed += n
@@ -277,7 +307,15 @@ func (d *decoder) events(b *Batch) error {
 		return fmt.Errorf("events: %w", err)
 	}
 	hint := min(n, d.r.remaining()/minEventBytes, 1024)
-	if d.reuse {
+	if d.retain {
+		// Carved after the batches before; an append past hint (events
+		// the payload's size did not promise) moves them out, unshared.
+		if d.evBuf == nil || cap(d.evBuf)-d.evUsed < hint {
+			d.evBuf, d.evUsed = make([]Event, 0, max(hint, retainChunk/eventBytes)), 0
+		}
+		b.Events = d.evBuf[d.evUsed : d.evUsed : d.evUsed+hint]
+		d.evUsed += hint
+	} else if d.reuse {
 		if cap(d.evBuf) < hint {
 			d.evBuf = make([]Event, 0, hint)
 		}

@@ -27,10 +27,10 @@ func decodeBoth(t *testing.T, dec *Decoder, p []byte) (Batch, error) {
 	return got, gerr
 }
 
-// TestDecoderMatchesDecode runs every capture through one Decoder in turn
-// (buffers reused from batch to batch, growing and shrinking), then in
-// reverse, and checks each batch against Decode's.
-func TestDecoderMatchesDecode(t *testing.T) {
+// decoderPayloads is every capture, then a batch of two 512-block
+// events (larger than a Decoder's first buffers and than a retaining
+// one's chunks) and two bytes that do not decode.
+func decoderPayloads(t *testing.T) [][]byte {
 	var ps [][]byte
 	for _, c := range loadCaptures(t) {
 		ps = append(ps, c.payload(t))
@@ -40,13 +40,42 @@ func TestDecoderMatchesDecode(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ps = append(ps, big, []byte{0x92, 0x01}, ps[0])
+	return append(ps, big, []byte{0x92, 0x01})
+}
+
+// TestDecoderMatchesDecode runs every capture through one Decoder in turn
+// (buffers reused from batch to batch, growing and shrinking), then in
+// reverse, and checks each batch against Decode's.
+func TestDecoderMatchesDecode(t *testing.T) {
+	ps := decoderPayloads(t)
+	ps = append(ps, ps[0])
 	var dec Decoder
 	for _, p := range ps {
 		decodeBoth(t, &dec, p)
 	}
 	for i := len(ps) - 1; i >= 0; i-- {
 		decodeBoth(t, &dec, ps[i])
+	}
+}
+
+// TestRetainingDecoderKeepsBatches: a Decoder with Retain decodes every
+// capture, a batch larger than its chunks, malformed bytes and an empty
+// batch as Decode does, and every batch it returned is still Decode's
+// after all the others were decoded (nothing carved twice).
+func TestRetainingDecoderKeepsBatches(t *testing.T) {
+	ps := append(decoderPayloads(t), []byte(mp{}.arr(2).f64(1).arr(0))) // and an empty batch
+	ps = append(ps, ps...)
+	dec := Decoder{Retain: true}
+	var got []Batch
+	for _, p := range ps {
+		b, _ := decodeBoth(t, &dec, p)
+		got = append(got, b)
+	}
+	for i, p := range ps {
+		want, _ := Decode(p)
+		if !reflect.DeepEqual(got[i], want) {
+			t.Fatalf("batch %d changed after later ones were decoded:\n got %#v\nwant %#v", i, got[i], want)
+		}
 	}
 }
 
@@ -106,7 +135,8 @@ func TestDecoderDoesNotAllocate(t *testing.T) {
 
 // FuzzDecoder checks that a Decoder that has already decoded other batches
 // (its buffers holding their contents) decodes anything exactly as Decode
-// does, twice in a row.
+// does, twice in a row; a retaining one (Retain) too, leaving the batches
+// it returned before unchanged.
 func FuzzDecoder(f *testing.F) {
 	var seeds [][]byte
 	for _, c := range loadCaptures(f) {
@@ -117,16 +147,33 @@ func FuzzDecoder(f *testing.F) {
 	}
 	f.Add([]byte(mp{}.arr(2).f64(1).arr(2).arr(1).str("AllBlocksCleared").arr(2).str("Other").arr(0)))
 	f.Fuzz(func(t *testing.T, p []byte) {
-		var dec Decoder
-		for i, s := range seeds {
-			if i%3 == len(p)%3 {
-				if _, err := dec.Decode(s); err != nil {
-					t.Fatal(fmt.Errorf("seed %d: %w", i, err))
+		for _, retain := range []bool{false, true} {
+			dec := Decoder{Retain: retain}
+			var kept []Batch
+			for i, s := range seeds {
+				if i%3 == len(p)%3 {
+					b, err := dec.Decode(s)
+					if err != nil {
+						t.Fatal(fmt.Errorf("seed %d: %w", i, err))
+					}
+					kept = append(kept, b)
+				}
+			}
+			decodeBoth(t, &dec, p)
+			decodeBoth(t, &dec, p)
+			if !retain {
+				continue
+			}
+			// What a retaining Decoder returned before is unchanged.
+			for i, j := 0, 0; i < len(seeds); i++ {
+				if i%3 == len(p)%3 {
+					if want, _ := Decode(seeds[i]); !reflect.DeepEqual(kept[j], want) {
+						t.Fatalf("seed %d's batch changed after later decodes", i)
+					}
+					j++
 				}
 			}
 		}
-		decodeBoth(t, &dec, p)
-		decodeBoth(t, &dec, p)
 	})
 }
 

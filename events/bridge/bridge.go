@@ -397,6 +397,12 @@ type instance struct {
 	group group
 
 	win window // messages in flight (window.go); owned by the process goroutine
+	// results is applyAcked's buffer, reused (process goroutine).
+	results []TableResult
+	// dec decodes engine payloads (process goroutine). Retaining: a
+	// message's events are kept until its ack, and messages are dropped
+	// in the order they were decoded, so batches share allocations.
+	dec events.Decoder
 
 	counters *instanceCounters // owned by the process goroutine
 	// sent and completed count messages handed to the window and those
@@ -452,6 +458,7 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		ageNow:   make(chan struct{}, 1),
 		table:    NewTable(b.cfg.MaxBlocks),
 		counters: newInstanceCounters(b.m, s.Instance),
+		dec:      events.Decoder{Retain: true},
 	}
 	in.enc.Store(uint32(events.EncodingMap))
 	pool := b.cfg.Pool
@@ -728,7 +735,7 @@ func (in *instance) fillGap(ctx context.Context, from, to uint64) error {
 // publishEngine publishes an engine message unchanged and folds it into
 // the table once JetStream has acknowledged it (in publish order).
 func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) error {
-	batch, derr := events.Decode(m.Payload)
+	batch, derr := in.dec.Decode(m.Payload)
 	h := kvstream.EventHeaders{Seq: m.Seq, HasSeq: true, Rank: in.src.Rank, Pool: in.b.cfg.Pool, Instance: in.src.Instance, Model: in.b.cfg.Model}
 	if derr == nil && batch.Encoding != 0 {
 		h.Encoding = batch.Encoding.String()
@@ -756,7 +763,9 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 	if err := in.seal(ctx); err != nil {
 		return err
 	}
-	if err := in.publishAsync(ctx, m.Payload, h, 1, func(seq uint64) { in.applyAcked(m, batch.Events, seq, nil) }); err != nil {
+	if err := in.publishAsync(ctx, m.Payload, h, 1, func(seq uint64) {
+		in.applyAcked([]enginezmq.Message{m}, [][]events.Event{batch.Events}, seq)
+	}); err != nil {
 		return err
 	}
 	if derr == nil && batch.InvalidRemovals > 0 {
@@ -770,36 +779,45 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 	return nil
 }
 
-// applyAcked folds an acknowledged engine message into the table. Its
-// eviction records are published at once, or, with acc (the batches of a
-// coalesced message), gathered into acc and published by acc.flush.
-func (in *instance) applyAcked(m enginezmq.Message, evs []events.Event, seq uint64, acc *evictions) {
+// applyAcked folds acknowledged engine messages into the table: one, or
+// the batches of a coalesced message (ms, their events evs, in order),
+// all under one hold of the lock, so that a snapshot or heartbeat never
+// shows part of a coalesced message beside its stream sequence (a
+// consumer loading it skips the stream up to that sequence: the batches
+// not yet applied would be lost to it). The last message sets engineSeq
+// and lastHash (only its payload is hashed). Eviction records are
+// published after, one per tier for the whole message (evictions).
+func (in *instance) applyAcked(ms []enginezmq.Message, evs [][]events.Event, seq uint64) {
+	res := in.results[:0]
 	in.mu.Lock()
-	res := in.table.Apply(evs)
-	in.engineSeq, in.hasSeq, in.streamSeq = m.Seq, true, seq
-	in.lastHash = xxhash.Sum64(m.Payload)
+	for i := range ms {
+		res = append(res, in.table.Apply(evs[i]))
+	}
+	last := ms[len(ms)-1]
+	in.engineSeq, in.hasSeq, in.streamSeq = last.Seq, true, seq
+	in.lastHash = xxhash.Sum64(last.Payload)
 	n := in.table.Len()
 	in.mu.Unlock()
 	in.counters.tableBlocks.Set(float64(n))
-	if res.Evicted > 0 {
-		in.b.m.tableFull.WithLabelValues(in.src.Instance).Add(float64(res.Evicted))
-		in.log.Warn("block table full: dropped held blocks (raise --max-blocks to the engine's block count)", "dropped", res.Evicted, "max", in.b.cfg.MaxBlocks)
+	var acc evictions
+	for i := range res {
+		r := &res[i]
+		if r.Evicted > 0 {
+			in.b.m.tableFull.WithLabelValues(in.src.Instance).Add(float64(r.Evicted))
+			in.log.Warn("block table full: dropped held blocks (raise --max-blocks to the engine's block count)", "dropped", r.Evicted, "max", in.b.cfg.MaxBlocks)
+		}
+		in.countEvents(evs[i])
+		for _, rm := range r.Removed {
+			acc.add(rm.Tier, rm.Hashes)
+		}
+		if r.Cleared > 0 {
+			acc.flush(in)
+			in.evict(kvstream.EvictionRecord{Tier: kvstream.TierAll, Blocks: r.Cleared, Time: time.Now().UTC(), Reason: kvstream.ReasonCleared})
+		}
 	}
-	in.countEvents(evs)
-	local := acc == nil
-	if local {
-		acc = &evictions{}
-	}
-	for _, rm := range res.Removed {
-		acc.add(rm.Tier, rm.Hashes)
-	}
-	if res.Cleared > 0 {
-		acc.flush(in)
-		in.evict(kvstream.EvictionRecord{Tier: kvstream.TierAll, Blocks: res.Cleared, Time: time.Now().UTC(), Reason: kvstream.ReasonCleared})
-	}
-	if local {
-		acc.flush(in)
-	}
+	acc.flush(in)
+	clear(res)
+	in.results = res[:0]
 }
 
 // evictions gathers removed blocks by tier, in the order the tiers first

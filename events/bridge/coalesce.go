@@ -83,6 +83,13 @@ func (in *instance) join(ctx context.Context, m enginezmq.Message, evs []events.
 			return err
 		}
 	}
+	if g.msgs == nil {
+		// Room for a full group at once: the group's slices are the
+		// message's until its ack (not reused), so they are made once
+		// per group rather than grown by doubling.
+		g.msgs = make([]enginezmq.Message, 0, in.b.cfg.Coalesce)
+		g.evs = make([][]events.Event, 0, in.b.cfg.Coalesce)
+	}
 	g.msgs = append(g.msgs, m)
 	g.evs = append(g.evs, evs)
 	g.bytes += len(m.Payload)
@@ -117,11 +124,5 @@ func (in *instance) seal(ctx context.Context) error {
 			in.maxCoalesced.Store(uint64(n)) // written only here, by the process goroutine
 		}
 	}
-	return in.publishAsync(ctx, payload, h, len(g.msgs), func(seq uint64) {
-		var acc evictions // one eviction record per tier for the message
-		for i := range g.msgs {
-			in.applyAcked(g.msgs[i], g.evs[i], seq, &acc)
-		}
-		acc.flush(in)
-	})
+	return in.publishAsync(ctx, payload, h, len(g.msgs), func(seq uint64) { in.applyAcked(g.msgs, g.evs, seq) })
 }

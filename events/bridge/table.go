@@ -33,6 +33,8 @@ type block struct {
 }
 
 // Removal is one tier's blocks removed by an event, for eviction records.
+// Hashes may be the event's own BlockHashes (a prefix, its capacity its
+// length, so appending to it copies): read it while the event is kept.
 type Removal struct {
 	Tier   tiers.Tier
 	Hashes []uint64
@@ -279,7 +281,11 @@ func (t *Table) Apply(evs []events.Event) TableResult {
 				r.Unknown++
 			}
 			rm := Removal{Tier: tier}
-			for _, h := range e.BlockHashes {
+			// While every hash so far was removed, the removed ones are
+			// e.BlockHashes[:lead] and need no copy (the usual case: the
+			// engine removes what it had stored).
+			lead := 0
+			for j, h := range e.BlockHashes {
 				b := t.blocks[h]
 				if b == nil || !b.tiers.Has(tier) {
 					continue
@@ -288,7 +294,18 @@ func (t *Table) Apply(evs []events.Event) TableResult {
 				if b.tiers == 0 {
 					r.Evicted += t.unhold(h, b)
 				}
-				rm.Hashes = append(rm.Hashes, h)
+				switch {
+				case rm.Hashes != nil:
+					rm.Hashes = append(rm.Hashes, h)
+				case lead == j:
+					lead++
+				default:
+					rm.Hashes = append(make([]uint64, 0, len(e.BlockHashes)-j+lead), e.BlockHashes[:lead]...)
+					rm.Hashes = append(rm.Hashes, h)
+				}
+			}
+			if rm.Hashes == nil && lead > 0 {
+				rm.Hashes = e.BlockHashes[:lead:lead]
 			}
 			if len(rm.Hashes) > 0 {
 				r.Removed = append(r.Removed, rm)

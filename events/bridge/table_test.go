@@ -2,17 +2,13 @@ package bridge
 
 import (
 	"fmt"
-	"log/slog"
 	"math/rand/v2"
 	"reflect"
 	"testing"
-	"time"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/events/eventstest"
-	"github.com/kvrouter/kvrouter/events/kvstream"
-	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/tiers"
 )
 
@@ -369,21 +365,7 @@ func BenchmarkBridgePublish(b *testing.B) {
 	ps := eventstest.CapturedPayloads(b, "array.jsonl")
 	for _, coalesce := range []int{0, DefaultCoalesce} {
 		b.Run(fmt.Sprintf("coalesce%d", coalesce), func(b *testing.B) {
-			ctx := testenv.Context(b, 10*time.Minute)
-			nc := testenv.Connect(b, testenv.StartNATS(b).URL())
-			name := testenv.UniqueName(b)
-			br, err := New(Config{Pool: "p", Conn: nc, Coalesce: coalesce, Buffer: b.N + 16,
-				Stream:  kvstream.StreamConfig{Name: "EV_" + name},
-				Bucket:  kvstream.BucketConfig{Name: "SN_" + name},
-				Sources: []Source{{Instance: "i0", Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(b))}},
-				// Nothing answers on the endpoint: no engine to probe.
-				EngineProbeInterval: -1, SnapshotInterval: time.Hour, Logger: slog.New(slog.DiscardHandler)})
-			if err != nil {
-				b.Fatal(err)
-			}
-			testenv.Go(b, ctx, br.Run)
-			testenv.WaitFor(b, 20*time.Second, "bridge ready", br.Ready)
-			in := br.insts[0]
+			in := startBridge(b, coalesce, b.N+16)
 			eventstest.Burst(b, ps, func(seq uint64, p []byte) { in.enqueue(enginezmq.Message{Topic: "kv", Seq: seq, Payload: p}) },
 				func(n uint64) bool { s := in.stats(); return s.HasSeq && s.EngineSeq >= n }, func() any { return in.stats() })
 			s := in.stats()
@@ -393,5 +375,33 @@ func BenchmarkBridgePublish(b *testing.B) {
 			msgs := float64(b.N) - float64(s.CoalescedBatches) + float64(s.Coalesced)
 			b.ReportMetric(float64(b.N)/msgs, "batches/nats-msg")
 		})
+	}
+}
+
+// TestTableRemovedHashes: the hashes a removal reports are exactly the
+// held ones it removed, in the event's order, whether they are a prefix
+// of the event's (reported without a copy) or not; appending to them (as
+// eviction records gathered per tier do) leaves the event unchanged.
+func TestTableRemovedHashes(t *testing.T) {
+	for _, tc := range []struct{ rm, want []uint64 }{
+		{[]uint64{1, 2, 3}, []uint64{1, 2, 3}},
+		{[]uint64{1, 2, 9}, []uint64{1, 2}},
+		{[]uint64{1, 9, 2, 3}, []uint64{1, 2, 3}},
+		{[]uint64{9, 3, 1}, []uint64{3, 1}},
+		{[]uint64{9, 8}, nil},
+	} {
+		tab := NewTable(0)
+		tab.Apply([]events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{1, 2, 3}, BlockSize: 1, TokenIDs: []uint32{1, 2, 3}, Medium: "GPU"}})
+		ev := events.Event{Kind: events.BlockRemoved, BlockHashes: tc.rm, Medium: "GPU"}
+		sent := append([]uint64(nil), tc.rm...)
+		r := tab.Apply([]events.Event{ev})
+		var got []uint64
+		for _, x := range r.Removed {
+			got = append(got, x.Hashes...)
+			_ = append(x.Hashes, 77)
+		}
+		if !reflect.DeepEqual(got, tc.want) || !reflect.DeepEqual(ev.BlockHashes, sent) {
+			t.Fatalf("removing %v: reported %v, want %v; the event's hashes now %v", sent, got, tc.want, ev.BlockHashes)
+		}
 	}
 }

@@ -321,9 +321,10 @@ func (s *Subscriber) session(ctx context.Context, handle func(Message)) (got boo
 // message to Recv through a channel: a goroutine switch per engine
 // message, about a fifth of a loaded bridge's CPU with the ZMQ read
 // (docs/BENCHMARKS.md §3, "Session 13"). Here go-zeromq still does the
-// ZMTP handshake and reads the frames (zmq4.Open, (*zmq4.Conn).RecvMsg,
-// which also answers a heartbeat PING); the subscription is the message a
-// go-zeromq SUB socket sends, [0x01 topic].
+// ZMTP handshake (zmq4.Open); the frames are read by zmtpReader, which
+// allocates only each message's payload and answers a heartbeat PING as
+// (*zmq4.Conn).RecvMsg did (docs/BENCHMARKS.md §3, "Session 16"); the
+// subscription is the message a go-zeromq SUB socket sends, [0x01 topic].
 func (s *Subscriber) dialSession(ctx context.Context, addr string, handle func(Message)) (got bool, err error) {
 	d := net.Dialer{Timeout: 5 * time.Second}
 	c, err := d.DialContext(ctx, "tcp", addr)
@@ -336,7 +337,8 @@ func (s *Subscriber) dialSession(ctx context.Context, addr string, handle func(M
 	// The handshake has the dial's time bound; a silent engine afterwards
 	// is normal.
 	_ = c.SetDeadline(time.Now().Add(d.Timeout))
-	zc, err := zmq4.Open(newBufConn(c), null.Security(), zmq4.Sub, nil, false, nil)
+	bc := newBufConn(c)
+	zc, err := zmq4.Open(bc, null.Security(), zmq4.Sub, nil, false, nil)
 	if err != nil {
 		return false, fmt.Errorf("dial: %w", err)
 	}
@@ -345,8 +347,15 @@ func (s *Subscriber) dialSession(ctx context.Context, addr string, handle func(M
 	}
 	_ = c.SetDeadline(time.Time{})
 	s.connected()
+	zr := zmtpReader{r: bc.r}
 	for {
-		msg, err := zc.RecvMsg()
+		frames, cmd, err := zr.next()
+		if err == nil && cmd {
+			err = answer(zc, frames[0])
+			if err == nil {
+				continue // a heartbeat (answered) or other command
+			}
+		}
 		if err != nil {
 			if ctx.Err() != nil {
 				return got, ctx.Err()
@@ -354,10 +363,7 @@ func (s *Subscriber) dialSession(ctx context.Context, addr string, handle func(M
 			s.refused(err)
 			return got, fmt.Errorf("recv: %w", err)
 		}
-		if msg.Type == zmq4.CmdMsg {
-			continue // a heartbeat (answered by RecvMsg) or other command
-		}
-		got = s.deliver(msg.Frames, handle) || got
+		got = s.deliver(frames, handle) || got
 	}
 }
 
