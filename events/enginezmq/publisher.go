@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 
 	"github.com/go-zeromq/zmq4"
 )
@@ -46,6 +47,8 @@ type Publisher struct {
 	mu   sync.Mutex // guards next, ring and sending on pub
 	next uint64
 	ring []Message // the last BufferSteps messages, oldest first
+
+	replays atomic.Uint64 // replay requests answered
 }
 
 // NewPublisher binds (or dials) the sockets; Close releases them.
@@ -186,8 +189,13 @@ func (p *Publisher) serveReplay(ctx context.Context) {
 		}
 		end = append(end, SeqBytes(EndSeq), []byte{})
 		_ = p.router.Send(zmq4.NewMsgFrom(end...))
+		p.replays.Add(1)
 	}
 }
+
+// Replays is how many replay requests the publisher has answered (the end
+// marker sent).
+func (p *Publisher) Replays() uint64 { return p.replays.Load() }
 
 // Close stops the sockets.
 func (p *Publisher) Close() error {
