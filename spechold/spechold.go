@@ -220,8 +220,10 @@ func (s *Set[K]) find(k uint64) int {
 // insert adds a live slot for key k (absent) with its first hold,
 // doubling the table first when one more key would take it past half
 // full: linear probing's runs stay short (~2.5 slots for a miss at 1/2).
+// Keys never outnumber the ring's entries, so the table stops at the
+// first power of two of twice the bound.
 func (s *Set[K]) insert(k uint64, h hold) {
-	if (s.live+1)*2 > len(s.tab) {
+	if (s.live+1)*2 > len(s.tab) && len(s.tab) < 2*len(s.ring) {
 		s.grow()
 	}
 	n := len(s.tab)
