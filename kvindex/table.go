@@ -324,9 +324,18 @@ func (t *table) insert(ks keySrc, j int32, k uint64) int32 {
 
 func (t *table) grow(ks keySrc) { t.rebuild(ks, max(2*len(t.slots), 16)) }
 
-// rebuild indexes the store's live items afresh in size slots.
+// rebuild indexes the store's live items afresh in size slots. At the
+// same size it clears the slots in place: the items are re-read from the
+// store, never from the old slots, and a fresh array would be pages the
+// kernel maps anew (a fault per 4 KiB) while the old one waits for the
+// collector.
 func (t *table) rebuild(ks keySrc, size int) {
-	t.slots, t.n, t.tombs = newSlots(size), 0, 0
+	if size == len(t.slots) {
+		clear(t.slots)
+	} else {
+		t.slots = newSlots(size)
+	}
+	t.n, t.tombs = 0, 0
 	// Re-insert from the store, in store order: reading it sequentially is
 	// much cheaper than following the old table's indices at random. The
 	// slots are random, so items go in groups: the homes of a group are

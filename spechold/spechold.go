@@ -7,17 +7,34 @@
 // insertion order is expiry order and the ring also finds the expired.
 package spechold
 
-import "sync"
+import (
+	"sync"
+
+	"github.com/kvrouter/kvrouter/internal/fmix"
+)
 
 // Set is a bounded set of holds of keys K (block keys: kvindex.Key). Safe
 // for concurrent use. Times are unix nanoseconds, given by the caller
 // (simulations run on virtual clocks).
-type Set[K comparable] struct {
-	mu    sync.RWMutex // guards holds, ring, head and n
-	holds map[K][]hold
-	ring  []ref[K] // FIFO of insertions, capacity = the bound
-	head  int      // oldest entry in ring
-	n     int      // live ring entries
+//
+// A long prompt adds, reads and drops thousands of keys per decision, and
+// a fleet's holds in flight outgrow the CPU caches as the fleet grows
+// (2^18 entries are ~20 MB), so each key's visit is a cache miss. The
+// holds are an open-addressing table whose slot holds a key's first hold
+// inline (one line to read, no allocation for the common single holder;
+// further holders go to a list beside it), and every batch of keys first
+// loads its keys' home slots together, independent loads whose misses
+// overlap, before visiting them one by one.
+type Set[K ~uint64] struct {
+	mu    sync.RWMutex // guards everything below
+	tab   []slot       // power-of-two size; nil until the first Add
+	live  int          // live slots
+	lists [][]hold     // the holds after a slot's first, by slot.more-1
+	free  []int32      // unused lists (indices), their capacity kept
+	ring  []ref[K]     // FIFO of insertions, capacity = the bound
+	head  int          // oldest entry in ring
+	n     int          // live ring entries
+	sink  uint32       // keeps touch's loads from being optimised away
 }
 
 type hold struct {
@@ -26,7 +43,21 @@ type hold struct {
 	epoch uint64
 }
 
-type ref[K comparable] struct {
+// slot is one key's holds, in their order: first, then lists[more-1].
+type slot struct {
+	key   uint64
+	first hold
+	more  int32 // 1 + the index of the rest's list in Set.lists; 0: none
+	state uint32
+}
+
+// Slot states (the zero value is empty).
+const (
+	slotEmpty = iota
+	slotLive
+)
+
+type ref[K ~uint64] struct {
 	key  K
 	inst string
 	exp  int64
@@ -34,8 +65,8 @@ type ref[K comparable] struct {
 
 // New returns an empty Set holding at most capacity (key, instance)
 // entries (0: holds nothing).
-func New[K comparable](capacity int) *Set[K] {
-	return &Set[K]{holds: map[K][]hold{}, ring: make([]ref[K], max(capacity, 0))}
+func New[K ~uint64](capacity int) *Set[K] {
+	return &Set[K]{ring: make([]ref[K], max(capacity, 0))}
 }
 
 // Cap is the bound.
@@ -59,25 +90,26 @@ func (s *Set[K]) Add(keys []K, inst string, exp int64, epoch uint64, now int64) 
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	// The ring entries this Add pops (expired, or making way) and its
+	// keys, loaded ahead.
+	s.touchRing(len(keys) + max(s.n+len(keys)-len(s.ring), 0))
 	for s.n > 0 && s.ring[s.head].exp <= now {
 		s.popLocked()
 	}
+	s.touch(keys)
 	for _, k := range keys {
 		if s.n == len(s.ring) {
 			s.popLocked()
 			evicted++
 		}
-		hs := s.holds[k]
-		held, found := exp, false
-		for i := range hs {
-			if hs[i].inst == inst {
-				hs[i].exp, hs[i].epoch, found = max(hs[i].exp, exp), epoch, true
-				held = hs[i].exp
-				break
-			}
-		}
-		if !found {
-			s.holds[k] = append(hs, hold{inst: inst, exp: exp, epoch: epoch})
+		held := exp
+		if i := s.find(uint64(k)); i < 0 {
+			s.insert(uint64(k), hold{inst: inst, exp: exp, epoch: epoch})
+		} else if h := s.holdOf(&s.tab[i], inst); h != nil {
+			h.exp, h.epoch = max(h.exp, exp), epoch
+			held = h.exp
+		} else {
+			s.push(&s.tab[i], hold{inst: inst, exp: exp, epoch: epoch})
 		}
 		s.ring[(s.head+s.n)%len(s.ring)] = ref[K]{key: k, inst: inst, exp: held}
 		s.n++
@@ -92,24 +124,180 @@ func (s *Set[K]) popLocked() {
 	s.ring[s.head] = ref[K]{}
 	s.head = (s.head + 1) % len(s.ring)
 	s.n--
-	s.dropLocked(r.key, func(h hold) bool { return h.inst == r.inst && h.exp == r.exp })
+	if i := s.find(uint64(r.key)); i >= 0 {
+		s.dropAt(i, func(h *hold) bool { return h.inst == r.inst && h.exp == r.exp })
+	}
 }
 
-func (s *Set[K]) dropLocked(k K, match func(hold) bool) {
-	hs := s.holds[k]
-	for i := range hs {
-		if match(hs[i]) {
-			hs[i] = hs[len(hs)-1]
-			hs = hs[:len(hs)-1]
-			break
+// dropAt removes the first of slot i's holds that match (the last takes
+// its place), and the slot when that was its last.
+func (s *Set[K]) dropAt(i int, match func(*hold) bool) {
+	sl := &s.tab[i]
+	c := s.count(sl)
+	for j := 0; j < c; j++ {
+		if !match(s.at(sl, j)) {
+			continue
 		}
-	}
-	if len(hs) == 0 {
-		delete(s.holds, k)
-	} else {
-		s.holds[k] = hs
+		if c == 1 {
+			s.remove(i)
+			return
+		}
+		*s.at(sl, j) = *s.at(sl, c-1)
+		l := &s.lists[sl.more-1]
+		(*l)[len(*l)-1] = hold{}
+		if *l = (*l)[:len(*l)-1]; len(*l) == 0 {
+			s.free = append(s.free, sl.more-1)
+			sl.more = 0
+		}
+		return
 	}
 }
+
+// count is how many holds slot sl has (0 when it is not live).
+func (s *Set[K]) count(sl *slot) int {
+	switch {
+	case sl.state != slotLive:
+		return 0
+	case sl.more == 0:
+		return 1
+	default:
+		return 1 + len(s.lists[sl.more-1])
+	}
+}
+
+// at is hold j of a live slot.
+func (s *Set[K]) at(sl *slot, j int) *hold {
+	if j == 0 {
+		return &sl.first
+	}
+	return &s.lists[sl.more-1][j-1]
+}
+
+// holdOf is inst's hold in slot sl, or nil.
+func (s *Set[K]) holdOf(sl *slot, inst string) *hold {
+	for j, c := 0, s.count(sl); j < c; j++ {
+		if h := s.at(sl, j); h.inst == inst {
+			return h
+		}
+	}
+	return nil
+}
+
+// push appends h to live slot sl's holds.
+func (s *Set[K]) push(sl *slot, h hold) {
+	if sl.more == 0 {
+		if n := len(s.free); n > 0 {
+			sl.more = s.free[n-1] + 1
+			s.free = s.free[:n-1]
+		} else {
+			s.lists = append(s.lists, nil)
+			sl.more = int32(len(s.lists))
+		}
+	}
+	l := &s.lists[sl.more-1]
+	*l = append(*l, h)
+}
+
+// home is key k's home slot in a table of size n (a power of two).
+func home(k uint64, n int) int { return int(fmix.Mix64(k) & uint64(n-1)) }
+
+// find returns the live slot of key k, or -1.
+func (s *Set[K]) find(k uint64) int {
+	n := len(s.tab)
+	if n == 0 {
+		return -1
+	}
+	for i := home(k, n); ; i = (i + 1) & (n - 1) {
+		switch sl := &s.tab[i]; {
+		case sl.state == slotEmpty:
+			return -1
+		case sl.state == slotLive && sl.key == k:
+			return i
+		}
+	}
+}
+
+// insert adds a live slot for key k (absent) with its first hold,
+// doubling the table first when one more key would take it past half
+// full: linear probing's runs stay short (~2.5 slots for a miss at 1/2).
+// Keys never outnumber the ring's entries, so the table stops at the
+// first power of two of twice the bound.
+func (s *Set[K]) insert(k uint64, h hold) {
+	if (s.live+1)*2 > len(s.tab) && len(s.tab) < 2*len(s.ring) {
+		s.grow()
+	}
+	n := len(s.tab)
+	i := home(k, n)
+	for s.tab[i].state == slotLive {
+		i = (i + 1) & (n - 1)
+	}
+	s.tab[i] = slot{key: k, first: h, state: slotLive}
+	s.live++
+}
+
+// remove empties live slot i, moving later slots of its probe run back
+// where their home allows (no tombstones: the key is in the slot, so its
+// home is known without another read).
+func (s *Set[K]) remove(i int) {
+	n := len(s.tab)
+	for j := (i + 1) & (n - 1); s.tab[j].state == slotLive; j = (j + 1) & (n - 1) {
+		// Slot j may move to i unless its home lies cyclically in (i, j].
+		if h := home(s.tab[j].key, n); (j-h)&(n-1) >= (j-i)&(n-1) {
+			s.tab[i] = s.tab[j]
+			i = j
+		}
+	}
+	s.tab[i] = slot{}
+	s.live--
+}
+
+// grow moves the live slots into a table of twice the size.
+func (s *Set[K]) grow() {
+	old := s.tab
+	size := max(2*len(old), 16)
+	s.tab = make([]slot, size)
+	for i := range old {
+		if sl := &old[i]; sl.state == slotLive {
+			j := home(sl.key, size)
+			for s.tab[j].state != slotEmpty {
+				j = (j + 1) & (size - 1)
+			}
+			s.tab[j] = *sl
+		}
+	}
+}
+
+// touch loads the home slots of keys, independent loads whose cache misses
+// overlap, ahead of visiting them one by one.
+func (s *Set[K]) touch(keys []K) {
+	n := len(s.tab)
+	if n == 0 {
+		return
+	}
+	var x uint32
+	for _, k := range keys {
+		x |= s.tab[home(uint64(k), n)].state
+	}
+	s.sink ^= x
+}
+
+// touchRing loads the home slots of the oldest m ring entries' keys.
+func (s *Set[K]) touchRing(m int) {
+	n := len(s.tab)
+	if n == 0 {
+		return
+	}
+	var x uint32
+	for j := range min(m, s.n) {
+		x |= s.tab[home(uint64(s.ring[(s.head+j)%len(s.ring)].key), n)].state
+	}
+	s.sink ^= x
+}
+
+// extendAhead is how many keys Extend loads ahead of the one it visits:
+// enough misses in flight to overlap (a core keeps ~10–20 outstanding),
+// few enough that a chain ending early loads little it does not read.
+const extendAhead = 16
 
 // Extend returns how far inst's holds continue keys from block from: the
 // largest k >= from such that keys[from:k] are all held by inst,
@@ -120,32 +308,49 @@ func (s *Set[K]) Extend(keys []K, from int, inst string, epoch uint64, now int64
 	}
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	if len(s.holds) == 0 {
+	if s.live == 0 {
 		return from
 	}
 	k := from
+	var loaded uint32
 	for ; k < len(keys); k++ {
-		held := false
-		for _, h := range s.holds[keys[k]] {
-			if h.inst == inst && h.exp > now && h.epoch == epoch {
-				held = true
-				break
-			}
+		if (k-from)%extendAhead == 0 {
+			loaded |= s.touchRO(keys[k:min(k+extendAhead, len(keys))])
 		}
-		if !held {
+		i := s.find(uint64(keys[k]))
+		if i < 0 {
+			break
+		}
+		h := s.holdOf(&s.tab[i], inst)
+		if h == nil || h.exp <= now || h.epoch != epoch {
 			break
 		}
 	}
-	return k
+	// Slot states are under 4: this adds 0, and keeps the loads.
+	return k + int(loaded>>2)
+}
+
+// touchRO is touch for readers (holding the read lock): the loads' result
+// is discarded, not stored.
+func (s *Set[K]) touchRO(keys []K) uint32 {
+	n := len(s.tab)
+	var x uint32
+	for _, k := range keys {
+		x |= s.tab[home(uint64(k), n)].state
+	}
+	return x
 }
 
 // Holders appends to dst the instances holding key, unexpired at now.
 func (s *Set[K]) Holders(dst []string, key K, now int64) []string {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	for _, h := range s.holds[key] {
-		if h.exp > now {
-			dst = append(dst, h.inst)
+	if i := s.find(uint64(key)); i >= 0 {
+		sl := &s.tab[i]
+		for j, c := 0, s.count(sl); j < c; j++ {
+			if h := s.at(sl, j); h.exp > now {
+				dst = append(dst, h.inst)
+			}
 		}
 	}
 	return dst
@@ -155,19 +360,15 @@ func (s *Set[K]) Holders(dst []string, key K, now int64) []string {
 func (s *Set[K]) HeldBy(key K, inst string) bool {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	for _, h := range s.holds[key] {
-		if h.inst == inst {
-			return true
-		}
-	}
-	return false
+	i := s.find(uint64(key))
+	return i >= 0 && s.holdOf(&s.tab[i], inst) != nil
 }
 
 // Any reports whether any instance holds key (expired or not).
 func (s *Set[K]) Any(key K) bool {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return len(s.holds[key]) > 0
+	return s.find(uint64(key)) >= 0
 }
 
 // Drop removes inst's holds of keys (their ring entries expire later
@@ -175,7 +376,10 @@ func (s *Set[K]) Any(key K) bool {
 func (s *Set[K]) Drop(keys []K, inst string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.touch(keys)
 	for _, k := range keys {
-		s.dropLocked(k, func(h hold) bool { return h.inst == inst })
+		if i := s.find(uint64(k)); i >= 0 {
+			s.dropAt(i, func(h *hold) bool { return h.inst == inst })
+		}
 	}
 }

@@ -1,6 +1,7 @@
 package spechold
 
 import (
+	"math/rand/v2"
 	"slices"
 	"testing"
 )
@@ -46,5 +47,148 @@ func TestSet(t *testing.T) {
 	}
 	if z := New[uint64](0); z.Add(keys, "a", 1, 0, 0) != 0 || z.Len() != 0 || z.Extend(keys, 0, "a", 0, 0) != 0 {
 		t.Fatal("a zero-capacity set holds something")
+	}
+}
+
+// model is the Set as first written (a map of hold lists), the reference
+// the table-based Set must agree with operation for operation, holders'
+// order included (routing reads them in order).
+type model struct {
+	holds map[uint64][]hold
+	ring  []ref[uint64]
+	head  int
+	n     int
+}
+
+func (m *model) add(keys []uint64, inst string, exp int64, epoch uint64, now int64) (evicted int) {
+	if len(m.ring) == 0 || len(keys) == 0 {
+		return 0
+	}
+	for m.n > 0 && m.ring[m.head].exp <= now {
+		m.pop()
+	}
+	for _, k := range keys {
+		if m.n == len(m.ring) {
+			m.pop()
+			evicted++
+		}
+		hs := m.holds[k]
+		held, found := exp, false
+		for i := range hs {
+			if hs[i].inst == inst {
+				hs[i].exp, hs[i].epoch, found = max(hs[i].exp, exp), epoch, true
+				held = hs[i].exp
+				break
+			}
+		}
+		if !found {
+			m.holds[k] = append(hs, hold{inst: inst, exp: exp, epoch: epoch})
+		}
+		m.ring[(m.head+m.n)%len(m.ring)] = ref[uint64]{key: k, inst: inst, exp: held}
+		m.n++
+	}
+	return evicted
+}
+
+func (m *model) pop() {
+	r := m.ring[m.head]
+	m.head = (m.head + 1) % len(m.ring)
+	m.n--
+	m.drop(r.key, func(h hold) bool { return h.inst == r.inst && h.exp == r.exp })
+}
+
+func (m *model) drop(k uint64, match func(hold) bool) {
+	hs := m.holds[k]
+	for i := range hs {
+		if match(hs[i]) {
+			hs[i] = hs[len(hs)-1]
+			hs = hs[:len(hs)-1]
+			break
+		}
+	}
+	if len(hs) == 0 {
+		delete(m.holds, k)
+	} else {
+		m.holds[k] = hs
+	}
+}
+
+func (m *model) extend(keys []uint64, from int, inst string, epoch uint64, now int64) int {
+	k := from
+	for ; k < len(keys); k++ {
+		held := false
+		for _, h := range m.holds[keys[k]] {
+			if h.inst == inst && h.exp > now && h.epoch == epoch {
+				held = true
+				break
+			}
+		}
+		if !held {
+			break
+		}
+	}
+	return max(k, from)
+}
+
+// TestSetAgreesWithModel plays random chains of keys (sharing prefixes,
+// several instances, refreshes, drops, expiry and the bound) on a Set and
+// on the model, comparing every answer.
+func TestSetAgreesWithModel(t *testing.T) {
+	for seed := range uint64(20) {
+		rng := rand.New(rand.NewPCG(seed, 7))
+		capacity := []int{1, 7, 64, 500}[seed%4]
+		s := New[uint64](capacity)
+		m := &model{holds: map[uint64][]hold{}, ring: make([]ref[uint64], capacity)}
+		insts := []string{"a", "b", "c", "d"}
+		var now int64
+		for step := range 3000 {
+			now += int64(rng.IntN(3))
+			keys := make([]uint64, rng.IntN(40))
+			root := uint64(rng.IntN(6))
+			for i := range keys {
+				keys[i] = root*1000 + uint64(i) // chains sharing their heads
+				if rng.IntN(10) == 0 {
+					root = uint64(6 + rng.IntN(50))
+				}
+			}
+			inst := insts[rng.IntN(len(insts))]
+			epoch := uint64(rng.IntN(2))
+			switch rng.IntN(4) {
+			case 0, 1:
+				exp := now + int64(rng.IntN(20))
+				if got, want := s.Add(keys, inst, exp, epoch, now), m.add(keys, inst, exp, epoch, now); got != want {
+					t.Fatalf("seed %d step %d: Add evicted %d, model %d", seed, step, got, want)
+				}
+			case 2:
+				s.Drop(keys, inst)
+				for _, k := range keys {
+					m.drop(k, func(h hold) bool { return h.inst == inst })
+				}
+			}
+			from := rng.IntN(len(keys) + 1)
+			if got, want := s.Extend(keys, from, inst, epoch, now), m.extend(keys, from, inst, epoch, now); got != want {
+				t.Fatalf("seed %d step %d: Extend %d, model %d", seed, step, got, want)
+			}
+			for _, k := range keys {
+				var want []string
+				for _, h := range m.holds[k] {
+					if h.exp > now {
+						want = append(want, h.inst)
+					}
+				}
+				if got := s.Holders(nil, k, now); !slices.Equal(got, want) {
+					t.Fatalf("seed %d step %d: Holders(%d) %v, model %v", seed, step, k, got, want)
+				}
+				if got, want := s.Any(k), len(m.holds[k]) > 0; got != want {
+					t.Fatalf("seed %d step %d: Any(%d) %v, model %v", seed, step, k, got, want)
+				}
+				if got, want := s.HeldBy(k, inst), slices.ContainsFunc(m.holds[k], func(h hold) bool { return h.inst == inst }); got != want {
+					t.Fatalf("seed %d step %d: HeldBy(%d, %s) %v, model %v", seed, step, k, inst, got, want)
+				}
+			}
+			if s.Len() != m.n {
+				t.Fatalf("seed %d step %d: Len %d, model %d", seed, step, s.Len(), m.n)
+			}
+		}
 	}
 }

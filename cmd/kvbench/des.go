@@ -365,9 +365,15 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	var rf replicaFlags
 	rf.register(fs)
 	decisions := fs.Bool("decisions", false, "for kv_aware: print where its hit rate went, per decision reason (tokens the best holder held, lost moving off it, lost to evictions)")
+	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run (simulation and decisions) to this file")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	stop, err := startCPUProfile(*cpuProfile)
+	if err != nil {
+		return err
+	}
+	defer stop()
 	scfg, gpuTokens, err := ff.simConfig()
 	if err != nil {
 		return err

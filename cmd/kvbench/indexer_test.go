@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -55,6 +56,10 @@ func TestIndexerReplay(t *testing.T) {
 		}
 		if strings.TrimSpace(f[5]) == "0" {
 			t.Errorf("row %q: nothing stored", line)
+		}
+		// The batched replay ran the same operations and timed them.
+		if v, err := strconv.ParseFloat(strings.TrimSpace(f[8]), 64); err != nil || v <= 0 {
+			t.Errorf("row %q: batched ops/CPU-s %q", line, f[8])
 		}
 	}
 	if rows != 2 {

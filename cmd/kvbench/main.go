@@ -21,6 +21,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"runtime/pprof"
 
 	"github.com/kvrouter/kvrouter/cmd/internal/cli"
 )
@@ -82,4 +83,21 @@ func setUsage(fs *flag.FlagSet, w io.Writer, synopsis, description string, examp
 		head += fmt.Sprintf("  %s\n", e)
 	}
 	cli.SetUsage(fs, w, head+"\nFlags:\n", "")
+}
+
+// startCPUProfile starts a CPU profile into path (nothing when path is
+// empty); stop ends it and closes the file.
+func startCPUProfile(path string) (stop func(), err error) {
+	if path == "" {
+		return func() {}, nil
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, fmt.Errorf("--cpuprofile: %w", err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("--cpuprofile: %w", err)
+	}
+	return func() { pprof.StopCPUProfile(); f.Close() }, nil
 }
