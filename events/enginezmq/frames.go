@@ -16,6 +16,12 @@ const (
 	zmtpCommand = 0x04
 )
 
+// maxMessageFrames bounds the frames of one message (vLLM sends three):
+// zero-size frames cost a peer two bytes each and the reader eight to
+// remember, so an endless message of them is refused, as is one whose
+// frames before the last add up to more than MaxFrame.
+const maxMessageFrames = 64
+
 // keepScratch is the most scratch a zmtpReader keeps between messages:
 // the frames before a message's last are a topic and an 8-byte seq, so
 // anything larger was an odd message and is not held on to.
@@ -73,6 +79,12 @@ func (z *zmtpReader) next() (frames [][]byte, cmd bool, err error) {
 		}
 		if fl&zmtpMore != 0 && !cmd {
 			n := len(z.scratch)
+			if len(z.ends) == maxMessageFrames-1 {
+				return nil, false, fmt.Errorf("%w: a message of more than %d frames", ErrBadFrames, maxMessageFrames)
+			}
+			if uint64(n)+size > MaxFrame {
+				return nil, false, &frameError{size: uint64(n) + size, max: MaxFrame}
+			}
 			if cap(z.scratch)-n < int(size) {
 				z.scratch = append(z.scratch, make([]byte, size)...)
 			}

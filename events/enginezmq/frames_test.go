@@ -106,9 +106,48 @@ func TestZMTPReaderRefuses(t *testing.T) {
 	if err := read(zmtpFrame(0, []byte("abc"), false)[:4]); !errors.Is(err, io.ErrUnexpectedEOF) {
 		t.Fatalf("truncated frame: %v", err)
 	}
+	var many []byte
+	for range maxMessageFrames - 1 {
+		many = append(many, zmtpFrame(zmtpMore, nil, false)...)
+	}
+	if fs, _, err := (&zmtpReader{r: bufio.NewReader(bytes.NewReader(append(many, zmtpFrame(0, []byte("p"), false)...)))}).next(); err != nil || len(fs) != maxMessageFrames {
+		t.Fatalf("a message of %d frames: %d frames, %v", maxMessageFrames, len(fs), err)
+	}
+	if err := read(append(many, zmtpFrame(zmtpMore, nil, false)...)); !errors.Is(err, ErrBadFrames) {
+		t.Fatalf("a message of more than %d frames: %v", maxMessageFrames, err)
+	}
 	for _, body := range [][]byte{nil, []byte("\x05PING")} {
 		if err := answer(nil, body); !errors.Is(err, ErrBadFrames) {
 			t.Fatalf("command %q: %v", body, err)
 		}
 	}
+}
+
+// FuzzZMTPReader: whatever a peer sends after the handshake, the reader
+// returns messages of at most maxMessageFrames frames, a command as one
+// frame, or an error; it never panics, and a message's last frame is not
+// overwritten by reading the next.
+func FuzzZMTPReader(f *testing.F) {
+	f.Add(append(zmtpFrame(zmtpMore, []byte("kv@a"), false), append(zmtpFrame(zmtpMore, SeqBytes(7), true), zmtpFrame(0, []byte("payload"), false)...)...))
+	f.Add(zmtpFrame(zmtpCommand, []byte("\x04PING\x00\x0a"), false))
+	f.Add([]byte{zmtpLong | zmtpMore, 0, 0, 0, 0, 0, 0, 0, 3, 'a', 'b', 'c', 0, 0})
+	f.Fuzz(func(t *testing.T, in []byte) {
+		z := zmtpReader{r: bufio.NewReaderSize(bytes.NewReader(in), 16)}
+		var kept, want [][]byte
+		for {
+			fs, cmd, err := z.next()
+			if err != nil {
+				break
+			}
+			if len(fs) == 0 || len(fs) > maxMessageFrames || (cmd && len(fs) != 1) {
+				t.Fatalf("%d frames, command %v", len(fs), cmd)
+			}
+			kept, want = append(kept, fs[len(fs)-1]), append(want, bytes.Clone(fs[len(fs)-1]))
+		}
+		for i := range kept {
+			if !bytes.Equal(kept[i], want[i]) {
+				t.Fatalf("message %d's last frame changed after later reads", i)
+			}
+		}
+	})
 }
