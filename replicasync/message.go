@@ -42,8 +42,10 @@ import (
 // Version 5 adds the rent message (KindRent: the sender's rent-or-buy
 // accounts of hot prefixes, from which every replica sums the pool's
 // account alike); the other kinds go out as before, so that a version 3
-// or 4 peer drops only the rent messages.
-const Version = 5
+// or 4 peer drops only the rent messages. Version 6 adds the intent
+// message (KindIntent: requests the sender holds for their sequencing
+// epoch, sequence.go); the other kinds go out as before.
+const Version = 6
 
 // version is the version m goes out as: the oldest that carries its kind.
 func (m *Message) version() byte {
@@ -52,6 +54,8 @@ func (m *Message) version() byte {
 		return 4
 	case KindRent:
 		return 5
+	case KindIntent:
+		return 6
 	}
 	return 3
 }
@@ -77,6 +81,9 @@ const (
 	KindPlacement Kind = 4
 	// KindRent carries the sender's rent accounts (version 5).
 	KindRent Kind = 5
+	// KindIntent carries requests the sender holds for their sequencing
+	// epoch (version 6).
+	KindIntent Kind = 6
 )
 
 func (k Kind) String() string {
@@ -91,6 +98,8 @@ func (k Kind) String() string {
 		return "placement"
 	case KindRent:
 		return "rent"
+	case KindIntent:
+		return "intent"
 	}
 	return "unknown"
 }
@@ -254,6 +263,9 @@ type Message struct {
 	// otherwise the listed accounts replace what the sender said of
 	// them before.
 	Rents []Rent
+	// Intents is an intent message's (KindIntent) held requests, each
+	// the sender's (Intent.Replica is Replica on decoding).
+	Intents []Intent
 }
 
 // Rent is the sender's rent-or-buy account of one prefix (kv_aware's
@@ -396,6 +408,22 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 			dst = binary.LittleEndian.AppendUint64(dst, r.Key)
 			dst = binary.AppendUvarint(dst, r.Gen)
 			dst = binary.BigEndian.AppendUint64(dst, math.Float64bits(r.Rent))
+		}
+	case KindIntent:
+		dst = binary.AppendUvarint(dst, uint64(len(m.Intents)))
+		for _, in := range m.Intents {
+			if in.Arrival < 0 || in.Tokens < 0 || len(in.Keys) > MaxIntentKeys {
+				return dst, fmt.Errorf("%w: intent %d: negative arrival or tokens, or %d keys", ErrMalformed, in.Seq, len(in.Keys))
+			}
+			dst = binary.AppendUvarint(dst, in.Seq)
+			dst = binary.AppendUvarint(dst, uint64(in.Arrival))
+			dst = binary.AppendVarint(dst, int64(in.Priority))
+			dst = binary.AppendUvarint(dst, uint64(in.Tokens))
+			dst = binary.LittleEndian.AppendUint64(dst, in.Hash)
+			dst = binary.AppendUvarint(dst, uint64(len(in.Keys)))
+			for _, k := range in.Keys {
+				dst = binary.LittleEndian.AppendUint64(dst, k)
+			}
 		}
 	default:
 		return dst, fmt.Errorf("%w: kind %d", ErrMalformed, m.Kind)
@@ -559,6 +587,34 @@ func Decode(b []byte) (Message, error) {
 			}
 			m.Rents = append(m.Rents, e)
 		}
+	case KindIntent:
+		if v < 6 {
+			r.fail("intent in version %d", v)
+		}
+		if r.err == nil && n > uint64(len(r.b))/13 { // seq, arrival, priority, tokens, hash, count: at least 13 bytes
+			r.fail("%d intents in %d bytes", n, len(r.b))
+		}
+		if r.err == nil && n > 0 {
+			m.Intents = make([]Intent, 0, n)
+		}
+		for i := uint64(0); i < n && r.err == nil; i++ {
+			in := Intent{Replica: m.Replica, Seq: r.uvarint(), Arrival: r.count()}
+			in.Priority = r.priority()
+			in.Tokens = int(r.count())
+			in.Hash = r.u64le()
+			k := r.uvarint()
+			if r.err == nil && (k > MaxIntentKeys || k > uint64(len(r.b))/8) {
+				r.fail("%d intent keys in %d bytes", k, len(r.b))
+			}
+			if r.err == nil && k > 0 {
+				in.Keys = make([]uint64, k)
+				for j := range in.Keys {
+					in.Keys[j] = binary.LittleEndian.Uint64(r.b[8*j:])
+				}
+				r.b = r.b[8*k:]
+			}
+			m.Intents = append(m.Intents, in)
+		}
 	default:
 		r.fail("kind %d", m.Kind)
 	}
@@ -617,6 +673,20 @@ func (r *reader) count() int64 {
 		return 0
 	}
 	return int64(v)
+}
+
+// priority is a signed varint within an int32 (flow control's priorities).
+func (r *reader) priority() int {
+	if r.err != nil {
+		return 0
+	}
+	v, n := binary.Varint(r.b)
+	if n <= 0 || v < math.MinInt32 || v > math.MaxInt32 {
+		r.fail("bad priority")
+		return 0
+	}
+	r.b = r.b[n:]
+	return int(v)
 }
 
 func (r *reader) u64be() uint64 { return binary.BigEndian.Uint64(r.take8()) }

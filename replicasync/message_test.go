@@ -29,6 +29,9 @@ func sampleMessages() []Message {
 		{Kind: KindPlacement, Replica: "r-4", Incarnation: 3},
 		{Kind: KindRent, Replica: "r-5", Incarnation: 4, Complete: true,
 			Rents: []Rent{{Key: 1, Gen: 0, Rent: 0.375}, {Key: 1<<64 - 1, Gen: 1 << 40, Rent: 0}, {Key: 9}}},
+		{Kind: KindIntent, Replica: "r-6", Incarnation: 5, Intents: []Intent{
+			{Replica: "r-6", Seq: 1, Arrival: 1_800_000_000_000_000_000, Priority: -3, Tokens: 8000, Hash: 0xfeedface, Keys: []uint64{1, 2, 3}},
+			{Replica: "r-6", Seq: 2, Arrival: 1_800_000_000_000_000_001, Tokens: 10}}},
 		{Kind: KindRent, Replica: "r-5", Incarnation: 4},
 	}
 }
@@ -107,6 +110,8 @@ func TestPlacementVersion(t *testing.T) {
 			want = 4
 		case KindRent:
 			want = 5
+		case KindIntent:
+			want = 6
 		}
 		if b[3] != want {
 			t.Errorf("%s message goes out as version %d, want %d", m.Kind, b[3], want)
@@ -168,6 +173,45 @@ func TestRentVersion(t *testing.T) {
 		_, err := (&Message{Kind: KindRent, Replica: "r", Rents: []Rent{{Key: 5, Rent: v}}}).AppendBinary(nil)
 		return err
 	})
+}
+
+// The intent message goes out as version 6, is refused in an older
+// version's clothing, and Decode refuses keys beyond MaxIntentKeys and a
+// priority outside int32.
+func TestIntentVersion(t *testing.T) {
+	m := Message{Kind: KindIntent, Replica: "r", Intents: []Intent{{Replica: "r", Seq: 7, Arrival: 5, Priority: 2, Tokens: 32, Hash: 9, Keys: []uint64{4, 5}}}}
+	good, err := m.AppendBinary(nil)
+	if err != nil || good[3] != 6 {
+		t.Fatalf("intent goes out as version %d (%v)", good[3], err)
+	}
+	back, err := Decode(good)
+	if err != nil || !reflect.DeepEqual(back, m) {
+		t.Fatalf("round trip %+v %v, want %+v", back, err, m)
+	}
+	older := bytes.Clone(good)
+	older[3] = 5
+	if _, err := Decode(older); !errors.Is(err, ErrMalformed) {
+		t.Errorf("intent as version 5: %v, want malformed", err)
+	}
+	big := Message{Kind: KindIntent, Replica: "r", Intents: []Intent{{Keys: make([]uint64, MaxIntentKeys+1)}}}
+	if _, err := big.AppendBinary(nil); !errors.Is(err, ErrMalformed) {
+		t.Errorf("encoding %d keys: %v, want malformed", MaxIntentKeys+1, err)
+	}
+	// The same bytes with the key count raised past the bound.
+	head, _ := (&Message{Kind: KindIntent, Replica: "r", Intents: []Intent{{}}}).AppendBinary(nil)
+	b := binary.AppendUvarint(head[:len(head)-1], MaxIntentKeys+1)
+	b = append(b, make([]byte, 8*(MaxIntentKeys+1))...)
+	if _, err := Decode(b); !errors.Is(err, ErrMalformed) {
+		t.Errorf("decoding %d keys: %v, want malformed", MaxIntentKeys+1, err)
+	}
+	// Priority 2^31: seq 0, arrival 0, then the priority's varint.
+	p := append(bytes.Clone(head[:len(head)-1-8-1-1]), binary.AppendVarint(nil, 1<<31)...)
+	p = append(p, 0)
+	p = binary.LittleEndian.AppendUint64(p, 0)
+	p = append(p, 0)
+	if _, err := Decode(p); !errors.Is(err, ErrMalformed) {
+		t.Errorf("priority 2^31: %v, want malformed", err)
+	}
 }
 
 // A peer's rent accounts: a complete message replaces the previous ones,

@@ -303,6 +303,12 @@ func (s *Syncer) PeerExtend(keys []kvindex.Key, from int, inst string, epoch uin
 	return s.table.PeerExtend(keys, from, inst, epoch)
 }
 
+// Overlay and ClearOverlay are the table's (sequencing, overlay.go).
+func (s *Syncer) Overlay(e Effect) { s.table.Overlay(e) }
+
+// ClearOverlay forgets the epoch's overlay.
+func (s *Syncer) ClearOverlay() { s.table.ClearOverlay() }
+
 // PeerHolders: see Table.PeerHolders.
 func (s *Syncer) PeerHolders(dst []string, key kvindex.Key) []string {
 	return s.table.PeerHolders(dst, key)

@@ -24,6 +24,10 @@ type Table struct {
 
 	// spec holds the peers' speculative blocks, all peers together.
 	spec *spechold.Set[kvindex.Key]
+
+	// ov is the epoch's overlay (overlay.go): the effects of the peers'
+	// intents decided dry so far in the epoch being decided; guarded by mu.
+	ov overlay
 }
 
 type peer struct {
@@ -330,6 +334,9 @@ func (t *Table) livePeerLoads(inst string, f func(l loadAt)) {
 			f(l)
 		}
 	}
+	if l, ok := t.ov.loads[inst]; ok {
+		f(loadAt{Load: l})
+	}
 }
 
 // PeerQueue is what the live peers have pending on one instance, for a
@@ -469,11 +476,19 @@ func (t *Table) SpecLen() int { return t.spec.Len() }
 // on inst from block from: the largest k >= from with keys[from:k] all
 // held, unexpired, in inst's cache epoch epoch.
 func (t *Table) PeerExtend(keys []kvindex.Key, from int, inst string, epoch uint64) int {
-	return t.spec.Extend(keys, from, inst, epoch, t.now().UnixNano())
+	now := t.now().UnixNano()
+	for {
+		next := t.spec.Extend(keys, from, inst, epoch, now)
+		next = t.overlayExtend(keys, next, inst)
+		if next == from {
+			return from
+		}
+		from = next
+	}
 }
 
 // PeerHolders appends to dst the instances that peers hold key on,
 // unexpired.
 func (t *Table) PeerHolders(dst []string, key kvindex.Key) []string {
-	return t.spec.Holders(dst, key, t.now().UnixNano())
+	return t.overlayHolders(t.spec.Holders(dst, key, t.now().UnixNano()), key)
 }

@@ -253,6 +253,11 @@ func (r *Request) RoutingHash() uint64 {
 	return r.hash
 }
 
+// SetRoutingHash gives the request a routing hash computed elsewhere: a
+// peer replica's request decided from its intent (replica sequencing),
+// whose routing text this replica never saw.
+func (r *Request) SetRoutingHash(h uint64) { r.hash, r.hashOnce = h, true }
+
 // TokenIDs returns the prompt's token ids: those given in the request, else
 // from the Tokenizer (once, cached), else ErrNoTokens.
 func (r *Request) TokenIDs(ctx context.Context) ([]uint32, error) {

@@ -37,6 +37,7 @@ type replicaFlags struct {
 	balance   string
 	interval  time.Duration
 	minGaps   string
+	sequence  string
 	agreement bool
 }
 
@@ -46,6 +47,7 @@ func (f *replicaFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.balance, "balance", "round-robin", "how the balancer spreads requests over replicas: round-robin or random")
 	fs.DurationVar(&f.interval, "sync-interval", replicasync.DefaultInterval, "replica sync interval (events.replica_sync.interval)")
 	fs.StringVar(&f.minGaps, "sync-min-gap", replicasync.DefaultMinGap.String(), "replica sync early send: a replica sends this long after a decision or an end, ahead of the interval (events.replica_sync.min_gap); a comma-separated list to compare (e.g. 1ms,off); off = only every interval (disable_early_send)")
+	fs.StringVar(&f.sequence, "sequence", "off", "with replica sync: sequence same-instant bursts (replicasync.Sequencer): each replica holds a request until its epoch of this length (wall-clock aligned) ends plus one --sync-latency for the peers' intents, then every replica decides the epoch's requests in one order as one router would; a comma-separated list to compare (e.g. off,2ms); off = decide on arrival")
 	fs.BoolVar(&f.agreement, "agreement", false, "with several replicas: after each decision, evaluate the same request on every other replica (dry) and report how often they agree, over all decisions and over those made while settled (every replica had applied the others' state as of the last change anywhere)")
 }
 
@@ -55,6 +57,7 @@ type replicaRun struct {
 	sync    bool
 	latency time.Duration
 	gap     time.Duration // early sends' min_gap; 0 = off
+	seq     time.Duration // sequencing epoch δ; 0 = off
 }
 
 // runs lists the configurations asked for: one router first (sync has
@@ -66,20 +69,17 @@ func (f *replicaFlags) runs() ([]replicaRun, error) {
 	if f.interval <= 0 {
 		return nil, fmt.Errorf("--sync-interval %v: want > 0", f.interval)
 	}
-	var gaps []time.Duration
-	for _, s := range splitList(f.minGaps) {
-		if s == "off" {
-			gaps = append(gaps, 0)
-			continue
-		}
-		d, err := time.ParseDuration(s)
-		if err != nil || d < replicasync.MinMinGap || d > f.interval {
-			return nil, fmt.Errorf("--sync-min-gap %q: want a duration in %v..--sync-interval (%v), or off", s, replicasync.MinMinGap, f.interval)
-		}
-		gaps = append(gaps, d)
+	gaps, err := durationsOrOff("--sync-min-gap", f.minGaps, replicasync.MinMinGap, f.interval, "--sync-interval")
+	if err != nil {
+		return nil, err
 	}
-	if len(gaps) == 0 {
-		return nil, errors.New("--sync-min-gap: empty")
+	seq := f.sequence
+	if seq == "" {
+		seq = "off" // the flag's default
+	}
+	seqs, err := durationsOrOff("--sequence", seq, time.Nanosecond, time.Second, "1s")
+	if err != nil {
+		return nil, err
 	}
 	var lats []replicaRun
 	for _, s := range splitList(f.latencies) {
@@ -95,7 +95,9 @@ func (f *replicaFlags) runs() ([]replicaRun, error) {
 			return nil, fmt.Errorf("--sync-latency %q: want a duration >= 0 or off", s)
 		}
 		for _, g := range gaps {
-			lats = append(lats, replicaRun{sync: true, latency: d, gap: g})
+			for _, q := range seqs {
+				lats = append(lats, replicaRun{sync: true, latency: d, gap: g, seq: q})
+			}
 		}
 	}
 	if len(lats) == 0 {
@@ -122,6 +124,27 @@ func (f *replicaFlags) runs() ([]replicaRun, error) {
 	return out, nil
 }
 
+// durationsOrOff parses a comma-separated list of durations in lo..hi
+// (hiName names hi in the error) or "off" (0).
+func durationsOrOff(flagName, list string, lo, hi time.Duration, hiName string) ([]time.Duration, error) {
+	var out []time.Duration
+	for _, s := range splitList(list) {
+		if s == "off" {
+			out = append(out, 0)
+			continue
+		}
+		d, err := time.ParseDuration(s)
+		if err != nil || d < lo || d > hi {
+			return nil, fmt.Errorf("%s %q: want a duration in %v..%s (%v), or off", flagName, s, lo, hiName, hi)
+		}
+		out = append(out, d)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%s: empty", flagName)
+	}
+	return out, nil
+}
+
 // label names a configuration in the report's strategy column.
 func (r replicaRun) label(strategy string) string {
 	switch {
@@ -130,10 +153,14 @@ func (r replicaRun) label(strategy string) string {
 	case !r.sync:
 		return fmt.Sprintf("%s x%d no sync", strategy, r.routers)
 	}
-	if r.gap == 0 {
-		return fmt.Sprintf("%s x%d sync %v", strategy, r.routers, r.latency)
+	l := fmt.Sprintf("%s x%d sync %v", strategy, r.routers, r.latency)
+	if r.gap != 0 {
+		l += fmt.Sprintf(" early %v", r.gap)
 	}
-	return fmt.Sprintf("%s x%d sync %v early %v", strategy, r.routers, r.latency, r.gap)
+	if r.seq != 0 {
+		l += fmt.Sprintf(" seq %v", r.seq)
+	}
+	return l
 }
 
 // agreement counts the dry evaluations of --agreement.
@@ -180,6 +207,9 @@ func runReplicated(ctx context.Context, name string, run replicaRun, rf *replica
 	if set.index != nil {
 		dc.Index = set.index
 	}
+	if set.seq != nil {
+		dc.Admission = set.seq
+	}
 	res, err := des.Run(ctx, dc, b.w)
 	bar.Done()
 	if err != nil {
@@ -190,6 +220,9 @@ func runReplicated(ctx context.Context, name string, run replicaRun, rf *replica
 	}
 	if set.sync && len(set.reps) > 1 {
 		fmt.Fprintf(stdout, "sync traffic %s: %s\n", set.Name(), set.traffic(res.End))
+	}
+	if set.seq != nil {
+		fmt.Fprintf(stdout, "sequencing %s: %s\n", set.Name(), set.seq)
 	}
 	s := report.Summarize(res, 0)
 	if boundHits != nil {
@@ -217,7 +250,8 @@ type replicaSet struct {
 	transit           []syncDelivery // in delivery order (constant latency)
 	probing           bool           // probeOthers runs: its dry picks change nothing to send
 
-	agree *agreement // nil = no probes
+	seq   *sequencing // nil = no sequencing (--sequence off)
+	agree *agreement  // nil = no probes
 	// last is the decision just made, probed at Started (outside the
 	// driver's decision timing).
 	last struct {
@@ -307,6 +341,12 @@ func newReplicaSet(name string, run replicaRun, rf *replicaFlags, ff *fleetFlags
 		}
 		s.reps = append(s.reps, rep)
 	}
+	if run.seq > 0 && s.sync && s.index != nil && len(s.reps) > 1 {
+		// The peers' intents are waited for one delivery (the sync's
+		// latency) after the epoch's end.
+		s.seq = newSequencing(len(s.reps), run.seq, s.latency, ff)
+		s.seq.set = s
+	}
 	return s, nil
 }
 
@@ -315,16 +355,25 @@ func (s *replicaSet) wall() time.Time { return epoch.Add(s.now) }
 func (s *replicaSet) Name() string { return s.name }
 
 func (s *replicaSet) Pick(ctx context.Context, req *des.RouteRequest, cands []string) (des.Decision, error) {
-	i := s.next
-	if s.random != nil {
-		i = s.random.IntN(len(s.reps))
+	var i int
+	held, sequenced := replicasync.Intent{}, false
+	if s.seq != nil {
+		// Handed to its replica at arrival (sequencing.Arrive).
+		i = s.owner[req.EngineID]
+		if held, sequenced = s.seq.held[req.EngineID]; sequenced {
+			delete(s.seq.held, req.EngineID)
+			s.seq.sequenced(ctx, held, cands)
+		}
 	} else {
-		s.next = (s.next + 1) % len(s.reps)
+		i = s.assign()
 	}
 	settled := s.settled()
 	d, err := s.reps[i].Pick(ctx, req, cands)
 	if err != nil {
 		return d, err
+	}
+	if sequenced {
+		s.seq.compare(i, d.Instance)
 	}
 	s.change(i)
 	s.owner[req.EngineID] = i
@@ -492,6 +541,10 @@ func (f *fixedPick) Pick(context.Context, *router.Request, []*router.Instance) (
 // that time.
 func (s *replicaSet) clock(now time.Duration) {
 	s.now = now
+	if s.seq != nil {
+		s.endEpoch()
+		s.seq.deliver(now)
+	}
 	for _, r := range s.reps {
 		r.clock(now)
 	}

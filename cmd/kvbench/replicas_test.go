@@ -18,23 +18,28 @@ import (
 func TestReplicaFlagsRuns(t *testing.T) {
 	for _, tc := range []struct {
 		routers, lat, gaps, balance string
+		seq                         string
 		want                        []string
 		err                         bool
 	}{
-		{"1", "0", "off", "round-robin", []string{"kv_aware"}, false},
-		{"1,2", "0,10ms,off", "off", "random", []string{"kv_aware", "kv_aware x2 sync 0s", "kv_aware x2 sync 10ms", "kv_aware x2 no sync"}, false},
-		{"2", "0,off", "1ms,off", "round-robin", []string{"kv_aware x2 sync 0s early 1ms", "kv_aware x2 sync 0s", "kv_aware x2 no sync"}, false},
-		{"2", "0", "50ms", "round-robin", []string{"kv_aware x2 sync 0s early 50ms"}, false},
-		{"2", "0", "51ms", "round-robin", nil, true}, // over the interval
-		{"2", "0", "10us", "round-robin", nil, true},
-		{"2", "0", "", "round-robin", nil, true},
-		{"0", "0", "off", "round-robin", nil, true},
-		{"2", "-1ms", "off", "round-robin", nil, true},
-		{"2", "soon", "off", "round-robin", nil, true},
-		{"2", "0", "off", "least-conn", nil, true},
-		{"", "0", "off", "round-robin", nil, true},
+		{"1", "0", "off", "round-robin", "", []string{"kv_aware"}, false},
+		{"1,2", "0,10ms,off", "off", "random", "", []string{"kv_aware", "kv_aware x2 sync 0s", "kv_aware x2 sync 10ms", "kv_aware x2 no sync"}, false},
+		{"2", "0,off", "1ms,off", "round-robin", "", []string{"kv_aware x2 sync 0s early 1ms", "kv_aware x2 sync 0s", "kv_aware x2 no sync"}, false},
+		{"2", "0", "50ms", "round-robin", "", []string{"kv_aware x2 sync 0s early 50ms"}, false},
+		{"2", "0,off", "1ms", "round-robin", "2ms", []string{"kv_aware x2 sync 0s early 1ms seq 2ms", "kv_aware x2 no sync"}, false},
+		{"2", "0", "1ms", "round-robin", "off,2ms", []string{"kv_aware x2 sync 0s early 1ms", "kv_aware x2 sync 0s early 1ms seq 2ms"}, false},
+		{"2", "0", "1ms", "round-robin", "0", nil, true},
+		{"2", "0", "1ms", "round-robin", "2s", nil, true},
+		{"2", "0", "51ms", "round-robin", "", nil, true}, // over the interval
+		{"2", "0", "10us", "round-robin", "", nil, true},
+		{"2", "0", "", "round-robin", "", nil, true},
+		{"0", "0", "off", "round-robin", "", nil, true},
+		{"2", "-1ms", "off", "round-robin", "", nil, true},
+		{"2", "soon", "off", "round-robin", "", nil, true},
+		{"2", "0", "off", "least-conn", "", nil, true},
+		{"", "0", "off", "round-robin", "", nil, true},
 	} {
-		f := replicaFlags{routers: tc.routers, latencies: tc.lat, minGaps: tc.gaps, balance: tc.balance, interval: 50 * time.Millisecond}
+		f := replicaFlags{routers: tc.routers, latencies: tc.lat, minGaps: tc.gaps, balance: tc.balance, sequence: tc.seq, interval: 50 * time.Millisecond}
 		runs, err := f.runs()
 		if (err != nil) != tc.err {
 			t.Fatalf("%+v: err %v", tc, err)
@@ -375,4 +380,45 @@ func TestReplicaWarmCopies(t *testing.T) {
 		states[i] = r.kv.state
 	}
 	checkWarmRun(t, res, states...)
+}
+
+// TestDESSequence: on the raw trace's same-instant bursts, sequenced
+// replicas hold every request once a peer is live, every intent reaches
+// every peer in time, the peers' dry decisions are mostly the owners',
+// and the tier's p90 TTFT is nearer one router's than sync alone.
+func TestDESSequence(t *testing.T) {
+	var out, errb bytes.Buffer
+	err := run(context.Background(), []string{"des", "--workload", "mooncake", "--limit", "300", "--instances", "8",
+		"--strategies", "kv_aware", "--routers", "1,2", "--sync-latency", "0", "--sync-min-gap", "1ms", "--sequence", "off,1ms", "--bound=false", "--progress=false"}, &out, &errb)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errb.String())
+	}
+	s := out.String()
+	m := regexp.MustCompile(`sequencing kv_aware x2 sync 0s early 1ms seq 1ms: held ([0-9]+), alone ([0-9]+); peers' intents sequenced ([0-9]+), late ([0-9]+), over the bound ([0-9]+); a peer's dry decision = the owner's: ([0-9.]+)% of ([0-9]+)`).FindStringSubmatch(s)
+	if m == nil {
+		t.Fatalf("no sequencing line in\n%s", s)
+	}
+	n := func(i int) int { v, _ := strconv.Atoi(m[i]); return v }
+	if held, alone := n(1), n(2); held+alone != 300 || alone > 20 {
+		t.Errorf("held %d, alone %d of 300: want nearly all held (alone only before the first sync reaches the peer)", held, alone)
+	}
+	if n(3) != n(1) || n(4) != 0 || n(5) != 0 {
+		t.Errorf("intents sequenced %d of %d held, late %d, over the bound %d", n(3), n(1), n(4), n(5))
+	}
+	if pct, _ := strconv.ParseFloat(m[6], 64); pct < 90 {
+		t.Errorf("peers' dry decisions the owners' in %.2f%%, want ≥ 90%%", pct)
+	}
+	p90 := map[string]float64{}
+	for _, row := range regexp.MustCompile(`\| mooncake \| (kv_aware[^|]*) \|(?:[^|]*\|){6} ([0-9.]+) \|`).FindAllStringSubmatch(s, -1) {
+		v, _ := strconv.ParseFloat(row[2], 64)
+		p90[strings.TrimSpace(row[1])] = v
+	}
+	one, sync, seq := p90["kv_aware"], p90["kv_aware x2 sync 0s early 1ms"], p90["kv_aware x2 sync 0s early 1ms seq 1ms"]
+	if one == 0 || sync == 0 || seq == 0 {
+		t.Fatalf("p90 rows %v in\n%s", p90, s)
+	}
+	t.Logf("p90 ms: one router %.1f, sync %.1f, sequenced %.1f", one, sync, seq)
+	if seq-one >= sync-one {
+		t.Errorf("p90: one router %.1f, sync %.1f, sequenced %.1f: sequencing did not bring the tier nearer one router", one, sync, seq)
+	}
 }

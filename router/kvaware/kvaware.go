@@ -475,33 +475,44 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 			return
 		}
 	}
-	if req.Tokenizer == nil {
-		req.Tokenizer = st.tokens
-	}
-	tctx := ctx
-	if req.PromptTokens == nil && req.Tokenizer != nil {
-		var cancel context.CancelFunc
-		tctx, cancel = context.WithTimeout(ctx, s.sc.tokTimeout)
-		defer cancel()
-	}
-	ids, err := req.TokenIDs(tctx)
-	if err != nil {
-		if !errors.Is(err, router.ErrNoTokens) && req.TokenErrorFirst() {
-			st.m.tokenErrs.WithLabelValues(st.pool).Inc()
-			st.log.Debug("no token ids for request; routing heuristically", "pool", st.pool, "err", err)
+	// A peer's intent (sequence.go) brings its prompt's length and block
+	// keys instead of its text or token ids.
+	ik, _ := req.KeyMemo.(*intentKeys)
+	var ids []uint32
+	n := 0
+	if ik != nil {
+		n = ik.tokens
+	} else {
+		if req.Tokenizer == nil {
+			req.Tokenizer = st.tokens
 		}
-		ev.fallback = router.ReasonHeuristic
-		return
+		tctx := ctx
+		if req.PromptTokens == nil && req.Tokenizer != nil {
+			var cancel context.CancelFunc
+			tctx, cancel = context.WithTimeout(ctx, s.sc.tokTimeout)
+			defer cancel()
+		}
+		var err error
+		ids, err = req.TokenIDs(tctx)
+		if err != nil {
+			if !errors.Is(err, router.ErrNoTokens) && req.TokenErrorFirst() {
+				st.m.tokenErrs.WithLabelValues(st.pool).Inc()
+				st.log.Debug("no token ids for request; routing heuristically", "pool", st.pool, "err", err)
+			}
+			ev.fallback = router.ReasonHeuristic
+			return
+		}
+		if len(ids) > maxKeyedTokens {
+			ids = ids[:maxKeyedTokens] // matches are prefixes: the head decides
+		}
+		n = len(ids)
 	}
-	if len(ids) > maxKeyedTokens {
-		ids = ids[:maxKeyedTokens] // matches are prefixes: the head decides
-	}
-	ev.tokens = len(ids)
+	ev.tokens = min(n, maxKeyedTokens)
 	bs := s.sc.blockSize
 	if bs <= 0 {
 		bs = st.index.BlockSize()
 	}
-	if bs <= 0 || len(ids) < bs {
+	if bs <= 0 || ev.tokens < bs || (ik != nil && len(ik.keys) == 0) {
 		// No block size learned yet (no event ever arrived), or a prompt
 		// shorter than one block: nothing can be cached.
 		ev.fallback = router.ReasonHeuristic
@@ -510,7 +521,11 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 	ev.blockSize = bs
 	root := kvindex.Root(st.model, req.Adapter, req.CacheSalt())
 	var matches []kvindex.Match
-	if m, ok := req.KeyMemo.(*keyMemo); ok && m.root == root && m.bs == bs && m.n == len(ids) {
+	var err error
+	if ik != nil {
+		ev.keys = append(ev.keys[:0], ik.keys...)
+		matches, err = tracedLookup(ctx, st.index, ev.matches, ev.keys)
+	} else if m, ok := req.KeyMemo.(*keyMemo); ok && m.root == root && m.bs == bs && m.n == len(ids) {
 		ev.keys = append(ev.keys[:0], m.keys...)
 		matches, err = tracedLookup(ctx, st.index, ev.matches, ev.keys)
 	} else {

@@ -32,6 +32,18 @@ type peerWorld struct {
 
 func newPeerWorld(t *testing.T, url, pool, name string, n int) *peerWorld {
 	t.Helper()
+	return newPeerWorldRun(t, url, pool, name, n, true)
+}
+
+// newIdlePeerWorld is a replica whose syncer does not run: its peer state
+// is what the test puts there (the sequencing overlay).
+func newIdlePeerWorld(t *testing.T, url, pool, name string, n int) *peerWorld {
+	t.Helper()
+	return newPeerWorldRun(t, url, pool, name, n, false)
+}
+
+func newPeerWorldRun(t *testing.T, url, pool, name string, n int, run bool) *peerWorld {
+	t.Helper()
 	nc, err := nats.Connect(url)
 	if err != nil {
 		t.Fatal(err)
@@ -42,10 +54,12 @@ func newPeerWorld(t *testing.T, url, pool, name string, n int) *peerWorld {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = s.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	if run {
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { defer close(done); _ = s.Run(ctx) }()
+		t.Cleanup(func() { cancel(); <-done })
+	}
 	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvTestModel, BlockSize: kvTestBS})
 	if err != nil {
 		t.Fatal(err)
