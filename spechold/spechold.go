@@ -145,13 +145,28 @@ func (s *Set[K]) dropAt(i int, match func(*hold) bool) {
 		*s.at(sl, j) = *s.at(sl, c-1)
 		l := &s.lists[sl.more-1]
 		(*l)[len(*l)-1] = hold{}
-		if *l = (*l)[:len(*l)-1]; len(*l) == 0 {
+		*l = (*l)[:len(*l)-1]
+		if cap(*l) > listKeep && len(*l) <= cap(*l)/4 {
+			// Room for a crowd of holders that has left: given back
+			// (the list reallocated, or dropped when empty).
+			*l = append([]hold(nil), *l...)
+		}
+		if len(*l) == 0 {
 			s.free = append(s.free, sl.more-1)
 			sl.more = 0
 		}
 		return
 	}
 }
+
+// listKeep is the most room for holds a holder list keeps beyond four
+// times what it holds, in use or free: there are at most Cap/2 lists
+// (each is a key's with two holders or more), so the lists' room stays
+// within 2·Cap holds for the kept room plus four times the holds, next
+// to the table's 2·Cap slots, whatever crowd of instances once held a
+// key (replicas announce holds for any instance); lists of up to four
+// (a block held by five instances) are reused without reallocating.
+const listKeep = 4
 
 // count is how many holds slot sl has (0 when it is not live).
 func (s *Set[K]) count(sl *slot) int {

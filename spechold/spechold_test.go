@@ -1,6 +1,7 @@
 package spechold
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -190,5 +191,51 @@ func TestSetAgreesWithModel(t *testing.T) {
 				t.Fatalf("seed %d step %d: Len %d, model %d", seed, step, s.Len(), m.n)
 			}
 		}
+	}
+}
+
+// listRoom is the holds' room the Set's holder lists keep, in use or free.
+func listRoom[K ~uint64](s *Set[K]) int {
+	n := 0
+	for _, l := range s.lists {
+		n += cap(l)
+	}
+	return n
+}
+
+// A key's holder list grown by many instances and shrunk again, or freed,
+// keeps no more room than its holds need: the lists' room stays within a
+// few holds per entry of the bound however many instances held each key
+// once (before, a list kept its largest room for good, in use or free:
+// 100 lists of 200 instances' room each, 25 holds per entry of the bound).
+func TestSetListsRoomBounded(t *testing.T) {
+	const capacity, keys, many = 1000, 100, 200
+	s := New[uint64](capacity)
+	for j := range keys {
+		all := make([]uint64, keys)
+		for i := range all {
+			all[i] = uint64(i)
+		}
+		// a and b hold every key (b in the key's list), refreshed so that
+		// their older ring entries pop without effect.
+		s.Add(all, "a", int64(1e9+j), 0, 0)
+		s.Add(all, "b", int64(1e9+j), 0, 0)
+		for i := range many {
+			s.Add([]uint64{uint64(j)}, fmt.Sprint("x", i), int64(1e9+j), 0, 0)
+		}
+		for i := range many {
+			s.Drop([]uint64{uint64(j)}, fmt.Sprint("x", i))
+		}
+	}
+	if got := listRoom(s); got > 4*capacity {
+		t.Fatalf("lists in use keep room for %d holds, bound %d", got, capacity)
+	}
+	all := make([]uint64, keys)
+	for i := range all {
+		all[i] = uint64(i)
+	}
+	s.Drop(all, "b")
+	if got := listRoom(s); got > 4*capacity {
+		t.Fatalf("free lists keep room for %d holds, bound %d", got, capacity)
 	}
 }

@@ -180,6 +180,11 @@ type inst struct {
 	// run; a message of prevRun means two bridges alternate (publisher).
 	run, prevRun string
 	skipUpTo     uint64
+	// restreamed: the stream was re-created and no message of the
+	// instance has been seen in the new one since: a snapshot's stream
+	// seq may number the old stream, so a load takes none as a position
+	// (load).
+	restreamed bool
 	// retryAt: after a failed load, no event or heartbeat tries again
 	// before it (loadRetryAt); zero when the last load did not fail.
 	retryAt time.Time

@@ -192,14 +192,16 @@ func (c *Consumer) do(ctx context.Context, w work, dec *events.Decoder) {
 		c.mu.Lock()
 		in.status.StreamSeq, in.status.SnapshotSeq = 0, 0
 		c.mu.Unlock()
-		c.load(ctx, w.instance, in, 0)
 		// The snapshot's stream seq may number the old stream (a bridge
 		// that has not published since): as a position in the new one it
-		// would skip the new messages it does not hold. Nothing is
-		// skipped by it; the engine seq, set by the snapshot, still skips
-		// what it holds (duplicate_seq), and a bridge's resync or clear
-		// in the new stream rebuilds the table in order.
-		in.skipUpTo = 0
+		// would skip the new messages it does not hold. Until the
+		// instance's first message in the new stream, no load (this one,
+		// or its retry after a failure) skips by it; the engine seq, set
+		// by the snapshot, still skips what it holds (duplicate_seq), and
+		// a bridge's resync or clear in the new stream rebuilds the table
+		// in order.
+		in.skipUpTo, in.restreamed = 0, true
+		c.load(ctx, w.instance, in, 0)
 	case workEvent:
 		c.event(ctx, w, in, purged, dec)
 	}
@@ -237,6 +239,7 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 		c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
 		return
 	}
+	in.restreamed = false
 	c.publisher(w, in)
 	h, herr := kvstream.ParseEventHeaders(w.header)
 	engineMsg := herr == nil && h.HasSeq && h.Synthetic == ""

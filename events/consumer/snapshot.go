@@ -103,12 +103,18 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint
 		c.m.applyErrors.Inc()
 		c.cfg.Logger.Warn("consumer: apply snapshot", "instance", instance, "err", err)
 	}
-	in.skipUpTo = snap.StreamSeq
+	// pos: the stream seq the snapshot covers, none when it may number
+	// a re-created stream's predecessor (inst.restreamed).
+	pos := snap.StreamSeq
+	if in.restreamed {
+		pos = 0
+	}
+	in.skipUpTo = pos
 	c.m.snapshotLoads.WithLabelValues(source).Inc()
 	c.mu.Lock()
-	in.status.SnapshotSeq = snap.StreamSeq
-	if snap.StreamSeq > in.status.StreamSeq {
-		in.status.StreamSeq = snap.StreamSeq
+	in.status.SnapshotSeq = pos
+	if pos > in.status.StreamSeq {
+		in.status.StreamSeq = pos
 	}
 	if snap.HasSeq {
 		in.status.LastSeq, in.hasSeq = snap.EngineSeq, true
@@ -121,8 +127,8 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint
 	c.seen(in, snap.Taken)
 	c.mu.Unlock()
 	c.cfg.Logger.Info("consumer: loaded snapshot", "instance", instance, "source", source, "blocks", snap.Blocks, "stream_seq", snap.StreamSeq)
-	if done > snap.StreamSeq {
-		c.replay(ctx, instance, in, snap.StreamSeq, done)
+	if done > pos {
+		c.replay(ctx, instance, in, pos, done)
 	}
 }
 

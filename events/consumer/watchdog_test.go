@@ -79,25 +79,12 @@ func TestWatchdogReplacesStalledConsumer(t *testing.T) {
 func TestStreamRecreatedConsumedFromStart(t *testing.T) {
 	e := newEnv(t)
 	c, a := e.startRecording()
-	for seq := uint64(1); seq <= 5; seq++ {
-		e.store("i0", seq, 10+seq)
-	}
-	testenv.WaitFor(t, 20*time.Second, "first stream applied", func() bool {
-		got, _ := a.get("i0")
-		return slices.Contains(got, 15)
-	})
+	e.fiveThenApplied(a)
 	// The bridge's snapshot, current to the old stream's last message
 	// (stream seq 5): the bridge has not published since the wipe.
-	batch, _ := events.Encode(nil, events.Batch{Events: []events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{11, 12, 13, 14, 15},
-		TokenIDs: make([]uint32, 5*16), BlockSize: 16, Medium: "GPU"}}}, events.EncodingMap)
-	snap, _ := kvstream.Snapshot{Pool: e.pool, Instance: "i0", Blocks: 5, Batch: batch, StreamSeq: 5, EngineSeq: 5, HasSeq: true}.MarshalBinary()
+	snap := e.oldStreamSnapshot()
 	e.putSnapshotBytes("i0", snap)
-	if err := e.js.DeleteStream(e.ctx, e.cfg.Stream.Name); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := kvstream.EnsureStream(e.ctx, e.js, e.cfg.Stream); err != nil {
-		t.Fatal(err)
-	}
+	e.recreateStream()
 	// The bridge carries on: the engine's next seqs go to the new stream, at
 	// stream sequences 1 and 2, below the snapshot's old-stream position.
 	e.store("i0", 6, 16)
@@ -131,17 +118,76 @@ func TestStreamRecreatedSharedUnhealthy(t *testing.T) {
 		}
 		return false
 	})
-	if err := e.js.DeleteStream(e.ctx, e.cfg.Stream.Name); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := kvstream.EnsureStream(e.ctx, e.js, e.cfg.Stream); err != nil {
-		t.Fatal(err)
-	}
+	e.recreateStream()
 	e.store("i0", 4, 14)
 	testenv.WaitFor(t, 20*time.Second, "re-created stream noticed", func() bool { return counterValue(c.m.streamRecreated) == 1 })
 	// Past the 10 s a consume error keeps it unhealthy: still unhealthy.
 	c.lastErr.Store(0)
 	if c.Healthy() {
 		t.Fatal("healthy over a shared index whose positions number the old stream")
+	}
+}
+
+// A re-created stream's reload that fails (the snapshot unreadable) is
+// retried at the instance's next message: while its bridge has not
+// published in the new stream (another instance's message showed the
+// re-creation), its snapshot numbers the old stream, and that position
+// must not skip the new stream's messages, which sit below it.
+func TestStreamRecreatedRetriedLoadSkipsNothing(t *testing.T) {
+	e := newEnv(t)
+	c, a := e.startRecording()
+	e.fiveThenApplied(a)
+	e.putSnapshotBytes("i0", []byte("not a snapshot"))
+	e.recreateStream()
+	e.store("i1", 1, 91) // the new stream's seq 1, another bridge's
+	testenv.WaitFor(t, 20*time.Second, "re-created stream noticed", func() bool { return counterValue(c.m.streamRecreated) == 1 })
+	testenv.WaitFor(t, 20*time.Second, "reload failed", func() bool {
+		c.mu.RLock()
+		defer c.mu.RUnlock()
+		return c.insts["i0"].loadFailed
+	})
+	// i0's bridge's snapshot, current to the old stream's seq 5.
+	snap := e.oldStreamSnapshot()
+	e.putSnapshotBytes("i0", snap)
+	time.Sleep(1500 * time.Millisecond) // past the failed load's retry time
+	e.store("i0", 6, 16)                // the new stream's seq 2: its load retried first
+	e.store("i0", 7, 17)
+	testenv.WaitFor(t, 20*time.Second, "re-created stream applied", func() bool {
+		got, _ := a.get("i0")
+		return slices.Contains(got, 16) && slices.Contains(got, 17)
+	})
+}
+
+// fiveThenApplied stores i0's engine seqs 1-5 (blocks 11-15) and waits for
+// them applied.
+func (e *env) fiveThenApplied(a *recorder) {
+	e.t.Helper()
+	for seq := uint64(1); seq <= 5; seq++ {
+		e.store("i0", seq, 10+seq)
+	}
+	testenv.WaitFor(e.t, 20*time.Second, "first stream applied", func() bool {
+		got, _ := a.get("i0")
+		return slices.Contains(got, 15)
+	})
+}
+
+// oldStreamSnapshot is i0's bridge's snapshot after fiveThenApplied,
+// current to the old stream's seq 5.
+func (e *env) oldStreamSnapshot() []byte {
+	batch, _ := events.Encode(nil, events.Batch{Events: []events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{11, 12, 13, 14, 15},
+		TokenIDs: make([]uint32, 5*16), BlockSize: 16, Medium: "GPU"}}}, events.EncodingMap)
+	snap, _ := kvstream.Snapshot{Pool: e.pool, Instance: "i0", Blocks: 5, Batch: batch, StreamSeq: 5, EngineSeq: 5, HasSeq: true}.MarshalBinary()
+	return snap
+}
+
+// recreateStream deletes the stream and creates it again (its sequences
+// start over), as a wiped JetStream store does.
+func (e *env) recreateStream() {
+	e.t.Helper()
+	if err := e.js.DeleteStream(e.ctx, e.cfg.Stream.Name); err != nil {
+		e.t.Fatal(err)
+	}
+	if _, err := kvstream.EnsureStream(e.ctx, e.js, e.cfg.Stream); err != nil {
+		e.t.Fatal(err)
 	}
 }

@@ -124,42 +124,51 @@ func FuzzFrameGuard(f *testing.F) {
 func TestSubscriberRefusesHugeFrame(t *testing.T) {
 	for _, network := range []string{"tcp", "unix"} {
 		t.Run(network, func(t *testing.T) {
-			ctx, cancel, ln := engineListenerOn(t, network)
-			defer cancel()
-			ep := "tcp://" + ln.Addr().String()
-			if network == "unix" {
-				ep = "ipc://" + ln.Addr().String()
-			}
-			var bad lastError
-			sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, Topic: "kv", OnMalformed: bad.set})
-			if err != nil {
-				t.Fatal(err)
-			}
-			done := make(chan struct{})
-			go func() { defer close(done); _ = sub.Run(ctx, func(Message) {}) }()
-			c, err := ln.Accept()
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			_ = c.SetDeadline(time.Now().Add(20 * time.Second))
-			if _, err := zmq4.Open(c, null.Security(), zmq4.Pub, nil, true, nil); err != nil {
-				t.Fatal(err)
-			}
 			// A LONG frame of 1 TiB: flags, eight size bytes, a little body.
 			hdr := binary.BigEndian.AppendUint64([]byte{0x02}, 1<<40)
-			if _, err := c.Write(append(hdr, "body"...)); err != nil {
-				t.Fatal(err)
-			}
-			testenv.WaitFor(t, 10*time.Second, "the session ended and counted", func() bool {
-				s := sub.Stats()
-				return s.Malformed == 1 && s.Reconnects >= 1
-			})
-			cancel()
-			<-done
-			bad.mustBe(t, ErrFrameTooLarge)
+			sendRefused(t, network, append(hdr, "body"...), ErrFrameTooLarge)
 		})
 	}
+}
+
+// sendRefused has an engine socket on network (see engineListenerOn),
+// dialed by a subscriber, send b after the handshake, and checks that the
+// subscriber ends the session and counts and reports it malformed with
+// error want.
+func sendRefused(t *testing.T, network string, b []byte, want error) {
+	t.Helper()
+	ctx, cancel, ln := engineListenerOn(t, network)
+	defer cancel()
+	ep := "tcp://" + ln.Addr().String()
+	if network == "unix" {
+		ep = "ipc://" + ln.Addr().String()
+	}
+	var bad lastError
+	sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, Topic: "kv", OnMalformed: bad.set})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { defer close(done); _ = sub.Run(ctx, func(Message) {}) }()
+	c, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+	if _, err := zmq4.Open(c, null.Security(), zmq4.Pub, nil, true, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Write(b); err != nil {
+		t.Fatal(err)
+	}
+	testenv.WaitFor(t, 10*time.Second, "the session ended and counted", func() bool {
+		s := sub.Stats()
+		return s.Malformed == 1 && s.Reconnects >= 1
+	})
+	cancel()
+	<-done
+	bad.mustBe(t, want)
 }
 
 // engineListener is a test's context and the TCP listener an engine's PUB

@@ -151,3 +151,14 @@ func FuzzZMTPReader(f *testing.F) {
 		}
 	})
 }
+
+// A message of more frames than maxMessageFrames ends the session, counted
+// and reported as malformed as every other refused message is (it used to
+// be delivered and dropped as malformed), not as a silent reconnect.
+func TestSubscriberCountsTooManyFrames(t *testing.T) {
+	var many []byte
+	for range maxMessageFrames {
+		many = append(many, zmtpFrame(zmtpMore, nil, false)...)
+	}
+	sendRefused(t, "tcp", many, ErrBadFrames)
+}

@@ -368,14 +368,17 @@ func (s *Subscriber) dialSession(ctx context.Context, addr string, handle func(M
 }
 
 // refused counts, logs and reports a receive error that was a frame over
-// MaxFrame (the connection that sent it is closed); other errors are the
-// caller's.
+// MaxFrame or a message the frame reader refused (the connection that
+// sent it is closed); other errors are the caller's.
 func (s *Subscriber) refused(err error) {
-	if !errors.Is(err, ErrFrameTooLarge) {
+	// ErrBadFrames: the frame reader's refusals (a message of too many
+	// frames, a command inside a message or unreadable), counted as the
+	// malformed messages they are.
+	if !errors.Is(err, ErrFrameTooLarge) && !errors.Is(err, ErrBadFrames) {
 		return
 	}
 	s.malformed.Add(1)
-	s.cfg.Logger.Warn("zmq subscriber: refused an oversize frame; connection closed", "endpoint", s.cfg.Endpoint, "err", err)
+	s.cfg.Logger.Warn("zmq subscriber: refused an oversize frame or malformed message; connection closed", "endpoint", s.cfg.Endpoint, "err", err)
 	if s.cfg.OnMalformed != nil {
 		s.cfg.OnMalformed(err)
 	}
