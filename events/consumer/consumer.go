@@ -286,6 +286,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 		return fmt.Errorf("consumer: %w", err)
 	}
 	c.stream, c.kv, c.obs = res.Stream, res.Bucket, res.ObjectStore
+	if info := res.Stream.CachedInfo(); info != nil {
+		c.sc.created = info.Created
+	}
 	// Deferred in this order so that every return cancels the shards
 	// first and then waits for them.
 	var wg sync.WaitGroup

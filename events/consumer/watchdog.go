@@ -1,6 +1,7 @@
 package consumer
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -87,6 +88,11 @@ type streamCons struct {
 	pending      uint64
 	pendingSince time.Time
 	recreated    bool
+	// created is when the stream being consumed was created (JetStream
+	// keeps it across server restarts and leader changes): another time
+	// is another stream under the same name.
+	created   time.Time
+	renewedAt time.Time // the re-created stream's creation time, until restream takes it
 }
 
 // current is the consumer in use (for Info).
@@ -149,7 +155,7 @@ func (c *Consumer) deliver(ctx context.Context, gen uint64, m jetstream.Msg) {
 // watch runs the watchdog until ctx is done.
 func (c *Consumer) watch(ctx context.Context, deliver jetstream.DeliverPolicy) {
 	_ = tick.Every(ctx, heartbeat, func() {
-		if c.stalled(ctx, time.Now()) {
+		if c.renewed(ctx) || c.stalled(ctx, time.Now()) {
 			c.replace(ctx, deliver)
 		}
 	})
@@ -192,6 +198,27 @@ func (c *Consumer) stalled(ctx context.Context, now time.Time) bool {
 	return now.Sub(s.pendingSince) >= stallHeartbeats*heartbeat
 }
 
+// renewed reports whether the stream was created again since it was
+// consumed (its creation time changed: a JetStream store wiped and the
+// stream made again by a bridge), busy or idle: a new stream that has
+// already passed the old one's last sequence is not seen by stalled, and
+// the consumer would go on from the old position, never applying the new
+// stream's first messages. One stream info request per heartbeat.
+func (c *Consumer) renewed(ctx context.Context) bool {
+	s := &c.sc
+	if s.created.IsZero() {
+		return false
+	}
+	rctx, cancel := context.WithTimeout(ctx, createTimeout)
+	info, err := c.stream.Info(rctx)
+	cancel()
+	if err != nil || info.Created.IsZero() || info.Created.Equal(s.created) {
+		return false
+	}
+	s.recreated, s.renewedAt = true, info.Created
+	return true
+}
+
 // streamRecreated reports whether the stream's last sequence is below seq,
 // the last one this consumer delivered: its sequences started over (a
 // JetStream store wiped, the stream deleted and created again). The pool's
@@ -203,7 +230,11 @@ func (c *Consumer) streamRecreated(ctx context.Context, seq uint64) bool {
 	rctx, cancel := context.WithTimeout(ctx, createTimeout)
 	info, err := c.stream.Info(rctx)
 	cancel()
-	return err == nil && info.State.LastSeq < seq
+	if err != nil || info.State.LastSeq >= seq {
+		return false
+	}
+	c.sc.renewedAt = info.Created
+	return true
 }
 
 // replace swaps the stalled consumer for a new one starting after the
@@ -250,8 +281,8 @@ func (c *Consumer) replace(ctx context.Context, deliver jetstream.DeliverPolicy)
 // "JetStream store wiped").
 func (c *Consumer) restream(ctx context.Context, deliver jetstream.DeliverPolicy) {
 	s := &c.sc
-	c.m.streamRecreated.Inc()
 	if c.cfg.SharedIndex {
+		c.m.streamRecreated.Inc()
 		// Its messages would fall below the positions and be taken as
 		// applied: unhealthy, kv_aware falls back rather than trust it.
 		c.renumbered.Store(true)
@@ -259,8 +290,18 @@ func (c *Consumer) restream(ctx context.Context, deliver jetstream.DeliverPolicy
 			"stream", c.streamName, "delivered", s.seq)
 		s.recreated = false
 		s.seq = 0
+		s.created = cmp.Or(s.renewedAt, s.created)
 		return
 	}
+	rctx, cancel := context.WithTimeout(ctx, createTimeout)
+	defer cancel()
+	cons, cc, err := c.startConsumer(rctx, ctx, s.gen.Load()+1, jetstream.DeliverAllPolicy, 0)
+	if err != nil {
+		c.cfg.Logger.Warn("consumer: the stream was re-created; consuming it from its start failed, retrying", "err", err)
+		return
+	}
+	// Its deliveries wait for s.mu, held here: the reloads are queued
+	// before its first message is dispatched.
 	c.mu.Lock()
 	names := make([]string, 0, len(c.insts))
 	for name := range c.insts {
@@ -270,18 +311,13 @@ func (c *Consumer) restream(ctx context.Context, deliver jetstream.DeliverPolicy
 	for _, name := range names {
 		c.enqueue(ctx, work{kind: workRestream, instance: name})
 	}
-	rctx, cancel := context.WithTimeout(ctx, createTimeout)
-	defer cancel()
-	cons, cc, err := c.startConsumer(rctx, ctx, s.gen.Load()+1, jetstream.DeliverAllPolicy, 0)
-	if err != nil {
-		c.cfg.Logger.Warn("consumer: the stream was re-created; consuming it from its start failed, retrying", "err", err)
-		return
-	}
 	old := s.cc
 	s.gen.Add(1)
 	s.cons, s.cc = cons, cc
+	c.m.streamRecreated.Inc()
 	c.cfg.Logger.Warn("consumer: the stream was re-created (its sequences started over): consuming it from its start and reloading every instance",
 		"stream", c.streamName, "delivered", s.seq, "instances", len(names))
 	s.seq, s.recreated, s.pending = 0, false, 0
+	s.created = cmp.Or(s.renewedAt, s.created)
 	go old.Stop()
 }

@@ -128,6 +128,36 @@ func TestStreamRecreatedSharedUnhealthy(t *testing.T) {
 	}
 }
 
+// A re-created stream that has already passed the old one's last
+// sequence when the watchdog looks (a busy fleet, a stream other pools
+// share) is still noticed: by its creation time, not by its sequences.
+// Before, the consumer went on from the old position and the new
+// stream's first messages were never applied.
+func TestStreamRecreatedPastOldSeqNoticed(t *testing.T) {
+	e := newEnv(t)
+	c, a := e.startRecording()
+	e.fiveThenApplied(a)
+	e.putSnapshotBytes("i0", e.oldStreamSnapshot())
+	e.recreateStream()
+	// The bridge carries on at once: eight messages in the new stream,
+	// past the old one's last sequence (5) before the watchdog's next look.
+	for seq := uint64(6); seq <= 13; seq++ {
+		e.store("i0", seq, 10+seq)
+	}
+	testenv.WaitFor(t, 20*time.Second, "re-created stream applied from its start", func() bool {
+		got, _ := a.get("i0")
+		for h := uint64(16); h <= 23; h++ {
+			if !slices.Contains(got, h) {
+				return false
+			}
+		}
+		return true
+	})
+	if n := counterValue(c.m.streamRecreated); n != 1 {
+		t.Fatalf("re-created stream counted %v times, want 1", n)
+	}
+}
+
 // A re-created stream's reload that fails (the snapshot unreadable) is
 // retried at the instance's next message: while its bridge has not
 // published in the new stream (another instance's message showed the
