@@ -280,3 +280,33 @@ func TestSequenceNoPeerHoldsNothing(t *testing.T) {
 		t.Fatalf("three lone picks took %v", d)
 	}
 }
+
+// A held request whose context ends leaves at once with its error; its
+// epoch is still decided (the request dry, as its peers decide it) and
+// the epoch loop then ends.
+func TestSequenceHeldRequestLeaves(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	a := newPeerWorldRun(t, url, pool, "a", 4, true, 20*time.Millisecond)
+	b := newPeerWorldRun(t, url, pool, "b", 4, true, 20*time.Millisecond)
+	waitUntil(t, "peers live", func() bool { return a.sync.Live() == 1 && b.sync.Live() == 1 })
+	time.Sleep(40 * time.Millisecond) // past the partial epoch
+	s := a.strategy(config.RoutingConfig{})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Millisecond)
+	defer cancel()
+	t0 := time.Now()
+	_, err := s.Pick(ctx, kvRequest("q", promptTokens(1, 4*kvTestBS)), a.insts)
+	if err == nil || time.Since(t0) > 50*time.Millisecond {
+		t.Fatalf("a cancelled held request returned %v after %v", err, time.Since(t0))
+	}
+	if st := a.st.SequenceStats(); st.Held != 1 {
+		t.Fatalf("stats %+v: the request was not held", st)
+	}
+	a.st.seq.wg.Wait() // the loop ends with the epoch
+	a.st.seq.mu.Lock()
+	n := len(a.st.seq.waiters)
+	a.st.seq.mu.Unlock()
+	if n != 0 {
+		t.Fatalf("%d waiters left", n)
+	}
+}
