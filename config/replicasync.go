@@ -34,6 +34,13 @@ type ReplicaSyncConfig struct {
 	MaxMessageBytes int `yaml:"max_message_bytes" json:"max_message_bytes,omitempty"`
 	// MaxBytesPerSecond bounds what this router sends per pool. Default 4 MiB.
 	MaxBytesPerSecond int `yaml:"max_bytes_per_second" json:"max_bytes_per_second,omitempty"`
+	// Sequence is δ, the epoch of same-instant burst sequencing
+	// (docs/replicas.md "Sequencing a burst"): while a peer is live, a
+	// kv_aware request is held until its epoch (plus a 500µs grace) is
+	// due and decided in one order with its peers'. 0 = off (default).
+	// At least min_gap + 100µs (a peer must hear an epoch's decisions
+	// before the next epoch is decided), at most 100ms.
+	Sequence time.Duration `yaml:"sequence" json:"sequence,omitempty"`
 }
 
 // The replica sync's default interval and least min_gap, as
@@ -42,6 +49,8 @@ type ReplicaSyncConfig struct {
 const (
 	defaultSyncInterval = 50 * time.Millisecond
 	minSyncGap          = 100 * time.Microsecond
+	defaultSyncMinGap   = time.Millisecond
+	maxSequence         = 100 * time.Millisecond
 )
 
 // validate checks what does not depend on the other fields' defaults
@@ -63,6 +72,18 @@ func (r *ReplicaSyncConfig) validate() error {
 		}
 		if r.MinGap < minSyncGap || r.MinGap > interval {
 			return fmt.Errorf("%w: events.replica_sync.min_gap %v out of range %v..interval (%v)", ErrInvalidConfig, r.MinGap, minSyncGap, interval)
+		}
+	}
+	if r.Sequence != 0 {
+		gap := r.MinGap
+		if gap == 0 {
+			gap = min(defaultSyncMinGap, r.Interval)
+			if r.Interval == 0 {
+				gap = defaultSyncMinGap
+			}
+		}
+		if r.Sequence < gap+minSyncGap || r.Sequence > maxSequence {
+			return fmt.Errorf("%w: events.replica_sync.sequence %v out of range min_gap + %v (%v)..%v", ErrInvalidConfig, r.Sequence, minSyncGap, gap+minSyncGap, maxSequence)
 		}
 	}
 	return nil

@@ -153,6 +153,27 @@ func (s *Sequencer) Hold(now time.Time, live bool, in Intent) (Intent, bool) {
 	return in, true
 }
 
+// Withdraw takes back an own held intent that its peers will not see (its
+// publication was refused): its owner decides it alone, at once. It stays
+// counted as held.
+func (s *Sequencer) Withdraw(in Intent) {
+	e := s.epochOf(in.Arrival)
+	list := s.open[e]
+	for i, x := range list {
+		if x.Replica == in.Replica && x.Seq == in.Seq {
+			if list = slices.Delete(list, i, i+1); len(list) == 0 {
+				delete(s.open, e)
+			} else {
+				s.open[e] = list
+			}
+			return
+		}
+	}
+}
+
+// EpochOf is the epoch an intent arriving at ns (Unix ns) belongs to.
+func (s *Sequencer) EpochOf(ns int64) int64 { return s.epochOf(ns) }
+
 // Receive records a peer's intent at now. It returns false when the
 // intent is not sequenced here: late (its epoch was due by now or already
 // decided), of a partial epoch, or beyond the bound — its owner decides it

@@ -105,7 +105,24 @@ type Config struct {
 	Logger *slog.Logger
 	// Now is the clock; nil = time.Now.
 	Now func() time.Time
+	// Sequence is δ, the epoch of same-instant burst sequencing
+	// (sequence.go; docs/replicas.md "Sequencing a burst"): 0 = off.
+	// When on, the Syncer also carries intents on IntentSubject.
+	Sequence time.Duration
+	// SequenceGrace: see SequenceGrace (0: the default).
+	SequenceGrace time.Duration
 }
+
+// SequenceGrace is how long after an epoch's end its peers' intents are
+// waited for: one delivery, a NATS hop on a LAN (~100 µs) plus the
+// replicas' clock skew (NTP keeps hosts of one network within a few
+// hundred µs): 500 µs.
+const SequenceGrace = 500 * time.Microsecond
+
+// MaxSequence bounds δ: every request of a replica with live peers waits
+// up to δ + SequenceGrace; beyond 100 ms the wait outweighs any placement
+// it buys (a long prompt's prefill is ~0.3 s).
+const MaxSequence = 100 * time.Millisecond
 
 // MinMinGap is the least MinGap: about one NATS hop on a LAN; a shorter
 // gap would send more often than a peer can hear the difference.
@@ -145,6 +162,7 @@ func (c Config) WithDefaults() Config {
 	zero.Default(&c.MaxMessageBytes, DefaultMaxMessageBytes)
 	zero.Default(&c.MaxBytesPerSecond, DefaultMaxBytesPerSecond)
 	zero.Default(&c.SpecCapacity, DefaultSpecCapacity)
+	zero.Default(&c.SequenceGrace, SequenceGrace)
 	return c
 }
 
@@ -170,6 +188,10 @@ func (c Config) Validate() error {
 		return bad("max_bytes_per_second %d under max_message_bytes %d", c.MaxBytesPerSecond, c.MaxMessageBytes)
 	case c.SpecCapacity < 0 || c.SpecCapacity > 1<<26:
 		return bad("spec_capacity %d out of 0..%d", c.SpecCapacity, 1<<26)
+	case c.Sequence != 0 && (c.Sequence < c.MinGap+MinMinGap || c.Sequence > MaxSequence):
+		// An epoch's real effects reach the peers min_gap plus a hop after
+		// it is decided: a shorter δ decides the next epoch without them.
+		return bad("sequence %v out of min_gap + %v (%v)..%v", c.Sequence, MinMinGap, c.MinGap+MinMinGap, MaxSequence)
 	}
 	return nil
 }
@@ -193,6 +215,13 @@ type Syncer struct {
 	// changed holds a pending early-send request (Changed); Run's
 	// goroutine takes it and sends MinGap later.
 	changed chan struct{}
+	// intents receives the peers' intents (AttachIntents).
+	intents atomic.Pointer[func(Intent)]
+	// While an epoch is decided (BeginEpoch..ClearOverlay) the peers'
+	// load and speculative messages wait in deferred (intents.go).
+	epochMu  sync.Mutex
+	deciding bool
+	deferred []Message
 
 	qMu    sync.Mutex // guards queue and queued
 	queue  []Spec
@@ -206,6 +235,7 @@ type Syncer struct {
 	placeSent bool
 	lastFull  time.Time
 	recent    []sentSpec // our unexpired announcements, for hellos
+	budgetMu  sync.Mutex // guards budget and refilled (intents are sent from the request path)
 	budget    float64    // rate limiter: bytes that may be sent now
 	refilled  time.Time
 	buf       []byte
@@ -306,8 +336,12 @@ func (s *Syncer) PeerExtend(keys []kvindex.Key, from int, inst string, epoch uin
 // Overlay and ClearOverlay are the table's (sequencing, overlay.go).
 func (s *Syncer) Overlay(e Effect) { s.table.Overlay(e) }
 
-// ClearOverlay forgets the epoch's overlay.
-func (s *Syncer) ClearOverlay() { s.table.ClearOverlay() }
+// ClearOverlay forgets the epoch's overlay and applies the peers'
+// messages deferred while it was decided (BeginEpoch).
+func (s *Syncer) ClearOverlay() {
+	s.table.ClearOverlay()
+	s.endEpoch()
+}
 
 // PeerHolders: see Table.PeerHolders.
 func (s *Syncer) PeerHolders(dst []string, key kvindex.Key) []string {
@@ -362,6 +396,13 @@ func (s *Syncer) Run(ctx context.Context) error {
 		return fmt.Errorf("replicasync: subscribe %s: %w", s.subject, err)
 	}
 	defer func() { _ = sub.Unsubscribe() }()
+	if s.cfg.Sequence > 0 {
+		isub, err := s.cfg.Conn.Subscribe(s.IntentSubject(), s.receiveIntents)
+		if err != nil {
+			return fmt.Errorf("replicasync: subscribe %s: %w", s.IntentSubject(), err)
+		}
+		defer func() { _ = isub.Unsubscribe() }()
+	}
 	s.send(&Message{Kind: KindHello})
 	t := time.NewTicker(s.cfg.Interval)
 	defer t.Stop()
@@ -431,25 +472,34 @@ func (s *Syncer) receive(msg *nats.Msg) {
 	}
 	s.m.messages.WithLabelValues(pool, "received", m.Kind.String()).Inc()
 	s.m.bytes.WithLabelValues(pool, "received").Add(float64(len(msg.Data)))
+	if s.deferEpoch(&m) {
+		return
+	}
+	s.apply(&m)
+}
+
+// apply applies a peer's message to the table.
+func (s *Syncer) apply(m *Message) {
+	pool := s.cfg.Pool
 	switch m.Kind {
 	case KindHello:
 		s.table.Hello(m.Replica, m.Incarnation)
 		s.hello.Store(true)
 		s.Changed() // the newcomer catches up within a gap, not an interval
 	case KindLoad:
-		switch s.table.ApplyLoad(&m) {
+		switch s.table.ApplyLoad(m) {
 		case Stale:
 			s.m.dropped.WithLabelValues(pool, "stale").Inc()
 		case Restarted:
 			s.log.Info("replica sync: peer restarted; its old counters are dropped", "peer", m.Replica)
 		}
 	case KindPlacement:
-		s.table.ApplyPlacement(&m)
+		s.table.ApplyPlacement(m)
 	case KindRent:
-		s.table.ApplyRent(&m)
+		s.table.ApplyRent(m)
 	case KindSpec:
 		s.table.Touch(m.Replica, m.Incarnation)
-		if n := s.table.ApplySpec(&m, s.cfg.Epoch); n > 0 {
+		if n := s.table.ApplySpec(m, s.cfg.Epoch); n > 0 {
 			s.m.dropped.WithLabelValues(pool, "capacity").Add(float64(n))
 		}
 	}
@@ -458,7 +508,9 @@ func (s *Syncer) receive(msg *nats.Msg) {
 // allow takes n bytes from the rate budget (refilled at MaxBytesPerSecond,
 // holding at most one second's worth).
 func (s *Syncer) allow(n int, now time.Time) bool {
-	if float64(n) > s.refill(now) {
+	s.budgetMu.Lock()
+	defer s.budgetMu.Unlock()
+	if float64(n) > s.refillLocked(now) {
 		return false
 	}
 	s.budget -= float64(n)
@@ -467,6 +519,12 @@ func (s *Syncer) allow(n int, now time.Time) bool {
 
 // refill brings the rate budget up to now and returns it.
 func (s *Syncer) refill(now time.Time) float64 {
+	s.budgetMu.Lock()
+	defer s.budgetMu.Unlock()
+	return s.refillLocked(now)
+}
+
+func (s *Syncer) refillLocked(now time.Time) float64 {
 	rate := float64(s.cfg.MaxBytesPerSecond)
 	s.budget = min(rate, s.budget+rate*now.Sub(s.refilled).Seconds())
 	s.refilled = now

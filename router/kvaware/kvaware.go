@@ -73,6 +73,10 @@ type KVState struct {
 	log         *slog.Logger
 	now         func() time.Time
 
+	// seq sequences same-instant bursts with the peers (nil: off;
+	// sequence_live.go).
+	seq *seqState
+
 	specMu sync.Mutex // guards spec, replaced when its TTL or capacity changes
 	spec   *speculative
 
@@ -264,6 +268,17 @@ func (*KVAware) Name() string { return config.StrategyKVAware }
 
 // Pick implements Strategy.
 func (s *KVAware) Pick(ctx context.Context, req *router.Request, cands []*router.Instance) (router.Decision, error) {
+	if q := s.st.seq; q != nil && len(cands) > 0 {
+		// Sequencing with live peers: wait for the request's turn in its
+		// epoch (sequence_live.go).
+		w, err := q.hold(ctx, s, req, cands)
+		if err != nil {
+			return router.Decision{}, err
+		}
+		if w != nil {
+			defer close(w.done)
+		}
+	}
 	dec, ev, err := s.pick(ctx, req, cands, true)
 	if ev != nil {
 		s.st.putEval(ev)

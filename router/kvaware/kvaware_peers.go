@@ -58,6 +58,7 @@ func (st *KVState) attachPeers() {
 	}
 	st.peers.ps = ps
 	ps.AttachLocal(st.localLoads)
+	st.attachSequencing(ps) // sequence_live.go
 	if pp, ok := ps.(PlacementPeers); ok {
 		st.peers.pp = pp
 		pp.AttachPlacement(st.publishPlacement)

@@ -32,17 +32,19 @@ type peerWorld struct {
 
 func newPeerWorld(t *testing.T, url, pool, name string, n int) *peerWorld {
 	t.Helper()
-	return newPeerWorldRun(t, url, pool, name, n, true)
+	return newPeerWorldRun(t, url, pool, name, n, true, 0)
 }
 
 // newIdlePeerWorld is a replica whose syncer does not run: its peer state
 // is what the test puts there (the sequencing overlay).
 func newIdlePeerWorld(t *testing.T, url, pool, name string, n int) *peerWorld {
 	t.Helper()
-	return newPeerWorldRun(t, url, pool, name, n, false)
+	return newPeerWorldRun(t, url, pool, name, n, false, 0)
 }
 
-func newPeerWorldRun(t *testing.T, url, pool, name string, n int, run bool) *peerWorld {
+// newPeerWorldRun is a replica whose syncer runs when run, sequencing
+// bursts in epochs of seq (0: off).
+func newPeerWorldRun(t *testing.T, url, pool, name string, n int, run bool, seq time.Duration) *peerWorld {
 	t.Helper()
 	nc, err := nats.Connect(url)
 	if err != nil {
@@ -50,7 +52,8 @@ func newPeerWorldRun(t *testing.T, url, pool, name string, n int, run bool) *pee
 	}
 	t.Cleanup(nc.Close)
 	s, err := replicasync.New(replicasync.Config{Conn: nc, Pool: pool, Replica: name,
-		Interval: 10 * time.Millisecond, Heartbeat: 100 * time.Millisecond, PeerTimeout: 500 * time.Millisecond})
+		Interval: 10 * time.Millisecond, Heartbeat: 100 * time.Millisecond, PeerTimeout: 500 * time.Millisecond, Sequence: seq,
+		SequenceGrace: 4 * seq}) // a grace for -race on a shared 2-core VM, not a LAN's hop
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -132,5 +133,180 @@ func TestSequencedBurstAsOneRouter(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// Three live replicas (real syncers on the test NATS server, sequencing
+// in 20 ms epochs) receive one same-instant burst — nine requests sharing
+// a long new system prompt, three at each — and, each request held for
+// its epoch and its intent published, place it as one router placing the
+// nine in turn does (the same number of requests on each instance used).
+// Unsequenced (δ = 0), the same burst is decided blind at each replica
+// and scattered.
+func TestSequencedLiveBurst(t *testing.T) {
+	system := promptTokens(11, 64*kvTestBS)
+	const n = 9
+	newReq := func(i int) *router.Request {
+		return kvRequest(fmt.Sprintf("system prompt + question %d", i), append(slices.Clone(system), promptTokens(uint32(200+i), 40)...))
+	}
+	// One router deciding the burst in turn.
+	one := newKVWorld(t, 8)
+	s1 := one.strategy(config.RoutingConfig{})
+	var want []string
+	for i := range n {
+		d, err := s1.Pick(context.Background(), newReq(i), one.insts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		d.Instance.Acquire()
+		want = append(want, d.Instance.ID())
+	}
+	// The placement's shape: how many requests each instance took, most
+	// first. One router's depends on which request it decides first (its
+	// hash-home), the replicas' on the pool's order of the burst: the
+	// shapes are compared, not the names.
+	shape := func(ids []string) []int {
+		c := map[string]int{}
+		for _, id := range ids {
+			c[id]++
+		}
+		var out []int
+		for _, k := range c {
+			out = append(out, k)
+		}
+		slices.Sort(out)
+		slices.Reverse(out)
+		return out
+	}
+	wantShape := shape(want)
+
+	burst := func(t *testing.T, seq time.Duration) ([]string, []*peerWorld) {
+		url := testenv.NATSURL(t)
+		pool := testenv.UniqueName(t)
+		var reps []*peerWorld
+		var kvs []*KVAware
+		for _, name := range []string{"a", "b", "c"} {
+			w := newPeerWorldRun(t, url, pool, name, 8, true, seq)
+			reps = append(reps, w)
+			kvs = append(kvs, w.strategy(config.RoutingConfig{}))
+		}
+		waitUntil(t, "every replica hears both peers", func() bool {
+			for _, w := range reps {
+				if w.sync.Live() != 2 {
+					return false
+				}
+			}
+			return true
+		})
+		time.Sleep(2 * seq) // past the partial epoch the replicas started in
+		if seq > 0 {
+			// The burst's arrivals (spread by the intents' keying, a few
+			// ms under -race) start just after an epoch's start, so that
+			// they share one epoch: a burst split across two is decided
+			// as two bursts (the second after the first's real effects
+			// arrived by the sync), which this test does not assert on.
+			now := time.Now()
+			time.Sleep(now.Truncate(seq).Add(seq + seq/20).Sub(now))
+		}
+		got := make([]string, n)
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		for i := range n {
+			wg.Go(func() {
+				o := i % len(reps)
+				<-start
+				d, err := kvs[o].Pick(context.Background(), newReq(i), reps[o].insts)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				d.Instance.Acquire() // as the proxy does
+				got[i] = d.Instance.ID()
+			})
+		}
+		close(start)
+		wg.Wait()
+		return got, reps
+	}
+
+	t.Run("sequenced", func(t *testing.T) {
+		got, reps := burst(t, 20*time.Millisecond)
+		var held int64
+		for _, w := range reps {
+			st := w.st.SequenceStats()
+			held += st.Held
+			w.st.seq.wg.Wait() // the epoch loop ends with its last epoch
+			if l := w.st.seq.sq.Stats(); l.Late > 0 {
+				t.Logf("%d late intents", l.Late)
+			}
+		}
+		if held != n {
+			t.Fatalf("%d of %d requests held", held, n)
+		}
+		if !slices.Equal(shape(got), wantShape) {
+			t.Fatalf("sequenced replicas placed the burst on %v, one router on %v", got, want)
+		}
+	})
+	t.Run("unsequenced", func(t *testing.T) {
+		// Blind replicas scatter the burst unless the sync happens to
+		// catch up within it (the arrivals spread by a few ms under
+		// -race): one burst of three scattered is enough to tell.
+		var got []string
+		for range 3 {
+			if got, _ = burst(t, 0); !slices.Equal(shape(got), wantShape) {
+				return
+			}
+		}
+		t.Fatalf("unsequenced replicas placed three bursts as one router (%v): the test cannot tell", got)
+	})
+}
+
+// With sequencing on and no live peer, nothing is held: the request is
+// decided at once, counted alone.
+func TestSequenceNoPeerHoldsNothing(t *testing.T) {
+	url := testenv.NATSURL(t)
+	w := newPeerWorldRun(t, url, testenv.UniqueName(t), "a", 4, true, 5*time.Millisecond)
+	s := w.strategy(config.RoutingConfig{})
+	t0 := time.Now()
+	for i := range 3 {
+		if _, err := s.Pick(context.Background(), kvRequest(fmt.Sprint(i), promptTokens(uint32(i), 4*kvTestBS)), w.insts); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if st := w.st.SequenceStats(); st.Held != 0 || st.Alone != 3 {
+		t.Fatalf("stats %+v, want 3 alone and none held", st)
+	}
+	if d := time.Since(t0); d > time.Second {
+		t.Fatalf("three lone picks took %v", d)
+	}
+}
+
+// A held request whose context ends leaves at once with its error; its
+// epoch is still decided (the request dry, as its peers decide it) and
+// the epoch loop then ends.
+func TestSequenceHeldRequestLeaves(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	a := newPeerWorldRun(t, url, pool, "a", 4, true, 20*time.Millisecond)
+	b := newPeerWorldRun(t, url, pool, "b", 4, true, 20*time.Millisecond)
+	waitUntil(t, "peers live", func() bool { return a.sync.Live() == 1 && b.sync.Live() == 1 })
+	time.Sleep(40 * time.Millisecond) // past the partial epoch
+	s := a.strategy(config.RoutingConfig{})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Millisecond)
+	defer cancel()
+	t0 := time.Now()
+	_, err := s.Pick(ctx, kvRequest("q", promptTokens(1, 4*kvTestBS)), a.insts)
+	if err == nil || time.Since(t0) > 50*time.Millisecond {
+		t.Fatalf("a cancelled held request returned %v after %v", err, time.Since(t0))
+	}
+	if st := a.st.SequenceStats(); st.Held != 1 {
+		t.Fatalf("stats %+v: the request was not held", st)
+	}
+	a.st.seq.wg.Wait() // the loop ends with the epoch
+	a.st.seq.mu.Lock()
+	n := len(a.st.seq.waiters)
+	a.st.seq.mu.Unlock()
+	if n != 0 {
+		t.Fatalf("%d waiters left", n)
 	}
 }

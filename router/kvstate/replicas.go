@@ -51,7 +51,7 @@ func (k *Pipeline) withReplicaSync(pc config.PoolConfig, cons *consumer.Consumer
 		Conn: k.conn, Pool: pc.Name, Replica: rc.Replica,
 		Interval: rc.Interval, MinGap: rc.MinGap, NoEarlySend: rc.DisableEarlySend, Heartbeat: rc.Heartbeat, PeerTimeout: rc.PeerTimeout,
 		MaxMessageBytes: rc.MaxMessageBytes, MaxBytesPerSecond: rc.MaxBytesPerSecond,
-		Epoch: cons.LostEpoch, Metrics: rs.m, Logger: k.log,
+		Epoch: cons.LostEpoch, Metrics: rs.m, Logger: k.log, Sequence: rc.Sequence,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("%w: events.replica_sync: %w", config.ErrInvalidConfig, err)
