@@ -268,22 +268,31 @@ func (*KVAware) Name() string { return config.StrategyKVAware }
 
 // Pick implements Strategy.
 func (s *KVAware) Pick(ctx context.Context, req *router.Request, cands []*router.Instance) (router.Decision, error) {
-	if q := s.st.seq; q != nil && len(cands) > 0 {
-		// Sequencing with live peers: wait for the request's turn in its
-		// epoch (sequence_live.go).
-		w, err := q.hold(ctx, s, req, cands)
-		if err != nil {
-			return router.Decision{}, err
-		}
-		if w != nil {
-			defer close(w.done)
-		}
+	done, err := s.waitTurn(ctx, req, cands)
+	if err != nil {
+		return router.Decision{}, err
 	}
+	defer done()
 	dec, ev, err := s.pick(ctx, req, cands, true)
 	if ev != nil {
 		s.st.putEval(ev)
 	}
 	return dec, err
+}
+
+// waitTurn waits, when sequencing with live peers, for the request's turn
+// in its epoch (sequence_live.go); done ends the turn once the pick is
+// made. Every path that picks for real (Pick, Shadow's) goes through it.
+func (s *KVAware) waitTurn(ctx context.Context, req *router.Request, cands []*router.Instance) (done func(), err error) {
+	q := s.st.seq
+	if q == nil || len(cands) == 0 {
+		return func() {}, nil
+	}
+	w, err := q.hold(ctx, s, req, cands)
+	if err != nil || w == nil {
+		return func() {}, err
+	}
+	return func() { close(w.done) }, nil
 }
 
 // candEval is one candidate's score. The fields every pass over the

@@ -180,7 +180,7 @@ func TestSequencedLiveBurst(t *testing.T) {
 	}
 	wantShape := shape(want)
 
-	burst := func(t *testing.T, seq time.Duration) ([]string, []*peerWorld) {
+	burst := func(t *testing.T, seq time.Duration, shadowed bool) ([]string, []*peerWorld) {
 		url := testenv.NATSURL(t)
 		pool := testenv.UniqueName(t)
 		var reps []*peerWorld
@@ -215,7 +215,12 @@ func TestSequencedLiveBurst(t *testing.T) {
 			wg.Go(func() {
 				o := i % len(reps)
 				<-start
-				d, err := kvs[o].Pick(context.Background(), newReq(i), reps[o].insts)
+				var pick router.Strategy = kvs[o]
+				if shadowed {
+					// shadow: true, kv_aware in use (the example config's)
+					pick = NewShadow(kvs[o], kvs[o])
+				}
+				d, err := pick.Pick(context.Background(), newReq(i), reps[o].insts)
 				if err != nil {
 					t.Error(err)
 					return
@@ -229,8 +234,8 @@ func TestSequencedLiveBurst(t *testing.T) {
 		return got, reps
 	}
 
-	t.Run("sequenced", func(t *testing.T) {
-		got, reps := burst(t, 20*time.Millisecond)
+	sequenced := func(t *testing.T, shadowed bool) {
+		got, reps := burst(t, 20*time.Millisecond, shadowed)
 		var held int64
 		for _, w := range reps {
 			st := w.st.SequenceStats()
@@ -246,14 +251,21 @@ func TestSequencedLiveBurst(t *testing.T) {
 		if !slices.Equal(shape(got), wantShape) {
 			t.Fatalf("sequenced replicas placed the burst on %v, one router on %v", got, want)
 		}
-	})
+	}
+	for _, shadowed := range []bool{false, true} {
+		name := "sequenced"
+		if shadowed {
+			name = "sequenced_shadowed"
+		}
+		t.Run(name, func(t *testing.T) { sequenced(t, shadowed) })
+	}
 	t.Run("unsequenced", func(t *testing.T) {
 		// Blind replicas scatter the burst unless the sync happens to
 		// catch up within it (the arrivals spread by a few ms under
 		// -race): one burst of three scattered is enough to tell.
 		var got []string
 		for range 3 {
-			if got, _ = burst(t, 0); !slices.Equal(shape(got), wantShape) {
+			if got, _ = burst(t, 0, false); !slices.Equal(shape(got), wantShape) {
 				return
 			}
 		}

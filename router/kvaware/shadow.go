@@ -54,7 +54,13 @@ func (s *Shadow) Pick(ctx context.Context, req *router.Request, cands []*router.
 	var err error
 	otherName := config.StrategyKVAware
 	if s.inUse == router.Strategy(s.kv) {
-		if dec, ev, err = s.kv.pick(ctx, req, cands, true); err != nil {
+		done, werr := s.kv.waitTurn(ctx, req, cands)
+		if werr != nil {
+			return dec, werr
+		}
+		dec, ev, err = s.kv.pick(ctx, req, cands, true)
+		done()
+		if err != nil {
 			return dec, err
 		}
 		other, _ = s.prefix.Pick(ctx, req, cands)
