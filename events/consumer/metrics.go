@@ -73,7 +73,7 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 		consumeErrors: ms.Counter("kvrouter_events_consume_errors_total",
 			"JetStream consume errors (the ordered consumer recovers by itself)."),
 		streamRecreated: ms.Counter("kvrouter_events_stream_recreated_total",
-			"Times the watchdog found the stream re-created (its last sequence below the last one delivered: a JetStream store wiped, the stream deleted and made again) and consumed it from its start, reloading every instance."),
+			"Times the watchdog found the stream re-created (a JetStream store wiped, the stream deleted and made again: its creation time changed, or its last sequence fell below the last one delivered) and, with the memory index, consumed it from its start reloading every instance; with a shared index the router turns unhealthy instead (kv_aware falls back)."),
 		twoBridges: ms.Counter("kvrouter_events_two_bridges_total",
 			"Messages of an instance from a bridge run that had already been followed by another run's: two kvbridges publish for one instance (a bridge restart moves to a new run for good)."),
 		stalls: ms.Counter("kvrouter_events_consumer_stalls_total",

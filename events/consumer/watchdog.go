@@ -155,15 +155,40 @@ func (c *Consumer) deliver(ctx context.Context, gen uint64, m jetstream.Msg) {
 // watch runs the watchdog until ctx is done.
 func (c *Consumer) watch(ctx context.Context, deliver jetstream.DeliverPolicy) {
 	_ = tick.Every(ctx, heartbeat, func() {
-		if c.renewed(ctx) || c.stalled(ctx, time.Now()) {
+		info := streamInfoOnce{c: c, ctx: ctx}
+		if c.renewed(&info) || c.stalled(ctx, &info, time.Now()) {
 			c.replace(ctx, deliver)
 		}
 	})
 }
 
+// streamInfoOnce asks for the stream's info at most once per heartbeat,
+// however many checks read it (renewed at every heartbeat, stalled when
+// the newest message is below the last delivered): one request, not two.
+type streamInfoOnce struct {
+	c    *Consumer
+	ctx  context.Context
+	done bool
+	info *jetstream.StreamInfo
+}
+
+// get returns the stream's info, nil when it could not be had.
+func (o *streamInfoOnce) get() *jetstream.StreamInfo {
+	if !o.done {
+		o.done = true
+		rctx, cancel := context.WithTimeout(o.ctx, createTimeout)
+		info, err := o.c.stream.Info(rctx)
+		cancel()
+		if err == nil {
+			o.info = info
+		}
+	}
+	return o.info
+}
+
 // stalled reports whether a message the stream held stallHeartbeats ago
 // is still undelivered with no delivery since.
-func (c *Consumer) stalled(ctx context.Context, now time.Time) bool {
+func (c *Consumer) stalled(ctx context.Context, info *streamInfoOnce, now time.Time) bool {
 	s := &c.sc
 	last := time.Unix(0, s.at.Load())
 	if s.busy.Load() || now.Sub(last) < heartbeat {
@@ -185,7 +210,7 @@ func (c *Consumer) stalled(ctx context.Context, now time.Time) bool {
 	seq := s.seq
 	s.mu.Unlock()
 	switch {
-	case msg.Sequence < seq && c.streamRecreated(ctx, seq):
+	case msg.Sequence < seq && c.streamRecreated(info, seq):
 		s.recreated = true
 		return true
 	case msg.Sequence <= seq:
@@ -203,16 +228,15 @@ func (c *Consumer) stalled(ctx context.Context, now time.Time) bool {
 // stream made again by a bridge), busy or idle: a new stream that has
 // already passed the old one's last sequence is not seen by stalled, and
 // the consumer would go on from the old position, never applying the new
-// stream's first messages. One stream info request per heartbeat.
-func (c *Consumer) renewed(ctx context.Context) bool {
+// stream's first messages. One stream info request per heartbeat, shared
+// with stalled's check.
+func (c *Consumer) renewed(o *streamInfoOnce) bool {
 	s := &c.sc
 	if s.created.IsZero() {
 		return false
 	}
-	rctx, cancel := context.WithTimeout(ctx, createTimeout)
-	info, err := c.stream.Info(rctx)
-	cancel()
-	if err != nil || info.Created.IsZero() || info.Created.Equal(s.created) {
+	info := o.get()
+	if info == nil || info.Created.IsZero() || info.Created.Equal(s.created) {
 		return false
 	}
 	s.recreated, s.renewedAt = true, info.Created
@@ -226,11 +250,9 @@ func (c *Consumer) renewed(ctx context.Context) bool {
 // seen only while a consumer started at the end of a stream other pools
 // also write (DeliverNew) has delivered nothing yet; one stream info
 // request tells them apart.
-func (c *Consumer) streamRecreated(ctx context.Context, seq uint64) bool {
-	rctx, cancel := context.WithTimeout(ctx, createTimeout)
-	info, err := c.stream.Info(rctx)
-	cancel()
-	if err != nil || info.State.LastSeq >= seq {
+func (c *Consumer) streamRecreated(o *streamInfoOnce, seq uint64) bool {
+	info := o.get()
+	if info == nil || info.State.LastSeq >= seq {
 		return false
 	}
 	c.sc.renewedAt = info.Created
