@@ -268,11 +268,6 @@ func (*KVAware) Name() string { return config.StrategyKVAware }
 
 // Pick implements Strategy.
 func (s *KVAware) Pick(ctx context.Context, req *router.Request, cands []*router.Instance) (router.Decision, error) {
-	done, err := s.waitTurn(ctx, req, cands)
-	if err != nil {
-		return router.Decision{}, err
-	}
-	defer done()
 	dec, ev, err := s.pick(ctx, req, cands, true)
 	if ev != nil {
 		s.st.putEval(ev)
@@ -282,7 +277,8 @@ func (s *KVAware) Pick(ctx context.Context, req *router.Request, cands []*router
 
 // waitTurn waits, when sequencing with live peers, for the request's turn
 // in its epoch (sequence_live.go); done ends the turn once the pick is
-// made. Every path that picks for real (Pick, Shadow's) goes through it.
+// made. pick calls it for every pick it commits, so no caller that picks
+// for real (Pick, Shadow's, any later one) can pass the hold.
 func (s *KVAware) waitTurn(ctx context.Context, req *router.Request, cands []*router.Instance) (done func(), err error) {
 	q := s.st.seq
 	if q == nil || len(cands) == 0 {
@@ -407,6 +403,13 @@ func (ev *kvEval) scoredAt(i int) *candEval {
 func (s *KVAware) pick(ctx context.Context, req *router.Request, cands []*router.Instance, commit bool) (router.Decision, *kvEval, error) {
 	if len(cands) == 0 {
 		return router.Decision{}, nil, router.ErrNoCandidates
+	}
+	if commit {
+		done, err := s.waitTurn(ctx, req, cands)
+		if err != nil {
+			return router.Decision{}, nil, err
+		}
+		defer done()
 	}
 	ev := s.st.getEval()
 	// A dry evaluation decides as a committed one would (the request

@@ -54,12 +54,7 @@ func (s *Shadow) Pick(ctx context.Context, req *router.Request, cands []*router.
 	var err error
 	otherName := config.StrategyKVAware
 	if s.inUse == router.Strategy(s.kv) {
-		done, werr := s.kv.waitTurn(ctx, req, cands)
-		if werr != nil {
-			return dec, werr
-		}
-		dec, ev, err = s.kv.pick(ctx, req, cands, true)
-		done()
+		dec, ev, err = s.kv.pick(ctx, req, cands, true) // held for its turn when sequencing
 		if err != nil {
 			return dec, err
 		}
