@@ -50,8 +50,8 @@ func (t *Table) Expired(tier tiers.Tier, cutoff int64, max int) []uint64 {
 		at int64
 	}
 	var out []aged
-	for b := t.live.Front(); b != nil; b = b.next {
-		if b.tiers.Has(tier) && b.stored[tier] < cutoff {
+	for s := t.live.head; s != 0; s = t.at(s).next {
+		if b := t.at(s); b.tiers.Has(tier) && b.stored[tier] < cutoff {
 			out = append(out, aged{b.hash, b.stored[tier]})
 		}
 	}

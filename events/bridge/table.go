@@ -8,28 +8,43 @@ import (
 // block is one engine block the instance holds, with what a consumer needs
 // to place it again from scratch: its parent, its tokens and the root
 // inputs (LoRA adapter, cache salt) of its key chain.
+//
+// Blocks live by value in the table's slots (slots.go) and hold no
+// pointer: their tokens are a tokRef into the table's token chunks, their
+// rare strings (a LoRA name, a cache salt) sit in Table.names, and their
+// links are slot numbers. A new block therefore costs no allocation once
+// the table has held as many blocks before, and the garbage collector
+// never walks the blocks (a table at the default bound holds a million).
 type block struct {
+	// hash is the block's engine hash.
+	hash      uint64
 	parent    uint64
-	hasParent bool
-	tokens    []uint32
-	blockSize int
-	loraName  string
 	loraID    int64
-	hasLoraID bool
-	salt      string
-	tiers     tiers.Set
+	blockSize int
 	// stored is, per tier, when the block was last stored there (the
 	// table's clock, unix nanoseconds): what aging reads (aging.go).
 	stored [tiers.Count]int64
-	// hash is the block's engine hash; prev and next link it in
-	// Table.live (tiers != 0) or Table.ghosts (tiers 0).
-	hash       uint64
-	prev, next *block
+	tok    tokRef
+	// prev and next link the block in Table.live (tiers != 0) or
+	// Table.ghosts (tiers 0); a free slot's next is the next free one.
+	prev, next slot
 	// children counts blocks in the table whose parent this is. A block
 	// that leaves every tier while it has children stays as a ghost
 	// (tiers 0): a snapshot must still be able to key its descendants,
 	// which an index keyed while it was present keeps.
-	children int
+	children  int32
+	tiers     tiers.Set
+	hasParent bool
+	hasLoraID bool
+	// named: the block has a LoRA name or a cache salt in Table.names.
+	named bool
+}
+
+// blockNames are a block's strings, kept beside the table's slots (most
+// blocks have neither, and a block with no pointer is one the garbage
+// collector skips).
+type blockNames struct {
+	lora, salt string
 }
 
 // Removal is one tier's blocks removed by an event, for eviction records.
@@ -67,10 +82,18 @@ type TableResult struct {
 // snapshot could key without it). Not safe for concurrent use; the bridge
 // guards it.
 type Table struct {
-	max       int
-	blocks    map[uint64]*block // held blocks and ghosts
-	live      blockList         // held blocks, oldest (first stored) first
-	ghosts    blockList         // ghosts, oldest first
+	max    int
+	index  map[uint64]slot // held blocks and ghosts, by engine hash
+	live   blockList       // held blocks, oldest (first stored) first
+	ghosts blockList       // ghosts, oldest first
+	// The blocks' storage (slots.go): pages of slots, the first free slot
+	// (linked through next), the slots ever used, the token chunks and
+	// the strings of the blocks that have any.
+	pages     [][]block
+	free      slot
+	used      int
+	chunks    [][]uint32
+	names     map[slot]blockNames
 	blockSize int
 	// now is the clock of the stored stamps (nil: the wall clock).
 	now func() int64
@@ -90,7 +113,7 @@ func (t *Table) primaryGroup(g int) bool {
 
 // NewTable returns an empty table holding at most max blocks (0: no bound).
 func NewTable(max int) *Table {
-	return &Table{max: max, blocks: make(map[uint64]*block)}
+	return &Table{max: max, index: make(map[uint64]slot), names: make(map[slot]blockNames)}
 }
 
 // Len is the number of blocks held (ghosts excluded).
@@ -103,12 +126,14 @@ func (t *Table) Ghosts() int { return t.ghosts.Len() }
 // BlockSize is the last block size seen in a store (0 before any).
 func (t *Table) BlockSize() int { return t.blockSize }
 
-// Clear drops every block and returns how many were held.
+// Clear drops every block and returns how many were held. The slots and
+// their token room stay, for the blocks stored next.
 func (t *Table) Clear() int {
 	n := t.Len()
-	clear(t.blocks)
-	t.live.Init()
-	t.ghosts.Init()
+	clear(t.index)
+	clear(t.names)
+	t.live, t.ghosts = blockList{}, blockList{}
+	t.free, t.used = 0, min(t.used, 1)
 	return n
 }
 
@@ -120,96 +145,63 @@ func (t *Table) listOf(b *block) *blockList {
 	return &t.live
 }
 
-// blockList is a list of blocks linked through their prev and next: what
-// container/list would be without the element and the boxed hash it
-// allocated per block stored (two of a new block's four allocations).
-type blockList struct {
-	head, tail *block
-	n          int
+// lookup is the slot of the block with engine hash h (0: none).
+func (t *Table) lookup(h uint64) slot { return t.index[h] }
+
+// drop deletes the block in s and releases its parent: a ghost whose last
+// child goes, goes too, and so on up the chain.
+func (t *Table) drop(s slot) {
+	b := t.at(s)
+	t.unlink(t.listOf(b), s)
+	delete(t.index, b.hash)
+	t.release(s)
 }
 
-func (l *blockList) Len() int      { return l.n }
-func (l *blockList) Front() *block { return l.head }
-
-// Init empties the list (its blocks are being dropped).
-func (l *blockList) Init() { *l = blockList{} }
-
-func (l *blockList) PushBack(b *block) {
-	b.prev, b.next = l.tail, nil
-	if l.tail != nil {
-		l.tail.next = b
-	} else {
-		l.head = b
-	}
-	l.tail = b
-	l.n++
-}
-
-// Remove takes b, which is in l, out of it. A block already out of every
-// list (no links, not a head) is left alone, as container/list's Remove
-// leaves an element of no list; callers know which list a block is in
-// (listOf), so a block in the other list is not asked for.
-func (l *blockList) Remove(b *block) {
-	if b.prev == nil && b.next == nil && l.head != b {
-		return
-	}
-	if b.prev != nil {
-		b.prev.next = b.next
-	} else {
-		l.head = b.next
-	}
-	if b.next != nil {
-		b.next.prev = b.prev
-	} else {
-		l.tail = b.prev
-	}
-	b.prev, b.next = nil, nil
-	l.n--
-}
-
-// drop deletes a block and releases its parent: a ghost whose last child
-// goes, goes too, and so on up the chain.
-func (t *Table) drop(h uint64, b *block) {
-	t.listOf(b).Remove(b)
-	delete(t.blocks, h)
-	t.release(b)
-}
-
-func (t *Table) release(b *block) {
-	for b.hasParent {
-		p := t.blocks[b.parent]
-		if p == nil {
+// release frees the slot of a block that has left the index and its list,
+// and releases its parent as drop does.
+func (t *Table) release(s slot) {
+	for {
+		b := t.at(s)
+		parent, hasParent := b.parent, b.hasParent
+		t.freeSlot(s)
+		if !hasParent {
 			return
 		}
+		ps := t.lookup(parent)
+		if ps == 0 {
+			return
+		}
+		p := t.at(ps)
 		p.children--
 		if p.tiers != 0 || p.children > 0 {
 			return
 		}
-		t.ghosts.Remove(p)
-		delete(t.blocks, b.parent)
-		b = p
+		t.unlink(&t.ghosts, ps)
+		delete(t.index, parent)
+		s = ps
 	}
 }
 
-// unhold is called when b (held until now) has just left its last tier:
-// it becomes a ghost if held blocks descend from it, else it goes. It
-// returns the number of held blocks dropped by the ghost bound.
-func (t *Table) unhold(h uint64, b *block) int {
-	t.live.Remove(b)
+// unhold is called when the block in s (held until now) has just left its
+// last tier: it becomes a ghost if held blocks descend from it, else it
+// goes. It returns the number of held blocks dropped by the ghost bound.
+func (t *Table) unhold(s slot) int {
+	t.unlink(&t.live, s)
+	b := t.at(s)
 	if b.children == 0 {
-		delete(t.blocks, h)
-		t.release(b)
+		delete(t.index, b.hash)
+		t.release(s)
 		return 0
 	}
-	t.ghosts.PushBack(b)
+	t.pushBack(&t.ghosts, s)
 	dropped := 0
 	for t.max > 0 && t.ghosts.Len() > t.max {
-		dropped += t.dropSubtree(t.ghosts.Front().hash)
+		dropped += t.dropSubtree(t.ghosts.head)
 	}
 	return dropped
 }
 
-// dropSubtree drops the ghost root and every block descending from it,
+// dropSubtree drops the ghost in root and every block descending from it,
 // and returns how many held blocks went. It walks the whole table: it
 // runs only past the ghost bound, which vLLM's eviction order keeps far.
 //
@@ -218,20 +210,21 @@ func (t *Table) unhold(h uint64, b *block) int {
 // under" until the chain's answer is known, so a parent cycle (an engine
 // that names a block its own ancestor: a hash collision, or a broken
 // engine) meets its own mark and ends instead of recursing forever.
-func (t *Table) dropSubtree(root uint64) int {
-	in := map[uint64]bool{root: true}
+func (t *Table) dropSubtree(root slot) int {
+	rootHash := t.at(root).hash
+	in := map[uint64]bool{rootHash: true}
 	var path []uint64
 	under := func(h uint64) bool {
 		path = path[:0]
 		v, known := in[h]
 		for !known {
-			b := t.blocks[h]
-			if b == nil || !b.hasParent {
+			s := t.lookup(h)
+			if s == 0 || !t.at(s).hasParent {
 				break // the chain ends without root
 			}
 			in[h] = false
 			path = append(path, h)
-			h = b.parent
+			h = t.at(s).parent
 			v, known = in[h]
 		}
 		for _, p := range path {
@@ -240,21 +233,22 @@ func (t *Table) dropSubtree(root uint64) int {
 		return v
 	}
 	held := 0
-	rb := t.blocks[root]
-	for h := range t.blocks {
-		if h == root || !under(h) {
+	for h, s := range t.index {
+		if h == rootHash || !under(h) {
 			continue
 		}
-		b := t.blocks[h]
+		b := t.at(s)
 		if b.tiers != 0 {
 			held++
 		}
-		t.listOf(b).Remove(b)
-		delete(t.blocks, h)
+		t.unlink(t.listOf(b), s)
+		delete(t.index, h)
+		// Its parent is under root too, and goes: no release.
+		t.freeSlot(s)
 	}
-	t.ghosts.Remove(rb)
-	delete(t.blocks, root)
-	t.release(rb)
+	t.unlink(&t.ghosts, root)
+	delete(t.index, rootHash)
+	t.release(root)
 	return held
 }
 
@@ -286,13 +280,17 @@ func (t *Table) Apply(evs []events.Event) TableResult {
 			// engine removes what it had stored).
 			lead := 0
 			for j, h := range e.BlockHashes {
-				b := t.blocks[h]
-				if b == nil || !b.tiers.Has(tier) {
+				s := t.lookup(h)
+				if s == 0 {
+					continue
+				}
+				b := t.at(s)
+				if !b.tiers.Has(tier) {
 					continue
 				}
 				b.tiers &^= tier.Bit()
 				if b.tiers == 0 {
-					r.Evicted += t.unhold(h, b)
+					r.Evicted += t.unhold(s)
 				}
 				switch {
 				case rm.Hashes != nil:
@@ -331,39 +329,41 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 	parent, hasParent := e.ParentHash, e.HasParent
 	now := t.clock() // one event's blocks are stored at one instant
 	for i, h := range e.BlockHashes {
-		// The block's tokens, copied only when kept (a store of a block
-		// held already keeps none).
+		// The block's tokens (copied into the table only when kept: a
+		// store of a block held already keeps none).
 		hasToks := bs > 0 && len(e.TokenIDs) >= (i+1)*bs
-		toks := func() []uint32 { return append([]uint32(nil), e.TokenIDs[i*bs:(i+1)*bs]...) }
-		b := t.blocks[h]
+		s := t.lookup(h)
 		switch {
-		case b != nil:
+		case s != 0:
+			b := t.at(s)
 			if !b.tiers.Has(tier) {
 				r.Stored++
 			}
 			if b.tiers == 0 {
 				// A ghost stored again: held, and the newest.
-				t.ghosts.Remove(b)
-				t.live.PushBack(b)
+				t.unlink(&t.ghosts, s)
+				t.pushBack(&t.live, s)
 			}
 			b.tiers |= tier.Bit()
 			b.stored[tier] = now
-			if b.tokens == nil && hasToks {
-				t.fill(b, e, toks(), parent, hasParent, i == 0)
+			if b.tok.n == 0 && hasToks {
+				t.fill(s, e, e.TokenIDs[i*bs:(i+1)*bs], parent, hasParent, i == 0)
 			}
 		case !hasToks:
 			// A tokenless (offload-tier) store of a block never seen
 			// with tokens: nobody can place it in a key chain.
 			r.Unplaced++
 		default:
-			b = &block{hash: h, tiers: tier.Bit()}
+			s = t.newSlot()
+			b := t.at(s)
+			b.hash, b.tiers = h, tier.Bit()
 			b.stored[tier] = now
-			t.fill(b, e, toks(), parent, hasParent, i == 0)
-			t.live.PushBack(b)
-			t.blocks[h] = b
+			t.fill(s, e, e.TokenIDs[i*bs:(i+1)*bs], parent, hasParent, i == 0)
+			t.pushBack(&t.live, s)
+			t.index[h] = s
 			if hasParent {
-				if p := t.blocks[parent]; p != nil {
-					p.children++
+				if ps := t.lookup(parent); ps != 0 {
+					t.at(ps).children++
 				}
 			}
 			r.Stored++
@@ -377,21 +377,37 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 func (t *Table) bound() int {
 	n := 0
 	for t.max > 0 && t.live.Len() > t.max {
-		b := t.live.Front()
-		b.tiers = 0
-		n += 1 + t.unhold(b.hash, b)
+		s := t.live.head
+		t.at(s).tiers = 0
+		n += 1 + t.unhold(s)
 	}
 	return n
 }
 
-func (t *Table) fill(b *block, e *events.Event, toks []uint32, parent uint64, hasParent, first bool) {
-	b.tokens, b.blockSize = toks, e.BlockSize
+func (t *Table) fill(s slot, e *events.Event, toks []uint32, parent uint64, hasParent, first bool) {
+	b := t.at(s)
+	t.setTokens(b, toks)
+	b.blockSize = e.BlockSize
 	b.parent, b.hasParent = parent, hasParent
-	b.loraName, b.loraID, b.hasLoraID = e.LoraName, e.LoraID, e.HasLoraID
+	b.loraID, b.hasLoraID = e.LoraID, e.HasLoraID
+	n := blockNames{lora: e.LoraName}
 	if first && !hasParent {
 		// vLLM puts the cache salt in the extra keys of a chain's first block.
-		b.salt = e.CacheSalt
+		n.salt = e.CacheSalt
 	}
+	if b.named = n != (blockNames{}); b.named {
+		t.names[s] = n
+	} else {
+		delete(t.names, s) // a block filled again (a ghost's tokens)
+	}
+}
+
+// namesOf are the strings of the block in s.
+func (t *Table) namesOf(s slot) blockNames {
+	if !t.at(s).named {
+		return blockNames{}
+	}
+	return t.names[s]
 }
 
 // tierMedium is the medium string a snapshot writes for each tier.
@@ -403,17 +419,18 @@ var tierMedium = [tiers.Count]string{"GPU", "CPU", "DISK", "SHARED"}
 // tier; then BlockRemoved from GPU for blocks no longer on GPU.
 func (t *Table) Events() []events.Event {
 	out := make([]events.Event, 0, 16)
-	emitted := make(map[uint64]bool, len(t.blocks))
+	emitted := make(map[uint64]bool, len(t.index))
 	var lastHash uint64
-	var stack []uint64
-	emit := func(h uint64, b *block) {
-		emitted[h] = true
+	var stack []slot
+	emit := func(s slot) {
+		b := t.at(s)
+		h, nm := b.hash, t.namesOf(s)
 		if n := len(out); n > 0 {
 			prev := &out[n-1]
-			if b.hasParent && b.parent == lastHash && b.salt == "" && prev.BlockSize == b.blockSize &&
-				prev.LoraName == b.loraName && prev.LoraID == b.loraID && prev.HasLoraID == b.hasLoraID {
+			if b.hasParent && b.parent == lastHash && nm.salt == "" && prev.BlockSize == b.blockSize &&
+				prev.LoraName == nm.lora && prev.LoraID == b.loraID && prev.HasLoraID == b.hasLoraID {
 				prev.BlockHashes = append(prev.BlockHashes, h)
-				prev.TokenIDs = append(prev.TokenIDs, b.tokens...)
+				prev.TokenIDs = append(prev.TokenIDs, t.tokens(b)...)
 				lastHash = h
 				return
 			}
@@ -423,46 +440,46 @@ func (t *Table) Events() []events.Event {
 			BlockHashes: []uint64{h},
 			ParentHash:  b.parent,
 			HasParent:   b.hasParent,
-			TokenIDs:    append([]uint32(nil), b.tokens...),
+			TokenIDs:    append([]uint32(nil), t.tokens(b)...),
 			BlockSize:   b.blockSize,
-			LoraName:    b.loraName,
+			LoraName:    nm.lora,
 			LoraID:      b.loraID,
 			HasLoraID:   b.hasLoraID,
 			Medium:      tierMedium[tiers.GPU],
-			CacheSalt:   b.salt,
+			CacheSalt:   nm.salt,
 		})
 		lastHash = h
 	}
-	for el := t.live.Front(); el != nil; el = el.next {
-		h := el.hash
-		if emitted[h] {
+	for el := t.live.head; el != 0; el = t.at(el).next {
+		if emitted[t.at(el).hash] {
 			continue
 		}
 		// Walk up to the oldest ancestor not yet emitted, then emit down.
 		// A block is marked when the walk takes it, so a parent cycle (a
 		// broken engine's) ends the walk where it closes.
 		stack = stack[:0]
-		for cur := h; ; {
-			b := t.blocks[cur]
-			if b == nil || emitted[cur] {
+		for cur := t.at(el).hash; ; {
+			s := t.lookup(cur)
+			if s == 0 || emitted[cur] {
 				break
 			}
-			stack = append(stack, cur)
+			stack = append(stack, s)
 			emitted[cur] = true
+			b := t.at(s)
 			if !b.hasParent {
 				break
 			}
 			cur = b.parent
 		}
 		for i := len(stack) - 1; i >= 0; i-- {
-			emit(stack[i], t.blocks[stack[i]])
+			emit(stack[i])
 		}
 	}
 	var notGPU []uint64
 	for _, tier := range tiers.All[1:] {
 		var hs []uint64
-		for b := t.live.Front(); b != nil; b = b.next {
-			if b.tiers.Has(tier) {
+		for s := t.live.head; s != 0; s = t.at(s).next {
+			if b := t.at(s); b.tiers.Has(tier) {
 				hs = append(hs, b.hash)
 			}
 		}
@@ -471,8 +488,8 @@ func (t *Table) Events() []events.Event {
 		}
 	}
 	for _, l := range []*blockList{&t.live, &t.ghosts} {
-		for b := l.Front(); b != nil; b = b.next {
-			if emitted[b.hash] && !b.tiers.Has(tiers.GPU) {
+		for s := l.head; s != 0; s = t.at(s).next {
+			if b := t.at(s); emitted[b.hash] && !b.tiers.Has(tiers.GPU) {
 				notGPU = append(notGPU, b.hash)
 			}
 		}
@@ -493,12 +510,13 @@ type Placement struct {
 
 // Dump returns every block's placement.
 func (t *Table) Dump() map[uint64]Placement {
-	out := make(map[uint64]Placement, len(t.blocks))
-	for h, b := range t.blocks {
+	out := make(map[uint64]Placement, len(t.index))
+	for h, s := range t.index {
+		b := t.at(s)
 		if b.tiers == 0 {
 			continue // ghost
 		}
-		out[h] = Placement{Parent: b.parent, HasParent: b.hasParent, Tokens: len(b.tokens), Tiers: b.tiers}
+		out[h] = Placement{Parent: b.parent, HasParent: b.hasParent, Tokens: int(b.tok.n), Tiers: b.tiers}
 	}
 	return out
 }

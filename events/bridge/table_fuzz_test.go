@@ -50,7 +50,8 @@ func TestTableParentCycle(t *testing.T) {
 // FuzzTableApply folds arbitrary event sequences — hashes from a small
 // alphabet so that parents, cycles, re-stores and removals of unknown
 // blocks meet — into a bounded table, and checks that it terminates, keeps
-// its bound, and renders a snapshot that rebuilds what it holds.
+// its bound and its storage's invariants (checkSlots), and renders a
+// snapshot that rebuilds what it holds.
 func FuzzTableApply(f *testing.F) {
 	f.Add([]byte{0, 5, 5, 1, 1, 7, 8, 1, 1, 8, 7, 1, 2, 5, 0, 0})
 	f.Add([]byte{0, 1, 0, 0, 0, 2, 1, 1, 0, 3, 2, 1, 2, 2, 0, 0, 3, 0, 0, 0})
@@ -79,10 +80,12 @@ func FuzzTableApply(f *testing.F) {
 			}
 			if len(evs) == 3 {
 				tb.Apply(evs)
+				checkSlots(t, tb)
 				evs = evs[:0]
 			}
 		}
 		tb.Apply(evs)
+		checkSlots(t, tb)
 		if tb.Len() > max {
 			t.Fatalf("%d blocks held past the bound of %d", tb.Len(), max)
 		}

@@ -117,8 +117,8 @@ func TestTableGhostSnapshot(t *testing.T) {
 		t.Fatalf("rebuilt %v, want %v", again.Dump(), tab.Dump())
 	}
 	tab.Apply([]events.Event{{Kind: events.BlockRemoved, BlockHashes: []uint64{3, 2}, Medium: "GPU"}})
-	if len(tab.blocks) != 0 || tab.Ghosts() != 0 {
-		t.Fatalf("ghost kept after its children went: %d blocks, %d ghosts", len(tab.blocks), tab.Ghosts())
+	if len(tab.index) != 0 || tab.Ghosts() != 0 {
+		t.Fatalf("ghost kept after its children went: %d blocks, %d ghosts", len(tab.index), tab.Ghosts())
 	}
 }
 
@@ -174,12 +174,12 @@ func TestTableApply(t *testing.T) {
 				removed += len(x.Hashes)
 			}
 			ghosts := 0
-			for _, b := range tab.blocks {
-				if b.tiers == 0 {
+			for _, s := range tab.index {
+				if tab.at(s).tiers == 0 {
 					ghosts++
 				}
 			}
-			if ghosts != tab.Ghosts() || len(tab.Dump()) != tab.Len() || ghosts+tab.Len() != len(tab.blocks) {
+			if ghosts != tab.Ghosts() || len(tab.Dump()) != tab.Len() || ghosts+tab.Len() != len(tab.index) {
 				t.Fatalf("ghost count %d, counted %d", tab.Ghosts(), ghosts)
 			}
 			if tab.Len() != tc.wantLen || r.Stored != tc.wantStore || r.Unplaced != tc.unplaced || r.Evicted != tc.evicted || r.Skipped != tc.skipped || removed != tc.removed {
@@ -325,6 +325,9 @@ func TestTableBoundAtEngineSize(t *testing.T) {
 		}
 		apply(e)
 		maxGhosts = max(maxGhosts, bounded.Ghosts())
+		if step%250 == 0 {
+			checkSlots(t, bounded)
+		}
 		if bounded.Len() != len(held) {
 			t.Fatalf("step %d: bounded table holds %d, engine %d", step, bounded.Len(), len(held))
 		}
