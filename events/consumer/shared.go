@@ -368,6 +368,19 @@ func (c *Consumer) syncKnown(ctx context.Context) {
 	c.forSnapshots(ctx, func(instance string) { c.queueSync(ctx, instance) })
 }
 
+// sharedProbeTimeout bounds watchShared's round trips to Redis (the epoch,
+// the positions): the check interval, and at least a second. A SET NX GET
+// answers in well under a millisecond; one not answered by the next check
+// means Redis is not serving the index. Unbounded, a hung Redis (stopped,
+// stuck in a fork or on a disk, a paused VM: connections held, nothing
+// answered) was noticed only once the client gave up, its read timeout
+// times its retries (15 s measured with go-redis's defaults), and the index
+// was reported consistent and the stream healthy all the while; a bounded
+// call is also not retried by the client (a context deadline is final).
+func (c *Consumer) sharedProbeTimeout() time.Duration {
+	return max(c.cfg.CheckInterval, time.Second)
+}
+
 // watchShared checks the shared index every CheckInterval: its epoch (a
 // failure: Redis unreachable; a change: Redis lost its data, so every
 // instance is marked unsynced and repaired), instances still unsynced,
@@ -379,7 +392,9 @@ func (c *Consumer) watchShared(ctx context.Context) {
 	tick := time.NewTicker(c.cfg.CheckInterval)
 	defer tick.Stop()
 	for {
-		e, created, err := c.shared.idx.Epoch(ctx)
+		pctx, cancel := context.WithTimeout(ctx, c.sharedProbeTimeout())
+		e, created, err := c.shared.idx.Epoch(pctx)
+		cancel()
 		switch {
 		case err != nil:
 			if c.epochOK.Swap(false) {
@@ -455,7 +470,9 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) []str
 	if len(check) == 0 {
 		return due
 	}
-	got, err := c.shared.idx.Positions(ctx, check)
+	pctx, cancel := context.WithTimeout(ctx, c.sharedProbeTimeout())
+	got, err := c.shared.idx.Positions(pctx, check)
+	cancel()
 	if err != nil {
 		return due // the epoch check says whether Redis is reachable
 	}
