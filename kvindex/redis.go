@@ -351,19 +351,6 @@ func (o *redisOverlay) clearAll() {
 	clear(o.cur)
 }
 
-// ClientOptions sets what the index needs of the go-redis client it is
-// given, and returns o: context deadlines bound the client's socket reads
-// and writes (ContextTimeoutEnabled). go-redis ignores them by default and
-// waits its read timeout (5 s) times its retries whatever the caller's
-// deadline, so a hung Redis (stopped, stuck in a fork or on a disk, a
-// paused VM: connections held, nothing answered) held a router's 1 s health
-// check for 15 s, reporting the index consistent meanwhile. kvrouter builds
-// its clients with it.
-func ClientOptions(o *redis.UniversalOptions) *redis.UniversalOptions {
-	o.ContextTimeoutEnabled = true
-	return o
-}
-
 // Apply implements Index: the events applied to the instance's cached
 // engine-hash map in memory, then one pipeline: the block-key writes and
 // mapScript's commit (the map's changes appended to its log, counters,

@@ -333,16 +333,52 @@ func (c *Consumer) setSynced(in *inst, ok bool) {
 // IndexConsistent reports whether the shared index can be trusted: Redis
 // reachable at the last check, its data not lost since, and every
 // instance's state whole. Always true for an index of this router's own.
+// The gauge follows each call and each collection.
 func (c *Consumer) IndexConsistent() bool {
-	return c.shared == nil || c.epochOK.Load() && c.unsynced.Load() == 0
+	v := c.consistentValue()
+	c.m.consistent.Set(v)
+	return v == 1
 }
 
-func (c *Consumer) updateConsistent() {
-	v := 0.0
-	if c.IndexConsistent() {
-		v = 1
+// consistentValue is IndexConsistent as the gauge's value (read at each
+// collection too).
+func (c *Consumer) consistentValue() float64 {
+	if c.shared == nil || c.epochFresh() && c.unsynced.Load() == 0 {
+		return 1
 	}
-	c.m.consistent.Set(v)
+	return 0
+}
+
+func (c *Consumer) updateConsistent() { c.IndexConsistent() }
+
+// epochDue is how long the epoch check may go unanswered before Redis
+// counts as unreachable: a check interval, plus the check's own round
+// trip given the interval again and at least a second (a SET NX GET
+// answers in well under a millisecond).
+func (c *Consumer) epochDue() time.Duration {
+	return c.cfg.CheckInterval + max(c.cfg.CheckInterval, time.Second)
+}
+
+// epochFresh reports whether the last epoch check succeeded and one has
+// answered within epochDue. A hung Redis (stopped, stuck in a fork or on a
+// disk, a paused VM: connections held, nothing answered) holds the check
+// loop in a call for the client's read timeout times its retries (15 s
+// with go-redis's defaults), and the index was reported consistent and
+// the stream healthy all the while. The call is not cut short (a write
+// whose reply is lost has an unknown outcome — the epoch's creation among
+// them); the answer is awaited and, while it is late, the index is not
+// trusted.
+func (c *Consumer) epochFresh() bool {
+	if !c.epochOK.Load() {
+		return false
+	}
+	if since := time.Since(time.Unix(0, c.answered.Load())); since > c.epochDue() {
+		if c.hungLogged.CompareAndSwap(false, true) {
+			c.cfg.Logger.Warn("consumer: shared index not answering; exact routing off until it does", "waited", since.Round(time.Millisecond))
+		}
+		return false
+	}
+	return true
 }
 
 // queueSync queues a syncShared of the instance unless one is queued.
@@ -368,19 +404,6 @@ func (c *Consumer) syncKnown(ctx context.Context) {
 	c.forSnapshots(ctx, func(instance string) { c.queueSync(ctx, instance) })
 }
 
-// sharedProbeTimeout bounds watchShared's round trips to Redis (the epoch,
-// the positions): the check interval, and at least a second. A SET NX GET
-// answers in well under a millisecond; one not answered by the next check
-// means Redis is not serving the index. Unbounded, a hung Redis (stopped,
-// stuck in a fork or on a disk, a paused VM: connections held, nothing
-// answered) was noticed only once the client gave up, its read timeout
-// times its retries (15 s measured with go-redis's defaults), and the index
-// was reported consistent and the stream healthy all the while; a bounded
-// call is also not retried by the client (a context deadline is final).
-func (c *Consumer) sharedProbeTimeout() time.Duration {
-	return max(c.cfg.CheckInterval, time.Second)
-}
-
 // watchShared checks the shared index every CheckInterval: its epoch (a
 // failure: Redis unreachable; a change: Redis lost its data, so every
 // instance is marked unsynced and repaired), instances still unsynced,
@@ -392,9 +415,13 @@ func (c *Consumer) watchShared(ctx context.Context) {
 	tick := time.NewTicker(c.cfg.CheckInterval)
 	defer tick.Stop()
 	for {
-		pctx, cancel := context.WithTimeout(ctx, c.sharedProbeTimeout())
-		e, created, err := c.shared.idx.Epoch(pctx)
-		cancel()
+		e, created, err := c.shared.idx.Epoch(ctx)
+		if err == nil {
+			c.answered.Store(time.Now().UnixNano())
+			if c.hungLogged.Swap(false) {
+				c.cfg.Logger.Info("consumer: shared index answering again")
+			}
+		}
 		switch {
 		case err != nil:
 			if c.epochOK.Swap(false) {
@@ -470,9 +497,7 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) []str
 	if len(check) == 0 {
 		return due
 	}
-	pctx, cancel := context.WithTimeout(ctx, c.sharedProbeTimeout())
-	got, err := c.shared.idx.Positions(pctx, check)
-	cancel()
+	got, err := c.shared.idx.Positions(ctx, check)
 	if err != nil {
 		return due // the epoch check says whether Redis is reachable
 	}

@@ -62,7 +62,7 @@ func NewPoolIndexes(cfg config.Config) (*PoolIndexes, error) {
 		if rc == nil || len(rc.Addrs) == 0 {
 			return nil, fmt.Errorf("%w: index.redis.addrs: required when index.backend is redis", config.ErrInvalidConfig)
 		}
-		opts := kvindex.ClientOptions(&redis.UniversalOptions{Addrs: rc.Addrs, IsClusterMode: rc.Cluster, DB: rc.DB, Username: rc.Username, Password: rc.Password})
+		opts := &redis.UniversalOptions{Addrs: rc.Addrs, IsClusterMode: rc.Cluster, DB: rc.DB, Username: rc.Username, Password: rc.Password}
 		if rc.TLS || rc.TLSCAFile != "" {
 			opts.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12}
 			if rc.TLSCAFile != "" {
