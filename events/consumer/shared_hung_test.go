@@ -30,10 +30,10 @@ func TestSharedRedisHung(t *testing.T) {
 	w := newSharedWorld(t, 23, "e0", "e1", "e2")
 	stop := make(chan struct{})
 	hb := w.heartbeats(stop)
-	// The engines publish before the routers start: with these client
-	// options, two routers started on an empty Redis before an engine's
-	// first message left it unapplied while reported consistent in 3 of
-	// about 20 runs (not understood yet; docs/BENCHMARKS.md §3, Session 17).
+	// The engines publish before the routers start: a message stored
+	// between a starting router's bucket listing and its consumer's
+	// creation (DeliverNew) is never applied (3 of about 20 runs; not
+	// fixed yet: docs/BENCHMARKS.md §3, Session 17).
 	w.publish(1)
 	r1, r2 := w.startProductionRouter(), w.startProductionRouter()
 	w.converge("first messages", r1, r2)
