@@ -133,6 +133,11 @@ type Consumer struct {
 	// shared is set with SharedIndex and a SharedApplier (see shared.go).
 	shared  *sharedState
 	epochOK atomic.Bool // shared: Redis answered the last epoch check, data not lost since
+	// answered: shared, when (unix ns) an epoch check last answered;
+	// unanswered longer than epochDue, Redis counts as unreachable (see
+	// epochFresh). hungLogged: that was logged.
+	answered   atomic.Int64
+	hungLogged atomic.Bool
 	// renumbered: shared index, the stream was re-created under it (see
 	// restream): the index's positions number the old stream, so the
 	// consumer reports itself unhealthy until the router restarts.
@@ -265,6 +270,8 @@ func New(cfg Config) (*Consumer, error) {
 	if sa, ok := cfg.Applier.(SharedApplier); ok && cfg.SharedIndex {
 		c.shared = &sharedState{idx: sa}
 	}
+	consistent := c.consistentValue
+	m.consistent.fn.Store(&consistent)
 	c.updateConsistent()
 	c.shards = make([]chan work, cfg.Shards)
 	for i := range c.shards {

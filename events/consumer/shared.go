@@ -333,16 +333,52 @@ func (c *Consumer) setSynced(in *inst, ok bool) {
 // IndexConsistent reports whether the shared index can be trusted: Redis
 // reachable at the last check, its data not lost since, and every
 // instance's state whole. Always true for an index of this router's own.
+// The gauge follows each call and each collection.
 func (c *Consumer) IndexConsistent() bool {
-	return c.shared == nil || c.epochOK.Load() && c.unsynced.Load() == 0
+	v := c.consistentValue()
+	c.m.consistent.Set(v)
+	return v == 1
 }
 
-func (c *Consumer) updateConsistent() {
-	v := 0.0
-	if c.IndexConsistent() {
-		v = 1
+// consistentValue is IndexConsistent as the gauge's value (read at each
+// collection too).
+func (c *Consumer) consistentValue() float64 {
+	if c.shared == nil || c.epochFresh() && c.unsynced.Load() == 0 {
+		return 1
 	}
-	c.m.consistent.Set(v)
+	return 0
+}
+
+func (c *Consumer) updateConsistent() { c.IndexConsistent() }
+
+// epochDue is how long the epoch check may go unanswered before Redis
+// counts as unreachable: a check interval, plus the check's own round
+// trip given the interval again and at least a second (a SET NX GET
+// answers in well under a millisecond).
+func (c *Consumer) epochDue() time.Duration {
+	return c.cfg.CheckInterval + max(c.cfg.CheckInterval, time.Second)
+}
+
+// epochFresh reports whether the last epoch check succeeded and one has
+// answered within epochDue. A hung Redis (stopped, stuck in a fork or on a
+// disk, a paused VM: connections held, nothing answered) holds the check
+// loop in a call for the client's read timeout times its retries (15 s
+// with go-redis's defaults), and the index was reported consistent and
+// the stream healthy all the while. The call is not cut short (a write
+// whose reply is lost has an unknown outcome — the epoch's creation among
+// them); the answer is awaited and, while it is late, the index is not
+// trusted.
+func (c *Consumer) epochFresh() bool {
+	if !c.epochOK.Load() {
+		return false
+	}
+	if since := time.Since(time.Unix(0, c.answered.Load())); since > c.epochDue() {
+		if c.hungLogged.CompareAndSwap(false, true) {
+			c.cfg.Logger.Warn("consumer: shared index not answering; exact routing off until it does", "waited", since.Round(time.Millisecond))
+		}
+		return false
+	}
+	return true
 }
 
 // queueSync queues a syncShared of the instance unless one is queued.
@@ -380,6 +416,12 @@ func (c *Consumer) watchShared(ctx context.Context) {
 	defer tick.Stop()
 	for {
 		e, created, err := c.shared.idx.Epoch(ctx)
+		if err == nil {
+			c.answered.Store(time.Now().UnixNano())
+			if c.hungLogged.Swap(false) {
+				c.cfg.Logger.Info("consumer: shared index answering again")
+			}
+		}
 		switch {
 		case err != nil:
 			if c.epochOK.Swap(false) {

@@ -238,9 +238,16 @@ func (w *sharedWorld) startRouter() *router {
 		client = redis.NewClient(&redis.Options{Addr: w.redis.Addr, PoolSize: 4, MaxRetries: -1, DialTimeout: 200 * time.Millisecond,
 			ReadTimeout: time.Second, WriteTimeout: time.Second})
 	}
+	return w.startRouterWith(client, sharedLease)
+}
+
+// startRouterWith starts a router on client (closed at cleanup) with the
+// writer lease given (0: the default).
+func (w *sharedWorld) startRouterWith(client redis.UniversalClient, lease time.Duration) *router {
+	w.t.Helper()
 	w.t.Cleanup(func() { _ = client.Close() })
 	idx, err := kvindex.NewRedis(client, kvindex.RedisConfig{Prefix: w.prefix, Model: sharedModel, BlockSize: sharedBS,
-		WriterLease: sharedLease, ExactLookup: true})
+		WriterLease: lease, ExactLookup: true})
 	if err != nil {
 		w.t.Fatal(err)
 	}

@@ -75,7 +75,7 @@ func (c *Consumer) Healthy() bool {
 	if !c.running.Load() || !c.cfg.Conn.IsConnected() {
 		return false
 	}
-	if c.shared != nil && !c.epochOK.Load() || c.renumbered.Load() {
+	if c.shared != nil && !c.epochFresh() || c.renumbered.Load() {
 		return false
 	}
 	if time.Duration(c.lag.Load()) > c.cfg.MaxLag {

@@ -15,6 +15,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -194,6 +195,27 @@ func (s *RedisServer) Kill() {
 	if cmd != nil {
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
+	}
+}
+
+// Pause stops the server's process (SIGSTOP): it holds its connections
+// and answers nothing, as a Redis stuck on a slow disk, a fork or a VM
+// pause does, until Resume. Kill also ends a paused server.
+func (s *RedisServer) Pause() { s.signal(syscall.SIGSTOP) }
+
+// Resume lets a paused server run again (SIGCONT): it then executes what
+// its clients sent meanwhile.
+func (s *RedisServer) Resume() { s.signal(syscall.SIGCONT) }
+
+func (s *RedisServer) signal(sig syscall.Signal) {
+	s.t.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cmd == nil {
+		s.t.Fatalf("testenv: redis-server on %s is not running", s.Addr)
+	}
+	if err := s.cmd.Process.Signal(sig); err != nil {
+		s.t.Fatalf("testenv: signal redis-server: %v", err)
 	}
 }
 
