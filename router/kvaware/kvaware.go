@@ -492,6 +492,11 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 	// carry the last one's (another candidate list's) into a decision that
 	// returns before the lookup, where pending and find read it.
 	ev.sc, ev.rent, ev.ci = &s.sc, rentNote{}, nil
+	if len(cands) >= candIndexMin {
+		// The candidate index's caches (pending counters, load slots)
+		// spare predict a map lookup by id per candidate.
+		ev.ci = s.cands.peek(cands)
+	}
 	defer s.predict(ev)
 
 	if st.fresh != nil {
@@ -677,7 +682,7 @@ func (s *KVAware) predict(ev *kvEval) {
 	st.pendMu.RLock()
 	st.loads.mu.RLock()
 	ev.memo = scoreMemo{}
-	haveLoads := len(st.loads.samples) > 0
+	haveLoads := st.loads.live > 0
 	for i := range ev.cands {
 		ce := &ev.cands[i]
 		var pTok float64
@@ -713,8 +718,9 @@ func (s *KVAware) predict(ev *kvEval) {
 		var ld loadSample
 		ok := false
 		if haveLoads {
-			ld, ok = st.loads.samples[ce.inst.ID()]
-			ok = ok && now.Sub(ld.at) <= s.loadAge
+			if sl := ev.loadSlot(st, i); sl != nil && sl.ok {
+				ld, ok = sl.ls, now.Sub(sl.ls.at) <= s.loadAge
+			}
 			if ok {
 				// Without the requests any replica saw end since the
 				// sample was taken (loadended.go).

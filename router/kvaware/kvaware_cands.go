@@ -28,6 +28,11 @@ type candIndex struct {
 	// stands, none was made for it since (a fleet mostly idle but for a
 	// few instances skips a map lookup by id per candidate and decision).
 	pendMiss []atomic.Int64
+	// load caches each candidate's load slot (loadStore never drops one),
+	// loadMiss, per candidate without one, 1 + loadStore.made when its
+	// lookup found none: as pend and pendMiss, for the load samples.
+	load     []atomic.Pointer[loadSlot]
+	loadMiss []atomic.Int64
 }
 
 // candIndexMin is the fewest matches for which the index pays: below it a
@@ -43,7 +48,7 @@ func (c *candIndexCache) get(cands []*router.Instance) *candIndex {
 		return ci
 	}
 	ci := &candIndex{insts: slices.Clone(cands), pos: make(map[string]int32, len(cands)), pend: make([]atomic.Pointer[pendingCounter], len(cands)),
-		pendMiss: make([]atomic.Int64, len(cands))}
+		pendMiss: make([]atomic.Int64, len(cands)), load: make([]atomic.Pointer[loadSlot], len(cands)), loadMiss: make([]atomic.Int64, len(cands))}
 	for i, in := range cands {
 		if _, dup := ci.pos[in.ID()]; !dup {
 			ci.pos[in.ID()] = int32(i) // the first, as a scan would find
@@ -51,6 +56,21 @@ func (c *candIndexCache) get(cands []*router.Instance) *candIndex {
 	}
 	c.last.Store(ci)
 	return ci
+}
+
+// peek returns the index of cands when the cached one is theirs, or a new
+// one when none was ever built; nil when the cache holds another list
+// (a decision whose matches are few does not rebuild it: the finder
+// does, for one whose matches are many).
+func (c *candIndexCache) peek(cands []*router.Instance) *candIndex {
+	ci := c.last.Load()
+	switch {
+	case ci == nil:
+		return c.get(cands)
+	case slices.Equal(ci.insts, cands):
+		return ci
+	}
+	return nil
 }
 
 // candFinder finds the candidate evaluation of an instance id: by the
@@ -62,10 +82,11 @@ type candFinder struct {
 
 func (s *KVAware) finder(ev *kvEval, cands []*router.Instance, matches int) candFinder {
 	f := candFinder{ev: ev}
-	ev.ci = nil
 	if matches >= candIndexMin {
-		f.ci = s.cands.get(cands)
-		ev.ci = f.ci
+		if ev.ci == nil {
+			ev.ci = s.cands.get(cands)
+		}
+		f.ci = ev.ci
 		if ev.permOf != f.ci {
 			ev.perm, ev.permOf = ev.perm[:0], f.ci
 		}
@@ -94,6 +115,29 @@ func (ev *kvEval) pending(st *KVState, i int) *pendingCounter {
 		return pc
 	}
 	return st.pend[ev.cands[i].inst.ID()]
+}
+
+// loadSlot returns candidate i's load slot (nil: none yet), from the
+// candidate index's cache when there is one. Called with st.loads.mu held
+// for reading.
+func (ev *kvEval) loadSlot(st *KVState, i int) *loadSlot {
+	if ci := ev.ci; ci != nil {
+		if sl := ci.load[i].Load(); sl != nil {
+			return sl
+		}
+		n := st.loads.made + 1
+		if ci.loadMiss[i].Load() == n {
+			return nil
+		}
+		sl := st.loads.samples[ev.cands[i].inst.ID()]
+		if sl != nil {
+			ci.load[i].Store(sl)
+		} else {
+			ci.loadMiss[i].Store(n)
+		}
+		return sl
+	}
+	return st.loads.samples[ev.cands[i].inst.ID()]
 }
 
 // scoreMemo is the part of a prediction that depends only on the blocks

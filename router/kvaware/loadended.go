@@ -44,6 +44,24 @@ import (
 type endList struct {
 	mu   sync.Mutex
 	list []replicasync.Ended
+	// ver counts changes to list; memo is inSample's last answer, valid
+	// while ver and the sample's (asked, got) are those it was counted
+	// for. A sample lives a scrape round and the list changes once per
+	// end on the instance, while every decision asks about every
+	// candidate: without the memo each decision scanned each candidate's
+	// list (up to MaxEnded entries), the larger part of a decision's
+	// per-candidate work at 128 instances (docs/BENCHMARKS.md §10,
+	// "Session 17").
+	ver  uint64
+	memo endMemo
+}
+
+// endMemo is one inSample answer and what it was counted from.
+type endMemo struct {
+	ok         bool
+	ver        uint64
+	asked, got int64
+	n          int
 }
 
 // add records an end, forgetting ends older than keep before it (ns).
@@ -59,6 +77,7 @@ func (l *endList) add(e replicasync.Ended, keep int64) {
 	}
 	l.list = append(l.list[:0], l.list[drop:]...)
 	l.list = append(l.list, e)
+	l.ver++
 }
 
 // snapshot appends the ends within keep of now (Unix ns) to dst.
@@ -79,7 +98,12 @@ func (l *endList) snapshot(dst []replicasync.Ended, now, keep int64) []replicasy
 func (l *endList) inSample(asked, got int64) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return replicasync.EndedIn(l.list, asked, got)
+	if m := &l.memo; m.ok && m.ver == l.ver && m.asked == asked && m.got == got {
+		return m.n
+	}
+	n := replicasync.EndedIn(l.list, asked, got)
+	l.memo = endMemo{ok: true, ver: l.ver, asked: asked, got: got, n: n}
+	return n
 }
 
 // less is the sample without n of its requests, which have ended.

@@ -1,11 +1,13 @@
 package kvaware
 
 import (
+	"context"
 	"testing"
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/replicasync"
+	"github.com/kvrouter/kvrouter/router"
 )
 
 // A request routed before an engine-load sample and ended after it leaves
@@ -96,8 +98,67 @@ func TestEndList(t *testing.T) {
 	if n := l.inSample(20.5e6, 22.5e6); n != 7 {
 		t.Fatalf("%d in a sample taken between 20.5 and 22.5 ms, want 7", n)
 	}
+	// The answer is remembered for the same sample and list (each
+	// decision asks about every candidate), and counted again once
+	// either changes.
+	if n := l.inSample(20.5e6, 22.5e6); n != 7 {
+		t.Fatalf("asked again: %d, want 7", n)
+	}
+	if n := l.inSample(20.5e6, 20.5e6); n != 5 {
+		t.Fatalf("back to the first sample: %d, want 5", n)
+	}
+	l.add(replicasync.Ended{At: 20e6, End: 30e6}, keep) // routed before the sample, ended after it
+	if n := l.inSample(20.5e6, 20.5e6); n != 6 {
+		t.Fatalf("after an end the sample held: %d, want 6", n)
+	}
 	l.add(replicasync.Ended{At: 10e9, End: 10e9}, keep) // 10 s later: the old ones are past any sample
+	if n := l.inSample(20.5e6, 20.5e6); n != 0 {
+		t.Fatalf("after the list dropped them: %d, want 0", n)
+	}
 	if got := l.snapshot(nil, 10e9, keep); len(got) != 1 {
 		t.Fatalf("after 10 s kept %v", got)
 	}
+}
+
+// With ten candidates decisions read load samples through the candidate
+// index's slot cache: a sample set, dropped or set again after the index
+// was built, on an instance that had one or not, is what the next
+// decision's queue reads.
+func TestLoadSlotsThroughCandidateIndex(t *testing.T) {
+	w := newKVWorld(t, 10)
+	s := w.strategy(config.RoutingConfig{Strategy: config.StrategyKVAware})
+	a, b := w.insts[3], w.insts[5]
+	queueWith := func(waiting, running float64) float64 {
+		wait, _ := s.sc.queue(0, 0, 0, loadSample{waiting: waiting, running: running}, true)
+		return wait
+	}
+	check := func(step string, in *router.Instance, want float64) {
+		t.Helper()
+		_, ev, err := s.pick(context.Background(), kvRequest("probe", promptTokens(99, 4*kvTestBS)), w.insts, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer w.st.putEval(ev)
+		if ev.ci == nil {
+			t.Fatalf("%s: no candidate index over %d candidates", step, len(w.insts))
+		}
+		if got := ev.find(in).queue; got != want {
+			t.Fatalf("%s: %s's queue %v, want %v", step, in.ID(), got, want)
+		}
+	}
+	idle := queueWith(0, 0)
+	check("no samples", a, idle)
+	w.st.SetLoad(b.ID(), 2, 0)
+	check("b sampled", b, queueWith(2, 0))
+	check("b sampled", a, idle) // a's miss is remembered...
+	w.st.SetLoad(a.ID(), 3, 1)
+	check("a sampled", a, queueWith(3, 1)) // ...until a slot is made
+	w.st.loads.drop(a.ID())
+	check("a dropped", a, idle)
+	check("a dropped", b, queueWith(2, 0))
+	w.st.SetLoad(a.ID(), 1, 4)
+	check("a sampled again", a, queueWith(1, 4))
+	w.st.loads.drop(a.ID())
+	w.st.loads.drop(b.ID())
+	check("both dropped", b, idle)
 }

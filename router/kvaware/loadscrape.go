@@ -36,29 +36,58 @@ type loadSample struct {
 
 // loadStore holds the latest sample per instance.
 type loadStore struct {
-	mu      sync.RWMutex // guards samples
-	samples map[string]loadSample
+	mu      sync.RWMutex // guards samples, the slots' contents, live and made
+	samples map[string]*loadSlot
+	live    int   // slots holding a sample
+	made    int64 // slots made (a candidate index's miss stands while this does)
+}
+
+// loadSlot is one instance's sample: made once per instance id and never
+// removed (a dropped sample clears ok), so that a candidate index
+// (kvaware_cands.go) keeps a pointer to it rather than hashing the
+// instance's id in every decision; like the pending counters, one per
+// instance id ever seen.
+type loadSlot struct {
+	ls loadSample
+	ok bool
 }
 
 func (s *loadStore) set(inst string, ls loadSample) {
 	s.mu.Lock()
 	if s.samples == nil {
-		s.samples = make(map[string]loadSample)
+		s.samples = make(map[string]*loadSlot)
 	}
-	s.samples[inst] = ls
+	sl := s.samples[inst]
+	if sl == nil {
+		sl = &loadSlot{}
+		s.samples[inst] = sl
+		s.made++
+	}
+	if !sl.ok {
+		s.live++
+	}
+	sl.ls, sl.ok = ls, true
 	s.mu.Unlock()
 }
 
 func (s *loadStore) drop(inst string) {
 	s.mu.Lock()
-	delete(s.samples, inst)
+	if sl := s.samples[inst]; sl != nil && sl.ok {
+		sl.ls, sl.ok = loadSample{}, false
+		s.live--
+	}
 	s.mu.Unlock()
 }
 
 // get returns inst's sample if it is younger than maxAge.
 func (s *loadStore) get(inst string, now time.Time, maxAge time.Duration) (loadSample, bool) {
 	s.mu.RLock()
-	ls, ok := s.samples[inst]
+	sl := s.samples[inst]
+	var ls loadSample
+	ok := sl != nil && sl.ok
+	if ok {
+		ls = sl.ls
+	}
 	s.mu.RUnlock()
 	if !ok || now.Sub(ls.at) > maxAge {
 		return loadSample{}, false
