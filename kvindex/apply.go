@@ -46,6 +46,10 @@ type instanceOps interface {
 // them (the memory backend loads what they will touch together, so that
 // the cache misses overlap instead of coming one block at a time).
 type prefetcher interface {
+	// prefetchHashes is called first for a stored event with tokens, with
+	// its engine hashes, before its parent is looked up and its keys are
+	// made: loads it starts then overlap with that work.
+	prefetchHashes(hs []uint64)
 	// prefetch is called before storing blocks with engine hashes hs and
 	// router keys keys (one key per hash, or units of several: see units.go).
 	prefetch(hs []uint64, keys []Key)
@@ -132,6 +136,16 @@ func (b *blockSizer) resolve(evBS int) (int, error) {
 // only a window's tail, mamba groups one state per chunk.
 func skipEvent(ev *events.Event) bool { return !ev.FullAttention() }
 
+// mediumTier is tiers.FromMedium with the medium vLLM sends on every GPU
+// event ("GPU", or none) answered first: FromMedium upper-cases the name
+// before its switch, a cost paid per event.
+func mediumTier(medium string) (tiers.Tier, bool) {
+	if medium == "GPU" || medium == "" {
+		return tiers.GPU, true
+	}
+	return tiers.FromMedium(medium)
+}
+
 // rootFor is the root of a chain that starts at block 0 in an event: the
 // adapter from the event when it has one, else the pool's model.
 func rootFor(model string, ev *events.Event) Key {
@@ -153,6 +167,7 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 			res.InvalidErr = fmt.Errorf("event %d: %w", i, err)
 		}
 	}
+	pf, _ := st.(prefetcher)
 	for i := range evs {
 		ev := &evs[i]
 		switch ev.Kind {
@@ -178,12 +193,12 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 			res.Skipped++
 			continue
 		}
-		tier, known := tiers.FromMedium(ev.Medium)
+		tier, known := mediumTier(ev.Medium)
 		if !known {
 			res.UnknownMedium += len(ev.BlockHashes)
 		}
 		if ev.Kind == events.BlockRemoved {
-			removeBlocks(st, bs, ev, tier, res)
+			removeBlocks(st, pf, bs, ev, tier, res)
 			continue
 		}
 		if len(ev.TokenIDs) == 0 {
@@ -229,6 +244,9 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 		if k > 1 {
 			bs.learnUnit(tier, k)
 		}
+		if pf != nil {
+			pf.prefetchHashes(ev.BlockHashes)
+		}
 		var parent Key
 		if ev.HasParent {
 			k, ok := st.keyOf(ev.ParentHash)
@@ -243,8 +261,8 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 			parent = rootFor(model, ev) // hashes the model name: only for a chain's first event
 		}
 		scratch = AppendKeys(scratch[:0], parent, ev.TokenIDs, size)
-		if p, ok := st.(prefetcher); ok {
-			p.prefetch(ev.BlockHashes, scratch)
+		if pf != nil {
+			pf.prefetch(ev.BlockHashes, scratch)
 		}
 		// Last block first, so that within an event the chain's head ends
 		// up most recent: LRU eviction then trims chains from their ends,
@@ -265,10 +283,10 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 
 // removeBlocks drops ev's blocks from tier t, with the interior blocks of
 // units larger than the pool's (units.go).
-func removeBlocks(st instanceOps, bs *blockSizer, ev *events.Event, t tiers.Tier, res *ApplyResult) {
+func removeBlocks(st instanceOps, pf prefetcher, bs *blockSizer, ev *events.Event, t tiers.Tier, res *ApplyResult) {
 	k := max(bs.unit(t), unitOf(ev, bs.get()))
-	if p, ok := st.(prefetcher); ok {
-		p.prefetchRemove(ev.BlockHashes)
+	if pf != nil {
+		pf.prefetchRemove(ev.BlockHashes)
 	}
 	for _, h := range ev.BlockHashes {
 		_, removed := st.removeTier(h, t)

@@ -82,6 +82,7 @@ type Memory struct {
 
 	mu        sync.RWMutex // guards everything below but the atomics
 	insts     map[string]*memInstance
+	purges    uint64         // Purge calls: an instance found before one may be gone
 	slots     []*memInstance // by slot; nil = free
 	freeSlots []uint32
 	blocks    blockMap
@@ -119,7 +120,7 @@ func NewMemory(cfg MemoryConfig) (*Memory, error) {
 }
 
 // memInstance is one instance's part of the index. Its fields are guarded
-// by Memory.mu, but lastEvent.
+// by Memory.mu.
 type memInstance struct {
 	name   string
 	slot   uint32
@@ -141,7 +142,7 @@ type memInstance struct {
 	// when its first blocks arrive (see sizeEmpty); set by Apply.
 	sizeHint int
 
-	lastEvent atomic.Int64 // unix nanoseconds of the last Apply
+	lastEvent int64 // unix nanoseconds of the last Apply
 }
 
 // instance returns name's part, creating it. Called with mu held for writing.
@@ -179,13 +180,19 @@ func (m *Memory) Apply(ctx context.Context, instance string, evs []events.Event)
 	now := m.now()
 	stamp := uint32(now.Sub(m.start) / clockUnit)
 	// One event per write-locked section: a lookup waits for at most one
-	// event's blocks, not a whole batch's.
+	// event's blocks, not a whole batch's. The instance is looked up by
+	// name again only when a Purge ran between two sections.
+	var in *memInstance
+	var purges uint64
 	for i := 0; i < len(evs) || i == 0; i++ {
 		m.mu.Lock()
-		in, err := m.instance(instance)
-		if err != nil {
-			m.mu.Unlock()
-			return res, err
+		if in == nil || m.purges != purges {
+			var err error
+			if in, err = m.instance(instance); err != nil {
+				m.mu.Unlock()
+				return res, err
+			}
+			purges = m.purges
 		}
 		before := in.n
 		in.stamp = stamp
@@ -199,7 +206,7 @@ func (m *Memory) Apply(ctx context.Context, instance string, evs []events.Event)
 			m.evict(stamp)
 		}
 		if i >= len(evs)-1 {
-			in.lastEvent.Store(now.UnixNano())
+			in.lastEvent = now.UnixNano()
 		}
 		m.mu.Unlock()
 	}
@@ -219,6 +226,7 @@ func (m *Memory) Purge(ctx context.Context, instance string) error {
 	}
 	n := in.n
 	in.clearAll()
+	m.purges++
 	delete(m.insts, instance)
 	m.slots[in.slot] = nil
 	m.freeSlots = append(m.freeSlots, in.slot)
@@ -238,7 +246,7 @@ func (m *Memory) Instances(ctx context.Context) ([]InstanceStats, error) {
 			continue
 		}
 		s := InstanceStats{Instance: in.name, Blocks: in.count}
-		if ns := in.lastEvent.Load(); ns != 0 {
+		if ns := in.lastEvent; ns != 0 {
 			s.LastEvent = time.Unix(0, ns)
 		}
 		out = append(out, s)
@@ -396,24 +404,36 @@ func (m *Memory) peerMean(self *memInstance) int {
 // would reach for that many, so a full instance costs the same memory; one
 // that stays smaller costs at most a peer's table (4 bytes a slot, 5.3–10.7
 // bytes per peer entry).
-func (in *memInstance) sizeEmpty(blocks int) {
+//
+// It reports whether it made new slots.
+func (in *memInstance) sizeEmpty(blocks int) bool {
 	if in.n != 0 || in.byHash.n != 0 || in.byHash.tombs != 0 {
-		return
+		return false
 	}
 	want := max(blocks, in.sizeHint)
 	if want*4 <= len(in.byHash.slots)*3 {
-		return
+		return false
 	}
 	in.byHash.presize(want)
+	return true
 }
 
-// prefetch loads the table slots a stored event's blocks will probe (the
-// block map's index, and the instance's engine-hash table: with hundreds
-// of instances their tables do not all stay in cache), so that their cache
-// misses overlap instead of coming one store at a time.
+// prefetchHashes loads the engine-hash table slots a stored event's
+// blocks will probe (with hundreds of instances their tables do not all
+// stay in cache) before the event's parent is looked up and its keys are
+// made, so that those misses overlap with that work rather than with
+// each other only (a short event's keys take about as long to make as one
+// miss to serve).
+func (in *memInstance) prefetchHashes(hs []uint64) { touch(&in.byHash, hs) }
+
+// prefetch loads the block map's index slots a stored event's keys will
+// probe, so that their cache misses overlap instead of coming one store
+// at a time; an empty instance's table is sized first (and its slots
+// loaded then: they are new).
 func (in *memInstance) prefetch(hs []uint64, keys []Key) {
-	in.sizeEmpty(len(hs))
-	touch(&in.byHash, hs)
+	if in.sizeEmpty(len(hs)) {
+		touch(&in.byHash, hs)
+	}
 	touch(&in.blocks.index, keys)
 }
 

@@ -255,3 +255,72 @@ func TestMemorySizeEmpty(t *testing.T) {
 		t.Fatalf("Len = %d, want %d", n, 7*256)
 	}
 }
+
+// TestMemoryPurgeDuringBatch purges an instance while Apply is between
+// the events of one of its batches (Apply releases the lock after each
+// event), and gives the freed slot to another instance: the rest of the
+// batch must go to the instance re-created under the name, never to the
+// purged one, whose slot is now the other instance's.
+func TestMemoryPurgeDuringBatch(t *testing.T) {
+	m, err := NewMemory(MemoryConfig{Model: testModel, BlockSize: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	// Long batches: the purging goroutine gets the lock between two events
+	// once the mutex hands it over (a waiter starved for 1 ms).
+	const n = 4000
+	batch := make([]events.Event, n)
+	for i := range batch {
+		// Chains of one block each: an event after a purge stores whatever
+		// came before it.
+		batch[i] = events.Event{Kind: events.BlockStored, BlockSize: 4, Medium: "GPU",
+			TokenIDs: []uint32{uint32(i), 1, 2, 3}, BlockHashes: []uint64{uint64(100 + i)}}
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for range 20 {
+			if _, err := m.Apply(ctx, "a", batch); err != nil {
+				t.Error(err)
+				return
+			}
+		}
+	}()
+	other := []events.Event{{Kind: events.BlockStored, BlockSize: 4, Medium: "GPU",
+		TokenIDs: []uint32{9, 9, 9, 9}, BlockHashes: []uint64{7}}}
+	for purged := 0; ; purged++ {
+		select {
+		case <-done:
+			checkMemory(t, m)
+			if purged == 0 {
+				t.Log("no purge landed during the batches")
+			}
+			return
+		default:
+		}
+		if err := m.Purge(ctx, "a"); err != nil {
+			t.Fatal(err)
+		}
+		if err := m.Purge(ctx, "b"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := m.Apply(ctx, "b", other); err != nil {
+			t.Fatal(err)
+		}
+		if err := memoryInvariants(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestMediumTier: the fast path answers as tiers.FromMedium does.
+func TestMediumTier(t *testing.T) {
+	for _, med := range []string{"", "GPU", "gpu", "Gpu", "CPU", "cpu_pinned", "DISK", "LMCACHE", "GPU ", "HBM"} {
+		gt, gk := mediumTier(med)
+		wt, wk := tiers.FromMedium(med)
+		if gt != wt || gk != wk {
+			t.Errorf("mediumTier(%q) = %v, %v; FromMedium: %v, %v", med, gt, gk, wt, wk)
+		}
+	}
+}
