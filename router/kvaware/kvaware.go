@@ -1032,15 +1032,15 @@ func (u *utilisation) read(now time.Time, busy float64, update bool) float64 {
 		return u.rho
 	}
 	switch dt := now.Sub(u.at).Seconds(); {
-	case dt > 0 && u.set:
+	case !u.set || u.norm == 0:
+		// No time observed yet (the first decisions, one instant's
+		// burst): the state now is all there is to go by.
+		u.rho, u.set = busy, true
+	case dt > 0:
 		a := 1 - math.Exp(-dt/DefaultUtilisationWindow.Seconds())
 		u.sum += (busy - u.sum) * a
 		u.norm += (1 - u.norm) * a
 		u.rho = u.sum / u.norm
-	case u.norm == 0:
-		// No time observed yet (the first decisions, one instant's
-		// burst): the state now is all there is to go by.
-		u.rho, u.set = busy, true
 	}
 	u.at = now
 	return u.rho
