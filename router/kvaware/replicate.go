@@ -257,7 +257,13 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 	if !ac.scored {
 		s.sc.score(ev, ac)
 	}
-	saved := s.rent(pc, ac)
+	// The rent is what a copy on the alternative, made now, would save
+	// this request: its time to first token there, recompute included,
+	// below the holder's. The queue difference alone overstates it by the
+	// copy's own prefill: a holder whose queue drains before a copy could
+	// be made (a same-instant batch on an idle fleet) is not slower than
+	// the copy, and its requests pay no rent.
+	saved := pc.ttft - ac.ttft
 	key := ev.keys[min(ac.blocks[len(ac.blocks)-1], depth-1)]
 	price := ac.score - pc.score
 	if s.st.rent.get(key) >= price {
@@ -277,23 +283,6 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 	}
 	ev.rent = rentNote{key: key, rent: saved, ok: true}
 	return pick, reason
-}
-
-// rent is the wait a request sent to the holder pc pays that a copy on
-// ac would have saved: the holder's excess queue over the alternative's,
-// as far as it will still be there when a copy made now is ready (ac's
-// time to first token, the copy's recompute included). The pending
-// prefill ahead drains by then; the rest (the running requests' share of
-// every step, the step in progress) lasts while the holder decodes. So
-// the queue a same-instant batch builds on an idle fleet, gone before a
-// copy could serve anyone, pays no rent, while a holder kept busy by
-// running requests pays its whole excess, as before.
-func (s *KVAware) rent(pc, ac *candEval) float64 {
-	pending := func(ce *candEval) float64 {
-		return min(ce.queue, ce.ahead/s.sc.prefill)
-	}
-	ph, pa := pending(pc), pending(ac)
-	return (pc.queue - ph + max(ph-ac.ttft, 0)) - (ac.queue - pa)
 }
 
 // copyDest is where a copy of the pick's prefix would go: the candidate
