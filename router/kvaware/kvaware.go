@@ -1005,18 +1005,11 @@ func (st *KVState) Strategy(cfg config.RoutingConfig, rnd func(uint64) uint64) (
 // share of candidates with a request in flight (an engine with work steps;
 // one without idles), averaged exponentially over
 // DefaultUtilisationWindow of the decision clock.
-//
-// Each sample stands for the time since the one before, and the average is
-// over the time observed (bias-corrected, as an exponential average
-// started from nothing must be: sum / norm, norm = 1 − e^(−observed/τ)):
-// seconds after a start it is those seconds' busy fraction, not the first
-// instant's (an idle fleet) held as if it were the window's history.
 type utilisation struct {
-	mu        sync.Mutex
-	rho       float64 // the average (sum / norm; the latest sample while norm is 0)
-	sum, norm float64 // exponential sums of the samples and of their weights
-	at        time.Time
-	set       bool
+	mu  sync.Mutex
+	rho float64
+	at  time.Time
+	set bool
 }
 
 // read folds the sample busy (observed at now) into the average when
@@ -1032,15 +1025,10 @@ func (u *utilisation) read(now time.Time, busy float64, update bool) float64 {
 		return u.rho
 	}
 	switch dt := now.Sub(u.at).Seconds(); {
-	case !u.set || u.norm == 0:
-		// No time observed yet (the first decisions, one instant's
-		// burst): the state now is all there is to go by.
+	case !u.set:
 		u.rho, u.set = busy, true
 	case dt > 0:
-		a := 1 - math.Exp(-dt/DefaultUtilisationWindow.Seconds())
-		u.sum += (busy - u.sum) * a
-		u.norm += (1 - u.norm) * a
-		u.rho = u.sum / u.norm
+		u.rho += (busy - u.rho) * (1 - math.Exp(-dt/DefaultUtilisationWindow.Seconds()))
 	}
 	u.at = now
 	return u.rho

@@ -251,19 +251,13 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 		return pick, reason
 	}
 	ac := &ev.cands[alt]
-	if !(pc.queue-ac.queue > s.sc.tieTol) {
+	saved := pc.queue - ac.queue
+	if !(saved > s.sc.tieTol) {
 		return pick, reason
 	}
 	if !ac.scored {
 		s.sc.score(ev, ac)
 	}
-	// The rent is what a copy on the alternative, made now, would save
-	// this request: its time to first token there, recompute included,
-	// below the holder's. The queue difference alone overstates it by the
-	// copy's own prefill: a holder whose queue drains before a copy could
-	// be made (a same-instant batch on an idle fleet) is not slower than
-	// the copy, and its requests pay no rent.
-	saved := pc.ttft - ac.ttft
 	key := ev.keys[min(ac.blocks[len(ac.blocks)-1], depth-1)]
 	price := ac.score - pc.score
 	if s.st.rent.get(key) >= price {
