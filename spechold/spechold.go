@@ -19,48 +19,49 @@ import (
 //
 // A long prompt adds, reads and drops thousands of keys per decision, and
 // a fleet's holds in flight outgrow the CPU caches as the fleet grows
-// (2^18 entries are ~20 MB), so each key's visit is a cache miss. The
-// holds are an open-addressing table whose slot holds a key's first hold
-// inline (one line to read, no allocation for the common single holder;
-// further holders go to a list beside it), and every batch of keys first
-// loads its keys' home slots together, independent loads whose misses
-// overlap, before visiting them one by one.
+// (2^18 entries, a 2^19-slot table), so each key's visit is a cache miss.
+// The holds are an open-addressing table whose slot holds a key's first
+// hold inline (no allocation for the common single holder; further holders
+// go to a list beside it), and every batch of keys first loads its keys'
+// home slots together, independent loads whose misses overlap, before
+// visiting them one by one. A hold names its instance by a small id, not
+// its name (see ids), so that a slot is 32 bytes: two to a cache line,
+// none across two lines (a 2^19-slot table is 16 MB).
 type Set[K ~uint64] struct {
 	mu    sync.RWMutex // guards everything below
 	tab   []slot       // power-of-two size; nil until the first Add
 	live  int          // live slots
-	lists [][]hold     // the holds after a slot's first, by slot.more-1
+	lists [][]hold     // the holds after a slot's first, by first.more-1
 	free  []int32      // unused lists (indices), their capacity kept
 	ring  []ref[K]     // FIFO of insertions, capacity = the bound
 	head  int          // oldest entry in ring
 	n     int          // live ring entries
+	ids   ids          // instance names <-> the ids holds and ring name them by
 	sink  uint32       // keeps touch's loads from being optimised away
 }
 
+// hold is an instance's hold of a key. more is used in a slot's first
+// hold only (a list's holds leave it 0): it shares the padding a 4-byte
+// inst leaves, so that a slot is the key and one hold, 32 bytes.
 type hold struct {
-	inst  string
 	exp   int64
 	epoch uint64
+	inst  uint32 // the instance's id (ids); 0 in an empty slot
+	more  int32  // 1 + the index of the rest's list in Set.lists; 0: none
 }
 
-// slot is one key's holds, in their order: first, then lists[more-1].
+// slot is one key's holds, in their order: first, then lists[more-1]. It
+// is live when first.inst != 0.
 type slot struct {
 	key   uint64
 	first hold
-	more  int32 // 1 + the index of the rest's list in Set.lists; 0: none
-	state uint32
 }
 
-// Slot states (the zero value is empty).
-const (
-	slotEmpty = iota
-	slotLive
-)
-
+// ref is a ring entry: key held by instance id inst until exp.
 type ref[K ~uint64] struct {
 	key  K
-	inst string
 	exp  int64
+	inst uint32
 }
 
 // New returns an empty Set holding at most capacity (key, instance)
@@ -90,6 +91,11 @@ func (s *Set[K]) Add(keys []K, inst string, exp int64, epoch uint64, now int64) 
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	// inst's id, pinned while this Add pops entries (its own among them)
+	// and pushes its own.
+	id := s.ids.intern(inst)
+	s.ids.refs[id]++
+	defer s.ids.release(id)
 	// The ring entries this Add pops (expired, or making way) and its
 	// keys, loaded ahead.
 	s.touchRing(len(keys) + max(s.n+len(keys)-len(s.ring), 0))
@@ -104,14 +110,15 @@ func (s *Set[K]) Add(keys []K, inst string, exp int64, epoch uint64, now int64) 
 		}
 		held := exp
 		if i := s.find(uint64(k)); i < 0 {
-			s.insert(uint64(k), hold{inst: inst, exp: exp, epoch: epoch})
-		} else if h := s.holdOf(&s.tab[i], inst); h != nil {
+			s.insert(uint64(k), hold{inst: id, exp: exp, epoch: epoch})
+		} else if h := s.holdOf(&s.tab[i], id); h != nil {
 			h.exp, h.epoch = max(h.exp, exp), epoch
 			held = h.exp
 		} else {
-			s.push(&s.tab[i], hold{inst: inst, exp: exp, epoch: epoch})
+			s.push(&s.tab[i], hold{inst: id, exp: exp, epoch: epoch})
 		}
-		s.ring[(s.head+s.n)%len(s.ring)] = ref[K]{key: k, inst: inst, exp: held}
+		s.ring[(s.head+s.n)%len(s.ring)] = ref[K]{key: k, inst: id, exp: held}
+		s.ids.refs[id]++
 		s.n++
 	}
 	return evicted
@@ -127,6 +134,7 @@ func (s *Set[K]) popLocked() {
 	if i := s.find(uint64(r.key)); i >= 0 {
 		s.dropAt(i, func(h *hold) bool { return h.inst == r.inst && h.exp == r.exp })
 	}
+	s.ids.release(r.inst)
 }
 
 // dropAt removes the first of slot i's holds that match (the last takes
@@ -142,8 +150,10 @@ func (s *Set[K]) dropAt(i int, match func(*hold) bool) {
 			s.remove(i)
 			return
 		}
-		*s.at(sl, j) = *s.at(sl, c-1)
-		l := &s.lists[sl.more-1]
+		last := s.at(sl, c-1)
+		h := s.at(sl, j)
+		h.exp, h.epoch, h.inst = last.exp, last.epoch, last.inst
+		l := &s.lists[sl.first.more-1]
 		(*l)[len(*l)-1] = hold{}
 		*l = (*l)[:len(*l)-1]
 		if cap(*l) > listKeep && len(*l) <= cap(*l)/4 {
@@ -152,8 +162,8 @@ func (s *Set[K]) dropAt(i int, match func(*hold) bool) {
 			*l = append([]hold(nil), *l...)
 		}
 		if len(*l) == 0 {
-			s.free = append(s.free, sl.more-1)
-			sl.more = 0
+			s.free = append(s.free, sl.first.more-1)
+			sl.first.more = 0
 		}
 		return
 	}
@@ -171,12 +181,12 @@ const listKeep = 4
 // count is how many holds slot sl has (0 when it is not live).
 func (s *Set[K]) count(sl *slot) int {
 	switch {
-	case sl.state != slotLive:
+	case sl.first.inst == 0:
 		return 0
-	case sl.more == 0:
+	case sl.first.more == 0:
 		return 1
 	default:
-		return 1 + len(s.lists[sl.more-1])
+		return 1 + len(s.lists[sl.first.more-1])
 	}
 }
 
@@ -185,11 +195,11 @@ func (s *Set[K]) at(sl *slot, j int) *hold {
 	if j == 0 {
 		return &sl.first
 	}
-	return &s.lists[sl.more-1][j-1]
+	return &s.lists[sl.first.more-1][j-1]
 }
 
-// holdOf is inst's hold in slot sl, or nil.
-func (s *Set[K]) holdOf(sl *slot, inst string) *hold {
+// holdOf is instance id inst's hold in slot sl, or nil.
+func (s *Set[K]) holdOf(sl *slot, inst uint32) *hold {
 	for j, c := 0, s.count(sl); j < c; j++ {
 		if h := s.at(sl, j); h.inst == inst {
 			return h
@@ -200,16 +210,16 @@ func (s *Set[K]) holdOf(sl *slot, inst string) *hold {
 
 // push appends h to live slot sl's holds.
 func (s *Set[K]) push(sl *slot, h hold) {
-	if sl.more == 0 {
+	if sl.first.more == 0 {
 		if n := len(s.free); n > 0 {
-			sl.more = s.free[n-1] + 1
+			sl.first.more = s.free[n-1] + 1
 			s.free = s.free[:n-1]
 		} else {
 			s.lists = append(s.lists, nil)
-			sl.more = int32(len(s.lists))
+			sl.first.more = int32(len(s.lists))
 		}
 	}
-	l := &s.lists[sl.more-1]
+	l := &s.lists[sl.first.more-1]
 	*l = append(*l, h)
 }
 
@@ -224,9 +234,9 @@ func (s *Set[K]) find(k uint64) int {
 	}
 	for i := home(k, n); ; i = (i + 1) & (n - 1) {
 		switch sl := &s.tab[i]; {
-		case sl.state == slotEmpty:
+		case sl.first.inst == 0:
 			return -1
-		case sl.state == slotLive && sl.key == k:
+		case sl.key == k:
 			return i
 		}
 	}
@@ -243,10 +253,10 @@ func (s *Set[K]) insert(k uint64, h hold) {
 	}
 	n := len(s.tab)
 	i := home(k, n)
-	for s.tab[i].state == slotLive {
+	for s.tab[i].first.inst != 0 {
 		i = (i + 1) & (n - 1)
 	}
-	s.tab[i] = slot{key: k, first: h, state: slotLive}
+	s.tab[i] = slot{key: k, first: h}
 	s.live++
 }
 
@@ -255,7 +265,7 @@ func (s *Set[K]) insert(k uint64, h hold) {
 // home is known without another read).
 func (s *Set[K]) remove(i int) {
 	n := len(s.tab)
-	for j := (i + 1) & (n - 1); s.tab[j].state == slotLive; j = (j + 1) & (n - 1) {
+	for j := (i + 1) & (n - 1); s.tab[j].first.inst != 0; j = (j + 1) & (n - 1) {
 		// Slot j may move to i unless its home lies cyclically in (i, j].
 		if h := home(s.tab[j].key, n); (j-h)&(n-1) >= (j-i)&(n-1) {
 			s.tab[i] = s.tab[j]
@@ -272,9 +282,9 @@ func (s *Set[K]) grow() {
 	size := max(2*len(old), 16)
 	s.tab = make([]slot, size)
 	for i := range old {
-		if sl := &old[i]; sl.state == slotLive {
+		if sl := &old[i]; sl.first.inst != 0 {
 			j := home(sl.key, size)
-			for s.tab[j].state != slotEmpty {
+			for s.tab[j].first.inst != 0 {
 				j = (j + 1) & (size - 1)
 			}
 			s.tab[j] = *sl
@@ -291,7 +301,7 @@ func (s *Set[K]) touch(keys []K) {
 	}
 	var x uint32
 	for _, k := range keys {
-		x |= s.tab[home(uint64(k), n)].state
+		x |= s.tab[home(uint64(k), n)].first.inst
 	}
 	s.sink ^= x
 }
@@ -304,7 +314,7 @@ func (s *Set[K]) touchRing(m int) {
 	}
 	var x uint32
 	for j := range min(m, s.n) {
-		x |= s.tab[home(uint64(s.ring[(s.head+j)%len(s.ring)].key), n)].state
+		x |= s.tab[home(uint64(s.ring[(s.head+j)%len(s.ring)].key), n)].first.inst
 	}
 	s.sink ^= x
 }
@@ -323,8 +333,9 @@ func (s *Set[K]) Extend(keys []K, from int, inst string, epoch uint64, now int64
 	}
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	if s.live == 0 {
-		return from
+	id := s.ids.byName[inst]
+	if s.live == 0 || id == 0 {
+		return from // no instance of that name holds anything
 	}
 	k := from
 	var loaded uint32
@@ -336,13 +347,14 @@ func (s *Set[K]) Extend(keys []K, from int, inst string, epoch uint64, now int64
 		if i < 0 {
 			break
 		}
-		h := s.holdOf(&s.tab[i], inst)
+		h := s.holdOf(&s.tab[i], id)
 		if h == nil || h.exp <= now || h.epoch != epoch {
 			break
 		}
 	}
-	// Slot states are under 4: this adds 0, and keeps the loads.
-	return k + int(loaded>>2)
+	// Ids are below 2^31 (at most one per ring entry): this adds 0, and
+	// keeps the loads.
+	return k + int(loaded>>31)
 }
 
 // touchRO is touch for readers (holding the read lock): the loads' result
@@ -351,7 +363,7 @@ func (s *Set[K]) touchRO(keys []K) uint32 {
 	n := len(s.tab)
 	var x uint32
 	for _, k := range keys {
-		x |= s.tab[home(uint64(k), n)].state
+		x |= s.tab[home(uint64(k), n)].first.inst
 	}
 	return x
 }
@@ -364,7 +376,7 @@ func (s *Set[K]) Holders(dst []string, key K, now int64) []string {
 		sl := &s.tab[i]
 		for j, c := 0, s.count(sl); j < c; j++ {
 			if h := s.at(sl, j); h.exp > now {
-				dst = append(dst, h.inst)
+				dst = append(dst, s.ids.names[h.inst])
 			}
 		}
 	}
@@ -375,8 +387,12 @@ func (s *Set[K]) Holders(dst []string, key K, now int64) []string {
 func (s *Set[K]) HeldBy(key K, inst string) bool {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
+	id := s.ids.byName[inst]
+	if id == 0 {
+		return false
+	}
 	i := s.find(uint64(key))
-	return i >= 0 && s.holdOf(&s.tab[i], inst) != nil
+	return i >= 0 && s.holdOf(&s.tab[i], id) != nil
 }
 
 // Any reports whether any instance holds key (expired or not).
@@ -391,10 +407,67 @@ func (s *Set[K]) Any(key K) bool {
 func (s *Set[K]) Drop(keys []K, inst string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	id := s.ids.byName[inst]
+	if id == 0 {
+		return
+	}
 	s.touch(keys)
 	for _, k := range keys {
 		if i := s.find(uint64(k)); i >= 0 {
-			s.dropAt(i, func(h *hold) bool { return h.inst == inst })
+			s.dropAt(i, func(h *hold) bool { return h.inst == id })
 		}
+	}
+}
+
+// ids interns the instance names holds are made by: a hold and a ring
+// entry carry a 4-byte id where a name's string header took 16 bytes.
+//
+// A name keeps its id while any ring entry names it (refs counts them),
+// and every hold has one: the ring entry that set its expiry, which
+// removes the hold when it is popped (a refresh pushes a newer entry with
+// the hold's new expiry; a Drop removes the hold and leaves its entries,
+// which then pop without effect). So once a name's last entry is popped
+// none of its holds remain, and its id is given back for reuse: an
+// instance that left the fleet keeps its id, and its holds count, until
+// they expire or make way, as before; a new instance given that id
+// later finds no hold under it; a name added again while its old holds
+// remain gets the same id and finds them, as the name did. A peer's
+// holds in replicasync name instances of the peer's choosing: their ids
+// are bounded by the ring (one per entry at most), and given back the
+// same way. Nothing is told when an instance leaves; none is needed.
+type ids struct {
+	byName map[string]uint32 // live names' ids
+	names  []string          // by id; names[0] unused (0 is no instance)
+	refs   []int32           // ring entries naming each id, plus Add's pin
+	free   []uint32          // ids given back, reused last first
+}
+
+// intern returns name's id, a free or new one when it has none.
+func (d *ids) intern(name string) uint32 {
+	if id, ok := d.byName[name]; ok {
+		return id
+	}
+	if d.byName == nil {
+		d.byName = map[string]uint32{}
+		d.names, d.refs = []string{""}, []int32{0}
+	}
+	var id uint32
+	if n := len(d.free); n > 0 {
+		id, d.free = d.free[n-1], d.free[:n-1]
+		d.names[id] = name
+	} else {
+		id = uint32(len(d.names))
+		d.names, d.refs = append(d.names, name), append(d.refs, 0)
+	}
+	d.byName[name] = id
+	return id
+}
+
+// release drops one reference to id, giving the id back with its last.
+func (d *ids) release(id uint32) {
+	if d.refs[id]--; d.refs[id] == 0 {
+		delete(d.byName, d.names[id])
+		d.names[id] = ""
+		d.free = append(d.free, id)
 	}
 }

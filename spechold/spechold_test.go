@@ -5,7 +5,20 @@ import (
 	"math/rand/v2"
 	"slices"
 	"testing"
+	"unsafe"
 )
+
+// A slot is 32 bytes, two to a cache line and none across two (with
+// names in holds it was 48: half the slots straddled two lines), and a
+// ring entry 24 (was 32).
+func TestSetLayout(t *testing.T) {
+	if n := unsafe.Sizeof(slot{}); n != 32 {
+		t.Errorf("slot is %d bytes, want 32", n)
+	}
+	if n := unsafe.Sizeof(ref[uint64]{}); n != 24 {
+		t.Errorf("ring entry is %d bytes, want 24", n)
+	}
+}
 
 func TestSet(t *testing.T) {
 	s := New[uint64](4)
@@ -51,14 +64,26 @@ func TestSet(t *testing.T) {
 	}
 }
 
-// model is the Set as first written (a map of hold lists), the reference
-// the table-based Set must agree with operation for operation, holders'
-// order included (routing reads them in order).
+// model is the Set as first written (a map of hold lists, instances by
+// name), the reference the table-based Set must agree with operation for
+// operation, holders' order included (routing reads them in order).
 type model struct {
-	holds map[uint64][]hold
-	ring  []ref[uint64]
+	holds map[uint64][]mhold
+	ring  []mref
 	head  int
 	n     int
+}
+
+type mhold struct {
+	inst  string
+	exp   int64
+	epoch uint64
+}
+
+type mref struct {
+	key  uint64
+	inst string
+	exp  int64
 }
 
 func (m *model) add(keys []uint64, inst string, exp int64, epoch uint64, now int64) (evicted int) {
@@ -83,9 +108,9 @@ func (m *model) add(keys []uint64, inst string, exp int64, epoch uint64, now int
 			}
 		}
 		if !found {
-			m.holds[k] = append(hs, hold{inst: inst, exp: exp, epoch: epoch})
+			m.holds[k] = append(hs, mhold{inst: inst, exp: exp, epoch: epoch})
 		}
-		m.ring[(m.head+m.n)%len(m.ring)] = ref[uint64]{key: k, inst: inst, exp: held}
+		m.ring[(m.head+m.n)%len(m.ring)] = mref{key: k, inst: inst, exp: held}
 		m.n++
 	}
 	return evicted
@@ -95,10 +120,10 @@ func (m *model) pop() {
 	r := m.ring[m.head]
 	m.head = (m.head + 1) % len(m.ring)
 	m.n--
-	m.drop(r.key, func(h hold) bool { return h.inst == r.inst && h.exp == r.exp })
+	m.drop(r.key, func(h mhold) bool { return h.inst == r.inst && h.exp == r.exp })
 }
 
-func (m *model) drop(k uint64, match func(hold) bool) {
+func (m *model) drop(k uint64, match func(mhold) bool) {
 	hs := m.holds[k]
 	for i := range hs {
 		if match(hs[i]) {
@@ -133,17 +158,38 @@ func (m *model) extend(keys []uint64, from int, inst string, epoch uint64, now i
 
 // TestSetAgreesWithModel plays random chains of keys (sharing prefixes,
 // several instances, refreshes, drops, expiry and the bound) on a Set and
-// on the model, comparing every answer.
+// on the model, comparing every answer. The fleet churns: now and then an
+// instance leaves (it adds no more, its holds stay until they expire or
+// make way, and it is still asked about), a new one joins under a new
+// name, or one that left comes back under its old name, so that ids are
+// given back and reused while other ids' holds remain, and a name is
+// interned again both while its old holds remain and after they are gone.
 func TestSetAgreesWithModel(t *testing.T) {
-	for seed := range uint64(20) {
+	reused := 0
+	for seed := range uint64(24) {
 		rng := rand.New(rand.NewPCG(seed, 7))
 		capacity := []int{1, 7, 64, 500}[seed%4]
 		s := New[uint64](capacity)
-		m := &model{holds: map[uint64][]hold{}, ring: make([]ref[uint64], capacity)}
+		m := &model{holds: map[uint64][]mhold{}, ring: make([]mref, capacity)}
 		insts := []string{"a", "b", "c", "d"}
+		var left []string
+		all := slices.Clone(insts)
+		churn := seed >= 4 // the first four seeds keep one fleet of four
 		var now int64
 		for step := range 3000 {
 			now += int64(rng.IntN(3))
+			if churn && rng.IntN(40) == 0 {
+				i := rng.IntN(len(insts))
+				left = append(left, insts[i])
+				if len(left) > 1 && rng.IntN(3) == 0 {
+					j := rng.IntN(len(left) - 1)
+					insts[i] = left[j] // back under its old name
+					left = slices.Delete(left, j, j+1)
+				} else {
+					insts[i] = fmt.Sprint("n", len(all))
+					all = append(all, insts[i])
+				}
+			}
 			keys := make([]uint64, rng.IntN(40))
 			root := uint64(rng.IntN(6))
 			for i := range keys {
@@ -163,12 +209,21 @@ func TestSetAgreesWithModel(t *testing.T) {
 			case 2:
 				s.Drop(keys, inst)
 				for _, k := range keys {
-					m.drop(k, func(h hold) bool { return h.inst == inst })
+					m.drop(k, func(h mhold) bool { return h.inst == inst })
 				}
 			}
-			from := rng.IntN(len(keys) + 1)
-			if got, want := s.Extend(keys, from, inst, epoch, now), m.extend(keys, from, inst, epoch, now); got != want {
-				t.Fatalf("seed %d step %d: Extend %d, model %d", seed, step, got, want)
+			// Asked about: the instance that acted, and any that ever
+			// held (left ones and their reused ids included).
+			for _, q := range []string{inst, all[rng.IntN(len(all))]} {
+				from := rng.IntN(len(keys) + 1)
+				if got, want := s.Extend(keys, from, q, epoch, now), m.extend(keys, from, q, epoch, now); got != want {
+					t.Fatalf("seed %d step %d: Extend(%s) %d, model %d", seed, step, q, got, want)
+				}
+				for _, k := range keys {
+					if got, want := s.HeldBy(k, q), slices.ContainsFunc(m.holds[k], func(h mhold) bool { return h.inst == q }); got != want {
+						t.Fatalf("seed %d step %d: HeldBy(%d, %s) %v, model %v", seed, step, k, q, got, want)
+					}
+				}
 			}
 			for _, k := range keys {
 				var want []string
@@ -183,14 +238,30 @@ func TestSetAgreesWithModel(t *testing.T) {
 				if got, want := s.Any(k), len(m.holds[k]) > 0; got != want {
 					t.Fatalf("seed %d step %d: Any(%d) %v, model %v", seed, step, k, got, want)
 				}
-				if got, want := s.HeldBy(k, inst), slices.ContainsFunc(m.holds[k], func(h hold) bool { return h.inst == inst }); got != want {
-					t.Fatalf("seed %d step %d: HeldBy(%d, %s) %v, model %v", seed, step, k, inst, got, want)
-				}
 			}
 			if s.Len() != m.n {
 				t.Fatalf("seed %d step %d: Len %d, model %d", seed, step, s.Len(), m.n)
 			}
+			// Exactly the names of the ring's entries have ids.
+			named := map[string]bool{}
+			for j := range m.n {
+				named[m.ring[(m.head+j)%len(m.ring)].inst] = true
+			}
+			if len(s.ids.byName) != len(named) {
+				t.Fatalf("seed %d step %d: %d names interned, %d in the ring", seed, step, len(s.ids.byName), len(named))
+			}
+			for name := range named {
+				if id := s.ids.byName[name]; id == 0 || s.ids.names[id] != name {
+					t.Fatalf("seed %d step %d: %s in the ring has id %d", seed, step, name, id)
+				}
+			}
 		}
+		if len(s.ids.names)-1 < len(all) {
+			reused++ // fewer ids were ever made than names held
+		}
+	}
+	if reused < 10 {
+		t.Fatalf("ids reused in %d of 20 churning seeds", reused)
 	}
 }
 
