@@ -160,6 +160,11 @@ type Consumer struct {
 	// is on the router's request path, once per candidate.
 	mu    sync.RWMutex
 	insts map[string]*inst
+
+	// afterListing, tests only: called by Run after the start's listing
+	// of the bucket's snapshots, before the stream consumer is created,
+	// so that a test can store messages in that window.
+	afterListing func()
 }
 
 // inst is one instance's state.
@@ -329,6 +334,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 	c.evSubj, _ = kvstream.PoolSubjects(kvstream.SubjectEvents, c.cfg.Pool)
 	c.streamName = c.cfg.Stream.Name
 	zero.Default(&c.streamName, kvstream.DefaultStreamName)
+	if c.afterListing != nil {
+		c.afterListing()
+	}
 	s := &c.sc
 	cons, cc, err := c.startConsumer(ctx, ctx, 0, deliver, 0)
 	if err != nil {
