@@ -137,7 +137,7 @@ func TestSharedRedisStartWindowAfterSync(t *testing.T) {
 	w := newSharedWorld(t, 5, "e0")
 	r1 := w.startRouter()
 	w.publish(3)
-	w.converge("the first router", r1)
+	w.convergeBeating("the first router", r1)
 	r1.stop()
 	time.Sleep(5 * sharedLease) // its writer lease runs out
 
