@@ -160,6 +160,11 @@ type Consumer struct {
 	// is on the router's request path, once per candidate.
 	mu    sync.RWMutex
 	insts map[string]*inst
+
+	// afterListing, tests only: called by Run after the start's listing
+	// of the bucket's snapshots, before the stream consumer is created,
+	// so that a test can store messages in that window.
+	afterListing func()
 }
 
 // inst is one instance's state.
@@ -315,9 +320,16 @@ func (c *Consumer) Run(ctx context.Context) error {
 	defer func() { _ = hbSub.Unsubscribe() }()
 
 	deliver := jetstream.DeliverAllPolicy
+	var start uint64 // the stream seq the consumer starts at (0: by deliver)
 	switch {
 	case c.shared != nil:
 		deliver = jetstream.DeliverNewPolicy
+		// From the stream's end as it was before the listing, not as it
+		// is when the consumer is made: what is stored in between is
+		// delivered (a message of an instance in no snapshot listed, or
+		// one after a listed instance's sync read the stream), and what
+		// is stored before is brought in by the syncs (startSeq).
+		start = c.startSeq(ctx, res.Stream)
 		wg.Add(1)
 		go func() { defer wg.Done(); c.watchShared(ctx) }()
 		c.syncKnown(ctx)
@@ -329,16 +341,21 @@ func (c *Consumer) Run(ctx context.Context) error {
 	c.evSubj, _ = kvstream.PoolSubjects(kvstream.SubjectEvents, c.cfg.Pool)
 	c.streamName = c.cfg.Stream.Name
 	zero.Default(&c.streamName, kvstream.DefaultStreamName)
+	if c.afterListing != nil {
+		c.afterListing()
+	}
 	s := &c.sc
-	cons, cc, err := c.startConsumer(ctx, ctx, 0, deliver, 0)
+	cons, cc, err := c.startConsumer(ctx, ctx, 0, deliver, start)
 	if err != nil {
 		return fmt.Errorf("consumer: %w", err)
 	}
 	s.mu.Lock()
 	s.cons, s.cc = cons, cc
-	if info := cons.CachedInfo(); info != nil {
-		// Where it starts: what a replacement resumes after until it
-		// delivers (DeliverNew: the stream's last message at creation).
+	// Where it starts: what a replacement resumes after until it
+	// delivers.
+	if start > 0 {
+		s.seq = start - 1
+	} else if info := cons.CachedInfo(); info != nil {
 		s.seq = info.Delivered.Stream
 	}
 	s.mu.Unlock()
@@ -355,4 +372,26 @@ func (c *Consumer) Run(ctx context.Context) error {
 	go func() { defer wg.Done(); c.watch(ctx, deliver) }()
 
 	return tick.Every(ctx, c.cfg.CheckInterval, func() { c.check(ctx) })
+}
+
+// startSeq is where a router on a shared index starts consuming: after
+// the stream's last message, read before the bucket is listed. Every
+// message after it is delivered; every instance with a message at or
+// before it is brought whole by a sync before it counts as live (listed
+// with a snapshot, or made known by a heartbeat: newInst, heartbeat), or
+// by its first message after it. The stream info from EnsureAll, read
+// earlier still, stands in when the stream does not answer (a few more
+// messages delivered, each applied once); without either, the stream is
+// consumed from its start.
+func (c *Consumer) startSeq(ctx context.Context, st jetstream.Stream) uint64 {
+	ictx, cancel := context.WithTimeout(ctx, apiTimeout)
+	info, err := st.Info(ictx)
+	cancel()
+	if err != nil {
+		info = st.CachedInfo()
+	}
+	if info == nil {
+		return 1
+	}
+	return info.State.LastSeq + 1
 }

@@ -629,3 +629,29 @@ func TestTwoBridgesForOneInstance(t *testing.T) {
 		}
 	}
 }
+
+// A router with an index of its own lists the bucket's snapshots, then
+// consumes the stream from its start: a message stored between the two,
+// of an instance in no snapshot listed (and one with a snapshot, stored
+// after it), is delivered like any other.
+func TestStartWindowMemory(t *testing.T) {
+	e := newEnv(t)
+	e.putSnapshotBytes("listed", e.oneBlockSnapshot("listed", 1))
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier = a
+	c, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.afterListing = func() {
+		e.store("listed", 1, 2)
+		e.store("late", 1, 3)
+	}
+	testenv.Go(t, e.ctx, c.Run)
+	testenv.WaitFor(t, 30*time.Second, "both instances' blocks applied", func() bool {
+		l, _ := a.get("listed")
+		n, _ := a.get("late")
+		return slices.Contains(l, 1) && slices.Contains(l, 2) && slices.Equal(n, []uint64{3})
+	})
+}

@@ -36,9 +36,16 @@ func (c *Consumer) seenAt(in *inst, t, now time.Time) {
 }
 
 // newInst makes an instance record first seen at t (zero: not yet, a
-// snapshot load will tell); c.mu held.
+// snapshot load will tell); c.mu held. On a shared index it starts
+// unsynced (not live): this router has not seen the instance's state in
+// the index, which may miss messages stored before its consumer's start,
+// until a sync checks it or a message of it is applied.
 func (c *Consumer) newInst(instance string, t time.Time) *inst {
 	in := &inst{status: InstanceStatus{Instance: instance, State: StateStale}, needLoad: true}
+	if c.shared != nil {
+		in.status.IndexUnsynced = true
+		c.unsynced.Add(1)
+	}
 	if !t.IsZero() {
 		c.seen(in, t)
 	}
@@ -99,11 +106,14 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		}
 	}
 	c.m.heartbeats.WithLabelValues("ok").Inc()
-	load, reload := false, false
+	load, reload, needSync := false, false, false
 	if in == nil {
 		in = c.newInst(instance, now)
 		c.insts[instance] = in
 		load = !c.cfg.SharedIndex
+		// Shared index: its messages may all precede the consumer's start
+		// and it was in no snapshot listed: the sync replays them.
+		needSync = c.shared != nil
 	} else if in.status.State == StatePurged {
 		load = !c.cfg.SharedIndex
 		in.status.State = StateLive
@@ -145,6 +155,10 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		c.enqueue(ctx, work{kind: workReload, instance: instance})
 	case load:
 		c.enqueue(ctx, work{kind: workLoad, instance: instance})
+	}
+	if needSync {
+		c.updateConsistent()
+		c.queueSync(ctx, instance)
 	}
 }
 

@@ -161,6 +161,10 @@ func (c *Consumer) do(ctx context.Context, w work, dec *events.Decoder) {
 		c.mu.Lock()
 		if c.insts[w.instance] == in && in.status.State == StatePurged {
 			delete(c.insts, w.instance)
+			if in.status.IndexUnsynced {
+				in.status.IndexUnsynced = false
+				c.unsynced.Add(-1) // a forgotten record counts no more
+			}
 		}
 		c.mu.Unlock()
 		c.cfg.Logger.Info("consumer: instance purged and forgotten", "instance", w.instance)
