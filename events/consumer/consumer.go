@@ -276,8 +276,7 @@ func New(cfg Config) (*Consumer, error) {
 		c.shared = &sharedState{idx: sa}
 	}
 	consistent := c.consistentValue
-	m.consistent.fn.Store(&consistent)
-	c.updateConsistent()
+	m.consistentFn.Store(&consistent)
 	c.shards = make([]chan work, cfg.Shards)
 	for i := range c.shards {
 		c.shards[i] = make(chan work, 256)

@@ -157,7 +157,6 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		c.enqueue(ctx, work{kind: workLoad, instance: instance})
 	}
 	if needSync {
-		c.updateConsistent()
 		c.queueSync(ctx, instance)
 	}
 }

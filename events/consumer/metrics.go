@@ -1,8 +1,9 @@
 package consumer
 
 import (
-	"github.com/prometheus/client_golang/prometheus"
 	"sync/atomic"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/metricset"
@@ -31,9 +32,12 @@ type metrics struct {
 	replayLost      prometheus.Counter
 	instances       *prometheus.GaugeVec
 	queue           prometheus.Gauge
-	consistent      *refreshGauge
-	indexLost       prometheus.Counter
-	lag             prometheus.Histogram
+	// consistentFn is what kvrouter_events_index_consistent reads at each
+	// collection (set by New): the gauge is derived, never set, so a check
+	// loop stuck on a hung Redis cannot leave it at 1.
+	consistentFn atomic.Pointer[func() float64]
+	indexLost    prometheus.Counter
+	lag          prometheus.Histogram
 
 	// Children every applied message counts in, resolved once: a
 	// CounterVec lookup hashes its label values on every call.
@@ -93,9 +97,6 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 			"Known instances by state (live, stale, purged).", "state"),
 		queue: ms.Gauge("kvrouter_events_shard_queue",
 			"Messages waiting in a shard's queue (last sampled)."),
-		consistent: &refreshGauge{Gauge: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvrouter_events_index_consistent",
-			Help:        "1 while the index can be trusted; 0 while a shared (Redis) index is unreachable, lost its data or has instances being repaired (those count as stale).",
-			ConstLabels: prometheus.Labels{"pool": pool}})},
 		indexLost: ms.Counter("kvrouter_events_index_lost_total",
 			"Times the shared index was found to have lost its data (its epoch changed: Redis restarted empty or was flushed)."),
 		lag: ms.Histogram("kvrouter_events_lag_seconds",
@@ -106,7 +107,14 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 	for k := events.BlockStored; int(k) < len(m.byKind); k++ {
 		m.byKind[k] = m.events.WithLabelValues(k.String())
 	}
-	ms.Add(m.consistent)
+	ms.Add(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvrouter_events_index_consistent",
+		Help:        "1 while the index can be trusted; 0 while a shared (Redis) index is unreachable, lost its data or has instances being repaired (those count as stale).",
+		ConstLabels: ms.ConstLabels}, func() float64 {
+		if f := m.consistentFn.Load(); f != nil {
+			return (*f)()
+		}
+		return 1
+	}))
 	if err := ms.Register(reg); err != nil {
 		return nil, err
 	}
@@ -124,20 +132,4 @@ func (c *Consumer) countDropped(res kvindex.ApplyResult) {
 			c.m.dropped.WithLabelValues(d.reason).Add(float64(d.n))
 		}
 	}
-}
-
-// refreshGauge is a gauge set from fn (once set) at each collection as
-// well as by its owner: kvrouter_events_index_consistent, which a check
-// loop stuck on a hung Redis would otherwise leave at 1.
-type refreshGauge struct {
-	prometheus.Gauge
-	fn atomic.Pointer[func() float64]
-}
-
-// Collect implements prometheus.Collector.
-func (g *refreshGauge) Collect(ch chan<- prometheus.Metric) {
-	if f := g.fn.Load(); f != nil {
-		g.Set((*f)())
-	}
-	g.Gauge.Collect(ch)
 }

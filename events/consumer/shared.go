@@ -327,29 +327,21 @@ func (c *Consumer) setSynced(in *inst, ok bool) {
 		}
 	}
 	c.mu.Unlock()
-	c.updateConsistent()
 }
 
 // IndexConsistent reports whether the shared index can be trusted: Redis
 // reachable at the last check, its data not lost since, and every
 // instance's state whole. Always true for an index of this router's own.
-// The gauge follows each call and each collection.
-func (c *Consumer) IndexConsistent() bool {
-	v := c.consistentValue()
-	c.m.consistent.Set(v)
-	return v == 1
-}
+// kvrouter_events_index_consistent reads it at each collection.
+func (c *Consumer) IndexConsistent() bool { return c.consistentValue() == 1 }
 
-// consistentValue is IndexConsistent as the gauge's value (read at each
-// collection too).
+// consistentValue is IndexConsistent as the gauge's value.
 func (c *Consumer) consistentValue() float64 {
 	if c.shared == nil || c.epochFresh() && c.unsynced.Load() == 0 {
 		return 1
 	}
 	return 0
 }
-
-func (c *Consumer) updateConsistent() { c.IndexConsistent() }
 
 // epochDue is how long the epoch check may go unanswered before Redis
 // counts as unreachable: a check interval, plus the check's own round
@@ -456,7 +448,6 @@ func (c *Consumer) watchShared(ctx context.Context) {
 				c.cfg.Logger.Info("consumer: shared index reachable again")
 			}
 		}
-		c.updateConsistent()
 		if c.epochOK.Load() && time.Since(swept) >= c.cfg.PurgeAfter {
 			swept = time.Now()
 			c.sweep(ctx)
