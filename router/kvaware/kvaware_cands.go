@@ -98,46 +98,54 @@ func (s *KVAware) finder(ev *kvEval, cands []*router.Instance, matches int) cand
 // from the candidate index's cache when there is one. Called with
 // st.pendMu held for reading.
 func (ev *kvEval) pending(st *KVState, i int) *pendingCounter {
+	var cache *cachedSlots[pendingCounter]
 	if ci := ev.ci; ci != nil {
-		if pc := ci.pend[i].Load(); pc != nil {
-			return pc
-		}
-		n := int64(len(st.pend)) + 1
-		if ci.pendMiss[i].Load() == n {
-			return nil
-		}
-		pc := st.pend[ev.cands[i].inst.ID()]
-		if pc != nil {
-			ci.pend[i].Store(pc) // decisions sharing the index agree: one counter per id
-		} else {
-			ci.pendMiss[i].Store(n)
-		}
-		return pc
+		cache = &cachedSlots[pendingCounter]{ci.pend, ci.pendMiss}
 	}
-	return st.pend[ev.cands[i].inst.ID()]
+	// One counter per id, never dropped: decisions sharing the index agree.
+	return cache.get(i, int64(len(st.pend)), st.pend, ev.cands[i].inst.ID())
 }
 
 // loadSlot returns candidate i's load slot (nil: none yet), from the
 // candidate index's cache when there is one. Called with st.loads.mu held
 // for reading.
 func (ev *kvEval) loadSlot(st *KVState, i int) *loadSlot {
+	var cache *cachedSlots[loadSlot]
 	if ci := ev.ci; ci != nil {
-		if sl := ci.load[i].Load(); sl != nil {
-			return sl
-		}
-		n := st.loads.made + 1
-		if ci.loadMiss[i].Load() == n {
-			return nil
-		}
-		sl := st.loads.samples[ev.cands[i].inst.ID()]
-		if sl != nil {
-			ci.load[i].Store(sl)
-		} else {
-			ci.loadMiss[i].Store(n)
-		}
-		return sl
+		cache = &cachedSlots[loadSlot]{ci.load, ci.loadMiss}
 	}
-	return st.loads.samples[ev.cands[i].inst.ID()]
+	return cache.get(i, st.loads.made, st.loads.samples, ev.cands[i].inst.ID())
+}
+
+// cachedSlots is a candidate index's per-candidate cache of a map's
+// values that are made once per instance id and never removed: a hit is
+// kept, and a miss stands while the map has made no value since (made, the
+// values ever made, as counted when the miss was recorded, plus one).
+type cachedSlots[T any] struct {
+	got  []atomic.Pointer[T]
+	miss []atomic.Int64
+}
+
+// get returns candidate i's value, id's in m (nil: none), through the
+// cache when c is not nil.
+func (c *cachedSlots[T]) get(i int, made int64, m map[string]*T, id string) *T {
+	if c == nil {
+		return m[id]
+	}
+	if v := c.got[i].Load(); v != nil {
+		return v
+	}
+	n := made + 1
+	if c.miss[i].Load() == n {
+		return nil
+	}
+	v := m[id]
+	if v != nil {
+		c.got[i].Store(v)
+	} else {
+		c.miss[i].Store(n)
+	}
+	return v
 }
 
 // scoreMemo is the part of a prediction that depends only on the blocks
