@@ -68,7 +68,7 @@ func isTrace(name string) bool { return name == "mooncake" || strings.HasPrefix(
 
 func (f *workloadFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.name, "workload", "long-context", "workload: "+strings.Join(workloadNames, ", "))
-	fs.Int64Var(&f.seed, "seed", 1, "seed for workloads and random choices (same seed, same run)")
+	fs.Int64Var(&f.seed, "seed", 1, "seed for generated and synth-* workloads and for the strategies' random choices (random, least-outstanding ties; same seed, same run); a trace replayed with kv_aware or prefix_aware is the same under every seed")
 	fs.Float64Var(&f.rate, "rate", 0, "arrival rate, requests/s (0 = the workload's default)")
 	fs.IntVar(&f.conc, "concurrency", 0, "closed loop: keep N requests in flight instead of Poisson arrivals (generated workloads)")
 	fs.IntVar(&f.limit, "limit", 0, "keep only the first N requests (0 = all)")
