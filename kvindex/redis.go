@@ -654,7 +654,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 // commit (its map or lease was not current) leaves behind: block fields
 // the instance's map may not list — never cleaned by a reload or a purge,
 // answering lookups with blocks the instance may not hold — and fields it
-// lists missing. It marks the instance (see mark), then takes back every
+// lists missing. It marks the instance (see markCmd), then takes back every
 // field it wrote that still holds what it wrote (delIfScript: one key
 // each, so one slot). Best effort: a master that cannot be reached now is
 // failed over, which changes the topology and unseeds every instance
