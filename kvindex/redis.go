@@ -391,6 +391,9 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 
 	id := instID(instance)
 	mkey, lkey := r.metaKey(id), r.logKey(id)
+	if err := r.settle(ctx, m, mkey); err != nil {
+		return res, err
+	}
 	token, expected, newPos := "", "*", ""
 	if g != nil {
 		token, expected, newPos = r.token, g.expected(), strconv.FormatUint(g.seq, 10)
@@ -470,7 +473,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	cmd := func(args ...any) {
 		start := len(w)
 		w = append(w, args...)
-		pipe.Do(ctx, w[start:len(w):len(w)]...)
+		_ = pipe.Process(ctx, onceCmd{redis.NewCmd(ctx, w[start:len(w):len(w)]...)})
 	}
 	// A load or a clear starts a new incarnation under a new field id:
 	// every field written before it stops counting in lookups at once,
@@ -503,14 +506,6 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		}
 	}
 	if o.cleared {
-		// Drop this instance's field from every block it held (the
-		// blocks re-stored after the clear are written under the new id
-		// below).
-		if oldFid != "" {
-			for _, v := range m.vals {
-				cmd("hdel", r.blockKey(v.key), oldArg)
-			}
-		}
 		counts = [1 + tiers.Count]int{}
 	}
 	var rec []byte
@@ -562,11 +557,21 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		}
 	}
 	commit.Args()[13] = rec
-	_ = pipe.Process(ctx, commit)
+	_ = pipe.Process(ctx, onceSliceCmd{commit})
 	fidHex, prevHex := hex.EncodeToString([]byte(fid)), prevFidHex(m.fid, fid)
 	entry := strconv.FormatInt(now.UnixMilli(), 10) + " " + fidHex + " " + instance
 	reg := redis.NewSliceCmd(ctx, "evalsha", regScript.Hash(), 1, r.regKey(), id, entry, instance, fidHex, prevHex)
-	_ = pipe.Process(ctx, reg)
+	_ = pipe.Process(ctx, onceSliceCmd{reg})
+	if o.cleared && oldFid != "" {
+		// Drop this instance's old field from every block it held, after
+		// the commit: the fields stop counting when the commit names the
+		// new id, and a pipeline cut short before the commit (Redis hung
+		// or gone while it was being sent) must not take fields from the
+		// incarnation that still counts.
+		for _, v := range m.vals {
+			cmd("hdel", r.blockKey(v.key), oldArg)
+		}
+	}
 	storeBS := r.bs.configured == 0 && r.bs.get() != 0 && !r.bsStored.Load()
 	if storeBS {
 		// For routers that start while the pool is idle (see Epoch).
@@ -587,23 +592,23 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 			_, err = r.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
 				if hasNoScript([]redis.Cmder{commit}) {
 					commit = redis.NewSliceCmd(ctx, commit.Args()...)
-					_ = p.Process(ctx, commit)
+					_ = p.Process(ctx, onceSliceCmd{commit})
 				}
 				if hasNoScript([]redis.Cmder{reg}) {
 					reg = redis.NewSliceCmd(ctx, reg.Args()...)
-					_ = p.Process(ctx, reg)
+					_ = p.Process(ctx, onceSliceCmd{reg})
 				}
 				return nil
 			})
 		}
 	}
 	if err != nil {
-		r.unsettle(ctx, mkey, placed, fidArg)
+		r.unsettle(ctx, m, mkey, placed, fidArg)
 		return res, r.failed(fmt.Errorf("kvindex: redis: write %d changes of %s: %w", len(o.cur), instance, err))
 	}
 	st, pos, err := scriptStatus(commit.Val())
 	if err != nil {
-		r.unsettle(ctx, mkey, placed, fidArg)
+		r.unsettle(ctx, m, mkey, placed, fidArg)
 		return res, err
 	}
 	if st != SeqApplied {
@@ -613,7 +618,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		// was under way): the block-key writes went out regardless, and
 		// may have crossed another writer's. Unsettled, the instance is
 		// reloaded in a new incarnation, which retires them.
-		r.unsettle(ctx, mkey, placed, fidArg)
+		r.unsettle(ctx, m, mkey, placed, fidArg)
 		return res, fmt.Errorf("%w: %s is %s at %s", errMoved, instance, st, pos)
 	}
 	if v := reg.Val(); len(v) == 2 && v[0] == "name" {
@@ -649,14 +654,14 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 // commit (its map or lease was not current) leaves behind: block fields
 // the instance's map may not list — never cleaned by a reload or a purge,
 // answering lookups with blocks the instance may not hold — and fields it
-// lists missing. It takes back every field it wrote that still holds what
-// it wrote (delIfScript: one key each, so one slot), and marks the
-// instance's position as not to be trusted, so that the consumer's repair
-// reloads it (LoadAt rewrites every block of the snapshot, in a new
-// incarnation). Best effort: a master that cannot be reached now is
+// lists missing. It marks the instance (see markCmd), then takes back every
+// field it wrote that still holds what it wrote (delIfScript: one key
+// each, so one slot). Best effort: a master that cannot be reached now is
 // failed over, which changes the topology and unseeds every instance
-// anyway; what it leaves is retired by the incarnation.
-func (r *Redis) unsettle(ctx context.Context, mkey string, placed []any, id any) {
+// anyway; what it leaves is retired by the incarnation. When the mark's
+// answer does not come back, the instance stays marked unsettled in this
+// process, and its next write or Position marks it first.
+func (r *Redis) unsettle(ctx context.Context, m *instMap, mkey string, placed []any, id any) {
 	if ctx.Err() != nil {
 		// The caller gave up (a router shutting down): its writes may
 		// still land; the next writer's reload retires them.
@@ -664,18 +669,66 @@ func (r *Redis) unsettle(ctx context.Context, mkey string, placed []any, id any)
 	}
 	ctx, cancel := context.WithTimeout(ctx, r.lease)
 	defer cancel()
+	marked := false
 	for range 2 {
 		pipe := r.rdb.Pipeline()
+		// The mark first: a pipeline cut short (Redis hung or gone while
+		// it was sent) takes no field back without it.
+		mark := r.markCmd(ctx, mkey)
+		_ = pipe.Process(ctx, onceCmd{mark})
 		for i := 0; i+1 < len(placed); i += 2 {
-			pipe.EvalSha(ctx, delIfScript.Hash(), []string{placed[i].(string)}, id, placed[i+1])
+			c := redis.NewCmd(ctx, "evalsha", delIfScript.Hash(), 1, placed[i], id, placed[i+1])
+			_ = pipe.Process(ctx, onceCmd{c})
 		}
-		pipe.HSet(ctx, mkey, fieldTopology, "!")
 		cmds, err := pipe.Exec(ctx)
+		marked = marked || mark.Err() == nil
 		if err == nil || !hasNoScript(cmds) || r.loadScripts(ctx) != nil {
-			return
+			break
 		}
 	}
+	m.unsettled.Store(!marked)
 }
+
+// markCmd is the mark of an instance whose state is not known: its
+// position no longer counts (the instance reads as unseeded, so the
+// consumers reload it, in a new incarnation that retires every field
+// written before) and its generation changes, so that no commit sent
+// before the mark — a copy of a write still in a hung server's socket, or
+// one sent again by the client — can apply after it: ApplyAt's would find
+// the instance unseeded, but LoadAt's accepts any position.
+func (r *Redis) markCmd(ctx context.Context, mkey string) *redis.Cmd {
+	return redis.NewCmd(ctx, "hset", mkey, fieldTopology, "!", fieldGen, newToken())
+}
+
+// settle marks the instance if a write of this process left it
+// unsettled without its mark's answer (see unsettle); the caller holds
+// m.mu or does not need it (the flag is atomic, the mark idempotent).
+func (r *Redis) settle(ctx context.Context, m *instMap, mkey string) error {
+	if !m.unsettled.Load() {
+		return nil
+	}
+	mark := r.markCmd(ctx, mkey)
+	if err := r.rdb.Process(ctx, onceCmd{mark}); err != nil {
+		return r.failed(fmt.Errorf("kvindex: redis: mark %s after a write of unknown outcome: %w", m.name, err))
+	}
+	m.unsettled.Store(false)
+	return nil
+}
+
+// onceCmd and onceSliceCmd are writes that go-redis must not send again
+// after an error (a read timeout, a connection reset; on a Cluster also
+// through MaxRedirects): the first copy may still be in the server's
+// socket, or be running, and would run again after it, interleaved with
+// whatever this index writes meanwhile. A write's error is an unknown
+// outcome, which unsettle and the consumer's repair handle; reads keep
+// the client's retries.
+type onceCmd struct{ *redis.Cmd }
+
+func (onceCmd) NoRetry() bool { return true }
+
+type onceSliceCmd struct{ *redis.SliceCmd }
+
+func (onceSliceCmd) NoRetry() bool { return true }
 
 func b2i(b bool) int {
 	if b {
@@ -1032,7 +1085,7 @@ func (r *Redis) Purge(ctx context.Context, instance string) error {
 	pipe := r.rdb.Pipeline()
 	fidArg := any(fid)
 	for _, v := range vals {
-		pipe.Do(ctx, "hdel", r.blockKey(v.key), fidArg)
+		_ = pipe.Process(ctx, onceCmd{redis.NewCmd(ctx, "hdel", r.blockKey(v.key), fidArg)})
 		if pipe.Len() >= 8192 {
 			if _, err := pipe.Exec(ctx); err != nil {
 				return r.failed(fmt.Errorf("kvindex: redis: purge %s: %w", instance, err))
@@ -1042,9 +1095,9 @@ func (r *Redis) Purge(ctx context.Context, instance string) error {
 	// The log before the metadata: a purge cut short between the two
 	// leaves metadata without a log (an empty map), never a map without
 	// its field id.
-	pipe.Del(ctx, r.logKey(id))
-	pipe.Del(ctx, r.metaKey(id))
-	pipe.HDel(ctx, r.regKey(), id)
+	for _, args := range [][]any{{"del", r.logKey(id)}, {"del", r.metaKey(id)}, {"hdel", r.regKey(), id}} {
+		_ = pipe.Process(ctx, onceCmd{redis.NewCmd(ctx, args...)})
+	}
 	if _, err := pipe.Exec(ctx); err != nil {
 		return r.failed(fmt.Errorf("kvindex: redis: purge %s: %w", instance, err))
 	}

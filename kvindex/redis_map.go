@@ -7,6 +7,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvrouter/kvrouter/tiers"
@@ -107,6 +108,10 @@ type instMap struct {
 	leased time.Time
 	used   uint64 // mapCache.tick at the last use
 	size   int    // entries counted in mapCache.total
+	// unsettled: a write of this process had an unknown outcome and the
+	// instance's mark did not get through (see Redis.unsettle); kept
+	// across drop.
+	unsettled atomic.Bool
 }
 
 // load replaces the map with the log's contents at generation gen.
@@ -139,6 +144,13 @@ func (c *mapCache) get(instance string) *instMap {
 	c.tick++
 	m.used = c.tick
 	return m
+}
+
+// peek returns the instance's instMap, nil if it has none.
+func (c *mapCache) peek(instance string) *instMap {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.byInst[instance]
 }
 
 // drop forgets m's map; the caller holds m.mu.

@@ -153,8 +153,17 @@ func (r *Redis) LoadAt(ctx context.Context, instance string, seq uint64, evs []e
 func (r *Redis) WriterLease() time.Duration { return r.lease }
 
 // Position returns where the instance's state stands.
+//
+// An instance this process left unsettled (see unsettle) is marked first:
+// its state is not known, and reads as unseeded.
 func (r *Redis) Position(ctx context.Context, instance string) (Position, error) {
-	v, err := r.rdb.HMGet(ctx, r.metaKey(instID(instance)), fieldPos, fieldTopology).Result()
+	mkey := r.metaKey(instID(instance))
+	if m := r.maps.peek(instance); m != nil {
+		if err := r.settle(ctx, m, mkey); err != nil {
+			return Position{}, err
+		}
+	}
+	v, err := r.rdb.HMGet(ctx, mkey, fieldPos, fieldTopology).Result()
 	if err != nil {
 		return Position{}, r.failed(fmt.Errorf("kvindex: redis: position of %s: %w", instance, err))
 	}

@@ -1,0 +1,140 @@
+package kvindex
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// productionClient is the client kvrouter builds for a single Redis
+// (router/kvstate.NewPoolIndexes), not the tests' MaxRetries -1 one.
+func productionClient(t *testing.T, addr string) redis.UniversalClient {
+	c := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{addr}})
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// warmPool opens n connections at once and leaves them idle in the pool,
+// as a router's concurrent shards do.
+func warmPool(t *testing.T, c redis.UniversalClient, n int) {
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = c.Do(context.Background(), "blpop", "warm-pool-"+testenv.UniqueName(t)+string(rune('a'+i)), 0.2).Err()
+		}()
+	}
+	wg.Wait()
+}
+
+// waitDrained waits until Redis has run everything its clients sent: no
+// client with unread query bytes, twice in a row.
+func waitDrained(t *testing.T, c redis.UniversalClient) {
+	quiet := 0
+	testenv.WaitFor(t, 30*time.Second, "redis drained its clients' queries", func() bool {
+		list, err := c.ClientList(context.Background()).Result()
+		if err != nil {
+			quiet = 0
+			return false
+		}
+		for _, l := range strings.Split(strings.TrimSpace(list), "\n") {
+			if !strings.Contains(l, " qbuf=0 ") && !strings.Contains(l, "cmd=client|list") {
+				quiet = 0
+				return false
+			}
+		}
+		quiet++
+		return quiet >= 2
+	})
+}
+
+// Redis hangs (SIGSTOP) between a snapshot load's two round trips, with
+// the client kvrouter uses in production. The load's write pipeline
+// (block keys, then the commit) sits in the hung server's socket; the
+// client gives up, takes the written fields back (unsettle) and returns
+// an error. When Redis runs again it executes every copy of the pipeline
+// and the take-back, interleaved 16 KB at a time per connection. After
+// that the instance's position must either say its state is not whole
+// (unseeded: the consumer reloads it) or its state must be exactly what
+// the position says: every block of the snapshot found by lookups.
+func TestRedisHungLoad(t *testing.T) {
+	// Sizes: a pipeline larger than the loopback socket takes while the
+	// server is stopped (cut short: no commit sent), and one it takes
+	// whole (everything runs at the resume).
+	for _, tc := range []struct {
+		name        string
+		nOld, nSnap int
+	}{{"cut short", 1500, 2400}, {"whole", 20, 32}} {
+		t.Run(tc.name, func(t *testing.T) { testRedisHungLoad(t, tc.nOld, tc.nSnap) })
+	}
+}
+
+func testRedisHungLoad(t *testing.T, nOld, nSnap int) {
+	ctx := context.Background()
+	srv := testenv.StartRedis(t)
+	c := productionClient(t, srv.Addr)
+	var pauseNow atomic.Bool
+	r, err := NewRedis(c, RedisConfig{Prefix: testenv.UniqueName(t), Model: testModel, BlockSize: 4, ExactLookup: true,
+		Now: func() time.Time {
+			// Called once per write, between its first round trip and
+			// its pipeline: the hang starts there.
+			if pauseNow.Swap(false) {
+				srv.Pause()
+			}
+			return time.Now()
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	root := Root(testModel, "", "")
+	// The old state's removals come first in the load's pipeline, the
+	// snapshot's stores after them: with more stores than removals, the
+	// take-back's first commands reach stores the load has already
+	// written, and it ends before the load's commit does.
+	old := newChain(root, nOld, 4, 1, 1)
+	snap := newChain(root, nSnap, 4, 7, 1_000_000)
+	warmPool(t, c, 8)
+	if res, err := r.LoadAt(ctx, "i", 10, []events.Event{old.stored(0, nOld)}); err != nil || res.Status != SeqApplied {
+		t.Fatalf("first load: %+v %v", res, err)
+	}
+	checkLookup(t, r, query{old.keys, map[string][tiers.Count]int{"i": all(nOld)}}, "before the hang")
+
+	pauseNow.Store(true)
+	hung := time.Now()
+	res, err := r.LoadAt(ctx, "i", 20, []events.Event{snap.stored(0, nSnap)})
+	t.Logf("load during the hang: status %v, err %v, after %v", res.Status, err, time.Since(hung).Round(time.Millisecond))
+	srv.Resume()
+	waitDrained(t, c)
+
+	pos, err := r.Position(ctx, "i")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("after the hang: position %v", pos)
+	switch {
+	case pos.Seeded && pos.Seq == 20:
+		checkLookup(t, r, query{snap.keys, map[string][tiers.Count]int{"i": all(nSnap)}}, "position 20 (the load ran late): the snapshot")
+		checkLookup(t, r, query{old.keys, nil}, "position 20 (the load ran late): the old state")
+	case pos.Seeded && pos.Seq == 10:
+		checkLookup(t, r, query{old.keys, map[string][tiers.Count]int{"i": all(nOld)}}, "position 10: the old state")
+		checkLookup(t, r, query{snap.keys, nil}, "position 10: the snapshot")
+	case pos.Seeded:
+		t.Fatalf("position %v: neither load's", pos)
+	}
+	// Not whole, or whole: a reload makes it exact either way.
+	if res, err := r.LoadAt(ctx, "i", 30, []events.Event{snap.stored(0, nSnap)}); err != nil || res.Status != SeqApplied {
+		t.Fatalf("reload: %+v %v", res, err)
+	}
+	checkLookup(t, r, query{snap.keys, map[string][tiers.Count]int{"i": all(nSnap)}}, "after the reload: the snapshot")
+	checkLookup(t, r, query{old.keys, nil}, "after the reload: the old state")
+}
