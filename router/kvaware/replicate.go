@@ -20,17 +20,9 @@ import (
 // over, and one instance keeps the whole prefix's traffic.
 //
 // This is the ski-rental problem. Each request the rule sends to the busy
-// holder rather than the least-loaded instance pays rent: the wait a copy
-// on that instance, had it been owned since the last purchase, would have
-// saved it. That is not the whole excess q_pick − q_alt: with a copy there
-// the prefix's requests would have gone, one by one, to whichever of the
-// two had the shorter queue, so the work that built the excess would have
-// been shared and the two queues would meet at their mean; the request
-// would have waited (q_pick + q_alt)/2, and the rent is half the excess,
-// (q_pick − q_alt)/2. (Counting the whole excess prices each request as if
-// the copy would have taken its wait and none of the prefix's work: on a
-// same-instant batch that ran up its own holder's queue, it pays for a
-// copy about twice as early as owning one would have paid back.) Buying is making the copy: sending this request to the
+// holder rather than the least-loaded instance pays rent: the queue it waits
+// for beyond that instance's, q_pick − q_alt, which a copy there would have
+// saved it. Buying is making the copy: sending this request to the
 // alternative, at the difference of their scores, score_alt − score_pick
 // (the request's own longer prefill and the weighted delay of the requests
 // behind the recompute, less the queue it saves). The deterministic rule —
@@ -283,9 +275,10 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 		}
 		return alt, router.ReasonReplicate
 	}
-	// Owning the copy would have balanced the two queues: half the excess
-	// (the comment at the top of the file).
-	ev.rent = rentNote{key: key, rent: saved / 2, ok: true}
+	if rentHalf {
+		saved /= 2
+	}
+	ev.rent = rentNote{key: key, rent: saved, ok: true}
 	return pick, reason
 }
 

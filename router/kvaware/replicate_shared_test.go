@@ -49,10 +49,9 @@ func TestRentSharedSameDecisionOnEveryReplica(t *testing.T) {
 	fixed := config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 1}}
 	queue := (DefaultDecodeStepSeconds+running*DefaultRunningRequestSeconds)/2 + running*DefaultRunningRequestSeconds
 	price := -queue + 2*float64(64*kvTestBS)/25000
-	rent := queue / 2                    // each payment: half the holder's excess (replicate.go)
-	want := int(math.Ceil(price / rent)) // rent payments that cover the price
+	want := int(math.Ceil(price / queue)) // rent payments that cover the price
 	if want < 3 {
-		t.Fatalf("price %.1f ms over rent %.1f ms: too few payments (%d) to split over three replicas", price*1e3, rent*1e3, want)
+		t.Fatalf("price %.1f ms over rent %.1f ms: too few payments (%d) to split over three replicas", price*1e3, queue*1e3, want)
 	}
 	// Shares: each under want, their sum want.
 	shares := []int{want - 2, 1, 1}

@@ -37,10 +37,7 @@ func TestHotPrefixReplicates(t *testing.T) {
 	// Price of a copy elsewhere: the alternative's score less the
 	// holder's, (q_alt − q_holder) + (1 + w) × 64 blocks / P, with w = 1.
 	price := -queue + 2*float64(64*kvTestBS)/25000
-	// Each request pays half the holder's excess queue (a copy would have
-	// shared the prefix's work, the two queues meeting at their mean).
-	rent := queue / 2
-	want := int(math.Ceil(price/rent)) + 1 // the request after the rent reaches the price
+	want := int(math.Ceil(price/queue)) + 1 // the request after the rent reaches the price
 	got := -1
 	for i := 0; i < 4*want; i++ {
 		d := kvPick(t, s, req(i), w.insts)
@@ -56,7 +53,7 @@ func TestHotPrefixReplicates(t *testing.T) {
 		}
 	}
 	if got != want {
-		t.Fatalf("replicated at request %d, want %d (price %.1f ms, rent %.1f ms a request)", got, want, price*1e3, rent*1e3)
+		t.Fatalf("replicated at request %d, want %d (price %.1f ms, rent %.1f ms a request)", got, want, price*1e3, queue*1e3)
 	}
 	// The copy (speculative entries) now takes the prefix's requests: the
 	// same match, a shorter queue.
@@ -166,7 +163,7 @@ func TestHotPrefixWarmCopy(t *testing.T) {
 	queue := (DefaultDecodeStepSeconds+running*DefaultRunningRequestSeconds)/2 + running*DefaultRunningRequestSeconds
 	price := -queue + 2*float64(64*kvTestBS)/25000
 	w, s, at, d := buy(running)
-	if want := int(math.Ceil(price/(queue/2))) + 1; at != want { // rent: half the excess queue
+	if want := int(math.Ceil(price/queue)) + 1; at != want {
 		t.Fatalf("bought at request %d, want %d (the rent rule's request)", at, want)
 	}
 	holder := w.insts[1]
