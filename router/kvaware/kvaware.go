@@ -337,10 +337,7 @@ type kvEval struct {
 	best      int                 // the most leading blocks any candidate holds (blocks, every tier)
 	cold      []int32             // the cold candidates' positions, for scoreCold
 	commit    bool                // the decision will be committed (not shadow scoring)
-	weight    float64             // prefill cost weight used (the fleet's, unconditioned)
-	// wc conditions the weight on each candidate's state (score.go,
-	// weightAt); zero when there is nothing to condition on.
-	wc weightCond
+	weight    float64             // prefill cost weight used
 	later     float64             // n: later requests expected to read the new context (placement.go)
 	rent      rentNote            // what the pick pays or buys (kvaware_replicate.go)
 	warmable  bool                // the request's edge can send a warm-up copy (router.Request.Warmable)
@@ -673,13 +670,11 @@ func (s *KVAware) predict(ev *kvEval) {
 		ownRate = st.publishedRate()
 	}
 	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
-	behind := st.behind.mean()
-	ev.weight = s.sc.weight(rho, behind)
+	ev.weight = s.sc.weight(rho, st.behind.mean())
 	shared, meanComputed := st.placementShared(&ev.shared.place)
 	if !shared {
 		meanComputed = st.computed.mean()
 	}
-	ev.wc = s.sc.cond(rho, behind, meanComputed)
 	st.notePlacement(ev, meanComputed)
 	var decay decayMemo
 	cold := coldMin{free: math.Inf(1), all: math.Inf(1)}
@@ -776,11 +771,11 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 		m.ok, m.blocks = true, ce.blocks
 		m.matched = tierTokens(ce.blocks, bs, ev.tokens)
 		m.prefill = sc.ttft(0, ev.tokens, m.matched)
-		m.cost = sc.prefillCost(1, ev.tokens, m.matched)
+		m.cost = sc.prefillCost(ev.weight, ev.tokens, m.matched)
 	}
 	ce.matched = m.matched
 	ce.ttft = q + m.prefill
-	ce.score = ce.ttft + sc.weightAt(ev, q, m.cost)*m.cost + ce.place
+	ce.score = ce.ttft + m.cost + ce.place
 	ce.scoreStale = ce.score
 	if ce.stale != ([tiers.Count]int{}) {
 		var both [tiers.Count]int
@@ -788,8 +783,7 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 			both[t] = max(ce.blocks[t], ce.stale[t])
 		}
 		m := tierTokens(both, bs, ev.tokens)
-		work := sc.prefillCost(1, ev.tokens, m)
-		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.weightAt(ev, q, work)*work + ce.place
+		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, ev.tokens, m) + ce.place
 	}
 }
 
@@ -1020,18 +1014,11 @@ func (st *KVState) Strategy(cfg config.RoutingConfig, rnd func(uint64) uint64) (
 // share of candidates with a request in flight (an engine with work steps;
 // one without idles), averaged exponentially over
 // DefaultUtilisationWindow of the decision clock.
-//
-// Each sample stands for the time since the one before, and the average is
-// over the time observed (bias-corrected, as an exponential average
-// started from nothing must be: sum / norm, norm = 1 − e^(−observed/τ)):
-// seconds after a start it is those seconds' busy fraction, not the first
-// instant's (an idle fleet) held as if it were the window's history.
 type utilisation struct {
-	mu        sync.Mutex
-	rho       float64 // the average (sum / norm; the latest sample while norm is 0)
-	sum, norm float64 // exponential sums of the samples and of their weights
-	at        time.Time
-	set       bool
+	mu  sync.Mutex
+	rho float64
+	at  time.Time
+	set bool
 }
 
 // read folds the sample busy (observed at now) into the average when
@@ -1046,26 +1033,11 @@ func (u *utilisation) read(now time.Time, busy float64, update bool) float64 {
 		}
 		return u.rho
 	}
-	if rhoOld {
-		switch dt := now.Sub(u.at).Seconds(); {
-		case !u.set:
-			u.rho, u.set = busy, true
-		case dt > 0:
-			u.rho += (busy - u.rho) * (1 - math.Exp(-dt/DefaultUtilisationWindow.Seconds()))
-		}
-		u.at = now
-		return u.rho
-	}
 	switch dt := now.Sub(u.at).Seconds(); {
-	case dt > 0 && u.set:
-		a := 1 - math.Exp(-dt/DefaultUtilisationWindow.Seconds())
-		u.sum += (busy - u.sum) * a
-		u.norm += (1 - u.norm) * a
-		u.rho = u.sum / u.norm
-	case u.norm == 0:
-		// No time observed yet (the first decisions, one instant's
-		// burst): the state now is all there is to go by.
+	case !u.set:
 		u.rho, u.set = busy, true
+	case dt > 0:
+		u.rho += (busy - u.rho) * (1 - math.Exp(-dt/DefaultUtilisationWindow.Seconds()))
 	}
 	u.at = now
 	return u.rho

@@ -275,9 +275,6 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 		}
 		return alt, router.ReasonReplicate
 	}
-	if rentHalf {
-		saved /= 2
-	}
 	ev.rent = rentNote{key: key, rent: saved, ok: true}
 	return pick, reason
 }

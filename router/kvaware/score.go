@@ -2,7 +2,6 @@ package kvaware
 
 import (
 	"math"
-	"os"
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
@@ -260,43 +259,6 @@ func (s *kvScoring) weight(rho, behind float64) float64 {
 	return min(w, MaxAdaptiveCostWeight)
 }
 
-// weightCond is what the conditioned weight reads: ρ/(1−ρ) (odds), the
-// mean prefill time per request E[S] in seconds (svc), and the weight's
-// floor (the least weight and the measured requests behind). ok is false
-// when the weight is fixed or E[S] is not yet measured: then every
-// candidate gets the fleet's weight.
-type weightCond struct {
-	odds, svc, floor float64
-	ok               bool
-}
-
-// cond is the conditioned weight's inputs at busy fraction rho, behind
-// measured behind, and ū mean tokens computed per request.
-func (s *kvScoring) cond(rho, behind, meanComputed float64) weightCond {
-	if !s.adaptive || !(meanComputed > 0) || !(rho < 1) || condOff {
-		return weightCond{}
-	}
-	return weightCond{odds: rho / (1 - rho), svc: meanComputed / s.prefill, floor: max(s.costWeight, behind), ok: true}
-}
-
-// weightAt is the prefill cost weight of a candidate whose queue is q
-// seconds, for work seconds of prefill there: the number of requests that
-// arrive at that instance before the busy period the work joins ends.
-// An M/G/1 busy period from work x lasts x/(1−ρ) on average, and requests
-// arrive at λ = ρ/E[S], so work joining a backlog q delays
-// ρ/(1−ρ) · (q + work)/E[S] later requests. weight's ρ/(1−ρ)² is the same
-// count averaged over the backlog an arrival finds (E[q] = ρ·E[S]/(1−ρ),
-// work = E[S], M/M/1); here the router knows the backlog the work would
-// join, so it counts for that backlog instead of for the average one.
-// Floor and cap as in weight.
-func (s *kvScoring) weightAt(ev *kvEval, q, work float64) float64 {
-	c := &ev.wc
-	if !c.ok {
-		return ev.weight
-	}
-	return min(max(c.floor, c.odds*(q+work)/c.svc), MaxAdaptiveCostWeight)
-}
-
 // queue is the predicted wait before a new request's prefill starts on an
 // instance, in seconds: the router's own pending prefill tokens there,
 // or the engine's reported waiting requests when they say more (other
@@ -331,12 +293,3 @@ func (s *kvScoring) queue(pendingTokens float64, pendingReqs, inflight int, ld l
 	}
 	return wait + running*s.runningSec, load
 }
-
-// condOff (experiment switch, removed before merge).
-var condOff = os.Getenv("KVR_H4_COND") == "off"
-
-// rhoOld (experiment switch, removed before merge).
-var rhoOld = os.Getenv("KVR_H4_RHO") == "old"
-
-// rentHalf (experiment switch, removed before merge).
-var rentHalf = os.Getenv("KVR_H4_RENT") == "half"
