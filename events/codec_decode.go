@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"unsafe"
 )
 
@@ -325,27 +326,37 @@ func (d *decoder) events(b *Batch) error {
 		b.Events = make([]Event, 0, hint)
 	}
 	for i := 0; i < n; i++ {
-		var e Event
+		// Decoded in place, into the slot after the batch's events: it is
+		// zero (never used, or cleared when a batch or an event before
+		// left it), and an event that is not kept leaves it zero again.
+		if len(b.Events) == cap(b.Events) {
+			b.Events = slices.Grow(b.Events, 1)
+		}
+		e := &b.Events[:len(b.Events)+1][len(b.Events)]
 		start := d.r.off
-		known, enc, err := d.event(&e)
-		if err != nil {
-			// An event that cannot be read costs only itself when its
-			// extent can still be found: skip it whole and count it.
-			if errors.Is(err, errTruncated) {
-				return fmt.Errorf("event %d: %w", i, err)
+		known, enc, err := d.event(e)
+		if err != nil || !known {
+			kind := e.Kind
+			*e = Event{}
+			if err != nil {
+				// An event that cannot be read costs only itself when its
+				// extent can still be found: skip it whole and count it.
+				if errors.Is(err, errTruncated) {
+					return fmt.Errorf("event %d: %w", i, err)
+				}
+				d.r.off = start
+				if d.r.skip() != nil {
+					return fmt.Errorf("event %d: %w", i, err)
+				}
+				if b.Invalid == 0 {
+					b.InvalidErr = fmt.Errorf("event %d: %w", i, err)
+				}
+				b.Invalid++
+				if kind == BlockRemoved || kind == AllBlocksCleared {
+					b.InvalidRemovals++
+				}
+				continue
 			}
-			d.r.off = start
-			if d.r.skip() != nil {
-				return fmt.Errorf("event %d: %w", i, err)
-			}
-			if b.Invalid == 0 {
-				b.InvalidErr = fmt.Errorf("event %d: %w", i, err)
-			}
-			b.Invalid++
-			if e.Kind == BlockRemoved || e.Kind == AllBlocksCleared {
-				b.InvalidRemovals++
-			}
-			continue
 		}
 		if b.Encoding == 0 {
 			b.Encoding = enc
@@ -354,7 +365,7 @@ func (d *decoder) events(b *Batch) error {
 			b.Unknown++
 			continue
 		}
-		b.Events = append(b.Events, e)
+		b.Events = b.Events[:len(b.Events)+1]
 	}
 	return nil
 }

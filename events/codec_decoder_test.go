@@ -257,3 +257,29 @@ func decodeAllocs(t *testing.T, dec *Decoder, p []byte, runs int) float64 {
 		}
 	})
 }
+
+// TestDecoderSkippedEventLeavesNothing: events are decoded in place, so a
+// skipped event (unreadable, or of an unknown kind) must leave its slot as
+// it found it: a reusing Decoder fed a batch whose unreadable BlockStored
+// had its hashes, parent, tokens, medium and LoRA name read before the
+// field that fails, then batches of a BlockRemoved, returns what Decode
+// does (no field of the skipped event shows through), and the same after
+// an unknown event.
+func TestDecoderSkippedEventLeavesNothing(t *testing.T) {
+	stored := func(blockSize mp) mp {
+		return mp{}.arr(8).str("BlockStored").arr(1).u64(7).u64(6).arr(2).u32(1).u32(2).raw(blockSize...).fix(3).str("GPU").str("lora-x")
+	}
+	// The unreadable event last: its slot is past the batch's events.
+	bad := mp{}.arr(3).f64(1).arr(2).raw(stored(mp{}.fix(2))...).raw(stored(mp{}.str("not a size"))...).nil()
+	unknown := mp{}.arr(3).f64(1).arr(2).raw(stored(mp{}.fix(2))...).arr(3).str("Other").arr(1).u64(9).str("GPU").nil()
+	removed := mp{}.arr(3).f64(2).arr(2).arr(3).str("BlockRemoved").arr(1).u64(7).str("CPU").arr(3).str("BlockRemoved").arr(1).u64(8).str("CPU").nil()
+	for _, retain := range []bool{false, true} {
+		dec := Decoder{Retain: retain}
+		for _, p := range [][]byte{bad, removed, bad, unknown, removed, removed} {
+			decodeBoth(t, &dec, p)
+		}
+		if b, _ := decodeBoth(t, &dec, bad); b.Invalid != 1 || len(b.Events) != 1 {
+			t.Fatalf("retain %v: the unreadable event not skipped alone: %+v", retain, b)
+		}
+	}
+}

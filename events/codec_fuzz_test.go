@@ -154,3 +154,24 @@ func benchDecode(b *testing.B, p []byte, blocks int) {
 	}
 	b.ReportMetric(float64(blocks)*float64(b.N)/b.Elapsed().Seconds(), "blocks/s")
 }
+
+// BenchmarkDecodeRetained decodes the captured vLLM batches in turn with a
+// retaining Decoder, as kvbridge does (every batch kept until its ack;
+// here dropped in order), per batch.
+func BenchmarkDecodeRetained(b *testing.B) {
+	var ps [][]byte
+	for _, c := range loadCaptures(b) {
+		if c.File == "array.jsonl" {
+			ps = append(ps, c.payload(b))
+		}
+	}
+	var dec Decoder
+	dec.Retain = true
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if _, err := dec.Decode(ps[i%len(ps)]); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -114,10 +114,9 @@ func (in *instance) seal(ctx context.Context) error {
 	payload := first.Payload
 	if n := len(g.msgs); n > 1 {
 		h.Batches = n
-		payload = make([]byte, 0, g.bytes)
-		for _, m := range g.msgs {
-			payload = append(payload, m.Payload...)
-		}
+		// Without a copy when the payloads lie back to back as the
+		// subscriber read them (enginezmq.JoinPayloads).
+		payload, _ = enginezmq.JoinPayloads(g.msgs)
 		in.coalesced.Add(1)
 		in.coalescedBatches.Add(uint64(n))
 		if uint64(n) > in.maxCoalesced.Load() {

@@ -1,10 +1,14 @@
 package bridge
 
 import (
+	"bytes"
 	"fmt"
 	"log/slog"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/events/eventstest"
@@ -57,18 +61,97 @@ func TestCoalescedAppliedWhole(t *testing.T) {
 // buffer; its engine endpoint answers nothing (messages are put in the
 // instance's buffer as its subscriber would), and it is not probed.
 func startBridge(t testing.TB, coalesce, buffer int) *instance {
+	br, _, _ := runBridge(t, coalesce, buffer, fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)), nil)
+	testenv.WaitFor(t, 20*time.Second, "bridge ready", br.Ready)
+	return br.insts[0]
+}
+
+// runBridge runs a bridge as startBridge describes, its engine at
+// endpoint; it returns the bridge, its NATS connection and its stream's
+// name. accept, if set, runs once the bridge is running (an engine
+// taking the subscriber's connection).
+func runBridge(t testing.TB, coalesce, buffer int, endpoint string, accept func()) (*Bridge, *nats.Conn, string) {
 	ctx := testenv.Context(t, 10*time.Minute)
 	nc := testenv.Connect(t, testenv.StartNATS(t).URL())
 	name := testenv.UniqueName(t)
 	br, err := New(Config{Pool: "p", Conn: nc, Coalesce: coalesce, Buffer: buffer,
 		Stream:              kvstream.StreamConfig{Name: "EV_" + name},
 		Bucket:              kvstream.BucketConfig{Name: "SN_" + name},
-		Sources:             []Source{{Instance: "i0", Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))}},
+		Sources:             []Source{{Instance: "i0", Endpoint: endpoint}},
 		EngineProbeInterval: -1, SnapshotInterval: time.Hour, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	testenv.Go(t, ctx, br.Run)
+	if accept != nil {
+		accept()
+	}
+	return br, nc, "EV_" + name
+}
+
+// TestCoalescedFromSubscriber: engine messages read by the dialing
+// subscriber from a ZMTP stream (vLLM's captured bytes) and joined 64 to a
+// NATS message (their payloads a slice over the subscriber's chunk, not a
+// copy: enginezmq.JoinPayloads) reach the stream byte for byte: every
+// message's payload is its batches' engine payloads in seq order, every
+// engine seq once, in order.
+func TestCoalescedFromSubscriber(t *testing.T) {
+	ps := eventstest.CapturedPayloads(t, "array.jsonl")
+	const n = 5000
+	pub := eventstest.NewStreamPUB(t, "kv@127.0.0.1:8000@m", ps)
+	br, nc, stream := runBridge(t, DefaultCoalesce, n+16, pub.Endpoint(), func() {
+		if err := pub.Accept(30 * time.Second); err != nil {
+			t.Fatal(err)
+		}
+	})
 	testenv.WaitFor(t, 20*time.Second, "bridge ready", br.Ready)
-	return br.insts[0]
+	base := br.insts[0].stats().Published
+	if err := pub.Send(0, n); err != nil {
+		t.Fatal(err)
+	}
+	testenv.WaitFor(t, time.Minute, "every engine message published", func() bool {
+		return br.insts[0].stats().Published-base >= n
+	})
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := testenv.Context(t, time.Minute)
+	cons, err := js.OrderedConsumer(ctx, stream, jetstream.OrderedConsumerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	next, coalesced := uint64(0), 0
+	for next < n {
+		m, err := cons.Next(jetstream.FetchMaxWait(10 * time.Second))
+		if err != nil {
+			t.Fatalf("after engine seq %d: %v", next, err)
+		}
+		h, err := kvstream.ParseEventHeaders(m.Headers())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !h.HasSeq || h.Synthetic != "" {
+			continue // the bridge's own (its start-up resync)
+		}
+		if h.Seq != next {
+			t.Fatalf("message starts at engine seq %d, want %d", h.Seq, next)
+		}
+		k := max(h.Batches, 1)
+		var want []byte
+		for i := range k {
+			want = append(want, ps[(h.Seq+uint64(i))%uint64(len(ps))]...)
+		}
+		if !bytes.Equal(m.Data(), want) {
+			t.Fatalf("message of engine seqs %d..%d: payload differs from its batches'", h.Seq, h.Seq+uint64(k)-1)
+		}
+		if k > 1 {
+			coalesced++
+		}
+		next += uint64(k)
+	}
+	if coalesced == 0 {
+		t.Fatal("nothing coalesced")
+	}
+	t.Logf("%d engine messages in %d coalesced NATS messages and others", n, coalesced)
 }

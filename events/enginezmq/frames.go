@@ -36,11 +36,20 @@ const keepScratch = 4 << 10
 // buffer reused by the next message, and only the last frame (the payload,
 // which the bridge keeps) is allocated. Frame sizes are those the frame
 // guard passed (bufConn); a size over MaxFrame is refused here as well.
+//
+// Payloads are carved one after another from chunks of payloadChunk bytes
+// (payloads.go), so the payloads of consecutive messages lie back to back
+// and a coalesced NATS message can be their bytes as they are, without a
+// copy (JoinPayloads).
 type zmtpReader struct {
 	r       *bufio.Reader
 	scratch []byte
 	ends    []int    // where each frame before the last ends in scratch
 	frames  [][]byte // reused by the next message
+	pay     payloads
+	// span is the last message's payload with the rest of its chunk
+	// after it (nil when it was allocated alone): Message.span.
+	span []byte
 }
 
 // next reads one message. frames are valid until the next call, but the
@@ -95,7 +104,12 @@ func (z *zmtpReader) next() (frames [][]byte, cmd bool, err error) {
 			z.ends = append(z.ends, len(z.scratch))
 			continue
 		}
-		body := make([]byte, size)
+		var body []byte
+		if cmd {
+			body, z.span = make([]byte, size), nil
+		} else {
+			body, z.span = z.pay.carve(int(size))
+		}
 		if _, err := io.ReadFull(z.r, body); err != nil {
 			return nil, false, err
 		}

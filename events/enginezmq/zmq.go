@@ -31,6 +31,9 @@ type Message struct {
 	Topic   string
 	Seq     uint64
 	Payload []byte
+	// span is Payload with the rest of the chunk it was carved from after
+	// it (payloads.go), nil when it was not: what JoinPayloads reads.
+	span []byte
 }
 
 // ParseLiveFrames parses a PUB message [topic, seq, payload]. A two-frame
@@ -311,7 +314,7 @@ func (s *Subscriber) session(ctx context.Context, handle func(Message)) (got boo
 			}
 			return got, fmt.Errorf("recv: %w", err)
 		}
-		got = s.deliver(msg.Frames, handle) || got
+		got = s.deliver(msg.Frames, nil, handle) || got
 	}
 }
 
@@ -363,7 +366,7 @@ func (s *Subscriber) dialSession(ctx context.Context, addr string, handle func(M
 			s.refused(err)
 			return got, fmt.Errorf("recv: %w", err)
 		}
-		got = s.deliver(frames, handle) || got
+		got = s.deliver(frames, zr.span, handle) || got
 	}
 }
 
@@ -397,8 +400,9 @@ func (s *Subscriber) connected() {
 }
 
 // deliver hands one message's frames on, or counts them malformed; it
-// reports whether they were a message.
-func (s *Subscriber) deliver(frames [][]byte, handle func(Message)) bool {
+// reports whether they were a message. span is the payload's (the last
+// frame's) span when it was carved from a chunk (payloads.go), else nil.
+func (s *Subscriber) deliver(frames [][]byte, span []byte, handle func(Message)) bool {
 	m, err := parseLiveFrames(frames, s.topic)
 	if err != nil {
 		s.malformed.Add(1)
@@ -409,6 +413,7 @@ func (s *Subscriber) deliver(frames [][]byte, handle func(Message)) bool {
 		return false
 	}
 	s.topic = m.Topic
+	m.span = span
 	s.messages.Add(1)
 	handle(m)
 	return true
