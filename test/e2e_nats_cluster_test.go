@@ -206,6 +206,11 @@ func TestE2ENATSQuorumLostNotHealthy(t *testing.T) {
 	// answering idle heartbeats, so nats.go reports no consume error and
 	// the consumer itself looks fine; only the stream is gone.
 	keep := f.consumerNode()
+	// And the stream's leader: it goes on answering reads for a while
+	// after losing its replicas, which a check of reads alone takes for a
+	// working stream.
+	f.moveStreamLeader(keep)
+	t.Logf("keeping node %d (the consumer's and the stream leader's)", keep)
 	killed := time.Now()
 	for i := 0; i < f.nc.Size(); i++ {
 		if i != keep {
@@ -277,4 +282,20 @@ func (f *clusterFleet) consumerNode() int {
 		return node >= 0 && l.Err() == nil
 	})
 	return node
+}
+
+// moveStreamLeader makes node lead the events stream (a leader stepdown
+// naming it as the preferred new leader, repeated until it does).
+func (f *clusterFleet) moveStreamLeader(node int) {
+	f.t.Helper()
+	nc := f.conn("stepdown")
+	body := fmt.Sprintf(`{"placement":{"preferred":%q}}`, f.nc.Server(node).Name())
+	testenv.WaitFor(f.t, 30*time.Second, fmt.Sprintf("node %d leading the stream", node), func() bool {
+		if f.nc.StreamLeader(f.stream.Name) == node {
+			return true
+		}
+		_, _ = nc.Request("$JS.API.STREAM.LEADER.STEPDOWN."+f.stream.Name, []byte(body), 2*time.Second)
+		time.Sleep(500 * time.Millisecond)
+		return f.nc.StreamLeader(f.stream.Name) == node
+	})
 }
