@@ -197,6 +197,12 @@ func (c *Consumer) stalled(ctx context.Context, info *streamInfoOnce, now time.T
 		c.streamAnswers() // it delivers
 		return false
 	}
+	if quorumLost(info.get()) {
+		// Its leader still answers reads for a few seconds (seen: 5 to
+		// more than 20) after losing its replicas, and stores nothing.
+		c.unanswered(errNoQuorum)
+		return false
+	}
 	rctx, cancel := context.WithTimeout(ctx, createTimeout)
 	msg, err := c.stream.GetLastMsgForSubject(rctx, c.evSubj)
 	cancel()
@@ -245,6 +251,30 @@ func (c *Consumer) unanswered(err error) {
 		c.cfg.Logger.Warn("consumer: the stream does not answer (no leader, deleted, or its servers down); exact routing is off until it does",
 			"stream", c.streamName, "err", err)
 	}
+}
+
+// errNoQuorum: the stream's info shows no leader, or a leader without a
+// majority of its replicas current.
+var errNoQuorum = errors.New("the stream has no leader with a quorum of current replicas")
+
+// quorumLost reports whether a clustered stream's info shows it unable to
+// store: no leader, or a leader that hears fewer than a majority of its
+// replicas (itself included) as current. A stream of one replica, or info
+// that could not be had, says nothing.
+func quorumLost(info *jetstream.StreamInfo) bool {
+	if info == nil || info.Cluster == nil || len(info.Cluster.Replicas) == 0 {
+		return false
+	}
+	if info.Cluster.Leader == "" {
+		return true
+	}
+	current := 1 // the leader
+	for _, r := range info.Cluster.Replicas {
+		if r != nil && r.Current && !r.Offline {
+			current++
+		}
+	}
+	return 2*current <= len(info.Cluster.Replicas)+1
 }
 
 // streamAnswers notes that the stream answers the watchdog again.
