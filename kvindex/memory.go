@@ -363,9 +363,10 @@ func (in *memInstance) store(h uint64, k Key, t tiers.Tier) bool {
 	*e = entry{hashLo: uint32(h), hashHi: uint32(h >> 32), node: node, prev: -1, next: -1, meta: bit}
 	in.byHash.put(at, j)
 	if alias && !in.aliased {
-		// First alias: index the instance's entries by node from now on.
+		// First alias: index the instance's entries by node from now on
+		// (every live one; j is not live yet).
 		in.aliased = true
-		in.byNode.grow(in.nodeSrc())
+		in.byNode.build(in.nodeSrc(), in.n)
 	}
 	if in.aliased {
 		if d := in.byNode.insert(in.nodeSrc(), j, uint64(node)); d >= 0 {

@@ -324,6 +324,18 @@ func (t *table) insert(ks keySrc, j int32, k uint64) int32 {
 
 func (t *table) grow(ks keySrc) { t.rebuild(ks, max(2*len(t.slots), 16)) }
 
+// build indexes ks's live items, n of them, in a table made for them: the
+// size growing from empty would have reached (at most 3/4 full with one
+// more), not grow's next size, which only fits a table that already
+// holds them all (rebuild would probe for a free slot forever).
+func (t *table) build(ks keySrc, n int) {
+	size := 16
+	for (n+1)*4 > size*3 {
+		size *= 2
+	}
+	t.rebuild(ks, size)
+}
+
 // rebuild indexes the store's live items afresh in size slots. At the
 // same size it clears the slots in place: the items are re-read from the
 // store, never from the old slots, and a fresh array would be pages the

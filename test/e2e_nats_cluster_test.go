@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
@@ -184,4 +186,116 @@ func dumpGoroutines(t *testing.T) string {
 		return "goroutine dump failed: " + err.Error()
 	}
 	return "goroutines dumped to " + f.Name()
+}
+
+// Two of the three NATS nodes killed while the engines keep changing
+// their caches: the events stream has lost its quorum, stores nothing and
+// answers nothing, so the bridges buffer and the index falls behind the
+// engines. The consumer, whose connection fails over to the one node left,
+// must not call the stream healthy (kv_aware would route exactly on the
+// frozen index) for as long as the quorum is lost, however long that is;
+// once two nodes are back, the index is exact again and healthy.
+func TestE2ENATSQuorumLostNotHealthy(t *testing.T) {
+	f := newClusterFleet(t, 2, 128, 50)
+	c, a := f.startConsumer()
+	stopPoke := f.poke()
+	defer stopPoke()
+	f.waitExact(a, "before the outage", c)
+
+	// The node holding the consumer is the one kept: its pull goes on
+	// answering idle heartbeats, so nats.go reports no consume error and
+	// the consumer itself looks fine; only the stream is gone.
+	keep := f.consumerNode()
+	// And the stream's leader: it goes on answering reads for a while
+	// after losing its replicas, which a check of reads alone takes for a
+	// working stream.
+	f.moveStreamLeader(keep)
+	t.Logf("keeping node %d (the consumer's and the stream leader's)", keep)
+	killed := time.Now()
+	for i := 0; i < f.nc.Size(); i++ {
+		if i != keep {
+			f.nc.Kill(i)
+		}
+	}
+	// Detection gets a few heartbeats (a stream request times out after
+	// two); from then on, every sample until well past the 10 s for which
+	// one consume error keeps the stream unhealthy must say unhealthy.
+	const from, until = 6 * time.Second, 20 * time.Second
+	time.Sleep(time.Until(killed.Add(from)))
+	healthy := 0
+	var first time.Duration
+	for time.Since(killed) < until {
+		if c.Healthy() {
+			if healthy == 0 {
+				first = time.Since(killed)
+			}
+			healthy++
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	stale := ""
+	for _, e := range f.engines {
+		s, m := diff(keys(a.dump(e.id)), f.truth(e))
+		stale += fmt.Sprintf(" %s: %d stale, %d missing;", e.id, s, m)
+	}
+	t.Logf("quorum lost for %v: the index against the engines:%s", until.Round(time.Second), stale)
+	if healthy > 0 {
+		t.Errorf("the consumer called the stream healthy %.1fs after two of three nodes died (%d samples of 100 ms), the stream storing nothing:%s",
+			first.Seconds(), healthy, stale)
+	}
+	for i := 0; i < f.nc.Size(); i++ {
+		if i != keep {
+			f.nc.Restart(i)
+		}
+	}
+	f.nc.WaitJetStream(60 * time.Second)
+	testenv.WaitFor(t, 60*time.Second, "healthy after the quorum is back", c.Healthy)
+	f.waitExact(a, "after the quorum is back", c)
+}
+
+// consumerNode returns the cluster node that leads the pool's consumer of
+// the events stream (the test's consumer: the fleet's only one).
+func (f *clusterFleet) consumerNode() int {
+	f.t.Helper()
+	js, err := jetstream.New(f.conn("lister"))
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	var node int
+	testenv.WaitFor(f.t, 10*time.Second, "the consumer's node", func() bool {
+		node = -1
+		s, err := js.Stream(f.ctx, f.stream.Name)
+		if err != nil {
+			return false
+		}
+		l := s.ListConsumers(f.ctx)
+		for info := range l.Info() {
+			if info.Cluster == nil {
+				continue
+			}
+			for i := 0; i < f.nc.Size(); i++ {
+				if srv := f.nc.Server(i); srv != nil && srv.Name() == info.Cluster.Leader {
+					node = i
+				}
+			}
+		}
+		return node >= 0 && l.Err() == nil
+	})
+	return node
+}
+
+// moveStreamLeader makes node lead the events stream (a leader stepdown
+// naming it as the preferred new leader, repeated until it does).
+func (f *clusterFleet) moveStreamLeader(node int) {
+	f.t.Helper()
+	nc := f.conn("stepdown")
+	body := fmt.Sprintf(`{"placement":{"preferred":%q}}`, f.nc.Server(node).Name())
+	testenv.WaitFor(f.t, 30*time.Second, fmt.Sprintf("node %d leading the stream", node), func() bool {
+		if f.nc.StreamLeader(f.stream.Name) == node {
+			return true
+		}
+		_, _ = nc.Request("$JS.API.STREAM.LEADER.STEPDOWN."+f.stream.Name, []byte(body), 2*time.Second)
+		time.Sleep(500 * time.Millisecond)
+		return f.nc.StreamLeader(f.stream.Name) == node
+	})
 }

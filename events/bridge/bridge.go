@@ -321,7 +321,7 @@ type Stats struct {
 	Replays        uint64 `json:"replays"` // replays that filled a gap
 	ReplayFailures uint64 `json:"replay_failures"`
 	Clears         uint64 `json:"clears"`  // synthetic clears (gap, restart, resync)
-	Dropped        uint64 `json:"dropped"` // dropped for a full buffer
+	Dropped        uint64 `json:"dropped"` // dropped for a full buffer, or larger than the max payload
 	Malformed      uint64 `json:"malformed"`
 	Aged           uint64 `json:"aged"` // blocks removed by aging (AgeOut)
 	// Reorders counts publish failures after which the stream held the
@@ -755,6 +755,21 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 				"seq", m.Seq, "events", batch.Invalid, "first", batch.InvalidErr, "suppressed", suppressed)
 		}
 	}
+	if in.oversize(len(m.Payload), h) {
+		// NATS refuses it, at every attempt: retrying would hold every
+		// later message of the engine behind it for good. Its blocks can
+		// reach no consumer: clear the instance, as after a gap replay
+		// cannot fill (the index then holds fewer blocks than the engine,
+		// never one it does not hold).
+		in.dropped.Add(1)
+		in.b.m.drops.WithLabelValues(in.src.Instance, "oversize").Inc()
+		if err := in.seal(ctx); err != nil {
+			return err
+		}
+		in.log.Warn("engine message larger than the NATS server's max payload: dropped, clearing instance",
+			"seq", m.Seq, "bytes", len(m.Payload), "max_payload", in.b.cfg.Conn.MaxPayload())
+		return in.clear(ctx, kvstream.SyntheticGap)
+	}
 	if derr == nil && batch.InvalidRemovals == 0 && in.b.cfg.Coalesce > 1 {
 		// Joinable: a well-formed payload that needs no clear after it.
 		return in.join(ctx, m, batch.Events, h.Encoding)
@@ -777,6 +792,22 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 		return in.clear(ctx, kvstream.SyntheticGap)
 	}
 	return nil
+}
+
+// oversize reports whether a payload of n bytes under headers h (and the
+// message id every publish adds) is more than the server takes.
+func (in *instance) oversize(n int, h kvstream.EventHeaders) bool {
+	mp := in.b.cfg.Conn.MaxPayload()
+	if mp <= 0 {
+		return false
+	}
+	hdr := len("NATS/1.0\r\n\r\n") + len(nats.MsgIdHdr) + len(in.b.cfg.Pool) + len(in.src.Instance) + len(in.b.runID) + 24 + 4
+	for k, vs := range h.Header() {
+		for _, v := range vs {
+			hdr += len(k) + len(v) + 4
+		}
+	}
+	return int64(n+hdr) > mp
 }
 
 // applyAcked folds acknowledged engine messages into the table: one, or

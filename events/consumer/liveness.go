@@ -19,6 +19,12 @@ func (c *Consumer) seen(in *inst, t time.Time) { c.seenAt(in, t, time.Now()) }
 // seenAt is seen with the clock already read (now): a stream message's
 // path reads it once.
 func (c *Consumer) seenAt(in *inst, t, now time.Time) {
+	if t.After(now) {
+		// Stored by a NATS server whose clock runs ahead of ours: it was
+		// seen now, not later (else it would stay live for StaleAfter
+		// plus the skew after going silent).
+		t = now
+	}
 	if t.After(in.lastSeen) {
 		in.lastSeen = t
 	}

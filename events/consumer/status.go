@@ -67,8 +67,8 @@ type InstanceStatus struct {
 }
 
 // Healthy reports whether the stream is being consumed: NATS connected,
-// the consumer running, no consume error in the last 10s unless a
-// delivery has followed it, not more than
+// the consumer running, no consume error (the stream not answering the
+// watchdog is one) in the last 10s unless a delivery has followed it, not more than
 // MaxLag behind the stream, and a shared index reachable with its data.
 // The exact (kv_aware) strategy falls back to the heuristic when it is not.
 func (c *Consumer) Healthy() bool {

@@ -88,6 +88,7 @@ type streamCons struct {
 	pending      uint64
 	pendingSince time.Time
 	recreated    bool
+	silent       bool // the stream's last check went unanswered
 	// created is when the stream being consumed was created (JetStream
 	// keeps it across server restarts and leader changes): another time
 	// is another stream under the same name.
@@ -193,6 +194,13 @@ func (c *Consumer) stalled(ctx context.Context, info *streamInfoOnce, now time.T
 	last := time.Unix(0, s.at.Load())
 	if s.busy.Load() || now.Sub(last) < heartbeat {
 		s.pending = 0
+		c.streamAnswers() // it delivers
+		return false
+	}
+	if quorumLost(info.get()) {
+		// Its leader still answers reads for a few seconds (seen: 5 to
+		// more than 20) after losing its replicas, and stores nothing.
+		c.unanswered(errNoQuorum)
 		return false
 	}
 	rctx, cancel := context.WithTimeout(ctx, createTimeout)
@@ -200,12 +208,17 @@ func (c *Consumer) stalled(ctx context.Context, info *streamInfoOnce, now time.T
 	cancel()
 	if err != nil {
 		// No message (nothing to deliver) or no answer (the stream is
-		// down, nothing a new consumer would get either): not stalled.
+		// down, nothing a new consumer would get either): not stalled;
+		// but a stream that does not answer stores nothing, and the
+		// index falls behind the engines meanwhile (unanswered).
 		if !errors.Is(err, jetstream.ErrMsgNotFound) {
-			c.cfg.Logger.Debug("consumer: watchdog: stream's last message", "err", err)
+			c.unanswered(err)
+		} else {
+			c.streamAnswers()
 		}
 		return false
 	}
+	c.streamAnswers()
 	s.mu.Lock()
 	seq := s.seq
 	s.mu.Unlock()
@@ -221,6 +234,55 @@ func (c *Consumer) stalled(ctx context.Context, info *streamInfoOnce, now time.T
 		return false
 	}
 	return now.Sub(s.pendingSince) >= stallHeartbeats*heartbeat
+}
+
+// unanswered records that the stream did not answer the watchdog: no
+// leader (its quorum lost), deleted, or its servers gone. Nothing can be
+// stored meanwhile, so the engines' changes wait in their bridges and the
+// index falls behind them, while the consumer may look fine (its pull on a
+// surviving node goes on answering idle heartbeats, so nats.go reports no
+// error). It counts as a consume error, renewed at every unanswered check:
+// Healthy says no until a delivery or until 10 s after the stream answers.
+func (c *Consumer) unanswered(err error) {
+	c.lastErr.Store(time.Now().UnixNano())
+	c.m.consumeErrors.Inc()
+	if !c.sc.silent {
+		c.sc.silent = true
+		c.cfg.Logger.Warn("consumer: the stream does not answer (no leader, deleted, or its servers down); exact routing is off until it does",
+			"stream", c.streamName, "err", err)
+	}
+}
+
+// errNoQuorum: the stream's info shows no leader, or a leader without a
+// majority of its replicas current.
+var errNoQuorum = errors.New("the stream has no leader with a quorum of current replicas")
+
+// quorumLost reports whether a clustered stream's info shows it unable to
+// store: no leader, or a leader that hears fewer than a majority of its
+// replicas (itself included) as current. A stream of one replica, or info
+// that could not be had, says nothing.
+func quorumLost(info *jetstream.StreamInfo) bool {
+	if info == nil || info.Cluster == nil || len(info.Cluster.Replicas) == 0 {
+		return false
+	}
+	if info.Cluster.Leader == "" {
+		return true
+	}
+	current := 1 // the leader
+	for _, r := range info.Cluster.Replicas {
+		if r != nil && r.Current && !r.Offline {
+			current++
+		}
+	}
+	return 2*current <= len(info.Cluster.Replicas)+1
+}
+
+// streamAnswers notes that the stream answers the watchdog again.
+func (c *Consumer) streamAnswers() {
+	if c.sc.silent {
+		c.sc.silent = false
+		c.cfg.Logger.Info("consumer: the stream answers again", "stream", c.streamName)
+	}
 }
 
 // renewed reports whether the stream was created again since it was
