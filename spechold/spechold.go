@@ -1,10 +1,12 @@
 // Package spechold keeps speculative holds: block keys counted as held by
 // an instance until an expiry, while the instance's cache epoch stays the
-// one they were made in. A router's own speculative overlay and the holds
-// its peer replicas announce (replicasync) are both a Set. The Set is
-// bounded: insertions go into a FIFO ring whose capacity is the bound, so
-// the oldest make way, and since holds mostly share one lifetime,
-// insertion order is expiry order and the ring also finds the expired.
+// one they were made in. A router's own speculative overlay is a Chains
+// (a record per run of a prompt's chain, chains.go); the holds its peer
+// replicas announce (replicasync) are a Set (an entry per block). Both
+// are bounded in (block, instance) entries: insertions go into a FIFO
+// ring whose capacity is the bound, so the oldest make way, and since
+// holds mostly share one lifetime, insertion order is expiry order and
+// the ring also finds the expired.
 package spechold
 
 import (
