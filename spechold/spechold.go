@@ -1,10 +1,12 @@
 // Package spechold keeps speculative holds: block keys counted as held by
 // an instance until an expiry, while the instance's cache epoch stays the
-// one they were made in. A router's own speculative overlay and the holds
-// its peer replicas announce (replicasync) are both a Set. The Set is
-// bounded: insertions go into a FIFO ring whose capacity is the bound, so
-// the oldest make way, and since holds mostly share one lifetime,
-// insertion order is expiry order and the ring also finds the expired.
+// one they were made in. A router's own speculative overlay is a Chains
+// (a record per run of a prompt's chain, chains.go); the holds its peer
+// replicas announce (replicasync) are a Set (an entry per block). Both
+// are bounded in (block, instance) entries: insertions go into a FIFO
+// ring whose capacity is the bound, so the oldest make way, and since
+// holds mostly share one lifetime, insertion order is expiry order and
+// the ring also finds the expired.
 package spechold
 
 import (
@@ -260,36 +262,47 @@ func (s *Set[K]) insert(k uint64, h hold) {
 	s.live++
 }
 
-// remove empties live slot i, moving later slots of its probe run back
-// where their home allows (no tombstones: the key is in the slot, so its
-// home is known without another read).
+// remove empties live slot i (see backshift).
 func (s *Set[K]) remove(i int) {
-	n := len(s.tab)
-	for j := (i + 1) & (n - 1); s.tab[j].first.inst != 0; j = (j + 1) & (n - 1) {
-		// Slot j may move to i unless its home lies cyclically in (i, j].
-		if h := home(s.tab[j].key, n); (j-h)&(n-1) >= (j-i)&(n-1) {
-			s.tab[i] = s.tab[j]
-			i = j
-		}
-	}
-	s.tab[i] = slot{}
+	backshift(s.tab, i, slotLive, slotKey)
 	s.live--
 }
 
 // grow moves the live slots into a table of twice the size.
-func (s *Set[K]) grow() {
-	old := s.tab
-	size := max(2*len(old), 16)
-	s.tab = make([]slot, size)
-	for i := range old {
-		if sl := &old[i]; sl.first.inst != 0 {
-			j := home(sl.key, size)
-			for s.tab[j].first.inst != 0 {
-				j = (j + 1) & (size - 1)
-			}
-			s.tab[j] = *sl
+func (s *Set[K]) grow() { s.tab = rehash(s.tab, max(2*len(s.tab), 16), slotLive, slotKey) }
+
+func slotLive(sl *slot) bool  { return sl.first.inst != 0 }
+func slotKey(sl *slot) uint64 { return sl.key }
+
+// backshift empties slot i of a linear-probing table, moving later slots
+// of its probe run back where their home allows (no tombstones: the key
+// is in the slot, so its home is known without another read).
+func backshift[T any](tab []T, i int, live func(*T) bool, key func(*T) uint64) {
+	n := len(tab)
+	for j := (i + 1) & (n - 1); live(&tab[j]); j = (j + 1) & (n - 1) {
+		// Slot j may move to i unless its home lies cyclically in (i, j].
+		if h := home(key(&tab[j]), n); (j-h)&(n-1) >= (j-i)&(n-1) {
+			tab[i] = tab[j]
+			i = j
 		}
 	}
+	var zero T
+	tab[i] = zero
+}
+
+// rehash returns a table of size slots holding old's live ones.
+func rehash[T any](old []T, size int, live func(*T) bool, key func(*T) uint64) []T {
+	tab := make([]T, size)
+	for i := range old {
+		if sl := &old[i]; live(sl) {
+			j := home(key(sl), size)
+			for live(&tab[j]) {
+				j = (j + 1) & (size - 1)
+			}
+			tab[j] = *sl
+		}
+	}
+	return tab
 }
 
 // touch loads the home slots of keys, independent loads whose cache misses

@@ -20,27 +20,30 @@ func TestSetLayout(t *testing.T) {
 	}
 }
 
+// boundCases are Extend's answers over keys 1..6 added by "a" until 100
+// in epoch 0 into a set of bound 4 (Set, Chains).
+var boundCases = []struct {
+	name  string
+	from  int
+	inst  string
+	epoch uint64
+	now   int64
+	want  int
+}{
+	{"the newest four kept", 2, "a", 0, 50, 6},
+	{"the oldest two made way", 0, "a", 0, 50, 0},
+	{"another instance holds nothing", 2, "b", 0, 50, 2},
+	{"another cache epoch counts nothing", 2, "a", 1, 50, 2},
+	{"expired", 2, "a", 0, 100, 2},
+}
+
 func TestSet(t *testing.T) {
 	s := New[uint64](4)
 	keys := []uint64{1, 2, 3, 4, 5, 6}
 	if ev := s.Add(keys, "a", 100, 0, 0); ev != 2 || s.Len() != 4 {
 		t.Fatalf("bound: evicted %d, held %d", ev, s.Len())
 	}
-	tests := []struct {
-		name  string
-		from  int
-		inst  string
-		epoch uint64
-		now   int64
-		want  int
-	}{
-		{"the newest four kept", 2, "a", 0, 50, 6},
-		{"the oldest two made way", 0, "a", 0, 50, 0},
-		{"another instance holds nothing", 2, "b", 0, 50, 2},
-		{"another cache epoch counts nothing", 2, "a", 1, 50, 2},
-		{"expired", 2, "a", 0, 100, 2},
-	}
-	for _, tc := range tests {
+	for _, tc := range boundCases {
 		if got := s.Extend(keys, tc.from, tc.inst, tc.epoch, tc.now); got != tc.want {
 			t.Errorf("%s: extend %d, want %d", tc.name, got, tc.want)
 		}
@@ -179,16 +182,7 @@ func TestSetAgreesWithModel(t *testing.T) {
 		for step := range 3000 {
 			now += int64(rng.IntN(3))
 			if churn && rng.IntN(40) == 0 {
-				i := rng.IntN(len(insts))
-				left = append(left, insts[i])
-				if len(left) > 1 && rng.IntN(3) == 0 {
-					j := rng.IntN(len(left) - 1)
-					insts[i] = left[j] // back under its old name
-					left = slices.Delete(left, j, j+1)
-				} else {
-					insts[i] = fmt.Sprint("n", len(all))
-					all = append(all, insts[i])
-				}
+				left, all = churnFleet(rng, insts, left, all)
 			}
 			keys := make([]uint64, rng.IntN(40))
 			root := uint64(rng.IntN(6))
@@ -242,19 +236,7 @@ func TestSetAgreesWithModel(t *testing.T) {
 			if s.Len() != m.n {
 				t.Fatalf("seed %d step %d: Len %d, model %d", seed, step, s.Len(), m.n)
 			}
-			// Exactly the names of the ring's entries have ids.
-			named := map[string]bool{}
-			for j := range m.n {
-				named[m.ring[(m.head+j)%len(m.ring)].inst] = true
-			}
-			if len(s.ids.byName) != len(named) {
-				t.Fatalf("seed %d step %d: %d names interned, %d in the ring", seed, step, len(s.ids.byName), len(named))
-			}
-			for name := range named {
-				if id := s.ids.byName[name]; id == 0 || s.ids.names[id] != name {
-					t.Fatalf("seed %d step %d: %s in the ring has id %d", seed, step, name, id)
-				}
-			}
+			checkInterned(t, &s.ids, m, seed, step)
 		}
 		if len(s.ids.names)-1 < len(all) {
 			reused++ // fewer ids were ever made than names held
@@ -308,5 +290,38 @@ func TestSetListsRoomBounded(t *testing.T) {
 	s.Drop(all, "b")
 	if got := listRoom(s); got > 4*capacity {
 		t.Fatalf("free lists keep room for %d holds, bound %d", got, capacity)
+	}
+}
+
+// churnFleet replaces one of insts: by one that left, under its old
+// name, now and then, else by a new name; it returns left and all.
+func churnFleet(rng *rand.Rand, insts, left, all []string) ([]string, []string) {
+	i := rng.IntN(len(insts))
+	left = append(left, insts[i])
+	if len(left) > 1 && rng.IntN(3) == 0 {
+		j := rng.IntN(len(left) - 1)
+		insts[i] = left[j] // back under its old name
+		left = slices.Delete(left, j, j+1)
+	} else {
+		insts[i] = fmt.Sprint("n", len(all))
+		all = append(all, insts[i])
+	}
+	return left, all
+}
+
+// checkInterned: exactly the names of the model ring's entries have ids.
+func checkInterned(t *testing.T, d *ids, m *model, seed uint64, step int) {
+	t.Helper()
+	named := map[string]bool{}
+	for j := range m.n {
+		named[m.ring[(m.head+j)%len(m.ring)].inst] = true
+	}
+	if len(d.byName) != len(named) {
+		t.Fatalf("seed %d step %d: %d names interned, %d in the ring", seed, step, len(d.byName), len(named))
+	}
+	for name := range named {
+		if id := d.byName[name]; id == 0 || d.names[id] != name {
+			t.Fatalf("seed %d step %d: %s in the ring has id %d", seed, step, name, id)
+		}
 	}
 }

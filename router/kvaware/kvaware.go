@@ -328,6 +328,7 @@ type candEval struct {
 type kvEval struct {
 	cands     []candEval
 	keys      []kvindex.Key
+	scan      specScan // keys in the speculative overlay
 	holders   []string
 	tokens    int           // prompt tokens, 0 when unknown
 	blockSize int           // tokens per block, 0 when unknown
@@ -365,6 +366,7 @@ func (st *KVState) putEval(ev *kvEval) {
 	}
 	ev.cands = ev.cands[:0]
 	ev.keptFree = nil // the request's, not the pool's
+	ev.scan.Reset()
 	clear(ev.keptSet)
 	st.evalPool.Put(ev)
 }
@@ -588,7 +590,8 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 		ev.best = max(ev.best, ce.indexed)
 	}
 	if s.spec != nil && (s.spec.Len() > 0 || st.peers.ps != nil) {
-		ev.holders = s.spec.holders(ev.holders[:0], ev.keys[0])
+		ev.scan.Reset()
+		ev.holders = s.spec.holders(ev.holders[:0], &ev.scan, ev.keys)
 		if st.peers.ps != nil {
 			ev.holders = st.peers.ps.PeerHolders(ev.holders, ev.keys[0])
 		}
@@ -602,16 +605,16 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 			if ce.stale != ([tiers.Count]int{}) || (g == 0 && st.fresh != nil && st.fresh.Stale(ce.inst.ID())) {
 				continue // nothing vouches for a stale instance, guesses included
 			}
-			below, at := specAt.at(s.spec, ev.keys, g)
-			if commit && below && s.spec.heldBy(ev.keys[g-1], ce.inst.ID()) {
+			below, at := specAt.at(s.spec, &ev.scan, ev.keys, g)
+			if commit && below && s.spec.heldBy(&ev.scan, ev.keys, g-1, ce.inst.ID()) {
 				// Events confirmed the guess up to g: hand those blocks
 				// over to the index, which will also see their eviction.
-				s.spec.confirm(ev.keys[:g], ce.inst.ID())
+				s.spec.confirm(&ev.scan, ev.keys, g, ce.inst.ID())
 			}
 			if !at && st.peers.ps == nil {
 				continue // no guess at block g: nothing to extend
 			}
-			if ext := st.extendSpec(s.spec, ev.keys, g, ce.inst.ID()); ext > g {
+			if ext := st.extendSpec(s.spec, &ev.scan, ev.keys, g, ce.inst.ID()); ext > g {
 				for t := range tiers.Count {
 					ce.blocks[t] = max(ce.blocks[t], ext)
 				}

@@ -259,11 +259,11 @@ type specProbe struct {
 
 // at reports whether any instance holds keys[g-1] (false when g is 0) and
 // keys[g] (false past the end) speculatively.
-func (p *specProbe) at(s *speculative, keys []kvindex.Key, g int) (below, at bool) {
+func (p *specProbe) at(s *speculative, sc *specScan, keys []kvindex.Key, g int) (below, at bool) {
 	if !p.ok || p.g != g {
 		p.ok, p.g = true, g
-		p.below = g > 0 && s.any(keys[g-1])
-		p.here = g < len(keys) && s.any(keys[g])
+		p.below = g > 0 && s.any(sc, keys, g-1)
+		p.here = g < len(keys) && s.any(sc, keys, g)
 	}
 	return p.below, p.here
 }

@@ -134,10 +134,10 @@ func (st *KVState) peerCounts(inst string) peerCounts {
 // extendSpec continues inst's held chain from block g with this
 // replica's speculative blocks and its peers', alternately, as far as
 // either reaches.
-func (st *KVState) extendSpec(spec *speculative, keys []kvindex.Key, g int, inst string) int {
+func (st *KVState) extendSpec(spec *speculative, sc *specScan, keys []kvindex.Key, g int, inst string) int {
 	epoch := st.lostEpoch(inst)
 	for {
-		next := spec.extend(keys, g, inst, epoch)
+		next := spec.extend(sc, keys, g, inst, epoch)
 		if st.peers.ps != nil {
 			next = st.peers.ps.PeerExtend(keys, next, inst, epoch)
 		}

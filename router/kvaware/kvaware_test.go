@@ -742,27 +742,28 @@ func TestKVScoringConfigValidate(t *testing.T) {
 func TestSpeculativeOverlayBound(t *testing.T) {
 	clock := newTestClock()
 	s := newSpeculative(time.Second, 100, clock.Now)
+	var sc specScan
 	keys := kvindex.Keys(kvindex.Root("m", "", ""), promptTokens(1, 16*150), 16)
 	s.add(keys, "a", 0)
 	if s.Len() != 100 {
 		t.Fatalf("len %d, want the bound 100", s.Len())
 	}
-	if got := s.extend(keys, 0, "a", 0); got != 100 {
+	if got := s.extend(&sc, keys, 0, "a", 0); got != 100 {
 		t.Fatalf("extend %d, want the first 100 blocks kept", got)
 	}
-	if got := s.extend(keys, 0, "a", 1); got != 0 {
+	if got := s.extend(&sc, keys, 0, "a", 1); got != 0 {
 		t.Fatalf("holds of an earlier cache epoch count: extend %d", got)
 	}
 	other := kvindex.Keys(kvindex.Root("m", "", ""), promptTokens(2, 16*60), 16)
 	s.add(other, "b", 0) // evicts a's 60 oldest
-	if got := s.extend(keys, 0, "a", 0); got != 0 {
+	if got := s.extend(&sc, keys, 0, "a", 0); got != 0 {
 		t.Fatalf("a's leading blocks should be evicted, extend %d", got)
 	}
-	if got := s.extend(other, 0, "b", 0); got != 60 {
+	if got := s.extend(&sc, other, 0, "b", 0); got != 60 {
 		t.Fatalf("b extend %d, want 60", got)
 	}
 	clock.Advance(2 * time.Second)
-	if got := s.extend(other, 0, "b", 0); got != 0 {
+	if got := s.extend(&sc, other, 0, "b", 0); got != 0 {
 		t.Fatalf("expired entries still held: %d", got)
 	}
 	s.add(other[:1], "c", 0)
@@ -952,7 +953,7 @@ func TestDryPickLeavesOverlay(t *testing.T) {
 	first := kvPick(t, s, kvRequest("d", tokens), w.insts) // speculates all 32 blocks
 	id := first.Instance.ID()
 	w.store(id, tokens, 0, 16) // events confirm half
-	held := func() bool { return s.spec.heldBy(keys[0], id) }
+	held := func() bool { var sc specScan; return s.spec.heldBy(&sc, keys, 0, id) }
 	if !held() {
 		t.Fatal("the first pick left no speculative entry")
 	}

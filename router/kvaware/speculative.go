@@ -19,24 +19,30 @@ import (
 // Entries are never confirmed explicitly: once the engine's events reach the
 // index, the index reports the same blocks and the overlay adds nothing; an
 // entry the engine never confirms (the request failed, the blocks were
-// evicted at once) simply expires. The holds are a spechold.Set (bounded,
-// oldest first out), as the peers' announced holds are (replicasync).
+// evicted at once) simply expires. The holds are kept per run of a
+// prompt's chain (spechold.Chains: one record per pick, bounded in
+// (block, instance) entries, oldest first out) and read through the
+// decision's Scan of its prompt; the peers' announced holds are a
+// spechold.Set (replicasync).
 type speculative struct {
 	ttl time.Duration
 	now func() time.Time
-	set *spechold.Set[kvindex.Key]
+	set *spechold.Chains[kvindex.Key]
 }
 
+// specScan is a decision's scan of its prompt's keys in the overlay.
+type specScan = spechold.Scan[kvindex.Key]
+
 func newSpeculative(ttl time.Duration, capacity int, now func() time.Time) *speculative {
-	return &speculative{ttl: ttl, now: now, set: spechold.New[kvindex.Key](capacity)}
+	return &speculative{ttl: ttl, now: now, set: spechold.NewChains[kvindex.Key](capacity)}
 }
 
 // Len is the number of (key, instance) entries held, expired ones included
 // until the next insertion sweeps them.
 func (s *speculative) Len() int { return s.set.Len() }
 
-// add records keys as held by inst until now+ttl, while inst's cache
-// epoch stays epoch.
+// add records keys (a run of a prompt's chain) as held by inst until
+// now+ttl, while inst's cache epoch stays epoch.
 func (s *speculative) add(keys []kvindex.Key, inst string, epoch uint64) {
 	if s == nil || len(keys) == 0 || s.set.Cap() == 0 {
 		return
@@ -51,28 +57,35 @@ func (s *speculative) add(keys []kvindex.Key, inst string, epoch uint64) {
 // extend returns how far inst's speculative holds continue the chain keys
 // from block `from`: the largest k >= from such that keys[from:k] are all
 // held by inst, unexpired, and made in inst's current cache epoch.
-func (s *speculative) extend(keys []kvindex.Key, from int, inst string, epoch uint64) int {
+func (s *speculative) extend(sc *specScan, keys []kvindex.Key, from int, inst string, epoch uint64) int {
 	if s == nil {
 		return from
 	}
-	return s.set.Extend(keys, from, inst, epoch, s.now().UnixNano())
+	return s.set.Extend(sc, keys, from, inst, epoch, s.now().UnixNano())
 }
 
-// any reports whether any instance holds key speculatively (expired or not).
-func (s *speculative) any(key kvindex.Key) bool { return s.set.Any(key) }
+// any reports whether any instance holds keys[j] speculatively (expired
+// or not).
+func (s *speculative) any(sc *specScan, keys []kvindex.Key, j int) bool {
+	return s.set.Any(sc, keys, j)
+}
 
 // holders appends to dst the instances holding keys[0] speculatively.
-func (s *speculative) holders(dst []string, key kvindex.Key) []string {
+func (s *speculative) holders(dst []string, sc *specScan, keys []kvindex.Key) []string {
 	if s == nil {
 		return dst
 	}
-	return s.set.Holders(dst, key, s.now().UnixNano())
+	return s.set.Holders(dst, sc, keys, s.now().UnixNano())
 }
 
-// heldBy reports whether inst holds key speculatively (expired or not).
-func (s *speculative) heldBy(key kvindex.Key, inst string) bool { return s.set.HeldBy(key, inst) }
+// heldBy reports whether inst holds keys[j] speculatively (expired or not).
+func (s *speculative) heldBy(sc *specScan, keys []kvindex.Key, j int, inst string) bool {
+	return s.set.HeldBy(sc, keys, j, inst)
+}
 
-// confirm drops inst's holds of keys: the index now reports those blocks
-// itself, and a hold left behind would outlive a later eviction (the
-// index would say "gone", the overlay "held") until its TTL.
-func (s *speculative) confirm(keys []kvindex.Key, inst string) { s.set.Drop(keys, inst) }
+// confirm drops inst's holds of keys[:n]: the index now reports those
+// blocks itself, and a hold left behind would outlive a later eviction
+// (the index would say "gone", the overlay "held") until its TTL.
+func (s *speculative) confirm(sc *specScan, keys []kvindex.Key, n int, inst string) {
+	s.set.Drop(sc, keys, n, inst)
+}
