@@ -301,11 +301,22 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 // publishes blocks the instance does not hold.
 func (c *Consumer) publisher(w work, in *inst) {
 	id := w.header.Get(jetstream.MsgIDHeader)
-	prefix := c.cfg.Pool + "." + w.instance + "."
-	if !strings.HasPrefix(id, prefix) {
+	// The prefix <pool>.<instance>. checked piece by piece: the joined
+	// string was an allocation per message once the names passed 32 bytes.
+	rest, ok := strings.CutPrefix(id, c.cfg.Pool)
+	if ok {
+		rest, ok = strings.CutPrefix(rest, ".")
+	}
+	if ok {
+		rest, ok = strings.CutPrefix(rest, w.instance)
+	}
+	if ok {
+		rest, ok = strings.CutPrefix(rest, ".")
+	}
+	if !ok {
 		return
 	}
-	run, _, ok := strings.Cut(id[len(prefix):], ".")
+	run, _, ok := strings.Cut(rest, ".")
 	if !ok || run == in.run {
 		return
 	}
@@ -476,9 +487,7 @@ func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.
 		return true
 	}
 	c.m.applied.Inc()
-	for i := range batch.Events {
-		c.m.eventCounter(batch.Events[i].Kind).Inc()
-	}
+	c.m.countEvents(batch.Events)
 	c.m.stored.Add(float64(res.Stored))
 	c.m.removed.Add(float64(res.Removed))
 	c.countDropped(res)
