@@ -506,6 +506,21 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		}
 	}
 	if o.cleared {
+		// Drop this instance's old field from every block it held (the
+		// blocks re-stored after the clear are written under the new id
+		// below), before the commit: once the commit names the new id,
+		// nothing lists the old one's fields any more, so removals cut
+		// off after it (Redis hung or gone while the pipeline was sent)
+		// would stay in Redis for good. Cut off before the commit, the
+		// removals leave the incarnation that still counts short, and
+		// the write's error marks the instance (unsettle, settle): it
+		// reads as unseeded and is reloaded, and the reload, still under
+		// the old id, removes what is left of it.
+		if oldFid != "" {
+			for _, v := range m.vals {
+				cmd("hdel", r.blockKey(v.key), oldArg)
+			}
+		}
 		counts = [1 + tiers.Count]int{}
 	}
 	var rec []byte
@@ -562,16 +577,6 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	entry := strconv.FormatInt(now.UnixMilli(), 10) + " " + fidHex + " " + instance
 	reg := redis.NewSliceCmd(ctx, "evalsha", regScript.Hash(), 1, r.regKey(), id, entry, instance, fidHex, prevHex)
 	_ = pipe.Process(ctx, onceSliceCmd{reg})
-	if o.cleared && oldFid != "" {
-		// Drop this instance's old field from every block it held, after
-		// the commit: the fields stop counting when the commit names the
-		// new id, and a pipeline cut short before the commit (Redis hung
-		// or gone while it was being sent) must not take fields from the
-		// incarnation that still counts.
-		for _, v := range m.vals {
-			cmd("hdel", r.blockKey(v.key), oldArg)
-		}
-	}
 	storeBS := r.bs.configured == 0 && r.bs.get() != 0 && !r.bsStored.Load()
 	if storeBS {
 		// For routers that start while the pool is idle (see Epoch).
@@ -686,7 +691,9 @@ func (r *Redis) unsettle(ctx context.Context, m *instMap, mkey string, placed []
 			break
 		}
 	}
-	m.unsettled.Store(!marked)
+	if !marked {
+		m.unsettled.Add(1)
+	}
 }
 
 // markCmd is the mark of an instance whose state is not known: its
@@ -702,16 +709,20 @@ func (r *Redis) markCmd(ctx context.Context, mkey string) *redis.Cmd {
 
 // settle marks the instance if a write of this process left it
 // unsettled without its mark's answer (see unsettle); the caller holds
-// m.mu or does not need it (the flag is atomic, the mark idempotent).
+// m.mu or does not need it (the count is atomic, the mark idempotent).
 func (r *Redis) settle(ctx context.Context, m *instMap, mkey string) error {
-	if !m.unsettled.Load() {
+	n := m.unsettled.Load()
+	if n == 0 {
 		return nil
 	}
 	mark := r.markCmd(ctx, mkey)
 	if err := r.rdb.Process(ctx, onceCmd{mark}); err != nil {
 		return r.failed(fmt.Errorf("kvindex: redis: mark %s after a write of unknown outcome: %w", m.name, err))
 	}
-	m.unsettled.Store(false)
+	// Only the failures this mark answers: one recorded while it was
+	// under way (a concurrent write's) keeps the count, and is marked
+	// again.
+	m.unsettled.CompareAndSwap(n, 0)
 	return nil
 }
 

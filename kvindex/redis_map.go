@@ -108,10 +108,11 @@ type instMap struct {
 	leased time.Time
 	used   uint64 // mapCache.tick at the last use
 	size   int    // entries counted in mapCache.total
-	// unsettled: a write of this process had an unknown outcome and the
-	// instance's mark did not get through (see Redis.unsettle); kept
-	// across drop.
-	unsettled atomic.Bool
+	// unsettled: writes of this process with an unknown outcome whose
+	// instance mark did not get through (see Redis.unsettle), counted so
+	// that a mark answering earlier ones does not clear a later one;
+	// 0: none. Kept across drop.
+	unsettled atomic.Uint64
 }
 
 // load replaces the map with the log's contents at generation gen.
