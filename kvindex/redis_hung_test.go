@@ -81,35 +81,15 @@ func TestRedisHungLoad(t *testing.T) {
 
 func testRedisHungLoad(t *testing.T, nOld, nSnap int) {
 	ctx := context.Background()
-	srv := testenv.StartRedis(t)
-	c := productionClient(t, srv.Addr)
-	var pauseNow atomic.Bool
-	r, err := NewRedis(c, RedisConfig{Prefix: testenv.UniqueName(t), Model: testModel, BlockSize: 4, ExactLookup: true,
-		Now: func() time.Time {
-			// Called once per write, between its first round trip and
-			// its pipeline: the hang starts there.
-			if pauseNow.Swap(false) {
-				srv.Pause()
-			}
-			return time.Now()
-		}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	root := Root(testModel, "", "")
 	// The old state's removals come first in the load's pipeline, the
 	// snapshot's stores after them: with more stores than removals, the
 	// take-back's first commands reach stores the load has already
 	// written, and it ends before the load's commit does.
-	old := newChain(root, nOld, 4, 1, 1)
-	snap := newChain(root, nSnap, 4, 7, 1_000_000)
-	warmPool(t, c, 8)
-	if res, err := r.LoadAt(ctx, "i", 10, []events.Event{old.stored(0, nOld)}); err != nil || res.Status != SeqApplied {
-		t.Fatalf("first load: %+v %v", res, err)
-	}
+	h := startHungLoad(t, nOld, nSnap)
+	srv, c, r, old, snap := h.srv, h.c, h.r, h.old, h.snap
 	checkLookup(t, r, query{old.keys, map[string][tiers.Count]int{"i": all(nOld)}}, "before the hang")
 
-	pauseNow.Store(true)
+	h.pauseNow.Store(true)
 	hung := time.Now()
 	res, err := r.LoadAt(ctx, "i", 20, []events.Event{snap.stored(0, nSnap)})
 	t.Logf("load during the hang: status %v, err %v, after %v", res.Status, err, time.Since(hung).Round(time.Millisecond))
@@ -147,29 +127,11 @@ func testRedisHungLoad(t *testing.T, nOld, nSnap int) {
 // the reload, still under the old id, removes them.
 func TestRedisHungLoadLeavesNoOldFields(t *testing.T) {
 	ctx := context.Background()
-	srv := testenv.StartRedis(t)
-	c := productionClient(t, srv.Addr)
-	var pauseNow atomic.Bool
-	r, err := NewRedis(c, RedisConfig{Prefix: testenv.UniqueName(t), Model: testModel, BlockSize: 4, ExactLookup: true,
-		Now: func() time.Time {
-			if pauseNow.Swap(false) {
-				srv.Pause()
-			}
-			return time.Now()
-		}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	root := Root(testModel, "", "")
 	const nOld, nSnap = 20000, 4
-	old := newChain(root, nOld, 4, 1, 1)
-	snap := newChain(root, nSnap, 4, 7, 1_000_000)
-	warmPool(t, c, 8)
-	if res, err := r.LoadAt(ctx, "i", 10, []events.Event{old.stored(0, nOld)}); err != nil || res.Status != SeqApplied {
-		t.Fatalf("first load: %+v %v", res, err)
-	}
+	h := startHungLoad(t, nOld, nSnap)
+	srv, c, r, old, snap := h.srv, h.c, h.r, h.old, h.snap
 	oldFid, _ := c.HGet(ctx, r.metaKey(instID("i")), fieldField).Result()
-	pauseNow.Store(true)
+	h.pauseNow.Store(true)
 	res, err := r.LoadAt(ctx, "i", 20, []events.Event{snap.stored(0, nSnap)})
 	t.Logf("load during the hang: %+v %v", res, err)
 	srv.Resume()
@@ -192,4 +154,43 @@ func TestRedisHungLoadLeavesNoOldFields(t *testing.T) {
 	if left > 0 {
 		t.Fatalf("%d old-incarnation fields left after a reload and a purge of the instance", left)
 	}
+}
+
+// hungLoad is a Redis index on its own redis-server, through the
+// production client, whose instance "i" holds old at position 10; setting
+// pauseNow hangs the server at the next write, between its first round
+// trip and its pipeline.
+type hungLoad struct {
+	srv       *testenv.RedisServer
+	c         redis.UniversalClient
+	r         *Redis
+	pauseNow  *atomic.Bool
+	old, snap chain
+}
+
+func startHungLoad(t *testing.T, nOld, nSnap int) hungLoad {
+	t.Helper()
+	h := hungLoad{srv: testenv.StartRedis(t), pauseNow: new(atomic.Bool)}
+	h.c = productionClient(t, h.srv.Addr)
+	var err error
+	h.r, err = NewRedis(h.c, RedisConfig{Prefix: testenv.UniqueName(t), Model: testModel, BlockSize: 4, ExactLookup: true,
+		Now: func() time.Time {
+			// Called once per write, between its first round trip and
+			// its pipeline: the hang starts there.
+			if h.pauseNow.Swap(false) {
+				h.srv.Pause()
+			}
+			return time.Now()
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	root := Root(testModel, "", "")
+	h.old = newChain(root, nOld, 4, 1, 1)
+	h.snap = newChain(root, nSnap, 4, 7, 1_000_000)
+	warmPool(t, h.c, 8)
+	if res, err := h.r.LoadAt(context.Background(), "i", 10, []events.Event{h.old.stored(0, nOld)}); err != nil || res.Status != SeqApplied {
+		t.Fatalf("first load: %+v %v", res, err)
+	}
+	return h
 }
