@@ -241,22 +241,35 @@ func TestSequencedLiveBurst(t *testing.T) {
 		// a goroutine can wait tens of milliseconds for a core (at 20 ms
 		// this failed 5 of 6 runs at load average 35, late intents and a
 		// burst split over two epochs).
-		got, reps := burst(t, replicasync.MaxSequence, shadowed)
-		var held int64
-		for _, w := range reps {
-			st := w.st.SequenceStats()
-			held += st.Held
-			w.st.seq.wg.Wait() // the epoch loop ends with its last epoch
-			if l := w.st.seq.sq.Stats(); l.Late > 0 {
-				t.Logf("%d late intents", l.Late)
+		//
+		// Still, a core can be away longer than that grace on a loaded
+		// machine (seen 1 in 16 runs at load average ~20 with -race):
+		// the burst is then decided as two, an outcome of the schedule,
+		// not of the rule. So a burst placed unlike one router's is tried
+		// again on new replicas, and the test fails only if three in a
+		// row are: a broken sequencing places every burst wrong.
+		var got []string
+		for try := range 3 {
+			var reps []*peerWorld
+			got, reps = burst(t, replicasync.MaxSequence, shadowed)
+			var held int64
+			for _, w := range reps {
+				st := w.st.SequenceStats()
+				held += st.Held
+				w.st.seq.wg.Wait() // the epoch loop ends with its last epoch
+				if l := w.st.seq.sq.Stats(); l.Late > 0 {
+					t.Logf("%d late intents", l.Late)
+				}
 			}
+			if held != n {
+				t.Fatalf("%d of %d requests held", held, n)
+			}
+			if slices.Equal(shape(got), wantShape) {
+				return
+			}
+			t.Logf("burst %d: sequenced replicas placed it on %v, one router on %v", try+1, got, want)
 		}
-		if held != n {
-			t.Fatalf("%d of %d requests held", held, n)
-		}
-		if !slices.Equal(shape(got), wantShape) {
-			t.Fatalf("sequenced replicas placed the burst on %v, one router on %v", got, want)
-		}
+		t.Fatalf("three sequenced bursts in a row placed unlike one router: the last on %v, one router on %v", got, want)
 	}
 	for _, shadowed := range []bool{false, true} {
 		name := "sequenced"
