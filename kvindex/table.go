@@ -214,12 +214,16 @@ func touch[K ~uint64](t *table, keys []K) {
 }
 
 // presize makes an empty table room for n items without growing.
-func (t *table) presize(n int) {
+func (t *table) presize(n int) { t.slots = newSlots(slotsFor(n)) }
+
+// slotsFor is the smallest table size (a power of two, at least 16) that
+// holds n items at most 3/4 full.
+func slotsFor(n int) int {
 	size := 16
 	for size*3 < n*4 {
 		size *= 2
 	}
-	t.slots = newSlots(size)
+	return size
 }
 
 // newSlots returns size empty slots (a table's, or a block map chunk's
@@ -328,13 +332,7 @@ func (t *table) grow(ks keySrc) { t.rebuild(ks, max(2*len(t.slots), 16)) }
 // size growing from empty would have reached (at most 3/4 full with one
 // more), not grow's next size, which only fits a table that already
 // holds them all (rebuild would probe for a free slot forever).
-func (t *table) build(ks keySrc, n int) {
-	size := 16
-	for (n+1)*4 > size*3 {
-		size *= 2
-	}
-	t.rebuild(ks, size)
-}
+func (t *table) build(ks keySrc, n int) { t.rebuild(ks, slotsFor(n+1)) }
 
 // rebuild indexes the store's live items afresh in size slots. At the
 // same size it clears the slots in place: the items are re-read from the
