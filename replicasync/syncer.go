@@ -412,6 +412,7 @@ func (s *Syncer) Run(ctx context.Context) error {
 	for {
 		select {
 		case <-ctx.Done():
+			s.leave()
 			return ctx.Err()
 		case <-t.C:
 			s.flush(true)
@@ -426,6 +427,42 @@ func (s *Syncer) Run(ctx context.Context) error {
 			armed = false
 			s.early()
 		}
+	}
+}
+
+// leave is Run's last send, when its context ends (the router is
+// exiting): the load table whole with nothing in flight or pending, so
+// that the peers stop counting this replica's requests now instead of for
+// the peer timeout after its last message. A router whose drain timed out
+// exits with requests still counted; they end with its process (found on
+// the binaries, session 19: 8 requests cut at a 3 s drain were counted by
+// a peer for ~2 s more). Recent ends stay listed (peers take them out of
+// their engine samples). Every instance this replica holds or last sent
+// is listed, zero ones as zero (the receiver drops those), so that a table
+// split over several messages zeroes them too. A message refused by the
+// byte budget or lost leaves them to the peer timeout, as before.
+func (s *Syncer) leave() {
+	s.loadBuf = s.loadBuf[:0]
+	if f := s.local.Load(); f != nil {
+		s.loadBuf = (*f)(s.loadBuf)
+	}
+	out := s.loadBuf[:0] // filtered in place
+	seen := make(map[string]bool, len(s.loadBuf)+len(s.lastSent))
+	for _, l := range s.loadBuf {
+		if seen[l.Instance] || checkName("instance", l.Instance) != nil {
+			continue
+		}
+		seen[l.Instance] = true
+		l.InFlight, l.PendingTokens, l.PendingRequests, l.Pending = 0, 0, 0, nil
+		out = append(out, l)
+	}
+	for id := range s.lastSent {
+		if !seen[id] {
+			out = append(out, Load{Instance: id})
+		}
+	}
+	if s.sendLoads(out, true) && s.cfg.Conn.IsConnected() {
+		_ = s.cfg.Conn.FlushTimeout(time.Second) // out before the connection is closed
 	}
 }
 

@@ -124,6 +124,46 @@ func TestTwoReplicasShareAndExpire(t *testing.T) {
 	})
 }
 
+// A replica that stops (Run's context ends: its process is exiting)
+// publishes its table with nothing in flight or pending: a router whose
+// drain timed out exits with requests still counted, and its peers counted
+// them as if fresh for the peer timeout (found on the binaries, session
+// 19: 8 requests cut at a 3 s drain, counted by the peer ~2 s more). Its
+// recent ends stay listed (peers take them out of engine samples). The
+// peer timeout is an hour here: only the stop's message can zero them.
+func TestStopPublishesNothingInFlight(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	long := func(name string) Config {
+		return Config{Pool: pool, Replica: name, Interval: 10 * time.Millisecond, Heartbeat: 100 * time.Millisecond, PeerTimeout: time.Hour}
+	}
+	a := startReplica(t, url, long("a"))
+	b := startReplica(t, url, long("b"))
+	a.set(Load{Instance: "i0", InFlight: 3, PendingTokens: 4000, PendingRequests: 2, Rate: 5000,
+		Pending: []Pending{{At: 100, Tokens: 1500}, {At: 200, Tokens: 2500}},
+		Ended:   []Ended{{At: 10, End: 50}}},
+		Load{Instance: "i1", InFlight: 1})
+	testenv.WaitFor(t, 10*time.Second, "b sees a", func() bool {
+		f, p, r := b.PeerLoad("i0")
+		f1, _, _ := b.PeerLoad("i1")
+		return f == 3 && p == 4000 && r == 2 && f1 == 1 && b.PeerEnded("i0", 20, 30) == 1
+	})
+	a.stop()
+	testenv.WaitFor(t, 10*time.Second, "a's requests no longer counted at b", func() bool {
+		f, p, r := b.PeerLoad("i0")
+		f1, _, _ := b.PeerLoad("i1")
+		return f == 0 && p == 0 && r == 0 && f1 == 0
+	})
+	var q PeerQueue
+	b.PeerQueue("i0", &q)
+	if len(q.Pending) != 0 || q.Unlisted != 0 {
+		t.Fatalf("a's pending prefill still counted after it stopped: %+v", q)
+	}
+	if n := b.PeerEnded("i0", 20, 30); n != 1 {
+		t.Fatalf("a's recent end dropped when it stopped: %d", n)
+	}
+}
+
 // A replica that joins catches up at once through its hello, without
 // waiting for a heartbeat: load counters and unexpired speculative blocks.
 func TestJoinCatchesUp(t *testing.T) {

@@ -174,6 +174,32 @@ func TestE2EReplicaSyncActiveActive(t *testing.T) {
 	})
 }
 
+// A router that exits with requests still counted (its drain timed out:
+// the process ends under them) says so on its way out: its peer stops
+// counting them at once, not a peer timeout after its last message. The
+// timeout is an hour here, so only the exiting replica's last message can
+// zero them (before the fix r0 counted r1's 4 requests until the timeout:
+// on the binaries, 8 requests cut at a 3 s drain were counted ~2 s more).
+func TestE2EReplicaExitZeroesItsLoad(t *testing.T) {
+	f := newClusterFleet(t, 3, 256, 1)
+	cfg := func(name string) config.Config {
+		c := f.replicaConfig(name)
+		c.Events.ReplicaSync.PeerTimeout = time.Hour
+		return c
+	}
+	r0 := f.startRouter(cfg("r0"))
+	r1 := f.startRouter(cfg("r1"))
+	wait1 := hold(t, r1, 4, 1)
+	testenv.WaitFor(t, 20*time.Second, "r0 sees r1's 4 requests", func() bool {
+		return r0.peerView(t, f.pool).inflight == 4
+	})
+	r1.stop() // the requests are cut under it, as at a drain's deadline
+	wait1()
+	testenv.WaitFor(t, 20*time.Second, "r1's requests no longer counted at r0 after it exited", func() bool {
+		return r0.peerView(t, f.pool) == loadView{}
+	})
+}
+
 // The sync's own traffic at a steady request rate through two replicas:
 // messages and bytes per second each replica sends (KV_REPLICA_SECONDS
 // sets the measuring time, default 5s). Figures for docs/BENCHMARKS.md.
