@@ -474,3 +474,53 @@ func TestE2ESnapshotStoresBesideHeartbeats(t *testing.T) {
 		}
 	}
 }
+
+// An engine message over the NATS server's max payload (a step storing
+// 25,000 blocks, ~1.4 MB against the default 1 MiB) between captured vLLM
+// batches, and a store chained onto its blocks after it, as the engine on
+// the real binaries sent (docs/BENCHMARKS.md §3, sessions 18 and 19): the
+// bridge folds it into its table and publishes a resync, so the router's
+// index ends with exactly the engine's blocks, the messages after it
+// applied in order (the consumer at the last engine seq, no gap). A
+// router started afterwards, from the snapshot and the stream, holds the
+// same.
+func TestE2EOversizeEngineMessage(t *testing.T) {
+	ps := eventstest.CapturedPayloads(t, "array.jsonl")
+	r := newRig(t, rigOpts{})
+	c, a, _ := r.startConsumer(consumer.Config{})
+	big := events.Event{Kind: events.BlockStored, BlockSize: 16, Medium: "GPU"}
+	for i := range 25000 {
+		big.BlockHashes = append(big.BlockHashes, 0x7000_0000+uint64(i))
+		for k := range 16 {
+			big.TokenIDs = append(big.TokenIDs, uint32(i*16+k)%150000+1)
+		}
+	}
+	after := events.Event{Kind: events.BlockStored, BlockSize: 16, Medium: "GPU", BlockHashes: []uint64{0x7100_0000, 0x7100_0001},
+		ParentHash: big.BlockHashes[len(big.BlockHashes)-1], HasParent: true, TokenIDs: make([]uint32, 32)}
+	var sent [][]byte
+	for _, evs := range [][]events.Event{{big}, {after}} {
+		p, err := events.Encode(nil, events.Batch{TS: 1, Events: evs}, events.EncodingArray)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sent = append(sent, p)
+	}
+	if int64(len(sent[0])) <= r.conn().MaxPayload() {
+		t.Fatalf("message of %d bytes is within the max payload", len(sent[0]))
+	}
+	all := append([][]byte{ps[0]}, sent...)
+	all = append(all, ps[1:10]...)
+	r.publish(all...)
+	want := reference(t, all...)
+	waitTable(t, a, r.instance, want)
+	st := c.Instances()[0]
+	if st.LastSeq != uint64(len(all)) || st.Gaps != 0 {
+		t.Fatalf("consumer at engine seq %d with %d gaps, want %d and none", st.LastSeq, st.Gaps, len(all))
+	}
+	if s := r.stats(); s.Dropped != 0 || s.OversizeResyncs != 1 || s.Blocks != len(want) {
+		t.Fatalf("bridge stats %+v: want no drop, one oversize resync, the engine's %d blocks", s, len(want))
+	}
+	_, a2, _ := r.startConsumer(consumer.Config{})
+	waitTable(t, a2, r.instance, want)
+	t.Logf("engine %d blocks, index %d", len(want), len(a.dump(r.instance)))
+}
