@@ -810,8 +810,9 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 // rather than the message, once per such message, which is rare.
 //
 // What the table cannot hold the consumers do not get: a table bounded
-// below what the message stores keeps its newest blocks (fewer than the
-// engine, never one it does not hold). A message that does not decode,
+// below what the message stores keeps what its bound lets it (Table:
+// the newest blocks, or none of a chain whose evicted head passes the
+// ghost bound): fewer than the engine, never one it does not hold. A message that does not decode,
 // or has a removal that cannot be read, cannot be folded in: it is
 // dropped, counted (kvbridge_drops_total{reason="oversize"}), and the
 // instance cleared, as after a gap replay cannot fill.

@@ -211,7 +211,7 @@ func TestOversizeEngineMessage(t *testing.T) {
 				if s.Dropped != 0 || s.OversizeResyncs != 1 {
 					t.Fatalf("dropped %d, oversize resyncs %d; want 0 and 1: %+v", s.Dropped, s.OversizeResyncs, s)
 				}
-				t.Logf("engine %d blocks, bridge table %d, stream %d; %d messages in the stream", len(want), len(got), routed.Len(), len(msgs))
+				t.Logf("message of %d bytes; engine %d blocks, bridge table %d, stream %d; %d messages in the stream", len(tc.big), len(want), len(got), routed.Len(), len(msgs))
 			})
 		}
 	}
@@ -226,37 +226,43 @@ func startBridgeCfg(t *testing.T, set func(*Config)) *instance {
 }
 
 // A table bounded below what the oversize message stores (--max-blocks
-// set under the engine's block count) keeps its newest blocks; the
+// set under the engine's block count) keeps what its bound lets it; the
 // resync publishes what it kept: the router then holds fewer blocks than
 // the engine, every one of them held by the engine, and the messages
-// after it are applied.
+// after it are applied. At 20,000 the table keeps the newest 20,000 of
+// the 25,000-block chain; at 10,000 the chain's evicted head passes the
+// ghost bound too (Table), which takes the whole chain with it: nothing
+// of the message is kept, still never a block the engine does not hold.
 func TestOversizeEngineMessageBoundedTable(t *testing.T) {
-	const bound = 20000
-	in := startBridgeCfg(t, func(c *Config) { c.MaxBlocks = bound })
-	ps := [][]byte{
-		storeBatch(t, 1, 3),
-		encodeBatch(t, chain(1000, 25000, 16, 0, "", "")),
-		encodeBatch(t, chain(500000, 2, 16, 25999, "", "")),
+	for _, tc := range []struct{ bound, want int }{{20000, 20000 + 2}, {10000, 2}} {
+		t.Run(fmt.Sprint(tc.bound), func(t *testing.T) {
+			in := startBridgeCfg(t, func(c *Config) { c.MaxBlocks = tc.bound })
+			ps := [][]byte{
+				storeBatch(t, 1, 3),
+				encodeBatch(t, chain(1000, 25000, 16, 0, "", "")),
+				encodeBatch(t, chain(500000, 2, 16, 25999, "", "")),
+			}
+			for i, p := range ps {
+				in.enqueue(enginezmq.Message{Topic: "kv", Seq: uint64(i + 1), Payload: p})
+			}
+			waitEngineSeq(t, in, uint64(len(ps)))
+			engine := engineTable(t, ps...)
+			routed, _ := readStream(t, in)
+			r := routed.Dump()
+			for h, p := range r {
+				if e, ok := engine[h]; !ok || e != p {
+					t.Fatalf("the router holds block %d (%+v), the engine %+v, %v", h, p, e, ok)
+				}
+			}
+			if len(r) != tc.want {
+				t.Fatalf("the router holds %d blocks, want %d", len(r), tc.want)
+			}
+			if s := in.stats(); s.Dropped != 0 || s.OversizeResyncs != 1 {
+				t.Fatalf("dropped %d, oversize resyncs %d: %+v", s.Dropped, s.OversizeResyncs, s)
+			}
+			t.Logf("engine %d blocks, router %d (table bound %d)", len(engine), len(r), tc.bound)
+		})
 	}
-	for i, p := range ps {
-		in.enqueue(enginezmq.Message{Topic: "kv", Seq: uint64(i + 1), Payload: p})
-	}
-	waitEngineSeq(t, in, uint64(len(ps)))
-	engine := engineTable(t, ps...)
-	routed, _ := readStream(t, in)
-	r := routed.Dump()
-	for h, p := range r {
-		if e, ok := engine[h]; !ok || e != p {
-			t.Fatalf("the router holds block %d (%+v), the engine %+v, %v", h, p, e, ok)
-		}
-	}
-	if len(r) != bound+2 {
-		t.Fatalf("the router holds %d blocks, want the %d the table kept of the message and the 2 after", len(r), bound)
-	}
-	if s := in.stats(); s.Dropped != 0 || s.OversizeResyncs != 1 {
-		t.Fatalf("dropped %d, oversize resyncs %d: %+v", s.Dropped, s.OversizeResyncs, s)
-	}
-	t.Logf("engine %d blocks, router %d (table bound %d)", len(engine), len(r), bound)
 }
 
 // Long blocks (256 tokens each): the table's resync chunks of 4,096
@@ -280,7 +286,7 @@ func TestOversizeResyncLongBlocks(t *testing.T) {
 	if want := engineTable(t, ps...); !reflect.DeepEqual(routed.Dump(), want) {
 		t.Fatalf("the stream builds %d blocks, the engine holds %d", routed.Len(), len(want))
 	}
-	t.Logf("%d messages in the stream", len(msgs))
+	t.Logf("message of %d bytes; %d messages in the stream", len(ps[1]), len(msgs))
 }
 
 // A message over the max payload that does not decode cannot be folded

@@ -224,7 +224,7 @@ func (in *instance) publishResync(ctx context.Context) error {
 // publishChunk publishes one chunk of a resync, and returns the stream
 // sequence of the last message published (seq when none). A chunk over
 // the server's max payload (blocks of many tokens: 4,096 blocks of 256
-// tokens are some 4 MB) is split in halves until each part fits; it
+// tokens are 3–5 MB) is split in halves until each part fits; it
 // would be refused at every attempt, as an oversize engine message was.
 // A single block that does not fit is left out, and logged: consumers
 // then hold fewer blocks than the table, never more.
