@@ -474,3 +474,72 @@ func TestE2ESnapshotStoresBesideHeartbeats(t *testing.T) {
 		}
 	}
 }
+
+// An engine message over the NATS server's max payload (a step storing
+// 25,000 blocks, 1.7 MB against the default 1 MiB) between captured vLLM
+// batches, and a store chained onto its blocks after it, as the engine on
+// the real binaries sent (docs/BENCHMARKS.md §3, sessions 18 and 19): the
+// bridge folds it into its table and publishes a resync, so the router's
+// index ends with exactly the engine's blocks, the messages after it
+// applied in order (the consumer at the last engine seq, no gap). Sent
+// live; lost on the PUB socket and filled from the replay; and live with
+// the message after it lost, so that the gap's fill checks the oversize
+// message's hash against the engine's replay (a mismatch would clear the
+// instance as restarted and resync it again). A router started
+// afterwards, from the snapshot and the stream, holds the same.
+func TestE2EOversizeEngineMessage(t *testing.T) {
+	ps := eventstest.CapturedPayloads(t, "array.jsonl")
+	big := events.Event{Kind: events.BlockStored, BlockSize: 16, Medium: "GPU"}
+	for i := range 25000 {
+		big.BlockHashes = append(big.BlockHashes, 0x7000_0000+uint64(i))
+		for k := range 16 {
+			big.TokenIDs = append(big.TokenIDs, uint32(i*16+k)%150000+1)
+		}
+	}
+	after := events.Event{Kind: events.BlockStored, BlockSize: 16, Medium: "GPU", BlockHashes: []uint64{0x7100_0000, 0x7100_0001},
+		ParentHash: big.BlockHashes[len(big.BlockHashes)-1], HasParent: true, TokenIDs: make([]uint32, 32)}
+	var sent [][]byte
+	for _, evs := range [][]events.Event{{big}, {after}} {
+		p, err := events.Encode(nil, events.Batch{TS: 1, Events: evs}, events.EncodingArray)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sent = append(sent, p)
+	}
+	all := append([][]byte{ps[0]}, sent...)
+	all = append(all, ps[1:10]...)
+	for _, tc := range []struct {
+		name string
+		lost int // index in all of a message lost on the PUB socket (0: none)
+		gaps uint64
+	}{{"live", 0, 0}, {"replayed", 1, 1}, {"next replayed", 2, 1}} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newRig(t, rigOpts{})
+			c, a, _ := r.startConsumer(consumer.Config{})
+			if int64(len(sent[0])) <= r.conn().MaxPayload() {
+				t.Fatalf("message of %d bytes is within the max payload", len(sent[0]))
+			}
+			for i, p := range all {
+				if tc.lost != 0 && i == tc.lost {
+					r.pub.Skip(p) // dropped on the way, still in the replay buffer
+					continue
+				}
+				r.publish(p)
+			}
+			want := reference(t, all...)
+			waitTable(t, a, r.instance, want)
+			st := c.Instances()[0]
+			if st.LastSeq != uint64(len(all)) || st.Gaps != 0 {
+				t.Fatalf("consumer at engine seq %d with %d gaps, want %d and none", st.LastSeq, st.Gaps, len(all))
+			}
+			s := r.stats()
+			if s.Dropped != 0 || s.OversizeResyncs != 1 || s.Clears != 2 || s.Gaps != tc.gaps || s.ReplayFailures != 0 || s.Blocks != len(want) {
+				t.Fatalf("bridge stats %+v: want no drop, one oversize resync, two resync clears (start-up and it), %d gaps replayed, the engine's %d blocks",
+					s, tc.gaps, len(want))
+			}
+			_, a2, _ := r.startConsumer(consumer.Config{})
+			waitTable(t, a2, r.instance, want)
+			t.Logf("message of %d bytes; engine %d blocks, index %d", len(sent[0]), len(want), len(a.dump(r.instance)))
+		})
+	}
+}

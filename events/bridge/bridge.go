@@ -321,9 +321,13 @@ type Stats struct {
 	Replays        uint64 `json:"replays"` // replays that filled a gap
 	ReplayFailures uint64 `json:"replay_failures"`
 	Clears         uint64 `json:"clears"`  // synthetic clears (gap, restart, resync)
-	Dropped        uint64 `json:"dropped"` // dropped for a full buffer, or larger than the max payload
-	Malformed      uint64 `json:"malformed"`
-	Aged           uint64 `json:"aged"` // blocks removed by aging (AgeOut)
+	Dropped        uint64 `json:"dropped"` // dropped for a full buffer, or larger than the max payload and unreadable
+	// OversizeResyncs counts engine messages larger than the max payload
+	// folded into the table and published as a resync (a clear, then the
+	// table in chunks that fit).
+	OversizeResyncs uint64 `json:"oversize_resyncs"`
+	Malformed       uint64 `json:"malformed"`
+	Aged            uint64 `json:"aged"` // blocks removed by aging (AgeOut)
 	// Reorders counts publish failures after which the stream held the
 	// instance's messages out of order, repaired by a resync (window.go).
 	Reorders uint64 `json:"reorders"`
@@ -389,9 +393,9 @@ type instance struct {
 	// synthetic messages; read by the snapshot goroutines.
 	enc atomic.Uint32
 
-	published, gaps, replays, replayFails, clears, dropped, malformed, aged, reorders, repairs atomic.Uint64
-	maxInFlight                                                                                atomic.Uint64 // the window's high-water mark
-	coalesced, coalescedBatches, maxCoalesced                                                  atomic.Uint64 // coalesce.go
+	published, gaps, replays, replayFails, clears, dropped, malformed, aged, reorders, repairs, oversizeResyncs atomic.Uint64
+	maxInFlight                                                                                                 atomic.Uint64 // the window's high-water mark
+	coalesced, coalescedBatches, maxCoalesced                                                                   atomic.Uint64 // coalesce.go
 	// group is the engine messages being joined into one NATS message
 	// (coalesce.go); owned by the process goroutine.
 	group group
@@ -475,7 +479,7 @@ func (in *instance) stats() Stats {
 	defer in.mu.Unlock()
 	return Stats{
 		Instance: in.src.Instance, Published: in.published.Load(), Gaps: in.gaps.Load(), Replays: in.replays.Load(),
-		ReplayFailures: in.replayFails.Load(), Clears: in.clears.Load(), Dropped: in.dropped.Load(),
+		ReplayFailures: in.replayFails.Load(), Clears: in.clears.Load(), Dropped: in.dropped.Load(), OversizeResyncs: in.oversizeResyncs.Load(),
 		Malformed: in.malformed.Load(), Aged: in.aged.Load(), Reorders: in.reorders.Load(),
 		Repairs: in.repairs.Load(), MaxInFlight: in.maxInFlight.Load(),
 		Coalesced: in.coalesced.Load(), CoalescedBatches: in.coalescedBatches.Load(), MaxCoalesced: in.maxCoalesced.Load(), Blocks: in.table.Len(), EngineDown: in.engineDown.Load(), EngineSeq: in.engineSeq, HasSeq: in.hasSeq, StreamSeq: in.streamSeq,
@@ -757,18 +761,8 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 	}
 	if in.oversize(len(m.Payload), h) {
 		// NATS refuses it, at every attempt: retrying would hold every
-		// later message of the engine behind it for good. Its blocks can
-		// reach no consumer: clear the instance, as after a gap replay
-		// cannot fill (the index then holds fewer blocks than the engine,
-		// never one it does not hold).
-		in.dropped.Add(1)
-		in.b.m.drops.WithLabelValues(in.src.Instance, "oversize").Inc()
-		if err := in.seal(ctx); err != nil {
-			return err
-		}
-		in.log.Warn("engine message larger than the NATS server's max payload: dropped, clearing instance",
-			"seq", m.Seq, "bytes", len(m.Payload), "max_payload", in.b.cfg.Conn.MaxPayload())
-		return in.clear(ctx, kvstream.SyntheticGap)
+		// later message of the engine behind it for good.
+		return in.publishOversize(ctx, m, batch, derr)
 	}
 	if derr == nil && batch.InvalidRemovals == 0 && in.b.cfg.Coalesce > 1 {
 		// Joinable: a well-formed payload that needs no clear after it.
@@ -792,6 +786,61 @@ func (in *instance) publishEngine(ctx context.Context, m enginezmq.Message) erro
 		return in.clear(ctx, kvstream.SyntheticGap)
 	}
 	return nil
+}
+
+// publishOversize publishes an engine message larger than the server's
+// max payload, which cannot go as it is, as a resync: the message is
+// folded into the table as if acknowledged (after every message before it
+// is), then a clear and the whole table follow in chunks that fit
+// (publishResync). A consumer ends with exactly the table, the message's
+// blocks included; the engine seq and payload hash become the message's,
+// so that the next message follows on and the restart checks compare
+// this one (the engine's replay holds it). Consumers need nothing new:
+// the resync is what a bridge publishes at start and after a reorder, and
+// it resets their seq continuity, so the next engine message applies
+// after it, in order.
+//
+// Why not several NATS messages cut at event boundaries: they cannot all
+// carry the message's engine seq (a consumer applies a seq once and skips
+// the others as duplicates — and a skipped part holding removals would
+// leave it blocks the engine dropped), a single event can be over the
+// limit by itself (one store of 20,000 blocks), and parts without the
+// seq would be a new kind of message for every consumer and snapshot to
+// place. The resync costs the whole table (at most MaxBlocks blocks)
+// rather than the message, once per such message, which is rare.
+//
+// What the table cannot hold the consumers do not get: a table bounded
+// below what the message stores keeps what its bound lets it (Table:
+// the newest blocks, or none of a chain whose evicted head passes the
+// ghost bound): fewer than the engine, never one it does not hold. A message that does not decode,
+// or has a removal that cannot be read, cannot be folded in: it is
+// dropped, counted (kvbridge_drops_total{reason="oversize"}), and the
+// instance cleared, as after a gap replay cannot fill.
+func (in *instance) publishOversize(ctx context.Context, m enginezmq.Message, batch events.Batch, derr error) error {
+	if err := in.flush(ctx); err != nil {
+		return err
+	}
+	mp := in.b.cfg.Conn.MaxPayload()
+	if derr != nil || batch.InvalidRemovals > 0 {
+		in.dropped.Add(1)
+		in.b.m.drops.WithLabelValues(in.src.Instance, "oversize").Inc()
+		in.log.Warn("engine message larger than the NATS server's max payload and not readable whole: dropped, clearing instance",
+			"seq", m.Seq, "bytes", len(m.Payload), "max_payload", mp, "err", derr, "invalid_removals", batch.InvalidRemovals)
+		return in.clear(ctx, kvstream.SyntheticGap)
+	}
+	in.mu.Lock()
+	cur := in.streamSeq
+	in.mu.Unlock()
+	// The stream position stays: nothing of the message is in the stream
+	// yet, and a snapshot taken meanwhile (the table with it, the old
+	// position) makes a consumer apply the resync after it, which ends the
+	// same.
+	in.applyAcked([]enginezmq.Message{m}, [][]events.Event{batch.Events}, cur)
+	in.oversizeResyncs.Add(1)
+	in.b.m.oversizeResyncs.WithLabelValues(in.src.Instance).Inc()
+	in.log.Warn("engine message larger than the NATS server's max payload: folded into the table, publishing a resync (clear, then the table)",
+		"seq", m.Seq, "bytes", len(m.Payload), "max_payload", mp)
+	return in.publishResync(ctx)
 }
 
 // oversize reports whether a payload of n bytes under headers h (and the

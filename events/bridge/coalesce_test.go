@@ -71,14 +71,24 @@ func startBridge(t testing.TB, coalesce, buffer int) *instance {
 // name. accept, if set, runs once the bridge is running (an engine
 // taking the subscriber's connection).
 func runBridge(t testing.TB, coalesce, buffer int, endpoint string, accept func()) (*Bridge, *nats.Conn, string) {
+	return runBridgeCfg(t, coalesce, buffer, endpoint, accept, nil)
+}
+
+// runBridgeCfg is runBridge with the configuration changed by set (nil:
+// as it is) before the bridge is made.
+func runBridgeCfg(t testing.TB, coalesce, buffer int, endpoint string, accept func(), set func(*Config)) (*Bridge, *nats.Conn, string) {
 	ctx := testenv.Context(t, 10*time.Minute)
 	nc := testenv.Connect(t, testenv.StartNATS(t).URL())
 	name := testenv.UniqueName(t)
-	br, err := New(Config{Pool: "p", Conn: nc, Coalesce: coalesce, Buffer: buffer,
+	cfg := Config{Pool: "p", Conn: nc, Coalesce: coalesce, Buffer: buffer,
 		Stream:              kvstream.StreamConfig{Name: "EV_" + name},
 		Bucket:              kvstream.BucketConfig{Name: "SN_" + name},
 		Sources:             []Source{{Instance: "i0", Endpoint: endpoint}},
-		EngineProbeInterval: -1, SnapshotInterval: time.Hour, Logger: slog.New(slog.DiscardHandler)})
+		EngineProbeInterval: -1, SnapshotInterval: time.Hour, Logger: slog.New(slog.DiscardHandler)}
+	if set != nil {
+		set(&cfg)
+	}
+	br, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

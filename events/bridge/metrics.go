@@ -29,6 +29,9 @@ type metrics struct {
 	tableFull   *prometheus.CounterVec
 	engineDown  *prometheus.GaugeVec
 	reorders    *prometheus.CounterVec
+	// oversizeResyncs: engine messages over the max payload published
+	// as a resync (bridge.go, publishOversize).
+	oversizeResyncs *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -47,7 +50,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		clears: ms.CounterVec("kvbridge_clears_total",
 			"Synthetic clears published, by reason (gap, restart, resync).", "instance", "reason"),
 		drops: ms.CounterVec("kvbridge_drops_total",
-			"Engine messages dropped before publishing, by reason (buffer_full: NATS outage outlasted the buffer; frames: malformed ZMQ frames; oversize: larger than the NATS server's max payload, the instance cleared).", "instance", "reason"),
+			"Engine messages dropped before publishing, by reason (buffer_full: NATS outage outlasted the buffer; frames: malformed ZMQ frames; oversize: larger than the NATS server's max payload and not readable whole, the instance cleared).", "instance", "reason"),
 		malformed: ms.CounterVec("kvbridge_malformed_payloads_total",
 			"Engine payloads that did not decode (published unchanged; the table ignores them).", "instance"),
 		publishSecs: ms.Histogram("kvbridge_publish_seconds",
@@ -72,6 +75,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			"1 while the engine's HTTP health fails and it publishes no events (heartbeats say so), else 0.", "instance"),
 		reorders: ms.CounterVec("kvbridge_publish_reorders_total",
 			"Publish failures after which the stream held the instance's messages out of order, repaired by a resync (clear, then the table).", "instance"),
+		oversizeResyncs: ms.CounterVec("kvbridge_oversize_resyncs_total",
+			"Engine messages larger than the NATS server's max payload, folded into the block table and published as a resync (clear, then the table in chunks that fit).", "instance"),
 	}
 	if err := ms.Register(reg); err != nil {
 		return nil, err

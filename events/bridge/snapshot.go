@@ -208,11 +208,7 @@ func (in *instance) publishResync(ctx context.Context) error {
 	in.clears.Add(1)
 	in.b.m.clears.WithLabelValues(in.src.Instance, kvstream.SyntheticResync).Inc()
 	for _, chunk := range chunkEvents(evs, in.b.cfg.MaxBlocksPerMessage) {
-		payload, err := events.Encode(nil, events.Batch{TS: now(), Events: chunk, DPRank: in.src.Rank, HasDPRank: true}, in.encoding())
-		if err != nil {
-			return fmt.Errorf("bridge: encode resync: %w", err)
-		}
-		if seq, err = in.publish(ctx, payload, h); err != nil {
+		if seq, err = in.publishChunk(ctx, chunk, h, seq); err != nil {
 			return err
 		}
 	}
@@ -223,6 +219,38 @@ func (in *instance) publishResync(ctx context.Context) error {
 	in.b.m.tableBlocks.WithLabelValues(in.src.Instance).Set(float64(n))
 	in.log.Info("published resync", "blocks", n, "stream_seq", seq)
 	return nil
+}
+
+// publishChunk publishes one chunk of a resync, and returns the stream
+// sequence of the last message published (seq when none). A chunk over
+// the server's max payload (blocks of many tokens: 4,096 blocks of 256
+// tokens are 3–5 MB) is split in halves until each part fits; it
+// would be refused at every attempt, as an oversize engine message was.
+// A single block that does not fit is left out, and logged: consumers
+// then hold fewer blocks than the table, never more.
+func (in *instance) publishChunk(ctx context.Context, chunk []events.Event, h kvstream.EventHeaders, seq uint64) (uint64, error) {
+	payload, err := events.Encode(nil, events.Batch{TS: now(), Events: chunk, DPRank: in.src.Rank, HasDPRank: true}, in.encoding())
+	if err != nil {
+		return seq, fmt.Errorf("bridge: encode resync: %w", err)
+	}
+	if !in.oversize(len(payload), h) {
+		return in.publish(ctx, payload, h)
+	}
+	n := 0
+	for i := range chunk {
+		n += len(chunk[i].BlockHashes)
+	}
+	if n <= 1 {
+		in.log.Warn("a block of the table is larger than the NATS server's max payload by itself: left out of the resync",
+			"bytes", len(payload), "max_payload", in.b.cfg.Conn.MaxPayload())
+		return seq, nil
+	}
+	for _, part := range chunkEvents(chunk, (n+1)/2) {
+		if seq, err = in.publishChunk(ctx, part, h, seq); err != nil {
+			return seq, err
+		}
+	}
+	return seq, nil
 }
 
 func now() float64 { return float64(time.Now().UnixNano()) / 1e9 }
