@@ -94,6 +94,9 @@ type KVState struct {
 
 	util utilisation
 
+	// placeMu guards every pendingCounter's queued average (placement.go).
+	placeMu sync.Mutex
+
 	drainRate  prefillRate   // measured prefill throughput (kvaware_drain.go)
 	prefillDef atomic.Uint64 // the configured P (float64 bits) the measured rate falls back to
 	behind     sampleMean    // requests joining a prefill busy period after another (kvaware_drain.go)
@@ -109,14 +112,21 @@ type KVState struct {
 
 // pendingCounter is the router-local prefill work routed to an instance
 // whose first response byte has not arrived yet.
+//
+// Every decision reads every candidate's counter, so the fields it reads
+// come first: tokens, reqs, doneAt and queued fill the first 64 bytes,
+// the end list's memo (first in endList) the next line; the rest is read
+// when a request is routed or ends. (At 192 bytes, a size class whose
+// objects start on a cache line, that is two lines per candidate rather
+// than three.)
 type pendingCounter struct {
 	tokens atomic.Int64
 	reqs   atomic.Int64
 	doneAt atomic.Int64 // when the routed work is predicted done, Unix ns (kvaware_drain.go)
+	queued queueAverage // predicted queue, averaged over time (placement.go); KVState.placeMu
+	ends   endList      // requests that ended recently (loadended.go)
 	period atomic.Int64 // requests routed since the pending queue was last empty
 	pl     pendList     // the pending requests themselves, with replica sync (kvaware_sharedq.go)
-	ends   endList      // requests that ended recently (loadended.go)
-	queued queueAverage // predicted queue, averaged over time (placement.go)
 }
 
 // NewKVState builds a pool's exact-routing state.
@@ -684,8 +694,14 @@ func (s *KVAware) predict(ev *kvEval) {
 	ev.cold = ev.cold[:0]
 	st.pendMu.RLock()
 	st.loads.mu.RLock()
+	st.placeMu.Lock()
 	ev.memo = scoreMemo{}
 	haveLoads := st.loads.live > 0
+	// One measured drain rate per decision, not a lock per candidate.
+	var drain float64
+	if st.peers.ps == nil {
+		drain = st.drainRate.rate(s.sc.prefill)
+	}
 	for i := range ev.cands {
 		ce := &ev.cands[i]
 		var pTok float64
@@ -696,7 +712,7 @@ func (s *KVAware) predict(ev *kvEval) {
 		}
 		if st.peers.ps == nil {
 			if pc != nil {
-				pTok = pc.drainedTokens(now, float64(pc.tokens.Load()), st.drainRate.rate(s.sc.prefill))
+				pTok = pc.drainedTokens(now, float64(pc.tokens.Load()), drain)
 			}
 		} else {
 			// Replica sync: every replica's pending prefill drains by
@@ -757,6 +773,7 @@ func (s *KVAware) predict(ev *kvEval) {
 		}
 		s.sc.score(ev, ce)
 	}
+	st.placeMu.Unlock()
 	st.loads.mu.RUnlock()
 	st.pendMu.RUnlock()
 	s.scoreCold(ev, cold)

@@ -42,26 +42,57 @@ import (
 // endList is an instance's requests that this replica saw end recently,
 // oldest first, at most replicasync.MaxEnded.
 type endList struct {
+	// ver counts changes to list (written with mu held); memo is
+	// inSample's last answer, valid while ver and the sample's (asked,
+	// got) are those it was counted for. A sample lives a scrape round and
+	// the list changes once per end on the instance, while every decision
+	// asks about every candidate: without the memo each decision scanned
+	// each candidate's list (up to MaxEnded entries), the larger part of a
+	// decision's per-candidate work at 128 instances (docs/BENCHMARKS.md
+	// §10, "Session 17"). A hit is read without taking mu: a lock and
+	// unlock per candidate and decision was, with the other two per
+	// candidate, most of what a decision's pass over 128 candidates cost
+	// ("Session 19"). They come first: what a decision reads.
+	ver  atomic.Uint64
+	memo endMemo
 	mu   sync.Mutex
 	list []replicasync.Ended
-	// ver counts changes to list; memo is inSample's last answer, valid
-	// while ver and the sample's (asked, got) are those it was counted
-	// for. A sample lives a scrape round and the list changes once per
-	// end on the instance, while every decision asks about every
-	// candidate: without the memo each decision scanned each candidate's
-	// list (up to MaxEnded entries), the larger part of a decision's
-	// per-candidate work at 128 instances (docs/BENCHMARKS.md §10,
-	// "Session 17").
-	ver  uint64
-	memo endMemo
 }
 
-// endMemo is one inSample answer and what it was counted from.
+// endMemo is one inSample answer and what it was counted from, written
+// with the list's mu held and read without it: seq is odd while a write is
+// under way, so a reader that sees the same even seq before and after
+// reading the fields read one answer whole.
 type endMemo struct {
-	ok         bool
-	ver        uint64
-	asked, got int64
-	n          int
+	seq        atomic.Uint64
+	ver        atomic.Uint64 // the list's ver counted, plus one (0: none yet)
+	asked, got atomic.Int64
+	n          atomic.Int64
+}
+
+// get returns the memo's answer for a sample (asked, got) of the list at
+// version ver; ok is false when the memo holds another one (or is being
+// written).
+func (m *endMemo) get(ver uint64, asked, got int64) (n int, ok bool) {
+	s := m.seq.Load()
+	if s&1 != 0 {
+		return 0, false
+	}
+	mv, a, g, c := m.ver.Load(), m.asked.Load(), m.got.Load(), m.n.Load()
+	if m.seq.Load() != s || mv != ver+1 || a != asked || g != got {
+		return 0, false
+	}
+	return int(c), true
+}
+
+// set records an answer; called with the list's mu held.
+func (m *endMemo) set(ver uint64, asked, got int64, n int) {
+	m.seq.Add(1)
+	m.ver.Store(ver + 1)
+	m.asked.Store(asked)
+	m.got.Store(got)
+	m.n.Store(int64(n))
+	m.seq.Add(1)
 }
 
 // add records an end, forgetting ends older than keep before it (ns).
@@ -77,7 +108,7 @@ func (l *endList) add(e replicasync.Ended, keep int64) {
 	}
 	l.list = append(l.list[:0], l.list[drop:]...)
 	l.list = append(l.list, e)
-	l.ver++
+	l.ver.Add(1)
 }
 
 // snapshot appends the ends within keep of now (Unix ns) to dst.
@@ -96,13 +127,19 @@ func (l *endList) snapshot(dst []replicasync.Ended, now, keep int64) []replicasy
 // and answered at got (Unix ns) may have counted: routed before got,
 // ended after asked.
 func (l *endList) inSample(asked, got int64) int {
+	// Each change of the list bumps ver after it: an answer for the
+	// version read here is the answer for the list as it was when read.
+	if n, ok := l.memo.get(l.ver.Load(), asked, got); ok {
+		return n
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if m := &l.memo; m.ok && m.ver == l.ver && m.asked == asked && m.got == got {
-		return m.n
+	ver := l.ver.Load()
+	if n, ok := l.memo.get(ver, asked, got); ok {
+		return n
 	}
 	n := replicasync.EndedIn(l.list, asked, got)
-	l.memo = endMemo{ok: true, ver: l.ver, asked: asked, got: got, n: n}
+	l.memo.set(ver, asked, got, n)
 	return n
 }
 

@@ -2,6 +2,8 @@ package kvaware
 
 import (
 	"context"
+	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -161,4 +163,52 @@ func TestLoadSlotsThroughCandidateIndex(t *testing.T) {
 	w.st.loads.drop(a.ID())
 	w.st.loads.drop(b.ID())
 	check("both dropped", b, idle)
+}
+
+// TestEndListConcurrentAsks: decisions read the memo without the list's
+// lock while ends are added. Each end added is in the sample asked about,
+// so the answers any reader sees never go down, and once the writer is
+// done every reader sees them all (two samples alternate, so the memo is
+// rewritten all along). Run with -race.
+func TestEndListConcurrentAsks(t *testing.T) {
+	var l endList
+	const keep = int64(time.Hour)
+	const ends = replicasync.MaxEnded - 1
+	samples := [2][2]int64{{100e6, 100e6}, {100e6, 101e6}}
+	done := make(chan struct{})
+	errs := make(chan error, 4)
+	var wg sync.WaitGroup
+	for r := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			last := [2]int{}
+			for k := 0; ; k++ {
+				s := (r + k) % 2
+				n := l.inSample(samples[s][0], samples[s][1])
+				if n < last[s] || n > ends {
+					errs <- fmt.Errorf("reader %d, sample %d: %d after %d (of %d)", r, s, n, last[s], ends)
+					return
+				}
+				last[s] = n
+				select {
+				case <-done:
+					if n := l.inSample(samples[s][0], samples[s][1]); n != ends {
+						errs <- fmt.Errorf("reader %d after the last end: %d, want %d", r, n, ends)
+					}
+					return
+				default:
+				}
+			}
+		}()
+	}
+	for i := range ends {
+		l.add(replicasync.Ended{At: int64(i) * 1e6, End: 200e6 + int64(i)}, keep) // routed before, ended after both samples
+	}
+	close(done)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
 }

@@ -2,7 +2,6 @@ package kvaware
 
 import (
 	"math"
-	"sync"
 	"time"
 )
 
@@ -83,8 +82,12 @@ import (
 // routed to yet has no history; starting it at 0 would make every new
 // instance look like the quietest and draw sessions to it until its
 // average caught up).
+//
+// Every instance's average is guarded by one lock, KVState.placeMu, which
+// a decision takes once for its pass over the candidates: a lock per
+// candidate was, with two others, most of that pass's cost at 128
+// candidates (docs/BENCHMARKS.md §10, "Session 19").
 type queueAverage struct {
-	mu   sync.Mutex
 	q    float64   // the average up to at
 	last float64   // the queue sampled at at, held since
 	at   time.Time // the last sample's time; zero before the first
@@ -98,9 +101,8 @@ type queueAverage struct {
 // order: the later sample folds in as if taken at the latest time seen).
 // decay is a one-entry memo of 1 − e^(−dt/window) shared by one
 // decision's candidates, which were mostly last updated together.
+// Called with KVState.placeMu held.
 func (b *queueAverage) read(now time.Time, q float64, update bool, decay *decayMemo) float64 {
-	b.mu.Lock()
-	defer b.mu.Unlock()
 	if !update || !(q >= 0) || math.IsInf(q, 1) {
 		return b.q
 	}
@@ -117,10 +119,8 @@ func (b *queueAverage) read(now time.Time, q float64, update bool, decay *decayM
 }
 
 // value is the average up to the last sample (what read returns without
-// update).
+// update). Called with KVState.placeMu held.
 func (b *queueAverage) value() float64 {
-	b.mu.Lock()
-	defer b.mu.Unlock()
 	return b.q
 }
 

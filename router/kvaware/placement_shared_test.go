@@ -134,7 +134,10 @@ func TestPlacementInputsSameOnEveryReplica(t *testing.T) {
 		var ws, lives []float64
 		for _, w := range worlds {
 			ws = append(ws, w.st.sharedQueued(id, new([]float64)))
-			lives = append(lives, w.st.pendingFor(id).queued.value())
+			pc := w.st.pendingFor(id)
+			w.st.placeMu.Lock()
+			lives = append(lives, pc.queued.value())
+			w.st.placeMu.Unlock()
 		}
 		if ws[0] != ws[1] || ws[1] != ws[2] {
 			t.Fatalf("%s: pooled W̄ %v differs between replicas (own %v)", id, ws, lives)
