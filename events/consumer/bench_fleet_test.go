@@ -71,8 +71,7 @@ func benchConsumerFleet(b *testing.B, s fleetShape) {
 			for inst := 0; inst < instances; inst++ {
 				name := fmt.Sprintf("e%d", inst)
 				subj, _ := kvstream.EventsSubject(pool, name)
-				p, err := events.Encode(nil, events.Batch{TS: 1.7e9, HasDPRank: true, Events: fleetStep(inst, step, s),
-					Layout: events.BatchLayout{N: 3, Map: true, Order: 0 | 1<<2 | 2<<4}}, events.EncodingMap)
+				p, err := events.Encode(nil, fleetBatch(inst, step, s), events.EncodingMap)
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -89,17 +88,7 @@ func benchConsumerFleet(b *testing.B, s fleetShape) {
 		// evicts is one the index holds.
 		n := steps * s.blocks
 		dc.capacity += instances * n
-		dc.prefill = func(idx *kvindex.Memory) {
-			for inst := 0; inst < instances; inst++ {
-				ev := events.Event{Kind: events.BlockStored, BlockSize: 16, Medium: "GPU", TokenIDs: fleetTokens(inst, fleetOld, n)}
-				for j := 0; j < n; j++ {
-					ev.BlockHashes = append(ev.BlockHashes, fleetHash(inst, fleetOld, j))
-				}
-				if _, err := idx.Apply(b.Context(), fmt.Sprintf("e%d", inst), []events.Event{ev}); err != nil {
-					b.Fatal(err)
-				}
-			}
-		}
+		dc.prefill = func(idx *kvindex.Memory) { fleetPrefill(b, idx, instances, n) }
 	}
 	drainStream(b, dc)
 }
@@ -107,6 +96,27 @@ func benchConsumerFleet(b *testing.B, s fleetShape) {
 // fleetOld is the request whose blocks an evicting stream's index holds
 // before it starts, the blocks the stream evicts (oldest first).
 const fleetOld = 0xffff
+
+// fleetPrefill stores n blocks of request fleetOld in each instance: a
+// full cache, the blocks an evicting stream removes.
+func fleetPrefill(b *testing.B, idx *kvindex.Memory, instances, n int) {
+	for inst := 0; inst < instances; inst++ {
+		ev := events.Event{Kind: events.BlockStored, BlockSize: 16, Medium: "GPU", TokenIDs: fleetTokens(inst, fleetOld, n)}
+		for j := 0; j < n; j++ {
+			ev.BlockHashes = append(ev.BlockHashes, fleetHash(inst, fleetOld, j))
+		}
+		if _, err := idx.Apply(b.Context(), fmt.Sprintf("e%d", inst), []events.Event{ev}); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// fleetBatch is fleetStep's batch as the newest vLLM writes it: a map
+// batch of map events (docs/events-codec.md).
+func fleetBatch(inst, step int, s fleetShape) events.Batch {
+	return events.Batch{TS: 1.7e9, HasDPRank: true, Events: fleetStep(inst, step, s),
+		Layout: events.BatchLayout{N: 3, Map: true, Order: 0 | 1<<2 | 2<<4}}
+}
 
 // fleetStep is instance inst's batch at step (see fleetShape): request 0
 // is the prefill chain, requests 1 … stores−1 decoding chains, one block
