@@ -87,6 +87,8 @@ type Memory struct {
 	freeSlots []uint32
 	blocks    blockMap
 	scratch   []Key
+	pfNodes   []int32 // prefetchEvents' scratch
+	pfKeys    []Key   // prefetchEvents' scratch
 
 	entries atomic.Int64 // (block, instance) entries over all instances
 	evicted atomic.Int64 // entries evicted for capacity, ever
@@ -179,12 +181,14 @@ func (m *Memory) Apply(ctx context.Context, instance string, evs []events.Event)
 	}
 	now := m.now()
 	stamp := uint32(now.Sub(m.start) / clockUnit)
-	// One event per write-locked section: a lookup waits for at most one
-	// event's blocks, not a whole batch's. The instance is looked up by
+	// One event per write-locked section, or several small ones (see
+	// sectionEnd): a lookup waits for at most one event's blocks, or
+	// sectionBlocks, not a whole batch's. The instance is looked up by
 	// name again only when a Purge ran between two sections.
 	var in *memInstance
 	var purges uint64
-	for i := 0; i < len(evs) || i == 0; i++ {
+	for i, j := 0, 0; i < len(evs) || i == 0; i = j {
+		j = sectionEnd(evs, i)
 		m.mu.Lock()
 		if in == nil || m.purges != purges {
 			var err error
@@ -200,17 +204,48 @@ func (m *Memory) Apply(ctx context.Context, instance string, evs []events.Event)
 			in.sizeHint = m.peerMean(in)
 		}
 		if i < len(evs) {
-			m.scratch = applyEvents(in, m.model, &m.bs, evs[i:i+1], &res, m.scratch)
+			if j-i > 1 {
+				m.pfNodes, m.pfKeys = in.prefetchEvents(evs[i:j], m.bs.get(), m.pfNodes, m.pfKeys)
+			}
+			m.scratch = applyEvents(in, m.model, &m.bs, evs[i:j], &res, m.scratch)
 		}
 		if m.entries.Add(int64(in.n-before)) > m.capacity {
 			m.evict(stamp)
 		}
-		if i >= len(evs)-1 {
+		if j >= len(evs) {
 			in.lastEvent = now.UnixNano()
 		}
 		m.mu.Unlock()
 	}
 	return res, nil
+}
+
+// sectionBlocks bounds the blocks of the several events one write-locked
+// section of Memory.Apply takes together: no more than one event of a
+// 1,024-token prompt chunk holds, which a section of one event may already
+// hold (a vLLM prefill chunk's BlockStored can be 32 times that), so joining
+// events adds no wait for a lookup beyond what one event can cause. A step's
+// batch often holds many one-block events (one BlockStored per decoding
+// request that filled a block, one BlockRemoved per block evicted to make
+// room); in sections they share the lock, the capacity check, and a prefetch
+// (memInstance.prefetchEvents) whose loads overlap across them.
+const sectionBlocks = 64
+
+// sectionEnd returns where the write-locked section of evs starting at i
+// ends: after evs[i], and after each next event while the section's blocks
+// stay within sectionBlocks; a clear (whose cost is the instance's whole
+// table) is always a section of its own. For i at or past the end, i+1.
+func sectionEnd(evs []events.Event, i int) int {
+	if i >= len(evs) || evs[i].Kind == events.AllBlocksCleared {
+		return i + 1
+	}
+	n, j := len(evs[i].BlockHashes), i+1
+	for ; j < len(evs) && evs[j].Kind != events.AllBlocksCleared; j++ {
+		if n += len(evs[j].BlockHashes); n > sectionBlocks {
+			break
+		}
+	}
+	return j
 }
 
 // Purge implements Index.
@@ -450,6 +485,83 @@ func (in *memInstance) prefetchRemove(hs []uint64) {
 		}
 	}
 	in.byHash.sink ^= x
+}
+
+// prefetchEvents loads, before a section of several events is applied
+// (Memory.Apply), what their look-ups and stores will read, in rounds of
+// loads that are independent across the events: the engine-hash slots of
+// each stored event's parent, its new blocks and each removed block; then
+// the entries found there; then the block-map words they lead to (a
+// parent's router key, a removed block's holder word); then, from the
+// parents' keys, the block-map index slots of the stored blocks' keys
+// (size is the pool's block size, 0 when not yet known). Applied one event
+// at a time, each one-block event's misses come one after another. nodes
+// and keys are scratch space, returned grown.
+func (in *memInstance) prefetchEvents(evs []events.Event, size int, nodes []int32, keys []Key) ([]int32, []Key) {
+	n := len(in.byHash.slots)
+	if n == 0 {
+		return nodes, keys
+	}
+	var x uint32
+	for i := range evs {
+		ev := &evs[i]
+		if ev.Kind == events.BlockStored && ev.HasParent {
+			k, _ := home(ev.ParentHash, n)
+			x |= in.byHash.slots[k]
+		}
+		if ev.Kind == events.BlockStored || ev.Kind == events.BlockRemoved {
+			for _, h := range ev.BlockHashes {
+				k, _ := home(h, n)
+				x |= in.byHash.slots[k]
+			}
+		}
+	}
+	// The entries: each stored event's parent's node, each removed
+	// block's node; noNode where there is none.
+	const noNode = int32(-1)
+	nodes = nodes[:0]
+	for i := range evs {
+		ev := &evs[i]
+		switch {
+		case ev.Kind == events.BlockStored && ev.HasParent:
+			node := noNode
+			if j := in.byHash.find(in.hashSrc(), ev.ParentHash); j >= 0 {
+				node = in.slab.at(j).node
+			}
+			nodes = append(nodes, node)
+		case ev.Kind == events.BlockRemoved:
+			for _, h := range ev.BlockHashes {
+				node := noNode
+				if j := in.byHash.find(in.hashSrc(), h); j >= 0 {
+					node = in.slab.at(j).node
+				}
+				nodes = append(nodes, node)
+			}
+		}
+	}
+	keys = keys[:0]
+	at := 0
+	for i := range evs {
+		ev := &evs[i]
+		switch {
+		case ev.Kind == events.BlockStored && ev.HasParent:
+			node := nodes[at]
+			at++
+			if node != noNode && size > 0 && len(ev.TokenIDs) == size*len(ev.BlockHashes) {
+				keys = AppendKeys(keys, *in.blocks.keyAt(node), ev.TokenIDs, size)
+			}
+		case ev.Kind == events.BlockRemoved:
+			for range ev.BlockHashes {
+				if node := nodes[at]; node != noNode {
+					x |= *in.blocks.holdAt(node)
+				}
+				at++
+			}
+		}
+	}
+	touch(&in.blocks.index, keys)
+	in.byHash.sink ^= x
+	return nodes, keys
 }
 
 func (in *memInstance) addTier(h uint64, t tiers.Tier) (mapped, added bool) {
