@@ -300,6 +300,9 @@ const (
 	fieldPos        = "#s"
 	fieldOwner      = "#o"
 	fieldOwnerUntil = "#x"
+	// fieldWriter: the lease token of the writer whose commit made the
+	// instance's current state (see takeover in Redis.apply).
+	fieldWriter = "#w"
 )
 
 // mapScript is the only writer of an instance's metadata hash (KEYS[1])
@@ -321,10 +324,13 @@ const (
 //	        a guarded write stamps it (#e), and a position stamped under
 //	        another topology does not count: the instance is unseeded
 //
-// It returns {status, position or nil, generation, field id[, log]}
-// (the log whenever the metadata has no generation: the metadata was lost
-// while the log was not, and the caller must see what the log holds)
-// (the begin; the commit: {status, position or nil, generation}), status "ok",
+// It returns {status, position or nil, generation, field id, mine[, log]}
+// (mine: "1" when the caller's token made the last guarded commit (#w),
+// "" when another writer or none did: a takeover; the log whenever the
+// metadata has no generation: the metadata was lost while the log was
+// not, and the caller must see what the log holds) (the begin; the
+// commit, which records the caller's token in #w: {status, position or
+// nil, generation}), status "ok",
 // "dup" (already at or past the new position), "owned" (another router's
 // lease), "behind" (not at the expected position) or "stale" (commit: the
 // caller's map is not the current one). The begin returns the log when
@@ -356,14 +362,20 @@ end
 local gen = redis.call('HGET', m, '#g') or ''
 if ARGV[1] == 'b' then
   local fid = redis.call('HGET', m, '#f') or ''
-  if gen == ARGV[6] and gen ~= '' then return {'ok', pos, gen, fid} end
-  return {'ok', pos, gen, fid, redis.call('LRANGE', l, 0, -1)}
+  local mine = ''
+  if guarded and redis.call('HGET', m, '#w') == ARGV[2] then mine = '1' end
+  if gen == ARGV[6] and gen ~= '' then return {'ok', pos, gen, fid, mine} end
+  return {'ok', pos, gen, fid, mine, redis.call('LRANGE', l, 0, -1)}
 end
 if gen ~= ARGV[6] then return {'stale', pos, gen} end
 if ARGV[8] == 'w' then redis.call('DEL', l) end
 if ARGV[9] ~= '' then redis.call('RPUSH', l, ARGV[9]) end
 redis.call('HSET', m, '#g', ARGV[7], '#n', ARGV[10], '#t0', ARGV[11], '#t1', ARGV[12], '#t2', ARGV[13], '#t3', ARGV[14], '#name', ARGV[15], '#f', ARGV[16])
-if guarded then redis.call('HSET', m, '#s', ARGV[5], '#e', topo) end
+if guarded then
+  redis.call('HSET', m, '#s', ARGV[5], '#e', topo, '#w', ARGV[2])
+else
+  redis.call('HDEL', m, '#w')
+end
 return {'ok', guarded and ARGV[5] or false, ARGV[7]}
 `)
 

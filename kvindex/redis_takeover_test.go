@@ -1,0 +1,96 @@
+package kvindex
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// A router (A) whose write reaches Redis late — its pipeline stalled past
+// its lease, then sat in a hung server's socket — while another router
+// (B) took the expired lease over and applied the same message and the
+// next one. A's late block writes must not change what B's position
+// says: B writes under a field id of its own (a takeover starts a new
+// incarnation), so A's late removals and stores, under the old one, no
+// longer count. A's mark never reaches Redis here (its only connection
+// is the one the pipeline went out on, and a new one cannot be set up
+// with the server stopped), as when A dies: nothing else would tell the
+// state is not whole.
+//
+// Old code: B wrote under A's field id; after A's late pipeline a lookup
+// found 3 of a's 4 blocks (the block message 12 stored back, removed by
+// A's late message 11) and b's 2 blocks that message 12 removed, with the
+// position at 12 (seeded, "whole").
+func TestRedisLateWriterAfterTakeover(t *testing.T) {
+	ctx := context.Background()
+	srv := testenv.StartRedis(t)
+	prefix := testenv.UniqueName(t)
+	const lease = time.Second // well over one write on a loaded machine (a write starts only within half of it)
+	cA, cB := productionClient(t, srv.Addr), productionClient(t, srv.Addr)
+	hook := &stallHook{}
+	cA.AddHook(hook)
+	rA, err := NewRedis(cA, RedisConfig{Prefix: prefix, Model: testModel, BlockSize: 4, WriterLease: lease, ExactLookup: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rB, err := NewRedis(cB, RedisConfig{Prefix: prefix, Model: testModel, BlockSize: 4, WriterLease: lease, ExactLookup: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	root := Root(testModel, "", "")
+	a := newChain(root, 4, 4, 1, 10)
+	b := newChain(root, 2, 4, 2, 100)
+	// Message 11 removes a's last block and stores b; message 12 stores
+	// a's last block back and removes b.
+	msg11 := []events.Event{a.removed("GPU", 3, 4), b.stored(0, 2)}
+	msg12 := []events.Event{a.stored(3, 4), b.removed("GPU", 0, 2)}
+	at := func(s uint64) Position { return Position{Seq: s, Seeded: true} }
+
+	if res, err := rA.LoadAt(ctx, "i", 10, []events.Event{a.stored(0, 4)}); err != nil || res.Status != SeqApplied {
+		t.Fatalf("A's load: %+v %v", res, err)
+	}
+	hook.fn = func() {
+		// A checked its lease and built its pipeline; it stalls past the
+		// lease, and B takes the instance over.
+		time.Sleep(lease + 300*time.Millisecond)
+		for _, m := range []struct {
+			from, seq uint64
+			evs       []events.Event
+		}{{10, 11, msg11}, {11, 12, msg12}} {
+			if res, err := rB.ApplyAt(ctx, "i", at(m.from), m.seq, m.evs); err != nil || res.Status != SeqApplied {
+				t.Errorf("B's message %d: %+v %v", m.seq, res, err)
+			}
+		}
+		checkLookup(t, rB, query{a.keys, map[string][tiers.Count]int{"i": all(4)}}, "a after B's message 12")
+		checkLookup(t, rB, query{b.keys, nil}, "b after B's message 12")
+		// A's pipeline goes out to a hung server.
+		srv.Pause()
+	}
+	hook.armed.Store(true)
+	started := time.Now()
+	res, err := rA.ApplyAt(ctx, "i", at(10), 11, msg11)
+	t.Logf("A's late message 11: %+v, err %v, after %v", res, err, time.Since(started).Round(time.Millisecond))
+	if err == nil {
+		t.Fatalf("A's late write succeeded: %+v", res)
+	}
+	srv.Resume()
+	waitDrained(t, cB)
+
+	pos, err := rB.Position(ctx, "i")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("after A's late pipeline ran: position %v", pos)
+	if !pos.Seeded {
+		return // not whole: the consumers reload it
+	}
+	if pos.Seq != 12 {
+		t.Fatalf("position %v, want 12 (B's) or unseeded", pos)
+	}
+	checkLookup(t, rB, query{a.keys, map[string][tiers.Count]int{"i": all(4)}}, "position 12, after A's late pipeline: a")
+	checkLookup(t, rB, query{b.keys, nil}, "position 12, after A's late pipeline: b")
+}
