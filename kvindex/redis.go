@@ -653,9 +653,16 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		// mixed until one of them is renamed.
 		return res, fmt.Errorf("%w: %q and %q", ErrInstanceID, instance, v[1])
 	} else if len(v) == 2 && v[0] == "fid" {
+		found, _ := v[1].(string)
 		// The commit applied, so this write is the instance's current
-		// one: the registry lost a write (a failover) and must follow.
-		if err := r.rdb.HSet(ctx, r.regKey(), id, entry).Err(); err != nil {
+		// one: the registry lost a write (a failover) and must follow —
+		// unless it has moved on since. The fix-up replaces only the
+		// entry just found: run late (this process stalled, a copy sent
+		// again after a timeout) once another writer has written the
+		// instance in a new incarnation, it would point lookups back at
+		// the retired field id.
+		fix := redis.NewSliceCmd(ctx, "evalsha", regScript.Hash(), 1, r.regKey(), id, entry, instance, fidHex, found)
+		if _, err := r.pipelined(ctx, func(p redis.Pipeliner) { _ = p.Process(ctx, onceSliceCmd{fix}) }); err != nil {
 			return res, r.failed(fmt.Errorf("kvindex: redis: registry entry of %s: %w", instance, err))
 		}
 	}

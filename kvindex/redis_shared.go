@@ -387,8 +387,9 @@ return {'ok', guarded and ARGV[5] or false, ARGV[7]}
 // instance on (this write is a late one, and must not point lookups back
 // at retired fields) or the registry lost a write (a Cluster failover);
 // then it returns {'fid', that id} and the caller, once its commit is
-// known to have applied, writes the entry unconditionally. Nothing is
-// written in either case.
+// known to have applied, runs it again with that id as the one it
+// replaces (a compare-and-set still: see Redis.apply). Nothing is written
+// in either case.
 var regScript = redis.NewScript(`
 local v = redis.call('HGET', KEYS[1], ARGV[1])
 if v then

@@ -2,8 +2,11 @@ package kvindex
 
 import (
 	"context"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/testenv"
@@ -23,8 +26,7 @@ import (
 //
 // Old code: B wrote under A's field id; after A's late pipeline a lookup
 // found 3 of a's 4 blocks (the block message 12 stored back, removed by
-// A's late message 11) and b's 2 blocks that message 12 removed, with the
-// position at 12 (seeded, "whole").
+// A's late message 11), with the position at 12 (seeded, "whole").
 func TestRedisLateWriterAfterTakeover(t *testing.T) {
 	ctx := context.Background()
 	srv := testenv.StartRedis(t)
@@ -93,4 +95,112 @@ func TestRedisLateWriterAfterTakeover(t *testing.T) {
 	}
 	checkLookup(t, rB, query{a.keys, map[string][tiers.Count]int{"i": all(4)}}, "position 12, after A's late pipeline: a")
 	checkLookup(t, rB, query{b.keys, nil}, "position 12, after A's late pipeline: b")
+}
+
+// processStall runs fn before its client's after+1st command that match
+// accepts (counting commands in pipelines too), once.
+type processStall struct {
+	after atomic.Int32
+	match func(redis.Cmder) bool
+	fn    func()
+}
+
+func (h *processStall) fire(cmds ...redis.Cmder) {
+	for _, c := range cmds {
+		if h.match(c) && h.after.Add(-1) == -1 {
+			h.fn()
+		}
+	}
+}
+
+func (h *processStall) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *processStall) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		h.fire(cmd)
+		return next(ctx, cmd)
+	}
+}
+func (h *processStall) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		h.fire(cmds...)
+		return next(ctx, cmds)
+	}
+}
+
+// The registry's fix-up (a write whose commit applied finds the registry
+// naming a third field id: it lost a write) reaching Redis late — a
+// stalled process, or a copy go-redis sent again after a read timeout —
+// once another router has taken the instance over: it must not point the
+// registry back at the retired field id, or lookups stop counting the
+// instance's blocks while its position says it is whole. B moves the
+// instance on by a load, or (a takeover starts a new incarnation too) by
+// applying the next message. Old code (an unconditional HSET, with
+// go-redis's retries): position 12, lookups found none of a's 4 blocks.
+func TestRedisLateRegistryFixUp(t *testing.T) {
+	for _, load := range []bool{true, false} {
+		name := map[bool]string{true: "load", false: "apply"}[load]
+		t.Run(name, func(t *testing.T) { testRedisLateRegistryFixUp(t, load) })
+	}
+}
+
+func testRedisLateRegistryFixUp(t *testing.T, load bool) {
+	ctx := context.Background()
+	srv := testenv.StartRedis(t)
+	prefix := testenv.UniqueName(t)
+	const lease = time.Second
+	cA, cB := productionClient(t, srv.Addr), productionClient(t, srv.Addr)
+	rA, err := NewRedis(cA, RedisConfig{Prefix: prefix, Model: testModel, BlockSize: 4, WriterLease: lease, ExactLookup: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rB, err := NewRedis(cB, RedisConfig{Prefix: prefix, Model: testModel, BlockSize: 4, WriterLease: lease, ExactLookup: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := newChain(Root(testModel, "", ""), 4, 4, 1, 10)
+	at := func(s uint64) Position { return Position{Seq: s, Seeded: true} }
+	if res, err := rA.LoadAt(ctx, "i", 10, []events.Event{a.stored(0, 3)}); err != nil || res.Status != SeqApplied {
+		t.Fatalf("A's load: %+v %v", res, err)
+	}
+	// The registry loses A's last write (as a Cluster failover does):
+	// it names a third field id.
+	if err := cB.HSet(ctx, rB.regKey(), instID("i"), "1 0123456789 i").Err(); err != nil {
+		t.Fatal(err)
+	}
+	// A's next write commits, finds the registry naming the third id, and
+	// its fix-up (the second registry write of the call: the first is in
+	// its pipeline) stalls past A's lease while B takes the instance over.
+	hook := &processStall{match: func(c redis.Cmder) bool {
+		args := c.Args()
+		return len(args) > 1 && (args[0] == "hset" && args[1] == rA.regKey() || args[0] == "evalsha" && args[1] == regScript.Hash())
+	}}
+	hook.after.Store(1)
+	hook.fn = func() {
+		time.Sleep(lease + 300*time.Millisecond)
+		var res SeqResult
+		var err error
+		if load {
+			res, err = rB.LoadAt(ctx, "i", 12, []events.Event{a.stored(0, 4)})
+		} else {
+			res, err = rB.ApplyAt(ctx, "i", at(11), 12, []events.Event{a.stored(3, 4)})
+		}
+		if err != nil || res.Status != SeqApplied {
+			t.Errorf("B's message 12: %+v %v", res, err)
+		}
+		checkLookup(t, rB, query{a.keys, map[string][tiers.Count]int{"i": all(4)}}, "a after B's message 12")
+	}
+	cA.AddHook(hook)
+	res, err := rA.ApplyAt(ctx, "i", at(10), 11, []events.Event{a.stored(0, 3)})
+	t.Logf("A's message 11: %+v, err %v", res, err)
+	if hook.after.Load() >= 0 {
+		t.Fatal("A's write did not send a registry fix-up")
+	}
+	pos, err := rB.Position(ctx, "i")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("after A's late fix-up: position %v", pos)
+	if pos.Seeded {
+		checkLookup(t, rB, query{a.keys, map[string][tiers.Count]int{"i": all(4)}}, "after A's late registry fix-up: a")
+	}
 }
