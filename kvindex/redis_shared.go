@@ -237,7 +237,10 @@ func (r *Redis) Epoch(ctx context.Context) (epoch string, created bool, err erro
 	if err != nil {
 		return "", false, r.failed(fmt.Errorf("kvindex: redis: epoch: %w", err))
 	}
-	return old + topo, false, nil
+	// The client sends the command again after a read timeout (a hung
+	// server): an earlier copy of this call may have stored the value
+	// this one finds. Drawn at random per call, it is then this call's.
+	return old + topo, old == mine, nil
 }
 
 // On a Redis Cluster, a failover loses the writes the old master had not
