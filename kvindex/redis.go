@@ -464,8 +464,9 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	}
 	o.scratch = applyEvents(o, r.model, &r.bs, evs, &res.ApplyResult, o.scratch)
 	if takeover && !o.cleared && m.fid != "" { // no field id: it starts over anyway (below)
-		// The last commit was another writer's (its lease ran out) or
-		// none was guarded: that writer's last pipeline may still be on
+		// The last commit was another writer's, or another writer has
+		// held the lease since (it ran out), or none was guarded: that
+		// writer's last pipeline may still be on
 		// its way (a stalled process, a hung server's socket), and its
 		// block writes, under the current field id, would land among
 		// this writer's — a late removal deleting a block stored since,

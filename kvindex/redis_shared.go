@@ -304,7 +304,8 @@ const (
 	fieldOwner      = "#o"
 	fieldOwnerUntil = "#x"
 	// fieldWriter: the lease token of the writer whose commit made the
-	// instance's current state (see takeover in Redis.apply).
+	// instance's current state, cleared when another writer takes the
+	// lease (see takeover in Redis.apply).
 	fieldWriter = "#w"
 )
 
@@ -328,8 +329,10 @@ const (
 //	        another topology does not count: the instance is unseeded
 //
 // It returns {status, position or nil, generation, field id, mine[, log]}
-// (mine: "1" when the caller's token made the last guarded commit (#w),
-// "" when another writer or none did: a takeover; the log whenever the
+// (mine: "1" when the caller's token made the last guarded commit (#w)
+// and nobody took the lease since (a begin that takes it from another
+// writer, or from none, clears #w), "" otherwise: a takeover; the log
+// whenever the
 // metadata has no generation: the metadata was lost while the log was
 // not, and the caller must see what the log holds) (the begin; the
 // commit, which records the caller's token in #w: {status, position or
@@ -356,6 +359,9 @@ if guarded then
   if pos and tonumber(pos) >= tonumber(ARGV[5]) then return {'dup', pos} end
   if ARGV[1] == 'b' then
     if o[1] and o[1] ~= ARGV[2] and tonumber(o[2] or '0') > now then return {'owned', pos} end
+    -- Taken from another writer (or none): whatever the state, it is no
+    -- longer this writer's own until it commits a new incarnation.
+    if o[1] ~= ARGV[2] then redis.call('HDEL', m, '#w') end
   elseif o[1] ~= ARGV[2] then
     return {'owned', pos}
   end

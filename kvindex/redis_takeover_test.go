@@ -24,16 +24,37 @@ import (
 // with the server stopped), as when A dies: nothing else would tell the
 // state is not whole.
 //
-// Old code: B wrote under A's field id; after A's late pipeline a lookup
-// found 3 of a's 4 blocks (the block message 12 stored back, removed by
-// A's late message 11), with the position at 12 (seeded, "whole").
+// took_over: A wrote the instance before. Old code: B wrote under A's
+// field id; after A's late pipeline a lookup found 3 of a's 4 blocks
+// (the block message 12 stored back, removed by A's late message 11),
+// with the position at 12 (seeded, "whole").
+//
+// taken_back: B wrote it before, A took the lease from B and stalled, B
+// takes it back. B's last commit is its own, but the lease has been A's
+// since. With #w alone saying whose the state is (this branch's first
+// version), B wrote on under its old id, A's late pipeline (a takeover:
+// it rewrote the map under a new id, removing B's fields first) removed
+// B's fields, and its registry write (the registry still named A's
+// previous id, B's) pointed lookups at A's uncommitted incarnation:
+// position 12, 3 of a's 4 blocks found.
 func TestRedisLateWriterAfterTakeover(t *testing.T) {
+	for _, takenBack := range []bool{false, true} {
+		name := map[bool]string{false: "took_over", true: "taken_back"}[takenBack]
+		t.Run(name, func(t *testing.T) { testRedisLateWriterAfterTakeover(t, takenBack) })
+	}
+}
+
+func testRedisLateWriterAfterTakeover(t *testing.T, takenBack bool) {
 	ctx := context.Background()
 	srv := testenv.StartRedis(t)
 	prefix := testenv.UniqueName(t)
 	const lease = time.Second // well over one write on a loaded machine (a write starts only within half of it)
 	cA, cB := productionClient(t, srv.Addr), productionClient(t, srv.Addr)
-	hook := &stallHook{}
+	// Stalls A's pipeline that carries a commit (a begin goes through).
+	hook := &processStall{match: func(c redis.Cmder) bool {
+		args := c.Args()
+		return len(args) > 5 && args[0] == "evalsha" && args[1] == mapScript.Hash() && args[5] == "c"
+	}}
 	cA.AddHook(hook)
 	rA, err := NewRedis(cA, RedisConfig{Prefix: prefix, Model: testModel, BlockSize: 4, WriterLease: lease, ExactLookup: true})
 	if err != nil {
@@ -52,12 +73,9 @@ func TestRedisLateWriterAfterTakeover(t *testing.T) {
 	msg12 := []events.Event{a.stored(3, 4), b.removed("GPU", 0, 2)}
 	at := func(s uint64) Position { return Position{Seq: s, Seeded: true} }
 
-	if res, err := rA.LoadAt(ctx, "i", 10, []events.Event{a.stored(0, 4)}); err != nil || res.Status != SeqApplied {
-		t.Fatalf("A's load: %+v %v", res, err)
-	}
 	hook.fn = func() {
 		// A checked its lease and built its pipeline; it stalls past the
-		// lease, and B takes the instance over.
+		// lease, and B takes the instance (back).
 		time.Sleep(lease + 300*time.Millisecond)
 		for _, m := range []struct {
 			from, seq uint64
@@ -72,7 +90,18 @@ func TestRedisLateWriterAfterTakeover(t *testing.T) {
 		// A's pipeline goes out to a hung server.
 		srv.Pause()
 	}
-	hook.armed.Store(true)
+	loader := rA
+	if takenBack {
+		loader = rB
+	} else {
+		hook.after.Store(1) // not the load's commit
+	}
+	if res, err := loader.LoadAt(ctx, "i", 10, []events.Event{a.stored(0, 4)}); err != nil || res.Status != SeqApplied {
+		t.Fatalf("load: %+v %v", res, err)
+	}
+	if takenBack {
+		time.Sleep(lease + 100*time.Millisecond) // B's lease runs out: A takes it
+	}
 	started := time.Now()
 	res, err := rA.ApplyAt(ctx, "i", at(10), 11, msg11)
 	t.Logf("A's late message 11: %+v, err %v, after %v", res, err, time.Since(started).Round(time.Millisecond))
