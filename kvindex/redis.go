@@ -415,7 +415,11 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		}
 		var begin *redis.SliceCmd
 		_, err := r.pipelined(ctx, func(p redis.Pipeliner) {
-			begin = redis.NewSliceCmd(ctx, "evalsha", mapScript.Hash(), 2, mkey, lkey, "b", token, r.leaseArg, expected, newPos, m.gen, r.topology())
+			mode := "b"
+			if g != nil && g.yield {
+				mode = "y"
+			}
+			begin = redis.NewSliceCmd(ctx, "evalsha", mapScript.Hash(), 2, mkey, lkey, mode, token, r.leaseArg, expected, newPos, m.gen, r.topology())
 			_ = p.Process(ctx, begin)
 		})
 		if err != nil {

@@ -233,3 +233,71 @@ func testRedisLateRegistryFixUp(t *testing.T, load bool) {
 		checkLookup(t, rB, query{a.keys, map[string][tiers.Count]int{"i": all(4)}}, "after A's late registry fix-up: a")
 	}
 }
+
+// An instance silent for longer than the lease, then written by every
+// router (each applies every message): ApplyAtYielding leaves it to the
+// router that wrote it last (SeqYielded, nothing written) even though its
+// lease ran out, so the change of writer — which costs a rewrite of the
+// instance under a new field id — happens only when the last writer did
+// not apply the message (it died or stalled) and another takes it over
+// with ApplyAt.
+func TestRedisYieldToLastWriter(t *testing.T) {
+	ctx := context.Background()
+	addr := testenv.Redis(t)
+	prefix := testenv.UniqueName(t)
+	const lease = 200 * time.Millisecond
+	var rs [2]*Redis
+	for i := range rs {
+		r, err := NewRedis(productionClient(t, addr), RedisConfig{Prefix: prefix, Model: testModel, BlockSize: 4, WriterLease: lease, ExactLookup: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rs[i] = r
+	}
+	rA, rB := rs[0], rs[1]
+	root := Root(testModel, "", "")
+	a := newChain(root, 6, 4, 1, 10)
+	at := func(s uint64) Position { return Position{Seq: s, Seeded: true} }
+	if res, err := rA.LoadAt(ctx, "i", 10, []events.Event{a.stored(0, 2)}); err != nil || res.Status != SeqApplied {
+		t.Fatalf("load: %+v %v", res, err)
+	}
+	fid := metaFID(t, rA, "i")
+	for seq := uint64(11); seq <= 13; seq++ {
+		time.Sleep(lease + 50*time.Millisecond) // silent past A's lease
+		ev := []events.Event{a.stored(int(seq-9), int(seq-8))}
+		res, err := rB.ApplyAtYielding(ctx, "i", at(seq-1), seq, ev)
+		if err != nil || res.Status != SeqYielded || res.Position != at(seq-1) {
+			t.Fatalf("B's message %d: %+v %v, want yielded at %d", seq, res, err, seq-1)
+		}
+		if res, err := rA.ApplyAtYielding(ctx, "i", at(seq-1), seq, ev); err != nil || res.Status != SeqApplied {
+			t.Fatalf("A's message %d: %+v %v", seq, res, err)
+		}
+		if got := metaFID(t, rA, "i"); got != fid {
+			t.Fatalf("message %d: field id %s → %s: the instance was rewritten", seq, fid, got)
+		}
+		checkLookup(t, rB, query{a.keys, map[string][tiers.Count]int{"i": all(int(seq - 8))}}, "a")
+	}
+	// A applies nothing more (dead): B yields, then takes over.
+	time.Sleep(lease + 50*time.Millisecond)
+	ev := []events.Event{a.stored(5, 6)}
+	if res, err := rB.ApplyAtYielding(ctx, "i", at(13), 14, ev); err != nil || res.Status != SeqYielded {
+		t.Fatalf("B's message 14: %+v %v, want yielded", res, err)
+	}
+	if res, err := rB.ApplyAt(ctx, "i", at(13), 14, ev); err != nil || res.Status != SeqApplied {
+		t.Fatalf("B's takeover with message 14: %+v %v", res, err)
+	}
+	if got := metaFID(t, rB, "i"); got == fid {
+		t.Fatalf("B took the instance over under the old field id %s", fid)
+	}
+	checkLookup(t, rB, query{a.keys, map[string][tiers.Count]int{"i": all(6)}}, "a after B's takeover")
+	// B's own writes, its lease run out or not, are not yielded.
+	time.Sleep(lease + 50*time.Millisecond)
+	b := newChain(root, 1, 4, 2, 100)
+	if res, err := rB.ApplyAtYielding(ctx, "i", at(14), 15, []events.Event{b.stored(0, 1)}); err != nil || res.Status != SeqApplied {
+		t.Fatalf("B's message 15: %+v %v", res, err)
+	}
+	// A live lease of another writer is still not_owner.
+	if res, err := rA.ApplyAtYielding(ctx, "i", at(15), 16, []events.Event{b.removed("GPU", 0, 1)}); err != nil || res.Status != SeqNotOwner {
+		t.Fatalf("A's message 16 under B's live lease: %+v %v, want not_owner", res, err)
+	}
+}
