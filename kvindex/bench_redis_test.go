@@ -116,3 +116,62 @@ func BenchmarkRedisLookupHolders(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkRedisTakeover is the cost of a change of writer: two routers
+// share the index and, each time the instance's lease has run out, the
+// other one applies the next message (one block stored or removed) to an instance
+// holding `blocks` blocks. Since a takeover starts a new incarnation
+// (Session 19) that write rewrites the instance's map under a new field
+// id; before, it was the begin round trip and a one-block pipeline. The
+// wait for the lease is outside the timer and uses no CPU.
+func BenchmarkRedisTakeover(b *testing.B) {
+	for _, blocks := range []int{4096, 32768} {
+		b.Run(fmt.Sprintf("blocks=%d", blocks), func(b *testing.B) {
+			ctx := context.Background()
+			prefix := testenv.UniqueName(b)
+			const lease = 250 * time.Millisecond // over a 32k-block rewrite's build, which must start within half of it
+			addr := testenv.Redis(b)
+			var rs [2]*Redis
+			for i := range rs {
+				c := redis.NewClient(&redis.Options{Addr: addr, PoolSize: 8})
+				b.Cleanup(func() { _ = c.Close() })
+				r, err := NewRedis(c, RedisConfig{Prefix: prefix, Model: testModel, BlockSize: 4, WriterLease: lease, TTL: time.Hour})
+				if err != nil {
+					b.Fatal(err)
+				}
+				rs[i] = r
+			}
+			root := Root(testModel, "", "")
+			held := newChain(root, blocks, 4, 1, 1)
+			extra := newChain(root, 1, 4, 2, 1<<32)
+			if res, err := rs[0].LoadAt(ctx, "i", 1, []events.Event{held.stored(0, blocks)}); err != nil || res.Status != SeqApplied {
+				b.Fatalf("load: %+v %v", res, err)
+			}
+			seq := uint64(1)
+			n := 0
+			var cpu, srv time.Duration
+			for b.Loop() {
+				b.StopTimer()
+				time.Sleep(lease + 5*time.Millisecond)
+				w := rs[n%2]
+				cpu0, srv0 := cputime.Process(), redisCPU(b, w)
+				b.StartTimer()
+				ev := extra.stored(0, 1) // stored, removed, stored...
+				if n%2 == 1 {
+					ev = extra.removed("GPU", 0, 1)
+				}
+				res, err := w.ApplyAt(ctx, "i", Position{Seq: seq, Seeded: true}, seq+1, []events.Event{ev})
+				b.StopTimer()
+				if err != nil || res.Status != SeqApplied {
+					b.Fatalf("takeover %d: %+v %v", n, res, err)
+				}
+				cpu, srv = cpu+cputime.Process()-cpu0, srv+redisCPU(b, w)-srv0
+				b.StartTimer()
+				seq++
+				n++
+			}
+			b.ReportMetric(float64(cpu)/float64(n), "client-cpu-ns/op")
+			b.ReportMetric(float64(srv)/float64(n), "server-cpu-ns/op")
+		})
+	}
+}

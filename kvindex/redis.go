@@ -399,6 +399,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		token, expected, newPos = r.token, g.expected(), strconv.FormatUint(g.seq, 10)
 	}
 	started := time.Now()
+	takeover := false // see below
 	skip := m.vals != nil && r.maps.limit > 0
 	if g != nil {
 		// A message at or below the expected position (one a snapshot
@@ -414,7 +415,11 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		}
 		var begin *redis.SliceCmd
 		_, err := r.pipelined(ctx, func(p redis.Pipeliner) {
-			begin = redis.NewSliceCmd(ctx, "evalsha", mapScript.Hash(), 2, mkey, lkey, "b", token, r.leaseArg, expected, newPos, m.gen, r.topology())
+			mode := "b"
+			if g != nil && g.yield {
+				mode = "y"
+			}
+			begin = redis.NewSliceCmd(ctx, "evalsha", mapScript.Hash(), 2, mkey, lkey, mode, token, r.leaseArg, expected, newPos, m.gen, r.topology())
 			_ = p.Process(ctx, begin)
 		})
 		if err != nil {
@@ -435,11 +440,13 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		}
 		gen, _ := reply[2].(string)
 		fid, _ := reply[3].(string)
-		if len(reply) > 4 || m.vals == nil {
+		mine, _ := reply[4].(string)
+		takeover = g != nil && !g.load && mine != "1"
+		if len(reply) > 5 || m.vals == nil {
 			// The log, or (m.gen "" matched) no map at all.
 			var log string
-			if len(reply) > 4 {
-				chunks, _ := reply[4].([]any)
+			if len(reply) > 5 {
+				chunks, _ := reply[5].([]any)
 				log = joinChunks(chunks)
 			}
 			if err := m.load(gen, log); err != nil {
@@ -460,6 +467,26 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		o.clearAll()
 	}
 	o.scratch = applyEvents(o, r.model, &r.bs, evs, &res.ApplyResult, o.scratch)
+	if takeover && !o.cleared && m.fid != "" { // no field id: it starts over anyway (below)
+		// The last commit was another writer's, or another writer has
+		// held the lease since (it ran out), or none was guarded: that
+		// writer's last pipeline may still be on
+		// its way (a stalled process, a hung server's socket), and its
+		// block writes, under the current field id, would land among
+		// this writer's — a late removal deleting a block stored since,
+		// a late store bringing back one removed since — with nothing
+		// to tell: its commit is refused, but the fields are not in the
+		// commit. A takeover therefore starts a new incarnation: the
+		// whole map, with these events, written under a new field id
+		// (the old one's fields removed first, as a load does), so that
+		// nothing written under the old one counts once it commits.
+		for h, v := range m.vals {
+			if _, changed := o.cur[h]; !changed {
+				o.cur[h] = v
+			}
+		}
+		o.cleared = true
+	}
 
 	if g != nil && time.Since(m.leased) > r.lease/2 {
 		// Another router may take the instance over once the lease runs
@@ -475,11 +502,11 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		w = append(w, args...)
 		_ = pipe.Process(ctx, onceCmd{redis.NewCmd(ctx, w[start:len(w):len(w)]...)})
 	}
-	// A load or a clear starts a new incarnation under a new field id:
-	// every field written before it stops counting in lookups at once,
-	// whether this Apply removes it or not (see fieldIDs). So does the
-	// first write of an instance whose metadata names none (new, or lost
-	// by Redis).
+	// A load, a clear or a takeover starts a new incarnation under a new
+	// field id: every field written before it stops counting in lookups
+	// at once, whether this Apply removes it or not (see fieldIDs). So
+	// does the first write of an instance whose metadata names none (new,
+	// or lost by Redis).
 	fid, oldFid := m.fid, m.fid
 	if fid == "" && len(m.vals) > 0 {
 		// A map without a field id (its metadata lost or deleted by hand
@@ -631,9 +658,16 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		// mixed until one of them is renamed.
 		return res, fmt.Errorf("%w: %q and %q", ErrInstanceID, instance, v[1])
 	} else if len(v) == 2 && v[0] == "fid" {
+		found, _ := v[1].(string)
 		// The commit applied, so this write is the instance's current
-		// one: the registry lost a write (a failover) and must follow.
-		if err := r.rdb.HSet(ctx, r.regKey(), id, entry).Err(); err != nil {
+		// one: the registry lost a write (a failover) and must follow —
+		// unless it has moved on since. The fix-up replaces only the
+		// entry just found: run late (this process stalled, a copy sent
+		// again after a timeout) once another writer has written the
+		// instance in a new incarnation, it would point lookups back at
+		// the retired field id.
+		fix := redis.NewSliceCmd(ctx, "evalsha", regScript.Hash(), 1, r.regKey(), id, entry, instance, fidHex, found)
+		if _, err := r.pipelined(ctx, func(p redis.Pipeliner) { _ = p.Process(ctx, onceSliceCmd{fix}) }); err != nil {
 			return res, r.failed(fmt.Errorf("kvindex: redis: registry entry of %s: %w", instance, err))
 		}
 	}

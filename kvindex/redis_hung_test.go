@@ -194,3 +194,45 @@ func startHungLoad(t *testing.T, nOld, nSnap int) hungLoad {
 	}
 	return h
 }
+
+// Redis hangs while a router asks for the epoch on an empty index, with
+// the production client: go-redis sends SET NX GET again after the read
+// timeout, and at the resume the first copy creates the epoch, the
+// second finds it. The call still reports that it created it (the value
+// found is its own), so the consumer's first check knows the index held
+// nothing of this pool. Old code: created false.
+func TestRedisHungEpochCreated(t *testing.T) {
+	ctx := context.Background()
+	srv := testenv.StartRedis(t)
+	c := productionClient(t, srv.Addr)
+	warmPool(t, c, 4) // the re-sent copy goes out on an idle connection
+	r, err := NewRedis(c, RedisConfig{Prefix: testenv.UniqueName(t), Model: testModel, BlockSize: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv.Pause()
+	type answer struct {
+		epoch   string
+		created bool
+		err     error
+	}
+	done := make(chan answer, 1)
+	go func() {
+		e, created, err := r.Epoch(ctx)
+		done <- answer{e, created, err}
+	}()
+	// Past the first read timeout (5 s): a second copy is on its way.
+	time.Sleep(6500 * time.Millisecond)
+	srv.Resume()
+	a := <-done
+	t.Logf("epoch %q, created %v, err %v", a.epoch, a.created, a.err)
+	if a.err != nil {
+		return // no answer: the consumer checks again
+	}
+	if !a.created {
+		t.Fatalf("Epoch on an empty index reported the epoch found, not created")
+	}
+	if e, created, err := r.Epoch(ctx); err != nil || created || e != a.epoch {
+		t.Fatalf("second Epoch = %q, %v, %v; want %q, false", e, created, err, a.epoch)
+	}
+}

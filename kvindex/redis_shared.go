@@ -34,7 +34,8 @@ import (
 //     so block-key writes (other keys, other slots: they cannot join the
 //     script) are never reordered between two writers. The lease is taken
 //     in the read round trip and renewed by every commit; when its router
-//     dies another takes over at its next message after WriterLease.
+//     dies another takes over once it has expired (the consumer yields to
+//     the last writer first: ApplyAtYielding).
 //   - counters "#n", "#t0".."#t3" adjusted by the script from the values it
 //     replaces, not from deltas computed on an earlier read: they equal the
 //     map's contents whatever the interleaving, and are never negative.
@@ -44,9 +45,10 @@ import (
 // one Apply (a read, the events applied in memory, a pipelined write:
 // milliseconds, a big snapshot load tens of them) by a wide margin, and it
 // bounds how long the index lags the stream for an instance whose writing
-// router died: others take over at their first message after it expires.
-// Two seconds is well over the first, and under the consumers' default
-// MaxLag (5s), so such a takeover does not even count as falling behind.
+// router died: others take over once it has expired and a message they
+// left to that router is still missing (ApplyAtYielding: a lease after the
+// first one). Two seconds is well over the first, and under the
+// consumers' default MaxLag (5s).
 const DefaultWriterLease = 2 * time.Second
 
 // Position is where an instance's state in a shared index stands: the
@@ -80,6 +82,12 @@ const (
 	// says where it is): messages are missing, nothing written. The caller
 	// re-applies the missing ones or reloads the instance, then retries.
 	SeqBehind
+	// SeqYielded (ApplyAtYielding only): another router wrote the instance
+	// last and its lease has run out: it normally applies this message
+	// too, so it is left to it, as with SeqNotOwner; nothing written. A
+	// caller that finds the message still missing later applies it with
+	// ApplyAt, which takes the instance over.
+	SeqYielded
 )
 
 func (s SeqStatus) String() string {
@@ -92,6 +100,8 @@ func (s SeqStatus) String() string {
 		return "not_owner"
 	case SeqBehind:
 		return "behind"
+	case SeqYielded:
+		return "yielded"
 	}
 	return "unknown"
 }
@@ -118,6 +128,9 @@ type seqGuard struct {
 	from Position // the expected position (Seeded false: unknown, never matches)
 	load bool     // LoadAt: any position below seq; the state is replaced
 	seq  uint64   // the new position
+	// yield (ApplyAtYielding): leave the instance to the writer whose
+	// lease ran out rather than take it over.
+	yield bool
 }
 
 // expected renders the expected position for the script: "*" any, "!"
@@ -139,6 +152,19 @@ func (g *seqGuard) expected() string {
 // of the message, and the caller should reload the instance.
 func (r *Redis) ApplyAt(ctx context.Context, instance string, from Position, seq uint64, evs []events.Event) (SeqResult, error) {
 	return r.apply(ctx, instance, &seqGuard{from: from, seq: seq}, evs)
+}
+
+// ApplyAtYielding is ApplyAt, except that an instance another router
+// wrote last is left to it even once its lease has run out (SeqYielded):
+// every router applies every message, and after an instance was silent
+// for longer than the lease the first to reach Redis would otherwise take
+// it over, which costs a rewrite of the instance (a takeover starts a new
+// incarnation: see Redis.apply). The consumer applies a message this way
+// first and, when the message is still missing once the lease could have
+// run out again (the writer died or stalled), takes the instance over
+// with ApplyAt.
+func (r *Redis) ApplyAtYielding(ctx context.Context, instance string, from Position, seq uint64, evs []events.Event) (SeqResult, error) {
+	return r.apply(ctx, instance, &seqGuard{from: from, seq: seq, yield: true}, evs)
 }
 
 // LoadAt replaces the instance's state with evs (a snapshot of its blocks
@@ -237,7 +263,10 @@ func (r *Redis) Epoch(ctx context.Context) (epoch string, created bool, err erro
 	if err != nil {
 		return "", false, r.failed(fmt.Errorf("kvindex: redis: epoch: %w", err))
 	}
-	return old + topo, false, nil
+	// The client sends the command again after a read timeout (a hung
+	// server): an earlier copy of this call may have stored the value
+	// this one finds. Drawn at random per call, it is then this call's.
+	return old + topo, old == mine, nil
 }
 
 // On a Redis Cluster, a failover loses the writes the old master had not
@@ -300,13 +329,18 @@ const (
 	fieldPos        = "#s"
 	fieldOwner      = "#o"
 	fieldOwnerUntil = "#x"
+	// fieldWriter: the lease token of the writer whose commit made the
+	// instance's current state, cleared when another writer takes the
+	// lease (see takeover in Redis.apply).
+	fieldWriter = "#w"
 )
 
 // mapScript is the only writer of an instance's metadata hash (KEYS[1])
 // and engine-hash log (KEYS[2]), both on the instance's slot.
 //
 //	ARGV[1] mode: "b" (begin: check and take the lease, read the log
-//	        unless ARGV[6] is current) or "c" (commit)
+//	        unless ARGV[6] is current), "y" (the same, but an expired
+//	        lease of another writer is left to it: "yield") or "c" (commit)
 //	ARGV[2] lease token, "" = unguarded (plain Apply: no lease, no position)
 //	ARGV[3] lease ms
 //	ARGV[4] expected position: "*" any, "!" none matches, else a sequence
@@ -321,12 +355,17 @@ const (
 //	        a guarded write stamps it (#e), and a position stamped under
 //	        another topology does not count: the instance is unseeded
 //
-// It returns {status, position or nil, generation, field id[, log]}
-// (the log whenever the metadata has no generation: the metadata was lost
-// while the log was not, and the caller must see what the log holds)
-// (the begin; the commit: {status, position or nil, generation}), status "ok",
+// It returns {status, position or nil, generation, field id, mine[, log]}
+// (mine: "1" when the caller's token made the last guarded commit (#w)
+// and nobody took the lease since (a begin that takes it from another
+// writer, or from none, clears #w), "" otherwise: a takeover; the log
+// whenever the
+// metadata has no generation: the metadata was lost while the log was
+// not, and the caller must see what the log holds) (the begin; the
+// commit, which records the caller's token in #w: {status, position or
+// nil, generation}), status "ok",
 // "dup" (already at or past the new position), "owned" (another router's
-// lease), "behind" (not at the expected position) or "stale" (commit: the
+// lease), "yield" (mode "y": another router's lease, run out), "behind" (not at the expected position) or "stale" (commit: the
 // caller's map is not the current one). The begin returns the log when
 // the caller's generation is not current. The commit checks the lease,
 // the position and the generation again, so counters computed from the
@@ -335,6 +374,7 @@ const (
 var mapScript = redis.NewScript(`
 local m, l = KEYS[1], KEYS[2]
 local guarded = ARGV[2] ~= ''
+local begin = ARGV[1] ~= 'c'
 local pos = false
 local topo = ARGV[#ARGV]
 if guarded then
@@ -345,8 +385,14 @@ if guarded then
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local o = redis.call('HMGET', m, '#o', '#x')
   if pos and tonumber(pos) >= tonumber(ARGV[5]) then return {'dup', pos} end
-  if ARGV[1] == 'b' then
-    if o[1] and o[1] ~= ARGV[2] and tonumber(o[2] or '0') > now then return {'owned', pos} end
+  if begin then
+    if o[1] and o[1] ~= ARGV[2] then
+      if tonumber(o[2] or '0') > now then return {'owned', pos} end
+      if ARGV[1] == 'y' then return {'yield', pos} end
+    end
+    -- Taken from another writer (or none): whatever the state, it is no
+    -- longer this writer's own until it commits a new incarnation.
+    if o[1] ~= ARGV[2] then redis.call('HDEL', m, '#w') end
   elseif o[1] ~= ARGV[2] then
     return {'owned', pos}
   end
@@ -354,16 +400,22 @@ if guarded then
   if ARGV[4] ~= '*' and pos ~= ARGV[4] then return {'behind', pos} end
 end
 local gen = redis.call('HGET', m, '#g') or ''
-if ARGV[1] == 'b' then
+if begin then
   local fid = redis.call('HGET', m, '#f') or ''
-  if gen == ARGV[6] and gen ~= '' then return {'ok', pos, gen, fid} end
-  return {'ok', pos, gen, fid, redis.call('LRANGE', l, 0, -1)}
+  local mine = ''
+  if guarded and redis.call('HGET', m, '#w') == ARGV[2] then mine = '1' end
+  if gen == ARGV[6] and gen ~= '' then return {'ok', pos, gen, fid, mine} end
+  return {'ok', pos, gen, fid, mine, redis.call('LRANGE', l, 0, -1)}
 end
 if gen ~= ARGV[6] then return {'stale', pos, gen} end
 if ARGV[8] == 'w' then redis.call('DEL', l) end
 if ARGV[9] ~= '' then redis.call('RPUSH', l, ARGV[9]) end
 redis.call('HSET', m, '#g', ARGV[7], '#n', ARGV[10], '#t0', ARGV[11], '#t1', ARGV[12], '#t2', ARGV[13], '#t3', ARGV[14], '#name', ARGV[15], '#f', ARGV[16])
-if guarded then redis.call('HSET', m, '#s', ARGV[5], '#e', topo) end
+if guarded then
+  redis.call('HSET', m, '#s', ARGV[5], '#e', topo, '#w', ARGV[2])
+else
+  redis.call('HDEL', m, '#w')
+end
 return {'ok', guarded and ARGV[5] or false, ARGV[7]}
 `)
 
@@ -375,8 +427,9 @@ return {'ok', guarded and ARGV[5] or false, ARGV[7]}
 // instance on (this write is a late one, and must not point lookups back
 // at retired fields) or the registry lost a write (a Cluster failover);
 // then it returns {'fid', that id} and the caller, once its commit is
-// known to have applied, writes the entry unconditionally. Nothing is
-// written in either case.
+// known to have applied, runs it again with that id as the one it
+// replaces (a compare-and-set still: see Redis.apply). Nothing is written
+// in either case.
 var regScript = redis.NewScript(`
 local v = redis.call('HGET', KEYS[1], ARGV[1])
 if v then
@@ -453,6 +506,8 @@ func scriptStatus(reply []any) (SeqStatus, Position, error) {
 		return SeqDuplicate, pos, nil
 	case "owned":
 		return SeqNotOwner, pos, nil
+	case "yield":
+		return SeqYielded, pos, nil
 	case "behind":
 		return SeqBehind, pos, nil
 	case "stale":

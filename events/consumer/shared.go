@@ -39,6 +39,9 @@ type SharedApplier interface {
 	Applier
 	// ApplyAt's evs, like Apply's, are valid only until it returns.
 	ApplyAt(ctx context.Context, instance string, from kvindex.Position, seq uint64, evs []events.Event) (kvindex.SeqResult, error)
+	// ApplyAtYielding is ApplyAt leaving an instance another router wrote
+	// last to it even once its lease has run out (SeqYielded).
+	ApplyAtYielding(ctx context.Context, instance string, from kvindex.Position, seq uint64, evs []events.Event) (kvindex.SeqResult, error)
 	LoadAt(ctx context.Context, instance string, seq uint64, evs []events.Event) (kvindex.SeqResult, error)
 	Position(ctx context.Context, instance string) (kvindex.Position, error)
 	Epoch(ctx context.Context) (epoch string, created bool, err error)
@@ -77,8 +80,12 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 	// message, and the next one (or the sync retried by watchShared)
 	// repairs it from the stream.
 	c.setFrom(in, kvindex.Position{Seq: seq, Seeded: true})
+	apply := c.shared.idx.ApplyAtYielding
 	for range sharedAttempts {
-		r, err := c.shared.idx.ApplyAt(ctx, instance, from, seq, evs)
+		r, err := apply(ctx, instance, from, seq, evs)
+		// After a repair (below), a message still missing is this
+		// router's to apply, whoever wrote last.
+		apply = c.shared.idx.ApplyAt
 		if err != nil {
 			c.setSynced(in, false)
 			return r.ApplyResult, err
@@ -92,6 +99,24 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 			// its lease could have run out.
 			c.mu.Lock()
 			in.skipped, in.skippedAt = seq, time.Now()
+			c.mu.Unlock()
+			if r.Position.Seeded {
+				c.setSynced(in, true)
+			}
+			return kvindex.ApplyResult{}, nil
+		case kvindex.SeqYielded:
+			// The last writer's lease ran out (the instance was silent):
+			// it normally applies this message too, and a change of
+			// writer would rewrite the instance (kvindex: a takeover
+			// starts a new incarnation). Left to it, as above, but timed
+			// from the first message so left: if it died, watchShared
+			// takes the instance over once a lease has passed since,
+			// however many messages follow meanwhile.
+			c.mu.Lock()
+			if in.skipped == 0 {
+				in.skippedAt = time.Now()
+			}
+			in.skipped = seq
 			c.mu.Unlock()
 			if r.Position.Seeded {
 				c.setSynced(in, true)

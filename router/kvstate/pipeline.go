@@ -541,16 +541,28 @@ var _ consumer.SharedApplier = (*sharedAccountingApplier)(nil)
 // ApplyAt implements consumer.SharedApplier.
 func (a *sharedAccountingApplier) ApplyAt(ctx context.Context, instance string, from kvindex.Position, seq uint64, evs []events.Event) (kvindex.SeqResult, error) {
 	r, err := a.shared.ApplyAt(ctx, instance, from, seq, evs)
+	a.accountShared(instance, evs, r, err)
+	return r, err
+}
+
+// accountShared accounts an ApplyAt's message by its result.
+func (a *sharedAccountingApplier) accountShared(instance string, evs []events.Event, r kvindex.SeqResult, err error) {
 	switch {
 	case err != nil:
 	case r.Status == kvindex.SeqApplied:
 		a.account(instance, evs, r.ApplyResult, true)
-	case r.Status == kvindex.SeqNotOwner || r.Status == kvindex.SeqDuplicate:
+	case r.Status == kvindex.SeqNotOwner || r.Status == kvindex.SeqYielded || r.Status == kvindex.SeqDuplicate:
 		// Written by another replica. (A repair re-applies messages this
 		// replica consumed and accounted before: counted twice, as in a
 		// memory index's replay after a snapshot reload.)
 		a.account(instance, evs, r.ApplyResult, false)
 	}
+}
+
+// ApplyAtYielding implements consumer.SharedApplier.
+func (a *sharedAccountingApplier) ApplyAtYielding(ctx context.Context, instance string, from kvindex.Position, seq uint64, evs []events.Event) (kvindex.SeqResult, error) {
+	r, err := a.shared.ApplyAtYielding(ctx, instance, from, seq, evs)
+	a.accountShared(instance, evs, r, err)
 	return r, err
 }
 
