@@ -467,7 +467,8 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		o.clearAll()
 	}
 	o.scratch = applyEvents(o, r.model, &r.bs, evs, &res.ApplyResult, o.scratch)
-	if takeover && !o.cleared && m.fid != "" { // no field id: it starts over anyway (below)
+	rewritten := takeover && !o.cleared && m.fid != "" // no field id: it starts over anyway (below)
+	if rewritten {
 		// The last commit was another writer's, or another writer has
 		// held the lease since (it ran out), or none was guarded: that
 		// writer's last pipeline may still be on
@@ -683,6 +684,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		m.leased, m.pos = started, pos
 	}
 	res.Status, res.Position = SeqApplied, pos
+	res.Takeover = rewritten
 	ok = true
 	return res, nil
 }

@@ -113,6 +113,11 @@ type SeqResult struct {
 	// Position is the instance's position after the call (SeqApplied), or
 	// the one found (the other statuses).
 	Position Position
+	// Takeover (SeqApplied by ApplyAt): the instance was last written by
+	// another router (or this one before a restart), so this write started
+	// a new incarnation, rewriting the whole map it held (see Redis.apply;
+	// not a new instance's first write, nor a write carrying a clear).
+	Takeover bool
 }
 
 // errLeaseTooOld: the read round trip is older than half the lease, so

@@ -269,8 +269,8 @@ func TestRedisYieldToLastWriter(t *testing.T) {
 		if err != nil || res.Status != SeqYielded || res.Position != at(seq-1) {
 			t.Fatalf("B's message %d: %+v %v, want yielded at %d", seq, res, err, seq-1)
 		}
-		if res, err := rA.ApplyAtYielding(ctx, "i", at(seq-1), seq, ev); err != nil || res.Status != SeqApplied {
-			t.Fatalf("A's message %d: %+v %v", seq, res, err)
+		if res, err := rA.ApplyAtYielding(ctx, "i", at(seq-1), seq, ev); err != nil || res.Status != SeqApplied || res.Takeover {
+			t.Fatalf("A's message %d: %+v %v, want applied without a takeover", seq, res, err)
 		}
 		if got := metaFID(t, rA, "i"); got != fid {
 			t.Fatalf("message %d: field id %s → %s: the instance was rewritten", seq, fid, got)
@@ -283,8 +283,8 @@ func TestRedisYieldToLastWriter(t *testing.T) {
 	if res, err := rB.ApplyAtYielding(ctx, "i", at(13), 14, ev); err != nil || res.Status != SeqYielded {
 		t.Fatalf("B's message 14: %+v %v, want yielded", res, err)
 	}
-	if res, err := rB.ApplyAt(ctx, "i", at(13), 14, ev); err != nil || res.Status != SeqApplied {
-		t.Fatalf("B's takeover with message 14: %+v %v", res, err)
+	if res, err := rB.ApplyAt(ctx, "i", at(13), 14, ev); err != nil || res.Status != SeqApplied || !res.Takeover {
+		t.Fatalf("B's takeover with message 14: %+v %v, want applied as a takeover", res, err)
 	}
 	if got := metaFID(t, rB, "i"); got == fid {
 		t.Fatalf("B took the instance over under the old field id %s", fid)
@@ -293,7 +293,7 @@ func TestRedisYieldToLastWriter(t *testing.T) {
 	// B's own writes, its lease run out or not, are not yielded.
 	time.Sleep(lease + 50*time.Millisecond)
 	b := newChain(root, 1, 4, 2, 100)
-	if res, err := rB.ApplyAtYielding(ctx, "i", at(14), 15, []events.Event{b.stored(0, 1)}); err != nil || res.Status != SeqApplied {
+	if res, err := rB.ApplyAtYielding(ctx, "i", at(14), 15, []events.Event{b.stored(0, 1)}); err != nil || res.Status != SeqApplied || res.Takeover {
 		t.Fatalf("B's message 15: %+v %v", res, err)
 	}
 	// A live lease of another writer is still not_owner.

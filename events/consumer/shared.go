@@ -90,6 +90,7 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 			c.setSynced(in, false)
 			return r.ApplyResult, err
 		}
+		c.countTakeover(r)
 		switch r.Status {
 		case kvindex.SeqApplied, kvindex.SeqDuplicate:
 			c.setSynced(in, true)
@@ -141,6 +142,14 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 	}
 	c.setSynced(in, false)
 	return kvindex.ApplyResult{}, fmt.Errorf("consumer: shared index of %s kept moving under message %d", instance, seq)
+}
+
+// countTakeover counts a write that took the instance over from another
+// writer (a rewrite of its whole map: kvindex.SeqResult.Takeover).
+func (c *Consumer) countTakeover(r kvindex.SeqResult) {
+	if r.Takeover {
+		c.m.takeovers.Inc()
+	}
 }
 
 // repairShared brings the instance's state in the index up to every
@@ -246,6 +255,7 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 			c.m.applyErrors.Inc()
 			return pos, fmt.Errorf("consumer: replay message %d: %w", m.Sequence, err)
 		}
+		c.countTakeover(r)
 		switch r.Status {
 		case kvindex.SeqApplied:
 			applied++
