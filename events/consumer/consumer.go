@@ -202,12 +202,14 @@ type inst struct {
 	// before this router's next message of the instance (shard-owned;
 	// expect is a copy for watchShared, guarded by Consumer.mu);
 	// skipped/skippedAt: the last message left to another router's writer
-	// lease, not yet seen applied; syncQueued: a sync is queued (both
-	// guarded by Consumer.mu).
+	// lease, not yet seen applied; yielded: it was left to a writer whose
+	// lease had run out (checked a check interval later, not a lease);
+	// syncQueued: a sync is queued (all guarded by Consumer.mu).
 	from       kvindex.Position
 	expect     kvindex.Position
 	skipped    uint64
 	skippedAt  time.Time
+	yielded    bool
 	syncQueued bool
 }
 

@@ -99,25 +99,31 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 			// The writer applies it; watchShared checks that it did once
 			// its lease could have run out.
 			c.mu.Lock()
-			in.skipped, in.skippedAt = seq, time.Now()
+			in.skipped, in.skippedAt, in.yielded = seq, time.Now(), false
 			c.mu.Unlock()
 			if r.Position.Seeded {
 				c.setSynced(in, true)
 			}
 			return kvindex.ApplyResult{}, nil
 		case kvindex.SeqYielded:
-			// The last writer's lease ran out (the instance was silent):
-			// it normally applies this message too, and a change of
-			// writer would rewrite the instance (kvindex: a takeover
-			// starts a new incarnation). Left to it, as above, but timed
-			// from the first message so left: if it died, watchShared
-			// takes the instance over once a lease has passed since,
-			// however many messages follow meanwhile.
-			c.mu.Lock()
-			if in.skipped == 0 {
-				in.skippedAt = time.Now()
+			// The last writer's lease ran out (the instance was silent).
+			// A change of writer rewrites the instance (kvindex: a
+			// takeover starts a new incarnation), so the message is left
+			// to that writer, which consumes it too and applies it within
+			// milliseconds — unless the index misses a message this
+			// router consumed before this one: that writer is dead or
+			// stuck, and this router takes the instance over now (the
+			// loop's next attempt, ApplyAt). A writer that died after
+			// applying everything before this message is found out by
+			// watchShared a check interval later (or by this router's
+			// next message of the instance, the index then behind it):
+			// for that long the instance reads current without this
+			// message, as while any writer is applying one.
+			if from.Seeded && (!r.Position.Seeded || r.Position.Seq < from.Seq) {
+				continue
 			}
-			in.skipped = seq
+			c.mu.Lock()
+			in.skipped, in.skippedAt, in.yielded = seq, time.Now(), true
 			c.mu.Unlock()
 			if r.Position.Seeded {
 				c.setSynced(in, true)
@@ -129,7 +135,7 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 			// Another router took the instance over meanwhile: it brings
 			// it up to date, this message included; checked as above.
 			c.mu.Lock()
-			in.skipped, in.skippedAt = seq, time.Now()
+			in.skipped, in.skippedAt, in.yielded = seq, time.Now(), false
 			c.mu.Unlock()
 			c.setSynced(in, pos.Seeded)
 			return kvindex.ApplyResult{}, nil
@@ -321,7 +327,7 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 		// unseeded one is not whole until it has loaded it.
 		if in.from.Seeded {
 			c.mu.Lock()
-			in.skipped, in.skippedAt = in.from.Seq, time.Now()
+			in.skipped, in.skippedAt, in.yielded = in.from.Seq, time.Now(), false
 			c.mu.Unlock()
 		}
 		c.setSynced(in, p.Seeded)
@@ -511,7 +517,11 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) []str
 	var want []kvindex.Position
 	c.mu.Lock()
 	for name, in := range c.insts {
-		writerLate := in.skipped == 0 || now.Sub(in.skippedAt) > leaseWait
+		wait := leaseWait
+		if in.yielded {
+			wait = c.cfg.CheckInterval // a live writer applies it in milliseconds
+		}
+		writerLate := in.skipped == 0 || now.Sub(in.skippedAt) > wait
 		switch {
 		case in.status.IndexUnsynced || in.skipped != 0 && writerLate:
 			due = append(due, name)

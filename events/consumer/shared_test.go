@@ -544,3 +544,66 @@ func TestSharedRedisRestoredEarlier(t *testing.T) {
 	close(stop)
 	hb.Wait()
 }
+
+// A router that wrote every instance dies after applying everything
+// consumed; after its lease has run out the next message reaches the
+// other router, which leaves it to the last writer (kvindex.SeqYielded:
+// a change of writer rewrites the instance) — but only for a check
+// interval: then, finding it still missing, it takes the instance over.
+// Meanwhile the index misses that message while reading consistent and
+// live. Found by this session's review: with the yield timed like a
+// not-owner skip (a lease), the index read consistent without the message
+// for the whole lease (~2 s here; 203 ms with a 200 ms lease); before the
+// yield, 0 (the message taken over at once). Asserted: under half a lease.
+func TestSharedRedisDeadWriterYieldBounded(t *testing.T) {
+	const lease = 2 * time.Second
+	w := newSharedWorld(t, 17, "e0")
+	client := func() redis.UniversalClient {
+		return redis.NewClient(&redis.Options{Addr: w.redis.Addr, PoolSize: 4, MaxRetries: -1, DialTimeout: 200 * time.Millisecond,
+			ReadTimeout: time.Second, WriteTimeout: time.Second})
+	}
+	stop := make(chan struct{})
+	hb := w.heartbeats(stop)
+	defer func() { close(stop); hb.Wait() }()
+	a := w.startRouterWith(client(), lease)
+	w.publish(3)
+	w.converge("A alone", a)
+	b := w.startRouterWith(client(), lease)
+	w.publish(2)
+	w.converge("A and B", a, b)
+	a.stop()
+	time.Sleep(lease + 500*time.Millisecond) // A's lease runs out
+
+	// Messages until one is missing from the index (a message can leave
+	// the counters and lookups as they were).
+	for range 20 {
+		w.publish(1)
+		if w.diff(b.idx) != "" {
+			break
+		}
+	}
+	var staleFresh time.Duration
+	deadline := time.Now().Add(3 * lease)
+	equal := 0
+	for last := time.Now(); time.Now().Before(deadline) && equal < 3; {
+		d := w.diff(b.idx)
+		now := time.Now()
+		if d != "" && b.c.IndexConsistent() && b.c.Live("e0") {
+			staleFresh += now.Sub(last)
+		}
+		if d == "" {
+			equal++
+		} else {
+			equal = 0
+		}
+		last = now
+		time.Sleep(5 * time.Millisecond)
+	}
+	t.Logf("index missing the message while consistent and live: %v", staleFresh.Round(time.Millisecond))
+	if equal < 3 {
+		t.Fatalf("B did not take the dead writer's instance over within %v: %s", 3*lease, w.diff(b.idx))
+	}
+	if staleFresh > lease/2 {
+		t.Fatalf("the index missed the message for %v while reading consistent and live (lease %v)", staleFresh, lease)
+	}
+}
