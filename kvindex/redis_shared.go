@@ -45,10 +45,10 @@ import (
 // one Apply (a read, the events applied in memory, a pipelined write:
 // milliseconds, a big snapshot load tens of them) by a wide margin, and it
 // bounds how long the index lags the stream for an instance whose writing
-// router died: others take over once it has expired and a message they
-// left to that router is still missing (ApplyAtYielding: a lease after the
-// first one). Two seconds is well over the first, and under the
-// consumers' default MaxLag (5s).
+// router died: others take over once it has expired, at their next
+// message or when one they left to that router (ApplyAtYielding) is still
+// missing a check interval later. Two seconds is well over the first, and
+// under the consumers' default MaxLag (5s).
 const DefaultWriterLease = 2 * time.Second
 
 // Position is where an instance's state in a shared index stands: the
@@ -165,9 +165,9 @@ func (r *Redis) ApplyAt(ctx context.Context, instance string, from Position, seq
 // for longer than the lease the first to reach Redis would otherwise take
 // it over, which costs a rewrite of the instance (a takeover starts a new
 // incarnation: see Redis.apply). The consumer applies a message this way
-// first and, when the message is still missing once the lease could have
-// run out again (the writer died or stalled), takes the instance over
-// with ApplyAt.
+// first and, when the message is still missing a check interval later or
+// the index misses an earlier one (the writer died or stalled), takes the
+// instance over with ApplyAt.
 func (r *Redis) ApplyAtYielding(ctx context.Context, instance string, from Position, seq uint64, evs []events.Event) (SeqResult, error) {
 	return r.apply(ctx, instance, &seqGuard{from: from, seq: seq, yield: true}, evs)
 }
