@@ -113,6 +113,13 @@ func kindMask(k Kind) uint16 {
 	return m
 }
 
+// kindMasks is kindMask by kind, for the decoder's per-event use.
+var kindMasks = [...]uint16{
+	BlockStored:      kindMask(BlockStored),
+	BlockRemoved:     kindMask(BlockRemoved),
+	AllBlocksCleared: kindMask(AllBlocksCleared),
+}
+
 // Layout flags.
 const (
 	// FlagHashFixed64: every integer hash (and the parent) was written with

@@ -2,6 +2,7 @@ package events
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -271,6 +272,13 @@ func (d *decoder) key() ([]byte, bool, error) {
 	if t != mpStr {
 		return nil, false, d.r.skip()
 	}
+	if c := d.r.b[d.r.off]; c >= 0xa0 && c <= 0xbf && d.r.off+1+int(c&0x1f) <= len(d.r.b) {
+		// A fixstr, as every key engines write: read in place.
+		n := d.r.off + 1 + int(c&0x1f)
+		k := d.r.b[d.r.off+1 : n : n]
+		d.r.off = n
+		return k, true, nil
+	}
 	k, err := d.r.readStr()
 	return k, true, err
 }
@@ -514,18 +522,27 @@ func (d *decoder) mapEvent(e *Event, st *fieldState) (bool, error) {
 		return false, err
 	}
 	start := d.r.off
-	// The tag normally comes first (msgspec writes it first); otherwise
-	// find it in a first pass, so fields are read knowing the event type.
-	k, found, err := d.findTag(n)
-	if err != nil {
+	// The tag normally comes first (msgspec writes it first): then it is
+	// read once, and the fields after it follow. Otherwise find it in a
+	// first pass, so fields are read knowing the event type.
+	first := 0
+	k, found := Kind(0), false
+	if b := d.r.b[start:]; n > 0 && len(b) > 5 && string(b[:5]) == "\xa4type" {
+		d.r.off += 5
+		if k, err = d.tag(); err != nil {
+			return false, err
+		}
+		found, first = true, 1
+	} else if k, found, err = d.findTag(n); err != nil {
 		return false, err
+	} else {
+		d.r.off = start
 	}
 	if !found {
 		return false, fmt.Errorf("%w: event map has no \"type\"", ErrMalformed)
 	}
-	d.r.off = start
 	if k == 0 {
-		for i := 0; i < 2*n; i++ {
+		for i := 2 * first; i < 2*n; i++ {
 			if err := d.r.skip(); err != nil {
 				return false, err
 			}
@@ -533,8 +550,11 @@ func (d *decoder) mapEvent(e *Event, st *fieldState) (bool, error) {
 		return false, nil
 	}
 	e.Kind = k
-	mask := kindMask(k)
-	for i := 0; i < n; i++ {
+	if first == 1 {
+		e.Layout.N = 1 // fType (0) at position 0 of Order
+	}
+	mask := kindMasks[k]
+	for i := first; i < n; i++ {
 		key, isStr, err := d.key()
 		if err != nil {
 			return false, err
@@ -710,7 +730,17 @@ func (d *decoder) hashes(e *Event, st *fieldState) error {
 		return err
 	}
 	e.BlockHashes = d.hashSlice(n)
-	for i := range e.BlockHashes {
+	// Fast path for the fixed-width form Go encoders write (0xcf, every
+	// capture of a Go bridge's output); hash takes any other form.
+	b, off, i := d.r.b, d.r.off, 0
+	for ; i < n && off+9 <= len(b) && b[off] == 0xcf; i++ {
+		e.BlockHashes[i] = binary.BigEndian.Uint64(b[off+1:])
+		off += 9
+	}
+	d.r.off = off
+	st.hashInts += i
+	st.hashFixed += i
+	for ; i < n; i++ {
 		if e.BlockHashes[i], err = d.hash(st); err != nil {
 			return fmt.Errorf("[%d]: %w", i, err)
 		}

@@ -186,7 +186,7 @@ func (r *reader) header(fix, b16, b32 byte, minItem int, kind, items string) (in
 	if err != nil {
 		return 0, err
 	}
-	if n > r.remaining()/minItem {
+	if uint64(n)*uint64(minItem) > uint64(r.remaining()) { // n > remaining/minItem, without a division
 		return 0, fmt.Errorf("%s of %d %s in %d bytes: %w", kind, n, items, r.remaining(), errTruncated)
 	}
 	return n, nil

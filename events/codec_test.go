@@ -165,9 +165,13 @@ func TestDecodeForms(t *testing.T) {
 		{"unknown event types skipped and counted", batch3(0,
 			mp{}.arr(3).str("BlockPinned").arr(1).fix(1).mapH(1).str("a").fix(1),
 			mp{}.arr(1).str("AllBlocksCleared"),
-			mp{}.mapH(2).str("x").arr(0).str("type").str("Future")),
+			mp{}.mapH(2).str("x").arr(0).str("type").str("Future"),
+			// The tag first (read once, no second pass): the rest skipped whole.
+			mp{}.mapH(3).str("type").str("Future").str("block_hashes").arr(2).fix(1).fix(2).str("y").mapH(1).str("a").fix(1),
+			mp{}.mapH(2).str("type").str("BlockRemoved").str("block_hashes").arr(1).fix(5)),
 			func(t *testing.T, b Batch) {
-				if b.Unknown != 2 || len(b.Events) != 1 || b.Events[0].Kind != AllBlocksCleared {
+				if b.Unknown != 3 || len(b.Events) != 2 || b.Events[0].Kind != AllBlocksCleared ||
+					b.Events[1].Kind != BlockRemoved || len(b.Events[1].BlockHashes) != 1 || b.Events[1].BlockHashes[0] != 5 {
 					t.Fatalf("%+v", b)
 				}
 			}},

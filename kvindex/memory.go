@@ -143,6 +143,10 @@ type memInstance struct {
 	// sizeHint is what an empty instance's engine-hash table is sized for
 	// when its first blocks arrive (see sizeEmpty); set by Apply.
 	sizeHint int
+	// sectioned is set while Apply applies a section of several events
+	// that prefetchEvents has loaded: prefetchRemove then has nothing left
+	// to load.
+	sectioned bool
 
 	lastEvent int64 // unix nanoseconds of the last Apply
 }
@@ -204,10 +208,11 @@ func (m *Memory) Apply(ctx context.Context, instance string, evs []events.Event)
 			in.sizeHint = m.peerMean(in)
 		}
 		if i < len(evs) {
-			if j-i > 1 {
+			if in.sectioned = j-i > 1; in.sectioned {
 				m.pfNodes, m.pfKeys = in.prefetchEvents(evs[i:j], m.bs.get(), m.pfNodes, m.pfKeys)
 			}
 			m.scratch = applyEvents(in, m.model, &m.bs, evs[i:j], &res, m.scratch)
+			in.sectioned = false
 		}
 		if m.entries.Add(int64(in.n-before)) > m.capacity {
 			m.evict(stamp)
@@ -477,6 +482,9 @@ func (in *memInstance) prefetch(hs []uint64, keys []Key) {
 // of independent loads: their engine-hash table slots, then their entries
 // and the holder words of their block nodes.
 func (in *memInstance) prefetchRemove(hs []uint64) {
+	if in.sectioned {
+		return // prefetchEvents loaded the same, for the whole section
+	}
 	touch(&in.byHash, hs)
 	var x uint32
 	for _, h := range hs {
@@ -493,7 +501,7 @@ func (in *memInstance) prefetchRemove(hs []uint64) {
 // each stored event's parent, its new blocks and each removed block; then
 // the entries found there; then the block-map words they lead to (a
 // parent's router key, a removed block's holder word); then, from the
-// parents' keys, the block-map index slots of the stored blocks' keys
+// parents' keys, the block-map index slot of each stored event's first key
 // (size is the pool's block size, 0 when not yet known). Applied one event
 // at a time, each one-block event's misses come one after another. nodes
 // and keys are scratch space, returned grown.
@@ -548,7 +556,11 @@ func (in *memInstance) prefetchEvents(evs []events.Event, size int, nodes []int3
 			node := nodes[at]
 			at++
 			if node != noNode && size > 0 && len(ev.TokenIDs) == size*len(ev.BlockHashes) {
-				keys = AppendKeys(keys, *in.blocks.keyAt(node), ev.TokenIDs, size)
+				// The first block's key only: the store makes the keys
+				// again and loads the slots of all of them in one round
+				// (prefetch), so keying a long event here would hash its
+				// blocks twice to save nothing but that round's first miss.
+				keys = AppendKeys(keys, *in.blocks.keyAt(node), ev.TokenIDs[:size], size)
 			}
 		case ev.Kind == events.BlockRemoved:
 			for range ev.BlockHashes {

@@ -381,7 +381,9 @@ func (t *table) rebuild(ks keySrc, size int) {
 	t.sink ^= sink
 }
 
-// remove drops index j (indexed under k), leaving a tombstone.
+// remove drops index j (indexed under k), leaving a tombstone; at the end
+// of a probe run (the next slot empty), where no probe passes, the slot
+// is emptied instead, and so are the tombstones just before it.
 func (t *table) remove(j int32, k uint64) {
 	n := len(t.slots)
 	if n == 0 {
@@ -390,10 +392,27 @@ func (t *table) remove(j int32, k uint64) {
 	i, _ := home(k, n)
 	for c := t.slots[i]; c != 0; c = t.slots[i] {
 		if c != tomb && slotIdx(c) == j {
-			t.slots[i] = tomb
 			t.n--
-			t.tombs++
-			return
+			next := i + 1
+			if next == n {
+				next = 0
+			}
+			if t.slots[next] != 0 {
+				t.slots[i] = tomb
+				t.tombs++
+				return
+			}
+			// A table is never all tombstones (at most 3/4 full).
+			for t.slots[i] = 0; ; t.slots[i] = 0 {
+				if i == 0 {
+					i = n
+				}
+				i--
+				if t.slots[i] != tomb {
+					return
+				}
+				t.tombs--
+			}
 		}
 		if i++; i == n {
 			i = 0

@@ -50,6 +50,12 @@ func checkTable(t *testing.T, ops []byte) {
 			m.mu.Unlock()
 			t.Fatalf("op %d: %v", i, err)
 		}
+		for _, tb := range []*table{&in.byHash, &in.byNode} {
+			if err := tableCounts(tb); err != nil {
+				m.mu.Unlock()
+				t.Fatalf("op %d: %v", i, err)
+			}
+		}
 	}
 	for inst, in := range ins {
 		for h := uint64(0); h < 32; h++ {
@@ -60,6 +66,23 @@ func checkTable(t *testing.T, ops []byte) {
 		}
 	}
 	m.mu.Unlock()
+}
+
+// tableCounts checks a table's item and tombstone counts against its slots.
+func tableCounts(tb *table) error {
+	var n, tombs int
+	for _, c := range tb.slots {
+		switch {
+		case c == tomb:
+			tombs++
+		case c != 0:
+			n++
+		}
+	}
+	if n != tb.n || tombs != tb.tombs {
+		return fmt.Errorf("table of %d slots holds %d items and %d tombstones, counted %d and %d", len(tb.slots), n, tombs, tb.n, tb.tombs)
+	}
+	return nil
 }
 
 func TestTableAgainstMap(t *testing.T) {

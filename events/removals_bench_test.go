@@ -1,0 +1,42 @@
+package events
+
+import (
+	"testing"
+
+	"github.com/kvrouter/kvrouter/internal/cputime"
+)
+
+// BenchmarkDecodeRemovals decodes, with a reused Decoder, the step a vLLM
+// engine with a full cache publishes (one BlockStored of 50 blocks and 50
+// one-block BlockRemoved events, vllm/v1/core/block_pool.py
+// _maybe_evict_cached_block: one event per evicted block), in the newest
+// vLLM's map form. cpu-ns/op is per batch.
+func BenchmarkDecodeRemovals(b *testing.B) {
+	st := Event{Kind: BlockStored, BlockSize: 16, Medium: "GPU", ParentHash: 1 << 40, HasParent: true}
+	for j := 0; j < 50; j++ {
+		st.BlockHashes = append(st.BlockHashes, 1<<40|uint64(j+1))
+	}
+	for i := 0; i < 50*16; i++ {
+		st.TokenIDs = append(st.TokenIDs, uint32(1000+i*31%127000))
+	}
+	evs := []Event{st}
+	for j := 0; j < 50; j++ {
+		evs = append(evs, Event{Kind: BlockRemoved, Medium: "GPU", BlockHashes: []uint64{2<<40 | uint64(j)}})
+	}
+	p, err := Encode(nil, Batch{TS: 1.7e9, HasDPRank: true, Events: evs,
+		Layout: BatchLayout{N: 3, Map: true, Order: 0 | 1<<2 | 2<<4}}, EncodingMap)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var dec Decoder
+	b.ReportAllocs()
+	reportCPU := cputime.Report(b)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if _, err := dec.Decode(p); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.StopTimer()
+	reportCPU(b.N)
+}
