@@ -56,14 +56,7 @@ func testRedisLateWriterAfterTakeover(t *testing.T, takenBack bool) {
 		return len(args) > 5 && args[0] == "evalsha" && args[1] == mapScript.Hash() && args[5] == "c"
 	}}
 	cA.AddHook(hook)
-	rA, err := NewRedis(cA, RedisConfig{Prefix: prefix, Model: testModel, BlockSize: 4, WriterLease: lease, ExactLookup: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rB, err := NewRedis(cB, RedisConfig{Prefix: prefix, Model: testModel, BlockSize: 4, WriterLease: lease, ExactLookup: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	rA, rB := twoWriters(t, prefix, lease, cA, cB)
 	root := Root(testModel, "", "")
 	a := newChain(root, 4, 4, 1, 10)
 	b := newChain(root, 2, 4, 2, 100)
@@ -178,14 +171,7 @@ func testRedisLateRegistryFixUp(t *testing.T, load bool) {
 	prefix := testenv.UniqueName(t)
 	const lease = time.Second
 	cA, cB := productionClient(t, srv.Addr), productionClient(t, srv.Addr)
-	rA, err := NewRedis(cA, RedisConfig{Prefix: prefix, Model: testModel, BlockSize: 4, WriterLease: lease, ExactLookup: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rB, err := NewRedis(cB, RedisConfig{Prefix: prefix, Model: testModel, BlockSize: 4, WriterLease: lease, ExactLookup: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	rA, rB := twoWriters(t, prefix, lease, cA, cB)
 	a := newChain(Root(testModel, "", ""), 4, 4, 1, 10)
 	at := func(s uint64) Position { return Position{Seq: s, Seeded: true} }
 	if res, err := rA.LoadAt(ctx, "i", 10, []events.Event{a.stored(0, 3)}); err != nil || res.Status != SeqApplied {
@@ -246,15 +232,7 @@ func TestRedisYieldToLastWriter(t *testing.T) {
 	addr := testenv.Redis(t)
 	prefix := testenv.UniqueName(t)
 	const lease = 200 * time.Millisecond
-	var rs [2]*Redis
-	for i := range rs {
-		r, err := NewRedis(productionClient(t, addr), RedisConfig{Prefix: prefix, Model: testModel, BlockSize: 4, WriterLease: lease, ExactLookup: true})
-		if err != nil {
-			t.Fatal(err)
-		}
-		rs[i] = r
-	}
-	rA, rB := rs[0], rs[1]
+	rA, rB := twoWriters(t, prefix, lease, productionClient(t, addr), productionClient(t, addr))
 	root := Root(testModel, "", "")
 	a := newChain(root, 6, 4, 1, 10)
 	at := func(s uint64) Position { return Position{Seq: s, Seeded: true} }
@@ -300,4 +278,19 @@ func TestRedisYieldToLastWriter(t *testing.T) {
 	if res, err := rA.ApplyAtYielding(ctx, "i", at(15), 16, []events.Event{b.removed("GPU", 0, 1)}); err != nil || res.Status != SeqNotOwner {
 		t.Fatalf("A's message 16 under B's live lease: %+v %v, want not_owner", res, err)
 	}
+}
+
+// twoWriters is two routers' shared indexes (exact lookups) on clients cA
+// and cB, under one prefix and lease.
+func twoWriters(t *testing.T, prefix string, lease time.Duration, cA, cB redis.UniversalClient) (rA, rB *Redis) {
+	t.Helper()
+	var rs [2]*Redis
+	for i, c := range []redis.UniversalClient{cA, cB} {
+		r, err := NewRedis(c, RedisConfig{Prefix: prefix, Model: testModel, BlockSize: 4, WriterLease: lease, ExactLookup: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rs[i] = r
+	}
+	return rs[0], rs[1]
 }
