@@ -555,7 +555,7 @@ func (in *memInstance) prefetchEvents(evs []events.Event, size int, nodes []int3
 		case ev.Kind == events.BlockStored && ev.HasParent:
 			node := nodes[at]
 			at++
-			if node != noNode && size > 0 && len(ev.TokenIDs) == size*len(ev.BlockHashes) {
+			if node != noNode && size > 0 && len(ev.BlockHashes) > 0 && len(ev.TokenIDs) == size*len(ev.BlockHashes) {
 				// The first block's key only: the store makes the keys
 				// again and loads the slots of all of them in one round
 				// (prefetch), so keying a long event here would hash its

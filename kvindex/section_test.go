@@ -1,6 +1,7 @@
 package kvindex
 
 import (
+	"encoding/hex"
 	"testing"
 
 	"github.com/kvrouter/kvrouter/events"
@@ -33,5 +34,39 @@ func TestSectionEnd(t *testing.T) {
 		if got := sectionEnd(c.evs, c.i); got != c.want {
 			t.Errorf("%s: sectionEnd(…, %d) = %d, want %d", c.name, c.i, got, c.want)
 		}
+	}
+}
+
+// A store with a parent and no blocks in a section of several events: the
+// section's prefetch took the first block's tokens of a store whose
+// token count matched its (zero) blocks, and panicked slicing an empty
+// token list, holding the index's lock, on one engine payload the decoder
+// accepts (found by this session's review of the prefetch change). Such a
+// store changes nothing; the removal after it applies.
+func TestSectionEmptyStoreWithParent(t *testing.T) {
+	ctx := t.Context()
+	// ["BlockStored",[],1,[],16] then ["BlockRemoved",[1]], as an engine
+	// could send them.
+	raw, err := hex.DecodeString("93cb3ff80000000000009295ab426c6f636b53746f7265649001901092ac426c6f636b52656d6f766564910100")
+	if err != nil {
+		t.Fatal(err)
+	}
+	batch, err := events.Decode(raw)
+	if err != nil {
+		t.Fatalf("decode: %v", err)
+	}
+	m, err := NewMemory(MemoryConfig{Model: testModel, BlockSize: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Apply(ctx, "a", []events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{1}, TokenIDs: make([]uint32, 16), BlockSize: 16}}); err != nil {
+		t.Fatal(err)
+	}
+	res, err := m.Apply(ctx, "a", batch.Events)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := m.Len(ctx); err != nil || res.Removed != 1 || n != 0 {
+		t.Fatalf("removed %d, %d blocks left (%v); want 1 and 0", res.Removed, n, err)
 	}
 }

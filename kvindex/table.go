@@ -82,7 +82,9 @@ func (s *slab) release(i int32) {
 // Several slots may hold the same key (byNode, when two engine hashes of
 // one instance map to one router key).
 //
-// Removal leaves a tombstone: shifting the rest of the probe run back
+// Removal leaves a tombstone (unless the slot after it is empty: then it
+// and the tombstones just before it are emptied, since no probe run
+// passes an empty slot): shifting the rest of the probe run back
 // would read each moved item's key from the store, at random (with 6
 // fingerprint bits a slot does not say where its item's home is). Items
 // and tombstones together stay under 3/4 of the slots; an insert that

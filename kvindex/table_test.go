@@ -106,6 +106,10 @@ func FuzzTable(f *testing.F) {
 func FuzzApply(f *testing.F) {
 	f.Add([]byte("\x01\x03\x04\x10abcdefghijklmnop\x02\x01\x00"))
 	f.Add([]byte{3, 0, 0, 0})
+	// A store of block 1; then, in one call, a store with block 1 as its
+	// parent and no blocks, and a removal of block 1 (the section's
+	// prefetch once sliced the empty store's tokens and panicked).
+	f.Add([]byte{1, 0, 1, 1, 0, 4, 4, 1, 2, 3, 4, 5, 1, 0, 0, 3, 4, 0, 5, 2, 0, 1, 1, 0, 0, 0, 5})
 	f.Fuzz(func(t *testing.T, data []byte) {
 		m, err := NewMemory(MemoryConfig{Model: "m", Capacity: 64})
 		if err != nil {
@@ -149,8 +153,15 @@ func FuzzApply(f *testing.F) {
 			evs = append(evs, ev)
 		}
 		for i, inst := range []string{"a", "b"} {
-			if _, err := m.Apply(ctx, inst, evs[i*len(evs)/2:]); err != nil {
-				t.Fatal(err)
+			// In calls of 1, 2, 3, 1, … events: a call's sections of
+			// several events then meet blocks earlier calls stored.
+			rest := evs[i*len(evs)/2:]
+			for k := 1; len(rest) > 0; k = k%3 + 1 {
+				c := min(k, len(rest))
+				if _, err := m.Apply(ctx, inst, rest[:c]); err != nil {
+					t.Fatal(err)
+				}
+				rest = rest[c:]
 			}
 		}
 		n, _ := m.Len(ctx)
