@@ -366,11 +366,23 @@ func (in *memInstance) hashSrc() keySrc { return keySrc{s: &in.slab, kf: byHashO
 func (in *memInstance) nodeSrc() keySrc { return keySrc{s: &in.slab, kf: byNodeOf} }
 
 func (in *memInstance) keyOf(h uint64) (Key, bool) {
-	j := in.byHash.find(in.hashSrc(), h)
-	if j < 0 {
+	node := in.nodeOf(h)
+	if node == noNode {
 		return 0, false
 	}
-	return *in.blocks.keyAt(in.slab.at(j).node), true
+	return *in.blocks.keyAt(node), true
+}
+
+// noNode is nodeOf's answer for an engine hash the instance does not hold.
+const noNode = int32(-1)
+
+// nodeOf returns the block-map node of the instance's engine hash h, or
+// noNode.
+func (in *memInstance) nodeOf(h uint64) int32 {
+	if j := in.byHash.find(in.hashSrc(), h); j >= 0 {
+		return in.slab.at(j).node
+	}
+	return noNode
 }
 
 func (in *memInstance) store(h uint64, k Key, t tiers.Tier) bool {
@@ -488,8 +500,8 @@ func (in *memInstance) prefetchRemove(hs []uint64) {
 	touch(&in.byHash, hs)
 	var x uint32
 	for _, h := range hs {
-		if j := in.byHash.find(in.hashSrc(), h); j >= 0 {
-			x |= *in.blocks.holdAt(in.slab.at(j).node)
+		if node := in.nodeOf(h); node != noNode {
+			x |= *in.blocks.holdAt(node)
 		}
 	}
 	in.byHash.sink ^= x
@@ -526,24 +538,15 @@ func (in *memInstance) prefetchEvents(evs []events.Event, size int, nodes []int3
 	}
 	// The entries: each stored event's parent's node, each removed
 	// block's node; noNode where there is none.
-	const noNode = int32(-1)
 	nodes = nodes[:0]
 	for i := range evs {
 		ev := &evs[i]
 		switch {
 		case ev.Kind == events.BlockStored && ev.HasParent:
-			node := noNode
-			if j := in.byHash.find(in.hashSrc(), ev.ParentHash); j >= 0 {
-				node = in.slab.at(j).node
-			}
-			nodes = append(nodes, node)
+			nodes = append(nodes, in.nodeOf(ev.ParentHash))
 		case ev.Kind == events.BlockRemoved:
 			for _, h := range ev.BlockHashes {
-				node := noNode
-				if j := in.byHash.find(in.hashSrc(), h); j >= 0 {
-					node = in.slab.at(j).node
-				}
-				nodes = append(nodes, node)
+				nodes = append(nodes, in.nodeOf(h))
 			}
 		}
 	}
