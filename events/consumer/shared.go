@@ -98,9 +98,7 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 		case kvindex.SeqNotOwner:
 			// The writer applies it; watchShared checks that it did once
 			// its lease could have run out.
-			c.mu.Lock()
-			in.skipped, in.skippedAt, in.yielded = seq, time.Now(), false
-			c.mu.Unlock()
+			c.leftToWriter(in, seq, false)
 			if r.Position.Seeded {
 				c.setSynced(in, true)
 			}
@@ -122,9 +120,7 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 			if from.Seeded && (!r.Position.Seeded || r.Position.Seq < from.Seq) {
 				continue
 			}
-			c.mu.Lock()
-			in.skipped, in.skippedAt, in.yielded = seq, time.Now(), true
-			c.mu.Unlock()
+			c.leftToWriter(in, seq, true)
 			if r.Position.Seeded {
 				c.setSynced(in, true)
 			}
@@ -134,9 +130,7 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 		if errors.Is(err, errOwned) {
 			// Another router took the instance over meanwhile: it brings
 			// it up to date, this message included; checked as above.
-			c.mu.Lock()
-			in.skipped, in.skippedAt, in.yielded = seq, time.Now(), false
-			c.mu.Unlock()
+			c.leftToWriter(in, seq, false)
 			c.setSynced(in, pos.Seeded)
 			return kvindex.ApplyResult{}, nil
 		}
@@ -156,6 +150,15 @@ func (c *Consumer) countTakeover(r kvindex.SeqResult) {
 	if r.Takeover {
 		c.m.takeovers.Inc()
 	}
+}
+
+// leftToWriter records message seq as left to another router's writer,
+// for watchShared to see applied: a lease later, or a check interval later
+// when yielded (left to a writer whose lease had run out; see dueShared).
+func (c *Consumer) leftToWriter(in *inst, seq uint64, yielded bool) {
+	c.mu.Lock()
+	in.skipped, in.skippedAt, in.yielded = seq, time.Now(), yielded
+	c.mu.Unlock()
 }
 
 // repairShared brings the instance's state in the index up to every
@@ -326,9 +329,7 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 		// current (checked again once its lease could have run out); an
 		// unseeded one is not whole until it has loaded it.
 		if in.from.Seeded {
-			c.mu.Lock()
-			in.skipped, in.skippedAt, in.yielded = in.from.Seq, time.Now(), false
-			c.mu.Unlock()
+			c.leftToWriter(in, in.from.Seq, false)
 		}
 		c.setSynced(in, p.Seeded)
 	case err != nil:
