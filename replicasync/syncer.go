@@ -442,22 +442,14 @@ func (s *Syncer) Run(ctx context.Context) error {
 // split over several messages zeroes them too. A message refused by the
 // byte budget or lost leaves them to the peer timeout, as before.
 func (s *Syncer) leave() {
-	s.loadBuf = s.loadBuf[:0]
-	if f := s.local.Load(); f != nil {
-		s.loadBuf = (*f)(s.loadBuf)
-	}
-	out := s.loadBuf[:0] // filtered in place
-	seen := make(map[string]bool, len(s.loadBuf)+len(s.lastSent))
-	for _, l := range s.loadBuf {
-		if seen[l.Instance] || checkName("instance", l.Instance) != nil {
-			continue
-		}
-		seen[l.Instance] = true
+	cur := s.localLoads()
+	out := make([]Load, 0, len(cur)+len(s.lastSent))
+	for _, l := range cur {
 		l.InFlight, l.PendingTokens, l.PendingRequests, l.Pending = 0, 0, 0, nil
 		out = append(out, l)
 	}
 	for id := range s.lastSent {
-		if !seen[id] {
+		if _, ok := cur[id]; !ok {
 			out = append(out, Load{Instance: id})
 		}
 	}
@@ -602,19 +594,7 @@ func (s *Syncer) send(m *Message) bool {
 func (s *Syncer) flush(tick bool) {
 	now := s.cfg.Now()
 	hello := s.hello.Swap(false)
-	s.loadBuf = s.loadBuf[:0]
-	if f := s.local.Load(); f != nil {
-		s.loadBuf = (*f)(s.loadBuf)
-	}
-	cur := make(map[string]Load, len(s.loadBuf))
-	for _, l := range s.loadBuf {
-		if l.InFlight < 0 || l.PendingTokens < 0 || l.PendingRequests < 0 || checkName("instance", l.Instance) != nil {
-			continue
-		}
-		if !l.Empty() {
-			cur[l.Instance] = l
-		}
-	}
+	cur := s.localLoads()
 	full := hello || now.Sub(s.lastFull) >= s.cfg.Heartbeat
 	var out []Load
 	if full {
@@ -641,6 +621,25 @@ func (s *Syncer) flush(tick bool) {
 	s.flushRents(full, live)
 	s.flushSpecs(now, hello)
 	s.m.peers.WithLabelValues(s.cfg.Pool).Set(float64(s.table.Forget()))
+}
+
+// localLoads reads the router's load table (Config.Local): its valid,
+// non-empty entries by instance.
+func (s *Syncer) localLoads() map[string]Load {
+	s.loadBuf = s.loadBuf[:0]
+	if f := s.local.Load(); f != nil {
+		s.loadBuf = (*f)(s.loadBuf)
+	}
+	cur := make(map[string]Load, len(s.loadBuf))
+	for _, l := range s.loadBuf {
+		if l.InFlight < 0 || l.PendingTokens < 0 || l.PendingRequests < 0 || checkName("instance", l.Instance) != nil {
+			continue
+		}
+		if !l.Empty() {
+			cur[l.Instance] = l
+		}
+	}
+	return cur
 }
 
 // Delta appends to dst the load entries a delta message carries from the
