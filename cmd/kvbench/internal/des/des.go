@@ -271,8 +271,12 @@ type Result struct {
 	// IndexDeliveries counts event batches applied to the index; IndexErrors
 	// counts those Apply refused.
 	IndexDeliveries, IndexErrors int
-	// Warms counts the warm-up copies submitted (Decision.Warm).
-	Warms int
+	// Warms counts the warm-up copies submitted (Decision.Warm);
+	// WarmComputed is the prompt tokens those copies computed (prompt less
+	// cached, at their first token): fleet prefill work that no request
+	// of the workload's hit rate shows.
+	Warms        int
+	WarmComputed int64
 	// Utilisation per instance (empty when the engines do not report busy
 	// time, see BusyReporter).
 	Utilisation []Utilisation
@@ -656,7 +660,9 @@ func (r *run) advance(in *instance) {
 		if u.ID&WarmTag != 0 {
 			switch u.Kind {
 			case FirstToken:
-				r.cfg.Router.FirstToken(u.ID, in.name, u.CachedTokens, len(r.w.Requests[u.ID&^WarmTag].Tokens()))
+				prompt := len(r.w.Requests[u.ID&^WarmTag].Tokens())
+				r.res.WarmComputed += int64(max(prompt-u.CachedTokens, 0))
+				r.cfg.Router.FirstToken(u.ID, in.name, u.CachedTokens, prompt)
 				if a := r.cfg.Admission; a != nil {
 					a.FirstToken(u.ID, u.At)
 					r.freed = true // the copy's prefill budget is free: who waits for it may go

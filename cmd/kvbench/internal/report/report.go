@@ -69,6 +69,12 @@ type Summary struct {
 	// (0 when the engines do not report it).
 	Busy        float64 `json:"busy,omitempty"`
 	PrefillBusy float64 `json:"prefill_busy,omitempty"`
+	// Warms is the warm-up copies the router asked for (router.Warm);
+	// Computed the prompt tokens the fleet prefilled per prompt token of
+	// the completed requests, the copies' included: 1 − HitRate without
+	// copies. A copy is work that the hit rate, read alone, does not show.
+	Warms    int     `json:"warms"`
+	Computed float64 `json:"computed"`
 	// Reasons counts decisions per stated reason.
 	Reasons map[string]int `json:"reasons,omitempty"`
 	// VirtualSec is the simulated duration, WallSec what it took to run.
@@ -141,7 +147,9 @@ func Summarize(res *des.Result, bound float64) Summary {
 	}
 	if prompt > 0 {
 		s.HitRate = float64(cached) / float64(prompt)
+		s.Computed = float64(prompt-cached+res.WarmComputed) / float64(prompt)
 	}
+	s.Warms = res.Warms
 	if bound > 0 {
 		s.Bound = bound
 		s.BoundFraction = s.HitRate / bound
@@ -224,6 +232,8 @@ var columns = []column{
 	{"overflow_rate", func(s *Summary) string { return f3(s.OverflowRate) }},
 	{"busy", func(s *Summary) string { return f3(s.Busy) }},
 	{"prefill_busy", func(s *Summary) string { return f3(s.PrefillBusy) }},
+	{"warms", func(s *Summary) string { return strconv.Itoa(s.Warms) }},
+	{"computed", func(s *Summary) string { return f3(s.Computed) }},
 	{"decision_cpu_us", func(s *Summary) string { return f1(s.DecisionCPUMeanUs) }},
 	{"decision_cpu_p99_us", func(s *Summary) string { return f1(s.DecisionCPUP99Us) }},
 	{"decision_wall_p50_us", func(s *Summary) string { return f1(s.DecisionP50Us) }},
