@@ -29,6 +29,19 @@ import (
 // Sweep purges the ones silent for longer than this.
 const DefaultRedisTTL = 24 * time.Hour
 
+// DefaultRedisLookupTimeout is the router's bound on one Lookup (at most
+// two round trips, ~0.2-1 ms on a LAN, ~20 ms for ExactLookup with 64
+// holders). A lookup is
+// on a request's path: against a hung Redis (stopped, a fork, a paused VM)
+// go-redis alone waits its read timeout on each of its retries (35 s for a
+// lookup's pipeline with the defaults), and the request with it, although
+// the consumer flags the index and kv_aware stops looking up within
+// seconds. Past the bound the lookup fails and the request routes on the
+// heuristic. The bound cuts a read only on a client with
+// ContextTimeoutEnabled (the router's; without it, only dials and the waits
+// between retries).
+const DefaultRedisLookupTimeout = 250 * time.Millisecond
+
 // DefaultRedisPrefix is the key prefix when none is configured.
 const DefaultRedisPrefix = "kvindex"
 
@@ -79,6 +92,9 @@ type RedisConfig struct {
 	// positions for a fully held 512-block chain, exact mode ~500 per
 	// holding instance (20 ms with 64 holders, see docs/benchmarks).
 	ExactLookup bool
+	// LookupTimeout bounds each Lookup (its context's deadline, when none
+	// is sooner); 0 = no bound. The router sets DefaultRedisLookupTimeout.
+	LookupTimeout time.Duration
 }
 
 func (c RedisConfig) validate() error {
@@ -90,6 +106,9 @@ func (c RedisConfig) validate() error {
 	}
 	if c.WriterLease < 0 || c.WriterLease > 0 && c.WriterLease < 10*time.Millisecond {
 		return fmt.Errorf("%w: redis: writer lease %v: want 0 (default) or at least 10ms", ErrConfig, c.WriterLease)
+	}
+	if c.LookupTimeout < 0 {
+		return fmt.Errorf("%w: redis: lookup timeout %v < 0", ErrConfig, c.LookupTimeout)
 	}
 	if c.TTL > 0 && c.TTL < time.Second {
 		return fmt.Errorf("%w: redis: ttl %v below a second", ErrConfig, c.TTL)
@@ -134,6 +153,7 @@ type Redis struct {
 	bs     blockSizer
 
 	exact    bool          // ExactLookup
+	lookupTO time.Duration // LookupTimeout; 0: no bound
 	lease    time.Duration // WriterLease
 	token    string        // this index's writer-lease token (random)
 	leaseArg any           // lease in ms, boxed once
@@ -156,7 +176,7 @@ func NewRedis(client redis.UniversalClient, cfg RedisConfig) (*Redis, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	r := &Redis{rdb: client, prefix: cfg.Prefix, model: cfg.Model, ttl: cfg.TTL, now: cfg.Now, exact: cfg.ExactLookup}
+	r := &Redis{rdb: client, prefix: cfg.Prefix, model: cfg.Model, ttl: cfg.TTL, now: cfg.Now, exact: cfg.ExactLookup, lookupTO: cfg.LookupTimeout}
 	if r.prefix == "" {
 		r.prefix = DefaultRedisPrefix
 	}
@@ -842,6 +862,11 @@ func probePositions(n int) []int {
 func (r *Redis) Lookup(ctx context.Context, keys []Key) ([]Match, error) {
 	if len(keys) == 0 {
 		return nil, nil
+	}
+	if r.lookupTO > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, r.lookupTO)
+		defer cancel()
 	}
 	probes := probePositions(len(keys))
 	pipe := r.rdb.Pipeline()

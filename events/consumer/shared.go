@@ -486,7 +486,17 @@ func (c *Consumer) watchShared(ctx context.Context) {
 			c.syncKnown(ctx)
 		default:
 			c.shared.epoch = e
-			if !c.epochOK.Swap(true) {
+			if !c.epochOK.Load() {
+				// Back after an outage, with the same epoch: Redis may
+				// have come back from its own persistence, older. Read
+				// the positions before trusting the index again: an
+				// instance found behind is not live until repaired,
+				// rather than its restored state read as fresh until
+				// the repair is done.
+				for _, name := range c.dueShared(ctx, leaseWait) {
+					c.queueSync(ctx, name)
+				}
+				c.epochOK.Store(true)
 				c.cfg.Logger.Info("consumer: shared index reachable again")
 			}
 		}
@@ -538,12 +548,23 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) []str
 	if err != nil {
 		return due // the epoch check says whether Redis is reachable
 	}
+	var behind []string
 	for i, p := range got {
 		if !p.Seeded || p.Seq < want[i].Seq {
-			due = append(due, check[i])
+			behind = append(behind, check[i])
 		}
 	}
-	return due
+	// Missing messages this router consumed (Redis restored to an earlier
+	// point, or a writer's mark): not whole, so not live, until repaired.
+	c.mu.Lock()
+	for _, name := range behind {
+		if in := c.insts[name]; in != nil && !in.status.IndexUnsynced {
+			in.status.IndexUnsynced = true
+			c.unsynced.Add(1)
+		}
+	}
+	c.mu.Unlock()
+	return append(due, behind...)
 }
 
 // decodeJoined decodes a stream message's payload, a coalesced message's

@@ -62,7 +62,13 @@ func NewPoolIndexes(cfg config.Config) (*PoolIndexes, error) {
 		if rc == nil || len(rc.Addrs) == 0 {
 			return nil, fmt.Errorf("%w: index.redis.addrs: required when index.backend is redis", config.ErrInvalidConfig)
 		}
-		opts := &redis.UniversalOptions{Addrs: rc.Addrs, IsClusterMode: rc.Cluster, DB: rc.DB, Username: rc.Username, Password: rc.Password}
+		// ContextTimeoutEnabled: a context's deadline bounds a command's
+		// reads too, not only its dials and retries, so that a lookup on a
+		// hung Redis ends at kvindex.DefaultRedisLookupTimeout rather than
+		// after the read timeout of every retry (35 s; the consumer's
+		// writes carry no deadline and keep the read timeout).
+		opts := &redis.UniversalOptions{Addrs: rc.Addrs, IsClusterMode: rc.Cluster, DB: rc.DB, Username: rc.Username, Password: rc.Password,
+			ContextTimeoutEnabled: true}
 		if rc.TLS || rc.TLSCAFile != "" {
 			opts.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12}
 			if rc.TLSCAFile != "" {
@@ -100,7 +106,8 @@ func NewPoolIndexes(cfg config.Config) (*PoolIndexes, error) {
 			if ic.Redis.KeyPrefix != "" {
 				prefix = ic.Redis.KeyPrefix + ":" + p.Name
 			}
-			idx, err = kvindex.NewRedis(out.rdb, kvindex.RedisConfig{Prefix: prefix, Model: p.Model, BlockSize: bs, TTL: ic.Redis.TTL})
+			idx, err = kvindex.NewRedis(out.rdb, kvindex.RedisConfig{Prefix: prefix, Model: p.Model, BlockSize: bs, TTL: ic.Redis.TTL,
+				LookupTimeout: kvindex.DefaultRedisLookupTimeout})
 		default:
 			err = fmt.Errorf("%w: index.backend %q: want memory or redis", config.ErrInvalidConfig, ic.Backend)
 		}

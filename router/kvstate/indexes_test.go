@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
@@ -114,5 +115,68 @@ func TestRedisClusterSlotMapReload(t *testing.T) {
 				t.Errorf("slot map reloaded every %v, want %v", cc.Options().ClusterStateReloadInterval, ClusterStateReload)
 			}
 		})
+	}
+}
+
+// TestRedisLookupBoundedWhenHung: a request's lookup in the shared index
+// must not wait on a hung Redis (stopped: connections held, nothing
+// answered). The consumer flags the index within seconds and kv_aware then
+// skips the lookup, but a lookup already sent waited for go-redis's read
+// timeout times its retries (35 s for this pipeline, context deadlines ignored):
+// on the binaries every request in flight when Redis was stopped for 8 s
+// took 8 s. The lookup now gives up after DefaultRedisLookupTimeout (kvindex)
+// and the request routes on the heuristic.
+func TestRedisLookupBoundedWhenHung(t *testing.T) {
+	srv := testenv.StartRedis(t)
+	pools := []config.PoolConfig{{Name: "a", Model: "model-a", Routing: config.RoutingConfig{KV: &config.KVScoringConfig{BlockSize: testBS}}}}
+	pi, err := NewPoolIndexes(config.Config{Index: &config.IndexConfig{Backend: "redis",
+		Redis: &config.RedisConfig{Addrs: []string{srv.Addr}, KeyPrefix: testenv.UniqueName(t)}}, Pools: pools})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pi.Close()
+	ctx := context.Background()
+	tokens := seqTokens(4 * testBS)
+	keys := kvindex.Keys(kvindex.Root("model-a", "", ""), tokens, testBS)
+	ev := events.Event{Kind: events.BlockStored, BlockSize: testBS, Medium: "GPU", TokenIDs: tokens, BlockHashes: []uint64{1, 2, 3, 4}}
+	idx := pi.ByPool["a"]
+	if _, err := idx.Apply(ctx, "i0", []events.Event{ev}); err != nil {
+		t.Fatal(err)
+	}
+	if ms, err := idx.Lookup(ctx, keys); err != nil || len(ms) != 1 {
+		t.Fatalf("lookup before the pause: %+v, %v", ms, err)
+	}
+	srv.Pause()
+	resumed := false
+	defer func() {
+		if !resumed {
+			srv.Resume()
+		}
+	}()
+	start := time.Now()
+	ms, err := idx.Lookup(ctx, keys)
+	took := time.Since(start)
+	srv.Resume()
+	resumed = true
+	if err == nil {
+		t.Fatalf("lookup on a stopped Redis answered %+v", ms)
+	}
+	// The bound is 250 ms; 2 s leaves room for a loaded machine and is
+	// less than one read of go-redis alone waits (3 s; 35 s with its
+	// retries, the deadline then cutting only between them).
+	if took > 2*time.Second {
+		t.Fatalf("lookup on a stopped Redis took %v (err %v): want it cut at the lookup timeout", took, err)
+	}
+	// Redis answering again: the next lookup finds the instance.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ms, err = idx.Lookup(ctx, keys)
+		if err == nil && len(ms) == 1 && ms[0].Blocks[0] == 4 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("lookup after the resume: %+v, %v", ms, err)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
