@@ -109,13 +109,19 @@ type Decision struct {
 // token (router/httpapi/warm.go).
 func (r *Request) ProxyCanWarm() bool { return r.Endpoint.OpenAI() && len(r.Body) > 0 }
 
-// Warm is a warm-up copy: the edge sends the request's prompt to Instance
-// for one output token, so that the instance computes and caches it, and
-// follows that request with Observer (first byte, then done) as it would
-// a routed attempt.
+// Warm is a warm-up copy: the edge sends the request's prompt, or its
+// first Tokens token ids, to Instance for one output token, so that the
+// instance computes and caches it, and follows that request with Observer
+// (first byte, then done) as it would a routed attempt.
 type Warm struct {
 	Instance *Instance
 	Observer Observer
+	// Tokens, when above 0, is the prefix the copy is for: the first
+	// Tokens of the request's token ids (Request.TokenIDs), sent as a
+	// completion of token ids (router/httpapi/warm.go), whose blocks the
+	// engine hashes as the request's. 0, or ids the edge cannot get: the
+	// request's whole prompt, as the client sent it.
+	Tokens int
 }
 
 // Explanation is the optional detail of a kv-aware decision.

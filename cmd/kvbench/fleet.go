@@ -268,8 +268,9 @@ func (r *strategyRouter) Pick(ctx context.Context, req *des.RouteRequest, cands 
 	if d.Observer != nil {
 		r.obs[req.EngineID] = d.Observer
 	}
-	warm := ""
+	warm, warmTokens := "", 0
 	if d.Warm != nil {
+		warmTokens = d.Warm.Tokens
 		// The warm-up copy's lifecycle calls come under its own id.
 		warm = d.Warm.Instance.ID()
 		if d.Warm.Observer != nil {
@@ -281,7 +282,7 @@ func (r *strategyRouter) Pick(ctx context.Context, req *des.RouteRequest, cands 
 		r.predicted = d.Explain.PredictedTTFT
 	}
 	return des.Decision{Instance: d.Instance.ID(), Reason: string(d.Reason),
-		Overflow: d.Reason == router.ReasonOverflow || d.Reason == router.ReasonSaturated, Warm: warm}, nil
+		Overflow: d.Reason == router.ReasonOverflow || d.Reason == router.ReasonSaturated, Warm: warm, WarmTokens: warmTokens}, nil
 }
 
 // request is the router's view of a driver request.

@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"testing"
 	"time"
 
@@ -132,5 +134,97 @@ func TestToolChatPredictionMatchesEngine(t *testing.T) {
 	predicted, cached := chat()
 	if want := fmt.Sprintf("gpu=%d,cpu=0,disk=0,shared=0", cached); cached == 0 || predicted != want {
 		t.Fatalf("repeated tool chat: router predicted %q, engine served %d tokens from cache (want %q)", predicted, cached, want)
+	}
+}
+
+// TestWarmPrefixCopyServesTheChat: a warm-up copy of a chat's prefix, sent
+// as the completion of the first Warm.Tokens token ids the router derived
+// from the chat (its token source, the template rendered), makes the
+// engine it goes to hold the chat's leading blocks: the chat itself, sent
+// to that engine afterwards, is served those tokens from cache. A copy of
+// the client's request (no Tokens) makes it hold the whole prompt's full
+// blocks. The engine (sim/simserver) renders chats as llm-d-inference-sim
+// does and keys blocks from token ids, adapter and cache_salt as vLLM.
+func TestWarmPrefixCopyServesTheChat(t *testing.T) {
+	ctx := testenv.Context(t, time.Minute)
+	const model = "tool-model"
+	log := slog.New(slog.DiscardHandler)
+	start := func() *simserver.Instance {
+		in, err := simserver.Start(ctx, simserver.Config{Engine: sim.Config{Model: model}, TimeScale: 100, Logger: log, Tokenizer: llmdSimChat{}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = in.Close() })
+		return in
+	}
+	engines := []*simserver.Instance{start(), start()}
+	pc := config.PoolConfig{Name: "tools", Model: model,
+		Routing:   config.RoutingConfig{Strategy: config.StrategyKVAware},
+		Tokenizer: &config.TokenizerConfig{Source: kvaware.TokenSourceSimple},
+		Health:    config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
+	for i, in := range engines {
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: fmt.Sprintf("engine-%d", i), URL: in.URL()})
+	}
+	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: model, BlockSize: sim.DefaultBlockSize})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, _ := servertest.Serve(t, config.Config{Pools: []config.PoolConfig{pc}}, httpapi.Options{Logger: log,
+		KV: kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil })})
+	pool := srv.Pools()[0]
+	chatOn := func(in *simserver.Instance) (prompt, cached int) {
+		t.Helper()
+		resp := servertest.Do(t, in.URL(), "POST", "/v1/chat/completions", []byte(toolChat), nil)
+		var body struct {
+			Usage routertest.Usage `json:"usage"`
+		}
+		if err := json.Unmarshal(resp.Body, &body); err != nil || resp.Status != 200 {
+			t.Fatalf("chat: %d %v", resp.Status, err)
+		}
+		return body.Usage.PromptTokens, body.Usage.Details.Cached
+	}
+	copyTo := func(i int, tokens int) {
+		t.Helper()
+		req, _, err := srv.Resolve(router.Inbound{Endpoint: router.EndpointChatCompletions, Body: []byte(toolChat), InjectSalt: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The decision the copy rides on: kv_aware tokenizes the chat
+		// with the pool's token source, as on the data plane.
+		_, strat := pool.Routing()
+		d, err := strat.Pick(ctx, req, pool.Instances())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Observer != nil {
+			d.Observer.Done(200, -1)
+		}
+		inst := poolInstance(t, pool, fmt.Sprintf("engine-%d", i))
+		o := &doneObserver{status: make(chan int, 1)}
+		r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", nil)
+		httpapi.SendWarm(srv, r, pool, req, "/v1/chat/completions", &router.Warm{Instance: inst, Observer: o, Tokens: tokens}, nil)
+		select {
+		case st := <-o.status:
+			if st != http.StatusOK {
+				t.Fatalf("copy to engine-%d answered %d", i, st)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatal("the copy's observer never ended")
+		}
+	}
+
+	const bs = sim.DefaultBlockSize
+	prefix := 4 * bs
+	copyTo(0, prefix)
+	prompt, cached := chatOn(engines[0])
+	if prompt < 8*bs {
+		t.Fatalf("prompt of %d tokens: too short to tell", prompt)
+	}
+	if cached != prefix {
+		t.Fatalf("the chat after a copy of its first %d tokens: %d served from cache, want %d", prefix, cached, prefix)
+	}
+	copyTo(1, 0)
+	if _, cached := chatOn(engines[1]); cached != prompt/bs*bs && cached != (prompt-1)/bs*bs {
+		t.Fatalf("the chat after a copy of the whole request: %d of %d served from cache, want its full blocks", cached, prompt)
 	}
 }

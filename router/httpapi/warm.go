@@ -42,9 +42,43 @@ func warmBody(req *router.Request) ([]byte, error) {
 	return openai.SetMembers(req.Body, set...)
 }
 
+// completionsPath is the engine's OpenAI completions endpoint, where a
+// warm-up copy of a prefix goes as token ids (warmPrefixBody).
+const completionsPath = "/v1/completions"
+
+// warmPrefix is a warm-up copy of a prompt's first tokens: a completion of
+// token ids for one output token. vLLM takes an id array as the prompt
+// itself (no template, no special tokens added) and hashes its blocks
+// from the ids, the adapter (the model name) and cache_salt, as it hashes
+// the request's own: the copy's blocks are the request's leading ones.
+type warmPrefix struct {
+	Model     string   `json:"model"`
+	Prompt    []uint32 `json:"prompt"`
+	MaxTokens int      `json:"max_tokens"`
+	Stream    bool     `json:"stream"`
+	CacheSalt string   `json:"cache_salt,omitempty"`
+}
+
+// warmRequest is the body and path of w's copy of req: a completion of
+// the first w.Tokens token ids when w names a prefix and the request's ids
+// are known (the ids the decision keyed: their leading blocks are the ones
+// the engine's events named), else the client's request rewritten to one
+// output token (warmBody), on the client's path.
+func warmRequest(ctx context.Context, req *router.Request, path string, w *router.Warm) ([]byte, string, error) {
+	if w.Tokens > 0 && req.Model != "" {
+		if ids, err := req.TokenIDs(ctx); err == nil && len(ids) >= w.Tokens {
+			body, err := json.Marshal(warmPrefix{Model: req.Model, Prompt: ids[:w.Tokens], MaxTokens: 1, CacheSalt: req.CacheSalt()})
+			return body, completionsPath, err
+		}
+	}
+	body, err := warmBody(req)
+	return body, path, err
+}
+
 // sendWarm sends w, a warm-up copy a decision asked for (router.Warm), to
-// its instance in the background: the request's prompt for one output
-// token, with the client's headers as the proxy forwards them. It outlives
+// its instance in the background: the prefix it names as token ids, or
+// the request's prompt, for one output token (warmRequest), with the
+// client's headers as the proxy forwards them. It outlives
 // the client's request (the copy serves later requests) but not
 // warmTimeout. Its observer ends whatever happens, so the pending prefill
 // the strategy counted there is always released; the instance counts it
@@ -52,7 +86,7 @@ func warmBody(req *router.Request) ([]byte, error) {
 // tk (Ticket.Companion; nil without a queue): its prefill until the first
 // byte, its place until it ends.
 func (s *Server) sendWarm(r *http.Request, pool *router.Pool, req *router.Request, path string, w *router.Warm, tk *flowcontrol.Ticket) {
-	body, err := warmBody(req)
+	body, path, err := warmRequest(r.Context(), req, path, w)
 	if err != nil {
 		s.m.warms.WithLabelValues(pool.Name(), w.Instance.ID(), "body").Inc()
 		if tk != nil {

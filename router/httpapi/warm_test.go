@@ -33,15 +33,7 @@ func (o *doneObserver) Done(status, cached int) { o.status <- status }
 func TestWarmCopy(t *testing.T) {
 	h := newHarness(t, 2, nil)
 	pool := h.srv.Pools()[0]
-	var inst *router.Instance
-	for _, c := range pool.Instances() {
-		if c.ID() == h.ups[1].ID {
-			inst = c
-		}
-	}
-	if inst == nil {
-		t.Fatalf("no instance %s in pool %s", h.ups[1].ID, pool.Name())
-	}
+	inst := poolInstance(t, pool, h.ups[1].ID)
 	body := `{"model":"` + model + `","messages":[{"role":"system","content":"tools"},{"role":"user","content":"go"}],` +
 		`"stream":true,"stream_options":{"include_usage":true},"max_completion_tokens":500,"min_tokens":5,"n":2,"cache_salt":"s1","temperature":0.2}`
 	gate, err := flowcontrol.NewGate(flowcontrol.Config{InstancePrefill: 8192, MaxConcurrency: 8},
@@ -126,6 +118,18 @@ func TestWarmCopy(t *testing.T) {
 	}
 }
 
+// poolInstance is pool's instance id.
+func poolInstance(t *testing.T, pool *router.Pool, id string) *router.Instance {
+	t.Helper()
+	for _, c := range pool.Instances() {
+		if c.ID() == id {
+			return c
+		}
+	}
+	t.Fatalf("no instance %s in pool %s", id, pool.Name())
+	return nil
+}
+
 // instanceLoad is the gate's load on instance (zero when it holds none).
 func instanceLoad(g *flowcontrol.Gate, instance string) flowcontrol.InstanceLoad {
 	for _, l := range g.Stats().Instances {
@@ -194,5 +198,85 @@ func TestRouteWarmCopyHoldsFlowBudget(t *testing.T) {
 	}
 	if got := h.ups[1].Paths(); len(got) != 1 {
 		t.Errorf("the copy's instance got %d requests, want the one copy", len(got))
+	}
+}
+
+// fixedTokens is a token source that answers ids, or err.
+type fixedTokens struct {
+	ids []uint32
+	err error
+}
+
+func (f fixedTokens) Tokens(context.Context, *router.Request) ([]uint32, error) { return f.ids, f.err }
+
+// TestWarmCopyPrefix: a copy that names a prefix (Warm.Tokens) goes to
+// the engine's completions endpoint as the request's first Tokens token
+// ids, with its model (adapter) and cache_salt — what the engine hashes
+// the request's leading blocks from — for one output token, whatever the
+// client's endpoint; where the request's ids cannot be had, the copy is
+// the client's request rewritten, on the client's path.
+func TestWarmCopyPrefix(t *testing.T) {
+	h := newHarness(t, 2, nil)
+	pool := h.srv.Pools()[0]
+	inst := poolInstance(t, pool, h.ups[1].ID)
+	body := `{"model":"` + model + `","messages":[{"role":"user","content":"go"}],"stream":true,"cache_salt":"s1","max_completion_tokens":50}`
+	ids := []uint32{101, 7, 65535, 70000, 3, 9, 12, 4}
+	send := func(src router.TokenSource) (path string, got map[string]any) {
+		t.Helper()
+		before := len(h.ups[1].Paths())
+		r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", nil)
+		req := &router.Request{Endpoint: router.EndpointChatCompletions, Pool: pool.Name(), Model: model, Body: []byte(body), Tokenizer: src}
+		o := &doneObserver{status: make(chan int, 1)}
+		httpapi.SendWarm(h.srv, r, pool, req, "/v1/chat/completions", &router.Warm{Instance: inst, Observer: o, Tokens: 5}, nil)
+		select {
+		case st := <-o.status:
+			if st != http.StatusOK {
+				t.Fatalf("copy answered %d, want 200", st)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatal("the warm-up copy's observer never ended")
+		}
+		paths := h.ups[1].Paths()
+		if len(paths) != before+1 {
+			t.Fatalf("%d requests reached the instance, want 1", len(paths)-before)
+		}
+		if err := json.Unmarshal(h.ups[1].LastBody(), &got); err != nil {
+			t.Fatalf("upstream body: %v: %s", err, h.ups[1].LastBody())
+		}
+		return paths[len(paths)-1], got
+	}
+
+	path, got := send(fixedTokens{ids: ids})
+	if path != "/v1/completions" {
+		t.Errorf("prefix copy sent to %s, want /v1/completions", path)
+	}
+	prompt, _ := got["prompt"].([]any)
+	if len(prompt) != 5 {
+		t.Fatalf("prompt = %v, want the first 5 of %v", got["prompt"], ids)
+	}
+	for i, v := range prompt {
+		if v != float64(ids[i]) {
+			t.Errorf("prompt[%d] = %v, want %d", i, v, ids[i])
+		}
+	}
+	for k, want := range map[string]any{"model": model, "max_tokens": 1.0, "stream": false, "cache_salt": "s1"} {
+		if got[k] != want {
+			t.Errorf("%s = %v, want %v", k, got[k], want)
+		}
+	}
+	if _, ok := got["messages"]; ok {
+		t.Error("prefix copy carries the client's messages: the engine would template them, not reuse the ids")
+	}
+
+	// No ids (the token source failed, or fewer ids than the prefix):
+	// the client's request rewritten, on its own path.
+	for name, src := range map[string]router.TokenSource{
+		"error": fixedTokens{err: router.ErrTokenSource},
+		"short": fixedTokens{ids: ids[:3]},
+	} {
+		path, got := send(src)
+		if path != "/v1/chat/completions" || got["max_completion_tokens"] != 1.0 || got["cache_salt"] != "s1" {
+			t.Errorf("%s: copy to %s with %v; want the client's request for one token on its own path", name, path, got)
+		}
 	}
 }

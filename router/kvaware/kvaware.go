@@ -967,33 +967,36 @@ func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
 	}
 	st.computed.add(float64(max(ev.tokens-hit, 0)))
 	st.dm.prompt.get(func() prometheus.Counter { return st.m.prompt.WithLabelValues(st.pool) }).Add(float64(ev.tokens))
-	s.speculate(ev, ce)
+	s.speculate(ev, ce, len(ev.keys))
 	dec.Observer = st.newDrainingObserver(ce, ev.tokens-hit, hit, s.sc.prefill)
 	if ev.rent.warm {
-		// The warm-up copy: the alternative is about to compute the prompt
-		// as a routed request would (speculative entries, pending prefill
-		// until the copy's first byte).
+		// The warm-up copy: the alternative is about to compute the
+		// prefix bought as a routed request would (speculative entries,
+		// pending prefill until the copy's first byte).
 		ac := &ev.cands[ev.rent.warmAt]
+		blocks := min(ev.rent.warmBlocks, len(ev.keys))
+		n := min(blocks*ev.blockSize, ev.tokens)
 		held := 0
-		for _, n := range ac.matched {
-			held += n
+		for _, m := range ac.matched {
+			held += m
 		}
-		s.speculate(ev, ac)
-		dec.Warm = &router.Warm{Instance: ac.inst, Observer: st.newDrainingObserver(ac, ev.tokens-held, held, s.sc.prefill)}
+		held = min(held, n)
+		s.speculate(ev, ac, blocks)
+		dec.Warm = &router.Warm{Instance: ac.inst, Observer: st.newDrainingObserver(ac, n-held, held, s.sc.prefill), Tokens: n}
 	}
 }
 
-// speculate records the blocks ce is about to compute as speculative
-// entries (and tells the replicas).
-func (s *KVAware) speculate(ev *kvEval, ce *candEval) {
+// speculate records the blocks ce is about to compute, up to block end
+// of the prompt, as speculative entries (and tells the replicas).
+func (s *KVAware) speculate(ev *kvEval, ce *candEval, end int) {
 	st := s.st
 	if s.spec == nil {
 		return
 	}
-	if g := ce.blocks[tiers.GPU]; g < len(ev.keys) {
-		s.spec.add(ev.keys[g:], ce.inst.ID(), st.lostEpoch(ce.inst.ID()))
+	if g := ce.blocks[tiers.GPU]; g < end {
+		s.spec.add(ev.keys[g:end], ce.inst.ID(), st.lostEpoch(ce.inst.ID()))
 		if st.peers.ps != nil {
-			st.peers.ps.Speculate(ce.inst.ID(), ev.keys[g:], s.spec.ttl)
+			st.peers.ps.Speculate(ce.inst.ID(), ev.keys[g:end], s.spec.ttl)
 		}
 		st.dm.spec.get(func() prometheus.Gauge { return st.m.specKeys.WithLabelValues(st.pool) }).Set(float64(s.spec.Len()))
 	}

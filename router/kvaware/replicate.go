@@ -22,10 +22,12 @@ import (
 // This is the ski-rental problem. Each request the rule sends to the busy
 // holder rather than the least-loaded instance pays rent: the queue it waits
 // for beyond that instance's, q_pick − q_alt, which a copy there would have
-// saved it. Buying is making the copy: sending this request to the
-// alternative, at the difference of their scores, score_alt − score_pick
-// (the request's own longer prefill and the weighted delay of the requests
-// behind the recompute, less the queue it saves). The deterministic rule —
+// saved it. Buying is making the copy, priced as sending this request to
+// the alternative, at the difference of their scores, score_alt −
+// score_pick (the request's own longer prefill and the weighted delay of
+// the requests behind the recompute, less the queue it saves); where the
+// edge can, the copy is a warm-up request of the prefix beside the request,
+// which stays where the score put it (replicate, below). The deterministic rule —
 // keep paying rent until the rent paid since the last purchase reaches the
 // price, then buy — never pays more than twice what an offline optimum that
 // knew the prefix's future would pay (Karlin, Manasse, Rudolph, Sleator,
@@ -220,9 +222,11 @@ type rentNote struct {
 	bought bool
 	ok     bool
 	// warm is set when the purchase is a warm-up copy on the candidate
-	// at warmAt, made beside the request instead of moving it.
-	warm   bool
-	warmAt int
+	// at warmAt, made beside the request instead of moving it, of the
+	// prompt's first warmBlocks blocks (the prefix the holder has stored).
+	warm       bool
+	warmAt     int
+	warmBlocks int
 }
 
 // replicate applies the rent-or-buy rule to a kv_match pick: it returns the
@@ -262,15 +266,18 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 	price := ac.score - pc.score
 	if s.st.rent.get(key) >= price {
 		ev.rent = rentNote{key: key, bought: true, ok: true}
-		// Moving the request makes it recompute the prefix in its own time
-		// to first token. Where that is slower for it than the holder, and
-		// the edge can, the copy is made beside it instead: a warm-up
-		// request to the alternative (router.Warm), paid by the fleet's
-		// idle capacity, not by a client. No request is slowed to buy a
-		// copy; where the holder's queue already exceeds the recompute,
-		// moving costs the request nothing and relieves the holder at once.
-		if ev.warmable && ac.ttft > pc.ttft {
-			ev.rent.warm, ev.rent.warmAt = true, alt
+		// Two decisions meet here: where this request goes, and whether
+		// the prefix buys a copy. The score answered the first — the
+		// holder, counting what moving it would cost the fleet — and the
+		// rent the second, for the prefix's later requests. Where the edge
+		// can, the copy is made beside the request, not by moving it: a
+		// warm-up request to the alternative (router.Warm) of the prefix
+		// the holder has stored (depth blocks), not of the request's own
+		// tail. The fleet computes what a move would have recomputed; the
+		// request keeps its cache (docs/kv-aware.md, "Who pays for the
+		// copy"). An edge that cannot send one moves the request.
+		if ev.warmable {
+			ev.rent.warm, ev.rent.warmAt, ev.rent.warmBlocks = true, alt, depth
 			return pick, reason
 		}
 		return alt, router.ReasonReplicate

@@ -120,11 +120,14 @@ func TestRentTable(t *testing.T) {
 // TestHotPrefixWarmCopy: where the edge can send a warm-up copy
 // (Request.Warmable), the purchase of TestHotPrefixReplicates keeps the
 // request on the holder and names the least-loaded instance for the copy
-// (Decision.Warm), at the same request: the copy's recompute counts as
-// pending prefill there until its observer ends, and the prefix's next
-// request follows the copy. Where the holder is congested enough that
-// moving costs the request nothing (its TTFT there is no better than the
-// recompute elsewhere), the purchase moves it as before.
+// (Decision.Warm), at the same request: the copy is of the prefix the
+// holder has stored (Warm.Tokens), not of the request's own tail; its
+// recompute counts as pending prefill there until its observer ends, only
+// its blocks become speculative entries there, and the prefix's next
+// request follows the copy. A holder congested enough that moving would
+// cost the request nothing keeps it too: where the request goes is the
+// score's decision, the copy the rent's. An edge that cannot send a copy
+// moves the request.
 func TestHotPrefixWarmCopy(t *testing.T) {
 	system := promptTokens(61, 64*kvTestBS)
 	req := func(i int) *router.Request {
@@ -171,8 +174,16 @@ func TestHotPrefixWarmCopy(t *testing.T) {
 		t.Fatalf("purchase: %s (%s), warm %+v; want the holder (kv_match) and a warm-up copy elsewhere", d.Instance.ID(), d.Reason, d.Warm)
 	}
 	alt := d.Warm.Instance
-	if tok, n := w.st.PendingPrefill(alt.ID()); tok != int64(66*kvTestBS) || n != 1 {
-		t.Fatalf("pending on the copy's instance: %d tokens in %d requests, want the whole prompt (%d) in 1", tok, n, 66*kvTestBS)
+	if d.Warm.Tokens != 64*kvTestBS {
+		t.Fatalf("copy of %d tokens, want the holder's stored prefix, %d", d.Warm.Tokens, 64*kvTestBS)
+	}
+	if tok, n := w.st.PendingPrefill(alt.ID()); tok != int64(64*kvTestBS) || n != 1 {
+		t.Fatalf("pending on the copy's instance: %d tokens in %d requests, want the prefix (%d) in 1", tok, n, 64*kvTestBS)
+	}
+	// The request's own two blocks are speculative on the holder only.
+	own := kvRequest("tenant", append(slices.Clone(system), promptTokens(uint32(5000+at-1), 2*kvTestBS)...))
+	if p := kvPick(t, s, own, []*router.Instance{alt}); p.Explain == nil || p.Explain.MatchedTokens[0] != 64*kvTestBS {
+		t.Fatalf("the copy's instance predicted to hold %v of the buyer's prompt, want the prefix's %d tokens", p.Explain, 64*kvTestBS)
 	}
 	d.Warm.Observer.FirstByte()
 	d.Warm.Observer.Done(200, -1)
@@ -221,14 +232,13 @@ func TestHotPrefixWarmCopy(t *testing.T) {
 		}
 	}
 
-	// A congested holder: the request's TTFT there exceeds the recompute
-	// elsewhere, so moving it is the purchase.
-	// 60 in flight (under the concurrency threshold, 64): a queue of ~49 ms, over the 42 ms recompute, while the
-	// holder's score (queue + its own 2 blocks) still beats the
-	// alternative's (recompute, weighted twice).
+	// A congested holder: 60 in flight (under the concurrency threshold,
+	// 64), a queue of ~49 ms, over the 42 ms recompute, while the holder's
+	// score (queue + its own 2 blocks) still beats the alternative's
+	// (recompute, weighted twice): the request stays, the copy is made.
 	w3, _, _, d := buy(60)
-	if d.Warm != nil || d.Reason != router.ReasonReplicate || d.Instance == w3.insts[1] {
-		t.Fatalf("congested holder: %s (%s), warm %v; want the request moved (replicate)", d.Instance.ID(), d.Reason, d.Warm != nil)
+	if d.Warm == nil || d.Reason != router.ReasonKVMatch || d.Instance != w3.insts[1] || d.Warm.Tokens != 64*kvTestBS {
+		t.Fatalf("congested holder: %s (%s), warm %+v; want the holder (kv_match) and a copy of the prefix elsewhere", d.Instance.ID(), d.Reason, d.Warm)
 	}
 }
 

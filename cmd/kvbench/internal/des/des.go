@@ -108,7 +108,10 @@ type Decision struct {
 	// warm-up copy of the prompt beside the request (router.Warm): the
 	// driver submits it as an engine request of one output token, id
 	// ID|WarmTag, through the same lifecycle calls as a request.
-	Warm string
+	// WarmTokens, when above 0, is the copy's prompt: the request's first
+	// WarmTokens tokens (router.Warm.Tokens); else its whole prompt.
+	Warm       string
+	WarmTokens int
 }
 
 // Router picks an instance for each request. The driver calls it from one
@@ -349,6 +352,7 @@ type run struct {
 	now      time.Duration
 	res      *Result
 	inflight map[uint64]*instance
+	warmLen  map[uint64]int // a warm-up copy's prompt tokens, by its id
 	done     int
 	next     int // next request to issue
 	ups      []Update
@@ -391,7 +395,7 @@ func Run(ctx context.Context, cfg Config, w *workload.Workload) (*Result, error)
 		return nil, fmt.Errorf("%w: prefix length %d", ErrConfig, cfg.PrefixLength)
 	}
 	r := &run{
-		cfg: cfg, w: w, byName: map[string]*instance{}, inflight: map[uint64]*instance{},
+		cfg: cfg, w: w, byName: map[string]*instance{}, inflight: map[uint64]*instance{}, warmLen: map[uint64]int{},
 		res: &Result{Strategy: cfg.Router.Name(), Workload: w.Name, Outcomes: make([]Outcome, len(w.Requests))},
 	}
 	for i := range r.res.Outcomes {
@@ -660,7 +664,7 @@ func (r *run) advance(in *instance) {
 		if u.ID&WarmTag != 0 {
 			switch u.Kind {
 			case FirstToken:
-				prompt := len(r.w.Requests[u.ID&^WarmTag].Tokens())
+				prompt := r.warmLen[u.ID]
 				r.res.WarmComputed += int64(max(prompt-u.CachedTokens, 0))
 				r.cfg.Router.FirstToken(u.ID, in.name, u.CachedTokens, prompt)
 				if a := r.cfg.Admission; a != nil {
@@ -793,7 +797,7 @@ func (r *run) issue(ctx context.Context, i int) {
 	r.inflight[uint64(i)] = in
 	r.schedule(in)
 	if d.Warm != "" {
-		r.warm(uint64(i), d.Warm, req, salt)
+		r.warm(uint64(i), d.Warm, d.WarmTokens, req, salt)
 	}
 }
 
@@ -801,10 +805,11 @@ func (r *run) issue(ctx context.Context, i int) {
 // far below it; prefillTag is the bit above).
 const WarmTag = uint64(1) << 61
 
-// warm submits request id's warm-up copy to the named instance: its prompt
-// for one output token. Its updates reach the router's lifecycle calls
-// under id|WarmTag and nothing else: it is no request of the workload.
-func (r *run) warm(id uint64, name string, req *workload.Request, salt string) {
+// warm submits request id's warm-up copy to the named instance: its prompt,
+// or the first ntok tokens of it when ntok is above 0, for one output
+// token. Its updates reach the router's lifecycle calls under id|WarmTag
+// and nothing else: it is no request of the workload.
+func (r *run) warm(id uint64, name string, ntok int, req *workload.Request, salt string) {
 	wid := id | WarmTag
 	r.cfg.Router.Started(wid, name) // every end below releases what this counts
 	in := r.byName[name]
@@ -813,6 +818,10 @@ func (r *run) warm(id uint64, name string, req *workload.Request, salt string) {
 		return
 	}
 	prompt := append([]uint32(nil), r.tokBuf...)
+	if ntok > 0 && ntok < len(prompt) {
+		prompt = prompt[:ntok]
+	}
+	r.warmLen[wid] = len(prompt)
 	if err := in.engine.Submit(EngineRequest{ID: wid, Prompt: prompt, MaxTokens: 1, Adapter: req.Adapter, CacheSalt: salt}, r.now); err != nil {
 		r.warmEnd(wid, in.name, err)
 		return
@@ -829,6 +838,7 @@ func (r *run) warm(id uint64, name string, req *workload.Request, salt string) {
 // warmEnd ends warm-up copy wid, however it ended, for the router and the
 // admission queue.
 func (r *run) warmEnd(wid uint64, name string, err error) {
+	delete(r.warmLen, wid)
 	r.cfg.Router.Finished(wid, name, err)
 	r.admissionDone(wid)
 }
