@@ -158,6 +158,10 @@ func writeInstancesTable(w io.Writer, rows []instanceRow, sums []poolKV, now tim
 		fmt.Fprintln(w, "no instances")
 		return nil
 	}
+	unread := map[string]bool{} // pools whose index did not answer
+	for _, s := range sums {
+		unread[s.pool] = s.kv != nil && s.kv.IndexError != ""
+	}
 	tw := tabwriter.NewWriter(w, 2, 8, 2, ' ', 0)
 	fmt.Fprintln(tw, "POOL\tINSTANCE\tURL\tHEALTHY\tIN-FLIGHT\tSTATE\tGPU\tCPU\tDISK\tSHARED\tLAST-EVENT\tLAST-SEQ\tGAPS")
 	for _, r := range rows {
@@ -165,7 +169,11 @@ func writeInstancesTable(w io.Writer, rows []instanceRow, sums []poolKV, now tim
 		if k := r.KV; k != nil {
 			cells = append(cells, dash(k.State))
 			for t := range tiers.Tier(tiers.Count) {
-				cells = append(cells, strconv.Itoa(k.Blocks[t.String()]))
+				if unread[r.Pool] {
+					cells = append(cells, "?") // the index not read (see the pool's line)
+				} else {
+					cells = append(cells, strconv.Itoa(k.Blocks[t.String()]))
+				}
 			}
 			cells = append(cells, ago(k.LastEvent, now), strconv.FormatUint(k.LastSeq, 10), strconv.FormatUint(k.Gaps, 10))
 		} else {
@@ -184,6 +192,9 @@ func writeInstancesTable(w io.Writer, rows []instanceRow, sums []poolKV, now tim
 			fmt.Fprintf(w, "pool %s: event stream healthy, block size %d\n", s.pool, s.kv.BlockSize)
 		default:
 			fmt.Fprintf(w, "pool %s: event stream NOT healthy (kv_aware routes heuristically), block size %d\n", s.pool, s.kv.BlockSize)
+		}
+		if s.kv != nil && s.kv.IndexError != "" {
+			fmt.Fprintf(w, "pool %s: blocks unknown (?): %s\n", s.pool, s.kv.IndexError)
 		}
 	}
 	return nil

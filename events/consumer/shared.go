@@ -78,8 +78,13 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 	from := in.from
 	// Processed, whatever happens: a failure leaves the index behind this
 	// message, and the next one (or the sync retried by watchShared)
-	// repairs it from the stream.
-	c.setFrom(in, kvindex.Position{Seq: seq, Seeded: true})
+	// repairs it from the stream. expect, which watchShared's check
+	// compares with the index, follows once the apply has returned: read
+	// while it is under way, the index is behind this message without
+	// missing anything, and the check would mark the instance not live.
+	next := kvindex.Position{Seq: seq, Seeded: true}
+	in.from = next
+	defer c.setExpect(next, in)
 	apply := c.shared.idx.ApplyAtYielding
 	for range sharedAttempts {
 		r, err := apply(ctx, instance, from, seq, evs)
@@ -351,6 +356,12 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 // Shard goroutine only.
 func (c *Consumer) setFrom(in *inst, p kvindex.Position) {
 	in.from = p
+	c.setExpect(p, in)
+}
+
+// setExpect sets where watchShared's check expects the index to be for
+// the instance: at or past every message whose apply has returned.
+func (c *Consumer) setExpect(p kvindex.Position, in *inst) {
 	c.mu.Lock()
 	in.expect = p
 	c.mu.Unlock()
@@ -449,6 +460,7 @@ func (c *Consumer) watchShared(ctx context.Context) {
 	tick := time.NewTicker(c.cfg.CheckInterval)
 	defer tick.Stop()
 	for {
+		checked := false // dueShared ran in this round
 		e, created, err := c.shared.idx.Epoch(ctx)
 		if err == nil {
 			c.answered.Store(time.Now().UnixNano())
@@ -492,9 +504,16 @@ func (c *Consumer) watchShared(ctx context.Context) {
 				// the positions before trusting the index again: an
 				// instance found behind is not live until repaired,
 				// rather than its restored state read as fresh until
-				// the repair is done.
-				for _, name := range c.dueShared(ctx, leaseWait) {
+				// the repair is done. Not read (a Cluster master still
+				// down, Redis gone again): not trusted yet, read again
+				// at the next check.
+				due, read := c.dueShared(ctx, leaseWait)
+				for _, name := range due {
 					c.queueSync(ctx, name)
+				}
+				checked = true
+				if !read {
+					break
 				}
 				c.epochOK.Store(true)
 				c.cfg.Logger.Info("consumer: shared index reachable again")
@@ -504,8 +523,9 @@ func (c *Consumer) watchShared(ctx context.Context) {
 			swept = time.Now()
 			c.sweep(ctx)
 		}
-		if c.epochOK.Load() {
-			for _, name := range c.dueShared(ctx, leaseWait) {
+		if c.epochOK.Load() && !checked {
+			due, _ := c.dueShared(ctx, leaseWait)
+			for _, name := range due {
 				c.queueSync(ctx, name)
 			}
 		}
@@ -521,10 +541,11 @@ func (c *Consumer) watchShared(ctx context.Context) {
 // message left to a writer whose lease has run out since, and those whose
 // position in the index is behind what this router consumed when no other
 // writer can explain it (Redis restored from its persistence to an earlier
-// point keeps its epoch: only positions tell), read in one round trip.
-func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) []string {
+// point keeps its epoch: only positions tell), read in one round trip;
+// read is false when that read failed.
+func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) (due []string, read bool) {
 	now := time.Now()
-	var due, check []string
+	var check []string
 	var want []kvindex.Position
 	c.mu.Lock()
 	for name, in := range c.insts {
@@ -542,11 +563,11 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) []str
 	}
 	c.mu.Unlock()
 	if len(check) == 0 {
-		return due
+		return due, true
 	}
 	got, err := c.shared.idx.Positions(ctx, check)
 	if err != nil {
-		return due // the epoch check says whether Redis is reachable
+		return due, false // the epoch check says whether Redis is reachable
 	}
 	var behind []string
 	for i, p := range got {
@@ -564,7 +585,7 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) []str
 		}
 	}
 	c.mu.Unlock()
-	return append(due, behind...)
+	return append(due, behind...), true
 }
 
 // decodeJoined decodes a stream message's payload, a coalesced message's

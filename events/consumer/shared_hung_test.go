@@ -11,10 +11,12 @@ import (
 
 // startProductionRouter is startRouter with the Redis client options and
 // writer lease kvrouter itself uses (go-redis's defaults: 5 s read
-// timeout, 3 retries; the default lease), not the tests' short ones.
+// timeout, 3 retries; the default lease; context deadlines honoured on
+// reads and writes, as router/kvstate builds its client), not the tests'
+// short ones.
 func (w *sharedWorld) startProductionRouter() *router {
 	w.t.Helper()
-	return w.startRouterWith(redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{w.redis.Addr}}), 0)
+	return w.startRouterWith(redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{w.redis.Addr}, ContextTimeoutEnabled: true}), 0)
 }
 
 // Redis hangs (SIGSTOP: connections held, nothing answered, as a Redis

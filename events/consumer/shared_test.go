@@ -126,6 +126,9 @@ type sharedWorld struct {
 	coalesce int
 	// afterListing, when set, is each router's Consumer.afterListing.
 	afterListing func()
+	// wrapIndex, when set, wraps each router's index as its consumer's
+	// applier (a test's fault or gate between the consumer and Redis).
+	wrapIndex func(*kvindex.Redis) SharedApplier
 }
 
 // snapshotTable is an engine's block table as the bridge keeps it: a
@@ -256,6 +259,9 @@ func (w *sharedWorld) startRouterWith(client redis.UniversalClient, lease time.D
 	reg := prometheus.NewRegistry()
 	cfg := w.cfg
 	cfg.Applier, cfg.SharedIndex, cfg.Registerer = idx, true, reg
+	if w.wrapIndex != nil {
+		cfg.Applier = w.wrapIndex(idx)
+	}
 	w.routers++
 	cfg.Logger = cfg.Logger.With("router", w.routers)
 	cfg.CheckInterval, cfg.SnapshotTimeout = 50*time.Millisecond, 50*time.Millisecond
@@ -627,11 +633,7 @@ func TestSharedRedisRestoredEarlierNotLiveWhileBehind(t *testing.T) {
 	r := w.startRouter()
 	w.publish(20)
 	w.converge("first messages", r)
-	admin := redis.NewClient(&redis.Options{Addr: w.redis.Addr})
-	t.Cleanup(func() { _ = admin.Close() })
-	if err := admin.Save(w.ctx).Err(); err != nil {
-		t.Fatal(err)
-	}
+	w.saveRDB()
 	w.publish(20, "quiet") // after the save: lost by the restore
 	w.converge("before the restore", r)
 	want, err := r.idx.Position(w.ctx, "quiet")

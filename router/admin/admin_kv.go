@@ -212,23 +212,37 @@ func (s *api) lookupTokens(ctx context.Context, p *router.Pool, kv *kvaware.KVSt
 	return ids, nil
 }
 
+// instancesIndexTimeout bounds the index read of one GET
+// /admin/pools/{pool}/instances, as kvindex.DefaultRedisLookupTimeout
+// bounds a request's lookup: two round trips, well under a millisecond on
+// a healthy Redis.
+const instancesIndexTimeout = kvindex.DefaultRedisLookupTimeout
+
 func (s *api) serveKVInstances(w http.ResponseWriter, r *http.Request) {
 	p, kv := s.kvPool(w, r)
 	if p == nil {
 		return
 	}
-	stats, err := kv.Index().Instances(r.Context())
+	// Bounded: a hung Redis (stopped, stuck in a fork) answers nothing,
+	// and the view waited go-redis's read timeout times its retries while
+	// /metrics answered. Past the bound the answer is partial (IndexError).
+	ctx, cancel := context.WithTimeout(r.Context(), instancesIndexTimeout)
+	stats, err := kv.Index().Instances(ctx)
+	cancel()
+	out := KVInstancesResponse{Pool: p.Name(), StreamHealthy: true, BlockSize: kv.Index().BlockSize(), Instances: []KVInstanceView{}}
 	if err != nil {
-		openai.WriteError(w, http.StatusServiceUnavailable, "instances: index: "+err.Error())
-		return
+		out.IndexError = fmt.Sprintf("index not read within %v: %v", instancesIndexTimeout, err)
 	}
 	views := map[string]*KVInstanceView{}
 	view := func(id string) *KVInstanceView {
 		v := views[id]
 		if v == nil {
-			v = &KVInstanceView{Instance: id, State: "unknown", Blocks: map[string]int{}}
-			for _, t := range tiers.All {
-				v.Blocks[t.String()] = 0
+			v = &KVInstanceView{Instance: id, State: "unknown"}
+			if err == nil {
+				v.Blocks = map[string]int{}
+				for _, t := range tiers.All {
+					v.Blocks[t.String()] = 0
+				}
 			}
 			views[id] = v
 		}
@@ -246,7 +260,6 @@ func (s *api) serveKVInstances(w http.ResponseWriter, r *http.Request) {
 		}
 		v.LastEvent = st.LastEvent
 	}
-	out := KVInstancesResponse{Pool: p.Name(), StreamHealthy: true, BlockSize: kv.Index().BlockSize(), Instances: []KVInstanceView{}}
 	if src := s.kve; src != nil {
 		out.StreamHealthy = src.StreamHealthy(p.Name())
 		sts, _ := src.KVInstances(p.Name())

@@ -7,13 +7,17 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router/admin"
+	"github.com/kvrouter/kvrouter/router/admin/adminapi"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
+	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/router/servertest"
 	"github.com/kvrouter/kvrouter/tokenizer"
 )
@@ -197,5 +201,91 @@ func FuzzAdminKVLookup(f *testing.F) {
 		if resp := servertest.Do(t, ts.URL, "POST", "/admin/pools/kv/lookup", []byte(body), nil); resp.Status >= 500 {
 			t.Fatalf("status %d for %q", resp.Status, body)
 		}
+	})
+}
+
+// GET /admin/pools/{pool}/instances on a hung Redis (SIGSTOP: connections
+// held, nothing answered): the view read the index with no time limit and
+// did not answer within 0.4 s of a Redis outage on the binaries, while
+// /metrics did (go-redis alone waits its read timeout on each retry). It
+// must answer at its bound with a partial view marked as such (the pool's
+// and the consumer's, blocks unknown), then whole again once Redis runs.
+func TestAdminKVInstancesBoundedWhenRedisHung(t *testing.T) {
+	srv := testenv.StartRedis(t)
+	pools := []config.PoolConfig{{Name: "kv", Model: kvModel, Routing: config.RoutingConfig{KV: &config.KVScoringConfig{BlockSize: kvBS}}}}
+	// The router's own client (kvstate: context deadlines honoured).
+	pi, err := kvstate.NewPoolIndexes(config.Config{Index: &config.IndexConfig{Backend: "redis",
+		Redis: &config.RedisConfig{Addrs: []string{srv.Addr}, KeyPrefix: testenv.UniqueName(t)}}, Pools: pools})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pi.Close() })
+	idx := pi.ByPool["kv"]
+	ids := make([]uint32, 2*kvBS)
+	for i := range ids {
+		ids[i] = uint32(i + 1)
+	}
+	if _, err := idx.Apply(context.Background(), "vllm-0", []events.Event{{Kind: events.BlockStored, BlockHashes: []uint64{1, 2},
+		TokenIDs: ids, BlockSize: kvBS, Medium: "GPU"}}); err != nil {
+		t.Fatal(err)
+	}
+	ts := kvAdminServer(t, idx, "tok")
+	hdr := map[string]string{"Authorization": "Bearer tok"}
+	get := func() (adminapi.KVInstancesResponse, time.Duration) {
+		t.Helper()
+		start := time.Now()
+		r := servertest.Do(t, ts.URL, "GET", "/admin/pools/kv/instances", nil, hdr)
+		took := time.Since(start)
+		if r.Status != 200 {
+			t.Fatalf("status %d after %v: %s", r.Status, took, r.Body)
+		}
+		var out adminapi.KVInstancesResponse
+		if err := json.Unmarshal(r.Body, &out); err != nil {
+			t.Fatalf("%v: %s", err, r.Body)
+		}
+		return out, took
+	}
+	blocksOf := func(out adminapi.KVInstancesResponse, id string) map[string]int {
+		for _, v := range out.Instances {
+			if v.Instance == id {
+				return v.Blocks
+			}
+		}
+		t.Fatalf("no %s in %+v", id, out.Instances)
+		return nil
+	}
+	if out, _ := get(); out.IndexError != "" || blocksOf(out, "vllm-0")["gpu"] != 2 {
+		t.Fatalf("before the hang: %+v", out)
+	}
+
+	srv.Pause()
+	resumed := false
+	defer func() {
+		if !resumed {
+			srv.Resume()
+		}
+	}()
+	out, took := get()
+	srv.Resume()
+	resumed = true
+	// The bound is 250 ms; 2 s leaves room for a loaded machine and is
+	// less than one read of go-redis alone (5 s).
+	if took > 2*time.Second {
+		t.Fatalf("instances on a hung Redis answered after %v: want it cut at its bound", took)
+	}
+	t.Logf("instances on a hung Redis answered after %v: %s", took, out.IndexError)
+	if out.IndexError == "" || !strings.Contains(out.IndexError, "within") {
+		t.Fatalf("instances on a hung Redis: no index error marked: %+v", out)
+	}
+	if b := blocksOf(out, "vllm-0"); b != nil {
+		t.Fatalf("instances on a hung Redis: blocks %v reported, want null (unknown)", b)
+	}
+	if len(out.Instances) != 2 { // the pool's vllm-0 and vllm-1
+		t.Fatalf("instances on a hung Redis: %+v, want the pool's two", out.Instances)
+	}
+
+	testenv.WaitFor(t, 10*time.Second, "the whole view after the resume", func() bool {
+		out, _ := get()
+		return out.IndexError == "" && blocksOf(out, "vllm-0")["gpu"] == 2
 	})
 }

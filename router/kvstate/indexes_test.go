@@ -128,9 +128,32 @@ func TestRedisClusterSlotMapReload(t *testing.T) {
 // and the request routes on the heuristic.
 func TestRedisLookupBoundedWhenHung(t *testing.T) {
 	srv := testenv.StartRedis(t)
+	lookupBoundedWhenHung(t, config.RedisConfig{Addrs: []string{srv.Addr}}, srv.Pause, srv.Resume)
+}
+
+// The same on a Redis Cluster, every node stopped (none fails over): the
+// cluster client honours the lookup's deadline alike (its per-node
+// pipelines read under the same context).
+func TestRedisClusterLookupBoundedWhenHung(t *testing.T) {
+	c := testenv.StartRedisCluster(t)
+	each := func(f func(*testenv.RedisServer)) func() {
+		return func() {
+			for _, n := range c.Nodes {
+				f(n)
+			}
+		}
+	}
+	lookupBoundedWhenHung(t, config.RedisConfig{Addrs: c.Addrs(), Cluster: true},
+		each((*testenv.RedisServer).Pause), each((*testenv.RedisServer).Resume))
+}
+
+// lookupBoundedWhenHung: a lookup through the router's index on rc,
+// answered, then cut at its bound while pause holds Redis stopped, then
+// answered again once resume lets it run.
+func lookupBoundedWhenHung(t *testing.T, rc config.RedisConfig, pause, resume func()) {
 	pools := []config.PoolConfig{{Name: "a", Model: "model-a", Routing: config.RoutingConfig{KV: &config.KVScoringConfig{BlockSize: testBS}}}}
-	pi, err := NewPoolIndexes(config.Config{Index: &config.IndexConfig{Backend: "redis",
-		Redis: &config.RedisConfig{Addrs: []string{srv.Addr}, KeyPrefix: testenv.UniqueName(t)}}, Pools: pools})
+	rc.KeyPrefix = testenv.UniqueName(t)
+	pi, err := NewPoolIndexes(config.Config{Index: &config.IndexConfig{Backend: "redis", Redis: &rc}, Pools: pools})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -146,17 +169,17 @@ func TestRedisLookupBoundedWhenHung(t *testing.T) {
 	if ms, err := idx.Lookup(ctx, keys); err != nil || len(ms) != 1 {
 		t.Fatalf("lookup before the pause: %+v, %v", ms, err)
 	}
-	srv.Pause()
+	pause()
 	resumed := false
 	defer func() {
 		if !resumed {
-			srv.Resume()
+			resume()
 		}
 	}()
 	start := time.Now()
 	ms, err := idx.Lookup(ctx, keys)
 	took := time.Since(start)
-	srv.Resume()
+	resume()
 	resumed = true
 	if err == nil {
 		t.Fatalf("lookup on a stopped Redis answered %+v", ms)
@@ -167,6 +190,7 @@ func TestRedisLookupBoundedWhenHung(t *testing.T) {
 	if took > 2*time.Second {
 		t.Fatalf("lookup on a stopped Redis took %v (err %v): want it cut at the lookup timeout", took, err)
 	}
+	t.Logf("lookup on a stopped Redis cut after %v: %v", took, err)
 	// Redis answering again: the next lookup finds the instance.
 	deadline := time.Now().Add(10 * time.Second)
 	for {

@@ -43,7 +43,8 @@ type KVInstanceView struct {
 	Configured bool   `json:"configured"`
 	URL        string `json:"url,omitempty"`
 	Healthy    bool   `json:"healthy"`
-	// Blocks per tier as the index holds them.
+	// Blocks per tier as the index holds them; null when the index could
+	// not be read (KVInstancesResponse.IndexError).
 	Blocks        map[string]int `json:"blocks"`
 	LastEvent     time.Time      `json:"last_event,omitzero"`
 	LastHeartbeat time.Time      `json:"last_heartbeat,omitzero"`
@@ -61,6 +62,11 @@ type KVInstancesResponse struct {
 	StreamHealthy bool             `json:"stream_healthy"`
 	BlockSize     int              `json:"block_size"`
 	Instances     []KVInstanceView `json:"instances"`
+	// IndexError: the index did not answer in time or failed (a hung or
+	// unreachable Redis): the answer is partial, the pool's and the
+	// consumer's views alone, every instance's blocks unknown (null) and
+	// its last event the consumer's.
+	IndexError string `json:"index_error,omitempty"`
 }
 
 // DecidePick is one strategy's pick in POST /admin/pools/{pool}/decide,

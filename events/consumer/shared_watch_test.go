@@ -1,0 +1,174 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
+)
+
+// gatedIndex is a router's shared index with test gates between its
+// consumer and Redis.
+type gatedIndex struct {
+	*kvindex.Redis
+	// applyGate, when set, runs before the next apply of a message (once:
+	// it is swapped out).
+	applyGate atomic.Pointer[func()]
+	// failPositions makes Positions fail without asking Redis.
+	failPositions atomic.Bool
+}
+
+func (g *gatedIndex) gateApply() {
+	if f := g.applyGate.Swap(nil); f != nil {
+		(*f)()
+	}
+}
+
+func (g *gatedIndex) ApplyAt(ctx context.Context, instance string, from kvindex.Position, seq uint64, evs []events.Event) (kvindex.SeqResult, error) {
+	g.gateApply()
+	return g.Redis.ApplyAt(ctx, instance, from, seq, evs)
+}
+
+func (g *gatedIndex) ApplyAtYielding(ctx context.Context, instance string, from kvindex.Position, seq uint64, evs []events.Event) (kvindex.SeqResult, error) {
+	g.gateApply()
+	return g.Redis.ApplyAtYielding(ctx, instance, from, seq, evs)
+}
+
+func (g *gatedIndex) Positions(ctx context.Context, instances []string) ([]kvindex.Position, error) {
+	if g.failPositions.Load() {
+		return nil, errors.New("test: positions not read")
+	}
+	return g.Redis.Positions(ctx, instances)
+}
+
+// gatedRouter is a world of two engines, e0 and quiet, heartbeating, and
+// one router whose index is gated, converged after rounds messages.
+func gatedRouter(t *testing.T, seed uint64, rounds int) (*sharedWorld, *router, *gatedIndex) {
+	w := newSharedWorld(t, seed, "e0", "quiet")
+	var g *gatedIndex
+	w.wrapIndex = func(idx *kvindex.Redis) SharedApplier {
+		g = &gatedIndex{Redis: idx}
+		return g
+	}
+	stop := make(chan struct{})
+	hb := w.heartbeats(stop)
+	t.Cleanup(func() { close(stop); hb.Wait() })
+	r := w.startRouter()
+	w.publish(rounds)
+	w.converge("first messages", r)
+	return w, r, g
+}
+
+// saveRDB has the world's Redis write its RDB, which a restart loads.
+func (w *sharedWorld) saveRDB() {
+	w.t.Helper()
+	admin := redis.NewClient(&redis.Options{Addr: w.redis.Addr})
+	defer admin.Close()
+	if err := admin.Save(w.ctx).Err(); err != nil {
+		w.t.Fatal(err)
+	}
+}
+
+// publishOne publishes one message of engine name (rounds without a
+// change publish nothing).
+func (w *sharedWorld) publishOne(name string) {
+	w.t.Helper()
+	for _, f := range w.engines {
+		if f.name != name {
+			continue
+		}
+		for was := f.seq; f.seq == was; {
+			w.publish(1, name)
+		}
+		return
+	}
+	w.t.Fatalf("no engine %s", name)
+}
+
+// The check that reads the instances' positions (watchShared, every check
+// interval) must not take an apply under way for the index missing a
+// message: this router recorded the message as expected before its apply
+// returned, so a check reading the position between the two found the
+// index "behind" and, since the restored-Redis fix (8dbf2f0), marked the
+// instance not live — and when its answer came after the apply's, until a
+// queued sync repaired nothing: a live instance dropped from routing,
+// index_consistent at 0, at random under load. The test holds an apply
+// and runs the check meanwhile: the instance must stay live.
+func TestSharedCheckDuringApplyNotBehind(t *testing.T) {
+	w, r, g := gatedRouter(t, 31, 10)
+
+	held, release := make(chan struct{}), make(chan struct{})
+	released := false
+	defer func() {
+		if !released {
+			close(release)
+		}
+	}()
+	gate := func() {
+		close(held)
+		<-release
+	}
+	g.applyGate.Store(&gate)
+	w.publishOne("e0")
+	select {
+	case <-held:
+	case <-time.After(20 * time.Second):
+		t.Fatal("e0's message not applied within 20 s")
+	}
+	r.c.dueShared(w.ctx, sharedLease) // the check, as watchShared runs it
+	live := r.c.Live("e0")
+	close(release)
+	released = true
+	if !live {
+		t.Fatal("e0 not live after a check read its position during an apply: the apply under way taken for a missing message")
+	}
+	w.publish(5)
+	w.converge("after the held apply", r)
+}
+
+// Back after an outage with its epoch (Redis restored from its own
+// persistence), the index is trusted only once the instances' positions
+// are read (8dbf2f0): a read that fails must leave it untrusted until one
+// succeeds, not trusted unchecked. Before, the failure was ignored and the
+// index reported consistent at once; an instance Redis restored behind
+// read live until a later check.
+func TestSharedRedisBackUntrustedUntilPositionsRead(t *testing.T) {
+	w, r, g := gatedRouter(t, 37, 20)
+	w.saveRDB()
+	w.redis.Kill()
+	testenv.WaitFor(t, 10*time.Second, "the outage noticed", func() bool { return !r.c.IndexConsistent() })
+	g.failPositions.Store(true)
+	var answered atomic.Int32
+	var mu sync.Mutex
+	var trusted []time.Time
+	epochs := func() {
+		// Epoch answers: time enough for several checks.
+		for answered.Load() < 5 {
+			if r.c.IndexConsistent() {
+				mu.Lock()
+				trusted = append(trusted, time.Now())
+				mu.Unlock()
+			}
+			if _, _, err := g.Redis.Epoch(w.ctx); err == nil {
+				answered.Add(1)
+			}
+			time.Sleep(60 * time.Millisecond) // a check interval
+		}
+	}
+	w.redis.Start() // loads the RDB: same epoch
+	epochs()
+	if len(trusted) > 0 {
+		t.Fatalf("index reported consistent %d times while the positions could not be read after the outage", len(trusted))
+	}
+	g.failPositions.Store(false)
+	w.publish(5)
+	w.converge("positions readable again", r)
+}
