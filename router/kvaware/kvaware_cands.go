@@ -155,6 +155,7 @@ type scoreMemo struct {
 	blocks        [tiers.Count]int
 	matched       [tiers.Count]int
 	prefill, cost float64
+	own           float64 // the request's own prefill time there (the sharing term's)
 }
 
 // permEntry is match k's candidate i (-1: none) in an evaluation's last
@@ -203,13 +204,19 @@ func (ce *candEval) cold() bool {
 }
 
 // coldMin tracks the least queue among cold candidates: under the
-// concurrency threshold (free) and overall (all).
-type coldMin struct{ free, all float64 }
+// concurrency threshold (free) and overall (all). own is the whole
+// prompt's prefill time, what the sharing term charges per request a cold
+// candidate has waiting for its first token.
+type coldMin struct{ free, all, own float64 }
+
+// key is what a cold candidate's score holds beyond the prefill every
+// cold one has alike.
+func (c *coldMin) key(ce *candEval) float64 { return ce.queue + ce.place + ce.sharing*c.own }
 
 func (c *coldMin) note(ce *candEval) {
-	c.all = min(c.all, ce.queue+ce.place)
+	c.all = min(c.all, c.key(ce))
 	if !ce.full {
-		c.free = min(c.free, ce.queue+ce.place)
+		c.free = min(c.free, c.key(ce))
 	}
 }
 
@@ -224,7 +231,7 @@ func (c *coldMin) note(ce *candEval) {
 func (s *KVAware) scoreCold(ev *kvEval, c coldMin) {
 	for _, i := range ev.cold {
 		ce := &ev.cands[i]
-		if k := ce.queue + ce.place; (!ce.full && k <= c.free+s.sc.tieTol) || k <= c.all+s.sc.tieTol {
+		if k := c.key(ce); (!ce.full && k <= c.free+s.sc.tieTol) || k <= c.all+s.sc.tieTol {
 			s.sc.score(ev, ce)
 			continue
 		}
