@@ -329,11 +329,6 @@ type candEval struct {
 	matched [tiers.Count]int
 	ttft    float64 // predicted, seconds
 	ahead   float64 // routed prefill tokens predicted left there (kvaware_drain.go)
-	// sharing is the requests routed there whose first token has not come
-	// (this router's and, with replica sync, its peers'): under chunked
-	// prefill they share their next step with this request's prefill, so
-	// each waits for it (kvScoring.score).
-	sharing float64
 	place   float64 // later requests' cost of the new context here, seconds (placement.go)
 	// peer is the other replicas' load on the instance (replica sync).
 	peer peerCounts
@@ -695,7 +690,7 @@ func (s *KVAware) predict(ev *kvEval) {
 	}
 	st.notePlacement(ev, meanComputed)
 	var decay decayMemo
-	cold := coldMin{free: math.Inf(1), all: math.Inf(1), own: s.sc.prefillCost(1, ev.tokens, [tiers.Count]int{})}
+	cold := coldMin{free: math.Inf(1), all: math.Inf(1)}
 	ev.cold = ev.cold[:0]
 	st.pendMu.RLock()
 	st.loads.mu.RLock()
@@ -738,7 +733,7 @@ func (s *KVAware) predict(ev *kvEval) {
 			pTok += sharedQueue(now.UnixNano(), sc.own, started, mine, ownRate, sc.peerQ(i), sc)
 		}
 		pReq += ce.peer.reqs
-		ce.ahead, ce.sharing = pTok, float64(pReq)
+		ce.ahead = pTok
 		var ld loadSample
 		ok := false
 		if haveLoads {
@@ -797,11 +792,10 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 		m.matched = tierTokens(ce.blocks, bs, ev.tokens)
 		m.prefill = sc.ttft(0, ev.tokens, m.matched)
 		m.cost = sc.prefillCost(ev.weight, ev.tokens, m.matched)
-		m.own = sc.prefillCost(1, ev.tokens, m.matched)
 	}
 	ce.matched = m.matched
 	ce.ttft = q + m.prefill
-	ce.score = ce.ttft + m.cost + ce.sharing*m.own + ce.place
+	ce.score = ce.ttft + m.cost + ce.place
 	ce.scoreStale = ce.score
 	if ce.stale != ([tiers.Count]int{}) {
 		var both [tiers.Count]int
@@ -809,7 +803,7 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 			both[t] = max(ce.blocks[t], ce.stale[t])
 		}
 		m := tierTokens(both, bs, ev.tokens)
-		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, ev.tokens, m) + ce.sharing*sc.prefillCost(1, ev.tokens, m) + ce.place
+		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, ev.tokens, m) + ce.place
 	}
 }
 

@@ -155,7 +155,6 @@ type scoreMemo struct {
 	blocks        [tiers.Count]int
 	matched       [tiers.Count]int
 	prefill, cost float64
-	own           float64 // the request's own prefill time there (the sharing term's)
 }
 
 // permEntry is match k's candidate i (-1: none) in an evaluation's last
@@ -204,19 +203,13 @@ func (ce *candEval) cold() bool {
 }
 
 // coldMin tracks the least queue among cold candidates: under the
-// concurrency threshold (free) and overall (all). own is the whole
-// prompt's prefill time, what the sharing term charges per request a cold
-// candidate has waiting for its first token.
-type coldMin struct{ free, all, own float64 }
-
-// key is what a cold candidate's score holds beyond the prefill every
-// cold one has alike.
-func (c *coldMin) key(ce *candEval) float64 { return ce.queue + ce.place + ce.sharing*c.own }
+// concurrency threshold (free) and overall (all).
+type coldMin struct{ free, all float64 }
 
 func (c *coldMin) note(ce *candEval) {
-	c.all = min(c.all, c.key(ce))
+	c.all = min(c.all, ce.queue+ce.place)
 	if !ce.full {
-		c.free = min(c.free, c.key(ce))
+		c.free = min(c.free, ce.queue+ce.place)
 	}
 }
 
@@ -231,7 +224,7 @@ func (c *coldMin) note(ce *candEval) {
 func (s *KVAware) scoreCold(ev *kvEval, c coldMin) {
 	for _, i := range ev.cold {
 		ce := &ev.cands[i]
-		if k := c.key(ce); (!ce.full && k <= c.free+s.sc.tieTol) || k <= c.all+s.sc.tieTol {
+		if k := ce.queue + ce.place; (!ce.full && k <= c.free+s.sc.tieTol) || k <= c.all+s.sc.tieTol {
 			s.sc.score(ev, ce)
 			continue
 		}
