@@ -974,16 +974,24 @@ func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
 		// prefix bought as a routed request would (speculative entries,
 		// pending prefill until the copy's first byte).
 		ac := &ev.cands[ev.rent.warmAt]
-		blocks := min(ev.rent.warmBlocks, len(ev.keys))
-		n := min(blocks*ev.blockSize, ev.tokens)
-		held := 0
-		for _, m := range ac.matched {
-			held += m
-		}
-		held = min(held, n)
+		blocks, n, held := ev.warmCopy()
 		s.speculate(ev, ac, blocks)
 		dec.Warm = &router.Warm{Instance: ac.inst, Observer: st.newDrainingObserver(ac, n-held, held, s.sc.prefill), Tokens: n}
 	}
+}
+
+// warmCopy is the extent of the warm-up copy ev.rent bought: the prompt's
+// first blocks blocks, n tokens, of which the copy's instance holds held
+// already. The commit and a peer's dry decision of it (DecideIntent)
+// count the same copy.
+func (ev *kvEval) warmCopy() (blocks, n, held int) {
+	ac := &ev.cands[ev.rent.warmAt]
+	blocks = min(ev.rent.warmBlocks, len(ev.keys))
+	n = min(blocks*ev.blockSize, ev.tokens)
+	for _, m := range ac.matched {
+		held += m
+	}
+	return blocks, n, min(held, n)
 }
 
 // speculate records the blocks ce is about to compute, up to block end
