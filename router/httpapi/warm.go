@@ -67,7 +67,7 @@ type warmPrefix struct {
 // (an image, audio) goes as itself too: vLLM hashes the blocks its
 // placeholder tokens fill from the media as well, which bare ids lack.
 func warmRequest(ctx context.Context, req *router.Request, path string, w *router.Warm) ([]byte, string, error) {
-	if w.Tokens > 0 && req.Model != "" && (req.Parsed == nil || !req.Parsed.HasMedia()) {
+	if w.Tokens > 0 && req.Model != "" && !req.WarmsWhole() {
 		if ids, err := req.TokenIDs(ctx); err == nil && len(ids) >= w.Tokens {
 			body, err := json.Marshal(warmPrefix{Model: req.Model, Prompt: ids[:w.Tokens], MaxTokens: 1, CacheSalt: req.CacheSalt()})
 			return body, completionsPath, err
