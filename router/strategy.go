@@ -109,6 +109,12 @@ type Decision struct {
 // token (router/httpapi/warm.go).
 func (r *Request) ProxyCanWarm() bool { return r.Endpoint.OpenAI() && len(r.Body) > 0 }
 
+// WarmsWhole reports whether a warm-up copy of r must be its whole prompt
+// as the client sent it, never a prefix of its token ids (Warm.Tokens):
+// r carries media (an image, audio), whose blocks the engine hashes from
+// the media as well as the ids (router/httpapi/warm.go).
+func (r *Request) WarmsWhole() bool { return r.Parsed != nil && r.Parsed.HasMedia() }
+
 // Warm is a warm-up copy: the edge sends the request's prompt, or its
 // first Tokens token ids, to Instance for one output token, so that the
 // instance computes and caches it, and follows that request with Observer

@@ -63,9 +63,11 @@ type warmPrefix struct {
 // the first w.Tokens token ids when w names a prefix and the request's ids
 // are known (the ids the decision keyed: their leading blocks are the ones
 // the engine's events named), else the client's request rewritten to one
-// output token (warmBody), on the client's path.
+// output token (warmBody), on the client's path. A request with media
+// (an image, audio) goes as itself too: vLLM hashes the blocks its
+// placeholder tokens fill from the media as well, which bare ids lack.
 func warmRequest(ctx context.Context, req *router.Request, path string, w *router.Warm) ([]byte, string, error) {
-	if w.Tokens > 0 && req.Model != "" {
+	if w.Tokens > 0 && req.Model != "" && !req.WarmsWhole() {
 		if ids, err := req.TokenIDs(ctx); err == nil && len(ids) >= w.Tokens {
 			body, err := json.Marshal(warmPrefix{Model: req.Model, Prompt: ids[:w.Tokens], MaxTokens: 1, CacheSalt: req.CacheSalt()})
 			return body, completionsPath, err

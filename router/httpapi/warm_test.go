@@ -280,3 +280,43 @@ func TestWarmCopyPrefix(t *testing.T) {
 		}
 	}
 }
+
+// TestWarmCopyPrefixMedia: a request with an image (or any content part
+// without text) is copied as the client's request rewritten, on its own
+// path, never as token ids: vLLM hashes the blocks an image's placeholder
+// tokens fill from the image too (its multimodal extra keys), which a
+// prompt of bare ids lacks, so an id copy would compute blocks the
+// request never reads, and its events, keyed by the ids alone, would
+// draw the prefix's requests to an instance that does not hold them.
+func TestWarmCopyPrefixMedia(t *testing.T) {
+	h := newHarness(t, 2, nil)
+	pool := h.srv.Pools()[0]
+	inst := poolInstance(t, pool, h.ups[1].ID)
+	body := `{"model":"` + model + `","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}},{"type":"text","text":"what is it"}]}],"max_tokens":50}`
+	parsed, err := router.ParseOpenAI(router.EndpointChatCompletions, []byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", nil)
+	req := &router.Request{Endpoint: router.EndpointChatCompletions, Pool: pool.Name(), Model: model, Body: []byte(body), Parsed: parsed,
+		Tokenizer: fixedTokens{ids: []uint32{101, 7, 151655, 151655, 151655, 3, 9, 12}}}
+	o := &doneObserver{status: make(chan int, 1)}
+	before := len(h.ups[1].Paths())
+	httpapi.SendWarm(h.srv, r, pool, req, "/v1/chat/completions", &router.Warm{Instance: inst, Observer: o, Tokens: 5}, nil)
+	select {
+	case <-o.status:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the warm-up copy's observer never ended")
+	}
+	paths := h.ups[1].Paths()
+	if len(paths) != before+1 {
+		t.Fatalf("%d requests reached the instance, want 1", len(paths)-before)
+	}
+	var got map[string]any
+	if err := json.Unmarshal(h.ups[1].LastBody(), &got); err != nil {
+		t.Fatalf("upstream body: %v: %s", err, h.ups[1].LastBody())
+	}
+	if p := paths[len(paths)-1]; p != "/v1/chat/completions" || got["messages"] == nil || got["prompt"] != nil || got["max_tokens"] != 1.0 {
+		t.Errorf("copy of an image request to %s with %v; want the client's request for one token, image included, on its own path", p, got)
+	}
+}

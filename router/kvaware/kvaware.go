@@ -352,6 +352,7 @@ type kvEval struct {
 	later     float64             // n: later requests expected to read the new context (placement.go)
 	rent      rentNote            // what the pick pays or buys (kvaware_replicate.go)
 	warmable  bool                // the request's edge can send a warm-up copy (router.Request.Warmable)
+	warmWhole bool                // that copy is the whole request, not a prefix (router.Request.WarmsWhole)
 	keptFree  []string            // instances kept free of long prompts (router.Request.KeptFree)
 	keptSet   map[string]struct{} // keptFree as a set (copyDest; kept across evaluations, cleared)
 	sc        *kvScoring
@@ -426,7 +427,7 @@ func (s *KVAware) pick(ctx context.Context, req *router.Request, cands []*router
 	ev := s.st.getEval()
 	// A dry evaluation decides as a committed one would (the request
 	// stays on the holder); only a commit asks for the copy.
-	ev.warmable = req.Warmable
+	ev.warmable, ev.warmWhole = req.Warmable, req.WarmsWhole()
 	ev.keptFree = req.KeptFree
 	s.evaluate(ctx, req, cands, ev, commit)
 	var dec router.Decision
@@ -974,16 +975,31 @@ func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
 		// prefix bought as a routed request would (speculative entries,
 		// pending prefill until the copy's first byte).
 		ac := &ev.cands[ev.rent.warmAt]
-		blocks := min(ev.rent.warmBlocks, len(ev.keys))
-		n := min(blocks*ev.blockSize, ev.tokens)
-		held := 0
-		for _, m := range ac.matched {
-			held += m
-		}
-		held = min(held, n)
+		blocks, n, held := ev.warmCopy()
 		s.speculate(ev, ac, blocks)
 		dec.Warm = &router.Warm{Instance: ac.inst, Observer: st.newDrainingObserver(ac, n-held, held, s.sc.prefill), Tokens: n}
+		if ev.warmWhole {
+			dec.Warm.Tokens = 0 // the edge sends the client's request
+		}
 	}
+}
+
+// warmCopy is the extent of the warm-up copy ev.rent bought: the prompt's
+// first blocks blocks, n tokens, of which the copy's instance holds held
+// already (the whole prompt for a request the edge copies whole). The
+// commit and a peer's dry decision of it (DecideIntent) count the same
+// copy.
+func (ev *kvEval) warmCopy() (blocks, n, held int) {
+	ac := &ev.cands[ev.rent.warmAt]
+	blocks = min(ev.rent.warmBlocks, len(ev.keys))
+	n = min(blocks*ev.blockSize, ev.tokens)
+	if ev.warmWhole {
+		blocks, n = len(ev.keys), ev.tokens
+	}
+	for _, m := range ac.matched {
+		held += m
+	}
+	return blocks, n, min(held, n)
 }
 
 // speculate records the blocks ce is about to compute, up to block end

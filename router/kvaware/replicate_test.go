@@ -292,3 +292,48 @@ func TestCopyGoesToKeptFree(t *testing.T) {
 		t.Fatalf("only the holder kept free: copy on %s, want the least-queue %s", got.ID(), least.ID())
 	}
 }
+
+// TestHotPrefixWarmCopyMedia: a request with media (an image) is copied
+// whole (Warm.Tokens 0: the edge sends the client's request, image
+// included, router/httpapi/warm.go), so its copy counts the whole
+// prompt's recompute as pending prefill there, not only the prefix the
+// holder has stored, which the edge does not send alone.
+func TestHotPrefixWarmCopyMedia(t *testing.T) {
+	system := promptTokens(61, 64*kvTestBS)
+	parsed, err := router.ParseOpenAI(router.EndpointChatCompletions,
+		[]byte(`{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"what"}]}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req := func(i int) *router.Request {
+		r := kvRequest("tenant", append(slices.Clone(system), promptTokens(uint32(5000+i), 2*kvTestBS)...))
+		r.Warmable, r.Parsed = true, parsed
+		return r
+	}
+	w := newKVWorld(t, 4)
+	s := w.strategy(config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 1}})
+	w.store(w.insts[1].ID(), system, 0, 64)
+	for range 20 {
+		w.insts[1].Acquire()
+	}
+	for i := range 200 {
+		d, err := s.Pick(context.Background(), req(i), w.insts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Observer != nil {
+			d.Observer.Done(200, -1)
+		}
+		if d.Warm == nil {
+			continue
+		}
+		if d.Warm.Tokens != 0 {
+			t.Errorf("copy of a request with media names a %d-token prefix, want the whole request (0)", d.Warm.Tokens)
+		}
+		if tok, n := w.st.PendingPrefill(d.Warm.Instance.ID()); tok != int64(66*kvTestBS) || n != 1 {
+			t.Errorf("pending on the copy's instance: %d tokens in %d requests, want the whole prompt (%d) in 1", tok, n, 66*kvTestBS)
+		}
+		return
+	}
+	t.Fatal("no purchase in 200 requests")
+}

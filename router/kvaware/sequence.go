@@ -94,29 +94,33 @@ func (s *KVAware) DecideIntent(ctx context.Context, in *replicasync.Intent, warm
 		return dec, nil
 	}
 	at := st.now().UnixNano()
-	effect := func(ce *candEval) replicasync.Effect {
+	// effect is ce computing the prompt's first end blocks, tokens tokens,
+	// of which it holds hit, as commit counts it (speculate, the observer).
+	effect := func(ce *candEval, end, tokens, hit int) replicasync.Effect {
 		e := replicasync.Effect{Instance: ce.inst.ID()}
 		if ev.tokens == 0 {
 			return e
 		}
-		hit := 0
-		for _, n := range ce.matched {
-			hit += n
-		}
-		e.Pending = replicasync.Pending{At: at, Tokens: int64(max(ev.tokens-hit, 0))}
+		e.Pending = replicasync.Pending{At: at, Tokens: int64(max(tokens-hit, 0))}
 		e.Rate = st.publishedRate()
-		if g := ce.blocks[tiers.GPU]; g < len(ev.keys) && s.spec != nil {
-			e.Keys = slices.Clone(ev.keys[g:])
+		if g := ce.blocks[tiers.GPU]; g < end && s.spec != nil {
+			e.Keys = slices.Clone(ev.keys[g:end])
 		}
 		return e
 	}
 	if ce := ev.find(dec.Instance); ce != nil {
-		sp.Overlay(effect(ce))
+		hit := 0
+		for _, n := range ce.matched {
+			hit += n
+		}
+		sp.Overlay(effect(ce, len(ev.keys), ev.tokens, hit))
 	} else {
 		sp.Overlay(replicasync.Effect{Instance: dec.Instance.ID()})
 	}
 	if ev.rent.warm {
-		sp.Overlay(effect(&ev.cands[ev.rent.warmAt]))
+		// The copy is of the prefix bought, not the whole prompt.
+		blocks, n, held := ev.warmCopy()
+		sp.Overlay(effect(&ev.cands[ev.rent.warmAt], blocks, n, held))
 	}
 	return dec, nil
 }

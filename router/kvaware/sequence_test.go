@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/replicasync"
 	"github.com/kvrouter/kvrouter/router"
 )
@@ -340,4 +341,58 @@ func TestSequenceHeldRequestLeaves(t *testing.T) {
 	if n != 0 {
 		t.Fatalf("%d waiters left", n)
 	}
+}
+
+// A peer's intent that buys a hot prefix's warm-up copy (warmable) is
+// overlaid as the peer's commit makes the copy: the prefix the holder has
+// stored (Warm.Tokens) pending on the copy's instance and only its blocks
+// about to be computed there, not the buyer's whole prompt. Before, the
+// overlay counted the whole prompt's recompute and its tail's blocks on
+// the copy's instance, which the peer's copy never computes.
+func TestDecideIntentWarmCopyOverlay(t *testing.T) {
+	system := promptTokens(61, 64*kvTestBS)
+	req := func(i int) *router.Request {
+		r := kvRequest("tenant", append(slices.Clone(system), promptTokens(uint32(5000+i), 2*kvTestBS)...))
+		r.Warmable = true
+		return r
+	}
+	w, p := newTableWorld(t, 4)
+	s := w.strategy(config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 1}})
+	w.store(w.insts[1].ID(), system, 0, 64)
+	for range 20 { // as TestHotPrefixWarmCopy: a congested holder
+		w.insts[1].Acquire()
+	}
+	for i := range 200 {
+		in := s.Intent(context.Background(), req(i))
+		d, err := s.DecideIntent(context.Background(), &in, true, w.insts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p.OverlayLen() == 2 { // the pick's effect and a copy's
+			if d.Instance != w.insts[1] {
+				t.Fatalf("purchase at request %d: %s, want the holder", i, d.Instance.ID())
+			}
+			for _, alt := range w.insts {
+				if alt == w.insts[1] {
+					continue
+				}
+				if f, tok, _ := p.PeerLoad(alt.ID()); f == 0 {
+					continue
+				} else if tok != int64(64*kvTestBS) {
+					t.Errorf("the copy's instance %s: %d pending tokens overlaid, want the holder's prefix, %d", alt.ID(), tok, 64*kvTestBS)
+				}
+				if h := p.PeerHolders(nil, kvindex.Key(in.Keys[64])); slices.Contains(h, alt.ID()) {
+					t.Errorf("the buyer's own block 64 overlaid on the copy's instance %s (holders %v)", alt.ID(), h)
+				}
+				if h := p.PeerHolders(nil, kvindex.Key(in.Keys[63])); !slices.Contains(h, alt.ID()) {
+					t.Errorf("the prefix's last block not overlaid on the copy's instance %s (holders %v)", alt.ID(), h)
+				}
+				return
+			}
+			t.Fatal("no copy's instance in the overlay")
+		}
+		w.st.EndEpoch()
+		kvPick(t, s, req(i), w.insts)
+	}
+	t.Fatal("no purchase in 200 intents")
 }

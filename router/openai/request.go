@@ -60,6 +60,10 @@ type MessageContent struct {
 	// Array: the content was a list of parts (Parts then holds only their
 	// texts; rendering needs the parts themselves: a full decode).
 	Array bool
+	// Media: a part had no text (an image, audio, video or file): the
+	// engine hashes the blocks its placeholder tokens fill from the media
+	// too, so the prompt's token ids alone do not stand for it.
+	Media bool
 }
 
 // UnmarshalJSON accepts a string, null, or an array of content parts (only
@@ -68,14 +72,14 @@ func (m *MessageContent) UnmarshalJSON(b []byte) error {
 	b = bytes.TrimSpace(b)
 	switch {
 	case len(b) == 0 || string(b) == "null":
-		m.Parts, m.Array = nil, false
+		m.Parts, m.Array, m.Media = nil, false, false
 		return nil
 	case b[0] == '"':
 		var s string
 		if err := json.Unmarshal(b, &s); err != nil {
 			return err
 		}
-		m.Parts, m.Array = []string{s}, false
+		m.Parts, m.Array, m.Media = []string{s}, false, false
 		return nil
 	case b[0] == '[':
 		var parts []struct {
@@ -85,10 +89,12 @@ func (m *MessageContent) UnmarshalJSON(b []byte) error {
 			return err
 		}
 		m.Parts = m.Parts[:0]
-		m.Array = true
+		m.Array, m.Media = true, false
 		for _, p := range parts {
 			if p.Text != nil {
 				m.Parts = append(m.Parts, *p.Text)
+			} else {
+				m.Media = true
 			}
 		}
 		return nil
@@ -194,6 +200,17 @@ func Parse(kind Kind, body []byte) (*Request, error) {
 // Source is the body Parse decoded (kv_aware trusts CacheSalt only for a
 // request whose body is still these bytes).
 func (r *Request) Source() []byte { return r.src }
+
+// HasMedia reports whether a message has a content part without text (an
+// image, audio, video or file; MessageContent.Media).
+func (r *Request) HasMedia() bool {
+	for i := range r.Messages {
+		if r.Messages[i].Content.Media {
+			return true
+		}
+	}
+	return false
+}
 
 // textBuilder collects at most limit characters (runes) of text.
 type textBuilder struct {
