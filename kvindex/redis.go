@@ -723,12 +723,12 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 // answer does not come back, the instance stays marked unsettled in this
 // process, and its next write or Position marks it first.
 func (r *Redis) unsettle(ctx context.Context, m *instMap, mkey string, placed []any, id any) {
-	if ctx.Err() != nil {
-		// The caller gave up (a router shutting down): its writes may
-		// still land; the next writer's reload retires them.
-		ctx = context.Background()
-	}
-	ctx, cancel := context.WithTimeout(ctx, r.lease)
+	// Sent whatever the caller's context does now or next (a router
+	// shutting down: its writes may still land, and the mark is what has
+	// the next writer reload and retire them), within its own bound.
+	// Checking ctx.Err() and then deriving from ctx left a gap in which a
+	// cancellation cut the mark.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.lease)
 	defer cancel()
 	marked := false
 	for range 2 {

@@ -236,3 +236,64 @@ func TestRedisHungEpochCreated(t *testing.T) {
 		t.Fatalf("second Epoch = %q, %v, %v; want %q, false", e, created, err, a.epoch)
 	}
 }
+
+// lateCancel is a caller's context cancelled just after its first Err
+// call: between a check of the context and its next use.
+type lateCancel struct {
+	context.Context // Background: no deadline, no values
+	once            sync.Once
+	done            chan struct{}
+}
+
+func (c *lateCancel) Done() <-chan struct{} { return c.done }
+
+func (c *lateCancel) Err() error {
+	select {
+	case <-c.done:
+		return context.Canceled
+	default:
+	}
+	c.once.Do(func() { close(c.done) })
+	return nil
+}
+
+// Once unsettle has decided to mark an instance (a write of unknown
+// outcome), the mark goes out with its own bound, whatever the caller's
+// context does: unsettle checked ctx.Err() and only then derived its
+// timeout from the caller's context, so a cancellation in between (a
+// router shutting down) cut the mark, and another router read the
+// instance at its old position as whole.
+func TestRedisUnsettleMarksWhenCallerCancels(t *testing.T) {
+	ctx := context.Background()
+	srv := testenv.StartRedis(t)
+	newIndex := func() (*Redis, *redis.Client) {
+		c := redis.NewClient(&redis.Options{Addr: srv.Addr})
+		t.Cleanup(func() { _ = c.Close() })
+		r, err := NewRedis(c, RedisConfig{Prefix: "unsettle", Model: "m", BlockSize: 4})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r, c
+	}
+	r, c := newIndex()
+	if res, err := r.LoadAt(ctx, "i", 10, nil); err != nil || res.Status != SeqApplied {
+		t.Fatalf("load: %+v %v", res, err)
+	}
+	m := r.maps.peek("i")
+	if m == nil {
+		t.Fatal("no map of i after its load")
+	}
+	mkey := r.metaKey(instID("i"))
+	r.unsettle(&lateCancel{Context: ctx, done: make(chan struct{})}, m, mkey, nil, nil)
+	if n := m.unsettled.Load(); n != 0 {
+		t.Errorf("the mark not sent: %d write(s) left unsettled", n)
+	}
+	if v, err := c.HGet(ctx, mkey, fieldTopology).Result(); err != nil || v != "!" {
+		t.Errorf("i's topology field %q (%v) in Redis, want the mark %q", v, err, "!")
+	}
+	// Another router (no map of its own to settle) must read i unseeded.
+	other, _ := newIndex()
+	if p, err := other.Position(ctx, "i"); err != nil || p.Seeded {
+		t.Fatalf("another router reads i at %v (%v) after a write of unknown outcome, want unseeded", p, err)
+	}
+}

@@ -131,7 +131,7 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 			}
 			return kvindex.ApplyResult{}, nil
 		}
-		pos, err := c.repairShared(ctx, instance, in, r.Position, seq)
+		pos, err := c.repairShared(ctx, instance, in, r.Position, seq, from)
 		if errors.Is(err, errOwned) {
 			// Another router took the instance over meanwhile: it brings
 			// it up to date, this message included; checked as above.
@@ -171,17 +171,31 @@ func (c *Consumer) leftToWriter(in *inst, seq uint64, yielded bool) {
 // the index is: by re-applying those messages from the stream, or, when
 // the index is unseeded or the stream no longer holds them, by loading the
 // snapshot and replaying the stream after it. It returns the new position.
-func (c *Consumer) repairShared(ctx context.Context, instance string, in *inst, pos kvindex.Position, upTo uint64) (kvindex.Position, error) {
+//
+// consumed is this router's last message of the instance before upTo
+// (unseeded: none). A replay that ends below it found the stream without
+// messages this router consumed: removed from its middle (a per-subject
+// limit, a deletion), which the stream's first sequence does not tell.
+// Their effects are in the instance's snapshot if anywhere, so it is
+// loaded; what the snapshot and the stream after it deliver is then all
+// there is (syncShared takes it as the instance's position).
+func (c *Consumer) repairShared(ctx context.Context, instance string, in *inst, pos kvindex.Position, upTo uint64, consumed kvindex.Position) (kvindex.Position, error) {
 	if pos.Seeded {
 		lost, err := c.streamLost(ctx, pos.Seq)
 		if err != nil {
 			return pos, err
 		}
 		if !lost {
-			return c.replayShared(ctx, instance, in, pos, upTo)
+			p, err := c.replayShared(ctx, instance, in, pos, upTo)
+			if err != nil || ctx.Err() != nil || !consumed.Seeded || p.Seq >= consumed.Seq {
+				return p, err
+			}
+			c.cfg.Logger.Warn("consumer: shared index behind messages this router consumed that the stream no longer holds; reloading the snapshot",
+				"instance", instance, "index_at", p.Seq, "consumed", consumed.Seq)
+		} else {
+			c.cfg.Logger.Warn("consumer: shared index behind messages the stream no longer holds; reloading the snapshot",
+				"instance", instance, "index_at", pos.Seq)
 		}
-		c.cfg.Logger.Warn("consumer: shared index behind messages the stream no longer holds; reloading the snapshot",
-			"instance", instance, "index_at", pos.Seq)
 	}
 	return c.seedShared(ctx, instance, in, upTo)
 }
@@ -327,7 +341,7 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 	if in.from.Seeded {
 		upTo = in.from.Seq + 1
 	}
-	p, err := c.repairShared(ctx, instance, in, pos, upTo)
+	p, err := c.repairShared(ctx, instance, in, pos, upTo, in.from)
 	switch {
 	case errors.Is(err, errOwned):
 		// Another router is writing it: it keeps a seeded instance
@@ -341,7 +355,19 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 		c.setSynced(in, false)
 		c.cfg.Logger.Warn("consumer: repair of the shared index failed, will retry", "instance", instance, "err", err)
 	default:
-		if !in.from.Seeded || p.Seq > in.from.Seq {
+		switch {
+		case !in.from.Seeded || p.Seq > in.from.Seq:
+			c.setFrom(in, p)
+		case p.Seeded && p.Seq < in.from.Seq && ctx.Err() == nil:
+			// The repair delivered all the stream and the snapshot still
+			// hold: the messages consumed after p are gone from both,
+			// and no router can apply them. Kept as the position to
+			// reach, every check found the instance behind again and
+			// marked it not live, a sync repaired nothing and marked it
+			// live: a flap every check interval until its next message,
+			// which applies at p (applyShared's repair ends there too).
+			c.cfg.Logger.Warn("consumer: messages consumed are gone from the stream and the snapshot; the shared index holds the rest",
+				"instance", instance, "index_at", p.Seq, "consumed", in.from.Seq)
 			c.setFrom(in, p)
 		}
 		confirmed()
