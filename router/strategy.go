@@ -107,7 +107,13 @@ type Decision struct {
 // ProxyCanWarm reports whether the HTTP data plane can send a warm-up
 // copy of r: an OpenAI request, whose body it can rewrite to one output
 // token (router/httpapi/warm.go).
-func (r *Request) ProxyCanWarm() bool { return r.Endpoint.OpenAI() && len(r.Body) > 0 }
+// A disaggregated request's decode pick cannot (RemotePrefill): its
+// instance pulls the prompt's KV from the prefill instance, and a copy
+// would be the one prompt that instance computes itself; moving the
+// request to the copy's instance pulls it there instead.
+func (r *Request) ProxyCanWarm() bool {
+	return r.Endpoint.OpenAI() && len(r.Body) > 0 && !r.RemotePrefill
+}
 
 // WarmsWhole reports whether a warm-up copy of r must be its whole prompt
 // as the client sent it, never a prefix of its token ids (Warm.Tokens):
@@ -224,6 +230,11 @@ type Request struct {
 	tokens   []uint32
 	tokErr   error
 	tokErrN  atomic.Bool // TokenErrorFirst has said true
+
+	// RemotePrefill is set once another instance prefilled the prompt
+	// (disaggregated serving: the body carries its kv_transfer_params);
+	// the pick that follows chooses where the KV is pulled to.
+	RemotePrefill bool
 
 	// Warmable says the edge can send a warm-up copy (Decision.Warm)
 	// beside this request: an exact strategy may then make a hot prefix's

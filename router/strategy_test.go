@@ -265,3 +265,25 @@ func TestWithSeedDeterministic(t *testing.T) {
 		t.Fatal("WithSeed does not make random picks reproducible")
 	}
 }
+
+// TestProxyCanWarm: the HTTP data plane can send a warm-up copy of an
+// OpenAI request with a body, but not for a disaggregated request's decode
+// pick, whose instance pulls the prompt's KV from the prefill instance.
+func TestProxyCanWarm(t *testing.T) {
+	body := []byte(`{"prompt":"x"}`)
+	for _, c := range []struct {
+		name string
+		req  Request
+		want bool
+	}{
+		{"completions", Request{Endpoint: EndpointCompletions, Body: body}, true},
+		{"chat", Request{Endpoint: EndpointChatCompletions, Body: body}, true},
+		{"no body", Request{Endpoint: EndpointCompletions}, false},
+		{"invoke", Request{Endpoint: EndpointInvoke, Body: body}, false},
+		{"decode pick", Request{Endpoint: EndpointChatCompletions, Body: body, RemotePrefill: true}, false},
+	} {
+		if got := c.req.ProxyCanWarm(); got != c.want {
+			t.Errorf("%s: ProxyCanWarm %v, want %v", c.name, got, c.want)
+		}
+	}
+}

@@ -169,6 +169,7 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 		// The prompt is unchanged, so whatever was derived from the body
 		// (routing text, tokens) still holds.
 		req.Body = dbody
+		req.RemotePrefill = true
 		return req, exchange
 	}
 	return aggregated(aggPrefillError)
