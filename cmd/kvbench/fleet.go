@@ -294,10 +294,11 @@ func (r *strategyRouter) request(req *des.RouteRequest) *router.Request {
 		RoutingText:  req.RoutingText,
 		TenantKey:    req.Tenant,
 		PromptTokens: req.Tokens,
-		// The driver sends warm-up copies (des.Decision.Warm), as the
+		// The driver sends warm-up copies (des.Decision.Warm) where the
 		// HTTP edge does.
-		Warmable: true,
-		KeptFree: req.KeptFree,
+		Warmable:      !req.NoWarm,
+		RemotePrefill: req.RemotePrefill,
+		KeptFree:      req.KeptFree,
 	}
 	if req.CacheSalt != "" {
 		// The router reads cache_salt from the body it forwards, so that

@@ -94,6 +94,12 @@ type RouteRequest struct {
 	// KeptFree is the instances the admission queue keeps free of long
 	// prompts for this request (Placer.KeptFree; router.Request.KeptFree).
 	KeptFree []string
+	// NoWarm: the pick may ask for no warm-up copy, as on the HTTP data
+	// plane, whose disaggregated prefill pick comes before it can send
+	// one and whose decode pick after a prefill pulls the KV instead
+	// (router.Request.ProxyCanWarm). RemotePrefill is set on that decode
+	// pick (router.Request.RemotePrefill).
+	NoWarm, RemotePrefill bool
 }
 
 // Decision is a router's pick.
@@ -754,7 +760,7 @@ func (r *run) issue(ctx context.Context, i int) {
 		if r.prefillStage(ctx, i, rr) {
 			return
 		}
-		rr.EngineID = uint64(i)
+		rr.EngineID, rr.NoWarm = uint64(i), false
 		cands = r.decodeSet
 	}
 	cands = r.placeable(uint64(i), cands)

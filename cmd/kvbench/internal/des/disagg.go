@@ -84,7 +84,7 @@ func (r *run) prefillStage(ctx context.Context, i int, rr *RouteRequest) bool {
 	cpu0 := cputime.Thread()
 	start := time.Now()
 	pid := uint64(i) | prefillTag
-	rr.EngineID = pid
+	rr.EngineID, rr.NoWarm = pid, true
 	dec, err := r.cfg.Router.Pick(ctx, rr, r.prefillSet)
 	o.Decision += time.Since(start)
 	if cpu0 >= 0 {
@@ -137,7 +137,8 @@ func (r *run) decodeStage(ctx context.Context, h handoff) {
 		salt = req.Tenant
 	}
 	r.tokBuf = req.AppendTokens(r.tokBuf[:0])
-	rr := &RouteRequest{Request: req, Tokens: r.tokBuf, RoutingText: req.TextPrefix(r.cfg.PrefixLength), Now: r.now, CacheSalt: salt, EngineID: uint64(h.req)}
+	rr := &RouteRequest{Request: req, Tokens: r.tokBuf, RoutingText: req.TextPrefix(r.cfg.PrefixLength), Now: r.now, CacheSalt: salt, EngineID: uint64(h.req),
+		NoWarm: h.remote, RemotePrefill: h.remote}
 	cpu0 := cputime.Thread()
 	start := time.Now()
 	d, err := r.cfg.Router.Pick(ctx, rr, r.decodeSet)
