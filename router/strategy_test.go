@@ -273,14 +273,14 @@ func TestProxyCanWarm(t *testing.T) {
 	body := []byte(`{"prompt":"x"}`)
 	for _, c := range []struct {
 		name string
-		req  Request
+		req  *Request
 		want bool
 	}{
-		{"completions", Request{Endpoint: EndpointCompletions, Body: body}, true},
-		{"chat", Request{Endpoint: EndpointChatCompletions, Body: body}, true},
-		{"no body", Request{Endpoint: EndpointCompletions}, false},
-		{"invoke", Request{Endpoint: EndpointInvoke, Body: body}, false},
-		{"decode pick", Request{Endpoint: EndpointChatCompletions, Body: body, RemotePrefill: true}, false},
+		{"completions", &Request{Endpoint: EndpointCompletions, Body: body}, true},
+		{"chat", &Request{Endpoint: EndpointChatCompletions, Body: body}, true},
+		{"no body", &Request{Endpoint: EndpointCompletions}, false},
+		{"invoke", &Request{Endpoint: EndpointInvoke, Body: body}, false},
+		{"decode pick", &Request{Endpoint: EndpointChatCompletions, Body: body, RemotePrefill: true}, false},
 	} {
 		if got := c.req.ProxyCanWarm(); got != c.want {
 			t.Errorf("%s: ProxyCanWarm %v, want %v", c.name, got, c.want)
