@@ -354,20 +354,21 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 	case err != nil:
 		c.setSynced(in, false)
 		c.cfg.Logger.Warn("consumer: repair of the shared index failed, will retry", "instance", instance, "err", err)
+	case in.from.Seeded && p.Seq < in.from.Seq:
+		// The repair ended below what this router consumed: the stream
+		// and the snapshot it could read do not hold those messages now
+		// (removed, or a read that missed them; a snapshot older than
+		// they are while the bridge is unreachable). The index lacks
+		// what they did, so the instance is not live — not marked live
+		// here to be found behind at the next check, a flap that read
+		// it live in between — and the repair is tried again at the
+		// next check, until one reaches the position or the instance's
+		// next message applies.
+		c.setSynced(in, false)
+		c.cfg.Logger.Warn("consumer: shared index behind messages this router consumed that neither the stream nor the snapshot holds now; not live until repaired",
+			"instance", instance, "index_at", p.Seq, "consumed", in.from.Seq)
 	default:
-		switch {
-		case !in.from.Seeded || p.Seq > in.from.Seq:
-			c.setFrom(in, p)
-		case p.Seeded && p.Seq < in.from.Seq && ctx.Err() == nil:
-			// The repair delivered all the stream and the snapshot still
-			// hold: the messages consumed after p are gone from both,
-			// and no router can apply them. Kept as the position to
-			// reach, every check found the instance behind again and
-			// marked it not live, a sync repaired nothing and marked it
-			// live: a flap every check interval until its next message,
-			// which applies at p (applyShared's repair ends there too).
-			c.cfg.Logger.Warn("consumer: messages consumed are gone from the stream and the snapshot; the shared index holds the rest",
-				"instance", instance, "index_at", p.Seq, "consumed", in.from.Seq)
+		if !in.from.Seeded || p.Seq > in.from.Seq {
 			c.setFrom(in, p)
 		}
 		confirmed()
