@@ -31,8 +31,7 @@ const DefaultRedisTTL = 24 * time.Hour
 
 // DefaultRedisLookupTimeout is the router's bound on one Lookup (at most
 // two round trips, ~0.2-1 ms on a LAN, ~20 ms for ExactLookup with 64
-// holders). A lookup is
-// on a request's path: against a hung Redis (stopped, a fork, a paused VM)
+// holders). A lookup is on a request's path: against a hung Redis (stopped, a fork, a paused VM)
 // go-redis alone waits its read timeout on each of its retries (35 s for a
 // lookup's pipeline with the defaults), and the request with it, although
 // the consumer flags the index and kv_aware stops looking up within

@@ -177,8 +177,8 @@ func (c *Consumer) leftToWriter(in *inst, seq uint64, yielded bool) {
 // messages this router consumed: removed from its middle (a per-subject
 // limit, a deletion), which the stream's first sequence does not tell.
 // Their effects are in the instance's snapshot if anywhere, so it is
-// loaded; what the snapshot and the stream after it deliver is then all
-// there is (syncShared takes it as the instance's position).
+// loaded and the stream after it replayed; a repair that still ends below
+// consumed leaves the instance not live (syncShared).
 func (c *Consumer) repairShared(ctx context.Context, instance string, in *inst, pos kvindex.Position, upTo uint64, consumed kvindex.Position) (kvindex.Position, error) {
 	if pos.Seeded {
 		lost, err := c.streamLost(ctx, pos.Seq)

@@ -352,7 +352,7 @@ type kvEval struct {
 	later     float64             // n: later requests expected to read the new context (placement.go)
 	rent      rentNote            // what the pick pays or buys (kvaware_replicate.go)
 	warmable  bool                // the request's edge can send a warm-up copy (router.Request.Warmable)
-	warmWhole bool                // that copy is the whole request, not a prefix (router.Request.WarmsWhole)
+	warmWhole bool                // the copy bought is the whole request, not a prefix (router.Request.WarmsWhole)
 	keptFree  []string            // instances kept free of long prompts (router.Request.KeptFree)
 	keptSet   map[string]struct{} // keptFree as a set (copyDest; kept across evaluations, cleared)
 	sc        *kvScoring
@@ -427,7 +427,7 @@ func (s *KVAware) pick(ctx context.Context, req *router.Request, cands []*router
 	ev := s.st.getEval()
 	// A dry evaluation decides as a committed one would (the request
 	// stays on the holder); only a commit asks for the copy.
-	ev.warmable, ev.warmWhole = req.Warmable, req.WarmsWhole()
+	ev.warmable = req.Warmable
 	ev.keptFree = req.KeptFree
 	s.evaluate(ctx, req, cands, ev, commit)
 	var dec router.Decision
@@ -457,6 +457,8 @@ func (s *KVAware) pick(ctx context.Context, req *router.Request, cands []*router
 		dec = router.Decision{Instance: ev.cands[pick].inst, Reason: reason}
 	}
 	dec.Strategy = config.StrategyKVAware
+	// Read only at a purchase: the check walks the request's messages.
+	ev.warmWhole = ev.rent.warm && req.WarmsWhole()
 	ce := ev.find(dec.Instance)
 	if ev.tokens > 0 && ce != nil {
 		dec.Explain = &router.Explanation{MatchedTokens: ce.matched, PromptTokens: ev.tokens, PredictedTTFT: seconds(ce.ttft)}
@@ -977,10 +979,11 @@ func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
 		ac := &ev.cands[ev.rent.warmAt]
 		blocks, n, held := ev.warmCopy()
 		s.speculate(ev, ac, blocks)
-		dec.Warm = &router.Warm{Instance: ac.inst, Observer: st.newDrainingObserver(ac, n-held, held, s.sc.prefill), Tokens: n}
+		prefix := n
 		if ev.warmWhole {
-			dec.Warm.Tokens = 0 // the edge sends the client's request
+			prefix = 0 // the edge sends the client's request
 		}
+		dec.Warm = &router.Warm{Instance: ac.inst, Observer: st.newDrainingObserver(ac, n-held, held, s.sc.prefill), Tokens: prefix}
 	}
 }
 
@@ -996,10 +999,16 @@ func (ev *kvEval) warmCopy() (blocks, n, held int) {
 	if ev.warmWhole {
 		blocks, n = len(ev.keys), ev.tokens
 	}
-	for _, m := range ac.matched {
-		held += m
+	return blocks, n, min(ac.held(), n)
+}
+
+// held is the prompt tokens the candidate holds, every tier.
+func (ce *candEval) held() int {
+	n := 0
+	for _, m := range ce.matched {
+		n += m
 	}
-	return blocks, n, min(held, n)
+	return n
 }
 
 // speculate records the blocks ce is about to compute, up to block end
@@ -1134,11 +1143,7 @@ func (s *KVAware) HeldBy(ctx context.Context, req *router.Request, cands []*rout
 		return dst, 0, false
 	}
 	for i := range ev.cands {
-		h := 0
-		for _, m := range ev.cands[i].matched {
-			h += m
-		}
-		dst = append(dst, h)
+		dst = append(dst, ev.cands[i].held())
 	}
 	return dst, ev.tokens, true
 }

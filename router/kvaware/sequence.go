@@ -109,11 +109,7 @@ func (s *KVAware) DecideIntent(ctx context.Context, in *replicasync.Intent, warm
 		return e
 	}
 	if ce := ev.find(dec.Instance); ce != nil {
-		hit := 0
-		for _, n := range ce.matched {
-			hit += n
-		}
-		sp.Overlay(effect(ce, len(ev.keys), ev.tokens, hit))
+		sp.Overlay(effect(ce, len(ev.keys), ev.tokens, ce.held()))
 	} else {
 		sp.Overlay(replicasync.Effect{Instance: dec.Instance.ID()})
 	}

@@ -110,9 +110,7 @@ func predictedPick(ev *kvEval, inst *router.Instance) shadowPick {
 	}
 	p.inst = inst.ID()
 	if ce := ev.find(inst); ce != nil {
-		for _, n := range ce.matched {
-			p.matched += n
-		}
+		p.matched = ce.held()
 		p.ttft = ce.ttft
 	}
 	return p

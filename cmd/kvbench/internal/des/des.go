@@ -823,11 +823,12 @@ func (r *run) warm(id uint64, name string, ntok int, req *workload.Request, salt
 		r.warmEnd(wid, name, fmt.Errorf("%w: warm-up on %q", errNotLive, name))
 		return
 	}
-	prompt := append([]uint32(nil), r.tokBuf...)
-	if ntok > 0 && ntok < len(prompt) {
-		prompt = prompt[:ntok]
+	n := len(r.tokBuf)
+	if ntok > 0 && ntok < n {
+		n = ntok
 	}
-	r.warmLen[wid] = len(prompt)
+	prompt := append([]uint32(nil), r.tokBuf[:n]...)
+	r.warmLen[wid] = n
 	if err := in.engine.Submit(EngineRequest{ID: wid, Prompt: prompt, MaxTokens: 1, Adapter: req.Adapter, CacheSalt: salt}, r.now); err != nil {
 		r.warmEnd(wid, in.name, err)
 		return
