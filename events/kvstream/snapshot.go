@@ -91,6 +91,25 @@ func UnmarshalSnapshot(b []byte) (Snapshot, error) {
 	return s, nil
 }
 
+// A read of a snapshot object is bounded by objectReadTimeout. nats.go
+// gives a read whose context has no deadline its default API timeout
+// (5 s) for the whole object, so a large snapshot on a busy server (a
+// 192 MiB object took 5.3 s on loopback on a loaded 2-core machine,
+// docs/transport.md "Snapshots") would fail at every try and the instance
+// would never load; with no bound at all a read of chunks that never come
+// (purged or lost under the reader) would hold the consumer shard or the
+// bridge that asked. The bound is objectReadBase (that same API timeout)
+// plus the object's size at objectReadFloor, a rate 15x below that loaded
+// loopback read, so a healthy read is not cut and a stalled one is given
+// up (and retried by the caller) after 5 s plus 0.5 s per MiB.
+var objectReadBase = 5 * time.Second
+
+const objectReadFloor = 2 << 20 // bytes per second
+
+func objectReadTimeout(size uint64) time.Duration {
+	return objectReadBase + time.Duration(float64(size)/objectReadFloor*float64(time.Second))
+}
+
 // ResolveSnapshot follows a pointer snapshot (Object set) to the full one
 // in the object store; other snapshots are returned as they are. The object
 // may have been replaced by a newer snapshot since the pointer was written;
@@ -102,9 +121,17 @@ func ResolveSnapshot(ctx context.Context, obs jetstream.ObjectStore, s Snapshot)
 	if obs == nil {
 		return Snapshot{}, fmt.Errorf("%w: %s points to object %q but there is no object store", ErrBadSnapshot, s.Instance, s.Object)
 	}
-	data, err := obs.GetBytes(ctx, s.Object)
+	ictx, cancel := context.WithTimeout(ctx, objectReadBase)
+	info, err := obs.GetInfo(ictx, s.Object)
+	cancel()
 	if err != nil {
 		return Snapshot{}, fmt.Errorf("kvstream: snapshot object %s: %w", s.Object, err)
+	}
+	rctx, cancel := context.WithTimeout(ctx, objectReadTimeout(info.Size))
+	data, err := obs.GetBytes(rctx, s.Object)
+	cancel()
+	if err != nil {
+		return Snapshot{}, fmt.Errorf("kvstream: snapshot object %s (%d bytes): %w", s.Object, info.Size, err)
 	}
 	full, err := UnmarshalSnapshot(data)
 	if err != nil {
