@@ -7,6 +7,8 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -40,6 +42,23 @@ const DefaultRedisTTL = 24 * time.Hour
 // ContextTimeoutEnabled (the router's; without it, only dials and the waits
 // between retries).
 const DefaultRedisLookupTimeout = 250 * time.Millisecond
+
+// LookupFailure names why a lookup failed, for a metric's label:
+// "timeout" (the lookup's bound or a network read timed out: the index is
+// slow or hung), "canceled" (the caller gave up: a client that went away,
+// not the index's fault) or "error" (anything else: refused, a cluster
+// without a master, a reply not understood).
+func LookupFailure(err error) string {
+	var ne net.Error
+	switch {
+	case errors.Is(err, context.Canceled):
+		return "canceled"
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, os.ErrDeadlineExceeded),
+		errors.As(err, &ne) && ne.Timeout():
+		return "timeout"
+	}
+	return "error"
+}
 
 // DefaultRedisPrefix is the key prefix when none is configured.
 const DefaultRedisPrefix = "kvindex"

@@ -583,7 +583,7 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 	}
 	ev.matches = matches
 	if err != nil {
-		st.m.lookupErrs.WithLabelValues(st.pool).Inc()
+		st.m.lookupErrs.WithLabelValues(st.pool, kvindex.LookupFailure(err)).Inc()
 		st.log.Debug("index lookup failed; routing on speculative entries and the heuristic", "pool", st.pool, "err", err)
 		matches = nil
 	}

@@ -54,7 +54,7 @@ func newKVMetrics() *KVMetrics {
 		tokenErrs: ms.CounterVec("kvrouter_kv_tokenize_errors_total",
 			"Requests whose token ids could not be produced (routed heuristically).", "pool"),
 		lookupErrs: ms.CounterVec("kvrouter_kv_lookup_errors_total",
-			"Index lookups that failed (routed on speculative entries, else heuristically).", "pool"),
+			"Index lookups that failed (routed on speculative entries, else heuristically), by reason: timeout (the index slow or hung), canceled (the client went away), error.", "pool", "reason"),
 		streamUp: ms.GaugeVec("kvrouter_kv_stream_healthy",
 			"1 while the pool's KV event stream is healthy (exact routing), 0 while kv_aware falls back to prefix_aware.", "pool"),
 		streamTransitions: ms.CounterVec("kvrouter_kv_stream_transitions_total",

@@ -190,6 +190,9 @@ func lookupBoundedWhenHung(t *testing.T, rc config.RedisConfig, pause, resume fu
 	if took > 2*time.Second {
 		t.Fatalf("lookup on a stopped Redis took %v (err %v): want it cut at the lookup timeout", took, err)
 	}
+	if r := kvindex.LookupFailure(err); r != "timeout" {
+		t.Fatalf("lookup on a stopped Redis failed as %q (%v), want timeout", r, err)
+	}
 	t.Logf("lookup on a stopped Redis cut after %v: %v", took, err)
 	// Redis answering again: the next lookup finds the instance.
 	deadline := time.Now().Add(10 * time.Second)
