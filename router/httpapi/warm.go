@@ -57,6 +57,10 @@ type warmPrefix struct {
 	MaxTokens int      `json:"max_tokens"`
 	Stream    bool     `json:"stream"`
 	CacheSalt string   `json:"cache_salt,omitempty"`
+	// Priority is the client's (vLLM's priority scheduling): the copy
+	// waits in the engine's queue as the request it was bought for would,
+	// not ahead of more urgent ones nor behind everything.
+	Priority json.RawMessage `json:"priority,omitempty"`
 }
 
 // warmRequest is the body and path of w's copy of req: a completion of
@@ -69,7 +73,11 @@ type warmPrefix struct {
 func warmRequest(ctx context.Context, req *router.Request, path string, w *router.Warm) ([]byte, string, error) {
 	if w.Tokens > 0 && req.Model != "" && !req.WarmsWhole() {
 		if ids, err := req.TokenIDs(ctx); err == nil && len(ids) >= w.Tokens {
-			body, err := json.Marshal(warmPrefix{Model: req.Model, Prompt: ids[:w.Tokens], MaxTokens: 1, CacheSalt: req.CacheSalt()})
+			prio := openai.TopLevelRaw(req.Body, "priority")
+			if string(prio) == "null" {
+				prio = nil
+			}
+			body, err := json.Marshal(warmPrefix{Model: req.Model, Prompt: ids[:w.Tokens], MaxTokens: 1, CacheSalt: req.CacheSalt(), Priority: prio})
 			return body, completionsPath, err
 		}
 	}

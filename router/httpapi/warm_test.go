@@ -219,7 +219,7 @@ func TestWarmCopyPrefix(t *testing.T) {
 	h := newHarness(t, 2, nil)
 	pool := h.srv.Pools()[0]
 	inst := poolInstance(t, pool, h.ups[1].ID)
-	body := `{"model":"` + model + `","messages":[{"role":"user","content":"go"}],"stream":true,"cache_salt":"s1","max_completion_tokens":50}`
+	body := `{"model":"` + model + `","messages":[{"role":"user","content":"go"}],"stream":true,"cache_salt":"s1","max_completion_tokens":50,"priority":-5}`
 	ids := []uint32{101, 7, 65535, 70000, 3, 9, 12, 4}
 	send := func(src router.TokenSource) (path string, got map[string]any) {
 		t.Helper()
@@ -259,7 +259,7 @@ func TestWarmCopyPrefix(t *testing.T) {
 			t.Errorf("prompt[%d] = %v, want %d", i, v, ids[i])
 		}
 	}
-	for k, want := range map[string]any{"model": model, "max_tokens": 1.0, "stream": false, "cache_salt": "s1"} {
+	for k, want := range map[string]any{"model": model, "max_tokens": 1.0, "stream": false, "cache_salt": "s1", "priority": -5.0} {
 		if got[k] != want {
 			t.Errorf("%s = %v, want %v", k, got[k], want)
 		}
