@@ -552,6 +552,9 @@ func (d *decoder) mapEvent(e *Event, st *fieldState) (bool, error) {
 	e.Kind = k
 	if first == 1 {
 		e.Layout.N = 1 // fType (0) at position 0 of Order
+		if k == BlockRemoved && d.removal1(e, n, st) {
+			return true, nil
+		}
 	}
 	mask := kindMasks[k]
 	for i := first; i < n; i++ {
@@ -598,6 +601,62 @@ func (d *decoder) mapEvent(e *Event, st *fieldState) (bool, error) {
 	}
 	st.finish(e)
 	return true, nil
+}
+
+// The rest of a one-block BlockRemoved map event after its "type", as
+// vLLM writes one per evicted block (msgspec, fields in declaration order):
+// block_hashes with one hash, medium "GPU", and in the newest vLLM
+// group_idx.
+const (
+	removal1Hashes = "\xacblock_hashes\x91"
+	removal1Medium = "\xa6medium\xa3GPU"
+	removal1Group  = "\xa9group_idx"
+)
+
+// removal1 decodes the rest of a BlockRemoved map event of n keys whose
+// "type" came first, when it is exactly that form (n is 3, or 4 with a
+// group_idx in 0..127): the event as the general loop would leave it, read
+// without a key look-up per field. It reports whether it did; when not,
+// nothing was consumed or recorded.
+func (d *decoder) removal1(e *Event, n int, st *fieldState) bool {
+	if n != 3 && n != 4 {
+		return false
+	}
+	start := d.r.off
+	b := d.r.b[start:]
+	if len(b) < len(removal1Hashes) || string(b[:len(removal1Hashes)]) != removal1Hashes {
+		return false
+	}
+	d.r.off += len(removal1Hashes)
+	h, err := d.hash(st)
+	rest := d.r.b[d.r.off:]
+	group := 0
+	ok := err == nil && len(rest) >= len(removal1Medium) && string(rest[:len(removal1Medium)]) == removal1Medium
+	if ok && n == 4 {
+		g := rest[len(removal1Medium):]
+		ok = len(g) > len(removal1Group) && string(g[:len(removal1Group)]) == removal1Group && g[len(removal1Group)] < 0x80
+		if ok {
+			group = int(g[len(removal1Group)])
+		}
+	}
+	if !ok {
+		d.r.off, *st = start, fieldState{}
+		return false
+	}
+	d.r.off += len(removal1Medium)
+	if n == 4 {
+		d.r.off += len(removal1Group) + 1
+	}
+	e.BlockHashes = d.hashSlice(1)
+	e.BlockHashes[0] = h
+	e.Medium, e.GroupIdx = "GPU", group
+	e.Layout.Order = fType | fHashes<<4 | fMedium<<8
+	if n == 4 {
+		e.Layout.Order |= fGroupIdx << 12
+	}
+	e.Layout.N = uint8(n)
+	st.finish(e)
+	return true
 }
 
 // findTag scans n map entries for "type" and returns its kind.

@@ -596,7 +596,7 @@ func (in *memInstance) addTier(h uint64, t tiers.Tier) (mapped, added bool) {
 }
 
 func (in *memInstance) removeTier(h uint64, t tiers.Tier) (mapped, removed bool) {
-	j := in.byHash.find(in.hashSrc(), h)
+	j, at := in.byHash.findAt(in.hashSrc(), h)
 	if j < 0 {
 		return false, false
 	}
@@ -608,7 +608,7 @@ func (in *memInstance) removeTier(h uint64, t tiers.Tier) (mapped, removed bool)
 	e.meta &^= bit
 	in.count[t]--
 	if e.meta&tierMask == 0 {
-		in.drop(j)
+		in.dropAt(j, at)
 	} else {
 		in.syncHolder(e, true)
 	}
@@ -673,7 +673,11 @@ func (in *memInstance) eachAlias(node int32, do func(*entry)) {
 
 // drop removes entry j entirely (both indexes, LRU list, counts, its hold
 // of the block).
-func (in *memInstance) drop(j int32) {
+func (in *memInstance) drop(j int32) { in.dropAt(j, -1) }
+
+// dropAt is drop for an entry whose engine-hash slot is known (at, from
+// findAt; -1 when not): its removal from the table probes no more.
+func (in *memInstance) dropAt(j int32, at int) {
 	e := in.slab.at(j)
 	m := e.meta
 	for t := range tiers.Count {
@@ -683,7 +687,11 @@ func (in *memInstance) drop(j int32) {
 	}
 	e.meta &^= tierMask
 	in.syncHolder(e, true)
-	in.byHash.remove(j, e.ehash())
+	if at >= 0 {
+		in.byHash.removeAt(at)
+	} else {
+		in.byHash.remove(j, e.ehash())
+	}
 	if in.aliased {
 		in.byNode.remove(j, uint64(e.node))
 	}

@@ -165,19 +165,27 @@ func (ks keySrc) highWater() int32 {
 
 // find returns the index of the first item with key k, or -1.
 func (t *table) find(ks keySrc, k uint64) int32 {
+	j, _ := t.findAt(ks, k)
+	return j
+}
+
+// findAt is find that also returns the slot the item was found in (-1
+// with it), for removeAt: a removal found by key then probes once, not
+// twice.
+func (t *table) findAt(ks keySrc, k uint64) (int32, int) {
 	n := len(t.slots)
 	if n == 0 {
-		return -1
+		return -1, -1
 	}
 	i, f := home(k, n)
 	for {
 		c := t.slots[i]
 		if c == 0 {
-			return -1
+			return -1, -1
 		}
 		if c&^idxMask == f && c != tomb {
 			if j := slotIdx(c); ks.of(j) == k {
-				return j
+				return j, i
 			}
 		}
 		if i++; i == n {
@@ -383,9 +391,7 @@ func (t *table) rebuild(ks keySrc, size int) {
 	t.sink ^= sink
 }
 
-// remove drops index j (indexed under k), leaving a tombstone; at the end
-// of a probe run (the next slot empty), where no probe passes, the slot
-// is emptied instead, and so are the tombstones just before it.
+// remove drops index j (indexed under k): see removeAt.
 func (t *table) remove(j int32, k uint64) {
 	n := len(t.slots)
 	if n == 0 {
@@ -394,31 +400,41 @@ func (t *table) remove(j int32, k uint64) {
 	i, _ := home(k, n)
 	for c := t.slots[i]; c != 0; c = t.slots[i] {
 		if c != tomb && slotIdx(c) == j {
-			t.n--
-			next := i + 1
-			if next == n {
-				next = 0
-			}
-			if t.slots[next] != 0 {
-				t.slots[i] = tomb
-				t.tombs++
-				return
-			}
-			// A table is never all tombstones (at most 3/4 full).
-			for t.slots[i] = 0; ; t.slots[i] = 0 {
-				if i == 0 {
-					i = n
-				}
-				i--
-				if t.slots[i] != tomb {
-					return
-				}
-				t.tombs--
-			}
+			t.removeAt(i)
+			return
 		}
 		if i++; i == n {
 			i = 0
 		}
+	}
+}
+
+// removeAt drops the item in slot i (as findAt returned it, the table
+// unchanged since), leaving a tombstone; at the end of a probe run (the
+// next slot empty), where no probe passes, the slot is emptied instead,
+// and so are the tombstones just before it.
+func (t *table) removeAt(i int) {
+	n := len(t.slots)
+	t.n--
+	next := i + 1
+	if next == n {
+		next = 0
+	}
+	if t.slots[next] != 0 {
+		t.slots[i] = tomb
+		t.tombs++
+		return
+	}
+	// A table is never all tombstones (at most 3/4 full).
+	for t.slots[i] = 0; ; t.slots[i] = 0 {
+		if i == 0 {
+			i = n
+		}
+		i--
+		if t.slots[i] != tomb {
+			return
+		}
+		t.tombs--
 	}
 }
 
