@@ -422,6 +422,13 @@ type KVScoringConfig struct {
 	// no prefill: a request arriving while the engine runs steps waits for
 	// the one in progress, half of it on average. Default 0.008.
 	DecodeStepSeconds float64 `yaml:"decode_step_seconds" json:"decode_step_seconds,omitempty"`
+	// MaxNumBatchedTokens is the engines' per-step token budget (vLLM's
+	// --max-num-batched-tokens): under chunked prefill a new request's
+	// first prefill chunk shares a step with the last chunks of the
+	// requests waiting ahead of it, and the budget says which those are.
+	// Default 8,192 (vLLM's default for the OpenAI server on GPUs of 70 GiB
+	// or more other than A100); negative = off (no step-sharing term).
+	MaxNumBatchedTokens int `yaml:"max_num_batched_tokens" json:"max_num_batched_tokens,omitempty"`
 	// PrefillCostWeight w: the pick minimises predicted TTFT plus w × the
 	// prefill time it makes the fleet do (docs/kv-aware.md). 0 = adaptive
 	// (the default): w = max(1, ρ/(1−ρ)) for the fleet's measured busy

@@ -36,6 +36,9 @@ func (k *KVScoringConfig) ValidateKV(f string) error {
 	if math.IsNaN(k.DecodeStepSeconds) || math.IsInf(k.DecodeStepSeconds, 0) || k.DecodeStepSeconds > 60 {
 		return bad("decode_step_seconds %v out of range (negative = no step time, 0 = default, at most 60)", k.DecodeStepSeconds)
 	}
+	if k.MaxNumBatchedTokens > 1<<24 {
+		return bad("max_num_batched_tokens %d out of range (negative = off, 0 = default, at most %d)", k.MaxNumBatchedTokens, 1<<24)
+	}
 	if k.WaitingRequestTokens < 0 || k.WaitingRequestTokens > 1<<22 {
 		return bad("waiting_request_tokens %d out of range 0..%d", k.WaitingRequestTokens, 1<<22)
 	}

@@ -328,9 +328,8 @@ func (f *fleetFlags) register(fs *flag.FlagSet, instances int) {
 // routing is the router configuration the fleet flags ask for.
 func (f *fleetFlags) routing() config.RoutingConfig {
 	rc := config.RoutingConfig{ConcurrencyThreshold: f.threshold, PrefixLength: f.prefixLen}
-	if f.kvWeight != 0 {
-		rc.KV = &config.KVScoringConfig{PrefillCostWeight: f.kvWeight}
-	}
+	// The router is told the simulated engines' step budget (simConfig).
+	rc.KV = &config.KVScoringConfig{PrefillCostWeight: f.kvWeight, MaxNumBatchedTokens: sim.DefaultMaxNumBatchedTokens}
 	return rc
 }
 
@@ -347,7 +346,8 @@ func (f *fleetFlags) simConfig() (sim.Config, int64, error) {
 	if gpu < bs {
 		return sim.Config{}, 0, fmt.Errorf("--gpu-tokens %d is under one block", gpu)
 	}
-	return sim.Config{GPUBlocks: int(gpu / bs), CPUBlocks: int(cpu / bs)}, gpu, nil
+	// The engines' step budget is the one routing gives the router.
+	return sim.Config{GPUBlocks: int(gpu / bs), CPUBlocks: int(cpu / bs), MaxNumBatchedTokens: sim.DefaultMaxNumBatchedTokens}, gpu, nil
 }
 
 func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error {

@@ -329,7 +329,11 @@ type candEval struct {
 	matched [tiers.Count]int
 	ttft    float64 // predicted, seconds
 	ahead   float64 // routed prefill tokens predicted left there (kvaware_drain.go)
-	place   float64 // later requests' cost of the new context here, seconds (placement.go)
+	// share is the requests waiting there for their first token whose
+	// last prefill chunk shares a step with this request's first, room
+	// the tokens of this request that step takes (kvScoring.stepShare).
+	share, room float64
+	place       float64 // later requests' cost of the new context here, seconds (placement.go)
 	// peer is the other replicas' load on the instance (replica sync).
 	peer peerCounts
 }
@@ -693,7 +697,7 @@ func (s *KVAware) predict(ev *kvEval) {
 	}
 	st.notePlacement(ev, meanComputed)
 	var decay decayMemo
-	cold := coldMin{free: math.Inf(1), all: math.Inf(1)}
+	cold := coldMin{free: math.Inf(1), all: math.Inf(1), sc: &s.sc, tokens: ev.tokens}
 	ev.cold = ev.cold[:0]
 	st.pendMu.RLock()
 	st.loads.mu.RLock()
@@ -737,6 +741,11 @@ func (s *KVAware) predict(ev *kvEval) {
 		}
 		pReq += ce.peer.reqs
 		ce.ahead = pTok
+		pend := pTok
+		if pc != nil && st.peers.ps == nil {
+			pend = float64(pc.tokens.Load())
+		}
+		ce.share, ce.room = s.sc.stepShare(pTok, pend, pReq)
 		var ld loadSample
 		ok := false
 		if haveLoads {
@@ -795,10 +804,11 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 		m.matched = tierTokens(ce.blocks, bs, ev.tokens)
 		m.prefill = sc.ttft(0, ev.tokens, m.matched)
 		m.cost = sc.prefillCost(ev.weight, ev.tokens, m.matched)
+		m.rest = recompute(ev.tokens, m.matched)
 	}
 	ce.matched = m.matched
 	ce.ttft = q + m.prefill
-	ce.score = ce.ttft + m.cost + ce.place
+	ce.score = ce.ttft + m.cost + sc.shareCost(ce, m.rest) + ce.place
 	ce.scoreStale = ce.score
 	if ce.stale != ([tiers.Count]int{}) {
 		var both [tiers.Count]int
@@ -806,7 +816,7 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 			both[t] = max(ce.blocks[t], ce.stale[t])
 		}
 		m := tierTokens(both, bs, ev.tokens)
-		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, ev.tokens, m) + ce.place
+		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, ev.tokens, m) + sc.shareCost(ce, recompute(ev.tokens, m)) + ce.place
 	}
 }
 

@@ -155,6 +155,7 @@ type scoreMemo struct {
 	blocks        [tiers.Count]int
 	matched       [tiers.Count]int
 	prefill, cost float64
+	rest          int // tokens the candidate would prefill (kvScoring.shareCost)
 }
 
 // permEntry is match k's candidate i (-1: none) in an evaluation's last
@@ -203,13 +204,26 @@ func (ce *candEval) cold() bool {
 }
 
 // coldMin tracks the least queue among cold candidates: under the
-// concurrency threshold (free) and overall (all).
-type coldMin struct{ free, all float64 }
+// concurrency threshold (free) and overall (all). sc and tokens price the
+// step a cold candidate's prefill (the whole prompt) shares with the
+// requests waiting there (kvScoring.shareCost).
+type coldMin struct {
+	free, all float64
+	sc        *kvScoring
+	tokens    int
+}
+
+// key is what a cold candidate's score holds beyond the prefill every
+// cold one has alike.
+func (c *coldMin) key(ce *candEval) float64 {
+	return ce.queue + ce.place + c.sc.shareCost(ce, c.tokens)
+}
 
 func (c *coldMin) note(ce *candEval) {
-	c.all = min(c.all, ce.queue+ce.place)
+	k := c.key(ce)
+	c.all = min(c.all, k)
 	if !ce.full {
-		c.free = min(c.free, ce.queue+ce.place)
+		c.free = min(c.free, k)
 	}
 }
 
@@ -224,7 +238,7 @@ func (c *coldMin) note(ce *candEval) {
 func (s *KVAware) scoreCold(ev *kvEval, c coldMin) {
 	for _, i := range ev.cold {
 		ce := &ev.cands[i]
-		if k := ce.queue + ce.place; (!ce.full && k <= c.free+s.sc.tieTol) || k <= c.all+s.sc.tieTol {
+		if k := c.key(ce); (!ce.full && k <= c.free+s.sc.tieTol) || k <= c.all+s.sc.tieTol {
 			s.sc.score(ev, ce)
 			continue
 		}

@@ -726,6 +726,9 @@ func TestKVScoringConfigValidate(t *testing.T) {
 		{config.KVScoringConfig{DecodeStepSeconds: -1}, true}, // no step time
 		{config.KVScoringConfig{DecodeStepSeconds: math.NaN()}, false},
 		{config.KVScoringConfig{DecodeStepSeconds: 0.02}, true},
+		{config.KVScoringConfig{MaxNumBatchedTokens: 2048}, true},
+		{config.KVScoringConfig{MaxNumBatchedTokens: -1}, true}, // no step-sharing term
+		{config.KVScoringConfig{MaxNumBatchedTokens: 1<<24 + 1}, false},
 	}
 	for i, tc := range tests {
 		k := tc.k

@@ -42,6 +42,15 @@ const (
 	// S/2 on average (the residual of a renewal interval, E[S²]/2E[S], S
 	// nearly constant), a wait an idle engine does not have.
 	DefaultDecodeStepSeconds = 0.008
+	// DefaultMaxNumBatchedTokens is B, the engines' per-step token budget:
+	// vLLM's default for the OpenAI server on GPUs of 70 GiB or more other
+	// than A100 (the H100 nodes the other defaults describe), 8,192 tokens
+	// (`EngineArgs.get_batch_defaults` in vllm-project/vllm
+	// vllm/engine/arg_utils.py; 2,048 on smaller GPUs and A100). With
+	// chunked prefill, vLLM V1's default, each step prefills at most B
+	// tokens, first come first served, and a request's first token comes at
+	// the end of the step that holds its last chunk (kvScoring.stepShare).
+	DefaultMaxNumBatchedTokens = 8192
 	// DefaultPrefillCostWeight is the least weight w of the adaptive rule:
 	// the pick minimises ttft + w·(tokens it makes the instance
 	// prefill)/P. TTFT alone is greedy for the one request: a burst sharing
@@ -121,6 +130,7 @@ type kvScoring struct {
 	waitingTokens float64
 	runningSec    float64
 	stepSec       float64 // decode step time; its half is the wait at a busy engine
+	budget        float64 // B, the engines' per-step token budget; 0 = no step-sharing term
 	costWeight    float64 // fixed weight; adaptive when < 0
 	adaptive      bool
 	tieTol        float64 // seconds
@@ -146,6 +156,7 @@ func resolveScoring(k *config.KVScoringConfig) kvScoring {
 		waitingTokens: float64(c.WaitingRequestTokens),
 		runningSec:    c.RunningRequestSeconds,
 		stepSec:       c.DecodeStepSeconds,
+		budget:        float64(c.MaxNumBatchedTokens),
 		tieTol:        c.TieTolerance.Seconds(),
 		specTTL:       c.SpeculativeTTL,
 		specCap:       c.SpeculativeCapacity,
@@ -165,6 +176,7 @@ func resolveScoring(k *config.KVScoringConfig) kvScoring {
 	zero.Default(&s.waitingTokens, DefaultWaitingRequestTokens)
 	zero.Default(&s.runningSec, DefaultRunningRequestSeconds)
 	zero.Default(&s.stepSec, DefaultDecodeStepSeconds)
+	zero.Default(&s.budget, DefaultMaxNumBatchedTokens)
 	zero.Default(&s.tieTol, DefaultTieTolerance.Seconds())
 	s.loadBound = c.LoadBound
 	zero.Default(&s.loadBound, DefaultLoadBound)
@@ -179,6 +191,7 @@ func resolveScoring(k *config.KVScoringConfig) kvScoring {
 	s.costWeight = max(s.costWeight, 0)
 	s.runningSec = max(s.runningSec, 0)
 	s.stepSec = max(s.stepSec, 0)
+	s.budget = max(s.budget, 0)
 	s.tieTol = max(s.tieTol, 0)
 	return s
 }
@@ -223,14 +236,19 @@ func (s *kvScoring) ttft(queue float64, promptTokens int, matched [tiers.Count]i
 	return queue + float64(max(rest, 0))/s.prefill + load
 }
 
-// prefillCost is the weighted time the fleet spends prefilling what the
-// instance does not hold: the second term of the score, at weight w.
-func (s *kvScoring) prefillCost(w float64, promptTokens int, matched [tiers.Count]int) float64 {
+// recompute is the prompt tokens a match leaves the instance to prefill.
+func recompute(promptTokens int, matched [tiers.Count]int) int {
 	rest := promptTokens
 	for _, n := range matched {
 		rest -= n
 	}
-	return w * float64(max(rest, 0)) / s.prefill
+	return max(rest, 0)
+}
+
+// prefillCost is the weighted time the fleet spends prefilling what the
+// instance does not hold: the second term of the score, at weight w.
+func (s *kvScoring) prefillCost(w float64, promptTokens int, matched [tiers.Count]int) float64 {
+	return w * float64(recompute(promptTokens, matched)) / s.prefill
 }
 
 // weight is the prefill cost weight: the fixed weight, or the number of
@@ -292,4 +310,48 @@ func (s *kvScoring) queue(pendingTokens float64, pendingReqs, inflight int, ld l
 		wait = max(wait, (s.stepSec+running*s.runningSec)/2)
 	}
 	return wait + running*s.runningSec, load
+}
+
+// stepShare says which of the requests routed to an instance and waiting
+// for their first token a new request's prefill delays, under chunked
+// prefill with a per-step budget of B tokens: the engine fills each step
+// first come first served up to B, and a request's first token comes at
+// the end of the step holding its last chunk. With ahead tokens of
+// prefill before it (the drained queue, kvaware_drain.go), the new
+// request's first chunk goes into the step holding the queue's last
+// rem = ahead mod B tokens, beside them, and takes the room B − rem left
+// there. Only the waiting requests whose last chunk is in that step wait
+// for it: all of those with work left when ahead < B (the next step holds
+// the whole queue), those ending in the last rem tokens of the queue
+// otherwise. The router knows the count, waiting, and the work they
+// brought, pending tokens (before draining); spread evenly over it, that
+// is waiting × rem / pending requests, at least one when rem > 0 (the
+// last of the queue always ends in that step). A request waiting with no
+// work left to prefill (its prompt all cached) still takes a step: with no
+// pending tokens at all, every waiting request shares it.
+//
+// share is that number of requests; room is the new request's tokens the
+// step can take, so each of them waits min(recompute, room)/P longer
+// (kvScoring.shareCost). The adaptive weight prices the requests that
+// arrive after the new one; these are already there.
+func (s *kvScoring) stepShare(ahead, pending float64, waiting int64) (share, room float64) {
+	if s.budget <= 0 || waiting <= 0 {
+		return 0, 0
+	}
+	k := float64(waiting)
+	pending = max(pending, ahead)
+	if !(pending > 0) {
+		return k, s.budget
+	}
+	rem := math.Mod(max(ahead, 0), s.budget)
+	return min(k, math.Ceil(k*rem/pending)), s.budget - rem
+}
+
+// shareCost is what a prefill of rest tokens costs the requests it shares
+// its first step with (stepShare), in seconds.
+func (s *kvScoring) shareCost(ce *candEval, rest int) float64 {
+	if ce.share == 0 || rest <= 0 {
+		return 0
+	}
+	return ce.share * min(float64(rest), ce.room) / s.prefill
 }
