@@ -741,9 +741,12 @@ func (s *KVAware) predict(ev *kvEval) {
 		}
 		pReq += ce.peer.reqs
 		ce.ahead = pTok
-		pend := pTok
-		if pc != nil && st.peers.ps == nil {
-			pend = float64(pc.tokens.Load())
+		// The tokens the waiting requests brought, before draining (the
+		// peers' too with replica sync): stepShare counts from their
+		// drained part how many are still to prefill.
+		pend := float64(ce.peer.tokens)
+		if pc != nil {
+			pend += float64(pc.tokens.Load())
 		}
 		ce.share, ce.room = s.sc.stepShare(pTok, pend, pReq)
 		var ld loadSample

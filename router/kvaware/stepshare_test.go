@@ -3,8 +3,10 @@ package kvaware
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 )
 
@@ -108,5 +110,25 @@ func TestStepShare(t *testing.T) {
 		t.Fatalf("negative budget: %v, want off", off.budget)
 	} else if share, _ := off.stepShare(300, 300, 2); share != 0 {
 		t.Fatalf("off: share %v", share)
+	}
+}
+
+// TestStepShareDrainedWithPeers: with replica sync the step share counts
+// from the tokens the waiting requests brought, as without it: once the
+// drained queue says their prefill is done (the model's 4 blocks at the
+// default rate take under 3 ms), the request still waiting for its first
+// byte shares no step with a new prompt, and the holder keeps it. Reading
+// the drained queue as the tokens they brought (0) counted it as a
+// request with all its prompt cached, sharing the whole next step.
+func TestStepShareDrainedWithPeers(t *testing.T) {
+	w := newPeerWorld(t, testenv.NATSURL(t), testenv.UniqueName(t), "a", 2)
+	s := w.strategy(config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 1}})
+	prompt := promptTokens(41, 64*kvTestBS)
+	other := append(prompt[:16*kvTestBS:16*kvTestBS], promptTokens(42, 48*kvTestBS)...)
+	w.store("vllm-0", prompt, 0, 60)
+	routeTo(t, s, w.insts[0], prompt)
+	time.Sleep(200 * time.Millisecond)
+	if d := kvPick(t, s, kvRequest("b", other), w.insts); d.Instance.ID() != "vllm-0" {
+		t.Fatalf("a drained request waiting on the holder: picked %s, want vllm-0", d.Instance.ID())
 	}
 }
