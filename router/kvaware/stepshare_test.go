@@ -132,3 +132,27 @@ func TestStepShareDrainedWithPeers(t *testing.T) {
 		t.Fatalf("a drained request waiting on the holder: picked %s, want vllm-0", d.Instance.ID())
 	}
 }
+
+// TestStepShareColdKey: a cold candidate's key, by which kv_aware keeps
+// only the cheapest cold candidates, carries the step share as the score
+// does. vllm-0 has four short prompts waiting (3,968 tokens, under one
+// step: a new prompt's prefill shares the next step with all four), vllm-1
+// one long one (4,992 tokens: it shares with one); vllm-2 holds the new
+// prompt's first blocks behind a long queue. By queue alone vllm-0 is the
+// cheapest cold candidate and vllm-1 would be pruned; with the step share
+// vllm-1 costs less (4,992 + 3,008 against 3,968 + 4 x 3,008 tokens of
+// delay) and takes the prompt.
+func TestStepShareColdKey(t *testing.T) {
+	w := newKVWorld(t, 3)
+	s := w.strategy(config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 1}})
+	prompt := promptTokens(81, 188*kvTestBS)
+	w.store("vllm-2", prompt, 0, 4)
+	for i := range 4 {
+		routeTo(t, s, w.insts[0], promptTokens(uint32(90+i), 62*kvTestBS))
+	}
+	routeTo(t, s, w.insts[1], promptTokens(95, 312*kvTestBS))
+	routeTo(t, s, w.insts[2], promptTokens(96, 4000*kvTestBS))
+	if d := kvPick(t, s, kvRequest("b", prompt), w.insts); d.Instance.ID() != "vllm-1" {
+		t.Fatalf("picked %s (%s), want vllm-1", d.Instance.ID(), d.Reason)
+	}
+}
