@@ -363,7 +363,6 @@ type kvEval struct {
 	memo      scoreMemo
 	shared    sharedScratch   // replica sync's shared queue (kvaware_sharedq.go)
 	matches   []kvindex.Match // the lookup's answer, reused across decisions
-	depths    []int           // candidates' leading blocks held (index and speculative), those > 0 (kvScoring.dupCost)
 	ci        *candIndex      // the candidate index, when the decision used one
 	perm      []permEntry     // match k's candidate in the last decision over permOf
 	permOf    *candIndex
@@ -704,12 +703,6 @@ func (s *KVAware) predict(ev *kvEval) {
 	st.loads.mu.RLock()
 	st.placeMu.Lock()
 	ev.memo = scoreMemo{}
-	ev.depths = ev.depths[:0]
-	for i := range ev.cands {
-		if d := ev.cands[i].blocks[tiers.Count-1]; d > 0 {
-			ev.depths = append(ev.depths, d)
-		}
-	}
 	haveLoads := st.loads.live > 0
 	// One measured drain rate per decision, not a lock per candidate.
 	var drain float64
@@ -815,11 +808,10 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 		m.prefill = sc.ttft(0, ev.tokens, m.matched)
 		m.cost = sc.prefillCost(ev.weight, ev.tokens, m.matched)
 		m.rest = recompute(ev.tokens, m.matched)
-		m.dup = sc.dupCost(ev, ce.blocks[tiers.Count-1])
 	}
 	ce.matched = m.matched
 	ce.ttft = q + m.prefill
-	ce.score = ce.ttft + m.cost + m.dup + sc.shareCost(ce, m.rest) + ce.place
+	ce.score = ce.ttft + m.cost + sc.shareCost(ce, m.rest) + ce.place
 	ce.scoreStale = ce.score
 	if ce.stale != ([tiers.Count]int{}) {
 		var both [tiers.Count]int
@@ -827,7 +819,7 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 			both[t] = max(ce.blocks[t], ce.stale[t])
 		}
 		m := tierTokens(both, bs, ev.tokens)
-		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, ev.tokens, m) + sc.shareCost(ce, recompute(ev.tokens, m)) + ev.memo.dup + ce.place
+		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, ev.tokens, m) + sc.shareCost(ce, recompute(ev.tokens, m)) + ce.place
 	}
 }
 

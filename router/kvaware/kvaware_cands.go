@@ -155,8 +155,7 @@ type scoreMemo struct {
 	blocks        [tiers.Count]int
 	matched       [tiers.Count]int
 	prefill, cost float64
-	dup           float64 // kvScoring.dupCost
-	rest          int     // tokens the candidate would prefill (kvScoring.shareCost)
+	rest          int // tokens the candidate would prefill (kvScoring.shareCost)
 }
 
 // permEntry is match k's candidate i (-1: none) in an evaluation's last

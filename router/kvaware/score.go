@@ -251,41 +251,6 @@ func (s *kvScoring) prefillCost(w float64, promptTokens int, matched [tiers.Coun
 	return w * float64(recompute(promptTokens, matched)) / s.prefill
 }
 
-// dupCost is the extra price of recomputing, on an instance holding held
-// leading blocks of the prompt, blocks two or more other candidates
-// already hold (index and speculative entries). The first copy of a prefix beyond its holder
-// adds a place to serve it; a block already on n ≥ 2 instances recomputed
-// once more is the fleet's (n+1)-th computation of the same tokens, and
-// each of the n existing copies is work the fleet already did for that
-// capacity. The block is charged at w·n rather than w: w·(n−1) on top of
-// prefillCost's w. Blocks on fewer than two instances cost as before.
-func (s *kvScoring) dupCost(ev *kvEval, held int) float64 {
-	if len(ev.depths) < 2 || ev.blockSize <= 0 {
-		return 0
-	}
-	// d2 is the depth held by at least two instances.
-	d1, d2 := 0, 0
-	for _, d := range ev.depths {
-		if d > d1 {
-			d1, d2 = d, d1
-		} else if d > d2 {
-			d2 = d
-		}
-	}
-	if d2 <= held {
-		return 0
-	}
-	// Σ over blocks b in (held, d2] of (n_b − 1).
-	extra := -(d2 - held)
-	for _, d := range ev.depths {
-		extra += max(min(d, d2)-held, 0)
-	}
-	if extra <= 0 {
-		return 0
-	}
-	return ev.weight * float64(extra*ev.blockSize) / s.prefill
-}
-
 // weight is the prefill cost weight: the fixed weight, or the number of
 // other requests that a recompute's work delays, estimated two ways and
 // the larger taken (each misses what the other sees), at least the floor,
