@@ -806,8 +806,8 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 		m.ok, m.blocks = true, ce.blocks
 		m.matched = tierTokens(ce.blocks, bs, ev.tokens)
 		m.prefill = sc.ttft(0, ev.tokens, m.matched)
-		m.cost = sc.prefillCost(ev.weight, ev.tokens, m.matched)
 		m.rest = recompute(ev.tokens, m.matched)
+		m.cost = sc.prefillCost(ev.weight, m.rest)
 	}
 	ce.matched = m.matched
 	ce.ttft = q + m.prefill
@@ -819,7 +819,8 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 			both[t] = max(ce.blocks[t], ce.stale[t])
 		}
 		m := tierTokens(both, bs, ev.tokens)
-		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, ev.tokens, m) + sc.shareCost(ce, recompute(ev.tokens, m)) + ce.place
+		rest := recompute(ev.tokens, m)
+		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, rest) + sc.shareCost(ce, rest) + ce.place
 	}
 }
 

@@ -245,10 +245,11 @@ func recompute(promptTokens int, matched [tiers.Count]int) int {
 	return max(rest, 0)
 }
 
-// prefillCost is the weighted time the fleet spends prefilling what the
-// instance does not hold: the second term of the score, at weight w.
-func (s *kvScoring) prefillCost(w float64, promptTokens int, matched [tiers.Count]int) float64 {
-	return w * float64(recompute(promptTokens, matched)) / s.prefill
+// prefillCost is the weighted time the fleet spends prefilling the rest
+// tokens the instance does not hold (recompute): the second term of the
+// score, at weight w.
+func (s *kvScoring) prefillCost(w float64, rest int) float64 {
+	return w * float64(rest) / s.prefill
 }
 
 // weight is the prefill cost weight: the fixed weight, or the number of
