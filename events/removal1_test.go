@@ -171,6 +171,8 @@ func FuzzRemoval1(f *testing.F) {
 	f.Add(3, []byte(mp{}.str("block_hashes").arr(1).u(77).str("medium").str("GPU")))
 	f.Add(3, []byte(mp{}.str("block_hashes").arr(1).bin([]byte{1, 2}).str("medium").str("GPU")))
 	f.Add(4, []byte(mp{}.str("block_hashes").arr(1).u64(1).str("medium").str("GPU").str("group_idx").u(200)))
+	f.Add(4, []byte(mp{}.str("block_hashes").arr(1).u64(1).str("medium").str("GP"))) // truncated in the medium
+	f.Add(3, []byte(mp{}.str("block_hashes").arr(1)))                                // truncated before the hash
 	f.Fuzz(func(t *testing.T, n int, body []byte) {
 		if n < 1 || n > 14 {
 			return
@@ -180,6 +182,12 @@ func FuzzRemoval1(f *testing.F) {
 		// general form's extra key.
 		r := reader{b: ev}
 		if r.skip() != nil {
+			// A truncated event (the body ends inside it): the batch
+			// holding it must fail to decode, through removal1 or not,
+			// and never panic or read past its end.
+			if _, err := decodeOne(t, ev); err == nil {
+				t.Fatalf("%x: a truncated event decoded", ev)
+			}
 			return
 		}
 		ev = ev[:r.off]
