@@ -58,6 +58,41 @@ var _ SharedApplier = (*kvindex.Redis)(nil)
 // bringing it up to date; nothing for this router to do now.
 var errOwned = errors.New("consumer: another router is writing the instance")
 
+// errReplayGap: a replay found the instance's engine seqs broken between
+// two of its messages the stream still holds (one between them was
+// removed: a deletion, or a limit that removed from the middle). Replayed
+// over, the index would lack what the missing message did — blocks it
+// stored, or, worse, blocks it removed kept as held — and read whole: only
+// a snapshot past the hole repairs it.
+var errReplayGap = errors.New("consumer: engine seq gap inside the stream")
+
+// engineRef is the engine seq the index's state of an instance is at (the
+// last one applied), when known: a replay checks that each message it
+// applies continues from it.
+type engineRef struct {
+	seq   uint64
+	known bool
+}
+
+// refAt reads the instance's message at stream sequence pos (the last one
+// applied to the index) for its engine seq; unknown when pos is no
+// position, the message is gone, or it is no engine message of its own.
+func (c *Consumer) refAt(ctx context.Context, instance string, pos kvindex.Position) engineRef {
+	if !pos.Seeded || pos.Seq == 0 {
+		return engineRef{}
+	}
+	subj, _ := kvstream.EventsSubject(c.cfg.Pool, instance)
+	m, err := getMsg(ctx, c.stream, pos.Seq, subj)
+	if err != nil || m.Sequence != pos.Seq {
+		return engineRef{}
+	}
+	h, err := kvstream.ParseEventHeaders(m.Header)
+	if err != nil || !h.HasSeq || h.Synthetic != "" {
+		return engineRef{}
+	}
+	return engineRef{seq: h.LastSeq(), known: true}
+}
+
 // sharedAttempts bounds the repair-and-retry rounds of one message: each
 // round either applies it or learns something new about the index (it
 // moved on, or another router took the instance); three rounds cover a
@@ -186,12 +221,17 @@ func (c *Consumer) repairShared(ctx context.Context, instance string, in *inst, 
 			return pos, err
 		}
 		if !lost {
-			p, err := c.replayShared(ctx, instance, in, pos, upTo)
-			if err != nil || ctx.Err() != nil || !consumed.Seeded || p.Seq >= consumed.Seq {
+			p, err := c.replayShared(ctx, instance, in, pos, upTo, c.refAt(ctx, instance, pos))
+			switch {
+			case errors.Is(err, errReplayGap):
+				c.cfg.Logger.Warn("consumer: shared index repair found messages missing from the middle of the stream; reloading the snapshot",
+					"instance", instance, "index_at", p.Seq, "err", err)
+			case err != nil || ctx.Err() != nil || !consumed.Seeded || p.Seq >= consumed.Seq:
 				return p, err
+			default:
+				c.cfg.Logger.Warn("consumer: shared index behind messages this router consumed that the stream no longer holds; reloading the snapshot",
+					"instance", instance, "index_at", p.Seq, "consumed", consumed.Seq)
 			}
-			c.cfg.Logger.Warn("consumer: shared index behind messages this router consumed that the stream no longer holds; reloading the snapshot",
-				"instance", instance, "index_at", p.Seq, "consumed", consumed.Seq)
 		} else {
 			c.cfg.Logger.Warn("consumer: shared index behind messages the stream no longer holds; reloading the snapshot",
 				"instance", instance, "index_at", pos.Seq)
@@ -239,10 +279,12 @@ func (c *Consumer) seedShared(ctx context.Context, instance string, in *inst, up
 		return kvindex.Position{}, fmt.Errorf("consumer: load snapshot of %s: %w", instance, err)
 	}
 	pos := r.Position
+	var ref engineRef
 	switch r.Status {
 	case kvindex.SeqNotOwner:
 		return pos, errOwned
 	case kvindex.SeqApplied:
+		ref = engineRef{seq: snap.EngineSeq, known: snap.HasSeq}
 		c.m.snapshotLoads.WithLabelValues(source).Inc()
 		c.mu.Lock()
 		in.status.SnapshotSeq = snap.StreamSeq
@@ -251,13 +293,21 @@ func (c *Consumer) seedShared(ctx context.Context, instance string, in *inst, up
 		c.cfg.Logger.Info("consumer: loaded snapshot into the shared index", "instance", instance, "source", source,
 			"blocks", snap.Blocks, "stream_seq", snap.StreamSeq)
 	}
-	// SeqDuplicate: another router loaded or applied past the snapshot.
-	return c.replayShared(ctx, instance, in, pos, upTo)
+	if r.Status != kvindex.SeqApplied {
+		// SeqDuplicate: another router loaded or applied past the
+		// snapshot; the replay continues from where it left the index.
+		ref = c.refAt(ctx, instance, pos)
+	}
+	return c.replayShared(ctx, instance, in, pos, upTo, ref)
 }
 
 // replayShared applies the instance's stream messages after pos, below
-// upTo, in order, each at the position the previous one left.
-func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, pos kvindex.Position, upTo uint64) (kvindex.Position, error) {
+// upTo, in order, each at the position the previous one left. ref is the
+// engine seq the index's state is at, when known: a message whose engine
+// seq does not continue from the one before it (a message between them is
+// gone from the stream) ends the replay with errReplayGap, counted as a
+// gap, at the position before it.
+func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, pos kvindex.Position, upTo uint64, ref engineRef) (kvindex.Position, error) {
 	subj, _ := kvstream.EventsSubject(c.cfg.Pool, instance)
 	applied := 0
 	defer func() { c.m.replayed.Add(float64(applied)) }()
@@ -274,6 +324,21 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 		}
 		next = m.Sequence + 1
 		h, herr := kvstream.ParseEventHeaders(m.Header)
+		engineMsg := herr == nil && h.HasSeq && h.Synthetic == ""
+		if engineMsg && ref.known && h.Seq > ref.seq+1 {
+			c.mu.Lock()
+			in.status.Gaps++
+			c.mu.Unlock()
+			c.m.gaps.Inc()
+			return pos, fmt.Errorf("%w: %s at engine seq %d, the next message the stream holds (stream seq %d) is engine seq %d",
+				errReplayGap, instance, ref.seq, m.Sequence, h.Seq)
+		}
+		switch {
+		case engineMsg:
+			ref = engineRef{seq: h.LastSeq(), known: true}
+		case herr == nil && h.Synthetic != "":
+			ref = engineRef{} // a clear: seq continuity starts over
+		}
 		batch, err := decodeJoined(h, m.Data)
 		if err != nil {
 			continue // malformed: skipped (and counted) when consumed, never applied

@@ -16,6 +16,7 @@ import (
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/tiers"
 )
 
 // gatedIndex is a router's shared index with test gates between its
@@ -176,6 +177,26 @@ func TestSharedRedisBackUntrustedUntilPositionsRead(t *testing.T) {
 	w.converge("positions readable again", r)
 }
 
+// savedWorld is a pool of e0 and quiet, heartbeating, one router that
+// consumed 20 rounds of both, and Redis's RDB saved then; saved is quiet's
+// position at the save.
+func savedWorld(t *testing.T, seed uint64) (w *sharedWorld, r *router, saved kvindex.Position) {
+	w = newSharedWorld(t, seed, "e0", "quiet")
+	stop := make(chan struct{})
+	hb := w.heartbeats(stop)
+	t.Cleanup(func() { close(stop); hb.Wait() })
+	r = w.startRouter()
+	w.publish(20)
+	w.converge("first messages", r)
+	w.saveRDB()
+	var err error
+	saved, err = r.idx.Position(w.ctx, "quiet")
+	if err != nil || !saved.Seeded {
+		t.Fatalf("quiet's position at the save: %v, %v", saved, err)
+	}
+	return w, r, saved
+}
+
 // gapWorld is a router that consumed 20 messages of quiet after Redis
 // saved its RDB, those messages then removed from the stream (as a
 // per-subject limit or a deletion removes messages from its middle:
@@ -185,18 +206,7 @@ func TestSharedRedisBackUntrustedUntilPositionsRead(t *testing.T) {
 // stream can reach it. saved is quiet's position at the save, and
 // savedSnap puts quiet's bucket snapshot as of then.
 func gapWorld(t *testing.T, seed uint64) (w *sharedWorld, r *router, saved kvindex.Position, savedSnap func()) {
-	w = newSharedWorld(t, seed, "e0", "quiet")
-	stop := make(chan struct{})
-	hb := w.heartbeats(stop)
-	t.Cleanup(func() { close(stop); hb.Wait() })
-	r = w.startRouter()
-	w.publish(20)
-	w.converge("first messages", r)
-	w.saveRDB()
-	saved, err := r.idx.Position(w.ctx, "quiet")
-	if err != nil || !saved.Seeded {
-		t.Fatalf("quiet's position at the save: %v, %v", saved, err)
-	}
+	w, r, saved = savedWorld(t, seed)
 	var quiet *fakeEngine
 	for _, f := range w.engines {
 		if f.name == "quiet" {
@@ -296,5 +306,85 @@ func assertNoFlap(t *testing.T, w *sharedWorld, r *router) {
 	}
 	if behind > 0 || notLive > 0 {
 		t.Fatalf("after its repair quiet was found behind at %d of 20 checks and read not live or the index inconsistent in %d samples: flapping", behind, notLive)
+	}
+}
+
+// A message removed from the middle of an instance's messages (a deletion;
+// later messages of it remain, so neither the stream's first sequence nor
+// the replay's end tells): a repair that replayed over the hole read the
+// instance whole while its state lacked what the message did — blocks it
+// stored missing, or blocks it removed still held. The replay checks the
+// engine seqs' continuity: the hole ends it and the repair loads the
+// snapshot, which is past it, so the index equals the engines again.
+func TestSharedReplayGapInStreamLoadsSnapshot(t *testing.T) {
+	w, r, saved := savedWorld(t, 47)
+	base := slices.Clone(w.snapshots["quiet"].evs)
+	w.publish(20, "quiet")
+	w.converge("before the removal", r)
+	consumed, err := r.idx.Position(w.ctx, "quiet")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// quiet's messages after the save, and the first of them, not the
+	// first nor the last, without which quiet's state would differ.
+	subj, _ := kvstream.EventsSubject(w.pool, "quiet")
+	stream, err := w.js.Stream(w.ctx, w.cfg.Stream.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var seqs []uint64
+	var msgs [][]events.Event
+	for seq := saved.Seq + 1; seq <= consumed.Seq; {
+		m, err := stream.GetMsg(w.ctx, seq, jetstream.WithGetMsgSubject(subj))
+		if err != nil || m.Sequence > consumed.Seq {
+			break
+		}
+		b, err := events.Decode(m.Data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		seqs, msgs, seq = append(seqs, m.Sequence), append(msgs, b.Events), m.Sequence+1
+	}
+	blocks := func(x kvindex.Index) [tiers.Count]int {
+		st, _ := x.Instances(w.ctx)
+		for _, s := range st {
+			if s.Instance == "quiet" {
+				return s.Blocks
+			}
+		}
+		return [tiers.Count]int{}
+	}
+	want := blocks(w.truth)
+	gone := -1
+	for k := 1; k < len(msgs)-1 && gone < 0; k++ {
+		without, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: sharedModel, BlockSize: sharedBS})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = without.Apply(w.ctx, "quiet", base)
+		for j, evs := range msgs {
+			if j != k {
+				_, _ = without.Apply(w.ctx, "quiet", evs)
+			}
+		}
+		if blocks(without) != want {
+			gone = k
+		}
+	}
+	if gone < 0 {
+		t.Fatalf("none of quiet's %d messages after the save matters to its state", len(msgs))
+	}
+	if err := stream.DeleteMsg(w.ctx, seqs[gone]); err != nil {
+		t.Fatal(err)
+	}
+	w.redis.Kill()
+	testenv.WaitFor(t, 10*time.Second, "the outage noticed", func() bool { return !r.c.IndexConsistent() })
+	w.redis.Start() // loads the RDB: quiet as of 20 messages ago
+	w.converge("a message gone from the middle of quiet's", r)
+	r.c.mu.Lock()
+	gaps := r.c.insts["quiet"].status.Gaps
+	r.c.mu.Unlock()
+	if gaps == 0 {
+		t.Fatal("the index equals the engines, but the repair counted no gap")
 	}
 }
