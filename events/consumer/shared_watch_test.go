@@ -316,9 +316,18 @@ func assertNoFlap(t *testing.T, w *sharedWorld, r *router) {
 // stored missing, or blocks it removed still held. The replay checks the
 // engine seqs' continuity: the hole ends it and the repair loads the
 // snapshot, which is past it, so the index equals the engines again.
-func TestSharedReplayGapInStreamLoadsSnapshot(t *testing.T) {
-	w, r, saved := savedWorld(t, 47)
+// midGapWorld is savedWorld after 20 more rounds of quiet, one of quiet's
+// messages since the save then removed from the stream (not its first nor
+// its last: later ones remain, so neither the stream's first sequence nor
+// the replay's end tells), one without which its state would differ, and
+// Redis killed (the outage noticed). savedSnap puts quiet's bucket
+// snapshot as of the save, older than the hole.
+func midGapWorld(t *testing.T, seed uint64) (w *sharedWorld, r *router, saved kvindex.Position, savedSnap func()) {
+	w, r, saved = savedWorld(t, seed)
 	base := slices.Clone(w.snapshots["quiet"].evs)
+	quiet := w.engines[slices.IndexFunc(w.engines, func(f *fakeEngine) bool { return f.name == "quiet" })]
+	savedSeq := quiet.seq
+	savedSnap = func() { w.putSnapshot("quiet", saved.Seq, savedSeq, base) }
 	w.publish(20, "quiet")
 	w.converge("before the removal", r)
 	consumed, err := r.idx.Position(w.ctx, "quiet")
@@ -379,12 +388,43 @@ func TestSharedReplayGapInStreamLoadsSnapshot(t *testing.T) {
 	}
 	w.redis.Kill()
 	testenv.WaitFor(t, 10*time.Second, "the outage noticed", func() bool { return !r.c.IndexConsistent() })
+	return w, r, saved, savedSnap
+}
+
+func TestSharedReplayGapInStreamLoadsSnapshot(t *testing.T) {
+	w, r, _, _ := midGapWorld(t, 47)
 	w.redis.Start() // loads the RDB: quiet as of 20 messages ago
 	w.converge("a message gone from the middle of quiet's", r)
-	r.c.mu.Lock()
-	gaps := r.c.insts["quiet"].status.Gaps
-	r.c.mu.Unlock()
-	if gaps == 0 {
+	if gaps := quietGaps(r); gaps == 0 {
 		t.Fatal("the index equals the engines, but the repair counted no gap")
 	}
+}
+
+// As above, with a snapshot older than the hole: nothing this router can
+// read gets past it, so quiet is not live — not read whole with what the
+// removed message did missing — until its next message, whose snapshot
+// is past the hole, lets a repair reach the engine's state.
+func TestSharedReplayGapInStreamNotLive(t *testing.T) {
+	w, r, saved, savedSnap := midGapWorld(t, 53)
+	savedSnap()
+	w.redis.Start()
+	testenv.WaitFor(t, 20*time.Second, "quiet's repair tried", func() bool { return quietGaps(r) > 0 })
+	for range 20 {
+		_, _ = r.c.dueShared(w.ctx, sharedLease)
+		for end := time.Now().Add(60 * time.Millisecond); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
+			if r.c.Live("quiet") {
+				p, _ := r.idx.Position(w.ctx, "quiet")
+				t.Fatalf("quiet read live at %v (saved at %v) with a message missing from the middle of its stream", p, saved)
+			}
+		}
+	}
+	w.publishOne("quiet")
+	w.converge("quiet's next message and its snapshot", r)
+}
+
+// quietGaps is the engine seq gaps r's consumer counted for quiet.
+func quietGaps(r *router) uint64 {
+	r.c.mu.Lock()
+	defer r.c.mu.Unlock()
+	return uint64(r.c.insts["quiet"].status.Gaps)
 }
