@@ -39,7 +39,7 @@ type placement struct {
 // and how many requests carried it.
 type blockRec struct {
 	last placement
-	ever uint64
+	ever instSet
 	uses int
 }
 
@@ -180,7 +180,7 @@ func (t *decisionTrace) noteMove(req *des.RouteRequest, keys []kvindex.Key, held
 	}
 	kind := "never held"
 	if i := chosenHeld / sim.DefaultBlockSize; i < len(keys) {
-		if t.blocks[keys[i]].ever&t.bit(chosen) != 0 {
+		if t.blocks[keys[i]].ever.has(t.bit(chosen)) {
 			kind = "held before, evicted"
 		}
 	}
@@ -211,14 +211,25 @@ func (t *decisionTrace) noteMove(req *des.RouteRequest, keys []kvindex.Key, held
 	t.moves[kind] = r
 }
 
-// bit is an instance's bit in ever (instances past the 64th share the last).
-func (t *decisionTrace) bit(inst string) uint64 {
+// instSet is a set of instances by their trace bit numbers
+// (decisionTrace.bit): 256 bits, so that the fleets the benchmarks run
+// (up to 256 instances) have one bit each; instances past the 256th share
+// the last. A single word (64 bits) made every instance past the 64th share
+// one bit, so at 128 instances "held before" on half the fleet meant "held
+// by any of that half".
+type instSet [4]uint64
+
+func (s *instSet) add(b int)     { s[b>>6] |= 1 << (b & 63) }
+func (s instSet) has(b int) bool { return s[b>>6]&(1<<(b&63)) != 0 }
+
+// bit is an instance's bit number in an instSet.
+func (t *decisionTrace) bit(inst string) int {
 	if t.bits == nil {
-		t.bits = map[string]uint64{}
+		t.bits = map[string]int{}
 	}
 	b, ok := t.bits[inst]
 	if !ok {
-		b = 1 << min(len(t.bits), 63)
+		b = min(len(t.bits), len(instSet{})*64-1)
 		t.bits[inst] = b
 	}
 	return b
@@ -290,7 +301,8 @@ func (t *decisionTrace) noteGap(req *des.RouteRequest, keys []kvindex.Key, best 
 	bit := t.bit(chosen)
 	for _, k := range keys {
 		b := t.blocks[k]
-		b.last, b.ever, b.uses = p, b.ever|bit, b.uses+1
+		b.last, b.uses = p, b.uses+1
+		b.ever.add(bit)
 		t.blocks[k] = b
 	}
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -279,5 +280,26 @@ func TestGapIdentity(t *testing.T) {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("no %q in:\n%s", want, out.String())
 		}
+	}
+}
+
+// TestInstSetPast64 checks that instances past the 64th have bits of
+// their own: "held before" at 128 instances must not mean "held by any
+// instance past the 64th".
+func TestInstSetPast64(t *testing.T) {
+	var tr decisionTrace
+	for i := range 128 {
+		tr.bit(fmt.Sprintf("i%03d", i))
+	}
+	var s instSet
+	s.add(tr.bit("i064"))
+	for i := range 128 {
+		id := fmt.Sprintf("i%03d", i)
+		if got, want := s.has(tr.bit(id)), i == 64; got != want {
+			t.Fatalf("after adding i064, has(%s) = %v, want %v", id, got, want)
+		}
+	}
+	if b := tr.bit("extra-past-all"); b != 128 {
+		t.Fatalf("bit of the 129th instance = %d, want 128", b)
 	}
 }
