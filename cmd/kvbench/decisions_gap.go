@@ -69,22 +69,27 @@ type lifeTracker struct {
 	des.IndexWriter
 	now    func() time.Duration
 	stored map[string]map[uint64]time.Duration
-	ages   map[string][]time.Duration // ring of the last lifeWindow ages
-	next   map[string]int
+	// gone is, per instance, the engine hashes of the GPU blocks it
+	// removed and has not stored again: a block placed there earlier and
+	// not held now is evicted when it is here, still being computed (in
+	// flight) when not.
+	gone map[string]map[uint64]struct{}
+	ages map[string][]time.Duration // ring of the last lifeWindow ages
+	next map[string]int
 }
 
 func newLifeTracker(w des.IndexWriter, now func() time.Duration) *lifeTracker {
 	return &lifeTracker{IndexWriter: w, now: now, stored: map[string]map[uint64]time.Duration{},
-		ages: map[string][]time.Duration{}, next: map[string]int{}}
+		gone: map[string]map[uint64]struct{}{}, ages: map[string][]time.Duration{}, next: map[string]int{}}
 }
 
 // Apply implements des.IndexWriter.
 func (l *lifeTracker) Apply(ctx context.Context, inst string, evs []events.Event) (kvindex.ApplyResult, error) {
 	now := l.now()
-	st := l.stored[inst]
+	st, gone := l.stored[inst], l.gone[inst]
 	if st == nil {
-		st = map[uint64]time.Duration{}
-		l.stored[inst] = st
+		st, gone = map[uint64]time.Duration{}, map[uint64]struct{}{}
+		l.stored[inst], l.gone[inst] = st, gone
 	}
 	for _, ev := range evs {
 		if ev.Medium != "" && ev.Medium != sim.MediumGPU {
@@ -94,6 +99,7 @@ func (l *lifeTracker) Apply(ctx context.Context, inst string, evs []events.Event
 		case events.BlockStored:
 			for _, h := range ev.BlockHashes {
 				st[h] = now
+				delete(gone, h)
 			}
 		case events.BlockRemoved:
 			for _, h := range ev.BlockHashes {
@@ -102,6 +108,7 @@ func (l *lifeTracker) Apply(ctx context.Context, inst string, evs []events.Event
 					continue
 				}
 				delete(st, h)
+				gone[h] = struct{}{}
 				a := l.ages[inst]
 				if len(a) < lifeWindow {
 					l.ages[inst] = append(a, now-at)
@@ -181,7 +188,13 @@ func (t *decisionTrace) noteMove(req *des.RouteRequest, keys []kvindex.Key, held
 	kind := "never held"
 	if i := chosenHeld / sim.DefaultBlockSize; i < len(keys) {
 		if t.blocks[keys[i]].ever.has(t.bit(chosen)) {
-			kind = "held before, evicted"
+			// Placed there by an earlier decision, not in the index now:
+			// evicted, or still being computed (the index learns a block
+			// when the engine stores it).
+			kind = "placed before, in flight"
+			if t.evictedOn(chosen, req, i) {
+				kind = "held before, evicted"
+			}
 		}
 	}
 	if holders > 1 {
@@ -209,6 +222,25 @@ func (t *decisionTrace) noteMove(req *des.RouteRequest, keys []kvindex.Key, held
 	r.Requests++
 	r.Tokens += int64(best - chosenHeld)
 	t.moves[kind] = r
+}
+
+// evictedOn reports whether the chosen instance's engine removed block i
+// of the request's prompt from its GPU cache and has not stored it since.
+func (t *decisionTrace) evictedOn(chosen string, req *des.RouteRequest, i int) bool {
+	if t.life == nil || t.kv == nil {
+		return false
+	}
+	e := t.kv.engines[chosen]
+	gone := t.life.gone[chosen]
+	if e == nil || len(gone) == 0 || (i+1)*sim.DefaultBlockSize > len(req.Tokens) {
+		return false
+	}
+	hs := e.PromptHashes(req.Tokens[:(i+1)*sim.DefaultBlockSize], req.Adapter, req.CacheSalt)
+	if len(hs) <= i {
+		return false
+	}
+	_, ok := gone[hs[i]]
+	return ok
 }
 
 // instSet is a set of instances by their trace bit numbers
