@@ -195,6 +195,9 @@ func (t *decisionTrace) noteMove(req *des.RouteRequest, keys []kvindex.Key, held
 			if t.evictedOn(chosen, req, i) {
 				kind = "held before, evicted"
 			}
+			if t.bit(chosen) == len(instSet{})*64-1 && len(t.bits) > len(instSet{})*64 {
+				kind += " (on any instance past the 127th)"
+			}
 		}
 	}
 	if holders > 1 {
@@ -244,12 +247,13 @@ func (t *decisionTrace) evictedOn(chosen string, req *des.RouteRequest, i int) b
 }
 
 // instSet is a set of instances by their trace bit numbers
-// (decisionTrace.bit): 256 bits, so that the fleets the benchmarks run
-// (up to 256 instances) have one bit each; instances past the 256th share
-// the last. A single word (64 bits) made every instance past the 64th share
-// one bit, so at 128 instances "held before" on half the fleet meant "held
-// by any of that half".
-type instSet [4]uint64
+// (decisionTrace.bit): 128 bits, one per instance up to 128 (the largest
+// fleet the sweeps run); instances past the 128th share the last, and
+// their moves say so (noteMove). A single word made every instance past
+// the 64th share one bit, so at 128 instances "held before" on half the
+// fleet meant "held by any of that half". Two words, not more: the trace
+// keeps a record per block, and each word is 8 bytes more in every one.
+type instSet [2]uint64
 
 func (s *instSet) add(b int)     { s[b>>6] |= 1 << (b & 63) }
 func (s instSet) has(b int) bool { return s[b>>6]&(1<<(b&63)) != 0 }
