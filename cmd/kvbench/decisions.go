@@ -37,7 +37,7 @@ type decisionTrace struct {
 	// over the decisions where they did (the bound's LRU is not a ceiling
 	// per request; writeGapAccount)
 	beyond int64
-	bits   map[string]uint64
+	bits   map[string]int
 	moves  map[string]moveRow
 	// moveRecs follow each move to the next request reading its context;
 	// waitNext indexes them by the context's last block.

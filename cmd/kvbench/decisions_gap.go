@@ -39,7 +39,7 @@ type placement struct {
 // and how many requests carried it.
 type blockRec struct {
 	last placement
-	ever uint64
+	ever instSet
 	uses int
 }
 
@@ -69,22 +69,27 @@ type lifeTracker struct {
 	des.IndexWriter
 	now    func() time.Duration
 	stored map[string]map[uint64]time.Duration
-	ages   map[string][]time.Duration // ring of the last lifeWindow ages
-	next   map[string]int
+	// gone is, per instance, the engine hashes of the GPU blocks it
+	// removed and has not stored again: a block placed there earlier and
+	// not held now is evicted when it is here, still being computed (in
+	// flight) when not.
+	gone map[string]map[uint64]struct{}
+	ages map[string][]time.Duration // ring of the last lifeWindow ages
+	next map[string]int
 }
 
 func newLifeTracker(w des.IndexWriter, now func() time.Duration) *lifeTracker {
 	return &lifeTracker{IndexWriter: w, now: now, stored: map[string]map[uint64]time.Duration{},
-		ages: map[string][]time.Duration{}, next: map[string]int{}}
+		gone: map[string]map[uint64]struct{}{}, ages: map[string][]time.Duration{}, next: map[string]int{}}
 }
 
 // Apply implements des.IndexWriter.
 func (l *lifeTracker) Apply(ctx context.Context, inst string, evs []events.Event) (kvindex.ApplyResult, error) {
 	now := l.now()
-	st := l.stored[inst]
+	st, gone := l.stored[inst], l.gone[inst]
 	if st == nil {
-		st = map[uint64]time.Duration{}
-		l.stored[inst] = st
+		st, gone = map[uint64]time.Duration{}, map[uint64]struct{}{}
+		l.stored[inst], l.gone[inst] = st, gone
 	}
 	for _, ev := range evs {
 		if ev.Medium != "" && ev.Medium != sim.MediumGPU {
@@ -94,6 +99,7 @@ func (l *lifeTracker) Apply(ctx context.Context, inst string, evs []events.Event
 		case events.BlockStored:
 			for _, h := range ev.BlockHashes {
 				st[h] = now
+				delete(gone, h)
 			}
 		case events.BlockRemoved:
 			for _, h := range ev.BlockHashes {
@@ -102,6 +108,7 @@ func (l *lifeTracker) Apply(ctx context.Context, inst string, evs []events.Event
 					continue
 				}
 				delete(st, h)
+				gone[h] = struct{}{}
 				a := l.ages[inst]
 				if len(a) < lifeWindow {
 					l.ages[inst] = append(a, now-at)
@@ -180,8 +187,17 @@ func (t *decisionTrace) noteMove(req *des.RouteRequest, keys []kvindex.Key, held
 	}
 	kind := "never held"
 	if i := chosenHeld / sim.DefaultBlockSize; i < len(keys) {
-		if t.blocks[keys[i]].ever&t.bit(chosen) != 0 {
-			kind = "held before, evicted"
+		if t.blocks[keys[i]].ever.has(t.bit(chosen)) {
+			// Placed there by an earlier decision, not in the index now:
+			// evicted, or still being computed (the index learns a block
+			// when the engine stores it).
+			kind = "placed before, in flight"
+			if t.evictedOn(chosen, req, i) {
+				kind = "held before, evicted"
+			}
+			if t.bit(chosen) == len(instSet{})*64-1 && len(t.bits) > len(instSet{})*64 {
+				kind += " (on any instance past the 127th)"
+			}
 		}
 	}
 	if holders > 1 {
@@ -211,14 +227,45 @@ func (t *decisionTrace) noteMove(req *des.RouteRequest, keys []kvindex.Key, held
 	t.moves[kind] = r
 }
 
-// bit is an instance's bit in ever (instances past the 64th share the last).
-func (t *decisionTrace) bit(inst string) uint64 {
+// evictedOn reports whether the chosen instance's engine removed block i
+// of the request's prompt from its GPU cache and has not stored it since.
+func (t *decisionTrace) evictedOn(chosen string, req *des.RouteRequest, i int) bool {
+	if t.life == nil || t.kv == nil {
+		return false
+	}
+	e := t.kv.engines[chosen]
+	gone := t.life.gone[chosen]
+	if e == nil || len(gone) == 0 || (i+1)*sim.DefaultBlockSize > len(req.Tokens) {
+		return false
+	}
+	hs := e.PromptHashes(req.Tokens[:(i+1)*sim.DefaultBlockSize], req.Adapter, req.CacheSalt)
+	if len(hs) <= i {
+		return false
+	}
+	_, ok := gone[hs[i]]
+	return ok
+}
+
+// instSet is a set of instances by their trace bit numbers
+// (decisionTrace.bit): 128 bits, one per instance up to 128 (the largest
+// fleet the sweeps run); instances past the 128th share the last, and
+// their moves say so (noteMove). A single word made every instance past
+// the 64th share one bit, so at 128 instances "held before" on half the
+// fleet meant "held by any of that half". Two words, not more: the trace
+// keeps a record per block, and each word is 8 bytes more in every one.
+type instSet [2]uint64
+
+func (s *instSet) add(b int)     { s[b>>6] |= 1 << (b & 63) }
+func (s instSet) has(b int) bool { return s[b>>6]&(1<<(b&63)) != 0 }
+
+// bit is an instance's bit number in an instSet.
+func (t *decisionTrace) bit(inst string) int {
 	if t.bits == nil {
-		t.bits = map[string]uint64{}
+		t.bits = map[string]int{}
 	}
 	b, ok := t.bits[inst]
 	if !ok {
-		b = 1 << min(len(t.bits), 63)
+		b = min(len(t.bits), len(instSet{})*64-1)
 		t.bits[inst] = b
 	}
 	return b
@@ -290,7 +337,8 @@ func (t *decisionTrace) noteGap(req *des.RouteRequest, keys []kvindex.Key, best 
 	bit := t.bit(chosen)
 	for _, k := range keys {
 		b := t.blocks[k]
-		b.last, b.ever, b.uses = p, b.ever|bit, b.uses+1
+		b.last, b.uses = p, b.uses+1
+		b.ever.add(bit)
 		t.blocks[k] = b
 	}
 }

@@ -3,11 +3,13 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/kvrouter/kvrouter/cmd/kvbench/internal/des"
+	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/sim"
 	"github.com/kvrouter/kvrouter/workload"
@@ -279,5 +281,60 @@ func TestGapIdentity(t *testing.T) {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("no %q in:\n%s", want, out.String())
 		}
+	}
+}
+
+// TestInstSetPast64 checks that instances past the 64th have bits of
+// their own: "held before" at 128 instances must not mean "held by any
+// instance past the 64th".
+func TestInstSetPast64(t *testing.T) {
+	var tr decisionTrace
+	for i := range 128 {
+		tr.bit(fmt.Sprintf("i%03d", i))
+	}
+	var s instSet
+	s.add(tr.bit("i064"))
+	for i := range 128 {
+		id := fmt.Sprintf("i%03d", i)
+		if got, want := s.has(tr.bit(id)), i == 64; got != want {
+			t.Fatalf("after adding i064, has(%s) = %v, want %v", id, got, want)
+		}
+	}
+	if b := tr.bit("extra-past-all"); b != 127 {
+		t.Fatalf("bit of the 129th instance = %d, want 127 (shared with the 128th)", b)
+	}
+}
+
+// nopWriter is an index writer that keeps nothing.
+type nopWriter struct{}
+
+func (nopWriter) Apply(context.Context, string, []events.Event) (kvindex.ApplyResult, error) {
+	return kvindex.ApplyResult{}, nil
+}
+func (nopWriter) Purge(context.Context, string) error { return nil }
+
+// TestLifeTrackerGone: a GPU block removed and not stored since is gone
+// (evicted); stored again, it is not; a CPU-tier removal does not count.
+func TestLifeTrackerGone(t *testing.T) {
+	now := time.Duration(0)
+	l := newLifeTracker(nopWriter{}, func() time.Duration { return now })
+	apply := func(evs ...events.Event) {
+		if _, err := l.Apply(context.Background(), "a", evs); err != nil {
+			t.Fatal(err)
+		}
+	}
+	apply(events.Event{Kind: events.BlockStored, BlockHashes: []uint64{1, 2}, Medium: sim.MediumGPU})
+	now = time.Second
+	apply(events.Event{Kind: events.BlockRemoved, BlockHashes: []uint64{1}, Medium: sim.MediumGPU},
+		events.Event{Kind: events.BlockRemoved, BlockHashes: []uint64{2}, Medium: sim.MediumCPU})
+	if _, ok := l.gone["a"][1]; !ok {
+		t.Fatal("block 1 removed from GPU: want gone")
+	}
+	if _, ok := l.gone["a"][2]; ok {
+		t.Fatal("block 2 removed from the CPU tier only: want not gone")
+	}
+	apply(events.Event{Kind: events.BlockStored, BlockHashes: []uint64{1}, Medium: sim.MediumGPU})
+	if _, ok := l.gone["a"][1]; ok {
+		t.Fatal("block 1 stored again: want not gone")
 	}
 }
