@@ -183,6 +183,11 @@ type inst struct {
 	// read; the next heartbeat queues another (a quiet engine sends no
 	// event to retry at). Guarded by Consumer.mu.
 	loadFailed bool
+	// holeAt: the stream seq of the first message after the last hole a
+	// shared-index replay found in the instance's engine seqs, so that a
+	// hole met again at every repair is counted and logged once. Guarded
+	// by Consumer.mu.
+	holeAt uint64
 	// Owned by the instance's shard goroutine.
 	needLoad bool
 	// run and prevRun: the bridge runs (from the message ids) of the

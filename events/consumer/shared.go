@@ -76,21 +76,41 @@ type engineRef struct {
 
 // refAt reads the instance's message at stream sequence pos (the last one
 // applied to the index) for its engine seq; unknown when pos is no
-// position, the message is gone, or it is no engine message of its own.
-func (c *Consumer) refAt(ctx context.Context, instance string, pos kvindex.Position) engineRef {
+// position, the message cannot be read, or it is no engine message of its
+// own (a synthetic one). gone reports that the stream no longer holds it:
+// then whether messages after it are gone too cannot be told from the
+// stream (a per-subject limit removes an instance's oldest first), and
+// only a snapshot is sure.
+func (c *Consumer) refAt(ctx context.Context, instance string, pos kvindex.Position) (ref engineRef, gone bool) {
 	if !pos.Seeded || pos.Seq == 0 {
-		return engineRef{}
+		return engineRef{}, false
 	}
 	subj, _ := kvstream.EventsSubject(c.cfg.Pool, instance)
 	m, err := getMsg(ctx, c.stream, pos.Seq, subj)
-	if err != nil || m.Sequence != pos.Seq {
-		return engineRef{}
+	switch {
+	case errors.Is(err, jetstream.ErrMsgNotFound):
+		return engineRef{}, true // nothing of the instance at or after pos
+	case err != nil:
+		return engineRef{}, false
+	case m.Sequence != pos.Seq:
+		return engineRef{}, true
 	}
 	h, err := kvstream.ParseEventHeaders(m.Header)
 	if err != nil || !h.HasSeq || h.Synthetic != "" {
-		return engineRef{}
+		return engineRef{}, false
 	}
-	return engineRef{seq: h.LastSeq(), known: true}
+	return engineRef{seq: h.LastSeq(), known: true}, false
+}
+
+// clearsSeq reports whether a synthetic message of kind synthetic starts
+// the instance's engine seqs over (a bridge's clear); others (aged
+// removals) leave them as they were.
+func clearsSeq(synthetic string) bool {
+	switch synthetic {
+	case kvstream.SyntheticGap, kvstream.SyntheticRestart, kvstream.SyntheticResync:
+		return true
+	}
+	return false
 }
 
 // sharedAttempts bounds the repair-and-retry rounds of one message: each
@@ -220,12 +240,20 @@ func (c *Consumer) repairShared(ctx context.Context, instance string, in *inst, 
 		if err != nil {
 			return pos, err
 		}
+		var ref engineRef
 		if !lost {
-			p, err := c.replayShared(ctx, instance, in, pos, upTo, c.refAt(ctx, instance, pos))
+			// The index's own message gone while later ones remain: the
+			// stream cannot tell whether others after it went too.
+			ref, lost = c.refAt(ctx, instance, pos)
+		}
+		if !lost {
+			p, err := c.replayShared(ctx, instance, in, pos, upTo, ref)
 			switch {
 			case errors.Is(err, errReplayGap):
-				c.cfg.Logger.Warn("consumer: shared index repair found messages missing from the middle of the stream; reloading the snapshot",
-					"instance", instance, "index_at", p.Seq, "err", err)
+				if ok, suppressed := c.logLimit.Allow("replay_gap"); ok {
+					c.cfg.Logger.Warn("consumer: shared index repair found messages missing from the middle of the stream; reloading the snapshot",
+						"instance", instance, "index_at", p.Seq, "err", err, "suppressed", suppressed)
+				}
 			case err != nil || ctx.Err() != nil || !consumed.Seeded || p.Seq >= consumed.Seq:
 				return p, err
 			default:
@@ -295,8 +323,9 @@ func (c *Consumer) seedShared(ctx context.Context, instance string, in *inst, up
 	}
 	if r.Status != kvindex.SeqApplied {
 		// SeqDuplicate: another router loaded or applied past the
-		// snapshot; the replay continues from where it left the index.
-		ref = c.refAt(ctx, instance, pos)
+		// snapshot; the replay continues from where it left the index
+		// (unchecked when its message is gone: no snapshot here is newer).
+		ref, _ = c.refAt(ctx, instance, pos)
 	}
 	return c.replayShared(ctx, instance, in, pos, upTo, ref)
 }
@@ -326,17 +355,27 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 		h, herr := kvstream.ParseEventHeaders(m.Header)
 		engineMsg := herr == nil && h.HasSeq && h.Synthetic == ""
 		if engineMsg && ref.known && h.Seq > ref.seq+1 {
+			// Counted once per hole: a repair that cannot get past it
+			// meets it again at every check.
 			c.mu.Lock()
-			in.status.Gaps++
+			first := in.holeAt != m.Sequence
+			if first {
+				in.holeAt = m.Sequence
+				in.status.Gaps++
+			}
 			c.mu.Unlock()
-			c.m.gaps.Inc()
+			if first {
+				c.m.gaps.Inc()
+			}
 			return pos, fmt.Errorf("%w: %s at engine seq %d, the next message the stream holds (stream seq %d) is engine seq %d",
 				errReplayGap, instance, ref.seq, m.Sequence, h.Seq)
 		}
 		switch {
-		case engineMsg:
+		case engineMsg && (!ref.known || h.LastSeq() > ref.seq):
+			// A duplicate (a message stored twice, two bridges
+			// overlapping) does not lower it.
 			ref = engineRef{seq: h.LastSeq(), known: true}
-		case herr == nil && h.Synthetic != "":
+		case herr == nil && clearsSeq(h.Synthetic):
 			ref = engineRef{} // a clear: seq continuity starts over
 		}
 		batch, err := decodeJoined(h, m.Data)

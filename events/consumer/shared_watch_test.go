@@ -309,20 +309,16 @@ func assertNoFlap(t *testing.T, w *sharedWorld, r *router) {
 	}
 }
 
-// A message removed from the middle of an instance's messages (a deletion;
-// later messages of it remain, so neither the stream's first sequence nor
-// the replay's end tells): a repair that replayed over the hole read the
-// instance whole while its state lacked what the message did — blocks it
-// stored missing, or blocks it removed still held. The replay checks the
-// engine seqs' continuity: the hole ends it and the repair loads the
-// snapshot, which is past it, so the index equals the engines again.
 // midGapWorld is savedWorld after 20 more rounds of quiet, one of quiet's
 // messages since the save then removed from the stream (not its first nor
 // its last: later ones remain, so neither the stream's first sequence nor
 // the replay's end tells), one without which its state would differ, and
 // Redis killed (the outage noticed). savedSnap puts quiet's bucket
-// snapshot as of the save, older than the hole.
-func midGapWorld(t *testing.T, seed uint64) (w *sharedWorld, r *router, saved kvindex.Position, savedSnap func()) {
+// snapshot as of the save, older than the hole. With fromSave, quiet's
+// message at the save (the index's position once Redis restarts from the
+// RDB) and every one after it up to the hole go too, as a per-subject limit
+// removes an instance's oldest messages.
+func midGapWorld(t *testing.T, seed uint64, fromSave bool) (w *sharedWorld, r *router, saved kvindex.Position, savedSnap func()) {
 	w, r, saved = savedWorld(t, seed)
 	base := slices.Clone(w.snapshots["quiet"].evs)
 	quiet := w.engines[slices.IndexFunc(w.engines, func(f *fakeEngine) bool { return f.name == "quiet" })]
@@ -383,16 +379,29 @@ func midGapWorld(t *testing.T, seed uint64) (w *sharedWorld, r *router, saved kv
 	if gone < 0 {
 		t.Fatalf("none of quiet's %d messages after the save matters to its state", len(msgs))
 	}
-	if err := stream.DeleteMsg(w.ctx, seqs[gone]); err != nil {
-		t.Fatal(err)
+	del := seqs[gone : gone+1]
+	if fromSave {
+		del = append([]uint64{saved.Seq}, seqs[:gone+1]...)
+	}
+	for _, seq := range del {
+		if err := stream.DeleteMsg(w.ctx, seq); err != nil {
+			t.Fatal(err)
+		}
 	}
 	w.redis.Kill()
 	testenv.WaitFor(t, 10*time.Second, "the outage noticed", func() bool { return !r.c.IndexConsistent() })
 	return w, r, saved, savedSnap
 }
 
+// A message removed from the middle of an instance's messages (a deletion;
+// later messages of it remain, so neither the stream's first sequence nor
+// the replay's end tells): a repair that replayed over the hole read the
+// instance whole while its state lacked what the message did — blocks it
+// stored missing, or blocks it removed still held. The replay checks the
+// engine seqs' continuity: the hole ends it and the repair loads the
+// snapshot, which is past it, so the index equals the engines again.
 func TestSharedReplayGapInStreamLoadsSnapshot(t *testing.T) {
-	w, r, _, _ := midGapWorld(t, 47)
+	w, r, _, _ := midGapWorld(t, 47, false)
 	w.redis.Start() // loads the RDB: quiet as of 20 messages ago
 	w.converge("a message gone from the middle of quiet's", r)
 	if gaps := quietGaps(r); gaps == 0 {
@@ -405,7 +414,7 @@ func TestSharedReplayGapInStreamLoadsSnapshot(t *testing.T) {
 // removed message did missing — until its next message, whose snapshot
 // is past the hole, lets a repair reach the engine's state.
 func TestSharedReplayGapInStreamNotLive(t *testing.T) {
-	w, r, saved, savedSnap := midGapWorld(t, 53)
+	w, r, saved, savedSnap := midGapWorld(t, 53, false)
 	savedSnap()
 	w.redis.Start()
 	testenv.WaitFor(t, 20*time.Second, "quiet's repair tried", func() bool { return quietGaps(r) > 0 })
@@ -418,8 +427,22 @@ func TestSharedReplayGapInStreamNotLive(t *testing.T) {
 			}
 		}
 	}
+	if g := quietGaps(r); g != 1 {
+		t.Fatalf("one hole met at every repair counted %d times", g)
+	}
 	w.publishOne("quiet")
 	w.converge("quiet's next message and its snapshot", r)
+}
+
+// As the first, with quiet's message at the index's restored position
+// and all of its messages after it up to the hole removed: the replay has
+// no engine seq to start its check from, and the stream cannot tell how
+// many went; only the snapshot is sure, and the repair loads it (before,
+// quiet read live with 34 blocks against the engine's 18).
+func TestSharedReplayFromRemovedPositionLoadsSnapshot(t *testing.T) {
+	w, r, _, _ := midGapWorld(t, 47, true)
+	w.redis.Start()
+	w.converge("quiet's position and the messages after it gone from the stream", r)
 }
 
 // quietGaps is the engine seq gaps r's consumer counted for quiet.
