@@ -184,7 +184,8 @@ type SubscriberConfig struct {
 	// replay buffer: the owner asks for them. An engine that dials comes
 	// back from a restart as a new connection to a socket that never
 	// stopped listening: that connection is the only sign of it before
-	// the engine's next message.
+	// the engine's next message. It must not block (the accept loop
+	// waits for it).
 	OnConnect func()
 }
 
