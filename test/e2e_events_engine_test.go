@@ -49,6 +49,11 @@ type simRig struct {
 	engMu sync.Mutex // guards sim: a stale watch reads it while tests restart it
 	sim   *simserver.Instance
 	scr   *scriptEngine // instead of sim, when set
+
+	// dialing lays the sockets out as llm-d-inference-sim does: the
+	// engine's PUB dials, the bridge binds (--zmq-bind), and the engine's
+	// /metrics has no process start time.
+	dialing bool
 }
 
 const simModel = "sim-model"
@@ -79,10 +84,11 @@ func (r *simRig) url() string { return "http://" + r.httpAddr }
 func (r *simRig) startEngine() {
 	r.t.Helper()
 	s := startSim(r.t, r.ctx, simserver.Config{
-		Engine:    sim.Config{Model: simModel, GPUBlocks: r.blocks, HashSeed: 3},
-		Listen:    r.httpAddr,
-		TimeScale: 50,
-		Events:    simserver.EventsConfig{Endpoint: r.pubEP, ReplayEndpoint: r.replayEP},
+		Engine:      sim.Config{Model: simModel, GPUBlocks: r.blocks, HashSeed: 3},
+		Listen:      r.httpAddr,
+		TimeScale:   50,
+		Events:      simserver.EventsConfig{Endpoint: r.pubEP, Dial: r.dialing, ReplayEndpoint: r.replayEP},
+		NoStartTime: r.dialing,
 	})
 	r.engMu.Lock()
 	r.sim = s
@@ -130,7 +136,7 @@ func (r *simRig) startBridge(o bridgeOpts) {
 	r.t.Helper()
 	r.runBridge(simBridgeTimings(bridge.Config{
 		Model:     simModel,
-		Sources:   []bridge.Source{{Instance: r.instance, Endpoint: r.pubEP, ReplayEndpoint: r.replayEP, URL: r.url()}},
+		Sources:   []bridge.Source{{Instance: r.instance, Endpoint: r.pubEP, Bind: r.dialing, ReplayEndpoint: r.replayEP, URL: r.url()}},
 		MaxBlocks: o.maxBlocks,
 	}))
 }
@@ -168,8 +174,14 @@ func (r *simRig) startRouterInto(a consumer.Applier) (*consumer.Consumer, func()
 // starts from.
 func (r *simRig) serving(what string) (*consumer.Consumer, *tableApplier, func()) {
 	r.t.Helper()
-	r.startEngine()
-	r.startBridge(bridgeOpts{})
+	if r.dialing {
+		// The engine's PUB dials the bridge's socket, which must listen first.
+		r.startBridge(bridgeOpts{})
+		r.startEngine()
+	} else {
+		r.startEngine()
+		r.startBridge(bridgeOpts{})
+	}
 	testenv.WaitFor(r.t, 20*time.Second, "bridge ready", r.br.Ready)
 	c, a, stop := r.startRouter()
 	r.traffic(30)
@@ -703,6 +715,36 @@ func TestE2EEngineRestartFast(t *testing.T) {
 	if s := r.br.Stats()[0]; s.Clears < 2 {
 		t.Fatalf("bridge stats %+v: want a restart clear after the resync clear", s)
 	}
+	r.checkNewRouter()
+}
+
+// TestE2EEngineRestartFast with llm-d-inference-sim's layout (found live
+// against it, docs/BENCHMARKS.md §3 "Session 22"): the engine dials the
+// bridge's bound socket and exports no start time, and it comes back before
+// two probes fail, so only its new connection tells. Nothing is requested
+// afterwards: the new process holds nothing and publishes nothing, and the
+// index must say so. It used to keep the old process's blocks live until
+// the engine's next message (forever on an idle engine).
+func TestE2EEngineRestartFastDialing(t *testing.T) {
+	r := newSimRig(t, 64)
+	r.dialing = true
+	c, a, _ := r.serving("before the restart")
+	// Long past the bridge's checks at its own start (listening, and
+	// tailRecheck after), so that only the engine's new connection can
+	// trigger one.
+	time.Sleep(time.Second)
+
+	w := r.watchStale(c, a)
+	r.killEngine()
+	r.startEngine()
+	r.waitIndex(a, "after the restart, nothing requested")
+	win := w.window()
+	t.Logf("stale window after kill+restart (dialing engine, no start time): %v", win)
+	if win > staleBound {
+		t.Fatalf("stale blocks counted live for %v after the engine restarted", win)
+	}
+	r.traffic(20)
+	r.waitIndex(a, "after the restart and traffic")
 	r.checkNewRouter()
 }
 

@@ -369,7 +369,7 @@ func (in *instance) catchTail(ctx context.Context) error {
 	}
 	if check {
 		if len(msgs) == 0 || msgs[0].Seq != last || xxhash.Sum64(msgs[0].Payload) != hash {
-			in.log.Info("engine restarted while the bridge was disconnected: clearing instance", "last_seq", last)
+			in.log.Info("engine restarted while not connected to the bridge: clearing instance", "last_seq", last)
 			return in.restarted(ctx)
 		}
 		msgs, from = msgs[1:], last+1

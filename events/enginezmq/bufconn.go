@@ -66,15 +66,28 @@ func (t bufTransport) Listen(ctx context.Context, addr string) (net.Listener, er
 	if err != nil {
 		return nil, err
 	}
-	return bufListener{l}, nil
+	onAccept, _ := ctx.Value(acceptHookKey{}).(func())
+	return bufListener{l, onAccept}, nil
 }
 
-type bufListener struct{ net.Listener }
+// acceptHookKey keys a func() in the context a socket is made with: its
+// listener calls it for every connection accepted. go-zeromq accepts on a
+// goroutine of its own and tells its owner nothing, yet a subscriber that
+// binds must know when an engine (re)connects (Subscriber.session).
+type acceptHookKey struct{}
+
+type bufListener struct {
+	net.Listener
+	onAccept func() // nil: none
+}
 
 func (l bufListener) Accept() (net.Conn, error) {
 	c, err := l.Listener.Accept()
 	if err != nil {
 		return nil, err
+	}
+	if l.onAccept != nil {
+		l.onAccept()
 	}
 	return newBufConn(c), nil
 }

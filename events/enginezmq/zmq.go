@@ -176,11 +176,16 @@ type SubscriberConfig struct {
 	// OnMalformed, when set, is called (on the Run goroutine) for each
 	// message dropped for bad frames, so the owner can count it.
 	OnMalformed func(error)
-	// OnConnect, when set, is called (on the Run goroutine) each time the
-	// socket is connected (or listening) again. Messages the engine
-	// published while it was not, and a tail no later message reveals as
-	// a gap, are only in the engine's replay buffer: the owner asks for
-	// them.
+	// OnConnect, when set, is called each time the socket is connected
+	// (or listening) again, on the Run goroutine, and, with Bind, each
+	// time an engine connects to it, on go-zeromq's accept goroutine.
+	// Messages the engine published while it was not connected, and a
+	// tail no later message reveals as a gap, are only in the engine's
+	// replay buffer: the owner asks for them. An engine that dials comes
+	// back from a restart as a new connection to a socket that never
+	// stopped listening: that connection is the only sign of it before
+	// the engine's next message. It must not block (the accept loop
+	// waits for it).
 	OnConnect func()
 }
 
@@ -196,6 +201,7 @@ type SubscriberStats struct {
 type Subscriber struct {
 	cfg                             SubscriberConfig
 	messages, malformed, reconnects atomic.Uint64
+	accepted                        atomic.Uint64 // engine connections accepted (Bind)
 	kick                            chan struct{}
 	topic                           string // of the last message (owned by Run)
 }
@@ -286,6 +292,9 @@ func (s *Subscriber) session(ctx context.Context, handle func(Message)) (got boo
 	}
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	if s.cfg.Bind {
+		sctx = context.WithValue(sctx, acceptHookKey{}, s.engineConnected)
+	}
 	sock := zmq4.NewSub(sctx, zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(quietZMQLogger()), zmq4.WithDialerTimeout(5*time.Second))
 	defer sock.Close()
 	if err := sock.SetOption(zmq4.OptionSubscribe, s.cfg.Topic); err != nil {
@@ -393,6 +402,19 @@ func (s *Subscriber) connected() {
 		// Said once per (re)connection, so an operator reading the log
 		// sees the outage end, not only begin.
 		s.cfg.Logger.Info("zmq subscriber: connected again", "endpoint", s.cfg.Endpoint, "bind", s.cfg.Bind, "reconnects", n)
+	}
+	if s.cfg.OnConnect != nil {
+		s.cfg.OnConnect()
+	}
+}
+
+// engineConnected is the accept hook of a subscriber that binds: an engine
+// connected (its first connection, or again after a restart or a network
+// break); it is logged and the owner told, as for a reconnect.
+func (s *Subscriber) engineConnected() {
+	n := s.accepted.Add(1)
+	if n > 1 {
+		s.cfg.Logger.Info("zmq subscriber: engine connected again", "endpoint", s.cfg.Endpoint, "connections", n)
 	}
 	if s.cfg.OnConnect != nil {
 		s.cfg.OnConnect()

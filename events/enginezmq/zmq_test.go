@@ -200,6 +200,38 @@ func TestSubscriberLive(t *testing.T) {
 	}
 }
 
+// An engine that dials a subscriber that binds (llm-d-inference-sim's
+// layout) and restarts reaches it as a new connection, not as a reconnect of
+// the subscriber: OnConnect must still be told, for each engine connection,
+// so that the owner checks the engine's replay (a restarted process, a tail
+// published before the connection) without waiting for its next message.
+// It used to be told only once, when the socket started listening.
+func TestSubscriberBindOnConnectPerEngine(t *testing.T) {
+	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
+	defer cancel()
+	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	var connects atomic.Int64
+	sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, Bind: true, OnConnect: func() { connects.Add(1) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got collector
+	go func() { _ = sub.Run(ctx, got.add) }()
+	testenv.WaitFor(t, 10*time.Second, "listening", func() bool { return connects.Load() >= 1 })
+	for round := 1; round <= 2; round++ {
+		before := connects.Load()
+		pub, err := NewPublisher(ctx, PublisherConfig{Endpoint: ep, Dial: true, Topic: "kv", FirstSeq: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		testenv.WaitFor(t, 10*time.Second, "subscription", pub.Subscribed)
+		// No message is published: only the connection can tell.
+		testenv.WaitFor(t, 10*time.Second, fmt.Sprintf("OnConnect for engine connection %d", round),
+			func() bool { return connects.Load() > before })
+		pub.Close()
+	}
+}
+
 func TestReplay(t *testing.T) {
 	for _, legacy := range []bool{false, true} {
 		t.Run(fmt.Sprintf("legacy=%v", legacy), func(t *testing.T) {

@@ -58,6 +58,10 @@ type Config struct {
 
 	// Events configures the KV-event sockets; an empty Endpoint disables them.
 	Events EventsConfig
+	// NoStartTime leaves process_start_time_seconds out of /metrics, as
+	// llm-d-inference-sim does (it registers no process collector): a
+	// bridge then cannot tell a restart from the start time.
+	NoStartTime bool
 
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
@@ -261,8 +265,10 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 	// collector; a simulated server's "process" starts with Start, so a
 	// restart (a new Instance on the same ports) shows as a new value.
 	started := float64(time.Now().UnixNano()) / 1e9
-	in.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "process_start_time_seconds",
-		Help: "Start time of the process since unix epoch in seconds."}, func() float64 { return started }))
+	if !cfg.NoStartTime {
+		in.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "process_start_time_seconds",
+			Help: "Start time of the process since unix epoch in seconds."}, func() float64 { return started }))
+	}
 
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/completions", in.handleCompletions)
