@@ -54,6 +54,9 @@ type simRig struct {
 	// engine's PUB dials, the bridge binds (--zmq-bind), and the engine's
 	// /metrics has no process start time.
 	dialing bool
+	// slowProbes: the bridge probes the engine every 10 s, not 200 ms, so
+	// that a restart is not found by two failed probes.
+	slowProbes bool
 }
 
 const simModel = "sim-model"
@@ -134,11 +137,15 @@ type bridgeOpts struct {
 
 func (r *simRig) startBridge(o bridgeOpts) {
 	r.t.Helper()
-	r.runBridge(simBridgeTimings(bridge.Config{
+	cfg := simBridgeTimings(bridge.Config{
 		Model:     simModel,
 		Sources:   []bridge.Source{{Instance: r.instance, Endpoint: r.pubEP, Bind: r.dialing, ReplayEndpoint: r.replayEP, URL: r.url()}},
 		MaxBlocks: o.maxBlocks,
-	}))
+	})
+	if r.slowProbes {
+		cfg.EngineProbeInterval = 10 * time.Second
+	}
+	r.runBridge(cfg)
 }
 
 // simBridgeTimings sets the intervals of the bridges in front of simulated
@@ -728,6 +735,10 @@ func TestE2EEngineRestartFast(t *testing.T) {
 func TestE2EEngineRestartFastDialing(t *testing.T) {
 	r := newSimRig(t, 64)
 	r.dialing = true
+	// Two failed probes (400 ms) would find a restart that takes longer
+	// on a loaded machine, and the test would pass without the new
+	// connection's check.
+	r.slowProbes = true
 	c, a, _ := r.serving("before the restart")
 	// Long past the bridge's checks at its own start (listening, and
 	// tailRecheck after), so that only the engine's new connection can

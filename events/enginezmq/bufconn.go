@@ -3,6 +3,7 @@ package enginezmq
 import (
 	"bufio"
 	"context"
+	"errors"
 	"net"
 	"strings"
 	"time"
@@ -81,16 +82,32 @@ type bufListener struct {
 	onAccept func() // nil: none
 }
 
+// Accept returns the next connection with a bound on its handshake:
+// go-zeromq runs each accepted connection's handshake inline in its accept
+// loop, with no deadline, so one peer that connects and sends nothing (a
+// half-open connection, a stray client) would keep every engine from
+// connecting after it. The peer's greeting and READY must arrive within
+// handshakeTimeout, or the connection is closed and the loop goes on; the
+// accept hook runs once they have (a port scan or a TCP probe is no engine
+// connection).
 func (l bufListener) Accept() (net.Conn, error) {
 	c, err := l.Listener.Accept()
 	if err != nil {
 		return nil, err
 	}
-	if l.onAccept != nil {
-		l.onAccept()
+	if err := c.SetReadDeadline(time.Now().Add(handshakeTimeout)); err != nil {
+		_ = c.Close()
+		return nil, err
 	}
-	return newBufConn(c), nil
+	bc := newBufConn(c)
+	g := bc.guarded
+	g.handshaking, g.onHandshake = true, l.onAccept
+	return bc, nil
 }
+
+// handshakeTimeout bounds an accepted connection's handshake: the time a
+// dialing subscriber's handshake is given (dialSession's dial timeout).
+const handshakeTimeout = 5 * time.Second
 
 // bufConn is a connection whose reads go through a buffer, each frame's
 // size checked against MaxFrame (frameGuard) as the buffer fills, before
@@ -98,11 +115,13 @@ func (l bufListener) Accept() (net.Conn, error) {
 // frames), not one per go-zeromq read (two or three per frame).
 type bufConn struct {
 	net.Conn
-	r *bufio.Reader
+	r       *bufio.Reader
+	guarded *guardedReader
 }
 
 func newBufConn(c net.Conn) *bufConn {
-	return &bufConn{Conn: c, r: bufio.NewReaderSize(&guardedReader{c: c, guard: newFrameGuard(MaxFrame)}, bufConnSize)}
+	g := &guardedReader{c: c, guard: newFrameGuard(MaxFrame)}
+	return &bufConn{Conn: c, r: bufio.NewReaderSize(g, bufConnSize), guarded: g}
 }
 
 func (c *bufConn) Read(p []byte) (int, error) { return c.r.Read(p) }
@@ -113,6 +132,11 @@ type guardedReader struct {
 	c     net.Conn
 	guard frameGuard
 	err   error // the guard's refusal: every later read returns it
+	// handshaking: an accepted connection whose peer has not yet sent its
+	// greeting and READY; its reads have a deadline (bufListener.Accept)
+	// lifted once they have come, when onHandshake (if any) is called.
+	handshaking bool
+	onHandshake func()
 }
 
 func (g *guardedReader) Read(p []byte) (int, error) {
@@ -120,6 +144,9 @@ func (g *guardedReader) Read(p []byte) (int, error) {
 		return 0, g.refuse()
 	}
 	n, err := g.c.Read(p)
+	if g.handshaking {
+		defer g.handshakeRead(err)
+	}
 	ok, gerr := g.guard.scan(p[:n])
 	if gerr != nil {
 		// The bytes before the refused frame's header go on, and the
@@ -139,6 +166,24 @@ func (g *guardedReader) Read(p []byte) (int, error) {
 		return 0, g.refuse()
 	}
 	return n, err
+}
+
+// handshakeRead ends an accepted connection's handshake bound after a
+// read: lifted once the peer's READY has passed, or, when the read timed
+// out before it, the connection is closed (go-zeromq would leave it open).
+func (g *guardedReader) handshakeRead(err error) {
+	if g.guard.frames > 0 {
+		g.handshaking = false
+		_ = g.c.SetReadDeadline(time.Time{})
+		if g.onHandshake != nil {
+			g.onHandshake()
+		}
+		return
+	}
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		_ = g.c.Close()
+	}
 }
 
 // refusedLinger bounds how long a connection whose frame was refused stays

@@ -46,6 +46,10 @@ type frameGuard struct {
 	skip uint64 // greeting or body bytes still to pass
 	head int    // size bytes still to read (0: at a flags byte)
 	size uint64 // the size read so far
+	// body: skip counts a frame's body (not the greeting); frames: the
+	// frames passed whole (the first is the peer's READY: its handshake).
+	body   bool
+	frames uint64
 }
 
 func newFrameGuard(max uint64) frameGuard {
@@ -65,6 +69,10 @@ func (g *frameGuard) scan(p []byte) (int, error) {
 			n := int(min(g.skip, uint64(len(p)-i)))
 			g.skip -= uint64(n)
 			i += n
+			if g.skip == 0 && g.body {
+				g.body = false
+				g.frames++
+			}
 		case g.head > 0:
 			g.size = g.size<<8 | uint64(p[i])
 			g.head--
@@ -74,6 +82,9 @@ func (g *frameGuard) scan(p []byte) (int, error) {
 					return hdr, &frameError{size: g.size, max: g.max}
 				}
 				g.skip = g.size
+				if g.body = g.size > 0; !g.body {
+					g.frames++
+				}
 			}
 		default: // a flags byte
 			hdr = i

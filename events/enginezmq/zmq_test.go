@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -210,14 +211,7 @@ func TestSubscriberBindOnConnectPerEngine(t *testing.T) {
 	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
 	defer cancel()
 	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	var connects atomic.Int64
-	sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, Bind: true, OnConnect: func() { connects.Add(1) }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var got collector
-	go func() { _ = sub.Run(ctx, got.add) }()
-	testenv.WaitFor(t, 10*time.Second, "listening", func() bool { return connects.Load() >= 1 })
+	connects, _ := bindCounting(ctx, t, ep)
 	for round := 1; round <= 2; round++ {
 		before := connects.Load()
 		pub, err := NewPublisher(ctx, PublisherConfig{Endpoint: ep, Dial: true, Topic: "kv", FirstSeq: 1})
@@ -229,6 +223,71 @@ func TestSubscriberBindOnConnectPerEngine(t *testing.T) {
 		testenv.WaitFor(t, 10*time.Second, fmt.Sprintf("OnConnect for engine connection %d", round),
 			func() bool { return connects.Load() > before })
 		pub.Close()
+	}
+}
+
+// bindCounting runs a subscriber bound at ep until ctx ends, counting its
+// OnConnect calls (the first: listening, waited for) and collecting what
+// it receives.
+func bindCounting(ctx context.Context, t *testing.T, ep string) (*atomic.Int64, *collector) {
+	t.Helper()
+	connects, got := &atomic.Int64{}, &collector{}
+	sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, Bind: true, OnConnect: func() { connects.Add(1) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = sub.Run(ctx, got.add) }()
+	testenv.WaitFor(t, 10*time.Second, "listening", func() bool { return connects.Load() >= 1 })
+	return connects, got
+}
+
+// A subscriber that binds must not be held by a peer that connects and
+// sends nothing (a half-open connection, a stray client): go-zeromq
+// handshakes each accepted connection inline in its accept loop, so
+// before the handshake bound no engine could connect after such a peer.
+// The silent connection is closed after handshakeTimeout, the engine that
+// dials next is heard, and only the engine's connection is counted as one.
+func TestSubscriberBindSilentPeer(t *testing.T) {
+	ctx, cancel := context.WithCancel(testenv.Context(t, 60*time.Second))
+	defer cancel()
+	port := testenv.FreePort(t)
+	ep := fmt.Sprintf("tcp://127.0.0.1:%d", port)
+	connects, got := bindCounting(ctx, t, ep)
+	silent, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
+	time.Sleep(100 * time.Millisecond) // the accept loop is in its handshake
+	if n := connects.Load(); n != 1 {
+		t.Fatalf("a silent TCP connection counted as an engine connection (%d)", n-1)
+	}
+	pub, err := NewPublisher(ctx, PublisherConfig{Endpoint: ep, Dial: true, Topic: "kv", FirstSeq: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	testenv.WaitFor(t, 3*handshakeTimeout, "the engine's subscription behind a silent peer", pub.Subscribed)
+	for i := 0; i < 3; i++ {
+		if _, err := pub.Publish([]byte{byte(i)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testenv.WaitFor(t, 10*time.Second, "the engine's messages", func() bool { return len(got.seqs()) == 3 })
+	if n := connects.Load(); n != 2 {
+		t.Fatalf("engine connections counted %d, want 1", n-1)
+	}
+	// The silent peer's connection was closed by the bound (after the
+	// subscriber's own greeting, which it reads first).
+	_ = silent.SetReadDeadline(time.Now().Add(2 * handshakeTimeout))
+	for buf := make([]byte, 256); ; {
+		if _, err := silent.Read(buf); err != nil {
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				t.Fatal("the silent peer's connection still open after the handshake bound")
+			}
+			break
+		}
 	}
 }
 
