@@ -178,7 +178,9 @@ type SubscriberConfig struct {
 	OnMalformed func(error)
 	// OnConnect, when set, is called each time the socket is connected
 	// (or listening) again, on the Run goroutine, and, with Bind, each
-	// time an engine connects to it, on go-zeromq's accept goroutine.
+	// time an engine connects to it and completes its handshake (a TCP
+	// connection that sends no ZMTP greeting and READY is none), on
+	// go-zeromq's accept goroutine.
 	// Messages the engine published while it was not connected, and a
 	// tail no later message reveals as a gap, are only in the engine's
 	// replay buffer: the owner asks for them. An engine that dials comes
@@ -201,7 +203,7 @@ type SubscriberStats struct {
 type Subscriber struct {
 	cfg                             SubscriberConfig
 	messages, malformed, reconnects atomic.Uint64
-	accepted                        atomic.Uint64 // engine connections accepted (Bind)
+	accepted                        atomic.Uint64 // engine connections handshaken (Bind)
 	kick                            chan struct{}
 	topic                           string // of the last message (owned by Run)
 }
