@@ -57,6 +57,9 @@ type simRig struct {
 	// slowProbes: the bridge probes the engine every 10 s, not 200 ms, so
 	// that a restart is not found by two failed probes.
 	slowProbes bool
+	// replayDelay: the engine binds its replay socket that long after its
+	// publisher (enginezmq.PublisherConfig.ReplayDelay).
+	replayDelay time.Duration
 }
 
 const simModel = "sim-model"
@@ -90,7 +93,7 @@ func (r *simRig) startEngine() {
 		Engine:      sim.Config{Model: simModel, GPUBlocks: r.blocks, HashSeed: 3},
 		Listen:      r.httpAddr,
 		TimeScale:   50,
-		Events:      simserver.EventsConfig{Endpoint: r.pubEP, Dial: r.dialing, ReplayEndpoint: r.replayEP},
+		Events:      simserver.EventsConfig{Endpoint: r.pubEP, Dial: r.dialing, ReplayEndpoint: r.replayEP, ReplayDelay: r.replayDelay},
 		NoStartTime: r.dialing,
 	})
 	r.engMu.Lock()
@@ -739,24 +742,42 @@ func TestE2EEngineRestartFastDialing(t *testing.T) {
 	// on a loaded machine, and the test would pass without the new
 	// connection's check.
 	r.slowProbes = true
-	c, a, _ := r.serving("before the restart")
-	// Long past the bridge's checks at its own start (listening, and
-	// tailRecheck after), so that only the engine's new connection can
-	// trigger one.
-	time.Sleep(time.Second)
-
-	w := r.watchStale(c, a)
-	r.killEngine()
-	r.startEngine()
-	r.waitIndex(a, "after the restart, nothing requested")
-	win := w.window()
-	t.Logf("stale window after kill+restart (dialing engine, no start time): %v", win)
-	if win > staleBound {
-		t.Fatalf("stale blocks counted live for %v after the engine restarted", win)
-	}
+	_, a := r.idleRestart("after the restart, nothing requested")
 	r.traffic(20)
 	r.waitIndex(a, "after the restart and traffic")
 	r.checkNewRouter()
+}
+
+// TestE2EEngineRestartFastDialing with an engine whose replay socket comes
+// up 2 s after its publisher connects, past the connection's check and its
+// 500 ms recheck: the bridge asks again, doubling the wait, until the
+// replay answers. Before, the old process's blocks stayed live until the
+// engine's next message (forever here: nothing is requested).
+func TestE2EEngineRestartFastDialingLateReplay(t *testing.T) {
+	r := newSimRig(t, 64)
+	r.dialing, r.slowProbes, r.replayDelay = true, true, 2*time.Second
+	r.idleRestart("after the restart, nothing requested, the replay up 2 s after the connection")
+}
+
+// idleRestart serves, waits a second (past the bridge's checks at its own
+// start: listening, and tailRecheck after, so that only the engine's new
+// connection can trigger one), kills and restarts the engine, requests
+// nothing, and fails unless the index drops the old process's blocks
+// within staleBound.
+func (r *simRig) idleRestart(what string) (*consumer.Consumer, *tableApplier) {
+	r.t.Helper()
+	c, a, _ := r.serving("before the restart")
+	time.Sleep(time.Second)
+	w := r.watchStale(c, a)
+	r.killEngine()
+	r.startEngine()
+	r.waitIndex(a, what)
+	win := w.window()
+	r.t.Logf("stale window after kill+restart, %s: %v", what, win)
+	if win > staleBound {
+		r.t.Fatalf("stale blocks counted live for %v after the engine restarted", win)
+	}
+	return c, a
 }
 
 // The engine dies and stays dead long enough for the bridge's reconnect

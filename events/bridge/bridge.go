@@ -375,6 +375,11 @@ type instance struct {
 	lost      chan struct{} // signalled (cap 1) when enqueue drops
 	storeNow  chan struct{} // signalled (cap 1) when the stream had to be made again
 	tail      chan struct{} // signalled (cap 1) when the subscriber (re)connected
+	// connected: set at each (re)connection, taken by catchTail, which
+	// then starts its retries over; tailRetry is the wait before its next
+	// retry (processing goroutine only).
+	connected *atomic.Bool
+	tailRetry time.Duration
 	probes    chan probeResult
 	ageNow    chan struct{} // signalled (cap 1) when aged tiers are due a sweep
 	started   atomic.Bool
@@ -433,6 +438,7 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 	}
 	frames := b.m.drops.WithLabelValues(s.Instance, "frames")
 	tail := make(chan struct{}, 1)
+	connected := new(atomic.Bool)
 	signalTail := func() {
 		select {
 		case tail <- struct{}{}:
@@ -444,25 +450,26 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		// Once connected, and again when the subscription has surely
 		// reached the engine (ZMQ drops what a PUB sends before), ask
 		// the replay for what was published meanwhile.
-		OnConnect: func() { signalTail(); time.AfterFunc(tailRecheck, signalTail) }})
+		OnConnect: func() { connected.Store(true); signalTail(); time.AfterFunc(tailRecheck, signalTail) }})
 	if err != nil {
 		return nil, fmt.Errorf("bridge: instance %s: %w", s.Instance, err)
 	}
 	in := &instance{
-		b:        b,
-		src:      s,
-		log:      b.cfg.Logger.With("instance", s.Instance, "rank", s.Rank),
-		sub:      sub,
-		replay:   enginezmq.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
-		in:       make(chan enginezmq.Message, b.cfg.Buffer),
-		lost:     make(chan struct{}, 1),
-		tail:     tail,
-		storeNow: make(chan struct{}, 1),
-		probes:   make(chan probeResult, 1),
-		ageNow:   make(chan struct{}, 1),
-		table:    NewTable(b.cfg.MaxBlocks),
-		counters: newInstanceCounters(b.m, s.Instance),
-		dec:      events.Decoder{Retain: true},
+		b:         b,
+		src:       s,
+		log:       b.cfg.Logger.With("instance", s.Instance, "rank", s.Rank),
+		sub:       sub,
+		replay:    enginezmq.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
+		in:        make(chan enginezmq.Message, b.cfg.Buffer),
+		lost:      make(chan struct{}, 1),
+		tail:      tail,
+		connected: connected,
+		storeNow:  make(chan struct{}, 1),
+		probes:    make(chan probeResult, 1),
+		ageNow:    make(chan struct{}, 1),
+		table:     NewTable(b.cfg.MaxBlocks),
+		counters:  newInstanceCounters(b.m, s.Instance),
+		dec:       events.Decoder{Retain: true},
 	}
 	in.enc.Store(uint32(events.EncodingMap))
 	pool := b.cfg.Pool

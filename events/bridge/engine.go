@@ -335,6 +335,23 @@ func (in *instance) publishReplayed(ctx context.Context, msgs []enginezmq.Messag
 // sidecar uses (the engine is on the same host).
 const tailRecheck = 500 * time.Millisecond
 
+// maxTailRetry bounds catchTail's retries after a connection whose replay
+// did not answer: asked again after 0.5, 1, 2, 4 and 8 s. An engine that
+// sets its replay socket up only once its publisher is connected
+// (llm-d-inference-sim does, within milliseconds) is covered through a
+// slow start on a loaded node; past that, the engine's next message finds
+// what the replay would have (a gap, or a restart), as before.
+const maxTailRetry = 8 * time.Second
+
+// kickTail asks the processing goroutine for catchTail (a signal merged
+// with any pending one).
+func (in *instance) kickTail() {
+	select {
+	case in.tail <- struct{}{}:
+	default:
+	}
+}
+
 // catchTail publishes what the engine published while the subscriber was
 // not connected, after it (re)connects. A gap followed by a live message
 // is found anyway; a tail with nothing after it (an engine idle since)
@@ -359,14 +376,24 @@ func (in *instance) catchTail(ctx context.Context) error {
 	case known:
 		from = last + 1
 	}
+	if in.connected.Swap(false) {
+		in.tailRetry = 0 // a new connection: its retries start over
+	}
 	msgs, err := in.replayAll(ctx, from)
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
 	if err != nil {
-		in.log.Debug("replay after connect failed; the next message asks again", "from", from, "err", err)
+		// An engine may answer replays only a little after it connects:
+		// asked again, doubling the wait, up to maxTailRetry; then the
+		// next message asks.
+		if in.tailRetry = max(2*in.tailRetry, tailRecheck); in.tailRetry <= maxTailRetry {
+			time.AfterFunc(in.tailRetry, in.kickTail)
+		}
+		in.log.Debug("replay after connect failed", "from", from, "retry_in", in.tailRetry, "err", err)
 		return nil
 	}
+	in.tailRetry = 0
 	if check {
 		if len(msgs) == 0 || msgs[0].Seq != last || xxhash.Sum64(msgs[0].Payload) != hash {
 			in.log.Info("engine restarted while not connected to the bridge: clearing instance", "last_seq", last)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/go-zeromq/zmq4"
 )
@@ -31,6 +32,10 @@ type PublisherConfig struct {
 	// FirstSeq is the first sequence number (vLLM starts at 0, the
 	// simulator at 1).
 	FirstSeq uint64
+	// ReplayDelay binds the replay socket that long after the PUB socket,
+	// as an engine that sets its replay up only once its publisher is
+	// connected (llm-d-inference-sim); 0: at once.
+	ReplayDelay time.Duration
 }
 
 // Publisher emits KV-event messages exactly as a vLLM engine does: a PUB
@@ -44,6 +49,7 @@ type Publisher struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
+	rmu  sync.Mutex // orders a delayed replay bind (ReplayDelay) and Close
 	mu   sync.Mutex // guards next, ring and sending on pub
 	next uint64
 	ring []Message // the last BufferSteps messages, oldest first
@@ -78,14 +84,33 @@ func NewPublisher(ctx context.Context, cfg PublisherConfig) (*Publisher, error) 
 	}
 	if cfg.ReplayEndpoint != "" {
 		p.router = zmq4.NewRouter(ctx, zmq4.WithLogger(quietZMQLogger()))
-		if err := p.router.Listen(bufEndpoint(cfg.ReplayEndpoint)); err != nil {
-			cancel()
-			p.pub.Close()
-			p.router.Close()
-			return nil, fmt.Errorf("enginezmq: publisher replay %s: %w", cfg.ReplayEndpoint, err)
+		if cfg.ReplayDelay <= 0 {
+			if err := p.router.Listen(bufEndpoint(cfg.ReplayEndpoint)); err != nil {
+				cancel()
+				p.pub.Close()
+				p.router.Close()
+				return nil, fmt.Errorf("enginezmq: publisher replay %s: %w", cfg.ReplayEndpoint, err)
+			}
+			p.wg.Add(1)
+			go p.serveReplay(ctx)
+		} else {
+			p.wg.Add(1)
+			go func() {
+				defer p.wg.Done()
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(cfg.ReplayDelay):
+				}
+				p.rmu.Lock()
+				ok := ctx.Err() == nil && p.router.Listen(bufEndpoint(cfg.ReplayEndpoint)) == nil
+				p.rmu.Unlock()
+				if ok {
+					p.wg.Add(1)
+					p.serveReplay(ctx)
+				}
+			}()
 		}
-		p.wg.Add(1)
-		go p.serveReplay(ctx)
 	}
 	return p, nil
 }
@@ -202,7 +227,9 @@ func (p *Publisher) Close() error {
 	p.cancel()
 	err := p.pub.Close()
 	if p.router != nil {
+		p.rmu.Lock() // not while a delayed replay socket binds
 		err = errors.Join(err, p.router.Close())
+		p.rmu.Unlock()
 	}
 	p.wg.Wait()
 	return err

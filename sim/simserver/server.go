@@ -93,6 +93,10 @@ type EventsConfig struct {
 	HWM int
 	// LegacyReplay answers replay with [seq, payload] instead of [topic, seq, payload].
 	LegacyReplay bool
+	// ReplayDelay binds the replay socket that long after the PUB socket
+	// (llm-d-inference-sim sets its replay up once its publisher is
+	// connected); 0: at once.
+	ReplayDelay time.Duration
 	// Format is the engine whose events the server emits: FormatVLLM
 	// (default), FormatSGLang or FormatTRTLLM (engines.go). With
 	// FormatTRTLLM there are no ZMQ sockets: Endpoint only switches events
@@ -236,7 +240,7 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 			topic := strings.NewReplacer("{host}", host, "{port}", strconv.Itoa(port), "{rank}", strconv.Itoa(r), "{model}", model).Replace(ev.Topic)
 			pub, err = enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{
 				Endpoint: pubEP, Dial: ev.Dial, ReplayEndpoint: replayEP, Topic: topic,
-				BufferSteps: ev.BufferSteps, LegacyReplay: ev.LegacyReplay,
+				BufferSteps: ev.BufferSteps, LegacyReplay: ev.LegacyReplay, ReplayDelay: ev.ReplayDelay,
 				FirstSeq: 1, // per rank, from 1, as the captured engine does
 			})
 			if err != nil {
