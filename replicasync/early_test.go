@@ -13,12 +13,23 @@ import (
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
-// slowTick is a configuration whose interval is far longer than any wait
-// below: whatever a peer hears within it came by an early send.
+// slowTick is a configuration whose interval (slowInterval) is far longer
+// than any wait below: whatever a peer hears within it came by an early
+// send.
 func slowTick(pool, name string, m *Metrics) Config {
-	return Config{Pool: pool, Replica: name, Interval: 10 * time.Second, MinGap: time.Millisecond,
+	return Config{Pool: pool, Replica: name, Interval: slowInterval, MinGap: time.Millisecond,
 		Heartbeat: time.Minute, PeerTimeout: 3 * time.Minute, Metrics: m}
 }
+
+// slowInterval and earlyWait: the longest interval a configuration may
+// have, and an early send waited for up to just under it (these waits
+// timed out at 5 s on a loaded machine, a full make test beside other
+// runs): each wait is timed on its own, and what arrives within the
+// interval can only have been sent early.
+const (
+	slowInterval = 10 * time.Second
+	earlyWait    = 9 * time.Second
+)
 
 func newTestMetrics(t *testing.T) *Metrics {
 	t.Helper()
@@ -43,20 +54,24 @@ func TestChangedSendsEarly(t *testing.T) {
 	b := startReplica(t, url, slowTick(pool, "b", nil))
 	start := time.Now()
 	// b's hello makes a send its whole table and its announcements early.
-	testenv.WaitFor(t, 5*time.Second, "b catches up by a's early send", func() bool {
+	testenv.WaitFor(t, earlyWait, "b catches up by a's early send", func() bool {
 		f, _, _ := b.PeerLoad("i0")
 		return f == 2 && b.PeerExtend([]kvindex.Key{1, 2, 3}, 0, "i0", 0) == 3
 	})
+	if el := time.Since(start); el >= slowInterval {
+		t.Fatalf("b caught up after %v, the interval's time: not early", el)
+	}
+	start = time.Now()
 	a.set(Load{Instance: "i0", InFlight: 3}, Load{Instance: "i1", PendingTokens: 500, PendingRequests: 1})
 	a.Speculate("i1", []kvindex.Key{7, 8}, time.Minute)
 	a.Changed()
-	testenv.WaitFor(t, 5*time.Second, "b hears a's change", func() bool {
+	testenv.WaitFor(t, earlyWait, "b hears a's change", func() bool {
 		f, _, _ := b.PeerLoad("i0")
 		_, p, _ := b.PeerLoad("i1")
 		return f == 3 && p == 500 && b.PeerExtend([]kvindex.Key{7, 8}, 0, "i1", 0) == 2
 	})
-	if el := time.Since(start); el >= 10*time.Second {
-		t.Fatalf("took %v, the interval's time: not early", el)
+	if el := time.Since(start); el >= slowInterval {
+		t.Fatalf("b heard the change after %v, the interval's time: not early", el)
 	}
 	if n := value(am.early.WithLabelValues(pool, "sent")); n < 2 {
 		t.Fatalf("%v early sends counted, want >= 2", n)
@@ -172,20 +187,20 @@ func TestNoEarlySendWithoutPeer(t *testing.T) {
 		a.Changed()
 		time.Sleep(10 * time.Millisecond)
 	}
-	testenv.WaitFor(t, 5*time.Second, "a's lone changes counted", func() bool {
+	testenv.WaitFor(t, earlyWait, "a's lone changes counted", func() bool {
 		return value(am.early.WithLabelValues(pool, "no_peer")) >= 1
 	})
 	if n := value(am.messages.WithLabelValues(pool, "sent", "load")); n != 0 {
 		t.Fatalf("a lone replica sent %v load messages within its 10 s interval", n)
 	}
 	b := startReplica(t, url, slowTick(pool, "b", nil))
-	testenv.WaitFor(t, 5*time.Second, "b catches up by a's early send", func() bool {
+	testenv.WaitFor(t, earlyWait, "b catches up by a's early send", func() bool {
 		f, _, _ := b.PeerLoad("i0")
 		return f == 5
 	})
 	a.set(Load{Instance: "i0", InFlight: 9})
 	a.Changed()
-	testenv.WaitFor(t, 5*time.Second, "b hears a's change early", func() bool {
+	testenv.WaitFor(t, earlyWait, "b hears a's change early", func() bool {
 		f, _, _ := b.PeerLoad("i0")
 		return f == 9
 	})
