@@ -378,7 +378,7 @@ type instance struct {
 	// connected: set at each (re)connection, taken by catchTail, which
 	// then starts its retries over; tailRetry is the wait before its next
 	// retry (processing goroutine only).
-	connected *atomic.Bool
+	connected atomic.Bool
 	tailRetry time.Duration
 	probes    chan probeResult
 	ageNow    chan struct{} // signalled (cap 1) when aged tiers are due a sweep
@@ -437,40 +437,31 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		return nil, fmt.Errorf("bridge: %w", err)
 	}
 	frames := b.m.drops.WithLabelValues(s.Instance, "frames")
-	tail := make(chan struct{}, 1)
-	connected := new(atomic.Bool)
-	signalTail := func() {
-		select {
-		case tail <- struct{}{}:
-		default:
-		}
+	in := &instance{
+		b:        b,
+		src:      s,
+		log:      b.cfg.Logger.With("instance", s.Instance, "rank", s.Rank),
+		replay:   enginezmq.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
+		in:       make(chan enginezmq.Message, b.cfg.Buffer),
+		lost:     make(chan struct{}, 1),
+		tail:     make(chan struct{}, 1),
+		storeNow: make(chan struct{}, 1),
+		probes:   make(chan probeResult, 1),
+		ageNow:   make(chan struct{}, 1),
+		table:    NewTable(b.cfg.MaxBlocks),
+		counters: newInstanceCounters(b.m, s.Instance),
+		dec:      events.Decoder{Retain: true},
 	}
 	sub, err := enginezmq.NewSubscriber(enginezmq.SubscriberConfig{Endpoint: s.Endpoint, Bind: s.Bind, Topic: s.Topic, Logger: b.cfg.Logger,
 		OnMalformed: func(error) { frames.Inc() },
 		// Once connected, and again when the subscription has surely
 		// reached the engine (ZMQ drops what a PUB sends before), ask
 		// the replay for what was published meanwhile.
-		OnConnect: func() { connected.Store(true); signalTail(); time.AfterFunc(tailRecheck, signalTail) }})
+		OnConnect: func() { in.connected.Store(true); in.kickTail(); time.AfterFunc(tailRecheck, in.kickTail) }})
 	if err != nil {
 		return nil, fmt.Errorf("bridge: instance %s: %w", s.Instance, err)
 	}
-	in := &instance{
-		b:         b,
-		src:       s,
-		log:       b.cfg.Logger.With("instance", s.Instance, "rank", s.Rank),
-		sub:       sub,
-		replay:    enginezmq.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
-		in:        make(chan enginezmq.Message, b.cfg.Buffer),
-		lost:      make(chan struct{}, 1),
-		tail:      tail,
-		connected: connected,
-		storeNow:  make(chan struct{}, 1),
-		probes:    make(chan probeResult, 1),
-		ageNow:    make(chan struct{}, 1),
-		table:     NewTable(b.cfg.MaxBlocks),
-		counters:  newInstanceCounters(b.m, s.Instance),
-		dec:       events.Decoder{Retain: true},
-	}
+	in.sub = sub
 	in.enc.Store(uint32(events.EncodingMap))
 	pool := b.cfg.Pool
 	in.subj, _ = kvstream.EventsSubject(pool, s.Instance)

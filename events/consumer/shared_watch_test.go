@@ -178,23 +178,42 @@ func TestSharedRedisBackUntrustedUntilPositionsRead(t *testing.T) {
 }
 
 // savedWorld is a pool of e0 and quiet, heartbeating, one router that
-// consumed 20 rounds of both, and Redis's RDB saved then; saved is quiet's
-// position at the save.
-func savedWorld(t *testing.T, seed uint64) (w *sharedWorld, r *router, saved kvindex.Position) {
-	w = newSharedWorld(t, seed, "e0", "quiet")
+// consumed 20 rounds of both, Redis's RDB saved then, and 20 more rounds
+// of quiet consumed after it. saved is quiet's position at the save,
+// consumed its position now; base is quiet's snapshot events as of the
+// save, and savedSnap puts that snapshot in the bucket.
+type savedWorld struct {
+	*sharedWorld
+	r               *router
+	saved, consumed kvindex.Position
+	base            []events.Event
+	savedSnap       func()
+}
+
+func newSavedWorld(t *testing.T, seed uint64) savedWorld {
+	w := newSharedWorld(t, seed, "e0", "quiet")
 	stop := make(chan struct{})
 	hb := w.heartbeats(stop)
 	t.Cleanup(func() { close(stop); hb.Wait() })
-	r = w.startRouter()
+	r := w.startRouter()
 	w.publish(20)
 	w.converge("first messages", r)
 	w.saveRDB()
-	var err error
-	saved, err = r.idx.Position(w.ctx, "quiet")
+	saved, err := r.idx.Position(w.ctx, "quiet")
 	if err != nil || !saved.Seeded {
 		t.Fatalf("quiet's position at the save: %v, %v", saved, err)
 	}
-	return w, r, saved
+	base := slices.Clone(w.snapshots["quiet"].evs)
+	quiet := w.engines[slices.IndexFunc(w.engines, func(f *fakeEngine) bool { return f.name == "quiet" })]
+	savedSeq := quiet.seq
+	w.publish(20, "quiet")
+	w.converge("before the removal", r)
+	consumed, err := r.idx.Position(w.ctx, "quiet")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return savedWorld{sharedWorld: w, r: r, saved: saved, consumed: consumed, base: base,
+		savedSnap: func() { w.putSnapshot("quiet", saved.Seq, savedSeq, base) }}
 }
 
 // gapWorld is a router that consumed 20 messages of quiet after Redis
@@ -206,21 +225,9 @@ func savedWorld(t *testing.T, seed uint64) (w *sharedWorld, r *router, saved kvi
 // stream can reach it. saved is quiet's position at the save, and
 // savedSnap puts quiet's bucket snapshot as of then.
 func gapWorld(t *testing.T, seed uint64) (w *sharedWorld, r *router, saved kvindex.Position, savedSnap func()) {
-	w, r, saved = savedWorld(t, seed)
-	var quiet *fakeEngine
-	for _, f := range w.engines {
-		if f.name == "quiet" {
-			quiet = f
-		}
-	}
-	snapEvs, snapEngineSeq := slices.Clone(w.snapshots["quiet"].evs), quiet.seq
-	savedSnap = func() { w.putSnapshot("quiet", saved.Seq, snapEngineSeq, snapEvs) }
-	w.publish(20, "quiet")
-	w.converge("before the removal", r)
-	consumed, err := r.idx.Position(w.ctx, "quiet")
-	if err != nil {
-		t.Fatal(err)
-	}
+	sw := newSavedWorld(t, seed)
+	w, r, saved, savedSnap = sw.sharedWorld, sw.r, sw.saved, sw.savedSnap
+	consumed := sw.consumed
 	stream, err := w.js.Stream(w.ctx, w.cfg.Stream.Name)
 	if err != nil {
 		t.Fatal(err)
@@ -319,17 +326,9 @@ func assertNoFlap(t *testing.T, w *sharedWorld, r *router) {
 // RDB) and every one after it up to the hole go too, as a per-subject limit
 // removes an instance's oldest messages.
 func midGapWorld(t *testing.T, seed uint64, fromSave bool) (w *sharedWorld, r *router, saved kvindex.Position, savedSnap func()) {
-	w, r, saved = savedWorld(t, seed)
-	base := slices.Clone(w.snapshots["quiet"].evs)
-	quiet := w.engines[slices.IndexFunc(w.engines, func(f *fakeEngine) bool { return f.name == "quiet" })]
-	savedSeq := quiet.seq
-	savedSnap = func() { w.putSnapshot("quiet", saved.Seq, savedSeq, base) }
-	w.publish(20, "quiet")
-	w.converge("before the removal", r)
-	consumed, err := r.idx.Position(w.ctx, "quiet")
-	if err != nil {
-		t.Fatal(err)
-	}
+	sw := newSavedWorld(t, seed)
+	w, r, saved, savedSnap = sw.sharedWorld, sw.r, sw.saved, sw.savedSnap
+	base, consumed := sw.base, sw.consumed
 	// quiet's messages after the save, and the first of them, not the
 	// first nor the last, without which quiet's state would differ.
 	subj, _ := kvstream.EventsSubject(w.pool, "quiet")

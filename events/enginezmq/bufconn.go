@@ -105,8 +105,9 @@ func (l bufListener) Accept() (net.Conn, error) {
 	return bc, nil
 }
 
-// handshakeTimeout bounds an accepted connection's handshake: the time a
-// dialing subscriber's handshake is given (dialSession's dial timeout).
+// handshakeTimeout bounds a connection's handshake, either side: an
+// accepted connection's greeting and READY here, a dialing subscriber's
+// connect and ZMTP handshake (Subscriber.session, dialSession).
 const handshakeTimeout = 5 * time.Second
 
 // bufConn is a connection whose reads go through a buffer, each frame's
@@ -187,9 +188,8 @@ func (g *guardedReader) handshakeRead(err error) {
 }
 
 // refusedLinger bounds how long a connection whose frame was refused stays
-// open for the bytes before that frame: the handshake's own time bound
-// (dialSession's dial timeout).
-const refusedLinger = 5 * time.Second
+// open for the bytes before that frame: the handshake's own time bound.
+const refusedLinger = handshakeTimeout
 
 // refuse closes the connection (nothing after a refused header can be
 // read as frames) and returns the refusal.

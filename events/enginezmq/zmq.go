@@ -297,7 +297,7 @@ func (s *Subscriber) session(ctx context.Context, handle func(Message)) (got boo
 	if s.cfg.Bind {
 		sctx = context.WithValue(sctx, acceptHookKey{}, s.engineConnected)
 	}
-	sock := zmq4.NewSub(sctx, zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(quietZMQLogger()), zmq4.WithDialerTimeout(5*time.Second))
+	sock := zmq4.NewSub(sctx, zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(quietZMQLogger()), zmq4.WithDialerTimeout(handshakeTimeout))
 	defer sock.Close()
 	if err := sock.SetOption(zmq4.OptionSubscribe, s.cfg.Topic); err != nil {
 		return false, fmt.Errorf("subscribe: %w", err)
@@ -340,7 +340,7 @@ func (s *Subscriber) session(ctx context.Context, handle func(Message)) (got boo
 // (*zmq4.Conn).RecvMsg did (docs/BENCHMARKS.md §3, "Session 16"); the
 // subscription is the message a go-zeromq SUB socket sends, [0x01 topic].
 func (s *Subscriber) dialSession(ctx context.Context, addr string, handle func(Message)) (got bool, err error) {
-	d := net.Dialer{Timeout: 5 * time.Second}
+	d := net.Dialer{Timeout: handshakeTimeout}
 	c, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
 		return false, fmt.Errorf("dial: %w", err)

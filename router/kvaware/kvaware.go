@@ -712,14 +712,14 @@ func (s *KVAware) predict(ev *kvEval) {
 	for i := range ev.cands {
 		ce := &ev.cands[i]
 		var pTok float64
-		var pReq int64
+		var pReq, tok int64 // this router's waiting requests and the tokens they brought, read once
 		pc := ev.pending(st, i)
 		if pc != nil {
-			pReq = pc.reqs.Load()
+			pReq, tok = pc.reqs.Load(), pc.tokens.Load()
 		}
 		if st.peers.ps == nil {
 			if pc != nil {
-				pTok = pc.drainedTokens(now, float64(pc.tokens.Load()), drain)
+				pTok = pc.drainedTokens(now, float64(tok), drain)
 			}
 		} else {
 			// Replica sync: every replica's pending prefill drains by
@@ -734,7 +734,7 @@ func (s *KVAware) predict(ev *kvEval) {
 				for _, p := range sc.own {
 					listed += p.Tokens
 				}
-				pTok = float64(max(pc.tokens.Load()-listed, 0))
+				pTok = float64(max(tok-listed, 0))
 			}
 			mine := ce.inflight > 0 || pReq > 0
 			pTok += sharedQueue(now.UnixNano(), sc.own, started, mine, ownRate, sc.peerQ(i), sc)
@@ -744,10 +744,7 @@ func (s *KVAware) predict(ev *kvEval) {
 		// The tokens the waiting requests brought, before draining (the
 		// peers' too with replica sync): stepShare counts from their
 		// drained part how many are still to prefill.
-		pend := float64(ce.peer.tokens)
-		if pc != nil {
-			pend += float64(pc.tokens.Load())
-		}
+		pend := float64(ce.peer.tokens + tok)
 		ce.share, ce.room = s.sc.stepShare(pTok, pend, pReq)
 		var ld loadSample
 		ok := false
