@@ -152,35 +152,67 @@ func TestSharedLiveHoleNotLive(t *testing.T) {
 }
 
 // A hole in an instance's engine seqs in the middle of its stream (a
-// message removed), followed by a clear (here the engine's
-// AllBlocksCleared): the clear wipes whatever the lost message did, so
-// the state after it is exact from the stream alone. The repair's replay
-// refused the hole (errReplayGap) and, the snapshot being older than the
-// hole, left quiet not live for good; now it replays over it up to the
-// clear and on, and the index equals the engines.
+// message removed), followed by a clear (the engine's AllBlocksCleared,
+// or a bridge's resync: a clear and its table): the clear wipes whatever
+// the lost message did, so the state after it is exact from the stream
+// alone. The repair's replay refused the hole (errReplayGap) and, the
+// snapshot being older than the hole, left quiet not live until its next
+// message; now it replays over it up to the clear and on, and the index
+// equals the engines.
 func TestSharedReplayGapThenClearAccepted(t *testing.T) {
-	sw := newSavedWorld(t, 67)
-	w, r := sw.sharedWorld, sw.r
-	// quiet's messages since the save; the second of them goes.
-	since := w.messages("quiet", sw.saved.Seq)
-	if len(since) < 3 {
-		t.Fatalf("quiet published %d messages after the save", len(since))
+	for _, c := range []struct {
+		name   string
+		resync bool
+		seed   uint64
+	}{{"engine clear", false, 67}, {"bridge resync", true, 73}} {
+		t.Run(c.name, func(t *testing.T) {
+			sw := newSavedWorld(t, c.seed)
+			w, r := sw.sharedWorld, sw.r
+			// quiet's messages since the save; the second of them goes.
+			since := w.messages("quiet", sw.saved.Seq)
+			if len(since) < 3 {
+				t.Fatalf("quiet published %d messages after the save", len(since))
+			}
+			quiet := w.engine("quiet")
+			if c.resync {
+				w.resync(quiet)
+			} else {
+				clear(quiet.held)
+				w.send(quiet, []events.Event{{Kind: events.AllBlocksCleared}})
+			}
+			w.publish(5, "quiet")
+			w.converge("quiet's clear and after", r)
+			if err := w.stream().DeleteMsg(w.ctx, since[1].Sequence); err != nil {
+				t.Fatal(err)
+			}
+			w.redis.Kill()
+			testenv.WaitFor(t, 10*time.Second, "the outage noticed", func() bool { return !r.c.IndexConsistent() })
+			sw.savedSnap()  // the bucket's snapshot from before the hole
+			w.redis.Start() // loads the RDB: quiet at the save, before the hole
+			w.converge("a hole followed by a clear", r)
+			if g := quietGaps(r); g == 0 {
+				t.Fatal("converged, but the repair met no hole")
+			}
+		})
 	}
-	quiet := w.engine("quiet")
-	clear(quiet.held)
-	w.send(quiet, []events.Event{{Kind: events.AllBlocksCleared}})
-	w.publish(5, "quiet")
-	w.converge("quiet's clear and after", r)
-	if err := w.stream().DeleteMsg(w.ctx, since[1].Sequence); err != nil {
-		t.Fatal(err)
+}
+
+// resync publishes a bridge's resync of engine f: a synthetic message (no
+// engine seq) holding a clear and the bridge's table.
+func (w *sharedWorld) resync(f *fakeEngine) {
+	w.t.Helper()
+	evs := append([]events.Event{{Kind: events.AllBlocksCleared}}, w.snapshots[f.name].evs...)
+	p, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: evs}, events.EncodingMap)
+	if err != nil {
+		w.t.Fatal(err)
 	}
-	w.redis.Kill()
-	testenv.WaitFor(t, 10*time.Second, "the outage noticed", func() bool { return !r.c.IndexConsistent() })
-	sw.savedSnap()  // the bucket's snapshot from before the hole
-	w.redis.Start() // loads the RDB: quiet at the save, before the hole
-	w.converge("a hole followed by a clear", r)
-	if g := quietGaps(r); g == 0 {
-		t.Fatal("converged, but the repair met no hole")
+	subj, _ := kvstream.EventsSubject(w.pool, f.name)
+	h := kvstream.EventHeaders{Pool: w.pool, Instance: f.name, Synthetic: kvstream.SyntheticResync}
+	if _, err := w.js.PublishMsg(w.ctx, &nats.Msg{Subject: subj, Data: p, Header: h.Header()}); err != nil {
+		w.t.Fatal(err)
+	}
+	if _, err := w.truth.Apply(w.ctx, f.name, evs); err != nil {
+		w.t.Fatal(err)
 	}
 }
 
