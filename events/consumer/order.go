@@ -465,10 +465,12 @@ func (c *Consumer) setHole(in *inst, at uint64) {
 func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.EventHeaders, engineMsg bool, seq uint64, batch events.Batch, err error) (failed bool) {
 	var res kvindex.ApplyResult
 	var aerr error
-	if err == nil && in.hole != 0 && (clearsSeq(h.Synthetic) || clearsAll(batch.Events)) {
-		// Everything before the clear is wiped: the state after it is
-		// exact from the stream alone. (An apply that fails leaves the
-		// instance not live until a repair applies the message.)
+	if err == nil && in.hole != 0 && clearsAll(batch.Events) {
+		// Everything before the clear (the engine's, or a bridge's: its
+		// clears carry the event too; a resync's table chunks after one
+		// do not) is wiped: the state after it is exact from the stream
+		// alone. (An apply that fails leaves the instance not live until
+		// a repair applies the message.)
 		c.setHole(in, 0)
 	}
 	switch {

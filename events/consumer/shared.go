@@ -405,7 +405,7 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 		if err != nil {
 			continue // malformed: skipped (and counted) when consumed, never applied
 		}
-		clears := herr == nil && clearsSeq(h.Synthetic) || clearsAll(batch.Events)
+		clears := clearsAll(batch.Events)
 		r, err := c.shared.idx.ApplyAt(ctx, instance, pos, m.Sequence, batch.Events)
 		if err != nil {
 			c.m.applyErrors.Inc()
@@ -437,8 +437,10 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 }
 
 // clearFollows returns the stream seq of the instance's first message at
-// or after from and below upTo that clears its state (a bridge's clear,
-// or the engine's AllBlocksCleared); 0 when there is none.
+// or after from and below upTo that clears its state: one holding an
+// AllBlocksCleared, the engine's or a bridge's (whose clears carry it; the
+// table chunks of a resync after one are marked resync too, and clear
+// nothing); 0 when there is none.
 func (c *Consumer) clearFollows(ctx context.Context, subj string, from, upTo uint64) (uint64, error) {
 	for next := from; next < upTo && ctx.Err() == nil; {
 		m, err := getMsg(ctx, c.stream, next, subj)
@@ -452,13 +454,7 @@ func (c *Consumer) clearFollows(ctx context.Context, subj string, from, upTo uin
 			break
 		}
 		next = m.Sequence + 1
-		h, herr := kvstream.ParseEventHeaders(m.Header)
-		if herr != nil {
-			continue
-		}
-		if clearsSeq(h.Synthetic) {
-			return m.Sequence, nil
-		}
+		h, _ := kvstream.ParseEventHeaders(m.Header)
 		if b, err := decodeJoined(h, m.Data); err == nil && clearsAll(b.Events) {
 			return m.Sequence, nil
 		}
