@@ -423,7 +423,11 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 		pos = r.Position
 		c.mu.Lock()
 		if herr == nil && h.HasSeq && h.Synthetic == "" {
-			in.status.LastSeq, in.hasSeq = h.LastSeq(), true
+			// As ref, and as applyBatch: a duplicate does not lower it.
+			if !in.hasSeq || h.LastSeq() > in.status.LastSeq {
+				in.status.LastSeq = h.LastSeq()
+			}
+			in.hasSeq = true
 		}
 		if herr == nil && clearsSeq(h.Synthetic) {
 			in.hasSeq = false
