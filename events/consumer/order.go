@@ -390,17 +390,71 @@ func (c *Consumer) seqCheck(ctx context.Context, w work, in *inst, seq uint64) i
 					"instance", w.instance, "last_seq", in.status.LastSeq, "seq", seq)
 			}
 		} else if c.shared != nil {
-			// The stream lost messages of the instance: its state in the
-			// index misses them too. A snapshot past them replaces it.
-			if pos, err := c.seedShared(ctx, w.instance, in, w.streamSeq); err == nil {
-				c.setFrom(in, pos)
-			} else if !errors.Is(err, errOwned) {
-				c.setSynced(in, false)
-				c.cfg.Logger.Warn("consumer: snapshot load into the shared index failed, will retry", "instance", w.instance, "err", err)
-			}
+			c.repairHole(ctx, w, in, seq, true)
 		}
+	} else if c.shared != nil && in.hole != 0 && in.loadDue() {
+		c.repairHole(ctx, w, in, seq, false)
 	}
 	return seqApply
+}
+
+// repairHole loads the instance's snapshot into the shared index for a
+// hole in its engine seqs before message w (engine seq seq): found, the
+// hole was seen at w; else it was seen earlier and is still pending. The
+// stream lost messages of the instance, so its state in the index misses
+// them too: only a snapshot at or past the hole replaces it (seedShared
+// clears in.hole then), or a clear after it. One older than the hole (the
+// bridge did not answer, and the bucket's was taken before it) leaves the
+// instance not live, the message applied meanwhile; the load is tried
+// again at a later message (loadRetryAt apart), when the bridge's
+// snapshot is past the index's position — LoadAt refuses one at it, so a
+// periodic sync of a quiet instance cannot repair it.
+func (c *Consumer) repairHole(ctx context.Context, w work, in *inst, seq uint64, found bool) {
+	start := time.Now()
+	if found {
+		c.setHole(in, w.streamSeq)
+	}
+	pos, err := c.seedShared(ctx, w.instance, in, w.streamSeq)
+	switch {
+	case errors.Is(err, errOwned):
+		// Another router writes the instance: it meets the same hole in
+		// the stream and repairs it, as it applies every message.
+		c.setHole(in, 0)
+	case err == nil:
+		c.setFrom(in, pos)
+		// Past the hole: the index is at or past this message (another
+		// router got there first), or, when the hole was just found, the
+		// snapshot (and the replay after it) reached its engine seqs.
+		if pos.Seq >= w.streamSeq || found && in.hasSeq && seq <= in.status.LastSeq+1 {
+			c.setHole(in, 0)
+		}
+	default:
+		c.cfg.Logger.Warn("consumer: snapshot load into the shared index failed, will retry", "instance", w.instance, "err", err)
+	}
+	if in.hole == 0 {
+		in.retryAt = time.Time{}
+		return
+	}
+	in.retryAt = loadRetryAt(start, time.Now(), c.cfg.StaleAfter)
+	c.setSynced(in, false)
+	if !found {
+		return
+	}
+	c.mu.Lock()
+	in.status.ReplayLost++
+	c.mu.Unlock()
+	c.m.replayLost.Inc()
+	if ok, suppressed := c.logLimit.Allow("shared_hole"); ok {
+		c.cfg.Logger.Warn("consumer: engine seq gap in the stream not repaired by a snapshot in the shared index; not live until a snapshot past it or a clear",
+			"instance", w.instance, "last_seq", in.status.LastSeq, "seq", seq, "stream_seq", w.streamSeq, "suppressed", suppressed)
+	}
+}
+
+// setHole sets the instance's pending hole (inst.hole; 0: none).
+func (c *Consumer) setHole(in *inst, at uint64) {
+	c.mu.Lock()
+	in.hole = at
+	c.mu.Unlock()
 }
 
 // applyBatch applies one decoded engine payload (err: it could not be
@@ -411,6 +465,14 @@ func (c *Consumer) seqCheck(ctx context.Context, w work, in *inst, seq uint64) i
 func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.EventHeaders, engineMsg bool, seq uint64, batch events.Batch, err error) (failed bool) {
 	var res kvindex.ApplyResult
 	var aerr error
+	if err == nil && in.hole != 0 && clearsAll(batch.Events) {
+		// Everything before the clear (the engine's, or a bridge's: its
+		// clears carry the event too; a resync's table chunks after one
+		// do not) is wiped: the state after it is exact from the stream
+		// alone. (An apply that fails leaves the instance not live until
+		// a repair applies the message.)
+		c.setHole(in, 0)
+	}
 	switch {
 	case err == nil && c.shared != nil:
 		res, aerr = c.applyShared(ctx, w.instance, in, w.streamSeq, batch.Events)
@@ -428,10 +490,15 @@ func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.
 		c.seenAt(in, w.stored, now)
 	}
 	if engineMsg {
-		st.LastSeq, in.hasSeq = seq, true
+		// A duplicate (applied again in the shared index) does not lower
+		// it: lowered, the next message would read as a hole, and a
+		// snapshot reload — not live when the snapshot is older — follow.
+		if !in.hasSeq || seq > st.LastSeq {
+			st.LastSeq = seq
+		}
+		in.hasSeq = true
 	}
-	switch h.Synthetic {
-	case kvstream.SyntheticGap, kvstream.SyntheticRestart, kvstream.SyntheticResync:
+	if clearsSeq(h.Synthetic) {
 		// The bridge cleared the instance: seq continuity starts over.
 		st.Clears++
 		in.hasSeq = false

@@ -317,6 +317,9 @@ func (c *Consumer) seedShared(ctx context.Context, instance string, in *inst, up
 		c.mu.Lock()
 		in.status.SnapshotSeq = snap.StreamSeq
 		in.status.LastSeq, in.hasSeq = snap.EngineSeq, snap.HasSeq
+		if in.hole != 0 && snap.StreamSeq >= in.hole {
+			in.hole = 0 // the bridge's table past the hole replaced the state
+		}
 		c.mu.Unlock()
 		c.cfg.Logger.Info("consumer: loaded snapshot into the shared index", "instance", instance, "source", source,
 			"blocks", snap.Blocks, "stream_seq", snap.StreamSeq)
@@ -334,12 +337,16 @@ func (c *Consumer) seedShared(ctx context.Context, instance string, in *inst, up
 // upTo, in order, each at the position the previous one left. ref is the
 // engine seq the index's state is at, when known: a message whose engine
 // seq does not continue from the one before it (a message between them is
-// gone from the stream) ends the replay with errReplayGap, counted as a
-// gap, at the position before it.
+// gone from the stream) is a hole, counted as a gap. A clear after it
+// below upTo (a bridge's, or the engine's AllBlocksCleared) wipes what the
+// lost messages did, so the replay goes on over it, the instance held not
+// live (inst.hole) until the clear is applied; without one, the replay
+// ends with errReplayGap at the position before it.
 func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, pos kvindex.Position, upTo uint64, ref engineRef) (kvindex.Position, error) {
 	subj, _ := kvstream.EventsSubject(c.cfg.Pool, instance)
 	applied := 0
 	defer func() { c.m.replayed.Add(float64(applied)) }()
+	var wipedBy uint64 // the stream seq of a clear found after an accepted hole
 	for next := pos.Seq + 1; next < upTo && ctx.Err() == nil; {
 		m, err := getMsg(ctx, c.stream, next, subj)
 		if errors.Is(err, jetstream.ErrMsgNotFound) {
@@ -367,8 +374,24 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 			if first {
 				c.m.gaps.Inc()
 			}
-			return pos, fmt.Errorf("%w: %s at engine seq %d, the next message the stream holds (stream seq %d) is engine seq %d",
-				errReplayGap, instance, ref.seq, m.Sequence, h.Seq)
+			if m.Sequence > wipedBy {
+				at, err := c.clearFollows(ctx, subj, m.Sequence, upTo)
+				if err != nil {
+					return pos, err
+				}
+				if at == 0 {
+					return pos, fmt.Errorf("%w: %s at engine seq %d, the next message the stream holds (stream seq %d) is engine seq %d",
+						errReplayGap, instance, ref.seq, m.Sequence, h.Seq)
+				}
+				wipedBy = at
+				c.setHole(in, max(in.hole, m.Sequence))
+				if first {
+					if ok, suppressed := c.logLimit.Allow("replay_gap"); ok {
+						c.cfg.Logger.Info("consumer: shared index repair replays over a hole in the stream that a clear after it wipes; not live until the clear",
+							"instance", instance, "engine_seq", ref.seq, "stream_seq", m.Sequence, "next_engine_seq", h.Seq, "clear_stream_seq", at, "suppressed", suppressed)
+					}
+				}
+			}
 		}
 		switch {
 		case engineMsg && (!ref.known || h.LastSeq() > ref.seq):
@@ -382,6 +405,7 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 		if err != nil {
 			continue // malformed: skipped (and counted) when consumed, never applied
 		}
+		clears := clearsAll(batch.Events)
 		r, err := c.shared.idx.ApplyAt(ctx, instance, pos, m.Sequence, batch.Events)
 		if err != nil {
 			c.m.applyErrors.Inc()
@@ -397,19 +421,49 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 			return r.Position, fmt.Errorf("consumer: shared index of %s moved to %v during replay", instance, r.Position)
 		}
 		pos = r.Position
-		if herr == nil {
-			c.mu.Lock()
-			if h.HasSeq && h.Synthetic == "" {
-				in.status.LastSeq, in.hasSeq = h.LastSeq(), true
+		c.mu.Lock()
+		if herr == nil && h.HasSeq && h.Synthetic == "" {
+			// As ref, and as applyBatch: a duplicate does not lower it.
+			if !in.hasSeq || h.LastSeq() > in.status.LastSeq {
+				in.status.LastSeq = h.LastSeq()
 			}
-			switch h.Synthetic {
-			case kvstream.SyntheticGap, kvstream.SyntheticRestart, kvstream.SyntheticResync:
-				in.hasSeq = false
-			}
-			c.mu.Unlock()
+			in.hasSeq = true
 		}
+		if herr == nil && clearsSeq(h.Synthetic) {
+			in.hasSeq = false
+		}
+		if clears && in.hole != 0 && m.Sequence >= in.hole {
+			in.hole = 0 // what the lost messages did is wiped
+		}
+		c.mu.Unlock()
 	}
 	return pos, nil
+}
+
+// clearFollows returns the stream seq of the instance's first message at
+// or after from and below upTo that clears its state: one holding an
+// AllBlocksCleared, the engine's or a bridge's (whose clears carry it; the
+// table chunks of a resync after one are marked resync too, and clear
+// nothing); 0 when there is none.
+func (c *Consumer) clearFollows(ctx context.Context, subj string, from, upTo uint64) (uint64, error) {
+	for next := from; next < upTo && ctx.Err() == nil; {
+		m, err := getMsg(ctx, c.stream, next, subj)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			return 0, nil
+		}
+		if err != nil {
+			return 0, fmt.Errorf("consumer: read stream at %d: %w", next, err)
+		}
+		if m.Sequence >= upTo {
+			break
+		}
+		next = m.Sequence + 1
+		h, _ := kvstream.ParseEventHeaders(m.Header)
+		if b, err := decodeJoined(h, m.Data); err == nil && clearsAll(b.Events) {
+			return m.Sequence, nil
+		}
+	}
+	return 0, ctx.Err()
 }
 
 // syncShared checks an instance's state in the index against what this
@@ -499,9 +553,11 @@ func (c *Consumer) setExpect(p kvindex.Position, in *inst) {
 }
 
 // setSynced records whether the instance's state in the index is known
-// whole; not synced means not live for routing.
+// whole; not synced means not live for routing. With a hole pending
+// (inst.hole) it is not, whatever ok says.
 func (c *Consumer) setSynced(in *inst, ok bool) {
 	c.mu.Lock()
+	ok = ok && in.hole == 0 // a hole pending: not whole, whatever the position
 	if in.status.IndexUnsynced == ok {
 		in.status.IndexUnsynced = !ok
 		if ok {

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
@@ -129,6 +130,12 @@ type sharedWorld struct {
 	// wrapIndex, when set, wraps each router's index as its consumer's
 	// applier (a test's fault or gate between the consumer and Redis).
 	wrapIndex func(*kvindex.Redis) SharedApplier
+	// keepBucket: publishing leaves the bucket's snapshots as they are (a
+	// bridge whose bucket writes stopped; its table still follows).
+	// snapshotFirst: the snapshot at a message is put before the message
+	// is published, as a bridge answering a request has it as soon as the
+	// message can be consumed.
+	keepBucket, snapshotFirst bool
 }
 
 // snapshotTable is an engine's block table as the bridge keeps it: a
@@ -157,51 +164,96 @@ func (w *sharedWorld) publish(rounds int, only ...string) {
 			if len(only) > 0 && !slices.Contains(only, f.name) {
 				continue
 			}
-			var p []byte
 			var batches [][]events.Event
 			for len(batches) < max(w.coalesce, 1) {
 				evs := f.next(w.rng)
 				if evs == nil {
 					break
 				}
-				b, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: evs}, events.EncodingMap)
-				if err != nil {
-					w.t.Fatal(err)
-				}
-				p = append(p, b...)
 				batches = append(batches, evs)
 			}
-			if len(batches) == 0 {
-				continue
+			if len(batches) > 0 {
+				w.send(f, batches...)
 			}
-			subj, _ := kvstream.EventsSubject(w.pool, f.name)
-			h := kvstream.EventHeaders{Seq: f.seq + 1, HasSeq: true, Pool: w.pool, Instance: f.name}
-			f.seq += uint64(len(batches))
-			if len(batches) > 1 {
-				h.Batches = len(batches)
-			}
-			ack, err := w.js.PublishMsg(w.ctx, &nats.Msg{Subject: subj, Data: p, Header: h.Header()})
-			if err != nil {
-				w.t.Fatal(err)
-			}
-			st := w.snapshots[f.name]
-			if st == nil {
-				st = &snapshotTable{}
-				w.snapshots[f.name] = st
-			}
-			for _, evs := range batches {
-				if _, err := w.truth.Apply(w.ctx, f.name, evs); err != nil {
-					w.t.Fatal(err)
-				}
-				if evs[0].Kind == events.AllBlocksCleared {
-					st.evs = nil
-				} else {
-					st.evs = append(st.evs, evs...)
-				}
-			}
-			w.putSnapshot(f.name, ack.Sequence, f.seq, st.evs)
 		}
 	}
+}
+
+// send publishes batches of engine f, with its next engine seqs, as one
+// message (coalesced when several), applies them to the truth and the
+// bridge's table, and puts the table in the bucket as the snapshot at the
+// message (unless keepBucket; with snapshotFirst, before publishing it).
+func (w *sharedWorld) send(f *fakeEngine, batches ...[]events.Event) {
+	w.t.Helper()
+	var p []byte
+	for _, evs := range batches {
+		b, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: evs}, events.EncodingMap)
+		if err != nil {
+			w.t.Fatal(err)
+		}
+		p = append(p, b...)
+	}
+	subj, _ := kvstream.EventsSubject(w.pool, f.name)
+	h := kvstream.EventHeaders{Seq: f.seq + 1, HasSeq: true, Pool: w.pool, Instance: f.name}
+	if len(batches) > 1 {
+		h.Batches = len(batches)
+	}
+	st := w.table(f, batches...)
+	var next uint64
+	if w.snapshotFirst {
+		// The message's stream seq, known before it is published: the
+		// test publishes nothing else meanwhile (checked below).
+		info, err := w.stream().Info(w.ctx)
+		if err != nil {
+			w.t.Fatal(err)
+		}
+		next = info.State.LastSeq + 1
+		w.putSnapshot(f.name, next, f.seq, st.evs)
+	}
+	ack, err := w.js.PublishMsg(w.ctx, &nats.Msg{Subject: subj, Data: p, Header: h.Header()})
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	switch {
+	case w.snapshotFirst && ack.Sequence != next:
+		w.t.Fatalf("message stored at stream seq %d, its snapshot put at %d", ack.Sequence, next)
+	case !w.snapshotFirst && !w.keepBucket:
+		w.putSnapshot(f.name, ack.Sequence, f.seq, st.evs)
+	}
+}
+
+// table applies batches of engine f to the truth and to the bridge's
+// table of f, advancing f's engine seq by one per batch, and returns the
+// table.
+func (w *sharedWorld) table(f *fakeEngine, batches ...[]events.Event) *snapshotTable {
+	w.t.Helper()
+	st := w.snapshots[f.name]
+	if st == nil {
+		st = &snapshotTable{}
+		w.snapshots[f.name] = st
+	}
+	for _, evs := range batches {
+		f.seq++
+		if _, err := w.truth.Apply(w.ctx, f.name, evs); err != nil {
+			w.t.Fatal(err)
+		}
+		if evs[0].Kind == events.AllBlocksCleared {
+			st.evs = nil
+		} else {
+			st.evs = append(st.evs, evs...)
+		}
+	}
+	return st
+}
+
+// stream is the world's events stream.
+func (w *sharedWorld) stream() jetstream.Stream {
+	w.t.Helper()
+	s, err := w.js.Stream(w.ctx, w.cfg.Stream.Name)
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	return s
 }
 
 // putSnapshot writes a bucket snapshot of instance at stream position

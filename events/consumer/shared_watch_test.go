@@ -191,13 +191,7 @@ type savedWorld struct {
 }
 
 func newSavedWorld(t *testing.T, seed uint64) savedWorld {
-	w := newSharedWorld(t, seed, "e0", "quiet")
-	stop := make(chan struct{})
-	hb := w.heartbeats(stop)
-	t.Cleanup(func() { close(stop); hb.Wait() })
-	r := w.startRouter()
-	w.publish(20)
-	w.converge("first messages", r)
+	w, r := holeWorld(t, seed)
 	w.saveRDB()
 	saved, err := r.idx.Position(w.ctx, "quiet")
 	if err != nil || !saved.Seeded {

@@ -1,0 +1,268 @@
+package consumer
+
+import (
+	"context"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/tiers"
+)
+
+// holeWorld is a pool of e0 and quiet, heartbeating, and one router that
+// consumed 20 rounds of both.
+func holeWorld(t *testing.T, seed uint64) (*sharedWorld, *router) {
+	w := newSharedWorld(t, seed, "e0", "quiet")
+	stop := make(chan struct{})
+	hb := w.heartbeats(stop)
+	t.Cleanup(func() { close(stop); hb.Wait() })
+	r := w.startRouter()
+	w.publish(20)
+	w.converge("first messages", r)
+	return w, r
+}
+
+// engine is the world's engine called name.
+func (w *sharedWorld) engine(name string) *fakeEngine {
+	w.t.Helper()
+	i := slices.IndexFunc(w.engines, func(f *fakeEngine) bool { return f.name == name })
+	if i < 0 {
+		w.t.Fatalf("no engine %s", name)
+	}
+	return w.engines[i]
+}
+
+// instBlocks is instance's block counters in idx.
+func instBlocks(ctx context.Context, idx kvindex.Index, instance string) [tiers.Count]int {
+	st, _ := idx.Instances(ctx)
+	for _, s := range st {
+		if s.Instance == instance {
+			return s.Blocks
+		}
+	}
+	return [tiers.Count]int{}
+}
+
+// lose has engine name change its cache without the change reaching the
+// stream, as when the stream lost the messages before the router read
+// them (retention passed it): batches are drawn, applied to the truth and
+// the bridge's table, and never published, until the engine holds other
+// blocks than before.
+func (w *sharedWorld) lose(name string) {
+	w.t.Helper()
+	f := w.engine(name)
+	was := instBlocks(w.ctx, w.truth, name)
+	for n := 0; instBlocks(w.ctx, w.truth, name) == was; n++ {
+		if n == 100 {
+			w.t.Fatalf("%s: 100 draws changed nothing", name)
+		}
+		if evs := f.next(w.rng); evs != nil {
+			w.table(f, evs)
+		}
+	}
+}
+
+// appliedLast waits until the router's index is at engine name's last
+// message in the stream.
+func (w *sharedWorld) appliedLast(r *router, name string) {
+	w.t.Helper()
+	subj, _ := kvstream.EventsSubject(w.pool, name)
+	last, err := w.stream().GetLastMsgForSubject(w.ctx, subj)
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	testenv.WaitFor(w.t, 20*time.Second, name+"'s last message applied", func() bool {
+		p, err := r.idx.Position(w.ctx, name)
+		return err == nil && p.Seq >= last.Sequence
+	})
+}
+
+// messages is engine name's messages in the stream after stream seq after.
+func (w *sharedWorld) messages(name string, after uint64) []*jetstream.RawStreamMsg {
+	w.t.Helper()
+	subj, _ := kvstream.EventsSubject(w.pool, name)
+	stream := w.stream()
+	var out []*jetstream.RawStreamMsg
+	for seq := after + 1; ; {
+		m, err := stream.GetMsg(w.ctx, seq, jetstream.WithGetMsgSubject(subj))
+		if err != nil {
+			return out
+		}
+		out, seq = append(out, m), m.Sequence+1
+	}
+}
+
+// A live message whose engine seq jumps (the stream lost the messages
+// before it) in the shared index: the consumer loads the snapshot, and
+// when the one it gets is older than the hole (the bridge did not answer;
+// the bucket's was put before the lost messages) it applied the message
+// and read the instance live, while the index lacked what the lost
+// messages did. Now quiet is not live until a snapshot past the hole is
+// loaded: at a later message, when the bridge's is past the index's
+// position, after which the index equals the engines.
+func TestSharedLiveHoleNotLive(t *testing.T) {
+	w, r := holeWorld(t, 61)
+	w.keepBucket = true // the bucket keeps quiet's snapshot from before the hole
+	lostBefore := counterValue(r.c.m.replayLost)
+	w.lose("quiet")
+	w.publishOne("quiet")
+	w.appliedLast(r, "quiet")
+	idx, truth := instBlocks(w.ctx, r.idx, "quiet"), instBlocks(w.ctx, w.truth, "quiet")
+	if idx == truth {
+		t.Fatalf("the lost messages changed nothing the index shows (%v)", truth)
+	}
+	samples := 0
+	for range 25 {
+		_, _ = r.c.dueShared(w.ctx, sharedLease) // the check, as watchShared runs it
+		for end := time.Now().Add(60 * time.Millisecond); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
+			if r.c.Live("quiet") || r.c.IndexConsistent() {
+				t.Fatalf("quiet read live (index consistent %v) after a hole in its engine seqs: the index holds %v blocks, the engine %v",
+					r.c.IndexConsistent(), idx, truth)
+			}
+			samples++
+		}
+	}
+	if samples == 0 {
+		t.Fatal("no sample taken")
+	}
+	if got := counterValue(r.c.m.replayLost) - lostBefore; got != 1 {
+		t.Fatalf("replay_lost counted %v times for one hole", got)
+	}
+	// The bridge's snapshot at quiet's next message is past the hole (and
+	// past the index's position): a message a little over loadRetryAt's
+	// second after the failed repair brings it.
+	w.keepBucket, w.snapshotFirst = false, true
+	deadline := time.Now().Add(20 * time.Second)
+	for !r.c.Live("quiet") {
+		if time.Now().After(deadline) {
+			t.Fatalf("quiet not live 20 s after the hole: %+v", r.c.status("quiet"))
+		}
+		w.publishOne("quiet")
+		w.appliedLast(r, "quiet")
+		time.Sleep(300 * time.Millisecond)
+	}
+	w.converge("a snapshot past the hole", r)
+}
+
+// A hole in an instance's engine seqs in the middle of its stream (a
+// message removed), followed by a clear (the engine's AllBlocksCleared,
+// or a bridge's resync: a clear and its table): the clear wipes whatever
+// the lost message did, so the state after it is exact from the stream
+// alone. The repair's replay refused the hole (errReplayGap) and, the
+// snapshot being older than the hole, left quiet not live until its next
+// message; now it replays over it up to the clear and on, and the index
+// equals the engines.
+func TestSharedReplayGapThenClearAccepted(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		resync bool
+		seed   uint64
+	}{{"engine clear", false, 67}, {"bridge resync", true, 73}} {
+		t.Run(c.name, func(t *testing.T) {
+			sw := newSavedWorld(t, c.seed)
+			w, r := sw.sharedWorld, sw.r
+			// quiet's messages since the save; the second of them goes.
+			since := w.messages("quiet", sw.saved.Seq)
+			if len(since) < 3 {
+				t.Fatalf("quiet published %d messages after the save", len(since))
+			}
+			quiet := w.engine("quiet")
+			if c.resync {
+				w.resync(quiet)
+			} else {
+				clear(quiet.held)
+				w.send(quiet, []events.Event{{Kind: events.AllBlocksCleared}})
+			}
+			w.publish(5, "quiet")
+			w.converge("quiet's clear and after", r)
+			if err := w.stream().DeleteMsg(w.ctx, since[1].Sequence); err != nil {
+				t.Fatal(err)
+			}
+			w.redis.Kill()
+			testenv.WaitFor(t, 10*time.Second, "the outage noticed", func() bool { return !r.c.IndexConsistent() })
+			sw.savedSnap()  // the bucket's snapshot from before the hole
+			w.redis.Start() // loads the RDB: quiet at the save, before the hole
+			w.converge("a hole followed by a clear", r)
+			if g := quietGaps(r); g == 0 {
+				t.Fatal("converged, but the repair met no hole")
+			}
+		})
+	}
+}
+
+// resync publishes a bridge's resync of engine f: a synthetic message (no
+// engine seq) holding a clear and the bridge's table.
+func (w *sharedWorld) resync(f *fakeEngine) {
+	w.t.Helper()
+	evs := append([]events.Event{{Kind: events.AllBlocksCleared}}, w.snapshots[f.name].evs...)
+	p, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: evs}, events.EncodingMap)
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	subj, _ := kvstream.EventsSubject(w.pool, f.name)
+	h := kvstream.EventHeaders{Pool: w.pool, Instance: f.name, Synthetic: kvstream.SyntheticResync}
+	if _, err := w.js.PublishMsg(w.ctx, &nats.Msg{Subject: subj, Data: p, Header: h.Header()}); err != nil {
+		w.t.Fatal(err)
+	}
+	if _, err := w.truth.Apply(w.ctx, f.name, evs); err != nil {
+		w.t.Fatal(err)
+	}
+}
+
+// A duplicate of an earlier engine message (a message stored twice, a
+// second bridge publishing behind the first) in the shared index, where
+// it is not skipped, consumed or (after Redis restored from an RDB before
+// it) replayed: it lowered the instance's last engine seq, so the next
+// message read as a hole — a gap counted and a snapshot reload, and, with
+// the snapshot older than the index (here the bucket's), the instance
+// not live. The last seq keeps its maximum.
+func TestSharedDuplicateDoesNotLowerLastSeq(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		replayed bool
+		seed     uint64
+	}{{"consumed", false, 71}, {"replayed", true, 79}} {
+		t.Run(c.name, func(t *testing.T) {
+			w, r := holeWorld(t, c.seed)
+			w.publish(5, "quiet")
+			w.converge("quiet's messages", r)
+			w.keepBucket = true // a false hole's reload finds the bucket's snapshot, at the index's position
+			if c.replayed {
+				w.saveRDB()
+			}
+			msgs := w.messages("quiet", 0)
+			dup := msgs[len(msgs)-2] // engine seq one below the last applied
+			ack, err := w.js.PublishMsg(w.ctx, &nats.Msg{Subject: dup.Subject, Data: dup.Data, Header: dup.Header})
+			if err != nil {
+				t.Fatal(err)
+			}
+			w.appliedLast(r, "quiet")
+			if c.replayed {
+				w.redis.Kill()
+				testenv.WaitFor(t, 10*time.Second, "the outage noticed", func() bool { return !r.c.IndexConsistent() })
+				w.redis.Start() // loads the RDB: quiet before the duplicate
+				testenv.WaitFor(t, 20*time.Second, "the duplicate replayed", func() bool {
+					p, err := r.idx.Position(w.ctx, "quiet")
+					return err == nil && p.Seq >= ack.Sequence && r.c.IndexConsistent() && r.c.Live("quiet")
+				})
+			}
+			gapsBefore, loadsBefore := quietGaps(r), r.counter(t, "kvrouter_events_snapshot_loads_total")
+			w.publishOne("quiet")
+			w.appliedLast(r, "quiet")
+			quiet := w.engine("quiet")
+			st := r.c.status("quiet")
+			gaps, loads := quietGaps(r), r.counter(t, "kvrouter_events_snapshot_loads_total")
+			if gaps != gapsBefore || loads != loadsBefore || st.LastSeq != quiet.seq || !r.c.Live("quiet") {
+				t.Fatalf("after a duplicate of engine seq %d and the next message (engine seq %d): gaps %d (was %d), snapshot loads %v (was %v), last seq %d, live %v",
+					quiet.seq-2, quiet.seq, gaps, gapsBefore, loads, loadsBefore, st.LastSeq, r.c.Live("quiet"))
+			}
+		})
+	}
+}
