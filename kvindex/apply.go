@@ -53,9 +53,8 @@ type prefetcher interface {
 	// prefetch is called before storing blocks with engine hashes hs and
 	// router keys keys (one key per hash, or units of several: see units.go).
 	prefetch(hs []uint64, keys []Key)
-	// prefetchRemove is called before removing the blocks of run, a run of
-	// BlockRemoved events.
-	prefetchRemove(run []events.Event)
+	// prefetchRemove is called before removing blocks with engine hashes hs.
+	prefetchRemove(hs []uint64)
 }
 
 // blockSizer holds the pool's block size: configured, else learned from the
@@ -169,7 +168,7 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 		}
 	}
 	pf, _ := st.(prefetcher)
-	for i := 0; i < len(evs); i++ {
+	for i := range evs {
 		ev := &evs[i]
 		switch ev.Kind {
 		case events.AllBlocksCleared:
@@ -195,22 +194,12 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 			continue
 		}
 		tier, known := mediumTier(ev.Medium)
-		if ev.Kind == events.BlockRemoved {
-			// vLLM sends one BlockRemoved per evicted block: the removals
-			// alike that follow this one are taken with it, their tier and
-			// unit resolved once.
-			run := evs[i : i+removalRun(evs[i:])]
-			if !known {
-				for j := range run {
-					res.UnknownMedium += len(run[j].BlockHashes)
-				}
-			}
-			removeBlocks(st, pf, bs, run, tier, res)
-			i += len(run) - 1
-			continue
-		}
 		if !known {
 			res.UnknownMedium += len(ev.BlockHashes)
+		}
+		if ev.Kind == events.BlockRemoved {
+			removeBlocks(st, pf, bs, ev, tier, res)
+			continue
 		}
 		if len(ev.TokenIDs) == 0 {
 			// Tokenless stores (CPU offload, or engines that omit tokens)
@@ -292,44 +281,24 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 	return scratch
 }
 
-// removalRun returns how many events from evs[0], a BlockRemoved that
-// applyEvents takes, are removals alike: the same medium, block size and
-// KV-cache group, so the same tier and unit, and none of them skipped.
-func removalRun(evs []events.Event) int {
-	first := &evs[0]
-	n := 1
-	for n < len(evs) {
-		ev := &evs[n]
-		if ev.Kind != events.BlockRemoved || ev.Medium != first.Medium || ev.BlockSize != first.BlockSize ||
-			ev.GroupIdx != first.GroupIdx || ev.SpecKind != first.SpecKind || ev.SlidingWindow != first.SlidingWindow {
-			break
-		}
-		n++
-	}
-	return n
-}
-
-// removeBlocks drops the blocks of run, removals alike (removalRun), from
-// tier t, with the interior blocks of units larger than the pool's
-// (units.go).
-func removeBlocks(st instanceOps, pf prefetcher, bs *blockSizer, run []events.Event, t tiers.Tier, res *ApplyResult) {
-	k := max(bs.unit(t), unitOf(&run[0], bs.get()))
+// removeBlocks drops ev's blocks from tier t, with the interior blocks of
+// units larger than the pool's (units.go).
+func removeBlocks(st instanceOps, pf prefetcher, bs *blockSizer, ev *events.Event, t tiers.Tier, res *ApplyResult) {
+	k := max(bs.unit(t), unitOf(ev, bs.get()))
 	if pf != nil {
-		pf.prefetchRemove(run)
+		pf.prefetchRemove(ev.BlockHashes)
 	}
-	for i := range run {
-		for _, h := range run[i].BlockHashes {
-			_, removed := st.removeTier(h, t)
-			if removed {
-				res.Removed++
-			} else {
-				// Unmapped also covers a tier the block was not held in
-				// (mapped but not removed): the index had nothing to drop.
-				res.Unmapped++
-			}
-			for i := 0; i < k-1; i++ {
-				st.removeTier(unitHash(h, i), t)
-			}
+	for _, h := range ev.BlockHashes {
+		_, removed := st.removeTier(h, t)
+		if removed {
+			res.Removed++
+		} else {
+			// Unmapped also covers a tier the block was not held in
+			// (mapped but not removed): the index had nothing to drop.
+			res.Unmapped++
+		}
+		for i := 0; i < k-1; i++ {
+			st.removeTier(unitHash(h, i), t)
 		}
 	}
 }

@@ -490,22 +490,18 @@ func (in *memInstance) prefetch(hs []uint64, keys []Key) {
 	touch(&in.blocks.index, keys)
 }
 
-// prefetchRemove loads what removing the blocks of run will read, in two
-// rounds of independent loads: their engine-hash table slots, then their
-// entries and the holder words of their block nodes.
-func (in *memInstance) prefetchRemove(run []events.Event) {
+// prefetchRemove loads what removing blocks hs will read, in two rounds
+// of independent loads: their engine-hash table slots, then their entries
+// and the holder words of their block nodes.
+func (in *memInstance) prefetchRemove(hs []uint64) {
 	if in.sectioned {
 		return // prefetchEvents loaded the same, for the whole section
 	}
-	for i := range run {
-		touch(&in.byHash, run[i].BlockHashes)
-	}
+	touch(&in.byHash, hs)
 	var x uint32
-	for i := range run {
-		for _, h := range run[i].BlockHashes {
-			if node := in.nodeOf(h); node != noNode {
-				x |= *in.blocks.holdAt(node)
-			}
+	for _, h := range hs {
+		if node := in.nodeOf(h); node != noNode {
+			x |= *in.blocks.holdAt(node)
 		}
 	}
 	in.byHash.sink ^= x
