@@ -70,7 +70,9 @@ func (w *sharedWorld) lose(name string) {
 }
 
 // appliedLast waits until the router's index is at engine name's last
-// message in the stream.
+// message in the stream and the router's status says so (it is updated
+// after the index's write returns: read at the index's position alone,
+// LastSeq could still be one message behind).
 func (w *sharedWorld) appliedLast(r *router, name string) {
 	w.t.Helper()
 	subj, _ := kvstream.EventsSubject(w.pool, name)
@@ -80,7 +82,7 @@ func (w *sharedWorld) appliedLast(r *router, name string) {
 	}
 	testenv.WaitFor(w.t, 20*time.Second, name+"'s last message applied", func() bool {
 		p, err := r.idx.Position(w.ctx, name)
-		return err == nil && p.Seq >= last.Sequence
+		return err == nil && p.Seq >= last.Sequence && r.c.status(name).StreamSeq >= last.Sequence
 	})
 }
 
