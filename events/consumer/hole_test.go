@@ -96,7 +96,8 @@ func TestMemoryHoleNotLive(t *testing.T) {
 // The instance held not live by a hole comes back, exact: at a later
 // message once the bridge answers (the load retried there), or at a
 // clear after the hole (here the engine's), which wipes what the lost
-// messages did though the bridge still does not answer.
+// messages did though the bridge still does not answer, and makes the
+// hole's pending load moot.
 func TestMemoryHoleRecovers(t *testing.T) {
 	t.Run("message after the bridge answers", func(t *testing.T) {
 		e, c, a := holeEnv(t)
@@ -131,6 +132,18 @@ func TestMemoryHoleRecovers(t *testing.T) {
 		}
 		if st := c.status("i0"); st.ReplayLost != 1 {
 			t.Fatalf("replay lost %d, want 1", st.ReplayLost)
+		}
+		// The hole's load, due again a second after the last, is moot
+		// after the clear: a later message loads nothing.
+		loads := counterValue(c.m.snapshotLoads.WithLabelValues("bucket"))
+		time.Sleep(1500 * time.Millisecond)
+		e.store("i0", 7, 7)
+		testenv.WaitFor(t, 10*time.Second, "engine seq 7 applied", func() bool { return c.status("i0").LastSeq == 7 })
+		if n := counterValue(c.m.snapshotLoads.WithLabelValues("bucket")) - loads; n != 0 || !c.Live("i0") {
+			t.Fatalf("%v snapshot loads after the clear, live %v", n, c.Live("i0"))
+		}
+		if s, _ := a.get("i0"); !slices.Equal(s, []uint64{6, 7}) {
+			t.Fatalf("the index holds %v, the engine [6 7]", s)
 		}
 	})
 }

@@ -485,6 +485,11 @@ func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.
 		// alone. (An apply that fails leaves the instance not live until
 		// a repair applies the message.)
 		c.setHole(in, 0)
+		if !c.cfg.SharedIndex {
+			// The memory index's retry of the hole's load is moot (a
+			// failed apply of the clear asks for one again).
+			in.needLoad, in.retryAt = false, time.Time{}
+		}
 	}
 	switch {
 	case err == nil && c.shared != nil:
