@@ -188,12 +188,13 @@ type inst struct {
 	// hole met again at every repair is counted and logged once. Guarded
 	// by Consumer.mu.
 	holeAt uint64
-	// hole (shared index): the stream seq of the instance's message after
-	// a hole in its engine seqs that no snapshot loaded since reaches (0:
-	// none). What the lost messages did is missing from the index, so the
-	// instance is not live (setSynced) until a snapshot loaded at or past
-	// it, or a clear applied after it, makes its state exact again.
-	// Written by the shard goroutine; guarded by Consumer.mu.
+	// hole: the stream seq of the instance's message after a hole in its
+	// engine seqs that no snapshot loaded since reaches (0: none). What
+	// the lost messages did is missing from the index, so the instance is
+	// not live (shared index: setSynced; memory: holdHole) until a
+	// snapshot loaded at or past it, or a clear applied after it, makes
+	// its state exact again. Written by the shard goroutine; guarded by
+	// Consumer.mu.
 	hole uint64
 	// Owned by the instance's shard goroutine.
 	needLoad bool
@@ -207,8 +208,8 @@ type inst struct {
 	// seq may number the old stream, so a load takes none as a position
 	// (load).
 	restreamed bool
-	// retryAt: after a failed load (shared index: a repair of a hole that
-	// fell short of it), no event or heartbeat tries again before it
+	// retryAt: after a failed load, or one (shared index: a repair) that
+	// fell short of a hole, no event or heartbeat tries again before it
 	// (loadRetryAt); zero when the last load did not fail.
 	retryAt time.Time
 	// Shared index (shared.go). from: the position the index should be at

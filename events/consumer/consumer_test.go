@@ -24,7 +24,8 @@ import (
 )
 
 // recorder is an Applier that records, per instance, the first block hash
-// of every stored event, and purges.
+// of every stored event (dropped again by a BlockRemoved of it, and all by
+// an AllBlocksCleared), and purges.
 type recorder struct {
 	mu     sync.Mutex // guards stored and purges
 	stored map[string][]uint64
@@ -39,8 +40,13 @@ func (r *recorder) Apply(_ context.Context, instance string, evs []events.Event)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, e := range evs {
-		if e.Kind == events.BlockStored && len(e.BlockHashes) > 0 {
+		switch {
+		case e.Kind == events.BlockStored && len(e.BlockHashes) > 0:
 			r.stored[instance] = append(r.stored[instance], e.BlockHashes[0])
+		case e.Kind == events.BlockRemoved:
+			r.stored[instance] = slices.DeleteFunc(r.stored[instance], func(h uint64) bool { return slices.Contains(e.BlockHashes, h) })
+		case e.Kind == events.AllBlocksCleared:
+			delete(r.stored, instance)
 		}
 	}
 	return kvindex.ApplyResult{}, nil
@@ -97,8 +103,14 @@ func (e *env) start(cfg Config) *Consumer {
 // store publishes a one-block BlockStored batch straight into the stream.
 func (e *env) store(instance string, seq uint64, hash uint64) {
 	e.t.Helper()
-	p, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: []events.Event{{Kind: events.BlockStored,
-		BlockHashes: []uint64{hash}, TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"}}}, events.EncodingMap)
+	e.send(instance, seq, events.Event{Kind: events.BlockStored,
+		BlockHashes: []uint64{hash}, TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"})
+}
+
+// send publishes a batch of evs, engine seq seq, straight into the stream.
+func (e *env) send(instance string, seq uint64, evs ...events.Event) {
+	e.t.Helper()
+	p, err := events.Encode(nil, events.Batch{TS: 1, HasDPRank: true, Events: evs}, events.EncodingMap)
 	if err != nil {
 		e.t.Fatal(err)
 	}

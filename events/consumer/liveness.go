@@ -28,9 +28,10 @@ func (c *Consumer) seenAt(in *inst, t, now time.Time) {
 	if t.After(in.lastSeen) {
 		in.lastSeen = t
 	}
-	if in.status.EngineDown || in.reloading {
+	if in.status.EngineDown || in.reloading || c.heldByHole(in) {
 		// Not live whatever arrives until the engine is back and the
-		// bridge's table reloaded (see heartbeat).
+		// bridge's table reloaded (see heartbeat), or, after a hole in
+		// its engine seqs, a snapshot or a clear put its state right.
 		if in.status.State == StateLive {
 			in.status.State = StateStale
 		}
@@ -126,9 +127,11 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 	} else if in.status.State == StateStale {
 		in.status.State = StateLive
 	}
-	if in.loadFailed && !c.cfg.SharedIndex {
-		// Its snapshot could not be read last time: try again now, as
-		// an engine with nothing to say sends no event to try at.
+	if (in.loadFailed || in.hole != 0) && !c.cfg.SharedIndex {
+		// Its snapshot could not be read last time, or was older than a
+		// hole in its engine seqs: try again now (the shard spaces the
+		// tries: loadDue), as an engine with nothing to say sends no
+		// event to try at.
 		load = true
 	}
 	switch {
@@ -150,7 +153,7 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		in.status.EngineDown = false
 		in.reloading, reload = true, true
 		in.status.State = StateStale
-	case in.reloading:
+	case in.reloading || c.heldByHole(in):
 		in.status.State = StateStale
 	}
 	in.status.LastHeartbeat, in.lastSeen = now, now

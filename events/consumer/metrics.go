@@ -112,7 +112,7 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 		replayed: ms.Counter("kvrouter_events_replayed_total",
 			"Stream messages re-applied after a snapshot reload older than what had been applied."),
 		replayLost: ms.Counter("kvrouter_events_replay_lost_total",
-			"Snapshot reloads that could not replay every message since the snapshot: the stream no longer held them."),
+			"Holes in an instance's engine seqs (messages the stream no longer held) that the snapshot loaded for them did not reach; the instance is not live until a snapshot past the hole or a clear after it."),
 		instances: ms.GaugeVec("kvrouter_events_instances",
 			"Known instances by state (live, stale, purged).", "state"),
 		queue: ms.Gauge("kvrouter_events_shard_queue",

@@ -369,6 +369,7 @@ func (c *Consumer) seqCheck(ctx context.Context, w work, in *inst, seq uint64) i
 			"last_seq", in.status.LastSeq, "seq", seq)
 		if !c.cfg.SharedIndex {
 			lostBefore := in.status.ReplayLost // written only by this goroutine
+			start := time.Now()
 			c.load(ctx, w.instance, in, w.streamSeq)
 			if w.streamSeq != 0 && w.streamSeq <= in.skipUpTo {
 				c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
@@ -379,15 +380,20 @@ func (c *Consumer) seqCheck(ctx context.Context, w work, in *inst, seq uint64) i
 				// again could bring back blocks removed since.
 				return seqSkip
 			}
-			if in.hasSeq && seq > in.status.LastSeq+1 && in.status.ReplayLost == lostBefore {
+			if in.hasSeq && seq > in.status.LastSeq+1 {
 				// The snapshot and the replay after it still stop short
-				// of this message: what lay between is gone (see replay).
-				c.mu.Lock()
-				in.status.ReplayLost++
-				c.mu.Unlock()
-				c.m.replayLost.Inc()
-				c.cfg.Logger.Warn("consumer: engine seq gap remains after reload; keeping the snapshot and what remains",
-					"instance", w.instance, "last_seq", in.status.LastSeq, "seq", seq)
+				// of this message (the bridge did not answer, and the
+				// bucket's is older than the hole): what lay between is
+				// gone, and with it stores and removals the index
+				// misses. Applied meanwhile, but not live (holdHole)
+				// until a snapshot past it or a clear; one hole is
+				// counted once, here or by the replay.
+				c.holdHole(in, w.streamSeq)
+				c.retryHole(in, start)
+				if in.status.ReplayLost == lostBefore {
+					c.countLost(in, "hole", "consumer: engine seq gap remains after reload; not live until a snapshot past it or a clear",
+						"instance", w.instance, "last_seq", in.status.LastSeq, "seq", seq, "stream_seq", w.streamSeq)
+				}
 			}
 		} else if c.shared != nil {
 			c.repairHole(ctx, w, in, seq, true)
@@ -444,13 +450,20 @@ func (c *Consumer) repairHole(ctx context.Context, w work, in *inst, seq uint64,
 	if !found {
 		return
 	}
+	c.countLost(in, "shared_hole", "consumer: engine seq gap in the stream not repaired by a snapshot in the shared index; not live until a snapshot past it or a clear",
+		"instance", w.instance, "last_seq", in.status.LastSeq, "seq", seq, "stream_seq", w.streamSeq)
+}
+
+// countLost counts a hole in an instance's engine seqs that the snapshot
+// loaded for it does not reach (replay_lost) and logs msg with attrs,
+// a few lines per interval under key.
+func (c *Consumer) countLost(in *inst, key, msg string, attrs ...any) {
 	c.mu.Lock()
 	in.status.ReplayLost++
 	c.mu.Unlock()
 	c.m.replayLost.Inc()
-	if ok, suppressed := c.logLimit.Allow("shared_hole"); ok {
-		c.cfg.Logger.Warn("consumer: engine seq gap in the stream not repaired by a snapshot in the shared index; not live until a snapshot past it or a clear",
-			"instance", w.instance, "last_seq", in.status.LastSeq, "seq", seq, "stream_seq", w.streamSeq, "suppressed", suppressed)
+	if ok, suppressed := c.logLimit.Allow(key); ok {
+		c.cfg.Logger.Warn(msg, append(attrs, "suppressed", suppressed)...)
 	}
 }
 
@@ -476,6 +489,11 @@ func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.
 		// alone. (An apply that fails leaves the instance not live until
 		// a repair applies the message.)
 		c.setHole(in, 0)
+		if !c.cfg.SharedIndex {
+			// The memory index's retry of the hole's load is moot (a
+			// failed apply of the clear asks for one again).
+			in.needLoad, in.retryAt = false, time.Time{}
+		}
 	}
 	switch {
 	case err == nil && c.shared != nil:

@@ -15,6 +15,13 @@ import (
 // bridge does every refresh period.
 func (e *env) putSnapshot(instance string, streamSeq, engineSeq uint64, hashes ...uint64) {
 	e.t.Helper()
+	e.putSnapshotBytes(instance, e.snapshot(instance, streamSeq, engineSeq, hashes...))
+}
+
+// snapshot is instance's snapshot at stream position streamSeq (engine
+// seq engineSeq) holding one block per hash.
+func (e *env) snapshot(instance string, streamSeq, engineSeq uint64, hashes ...uint64) []byte {
+	e.t.Helper()
 	var evs []events.Event
 	for _, h := range hashes {
 		evs = append(evs, events.Event{Kind: events.BlockStored, BlockHashes: []uint64{h}, TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"})
@@ -25,7 +32,7 @@ func (e *env) putSnapshot(instance string, streamSeq, engineSeq uint64, hashes .
 	}
 	snap, _ := kvstream.Snapshot{Pool: e.pool, Instance: instance, Blocks: len(hashes), StreamSeq: streamSeq,
 		EngineSeq: engineSeq, HasSeq: true, Taken: time.Now(), Batch: batch}.MarshalBinary()
-	e.putSnapshotBytes(instance, snap)
+	return snap
 }
 
 func (c *Consumer) status(instance string) InstanceStatus {

@@ -63,6 +63,7 @@ func (c *Consumer) forSnapshots(ctx context.Context, f func(instance string)) {
 func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint64) {
 	in.needLoad, in.retryAt = false, time.Time{}
 	start := time.Now()
+	defer c.retryHole(in, start)
 	c.mu.Lock()
 	done := in.status.StreamSeq
 	in.loadFailed = false
@@ -121,6 +122,11 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint
 	} else {
 		in.hasSeq = false
 	}
+	if in.hole != 0 && (pos >= in.hole || in.restreamed && source == "request") {
+		// The bridge's table past the hole (or, the stream re-created,
+		// its table now) replaced the state the lost messages left wrong.
+		in.hole = 0
+	}
 	if in.status.State == StatePurged {
 		in.status.State = StateStale // seen() decides from the snapshot's age
 	}
@@ -147,6 +153,44 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint
 // bridge's heartbeats, and its log line to one a second.
 func loadRetryAt(start, end time.Time, ceiling time.Duration) time.Time {
 	return end.Add(min(ceiling, max(time.Second, 9*end.Sub(start))))
+}
+
+// holdHole records, for the memory index, a hole in the instance's engine
+// seqs before its message at stream seq at that no snapshot loaded since
+// reaches (inst.hole, the latest kept): the stream lost messages whose
+// stores and removals the index misses, so the instance is not live
+// (seenAt, heartbeat) until a snapshot at or past it is loaded (load;
+// retried at its next message or heartbeat, loadRetryAt apart:
+// retryHole) or a clear after it is applied (applyBatch, replay). It
+// reports whether the hole is past the one pending: a hole met again by
+// every retry is counted once.
+func (c *Consumer) holdHole(in *inst, at uint64) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	past := at > in.hole
+	in.hole = max(in.hole, at)
+	if in.status.State == StateLive {
+		in.status.State = StateStale
+	}
+	return past
+}
+
+// retryHole: a hole still pending after a load that began at start (or,
+// found after it, by the message it was loaded for) is loaded for again
+// at the instance's next message or heartbeat, loadRetryAt apart, as a
+// failed load is: until the bridge answers with its table, the snapshot
+// found is the bucket's, older than the hole.
+func (c *Consumer) retryHole(in *inst, start time.Time) {
+	if in.hole != 0 {
+		in.needLoad, in.retryAt = true, loadRetryAt(start, time.Now(), c.cfg.StaleAfter)
+	}
+}
+
+// heldByHole: a memory-index instance with a hole pending (holdHole) is
+// not live, whatever arrives. (The shared index holds one not synced.)
+// c.mu held.
+func (c *Consumer) heldByHole(in *inst) bool {
+	return in.hole != 0 && !c.cfg.SharedIndex
 }
 
 // loadDue reports whether an instance waiting for its snapshot may load it
@@ -180,18 +224,17 @@ func (c *Consumer) seenIfNever(in *inst) {
 // (retention passed them), seen as an engine sequence that does not follow
 // on from the snapshot's. The bridge publishes every engine sequence or a
 // clear, so the lost messages may have held stores and removals. The
-// instance keeps the snapshot plus what survives, and the loss is counted
+// instance keeps the snapshot plus what survives (clearing would send
+// every request to a cold cache), but it is a hole (holdHole): not live
+// until a snapshot past it or a clear, counted once
 // (kvrouter_events_replay_lost_total, InstanceStatus.ReplayLost) and
-// logged: clearing would throw away a table that is right but for those
-// messages and send every request to a cold cache, while an entry kept
-// wrongly costs one routing miss. The state is put right by the next
-// snapshot load (a later gap or failure), by the bridge's resync clear
-// when it restarts, or by the purge of a silent instance.
+// logged. A clear replayed after the hole wipes what the lost messages
+// did: no hole then.
 func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, to uint64) {
 	subj, _ := kvstream.EventsSubject(c.cfg.Pool, instance)
 	var applied int
 	var parts [][]byte
-	lost := false
+	var gapAt uint64 // the stream seq of the message after the last hole, unless a clear followed
 	seq := from + 1
 	for seq <= to && ctx.Err() == nil {
 		m, err := getMsg(ctx, c.stream, seq, subj)
@@ -213,7 +256,7 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 		h, herr := kvstream.ParseEventHeaders(m.Header)
 		engineMsg := herr == nil && h.HasSeq && h.Synthetic == ""
 		if engineMsg && in.hasSeq && h.Seq > in.status.LastSeq+1 {
-			lost = true
+			gapAt = m.Sequence
 		}
 		// A coalesced message's payloads in order. One that does not
 		// split into its headers' count is skipped whole and counted
@@ -225,12 +268,13 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 			parts = parts[:0]
 			c.m.messages.WithLabelValues("malformed").Inc()
 		}
-		failed := false
+		failed, clears := false, false
 		for _, p := range parts {
 			batch, err := events.Decode(p)
 			if err != nil {
 				continue
 			}
+			clears = clears || clearsAll(batch.Events)
 			if _, aerr := c.cfg.Applier.Apply(ctx, instance, batch.Events); aerr != nil {
 				in.needLoad = true
 				c.m.applyErrors.Inc()
@@ -248,9 +292,14 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 		if engineMsg {
 			in.status.LastSeq, in.hasSeq = h.LastSeq(), true
 		}
-		switch h.Synthetic {
-		case kvstream.SyntheticGap, kvstream.SyntheticRestart, kvstream.SyntheticResync:
+		if clearsSeq(h.Synthetic) {
 			in.hasSeq = false
+		}
+		if clears {
+			gapAt = 0 // what the lost messages did is wiped
+			if in.hole != 0 && m.Sequence >= in.hole {
+				in.hole = 0
+			}
 		}
 		c.mu.Unlock()
 	}
@@ -258,13 +307,9 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 		in.skipUpTo = max(in.skipUpTo, to)
 	}
 	c.m.replayed.Add(float64(applied))
-	if lost {
-		c.mu.Lock()
-		in.status.ReplayLost++
-		c.mu.Unlock()
-		c.m.replayLost.Inc()
-		c.cfg.Logger.Warn("consumer: messages after the snapshot are gone from the stream; keeping the snapshot and what remains",
-			"instance", instance, "snapshot_stream_seq", from, "to", to)
+	if gapAt != 0 && c.holdHole(in, gapAt) {
+		c.countLost(in, "hole", "consumer: messages after the snapshot are gone from the stream; keeping the snapshot and what remains, not live until a snapshot past them or a clear",
+			"instance", instance, "snapshot_stream_seq", from, "to", to, "stream_seq", gapAt)
 	}
 	c.cfg.Logger.Info("consumer: replayed messages after snapshot", "instance", instance, "from", from+1, "to", to, "applied", applied)
 }

@@ -53,10 +53,10 @@ type InstanceStatus struct {
 	// (events.Batch.Invalid).
 	Invalid     uint64 `json:"invalid_events"`
 	SnapshotSeq uint64 `json:"snapshot_stream_seq"`
-	// ReplayLost counts reloads whose snapshot was older than messages
-	// already applied that the stream no longer holds (see replay), and,
-	// in a shared index, holes in the instance's engine seqs that the
-	// snapshot loaded for them did not reach (see repairHole).
+	// ReplayLost counts holes in the instance's engine seqs (messages the
+	// stream no longer holds) that the snapshot loaded for them did not
+	// reach (see replay, holdHole, repairHole), each once: the instance is
+	// not live until a snapshot past the hole or a clear after it.
 	ReplayLost uint64 `json:"replay_lost"`
 	// IndexUnsynced: the instance's state in the shared index is not
 	// known whole (being repaired); the instance is not live meanwhile.

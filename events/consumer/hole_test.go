@@ -1,0 +1,149 @@
+package consumer
+
+import (
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/kvstream"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+)
+
+// holeEnv is a memory-index consumer of i0 whose bridge does not answer
+// snapshot requests, the bucket holding i0's snapshot at stream seq 1
+// (engine seq 1, block 1). It consumed engine seqs 1 and 2 (blocks 1 and
+// 2); then the engine removed block 2 (engine seq 3) and stored block 4
+// (engine seq 4, stream seq 3), and the message of engine seq 3 never
+// reached the router (the stream lost it: retention passed the router).
+// The engine holds [1 4].
+func holeEnv(t *testing.T) (*env, *Consumer, *recorder) {
+	e := newEnv(t)
+	e.putSnapshot("i0", 1, 1, 1)
+	e.store("i0", 1, 1)
+	e.store("i0", 2, 2)
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier, cfg.SnapshotTimeout = a, 100*time.Millisecond
+	c := e.start(cfg)
+	testenv.WaitFor(t, 10*time.Second, "blocks 1 and 2, live", func() bool {
+		s, _ := a.get("i0")
+		return slices.Equal(s, []uint64{1, 2}) && c.Live("i0")
+	})
+	e.store("i0", 4, 4)
+	testenv.WaitFor(t, 10*time.Second, "engine seq 4 applied", func() bool { return c.status("i0").LastSeq == 4 })
+	return e, c, a
+}
+
+// answer has the bridge answer instance's snapshot requests with snap.
+func (e *env) answer(instance string, snap []byte) {
+	e.t.Helper()
+	subj, _ := kvstream.SnapshotSubject(e.pool, instance)
+	sub, err := e.nc.Subscribe(subj, func(m *nats.Msg) { _ = m.Respond(snap) })
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() { _ = sub.Unsubscribe() })
+	if err := e.nc.Flush(); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// A hole in an instance's engine seqs (messages lost from the stream)
+// with the memory index, the snapshot reloaded for it older than the hole
+// (the bridge does not answer; the bucket's predates it): the consumer
+// counted the loss and kept the instance live, its index holding block 2,
+// which the engine removed in a lost message ([1 2 4] against [1 4]). Now
+// it is not live, heartbeats retrying the load (a second apart at the
+// soonest, the hole counted once), until the bridge answers with its
+// table past the hole: then live, and the index equals the engine.
+func TestMemoryHoleNotLive(t *testing.T) {
+	e, c, a := holeEnv(t)
+	bucketLoads := func() float64 { return counterValue(c.m.snapshotLoads.WithLabelValues("bucket")) }
+	before := bucketLoads()
+	for end := time.Now().Add(2500 * time.Millisecond); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+		e.heartbeat("i0")
+		if c.Live("i0") {
+			s, _ := a.get("i0")
+			t.Fatalf("i0 live after a hole in its engine seqs: the index holds %v, the engine [1 4]", s)
+		}
+	}
+	n := bucketLoads() - before
+	if n < 1 || n > 4 {
+		t.Fatalf("%v snapshot loads in 2.5 s of heartbeats: want the hole's load retried, a second apart", n)
+	}
+	if st := c.status("i0"); st.ReplayLost != 1 || st.State != StateStale {
+		t.Fatalf("replay lost %d, state %v: want one hole counted, stale", st.ReplayLost, st.State)
+	}
+	// The bridge answers again, with its table at engine seq 4.
+	e.answer("i0", e.snapshot("i0", 3, 4, 1, 4))
+	answered := time.Now()
+	testenv.WaitFor(t, 10*time.Second, "live after the bridge's table", func() bool {
+		e.heartbeat("i0")
+		return c.Live("i0")
+	})
+	t.Logf("not live for 2.5 s of heartbeats, %v loads retried; live %v after the bridge answered", n, time.Since(answered).Round(time.Millisecond))
+	if s, _ := a.get("i0"); !slices.Equal(s, []uint64{1, 4}) {
+		t.Fatalf("live, the index holding %v, the engine [1 4]", s)
+	}
+	if st := c.status("i0"); st.ReplayLost != 1 {
+		t.Fatalf("replay lost %d after the repair, want 1", st.ReplayLost)
+	}
+}
+
+// The instance held not live by a hole comes back, exact: at a later
+// message once the bridge answers (the load retried there), or at a
+// clear after the hole (here the engine's), which wipes what the lost
+// messages did though the bridge still does not answer, and makes the
+// hole's pending load moot.
+func TestMemoryHoleRecovers(t *testing.T) {
+	t.Run("message after the bridge answers", func(t *testing.T) {
+		e, c, a := holeEnv(t)
+		if c.Live("i0") {
+			t.Fatal("live after the hole")
+		}
+		e.answer("i0", e.snapshot("i0", 3, 4, 1, 4))
+		want := []uint64{1, 4}
+		deadline := time.Now().Add(20 * time.Second)
+		for seq := uint64(5); !c.Live("i0"); seq++ {
+			if time.Now().After(deadline) {
+				t.Fatalf("not live 20 s after the bridge answered: %+v", c.status("i0"))
+			}
+			e.store("i0", seq, seq)
+			want = append(want, seq)
+			testenv.WaitFor(t, 10*time.Second, "the message applied", func() bool { return c.status("i0").LastSeq == seq })
+			time.Sleep(200 * time.Millisecond)
+		}
+		if s, _ := a.get("i0"); !slices.Equal(s, want) {
+			t.Fatalf("live, the index holding %v, the engine %v", s, want)
+		}
+	})
+	t.Run("clear after the hole", func(t *testing.T) {
+		e, c, a := holeEnv(t)
+		e.send("i0", 5, events.Event{Kind: events.AllBlocksCleared})
+		e.store("i0", 6, 6)
+		testenv.WaitFor(t, 10*time.Second, "live after the clear and engine seq 6", func() bool {
+			return c.Live("i0") && c.status("i0").LastSeq == 6
+		})
+		if s, _ := a.get("i0"); !slices.Equal(s, []uint64{6}) {
+			t.Fatalf("live, the index holding %v, the engine [6]", s)
+		}
+		if st := c.status("i0"); st.ReplayLost != 1 {
+			t.Fatalf("replay lost %d, want 1", st.ReplayLost)
+		}
+		// The hole's load, due again a second after the last, is moot
+		// after the clear: a later message loads nothing.
+		loads := counterValue(c.m.snapshotLoads.WithLabelValues("bucket"))
+		time.Sleep(1500 * time.Millisecond)
+		e.store("i0", 7, 7)
+		testenv.WaitFor(t, 10*time.Second, "engine seq 7 applied", func() bool { return c.status("i0").LastSeq == 7 })
+		if n := counterValue(c.m.snapshotLoads.WithLabelValues("bucket")) - loads; n != 0 || !c.Live("i0") {
+			t.Fatalf("%v snapshot loads after the clear, live %v", n, c.Live("i0"))
+		}
+		if s, _ := a.get("i0"); !slices.Equal(s, []uint64{6, 7}) {
+			t.Fatalf("the index holds %v, the engine [6 7]", s)
+		}
+	})
+}
