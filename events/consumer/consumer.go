@@ -208,9 +208,10 @@ type inst struct {
 	// seq may number the old stream, so a load takes none as a position
 	// (load).
 	restreamed bool
-	// retryAt: after a failed load, or one (shared index: a repair) that
-	// fell short of a hole, no event or heartbeat tries again before it
-	// (loadRetryAt); zero when the last load did not fail.
+	// retryAt: after a failed load, or one (or, shared index, a repair)
+	// that fell short of a hole, no event or heartbeat tries again before
+	// it (loadRetryAt); zero when the last load neither failed nor fell
+	// short.
 	retryAt time.Time
 	// Shared index (shared.go). from: the position the index should be at
 	// before this router's next message of the instance (shard-owned;

@@ -205,6 +205,17 @@ func (c *Consumer) do(ctx context.Context, w work, dec *events.Decoder) {
 		// a bridge's resync or clear in the new stream rebuilds the table
 		// in order.
 		in.skipUpTo, in.restreamed = 0, true
+		if in.hole != 0 && !c.cfg.SharedIndex {
+			// A pending hole numbers the old stream: every message of the
+			// new one comes after it, so a clear there, or the bridge's
+			// table answered now or at any later retry (numbered in the
+			// new stream), makes the state exact. Kept at the old number,
+			// it held the instance not live until the new stream passed
+			// that number (review of d110819).
+			c.mu.Lock()
+			in.hole = 1
+			c.mu.Unlock()
+		}
 		c.load(ctx, w.instance, in, 0)
 	case workEvent:
 		c.event(ctx, w, in, purged, dec)
@@ -243,7 +254,12 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 		c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
 		return
 	}
-	in.restreamed = false
+	// The instance's first message in a re-created stream: a load for it
+	// (its seq gap's) still cannot tell the snapshot's numbering; the next
+	// messages' loads can. (Reset before the gap's load, that load took
+	// the bucket's old-stream position as a new one and skipped this
+	// message as covered by it.)
+	defer func() { in.restreamed = false }()
 	c.publisher(w, in)
 	h, herr := kvstream.ParseEventHeaders(w.header)
 	engineMsg := herr == nil && h.HasSeq && h.Synthetic == ""
@@ -486,8 +502,8 @@ func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.
 		// Everything before the clear (the engine's, or a bridge's: its
 		// clears carry the event too; a resync's table chunks after one
 		// do not) is wiped: the state after it is exact from the stream
-		// alone. (An apply that fails leaves the instance not live until
-		// a repair applies the message.)
+		// alone. (In the shared index an apply that fails leaves the
+		// instance not live until a repair applies the message.)
 		c.setHole(in, 0)
 		if !c.cfg.SharedIndex {
 			// The memory index's retry of the hole's load is moot (a

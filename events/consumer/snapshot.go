@@ -194,8 +194,8 @@ func (c *Consumer) heldByHole(in *inst) bool {
 }
 
 // loadDue reports whether an instance waiting for its snapshot may load it
-// now: its last load did not fail (no clock read), or its retry time has
-// come.
+// now: its last load neither failed nor fell short of a hole (no clock
+// read), or its retry time has come.
 func (in *inst) loadDue() bool {
 	return in.retryAt.IsZero() || !time.Now().Before(in.retryAt)
 }
