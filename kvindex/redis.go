@@ -444,7 +444,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 		// loaded ahead of it already covers) is the begin's to answer
 		// as a duplicate: skipped, its block writes would go out and
 		// the commit's refusal would unsettle a good state.
-		skip = skip && !g.load && m.pos == g.from && g.from.Seeded && g.seq > g.from.Seq &&
+		skip = skip && !g.load && m.pos.at(g.from) && g.from.Seeded && g.seq > g.from.Seq &&
 			!m.leased.IsZero() && started.Sub(m.leased) < r.lease/2
 	}
 	if !skip {
@@ -628,7 +628,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	}
 	newGen := newToken()
 	commit := redis.NewSliceCmd(ctx, "evalsha", mapScript.Hash(), 2, mkey, lkey, "c", token, r.leaseArg, expected, newPos, m.gen,
-		newGen, mode, nil, counts[0], counts[1], counts[2], counts[3], counts[4], instance, fid, r.topology())
+		newGen, mode, nil, counts[0], counts[1], counts[2], counts[3], counts[4], instance, fid, g.holeArg(evs), r.topology())
 	if mode == "w" {
 		// Build the new map to write it whole.
 		next := r.merged(m.vals, o)

@@ -54,17 +54,33 @@ const DefaultWriterLease = 2 * time.Second
 // Position is where an instance's state in a shared index stands: the
 // stream sequence of the last message applied. Seeded is false for an
 // instance whose map holds no position: never loaded, or lost by Redis.
+//
+// Hole (0: none) is a hole pending in the instance's state: the stream
+// sequence of the first message after messages of the instance the stream
+// lost, applied (ApplyAtHole) over a state that did not hold what they
+// did. Every router reads it, and the instance is not whole until a
+// snapshot at or past it is loaded (LoadAt) or a message after it that
+// clears the instance's cache (AllBlocksCleared) is applied: both remove
+// it. It is kept in the instance's map with the position (the same key,
+// written by the same script).
 type Position struct {
 	Seq    uint64
 	Seeded bool
+	Hole   uint64
 }
 
 func (p Position) String() string {
 	if !p.Seeded {
 		return "unseeded"
 	}
+	if p.Hole != 0 {
+		return strconv.FormatUint(p.Seq, 10) + " (hole at " + strconv.FormatUint(p.Hole, 10) + ")"
+	}
 	return strconv.FormatUint(p.Seq, 10)
 }
+
+// at reports whether p and q are the same position, holes aside.
+func (p Position) at(q Position) bool { return p.Seq == q.Seq && p.Seeded == q.Seeded }
 
 // SeqStatus says what ApplyAt or LoadAt did.
 type SeqStatus uint8
@@ -136,6 +152,28 @@ type seqGuard struct {
 	// yield (ApplyAtYielding): leave the instance to the writer whose
 	// lease ran out rather than take it over.
 	yield bool
+	// hole (ApplyAtHole): the message at seq is the first past a hole
+	// its state does not reach: recorded in the map (Position.Hole).
+	hole bool
+}
+
+// holeArg is the commit's hole argument for a guarded write of evs: "c"
+// when the events clear the instance (a pending hole at or before seq is
+// removed), seq when the message is applied over a hole (recorded), ""
+// otherwise. A load removes a hole at or before seq in any case.
+func (g *seqGuard) holeArg(evs []events.Event) string {
+	if g == nil || g.load {
+		return ""
+	}
+	for i := range evs {
+		if evs[i].Kind == events.AllBlocksCleared {
+			return "c"
+		}
+	}
+	if g.hole {
+		return strconv.FormatUint(g.seq, 10)
+	}
+	return ""
 }
 
 // expected renders the expected position for the script: "*" any, "!"
@@ -157,6 +195,16 @@ func (g *seqGuard) expected() string {
 // of the message, and the caller should reload the instance.
 func (r *Redis) ApplyAt(ctx context.Context, instance string, from Position, seq uint64, evs []events.Event) (SeqResult, error) {
 	return r.apply(ctx, instance, &seqGuard{from: from, seq: seq}, evs)
+}
+
+// ApplyAtHole is ApplyAt (ApplyAtYielding when yield) for the first
+// message of the instance after a hole in its engine seqs (messages the
+// stream lost) that the instance's state in the index does not reach: the
+// hole is recorded in the instance's map with the write, atomically, so
+// that every router reads the instance not whole (Position.Hole) until a
+// snapshot at or past seq is loaded or a clear after it applied.
+func (r *Redis) ApplyAtHole(ctx context.Context, instance string, from Position, seq uint64, yield bool, evs []events.Event) (SeqResult, error) {
+	return r.apply(ctx, instance, &seqGuard{from: from, seq: seq, yield: yield, hole: true}, evs)
 }
 
 // ApplyAtYielding is ApplyAt, except that an instance another router
@@ -194,22 +242,27 @@ func (r *Redis) Position(ctx context.Context, instance string) (Position, error)
 			return Position{}, err
 		}
 	}
-	v, err := r.rdb.HMGet(ctx, mkey, fieldPos, fieldTopology).Result()
+	v, err := r.rdb.HMGet(ctx, mkey, fieldPos, fieldTopology, fieldHole).Result()
 	if err != nil {
 		return Position{}, r.failed(fmt.Errorf("kvindex: redis: position of %s: %w", instance, err))
 	}
 	return r.position(v), nil
 }
 
-// position reads an HMGET of fieldPos, fieldTopology: a position stamped
-// under another Cluster topology does not count (see topology).
+// position reads an HMGET of fieldPos, fieldTopology, fieldHole: a
+// position stamped under another Cluster topology does not count (see
+// topology).
 func (r *Redis) position(v []any) Position {
 	s, _ := v[0].(string)
 	e, _ := v[1].(string)
 	if e != r.topology() {
 		return Position{}
 	}
-	return parsePosition(s)
+	p := parsePosition(s)
+	if h, _ := v[2].(string); p.Seeded && h != "" {
+		p.Hole, _ = strconv.ParseUint(h, 10, 64)
+	}
+	return p
 }
 
 // Positions returns several instances' positions, in one pipelined round
@@ -218,7 +271,7 @@ func (r *Redis) Positions(ctx context.Context, instances []string) ([]Position, 
 	pipe := r.rdb.Pipeline()
 	cmds := make([]*redis.SliceCmd, len(instances))
 	for i, inst := range instances {
-		cmds[i] = pipe.HMGet(ctx, r.metaKey(instID(inst)), fieldPos, fieldTopology)
+		cmds[i] = pipe.HMGet(ctx, r.metaKey(instID(inst)), fieldPos, fieldTopology, fieldHole)
 	}
 	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
 		return nil, r.failed(fmt.Errorf("kvindex: redis: positions: %w", err))
@@ -232,12 +285,16 @@ func (r *Redis) Positions(ctx context.Context, instances []string) ([]Position, 
 	return out, nil
 }
 
+// parsePosition parses a position as mapScript returns it: the sequence,
+// then, when a hole is pending, a space and the hole's.
 func parsePosition(s string) Position {
+	s, hole, _ := strings.Cut(s, " ")
 	v, err := strconv.ParseUint(s, 10, 64)
 	if err != nil {
 		return Position{}
 	}
-	return Position{Seq: v, Seeded: true}
+	h, _ := strconv.ParseUint(hole, 10, 64)
+	return Position{Seq: v, Seeded: true, Hole: h}
 }
 
 // Epoch returns the index's epoch: a random value stored under
@@ -338,6 +395,8 @@ const (
 	// instance's current state, cleared when another writer takes the
 	// lease (see takeover in Redis.apply).
 	fieldWriter = "#w"
+	// fieldHole: a pending hole's stream sequence (Position.Hole).
+	fieldHole = "#h"
 )
 
 // mapScript is the only writer of an instance's metadata hash (KEYS[1])
@@ -355,11 +414,17 @@ const (
 //	        log (a list of chunks of records), "w" replace the log with
 //	        it; ARGV[10..14] the counters
 //	        #n, #t0..#t3 after the change; ARGV[15] the instance's name;
-//	        ARGV[16] the instance's field id (see fieldIDs)
+//	        ARGV[16] the instance's field id (see fieldIDs); ARGV[17]
+//	        the hole (#h, guarded writes): "c" the events clear the
+//	        instance, so a hole at or before the new position is gone
+//	        (as with a load, ARGV[4] "*"), a sequence: record a hole
+//	        there (seqGuard.holeArg); a write over an unseeded map
+//	        forgets one (the state is reloaded)
 //	last: the caller's view of the Cluster's topology (see topology);
 //	        a guarded write stamps it (#e), and a position stamped under
 //	        another topology does not count: the instance is unseeded
 //
+// A position is returned as "seq" or, a hole pending (#h), "seq hole".
 // It returns {status, position or nil, generation, field id, mine[, log]}
 // (mine: "1" when the caller's token made the last guarded commit (#w)
 // and nobody took the lease since (a begin that takes it from another
@@ -382,42 +447,55 @@ local guarded = ARGV[2] ~= ''
 local begin = ARGV[1] ~= 'c'
 local pos = false
 local topo = ARGV[#ARGV]
+local rp = false -- the position as returned: with the hole pending, if any
 if guarded then
-  local st = redis.call('HMGET', m, '#s', '#e')
+  local st = redis.call('HMGET', m, '#s', '#e', '#h')
   pos = st[1]
   if pos and (st[2] or '') ~= topo then pos = false end
+  rp = pos
+  if pos and st[3] then rp = pos .. ' ' .. st[3] end
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local o = redis.call('HMGET', m, '#o', '#x')
-  if pos and tonumber(pos) >= tonumber(ARGV[5]) then return {'dup', pos} end
+  if pos and tonumber(pos) >= tonumber(ARGV[5]) then return {'dup', rp} end
   if begin then
     if o[1] and o[1] ~= ARGV[2] then
-      if tonumber(o[2] or '0') > now then return {'owned', pos} end
-      if ARGV[1] == 'y' then return {'yield', pos} end
+      if tonumber(o[2] or '0') > now then return {'owned', rp} end
+      if ARGV[1] == 'y' then return {'yield', rp} end
     end
     -- Taken from another writer (or none): whatever the state, it is no
     -- longer this writer's own until it commits a new incarnation.
     if o[1] ~= ARGV[2] then redis.call('HDEL', m, '#w') end
   elseif o[1] ~= ARGV[2] then
-    return {'owned', pos}
+    return {'owned', rp}
   end
   redis.call('HSET', m, '#o', ARGV[2], '#x', now + tonumber(ARGV[3]))
-  if ARGV[4] ~= '*' and pos ~= ARGV[4] then return {'behind', pos} end
+  if ARGV[4] ~= '*' and pos ~= ARGV[4] then return {'behind', rp} end
 end
 local gen = redis.call('HGET', m, '#g') or ''
 if begin then
   local fid = redis.call('HGET', m, '#f') or ''
   local mine = ''
   if guarded and redis.call('HGET', m, '#w') == ARGV[2] then mine = '1' end
-  if gen == ARGV[6] and gen ~= '' then return {'ok', pos, gen, fid, mine} end
-  return {'ok', pos, gen, fid, mine, redis.call('LRANGE', l, 0, -1)}
+  if gen == ARGV[6] and gen ~= '' then return {'ok', rp, gen, fid, mine} end
+  return {'ok', rp, gen, fid, mine, redis.call('LRANGE', l, 0, -1)}
 end
-if gen ~= ARGV[6] then return {'stale', pos, gen} end
+if gen ~= ARGV[6] then return {'stale', rp, gen} end
 if ARGV[8] == 'w' then redis.call('DEL', l) end
 if ARGV[9] ~= '' then redis.call('RPUSH', l, ARGV[9]) end
 redis.call('HSET', m, '#g', ARGV[7], '#n', ARGV[10], '#t0', ARGV[11], '#t1', ARGV[12], '#t2', ARGV[13], '#t3', ARGV[14], '#name', ARGV[15], '#f', ARGV[16])
 if guarded then
   redis.call('HSET', m, '#s', ARGV[5], '#e', topo, '#w', ARGV[2])
+  local h = redis.call('HGET', m, '#h')
+  if h and (not pos or (ARGV[17] == 'c' or ARGV[4] == '*') and tonumber(ARGV[5]) >= tonumber(h)) then
+    redis.call('HDEL', m, '#h')
+    h = false
+  end
+  if ARGV[17] ~= '' and ARGV[17] ~= 'c' then
+    redis.call('HSET', m, '#h', ARGV[17])
+    h = ARGV[17]
+  end
+  if h then return {'ok', ARGV[5] .. ' ' .. h, ARGV[7]} end
 else
   redis.call('HDEL', m, '#w')
 end

@@ -440,18 +440,17 @@ func (c *Consumer) repairHole(ctx context.Context, w work, in *inst, seq uint64,
 	switch {
 	case errors.Is(err, errOwned):
 		// Another router writes the instance: it meets the same hole in
-		// the stream and is trusted with it, as with every message it
-		// applies — wrongly when it loaded the same old snapshot: the
-		// hole is not recorded in the index for every router to see
-		// (docs/transport.md, "Shared Redis index: what can be stale").
-		c.setHole(in, 0)
+		// the stream, and records it in the index when its state does not
+		// reach past it either (ApplyAtHole); this router's hole is kept
+		// until the index is past it with none recorded (noteHole).
+		c.noteHole(in, pos)
 	case err == nil:
 		c.setFrom(in, pos)
-		// Past the hole: the index is at or past this message (another
-		// router got there first: trusted, as above), or, when the hole
-		// was just found, the
-		// snapshot (and the replay after it) reached its engine seqs.
-		if pos.Seq >= w.streamSeq || found && in.hasSeq && seq <= in.status.LastSeq+1 {
+		// Past the hole: the index is past it with none recorded
+		// (noteHole), or, when the hole was just found, the snapshot
+		// (and the replay after it) reached its engine seqs.
+		c.noteHole(in, pos)
+		if found && in.hasSeq && seq <= in.status.LastSeq+1 {
 			c.setHole(in, 0)
 		}
 	default:

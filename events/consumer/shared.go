@@ -42,6 +42,9 @@ type SharedApplier interface {
 	// ApplyAtYielding is ApplyAt leaving an instance another router wrote
 	// last to it even once its lease has run out (SeqYielded).
 	ApplyAtYielding(ctx context.Context, instance string, from kvindex.Position, seq uint64, evs []events.Event) (kvindex.SeqResult, error)
+	// ApplyAtHole is ApplyAt (ApplyAtYielding when yield) recording a
+	// hole at seq in the instance's state (kvindex.Position.Hole).
+	ApplyAtHole(ctx context.Context, instance string, from kvindex.Position, seq uint64, yield bool, evs []events.Event) (kvindex.SeqResult, error)
 	LoadAt(ctx context.Context, instance string, seq uint64, evs []events.Event) (kvindex.SeqResult, error)
 	Position(ctx context.Context, instance string) (kvindex.Position, error)
 	Epoch(ctx context.Context) (epoch string, created bool, err error)
@@ -140,17 +143,18 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 	next := kvindex.Position{Seq: seq, Seeded: true}
 	in.from = next
 	defer c.setExpect(next, in)
-	apply := c.shared.idx.ApplyAtYielding
+	yield := true
 	for range sharedAttempts {
-		r, err := apply(ctx, instance, from, seq, evs)
+		r, err := c.applyAt(ctx, instance, in, from, seq, yield, evs)
 		// After a repair (below), a message still missing is this
 		// router's to apply, whoever wrote last.
-		apply = c.shared.idx.ApplyAt
+		yield = false
 		if err != nil {
 			c.setSynced(in, false)
 			return r.ApplyResult, err
 		}
 		c.countTakeover(r)
+		c.noteHole(in, r.Position)
 		switch r.Status {
 		case kvindex.SeqApplied, kvindex.SeqDuplicate:
 			c.setSynced(in, true)
@@ -202,6 +206,40 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 	}
 	c.setSynced(in, false)
 	return kvindex.ApplyResult{}, fmt.Errorf("consumer: shared index of %s kept moving under message %d", instance, seq)
+}
+
+// applyAt applies message seq at from: ApplyAtYielding when yield, else
+// ApplyAt; ApplyAtHole when it is the message after this router's pending
+// hole (inst.hole), which the index then records for every router.
+func (c *Consumer) applyAt(ctx context.Context, instance string, in *inst, from kvindex.Position, seq uint64, yield bool, evs []events.Event) (kvindex.SeqResult, error) {
+	switch {
+	case in.hole == seq: // written by this goroutine only
+		return c.shared.idx.ApplyAtHole(ctx, instance, from, seq, yield, evs)
+	case yield:
+		return c.shared.idx.ApplyAtYielding(ctx, instance, from, seq, evs)
+	}
+	return c.shared.idx.ApplyAt(ctx, instance, from, seq, evs)
+}
+
+// noteHole follows the index's record of a hole pending in the instance's
+// state (kvindex.Position.Hole), read with pos. One recorded (by any
+// router, or this one before a restart) is this router's too: the
+// instance is not live (setSynced) until it is repaired, and this router
+// tries to repair it as well (repairHole). This router's own hole is
+// cleared once the index is at or past it with none recorded: the message
+// after it was applied over a state that held what the lost messages did
+// (by a router that consumed them, or whose snapshot reached past them:
+// one that did not records the hole with the message), or a snapshot
+// past it was loaded, or a clear after it applied. Shard goroutine only.
+func (c *Consumer) noteHole(in *inst, pos kvindex.Position) {
+	switch {
+	case !pos.Seeded:
+	case pos.Hole > in.hole:
+		c.setHole(in, pos.Hole)
+	case pos.Hole == 0 && in.hole != 0 && pos.Seq >= in.hole:
+		c.setHole(in, 0)
+		in.retryAt = time.Time{}
+	}
 }
 
 // countTakeover counts a write that took the instance over from another
@@ -406,7 +444,7 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 			continue // malformed: skipped (and counted) when consumed, never applied
 		}
 		clears := clearsAll(batch.Events)
-		r, err := c.shared.idx.ApplyAt(ctx, instance, pos, m.Sequence, batch.Events)
+		r, err := c.applyAt(ctx, instance, in, pos, m.Sequence, false, batch.Events)
 		if err != nil {
 			c.m.applyErrors.Inc()
 			return pos, fmt.Errorf("consumer: replay message %d: %w", m.Sequence, err)
@@ -416,6 +454,7 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 		case kvindex.SeqApplied:
 			applied++
 		case kvindex.SeqNotOwner:
+			c.noteHole(in, r.Position)
 			return r.Position, errOwned
 		case kvindex.SeqBehind:
 			return r.Position, fmt.Errorf("consumer: shared index of %s moved to %v during replay", instance, r.Position)
@@ -481,6 +520,7 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 		c.cfg.Logger.Warn("consumer: shared index unreachable, will retry", "instance", instance, "err", err)
 		return
 	}
+	c.noteHole(in, pos)
 	confirmed := func() {
 		c.mu.Lock()
 		if in.skipped == skipped {
@@ -508,6 +548,7 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 		if in.from.Seeded {
 			c.leftToWriter(in, in.from.Seq, false)
 		}
+		c.noteHole(in, p)
 		c.setSynced(in, p.Seeded)
 	case err != nil:
 		c.setSynced(in, false)
@@ -529,6 +570,7 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 		if !in.from.Seeded || p.Seq > in.from.Seq {
 			c.setFrom(in, p)
 		}
+		c.noteHole(in, p)
 		confirmed()
 		c.setSynced(in, true)
 		if p != pos {
@@ -758,12 +800,13 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) (due 
 	}
 	var behind []string
 	for i, p := range got {
-		if !p.Seeded || p.Seq < want[i].Seq {
+		if !p.Seeded || p.Seq < want[i].Seq || p.Hole != 0 {
 			behind = append(behind, check[i])
 		}
 	}
 	// Missing messages this router consumed (Redis restored to an earlier
-	// point, or a writer's mark): not whole, so not live, until repaired.
+	// point, or a writer's mark), or a hole another router recorded (the
+	// sync adopts it: noteHole): not whole, so not live, until repaired.
 	c.mu.Lock()
 	for _, name := range behind {
 		if in := c.insts[name]; in != nil && !in.status.IndexUnsynced {

@@ -46,6 +46,11 @@ func (g *gatedIndex) ApplyAtYielding(ctx context.Context, instance string, from 
 	return g.Redis.ApplyAtYielding(ctx, instance, from, seq, evs)
 }
 
+func (g *gatedIndex) ApplyAtHole(ctx context.Context, instance string, from kvindex.Position, seq uint64, yield bool, evs []events.Event) (kvindex.SeqResult, error) {
+	g.gateApply()
+	return g.Redis.ApplyAtHole(ctx, instance, from, seq, yield, evs)
+}
+
 func (g *gatedIndex) Positions(ctx context.Context, instances []string) ([]kvindex.Position, error) {
 	if g.failPositions.Load() {
 		return nil, errors.New("test: positions not read")

@@ -566,6 +566,13 @@ func (a *sharedAccountingApplier) ApplyAtYielding(ctx context.Context, instance 
 	return r, err
 }
 
+// ApplyAtHole implements consumer.SharedApplier.
+func (a *sharedAccountingApplier) ApplyAtHole(ctx context.Context, instance string, from kvindex.Position, seq uint64, yield bool, evs []events.Event) (kvindex.SeqResult, error) {
+	r, err := a.shared.ApplyAtHole(ctx, instance, from, seq, yield, evs)
+	a.accountShared(instance, evs, r, err)
+	return r, err
+}
+
 // LoadAt implements consumer.SharedApplier: a loaded snapshot replaces the
 // instance's accounting.
 func (a *sharedAccountingApplier) LoadAt(ctx context.Context, instance string, seq uint64, evs []events.Event) (kvindex.SeqResult, error) {
