@@ -212,9 +212,7 @@ func (c *Consumer) do(ctx context.Context, w work, dec *events.Decoder) {
 			// new stream), makes the state exact. Kept at the old number,
 			// it held the instance not live until the new stream passed
 			// that number (review of d110819).
-			c.mu.Lock()
-			in.hole = 1
-			c.mu.Unlock()
+			c.setHole(in, 1)
 		}
 		c.load(ctx, w.instance, in, 0)
 	case workEvent:
@@ -482,6 +480,23 @@ func (c *Consumer) countLost(in *inst, key, msg string, attrs ...any) {
 	}
 }
 
+// sawSeq records engine seq seq as applied: the instance's last engine
+// seq, unless one above it was (a duplicate does not lower it). c.mu held.
+func (in *inst) sawSeq(seq uint64) {
+	if !in.hasSeq || seq > in.status.LastSeq {
+		in.status.LastSeq = seq
+	}
+	in.hasSeq = true
+}
+
+// wipeHole clears the instance's pending hole when a clear at stream seq
+// at comes after it: what the lost messages did is wiped. c.mu held.
+func (in *inst) wipeHole(at uint64) {
+	if in.hole != 0 && at >= in.hole {
+		in.hole = 0
+	}
+}
+
 // setHole sets the instance's pending hole (inst.hole; 0: none).
 func (c *Consumer) setHole(in *inst, at uint64) {
 	c.mu.Lock()
@@ -530,10 +545,7 @@ func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.
 		// A duplicate (applied again in the shared index) does not lower
 		// it: lowered, the next message would read as a hole, and a
 		// snapshot reload — not live when the snapshot is older — follow.
-		if !in.hasSeq || seq > st.LastSeq {
-			st.LastSeq = seq
-		}
-		in.hasSeq = true
+		in.sawSeq(seq)
 	}
 	if clearsSeq(h.Synthetic) {
 		// The bridge cleared the instance: seq continuity starts over.

@@ -463,16 +463,13 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 		c.mu.Lock()
 		if herr == nil && h.HasSeq && h.Synthetic == "" {
 			// As ref, and as applyBatch: a duplicate does not lower it.
-			if !in.hasSeq || h.LastSeq() > in.status.LastSeq {
-				in.status.LastSeq = h.LastSeq()
-			}
-			in.hasSeq = true
+			in.sawSeq(h.LastSeq())
 		}
 		if herr == nil && clearsSeq(h.Synthetic) {
 			in.hasSeq = false
 		}
-		if clears && in.hole != 0 && m.Sequence >= in.hole {
-			in.hole = 0 // what the lost messages did is wiped
+		if clears {
+			in.wipeHole(m.Sequence)
 		}
 		c.mu.Unlock()
 	}

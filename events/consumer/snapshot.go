@@ -297,9 +297,7 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 		}
 		if clears {
 			gapAt = 0 // what the lost messages did is wiped
-			if in.hole != 0 && m.Sequence >= in.hole {
-				in.hole = 0
-			}
+			in.wipeHole(m.Sequence)
 		}
 		c.mu.Unlock()
 	}
