@@ -232,3 +232,40 @@ func TestRunReturnsConfigError(t *testing.T) {
 		t.Fatalf("Run = %v, want a config error before the deadline", err)
 	}
 }
+
+// A message stored twice (re-sent after JetStream's duplicate window)
+// that a reload's replay meets is skipped, as the live path skips it: the
+// engine stored block 2 (engine seq 2) and removed it (3), then the
+// duplicate of seq 2 reached the stream; a failed apply of seq 4 reloads
+// the bucket's snapshot (engine seq 1) and replays seqs 2, 3 and the
+// duplicate. Applied again, the duplicate brought block 2 back: the
+// index held [1 2 5 6] against the engine's [1 5 6] until the bridge's
+// resync.
+func TestReplaySkipsDuplicateSeq(t *testing.T) {
+	e := newEnv(t)
+	e.putSnapshot("i0", 1, 1, 1)
+	e.store("i0", 1, 1)
+	e.store("i0", 2, 2)
+	a := &failOnce{recorder: newRecorder(), hash: 5}
+	cfg := e.cfg
+	cfg.Applier, cfg.SnapshotTimeout = a, 100*time.Millisecond
+	c := e.start(cfg)
+	testenv.WaitFor(t, 10*time.Second, "blocks 1 and 2", func() bool { s, _ := a.get("i0"); return slices.Equal(s, []uint64{1, 2}) })
+	e.send("i0", 3, events.Event{Kind: events.BlockRemoved, BlockHashes: []uint64{2}, Medium: "GPU"})
+	e.store("i0", 2, 2) // the duplicate
+	testenv.WaitFor(t, 10*time.Second, "the duplicate skipped", func() bool {
+		return counterValue(c.m.messages.WithLabelValues("duplicate_seq")) == 1
+	})
+	e.store("i0", 4, 5) // its apply fails once: the next message reloads and replays
+	e.store("i0", 5, 6)
+	testenv.WaitFor(t, 10*time.Second, "engine seq 5 applied", func() bool { s, _ := a.get("i0"); return len(s) > 0 && s[len(s)-1] == 6 })
+	if s, purges := a.get("i0"); !slices.Equal(s, []uint64{1, 5, 6}) || purges != 2 {
+		t.Fatalf("index holds %v after %d purges, the engine [1 5 6] (want 2 purges: the start's load, the reload)", s, purges)
+	}
+	if n := counterValue(c.m.messages.WithLabelValues("duplicate_seq")); n != 2 {
+		t.Fatalf("%v messages counted duplicate_seq, want 2 (live, then the replay)", n)
+	}
+	if st := c.status("i0"); st.Gaps != 0 || st.ReplayLost != 0 {
+		t.Fatalf("a duplicate counted as a gap or loss: %+v", st)
+	}
+}

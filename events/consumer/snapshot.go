@@ -269,7 +269,14 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 			c.m.messages.WithLabelValues("malformed").Inc()
 		}
 		failed, clears := false, false
-		for _, p := range parts {
+		for i, p := range parts {
+			if engineMsg && in.hasSeq && h.Seq+uint64(i) <= in.status.LastSeq {
+				// An engine seq already applied (a message stored twice):
+				// skipped, as the live path skips it (seqCheck); applied
+				// again it could bring back blocks removed since.
+				c.m.messages.WithLabelValues("duplicate_seq").Inc()
+				continue
+			}
 			batch, err := events.Decode(p)
 			if err != nil {
 				continue
@@ -290,7 +297,7 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 		c.mu.Lock()
 		in.status.StreamSeq = max(in.status.StreamSeq, m.Sequence)
 		if engineMsg {
-			in.status.LastSeq, in.hasSeq = h.LastSeq(), true
+			in.sawSeq(h.LastSeq()) // a duplicate does not lower it
 		}
 		if clearsSeq(h.Synthetic) {
 			in.hasSeq = false
