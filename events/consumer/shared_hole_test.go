@@ -305,6 +305,24 @@ func (w *sharedWorld) notLive(d time.Duration, instance, what string, routers ..
 	}
 }
 
+// holeInQuiet has quiet's engine change its cache in messages the stream
+// loses, then publish one, which the routers apply over the hole, the
+// bucket keeping quiet's snapshot from before it; it checks that the
+// routers hold quiet not live for 1.5 s.
+func (w *sharedWorld) holeInQuiet(rs ...*router) {
+	w.t.Helper()
+	w.keepBucket = true
+	w.lose("quiet")
+	w.publishOne("quiet")
+	for _, r := range rs {
+		w.appliedLast(r, "quiet")
+	}
+	if idx, truth := instBlocks(w.ctx, rs[0].idx, "quiet"), instBlocks(w.ctx, w.truth, "quiet"); idx == truth {
+		w.t.Fatalf("the lost messages changed nothing the index shows (%v)", truth)
+	}
+	w.notLive(1500*time.Millisecond, "quiet", "after the hole", rs...)
+}
+
 // Two routers meet the same live hole in quiet's engine seqs, the
 // snapshot they can load (the bucket's) older than it. The first applies
 // the message after the hole over the old snapshot; the second, whose
@@ -326,15 +344,7 @@ func TestSharedHoleSeenByEveryRouter(t *testing.T) {
 	w.wrapIndex = nil
 	w.publish(20)
 	w.converge("first messages", r1, r2)
-	w.keepBucket = true // the bucket keeps quiet's snapshot from before the hole
-	w.lose("quiet")
-	w.publishOne("quiet")
-	w.appliedLast(r1, "quiet")
-	w.appliedLast(r2, "quiet")
-	if idx, truth := instBlocks(w.ctx, r1.idx, "quiet"), instBlocks(w.ctx, w.truth, "quiet"); idx == truth {
-		t.Fatalf("the lost messages changed nothing the index shows (%v)", truth)
-	}
-	w.notLive(1500*time.Millisecond, "quiet", "after the hole", r1, r2)
+	w.holeInQuiet(r1, r2)
 	// A router started now (or one restarted) learns the hole from the
 	// index.
 	r3 := w.startRouter()
@@ -379,15 +389,7 @@ func TestSharedQuietHoleRepairedAtPosition(t *testing.T) {
 	r1, r2 := w.startRouter(), w.startRouter()
 	w.publish(20)
 	w.converge("first messages", r1, r2)
-	w.keepBucket = true // the bucket keeps quiet's snapshot from before the hole
-	w.lose("quiet")
-	w.publishOne("quiet")
-	w.appliedLast(r1, "quiet")
-	w.appliedLast(r2, "quiet")
-	if idx, truth := instBlocks(w.ctx, r1.idx, "quiet"), instBlocks(w.ctx, w.truth, "quiet"); idx == truth {
-		t.Fatalf("the lost messages changed nothing the index shows (%v)", truth)
-	}
-	w.notLive(1500*time.Millisecond, "quiet", "after the hole", r1, r2)
+	w.holeInQuiet(r1, r2)
 	pos, err := r1.idx.Position(w.ctx, "quiet")
 	if err != nil || pos.Hole == 0 || pos.Hole > pos.Seq {
 		t.Fatalf("quiet's position %v (%v): want a hole recorded", pos, err)
