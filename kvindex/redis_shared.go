@@ -224,6 +224,14 @@ func (r *Redis) ApplyAtYielding(ctx context.Context, instance string, from Posit
 // current to stream sequence seq) and moves its position to seq, unless
 // the instance is already at or past seq (SeqDuplicate) or another router
 // holds its writer lease (SeqNotOwner).
+//
+// A snapshot at the instance's own position is taken while a hole is
+// pending at or below it (Position.Hole): the bridge's table at that
+// stream seq holds what the messages the stream lost did, and an engine
+// gone quiet after the hole has no newer one to offer. The load removes
+// the hole, so a second one there (another router's) is a duplicate;
+// without a hole a load at the position is one too (nothing to repair,
+// no rewrite of the instance).
 func (r *Redis) LoadAt(ctx context.Context, instance string, seq uint64, evs []events.Event) (SeqResult, error) {
 	return r.apply(ctx, instance, &seqGuard{load: true, seq: seq}, evs)
 }
@@ -434,7 +442,9 @@ const (
 // not, and the caller must see what the log holds) (the begin; the
 // commit, which records the caller's token in #w: {status, position or
 // nil, generation}), status "ok",
-// "dup" (already at or past the new position), "owned" (another router's
+// "dup" (already at or past the new position; a load, ARGV[4] "*", at
+// the position itself is taken while a hole (#h) is pending at or below
+// it: see LoadAt), "owned" (another router's
 // lease), "yield" (mode "y": another router's lease, run out), "behind" (not at the expected position) or "stale" (commit: the
 // caller's map is not the current one). The begin returns the log when
 // the caller's generation is not current. The commit checks the lease,
@@ -457,7 +467,15 @@ if guarded then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local o = redis.call('HMGET', m, '#o', '#x')
-  if pos and tonumber(pos) >= tonumber(ARGV[5]) then return {'dup', rp} end
+  -- At or past the new position: another router applied it, or loaded
+  -- past it. A load (ARGV[4] '*') at the position itself is taken while
+  -- a hole is pending at or below it (#h): the snapshot there holds what
+  -- the lost messages did. Once it has removed the hole, another load at
+  -- the position is a duplicate again.
+  if pos and tonumber(pos) >= tonumber(ARGV[5]) and not (ARGV[4] == '*' and st[3]
+      and tonumber(pos) == tonumber(ARGV[5]) and tonumber(st[3]) <= tonumber(pos)) then
+    return {'dup', rp}
+  end
   if begin then
     if o[1] and o[1] ~= ARGV[2] then
       if tonumber(o[2] or '0') > now then return {'owned', rp} end

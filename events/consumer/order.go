@@ -410,31 +410,33 @@ func (c *Consumer) seqCheck(ctx context.Context, w work, in *inst, seq uint64) i
 				}
 			}
 		} else if c.shared != nil {
-			c.repairHole(ctx, w, in, seq, true)
+			c.repairHole(ctx, w.instance, in, w.streamSeq, seq, true)
 		}
 	} else if c.shared != nil && in.hole != 0 && in.loadDue() {
-		c.repairHole(ctx, w, in, seq, false)
+		c.repairHole(ctx, w.instance, in, w.streamSeq, seq, false)
 	}
 	return seqApply
 }
 
 // repairHole loads the instance's snapshot into the shared index for a
-// hole in its engine seqs before message w (engine seq seq): found, the
-// hole was seen at w; else it was seen earlier and is still pending. The
+// hole in its engine seqs before its message at stream seq at (engine seq
+// seq): found, the hole was seen at that message; else it was seen earlier
+// and is still pending, and at is the message in hand or, from a sync
+// (syncShared: no message), the one after the index's position. The
 // stream lost messages of the instance, so its state in the index misses
 // them too: only a snapshot at or past the hole replaces it (seedShared
 // clears in.hole then), or a clear after it. One older than the hole (the
 // bridge did not answer, and the bucket's was taken before it) leaves the
 // instance not live, the message applied meanwhile; the load is tried
-// again at a later message (loadRetryAt apart), when the bridge's
-// snapshot is past the index's position — LoadAt refuses one at it, so a
-// periodic sync of a quiet instance cannot repair it.
-func (c *Consumer) repairHole(ctx context.Context, w work, in *inst, seq uint64, found bool) {
+// again (loadRetryAt apart) at a later message or at the periodic sync of
+// an instance gone quiet, whose bridge's snapshot is at the index's own
+// position: LoadAt takes that one while the hole is pending.
+func (c *Consumer) repairHole(ctx context.Context, instance string, in *inst, at, seq uint64, found bool) {
 	start := time.Now()
 	if found {
-		c.setHole(in, w.streamSeq)
+		c.setHole(in, at)
 	}
-	pos, err := c.seedShared(ctx, w.instance, in, w.streamSeq)
+	pos, err := c.seedShared(ctx, instance, in, at)
 	switch {
 	case errors.Is(err, errOwned):
 		// Another router writes the instance: it meets the same hole in
@@ -452,7 +454,7 @@ func (c *Consumer) repairHole(ctx context.Context, w work, in *inst, seq uint64,
 			c.setHole(in, 0)
 		}
 	default:
-		c.cfg.Logger.Warn("consumer: snapshot load into the shared index failed, will retry", "instance", w.instance, "err", err)
+		c.cfg.Logger.Warn("consumer: snapshot load into the shared index failed, will retry", "instance", instance, "err", err)
 	}
 	if in.hole == 0 {
 		in.retryAt = time.Time{}
@@ -464,7 +466,7 @@ func (c *Consumer) repairHole(ctx context.Context, w work, in *inst, seq uint64,
 		return
 	}
 	c.countLost(in, "shared_hole", "consumer: engine seq gap in the stream not repaired by a snapshot in the shared index; not live until a snapshot past it or a clear",
-		"instance", w.instance, "last_seq", in.status.LastSeq, "seq", seq, "stream_seq", w.streamSeq)
+		"instance", instance, "last_seq", in.status.LastSeq, "seq", seq, "stream_seq", at)
 }
 
 // countLost counts a hole in an instance's engine seqs that the snapshot

@@ -527,6 +527,13 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 	}
 	if pos.Seeded && in.from.Seeded && pos.Seq >= in.from.Seq {
 		confirmed()
+		if in.hole != 0 && in.loadDue() {
+			// A hole pending and nothing else to repair: an engine gone
+			// quiet sends no message to retry the snapshot at, and its
+			// bridge's is at the index's position, which LoadAt takes
+			// while the hole is pending (then every router reads it gone).
+			c.repairHole(ctx, instance, in, pos.Seq+1, 0, false)
+		}
 		c.setSynced(in, true)
 		return
 	}

@@ -305,6 +305,24 @@ func (w *sharedWorld) notLive(d time.Duration, instance, what string, routers ..
 	}
 }
 
+// holeInQuiet has quiet's engine change its cache in messages the stream
+// loses, then publish one, which the routers apply over the hole, the
+// bucket keeping quiet's snapshot from before it; it checks that the
+// routers hold quiet not live for 1.5 s.
+func (w *sharedWorld) holeInQuiet(rs ...*router) {
+	w.t.Helper()
+	w.keepBucket = true
+	w.lose("quiet")
+	w.publishOne("quiet")
+	for _, r := range rs {
+		w.appliedLast(r, "quiet")
+	}
+	if idx, truth := instBlocks(w.ctx, rs[0].idx, "quiet"), instBlocks(w.ctx, w.truth, "quiet"); idx == truth {
+		w.t.Fatalf("the lost messages changed nothing the index shows (%v)", truth)
+	}
+	w.notLive(1500*time.Millisecond, "quiet", "after the hole", rs...)
+}
+
 // Two routers meet the same live hole in quiet's engine seqs, the
 // snapshot they can load (the bucket's) older than it. The first applies
 // the message after the hole over the old snapshot; the second, whose
@@ -326,15 +344,7 @@ func TestSharedHoleSeenByEveryRouter(t *testing.T) {
 	w.wrapIndex = nil
 	w.publish(20)
 	w.converge("first messages", r1, r2)
-	w.keepBucket = true // the bucket keeps quiet's snapshot from before the hole
-	w.lose("quiet")
-	w.publishOne("quiet")
-	w.appliedLast(r1, "quiet")
-	w.appliedLast(r2, "quiet")
-	if idx, truth := instBlocks(w.ctx, r1.idx, "quiet"), instBlocks(w.ctx, w.truth, "quiet"); idx == truth {
-		t.Fatalf("the lost messages changed nothing the index shows (%v)", truth)
-	}
-	w.notLive(1500*time.Millisecond, "quiet", "after the hole", r1, r2)
+	w.holeInQuiet(r1, r2)
 	// A router started now (or one restarted) learns the hole from the
 	// index.
 	r3 := w.startRouter()
@@ -360,4 +370,59 @@ func TestSharedHoleSeenByEveryRouter(t *testing.T) {
 		time.Sleep(300 * time.Millisecond)
 	}
 	w.converge("a snapshot past the hole", r1, r2, r3)
+}
+
+// A hole recorded in the shared index for quiet, whose engine then goes
+// quiet (heartbeats, no message): its bridge's table at the stream seq of
+// quiet's last message — the index's own position — holds what the lost
+// messages did, and is all the bridge can answer. LoadAt refused a
+// snapshot at the position, and no message came to retry at, so quiet
+// stayed not live on every router for good. Now the routers' periodic
+// sync loads it (a loadRetryAt apart while the load falls short), and
+// quiet turns live on both, the index equal to the engines, within a few
+// seconds.
+func TestSharedQuietHoleRepairedAtPosition(t *testing.T) {
+	w := newSharedWorld(t, 83, "e0", "quiet")
+	stop := make(chan struct{})
+	hb := w.heartbeats(stop)
+	t.Cleanup(func() { close(stop); hb.Wait() })
+	r1, r2 := w.startRouter(), w.startRouter()
+	w.publish(20)
+	w.converge("first messages", r1, r2)
+	w.holeInQuiet(r1, r2)
+	pos, err := r1.idx.Position(w.ctx, "quiet")
+	if err != nil || pos.Hole == 0 || pos.Hole > pos.Seq {
+		t.Fatalf("quiet's position %v (%v): want a hole recorded", pos, err)
+	}
+	// The bridge answers with its table at the index's position.
+	quiet := w.engine("quiet")
+	batch, err := events.Encode(nil, events.Batch{Events: w.snapshots["quiet"].evs}, events.EncodingMap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	snap, err := kvstream.Snapshot{Pool: w.pool, Instance: "quiet", Blocks: len(w.snapshots["quiet"].evs), StreamSeq: pos.Seq,
+		EngineSeq: quiet.seq, HasSeq: true, Taken: time.Now(), Batch: batch}.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	w.answer("quiet", snap)
+	var took [2]time.Duration
+	for took[0] == 0 || took[1] == 0 {
+		for i, r := range []*router{r1, r2} {
+			if took[i] == 0 && r.c.Live("quiet") {
+				took[i] = time.Since(start)
+			}
+		}
+		if time.Since(start) > 15*time.Second {
+			t.Fatalf("quiet not live on every router 15 s after its bridge answered at the index's position %v: %v %v (index %v blocks, engine %v)",
+				pos, r1.c.Live("quiet"), r2.c.Live("quiet"), instBlocks(w.ctx, r1.idx, "quiet"), instBlocks(w.ctx, w.truth, "quiet"))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	t.Logf("quiet live %v (router 1) and %v (router 2) after the bridge answered", took[0].Round(time.Millisecond), took[1].Round(time.Millisecond))
+	w.converge("the table at the index's position", r1, r2)
+	if p, err := r2.idx.Position(w.ctx, "quiet"); err != nil || p != (kvindex.Position{Seq: pos.Seq, Seeded: true}) {
+		t.Fatalf("quiet's position %v (%v), want %d with no hole", p, err, pos.Seq)
+	}
 }
