@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -37,11 +38,13 @@ func holeEnv(t *testing.T) (*env, *Consumer, *recorder) {
 	return e, c, a
 }
 
-// answer has the bridge answer instance's snapshot requests with snap.
-func (e *env) answer(instance string, snap []byte) {
+// answer has the bridge answer instance's snapshot requests with snap;
+// it returns the count of requests answered.
+func (e *env) answer(instance string, snap []byte) *atomic.Int64 {
 	e.t.Helper()
+	var n atomic.Int64
 	subj, _ := kvstream.SnapshotSubject(e.pool, instance)
-	sub, err := e.nc.Subscribe(subj, func(m *nats.Msg) { _ = m.Respond(snap) })
+	sub, err := e.nc.Subscribe(subj, func(m *nats.Msg) { n.Add(1); _ = m.Respond(snap) })
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -49,6 +52,7 @@ func (e *env) answer(instance string, snap []byte) {
 	if err := e.nc.Flush(); err != nil {
 		e.t.Fatal(err)
 	}
+	return &n
 }
 
 // A hole in an instance's engine seqs (messages lost from the stream)

@@ -42,6 +42,15 @@ func (c *Consumer) seenAt(in *inst, t, now time.Time) {
 	}
 }
 
+// bridgeHeard reports whether the instance's bridge was heard from (a
+// heartbeat or a message) within StaleAfter and does not report its
+// engine down: whether asking it for its table can help.
+func (c *Consumer) bridgeHeard(in *inst) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return !in.status.EngineDown && time.Since(in.lastSeen) <= c.cfg.StaleAfter
+}
+
 // newInst makes an instance record first seen at t (zero: not yet, a
 // snapshot load will tell); c.mu held. On a shared index it starts
 // unsynced (not live): this router has not seen the instance's state in

@@ -180,8 +180,9 @@ func (c *Consumer) do(ctx context.Context, w work, dec *events.Decoder) {
 		switch {
 		case c.shared != nil:
 			// LoadAt takes the bridge's table only when it is newer than
-			// the index's position; otherwise the clear arrives in order
-			// through the stream.
+			// the index's position (or at it, while a hole is pending
+			// there); otherwise the clear arrives in order through the
+			// stream.
 			if _, err := c.seedShared(ctx, w.instance, in, 0); err != nil && ctx.Err() == nil {
 				c.cfg.Logger.Warn("consumer: reloading a restarted engine's table into the shared index failed; the stream will repair it", "instance", w.instance, "err", err)
 			}

@@ -527,11 +527,16 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 	}
 	if pos.Seeded && in.from.Seeded && pos.Seq >= in.from.Seq {
 		confirmed()
-		if in.hole != 0 && in.loadDue() {
+		if in.hole != 0 && in.loadDue() && c.bridgeHeard(in) {
 			// A hole pending and nothing else to repair: an engine gone
 			// quiet sends no message to retry the snapshot at, and its
 			// bridge's is at the index's position, which LoadAt takes
 			// while the hole is pending (then every router reads it gone).
+			// Only while the bridge is heard from and its engine up: a
+			// silent bridge answers no request (a hung one would hold the
+			// shard for SnapshotTimeout at each try), and the bucket's
+			// snapshot, which only the bridge refreshes, is older than the
+			// hole.
 			c.repairHole(ctx, instance, in, pos.Seq+1, 0, false)
 		}
 		c.setSynced(in, true)

@@ -395,18 +395,8 @@ func TestSharedQuietHoleRepairedAtPosition(t *testing.T) {
 		t.Fatalf("quiet's position %v (%v): want a hole recorded", pos, err)
 	}
 	// The bridge answers with its table at the index's position.
-	quiet := w.engine("quiet")
-	batch, err := events.Encode(nil, events.Batch{Events: w.snapshots["quiet"].evs}, events.EncodingMap)
-	if err != nil {
-		t.Fatal(err)
-	}
-	snap, err := kvstream.Snapshot{Pool: w.pool, Instance: "quiet", Blocks: len(w.snapshots["quiet"].evs), StreamSeq: pos.Seq,
-		EngineSeq: quiet.seq, HasSeq: true, Taken: time.Now(), Batch: batch}.MarshalBinary()
-	if err != nil {
-		t.Fatal(err)
-	}
 	start := time.Now()
-	w.answer("quiet", snap)
+	w.answer("quiet", w.quietTableAt(pos))
 	var took [2]time.Duration
 	for took[0] == 0 || took[1] == 0 {
 		for i, r := range []*router{r1, r2} {
@@ -425,4 +415,60 @@ func TestSharedQuietHoleRepairedAtPosition(t *testing.T) {
 	if p, err := r2.idx.Position(w.ctx, "quiet"); err != nil || p != (kvindex.Position{Seq: pos.Seq, Seeded: true}) {
 		t.Fatalf("quiet's position %v (%v), want %d with no hole", p, err, pos.Seq)
 	}
+}
+
+// quietTableAt is quiet's bridge's table as a snapshot at the index's
+// position pos.
+func (w *sharedWorld) quietTableAt(pos kvindex.Position) []byte {
+	w.t.Helper()
+	batch, err := events.Encode(nil, events.Batch{Events: w.snapshots["quiet"].evs}, events.EncodingMap)
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	snap, err := kvstream.Snapshot{Pool: w.pool, Instance: "quiet", Blocks: len(w.snapshots["quiet"].evs), StreamSeq: pos.Seq,
+		EngineSeq: w.engine("quiet").seq, HasSeq: true, Taken: time.Now(), Batch: batch}.MarshalBinary()
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	return snap
+}
+
+// The periodic sync's retry of a quiet instance's hole asks its bridge
+// for its table only while the bridge is heard from: silent (no heartbeat
+// for StaleAfter), it answers nothing, and a hung one would hold the
+// shard for SnapshotTimeout at every try. Once it heartbeats again the
+// retry loads its table at the index's position, and quiet turns live on
+// both routers.
+func TestSharedQuietHoleSilentBridgeNotAsked(t *testing.T) {
+	w := newSharedWorld(t, 89, "e0", "quiet")
+	w.cfg.StaleAfter = time.Second
+	stop := make(chan struct{})
+	hb := w.heartbeats(stop)
+	r1, r2 := w.startRouter(), w.startRouter()
+	w.publish(20)
+	w.converge("first messages", r1, r2)
+	w.holeInQuiet(r1, r2)
+	pos, err := r1.idx.Position(w.ctx, "quiet")
+	if err != nil || pos.Hole == 0 {
+		t.Fatalf("quiet's position %v (%v): want a hole recorded", pos, err)
+	}
+	close(stop)
+	hb.Wait()
+	time.Sleep(1500 * time.Millisecond) // past StaleAfter: the bridges are silent
+	asked := w.answer("quiet", w.quietTableAt(pos))
+	time.Sleep(3 * time.Second) // the retry is due every second or so
+	if n := asked.Load(); n != 0 {
+		t.Fatalf("quiet's silent bridge asked for its table %d times in 3 s", n)
+	}
+	w.notLive(300*time.Millisecond, "quiet", "its bridge silent", r1, r2)
+	stop = make(chan struct{})
+	hb = w.heartbeats(stop)
+	t.Cleanup(func() { close(stop); hb.Wait() })
+	testenv.WaitFor(t, 15*time.Second, "quiet live on both routers once its bridge heartbeats", func() bool {
+		return r1.c.Live("quiet") && r2.c.Live("quiet")
+	})
+	if asked.Load() == 0 {
+		t.Fatal("quiet live without its bridge's table")
+	}
+	w.converge("the table at the index's position", r1, r2)
 }
