@@ -351,7 +351,10 @@ func (e *Engine) Abort(id uint64, now time.Duration) bool {
 		e.loading = remove(e.loading, q)
 	case stRunning:
 		e.running = remove(e.running, q)
-		// It may be part of the step in flight; its tokens are simply lost.
+		// It may be part of the step in flight. That step's blocks were
+		// cached when it was scheduled and stay cached (freed, reusable):
+		// vLLM handles an abort between steps, so the step that scheduled
+		// them computes them. Only its write-through CPU copy is skipped.
 		q.scheduled = 0
 	}
 	e.stats.Aborted++
@@ -514,6 +517,14 @@ func (e *Engine) hashesUpTo(q *request, n int) []uint64 {
 // chunk), preempting the newest running request when blocks run out; then,
 // if nobody was preempted, waiting requests in arrival order until the
 // token budget, the sequence cap or the cache stops the first of them.
+//
+// Each scheduled chunk's full blocks are cached as it is scheduled, before
+// the next request is looked up, as vLLM v1's KVCacheManager.allocate_slots
+// caches up to computed + new tokens (vllm-project/vllm,
+// vllm/v1/core/kv_cache_manager.py): a request admitted later in the same
+// step, or in any later one, hits blocks this step is computing (one
+// forward pass writes every layer's KV before attention reads it). Their
+// BlockStored events still go out with the step's batch at its end.
 func (e *Engine) startStep(t time.Duration) {
 	e.stepStart = t
 	// Promote finished CPU→GPU loads.
@@ -524,7 +535,9 @@ func (e *Engine) startStep(t time.Duration) {
 				keep = append(keep, q)
 				continue
 			}
+			from := q.firstSlot
 			e.commitBlocks(q, q.hitBlocks)
+			e.writeThrough(q, from, q.hitBlocks)
 			q.computed = q.hitBlocks * e.cfg.BlockSize
 			q.state = stRunning
 			e.running = append(e.running, q)
@@ -552,6 +565,7 @@ func (e *Engine) startStep(t time.Duration) {
 			break
 		}
 		q.scheduled = n
+		e.commitBlocks(q, (q.computed+n)/e.cfg.BlockSize)
 		budget -= n
 		e.step = append(e.step, q)
 	}
@@ -667,6 +681,7 @@ func (e *Engine) admit(q *request, t time.Duration, budget int) bool {
 	e.recordAdmission(q, hit*bs, 0)
 	q.state = stRunning
 	q.scheduled = n
+	e.commitBlocks(q, (q.computed+n)/bs)
 	e.running = append(e.running, q)
 	return true
 }
@@ -726,9 +741,12 @@ func (e *Engine) stepCost() time.Duration {
 }
 
 // finishStep completes the step ending at e.now: the scheduled tokens'
-// KV is computed, newly full blocks are hashed and stored, requests that
-// reached the end of their tokens sample one, finished requests release
-// their blocks, and the step's events go out as one batch.
+// KV is computed (their full blocks were cached when scheduled; with a
+// write-through CPU tier they are copied there now), requests that reached
+// the end of their tokens sample one, finished requests release their
+// blocks, and the step's events go out as one batch (vLLM's scheduler
+// publishes what the cache manager collected in update_from_output, after
+// the step's forward pass).
 func (e *Engine) finishStep(out []Update) []Update {
 	t := e.now
 	e.stepActive = false
@@ -745,9 +763,10 @@ func (e *Engine) finishStep(out []Update) []Update {
 		if q.scheduled == 0 || q.state != stRunning {
 			continue // aborted or preempted during the step
 		}
+		from := q.computed / e.cfg.BlockSize
 		q.computed += q.scheduled
 		q.scheduled = 0
-		e.commitBlocks(q, q.computed/e.cfg.BlockSize)
+		e.writeThrough(q, from, q.computed/e.cfg.BlockSize)
 		if q.computed < len(q.tokens) {
 			continue // mid-prefill chunk
 		}
@@ -794,7 +813,6 @@ func (e *Engine) flushStep(t time.Duration) {
 func (e *Engine) commitBlocks(q *request, n int) {
 	n = min(n, len(q.held))
 	first := -1
-	from := q.firstSlot
 	for i := q.firstSlot; i < n; i++ {
 		created := false
 		if q.held[i] == nil {
@@ -814,13 +832,20 @@ func (e *Engine) commitBlocks(q *request, n int) {
 	if first >= 0 {
 		e.announce(q, first, n)
 	}
-	if e.pool.writeThrough && e.pool.cpuCap > 0 && from < n {
-		// After the GPU stores, so a listener maps the hashes (from their
-		// tokens) before it sees them on the CPU tier.
-		e.pool.storeCPU(q.held[from:n])
-	}
 	for q.firstSlot < len(q.held) && q.held[q.firstSlot] != nil {
 		q.firstSlot++
+	}
+}
+
+// writeThrough copies q's computed blocks [from, to) to a write-through
+// CPU tier. It runs once their KV exists (at the end of the step that
+// computed them, or when a load lands), after their GPU BlockStored, so a
+// listener maps the hashes (from their tokens) before it sees them on the
+// CPU tier.
+func (e *Engine) writeThrough(q *request, from, to int) {
+	to = min(to, len(q.held))
+	if e.pool.writeThrough && e.pool.cpuCap > 0 && from < to {
+		e.pool.storeCPU(q.held[from:to])
 	}
 }
 
