@@ -65,7 +65,8 @@ func runInstances(ctx context.Context, args []string, stdout io.Writer) error {
 
 Lists each pool's instances: health and in-flight requests (GET /admin/pools),
 joined with what the pool's KV index and event stream know of them
-(GET /admin/pools/{pool}/instances): state (live, stale, purged), blocks per
+(GET /admin/pools/{pool}/instances): state (live, stale, purged; when not
+live, why: engine_down, hole, reloading, index_unsynced, silent), blocks per
 tier, last event time, last seq and gaps. Instances known only from events
 (heartbeat discovery) are listed too. Pools without a KV index show '-'.
 --json prints one array of rows, each with the router's whole KV record
@@ -167,7 +168,7 @@ func writeInstancesTable(w io.Writer, rows []instanceRow, sums []poolKV, now tim
 	for _, r := range rows {
 		cells := []string{r.Pool, r.Instance, dash(r.URL), boolCell(r.Healthy), intCell(r.InFlight)}
 		if k := r.KV; k != nil {
-			cells = append(cells, dash(k.State))
+			cells = append(cells, stateCell(k))
 			for t := range tiers.Tier(tiers.Count) {
 				if unread[r.Pool] {
 					cells = append(cells, "?") // the index not read (see the pool's line)
@@ -198,6 +199,20 @@ func writeInstancesTable(w io.Writer, rows []instanceRow, sums []poolKV, now tim
 		}
 	}
 	return nil
+}
+
+// stateCell is an instance's state with, when it is not live for
+// kv_aware, why (the consumer's not_live): "stale (hole)", "stale
+// (engine_down)"; the consumer's live with its shared-index state being
+// repaired reads "stale (index_unsynced)".
+func stateCell(k *kvInstance) string {
+	switch {
+	case k.NotLive == "" || k.NotLive == k.State:
+		return dash(k.State)
+	case k.State == "live":
+		return "stale (" + k.NotLive + ")"
+	}
+	return k.State + " (" + k.NotLive + ")"
 }
 
 func dash(s string) string {

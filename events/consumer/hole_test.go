@@ -78,8 +78,8 @@ func TestMemoryHoleNotLive(t *testing.T) {
 	if n < 1 || n > 4 {
 		t.Fatalf("%v snapshot loads in 2.5 s of heartbeats: want the hole's load retried, a second apart", n)
 	}
-	if st := c.status("i0"); st.ReplayLost != 1 || st.State != StateStale {
-		t.Fatalf("replay lost %d, state %v: want one hole counted, stale", st.ReplayLost, st.State)
+	if st := c.status("i0"); st.ReplayLost != 1 || st.State != StateStale || st.NotLive != "hole" {
+		t.Fatalf("replay lost %d, state %v, not live %q: want one hole counted, stale for the hole", st.ReplayLost, st.State, st.NotLive)
 	}
 	// The bridge answers again, with its table at engine seq 4.
 	e.answer("i0", e.snapshot("i0", 3, 4, 1, 4))
@@ -92,8 +92,8 @@ func TestMemoryHoleNotLive(t *testing.T) {
 	if s, _ := a.get("i0"); !slices.Equal(s, []uint64{1, 4}) {
 		t.Fatalf("live, the index holding %v, the engine [1 4]", s)
 	}
-	if st := c.status("i0"); st.ReplayLost != 1 {
-		t.Fatalf("replay lost %d after the repair, want 1", st.ReplayLost)
+	if st := c.status("i0"); st.ReplayLost != 1 || st.NotLive != "" {
+		t.Fatalf("replay lost %d, not live %q after the repair, want 1 and live", st.ReplayLost, st.NotLive)
 	}
 }
 

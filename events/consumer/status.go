@@ -66,6 +66,15 @@ type InstanceStatus struct {
 	// EngineDown: the bridge reports the engine dead (see
 	// kvstream.Heartbeat.EngineDown); the instance is not live meanwhile.
 	EngineDown bool `json:"engine_down,omitempty"`
+	// NotLive says why the instance is not live (empty when it is, as
+	// Consumer.Live): engine_down (its bridge reports the engine dead),
+	// hole (messages the stream lost before this router read them, not
+	// yet repaired by a snapshot at or past them or a clear), reloading
+	// (the engine came back up; its table is being reloaded),
+	// index_unsynced (shared index: the instance's state there is being
+	// checked or repaired), purged, or silent (nothing heard from its
+	// bridge within StaleAfter).
+	NotLive string `json:"not_live,omitempty"`
 }
 
 // Healthy reports whether the stream is being consumed: NATS connected,
@@ -148,6 +157,25 @@ func (c *Consumer) Live(instance string) bool {
 	return in != nil && in.status.State == StateLive && !in.status.IndexUnsynced
 }
 
+// notLive is InstanceStatus.NotLive; c.mu held.
+func (in *inst) notLive() string {
+	switch {
+	case in.status.State == StateLive && !in.status.IndexUnsynced:
+		return ""
+	case in.status.EngineDown:
+		return "engine_down"
+	case in.hole != 0:
+		return "hole"
+	case in.reloading:
+		return "reloading"
+	case in.status.IndexUnsynced:
+		return "index_unsynced"
+	case in.status.State == StatePurged:
+		return "purged"
+	}
+	return "silent"
+}
+
 // LostEpoch counts the times the instance's cache was lost or could not be
 // vouched for (cleared, restarted, engine down, purged). A guess about what
 // the instance holds made under one epoch — the router's speculative
@@ -167,6 +195,7 @@ func (c *Consumer) Instances() []InstanceStatus {
 	out := make([]InstanceStatus, 0, len(c.insts))
 	for _, in := range c.insts {
 		s := in.status
+		s.NotLive = in.notLive()
 		if s.Heartbeat != nil {
 			hb := *s.Heartbeat
 			s.Heartbeat = &hb

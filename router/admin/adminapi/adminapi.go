@@ -54,6 +54,14 @@ type KVInstanceView struct {
 	Clears        uint64         `json:"clears"`
 	Malformed     uint64         `json:"malformed"`
 	Unknown       uint64         `json:"unknown_events"`
+	Invalid       uint64         `json:"invalid_events"`
+	// ReplayLost counts holes in the instance's engine seqs the snapshot
+	// loaded for them did not reach (consumer.InstanceStatus.ReplayLost).
+	ReplayLost uint64 `json:"replay_lost"`
+	// NotLive says why the instance is not live for kv_aware, empty when
+	// it is: engine_down, hole, reloading, index_unsynced, purged, silent
+	// (consumer.InstanceStatus.NotLive); "unknown" instances have none.
+	NotLive string `json:"not_live,omitempty"`
 }
 
 // KVInstancesResponse answers GET /admin/pools/{pool}/instances.
