@@ -91,7 +91,8 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	o := &options{}
 	fs := flag.NewFlagSet("kvbridge", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	cli.SetUsage(fs, stderr, "kvbridge: carry one vLLM engine's KV-cache events from ZMQ to NATS JetStream (docs/transport.md)\n\nusage: kvbridge --pool POOL [flags]\n\n", "")
+	cli.SetUsage(fs, stderr, "kvbridge: carry one vLLM engine's KV-cache events from ZMQ to NATS JetStream (docs/transport.md)\n\nusage: kvbridge --pool POOL [flags]\n\n",
+		"\nEnvironment (a secret, never a flag):\n  "+HeartbeatKeyEnv+"  hex key (>= 16 bytes) heartbeats are signed with (the router's\n                          KVROUTER_HEARTBEAT_KEY); unset: unsigned heartbeats\n")
 	host, _ := os.Hostname()
 	fs.StringVar(&o.natsURL, "nats-url", envOr(getenv, "nats://127.0.0.1:4222", "NATS_URL"), "NATS server URL(s), comma-separated (env NATS_URL)")
 	fs.StringVar(&o.natsCreds, "nats-creds", envOr(getenv, "", "NATS_CREDS"), "NATS credentials file (env NATS_CREDS)")

@@ -82,9 +82,9 @@ func writeQueueTable(w io.Writer, all []queueStatus) error {
 			fmt.Fprintf(tw, "%s\toff\t-\t-\t-\t-\t-\t-\t-\n", qs.Pool)
 			continue
 		}
-		fmt.Fprintf(tw, "%s\ton\t%d/%d\t%d\t%s\t%d/%s\t%d/%s\t%d now, %d queued\t%s\n", qs.Pool,
+		fmt.Fprintf(tw, "%s\ton\t%d/%d\t%d\t%s\t%d/%s\t%s\t%d now, %d queued\t%s\n", qs.Pool,
 			q.Queued, q.MaxQueue, q.QueuedTokens, q.OldestWait.Round(time.Millisecond),
-			q.InFlight, limit(int64(q.MaxConcurrency)), q.PendingPrefill, limit(q.MaxPendingPrefill),
+			q.InFlight, limit(int64(q.MaxConcurrency)), pendingCell(q),
 			q.Counts.AdmittedAtOnce, q.Counts.AdmittedQueued, shedLine(q.Counts.Shed))
 	}
 	return tw.Flush()
@@ -115,6 +115,16 @@ func writeQueueDetail(w io.Writer, q *flowcontrol.Stats) error {
 		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\n", name, t.Queued, t.Tokens, order)
 	}
 	return tw.Flush()
+}
+
+// pendingCell is the pool's admitted prompt tokens not yet answered with
+// a first byte, over its bound: the pool's, or, with only
+// prefill_tokens_per_instance set, the bound per instance.
+func pendingCell(q *flowcontrol.Stats) string {
+	if q.MaxPendingPrefill <= 0 && q.InstancePrefill > 0 {
+		return fmt.Sprintf("%d/%d per instance", q.PendingPrefill, q.InstancePrefill)
+	}
+	return fmt.Sprintf("%d/%s", q.PendingPrefill, limit(q.MaxPendingPrefill))
 }
 
 func limit(n int64) string {

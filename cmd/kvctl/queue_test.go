@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router/flowcontrol"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 )
 
@@ -74,5 +75,24 @@ func TestQueue(t *testing.T) {
 	}
 	if code, _, errOut := tr.kvctl(t, "queue", "--pool", "nope"); code != 1 || !strings.Contains(errOut, "404") {
 		t.Fatalf("unknown pool: %d %s", code, errOut)
+	}
+}
+
+// The pending-prefill cell names the bound that applies: the pool's, or
+// the per-instance one when only that is set (it read "none" then).
+func TestPendingCell(t *testing.T) {
+	tests := []struct {
+		q    flowcontrol.Stats
+		want string
+	}{
+		{flowcontrol.Stats{PendingPrefill: 100}, "100/none"},
+		{flowcontrol.Stats{PendingPrefill: 100, MaxPendingPrefill: 4096}, "100/4096"},
+		{flowcontrol.Stats{PendingPrefill: 100, InstancePrefill: 8192}, "100/8192 per instance"},
+		{flowcontrol.Stats{PendingPrefill: 100, MaxPendingPrefill: 4096, InstancePrefill: 8192}, "100/4096"},
+	}
+	for _, tc := range tests {
+		if got := pendingCell(&tc.q); got != tc.want {
+			t.Errorf("%+v: %q, want %q", tc.q, got, tc.want)
+		}
 	}
 }

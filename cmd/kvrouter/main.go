@@ -96,6 +96,8 @@ Environment (secrets are never read from the file):
   KVROUTER_ADMIN_TOKEN        bearer token required on the admin API and gRPC admin methods
   KVROUTER_REDIS_PASSWORD     password of index.redis (ACL user in the file)
   KVROUTER_CACHE_SALT_SECRET  hex HMAC key of pools' cache_salt (docs/security.md)
+  KVROUTER_HEARTBEAT_KEY      hex key (>= 16 bytes) bridge heartbeats must be signed with
+                              (the bridges' KVBRIDGE_HEARTBEAT_KEY); unset: not checked
   OTEL_*                      OpenTelemetry's variables fill what tracing: leaves empty;
                               collector credentials go in OTEL_EXPORTER_OTLP_HEADERS
 
