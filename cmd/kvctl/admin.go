@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -24,6 +26,9 @@ import (
 const (
 	envAdminURL   = "KVROUTER_ADMIN_URL"
 	envAdminToken = "KVROUTER_ADMIN_TOKEN"
+	envAdminCA    = "KVROUTER_ADMIN_CA"
+	envAdminCert  = "KVROUTER_ADMIN_CERT"
+	envAdminKey   = "KVROUTER_ADMIN_KEY"
 )
 
 // defaultAdminURL is kvrouter's admin listener on the same machine
@@ -40,6 +45,11 @@ type adminOpts struct {
 	token   string
 	timeout time.Duration
 	json    bool
+	// ca, cert, key: PEM files for an https:// router: the CA its server
+	// certificate is checked against (default: the system's), and the
+	// client certificate and key a listener with client_ca_file (mutual
+	// TLS) asks for.
+	ca, cert, key string
 }
 
 // addAdminFlags registers --router, --token, --timeout and --json on fs.
@@ -52,6 +62,9 @@ func addAdminFlags(fs *flag.FlagSet, o *adminOpts) {
 	fs.StringVar(&o.token, "token", os.Getenv(envAdminToken), "admin bearer token (env "+envAdminToken+"; the flag shows in ps, prefer the env)")
 	fs.DurationVar(&o.timeout, "timeout", 10*time.Second, "bound on each request to the router (for tail: on connecting)")
 	fs.BoolVar(&o.json, "json", false, "print JSON for scripts instead of a table")
+	fs.StringVar(&o.ca, "ca", os.Getenv(envAdminCA), "PEM file of the CA the router's certificate is checked against (env "+envAdminCA+"; default: the system's)")
+	fs.StringVar(&o.cert, "cert", os.Getenv(envAdminCert), "PEM client certificate for a router that requires one (mutual TLS; env "+envAdminCert+")")
+	fs.StringVar(&o.key, "key", os.Getenv(envAdminKey), "PEM key of --cert (env "+envAdminKey+")")
 }
 
 // adminFlagSet is the flag set of a command that talks to the router: the
@@ -69,6 +82,9 @@ const adminFlagsHelp = `Common flags:
   --router URL     router admin API (env KVROUTER_ADMIN_URL, default http://127.0.0.1:8081)
   --token T        admin bearer token (env KVROUTER_ADMIN_TOKEN)
   --timeout D      bound on each request, e.g. 5s (default 10s)
+  --ca FILE        PEM CA of the router's certificate (env KVROUTER_ADMIN_CA; default: the system's)
+  --cert, --key    PEM client certificate and key, for a router with mutual TLS
+                   (env KVROUTER_ADMIN_CERT, KVROUTER_ADMIN_KEY)
   --json           JSON output for scripts`
 
 // adminClient calls the router's admin API.
@@ -90,12 +106,47 @@ func (o *adminOpts) client() (*adminClient, error) {
 	}
 	// Proxy is nil: the admin API is usually on loopback or a cluster
 	// address that an HTTP proxy from the environment cannot reach.
+	tlsCfg, err := o.tlsConfig()
+	if err != nil {
+		return nil, err
+	}
 	tr := &http.Transport{
 		DialContext:           (&net.Dialer{Timeout: o.timeout}).DialContext,
 		TLSHandshakeTimeout:   o.timeout,
 		ResponseHeaderTimeout: o.timeout,
+		TLSClientConfig:       tlsCfg,
 	}
 	return &adminClient{base: u, token: o.token, timeout: o.timeout, hc: &http.Client{Transport: tr}}, nil
+}
+
+// tlsConfig is the client's TLS from --ca, --cert and --key; nil (Go's
+// defaults) when none is given.
+func (o *adminOpts) tlsConfig() (*tls.Config, error) {
+	if o.ca == "" && o.cert == "" && o.key == "" {
+		return nil, nil
+	}
+	if (o.cert == "") != (o.key == "") {
+		return nil, fmt.Errorf("%w: --cert and --key go together", errUsage)
+	}
+	cfg := &tls.Config{MinVersion: tls.VersionTLS12}
+	if o.ca != "" {
+		pem, err := os.ReadFile(o.ca)
+		if err != nil {
+			return nil, fmt.Errorf("%w: --ca: %v", errUsage, err)
+		}
+		cfg.RootCAs = x509.NewCertPool()
+		if !cfg.RootCAs.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("%w: --ca %s: no PEM certificate in it", errUsage, o.ca)
+		}
+	}
+	if o.cert != "" {
+		c, err := tls.LoadX509KeyPair(o.cert, o.key)
+		if err != nil {
+			return nil, fmt.Errorf("%w: --cert/--key: %v", errUsage, err)
+		}
+		cfg.Certificates = []tls.Certificate{c}
+	}
+	return cfg, nil
 }
 
 // parseClient parses the flags of a command that takes no positional
