@@ -198,12 +198,21 @@ func (st *KVState) PendingPrefill(inst string) (tokens, requests int64) {
 	return pc.tokens.Load(), pc.reqs.Load()
 }
 
-// SetLoad records an engine-reported load sample for inst (the scraper
-// calls it; simulations may call it directly).
+// SetLoad records an engine-reported load sample for inst (simulations
+// call it; the scraper sets its samples itself). Counts that are not
+// finite and non-negative are no load: the instance's sample is dropped,
+// as after a failed scrape (a NaN load compared false with every bound).
 func (st *KVState) SetLoad(inst string, waiting, running float64) {
+	if !validCount(waiting) || !validCount(running) {
+		st.loads.drop(inst)
+		return
+	}
 	now := st.now()
 	st.loads.set(inst, loadSample{waiting: waiting, running: running, at: now, got: now})
 }
+
+// validCount reports whether v can be a count of requests.
+func validCount(v float64) bool { return v >= 0 && !math.IsInf(v, 1) }
 
 // noteStream logs and counts a change of the stream's health.
 func (st *KVState) noteStream(up bool) {
@@ -874,7 +883,12 @@ func (s *KVAware) bounded(ev *kvEval) (int, router.Reason) {
 	// decoding instance's queue holds a step residual the bound leaves out,
 	// so a home over the bound can tie an idler one's queue, and the tie
 	// rule (highest rendezvous score: the home) would keep it there.
-	return s.leastQueue(ev, true, home), router.ReasonLoadBound
+	if pick := s.leastQueue(ev, true, home); pick >= 0 {
+		return pick, router.ReasonLoadBound
+	}
+	// None other is under the threshold, though the home is over a bound
+	// it alone sets: only a load that is not a number does that.
+	return home, router.ReasonKVMatch
 }
 
 // leastQueue is the candidate with the least predicted queue (among those

@@ -114,12 +114,18 @@ func ParseVLLMLoad(text []byte) (waiting, running float64, found bool) {
 		if !ok || math.IsNaN(value) || math.IsInf(value, 0) || value < 0 {
 			continue
 		}
+		// Series summing past the largest float (no engine has that many
+		// requests) keep the sum before the one that would overflow it.
 		switch string(name) {
 		case "vllm:num_requests_waiting", "vllm_num_requests_waiting":
-			waiting += value
+			if sum := waiting + value; !math.IsInf(sum, 0) {
+				waiting = sum
+			}
 			found = true
 		case "vllm:num_requests_running", "vllm_num_requests_running":
-			running += value
+			if sum := running + value; !math.IsInf(sum, 0) {
+				running = sum
+			}
 			found = true
 		}
 	}

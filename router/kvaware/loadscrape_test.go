@@ -2,13 +2,16 @@ package kvaware
 
 import (
 	"context"
-	"github.com/kvrouter/kvrouter/router"
 	"log/slog"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router"
 )
 
 // vllmMetrics is shaped like a vLLM /metrics page: HELP/TYPE comments,
@@ -129,5 +132,42 @@ func TestLoadScraper(t *testing.T) {
 		if got := counterValue(t, w.st.m.scrapes.WithLabelValues("p", id, "error")); got < 1 {
 			t.Errorf("%s: %v scrape errors counted", id, got)
 		}
+	}
+}
+
+// An engine load that is not a finite count (NaN, ±Inf, negative: a
+// simulation's or a scraper's bad value, or finite samples summing past
+// the largest float) is not a load: kv_aware ignored none of it, and with
+// one instance a NaN made the bounded-load rule look for another
+// instance that does not exist and panic (index -1). It is dropped, and
+// the decision goes on without it.
+func TestNonFiniteLoadIgnored(t *testing.T) {
+	for _, bad := range [][2]float64{{math.NaN(), 0}, {0, math.NaN()}, {math.Inf(1), 0}, {0, math.Inf(-1)}, {-1, 0}} {
+		w := newKVWorld(t, 1)
+		s := w.strategy(config.RoutingConfig{Strategy: config.StrategyKVAware})
+		w.st.SetLoad(w.insts[0].ID(), bad[0], bad[1])
+		d := kvPick(t, s, kvRequest("a cold prompt", promptTokens(7, 64)), w.insts)
+		if d.Instance != w.insts[0] {
+			t.Fatalf("load %v: picked %v", bad, d.Instance)
+		}
+		if _, ok := w.st.loads.get(w.insts[0].ID(), w.clock.Now(), time.Hour); ok {
+			t.Fatalf("load %v kept as a sample", bad)
+		}
+	}
+	wt, r, found := ParseVLLMLoad([]byte("vllm:num_requests_waiting 1e308\nvllm:num_requests_waiting 1e308\nvllm:num_requests_running 3\n"))
+	if math.IsInf(wt, 0) || math.IsNaN(wt) || r != 3 || !found {
+		t.Fatalf("two samples summing past the largest float: (%v, %v, %v)", wt, r, found)
+	}
+}
+
+// The bounded-load rule with a load that is not a number (however it got
+// there) keeps the home instead of looking for another under the
+// threshold that does not exist (it indexed candidate -1 and panicked).
+func TestBoundedNaNLoadKeepsHome(t *testing.T) {
+	w := newKVWorld(t, 1)
+	s := w.strategy(config.RoutingConfig{Strategy: config.StrategyKVAware})
+	ev := &kvEval{cands: []candEval{{inst: w.insts[0], load: math.NaN(), queue: math.NaN()}}}
+	if pick, _ := s.bounded(ev); pick != 0 {
+		t.Fatalf("picked %d, want the home (0)", pick)
 	}
 }
