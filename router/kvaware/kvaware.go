@@ -101,7 +101,7 @@ type KVState struct {
 	prefillDef atomic.Uint64 // the configured P (float64 bits) the measured rate falls back to
 	behind     sampleMean    // requests joining a prefill busy period after another (kvaware_drain.go)
 	computed   sampleMean    // tokens a pick makes its instance compute, ū (placement.go)
-	rent       rentTable     // hot prefixes' rent accounts (kvaware_replicate.go)
+	rent       rentTable     // hot prefixes' rent accounts (replicate.go)
 
 	evalPool sync.Pool // *kvEval scratch
 

@@ -122,15 +122,6 @@ type peerCounts struct {
 	tokens, reqs int64
 }
 
-// peerCounts reads the peers' counters for inst (zero without sync).
-func (st *KVState) peerCounts(inst string) peerCounts {
-	if st.peers.ps == nil {
-		return peerCounts{}
-	}
-	f, t, r := st.peers.ps.PeerLoad(inst)
-	return peerCounts{inflight: int(f), tokens: t, reqs: r}
-}
-
 // extendSpec continues inst's held chain from block g with this
 // replica's speculative blocks and its peers', alternately, as far as
 // either reaches.

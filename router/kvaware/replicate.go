@@ -49,7 +49,7 @@ import (
 
 // rentSets is the number of sets of the rent table (two entries each): far
 // more than the prefixes hot at once (each needs many requests to matter),
-// and 96 KiB per pool.
+// and 128 KiB per pool (32-byte entries).
 const rentSets = 2048
 
 type rentEntry struct {

@@ -16,10 +16,12 @@ import (
 // With it, the second request already sees the first one's blocks "held" by
 // the first one's instance and follows it.
 //
-// Entries are never confirmed explicitly: once the engine's events reach the
-// index, the index reports the same blocks and the overlay adds nothing; an
-// entry the engine never confirms (the request failed, the blocks were
-// evicted at once) simply expires. The holds are kept per run of a
+// Once the engine's events reach the index, the index reports the same
+// blocks: a committed decision that finds its candidate's guess confirmed
+// by the index drops the holds it covers (confirm), so that a later
+// eviction the index sees is not masked by a hold; an entry the engine
+// never confirms (the request failed, the blocks were evicted at once)
+// simply expires. The holds are kept per run of a
 // prompt's chain (spechold.Chains: one record per pick, bounded in
 // (block, instance) entries, oldest first out) and read through the
 // decision's Scan of its prompt; the peers' announced holds are a
