@@ -267,6 +267,7 @@ func (s *api) serveKVInstances(w http.ResponseWriter, r *http.Request) {
 			v := view(st.Instance)
 			v.State = st.State.String()
 			v.LastSeq, v.StreamSeq, v.Gaps, v.Clears, v.Malformed, v.Unknown = st.LastSeq, st.StreamSeq, st.Gaps, st.Clears, st.Malformed, st.Unknown
+			v.ReplayLost, v.IndexUnsynced = st.ReplayLost, st.IndexUnsynced
 			v.LastHeartbeat = st.LastHeartbeat
 			if st.LastEvent.After(v.LastEvent) {
 				v.LastEvent = st.LastEvent

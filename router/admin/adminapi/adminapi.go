@@ -54,6 +54,13 @@ type KVInstanceView struct {
 	Clears        uint64         `json:"clears"`
 	Malformed     uint64         `json:"malformed"`
 	Unknown       uint64         `json:"unknown_events"`
+	// ReplayLost counts holes in the instance's engine seqs that the
+	// snapshot loaded for them did not reach (consumer.InstanceStatus).
+	ReplayLost uint64 `json:"replay_lost"`
+	// IndexUnsynced: the instance's state in a shared (Redis) index is not
+	// known whole (being repaired, or a hole pending): kv_aware does not
+	// count it, whatever State says.
+	IndexUnsynced bool `json:"index_unsynced,omitempty"`
 }
 
 // KVInstancesResponse answers GET /admin/pools/{pool}/instances.
