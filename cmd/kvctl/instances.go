@@ -167,7 +167,11 @@ func writeInstancesTable(w io.Writer, rows []instanceRow, sums []poolKV, now tim
 	for _, r := range rows {
 		cells := []string{r.Pool, r.Instance, dash(r.URL), boolCell(r.Healthy), intCell(r.InFlight)}
 		if k := r.KV; k != nil {
-			cells = append(cells, dash(k.State))
+			state := dash(k.State)
+			if k.IndexUnsynced && k.State == "live" {
+				state = "unsynced" // a shared index holds it not live until repaired
+			}
+			cells = append(cells, state)
 			for t := range tiers.Tier(tiers.Count) {
 				if unread[r.Pool] {
 					cells = append(cells, "?") // the index not read (see the pool's line)
