@@ -206,6 +206,9 @@ func writeInstancesTable(w io.Writer, rows []instanceRow, sums []poolKV, now tim
 // (engine_down)"; the consumer's live with its shared-index state being
 // repaired reads "stale (index_unsynced)".
 func stateCell(k *kvInstance) string {
+	if k.NotLive == "" && k.IndexUnsynced && k.State == "live" {
+		return "stale (index_unsynced)" // a router that gives no reason
+	}
 	switch {
 	case k.NotLive == "" || k.NotLive == k.State:
 		return dash(k.State)

@@ -241,6 +241,10 @@ const (
 	// workRestream: the stream was re-created; the instance's positions in
 	// the old one are forgotten and its snapshot reloaded (restream).
 	workRestream
+	// workTail: a heartbeat's stream seq (streamSeq) is past the
+	// instance's last message here: check the stream still holds the
+	// messages between (lostTail).
+	workTail
 )
 
 type work struct {
@@ -374,6 +378,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	} else if info := cons.CachedInfo(); info != nil {
 		s.seq = info.Delivered.Stream
 	}
+	s.done.Store(s.seq)
 	s.mu.Unlock()
 	defer func() {
 		s.mu.Lock()

@@ -1,12 +1,14 @@
 package consumer
 
 import (
+	"encoding/json"
 	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/kvstream"
@@ -174,5 +176,77 @@ func TestMemoryHoleAcrossRecreatedStream(t *testing.T) {
 	})
 	if s, _ := a.get("i0"); !slices.Equal(s, []uint64{1, 4, 5}) {
 		t.Fatalf("live, the index holding %v, the engine [1 4 5]", s)
+	}
+}
+
+// heartbeatAt publishes instance's heartbeat saying its bridge's last
+// message is engine seq engineSeq at stream seq streamSeq.
+func (e *env) heartbeatAt(instance string, engineSeq, streamSeq uint64) {
+	subj, _ := kvstream.InstancesSubject(e.pool, instance)
+	b, _ := json.Marshal(kvstream.Heartbeat{Pool: e.pool, Instance: instance, URL: "http://" + instance, BlockSize: 16,
+		EngineSeq: engineSeq, StreamSeq: streamSeq, Time: time.Now()})
+	_ = e.nc.Publish(subj, b)
+}
+
+// purgeBelow removes the stream's messages below seq, as retention does.
+func (e *env) purgeBelow(seq uint64) {
+	e.t.Helper()
+	s, err := e.js.Stream(e.ctx, e.cfg.Stream.Name)
+	if err == nil {
+		err = s.Purge(e.ctx, jetstream.WithPurgeSequence(seq))
+	}
+	if err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// The stream lost an instance's last messages (retention removed them
+// before this router read them) and the engine has been quiet since: no
+// later message shows a seq gap, but its bridge's heartbeats say its
+// last message is at stream seq 4. Here i0's bucket snapshot is at
+// stream seq 1 (block 1); engine seqs 2 (store 2), 3 (remove 2) and 4
+// (store 4) are gone from the stream; the engine holds [1 4]. Before,
+// the heartbeats kept i0 live on [1] for as long as the engine stayed
+// quiet (seen on the real binaries: a router SIGSTOPped past retention,
+// 222 engine messages lost, live on a stale table). Now it is not live
+// until the bridge answers with its table, then live and exact.
+func TestMemoryLostTailNotLive(t *testing.T) {
+	e := newEnv(t)
+	e.putSnapshot("i0", 1, 1, 1)
+	e.store("i0", 1, 1)
+	e.store("i0", 2, 2)
+	e.send("i0", 3, events.Event{Kind: events.BlockRemoved, BlockHashes: []uint64{2}, Medium: "GPU"})
+	e.store("i0", 4, 4)
+	e.purgeBelow(5)
+	e.store("i1", 1, 10) // stream seq 5: the consumer is past i0's last message
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier, cfg.SnapshotTimeout = a, 100*time.Millisecond
+	c := e.start(cfg)
+	testenv.WaitFor(t, 10*time.Second, "i1's message applied", func() bool { return c.status("i1").LastSeq == 1 })
+	// Live from the bucket's fresh snapshot until a heartbeat tells more.
+	testenv.WaitFor(t, 10*time.Second, "the lost messages found", func() bool {
+		e.heartbeatAt("i0", 4, 4)
+		return c.status("i0").Gaps == 1 && !c.Live("i0")
+	})
+	for end := time.Now().Add(2500 * time.Millisecond); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+		e.heartbeatAt("i0", 4, 4)
+		if c.Live("i0") {
+			s, _ := a.get("i0")
+			t.Fatalf("i0 live on %v, the engine [1 4]: its last messages lost from the stream", s)
+		}
+	}
+	if st := c.status("i0"); st.ReplayLost != 1 || st.Gaps != 1 {
+		t.Fatalf("replay lost %d, gaps %d: want the lost tail counted once", st.ReplayLost, st.Gaps)
+	}
+	e.answer("i0", e.snapshot("i0", 4, 4, 1, 4))
+	answered := time.Now()
+	testenv.WaitFor(t, 10*time.Second, "live after the bridge's table", func() bool {
+		e.heartbeatAt("i0", 4, 4)
+		return c.Live("i0")
+	})
+	t.Logf("live %v after the bridge answered", time.Since(answered).Round(time.Millisecond))
+	if s, _ := a.get("i0"); !slices.Equal(s, []uint64{1, 4}) {
+		t.Fatalf("live, the index holding %v, the engine [1 4]", s)
 	}
 }

@@ -112,6 +112,7 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		return
 	}
 	now := time.Now()
+	dispatched := c.dispatched()
 	c.mu.Lock()
 	in := c.insts[instance]
 	if in == nil {
@@ -123,6 +124,15 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 	}
 	c.m.heartbeats.WithLabelValues("ok").Inc()
 	load, reload, needSync := false, false, false
+	// The bridge's last message of the instance is past every one of its
+	// messages here. Not yet dispatched (the heartbeat outran it, or the
+	// consumer is behind: a router resumed after a stop), the heartbeat
+	// does not make the instance live; the next one looks again.
+	// Dispatched (tail), lostTail checks, queued behind the messages
+	// dispatched before it on the instance's shard, whether the stream
+	// still holds them, and sets the state the heartbeat left.
+	ahead := in != nil && hb.StreamSeq > in.status.StreamSeq
+	tail := ahead && dispatched >= hb.StreamSeq
 	if in == nil {
 		in = c.newInst(instance, now)
 		c.insts[instance] = in
@@ -133,7 +143,7 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 	} else if in.status.State == StatePurged {
 		load = !c.cfg.SharedIndex
 		in.status.State = StateLive
-	} else if in.status.State == StateStale {
+	} else if in.status.State == StateStale && !ahead {
 		in.status.State = StateLive
 	}
 	if (in.loadFailed || in.hole != 0) && !c.cfg.SharedIndex {
@@ -173,6 +183,9 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		c.enqueue(ctx, work{kind: workReload, instance: instance})
 	case load:
 		c.enqueue(ctx, work{kind: workLoad, instance: instance})
+	}
+	if tail {
+		c.enqueue(ctx, work{kind: workTail, instance: instance, streamSeq: hb.StreamSeq})
 	}
 	if needSync {
 		c.queueSync(ctx, instance)

@@ -218,6 +218,8 @@ func (c *Consumer) do(ctx context.Context, w work, dec *events.Decoder) {
 		c.load(ctx, w.instance, in, 0)
 	case workEvent:
 		c.event(ctx, w, in, purged, dec)
+	case workTail:
+		c.lostTail(ctx, w.instance, in, w.streamSeq)
 	}
 }
 
@@ -431,7 +433,8 @@ func (c *Consumer) seqCheck(ctx context.Context, w work, in *inst, seq uint64) i
 // instance not live, the message applied meanwhile; the load is tried
 // again (loadRetryAt apart) at a later message or at the periodic sync of
 // an instance gone quiet, whose bridge's snapshot is at the index's own
-// position: LoadAt takes that one while the hole is pending.
+// position: LoadAt takes that one while the hole is pending. seq 0 with
+// found: a lost tail (lostTail), no message in hand; at is the last one.
 func (c *Consumer) repairHole(ctx context.Context, instance string, in *inst, at, seq uint64, found bool) {
 	start := time.Now()
 	if found {
@@ -451,7 +454,7 @@ func (c *Consumer) repairHole(ctx context.Context, instance string, in *inst, at
 		// (noteHole), or, when the hole was just found, the snapshot
 		// (and the replay after it) reached its engine seqs.
 		c.noteHole(in, pos)
-		if found && in.hasSeq && seq <= in.status.LastSeq+1 {
+		if found && seq != 0 && in.hasSeq && seq <= in.status.LastSeq+1 {
 			c.setHole(in, 0)
 		}
 	default:

@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -471,4 +472,61 @@ func TestSharedQuietHoleSilentBridgeNotAsked(t *testing.T) {
 		t.Fatal("quiet live without its bridge's table")
 	}
 	w.converge("the table at the index's position", r1, r2)
+}
+
+// The stream lost quiet's last messages (retention removed them before
+// either router read them) and quiet's engine has been quiet since: no
+// later message of it shows a seq gap, but its bridge's heartbeats say
+// its last message is at a stream seq both routers have consumed past.
+// (An e0 message holds that seq here: to a router, one of quiet's
+// messages removed from the stream looks the same.) Before, both routers
+// read quiet live on the index without what the lost messages did, for
+// as long as the engine stayed quiet (seen on the real binaries: both
+// routers SIGSTOPped past the stream's retention). Now both hold it not
+// live until a snapshot at or past that seq is loaded: the bridge's
+// table, then both live, the index equal to the engines.
+func TestSharedLostTailNotLive(t *testing.T) {
+	w := newSharedWorld(t, 83, "e0", "quiet")
+	r1, r2 := w.startRouter(), w.startRouter()
+	w.publish(20)
+	w.convergeBeating("first messages", r1, r2)
+	w.keepBucket = true // the bucket keeps quiet's snapshot from before the loss
+	w.lose("quiet")
+	w.publishOne("e0")
+	w.appliedLast(r1, "e0")
+	w.appliedLast(r2, "e0")
+	subj, _ := kvstream.EventsSubject(w.pool, "e0")
+	m, err := w.stream().GetLastMsgForSubject(w.ctx, subj)
+	if err != nil {
+		t.Fatal(err)
+	}
+	last, quiet := m.Sequence, w.engine("quiet")
+	if idx, truth := instBlocks(w.ctx, r1.idx, "quiet"), instBlocks(w.ctx, w.truth, "quiet"); idx == truth {
+		t.Fatalf("the lost messages changed nothing the index shows (%v)", truth)
+	}
+	stop := make(chan struct{})
+	var beats sync.WaitGroup
+	beats.Go(func() {
+		for {
+			w.heartbeat("e0")
+			w.heartbeatAt("quiet", quiet.seq, last)
+			select {
+			case <-stop:
+				return
+			case <-time.After(200 * time.Millisecond):
+			}
+		}
+	})
+	t.Cleanup(func() { close(stop); beats.Wait() })
+	testenv.WaitFor(t, 10*time.Second, "the lost messages found by both routers", func() bool {
+		return r1.c.status("quiet").Gaps == 1 && r2.c.status("quiet").Gaps == 1 && !r1.c.Live("quiet") && !r2.c.Live("quiet")
+	})
+	w.notLive(1500*time.Millisecond, "quiet", "after its last messages were lost", r1, r2)
+	start := time.Now()
+	w.answer("quiet", w.quietTableAt(kvindex.Position{Seq: last}))
+	testenv.WaitFor(t, 15*time.Second, "quiet live on both routers after its bridge answered", func() bool {
+		return r1.c.Live("quiet") && r2.c.Live("quiet")
+	})
+	t.Logf("quiet live on both routers %v after its bridge answered", time.Since(start).Round(time.Millisecond))
+	w.converge("the bridge's table past the lost messages", r1, r2)
 }

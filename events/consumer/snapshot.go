@@ -401,3 +401,81 @@ func getMsg(ctx context.Context, s jetstream.Stream, seq uint64, subj string) (*
 	defer cancel()
 	return s.GetMsg(ctx, seq, jetstream.WithGetMsgSubject(subj))
 }
+
+// lostTail handles a heartbeat saying the instance's last message is at
+// stream seq last, past every message of it this router applied or
+// loaded (known), once every message dispatched before the heartbeat has
+// been applied (workTail, on the instance's shard). When the stream
+// still holds one of its messages after known, up to last, nothing is
+// lost (it is on its way, or a repair's replay reads it). When it holds
+// none, retention removed them before this router read them, and the
+// engine has sent nothing since: no later message shows a seq gap, and
+// the index would keep what they stored and removed wrong, live, for as
+// long as the engine stays quiet. That is a hole at last, handled as
+// one found at a message: the snapshot reloaded, and, when the one
+// loaded does not reach last (the bridge did not answer, the bucket's is
+// older), the instance not live until a snapshot at or past it or a
+// clear after it (retried at heartbeats or, shared, the periodic sync).
+func (c *Consumer) lostTail(ctx context.Context, instance string, in *inst, last uint64) {
+	defer func() {
+		// What the heartbeat held back: seenAt decides now, as it would
+		// have (not live while a hole is pending; shared, not synced).
+		c.mu.Lock()
+		c.seen(in, in.lastSeen)
+		c.mu.Unlock()
+	}()
+	c.mu.Lock()
+	known := in.status.StreamSeq
+	c.mu.Unlock()
+	if c.shared != nil && in.from.Seeded {
+		known = max(known, in.from.Seq)
+	}
+	var err error
+	if last > known && last > in.hole && c.stream != nil {
+		subj, _ := kvstream.EventsSubject(c.cfg.Pool, instance)
+		var m *jetstream.RawStreamMsg
+		if m, err = getMsg(ctx, c.stream, known+1, subj); err == nil && m.Sequence > last {
+			err = jetstream.ErrMsgNotFound // none of them held
+		}
+	}
+	if errors.Is(err, jetstream.ErrMsgNotFound) && c.shared != nil {
+		// Another router may have applied them, or repaired the loss
+		// first: the index at or past last, with no hole recorded.
+		if p, perr := c.shared.idx.Position(ctx, instance); perr == nil && p.Seeded && p.Hole == 0 && p.Seq >= last {
+			if p.Seq == last {
+				c.setFrom(in, p) // where its consuming them would have left it
+			}
+			err = nil
+		}
+	}
+	if !errors.Is(err, jetstream.ErrMsgNotFound) {
+		// Reached, or still held (applied in order, or replayed by a
+		// repair), or not known (the next heartbeat asks again).
+		return
+	}
+	c.mu.Lock()
+	in.status.Gaps++
+	c.mu.Unlock()
+	c.m.gaps.Inc()
+	c.cfg.Logger.Warn("consumer: the stream lost the instance's last messages (its bridge's heartbeat is past them), reloading snapshot",
+		"instance", instance, "stream_seq", known, "bridge_stream_seq", last)
+	if c.shared != nil {
+		c.repairHole(ctx, instance, in, last, 0, true)
+		return
+	}
+	lostBefore := in.status.ReplayLost // written only by this goroutine
+	start := time.Now()
+	c.load(ctx, instance, in, 0)
+	c.mu.Lock()
+	short := in.status.StreamSeq < last
+	c.mu.Unlock()
+	if !short {
+		return
+	}
+	c.holdHole(in, last)
+	c.retryHole(in, start)
+	if in.status.ReplayLost == lostBefore {
+		c.countLost(in, "hole", "consumer: the instance's lost last messages not reached by the snapshot reloaded; not live until a snapshot past them or a clear",
+			"instance", instance, "stream_seq", in.status.StreamSeq, "bridge_stream_seq", last)
+	}
+}

@@ -79,6 +79,10 @@ type streamCons struct {
 	cons jetstream.Consumer       // guarded by mu
 	cc   jetstream.ConsumeContext // guarded by mu
 
+	// done is seq once the message is dispatched (queued on its
+	// shard), read without mu (heartbeats: a delivery may hold mu while
+	// its shard is full).
+	done atomic.Uint64
 	at   atomic.Int64 // unix nanos of the last delivery
 	busy atomic.Bool  // a message is being dispatched (may wait on a full shard)
 
@@ -151,6 +155,9 @@ func (c *Consumer) deliver(ctx context.Context, gen uint64, m jetstream.Msg) {
 	now := time.Now()
 	s.at.Store(now.UnixNano())
 	c.dispatch(ctx, m, md, now)
+	if md.ok {
+		s.done.Store(md.streamSeq)
+	}
 }
 
 // watch runs the watchdog until ctx is done.
@@ -374,6 +381,7 @@ func (c *Consumer) restream(ctx context.Context, deliver jetstream.DeliverPolicy
 			"stream", c.streamName, "delivered", s.seq)
 		s.recreated = false
 		s.seq = 0
+		s.done.Store(0)
 		s.created = cmp.Or(s.renewedAt, s.created)
 		return
 	}
@@ -402,6 +410,11 @@ func (c *Consumer) restream(ctx context.Context, deliver jetstream.DeliverPolicy
 	c.cfg.Logger.Warn("consumer: the stream was re-created (its sequences started over): consuming it from its start and reloading every instance",
 		"stream", c.streamName, "delivered", s.seq, "instances", len(names))
 	s.seq, s.recreated, s.pending = 0, false, 0
+	s.done.Store(0)
 	s.created = cmp.Or(s.renewedAt, s.created)
 	go old.Stop()
 }
+
+// dispatched is the stream seq of the last message handed to the shards
+// (or where the consumer started).
+func (c *Consumer) dispatched() uint64 { return c.sc.done.Load() }

@@ -267,7 +267,7 @@ func (s *api) serveKVInstances(w http.ResponseWriter, r *http.Request) {
 			v := view(st.Instance)
 			v.State = st.State.String()
 			v.LastSeq, v.StreamSeq, v.Gaps, v.Clears, v.Malformed, v.Unknown = st.LastSeq, st.StreamSeq, st.Gaps, st.Clears, st.Malformed, st.Unknown
-			v.Invalid, v.ReplayLost, v.NotLive = st.Invalid, st.ReplayLost, st.NotLive
+			v.Invalid, v.ReplayLost, v.NotLive, v.IndexUnsynced = st.Invalid, st.ReplayLost, st.NotLive, st.IndexUnsynced
 			v.LastHeartbeat = st.LastHeartbeat
 			if st.LastEvent.After(v.LastEvent) {
 				v.LastEvent = st.LastEvent

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"log/slog"
+	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/consumer"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router/admin"
@@ -31,6 +33,12 @@ const (
 // tokenizer) over idx and one heuristic pool without KV state ("plain").
 func kvAdminServer(t testing.TB, idx kvindex.Index, token string) *httptest.Server {
 	t.Helper()
+	return kvAdminServerWith(t, idx, token, nil)
+}
+
+// kvAdminServerWith is kvAdminServer with kve as the events pipeline.
+func kvAdminServerWith(t testing.TB, idx kvindex.Index, token string, kve admin.KVEvents) *httptest.Server {
+	t.Helper()
 	pools := []config.PoolConfig{
 		{Name: "kv", Model: kvModel, Adapters: []string{"lora-a"}, Routing: config.RoutingConfig{Strategy: config.StrategyKVAware},
 			Tokenizer: &config.TokenizerConfig{Source: kvaware.TokenSourceSimple},
@@ -39,7 +47,7 @@ func kvAdminServer(t testing.TB, idx kvindex.Index, token string) *httptest.Serv
 		{Name: "plain", Model: "other", Health: config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true},
 			Instances: []config.InstanceConfig{{ID: "x", URL: "http://127.0.0.1:3"}}},
 	}
-	_, ts := servertest.Serve(t, config.Config{Pools: pools, AdminToken: token}, httpapi.Options{Admin: admin.Routes(nil),
+	_, ts := servertest.Serve(t, config.Config{Pools: pools, AdminToken: token}, httpapi.Options{Admin: admin.Routes(kve),
 		Logger: slog.New(slog.DiscardHandler),
 		KV: kvaware.NewSource(func(pc config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			if pc.Name != "kv" {
@@ -288,4 +296,49 @@ func TestAdminKVInstancesBoundedWhenRedisHung(t *testing.T) {
 		out, _ := get()
 		return out.IndexError == "" && blocksOf(out, "vllm-0")["gpu"] == 2
 	})
+}
+
+// fakeKVEvents is an events pipeline whose pool "kv" consumer reports sts.
+type fakeKVEvents struct{ sts []consumer.InstanceStatus }
+
+func (f fakeKVEvents) KVInstances(pool string) ([]consumer.InstanceStatus, bool) {
+	return f.sts, pool == "kv"
+}
+func (fakeKVEvents) StreamHealthy(string) bool        { return true }
+func (fakeKVEvents) EvictionHandler() http.Handler    { return http.NotFoundHandler() }
+func (fakeKVEvents) IsDiscovered(string, string) bool { return false }
+
+// An instance the consumer holds not live in a shared index (a hole
+// pending, or being repaired: IndexUnsynced) has state "live" in the
+// consumer's record, which the view showed alone: on the binaries, a
+// router showed e0 "live" with 2,150 GPU blocks against the engine's
+// 1,498 (its capacity 1,500) while kv_aware did not count it. The view
+// now carries index_unsynced and replay_lost beside the state.
+func TestAdminKVInstancesShowsUnsynced(t *testing.T) {
+	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvModel})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kve := fakeKVEvents{sts: []consumer.InstanceStatus{
+		{Instance: "vllm-0", State: consumer.StateLive, IndexUnsynced: true, ReplayLost: 1, Gaps: 1},
+		{Instance: "vllm-1", State: consumer.StateLive},
+	}}
+	ts := kvAdminServerWith(t, idx, "", kve)
+	resp := servertest.Do(t, ts.URL, "GET", "/admin/pools/kv/instances", nil, nil)
+	var iv adminapi.KVInstancesResponse
+	if err := json.Unmarshal(resp.Body, &iv); err != nil {
+		t.Fatal(err)
+	}
+	if len(iv.Instances) != 2 {
+		t.Fatalf("instances %+v", iv)
+	}
+	if v := iv.Instances[0]; v.Instance != "vllm-0" || !v.IndexUnsynced || v.ReplayLost != 1 {
+		t.Fatalf("vllm-0 %+v: want index_unsynced and replay_lost 1 shown", v)
+	}
+	if v := iv.Instances[1]; v.IndexUnsynced || v.ReplayLost != 0 || v.State != "live" {
+		t.Fatalf("vllm-1 %+v", v)
+	}
+	if !strings.Contains(strings.Join(strings.Fields(string(resp.Body)), ""), `"index_unsynced":true`) {
+		t.Fatalf("no index_unsynced in %s", resp.Body)
+	}
 }

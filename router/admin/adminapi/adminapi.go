@@ -62,6 +62,10 @@ type KVInstanceView struct {
 	// it is: engine_down, hole, reloading, index_unsynced, purged, silent
 	// (consumer.InstanceStatus.NotLive); "unknown" instances have none.
 	NotLive string `json:"not_live,omitempty"`
+	// IndexUnsynced: the instance's state in a shared (Redis) index is not
+	// known whole (being repaired, or a hole pending): kv_aware does not
+	// count it, whatever State says.
+	IndexUnsynced bool `json:"index_unsynced,omitempty"`
 }
 
 // KVInstancesResponse answers GET /admin/pools/{pool}/instances.
