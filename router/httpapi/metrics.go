@@ -83,6 +83,9 @@ func (s *Server) ForgetInstanceSeries(pool, instance string) {
 	if s.kv != nil {
 		s.kv.ForgetInstance(pool, instance)
 	}
+	if p, ok := s.table.Load().Pool(pool); ok && p.Exact() != nil {
+		p.Exact().ForgetInstance(instance) // kv_aware's per-instance state
+	}
 }
 
 // liveCollector reports gauges read from the live instance state at scrape
