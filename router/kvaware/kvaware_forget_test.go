@@ -194,10 +194,11 @@ func TestForgetInstanceCandIndexMiss(t *testing.T) {
 	}
 }
 
-// TestForgetInstanceThroughServer: the router's hook for an instance
-// that left its pool (httpapi.Server.ForgetInstanceSeries, which the
-// fleet reconciler calls after the reload that removed it) drops the
-// pool's kv_aware state for it and its series.
+// TestForgetInstanceThroughServer: the reload that removes an instance
+// from its pool (here a configured one taken out of the file; a purged
+// discovered one goes the same way, through the fleet reconciler's
+// reload) drops the pool's kv_aware state for it and its series; one that
+// comes back starts from zero.
 func TestForgetInstanceThroughServer(t *testing.T) {
 	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvTestModel, BlockSize: kvTestBS})
 	if err != nil {
@@ -229,7 +230,6 @@ func TestForgetInstanceThroughServer(t *testing.T) {
 	if err := srv.Reload(pool("a")); err != nil {
 		t.Fatal(err)
 	}
-	srv.ForgetInstanceSeries("p", "b")
 	p, _ = srv.Pool("p")
 	if Of(p) != st {
 		t.Fatal("the reload replaced the pool's state")
@@ -239,5 +239,14 @@ func TestForgetInstanceThroughServer(t *testing.T) {
 	}
 	if after := instanceSeries(t, srv.Registry()); after != before-2 {
 		t.Errorf("series after b left: %d, want %d", after, before-2)
+	}
+	if err := srv.Reload(pool("a", "b")); err != nil {
+		t.Fatal(err)
+	}
+	if tok, reqs := st.PendingPrefill("b"); tok != 0 || reqs != 0 {
+		t.Errorf("b back: pending %d/%d, want 0/0", tok, reqs)
+	}
+	if p, l, _, _ := stateSizes(st); p != 1 || l != 1 {
+		t.Errorf("b back, before any request: %d pending counters, %d load slots, want 1 1", p, l)
 	}
 }
