@@ -1,9 +1,12 @@
 package kvaware
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -248,5 +251,76 @@ func TestForgetInstanceThroughServer(t *testing.T) {
 	}
 	if p, l, _, _ := stateSizes(st); p != 1 || l != 1 {
 		t.Errorf("b back, before any request: %d pending counters, %d load slots, want 1 1", p, l)
+	}
+}
+
+// TestForgetInstanceConcurrent: leaves racing decisions, releases, load
+// samples and publications (run with -race) leave counters that never go
+// negative, and once the last request has ended and the instance has
+// left, nothing of it.
+func TestForgetInstanceConcurrent(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	st := newPendingState(t, reg)
+	s, err := newKVAware(config.RoutingConfig{}, st, func(uint64) uint64 { return 0 })
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cands []*router.Instance
+	for k := range candIndexMin {
+		in, _ := router.NewInstance(fmt.Sprintf("x%d", k), "http://127.0.0.1:9")
+		cands = append(cands, in)
+	}
+	var wg sync.WaitGroup
+	stop := make(chan struct{})
+	for g := range 4 {
+		wg.Go(func() {
+			for q := 0; ; q++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				d, err := s.Pick(context.Background(), kvRequest("", promptTokens(uint32(g*1000+q%50), 4*kvTestBS)), cands)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				st.SetLoad(d.Instance.ID(), 1, 1)
+				if d.Observer != nil {
+					d.Observer.FirstByte()
+					d.Observer.Done(200, -1)
+				}
+			}
+		})
+	}
+	wg.Go(func() {
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			for _, in := range cands {
+				st.ForgetInstance(in.ID())
+			}
+			st.publishPlacement(nil)
+			for _, in := range cands {
+				if tok, reqs := st.PendingPrefill(in.ID()); tok < 0 || reqs < 0 {
+					t.Errorf("%s pending %d/%d", in.ID(), tok, reqs)
+				}
+			}
+		}
+	})
+	time.Sleep(200 * time.Millisecond)
+	close(stop)
+	wg.Wait()
+	for _, in := range cands {
+		st.ForgetInstance(in.ID())
+	}
+	if p, l, live, pub := stateSizes(st); p != 0 || l != 0 || live != 0 || pub != 0 {
+		t.Errorf("after all left: pend %d loads %d live %d published %d, want 0", p, l, live, pub)
+	}
+	if n := instanceSeries(t, reg); n != 0 {
+		t.Errorf("%d series after all left", n)
 	}
 }
