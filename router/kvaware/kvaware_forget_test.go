@@ -47,17 +47,37 @@ func stateSizes(st *KVState) (pend, loads, live, published int) {
 	return
 }
 
+// newForgetState is a pool's state with its metrics on reg, and kv_aware
+// over it.
+func newForgetState(t *testing.T, reg *prometheus.Registry) (*KVState, *KVAware) {
+	t.Helper()
+	st := newPendingState(t, reg)
+	s, err := newKVAware(config.RoutingConfig{}, st, func(uint64) uint64 { return 0 })
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st, s
+}
+
+// untilClosed runs f until stop is closed.
+func untilClosed(stop <-chan struct{}, f func()) {
+	for {
+		select {
+		case <-stop:
+			return
+		default:
+			f()
+		}
+	}
+}
+
 // TestForgetInstanceChurn: instances that join, take requests, report
 // load, are scraped and published, and leave, leave nothing behind: the
 // per-instance maps and series return to what the one instance that stays
 // has, round after round.
 func TestForgetInstanceChurn(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	st := newPendingState(t, reg)
-	s, err := newKVAware(config.RoutingConfig{}, st, func(uint64) uint64 { return 0 })
-	if err != nil {
-		t.Fatal(err)
-	}
+	st, s := newForgetState(t, reg)
 	stay, _ := router.NewInstance("stay", "http://127.0.0.1:9")
 	touch := func(id string) {
 		st.newObserver(id, 100, 0).Done(200, -1)
@@ -260,11 +280,7 @@ func TestForgetInstanceThroughServer(t *testing.T) {
 // left, nothing of it.
 func TestForgetInstanceConcurrent(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	st := newPendingState(t, reg)
-	s, err := newKVAware(config.RoutingConfig{}, st, func(uint64) uint64 { return 0 })
-	if err != nil {
-		t.Fatal(err)
-	}
+	st, s := newForgetState(t, reg)
 	var cands []*router.Instance
 	for k := range candIndexMin {
 		in, _ := router.NewInstance(fmt.Sprintf("x%d", k), "http://127.0.0.1:9")
@@ -274,12 +290,9 @@ func TestForgetInstanceConcurrent(t *testing.T) {
 	stop := make(chan struct{})
 	for g := range 4 {
 		wg.Go(func() {
-			for q := 0; ; q++ {
-				select {
-				case <-stop:
-					return
-				default:
-				}
+			q := 0
+			untilClosed(stop, func() {
+				q++
 				d, err := s.Pick(context.Background(), kvRequest("", promptTokens(uint32(g*1000+q%50), 4*kvTestBS)), cands)
 				if err != nil {
 					t.Error(err)
@@ -290,16 +303,11 @@ func TestForgetInstanceConcurrent(t *testing.T) {
 					d.Observer.FirstByte()
 					d.Observer.Done(200, -1)
 				}
-			}
+			})
 		})
 	}
 	wg.Go(func() {
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
+		untilClosed(stop, func() {
 			for _, in := range cands {
 				st.ForgetInstance(in.ID())
 			}
@@ -309,7 +317,7 @@ func TestForgetInstanceConcurrent(t *testing.T) {
 					t.Errorf("%s pending %d/%d", in.ID(), tok, reqs)
 				}
 			}
-		}
+		})
 	})
 	time.Sleep(200 * time.Millisecond)
 	close(stop)
