@@ -28,6 +28,9 @@ type Exact interface {
 	// engines' load scraping, per rc) until ctx ends; it returns at once
 	// when rc asks for none.
 	Run(ctx context.Context, rc config.RoutingConfig, instances func() []*Instance)
+	// ForgetInstance drops what the state keeps about an instance that
+	// left the pool (its series included): one that returns starts anew.
+	ForgetInstance(id string)
 }
 
 // WithKVState gives NewStrategy the pool's exact-routing state, which

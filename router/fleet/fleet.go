@@ -22,7 +22,6 @@ import (
 type Pools interface {
 	Reload(config.Config) error
 	Pool(name string) (*router.Pool, bool)
-	ForgetInstanceSeries(pool, instance string)
 }
 
 // Discoverer is the KV-state pipeline side (kvstate.Pipeline).
@@ -32,7 +31,7 @@ type Discoverer interface {
 	Discover(base config.Config) kvstate.Discovery
 	Publish(kvstate.Discovery) map[string]bool
 	Unpublish(map[string]bool)
-	Report(prev map[string]bool, d kvstate.Discovery) []kvstate.Left
+	Report(prev map[string]bool, d kvstate.Discovery)
 }
 
 var _ Discoverer = (*kvstate.Pipeline)(nil)
@@ -108,7 +107,8 @@ func (r *Reconciler) sync() {
 }
 
 // applyLocked publishes d's discovered set, reloads the pools with
-// d.Config and reports who joined and left (r.mu held).
+// d.Config (which forgets the instances that left: Pools.Reload) and
+// reports who joined and left (r.mu held).
 func (r *Reconciler) applyLocked(d kvstate.Discovery) error {
 	prev := r.disc.Publish(d)
 	if err := r.pools.Reload(d.Config); err != nil {
@@ -116,8 +116,6 @@ func (r *Reconciler) applyLocked(d kvstate.Discovery) error {
 		return err
 	}
 	r.applied = d.Fingerprint
-	for _, l := range r.disc.Report(prev, d) {
-		r.pools.ForgetInstanceSeries(l.Pool, l.Instance)
-	}
+	r.disc.Report(prev, d)
 	return nil
 }

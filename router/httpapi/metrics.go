@@ -69,8 +69,9 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 }
 
 // ForgetInstanceSeries deletes the per-instance series of an instance that
-// left its pool, so that instance names that come and go (heartbeat
-// discovery) do not accumulate series.
+// left its pool, and the pool's exact-routing state for it, so that
+// instance names that come and go (heartbeat discovery) do not accumulate
+// series or state. Reload calls it for every instance it removes.
 func (s *Server) ForgetInstanceSeries(pool, instance string) {
 	l := prometheus.Labels{"pool": pool, "instance": instance}
 	s.m.requests.DeletePartialMatch(l)
@@ -82,6 +83,9 @@ func (s *Server) ForgetInstanceSeries(pool, instance string) {
 	s.m.warms.DeletePartialMatch(l)
 	if s.kv != nil {
 		s.kv.ForgetInstance(pool, instance)
+	}
+	if p, ok := s.table.Load().Pool(pool); ok && p.Exact() != nil {
+		p.Exact().ForgetInstance(instance) // kv_aware's per-instance state
 	}
 }
 

@@ -222,8 +222,31 @@ func (s *Server) Reload(cfg config.Config) error {
 		s.stopLoopsLocked()
 		s.startLoopsLocked()
 	}
+	// After the old loops (the load scraper among them) have stopped.
+	forgetLeft(old, st, s.ForgetInstanceSeries)
 	s.log.Info("configuration reloaded", "pools", len(st.Pools()))
 	return nil
+}
+
+// forgetLeft calls forget for every instance of old's pools that next's
+// pool of that name does not have (or that lost its pool): the one place
+// where an instance leaves, whether a file reload removed it or a
+// discovered instance was purged, so that names that come and go leave
+// no series or per-instance state behind.
+func forgetLeft(old, next *router.Table, forget func(pool, instance string)) {
+	for _, op := range old.Pools() {
+		stays := map[string]bool{}
+		if np, ok := next.Pool(op.Name()); ok {
+			for _, in := range np.Instances() {
+				stays[in.ID()] = true
+			}
+		}
+		for _, in := range op.Instances() {
+			if !stays[in.ID()] {
+				forget(op.Name(), in.ID())
+			}
+		}
+	}
 }
 
 // Run runs health checks and adapter discovery until ctx ends.

@@ -147,14 +147,20 @@ func newPendingCollector() *pendingCollector {
 }
 
 // track exports pc as pool's pending prefill on inst. A pool's KVState
-// keeps one counter per instance for its whole life, so after the first
-// request this is a lookup; a replaced KVState's counter replaces the old.
+// keeps one counter per instance while the instance is in the pool, so
+// after the first request this is a lookup; a replaced KVState's counter
+// replaces the old.
 func (c *pendingCollector) track(pool, inst string, pc *pendingCounter) {
 	k := pendingKey{pool, inst}
 	if v, ok := c.counters.Load(k); ok && v.(*pendingCounter) == pc {
 		return
 	}
 	c.counters.Store(k, pc)
+}
+
+// forget deletes pool's series for inst (the instance left the pool).
+func (c *pendingCollector) forget(pool, inst string) {
+	c.counters.Delete(pendingKey{pool, inst})
 }
 
 // Describe implements prometheus.Collector.

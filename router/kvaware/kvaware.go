@@ -80,8 +80,9 @@ type KVState struct {
 	specMu sync.Mutex // guards spec, replaced when its TTL or capacity changes
 	spec   *speculative
 
-	pendMu sync.RWMutex // guards pend (the counters themselves are atomic)
-	pend   map[string]*pendingCounter
+	pendMu   sync.RWMutex // guards pend and pendMade (the counters themselves are atomic)
+	pend     map[string]*pendingCounter
+	pendMade int64 // counters ever made: a candidate index's miss stands while this does
 
 	loads   loadStore
 	endKeep endKeep // how long ended requests are remembered (loadended.go)
@@ -182,6 +183,7 @@ func (st *KVState) pendingFor(inst string) *pendingCounter {
 		pc = &pendingCounter{}
 		pc.queued.at = st.now() // nothing of this router's queued there until now
 		st.pend[inst] = pc
+		st.pendMade++
 	}
 	return pc
 }

@@ -20,15 +20,16 @@ import (
 type candIndex struct {
 	insts []*router.Instance
 	pos   map[string]int32
-	// pend caches each candidate's pending-prefill counter (KVState never
-	// drops one); nil where none existed yet when the index was built.
+	// pend caches each candidate's pending-prefill counter (KVState drops
+	// one only when its instance leaves the pool, which no later candidate
+	// list holds); nil where none existed yet when the index was built.
 	pend []atomic.Pointer[pendingCounter]
 	// pendMiss is, per candidate without a counter, 1 + the number of
-	// counters KVState had when its lookup found none: while that number
+	// counters KVState had made when its lookup found none: while that number
 	// stands, none was made for it since (a fleet mostly idle but for a
 	// few instances skips a map lookup by id per candidate and decision).
 	pendMiss []atomic.Int64
-	// load caches each candidate's load slot (loadStore never drops one),
+	// load caches each candidate's load slot (dropped only as pend is),
 	// loadMiss, per candidate without one, 1 + loadStore.made when its
 	// lookup found none: as pend and pendMiss, for the load samples.
 	load     []atomic.Pointer[loadSlot]
@@ -102,8 +103,9 @@ func (ev *kvEval) pending(st *KVState, i int) *pendingCounter {
 	if ci := ev.ci; ci != nil {
 		cache = &cachedSlots[pendingCounter]{ci.pend, ci.pendMiss}
 	}
-	// One counter per id, never dropped: decisions sharing the index agree.
-	return cache.get(i, int64(len(st.pend)), st.pend, ev.cands[i].inst.ID())
+	// One counter per id while its instance is in the pool: decisions
+	// sharing the index agree.
+	return cache.get(i, st.pendMade, st.pend, ev.cands[i].inst.ID())
 }
 
 // loadSlot returns candidate i's load slot (nil: none yet), from the
@@ -118,8 +120,9 @@ func (ev *kvEval) loadSlot(st *KVState, i int) *loadSlot {
 }
 
 // cachedSlots is a candidate index's per-candidate cache of a map's
-// values that are made once per instance id and never removed: a hit is
-// kept, and a miss stands while the map has made no value since (made, the
+// values that are made once per instance id and removed only when the
+// instance leaves the pool (no later list holds it): a hit is kept, and a
+// miss stands while the map has made no value since (made, the
 // values ever made, as counted when the miss was recorded, plus one).
 type cachedSlots[T any] struct {
 	got  []atomic.Pointer[T]

@@ -42,11 +42,11 @@ type loadStore struct {
 	made    int64 // slots made (a candidate index's miss stands while this does)
 }
 
-// loadSlot is one instance's sample: made once per instance id and never
-// removed (a dropped sample clears ok), so that a candidate index
-// (kvaware_cands.go) keeps a pointer to it rather than hashing the
-// instance's id in every decision; like the pending counters, one per
-// instance id ever seen.
+// loadSlot is one instance's sample: made once per instance id and
+// removed only when the instance leaves the pool (forget; a dropped
+// sample clears ok), so that a candidate index (kvaware_cands.go) keeps a
+// pointer to it rather than hashing the instance's id in every decision;
+// like the pending counters, one per instance id in the pool.
 type loadSlot struct {
 	ls loadSample
 	ok bool
@@ -75,6 +75,20 @@ func (s *loadStore) drop(inst string) {
 	if sl := s.samples[inst]; sl != nil && sl.ok {
 		sl.ls, sl.ok = loadSample{}, false
 		s.live--
+	}
+	s.mu.Unlock()
+}
+
+// forget removes inst's slot: the instance left the pool. made still
+// counts it, so that no candidate index's miss stands for a slot made
+// again when the instance returns.
+func (s *loadStore) forget(inst string) {
+	s.mu.Lock()
+	if sl := s.samples[inst]; sl != nil {
+		if sl.ok {
+			s.live--
+		}
+		delete(s.samples, inst)
 	}
 	s.mu.Unlock()
 }

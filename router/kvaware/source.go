@@ -77,9 +77,10 @@ func (s *Source) For(pc config.PoolConfig, prev router.Exact, prevCfg config.Poo
 }
 
 // ForgetInstance drops the per-instance series of an instance that left
-// its pool.
+// its pool (the pool's KVState, if it still has one, drops its state too:
+// KVState.ForgetInstance).
 func (s *Source) ForgetInstance(pool, instance string) {
-	s.m.scrapes.DeletePartialMatch(prometheus.Labels{"pool": pool, "instance": instance})
+	s.m.forget(pool, instance)
 }
 
 // Of is a pool's exact-routing state, nil when it has none.

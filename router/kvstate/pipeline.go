@@ -738,15 +738,10 @@ func (k *Pipeline) Publish(d Discovery) (prev map[string]bool) {
 // Unpublish restores the set Publish replaced.
 func (k *Pipeline) Unpublish(prev map[string]bool) { k.discovered.Store(&prev) }
 
-// Left is an instance that left its pool.
-type Left struct{ Pool, Instance string }
-
 // Report logs and counts the instances that joined or left pools between
-// the previously applied discovered set and d (applied), and returns
-// those that left and are no longer in d.Config at all: their
-// per-instance series can go, so a name that comes and goes leaves
-// nothing behind.
-func (k *Pipeline) Report(prev map[string]bool, d Discovery) []Left {
+// the previously applied discovered set and d (applied). (The reload
+// that applied d forgets those that left: httpapi.Server.Reload.)
+func (k *Pipeline) Report(prev map[string]bool, d Discovery) {
 	urls := map[string]string{}
 	for _, pc := range d.Config.Pools {
 		for _, in := range pc.Instances {
@@ -760,16 +755,11 @@ func (k *Pipeline) Report(prev map[string]bool, d Discovery) []Left {
 			k.log.Info("instance joined pool from heartbeat", "pool", pool, "instance", id, "url", urls[key])
 		}
 	}
-	var gone []Left
 	for key := range prev {
 		if !d.Added[key] {
 			pool, id, _ := strings.Cut(key, "/")
 			k.dm.leaves.WithLabelValues(pool).Inc()
 			k.log.Info("heartbeat-discovered instance left pool", "pool", pool, "instance", id)
-			if _, still := urls[key]; !still {
-				gone = append(gone, Left{pool, id})
-			}
 		}
 	}
-	return gone
 }
