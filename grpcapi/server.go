@@ -4,12 +4,10 @@ import (
 	"context"
 	"crypto/subtle"
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
-	"os"
 	"strings"
 	"sync"
 	"time"
@@ -27,6 +25,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/internal/pemfile"
 	"github.com/kvrouter/kvrouter/internal/zero"
 	"github.com/kvrouter/kvrouter/router"
 )
@@ -126,13 +125,9 @@ func LoadTLS(certFile, keyFile, caFile string) (*tls.Config, error) {
 	}
 	cfg := &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
 	if caFile != "" {
-		pem, err := os.ReadFile(caFile)
+		pool, err := pemfile.CertPool(caFile)
 		if err != nil {
-			return nil, fmt.Errorf("grpcapi: read client CA: %w", err)
-		}
-		pool := x509.NewCertPool()
-		if !pool.AppendCertsFromPEM(pem) {
-			return nil, fmt.Errorf("grpcapi: client CA %s: no PEM certificate", caFile)
+			return nil, fmt.Errorf("grpcapi: client CA: %w", err)
 		}
 		cfg.ClientCAs, cfg.ClientAuth = pool, tls.RequireAndVerifyClientCert
 	}

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -19,6 +18,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/cmd/internal/cli"
+	"github.com/kvrouter/kvrouter/internal/pemfile"
 )
 
 // Environment variables that default the common admin flags, so that an
@@ -128,23 +128,9 @@ func (o *adminOpts) tlsConfig() (*tls.Config, error) {
 	if (o.cert == "") != (o.key == "") {
 		return nil, fmt.Errorf("%w: --cert and --key go together", errUsage)
 	}
-	cfg := &tls.Config{MinVersion: tls.VersionTLS12}
-	if o.ca != "" {
-		pem, err := os.ReadFile(o.ca)
-		if err != nil {
-			return nil, fmt.Errorf("%w: --ca: %v", errUsage, err)
-		}
-		cfg.RootCAs = x509.NewCertPool()
-		if !cfg.RootCAs.AppendCertsFromPEM(pem) {
-			return nil, fmt.Errorf("%w: --ca %s: no PEM certificate in it", errUsage, o.ca)
-		}
-	}
-	if o.cert != "" {
-		c, err := tls.LoadX509KeyPair(o.cert, o.key)
-		if err != nil {
-			return nil, fmt.Errorf("%w: --cert/--key: %v", errUsage, err)
-		}
-		cfg.Certificates = []tls.Certificate{c}
+	cfg, err := pemfile.ClientTLS(o.ca, o.cert, o.key)
+	if err != nil {
+		return nil, fmt.Errorf("%w: --ca, --cert, --key: %v", errUsage, err)
 	}
 	return cfg, nil
 }

@@ -10,7 +10,6 @@ package tracing
 import (
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -30,6 +29,7 @@ import (
 	"google.golang.org/grpc/credentials"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/pemfile"
 )
 
 // ErrConfig wraps errors in building the provider from its configuration.
@@ -175,23 +175,9 @@ func newExporter(ctx context.Context, cfg config.TracingExporterConfig, getenv f
 // clientTLS builds the exporter's TLS settings: the CA bundle that
 // verifies the collector and the client certificate it may ask for.
 func clientTLS(c config.TLSConfig) (*tls.Config, error) {
-	cfg := &tls.Config{MinVersion: tls.VersionTLS12}
-	if c.CAFile != "" {
-		pem, err := os.ReadFile(c.CAFile)
-		if err != nil {
-			return nil, fmt.Errorf("%w: exporter.tls.ca_file: %w", ErrConfig, err)
-		}
-		cfg.RootCAs = x509.NewCertPool()
-		if !cfg.RootCAs.AppendCertsFromPEM(pem) {
-			return nil, fmt.Errorf("%w: exporter.tls.ca_file %s: no PEM certificate", ErrConfig, c.CAFile)
-		}
-	}
-	if c.CertFile != "" {
-		cert, err := tls.LoadX509KeyPair(c.CertFile, c.KeyFile)
-		if err != nil {
-			return nil, fmt.Errorf("%w: exporter.tls: %w", ErrConfig, err)
-		}
-		cfg.Certificates = []tls.Certificate{cert}
+	cfg, err := pemfile.ClientTLS(c.CAFile, c.CertFile, c.KeyFile)
+	if err != nil {
+		return nil, fmt.Errorf("%w: exporter.tls: %w", ErrConfig, err)
 	}
 	return cfg, nil
 }

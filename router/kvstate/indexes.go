@@ -2,14 +2,14 @@ package kvstate
 
 import (
 	"crypto/tls"
-	"crypto/x509"
+	"errors"
 	"fmt"
-	"os"
 	"time"
 
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/pemfile"
 	"github.com/kvrouter/kvrouter/kvindex"
 )
 
@@ -72,13 +72,12 @@ func NewPoolIndexes(cfg config.Config) (*PoolIndexes, error) {
 		if rc.TLS || rc.TLSCAFile != "" {
 			opts.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12}
 			if rc.TLSCAFile != "" {
-				pem, err := os.ReadFile(rc.TLSCAFile)
+				pool, err := pemfile.CertPool(rc.TLSCAFile)
+				if errors.Is(err, pemfile.ErrNoCertificate) {
+					return nil, fmt.Errorf("%w: index.redis.tls_ca_file %w", config.ErrInvalidConfig, err)
+				}
 				if err != nil {
 					return nil, fmt.Errorf("router: index.redis.tls_ca_file: %w", err)
-				}
-				pool := x509.NewCertPool()
-				if !pool.AppendCertsFromPEM(pem) {
-					return nil, fmt.Errorf("%w: index.redis.tls_ca_file %s: no PEM certificates", config.ErrInvalidConfig, rc.TLSCAFile)
 				}
 				opts.TLSConfig.RootCAs = pool
 			}
