@@ -131,7 +131,7 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 	// Dispatched (tail), lostTail checks, queued behind the messages
 	// dispatched before it on the instance's shard, whether the stream
 	// still holds them, and sets the state the heartbeat left.
-	ahead := in != nil && hb.StreamSeq > in.status.StreamSeq
+	ahead := in != nil && hb.StreamSeq > max(in.status.StreamSeq, in.expect.Seq)
 	tail := ahead && dispatched >= hb.StreamSeq
 	if in == nil {
 		in = c.newInst(instance, now)
@@ -185,7 +185,13 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		c.enqueue(ctx, work{kind: workLoad, instance: instance})
 	}
 	if tail {
-		c.enqueue(ctx, work{kind: workTail, instance: instance, streamSeq: hb.StreamSeq})
+		// Without waiting: a shard that is full (catching up, or held by a
+		// load or a slow index) must not stall the pool's heartbeats; the
+		// next heartbeat asks again.
+		select {
+		case c.shardOf(instance) <- work{kind: workTail, instance: instance, streamSeq: hb.StreamSeq}:
+		default:
+		}
 	}
 	if needSync {
 		c.queueSync(ctx, instance)

@@ -424,6 +424,12 @@ func (c *Consumer) lostTail(ctx context.Context, instance string, in *inst, last
 		c.seen(in, in.lastSeen)
 		c.mu.Unlock()
 	}()
+	if in.restreamed {
+		// The stream was re-created and the instance has sent nothing
+		// since: its bridge's heartbeat numbers its last message in the
+		// old stream, which says nothing of this one's.
+		return
+	}
 	c.mu.Lock()
 	known := in.status.StreamSeq
 	c.mu.Unlock()
@@ -457,8 +463,10 @@ func (c *Consumer) lostTail(ctx context.Context, instance string, in *inst, last
 	in.status.Gaps++
 	c.mu.Unlock()
 	c.m.gaps.Inc()
-	c.cfg.Logger.Warn("consumer: the stream lost the instance's last messages (its bridge's heartbeat is past them), reloading snapshot",
-		"instance", instance, "stream_seq", known, "bridge_stream_seq", last)
+	if ok, suppressed := c.logLimit.Allow("lost_tail"); ok {
+		c.cfg.Logger.Warn("consumer: the stream lost the instance's last messages (its bridge's heartbeat is past them), reloading snapshot",
+			"instance", instance, "stream_seq", known, "bridge_stream_seq", last, "suppressed", suppressed)
+	}
 	if c.shared != nil {
 		c.repairHole(ctx, instance, in, last, 0, true)
 		return
