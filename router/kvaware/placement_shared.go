@@ -68,7 +68,9 @@ func (st *KVState) publishPlacement(dst []replicasync.Queued) ([]replicasync.Que
 	st.pendMu.RLock()
 	st.placeMu.Lock()
 	for id, pc := range st.pend {
-		dst = append(dst, replicasync.Queued{Instance: id, Wait: pc.queued.value()})
+		if pc.queued.sampled() { // none yet: not published as 0
+			dst = append(dst, replicasync.Queued{Instance: id, Wait: pc.queued.value()})
+		}
 	}
 	st.placeMu.Unlock()
 	st.pendMu.RUnlock()
@@ -109,8 +111,8 @@ func (st *KVState) placementShared(scratch *[]float64) (bool, float64) {
 }
 
 // sharedQueued is W̄ for inst from the pool's published averages: their
-// mean, 0 when no replica has one.
-func (st *KVState) sharedQueued(inst string, scratch *[]float64) float64 {
+// mean, and whether any replica has one (0, false when none has).
+func (st *KVState) sharedQueued(inst string, scratch *[]float64) (float64, bool) {
 	vals := st.peers.pp.PeerQueued(inst, (*scratch)[:0])
 	s := &st.peers.snap
 	s.mu.RLock()
@@ -119,7 +121,7 @@ func (st *KVState) sharedQueued(inst string, scratch *[]float64) float64 {
 	}
 	s.mu.RUnlock()
 	*scratch = vals
-	return sortedMean(vals)
+	return sortedMean(vals), len(vals) > 0
 }
 
 // sortedMean is the mean of vals summed in ascending order (so that every

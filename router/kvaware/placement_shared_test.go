@@ -133,7 +133,8 @@ func TestPlacementInputsSameOnEveryReplica(t *testing.T) {
 		id := worlds[0].insts[i].ID()
 		var ws, lives []float64
 		for _, w := range worlds {
-			ws = append(ws, w.st.sharedQueued(id, new([]float64)))
+			wq, _ := w.st.sharedQueued(id, new([]float64))
+			ws = append(ws, wq)
 			pc := w.st.pendingFor(id)
 			w.st.placeMu.Lock()
 			lives = append(lives, pc.queued.value())

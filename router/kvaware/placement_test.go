@@ -160,3 +160,93 @@ func sessionPlacement(t *testing.T, rc config.RoutingConfig, want int) {
 func rendezvousBefore(r *router.Request, a, b *router.Instance) bool {
 	return a.Rendezvous(r.RoutingHash()) > b.Rendezvous(r.RoutingHash())
 }
+
+// TestPlacementFirstSample: an instance this router starts routing to
+// while it is already busy (a router restart, another router's load) has
+// its placement average start at the queue first sampled there, not at 0
+// growing toward it.
+func TestPlacementFirstSample(t *testing.T) {
+	w := newKVWorld(t, 1)
+	s := w.strategy(config.RoutingConfig{})
+	in := w.insts[0]
+	for range 10 {
+		in.Acquire() // a steady queue: ten requests decoding
+	}
+	for i := range 3 {
+		_, ev, err := s.pick(t.Context(), kvRequest("t", promptTokens(uint32(10+i), 4*kvTestBS)), w.insts, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		q := ev.cands[0].queue
+		w.st.putEval(ev)
+		if i == 0 {
+			w.clock.Advance(time.Second)
+			continue // no counter yet: nothing sampled
+		}
+		w.st.placeMu.Lock()
+		got := w.st.pendingFor(in.ID()).queued.value()
+		w.st.placeMu.Unlock()
+		if i == 1 && math.Abs(got-q) > 1e-12 {
+			t.Fatalf("after the first sample (queue %.2f ms) the average is %.2f ms, want the sample", q*1e3, got*1e3)
+		}
+		if !(got > 0.9*q) {
+			t.Fatalf("pick %d: average %.2f ms under a steady queue of %.2f ms", i, got*1e3, q*1e3)
+		}
+		w.clock.Advance(time.Second)
+	}
+}
+
+// TestPlacementNoHistory: three instances hold the instructions and are
+// equally busy now; this router has routed to a and b for a window, never
+// to c (new after a scale-out, or busy with another router's requests).
+// c has no average of its own: it is priced at the others' mean, not at
+// 0, so a request bringing new context does not pick c as the quietest
+// place for it — all three tie and rendezvous order decides.
+func TestPlacementNoHistory(t *testing.T) {
+	w := newKVWorld(t, 4)
+	// Weight fixed at its floor: every instance busy would take the
+	// adaptive weight past it, and the term off.
+	s := w.strategy(config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 1}})
+	a, b, c := w.insts[0], w.insts[1], w.insts[2]
+	shared := promptTokens(3, 32*kvTestBS)
+	for _, in := range []*router.Instance{a, b, c} {
+		w.store(in.ID(), shared, 0, 32)
+	}
+	for i := range 2 * drainMinSamples {
+		in := []*router.Instance{a, b}[i%2]
+		kvPick(t, s, kvRequest("warm", append(slices.Clone(shared), promptTokens(uint32(100+i), 4*kvTestBS)...)), []*router.Instance{in})
+	}
+	for _, in := range []*router.Instance{a, b, c} {
+		for range 5 {
+			in.Acquire()
+		}
+	}
+	for range 10 {
+		w.clock.Advance(DefaultUtilisationWindow / 10)
+		kvPick(t, s, kvRequest("tick", promptTokens(7, 4*kvTestBS)), []*router.Instance{w.insts[3], a, b})
+	}
+	w.clock.Advance(time.Second)
+	if pc := w.st.pend[c.ID()]; pc != nil {
+		t.Fatal("c has a counter: the scene needs an instance this router never routed to")
+	}
+	// A session's first request whose rendezvous order puts a first.
+	var first *router.Request
+	for i := uint32(0); first == nil; i++ {
+		r := kvRequest(fmt.Sprintf("s%d", i), append(slices.Clone(shared), promptTokens(1000+i, 64*kvTestBS)...))
+		if rendezvousBefore(r, a, b) && rendezvousBefore(r, a, c) {
+			first = r
+		}
+	}
+	_, ev, err := s.pick(t.Context(), first, []*router.Instance{a, b, c}, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pa, pcc := ev.cands[0].place, ev.cands[2].place
+	w.st.putEval(ev)
+	if !(pa > 0) || math.Abs(pcc-pa) > 1e-9 {
+		t.Fatalf("placement: a %.3f ms, c (no history) %.3f ms; want c priced at the others' mean", pa*1e3, pcc*1e3)
+	}
+	if d := kvPick(t, s, first, []*router.Instance{a, b, c}); d.Instance != a {
+		t.Errorf("new context: picked %s (%s), want the rendezvous tie-break %s (c is no quieter)", d.Instance.ID(), d.Reason, a.ID())
+	}
+}
