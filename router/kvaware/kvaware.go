@@ -179,7 +179,8 @@ func (st *KVState) pendingFor(inst string) *pendingCounter {
 	st.pendMu.Lock()
 	defer st.pendMu.Unlock()
 	if pc = st.pend[inst]; pc == nil {
-		pc = &pendingCounter{} // its placement average starts at its first sample (placement.go)
+		pc = &pendingCounter{}
+		pc.queued.at = st.now() // nothing of this router's queued there until now
 		st.pend[inst] = pc
 	}
 	return pc
@@ -353,8 +354,6 @@ type kvEval struct {
 	commit    bool                // the decision will be committed (not shadow scoring)
 	weight    float64             // prefill cost weight used
 	later     float64             // n: later requests expected to read the new context (placement.go)
-	withW     []float64           // W̄ of the candidates that have one (placement.go)
-	noW       []int32             // the candidates without one, priced at withW's mean
 	rent      rentNote            // what the pick pays or buys (kvaware_replicate.go)
 	warmable  bool                // the request's edge can send a warm-up copy (router.Request.Warmable)
 	warmWhole bool                // the copy bought is the whole request, not a prefix (router.Request.WarmsWhole)
@@ -710,7 +709,6 @@ func (s *KVAware) predict(ev *kvEval) {
 	if st.peers.ps == nil {
 		drain = st.drainRate.rate(s.sc.prefill)
 	}
-	ev.withW, ev.noW = ev.withW[:0], ev.noW[:0]
 	for i := range ev.cands {
 		ce := &ev.cands[i]
 		var pTok float64
@@ -770,51 +768,27 @@ func (s *KVAware) predict(ev *kvEval) {
 		ce.queue, ce.load = s.sc.queue(pTok, int(pReq), ce.inflight+ce.peer.inflight, ld, ok)
 		ce.place = 0
 		var avg float64
-		known := false
 		if pc != nil {
 			avg = pc.queued.read(now, ce.queue, ev.commit, &decay)
-			known = pc.queued.sampled()
 		}
 		if shared && ev.later > 0 {
 			// The pool's published averages (placement_shared.go).
-			avg, known = st.sharedQueued(ce.inst.ID(), &ev.shared.place)
+			avg = st.sharedQueued(ce.inst.ID(), &ev.shared.place)
 		}
-		if ev.later > 0 {
-			if !known {
-				// No average yet: priced once the others' are known.
-				ev.noW = append(ev.noW, int32(i))
-				continue
-			}
-			ev.withW = append(ev.withW, avg)
+		if pc != nil || shared {
 			ce.place = ev.later * 2 * avg
 		}
-		s.scoreOrCold(ev, ce, &cold, i)
-	}
-	if len(ev.noW) > 0 {
-		// An instance with no average (placement.go) at the mean of
-		// those with one, as they stand after this decision's samples.
-		prior := sortedMean(ev.withW)
-		for _, i := range ev.noW {
-			ce := &ev.cands[i]
-			ce.place = ev.later * 2 * prior
-			s.scoreOrCold(ev, ce, &cold, int(i))
+		if ce.cold() {
+			cold.note(ce)
+			ev.cold = append(ev.cold, int32(i))
+			continue
 		}
+		s.sc.score(ev, ce)
 	}
 	st.placeMu.Unlock()
 	st.loads.mu.RUnlock()
 	st.pendMu.RUnlock()
 	s.scoreCold(ev, cold)
-}
-
-// scoreOrCold scores candidate i, or notes it for scoreCold when it is
-// cold.
-func (s *KVAware) scoreOrCold(ev *kvEval, ce *candEval, cold *coldMin, i int) {
-	if ce.cold() {
-		cold.note(ce)
-		ev.cold = append(ev.cold, int32(i))
-		return
-	}
-	s.sc.score(ev, ce)
 }
 
 // score computes a candidate's matched tokens, predicted TTFT and score

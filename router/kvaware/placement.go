@@ -124,12 +124,6 @@ func (b *queueAverage) value() float64 {
 	return b.q
 }
 
-// sampled reports whether the average has had its first sample. Called
-// with KVState.placeMu held.
-func (b *queueAverage) sampled() bool {
-	return !b.at.IsZero()
-}
-
 // decayMemo remembers 1 − e^(−dt/window) for the last dt asked about.
 type decayMemo struct {
 	dt time.Duration

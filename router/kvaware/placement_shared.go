@@ -68,9 +68,7 @@ func (st *KVState) publishPlacement(dst []replicasync.Queued) ([]replicasync.Que
 	st.pendMu.RLock()
 	st.placeMu.Lock()
 	for id, pc := range st.pend {
-		if pc.queued.sampled() { // none yet: not published as 0
-			dst = append(dst, replicasync.Queued{Instance: id, Wait: pc.queued.value()})
-		}
+		dst = append(dst, replicasync.Queued{Instance: id, Wait: pc.queued.value()})
 	}
 	st.placeMu.Unlock()
 	st.pendMu.RUnlock()
@@ -111,8 +109,8 @@ func (st *KVState) placementShared(scratch *[]float64) (bool, float64) {
 }
 
 // sharedQueued is W̄ for inst from the pool's published averages: their
-// mean, and whether any replica has one (0, false when none has).
-func (st *KVState) sharedQueued(inst string, scratch *[]float64) (float64, bool) {
+// mean, 0 when no replica has one.
+func (st *KVState) sharedQueued(inst string, scratch *[]float64) float64 {
 	vals := st.peers.pp.PeerQueued(inst, (*scratch)[:0])
 	s := &st.peers.snap
 	s.mu.RLock()
@@ -121,7 +119,7 @@ func (st *KVState) sharedQueued(inst string, scratch *[]float64) (float64, bool)
 	}
 	s.mu.RUnlock()
 	*scratch = vals
-	return sortedMean(vals), len(vals) > 0
+	return sortedMean(vals)
 }
 
 // sortedMean is the mean of vals summed in ascending order (so that every

@@ -133,8 +133,7 @@ func TestPlacementInputsSameOnEveryReplica(t *testing.T) {
 		id := worlds[0].insts[i].ID()
 		var ws, lives []float64
 		for _, w := range worlds {
-			wq, _ := w.st.sharedQueued(id, new([]float64))
-			ws = append(ws, wq)
+			ws = append(ws, w.st.sharedQueued(id, new([]float64)))
 			pc := w.st.pendingFor(id)
 			w.st.placeMu.Lock()
 			lives = append(lives, pc.queued.value())
