@@ -37,18 +37,20 @@ type kvObserver struct {
 }
 
 // newObserver counts recompute tokens as pending on inst until the
-// request's first byte.
-func (st *KVState) newObserver(inst string, recompute, predicted int) *kvObserver {
+// request's first byte, and reports whether the request is the only one
+// pending there (from its own increment: two concurrent commits cannot
+// both miss it, as a later read of the counter could).
+func (st *KVState) newObserver(inst string, recompute, predicted int) (*kvObserver, bool) {
 	o := &kvObserver{st: st, inst: inst, pc: st.pendingFor(inst), pendTok: int64(max(recompute, 0)), predicted: predicted}
 	o.pc.tokens.Add(o.pendTok)
-	o.pc.reqs.Add(1)
+	first := o.pc.reqs.Add(1) == 1
 	o.at = st.now().UnixNano()
 	if st.peers.ps != nil {
 		o.listed = true
 		o.pc.pl.add(o, o.at)
 	}
 	st.m.pending.track(st.pool, inst, o.pc)
-	return o
+	return o, first
 }
 
 // release gives the pending prefill back; only the first call counts (the

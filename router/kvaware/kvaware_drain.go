@@ -123,11 +123,10 @@ type drainSample struct {
 // recompute (at the measured rate) and remembering what its first byte
 // will measure.
 func (st *KVState) newDrainingObserver(ce *candEval, recompute, predicted int, prefill float64) *kvObserver {
-	o := st.newObserver(ce.inst.ID(), recompute, predicted)
+	o, first := st.newObserver(ce.inst.ID(), recompute, predicted)
 	now := st.now()
 	st.prefillDef.Store(math.Float64bits(prefill))
 	rate := st.drainRate.rate(prefill)
-	first := o.pc.reqs.Load() == 1
 	o.pc.addWork(now, seconds(float64(o.pendTok)/rate), first)
 	if first {
 		o.pc.period.Store(0)

@@ -70,8 +70,8 @@ func TestPendingReleaseTimer(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			st := newPendingState(t, nil)
-			o := st.newObserver("a", 100, 20)
-			other := st.newObserver("a", 7, 0) // another request, still pending throughout
+			o, _ := st.newObserver("a", 100, 20)
+			other, _ := st.newObserver("a", 7, 0) // another request, still pending throughout
 			if tok, n := st.PendingPrefill("a"); tok != 107 || n != 2 {
 				t.Fatalf("pending %d/%d, want 107/2", tok, n)
 			}
@@ -144,7 +144,7 @@ func pendingValue(mfs []*dto.MetricFamily, pool, inst string) (float64, bool) {
 func TestPendingGaugeConcurrent(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	st := newPendingState(t, reg)
-	held := st.newObserver("b", 33, 0)
+	held, _ := st.newObserver("b", 33, 0)
 	if v, ok := scrapePending(t, reg, "p", "b"); !ok || v != 33 {
 		t.Fatalf("gauge %v (present %v), want 33", v, ok)
 	}
@@ -156,7 +156,7 @@ func TestPendingGaugeConcurrent(t *testing.T) {
 			defer wg.Done()
 			for i := range each {
 				inst := []string{"a", "b"}[i%2]
-				o := st.newObserver(inst, 1+w+i%13, 0)
+				o, _ := st.newObserver(inst, 1+w+i%13, 0)
 				switch i % 3 {
 				case 0:
 					o.Done(200, -1)

@@ -77,11 +77,11 @@ import (
 // queue is sampled at committed decisions and held between them: a
 // sample's weight is the time until the next one, so a queue seen once
 // just before a long quiet spell counts for that spell, and a burst of
-// decisions within a millisecond counts for that millisecond. The
-// average starts at the first sample (an instance this router has not
-// routed to yet has no history; starting it at 0 would make every new
-// instance look like the quietest and draw sessions to it until its
-// average caught up).
+// decisions within a millisecond counts for that millisecond. A zero
+// value starts at its first sample; KVState.pendingFor starts it at 0 when
+// this router first routes to the instance, and predict prices an
+// instance never routed to at 0 (starting at the first sample and a mean
+// prior cost the code workload's p50: docs/kv-aware.md, "Placement").
 //
 // Every instance's average is guarded by one lock, KVState.placeMu, which
 // a decision takes once for its pass over the candidates: a lock per

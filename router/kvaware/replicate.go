@@ -255,6 +255,12 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 		return pick, reason
 	}
 	ac := &ev.cands[alt]
+	// The alternative already holds the whole stored prefix (in any
+	// tier, or being computed there): there is no copy to buy, and the
+	// score has already weighed going there.
+	if ac.blocks[len(ac.blocks)-1] >= depth {
+		return pick, reason
+	}
 	saved := pc.queue - ac.queue
 	if !(saved > s.sc.tieTol) {
 		return pick, reason
@@ -262,7 +268,7 @@ func (s *KVAware) replicate(ev *kvEval, pick int, reason router.Reason) (int, ro
 	if !ac.scored {
 		s.sc.score(ev, ac)
 	}
-	key := ev.keys[min(ac.blocks[len(ac.blocks)-1], depth-1)]
+	key := ev.keys[ac.blocks[len(ac.blocks)-1]]
 	price := ac.score - pc.score
 	if s.st.rent.get(key) >= price {
 		ev.rent = rentNote{key: key, bought: true, ok: true}

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router"
 )
@@ -336,4 +337,52 @@ func TestHotPrefixWarmCopyMedia(t *testing.T) {
 		return
 	}
 	t.Fatal("no purchase in 200 requests")
+}
+
+// TestNoCopyAlternativeHolds: when the least-queue alternative already
+// holds the holder's whole stored prefix (here in its CPU tier, slow
+// enough to load that the score keeps the request on the busy holder),
+// there is no copy to buy: no rent is paid and no warm-up is sent, nor is
+// the request moved as a purchase. An alternative holding only part of it
+// buys a copy as before.
+func TestNoCopyAlternativeHolds(t *testing.T) {
+	const running = 20
+	system := promptTokens(61, 64*kvTestBS)
+	req := func(i int) *router.Request {
+		r := kvRequest("tenant", append(slices.Clone(system), promptTokens(uint32(5000+i), 2*kvTestBS)...))
+		r.Warmable = i%2 == 0 // both kinds of edge
+		return r
+	}
+	// X_cpu 20K tokens/s: loading the 64 blocks takes ~51 ms, more than
+	// the holder's ~20 ms queue.
+	cfg := config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 1, CPULoadTokensPerSecond: 20000}}
+	for _, held := range []int{64, 32} {
+		w := newKVWorld(t, 2)
+		s := w.strategy(cfg)
+		holder, alt := w.insts[1], w.insts[0]
+		w.store(holder.ID(), system, 0, 64)
+		w.store(alt.ID(), system, 0, held)
+		w.tierEvent(events.BlockStored, alt.ID(), "CPU", system, 0, held)
+		w.tierEvent(events.BlockRemoved, alt.ID(), "GPU", system, 0, held)
+		for range running {
+			holder.Acquire()
+		}
+		bought := -1
+		for i := range 20 {
+			d := kvPick(t, s, req(i), w.insts)
+			if d.Warm != nil || d.Reason == router.ReasonReplicate {
+				bought = i
+				break
+			}
+			if d.Instance != holder || d.Reason != router.ReasonKVMatch {
+				t.Fatalf("alternative holding %d blocks, request %d: %s (%s), want the holder (kv_match)", held, i, d.Instance.ID(), d.Reason)
+			}
+		}
+		switch {
+		case held == 64 && bought >= 0:
+			t.Fatalf("the alternative holds the whole prefix (CPU tier), yet request %d bought a copy", bought)
+		case held < 64 && bought < 0:
+			t.Fatalf("the alternative holds %d of 64 blocks, and no request bought a copy", held)
+		}
+	}
 }

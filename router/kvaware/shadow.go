@@ -96,7 +96,7 @@ func (s *Shadow) Pick(ctx context.Context, req *router.Request, cands []*router.
 		if ce != nil && dec.Explain == nil {
 			dec.Explain = &router.Explanation{MatchedTokens: ce.matched, PromptTokens: ev.tokens, PredictedTTFT: seconds(ce.ttft)}
 		}
-		o := st.newObserver(dec.Instance.ID(), ev.tokens-rec.inUsePick.matched, rec.inUsePick.matched)
+		o, _ := st.newObserver(dec.Instance.ID(), ev.tokens-rec.inUsePick.matched, rec.inUsePick.matched)
 		o.shadow = rec
 		dec.Observer = o
 	}
