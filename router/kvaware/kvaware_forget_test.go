@@ -80,7 +80,7 @@ func TestForgetInstanceChurn(t *testing.T) {
 	st, s := newForgetState(t, reg)
 	stay, _ := router.NewInstance("stay", "http://127.0.0.1:9")
 	touch := func(id string) {
-		st.newObserver(id, 100, 0).Done(200, -1)
+		observe(st, id, 100).Done(200, -1)
 		st.SetLoad(id, 1, 2)
 		st.m.scrapes.WithLabelValues(st.pool, id, "ok").Inc()
 	}
@@ -135,9 +135,9 @@ func TestForgetInstanceChurn(t *testing.T) {
 func TestForgetInstanceInFlight(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	st := newPendingState(t, reg)
-	streamed := st.newObserver("a", 100, 0)
-	timed := st.newObserver("a", 30, 0)
-	late := st.newObserver("a", 7, 0)
+	streamed := observe(st, "a", 100)
+	timed := observe(st, "a", 30)
+	late := observe(st, "a", 7)
 	st.SetLoad("a", 3, 4)
 	st.ForgetInstance("a")
 
@@ -156,7 +156,7 @@ func TestForgetInstanceInFlight(t *testing.T) {
 	}
 
 	// It returns: a new instance under the old id.
-	fresh := st.newObserver("a", 50, 0)
+	fresh := observe(st, "a", 50)
 	if tok, reqs := st.PendingPrefill("a"); tok != 50 || reqs != 1 {
 		t.Fatalf("returned instance's pending: %d/%d, want 50/1", tok, reqs)
 	}
@@ -191,7 +191,7 @@ func TestForgetInstanceCandIndexMiss(t *testing.T) {
 	for i, in := range w.insts {
 		ev.cands[i].inst = in
 	}
-	st.newObserver("gone", 10, 0)
+	observe(st, "gone", 10)
 	st.SetLoad("gone", 1, 1)
 	lookup := func() (*pendingCounter, *loadSlot) {
 		st.pendMu.RLock()
@@ -205,7 +205,7 @@ func TestForgetInstanceCandIndexMiss(t *testing.T) {
 	}
 	st.ForgetInstance("gone")
 	first := w.insts[0].ID()
-	o := st.newObserver(first, 20, 0)
+	o := observe(st, first, 20)
 	defer o.Done(200, -1)
 	st.SetLoad(first, 2, 2)
 	pc, sl := lookup()
@@ -245,7 +245,7 @@ func TestForgetInstanceThroughServer(t *testing.T) {
 	p, _ := srv.Pool("p")
 	st := Of(p)
 	for _, id := range []string{"a", "b"} {
-		st.newObserver(id, 10, 0).Done(200, -1)
+		observe(st, id, 10).Done(200, -1)
 		st.SetLoad(id, 1, 1)
 		st.m.scrapes.WithLabelValues("p", id, "ok").Inc()
 	}
@@ -331,4 +331,10 @@ func TestForgetInstanceConcurrent(t *testing.T) {
 	if n := instanceSeries(t, reg); n != 0 {
 		t.Errorf("%d series after all left", n)
 	}
+}
+
+// observe is a request's observer on inst, tokens of prefill pending.
+func observe(st *KVState, inst string, tokens int) *kvObserver {
+	o, _ := st.newObserver(inst, tokens, 0)
+	return o
 }
