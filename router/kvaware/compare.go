@@ -42,8 +42,7 @@ type kvObserver struct {
 // both miss it, as a later read of the counter could).
 func (st *KVState) newObserver(inst string, recompute, predicted int) (*kvObserver, bool) {
 	o := &kvObserver{st: st, inst: inst, pc: st.pendingFor(inst), pendTok: int64(max(recompute, 0)), predicted: predicted}
-	o.pc.tokens.Add(o.pendTok)
-	first := o.pc.reqs.Add(1) == 1
+	first := o.pc.add(o.pendTok)
 	o.at = st.now().UnixNano()
 	if st.peers.ps != nil {
 		o.listed = true
@@ -61,8 +60,7 @@ func (o *kvObserver) release() {
 		if o.listed {
 			o.pc.pl.remove(o, o.st.now().UnixNano())
 		}
-		o.pc.tokens.Add(-o.pendTok)
-		o.pc.reqs.Add(-1)
+		o.pc.sub(o.pendTok)
 	}
 }
 
@@ -172,7 +170,7 @@ func (c *pendingCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 func (c *pendingCollector) Collect(ch chan<- prometheus.Metric) {
 	c.counters.Range(func(k, v any) bool {
 		key := k.(pendingKey)
-		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(v.(*pendingCounter).tokens.Load()), key.pool, key.inst)
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(pendingTokens(v.(*pendingCounter))), key.pool, key.inst)
 		return true
 	})
 }
@@ -623,3 +621,9 @@ func (st *KVState) Compare(strategy string, shadow bool, insts []*router.Instanc
 
 // ResetCompare starts the pool's comparison afresh.
 func (st *KVState) ResetCompare() { st.cmp.reset(st.now(), "reset") }
+
+// pendingTokens is pc's pending tokens.
+func pendingTokens(pc *pendingCounter) int64 {
+	tokens, _ := pc.load()
+	return tokens
+}

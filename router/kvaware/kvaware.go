@@ -115,14 +115,19 @@ type KVState struct {
 // whose first response byte has not arrived yet.
 //
 // Every decision reads every candidate's counter, so the fields it reads
-// come first: tokens, reqs, doneAt and queued fill the first 64 bytes,
+// come first: the pending tokens and requests, doneAt and queued fill the
+// first 64 bytes,
 // the end list's memo (first in endList) the next line; the rest is read
 // when a request is routed or ends. (At 192 bytes, a size class whose
 // objects start on a cache line, that is two lines per candidate rather
 // than three.)
 type pendingCounter struct {
-	tokens atomic.Int64
-	reqs   atomic.Int64
+	// pend is the pending tokens and requests in one word (tokens above
+	// pendReqBits, requests below), so that a reader sees both of one
+	// moment: read from two words, a request could pair with none of its
+	// tokens (or tokens with no request) and price a step share for a
+	// moment that no state of the instance had.
+	pend   atomic.Uint64
 	doneAt atomic.Int64 // when the routed work is predicted done, Unix ns (kvaware_drain.go)
 	queued queueAverage // predicted queue, averaged over time (placement.go); KVState.placeMu
 	ends   endList      // requests that ended recently (loadended.go)
@@ -197,7 +202,30 @@ func (st *KVState) PendingPrefill(inst string) (tokens, requests int64) {
 	if pc == nil {
 		return 0, 0
 	}
-	return pc.tokens.Load(), pc.reqs.Load()
+	return pc.load()
+}
+
+// pendReqBits is the pending requests' part of pendingCounter.pend: a
+// million requests waiting for their first byte on one instance, beyond
+// any engine's queue; the tokens take the 44 bits above (17 T).
+const pendReqBits = 20
+
+// add counts one request of tokens pending, and reports whether it is the
+// only one pending (its own increment: two concurrent adds cannot both
+// miss it, as a later read could).
+func (pc *pendingCounter) add(tokens int64) bool {
+	return pc.pend.Add(uint64(tokens)<<pendReqBits+1)&(1<<pendReqBits-1) == 1
+}
+
+// sub gives back one request of tokens that add counted.
+func (pc *pendingCounter) sub(tokens int64) {
+	pc.pend.Add(-(uint64(tokens)<<pendReqBits + 1))
+}
+
+// load is the pending tokens and requests, of one moment.
+func (pc *pendingCounter) load() (tokens, reqs int64) {
+	v := pc.pend.Load()
+	return int64(v >> pendReqBits), int64(v & (1<<pendReqBits - 1))
 }
 
 // SetLoad records an engine-reported load sample for inst (simulations
@@ -726,7 +754,7 @@ func (s *KVAware) predict(ev *kvEval) {
 		var pReq, tok int64 // this router's waiting requests and the tokens they brought, read once
 		pc := ev.pending(st, i)
 		if pc != nil {
-			pReq, tok = pc.reqs.Load(), pc.tokens.Load()
+			tok, pReq = pc.load()
 		}
 		if st.peers.ps == nil {
 			if pc != nil {

@@ -91,7 +91,7 @@ func (st *KVState) localLoads(dst []replicasync.Load) []replicasync.Load {
 	st.pendMu.RLock()
 	defer st.pendMu.RUnlock()
 	for id, pc := range st.pend {
-		tok, reqs := pc.tokens.Load(), pc.reqs.Load()
+		tok, reqs := pc.load()
 		ended := pc.ends.snapshot(nil, now, keep)
 		i, ok := seen[id]
 		if !ok && tok <= 0 && reqs <= 0 && len(ended) == 0 {
