@@ -387,7 +387,6 @@ type kvEval struct {
 	blockSize int           // tokens per block, 0 when unknown
 	fallback  router.Reason // set when nobody's blocks count: why
 	anyStale  bool
-	busy      int                 // candidates with requests in flight (this router's)
 	best      int                 // the most leading blocks any candidate holds (blocks, every tier)
 	cold      []int32             // the cold candidates' positions, for scoreCold
 	commit    bool                // the decision will be committed (not shadow scoring)
@@ -531,20 +530,14 @@ func (s *KVAware) evaluate(ctx context.Context, req *router.Request, cands []*ro
 	// decision); clearing the list first was another pass over it. The
 	// fields zeroed here are those only some candidates get: predict sets
 	// queue and ahead, and score or scoreCold the score fields, matched
-	// and ttft, of every candidate. In-flight is read once per candidate
-	// and decision.
+	// and ttft, of every candidate; predict reads in-flight and fullness.
 	ev.cands = slices.Grow(ev.cands[:0], len(cands))[:len(cands)]
-	busy := 0
 	for i, c := range cands {
 		ce := &ev.cands[i]
-		ce.inst, ce.rv, ce.inflight = c, c.Rendezvous(h), c.InFlight()
-		ce.full = ce.inflight >= s.threshold
+		ce.inst, ce.rv = c, c.Rendezvous(h)
 		ce.blocks, ce.stale, ce.indexed, ce.peer = [tiers.Count]int{}, [tiers.Count]int{}, 0, peerCounts{}
-		if ce.inflight > 0 {
-			busy++
-		}
 	}
-	ev.busy, ev.best = busy, 0
+	ev.best = 0
 	ev.tokens, ev.blockSize, ev.fallback, ev.anyStale, ev.keys, ev.commit = 0, 0, "", false, ev.keys[:0], commit
 	// ci belongs to the decision that set it: a pooled evaluation must not
 	// carry the last one's (another candidate list's) into a decision that
@@ -710,7 +703,19 @@ func containsString(list []string, s string) bool {
 func (s *KVAware) predict(ev *kvEval) {
 	st := s.st
 	now := st.now()
-	busy := ev.busy // evaluate counted it without peers
+	// In-flight read here, once per candidate and decision, beside the
+	// pending counters read below: read before tokenizing and the index
+	// lookup (up to hundreds of ms) it could be older than them, and the
+	// running requests (in flight less pending) came out of two moments.
+	busy := 0
+	for i := range ev.cands {
+		ce := &ev.cands[i]
+		ce.inflight = ce.inst.InFlight()
+		ce.full = ce.inflight >= s.threshold
+		if ce.inflight > 0 {
+			busy++
+		}
+	}
 	if st.peers.ps != nil {
 		busy = 0
 		for i := range ev.cands {
