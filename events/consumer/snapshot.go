@@ -272,9 +272,9 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 		for i, p := range parts {
 			if engineMsg && in.hasSeq && h.Seq+uint64(i) <= in.status.LastSeq {
 				// An engine seq already applied (a message stored twice):
-				// skipped, as the live path skips it (seqCheck); applied
-				// again it could bring back blocks removed since.
-				c.m.messages.WithLabelValues("duplicate_seq").Inc()
+				// skipped, as the live path skips it (seqCheck, which
+				// counted it when it was consumed); applied again it could
+				// bring back blocks removed since.
 				continue
 			}
 			batch, err := events.Decode(p)
