@@ -1143,11 +1143,14 @@ func (u *utilisation) read(now time.Time, busy float64, update bool) float64 {
 	}
 	switch dt := now.Sub(u.at).Seconds(); {
 	case !u.set:
-		u.rho, u.set = busy, true
+		u.rho, u.set, u.at = busy, true, now
 	case dt > 0:
 		u.rho += (busy - u.rho) * (1 - math.Exp(-dt/DefaultUtilisationWindow.Seconds()))
+		u.at = now
 	}
-	u.at = now
+	// A commit older than the last (decisions racing to commit) moves
+	// neither the average nor its clock: set back, the clock would count
+	// the time between the two again at the next sample.
 	return u.rho
 }
 

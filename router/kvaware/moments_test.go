@@ -3,6 +3,7 @@ package kvaware
 import (
 	"sync"
 	"testing"
+	"time"
 )
 
 // The pending tokens and requests are read as one moment's: while
@@ -45,5 +46,25 @@ func TestPendingCounterOneMoment(t *testing.T) {
 	wg.Wait()
 	if tok, reqs := pc.load(); tok != 0 || reqs != 0 {
 		t.Fatalf("all gone: %d tokens, %d requests", tok, reqs)
+	}
+}
+
+// A commit whose sample is older than the last one folded (decisions
+// racing to commit) leaves the busy average and its clock as they were:
+// the clock set back counted the time between the two again at the next
+// sample.
+func TestUtilisationLateSample(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	var inOrder, late utilisation
+	inOrder.read(t0, 1, true)
+	inOrder.read(t0.Add(2*time.Second), 0, true)
+	want := inOrder.read(t0.Add(4*time.Second), 0, true)
+	late.read(t0, 1, true)
+	late.read(t0.Add(2*time.Second), 0, true)
+	if got := late.read(t0.Add(time.Second), 1, true); got != late.rho || late.at != t0.Add(2*time.Second) {
+		t.Fatalf("a late sample moved the clock to %v (average %v)", late.at, got)
+	}
+	if got := late.read(t0.Add(4*time.Second), 0, true); got != want {
+		t.Fatalf("average %v after a late sample, %v without it", got, want)
 	}
 }
