@@ -95,8 +95,10 @@ type KVState struct {
 
 	util utilisation
 
-	// placeMu guards every pendingCounter's queued average (placement.go).
-	placeMu sync.Mutex
+	// placeMu guards every pendingCounter's queued average (placement.go):
+	// written by committed decisions, read by dry ones (shadow scoring,
+	// flow control's questions) and the replicas' publication.
+	placeMu sync.RWMutex
 
 	drainRate  prefillRate   // measured prefill throughput (kvaware_drain.go)
 	prefillDef atomic.Uint64 // the configured P (float64 bits) the measured rate falls back to
@@ -745,7 +747,13 @@ func (s *KVAware) predict(ev *kvEval) {
 	ev.cold = ev.cold[:0]
 	st.pendMu.RLock()
 	st.loads.mu.RLock()
-	st.placeMu.Lock()
+	// A committed decision folds each candidate's queue into its average;
+	// a dry one only reads them, beside other dry ones.
+	lockPlace, unlockPlace := st.placeMu.RLock, st.placeMu.RUnlock
+	if ev.commit {
+		lockPlace, unlockPlace = st.placeMu.Lock, st.placeMu.Unlock
+	}
+	lockPlace()
 	ev.memo = scoreMemo{}
 	haveLoads := st.loads.live > 0
 	// One measured drain rate per decision, not a lock per candidate.
@@ -829,7 +837,7 @@ func (s *KVAware) predict(ev *kvEval) {
 		}
 		s.sc.score(ev, ce)
 	}
-	st.placeMu.Unlock()
+	unlockPlace()
 	st.loads.mu.RUnlock()
 	st.pendMu.RUnlock()
 	s.scoreCold(ev, cold)

@@ -84,7 +84,8 @@ import (
 // prior cost the code workload's p50: docs/kv-aware.md, "Placement").
 //
 // Every instance's average is guarded by one lock, KVState.placeMu, which
-// a decision takes once for its pass over the candidates: a lock per
+// a decision takes once for its pass over the candidates (for reading
+// only, when it is not committed): a lock per
 // candidate was, with two others, most of that pass's cost at 128
 // candidates (docs/BENCHMARKS.md §10, "Session 19").
 type queueAverage struct {

@@ -66,11 +66,11 @@ func (st *KVState) publishPlacement(dst []replicasync.Queued) ([]replicasync.Que
 	computed := st.computed.mean()
 	start := len(dst)
 	st.pendMu.RLock()
-	st.placeMu.Lock()
+	st.placeMu.RLock()
 	for id, pc := range st.pend {
 		dst = append(dst, replicasync.Queued{Instance: id, Wait: pc.queued.value()})
 	}
-	st.placeMu.Unlock()
+	st.placeMu.RUnlock()
 	st.pendMu.RUnlock()
 	own := dst[start:]
 	slices.SortFunc(own, func(a, b replicasync.Queued) int { return cmp.Compare(a.Instance, b.Instance) })
