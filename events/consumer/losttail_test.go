@@ -112,3 +112,26 @@ func TestLostTailFullShardKeepsHeartbeats(t *testing.T) {
 		t.Errorf("heartbeats of an instance on another shard not processed while one shard's queue is full")
 	}
 }
+
+// A lost-tail check the stream does not answer (here its context is
+// already done) leaves a stale instance stale: it made it live, on a
+// state the check could not vouch for. The next heartbeat asks again.
+func TestLostTailUnansweredKeepsStale(t *testing.T) {
+	e := newEnv(t)
+	c, _ := e.startRecording()
+	e.store("i0", 1, 1)
+	testenv.WaitFor(t, 10*time.Second, "i0's message applied", func() bool { return c.status("i0").LastSeq == 1 })
+	c.mu.Lock()
+	in := c.insts["i0"]
+	in.status.State = StateStale // as a heartbeat ahead of the stream leaves it
+	c.mu.Unlock()
+	ctx, cancel := context.WithCancel(e.ctx)
+	cancel()
+	checked := make(chan struct{})
+	// On i0's shard, which owns the fields the check reads.
+	c.shardOf("i0") <- work{kind: workBarrier, done: func() { c.lostTail(ctx, "i0", in, 5); close(checked) }}
+	<-checked
+	if c.Live("i0") {
+		t.Fatal("i0 made live by a lost-tail check the stream did not answer")
+	}
+}

@@ -417,7 +417,14 @@ func getMsg(ctx context.Context, s jetstream.Stream, seq uint64, subj string) (*
 // older), the instance not live until a snapshot at or past it or a
 // clear after it (retried at heartbeats or, shared, the periodic sync).
 func (c *Consumer) lostTail(ctx context.Context, instance string, in *inst, last uint64) {
+	unknown := false
 	defer func() {
+		if unknown {
+			// The stream did not answer: the heartbeat's hold stands (a
+			// stale instance is not made live on a state not known
+			// whole); the next heartbeat asks again.
+			return
+		}
 		// What the heartbeat held back: seenAt decides now, as it would
 		// have (not live while a hole is pending; shared, not synced).
 		c.mu.Lock()
@@ -457,6 +464,7 @@ func (c *Consumer) lostTail(ctx context.Context, instance string, in *inst, last
 	if !errors.Is(err, jetstream.ErrMsgNotFound) {
 		// Reached, or still held (applied in order, or replayed by a
 		// repair), or not known (the next heartbeat asks again).
+		unknown = err != nil
 		return
 	}
 	c.mu.Lock()
