@@ -188,10 +188,7 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		// Without waiting: a shard that is full (catching up, or held by a
 		// load or a slow index) must not stall the pool's heartbeats; the
 		// next heartbeat asks again.
-		select {
-		case c.shardOf(instance) <- work{kind: workTail, instance: instance, streamSeq: hb.StreamSeq}:
-		default:
-		}
+		c.offer(work{kind: workTail, instance: instance, streamSeq: hb.StreamSeq})
 	}
 	if needSync {
 		c.queueSync(ctx, instance)

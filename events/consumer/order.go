@@ -74,18 +74,26 @@ func (c *Consumer) shardOf(instance string) chan work {
 
 // enqueue queues w on its instance's shard, waiting while the shard is full.
 func (c *Consumer) enqueue(ctx context.Context, w work) {
-	ch := c.shardOf(w.instance)
 	// A shard with room takes w at once: a send on its channel alone,
 	// without the two-case select that locks ctx's channel too (once per
 	// stream message, and the shards' receives contend for that lock).
-	select {
-	case ch <- w:
+	if c.offer(w) {
 		return
-	default:
 	}
 	select {
-	case ch <- w:
+	case c.shardOf(w.instance) <- w:
 	case <-ctx.Done():
+	}
+}
+
+// offer queues w on its instance's shard if the shard has room, and
+// reports whether it did.
+func (c *Consumer) offer(w work) bool {
+	select {
+	case c.shardOf(w.instance) <- w:
+		return true
+	default:
+		return false
 	}
 }
 

@@ -154,7 +154,7 @@ func (c *Consumer) Live(instance string) bool {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	in := c.insts[instance]
-	return in != nil && in.status.State == StateLive && !in.status.IndexUnsynced
+	return in != nil && in.notLive() == ""
 }
 
 // notLive is InstanceStatus.NotLive; c.mu held.
