@@ -513,7 +513,11 @@ func TestE2ECoalescedCatchUpAfterDrops(t *testing.T) {
 			testenv.WaitFor(t, 20*time.Second, "the bridge dropping messages", func() bool { return r.stats().Dropped > 0 })
 			r.gate.Release()
 			waitTable(t, a, r.instance, reference(t, ps...))
-			if s := r.stats(); s.EngineSeq != uint64(len(ps)) {
+			// The bridge records a message's engine seq when its ack
+			// comes back (applyAcked), which can be after the consumer
+			// has read the message from the stream: wait for it.
+			if !waitUntil(20*time.Second, func() bool { return r.stats().EngineSeq == uint64(len(ps)) }) {
+				s := r.stats()
 				t.Fatalf("bridge at engine seq %d, want %d: %+v", s.EngineSeq, len(ps), s)
 			}
 		})
