@@ -388,9 +388,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}()
 	c.running.Store(true)
 	defer c.running.Store(false)
-	wg.Add(2)
+	wg.Add(3)
 	go func() { defer wg.Done(); c.awaitRebuilt(ctx, s.current) }()
 	go func() { defer wg.Done(); c.watch(ctx, deliver) }()
+	go func() { defer wg.Done(); c.markOnDisconnect(ctx) }()
 
 	return tick.Every(ctx, c.cfg.CheckInterval, func() { c.check(ctx) })
 }

@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvrouter/kvrouter/internal/tick"
@@ -78,6 +79,13 @@ type streamCons struct {
 	seq  uint64                   // stream sequence of the last message dispatched; guarded by mu
 	cons jetstream.Consumer       // guarded by mu
 	cc   jetstream.ConsumeContext // guarded by mu
+	// stored is the JetStream store time of message seq (zero: unknown);
+	// guarded by mu.
+	stored time.Time
+	// check is the last message dispatched before the connection was
+	// lost, to be found again in the stream once it is back (rewound);
+	// guarded by mu.
+	check streamMark
 
 	// done is seq once the message is dispatched (queued on its
 	// shard), read without mu (heartbeats: a delivery may hold mu while
@@ -149,7 +157,7 @@ func (c *Consumer) deliver(ctx context.Context, gen uint64, m jetstream.Msg) {
 		return
 	}
 	if md.ok {
-		s.seq = md.streamSeq
+		s.seq, s.stored = md.streamSeq, md.stored
 	}
 	// One clock read per message: the delivery time and the lag.
 	now := time.Now()
@@ -164,7 +172,7 @@ func (c *Consumer) deliver(ctx context.Context, gen uint64, m jetstream.Msg) {
 func (c *Consumer) watch(ctx context.Context, deliver jetstream.DeliverPolicy) {
 	_ = tick.Every(ctx, heartbeat, func() {
 		info := streamInfoOnce{c: c, ctx: ctx}
-		if c.renewed(&info) || c.stalled(ctx, &info, time.Now()) {
+		if c.renewed(&info) || c.rewound(ctx, &info) || c.stalled(ctx, &info, time.Now()) {
 			c.replace(ctx, deliver)
 		}
 	})
@@ -241,6 +249,88 @@ func (c *Consumer) stalled(ctx context.Context, info *streamInfoOnce, now time.T
 		return false
 	}
 	return now.Sub(s.pendingSince) >= stallHeartbeats*heartbeat
+}
+
+// streamMark is a message the consumer dispatched: its stream sequence
+// and store time (seq 0: none).
+type streamMark struct {
+	seq    uint64
+	stored time.Time
+}
+
+// markOnDisconnect takes, each time the connection is lost, the last
+// message dispatched as the one rewound looks for once it is back, until
+// ctx is done. A JetStream server restarted on a store that lost its
+// newest messages (written but not yet synced to disk when its host
+// failed: JetStream syncs every 2 minutes by default; or a store restored
+// from a backup) keeps the stream's creation time and numbers the next
+// messages from its last stored sequence again, below the position the
+// consumer resumes after: those messages are never delivered, and once
+// the stream has passed that position (the bridges publish their backlog
+// at once) nothing else shows it. The mark is taken as the connection
+// drops, before any message of the server restarted can be delivered.
+func (c *Consumer) markOnDisconnect(ctx context.Context) {
+	ch := c.cfg.Conn.StatusChanged(nats.DISCONNECTED, nats.RECONNECTING)
+	defer c.cfg.Conn.RemoveStatusListener(ch)
+	s := &c.sc
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-ch:
+			s.mu.Lock()
+			if s.seq > 0 && !s.stored.IsZero() {
+				s.check = streamMark{seq: s.seq, stored: s.stored}
+			}
+			s.mu.Unlock()
+		}
+	}
+}
+
+// rewound reports whether the stream no longer holds, at its sequence,
+// the last message dispatched before the connection was lost (another
+// store time, or none while the stream ends below it): its sequences were
+// reused, and what it stored in the place of the lost messages was never
+// delivered. Followed as a re-created stream (replace: consumed from its
+// start, every instance reloaded). One message request per reconnection.
+func (c *Consumer) rewound(ctx context.Context, o *streamInfoOnce) bool {
+	s := &c.sc
+	s.mu.Lock()
+	mark := s.check
+	s.mu.Unlock()
+	if mark.seq == 0 || !c.cfg.Conn.IsConnected() {
+		return false
+	}
+	rctx, cancel := context.WithTimeout(ctx, createTimeout)
+	msg, err := c.stream.GetMsg(rctx, mark.seq)
+	cancel()
+	lost := false
+	switch {
+	case err == nil:
+		lost = !msg.Time.Equal(mark.stored)
+	case errors.Is(err, jetstream.ErrMsgNotFound):
+		info := o.get()
+		if info == nil {
+			return false // asked again at the next heartbeat
+		}
+		// Gone with the stream ending below it: rewound. Gone below its
+		// first sequence: removed by its limits, nothing to compare.
+		lost = info.State.LastSeq < mark.seq
+	default:
+		return false // no answer: asked again at the next heartbeat
+	}
+	s.mu.Lock()
+	if s.check == mark {
+		s.check = streamMark{}
+	}
+	s.mu.Unlock()
+	if !lost {
+		return false
+	}
+	c.cfg.Logger.Warn("consumer: the stream no longer holds the last message delivered before the connection was lost (its server came back on a store missing its newest messages): consuming it from its start",
+		"stream", c.streamName, "seq", mark.seq)
+	s.recreated = true
+	return true
 }
 
 // unanswered records that the stream did not answer the watchdog: no
