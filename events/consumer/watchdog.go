@@ -462,6 +462,9 @@ func (c *Consumer) replace(ctx context.Context, deliver jetstream.DeliverPolicy)
 // "JetStream store wiped").
 func (c *Consumer) restream(ctx context.Context, deliver jetstream.DeliverPolicy) {
 	s := &c.sc
+	// A mark taken before the connection dropped numbers the old stream
+	// too: looked for in the new one it would read as rewound again.
+	s.check = streamMark{}
 	if c.cfg.SharedIndex {
 		c.m.streamRecreated.Inc()
 		// Its messages would fall below the positions and be taken as
