@@ -86,8 +86,16 @@ func (in *instance) resync(ctx context.Context) error {
 				}
 				in.mu.Lock()
 				in.table.Apply(b.Events)
+				if b.InvalidRemovals > 0 {
+					// The engine dropped blocks nobody can be told of:
+					// cleared after the message, as live (publishEngine).
+					in.table.Clear()
+				}
 				in.lastHash = xxhash.Sum64(m.Payload)
 				in.mu.Unlock()
+				if b.InvalidRemovals > 0 {
+					in.log.Warn("unreadable removal in the replay: clearing instance", "seq", m.Seq, "events", b.InvalidRemovals)
+				}
 				in.tracker.Set(m.Seq)
 			}
 			for _, m := range msgs {
