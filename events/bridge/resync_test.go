@@ -1,11 +1,13 @@
 package bridge
 
 import (
+	"context"
 	"testing"
 	"time"
 
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/events/eventstest"
+	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
@@ -50,5 +52,54 @@ func TestResyncReplayUnreadableRemovalClears(t *testing.T) {
 	routed, _ = readStream(t, in)
 	if n := routed.Len(); n != 2 {
 		t.Fatalf("after the next message the stream builds %d blocks; want 2", n)
+	}
+}
+
+// A snapshot served to a request is taken, then put in the object store
+// (when over InlineSnapshotMax); a periodic store may take and put a
+// newer one meanwhile. The request's put landing after the store's
+// replaced the object the bucket's pointer names with an older snapshot,
+// which kvstream.ResolveSnapshot refuses (older than the pointer); with
+// the engine quiet no store rewrote it (nothing new to store), so a
+// restarted bridge found no usable snapshot and started empty, and
+// routers could not load the instance from the bucket. Before the fix
+// (one object name for both): loadSnapshot returned nil.
+func TestServedSnapshotKeepsBucketObject(t *testing.T) {
+	ctx := testenv.Context(t, 2*time.Minute)
+	in := startBridgeCfg(t, func(c *Config) { c.InlineSnapshotMax = 1 }) // every snapshot an object
+	in.enqueue(enginezmq.Message{Topic: "kv", Seq: 1, Payload: storeBatch(t, 1, 3)})
+	waitEngineSeq(t, in, 1)
+	served, err := in.snapshot() // a request's, taken now ...
+	if err != nil {
+		t.Fatal(err)
+	}
+	in.enqueue(enginezmq.Message{Topic: "kv", Seq: 2, Payload: storeBatch(t, 100, 2)})
+	waitEngineSeq(t, in, 2)
+	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	in.storeSnapshot(sctx) // ... a store of a newer one ...
+	cancel()
+	data, err := in.marshalServed(ctx, served) // ... and the request's put after it
+	if err != nil {
+		t.Fatal(err)
+	}
+	snap := in.loadSnapshot(ctx)
+	if snap == nil {
+		t.Fatal("the bucket's snapshot cannot be used after a request's older object was written")
+	}
+	in.mu.Lock()
+	cur := in.streamSeq
+	in.mu.Unlock()
+	if snap.StreamSeq != cur || snap.Blocks != 5 {
+		t.Fatalf("the bucket's snapshot is at stream seq %d with %d blocks; want %d and 5", snap.StreamSeq, snap.Blocks, cur)
+	}
+	// The reply itself still resolves, to the request's snapshot.
+	ptr, err := kvstream.UnmarshalSnapshot(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, obs := in.b.stores()
+	got, err := kvstream.ResolveSnapshot(ctx, obs, ptr)
+	if err != nil || got.StreamSeq != served.StreamSeq || got.Blocks != 3 {
+		t.Fatalf("the served pointer resolves to stream seq %d, %d blocks (%v); want %d, 3", got.StreamSeq, got.Blocks, err, served.StreamSeq)
 	}
 }
