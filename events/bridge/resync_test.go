@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats-server/v2/server"
+
 	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/events/eventstest"
 	"github.com/kvrouter/kvrouter/events/kvstream"
@@ -101,5 +103,50 @@ func TestServedSnapshotKeepsBucketObject(t *testing.T) {
 	got, err := kvstream.ResolveSnapshot(ctx, obs, ptr)
 	if err != nil || got.StreamSeq != served.StreamSeq || got.Blocks != 3 {
 		t.Fatalf("the served pointer resolves to stream seq %d, %d blocks (%v); want %d, 3", got.StreamSeq, got.Blocks, err, served.StreamSeq)
+	}
+}
+
+// A NATS server configured with a max payload below InlineSnapshotMax
+// (512 KiB by default) refuses an inline snapshot between the two:
+// before the fix every store of such a table failed (the bucket kept no
+// snapshot: a restarted bridge started empty) and every reply to a
+// request failed, where the object store takes it. Here: a 128 KiB
+// server, a table of ~220 KB.
+func TestSnapshotInlineWithinMaxPayload(t *testing.T) {
+	ctx := testenv.Context(t, 2*time.Minute)
+	srv := testenv.StartNATSWith(t, func(o *server.Options) { o.MaxPayload = 128 << 10 })
+	in := startBridgeCfg(t, func(c *Config) { c.Conn = testenv.Connect(t, srv.URL()) })
+	const msgs, per = 5, 500
+	for i := range msgs {
+		in.enqueue(enginezmq.Message{Topic: "kv", Seq: uint64(i + 1), Payload: storeBatch(t, uint64(1+i*per), per)})
+	}
+	waitEngineSeq(t, in, msgs)
+	s, err := in.snapshot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if mp := in.b.cfg.Conn.MaxPayload(); int64(len(s.Batch)) <= mp || len(s.Batch) > in.b.cfg.InlineSnapshotMax {
+		t.Fatalf("a snapshot of %d bytes: want it between the max payload %d and InlineSnapshotMax %d", len(s.Batch), mp, in.b.cfg.InlineSnapshotMax)
+	}
+	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	in.storeSnapshot(sctx)
+	cancel()
+	if snap := in.loadSnapshot(ctx); snap == nil || snap.Blocks != msgs*per {
+		t.Fatalf("the bucket's snapshot: %+v; want one of %d blocks", snap, msgs*per)
+	}
+	reply, err := in.b.cfg.Conn.Request(in.snapSubj, nil, 10*time.Second)
+	if err != nil {
+		t.Fatalf("snapshot request: %v", err)
+	}
+	if e := reply.Header.Get(HeaderError); e != "" {
+		t.Fatalf("snapshot reply error: %s", e)
+	}
+	ptr, err := kvstream.UnmarshalSnapshot(reply.Data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, obs := in.b.stores()
+	if got, err := kvstream.ResolveSnapshot(ctx, obs, ptr); err != nil || got.Blocks != msgs*per {
+		t.Fatalf("the served snapshot resolves to %d blocks (%v); want %d", got.Blocks, err, msgs*per)
 	}
 }

@@ -364,6 +364,17 @@ func (in *instance) serveSnapshot(msg *nats.Msg) {
 // order taken.
 const requestObject = ".request"
 
+// inlineMax is the largest snapshot sent inline: InlineSnapshotMax, at
+// most half the server's max payload (the default's ratio to NATS's
+// default 1 MiB), which leaves room for a reply's headers and for a
+// server configured lower since connecting, as coalesceBytes does.
+func (in *instance) inlineMax() int {
+	if mp := in.b.cfg.Conn.MaxPayload(); mp > 0 {
+		return int(min(int64(in.b.cfg.InlineSnapshotMax), mp/2))
+	}
+	return in.b.cfg.InlineSnapshotMax
+}
+
 // marshalServed renders a snapshot served to a request (serveSnapshot).
 func (in *instance) marshalServed(ctx context.Context, s kvstream.Snapshot) ([]byte, error) {
 	return in.marshalSnapshot(ctx, s, in.key+requestObject)
@@ -374,7 +385,7 @@ func (in *instance) marshalServed(ctx context.Context, s kvstream.Snapshot) ([]b
 // pointer returned.
 func (in *instance) marshalSnapshot(ctx context.Context, s kvstream.Snapshot, name string) ([]byte, error) {
 	data, err := s.MarshalBinary()
-	if err != nil || len(data) <= in.b.cfg.InlineSnapshotMax {
+	if err != nil || len(data) <= in.inlineMax() {
 		return data, err
 	}
 	_, obs := in.b.stores()
