@@ -298,6 +298,13 @@ func (c *TRTLLMConverter) setLevel(rank int, h uint64, level int) {
 	}
 }
 
+// Forget drops what the converter knows of every rank (last event ids,
+// block levels): the events after a lost answer are taken as a new start,
+// not as a gap, once the caller has cleared every rank itself.
+func (c *TRTLLMConverter) Forget() {
+	c.last, c.level = nil, nil
+}
+
 // TRTLLMStats counts what a conversion could not carry over.
 type TRTLLMStats struct {
 	// Gaps: event ids skipped forward (the engine's event buffer,

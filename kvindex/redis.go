@@ -96,8 +96,9 @@ type RedisConfig struct {
 	// ApplyAt; 0 = DefaultWriterLease.
 	WriterLease time.Duration
 	// MapCache bounds the engine-hash map entries kept in process for the
-	// instances this index writes; 0 = DefaultRedisMapCache, < 0 = no
-	// cache (every Apply reads the instance's map: one more round trip).
+	// instances this index writes (each kept map counts one more, for
+	// itself); 0 = DefaultRedisMapCache, < 0 = no cache (every Apply
+	// reads the instance's map: one more round trip).
 	MapCache int
 	// ExactLookup makes every lookup read each chain position up to each
 	// instance's first missing probe, so that a hole in the middle of a
@@ -419,6 +420,7 @@ func (r *Redis) apply(ctx context.Context, instance string, g *seqGuard, evs []e
 	m := r.maps.get(instance)
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	defer r.maps.release(m) // after the drop below, under m.mu
 	ok := false
 	defer func() {
 		if !ok {
@@ -1152,6 +1154,7 @@ func (r *Redis) Purge(ctx context.Context, instance string) error {
 	m := r.maps.get(instance)
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	defer r.maps.release(m)
 	r.maps.forget(m)
 	id := instID(instance)
 	var chunks *redis.StringSliceCmd

@@ -107,7 +107,13 @@ type instMap struct {
 	pos    Position
 	leased time.Time
 	used   uint64 // mapCache.tick at the last use
-	size   int    // entries counted in mapCache.total
+	// size is what the map counts in mapCache.total: its entries, plus
+	// one for the map itself while it is kept (an empty map costs memory
+	// too, and must be a victim like any other).
+	size int
+	// refs counts the get()s not yet released (guarded by mapCache.mu):
+	// an instMap is removed from the cache only when none holds it.
+	refs int
 	// unsettled: writes of this process with an unknown outcome whose
 	// instance mark did not get through (see Redis.unsettle), counted so
 	// that a mark answering earlier ones does not clear a later one;
@@ -124,7 +130,13 @@ func (m *instMap) load(gen, log string) error {
 }
 
 // mapCache holds the instMaps of the instances this index writes, bounded
-// in entries.
+// in entries. An instMap whose map is not kept (dropped for room, after a
+// failed or refused write, or with no cache) and that nobody holds and
+// that owes no mark (unsettled) is removed: it carries nothing then, and
+// on a shared index a router never purges the instances another router's
+// Sweep removes, so the names of instances long gone (pods replaced under
+// new names) would otherwise stay for the process's life, each scanned by
+// every eviction.
 type mapCache struct {
 	limit  int        // entries; < 0: none kept between Applies
 	mu     sync.Mutex // guards byInst, total, tick
@@ -133,7 +145,8 @@ type mapCache struct {
 	tick   uint64
 }
 
-// get returns the instance's instMap (created empty), marked used.
+// get returns the instance's instMap (created empty), marked used and
+// held until release.
 func (c *mapCache) get(instance string) *instMap {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -144,7 +157,24 @@ func (c *mapCache) get(instance string) *instMap {
 	}
 	c.tick++
 	m.used = c.tick
+	m.refs++
 	return m
+}
+
+// release ends a get's hold; the caller holds m.mu.
+func (c *mapCache) release(m *instMap) {
+	c.mu.Lock()
+	m.refs--
+	c.prune(m)
+	c.mu.Unlock()
+}
+
+// prune removes m from the cache when it carries nothing (see mapCache);
+// the caller holds m.mu and c.mu.
+func (c *mapCache) prune(m *instMap) {
+	if m.refs == 0 && m.vals == nil && m.unsettled.Load() == 0 && c.byInst[m.name] == m {
+		delete(c.byInst, m.name)
+	}
 }
 
 // peek returns the instance's instMap, nil if it has none.
@@ -177,10 +207,14 @@ func (c *mapCache) resize(m *instMap, size int) {
 	if c.limit < 0 && size > 0 {
 		m.vals, m.gen, size = nil, "", 0
 	}
+	if m.vals != nil {
+		size++ // the map itself
+	}
 	c.mu.Lock()
 	c.total += size - m.size
 	m.size = size
-	if c.total <= c.limit {
+	c.prune(m)
+	if c.total <= c.limit || c.limit < 0 {
 		c.mu.Unlock()
 		return
 	}

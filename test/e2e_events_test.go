@@ -1,7 +1,6 @@
 package test
 
 import (
-	"encoding/binary"
 	"testing"
 	"time"
 
@@ -314,15 +313,7 @@ func TestE2EUnreadableRemovalClears(t *testing.T) {
 		h = k
 		break
 	}
-	// [ts, [["BlockRemoved", [h], 7]], 0]: the medium must be a string.
-	bad := []byte{0x93, 0x01, 0x91, 0x93, 0xac}
-	bad = append(bad, "BlockRemoved"...)
-	bad = append(bad, 0x91, 0xcf)
-	bad = binary.BigEndian.AppendUint64(bad, h)
-	bad = append(bad, 0x07, 0x00)
-	if b, err := events.Decode(bad); err != nil || b.InvalidRemovals != 1 {
-		t.Fatalf("the test's batch: %+v, %v; want one unreadable removal", b, err)
-	}
+	bad := eventstest.UnreadableRemoval(t, h)
 	r.publish(bad)
 	waitTable(t, a, r.instance, map[uint64]bridge.Placement{})
 	if s := r.stats(); s.Clears != clears+1 {

@@ -125,7 +125,9 @@ type Config struct {
 	// InlineSnapshotMax is the largest snapshot sent as one message (reply
 	// or bucket value); larger ones go to the snapshot object store and the
 	// message carries a pointer (default 512 KiB, half NATS's default 1 MB
-	// max payload).
+	// max payload). At most half the server's max payload is used whatever
+	// the setting: a server configured lower refuses a larger message, so
+	// every such snapshot failed to store and to serve (inlineMax).
 	InlineSnapshotMax int
 	// MaxBlocksPerMessage bounds a synthetic resync message (default 4096
 	// blocks, ~400 KB with 16-token blocks: under NATS's 1 MB max payload).

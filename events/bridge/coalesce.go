@@ -78,7 +78,9 @@ func (in *instance) coalesceBytes() int {
 // message cannot follow it, and after when the group is full.
 func (in *instance) join(ctx context.Context, m enginezmq.Message, evs []events.Event, enc string) error {
 	g := &in.group
-	if n := len(g.msgs); n > 0 && (m.Seq != g.msgs[n-1].Seq+1 || enc != g.enc || g.bytes+len(m.Payload) > in.coalesceBytes()) {
+	// A group's seqs increase (kvstream.ParseEventHeaders refuses a last
+	// seq below the first): one ends where the engine's seq wraps to 0.
+	if n := len(g.msgs); n > 0 && (m.Seq != g.msgs[n-1].Seq+1 || m.Seq == 0 || enc != g.enc || g.bytes+len(m.Payload) > in.coalesceBytes()) {
 		if err := in.seal(ctx); err != nil {
 			return err
 		}

@@ -86,8 +86,16 @@ func (in *instance) resync(ctx context.Context) error {
 				}
 				in.mu.Lock()
 				in.table.Apply(b.Events)
+				if b.InvalidRemovals > 0 {
+					// The engine dropped blocks nobody can be told of:
+					// cleared after the message, as live (publishEngine).
+					in.table.Clear()
+				}
 				in.lastHash = xxhash.Sum64(m.Payload)
 				in.mu.Unlock()
+				if b.InvalidRemovals > 0 {
+					in.log.Warn("unreadable removal in the replay: clearing instance", "seq", m.Seq, "events", b.InvalidRemovals)
+				}
 				in.tracker.Set(m.Seq)
 			}
 			for _, m := range msgs {
@@ -331,7 +339,7 @@ func (in *instance) serveSnapshot(msg *nats.Msg) {
 	in.waitCompleted(in.b.cfg.PublishTimeout)
 	s, err := in.snapshot()
 	if err == nil {
-		reply.Data, err = in.marshalSnapshot(ctx, s)
+		reply.Data, err = in.marshalServed(ctx, s)
 	}
 	if err != nil {
 		reply.Header.Set(HeaderError, err.Error())
@@ -342,19 +350,50 @@ func (in *instance) serveSnapshot(msg *nats.Msg) {
 	_ = msg.RespondMsg(reply)
 }
 
+// requestObject ends the name of the object a snapshot served to a
+// request is put under (<pool>.<instance>.request); the bucket's is
+// <pool>.<instance>. Under one name, a request's snapshot taken before a
+// store and written after it replaced the newer object the bucket's
+// pointer names: the pointer then named an object older than itself,
+// which kvstream.ResolveSnapshot refuses, and nothing rewrote it while
+// the engine stayed quiet (a store with nothing new only checks that
+// the bucket has its key) — a bridge restarted meanwhile started empty,
+// routers could not load the instance from the bucket. Each name has one
+// writer at a time (stores are one at a time, and requests are served
+// one at a time by their subscription), each writing snapshots in the
+// order taken.
+const requestObject = ".request"
+
+// inlineMax is the largest snapshot sent inline: InlineSnapshotMax, at
+// most half the server's max payload (the default's ratio to NATS's
+// default 1 MiB), which leaves room for a reply's headers and for a
+// server configured lower since connecting, as coalesceBytes does.
+func (in *instance) inlineMax() int {
+	if mp := in.b.cfg.Conn.MaxPayload(); mp > 0 {
+		return int(min(int64(in.b.cfg.InlineSnapshotMax), mp/2))
+	}
+	return in.b.cfg.InlineSnapshotMax
+}
+
+// marshalServed renders a snapshot served to a request (serveSnapshot).
+func (in *instance) marshalServed(ctx context.Context, s kvstream.Snapshot) ([]byte, error) {
+	return in.marshalSnapshot(ctx, s, in.key+requestObject)
+}
+
 // marshalSnapshot renders s for one message: inline when it fits in
-// InlineSnapshotMax, else put in the object store with a pointer returned.
-func (in *instance) marshalSnapshot(ctx context.Context, s kvstream.Snapshot) ([]byte, error) {
+// InlineSnapshotMax, else put in the object store under name with a
+// pointer returned.
+func (in *instance) marshalSnapshot(ctx context.Context, s kvstream.Snapshot, name string) ([]byte, error) {
 	data, err := s.MarshalBinary()
-	if err != nil || len(data) <= in.b.cfg.InlineSnapshotMax {
+	if err != nil || len(data) <= in.inlineMax() {
 		return data, err
 	}
 	_, obs := in.b.stores()
-	if _, err := obs.PutBytes(ctx, in.key, data); err != nil {
+	if _, err := obs.PutBytes(ctx, name, data); err != nil {
 		return nil, fmt.Errorf("bridge: snapshot object: %w", err)
 	}
 	ptr := s
-	ptr.Object, ptr.Batch = in.key, nil
+	ptr.Object, ptr.Batch = name, nil
 	return ptr.MarshalBinary()
 }
 
@@ -385,7 +424,7 @@ func (in *instance) storeSnapshot(ctx context.Context) {
 	start := time.Now()
 	s, err := in.snapshot()
 	put := func() error {
-		data, err := in.marshalSnapshot(ctx, s)
+		data, err := in.marshalSnapshot(ctx, s, in.key)
 		if err == nil {
 			kv, _ := in.b.stores()
 			_, err = kv.Put(ctx, in.key, data)

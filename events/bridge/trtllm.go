@@ -35,7 +35,7 @@ type TRTLLMPoller struct {
 	http     *http.Client
 	log      *slog.Logger
 
-	polls, failures, converted, lost atomic.Uint64
+	polls, failures, converted, lost, clears atomic.Uint64
 }
 
 // TRTLLMConfig configures a TRTLLMPoller.
@@ -52,9 +52,10 @@ type TRTLLMConfig struct {
 	Logger     *slog.Logger
 }
 
-// TRTLLMStats counts the poller's work.
+// TRTLLMStats counts the poller's work. LostAnswers counts answers of
+// drained events that could not be read (every rank cleared after each).
 type TRTLLMStats struct {
-	Polls, Failures, Events, Lost uint64
+	Polls, Failures, Events, Lost, LostAnswers uint64
 }
 
 // freeLoopback returns a tcp endpoint on a free loopback port.
@@ -116,7 +117,8 @@ func (p *TRTLLMPoller) Source(r int, instance, url string) Source {
 
 // Stats returns the poller's counters.
 func (p *TRTLLMPoller) Stats() TRTLLMStats {
-	return TRTLLMStats{Polls: p.polls.Load(), Failures: p.failures.Load(), Events: p.converted.Load(), Lost: p.lost.Load()}
+	return TRTLLMStats{Polls: p.polls.Load(), Failures: p.failures.Load(), Events: p.converted.Load(), Lost: p.lost.Load(),
+		LostAnswers: p.clears.Load()}
 }
 
 // Close releases the publishers; call it after Run has returned.
@@ -157,6 +159,24 @@ func (p *TRTLLMPoller) Run(ctx context.Context) {
 	}
 }
 
+// lostAnswer clears every rank after an answer with status 200 that could
+// not be read whole (see poll).
+func (p *TRTLLMPoller) lostAnswer(err error) {
+	p.conv.Forget()
+	p.clears.Add(1)
+	p.log.Warn("trtllm: an answer of drained events could not be read: clearing every rank", "err", err)
+	ts := float64(time.Now().UnixNano()) / 1e9
+	for r, pub := range p.pubs {
+		payload, err := events.Encode(nil, events.Batch{TS: ts, Events: []events.Event{{Kind: events.AllBlocksCleared}}, DPRank: r, HasDPRank: true}, events.EncodingMap)
+		if err == nil {
+			_, err = pub.Publish(payload)
+		}
+		if err != nil {
+			p.log.Warn("trtllm: publish", "rank", r, "err", err)
+		}
+	}
+}
+
 // poll reads one answer, converts it and publishes one batch per rank; it
 // returns the number of engine events read.
 func (p *TRTLLMPoller) poll(ctx context.Context) (int, error) {
@@ -172,15 +192,22 @@ func (p *TRTLLMPoller) poll(ctx context.Context) (int, error) {
 	defer resp.Body.Close()
 	// One answer is one drain of the engine's buffer (event_buffer_max_size
 	// events); 64 MiB is far beyond that and bounds a broken server.
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
-	if err != nil {
-		return 0, err
-	}
 	if resp.StatusCode != http.StatusOK {
 		return 0, fmt.Errorf("status %s", resp.Status)
 	}
-	evs, err := events.DecodeTRTLLM(body)
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	var evs []events.TRTLLMEvent
+	if err == nil {
+		evs, err = events.DecodeTRTLLM(body)
+	}
 	if err != nil {
+		// The engine drained its buffer into an answer that is lost (cut
+		// off, or not readable): events nobody will see again, removals
+		// among them. The next answer's event ids would show the gap, but
+		// an engine gone quiet sends none, and until then every index
+		// would hold blocks the engine may have dropped. Every rank is
+		// cleared now, as after a gap.
+		p.lostAnswer(err)
 		return 0, err
 	}
 	if len(evs) == 0 {

@@ -99,3 +99,90 @@ func TestTRTLLMPoller(t *testing.T) {
 }
 
 func quietTestLogger() *slog.Logger { return slog.New(slog.DiscardHandler) }
+
+// An answer of drained events that cannot be read (cut off, or not JSON)
+// is lost for good: trtllm-serve emptied its buffer into it. Before the
+// fix the poller counted a failure and went on; the removals in it were
+// never applied, and with the engine quiet after it (no later event id
+// to show the gap) every index kept the blocks as fresh. Now every rank
+// is cleared at once, and the events after it are a new start (not a
+// gap cleared again).
+func TestTRTLLMLostAnswerClears(t *testing.T) {
+	fixture, err := os.ReadFile(filepath.Join("..", "testdata", "engines", "trtllm-kv_cache_events.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch calls.Add(1) {
+		case 1:
+			_, _ = w.Write(fixture)
+		case 2:
+			_, _ = w.Write(fixture[:len(fixture)/2]) // cut off
+		default:
+			_, _ = w.Write([]byte("[]"))
+		}
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	p, err := NewTRTLLMPoller(ctx, TRTLLMConfig{EngineURL: srv.URL, Ranks: 2, Interval: 10 * time.Millisecond, Logger: quietTestLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	got := make([]chan events.Batch, 2)
+	var subs []chan struct{}
+	for r := range got {
+		got[r] = make(chan events.Batch, 16)
+		sub, err := enginezmq.NewSubscriber(enginezmq.SubscriberConfig{Endpoint: p.Source(r, "trt", srv.URL).Endpoint, Logger: quietTestLogger()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan struct{})
+		subs = append(subs, done)
+		go func() {
+			defer close(done)
+			_ = sub.Run(ctx, func(m enginezmq.Message) {
+				b, err := events.Decode(m.Payload)
+				if err != nil {
+					t.Errorf("rank %d: %v", r, err)
+					return
+				}
+				got[r] <- b
+			})
+		}()
+		deadline := time.Now().Add(10 * time.Second)
+		for !p.pubs[r].Subscribed() && time.Now().Before(deadline) {
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	runDone := make(chan struct{})
+	go func() { defer close(runDone); p.Run(ctx) }()
+	next := func(r int) events.Batch {
+		t.Helper()
+		select {
+		case b := <-got[r]:
+			return b
+		case <-time.After(10 * time.Second):
+			t.Fatalf("rank %d: no batch in 10 s (stats %+v)", r, p.Stats())
+		}
+		return events.Batch{}
+	}
+	if b := next(0); len(b.Events) != 6 {
+		t.Fatalf("rank 0's first batch has %d events, want the fixture's 6", len(b.Events))
+	}
+	for r := range got {
+		if b := next(r); len(b.Events) != 1 || b.Events[0].Kind != events.AllBlocksCleared || b.DPRank != r {
+			t.Fatalf("rank %d after the lost answer: %+v, want a clear", r, b)
+		}
+	}
+	if st := p.Stats(); st.LostAnswers != 1 || st.Failures < 1 {
+		t.Fatalf("stats %+v, want one lost answer counted as a failure", st)
+	}
+	cancel()
+	<-runDone
+	for _, d := range subs {
+		<-d
+	}
+}

@@ -2,6 +2,7 @@ package eventstest
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
 	"testing"
 
@@ -62,4 +63,21 @@ func Recv(t testing.TB, sub zmq4.Socket) enginezmq.Message {
 		t.Fatal(err)
 	}
 	return m
+}
+
+// UnreadableRemoval is an engine message [ts, [["BlockRemoved", [h], 7]],
+// 0] (array encoding) whose one removal cannot be read (its medium is an
+// integer, where a string belongs): the engine dropped block h, and no
+// index can be told of it (events.Batch.InvalidRemovals is 1).
+func UnreadableRemoval(t testing.TB, h uint64) []byte {
+	t.Helper()
+	bad := []byte{0x93, 0x01, 0x91, 0x93, 0xac}
+	bad = append(bad, "BlockRemoved"...)
+	bad = append(bad, 0x91, 0xcf)
+	bad = binary.BigEndian.AppendUint64(bad, h)
+	bad = append(bad, 0x07, 0x00)
+	if b, err := events.Decode(bad); err != nil || b.InvalidRemovals != 1 {
+		t.Fatalf("the test's batch: %+v, %v; want one unreadable removal", b, err)
+	}
+	return bad
 }

@@ -60,6 +60,13 @@ type EvictionSSEConfig struct {
 	Buffer int
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
+	// WriteTimeout bounds each write to a client (default: Heartbeat, and
+	// at least 5s). A client that has taken nothing for that long is not
+	// reading (a stalled proxy, a suspended process): its stream ends.
+	// Without a bound its write blocked for good (the router's HTTP
+	// server has no write timeout: streams last), holding the handler,
+	// its subscription and, at shutdown, the final close event.
+	WriteTimeout time.Duration
 	// KnownPool, when set, says whether a pool exists; a stream for a pool
 	// it does not know is answered 404 instead of an empty stream that
 	// would never carry a record (a typo would look like a quiet pool).
@@ -77,6 +84,9 @@ func EvictionSSEHandler(ctx context.Context, nc *nats.Conn, cfg EvictionSSEConfi
 	}
 	if cfg.Buffer <= 0 {
 		cfg.Buffer = 256
+	}
+	if cfg.WriteTimeout <= 0 {
+		cfg.WriteTimeout = max(cfg.Heartbeat, 5*time.Second)
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -107,10 +117,19 @@ func EvictionSSEHandler(ctx context.Context, nc *nats.Conn, cfg EvictionSSEConfi
 				return
 			}
 		}
-		fl, ok := w.(http.Flusher)
-		if !ok {
+		if _, ok := w.(http.Flusher); !ok {
 			http.Error(w, "streaming unsupported", http.StatusInternalServerError)
 			return
+		}
+		rc := http.NewResponseController(w)
+		// send writes and flushes within WriteTimeout; false: the client is
+		// gone or not reading.
+		send := func(format string, args ...any) bool {
+			_ = rc.SetWriteDeadline(time.Now().Add(cfg.WriteTimeout))
+			if _, err := fmt.Fprintf(w, format, args...); err != nil {
+				return false
+			}
+			return rc.Flush() == nil
 		}
 		ch := make(chan *nats.Msg, cfg.Buffer)
 		sub, err := nc.ChanSubscribe(subj, ch)
@@ -128,8 +147,9 @@ func EvictionSSEHandler(ctx context.Context, nc *nats.Conn, cfg EvictionSSEConfi
 		h.Set("Connection", "keep-alive")
 		h.Set("X-Accel-Buffering", "no")
 		w.WriteHeader(http.StatusOK)
-		_, _ = fmt.Fprint(w, ": kv evictions for pool "+pool+"\n\n")
-		fl.Flush()
+		if !send(": kv evictions for pool %s\n\n", pool) {
+			return
+		}
 
 		var buf bytes.Buffer
 		tick := time.NewTicker(cfg.Heartbeat)
@@ -139,14 +159,12 @@ func EvictionSSEHandler(ctx context.Context, nc *nats.Conn, cfg EvictionSSEConfi
 			case <-r.Context().Done():
 				return
 			case <-ctx.Done():
-				_, _ = fmt.Fprint(w, "event: close\ndata: {}\n\n")
-				fl.Flush()
+				send("event: close\ndata: {}\n\n")
 				return
 			case <-tick.C:
-				if _, err := fmt.Fprint(w, ": ping\n\n"); err != nil {
+				if !send(": ping\n\n") {
 					return
 				}
-				fl.Flush()
 			case m := <-ch:
 				if tier != "" && tier != TierAll {
 					var rec EvictionRecord
@@ -164,10 +182,9 @@ func EvictionSSEHandler(ctx context.Context, nc *nats.Conn, cfg EvictionSSEConfi
 				if err := json.Compact(&buf, m.Data); err != nil {
 					continue
 				}
-				if _, err := fmt.Fprintf(w, "event: eviction\ndata: %s\n\n", buf.Bytes()); err != nil {
+				if !send("event: eviction\ndata: %s\n\n", buf.Bytes()) {
 					return
 				}
-				fl.Flush()
 			}
 		}
 	})

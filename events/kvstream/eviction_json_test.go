@@ -33,3 +33,23 @@ func TestEvictionRecordAppendJSON(t *testing.T) {
 		}
 	}
 }
+
+// FuzzEvictionRecordAppendJSON: AppendJSON writes json.Marshal's bytes
+// for any strings, counts, hashes and times (a zone offset in seconds).
+func FuzzEvictionRecordAppendJSON(f *testing.F) {
+	f.Add("p", "i", "gpu", ReasonEvicted, 3, uint64(7), int64(1764900000), int64(123456789), 0)
+	f.Add(`a"b`, "\xff", "", "", -1, uint64(0), int64(-62135596800), int64(0), 61)
+	f.Add("p", "i", "cpu", "x", 0, ^uint64(0), int64(253402300800), int64(1), -25*3600)
+	f.Fuzz(func(t *testing.T, pool, inst, tier, reason string, blocks int, h uint64, sec, nsec int64, off int) {
+		r := EvictionRecord{Pool: pool, Instance: inst, Tier: tier, Blocks: blocks, Reason: reason,
+			Time: time.Unix(sec, nsec).In(time.FixedZone("Z", off%(48*3600)))}
+		if h != 0 {
+			r.Hashes = []uint64{h, h / 3}
+		}
+		want, werr := json.Marshal(r)
+		got, gerr := r.AppendJSON(nil)
+		if (werr == nil) != (gerr == nil) || (werr == nil && !bytes.Equal(got, want)) {
+			t.Fatalf("%+v:\n got %s (%v)\nwant %s (%v)", r, got, gerr, want, werr)
+		}
+	})
+}

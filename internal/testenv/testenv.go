@@ -233,12 +233,22 @@ func StartNATS(t testing.TB) *NATSServer {
 	return startNATS(t, t.TempDir(), -1)
 }
 
-func startNATS(t testing.TB, dir string, port int) *NATSServer {
+// StartNATSWith is StartNATS with the server's options changed by set
+// first (a lower max payload, say).
+func StartNATSWith(t testing.TB, set func(*server.Options)) *NATSServer {
+	t.Helper()
+	return startNATS(t, t.TempDir(), -1, set)
+}
+
+func startNATS(t testing.TB, dir string, port int, set ...func(*server.Options)) *NATSServer {
 	t.Helper()
 	if port < 0 {
 		port = FreePort(t)
 	}
 	opts := &server.Options{Host: "127.0.0.1", Port: port, JetStream: true, StoreDir: dir, NoSigs: true, NoLog: true}
+	for _, f := range set {
+		f(opts)
+	}
 	s, err := server.NewServer(opts)
 	if err != nil {
 		t.Fatalf("testenv: nats server: %v", err)
