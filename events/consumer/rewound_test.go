@@ -111,3 +111,57 @@ func TestStreamRewoundNoticed(t *testing.T) {
 		t.Fatalf("rewound stream counted %v times, want 1", n)
 	}
 }
+
+// A rollback found by rewound whose re-consumption fails (the consumer
+// not made: here the stream's consumer limit, in production a meta leader
+// being elected) is tried again at the next heartbeat. Before, the mark
+// was cleared and recreated left set with nothing to act on it: the
+// messages stored in place of the lost ones were never applied, and some
+// later stall reloaded every instance for no visible reason.
+func TestStreamRewoundRetriedAfterFailedRestream(t *testing.T) {
+	e := newEnv(t)
+	c, a := e.startRecording()
+	for seq := uint64(1); seq <= 3; seq++ {
+		e.store("i0", seq, 10+seq)
+	}
+	testenv.WaitFor(t, 20*time.Second, "i0's three messages applied", func() bool {
+		got, _ := a.get("i0")
+		return slices.Contains(got, 13)
+	})
+	st, err := e.js.Stream(e.ctx, e.cfg.Stream.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := st.CachedInfo().Config
+	cfg.MaxConsumers = 1 // the consumer running: no other can be made
+	if _, err := e.js.UpdateStream(e.ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	errs := counterValue(c.m.consumeErrors)
+	// What markOnDisconnect takes, with the stream holding another
+	// message at that sequence since (a store time that differs).
+	c.sc.mu.Lock()
+	c.sc.check = streamMark{seq: c.sc.seq, stored: c.sc.stored.Add(time.Nanosecond)}
+	c.sc.mu.Unlock()
+	testenv.WaitFor(t, 20*time.Second, "the rollback found and its re-consumption refused", func() bool {
+		return counterValue(c.m.consumeErrors) > errs
+	})
+	if n := counterValue(c.m.streamRecreated); n != 0 {
+		t.Fatalf("re-consumed with the consumer limit reached: %v", n)
+	}
+	cfg.MaxConsumers = -1
+	if _, err := e.js.UpdateStream(e.ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	testenv.WaitFor(t, 20*time.Second, "the rollback followed once the consumer can be made", func() bool {
+		return counterValue(c.m.streamRecreated) == 1
+	})
+	e.store("i0", 4, 14)
+	testenv.WaitFor(t, 20*time.Second, "the stream consumed after the retry", func() bool {
+		got, _ := a.get("i0")
+		return slices.Contains(got, 14)
+	})
+	if n := counterValue(c.m.streamRecreated); n != 1 {
+		t.Fatalf("followed %v times, want once", n)
+	}
+}

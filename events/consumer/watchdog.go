@@ -172,7 +172,10 @@ func (c *Consumer) deliver(ctx context.Context, gen uint64, m jetstream.Msg) {
 func (c *Consumer) watch(ctx context.Context, deliver jetstream.DeliverPolicy) {
 	_ = tick.Every(ctx, heartbeat, func() {
 		info := streamInfoOnce{c: c, ctx: ctx}
-		if c.renewed(&info) || c.rewound(ctx, &info) || c.stalled(ctx, &info, time.Now()) {
+		// recreated still set: a restream that failed (its consumer not
+		// made), tried again here; nothing else would find it again once
+		// the stream has passed the position.
+		if c.sc.recreated || c.renewed(&info) || c.rewound(ctx, &info) || c.stalled(ctx, &info, time.Now()) {
 			c.replace(ctx, deliver)
 		}
 	})
@@ -319,6 +322,18 @@ func (c *Consumer) rewound(ctx context.Context, o *streamInfoOnce) bool {
 	default:
 		return false // no answer: asked again at the next heartbeat
 	}
+	var created time.Time
+	if lost {
+		// The stream's creation time, taken as restream's (as
+		// streamRecreated does): a store wiped across the disconnect has
+		// a new one, which renewed would otherwise find at the next
+		// heartbeat and reload everything a second time.
+		info := o.get()
+		if info == nil {
+			return false // asked again at the next heartbeat
+		}
+		created = info.Created
+	}
 	s.mu.Lock()
 	if s.check == mark {
 		s.check = streamMark{}
@@ -327,6 +342,7 @@ func (c *Consumer) rewound(ctx context.Context, o *streamInfoOnce) bool {
 	if !lost {
 		return false
 	}
+	s.renewedAt = created
 	c.cfg.Logger.Warn("consumer: the stream no longer holds the last message delivered before the connection was lost (its server came back on a store missing its newest messages): consuming it from its start",
 		"stream", c.streamName, "seq", mark.seq)
 	s.recreated = true
