@@ -651,7 +651,9 @@ const (
 // "type" came first, when it is exactly that form (n is 3, or 4 with a
 // group_idx in 0..127): the event as the general loop would leave it, read
 // without a key look-up per field. It reports whether it did; when not,
-// nothing was consumed or recorded.
+// nothing was consumed or recorded. With Decoder.JoinRemovals, an event
+// like the one before (also read here, same group) is appended to it
+// instead (d.joined), its slot left unused.
 func (d *decoder) removal1(e *Event, n int, st *fieldState) bool {
 	if n != 3 && n != 4 {
 		return false
