@@ -59,6 +59,17 @@ type Decoder struct {
 	// Retain keeps every batch valid after the next call (see above).
 	// Set it before the first Decode and leave it.
 	Retain bool
+	// JoinRemovals, when above 0, joins a run of consecutive one-block
+	// BlockRemoved map events of the form vLLM writes per evicted block
+	// (one hash, medium "GPU", the same group_idx; see removal1) into one
+	// BlockRemoved event of up to JoinRemovals hashes, in their order. An
+	// index applies the joined event as it applies the run (each hash is
+	// removed in turn; every other field is alike), and a full cache's
+	// step then decodes and applies one event where it had one per
+	// evicted block. The joined event keeps the first event's layout, so
+	// Encode does not give back the engine's bytes: for a consumer that
+	// applies batches, not one that re-publishes them.
+	JoinRemovals int
 }
 
 // retainChunk is the size of a retaining Decoder's chunks, per kind
@@ -75,6 +86,8 @@ func (dec *Decoder) Decode(payload []byte) (Batch, error) {
 	d.r = reader{b: payload}
 	d.reuse = true
 	d.retain = dec.Retain
+	d.join = dec.JoinRemovals
+	d.lastR1, d.joined, d.r1 = false, false, false // after a batch that failed
 	if !d.retain {
 		d.hashUsed, d.tokUsed = 0, 0
 		d.trim(len(payload))
@@ -136,6 +149,15 @@ type decoder struct {
 	hashBuf           []uint64
 	tokBuf            []uint32
 	hashUsed, tokUsed int
+
+	// join is Decoder.JoinRemovals. evs is the batch's events while
+	// events decodes them; lastR1: the last event kept was decoded by
+	// removal1 (so its hashes end at hashUsed); joined: removal1 appended
+	// the event it read to that one instead of decoding it into its slot.
+	// r1: removal1 decoded the event just read into its slot.
+	join               int
+	evs                []Event
+	lastR1, joined, r1 bool
 }
 
 // hashSlice returns n block hashes' room: from the reused buffer with a
@@ -342,7 +364,17 @@ func (d *decoder) events(b *Batch) error {
 		}
 		e := &b.Events[:len(b.Events)+1][len(b.Events)]
 		start := d.r.off
+		d.evs = b.Events // the header, not its address: b would escape
 		known, enc, err := d.event(e)
+		if d.joined {
+			// Appended to the event before: the slot stays free (and
+			// zero: removal1 wrote only what mapEvent and event set).
+			d.joined = false
+			e.Kind, e.Layout = 0, EventLayout{}
+			continue
+		}
+		r1 := d.r1
+		d.r1, d.lastR1 = false, false
 		if err != nil || !known {
 			kind := e.Kind
 			*e = Event{}
@@ -374,7 +406,9 @@ func (d *decoder) events(b *Batch) error {
 			continue
 		}
 		b.Events = b.Events[:len(b.Events)+1]
+		d.lastR1 = r1
 	}
+	d.evs, d.lastR1 = nil, false
 	return nil
 }
 
@@ -617,7 +651,9 @@ const (
 // "type" came first, when it is exactly that form (n is 3, or 4 with a
 // group_idx in 0..127): the event as the general loop would leave it, read
 // without a key look-up per field. It reports whether it did; when not,
-// nothing was consumed or recorded.
+// nothing was consumed or recorded. With Decoder.JoinRemovals, an event
+// like the one before (also read here, same group) is appended to it
+// instead (d.joined), its slot left unused.
 func (d *decoder) removal1(e *Event, n int, st *fieldState) bool {
 	if n != 3 && n != 4 {
 		return false
@@ -647,6 +683,21 @@ func (d *decoder) removal1(e *Event, n int, st *fieldState) bool {
 	if n == 4 {
 		d.r.off += len(removal1Group) + 1
 	}
+	if d.join > 0 && d.lastR1 {
+		// The event before was read here too: its hashes end at hashUsed
+		// (nothing was carved since). Joined when alike and there is
+		// room after them.
+		p := &d.evs[len(d.evs)-1]
+		if l := len(p.BlockHashes); p.GroupIdx == group && l < d.join && d.hashUsed > 0 && d.hashUsed < len(d.hashBuf) &&
+			&d.hashBuf[d.hashUsed-1] == &p.BlockHashes[l-1] {
+			d.hashBuf[d.hashUsed] = h
+			d.hashUsed++
+			p.BlockHashes = d.hashBuf[d.hashUsed-l-1 : d.hashUsed : d.hashUsed]
+			d.joined = true
+			return true
+		}
+	}
+	d.r1 = true
 	e.BlockHashes = d.hashSlice(1)
 	e.BlockHashes[0] = h
 	e.Medium, e.GroupIdx = "GPU", group

@@ -1,6 +1,7 @@
 package events
 
 import (
+	"fmt"
 	"testing"
 
 	"github.com/kvrouter/kvrouter/internal/cputime"
@@ -10,8 +11,15 @@ import (
 // engine with a full cache publishes (one BlockStored of 50 blocks and 50
 // one-block BlockRemoved events, vllm/v1/core/block_pool.py
 // _maybe_evict_cached_block: one event per evicted block), in the newest
-// vLLM's map form. cpu-ns/op is per batch.
+// vLLM's map form. cpu-ns/op is per batch. join=64: with
+// Decoder.JoinRemovals, as the router's consumer decodes.
 func BenchmarkDecodeRemovals(b *testing.B) {
+	for _, join := range []int{0, 64} {
+		b.Run(fmt.Sprintf("join=%d", join), func(b *testing.B) { benchDecodeRemovals(b, join) })
+	}
+}
+
+func benchDecodeRemovals(b *testing.B, join int) {
 	st := Event{Kind: BlockStored, BlockSize: 16, Medium: "GPU", ParentHash: 1 << 40, HasParent: true}
 	for j := 0; j < 50; j++ {
 		st.BlockHashes = append(st.BlockHashes, 1<<40|uint64(j+1))
@@ -28,7 +36,7 @@ func BenchmarkDecodeRemovals(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	var dec Decoder
+	dec := Decoder{JoinRemovals: join}
 	b.ReportAllocs()
 	reportCPU := cputime.Report(b)
 	b.ResetTimer()

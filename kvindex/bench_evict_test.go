@@ -16,7 +16,19 @@ import (
 // each op applies, to the next instance round-robin, one step's batch — one
 // 50-block BlockStored continuing the instance's chain and 50 one-block
 // BlockRemoved of its oldest blocks — in one Apply. cpu-ns/op is per step.
+// removals=joined: the 50 removals as one 50-hash BlockRemoved, as the
+// router's consumer decodes them (events.Decoder.JoinRemovals).
 func BenchmarkMemoryFullCacheStep(b *testing.B) {
+	for _, joined := range []bool{false, true} {
+		name := "removals=each"
+		if joined {
+			name = "removals=joined"
+		}
+		b.Run(name, func(b *testing.B) { benchFullCacheStep(b, joined) })
+	}
+}
+
+func benchFullCacheStep(b *testing.B, joined bool) {
 	const instances, held, step = 256, 4096, 50
 	ctx := context.Background()
 	m, err := NewMemory(MemoryConfig{Model: testModel, Capacity: 4 * instances * held})
@@ -53,7 +65,12 @@ func BenchmarkMemoryFullCacheStep(b *testing.B) {
 		evs := []events.Event{st}
 		for j := range step {
 			evs[0].BlockHashes = append(evs[0].BlockHashes, hash(inst, pos+j))
-			evs = append(evs, events.Event{Kind: events.BlockRemoved, Medium: "GPU", BlockHashes: []uint64{hash(inst, pos-held+j)}})
+			h := hash(inst, pos-held+j)
+			if joined && j > 0 {
+				evs[1].BlockHashes = append(evs[1].BlockHashes, h)
+				continue
+			}
+			evs = append(evs, events.Event{Kind: events.BlockRemoved, Medium: "GPU", BlockHashes: []uint64{h}})
 		}
 		next[inst] += step
 		return evs

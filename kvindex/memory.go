@@ -187,7 +187,7 @@ func (m *Memory) Apply(ctx context.Context, instance string, evs []events.Event)
 	stamp := uint32(now.Sub(m.start) / clockUnit)
 	// One event per write-locked section, or several small ones (see
 	// sectionEnd): a lookup waits for at most one event's blocks, or
-	// sectionBlocks, not a whole batch's. The instance is looked up by
+	// SectionBlocks, not a whole batch's. The instance is looked up by
 	// name again only when a Purge ran between two sections.
 	var in *memInstance
 	var purges uint64
@@ -225,7 +225,7 @@ func (m *Memory) Apply(ctx context.Context, instance string, evs []events.Event)
 	return res, nil
 }
 
-// sectionBlocks bounds the blocks of the several events one write-locked
+// SectionBlocks bounds the blocks of the several events one write-locked
 // section of Memory.Apply takes together: no more than one event of a
 // 1,024-token prompt chunk holds, which a section of one event may already
 // hold (a vLLM prefill chunk's BlockStored can be 32 times that), so joining
@@ -233,12 +233,15 @@ func (m *Memory) Apply(ctx context.Context, instance string, evs []events.Event)
 // batch often holds many one-block events (one BlockStored per decoding
 // request that filled a block, one BlockRemoved per block evicted to make
 // room); in sections they share the lock, the capacity check, and a prefetch
-// (memInstance.prefetchEvents) whose loads overlap across them.
-const sectionBlocks = 64
+// (memInstance.prefetchEvents) whose loads overlap across them. The
+// router's consumer joins a run of one-block removals into events of at
+// most this many hashes (events.Decoder.JoinRemovals), so that a joined
+// event holds the lock no longer than a section of the run would.
+const SectionBlocks = 64
 
 // sectionEnd returns where the write-locked section of evs starting at i
 // ends: after evs[i], and after each next event while the section's blocks
-// stay within sectionBlocks; a clear (whose cost is the instance's whole
+// stay within SectionBlocks; a clear (whose cost is the instance's whole
 // table) is always a section of its own. For i at or past the end, i+1.
 func sectionEnd(evs []events.Event, i int) int {
 	if i >= len(evs) || evs[i].Kind == events.AllBlocksCleared {
@@ -246,7 +249,7 @@ func sectionEnd(evs []events.Event, i int) int {
 	}
 	n, j := len(evs[i].BlockHashes), i+1
 	for ; j < len(evs) && evs[j].Kind != events.AllBlocksCleared; j++ {
-		if n += len(evs[j].BlockHashes); n > sectionBlocks {
+		if n += len(evs[j].BlockHashes); n > SectionBlocks {
 			break
 		}
 	}

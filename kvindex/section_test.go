@@ -8,7 +8,7 @@ import (
 )
 
 // TestSectionEnd: Memory.Apply joins consecutive events into one locked
-// section while their blocks stay within sectionBlocks, never joins a
+// section while their blocks stay within SectionBlocks, never joins a
 // clear, and always takes at least one event.
 func TestSectionEnd(t *testing.T) {
 	ev := func(kind events.Kind, blocks int) events.Event {
@@ -24,9 +24,9 @@ func TestSectionEnd(t *testing.T) {
 		{"empty batch", nil, 0, 1},
 		{"one event", []events.Event{ev(st, 3)}, 0, 1},
 		{"small events join", []events.Event{ev(st, 1), ev(rm, 1), ev(st, 2)}, 0, 3},
-		{"up to sectionBlocks", []events.Event{ev(st, sectionBlocks-1), ev(rm, 1), ev(st, 1)}, 0, 2},
-		{"a large event alone", []events.Event{ev(st, sectionBlocks+5), ev(st, 1)}, 0, 1},
-		{"a large event after small ones ends them", []events.Event{ev(st, 1), ev(st, sectionBlocks)}, 0, 1},
+		{"up to SectionBlocks", []events.Event{ev(st, SectionBlocks-1), ev(rm, 1), ev(st, 1)}, 0, 2},
+		{"a large event alone", []events.Event{ev(st, SectionBlocks+5), ev(st, 1)}, 0, 1},
+		{"a large event after small ones ends them", []events.Event{ev(st, 1), ev(st, SectionBlocks)}, 0, 1},
 		{"a clear alone", []events.Event{ev(clr, 0), ev(st, 1)}, 0, 1},
 		{"a clear ends a section", []events.Event{ev(st, 1), ev(rm, 1), ev(clr, 0), ev(st, 1)}, 0, 2},
 		{"from the middle", []events.Event{ev(st, 1), ev(clr, 0), ev(st, 1), ev(rm, 1)}, 2, 4},
