@@ -129,6 +129,9 @@ const (
 	FlagTokenFixed32
 	// FlagHashBin: hashes were raw digest bytes (bin), not integers.
 	FlagHashBin
+	// FlagJoined: the event joins a run of one-hash BlockRemoved events,
+	// one per hash (Decoder.JoinRemovals); Encode writes it as one event.
+	FlagJoined
 )
 
 // EventLayout records how one event was laid out on the wire so that Encode
@@ -148,7 +151,7 @@ type EventLayout struct {
 	Order uint64
 	// Nil has bit f set when field f was present as nil.
 	Nil uint16
-	// Flags: FlagHashFixed64, FlagTokenFixed32, FlagHashBin.
+	// Flags: FlagHashFixed64, FlagTokenFixed32, FlagHashBin, FlagJoined.
 	Flags uint8
 }
 
@@ -192,4 +195,14 @@ func (e Event) FullAttention() bool {
 		return e.GroupIdx == 0
 	}
 	return fullAttentionKind(e.SpecKind)
+}
+
+// EngineEvents is how many of the engine's events e stands for: one, or
+// a joined removal's one per hash (FlagJoined), so that counts of engine
+// events do not change with Decoder.JoinRemovals.
+func (e *Event) EngineEvents() int {
+	if e.Layout.Flags&FlagJoined != 0 {
+		return len(e.BlockHashes)
+	}
+	return 1
 }

@@ -693,6 +693,7 @@ func (d *decoder) removal1(e *Event, n int, st *fieldState) bool {
 			d.hashBuf[d.hashUsed] = h
 			d.hashUsed++
 			p.BlockHashes = d.hashBuf[d.hashUsed-l-1 : d.hashUsed : d.hashUsed]
+			p.Layout.Flags |= FlagJoined
 			d.joined = true
 			return true
 		}

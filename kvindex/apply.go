@@ -181,7 +181,7 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 			continue
 		}
 		if skipEvent(ev) {
-			res.Skipped++
+			res.Skipped += len(ev.BlockHashes)
 			continue
 		}
 		if ev.Kind == events.BlockStored && !bs.primary(ev.GroupIdx) {
@@ -190,7 +190,7 @@ func applyEvents(st instanceOps, model string, bs *blockSizer, evs []events.Even
 			// group seen); removals from any (vLLM hashes blocks alike in
 			// every group), so a block one group dropped is dropped here
 			// too. Under-claiming is the safe side.
-			res.Skipped++
+			res.Skipped += len(ev.BlockHashes)
 			continue
 		}
 		tier, known := mediumTier(ev.Medium)

@@ -332,7 +332,7 @@ func testIndexContract(t *testing.T, newIndex factory) {
 		{
 			name: "non-full-attention groups are skipped",
 			steps: []step{
-				{inst: "i1", evs: []events.Event{withGroup, sliding, fullAttn}, want: ApplyResult{Skipped: 2, Stored: 4}},
+				{inst: "i1", evs: []events.Event{withGroup, sliding, fullAttn}, want: ApplyResult{Skipped: 8, Stored: 4}}, // two events of 4 blocks: blocks counted
 			},
 			queries: []query{{a.keys, map[string][tiers.Count]int{"i1": all(4)}}},
 			wantLen: 4,

@@ -99,6 +99,13 @@ func testEngineRegressions(t *testing.T, newIndex factory) {
 		swRm := events.Event{Kind: events.BlockRemoved, BlockHashes: []uint64{7002}, Medium: "GPU", GroupIdx: 2, SpecKind: "sliding_window_mla"}
 		mustApply(t, idx, "i1", swRm)
 		checkLookup(t, idx, query{c.keys, map[string][tiers.Count]int{"i1": all(32)}}, "sliding removal ignored")
+		// Dropped blocks are counted as blocks (the metric
+		// kvrouter_events_blocks_dropped_total), whatever the number of
+		// events they came in: a joined run of one-block removals too.
+		swRm.BlockHashes = []uint64{7002, 7001, 7002}
+		if res := mustApply(t, idx, "i1", swRm); res.Skipped != 3 {
+			t.Fatalf("a three-block removal of a sliding-window group: apply = %+v, want 3 skipped", res)
+		}
 		// Another full-attention group losing a block loses the prefix
 		// from there: every full-attention group must hold it.
 		faRm := events.Event{Kind: events.BlockRemoved, BlockHashes: []uint64{7002}, Medium: "GPU", GroupIdx: 5, SpecKind: "full_attention"}
@@ -129,7 +136,7 @@ func testEngineRegressions(t *testing.T, newIndex factory) {
 		// Another full-attention group's stores are not applied; its removals are.
 		other := c.stored(0, 5)
 		other.GroupIdx, other.SpecKind = 4, "full_attention"
-		if res := mustApply(t, idx, "i2", other); res.Skipped != 1 || res.Stored != 0 {
+		if res := mustApply(t, idx, "i2", other); res.Skipped != 5 || res.Stored != 0 {
 			t.Fatalf("second full-attention group's store = %+v, want skipped", res)
 		}
 		rm := c.removed("GPU", 3, 5)

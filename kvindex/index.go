@@ -31,7 +31,7 @@ type ApplyResult struct {
 	Cleared  int // AllBlocksCleared applied
 	Orphans  int // stored blocks whose parent was never seen: dropped
 	Unmapped int // removals or tokenless stores of engine hashes never mapped: dropped
-	Skipped  int // events of other KV-cache groups (not full attention): dropped
+	Skipped  int // blocks of other KV-cache groups' events (not full attention): dropped
 	// Invalid counts events dropped as malformed: token count not a whole
 	// number of blocks or not matching the block hashes, block size unknown
 	// or contradicting the pool's. InvalidErr says why the first one was

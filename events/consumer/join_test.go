@@ -45,7 +45,7 @@ func TestFullCacheStepJoined(t *testing.T) {
 	a := &applyLog{Memory: idx}
 	cfg := e.cfg
 	cfg.Applier = a
-	e.start(cfg)
+	c := e.start(cfg)
 	old := events.Event{Kind: events.BlockStored, BlockSize: 16, Medium: "GPU", TokenIDs: make([]uint32, 16*70)}
 	for j := range 70 {
 		old.BlockHashes = append(old.BlockHashes, uint64(100+j))
@@ -87,5 +87,13 @@ func TestFullCacheStepJoined(t *testing.T) {
 	}
 	if n, _ := idx.Len(e.ctx); n != 2 {
 		t.Fatalf("index holds %d entries, want 2", n)
+	}
+	// The engine's events are counted as the engine sent them, joined or
+	// not (kvrouter_events_applied_total; it read 2 removals here).
+	if n := counterValue(c.m.byKind[events.BlockRemoved]); n != 70 {
+		t.Fatalf("counted %v BlockRemoved events applied, want 70", n)
+	}
+	if n := counterValue(c.m.byKind[events.BlockStored]); n != 2 {
+		t.Fatalf("counted %v BlockStored events applied, want 2", n)
 	}
 }

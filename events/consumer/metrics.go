@@ -54,14 +54,14 @@ func (m *metrics) eventCounter(k events.Kind) prometheus.Counter {
 	return m.events.WithLabelValues(k.String())
 }
 
-// countEvents counts a batch's events by kind: one add per kind present
+// countEvents counts a batch's engine events by kind: one add per kind present
 // rather than an atomic increment per event (a 16-block message is
 // typically 16 stores of one kind).
 func (m *metrics) countEvents(evs []events.Event) {
 	var n [len(m.byKind)]int
 	for i := range evs {
 		if k := evs[i].Kind; k > 0 && int(k) < len(n) {
-			n[k]++
+			n[k] += evs[i].EngineEvents() // a joined removal: its engine events
 		} else {
 			m.eventCounter(k).Inc()
 		}
