@@ -191,11 +191,16 @@ func (c *mapCache) drop(m *instMap) {
 	c.resize(m, 0)
 }
 
-// forget removes the instance (Purge); the caller holds m.mu.
+// forget removes the instance (Purge); the caller holds m.mu and one
+// hold. A record another caller holds too (an Apply that called get and
+// waits on m.mu) stays the instance's: that caller loads the map into it
+// next, and a record no longer listed would keep its size in total for
+// good (release cannot prune it, eviction never sees it) while a later
+// get made a second one. The last release prunes it (see prune).
 func (c *mapCache) forget(m *instMap) {
 	c.drop(m)
 	c.mu.Lock()
-	if c.byInst[m.name] == m {
+	if m.refs == 1 && c.byInst[m.name] == m {
 		delete(c.byInst, m.name)
 	}
 	c.mu.Unlock()

@@ -58,3 +58,48 @@ func TestRedisMapCacheForgetsGoneInstances(t *testing.T) {
 	mustApply(t, a, "pod-new", c.stored(0, 4))
 	checkLookup(t, a, query{c.keys, map[string][4]int{"pod-new": all(4)}}, "after the churn")
 }
+
+// A Purge (Sweep's, on its own goroutine) forgets an instance whose
+// record another caller already holds: an Apply that called get and
+// waits for the record's lock. Before the fix forget removed the record
+// anyway, and the Apply then loaded its map into a record the cache no
+// longer listed: its size stayed in the total for good (release cannot
+// prune it, eviction never sees it) and a later get made a second record
+// for the same instance. The held record must stay the instance's, its
+// size counted once and given back when it goes.
+func TestMapCacheForgetWhileHeld(t *testing.T) {
+	c := &mapCache{limit: 100, byInst: map[string]*instMap{}}
+	apply := c.get("pod") // an Apply, waiting on m.mu
+	purge := c.get("pod")
+	purge.mu.Lock()
+	c.forget(purge)
+	c.release(purge)
+	purge.mu.Unlock()
+
+	apply.mu.Lock()
+	apply.vals = map[uint64]mapVal{}
+	c.resize(apply, 10) // the Apply loaded and merged 10 entries
+	again := c.get("pod")
+	if again != apply {
+		t.Errorf("a get after the purge returned a second record for the instance")
+	}
+	c.release(again)
+	c.release(apply)
+	apply.mu.Unlock()
+
+	c.mu.Lock()
+	total, records := c.total, len(c.byInst)
+	c.mu.Unlock()
+	if total != 11 || records != 1 {
+		t.Fatalf("after the Apply: total %d over %d records; want 11 over 1 (the map and its 10 entries)", total, records)
+	}
+	apply.mu.Lock()
+	c.drop(apply)
+	apply.mu.Unlock()
+	c.mu.Lock()
+	total, records = c.total, len(c.byInst)
+	c.mu.Unlock()
+	if total != 0 {
+		t.Fatalf("after its map is dropped: total %d over %d records; want 0", total, records)
+	}
+}

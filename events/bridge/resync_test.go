@@ -113,8 +113,23 @@ func TestServedSnapshotKeepsBucketObject(t *testing.T) {
 // request failed, where the object store takes it. Here: a 128 KiB
 // server, a table of ~220 KB.
 func TestSnapshotInlineWithinMaxPayload(t *testing.T) {
+	checkSnapshotWithinMaxPayload(t, 128<<10)
+}
+
+// The object store's chunks are messages too: nats.go cuts an object in
+// chunks of 128 KiB unless told otherwise, which a server with a max
+// payload of 64 KiB refuses. Before the fix every snapshot over 64 KiB
+// failed to store and to serve there (the bucket kept none; a request
+// got an error). Here: a 64 KiB server, a table of ~220 KB.
+func TestSnapshotObjectChunksWithinMaxPayload(t *testing.T) {
+	checkSnapshotWithinMaxPayload(t, 64<<10)
+}
+
+// checkSnapshotWithinMaxPayload stores and serves a snapshot larger
+// than a NATS server's max payload mp, and loads both back.
+func checkSnapshotWithinMaxPayload(t *testing.T, mp int32) {
 	ctx := testenv.Context(t, 2*time.Minute)
-	srv := testenv.StartNATSWith(t, func(o *server.Options) { o.MaxPayload = 128 << 10 })
+	srv := testenv.StartNATSWith(t, func(o *server.Options) { o.MaxPayload = mp })
 	in := startBridgeCfg(t, func(c *Config) { c.Conn = testenv.Connect(t, srv.URL()) })
 	const msgs, per = 5, 500
 	for i := range msgs {

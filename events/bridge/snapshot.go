@@ -11,6 +11,7 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/events/enginezmq"
@@ -375,6 +376,18 @@ func (in *instance) inlineMax() int {
 	return in.b.cfg.InlineSnapshotMax
 }
 
+// objectChunk is the chunk size of a snapshot object: each chunk is one
+// message, so nats.go's default (128 KiB) is cut to half the server's max
+// payload, as inlineMax is, which leaves room for a chunk's headers and
+// for a server configured lower since connecting.
+func (in *instance) objectChunk() uint32 {
+	const dflt = 128 << 10 // nats.go's default
+	if mp := in.b.cfg.Conn.MaxPayload(); mp > 0 {
+		return uint32(min(dflt, mp/2))
+	}
+	return dflt
+}
+
 // marshalServed renders a snapshot served to a request (serveSnapshot).
 func (in *instance) marshalServed(ctx context.Context, s kvstream.Snapshot) ([]byte, error) {
 	return in.marshalSnapshot(ctx, s, in.key+requestObject)
@@ -389,7 +402,8 @@ func (in *instance) marshalSnapshot(ctx context.Context, s kvstream.Snapshot, na
 		return data, err
 	}
 	_, obs := in.b.stores()
-	if _, err := obs.PutBytes(ctx, name, data); err != nil {
+	meta := jetstream.ObjectMeta{Name: name, Opts: &jetstream.ObjectMetaOptions{ChunkSize: in.objectChunk()}}
+	if _, err := obs.Put(ctx, meta, bytes.NewReader(data)); err != nil {
 		return nil, fmt.Errorf("bridge: snapshot object: %w", err)
 	}
 	ptr := s

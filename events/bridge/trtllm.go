@@ -189,7 +189,12 @@ func (p *TRTLLMPoller) poll(ctx context.Context) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	defer resp.Body.Close()
+	defer func() {
+		// Read to its end (an error page: a bounded one) before the
+		// close, so that the connection serves the next poll.
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+		_ = resp.Body.Close()
+	}()
 	// One answer is one drain of the engine's buffer (event_buffer_max_size
 	// events); 64 MiB is far beyond that and bounds a broken server.
 	if resp.StatusCode != http.StatusOK {
@@ -206,8 +211,12 @@ func (p *TRTLLMPoller) poll(ctx context.Context) (int, error) {
 		// among them. The next answer's event ids would show the gap, but
 		// an engine gone quiet sends none, and until then every index
 		// would hold blocks the engine may have dropped. Every rank is
-		// cleared now, as after a gap.
-		p.lostAnswer(err)
+		// cleared now, as after a gap. Not when the poller's context
+		// ended the read (the bridge shutting down): the clears would
+		// wipe the instance in every router for a stop of the bridge.
+		if ctx.Err() == nil {
+			p.lostAnswer(err)
+		}
 		return 0, err
 	}
 	if len(evs) == 0 {

@@ -3,6 +3,7 @@ package bridge
 import (
 	"context"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -184,5 +185,94 @@ func TestTRTLLMLostAnswerClears(t *testing.T) {
 	<-runDone
 	for _, d := range subs {
 		<-d
+	}
+}
+
+// signalTransport signals once a round trip has returned its response:
+// from then on, the body is what the poller reads.
+type signalTransport struct {
+	rt   http.RoundTripper
+	done chan struct{}
+}
+
+func (s signalTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	resp, err := s.rt.RoundTrip(r)
+	if err == nil {
+		close(s.done)
+	}
+	return resp, err
+}
+
+// A bridge shut down while an answer's body is read cancels the read
+// (context.Canceled). That answer is not lost to a fault of the engine's
+// answer: before the fix it was taken for one, and every rank was
+// cleared, so a bridge shutdown wiped the instance in every router.
+func TestTRTLLMShutdownMidAnswerDoesNotClear(t *testing.T) {
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusOK)
+		_, _ = w.Write([]byte("["))
+		w.(http.Flusher).Flush()
+		select { // the rest of the answer never comes
+		case <-r.Context().Done():
+		case <-release:
+		}
+	}))
+	defer srv.Close()
+	defer close(release)
+	p, err := NewTRTLLMPoller(context.Background(), TRTLLMConfig{EngineURL: srv.URL, Ranks: 2, Logger: quietTestLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	answered := make(chan struct{})
+	p.http.Transport = signalTransport{rt: http.DefaultTransport, done: answered}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	polled := make(chan error, 1)
+	go func() { _, err := p.poll(ctx); polled <- err }()
+	select {
+	case <-answered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no answer's headers in 30 s")
+	}
+	cancel() // the bridge shuts down
+	if err := <-polled; err == nil {
+		t.Fatal("a poll cut off by its context returned no error")
+	}
+	if st := p.Stats(); st.LostAnswers != 0 {
+		t.Fatalf("stats %+v after a shutdown mid-answer: want no lost answer (no rank cleared)", st)
+	}
+}
+
+// An answer other than 200 is read to its end (within a bound) before
+// its body is closed, so that the connection serves the next poll: an
+// engine warming up (503) is polled with backoff, each poll otherwise a
+// new connection.
+func TestTRTLLMErrorAnswerReusesConnection(t *testing.T) {
+	var conns atomic.Int32
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Error(w, "warming up", http.StatusServiceUnavailable)
+	}))
+	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	srv.Start()
+	defer srv.Close()
+	p, err := NewTRTLLMPoller(context.Background(), TRTLLMConfig{EngineURL: srv.URL, Logger: quietTestLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	const polls = 3
+	for range polls {
+		if _, err := p.poll(context.Background()); err == nil {
+			t.Fatal("a 503 answer returned no error")
+		}
+	}
+	if n := conns.Load(); n != 1 {
+		t.Fatalf("%d polls answered 503 took %d connections; want 1", polls, n)
 	}
 }
