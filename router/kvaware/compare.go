@@ -43,6 +43,7 @@ type kvObserver struct {
 func (st *KVState) newObserver(inst string, recompute, predicted int) (*kvObserver, bool) {
 	o := &kvObserver{st: st, inst: inst, pc: st.pendingFor(inst), pendTok: int64(max(recompute, 0)), predicted: predicted}
 	first := o.pc.add(o.pendTok)
+	o.pc.busy.Store(true)
 	o.at = st.now().UnixNano()
 	if st.peers.ps != nil {
 		o.listed = true
@@ -93,6 +94,7 @@ func (o *kvObserver) Done(status, cached int) {
 	}
 	o.timerMu.Unlock()
 	o.release()
+	o.pc.lastEnd.Store(o.st.now().UnixNano())
 	o.ended(status)
 	o.st.changed()
 	found := cached >= 0
