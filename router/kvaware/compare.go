@@ -43,7 +43,6 @@ type kvObserver struct {
 func (st *KVState) newObserver(inst string, recompute, predicted int) (*kvObserver, bool) {
 	o := &kvObserver{st: st, inst: inst, pc: st.pendingFor(inst), pendTok: int64(max(recompute, 0)), predicted: predicted}
 	first := o.pc.add(o.pendTok)
-	o.pc.busy.Store(true)
 	o.at = st.now().UnixNano()
 	if st.peers.ps != nil {
 		o.listed = true
@@ -94,7 +93,6 @@ func (o *kvObserver) Done(status, cached int) {
 	}
 	o.timerMu.Unlock()
 	o.release()
-	o.pc.lastEnd.Store(o.st.now().UnixNano())
 	o.ended(status)
 	o.st.changed()
 	found := cached >= 0

@@ -134,12 +134,7 @@ type pendingCounter struct {
 	queued queueAverage // predicted queue, averaged over time (placement.go); KVState.placeMu
 	ends   endList      // requests that ended recently (loadended.go)
 	period atomic.Int64 // requests routed since the pending queue was last empty
-	// busy is whether the instance had a request in flight when the last
-	// committed decision was made, or was given one by it; lastEnd is when
-	// a request of this router's last ended there, Unix ns (utilisation).
-	busy    atomic.Bool
-	lastEnd atomic.Int64
-	pl      pendList // the pending requests themselves, with replica sync (kvaware_sharedq.go)
+	pl     pendList     // the pending requests themselves, with replica sync (kvaware_sharedq.go)
 }
 
 // NewKVState builds a pool's exact-routing state.
@@ -740,10 +735,7 @@ func (s *KVAware) predict(ev *kvEval) {
 	if st.peers.ps != nil {
 		ownRate = st.publishedRate()
 	}
-	rho := st.util.read(now, func(since time.Time) float64 { return ev.busyShare(st, busy, since, now) }, ev.commit)
-	if ev.commit {
-		ev.holdBusy(st)
-	}
+	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
 	ev.weight = s.sc.weight(rho, st.behind.mean())
 	shared, meanComputed := st.placementShared(&ev.shared.place)
 	if !shared {
@@ -1145,25 +1137,23 @@ type utilisation struct {
 	set bool
 }
 
-// read folds the busy share over the time since the last sample
-// (share(since), observed at now) into the average when update is set
-// (committed decisions; shadow scoring only reads) and returns the
-// average. Before any sample, share is read over no time: the share busy
-// now.
-func (u *utilisation) read(now time.Time, share func(since time.Time) float64, update bool) float64 {
+// read folds the sample busy (observed at now) into the average when
+// update is set (committed decisions; shadow scoring only reads) and
+// returns the average.
+func (u *utilisation) read(now time.Time, busy float64, update bool) float64 {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	if !update {
 		if !u.set {
-			return share(now)
+			return busy
 		}
 		return u.rho
 	}
 	switch dt := now.Sub(u.at).Seconds(); {
 	case !u.set:
-		u.rho, u.set, u.at = share(now), true, now
+		u.rho, u.set, u.at = busy, true, now
 	case dt > 0:
-		u.rho += (share(u.at) - u.rho) * (1 - math.Exp(-dt/DefaultUtilisationWindow.Seconds()))
+		u.rho += (busy - u.rho) * (1 - math.Exp(-dt/DefaultUtilisationWindow.Seconds()))
 		u.at = now
 	}
 	// A commit older than the last (decisions racing to commit) moves
@@ -1266,57 +1256,4 @@ func tracedLookup(ctx context.Context, ix kvindex.Index, dst []kvindex.Match, ke
 		sp.End(err)
 	}
 	return m, err
-}
-
-// busyShare is the share of the candidates busy over (since, now], busy
-// of them having a request in flight now. A decision sees the fleet at
-// its own instant, and an instance found idle may have been busy for most
-// of the time since the previous decision: arrivals come in bursts, the
-// first decision after a quiet gap finds the instances the last burst
-// busied drained, and counting that instant's state for the whole gap
-// put the router's ρ at 0.53 where the engines were busy 0.87 of the time
-// (synth-probe4-2, 8 instances, 1×; docs/BENCHMARKS.md §7, "Session 25").
-// So an instance idle now that was busy at the previous committed
-// decision (or given a request by it) counts as busy until its last
-// request ended, as this router saw it (kvObserver.Done): the exact time
-// it was busy, when one router routes alone; with replicas, a peer's
-// request may have ended later (counted to this router's end: no more
-// than it knows). An instance busy now counts for the whole interval, as
-// before (it was given its request at the previous decision or before,
-// or by a peer at a moment this router does not know).
-func (ev *kvEval) busyShare(st *KVState, busy int, since, now time.Time) float64 {
-	n := len(ev.cands)
-	if n == 0 {
-		return 0
-	}
-	dt := now.Sub(since).Seconds()
-	total := float64(busy)
-	if dt > 0 {
-		from := since.UnixNano()
-		for i := range ev.cands {
-			ce := &ev.cands[i]
-			if ce.inflight+ce.peer.inflight > 0 {
-				continue
-			}
-			pc := ev.pending(st, i)
-			if pc == nil || !pc.busy.Load() {
-				continue
-			}
-			if end := pc.lastEnd.Load(); end > from {
-				total += min(float64(end-from)/1e9, dt) / dt
-			}
-		}
-	}
-	return total / float64(n)
-}
-
-// holdBusy records each candidate's busy state at a committed decision,
-// for the next decision's busyShare (commit adds the pick).
-func (ev *kvEval) holdBusy(st *KVState) {
-	for i := range ev.cands {
-		ce := &ev.cands[i]
-		if pc := ev.pending(st, i); pc != nil {
-			pc.busy.Store(ce.inflight+ce.peer.inflight > 0)
-		}
-	}
 }
