@@ -166,14 +166,22 @@ func (p *TRTLLMPoller) lostAnswer(err error) {
 	p.clears.Add(1)
 	p.log.Warn("trtllm: an answer of drained events could not be read: clearing every rank", "err", err)
 	ts := float64(time.Now().UnixNano()) / 1e9
-	for r, pub := range p.pubs {
-		payload, err := events.Encode(nil, events.Batch{TS: ts, Events: []events.Event{{Kind: events.AllBlocksCleared}}, DPRank: r, HasDPRank: true}, events.EncodingMap)
-		if err == nil {
-			_, err = pub.Publish(payload)
-		}
-		if err != nil {
-			p.log.Warn("trtllm: publish", "rank", r, "err", err)
-		}
+	for r := range p.pubs {
+		p.publish(r, ts, []events.Event{{Kind: events.AllBlocksCleared}})
+	}
+}
+
+// publish sends rank r's events as one batch; an encode failure counts
+// them lost.
+func (p *TRTLLMPoller) publish(r int, ts float64, list []events.Event) {
+	payload, err := events.Encode(nil, events.Batch{TS: ts, Events: list, DPRank: r, HasDPRank: true}, events.EncodingMap)
+	if err != nil {
+		p.lost.Add(uint64(len(list)))
+		p.log.Error("trtllm: encode", "err", err)
+		return
+	}
+	if _, err := p.pubs[r].Publish(payload); err != nil {
+		p.log.Warn("trtllm: publish", "rank", r, "err", err)
 	}
 }
 
@@ -234,15 +242,7 @@ func (p *TRTLLMPoller) poll(ctx context.Context) (int, error) {
 			p.log.Warn("trtllm: events of an attention-DP rank beyond the ranks configured dropped", "rank", r, "events", len(list))
 			continue
 		}
-		payload, err := events.Encode(nil, events.Batch{TS: ts, Events: list, DPRank: r, HasDPRank: true}, events.EncodingMap)
-		if err != nil {
-			p.lost.Add(uint64(len(list)))
-			p.log.Error("trtllm: encode", "err", err)
-			continue
-		}
-		if _, err := p.pubs[r].Publish(payload); err != nil {
-			p.log.Warn("trtllm: publish", "rank", r, "err", err)
-		}
+		p.publish(r, ts, list)
 	}
 	return len(evs), nil
 }
