@@ -93,6 +93,7 @@ func (o *kvObserver) Done(status, cached int) {
 	}
 	o.timerMu.Unlock()
 	o.release()
+	o.pc.lastEnd.Store(o.st.now().UnixNano())
 	o.ended(status)
 	o.st.changed()
 	found := cached >= 0

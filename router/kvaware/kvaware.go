@@ -129,12 +129,13 @@ type pendingCounter struct {
 	// moment: read from two words, a request could pair with none of its
 	// tokens (or tokens with no request) and price a step share for a
 	// moment that no state of the instance had.
-	pend   atomic.Uint64
-	doneAt atomic.Int64 // when the routed work is predicted done, Unix ns (kvaware_drain.go)
-	queued queueAverage // predicted queue, averaged over time (placement.go); KVState.placeMu
-	ends   endList      // requests that ended recently (loadended.go)
-	period atomic.Int64 // requests routed since the pending queue was last empty
-	pl     pendList     // the pending requests themselves, with replica sync (kvaware_sharedq.go)
+	pend    atomic.Uint64
+	doneAt  atomic.Int64 // when the routed work is predicted done, Unix ns (kvaware_drain.go)
+	queued  queueAverage // predicted queue, averaged over time (placement.go); KVState.placeMu
+	ends    endList      // requests that ended recently (loadended.go)
+	period  atomic.Int64 // requests routed since the pending queue was last empty
+	lastEnd atomic.Int64 // when a request of this router's last ended there, Unix ns (busyShare)
+	pl      pendList     // the pending requests themselves, with replica sync (kvaware_sharedq.go)
 }
 
 // NewKVState builds a pool's exact-routing state.
@@ -735,7 +736,7 @@ func (s *KVAware) predict(ev *kvEval) {
 	if st.peers.ps != nil {
 		ownRate = st.publishedRate()
 	}
-	rho := st.util.read(now, float64(busy)/float64(max(len(ev.cands), 1)), ev.commit)
+	rho := st.util.read(now, func(since time.Time) float64 { return ev.busyShare(st, busy, since, now) }, ev.commit)
 	ev.weight = s.sc.weight(rho, st.behind.mean())
 	shared, meanComputed := st.placementShared(&ev.shared.place)
 	if !shared {
@@ -1129,7 +1130,9 @@ func (st *KVState) Strategy(cfg config.RoutingConfig, rnd func(uint64) uint64) (
 // utilisation is the fleet's busy fraction as the router sees it: the
 // share of candidates with a request in flight (an engine with work steps;
 // one without idles), averaged exponentially over
-// DefaultUtilisationWindow of the decision clock.
+// DefaultUtilisationWindow of the decision clock: each committed decision
+// folds in the share busy over the time since the previous one
+// (kvEval.busyShare), not the share at its own instant.
 type utilisation struct {
 	mu  sync.Mutex
 	rho float64
@@ -1137,23 +1140,25 @@ type utilisation struct {
 	set bool
 }
 
-// read folds the sample busy (observed at now) into the average when
-// update is set (committed decisions; shadow scoring only reads) and
-// returns the average.
-func (u *utilisation) read(now time.Time, busy float64, update bool) float64 {
+// read folds the busy share over the time since the last sample
+// (share(since), observed at now) into the average when update is set
+// (committed decisions; shadow scoring only reads) and returns the
+// average. Before any sample, share is read over no time: the share busy
+// now.
+func (u *utilisation) read(now time.Time, share func(since time.Time) float64, update bool) float64 {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	if !update {
 		if !u.set {
-			return busy
+			return share(now)
 		}
 		return u.rho
 	}
 	switch dt := now.Sub(u.at).Seconds(); {
 	case !u.set:
-		u.rho, u.set, u.at = busy, true, now
+		u.rho, u.set, u.at = share(now), true, now
 	case dt > 0:
-		u.rho += (busy - u.rho) * (1 - math.Exp(-dt/DefaultUtilisationWindow.Seconds()))
+		u.rho += (share(u.at) - u.rho) * (1 - math.Exp(-dt/DefaultUtilisationWindow.Seconds()))
 		u.at = now
 	}
 	// A commit older than the last (decisions racing to commit) moves
@@ -1256,4 +1261,51 @@ func tracedLookup(ctx context.Context, ix kvindex.Index, dst []kvindex.Match, ke
 		sp.End(err)
 	}
 	return m, err
+}
+
+// busyShare is the share of the candidates busy over (since, now], busy
+// of them having a request in flight now. A decision sees the fleet at
+// its own instant, and an instance found idle may have been busy for most
+// of the time since the previous decision: arrivals come in bursts, the
+// first decision after a quiet gap finds the instances the last burst
+// busied drained, and counting that instant's state for the whole gap put
+// the router's ρ at 0.53 where the engines were busy 0.87 of the time
+// (synth-probe4-2, 8 instances, 1×; docs/BENCHMARKS.md §7, "Session 25:
+// cause 4 on probe4-2").
+//
+// So an instance idle now counts as busy from since until the last of this
+// router's requests there ended (kvObserver.Done stamps it), when that is
+// after since. Such a request was in flight at since: since is the last
+// committed decision, and only a committed decision starts one of this
+// router's requests (the one it picked counts from its own instant), so
+// the instance was busy over the whole of (since, lastEnd]. With one router
+// that is the exact busy time; with replicas, a peer's request that
+// started and ended between two of this router's decisions is not seen (no
+// more than it knows). An instance busy now counts for the whole interval,
+// as before: it was given its request at the previous decision or before,
+// or by a peer at a moment this router does not know.
+func (ev *kvEval) busyShare(st *KVState, busy int, since, now time.Time) float64 {
+	n := len(ev.cands)
+	if n == 0 {
+		return 0
+	}
+	dt := now.Sub(since).Seconds()
+	total := float64(busy)
+	if dt > 0 && busy < n {
+		from := since.UnixNano()
+		st.pendMu.RLock()
+		for i := range ev.cands {
+			ce := &ev.cands[i]
+			if ce.inflight+ce.peer.inflight > 0 {
+				continue
+			}
+			if pc := ev.pending(st, i); pc != nil {
+				if end := pc.lastEnd.Load(); end > from {
+					total += min(float64(end-from)/1e9, dt) / dt
+				}
+			}
+		}
+		st.pendMu.RUnlock()
+	}
+	return total / float64(n)
 }

@@ -167,3 +167,37 @@ func TestAdaptiveWeight(t *testing.T) {
 		t.Errorf("dry scoring moved the utilisation from %v to %v", before, w.st.Utilisation())
 	}
 }
+
+// TestUtilisationCountsDrainedBusy: an instance busy since the previous
+// decision and idle at this one counts as busy until its request ended,
+// not idle for the whole interval. A burst's instances drain before the
+// next burst's first decision, which saw them idle and put the busy
+// average far under the engines' (docs/BENCHMARKS.md §7, "Session 25").
+func TestUtilisationCountsDrainedBusy(t *testing.T) {
+	w := newKVWorld(t, 4)
+	s := w.strategy(config.RoutingConfig{})
+	d, err := s.Pick(context.Background(), kvRequest("a", promptTokens(51, 8*kvTestBS)), w.insts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if u := w.st.Utilisation(); u != 0 {
+		t.Fatalf("idle fleet at the first decision: %v", u)
+	}
+	d.Instance.Acquire() // the proxy's in-flight count while the request runs
+	w.clock.Advance(DefaultUtilisationWindow * 9 / 10)
+	d.Instance.Release()
+	d.Observer.Done(200, -1)
+	w.clock.Advance(DefaultUtilisationWindow / 10)
+	kvPick(t, s, kvRequest("b", promptTokens(52, 8*kvTestBS)), w.insts)
+	// One of four busy for 0.9 of the window since the last decision.
+	if u, want := w.st.Utilisation(), 0.9/4*(1-math.Exp(-1)); math.Abs(u-want) > 1e-6 {
+		t.Errorf("after one of four instances busy for 0.9 of a window: %v, want %v", u, want)
+	}
+	// Not counted again: idle since, the next interval is idle.
+	before := w.st.Utilisation()
+	w.clock.Advance(DefaultUtilisationWindow)
+	kvPick(t, s, kvRequest("c", promptTokens(53, 8*kvTestBS)), w.insts)
+	if u, want := w.st.Utilisation(), before*math.Exp(-1); math.Abs(u-want) > 1e-6 {
+		t.Errorf("a window idle after: %v, want %v", u, want)
+	}
+}

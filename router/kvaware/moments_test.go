@@ -55,16 +55,17 @@ func TestPendingCounterOneMoment(t *testing.T) {
 // sample.
 func TestUtilisationLateSample(t *testing.T) {
 	t0 := time.Unix(1000, 0)
+	share := func(v float64) func(time.Time) float64 { return func(time.Time) float64 { return v } }
 	var inOrder, late utilisation
-	inOrder.read(t0, 1, true)
-	inOrder.read(t0.Add(2*time.Second), 0, true)
-	want := inOrder.read(t0.Add(4*time.Second), 0, true)
-	late.read(t0, 1, true)
-	late.read(t0.Add(2*time.Second), 0, true)
-	if got := late.read(t0.Add(time.Second), 1, true); got != late.rho || late.at != t0.Add(2*time.Second) {
+	inOrder.read(t0, share(1), true)
+	inOrder.read(t0.Add(2*time.Second), share(0), true)
+	want := inOrder.read(t0.Add(4*time.Second), share(0), true)
+	late.read(t0, share(1), true)
+	late.read(t0.Add(2*time.Second), share(0), true)
+	if got := late.read(t0.Add(time.Second), share(1), true); got != late.rho || late.at != t0.Add(2*time.Second) {
 		t.Fatalf("a late sample moved the clock to %v (average %v)", late.at, got)
 	}
-	if got := late.read(t0.Add(4*time.Second), 0, true); got != want {
+	if got := late.read(t0.Add(4*time.Second), share(0), true); got != want {
 		t.Fatalf("average %v after a late sample, %v without it", got, want)
 	}
 }
