@@ -727,17 +727,66 @@ func (e *Engine) preempt(q *request) {
 
 // stepCost is the roofline cost of the scheduled step (see Timing).
 func (e *Engine) stepCost() time.Duration {
-	tm := &e.cfg.Timing
-	var tokens, pairs, ctx float64
+	var w stepWork
 	for _, q := range e.step {
-		n, c := float64(q.scheduled), float64(q.computed)
-		tokens += n
-		pairs += n*c + n*(n+1)/2
-		ctx += c + n
+		w.add(q.scheduled, q.computed)
 	}
-	compute := (tokens*tm.FLOPsPerToken + pairs*tm.AttnFLOPsPerPair) / tm.FLOPS
-	memory := tm.WeightReadTime.Seconds() + ctx*tm.KVReadSecondsPerToken
+	return w.cost(&e.cfg.Timing)
+}
+
+// stepWork is what a step computes: tokens, attention pairs and the
+// context read.
+type stepWork struct{ tokens, pairs, ctx float64 }
+
+// add counts n tokens scheduled after computed ones of one request.
+func (w *stepWork) add(scheduled, computed int) {
+	n, c := float64(scheduled), float64(computed)
+	w.tokens += n
+	w.pairs += n*c + n*(n+1)/2
+	w.ctx += c + n
+}
+
+// cost is the step's roofline cost under tm (see Timing).
+func (w *stepWork) cost(tm *Timing) time.Duration {
+	compute := (w.tokens*tm.FLOPsPerToken + w.pairs*tm.AttnFLOPsPerPair) / tm.FLOPS
+	memory := tm.WeightReadTime.Seconds() + w.ctx*tm.KVReadSecondsPerToken
 	return tm.StepOverhead + time.Duration(math.Max(compute, memory)*float64(time.Second))
+}
+
+// AloneTTFT is the time to first token of a prompt of promptTokens tokens
+// whose first cachedTokens are in GPU blocks, on an idle engine of this
+// configuration: the prefill in chunks of the step budget, each step
+// costed by Timing, the first token sampled at the end of the last. The
+// cached tokens count in whole blocks, at most (promptTokens − 1)/B of them
+// (vLLM recomputes at least the last token), as the engine does.
+//
+// On a busy engine the same prefill waits for steps, shares them with
+// other requests (each step costs more, and a smaller share of the budget
+// makes more of them) or waits for blocks, so no run gives the request a
+// shorter TTFT with no more cached tokens. kvbench uses it as a floor: a
+// percentile of the requests' AloneTTFTs lower-bounds the same percentile
+// of any run in which no request hits more than it was given here.
+// Cached tokens loaded from the CPU tier would add their copy; counting
+// them as GPU keeps the floor a floor.
+func (c Config) AloneTTFT(promptTokens, cachedTokens int) (time.Duration, error) {
+	c, err := c.withDefaults()
+	if err != nil {
+		return 0, err
+	}
+	if promptTokens < 1 {
+		return 0, fmt.Errorf("%w: prompt of %d tokens", ErrConfig, promptTokens)
+	}
+	bs := c.BlockSize
+	done := min(max(cachedTokens, 0)/bs, (promptTokens-1)/bs) * bs
+	var t time.Duration
+	for done < promptTokens {
+		n := min(promptTokens-done, c.MaxNumBatchedTokens)
+		var w stepWork
+		w.add(n, done)
+		t += w.cost(&c.Timing)
+		done += n
+	}
+	return t, nil
 }
 
 // finishStep completes the step ending at e.now: the scheduled tokens'

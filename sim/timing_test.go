@@ -115,3 +115,46 @@ func TestTimingDecodeLatencyGrowsWithBatch(t *testing.T) {
 		t.Errorf("ITL must grow with batch and context: %v, %v, %v", one, many, longCtx)
 	}
 }
+
+// AloneTTFT is what an idle engine gives a request with that many cached
+// tokens: uncached, chunked over several steps, partly cached, and wholly
+// cached (the last token recomputed), each against a real run; and it is
+// a floor for the same request on a busy engine.
+func TestAloneTTFTMatchesIdleEngine(t *testing.T) {
+	shared := prompt(1, 8000)
+	cases := []struct {
+		name   string
+		warm   []uint32
+		r      []uint32
+		cached int
+	}{
+		{"uncached 8,050", nil, concat(shared, prompt(2, 50)), 0},
+		{"uncached 20,000 (three chunks)", nil, prompt(3, 20000), 0},
+		{"8,000 of 8,050 cached", concat(shared, prompt(4, 50)), concat(shared, prompt(2, 50)), 8000},
+		{"8,000 of 20,000 cached", concat(shared, prompt(4, 50)), concat(shared, prompt(5, 12000)), 8000},
+		{"all of 8,000 cached", shared, shared, 8000},
+		{"a partial block counts for nothing", concat(shared, prompt(4, 50)), concat(shared, prompt(2, 50)), 8015},
+	}
+	for _, tc := range cases {
+		got := ttft(t, Config{}, tc.warm, Request{ID: 1, Prompt: tc.r, MaxTokens: 1})
+		want, err := Config{}.AloneTTFT(len(tc.r), tc.cached)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got != want {
+			t.Errorf("%s: idle engine %v, AloneTTFT %v", tc.name, got, want)
+		}
+	}
+	// Behind another prompt, sharing its steps, the same request is slower.
+	h := newHarness(t, Config{})
+	h.submit(Request{ID: 1, Prompt: prompt(6, 10000), MaxTokens: 50}, 0)
+	h.submit(Request{ID: 2, Prompt: prompt(7, 3000), MaxTokens: 1}, 0)
+	h.drain()
+	alone, _ := Config{}.AloneTTFT(3000, 0)
+	if busy := h.find(2, FirstToken).At; busy <= alone {
+		t.Errorf("behind a 10,000-token prompt: %v, alone %v", busy, alone)
+	}
+	if _, err := (Config{}).AloneTTFT(0, 0); err == nil {
+		t.Error("a prompt of no tokens has a TTFT")
+	}
+}

@@ -506,10 +506,22 @@ func runStrategy(ctx context.Context, name string, ff *fleetFlags, scfg sim.Conf
 	}
 	s := report.Summarize(res, 0)
 	if boundHits != nil {
-		s = report.SummarizeBound(res, boundHits)
+		s = report.SummarizeBound(res, boundHits, aloneFloor(scfg))
 	}
 	b.record(&s)
 	return s, nil
+}
+
+// aloneFloor is a request's TTFT alone on an idle engine of scfg (the
+// summaries' floor percentiles); 0 for a request the engine would refuse.
+func aloneFloor(scfg sim.Config) func(prompt, cached int) time.Duration {
+	return func(prompt, cached int) time.Duration {
+		d, err := scfg.AloneTTFT(prompt, cached)
+		if err != nil {
+			return 0
+		}
+		return d
+	}
 }
 
 // record notes in s how the workload was played.

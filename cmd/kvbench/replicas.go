@@ -226,7 +226,7 @@ func runReplicated(ctx context.Context, name string, run replicaRun, rf *replica
 	}
 	s := report.Summarize(res, 0)
 	if boundHits != nil {
-		s = report.SummarizeBound(res, boundHits)
+		s = report.SummarizeBound(res, boundHits, aloneFloor(scfg))
 	}
 	b.record(&s)
 	return s, nil

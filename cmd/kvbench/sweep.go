@@ -158,8 +158,8 @@ func writeSweep(dir, wname string, rows []sweepRow, strategies []string) error {
 		}
 		b.WriteString("\n\n")
 	}
-	b.WriteString("| fleet | load | strategy | busy | prefill busy | hit | of bound | computed | warm copies | TTFT p50 ms | p90 ms | p99 ms | failed | kv/prefix p50 | p90 | p99 | hit − prefix |\n")
-	b.WriteString("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	b.WriteString("| fleet | load | strategy | busy | prefill busy | hit | of bound | computed | warm copies | TTFT p50 ms | p90 ms | p99 ms | floor p90 | p99 | failed | kv/prefix p50 | p90 | p99 | hit − prefix |\n")
+	b.WriteString("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	ref := map[[2]float64]report.Summary{}
 	for _, r := range rows {
 		if r.S.Strategy == "prefix_aware" {
@@ -172,8 +172,8 @@ func writeSweep(dir, wname string, rows []sweepRow, strategies []string) error {
 		if s.BoundFraction > 0 {
 			ob = f3s(s.BoundFraction)
 		}
-		fmt.Fprintf(&b, "| %d | %g× | %s | %s | %s | %s | %s | %s | %d | %.0f | %.0f | %.0f | %d |", r.Fleet, r.Load, s.Strategy, f3s(s.Busy), f3s(s.PrefillBusy),
-			f3s(s.HitRate), ob, f3s(s.Computed), s.Warms, s.TTFTP50Ms, s.TTFTP90Ms, s.TTFTP99Ms, s.Failed)
+		fmt.Fprintf(&b, "| %d | %g× | %s | %s | %s | %s | %s | %s | %d | %.0f | %.0f | %.0f | %.0f | %.0f | %d |", r.Fleet, r.Load, s.Strategy, f3s(s.Busy), f3s(s.PrefillBusy),
+			f3s(s.HitRate), ob, f3s(s.Computed), s.Warms, s.TTFTP50Ms, s.TTFTP90Ms, s.TTFTP99Ms, s.FloorP90Ms, s.FloorP99Ms, s.Failed)
 		if p, ok := ref[[2]float64{float64(r.Fleet), r.Load}]; ok && s.Strategy == "kv_aware" {
 			fmt.Fprintf(&b, " %s | %s | %s | %+.1f pt |\n", ratio(s.TTFTP50Ms, p.TTFTP50Ms), ratio(s.TTFTP90Ms, p.TTFTP90Ms), ratio(s.TTFTP99Ms, p.TTFTP99Ms), 100*(s.HitRate-p.HitRate))
 		} else {

@@ -43,6 +43,15 @@ type Summary struct {
 	TTFTP50Ms     float64 `json:"ttft_p50_ms"`
 	TTFTP90Ms     float64 `json:"ttft_p90_ms"`
 	TTFTP99Ms     float64 `json:"ttft_p99_ms"`
+	// FloorP90Ms and FloorP99Ms are the same percentiles of the completed
+	// requests' TTFT alone on an idle engine with the pooled-cache bound's
+	// cached tokens (sim.Config.AloneTTFT): what the percentile would be
+	// with no queueing at all and the bound's hits. Where a strategy's
+	// percentile is near its floor, the tail is the requests' own prefill
+	// and no placement can lower it much (a strategy can beat the pooled
+	// LRU bound on a request, so the floor is not strict). 0: not computed.
+	FloorP90Ms float64 `json:"ttft_floor_p90_ms,omitempty"`
+	FloorP99Ms float64 `json:"ttft_floor_p99_ms,omitempty"`
 	// Throughput over the makespan (first arrival to last completion).
 	ReqPerSec    float64 `json:"req_per_sec"`
 	OutTokPerSec float64 `json:"out_tok_per_sec"`
@@ -85,21 +94,32 @@ type Summary struct {
 // SummarizeBound is Summarize with the pooled-cache bound given per request
 // (boundHits[i]: request i's hit tokens in the bound): the bound's hit rate
 // is taken over the requests that completed, the hit rate's own
-// denominator, so that failed requests count in neither.
-func SummarizeBound(res *des.Result, boundHits []int64) Summary {
+// denominator, so that failed requests count in neither. floor, when not
+// nil, is a request's TTFT alone on an idle engine (prompt and cached
+// tokens; sim.Config.AloneTTFT), for FloorP90Ms and FloorP99Ms.
+func SummarizeBound(res *des.Result, boundHits []int64, floor func(prompt, cached int) time.Duration) Summary {
 	var hit, prompt int64
+	var floors []float64
 	for _, o := range res.Outcomes {
 		if o.Err != "" || o.ID < 0 || o.ID >= len(boundHits) {
 			continue
 		}
 		hit += boundHits[o.ID]
 		prompt += int64(o.PromptTokens)
+		if floor != nil {
+			floors = append(floors, ms(floor(o.PromptTokens, int(boundHits[o.ID]))))
+		}
 	}
 	b := 0.0
 	if prompt > 0 {
 		b = float64(hit) / float64(prompt)
 	}
-	return Summarize(res, b)
+	s := Summarize(res, b)
+	if len(floors) > 0 {
+		sort.Float64s(floors)
+		s.FloorP90Ms, s.FloorP99Ms = workload.Quantile(floors, 0.9), workload.Quantile(floors, 0.99)
+	}
+	return s
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
@@ -225,6 +245,8 @@ var columns = []column{
 	{"ttft_p50_ms", func(s *Summary) string { return f1(s.TTFTP50Ms) }},
 	{"ttft_p90_ms", func(s *Summary) string { return f1(s.TTFTP90Ms) }},
 	{"ttft_p99_ms", func(s *Summary) string { return f1(s.TTFTP99Ms) }},
+	{"ttft_floor_p90_ms", func(s *Summary) string { return optional(s.FloorP90Ms) }},
+	{"ttft_floor_p99_ms", func(s *Summary) string { return optional(s.FloorP99Ms) }},
 	{"req_per_s", func(s *Summary) string { return f2(s.ReqPerSec) }},
 	{"out_tok_per_s", func(s *Summary) string { return f1(s.OutTokPerSec) }},
 	{"share_min", func(s *Summary) string { return f3(s.ShareMin) }},
@@ -240,6 +262,14 @@ var columns = []column{
 }
 
 func f1(x float64) string { return num(x, 1) }
+
+// optional is f1, empty for 0 (not computed).
+func optional(x float64) string {
+	if x == 0 {
+		return ""
+	}
+	return f1(x)
+}
 func f2(x float64) string { return num(x, 2) }
 func f3(x float64) string { return num(x, 3) }
 

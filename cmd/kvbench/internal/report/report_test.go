@@ -260,3 +260,32 @@ func TestWriteFailures(t *testing.T) {
 		t.Errorf("got\n%s\nwant\n%s", buf.String(), want)
 	}
 }
+
+// The floor percentiles are taken over the completed requests' floors,
+// each from its prompt and its hits in the bound, and left at 0 without a
+// floor function.
+func TestSummarizeBoundFloor(t *testing.T) {
+	res := &des.Result{Strategy: "kv_aware", Instances: []string{"i00"}, End: time.Second}
+	bound := make([]int64, 100)
+	for i := range 100 {
+		o := des.Outcome{ID: i, Instance: "i00", TTFT: time.Second, PromptTokens: 1000 * (i + 1), CachedTokens: 0}
+		bound[i] = int64(500 * (i + 1)) // the bound hits half of each prompt
+		if i == 99 {
+			o.Err, o.TTFT = "refused", 0 // the longest fails: not in the floor
+		}
+		res.Outcomes = append(res.Outcomes, o)
+	}
+	// A floor of 1 ms per uncached token: request i's is 500·(i+1) ms.
+	floor := func(prompt, cached int) time.Duration { return time.Duration(prompt-cached) * time.Millisecond }
+	s := SummarizeBound(res, bound, floor)
+	// 99 completed floors 500, 1000, …, 49,500 ms; p90 and p99 interpolated.
+	if want := 500 * (1 + 0.9*98); math.Abs(s.FloorP90Ms-want) > 1e-6 {
+		t.Errorf("floor p90 %v, want %v", s.FloorP90Ms, want)
+	}
+	if want := 500 * (1 + 0.99*98); math.Abs(s.FloorP99Ms-want) > 1e-6 {
+		t.Errorf("floor p99 %v, want %v", s.FloorP99Ms, want)
+	}
+	if s := SummarizeBound(res, bound, nil); s.FloorP90Ms != 0 || s.FloorP99Ms != 0 {
+		t.Errorf("no floor function: %v / %v", s.FloorP90Ms, s.FloorP99Ms)
+	}
+}
