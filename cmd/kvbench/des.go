@@ -401,21 +401,18 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	w := b.w
 	var boundHits []int64
 	poolBound := 0.0
-	if *bound && b.recs != nil {
-		pb, hits, err := workload.PooledBoundPerRequest(b.recs, wf.fleetToks)
+	if *bound {
+		pb, hits, err := b.pooledBound(wf.fleetToks)
 		if err != nil {
 			return err
 		}
 		boundHits, poolBound = hits, pb.TokenRatio()
-		inf := workload.InfiniteBound(b.recs)
-		fmt.Fprintf(stdout, "bounds: pooled LRU of %d tokens %.3f (tokens), infinite %.3f\n", wf.fleetToks, poolBound, inf.TokenRatio())
-	} else if *bound {
-		pb, hits, err := workload.RequestsBoundPerRequest(b.w.Requests, sim.DefaultBlockSize, wf.fleetToks)
-		if err != nil {
-			return err
+		if b.recs != nil {
+			inf := workload.InfiniteBound(b.recs)
+			fmt.Fprintf(stdout, "bounds: pooled LRU of %d tokens %.3f (tokens), infinite %.3f\n", wf.fleetToks, poolBound, inf.TokenRatio())
+		} else {
+			fmt.Fprintf(stdout, "bounds: pooled LRU of %d tokens %.3f (tokens, %d-token blocks)\n", wf.fleetToks, poolBound, sim.DefaultBlockSize)
 		}
-		boundHits, poolBound = hits, pb.TokenRatio()
-		fmt.Fprintf(stdout, "bounds: pooled LRU of %d tokens %.3f (tokens, %d-token blocks)\n", wf.fleetToks, poolBound, sim.DefaultBlockSize)
 	}
 	fmt.Fprintf(stdout, "workload %s: %d requests, %d prompt tokens, %.0f s; fleet %d × %d GPU tokens%s\n",
 		w.Name, len(w.Requests), w.InputTokens(), w.Duration().Seconds(), ff.instances, gpuTokens, b.describe())
@@ -522,6 +519,16 @@ func aloneFloor(scfg sim.Config) func(prompt, cached int) time.Duration {
 		}
 		return d
 	}
+}
+
+// pooledBound is the pooled-cache bound of fleetToks tokens over b's
+// requests, with each request's hit tokens in it: a trace's from its
+// records' block ids, a generated workload's from its token blocks.
+func (b *built) pooledBound(fleetToks int64) (workload.Bound, []int64, error) {
+	if b.recs != nil {
+		return workload.PooledBoundPerRequest(b.recs, fleetToks)
+	}
+	return workload.RequestsBoundPerRequest(b.w.Requests, sim.DefaultBlockSize, fleetToks)
 }
 
 // record notes in s how the workload was played.

@@ -118,11 +118,9 @@ func runSweep(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 				if err != nil {
 					return fmt.Errorf("%s: %w", wname, err)
 				}
-				var hits []int64
-				if b.recs != nil {
-					if _, hits, err = workload.PooledBoundPerRequest(b.recs, wf.fleetToks); err != nil {
-						return err
-					}
+				_, hits, err := b.pooledBound(wf.fleetToks)
+				if err != nil {
+					return err
 				}
 				fleet := ff
 				fleet.instances = n
@@ -172,8 +170,8 @@ func writeSweep(dir, wname string, rows []sweepRow, strategies []string) error {
 		if s.BoundFraction > 0 {
 			ob = f3s(s.BoundFraction)
 		}
-		fmt.Fprintf(&b, "| %d | %g× | %s | %s | %s | %s | %s | %s | %d | %.0f | %.0f | %.0f | %.0f | %.0f | %d |", r.Fleet, r.Load, s.Strategy, f3s(s.Busy), f3s(s.PrefillBusy),
-			f3s(s.HitRate), ob, f3s(s.Computed), s.Warms, s.TTFTP50Ms, s.TTFTP90Ms, s.TTFTP99Ms, s.FloorP90Ms, s.FloorP99Ms, s.Failed)
+		fmt.Fprintf(&b, "| %d | %g× | %s | %s | %s | %s | %s | %s | %d | %.0f | %.0f | %.0f | %s | %s | %d |", r.Fleet, r.Load, s.Strategy, f3s(s.Busy), f3s(s.PrefillBusy),
+			f3s(s.HitRate), ob, f3s(s.Computed), s.Warms, s.TTFTP50Ms, s.TTFTP90Ms, s.TTFTP99Ms, msOrBlank(s.FloorP90Ms), msOrBlank(s.FloorP99Ms), s.Failed)
 		if p, ok := ref[[2]float64{float64(r.Fleet), r.Load}]; ok && s.Strategy == "kv_aware" {
 			fmt.Fprintf(&b, " %s | %s | %s | %+.1f pt |\n", ratio(s.TTFTP50Ms, p.TTFTP50Ms), ratio(s.TTFTP90Ms, p.TTFTP90Ms), ratio(s.TTFTP99Ms, p.TTFTP99Ms), 100*(s.HitRate-p.HitRate))
 		} else {
@@ -252,4 +250,12 @@ func parseInts(s string) ([]int, error) {
 		return nil, fmt.Errorf("empty list")
 	}
 	return out, nil
+}
+
+// msOrBlank is a whole number of ms, blank for 0 (not computed).
+func msOrBlank(x float64) string {
+	if x == 0 {
+		return ""
+	}
+	return fmt.Sprintf("%.0f", x)
 }

@@ -24,6 +24,7 @@ type kvObserver struct {
 	pc        *pendingCounter
 	pendTok   int64
 	listed    bool          // in pc.pl (replica sync)
+	committed bool          // made by a committed kv_aware decision (newDrainingObserver): its end times the busy share
 	at        int64         // routing time, Unix ns
 	predicted int           // matched tokens predicted at routing
 	shadow    *shadowRecord // nil outside shadow mode
@@ -93,7 +94,9 @@ func (o *kvObserver) Done(status, cached int) {
 	}
 	o.timerMu.Unlock()
 	o.release()
-	o.pc.lastEnd.Store(o.st.now().UnixNano())
+	if o.committed {
+		o.pc.lastEnd.Store(o.st.now().UnixNano())
+	}
 	o.ended(status)
 	o.st.changed()
 	found := cached >= 0

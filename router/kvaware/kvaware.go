@@ -1276,14 +1276,18 @@ func tracedLookup(ctx context.Context, ix kvindex.Index, dst []kvindex.Match, ke
 // So an instance idle now counts as busy from since until the last of this
 // router's requests there ended (kvObserver.Done stamps it), when that is
 // after since. Such a request was in flight at since: since is the last
-// committed decision, and only a committed decision starts one of this
-// router's requests (the one it picked counts from its own instant), so
-// the instance was busy over the whole of (since, lastEnd]. With one router
-// that is the exact busy time; with replicas, a peer's request that
-// started and ended between two of this router's decisions is not seen (no
-// more than it knows). An instance busy now counts for the whole interval,
-// as before: it was given its request at the previous decision or before,
-// or by a peer at a moment this router does not know.
+// committed kv_aware decision, and only such a decision starts a request
+// whose end is stamped (the one it picked counts from its own instant; a
+// shadow-scored request routed by another strategy is not stamped), so the
+// instance was busy over the whole of (since, lastEnd]. With one router
+// that is the exact busy time, up to two known over-counts: the time
+// between a decision's predict and its commit, and a request Envoy served
+// on another instance than the one picked (grpcapi's ext_proc fallback),
+// stamped on the pick. With replicas, a peer's request that started and
+// ended between two of this router's decisions is not seen (no more than
+// it knows). An instance busy now counts for the whole interval, as
+// before: it was given its request at the previous decision or before, or
+// by a peer at a moment this router does not know.
 func (ev *kvEval) busyShare(st *KVState, busy int, since, now time.Time) float64 {
 	n := len(ev.cands)
 	if n == 0 {

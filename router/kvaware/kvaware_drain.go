@@ -124,6 +124,7 @@ type drainSample struct {
 // will measure.
 func (st *KVState) newDrainingObserver(ce *candEval, recompute, predicted int, prefill float64) *kvObserver {
 	o, first := st.newObserver(ce.inst.ID(), recompute, predicted)
+	o.committed = true
 	now := st.now()
 	st.prefillDef.Store(math.Float64bits(prefill))
 	rate := st.drainRate.rate(prefill)

@@ -201,3 +201,24 @@ func TestUtilisationCountsDrainedBusy(t *testing.T) {
 		t.Errorf("a window idle after: %v, want %v", u, want)
 	}
 }
+
+// A request this router followed without routing it (shadow scoring of
+// another strategy's pick) does not count as busy: it may have started
+// after the last committed decision, and its end does not say when.
+func TestUtilisationIgnoresUnroutedEnds(t *testing.T) {
+	w := newKVWorld(t, 4)
+	s := w.strategy(config.RoutingConfig{})
+	kvPick(t, s, kvRequest("a", promptTokens(61, 8*kvTestBS)), w.insts)
+	if u := w.st.Utilisation(); u != 0 {
+		t.Fatalf("idle fleet at the first decision: %v", u)
+	}
+	w.clock.Advance(DefaultUtilisationWindow / 2)
+	o, _ := w.st.newObserver(w.insts[1].ID(), 100, 0) // as shadow.go does for a heuristic's pick
+	w.clock.Advance(DefaultUtilisationWindow / 4)
+	o.Done(200, -1)
+	w.clock.Advance(DefaultUtilisationWindow / 4)
+	kvPick(t, s, kvRequest("b", promptTokens(62, 8*kvTestBS)), w.insts)
+	if u := w.st.Utilisation(); u != 0 {
+		t.Errorf("a shadow-followed request counted from the last decision: %v", u)
+	}
+}
