@@ -510,7 +510,10 @@ func runStrategy(ctx context.Context, name string, ff *fleetFlags, scfg sim.Conf
 }
 
 // aloneFloor is a request's TTFT alone on an idle engine of scfg (the
-// summaries' floor percentiles); 0 for a request the engine would refuse.
+// summaries' floor percentiles); 0 when AloneTTFT refuses it (an empty
+// prompt or an invalid configuration). Prompts past the model's length
+// are priced anyway: the engine refuses them, so they failed and no
+// summary counts them.
 func aloneFloor(scfg sim.Config) func(prompt, cached int) time.Duration {
 	return func(prompt, cached int) time.Duration {
 		d, err := scfg.AloneTTFT(prompt, cached)
