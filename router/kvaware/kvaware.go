@@ -394,6 +394,7 @@ type kvEval struct {
 	cold      []int32             // the cold candidates' positions, for scoreCold
 	commit    bool                // the decision will be committed (not shadow scoring)
 	weight    float64             // prefill cost weight used
+	queueing  bool                // the measured weight is past its floor: requests queue behind each other's prefill
 	later     float64             // n: later requests expected to read the new context (placement.go)
 	rent      rentNote            // what the pick pays or buys (kvaware_replicate.go)
 	warmable  bool                // the request's edge can send a warm-up copy (router.Request.Warmable)
@@ -737,7 +738,8 @@ func (s *KVAware) predict(ev *kvEval) {
 		ownRate = st.publishedRate()
 	}
 	rho := st.util.read(now, func(since time.Time) float64 { return ev.busyShare(st, busy, since, now) }, ev.commit)
-	ev.weight = s.sc.weight(rho, st.behind.mean())
+	behind := st.behind.mean()
+	ev.weight, ev.queueing = s.sc.weight(rho, behind), measuredWeight(rho, behind) > DefaultPrefillCostWeight
 	shared, meanComputed := st.placementShared(&ev.shared.place)
 	if !shared {
 		meanComputed = st.computed.mean()

@@ -57,8 +57,9 @@ import (
 // instances, 2×, it moved p50 1.26 → 1.16× prefix_aware's where the
 // average queue gives 1.05× (docs/BENCHMARKS.md §7, "Placement").
 //
-// The term counts only while the prefill cost weight is at most its floor of 1
-// (adaptive or fixed): the step residual is the wait a later request meets
+// The term counts only while the adaptive weight is at most its floor of 1
+// (measured even where prefill_cost_weight fixes the weight the score
+// uses): the step residual is the wait a later request meets
 // only while requests do not queue behind each other's prefill. Once they
 // do — the weight's own estimates, ρ/(1−ρ)² and the requests measured
 // behind others, past 1 — a later request's wait is the prefill queue it
@@ -152,10 +153,10 @@ func laterRequests(newTokens int, meanComputed float64, blockSize int) float64 {
 // candidates, given ū (meanComputed).
 func (st *KVState) notePlacement(ev *kvEval, meanComputed float64) {
 	ev.later = 0
-	// At most the floor: a fixed weight under 1 (recompute priced below
-	// its cost) also means requests are not priced as queueing behind
-	// each other's prefill, so the term stays on.
-	if ev.tokens == 0 || ev.blockSize == 0 || ev.fallback != "" || ev.weight > DefaultPrefillCostWeight {
+	// Whether requests queue behind each other's prefill is the measured
+	// weight's to say, not a fixed one's: a fixed weight is the operator's
+	// price of a recomputed token, and says nothing about load.
+	if ev.tokens == 0 || ev.blockSize == 0 || ev.fallback != "" || ev.queueing {
 		return
 	}
 	ev.later = laterRequests(ev.tokens-min(ev.best*ev.blockSize, ev.tokens), meanComputed, ev.blockSize)

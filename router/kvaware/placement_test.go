@@ -97,20 +97,33 @@ func TestQueueAverage(t *testing.T) {
 // the mean new tokens (a follow-up) places nothing and keeps the
 // rendezvous tie-break. Without the placement term both would tie.
 func TestSessionPlacement(t *testing.T) {
-	sessionPlacement(t, config.RoutingConfig{}, 1)
+	sessionPlacement(t, config.RoutingConfig{}, false, 1)
+}
+
+// TestSessionPlacementFixedWeight: a fixed weight past the floor is the
+// operator's price of a recomputed token, not a measure of load: on the
+// same light load the placement term still counts.
+func TestSessionPlacementFixedWeight(t *testing.T) {
+	sessionPlacement(t, config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 2}}, false, 1)
 }
 
 // TestSessionPlacementQueued: with requests queueing behind each other's
-// prefill (a weight past 1, here fixed at 2) the later requests' wait is
-// the prefill queue, not the step residual: no placement term, and the
-// request with new context keeps the rendezvous tie-break.
+// prefill (a third instance busy beside the first, so the measured weight
+// passes 1) the later requests' wait is the prefill queue, not the step
+// residual: no placement term, and the request with new context keeps
+// the rendezvous tie-break — whether the weight the score uses is the
+// measured one or fixed.
 func TestSessionPlacementQueued(t *testing.T) {
-	sessionPlacement(t, config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 2}}, 0)
+	sessionPlacement(t, config.RoutingConfig{}, true, 0)
+	sessionPlacement(t, config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 2}}, true, 0)
+	sessionPlacement(t, config.RoutingConfig{KV: &config.KVScoringConfig{PrefillCostWeight: 0.5}}, true, 0)
 }
 
 // sessionPlacement builds the scene; want is the instance (0 or 1) the
-// request with new context should go to.
-func sessionPlacement(t *testing.T, rc config.RoutingConfig, want int) {
+// request with new context should go to. queued keeps the third instance
+// busy beside the first, for three windows (the fleet 2/3 busy).
+func sessionPlacement(t *testing.T, rc config.RoutingConfig, queued bool, want int) {
+	t.Helper()
 	w := newKVWorld(t, 3)
 	s := w.strategy(rc)
 	a, b := w.insts[0], w.insts[1]
@@ -124,11 +137,19 @@ func sessionPlacement(t *testing.T, rc config.RoutingConfig, want int) {
 	}
 	// a busy for one window, b idle: committed decisions sample both.
 	a.Acquire()
-	for range 10 {
+	windows := 1
+	if queued {
+		w.insts[2].Acquire()
+		windows = 3
+	}
+	for range 10 * windows {
 		w.clock.Advance(DefaultUtilisationWindow / 10)
 		kvPick(t, s, kvRequest("tick", promptTokens(7, 4*kvTestBS)), []*router.Instance{w.insts[2], a, b})
 	}
 	a.Release()
+	if queued {
+		w.insts[2].Release()
+	}
 	w.clock.Advance(time.Second) // every pending prefill drained: both queues 0 now
 	// A request whose rendezvous order puts a before b.
 	var first, follow *router.Request

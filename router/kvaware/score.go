@@ -271,10 +271,19 @@ func (s *kvScoring) weight(rho, behind float64) float64 {
 	if !s.adaptive {
 		return s.costWeight
 	}
+	return measuredWeight(rho, behind)
+}
+
+// measuredWeight is the adaptive weight, whatever the configuration: the
+// followers a recompute delays as measured, at least the floor, capped.
+// Past the floor requests queue behind each other's prefill, which is a
+// fact about load, not a price: the placement term reads it here even
+// when the operator fixes the weight (notePlacement).
+func measuredWeight(rho, behind float64) float64 {
 	if !(rho < 1) {
 		return MaxAdaptiveCostWeight
 	}
-	w := max(s.costWeight, rho/((1-rho)*(1-rho)), behind)
+	w := max(DefaultPrefillCostWeight, rho/((1-rho)*(1-rho)), behind)
 	return min(w, MaxAdaptiveCostWeight)
 }
 
