@@ -621,8 +621,7 @@ func (e *Engine) startStep(t time.Duration) {
 // nothing, when the cache cannot take it.
 func (e *Engine) admit(q *request, t time.Duration, budget int) bool {
 	bs := e.cfg.BlockSize
-	// vLLM recomputes at least the last token, so at most (n-1)/B blocks hit.
-	maxHit := (len(q.tokens) - 1) / bs
+	maxHit := maxHitBlocks(len(q.tokens), bs)
 	hashes := e.hashesUpTo(q, maxHit)
 	hit, cpuOnly := e.pool.lookup(hashes, maxHit)
 	remote := 0
@@ -753,6 +752,12 @@ func (w *stepWork) cost(tm *Timing) time.Duration {
 	return tm.StepOverhead + time.Duration(math.Max(compute, memory)*float64(time.Second))
 }
 
+// maxHitBlocks is how many of a prompt's blocks can be cache hits: vLLM
+// recomputes at least the last token, so at most (n−1)/B.
+func maxHitBlocks(promptTokens, blockSize int) int {
+	return (promptTokens - 1) / blockSize
+}
+
 // AloneTTFT is the time to first token of a prompt of promptTokens tokens
 // whose first cachedTokens are in GPU blocks, on an idle engine of this
 // configuration: the prefill in chunks of the step budget, each step
@@ -781,7 +786,7 @@ func (c Config) AloneTTFT(promptTokens, cachedTokens int) (time.Duration, error)
 		return 0, fmt.Errorf("%w: prompt of %d tokens", ErrConfig, promptTokens)
 	}
 	bs := c.BlockSize
-	done := min(max(cachedTokens, 0)/bs, (promptTokens-1)/bs) * bs
+	done := min(max(cachedTokens, 0)/bs, maxHitBlocks(promptTokens, bs)) * bs
 	var t time.Duration
 	for done < promptTokens {
 		n := min(promptTokens-done, c.MaxNumBatchedTokens)

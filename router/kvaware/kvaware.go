@@ -738,8 +738,8 @@ func (s *KVAware) predict(ev *kvEval) {
 		ownRate = st.publishedRate()
 	}
 	rho := st.util.read(now, func(since time.Time) float64 { return ev.busyShare(st, busy, since, now) }, ev.commit)
-	behind := st.behind.mean()
-	ev.weight, ev.queueing = s.sc.weight(rho, behind), measuredWeight(rho, behind) > DefaultPrefillCostWeight
+	measured := measuredWeight(rho, st.behind.mean())
+	ev.weight, ev.queueing = s.sc.weight(measured), measured > DefaultPrefillCostWeight
 	shared, meanComputed := st.placementShared(&ev.shared.place)
 	if !shared {
 		meanComputed = st.computed.mean()

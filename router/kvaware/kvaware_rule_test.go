@@ -113,22 +113,22 @@ func TestLoadBoundLeavesHome(t *testing.T) {
 func TestAdaptiveWeight(t *testing.T) {
 	ad := resolveScoring(&config.KVScoringConfig{})
 	for _, c := range []struct{ rho, want float64 }{{0, 1}, {0.25, 1}, {0.5, 2}, {0.7, 0.7 / 0.09}, {0.75, 12}, {0.8, MaxAdaptiveCostWeight}, {0.99, MaxAdaptiveCostWeight}, {1, MaxAdaptiveCostWeight}} {
-		if got := ad.weight(c.rho, 0); math.Abs(got-c.want) > 1e-9 {
+		if got := ad.weight(measuredWeight(c.rho, 0)); math.Abs(got-c.want) > 1e-9 {
 			t.Errorf("adaptive weight at ρ=%v: %v, want %v", c.rho, got, c.want)
 		}
 	}
 	// Requests measured behind others in a busy period count when they say
 	// more than the busy fraction does.
 	for _, c := range []struct{ rho, behind, want float64 }{{0.1, 3, 3}, {0.5, 0.5, 2}, {0.5, 40, MaxAdaptiveCostWeight}} {
-		if got := ad.weight(c.rho, c.behind); math.Abs(got-c.want) > 1e-9 {
+		if got := ad.weight(measuredWeight(c.rho, c.behind)); math.Abs(got-c.want) > 1e-9 {
 			t.Errorf("adaptive weight at ρ=%v, %v behind: %v, want %v", c.rho, c.behind, got, c.want)
 		}
 	}
 	fixed, neg := resolveScoring(&config.KVScoringConfig{PrefillCostWeight: 3}), resolveScoring(&config.KVScoringConfig{PrefillCostWeight: -1})
-	if got := fixed.weight(0.99, 30); got != 3 {
+	if got := fixed.weight(measuredWeight(0.99, 30)); got != 3 {
 		t.Errorf("fixed weight 3: %v", got)
 	}
-	if got := neg.weight(0.99, 30); got != 0 {
+	if got := neg.weight(measuredWeight(0.99, 30)); got != 0 {
 		t.Errorf("negative weight: %v", got)
 	}
 

@@ -252,10 +252,19 @@ func (s *kvScoring) prefillCost(w float64, rest int) float64 {
 	return w * float64(rest) / s.prefill
 }
 
-// weight is the prefill cost weight: the fixed weight, or the number of
-// other requests that a recompute's work delays, estimated two ways and
-// the larger taken (each misses what the other sees), at least the floor,
-// capped. Work added at the back of a first-come-first-served queue delays
+// weight is the prefill cost weight the score uses: the fixed one when
+// prefill_cost_weight sets it, else the measured one (measuredWeight).
+func (s *kvScoring) weight(measured float64) float64 {
+	if !s.adaptive {
+		return s.costWeight
+	}
+	return measured
+}
+
+// measuredWeight is the adaptive weight, measured whatever the
+// configuration: the number of other requests that a recompute's work
+// delays, estimated two ways and the larger taken (each misses what the
+// other sees), at least the floor, capped. Work added at the back of a first-come-first-served queue delays
 // every request that arrives after it before the server next idles:
 //
 //   - from the busy fraction ρ, for Poisson arrivals (M/M/1): a request
@@ -267,18 +276,10 @@ func (s *kvScoring) prefillCost(w float64, rest int) float64 {
 //     (as the router saw it), which follows bursts that a time-average
 //     busy fraction smooths away (by symmetry, the mean number ahead of a
 //     request in its busy period equals the mean number after it).
-func (s *kvScoring) weight(rho, behind float64) float64 {
-	if !s.adaptive {
-		return s.costWeight
-	}
-	return measuredWeight(rho, behind)
-}
-
-// measuredWeight is the adaptive weight, whatever the configuration: the
-// followers a recompute delays as measured, at least the floor, capped.
+//
 // Past the floor requests queue behind each other's prefill, which is a
-// fact about load, not a price: the placement term reads it here even
-// when the operator fixes the weight (notePlacement).
+// fact about load, not a price: the placement term reads it even when the
+// operator fixes the weight (notePlacement).
 func measuredWeight(rho, behind float64) float64 {
 	if !(rho < 1) {
 		return MaxAdaptiveCostWeight
