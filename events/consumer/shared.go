@@ -701,7 +701,19 @@ func (c *Consumer) watchShared(ctx context.Context) {
 		checked := false // dueShared ran in this round
 		e, created, err := c.shared.idx.Epoch(ctx)
 		if err == nil {
-			c.answered.Store(time.Now().UnixNano())
+			now := time.Now()
+			last := c.answered.Load()
+			if last != 0 && now.Sub(time.Unix(0, last)) > c.epochDue() && c.epochOK.Swap(false) {
+				// Answered, but later than a check may take: a call of
+				// this loop (this one, or the last round's positions
+				// read) hung or redialled through an outage, and the
+				// index was reported untrusted meanwhile (epochFresh).
+				// Redis may have restarted from its persistence inside
+				// that call without any call failing: as after an
+				// outage, the positions are read before it is trusted.
+				c.cfg.Logger.Warn("consumer: shared index answered late; reading the instances' positions before trusting it again", "waited", now.Sub(time.Unix(0, last)).Round(time.Millisecond))
+			}
+			c.answered.Store(now.UnixNano()) // after epochOK: never fresh and trusted unread
 			if c.hungLogged.Swap(false) {
 				c.cfg.Logger.Info("consumer: shared index answering again")
 			}
@@ -745,12 +757,12 @@ func (c *Consumer) watchShared(ctx context.Context) {
 				// the repair is done. Not read (a Cluster master still
 				// down, Redis gone again): not trusted yet, read again
 				// at the next check.
-				due, read := c.dueShared(ctx, leaseWait)
+				due, err := c.dueShared(ctx, leaseWait)
 				for _, name := range due {
 					c.queueSync(ctx, name)
 				}
 				checked = true
-				if !read {
+				if err != nil {
 					break
 				}
 				c.epochOK.Store(true)
@@ -762,9 +774,16 @@ func (c *Consumer) watchShared(ctx context.Context) {
 			c.sweep(ctx)
 		}
 		if c.epochOK.Load() && !checked {
-			due, _ := c.dueShared(ctx, leaseWait)
+			due, err := c.dueShared(ctx, leaseWait)
 			for _, name := range due {
 				c.queueSync(ctx, name)
+			}
+			if err != nil && c.epochOK.Swap(false) {
+				// The positions are what tells a Redis restored to an
+				// earlier point (same epoch) from a current one: not read,
+				// the index is not trusted until a read succeeds (the
+				// branch above, at the next check).
+				c.cfg.Logger.Warn("consumer: shared index positions not read; exact routing off until they are", "err", err)
 			}
 		}
 		select {
@@ -780,8 +799,8 @@ func (c *Consumer) watchShared(ctx context.Context) {
 // position in the index is behind what this router consumed when no other
 // writer can explain it (Redis restored from its persistence to an earlier
 // point keeps its epoch: only positions tell), read in one round trip;
-// read is false when that read failed.
-func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) (due []string, read bool) {
+// the error is that read's.
+func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) (due []string, err error) {
 	now := time.Now()
 	var check []string
 	var want []kvindex.Position
@@ -801,11 +820,11 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) (due 
 	}
 	c.mu.Unlock()
 	if len(check) == 0 {
-		return due, true
+		return due, nil
 	}
 	got, err := c.shared.idx.Positions(ctx, check)
 	if err != nil {
-		return due, false // the epoch check says whether Redis is reachable
+		return due, err
 	}
 	var behind []string
 	for i, p := range got {
@@ -824,7 +843,7 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) (due 
 		}
 	}
 	c.mu.Unlock()
-	return append(due, behind...), true
+	return append(due, behind...), nil
 }
 
 // decodeJoined decodes a stream message's payload, a coalesced message's
