@@ -173,7 +173,7 @@ func writeSweep(dir, wname string, rows []sweepRow, strategies []string) error {
 		fmt.Fprintf(&b, "| %d | %g× | %s | %s | %s | %s | %s | %s | %d | %.0f | %.0f | %.0f | %s | %s | %d |", r.Fleet, r.Load, s.Strategy, f3s(s.Busy), f3s(s.PrefillBusy),
 			f3s(s.HitRate), ob, f3s(s.Computed), s.Warms, s.TTFTP50Ms, s.TTFTP90Ms, s.TTFTP99Ms, msOrBlank(s.FloorP90Ms), msOrBlank(s.FloorP99Ms), s.Failed)
 		if p, ok := ref[[2]float64{float64(r.Fleet), r.Load}]; ok && s.Strategy == "kv_aware" {
-			fmt.Fprintf(&b, " %s | %s | %s | %+.1f pt |\n", ratio(s.TTFTP50Ms, p.TTFTP50Ms), ratio(s.TTFTP90Ms, p.TTFTP90Ms), ratio(s.TTFTP99Ms, p.TTFTP99Ms), 100*(s.HitRate-p.HitRate))
+			fmt.Fprintf(&b, " %s | %s | %s | %+.2f pt |\n", ratio(s.TTFTP50Ms, p.TTFTP50Ms), ratio(s.TTFTP90Ms, p.TTFTP90Ms), ratio(s.TTFTP99Ms, p.TTFTP99Ms), 100*(s.HitRate-p.HitRate))
 		} else {
 			b.WriteString("  |  |  |  |\n")
 		}
@@ -215,11 +215,15 @@ func writeSweep(dir, wname string, rows []sweepRow, strategies []string) error {
 
 func f3s(x float64) string { return strconv.FormatFloat(x, 'f', 3, 64) }
 
+// ratio is a/b to three decimals, and the hit rate's difference is
+// printed to 0.01 point: the targets (≤ 1.05×, ≤ 0.75×, ≥ −0.5
+// point) have cells on their line that two decimals, or one, leave
+// ambiguous.
 func ratio(a, b float64) string {
 	if b <= 0 || math.IsNaN(a) || math.IsNaN(b) {
 		return ""
 	}
-	return strconv.FormatFloat(a/b, 'f', 2, 64)
+	return strconv.FormatFloat(a/b, 'f', 3, 64)
 }
 
 func parseFloats(s string) ([]float64, error) {
