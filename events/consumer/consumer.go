@@ -133,11 +133,13 @@ type Consumer struct {
 	// shared is set with SharedIndex and a SharedApplier (see shared.go).
 	shared  *sharedState
 	epochOK atomic.Bool // shared: Redis answered the last epoch check, data not lost since
-	// answered: shared, when (unix ns) an epoch check last answered;
-	// unanswered longer than epochDue, Redis counts as unreachable (see
-	// epochFresh). hungLogged: that was logged.
+	// answered: shared, when an epoch check last answered, as monoNow
+	// (0: never); unanswered longer than epochDue, Redis counts as
+	// unreachable (see epochFresh). hungLogged: that was logged. born is
+	// monoNow's reference.
 	answered   atomic.Int64
 	hungLogged atomic.Bool
+	born       time.Time
 	// renumbered: shared index, the stream was re-created under it (see
 	// restream): the index's positions number the old stream, so the
 	// consumer reports itself unhealthy until the router restarts.
@@ -292,7 +294,7 @@ func New(cfg Config) (*Consumer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("consumer: jetstream: %w", err)
 	}
-	c := &Consumer{cfg: cfg, js: js, m: m, seed: maphash.MakeSeed(), insts: map[string]*inst{}, logLimit: ratelog.New(10*time.Second, 5)}
+	c := &Consumer{cfg: cfg, js: js, m: m, seed: maphash.MakeSeed(), insts: map[string]*inst{}, logLimit: ratelog.New(10*time.Second, 5), born: time.Now()}
 	if sa, ok := cfg.Applier.(SharedApplier); ok && cfg.SharedIndex {
 		c.shared = &sharedState{idx: sa}
 	}

@@ -651,11 +651,17 @@ func (c *Consumer) epochDue() time.Duration {
 // whose reply is lost has an unknown outcome — the epoch's creation among
 // them); the answer is awaited and, while it is late, the index is not
 // trusted.
+//
+// answered is read before epochOK: watchShared clears epochOK before it
+// stores a late answer, so an answer read fresh here is one whose
+// epochOK is read after it (a late one's cleared until the positions are
+// read), never the one from before it.
 func (c *Consumer) epochFresh() bool {
+	answered := c.answered.Load()
 	if !c.epochOK.Load() {
 		return false
 	}
-	if since := time.Since(time.Unix(0, c.answered.Load())); since > c.epochDue() {
+	if since := c.monoNow() - time.Duration(answered); since > c.epochDue() {
 		if c.hungLogged.CompareAndSwap(false, true) {
 			c.cfg.Logger.Warn("consumer: shared index not answering; exact routing off until it does", "waited", since.Round(time.Millisecond))
 		}
@@ -663,6 +669,11 @@ func (c *Consumer) epochFresh() bool {
 	}
 	return true
 }
+
+// monoNow is the time since the consumer was made, on the monotonic
+// clock (a wall clock stepped back during a hang must not hide it), plus
+// 1 ns so that 0 stays "never": answered's unit.
+func (c *Consumer) monoNow() time.Duration { return time.Since(c.born) + 1 }
 
 // queueSync queues a syncShared of the instance unless one is queued.
 func (c *Consumer) queueSync(ctx context.Context, instance string) {
@@ -701,19 +712,20 @@ func (c *Consumer) watchShared(ctx context.Context) {
 		checked := false // dueShared ran in this round
 		e, created, err := c.shared.idx.Epoch(ctx)
 		if err == nil {
-			now := time.Now()
-			last := c.answered.Load()
-			if last != 0 && now.Sub(time.Unix(0, last)) > c.epochDue() && c.epochOK.Swap(false) {
-				// Answered, but later than a check may take: a call of
-				// this loop (this one, or the last round's positions
-				// read) hung or redialled through an outage, and the
-				// index was reported untrusted meanwhile (epochFresh).
-				// Redis may have restarted from its persistence inside
-				// that call without any call failing: as after an
-				// outage, the positions are read before it is trusted.
-				c.cfg.Logger.Warn("consumer: shared index answered late; reading the instances' positions before trusting it again", "waited", now.Sub(time.Unix(0, last)).Round(time.Millisecond))
+			now := c.monoNow()
+			last := time.Duration(c.answered.Load())
+			if last != 0 && now-last > c.epochDue() && c.epochOK.Swap(false) {
+				// Answered more than the due time after the answer before:
+				// a call of this loop (this one, or the last round's
+				// positions read) hung or redialled through an outage, or
+				// the loop was held (a shard full), and the index was
+				// reported untrusted meanwhile (epochFresh). Redis may
+				// have restarted from its persistence in that time
+				// without any call failing: as after an outage, the
+				// positions are read before it is trusted.
+				c.cfg.Logger.Warn("consumer: shared index answered late; reading the instances' positions before trusting it again", "since_last_answer", (now - last).Round(time.Millisecond))
 			}
-			c.answered.Store(now.UnixNano()) // after epochOK: never fresh and trusted unread
+			c.answered.Store(int64(now)) // after epochOK's clear (epochFresh reads them in the other order)
 			if c.hungLogged.Swap(false) {
 				c.cfg.Logger.Info("consumer: shared index answering again")
 			}
@@ -758,15 +770,17 @@ func (c *Consumer) watchShared(ctx context.Context) {
 				// down, Redis gone again): not trusted yet, read again
 				// at the next check.
 				due, err := c.dueShared(ctx, leaseWait)
+				checked = true
+				if err == nil {
+					// Those found behind are marked unsynced already (not
+					// live): trusted before their syncs are queued, which
+					// can wait on a full shard.
+					c.epochOK.Store(true)
+					c.cfg.Logger.Info("consumer: shared index reachable again")
+				}
 				for _, name := range due {
 					c.queueSync(ctx, name)
 				}
-				checked = true
-				if err != nil {
-					break
-				}
-				c.epochOK.Store(true)
-				c.cfg.Logger.Info("consumer: shared index reachable again")
 			}
 		}
 		if c.epochOK.Load() && time.Since(swept) >= c.cfg.PurgeAfter {

@@ -27,6 +27,8 @@ type gatedIndex struct {
 	applyGate atomic.Pointer[func()]
 	// failPositions makes Positions fail without asking Redis.
 	failPositions atomic.Bool
+	// holdPositions, when set, holds Positions until it closes.
+	holdPositions atomic.Pointer[chan struct{}]
 }
 
 func (g *gatedIndex) gateApply() {
@@ -53,6 +55,13 @@ func (g *gatedIndex) ApplyAtHole(ctx context.Context, instance string, from kvin
 func (g *gatedIndex) Positions(ctx context.Context, instances []string) ([]kvindex.Position, error) {
 	if g.failPositions.Load() {
 		return nil, errors.New("test: positions not read")
+	}
+	if hold := g.holdPositions.Load(); hold != nil {
+		select {
+		case <-*hold:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
 	}
 	return g.Redis.Positions(ctx, instances)
 }
@@ -164,7 +173,7 @@ func TestSharedRedisBackUntrustedUntilPositionsRead(t *testing.T) {
 	testenv.WaitFor(t, 10*time.Second, "the outage noticed", func() bool { return !r.c.IndexConsistent() })
 	g.failPositions.Store(true)
 	w.redis.Start() // loads the RDB: same epoch
-	untrustedUntilPositionsRead(t, w, r, g, "after the outage")
+	untrustedUntilPositionsRead(t, w, r, g, "after the outage", func() { g.failPositions.Store(false) })
 }
 
 // Redis hangs (SIGSTOP) long enough for the index to be reported
@@ -176,7 +185,8 @@ func TestSharedRedisBackUntrustedUntilPositionsRead(t *testing.T) {
 // TestSharedRedisBackUntrustedUntilPositionsRead: the loop's positions
 // read redialled through the restart for 1.1 s without failing, and the
 // next epoch answer found the index trusted, unread. Back late, the index
-// is trusted only once the positions are read.
+// is trusted only once the positions are read. The read is held, not
+// failed: a failed read leaves the index untrusted on its own.
 func TestSharedRedisLateUntrustedUntilPositionsRead(t *testing.T) {
 	w, r, g := gatedRouterWith(t, 41, 20, func(addr string) redis.UniversalClient {
 		return redis.NewClient(&redis.Options{Addr: addr, PoolSize: 4, MaxRetries: -1,
@@ -184,16 +194,21 @@ func TestSharedRedisLateUntrustedUntilPositionsRead(t *testing.T) {
 	})
 	w.redis.Pause()
 	testenv.WaitFor(t, 10*time.Second, "the hang noticed", func() bool { return !r.c.IndexConsistent() })
-	g.failPositions.Store(true)
+	hold := make(chan struct{})
+	g.holdPositions.Store(&hold)
 	w.redis.Resume()
-	untrustedUntilPositionsRead(t, w, r, g, "after the hang")
+	untrustedUntilPositionsRead(t, w, r, g, "after the hang", func() {
+		g.holdPositions.Store(nil)
+		close(hold)
+	})
 }
 
-// untrustedUntilPositionsRead checks, while Positions fails (set by the
-// caller) and Redis answers again, that the router never reports the
-// index consistent over five epoch answers (time for several checks);
-// then lets Positions answer and waits for the router to converge.
-func untrustedUntilPositionsRead(t *testing.T, w *sharedWorld, r *router, g *gatedIndex, when string) {
+// untrustedUntilPositionsRead checks, while Positions fails or is held
+// (set by the caller) and Redis answers again, that the router never
+// reports the index consistent over five epoch answers (time for several
+// checks); then lets Positions answer (release) and waits for the router
+// to converge.
+func untrustedUntilPositionsRead(t *testing.T, w *sharedWorld, r *router, g *gatedIndex, when string, release func()) {
 	t.Helper()
 	trusted := 0
 	for answered := 0; answered < 5; {
@@ -205,10 +220,10 @@ func untrustedUntilPositionsRead(t *testing.T, w *sharedWorld, r *router, g *gat
 		}
 		time.Sleep(60 * time.Millisecond) // a check interval
 	}
+	release()
 	if trusted > 0 {
 		t.Fatalf("index reported consistent %d times %s while the positions could not be read", trusted, when)
 	}
-	g.failPositions.Store(false)
 	w.publish(5)
 	w.converge("positions readable again", r)
 }
@@ -221,7 +236,7 @@ func TestSharedPositionsUnreadUntrusted(t *testing.T) {
 	w, r, g := gatedRouter(t, 43, 20)
 	g.failPositions.Store(true)
 	testenv.WaitFor(t, 10*time.Second, "the unread positions noticed", func() bool { return !r.c.IndexConsistent() })
-	untrustedUntilPositionsRead(t, w, r, g, "with the epoch answering")
+	untrustedUntilPositionsRead(t, w, r, g, "with the epoch answering", func() { g.failPositions.Store(false) })
 }
 
 // savedWorld is a pool of e0 and quiet, heartbeating, one router that
