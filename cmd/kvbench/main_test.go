@@ -424,6 +424,15 @@ func TestSweepCommand(t *testing.T) {
 			t.Errorf("%s.svg: %v", w, err)
 		}
 	}
+	// The targets over both workloads' 2 fleets × 2 loads: 8 cells for
+	// never worse.
+	md, err := os.ReadFile(filepath.Join(dir, "targets.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(md), "over 8 cells") || !strings.Contains(string(md), "| never worse: hit ≥ prefix_aware's -0.5 pt | 8 |") {
+		t.Errorf("targets.md:\n%s", md)
+	}
 	for _, args := range [][]string{
 		{"sweep"},
 		{"sweep", "--out", dir, "--fleets", "3", "--instances", "2"},

@@ -24,9 +24,9 @@ var defaultRates = map[string]float64{
 
 // sweepRow is one run of a sweep.
 type sweepRow struct {
-	Fleet int
-	Load  float64
-	S     report.Summary
+	Fleet int            `json:"fleet"`
+	Load  float64        `json:"load"`
+	S     report.Summary `json:"summary"`
 }
 
 // runSweep runs strategies × loads × fleet sizes × workloads and writes,
@@ -95,6 +95,7 @@ func runSweep(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	traces := map[string][]workload.TraceRecord{}
+	byWorkload := map[string][]sweepRow{}
 	for _, wname := range splitList(*workloads) {
 		var rows []sweepRow
 		for _, n := range fl {
@@ -137,8 +138,13 @@ func runSweep(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if err := writeSweep(*out, wname, rows, splitList(*strategies)); err != nil {
 			return err
 		}
+		byWorkload[wname] = rows
 		fmt.Fprintf(stdout, "%s: %s\n", wname, filepath.Join(*out, wname+".md"))
 	}
+	if err := writeTargets(*out, splitList(*workloads), byWorkload); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "targets: %s\n", filepath.Join(*out, "targets.md"))
 	return nil
 }
 
