@@ -29,6 +29,22 @@ type sweepRow struct {
 	S     report.Summary `json:"summary"`
 }
 
+// cell is the row's fleet size and load: the runs of one workload compared
+// with each other.
+func (r sweepRow) cell() [2]float64 { return [2]float64{float64(r.Fleet), r.Load} }
+
+// prefixAwareRows is a workload's prefix_aware row of each cell, which
+// kv_aware's row is read against.
+func prefixAwareRows(rows []sweepRow) map[[2]float64]sweepRow {
+	ref := map[[2]float64]sweepRow{}
+	for _, r := range rows {
+		if r.S.Strategy == "prefix_aware" {
+			ref[r.cell()] = r
+		}
+	}
+	return ref
+}
+
 // runSweep runs strategies × loads × fleet sizes × workloads and writes,
 // (a workload name ending in "+scale" adds the scale-out and scale-in of
 // --scale),
@@ -164,12 +180,7 @@ func writeSweep(dir, wname string, rows []sweepRow, strategies []string) error {
 	}
 	b.WriteString("| fleet | load | strategy | busy | prefill busy | hit | of bound | computed | warm copies | TTFT p50 ms | p90 ms | p99 ms | floor p90 | p99 | failed | kv/prefix p50 | p90 | p99 | hit − prefix |\n")
 	b.WriteString("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
-	ref := map[[2]float64]report.Summary{}
-	for _, r := range rows {
-		if r.S.Strategy == "prefix_aware" {
-			ref[[2]float64{float64(r.Fleet), r.Load}] = r.S
-		}
-	}
+	ref := prefixAwareRows(rows)
 	for _, r := range rows {
 		s := r.S
 		ob := ""
@@ -178,7 +189,8 @@ func writeSweep(dir, wname string, rows []sweepRow, strategies []string) error {
 		}
 		fmt.Fprintf(&b, "| %d | %g× | %s | %s | %s | %s | %s | %s | %d | %.0f | %.0f | %.0f | %s | %s | %d |", r.Fleet, r.Load, s.Strategy, f3s(s.Busy), f3s(s.PrefillBusy),
 			f3s(s.HitRate), ob, f3s(s.Computed), s.Warms, s.TTFTP50Ms, s.TTFTP90Ms, s.TTFTP99Ms, msOrBlank(s.FloorP90Ms), msOrBlank(s.FloorP99Ms), s.Failed)
-		if p, ok := ref[[2]float64{float64(r.Fleet), r.Load}]; ok && s.Strategy == "kv_aware" {
+		if pr, ok := ref[r.cell()]; ok && s.Strategy == "kv_aware" {
+			p := pr.S
 			fmt.Fprintf(&b, " %s | %s | %s | %+.2f pt |\n", ratio(s.TTFTP50Ms, p.TTFTP50Ms), ratio(s.TTFTP90Ms, p.TTFTP90Ms), ratio(s.TTFTP99Ms, p.TTFTP99Ms), 100*(s.HitRate-p.HitRate))
 		} else {
 			b.WriteString("  |  |  |  |\n")

@@ -14,14 +14,13 @@ import (
 const (
 	// never worse: hit rate at most half a point under, TTFT percentiles
 	// at most 5 % over.
-	neverWorseHitPt  = -0.5
-	neverWorseTTFT   = 1.05
-	bandLo, bandHi   = 0.55, 0.85 // prefix_aware's busy fraction: routing has room
-	bandTTFT         = 0.75       // p90 and p99 in the band
-	overBusy         = 0.90       // over it: p50, p90, p99 all ≤ prefix_aware's
-	boundAt1x        = 0.97       // of the pooled-cache bound at load 1
-	boundLoad        = 1.0
-	noRoomFloorRatio = bandTTFT // a floor over 0.75× prefix_aware's percentile: no placement meets the band
+	neverWorseHitPt = -0.5
+	neverWorseTTFT  = 1.05
+	bandLo, bandHi  = 0.55, 0.85 // prefix_aware's busy fraction: routing has room
+	bandTTFT        = 0.75       // p90 and p99 in the band
+	overBusy        = 0.90       // over it: p50, p90, p99 all ≤ prefix_aware's
+	boundAt1x       = 0.97       // of the pooled-cache bound at load 1
+	boundLoad       = 1.0
 )
 
 // sweepCell is one fleet size and load of a workload with both
@@ -54,14 +53,9 @@ type targetTally struct {
 func sweepCells(workloads []string, rows map[string][]sweepRow) []sweepCell {
 	var cells []sweepCell
 	for _, w := range workloads {
-		pa := map[[2]float64]sweepRow{}
+		pa := prefixAwareRows(rows[w])
 		for _, r := range rows[w] {
-			if r.S.Strategy == "prefix_aware" {
-				pa[[2]float64{float64(r.Fleet), r.Load}] = r
-			}
-		}
-		for _, r := range rows[w] {
-			if p, ok := pa[[2]float64{float64(r.Fleet), r.Load}]; ok && r.S.Strategy == "kv_aware" {
+			if p, ok := pa[r.cell()]; ok && r.S.Strategy == "kv_aware" {
 				cells = append(cells, sweepCell{Workload: w, Fleet: r.Fleet, Load: r.Load, Prefix: p, KV: r})
 			}
 		}
@@ -99,7 +93,9 @@ func tallyTargets(cells []sweepCell) []targetTally {
 			misses: func(c sweepCell) (bool, bool, string) {
 				missed, _, why := over(ratios(c), []int{1, 2}, bandTTFT)
 				p := c.Prefix.S
-				noRoom := p.FloorP90Ms > noRoomFloorRatio*p.TTFTP90Ms || p.FloorP99Ms > noRoomFloorRatio*p.TTFTP99Ms
+				// A floor over the band's ratio of prefix_aware's
+				// percentile: no placement meets the band.
+				noRoom := p.FloorP90Ms > bandTTFT*p.TTFTP90Ms || p.FloorP99Ms > bandTTFT*p.TTFTP99Ms
 				if missed && noRoom {
 					why += fmt.Sprintf(" (floor p90 %.3f×, p99 %.3f× prefix_aware's)", p.FloorP90Ms/p.TTFTP90Ms, p.FloorP99Ms/p.TTFTP99Ms)
 				}
