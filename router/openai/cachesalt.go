@@ -67,10 +67,34 @@ func LeadingCacheSalt(body []byte) (salt string, ok bool) {
 	if i+1 >= len(body) || body[i] != '"' || (body[i+1] != ',' && body[i+1] != '}') {
 		return "", false
 	}
-	if bytes.Contains(body[i:], []byte(`"cache_salt"`)) || bytes.Contains(body[i:], []byte(`\u`)) {
+	if mentionsCacheSalt(body[i:]) || bytes.Contains(body[i:], []byte(`\u`)) {
 		return "", false // a duplicate (last one wins) or an escaped key: decode
 	}
 	return string(body[len(head):i]), true
+}
+
+// mentionsCacheSalt reports whether b may hold a key that encoding/json
+// matches to cache_salt: it matches keys case-insensitively (the last
+// match wins), by Unicode simple folding, under which the long s (U+017F)
+// is an s too. Found by FuzzLeadingCacheSalt: {"cache_salt":"00",
+// "CAChE_sAlt":"0"} is salt "0" to encoding/json. Searched from each '_'
+// (no case), so a body without one costs one IndexByte scan.
+func mentionsCacheSalt(b []byte) bool {
+	const key = "cache_salt"
+	if bytes.Contains(b, []byte("ſ")) { // escaped (\u017f), the caller declines it already
+		return true
+	}
+	for i := 0; ; {
+		j := bytes.IndexByte(b[i:], '_')
+		if j < 0 {
+			return false
+		}
+		k := i + j // the '_' of a candidate at b[k-5 : k+5]
+		if k >= 5 && k+5 <= len(b) && bytes.EqualFold(b[k-5:k+5], []byte(key)) {
+			return true
+		}
+		i = k + 1
+	}
 }
 
 func isSaltByte(c byte) bool {

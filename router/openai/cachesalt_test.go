@@ -120,6 +120,10 @@ func TestLeadingCacheSalt(t *testing.T) {
 		{`{"cache_salt":"abc"`, "", false},
 		{`{"model":"m","cache_salt":"abc"}`, "", false},
 		{` {"cache_salt":"abc"}`, "", false},
+		// encoding/json matches keys case-insensitively, the long s too.
+		{`{"cache_salt":"00","CAChE_sAlt":"0"}`, "", false},
+		{`{"cache_salt":"00","cache_ſalt":"0"}`, "", false},
+		{`{"cache_salt":"00","a_b":"x_y","_":1}`, "00", true},
 	}
 	for _, tc := range tests {
 		got, ok := LeadingCacheSalt([]byte(tc.body))
