@@ -228,6 +228,15 @@ type inst struct {
 	skippedAt  time.Time
 	yielded    bool
 	syncQueued bool
+	// await (0: none): the stream seq the index must reach before the
+	// instance is live again, set when this router found, or could not
+	// rule out, the index missing messages it consumed (an apply or a
+	// read failed; a check or a sync found it behind) and the repair may
+	// be another router's, its writer's: a message left to that writer,
+	// or a sync that finds it, counts the instance live only once the
+	// index is at or past await (shared.go, setSyncedAt). Guarded by
+	// Consumer.mu.
+	await uint64
 }
 
 type workKind uint8

@@ -150,21 +150,22 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 		// router's to apply, whoever wrote last.
 		yield = false
 		if err != nil {
-			c.setSynced(in, false)
+			c.distrust(in, seq)
 			return r.ApplyResult, err
 		}
 		c.countTakeover(r)
 		c.noteHole(in, r.Position)
 		switch r.Status {
 		case kvindex.SeqApplied, kvindex.SeqDuplicate:
-			c.setSynced(in, true)
+			c.setSyncedAt(in, kvindex.Position{Seq: seq, Seeded: true})
 			return r.ApplyResult, nil
 		case kvindex.SeqNotOwner:
 			// The writer applies it; watchShared checks that it did once
-			// its lease could have run out.
+			// its lease could have run out. Live when the index holds
+			// what this router last found it missing (inst.await).
 			c.leftToWriter(in, seq, false)
 			if r.Position.Seeded {
-				c.setSynced(in, true)
+				c.setSyncedAt(in, r.Position)
 			}
 			return kvindex.ApplyResult{}, nil
 		case kvindex.SeqYielded:
@@ -186,7 +187,7 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 			}
 			c.leftToWriter(in, seq, true)
 			if r.Position.Seeded {
-				c.setSynced(in, true)
+				c.setSyncedAt(in, r.Position)
 			}
 			return kvindex.ApplyResult{}, nil
 		}
@@ -194,17 +195,20 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 		if errors.Is(err, errOwned) {
 			// Another router took the instance over meanwhile: it brings
 			// it up to date, this message included; checked as above.
+			// The index was behind what this router consumed before
+			// this message: not live until it holds that.
 			c.leftToWriter(in, seq, false)
-			c.setSynced(in, pos.Seeded)
+			c.awaitSeq(in, from.Seq)
+			c.setSyncedAt(in, pos)
 			return kvindex.ApplyResult{}, nil
 		}
 		if err != nil {
-			c.setSynced(in, false)
+			c.distrust(in, seq)
 			return kvindex.ApplyResult{}, err
 		}
 		from = pos
 	}
-	c.setSynced(in, false)
+	c.distrust(in, seq)
 	return kvindex.ApplyResult{}, fmt.Errorf("consumer: shared index of %s kept moving under message %d", instance, seq)
 }
 
@@ -513,7 +517,7 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 	c.mu.Unlock()
 	pos, err := c.shared.idx.Position(ctx, instance)
 	if err != nil {
-		c.setSynced(in, false)
+		c.distrust(in, in.from.Seq)
 		c.cfg.Logger.Warn("consumer: shared index unreachable, will retry", "instance", instance, "err", err)
 		return
 	}
@@ -539,7 +543,7 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 			// hole.
 			c.repairHole(ctx, instance, in, pos.Seq+1, 0, false)
 		}
-		c.setSynced(in, true)
+		c.setSyncedAt(in, pos)
 		return
 	}
 	// Behind what this router consumed, or (nothing consumed yet) maybe
@@ -551,16 +555,23 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 	p, err := c.repairShared(ctx, instance, in, pos, upTo, in.from)
 	switch {
 	case errors.Is(err, errOwned):
-		// Another router is writing it: it keeps a seeded instance
-		// current (checked again once its lease could have run out); an
-		// unseeded one is not whole until it has loaded it.
+		// Another router is writing it and repairs it (checked again
+		// once its lease could have run out). Until the index holds what
+		// this router consumed, the instance is not live: the index
+		// misses messages (Redis restored to an earlier point while that
+		// router's lease held; its writer stuck or dead), and its state
+		// is older than this router's stream. An unseeded one is not
+		// whole until that router has loaded it.
 		if in.from.Seeded {
 			c.leftToWriter(in, in.from.Seq, false)
+			if c.awaitSeq(in, in.from.Seq) && p.Seq < in.from.Seq {
+				c.logBehindWriter(instance, p, in.from.Seq)
+			}
 		}
 		c.noteHole(in, p)
-		c.setSynced(in, p.Seeded)
+		c.setSyncedAt(in, p)
 	case err != nil:
-		c.setSynced(in, false)
+		c.distrust(in, in.from.Seq)
 		c.cfg.Logger.Warn("consumer: repair of the shared index failed, will retry", "instance", instance, "err", err)
 	case in.from.Seeded && p.Seq < in.from.Seq:
 		// The repair ended below what this router consumed: the stream
@@ -572,7 +583,7 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 		// it live in between — and the repair is tried again at the
 		// next check, until one reaches the position or the instance's
 		// next message applies.
-		c.setSynced(in, false)
+		c.distrust(in, in.from.Seq)
 		c.cfg.Logger.Warn("consumer: shared index behind messages this router consumed that neither the stream nor the snapshot holds now; not live until repaired",
 			"instance", instance, "index_at", p.Seq, "consumed", in.from.Seq)
 	default:
@@ -581,7 +592,7 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 		}
 		c.noteHole(in, p)
 		confirmed()
-		c.setSynced(in, true)
+		c.setSyncedAt(in, p)
 		if p != pos {
 			c.cfg.Logger.Info("consumer: shared index repaired", "instance", instance, "was", pos.String(), "now", p.Seq)
 		}
@@ -608,6 +619,56 @@ func (c *Consumer) setExpect(p kvindex.Position, in *inst) {
 // (inst.hole) it is not, whatever ok says.
 func (c *Consumer) setSynced(in *inst, ok bool) {
 	c.mu.Lock()
+	c.setSyncedLocked(in, ok)
+	c.mu.Unlock()
+}
+
+// setSyncedAt records the instance's state whole when the index, at pos,
+// holds every message this router last found it might be missing
+// (inst.await, then cleared), else not whole.
+func (c *Consumer) setSyncedAt(in *inst, pos kvindex.Position) {
+	c.mu.Lock()
+	ok := pos.Seeded && pos.Seq >= in.await
+	if ok {
+		in.await = 0
+	}
+	c.setSyncedLocked(in, ok)
+	c.mu.Unlock()
+}
+
+// distrust records the instance's state not known whole, the index maybe
+// missing this router's messages up to stream seq upTo: live again once
+// a sync or a message finds the index at or past it (setSyncedAt), not at
+// a message merely left to another router's writer.
+func (c *Consumer) distrust(in *inst, upTo uint64) {
+	c.mu.Lock()
+	in.await = max(in.await, upTo)
+	c.setSyncedLocked(in, false)
+	c.mu.Unlock()
+}
+
+// awaitSeq raises inst.await to seq; true when it rose.
+func (c *Consumer) awaitSeq(in *inst, seq uint64) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if seq <= in.await {
+		return false
+	}
+	in.await = seq
+	return true
+}
+
+// logBehindWriter logs an instance the index holds behind this router's
+// messages while another router writes it (a few lines per interval).
+func (c *Consumer) logBehindWriter(instance string, at kvindex.Position, consumed uint64) {
+	if ok, suppressed := c.logLimit.Allow("behind_writer"); ok {
+		c.cfg.Logger.Warn("consumer: shared index behind messages this router consumed while another router writes the instance; not live until it holds them",
+			"instance", instance, "index_at", at.String(), "consumed", consumed, "suppressed", suppressed)
+	}
+}
+
+// setSyncedLocked is setSynced with c.mu held.
+func (c *Consumer) setSyncedLocked(in *inst, ok bool) {
 	ok = ok && in.hole == 0 // a hole pending: not whole, whatever the position
 	if in.status.IndexUnsynced == ok {
 		in.status.IndexUnsynced = !ok
@@ -617,7 +678,6 @@ func (c *Consumer) setSynced(in *inst, ok bool) {
 			c.unsynced.Add(1)
 		}
 	}
-	c.mu.Unlock()
 }
 
 // IndexConsistent reports whether the shared index can be trusted: Redis
@@ -745,10 +805,8 @@ func (c *Consumer) watchShared(ctx context.Context) {
 			c.mu.Lock()
 			names := make([]string, 0, len(c.insts))
 			for name, in := range c.insts {
-				if !in.status.IndexUnsynced {
-					in.status.IndexUnsynced = true
-					c.unsynced.Add(1)
-				}
+				in.await = max(in.await, in.expect.Seq)
+				c.setSyncedLocked(in, false)
 				names = append(names, name)
 			}
 			c.mu.Unlock()
@@ -769,7 +827,7 @@ func (c *Consumer) watchShared(ctx context.Context) {
 				// the repair is done. Not read (a Cluster master still
 				// down, Redis gone again): not trusted yet, read again
 				// at the next check.
-				due, err := c.dueShared(ctx, leaseWait)
+				due, err := c.dueShared(ctx, leaseWait, true)
 				checked = true
 				if err == nil {
 					// Those found behind are marked unsynced already (not
@@ -788,7 +846,7 @@ func (c *Consumer) watchShared(ctx context.Context) {
 			c.sweep(ctx)
 		}
 		if c.epochOK.Load() && !checked {
-			due, err := c.dueShared(ctx, leaseWait)
+			due, err := c.dueShared(ctx, leaseWait, false)
 			for _, name := range due {
 				c.queueSync(ctx, name)
 			}
@@ -814,7 +872,16 @@ func (c *Consumer) watchShared(ctx context.Context) {
 // writer can explain it (Redis restored from its persistence to an earlier
 // point keeps its epoch: only positions tell), read in one round trip;
 // the error is that read's.
-func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) (due []string, err error) {
+//
+// all (after an outage, or an answer late enough that Redis may have
+// restarted unseen) reads the positions of the instances whose last
+// message was left to another router's writer too: a busy one's skips
+// never run a lease late, and a restored index behind them was read as
+// fresh until that writer repaired it. One behind is not live until the
+// index holds what this router consumed (inst.await), whoever repairs it;
+// a writer's ordinary lag of a message or two reads as behind then too,
+// for the check interval until the next message or sync confirms it.
+func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration, all bool) (due []string, err error) {
 	now := time.Now()
 	var check []string
 	var want []kvindex.Position
@@ -828,7 +895,7 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) (due 
 		switch {
 		case in.status.IndexUnsynced || in.skipped != 0 && writerLate:
 			due = append(due, name)
-		case writerLate && in.expect.Seeded && !in.syncQueued:
+		case (writerLate || all) && in.expect.Seeded && !in.syncQueued:
 			check, want = append(check, name), append(want, in.expect)
 		}
 	}
@@ -841,19 +908,20 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration) (due 
 		return due, err
 	}
 	var behind []string
+	var upTo []uint64
 	for i, p := range got {
 		if !p.Seeded || p.Seq < want[i].Seq || p.Hole != 0 {
-			behind = append(behind, check[i])
+			behind, upTo = append(behind, check[i]), append(upTo, want[i].Seq)
 		}
 	}
 	// Missing messages this router consumed (Redis restored to an earlier
 	// point, or a writer's mark), or a hole another router recorded (the
 	// sync adopts it: noteHole): not whole, so not live, until repaired.
 	c.mu.Lock()
-	for _, name := range behind {
-		if in := c.insts[name]; in != nil && !in.status.IndexUnsynced {
-			in.status.IndexUnsynced = true
-			c.unsynced.Add(1)
+	for i, name := range behind {
+		if in := c.insts[name]; in != nil {
+			in.await = max(in.await, upTo[i])
+			c.setSyncedLocked(in, false)
 		}
 	}
 	c.mu.Unlock()

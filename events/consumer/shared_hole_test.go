@@ -123,7 +123,7 @@ func TestSharedLiveHoleNotLive(t *testing.T) {
 	}
 	samples := 0
 	for range 25 {
-		_, _ = r.c.dueShared(w.ctx, sharedLease) // the check, as watchShared runs it
+		_, _ = r.c.dueShared(w.ctx, sharedLease, false) // the check, as watchShared runs it
 		for end := time.Now().Add(60 * time.Millisecond); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
 			if r.c.Live("quiet") || r.c.IndexConsistent() {
 				t.Fatalf("quiet read live (index consistent %v) after a hole in its engine seqs: the index holds %v blocks, the engine %v",
@@ -289,7 +289,7 @@ func (w *sharedWorld) notLive(d time.Duration, instance, what string, routers ..
 	samples := 0
 	for end := time.Now().Add(d); time.Now().Before(end); {
 		for _, r := range routers {
-			_, _ = r.c.dueShared(w.ctx, sharedLease)
+			_, _ = r.c.dueShared(w.ctx, sharedLease, false)
 		}
 		for stop := time.Now().Add(50 * time.Millisecond); time.Now().Before(stop); time.Sleep(2 * time.Millisecond) {
 			for i, r := range routers {

@@ -149,7 +149,7 @@ func TestSharedCheckDuringApplyNotBehind(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("e0's message not applied within 20 s")
 	}
-	r.c.dueShared(w.ctx, sharedLease) // the check, as watchShared runs it
+	r.c.dueShared(w.ctx, sharedLease, false) // the check, as watchShared runs it
 	live := r.c.Live("e0")
 	close(release)
 	released = true
@@ -326,7 +326,7 @@ func TestSharedRepairShortNotLive(t *testing.T) {
 	})
 	notLive := 0
 	for range 20 {
-		_, _ = r.c.dueShared(w.ctx, sharedLease)
+		_, _ = r.c.dueShared(w.ctx, sharedLease, false)
 		for end := time.Now().Add(60 * time.Millisecond); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
 			if r.c.Live("quiet") {
 				t.Fatalf("quiet read live at %v, behind the messages this router consumed", saved)
@@ -357,7 +357,7 @@ func assertNoFlap(t *testing.T, w *sharedWorld, r *router) {
 	t.Helper()
 	behind, notLive := 0, 0
 	for range 20 {
-		due, _ := r.c.dueShared(w.ctx, sharedLease)
+		due, _ := r.c.dueShared(w.ctx, sharedLease, false)
 		if slices.Contains(due, "quiet") {
 			behind++
 		}
@@ -474,7 +474,7 @@ func TestSharedReplayGapInStreamNotLive(t *testing.T) {
 	w.redis.Start()
 	testenv.WaitFor(t, 20*time.Second, "quiet's repair tried", func() bool { return quietGaps(r) > 0 })
 	for range 20 {
-		_, _ = r.c.dueShared(w.ctx, sharedLease)
+		_, _ = r.c.dueShared(w.ctx, sharedLease, false)
 		for end := time.Now().Add(60 * time.Millisecond); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
 			if r.c.Live("quiet") {
 				p, _ := r.idx.Position(w.ctx, "quiet")

@@ -1,0 +1,111 @@
+package consumer
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/internal/testenv"
+)
+
+// Redis comes back from its own persistence (same epoch) while another
+// router holds an instance's writer lease, and the index misses messages
+// of it that this router consumed and left to that writer. This router
+// must not count the instance live while the index is behind what it
+// consumed: the writer, not this router, repairs it, and until it does the
+// index holds the restored, older state.
+//
+// Before, a router that was not an instance's writer read its position
+// neither when Redis came back (a busy instance's skipped messages were
+// never "writer late": each refreshed the skip) nor after a sync that
+// found another writer (errOwned marked it live whatever the position),
+// and a message left to the writer (SeqNotOwner) marked it live too. The
+// writer here is stopped with its lease restored by Redis, so nobody
+// repairs the instance until that lease runs out: the window is the
+// lease, where in production it is the writer's repair (the instance's
+// next message), or the lease when the writer died or hangs.
+//
+// Three ways in: no message of the instance during the outage (only the
+// positions read when Redis answers again can tell), messages during the
+// outage (this router's applies fail, then a sync finds the writer), and
+// messages after it (each left to the writer, whose lease Redis restored:
+// SeqNotOwner with the index behind).
+func TestSharedRedisRestoredBehindOtherWriter(t *testing.T) {
+	for i, tc := range []struct{ during, after bool }{{false, false}, {true, false}, {false, true}} {
+		t.Run(fmt.Sprintf("during=%v,after=%v", tc.during, tc.after), func(t *testing.T) {
+			restoredBehindOtherWriter(t, uint64(51+i), tc.during, tc.after)
+		})
+	}
+}
+
+func restoredBehindOtherWriter(t *testing.T, seed uint64, during, after bool) {
+	// Long enough to outlast the save, the restart and many checks; the
+	// test waits for it to run out once (B then takes the instance over).
+	const lease = 8 * time.Second
+	w := newSharedWorld(t, seed, "e0")
+	client := func() redis.UniversalClient {
+		return redis.NewClient(&redis.Options{Addr: w.redis.Addr, PoolSize: 4, MaxRetries: -1, DialTimeout: 200 * time.Millisecond,
+			ReadTimeout: time.Second, WriteTimeout: time.Second})
+	}
+	stop := make(chan struct{})
+	hb := w.heartbeats(stop)
+	defer func() { close(stop); hb.Wait() }()
+	a := w.startRouterWith(client(), lease)
+	w.publish(3)
+	w.converge("A alone", a)
+	b := w.startRouterWith(client(), lease)
+	w.publish(3)
+	w.converge("A and B", a, b) // B leaves e0's messages to A, e0's writer
+	w.saveRDB()                 // with A's lease on e0
+	w.publish(5)                // lost by the restore
+	w.converge("after the save", a, b)
+	a.stop() // the writer gone; Redis restores its lease
+
+	w.redis.Kill()
+	testenv.WaitFor(t, 10*time.Second, "the outage noticed", func() bool { return !b.c.IndexConsistent() })
+	if during {
+		before := consumedSeq(b)
+		w.publish(2)
+		testenv.WaitFor(t, 10*time.Second, "B consuming the messages published during the outage", func() bool { return consumedSeq(b) > before })
+	}
+	want := consumedSeq(b)
+	w.redis.Start() // loads the RDB: e0 as of the save, A's lease on it
+	if after {
+		// Once B trusts Redis again (its positions read, e0 found
+		// behind): messages then are left to A's restored lease.
+		testenv.WaitFor(t, 10*time.Second, "B reading Redis again", b.c.epochOK.Load)
+		w.publish(3)
+	}
+
+	deadline := time.Now().Add(3 * lease)
+	for {
+		// Live read before the position: a position read behind after
+		// the instance read live was behind then too (only a restore
+		// moves it back).
+		trusted := b.c.IndexConsistent() && b.c.Live("e0")
+		p, err := b.idx.Position(w.ctx, "e0")
+		if err == nil && p.Seeded && p.Seq >= want {
+			break // repaired (B took it over once A's lease ran out)
+		}
+		if err == nil && trusted {
+			t.Fatalf("B trusts the index and counts e0 live at position %v, behind %d it consumed: the restored state read as fresh", p, want)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("e0 not repaired within %v of the restore (position %v, want %d, err %v)", 3*lease, p, want, err)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	w.converge("after the restore", b)
+}
+
+// consumedSeq is the stream seq of router r's last message of e0.
+func consumedSeq(r *router) uint64 {
+	for _, s := range r.c.Instances() {
+		if s.Instance == "e0" {
+			return s.StreamSeq
+		}
+	}
+	return 0
+}
