@@ -187,7 +187,7 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 			}
 			c.leftToWriter(in, seq, true)
 			if r.Position.Seeded {
-				c.setSyncedAt(in, r.Position)
+				c.setSyncedAt(in, r.Position) // at or past from here, so past await
 			}
 			return kvindex.ApplyResult{}, nil
 		}
@@ -564,7 +564,10 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 		// whole until that router has loaded it.
 		if in.from.Seeded {
 			c.leftToWriter(in, in.from.Seq, false)
-			if c.awaitSeq(in, in.from.Seq) && p.Seq < in.from.Seq {
+			if was := c.awaitSeq(in, in.from.Seq); p.Seq < was {
+				// Still missing what this router found missing before
+				// this sync (not merely the message or two a writer
+				// applies as this router reads them): logged.
 				c.logBehindWriter(instance, p, in.from.Seq)
 			}
 		}
@@ -647,15 +650,13 @@ func (c *Consumer) distrust(in *inst, upTo uint64) {
 	c.mu.Unlock()
 }
 
-// awaitSeq raises inst.await to seq; true when it rose.
-func (c *Consumer) awaitSeq(in *inst, seq uint64) bool {
+// awaitSeq raises inst.await to seq and returns what it was.
+func (c *Consumer) awaitSeq(in *inst, seq uint64) (was uint64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if seq <= in.await {
-		return false
-	}
-	in.await = seq
-	return true
+	was = in.await
+	in.await = max(was, seq)
+	return was
 }
 
 // logBehindWriter logs an instance the index holds behind this router's
@@ -874,10 +875,11 @@ func (c *Consumer) watchShared(ctx context.Context) {
 // the error is that read's.
 //
 // all (after an outage, or an answer late enough that Redis may have
-// restarted unseen) reads the positions of the instances whose last
-// message was left to another router's writer too: a busy one's skips
-// never run a lease late, and a restored index behind them was read as
-// fresh until that writer repaired it. One behind is not live until the
+// restarted unseen) reads the position of every instance not already
+// unsynced: those whose last message was left to another router's writer
+// too (a busy one's skips never run a lease late, and a restored index
+// behind them was read as fresh until that writer repaired it), and those
+// already due or queued for a sync (live until it has run). One behind is not live until the
 // index holds what this router consumed (inst.await), whoever repairs it;
 // a writer's ordinary lag of a message or two reads as behind then too,
 // for the check interval until the next message or sync confirms it.
@@ -892,10 +894,13 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration, all b
 			wait = c.cfg.CheckInterval // a live writer applies it in milliseconds
 		}
 		writerLate := in.skipped == 0 || now.Sub(in.skippedAt) > wait
-		switch {
-		case in.status.IndexUnsynced || in.skipped != 0 && writerLate:
+		isDue := in.status.IndexUnsynced || in.skipped != 0 && writerLate
+		if isDue {
 			due = append(due, name)
-		case (writerLate || all) && in.expect.Seeded && !in.syncQueued:
+		}
+		// With all, one already due or queued is read too: until its
+		// sync has run (behind a full shard, maybe) it would read live.
+		if in.expect.Seeded && !in.status.IndexUnsynced && (all || writerLate && !isDue && !in.syncQueued) {
 			check, want = append(check, name), append(want, in.expect)
 		}
 	}

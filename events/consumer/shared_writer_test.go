@@ -79,7 +79,9 @@ func restoredBehindOtherWriter(t *testing.T, seed uint64, during, after bool) {
 		w.publish(3)
 	}
 
-	deadline := time.Now().Add(3 * lease)
+	restarted := time.Now()
+	deadline := restarted.Add(3 * lease)
+	var behindSince time.Time
 	for {
 		// Live read before the position: a position read behind after
 		// the instance read live was behind then too (only a restore
@@ -87,10 +89,19 @@ func restoredBehindOtherWriter(t *testing.T, seed uint64, during, after bool) {
 		trusted := b.c.IndexConsistent() && b.c.Live("e0")
 		p, err := b.idx.Position(w.ctx, "e0")
 		if err == nil && p.Seeded && p.Seq >= want {
-			break // repaired (B took it over once A's lease ran out)
+			// Repaired: B took it over once A's restored lease ran out.
+			// A shorter wait means the lease had run out already and
+			// the case was not tried (the restart came too late).
+			if behindSince.IsZero() || time.Since(behindSince) < time.Second {
+				t.Fatalf("e0 repaired %v after the restart: A's restored lease did not hold it (save to restart outlasted the lease?)", time.Since(restarted).Round(time.Millisecond))
+			}
+			break
 		}
 		if err == nil && trusted {
 			t.Fatalf("B trusts the index and counts e0 live at position %v, behind %d it consumed: the restored state read as fresh", p, want)
+		}
+		if err == nil && behindSince.IsZero() {
+			behindSince = time.Now()
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("e0 not repaired within %v of the restore (position %v, want %d, err %v)", 3*lease, p, want, err)
