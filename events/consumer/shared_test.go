@@ -288,14 +288,31 @@ type router struct {
 
 func (w *sharedWorld) startRouter() *router {
 	w.t.Helper()
-	var client redis.UniversalClient
 	if w.newClient != nil {
-		client = w.newClient()
-	} else {
-		client = redis.NewClient(&redis.Options{Addr: w.redis.Addr, PoolSize: 4, MaxRetries: -1, DialTimeout: 200 * time.Millisecond,
-			ReadTimeout: time.Second, WriteTimeout: time.Second})
+		return w.startRouterWith(w.newClient(), sharedLease)
 	}
-	return w.startRouterWith(client, sharedLease)
+	return w.startRouterWith(w.client(), sharedLease)
+}
+
+// client is a Redis client of the world's Redis as the tests' routers
+// use: short timeouts, no retries.
+func (w *sharedWorld) client() redis.UniversalClient {
+	return redis.NewClient(&redis.Options{Addr: w.redis.Addr, PoolSize: 4, MaxRetries: -1, DialTimeout: 200 * time.Millisecond,
+		ReadTimeout: time.Second, WriteTimeout: time.Second})
+}
+
+// writerAndOther starts router A, converged on three rounds alone (every
+// instance's writer), then router B with the writer lease given too,
+// converged after rounds more (B leaves the messages to A).
+func (w *sharedWorld) writerAndOther(lease time.Duration, rounds int) (a, b *router) {
+	w.t.Helper()
+	a = w.startRouterWith(w.client(), lease)
+	w.publish(3)
+	w.converge("A alone", a)
+	b = w.startRouterWith(w.client(), lease)
+	w.publish(rounds)
+	w.converge("A and B", a, b)
+	return a, b
 }
 
 // startRouterWith starts a router on client (closed at cleanup) with the
@@ -616,19 +633,10 @@ func TestSharedRedisRestoredEarlier(t *testing.T) {
 func TestSharedRedisDeadWriterYieldBounded(t *testing.T) {
 	const lease = 2 * time.Second
 	w := newSharedWorld(t, 17, "e0")
-	client := func() redis.UniversalClient {
-		return redis.NewClient(&redis.Options{Addr: w.redis.Addr, PoolSize: 4, MaxRetries: -1, DialTimeout: 200 * time.Millisecond,
-			ReadTimeout: time.Second, WriteTimeout: time.Second})
-	}
 	stop := make(chan struct{})
 	hb := w.heartbeats(stop)
 	defer func() { close(stop); hb.Wait() }()
-	a := w.startRouterWith(client(), lease)
-	w.publish(3)
-	w.converge("A alone", a)
-	b := w.startRouterWith(client(), lease)
-	w.publish(2)
-	w.converge("A and B", a, b)
+	a, b := w.writerAndOther(lease, 2)
 	a.stop()
 	time.Sleep(lease + 500*time.Millisecond) // A's lease runs out
 

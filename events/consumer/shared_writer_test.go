@@ -5,8 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
@@ -45,21 +43,12 @@ func restoredBehindOtherWriter(t *testing.T, seed uint64, during, after bool) {
 	// test waits for it to run out once (B then takes the instance over).
 	const lease = 8 * time.Second
 	w := newSharedWorld(t, seed, "e0")
-	client := func() redis.UniversalClient {
-		return redis.NewClient(&redis.Options{Addr: w.redis.Addr, PoolSize: 4, MaxRetries: -1, DialTimeout: 200 * time.Millisecond,
-			ReadTimeout: time.Second, WriteTimeout: time.Second})
-	}
 	stop := make(chan struct{})
 	hb := w.heartbeats(stop)
 	defer func() { close(stop); hb.Wait() }()
-	a := w.startRouterWith(client(), lease)
-	w.publish(3)
-	w.converge("A alone", a)
-	b := w.startRouterWith(client(), lease)
-	w.publish(3)
-	w.converge("A and B", a, b) // B leaves e0's messages to A, e0's writer
-	w.saveRDB()                 // with A's lease on e0
-	w.publish(5)                // lost by the restore
+	a, b := w.writerAndOther(lease, 3) // B leaves e0's messages to A, e0's writer
+	w.saveRDB()                        // with A's lease on e0
+	w.publish(5)                       // lost by the restore
 	w.converge("after the save", a, b)
 	a.stop() // the writer gone; Redis restores its lease
 
