@@ -339,6 +339,39 @@ func (r *Redis) Epoch(ctx context.Context) (epoch string, created bool, err erro
 	return old + topo, old == mine, nil
 }
 
+// rewindTTL is how long a check counter (Rewound) outlives the last check
+// that counted it: far over any check interval, so a running router's
+// counter never expires, and a stopped router's goes on its own.
+const rewindTTL = time.Hour
+
+// Rewound reports whether Redis went back in time since the last call of
+// this handle that answered: restarted from its own persistence (an RDB
+// snapshot, an AOF not fsynced at every write) to an earlier point. The
+// epoch survives such a restart, so only the data can tell, and a restart
+// between two checks that no call saw fail leaves nothing else to see it
+// by. Each call increments a counter of this handle's own,
+// <prefix>:v3:n:<token>, kept a rewindTTL after its last increment; a
+// value not above the one the last call got means the increments between
+// are gone (the counter missing starts again at 1). A call whose reply is
+// lost after the increment ran makes the next one skip a value, never
+// repeat one. The first call reports false. On a Redis Cluster it sees
+// the master that holds the counter's slot: a failover changes the epoch
+// anyway (the topology), and a master restarted from its own persistence
+// with no failover is seen only when it holds the counter.
+func (r *Redis) Rewound(ctx context.Context) (bool, error) {
+	key := r.ns + "n:" + r.token
+	var n *redis.IntCmd
+	if _, err := r.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+		n = p.Incr(ctx, key)
+		p.PExpire(ctx, key, rewindTTL)
+		return nil
+	}); err != nil {
+		return false, r.failed(fmt.Errorf("kvindex: redis: check counter: %w", err))
+	}
+	last := r.counted.Swap(n.Val())
+	return last != 0 && n.Val() <= last, nil
+}
+
 // On a Redis Cluster, a failover loses the writes the old master had not
 // replicated yet (replication is asynchronous): block keys anywhere may
 // miss recent placements while every instance's position, on another

@@ -48,6 +48,10 @@ type SharedApplier interface {
 	LoadAt(ctx context.Context, instance string, seq uint64, evs []events.Event) (kvindex.SeqResult, error)
 	Position(ctx context.Context, instance string) (kvindex.Position, error)
 	Epoch(ctx context.Context) (epoch string, created bool, err error)
+	// Rewound reports whether Redis went back in time (restarted from its
+	// own persistence to an earlier point) since the last call that
+	// answered: the epoch survives that (kvindex.Redis.Rewound).
+	Rewound(ctx context.Context) (bool, error)
 	// Positions reads several instances' positions in one round trip.
 	Positions(ctx context.Context, instances []string) ([]kvindex.Position, error)
 	// WriterLease is how long a writer keeps an instance after its last
@@ -514,6 +518,7 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 	c.mu.Lock()
 	in.syncQueued = false
 	skipped := in.skipped
+	toWriter := skipped != 0 && !c.writerLate(in, time.Now(), c.shared.idx.WriterLease())
 	c.mu.Unlock()
 	pos, err := c.shared.idx.Position(ctx, instance)
 	if err != nil {
@@ -542,6 +547,21 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 			// snapshot, which only the bridge refreshes, is older than the
 			// hole.
 			c.repairHole(ctx, instance, in, pos.Seq+1, 0, false)
+		}
+		c.setSyncedAt(in, pos)
+		return
+	}
+	if pos.Seeded && in.from.Seeded && toWriter {
+		// Behind, and this router's last message of it was left to a
+		// writer whose lease has not run out since (a check after an
+		// outage, or a late answer, reads it during that writer's lag
+		// or before it repairs a restored state): that writer repairs
+		// it, and a repair here would only read the stream to meet its
+		// lease (errOwned). Live once the index holds what this router
+		// found missing (inst.await); a writer that never gets there
+		// is late a lease after the skip, and then this router repairs.
+		if was := c.awaitSeq(in, in.from.Seq); pos.Seq < was {
+			c.logBehindWriter(instance, pos, in.from.Seq)
 		}
 		c.setSyncedAt(in, pos)
 		return
@@ -773,6 +793,9 @@ func (c *Consumer) watchShared(ctx context.Context) {
 		checked := false // dueShared ran in this round
 		e, created, err := c.shared.idx.Epoch(ctx)
 		if err == nil {
+			err = c.checkRewound(ctx)
+		}
+		if err == nil {
 			now := c.monoNow()
 			last := time.Duration(c.answered.Load())
 			if last != 0 && now-last > c.epochDue() && c.epochOK.Swap(false) {
@@ -867,6 +890,25 @@ func (c *Consumer) watchShared(ctx context.Context) {
 	}
 }
 
+// checkRewound asks the index whether Redis went back in time since the
+// last check (kvindex.Redis.Rewound): restarted from its own persistence
+// between two checks, no call of this router seeing it down, the restart
+// shows in nothing else until the positions are read, and instances this
+// router leaves to another router's writer are not read by an ordinary
+// check. Rewound, the index is untrusted as after an outage: the next
+// branch reads every instance's position before trusting it again.
+func (c *Consumer) checkRewound(ctx context.Context) error {
+	rewound, err := c.shared.idx.Rewound(ctx)
+	if err != nil || !rewound {
+		return err
+	}
+	c.m.indexRewound.Inc()
+	if c.epochOK.Swap(false) {
+		c.cfg.Logger.Warn("consumer: shared index went back in time (Redis restarted from its persistence); reading the instances' positions before trusting it again")
+	}
+	return nil
+}
+
 // dueShared lists the instances to sync: unsynced ones, those with a
 // message left to a writer whose lease has run out since, and those whose
 // position in the index is behind what this router consumed when no other
@@ -889,11 +931,7 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration, all b
 	var want []kvindex.Position
 	c.mu.Lock()
 	for name, in := range c.insts {
-		wait := leaseWait
-		if in.yielded {
-			wait = c.cfg.CheckInterval // a live writer applies it in milliseconds
-		}
-		writerLate := in.skipped == 0 || now.Sub(in.skippedAt) > wait
+		writerLate := c.writerLate(in, now, leaseWait)
 		isDue := in.status.IndexUnsynced || in.skipped != 0 && writerLate
 		if isDue {
 			due = append(due, name)
@@ -931,6 +969,19 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration, all b
 	}
 	c.mu.Unlock()
 	return append(due, behind...), nil
+}
+
+// writerLate reports whether the instance has no message left to another
+// router's writer, or the last one was left longer ago than that writer
+// needs to apply it: its lease, or a check interval when it was yielded
+// to a writer whose lease had run out (a live one applies it in
+// milliseconds). c.mu held.
+func (c *Consumer) writerLate(in *inst, now time.Time, leaseWait time.Duration) bool {
+	wait := leaseWait
+	if in.yielded {
+		wait = c.cfg.CheckInterval
+	}
+	return in.skipped == 0 || now.Sub(in.skippedAt) > wait
 }
 
 // decodeJoined decodes a stream message's payload, a coalesced message's

@@ -29,6 +29,19 @@ type gatedIndex struct {
 	failPositions atomic.Bool
 	// holdPositions, when set, holds Positions until it closes.
 	holdPositions atomic.Pointer[chan struct{}]
+	// holdEpoch, when set, holds Epoch (the check loop) until it closes.
+	holdEpoch atomic.Pointer[chan struct{}]
+}
+
+func (g *gatedIndex) Epoch(ctx context.Context) (string, bool, error) {
+	if hold := g.holdEpoch.Load(); hold != nil {
+		select {
+		case <-*hold:
+		case <-ctx.Done():
+			return "", false, ctx.Err()
+		}
+	}
+	return g.Redis.Epoch(ctx)
 }
 
 func (g *gatedIndex) gateApply() {

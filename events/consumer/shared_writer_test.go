@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
 )
 
 // Redis comes back from its own persistence (same epoch) while another
@@ -108,4 +109,73 @@ func consumedSeq(r *router) uint64 {
 		}
 	}
 	return 0
+}
+
+// Redis restarted from its persistence between two checks of router B,
+// none of B's calls seeing it down (its check loop is held across the
+// restart, shorter than the epoch's due time): the epoch is the same and
+// no answer is late, so only the check counter (kvindex.Redis.Rewound)
+// tells. e0 is left to A, its writer, stopped with its lease in the RDB:
+// before the counter B read e0 as of the restore point until that lease
+// ran out (8 s here; a lease plus a check interval in production). Now
+// B's first check after the restart finds it, and B counts e0 live only
+// once the index holds what B consumed.
+func TestSharedRedisRewoundUnseen(t *testing.T) {
+	const lease = 8 * time.Second
+	w := newSharedWorld(t, 57, "e0")
+	stop := make(chan struct{})
+	hb := w.heartbeats(stop)
+	defer func() { close(stop); hb.Wait() }()
+	a := w.startRouterWith(w.client(), lease)
+	w.publish(3)
+	w.converge("A alone", a)
+	var g *gatedIndex
+	w.wrapIndex = func(idx *kvindex.Redis) SharedApplier {
+		g = &gatedIndex{Redis: idx}
+		return g
+	}
+	b := w.startRouterWith(w.client(), lease)
+	w.publish(3)
+	w.converge("A and B", a, b)
+	w.saveRDB()
+	w.publish(5) // lost by the restore
+	w.converge("after the save", a, b)
+	a.stop()
+	want := consumedSeq(b)
+	// Checks of B after the save, which the restore takes back: the
+	// counter sees a rewind that spans one of them (a rewind shorter than
+	// a check interval is left to the writer's own check).
+	time.Sleep(10 * b.c.cfg.CheckInterval)
+
+	hold := make(chan struct{})
+	g.holdEpoch.Store(&hold)
+	time.Sleep(100 * time.Millisecond) // B's loop reaches the held check
+	held := time.Now()
+	w.redis.Kill()
+	w.redis.Start() // loads the RDB: e0 as of the save, A's lease on it
+	if d := time.Since(held); d > b.c.epochDue()/2 {
+		t.Logf("the restart took %v: B may see it as a late answer too", d)
+	}
+	g.holdEpoch.Store(nil)
+	close(hold)
+
+	testenv.WaitFor(t, 10*time.Second, "B to find Redis rewound", func() bool {
+		return counterValue(b.c.m.indexRewound) >= 1
+	})
+	deadline := time.Now().Add(3 * lease)
+	for {
+		trusted := b.c.IndexConsistent() && b.c.Live("e0")
+		p, err := b.idx.Position(w.ctx, "e0")
+		if err == nil && p.Seeded && p.Seq >= want {
+			break // B took e0 over once A's restored lease ran out
+		}
+		if err == nil && trusted {
+			t.Fatalf("B trusts the index and counts e0 live at position %v, behind %d it consumed, after finding Redis rewound", p, want)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("e0 not repaired within %v of the restart (position %v, want %d, err %v)", 3*lease, p, want, err)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	w.converge("after the restart", b)
 }

@@ -599,6 +599,11 @@ func (a *sharedAccountingApplier) Epoch(ctx context.Context) (string, bool, erro
 	return a.shared.Epoch(ctx)
 }
 
+// Rewound implements consumer.SharedApplier.
+func (a *sharedAccountingApplier) Rewound(ctx context.Context) (bool, error) {
+	return a.shared.Rewound(ctx)
+}
+
 // WriterLease implements consumer.SharedApplier.
 func (a *sharedAccountingApplier) WriterLease() time.Duration { return a.shared.WriterLease() }
 
