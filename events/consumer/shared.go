@@ -858,7 +858,7 @@ func (c *Consumer) watchShared(ctx context.Context) {
 					// live): trusted before their syncs are queued, which
 					// can wait on a full shard.
 					c.epochOK.Store(true)
-					c.cfg.Logger.Info("consumer: shared index reachable again")
+					c.cfg.Logger.Info("consumer: shared index trusted again, the instances' positions read", "to_sync", len(due))
 				}
 				for _, name := range due {
 					c.queueSync(ctx, name)
@@ -929,6 +929,7 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration, all b
 	now := time.Now()
 	var check []string
 	var want []kvindex.Position
+	var checkDue []bool // check[i] is in due already
 	c.mu.Lock()
 	for name, in := range c.insts {
 		writerLate := c.writerLate(in, now, leaseWait)
@@ -939,7 +940,7 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration, all b
 		// With all, one already due or queued is read too: until its
 		// sync has run (behind a full shard, maybe) it would read live.
 		if in.expect.Seeded && !in.status.IndexUnsynced && (all || writerLate && !isDue && !in.syncQueued) {
-			check, want = append(check, name), append(want, in.expect)
+			check, want, checkDue = append(check, name), append(want, in.expect), append(checkDue, isDue)
 		}
 	}
 	c.mu.Unlock()
@@ -952,9 +953,10 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration, all b
 	}
 	var behind []string
 	var upTo []uint64
+	var wasDue []bool
 	for i, p := range got {
 		if !p.Seeded || p.Seq < want[i].Seq || p.Hole != 0 {
-			behind, upTo = append(behind, check[i]), append(upTo, want[i].Seq)
+			behind, upTo, wasDue = append(behind, check[i]), append(upTo, want[i].Seq), append(wasDue, checkDue[i])
 		}
 	}
 	// Missing messages this router consumed (Redis restored to an earlier
@@ -968,7 +970,12 @@ func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration, all b
 		}
 	}
 	c.mu.Unlock()
-	return append(due, behind...), nil
+	for i, name := range behind {
+		if !wasDue[i] {
+			due = append(due, name)
+		}
+	}
+	return due, nil
 }
 
 // writerLate reports whether the instance has no message left to another
