@@ -793,7 +793,7 @@ func (c *Consumer) watchShared(ctx context.Context) {
 		checked := false // dueShared ran in this round
 		e, created, err := c.shared.idx.Epoch(ctx)
 		if err == nil {
-			err = c.checkRewound(ctx)
+			err = c.checkRewound(ctx, c.shared.epoch != "" && e == c.shared.epoch)
 		}
 		if err == nil {
 			now := c.monoNow()
@@ -897,15 +897,25 @@ func (c *Consumer) watchShared(ctx context.Context) {
 // router leaves to another router's writer are not read by an ordinary
 // check. Rewound, the index is untrusted as after an outage: the next
 // branch reads every instance's position before trusting it again.
-func (c *Consumer) checkRewound(ctx context.Context) error {
+// sameEpoch: the epoch is the one this router holds; a changed one (Redis
+// restarted empty: the counter is gone too) is handled as lost data, not
+// counted here, the counter asked all the same so that it counts on from
+// the new value. A counter not read is an error as the epoch's would be:
+// the index untrusted until a check reads it.
+func (c *Consumer) checkRewound(ctx context.Context, sameEpoch bool) error {
 	rewound, err := c.shared.idx.Rewound(ctx)
-	if err != nil || !rewound {
-		return err
+	if err != nil {
+		return fmt.Errorf("check counter not read: %w", err)
 	}
-	c.m.indexRewound.Inc()
+	if !rewound || !sameEpoch {
+		return nil
+	}
+	// Untrusted before counted: whoever reads the count reads the index
+	// untrusted.
 	if c.epochOK.Swap(false) {
 		c.cfg.Logger.Warn("consumer: shared index went back in time (Redis restarted from its persistence); reading the instances' positions before trusting it again")
 	}
+	c.m.indexRewound.Inc()
 	return nil
 }
 

@@ -582,6 +582,12 @@ func TestSharedRedisRestartEmpty(t *testing.T) {
 	if g := r1.consistentGauge(t); g != 1 {
 		t.Fatalf("kvrouter_events_index_consistent = %v after the repair", g)
 	}
+	// Lost data, not a rewind: the check counter is gone with the epoch.
+	for i, r := range []*router{r1, r2} {
+		if lost, rewound := counterValue(r.c.m.indexLost), counterValue(r.c.m.indexRewound); lost != 1 || rewound != 0 {
+			t.Fatalf("router %d: index_lost_total %v, index_rewound_total %v; want 1 and 0", i+1, lost, rewound)
+		}
+	}
 
 	r1.stop()
 	r3 := w.startRouter()
