@@ -31,6 +31,16 @@ type gatedIndex struct {
 	holdPositions atomic.Pointer[chan struct{}]
 	// holdEpoch, when set, holds Epoch (the check loop) until it closes.
 	holdEpoch atomic.Pointer[chan struct{}]
+	// notOwner counts applies answered SeqNotOwner.
+	notOwner atomic.Int64
+}
+
+// count counts an apply's answer.
+func (g *gatedIndex) count(r kvindex.SeqResult, err error) (kvindex.SeqResult, error) {
+	if err == nil && r.Status == kvindex.SeqNotOwner {
+		g.notOwner.Add(1)
+	}
+	return r, err
 }
 
 func (g *gatedIndex) Epoch(ctx context.Context) (string, bool, error) {
@@ -52,17 +62,17 @@ func (g *gatedIndex) gateApply() {
 
 func (g *gatedIndex) ApplyAt(ctx context.Context, instance string, from kvindex.Position, seq uint64, evs []events.Event) (kvindex.SeqResult, error) {
 	g.gateApply()
-	return g.Redis.ApplyAt(ctx, instance, from, seq, evs)
+	return g.count(g.Redis.ApplyAt(ctx, instance, from, seq, evs))
 }
 
 func (g *gatedIndex) ApplyAtYielding(ctx context.Context, instance string, from kvindex.Position, seq uint64, evs []events.Event) (kvindex.SeqResult, error) {
 	g.gateApply()
-	return g.Redis.ApplyAtYielding(ctx, instance, from, seq, evs)
+	return g.count(g.Redis.ApplyAtYielding(ctx, instance, from, seq, evs))
 }
 
 func (g *gatedIndex) ApplyAtHole(ctx context.Context, instance string, from kvindex.Position, seq uint64, yield bool, evs []events.Event) (kvindex.SeqResult, error) {
 	g.gateApply()
-	return g.Redis.ApplyAtHole(ctx, instance, from, seq, yield, evs)
+	return g.count(g.Redis.ApplyAtHole(ctx, instance, from, seq, yield, evs))
 }
 
 func (g *gatedIndex) Positions(ctx context.Context, instances []string) ([]kvindex.Position, error) {
