@@ -926,15 +926,15 @@ func (c *Consumer) checkRewound(ctx context.Context, sameEpoch bool) error {
 // point keeps its epoch: only positions tell), read in one round trip;
 // the error is that read's.
 //
-// all (after an outage, or an answer late enough that Redis may have
+// all (after an outage, a late answer or a rewind: Redis may have
 // restarted unseen) reads the position of every instance not already
 // unsynced: those whose last message was left to another router's writer
 // too (a busy one's skips never run a lease late, and a restored index
 // behind them was read as fresh until that writer repaired it), and those
-// already due or queued for a sync (live until it has run). One behind is not live until the
-// index holds what this router consumed (inst.await), whoever repairs it;
-// a writer's ordinary lag of a message or two reads as behind then too,
-// for the check interval until the next message or sync confirms it.
+// already due or queued for a sync (live until it has run). One behind is
+// not live until the index holds what this router consumed (inst.await),
+// whoever repairs it; a writer's ordinary lag of a message or two reads as
+// behind then too, until the next message or sync confirms it.
 func (c *Consumer) dueShared(ctx context.Context, leaseWait time.Duration, all bool) (due []string, err error) {
 	now := time.Now()
 	var check []string
