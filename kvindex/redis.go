@@ -182,7 +182,7 @@ type Redis struct {
 	topo     atomic.Pointer[string] // see topology
 	pool     sync.Pool              // *redisOverlay, reused across Apply calls
 	bsStored atomic.Bool            // the learned block size is in <prefix>:v3:bs
-	counted  atomic.Int64           // the check counter's last value (Rewound)
+	rewind   rewindState            // Rewound's counters
 }
 
 var _ Index = (*Redis)(nil)

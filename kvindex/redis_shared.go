@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
@@ -358,8 +359,46 @@ const rewindTTL = time.Hour
 // the master that holds the counter's slot: a failover changes the epoch
 // anyway (the topology), and a master restarted from its own persistence
 // with no failover is seen only when it holds the counter.
+//
+// On a Redis Cluster there is one counter per master, each in a slot that
+// master serves (rewindKeys): a master restarted from its own persistence
+// inside cluster-node-timeout keeps its node id, so neither the topology
+// nor the epoch changes, and what it lost (block keys among them) is
+// missing while instance positions on other masters say it was applied.
+// Positions cannot tell, so a master found rewound bumps the index's
+// rewind generation (<prefix>:v3:g, a new random value, as an INCR on a
+// master that lost its last increments could repeat an old one), which is
+// part of the topology every position is stamped with: every position
+// stamped before it stops counting and the epoch changes, so the consumers
+// reload every instance from its snapshot, as after a failover.
 func (r *Redis) Rewound(ctx context.Context) (bool, error) {
-	key := r.ns + "n:" + r.token
+	cc, ok := r.rdb.(*redis.ClusterClient)
+	if !ok {
+		return r.countRewound(ctx, r.ns+"n:"+r.token)
+	}
+	keys, err := r.rewindKeys(ctx, cc)
+	if err != nil {
+		return false, err
+	}
+	rewound := false
+	for _, key := range keys {
+		back, err := r.countRewound(ctx, key)
+		if err != nil {
+			return false, err
+		}
+		rewound = rewound || back
+	}
+	if rewound {
+		if err := r.rdb.Set(ctx, r.genKey(), newToken(), 0).Err(); err != nil {
+			return false, r.failed(fmt.Errorf("kvindex: redis: rewind generation: %w", err))
+		}
+	}
+	return rewound, nil
+}
+
+// countRewound increments the check counter key and reports whether it
+// went back since this handle's last call that answered.
+func (r *Redis) countRewound(ctx context.Context, key string) (bool, error) {
 	var n *redis.IntCmd
 	if _, err := r.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
 		n = p.Incr(ctx, key)
@@ -368,8 +407,82 @@ func (r *Redis) Rewound(ctx context.Context) (bool, error) {
 	}); err != nil {
 		return false, r.failed(fmt.Errorf("kvindex: redis: check counter: %w", err))
 	}
-	last := r.counted.Swap(n.Val())
+	r.rewind.mu.Lock()
+	defer r.rewind.mu.Unlock()
+	if r.rewind.counted == nil {
+		r.rewind.counted = map[string]int64{}
+	}
+	last := r.rewind.counted[key]
+	r.rewind.counted[key] = n.Val()
 	return last != 0 && n.Val() <= last, nil
+}
+
+// rewindKeys returns one check counter key per Cluster master, each
+// hashing (by its {tag}) to the first slot range the master serves, found
+// with CLUSTER KEYSLOT and kept while the range stays the master's.
+func (r *Redis) rewindKeys(ctx context.Context, cc *redis.ClusterClient) ([]string, error) {
+	slots, err := cc.ClusterSlots(ctx).Result()
+	if err != nil || len(slots) == 0 {
+		return nil, r.failed(fmt.Errorf("kvindex: redis: cluster slots: %w", err))
+	}
+	first := map[string]redis.ClusterSlot{} // master id → its first range
+	for _, s := range slots {
+		if len(s.Nodes) == 0 {
+			continue
+		}
+		if f, ok := first[s.Nodes[0].ID]; !ok || s.Start < f.Start {
+			first[s.Nodes[0].ID] = s
+		}
+	}
+	r.rewind.mu.Lock()
+	defer r.rewind.mu.Unlock()
+	if r.rewind.keys == nil {
+		r.rewind.keys = map[string]rewindKey{}
+	}
+	keys := make([]string, 0, len(first))
+	for id, s := range first {
+		k, ok := r.rewind.keys[id]
+		if !ok || k.slot < int64(s.Start) || k.slot > int64(s.End) {
+			var err error
+			if k, err = r.findRewindKey(ctx, cc, s); err != nil {
+				return nil, err
+			}
+			r.rewind.keys[id] = k
+		}
+		keys = append(keys, k.key)
+	}
+	slices.Sort(keys)
+	return keys, nil
+}
+
+// findRewindKey finds a counter key whose slot lies in range s: a range
+// spans a third of the slots on three masters, so a few tries.
+func (r *Redis) findRewindKey(ctx context.Context, cc *redis.ClusterClient, s redis.ClusterSlot) (rewindKey, error) {
+	for i := range 1 << 16 {
+		key := r.ns + "n:" + r.token + ":{" + strconv.Itoa(i) + "}"
+		slot, err := cc.ClusterKeySlot(ctx, key).Result()
+		if err != nil {
+			return rewindKey{}, r.failed(fmt.Errorf("kvindex: redis: cluster keyslot: %w", err))
+		}
+		if slot >= int64(s.Start) && slot <= int64(s.End) {
+			return rewindKey{key: key, slot: slot}, nil
+		}
+	}
+	return rewindKey{}, fmt.Errorf("kvindex: redis: no check counter key for slots %d-%d", s.Start, s.End)
+}
+
+// rewindKey is a master's check counter key and its slot.
+type rewindKey struct {
+	key  string
+	slot int64
+}
+
+// rewindState is Rewound's: the counters' last values and, on a Cluster,
+// each master's counter key.
+type rewindState struct {
+	mu      sync.Mutex
+	counted map[string]int64
+	keys    map[string]rewindKey // by master node id
 }
 
 // On a Redis Cluster, a failover loses the writes the old master had not
@@ -411,13 +524,20 @@ func (r *Redis) refreshTopology(ctx context.Context) error {
 		}
 	}
 	slices.Sort(ranges)
-	t := fmt.Sprintf("/%016x", xxhash.Sum64String(strings.Join(ranges, ",")))
+	// The rewind generation (Rewound) is part of it: a master that went
+	// back in time unstamps every position, as a failover does.
+	gen, err := r.rdb.Get(ctx, r.genKey()).Result()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return r.failed(fmt.Errorf("kvindex: redis: rewind generation: %w", err))
+	}
+	t := fmt.Sprintf("/%016x", xxhash.Sum64String(strings.Join(ranges, ",")+"|"+gen))
 	r.topo.Store(&t)
 	return nil
 }
 
 func (r *Redis) epochKey() string { return r.ns + "m" }
 func (r *Redis) bsKey() string    { return r.ns + "bs" }
+func (r *Redis) genKey() string   { return r.ns + "g" }
 
 func newToken() string {
 	var b [8]byte

@@ -791,9 +791,12 @@ func (c *Consumer) watchShared(ctx context.Context) {
 	defer tick.Stop()
 	for {
 		checked := false // dueShared ran in this round
+		// The counter first: on a Cluster a master found rewound changes
+		// the epoch (kvindex.Redis.Rewound), which this check then sees.
+		rewound, rerr := c.shared.idx.Rewound(ctx)
 		e, created, err := c.shared.idx.Epoch(ctx)
 		if err == nil {
-			err = c.checkRewound(ctx, c.shared.epoch != "" && e == c.shared.epoch)
+			err = c.checkRewound(rewound, rerr, c.shared.epoch != "" && e == c.shared.epoch)
 		}
 		if err == nil {
 			now := c.monoNow()
@@ -890,20 +893,20 @@ func (c *Consumer) watchShared(ctx context.Context) {
 	}
 }
 
-// checkRewound asks the index whether Redis went back in time since the
-// last check (kvindex.Redis.Rewound): restarted from its own persistence
-// between two checks, no call of this router seeing it down, the restart
-// shows in nothing else until the positions are read, and instances this
-// router leaves to another router's writer are not read by an ordinary
-// check. Rewound, the index is untrusted as after an outage: the next
-// branch reads every instance's position before trusting it again.
-// sameEpoch: the epoch is the one this router holds; a changed one (Redis
-// restarted empty: the counter is gone too) is handled as lost data, not
-// counted here, the counter asked all the same so that it counts on from
-// the new value. A counter not read is an error as the epoch's would be:
-// the index untrusted until a check reads it.
-func (c *Consumer) checkRewound(ctx context.Context, sameEpoch bool) error {
-	rewound, err := c.shared.idx.Rewound(ctx)
+// checkRewound reads the index's answer to whether Redis went back in
+// time since the last check (kvindex.Redis.Rewound): restarted from its
+// own persistence between two checks, no call of this router seeing it
+// down, the restart shows in nothing else until the positions are read,
+// and instances this router leaves to another router's writer are not
+// read by an ordinary check. Rewound, the index is untrusted as after an
+// outage: the next branch reads every instance's position before trusting
+// it again. sameEpoch: the epoch is the one this router holds; a changed
+// one (Redis restarted empty: the counter is gone too; a Cluster master
+// rewound: its counter bumped the epoch) is handled as lost data, every
+// instance reloaded, not counted here. A counter not read (err) is an
+// error as the epoch's would be: the index untrusted until a check reads
+// it.
+func (c *Consumer) checkRewound(rewound bool, err error, sameEpoch bool) error {
 	if err != nil {
 		return fmt.Errorf("check counter not read: %w", err)
 	}

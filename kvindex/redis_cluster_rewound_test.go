@@ -1,0 +1,98 @@
+package kvindex
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+)
+
+// A Cluster master restarted from its own persistence to an earlier point
+// inside cluster-node-timeout keeps its node id: the topology is the same,
+// and what it lost is missing while instance positions on other masters
+// say it was applied. Its check counter (one per master) goes back, which
+// bumps the rewind generation: the epoch changes and every position
+// stamped before stops counting, so the consumers reload every instance,
+// as after a failover. The replicas are kept from failing over, so the
+// master comes back with its node id whatever the machine's load.
+func TestRedisClusterRewound(t *testing.T) {
+	ctx := context.Background()
+	c := testenv.StartRedisCluster(t)
+	admin := func(n *testenv.RedisServer) *redis.Client {
+		cl := redis.NewClient(&redis.Options{Addr: n.Addr})
+		t.Cleanup(func() { _ = cl.Close() })
+		return cl
+	}
+	for _, n := range c.Nodes {
+		if c.Role(n) == "slave" {
+			if err := admin(n).ConfigSet(ctx, "cluster-replica-no-failover", "yes").Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs(), MaxRetries: 8})
+	t.Cleanup(func() { _ = client.Close() })
+	r, err := NewRedis(client, RedisConfig{Prefix: testenv.UniqueName(t), Model: testModel, BlockSize: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	check := func(what string, want bool) {
+		t.Helper()
+		got, err := r.Rewound(ctx)
+		if err != nil || got != want {
+			t.Fatalf("%s: Rewound = %v, %v; want %v", what, got, err, want)
+		}
+	}
+	epoch := func() string {
+		t.Helper()
+		e, _, err := r.Epoch(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return e
+	}
+	ch := newChain(Root(testModel, "", ""), 8, 4, 1, 1)
+	at := func(s uint64) Position { return Position{Seq: s, Seeded: true} }
+	e0 := epoch()
+	if res, err := r.LoadAt(ctx, "i", 1, []events.Event{ch.stored(0, 8)}); err != nil || res.Status != SeqApplied {
+		t.Fatalf("LoadAt: %+v, %v", res, err)
+	}
+	check("first check", false)
+	check("second check", false)
+
+	m := c.Masters()[1]
+	if err := admin(m).Save(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	check("after the save", false)
+	check("two after the save", false)
+	m.Kill()
+	m.Start() // loads its RDB: its counter two checks back
+	c.WaitHealthy(30 * time.Second)
+	if got := c.Role(m); got != "master" {
+		t.Fatalf("the restarted node is %q, not master: it failed over", got)
+	}
+	check("a master restored to an earlier point", true)
+	e1 := epoch()
+	if e1 == e0 {
+		t.Fatal("the epoch did not change after a master went back in time")
+	}
+	if p, err := r.Position(ctx, "i"); err != nil || p.Seeded {
+		t.Fatalf("position stamped before the rewind still counts: %v, %v", p, err)
+	}
+	check("the check after", false)
+	if e := epoch(); e != e1 {
+		t.Fatalf("epoch moved again without a rewind: %s, was %s", e, e1)
+	}
+	// Stamped under the new generation, a position counts again.
+	if res, err := r.LoadAt(ctx, "i", 2, []events.Event{ch.stored(0, 8)}); err != nil || res.Position != at(2) {
+		t.Fatalf("LoadAt after the rewind: %+v, %v", res, err)
+	}
+	if p, err := r.Position(ctx, "i"); err != nil || p != at(2) {
+		t.Fatalf("position after the reload: %v, %v", p, err)
+	}
+}
