@@ -2,9 +2,13 @@ package kvindex
 
 import (
 	"context"
+	"fmt"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/events"
@@ -58,6 +62,21 @@ func TestRedisClusterRewound(t *testing.T) {
 	ch := newChain(Root(testModel, "", ""), 8, 4, 1, 1)
 	at := func(s uint64) Position { return Position{Seq: s, Seeded: true} }
 	e0 := epoch()
+	// No generation set yet: the stamp is the earlier releases' (the slot
+	// ranges' masters hashed alone), so their positions keep counting
+	// through a rolling upgrade.
+	slots, err := client.ClusterSlots(ctx).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ranges []string
+	for _, s := range slots {
+		ranges = append(ranges, fmt.Sprintf("%d-%d:%s", s.Start, s.End, s.Nodes[0].ID))
+	}
+	slices.Sort(ranges)
+	if want := fmt.Sprintf("/%016x", xxhash.Sum64String(strings.Join(ranges, ","))); r.topology() != want {
+		t.Fatalf("stamp %s without a rewind generation, want the earlier releases' %s", r.topology(), want)
+	}
 	if res, err := r.LoadAt(ctx, "i", 1, []events.Event{ch.stored(0, 8)}); err != nil || res.Status != SeqApplied {
 		t.Fatalf("LoadAt: %+v, %v", res, err)
 	}

@@ -530,7 +530,11 @@ func (r *Redis) refreshTopology(ctx context.Context) error {
 	if err != nil && !errors.Is(err, redis.Nil) {
 		return r.failed(fmt.Errorf("kvindex: redis: rewind generation: %w", err))
 	}
-	t := fmt.Sprintf("/%016x", xxhash.Sum64String(strings.Join(ranges, ",")+"|"+gen))
+	in := strings.Join(ranges, ",")
+	if gen != "" { // none ever set: the stamp of the releases before it, so a rolling upgrade keeps every position
+		in += "|" + gen
+	}
+	t := fmt.Sprintf("/%016x", xxhash.Sum64String(in))
 	r.topo.Store(&t)
 	return nil
 }
