@@ -418,31 +418,40 @@ func (r *Redis) countRewound(ctx context.Context, key string) (bool, error) {
 }
 
 // rewindKeys returns one check counter key per Cluster master, each
-// hashing (by its {tag}) to the first slot range the master serves, found
-// with CLUSTER KEYSLOT and kept while the range stays the master's.
+// hashing (by its {tag}) to the widest slot range the master serves (the
+// fewest tries to find), found with CLUSTER KEYSLOT and kept while its
+// slot stays in a range of the master's.
 func (r *Redis) rewindKeys(ctx context.Context, cc *redis.ClusterClient) ([]string, error) {
 	slots, err := cc.ClusterSlots(ctx).Result()
 	if err != nil || len(slots) == 0 {
 		return nil, r.failed(fmt.Errorf("kvindex: redis: cluster slots: %w", err))
 	}
-	first := map[string]redis.ClusterSlot{} // master id → its first range
+	widest := map[string]redis.ClusterSlot{} // master id → its widest range
 	for _, s := range slots {
 		if len(s.Nodes) == 0 {
 			continue
 		}
-		if f, ok := first[s.Nodes[0].ID]; !ok || s.Start < f.Start {
-			first[s.Nodes[0].ID] = s
+		if f, ok := widest[s.Nodes[0].ID]; !ok || s.End-s.Start > f.End-f.Start {
+			widest[s.Nodes[0].ID] = s
 		}
+	}
+	serves := func(id string, slot int64) bool {
+		for _, s := range slots {
+			if len(s.Nodes) > 0 && s.Nodes[0].ID == id && slot >= int64(s.Start) && slot <= int64(s.End) {
+				return true
+			}
+		}
+		return false
 	}
 	r.rewind.mu.Lock()
 	defer r.rewind.mu.Unlock()
 	if r.rewind.keys == nil {
 		r.rewind.keys = map[string]rewindKey{}
 	}
-	keys := make([]string, 0, len(first))
-	for id, s := range first {
+	keys := make([]string, 0, len(widest))
+	for id, s := range widest {
 		k, ok := r.rewind.keys[id]
-		if !ok || k.slot < int64(s.Start) || k.slot > int64(s.End) {
+		if !ok || !serves(id, k.slot) {
 			var err error
 			if k, err = r.findRewindKey(ctx, cc, s); err != nil {
 				return nil, err
@@ -455,8 +464,8 @@ func (r *Redis) rewindKeys(ctx context.Context, cc *redis.ClusterClient) ([]stri
 	return keys, nil
 }
 
-// findRewindKey finds a counter key whose slot lies in range s: a range
-// spans a third of the slots on three masters, so a few tries.
+// findRewindKey finds a counter key whose slot lies in range s: about
+// 16,384 / its width tries (three on three masters of one range each).
 func (r *Redis) findRewindKey(ctx context.Context, cc *redis.ClusterClient, s redis.ClusterSlot) (rewindKey, error) {
 	for i := range 1 << 16 {
 		key := r.ns + "n:" + r.token + ":{" + strconv.Itoa(i) + "}"
