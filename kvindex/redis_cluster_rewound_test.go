@@ -40,22 +40,42 @@ func TestRedisClusterRewound(t *testing.T) {
 	}
 	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs(), MaxRetries: 8})
 	t.Cleanup(func() { _ = client.Close() })
-	r, err := NewRedis(client, RedisConfig{Prefix: testenv.UniqueName(t), Model: testModel, BlockSize: 4})
+	prefix := testenv.UniqueName(t)
+	r, err := NewRedis(client, RedisConfig{Prefix: prefix, Model: testModel, BlockSize: 4})
 	if err != nil {
 		t.Fatal(err)
 	}
-	check := func(what string, want bool) {
+	// A second router's handle on the same index: it finds the same
+	// rewind, and the generation moves once.
+	r2, err := NewRedis(client, RedisConfig{Prefix: prefix, Model: testModel, BlockSize: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkOn := func(r *Redis, what string, want bool) {
 		t.Helper()
 		got, err := r.Rewound(ctx)
 		if err != nil || got != want {
 			t.Fatalf("%s: Rewound = %v, %v; want %v", what, got, err, want)
 		}
 	}
-	epoch := func() string {
+	check := func(what string, want bool) {
+		t.Helper()
+		checkOn(r, what, want)
+		checkOn(r2, what+" (second router)", want)
+	}
+	epochOf := func(r *Redis) string {
 		t.Helper()
 		e, _, err := r.Epoch(ctx)
 		if err != nil {
 			t.Fatal(err)
+		}
+		return e
+	}
+	epoch := func() string {
+		t.Helper()
+		e := epochOf(r)
+		if e2 := epochOf(r2); e2 != e {
+			t.Fatalf("the routers read different epochs: %s and %s", e, e2)
 		}
 		return e
 	}
@@ -77,6 +97,12 @@ func TestRedisClusterRewound(t *testing.T) {
 	if want := fmt.Sprintf("/%016x", xxhash.Sum64String(strings.Join(ranges, ","))); r.topology() != want {
 		t.Fatalf("stamp %s without a rewind generation, want the earlier releases' %s", r.topology(), want)
 	}
+	// The counters' keys hash where this package computes (keySlot).
+	for _, tag := range []string{"0", "zz", slotTags()[43], slotTags()[16383]} {
+		if got, err := client.ClusterKeySlot(ctx, "x{"+tag+"}").Result(); err != nil || int(got) != keySlot(tag) {
+			t.Fatalf("CLUSTER KEYSLOT of tag %q = %d, %v; keySlot %d", tag, got, err, keySlot(tag))
+		}
+	}
 	if res, err := r.LoadAt(ctx, "i", 1, []events.Event{ch.stored(0, 8)}); err != nil || res.Status != SeqApplied {
 		t.Fatalf("LoadAt: %+v, %v", res, err)
 	}
@@ -95,8 +121,14 @@ func TestRedisClusterRewound(t *testing.T) {
 	if got := c.Role(m); got != "master" {
 		t.Fatalf("the restarted node is %q, not master: it failed over", got)
 	}
-	check("a master restored to an earlier point", true)
-	e1 := epoch()
+	// Each router checks, then reads the epoch, as the consumer does; the
+	// second finds the generation already moved and leaves it.
+	checkOn(r, "a master restored to an earlier point", true)
+	e1 := epochOf(r)
+	checkOn(r2, "a master restored to an earlier point (second router)", true)
+	if e2 := epochOf(r2); e2 != e1 {
+		t.Fatalf("the second router moved the rewind generation again: epoch %s, the first router's %s", e2, e1)
+	}
 	if e1 == e0 {
 		t.Fatal("the epoch did not change after a master went back in time")
 	}

@@ -1,6 +1,7 @@
 package kvindex
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -355,22 +356,25 @@ const rewindTTL = time.Hour
 // value not above the one the last call got means the increments between
 // are gone (the counter missing starts again at 1). A call whose reply is
 // lost after the increment ran makes the next one skip a value, never
-// repeat one. The first call reports false. On a Redis Cluster it sees
-// the master that holds the counter's slot: a failover changes the epoch
-// anyway (the topology), and a master restarted from its own persistence
-// with no failover is seen only when it holds the counter.
+// repeat one. The first call reports false.
 //
 // On a Redis Cluster there is one counter per master, each in a slot that
 // master serves (rewindKeys): a master restarted from its own persistence
 // inside cluster-node-timeout keeps its node id, so neither the topology
 // nor the epoch changes, and what it lost (block keys among them) is
 // missing while instance positions on other masters say it was applied.
-// Positions cannot tell, so a master found rewound bumps the index's
+// Positions cannot tell, so a master found rewound moves the index's
 // rewind generation (<prefix>:v3:g, a new random value, as an INCR on a
 // master that lost its last increments could repeat an old one), which is
 // part of the topology every position is stamped with: every position
 // stamped before it stops counting and the epoch changes, so the consumers
-// reload every instance from its snapshot, as after a failover.
+// reload every instance from its snapshot, as after a failover. The
+// generation moves only from the value this handle last read (a
+// compare-and-set), so routers that find the same rewind move it once; a
+// rewind found is reported until the generation has moved. A master that
+// does not answer is skipped (its counter's last value kept, so a rewind
+// is seen when it answers again); the call fails only when none answers
+// or the generation cannot be moved.
 func (r *Redis) Rewound(ctx context.Context) (bool, error) {
 	cc, ok := r.rdb.(*redis.ClusterClient)
 	if !ok {
@@ -380,21 +384,51 @@ func (r *Redis) Rewound(ctx context.Context) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	rewound := false
+	var firstErr error
+	answered := 0
 	for _, key := range keys {
 		back, err := r.countRewound(ctx, key)
 		if err != nil {
-			return false, err
+			firstErr = cmp.Or(firstErr, err)
+			continue
 		}
-		rewound = rewound || back
-	}
-	if rewound {
-		if err := r.rdb.Set(ctx, r.genKey(), newToken(), 0).Err(); err != nil {
-			return false, r.failed(fmt.Errorf("kvindex: redis: rewind generation: %w", err))
+		answered++
+		if back {
+			r.rewind.mu.Lock()
+			r.rewind.pending = true
+			r.rewind.mu.Unlock()
 		}
 	}
-	return rewound, nil
+	if answered == 0 {
+		return false, firstErr
+	}
+	r.rewind.mu.Lock()
+	pending, read := r.rewind.pending, r.rewind.gen
+	r.rewind.mu.Unlock()
+	if !pending {
+		return false, nil
+	}
+	if err := moveGenScript.Run(ctx, r.rdb, []string{r.genKey()}, read, newToken()).Err(); err != nil {
+		return false, r.failed(fmt.Errorf("kvindex: redis: rewind generation: %w", err))
+	}
+	r.rewind.mu.Lock()
+	r.rewind.pending = false
+	r.rewind.mu.Unlock()
+	return true, nil
 }
+
+// moveGenScript sets the rewind generation (KEYS[1]) to ARGV[2] when it
+// still holds ARGV[1], the value the caller last read ("" for none):
+// another router that found the same rewind has moved it already
+// otherwise.
+var moveGenScript = redis.NewScript(`
+local cur = redis.call('GET', KEYS[1])
+if (cur == false and ARGV[1] == '') or cur == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+`)
 
 // countRewound increments the check counter key and reports whether it
 // went back since this handle's last call that answered.
@@ -418,9 +452,8 @@ func (r *Redis) countRewound(ctx context.Context, key string) (bool, error) {
 }
 
 // rewindKeys returns one check counter key per Cluster master, each
-// hashing (by its {tag}) to the widest slot range the master serves (the
-// fewest tries to find), found with CLUSTER KEYSLOT and kept while its
-// slot stays in a range of the master's.
+// hashing (by its {tag}) to a slot the master serves (the start of its
+// widest range), kept while the master serves that slot.
 func (r *Redis) rewindKeys(ctx context.Context, cc *redis.ClusterClient) ([]string, error) {
 	slots, err := cc.ClusterSlots(ctx).Result()
 	if err != nil || len(slots) == 0 {
@@ -435,14 +468,15 @@ func (r *Redis) rewindKeys(ctx context.Context, cc *redis.ClusterClient) ([]stri
 			widest[s.Nodes[0].ID] = s
 		}
 	}
-	serves := func(id string, slot int64) bool {
+	serves := func(id string, slot int) bool {
 		for _, s := range slots {
-			if len(s.Nodes) > 0 && s.Nodes[0].ID == id && slot >= int64(s.Start) && slot <= int64(s.End) {
+			if len(s.Nodes) > 0 && s.Nodes[0].ID == id && slot >= s.Start && slot <= s.End {
 				return true
 			}
 		}
 		return false
 	}
+	tags := slotTags()
 	r.rewind.mu.Lock()
 	defer r.rewind.mu.Unlock()
 	if r.rewind.keys == nil {
@@ -452,10 +486,7 @@ func (r *Redis) rewindKeys(ctx context.Context, cc *redis.ClusterClient) ([]stri
 	for id, s := range widest {
 		k, ok := r.rewind.keys[id]
 		if !ok || !serves(id, k.slot) {
-			var err error
-			if k, err = r.findRewindKey(ctx, cc, s); err != nil {
-				return nil, err
-			}
+			k = rewindKey{key: r.ns + "n:" + r.token + ":{" + tags[s.Start] + "}", slot: s.Start}
 			r.rewind.keys[id] = k
 		}
 		keys = append(keys, k.key)
@@ -464,34 +495,55 @@ func (r *Redis) rewindKeys(ctx context.Context, cc *redis.ClusterClient) ([]stri
 	return keys, nil
 }
 
-// findRewindKey finds a counter key whose slot lies in range s: about
-// 16,384 / its width tries (three on three masters of one range each).
-func (r *Redis) findRewindKey(ctx context.Context, cc *redis.ClusterClient, s redis.ClusterSlot) (rewindKey, error) {
-	for i := range 1 << 16 {
-		key := r.ns + "n:" + r.token + ":{" + strconv.Itoa(i) + "}"
-		slot, err := cc.ClusterKeySlot(ctx, key).Result()
-		if err != nil {
-			return rewindKey{}, r.failed(fmt.Errorf("kvindex: redis: cluster keyslot: %w", err))
-		}
-		if slot >= int64(s.Start) && slot <= int64(s.End) {
-			return rewindKey{key: key, slot: slot}, nil
+// keySlot is the Redis Cluster slot of a hash tag's content: CRC16 (the
+// XMODEM variant: polynomial 0x1021, initial value 0) modulo 16,384, as
+// the Redis Cluster specification defines it ("Key distribution model").
+func keySlot(tag string) int {
+	var crc uint16
+	for i := range len(tag) {
+		crc ^= uint16(tag[i]) << 8
+		for range 8 {
+			if crc&0x8000 != 0 {
+				crc = crc<<1 ^ 0x1021
+			} else {
+				crc <<= 1
+			}
 		}
 	}
-	return rewindKey{}, fmt.Errorf("kvindex: redis: no check counter key for slots %d-%d", s.Start, s.End)
+	return int(crc) & 16383
 }
+
+// slotTags returns, for every Cluster slot, a short hash tag that hashes
+// to it (keySlot), built once: base-36 numbers in order until every slot
+// has one (about 170,000 of them).
+var slotTags = sync.OnceValue(func() *[16384]string {
+	var tags [16384]string
+	for n, left := uint64(0), 16384; left > 0; n++ {
+		t := strconv.FormatUint(n, 36)
+		if s := keySlot(t); tags[s] == "" {
+			tags[s] = t
+			left--
+		}
+	}
+	return &tags
+})
 
 // rewindKey is a master's check counter key and its slot.
 type rewindKey struct {
 	key  string
-	slot int64
+	slot int
 }
 
-// rewindState is Rewound's: the counters' last values and, on a Cluster,
-// each master's counter key.
+// rewindState is Rewound's: the counters' last values, on a Cluster each
+// master's counter key, the rewind generation as last read
+// (refreshTopology) and whether a rewind was found that has not moved it
+// yet.
 type rewindState struct {
 	mu      sync.Mutex
 	counted map[string]int64
 	keys    map[string]rewindKey // by master node id
+	gen     string
+	pending bool
 }
 
 // On a Redis Cluster, a failover loses the writes the old master had not
@@ -539,6 +591,9 @@ func (r *Redis) refreshTopology(ctx context.Context) error {
 	if err != nil && !errors.Is(err, redis.Nil) {
 		return r.failed(fmt.Errorf("kvindex: redis: rewind generation: %w", err))
 	}
+	r.rewind.mu.Lock()
+	r.rewind.gen = gen
+	r.rewind.mu.Unlock()
 	in := strings.Join(ranges, ",")
 	if gen != "" { // none ever set: the stamp of the releases before it, so a rolling upgrade keeps every position
 		in += "|" + gen
