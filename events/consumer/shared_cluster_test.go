@@ -16,18 +16,12 @@ func (r *router) counter(t *testing.T, name string) float64 {
 	return testenv.Metric(t, r.reg, name, nil)
 }
 
-// Two routers share a Redis index on a 3-master, 3-replica Redis Cluster
-// while the engines change their caches. A master is killed mid-load: its
-// replica takes over (with whatever it had replicated: asynchronous
-// replication may lose the last writes), the routers count the failed
-// writes and repair what the index missed from the stream and the
-// snapshots, and the index ends equal to the engines' truth, counters
-// included. The old master, restarted, rejoins as a replica, and the
-// cluster keeps converging.
-func TestSharedRedisClusterFailover(t *testing.T) {
-	w := newSharedWorld(t, 21, "e0", "e1", "e2", "e3")
-	// The routers' logs, shown when the test fails: what they repaired
-	// and when is the evidence of a convergence bug.
+// clusterWorld is a world of four engines whose routers share an index on
+// a Redis Cluster of the test's own; the routers' logs are shown when the
+// test fails (what they repaired and when is the evidence of a
+// convergence bug).
+func clusterWorld(t *testing.T, seed uint64) (*sharedWorld, *testenv.RedisCluster) {
+	w := newSharedWorld(t, seed, "e0", "e1", "e2", "e3")
 	var logs testenv.Logs
 	w.cfg.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	t.Cleanup(func() {
@@ -40,6 +34,19 @@ func TestSharedRedisClusterFailover(t *testing.T) {
 		return redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), PoolSize: 4, MaxRetries: -1, MaxRedirects: -1,
 			DialTimeout: 200 * time.Millisecond, ReadTimeout: time.Second, WriteTimeout: time.Second})
 	}
+	return w, cluster
+}
+
+// Two routers share a Redis index on a 3-master, 3-replica Redis Cluster
+// while the engines change their caches. A master is killed mid-load: its
+// replica takes over (with whatever it had replicated: asynchronous
+// replication may lose the last writes), the routers count the failed
+// writes and repair what the index missed from the stream and the
+// snapshots, and the index ends equal to the engines' truth, counters
+// included. The old master, restarted, rejoins as a replica, and the
+// cluster keeps converging.
+func TestSharedRedisClusterFailover(t *testing.T) {
+	w, cluster := clusterWorld(t, 21)
 	stop := make(chan struct{})
 	hb := w.heartbeats(stop)
 	r1, r2 := w.startRouter(), w.startRouter()
@@ -90,15 +97,7 @@ func TestSharedRedisClusterFailover(t *testing.T) {
 // the engines' truth. Before the per-master counters it stayed short of
 // those blocks for good.
 func TestSharedRedisClusterMasterRewound(t *testing.T) {
-	w := newSharedWorld(t, 23, "e0", "e1", "e2", "e3")
-	var logs testenv.Logs
-	w.cfg.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("routers' logs:\n%s", logs.String())
-		}
-	})
-	cluster := testenv.StartRedisCluster(t)
+	w, cluster := clusterWorld(t, 23)
 	for _, n := range cluster.Nodes {
 		if cluster.Role(n) == "slave" {
 			cl := redis.NewClient(&redis.Options{Addr: n.Addr})
@@ -108,10 +107,6 @@ func TestSharedRedisClusterMasterRewound(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-	}
-	w.newClient = func() redis.UniversalClient {
-		return redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), PoolSize: 4, MaxRetries: -1, MaxRedirects: -1,
-			DialTimeout: 200 * time.Millisecond, ReadTimeout: time.Second, WriteTimeout: time.Second})
 	}
 	stop := make(chan struct{})
 	hb := w.heartbeats(stop)
