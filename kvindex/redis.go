@@ -179,10 +179,11 @@ type Redis struct {
 	bitsArg  [256]any      // tier-bit values as Redis strings, boxed once
 
 	maps     mapCache
-	topo     atomic.Pointer[string] // see topology
-	pool     sync.Pool              // *redisOverlay, reused across Apply calls
-	bsStored atomic.Bool            // the learned block size is in <prefix>:v3:bs
-	rewind   rewindState            // Rewound's counters
+	topo     atomic.Pointer[string]              // see topology
+	pool     sync.Pool                           // *redisOverlay, reused across Apply calls
+	bsStored atomic.Bool                         // the learned block size is in <prefix>:v3:bs
+	rewind   rewindState                         // Rewound's counters
+	slots    atomic.Pointer[[]redis.ClusterSlot] // the slot map refreshTopology last read (Cluster)
 }
 
 var _ Index = (*Redis)(nil)

@@ -376,33 +376,20 @@ const rewindTTL = time.Hour
 // is seen when it answers again); the call fails only when none answers
 // or the generation cannot be moved.
 func (r *Redis) Rewound(ctx context.Context) (bool, error) {
-	cc, ok := r.rdb.(*redis.ClusterClient)
-	if !ok {
-		return r.countRewound(ctx, r.ns+"n:"+r.token)
-	}
-	keys, err := r.rewindKeys(ctx, cc)
-	if err != nil {
-		return false, err
-	}
-	var firstErr error
-	answered := 0
-	for _, key := range keys {
-		back, err := r.countRewound(ctx, key)
-		if err != nil {
-			firstErr = cmp.Or(firstErr, err)
-			continue
-		}
-		answered++
-		if back {
-			r.rewind.mu.Lock()
-			r.rewind.pending = true
-			r.rewind.mu.Unlock()
+	_, cluster := r.rdb.(*redis.ClusterClient)
+	keys := []string{r.ns + "n:" + r.token}
+	if cluster {
+		var err error
+		if keys, err = r.rewindKeys(ctx); err != nil {
+			return false, err
 		}
 	}
-	if answered == 0 {
-		return false, firstErr
+	back, err := r.countRewound(ctx, keys)
+	if err != nil || !cluster {
+		return back, err
 	}
 	r.rewind.mu.Lock()
+	r.rewind.pending = r.rewind.pending || back
 	pending, read := r.rewind.pending, r.rewind.gen
 	r.rewind.mu.Unlock()
 	if !pending {
@@ -430,35 +417,53 @@ end
 return 0
 `)
 
-// countRewound increments the check counter key and reports whether it
-// went back since this handle's last call that answered.
-func (r *Redis) countRewound(ctx context.Context, key string) (bool, error) {
-	var n *redis.IntCmd
-	if _, err := r.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
-		n = p.Incr(ctx, key)
-		p.PExpire(ctx, key, rewindTTL)
+// countRewound increments the check counters in one pipeline (on a
+// Cluster split per master, sent in parallel) and reports whether one that
+// answered went back since this handle's last call it answered; an error
+// only when none answered.
+func (r *Redis) countRewound(ctx context.Context, keys []string) (bool, error) {
+	incr := make([]*redis.IntCmd, len(keys))
+	_, perr := r.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i, key := range keys {
+			incr[i] = p.Incr(ctx, key)
+			p.PExpire(ctx, key, rewindTTL)
+		}
 		return nil
-	}); err != nil {
-		return false, r.failed(fmt.Errorf("kvindex: redis: check counter: %w", err))
-	}
+	})
 	r.rewind.mu.Lock()
 	defer r.rewind.mu.Unlock()
 	if r.rewind.counted == nil {
 		r.rewind.counted = map[string]int64{}
 	}
-	last := r.rewind.counted[key]
-	r.rewind.counted[key] = n.Val()
-	return last != 0 && n.Val() <= last, nil
+	back, answered := false, false
+	for i, key := range keys {
+		n, err := incr[i].Result()
+		if err != nil {
+			continue // not answering: its last value kept
+		}
+		answered = true
+		last := r.rewind.counted[key]
+		r.rewind.counted[key] = n
+		back = back || last != 0 && n <= last
+	}
+	if !answered {
+		return false, r.failed(fmt.Errorf("kvindex: redis: check counter: %w", cmp.Or(perr, errors.New("no answer"))))
+	}
+	return back, nil
 }
 
 // rewindKeys returns one check counter key per Cluster master, each
 // hashing (by its {tag}) to a slot the master serves (the start of its
-// widest range), kept while the master serves that slot.
-func (r *Redis) rewindKeys(ctx context.Context, cc *redis.ClusterClient) ([]string, error) {
-	slots, err := cc.ClusterSlots(ctx).Result()
-	if err != nil || len(slots) == 0 {
-		return nil, r.failed(fmt.Errorf("kvindex: redis: cluster slots: %w", err))
+// widest range), kept while the master serves that slot. The slot map is
+// the one refreshTopology last read (the epoch check's, a check ago),
+// read now only before the first.
+func (r *Redis) rewindKeys(ctx context.Context) ([]string, error) {
+	if r.slots.Load() == nil {
+		if err := r.refreshTopology(ctx); err != nil {
+			return nil, err
+		}
 	}
+	slots := *r.slots.Load()
 	widest := map[string]redis.ClusterSlot{} // master id → its widest range
 	for _, s := range slots {
 		if len(s.Nodes) == 0 {
@@ -578,6 +583,7 @@ func (r *Redis) refreshTopology(ctx context.Context) error {
 	if err != nil || len(slots) == 0 {
 		return r.failed(fmt.Errorf("kvindex: redis: cluster slots: %w", err))
 	}
+	r.slots.Store(&slots)
 	ranges := make([]string, 0, len(slots))
 	for _, s := range slots {
 		if len(s.Nodes) > 0 {
