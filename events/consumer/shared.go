@@ -202,7 +202,7 @@ func (c *Consumer) applyShared(ctx context.Context, instance string, in *inst, s
 			// The index was behind what this router consumed before
 			// this message: not live until it holds that.
 			c.leftToWriter(in, seq, false)
-			c.awaitSeq(in, from.Seq)
+			c.awaitWriter(instance, in, from.Seq, pos)
 			c.setSyncedAt(in, pos)
 			return kvindex.ApplyResult{}, nil
 		}
@@ -560,9 +560,7 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 		// lease (errOwned). Live once the index holds what this router
 		// found missing (inst.await); a writer that never gets there
 		// is late a lease after the skip, and then this router repairs.
-		if was := c.awaitSeq(in, in.from.Seq); pos.Seq < was {
-			c.logBehindWriter(instance, pos, in.from.Seq)
-		}
+		c.awaitWriter(instance, in, in.from.Seq, pos)
 		c.setSyncedAt(in, pos)
 		return
 	}
@@ -584,12 +582,7 @@ func (c *Consumer) syncShared(ctx context.Context, instance string, in *inst) {
 		// whole until that router has loaded it.
 		if in.from.Seeded {
 			c.leftToWriter(in, in.from.Seq, false)
-			if was := c.awaitSeq(in, in.from.Seq); p.Seq < was {
-				// Still missing what this router found missing before
-				// this sync (not merely the message or two a writer
-				// applies as this router reads them): logged.
-				c.logBehindWriter(instance, p, in.from.Seq)
-			}
+			c.awaitWriter(instance, in, in.from.Seq, p)
 		}
 		c.noteHole(in, p)
 		c.setSyncedAt(in, p)
@@ -670,21 +663,22 @@ func (c *Consumer) distrust(in *inst, upTo uint64) {
 	c.mu.Unlock()
 }
 
-// awaitSeq raises inst.await to seq and returns what it was.
-func (c *Consumer) awaitSeq(in *inst, seq uint64) (was uint64) {
+// awaitWriter raises inst.await to upTo, what this router consumed, for
+// an instance another router writes, the index found at pos: not live
+// until the index holds it (setSyncedAt). An index still below what was
+// awaited before (not merely the message or two a writer applies as this
+// router reads them) is logged, a few lines per interval.
+func (c *Consumer) awaitWriter(instance string, in *inst, upTo uint64, pos kvindex.Position) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	was = in.await
-	in.await = max(was, seq)
-	return was
-}
-
-// logBehindWriter logs an instance the index holds behind this router's
-// messages while another router writes it (a few lines per interval).
-func (c *Consumer) logBehindWriter(instance string, at kvindex.Position, consumed uint64) {
+	was := in.await
+	in.await = max(was, upTo)
+	c.mu.Unlock()
+	if pos.Seq >= was {
+		return
+	}
 	if ok, suppressed := c.logLimit.Allow("behind_writer"); ok {
 		c.cfg.Logger.Warn("consumer: shared index behind messages this router consumed while another router writes the instance; not live until it holds them",
-			"instance", instance, "index_at", at.String(), "consumed", consumed, "suppressed", suppressed)
+			"instance", instance, "index_at", pos.String(), "consumed", upTo, "suppressed", suppressed)
 	}
 }
 
