@@ -26,18 +26,8 @@ import (
 func TestRedisClusterRewound(t *testing.T) {
 	ctx := context.Background()
 	c := testenv.StartRedisCluster(t)
-	admin := func(n *testenv.RedisServer) *redis.Client {
-		cl := redis.NewClient(&redis.Options{Addr: n.Addr})
-		t.Cleanup(func() { _ = cl.Close() })
-		return cl
-	}
-	for _, n := range c.Nodes {
-		if c.Role(n) == "slave" {
-			if err := admin(n).ConfigSet(ctx, "cluster-replica-no-failover", "yes").Err(); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
+	admin := nodeAdmin(t)
+	noFailover(t, c, admin)
 	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs(), MaxRetries: 8})
 	t.Cleanup(func() { _ = client.Close() })
 	prefix := testenv.UniqueName(t)
@@ -145,5 +135,165 @@ func TestRedisClusterRewound(t *testing.T) {
 	}
 	if p, err := r.Position(ctx, "i"); err != nil || p != at(2) {
 		t.Fatalf("position after the reload: %v, %v", p, err)
+	}
+}
+
+// Rewound on a Cluster with one master down: the check skips it (its
+// counter's last value kept) instead of failing, and a rewind found while
+// the master holding the rewind generation is down stays reported until
+// the generation has moved, though the rewound master's counter counts on
+// normally by then. The downed master comes back from a save taken just
+// before, so it is not itself rewound, within a node timeout raised far
+// over the test, so nothing fails over and the cluster keeps serving.
+func TestRedisClusterRewoundMasterDown(t *testing.T) {
+	ctx := context.Background()
+	c := testenv.StartRedisCluster(t)
+	admin := nodeAdmin(t)
+	slow := func(n *testenv.RedisServer) {
+		t.Helper()
+		if err := admin(n).ConfigSet(ctx, "cluster-node-timeout", "60000").Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, n := range c.Nodes {
+		slow(n)
+	}
+	noFailover(t, c, admin)
+	// The router's client options (router/kvstate): go-redis's own retries.
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs(), ContextTimeoutEnabled: true})
+	t.Cleanup(func() { _ = client.Close() })
+	r, err := NewRedis(client, RedisConfig{Prefix: testenv.UniqueName(t), Model: testModel, BlockSize: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rewound := func(what string, want bool, wantErr bool) {
+		t.Helper()
+		got, err := r.Rewound(ctx)
+		if got != want || (err != nil) != wantErr {
+			t.Fatalf("%s: Rewound = %v, %v; want %v, error %v", what, got, err, want, wantErr)
+		}
+	}
+	epoch := func() string {
+		t.Helper()
+		e, _, err := r.Epoch(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return e
+	}
+	// down saves a master's data and kills it; up restarts it from that.
+	down := func(m *testenv.RedisServer) {
+		t.Helper()
+		if err := admin(m).Save(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		m.Kill()
+	}
+	up := func(m *testenv.RedisServer) {
+		t.Helper()
+		m.Start()
+		slow(m)
+		c.WaitHealthy(30 * time.Second)
+		if got := c.Role(m); got != "master" {
+			t.Fatalf("the restarted node is %q, not master: it failed over", got)
+		}
+	}
+	// g serves the rewind generation's slot; x is another master.
+	slot, err := client.ClusterKeySlot(ctx, r.genKey()).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var g, x *testenv.RedisServer
+	for _, m := range c.Masters() {
+		if serves(t, admin(m), int(slot)) {
+			g = m
+		} else if x == nil {
+			x = m
+		}
+	}
+	if g == nil || x == nil {
+		t.Fatalf("no master found for slot %d or no other master", slot)
+	}
+	e0 := epoch()
+	rewound("first check", false, false)
+	rewound("second check", false, false)
+
+	// A master down is skipped: no error, no rewind, and its counter
+	// counts on from its last value when it is back.
+	down(g)
+	rewound("one master down", false, false)
+	up(g)
+	rewound("the master back", false, false)
+	rewound("the check after", false, false)
+	if e := epoch(); e != e0 {
+		t.Fatalf("the epoch moved with no rewind: %s, was %s", e, e0)
+	}
+
+	// x goes back two checks; the master holding the generation is down
+	// when the rewind is found, so the generation cannot move.
+	if err := admin(x).Save(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	rewound("after the save", false, false)
+	rewound("two after the save", false, false)
+	x.Kill()
+	up(x) // loads its RDB: its counter two checks back
+	down(g)
+	rewound("x rewound, the generation's master down", false, true)
+	up(g)
+	// x's counter now counts on (one above the value it went back to), so
+	// only the rewind kept from the failed call can report it.
+	rewound("the generation's master back", true, false)
+	e1 := epoch()
+	if e1 == e0 {
+		t.Fatal("the epoch did not change after a master went back in time")
+	}
+	rewound("the check after the move", false, false)
+	if e := epoch(); e != e1 {
+		t.Fatalf("epoch moved again without a rewind: %s, was %s", e, e1)
+	}
+}
+
+// serves reports whether the node a client talks to is the master of slot.
+func serves(t *testing.T, cl *redis.Client, slot int) bool {
+	t.Helper()
+	ctx := context.Background()
+	id, err := cl.Do(ctx, "cluster", "myid").Text()
+	if err != nil {
+		t.Fatal(err)
+	}
+	slots, err := cl.ClusterSlots(ctx).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range slots {
+		if slot >= s.Start && slot <= s.End && len(s.Nodes) > 0 {
+			return s.Nodes[0].ID == id
+		}
+	}
+	return false
+}
+
+// nodeAdmin returns a function giving a client of one node of a cluster,
+// closed at the test's end.
+func nodeAdmin(t *testing.T) func(*testenv.RedisServer) *redis.Client {
+	return func(n *testenv.RedisServer) *redis.Client {
+		cl := redis.NewClient(&redis.Options{Addr: n.Addr})
+		t.Cleanup(func() { _ = cl.Close() })
+		return cl
+	}
+}
+
+// noFailover keeps every replica of the cluster from failing over, so a
+// master killed and restarted comes back with its node id whatever the
+// machine's load.
+func noFailover(t *testing.T, c *testenv.RedisCluster, admin func(*testenv.RedisServer) *redis.Client) {
+	t.Helper()
+	for _, n := range c.Nodes {
+		if c.Role(n) == "slave" {
+			if err := admin(n).ConfigSet(context.Background(), "cluster-replica-no-failover", "yes").Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
 	}
 }
