@@ -228,6 +228,23 @@ func TestRedisClusterRewoundMasterDown(t *testing.T) {
 	if e := epoch(); e != e0 {
 		t.Fatalf("the epoch moved with no rewind: %s, was %s", e, e0)
 	}
+	// The count kept across the skip is the one compared when the master
+	// answers again: g saved, two checks counted on it, g killed without a
+	// save, a check skipping it, then g back from the earlier save.
+	if err := admin(g).Save(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	rewound("after g's save", false, false)
+	rewound("two after g's save", false, false)
+	g.Kill()
+	rewound("g down, its last two counts lost", false, false)
+	up(g)
+	rewound("g back from the earlier save", true, false)
+	eg := epoch()
+	if eg == e0 {
+		t.Fatal("the epoch did not change after g went back in time")
+	}
+	e0 = eg
 
 	// x goes back two checks; the master holding the generation is down
 	// when the rewind is found, so the generation cannot move.
