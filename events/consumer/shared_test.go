@@ -610,11 +610,7 @@ func TestSharedRedisRestoredEarlier(t *testing.T) {
 	r1, r2 := w.startRouter(), w.startRouter()
 	w.publish(20)
 	w.converge("first messages", r1, r2)
-	admin := redis.NewClient(&redis.Options{Addr: w.redis.Addr})
-	t.Cleanup(func() { _ = admin.Close() })
-	if err := admin.Save(w.ctx).Err(); err != nil {
-		t.Fatal(err)
-	}
+	w.saveRDB()
 	w.publish(20, "quiet") // after the save: lost by the restore
 	w.converge("before the restore", r1, r2)
 	time.Sleep(3 * sharedLease) // skipped messages seen applied: only positions can tell

@@ -119,11 +119,7 @@ func gatedRouterWith(t *testing.T, seed uint64, rounds int, newClient func(addr 
 // saveRDB has the world's Redis write its RDB, which a restart loads.
 func (w *sharedWorld) saveRDB() {
 	w.t.Helper()
-	admin := redis.NewClient(&redis.Options{Addr: w.redis.Addr})
-	defer admin.Close()
-	if err := admin.Save(w.ctx).Err(); err != nil {
-		w.t.Fatal(err)
-	}
+	w.redis.Save()
 }
 
 // publishOne publishes one message of engine name (rounds without a

@@ -155,3 +155,24 @@ func (c *RedisCluster) health() string {
 	}
 	return ""
 }
+
+// Save has the server write its RDB (SAVE), which a restart loads. A
+// Cluster master may be running a background save for a replica's full
+// sync (diskless or not, a child process is running), and refuses SAVE
+// until it ends: Save waits for it, up to a minute.
+func (s *RedisServer) Save() {
+	s.t.Helper()
+	cl := redis.NewClient(&redis.Options{Addr: s.Addr})
+	defer cl.Close()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		err := cl.Save(context.Background()).Err()
+		if err == nil {
+			return
+		}
+		if !strings.Contains(err.Error(), "save already in progress") || time.Now().After(deadline) {
+			s.t.Fatalf("testenv: SAVE on %s: %v", s.Addr, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
