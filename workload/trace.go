@@ -53,10 +53,14 @@ func ReadTrace(r io.Reader) ([]TraceRecord, error) {
 		if len(b) == 0 {
 			continue
 		}
-		var rec TraceRecord
+		var in traceLine
 		dec := json.NewDecoder(bytes.NewReader(b))
-		if err := dec.Decode(&rec); err != nil {
+		if err := dec.Decode(&in); err != nil {
 			return nil, fmt.Errorf("%w: trace line %d: %v", ErrInvalid, line, err)
+		}
+		rec, err := in.record()
+		if err != nil {
+			return nil, fmt.Errorf("trace line %d: %w", line, err)
 		}
 		if err := rec.validate(); err != nil {
 			return nil, fmt.Errorf("trace line %d: %w", line, err)
@@ -69,10 +73,52 @@ func ReadTrace(r io.Reader) ([]TraceRecord, error) {
 	return recs, nil
 }
 
+// traceLine is a record as a line holds it. The timestamp is any JSON
+// number of milliseconds: Mooncake's own traces write integers, other
+// tools that read and write the format take fractions too (AISBench's
+// mooncake_trace dataset documents "int or float"), so a fraction is kept
+// to the nearest millisecond rather than refused.
+type traceLine struct {
+	Timestamp    json.RawMessage `json:"timestamp"`
+	InputLength  int             `json:"input_length"`
+	OutputLength int             `json:"output_length"`
+	HashIDs      []int64         `json:"hash_ids"`
+}
+
+// maxTraceMillis bounds a timestamp (about 292 years: far past any trace,
+// and short of int64 nanoseconds' overflow when replayed).
+const maxTraceMillis = math.MaxInt64 / int64(time.Millisecond)
+
+func (l traceLine) record() (TraceRecord, error) {
+	r := TraceRecord{InputLength: l.InputLength, OutputLength: l.OutputLength, HashIDs: l.HashIDs}
+	raw := string(l.Timestamp)
+	if raw == "" || raw == "null" {
+		return r, nil // none: at the start, as Mooncake's first record
+	}
+	n := json.Number(raw)
+	if ms, err := n.Int64(); err == nil {
+		r.Timestamp = ms
+		return r, nil
+	}
+	f, err := n.Float64()
+	switch {
+	case err != nil || math.IsNaN(f) || raw[0] == '"':
+		return r, fmt.Errorf("%w: timestamp %s is not a number of milliseconds", ErrInvalid, raw)
+	case f < 0:
+		return r, fmt.Errorf("%w: negative timestamp %s", ErrInvalid, raw)
+	case f > float64(maxTraceMillis):
+		return r, fmt.Errorf("%w: timestamp %s ms is past %d", ErrInvalid, raw, maxTraceMillis)
+	}
+	r.Timestamp = int64(math.Round(f))
+	return r, nil
+}
+
 func (r *TraceRecord) validate() error {
 	switch {
 	case r.Timestamp < 0:
 		return fmt.Errorf("%w: negative timestamp %d", ErrInvalid, r.Timestamp)
+	case r.Timestamp > maxTraceMillis:
+		return fmt.Errorf("%w: timestamp %d ms is past %d", ErrInvalid, r.Timestamp, maxTraceMillis)
 	case r.InputLength <= 0:
 		return fmt.Errorf("%w: input_length %d must be positive", ErrInvalid, r.InputLength)
 	case r.OutputLength < 0:
@@ -159,7 +205,12 @@ func (c TraceReplay) Workload(recs []TraceRecord) (*Workload, error) {
 			}
 			p[j] = Segment{Seed: mix(traceSeed ^ uint64(h)), Len: n}
 		}
-		out := r.OutputLength
+		// A record of no output (0, or none given) still prefills its
+		// prompt, whose first token is what TTFT times: it is replayed
+		// asking one token, as engines refuse a request for none (vLLM's
+		// max_tokens is at least 1) and other readers of the format
+		// default a missing output_length to 1 (AISBench's mooncake_trace).
+		out := max(r.OutputLength, 1)
 		if c.MaxOutputTokens > 0 {
 			out = min(out, c.MaxOutputTokens)
 		}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"math"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -152,6 +153,10 @@ func TestReadTraceErrors(t *testing.T) {
 		{"no ids", `{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": []}`, 0, "no hash_ids"},
 		{"zero input", `{"timestamp": 0, "input_length": 0, "output_length": 5, "hash_ids": [1]}`, 0, "input_length"},
 		{"second line bad", `{"timestamp": 0, "input_length": 1, "output_length": 5, "hash_ids": [1]}` + "\n" + `{"timestamp": "x"}`, 0, "line 2"},
+		{"negative fraction", `{"timestamp": -0.4, "input_length": 10, "output_length": 5, "hash_ids": [0]}`, 0, "negative timestamp"},
+		{"timestamp past range", `{"timestamp": 1e300, "input_length": 10, "output_length": 5, "hash_ids": [0]}`, 0, "past"},
+		{"integer past range", `{"timestamp": 9223372036854775807, "input_length": 10, "output_length": 5, "hash_ids": [0]}`, 0, "past"},
+		{"timestamp a string", `{"timestamp": "12", "input_length": 10, "output_length": 5, "hash_ids": [0]}`, 0, "line 1"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -166,6 +171,52 @@ func TestReadTraceErrors(t *testing.T) {
 				t.Fatalf("err = %v, want ErrInvalid mentioning %q", err, tc.wantErr)
 			}
 		})
+	}
+}
+
+// A timestamp with a fraction of a millisecond, or in exponent form, is
+// read to the nearest millisecond; a missing one is the start.
+func TestReadTraceFractionalTimestamps(t *testing.T) {
+	in := `{"timestamp": 457.159, "input_length": 10, "output_length": 5, "hash_ids": [0]}
+{"timestamp": 1.5e3, "input_length": 10, "output_length": 5, "hash_ids": [0]}
+{"timestamp": 2000.5, "input_length": 10, "output_length": 5, "hash_ids": [0]}
+{"timestamp": 7, "input_length": 10, "output_length": 5, "hash_ids": [0]}
+{"input_length": 10, "output_length": 5, "hash_ids": [0]}
+`
+	recs, err := ReadTrace(strings.NewReader(in))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []int64
+	for _, r := range recs {
+		got = append(got, r.Timestamp)
+	}
+	if want := []int64{457, 1500, 2001, 7, 0}; !slices.Equal(got, want) {
+		t.Fatalf("timestamps %v, want %v", got, want)
+	}
+}
+
+// A record of no output, 0 or none given, is replayed asking one token
+// (its prompt still prefills, and engines refuse a request for none).
+func TestTraceReplayNoOutput(t *testing.T) {
+	in := `{"timestamp": 0, "input_length": 10, "output_length": 0, "hash_ids": [0]}
+{"timestamp": 1, "input_length": 10, "hash_ids": [0]}
+{"timestamp": 2, "input_length": 10, "output_length": 9, "hash_ids": [0]}
+`
+	recs, err := ReadTrace(strings.NewReader(in))
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := TraceReplay{}.Workload(recs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []int
+	for _, r := range w.Requests {
+		got = append(got, r.OutputTokens)
+	}
+	if want := []int{1, 1, 9}; !slices.Equal(got, want) {
+		t.Fatalf("output tokens %v, want %v", got, want)
 	}
 }
 
