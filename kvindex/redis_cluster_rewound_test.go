@@ -224,28 +224,36 @@ func TestRedisClusterRewoundMasterDown(t *testing.T) {
 	if e := epoch(); e != e0 {
 		t.Fatalf("the epoch moved with no rewind: %s, was %s", e, e0)
 	}
+	// twoBack saves m's data, counts two checks on it and kills m without
+	// a save: restarted, m is two checks back.
+	twoBack := func(m *testenv.RedisServer, name string) {
+		t.Helper()
+		m.Save()
+		rewound(name+" saved", false, false)
+		rewound("two after "+name+"'s save", false, false)
+		m.Kill()
+	}
+	// moved reads the epoch, which a rewind must have changed from was.
+	moved := func(what, was string) string {
+		t.Helper()
+		e := epoch()
+		if e == was {
+			t.Fatalf("the epoch did not change after %s went back in time", what)
+		}
+		return e
+	}
 	// The count kept across the skip is the one compared when the master
-	// answers again: g saved, two checks counted on it, g killed without a
-	// save, a check skipping it, then g back from the earlier save.
-	g.Save()
-	rewound("after g's save", false, false)
-	rewound("two after g's save", false, false)
-	g.Kill()
+	// answers again: g two checks back, a check skipping it while down,
+	// then g back from the earlier save.
+	twoBack(g, "g")
 	rewound("g down, its last two counts lost", false, false)
 	up(g)
 	rewound("g back from the earlier save", true, false)
-	eg := epoch()
-	if eg == e0 {
-		t.Fatal("the epoch did not change after g went back in time")
-	}
-	e0 = eg
+	e1 := moved("g", e0)
 
 	// x goes back two checks; the master holding the generation is down
 	// when the rewind is found, so the generation cannot move.
-	x.Save()
-	rewound("after the save", false, false)
-	rewound("two after the save", false, false)
-	x.Kill()
+	twoBack(x, "x")
 	up(x) // loads its RDB: its counter two checks back
 	down(g)
 	rewound("x rewound, the generation's master down", false, true)
@@ -253,10 +261,7 @@ func TestRedisClusterRewoundMasterDown(t *testing.T) {
 	// x's counter now counts on (one above the value it went back to), so
 	// only the rewind kept from the failed call can report it.
 	rewound("the generation's master back", true, false)
-	e1 := epoch()
-	if e1 == e0 {
-		t.Fatal("the epoch did not change after a master went back in time")
-	}
+	e1 = moved("x", e1)
 	rewound("the check after the move", false, false)
 	if e := epoch(); e != e1 {
 		t.Fatalf("epoch moved again without a rewind: %s, was %s", e, e1)

@@ -102,7 +102,7 @@ func (l traceLine) record() (TraceRecord, error) {
 	}
 	f, err := n.Float64()
 	switch {
-	case err != nil || math.IsNaN(f) || raw[0] == '"':
+	case err != nil: // a string, a boolean, an object: the decoder passes only JSON values, never NaN
 		return r, fmt.Errorf("%w: timestamp %s is not a number of milliseconds", ErrInvalid, raw)
 	case f < 0:
 		return r, fmt.Errorf("%w: negative timestamp %s", ErrInvalid, raw)
