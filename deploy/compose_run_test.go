@@ -234,6 +234,14 @@ func TestComposeRuns(t *testing.T) {
 	if err := rdb.Set(ctx, "elsewhere", "1", time.Minute).Err(); err == nil || !strings.Contains(err.Error(), "NOPERM") {
 		t.Errorf("the routers' user wrote a key outside the index's prefix: %v", err)
 	}
+	// INFO's run_id is how a router tells a restarted Redis
+	// (kvindex.Redis.Rewound); the rest of @dangerous stays refused.
+	if err := rdb.Info(ctx, "server").Err(); err != nil {
+		t.Errorf("the routers' user may not run INFO: %v", err)
+	}
+	if err := rdb.ConfigGet(ctx, "dir").Err(); err == nil || !strings.Contains(err.Error(), "NOPERM") {
+		t.Errorf("the routers' user ran CONFIG GET: %v", err)
+	}
 	noAuth := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + strconv.Itoa(rport)})
 	if err := noAuth.Ping(ctx).Err(); err == nil || !strings.Contains(err.Error(), "NOAUTH") {
 		t.Errorf("redis answered without credentials: %v", err)

@@ -210,6 +210,20 @@ func TestProductionRedisClusterForms(t *testing.T) {
 	if err := user.Set(ctx, "not-the-index", "x", time.Minute).Err(); err == nil || !strings.Contains(err.Error(), "NOPERM") {
 		t.Errorf("the routers' user wrote outside the index's keys: %v", err)
 	}
+	// Every master's run_id, read in the index's check (INFO inside a
+	// script, as the routers' user): how a router tells a master
+	// restarted from its own persistence (kvindex.Redis.Rewound).
+	type rewinder interface {
+		Rewound(ctx context.Context) (bool, error)
+		RestartsUnseen() bool
+	}
+	rw, ok := index.(rewinder)
+	if !ok {
+		t.Fatalf("the Redis index (%T) has no rewind check", index)
+	}
+	if back, err := rw.Rewound(ctx); err != nil || back || rw.RestartsUnseen() {
+		t.Errorf("the index's first rewind check: %v, %v, run_id hidden %v; want false, nil, false", back, err, rw.RestartsUnseen())
+	}
 
 	// Kill one master (the one serving the slot of a key under the index's
 	// prefix; the index's 64 blocks spread over every slot range): its

@@ -175,3 +175,26 @@ func BenchmarkRedisTakeover(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkRedisRewound is the cost of one rewind check on one Redis: the
+// consumer runs it once a check interval (1 s), per router. Since session
+// 31 it is one script (INCR, PEXPIRE, INFO server for the run_id) where it
+// was a pipelined INCR and PEXPIRE.
+func BenchmarkRedisRewound(b *testing.B) {
+	r, err := NewRedis(redisClient(b), RedisConfig{Prefix: testenv.UniqueName(b), Model: testModel})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx := context.Background()
+	b.ReportAllocs()
+	n := 0
+	cpu0, srv0 := cputime.Process(), redisCPU(b, r)
+	for b.Loop() {
+		if back, err := r.Rewound(ctx); err != nil || back {
+			b.Fatalf("Rewound = %v, %v", back, err)
+		}
+		n++
+	}
+	b.ReportMetric(float64(cputime.Process()-cpu0)/float64(n), "client-cpu-ns/op")
+	b.ReportMetric(float64(redisCPU(b, r)-srv0)/float64(n), "server-cpu-ns/op")
+}

@@ -349,42 +349,58 @@ const rewindTTL = time.Hour
 // Rewound reports whether Redis went back in time since the last call of
 // this handle that answered: restarted from its own persistence (an RDB
 // snapshot, an AOF not fsynced at every write) to an earlier point. The
-// epoch survives such a restart, so only the data can tell, and a restart
-// between two checks that no call saw fail leaves nothing else to see it
-// by. Each call increments a counter of this handle's own,
-// <prefix>:v3:n:<token>, kept a rewindTTL after its last increment; a
-// value not above the one the last call got means the increments between
-// are gone (the counter missing starts again at 1). A call whose reply is
-// lost after the increment ran makes the next one skip a value, never
-// repeat one. The first call reports false.
+// epoch survives such a restart, so only the server can tell, and a
+// restart between two checks that no call saw fail leaves nothing else to
+// see it by. Each call runs checkScript on every server it checks: it
+// increments a counter of this handle's own, <prefix>:v3:n:<token>, kept a
+// rewindTTL after its last increment, and returns the server's run_id
+// (INFO server: a random value drawn at every start, which Redis Sentinel
+// and Cluster use to tell a restarted node). A changed run_id is a
+// restart, and a restart is taken as a rewind whatever the counter says:
+// the writes between the server's last persistence point (its last RDB
+// save, its AOF's last fsync) and its death are lost, and the last check's
+// increment may well be older than that point, so the counter alone misses
+// every loss shorter than a check interval — the usual one, an AOF fsynced
+// every second losing its last second. A counter not above the value the
+// last call got (gone: it starts again at 1) is a rewind too, which covers
+// a server whose INFO is not allowed (renamed, or a proxy's): its run_id
+// reads "" and only the counter tells. A call whose reply is lost after
+// the increment ran makes the next one skip a value, never repeat one.
+// The first call reports false. A restart that lost nothing is reported
+// too: it cannot be told from one that lost what was written since its
+// persistence point, and the answer costs a read of the positions (one
+// Redis) or a reload of the pool (a Cluster), as an outage or a failover
+// does.
 //
-// On a Redis Cluster there is one counter per master, each in a slot that
-// master serves (rewindKeys): a master restarted from its own persistence
-// inside cluster-node-timeout keeps its node id, so neither the topology
-// nor the epoch changes, and what it lost (block keys among them) is
-// missing while instance positions on other masters say it was applied.
-// Positions cannot tell, so a master found rewound moves the index's
-// rewind generation (<prefix>:v3:g, a new random value, as an INCR on a
-// master that lost its last increments could repeat an old one), which is
-// part of the topology every position is stamped with: every position
-// stamped before it stops counting and the epoch changes, so the consumers
-// reload every instance from its snapshot, as after a failover. The
-// generation moves only from the value this handle last read (a
-// compare-and-set), so routers that find the same rewind move it once; a
-// rewind found is reported until the generation has moved. A master that
-// does not answer is skipped (its counter's last value kept, so a rewind
-// is seen when it answers again); the call fails only when none answers
-// or the generation cannot be moved.
+// On a Redis Cluster every master is checked, each through a key in a
+// slot it serves (rewindChecks): a master restarted from its own
+// persistence inside cluster-node-timeout keeps its node id, so neither
+// the topology nor the epoch changes, and what it lost (block keys among
+// them) is missing while instance positions on other masters say it was
+// applied. Positions cannot tell, so a master found rewound moves the
+// index's rewind generation (<prefix>:v3:g, a new random value, as an INCR
+// on a master that lost its last increments could repeat an old one),
+// which is part of the topology every position is stamped with: every
+// position stamped before it stops counting and the epoch changes, so the
+// consumers reload every instance from its snapshot, as after a failover.
+// What a master answered is kept by its node id: a replica promoted in its
+// place is a new master, first seen (the failover changes the topology,
+// and so the epoch, by itself). The generation moves only from the value
+// this handle last read (a compare-and-set), so routers that find the same
+// rewind move it once; a rewind found is reported until the generation has
+// moved. A master that does not answer is skipped (what it last answered
+// kept, so a restart or a rewind is seen when it answers again); the call
+// fails only when none answers or the generation cannot be moved.
 func (r *Redis) Rewound(ctx context.Context) (bool, error) {
 	_, cluster := r.rdb.(*redis.ClusterClient)
-	keys := []string{r.ns + "n:" + r.token}
+	checks := []rewindCheck{{key: r.ns + "n:" + r.token}}
 	if cluster {
 		var err error
-		if keys, err = r.rewindKeys(ctx); err != nil {
+		if checks, err = r.rewindChecks(ctx); err != nil {
 			return false, err
 		}
 	}
-	back, err := r.countRewound(ctx, keys)
+	back, err := r.countRewound(ctx, checks)
 	if err != nil || !cluster {
 		return back, err
 	}
@@ -417,47 +433,113 @@ end
 return 0
 `)
 
-// countRewound increments the check counters in one pipeline (on a
+// checkScript increments the check counter KEYS[1], sets it to expire in
+// ARGV[1] ms, and returns {count, run_id}: the run_id "" when INFO is not
+// allowed (pcall: a renamed or refused command must not fail the check).
+// It runs on the server that holds KEYS[1], so the run_id is that
+// server's. Sent as EVAL: once a check per master, it is not worth
+// EVALSHA's NOSCRIPT path.
+const checkScript = `
+local n = redis.call('INCR', KEYS[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+local ok, info = pcall(redis.call, 'INFO', 'server')
+local id = ''
+if ok and type(info) == 'string' then
+  id = string.match(info, 'run_id:(%w+)') or ''
+end
+return {n, id}
+`
+
+// rewindCheck is one server Rewound checks: its counter key, and the
+// master's node id on a Cluster ("" off one).
+type rewindCheck struct {
+	key, master string
+}
+
+// rewindSeen is what a server answered Rewound last: its counter, the key
+// it was counted in, and its run_id.
+type rewindSeen struct {
+	key   string
+	count int64
+	run   string
+}
+
+// countRewound runs checkScript on every server in one pipeline (on a
 // Cluster split per master, sent in parallel) and reports whether one that
-// answered went back since this handle's last call it answered; an error
-// only when none answered.
-func (r *Redis) countRewound(ctx context.Context, keys []string) (bool, error) {
-	incr := make([]*redis.IntCmd, len(keys))
+// answered restarted or went back since this handle's last call it
+// answered; an error only when none answered. What a master no longer in
+// checks answered is dropped.
+func (r *Redis) countRewound(ctx context.Context, checks []rewindCheck) (bool, error) {
+	ttl := rewindTTL.Milliseconds()
+	res := make([]*redis.Cmd, len(checks))
 	_, perr := r.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for i, key := range keys {
-			incr[i] = p.Incr(ctx, key)
-			p.PExpire(ctx, key, rewindTTL)
+		for i, c := range checks {
+			res[i] = p.Eval(ctx, checkScript, []string{c.key}, ttl)
 		}
 		return nil
 	})
 	r.rewind.mu.Lock()
 	defer r.rewind.mu.Unlock()
-	if r.rewind.counted == nil {
-		r.rewind.counted = map[string]int64{}
+	if r.rewind.seen == nil {
+		r.rewind.seen = map[string]rewindSeen{}
 	}
-	back, answered := false, false
-	for i, key := range keys {
-		n, err := incr[i].Result()
+	back, answered, hidden := false, false, false
+	for i, c := range checks {
+		now, err := parseCheck(res[i], c.key)
 		if err != nil {
-			continue // not answering: its last value kept
+			continue // not answering: what it last answered kept
 		}
 		answered = true
-		last := r.rewind.counted[key]
-		r.rewind.counted[key] = n
-		back = back || last != 0 && n <= last
+		hidden = hidden || now.run == ""
+		last, ok := r.rewind.seen[c.master]
+		r.rewind.seen[c.master] = now
+		back = back || ok && (last.key == now.key && now.count <= last.count || last.run != "" && now.run != "" && now.run != last.run)
+	}
+	for m := range r.rewind.seen {
+		if !slices.ContainsFunc(checks, func(c rewindCheck) bool { return c.master == m }) {
+			delete(r.rewind.seen, m)
+		}
 	}
 	if !answered {
 		return false, r.failed(fmt.Errorf("kvindex: redis: check counter: %w", cmp.Or(perr, errors.New("no answer"))))
 	}
+	r.rewind.hidden = hidden
 	return back, nil
 }
 
-// rewindKeys returns one check counter key per Cluster master, each
+// RestartsUnseen reports whether the last Rewound that answered found a
+// server whose INFO this client may not run (an ACL without +info, a
+// renamed command): there the counter alone tells, and a restart that
+// loses only writes newer than the last check is not seen (Rewound).
+func (r *Redis) RestartsUnseen() bool {
+	r.rewind.mu.Lock()
+	defer r.rewind.mu.Unlock()
+	return r.rewind.hidden
+}
+
+// parseCheck reads checkScript's reply to a check of key.
+func parseCheck(c *redis.Cmd, key string) (rewindSeen, error) {
+	v, err := c.Slice()
+	if err != nil {
+		return rewindSeen{}, err
+	}
+	if len(v) != 2 {
+		return rewindSeen{}, fmt.Errorf("kvindex: redis: check reply of %d values", len(v))
+	}
+	n, ok := v[0].(int64)
+	run, ok2 := v[1].(string)
+	if !ok || !ok2 {
+		return rewindSeen{}, fmt.Errorf("kvindex: redis: check reply %T, %T", v[0], v[1])
+	}
+	return rewindSeen{key: key, count: n, run: run}, nil
+}
+
+// rewindChecks returns one check per Cluster master, its counter key
 // hashing (by its {tag}) to a slot the master serves (the start of its
 // widest range), kept while the master serves that slot. The slot map is
 // the one refreshTopology last read (the epoch check's, a check ago),
 // read now only before the first.
-func (r *Redis) rewindKeys(ctx context.Context) ([]string, error) {
+func (r *Redis) rewindChecks(ctx context.Context) ([]rewindCheck, error) {
 	if r.slots.Load() == nil {
 		if err := r.refreshTopology(ctx); err != nil {
 			return nil, err
@@ -487,17 +569,22 @@ func (r *Redis) rewindKeys(ctx context.Context) ([]string, error) {
 	if r.rewind.keys == nil {
 		r.rewind.keys = map[string]rewindKey{}
 	}
-	keys := make([]string, 0, len(widest))
+	for id := range r.rewind.keys {
+		if _, ok := widest[id]; !ok {
+			delete(r.rewind.keys, id) // no longer a master
+		}
+	}
+	checks := make([]rewindCheck, 0, len(widest))
 	for id, s := range widest {
 		k, ok := r.rewind.keys[id]
 		if !ok || !serves(id, k.slot) {
 			k = rewindKey{key: r.ns + "n:" + r.token + ":{" + tags[s.Start] + "}", slot: s.Start}
 			r.rewind.keys[id] = k
 		}
-		keys = append(keys, k.key)
+		checks = append(checks, rewindCheck{key: k.key, master: id})
 	}
-	slices.Sort(keys)
-	return keys, nil
+	slices.SortFunc(checks, func(a, b rewindCheck) int { return strings.Compare(a.key, b.key) })
+	return checks, nil
 }
 
 // keySlot is the Redis Cluster slot of a hash tag's content: CRC16 (the
@@ -539,13 +626,15 @@ type rewindKey struct {
 	slot int
 }
 
-// rewindState is Rewound's: the counters' last values, on a Cluster each
-// master's counter key, the rewind generation as last read
-// (refreshTopology) and whether a rewind was found that has not moved it
-// yet.
+// rewindState is Rewound's: what each server answered last (by master
+// node id; "" off a Cluster), on a Cluster each master's counter key, the
+// rewind generation as last read (refreshTopology), whether a rewind
+// was found that has not moved it yet, and whether the last check met a
+// server that hid its run_id (RestartsUnseen).
 type rewindState struct {
 	mu      sync.Mutex
-	counted map[string]int64
+	hidden  bool
+	seen    map[string]rewindSeen
 	keys    map[string]rewindKey // by master node id
 	gen     string
 	pending bool

@@ -783,11 +783,16 @@ func (c *Consumer) watchShared(ctx context.Context) {
 	var swept time.Time
 	tick := time.NewTicker(c.cfg.CheckInterval)
 	defer tick.Stop()
+	unseen, _ := c.shared.idx.(interface{ RestartsUnseen() bool })
 	for {
 		checked := false // dueShared ran in this round
 		// The counter first: on a Cluster a master found rewound changes
 		// the epoch (kvindex.Redis.Rewound), which this check then sees.
 		rewound, rerr := c.shared.idx.Rewound(ctx)
+		if rerr == nil && unseen != nil && unseen.RestartsUnseen() {
+			unseen = nil // once
+			c.cfg.Logger.Warn("consumer: the shared index's Redis refuses INFO to this router's user, so a Redis restart that loses only writes newer than the last check is not seen; grant +info (docs/deploy.md)")
+		}
 		e, created, err := c.shared.idx.Epoch(ctx)
 		if err == nil {
 			err = c.checkRewound(rewound, rerr, c.shared.epoch != "" && e == c.shared.epoch)

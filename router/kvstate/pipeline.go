@@ -604,6 +604,9 @@ func (a *sharedAccountingApplier) Rewound(ctx context.Context) (bool, error) {
 	return a.shared.Rewound(ctx)
 }
 
+// RestartsUnseen is kvindex.Redis.RestartsUnseen (the consumer logs it).
+func (a *sharedAccountingApplier) RestartsUnseen() bool { return a.shared.RestartsUnseen() }
+
 // WriterLease implements consumer.SharedApplier.
 func (a *sharedAccountingApplier) WriterLease() time.Duration { return a.shared.WriterLease() }
 
