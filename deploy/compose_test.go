@@ -366,6 +366,21 @@ type redisUser struct {
 	on        bool
 	passwords []string // ">password" rules
 	patterns  []string // "~pattern" key rules
+	commands  []string // "+command", "-@category" rules, in order
+}
+
+// may reports whether the user's command rules, applied in order, allow
+// command (lower case) of category ("@dangerous"...); a user starts with
+// none.
+func (u redisUser) may(command, category string) bool {
+	ok := false
+	for _, r := range u.commands {
+		switch r[1:] {
+		case "@all", category, command:
+			ok = r[0] == '+'
+		}
+	}
+	return ok
 }
 
 // redisUsers parses the ACL users a redis-server command line defines.
@@ -387,6 +402,8 @@ func redisUsers(args []string) map[string]redisUser {
 				u.passwords = append(u.passwords, r[1:])
 			case strings.HasPrefix(r, "~"):
 				u.patterns = append(u.patterns, r[1:])
+			case strings.HasPrefix(r, "+") || strings.HasPrefix(r, "-"):
+				u.commands = append(u.commands, r)
 			}
 		}
 		users[name] = u
@@ -420,11 +437,31 @@ func checkRedisACL(t *testing.T, where string, redisArgs []string, rc *config.Re
 	if slices.Contains(u.patterns, "*") {
 		t.Errorf("%s: user %s may touch every key", where, rc.Username)
 	}
+	// The index's rewind check reads the server's run_id (INFO server,
+	// kvindex.Redis.Rewound), and INFO is in @dangerous.
+	if !u.may("info", "@dangerous") {
+		t.Errorf("%s: user %s may not run INFO (%v): a Redis restart that loses only writes newer than the routers' last check would go unseen", where, rc.Username, u.commands)
+	}
+	if u.may("config", "@dangerous") {
+		t.Errorf("%s: user %s may run the dangerous commands (%v)", where, rc.Username, u.commands)
+	}
+	// The append-only file is loaded by a client running as the default
+	// user, whose permissions Redis re-checks at each EXEC (until
+	// redis/redis#14545): given nothing, every transaction in the file is
+	// refused at load (TestProductionRedisClusterAOFReload).
+	if d := users["default"]; slices.Contains(redisArgs, "--appendonly") && redisArgs[slices.Index(redisArgs, "--appendonly")+1] == "yes" &&
+		(!d.may("set", "@write") || !slices.Contains(d.patterns, "*")) {
+		t.Errorf("%s: an append-only file, and a default user who may not replay it (%v %v)", where, d.patterns, d.commands)
+	}
 }
 
 func TestRedisUsers(t *testing.T) {
-	got := redisUsers([]string{"--port", "1", "--user", "default", "off", "--user", "k", "on", ">pw", "~k:*", "+@all", "--save", ""})
+	got := redisUsers([]string{"--port", "1", "--user", "default", "off", "--user", "k", "on", ">pw", "~k:*", "+@all", "-@dangerous", "+info", "--save", ""})
 	if got["default"].on || !got["k"].on || !slices.Equal(got["k"].passwords, []string{"pw"}) || !slices.Equal(got["k"].patterns, []string{"k:*"}) {
 		t.Errorf("got %+v", got)
+	}
+	k := got["k"]
+	if !k.may("info", "@dangerous") || k.may("config", "@dangerous") || !k.may("set", "@write") || got["default"].may("set", "@write") {
+		t.Errorf("command rules %v read wrong", k.commands)
 	}
 }

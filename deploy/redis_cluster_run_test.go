@@ -11,7 +11,10 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
@@ -34,16 +37,9 @@ func TestProductionRedisClusterForms(t *testing.T) {
 		t.Log("-short: the Redis Cluster is not started")
 		return
 	}
-	server, err := exec.LookPath("redis-server")
-	if err != nil {
-		t.Fatalf("no redis-server on PATH (run `make deps-test`): %v", err)
-	}
-	const password = "test-secret"
-	b := render(t, "kubernetes/overlays/production-redis-cluster")
-	sts := b.statefulSets["redis-cluster"]
-	c := &sts.Spec.Template.Spec.Containers[0]
+	p := renderCluster(t)
+	server, b, sts, c, cfg := p.server, p.b, p.sts, p.c, p.cfg
 	n := int(derefReplicas(sts.Spec.Replicas))
-	cfg := checkRouter(t, b, overlays[2])
 
 	// Each pod: its own port, bus port and directory.
 	addr := map[string]string{} // pod DNS name:6379 -> 127.0.0.1:port
@@ -51,30 +47,8 @@ func TestProductionRedisClusterForms(t *testing.T) {
 	var local []string
 	for i := range n {
 		pod := fmt.Sprintf("%s-%d", sts.Name, i)
-		port, bus, dir := testenv.FreePort(t), testenv.FreePort(t), t.TempDir()
-		args := make([]string, 0, len(c.Args)+6)
-		for k := 0; k < len(c.Args); k++ {
-			a := strings.ReplaceAll(c.Args[k], "$(REDIS_PASSWORD)", password)
-			a = strings.ReplaceAll(a, "$(POD_NAME)."+sts.Spec.ServiceName, "127.0.0.1")
-			switch {
-			case c.Args[k] == "--port":
-				args = append(args, a, fmt.Sprint(port))
-				k++
-				continue
-			case c.Args[k] == "--dir":
-				args = append(args, a, dir)
-				k++
-				continue
-			case c.Args[k] == "--cluster-config-file":
-				args = append(args, a, filepath.Join(dir, filepath.Base(c.Args[k+1])))
-				k++
-				continue
-			}
-			args = append(args, a)
-		}
-		// The bus port is the client port + 10000 in the pod; here a free one.
-		args = append(args, "--cluster-port", fmt.Sprint(bus))
-		cmd := exec.Command(server, args...)
+		port, dir := testenv.FreePort(t), t.TempDir()
+		cmd := exec.Command(server, nodeArgs(t, c.Args, sts.Spec.ServiceName, password, port, dir)...)
 		cmd.Dir = dir
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
@@ -94,6 +68,7 @@ func TestProductionRedisClusterForms(t *testing.T) {
 	}
 	runJob := func() {
 		var out []byte
+		var err error
 		deadline := time.Now().Add(30 * time.Second)
 		for {
 			cmd := exec.Command(jc.Command[0], append(jc.Command[1:], script)...)
@@ -291,6 +266,122 @@ func TestProductionRedisClusterForms(t *testing.T) {
 	t.Logf("vllm-0's blocks after failover: %d of %d (asynchronous replication; the epoch changed)", held("vllm-0"), len(keys))
 	t.Logf("master %s killed: its replica promoted %.1f s later, the index worked again %.1f s after the kill (cluster-node-timeout %s ms)",
 		local[victim], promoted.Seconds(), time.Since(killed).Seconds(), mustRedisArg(t, c.Args, "cluster-node-timeout"))
+}
+
+// password is the Secret's, as the tests substitute it.
+const password = "test-secret"
+
+// renderedCluster is the production-redis-cluster overlay, rendered: the
+// StatefulSet, its redis-server container, the router's configuration,
+// and the local redis-server to run its command lines with.
+type renderedCluster struct {
+	server string
+	b      *bundle
+	sts    *appsv1.StatefulSet
+	c      *corev1.Container
+	cfg    config.Config
+}
+
+func renderCluster(t *testing.T) renderedCluster {
+	t.Helper()
+	server, err := exec.LookPath("redis-server")
+	if err != nil {
+		t.Fatalf("no redis-server on PATH (run `make deps-test`): %v", err)
+	}
+	b := render(t, "kubernetes/overlays/production-redis-cluster")
+	sts := b.statefulSets["redis-cluster"]
+	return renderedCluster{server: server, b: b, sts: sts, c: &sts.Spec.Template.Spec.Containers[0], cfg: checkRouter(t, b, overlays[2])}
+}
+
+// nodeArgs is a StatefulSet pod's redis-server command line as the
+// kubelet would run it (the Secret's password and the downward API's pod
+// name substituted), on a local port and directory, with a free bus port
+// (the client port + 10000 in the pod).
+func nodeArgs(t *testing.T, rendered []string, service, password string, port int, dir string) []string {
+	args := make([]string, 0, len(rendered)+6)
+	for k := 0; k < len(rendered); k++ {
+		a := strings.ReplaceAll(rendered[k], "$(REDIS_PASSWORD)", password)
+		a = strings.ReplaceAll(a, "$(POD_NAME)."+service, "127.0.0.1")
+		switch rendered[k] {
+		case "--port":
+			args = append(args, a, fmt.Sprint(port))
+			k++
+			continue
+		case "--dir":
+			args = append(args, a, dir)
+			k++
+			continue
+		case "--cluster-config-file":
+			args = append(args, a, filepath.Join(dir, filepath.Base(rendered[k+1])))
+			k++
+			continue
+		}
+		args = append(args, a)
+	}
+	return append(args, "--cluster-port", fmt.Sprint(testenv.FreePort(t)))
+}
+
+// TestProductionRedisClusterAOFReload restarts one node of the
+// production-redis-cluster overlay, with its rendered command line, from
+// its append-only file, and finds there what the routers' user wrote in a
+// transaction (MULTI/EXEC: how Redis logs a script's writes, every index
+// write among them). The file is loaded by a client that runs as the
+// default user, and Redis re-checks its permissions at EXEC (until
+// redis/redis#14545; valkey-io/valkey#3983): with the default user off and
+// given nothing, every transaction in the file was refused, silently —
+// each restart of a master dropped its index writes but the few outside a
+// script, and the routers reloaded on a state no one had written.
+func TestProductionRedisClusterAOFReload(t *testing.T) {
+	if testing.Short() {
+		t.Log("-short: no Redis node is started")
+		return
+	}
+	p := renderCluster(t)
+	server, sts, c, rc := p.server, p.sts, p.c, p.cfg.Index.Redis
+	port, dir := testenv.FreePort(t), t.TempDir()
+	args := nodeArgs(t, c.Args, sts.Spec.ServiceName, password, port, dir)
+	var cmd *exec.Cmd
+	start := func() {
+		t.Helper()
+		cmd = exec.Command(server, args...)
+		cmd.Dir = dir
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	start()
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	a := fmt.Sprintf("127.0.0.1:%d", port)
+	ctx := testenv.Context(t, time.Minute)
+	admin := redis.NewClient(&redis.Options{Addr: a, Username: "admin", Password: password})
+	t.Cleanup(func() { _ = admin.Close() })
+	user := redis.NewClient(&redis.Options{Addr: a, Username: rc.Username, Password: password})
+	t.Cleanup(func() { _ = user.Close() })
+	// One node serving every slot: a cluster of its own, writable.
+	waitFor(t, 15*time.Second, "the node answers", func() error { return admin.Ping(ctx).Err() })
+	if err := admin.Do(ctx, "cluster", "addslotsrange", 0, 16383).Err(); err != nil {
+		t.Fatal(err)
+	}
+	key := func(k string) string { return rc.KeyPrefix + ":{aof}:" + k }
+	waitFor(t, 15*time.Second, "the one-node cluster serves", func() error { return user.Set(ctx, key("plain"), "1", 0).Err() })
+	if _, err := user.TxPipelined(ctx, func(p redis.Pipeliner) error {
+		p.Set(ctx, key("tx1"), "1", 0)
+		p.Set(ctx, key("tx2"), "2", 0)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// appendfsync everysec: wait out the next fsync, then kill the node
+	// (what a container's end does) and start it from its file.
+	time.Sleep(2500 * time.Millisecond)
+	_ = cmd.Process.Kill()
+	_ = cmd.Wait()
+	start()
+	waitFor(t, 15*time.Second, "the node back, its file loaded", func() error { return user.Get(ctx, key("plain")).Err() })
+	n, err := user.Exists(ctx, key("tx1"), key("tx2")).Result()
+	if err != nil || n != 2 {
+		t.Fatalf("after a restart from the append-only file, %d of the 2 keys written in a transaction (err %v): the file's transactions were refused at load", n, err)
+	}
 }
 
 func mustRedisArg(t *testing.T, args []string, name string) string {
