@@ -134,6 +134,32 @@ func TestRedisClusterRewound(t *testing.T) {
 	if p, err := r.Position(ctx, "i"); err != nil || p != at(2) {
 		t.Fatalf("position after the reload: %v, %v", p, err)
 	}
+
+	// A failover: the client follows it (a MOVED from the old master)
+	// before the checks' slot map, the last epoch check's, shows it, so
+	// the promoted replica answers the old master's check. A new master is
+	// not a rewind: the failover moves the epoch by itself, once.
+	var replica *testenv.RedisServer
+	for _, n := range c.Nodes {
+		if c.Role(n) == "slave" {
+			replica = n
+			break
+		}
+	}
+	if err := admin(replica).Do(ctx, "cluster", "failover").Err(); err != nil {
+		t.Fatal(err)
+	}
+	testenv.WaitFor(t, 30*time.Second, "the replica promoted", func() bool { return c.Role(replica) == "master" })
+	c.WaitHealthy(30 * time.Second)
+	check("after a failover, before the epoch check", false)
+	e2 := epoch()
+	if e2 == e1 {
+		t.Fatal("the epoch did not change after a failover")
+	}
+	check("the check after the failover", false)
+	if e := epoch(); e != e2 {
+		t.Fatalf("the epoch moved again after the failover: %s, was %s", e, e2)
+	}
 }
 
 // Rewound on a Cluster with one master down: the check skips it (what it

@@ -364,7 +364,8 @@ const rewindTTL = time.Hour
 // every second losing its last second. A counter not above the value the
 // last call got (gone: it starts again at 1) is a rewind too, which covers
 // a server whose INFO is not allowed (renamed, or a proxy's): its run_id
-// reads "" and only the counter tells. A call whose reply is lost after
+// reads "" and only the counter tells (INFO is then left out of the
+// checks for infoRetry). A call whose reply is lost after
 // the increment ran makes the next one skip a value, never repeat one.
 // The first call reports false. A restart that lost nothing is reported
 // too: it cannot be told from one that lost what was written since its
@@ -383,9 +384,11 @@ const rewindTTL = time.Hour
 // which is part of the topology every position is stamped with: every
 // position stamped before it stops counting and the epoch changes, so the
 // consumers reload every instance from its snapshot, as after a failover.
-// What a master answered is kept by its node id: a replica promoted in its
-// place is a new master, first seen (the failover changes the topology,
-// and so the epoch, by itself). The generation moves only from the value
+// What a master answered is kept by its node id, and the script returns
+// the id of the node that ran it: a replica promoted in its place is a
+// new master, first seen, not a rewind, even when the client reaches it
+// before the checks' slot map shows the failover (the failover changes
+// the topology, and so the epoch, by itself). The generation moves only from the value
 // this handle last read (a compare-and-set), so routers that find the same
 // rewind move it once; a rewind found is reported until the generation has
 // moved. A master that does not answer is skipped (what it last answered
@@ -434,21 +437,37 @@ return 0
 `)
 
 // checkScript increments the check counter KEYS[1], sets it to expire in
-// ARGV[1] ms, and returns {count, run_id}: the run_id "" when INFO is not
-// allowed (pcall: a renamed or refused command must not fail the check).
-// It runs on the server that holds KEYS[1], so the run_id is that
-// server's. Sent as EVAL: once a check per master, it is not worth
-// EVALSHA's NOSCRIPT path.
+// ARGV[1] ms, and returns {count, run_id, node id}: the run_id from INFO
+// server when ARGV[2] is "1", the Cluster node id (CLUSTER MYID) when
+// ARGV[3] is "1", each "" when not asked or refused (pcall: a renamed or
+// refused command must not fail the check). It runs on the server that
+// holds KEYS[1], so both are that server's. Sent as EVAL: once a check per
+// master, it is not worth EVALSHA's NOSCRIPT path.
 const checkScript = `
 local n = redis.call('INCR', KEYS[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-local ok, info = pcall(redis.call, 'INFO', 'server')
-local id = ''
-if ok and type(info) == 'string' then
-  id = string.match(info, 'run_id:(%w+)') or ''
+local run, id = '', ''
+if ARGV[2] == '1' then
+  local ok, info = pcall(redis.call, 'INFO', 'server')
+  if ok and type(info) == 'string' then
+    run = string.match(info, 'run_id:(%w+)') or ''
+  end
 end
-return {n, id}
+if ARGV[3] == '1' then
+  local ok, me = pcall(redis.call, 'CLUSTER', 'MYID')
+  if ok and type(me) == 'string' then
+    id = me
+  end
+end
+return {n, run, id}
 `
+
+// infoRetry is how long a handle refused INFO leaves it out of its checks
+// before it asks again. Redis logs every refusal (ACL LOG) and counts it
+// (INFO errorstats), once per check per router per master: asking a few
+// times an hour keeps those quiet for an operator's alerts, and still
+// picks up a user granted INFO later without a restart.
+const infoRetry = 5 * time.Minute
 
 // rewindCheck is one server Rewound checks: its counter key, and the
 // master's node id on a Cluster ("" off one).
@@ -457,24 +476,40 @@ type rewindCheck struct {
 }
 
 // rewindSeen is what a server answered Rewound last: its counter, the key
-// it was counted in, and its run_id.
+// it was counted in, its run_id and (on a Cluster) its node id.
 type rewindSeen struct {
 	key   string
 	count int64
 	run   string
+	node  string
 }
 
 // countRewound runs checkScript on every server in one pipeline (on a
 // Cluster split per master, sent in parallel) and reports whether one that
 // answered restarted or went back since this handle's last call it
-// answered; an error only when none answered. What a master no longer in
-// checks answered is dropped.
+// answered; an error only when none answered. On a Cluster an answer from
+// another node than the master a check is for is not compared: the client
+// followed a failover or a resharding (its slot map reloads every second)
+// that the slot map the checks were built from (the last epoch check's)
+// does not show yet, and a promoted replica is a new master, first seen
+// at the next check (the failover changes the epoch by itself). What a
+// master no longer in checks answered is dropped.
 func (r *Redis) countRewound(ctx context.Context, checks []rewindCheck) (bool, error) {
-	ttl := rewindTTL.Milliseconds()
+	_, cluster := r.rdb.(*redis.ClusterClient)
+	r.rewind.mu.Lock()
+	askInfo := time.Now().After(r.rewind.infoOff)
+	r.rewind.mu.Unlock()
+	ttl, info, myid := rewindTTL.Milliseconds(), "0", "0"
+	if askInfo {
+		info = "1"
+	}
+	if cluster {
+		myid = "1"
+	}
 	res := make([]*redis.Cmd, len(checks))
 	_, perr := r.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, c := range checks {
-			res[i] = p.Eval(ctx, checkScript, []string{c.key}, ttl)
+			res[i] = p.Eval(ctx, checkScript, []string{c.key}, ttl, info, myid)
 		}
 		return nil
 	})
@@ -483,15 +518,24 @@ func (r *Redis) countRewound(ctx context.Context, checks []rewindCheck) (bool, e
 	if r.rewind.seen == nil {
 		r.rewind.seen = map[string]rewindSeen{}
 	}
-	back, answered, hidden := false, false, false
+	back, answered, hidden := false, false, !askInfo
 	for i, c := range checks {
 		now, err := parseCheck(res[i], c.key)
 		if err != nil {
 			continue // not answering: what it last answered kept
 		}
 		answered = true
-		hidden = hidden || now.run == ""
+		if now.node != "" && c.master != "" && now.node != c.master {
+			continue // another node answered for this master
+		}
+		if askInfo && now.run == "" {
+			hidden = true
+			r.rewind.infoOff = time.Now().Add(infoRetry)
+		}
 		last, ok := r.rewind.seen[c.master]
+		if !askInfo {
+			now.run = last.run // not asked: the last one stands
+		}
 		r.rewind.seen[c.master] = now
 		back = back || ok && (last.key == now.key && now.count <= last.count || last.run != "" && now.run != "" && now.run != last.run)
 	}
@@ -509,8 +553,9 @@ func (r *Redis) countRewound(ctx context.Context, checks []rewindCheck) (bool, e
 
 // RestartsUnseen reports whether the last Rewound that answered found a
 // server whose INFO this client may not run (an ACL without +info, a
-// renamed command): there the counter alone tells, and a restart that
-// loses only writes newer than the last check is not seen (Rewound).
+// renamed command), or left INFO out after such a refusal (infoRetry):
+// there the counter alone tells, and a restart that loses only writes
+// newer than the last check is not seen (Rewound).
 func (r *Redis) RestartsUnseen() bool {
 	r.rewind.mu.Lock()
 	defer r.rewind.mu.Unlock()
@@ -523,15 +568,16 @@ func parseCheck(c *redis.Cmd, key string) (rewindSeen, error) {
 	if err != nil {
 		return rewindSeen{}, err
 	}
-	if len(v) != 2 {
+	if len(v) != 3 {
 		return rewindSeen{}, fmt.Errorf("kvindex: redis: check reply of %d values", len(v))
 	}
 	n, ok := v[0].(int64)
 	run, ok2 := v[1].(string)
-	if !ok || !ok2 {
-		return rewindSeen{}, fmt.Errorf("kvindex: redis: check reply %T, %T", v[0], v[1])
+	node, ok3 := v[2].(string)
+	if !ok || !ok2 || !ok3 {
+		return rewindSeen{}, fmt.Errorf("kvindex: redis: check reply %T, %T, %T", v[0], v[1], v[2])
 	}
-	return rewindSeen{key: key, count: n, run: run}, nil
+	return rewindSeen{key: key, count: n, run: run, node: node}, nil
 }
 
 // rewindChecks returns one check per Cluster master, its counter key
@@ -634,6 +680,7 @@ type rewindKey struct {
 type rewindState struct {
 	mu      sync.Mutex
 	hidden  bool
+	infoOff time.Time // INFO left out of the checks until then (infoRetry)
 	seen    map[string]rewindSeen
 	keys    map[string]rewindKey // by master node id
 	gen     string

@@ -121,7 +121,7 @@ func newMetrics(reg prometheus.Registerer, pool string) (*metrics, error) {
 		indexLost: ms.Counter("kvrouter_events_index_lost_total",
 			"Times the shared index was found to have lost its data (its epoch changed: Redis restarted empty or was flushed)."),
 		indexRewound: ms.Counter("kvrouter_events_index_rewound_total",
-			"Times the shared index was found gone back in time with its epoch kept (Redis restarted from its own persistence to an earlier point): the instances' positions are read before it is trusted again."),
+			"Times the shared index was found restarted (its run_id changed: every restart counts, whatever it lost) or gone back in time (a check counter went back) with its epoch kept: the instances' positions are read before it is trusted again."),
 		takeovers: ms.Counter("kvrouter_events_shared_takeovers_total",
 			"Writes to a shared (Redis) index that took an instance over from another router's writer (or this router's before a restart) and so rewrote the instance's whole map under a new field id: a router died or stalled, or restarted."),
 		lag: ms.Histogram("kvrouter_events_lag_seconds",

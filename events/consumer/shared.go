@@ -915,7 +915,7 @@ func (c *Consumer) checkRewound(rewound bool, err error, sameEpoch bool) error {
 	// Untrusted before counted: whoever reads the count reads the index
 	// untrusted.
 	if c.epochOK.Swap(false) {
-		c.cfg.Logger.Warn("consumer: shared index went back in time (Redis restarted from its persistence); reading the instances' positions before trusting it again")
+		c.cfg.Logger.Warn("consumer: shared index went back in time (Redis restarted, with its persistence or its counter behind); reading the instances' positions before trusting it again")
 	}
 	c.m.indexRewound.Inc()
 	return nil
