@@ -365,8 +365,8 @@ const rewindTTL = time.Hour
 // last call got (gone: it starts again at 1) is a rewind too, which covers
 // a server whose INFO is not allowed (renamed, or a proxy's): its run_id
 // reads "" and only the counter tells (INFO is then left out of the
-// checks for infoRetry). A call whose reply is lost after
-// the increment ran makes the next one skip a value, never repeat one.
+// checks for infoRetry). A call whose reply is lost after the increment
+// ran makes the next one skip a value, never repeat one.
 // The first call reports false. A restart that lost nothing is reported
 // too: it cannot be told from one that lost what was written since its
 // persistence point, and the answer costs a read of the positions (one
@@ -388,10 +388,10 @@ const rewindTTL = time.Hour
 // the id of the node that ran it: a replica promoted in its place is a
 // new master, first seen, not a rewind, even when the client reaches it
 // before the checks' slot map shows the failover (the failover changes
-// the topology, and so the epoch, by itself). The generation moves only from the value
-// this handle last read (a compare-and-set), so routers that find the same
-// rewind move it once; a rewind found is reported until the generation has
-// moved. A master that does not answer is skipped (what it last answered
+// the topology, and so the epoch, by itself). The generation moves only
+// from the value this handle last read (a compare-and-set), so routers
+// that find the same rewind move it once; a rewind found is reported
+// until the generation has moved. A master that does not answer is skipped (what it last answered
 // kept, so a restart or a rewind is seen when it answers again); the call
 // fails only when none answers or the generation cannot be moved.
 func (r *Redis) Rewound(ctx context.Context) (bool, error) {
