@@ -431,9 +431,11 @@ type KVScoringConfig struct {
 	MaxNumBatchedTokens int `yaml:"max_num_batched_tokens" json:"max_num_batched_tokens,omitempty"`
 	// PrefillCostWeight w: the pick minimises predicted TTFT plus w × the
 	// prefill time it makes the fleet do (docs/kv-aware.md). 0 = adaptive
-	// (the default): w = max(1, ρ/(1−ρ)) for the fleet's measured busy
-	// fraction ρ, at most 19; > 0 = that fixed weight; negative = 0 (pure
-	// TTFT).
+	// (the default): w = max(1, ρ/(1−ρ)², the requests measured queued
+	// behind others in a prefill busy period) for the fleet's busy fraction
+	// ρ averaged over time, at most 19; > 0 = that fixed weight (100: a
+	// move must save 100× its recompute, hit rate first; docs/kv-aware.md
+	// "Hit rate or tails"); negative = 0 (pure TTFT).
 	PrefillCostWeight float64 `yaml:"prefill_cost_weight" json:"prefill_cost_weight,omitempty"`
 	// TieTolerance: predicted TTFTs this close are a tie, broken by
 	// rendezvous order. Default 1ms.
