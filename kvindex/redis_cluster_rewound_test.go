@@ -187,7 +187,7 @@ func TestRedisClusterRewoundMasterDown(t *testing.T) {
 	// The router's client options (router/kvstate): go-redis's own
 	// retries; a read timeout shorter than its 3 s default, so the calls
 	// to a stopped master give up sooner.
-	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs(), ContextTimeoutEnabled: true, ReadTimeout: 500 * time.Millisecond})
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs(), ContextTimeoutEnabled: true, ReadTimeout: time.Second})
 	t.Cleanup(func() { _ = client.Close() })
 	r, err := NewRedis(client, RedisConfig{Prefix: testenv.UniqueName(t), Model: testModel, BlockSize: 4})
 	if err != nil {
