@@ -366,8 +366,8 @@ const rewindTTL = time.Hour
 // a server whose INFO is not allowed (renamed, or a proxy's): its run_id
 // reads "" and only the counter tells (INFO is then left out of the
 // checks for infoRetry). A call whose reply is lost after the increment
-// ran makes the next one skip a value, never repeat one.
-// The first call reports false. A restart that lost nothing is reported
+// ran makes the next one skip a value, never repeat one. The first call
+// reports false. A restart that lost nothing is reported
 // too: it cannot be told from one that lost what was written since its
 // persistence point, and the answer costs a read of the positions (one
 // Redis) or a reload of the pool (a Cluster), as an outage or a failover
@@ -391,9 +391,10 @@ const rewindTTL = time.Hour
 // the topology, and so the epoch, by itself). The generation moves only
 // from the value this handle last read (a compare-and-set), so routers
 // that find the same rewind move it once; a rewind found is reported
-// until the generation has moved. A master that does not answer is skipped (what it last answered
-// kept, so a restart or a rewind is seen when it answers again); the call
-// fails only when none answers or the generation cannot be moved.
+// until the generation has moved. A master that does not answer is
+// skipped (what it last answered kept, so a restart or a rewind is seen
+// when it answers again); the call fails only when none answers or the
+// generation cannot be moved.
 func (r *Redis) Rewound(ctx context.Context) (bool, error) {
 	_, cluster := r.rdb.(*redis.ClusterClient)
 	checks := []rewindCheck{{key: r.ns + "n:" + r.token}}
