@@ -371,8 +371,9 @@ func TestProductionRedisClusterAOFReload(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	// appendfsync everysec: wait out the next fsync, then kill the node
-	// (what a container's end does) and start it from its file.
+	// appendfsync everysec writes the file within two seconds: wait that
+	// out, then kill the node (what a container's end does) and start it
+	// from its file.
 	time.Sleep(2500 * time.Millisecond)
 	_ = cmd.Process.Kill()
 	_ = cmd.Wait()

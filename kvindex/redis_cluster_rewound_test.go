@@ -325,3 +325,32 @@ func noFailover(t *testing.T, c *testenv.RedisCluster, admin func(*testenv.Redis
 		}
 	}
 }
+
+// On a Cluster whose routers' user may not run CLUSTER MYID the check
+// still answers, and asks it again only after infoRetry: Redis logs every
+// refusal (ACL LOG), one a check per master per router otherwise.
+func TestRedisClusterRewoundWithoutMyID(t *testing.T) {
+	ctx := context.Background()
+	c := testenv.StartRedisCluster(t)
+	admin := nodeAdmin(t)
+	user := testenv.UniqueName(t)
+	for _, n := range c.Nodes {
+		if err := admin(n).Do(ctx, "acl", "setuser", user, "on", ">pw", "~*", "+@all", "-cluster|myid").Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs(), Username: user, Password: "pw"})
+	t.Cleanup(func() { _ = client.Close() })
+	r, check := rewoundChecker(t, client, user)
+	check("first check", false)
+	check("second check", false)
+	check("third check", false)
+	if r.RestartsUnseen() {
+		t.Fatal("RestartsUnseen with INFO allowed")
+	}
+	for _, m := range c.Masters() {
+		if n := scriptRefusals(t, admin(m), "cluster|myid"); n != 1 {
+			t.Fatalf("CLUSTER MYID refused %d times on a master in three checks, want once", n)
+		}
+	}
+}

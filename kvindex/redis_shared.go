@@ -463,8 +463,8 @@ end
 return {n, run, id}
 `
 
-// infoRetry is how long a handle refused INFO leaves it out of its checks
-// before it asks again. Redis logs every refusal (ACL LOG) and counts it
+// infoRetry is how long a handle refused INFO (or, on a Cluster, CLUSTER
+// MYID) leaves it out of its checks before it asks again. Redis logs every refusal (ACL LOG) and counts it
 // (INFO errorstats), once per check per router per master: asking a few
 // times an hour keeps those quiet for an operator's alerts, and still
 // picks up a user granted INFO later without a restart.
@@ -497,14 +497,15 @@ type rewindSeen struct {
 // master no longer in checks answered is dropped.
 func (r *Redis) countRewound(ctx context.Context, checks []rewindCheck) (bool, error) {
 	_, cluster := r.rdb.(*redis.ClusterClient)
+	now := time.Now()
 	r.rewind.mu.Lock()
-	askInfo := time.Now().After(r.rewind.infoOff)
+	askInfo, askID := now.After(r.rewind.infoOff), cluster && now.After(r.rewind.idOff)
 	r.rewind.mu.Unlock()
 	ttl, info, myid := rewindTTL.Milliseconds(), "0", "0"
 	if askInfo {
 		info = "1"
 	}
-	if cluster {
+	if askID {
 		myid = "1"
 	}
 	res := make([]*redis.Cmd, len(checks))
@@ -521,24 +522,36 @@ func (r *Redis) countRewound(ctx context.Context, checks []rewindCheck) (bool, e
 	}
 	back, answered, hidden := false, false, !askInfo
 	for i, c := range checks {
-		now, err := parseCheck(res[i], c.key)
+		got, err := parseCheck(res[i], c.key)
 		if err != nil {
 			continue // not answering: what it last answered kept
 		}
 		answered = true
-		if now.node != "" && c.master != "" && now.node != c.master {
+		if askID && got.node == "" {
+			// CLUSTER MYID refused: answers are compared whichever node
+			// gave them, so a failover may read as a rewind (one more
+			// reload of the pool) until it is allowed.
+			r.rewind.idOff = now.Add(infoRetry)
+		}
+		if got.node != "" && c.master != "" && got.node != c.master {
 			continue // another node answered for this master
 		}
-		if askInfo && now.run == "" {
+		if askInfo && got.run == "" {
 			hidden = true
-			r.rewind.infoOff = time.Now().Add(infoRetry)
+			r.rewind.infoOff = now.Add(infoRetry)
 		}
 		last, ok := r.rewind.seen[c.master]
-		if !askInfo {
-			now.run = last.run // not asked: the last one stands
+		counted := ok && last.key == got.key && got.count <= last.count
+		restarted := ok && last.run != "" && got.run != "" && got.run != last.run
+		if !askInfo && !counted {
+			// Not asked: the last run_id stands, so a restart in the
+			// meantime is seen once INFO is asked again; unless the
+			// counter has just reported one, which that would report
+			// a second time.
+			got.run = last.run
 		}
-		r.rewind.seen[c.master] = now
-		back = back || ok && (last.key == now.key && now.count <= last.count || last.run != "" && now.run != "" && now.run != last.run)
+		r.rewind.seen[c.master] = got
+		back = back || counted || restarted
 	}
 	for m := range r.rewind.seen {
 		if !slices.ContainsFunc(checks, func(c rewindCheck) bool { return c.master == m }) {
@@ -682,6 +695,7 @@ type rewindState struct {
 	mu      sync.Mutex
 	hidden  bool
 	infoOff time.Time // INFO left out of the checks until then (infoRetry)
+	idOff   time.Time // CLUSTER MYID left out until then (infoRetry)
 	seen    map[string]rewindSeen
 	keys    map[string]rewindKey // by master node id
 	gen     string
