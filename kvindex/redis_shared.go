@@ -493,8 +493,8 @@ type rewindSeen struct {
 // followed a failover or a resharding (its slot map reloads every second)
 // that the slot map the checks were built from (the last epoch check's)
 // does not show yet, and a promoted replica is a new master, first seen
-// at the next check (the failover changes the epoch by itself). What a
-// master no longer in checks answered is dropped.
+// at the next check (the failover changes the epoch by itself).
+// rewindChecks drops what a node no longer a master answered.
 func (r *Redis) countRewound(ctx context.Context, checks []rewindCheck) (bool, error) {
 	_, cluster := r.rdb.(*redis.ClusterClient)
 	now := time.Now()
@@ -552,11 +552,6 @@ func (r *Redis) countRewound(ctx context.Context, checks []rewindCheck) (bool, e
 		}
 		r.rewind.seen[c.master] = got
 		back = back || counted || restarted
-	}
-	for m := range r.rewind.seen {
-		if !slices.ContainsFunc(checks, func(c rewindCheck) bool { return c.master == m }) {
-			delete(r.rewind.seen, m)
-		}
 	}
 	if !answered {
 		return false, r.failed(fmt.Errorf("kvindex: redis: check counter: %w", cmp.Or(perr, errors.New("no answer"))))
@@ -631,7 +626,9 @@ func (r *Redis) rewindChecks(ctx context.Context) ([]rewindCheck, error) {
 	}
 	for id := range r.rewind.keys {
 		if _, ok := widest[id]; !ok {
-			delete(r.rewind.keys, id) // no longer a master
+			// No longer a master: its key and what it answered go.
+			delete(r.rewind.keys, id)
+			delete(r.rewind.seen, id)
 		}
 	}
 	checks := make([]rewindCheck, 0, len(widest))
