@@ -9,7 +9,8 @@ import (
 // Observer follows one routed attempt to its end. A strategy that
 // predicts something about a request (kv_aware, shadow mode) sets it on its
 // Decision. The edge that forwards the request calls FirstByte when the
-// upstream's response starts, and Done exactly once when the attempt is
+// upstream's successful (2xx) response starts — an error status's first
+// byte is no prefill, and is not told — and Done exactly once when the attempt is
 // over (after the body reached the client, or after a failure with no
 // response), with the engine-reported cached prompt tokens
 // (usage.prompt_tokens_details.cached_tokens; -1 when not reported). Both

@@ -202,7 +202,10 @@ func (s *Server) prefill(r *http.Request, pool *router.Pool, dec router.Decision
 	status = resp.StatusCode
 	rc := resp.Body
 	if o := dec.Observer; o != nil {
-		usage = &usageTee{rc: rc, onFirst: o.FirstByte}
+		usage = &usageTee{rc: rc}
+		if prefilled(status) {
+			usage.onFirst = o.FirstByte
+		}
 		rc = usage
 	}
 	defer rc.Close()

@@ -338,7 +338,10 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 	s.setDecisionHeaders(resp.Header, a)
 	ct := resp.Header.Get("Content-Type")
 	if o := a.dec.Observer; o != nil {
-		a.usage = &usageTee{rc: resp.Body, sse: strings.HasPrefix(ct, "text/event-stream"), onFirst: o.FirstByte}
+		a.usage = &usageTee{rc: resp.Body, sse: strings.HasPrefix(ct, "text/event-stream")}
+		if prefilled(resp.StatusCode) {
+			a.usage.onFirst = o.FirstByte
+		}
 		resp.Body = a.usage
 	}
 	resp.Body = &upstreamBody{
@@ -350,6 +353,16 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 	}
 	return nil
 }
+
+// prefilled reports whether an upstream answer with this status means the
+// engine prefilled the prompt before its first byte: only a success does.
+// A refusal (vLLM answers a prompt over its context at once, 400) or an
+// error status ends the request without a prefill, so its first byte must
+// not tell the flow-control queue (its service time and fit) or kv_aware
+// (its measured prefill rate) that a whole prompt's work took a
+// millisecond; the work the request held is given back at its end (Done)
+// all the same.
+func prefilled(status int) bool { return status >= 200 && status < 300 }
 
 // wroteRequest is the attempt's httptrace.ClientTrace.WroteRequest hook. A
 // write that failed part way is not counted: the instance never got the
@@ -422,7 +435,7 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 		if !b.got {
 			b.got = true
 			b.a.firstByte()
-			if t := b.a.ticket; t != nil {
+			if t := b.a.ticket; t != nil && prefilled(b.a.status) {
 				t.FirstToken() // its pending prefill is over
 			}
 			b.s.m.ttfb.WithLabelValues(b.a.pool.Name(), b.a.dec.Instance.ID()).Observe(time.Since(b.a.sent).Seconds())

@@ -139,12 +139,13 @@ func (s *Server) sendWarm(r *http.Request, pool *router.Pool, req *router.Reques
 		var usage *usageTee
 		if w.Observer != nil || tk != nil {
 			usage = &usageTee{rc: rc, onFirst: func() {
+				if !prefilled(status) {
+					return // a refusal's first byte is no prefill (prefilled)
+				}
 				if w.Observer != nil {
 					w.Observer.FirstByte()
 				}
-				if tk != nil && status == http.StatusOK {
-					// A refusal's first byte is no prefill: the queue would
-					// learn a whole prompt's service time as a millisecond.
+				if tk != nil {
 					tk.FirstToken()
 				}
 			}}

@@ -102,8 +102,8 @@ func TestWarmCopy(t *testing.T) {
 
 	h.ups[1].Set(routertest.Status, http.StatusServiceUnavailable, 0)
 	svc := gate.Stats().ServiceTTFT
-	if st, _ := send(body); st != http.StatusServiceUnavailable {
-		t.Errorf("refused copy: observer ended with %d, want 503", st)
+	if st, o := send(body); st != http.StatusServiceUnavailable || o.first != 0 {
+		t.Errorf("refused copy: observer ended with %d, first byte told %d times; want 503, never", st, o.first)
 	}
 	if got := gate.Stats().ServiceTTFT; got != svc {
 		t.Errorf("a refused copy taught the queue a service time: %v, was %v", got, svc)
