@@ -185,6 +185,13 @@ type inst struct {
 	// read; the next heartbeat queues another (a quiet engine sends no
 	// event to retry at). Guarded by Consumer.mu.
 	loadFailed bool
+	// short: its last reload's replay of the stream after the snapshot
+	// stopped before the messages applied ahead of the reload (the stream
+	// did not answer, or the index refused a batch): the state is an
+	// older snapshot without their removals, so the instance is not live
+	// (seenAt) until a reload completes, queued by its next message or
+	// heartbeat, loadRetryAt apart. Memory index. Guarded by Consumer.mu.
+	short bool
 	// holeAt: the stream seq of the first message after the last hole a
 	// shared-index replay found in the instance's engine seqs, so that a
 	// hole met again at every repair is counted and logged once. Guarded

@@ -28,7 +28,7 @@ func (c *Consumer) seenAt(in *inst, t, now time.Time) {
 	if t.After(in.lastSeen) {
 		in.lastSeen = t
 	}
-	if in.status.EngineDown || in.reloading || c.heldByHole(in) {
+	if in.status.EngineDown || in.reloading || c.heldByHole(in) || in.short {
 		// Not live whatever arrives until the engine is back and the
 		// bridge's table reloaded (see heartbeat), or, after a hole in
 		// its engine seqs, a snapshot or a clear put its state right.
@@ -123,7 +123,7 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		}
 	}
 	c.m.heartbeats.WithLabelValues("ok").Inc()
-	load, reload, needSync := false, false, false
+	load, reload, needSync, backwards := false, false, false, false
 	// The bridge's last message of the instance is past every one of its
 	// messages here. Not yet dispatched (the heartbeat outran it, or the
 	// consumer is behind: a router resumed after a stop), the heartbeat
@@ -146,7 +146,7 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 	} else if in.status.State == StateStale && !ahead {
 		in.status.State = StateLive
 	}
-	if (in.loadFailed || in.hole != 0) && !c.cfg.SharedIndex {
+	if (in.loadFailed || in.hole != 0 || in.short) && !c.cfg.SharedIndex {
 		// Its snapshot could not be read last time, or was older than a
 		// hole in its engine seqs: try again now (the shard spaces the
 		// tries: loadDue), as an engine with nothing to say sends no
@@ -172,12 +172,38 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		in.status.EngineDown = false
 		in.reloading, reload = true, true
 		in.status.State = StateStale
-	case in.reloading || c.heldByHole(in):
+	case in.hasSeq && hb.EngineSeq < in.status.LastSeq && hb.StreamSeq >= in.status.StreamSeq && !in.reloading:
+		// The bridge has published nothing this consumer has not seen
+		// (its stream seq is at or past the instance's here), yet its
+		// engine seq is behind one applied here. Within one engine
+		// process seqs only grow, so what was applied is another
+		// process's: the engine restarted and the bridge's restart clear
+		// was gone from the stream before this consumer read it
+		// (retention passed it by), and the new process's first
+		// messages were skipped as duplicates of the old one's seqs.
+		// Reload the bridge's table, not live until then.
+		backwards = true
+		if !c.cfg.SharedIndex {
+			in.reloading, reload = true, true
+			in.status.State = StateStale
+		}
+	case in.reloading || c.heldByHole(in) || in.short:
 		in.status.State = StateStale
 	}
 	in.status.LastHeartbeat, in.lastSeen = now, now
 	in.status.Heartbeat = &hb
+	lastSeq := in.status.LastSeq
 	c.mu.Unlock()
+	if backwards {
+		c.m.gaps.Inc()
+		if ok, suppressed := c.logLimit.Allow("seq_backwards"); ok {
+			msg := "consumer: the bridge's engine seq is behind the one applied (the engine restarted and its restart clear was lost to the stream's retention), reloading the bridge's table"
+			if c.cfg.SharedIndex {
+				msg = "consumer: the bridge's engine seq is behind the one applied (the engine restarted and its restart clear was lost to the stream's retention); the shared index keeps the old process's blocks until the bridge publishes a clear: restart the instance's kvbridge"
+			}
+			c.cfg.Logger.Warn(msg, "instance", instance, "engine_seq", hb.EngineSeq, "applied_seq", lastSeq, "stream_seq", hb.StreamSeq, "suppressed", suppressed)
+		}
+	}
 	switch {
 	case reload:
 		c.enqueue(ctx, work{kind: workReload, instance: instance})

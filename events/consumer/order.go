@@ -163,6 +163,8 @@ func (c *Consumer) do(ctx context.Context, w work, dec *events.Decoder) {
 			if err := c.cfg.Applier.Purge(ctx, w.instance); err != nil {
 				c.cfg.Logger.Warn("consumer: purge", "instance", w.instance, "err", err)
 			}
+		} else if f, ok := c.cfg.Applier.(Forgetter); ok {
+			f.Forget(w.instance)
 		}
 		in.needLoad, in.skipUpTo = true, 0
 		c.m.purges.Inc()

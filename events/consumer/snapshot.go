@@ -60,13 +60,48 @@ func (c *Consumer) forSnapshots(ctx context.Context, f func(instance string)) {
 // messages between the snapshot and cur are replayed from the stream
 // after it; otherwise a reload would drop everything applied since the
 // snapshot was taken.
+// foreignSnapshot reports whether snap's stream seq cannot be a position
+// in the stream this consumer reads: past the stream's last message, or
+// the snapshot taken before the stream was created. An idle bridge puts
+// its snapshot again unchanged after a wiped store, and an operator's
+// delete and re-create leaves the bucket's snapshots in place, so a router
+// started after either would skip, as covered by the snapshot, every
+// message of the instance in the new stream below the old number (a
+// running router learns of the re-creation from its watchdog:
+// inst.restreamed). The snapshot's blocks still stand: its engine seq
+// tells which of the instance's messages it holds. A stream that does not
+// answer leaves the snapshot trusted, as before.
+func (c *Consumer) foreignSnapshot(ctx context.Context, instance string, snap kvstream.Snapshot) bool {
+	if c.stream == nil || snap.StreamSeq == 0 {
+		return false
+	}
+	ictx, cancel := context.WithTimeout(ctx, apiTimeout)
+	info, err := c.stream.Info(ictx)
+	cancel()
+	if err != nil {
+		info = c.stream.CachedInfo()
+	}
+	if info == nil {
+		return false
+	}
+	foreign := snap.StreamSeq > info.State.LastSeq || !snap.Taken.IsZero() && snap.Taken.Before(info.Created)
+	if foreign {
+		if ok, suppressed := c.logLimit.Allow("foreign_snapshot"); ok {
+			c.cfg.Logger.Warn("consumer: the instance's snapshot numbers another stream (taken before this one was created, or past its last message); its blocks loaded, its stream seq not trusted",
+				"instance", instance, "snapshot_stream_seq", snap.StreamSeq, "stream_last_seq", info.State.LastSeq,
+				"taken", snap.Taken, "stream_created", info.Created, "suppressed", suppressed)
+		}
+	}
+	return foreign
+}
+
 func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint64) {
 	in.needLoad, in.retryAt = false, time.Time{}
 	start := time.Now()
 	defer c.retryHole(in, start)
 	c.mu.Lock()
 	done := in.status.StreamSeq
-	in.loadFailed = false
+	in.loadFailed, in.short = false, false
 	c.mu.Unlock()
 	if cur != 0 {
 		done = cur - 1
@@ -105,9 +140,10 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint
 		c.cfg.Logger.Warn("consumer: apply snapshot", "instance", instance, "err", err)
 	}
 	// pos: the stream seq the snapshot covers, none when it may number
-	// a re-created stream's predecessor (inst.restreamed).
+	// a re-created stream's predecessor (inst.restreamed, or the stream
+	// says so: foreignSnapshot).
 	pos := snap.StreamSeq
-	if in.restreamed {
+	if in.restreamed || c.foreignSnapshot(ctx, instance, snap) {
 		pos = 0
 	}
 	in.skipUpTo = pos
@@ -243,8 +279,9 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 		}
 		if err != nil {
 			// Could not read the stream: leave the snapshot and try the
-			// whole reload again at the instance's next event.
-			in.needLoad = true
+			// whole reload again at the instance's next event or
+			// heartbeat, not live meanwhile (inst.short).
+			c.stopShort(in)
 			c.m.applyErrors.Inc()
 			c.cfg.Logger.Warn("consumer: replay after snapshot failed, will reload", "instance", instance, "stream_seq", seq, "err", err)
 			break
@@ -283,7 +320,7 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 			}
 			clears = clears || clearsAll(batch.Events)
 			if _, aerr := c.cfg.Applier.Apply(ctx, instance, batch.Events); aerr != nil {
-				in.needLoad = true
+				c.stopShort(in)
 				c.m.applyErrors.Inc()
 				c.cfg.Logger.Warn("consumer: apply during replay failed, will reload", "instance", instance, "stream_seq", m.Sequence, "err", aerr)
 				failed = true
@@ -317,6 +354,20 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 			"instance", instance, "snapshot_stream_seq", from, "to", to, "stream_seq", gapAt)
 	}
 	c.cfg.Logger.Info("consumer: replayed messages after snapshot", "instance", instance, "from", from+1, "to", to, "applied", applied)
+}
+
+// stopShort records a replay after a snapshot that stopped before its
+// end (inst.short): reloaded at the instance's next message or heartbeat,
+// loadRetryAt apart, and not live until then.
+func (c *Consumer) stopShort(in *inst) {
+	now := time.Now()
+	in.needLoad, in.retryAt = true, loadRetryAt(now, now, c.cfg.StaleAfter)
+	c.mu.Lock()
+	in.short = true
+	if in.status.State == StateLive {
+		in.status.State = StateStale
+	}
+	c.mu.Unlock()
 }
 
 // errNoSnapshot: neither the bridge nor the bucket has one.

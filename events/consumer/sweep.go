@@ -16,6 +16,15 @@ type Sweeper interface {
 
 var _ Sweeper = (*kvindex.Redis)(nil)
 
+// Forgetter is a shared-index Applier that keeps per-instance state of its
+// own beside the index (the router's tier accounting): a purged
+// instance's is dropped (Forget), while the index's, which other routers
+// share, is left to its TTL and Sweep. Without it, with pod names that
+// change at every rollout, that state would grow for the router's life.
+type Forgetter interface {
+	Forget(instance string)
+}
+
 // sweep runs the shared index's Sweep, when it has one (every PurgeAfter,
 // from watchShared).
 func (c *Consumer) sweep(ctx context.Context) {

@@ -536,7 +536,11 @@ type sharedAccountingApplier struct {
 	shared *kvindex.Redis
 }
 
-var _ consumer.SharedApplier = (*sharedAccountingApplier)(nil)
+var (
+	_ consumer.SharedApplier = (*sharedAccountingApplier)(nil)
+	_ consumer.Sweeper       = (*sharedAccountingApplier)(nil)
+	_ consumer.Forgetter     = (*sharedAccountingApplier)(nil)
+)
 
 // ApplyAt implements consumer.SharedApplier.
 func (a *sharedAccountingApplier) ApplyAt(ctx context.Context, instance string, from kvindex.Position, seq uint64, evs []events.Event) (kvindex.SeqResult, error) {
@@ -603,6 +607,23 @@ func (a *sharedAccountingApplier) Epoch(ctx context.Context) (string, bool, erro
 func (a *sharedAccountingApplier) Rewound(ctx context.Context) (bool, error) {
 	return a.shared.Rewound(ctx)
 }
+
+// Sweep implements consumer.Sweeper: the shared index's instances silent
+// for longer than its TTL are purged from it (block keys carry no TTL),
+// and their accounting series with them. Without it here the consumer
+// found no Sweeper behind this applier and never swept.
+func (a *sharedAccountingApplier) Sweep(ctx context.Context) ([]string, error) {
+	gone, err := a.shared.Sweep(ctx)
+	for _, instance := range gone {
+		a.acct.Forget(instance)
+	}
+	return gone, err
+}
+
+// Forget implements consumer.Forgetter: a purged instance's accounting
+// series go, the shared index's state is left to the other routers and
+// to Sweep.
+func (a *sharedAccountingApplier) Forget(instance string) { a.acct.Forget(instance) }
 
 // RestartsUnseen is kvindex.Redis.RestartsUnseen (the consumer logs it).
 func (a *sharedAccountingApplier) RestartsUnseen() bool { return a.shared.RestartsUnseen() }
