@@ -49,6 +49,17 @@ type Source struct {
 	// URL is the instance's HTTP base URL, advertised in heartbeats and
 	// probed (GET /health, /metrics) to tell a dead or restarted engine.
 	URL string
+	// LoopbackReplay: the endpoints are not the engine's but a publisher
+	// in the bridge's own process that feeds it (TRTLLMPoller.Source sets
+	// it). That publisher outlives the engine: what its replay returns
+	// proves nothing about which engine process is behind it, its history
+	// is the dead process's too, and its seq goes on across the engine's
+	// restarts. An engine back from down is then cleared unless its start
+	// time proves it the same, and nothing is replayed after a restart.
+	LoopbackReplay bool
+	// pollNow, when set, asks the publisher's poller to read the engine
+	// at once rather than at the end of a backoff grown while it was down.
+	pollNow func()
 }
 
 // Config configures a Bridge. Zero values mean the documented defaults.
@@ -595,14 +606,20 @@ func (in *instance) catchUp(ctx context.Context) error {
 	if !ok {
 		return nil
 	}
-	from := last + 1
 	if in.src.ReplayEndpoint == "" {
 		// Without replay the next live message reveals the gap and clears.
 		return nil
 	}
-	msgs, err := in.replayAll(ctx, from)
+	// Asked from the last message handled, which must come back byte for
+	// byte: the engine may have restarted, its first messages dropped,
+	// and counted past it meanwhile.
+	msgs, from, restart, err := in.replayAfter(ctx)
 	if ctx.Err() != nil {
 		return ctx.Err()
+	}
+	if restart {
+		in.log.Info("engine restarted while its messages were dropped: clearing instance", "last_seq", last)
+		return in.restarted(ctx)
 	}
 	if err != nil || !contiguous(msgs, from, false) {
 		in.countGap()
@@ -679,8 +696,11 @@ func (in *instance) handle(ctx context.Context, m enginezmq.Message) error {
 		if err := in.clear(ctx, kvstream.SyntheticRestart); err != nil {
 			return err
 		}
-		if err := in.fillStart(ctx, m.Seq); err != nil {
-			return err
+		// A loopback's history before m is the dead process's.
+		if !in.src.LoopbackReplay {
+			if err := in.fillStart(ctx, m.Seq); err != nil {
+				return err
+			}
 		}
 	}
 	if err := in.publishEngine(ctx, m); err != nil {

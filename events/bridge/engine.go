@@ -171,9 +171,12 @@ func (in *instance) onProbe(ctx context.Context, r probeResult) error {
 		in.setEngineStart(r.start)
 	}
 	if wasDown || (r.start != 0 && known != 0 && r.start != known) {
-		// Back, or new: reconnect now rather than at the end of a
-		// backoff grown while the engine was away.
+		// Back, or new: reconnect (or poll) now rather than at the end
+		// of a backoff grown while the engine was away.
 		in.sub.Kick()
+		if in.src.pollNow != nil {
+			in.src.pollNow()
+		}
 	}
 	if wasDown {
 		in.engineDown.Store(false)
@@ -198,7 +201,7 @@ func (in *instance) setEngineStart(start float64) {
 // whose messages the table holds: its start time is the one known, or,
 // asked for the last message the bridge published, its replay socket
 // returns it byte for byte (a new process has another payload at that
-// seq, or none).
+// seq, or none; a loopback's replay returns it whatever the process).
 func (in *instance) sameEngine(ctx context.Context) bool {
 	if in.probing() {
 		r := in.probeOnce(ctx)
@@ -213,7 +216,7 @@ func (in *instance) sameEngine(ctx context.Context) bool {
 	in.mu.Lock()
 	hash := in.lastHash
 	in.mu.Unlock()
-	if !ok || hash == 0 || in.src.ReplayEndpoint == "" {
+	if !ok || hash == 0 || in.src.ReplayEndpoint == "" || in.src.LoopbackReplay {
 		return false
 	}
 	same := false
@@ -227,11 +230,16 @@ func (in *instance) sameEngine(ctx context.Context) bool {
 // restarted clears the instance for an engine that restarted, then
 // publishes what the new process has published so far from its replay
 // buffer; what cannot be replayed is asked for again when the next live
-// message arrives (it finds the tracker empty).
+// message arrives (it finds the tracker empty). A loopback's buffer holds
+// the dead process's messages and its seq goes on: only the clear, and
+// the new process's messages follow on as the poller publishes them.
 func (in *instance) restarted(ctx context.Context) error {
-	in.tracker.Reset()
 	in.replayed = replayWindow{}
 	in.topic = "" // the new process's topic is learnt from its messages
+	if in.src.LoopbackReplay {
+		return in.clear(ctx, kvstream.SyntheticRestart)
+	}
+	in.tracker.Reset()
 	if err := in.clear(ctx, kvstream.SyntheticRestart); err != nil {
 		return err
 	}
@@ -362,26 +370,19 @@ func (in *instance) catchTail(ctx context.Context) error {
 	if in.src.ReplayEndpoint == "" {
 		return nil
 	}
-	last, known := in.tracker.Last()
-	in.mu.Lock()
-	hash := in.lastHash
-	in.mu.Unlock()
-	// Asked from the last message handled, which must come back byte for
-	// byte: the engine may have restarted and counted past it meanwhile.
-	check := known && hash != 0
-	from := uint64(0)
-	switch {
-	case check:
-		from = last
-	case known:
-		from = last + 1
-	}
 	if in.connected.Swap(false) {
 		in.tailRetry = 0 // a new connection: its retries start over
 	}
-	msgs, err := in.replayAll(ctx, from)
+	// Asked from the last message handled, which must come back byte for
+	// byte: the engine may have restarted and counted past it meanwhile.
+	last, known := in.tracker.Last()
+	msgs, from, restart, err := in.replayAfter(ctx)
 	if ctx.Err() != nil {
 		return ctx.Err()
+	}
+	if restart {
+		in.log.Info("engine restarted while not connected to the bridge: clearing instance", "last_seq", last)
+		return in.restarted(ctx)
 	}
 	if err != nil {
 		// An engine may answer replays only a little after it connects:
@@ -394,13 +395,6 @@ func (in *instance) catchTail(ctx context.Context) error {
 		return nil
 	}
 	in.tailRetry = 0
-	if check {
-		if len(msgs) == 0 || msgs[0].Seq != last || xxhash.Sum64(msgs[0].Payload) != hash {
-			in.log.Info("engine restarted while not connected to the bridge: clearing instance", "last_seq", last)
-			return in.restarted(ctx)
-		}
-		msgs, from = msgs[1:], last+1
-	}
 	if len(msgs) == 0 {
 		return nil
 	}
@@ -418,6 +412,34 @@ func (in *instance) catchTail(ctx context.Context) error {
 	in.countReplay(true)
 	in.log.Info("messages published while disconnected filled from replay", "from", from, "messages", len(msgs))
 	return in.publishReplayed(ctx, msgs)
+}
+
+// replayAfter asks the engine's replay for what it published after the
+// last message handled (from its start when none is). When that message's
+// hash is known the replay starts at it, and it must come back byte for
+// byte: restart reports that it did not (the engine is another process
+// that counted past it), and no message is returned then. from is the seq
+// the messages returned should start at.
+func (in *instance) replayAfter(ctx context.Context) (msgs []enginezmq.Message, from uint64, restart bool, err error) {
+	last, known := in.tracker.Last()
+	in.mu.Lock()
+	hash := in.lastHash
+	in.mu.Unlock()
+	check := known && hash != 0
+	switch {
+	case check:
+		from = last
+	case known:
+		from = last + 1
+	}
+	msgs, err = in.replayAll(ctx, from)
+	if err != nil || !check {
+		return msgs, from, false, err
+	}
+	if len(msgs) == 0 || msgs[0].Seq != last || xxhash.Sum64(msgs[0].Payload) != hash {
+		return nil, from, true, nil
+	}
+	return msgs[1:], last + 1, false, nil
 }
 
 // errNotSameEngine: the message before a gap, replayed, is not the one the

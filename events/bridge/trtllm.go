@@ -34,6 +34,7 @@ type TRTLLMPoller struct {
 	eps      []string // per rank: PUB endpoint, then replay endpoint
 	http     *http.Client
 	log      *slog.Logger
+	wake     chan struct{} // cuts a wait short (pollNow)
 
 	polls, failures, converted, lost, clears atomic.Uint64
 }
@@ -86,7 +87,8 @@ func NewTRTLLMPoller(ctx context.Context, cfg TRTLLMConfig) (*TRTLLMPoller, erro
 		cfg.Logger = slog.Default()
 	}
 	p := &TRTLLMPoller{url: strings.TrimRight(cfg.EngineURL, "/") + "/kv_cache_events", interval: cfg.Interval,
-		conv: events.TRTLLMConverter{FullWindow: cfg.FullWindow}, http: &http.Client{Timeout: 30 * time.Second}, log: cfg.Logger}
+		conv: events.TRTLLMConverter{FullWindow: cfg.FullWindow}, http: &http.Client{Timeout: 30 * time.Second}, log: cfg.Logger,
+		wake: make(chan struct{}, 1)}
 	for r := 0; r < cfg.Ranks; r++ {
 		pub, err := freeLoopback()
 		if err != nil {
@@ -110,9 +112,20 @@ func NewTRTLLMPoller(ctx context.Context, cfg TRTLLMConfig) (*TRTLLMPoller, erro
 }
 
 // Source returns the bridge source of rank r: the loopback endpoints, the
-// instance name and the engine URL given.
+// instance name and the engine URL given. Its replay is the poller's, not
+// the engine's (LoopbackReplay); an engine back from down is polled at
+// once (pollNow).
 func (p *TRTLLMPoller) Source(r int, instance, url string) Source {
-	return Source{Instance: instance, Rank: r, Endpoint: p.eps[2*r], ReplayEndpoint: p.eps[2*r+1], URL: url}
+	return Source{Instance: instance, Rank: r, Endpoint: p.eps[2*r], ReplayEndpoint: p.eps[2*r+1], URL: url,
+		LoopbackReplay: true, pollNow: p.pollNow}
+}
+
+// pollNow ends the wait before the next poll, and the backoff with it.
+func (p *TRTLLMPoller) pollNow() {
+	select {
+	case p.wake <- struct{}{}:
+	default:
+	}
 }
 
 // Stats returns the poller's counters.
@@ -129,7 +142,8 @@ func (p *TRTLLMPoller) Close() {
 }
 
 // Run polls until ctx is done. After an empty answer it waits Interval; a
-// failing engine is retried with backoff up to 5s.
+// failing engine is retried with backoff up to 5s, cut short when the
+// bridge sees the engine up again (pollNow).
 func (p *TRTLLMPoller) Run(ctx context.Context) {
 	backoff := p.interval
 	for ctx.Err() == nil {
@@ -154,6 +168,8 @@ func (p *TRTLLMPoller) Run(ctx context.Context) {
 			case <-ctx.Done():
 				return
 			case <-time.After(wait):
+			case <-p.wake:
+				backoff = p.interval
 			}
 		}
 	}
