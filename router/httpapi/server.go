@@ -125,11 +125,12 @@ func NewServer(cfg config.Config, opts Options) (*Server, error) {
 			return nil, fmt.Errorf("router: register metrics: %w", err)
 		}
 	}
-	st, err := router.NewTable(cfg, nil, s.kvStateFor)
+	st, commit, err := router.NewTable(cfg, nil, s.kvStateFor)
 	if err != nil {
 		return nil, err
 	}
 	s.table.Store(st)
+	commit()
 	if s.m, err = newMetrics(s.reg, s); err != nil {
 		return nil, fmt.Errorf("router: register metrics: %w", err)
 	}
@@ -210,7 +211,9 @@ func (s *Server) Reload(cfg config.Config) error {
 	if oc := old.Config(); cfg.Listen != oc.Listen || cfg.AdminListen != oc.AdminListen {
 		s.log.Warn("reload: listen addresses change only on restart", "listen", oc.Listen, "admin_listen", oc.AdminListen)
 	}
-	st, err := router.NewTable(cfg, old, s.kvStateFor)
+	// Building the table changed nothing the running one reads: an error
+	// here leaves it serving as it was.
+	st, commit, err := router.NewTable(cfg, old, s.kvStateFor)
 	if err != nil {
 		return err
 	}
@@ -218,6 +221,7 @@ func (s *Server) Reload(cfg config.Config) error {
 	s.adminToken.Store(&tok)
 	s.body.limit.Store(bodyMemory(cfg))
 	s.table.Store(st)
+	commit()
 	if s.runCtx != nil {
 		s.stopLoopsLocked()
 		s.startLoopsLocked()
