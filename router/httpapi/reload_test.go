@@ -2,11 +2,14 @@ package httpapi_test
 
 import (
 	"log/slog"
+	"net/http"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/kvindex"
+	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/routertest"
@@ -81,5 +84,69 @@ func TestReloadFailedKeepsQueue(t *testing.T) {
 	na, _ := srv.Pool("a")
 	if gate, _ := na.Queue(); gate.Stats().MaxConcurrency != 3 {
 		t.Errorf("max_concurrency %d after the reload, want 3 instances × 1", gate.Stats().MaxConcurrency)
+	}
+}
+
+// TestReloadForgetsInstanceAfterItsRequests: a request in flight on an
+// instance a reload removes writes the instance's series when it ends;
+// they are deleted once it has (not only at the reload), so that instance
+// names that come and go leave no series behind.
+func TestReloadForgetsInstanceAfterItsRequests(t *testing.T) {
+	h := servertest.New(t, 2, nil)
+	h.Run()
+	var release []func()
+	for _, u := range h.Ups {
+		release = append(release, u.Hold())
+	}
+	defer func() {
+		for _, r := range release {
+			r()
+		}
+	}()
+	done := make(chan servertest.Result, 1)
+	go func() {
+		done <- servertest.Do(t, h.TS.URL, "POST", "/v1/chat/completions", servertest.ChatBody(servertest.Model, "in flight across the reload", false), nil)
+	}()
+	p, _ := h.Srv.Pool("llama")
+	var gone *router.Instance
+	servertest.WaitFor(t, "the request in flight", func() bool {
+		for _, in := range p.Instances() {
+			if in.InFlight() > 0 {
+				gone = in
+				return true
+			}
+		}
+		return false
+	})
+	var stays config.InstanceConfig
+	for _, ic := range h.Srv.Pools()[0].Config().Instances {
+		if ic.ID != gone.ID() {
+			stays = ic
+		}
+	}
+	cfg := config.Config{Pools: []config.PoolConfig{h.Srv.Pools()[0].Config()}}
+	cfg.Pools[0].Instances = []config.InstanceConfig{stays}
+	if err := h.Srv.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if gone.Healthy() {
+		t.Error("the removed instance is still healthy: a request resolved before the reload could pick it")
+	}
+	for _, r := range release {
+		r()
+	}
+	if r := <-done; r.Status != http.StatusOK || r.Header.Get(router.HeaderInstance) != gone.ID() {
+		t.Fatalf("request: %d from %q, want 200 from %s", r.Status, r.Header.Get(router.HeaderInstance), gone.ID())
+	}
+	series := func() float64 {
+		return servertest.Metric(t, h.Srv.Registry(), "kvrouter_requests_total", map[string]string{"instance": gone.ID()})
+	}
+	servertest.WaitWithin(t, 10*time.Second, "the removed instance's series deleted after its request", func() bool { return series() == 0 })
+	// A request to the instance that stays is counted as ever.
+	if r := h.Do("POST", "/v1/chat/completions", servertest.ChatBody(servertest.Model, "after", false), nil); r.Status != http.StatusOK {
+		t.Fatalf("after the reload: %d", r.Status)
+	}
+	if n := servertest.Metric(t, h.Srv.Registry(), "kvrouter_requests_total", map[string]string{"instance": stays.ID}); n < 1 {
+		t.Fatalf("requests_total for %s = %v", stays.ID, n)
 	}
 }
