@@ -30,8 +30,15 @@ type poolRouting struct {
 // NewPool builds a pool from its config (defaults applied), reusing
 // instances from prev with the same id and URL so that in-flight counts and
 // health survive a reload. prev may be nil.
-func NewPool(cfg config.PoolConfig, prev *Pool, opts ...PoolOption) (*Pool, error) {
-	p := &Pool{cfg: cfg, byID: make(map[string]*Instance, len(cfg.Instances)), disagg: cfg.Disaggregation.Enabled()}
+//
+// Building changes nothing prev shares with the new pool: what the new pool
+// must change there (a kept queue pointed at it, a kept exact-routing
+// state told of its routing, the health of reused instances when health
+// checks are off) is commit, to be called once the pool is published. A
+// pool that is never published (a reload that fails on a later pool)
+// leaves prev as it was.
+func NewPool(cfg config.PoolConfig, prev *Pool, opts ...PoolOption) (p *Pool, commit func(), err error) {
+	p = &Pool{cfg: cfg, byID: make(map[string]*Instance, len(cfg.Instances)), disagg: cfg.Disaggregation.Enabled()}
 	for _, o := range opts {
 		o(p)
 	}
@@ -43,26 +50,39 @@ func NewPool(cfg config.PoolConfig, prev *Pool, opts ...PoolOption) (*Pool, erro
 			}
 		}
 		if in == nil {
-			var err error
 			if in, err = NewInstance(ic.ID, ic.URL, ic.Adapters...); err != nil {
-				return nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
+				return nil, nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
 			}
 			in.role = roleOf(ic.Role)
-		}
-		if cfg.Health.Disable {
-			in.SetHealthy(true) // nothing would ever re-admit it
 		}
 		p.instances = append(p.instances, in)
 		p.byID[in.id] = in
 	}
-	if err := p.SetRouting(cfg.Routing); err != nil {
-		return nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
+	r, err := p.newRouting(cfg.Routing)
+	if err != nil {
+		return nil, nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
 	}
-	var err error
+	p.routing.Store(r)
 	if p.flow, err = newFlowControl(cfg.FlowControl, p, prev); err != nil {
-		return nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
+		return nil, nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
 	}
-	return p, nil
+	return p, p.commit, nil
+}
+
+// commit makes the pool the one the state it shares with the pool it
+// replaced serves: its queue reads its budgets and instances from it, its
+// exact-routing state compares under its routing, and with health checks
+// off its instances are admitted (nothing would ever re-admit them).
+func (p *Pool) commit() {
+	if p.flow != nil {
+		p.flow.pool.Store(p)
+	}
+	p.routingChanged(p.routing.Load())
+	if p.cfg.Health.Disable {
+		for _, in := range p.instances {
+			in.SetHealthy(true)
+		}
+	}
 }
 
 // Name is the pool's name.
@@ -83,6 +103,12 @@ func (p *Pool) Disaggregated() bool { return p.disagg }
 // Instances lists the pool's instances in configuration order.
 func (p *Pool) Instances() []*Instance { return slices.Clone(p.instances) }
 
+// Instance returns the pool's instance named id.
+func (p *Pool) Instance(id string) (*Instance, bool) {
+	in, ok := p.byID[id]
+	return in, ok
+}
+
 // Queue is the pool's admission queue and its configuration; nil, nil
 // when flow control is off.
 func (p *Pool) Queue() (*flowcontrol.Gate, *config.FlowControlConfig) {
@@ -100,21 +126,35 @@ func (p *Pool) Routing() (config.RoutingConfig, Strategy) {
 
 // SetRouting validates rc, builds its strategy and swaps it in.
 func (p *Pool) SetRouting(rc config.RoutingConfig) error {
-	rc = rc.WithDefaults()
-	if err := rc.Validate(); err != nil {
-		return err
-	}
-	st, err := NewStrategy(rc.Strategy, rc, WithKVState(p.kv))
+	r, err := p.newRouting(rc)
 	if err != nil {
 		return err
 	}
-	if p.kv != nil {
-		// A new routing mode starts a new comparison: figures of two
-		// strategies are never summed.
-		p.kv.RoutingChanged(st.Name(), rc.Shadow)
-	}
-	p.routing.Store(&poolRouting{cfg: rc, strat: st})
+	p.routingChanged(r)
+	p.routing.Store(r)
 	return nil
+}
+
+// newRouting validates rc and builds its strategy, changing nothing.
+func (p *Pool) newRouting(rc config.RoutingConfig) (*poolRouting, error) {
+	rc = rc.WithDefaults()
+	if err := rc.Validate(); err != nil {
+		return nil, err
+	}
+	st, err := NewStrategy(rc.Strategy, rc, WithKVState(p.kv))
+	if err != nil {
+		return nil, err
+	}
+	return &poolRouting{cfg: rc, strat: st}, nil
+}
+
+// routingChanged tells the exact-routing state the pool routes with r: a
+// new routing mode starts a new comparison (figures of two strategies are
+// never summed).
+func (p *Pool) routingChanged(r *poolRouting) {
+	if p.kv != nil {
+		p.kv.RoutingChanged(r.strat.Name(), r.cfg.Shadow)
+	}
 }
 
 // ServesAdapter reports whether name is an adapter of this pool, configured

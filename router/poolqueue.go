@@ -18,13 +18,14 @@ type flowControl struct {
 }
 
 // newFlowControl returns p's queue: prev's when its configuration is
-// unchanged, a new one otherwise, nil when flow control is off.
+// unchanged, a new one otherwise, nil when flow control is off. prev's
+// queue goes on reading prev until p is committed (Pool.commit): a reload
+// that fails leaves it as it was.
 func newFlowControl(cfg *config.FlowControlConfig, p, prev *Pool) (*flowControl, error) {
 	if !cfg.On() {
 		return nil, nil
 	}
 	if prev != nil && prev.flow != nil && reflect.DeepEqual(prev.flow.cfg, *cfg) {
-		prev.flow.pool.Store(p)
 		return prev.flow, nil
 	}
 	f := &flowControl{cfg: *cfg}

@@ -71,14 +71,20 @@ type Table struct {
 // keeping what prev's pools of the same name hold (instances'
 // in-flight counts and health, exact-routing state through kvFor) across
 // a reload. prev may be nil.
-func NewTable(cfg config.Config, prev *Table, kvFor func(pc config.PoolConfig, prev *Pool) (Exact, error)) (*Table, error) {
+//
+// Building changes nothing the running table reads: commit does what the
+// new pools must change in the state they keep from prev's (NewPool), and
+// is called once the table is published. A build that fails, at any pool,
+// returns no commit and leaves prev serving as it was.
+func NewTable(cfg config.Config, prev *Table, kvFor func(pc config.PoolConfig, prev *Pool) (Exact, error)) (t *Table, commit func(), err error) {
 	cfg = cfg.WithDefaults() // idempotent: a caller's defaults stay
-	t := &Table{cfg: cfg, byName: map[string]*Pool{}, byModel: map[string]*Pool{}, retryStatus: map[int]bool{}}
+	t = &Table{cfg: cfg, byName: map[string]*Pool{}, byModel: map[string]*Pool{}, retryStatus: map[int]bool{}}
 	for _, c := range cfg.Proxy.RetryStatuses {
 		if c != 0 {
 			t.retryStatus[c] = true
 		}
 	}
+	commits := make([]func(), 0, len(cfg.Pools))
 	for _, pc := range cfg.Pools {
 		var old *Pool
 		if prev != nil {
@@ -86,12 +92,13 @@ func NewTable(cfg config.Config, prev *Table, kvFor func(pc config.PoolConfig, p
 		}
 		kv, err := kvFor(pc, old)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
-		p, err := NewPool(pc, old, WithPoolKVState(kv))
+		p, commit, err := NewPool(pc, old, WithPoolKVState(kv))
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
+		commits = append(commits, commit)
 		t.pools = append(t.pools, p)
 		t.byName[p.Name()] = p
 		t.byModel[p.Model()] = p
@@ -99,7 +106,11 @@ func NewTable(cfg config.Config, prev *Table, kvFor func(pc config.PoolConfig, p
 	if cfg.DefaultPool != "" {
 		t.defaultPool = t.byName[cfg.DefaultPool]
 	}
-	return t, nil
+	return t, func() {
+		for _, c := range commits {
+			c()
+		}
+	}, nil
 }
 
 // Config is the configuration the table was built from. Callers must not

@@ -71,7 +71,8 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 // ForgetInstanceSeries deletes the per-instance series of an instance that
 // left its pool, and the pool's exact-routing state for it, so that
 // instance names that come and go (heartbeat discovery) do not accumulate
-// series or state. Reload calls it for every instance it removes.
+// series or state. It is called for every instance a reload removes,
+// once nothing is in flight there (sweepLeft).
 func (s *Server) ForgetInstanceSeries(pool, instance string) {
 	l := prometheus.Labels{"pool": pool, "instance": instance}
 	s.m.requests.DeletePartialMatch(l)

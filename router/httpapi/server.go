@@ -20,6 +20,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/tick"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/openai"
 )
@@ -89,6 +90,9 @@ type Server struct {
 	// table is the pool table requests resolve against; swapped whole on
 	// reload.
 	table atomic.Pointer[router.Table]
+	// left are the instances reloads removed, forgotten once idle
+	// (sweepLeft).
+	left leftInstances
 
 	// loopMu guards runCtx, stopLoops and loopWG: the background loops of
 	// the current state, restarted on reload.
@@ -125,11 +129,12 @@ func NewServer(cfg config.Config, opts Options) (*Server, error) {
 			return nil, fmt.Errorf("router: register metrics: %w", err)
 		}
 	}
-	st, err := router.NewTable(cfg, nil, s.kvStateFor)
+	st, commit, err := router.NewTable(cfg, nil, s.kvStateFor)
 	if err != nil {
 		return nil, err
 	}
 	s.table.Store(st)
+	commit()
 	if s.m, err = newMetrics(s.reg, s); err != nil {
 		return nil, fmt.Errorf("router: register metrics: %w", err)
 	}
@@ -210,44 +215,119 @@ func (s *Server) Reload(cfg config.Config) error {
 	if oc := old.Config(); cfg.Listen != oc.Listen || cfg.AdminListen != oc.AdminListen {
 		s.log.Warn("reload: listen addresses change only on restart", "listen", oc.Listen, "admin_listen", oc.AdminListen)
 	}
-	st, err := router.NewTable(cfg, old, s.kvStateFor)
+	// Building the table changed nothing the running one reads: an error
+	// here leaves it serving as it was.
+	st, commit, err := router.NewTable(cfg, old, s.kvStateFor)
 	if err != nil {
 		return err
 	}
 	tok := cfg.AdminToken
 	s.adminToken.Store(&tok)
 	s.body.limit.Store(bodyMemory(cfg))
+	s.left.mu.Lock() // a sweep asks "is the id back?" and forgets in one table
 	s.table.Store(st)
+	s.left.mu.Unlock()
+	commit()
 	if s.runCtx != nil {
 		s.stopLoopsLocked()
 		s.startLoopsLocked()
 	}
-	// After the old loops (the load scraper among them) have stopped.
-	forgetLeft(old, st, s.ForgetInstanceSeries)
+	// After the old loops (the load scraper and health checks among them)
+	// have stopped.
+	s.left.leave(old, st)
+	s.sweepLeft()
 	s.log.Info("configuration reloaded", "pools", len(st.Pools()))
 	return nil
 }
 
-// forgetLeft calls forget for every instance of old's pools that next's
-// pool of that name does not have (or that lost its pool): the one place
-// where an instance leaves, whether a file reload removed it or a
-// discovered instance was purged, so that names that come and go leave
-// no series or per-instance state behind.
-func forgetLeft(old, next *router.Table, forget func(pool, instance string)) {
+// leftInstances are the instances reloads removed whose series and
+// per-instance state are still to be forgotten: the one place where an
+// instance leaves, whether a file reload removed it or a discovered
+// instance was purged, so that names that come and go leave no series or
+// per-instance state behind. Requests that picked an instance before it
+// left still write its series when they end (and kv_aware's state for it
+// at the pick): it is forgotten once nothing is in flight there, and again
+// at the sweep after (sweepLeft), which catches what such a request wrote
+// between its release of the instance and its end.
+type leftInstances struct {
+	mu   sync.Mutex
+	list []leftInstance
+}
+
+type leftInstance struct {
+	pool string
+	in   *router.Instance
+	// forgotten: seen idle and forgotten once; forgotten again, and
+	// dropped, at the next sweep that finds it idle.
+	forgotten bool
+}
+
+// leave notes the instances of old's pools that next does not have. An
+// instance object next does not hold is ejected (Healthy false): a request
+// resolved against old, still waiting in its queue or tokenizing, no
+// longer picks it. Its id is remembered to be forgotten unless next's
+// pool of that name still has the id (its URL, adapters or role changed:
+// a new object under the same series).
+func (l *leftInstances) leave(old, next *router.Table) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
 	for _, op := range old.Pools() {
-		stays := map[string]bool{}
-		if np, ok := next.Pool(op.Name()); ok {
-			for _, in := range np.Instances() {
-				stays[in.ID()] = true
-			}
-		}
+		np, _ := next.Pool(op.Name())
 		for _, in := range op.Instances() {
-			if !stays[in.ID()] {
-				forget(op.Name(), in.ID())
+			now := instanceOf(np, in.ID())
+			if now == in {
+				continue
+			}
+			in.SetHealthy(false)
+			if now == nil {
+				l.list = append(l.list, leftInstance{pool: op.Name(), in: in})
 			}
 		}
 	}
 }
+
+// instanceOf is p's instance named id; nil when p (nil: no pool) has none.
+func instanceOf(p *router.Pool, id string) *router.Instance {
+	if p == nil {
+		return nil
+	}
+	in, _ := p.Instance(id)
+	return in
+}
+
+// sweepLeft forgets the instances that left with no request in flight
+// there (ForgetInstanceSeries), and drops those forgotten at an earlier
+// sweep that are still idle. One whose id is back in the current table is
+// dropped unforgotten: the series are the returned instance's now. Reload
+// sweeps, and so does a loop every leftSweepInterval while the server
+// runs.
+func (s *Server) sweepLeft() {
+	s.left.mu.Lock()
+	defer s.left.mu.Unlock()
+	st := s.table.Load()
+	kept := s.left.list[:0]
+	for _, e := range s.left.list {
+		p, _ := st.Pool(e.pool)
+		switch {
+		case instanceOf(p, e.in.ID()) != nil:
+		case e.in.InFlight() > 0:
+			e.forgotten = false
+			kept = append(kept, e)
+		default:
+			s.ForgetInstanceSeries(e.pool, e.in.ID())
+			if !e.forgotten {
+				e.forgotten = true
+				kept = append(kept, e)
+			}
+		}
+	}
+	clear(s.left.list[len(kept):])
+	s.left.list = kept
+}
+
+// leftSweepInterval is how often a running server sweeps the instances
+// reloads removed (sweepLeft).
+const leftSweepInterval = time.Second
 
 // Run runs health checks and adapter discovery until ctx ends.
 func (s *Server) Run(ctx context.Context) error {
@@ -270,6 +350,7 @@ func (s *Server) Run(ctx context.Context) error {
 func (s *Server) startLoopsLocked() {
 	ctx, cancel := context.WithCancel(s.runCtx)
 	s.stopLoops = cancel
+	s.loopWG.Go(func() { _ = tick.Every(ctx, leftSweepInterval, s.sweepLeft) })
 	for _, p := range s.table.Load().Pools() {
 		pc := p.Config()
 		if !pc.Health.Disable {
