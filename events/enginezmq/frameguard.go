@@ -32,6 +32,15 @@ func (e *frameError) Is(target error) bool { return target == ErrFrameTooLarge }
 func (e *frameError) Timeout() bool        { return false }
 func (e *frameError) Temporary() bool      { return false }
 
+// messageError is a refused message of more than maxMessageFrames frames:
+// a net.Error that is no timeout, as frameError is, matching ErrBadFrames.
+type messageError struct{ frameError }
+
+func (e *messageError) Error() string {
+	return fmt.Sprintf("%v: a message of more than %d frames", ErrBadFrames, maxMessageFrames)
+}
+func (e *messageError) Is(target error) bool { return target == ErrBadFrames }
+
 // zmtpGreeting is the length of a ZMTP 3 greeting (RFC 23/ZMTP), which
 // precedes the frames.
 const zmtpGreeting = 64
@@ -41,6 +50,15 @@ const zmtpGreeting = 64
 // with the LONG flag, eight big-endian, and the body) and refuses a frame
 // whose size is over max before the bytes that complete its size reach
 // the reader. It only looks: the bytes are passed on unchanged.
+//
+// It refuses as well, in the same place, a message (frames up to one
+// without the MORE flag, commands among them: go-zeromq reads a command
+// with MORE as a message too) of more than maxMessageFrames frames, or
+// whose frames before the last add up to more than max, as the dialing
+// subscriber's reader does (zmtpReader): go-zeromq's reader, under a bound
+// subscriber, ipc:// and the replay client, appends frames for as long as
+// MORE is set, so empty MORE frames (two bytes each) would grow its frame
+// list without end.
 type frameGuard struct {
 	max  uint64
 	skip uint64 // greeting or body bytes still to pass
@@ -50,6 +68,10 @@ type frameGuard struct {
 	// frames passed whole (the first is the peer's READY: its handshake).
 	body   bool
 	frames uint64
+	// more: the current frame has the MORE flag; inMsg and inMsgSize: the
+	// frames with it before the current one, and their bytes.
+	more             bool
+	inMsg, inMsgSize uint64
 }
 
 func newFrameGuard(max uint64) frameGuard {
@@ -78,8 +100,8 @@ func (g *frameGuard) scan(p []byte) (int, error) {
 			g.head--
 			i++
 			if g.head == 0 {
-				if g.size > g.max {
-					return hdr, &frameError{size: g.size, max: g.max}
+				if err := g.message(); err != nil {
+					return hdr, err
 				}
 				g.skip = g.size
 				if g.body = g.size > 0; !g.body {
@@ -88,12 +110,33 @@ func (g *frameGuard) scan(p []byte) (int, error) {
 			}
 		default: // a flags byte
 			hdr = i
-			g.head, g.size = 1, 0
-			if p[i]&0x02 != 0 { // LONG: an eight-byte size
+			g.head, g.size, g.more = 1, 0, p[i]&zmtpMore != 0
+			if p[i]&zmtpLong != 0 { // an eight-byte size
 				g.head = 8
 			}
 			i++
 		}
 	}
 	return len(p), nil
+}
+
+// message checks the frame whose size has just been read against max and
+// the frames of its message before it, and counts it in its message.
+func (g *frameGuard) message() error {
+	if g.size > g.max {
+		return &frameError{size: g.size, max: g.max}
+	}
+	if !g.more {
+		g.inMsg, g.inMsgSize = 0, 0
+		return nil
+	}
+	if g.inMsg == maxMessageFrames-1 {
+		return &messageError{}
+	}
+	if g.inMsgSize+g.size > g.max {
+		return &frameError{size: g.inMsgSize + g.size, max: g.max}
+	}
+	g.inMsg++
+	g.inMsgSize += g.size
+	return nil
 }

@@ -9,8 +9,10 @@ import (
 	"io"
 	"net"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -41,18 +43,25 @@ func zmtpStream(sizes []uint64, flags []byte) []byte {
 	return out
 }
 
-// FuzzFrameGuard: a stream of frames within the limit passes in any split
-// into reads; one over it is refused exactly in the read that completes its
-// size, and never after its body has started.
+// FuzzFrameGuard: a stream of frames within the limits passes in any split
+// into reads; a frame over the size limit, or that makes its message more
+// than maxMessageFrames frames or its frames before the last more than the
+// size limit, is refused exactly in the read that completes its size, and
+// never after its body has started.
 func FuzzFrameGuard(f *testing.F) {
 	f.Add([]byte{3, 200, 1, 0, 44, 9, 2, 0}, uint16(300), uint8(1))
 	f.Add([]byte{0, 255, 7, 1}, uint16(256), uint8(5))
 	f.Add([]byte{0xff, 0xff, 0xff, 0xff}, uint16(0), uint8(3))
+	// An endless message of empty frames; one of maxMessageFrames frames
+	// and the next message; frames before the last over the limit.
+	f.Add(bytes.Repeat([]byte{0, 0, 0, 1}, maxMessageFrames+1), uint16(300), uint8(2))
+	f.Add(append(bytes.Repeat([]byte{0, 0, 0, 3}, maxMessageFrames-1), 0, 1, 0, 2, 0, 0, 0, 1, 0, 0, 0, 0), uint16(300), uint8(4))
+	f.Add([]byte{16, 0, 0, 1, 16, 0, 0, 1, 0, 5, 0, 0}, uint16(400), uint8(6))
 	f.Fuzz(func(t *testing.T, spec []byte, limit uint16, split uint8) {
 		max := uint64(limit) + 1
 		var sizes []uint64
 		var flags []byte
-		for i := 0; i+3 < len(spec) && len(sizes) < 32; i += 4 {
+		for i := 0; i+3 < len(spec) && len(sizes) < 2*maxMessageFrames; i += 4 {
 			n := uint64(spec[i])<<4 | uint64(spec[i+1]&15) // 0..4095
 			if spec[i+2]&0x80 != 0 {
 				n |= uint64(spec[i+2]) << 40 // a size with high bytes: always over the limit
@@ -60,18 +69,33 @@ func FuzzFrameGuard(f *testing.F) {
 			sizes = append(sizes, n)
 			flags = append(flags, spec[i+3])
 		}
-		over := -1
+		over, why := -1, error(nil) // the first refused frame, and why
+		var inMsg, inMsgSize uint64 // its message's MORE frames before it
+	frames:
 		for i, n := range sizes {
-			if n > max {
-				over = i
-				break
+			more := flags[i]&zmtpMore != 0
+			switch {
+			case n > max:
+				why = ErrFrameTooLarge
+			case more && inMsg == maxMessageFrames-1:
+				why = ErrBadFrames
+			case more && inMsgSize+n > max:
+				why = ErrFrameTooLarge
+			case more:
+				inMsg, inMsgSize = inMsg+1, inMsgSize+n
+				continue
+			default:
+				inMsg, inMsgSize = 0, 0
+				continue
 			}
+			over = i
+			break frames
 		}
 		if over >= 0 {
 			sizes, flags = sizes[:over+1], flags[:over+1] // the stream ends in its size
 		}
 		stream := zmtpStream(sizes, flags)
-		refuseAt, hdrAt := -1, -1 // where the first oversize frame's size field ends, and its header begins
+		refuseAt, hdrAt := -1, -1 // where the first refused frame's size field ends, and its header begins
 		if over >= 0 {
 			hdrAt = len(zmtpStream(sizes[:over], flags[:over]))
 			refuseAt = hdrAt + 2
@@ -88,10 +112,10 @@ func FuzzFrameGuard(f *testing.F) {
 			ok, err := g.scan(stream[pos : pos+n])
 			end := pos + n
 			switch {
-			case err != nil && !errors.Is(err, ErrFrameTooLarge):
-				t.Fatalf("error %v", err)
+			case err != nil && !errors.Is(err, why):
+				t.Fatalf("error %v, want %v", err, why)
 			case err != nil && !(refuseAt > pos && refuseAt <= end):
-				t.Fatalf("refused in bytes %d..%d, the oversize size ends at %d (sizes %v, max %d)", pos, end, refuseAt, sizes, max)
+				t.Fatalf("refused in bytes %d..%d, the refused size ends at %d (sizes %v, max %d)", pos, end, refuseAt, sizes, max)
 			case err == nil && refuseAt > 0 && refuseAt <= end:
 				t.Fatalf("bytes %d..%d passed, the frame of %d bytes ends its size at %d (max %d)", pos, end, sizes[over], refuseAt, max)
 			case err == nil && ok != n:
@@ -231,31 +255,14 @@ func TestReplayRefusesHugeFrame(t *testing.T) {
 func TestBoundSubscriberRefusesHugeFrame(t *testing.T) {
 	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
 	defer cancel()
-	ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-	var bad lastError
-	sub, err := NewSubscriber(SubscriberConfig{Endpoint: ep, Bind: true, Topic: "kv", OnMalformed: bad.set})
-	if err != nil {
-		t.Fatal(err)
-	}
 	var got collector
-	done := make(chan struct{})
-	go func() { defer close(done); _ = sub.Run(ctx, got.add) }()
-	addr := strings.TrimPrefix(ep, "tcp://")
-	var c net.Conn
-	testenv.WaitFor(t, 10*time.Second, "the subscriber listens", func() bool {
-		c, err = net.Dial("tcp", addr)
-		return err == nil
-	})
-	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
-	if _, err := zmq4.Open(c, null.Security(), zmq4.Pub, nil, false, nil); err != nil {
+	b := startBound(t, ctx, got.add)
+	if _, err := b.peer.Write(binary.BigEndian.AppendUint64([]byte{0x02}, 1<<40)); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := c.Write(binary.BigEndian.AppendUint64([]byte{0x02}, 1<<40)); err != nil {
-		t.Fatal(err)
-	}
-	testenv.WaitFor(t, 10*time.Second, "the refusal counted", func() bool { return sub.Stats().Malformed == 1 })
+	testenv.WaitFor(t, 10*time.Second, "the refusal counted", func() bool { return b.sub.Stats().Malformed == 1 })
 	// The next engine to dial in is read as before.
-	pub, err := NewPublisher(ctx, PublisherConfig{Endpoint: ep, Dial: true, Topic: "kv"})
+	pub, err := NewPublisher(ctx, PublisherConfig{Endpoint: b.ep, Dial: true, Topic: "kv"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -265,8 +272,41 @@ func TestBoundSubscriberRefusesHugeFrame(t *testing.T) {
 		return len(got.seqs()) > 0
 	})
 	cancel()
-	<-done
-	bad.mustBe(t, ErrFrameTooLarge)
+	<-b.done
+	b.bad.mustBe(t, ErrFrameTooLarge)
+}
+
+// bound is a subscriber that binds a free loopback port, and a peer
+// connected to it as an engine that dials.
+type bound struct {
+	ep   string
+	sub  *Subscriber
+	bad  lastError     // what its OnMalformed reported
+	done chan struct{} // closed when its Run returns (ctx done)
+	peer net.Conn      // handshaken as a PUB; closed with the test
+}
+
+// startBound runs a bound subscriber until ctx is done, handing its
+// messages to handle, and connects a peer to it.
+func startBound(t *testing.T, ctx context.Context, handle func(Message)) *bound {
+	t.Helper()
+	b := &bound{ep: fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t)), done: make(chan struct{})}
+	sub, err := NewSubscriber(SubscriberConfig{Endpoint: b.ep, Bind: true, Topic: "kv", OnMalformed: b.bad.set})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.sub = sub
+	go func() { defer close(b.done); _ = sub.Run(ctx, handle) }()
+	testenv.WaitFor(t, 10*time.Second, "the subscriber listens", func() bool {
+		b.peer, err = net.Dial("tcp", strings.TrimPrefix(b.ep, "tcp://"))
+		return err == nil
+	})
+	t.Cleanup(func() { _ = b.peer.Close() })
+	_ = b.peer.SetDeadline(time.Now().Add(20 * time.Second))
+	if _, err := zmq4.Open(b.peer, null.Security(), zmq4.Pub, nil, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	return b
 }
 
 // lastError keeps the last error a subscriber's OnMalformed reported.
@@ -368,5 +408,91 @@ func TestRefusedFrameBehindFailedHandshakeCloses(t *testing.T) {
 	_ = conn.SetDeadline(time.Now().Add(20 * time.Second))
 	if _, err := io.Copy(io.Discard, conn); err != nil {
 		t.Fatalf("the connection was not closed: %v", err)
+	}
+}
+
+// floodSize is how much of an endless message of empty MORE frames
+// (two bytes each) a test peer sends: 8 Mi frames, which go-zeromq's
+// reader, unguarded, held as 24-byte slice headers and their list's growth
+// copies (561 MB of heap for this much, in the review that found it).
+const floodSize = 16 << 20
+
+// heapGrowthLimit is the heap growth the flood may cause: well above a
+// guarded connection's (64 frames) and the test's own buffers, far below
+// an unguarded reader's.
+const heapGrowthLimit = 64 << 20
+
+// floodEmptyFrames writes floodSize bytes of empty MORE frames to c, or
+// until a write fails (the reader refused the message and closed the
+// connection), and returns how much the heap grew meanwhile, after a GC.
+func floodEmptyFrames(t *testing.T, c net.Conn) int64 {
+	t.Helper()
+	chunk := bytes.Repeat([]byte{zmtpMore, 0}, 1<<19)
+	before := heapAfterGC()
+	for sent := 0; sent < floodSize; sent += len(chunk) {
+		if _, err := c.Write(chunk); err != nil {
+			break
+		}
+	}
+	grew := int64(heapAfterGC()) - int64(before)
+	t.Logf("heap grew %.1f MB while %d MB of empty MORE frames were sent", float64(grew)/1e6, floodSize>>20)
+	if grew > heapGrowthLimit {
+		t.Fatalf("heap grew %d MB for an endless message of empty frames, want under %d MB", grew>>20, heapGrowthLimit>>20)
+	}
+	return grew
+}
+
+func heapAfterGC() uint64 {
+	var ms runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&ms)
+	return ms.HeapAlloc
+}
+
+// A listening subscriber (--zmq-bind: any TCP peer may connect) reads its
+// peers through go-zeromq, which appends a message's frames for as long as
+// they have the MORE flag: an endless message of empty frames is refused
+// by the frame guard at maxMessageFrames, counted and reported as
+// malformed, and its connection dropped, with the heap growing by no more
+// than a few buffers.
+func TestBoundSubscriberRefusesEndlessMessage(t *testing.T) {
+	ctx, cancel := context.WithCancel(testenv.Context(t, 30*time.Second))
+	defer cancel()
+	b := startBound(t, ctx, func(Message) {})
+	floodEmptyFrames(t, b.peer)
+	testenv.WaitFor(t, 10*time.Second, "the refusal counted", func() bool { return b.sub.Stats().Malformed == 1 })
+	if _, err := io.Copy(io.Discard, b.peer); err != nil && !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("the connection was not closed: %v", err)
+	}
+	cancel()
+	<-b.done
+	b.bad.mustBe(t, ErrBadFrames)
+}
+
+// The replay client (a go-zeromq DEALER) reads through the same guard: a
+// reply that never ends fails the replay with ErrBadFrames.
+func TestReplayRefusesEndlessMessage(t *testing.T) {
+	ctx, cancel, ln := engineListener(t)
+	defer cancel()
+	res := make(chan error, 1)
+	go func() {
+		res <- Replay(ctx, ReplayConfig{Endpoint: "tcp://" + ln.Addr().String(), Timeout: 20 * time.Second}, 0, func(Message) bool { return true })
+	}()
+	c, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+	zc, err := zmq4.Open(c, null.Security(), zmq4.Router, nil, true, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := zc.RecvMsg(); err != nil { // the request
+		t.Fatal(err)
+	}
+	floodEmptyFrames(t, c)
+	if err := <-res; !errors.Is(err, ErrBadFrames) {
+		t.Fatalf("replay answered with an endless message: %v, want ErrBadFrames", err)
 	}
 }

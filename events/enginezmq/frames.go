@@ -18,8 +18,10 @@ const (
 
 // maxMessageFrames bounds the frames of one message (vLLM sends three):
 // zero-size frames cost a peer two bytes each and the reader eight to
-// remember, so an endless message of them is refused, as is one whose
-// frames before the last add up to more than MaxFrame.
+// remember (go-zeromq's, 24), so an endless message of them is refused,
+// as is one whose frames before the last add up to more than MaxFrame:
+// here and, for every connection of the buffered transport, by the frame
+// guard.
 const maxMessageFrames = 64
 
 // keepScratch is the most scratch a zmtpReader keeps between messages:
@@ -89,7 +91,7 @@ func (z *zmtpReader) next() (frames [][]byte, cmd bool, err error) {
 		if fl&zmtpMore != 0 && !cmd {
 			n := len(z.scratch)
 			if len(z.ends) == maxMessageFrames-1 {
-				return nil, false, fmt.Errorf("%w: a message of more than %d frames", ErrBadFrames, maxMessageFrames)
+				return nil, false, &messageError{}
 			}
 			if uint64(n)+size > MaxFrame {
 				return nil, false, &frameError{size: uint64(n) + size, max: MaxFrame}

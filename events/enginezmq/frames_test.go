@@ -154,11 +154,15 @@ func FuzzZMTPReader(f *testing.F) {
 
 // A message of more frames than maxMessageFrames ends the session, counted
 // and reported as malformed as every other refused message is (it used to
-// be delivered and dropped as malformed), not as a silent reconnect.
+// be delivered and dropped as malformed), not as a silent reconnect: over
+// TCP (zmtpReader) and over a Unix socket (go-zeromq's reader, which the
+// frame guard under it stops).
 func TestSubscriberCountsTooManyFrames(t *testing.T) {
 	var many []byte
 	for range maxMessageFrames {
 		many = append(many, zmtpFrame(zmtpMore, nil, false)...)
 	}
-	sendRefused(t, "tcp", many, ErrBadFrames)
+	for _, network := range []string{"tcp", "unix"} {
+		t.Run(network, func(t *testing.T) { sendRefused(t, network, many, ErrBadFrames) })
+	}
 }
