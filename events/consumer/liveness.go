@@ -172,10 +172,12 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		in.status.EngineDown = false
 		in.reloading, reload = true, true
 		in.status.State = StateStale
-	case in.hasSeq && hb.EngineSeq < in.status.LastSeq && hb.StreamSeq >= in.status.StreamSeq && !in.reloading:
-		// The bridge has published nothing this consumer has not seen
-		// (its stream seq is at or past the instance's here), yet its
-		// engine seq is behind one applied here. Within one engine
+	case in.hasSeq && hb.EngineSeq < in.status.LastSeq && hb.StreamSeq == in.status.StreamSeq && !in.reloading:
+		// This consumer has taken in every message the bridge published
+		// (the bridge's last stream seq is the instance's last here; a
+		// heartbeat ahead of that may be overtaking a clear not yet
+		// applied), yet the bridge's engine seq is behind one applied
+		// here. Within one engine
 		// process seqs only grow, so what was applied is another
 		// process's: the engine restarted and the bridge's restart clear
 		// was gone from the stream before this consumer read it
