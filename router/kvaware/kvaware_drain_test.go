@@ -43,9 +43,10 @@ func TestPendingDrains(t *testing.T) {
 	near("behind the first", queueOn(x), 2.2+float64(len(d2.prompt))/10_000)
 
 	// Past the predicted end the counter still holds both (no first byte
-	// yet), but the engine has done the work at its rate: no wait.
+	// yet), but the engine has done the work at its rate: no prefill
+	// wait, only the residual of the step it runs for them (S/2).
 	w.clock.Advance(10 * time.Second)
-	near("past the end", queueOn(x), 0)
+	near("past the end", queueOn(x), DefaultDecodeStepSeconds/2)
 
 	// Released work is not counted however late the prediction runs.
 	d.Observer.Done(200, -1)

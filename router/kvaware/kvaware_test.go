@@ -706,6 +706,13 @@ func TestTierTokensAndTTFT(t *testing.T) {
 	if q, l := sc.queue(1, 1, 4, loadSample{}, false); math.Abs(q-((S+3*R)/2+3*R)) > 1e-12 || math.Abs(l-(0.001+3*R)) > 1e-12 {
 		t.Errorf("short prefill ahead: queue, load %v, %v, want the step's residual %v, the work %v", q, l, (S+3*R)/2+3*R, 0.001+3*R)
 	}
+	// An engine decoding nothing with a request routed there and not yet
+	// answered is running that request's step, however few tokens it has
+	// to prefill (a prompt all cached takes a whole step): a new request
+	// waits for the step's end, S/2 on average, as on a decoding engine.
+	if q, l := sc.queue(1, 1, 1, loadSample{}, false); math.Abs(q-S/2) > 1e-12 || math.Abs(l-0.001) > 1e-12 {
+		t.Errorf("a cache-served request ahead on an idle engine: queue, load %v, %v, want the step's residual %v, the work %v", q, l, S/2, 0.001)
+	}
 }
 
 func TestKVScoringConfigValidate(t *testing.T) {

@@ -313,11 +313,15 @@ func (s *kvScoring) queue(pendingTokens float64, pendingReqs, inflight int, ld l
 	}
 	wait = waitTokens / s.prefill
 	load = wait + running*s.runningSec
-	if running > 0 {
+	if running > 0 || pendingReqs > 0 {
 		// The engine is running steps: nothing starts before the step in
 		// progress ends, S/2 on average for a step of S = the decode step
 		// plus the running sequences' share of it. Prefill work ahead
-		// already includes that step.
+		// already includes that step. A request routed there and not yet
+		// answered holds a step however little it has to prefill (a
+		// prompt all cached takes one too): a burst's requests for one
+		// hot prefix stacked on one holder, each a whole step behind the
+		// first, while its predicted wait was a few tokens' time.
 		wait = max(wait, (s.stepSec+running*s.runningSec)/2)
 	}
 	return wait + running*s.runningSec, load
