@@ -192,6 +192,13 @@ type inst struct {
 	// (seenAt) until a reload completes, queued by its next message or
 	// heartbeat, loadRetryAt apart. Memory index. Guarded by Consumer.mu.
 	short bool
+	// backwardsAt: the engine seq applied when a heartbeat last showed
+	// the bridge's behind it (heartbeat), so that with the shared index,
+	// which does not reload for it, one episode is counted and logged
+	// once, until the new process's seqs pass it (the memory index
+	// reloads at each until the state holds the new process's seqs).
+	// Guarded by Consumer.mu.
+	backwardsAt uint64
 	// holeAt: the stream seq of the first message after the last hole a
 	// shared-index replay found in the instance's engine seqs, so that a
 	// hole met again at every repair is counted and logged once. Guarded

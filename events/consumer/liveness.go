@@ -172,7 +172,8 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		in.status.EngineDown = false
 		in.reloading, reload = true, true
 		in.status.State = StateStale
-	case in.hasSeq && hb.EngineSeq < in.status.LastSeq && hb.StreamSeq == in.status.StreamSeq && !in.reloading:
+	case in.hasSeq && hb.EngineSeq < in.status.LastSeq && hb.StreamSeq != 0 && hb.StreamSeq == in.status.StreamSeq &&
+		!in.reloading && (!c.cfg.SharedIndex || in.status.LastSeq != in.backwardsAt):
 		// This consumer has taken in every message the bridge published
 		// (the bridge's last stream seq is the instance's last here; a
 		// heartbeat ahead of that may be overtaking a clear not yet
@@ -185,6 +186,8 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		// messages were skipped as duplicates of the old one's seqs.
 		// Reload the bridge's table, not live until then.
 		backwards = true
+		in.status.Gaps++
+		in.backwardsAt = in.status.LastSeq // shared: counted once until a later seq is applied
 		if !c.cfg.SharedIndex {
 			in.reloading, reload = true, true
 			in.status.State = StateStale

@@ -79,9 +79,8 @@ func (c *Consumer) foreignSnapshot(ctx context.Context, instance string, snap kv
 	info, err := c.stream.Info(ictx)
 	cancel()
 	if err != nil {
-		info = c.stream.CachedInfo()
-	}
-	if info == nil {
+		// Not the cached info: its last message is as old as the last
+		// answer, and a fresh snapshot would read as past it.
 		return false
 	}
 	foreign := snap.StreamSeq > info.State.LastSeq || !snap.Taken.IsZero() && snap.Taken.Before(info.Created)
@@ -101,7 +100,7 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint
 	defer c.retryHole(in, start)
 	c.mu.Lock()
 	done := in.status.StreamSeq
-	in.loadFailed, in.short = false, false
+	in.loadFailed = false
 	c.mu.Unlock()
 	if cur != 0 {
 		done = cur - 1
@@ -149,6 +148,7 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint
 	in.skipUpTo = pos
 	c.m.snapshotLoads.WithLabelValues(source).Inc()
 	c.mu.Lock()
+	in.short = false // a snapshot replaced the state; the replay below decides again
 	in.status.SnapshotSeq = pos
 	if pos > in.status.StreamSeq {
 		in.status.StreamSeq = pos
@@ -212,12 +212,16 @@ func (c *Consumer) holdHole(in *inst, at uint64) bool {
 }
 
 // retryHole: a hole still pending after a load that began at start (or,
-// found after it, by the message it was loaded for) is loaded for again
+// found after it, by the message it was loaded for), or a replay that
+// stopped short of it (inst.short; also a load that found no snapshot to
+// replace the state with), is loaded for again
 // at the instance's next message or heartbeat, loadRetryAt apart, as a
 // failed load is: until the bridge answers with its table, the snapshot
 // found is the bucket's, older than the hole.
 func (c *Consumer) retryHole(in *inst, start time.Time) {
-	if in.hole != 0 {
+	// Read without c.mu: hole and short are written only by the
+	// instance's shard, which runs this.
+	if in.hole != 0 || in.short {
 		in.needLoad, in.retryAt = true, loadRetryAt(start, time.Now(), c.cfg.StaleAfter)
 	}
 }
