@@ -31,10 +31,15 @@ func TestRestartClearLostToRetention(t *testing.T) {
 	e := newEnv(t)
 	c, a := e.startRecording()
 	e.fiveThenApplied(a) // old process: engine seqs 1-5, blocks 11-15, stream seqs 1-5
-	// The router stops reading (a stall or a partition).
+	// The router stops reading (a stall or a partition). The consumer's
+	// Stop unsubscribes asynchronously: a message published at once may
+	// still be delivered through the pull already pending, so the
+	// stall is given time to take (the watchdog re-creates a stalled
+	// consumer only after several seconds of messages waiting).
 	c.sc.mu.Lock()
 	c.sc.cc.Stop()
 	c.sc.mu.Unlock()
+	time.Sleep(time.Second)
 	// The engine restarts: the bridge publishes its restart clear, then
 	// the new process's messages.
 	subj, _ := kvstream.EventsSubject(e.pool, "i0")
