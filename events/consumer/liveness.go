@@ -178,13 +178,14 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		// (the bridge's last stream seq is the instance's last here; a
 		// heartbeat ahead of that may be overtaking a clear not yet
 		// applied), yet the bridge's engine seq is behind one applied
-		// here. Within one engine
-		// process seqs only grow, so what was applied is another
-		// process's: the engine restarted and the bridge's restart clear
-		// was gone from the stream before this consumer read it
-		// (retention passed it by), and the new process's first
-		// messages were skipped as duplicates of the old one's seqs.
-		// Reload the bridge's table, not live until then.
+		// here. Within one engine process seqs only grow, so what was
+		// applied is another process's: the engine restarted and the
+		// bridge's restart clear was gone from the stream before this
+		// consumer read it (retention passed it by), and the new
+		// process's first messages were skipped as duplicates of the old
+		// one's seqs. Memory index: reload the bridge's table, not live
+		// until then. Shared index: counted and logged (once until a
+		// later seq is applied), not repaired.
 		backwards = true
 		in.status.Gaps++
 		in.backwardsAt = in.status.LastSeq // shared: counted once until a later seq is applied

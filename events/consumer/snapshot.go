@@ -48,18 +48,6 @@ func (c *Consumer) forSnapshots(ctx context.Context, f func(instance string)) {
 	}
 }
 
-// load replaces the instance's index state with its snapshot: from the
-// bridge (request-reply, the freshest), else the bucket, else nothing (the
-// stream alone then rebuilds what it still holds).
-//
-// cur is the stream sequence of the message being processed (0 for a load
-// with none: start-up, heartbeat). Every message of the instance below cur
-// (or, without one, up to the last one processed) has already gone
-// through this shard, so when the snapshot is older than that (a bucket
-// snapshot, up to its refresh period old, while the bridge is down) the
-// messages between the snapshot and cur are replayed from the stream
-// after it; otherwise a reload would drop everything applied since the
-// snapshot was taken.
 // foreignSnapshot reports whether snap's stream seq cannot be a position
 // in the stream this consumer reads: past the stream's last message, or
 // the snapshot taken before the stream was created. An idle bridge puts
@@ -94,6 +82,18 @@ func (c *Consumer) foreignSnapshot(ctx context.Context, instance string, snap kv
 	return foreign
 }
 
+// load replaces the instance's index state with its snapshot: from the
+// bridge (request-reply, the freshest), else the bucket, else nothing (the
+// stream alone then rebuilds what it still holds).
+//
+// cur is the stream sequence of the message being processed (0 for a load
+// with none: start-up, heartbeat). Every message of the instance below cur
+// (or, without one, up to the last one processed) has already gone
+// through this shard, so when the snapshot is older than that (a bucket
+// snapshot, up to its refresh period old, while the bridge is down) the
+// messages between the snapshot and cur are replayed from the stream
+// after it; otherwise a reload would drop everything applied since the
+// snapshot was taken.
 func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint64) {
 	in.needLoad, in.retryAt = false, time.Time{}
 	start := time.Now()
