@@ -34,11 +34,11 @@ type poolRouting struct {
 // Building changes nothing prev shares with the new pool: what the new pool
 // must change there (a kept queue pointed at it, a kept exact-routing
 // state told of its routing, the health of reused instances when health
-// checks are off) is commit, to be called once the pool is published. A
-// pool that is never published (a reload that fails on a later pool)
-// leaves prev as it was.
-func NewPool(cfg config.PoolConfig, prev *Pool, opts ...PoolOption) (p *Pool, commit func(), err error) {
-	p = &Pool{cfg: cfg, byID: make(map[string]*Instance, len(cfg.Instances)), disagg: cfg.Disaggregation.Enabled()}
+// checks are off) is its commit, which NewTable's commit runs once the
+// table is published. A pool that is never published (a reload that fails
+// on a later pool) leaves prev as it was.
+func NewPool(cfg config.PoolConfig, prev *Pool, opts ...PoolOption) (*Pool, error) {
+	p := &Pool{cfg: cfg, byID: make(map[string]*Instance, len(cfg.Instances)), disagg: cfg.Disaggregation.Enabled()}
 	for _, o := range opts {
 		o(p)
 	}
@@ -50,8 +50,9 @@ func NewPool(cfg config.PoolConfig, prev *Pool, opts ...PoolOption) (p *Pool, co
 			}
 		}
 		if in == nil {
+			var err error
 			if in, err = NewInstance(ic.ID, ic.URL, ic.Adapters...); err != nil {
-				return nil, nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
+				return nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
 			}
 			in.role = roleOf(ic.Role)
 		}
@@ -60,13 +61,13 @@ func NewPool(cfg config.PoolConfig, prev *Pool, opts ...PoolOption) (p *Pool, co
 	}
 	r, err := p.newRouting(cfg.Routing)
 	if err != nil {
-		return nil, nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
+		return nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
 	}
 	p.routing.Store(r)
 	if p.flow, err = newFlowControl(cfg.FlowControl, p, prev); err != nil {
-		return nil, nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
+		return nil, fmt.Errorf("router: pool %q: %w", cfg.Name, err)
 	}
-	return p, p.commit, nil
+	return p, nil
 }
 
 // commit makes the pool the one the state it shares with the pool it

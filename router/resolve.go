@@ -84,7 +84,6 @@ func NewTable(cfg config.Config, prev *Table, kvFor func(pc config.PoolConfig, p
 			t.retryStatus[c] = true
 		}
 	}
-	commits := make([]func(), 0, len(cfg.Pools))
 	for _, pc := range cfg.Pools {
 		var old *Pool
 		if prev != nil {
@@ -94,11 +93,10 @@ func NewTable(cfg config.Config, prev *Table, kvFor func(pc config.PoolConfig, p
 		if err != nil {
 			return nil, nil, err
 		}
-		p, commit, err := NewPool(pc, old, WithPoolKVState(kv))
+		p, err := NewPool(pc, old, WithPoolKVState(kv))
 		if err != nil {
 			return nil, nil, err
 		}
-		commits = append(commits, commit)
 		t.pools = append(t.pools, p)
 		t.byName[p.Name()] = p
 		t.byModel[p.Model()] = p
@@ -107,8 +105,8 @@ func NewTable(cfg config.Config, prev *Table, kvFor func(pc config.PoolConfig, p
 		t.defaultPool = t.byName[cfg.DefaultPool]
 	}
 	return t, func() {
-		for _, c := range commits {
-			c()
+		for _, p := range t.pools {
+			p.commit()
 		}
 	}, nil
 }
