@@ -31,23 +31,10 @@ func TestRestartClearLostToRetention(t *testing.T) {
 	e := newEnv(t)
 	c, a := e.startRecording()
 	e.fiveThenApplied(a) // old process: engine seqs 1-5, blocks 11-15, stream seqs 1-5
-	// The router stops reading (a stall or a partition). The consumer's
-	// Stop unsubscribes asynchronously: a message published at once may
-	// still be delivered through the pull already pending, so the
-	// stall is given time to take (the watchdog re-creates a stalled
-	// consumer only after several seconds of messages waiting).
-	c.sc.mu.Lock()
-	c.sc.cc.Stop()
-	c.sc.mu.Unlock()
-	time.Sleep(time.Second)
+	e.stall(c)
 	// The engine restarts: the bridge publishes its restart clear, then
 	// the new process's messages.
-	subj, _ := kvstream.EventsSubject(e.pool, "i0")
-	p, _ := events.Encode(nil, events.Batch{Events: []events.Event{{Kind: events.AllBlocksCleared}}}, events.EncodingMap)
-	h := kvstream.EventHeaders{Pool: e.pool, Instance: "i0", Synthetic: kvstream.SyntheticRestart}
-	if _, err := e.js.PublishMsg(e.ctx, &nats.Msg{Subject: subj, Data: p, Header: h.Header()}); err != nil { // stream seq 6
-		t.Fatal(err)
-	}
+	e.restartClear("i0") // stream seq 6
 	e.store("i0", 1, 21) // stream seq 7
 	e.store("i0", 2, 22) // stream seq 8
 	e.store("i0", 3, 23) // stream seq 9
@@ -76,6 +63,31 @@ func TestRestartClearLostToRetention(t *testing.T) {
 	testenv.WaitFor(t, 20*time.Second, "i0 live", func() bool { return c.Live("i0") })
 	if got, _ := a.get("i0"); !slices.Equal(got, []uint64{21, 22, 23, 24, 25, 26, 27}) {
 		t.Fatalf("after the new process's messages: %v, want 21-27 and none of the old process's", got)
+	}
+}
+
+// stall has the router stop reading, as in a stall or a partition: its
+// consumer stopped, and a message the pull already pending still
+// delivers dropped as a replaced consumer's (the consumer's Stop
+// unsubscribes asynchronously: a flaky run of
+// TestRestartClearLostToRetention read the restart clear published after
+// it). The watchdog re-creates the consumer after the last message
+// dispatched once messages have waited several seconds.
+func (e *env) stall(c *Consumer) {
+	c.sc.mu.Lock()
+	c.sc.cc.Stop()
+	c.sc.gen.Add(1)
+	c.sc.mu.Unlock()
+}
+
+// restartClear publishes the bridge's restart clear of instance.
+func (e *env) restartClear(instance string) {
+	e.t.Helper()
+	subj, _ := kvstream.EventsSubject(e.pool, instance)
+	p, _ := events.Encode(nil, events.Batch{Events: []events.Event{{Kind: events.AllBlocksCleared}}}, events.EncodingMap)
+	h := kvstream.EventHeaders{Pool: e.pool, Instance: instance, Synthetic: kvstream.SyntheticRestart}
+	if _, err := e.js.PublishMsg(e.ctx, &nats.Msg{Subject: subj, Data: p, Header: h.Header()}); err != nil {
+		e.t.Fatal(err)
 	}
 }
 
