@@ -212,6 +212,13 @@ type inst struct {
 	// its state exact again. Written by the shard goroutine; guarded by
 	// Consumer.mu.
 	hole uint64
+	// clearAt: the stream seq of the instance's last clear by its bridge
+	// (or of a snapshot loaded without an engine seq: a table after one),
+	// while no engine seq has followed it (hasSeq false): the stream
+	// position its next engine message follows on from (lostSinceClear).
+	// 0: none known. Written by the shard goroutine; guarded by
+	// Consumer.mu.
+	clearAt uint64
 	// Owned by the instance's shard goroutine.
 	needLoad bool
 	// run and prevRun: the bridge runs (from the message ids) of the

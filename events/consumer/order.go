@@ -387,16 +387,28 @@ func (c *Consumer) seqCheck(ctx context.Context, w work, in *inst, seq uint64) i
 		c.mu.Unlock()
 		return seqSkip
 	}
-	if in.hasSeq && seq > in.status.LastSeq+1 {
+	gap := in.hasSeq && seq > in.status.LastSeq+1
+	var cleared bool // the message follows a clear, and the stream may have lost what lay between
+	var clearErr error
+	if !in.hasSeq {
+		cleared, clearErr = c.lostSinceClear(ctx, w.instance, in, w.streamSeq, seq)
+	}
+	if gap || cleared {
 		// The bridge publishes every engine seq or a clear, so a hole here
 		// means the stream lost messages before we read them (retention
 		// passed us by): the snapshot is the only way back to the truth.
+		clearAt := in.clearAt // written only by this goroutine
 		c.mu.Lock()
 		in.status.Gaps++
 		c.mu.Unlock()
 		c.m.gaps.Inc()
-		c.cfg.Logger.Warn("consumer: engine seq gap in the stream, reloading snapshot", "instance", w.instance,
-			"last_seq", in.status.LastSeq, "seq", seq)
+		if cleared {
+			c.cfg.Logger.Warn("consumer: the stream may have lost the instance's messages after a clear (the clear is gone from it), reloading snapshot",
+				"instance", w.instance, "clear_stream_seq", clearAt, "stream_seq", w.streamSeq, "seq", seq, "err", clearErr)
+		} else {
+			c.cfg.Logger.Warn("consumer: engine seq gap in the stream, reloading snapshot", "instance", w.instance,
+				"last_seq", in.status.LastSeq, "seq", seq)
+		}
 		if !c.cfg.SharedIndex {
 			lostBefore := in.status.ReplayLost // written only by this goroutine
 			start := time.Now()
@@ -405,12 +417,18 @@ func (c *Consumer) seqCheck(ctx context.Context, w work, in *inst, seq uint64) i
 				c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
 				return seqCovered
 			}
-			if in.hasSeq && seq <= in.status.LastSeq {
+			// After a clear, only a snapshot taken after it numbers this
+			// message's process: one taken before (the bucket's, the
+			// bridge not answering) holds the old process's blocks and
+			// seqs, and none leaves the clear with the lost messages
+			// missing.
+			followsOn := in.hasSeq && (!cleared || in.status.SnapshotSeq > clearAt)
+			if followsOn && seq <= in.status.LastSeq {
 				// The snapshot already holds this engine seq: applying it
 				// again could bring back blocks removed since.
 				return seqSkip
 			}
-			if in.hasSeq && seq > in.status.LastSeq+1 {
+			if cleared && !followsOn || followsOn && seq > in.status.LastSeq+1 {
 				// The snapshot and the replay after it still stop short
 				// of this message (the bridge did not answer, and the
 				// bucket's is older than the hole): what lay between is
@@ -422,16 +440,55 @@ func (c *Consumer) seqCheck(ctx context.Context, w work, in *inst, seq uint64) i
 				c.retryHole(in, start)
 				if in.status.ReplayLost == lostBefore {
 					c.countLost(in, "hole", "consumer: engine seq gap remains after reload; not live until a snapshot past it or a clear",
-						"instance", w.instance, "last_seq", in.status.LastSeq, "seq", seq, "stream_seq", w.streamSeq)
+						"instance", w.instance, "last_seq", in.status.LastSeq, "seq", seq, "stream_seq", w.streamSeq, "after_clear", cleared)
 				}
 			}
 		} else if c.shared != nil {
+			if cleared {
+				// No engine seq (0, as for a lost tail): none to follow
+				// on from since the clear, so a snapshot's seqs say
+				// nothing of what the index misses; only a snapshot at
+				// or past this message, or the index there with no hole
+				// recorded, repairs it.
+				seq = 0
+			}
 			c.repairHole(ctx, w.instance, in, w.streamSeq, seq, true)
 		}
 	} else if c.shared != nil && in.hole != 0 && in.loadDue() {
 		c.repairHole(ctx, w.instance, in, w.streamSeq, seq, false)
 	}
 	return seqApply
+}
+
+// lostSinceClear reports whether the stream may have lost messages of the
+// instance before its engine message at stream seq at (engine seq seq),
+// the first since a clear at stream seq in.clearAt (hasSeq false: no
+// engine seq to follow on from). Its seq cannot tell: after a clear the
+// bridge's next message may carry any (a new process's first, the first
+// its replay still held, the one after a gap). The stream can: retention
+// removes an instance's oldest messages first, so one published after
+// the clear is gone only if the clear is gone too. No question is asked
+// for a message right after the clear, nor for engine seq 0 (an engine's
+// first: nothing of its process comes before it, and what an earlier one
+// did is cleared), nor in a re-created stream the instance has sent
+// nothing to yet (the clear numbers the old one). A clear gone though
+// nothing was lost (it aged out while the instance was quiet) costs a
+// snapshot reload, which the bridge's table ends. A stream that does not
+// answer cannot rule a loss out: reported as one, with the error.
+func (c *Consumer) lostSinceClear(ctx context.Context, instance string, in *inst, at, seq uint64) (bool, error) {
+	if in.clearAt == 0 || at <= in.clearAt+1 || seq == 0 || in.restreamed || c.stream == nil {
+		return false, nil
+	}
+	subj, _ := kvstream.EventsSubject(c.cfg.Pool, instance)
+	m, err := getMsg(ctx, c.stream, in.clearAt, subj)
+	switch {
+	case err == nil:
+		return m.Sequence != in.clearAt, nil
+	case errors.Is(err, jetstream.ErrMsgNotFound):
+		return true, nil
+	default:
+		return ctx.Err() == nil, err
+	}
 }
 
 // repairHole loads the instance's snapshot into the shared index for a
@@ -569,7 +626,7 @@ func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.
 	if clearsSeq(h.Synthetic) {
 		// The bridge cleared the instance: seq continuity starts over.
 		st.Clears++
-		in.hasSeq = false
+		in.hasSeq, in.clearAt = false, w.streamSeq
 		in.lost++
 	}
 	if err == nil && clearsAll(batch.Events) {

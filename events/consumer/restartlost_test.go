@@ -31,23 +31,10 @@ func TestRestartClearLostToRetention(t *testing.T) {
 	e := newEnv(t)
 	c, a := e.startRecording()
 	e.fiveThenApplied(a) // old process: engine seqs 1-5, blocks 11-15, stream seqs 1-5
-	// The router stops reading (a stall or a partition). The consumer's
-	// Stop unsubscribes asynchronously: a message published at once may
-	// still be delivered through the pull already pending, so the
-	// stall is given time to take (the watchdog re-creates a stalled
-	// consumer only after several seconds of messages waiting).
-	c.sc.mu.Lock()
-	c.sc.cc.Stop()
-	c.sc.mu.Unlock()
-	time.Sleep(time.Second)
+	e.stall(c)
 	// The engine restarts: the bridge publishes its restart clear, then
 	// the new process's messages.
-	subj, _ := kvstream.EventsSubject(e.pool, "i0")
-	p, _ := events.Encode(nil, events.Batch{Events: []events.Event{{Kind: events.AllBlocksCleared}}}, events.EncodingMap)
-	h := kvstream.EventHeaders{Pool: e.pool, Instance: "i0", Synthetic: kvstream.SyntheticRestart}
-	if _, err := e.js.PublishMsg(e.ctx, &nats.Msg{Subject: subj, Data: p, Header: h.Header()}); err != nil { // stream seq 6
-		t.Fatal(err)
-	}
+	e.restartClear("i0") // stream seq 6
 	e.store("i0", 1, 21) // stream seq 7
 	e.store("i0", 2, 22) // stream seq 8
 	e.store("i0", 3, 23) // stream seq 9
@@ -76,6 +63,97 @@ func TestRestartClearLostToRetention(t *testing.T) {
 	testenv.WaitFor(t, 20*time.Second, "i0 live", func() bool { return c.Live("i0") })
 	if got, _ := a.get("i0"); !slices.Equal(got, []uint64{21, 22, 23, 24, 25, 26, 27}) {
 		t.Fatalf("after the new process's messages: %v, want 21-27 and none of the old process's", got)
+	}
+}
+
+// stall has the router stop reading, as in a stall or a partition: its
+// consumer stopped, and a message the pull already pending still
+// delivers dropped as a replaced consumer's (the consumer's Stop
+// unsubscribes asynchronously: a flaky run of
+// TestRestartClearLostToRetention read the restart clear published after
+// it). The watchdog re-creates the consumer after the last message
+// dispatched once messages have waited several seconds.
+func (e *env) stall(c *Consumer) {
+	c.sc.mu.Lock()
+	c.sc.cc.Stop()
+	c.sc.gen.Add(1)
+	c.sc.mu.Unlock()
+}
+
+// restartClear publishes the bridge's restart clear of instance.
+func (e *env) restartClear(instance string) {
+	e.t.Helper()
+	subj, _ := kvstream.EventsSubject(e.pool, instance)
+	p, _ := events.Encode(nil, events.Batch{Events: []events.Event{{Kind: events.AllBlocksCleared}}}, events.EncodingMap)
+	h := kvstream.EventHeaders{Pool: e.pool, Instance: instance, Synthetic: kvstream.SyntheticRestart}
+	if _, err := e.js.PublishMsg(e.ctx, &nats.Msg{Subject: subj, Data: p, Header: h.Header()}); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// TestFirstMessageAfterClearLost: the consumer reads the bridge's
+// restart clear, then falls behind retention, and the new process's
+// first message (engine seq 0) is gone from the stream, with the clear,
+// before it reads it. The messages after it follow a clear, with no
+// engine seq to compare theirs with: they were applied, and the instance
+// read live without the lost message's block, for good (a flaky run of
+// TestRestartClearLostToRetention). Now the stream no longer holding the
+// clear gives the loss away: a seq gap, the snapshot reloaded; the bridge
+// not answering and the bucket holding none, the instance is not live
+// until the bridge's table arrives, then live and exact. A clear whose
+// next message comes after another instance's, nothing lost, reloads
+// nothing.
+func TestFirstMessageAfterClearLost(t *testing.T) {
+	e := newEnv(t)
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier, cfg.SnapshotTimeout = a, 100*time.Millisecond
+	c := e.start(cfg)
+	e.fiveThenApplied(a) // old process: engine seqs 1-5, blocks 11-15, stream seqs 1-5
+	e.restartClear("i0") // stream seq 6
+	testenv.WaitFor(t, 20*time.Second, "the clear applied", func() bool {
+		got, _ := a.get("i0")
+		return len(got) == 0 && c.status("i0").Clears == 1
+	})
+	e.stall(c)
+	e.store("i0", 0, 20) // stream seq 7: the new process's first message
+	e.store("i0", 1, 21) // stream seq 8
+	e.store("i0", 2, 22) // stream seq 9
+	e.purgeBelow(8)      // retention removes 7, and the clear, before the router reads them
+	testenv.WaitFor(t, 30*time.Second, "consumer resumed past the loss", func() bool { return c.status("i0").LastSeq == 2 })
+	for end := time.Now().Add(2500 * time.Millisecond); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+		e.heartbeatAt("i0", 2, 9)
+		if c.Live("i0") {
+			s, _ := a.get("i0")
+			t.Fatalf("i0 live on %v, the engine [20 21 22]: its first message after the clear lost from the stream", s)
+		}
+	}
+	if st := c.status("i0"); st.Gaps != 1 || st.ReplayLost != 1 || st.NotLive != "hole" {
+		t.Fatalf("gaps %d, replay lost %d, not live %q: want the loss counted once, not live for the hole", st.Gaps, st.ReplayLost, st.NotLive)
+	}
+	e.answer("i0", e.snapshot("i0", 9, 2, 20, 21, 22))
+	testenv.WaitFor(t, 10*time.Second, "live after the bridge's table", func() bool {
+		e.heartbeatAt("i0", 2, 9)
+		return c.Live("i0")
+	})
+	if s, _ := a.get("i0"); !slices.Equal(s, []uint64{20, 21, 22}) {
+		t.Fatalf("live, the index holding %v, the engine [20 21 22]", s)
+	}
+	// Nothing lost: the clear is still in the stream when the next
+	// message comes, another instance's between them.
+	loads := counterValue(c.m.snapshotLoads.WithLabelValues("request"))
+	e.restartClear("i0") // stream seq 10
+	e.store("i1", 1, 30) // stream seq 11
+	e.store("i0", 5, 25) // stream seq 12
+	testenv.WaitFor(t, 20*time.Second, "engine seq 5 applied", func() bool { return c.status("i0").LastSeq == 5 })
+	if st := c.status("i0"); st.Gaps != 1 || !c.Live("i0") {
+		t.Fatalf("gaps %d, live %v after a clear with nothing lost: want 1 (the first loss), live", st.Gaps, c.Live("i0"))
+	}
+	if n := counterValue(c.m.snapshotLoads.WithLabelValues("request")) - loads; n != 0 {
+		t.Fatalf("%v snapshot loads after a clear with nothing lost", n)
+	}
+	if s, _ := a.get("i0"); !slices.Equal(s, []uint64{25}) {
+		t.Fatalf("the index holds %v, the engine [25]", s)
 	}
 }
 

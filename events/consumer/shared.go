@@ -362,7 +362,7 @@ func (c *Consumer) seedShared(ctx context.Context, instance string, in *inst, up
 		c.m.snapshotLoads.WithLabelValues(source).Inc()
 		c.mu.Lock()
 		in.status.SnapshotSeq = snap.StreamSeq
-		in.status.LastSeq, in.hasSeq = snap.EngineSeq, snap.HasSeq
+		in.status.LastSeq, in.hasSeq, in.clearAt = snap.EngineSeq, snap.HasSeq, snap.StreamSeq
 		if in.hole != 0 && snap.StreamSeq >= in.hole {
 			in.hole = 0 // the bridge's table past the hole replaced the state
 		}
@@ -474,7 +474,7 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 			in.sawSeq(h.LastSeq())
 		}
 		if herr == nil && clearsSeq(h.Synthetic) {
-			in.hasSeq = false
+			in.hasSeq, in.clearAt = false, m.Sequence
 		}
 		if clears {
 			in.wipeHole(m.Sequence)

@@ -530,3 +530,61 @@ func TestSharedLostTailNotLive(t *testing.T) {
 	t.Logf("quiet live on both routers %v after its bridge answered", time.Since(start).Round(time.Millisecond))
 	w.converge("the bridge's table past the lost messages", r1, r2)
 }
+
+// restart has engine name restart: its bridge publishes the restart
+// clear, and the new process starts empty, counting its seqs from 1.
+func (w *sharedWorld) restart(name string) {
+	w.t.Helper()
+	w.restartClear(name)
+	f := w.engine(name)
+	clear(f.held)
+	f.seq, f.table = 0, nil
+	if _, err := w.truth.Apply(w.ctx, name, []events.Event{{Kind: events.AllBlocksCleared}}); err != nil {
+		w.t.Fatal(err)
+	}
+	if st := w.snapshots[name]; st != nil {
+		st.evs = nil
+	}
+}
+
+// The shared index, the message after a clear lost: the router read
+// quiet's restart clear, then fell behind retention, and the new
+// process's first message was gone from the stream, with the clear,
+// before it read it. The messages after it follow a clear, with no engine
+// seq to compare theirs with: the router applied them at the clear's
+// position and read quiet live, the index short of what the lost message
+// stored. Now the stream no longer holding the clear gives the loss
+// away: quiet is not live until its bridge's table past it is loaded,
+// then the index equals the engines.
+func TestSharedFirstMessageAfterClearLost(t *testing.T) {
+	w, r := holeWorld(t, 97)
+	w.keepBucket = true // the bucket keeps quiet's snapshot from before the restart
+	w.restart("quiet")
+	testenv.WaitFor(t, 10*time.Second, "the clear applied", func() bool { return r.c.status("quiet").Clears == 1 })
+	w.stall(r.c)
+	subj, _ := kvstream.EventsSubject(w.pool, "quiet")
+	w.publishOne("quiet") // the new process's first message: lost
+	lost, err := w.stream().GetLastMsgForSubject(w.ctx, subj)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.publishOne("quiet")
+	w.publishOne("quiet")
+	last, err := w.stream().GetLastMsgForSubject(w.ctx, subj)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := events.Decode(lost.Data); err != nil || b.Events[0].Kind != events.BlockStored {
+		t.Fatalf("the lost message is %+v (%v), want a store", b.Events, err)
+	}
+	w.purgeBelow(lost.Sequence + 1) // retention removes it, and the clear, before the router reads them
+	quiet := w.engine("quiet")
+	testenv.WaitFor(t, 30*time.Second, "the router resumed past the loss", func() bool { return r.c.status("quiet").LastSeq == quiet.seq })
+	w.notLive(1500*time.Millisecond, "quiet", "after the message after its clear was lost", r)
+	if st := r.c.status("quiet"); st.Gaps != 1 || st.ReplayLost != 1 {
+		t.Fatalf("gaps %d, replay lost %d: want the loss counted once", st.Gaps, st.ReplayLost)
+	}
+	w.answer("quiet", w.quietTableAt(kvindex.Position{Seq: last.Sequence}))
+	testenv.WaitFor(t, 15*time.Second, "quiet live after its bridge answered", func() bool { return r.c.Live("quiet") })
+	w.converge("the bridge's table past the lost message", r)
+}

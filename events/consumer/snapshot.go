@@ -156,7 +156,7 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint
 	if snap.HasSeq {
 		in.status.LastSeq, in.hasSeq = snap.EngineSeq, true
 	} else {
-		in.hasSeq = false
+		in.hasSeq, in.clearAt = false, pos // the bridge's table after a clear
 	}
 	if in.hole != 0 && (pos >= in.hole || in.restreamed && source == "request") {
 		// The bridge's table past the hole (or, the stream re-created,
@@ -341,7 +341,7 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 			in.sawSeq(h.LastSeq()) // a duplicate does not lower it
 		}
 		if clearsSeq(h.Synthetic) {
-			in.hasSeq = false
+			in.hasSeq, in.clearAt = false, m.Sequence
 		}
 		if clears {
 			gapAt = 0 // what the lost messages did is wiped
