@@ -72,9 +72,9 @@ func NewPool(cfg config.PoolConfig, prev *Pool, opts ...PoolOption) (*Pool, erro
 
 // commit makes the pool the one the state it shares with the pool it
 // replaced serves: its queue reads its budgets and instances from it, its
-// exact-routing state compares under its routing (and keeps its
-// strategy's state, routingChanged), and with health checks
-// off its instances are admitted (nothing would ever re-admit them).
+// exact-routing state compares under its routing and keeps what its
+// strategy was built with (routingChanged), and with health checks off
+// its instances are admitted (nothing would ever re-admit them).
 func (p *Pool) commit() {
 	if p.flow != nil {
 		p.flow.pool.Store(p)

@@ -318,9 +318,8 @@ func (s *Server) clientLeft(pool *router.Pool, strat router.Strategy, last route
 	if last.Instance != nil {
 		inst = last.Instance.ID()
 	}
-	reason := last.Reason
-	s.m.requests.WithLabelValues(pool.Name(), inst, strat.Name(), string(reason), "499").Inc()
-	s.log.Debug("request", "pool", pool.Name(), "instance", inst, "strategy", strat.Name(), "reason", reason, "status", 499)
+	s.m.requests.WithLabelValues(pool.Name(), inst, strat.Name(), string(last.Reason), "499").Inc()
+	s.log.Debug("request", "pool", pool.Name(), "instance", inst, "strategy", strat.Name(), "reason", last.Reason, "status", 499)
 }
 
 func (s *Server) setDecisionHeaders(h http.Header, a *attempt) {
