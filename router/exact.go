@@ -21,9 +21,13 @@ type Exact interface {
 	// or any strategy in shadow mode. rnd is the strategy's randomness
 	// (WithSeed).
 	Strategy(rc config.RoutingConfig, rnd func(n uint64) uint64) (Strategy, error)
-	// RoutingChanged says the pool now routes with strategy (shadowed or
-	// not): figures of two routing modes are never summed.
-	RoutingChanged(strategy string, shadow bool)
+	// RoutingChanged says the pool now routes with s (shadowed or not),
+	// one of the state's strategies or any other: figures of two routing
+	// modes are never summed, and what s was built to change in the state
+	// is changed now. It is the commit of a strategy (a runtime switch, or
+	// a reload once its table is published), so building one changes
+	// nothing a strategy in use reads.
+	RoutingChanged(s Strategy, shadow bool)
 	// Run runs the state's background work for the pool's instances (the
 	// engines' load scraping, per rc) until ctx ends; it returns at once
 	// when rc asks for none.

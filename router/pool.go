@@ -72,8 +72,9 @@ func NewPool(cfg config.PoolConfig, prev *Pool, opts ...PoolOption) (*Pool, erro
 
 // commit makes the pool the one the state it shares with the pool it
 // replaced serves: its queue reads its budgets and instances from it, its
-// exact-routing state compares under its routing, and with health checks
-// off its instances are admitted (nothing would ever re-admit them).
+// exact-routing state compares under its routing and keeps what its
+// strategy was built with (routingChanged), and with health checks off
+// its instances are admitted (nothing would ever re-admit them).
 func (p *Pool) commit() {
 	if p.flow != nil {
 		p.flow.pool.Store(p)
@@ -149,12 +150,13 @@ func (p *Pool) newRouting(rc config.RoutingConfig) (*poolRouting, error) {
 	return &poolRouting{cfg: rc, strat: st}, nil
 }
 
-// routingChanged tells the exact-routing state the pool routes with r: a
-// new routing mode starts a new comparison (figures of two strategies are
-// never summed).
+// routingChanged tells the exact-routing state the pool routes with r, r's
+// commit: a new routing mode starts a new comparison (figures of two
+// strategies are never summed), and the state keeps what r's strategy was
+// built with (kv_aware's speculative overlay).
 func (p *Pool) routingChanged(r *poolRouting) {
 	if p.kv != nil {
-		p.kv.RoutingChanged(r.strat.Name(), r.cfg.Shadow)
+		p.kv.RoutingChanged(r.strat, r.cfg.Shadow)
 	}
 }
 

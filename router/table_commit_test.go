@@ -14,7 +14,7 @@ type modes struct{ seen []string }
 func (*modes) Strategy(config.RoutingConfig, func(uint64) uint64) (Strategy, error) {
 	return nil, ErrNoKVState
 }
-func (m *modes) RoutingChanged(strategy string, _ bool)                      { m.seen = append(m.seen, strategy) }
+func (m *modes) RoutingChanged(s Strategy, _ bool)                           { m.seen = append(m.seen, s.Name()) }
 func (*modes) Run(context.Context, config.RoutingConfig, func() []*Instance) {}
 func (*modes) ForgetInstance(string)                                         {}
 

@@ -96,13 +96,19 @@ func transferParams(answer []byte) (json.RawMessage, error) {
 // unchanged when the request goes aggregated (HeaderDisagg says why), and
 // the time spent in prefill exchanges with the engines. It never answers
 // the client: a failed prefill falls back to aggregated serving, since a
-// decode-capable instance can always prefill itself.
-func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *router.Pool, strat router.Strategy, req *router.Request, path string) (_ *router.Request, exchange time.Duration) {
+// decode-capable instance can always prefill itself. ok is false when the
+// client went away during the prefill stage (counted here, as a client
+// that left, not as a failed prefill): nothing is left to route.
+func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *router.Pool, strat router.Strategy, req *router.Request, path string) (_ *router.Request, exchange time.Duration, ok bool) {
 	dc := pool.Config().Disaggregation
-	aggregated := func(why string) (*router.Request, time.Duration) {
+	aggregated := func(why string) (*router.Request, time.Duration, bool) {
 		w.Header().Set(HeaderDisagg, "aggregated; "+why)
 		s.m.disagg.WithLabelValues(pool.Name(), "aggregated", why).Inc()
-		return req, exchange
+		return req, exchange, true
+	}
+	left := func(last router.Decision) (*router.Request, time.Duration, bool) {
+		s.clientLeft(pool, strat, last)
+		return req, exchange, false
 	}
 	var buf [32]*router.Instance
 	pcands := pool.PrefillCandidates(buf[:0], req.Adapter, nil)
@@ -132,6 +138,9 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 		}
 		dec, err := strat.Pick(r.Context(), req, pcands)
 		if err != nil {
+			if r.Context().Err() != nil {
+				return left(router.Decision{}) // while the pick was held (kv_aware's sequencing)
+			}
 			break
 		}
 		if n == 1 && dc.Mode == config.DisaggConditional && dec.Reason == router.ReasonSaturated {
@@ -151,7 +160,7 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 		}
 		if err != nil {
 			if r.Context().Err() != nil {
-				return aggregated(aggPrefillError) // the client left; route will notice
+				return left(dec)
 			}
 			s.log.Warn("disaggregation: prefill failed", "pool", pool.Name(), "instance", dec.Instance.ID(), "attempt", n, "err", err)
 			s.m.disaggPrefillErrors.WithLabelValues(pool.Name(), dec.Instance.ID()).Inc()
@@ -170,7 +179,7 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 		// (routing text, tokens) still holds.
 		req.Body = dbody
 		req.RemotePrefill = true
-		return req, exchange
+		return req, exchange, true
 	}
 	return aggregated(aggPrefillError)
 }

@@ -93,7 +93,9 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in router.Inbound
 
 	if in.Endpoint.OpenAI() && pool.Disaggregated() {
 		var exchange time.Duration
-		req, exchange = s.disaggregate(w, r, pool, strat, req, path)
+		if req, exchange, ok = s.disaggregate(w, r, pool, strat, req, path); !ok {
+			return
+		}
 		// The prefill exchange is the engines' time, not the router's:
 		// x-kvrouter-overhead-us leaves it out.
 		ready = ready.Add(exchange)
@@ -210,6 +212,17 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *router.Table,
 		dsp.endDecide(r.Context(), dec, strat.Name(), len(cands), err)
 		s.m.decision.WithLabelValues(pool.Name(), strat.Name()).Observe(time.Since(t0).Seconds())
 		if err != nil {
+			if r.Context().Err() != nil {
+				// The client went away while the pick was held (kv_aware's
+				// sequencing holds a request for its epoch): nobody to
+				// answer, and no routing failure.
+				var last router.Decision
+				if prev != nil {
+					last = prev.dec
+				}
+				s.clientLeft(pool, strat, last)
+				return
+			}
 			if prev != nil {
 				// The retry has nowhere to go: report the first failure.
 				s.setDecisionHeaders(w.Header(), prev)
@@ -294,6 +307,19 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *router.Table,
 		s.log.Warn("upstream failed before responding; retrying on the next candidate", "pool", pool.Name(), "instance", dec.Instance.ID(), "err", a.err)
 		exclude, prev = dec.Instance, a
 	}
+}
+
+// clientLeft counts a request whose client went away before any instance
+// answered it, as the proxy counts one that leaves mid-answer: 499, the
+// status nobody reads. last is the request's last decision, whose
+// instance and reason label it (none: the zero Decision).
+func (s *Server) clientLeft(pool *router.Pool, strat router.Strategy, last router.Decision) {
+	inst := ""
+	if last.Instance != nil {
+		inst = last.Instance.ID()
+	}
+	s.m.requests.WithLabelValues(pool.Name(), inst, strat.Name(), string(last.Reason), "499").Inc()
+	s.log.Debug("request", "pool", pool.Name(), "instance", inst, "strategy", strat.Name(), "reason", last.Reason, "status", 499)
 }
 
 func (s *Server) setDecisionHeaders(h http.Header, a *attempt) {

@@ -77,8 +77,8 @@ type KVState struct {
 	// sequence_live.go).
 	seq *seqState
 
-	specMu sync.Mutex // guards spec, replaced when its TTL or capacity changes
-	spec   *speculative
+	specMu sync.Mutex   // guards spec
+	spec   *speculative // the kept overlay: replaced when a strategy committed with another TTL or capacity (keepOverlay)
 
 	pendMu   sync.RWMutex // guards pend and pendMade (the counters themselves are atomic)
 	pend     map[string]*pendingCounter
@@ -163,19 +163,36 @@ func NewKVState(cfg KVStateConfig) (*KVState, error) {
 // Index is the pool's block map.
 func (st *KVState) Index() kvindex.Index { return st.index }
 
-// speculativeFor returns the overlay for ttl and capacity, keeping the
-// current one when they are unchanged (a routing switch must not forget
-// the bursts in flight). ttl < 0 or capacity < 0 disables it (nil).
+// speculativeFor returns the overlay for ttl and capacity: the kept one
+// when they are unchanged (a routing switch must not forget the bursts in
+// flight), else a new one, kept only once its strategy is committed
+// (keepOverlay): a strategy built for a reload that then fails must leave
+// the kept overlay, which the strategy in use writes and the next switch
+// reuses, as it was. ttl < 0 or capacity < 0 disables it (nil).
 func (st *KVState) speculativeFor(ttl time.Duration, capacity int) *speculative {
 	if ttl < 0 || capacity < 0 {
 		return nil
 	}
 	st.specMu.Lock()
 	defer st.specMu.Unlock()
-	if st.spec == nil || st.spec.ttl != ttl || st.spec.set.Cap() != capacity {
-		st.spec = newSpeculative(ttl, capacity, st.now)
+	if sp := st.spec; sp != nil && sp.ttl == ttl && sp.set.Cap() == capacity {
+		return sp
 	}
-	return st.spec
+	return newSpeculative(ttl, capacity, st.now)
+}
+
+// keepOverlay makes the speculative overlay of s, a strategy now in use,
+// the kept one (speculativeFor). A strategy without one (not kv_aware's
+// over st, or with speculative entries off) leaves the kept overlay as it
+// is.
+func (st *KVState) keepOverlay(s router.Strategy) {
+	kv := kvAwareOf(s)
+	if kv == nil || kv.st != st || kv.spec == nil {
+		return
+	}
+	st.specMu.Lock()
+	st.spec = kv.spec
+	st.specMu.Unlock()
 }
 
 func (st *KVState) pendingFor(inst string) *pendingCounter {
@@ -286,9 +303,15 @@ type KVAware struct {
 }
 
 // NewKVAware builds the kv_aware strategy for rc (defaults applied) over
-// st. Simulations call it directly; NewStrategy calls it for "kv_aware".
+// st, in use at once: simulations call it directly, with no pool to
+// commit it (a pool's, built by KVState.Strategy, is committed by
+// RoutingChanged).
 func NewKVAware(rc config.RoutingConfig, st *KVState) (*KVAware, error) {
-	return newKVAware(rc, st, rand.Uint64N)
+	s, err := newKVAware(rc, st, rand.Uint64N)
+	if err == nil {
+		st.keepOverlay(s)
+	}
+	return s, err
 }
 
 func newKVAware(rc config.RoutingConfig, st *KVState, rnd func(uint64) uint64) (*KVAware, error) {

@@ -136,6 +136,7 @@ func (w *kvWorld) strategy(rc config.RoutingConfig) *KVAware {
 	if err != nil {
 		w.t.Fatal(err)
 	}
+	w.st.keepOverlay(s) // in use at once, as NewKVAware's
 	return s
 }
 
@@ -935,8 +936,8 @@ func TestShadowHeuristicInUse(t *testing.T) {
 	}
 	d.Observer.FirstByte()
 	d.Observer.Done(200, 1024) // usageJSON's cached_tokens
-	if w.st.spec.Len() != 0 {
-		t.Errorf("dry scoring left %d speculative entries", w.st.spec.Len())
+	if n := s.(*Shadow).kv.spec.Len(); n != 0 {
+		t.Errorf("dry scoring left %d speculative entries", n)
 	}
 	sum := w.st.Compare(config.StrategyPrefixAware, true, w.insts, 0)
 	if sum.Compared != 1 || sum.Agreed != 0 {

@@ -31,6 +31,18 @@ func NewShadow(inUse router.Strategy, kv *KVAware) *Shadow {
 	return &Shadow{inUse: inUse, kv: kv, prefix: router.NewPrefixAware(kv.threshold, kv.rnd)}
 }
 
+// kvAwareOf is the kv_aware that scores for s, a pool's strategy: s
+// itself, or the one shadow scoring wraps; nil for any other.
+func kvAwareOf(s router.Strategy) *KVAware {
+	switch v := s.(type) {
+	case *KVAware:
+		return v
+	case *Shadow:
+		return v.kv
+	}
+	return nil
+}
+
 // Name implements Strategy: the strategy in use.
 func (s *Shadow) Name() string { return s.inUse.Name() }
 
@@ -125,13 +137,8 @@ func predictedPick(ev *kvEval, inst *router.Instance) shadowPick {
 // (POST /admin/pools/{pool}/decide). s is a pool's strategy: kv_aware
 // itself or shadow scoring around it; any other is an error.
 func Preview(ctx context.Context, s router.Strategy, req *router.Request, cands []*router.Instance) (kv, hash router.Decision, err error) {
-	var k *KVAware
-	switch v := s.(type) {
-	case *KVAware:
-		k = v
-	case *Shadow:
-		k = v.kv
-	default:
+	k := kvAwareOf(s)
+	if k == nil {
 		return kv, hash, fmt.Errorf("%w: strategy %s does not score with kv_aware", ErrNoPreview, s.Name())
 	}
 	kv, ev, err := k.pick(ctx, req, cands, false)

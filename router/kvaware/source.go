@@ -90,9 +90,11 @@ func Of(p *router.Pool) *KVState {
 }
 
 // RoutingChanged implements router.Exact: a new routing mode starts a new
-// comparison.
-func (st *KVState) RoutingChanged(strategy string, shadow bool) {
-	st.cmp.setMode(strategy, shadow, st.now())
+// comparison, and the speculative overlay s was built with becomes the
+// kept one.
+func (st *KVState) RoutingChanged(s router.Strategy, shadow bool) {
+	st.cmp.setMode(s.Name(), shadow, st.now())
+	st.keepOverlay(s)
 }
 
 // Run implements router.Exact: it scrapes the engines' load (/metrics)
