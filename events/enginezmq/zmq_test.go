@@ -446,6 +446,54 @@ func TestReplayHistory(t *testing.T) {
 	}
 }
 
+// startPublisher starts a publisher for cfg on free local ports (its PUB
+// and replay sockets) with topic "kv", closed when the test ends, and
+// returns it and its replay endpoint.
+func startPublisher(t *testing.T, ctx context.Context, cfg PublisherConfig) (*Publisher, string) {
+	t.Helper()
+	cfg.Endpoint = fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	cfg.ReplayEndpoint = fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	cfg.Topic = "kv"
+	pub, err := NewPublisher(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pub.Close() })
+	return pub, cfg.ReplayEndpoint
+}
+
+// A replay is bounded in bytes as in messages: a caller holds every reply
+// until the end marker, and each may be up to MaxFrame, so 100,000 of
+// them (MaxMessages) bounded nothing in practice. Past MaxBytes the
+// replay fails as past MaxMessages; a first reply larger than the bound
+// alone is still read. Before the bound, all five replies were read.
+func TestReplayMaxBytes(t *testing.T) {
+	ctx := testenv.Context(t, 30*time.Second)
+	pub, rep := startPublisher(t, ctx, PublisherConfig{})
+	for i := range 5 {
+		if _, err := pub.Publish(bytes.Repeat([]byte{byte(i)}, 1000)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, tc := range []struct {
+		max, read int
+		fails     bool
+	}{
+		{max: 5000, read: 5},
+		{max: 2500, read: 2, fails: true},
+		{max: 10, read: 1, fails: true},
+	} {
+		read := 0
+		err := Replay(ctx, ReplayConfig{Endpoint: rep, Timeout: 5 * time.Second, MaxBytes: tc.max}, 0, func(Message) bool {
+			read++
+			return true
+		})
+		if (err != nil) != tc.fails || read != tc.read {
+			t.Errorf("max %d bytes: %d replies handed on, err %v; want %d, failing %v", tc.max, read, err, tc.read, tc.fails)
+		}
+	}
+}
+
 // Kick ends a reconnect wait at once: a subscriber whose backoff has grown
 // connects as soon as it is kicked, not at the end of the wait.
 func TestSubscriberKick(t *testing.T) {
