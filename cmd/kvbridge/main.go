@@ -55,6 +55,7 @@ type options struct {
 	zmqEndpoint, replayEndpoint, topic string
 	zmqBind                            bool
 	dpSize                             int
+	firstSeq                           uint64
 
 	maxBlocks, buffer, publishWindow        int
 	bufferBytes, replayBytes                int
@@ -111,6 +112,7 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	fs.BoolVar(&o.zmqBind, "zmq-bind", false, "bind the endpoint instead of connecting (engines that dial, e.g. llm-d-inference-sim)")
 	fs.StringVar(&o.replayEndpoint, "replay-endpoint", envOr(getenv, "tcp://127.0.0.1:5558", "KVBRIDGE_REPLAY_ENDPOINT"), "engine replay ROUTER endpoint (rank r uses port+r); empty: no replay, gaps clear the instance")
 	fs.StringVar(&o.topic, "topic", "", "ZMQ topic prefix to subscribe to (empty: all)")
+	fs.Uint64Var(&o.firstSeq, "first-seq", 0, "seq of the engine's first message: 0 for vLLM and SGLang, 1 for llm-d-inference-sim and kvsim; a replayed history starting later lost its first messages (not used with trtllm-json)")
 	fs.IntVar(&o.dpSize, "dp-size", 1, "data-parallel ranks; each rank is its own instance <instance>-dp<r> served at engine-url port+r")
 	fs.IntVar(&o.maxBlocks, "max-blocks", 0, "bound on the block table: the engine's KV cache blocks over all tiers (default 1048576)")
 	fs.IntVar(&o.buffer, "buffer", 0, "engine messages buffered while NATS is unreachable (default 10000)")
@@ -207,7 +209,7 @@ func (o *options) sources() ([]bridge.Source, error) {
 	}
 	var out []bridge.Source
 	for r := 0; r < o.dpSize; r++ {
-		s := bridge.Source{Instance: o.instance, Rank: r, Bind: o.zmqBind, Topic: o.topic}
+		s := bridge.Source{Instance: o.instance, Rank: r, Bind: o.zmqBind, Topic: o.topic, FirstSeq: o.firstSeq}
 		if o.dpSize > 1 {
 			s.Instance = fmt.Sprintf("%s-dp%d", o.instance, r)
 		}

@@ -46,6 +46,13 @@ type Source struct {
 	ReplayEndpoint string
 	// Topic is the ZMQ subscription prefix ("" = all).
 	Topic string
+	// FirstSeq is the seq the engine's publisher gives its first message:
+	// 0 for vLLM and SGLang (their ZmqEventPublisher counts with
+	// itertools.count()), 1 for llm-d-inference-sim and kvsim. A history
+	// replayed from the engine's start must begin with it: one that
+	// begins later lost its first messages, which is a hole like any
+	// other, not a complete history.
+	FirstSeq uint64
 	// URL is the instance's HTTP base URL, advertised in heartbeats and
 	// probed (GET /health, /metrics) to tell a dead or restarted engine.
 	URL string
@@ -674,7 +681,7 @@ func (in *instance) catchUp(ctx context.Context) error {
 		in.log.Info("engine restarted while its messages were dropped: clearing instance", "last_seq", last)
 		return in.restarted(ctx)
 	}
-	if err != nil || !contiguous(msgs, from, false) {
+	if err != nil || !contiguous(msgs, from) {
 		in.countGap()
 		in.countReplay(false)
 		in.log.Warn("dropped messages: replay cannot fill them, clearing instance", "from", from, "err", err)
