@@ -251,7 +251,7 @@ func (in *instance) restarted(ctx context.Context) error {
 		return ctx.Err()
 	}
 	if err != nil || !contiguous(msgs, in.src.FirstSeq) {
-		in.log.Info("restarted engine's history not replayable yet; the next message asks again", "err", err)
+		in.log.Info("restarted engine's history not replayable yet; the next message asks again", "first_seq", in.src.FirstSeq, "err", err)
 		return nil
 	}
 	if len(msgs) > 0 {
@@ -399,7 +399,7 @@ func (in *instance) catchTail(ctx context.Context) error {
 	}
 	if !contiguous(msgs, from) {
 		if !known {
-			in.log.Debug("engine's history no longer replayable from its start; the next message asks again")
+			in.log.Debug("engine's history no longer replayable from its start; the next message asks again", "first_seq", from)
 			return nil
 		}
 		in.countGap()

@@ -109,7 +109,7 @@ func (in *instance) resync(ctx context.Context) error {
 			if snap != nil {
 				in.log.Warn("snapshot not provably of this engine process, or replay cannot close the gap since it: starting empty", "from", from, "err", err)
 			} else {
-				in.log.Info("no usable snapshot and no full replay: starting empty; the first message asks again", "err", err)
+				in.log.Info("no usable snapshot and no full replay: starting empty; the first message asks again", "first_seq", from, "err", err)
 			}
 		}
 	} else if snap != nil {
