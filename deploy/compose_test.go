@@ -235,6 +235,7 @@ func TestCompose(t *testing.T) {
 		if a, b := mustArg(t, s.Command, "topic"), mustArg(t, sim.Command, "topic"); a != b {
 			t.Errorf("%s --topic=%s, engine topic %s", n, a, b)
 		}
+		checkBridgeFirstSeq(t, n, s.Command, kvsimFirstSeq)
 		checkNATSService(n+" --nats-url", mustArg(t, s.Command, "nats-url"))
 	}
 	for _, sim := range byBin["kvsim"] {

@@ -726,10 +726,13 @@ func checkEngines(t *testing.T, b *bundle, ov overlay, cfg config.Config) {
 		t.Errorf("kvbridge --listen=%s is not its bridge-metrics port", v)
 	}
 
-	// What the engine publishes, and where.
+	// What the engine publishes, and where, and its first seq (vLLM's 0,
+	// kvbridge's default).
 	var pub, replay, topic string
+	firstSeq := 0
 	switch binaryOf(engine.Command) {
 	case "kvsim":
+		firstSeq = kvsimFirstSeq
 		host, _ := argValue(engine.Args, "zmq-host")
 		port, _ := argValue(engine.Args, "zmq-port")
 		rport, _ := argValue(engine.Args, "replay-port")
@@ -741,6 +744,27 @@ func checkEngines(t *testing.T, b *bundle, ov overlay, cfg config.Config) {
 		t.Fatalf("engine container of %s runs %s", sts.Name, binaryOf(engine.Command))
 	}
 	checkBridgeEndpoints(t, "StatefulSet "+sts.Name, bridge.Args, pub, replay, topic)
+	checkBridgeFirstSeq(t, "StatefulSet "+sts.Name, bridge.Args, firstSeq)
+}
+
+// kvsimFirstSeq is the seq kvsim numbers its first message
+// (simserver.FirstSeq, as llm-d-inference-sim does), which its bridge is
+// told with --first-seq; not imported, to keep the simulator's
+// dependencies out of this module.
+const kvsimFirstSeq = 1
+
+// checkBridgeFirstSeq: a kvbridge is told the seq its engine counts from
+// (--first-seq, default 0): with another, the engine's whole history reads
+// as one that lost its first messages.
+func checkBridgeFirstSeq(t *testing.T, where string, args []string, want int) {
+	t.Helper()
+	v, ok := argValue(args, "first-seq")
+	if !ok {
+		v = "0"
+	}
+	if v != strconv.Itoa(want) {
+		t.Errorf("%s: kvbridge --first-seq=%s, its engine counts from %d", where, v, want)
+	}
 }
 
 func mapsEqual(a, b map[string]any) bool {

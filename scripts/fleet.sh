@@ -92,7 +92,7 @@ for ((i = 0; i < n; i++)); do
   bin/kvbridge --pool llama --instance "vllm-$i" --model "$model" \
     --nats-url "nats://127.0.0.1:$nats" --engine-url "http://127.0.0.1:$((http + i))" \
     --zmq-endpoint "tcp://127.0.0.1:$((zmq + i))" --replay-endpoint "tcp://127.0.0.1:$((replay + i))" \
-    --format "$format" --listen "127.0.0.1:$((bridge + i))" >"$dir/kvbridge-$i.log" 2>&1 &
+    --format "$format" --first-seq 1 --listen "127.0.0.1:$((bridge + i))" >"$dir/kvbridge-$i.log" 2>&1 &
   pids+=($!)
 done
 

@@ -82,7 +82,7 @@ func newClusterFleet(t testing.TB, engines, blocks int, timeScale float64) *clus
 		e.bridge = f.conn("kvbridge " + e.id)
 		br, err := bridge.New(bridge.Config{
 			Pool: f.pool, Model: simModel, Conn: e.bridge, Stream: f.stream, Bucket: f.bucket,
-			Sources:           []bridge.Source{{Instance: e.id, Endpoint: pubEP, ReplayEndpoint: replayEP, URL: e.url}},
+			Sources:           []bridge.Source{{Instance: e.id, Endpoint: pubEP, ReplayEndpoint: replayEP, URL: e.url, FirstSeq: simserver.FirstSeq}},
 			HeartbeatInterval: 200 * time.Millisecond, SnapshotInterval: time.Second, EngineProbeInterval: 200 * time.Millisecond,
 			ReplayTimeout: 2 * time.Second, PublishTimeout: 2 * time.Second, Logger: quietLogger(),
 		})

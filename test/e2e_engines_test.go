@@ -87,7 +87,7 @@ func (n *engineNode) stop() {
 func (n *engineNode) startBridge() {
 	n.t.Helper()
 	nc := testenv.Connect(n.t, n.natsURL, nats.MaxReconnects(-1))
-	src := bridge.Source{Instance: n.id, Endpoint: n.pubEP, ReplayEndpoint: n.replayEP, URL: n.url()}
+	src := bridge.Source{Instance: n.id, Endpoint: n.pubEP, ReplayEndpoint: n.replayEP, URL: n.url(), FirstSeq: simserver.FirstSeq}
 	if n.format == simserver.FormatTRTLLM {
 		p, err := bridge.NewTRTLLMPoller(n.ctx, bridge.TRTLLMConfig{EngineURL: n.url(), Interval: 20 * time.Millisecond, Logger: quietLogger()})
 		if err != nil {
@@ -308,7 +308,7 @@ func TestE2EStoresOnlyLMCache(t *testing.T) {
 	const lifetime = 2 * time.Second
 	br, _ := runBridge(t, ctx, bridge.Config{
 		Pool: pool, Model: engModel, Conn: nc, Stream: stream, Bucket: bucket,
-		Sources:           []bridge.Source{{Instance: inst, Endpoint: pc.Endpoint, ReplayEndpoint: pc.ReplayEndpoint}},
+		Sources:           []bridge.Source{{Instance: inst, Endpoint: pc.Endpoint, ReplayEndpoint: pc.ReplayEndpoint, FirstSeq: pc.FirstSeq}},
 		HeartbeatInterval: 200 * time.Millisecond, SnapshotInterval: 300 * time.Millisecond,
 		EngineProbeInterval: -1, ReplayTimeout: 2 * time.Second, PublishTimeout: 2 * time.Second,
 		AgeOut: map[tiers.Tier]time.Duration{tiers.CPU: lifetime},
@@ -401,7 +401,7 @@ func TestE2ESGLangAttentionDPRanks(t *testing.T) {
 		id := fmt.Sprintf("sg-dp%d", rk)
 		insts = append(insts, config.InstanceConfig{ID: id, URL: fmt.Sprintf("http://127.0.0.1:%d", testenv.FreePort(t))})
 		srcs = append(srcs, bridge.Source{Instance: id, Rank: rk, Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", pubBase+rk),
-			ReplayEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", replayBase+rk)})
+			ReplayEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", replayBase+rk), FirstSeq: simserver.FirstSeq})
 	}
 	r := startEngineRouter(t, ctx, ns.URL(), pool, stream.Name, bucket.Name, insts, 0)
 	nc := testenv.Connect(t, ns.URL(), nats.MaxReconnects(-1))

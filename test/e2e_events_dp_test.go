@@ -31,7 +31,7 @@ func TestE2EDataParallelRanks(t *testing.T) {
 		pub, pc := eventstest.Publisher(t, r.ctx, enginezmq.PublisherConfig{
 			Topic: fmt.Sprintf("kv@127.0.0.1:%d@fake-model", 18000+rank), FirstSeq: 1})
 		pubs = append(pubs, pub)
-		srcs = append(srcs, bridge.Source{Instance: fmt.Sprintf("vllm-0-dp%d", rank), Rank: rank, Endpoint: pc.Endpoint, ReplayEndpoint: pc.ReplayEndpoint})
+		srcs = append(srcs, bridge.Source{Instance: fmt.Sprintf("vllm-0-dp%d", rank), Rank: rank, Endpoint: pc.Endpoint, ReplayEndpoint: pc.ReplayEndpoint, FirstSeq: 1})
 	}
 	r.runBridge(bridge.Config{Model: "fake-model", Sources: srcs})
 	testenv.WaitFor(t, 20*time.Second, "bridge ready", r.br.Ready)

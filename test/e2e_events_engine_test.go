@@ -49,6 +49,9 @@ type simRig struct {
 	engMu sync.Mutex // guards sim: a stale watch reads it while tests restart it
 	sim   *simserver.Instance
 	scr   *scriptEngine // instead of sim, when set
+	// firstSeq is the engine's first seq, for the bridge's source:
+	// kvsim's, or the scripted engine's.
+	firstSeq uint64
 
 	// dialing lays the sockets out as llm-d-inference-sim does: the
 	// engine's PUB dials, the bridge binds (--zmq-bind), and the engine's
@@ -79,6 +82,7 @@ func newSimRig(t testing.TB, blocks int) *simRig {
 		httpAddr: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)),
 		blocks:   blocks,
 		rng:      rand.New(rand.NewPCG(uint64(len(name)), 7)),
+		firstSeq: simserver.FirstSeq,
 	}
 }
 
@@ -142,7 +146,7 @@ func (r *simRig) startBridge(o bridgeOpts) {
 	r.t.Helper()
 	cfg := simBridgeTimings(bridge.Config{
 		Model:     simModel,
-		Sources:   []bridge.Source{{Instance: r.instance, Endpoint: r.pubEP, Bind: r.dialing, ReplayEndpoint: r.replayEP, URL: r.url()}},
+		Sources:   []bridge.Source{{Instance: r.instance, Endpoint: r.pubEP, Bind: r.dialing, ReplayEndpoint: r.replayEP, URL: r.url(), FirstSeq: r.firstSeq}},
 		MaxBlocks: o.maxBlocks,
 	})
 	if r.slowProbes {
@@ -519,6 +523,7 @@ func (r *simRig) startScript(firstSeq uint64) *scriptEngine {
 	e := &scriptEngine{t: r.t, blocks: r.blocks, rng: rand.New(rand.NewPCG(r.rng.Uint64(), 1)),
 		parentOf: map[uint64]uint64{}, lastUse: map[uint64]int{}, next: r.rng.Uint64()>>8 | 1,
 		start: float64(time.Now().UnixNano()) / 1e9}
+	r.firstSeq = firstSeq
 	var err error
 	for try := 0; ; try++ {
 		e.pub, err = enginezmq.NewPublisher(r.ctx, enginezmq.PublisherConfig{Endpoint: r.pubEP, ReplayEndpoint: r.replayEP,

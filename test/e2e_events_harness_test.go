@@ -272,13 +272,17 @@ func newRig(t testing.TB, o rigOpts) *rig {
 	if o.gate {
 		r.gate = testenv.StartReplyGate(t, fmt.Sprintf("127.0.0.1:%d", r.ns.Port))
 	}
-	r.startEngine(rigTopic, 1)
+	r.startEngine(rigTopic, rigFirstSeq)
 	r.startBridge(o)
 	return r
 }
 
 // rigTopic is the rig's engine's ZMQ topic (vLLM's kv@<ip>:<port>@<model>).
 const rigTopic = "kv@127.0.0.1:18000@fake-model"
+
+// rigFirstSeq is the rig's engine's first seq, as the captured engine
+// (llm-d-inference-sim) counts.
+const rigFirstSeq = 1
 
 // startEngine starts the engine's publisher on the rig's endpoints, its
 // first batch numbered firstSeq.
@@ -302,7 +306,7 @@ func (r *rig) startBridge(o rigOpts) {
 	r.runBridge(bridge.Config{
 		Model: "fake-model",
 		Sources: []bridge.Source{{Instance: r.instance, Endpoint: r.pubEP, ReplayEndpoint: r.replayEP,
-			URL: "http://127.0.0.1:18000"}},
+			URL: "http://127.0.0.1:18000", FirstSeq: rigFirstSeq}},
 		Buffer:            o.buffer,
 		InlineSnapshotMax: o.inlineMax,
 		PublishWindow:     o.window,

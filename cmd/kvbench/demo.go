@@ -108,7 +108,7 @@ func startLocalFleet(ctx context.Context, spec fleetSpec) (*localFleet, error) {
 		f.insts = append(f.insts, in)
 		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: id, URL: in.URL()})
 		if spec.Events {
-			sources = append(sources, bridge.Source{Instance: id, Endpoint: cfg.Events.Endpoint, ReplayEndpoint: cfg.Events.ReplayEndpoint, URL: in.URL()})
+			sources = append(sources, bridge.Source{Instance: id, Endpoint: cfg.Events.Endpoint, ReplayEndpoint: cfg.Events.ReplayEndpoint, URL: in.URL(), FirstSeq: simserver.FirstSeq})
 		}
 	}
 	opts := httpapi.Options{Logger: spec.Logger, Admin: admin.Routes(nil)}

@@ -28,6 +28,7 @@ import (
 	"github.com/kvrouter/kvrouter/cmd/internal/cli"
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/events/bridge"
+	"github.com/kvrouter/kvrouter/events/enginezmq"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/liblog"
 )
@@ -54,8 +55,10 @@ type options struct {
 	zmqEndpoint, replayEndpoint, topic string
 	zmqBind                            bool
 	dpSize                             int
+	firstSeq                           uint64
 
 	maxBlocks, buffer, publishWindow        int
+	bufferBytes, replayBytes                int
 	coalesce, coalesceBytes                 int
 	heartbeat, snapshotEvery, replayTimeout time.Duration
 	engineProbe                             time.Duration
@@ -109,9 +112,12 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	fs.BoolVar(&o.zmqBind, "zmq-bind", false, "bind the endpoint instead of connecting (engines that dial, e.g. llm-d-inference-sim)")
 	fs.StringVar(&o.replayEndpoint, "replay-endpoint", envOr(getenv, "tcp://127.0.0.1:5558", "KVBRIDGE_REPLAY_ENDPOINT"), "engine replay ROUTER endpoint (rank r uses port+r); empty: no replay, gaps clear the instance")
 	fs.StringVar(&o.topic, "topic", "", "ZMQ topic prefix to subscribe to (empty: all)")
+	fs.Uint64Var(&o.firstSeq, "first-seq", 0, "seq of the engine's first message: 0 for vLLM and SGLang, 1 for llm-d-inference-sim and kvsim; a replayed history starting later lost its first messages (not used with trtllm-json)")
 	fs.IntVar(&o.dpSize, "dp-size", 1, "data-parallel ranks; each rank is its own instance <instance>-dp<r> served at engine-url port+r")
 	fs.IntVar(&o.maxBlocks, "max-blocks", 0, "bound on the block table: the engine's KV cache blocks over all tiers (default 1048576)")
 	fs.IntVar(&o.buffer, "buffer", 0, "engine messages buffered while NATS is unreachable (default 10000)")
+	fs.IntVar(&o.bufferBytes, "buffer-bytes", 0, fmt.Sprintf("most engine payload bytes in that buffer; a message past either bound is dropped and replayed later (default %d, 128 MiB)", bridge.DefaultBufferBytes))
+	fs.IntVar(&o.replayBytes, "replay-bytes", 0, fmt.Sprintf("most payload bytes one replay request reads; a longer replay fails, as after a gap it cannot fill (default %d, 128 MiB)", enginezmq.DefaultReplayBytes))
 	fs.IntVar(&o.coalesce, "coalesce", 0, fmt.Sprintf("most engine messages of an instance joined into one NATS message when a backlog is queued behind the publish window (0: off; advised %d, at most %d). Turn it on only once every router reading the stream understands coalesced messages (kvrouter from the release that added it): an older router drops them and reloads snapshots", bridge.DefaultCoalesce, kvstream.MaxCoalesced))
 	fs.IntVar(&o.coalesceBytes, "coalesce-bytes", 0, "most payload bytes of one coalesced NATS message (default and most: a quarter of the NATS server's max payload)")
 	fs.IntVar(&o.publishWindow, "publish-window", 0, fmt.Sprintf("engine messages per instance published to JetStream and not yet acknowledged (default %d; 1: wait for each ack before the next publish)", bridge.DefaultPublishWindow))
@@ -203,7 +209,7 @@ func (o *options) sources() ([]bridge.Source, error) {
 	}
 	var out []bridge.Source
 	for r := 0; r < o.dpSize; r++ {
-		s := bridge.Source{Instance: o.instance, Rank: r, Bind: o.zmqBind, Topic: o.topic}
+		s := bridge.Source{Instance: o.instance, Rank: r, Bind: o.zmqBind, Topic: o.topic, FirstSeq: o.firstSeq}
 		if o.dpSize > 1 {
 			s.Instance = fmt.Sprintf("%s-dp%d", o.instance, r)
 		}
@@ -279,6 +285,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		Bucket:              kvstream.BucketConfig{Name: o.bucket, Replicas: o.streamReplicas},
 		MaxBlocks:           o.maxBlocks,
 		Buffer:              o.buffer,
+		BufferBytes:         o.bufferBytes,
+		ReplayBytes:         o.replayBytes,
 		PublishWindow:       o.publishWindow,
 		Coalesce:            o.coalesce,
 		CoalesceBytes:       o.coalesceBytes,

@@ -90,7 +90,7 @@ func TestRunServesMetricsAndReadiness(t *testing.T) {
 	done := make(chan error, 1)
 	go func() {
 		done <- run(ctx, []string{"--nats-url", ns.URL(), "--pool", "p_" + name, "--instance", "i0", "--zmq-endpoint", pubEP,
-			"--replay-endpoint", repEP, "--listen", addr, "--stream", "S_" + name, "--bucket", "B_" + name, "--log-level", "warn"},
+			"--replay-endpoint", repEP, "--first-seq", "1", "--listen", addr, "--stream", "S_" + name, "--bucket", "B_" + name, "--log-level", "warn"},
 			env(nil), io.Discard)
 	}()
 	get := func(path string) (int, string) {
@@ -141,12 +141,16 @@ func TestRunServesMetricsAndReadiness(t *testing.T) {
 			Published uint64 `json:"published"`
 			Blocks    int    `json:"blocks"`
 			EngineSeq uint64 `json:"engine_seq"`
+			// The engine counts from 1 (--first-seq 1): its first message
+			// is its whole history, no replay failed for it.
+			ReplayFailures uint64 `json:"replay_failures"`
 		} `json:"instances"`
 	}
 	if derr := json.Unmarshal(resp.Body, &st); derr != nil || resp.Header.Get("Content-Type") != "application/json" {
 		t.Fatalf("/status: %v, Content-Type %q", derr, resp.Header.Get("Content-Type"))
 	}
-	if st.Pool != "p_"+name || !st.Ready || len(st.Instances) != 1 || st.Instances[0].Instance != "i0" || st.Instances[0].Blocks != 2 || st.Instances[0].Published == 0 {
+	if st.Pool != "p_"+name || !st.Ready || len(st.Instances) != 1 || st.Instances[0].Instance != "i0" || st.Instances[0].Blocks != 2 || st.Instances[0].Published == 0 ||
+		st.Instances[0].ReplayFailures != 0 {
 		t.Errorf("/status %+v", st)
 	}
 	cancel()

@@ -46,6 +46,13 @@ type Source struct {
 	ReplayEndpoint string
 	// Topic is the ZMQ subscription prefix ("" = all).
 	Topic string
+	// FirstSeq is the seq the engine's publisher gives its first message:
+	// 0 for vLLM and SGLang (their ZmqEventPublisher counts with
+	// itertools.count()), 1 for llm-d-inference-sim and kvsim. A history
+	// replayed from the engine's start must begin with it: one that
+	// begins later lost its first messages, which is a hole like any
+	// other, not a complete history.
+	FirstSeq uint64
 	// URL is the instance's HTTP base URL, advertised in heartbeats and
 	// probed (GET /health, /metrics) to tell a dead or restarted engine.
 	URL string
@@ -92,6 +99,16 @@ type Config struct {
 	// the replay could not fill the hole anyway). Messages beyond it are
 	// dropped, counted, and the gap repaired from replay on reconnect.
 	Buffer int
+	// BufferBytes bounds the same buffer by the engine payload bytes it
+	// holds (default DefaultBufferBytes); a message past either bound
+	// is dropped alike. An empty buffer takes one message whatever its
+	// size, as the count bound always takes one.
+	BufferBytes int
+	// ReplayBytes bounds the payload bytes of one replay's replies, all
+	// held until the replay ends (default enginezmq.DefaultReplayBytes); a
+	// replay past it fails as one past its message count does
+	// (enginezmq.ReplayConfig).
+	ReplayBytes int
 	// HeartbeatInterval defaults to 5s.
 	HeartbeatInterval time.Duration
 	// HeartbeatKey, when set, signs every heartbeat (kvstream.SignHeartbeat)
@@ -153,6 +170,20 @@ type Config struct {
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 }
+
+// DefaultBufferBytes is Config.BufferBytes's default. The count bound
+// (10,000 messages) alone let an engine fill the heap: each message may
+// be up to enginezmq.MaxFrame (64 MiB). vLLM's messages are hundreds of
+// bytes to a few KiB (the captured engine's: 0.6 KB on average, 3.3 KB at
+// most, so 10,000 of them 6-33 MB); a scheduler step at vLLM's default
+// max_num_batched_tokens (8,192) stores at most 512 16-token blocks, some
+// 50 KB. 128 MiB holds 10,000 messages of ~13 KiB, four times the largest
+// captured, so the count bound is the one met unless a NATS outage meets
+// a run of large prefill steps. It is a quarter of the sidecar's memory
+// limit in deploy/ (512 MiB), beside the table and one replay of as much
+// (enginezmq.DefaultReplayBytes: a replay returns at most vLLM's
+// buffer_steps, 10,000 messages, as many as this buffer holds).
+const DefaultBufferBytes = 128 << 20
 
 // Bridge runs one instance pipeline per Source.
 type Bridge struct {
@@ -218,6 +249,8 @@ func New(cfg Config) (*Bridge, error) {
 	}
 	zero.Default(&cfg.MaxBlocks, 1<<20)
 	zero.Default(&cfg.Buffer, 10000)
+	zero.Default(&cfg.BufferBytes, DefaultBufferBytes)
+	zero.Default(&cfg.ReplayBytes, enginezmq.DefaultReplayBytes)
 	zero.Default(&cfg.HeartbeatInterval, 5*time.Second)
 	zero.Default(&cfg.SnapshotInterval, 30*time.Second)
 	zero.Default(&cfg.ReplayTimeout, 5*time.Second)
@@ -226,7 +259,8 @@ func New(cfg Config) (*Bridge, error) {
 	zero.Default(&cfg.MaxBlocksPerMessage, 4096)
 	zero.Default(&cfg.PublishWindow, DefaultPublishWindow)
 	zero.Default(&cfg.InlineSnapshotMax, 512<<10)
-	if cfg.MaxBlocks < 0 || cfg.Buffer < 0 || cfg.HeartbeatInterval < 0 || cfg.SnapshotInterval < 0 ||
+	if cfg.MaxBlocks < 0 || cfg.Buffer < 0 || cfg.BufferBytes < 0 || cfg.ReplayBytes < 0 ||
+		cfg.HeartbeatInterval < 0 || cfg.SnapshotInterval < 0 ||
 		cfg.ReplayTimeout < 0 || cfg.PublishTimeout < 0 || cfg.MaxBlocksPerMessage < 0 || cfg.BlockSize < 0 ||
 		cfg.InlineSnapshotMax < 0 || cfg.PublishWindow < 0 || cfg.Coalesce < 0 || cfg.CoalesceBytes < 0 {
 		return nil, errors.New("bridge: negative size or interval in config")
@@ -388,6 +422,9 @@ type instance struct {
 	lost      chan struct{} // signalled (cap 1) when enqueue drops
 	storeNow  chan struct{} // signalled (cap 1) when the stream had to be made again
 	tail      chan struct{} // signalled (cap 1) when the subscriber (re)connected
+	// buffered is the payload bytes of the messages in `in`: added by
+	// enqueue before a message goes in, taken off as one is taken out.
+	buffered atomic.Int64
 	// connected: set at each (re)connection, taken by catchTail, which
 	// then starts its retries over; tailRetry is the wait before its next
 	// retry (processing goroutine only).
@@ -454,7 +491,7 @@ func newInstance(b *Bridge, s Source) (*instance, error) {
 		b:        b,
 		src:      s,
 		log:      b.cfg.Logger.With("instance", s.Instance, "rank", s.Rank),
-		replay:   enginezmq.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout},
+		replay:   enginezmq.ReplayConfig{Endpoint: s.ReplayEndpoint, Timeout: b.cfg.ReplayTimeout, MaxBytes: b.cfg.ReplayBytes},
 		in:       make(chan enginezmq.Message, b.cfg.Buffer),
 		lost:     make(chan struct{}, 1),
 		tail:     make(chan struct{}, 1),
@@ -498,21 +535,42 @@ func (in *instance) stats() Stats {
 }
 
 // enqueue runs on the subscriber goroutine and never blocks it: a full
-// buffer drops the message, and the hole is repaired as a gap.
+// buffer (Config.Buffer messages, or Config.BufferBytes) drops the
+// message, and the hole is repaired as a gap.
 func (in *instance) enqueue(m enginezmq.Message) {
 	in.lastRecv.Store(time.Now().UnixNano())
+	// The process goroutine only takes bytes off meanwhile: a message
+	// that fits now fits when it goes in.
+	n := int64(len(m.Payload))
+	if held := in.buffered.Load(); held > 0 && held+n > int64(in.b.cfg.BufferBytes) {
+		in.drop(m)
+		return
+	}
+	in.buffered.Add(n)
 	select {
 	case in.in <- m:
 	default:
-		in.dropped.Add(1)
-		in.b.m.drops.WithLabelValues(in.src.Instance, "buffer_full").Inc()
-		// A dropped message followed by others shows up as a gap; a
-		// dropped tail would not until the engine speaks again, so the
-		// processor is told to catch up once it has drained the buffer.
-		select {
-		case in.lost <- struct{}{}:
-		default:
-		}
+		in.buffered.Add(-n)
+		in.drop(m)
+	}
+}
+
+// drop counts and logs an engine message the buffer has no room for, and
+// tells the processor to catch up once it has drained the buffer.
+func (in *instance) drop(m enginezmq.Message) {
+	in.dropped.Add(1)
+	in.b.m.drops.WithLabelValues(in.src.Instance, "buffer_full").Inc()
+	if ok, suppressed := in.b.logLimit.Allow("buffer_full " + in.src.Instance); ok {
+		in.log.Warn("buffer full (NATS slower than the engine): dropping engine messages, replayed once the buffer drains",
+			"seq", m.Seq, "buffered", len(in.in), "buffered_bytes", in.buffered.Load(),
+			"max", in.b.cfg.Buffer, "max_bytes", in.b.cfg.BufferBytes, "suppressed", suppressed)
+	}
+	// A dropped message followed by others shows up as a gap; a dropped
+	// tail would not until the engine speaks again, so the processor is
+	// told to catch up once it has drained the buffer.
+	select {
+	case in.lost <- struct{}{}:
+	default:
 	}
 }
 
@@ -531,6 +589,7 @@ func (in *instance) process(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case m := <-in.in:
+			in.buffered.Add(-int64(len(m.Payload)))
 			depth.Set(float64(len(in.in)))
 			if err := in.handle(ctx, m); err != nil {
 				return
@@ -585,6 +644,7 @@ func (in *instance) drain(ctx context.Context) error {
 	for {
 		select {
 		case m := <-in.in:
+			in.buffered.Add(-int64(len(m.Payload)))
 			if err := in.handle(ctx, m); err != nil {
 				return err
 			}
@@ -621,7 +681,7 @@ func (in *instance) catchUp(ctx context.Context) error {
 		in.log.Info("engine restarted while its messages were dropped: clearing instance", "last_seq", last)
 		return in.restarted(ctx)
 	}
-	if err != nil || !contiguous(msgs, from, false) {
+	if err != nil || !contiguous(msgs, from) {
 		in.countGap()
 		in.countReplay(false)
 		in.log.Warn("dropped messages: replay cannot fill them, clearing instance", "from", from, "err", err)

@@ -246,12 +246,12 @@ func (in *instance) restarted(ctx context.Context) error {
 	if in.src.ReplayEndpoint == "" {
 		return nil
 	}
-	msgs, err := in.replayAll(ctx, 0)
+	msgs, err := in.replayAll(ctx, in.src.FirstSeq)
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
-	if err != nil || !contiguous(msgs, 0, true) {
-		in.log.Info("restarted engine's history not replayable yet; the next message asks again", "err", err)
+	if err != nil || !contiguous(msgs, in.src.FirstSeq) {
+		in.log.Info("restarted engine's history not replayable yet; the next message asks again", "first_seq", in.src.FirstSeq, "err", err)
 		return nil
 	}
 	if len(msgs) > 0 {
@@ -268,23 +268,22 @@ func (in *instance) restarted(ctx context.Context) error {
 // the instance stays as it is (empty: nothing else is known of this
 // process) and the loss is counted.
 func (in *instance) fillStart(ctx context.Context, seq uint64) error {
-	if seq == 0 {
+	first := in.src.FirstSeq
+	if seq <= first {
 		return nil
 	}
 	if in.src.ReplayEndpoint == "" {
-		if seq > 1 {
-			in.log.Warn("first message is not the engine's first and there is no replay: the blocks it stored before are unknown", "seq", seq)
-			in.countReplay(false)
-		}
+		in.log.Warn("first message is not the engine's first and there is no replay: the blocks it stored before are unknown", "seq", seq, "first_seq", first)
+		in.countReplay(false)
 		return nil
 	}
-	msgs, err := enginezmq.ReplayHistory(ctx, in.replay, seq)
+	msgs, err := enginezmq.ReplayRange(ctx, in.replay, first, seq)
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
 	if err != nil {
 		in.countReplay(false)
-		in.log.Warn("engine's history before its first message seen cannot be replayed: those blocks stay unknown", "seq", seq, "err", err)
+		in.log.Warn("engine's history before its first message seen cannot be replayed: those blocks stay unknown", "seq", seq, "first_seq", first, "err", err)
 		return nil
 	}
 	if len(msgs) == 0 {
@@ -398,9 +397,9 @@ func (in *instance) catchTail(ctx context.Context) error {
 	if len(msgs) == 0 {
 		return nil
 	}
-	if !contiguous(msgs, from, !known) {
+	if !contiguous(msgs, from) {
 		if !known {
-			in.log.Debug("engine's history no longer replayable from its start; the next message asks again")
+			in.log.Debug("engine's history no longer replayable from its start; the next message asks again", "first_seq", from)
 			return nil
 		}
 		in.countGap()
@@ -419,13 +418,15 @@ func (in *instance) catchTail(ctx context.Context) error {
 // hash is known the replay starts at it, and it must come back byte for
 // byte: restart reports that it did not (the engine is another process
 // that counted past it), and no message is returned then. from is the seq
-// the messages returned should start at.
+// the messages returned should start at: the engine's first
+// (Source.FirstSeq) when no message is known.
 func (in *instance) replayAfter(ctx context.Context) (msgs []enginezmq.Message, from uint64, restart bool, err error) {
 	last, known := in.tracker.Last()
 	in.mu.Lock()
 	hash := in.lastHash
 	in.mu.Unlock()
 	check := known && hash != 0
+	from = in.src.FirstSeq
 	switch {
 	case check:
 		from = last

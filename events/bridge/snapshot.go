@@ -53,7 +53,7 @@ func (in *instance) resync(ctx context.Context) error {
 	}
 	startProven := snap != nil && snap.EngineStart != 0 && snap.EngineStart == start
 	if in.src.ReplayEndpoint != "" {
-		from := uint64(0)
+		from := in.src.FirstSeq // no snapshot: the engine's whole history
 		hashProof := snap != nil && snap.LastHash != 0
 		switch {
 		case hashProof:
@@ -75,7 +75,7 @@ func (in *instance) resync(ctx context.Context) error {
 				msgs, from = msgs[1:], from+1
 			}
 		}
-		if err == nil && contiguous(msgs, from, snap == nil) {
+		if err == nil && contiguous(msgs, from) {
 			if snap != nil {
 				in.applySnapshot(*snap)
 			}
@@ -109,7 +109,7 @@ func (in *instance) resync(ctx context.Context) error {
 			if snap != nil {
 				in.log.Warn("snapshot not provably of this engine process, or replay cannot close the gap since it: starting empty", "from", from, "err", err)
 			} else {
-				in.log.Info("no usable snapshot and no full replay: starting empty; the first message asks again", "err", err)
+				in.log.Info("no usable snapshot and no full replay: starting empty; the first message asks again", "first_seq", from, "err", err)
 			}
 		}
 	} else if snap != nil {
@@ -178,14 +178,15 @@ func (in *instance) applySnapshot(s kvstream.Snapshot) {
 	in.log.Info("recovered block table from snapshot", "blocks", s.Blocks, "engine_seq", s.EngineSeq)
 }
 
-// contiguous reports whether msgs are consecutive from `from` (or, for an
-// engine seen for the first time, from its first message: seq 0 or 1).
-func contiguous(msgs []enginezmq.Message, from uint64, fresh bool) bool {
+// contiguous reports whether msgs are consecutive from `from`: for an
+// engine's whole history, from its first seq (Source.FirstSeq). A history
+// of an engine counting from 0 that starts at 1 is not: it accepted
+// either, so an engine whose seq 0 was lost read as complete.
+func contiguous(msgs []enginezmq.Message, from uint64) bool {
 	if len(msgs) == 0 {
 		return true
 	}
-	first := msgs[0].Seq
-	if first != from && !(fresh && first <= 1) {
+	if msgs[0].Seq != from {
 		return false
 	}
 	for i := 1; i < len(msgs); i++ {

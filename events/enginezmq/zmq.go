@@ -458,7 +458,24 @@ type ReplayConfig struct {
 	// MaxMessages bounds the replies read (default 100000, above vLLM's
 	// default buffer_steps of 10000).
 	MaxMessages int
+	// MaxBytes bounds the payload bytes of the replies read, as
+	// MaxMessages bounds their number (default DefaultReplayBytes): a
+	// caller keeps what it is given until the replay ends, and each reply
+	// may be up to MaxFrame. A first reply larger than it alone is still
+	// read, so that no single message is beyond every replay.
+	MaxBytes int
 }
+
+// DefaultReplayBytes is ReplayConfig.MaxBytes's default. A replay
+// returns at most the engine's replay buffer, vLLM's buffer_steps (10,000)
+// messages. vLLM's messages are hundreds of bytes to a few KiB (the
+// captured engine's: 0.6 KB on average, 3.3 KB at most); a scheduler step
+// at vLLM's default max_num_batched_tokens (8,192) stores at most 512
+// 16-token blocks, some 50 KB. 128 MiB is the whole buffer at ~13 KiB a
+// message, four times the largest captured: only a buffer of nothing but
+// large prefill steps passes it, and a replay of it then fails as one
+// past MaxMessages does (the caller repairs the hole another way).
+const DefaultReplayBytes = 128 << 20
 
 // Replay asks the engine's replay socket for every buffered message with
 // seq >= from, through a DEALER socket, and calls fn for each in order until
@@ -474,6 +491,9 @@ func Replay(ctx context.Context, cfg ReplayConfig, from uint64, fn func(Message)
 	if cfg.MaxMessages <= 0 {
 		cfg.MaxMessages = 100000
 	}
+	if cfg.MaxBytes <= 0 {
+		cfg.MaxBytes = DefaultReplayBytes
+	}
 	rctx, cancel := context.WithTimeout(ctx, cfg.Timeout)
 	defer cancel()
 	sock := zmq4.NewDealer(rctx, zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(quietZMQLogger()), zmq4.WithDialerTimeout(cfg.Timeout), zmq4.WithTimeout(cfg.Timeout))
@@ -488,6 +508,7 @@ func Replay(ctx context.Context, cfg ReplayConfig, from uint64, fn func(Message)
 	if err := sock.Send(zmq4.NewMsgFrom([]byte{}, SeqBytes(from))); err != nil {
 		return fmt.Errorf("enginezmq: replay request to %s: %w", cfg.Endpoint, err)
 	}
+	read := 0
 	for i := 0; i < cfg.MaxMessages; i++ {
 		msg, err := sock.Recv()
 		if err != nil {
@@ -499,6 +520,9 @@ func Replay(ctx context.Context, cfg ReplayConfig, from uint64, fn func(Message)
 		}
 		if end {
 			return nil
+		}
+		if read += len(m.Payload); read > cfg.MaxBytes && i > 0 {
+			return fmt.Errorf("enginezmq: replay from %s: more than %d bytes in %d replies", cfg.Endpoint, cfg.MaxBytes, i+1)
 		}
 		if !fn(m) {
 			return nil
@@ -531,46 +555,6 @@ func ReplayRange(ctx context.Context, cfg ReplayConfig, from, to uint64) ([]Mess
 	}
 	if want < to {
 		return nil, fmt.Errorf("%w: engine replayed up to seq %d of [%d, %d)", ErrReplayIncomplete, want, from, to)
-	}
-	return out, nil
-}
-
-// ReplayHistory replays an engine's whole history before seq to: every
-// message from its first (seq 0 for vLLM, 1 for some simulators) through
-// to-1. It returns ErrReplayIncomplete when the replay buffer no longer
-// reaches back to the first message or has holes. It is how a bridge
-// catches up on what an engine published before the bridge heard it: a
-// bridge that started first, or an engine that restarted.
-func ReplayHistory(ctx context.Context, cfg ReplayConfig, to uint64) ([]Message, error) {
-	if to == 0 {
-		return nil, nil
-	}
-	var out []Message
-	var holes error
-	err := Replay(ctx, cfg, 0, func(m Message) bool {
-		switch {
-		case m.Seq >= to:
-			return false
-		case len(out) == 0 && m.Seq > 1:
-			holes = fmt.Errorf("%w: engine's replay starts at seq %d", ErrReplayIncomplete, m.Seq)
-			return false
-		case len(out) > 0 && m.Seq != out[len(out)-1].Seq+1:
-			holes = fmt.Errorf("%w: engine replayed seq %d after %d", ErrReplayIncomplete, m.Seq, out[len(out)-1].Seq)
-			return false
-		}
-		out = append(out, m)
-		return true
-	})
-	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrReplayIncomplete, err)
-	}
-	if holes != nil {
-		return nil, holes
-	}
-	// An engine starting at 1 has nothing before it; one starting at 0
-	// replays 0 first.
-	if to > 1 && (len(out) == 0 || out[len(out)-1].Seq != to-1) {
-		return nil, fmt.Errorf("%w: engine replayed %d messages of its first %d", ErrReplayIncomplete, len(out), to)
 	}
 	return out, nil
 }

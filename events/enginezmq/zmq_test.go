@@ -400,19 +400,16 @@ func TestNewSubscriberValidates(t *testing.T) {
 	}
 }
 
-// ReplayHistory returns an engine's whole history before a seq, whether
-// the engine counts from 0 (vLLM) or 1, and refuses one whose buffer no
-// longer reaches back to its first message.
+// An engine's whole history before a seq is ReplayRange from its first
+// seq, whether the engine counts from 0 (vLLM) or 1: it refuses a buffer
+// that no longer reaches back to the first message, and a history of an
+// engine counting from 0 that begins at 1 (its seq 0 lost). It replaced
+// ReplayHistory, which took either 0 or 1 as the first seq, so that a
+// history missing seq 0 read as complete.
 func TestReplayHistory(t *testing.T) {
 	ctx := testenv.Context(t, 30*time.Second)
 	for _, first := range []uint64{0, 1} {
-		ep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-		rep := fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
-		pub, err := NewPublisher(ctx, PublisherConfig{Endpoint: ep, ReplayEndpoint: rep, Topic: "kv", BufferSteps: 6, FirstSeq: first})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer pub.Close()
+		pub, rep := startPublisher(t, ctx, PublisherConfig{BufferSteps: 6, FirstSeq: first})
 		cfg := ReplayConfig{Endpoint: rep, Timeout: 5 * time.Second}
 		for i := 0; i < 4; i++ {
 			if _, err := pub.Publish([]byte{byte(i)}); err != nil {
@@ -420,7 +417,7 @@ func TestReplayHistory(t *testing.T) {
 			}
 		}
 		for to := uint64(0); to <= first+4; to++ {
-			ms, err := ReplayHistory(ctx, cfg, to)
+			ms, err := ReplayRange(ctx, cfg, first, to)
 			if err != nil {
 				t.Fatalf("first %d, to %d: %v", first, to, err)
 			}
@@ -432,16 +429,70 @@ func TestReplayHistory(t *testing.T) {
 				t.Fatalf("first %d, to %d: got %d messages %+v", first, to, len(ms), ms)
 			}
 		}
-		if _, err := ReplayHistory(ctx, cfg, first+6); !errors.Is(err, ErrReplayIncomplete) {
+		if _, err := ReplayRange(ctx, cfg, first, first+6); !errors.Is(err, ErrReplayIncomplete) {
 			t.Fatalf("first %d: replay past the newest message: err = %v", first, err)
+		}
+		if first == 1 {
+			// An engine counting from 0 whose buffer begins at 1.
+			if _, err := ReplayRange(ctx, cfg, 0, 3); !errors.Is(err, ErrReplayIncomplete) {
+				t.Fatalf("a history from 0 answered from 1: err = %v", err)
+			}
 		}
 		for i := 0; i < 4; i++ { // the buffer (6) no longer holds the first message
 			if _, err := pub.Publish([]byte{byte(i)}); err != nil {
 				t.Fatal(err)
 			}
 		}
-		if _, err := ReplayHistory(ctx, cfg, first+8); !errors.Is(err, ErrReplayIncomplete) {
+		if _, err := ReplayRange(ctx, cfg, first, first+8); !errors.Is(err, ErrReplayIncomplete) {
 			t.Fatalf("first %d: buffer passed the first message: err = %v", first, err)
+		}
+	}
+}
+
+// startPublisher starts a publisher for cfg on free local ports (its PUB
+// and replay sockets) with topic "kv", closed when the test ends, and
+// returns it and its replay endpoint.
+func startPublisher(t *testing.T, ctx context.Context, cfg PublisherConfig) (*Publisher, string) {
+	t.Helper()
+	cfg.Endpoint = fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	cfg.ReplayEndpoint = fmt.Sprintf("tcp://127.0.0.1:%d", testenv.FreePort(t))
+	cfg.Topic = "kv"
+	pub, err := NewPublisher(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pub.Close() })
+	return pub, cfg.ReplayEndpoint
+}
+
+// A replay is bounded in bytes as in messages: a caller holds every reply
+// until the end marker, and each may be up to MaxFrame, so 100,000 of
+// them (MaxMessages) bounded nothing in practice. Past MaxBytes the
+// replay fails as past MaxMessages; a first reply larger than the bound
+// alone is still read. Before the bound, all five replies were read.
+func TestReplayMaxBytes(t *testing.T) {
+	ctx := testenv.Context(t, 30*time.Second)
+	pub, rep := startPublisher(t, ctx, PublisherConfig{})
+	for i := range 5 {
+		if _, err := pub.Publish(bytes.Repeat([]byte{byte(i)}, 1000)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, tc := range []struct {
+		max, read int
+		fails     bool
+	}{
+		{max: 5000, read: 5},
+		{max: 2500, read: 2, fails: true},
+		{max: 10, read: 1, fails: true},
+	} {
+		read := 0
+		err := Replay(ctx, ReplayConfig{Endpoint: rep, Timeout: 5 * time.Second, MaxBytes: tc.max}, 0, func(Message) bool {
+			read++
+			return true
+		})
+		if (err != nil) != tc.fails || read != tc.read {
+			t.Errorf("max %d bytes: %d replies handed on, err %v; want %d, failing %v", tc.max, read, err, tc.read, tc.fails)
 		}
 	}
 }

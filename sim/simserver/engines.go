@@ -23,6 +23,13 @@ const (
 	FormatTRTLLM = "trtllm"
 )
 
+// FirstSeq is the seq of the first message each rank's ZMQ publisher
+// sends, as the captured engine (llm-d-inference-sim) numbers them; vLLM
+// counts from 0. A bridge reading the simulator is told so
+// (bridge.Source.FirstSeq, kvbridge --first-seq 1): a history replayed
+// from it is the whole history.
+const FirstSeq = 1
+
 // ValidFormat reports whether f names a format ("" is vLLM's).
 func ValidFormat(f string) error {
 	switch f {

@@ -241,7 +241,7 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 			pub, err = enginezmq.NewPublisher(ctx, enginezmq.PublisherConfig{
 				Endpoint: pubEP, Dial: ev.Dial, ReplayEndpoint: replayEP, Topic: topic,
 				BufferSteps: ev.BufferSteps, LegacyReplay: ev.LegacyReplay, ReplayDelay: ev.ReplayDelay,
-				FirstSeq: 1, // per rank, from 1, as the captured engine does
+				FirstSeq: FirstSeq,
 			})
 			if err != nil {
 				return fail(fmt.Errorf("server: rank %d events: %w", r, err))

@@ -1,0 +1,126 @@
+package bridge
+
+import (
+	"fmt"
+	"reflect"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter/kvrouter/events/enginezmq"
+	"github.com/kvrouter/kvrouter/events/eventstest"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+)
+
+// The outage buffer is bounded in bytes as well as in messages: each
+// engine message may be up to enginezmq.MaxFrame (64 MiB), so 10,000 of
+// them (the count bound) bounded nothing in practice. Here NATS holds its
+// acks while the engine sends ten messages; the buffer takes what fits in
+// its bytes (three), far below its count (1,000), and the rest are
+// dropped as past the count bound: counted, and replayed once NATS
+// answers, so the stream ends with everything the engine stored. Before
+// the fix the buffer kept all ten.
+func TestBufferBoundedByBytes(t *testing.T) {
+	ctx := testenv.Context(t, 2*time.Minute)
+	ns := testenv.StartNATS(t)
+	gate := testenv.StartReplyGate(t, fmt.Sprintf("127.0.0.1:%d", ns.Port))
+	pub, pcfg := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{})
+	// Hashes of one width: every payload is the same size.
+	payload := func(i int) []byte { return storeBatch(t, uint64(1000+100*i), 8) }
+	size := len(payload(0))
+	// The bridge's subscriber reaches no engine: messages are put in its
+	// buffer as the subscriber would (the engine's replay still answers).
+	reg := prometheus.NewRegistry()
+	in := startBridgeCfg(t, func(c *Config) {
+		c.Registerer = reg
+		c.Conn = testenv.Connect(t, "nats://"+gate.Addr(), nats.MaxReconnects(-1))
+		c.Buffer, c.BufferBytes = 1000, 3*size+size/2
+		c.PublishWindow, c.PublishTimeout = 1, time.Minute
+		c.Sources[0].ReplayEndpoint = pcfg.ReplayEndpoint
+	})
+	var all [][]byte
+	send := func(i int) {
+		t.Helper()
+		p := payload(i)
+		seq, err := pub.Publish(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		all = append(all, p)
+		in.enqueue(enginezmq.Message{Topic: pcfg.Topic, Seq: seq, Payload: p})
+	}
+	send(0)
+	waitEngineSeq(t, in, 0)
+	gate.Hold() // NATS stops answering: seq 1 waits for its ack ...
+	base := in.sent.Load()
+	send(1)
+	testenv.WaitFor(t, 30*time.Second, "seq 1 published, its ack held", func() bool { return in.sent.Load() == base+1 && len(in.in) == 0 })
+	for i := 2; i < 12; i++ { // ... and 2-11 meet the buffer
+		send(i)
+	}
+	drops := testenv.Metric(t, reg, "kvbridge_drops_total", map[string]string{"reason": "buffer_full"})
+	if s := in.stats(); len(in.in) != 3 || s.Dropped != 7 || drops != 7 || in.buffered.Load() != int64(3*size) {
+		t.Fatalf("the buffer holds %d messages (%d bytes), %d dropped (%v counted); want 3 (%d bytes, its byte bound %d) and 7",
+			len(in.in), in.buffered.Load(), s.Dropped, drops, 3*size, in.b.cfg.BufferBytes)
+	}
+	gate.Release()
+	waitEngineSeq(t, in, 11)
+	routed, msgs := readStream(t, in)
+	if got, want := routed.Dump(), engineTable(t, all...); !reflect.DeepEqual(got, want) {
+		t.Fatalf("the stream builds %d blocks; want the engine's %d (stream %+v)", len(got), len(want), msgs)
+	}
+	if s := in.stats(); s.Replays == 0 || s.Clears != 1 { // the start-up resync's clear only
+		t.Fatalf("after the drops: %+v; want them replayed, no clear", s)
+	}
+	testenv.WaitFor(t, 10*time.Second, "the buffer's bytes all taken off", func() bool { return in.buffered.Load() == 0 })
+}
+
+// An empty buffer takes one message whatever its size, as the count bound
+// always takes one: a message larger than the byte bound would otherwise
+// be dropped every time, and then again from every replay.
+func TestBufferTakesOneLargeMessage(t *testing.T) {
+	in := startBridgeCfg(t, func(c *Config) { c.BufferBytes = 16 })
+	p := storeBatch(t, 1, 64)
+	in.enqueue(enginezmq.Message{Topic: "kv", Seq: 1, Payload: p})
+	waitEngineSeq(t, in, 1)
+	if s := in.stats(); s.Dropped != 0 || s.Blocks != 64 {
+		t.Fatalf("a %d-byte message in a 16-byte buffer: %+v; want it published", len(p), s)
+	}
+}
+
+// A replay is bounded in bytes as in messages (Config.ReplayBytes): the
+// bridge holds every reply until the replay ends. A start-up replay past
+// the bound fails as one past the message count does: the bridge starts
+// empty and counts the failure, where before it took all of it.
+func TestReplayBoundedByBytes(t *testing.T) {
+	ctx := testenv.Context(t, 2*time.Minute)
+	pub, pcfg := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{})
+	var all [][]byte
+	for i := range 5 {
+		p := storeBatch(t, uint64(1000+100*i), 8)
+		if _, err := pub.Publish(p); err != nil {
+			t.Fatal(err)
+		}
+		all = append(all, p)
+	}
+	for _, tc := range []struct {
+		max    int
+		blocks int
+		failed uint64
+	}{
+		{max: 5 * len(all[0]), blocks: 40},
+		{max: 2 * len(all[0]), failed: 1},
+	} {
+		br, _, _ := runBridgeCfg(t, 0, 16, pcfg.Endpoint, nil, func(c *Config) {
+			c.Sources[0].ReplayEndpoint = pcfg.ReplayEndpoint
+			c.ReplayBytes = tc.max
+		})
+		testenv.WaitFor(t, 30*time.Second, "bridge ready", br.Ready)
+		if s := br.insts[0].stats(); s.Blocks != tc.blocks || s.ReplayFailures != tc.failed {
+			t.Fatalf("a start-up replay of 5 messages, %d bytes, bounded at %d: %+v; want %d blocks, %d replay failures",
+				5*len(all[0]), tc.max, s, tc.blocks, tc.failed)
+		}
+	}
+}
