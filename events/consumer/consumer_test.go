@@ -103,8 +103,12 @@ func (e *env) start(cfg Config) *Consumer {
 // store publishes a one-block BlockStored batch straight into the stream.
 func (e *env) store(instance string, seq uint64, hash uint64) {
 	e.t.Helper()
-	e.send(instance, seq, events.Event{Kind: events.BlockStored,
-		BlockHashes: []uint64{hash}, TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"})
+	e.send(instance, seq, storedBlock(hash))
+}
+
+// storedBlock is an event storing the one 16-token block hash.
+func storedBlock(hash uint64) events.Event {
+	return events.Event{Kind: events.BlockStored, BlockHashes: []uint64{hash}, TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"}
 }
 
 // send publishes a batch of evs, engine seq seq, straight into the stream.

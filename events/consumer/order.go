@@ -417,12 +417,18 @@ func (c *Consumer) seqCheck(ctx context.Context, w work, in *inst, seq uint64) i
 				c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
 				return seqCovered
 			}
-			// After a clear, only a snapshot taken after it numbers this
-			// message's process: one taken before (the bucket's, the
+			// After a clear, only a snapshot taken at or after it numbers
+			// this message's process: one taken before (the bucket's, the
 			// bridge not answering) holds the old process's blocks and
 			// seqs, and none leaves the clear with the lost messages
-			// missing.
-			followsOn := in.hasSeq && (!cleared || in.status.SnapshotSeq > clearAt)
+			// missing. A snapshot's stream seq is the last message its
+			// table covers, so one at the clear's was taken after it (a
+			// resync of an empty table: the clear alone, the engine seq
+			// kept); one after a gap or restart clear has no engine seq
+			// (hasSeq false). Counted only strictly past it, a quiet
+			// instance whose such resync aged out was held as a hole,
+			// though its engine seq followed on.
+			followsOn := in.hasSeq && (!cleared || in.status.SnapshotSeq >= clearAt)
 			if followsOn && seq <= in.status.LastSeq {
 				// The snapshot already holds this engine seq: applying it
 				// again could bring back blocks removed since.
@@ -473,8 +479,11 @@ func (c *Consumer) seqCheck(ctx context.Context, w work, in *inst, seq uint64) i
 // did is cleared), nor in a re-created stream the instance has sent
 // nothing to yet (the clear numbers the old one). A clear gone though
 // nothing was lost (it aged out while the instance was quiet) costs a
-// snapshot reload, which the bridge's table ends. A stream that does not
-// answer cannot rule a loss out: reported as one, with the error.
+// snapshot reload, which the bridge's table ends, or, the bridge not
+// answering, a snapshot with an engine seq taken at or after the clear
+// (seqCheck: followsOn); else the instance is held as a hole until the
+// bridge answers. A stream that does not answer cannot rule a loss out:
+// reported as one, with the error.
 func (c *Consumer) lostSinceClear(ctx context.Context, instance string, in *inst, at, seq uint64) (bool, error) {
 	if in.clearAt == 0 || at <= in.clearAt+1 || seq == 0 || in.restreamed || c.stream == nil {
 		return false, nil
@@ -623,13 +632,14 @@ func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.
 		// snapshot reload — not live when the snapshot is older — follow.
 		in.sawSeq(seq)
 	}
-	if clearsSeq(h.Synthetic) {
+	clears := err == nil && clearsAll(batch.Events)
+	if clearsSeq(h.Synthetic, clears) {
 		// The bridge cleared the instance: seq continuity starts over.
 		st.Clears++
 		in.hasSeq, in.clearAt = false, w.streamSeq
 		in.lost++
 	}
-	if err == nil && clearsAll(batch.Events) {
+	if clears {
 		in.lost++ // the engine emptied its cache (reset_prefix_cache)
 	}
 	if err != nil {

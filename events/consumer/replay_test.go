@@ -24,7 +24,7 @@ func (e *env) snapshot(instance string, streamSeq, engineSeq uint64, hashes ...u
 	e.t.Helper()
 	var evs []events.Event
 	for _, h := range hashes {
-		evs = append(evs, events.Event{Kind: events.BlockStored, BlockHashes: []uint64{h}, TokenIDs: make([]uint32, 16), BlockSize: 16, Medium: "GPU"})
+		evs = append(evs, storedBlock(h))
 	}
 	batch, err := events.Encode(nil, events.Batch{Events: evs}, events.EncodingMap)
 	if err != nil {

@@ -83,9 +83,16 @@ func (e *env) stall(c *Consumer) {
 // restartClear publishes the bridge's restart clear of instance.
 func (e *env) restartClear(instance string) {
 	e.t.Helper()
+	e.synthetic(instance, kvstream.SyntheticRestart, events.Event{Kind: events.AllBlocksCleared})
+}
+
+// synthetic publishes a bridge's synthetic message of instance, of kind
+// reason (kvstream.Synthetic*, no engine seq), holding evs.
+func (e *env) synthetic(instance, reason string, evs ...events.Event) {
+	e.t.Helper()
 	subj, _ := kvstream.EventsSubject(e.pool, instance)
-	p, _ := events.Encode(nil, events.Batch{Events: []events.Event{{Kind: events.AllBlocksCleared}}}, events.EncodingMap)
-	h := kvstream.EventHeaders{Pool: e.pool, Instance: instance, Synthetic: kvstream.SyntheticRestart}
+	p, _ := events.Encode(nil, events.Batch{Events: evs}, events.EncodingMap)
+	h := kvstream.EventHeaders{Pool: e.pool, Instance: instance, Synthetic: reason}
 	if _, err := e.js.PublishMsg(e.ctx, &nats.Msg{Subject: subj, Data: p, Header: h.Header()}); err != nil {
 		e.t.Fatal(err)
 	}

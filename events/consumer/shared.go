@@ -109,13 +109,23 @@ func (c *Consumer) refAt(ctx context.Context, instance string, pos kvindex.Posit
 	return engineRef{seq: h.LastSeq(), known: true}, false
 }
 
-// clearsSeq reports whether a synthetic message of kind synthetic starts
-// the instance's engine seqs over (a bridge's clear); others (aged
-// removals) leave them as they were.
-func clearsSeq(synthetic string) bool {
+// clearsSeq reports whether a synthetic message of kind synthetic, whose
+// events empty the instance's state when clears (an AllBlocksCleared
+// among them, the message read whole), starts its engine seqs over: a
+// bridge's clear. A resync is a clear, then the bridge's table in chunks
+// marked resync too, and keeps the bridge's engine seq: only its clear
+// starts over. A chunk taken as one, when retention had removed the
+// clear (and the engine message before it) before a lagging router read
+// them, hid the engine-seq gap from the next engine message and stood in
+// for the clear's stream seq (lostSinceClear): the instance read live
+// holding the lost message's removed blocks. Others (aged removals)
+// leave the seqs as they were.
+func clearsSeq(synthetic string, clears bool) bool {
 	switch synthetic {
-	case kvstream.SyntheticGap, kvstream.SyntheticRestart, kvstream.SyntheticResync:
+	case kvstream.SyntheticGap, kvstream.SyntheticRestart:
 		return true
+	case kvstream.SyntheticResync:
+		return clears
 	}
 	return false
 }
@@ -439,19 +449,19 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 				}
 			}
 		}
+		batch, derr := decodeJoined(h, m.Data)
+		clears := derr == nil && clearsAll(batch.Events)
 		switch {
 		case engineMsg && (!ref.known || h.LastSeq() > ref.seq):
 			// A duplicate (a message stored twice, two bridges
 			// overlapping) does not lower it.
 			ref = engineRef{seq: h.LastSeq(), known: true}
-		case herr == nil && clearsSeq(h.Synthetic):
+		case herr == nil && clearsSeq(h.Synthetic, clears):
 			ref = engineRef{} // a clear: seq continuity starts over
 		}
-		batch, err := decodeJoined(h, m.Data)
-		if err != nil {
+		if derr != nil {
 			continue // malformed: skipped (and counted) when consumed, never applied
 		}
-		clears := clearsAll(batch.Events)
 		r, err := c.applyAt(ctx, instance, in, pos, m.Sequence, false, batch.Events)
 		if err != nil {
 			c.m.applyErrors.Inc()
@@ -473,7 +483,7 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 			// As ref, and as applyBatch: a duplicate does not lower it.
 			in.sawSeq(h.LastSeq())
 		}
-		if herr == nil && clearsSeq(h.Synthetic) {
+		if herr == nil && clearsSeq(h.Synthetic, clears) {
 			in.hasSeq, in.clearAt = false, m.Sequence
 		}
 		if clears {

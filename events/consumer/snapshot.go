@@ -340,7 +340,7 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 		if engineMsg {
 			in.sawSeq(h.LastSeq()) // a duplicate does not lower it
 		}
-		if clearsSeq(h.Synthetic) {
+		if clearsSeq(h.Synthetic, clears) {
 			in.hasSeq, in.clearAt = false, m.Sequence
 		}
 		if clears {
