@@ -104,10 +104,12 @@ type Config struct {
 	// is dropped alike. An empty buffer takes one message whatever its
 	// size, as the count bound always takes one.
 	BufferBytes int
-	// ReplayBytes bounds the payload bytes of one replay's replies, all
-	// held until the replay ends (default enginezmq.DefaultReplayBytes); a
-	// replay past it fails as one past its message count does
-	// (enginezmq.ReplayConfig).
+	// ReplayBytes bounds the payload bytes of one replay's replies after
+	// the first, all held until the replay ends (default
+	// enginezmq.DefaultReplayBytes); a replay past it fails as one past
+	// its message count does (enginezmq.ReplayConfig). The first is not
+	// counted: a replay after a known message starts at it, to compare
+	// it, so a dropped message within both byte bounds is replayable.
 	ReplayBytes int
 	// HeartbeatInterval defaults to 5s.
 	HeartbeatInterval time.Duration

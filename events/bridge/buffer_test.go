@@ -124,3 +124,65 @@ func TestReplayBoundedByBytes(t *testing.T) {
 		}
 	}
 }
+
+// A dropped message that fits both the buffer's and a replay's byte bound
+// is replayed whole. catchUp's replay starts at the last message handled,
+// to compare it byte for byte, so the dropped message is the replay's
+// second reply: enginezmq let only a first reply past ReplayBytes, and
+// the previous message with the dropped one passed it. Before the fix
+// the replay failed and the instance was cleared (1 replay failure, 2
+// clears, the stream building 0 blocks of the engine's 48).
+func TestDroppedMessageWithinBoundsReplayed(t *testing.T) {
+	ctx := testenv.Context(t, 2*time.Minute)
+	ns := testenv.StartNATS(t)
+	gate := testenv.StartReplyGate(t, fmt.Sprintf("127.0.0.1:%d", ns.Port))
+	pub, pcfg := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{})
+	small := func(i int) []byte { return storeBatch(t, uint64(1000+100*i), 8) }
+	big := storeBatch(t, 50000, 24)
+	// The big message fits both bounds alone, not with a small one.
+	bound := len(big) + len(small(0))/2
+	in := startBridgeCfg(t, func(c *Config) {
+		c.Conn = testenv.Connect(t, "nats://"+gate.Addr(), nats.MaxReconnects(-1))
+		c.Buffer, c.BufferBytes, c.ReplayBytes = 1000, bound, bound
+		c.PublishWindow, c.PublishTimeout = 1, time.Minute
+		c.Sources[0].ReplayEndpoint = pcfg.ReplayEndpoint
+	})
+	var all [][]byte
+	send := func(p []byte) {
+		t.Helper()
+		seq, err := pub.Publish(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		all = append(all, p)
+		in.enqueue(enginezmq.Message{Topic: pcfg.Topic, Seq: seq, Payload: p})
+	}
+	send(small(0))
+	waitEngineSeq(t, in, 0)
+	gate.Hold() // seq 1 waits for its ack ...
+	base := in.sent.Load()
+	send(small(1))
+	testenv.WaitFor(t, 30*time.Second, "seq 1 published, its ack held", func() bool { return in.sent.Load() == base+1 && len(in.in) == 0 })
+	send(small(2)) // ... seq 2 is buffered ...
+	send(big)      // ... and seq 3, within both bounds, dropped: the buffer is not empty
+	if s := in.stats(); s.Dropped != 1 {
+		t.Fatalf("%d dropped; want the big message dropped", s.Dropped)
+	}
+	gate.Release()
+	// catchUp counts its replay, filled or failed (the start-up resync
+	// counted one filled).
+	testenv.WaitFor(t, 30*time.Second, "the drop caught up", func() bool {
+		s := in.stats()
+		return s.Replays > 1 || s.ReplayFailures > 0
+	})
+	if s := in.stats(); s.ReplayFailures != 0 {
+		t.Fatalf("the replay of the dropped message failed: %+v; want it filled", s)
+	}
+	waitEngineSeq(t, in, 3)
+	s := in.stats()
+	routed, msgs := readStream(t, in)
+	if got, want := routed.Dump(), engineTable(t, all...); s.ReplayFailures != 0 || s.Clears != 1 || !reflect.DeepEqual(got, want) {
+		t.Fatalf("%d replay failures, %d clears; the stream builds %d blocks, the engine holds %d (stream %+v); want no failure, the resync's clear only, equal tables",
+			s.ReplayFailures, s.Clears, len(got), len(want), msgs)
+	}
+}

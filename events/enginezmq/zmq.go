@@ -458,11 +458,17 @@ type ReplayConfig struct {
 	// MaxMessages bounds the replies read (default 100000, above vLLM's
 	// default buffer_steps of 10000).
 	MaxMessages int
-	// MaxBytes bounds the payload bytes of the replies read, as
-	// MaxMessages bounds their number (default DefaultReplayBytes): a
-	// caller keeps what it is given until the replay ends, and each reply
-	// may be up to MaxFrame. A first reply larger than it alone is still
-	// read, so that no single message is beyond every replay.
+	// MaxBytes bounds the payload bytes of the replies read after the
+	// first, as MaxMessages bounds their number (default
+	// DefaultReplayBytes): a caller keeps what it is given until the
+	// replay ends, and each reply may be up to MaxFrame. The first reply
+	// is not counted: it is the message at from, which a caller that
+	// knows the message before a hole asks for again to compare it (the
+	// bridge does), so the first it needs is the second. Counted, a
+	// message that fits MaxBytes alone could not be replayed after one
+	// before it; not counted, every such message can, and a first one
+	// larger than the bound is still read. A replay holds at most its
+	// first reply and MaxBytes.
 	MaxBytes int
 }
 
@@ -508,7 +514,7 @@ func Replay(ctx context.Context, cfg ReplayConfig, from uint64, fn func(Message)
 	if err := sock.Send(zmq4.NewMsgFrom([]byte{}, SeqBytes(from))); err != nil {
 		return fmt.Errorf("enginezmq: replay request to %s: %w", cfg.Endpoint, err)
 	}
-	read := 0
+	read := 0 // payload bytes after the first reply (MaxBytes)
 	for i := 0; i < cfg.MaxMessages; i++ {
 		msg, err := sock.Recv()
 		if err != nil {
@@ -521,8 +527,10 @@ func Replay(ctx context.Context, cfg ReplayConfig, from uint64, fn func(Message)
 		if end {
 			return nil
 		}
-		if read += len(m.Payload); read > cfg.MaxBytes && i > 0 {
-			return fmt.Errorf("enginezmq: replay from %s: more than %d bytes in %d replies", cfg.Endpoint, cfg.MaxBytes, i+1)
+		if i > 0 {
+			if read += len(m.Payload); read > cfg.MaxBytes {
+				return fmt.Errorf("enginezmq: replay from %s: more than %d bytes in the %d replies after the first", cfg.Endpoint, cfg.MaxBytes, i)
+			}
 		}
 		if !fn(m) {
 			return nil
