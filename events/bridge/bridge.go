@@ -181,10 +181,20 @@ type Config struct {
 // max_num_batched_tokens (8,192) stores at most 512 16-token blocks, some
 // 50 KB. 128 MiB holds 10,000 messages of ~13 KiB, four times the largest
 // captured, so the count bound is the one met unless a NATS outage meets
-// a run of large prefill steps. It is a quarter of the sidecar's memory
-// limit in deploy/ (512 MiB), beside the table and one replay of as much
-// (enginezmq.DefaultReplayBytes: a replay returns at most vLLM's
-// buffer_steps, 10,000 messages, as many as this buffer holds).
+// a run of large prefill steps.
+//
+// The bridge's memory budget, per instance, at worst: this buffer; one
+// replay (enginezmq.DefaultReplayBytes, 128 MiB, and its first message),
+// whose messages the replay window keeps until live ones pass them; the
+// publish window (DefaultPublishWindow, 128 messages in flight, each at
+// most the NATS server's max payload: 128 MiB at NATS's default 1 MiB);
+// and the block table (Config.MaxBlocks). The byte bounds add up past
+// the vLLM sidecar's 512 MiB limit in deploy/ only when NATS stalls
+// while every message is large; at vLLM's sizes the count bounds are
+// met first (the buffer and a replay 6-33 MB each, the publish window
+// under 1 MB, 32 MiB with coalescing). kvsim's sidecar
+// (deploy/kubernetes/kvsim) has 256 MiB, sized for the simulator's
+// messages, not for this worst case.
 const DefaultBufferBytes = 128 << 20
 
 // Bridge runs one instance pipeline per Source.
