@@ -453,11 +453,13 @@ type instance struct {
 	engineDown atomic.Bool
 
 	// Owned by the process goroutine.
-	tracker    enginezmq.SeqTracker
-	msgCount   uint64
-	replayed   replayWindow // payloads a replay folded in, until live passes them
-	topic      string       // topic of the last live message
-	probeFails int          // probes failed in a row
+	tracker  enginezmq.SeqTracker
+	msgCount uint64
+	replayed replayWindow // payloads a replay folded in, until live passes them
+	// firstSeqWarned: the kinds of replay warnFirstSeq has warned of.
+	firstSeqWarned map[string]bool
+	topic          string // topic of the last live message
+	probeFails     int    // probes failed in a row
 
 	// enc is the engine's event encoding (events.Encoding), used for
 	// synthetic messages; read by the snapshot goroutines.

@@ -109,6 +109,9 @@ func (in *instance) resync(ctx context.Context) error {
 			if snap != nil {
 				in.log.Warn("snapshot not provably of this engine process, or replay cannot close the gap since it: starting empty", "from", from, "err", err)
 			} else {
+				if err == nil && len(msgs) > 0 {
+					in.warnFirstSeq("start-up", msgs[0].Seq)
+				}
 				in.log.Info("no usable snapshot and no full replay: starting empty; the first message asks again", "first_seq", from, "err", err)
 			}
 		}

@@ -539,15 +539,36 @@ func Replay(ctx context.Context, cfg ReplayConfig, from uint64, fn func(Message)
 	return fmt.Errorf("enginezmq: replay from %s: more than %d replies", cfg.Endpoint, cfg.MaxMessages)
 }
 
+// ReplayBeganLater is ReplayRange's error when the engine's replay began
+// past the seq asked from: its buffer no longer reaches back, or, asked
+// from an engine's first seq, the engine numbers its messages from a
+// later one. It is ErrReplayIncomplete (errors.Is).
+type ReplayBeganLater struct {
+	From  uint64 // the seq asked from
+	Began uint64 // the seq of the engine's first reply
+}
+
+func (e *ReplayBeganLater) Error() string {
+	return fmt.Sprintf("%v: engine's replay begins at seq %d, not %d", ErrReplayIncomplete, e.Began, e.From)
+}
+
+func (e *ReplayBeganLater) Unwrap() error { return ErrReplayIncomplete }
+
 // ReplayRange replays [from, to) and returns exactly those messages, or
-// ErrReplayIncomplete when the engine cannot provide all of them in order.
+// ErrReplayIncomplete when the engine cannot provide all of them in order
+// (a *ReplayBeganLater when its replay began past from).
 func ReplayRange(ctx context.Context, cfg ReplayConfig, from, to uint64) ([]Message, error) {
 	if to <= from {
 		return nil, nil
 	}
 	want := from
 	var out []Message
+	var began *ReplayBeganLater
 	err := Replay(ctx, cfg, from, func(m Message) bool {
+		if len(out) == 0 && m.Seq > want {
+			began = &ReplayBeganLater{From: from, Began: m.Seq}
+			return false
+		}
 		if m.Seq < want {
 			return true // already have it
 		}
@@ -560,6 +581,9 @@ func ReplayRange(ctx context.Context, cfg ReplayConfig, from, to uint64) ([]Mess
 	})
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrReplayIncomplete, err)
+	}
+	if began != nil {
+		return nil, began
 	}
 	if want < to {
 		return nil, fmt.Errorf("%w: engine replayed up to seq %d of [%d, %d)", ErrReplayIncomplete, want, from, to)
