@@ -590,8 +590,13 @@ func (in *instance) drop(m enginezmq.Message) {
 	in.dropped.Add(1)
 	in.b.m.drops.WithLabelValues(in.src.Instance, "buffer_full").Inc()
 	if ok, suppressed := in.b.logLimit.Allow("buffer_full " + in.src.Instance); ok {
-		in.log.Warn("buffer full (NATS slower than the engine): dropping engine messages, replayed once the buffer drains",
-			"seq", m.Seq, "buffered", len(in.in), "buffered_bytes", in.buffered.Load(),
+		msg := "buffer full (NATS slower than the engine): dropping engine messages, replayed once the buffer drains (the instance cleared if the replay cannot fill them)"
+		if in.src.ReplayEndpoint == "" {
+			// catchUp has nothing to replay from: the gap the drops
+			// leave clears the instance at the engine's next message.
+			msg = "buffer full (NATS slower than the engine): dropping engine messages; no replay endpoint, so the instance is cleared at the engine's next message"
+		}
+		in.log.Warn(msg, "seq", m.Seq, "buffered", len(in.in), "buffered_bytes", in.buffered.Load(),
 			"max", in.b.cfg.Buffer, "max_bytes", in.b.cfg.BufferBytes, "suppressed", suppressed)
 	}
 	// A dropped message followed by others shows up as a gap; a dropped

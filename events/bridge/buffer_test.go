@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"log/slog"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
@@ -264,5 +266,60 @@ func TestKeptAmongDropsOwnsPayload(t *testing.T) {
 	}
 	if _, ok := enginezmq.JoinPayloads([]enginezmq.Message{ms[3], kept[1]}); ok {
 		t.Error("seq 4's kept message still reads as carved from seq 3's chunk")
+	}
+}
+
+// The drop warning says what becomes of the dropped messages: replayed
+// once the buffer drains, or, with no replay endpoint (catchUp has
+// nothing to replay from), the instance cleared at the engine's next
+// message. Before, it said "replayed once the buffer drains" either way.
+func TestDropWarningSaysWhatFollows(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		replay bool
+		want   string
+	}{
+		{"replay", true, "replayed once the buffer drains"},
+		{"no-replay", false, "no replay endpoint, so the instance is cleared at the engine's next message"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := testenv.Context(t, 2*time.Minute)
+			ns := testenv.StartNATS(t)
+			gate := testenv.StartReplyGate(t, fmt.Sprintf("127.0.0.1:%d", ns.Port))
+			pub, pcfg := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{})
+			size := len(storeBatch(t, 1000, 8))
+			var logs lockedBuffer
+			in := startBridgeCfg(t, func(c *Config) {
+				c.Conn = testenv.Connect(t, "nats://"+gate.Addr(), nats.MaxReconnects(-1))
+				c.Buffer, c.BufferBytes = 1000, size+size/2
+				c.PublishWindow, c.PublishTimeout = 1, time.Minute
+				c.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
+				if tc.replay {
+					c.Sources[0].ReplayEndpoint = pcfg.ReplayEndpoint
+				}
+			})
+			send := func(i int) {
+				t.Helper()
+				p := storeBatch(t, uint64(1000+100*i), 8)
+				seq, err := pub.Publish(p)
+				if err != nil {
+					t.Fatal(err)
+				}
+				in.enqueue(enginezmq.Message{Topic: pcfg.Topic, Seq: seq, Payload: p})
+			}
+			send(0)
+			waitEngineSeq(t, in, 0)
+			gate.Hold()
+			t.Cleanup(gate.Release)
+			base := in.sent.Load()
+			send(1)
+			testenv.WaitFor(t, 30*time.Second, "seq 1 published, its ack held", func() bool { return in.sent.Load() == base+1 && len(in.in) == 0 })
+			send(2) // kept
+			send(3) // dropped
+			out := logs.String()
+			if s := in.stats(); s.Dropped != 1 || !strings.Contains(out, "buffer full") || !strings.Contains(out, tc.want) {
+				t.Fatalf("%d dropped; want 1, and a warning saying %q:\n%s", s.Dropped, tc.want, out)
+			}
+		})
 	}
 }
