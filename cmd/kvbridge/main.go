@@ -160,6 +160,14 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (*o
 	if err := validFormat(o.format); err != nil {
 		return nil, err
 	}
+	for _, n := range []struct {
+		flag string
+		v    int
+	}{{"--buffer-bytes", o.bufferBytes}, {"--replay-bytes", o.replayBytes}} {
+		if n.v < 0 {
+			return nil, fmt.Errorf("%s %d: must not be negative (0: the default)", n.flag, n.v)
+		}
+	}
 	if o.pollInterval <= 0 || o.trtllmWindow < 0 {
 		return nil, errors.New("--poll-interval must be positive and --trtllm-full-window not negative")
 	}

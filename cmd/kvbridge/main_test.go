@@ -34,6 +34,10 @@ func TestSources(t *testing.T) {
 			[]string{"x tcp://127.0.0.1:5557 tcp://127.0.0.1:5558 http://127.0.0.1:8000"}, ""},
 		{"no pool", nil, nil, nil, "--pool"},
 		{"bad dp", []string{"--pool", "p", "--dp-size", "0"}, nil, nil, "dp-size"},
+		// Refused by the flags, naming the flag, not by bridge.New's
+		// "negative size or interval in config".
+		{"negative buffer bytes", []string{"--pool", "p", "--buffer-bytes", "-1"}, nil, nil, "--buffer-bytes -1"},
+		{"negative replay bytes", []string{"--pool", "p", "--replay-bytes", "-1"}, nil, nil, "--replay-bytes -1"},
 		{"bad stream replicas", []string{"--pool", "p", "--stream-replicas", "6"}, nil, nil, "stream-replicas 6"},
 		{"bad endpoint", []string{"--pool", "p", "--dp-size", "2", "--zmq-endpoint", "tcp://noport"}, nil, nil, "noport"},
 		{"bad stream name", []string{"--pool", "p", "--stream", "EV/x"}, nil, nil, `--stream "EV/x": not a JetStream name`},

@@ -104,10 +104,12 @@ type Config struct {
 	// is dropped alike. An empty buffer takes one message whatever its
 	// size, as the count bound always takes one.
 	BufferBytes int
-	// ReplayBytes bounds the payload bytes of one replay's replies, all
-	// held until the replay ends (default enginezmq.DefaultReplayBytes); a
-	// replay past it fails as one past its message count does
-	// (enginezmq.ReplayConfig).
+	// ReplayBytes bounds the payload bytes of one replay's replies after
+	// the first, all held until the replay ends (default
+	// enginezmq.DefaultReplayBytes); a replay past it fails as one past
+	// its message count does (enginezmq.ReplayConfig). The first is not
+	// counted: a replay after a known message starts at it, to compare
+	// it, so a dropped message within both byte bounds is replayable.
 	ReplayBytes int
 	// HeartbeatInterval defaults to 5s.
 	HeartbeatInterval time.Duration
@@ -179,10 +181,20 @@ type Config struct {
 // max_num_batched_tokens (8,192) stores at most 512 16-token blocks, some
 // 50 KB. 128 MiB holds 10,000 messages of ~13 KiB, four times the largest
 // captured, so the count bound is the one met unless a NATS outage meets
-// a run of large prefill steps. It is a quarter of the sidecar's memory
-// limit in deploy/ (512 MiB), beside the table and one replay of as much
-// (enginezmq.DefaultReplayBytes: a replay returns at most vLLM's
-// buffer_steps, 10,000 messages, as many as this buffer holds).
+// a run of large prefill steps.
+//
+// The bridge's memory budget, per instance, at worst: this buffer; one
+// replay (enginezmq.DefaultReplayBytes, 128 MiB, and its first message),
+// whose messages the replay window keeps until live ones pass them; the
+// publish window (DefaultPublishWindow, 128 messages in flight, each at
+// most the NATS server's max payload: 128 MiB at NATS's default 1 MiB);
+// and the block table (Config.MaxBlocks). The byte bounds add up past
+// the vLLM sidecar's 512 MiB limit in deploy/ only when NATS stalls
+// while every message is large; at vLLM's sizes the count bounds are
+// met first (the buffer and a replay 6-33 MB each, the publish window
+// under 1 MB, 32 MiB with coalescing). kvsim's sidecar
+// (deploy/kubernetes/kvsim) has 256 MiB, sized for the simulator's
+// messages, not for this worst case.
 const DefaultBufferBytes = 128 << 20
 
 // Bridge runs one instance pipeline per Source.
@@ -425,6 +437,9 @@ type instance struct {
 	// buffered is the payload bytes of the messages in `in`: added by
 	// enqueue before a message goes in, taken off as one is taken out.
 	buffered atomic.Int64
+	// dropping: a message was dropped since `in` was last seen empty
+	// (set by drop, cleared by enqueue).
+	dropping atomic.Bool
 	// connected: set at each (re)connection, taken by catchTail, which
 	// then starts its retries over; tailRetry is the wait before its next
 	// retry (processing goroutine only).
@@ -438,11 +453,13 @@ type instance struct {
 	engineDown atomic.Bool
 
 	// Owned by the process goroutine.
-	tracker    enginezmq.SeqTracker
-	msgCount   uint64
-	replayed   replayWindow // payloads a replay folded in, until live passes them
-	topic      string       // topic of the last live message
-	probeFails int          // probes failed in a row
+	tracker  enginezmq.SeqTracker
+	msgCount uint64
+	replayed replayWindow // payloads a replay folded in, until live passes them
+	// firstSeqWarned: the kinds of replay warnFirstSeq has warned of.
+	firstSeqWarned map[string]bool
+	topic          string // topic of the last live message
+	probeFails     int    // probes failed in a row
 
 	// enc is the engine's event encoding (events.Encoding), used for
 	// synthetic messages; read by the snapshot goroutines.
@@ -546,6 +563,17 @@ func (in *instance) enqueue(m enginezmq.Message) {
 		in.drop(m)
 		return
 	}
+	if len(in.in) == 0 {
+		in.dropping.Store(false) // drained since the last drop
+	} else if in.dropping.Load() {
+		// Kept among dropped messages: the dialing subscriber carves
+		// payloads from shared 1 MiB chunks (enginezmq, payloads.go),
+		// and a kept payload would keep its chunk alive, mostly the
+		// dropped messages' bytes, so BufferBytes bounded the bytes
+		// counted, not the heap (40 kept 50 KB messages held 41.9 MB).
+		// Copied only then: in normal operation a message is not.
+		m = m.Detached()
+	}
 	in.buffered.Add(n)
 	select {
 	case in.in <- m:
@@ -558,11 +586,17 @@ func (in *instance) enqueue(m enginezmq.Message) {
 // drop counts and logs an engine message the buffer has no room for, and
 // tells the processor to catch up once it has drained the buffer.
 func (in *instance) drop(m enginezmq.Message) {
+	in.dropping.Store(true)
 	in.dropped.Add(1)
 	in.b.m.drops.WithLabelValues(in.src.Instance, "buffer_full").Inc()
 	if ok, suppressed := in.b.logLimit.Allow("buffer_full " + in.src.Instance); ok {
-		in.log.Warn("buffer full (NATS slower than the engine): dropping engine messages, replayed once the buffer drains",
-			"seq", m.Seq, "buffered", len(in.in), "buffered_bytes", in.buffered.Load(),
+		msg := "buffer full (NATS slower than the engine): dropping engine messages, replayed once the buffer drains (the instance cleared if the replay cannot fill them)"
+		if in.src.ReplayEndpoint == "" {
+			// catchUp has nothing to replay from: the gap the drops
+			// leave clears the instance at the engine's next message.
+			msg = "buffer full (NATS slower than the engine): dropping engine messages; no replay endpoint, so the instance is cleared at the engine's next message"
+		}
+		in.log.Warn(msg, "seq", m.Seq, "buffered", len(in.in), "buffered_bytes", in.buffered.Load(),
 			"max", in.b.cfg.Buffer, "max_bytes", in.b.cfg.BufferBytes, "suppressed", suppressed)
 	}
 	// A dropped message followed by others shows up as a gap; a dropped

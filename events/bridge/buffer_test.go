@@ -1,8 +1,12 @@
 package bridge
 
 import (
+	"bytes"
+	"context"
 	"fmt"
+	"log/slog"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
@@ -122,5 +126,200 @@ func TestReplayBoundedByBytes(t *testing.T) {
 			t.Fatalf("a start-up replay of 5 messages, %d bytes, bounded at %d: %+v; want %d blocks, %d replay failures",
 				5*len(all[0]), tc.max, s, tc.blocks, tc.failed)
 		}
+	}
+}
+
+// A dropped message that fits both the buffer's and a replay's byte bound
+// is replayed whole. catchUp's replay starts at the last message handled,
+// to compare it byte for byte, so the dropped message is the replay's
+// second reply: enginezmq let only a first reply past ReplayBytes, and
+// the previous message with the dropped one passed it. Before the fix
+// the replay failed and the instance was cleared (1 replay failure, 2
+// clears, the stream building 0 blocks of the engine's 48).
+func TestDroppedMessageWithinBoundsReplayed(t *testing.T) {
+	ctx := testenv.Context(t, 2*time.Minute)
+	ns := testenv.StartNATS(t)
+	gate := testenv.StartReplyGate(t, fmt.Sprintf("127.0.0.1:%d", ns.Port))
+	pub, pcfg := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{})
+	small := func(i int) []byte { return storeBatch(t, uint64(1000+100*i), 8) }
+	big := storeBatch(t, 50000, 24)
+	// The big message fits both bounds alone, not with a small one.
+	bound := len(big) + len(small(0))/2
+	in := startBridgeCfg(t, func(c *Config) {
+		c.Conn = testenv.Connect(t, "nats://"+gate.Addr(), nats.MaxReconnects(-1))
+		c.Buffer, c.BufferBytes, c.ReplayBytes = 1000, bound, bound
+		c.PublishWindow, c.PublishTimeout = 1, time.Minute
+		c.Sources[0].ReplayEndpoint = pcfg.ReplayEndpoint
+	})
+	var all [][]byte
+	send := func(p []byte) {
+		t.Helper()
+		seq, err := pub.Publish(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		all = append(all, p)
+		in.enqueue(enginezmq.Message{Topic: pcfg.Topic, Seq: seq, Payload: p})
+	}
+	send(small(0))
+	waitEngineSeq(t, in, 0)
+	gate.Hold() // seq 1 waits for its ack ...
+	base := in.sent.Load()
+	send(small(1))
+	testenv.WaitFor(t, 30*time.Second, "seq 1 published, its ack held", func() bool { return in.sent.Load() == base+1 && len(in.in) == 0 })
+	send(small(2)) // ... seq 2 is buffered ...
+	send(big)      // ... and seq 3, within both bounds, dropped: the buffer is not empty
+	if s := in.stats(); s.Dropped != 1 {
+		t.Fatalf("%d dropped; want the big message dropped", s.Dropped)
+	}
+	gate.Release()
+	// catchUp counts its replay, filled or failed (the start-up resync
+	// counted one filled).
+	testenv.WaitFor(t, 30*time.Second, "the drop caught up", func() bool {
+		s := in.stats()
+		return s.Replays > 1 || s.ReplayFailures > 0
+	})
+	if s := in.stats(); s.ReplayFailures != 0 {
+		t.Fatalf("the replay of the dropped message failed: %+v; want it filled", s)
+	}
+	waitEngineSeq(t, in, 3)
+	s := in.stats()
+	routed, msgs := readStream(t, in)
+	if got, want := routed.Dump(), engineTable(t, all...); s.ReplayFailures != 0 || s.Clears != 1 || !reflect.DeepEqual(got, want) {
+		t.Fatalf("%d replay failures, %d clears; the stream builds %d blocks, the engine holds %d (stream %+v); want no failure, the resync's clear only, equal tables",
+			s.ReplayFailures, s.Clears, len(got), len(want), msgs)
+	}
+}
+
+// A message kept while others are dropped has a payload of its own. The
+// dialing subscriber carves payloads from shared 1 MiB chunks, so a kept
+// payload carved beside dropped ones kept their chunk alive: --buffer-bytes
+// bounded the bytes counted, not the heap (40 kept 50 KB messages held
+// 41.9 MB). Here messages read by a real subscriber meet a buffer behind
+// a held NATS: seq 2 is kept (no drop yet: not copied), seq 3 dropped,
+// seq 4, carved right after it, kept. Before the fix seq 4's payload in
+// the buffer was the subscriber's, in the chunk it shares with seq 3.
+func TestKeptAmongDropsOwnsPayload(t *testing.T) {
+	ctx := testenv.Context(t, 2*time.Minute)
+	ns := testenv.StartNATS(t)
+	gate := testenv.StartReplyGate(t, fmt.Sprintf("127.0.0.1:%d", ns.Port))
+	small := func(i int) []byte { return storeBatch(t, uint64(1000+100*i), 8) }
+	ps := [][]byte{small(0), small(1), small(2), storeBatch(t, 50000, 24), small(4)}
+	pub := eventstest.NewStreamPUB(t, "kv", ps)
+	sub, err := enginezmq.NewSubscriber(enginezmq.SubscriberConfig{Endpoint: pub.Endpoint(), Topic: "kv"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	read := make(chan enginezmq.Message, len(ps))
+	testenv.Go(t, ctx, func(ctx context.Context) error { return sub.Run(ctx, func(m enginezmq.Message) { read <- m }) })
+	if err := pub.Accept(30 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Send(0, uint64(len(ps))); err != nil {
+		t.Fatal(err)
+	}
+	var ms []enginezmq.Message
+	for range ps {
+		select {
+		case m := <-read:
+			ms = append(ms, m)
+		case <-ctx.Done():
+			t.Fatalf("%d of %d messages read", len(ms), len(ps))
+		}
+	}
+	if _, ok := enginezmq.JoinPayloads(ms[3:]); !ok {
+		t.Fatal("seqs 3 and 4 were not carved one after the other from a chunk: the test shows nothing")
+	}
+	// The messages are put in the buffer as the bridge's subscriber would;
+	// it holds two small ones in bytes, not a small and the big one.
+	in := startBridgeCfg(t, func(c *Config) {
+		c.Conn = testenv.Connect(t, "nats://"+gate.Addr(), nats.MaxReconnects(-1))
+		c.Buffer, c.BufferBytes = 1000, 2*len(ps[0])+len(ps[0])/2
+		c.PublishWindow, c.PublishTimeout = 1, time.Minute
+	})
+	in.enqueue(ms[0])
+	waitEngineSeq(t, in, 0)
+	gate.Hold()
+	base := in.sent.Load()
+	in.enqueue(ms[1])
+	testenv.WaitFor(t, 30*time.Second, "seq 1 published, its ack held", func() bool { return in.sent.Load() == base+1 && len(in.in) == 0 })
+	for _, m := range ms[2:] {
+		in.enqueue(m)
+	}
+	// The processor waits for seq 1's ack: the buffer is the test's to
+	// look into, and is put back as it was.
+	var kept []enginezmq.Message
+	for len(in.in) > 0 {
+		kept = append(kept, <-in.in)
+	}
+	for _, m := range kept {
+		in.in <- m
+	}
+	if s := in.stats(); s.Dropped != 1 || len(kept) != 2 || kept[0].Seq != 2 || kept[1].Seq != 4 {
+		t.Fatalf("%d dropped, buffer %+v; want seq 3 dropped, 2 and 4 kept", s.Dropped, kept)
+	}
+	if &kept[0].Payload[0] != &ms[2].Payload[0] {
+		t.Error("seq 2, kept before any drop, was copied")
+	}
+	if &kept[1].Payload[0] == &ms[4].Payload[0] || !bytes.Equal(kept[1].Payload, ps[4]) {
+		t.Error("seq 4, kept after seq 3 was dropped, still holds the subscriber's chunk")
+	}
+	if _, ok := enginezmq.JoinPayloads([]enginezmq.Message{ms[3], kept[1]}); ok {
+		t.Error("seq 4's kept message still reads as carved from seq 3's chunk")
+	}
+}
+
+// The drop warning says what becomes of the dropped messages: replayed
+// once the buffer drains, or, with no replay endpoint (catchUp has
+// nothing to replay from), the instance cleared at the engine's next
+// message. Before, it said "replayed once the buffer drains" either way.
+func TestDropWarningSaysWhatFollows(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		replay bool
+		want   string
+	}{
+		{"replay", true, "replayed once the buffer drains"},
+		{"no-replay", false, "no replay endpoint, so the instance is cleared at the engine's next message"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := testenv.Context(t, 2*time.Minute)
+			ns := testenv.StartNATS(t)
+			gate := testenv.StartReplyGate(t, fmt.Sprintf("127.0.0.1:%d", ns.Port))
+			pub, pcfg := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{})
+			size := len(storeBatch(t, 1000, 8))
+			var logs lockedBuffer
+			in := startBridgeCfg(t, func(c *Config) {
+				c.Conn = testenv.Connect(t, "nats://"+gate.Addr(), nats.MaxReconnects(-1))
+				c.Buffer, c.BufferBytes = 1000, size+size/2
+				c.PublishWindow, c.PublishTimeout = 1, time.Minute
+				c.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
+				if tc.replay {
+					c.Sources[0].ReplayEndpoint = pcfg.ReplayEndpoint
+				}
+			})
+			send := func(i int) {
+				t.Helper()
+				p := storeBatch(t, uint64(1000+100*i), 8)
+				seq, err := pub.Publish(p)
+				if err != nil {
+					t.Fatal(err)
+				}
+				in.enqueue(enginezmq.Message{Topic: pcfg.Topic, Seq: seq, Payload: p})
+			}
+			send(0)
+			waitEngineSeq(t, in, 0)
+			gate.Hold()
+			t.Cleanup(gate.Release)
+			base := in.sent.Load()
+			send(1)
+			testenv.WaitFor(t, 30*time.Second, "seq 1 published, its ack held", func() bool { return in.sent.Load() == base+1 && len(in.in) == 0 })
+			send(2) // kept
+			send(3) // dropped
+			out := logs.String()
+			if s := in.stats(); s.Dropped != 1 || !strings.Contains(out, "buffer full") || !strings.Contains(out, tc.want) {
+				t.Fatalf("%d dropped; want 1, and a warning saying %q:\n%s", s.Dropped, tc.want, out)
+			}
+		})
 	}
 }

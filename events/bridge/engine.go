@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -251,6 +252,9 @@ func (in *instance) restarted(ctx context.Context) error {
 		return ctx.Err()
 	}
 	if err != nil || !contiguous(msgs, in.src.FirstSeq) {
+		if err == nil {
+			in.warnFirstSeq("restart", msgs[0].Seq)
+		}
 		in.log.Info("restarted engine's history not replayable yet; the next message asks again", "first_seq", in.src.FirstSeq, "err", err)
 		return nil
 	}
@@ -282,6 +286,10 @@ func (in *instance) fillStart(ctx context.Context, seq uint64) error {
 		return ctx.Err()
 	}
 	if err != nil {
+		var later *enginezmq.ReplayBeganLater
+		if errors.As(err, &later) {
+			in.warnFirstSeq("first message", later.Began)
+		}
 		in.countReplay(false)
 		in.log.Warn("engine's history before its first message seen cannot be replayed: those blocks stay unknown", "seq", seq, "first_seq", first, "err", err)
 		return nil
@@ -292,6 +300,31 @@ func (in *instance) fillStart(ctx context.Context, seq uint64) error {
 	in.countReplay(true)
 	in.log.Info("engine's history before its first message seen filled from replay", "seq", seq, "messages", len(msgs))
 	return in.publishReplayed(ctx, msgs)
+}
+
+// warnFirstSeq warns when the engine's history, replayed from its first
+// seq (Source.FirstSeq), began at the seq after it: the likeliest cause
+// is an engine numbering from there, kvsim or llm-d-inference-sim (from
+// 1) behind a bridge left at --first-seq 0, whose every history then
+// reads as one that lost its first message, and the other lines name
+// neither seq. Once per kind of replay (start-up, first message,
+// restart, reconnect), not per message: a mistaken flag repeats it at
+// every one (process goroutine).
+func (in *instance) warnFirstSeq(kind string, began uint64) {
+	first := in.src.FirstSeq
+	if began != first+1 || in.firstSeqWarned[kind] {
+		return
+	}
+	if in.firstSeqWarned == nil {
+		in.firstSeqWarned = map[string]bool{}
+	}
+	in.firstSeqWarned[kind] = true
+	engines := ""
+	if began == 1 {
+		engines = " (kvsim, llm-d-inference-sim)"
+	}
+	in.log.Warn(fmt.Sprintf("the engine's replay begins at seq %d, not --first-seq %d: if this engine numbers its messages from %d%s, run kvbridge with --first-seq %d",
+		began, first, began, engines, began), "replay", kind, "began", began, "first_seq", first)
 }
 
 // replayAll asks the engine's replay socket for every message from seq
@@ -399,6 +432,7 @@ func (in *instance) catchTail(ctx context.Context) error {
 	}
 	if !contiguous(msgs, from) {
 		if !known {
+			in.warnFirstSeq("reconnect", msgs[0].Seq)
 			in.log.Debug("engine's history no longer replayable from its start; the next message asks again", "first_seq", from)
 			return nil
 		}

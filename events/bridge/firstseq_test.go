@@ -1,6 +1,11 @@
 package bridge
 
 import (
+	"bytes"
+	"log/slog"
+	"reflect"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -76,5 +81,79 @@ func TestFillStartHistoryMissingSeqZero(t *testing.T) {
 	waitEngineSeq(t, in, 1)
 	if s := in.stats(); s.ReplayFailures != 1 || s.Blocks != 3 {
 		t.Fatalf("first message seq 1, the replay without seq 0: %+v; want the loss counted (1 replay failure) and seq 1's 3 blocks", s)
+	}
+}
+
+// lockedBuffer is a bytes.Buffer a logger may write from any goroutine.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// A bridge left at --first-seq 0 before an engine numbering from 1 (kvsim,
+// llm-d-inference-sim) refuses every history the engine replays. Before,
+// its logs said only "starting empty ... first_seq=0 err=<nil>" (INFO)
+// and "engine replayed up to seq 0 of [0, 4)": neither named seq 1. Now
+// a warning names where the replay began and the flag to set, once per
+// kind of replay (here the start-up resync, and the first message heard,
+// twice: the second, after the engine's topic changed, says nothing more),
+// and the replay's error names it too.
+func TestFirstSeqMismatchWarned(t *testing.T) {
+	ctx := testenv.Context(t, 2*time.Minute)
+	pub, pcfg := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{FirstSeq: 1})
+	n := 0
+	publish := func() enginezmq.Message {
+		t.Helper()
+		n++
+		p := storeBatch(t, uint64(1000+100*n), 3)
+		seq, err := pub.Publish(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return enginezmq.Message{Topic: pcfg.Topic, Seq: seq, Payload: p}
+	}
+	for range 3 {
+		publish()
+	}
+	var logs lockedBuffer
+	in := startBridgeCfg(t, func(c *Config) {
+		c.Sources[0].ReplayEndpoint = pcfg.ReplayEndpoint
+		c.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	})
+	m := publish()
+	in.enqueue(m)
+	waitEngineSeq(t, in, m.Seq)
+	m = publish()
+	m.Topic = "kv@another-process"
+	in.enqueue(m)
+	waitEngineSeq(t, in, m.Seq)
+	if s := in.stats(); s.ReplayFailures != 3 {
+		t.Fatalf("%d replay failures; want 3 (the start-up resync, each first message)", s.ReplayFailures)
+	}
+	out := logs.String()
+	const warn = "the engine's replay begins at seq 1, not --first-seq 0: if this engine numbers its messages from 1 (kvsim, llm-d-inference-sim), run kvbridge with --first-seq 1"
+	kinds := map[string]int{}
+	for _, line := range strings.Split(out, "\n") {
+		if strings.Contains(line, warn) {
+			kinds[strings.Split(strings.SplitAfter(line, " replay=")[1], " began=")[0]]++
+		}
+	}
+	if !reflect.DeepEqual(kinds, map[string]int{"start-up": 1, `"first message"`: 1}) {
+		t.Errorf("want the warning once for the start-up resync and once for the first messages:\n%s", out)
+	}
+	if !strings.Contains(out, "engine's replay begins at seq 1, not 0") {
+		t.Errorf("the first message's replay error does not say where the replay began:\n%s", out)
 	}
 }

@@ -50,7 +50,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		clears: ms.CounterVec("kvbridge_clears_total",
 			"Synthetic clears published, by reason (gap, restart, resync).", "instance", "reason"),
 		drops: ms.CounterVec("kvbridge_drops_total",
-			"Engine messages dropped before publishing, by reason (buffer_full: NATS outage outlasted the buffer, its messages or bytes; frames: malformed ZMQ frames; oversize: larger than the NATS server's max payload and not readable whole, the instance cleared).", "instance", "reason"),
+			"Engine messages dropped before publishing, by reason (buffer_full: NATS unreachable or slower than the engine filled the buffer, its messages or bytes; frames: malformed ZMQ frames; oversize: larger than the NATS server's max payload and not readable whole, the instance cleared).", "instance", "reason"),
 		malformed: ms.CounterVec("kvbridge_malformed_payloads_total",
 			"Engine payloads that did not decode (published unchanged; the table ignores them).", "instance"),
 		publishSecs: ms.Histogram("kvbridge_publish_seconds",

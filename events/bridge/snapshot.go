@@ -109,6 +109,9 @@ func (in *instance) resync(ctx context.Context) error {
 			if snap != nil {
 				in.log.Warn("snapshot not provably of this engine process, or replay cannot close the gap since it: starting empty", "from", from, "err", err)
 			} else {
+				if err == nil && len(msgs) > 0 {
+					in.warnFirstSeq("start-up", msgs[0].Seq)
+				}
 				in.log.Info("no usable snapshot and no full replay: starting empty; the first message asks again", "first_seq", from, "err", err)
 			}
 		}
@@ -556,7 +559,10 @@ func (in *instance) heartbeat() {
 func (in *instance) duplicate(m enginezmq.Message) bool { return in.replayed.seen(m) }
 
 // replayWindow holds the payloads of consecutive replayed seqs
-// [from, from+len(payloads)).
+// [from, from+len(payloads)). A payload the live stream has passed is let
+// go at once, its pointer cleared and the backing array dropped with the
+// last: resliced only, the array kept every payload of the replay alive
+// (64 replayed 1 MiB messages, all passed, still held 63 MiB).
 type replayWindow struct {
 	from     uint64
 	payloads [][]byte
@@ -564,6 +570,7 @@ type replayWindow struct {
 
 func (w *replayWindow) add(m enginezmq.Message) {
 	if len(w.payloads) == 0 || m.Seq != w.from+uint64(len(w.payloads)) {
+		clear(w.payloads)
 		w.from, w.payloads = m.Seq, w.payloads[:0]
 	}
 	w.payloads = append(w.payloads, m.Payload)
@@ -575,10 +582,15 @@ func (w *replayWindow) seen(m enginezmq.Message) bool {
 	}
 	i := m.Seq - w.from
 	if i >= uint64(len(w.payloads)) {
-		w.payloads = w.payloads[:0]
+		clear(w.payloads)
+		w.payloads = nil
 		return false
 	}
 	dup := bytes.Equal(w.payloads[i], m.Payload)
+	clear(w.payloads[:i+1])
 	w.payloads, w.from = w.payloads[i+1:], m.Seq+1
+	if len(w.payloads) == 0 {
+		w.payloads = nil
+	}
 	return dup
 }

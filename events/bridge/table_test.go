@@ -263,6 +263,39 @@ func TestReplayWindow(t *testing.T) {
 	}
 }
 
+// The replay window lets a payload go once the live stream passes it.
+// seen resliced (or emptied to [:0]) its slice, keeping the backing array
+// and every pointer in it: 64 replayed 1 MiB messages, all passed, still
+// held 63 MiB. Here the array the window filled is looked at after live
+// messages pass part of it, then all of it: its passed entries must be
+// nil, and the window must hold no array once passed.
+func TestReplayWindowLetsPassedGo(t *testing.T) {
+	var w replayWindow
+	for seq := range uint64(8) {
+		w.add(enginezmq.Message{Seq: 100 + seq, Payload: []byte{byte(seq)}})
+	}
+	filled := w.payloads[:8] // the backing array as add filled it
+	if !w.seen(enginezmq.Message{Seq: 102, Payload: []byte{2}}) {
+		t.Fatal("seq 102 not seen as replayed")
+	}
+	for i, p := range filled[:3] {
+		if p != nil {
+			t.Errorf("seq %d passed, its payload still held by the window", 100+i)
+		}
+	}
+	if w.seen(enginezmq.Message{Seq: 120, Payload: []byte{20}}) {
+		t.Fatal("seq 120, past the window, seen as replayed")
+	}
+	if w.payloads != nil {
+		t.Errorf("window passed: still holds an array of %d payloads", cap(w.payloads))
+	}
+	for i, p := range filled {
+		if p != nil {
+			t.Errorf("window passed: seq %d's payload still in its array", 100+i)
+		}
+	}
+}
+
 // A table bounded at exactly the engine's block count holds what an
 // unbounded one holds, through churn that leaves ghosts (parents evicted
 // before their children, as an engine's LRU may do), and its snapshot

@@ -47,6 +47,22 @@ func (p *payloads) carve(n int) (payload, span []byte) {
 	return span[:n:n], span
 }
 
+// Detached returns m with a payload of its own when it was carved from a
+// shared chunk: a copy, and no reference to the chunk, so that keeping m
+// no longer keeps the chunk, and every message carved beside it, alive.
+// A caller that keeps a message while dropping those read around it (the
+// bridge's full buffer) detaches it: otherwise each kept message could
+// hold a 1 MiB chunk of dropped bytes. A payload allocated alone is
+// returned as it is.
+func (m Message) Detached() Message {
+	if m.span == nil {
+		return m
+	}
+	m.Payload = append([]byte(nil), m.Payload...)
+	m.span = nil
+	return m
+}
+
 // JoinPayloads returns the payloads of ms concatenated, without a copy
 // when they were read one after another from one chunk (the dialing
 // subscriber's messages of one connection, none between them dropped):

@@ -458,11 +458,17 @@ type ReplayConfig struct {
 	// MaxMessages bounds the replies read (default 100000, above vLLM's
 	// default buffer_steps of 10000).
 	MaxMessages int
-	// MaxBytes bounds the payload bytes of the replies read, as
-	// MaxMessages bounds their number (default DefaultReplayBytes): a
-	// caller keeps what it is given until the replay ends, and each reply
-	// may be up to MaxFrame. A first reply larger than it alone is still
-	// read, so that no single message is beyond every replay.
+	// MaxBytes bounds the payload bytes of the replies read after the
+	// first, as MaxMessages bounds their number (default
+	// DefaultReplayBytes): a caller keeps what it is given until the
+	// replay ends, and each reply may be up to MaxFrame. The first reply
+	// is not counted: it is the message at from, which a caller that
+	// knows the message before a hole asks for again to compare it (the
+	// bridge does), so the first it needs is the second. Counted, a
+	// message that fits MaxBytes alone could not be replayed after one
+	// before it; not counted, every such message can, and a first one
+	// larger than the bound is still read. A replay holds at most its
+	// first reply and MaxBytes.
 	MaxBytes int
 }
 
@@ -508,7 +514,7 @@ func Replay(ctx context.Context, cfg ReplayConfig, from uint64, fn func(Message)
 	if err := sock.Send(zmq4.NewMsgFrom([]byte{}, SeqBytes(from))); err != nil {
 		return fmt.Errorf("enginezmq: replay request to %s: %w", cfg.Endpoint, err)
 	}
-	read := 0
+	read := 0 // payload bytes after the first reply (MaxBytes)
 	for i := 0; i < cfg.MaxMessages; i++ {
 		msg, err := sock.Recv()
 		if err != nil {
@@ -521,8 +527,10 @@ func Replay(ctx context.Context, cfg ReplayConfig, from uint64, fn func(Message)
 		if end {
 			return nil
 		}
-		if read += len(m.Payload); read > cfg.MaxBytes && i > 0 {
-			return fmt.Errorf("enginezmq: replay from %s: more than %d bytes in %d replies", cfg.Endpoint, cfg.MaxBytes, i+1)
+		if i > 0 {
+			if read += len(m.Payload); read > cfg.MaxBytes {
+				return fmt.Errorf("enginezmq: replay from %s: more than %d bytes in the %d replies after the first", cfg.Endpoint, cfg.MaxBytes, i)
+			}
 		}
 		if !fn(m) {
 			return nil
@@ -531,15 +539,36 @@ func Replay(ctx context.Context, cfg ReplayConfig, from uint64, fn func(Message)
 	return fmt.Errorf("enginezmq: replay from %s: more than %d replies", cfg.Endpoint, cfg.MaxMessages)
 }
 
+// ReplayBeganLater is ReplayRange's error when the engine's replay began
+// past the seq asked from: its buffer no longer reaches back, or, asked
+// from an engine's first seq, the engine numbers its messages from a
+// later one. It is ErrReplayIncomplete (errors.Is).
+type ReplayBeganLater struct {
+	From  uint64 // the seq asked from
+	Began uint64 // the seq of the engine's first reply
+}
+
+func (e *ReplayBeganLater) Error() string {
+	return fmt.Sprintf("%v: engine's replay begins at seq %d, not %d", ErrReplayIncomplete, e.Began, e.From)
+}
+
+func (e *ReplayBeganLater) Unwrap() error { return ErrReplayIncomplete }
+
 // ReplayRange replays [from, to) and returns exactly those messages, or
-// ErrReplayIncomplete when the engine cannot provide all of them in order.
+// ErrReplayIncomplete when the engine cannot provide all of them in order
+// (a *ReplayBeganLater when its replay began past from).
 func ReplayRange(ctx context.Context, cfg ReplayConfig, from, to uint64) ([]Message, error) {
 	if to <= from {
 		return nil, nil
 	}
 	want := from
 	var out []Message
+	var began *ReplayBeganLater
 	err := Replay(ctx, cfg, from, func(m Message) bool {
+		if len(out) == 0 && m.Seq > want {
+			began = &ReplayBeganLater{From: from, Began: m.Seq}
+			return false
+		}
 		if m.Seq < want {
 			return true // already have it
 		}
@@ -552,6 +581,9 @@ func ReplayRange(ctx context.Context, cfg ReplayConfig, from, to uint64) ([]Mess
 	})
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrReplayIncomplete, err)
+	}
+	if began != nil {
+		return nil, began
 	}
 	if want < to {
 		return nil, fmt.Errorf("%w: engine replayed up to seq %d of [%d, %d)", ErrReplayIncomplete, want, from, to)

@@ -434,7 +434,10 @@ func TestReplayHistory(t *testing.T) {
 		}
 		if first == 1 {
 			// An engine counting from 0 whose buffer begins at 1.
-			if _, err := ReplayRange(ctx, cfg, 0, 3); !errors.Is(err, ErrReplayIncomplete) {
+			// The error says where the replay began (a bridge's
+			// --first-seq 0 before an engine numbering from 1).
+			var later *ReplayBeganLater
+			if _, err := ReplayRange(ctx, cfg, 0, 3); !errors.Is(err, ErrReplayIncomplete) || !errors.As(err, &later) || later.Began != 1 || later.From != 0 {
 				t.Fatalf("a history from 0 answered from 1: err = %v", err)
 			}
 		}
@@ -470,6 +473,12 @@ func startPublisher(t *testing.T, ctx context.Context, cfg PublisherConfig) (*Pu
 // them (MaxMessages) bounded nothing in practice. Past MaxBytes the
 // replay fails as past MaxMessages; a first reply larger than the bound
 // alone is still read. Before the bound, all five replies were read.
+//
+// The first reply is not counted: a caller that asks from the message
+// before a hole to compare it (the bridge) needs the second, and a
+// message that fits the bound alone is replayable after it. Counting the
+// first, a bound of 1,000 bytes failed at the second 1,000-byte reply
+// (the 1,000 case read 1 reply, 2,500 read 2, 4,000 failed at the 5th).
 func TestReplayMaxBytes(t *testing.T) {
 	ctx := testenv.Context(t, 30*time.Second)
 	pub, rep := startPublisher(t, ctx, PublisherConfig{})
@@ -483,7 +492,9 @@ func TestReplayMaxBytes(t *testing.T) {
 		fails     bool
 	}{
 		{max: 5000, read: 5},
-		{max: 2500, read: 2, fails: true},
+		{max: 4000, read: 5},
+		{max: 2500, read: 3, fails: true},
+		{max: 1000, read: 2, fails: true},
 		{max: 10, read: 1, fails: true},
 	} {
 		read := 0

@@ -95,7 +95,7 @@ func startFleet(t *testing.T, ctx context.Context) *fleet {
 		}
 		t.Cleanup(func() { _ = in.Close() })
 		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: id, URL: in.URL()})
-		src := bridge.Source{Instance: id, Endpoint: cfg.Events.Endpoint, ReplayEndpoint: cfg.Events.ReplayEndpoint, URL: in.URL()}
+		src := bridge.Source{Instance: id, Endpoint: cfg.Events.Endpoint, ReplayEndpoint: cfg.Events.ReplayEndpoint, URL: in.URL(), FirstSeq: simserver.FirstSeq}
 		b, err := bridge.New(bridge.Config{Pool: pool, Model: model, BlockSize: sim.DefaultBlockSize, Sources: []bridge.Source{src},
 			Conn: nc, Stream: stream, Bucket: bucket, Logger: log})
 		if err != nil {
