@@ -18,6 +18,66 @@ import (
 	"github.com/kvrouter/kvrouter/internal/testenv"
 )
 
+// heldNATS is a bridge whose NATS replies a gate can hold, fed by hand as
+// its subscriber would be: what the tests of the buffer's bounds share.
+// Its engine is real (a vLLM-format publisher), so a replay finds what
+// send published; the bridge is given no replay endpoint unless cfg sets
+// it (replay is the engine's).
+type heldNATS struct {
+	in    *instance
+	gate  *testenv.ReplyGate
+	pub   *enginezmq.Publisher
+	topic string
+	all   [][]byte // every payload the engine published, in order
+}
+
+func startHeldNATS(t *testing.T, cfg func(c *Config, replay string)) *heldNATS {
+	t.Helper()
+	ctx := testenv.Context(t, 2*time.Minute)
+	ns := testenv.StartNATS(t)
+	h := &heldNATS{gate: testenv.StartReplyGate(t, fmt.Sprintf("127.0.0.1:%d", ns.Port))}
+	pub, pcfg := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{})
+	h.pub, h.topic = pub, pcfg.Topic
+	h.in = startBridgeCfg(t, func(c *Config) {
+		c.Conn = testenv.Connect(t, "nats://"+h.gate.Addr(), nats.MaxReconnects(-1))
+		c.Buffer = 1000
+		c.PublishWindow, c.PublishTimeout = 1, time.Minute
+		cfg(c, pcfg.ReplayEndpoint)
+	})
+	return h
+}
+
+// publish sends p from the engine and returns the message the bridge's
+// subscriber would have read.
+func (h *heldNATS) publish(t *testing.T, p []byte) enginezmq.Message {
+	t.Helper()
+	seq, err := h.pub.Publish(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.all = append(h.all, p)
+	return enginezmq.Message{Topic: h.topic, Seq: seq, Payload: p}
+}
+
+// send publishes p and puts it in the bridge's buffer.
+func (h *heldNATS) send(t *testing.T, p []byte) {
+	t.Helper()
+	h.in.enqueue(h.publish(t, p))
+}
+
+// holdAfter has m0 published, then holds NATS and has m1 published with
+// its ack held (the publish window is one): the buffer is empty, and
+// whatever comes next meets it.
+func (h *heldNATS) holdAfter(t *testing.T, m0, m1 enginezmq.Message) {
+	t.Helper()
+	h.in.enqueue(m0)
+	waitEngineSeq(t, h.in, m0.Seq)
+	h.gate.Hold()
+	base := h.in.sent.Load()
+	h.in.enqueue(m1)
+	testenv.WaitFor(t, 30*time.Second, "the second message published, its ack held", func() bool { return h.in.sent.Load() == base+1 && len(h.in.in) == 0 })
+}
+
 // The outage buffer is bounded in bytes as well as in messages: each
 // engine message may be up to enginezmq.MaxFrame (64 MiB), so 10,000 of
 // them (the count bound) bounded nothing in practice. Here NATS holds its
@@ -27,42 +87,22 @@ import (
 // answers, so the stream ends with everything the engine stored. Before
 // the fix the buffer kept all ten.
 func TestBufferBoundedByBytes(t *testing.T) {
-	ctx := testenv.Context(t, 2*time.Minute)
-	ns := testenv.StartNATS(t)
-	gate := testenv.StartReplyGate(t, fmt.Sprintf("127.0.0.1:%d", ns.Port))
-	pub, pcfg := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{})
 	// Hashes of one width: every payload is the same size.
 	payload := func(i int) []byte { return storeBatch(t, uint64(1000+100*i), 8) }
 	size := len(payload(0))
 	// The bridge's subscriber reaches no engine: messages are put in its
 	// buffer as the subscriber would (the engine's replay still answers).
 	reg := prometheus.NewRegistry()
-	in := startBridgeCfg(t, func(c *Config) {
+	h := startHeldNATS(t, func(c *Config, replay string) {
 		c.Registerer = reg
-		c.Conn = testenv.Connect(t, "nats://"+gate.Addr(), nats.MaxReconnects(-1))
-		c.Buffer, c.BufferBytes = 1000, 3*size+size/2
-		c.PublishWindow, c.PublishTimeout = 1, time.Minute
-		c.Sources[0].ReplayEndpoint = pcfg.ReplayEndpoint
+		c.BufferBytes = 3*size + size/2
+		c.Sources[0].ReplayEndpoint = replay
 	})
-	var all [][]byte
-	send := func(i int) {
-		t.Helper()
-		p := payload(i)
-		seq, err := pub.Publish(p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		all = append(all, p)
-		in.enqueue(enginezmq.Message{Topic: pcfg.Topic, Seq: seq, Payload: p})
-	}
-	send(0)
-	waitEngineSeq(t, in, 0)
-	gate.Hold() // NATS stops answering: seq 1 waits for its ack ...
-	base := in.sent.Load()
-	send(1)
-	testenv.WaitFor(t, 30*time.Second, "seq 1 published, its ack held", func() bool { return in.sent.Load() == base+1 && len(in.in) == 0 })
+	in, gate := h.in, h.gate
+	// NATS stops answering: seq 1 waits for its ack ...
+	h.holdAfter(t, h.publish(t, payload(0)), h.publish(t, payload(1)))
 	for i := 2; i < 12; i++ { // ... and 2-11 meet the buffer
-		send(i)
+		h.send(t, payload(i))
 	}
 	drops := testenv.Metric(t, reg, "kvbridge_drops_total", map[string]string{"reason": "buffer_full"})
 	if s := in.stats(); len(in.in) != 3 || s.Dropped != 7 || drops != 7 || in.buffered.Load() != int64(3*size) {
@@ -72,7 +112,7 @@ func TestBufferBoundedByBytes(t *testing.T) {
 	gate.Release()
 	waitEngineSeq(t, in, 11)
 	routed, msgs := readStream(t, in)
-	if got, want := routed.Dump(), engineTable(t, all...); !reflect.DeepEqual(got, want) {
+	if got, want := routed.Dump(), engineTable(t, h.all...); !reflect.DeepEqual(got, want) {
 		t.Fatalf("the stream builds %d blocks; want the engine's %d (stream %+v)", len(got), len(want), msgs)
 	}
 	if s := in.stats(); s.Replays == 0 || s.Clears != 1 { // the start-up resync's clear only
@@ -137,38 +177,18 @@ func TestReplayBoundedByBytes(t *testing.T) {
 // the replay failed and the instance was cleared (1 replay failure, 2
 // clears, the stream building 0 blocks of the engine's 48).
 func TestDroppedMessageWithinBoundsReplayed(t *testing.T) {
-	ctx := testenv.Context(t, 2*time.Minute)
-	ns := testenv.StartNATS(t)
-	gate := testenv.StartReplyGate(t, fmt.Sprintf("127.0.0.1:%d", ns.Port))
-	pub, pcfg := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{})
 	small := func(i int) []byte { return storeBatch(t, uint64(1000+100*i), 8) }
 	big := storeBatch(t, 50000, 24)
 	// The big message fits both bounds alone, not with a small one.
 	bound := len(big) + len(small(0))/2
-	in := startBridgeCfg(t, func(c *Config) {
-		c.Conn = testenv.Connect(t, "nats://"+gate.Addr(), nats.MaxReconnects(-1))
-		c.Buffer, c.BufferBytes, c.ReplayBytes = 1000, bound, bound
-		c.PublishWindow, c.PublishTimeout = 1, time.Minute
-		c.Sources[0].ReplayEndpoint = pcfg.ReplayEndpoint
+	h := startHeldNATS(t, func(c *Config, replay string) {
+		c.BufferBytes, c.ReplayBytes = bound, bound
+		c.Sources[0].ReplayEndpoint = replay
 	})
-	var all [][]byte
-	send := func(p []byte) {
-		t.Helper()
-		seq, err := pub.Publish(p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		all = append(all, p)
-		in.enqueue(enginezmq.Message{Topic: pcfg.Topic, Seq: seq, Payload: p})
-	}
-	send(small(0))
-	waitEngineSeq(t, in, 0)
-	gate.Hold() // seq 1 waits for its ack ...
-	base := in.sent.Load()
-	send(small(1))
-	testenv.WaitFor(t, 30*time.Second, "seq 1 published, its ack held", func() bool { return in.sent.Load() == base+1 && len(in.in) == 0 })
-	send(small(2)) // ... seq 2 is buffered ...
-	send(big)      // ... and seq 3, within both bounds, dropped: the buffer is not empty
+	in, gate := h.in, h.gate
+	h.holdAfter(t, h.publish(t, small(0)), h.publish(t, small(1))) // seq 1 waits for its ack ...
+	h.send(t, small(2))                                            // ... seq 2 is buffered ...
+	h.send(t, big)                                                 // ... and seq 3, within both bounds, dropped: the buffer is not empty
 	if s := in.stats(); s.Dropped != 1 {
 		t.Fatalf("%d dropped; want the big message dropped", s.Dropped)
 	}
@@ -185,7 +205,7 @@ func TestDroppedMessageWithinBoundsReplayed(t *testing.T) {
 	waitEngineSeq(t, in, 3)
 	s := in.stats()
 	routed, msgs := readStream(t, in)
-	if got, want := routed.Dump(), engineTable(t, all...); s.ReplayFailures != 0 || s.Clears != 1 || !reflect.DeepEqual(got, want) {
+	if got, want := routed.Dump(), engineTable(t, h.all...); s.ReplayFailures != 0 || s.Clears != 1 || !reflect.DeepEqual(got, want) {
 		t.Fatalf("%d replay failures, %d clears; the stream builds %d blocks, the engine holds %d (stream %+v); want no failure, the resync's clear only, equal tables",
 			s.ReplayFailures, s.Clears, len(got), len(want), msgs)
 	}
@@ -201,8 +221,6 @@ func TestDroppedMessageWithinBoundsReplayed(t *testing.T) {
 // the buffer was the subscriber's, in the chunk it shares with seq 3.
 func TestKeptAmongDropsOwnsPayload(t *testing.T) {
 	ctx := testenv.Context(t, 2*time.Minute)
-	ns := testenv.StartNATS(t)
-	gate := testenv.StartReplyGate(t, fmt.Sprintf("127.0.0.1:%d", ns.Port))
 	small := func(i int) []byte { return storeBatch(t, uint64(1000+100*i), 8) }
 	ps := [][]byte{small(0), small(1), small(2), storeBatch(t, 50000, 24), small(4)}
 	pub := eventstest.NewStreamPUB(t, "kv", ps)
@@ -232,17 +250,9 @@ func TestKeptAmongDropsOwnsPayload(t *testing.T) {
 	}
 	// The messages are put in the buffer as the bridge's subscriber would;
 	// it holds two small ones in bytes, not a small and the big one.
-	in := startBridgeCfg(t, func(c *Config) {
-		c.Conn = testenv.Connect(t, "nats://"+gate.Addr(), nats.MaxReconnects(-1))
-		c.Buffer, c.BufferBytes = 1000, 2*len(ps[0])+len(ps[0])/2
-		c.PublishWindow, c.PublishTimeout = 1, time.Minute
-	})
-	in.enqueue(ms[0])
-	waitEngineSeq(t, in, 0)
-	gate.Hold()
-	base := in.sent.Load()
-	in.enqueue(ms[1])
-	testenv.WaitFor(t, 30*time.Second, "seq 1 published, its ack held", func() bool { return in.sent.Load() == base+1 && len(in.in) == 0 })
+	h := startHeldNATS(t, func(c *Config, _ string) { c.BufferBytes = 2*len(ps[0]) + len(ps[0])/2 })
+	in := h.in
+	h.holdAfter(t, ms[0], ms[1])
 	for _, m := range ms[2:] {
 		in.enqueue(m)
 	}
@@ -283,39 +293,21 @@ func TestDropWarningSaysWhatFollows(t *testing.T) {
 		{"no-replay", false, "no replay endpoint, so the instance is cleared at the engine's next message"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			ctx := testenv.Context(t, 2*time.Minute)
-			ns := testenv.StartNATS(t)
-			gate := testenv.StartReplyGate(t, fmt.Sprintf("127.0.0.1:%d", ns.Port))
-			pub, pcfg := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{})
-			size := len(storeBatch(t, 1000, 8))
+			payload := func(i int) []byte { return storeBatch(t, uint64(1000+100*i), 8) }
+			size := len(payload(0))
 			var logs lockedBuffer
-			in := startBridgeCfg(t, func(c *Config) {
-				c.Conn = testenv.Connect(t, "nats://"+gate.Addr(), nats.MaxReconnects(-1))
-				c.Buffer, c.BufferBytes = 1000, size+size/2
-				c.PublishWindow, c.PublishTimeout = 1, time.Minute
+			h := startHeldNATS(t, func(c *Config, replay string) {
+				c.BufferBytes = size + size/2
 				c.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
 				if tc.replay {
-					c.Sources[0].ReplayEndpoint = pcfg.ReplayEndpoint
+					c.Sources[0].ReplayEndpoint = replay
 				}
 			})
-			send := func(i int) {
-				t.Helper()
-				p := storeBatch(t, uint64(1000+100*i), 8)
-				seq, err := pub.Publish(p)
-				if err != nil {
-					t.Fatal(err)
-				}
-				in.enqueue(enginezmq.Message{Topic: pcfg.Topic, Seq: seq, Payload: p})
-			}
-			send(0)
-			waitEngineSeq(t, in, 0)
-			gate.Hold()
-			t.Cleanup(gate.Release)
-			base := in.sent.Load()
-			send(1)
-			testenv.WaitFor(t, 30*time.Second, "seq 1 published, its ack held", func() bool { return in.sent.Load() == base+1 && len(in.in) == 0 })
-			send(2) // kept
-			send(3) // dropped
+			in := h.in
+			t.Cleanup(h.gate.Release)
+			h.holdAfter(t, h.publish(t, payload(0)), h.publish(t, payload(1)))
+			h.send(t, payload(2)) // kept
+			h.send(t, payload(3)) // dropped
 			out := logs.String()
 			if s := in.stats(); s.Dropped != 1 || !strings.Contains(out, "buffer full") || !strings.Contains(out, tc.want) {
 				t.Fatalf("%d dropped; want 1, and a warning saying %q:\n%s", s.Dropped, tc.want, out)
