@@ -328,12 +328,17 @@ func (in *instance) warnFirstSeq(kind string, began uint64) {
 }
 
 // replayAll asks the engine's replay socket for every message from seq
-// from on.
+// from on, consecutively. Every caller needs exactly that (a history from
+// from, or the message at from to compare and the ones after it), so the
+// replay stops at the first reply that breaks it, returned last: one that
+// does not begin at from (an engine numbering from past --first-seq, a
+// buffer no longer reaching back) costs one reply, not the engine's whole
+// buffer (up to 10,000 messages, ReplayBytes) at every retry.
 func (in *instance) replayAll(ctx context.Context, from uint64) ([]enginezmq.Message, error) {
 	var msgs []enginezmq.Message
 	err := enginezmq.Replay(ctx, in.replay, from, func(m enginezmq.Message) bool {
 		msgs = append(msgs, m)
-		return true
+		return m.Seq == from+uint64(len(msgs)-1)
 	})
 	return msgs, err
 }

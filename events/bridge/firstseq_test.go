@@ -157,3 +157,38 @@ func TestFirstSeqMismatchWarned(t *testing.T) {
 		t.Errorf("the first message's replay error does not say where the replay began:\n%s", out)
 	}
 }
+
+// A replay that does not begin where asked is of no use to any caller, so
+// replayAll stops at its first reply: a history refused for a later first
+// seq (or a buffer no longer reaching back) costs one reply, not the
+// engine's whole buffer at every retry (before: all 50 read, up to
+// 10,000 messages or ReplayBytes). One that begins where asked is read
+// whole.
+func TestReplayAllStopsAtFirstBreak(t *testing.T) {
+	ctx := testenv.Context(t, 2*time.Minute)
+	pub, pcfg := eventstest.Publisher(t, ctx, enginezmq.PublisherConfig{FirstSeq: 1})
+	for i := range 50 {
+		if _, err := pub.Publish(storeBatch(t, uint64(1000+100*i), 1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	in := startBridgeCfg(t, func(c *Config) { c.Sources[0].ReplayEndpoint = pcfg.ReplayEndpoint })
+	for _, tc := range []struct {
+		from uint64
+		n    int
+		last uint64
+	}{
+		{from: 0, n: 1, last: 1},   // the engine counts from 1: its first reply only
+		{from: 1, n: 50, last: 50}, // its whole history
+		{from: 20, n: 31, last: 50},
+	} {
+		msgs, err := in.replayAll(ctx, tc.from)
+		var last uint64
+		if len(msgs) > 0 {
+			last = msgs[len(msgs)-1].Seq
+		}
+		if err != nil || len(msgs) != tc.n || last != tc.last {
+			t.Fatalf("replay from %d: %d messages, the last seq %d, err %v; want %d, the last %d", tc.from, len(msgs), last, err, tc.n, tc.last)
+		}
+	}
+}
