@@ -622,7 +622,10 @@ func FuzzTraceContextHeaders(f *testing.F) {
 func parseTraceparent(s string) (trace.SpanContext, bool) {
 	var tid trace.TraceID
 	var sid trace.SpanID
-	if len(s) != 55 || s[:3] != "00-" || s[35] != '-' || s[52] != '-' || (s[53:] != "00" && s[53:] != "01") {
+	// Version 00's trace-flags are any 8 bits in lower-case hex: besides
+	// sampled (01), W3C Trace Context Level 2 defines random (02), which
+	// the propagator carries on (a fuzzed "…-02" parent: well-formed).
+	if len(s) != 55 || s[:3] != "00-" || s[35] != '-' || s[52] != '-' || !lowerHex(s[53:]) {
 		return trace.SpanContext{}, false
 	}
 	tid, err := trace.TraceIDFromHex(s[3:35])
@@ -633,6 +636,15 @@ func parseTraceparent(s string) (trace.SpanContext, bool) {
 		return trace.SpanContext{}, false
 	}
 	return trace.NewSpanContext(trace.SpanContextConfig{TraceID: tid, SpanID: sid}), true
+}
+
+func lowerHex(s string) bool {
+	for _, c := range []byte(s) {
+		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f') {
+			return false
+		}
+	}
+	return true
 }
 
 // BenchmarkHandlerChatTracing is BenchmarkHandlerChat with tracing on:
