@@ -436,6 +436,36 @@ func (e *Engine) Stats() Stats {
 	return s
 }
 
+// Backlog is what a request arriving at an engine finds ahead of it: the
+// rest of the step in progress and the prompt work not yet done.
+type Backlog struct {
+	// StepLeft is the time from the moment asked to the end of the step in
+	// progress (0 when the engine is idle).
+	StepLeft time.Duration
+	// PrefillTokens are the prompt tokens the running and waiting requests
+	// leave to compute after the step in progress (a waiting request's
+	// whole prompt: its cache lookup comes at admission); requests loading
+	// from the CPU tier are not counted.
+	PrefillTokens int
+}
+
+// BacklogAt returns the engine's Backlog at now (the driver's clock, which
+// may be ahead of the engine's own), for tools that compare a router's
+// predicted wait with what the engine held.
+func (e *Engine) BacklogAt(now time.Duration) Backlog {
+	var b Backlog
+	if e.stepActive && e.stepEnd > now {
+		b.StepLeft = e.stepEnd - now
+	}
+	for _, q := range e.running {
+		b.PrefillTokens += max(len(q.Prompt)-q.computed-q.scheduled, 0)
+	}
+	for _, q := range e.waiting {
+		b.PrefillTokens += len(q.Prompt)
+	}
+	return b
+}
+
 // CachedBlocks returns the hashes resident on the GPU and on the CPU tier,
 // sorted (for tests and snapshots).
 func (e *Engine) CachedBlocks() (gpuHashes, cpuHashes []uint64) {

@@ -669,3 +669,38 @@ func TestActiveLoRAs(t *testing.T) {
 		t.Fatalf("after drain: %v %v", r, w)
 	}
 }
+
+// TestBacklogAt: what a request arriving finds ahead of it — the rest of the
+// step in progress and the prompt tokens not yet computed, a waiting
+// request's whole prompt — and nothing on an idle engine.
+func TestBacklogAt(t *testing.T) {
+	h := newHarness(t, Config{MaxNumBatchedTokens: 64})
+	if b := h.e.BacklogAt(0); b != (Backlog{}) {
+		t.Fatalf("idle engine: backlog %+v, want none", b)
+	}
+	// 160 prompt tokens at 64 a step: the first step takes 64 of them, so
+	// 96 are left to compute while it runs, and a second request waits
+	// whole behind it.
+	h.submit(Request{ID: 1, Prompt: prompt(1, 160), MaxTokens: 4}, 0)
+	next, ok := h.e.NextEventTime()
+	if !ok || next <= 0 {
+		t.Fatalf("no step in progress after a submit: next %v, %v", next, ok)
+	}
+	b := h.e.BacklogAt(next / 4)
+	if b.StepLeft != next-next/4 || b.PrefillTokens != 96 {
+		t.Fatalf("one request in its first chunk: backlog %+v, want step left %v and 96 tokens", b, next-next/4)
+	}
+	h.submit(Request{ID: 2, Prompt: prompt(2, 40), MaxTokens: 1}, next/4)
+	if b := h.e.BacklogAt(next / 4); b.PrefillTokens != 96+40 {
+		t.Fatalf("a waiting request counted as %d tokens ahead, want its whole prompt (%d in all)", b.PrefillTokens, 96+40)
+	}
+	// Past the step's end by the driver's clock, before the engine is
+	// advanced: no step time is left.
+	if b := h.e.BacklogAt(next + time.Millisecond); b.StepLeft != 0 {
+		t.Fatalf("past the step's end: %v left", b.StepLeft)
+	}
+	h.drain()
+	if b := h.e.BacklogAt(h.e.Now()); b != (Backlog{}) {
+		t.Fatalf("drained engine: backlog %+v, want none", b)
+	}
+}

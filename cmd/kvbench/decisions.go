@@ -50,9 +50,13 @@ type decisionRec struct {
 	best, chosen int // GPU tokens held at the decision: best holder, chosen instance
 	// running and waiting are the chosen engine's own counts at the
 	// decision (not the router's scraped view); predicted is the router's
-	// predicted time to first token there.
+	// predicted time to first token there; ahead is what the engine held
+	// ahead of the request (the rest of its step, prompt work), and budget
+	// its per-step token budget.
 	running, waiting int
 	predicted        time.Duration
+	ahead            sim.Backlog
+	budget           int
 }
 
 var _ des.Router = (*decisionTrace)(nil)
@@ -84,6 +88,7 @@ func (t *decisionTrace) Pick(ctx context.Context, req *des.RouteRequest, cands [
 	if e := t.kv.engines[d.Instance]; e != nil {
 		st := e.Stats()
 		rec.running, rec.waiting = st.Running, st.Waiting
+		rec.ahead, rec.budget = e.BacklogAt(t.kv.now), e.Config().MaxNumBatchedTokens
 	}
 	for _, n := range held {
 		rec.best = max(rec.best, n)
@@ -249,6 +254,9 @@ func (t *decisionTrace) writeQueueProfile(w io.Writer, res *des.Result) error {
 		label := map[int]string{0: "0", 1: "1-2", 3: "3-5", 6: "6-10", 11: "> 10"}[b]
 		fmt.Fprintf(w, "| %s | %d | %.1f | %.1f | %.1f |\n", label, a.hits, ms(a.pred/time.Duration(a.hits)), ms(a.act/time.Duration(a.hits)), p50(a))
 	}
+	if err := writeAheadProfile(w, t.recs, res); err != nil {
+		return err
+	}
 	names := make([]string, 0, len(byInst))
 	for n := range byInst {
 		names = append(names, n)
@@ -263,6 +271,71 @@ func (t *decisionTrace) writeQueueProfile(w io.Writer, res *des.Result) error {
 		}
 		if _, err := fmt.Fprintf(w, "| %s | %.3f | %.1f | %.3f | %.1f | %.1f | %.1f |\n", n, float64(a.n)/float64(max(total, 1)),
 			float64(a.run)/float64(max(a.n, 1)), float64(a.waited)/float64(max(a.n, 1)), pm, am, p50(a)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// aheadClasses name what the chosen engine held ahead of a request at its
+// decision, in writeAheadProfile's order.
+var aheadClasses = [...]string{"idle", "steps, no prompt work left", "prompt work ≤ one step's budget", "prompt work > one step's budget"}
+
+// aheadClass is rec's index in aheadClasses.
+func aheadClass(rec decisionRec) int {
+	switch {
+	case rec.ahead.StepLeft == 0 && rec.ahead.PrefillTokens == 0:
+		return 0
+	case rec.ahead.PrefillTokens == 0:
+		return 1
+	case rec.ahead.PrefillTokens <= rec.budget:
+		return 2
+	}
+	return 3
+}
+
+// writeAheadProfile splits the cache-served requests' prediction error by
+// what their engine held ahead of them at the decision (sim.Backlog): an
+// idle engine, one running steps with no prompt work left to do, one with
+// prompt work of at most one step's token budget, and one with more —
+// where the router's drained queue, priced at one rate per token, meets
+// prefills whose later chunks, attending over a long context, run slower.
+// The last column is each class's share of the summed under-prediction
+// (measured − predicted, over all cache-served requests).
+func writeAheadProfile(w io.Writer, recs map[uint64]decisionRec, res *des.Result) error {
+	type acc struct {
+		n         int
+		pred, act time.Duration
+		tokens    int64
+	}
+	var by [len(aheadClasses)]acc
+	var under time.Duration
+	for _, o := range res.Outcomes {
+		rec, ok := recs[uint64(o.ID)]
+		if !ok || o.Err != "" || 10*o.CachedTokens < 9*o.PromptTokens {
+			continue
+		}
+		a := &by[aheadClass(rec)]
+		a.n++
+		a.pred += rec.predicted
+		a.act += o.TTFT
+		a.tokens += int64(rec.ahead.PrefillTokens)
+		under += o.TTFT - rec.predicted
+	}
+	ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
+	fmt.Fprintln(w, "\nthe same requests by what their engine held ahead of them at the decision (the rest of the step in progress, prompt tokens left to compute):")
+	fmt.Fprintln(w, "\n| engine held | requests | prompt tokens ahead, mean | predicted mean ms | measured mean ms | share of the under-prediction |\n|---|---:|---:|---:|---:|---:|")
+	for c, a := range by {
+		if a.n == 0 {
+			continue
+		}
+		share := 0.0
+		if under != 0 {
+			share = float64(a.act-a.pred) / float64(under)
+		}
+		n := time.Duration(a.n)
+		if _, err := fmt.Fprintf(w, "| %s | %d | %.0f | %.1f | %.1f | %.2f |\n", aheadClasses[c], a.n, float64(a.tokens)/float64(a.n),
+			ms(a.pred/n), ms(a.act/n), share); err != nil {
 			return err
 		}
 	}

@@ -77,7 +77,8 @@ func TestQueueProfile(t *testing.T) {
 	tr := newDecisionTrace(&strategyRouter{})
 	tr.recs[1] = decisionRec{reason: "kv_match", running: 0, predicted: 1 * time.Millisecond}
 	tr.recs[2] = decisionRec{reason: "kv_match", running: 0, predicted: 3 * time.Millisecond}
-	tr.recs[3] = decisionRec{reason: "kv_match", running: 2, waiting: 1, predicted: 5 * time.Millisecond}
+	tr.recs[3] = decisionRec{reason: "kv_match", running: 2, waiting: 1, predicted: 5 * time.Millisecond,
+		ahead: sim.Backlog{StepLeft: 3 * time.Millisecond, PrefillTokens: 9000}, budget: 8192}
 	tr.recs[4] = decisionRec{reason: "heuristic", running: 4} // cold: in the share only
 	res := &des.Result{Outcomes: []des.Outcome{
 		{ID: 1, Instance: "a", PromptTokens: 1000, CachedTokens: 992, TTFT: 8 * time.Millisecond},
@@ -95,6 +96,10 @@ func TestQueueProfile(t *testing.T) {
 		"| 1-2 | 1 | 5.0 | 16.0 | 16.0 |",
 		"| a | 0.500 | 0.0 | 0.000 | 2.0 | 9.0 | 10.0 |",
 		"| b | 0.500 | 3.0 | 0.500 | 5.0 | 16.0 | 16.0 |",
+		// Under-predicted by 7 + 7 ms on idle engines and 11 ms behind
+		// 9,000 tokens of prompt work: 14/25 and 11/25 of it.
+		"| idle | 2 | 0 | 2.0 | 9.0 | 0.56 |",
+		"| prompt work > one step's budget | 1 | 9000 | 5.0 | 16.0 | 0.44 |",
 	} {
 		if !strings.Contains(s, want) {
 			t.Errorf("no %q in:\n%s", want, s)
