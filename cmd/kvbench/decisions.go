@@ -304,9 +304,9 @@ func aheadClass(rec decisionRec) int {
 // (measured − predicted, over all cache-served requests).
 func writeAheadProfile(w io.Writer, recs map[uint64]decisionRec, res *des.Result) error {
 	type acc struct {
-		n         int
-		pred, act time.Duration
-		tokens    int64
+		n               int
+		pred, act, step time.Duration
+		tokens          int64
 	}
 	var by [len(aheadClasses)]acc
 	var under time.Duration
@@ -320,11 +320,12 @@ func writeAheadProfile(w io.Writer, recs map[uint64]decisionRec, res *des.Result
 		a.pred += rec.predicted
 		a.act += o.TTFT
 		a.tokens += int64(rec.ahead.PrefillTokens)
+		a.step += rec.ahead.StepLeft
 		under += o.TTFT - rec.predicted
 	}
 	ms := func(d time.Duration) float64 { return float64(d) / 1e6 }
 	fmt.Fprintln(w, "\nthe same requests by what their engine held ahead of them at the decision (the rest of the step in progress, prompt tokens left to compute):")
-	fmt.Fprintln(w, "\n| engine held | requests | prompt tokens ahead, mean | predicted mean ms | measured mean ms | share of the under-prediction |\n|---|---:|---:|---:|---:|---:|")
+	fmt.Fprintln(w, "\n| engine held | requests | step left, mean ms | prompt tokens ahead, mean | predicted mean ms | measured mean ms | share of the under-prediction |\n|---|---:|---:|---:|---:|---:|---:|")
 	for c, a := range by {
 		if a.n == 0 {
 			continue
@@ -334,7 +335,7 @@ func writeAheadProfile(w io.Writer, recs map[uint64]decisionRec, res *des.Result
 			share = float64(a.act-a.pred) / float64(under)
 		}
 		n := time.Duration(a.n)
-		if _, err := fmt.Fprintf(w, "| %s | %d | %.0f | %.1f | %.1f | %.2f |\n", aheadClasses[c], a.n, float64(a.tokens)/float64(a.n),
+		if _, err := fmt.Fprintf(w, "| %s | %d | %.1f | %.0f | %.1f | %.1f | %.2f |\n", aheadClasses[c], a.n, ms(a.step/n), float64(a.tokens)/float64(a.n),
 			ms(a.pred/n), ms(a.act/n), share); err != nil {
 			return err
 		}

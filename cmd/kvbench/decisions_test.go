@@ -98,8 +98,8 @@ func TestQueueProfile(t *testing.T) {
 		"| b | 0.500 | 3.0 | 0.500 | 5.0 | 16.0 | 16.0 |",
 		// Under-predicted by 7 + 7 ms on idle engines and 11 ms behind
 		// 9,000 tokens of prompt work: 14/25 and 11/25 of it.
-		"| idle | 2 | 0 | 2.0 | 9.0 | 0.56 |",
-		"| prompt work > one step's budget | 1 | 9000 | 5.0 | 16.0 | 0.44 |",
+		"| idle | 2 | 0.0 | 0 | 2.0 | 9.0 | 0.56 |",
+		"| prompt work > one step's budget | 1 | 3.0 | 9000 | 5.0 | 16.0 | 0.44 |",
 	} {
 		if !strings.Contains(s, want) {
 			t.Errorf("no %q in:\n%s", want, s)
