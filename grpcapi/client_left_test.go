@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"log/slog"
+	"slices"
 	"testing"
 	"time"
 
@@ -213,4 +214,75 @@ func TestExtProcClientLeavesSequencingHold(t *testing.T) {
 		t.Errorf("%v ext_proc outcomes counted, want the one 499", n)
 	}
 	s.leftNothing(t, prompt, 6*bs)
+}
+
+// A pick held for its sequencing epoch while a reload removes the instance
+// it would take, and the reloads' sweeps forget that instance (sweepLeft:
+// idle, as nothing is in flight there during the hold), is made among the
+// instances still in the pool when its turn comes: it neither names the
+// instance that left nor writes kv_aware's state and series for it, which
+// no sweep would forget any more.
+func TestPickHeldWhileItsInstanceLeaves(t *testing.T) {
+	s := newSequenced(t)
+	prompt := routertest.Prompt(1, 10*bs+5)
+	s.store("kv-2", prompt[:6*bs])
+	type answer struct {
+		out *kvrouterv1.PickResponse
+		err error
+	}
+	ac := make(chan answer, 1)
+	go func() {
+		out, err := s.router().Pick(ctxT(t), &kvrouterv1.PickRequest{Pool: "kv", TokenIds: prompt})
+		ac <- answer{out, err}
+	}()
+	testenv.WaitFor(t, 5*time.Second, "the pick held for its epoch", func() bool { return s.held() == 1 })
+	var cfg config.Config
+	for _, p := range s.srv.Pools() {
+		pc := p.Config()
+		if pc.Name == "kv" {
+			pc.Instances = slices.DeleteFunc(slices.Clone(pc.Instances), func(ic config.InstanceConfig) bool { return ic.ID == "kv-2" })
+		}
+		cfg.Pools = append(cfg.Pools, pc)
+	}
+	// Two reloads, two sweeps: kv-2, idle, is forgotten and dropped.
+	for range 2 {
+		if err := s.srv.Reload(cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a := <-ac
+	if a.err != nil {
+		t.Fatalf("the held pick: %v", a.err)
+	}
+	if a.out.Instance == "kv-2" {
+		t.Errorf("the held pick named kv-2, which left the pool during the hold")
+	}
+	pending := servertest.Metric(t, s.srv.Registry(), "kvrouter_kv_pending_prefill_tokens", map[string]string{"pool": "kv", "instance": "kv-2"})
+	if tok, reqs := s.kv.PendingPrefill("kv-2"); tok != 0 || reqs != 0 || pending != 0 || seriesOf(t, s.srv.Registry(), "kvrouter_kv_pending_prefill_tokens", "kv-2") {
+		t.Errorf("kv_aware keeps pending prefill for kv-2 after it left: %d tokens, %d requests; series present %v", tok, reqs,
+			seriesOf(t, s.srv.Registry(), "kvrouter_kv_pending_prefill_tokens", "kv-2"))
+	}
+}
+
+// seriesOf reports whether the family name gathered from g has a series
+// of instance inst.
+func seriesOf(t *testing.T, g prometheus.Gatherer, name, inst string) bool {
+	t.Helper()
+	mfs, err := g.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "instance" && l.GetValue() == inst {
+					return true
+				}
+			}
+		}
+	}
+	return false
 }
