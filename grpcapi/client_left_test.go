@@ -3,7 +3,6 @@ package grpcapi_test
 import (
 	"context"
 	"encoding/json"
-	"log/slog"
 	"slices"
 	"testing"
 	"time"
@@ -17,7 +16,6 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/grpcapi"
 	"github.com/kvrouter/kvrouter/internal/testenv"
-	"github.com/kvrouter/kvrouter/replicasync"
 	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/kvstate"
 	"github.com/kvrouter/kvrouter/router/routertest"
@@ -48,18 +46,8 @@ func newSequenced(t *testing.T) *sequenced {
 	t.Helper()
 	url := testenv.NATSURL(t)
 	pool := testenv.UniqueName(t)
-	syncer := func(name string) *replicasync.Syncer {
-		s, err := replicasync.New(replicasync.Config{Conn: testenv.Connect(t, url), Pool: pool, Replica: name,
-			Interval: 10 * time.Millisecond, Heartbeat: 100 * time.Millisecond, PeerTimeout: 500 * time.Millisecond,
-			Sequence: seqEpoch, SequenceGrace: seqGrace, Logger: slog.New(slog.DiscardHandler)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		testenv.Go(t, context.Background(), s.Run)
-		return s
-	}
-	mine := syncer("a")
-	syncer("b")
+	mine := servertest.Syncer(t, url, pool, "a", seqEpoch, seqGrace)
+	servertest.Syncer(t, url, pool, "b", seqEpoch, seqGrace)
 	reg := prometheus.NewRegistry()
 	h := newFreshHarness(t, kvstate.PeerFreshness{Syncer: mine}, func(_ *config.Config, g *grpcapi.Config) { g.Registerer = reg })
 	testenv.WaitFor(t, 5*time.Second, "the peer live", func() bool { return mine.Live() == 1 })
