@@ -146,7 +146,10 @@ func (x *extProc) Process(stream extprocv3.ExternalProcessor_ProcessServer) erro
 				break
 			}
 			// No body (a GET, or an empty POST): pick now.
-			common, md, imm := x.decide(stream.Context(), st)
+			common, md, imm, err := x.decide(stream.Context(), st)
+			if err != nil {
+				return err
+			}
 			if imm != nil {
 				return stream.Send(imm)
 			}
@@ -167,7 +170,10 @@ func (x *extProc) Process(stream extprocv3.ExternalProcessor_ProcessServer) erro
 					RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{}}}}
 				break
 			}
-			common, md, imm := x.decide(stream.Context(), st)
+			common, md, imm, err := x.decide(stream.Context(), st)
+			if err != nil {
+				return err
+			}
 			if imm != nil {
 				return stream.Send(imm)
 			}
@@ -260,12 +266,13 @@ func headerMap(hm *corev3.HeaderMap) map[string]string {
 }
 
 // decide picks the endpoint: the common response carrying the header
-// mutation and the dynamic metadata, or an immediate response.
-func (x *extProc) decide(ctx context.Context, st *epStream) (*extprocv3.CommonResponse, *structpb.Struct, *extprocv3.ProcessingResponse) {
+// mutation and the dynamic metadata, or an immediate response, or the
+// stream's context error when Envoy ended the stream during the pick.
+func (x *extProc) decide(ctx context.Context, st *epStream) (*extprocv3.CommonResponse, *structpb.Struct, *extprocv3.ProcessingResponse, error) {
 	s := x.s
-	fail := func(pool string, code int, msg string) (*extprocv3.CommonResponse, *structpb.Struct, *extprocv3.ProcessingResponse) {
+	fail := func(pool string, code int, msg string) (*extprocv3.CommonResponse, *structpb.Struct, *extprocv3.ProcessingResponse, error) {
 		s.m.extproc.WithLabelValues(pool, strconv.Itoa(code)).Inc()
-		return nil, nil, immediate(code, msg)
+		return nil, nil, immediate(code, msg), nil
 	}
 	req, p, err := s.pools.Resolve(x.inbound(st))
 	if err != nil {
@@ -306,6 +313,15 @@ func (x *extProc) decide(ctx context.Context, st *epStream) (*extprocv3.CommonRe
 	}
 	dec, err := strat.Pick(ctx, req, cands)
 	if err != nil {
+		if ctx.Err() != nil {
+			// Envoy ended the stream, its client gone, while the pick was
+			// held (kv_aware's sequencing holds a request for its epoch):
+			// nobody to answer, and no routing failure. Counted 499, as
+			// the HTTP edge counts a client that left.
+			s.m.extproc.WithLabelValues(p.Name(), outcomeClientLeft).Inc()
+			s.log.Debug("ext_proc: client left during the pick", "pool", p.Name())
+			return nil, nil, nil, status.FromContextError(ctx.Err()).Err()
+		}
 		if errors.Is(err, router.ErrNoCandidates) {
 			return fail(p.Name(), http.StatusServiceUnavailable, "no eligible instance in pool "+strconv.Quote(p.Name()))
 		}
@@ -334,7 +350,7 @@ func (x *extProc) decide(ctx context.Context, st *epStream) (*extprocv3.CommonRe
 			set(strings.ToLower(router.HeaderStrategy), dec.Strategy),
 			set(strings.ToLower(router.HeaderReason), string(dec.Reason)),
 		}},
-	}, md, nil
+	}, md, nil, nil
 }
 
 // inbound is the request as Envoy forwarded it: the path picks the

@@ -65,7 +65,10 @@ func FuzzExtProcDecide(f *testing.F) {
 				st.subset = append(st.subset, strings.TrimSpace(a))
 			}
 		}
-		common, md, imm := x.decide(context.Background(), st)
+		common, md, imm, err := x.decide(context.Background(), st)
+		if err != nil {
+			t.Fatalf("decide under a live context: %v", err)
+		}
 		if imm != nil {
 			switch c := int(imm.GetImmediateResponse().GetStatus().GetCode()); c {
 			case http.StatusBadRequest, http.StatusNotFound, http.StatusServiceUnavailable, http.StatusTooManyRequests:
@@ -103,8 +106,8 @@ func BenchmarkExtProcDecide(b *testing.B) {
 	b.SetBytes(int64(len(body)))
 	for b.Loop() {
 		st := &epStream{headers: hdrs, body: body}
-		if _, _, imm := x.decide(ctx, st); imm != nil {
-			b.Fatal(imm)
+		if _, _, imm, err := x.decide(ctx, st); imm != nil || err != nil {
+			b.Fatal(imm, err)
 		}
 		st.inst.Release()
 	}

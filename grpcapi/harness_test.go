@@ -52,6 +52,14 @@ type harnessOpt func(*config.Config, *grpcapi.Config)
 
 func newHarness(t testing.TB, opts ...harnessOpt) *harness {
 	t.Helper()
+	return newFreshHarness(t, nil, opts...)
+}
+
+// newFreshHarness is newHarness whose kv pool reads its index by fresh
+// (nil: always fresh; a pool's replica sync comes in it, as
+// router/kvstate's PeerFreshness).
+func newFreshHarness(t testing.TB, fresh kvindex.Freshness, opts ...harnessOpt) *harness {
+	t.Helper()
 	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvModel, BlockSize: bs})
 	if err != nil {
 		t.Fatal(err)
@@ -80,7 +88,7 @@ func newHarness(t testing.TB, opts ...harnessOpt) *harness {
 		Logger: slog.New(slog.DiscardHandler),
 		KV: kvaware.NewSource(func(p config.PoolConfig) (kvindex.Index, kvindex.Freshness) {
 			if p.Name == "kv" {
-				return idx, nil
+				return idx, fresh
 			}
 			return nil, nil
 		}),

@@ -6,9 +6,14 @@ import (
 	"github.com/kvrouter/kvrouter/internal/metricset"
 )
 
+// outcomeClientLeft is the ext_proc outcome of a stream Envoy ended, its
+// client gone, during the pick: 499, the status the HTTP edge counts such
+// a request under in kvrouter_requests_total.
+const outcomeClientLeft = "499"
+
 type metrics struct {
 	authFailures *prometheus.CounterVec // method
-	extproc      *prometheus.CounterVec // pool, outcome (routed, 400, 413, 404, 429, 503, error)
+	extproc      *prometheus.CounterVec // pool, outcome (routed, 400, 404, 413, 429, 500, 503, 499)
 	watchDropped *prometheus.CounterVec // pool
 	watchBad     *prometheus.CounterVec // pool: undecodable payloads skipped
 	picks        *prometheus.CounterVec // pool, code
@@ -21,7 +26,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			"gRPC admin calls refused for a missing or wrong bearer token.",
 			"method"),
 		extproc: ms.CounterVec("kvrouter_extproc_requests_total",
-			"Envoy ext_proc endpoint-picker requests by outcome: routed, or the immediate response status.",
+			"Envoy ext_proc endpoint-picker requests by outcome: routed, the immediate response status, or 499 when Envoy ended the stream during the pick (the client left).",
 			"pool", "outcome"),
 		watchDropped: ms.CounterVec("kvrouter_grpc_watch_dropped_total",
 			"Events.Watch events dropped because a watcher read too slowly.",

@@ -99,6 +99,13 @@ func (s *Server) pick(ctx context.Context, in *kvrouterv1.PickRequest, pool *str
 	var buf [32]*router.Instance
 	cands, _ := p.Candidates(buf[:0], req.Adapter, nil)
 	dec, err := strat.Pick(ctx, req, cands)
+	if err != nil && ctx.Err() != nil {
+		// The caller went away while the pick was held (kv_aware's
+		// sequencing holds a request for its epoch): its context's code,
+		// Canceled or DeadlineExceeded, as the HTTP edge counts such a
+		// client 499; no routing failure.
+		return nil, status.FromContextError(ctx.Err()).Err()
+	}
 	if errors.Is(err, router.ErrNoCandidates) {
 		return nil, status.Errorf(codes.Unavailable, "no eligible instance in pool %q", p.Name())
 	}

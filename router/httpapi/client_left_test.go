@@ -10,8 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
@@ -26,25 +24,6 @@ import (
 type syncFreshness struct {
 	kvindex.FreshnessFuncs
 	*replicasync.Syncer
-}
-
-// runSyncer runs replica name of pool's replica sync, sequencing in
-// epochs of seq whose intents are waited for grace after their end.
-func runSyncer(t *testing.T, url, pool, name string, seq, grace time.Duration) *replicasync.Syncer {
-	t.Helper()
-	nc, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	s, err := replicasync.New(replicasync.Config{Conn: nc, Pool: pool, Replica: name,
-		Interval: 10 * time.Millisecond, Heartbeat: 100 * time.Millisecond, PeerTimeout: 500 * time.Millisecond,
-		Sequence: seq, SequenceGrace: grace, Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	testenv.Go(t, context.Background(), s.Run)
-	return s
 }
 
 // sendAndLeave posts body to url as JSON; its client goes away when leave
@@ -91,8 +70,8 @@ func TestClientLeavesSequencingHold(t *testing.T) {
 			// for the client's leave to reach the handler on a loaded
 			// machine before its turn comes.
 			const seq, grace = 20 * time.Millisecond, 2 * time.Second
-			mine := runSyncer(t, url, pool, "a", seq, grace)
-			runSyncer(t, url, pool, "b", seq, grace)
+			mine := servertest.Syncer(t, url, pool, "a", seq, grace)
+			servertest.Syncer(t, url, pool, "b", seq, grace)
 			idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvModel, BlockSize: kvBS})
 			if err != nil {
 				t.Fatal(err)

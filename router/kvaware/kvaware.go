@@ -353,17 +353,36 @@ func (s *KVAware) Pick(ctx context.Context, req *router.Request, cands []*router
 // waitTurn waits, when sequencing with live peers, for the request's turn
 // in its epoch (sequence_live.go); done ends the turn once the pick is
 // made. pick calls it for every pick it commits, so no caller that picks
-// for real (Pick, Shadow's, any later one) can pass the hold.
-func (s *KVAware) waitTurn(ctx context.Context, req *router.Request, cands []*router.Instance) (done func(), err error) {
+// for real (Pick, Shadow's, any later one) can pass the hold. kept is
+// cands less those no longer healthy after a hold: a reload that removed
+// an instance meanwhile ejected it (and may have forgotten its state
+// already), a health check may have failed it; cands itself when none.
+func (s *KVAware) waitTurn(ctx context.Context, req *router.Request, cands []*router.Instance) (kept []*router.Instance, done func(), err error) {
 	q := s.st.seq
 	if q == nil || len(cands) == 0 {
-		return func() {}, nil
+		return cands, func() {}, nil
 	}
 	w, err := q.hold(ctx, s, req, cands)
 	if err != nil || w == nil {
-		return func() {}, err
+		return cands, func() {}, err
 	}
-	return func() { close(w.done) }, nil
+	return stillHealthy(cands), func() { close(w.done) }, nil
+}
+
+// stillHealthy is cands without the instances no longer healthy, in a new
+// slice (cands is the caller's); cands itself when all are.
+func stillHealthy(cands []*router.Instance) []*router.Instance {
+	i := slices.IndexFunc(cands, func(in *router.Instance) bool { return !in.Healthy() })
+	if i < 0 {
+		return cands
+	}
+	kept := slices.Clone(cands[:i])
+	for _, in := range cands[i+1:] {
+		if in.Healthy() {
+			kept = append(kept, in)
+		}
+	}
+	return kept
 }
 
 // candEval is one candidate's score. The fields every pass over the
@@ -487,11 +506,14 @@ func (s *KVAware) pick(ctx context.Context, req *router.Request, cands []*router
 		return router.Decision{}, nil, router.ErrNoCandidates
 	}
 	if commit {
-		done, err := s.waitTurn(ctx, req, cands)
+		kept, done, err := s.waitTurn(ctx, req, cands)
 		if err != nil {
 			return router.Decision{}, nil, err
 		}
 		defer done()
+		if cands = kept; len(cands) == 0 {
+			return router.Decision{}, nil, router.ErrNoCandidates
+		}
 	}
 	ev := s.st.getEval()
 	// A dry evaluation decides as a committed one would (the request

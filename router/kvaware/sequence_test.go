@@ -2,6 +2,7 @@ package kvaware
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -340,6 +341,51 @@ func TestSequenceHeldRequestLeaves(t *testing.T) {
 	a.st.seq.mu.Unlock()
 	if n != 0 {
 		t.Fatalf("%d waiters left", n)
+	}
+}
+
+// A held request picks among its candidates still healthy at its turn:
+// one a reload ejected (or a health check failed) during the hold is not
+// picked, and with none left the pick is ErrNoCandidates; the caller's
+// candidate slice is left as it was.
+func TestSequenceHeldPickSkipsEjected(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	const seq = 50 * time.Millisecond // grace 4·seq: time to eject during the hold
+	a := newPeerWorldRun(t, url, pool, "a", 4, true, seq)
+	b := newPeerWorldRun(t, url, pool, "b", 4, true, seq)
+	waitUntil(t, "peers live", func() bool { return a.sync.Live() == 1 && b.sync.Live() == 1 })
+	time.Sleep(2 * seq) // past the partial epoch
+	s := a.strategy(config.RoutingConfig{})
+	cands := slices.Clone(a.insts)
+	for i, eject := range [][]*router.Instance{a.insts[:3], a.insts[3:]} {
+		type picked struct {
+			dec router.Decision
+			err error
+		}
+		pc := make(chan picked, 1)
+		go func() {
+			dec, err := s.Pick(context.Background(), kvRequest(fmt.Sprint(i), promptTokens(uint32(i), 4*kvTestBS)), cands)
+			pc <- picked{dec, err}
+		}()
+		waitUntil(t, "the request held", func() bool { return a.st.SequenceStats().Held == int64(i+1) })
+		for _, in := range eject {
+			in.SetHealthy(false)
+		}
+		got := <-pc
+		name := "no instance"
+		if got.dec.Instance != nil {
+			name = got.dec.Instance.ID()
+		}
+		if i == 0 && (got.err != nil || got.dec.Instance != a.insts[3]) {
+			t.Fatalf("with three ejected during the hold: %s %v, want %s", name, got.err, a.insts[3].ID())
+		}
+		if i == 1 && !errors.Is(got.err, router.ErrNoCandidates) {
+			t.Fatalf("with every candidate ejected during the hold: %s %v, want ErrNoCandidates", name, got.err)
+		}
+	}
+	if !slices.Equal(cands, a.insts) {
+		t.Fatal("the caller's candidates were changed")
 	}
 }
 

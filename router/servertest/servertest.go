@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/replicasync"
 	"github.com/kvrouter/kvrouter/router/admin"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/routertest"
@@ -161,4 +162,22 @@ func Record(t testing.TB, h http.Handler, method, path string) *httptest.Respons
 	rec := httptest.NewRecorder()
 	h.ServeHTTP(rec, httptest.NewRequest(method, path, nil))
 	return rec
+}
+
+// Syncer runs replica name of pool's replica sync on the NATS server at
+// url until the test ends, on test timings (a 10 ms interval, a 100 ms
+// heartbeat, a 500 ms peer timeout), sequencing bursts in epochs of seq
+// (0: off) whose peers' intents are waited for grace after their end: two
+// of them make a kv_aware pool's sequencing hold (the pool's Freshness
+// carrying the first, as router/kvstate's PeerFreshness).
+func Syncer(t testing.TB, url, pool, name string, seq, grace time.Duration) *replicasync.Syncer {
+	t.Helper()
+	s, err := replicasync.New(replicasync.Config{Conn: testenv.Connect(t, url), Pool: pool, Replica: name,
+		Interval: 10 * time.Millisecond, Heartbeat: 100 * time.Millisecond, PeerTimeout: 500 * time.Millisecond,
+		Sequence: seq, SequenceGrace: grace, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	testenv.Go(t, context.Background(), s.Run)
+	return s
 }
