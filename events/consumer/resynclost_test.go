@@ -134,3 +134,48 @@ func quietResyncAgedOut(t *testing.T, empty bool) {
 		t.Fatalf("live, the index holding %v, the engine %v", got, want)
 	}
 }
+
+// TestQuietResyncClearLost: TestResyncChunkOutlivesLostClear with the
+// engine quiet after the resync. The consumer falls behind retention while
+// the engine removes a block (engine seq 6) and the bridge then resyncs
+// (its clear, then its table in two chunks); retention removes the
+// removal, the clear and the first chunk before the consumer reads them,
+// and the second chunk survives. No engine message comes after it to show
+// the seq gap, and the bridge's heartbeats name the chunk's stream seq,
+// the consumer's own last: no lost tail either. Their engine seq (6, kept
+// across the resync) is past the one applied (5).
+func TestQuietResyncClearLost(t *testing.T) {
+	e := newEnv(t)
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier, cfg.SnapshotTimeout = a, 100*time.Millisecond
+	c := e.start(cfg)
+	e.fiveThenApplied(a) // engine seqs 1-5, blocks 11-15, stream seqs 1-5
+	e.stall(c)
+	e.send("i0", 6, events.Event{Kind: events.BlockRemoved, BlockHashes: []uint64{11}}) // stream seq 6: lost
+	e.resync("i0", events.Event{Kind: events.AllBlocksCleared})                         // 7: the resync's clear, lost
+	e.resync("i0", storedBlock(12), storedBlock(13))                                    // 8: lost
+	e.resync("i0", storedBlock(14), storedBlock(15))                                    // 9: survives
+	e.purgeBelow(9)
+	testenv.WaitFor(t, 30*time.Second, "consumer resumed past the loss", func() bool { return c.status("i0").StreamSeq == 9 })
+	for end := time.Now().Add(2500 * time.Millisecond); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+		e.heartbeatAt("i0", 6, 9)
+		if c.Live("i0") {
+			got, _ := a.get("i0")
+			st := c.status("i0")
+			t.Fatalf("i0 live holding %v, the engine [12 13 14 15]: its resync's clear lost, a chunk after it survived, the engine quiet; gaps %d, replay lost %d",
+				got, st.Gaps, st.ReplayLost)
+		}
+	}
+	if st := c.status("i0"); st.Gaps != 1 || st.ReplayLost != 1 || st.NotLive != "hole" {
+		t.Fatalf("gaps %d, replay lost %d, not live %q: want the loss counted once, not live for the hole", st.Gaps, st.ReplayLost, st.NotLive)
+	}
+	e.answer("i0", e.snapshot("i0", 9, 6, 12, 13, 14, 15))
+	testenv.WaitFor(t, 10*time.Second, "live after the bridge's table", func() bool {
+		e.heartbeatAt("i0", 6, 9)
+		return c.Live("i0")
+	})
+	if got, _ := a.get("i0"); !slices.Equal(got, []uint64{12, 13, 14, 15}) {
+		t.Fatalf("live, the index holding %v, the engine [12 13 14 15]", got)
+	}
+}

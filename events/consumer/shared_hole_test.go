@@ -588,3 +588,44 @@ func TestSharedFirstMessageAfterClearLost(t *testing.T) {
 	testenv.WaitFor(t, 15*time.Second, "quiet live after its bridge answered", func() bool { return r.c.Live("quiet") })
 	w.converge("the bridge's table past the lost message", r)
 }
+
+// The shared index, a resync's clear lost with the engine quiet after it:
+// the router falls behind retention while quiet's engine changes its
+// cache (messages the stream loses) and its bridge then resyncs (its
+// clear, then its table in two chunks); retention removes the clear and
+// the first chunk before the router reads them, and the second survives.
+// No engine message follows to show the seq gap, and the heartbeats name
+// no later message.
+func TestSharedQuietResyncClearLost(t *testing.T) {
+	w, r := holeWorld(t, 101)
+	w.keepBucket = true // the bucket keeps quiet's snapshot from before the loss
+	w.stall(r.c)
+	w.lose("quiet")
+	table := w.snapshots["quiet"].evs
+	if len(table) < 2 {
+		t.Fatalf("quiet's table holds %d events, want two chunks' worth", len(table))
+	}
+	half := len(table) / 2
+	subj, _ := kvstream.EventsSubject(w.pool, "quiet")
+	w.synthetic("quiet", kvstream.SyntheticResync, events.Event{Kind: events.AllBlocksCleared}) // lost
+	// Its table's events since the engine's last clear, in two chunks:
+	// the one with the lost changes (its end) is lost.
+	w.synthetic("quiet", kvstream.SyntheticResync, table[half:]...) // lost
+	w.synthetic("quiet", kvstream.SyntheticResync, table[:half]...) // survives
+	last, err := w.stream().GetLastMsgForSubject(w.ctx, subj)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.purgeBelow(last.Sequence)
+	testenv.WaitFor(t, 30*time.Second, "the router resumed past the loss", func() bool { return r.c.status("quiet").StreamSeq == last.Sequence })
+	if w.diff(r.idx) == "" {
+		t.Fatal("the lost messages changed nothing the index shows")
+	}
+	w.notLive(1500*time.Millisecond, "quiet", "after its resync's clear was lost", r)
+	if st := r.c.status("quiet"); st.Gaps != 1 || st.ReplayLost != 1 {
+		t.Fatalf("gaps %d, replay lost %d: want the loss counted once", st.Gaps, st.ReplayLost)
+	}
+	w.answer("quiet", w.quietTableAt(kvindex.Position{Seq: last.Sequence}))
+	testenv.WaitFor(t, 15*time.Second, "quiet live after its bridge answered", func() bool { return r.c.Live("quiet") })
+	w.converge("the bridge's table after the resync", r)
+}
