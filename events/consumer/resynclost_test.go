@@ -179,3 +179,43 @@ func TestQuietResyncClearLost(t *testing.T) {
 		t.Fatalf("live, the index holding %v, the engine [12 13 14 15]", got)
 	}
 }
+
+// TestResyncReadWholeNoLoss: the other side of TestQuietResyncClearLost.
+// A consumer that reads a resync whole (its clear, then its table in two
+// chunks) between engine messages, heartbeats naming each message as it
+// is published, finds nothing lost: no gap, no snapshot reload, live
+// throughout, and exact.
+func TestResyncReadWholeNoLoss(t *testing.T) {
+	e := newEnv(t)
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier, cfg.SnapshotTimeout = a, 100*time.Millisecond
+	c := e.start(cfg)
+	e.fiveThenApplied(a) // engine seqs 1-5, blocks 11-15, stream seqs 1-5
+	testenv.WaitFor(t, 10*time.Second, "i0 live", func() bool {
+		e.heartbeatAt("i0", 5, 5)
+		return c.Live("i0")
+	})
+	_, purges := a.get("i0")
+	step := func(engineSeq, streamSeq uint64, publish func()) {
+		t.Helper()
+		publish()
+		e.heartbeatAt("i0", engineSeq, streamSeq)
+		if !c.Live("i0") {
+			t.Fatalf("i0 not live at stream seq %d: %+v", streamSeq, c.status("i0"))
+		}
+	}
+	step(6, 6, func() { e.send("i0", 6, events.Event{Kind: events.BlockRemoved, BlockHashes: []uint64{11}}) })
+	step(6, 7, func() { e.resync("i0", events.Event{Kind: events.AllBlocksCleared}) })
+	step(6, 8, func() { e.resync("i0", storedBlock(12), storedBlock(13)) })
+	step(6, 9, func() { e.resync("i0", storedBlock(14), storedBlock(15)) })
+	step(7, 10, func() { e.store("i0", 7, 17) })
+	testenv.WaitFor(t, 10*time.Second, "engine seq 7 applied", func() bool { return c.status("i0").LastSeq == 7 })
+	e.heartbeatAt("i0", 7, 10)
+	if got, n := a.get("i0"); !slices.Equal(got, []uint64{12, 13, 14, 15, 17}) || n != purges {
+		t.Fatalf("the index holds %v after %d reloads, the engine [12 13 14 15 17]: want it exact with none", got, n-purges)
+	}
+	if st := c.status("i0"); st.Gaps != 0 || st.ReplayLost != 0 || !c.Live("i0") {
+		t.Fatalf("gaps %d, replay lost %d, not live %q: want none, nothing was lost", st.Gaps, st.ReplayLost, st.NotLive)
+	}
+}
