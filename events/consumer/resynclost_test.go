@@ -1,6 +1,7 @@
 package consumer
 
 import (
+	"encoding/json"
 	"slices"
 	"testing"
 	"time"
@@ -217,5 +218,63 @@ func TestResyncReadWholeNoLoss(t *testing.T) {
 	}
 	if st := c.status("i0"); st.Gaps != 0 || st.ReplayLost != 0 || !c.Live("i0") {
 		t.Fatalf("gaps %d, replay lost %d, not live %q: want none, nothing was lost", st.Gaps, st.ReplayLost, st.NotLive)
+	}
+}
+
+// TestReplayMeetsResyncChunkWithoutClear: the consumer read a resync whole
+// (live and exact), then retention removed its clear and first chunk, and
+// a reload (the engine reported down, then up again) finds the bridge not
+// answering and the bucket's snapshot older than the resync: its replay
+// after the snapshot reads the surviving chunk with nothing before it
+// but the snapshot. Applied as it was, the chunk left the snapshot's
+// block 11, which the engine removed in a message now gone, and the
+// instance read live; now it is a hole: not live until the bridge's table
+// is loaded.
+func TestReplayMeetsResyncChunkWithoutClear(t *testing.T) {
+	e := newEnv(t)
+	e.putSnapshot("i0", 3, 3, 11, 12, 13) // the bucket's, older than the resync
+	a := newRecorder()
+	cfg := e.cfg
+	cfg.Applier, cfg.SnapshotTimeout = a, 100*time.Millisecond
+	c := e.start(cfg)
+	e.fiveThenApplied(a)                                                                // engine seqs 1-5, blocks 11-15, stream seqs 1-5
+	e.send("i0", 6, events.Event{Kind: events.BlockRemoved, BlockHashes: []uint64{11}}) // stream seq 6
+	e.resync("i0", events.Event{Kind: events.AllBlocksCleared})                         // 7
+	e.resync("i0", storedBlock(12), storedBlock(13))                                    // 8
+	e.resync("i0", storedBlock(14), storedBlock(15))                                    // 9
+	testenv.WaitFor(t, 10*time.Second, "the resync applied", func() bool {
+		got, _ := a.get("i0")
+		return c.status("i0").StreamSeq == 9 && slices.Equal(got, []uint64{12, 13, 14, 15})
+	})
+	e.purgeBelow(9)
+	_, purges := a.get("i0")
+	down := func(down bool) {
+		subj, _ := kvstream.InstancesSubject(e.pool, "i0")
+		b, _ := json.Marshal(kvstream.Heartbeat{Pool: e.pool, Instance: "i0", EngineSeq: 6, StreamSeq: 9, EngineDown: down, Time: time.Now()})
+		if err := e.nc.Publish(subj, b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	down(true)
+	testenv.WaitFor(t, 10*time.Second, "engine down", func() bool { return c.status("i0").EngineDown })
+	down(false)
+	testenv.WaitFor(t, 10*time.Second, "reloaded", func() bool { _, n := a.get("i0"); return n > purges })
+	for end := time.Now().Add(1500 * time.Millisecond); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+		e.heartbeatAt("i0", 6, 9)
+		if c.Live("i0") {
+			got, _ := a.get("i0")
+			t.Fatalf("i0 live holding %v, the engine [12 13 14 15]: the replay applied a resync's chunk without its clear", got)
+		}
+	}
+	if st := c.status("i0"); st.ReplayLost != 1 || st.NotLive != "hole" {
+		t.Fatalf("replay lost %d, not live %q: want the loss counted once, not live for the hole", st.ReplayLost, st.NotLive)
+	}
+	e.answer("i0", e.snapshot("i0", 9, 6, 12, 13, 14, 15))
+	testenv.WaitFor(t, 10*time.Second, "live after the bridge's table", func() bool {
+		e.heartbeatAt("i0", 6, 9)
+		return c.Live("i0")
+	})
+	if got, _ := a.get("i0"); !slices.Equal(got, []uint64{12, 13, 14, 15}) {
+		t.Fatalf("live, the index holding %v, the engine [12 13 14 15]", got)
 	}
 }
