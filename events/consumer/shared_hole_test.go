@@ -666,19 +666,16 @@ func (w *sharedWorld) chunkedResync(name string) uint64 {
 // snapshot loaded, and the index equals the engines.
 func TestSharedResyncReadWholeNoLoss(t *testing.T) {
 	w := newSharedWorld(t, 103, "e0", "quiet")
-	stop := make(chan struct{})
-	hb := w.heartbeats(stop)
-	t.Cleanup(func() { close(stop); hb.Wait() })
 	r1, r2 := w.startRouter(), w.startRouter()
 	w.publish(20)
-	w.converge("first messages", r1, r2)
+	w.convergeBeating("first messages", r1, r2)
 	loads := func(r *router) float64 {
 		return testenv.Metric(t, r.reg, "kvrouter_events_snapshot_loads_total", nil)
 	}
 	before1, before2 := loads(r1), loads(r2)
 	w.chunkedResync("quiet")
 	w.publish(5)
-	w.converge("after the resync", r1, r2)
+	w.convergeBeating("after the resync", r1, r2)
 	for i, r := range []*router{r1, r2} {
 		if st := r.c.status("quiet"); st.Gaps != 0 || st.ReplayLost != 0 {
 			t.Fatalf("router %d: gaps %d, replay lost %d: want none, nothing was lost", i+1, st.Gaps, st.ReplayLost)
