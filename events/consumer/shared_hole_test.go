@@ -685,3 +685,58 @@ func TestSharedResyncReadWholeNoLoss(t *testing.T) {
 		t.Fatalf("snapshot loads %v and %v after the resync: want none", l1-before1, l2-before2)
 	}
 }
+
+// The shared index's repair replay meets a resync's chunk whose clear is
+// gone: Redis saved its RDB, quiet's engine then removed blocks and its
+// bridge resynced (its clear, then its table in two chunks), the router
+// applying it all; then quiet's messages since the save up to the first
+// chunk were removed from the stream (from its middle: e0's before them
+// remain), and Redis restarted from the RDB. The repair replays from the
+// index's restored position, quiet's message at the save, to the second
+// chunk alone: applied over an older state without the clear, it left
+// the index short of what the removed messages did, and quiet read live
+// (5 GPU blocks, the engine 10; orphanChunk off). Now the chunk after an
+// engine message ends the replay as a hole would (errReplayGap), the
+// bucket's snapshot (from before the save) does not reach past it, and
+// quiet is not live until its bridge's table is loaded.
+func TestSharedReplayMeetsResyncChunkWithoutClear(t *testing.T) {
+	w, r := holeWorld(t, 107)
+	for n := 0; instBlocks(w.ctx, w.truth, "quiet")[0] < 4; n++ {
+		if n == 100 {
+			t.Fatal("after 100 messages quiet's engine holds fewer than 4 blocks")
+		}
+		w.publishOne("quiet")
+	}
+	w.convergeBeating("quiet holding blocks", r)
+	w.saveRDB()
+	w.keepBucket = true // the bucket keeps quiet's snapshot from before the save
+	saved, err := r.idx.Position(w.ctx, "quiet")
+	if err != nil || !saved.Seeded {
+		t.Fatalf("quiet's position at the save: %v, %v", saved, err)
+	}
+	atSave := instBlocks(w.ctx, r.idx, "quiet")[0]
+	for n := 0; instBlocks(w.ctx, w.truth, "quiet")[0] >= atSave || len(w.tableDump("quiet")) < 2; n++ {
+		if n == 100 {
+			t.Fatalf("after 100 messages the engine holds %d blocks, %d at the save", instBlocks(w.ctx, w.truth, "quiet")[0], atSave)
+		}
+		w.publishOne("quiet")
+	}
+	last := w.chunkedResync("quiet")
+	stop := make(chan struct{})
+	hb := w.heartbeats(stop)
+	t.Cleanup(func() { close(stop); hb.Wait() })
+	w.converge("the resync applied", r)
+	msgs := w.messages("quiet", saved.Seq)
+	for _, m := range msgs[:len(msgs)-1] { // all but the last chunk
+		if err := w.stream().DeleteMsg(w.ctx, m.Sequence); err != nil {
+			t.Fatal(err)
+		}
+	}
+	w.redis.Kill()
+	testenv.WaitFor(t, 10*time.Second, "the outage noticed", func() bool { return !r.c.IndexConsistent() })
+	w.redis.Start() // loads the RDB: quiet as of the save
+	testenv.WaitFor(t, 20*time.Second, "quiet's repair tried", func() bool { return r.c.status("quiet").Gaps > 0 || r.c.IndexConsistent() })
+	w.notLive(1500*time.Millisecond, "quiet", "after its repair met a resync's chunk without its clear", r)
+	w.answer("quiet", w.quietTableAt(kvindex.Position{Seq: last}))
+	w.converge("the bridge's table after the resync", r)
+}
