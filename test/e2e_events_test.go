@@ -474,20 +474,11 @@ func TestE2ESnapshotStoresBesideHeartbeats(t *testing.T) {
 	}
 }
 
-// An engine message over the NATS server's max payload (a step storing
-// 25,000 blocks, 1.7 MB against the default 1 MiB) between captured vLLM
-// batches, and a store chained onto its blocks after it, as the engine on
-// the real binaries sent (docs/BENCHMARKS.md §3, sessions 18 and 19): the
-// bridge folds it into its table and publishes a resync, so the router's
-// index ends with exactly the engine's blocks, the messages after it
-// applied in order (the consumer at the last engine seq, no gap). Sent
-// live; lost on the PUB socket and filled from the replay; and live with
-// the message after it lost, so that the gap's fill checks the oversize
-// message's hash against the engine's replay (a mismatch would clear the
-// instance as restarted and resync it again). A router started
-// afterwards, from the snapshot and the stream, holds the same.
-func TestE2EOversizeEngineMessage(t *testing.T) {
-	ps := eventstest.CapturedPayloads(t, "array.jsonl")
+// oversizeMessages is an engine message over the NATS server's max
+// payload (a step storing 25,000 blocks, 1.7 MB against the default
+// 1 MiB), then one storing two blocks chained onto its last.
+func oversizeMessages(t *testing.T) [][]byte {
+	t.Helper()
 	big := events.Event{Kind: events.BlockStored, BlockSize: 16, Medium: "GPU"}
 	for i := range 25000 {
 		big.BlockHashes = append(big.BlockHashes, 0x7000_0000+uint64(i))
@@ -505,6 +496,24 @@ func TestE2EOversizeEngineMessage(t *testing.T) {
 		}
 		sent = append(sent, p)
 	}
+	return sent
+}
+
+// An engine message over the NATS server's max payload (a step storing
+// 25,000 blocks, 1.7 MB against the default 1 MiB) between captured vLLM
+// batches, and a store chained onto its blocks after it, as the engine on
+// the real binaries sent (docs/BENCHMARKS.md §3, sessions 18 and 19): the
+// bridge folds it into its table and publishes a resync, so the router's
+// index ends with exactly the engine's blocks, the messages after it
+// applied in order (the consumer at the last engine seq, no gap). Sent
+// live; lost on the PUB socket and filled from the replay; and live with
+// the message after it lost, so that the gap's fill checks the oversize
+// message's hash against the engine's replay (a mismatch would clear the
+// instance as restarted and resync it again). A router started
+// afterwards, from the snapshot and the stream, holds the same.
+func TestE2EOversizeEngineMessage(t *testing.T) {
+	ps := eventstest.CapturedPayloads(t, "array.jsonl")
+	sent := oversizeMessages(t)
 	all := append([][]byte{ps[0]}, sent...)
 	all = append(all, ps[1:10]...)
 	for _, tc := range []struct {

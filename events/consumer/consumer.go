@@ -221,6 +221,10 @@ type inst struct {
 	clearAt uint64
 	// Owned by the instance's shard goroutine.
 	needLoad bool
+	// resync: whether the instance's last message this router took in (or
+	// the snapshot it loaded, which is never inside a resync) is part of
+	// a bridge's resync: its clear or a table chunk after it (orphanChunk).
+	resync resyncState
 	// run and prevRun: the bridge runs (from the message ids) of the
 	// instance's last message and of the last one before it from another
 	// run; a message of prevRun means two bridges alternate (publisher).
@@ -259,6 +263,16 @@ type inst struct {
 	// Consumer.mu.
 	await uint64
 }
+
+// resyncState is what a router knows of an instance's last message, for
+// a resync's table chunk to tell whether it follows its clear.
+type resyncState uint8
+
+const (
+	resyncUnknown resyncState = iota // nothing taken in yet: a shared index's router that started after it
+	resyncClosed                     // an engine message, another synthetic one, or a snapshot
+	resyncOpen                       // a resync's clear, or a chunk after it
+)
 
 type workKind uint8
 

@@ -282,6 +282,14 @@ func (c *Consumer) event(ctx context.Context, w work, in *inst, purged bool, dec
 			return
 		}
 		batch, err := dec.Decode(w.data) // valid until the shard's next message
+		if err == nil && !in.restreamed && orphanChunk(h.Synthetic, clearsAll(batch.Events), in.resync) {
+			if c.lostBefore(ctx, w, in, 0, lostResyncClear, nil) == seqCovered {
+				return
+			}
+			c.mu.Lock()
+			in.seqsFrom(w.streamSeq)
+			c.mu.Unlock()
+		}
 		c.applyBatch(ctx, w, in, h, engineMsg, h.Seq, batch, err)
 		return
 	}
@@ -393,63 +401,53 @@ func (c *Consumer) seqCheck(ctx context.Context, w work, in *inst, seq uint64) i
 	if !in.hasSeq {
 		cleared, clearErr = c.lostSinceClear(ctx, w.instance, in, w.streamSeq, seq)
 	}
-	if gap || cleared {
-		// The bridge publishes every engine seq or a clear, so a hole here
-		// means the stream lost messages before we read them (retention
-		// passed us by): the snapshot is the only way back to the truth.
-		clearAt := in.clearAt // written only by this goroutine
-		c.mu.Lock()
-		in.status.Gaps++
-		c.mu.Unlock()
-		c.m.gaps.Inc()
-		if cleared {
-			c.cfg.Logger.Warn("consumer: the stream may have lost the instance's messages after a clear (the clear is gone from it), reloading snapshot",
-				"instance", w.instance, "clear_stream_seq", clearAt, "stream_seq", w.streamSeq, "seq", seq, "err", clearErr)
-		} else {
-			c.cfg.Logger.Warn("consumer: engine seq gap in the stream, reloading snapshot", "instance", w.instance,
-				"last_seq", in.status.LastSeq, "seq", seq)
-		}
-		if !c.cfg.SharedIndex {
-			lostBefore := in.status.ReplayLost // written only by this goroutine
-			start := time.Now()
-			c.load(ctx, w.instance, in, w.streamSeq)
-			if w.streamSeq != 0 && w.streamSeq <= in.skipUpTo {
-				c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
-				return seqCovered
-			}
-			// After a clear, only a snapshot taken at or after it numbers
-			// this message's process: one taken before (the bucket's, the
-			// bridge not answering) holds the old process's blocks and
-			// seqs, and none leaves the clear with the lost messages
-			// missing. A snapshot's stream seq is the last message its
-			// table covers, so one at the clear's was taken after it (a
-			// resync of an empty table: the clear alone, the engine seq
-			// kept); one after a gap or restart clear has no engine seq
-			// (hasSeq false). Counted only strictly past it, a quiet
-			// instance whose such resync aged out was held as a hole,
-			// though its engine seq followed on.
-			followsOn := in.hasSeq && (!cleared || in.status.SnapshotSeq >= clearAt)
-			if followsOn && seq <= in.status.LastSeq {
-				// The snapshot already holds this engine seq: applying it
-				// again could bring back blocks removed since.
-				return seqSkip
-			}
-			if cleared && !followsOn || followsOn && seq > in.status.LastSeq+1 {
-				// The snapshot and the replay after it still stop short
-				// of this message (the bridge did not answer, and the
-				// bucket's is older than the hole): what lay between is
-				// gone, and with it stores and removals the index
-				// misses. Applied meanwhile, but not live (holdHole)
-				// until a snapshot past it or a clear; one hole is
-				// counted once, here or by the replay.
-				c.holdHole(in, w.streamSeq)
-				c.retryHole(in, start)
-				if in.status.ReplayLost == lostBefore {
-					c.countLost(in, "hole", "consumer: engine seq gap remains after reload; not live until a snapshot past it or a clear",
-						"instance", w.instance, "last_seq", in.status.LastSeq, "seq", seq, "stream_seq", w.streamSeq, "after_clear", cleared)
-				}
-			}
-		} else if c.shared != nil {
+	switch {
+	case gap:
+		return c.lostBefore(ctx, w, in, seq, lostGap, nil)
+	case cleared:
+		return c.lostBefore(ctx, w, in, seq, lostAfterClear, clearErr)
+	case c.shared != nil && in.hole != 0 && in.loadDue():
+		c.repairHole(ctx, w.instance, in, w.streamSeq, seq, false)
+	}
+	return seqApply
+}
+
+// What the stream lost before an instance's message (lostBefore).
+const (
+	lostGap         = iota // engine seqs do not follow on from the last applied
+	lostAfterClear         // the first engine message after a clear the stream no longer holds (lostSinceClear)
+	lostResyncClear        // a resync's table chunk whose clear this router never read (orphanChunk)
+)
+
+// lostBefore handles messages of the instance the stream lost before its
+// message w (engine seq seq; 0 for a resync's table chunk), why says how
+// that showed. The bridge publishes every engine seq or a clear, so a
+// hole here means retention removed messages before this router read
+// them: the snapshot is the only way back to the truth. It reports
+// seqCovered when the snapshot loaded covers the whole message, seqSkip
+// when it already holds its engine seq, else seqApply.
+func (c *Consumer) lostBefore(ctx context.Context, w work, in *inst, seq uint64, why int, err error) int {
+	clearAt := in.clearAt // written only by this goroutine
+	c.mu.Lock()
+	in.status.Gaps++
+	c.mu.Unlock()
+	c.m.gaps.Inc()
+	switch why {
+	case lostGap:
+		c.cfg.Logger.Warn("consumer: engine seq gap in the stream, reloading snapshot", "instance", w.instance,
+			"last_seq", in.status.LastSeq, "seq", seq)
+	case lostAfterClear:
+		c.cfg.Logger.Warn("consumer: the stream may have lost the instance's messages after a clear (the clear is gone from it), reloading snapshot",
+			"instance", w.instance, "clear_stream_seq", clearAt, "stream_seq", w.streamSeq, "seq", seq, "err", err)
+	case lostResyncClear:
+		c.cfg.Logger.Warn("consumer: the stream lost the instance's resync clear (a table chunk of the resync came without it), reloading snapshot",
+			"instance", w.instance, "stream_seq", w.streamSeq, "last_stream_seq", in.status.StreamSeq, "last_seq", in.status.LastSeq)
+	}
+	// Nothing to follow on from but the message itself: after a clear,
+	// or for a resync's chunk (no engine seq).
+	cleared := why != lostGap
+	if c.cfg.SharedIndex {
+		if c.shared != nil {
 			if cleared {
 				// No engine seq (0, as for a lost tail): none to follow
 				// on from since the clear, so a snapshot's seqs say
@@ -460,10 +458,68 @@ func (c *Consumer) seqCheck(ctx context.Context, w work, in *inst, seq uint64) i
 			}
 			c.repairHole(ctx, w.instance, in, w.streamSeq, seq, true)
 		}
-	} else if c.shared != nil && in.hole != 0 && in.loadDue() {
-		c.repairHole(ctx, w.instance, in, w.streamSeq, seq, false)
+		return seqApply
+	}
+	lostBefore := in.status.ReplayLost // written only by this goroutine
+	start := time.Now()
+	c.load(ctx, w.instance, in, w.streamSeq)
+	if w.streamSeq != 0 && w.streamSeq <= in.skipUpTo {
+		c.m.messages.WithLabelValues("covered_by_snapshot").Inc()
+		return seqCovered
+	}
+	// After a clear, only a snapshot taken at or after it numbers this
+	// message's process: one taken before (the bucket's, the bridge not
+	// answering) holds the old process's blocks and seqs, and none leaves
+	// the clear with the lost messages missing. A snapshot's stream seq is
+	// the last message its table covers, so one at the clear's was taken
+	// after it (a resync of an empty table: the clear alone, the engine
+	// seq kept); one after a gap or restart clear has no engine seq
+	// (hasSeq false). Counted only strictly past it, a quiet instance
+	// whose such resync aged out was held as a hole, though its engine seq
+	// followed on. A resync's chunk follows on from nothing short of a
+	// snapshot covering it (above): the lost clear and chunks before it
+	// rebuilt the bridge's table, which no older snapshot holds.
+	followsOn := in.hasSeq && (why == lostGap || why == lostAfterClear && in.status.SnapshotSeq >= clearAt)
+	if followsOn && seq <= in.status.LastSeq {
+		// The snapshot already holds this engine seq: applying it again
+		// could bring back blocks removed since.
+		return seqSkip
+	}
+	if cleared && !followsOn || followsOn && seq > in.status.LastSeq+1 {
+		// The snapshot and the replay after it still stop short of this
+		// message (the bridge did not answer, and the bucket's is older
+		// than the hole): what lay between is gone, and with it stores
+		// and removals the index misses. Applied meanwhile, but not live
+		// (holdHole) until a snapshot past it or a clear; one hole is
+		// counted once, here or by the replay.
+		c.holdHole(in, w.streamSeq)
+		c.retryHole(in, start)
+		if in.status.ReplayLost == lostBefore {
+			c.countLost(in, "hole", "consumer: engine seq gap remains after reload; not live until a snapshot past it or a clear",
+				"instance", w.instance, "last_seq", in.status.LastSeq, "seq", seq, "stream_seq", w.streamSeq, "after_clear", cleared)
+		}
 	}
 	return seqApply
+}
+
+// orphanChunk reports whether a message marked synthetic (clears: it
+// holds an AllBlocksCleared), taken in after a message that left prev,
+// is a resync's table chunk whose clear this router never read. The
+// bridge publishes a resync as its clear, then its table in chunks, with
+// none of the instance's other messages between them, and keeps its
+// engine seq across it; a snapshot's stream seq is never inside one (the
+// bridge moves it past the resync at its end). A chunk after a message
+// (or snapshot) of no resync means retention removed its clear, and the
+// chunks before it, before this router read them: the state the chunk is
+// applied over keeps what the clear wiped (blocks the engine removed in
+// messages lost with it, or left out of the bridge's table for another
+// reason). With the engine quiet after it nothing else shows it: no
+// engine message after it shows a seq gap, and the bridge's heartbeats
+// name the chunk's stream seq, this router's own (no lost tail). prev not
+// known (a shared index's router that started after the instance's last
+// message): not a loss.
+func orphanChunk(synthetic string, clears bool, prev resyncState) bool {
+	return synthetic == kvstream.SyntheticResync && !clears && prev == resyncClosed
 }
 
 // lostSinceClear reports whether the stream may have lost messages of the
@@ -574,6 +630,29 @@ func (in *inst) sawSeq(seq uint64) {
 	in.hasSeq = true
 }
 
+// seqsFrom starts the instance's engine seqs over after its message at
+// stream seq at: a bridge's clear, or a resync's chunk whose clear was
+// lost (orphanChunk), once the loss is handled (held as a hole, or the
+// snapshot loaded) and the chunk not covered by it. The bridge keeps its
+// engine seq across a resync, so its next engine message follows on from
+// that, not from this router's last one, whose gap to it is the loss
+// already counted; the chunk stands in for the clear's stream seq
+// (lostSinceClear). c.mu held.
+func (in *inst) seqsFrom(at uint64) {
+	in.hasSeq, in.clearAt = false, at
+}
+
+// resyncAfter is what a router knows of an instance after taking in a
+// message (orphanChunk): inside a resync after any of its messages (its
+// clear opens it; a chunk, found an orphan or not, continues it), else
+// not.
+func resyncAfter(synthetic string) resyncState {
+	if synthetic == kvstream.SyntheticResync {
+		return resyncOpen
+	}
+	return resyncClosed
+}
+
 // wipeHole clears the instance's pending hole when a clear at stream seq
 // at comes after it: what the lost messages did is wiped. c.mu held.
 func (in *inst) wipeHole(at uint64) {
@@ -633,10 +712,11 @@ func (c *Consumer) applyBatch(ctx context.Context, w work, in *inst, h kvstream.
 		in.sawSeq(seq)
 	}
 	clears := err == nil && clearsAll(batch.Events)
+	in.resync = resyncAfter(h.Synthetic)
 	if clearsSeq(h.Synthetic, clears) {
 		// The bridge cleared the instance: seq continuity starts over.
 		st.Clears++
-		in.hasSeq, in.clearAt = false, w.streamSeq
+		in.seqsFrom(w.streamSeq)
 		in.lost++
 	}
 	if clears {

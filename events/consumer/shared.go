@@ -403,6 +403,13 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 	applied := 0
 	defer func() { c.m.replayed.Add(float64(applied)) }()
 	var wipedBy uint64 // the stream seq of a clear found after an accepted hole
+	// Whether the index's message at pos is part of a resync: not, when it
+	// is an engine message (or a snapshot with an engine seq: never inside
+	// one); else not known.
+	prev := resyncUnknown
+	if ref.known {
+		prev = resyncClosed
+	}
 	for next := pos.Seq + 1; next < upTo && ctx.Err() == nil; {
 		m, err := getMsg(ctx, c.stream, next, subj)
 		if errors.Is(err, jetstream.ErrMsgNotFound) {
@@ -417,7 +424,13 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 		next = m.Sequence + 1
 		h, herr := kvstream.ParseEventHeaders(m.Header)
 		engineMsg := herr == nil && h.HasSeq && h.Synthetic == ""
-		if engineMsg && ref.known && h.Seq > ref.seq+1 {
+		batch, derr := decodeJoined(h, m.Data)
+		clears := derr == nil && clearsAll(batch.Events)
+		// A resync's chunk right after a message of no resync: its clear
+		// is gone from the stream (orphanChunk).
+		orphan := derr == nil && orphanChunk(h.Synthetic, clears, prev)
+		prev = resyncAfter(h.Synthetic)
+		if engineMsg && ref.known && h.Seq > ref.seq+1 || orphan {
 			// Counted once per hole: a repair that cannot get past it
 			// meets it again at every check.
 			c.mu.Lock()
@@ -435,6 +448,10 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 				if err != nil {
 					return pos, err
 				}
+				if at == 0 && orphan {
+					return pos, fmt.Errorf("%w: %s, the next message the stream holds (stream seq %d) is a resync's table chunk without its clear",
+						errReplayGap, instance, m.Sequence)
+				}
 				if at == 0 {
 					return pos, fmt.Errorf("%w: %s at engine seq %d, the next message the stream holds (stream seq %d) is engine seq %d",
 						errReplayGap, instance, ref.seq, m.Sequence, h.Seq)
@@ -449,15 +466,15 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 				}
 			}
 		}
-		batch, derr := decodeJoined(h, m.Data)
-		clears := derr == nil && clearsAll(batch.Events)
 		switch {
 		case engineMsg && (!ref.known || h.LastSeq() > ref.seq):
 			// A duplicate (a message stored twice, two bridges
 			// overlapping) does not lower it.
 			ref = engineRef{seq: h.LastSeq(), known: true}
-		case herr == nil && clearsSeq(h.Synthetic, clears):
-			ref = engineRef{} // a clear: seq continuity starts over
+		case herr == nil && clearsSeq(h.Synthetic, clears) || orphan:
+			// A clear, or a chunk standing in for its lost one (seqsFrom):
+			// seq continuity starts over.
+			ref = engineRef{}
 		}
 		if derr != nil {
 			continue // malformed: skipped (and counted) when consumed, never applied
@@ -483,8 +500,8 @@ func (c *Consumer) replayShared(ctx context.Context, instance string, in *inst, 
 			// As ref, and as applyBatch: a duplicate does not lower it.
 			in.sawSeq(h.LastSeq())
 		}
-		if herr == nil && clearsSeq(h.Synthetic, clears) {
-			in.hasSeq, in.clearAt = false, m.Sequence
+		if herr == nil && clearsSeq(h.Synthetic, clears) || orphan {
+			in.seqsFrom(m.Sequence)
 		}
 		if clears {
 			in.wipeHole(m.Sequence)

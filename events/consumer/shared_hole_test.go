@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvrouter/kvrouter/events"
+	"github.com/kvrouter/kvrouter/events/bridge"
 	"github.com/kvrouter/kvrouter/events/kvstream"
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
@@ -587,4 +588,155 @@ func TestSharedFirstMessageAfterClearLost(t *testing.T) {
 	w.answer("quiet", w.quietTableAt(kvindex.Position{Seq: last.Sequence}))
 	testenv.WaitFor(t, 15*time.Second, "quiet live after its bridge answered", func() bool { return r.c.Live("quiet") })
 	w.converge("the bridge's table past the lost message", r)
+}
+
+// The shared index, a resync's clear lost with the engine quiet after it:
+// the router falls behind retention while quiet's engine removes blocks
+// (messages the stream loses) and its bridge then resyncs (its clear,
+// then its table in two chunks); retention removes the clear and the
+// first chunk before the router reads them, and the second survives. No
+// engine message follows to show the seq gap, and the heartbeats name no
+// later message. Before, the router read quiet live, the index holding
+// the removed blocks (12 GPU blocks, the engine 4); now it is not live
+// until its bridge's table is loaded, then the index equals the engines.
+func TestSharedQuietResyncClearLost(t *testing.T) {
+	w, r := holeWorld(t, 101)
+	w.keepBucket = true // the bucket keeps quiet's snapshot from before the loss
+	w.stall(r.c)
+	// Until the engine holds fewer blocks than the index, in two chains
+	// at least: it removed blocks in the lost messages, which the
+	// resync's table no longer stores.
+	for n := 0; ; n++ {
+		truth, idx := instBlocks(w.ctx, w.truth, "quiet")[0], instBlocks(w.ctx, r.idx, "quiet")[0]
+		if truth < idx && len(w.tableDump("quiet")) >= 2 {
+			break
+		}
+		if n == 50 {
+			t.Fatalf("after 50 losses the engine holds %d blocks, the index %d", truth, idx)
+		}
+		w.lose("quiet")
+	}
+	last := w.chunkedResync("quiet")
+	w.purgeBelow(last)
+	testenv.WaitFor(t, 30*time.Second, "the router resumed past the loss", func() bool { return r.c.status("quiet").StreamSeq == last })
+	if w.diff(r.idx) == "" {
+		t.Fatal("the lost messages changed nothing the index shows")
+	}
+	w.notLive(1500*time.Millisecond, "quiet", "after its resync's clear was lost", r)
+	if st := r.c.status("quiet"); st.Gaps != 1 || st.ReplayLost != 1 {
+		t.Fatalf("gaps %d, replay lost %d: want the loss counted once", st.Gaps, st.ReplayLost)
+	}
+	w.answer("quiet", w.quietTableAt(kvindex.Position{Seq: last}))
+	testenv.WaitFor(t, 15*time.Second, "quiet live after its bridge answered", func() bool { return r.c.Live("quiet") })
+	w.converge("the bridge's table after the resync", r)
+}
+
+// tableDump is engine name's bridge's table as the bridge dumps it: a
+// stored event per chain of blocks.
+func (w *sharedWorld) tableDump(name string) []events.Event {
+	tab := bridge.NewTable(0)
+	tab.Apply(w.snapshots[name].evs)
+	return tab.Events()
+}
+
+// chunkedResync publishes a resync of engine name's bridge as the bridge
+// does: its clear, then its table's chains in two chunks. It returns the
+// stream seq of the last.
+func (w *sharedWorld) chunkedResync(name string) uint64 {
+	w.t.Helper()
+	dump := w.tableDump(name)
+	if len(dump) < 2 {
+		w.t.Fatalf("%s's table dumps as %d events, want two chunks' worth", name, len(dump))
+	}
+	half := len(dump) / 2
+	w.synthetic(name, kvstream.SyntheticResync, events.Event{Kind: events.AllBlocksCleared})
+	w.synthetic(name, kvstream.SyntheticResync, dump[:half]...)
+	w.synthetic(name, kvstream.SyntheticResync, dump[half:]...)
+	subj, _ := kvstream.EventsSubject(w.pool, name)
+	last, err := w.stream().GetLastMsgForSubject(w.ctx, subj)
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	return last.Sequence
+}
+
+// The other side of TestSharedQuietResyncClearLost: two routers read
+// quiet's resync whole (its clear, then its table in two chunks) between
+// its engine messages, and find nothing lost: no gap, no loss, no
+// snapshot loaded, and the index equals the engines.
+func TestSharedResyncReadWholeNoLoss(t *testing.T) {
+	w := newSharedWorld(t, 103, "e0", "quiet")
+	r1, r2 := w.startRouter(), w.startRouter()
+	w.publish(20)
+	w.convergeBeating("first messages", r1, r2)
+	loads := func(r *router) float64 {
+		return testenv.Metric(t, r.reg, "kvrouter_events_snapshot_loads_total", nil)
+	}
+	before1, before2 := loads(r1), loads(r2)
+	w.chunkedResync("quiet")
+	w.publish(5)
+	w.convergeBeating("after the resync", r1, r2)
+	for i, r := range []*router{r1, r2} {
+		if st := r.c.status("quiet"); st.Gaps != 0 || st.ReplayLost != 0 {
+			t.Fatalf("router %d: gaps %d, replay lost %d: want none, nothing was lost", i+1, st.Gaps, st.ReplayLost)
+		}
+	}
+	if l1, l2 := loads(r1), loads(r2); l1 != before1 || l2 != before2 {
+		t.Fatalf("snapshot loads %v and %v after the resync: want none", l1-before1, l2-before2)
+	}
+}
+
+// The shared index's repair replay meets a resync's chunk whose clear is
+// gone: Redis saved its RDB, quiet's engine then removed blocks and its
+// bridge resynced (its clear, then its table in two chunks), the router
+// applying it all; then quiet's messages since the save up to the first
+// chunk were removed from the stream (from its middle: e0's before them
+// remain), and Redis restarted from the RDB. The repair replays from the
+// index's restored position, quiet's message at the save, to the second
+// chunk alone: applied over an older state without the clear, it left
+// the index short of what the removed messages did, and quiet read live
+// (5 GPU blocks, the engine 10; orphanChunk off). Now the chunk after an
+// engine message ends the replay as a hole would (errReplayGap), the
+// bucket's snapshot (from before the save) does not reach past it, and
+// quiet is not live until its bridge's table is loaded.
+func TestSharedReplayMeetsResyncChunkWithoutClear(t *testing.T) {
+	w, r := holeWorld(t, 107)
+	for n := 0; instBlocks(w.ctx, w.truth, "quiet")[0] < 4; n++ {
+		if n == 100 {
+			t.Fatal("after 100 messages quiet's engine holds fewer than 4 blocks")
+		}
+		w.publishOne("quiet")
+	}
+	w.convergeBeating("quiet holding blocks", r)
+	w.saveRDB()
+	w.keepBucket = true // the bucket keeps quiet's snapshot from before the save
+	saved, err := r.idx.Position(w.ctx, "quiet")
+	if err != nil || !saved.Seeded {
+		t.Fatalf("quiet's position at the save: %v, %v", saved, err)
+	}
+	atSave := instBlocks(w.ctx, r.idx, "quiet")[0]
+	for n := 0; instBlocks(w.ctx, w.truth, "quiet")[0] >= atSave || len(w.tableDump("quiet")) < 2; n++ {
+		if n == 100 {
+			t.Fatalf("after 100 messages the engine holds %d blocks, %d at the save", instBlocks(w.ctx, w.truth, "quiet")[0], atSave)
+		}
+		w.publishOne("quiet")
+	}
+	last := w.chunkedResync("quiet")
+	stop := make(chan struct{})
+	hb := w.heartbeats(stop)
+	t.Cleanup(func() { close(stop); hb.Wait() })
+	w.converge("the resync applied", r)
+	msgs := w.messages("quiet", saved.Seq)
+	for _, m := range msgs[:len(msgs)-1] { // all but the last chunk
+		if err := w.stream().DeleteMsg(w.ctx, m.Sequence); err != nil {
+			t.Fatal(err)
+		}
+	}
+	w.redis.Kill()
+	testenv.WaitFor(t, 10*time.Second, "the outage noticed", func() bool { return !r.c.IndexConsistent() })
+	w.redis.Start() // loads the RDB: quiet as of the save
+	testenv.WaitFor(t, 20*time.Second, "quiet's repair tried", func() bool { return r.c.status("quiet").Gaps > 0 || r.c.IndexConsistent() })
+	w.notLive(1500*time.Millisecond, "quiet", "after its repair met a resync's chunk without its clear", r)
+	w.answer("quiet", w.quietTableAt(kvindex.Position{Seq: last}))
+	w.converge("the bridge's table after the resync", r)
 }

@@ -148,7 +148,8 @@ func (c *Consumer) load(ctx context.Context, instance string, in *inst, cur uint
 	in.skipUpTo = pos
 	c.m.snapshotLoads.WithLabelValues(source).Inc()
 	c.mu.Lock()
-	in.short = false // a snapshot replaced the state; the replay below decides again
+	in.short = false         // a snapshot replaced the state; the replay below decides again
+	in.resync = resyncClosed // never inside a resync (orphanChunk); the replay below follows on
 	in.status.SnapshotSeq = pos
 	if pos > in.status.StreamSeq {
 		in.status.StreamSeq = pos
@@ -340,9 +341,14 @@ func (c *Consumer) replay(ctx context.Context, instance string, in *inst, from, 
 		if engineMsg {
 			in.sawSeq(h.LastSeq()) // a duplicate does not lower it
 		}
-		if clearsSeq(h.Synthetic, clears) {
-			in.hasSeq, in.clearAt = false, m.Sequence
+		orphan := !in.restreamed && orphanChunk(h.Synthetic, clears, in.resync)
+		if orphan {
+			gapAt = m.Sequence // a resync's chunk without its clear (orphanChunk)
 		}
+		if clearsSeq(h.Synthetic, clears) || orphan {
+			in.seqsFrom(m.Sequence)
+		}
+		in.resync = resyncAfter(h.Synthetic)
 		if clears {
 			gapAt = 0 // what the lost messages did is wiped
 			in.wipeHole(m.Sequence)
