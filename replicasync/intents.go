@@ -96,7 +96,7 @@ func (s *Syncer) CountSequence(d SequencerStats, hold time.Duration) {
 	for _, c := range [...]struct {
 		outcome string
 		n       int64
-	}{{"held", d.Held}, {"alone", d.Alone}, {"received", d.Received}, {"late", d.Late}, {"dropped", d.Dropped}} {
+	}{{"held", d.Held}, {"alone", d.Alone}, {"received", d.Received}, {"late", d.Late}, {"dropped", d.Dropped}, {"future", d.Future}} {
 		if c.n > 0 {
 			s.m.sequenced.WithLabelValues(pool, c.outcome).Add(float64(c.n))
 		}

@@ -61,7 +61,9 @@ type SequencerConfig struct {
 	Epoch time.Duration
 	// Grace is how long after an epoch's end the peers' intents are waited
 	// for: one delivery (a NATS hop plus the clocks' skew). An intent
-	// received after its epoch was due is late: left to its owner.
+	// received after its epoch was due is late: left to its owner; one
+	// due more than Epoch + 2×Grace ahead (its owner's clock further ahead
+	// than the skew a grace allows) is future: left to its owner too.
 	Grace time.Duration
 	// MaxPerEpoch bounds an epoch's intents (0: DefaultMaxPerEpoch).
 	MaxPerEpoch int
@@ -77,8 +79,11 @@ type SequencerStats struct {
 	// at once (no live peer, a partial epoch, the bound). Received: peers'
 	// intents sequenced. Late: peers' intents received after their epoch
 	// was due (or of a partial epoch), left to their owner. Dropped:
-	// peers' intents beyond the bound.
-	Held, Alone, Received, Late, Dropped int64
+	// peers' intents beyond the bound. Future: peers' intents due more
+	// than Epoch + 2×Grace ahead of this replica's clock, left to their
+	// owner (an epoch opened for one would hold this replica's requests
+	// until then).
+	Held, Alone, Received, Late, Dropped, Future int64
 }
 
 // Sequencer orders one replica's and its peers' intents by epoch. It is
@@ -125,6 +130,10 @@ func (s *Sequencer) epochOf(ns int64) int64 {
 func (s *Sequencer) dueAt(e int64) time.Time {
 	return time.Unix(0, (e+1)*int64(s.cfg.Epoch)).Add(s.cfg.Grace)
 }
+
+// DueAt is when the epoch of an intent arriving at ns (Unix ns) is
+// decided.
+func (s *Sequencer) DueAt(ns int64) time.Time { return s.dueAt(s.epochOf(ns)) }
 
 // partial reports whether epoch e began before the replica started.
 func (s *Sequencer) partial(e int64) bool {
@@ -176,8 +185,10 @@ func (s *Sequencer) EpochOf(ns int64) int64 { return s.epochOf(ns) }
 
 // Receive records a peer's intent at now. It returns false when the
 // intent is not sequenced here: late (its epoch was due by now or already
-// decided), of a partial epoch, or beyond the bound — its owner decides it
-// in its own order, and its effects arrive by the sync.
+// decided), of a partial epoch, future (due more than Epoch + 2×Grace
+// after now: an own request arriving now is due within Epoch + Grace, and
+// a peer's clock may be a grace ahead), or beyond the bound — its owner
+// decides it in its own order, and its effects arrive by the sync.
 func (s *Sequencer) Receive(now time.Time, in Intent) bool {
 	if in.Replica == s.cfg.Replica {
 		return false
@@ -186,6 +197,9 @@ func (s *Sequencer) Receive(now time.Time, in Intent) bool {
 	switch {
 	case e <= s.decided || !now.Before(s.dueAt(e)) || s.partial(e):
 		s.stats.Late++
+		return false
+	case s.dueAt(e).Sub(now) > s.cfg.Epoch+2*s.cfg.Grace:
+		s.stats.Future++
 		return false
 	case len(s.open[e]) >= s.cfg.MaxPerEpoch:
 		s.stats.Dropped++

@@ -66,6 +66,11 @@ type seqState struct {
 	last    replicasync.SequencerStats // counted in the metrics so far
 	waiters map[uint64]*seqWaiter      // own held intents by Seq
 	running bool                       // the epoch loop runs
+	// sleep is the due time the loop sleeps until (zero while it does
+	// not sleep); wake (capacity 1) wakes it when an epoch due earlier
+	// opens meanwhile.
+	sleep time.Time
+	wake  chan struct{}
 	// strat and cands are the newest held request's strategy and
 	// candidates: what the loop decides its epoch's dry intents with.
 	strat *KVAware
@@ -80,7 +85,7 @@ func (st *KVState) attachSequencing(ps PeerState) {
 	if !ok || ip.Sequence() <= 0 {
 		return
 	}
-	q := &seqState{ip: ip, now: st.now, waiters: map[uint64]*seqWaiter{}}
+	q := &seqState{ip: ip, now: st.now, waiters: map[uint64]*seqWaiter{}, wake: make(chan struct{}, 1)}
 	q.sq = replicasync.NewSequencer(replicasync.SequencerConfig{
 		Replica: ip.Replica(), Epoch: ip.Sequence(), Grace: ip.Grace(), Start: st.now()})
 	st.seq = q
@@ -102,7 +107,8 @@ func (st *KVState) SequenceStats() replicasync.SequencerStats {
 func (q *seqState) countLocked() {
 	cur := q.sq.Stats()
 	d := replicasync.SequencerStats{Held: cur.Held - q.last.Held, Alone: cur.Alone - q.last.Alone,
-		Received: cur.Received - q.last.Received, Late: cur.Late - q.last.Late, Dropped: cur.Dropped - q.last.Dropped}
+		Received: cur.Received - q.last.Received, Late: cur.Late - q.last.Late, Dropped: cur.Dropped - q.last.Dropped,
+		Future: cur.Future - q.last.Future}
 	q.last = cur
 	if d != (replicasync.SequencerStats{}) {
 		q.ip.CountSequence(d, -1)
@@ -114,14 +120,22 @@ func (q *seqState) receive(in replicasync.Intent) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if q.sq.Receive(q.now(), in) {
-		q.startLocked()
+		q.startLocked(in.Arrival)
 	}
 	q.countLocked()
 }
 
-// startLocked starts the epoch loop unless it runs.
-func (q *seqState) startLocked() {
+// startLocked starts the epoch loop unless it runs, or wakes it when it
+// sleeps until an epoch due after that of an intent arriving at arrival
+// (Unix ns), just opened.
+func (q *seqState) startLocked(arrival int64) {
 	if q.running {
+		if !q.sleep.IsZero() && q.sq.DueAt(arrival).Before(q.sleep) {
+			select {
+			case q.wake <- struct{}{}:
+			default:
+			}
+		}
 		return
 	}
 	q.running = true
@@ -148,7 +162,7 @@ func (q *seqState) hold(ctx context.Context, s *KVAware, req *router.Request, ca
 		w = &seqWaiter{start: start, turn: make(chan struct{}), done: make(chan struct{})}
 		q.waiters[in.Seq] = w
 		q.strat, q.cands = s, slices.Clone(cands)
-		q.startLocked()
+		q.startLocked(in.Arrival)
 	}
 	q.countLocked()
 	q.mu.Unlock()
@@ -194,12 +208,20 @@ func (q *seqState) run() {
 			q.mu.Unlock()
 			return
 		}
+		d := at.Sub(q.now())
+		if d > 0 {
+			q.sleep = at
+		}
 		q.mu.Unlock()
-		if d := at.Sub(q.now()); d > 0 {
+		if d > 0 {
 			t.Reset(d)
-			<-t.C
+			select {
+			case <-t.C:
+			case <-q.wake: // an earlier epoch opened: look again
+			}
 		}
 		q.mu.Lock()
+		q.sleep = time.Time{}
 		due := q.sq.Due(q.now(), nil)
 		s, cands := q.strat, q.cands
 		q.mu.Unlock()

@@ -1,0 +1,82 @@
+package kvaware
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/replicasync"
+)
+
+// A peer's intent stamped seconds ahead of this replica's clock neither
+// opens an epoch the loop sleeps on nor stalls this replica's own held
+// requests: it is refused (future), and a held request is decided when its
+// own epoch is due.
+func TestFutureIntentDoesNotStallHeldRequests(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	const seq = 5 * time.Millisecond
+	a := newPeerWorldRun(t, url, pool, "a", 4, true, seq)
+	b := newPeerWorldRun(t, url, pool, "b", 4, true, seq)
+	waitUntil(t, "peers live", func() bool { return a.sync.Live() == 1 && b.sync.Live() == 1 })
+	time.Sleep(10 * seq) // past the partial epoch
+
+	nc := testenv.Connect(t, url)
+	m := replicasync.Message{Kind: replicasync.KindIntent, Replica: "z", Incarnation: 1,
+		Intents: []replicasync.Intent{{Seq: 1, Arrival: time.Now().Add(3 * time.Second).UnixNano(), Tokens: 10}}}
+	buf, err := m.AppendBinary(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Publish(a.sync.IntentSubject(), buf); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "a takes z's intent", func() bool {
+		st := a.st.SequenceStats()
+		return st.Received+st.Late+st.Future == 1
+	})
+
+	s := a.strategy(config.RoutingConfig{})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	t0 := time.Now()
+	_, err = s.Pick(ctx, kvRequest("q", promptTokens(1, 4*kvTestBS)), a.insts)
+	if el := time.Since(t0); err != nil || el > 500*time.Millisecond {
+		t.Fatalf("a's held request returned after %v (err %v); its own epoch was due within %v", el, err, seq+a.sync.Grace())
+	}
+}
+
+// A held request whose epoch opens while the loop sleeps until a later
+// epoch (a peer's intent from a clock ahead, within the skew allowed) is
+// decided when its own epoch is due: the loop is woken, not left sleeping
+// until the later epoch.
+func TestSequenceLoopWokenByEarlierEpoch(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	const seq = 50 * time.Millisecond // grace 4δ: intents up to 9δ ahead are sequenced
+	a := newPeerWorldRun(t, url, pool, "a", 4, true, seq)
+	b := newPeerWorldRun(t, url, pool, "b", 4, true, seq)
+	waitUntil(t, "peers live", func() bool { return a.sync.Live() == 1 && b.sync.Live() == 1 })
+	time.Sleep(2 * seq) // past the partial epoch
+
+	ahead := time.Now().Add(4 * seq)
+	in := replicasync.Intent{Seq: 1, Arrival: ahead.UnixNano(), Tokens: 10}
+	if !b.sync.PublishIntent(in) {
+		t.Fatal("intent refused")
+	}
+	waitUntil(t, "a sequences b's intent", func() bool { return a.st.SequenceStats().Received == 1 })
+	later := time.Unix(0, ahead.UnixNano()).Truncate(seq).Add(seq + a.sync.Grace()) // when b's epoch is due
+
+	s := a.strategy(config.RoutingConfig{})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	if _, err := s.Pick(ctx, kvRequest("q", promptTokens(1, 4*kvTestBS)), a.insts); err != nil {
+		t.Fatal(err)
+	}
+	if now := time.Now(); !now.Before(later) {
+		t.Fatalf("a's held request returned at %v, after b's later epoch was due (%v): the loop slept through its own epoch",
+			now.Format("15:04:05.000"), later.Format("15:04:05.000"))
+	}
+}
