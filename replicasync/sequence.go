@@ -131,9 +131,8 @@ func (s *Sequencer) dueAt(e int64) time.Time {
 	return time.Unix(0, (e+1)*int64(s.cfg.Epoch)).Add(s.cfg.Grace)
 }
 
-// DueAt is when the epoch of an intent arriving at ns (Unix ns) is
-// decided.
-func (s *Sequencer) DueAt(ns int64) time.Time { return s.dueAt(s.epochOf(ns)) }
+// EpochDue is when epoch e is decided.
+func (s *Sequencer) EpochDue(e int64) time.Time { return s.dueAt(e) }
 
 // partial reports whether epoch e began before the replica started.
 func (s *Sequencer) partial(e int64) bool {

@@ -2,6 +2,7 @@ package kvaware
 
 import (
 	"context"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -78,5 +79,34 @@ func TestSequenceLoopWokenByEarlierEpoch(t *testing.T) {
 	if now := time.Now(); !now.Before(later) {
 		t.Fatalf("a's held request returned at %v, after b's later epoch was due (%v): the loop slept through its own epoch",
 			now.Format("15:04:05.000"), later.Format("15:04:05.000"))
+	}
+}
+
+// A wall-clock step back while a request is held does not make it wait
+// the step's length: its wait is bounded on the monotonic clock.
+func TestClockStepBackDoesNotStallHeldRequest(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	const seq = 20 * time.Millisecond
+	var offset atomic.Int64
+	a := newPeerWorldNow(t, url, pool, "a", 4, true, seq, func() time.Time { return time.Now().Add(time.Duration(offset.Load())) })
+	b := newPeerWorldRun(t, url, pool, "b", 4, true, seq)
+	waitUntil(t, "peers live", func() bool { return a.sync.Live() == 1 && b.sync.Live() == 1 })
+	time.Sleep(3 * seq) // past the partial epoch
+
+	s := a.strategy(config.RoutingConfig{})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	t0 := time.Now()
+	go func() {
+		_, err := s.Pick(ctx, kvRequest("q", promptTokens(1, 4*kvTestBS)), a.insts)
+		done <- err
+	}()
+	waitUntil(t, "the request is held", func() bool { return a.st.SequenceStats().Held == 1 })
+	offset.Store(int64(-2 * time.Second))
+	err := <-done
+	if el := time.Since(t0); err != nil || el > 500*time.Millisecond {
+		t.Fatalf("a's held request returned after %v (err %v); its epoch was due within %v", el, err, seq+a.sync.Grace())
 	}
 }

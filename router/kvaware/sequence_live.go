@@ -47,7 +47,7 @@ var _ IntentPeers = (*replicasync.Syncer)(nil)
 
 // seqWaiter is a held request waiting for its turn.
 type seqWaiter struct {
-	start time.Time
+	start time.Time     // when it was held, on the real clock (the hold metric)
 	turn  chan struct{} // closed by the loop: pick now
 	done  chan struct{} // closed by the owner when its pick returned
 	// granted: the loop closed turn; left: the owner is gone before its
@@ -71,6 +71,11 @@ type seqState struct {
 	// opens meanwhile.
 	sleep time.Time
 	wake  chan struct{}
+	// deadline is, per open epoch, when it is decided on the monotonic
+	// clock: its wall-clock due time as read when it opened, so that a
+	// wall clock stepped back meanwhile does not hold its requests for
+	// the step's length.
+	deadline map[int64]time.Time
 	// strat and cands are the newest held request's strategy and
 	// candidates: what the loop decides its epoch's dry intents with.
 	strat *KVAware
@@ -85,7 +90,8 @@ func (st *KVState) attachSequencing(ps PeerState) {
 	if !ok || ip.Sequence() <= 0 {
 		return
 	}
-	q := &seqState{ip: ip, now: st.now, waiters: map[uint64]*seqWaiter{}, wake: make(chan struct{}, 1)}
+	q := &seqState{ip: ip, now: st.now, waiters: map[uint64]*seqWaiter{}, wake: make(chan struct{}, 1),
+		deadline: map[int64]time.Time{}}
 	q.sq = replicasync.NewSequencer(replicasync.SequencerConfig{
 		Replica: ip.Replica(), Epoch: ip.Sequence(), Grace: ip.Grace(), Start: st.now()})
 	st.seq = q
@@ -119,10 +125,23 @@ func (q *seqState) countLocked() {
 func (q *seqState) receive(in replicasync.Intent) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	if q.sq.Receive(q.now(), in) {
+	if now := q.now(); q.sq.Receive(now, in) {
+		q.openedLocked(now, in.Arrival)
 		q.startLocked(in.Arrival)
 	}
 	q.countLocked()
+}
+
+// openedLocked records when the epoch of an intent arriving at arrival,
+// just sequenced at wall-clock now, is due on the monotonic clock (the
+// real clock's: st.now may be another's), unless its epoch has a
+// deadline already. Bounded by Hold (an own request is due within δ +
+// grace) and Receive (a peer's within δ + 2 × grace).
+func (q *seqState) openedLocked(now time.Time, arrival int64) {
+	e := q.sq.EpochOf(arrival)
+	if _, ok := q.deadline[e]; !ok {
+		q.deadline[e] = time.Now().Add(q.sq.EpochDue(e).Sub(now))
+	}
 }
 
 // startLocked starts the epoch loop unless it runs, or wakes it when it
@@ -130,7 +149,7 @@ func (q *seqState) receive(in replicasync.Intent) {
 // (Unix ns), just opened.
 func (q *seqState) startLocked(arrival int64) {
 	if q.running {
-		if !q.sleep.IsZero() && q.sq.DueAt(arrival).Before(q.sleep) {
+		if !q.sleep.IsZero() && q.sq.EpochDue(q.sq.EpochOf(arrival)).Before(q.sleep) {
 			select {
 			case q.wake <- struct{}{}:
 			default:
@@ -159,7 +178,8 @@ func (q *seqState) hold(ctx context.Context, s *KVAware, req *router.Request, ca
 	in, held := q.sq.Hold(start, true, in)
 	var w *seqWaiter
 	if held {
-		w = &seqWaiter{start: start, turn: make(chan struct{}), done: make(chan struct{})}
+		q.openedLocked(start, in.Arrival)
+		w = &seqWaiter{start: time.Now(), turn: make(chan struct{}), done: make(chan struct{})}
 		q.waiters[in.Seq] = w
 		q.strat, q.cands = s, slices.Clone(cands)
 		q.startLocked(in.Arrival)
@@ -205,10 +225,14 @@ func (q *seqState) run() {
 		at, ok := q.sq.Next()
 		if !ok {
 			q.running = false
+			clear(q.deadline)
 			q.mu.Unlock()
 			return
 		}
 		d := at.Sub(q.now())
+		for _, dl := range q.deadline {
+			d = min(d, time.Until(dl))
+		}
 		if d > 0 {
 			q.sleep = at
 		}
@@ -222,7 +246,20 @@ func (q *seqState) run() {
 		}
 		q.mu.Lock()
 		q.sleep = time.Time{}
-		due := q.sq.Due(q.now(), nil)
+		// An epoch past its monotonic deadline is due whatever the wall
+		// clock says (stepped back since it opened).
+		now, mono := q.now(), time.Now()
+		for e, dl := range q.deadline {
+			if !mono.Before(dl) {
+				now = maxTime(now, q.sq.EpochDue(e))
+			}
+		}
+		due := q.sq.Due(now, nil)
+		for e := range q.deadline {
+			if !now.Before(q.sq.EpochDue(e)) {
+				delete(q.deadline, e)
+			}
+		}
 		s, cands := q.strat, q.cands
 		q.mu.Unlock()
 		for len(due) > 0 {
@@ -260,7 +297,7 @@ func (q *seqState) decide(epoch []replicasync.Intent, s *KVAware, cands []*route
 			}
 			q.mu.Unlock()
 			if turn {
-				q.ip.CountSequence(replicasync.SequencerStats{}, q.now().Sub(w.start))
+				q.ip.CountSequence(replicasync.SequencerStats{}, time.Since(w.start))
 				<-w.done
 				continue
 			}
@@ -268,4 +305,12 @@ func (q *seqState) decide(epoch []replicasync.Intent, s *KVAware, cands []*route
 		_, _ = s.DecideIntent(context.Background(), in, false, cands)
 	}
 	s.st.EndEpoch()
+}
+
+// maxTime is the later of a and b.
+func maxTime(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
 }
