@@ -235,11 +235,13 @@ type Syncer struct {
 	placeSent bool
 	lastFull  time.Time
 	recent    []sentSpec // our unexpired announcements, for hellos
-	budgetMu  sync.Mutex // guards budget and refilled (intents are sent from the request path)
-	budget    float64    // rate limiter: bytes that may be sent now
-	refilled  time.Time
-	buf       []byte
-	loadBuf   []Load
+	// recentSpare is the slice flushSpecs compacts recent into.
+	recentSpare []sentSpec
+	budgetMu    sync.Mutex // guards budget and refilled (intents are sent from the request path)
+	budget      float64    // rate limiter: bytes that may be sent now
+	refilled    time.Time
+	buf         []byte
+	loadBuf     []Load
 
 	dupWarned atomic.Int64 // unix nanos of the last duplicate-name warning
 }
@@ -787,8 +789,11 @@ func (s *Syncer) flushSpecs(now time.Time, hello bool) {
 	q := s.queue
 	s.queue, s.queued = nil, 0
 	s.qMu.Unlock()
-	// Forget expired announcements; bound what is kept for hellos.
-	kept := s.recent[:0]
+	// Forget expired announcements; bound what is kept for hellos, the
+	// newest first. kept is the spare slice, not s.recent's: compacting
+	// s.recent in place while reading it from the back overwrote entries
+	// not yet read.
+	kept := s.recentSpare[:0]
 	keys := 0
 	for i := len(s.recent) - 1; i >= 0; i-- {
 		if r := s.recent[i]; r.exp.After(now) && keys+len(r.Keys) <= s.cfg.SpecCapacity {
@@ -796,12 +801,9 @@ func (s *Syncer) flushSpecs(now time.Time, hello bool) {
 			kept = append(kept, r)
 		}
 	}
-	// kept is newest first; restore oldest first.
-	for i, j := 0, len(kept)-1; i < j; i, j = i+1, j-1 {
-		kept[i], kept[j] = kept[j], kept[i]
-	}
-	clear(s.recent[len(kept):])
-	s.recent = kept
+	slices.Reverse(kept) // oldest first
+	clear(s.recent)
+	s.recent, s.recentSpare = kept, s.recent[:0]
 	var out []Spec
 	if hello {
 		for _, r := range s.recent {

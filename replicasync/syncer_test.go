@@ -494,3 +494,28 @@ func TestRentShared(t *testing.T) {
 		t.Fatalf("a holds accounts (%d, %v); b publishes none", g, acc)
 	}
 }
+
+// A hello's answer carries every unexpired announcement once, oldest
+// first: the list kept for hellos is compacted at each flush without
+// losing older entries.
+func TestHelloResendsEveryAnnouncement(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	slow := func(name string) Config {
+		return Config{Pool: pool, Replica: name, Interval: 10 * time.Millisecond, Heartbeat: time.Minute, PeerTimeout: 3 * time.Minute}
+	}
+	a := startReplica(t, url, slow("a"))
+	keys := []kvindex.Key{101, 102, 103}
+	for i, inst := range []string{"i0", "i1", "i2"} {
+		a.Speculate(inst, keys[i:i+1], time.Minute)
+		time.Sleep(60 * time.Millisecond) // several of a's interval flushes (to no one)
+	}
+	c := startReplica(t, url, slow("c"))
+	testenv.WaitFor(t, 10*time.Second, "c hears a's newest announcement", func() bool {
+		return c.PeerExtend(keys, 2, "i2", 0) == 3
+	})
+	time.Sleep(200 * time.Millisecond)
+	if got0, got1 := c.PeerExtend(keys, 0, "i0", 0), c.PeerExtend(keys, 1, "i1", 0); got0 != 1 || got1 != 2 {
+		t.Fatalf("after its hello c holds a's i0 announcement: %v, i1: %v (want both): a's recent list lost them", got0 == 1, got1 == 2)
+	}
+}
