@@ -33,18 +33,32 @@ func (s *Syncer) AttachIntents(f func(Intent)) { s.intents.Store(&f) }
 
 // PublishIntent sends a held request's intent to the peers now, within
 // the byte budget; false when it was not sent (refused by the budget or by
-// NATS, counted): the caller decides the request alone. Safe for
-// concurrent use.
+// NATS, counted): the caller decides the request alone. An intent with
+// more keys than max_message_bytes holds goes with its leading keys, as a
+// speculative announcement does; one that cannot fit even so (a keyless
+// intent larger than a message: never, at the least max_message_bytes) is
+// counted as reason="size". Safe for concurrent use.
 func (s *Syncer) PublishIntent(in Intent) bool {
 	pool := s.cfg.Pool
 	m := Message{Kind: KindIntent, Replica: s.cfg.Replica, Incarnation: s.incarnation, Intents: []Intent{in}}
 	buf, err := m.AppendBinary(nil)
+	if err == nil && len(buf) > s.cfg.MaxMessageBytes {
+		// The key count's uvarint only shrinks with the keys: n keys fit.
+		if n := len(in.Keys) - (len(buf)-s.cfg.MaxMessageBytes+7)/8; n >= 0 {
+			m.Intents[0].Keys = in.Keys[:n]
+			buf, err = m.AppendBinary(buf[:0])
+		}
+	}
 	if err != nil {
 		s.m.dropped.WithLabelValues(pool, "malformed").Inc()
 		s.log.Error("replica sync: cannot encode an intent", "err", err)
 		return false
 	}
-	if len(buf) > s.cfg.MaxMessageBytes || !s.allow(len(buf), s.cfg.Now()) {
+	if len(buf) > s.cfg.MaxMessageBytes {
+		s.m.dropped.WithLabelValues(pool, "size").Inc()
+		return false
+	}
+	if !s.allow(len(buf), s.cfg.Now()) {
 		s.m.dropped.WithLabelValues(pool, "rate").Inc()
 		return false
 	}

@@ -72,3 +72,32 @@ func TestIntentsOnTheirSubject(t *testing.T) {
 		t.Fatalf("after the epoch b counts %d of a's in flight, want 4", f)
 	}
 }
+
+// An intent with more keys than a small max_message_bytes holds is sent
+// with its leading keys, not refused whole (and never counted as the
+// byte budget's refusal).
+func TestLongIntentTrimmedToMessage(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	ca, cb := fast(pool, "a"), fast(pool, "b")
+	ca.MaxMessageBytes, ca.Sequence, cb.Sequence = 8<<10, 5*time.Millisecond, 5*time.Millisecond
+	a, b := startReplica(t, url, ca), startReplica(t, url, cb)
+	got := make(chan Intent, 1)
+	b.AttachIntents(func(in Intent) { got <- in })
+	testenv.WaitFor(t, 10*time.Second, "peers live", func() bool { return a.Live() == 1 && b.Live() == 1 })
+	keys := make([]uint64, MaxIntentKeys)
+	for i := range keys {
+		keys[i] = uint64(i + 1)
+	}
+	if !a.PublishIntent(Intent{Seq: 1, Arrival: time.Now().UnixNano(), Tokens: 16 * len(keys), Keys: keys}) {
+		t.Fatalf("an intent of %d keys refused with max_message_bytes %d", len(keys), ca.MaxMessageBytes)
+	}
+	select {
+	case r := <-got:
+		if n := len(r.Keys); n == 0 || n >= len(keys) || r.Keys[0] != 1 || r.Keys[n-1] != uint64(n) {
+			t.Fatalf("received %d keys (first %v): want the leading ones, fewer than %d", n, r.Keys[:min(n, 1)], len(keys))
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the trimmed intent never arrived")
+	}
+}

@@ -30,7 +30,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			"Replica sync payload bytes, by pool and direction (sent, received).", "pool", "direction"),
 		dropped: ms.CounterVec("kvrouter_replica_sync_dropped_total",
 			"Replica sync data not sent or not applied, by pool and reason (rate: over max_bytes_per_second; queue: speculative blocks beyond the send queue; "+
-				"publish: NATS refused; malformed, version: undecodable messages; stale: an older load message; capacity: peer speculative entries evicted; duplicate_replica: another process uses this replica's name).", "pool", "reason"),
+				"publish: NATS refused; malformed, version: undecodable messages; stale: an older load message; capacity: peer speculative entries evicted; duplicate_replica: another process uses this replica's name; size: an intent larger than max_message_bytes with no key left to trim).", "pool", "reason"),
 		peers: ms.GaugeVec("kvrouter_replica_sync_peers",
 			"Peer replicas of the pool heard from within peer_timeout.", "pool"),
 		early: ms.CounterVec("kvrouter_replica_sync_early_sends_total",
