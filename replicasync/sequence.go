@@ -90,10 +90,13 @@ type SequencerStats struct {
 // deterministic and has no clock of its own: every call is given now. Not
 // safe for concurrent use (the caller serialises it).
 type Sequencer struct {
-	cfg     SequencerConfig
-	seq     uint64
-	open    map[int64][]Intent // by epoch
-	decided int64              // the newest epoch decided; older ones are late
+	cfg  SequencerConfig
+	seq  uint64
+	open map[int64][]Intent // by epoch
+	// peers names the peers' intents open: one delivered twice is
+	// sequenced once.
+	peers   map[intentID]struct{}
+	decided int64 // the newest epoch decided; older ones are late
 	stats   SequencerStats
 }
 
@@ -106,7 +109,7 @@ func NewSequencer(cfg SequencerConfig) *Sequencer {
 		cfg.MaxPerEpoch = DefaultMaxPerEpoch
 	}
 	cfg.Grace = max(cfg.Grace, 0)
-	s := &Sequencer{cfg: cfg, open: map[int64][]Intent{}}
+	s := &Sequencer{cfg: cfg, open: map[int64][]Intent{}, peers: map[intentID]struct{}{}}
 	s.decided = s.epochOf(cfg.Start.UnixNano()) - 1
 	return s
 }
@@ -182,14 +185,24 @@ func (s *Sequencer) Withdraw(in Intent) {
 // EpochOf is the epoch an intent arriving at ns (Unix ns) belongs to.
 func (s *Sequencer) EpochOf(ns int64) int64 { return s.epochOf(ns) }
 
+// intentID names an intent.
+type intentID struct {
+	replica string
+	seq     uint64
+}
+
 // Receive records a peer's intent at now. It returns false when the
-// intent is not sequenced here: late (its epoch was due by now or already
+// intent is not sequenced here: already held (delivered twice), late (its epoch was due by now or already
 // decided), of a partial epoch, future (due more than Epoch + 2×Grace
 // after now: an own request arriving now is due within Epoch + Grace, and
 // a peer's clock may be a grace ahead), or beyond the bound — its owner
 // decides it in its own order, and its effects arrive by the sync.
 func (s *Sequencer) Receive(now time.Time, in Intent) bool {
 	if in.Replica == s.cfg.Replica {
+		return false
+	}
+	id := intentID{in.Replica, in.Seq}
+	if _, dup := s.peers[id]; dup {
 		return false
 	}
 	e := s.epochOf(in.Arrival)
@@ -208,6 +221,7 @@ func (s *Sequencer) Receive(now time.Time, in Intent) bool {
 		in.Keys = in.Keys[:MaxIntentKeys]
 	}
 	s.open[e] = append(s.open[e], in)
+	s.peers[id] = struct{}{}
 	s.stats.Received++
 	return true
 }
@@ -241,6 +255,9 @@ func (s *Sequencer) Due(now time.Time, dst []Intent) []Intent {
 		n := len(dst)
 		dst = append(dst, s.open[e]...)
 		slices.SortFunc(dst[n:], Order)
+		for _, in := range dst[n:] {
+			delete(s.peers, intentID{in.Replica, in.Seq})
+		}
 		delete(s.open, e)
 		s.decided = max(s.decided, e)
 	}

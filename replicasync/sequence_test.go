@@ -247,3 +247,15 @@ func TestSequencerRefusesFutureIntent(t *testing.T) {
 		t.Fatal("an intent a grace ahead, in the next epoch, refused")
 	}
 }
+
+// A peer's intent delivered twice (same replica, seq) is sequenced once.
+func TestSequencerDuplicateIntentOnce(t *testing.T) {
+	s := NewSequencer(SequencerConfig{Replica: "a", Epoch: 2 * time.Millisecond, Grace: 500 * time.Microsecond, Start: seqT0})
+	at := seqT0.Add(10 * time.Millisecond)
+	in := Intent{Replica: "b", Seq: 7, Arrival: at.UnixNano(), Tokens: 10}
+	s.Receive(at, in)
+	s.Receive(at.Add(100*time.Microsecond), in)
+	if due := s.Due(at.Add(time.Second), nil); len(due) != 1 {
+		t.Fatalf("one intent delivered twice is decided %d times", len(due))
+	}
+}
