@@ -295,6 +295,25 @@ const MaxRent = 1e9
 // the next generation, which must not wrap to 0.
 const MaxRentGen = 1 << 62
 
+// MaxCounter bounds a load's counters and a pending request's or an
+// intent's tokens on the wire (in flight, pending tokens and requests,
+// prefill rate in tokens/s): 2^40, ~1.1e12, is far beyond any of them (a
+// trillion requests in flight on one instance; a prefill queue of a
+// trillion tokens, months of an engine's work; the longest prompts are
+// ~1e7 tokens, a fast engine's prefill ~1e5 tokens/s), and far enough
+// below 2^63 that sums of many stay positive (64 listed requests of a peer
+// 2^46; the sums over peers, whose number a sender does not bound,
+// saturate: AddSat). Times (Unix ns, up to 2^62) are not counters.
+const MaxCounter = 1 << 40
+
+// AddSat is a + b for non-negative a and b, at most math.MaxInt64.
+func AddSat(a, b int64) int64 {
+	if a > math.MaxInt64-b {
+		return math.MaxInt64
+	}
+	return a + b
+}
+
 // Removed reports whether r says the sender dropped its account.
 func (r Rent) Removed() bool { return r.Gen == 0 && r.Rent == 0 }
 
@@ -341,9 +360,9 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 			if err := checkName("instance", l.Instance); err != nil {
 				return dst, err
 			}
-			if l.InFlight < 0 || l.PendingTokens < 0 || l.PendingRequests < 0 || l.Rate < 0 || l.Started < 0 ||
+			if !counter(l.InFlight) || !counter(l.PendingTokens) || !counter(l.PendingRequests) || !counter(l.Rate) || l.Started < 0 ||
 				len(l.Pending) > MaxPending || len(l.Ended) > MaxEnded {
-				return dst, fmt.Errorf("%w: negative counter or too many pending or ended for %s", ErrMalformed, l.Instance)
+				return dst, fmt.Errorf("%w: negative counter, one above MaxCounter, or too many pending or ended for %s", ErrMalformed, l.Instance)
 			}
 			dst = appendName(dst, l.Instance)
 			dst = binary.AppendUvarint(dst, uint64(l.InFlight))
@@ -353,8 +372,8 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 			dst = binary.AppendUvarint(dst, uint64(l.Started))
 			dst = binary.AppendUvarint(dst, uint64(len(l.Pending)))
 			for _, p := range l.Pending {
-				if p.At < 0 || p.Tokens < 0 {
-					return dst, fmt.Errorf("%w: negative pending request for %s", ErrMalformed, l.Instance)
+				if p.At < 0 || !counter(p.Tokens) {
+					return dst, fmt.Errorf("%w: negative pending request, or above MaxCounter tokens, for %s", ErrMalformed, l.Instance)
 				}
 				dst = binary.AppendUvarint(dst, uint64(p.At))
 				dst = binary.AppendUvarint(dst, uint64(p.Tokens))
@@ -412,8 +431,8 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 	case KindIntent:
 		dst = binary.AppendUvarint(dst, uint64(len(m.Intents)))
 		for _, in := range m.Intents {
-			if in.Arrival < 0 || in.Tokens < 0 || len(in.Keys) > MaxIntentKeys {
-				return dst, fmt.Errorf("%w: intent %d: negative arrival or tokens, or %d keys", ErrMalformed, in.Seq, len(in.Keys))
+			if in.Arrival < 0 || !counter(int64(in.Tokens)) || len(in.Keys) > MaxIntentKeys {
+				return dst, fmt.Errorf("%w: intent %d: negative arrival, tokens negative or above MaxCounter, or %d keys", ErrMalformed, in.Seq, len(in.Keys))
 			}
 			dst = binary.AppendUvarint(dst, in.Seq)
 			dst = binary.AppendUvarint(dst, uint64(in.Arrival))
@@ -497,13 +516,13 @@ func Decode(b []byte) (Message, error) {
 		}
 		for i := uint64(0); i < n && r.err == nil; i++ {
 			l := Load{Instance: r.name("instance")}
-			l.InFlight, l.PendingTokens, l.PendingRequests = r.count(), r.count(), r.count()
+			l.InFlight, l.PendingTokens, l.PendingRequests = r.counter(), r.counter(), r.counter()
 			if v >= 2 {
-				l.Rate, l.Started = r.count(), r.count()
+				l.Rate, l.Started = r.counter(), r.count()
 				if k := r.pairs(MaxPending, "pending"); k > 0 {
 					l.Pending = make([]Pending, k)
 					for j := range l.Pending {
-						l.Pending[j] = Pending{At: r.count(), Tokens: r.count()}
+						l.Pending[j] = Pending{At: r.count(), Tokens: r.counter()}
 					}
 				}
 			}
@@ -600,7 +619,7 @@ func Decode(b []byte) (Message, error) {
 		for i := uint64(0); i < n && r.err == nil; i++ {
 			in := Intent{Replica: m.Replica, Seq: r.uvarint(), Arrival: r.count()}
 			in.Priority = r.priority()
-			in.Tokens = int(r.count())
+			in.Tokens = int(r.counter())
 			in.Hash = r.u64le()
 			k := r.uvarint()
 			if r.err == nil && (k > MaxIntentKeys || k > uint64(len(r.b))/8) {
@@ -674,6 +693,19 @@ func (r *reader) count() int64 {
 	}
 	return int64(v)
 }
+
+// counter is a count bounded by MaxCounter (a load's counters, tokens).
+func (r *reader) counter() int64 {
+	v := r.uvarint()
+	if v > MaxCounter {
+		r.fail("counter %d above MaxCounter", v)
+		return 0
+	}
+	return int64(v)
+}
+
+// counter reports whether v is a counter the wire carries.
+func counter(v int64) bool { return v >= 0 && v <= MaxCounter }
 
 // priority is a signed varint within an int32 (flow control's priorities).
 func (r *reader) priority() int {

@@ -391,11 +391,11 @@ func value(c prometheus.Counter) float64 {
 // has an entry it cannot send (found in review: at 1 KiB, sendLoads spun
 // on empty messages once an instance had 64 recent ends).
 func TestMinMessageHoldsLargestLoad(t *testing.T) {
-	const big = 1 << 62 // the largest counter a message carries
-	l := Load{Instance: strings.Repeat("i", MaxNameLen), InFlight: big, PendingTokens: big,
-		PendingRequests: big, Rate: big, Started: big}
+	const big = 1 << 62 // the largest time a message carries
+	l := Load{Instance: strings.Repeat("i", MaxNameLen), InFlight: MaxCounter, PendingTokens: MaxCounter,
+		PendingRequests: MaxCounter, Rate: MaxCounter, Started: big}
 	for i := range MaxPending {
-		l.Pending = append(l.Pending, Pending{At: big - int64(MaxPending-i), Tokens: big})
+		l.Pending = append(l.Pending, Pending{At: big - int64(MaxPending-i), Tokens: MaxCounter})
 	}
 	for i := range MaxEnded {
 		l.Ended = append(l.Ended, Ended{At: 1 + int64(i), End: big - int64(MaxEnded-i)})

@@ -310,9 +310,9 @@ func (t *Table) Touch(replica string, incarnation uint64) {
 // nothing.
 func (t *Table) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests int64) {
 	t.livePeerLoads(inst, func(l loadAt) {
-		inflight += l.InFlight
-		pendingTokens += l.PendingTokens
-		pendingRequests += l.PendingRequests
+		inflight = AddSat(inflight, l.InFlight)
+		pendingTokens = AddSat(pendingTokens, l.PendingTokens)
+		pendingRequests = AddSat(pendingRequests, l.PendingRequests)
 	})
 	return inflight, pendingTokens, pendingRequests
 }
@@ -366,15 +366,15 @@ func (t *Table) PeerQueue(inst string, q *PeerQueue) {
 	q.Unlisted, q.Started, q.InFlight, q.Tokens, q.Requests = 0, 0, 0, 0, 0
 	t.livePeerLoads(inst, func(l loadAt) {
 		q.Started = max(q.Started, l.Started)
-		q.InFlight += l.InFlight
-		q.Tokens += l.PendingTokens
-		q.Requests += l.PendingRequests
+		q.InFlight = AddSat(q.InFlight, l.InFlight)
+		q.Tokens = AddSat(q.Tokens, l.PendingTokens)
+		q.Requests = AddSat(q.Requests, l.PendingRequests)
 		var listed int64
 		for _, r := range l.Pending {
-			listed += r.Tokens
+			listed = AddSat(listed, r.Tokens)
 		}
 		q.Pending = append(q.Pending, l.Pending...)
-		q.Unlisted += max(l.PendingTokens-listed, 0)
+		q.Unlisted = AddSat(q.Unlisted, max(l.PendingTokens-listed, 0))
 		if l.Rate > 0 && len(l.Pending) > 0 {
 			q.Rates = append(q.Rates, l.Rate)
 		}
