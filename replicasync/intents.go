@@ -98,7 +98,6 @@ func (s *Syncer) receiveIntents(msg *nats.Msg) {
 		return
 	}
 	for _, in := range m.Intents {
-		in.Replica = m.Replica
 		(*f)(in)
 	}
 }
@@ -126,6 +125,30 @@ func (s *Syncer) CountSequence(d SequencerStats, hold time.Duration) {
 // it they are applied at once.
 const MaxDeferred = 1024
 
+// Commit records that this replica has decided its intent seq (and every
+// earlier one) for real: the next send carries it after the load and spec
+// messages that hold the decision's effects (KindCommit). Safe for
+// concurrent use.
+func (s *Syncer) Commit(seq uint64) {
+	for {
+		cur := s.committed.Load()
+		if seq <= cur {
+			return
+		}
+		if s.committed.CompareAndSwap(cur, seq) {
+			s.Changed() // an early send carries it (or the one due does)
+			return
+		}
+	}
+}
+
+// Committed is the highest intent seq a peer's incarnation has said it
+// decided for real (0: none heard): the peer's load and spec messages
+// applied here already count those intents' requests.
+func (s *Syncer) Committed(replica string, incarnation uint64) uint64 {
+	return s.table.Committed(replica, incarnation)
+}
+
 // BeginEpoch tells the syncer an epoch is being decided: until
 // ClearOverlay, the peers' load and speculative messages are held back.
 // Their decisions of the same epoch reach this replica min_gap plus a hop
@@ -138,8 +161,11 @@ func (s *Syncer) BeginEpoch() {
 }
 
 // deferEpoch holds m back while an epoch is decided; false: apply it now.
+// A commit message is held with the load and spec messages it follows: a
+// peer's intent it covers is not decided dry, so it must not count before
+// they do.
 func (s *Syncer) deferEpoch(m *Message) bool {
-	if m.Kind != KindLoad && m.Kind != KindSpec {
+	if m.Kind != KindLoad && m.Kind != KindSpec && m.Kind != KindCommit {
 		return false
 	}
 	s.epochMu.Lock()

@@ -101,3 +101,27 @@ func TestLongIntentTrimmedToMessage(t *testing.T) {
 		t.Fatal("the trimmed intent never arrived")
 	}
 }
+
+// A replica's commit (the highest own intent seq decided for real)
+// reaches its peer after its load messages, is held back with them while
+// the peer decides an epoch, and names its incarnation.
+func TestCommitReachesPeer(t *testing.T) {
+	a, b := fastPair(t)
+	testenv.WaitFor(t, 10*time.Second, "peers live", func() bool { return a.Live() == 1 && b.Live() == 1 })
+	a.Commit(3)
+	testenv.WaitFor(t, 10*time.Second, "b hears a's commit", func() bool { return b.Committed("a", a.incarnation) == 3 })
+	if got := b.Committed("a", a.incarnation+1); got != 0 {
+		t.Fatalf("another incarnation of a committed %d", got)
+	}
+	b.BeginEpoch()
+	a.Commit(5)
+	a.Commit(4)                        // never back
+	time.Sleep(100 * time.Millisecond) // several of a's sends
+	if got := b.Committed("a", a.incarnation); got != 3 {
+		t.Fatalf("during an epoch b reads a's commit %d, want 3 (held back)", got)
+	}
+	b.ClearOverlay()
+	if got := b.Committed("a", a.incarnation); got != 5 {
+		t.Fatalf("after the epoch b reads a's commit %d, want 5", got)
+	}
+}

@@ -44,8 +44,13 @@ import (
 // account alike); the other kinds go out as before, so that a version 3
 // or 4 peer drops only the rent messages. Version 6 adds the intent
 // message (KindIntent: requests the sender holds for their sequencing
-// epoch, sequence.go); the other kinds go out as before.
-const Version = 6
+// epoch, sequence.go); the other kinds go out as before. Version 7 adds
+// the commit message (KindCommit: the highest intent seq whose request the
+// sender has decided for real, sent after the load and spec messages that
+// carry those decisions' effects, so that a peer that begins deciding an
+// epoch late does not count them again on its overlay); the other kinds go
+// out as before.
+const Version = 7
 
 // version is the version m goes out as: the oldest that carries its kind.
 func (m *Message) version() byte {
@@ -56,6 +61,8 @@ func (m *Message) version() byte {
 		return 5
 	case KindIntent:
 		return 6
+	case KindCommit:
+		return 7
 	}
 	return 3
 }
@@ -84,6 +91,9 @@ const (
 	// KindIntent carries requests the sender holds for their sequencing
 	// epoch (version 6).
 	KindIntent Kind = 6
+	// KindCommit carries the highest intent seq whose request the sender
+	// has decided for real (version 7).
+	KindCommit Kind = 7
 )
 
 func (k Kind) String() string {
@@ -100,6 +110,8 @@ func (k Kind) String() string {
 		return "rent"
 	case KindIntent:
 		return "intent"
+	case KindCommit:
+		return "commit"
 	}
 	return "unknown"
 }
@@ -264,8 +276,13 @@ type Message struct {
 	// them before.
 	Rents []Rent
 	// Intents is an intent message's (KindIntent) held requests, each
-	// the sender's (Intent.Replica is Replica on decoding).
+	// the sender's (Intent.Replica and Incarnation are the message's on
+	// decoding).
 	Intents []Intent
+	// Committed is a commit message's (KindCommit): the highest seq of
+	// the sender's intents whose requests it has decided for real; their
+	// effects are in the load and spec messages it sent before this one.
+	Committed uint64
 }
 
 // Rent is the sender's rent-or-buy account of one prefix (kv_aware's
@@ -402,6 +419,9 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 		}
 	case KindHello:
 		dst = binary.AppendUvarint(dst, 0)
+	case KindCommit:
+		dst = binary.AppendUvarint(dst, 1)
+		dst = binary.AppendUvarint(dst, m.Committed)
 	case KindPlacement:
 		if !placementValue(m.Computed) {
 			return dst, fmt.Errorf("%w: computed tokens %v", ErrMalformed, m.Computed)
@@ -571,6 +591,11 @@ func Decode(b []byte) (Message, error) {
 		if r.err == nil && n != 0 {
 			r.fail("hello with %d entries", n)
 		}
+	case KindCommit:
+		if v < 7 || r.err == nil && n != 1 {
+			r.fail("commit in version %d with %d entries", v, n)
+		}
+		m.Committed = r.uvarint()
 	case KindPlacement:
 		if v < 4 {
 			r.fail("placement in version %d", v)
@@ -617,7 +642,7 @@ func Decode(b []byte) (Message, error) {
 			m.Intents = make([]Intent, 0, n)
 		}
 		for i := uint64(0); i < n && r.err == nil; i++ {
-			in := Intent{Replica: m.Replica, Seq: r.uvarint(), Arrival: r.count()}
+			in := Intent{Replica: m.Replica, Incarnation: m.Incarnation, Seq: r.uvarint(), Arrival: r.count()}
 			in.Priority = r.priority()
 			in.Tokens = int(r.counter())
 			in.Hash = r.u64le()

@@ -27,6 +27,9 @@ type Intent struct {
 	// Sequencer, i.e. per process).
 	Replica string
 	Seq     uint64
+	// Incarnation is the owner's (its message's; not encoded per intent):
+	// a restarted owner numbers its intents from 1 again.
+	Incarnation uint64
 	// Arrival is when the owner received it (Unix ns, its clock): it
 	// places the intent in its epoch and in the epoch's order.
 	Arrival  int64

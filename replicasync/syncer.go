@@ -217,6 +217,8 @@ type Syncer struct {
 	changed chan struct{}
 	// intents receives the peers' intents (AttachIntents).
 	intents atomic.Pointer[func(Intent)]
+	// committed is the highest own intent seq decided for real (Commit).
+	committed atomic.Uint64
 	// While an epoch is decided (BeginEpoch..ClearOverlay) the peers'
 	// load and speculative messages wait in deferred (intents.go).
 	epochMu  sync.Mutex
@@ -237,6 +239,7 @@ type Syncer struct {
 	recent    []sentSpec // our unexpired announcements, for hellos
 	// recentSpare is the slice flushSpecs compacts recent into.
 	recentSpare []sentSpec
+	commitSent  uint64     // the last commit message's Committed
 	budgetMu    sync.Mutex // guards budget and refilled (intents are sent from the request path)
 	budget      float64    // rate limiter: bytes that may be sent now
 	refilled    time.Time
@@ -528,6 +531,8 @@ func (s *Syncer) apply(m *Message) {
 		s.table.ApplyPlacement(m)
 	case KindRent:
 		s.table.ApplyRent(m)
+	case KindCommit:
+		s.table.ApplyCommit(m)
 	case KindSpec:
 		s.table.Touch(m.Replica, m.Incarnation)
 		if n := s.table.ApplySpec(m, s.cfg.Epoch); n > 0 {
@@ -596,6 +601,8 @@ func (s *Syncer) send(m *Message) bool {
 func (s *Syncer) flush(tick bool) {
 	now := s.cfg.Now()
 	hello := s.hello.Swap(false)
+	// Read before the loads: they hold at least these decisions' effects.
+	committed := s.committed.Load()
 	cur := s.localLoads()
 	full := hello || now.Sub(s.lastFull) >= s.cfg.Heartbeat
 	var out []Load
@@ -606,8 +613,9 @@ func (s *Syncer) flush(tick bool) {
 	} else {
 		out = Delta(out, s.lastSent, cur)
 	}
+	loadsSent := true
 	if full || len(out) > 0 {
-		if s.sendLoads(out, full) {
+		if loadsSent = s.sendLoads(out, full); loadsSent {
 			s.lastSent = cur
 			if full {
 				s.lastFull = now
@@ -622,6 +630,12 @@ func (s *Syncer) flush(tick bool) {
 	}
 	s.flushRents(full, live)
 	s.flushSpecs(now, hello)
+	// The intents decided for real, after the messages with their effects
+	// (whole again with the table, for a newcomer).
+	if loadsSent && (committed > s.commitSent || full && committed > 0) &&
+		s.send(&Message{Kind: KindCommit, Committed: committed}) {
+		s.commitSent = committed
+	}
 	s.m.peers.WithLabelValues(s.cfg.Pool).Set(float64(s.table.Forget()))
 }
 

@@ -261,7 +261,7 @@ func TestBounds(t *testing.T) {
 	if bound := rate * (1 + elapsed); sent > bound {
 		t.Fatalf("%v bytes sent in %.2fs at %d B/s: over the bucket's %v", sent, elapsed, rate, bound)
 	}
-	if err := watch.Publish(SubjectRoot+"."+pool, []byte("KRS\x07junk")); err != nil {
+	if err := watch.Publish(SubjectRoot+"."+pool, append([]byte("KRS"), append([]byte{Version + 1}, "junk"...)...)); err != nil {
 		t.Fatal(err)
 	}
 	if err := watch.Publish(SubjectRoot+"."+pool, []byte("hello")); err != nil {

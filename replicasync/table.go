@@ -47,6 +47,9 @@ type peer struct {
 	// rents is the peer's rent accounts by prefix key (version 5), nil
 	// before its first rent message.
 	rents map[uint64]Rent
+	// committed is the highest intent seq the peer has decided for real
+	// (version 7 commit messages).
+	committed uint64
 }
 
 // MaxPeerRents bounds the rent accounts held per peer: twice what one
@@ -164,6 +167,25 @@ func (t *Table) ApplyPlacement(m *Message) {
 	for _, q := range m.Queues {
 		p.place.queues[q.Instance] = q.Wait
 	}
+}
+
+// ApplyCommit records a peer's commit message (KindCommit).
+func (t *Table) ApplyCommit(m *Message) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	p := t.heard(m)
+	p.committed = max(p.committed, m.Committed)
+}
+
+// Committed is the highest intent seq replica's incarnation has said it
+// decided for real (0: none, or another incarnation's).
+func (t *Table) Committed(replica string, incarnation uint64) uint64 {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	if p := t.peers[replica]; p != nil && p.incarnation == incarnation {
+		return p.committed
+	}
+	return 0
 }
 
 // ApplyRent records a peer's rent message (KindRent): a complete one

@@ -2,12 +2,15 @@ package kvaware
 
 import (
 	"context"
+	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/replicasync"
 )
 
@@ -89,7 +92,7 @@ func TestClockStepBackDoesNotStallHeldRequest(t *testing.T) {
 	pool := testenv.UniqueName(t)
 	const seq = 20 * time.Millisecond
 	var offset atomic.Int64
-	a := newPeerWorldNow(t, url, pool, "a", 4, true, seq, func() time.Time { return time.Now().Add(time.Duration(offset.Load())) })
+	a := newPeerWorldNow(t, url, pool, "a", 4, true, seq, func() time.Time { return time.Now().Add(time.Duration(offset.Load())) }, nil)
 	b := newPeerWorldRun(t, url, pool, "b", 4, true, seq)
 	waitUntil(t, "peers live", func() bool { return a.sync.Live() == 1 && b.sync.Live() == 1 })
 	time.Sleep(3 * seq) // past the partial epoch
@@ -108,5 +111,67 @@ func TestClockStepBackDoesNotStallHeldRequest(t *testing.T) {
 	err := <-done
 	if el := time.Since(t0); err != nil || el > 500*time.Millisecond {
 		t.Fatalf("a's held request returned after %v (err %v); its epoch was due within %v", el, err, seq+a.sync.Grace())
+	}
+}
+
+// recordingPeers records, per evaluation of n candidates, the peers'
+// requests in flight summed over the candidates.
+type recordingPeers struct {
+	peerFreshness
+	n      int
+	mu     sync.Mutex
+	calls  int
+	sum    int64
+	totals []int64
+}
+
+func (r *recordingPeers) PeerQueue(inst string, q *replicasync.PeerQueue) {
+	r.peerFreshness.PeerQueue(inst, q)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.sum += q.InFlight
+	if r.calls++; r.calls%r.n == 0 {
+		r.totals = append(r.totals, r.sum)
+		r.sum = 0
+	}
+}
+
+// A replica that begins deciding an epoch after a peer's real decision of
+// it has reached it (its clock a few ms behind the peer's) does not count
+// that request twice, once from the peer's load message and once from its
+// dry decision of the peer's intent: the peer's load messages say which
+// intents they cover (committed), and those are not decided dry.
+func TestLateEpochCountsPeerOnce(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	const seq = 20 * time.Millisecond
+	a := newPeerWorldRun(t, url, pool, "a", 4, true, seq)
+	var rec *recordingPeers
+	b := newPeerWorldNow(t, url, pool, "b", 4, true, seq, func() time.Time { return time.Now().Add(-5 * time.Millisecond) },
+		func(pf peerFreshness) kvindex.Freshness { rec = &recordingPeers{peerFreshness: pf, n: 4}; return rec })
+	waitUntil(t, "peers live", func() bool { return a.sync.Live() == 1 && b.sync.Live() == 1 })
+	time.Sleep(3 * seq)
+	sa, sb := a.strategy(config.RoutingConfig{}), b.strategy(config.RoutingConfig{})
+	now := time.Now()
+	time.Sleep(now.Truncate(seq).Add(seq + 2*time.Millisecond).Sub(now)) // 2 ms into an epoch
+	var wg sync.WaitGroup
+	pick := func(s *KVAware, w *peerWorld, i int) {
+		d, err := s.Pick(context.Background(), kvRequest(fmt.Sprint(i), promptTokens(uint32(300+i), 8*kvTestBS)), w.insts)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		d.Instance.Acquire() // as the proxy does
+	}
+	wg.Go(func() { pick(sa, a, 0) })
+	time.Sleep(8 * time.Millisecond)
+	wg.Go(func() { pick(sb, b, 1) })
+	wg.Wait()
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	for _, n := range rec.totals {
+		if n > 1 {
+			t.Fatalf("b evaluated with %d peer requests in flight (its evaluations: %v); the pool has one, a's", n, rec.totals)
+		}
 	}
 }

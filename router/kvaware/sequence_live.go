@@ -38,6 +38,11 @@ type IntentPeers interface {
 	// BeginEpoch holds the peers' state messages back until the epoch's
 	// overlay is cleared (EndEpoch).
 	BeginEpoch()
+	// Commit says an own intent was decided for real; Committed is the
+	// highest intent seq a peer's incarnation has said it decided for real
+	// in the messages applied here.
+	Commit(seq uint64)
+	Committed(replica string, incarnation uint64) uint64
 	// CountSequence adds counts (and a hold time, when >= 0) to the
 	// metrics.
 	CountSequence(d replicasync.SequencerStats, hold time.Duration)
@@ -299,8 +304,14 @@ func (q *seqState) decide(epoch []replicasync.Intent, s *KVAware, cands []*route
 			if turn {
 				q.ip.CountSequence(replicasync.SequencerStats{}, time.Since(w.start))
 				<-w.done
+				q.ip.Commit(in.Seq)
 				continue
 			}
+		} else if q.ip.Committed(in.Replica, in.Incarnation) >= in.Seq {
+			// Its owner's real decision reached this replica before the
+			// epoch began here (this replica's clock behind, or a slow
+			// decision): the peer state counts it already.
+			continue
 		}
 		_, _ = s.DecideIntent(context.Background(), in, false, cands)
 	}
