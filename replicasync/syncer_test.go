@@ -49,6 +49,12 @@ func startReplica(t *testing.T, url string, cfg Config) *replica {
 	return r
 }
 
+// noHeartbeat is fast's interval with no heartbeat or timeout within a
+// test: what a peer learns, it learns from deltas and hellos.
+func noHeartbeat(pool, name string) Config {
+	return Config{Pool: pool, Replica: name, Interval: 10 * time.Millisecond, Heartbeat: time.Minute, PeerTimeout: 3 * time.Minute}
+}
+
 func fast(pool, name string) Config {
 	return Config{Pool: pool, Replica: name, Interval: 10 * time.Millisecond, Heartbeat: 100 * time.Millisecond, PeerTimeout: 300 * time.Millisecond}
 }
@@ -169,9 +175,7 @@ func TestStopPublishesNothingInFlight(t *testing.T) {
 func TestJoinCatchesUp(t *testing.T) {
 	url := testenv.NATSURL(t)
 	pool := testenv.UniqueName(t)
-	slow := func(name string) Config {
-		return Config{Pool: pool, Replica: name, Interval: 10 * time.Millisecond, Heartbeat: time.Minute, PeerTimeout: 3 * time.Minute}
-	}
+	slow := func(name string) Config { return noHeartbeat(pool, name) }
 	a := startReplica(t, url, slow("a"))
 	a.set(Load{Instance: "i0", InFlight: 2})
 	a.Speculate("i0", []kvindex.Key{1, 2, 3}, time.Minute)
@@ -501,9 +505,7 @@ func TestRentShared(t *testing.T) {
 func TestHelloResendsEveryAnnouncement(t *testing.T) {
 	url := testenv.NATSURL(t)
 	pool := testenv.UniqueName(t)
-	slow := func(name string) Config {
-		return Config{Pool: pool, Replica: name, Interval: 10 * time.Millisecond, Heartbeat: time.Minute, PeerTimeout: 3 * time.Minute}
-	}
+	slow := func(name string) Config { return noHeartbeat(pool, name) }
 	a := startReplica(t, url, slow("a"))
 	keys := []kvindex.Key{101, 102, 103}
 	for i, inst := range []string{"i0", "i1", "i2"} {
