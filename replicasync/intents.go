@@ -33,18 +33,32 @@ func (s *Syncer) AttachIntents(f func(Intent)) { s.intents.Store(&f) }
 
 // PublishIntent sends a held request's intent to the peers now, within
 // the byte budget; false when it was not sent (refused by the budget or by
-// NATS, counted): the caller decides the request alone. Safe for
-// concurrent use.
+// NATS, counted): the caller decides the request alone. An intent with
+// more keys than max_message_bytes holds goes with its leading keys, as a
+// speculative announcement does; one that cannot fit even so (a keyless
+// intent larger than a message: never, at the least max_message_bytes) is
+// counted as reason="size". Safe for concurrent use.
 func (s *Syncer) PublishIntent(in Intent) bool {
 	pool := s.cfg.Pool
 	m := Message{Kind: KindIntent, Replica: s.cfg.Replica, Incarnation: s.incarnation, Intents: []Intent{in}}
 	buf, err := m.AppendBinary(nil)
+	if err == nil && len(buf) > s.cfg.MaxMessageBytes {
+		// The key count's uvarint only shrinks with the keys: n keys fit.
+		if n := len(in.Keys) - (len(buf)-s.cfg.MaxMessageBytes+7)/8; n >= 0 {
+			m.Intents[0].Keys = in.Keys[:n]
+			buf, err = m.AppendBinary(buf[:0])
+		}
+	}
 	if err != nil {
 		s.m.dropped.WithLabelValues(pool, "malformed").Inc()
 		s.log.Error("replica sync: cannot encode an intent", "err", err)
 		return false
 	}
-	if len(buf) > s.cfg.MaxMessageBytes || !s.allow(len(buf), s.cfg.Now()) {
+	if len(buf) > s.cfg.MaxMessageBytes {
+		s.m.dropped.WithLabelValues(pool, "size").Inc()
+		return false
+	}
+	if !s.allow(len(buf), s.cfg.Now()) {
 		s.m.dropped.WithLabelValues(pool, "rate").Inc()
 		return false
 	}
@@ -84,7 +98,6 @@ func (s *Syncer) receiveIntents(msg *nats.Msg) {
 		return
 	}
 	for _, in := range m.Intents {
-		in.Replica = m.Replica
 		(*f)(in)
 	}
 }
@@ -96,7 +109,7 @@ func (s *Syncer) CountSequence(d SequencerStats, hold time.Duration) {
 	for _, c := range [...]struct {
 		outcome string
 		n       int64
-	}{{"held", d.Held}, {"alone", d.Alone}, {"received", d.Received}, {"late", d.Late}, {"dropped", d.Dropped}} {
+	}{{"held", d.Held}, {"alone", d.Alone}, {"received", d.Received}, {"late", d.Late}, {"dropped", d.Dropped}, {"future", d.Future}} {
 		if c.n > 0 {
 			s.m.sequenced.WithLabelValues(pool, c.outcome).Add(float64(c.n))
 		}
@@ -112,6 +125,30 @@ func (s *Syncer) CountSequence(d SequencerStats, hold time.Duration) {
 // it they are applied at once.
 const MaxDeferred = 1024
 
+// Commit records that this replica has decided its intent seq (and every
+// earlier one) for real: the next send carries it after the load and spec
+// messages that hold the decision's effects (KindCommit). Safe for
+// concurrent use.
+func (s *Syncer) Commit(seq uint64) {
+	for {
+		cur := s.committed.Load()
+		if seq <= cur {
+			return
+		}
+		if s.committed.CompareAndSwap(cur, seq) {
+			s.Changed() // an early send carries it (or the one due does)
+			return
+		}
+	}
+}
+
+// Committed is the highest intent seq a peer's incarnation has said it
+// decided for real (0: none heard): the peer's load and spec messages
+// applied here already count those intents' requests.
+func (s *Syncer) Committed(replica string, incarnation uint64) uint64 {
+	return s.table.Committed(replica, incarnation)
+}
+
 // BeginEpoch tells the syncer an epoch is being decided: until
 // ClearOverlay, the peers' load and speculative messages are held back.
 // Their decisions of the same epoch reach this replica min_gap plus a hop
@@ -124,8 +161,11 @@ func (s *Syncer) BeginEpoch() {
 }
 
 // deferEpoch holds m back while an epoch is decided; false: apply it now.
+// A commit message is held with the load and spec messages it follows: a
+// peer's intent it covers is not decided dry, so it must not count before
+// they do.
 func (s *Syncer) deferEpoch(m *Message) bool {
-	if m.Kind != KindLoad && m.Kind != KindSpec {
+	if m.Kind != KindLoad && m.Kind != KindSpec && m.Kind != KindCommit {
 		return false
 	}
 	s.epochMu.Lock()

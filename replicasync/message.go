@@ -44,8 +44,13 @@ import (
 // account alike); the other kinds go out as before, so that a version 3
 // or 4 peer drops only the rent messages. Version 6 adds the intent
 // message (KindIntent: requests the sender holds for their sequencing
-// epoch, sequence.go); the other kinds go out as before.
-const Version = 6
+// epoch, sequence.go); the other kinds go out as before. Version 7 adds
+// the commit message (KindCommit: the highest intent seq whose request the
+// sender has decided for real, sent after the load and spec messages that
+// carry those decisions' effects, so that a peer that begins deciding an
+// epoch late does not count them again on its overlay); the other kinds go
+// out as before.
+const Version = 7
 
 // version is the version m goes out as: the oldest that carries its kind.
 func (m *Message) version() byte {
@@ -56,6 +61,8 @@ func (m *Message) version() byte {
 		return 5
 	case KindIntent:
 		return 6
+	case KindCommit:
+		return 7
 	}
 	return 3
 }
@@ -84,6 +91,9 @@ const (
 	// KindIntent carries requests the sender holds for their sequencing
 	// epoch (version 6).
 	KindIntent Kind = 6
+	// KindCommit carries the highest intent seq whose request the sender
+	// has decided for real (version 7).
+	KindCommit Kind = 7
 )
 
 func (k Kind) String() string {
@@ -100,6 +110,8 @@ func (k Kind) String() string {
 		return "rent"
 	case KindIntent:
 		return "intent"
+	case KindCommit:
+		return "commit"
 	}
 	return "unknown"
 }
@@ -264,8 +276,13 @@ type Message struct {
 	// them before.
 	Rents []Rent
 	// Intents is an intent message's (KindIntent) held requests, each
-	// the sender's (Intent.Replica is Replica on decoding).
+	// the sender's (Intent.Replica and Incarnation are the message's on
+	// decoding).
 	Intents []Intent
+	// Committed is a commit message's (KindCommit): the highest seq of
+	// the sender's intents whose requests it has decided for real; their
+	// effects are in the load and spec messages it sent before this one.
+	Committed uint64
 }
 
 // Rent is the sender's rent-or-buy account of one prefix (kv_aware's
@@ -294,6 +311,25 @@ const MaxRent = 1e9
 // of one prefix), as the decoder bounds every count: a purchase takes
 // the next generation, which must not wrap to 0.
 const MaxRentGen = 1 << 62
+
+// MaxCounter bounds a load's counters and a pending request's or an
+// intent's tokens on the wire (in flight, pending tokens and requests,
+// prefill rate in tokens/s): 2^40, ~1.1e12, is far beyond any of them (a
+// trillion requests in flight on one instance; a prefill queue of a
+// trillion tokens, months of an engine's work; the longest prompts are
+// ~1e7 tokens, a fast engine's prefill ~1e5 tokens/s), and far enough
+// below 2^63 that sums of many stay positive (64 listed requests of a peer
+// 2^46; the sums over peers, whose number a sender does not bound,
+// saturate: AddSat). Times (Unix ns, up to 2^62) are not counters.
+const MaxCounter = 1 << 40
+
+// AddSat is a + b for non-negative a and b, at most math.MaxInt64.
+func AddSat(a, b int64) int64 {
+	if a > math.MaxInt64-b {
+		return math.MaxInt64
+	}
+	return a + b
+}
 
 // Removed reports whether r says the sender dropped its account.
 func (r Rent) Removed() bool { return r.Gen == 0 && r.Rent == 0 }
@@ -341,9 +377,9 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 			if err := checkName("instance", l.Instance); err != nil {
 				return dst, err
 			}
-			if l.InFlight < 0 || l.PendingTokens < 0 || l.PendingRequests < 0 || l.Rate < 0 || l.Started < 0 ||
+			if !counter(l.InFlight) || !counter(l.PendingTokens) || !counter(l.PendingRequests) || !counter(l.Rate) || l.Started < 0 ||
 				len(l.Pending) > MaxPending || len(l.Ended) > MaxEnded {
-				return dst, fmt.Errorf("%w: negative counter or too many pending or ended for %s", ErrMalformed, l.Instance)
+				return dst, fmt.Errorf("%w: negative counter, one above MaxCounter, or too many pending or ended for %s", ErrMalformed, l.Instance)
 			}
 			dst = appendName(dst, l.Instance)
 			dst = binary.AppendUvarint(dst, uint64(l.InFlight))
@@ -353,8 +389,8 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 			dst = binary.AppendUvarint(dst, uint64(l.Started))
 			dst = binary.AppendUvarint(dst, uint64(len(l.Pending)))
 			for _, p := range l.Pending {
-				if p.At < 0 || p.Tokens < 0 {
-					return dst, fmt.Errorf("%w: negative pending request for %s", ErrMalformed, l.Instance)
+				if p.At < 0 || !counter(p.Tokens) {
+					return dst, fmt.Errorf("%w: negative pending request, or above MaxCounter tokens, for %s", ErrMalformed, l.Instance)
 				}
 				dst = binary.AppendUvarint(dst, uint64(p.At))
 				dst = binary.AppendUvarint(dst, uint64(p.Tokens))
@@ -383,6 +419,9 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 		}
 	case KindHello:
 		dst = binary.AppendUvarint(dst, 0)
+	case KindCommit:
+		dst = binary.AppendUvarint(dst, 1)
+		dst = binary.AppendUvarint(dst, m.Committed)
 	case KindPlacement:
 		if !placementValue(m.Computed) {
 			return dst, fmt.Errorf("%w: computed tokens %v", ErrMalformed, m.Computed)
@@ -412,8 +451,8 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 	case KindIntent:
 		dst = binary.AppendUvarint(dst, uint64(len(m.Intents)))
 		for _, in := range m.Intents {
-			if in.Arrival < 0 || in.Tokens < 0 || len(in.Keys) > MaxIntentKeys {
-				return dst, fmt.Errorf("%w: intent %d: negative arrival or tokens, or %d keys", ErrMalformed, in.Seq, len(in.Keys))
+			if in.Arrival < 0 || !counter(int64(in.Tokens)) || len(in.Keys) > MaxIntentKeys {
+				return dst, fmt.Errorf("%w: intent %d: negative arrival, tokens negative or above MaxCounter, or %d keys", ErrMalformed, in.Seq, len(in.Keys))
 			}
 			dst = binary.AppendUvarint(dst, in.Seq)
 			dst = binary.AppendUvarint(dst, uint64(in.Arrival))
@@ -497,13 +536,13 @@ func Decode(b []byte) (Message, error) {
 		}
 		for i := uint64(0); i < n && r.err == nil; i++ {
 			l := Load{Instance: r.name("instance")}
-			l.InFlight, l.PendingTokens, l.PendingRequests = r.count(), r.count(), r.count()
+			l.InFlight, l.PendingTokens, l.PendingRequests = r.counter(), r.counter(), r.counter()
 			if v >= 2 {
-				l.Rate, l.Started = r.count(), r.count()
+				l.Rate, l.Started = r.counter(), r.count()
 				if k := r.pairs(MaxPending, "pending"); k > 0 {
 					l.Pending = make([]Pending, k)
 					for j := range l.Pending {
-						l.Pending[j] = Pending{At: r.count(), Tokens: r.count()}
+						l.Pending[j] = Pending{At: r.count(), Tokens: r.counter()}
 					}
 				}
 			}
@@ -552,6 +591,11 @@ func Decode(b []byte) (Message, error) {
 		if r.err == nil && n != 0 {
 			r.fail("hello with %d entries", n)
 		}
+	case KindCommit:
+		if v < 7 || r.err == nil && n != 1 {
+			r.fail("commit in version %d with %d entries", v, n)
+		}
+		m.Committed = r.uvarint()
 	case KindPlacement:
 		if v < 4 {
 			r.fail("placement in version %d", v)
@@ -598,9 +642,9 @@ func Decode(b []byte) (Message, error) {
 			m.Intents = make([]Intent, 0, n)
 		}
 		for i := uint64(0); i < n && r.err == nil; i++ {
-			in := Intent{Replica: m.Replica, Seq: r.uvarint(), Arrival: r.count()}
+			in := Intent{Replica: m.Replica, Incarnation: m.Incarnation, Seq: r.uvarint(), Arrival: r.count()}
 			in.Priority = r.priority()
-			in.Tokens = int(r.count())
+			in.Tokens = int(r.counter())
 			in.Hash = r.u64le()
 			k := r.uvarint()
 			if r.err == nil && (k > MaxIntentKeys || k > uint64(len(r.b))/8) {
@@ -674,6 +718,19 @@ func (r *reader) count() int64 {
 	}
 	return int64(v)
 }
+
+// counter is a count bounded by MaxCounter (a load's counters, tokens).
+func (r *reader) counter() int64 {
+	v := r.uvarint()
+	if v > MaxCounter {
+		r.fail("counter %d above MaxCounter", v)
+		return 0
+	}
+	return int64(v)
+}
+
+// counter reports whether v is a counter the wire carries.
+func counter(v int64) bool { return v >= 0 && v <= MaxCounter }
 
 // priority is a signed varint within an int32 (flow control's priorities).
 func (r *reader) priority() int {

@@ -30,9 +30,11 @@ func sampleMessages() []Message {
 		{Kind: KindRent, Replica: "r-5", Incarnation: 4, Complete: true,
 			Rents: []Rent{{Key: 1, Gen: 0, Rent: 0.375}, {Key: 1<<64 - 1, Gen: 1 << 40, Rent: 0}, {Key: 9}}},
 		{Kind: KindIntent, Replica: "r-6", Incarnation: 5, Intents: []Intent{
-			{Replica: "r-6", Seq: 1, Arrival: 1_800_000_000_000_000_000, Priority: -3, Tokens: 8000, Hash: 0xfeedface, Keys: []uint64{1, 2, 3}},
-			{Replica: "r-6", Seq: 2, Arrival: 1_800_000_000_000_000_001, Tokens: 10}}},
+			{Replica: "r-6", Incarnation: 5, Seq: 1, Arrival: 1_800_000_000_000_000_000, Priority: -3, Tokens: 8000, Hash: 0xfeedface, Keys: []uint64{1, 2, 3}},
+			{Replica: "r-6", Incarnation: 5, Seq: 2, Arrival: 1_800_000_000_000_000_001, Tokens: 10}}},
 		{Kind: KindRent, Replica: "r-5", Incarnation: 4},
+		{Kind: KindCommit, Replica: "r-6", Incarnation: 5, Committed: 1<<64 - 1},
+		{Kind: KindCommit, Replica: "r-6", Incarnation: 5},
 	}
 }
 
@@ -112,6 +114,8 @@ func TestPlacementVersion(t *testing.T) {
 			want = 5
 		case KindIntent:
 			want = 6
+		case KindCommit:
+			want = 7
 		}
 		if b[3] != want {
 			t.Errorf("%s message goes out as version %d, want %d", m.Kind, b[3], want)
@@ -445,6 +449,10 @@ func FuzzDecode(f *testing.F) {
 		b = binary.AppendUvarint(b, r.Gen)
 		f.Add(binary.BigEndian.AppendUint64(b, math.Float64bits(r.Rent)))
 	}
+	// A load counter at the bound and beyond it (MaxCounter).
+	load, _ := (&Message{Kind: KindLoad, Replica: "r", Loads: []Load{{Instance: "i", InFlight: MaxCounter}}}).AppendBinary(nil)
+	f.Add(load)
+	f.Add(bytes.Replace(load, binary.AppendUvarint(nil, MaxCounter), binary.AppendUvarint(nil, MaxCounter+1), 1))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		m, err := Decode(b)
 		if err != nil {
@@ -501,5 +509,89 @@ func TestRentBounds(t *testing.T) {
 	}
 	if _, acc := tb.RentAccount(7, 1, MaxRent); acc != MaxRent {
 		t.Fatalf("account of four replicas at MaxRent: %v, want %v (saturated)", acc, MaxRent)
+	}
+}
+
+// A counter a peer sends is bounded on the wire (MaxCounter), by the
+// decoder and the encoder: the bound itself passes, one above it is
+// refused. 2^62 was accepted, and two such summed negative.
+func TestDecodeBoundsCounters(t *testing.T) {
+	enc := func(l Load) ([]byte, error) {
+		return (&Message{Kind: KindLoad, Replica: "r", Incarnation: 1, Seq: 1, Complete: true, Loads: []Load{l}}).AppendBinary(nil)
+	}
+	bound, err := enc(Load{Instance: "i0", InFlight: MaxCounter})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Decode(bound); err != nil {
+		t.Fatalf("a counter at MaxCounter refused: %v", err)
+	}
+	// The same message with MaxCounter+1 in its place (the same uvarint length).
+	at := binary.AppendUvarint(nil, MaxCounter)
+	over := binary.AppendUvarint(nil, MaxCounter+1)
+	if len(at) != len(over) || bytes.Count(bound, at) != 1 {
+		t.Fatal("test cannot patch the counter")
+	}
+	if _, err := Decode(bytes.Replace(bound, at, over, 1)); err == nil {
+		t.Error("a counter above MaxCounter decoded")
+	}
+	now := time.Now().UnixNano()
+	for _, l := range []Load{{Instance: "i0", InFlight: 1 << 62}, {Instance: "i0", PendingTokens: MaxCounter + 1},
+		{Instance: "i0", PendingRequests: MaxCounter + 1}, {Instance: "i0", Rate: MaxCounter + 1},
+		{Instance: "i0", Pending: []Pending{{At: now, Tokens: MaxCounter + 1}}}} {
+		if _, err := enc(l); err == nil {
+			t.Errorf("encoded %+v", l)
+		}
+	}
+	if _, err := (&Message{Kind: KindIntent, Replica: "r", Intents: []Intent{{Seq: 1, Arrival: now, Tokens: MaxCounter + 1}}}).AppendBinary(nil); err == nil {
+		t.Error("encoded an intent of MaxCounter+1 tokens")
+	}
+}
+
+// The sums over peers saturate: many peers (names cost a hostile sender
+// nothing) claiming the most a counter may be never sum negative.
+func TestPeerSumsSaturate(t *testing.T) {
+	tb := NewTable(time.Minute, 16, nil)
+	for _, name := range []string{"x", "y"} {
+		tb.ApplyLoad(&Message{Kind: KindLoad, Replica: name, Incarnation: 1, Seq: 1, Complete: true,
+			Loads: []Load{{Instance: "i0", InFlight: 1 << 62, PendingTokens: 1 << 62, PendingRequests: 1 << 62}}})
+	}
+	if f, tok, reqs := tb.PeerLoad("i0"); f < 0 || tok < 0 || reqs < 0 {
+		t.Errorf("two peers' counters sum to %d in flight, %d tokens, %d requests", f, tok, reqs)
+	}
+	var q PeerQueue
+	tb.PeerQueue("i0", &q)
+	if q.InFlight < 0 || q.Tokens < 0 || q.Requests < 0 || q.Unlisted < 0 {
+		t.Errorf("PeerQueue sums %+v", q)
+	}
+}
+
+// The commit message (version 7) goes out as version 7 alone, round trips,
+// and is refused in an older version or with other than one entry; the
+// other kinds go out as before.
+func TestCommitVersion(t *testing.T) {
+	m := Message{Kind: KindCommit, Replica: "r", Incarnation: 3, Committed: 42}
+	good, err := m.AppendBinary(nil)
+	if err != nil || good[3] != 7 {
+		t.Fatalf("commit goes out as version %d (%v)", good[3], err)
+	}
+	back, err := Decode(good)
+	if err != nil || !reflect.DeepEqual(back, m) {
+		t.Fatalf("round trip %+v %v, want %+v", back, err, m)
+	}
+	older := bytes.Clone(good)
+	older[3] = 6
+	if _, err := Decode(older); !errors.Is(err, ErrMalformed) {
+		t.Errorf("commit as version 6: %v, want malformed", err)
+	}
+	two := append(bytes.Clone(good[:len(good)-2]), 2, 42, 43)
+	if _, err := Decode(two); !errors.Is(err, ErrMalformed) {
+		t.Errorf("commit of two entries: %v, want malformed", err)
+	}
+	for _, k := range []Kind{KindLoad, KindSpec, KindHello} {
+		b, _ := (&Message{Kind: k, Replica: "r"}).AppendBinary(nil)
+		if b[3] != 3 {
+			t.Errorf("%v goes out as version %d, want 3", k, b[3])
+		}
 	}
 }

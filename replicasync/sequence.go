@@ -27,6 +27,9 @@ type Intent struct {
 	// Sequencer, i.e. per process).
 	Replica string
 	Seq     uint64
+	// Incarnation is the owner's (its message's; not encoded per intent):
+	// a restarted owner numbers its intents from 1 again.
+	Incarnation uint64
 	// Arrival is when the owner received it (Unix ns, its clock): it
 	// places the intent in its epoch and in the epoch's order.
 	Arrival  int64
@@ -61,7 +64,9 @@ type SequencerConfig struct {
 	Epoch time.Duration
 	// Grace is how long after an epoch's end the peers' intents are waited
 	// for: one delivery (a NATS hop plus the clocks' skew). An intent
-	// received after its epoch was due is late: left to its owner.
+	// received after its epoch was due is late: left to its owner; one
+	// due more than Epoch + 2×Grace ahead (its owner's clock further ahead
+	// than the skew a grace allows) is future: left to its owner too.
 	Grace time.Duration
 	// MaxPerEpoch bounds an epoch's intents (0: DefaultMaxPerEpoch).
 	MaxPerEpoch int
@@ -77,18 +82,24 @@ type SequencerStats struct {
 	// at once (no live peer, a partial epoch, the bound). Received: peers'
 	// intents sequenced. Late: peers' intents received after their epoch
 	// was due (or of a partial epoch), left to their owner. Dropped:
-	// peers' intents beyond the bound.
-	Held, Alone, Received, Late, Dropped int64
+	// peers' intents beyond the bound. Future: peers' intents due more
+	// than Epoch + 2×Grace ahead of this replica's clock, left to their
+	// owner (an epoch opened for one would hold this replica's requests
+	// until then).
+	Held, Alone, Received, Late, Dropped, Future int64
 }
 
 // Sequencer orders one replica's and its peers' intents by epoch. It is
 // deterministic and has no clock of its own: every call is given now. Not
 // safe for concurrent use (the caller serialises it).
 type Sequencer struct {
-	cfg     SequencerConfig
-	seq     uint64
-	open    map[int64][]Intent // by epoch
-	decided int64              // the newest epoch decided; older ones are late
+	cfg  SequencerConfig
+	seq  uint64
+	open map[int64][]Intent // by epoch
+	// peers names the peers' intents open: one delivered twice is
+	// sequenced once.
+	peers   map[intentID]struct{}
+	decided int64 // the newest epoch decided; older ones are late
 	stats   SequencerStats
 }
 
@@ -101,7 +112,7 @@ func NewSequencer(cfg SequencerConfig) *Sequencer {
 		cfg.MaxPerEpoch = DefaultMaxPerEpoch
 	}
 	cfg.Grace = max(cfg.Grace, 0)
-	s := &Sequencer{cfg: cfg, open: map[int64][]Intent{}}
+	s := &Sequencer{cfg: cfg, open: map[int64][]Intent{}, peers: map[intentID]struct{}{}}
 	s.decided = s.epochOf(cfg.Start.UnixNano()) - 1
 	return s
 }
@@ -125,6 +136,9 @@ func (s *Sequencer) epochOf(ns int64) int64 {
 func (s *Sequencer) dueAt(e int64) time.Time {
 	return time.Unix(0, (e+1)*int64(s.cfg.Epoch)).Add(s.cfg.Grace)
 }
+
+// EpochDue is when epoch e is decided.
+func (s *Sequencer) EpochDue(e int64) time.Time { return s.dueAt(e) }
 
 // partial reports whether epoch e began before the replica started.
 func (s *Sequencer) partial(e int64) bool {
@@ -174,18 +188,33 @@ func (s *Sequencer) Withdraw(in Intent) {
 // EpochOf is the epoch an intent arriving at ns (Unix ns) belongs to.
 func (s *Sequencer) EpochOf(ns int64) int64 { return s.epochOf(ns) }
 
+// intentID names an intent.
+type intentID struct {
+	replica string
+	seq     uint64
+}
+
 // Receive records a peer's intent at now. It returns false when the
-// intent is not sequenced here: late (its epoch was due by now or already
-// decided), of a partial epoch, or beyond the bound — its owner decides it
-// in its own order, and its effects arrive by the sync.
+// intent is not sequenced here: already held (delivered twice), late (its epoch was due by now or already
+// decided), of a partial epoch, future (due more than Epoch + 2×Grace
+// after now: an own request arriving now is due within Epoch + Grace, and
+// a peer's clock may be a grace ahead), or beyond the bound — its owner
+// decides it in its own order, and its effects arrive by the sync.
 func (s *Sequencer) Receive(now time.Time, in Intent) bool {
 	if in.Replica == s.cfg.Replica {
+		return false
+	}
+	id := intentID{in.Replica, in.Seq}
+	if _, dup := s.peers[id]; dup {
 		return false
 	}
 	e := s.epochOf(in.Arrival)
 	switch {
 	case e <= s.decided || !now.Before(s.dueAt(e)) || s.partial(e):
 		s.stats.Late++
+		return false
+	case s.dueAt(e).Sub(now) > s.cfg.Epoch+2*s.cfg.Grace:
+		s.stats.Future++
 		return false
 	case len(s.open[e]) >= s.cfg.MaxPerEpoch:
 		s.stats.Dropped++
@@ -195,6 +224,7 @@ func (s *Sequencer) Receive(now time.Time, in Intent) bool {
 		in.Keys = in.Keys[:MaxIntentKeys]
 	}
 	s.open[e] = append(s.open[e], in)
+	s.peers[id] = struct{}{}
 	s.stats.Received++
 	return true
 }
@@ -228,6 +258,9 @@ func (s *Sequencer) Due(now time.Time, dst []Intent) []Intent {
 		n := len(dst)
 		dst = append(dst, s.open[e]...)
 		slices.SortFunc(dst[n:], Order)
+		for _, in := range dst[n:] {
+			delete(s.peers, intentID{in.Replica, in.Seq})
+		}
 		delete(s.open, e)
 		s.decided = max(s.decided, e)
 	}

@@ -217,3 +217,45 @@ func TestTableOverlay(t *testing.T) {
 		t.Fatal("overlay not empty")
 	}
 }
+
+// A peer's intent stamped further ahead than an epoch and twice the grace
+// (a peer's clock far ahead, or a hostile arrival near 2^62 ns) is
+// refused and counted: it opens no epoch that the epoch loop would sleep
+// on while this replica's own requests wait, and holds no memory.
+func TestSequencerRefusesFutureIntent(t *testing.T) {
+	s := NewSequencer(SequencerConfig{Replica: "a", Epoch: 2 * time.Millisecond, Grace: 500 * time.Microsecond, Start: seqT0})
+	now := seqT0.Add(10 * time.Millisecond)
+	for i, ahead := range []time.Duration{3 * time.Second, 1 << 62} {
+		in := Intent{Replica: "b", Seq: uint64(i + 1), Arrival: now.Add(ahead).UnixNano()}
+		if ahead == 1<<62 {
+			in.Arrival = 1 << 62
+		}
+		if s.Receive(now, in) {
+			t.Fatalf("an intent %v ahead was sequenced", ahead)
+		}
+	}
+	if _, ok := s.Next(); ok {
+		t.Fatal("a future intent opened an epoch")
+	}
+	if st := s.Stats(); st.Future != 2 || st.Received != 0 {
+		t.Fatalf("stats %+v, want 2 future", st)
+	}
+	// One from a clock a grace ahead, in the next epoch, is sequenced.
+	now = seqT0.Add(11*time.Millisecond + 800*time.Microsecond)
+	in := Intent{Replica: "b", Seq: 3, Arrival: now.Add(500 * time.Microsecond).UnixNano()}
+	if !s.Receive(now, in) {
+		t.Fatal("an intent a grace ahead, in the next epoch, refused")
+	}
+}
+
+// A peer's intent delivered twice (same replica, seq) is sequenced once.
+func TestSequencerDuplicateIntentOnce(t *testing.T) {
+	s := NewSequencer(SequencerConfig{Replica: "a", Epoch: 2 * time.Millisecond, Grace: 500 * time.Microsecond, Start: seqT0})
+	at := seqT0.Add(10 * time.Millisecond)
+	in := Intent{Replica: "b", Seq: 7, Arrival: at.UnixNano(), Tokens: 10}
+	s.Receive(at, in)
+	s.Receive(at.Add(100*time.Microsecond), in)
+	if due := s.Due(at.Add(time.Second), nil); len(due) != 1 {
+		t.Fatalf("one intent delivered twice is decided %d times", len(due))
+	}
+}

@@ -217,6 +217,8 @@ type Syncer struct {
 	changed chan struct{}
 	// intents receives the peers' intents (AttachIntents).
 	intents atomic.Pointer[func(Intent)]
+	// committed is the highest own intent seq decided for real (Commit).
+	committed atomic.Uint64
 	// While an epoch is decided (BeginEpoch..ClearOverlay) the peers'
 	// load and speculative messages wait in deferred (intents.go).
 	epochMu  sync.Mutex
@@ -235,11 +237,14 @@ type Syncer struct {
 	placeSent bool
 	lastFull  time.Time
 	recent    []sentSpec // our unexpired announcements, for hellos
-	budgetMu  sync.Mutex // guards budget and refilled (intents are sent from the request path)
-	budget    float64    // rate limiter: bytes that may be sent now
-	refilled  time.Time
-	buf       []byte
-	loadBuf   []Load
+	// recentSpare is the slice flushSpecs compacts recent into.
+	recentSpare []sentSpec
+	commitSent  uint64     // the last commit message's Committed
+	budgetMu    sync.Mutex // guards budget and refilled (intents are sent from the request path)
+	budget      float64    // rate limiter: bytes that may be sent now
+	refilled    time.Time
+	buf         []byte
+	loadBuf     []Load
 
 	dupWarned atomic.Int64 // unix nanos of the last duplicate-name warning
 }
@@ -526,6 +531,8 @@ func (s *Syncer) apply(m *Message) {
 		s.table.ApplyPlacement(m)
 	case KindRent:
 		s.table.ApplyRent(m)
+	case KindCommit:
+		s.table.ApplyCommit(m)
 	case KindSpec:
 		s.table.Touch(m.Replica, m.Incarnation)
 		if n := s.table.ApplySpec(m, s.cfg.Epoch); n > 0 {
@@ -594,6 +601,8 @@ func (s *Syncer) send(m *Message) bool {
 func (s *Syncer) flush(tick bool) {
 	now := s.cfg.Now()
 	hello := s.hello.Swap(false)
+	// Read before the loads: they hold at least these decisions' effects.
+	committed := s.committed.Load()
 	cur := s.localLoads()
 	full := hello || now.Sub(s.lastFull) >= s.cfg.Heartbeat
 	var out []Load
@@ -604,8 +613,9 @@ func (s *Syncer) flush(tick bool) {
 	} else {
 		out = Delta(out, s.lastSent, cur)
 	}
+	loadsSent := true
 	if full || len(out) > 0 {
-		if s.sendLoads(out, full) {
+		if loadsSent = s.sendLoads(out, full); loadsSent {
 			s.lastSent = cur
 			if full {
 				s.lastFull = now
@@ -620,6 +630,12 @@ func (s *Syncer) flush(tick bool) {
 	}
 	s.flushRents(full, live)
 	s.flushSpecs(now, hello)
+	// The intents decided for real, after the messages with their effects
+	// (whole again with the table, for a newcomer).
+	if loadsSent && (committed > s.commitSent || full && committed > 0) &&
+		s.send(&Message{Kind: KindCommit, Committed: committed}) {
+		s.commitSent = committed
+	}
 	s.m.peers.WithLabelValues(s.cfg.Pool).Set(float64(s.table.Forget()))
 }
 
@@ -787,8 +803,11 @@ func (s *Syncer) flushSpecs(now time.Time, hello bool) {
 	q := s.queue
 	s.queue, s.queued = nil, 0
 	s.qMu.Unlock()
-	// Forget expired announcements; bound what is kept for hellos.
-	kept := s.recent[:0]
+	// Forget expired announcements; bound what is kept for hellos, the
+	// newest first. kept is the spare slice, not s.recent's: compacting
+	// s.recent in place while reading it from the back overwrote entries
+	// not yet read.
+	kept := s.recentSpare[:0]
 	keys := 0
 	for i := len(s.recent) - 1; i >= 0; i-- {
 		if r := s.recent[i]; r.exp.After(now) && keys+len(r.Keys) <= s.cfg.SpecCapacity {
@@ -796,12 +815,9 @@ func (s *Syncer) flushSpecs(now time.Time, hello bool) {
 			kept = append(kept, r)
 		}
 	}
-	// kept is newest first; restore oldest first.
-	for i, j := 0, len(kept)-1; i < j; i, j = i+1, j-1 {
-		kept[i], kept[j] = kept[j], kept[i]
-	}
-	clear(s.recent[len(kept):])
-	s.recent = kept
+	slices.Reverse(kept) // oldest first
+	clear(s.recent)
+	s.recent, s.recentSpare = kept, s.recent[:0]
 	var out []Spec
 	if hello {
 		for _, r := range s.recent {

@@ -49,6 +49,12 @@ func startReplica(t *testing.T, url string, cfg Config) *replica {
 	return r
 }
 
+// noHeartbeat is fast's interval with no heartbeat or timeout within a
+// test: what a peer learns, it learns from deltas and hellos.
+func noHeartbeat(pool, name string) Config {
+	return Config{Pool: pool, Replica: name, Interval: 10 * time.Millisecond, Heartbeat: time.Minute, PeerTimeout: 3 * time.Minute}
+}
+
 func fast(pool, name string) Config {
 	return Config{Pool: pool, Replica: name, Interval: 10 * time.Millisecond, Heartbeat: 100 * time.Millisecond, PeerTimeout: 300 * time.Millisecond}
 }
@@ -169,9 +175,7 @@ func TestStopPublishesNothingInFlight(t *testing.T) {
 func TestJoinCatchesUp(t *testing.T) {
 	url := testenv.NATSURL(t)
 	pool := testenv.UniqueName(t)
-	slow := func(name string) Config {
-		return Config{Pool: pool, Replica: name, Interval: 10 * time.Millisecond, Heartbeat: time.Minute, PeerTimeout: 3 * time.Minute}
-	}
+	slow := func(name string) Config { return noHeartbeat(pool, name) }
 	a := startReplica(t, url, slow("a"))
 	a.set(Load{Instance: "i0", InFlight: 2})
 	a.Speculate("i0", []kvindex.Key{1, 2, 3}, time.Minute)
@@ -261,7 +265,7 @@ func TestBounds(t *testing.T) {
 	if bound := rate * (1 + elapsed); sent > bound {
 		t.Fatalf("%v bytes sent in %.2fs at %d B/s: over the bucket's %v", sent, elapsed, rate, bound)
 	}
-	if err := watch.Publish(SubjectRoot+"."+pool, []byte("KRS\x07junk")); err != nil {
+	if err := watch.Publish(SubjectRoot+"."+pool, append([]byte("KRS"), append([]byte{Version + 1}, "junk"...)...)); err != nil {
 		t.Fatal(err)
 	}
 	if err := watch.Publish(SubjectRoot+"."+pool, []byte("hello")); err != nil {
@@ -391,11 +395,11 @@ func value(c prometheus.Counter) float64 {
 // has an entry it cannot send (found in review: at 1 KiB, sendLoads spun
 // on empty messages once an instance had 64 recent ends).
 func TestMinMessageHoldsLargestLoad(t *testing.T) {
-	const big = 1 << 62 // the largest counter a message carries
-	l := Load{Instance: strings.Repeat("i", MaxNameLen), InFlight: big, PendingTokens: big,
-		PendingRequests: big, Rate: big, Started: big}
+	const big = 1 << 62 // the largest time a message carries
+	l := Load{Instance: strings.Repeat("i", MaxNameLen), InFlight: MaxCounter, PendingTokens: MaxCounter,
+		PendingRequests: MaxCounter, Rate: MaxCounter, Started: big}
 	for i := range MaxPending {
-		l.Pending = append(l.Pending, Pending{At: big - int64(MaxPending-i), Tokens: big})
+		l.Pending = append(l.Pending, Pending{At: big - int64(MaxPending-i), Tokens: MaxCounter})
 	}
 	for i := range MaxEnded {
 		l.Ended = append(l.Ended, Ended{At: 1 + int64(i), End: big - int64(MaxEnded-i)})
@@ -492,5 +496,28 @@ func TestRentShared(t *testing.T) {
 	})
 	if g, acc := a.RentAccount(7, 0, 0); g != 0 || acc != 0 {
 		t.Fatalf("a holds accounts (%d, %v); b publishes none", g, acc)
+	}
+}
+
+// A hello's answer carries every unexpired announcement once, oldest
+// first: the list kept for hellos is compacted at each flush without
+// losing older entries.
+func TestHelloResendsEveryAnnouncement(t *testing.T) {
+	url := testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	slow := func(name string) Config { return noHeartbeat(pool, name) }
+	a := startReplica(t, url, slow("a"))
+	keys := []kvindex.Key{101, 102, 103}
+	for i, inst := range []string{"i0", "i1", "i2"} {
+		a.Speculate(inst, keys[i:i+1], time.Minute)
+		time.Sleep(60 * time.Millisecond) // several of a's interval flushes (to no one)
+	}
+	c := startReplica(t, url, slow("c"))
+	testenv.WaitFor(t, 10*time.Second, "c hears a's newest announcement", func() bool {
+		return c.PeerExtend(keys, 2, "i2", 0) == 3
+	})
+	time.Sleep(200 * time.Millisecond)
+	if got0, got1 := c.PeerExtend(keys, 0, "i0", 0), c.PeerExtend(keys, 1, "i1", 0); got0 != 1 || got1 != 2 {
+		t.Fatalf("after its hello c holds a's i0 announcement: %v, i1: %v (want both): a's recent list lost them", got0 == 1, got1 == 2)
 	}
 }

@@ -47,6 +47,9 @@ type peer struct {
 	// rents is the peer's rent accounts by prefix key (version 5), nil
 	// before its first rent message.
 	rents map[uint64]Rent
+	// committed is the highest intent seq the peer has decided for real
+	// (version 7 commit messages).
+	committed uint64
 }
 
 // MaxPeerRents bounds the rent accounts held per peer: twice what one
@@ -164,6 +167,25 @@ func (t *Table) ApplyPlacement(m *Message) {
 	for _, q := range m.Queues {
 		p.place.queues[q.Instance] = q.Wait
 	}
+}
+
+// ApplyCommit records a peer's commit message (KindCommit).
+func (t *Table) ApplyCommit(m *Message) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	p := t.heard(m)
+	p.committed = max(p.committed, m.Committed)
+}
+
+// Committed is the highest intent seq replica's incarnation has said it
+// decided for real (0: none, or another incarnation's).
+func (t *Table) Committed(replica string, incarnation uint64) uint64 {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	if p := t.peers[replica]; p != nil && p.incarnation == incarnation {
+		return p.committed
+	}
+	return 0
 }
 
 // ApplyRent records a peer's rent message (KindRent): a complete one
@@ -310,9 +332,9 @@ func (t *Table) Touch(replica string, incarnation uint64) {
 // nothing.
 func (t *Table) PeerLoad(inst string) (inflight, pendingTokens, pendingRequests int64) {
 	t.livePeerLoads(inst, func(l loadAt) {
-		inflight += l.InFlight
-		pendingTokens += l.PendingTokens
-		pendingRequests += l.PendingRequests
+		inflight = AddSat(inflight, l.InFlight)
+		pendingTokens = AddSat(pendingTokens, l.PendingTokens)
+		pendingRequests = AddSat(pendingRequests, l.PendingRequests)
 	})
 	return inflight, pendingTokens, pendingRequests
 }
@@ -366,15 +388,15 @@ func (t *Table) PeerQueue(inst string, q *PeerQueue) {
 	q.Unlisted, q.Started, q.InFlight, q.Tokens, q.Requests = 0, 0, 0, 0, 0
 	t.livePeerLoads(inst, func(l loadAt) {
 		q.Started = max(q.Started, l.Started)
-		q.InFlight += l.InFlight
-		q.Tokens += l.PendingTokens
-		q.Requests += l.PendingRequests
+		q.InFlight = AddSat(q.InFlight, l.InFlight)
+		q.Tokens = AddSat(q.Tokens, l.PendingTokens)
+		q.Requests = AddSat(q.Requests, l.PendingRequests)
 		var listed int64
 		for _, r := range l.Pending {
-			listed += r.Tokens
+			listed = AddSat(listed, r.Tokens)
 		}
 		q.Pending = append(q.Pending, l.Pending...)
-		q.Unlisted += max(l.PendingTokens-listed, 0)
+		q.Unlisted = AddSat(q.Unlisted, max(l.PendingTokens-listed, 0))
 		if l.Rate > 0 && len(l.Pending) > 0 {
 			q.Rates = append(q.Rates, l.Rate)
 		}

@@ -46,6 +46,14 @@ func newIdlePeerWorld(t *testing.T, url, pool, name string, n int) *peerWorld {
 // bursts in epochs of seq (0: off).
 func newPeerWorldRun(t *testing.T, url, pool, name string, n int, run bool, seq time.Duration) *peerWorld {
 	t.Helper()
+	return newPeerWorldNow(t, url, pool, name, n, run, seq, nil, nil)
+}
+
+// newPeerWorldNow is newPeerWorldRun whose kv_aware reads the wall clock
+// from now (nil: time.Now) and its peer state through wrap (nil: as is).
+func newPeerWorldNow(t *testing.T, url, pool, name string, n int, run bool, seq time.Duration, now func() time.Time,
+	wrap func(peerFreshness) kvindex.Freshness) *peerWorld {
+	t.Helper()
 	nc, err := nats.Connect(url)
 	if err != nil {
 		t.Fatal(err)
@@ -67,9 +75,13 @@ func newPeerWorldRun(t *testing.T, url, pool, name string, n int, run bool, seq 
 	if err != nil {
 		t.Fatal(err)
 	}
+	var fresh kvindex.Freshness = peerFreshness{Syncer: s}
+	if wrap != nil {
+		fresh = wrap(peerFreshness{Syncer: s})
+	}
 	w := &kvWorld{t: t, idx: idx, clock: newTestClock(), fresh: &testFreshness{}}
 	w.st, err = NewKVState(KVStateConfig{Pool: "p", Model: kvTestModel, Index: idx,
-		Freshness: peerFreshness{Syncer: s}, Logger: slog.New(slog.DiscardHandler)})
+		Freshness: fresh, Logger: slog.New(slog.DiscardHandler), Now: now})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -118,7 +118,7 @@ func sharedQueue(now int64, own []replicasync.Pending, started int64, mine bool,
 	}
 	var sum int64
 	for _, p := range all {
-		sum += p.Tokens
+		sum = replicasync.AddSat(sum, p.Tokens)
 	}
 	if len(rates) == 0 {
 		return left + float64(sum) // no rate known: count in full
@@ -126,7 +126,7 @@ func sharedQueue(now int64, own []replicasync.Pending, started int64, mine bool,
 	slices.Sort(rates)
 	var rs int64
 	for _, r := range rates {
-		rs += r
+		rs = replicasync.AddSat(rs, r)
 	}
 	rate := float64(rs) / float64(len(rates))
 	slices.SortFunc(all, func(a, b replicasync.Pending) int {

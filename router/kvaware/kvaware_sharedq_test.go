@@ -62,3 +62,19 @@ func TestSharedQueueUnlistedInFull(t *testing.T) {
 		t.Fatalf("queue %v tokens, want 12000", got)
 	}
 }
+
+// Listed pending requests whose tokens sum beyond int64 (a hostile peer's,
+// or very many peers') count as a full queue, not as none: the sums
+// saturate.
+func TestSharedQueueSumsSaturate(t *testing.T) {
+	pend := []replicasync.Pending{{At: 0, Tokens: 1 << 62}, {At: 0, Tokens: 1 << 62}}
+	q := replicasync.PeerQueue{Pending: pend, Rates: []int64{1 << 62, 1 << 62}}
+	var s sharedScratch
+	if got := sharedQueue(sec, nil, 0, false, 0, &q, &s); got <= 0 {
+		t.Fatalf("queue %v tokens", got)
+	}
+	q.Rates = nil // no rate: counted in full
+	if got := sharedQueue(sec, nil, 0, false, 0, &q, &s); got <= 0 {
+		t.Fatalf("queue %v tokens without a rate", got)
+	}
+}

@@ -38,6 +38,11 @@ type IntentPeers interface {
 	// BeginEpoch holds the peers' state messages back until the epoch's
 	// overlay is cleared (EndEpoch).
 	BeginEpoch()
+	// Commit says an own intent was decided for real; Committed is the
+	// highest intent seq a peer's incarnation has said it decided for real
+	// in the messages applied here.
+	Commit(seq uint64)
+	Committed(replica string, incarnation uint64) uint64
 	// CountSequence adds counts (and a hold time, when >= 0) to the
 	// metrics.
 	CountSequence(d replicasync.SequencerStats, hold time.Duration)
@@ -47,7 +52,7 @@ var _ IntentPeers = (*replicasync.Syncer)(nil)
 
 // seqWaiter is a held request waiting for its turn.
 type seqWaiter struct {
-	start time.Time
+	start time.Time     // when it was held, on the real clock (the hold metric)
 	turn  chan struct{} // closed by the loop: pick now
 	done  chan struct{} // closed by the owner when its pick returned
 	// granted: the loop closed turn; left: the owner is gone before its
@@ -66,6 +71,16 @@ type seqState struct {
 	last    replicasync.SequencerStats // counted in the metrics so far
 	waiters map[uint64]*seqWaiter      // own held intents by Seq
 	running bool                       // the epoch loop runs
+	// sleep is the due time the loop sleeps until (zero while it does
+	// not sleep); wake (capacity 1) wakes it when an epoch due earlier
+	// opens meanwhile.
+	sleep time.Time
+	wake  chan struct{}
+	// deadline is, per open epoch, when it is decided on the monotonic
+	// clock: its wall-clock due time as read when it opened, so that a
+	// wall clock stepped back meanwhile does not hold its requests for
+	// the step's length.
+	deadline map[int64]time.Time
 	// strat and cands are the newest held request's strategy and
 	// candidates: what the loop decides its epoch's dry intents with.
 	strat *KVAware
@@ -80,7 +95,8 @@ func (st *KVState) attachSequencing(ps PeerState) {
 	if !ok || ip.Sequence() <= 0 {
 		return
 	}
-	q := &seqState{ip: ip, now: st.now, waiters: map[uint64]*seqWaiter{}}
+	q := &seqState{ip: ip, now: st.now, waiters: map[uint64]*seqWaiter{}, wake: make(chan struct{}, 1),
+		deadline: map[int64]time.Time{}}
 	q.sq = replicasync.NewSequencer(replicasync.SequencerConfig{
 		Replica: ip.Replica(), Epoch: ip.Sequence(), Grace: ip.Grace(), Start: st.now()})
 	st.seq = q
@@ -102,7 +118,8 @@ func (st *KVState) SequenceStats() replicasync.SequencerStats {
 func (q *seqState) countLocked() {
 	cur := q.sq.Stats()
 	d := replicasync.SequencerStats{Held: cur.Held - q.last.Held, Alone: cur.Alone - q.last.Alone,
-		Received: cur.Received - q.last.Received, Late: cur.Late - q.last.Late, Dropped: cur.Dropped - q.last.Dropped}
+		Received: cur.Received - q.last.Received, Late: cur.Late - q.last.Late, Dropped: cur.Dropped - q.last.Dropped,
+		Future: cur.Future - q.last.Future}
 	q.last = cur
 	if d != (replicasync.SequencerStats{}) {
 		q.ip.CountSequence(d, -1)
@@ -113,15 +130,36 @@ func (q *seqState) countLocked() {
 func (q *seqState) receive(in replicasync.Intent) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	if q.sq.Receive(q.now(), in) {
-		q.startLocked()
+	if now := q.now(); q.sq.Receive(now, in) {
+		q.openedLocked(now, in.Arrival)
+		q.startLocked(in.Arrival)
 	}
 	q.countLocked()
 }
 
-// startLocked starts the epoch loop unless it runs.
-func (q *seqState) startLocked() {
+// openedLocked records when the epoch of an intent arriving at arrival,
+// just sequenced at wall-clock now, is due on the monotonic clock (the
+// real clock's: st.now may be another's), unless its epoch has a
+// deadline already. Bounded by Hold (an own request is due within δ +
+// grace) and Receive (a peer's within δ + 2 × grace).
+func (q *seqState) openedLocked(now time.Time, arrival int64) {
+	e := q.sq.EpochOf(arrival)
+	if _, ok := q.deadline[e]; !ok {
+		q.deadline[e] = time.Now().Add(q.sq.EpochDue(e).Sub(now))
+	}
+}
+
+// startLocked starts the epoch loop unless it runs, or wakes it when it
+// sleeps until an epoch due after that of an intent arriving at arrival
+// (Unix ns), just opened.
+func (q *seqState) startLocked(arrival int64) {
 	if q.running {
+		if !q.sleep.IsZero() && q.sq.EpochDue(q.sq.EpochOf(arrival)).Before(q.sleep) {
+			select {
+			case q.wake <- struct{}{}:
+			default:
+			}
+		}
 		return
 	}
 	q.running = true
@@ -145,10 +183,11 @@ func (q *seqState) hold(ctx context.Context, s *KVAware, req *router.Request, ca
 	in, held := q.sq.Hold(start, true, in)
 	var w *seqWaiter
 	if held {
-		w = &seqWaiter{start: start, turn: make(chan struct{}), done: make(chan struct{})}
+		q.openedLocked(start, in.Arrival)
+		w = &seqWaiter{start: time.Now(), turn: make(chan struct{}), done: make(chan struct{})}
 		q.waiters[in.Seq] = w
 		q.strat, q.cands = s, slices.Clone(cands)
-		q.startLocked()
+		q.startLocked(in.Arrival)
 	}
 	q.countLocked()
 	q.mu.Unlock()
@@ -191,16 +230,41 @@ func (q *seqState) run() {
 		at, ok := q.sq.Next()
 		if !ok {
 			q.running = false
+			clear(q.deadline)
 			q.mu.Unlock()
 			return
 		}
+		d := at.Sub(q.now())
+		for _, dl := range q.deadline {
+			d = min(d, time.Until(dl))
+		}
+		if d > 0 {
+			q.sleep = at
+		}
 		q.mu.Unlock()
-		if d := at.Sub(q.now()); d > 0 {
+		if d > 0 {
 			t.Reset(d)
-			<-t.C
+			select {
+			case <-t.C:
+			case <-q.wake: // an earlier epoch opened: look again
+			}
 		}
 		q.mu.Lock()
-		due := q.sq.Due(q.now(), nil)
+		q.sleep = time.Time{}
+		// An epoch past its monotonic deadline is due whatever the wall
+		// clock says (stepped back since it opened).
+		now, mono := q.now(), time.Now()
+		for e, dl := range q.deadline {
+			if !mono.Before(dl) {
+				now = maxTime(now, q.sq.EpochDue(e))
+			}
+		}
+		due := q.sq.Due(now, nil)
+		for e := range q.deadline {
+			if !now.Before(q.sq.EpochDue(e)) {
+				delete(q.deadline, e)
+			}
+		}
 		s, cands := q.strat, q.cands
 		q.mu.Unlock()
 		for len(due) > 0 {
@@ -238,12 +302,26 @@ func (q *seqState) decide(epoch []replicasync.Intent, s *KVAware, cands []*route
 			}
 			q.mu.Unlock()
 			if turn {
-				q.ip.CountSequence(replicasync.SequencerStats{}, q.now().Sub(w.start))
+				q.ip.CountSequence(replicasync.SequencerStats{}, time.Since(w.start))
 				<-w.done
+				q.ip.Commit(in.Seq)
 				continue
 			}
+		} else if q.ip.Committed(in.Replica, in.Incarnation) >= in.Seq {
+			// Its owner's real decision reached this replica before the
+			// epoch began here (this replica's clock behind, or a slow
+			// decision): the peer state counts it already.
+			continue
 		}
 		_, _ = s.DecideIntent(context.Background(), in, false, cands)
 	}
 	s.st.EndEpoch()
+}
+
+// maxTime is the later of a and b.
+func maxTime(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
 }
