@@ -182,7 +182,11 @@ func (s *api) servePutRouting(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, http.StatusBadRequest, "routing: malformed JSON: "+err.Error())
 		return
 	}
-	if err := p.SetRouting(rc); err != nil {
+	err := givenZero(rc)
+	if err == nil {
+		err = p.SetRouting(rc)
+	}
+	if err != nil {
 		msg := err.Error()
 		if errors.Is(err, config.ErrInvalidConfig) {
 			msg = strings.TrimPrefix(msg, config.ErrInvalidConfig.Error()+": ")
@@ -193,6 +197,24 @@ func (s *api) servePutRouting(w http.ResponseWriter, r *http.Request) {
 	nrc, _ := p.Routing()
 	s.log.Info("routing changed", "pool", p.Name(), "strategy", nrc.Strategy, "prefix_length", nrc.PrefixLength, "concurrency_threshold", nrc.ConcurrencyThreshold)
 	writeJSON(w, nrc)
+}
+
+// givenZero refuses the zero values a PUT gave: the current routing has
+// every default applied, so a zero strategy, prefix length or concurrency
+// threshold after the merge came from the body. Validation would take it
+// as "the default" (as for a field left out of the file), and an empty
+// variable in a script would switch a pool back to the defaults — kv_aware
+// to prefix_aware — where the docs promise a 400 for a value out of range.
+func givenZero(rc config.RoutingConfig) error {
+	switch {
+	case rc.Strategy == "":
+		return fmt.Errorf("routing.strategy \"\": want one of %s", strings.Join(config.StrategyNames(), ", "))
+	case rc.PrefixLength == 0:
+		return fmt.Errorf("routing.prefix_length 0 out of range %d..%d", config.MinPrefixLength, config.MaxPrefixLength)
+	case rc.ConcurrencyThreshold == 0:
+		return fmt.Errorf("routing.concurrency_threshold 0 out of range %d..%d", config.MinConcurrencyThreshold, config.MaxConcurrencyThreshold)
+	}
+	return nil
 }
 
 // readBody reads an admin request's body of at most limit bytes; a longer

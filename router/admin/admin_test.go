@@ -46,6 +46,12 @@ func TestAdminSwitchRouting(t *testing.T) {
 		{`{"concurrency_threshold": 2000}`, "routing.concurrency_threshold 2000 out of range 1..1024"},
 		{`{"concurrency_threshold": -1}`, "routing.concurrency_threshold -1 out of range 1..1024"},
 		{`{"strategy": "fastest"}`, `routing.strategy "fastest"`},
+		// A zero or empty value given is out of range too, not "the
+		// default": an empty variable in a script must not switch a pool
+		// back to the defaults (kv_aware to prefix_aware).
+		{`{"concurrency_threshold": 0}`, "routing.concurrency_threshold 0 out of range 1..1024"},
+		{`{"prefix_length": 0}`, "routing.prefix_length 0 out of range 1024..65536"},
+		{`{"strategy": ""}`, `routing.strategy ""`},
 		{`{"stratgy": "random"}`, `unknown field "stratgy"`},
 		{`{"strategy": `, "malformed JSON"},
 	}
