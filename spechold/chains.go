@@ -78,6 +78,22 @@ func (s *Chains[K]) Len() int {
 	return s.n
 }
 
+// Live is the number of entries held at now: in runs not expired, less
+// what Drop took from their fronts (Len also counts those, and expired
+// runs, until they pop). It walks the runs, one per Add still in the
+// ring: for a metrics scrape, not a decision.
+func (s *Chains[K]) Live(now int64) int {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	n := 0
+	for num := s.r0; num < s.r0+uint64(s.rn); num++ {
+		if r := s.runAt(num); r.exp > now {
+			n += int(r.hi - r.lo)
+		}
+	}
+	return n
+}
+
 func (s *Chains[K]) runAt(num uint64) *run { return &s.runs[num&uint64(len(s.runs)-1)] }
 
 // Add records keys (a run of one chain) as held by inst until exp in

@@ -59,10 +59,18 @@ func TestChains(t *testing.T) {
 	if got := s.Extend(&sc, keys, 4, "a", 1, 60); got != 5 {
 		t.Fatalf("after the drop: extend %d, want 5", got)
 	}
+	// Live counts what is held now: 2 + 1 entries past the drop, the
+	// first run's gone once it expires at 100, though Len keeps all 6.
+	if l60, l150 := s.Live(60), s.Live(150); l60 != 3 || l150 != 1 {
+		t.Fatalf("live: %d at 60, %d at 150; want 3 and 1 (len %d)", l60, l150, s.Len())
+	}
 	// The sweep at 150 pops the first run; the second still holds 4.
 	s.Add(chain([]int{9}), "b", 300, 0, 150)
 	if s.Len() != 3 || !s.HeldBy(&sc, keys, 4, "a") || s.HeldBy(&sc, keys, 5, "a") {
 		t.Fatalf("sweep: len %d", s.Len())
+	}
+	if l150, l250 := s.Live(150), s.Live(250); l150 != 2 || l250 != 1 {
+		t.Fatalf("live after the sweep: %d at 150, %d at 250; want 2 and 1", l150, l250)
 	}
 	if z := NewChains[uint64](0); z.Add(keys, "a", 1, 0, 0) != 0 || z.Len() != 0 || z.Extend(&sc, keys, 0, "a", 0, 0) != 0 {
 		t.Fatal("a zero-capacity set holds something")

@@ -1139,7 +1139,7 @@ func (s *KVAware) speculate(ev *kvEval, ce *candEval, end int) {
 		if st.peers.ps != nil {
 			st.peers.ps.Speculate(ce.inst.ID(), ev.keys[g:end], s.spec.ttl)
 		}
-		st.dm.spec.get(func() prometheus.Gauge { return st.m.specKeys.WithLabelValues(st.pool) }).Set(float64(s.spec.Len()))
+		st.m.spec.track(st.pool, s.spec)
 	}
 }
 

@@ -1,6 +1,7 @@
 package kvaware
 
 import (
+	"sync"
 	"sync/atomic"
 
 	"github.com/kvrouter/kvrouter/internal/metricset"
@@ -19,7 +20,7 @@ type KVMetrics struct {
 	lookupErrs        *prometheus.CounterVec
 	streamUp          *prometheus.GaugeVec
 	streamTransitions *prometheus.CounterVec
-	specKeys          *prometheus.GaugeVec
+	spec              *specCollector
 	pending           *pendingCollector
 	scrapes           *prometheus.CounterVec
 	usage             *prometheus.CounterVec
@@ -59,8 +60,7 @@ func newKVMetrics() *KVMetrics {
 			"1 while the pool's KV event stream is healthy (exact routing), 0 while kv_aware falls back to prefix_aware.", "pool"),
 		streamTransitions: ms.CounterVec("kvrouter_kv_stream_transitions_total",
 			"Changes of the KV event stream's health as seen by kv_aware, by the new state.", "pool", "state"),
-		specKeys: ms.GaugeVec("kvrouter_kv_speculative_entries",
-			"(block, instance) entries in the speculative overlay (routed but not yet confirmed by events).", "pool"),
+		spec:    newSpecCollector(),    // read at scrape time
 		pending: newPendingCollector(), // compare.go: read at scrape time
 		scrapes: ms.CounterVec("kvrouter_kv_load_scrapes_total",
 			"Scrapes of instances' /metrics for vllm:num_requests_waiting/running, by result.", "pool", "instance", "result"),
@@ -80,6 +80,7 @@ func newKVMetrics() *KVMetrics {
 			"Shadow mode: predicted time to first token of each strategy's pick.", ttftBuckets, "pool", "strategy"),
 	}
 	ms.Add(m.pending)
+	ms.Add(m.spec)
 	m.set = ms
 	return m
 }
@@ -94,7 +95,6 @@ type decisionMetrics struct {
 	reasons [len(kvReasons)]lazyChild[prometheus.Counter] // decisions, by kvReasons position
 	matched [tiers.Count]lazyChild[prometheus.Counter]    // matched tokens, by tier
 	prompt  lazyChild[prometheus.Counter]
-	spec    lazyChild[prometheus.Gauge]
 }
 
 // kvReasons are the reasons a kv_aware decision counts under; another
@@ -129,4 +129,43 @@ func (st *KVState) decisionCounter(reason router.Reason) prometheus.Counter {
 // matchedCounter is the matched-tokens counter for tier t.
 func (st *KVState) matchedCounter(t tiers.Tier) prometheus.Counter {
 	return st.dm.matched[t].get(func() prometheus.Counter { return st.m.matched.WithLabelValues(st.pool, t.String()) })
+}
+
+// specCollector exports each pool's speculative overlay as the (block,
+// instance) entries it holds at the scrape (unexpired, not confirmed):
+// a gauge set at each pick kept its last value after the entries had
+// expired or been confirmed, and read as requests in flight on an idle
+// pool.
+type specCollector struct {
+	desc  *prometheus.Desc
+	pools sync.Map // pool -> *speculative
+}
+
+var _ prometheus.Collector = (*specCollector)(nil)
+
+func newSpecCollector() *specCollector {
+	return &specCollector{desc: prometheus.NewDesc("kvrouter_kv_speculative_entries",
+		"(block, instance) entries in the speculative overlay at the scrape: routed, not yet confirmed by events, not expired.",
+		[]string{"pool"}, nil)}
+}
+
+// track exports sp as pool's overlay (a strategy built for a reload
+// brings a new one: the latest to record an entry is the one in use).
+func (c *specCollector) track(pool string, sp *speculative) {
+	if v, ok := c.pools.Load(pool); ok && v.(*speculative) == sp {
+		return
+	}
+	c.pools.Store(pool, sp)
+}
+
+// Describe implements prometheus.Collector.
+func (c *specCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+// Collect implements prometheus.Collector.
+func (c *specCollector) Collect(ch chan<- prometheus.Metric) {
+	c.pools.Range(func(k, v any) bool {
+		sp := v.(*speculative)
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(sp.set.Live(sp.now().UnixNano())), k.(string))
+		return true
+	})
 }

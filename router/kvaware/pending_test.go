@@ -1,6 +1,7 @@
 package kvaware
 
 import (
+	"context"
 	"io"
 	"log/slog"
 	"net/http"
@@ -279,5 +280,56 @@ func TestPendingNonStreamedReleasedBeforeResponse(t *testing.T) {
 				t.Errorf("pending after the response: %d/%d", tok, n)
 			}
 		})
+	}
+}
+
+// TestSpeculativeGaugeAtScrape: kvrouter_kv_speculative_entries is the
+// overlay's entries held at the scrape, so it falls to 0 once they expire
+// with nothing routed since (a gauge set at each pick kept its last value
+// on an idle pool for good).
+func TestSpeculativeGaugeAtScrape(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	m, err := NewKVMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: kvTestModel, BlockSize: kvTestBS})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := &kvWorld{t: t, idx: idx, clock: newTestClock(), fresh: &testFreshness{}}
+	if w.st, err = NewKVState(KVStateConfig{Pool: "p", Model: kvTestModel, Index: idx, Freshness: w.fresh, Now: w.clock.Now,
+		Logger: slog.New(slog.DiscardHandler), Metrics: m}); err != nil {
+		t.Fatal(err)
+	}
+	w.add("vllm-0")
+	w.add("vllm-1")
+	s := w.strategy(config.RoutingConfig{})
+	d, err := s.Pick(context.Background(), kvRequest("a", promptTokens(1, 8*kvTestBS)), w.insts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.Observer.Done(200, -1)
+	spec := func() float64 {
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatalf("gather: %v", err)
+		}
+		for _, mf := range mfs {
+			if mf.GetName() == "kvrouter_kv_speculative_entries" {
+				for _, mm := range mf.GetMetric() {
+					return mm.GetGauge().GetValue()
+				}
+			}
+		}
+		t.Fatal("no kvrouter_kv_speculative_entries series")
+		return 0
+	}
+	if v := spec(); v < 7 {
+		t.Fatalf("after routing an 8-block prompt nobody held: %v speculative entries, want its blocks", v)
+	}
+	w.clock.Advance(DefaultSpeculativeTTL + time.Second)
+	if v := spec(); v != 0 {
+		t.Fatalf("after the TTL with nothing routed: %v speculative entries, want 0", v)
 	}
 }
