@@ -72,6 +72,7 @@ pools:
     invoke_stream_path: /v1/completions
     routing: {strategy: kv_aware, prefix_length: 8192, concurrency_threshold: 64, shadow: true}
     health: {path: /health, interval: 5s}
+    allowed_instance_urls: [127.0.0.1]   # heartbeat discovery: loopback engines only
     instances:
 EOF
   for ((i = 0; i < n; i++)); do
@@ -113,6 +114,7 @@ kvrouter fleet up ($n kvsim engines speaking $engine's events, $n kvbridges, emb
   NATS         nats://127.0.0.1:$nats
   engines      http://127.0.0.1:$http..$((http + n - 1))
   config, logs $dir
+kvctl:  export KVROUTER_ADMIN_URL=http://127.0.0.1:$admin
 Try:
   curl -s -D - -o /dev/null http://127.0.0.1:$listen/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"model":"$model","messages":[{"role":"user","content":"hello"}],"max_tokens":8}'
