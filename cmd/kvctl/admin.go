@@ -188,11 +188,28 @@ func newHTTPError(method, u string, status int, body []byte) *httpError {
 	switch {
 	case status == http.StatusUnauthorized:
 		e.Hint = "set --token or " + envAdminToken
-	case status == http.StatusNotFound && !strings.HasPrefix(e.Message, "no pool"):
-		// Not the router's "no pool" answer: the path itself is unknown.
+	case status == http.StatusNotFound && !routerAnswer(body, e.Message):
+		// Not an answer of the router's handlers (a pool, model or
+		// instance it does not have): the path itself is unknown.
 		e.Hint = "this router does not serve that endpoint; check that --router is its admin listener and that it is new enough"
 	}
 	return e
+}
+
+// routerAnswer reports whether a 404's body came from one of the admin
+// API's handlers: an OpenAI error object (every JSON handler's), or the
+// eviction stream's plain "unknown pool" — not the mux's "404 page not
+// found" for a path it has no route for.
+func routerAnswer(body []byte, msg string) bool {
+	var oe struct {
+		Error *struct {
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	if json.Unmarshal(body, &oe) == nil && oe.Error != nil {
+		return true
+	}
+	return strings.HasPrefix(msg, "unknown pool")
 }
 
 // request builds a request for path (already escaped) on the admin API.

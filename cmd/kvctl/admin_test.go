@@ -200,6 +200,28 @@ func TestErrorMessage(t *testing.T) {
 	}
 }
 
+// TestNotFoundHint: a 404 a handler answered (a pool, model or instance
+// the router lacks) carries its message alone; only a path the router has
+// no route for gets the hint about --router and the router's version.
+func TestNotFoundHint(t *testing.T) {
+	const hint = "does not serve that endpoint"
+	tests := []struct {
+		body     string
+		wantHint bool
+	}{
+		{`{"error":{"message":"decide: the model \"m\" does not exist in pool \"llama\"","type":"not_found_error","param":null,"code":404}}`, false},
+		{`{"error":{"message":"no pool \"x\"","type":"not_found_error","param":null,"code":404}}`, false},
+		{"unknown pool \"nope\"\n", false},
+		{"404 page not found\n", true},
+	}
+	for _, tc := range tests {
+		e := newHTTPError("GET", "http://r/admin/x", http.StatusNotFound, []byte(tc.body))
+		if got := strings.Contains(e.Hint, hint); got != tc.wantHint {
+			t.Errorf("404 %.50q: hint %q, want the endpoint hint %v", tc.body, e.Hint, tc.wantHint)
+		}
+	}
+}
+
 func TestHelpPerCommand(t *testing.T) {
 	tests := []struct {
 		args   []string
