@@ -48,7 +48,7 @@ func (s *api) comparePool(w http.ResponseWriter, r *http.Request) (*router.Pool,
 	}
 	st := kvaware.Of(p)
 	if st == nil {
-		openai.WriteError(w, http.StatusNotFound, fmt.Sprintf("pool %q has no KV index: kv_aware and shadow mode are unavailable", p.Name()))
+		openai.WriteError(w, http.StatusConflict, fmt.Sprintf("pool %q has no KV index: kv_aware and shadow mode are unavailable", p.Name()))
 		return nil, nil
 	}
 	return p, st

@@ -125,6 +125,9 @@ func TestAdminKVLookupAndInstances(t *testing.T) {
 		{"wrong token", "POST", "/admin/pools/kv/lookup", `{"token_ids":[1]}`, "nope", 401, "bearer"},
 		{"unknown pool", "POST", "/admin/pools/nope/lookup", `{"token_ids":[1]}`, "tok", 404, "no pool"},
 		{"pool without KV", "POST", "/admin/pools/plain/lookup", `{"token_ids":[1]}`, "tok", 409, "no KV index"},
+		// The pool exists: its comparison is a conflict with its configuration, as
+		// its lookups and decisions are, not a path that is not there.
+		{"compare of a pool without KV", "GET", "/admin/pools/plain/compare", ``, "tok", 409, "no KV index"},
 		{"chat messages through the pool's template", "POST", "/admin/pools/kv/lookup", `{"messages":` + string(msgsJSON) + `}`, "tok", 200,
 			`[{"instance":"vllm-0","gpu_blocks":2,"cpu_blocks":0,"disk_blocks":0,"shared_blocks":0,"live":true}]`},
 		{"malformed messages", "POST", "/admin/pools/kv/lookup", `{"messages":{"role":"user"}}`, "tok", 400, "lookup:"},
