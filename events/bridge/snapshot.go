@@ -154,8 +154,14 @@ func (in *instance) loadSnapshot(ctx context.Context) *kvstream.Snapshot {
 	if err == nil {
 		s, err = kvstream.ResolveSnapshot(ctx, obs, s)
 	}
-	if err == nil && (s.Instance != in.src.Instance || !s.HasSeq) {
-		err = fmt.Errorf("snapshot of %q, has seq %v", s.Instance, s.HasSeq)
+	if err == nil && s.Instance == in.src.Instance && !s.HasSeq {
+		// The previous run had heard no engine message yet (an idle
+		// engine): nothing to resume from, and nothing wrong.
+		in.log.Info("the snapshot in the bucket holds no engine seq (the previous run heard no engine message): starting from the engine's replay", "key", in.key)
+		return nil
+	}
+	if err == nil && s.Instance != in.src.Instance {
+		err = fmt.Errorf("snapshot of instance %q, not %q", s.Instance, in.src.Instance)
 	}
 	if err == nil {
 		_, err = events.Decode(s.Batch)
