@@ -374,6 +374,17 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 	if fl != nil {
 		apply = fl.Apply
 	}
+	reloads := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_config_reloads_total",
+		Help: "SIGHUP reloads of the configuration file, by result (ok, failed: the running configuration kept)."}, []string{"result"})
+	reloadOK := prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvrouter_config_last_reload_successful",
+		Help: "1 when the last SIGHUP reload applied the file (or none was asked), 0 when it failed and the running configuration differs from the file."})
+	reloadOK.Set(1)
+	if err := reg.Register(reloads); err != nil {
+		return err
+	}
+	if err := reg.Register(reloadOK); err != nil {
+		return err
+	}
 	reload := func() {
 		if certs != nil {
 			certs.ReloadAndLog()
@@ -389,9 +400,13 @@ func run(ctx context.Context, args []string, stderr io.Writer, getenv func(strin
 			err = apply(ncfg)
 		}
 		if err != nil {
+			reloads.WithLabelValues("failed").Inc()
+			reloadOK.Set(0)
 			log.Error("reload failed; keeping the running configuration", "err", err)
 			return
 		}
+		reloads.WithLabelValues("ok").Inc()
+		reloadOK.Set(1)
 		log.Info("reloaded", "config", f.config)
 	}
 	return serve(ctx, f.shutdownTimeout, log, servers, listeners, api, grpcLn, loops, reload)

@@ -273,6 +273,37 @@ func TestRunEmbeddedNATS(t *testing.T) {
 	if got := lookup(); got != want {
 		t.Fatalf("after reload: %s", got)
 	}
+	metric := func(name string) string {
+		resp, err := http.Get("http://" + admin + "/metrics")
+		if err != nil {
+			return err.Error()
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		for _, l := range strings.Split(string(b), "\n") {
+			if strings.HasPrefix(l, name+" ") {
+				return strings.TrimPrefix(l, name+" ")
+			}
+		}
+		return "absent"
+	}
+	if ok, last := metric(`kvrouter_config_reloads_total{result="ok"}`), metric("kvrouter_config_last_reload_successful"); ok != "1" || last != "1" {
+		t.Fatalf("after a reload: reloads ok %s, last successful %s; want 1 and 1", ok, last)
+	}
+	// A file that no longer parses: the reload fails, the running
+	// configuration stays, and an alert can see it.
+	if err := os.WriteFile(path, []byte("pools: [\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	testenv.WaitFor(t, 30*time.Second, "the failed reload counted", func() bool {
+		return metric(`kvrouter_config_reloads_total{result="failed"}`) == "1" && metric("kvrouter_config_last_reload_successful") == "0"
+	})
+	if got := lookup(); got != want {
+		t.Fatalf("after a failed reload: %s", got)
+	}
 }
 
 // grpcConn dials the router's gRPC listener (creds nil = plaintext).
