@@ -227,3 +227,52 @@ func TestGateExpiryAdmitsTheRequestsBehind(t *testing.T) {
 		t.Fatal("the request behind the expired head was not admitted")
 	}
 }
+
+// TestUnstreamedReleasesAtPredictedFirstToken: an Unstreamed request's
+// prefill is released at the service fit's predicted first token (at once
+// before the fit has a sample), and its first byte, after its generation,
+// teaches the fit nothing.
+func TestUnstreamedReleasesAtPredictedFirstToken(t *testing.T) {
+	var clock atomic.Int64
+	now := func() time.Time { return t0.Add(time.Duration(clock.Load())) }
+	g := mustGate(t, Config{InstancePrefill: 1000}, WithClock(now), WithInstances(func() []string { return []string{"a"} }))
+	acquire := func() *Ticket {
+		tk, err := g.Acquire(context.Background(), Item{Cost: 600, Prefill: 600})
+		if err != nil {
+			t.Fatal(err)
+		}
+		tk.Bind("a")
+		return tk
+	}
+	cold := acquire()
+	cold.Unstreamed(0)
+	if p := g.Stats().PendingPrefill; p != 0 {
+		t.Fatalf("nothing learnt: pending prefill %d after Unstreamed, want 0", p)
+	}
+	clock.Add(int64(5 * time.Second)) // its generation
+	cold.FirstToken()
+	cold.Done()
+	if st := g.Stats(); st.ServiceTTFT != 0 {
+		t.Fatalf("a non-streamed first byte was learnt: service %v", st.ServiceTTFT)
+	}
+	warm := acquire() // streamed: teaches the fit 100 ms
+	clock.Add(int64(100 * time.Millisecond))
+	warm.FirstToken()
+	warm.Done()
+	tk := acquire()
+	tk.Unstreamed(time.Hour) // the fit's prediction, not the fallback
+	if p := g.Stats().PendingPrefill; p != 600 {
+		t.Fatalf("pending prefill %d before the predicted first token, want 600", p)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for g.Stats().PendingPrefill != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("prefill not released at the predicted first token (~100 ms)")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	tk.Done()
+	if st := g.Stats(); st.ServiceTTFT != 100*time.Millisecond || st.InFlight != 0 {
+		t.Fatalf("service %v, in flight %d; want 100ms, 0", st.ServiceTTFT, st.InFlight)
+	}
+}

@@ -652,13 +652,9 @@ func (s *Sched) Next(now time.Time) *Item {
 // FirstToken releases an admitted request's pending prefill and learns the
 // service time (admission to first token) deadlines are predicted with.
 func (s *Sched) FirstToken(it *Item, now time.Time) {
-	if it.state != stAdmitted {
+	if !s.prefilled(it) {
 		return
 	}
-	it.state = stPrefilled
-	s.pending -= it.Prefill
-	s.unbindPrefill(it)
-	s.bigPrefilled(it)
 	d := max(now.Sub(it.admitted), 0)
 	if s.svcN < estimatorWindow {
 		s.svcN++
@@ -667,6 +663,44 @@ func (s *Sched) FirstToken(it *Item, now time.Time) {
 	// Its engine prefilled the work ahead of it there, then its own
 	// (service.go).
 	s.svcFit.add(float64(it.work), float64(it.ahead), d.Seconds())
+}
+
+// Prefilled releases an admitted request's pending prefill as FirstToken
+// does, without learning a service time from now: for a request whose
+// first token is not observed (a non-streamed response comes whole, after
+// the generation; Ticket.Unstreamed).
+func (s *Sched) Prefilled(it *Item, now time.Time) {
+	s.tick(now)
+	s.prefilled(it)
+}
+
+// prefilled moves an admitted request past its prefill; false when it was
+// not admitted or is past it already.
+func (s *Sched) prefilled(it *Item) bool {
+	if it.state != stAdmitted {
+		return false
+	}
+	it.state = stPrefilled
+	s.pending -= it.Prefill
+	s.unbindPrefill(it)
+	s.bigPrefilled(it)
+	return true
+}
+
+// PredictedFirstToken is when the service fit predicts an admitted
+// request's first token: its admission plus the fit's mean for its work
+// and the work ahead of it on its instance (bound, else as at arrival:
+// service); ok is false before the fit has a sample or when it is not
+// admitted.
+func (s *Sched) PredictedFirstToken(it *Item) (t time.Time, ok bool) {
+	if s.svcN == 0 || it.state != stAdmitted {
+		return time.Time{}, false
+	}
+	d := s.service(it)
+	if it.inst != nil {
+		d = s.svcFit.at(float64(it.work), float64(it.ahead))
+	}
+	return it.admitted.Add(d), true
 }
 
 // Done ends an admitted request (finished, failed or abandoned), freeing
