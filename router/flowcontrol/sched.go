@@ -591,7 +591,7 @@ func (s *Sched) admit(it *Item, now time.Time) {
 // queue is not empty).
 func (s *Sched) head(now time.Time) (*Item, *level, bool) {
 	var best *level
-	bestEff, aged := int64(0), false
+	bestEff := int64(0)
 	for _, l := range s.order {
 		oldest := l.fifo.Front().Value.(*Item)
 		steps := int64(now.Sub(oldest.arrived) / s.cfg.AgingStep)
@@ -600,9 +600,17 @@ func (s *Sched) head(now time.Time) (*Item, *level, bool) {
 			eff = math.MinInt64
 		}
 		if best == nil || eff < bestEff {
-			best, bestEff, aged = l, eff, eff < l.prio
+			best, bestEff = l, eff
 		}
 	}
+	// Aged only when aging overtook a more urgent band: a band that wins
+	// by its own priority keeps fair queuing between its tenants, however
+	// long its oldest has waited — fair queuing starves no tenant, and
+	// arrival order there would hand the band to whichever tenant sent
+	// most (any overload with waits past an aging step did). Within a
+	// tenant that goes newest first, its aged oldest still goes first
+	// (newest).
+	aged := best != s.order[0]
 	switch {
 	case aged:
 		return best.fifo.Front().Value.(*Item), best, true
@@ -616,7 +624,8 @@ func (s *Sched) head(now time.Time) (*Item, *level, bool) {
 // nil. The band is the most urgent after aging (a request's band improves
 // by one per AgingStep waited; ties go to the band that is there by its own
 // priority); within a band the oldest request goes first once aging has
-// promoted it, else the one fair queuing puts first. The request chosen
+// lifted the band over a more urgent one, else the one fair queuing puts
+// first. The request chosen
 // that does not fit the budgets blocks the queue, so that a large prompt
 // is not overtaken by smaller ones of its own tenant or of tenants fair
 // queuing puts behind it; only an arrival ranked ahead of it goes first.
@@ -637,7 +646,7 @@ func (s *Sched) Next(now time.Time) *Item {
 		}
 	}
 	if !aged {
-		it = s.newest(it)
+		it = s.newest(it, now)
 	}
 	it.lvl.vtime = max(it.lvl.vtime, it.start) // best's, or another band's (stepSized)
 	s.unqueue(it)

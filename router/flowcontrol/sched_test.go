@@ -146,19 +146,27 @@ func TestAgingPreventsStarvation(t *testing.T) {
 
 // TestFairQueuingOnTokens: a heavy tenant with 10x larger requests and a
 // light tenant both keep the queue backlogged; the tokens admitted to each
-// must follow their weights, not their request counts.
+// must follow their weights, not their request counts — also with the
+// default aging step (max_wait/10) and waits well past it: aging that
+// overtakes no band does not turn a lone band into arrival order.
 func TestFairQueuingOnTokens(t *testing.T) {
 	for _, tc := range []struct {
 		name         string
 		weights      map[string]float64
 		wantLightPer float64 // light tokens per heavy token
+		aging        bool    // default max_wait (30 s) and aging step (3 s)
 	}{
-		{"equal", nil, 1},
-		{"light weighted 2", map[string]float64{"light": 2}, 2},
-		{"heavy weighted 4", map[string]float64{"heavy": 4}, 0.25},
+		{"equal", nil, 1, false},
+		{"light weighted 2", map[string]float64{"light": 2}, 2, false},
+		{"heavy weighted 4", map[string]float64{"heavy": 4}, 0.25, false},
+		{"equal, waits past the aging step", nil, 1, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s := mustNew(t, Config{MaxConcurrency: 1, MaxWait: time.Hour, AgingStep: time.Hour, MaxQueue: 100_000, Weights: tc.weights})
+			cfg := Config{MaxConcurrency: 1, MaxQueue: 100_000, Weights: tc.weights}
+			if !tc.aging {
+				cfg.MaxWait, cfg.AgingStep = time.Hour, time.Hour
+			}
+			s := mustNew(t, cfg)
 			running := &Item{}
 			offer(t, s, running, at(0), Admitted)
 			for range 2000 {
@@ -166,9 +174,9 @@ func TestFairQueuingOnTokens(t *testing.T) {
 				offer(t, s, &Item{Tenant: "light", Cost: 100}, at(0), Queued)
 			}
 			got := map[string]int64{}
-			for i := range 1000 {
-				s.Done(running, at(i))
-				running = s.Next(at(i))
+			for i := range 1000 { // 10 s
+				s.Done(running, at(10*i))
+				running = s.Next(at(10 * i))
 				got[running.Tenant] += running.Cost
 			}
 			ratio := float64(got["light"]) / float64(got["heavy"])
@@ -1183,3 +1191,4 @@ func (s *Sched) reserved(it *Item) int {
 	}
 	return s.offeredK(it, d, b)
 }
+
