@@ -421,7 +421,7 @@ func (s *Sched) Offer(it *Item, now time.Time) Outcome {
 			return s.shed(it, ShedQueueFull, wait)
 		}
 		displaced = worst.fifo.Back().Value.(*Item)
-		s.unqueue(displaced)
+		s.leave(displaced)
 		s.counts.Shed[ShedDisplaced]++
 		if lvl != nil && lvl.prio == displaced.Priority && s.levels[lvl.prio] == nil {
 			lvl, start = nil, 0 // its level emptied: fair queuing starts afresh
@@ -540,6 +540,31 @@ func (s *Sched) enqueue(it *Item, start float64) {
 		}
 	}
 	heap.Push(&s.exp, it)
+}
+
+// leave takes a queued item out of the queue unserved (canceled, expired,
+// displaced): its tenant is not charged for it. Enqueue advanced the
+// tenant's finish tag by its cost over the tenant's weight, and each of the
+// tenant's requests after it starts that much later; left there, a tenant
+// whose burst was canceled would be tagged a burst ahead of the others and
+// get nothing while any of them stays backlogged, though it was served
+// nothing ("no credit saved up, no penalty"). So the charge is taken back
+// from the start tags after its own and from the finish tag, never below
+// the band's virtual time (where an idle tenant starts). It walks the
+// tenant's waiting requests: at most MaxQueue, each a heap fix.
+func (s *Sched) leave(it *Item) {
+	lvl := it.lvl
+	t := lvl.tenants[it.Tenant]
+	c := float64(it.Cost) / s.weight(it.Tenant)
+	for e := t.items.Front(); e != nil; e = e.Next() {
+		// Newest first exchanges tags (lifo.go): later by tag, not by arrival.
+		if x := e.Value.(*Item); x.start > it.start {
+			x.start = max(x.start-c, lvl.vtime)
+			heap.Fix(&lvl.tags, x.tagIdx)
+		}
+	}
+	t.finish = max(t.finish-c, lvl.vtime)
+	s.unqueue(it)
 }
 
 // unqueue takes a queued item out of every structure.
@@ -739,7 +764,7 @@ func (s *Sched) Remove(it *Item, reason Reason, now time.Time) bool {
 	if it.state != stQueued {
 		return false
 	}
-	s.unqueue(it)
+	s.leave(it)
 	s.counts.Shed[reason]++
 	return true
 }
@@ -752,7 +777,7 @@ func (s *Sched) Expire(now time.Time, dst []*Item) []*Item {
 		it := s.exp[0]
 		r := it.expReason
 		t := it.lvl.tenants[it.Tenant]
-		s.unqueue(it)
+		s.leave(it)
 		s.overrun(t)
 		it.expReason = r
 		s.counts.Shed[r]++

@@ -1192,3 +1192,36 @@ func (s *Sched) reserved(it *Item) int {
 	return s.offeredK(it, d, b)
 }
 
+
+// TestUnservedRequestsLeaveNoCharge: a tenant whose burst left the queue
+// unserved (canceled here) is charged nothing for it: while both tenants
+// stay backlogged afterwards, each gets about half the admissions.
+func TestUnservedRequestsLeaveNoCharge(t *testing.T) {
+	s := mustNew(t, Config{MaxConcurrency: 1, MaxWait: 5 * time.Second, AgingStep: time.Hour})
+	running := &Item{Tenant: "b", Cost: 1000}
+	offer(t, s, running, at(0), Admitted)
+	offer(t, s, &Item{Tenant: "b", Cost: 1000}, at(0), Queued)
+	var burst []*Item
+	for range 100 {
+		it := &Item{Tenant: "a", Cost: 1000}
+		offer(t, s, it, at(0), Queued)
+		burst = append(burst, it)
+	}
+	for _, it := range burst {
+		s.Remove(it, Canceled, at(10))
+	}
+	got := map[string]int{}
+	for step := 1; step <= 300; step++ {
+		now := at(step * 100)
+		s.Offer(&Item{Tenant: "a", Cost: 1000}, now)
+		s.Offer(&Item{Tenant: "b", Cost: 1000}, now)
+		s.Expire(now, nil)
+		s.Done(running, now)
+		if running = s.Next(now); running != nil {
+			got[running.Tenant]++
+		}
+	}
+	if got["a"] < 100 {
+		t.Errorf("both tenants backlogged for 300 admissions: a got %d, b %d (want about half each); shed %v", got["a"], got["b"], s.Counts().Shed)
+	}
+}
