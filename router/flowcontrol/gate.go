@@ -176,7 +176,8 @@ func (g *Gate) Acquire(ctx context.Context, it Item) (*Ticket, error) {
 	g.expire(now)
 	out := g.s.Offer(&t.it, now)
 	if d := out.Displaced; d != nil {
-		g.release(d, ShedDisplaced, out.RetryAfter)
+		// out.RetryAfter is the arrival's, set only when it is shed.
+		g.release(d, ShedDisplaced, g.retryAfter())
 	}
 	switch out.Verdict {
 	case Admitted:
@@ -321,10 +322,14 @@ func (g *Gate) dispatch(now time.Time) {
 func (g *Gate) expire(now time.Time) {
 	g.expired = g.s.Expire(now, g.expired[:0])
 	for i, it := range g.expired {
-		g.release(it, it.ExpiredReason(), g.s.retryAfter(g.s.drainTime()))
+		g.release(it, it.ExpiredReason(), g.retryAfter())
 		g.expired[i] = nil
 	}
 }
+
+// retryAfter is the Retry-After of a waiter shed now: the predicted time
+// for the queue to drain, at least a second. Callers hold g.mu.
+func (g *Gate) retryAfter() time.Duration { return g.s.retryAfter(g.s.drainTime()) }
 
 func (g *Gate) release(it *Item, r Reason, retry time.Duration) {
 	t := it.Value.(*Ticket)

@@ -105,6 +105,9 @@ func TestGateTimeout(t *testing.T) {
 	}
 }
 
+// TestGateDisplacedWakesWaiter: a waiter displaced from a full queue is
+// woken, shed, and told to retry after at least a second, as every shed
+// request is.
 func TestGateDisplacedWakesWaiter(t *testing.T) {
 	g := mustGate(t, Config{MaxConcurrency: 1, MaxQueue: 1})
 	if _, err := g.Acquire(context.Background(), Item{}); err != nil {
@@ -117,6 +120,9 @@ func TestGateDisplacedWakesWaiter(t *testing.T) {
 	var se *ShedError
 	if err := <-errc; !errors.As(err, &se) || se.Reason != ShedDisplaced {
 		t.Fatalf("err %v", err)
+	}
+	if se.RetryAfter < time.Second {
+		t.Fatalf("displaced: RetryAfter %v, want at least 1s", se.RetryAfter)
 	}
 }
 
@@ -276,3 +282,4 @@ func TestUnstreamedReleasesAtPredictedFirstToken(t *testing.T) {
 		t.Fatalf("service %v, in flight %d; want 100ms, 0", st.ServiceTTFT, st.InFlight)
 	}
 }
+
