@@ -92,8 +92,9 @@ type Config struct {
 	MaxQueue int
 	// MaxWait bounds the time a request waits (default DefaultMaxWait).
 	MaxWait time.Duration
-	// AgingStep is the wait that moves a request up one priority band
-	// (default MaxWait/10).
+	// AgingStep is the wait that moves a request up one priority band —
+	// past the next more urgent band waiting, whatever its value (default
+	// MaxWait/10).
 	AgingStep time.Duration
 	// Weights are tenants' shares of a band under contention (default 1
 	// each): a tenant of weight 2 is admitted twice the tokens of one of
@@ -614,16 +615,21 @@ func (s *Sched) admit(it *Item, now time.Time) {
 
 // head is the waiting request Next considers first, and its band (the
 // queue is not empty).
+//
+// Aging climbs bands, not priority values: a band's rank (its place among
+// the bands with requests waiting, 0 the most urgent) less the aging steps
+// its oldest has waited. Priorities are ordinal — vLLM's "lower means
+// earlier handling" gives them no scale — and any int64 is accepted, so
+// with their numeric distance a client sending -20 beside priority 0 held
+// it back 21 aging steps, past max_wait (ten steps by default): starved.
+// By rank, a request with k more urgent bands waiting goes after at most
+// k + 1 steps, whatever their values.
 func (s *Sched) head(now time.Time) (*Item, *level, bool) {
 	var best *level
 	bestEff := int64(0)
-	for _, l := range s.order {
+	for rank, l := range s.order {
 		oldest := l.fifo.Front().Value.(*Item)
-		steps := int64(now.Sub(oldest.arrived) / s.cfg.AgingStep)
-		eff := l.prio - steps
-		if steps > 0 && l.prio < math.MinInt64+steps {
-			eff = math.MinInt64
-		}
+		eff := int64(rank) - int64(now.Sub(oldest.arrived)/s.cfg.AgingStep)
 		if best == nil || eff < bestEff {
 			best, bestEff = l, eff
 		}
@@ -647,10 +653,10 @@ func (s *Sched) head(now time.Time) (*Item, *level, bool) {
 
 // Next admits the next waiting request if the budgets allow, else returns
 // nil. The band is the most urgent after aging (a request's band improves
-// by one per AgingStep waited; ties go to the band that is there by its own
-// priority); within a band the oldest request goes first once aging has
-// lifted the band over a more urgent one, else the one fair queuing puts
-// first. The request chosen
+// by one band, not one priority value, per AgingStep waited: head; ties go
+// to the band that is there by its own priority); within a band the
+// oldest request goes first once aging has lifted the band over a more
+// urgent one, else the one fair queuing puts first. The request chosen
 // that does not fit the budgets blocks the queue, so that a large prompt
 // is not overtaken by smaller ones of its own tenant or of tenants fair
 // queuing puts behind it; only an arrival ranked ahead of it goes first.
