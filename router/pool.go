@@ -85,6 +85,7 @@ func (p *Pool) commit() {
 			in.SetHealthy(true)
 		}
 	}
+	p.PokeQueue() // its instances and budgets are the queue's now
 }
 
 // Name is the pool's name.
@@ -134,6 +135,7 @@ func (p *Pool) SetRouting(rc config.RoutingConfig) error {
 	}
 	p.routingChanged(r)
 	p.routing.Store(r)
+	p.PokeQueue() // a higher concurrency_threshold raises the queue's budget
 	return nil
 }
 

@@ -211,9 +211,15 @@ func (g *Gate) Acquire(ctx context.Context, it Item) (*Ticket, error) {
 		case <-timer.C:
 			g.mu.Lock()
 			now := g.now()
-			// Shed what expired and admit at once whoever that unblocks
-			// (the expired request may have been the head holding the
-			// others back), not at the next first token or end.
+			// Admit first whoever has room: a budget raised or an
+			// instance back since the last decision (nothing else calls
+			// Next then, unless Poke does) would otherwise find this
+			// request shed for its wait beside a free slot. Then shed what
+			// expired and admit at once whoever that unblocks (the
+			// expired request may have been the head holding the others
+			// back), not at the next first token or end.
+			g.refresh()
+			g.admitReady(now)
 			g.dispatch(now)
 			if t.it.state == stQueued { // our clock and the timer's differ slightly
 				timer.Reset(max(t.it.expires.Sub(now), time.Millisecond))
@@ -308,11 +314,28 @@ func (t *Ticket) Companion(instance string) *Ticket {
 	return c
 }
 
+// Poke admits the waiters a change of the budgets or instances read
+// through WithLimits and WithInstances has room for (a raised limit, an
+// instance healthy again or added): the gate reads them at its decisions,
+// and without one nothing would admit those waiters until the next
+// arrival, first token or end, or their own expiry.
+func (g *Gate) Poke() {
+	g.mu.Lock()
+	g.dispatch(g.now())
+	g.mu.Unlock()
+}
+
 // dispatch sheds what has expired and admits what the budgets allow,
 // waking each waiter. Callers hold g.mu.
 func (g *Gate) dispatch(now time.Time) {
 	g.refresh()
 	g.expire(now)
+	g.admitReady(now)
+}
+
+// admitReady admits what the budgets allow, waking each waiter. Callers
+// hold g.mu.
+func (g *Gate) admitReady(now time.Time) {
 	for it := g.s.Next(now); it != nil; it = g.s.Next(now) {
 		close(it.Value.(*Ticket).ready)
 	}

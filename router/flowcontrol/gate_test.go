@@ -283,3 +283,58 @@ func TestUnstreamedReleasesAtPredictedFirstToken(t *testing.T) {
 	}
 }
 
+// waiterBehindLimit is a gate whose concurrency limit (1, read through
+// WithLimits) one request holds, with a second waiting: its outcome comes
+// on the channel. raise lifts the limit to 2 behind the gate's back.
+func waiterBehindLimit(t *testing.T, maxWait time.Duration) (g *Gate, raise func(), outcome <-chan error) {
+	var limit atomic.Int64
+	limit.Store(1)
+	g = mustGate(t, Config{MaxWait: maxWait}, WithLimits(func() (int, int64) { return int(limit.Load()), 0 }))
+	a, err := g.Acquire(context.Background(), Item{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Done)
+	got := make(chan error, 1)
+	go func() {
+		tk, err := g.Acquire(context.Background(), Item{})
+		if err == nil {
+			tk.Done()
+		}
+		got <- err
+	}()
+	waitQueued(t, g, 1)
+	return g, func() { limit.Store(2) }, got
+}
+
+// TestGateRaisedLimitAdmitsAtExpiry: a budget raised with nothing else
+// happening (no arrival, first token or end) leaves a slot free; when the
+// waiter's own timer fires it is admitted to it, not shed for its wait.
+func TestGateRaisedLimitAdmitsAtExpiry(t *testing.T) {
+	_, raise, got := waiterBehindLimit(t, 300*time.Millisecond)
+	raise()
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Fatalf("the waiter was not admitted beside a free slot: %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("no outcome")
+	}
+}
+
+// TestGatePokeAdmits: Poke, called when the budgets or instances change,
+// admits the waiters the change has room for at once.
+func TestGatePokeAdmits(t *testing.T) {
+	g, raise, got := waiterBehindLimit(t, time.Hour)
+	raise()
+	g.Poke()
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Fatalf("the waiter was not admitted: %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the waiter was not admitted within 20 s of Poke (max_wait 1 h)")
+	}
+}

@@ -1193,7 +1193,6 @@ func (s *Sched) reserved(it *Item) int {
 	return s.offeredK(it, d, b)
 }
 
-
 // TestUnservedRequestsLeaveNoCharge: a tenant whose burst left the queue
 // unserved (canceled here) is charged nothing for it: while both tenants
 // stay backlogged afterwards, each gets about half the admissions.

@@ -324,3 +324,31 @@ func TestFlowControlDisplacedRetryAfter(t *testing.T) {
 	<-done
 	<-done
 }
+
+// TestFlowControlRaisedThresholdAdmits: raising the pool's
+// concurrency_threshold (its queue's budget) admits a waiting request at
+// once, not at its expiry or the next completion.
+func TestFlowControlRaisedThresholdAdmits(t *testing.T) {
+	up, upTS := newOrderUpstream(t)
+	srv, ts := flowServer(t, upTS.URL, &config.FlowControlConfig{Enabled: true, MaxWait: time.Hour})
+	ctx := context.Background()
+	done := make(chan flowReply, 2)
+	go func() { done <- postCompletion(ctx, ts.URL, "first", nil, "") }()
+	<-up.started
+	go func() { done <- postCompletion(ctx, ts.URL, "second", nil, "") }()
+	waitQueue(t, srv, 1)
+	p, _ := srv.Pool("p")
+	rc, _ := p.Routing()
+	rc.ConcurrencyThreshold = 2
+	if err := p.SetRouting(rc); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-up.started:
+	case <-time.After(20 * time.Second):
+		t.Error("the waiting request did not reach the engine within 20 s of the threshold's rise")
+	}
+	up.releaseFirst()
+	<-done
+	<-done
+}
