@@ -178,6 +178,13 @@ type Item struct {
 	// before Offer, outside the queue's lock (with a shared index it is a
 	// round trip).
 	Cached []Hold
+	// Eligible reports whether the request may be sent to instance (a
+	// LoRA adapter only some instances hold); nil = any. The per-instance
+	// budgets admit it only while an instance it may go to has room: an
+	// idle instance it cannot use must not let it in, to be bound over
+	// budget on one it can. Called under the queue's lock, at each
+	// decision, once per live instance.
+	Eligible func(instance string) bool
 	// Deadline is the time by which its first token is due; zero = none.
 	Deadline time.Time
 	// Value is the caller's own (the Gate keeps its waiter here).

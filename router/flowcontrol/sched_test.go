@@ -1255,3 +1255,29 @@ func TestAgingCrossesAnyPriorityGap(t *testing.T) {
 		}
 	}
 }
+
+// TestRoomOnEligibleInstancesOnly: a request that may go only to some
+// instances (Item.Eligible: an adapter one instance holds) is admitted
+// only while one of those has room, not because another is idle.
+func TestRoomOnEligibleInstancesOnly(t *testing.T) {
+	s := mustNew(t, Config{InstancePrefill: 1000})
+	s.SetInstances([]string{"a", "b"})
+	onlyB := func(inst string) bool { return inst == "b" }
+	first := &Item{Cost: 800, Prefill: 800, Eligible: onlyB}
+	offer(t, s, first, at(0), Admitted)
+	s.Bind(first, "b")
+	second := &Item{Cost: 800, Prefill: 800, Eligible: onlyB}
+	offer(t, s, second, at(1), Queued)
+	if it := s.Next(at(2)); it != nil {
+		t.Fatal("admitted while its only instance has no room")
+	}
+	s.FirstToken(first, at(3))
+	if it := s.Next(at(3)); it != second {
+		t.Fatalf("Next = %v once b has room, want the waiting request", it)
+	}
+	// Any instance will do for a request without Eligible; one with no
+	// live instance to go to is not held (the router answers it).
+	s.Bind(second, "b")
+	offer(t, s, &Item{Cost: 800, Prefill: 800}, at(4), Admitted)
+	offer(t, s, &Item{Cost: 800, Prefill: 800, Eligible: func(string) bool { return false }}, at(5), Admitted)
+}

@@ -18,11 +18,12 @@ import (
 	"github.com/kvrouter/kvrouter/router/servertest"
 )
 
-// genUpstream is an engine whose prefill is instant and whose generation
-// takes gen: a streamed request gets its first event at once, a
-// non-streamed one its whole answer only after gen, as vLLM sends it. Each
-// request signals started (when there is room) as it arrives.
-func genUpstream(t *testing.T, gen time.Duration, started chan<- struct{}) *httptest.Server {
+// genUpstream is an engine whose prefill takes prefill and whose
+// generation takes gen: a streamed request gets its first event after
+// prefill, a non-streamed one its whole answer only after both, as vLLM
+// sends it. Each request signals started (when there is room) as it
+// arrives.
+func genUpstream(t *testing.T, prefill, gen time.Duration, started chan<- struct{}) *httptest.Server {
 	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		var body struct {
 			Stream bool `json:"stream"`
@@ -32,6 +33,7 @@ func genUpstream(t *testing.T, gen time.Duration, started chan<- struct{}) *http
 		case started <- struct{}{}:
 		default:
 		}
+		time.Sleep(prefill)
 		if body.Stream {
 			w.Header().Set("Content-Type", "text/event-stream")
 			fmt.Fprint(w, "data: {\"id\":\"c\",\"object\":\"text_completion\",\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"o\",\"finish_reason\":null}]}\n\n")
@@ -69,7 +71,7 @@ func TestFlowControlNonStreamedGenerationIsNotTTFT(t *testing.T) {
 	for _, stream := range []bool{true, false} {
 		t.Run(fmt.Sprintf("stream=%v", stream), func(t *testing.T) {
 			started := make(chan struct{}, 16)
-			up := genUpstream(t, 400*time.Millisecond, started)
+			up := genUpstream(t, 0, 400*time.Millisecond, started)
 			_, ts := onePool(t, &config.FlowControlConfig{Enabled: true, PrefillTokensPerInstance: 8192, TTFTObjective: 200 * time.Millisecond},
 				config.InstanceConfig{ID: "e0", URL: up.URL})
 			extra := fmt.Sprintf(`,"stream":%v`, stream)
@@ -98,7 +100,7 @@ func TestFlowControlNonStreamedReleasesPrefill(t *testing.T) {
 	for _, stream := range []bool{true, false} {
 		t.Run(fmt.Sprintf("stream=%v", stream), func(t *testing.T) {
 			started := make(chan struct{}, 16)
-			up := genUpstream(t, 400*time.Millisecond, started)
+			up := genUpstream(t, 0, 400*time.Millisecond, started)
 			_, ts := onePool(t, &config.FlowControlConfig{Enabled: true, PrefillTokensPerInstance: 8192},
 				config.InstanceConfig{ID: "e0", URL: up.URL})
 			extra := fmt.Sprintf(`,"stream":%v`, stream)
@@ -116,5 +118,40 @@ func TestFlowControlNonStreamedReleasesPrefill(t *testing.T) {
 			<-replies
 			<-replies
 		})
+	}
+}
+
+// TestFlowControlRoomOnEligibleInstancesOnly: a request for an adapter
+// only one instance holds is admitted only while that instance has room
+// under its prefill budget, not because an instance it cannot be sent to
+// is idle.
+func TestFlowControlRoomOnEligibleInstancesOnly(t *testing.T) {
+	started := make(chan struct{}, 16)
+	slow := genUpstream(t, 400*time.Millisecond, 0, started)
+	idle := genUpstream(t, 0, 0, make(chan struct{}, 16))
+	srv, ts := onePool(t, &config.FlowControlConfig{Enabled: true, PrefillTokensPerInstance: 1000},
+		config.InstanceConfig{ID: "e0", URL: idle.URL},
+		config.InstanceConfig{ID: "e1", URL: slow.URL, Adapters: []string{"lx"}})
+	body := fmt.Sprintf(`{"model":"lx","prompt":%q,"max_tokens":1,"stream":true}`, strings.Repeat("word ", 640)) // 800 tokens
+	ctx := context.Background()
+	first, second := make(chan flowReply, 1), make(chan flowReply, 1)
+	go func() { first <- postCompletionBody(ctx, ts.URL, body, nil) }()
+	<-started
+	go func() { second <- postCompletionBody(ctx, ts.URL, body, nil) }()
+	p, _ := srv.Pool("p")
+	peak := int64(0)
+	for end := time.Now().Add(300 * time.Millisecond); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
+		for _, l := range p.QueueStatus().Queue.Instances {
+			if l.Instance == "e1" {
+				peak = max(peak, l.PendingPrefill)
+			}
+		}
+	}
+	r1, r2 := <-first, <-second
+	if r1.status != http.StatusOK || r2.status != http.StatusOK {
+		t.Fatalf("statuses %d, %d, want 200 (the second admitted once the first is prefilled)", r1.status, r2.status)
+	}
+	if peak > 1000 {
+		t.Fatalf("e1 pending prefill reached %d tokens against its budget of 1000", peak)
 	}
 }
