@@ -93,7 +93,7 @@ func (s *Sched) budgetRoom(l *instLoad, it *Item) bool {
 // router otherwise, where priority, fairness and its deadline order it.
 // An idle instance always takes it (roomIn).
 func (s *Sched) pastDeadline(own, ahead int64, it *Item) bool {
-	if it.Deadline.IsZero() || s.svcFit.n == 0 {
+	if it.Deadline.IsZero() || !s.svcFit.mature() {
 		return false
 	}
 	return s.last.Add(s.svcFit.late(float64(own), float64(ahead))).After(it.Deadline)

@@ -743,7 +743,7 @@ func (s *Sched) PredictedFirstToken(it *Item) (t time.Time, ok bool) {
 	if s.svcN == 0 || it.state != stAdmitted {
 		return time.Time{}, false
 	}
-	d := s.service(it)
+	d := s.serviceFit(it)
 	if it.inst != nil {
 		d = s.svcFit.at(float64(it.work), float64(it.ahead))
 	}

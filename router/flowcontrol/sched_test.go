@@ -1281,3 +1281,66 @@ func TestRoomOnEligibleInstancesOnly(t *testing.T) {
 	offer(t, s, &Item{Cost: 800, Prefill: 800}, at(4), Admitted)
 	offer(t, s, &Item{Cost: 800, Prefill: 800, Eligible: func(string) bool { return false }}, at(5), Admitted)
 }
+
+// TestOneSlowFirstTokenShedsLittle: one slow first token (20 s: the fit's
+// first sample, or one after 20 of 50 ms) does not make the queue shed
+// requests with a 2 s objective that are each answered in 50 ms: at most
+// a twentieth more of them are shed over the next 10 s than without it.
+func TestOneSlowFirstTokenShedsLittle(t *testing.T) {
+	run := func(before int, first time.Duration) (shed, total int) {
+		s := mustNew(t, Config{InstancePrefill: 8192, MaxWait: 30 * time.Second})
+		s.SetInstances([]string{"a"})
+		start := 0
+		for i := range before + 1 {
+			d := 50 * time.Millisecond
+			if i == before {
+				d = first
+			}
+			warm := &Item{Cost: 100, Prefill: 100}
+			offer(t, s, warm, at(start), Admitted)
+			s.Bind(warm, "a")
+			start += int(d / time.Millisecond)
+			s.FirstToken(warm, at(start))
+			s.Done(warm, at(start))
+		}
+		type ev struct {
+			it  *Item
+			ftk int
+		}
+		var running []ev
+		for ms := start + 25; ms <= start+10_000; ms += 25 {
+			kept := running[:0]
+			for _, e := range running {
+				if e.ftk <= ms {
+					s.FirstToken(e.it, at(e.ftk))
+					s.Done(e.it, at(e.ftk))
+				} else {
+					kept = append(kept, e)
+				}
+			}
+			running = kept
+			shed += len(s.Expire(at(ms), nil))
+			for it := s.Next(at(ms)); it != nil; it = s.Next(at(ms)) {
+				s.Bind(it, "a")
+				running = append(running, ev{it, ms + 50})
+			}
+			it := &Item{Cost: 100, Prefill: 100, Deadline: at(ms).Add(2 * time.Second)}
+			total++
+			switch out := s.Offer(it, at(ms)); out.Verdict {
+			case Admitted:
+				s.Bind(it, "a")
+				running = append(running, ev{it, ms + 50})
+			case Shed:
+				shed++
+			}
+		}
+		return shed, total
+	}
+	for _, before := range []int{0, 20} {
+		base, n := run(before, 50*time.Millisecond)
+		out, _ := run(before, 20*time.Second)
+		if out > base+n/20 {
+			t.Errorf("after one 20 s first token (following %d of 50 ms), %d of %d requests with a 2 s objective shed over the next 10 s (%d without it), although each is answered in 50 ms", before, out, n, base)
+		}
+	}
+}
