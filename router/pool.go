@@ -85,6 +85,7 @@ func (p *Pool) commit() {
 			in.SetHealthy(true)
 		}
 	}
+	p.PokeQueue() // its instances and budgets are the queue's now
 }
 
 // Name is the pool's name.
@@ -134,6 +135,7 @@ func (p *Pool) SetRouting(rc config.RoutingConfig) error {
 	}
 	p.routingChanged(r)
 	p.routing.Store(r)
+	p.PokeQueue() // a higher concurrency_threshold raises the queue's budget
 	return nil
 }
 
@@ -221,6 +223,26 @@ func (p *Pool) Candidates(dst []*Instance, adapter string, exclude *Instance) (c
 		return dst, len(dst) > 0
 	}
 	return dst, false
+}
+
+// Eligible is, for the flow-control queue, the test of the instances a
+// request for adapter may go to (flowcontrol.Item.Eligible), as
+// Candidates chooses them: nil when any may (no adapter, or a pool-level
+// one), else those holding it — nil again with adapter_fallback "all"
+// when no healthy instance holds it now.
+func (p *Pool) Eligible(adapter string) func(instance string) bool {
+	if adapter == "" || slices.Contains(p.cfg.Adapters, adapter) {
+		return nil
+	}
+	if p.cfg.AdapterFallback == "all" && !slices.ContainsFunc(p.instances, func(in *Instance) bool {
+		return in.Healthy() && in.role != config.RolePrefill && in.HasAdapter(adapter)
+	}) {
+		return nil
+	}
+	return func(id string) bool {
+		in := p.byID[id]
+		return in != nil && in.HasAdapter(adapter)
+	}
 }
 
 // PrefillCandidates appends to dst the healthy prefill instances (role

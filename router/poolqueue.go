@@ -89,6 +89,15 @@ func (f *flowControl) limits() (int, int64) {
 	return conc, 0
 }
 
+// PokeQueue tells the pool's queue that its budgets or instances may have
+// changed (an instance healthy again, a routing or reload change): it
+// admits at once the waiters that now have room (flowcontrol.Gate.Poke).
+func (p *Pool) PokeQueue() {
+	if f := p.flow; f != nil {
+		f.gate.Poke()
+	}
+}
+
 // QueueStatus is GET /admin/pools/{pool}/queue: whether flow control is on
 // and, when it is, the queue's state.
 type QueueStatus struct {

@@ -77,16 +77,80 @@ type Ticket struct {
 	ready chan struct{} // closed when admitted or shed
 	shed  Reason        // set, under g.mu, when shed while waiting
 	retry time.Duration
+	// unstreamed (under g.mu): its first byte is not its first token
+	// (Unstreamed); prefill releases its prefill at the predicted one.
+	unstreamed bool
+	prefill    *time.Timer
 }
 
 // Waited is how long the request waited for admission.
 func (t *Ticket) Waited() time.Duration { return t.it.Waited() }
 
-// FirstToken frees the request's pending prefill.
-func (t *Ticket) FirstToken() { t.settle((*Sched).FirstToken) }
+// FirstToken frees the request's pending prefill and learns its service
+// time (not for an Unstreamed request: its prefill ended earlier).
+func (t *Ticket) FirstToken() {
+	t.settle(func(s *Sched, it *Item, now time.Time) {
+		if t.unstreamed {
+			s.Prefilled(it, now)
+		} else {
+			s.FirstToken(it, now)
+		}
+	})
+}
 
 // Done ends the request and admits whoever its budget lets in.
-func (t *Ticket) Done() { t.settle((*Sched).Done) }
+func (t *Ticket) Done() {
+	t.settle(func(s *Sched, it *Item, now time.Time) {
+		if t.prefill != nil {
+			t.prefill.Stop()
+		}
+		s.Done(it, now)
+	})
+}
+
+// Unstreamed says that the request's first response byte will not mark
+// its first token: vLLM sends a non-streamed response whole, after the
+// generation. Held until that byte, its prefill would count against its
+// instance's budget for the whole generation, and learnt as a service
+// time, the generation would pass for a prefill and shed requests with
+// objectives it does not concern. So its pending prefill is released when
+// its first token is predicted — admission plus the queue's service fit
+// for its work and the work ahead of it on its instance (call it after
+// Bind), else, before the fit has a sample, after fallback (the
+// strategy's own prediction, or 0) — or at its first byte or Done if
+// sooner, and no sample is learnt from it. The fit's mean, not a
+// percentile: the budget bounds the engine's pending tokens, whose time
+// average is the tokens admitted per second times the mean time each is
+// held (Little's law), so holding each for its predicted mean keeps the
+// average right; a percentile would hold nine in ten too long and idle
+// the budget. With nothing learnt yet the choice is between counting the
+// generation as prefill (a 3,000-token prompt then held for its whole
+// answer: two such per 8,192-token budget) and counting little; the
+// concurrency budget still bounds the engine, so the queue errs on that
+// side until a streamed request teaches it the engine's prefill rate.
+// Only the first call counts.
+func (t *Ticket) Unstreamed(fallback time.Duration) {
+	g := t.g
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if t.unstreamed {
+		return
+	}
+	t.unstreamed = true
+	now := g.now()
+	d := fallback
+	if at, ok := g.s.PredictedFirstToken(&t.it); ok {
+		d = at.Sub(now)
+	}
+	if d <= 0 {
+		g.s.Prefilled(&t.it, now)
+		g.dispatch(now)
+		return
+	}
+	t.prefill = time.AfterFunc(d, func() {
+		t.settle((*Sched).Prefilled) // a no-op once its first byte or Done came
+	})
+}
 
 // settle applies step to the request under the gate's lock, at one clock
 // reading, then admits whoever that lets in.
@@ -112,7 +176,8 @@ func (g *Gate) Acquire(ctx context.Context, it Item) (*Ticket, error) {
 	g.expire(now)
 	out := g.s.Offer(&t.it, now)
 	if d := out.Displaced; d != nil {
-		g.release(d, ShedDisplaced, out.RetryAfter)
+		// out.RetryAfter is the arrival's, set only when it is shed.
+		g.release(d, ShedDisplaced, g.retryAfter())
 	}
 	switch out.Verdict {
 	case Admitted:
@@ -146,9 +211,15 @@ func (g *Gate) Acquire(ctx context.Context, it Item) (*Ticket, error) {
 		case <-timer.C:
 			g.mu.Lock()
 			now := g.now()
-			// Shed what expired and admit at once whoever that unblocks
-			// (the expired request may have been the head holding the
-			// others back), not at the next first token or end.
+			// Admit first whoever has room: a budget raised or an
+			// instance back since the last decision (nothing else calls
+			// Next then, unless Poke does) would otherwise find this
+			// request shed for its wait beside a free slot. Then shed what
+			// expired and admit at once whoever that unblocks (the
+			// expired request may have been the head holding the others
+			// back), not at the next first token or end.
+			g.refresh()
+			g.admitReady(now)
 			g.dispatch(now)
 			if t.it.state == stQueued { // our clock and the timer's differ slightly
 				timer.Reset(max(t.it.expires.Sub(now), time.Millisecond))
@@ -243,11 +314,28 @@ func (t *Ticket) Companion(instance string) *Ticket {
 	return c
 }
 
+// Poke admits the waiters a change of the budgets or instances read
+// through WithLimits and WithInstances has room for (a raised limit, an
+// instance healthy again or added): the gate reads them at its decisions,
+// and without one nothing would admit those waiters until the next
+// arrival, first token or end, or their own expiry.
+func (g *Gate) Poke() {
+	g.mu.Lock()
+	g.dispatch(g.now())
+	g.mu.Unlock()
+}
+
 // dispatch sheds what has expired and admits what the budgets allow,
 // waking each waiter. Callers hold g.mu.
 func (g *Gate) dispatch(now time.Time) {
 	g.refresh()
 	g.expire(now)
+	g.admitReady(now)
+}
+
+// admitReady admits what the budgets allow, waking each waiter. Callers
+// hold g.mu.
+func (g *Gate) admitReady(now time.Time) {
 	for it := g.s.Next(now); it != nil; it = g.s.Next(now) {
 		close(it.Value.(*Ticket).ready)
 	}
@@ -257,10 +345,14 @@ func (g *Gate) dispatch(now time.Time) {
 func (g *Gate) expire(now time.Time) {
 	g.expired = g.s.Expire(now, g.expired[:0])
 	for i, it := range g.expired {
-		g.release(it, it.ExpiredReason(), g.s.retryAfter(g.s.drainTime()))
+		g.release(it, it.ExpiredReason(), g.retryAfter())
 		g.expired[i] = nil
 	}
 }
+
+// retryAfter is the Retry-After of a waiter shed now: the predicted time
+// for the queue to drain, at least a second. Callers hold g.mu.
+func (g *Gate) retryAfter() time.Duration { return g.s.retryAfter(g.s.drainTime()) }
 
 func (g *Gate) release(it *Item, r Reason, retry time.Duration) {
 	t := it.Value.(*Ticket)

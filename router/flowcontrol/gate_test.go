@@ -105,6 +105,9 @@ func TestGateTimeout(t *testing.T) {
 	}
 }
 
+// TestGateDisplacedWakesWaiter: a waiter displaced from a full queue is
+// woken, shed, and told to retry after at least a second, as every shed
+// request is.
 func TestGateDisplacedWakesWaiter(t *testing.T) {
 	g := mustGate(t, Config{MaxConcurrency: 1, MaxQueue: 1})
 	if _, err := g.Acquire(context.Background(), Item{}); err != nil {
@@ -117,6 +120,9 @@ func TestGateDisplacedWakesWaiter(t *testing.T) {
 	var se *ShedError
 	if err := <-errc; !errors.As(err, &se) || se.Reason != ShedDisplaced {
 		t.Fatalf("err %v", err)
+	}
+	if se.RetryAfter < time.Second {
+		t.Fatalf("displaced: RetryAfter %v, want at least 1s", se.RetryAfter)
 	}
 }
 
@@ -225,5 +231,110 @@ func TestGateExpiryAdmitsTheRequestsBehind(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("the request behind the expired head was not admitted")
+	}
+}
+
+// TestUnstreamedReleasesAtPredictedFirstToken: an Unstreamed request's
+// prefill is released at the service fit's predicted first token (at once
+// before the fit has a sample), and its first byte, after its generation,
+// teaches the fit nothing.
+func TestUnstreamedReleasesAtPredictedFirstToken(t *testing.T) {
+	var clock atomic.Int64
+	now := func() time.Time { return t0.Add(time.Duration(clock.Load())) }
+	g := mustGate(t, Config{InstancePrefill: 1000}, WithClock(now), WithInstances(func() []string { return []string{"a"} }))
+	acquire := func() *Ticket {
+		tk, err := g.Acquire(context.Background(), Item{Cost: 600, Prefill: 600})
+		if err != nil {
+			t.Fatal(err)
+		}
+		tk.Bind("a")
+		return tk
+	}
+	cold := acquire()
+	cold.Unstreamed(0)
+	if p := g.Stats().PendingPrefill; p != 0 {
+		t.Fatalf("nothing learnt: pending prefill %d after Unstreamed, want 0", p)
+	}
+	clock.Add(int64(5 * time.Second)) // its generation
+	cold.FirstToken()
+	cold.Done()
+	if st := g.Stats(); st.ServiceTTFT != 0 {
+		t.Fatalf("a non-streamed first byte was learnt: service %v", st.ServiceTTFT)
+	}
+	warm := acquire() // streamed: teaches the fit 100 ms
+	clock.Add(int64(100 * time.Millisecond))
+	warm.FirstToken()
+	warm.Done()
+	tk := acquire()
+	tk.Unstreamed(time.Hour) // the fit's prediction, not the fallback
+	if p := g.Stats().PendingPrefill; p != 600 {
+		t.Fatalf("pending prefill %d before the predicted first token, want 600", p)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for g.Stats().PendingPrefill != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("prefill not released at the predicted first token (~100 ms)")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	tk.Done()
+	if st := g.Stats(); st.ServiceTTFT != 100*time.Millisecond || st.InFlight != 0 {
+		t.Fatalf("service %v, in flight %d; want 100ms, 0", st.ServiceTTFT, st.InFlight)
+	}
+}
+
+// waiterBehindLimit is a gate whose concurrency limit (1, read through
+// WithLimits) one request holds, with a second waiting: its outcome comes
+// on the channel. raise lifts the limit to 2 behind the gate's back.
+func waiterBehindLimit(t *testing.T, maxWait time.Duration) (g *Gate, raise func(), outcome <-chan error) {
+	var limit atomic.Int64
+	limit.Store(1)
+	g = mustGate(t, Config{MaxWait: maxWait}, WithLimits(func() (int, int64) { return int(limit.Load()), 0 }))
+	a, err := g.Acquire(context.Background(), Item{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Done)
+	got := make(chan error, 1)
+	go func() {
+		tk, err := g.Acquire(context.Background(), Item{})
+		if err == nil {
+			tk.Done()
+		}
+		got <- err
+	}()
+	waitQueued(t, g, 1)
+	return g, func() { limit.Store(2) }, got
+}
+
+// TestGateRaisedLimitAdmitsAtExpiry: a budget raised with nothing else
+// happening (no arrival, first token or end) leaves a slot free; when the
+// waiter's own timer fires it is admitted to it, not shed for its wait.
+func TestGateRaisedLimitAdmitsAtExpiry(t *testing.T) {
+	_, raise, got := waiterBehindLimit(t, 300*time.Millisecond)
+	raise()
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Fatalf("the waiter was not admitted beside a free slot: %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("no outcome")
+	}
+}
+
+// TestGatePokeAdmits: Poke, called when the budgets or instances change,
+// admits the waiters the change has room for at once.
+func TestGatePokeAdmits(t *testing.T) {
+	g, raise, got := waiterBehindLimit(t, time.Hour)
+	raise()
+	g.Poke()
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Fatalf("the waiter was not admitted: %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the waiter was not admitted within 20 s of Poke (max_wait 1 h)")
 	}
 }

@@ -93,7 +93,7 @@ func (s *Sched) budgetRoom(l *instLoad, it *Item) bool {
 // router otherwise, where priority, fairness and its deadline order it.
 // An idle instance always takes it (roomIn).
 func (s *Sched) pastDeadline(own, ahead int64, it *Item) bool {
-	if it.Deadline.IsZero() || s.svcFit.n == 0 {
+	if it.Deadline.IsZero() || !s.svcFit.mature() {
 		return false
 	}
 	return s.last.Add(s.svcFit.late(float64(own), float64(ahead))).After(it.Deadline)
@@ -129,24 +129,31 @@ func (c *RoomCheck) Has(instance string) bool {
 	return l == nil || c.s.roomIn(&c.v, l, c.it)
 }
 
-// instancesFit reports whether some instance has room for it beyond the
-// admitted requests not yet bound to one (each is assumed to take one of
-// the instances with room).
+// instancesFit reports whether some instance it may go to (Item.Eligible)
+// has room for it beyond the admitted requests not yet bound to one (each
+// is assumed to take one of the instances with room).
 func (s *Sched) instancesFit(it *Item) bool {
 	if !s.perInstance() || s.liveN == 0 {
 		return true
 	}
-	free := 0
+	free, eligible := 0, 0
 	v := s.keep(it)
 	for _, l := range s.insts {
-		if l.live && s.roomIn(&v, l, it) {
+		if !l.live || (it.Eligible != nil && !it.Eligible(l.name)) {
+			continue
+		}
+		eligible++
+		if s.roomIn(&v, l, it) {
 			free++
 			if free > s.unbound {
 				return true
 			}
 		}
 	}
-	return false
+	// With no live instance it may go to, holding it would help nobody:
+	// it goes through, to be answered by the router (no eligible
+	// instance) rather than wait out max_wait.
+	return eligible == 0
 }
 
 // Companion admits it, outside the queue, as a warm-up copy of the

@@ -1,6 +1,9 @@
 package flowcontrol
 
-import "container/heap"
+import (
+	"container/heap"
+	"time"
+)
 
 // Newest first within a tenant once it overruns (adaptive LIFO).
 //
@@ -24,7 +27,8 @@ import "container/heap"
 // tenant's order changes, never how much of the band it gets: the
 // request admitted takes the start tag of the one fair queuing chose
 // (their tags are exchanged), and a request aged into a better band still
-// goes oldest first.
+// goes oldest first, as does the tenant's oldest once it has waited an
+// aging step (newest).
 
 // overrun marks t newest first when one of its requests was shed for its
 // deadline or wait bound and others of it still wait.
@@ -45,14 +49,19 @@ func (s *Sched) arrivalTag(t *tenantState, name string) float64 {
 }
 
 // newest is the request to admit in place of it, which fair queuing (or
-// the reservation's step-sized pass) chose: its tenant's newest request
-// when that tenant goes newest first and that request fits, else it.
-func (s *Sched) newest(it *Item) *Item {
+// the reservation's step-sized pass) chose: when its tenant goes newest
+// first, that tenant's newest request — or its oldest once that has waited
+// an aging step (newest first would starve it: aging bounds a request's
+// wait within its tenant as across bands) — if that request fits, else it.
+func (s *Sched) newest(it *Item, now time.Time) *Item {
 	t := it.lvl.tenants[it.Tenant]
 	if !t.lifo {
 		return it
 	}
 	nw := t.items.Back().Value.(*Item)
+	if old := t.items.Front().Value.(*Item); now.Sub(old.arrived) >= s.cfg.AgingStep {
+		nw = old
+	}
 	if nw == it || !s.fits(nw) {
 		return it
 	}

@@ -142,7 +142,7 @@ func (s *Sched) reserveBlocks(it *Item) bool {
 		return true
 	}
 	target := max(d.obj/d.objN-s.svcFit.at(d.tokens/d.reqs, 0).Seconds(), 0)
-	hold := s.service(it).Seconds()
+	hold := s.serviceFit(it).Seconds()
 	return shortTail(load, work, target, left, hold, s.bigEnds(hold)) > missShare
 }
 
@@ -334,7 +334,7 @@ func (s *Sched) KeptFree(it *Item, dst []string) []string {
 // reserved.
 func (s *Sched) smallDemandFor(it *Item) (d smallDemand, ok bool) {
 	d, last := s.demandAtLeast(s.smallBy, it.Priority)
-	return d, !last.IsZero() && s.last.Before(last.Add(s.service(it)))
+	return d, !last.IsZero() && s.last.Before(last.Add(s.serviceFit(it)))
 }
 
 // demandAtLeast sums by's demand of the priorities at least as urgent as

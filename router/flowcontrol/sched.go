@@ -92,8 +92,9 @@ type Config struct {
 	MaxQueue int
 	// MaxWait bounds the time a request waits (default DefaultMaxWait).
 	MaxWait time.Duration
-	// AgingStep is the wait that moves a request up one priority band
-	// (default MaxWait/10).
+	// AgingStep is the wait that moves a request up one priority band —
+	// past the next more urgent band waiting, whatever its value (default
+	// MaxWait/10).
 	AgingStep time.Duration
 	// Weights are tenants' shares of a band under contention (default 1
 	// each): a tenant of weight 2 is admitted twice the tokens of one of
@@ -177,6 +178,13 @@ type Item struct {
 	// before Offer, outside the queue's lock (with a shared index it is a
 	// round trip).
 	Cached []Hold
+	// Eligible reports whether the request may be sent to instance (a
+	// LoRA adapter only some instances hold); nil = any. The per-instance
+	// budgets admit it only while an instance it may go to has room: an
+	// idle instance it cannot use must not let it in, to be bound over
+	// budget on one it can. Called under the queue's lock, at each
+	// decision, once per live instance.
+	Eligible func(instance string) bool
 	// Deadline is the time by which its first token is due; zero = none.
 	Deadline time.Time
 	// Value is the caller's own (the Gate keeps its waiter here).
@@ -421,7 +429,7 @@ func (s *Sched) Offer(it *Item, now time.Time) Outcome {
 			return s.shed(it, ShedQueueFull, wait)
 		}
 		displaced = worst.fifo.Back().Value.(*Item)
-		s.unqueue(displaced)
+		s.leave(displaced)
 		s.counts.Shed[ShedDisplaced]++
 		if lvl != nil && lvl.prio == displaced.Priority && s.levels[lvl.prio] == nil {
 			lvl, start = nil, 0 // its level emptied: fair queuing starts afresh
@@ -542,6 +550,31 @@ func (s *Sched) enqueue(it *Item, start float64) {
 	heap.Push(&s.exp, it)
 }
 
+// leave takes a queued item out of the queue unserved (canceled, expired,
+// displaced): its tenant is not charged for it. Enqueue advanced the
+// tenant's finish tag by its cost over the tenant's weight, and each of the
+// tenant's requests after it starts that much later; left there, a tenant
+// whose burst was canceled would be tagged a burst ahead of the others and
+// get nothing while any of them stays backlogged, though it was served
+// nothing ("no credit saved up, no penalty"). So the charge is taken back
+// from the start tags after its own and from the finish tag, never below
+// the band's virtual time (where an idle tenant starts). It walks the
+// tenant's waiting requests: at most MaxQueue, each a heap fix.
+func (s *Sched) leave(it *Item) {
+	lvl := it.lvl
+	t := lvl.tenants[it.Tenant]
+	c := float64(it.Cost) / s.weight(it.Tenant)
+	for e := t.items.Front(); e != nil; e = e.Next() {
+		// Newest first exchanges tags (lifo.go): later by tag, not by arrival.
+		if x := e.Value.(*Item); x.start > it.start {
+			x.start = max(x.start-c, lvl.vtime)
+			heap.Fix(&lvl.tags, x.tagIdx)
+		}
+	}
+	t.finish = max(t.finish-c, lvl.vtime)
+	s.unqueue(it)
+}
+
 // unqueue takes a queued item out of every structure.
 func (s *Sched) unqueue(it *Item) {
 	lvl := it.lvl
@@ -589,20 +622,33 @@ func (s *Sched) admit(it *Item, now time.Time) {
 
 // head is the waiting request Next considers first, and its band (the
 // queue is not empty).
+//
+// Aging climbs bands, not priority values: a band's rank (its place among
+// the bands with requests waiting, 0 the most urgent) less the aging steps
+// its oldest has waited. Priorities are ordinal — vLLM's "lower means
+// earlier handling" gives them no scale — and any int64 is accepted, so
+// with their numeric distance a client sending -20 beside priority 0 held
+// it back 21 aging steps, past max_wait (ten steps by default): starved.
+// By rank, a request with k more urgent bands waiting goes after at most
+// k + 1 steps, whatever their values.
 func (s *Sched) head(now time.Time) (*Item, *level, bool) {
 	var best *level
-	bestEff, aged := int64(0), false
-	for _, l := range s.order {
+	bestEff := int64(0)
+	for rank, l := range s.order {
 		oldest := l.fifo.Front().Value.(*Item)
-		steps := int64(now.Sub(oldest.arrived) / s.cfg.AgingStep)
-		eff := l.prio - steps
-		if steps > 0 && l.prio < math.MinInt64+steps {
-			eff = math.MinInt64
-		}
+		eff := int64(rank) - int64(now.Sub(oldest.arrived)/s.cfg.AgingStep)
 		if best == nil || eff < bestEff {
-			best, bestEff, aged = l, eff, eff < l.prio
+			best, bestEff = l, eff
 		}
 	}
+	// Aged only when aging overtook a more urgent band: a band that wins
+	// by its own priority keeps fair queuing between its tenants, however
+	// long its oldest has waited — fair queuing starves no tenant, and
+	// arrival order there would hand the band to whichever tenant sent
+	// most (any overload with waits past an aging step did). Within a
+	// tenant that goes newest first, its aged oldest still goes first
+	// (newest).
+	aged := best != s.order[0]
 	switch {
 	case aged:
 		return best.fifo.Front().Value.(*Item), best, true
@@ -614,9 +660,10 @@ func (s *Sched) head(now time.Time) (*Item, *level, bool) {
 
 // Next admits the next waiting request if the budgets allow, else returns
 // nil. The band is the most urgent after aging (a request's band improves
-// by one per AgingStep waited; ties go to the band that is there by its own
-// priority); within a band the oldest request goes first once aging has
-// promoted it, else the one fair queuing puts first. The request chosen
+// by one band, not one priority value, per AgingStep waited: head; ties go
+// to the band that is there by its own priority); within a band the
+// oldest request goes first once aging has lifted the band over a more
+// urgent one, else the one fair queuing puts first. The request chosen
 // that does not fit the budgets blocks the queue, so that a large prompt
 // is not overtaken by smaller ones of its own tenant or of tenants fair
 // queuing puts behind it; only an arrival ranked ahead of it goes first.
@@ -637,7 +684,7 @@ func (s *Sched) Next(now time.Time) *Item {
 		}
 	}
 	if !aged {
-		it = s.newest(it)
+		it = s.newest(it, now)
 	}
 	it.lvl.vtime = max(it.lvl.vtime, it.start) // best's, or another band's (stepSized)
 	s.unqueue(it)
@@ -652,13 +699,9 @@ func (s *Sched) Next(now time.Time) *Item {
 // FirstToken releases an admitted request's pending prefill and learns the
 // service time (admission to first token) deadlines are predicted with.
 func (s *Sched) FirstToken(it *Item, now time.Time) {
-	if it.state != stAdmitted {
+	if !s.prefilled(it) {
 		return
 	}
-	it.state = stPrefilled
-	s.pending -= it.Prefill
-	s.unbindPrefill(it)
-	s.bigPrefilled(it)
 	d := max(now.Sub(it.admitted), 0)
 	if s.svcN < estimatorWindow {
 		s.svcN++
@@ -667,6 +710,44 @@ func (s *Sched) FirstToken(it *Item, now time.Time) {
 	// Its engine prefilled the work ahead of it there, then its own
 	// (service.go).
 	s.svcFit.add(float64(it.work), float64(it.ahead), d.Seconds())
+}
+
+// Prefilled releases an admitted request's pending prefill as FirstToken
+// does, without learning a service time from now: for a request whose
+// first token is not observed (a non-streamed response comes whole, after
+// the generation; Ticket.Unstreamed).
+func (s *Sched) Prefilled(it *Item, now time.Time) {
+	s.tick(now)
+	s.prefilled(it)
+}
+
+// prefilled moves an admitted request past its prefill; false when it was
+// not admitted or is past it already.
+func (s *Sched) prefilled(it *Item) bool {
+	if it.state != stAdmitted {
+		return false
+	}
+	it.state = stPrefilled
+	s.pending -= it.Prefill
+	s.unbindPrefill(it)
+	s.bigPrefilled(it)
+	return true
+}
+
+// PredictedFirstToken is when the service fit predicts an admitted
+// request's first token: its admission plus the fit's mean for its work
+// and the work ahead of it on its instance (bound, else as at arrival:
+// service); ok is false before the fit has a sample or when it is not
+// admitted.
+func (s *Sched) PredictedFirstToken(it *Item) (t time.Time, ok bool) {
+	if s.svcN == 0 || it.state != stAdmitted {
+		return time.Time{}, false
+	}
+	d := s.serviceFit(it)
+	if it.inst != nil {
+		d = s.svcFit.at(float64(it.work), float64(it.ahead))
+	}
+	return it.admitted.Add(d), true
 }
 
 // Done ends an admitted request (finished, failed or abandoned), freeing
@@ -696,7 +777,7 @@ func (s *Sched) Remove(it *Item, reason Reason, now time.Time) bool {
 	if it.state != stQueued {
 		return false
 	}
-	s.unqueue(it)
+	s.leave(it)
 	s.counts.Shed[reason]++
 	return true
 }
@@ -709,7 +790,7 @@ func (s *Sched) Expire(now time.Time, dst []*Item) []*Item {
 		it := s.exp[0]
 		r := it.expReason
 		t := it.lvl.tenants[it.Tenant]
-		s.unqueue(it)
+		s.leave(it)
 		s.overrun(t)
 		it.expReason = r
 		s.counts.Shed[r]++

@@ -2,6 +2,7 @@ package flowcontrol
 
 import (
 	"math"
+	"slices"
 	"time"
 )
 
@@ -30,9 +31,84 @@ import (
 // deadline.
 type svcFit struct {
 	n, x, z, y, xx, xz, zz, xy, zy, yy float64
+	// seen counts the samples up to seedN, the first of which seed holds.
+	seen int
+	seed [seedN]svcSample
 }
 
+type svcSample struct{ own, ahead, y float64 }
+
+// Bounding one slow first token's influence. In sums of squares one
+// sample of 20 s among 50 ms ones sets the spread at 20 s × √(its share
+// of the weight): as the fit's first sample, it kept the room test and
+// arrival shedding from admitting about half of the requests with a 2 s
+// objective for ~15 s (sheds bring no samples to dilute it). So:
+//
+//   - The fit sheds nothing (mature) until it has seedN first tokens, and
+//     then drops from those the ones slower than their fit by more than
+//     outlierZ robust standard deviations (1.4826 × the median absolute
+//     residual, which one slow sample cannot move): the modified z-score
+//     of Iglewicz and Hoaglin, "How to Detect and Handle Outliers" (ASQC,
+//     1993), whose 3.5 they recommend. seedN = 8: the median of 8 ignores
+//     up to 3 slow first tokens; more would leave deadline shedding off
+//     longer at start-up (requests are then admitted and may miss, as
+//     without objectives), and 8 first tokens are a fraction of one
+//     turnover of a pool's slots.
+//   - After that, a sample is winsorized at the fit's prediction plus
+//     winsorZ spreads (at least double the prediction, so that a fit with
+//     no spread can still learn a slowdown): under the normal residuals
+//     the margin assumes (tailZ), a sample lies beyond 4σ 3 times in
+//     100,000, so a steady engine's fit is unchanged, while a real
+//     slowdown, clipped sample after sample, widens the spread ~11 % a
+//     sample (each adds 16σ²/estimatorWindow to σ²) and is followed
+//     within a few dozen first tokens; one outlier moves it by one
+//     clipped sample.
+const (
+	seedN    = 8
+	outlierZ = 3.5
+	winsorZ  = 4
+)
+
+// mature reports whether the fit has enough samples to shed on.
+func (f *svcFit) mature() bool { return f.seen >= seedN }
+
 func (f *svcFit) add(own, ahead, y float64) {
+	if f.mature() {
+		p := f.at(own, ahead).Seconds()
+		y = min(y, p+max(winsorZ*f.spread(), p))
+		f.sum(own, ahead, y)
+		return
+	}
+	f.sum(own, ahead, y)
+	f.seed[f.seen] = svcSample{own, ahead, y}
+	if f.seen++; f.seen == seedN {
+		f.reseed()
+	}
+}
+
+// reseed rebuilds the sums from the seed samples less the outliers: those
+// whose residual about the seed's fit exceeds outlierZ robust standard
+// deviations (above).
+func (f *svcFit) reseed() {
+	var res [seedN]float64
+	for i, x := range f.seed {
+		res[i] = x.y - f.at(x.own, x.ahead).Seconds()
+	}
+	abs := res
+	for i := range abs {
+		abs[i] = math.Abs(abs[i])
+	}
+	slices.Sort(abs[:])
+	sigma := 1.4826 * (abs[seedN/2-1] + abs[seedN/2]) / 2
+	*f = svcFit{seen: f.seen, seed: f.seed}
+	for i, x := range f.seed {
+		if res[i] <= outlierZ*sigma {
+			f.sum(x.own, x.ahead, x.y)
+		}
+	}
+}
+
+func (f *svcFit) sum(own, ahead, y float64) {
 	const keep = 1 - 1.0/estimatorWindow
 	f.n = f.n*keep + 1
 	f.x = f.x*keep + own
@@ -120,6 +196,14 @@ func (f *svcFit) at(own, ahead float64) time.Duration {
 // prediction counts the fit's mean work ahead (the line through the
 // request's own length alone averaged it in the same way).
 func (s *Sched) service(it *Item) time.Duration {
+	if !s.svcFit.mature() {
+		return 0 // too few first tokens to shed on (svcFit)
+	}
+	return s.serviceFit(it)
+}
+
+// serviceFit is service from the fit's first sample on.
+func (s *Sched) serviceFit(it *Item) time.Duration {
 	if s.svcN == 0 {
 		return 0
 	}

@@ -125,6 +125,7 @@ func (s *Server) admit(w http.ResponseWriter, r *http.Request, pool *router.Pool
 		s.reject(w, pool.Name(), http.StatusBadRequest, err.Error())
 		return nil, false
 	}
+	it.Eligible = pool.Eligible(req.Adapter) // room counts only where it may go
 	if holds, prompt, ok := cachedHolds(r.Context(), pool, strat, req); ok {
 		out := it.Cost - it.Prefill
 		it.Prefill, it.Cached = int64(prompt), holds

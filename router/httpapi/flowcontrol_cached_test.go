@@ -74,16 +74,26 @@ func TestFlowControlFreedSlotPrefersCached(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	post := func(prompt []uint32, tenant string) flowReply {
+	post := func(prompt []uint32, tenant, extra string) flowReply {
 		ids, _ := json.Marshal(prompt)
-		return postCompletionRaw(context.Background(), ts.URL, string(ids), map[string]string{"X-Amzn-SageMaker-Prefix-Aware-Id": tenant})
+		return postCompletionBody(context.Background(), ts.URL, `{"model":"m","prompt":`+string(ids)+`,"max_tokens":1`+extra+`}`,
+			map[string]string{"X-Amzn-SageMaker-Prefix-Aware-Id": tenant})
 	}
+	t.Cleanup(func() { // a failure before the release must not leave the engine holding
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	})
 	replies := make(chan flowReply, 3)
-	go func() { replies <- post(first, "t-first") }()
+	// Streamed, so that its prompt stays pending until its first byte (a
+	// non-streamed one's is released at its predicted first token).
+	go func() { replies <- post(first, "t-first", `,"stream":true`) }()
 	<-started
-	go func() { replies <- post(cold, "t-cold") }()
+	go func() { replies <- post(cold, "t-cold", "") }()
 	waitQueue(t, srv, 1)
-	go func() { replies <- post(hot, "t-hot") }()
+	go func() { replies <- post(hot, "t-hot", "") }()
 	waitQueue(t, srv, 2)
 
 	p, _ := srv.Pool("p")
@@ -103,10 +113,4 @@ func TestFlowControlFreedSlotPrefersCached(t *testing.T) {
 	if want := []uint32{1, 3, 2}; fmt.Sprint(order) != fmt.Sprint(want) {
 		t.Fatalf("engine saw prompts %v, want %v (the cached request before the earlier cold one)", order, want)
 	}
-}
-
-// postCompletionRaw posts a completion whose prompt is the JSON value
-// prompt (token ids).
-func postCompletionRaw(ctx context.Context, url, prompt string, header map[string]string) flowReply {
-	return postCompletionBody(ctx, url, `{"model":"m","prompt":`+prompt+`,"max_tokens":1}`, header)
 }

@@ -301,3 +301,54 @@ func TestFlowControlOffKeepsBehaviour(t *testing.T) {
 		t.Fatalf("%+v", qs)
 	}
 }
+
+// TestFlowControlDisplacedRetryAfter: a request displaced from a full
+// queue by a more urgent one is answered 429 with a Retry-After of at
+// least one second.
+func TestFlowControlDisplacedRetryAfter(t *testing.T) {
+	up, upTS := newOrderUpstream(t)
+	srv, ts := flowServer(t, upTS.URL, &config.FlowControlConfig{Enabled: true, MaxQueue: 1})
+	ctx := context.Background()
+	done := make(chan flowReply, 3)
+	go func() { done <- postCompletion(ctx, ts.URL, "first", nil, "") }()
+	<-up.started
+	low := make(chan flowReply, 1)
+	go func() { low <- postCompletion(ctx, ts.URL, "low", map[string]string{httpapi.HeaderPriority: "5"}, "") }()
+	waitQueue(t, srv, 1)
+	go func() { done <- postCompletion(ctx, ts.URL, "urgent", nil, "") }()
+	r := <-low
+	up.releaseFirst()
+	if ra, _ := strconv.Atoi(r.header.Get("Retry-After")); r.status != http.StatusTooManyRequests || ra < 1 {
+		t.Fatalf("displaced: status %d, reason %q, Retry-After %q; want 429 with Retry-After >= 1", r.status, r.header.Get("X-Kvrouter-Reason"), r.header.Get("Retry-After"))
+	}
+	<-done
+	<-done
+}
+
+// TestFlowControlRaisedThresholdAdmits: raising the pool's
+// concurrency_threshold (its queue's budget) admits a waiting request at
+// once, not at its expiry or the next completion.
+func TestFlowControlRaisedThresholdAdmits(t *testing.T) {
+	up, upTS := newOrderUpstream(t)
+	srv, ts := flowServer(t, upTS.URL, &config.FlowControlConfig{Enabled: true, MaxWait: time.Hour})
+	ctx := context.Background()
+	done := make(chan flowReply, 2)
+	go func() { done <- postCompletion(ctx, ts.URL, "first", nil, "") }()
+	<-up.started
+	go func() { done <- postCompletion(ctx, ts.URL, "second", nil, "") }()
+	waitQueue(t, srv, 1)
+	p, _ := srv.Pool("p")
+	rc, _ := p.Routing()
+	rc.ConcurrencyThreshold = 2
+	if err := p.SetRouting(rc); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-up.started:
+	case <-time.After(20 * time.Second):
+		t.Error("the waiting request did not reach the engine within 20 s of the threshold's rise")
+	}
+	up.releaseFirst()
+	<-done
+	<-done
+}

@@ -40,6 +40,7 @@ func (s *Server) healthLoop(ctx context.Context, p *router.Pool) {
 						s.log.Warn("instance ejected by health checks", "pool", p.Name(), "instance", in.ID(), "err", err)
 					} else {
 						s.log.Info("instance re-admitted by health checks", "pool", p.Name(), "instance", in.ID())
+						p.PokeQueue() // its room is the queue's again
 					}
 				}
 			})

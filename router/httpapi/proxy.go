@@ -250,6 +250,16 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *router.Table,
 		}
 		if tk != nil {
 			tk.Bind(dec.Instance.ID()) // the first pick; a retry elsewhere stays charged to it
+			if !req.Stream {
+				// Its first byte comes after the whole generation: the
+				// queue releases its prefill at a predicted first token
+				// (the strategy's, kv_aware's, until the queue has its own).
+				var fallback time.Duration
+				if dec.Explain != nil {
+					fallback = dec.Explain.PredictedTTFT
+				}
+				tk.Unstreamed(fallback)
+			}
 		}
 		if dec.Reason == router.ReasonOverflow || dec.Reason == router.ReasonSaturated {
 			s.m.overflows.WithLabelValues(pool.Name(), strat.Name(), string(dec.Reason)).Inc()
