@@ -73,6 +73,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in router.Inbound
 		s.reject(w, re.Pool, re.Status, re.Message)
 		return
 	}
+	stripTransferParams(req)
 	pc := pool.Config()
 	_, strat := pool.Routing()
 	path := r.URL.Path

@@ -36,6 +36,9 @@ type Request struct {
 	Priority            json.RawMessage `json:"priority"`
 	MaxTokens           json.RawMessage `json:"max_tokens"`
 	MaxCompletionTokens json.RawMessage `json:"max_completion_tokens"`
+	// KVTransferParams is vLLM's disaggregated-serving member, which the
+	// HTTP data plane strips from a client's body (router/httpapi/disagg.go).
+	KVTransferParams json.RawMessage `json:"kv_transfer_params"`
 
 	// src is the body Parse decoded: kv_aware trusts CacheSalt only
 	// for a Request whose Body is still these bytes (salt.go rewrites it).

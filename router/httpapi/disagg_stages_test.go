@@ -1,0 +1,146 @@
+package httpapi_test
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"sync"
+	"testing"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/router/httpapi"
+	"github.com/kvrouter/kvrouter/router/servertest"
+	"github.com/kvrouter/kvrouter/sim"
+)
+
+// fakeEngine is an httptest engine that records the bodies and headers it
+// receives and answers with answer.
+type fakeEngine struct {
+	mu     sync.Mutex
+	bodies []map[string]any
+	hdrs   []http.Header
+	srv    *httptest.Server
+}
+
+func newFakeEngine(t *testing.T, answer func(w http.ResponseWriter, body map[string]any)) *fakeEngine {
+	t.Helper()
+	fe := &fakeEngine{}
+	fe.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		var m map[string]any
+		_ = json.Unmarshal(b, &m)
+		fe.mu.Lock()
+		fe.bodies = append(fe.bodies, m)
+		fe.hdrs = append(fe.hdrs, r.Header.Clone())
+		fe.mu.Unlock()
+		answer(w, m)
+	}))
+	t.Cleanup(fe.srv.Close)
+	return fe
+}
+
+// received is how many requests the engine received, and the last one's
+// body and headers (nil before any).
+func (fe *fakeEngine) received() (n int, body map[string]any, hdr http.Header) {
+	fe.mu.Lock()
+	defer fe.mu.Unlock()
+	if n = len(fe.bodies); n > 0 {
+		body, hdr = fe.bodies[n-1], fe.hdrs[n-1]
+	}
+	return n, body, hdr
+}
+
+// okCompletion answers a completion, with kv (a JSON member with its
+// leading comma, or "") added.
+func okCompletion(w http.ResponseWriter, kv string) {
+	w.Header().Set("Content-Type", "application/json")
+	fmt.Fprintf(w, `{"id":"x","object":"text_completion","choices":[{"index":0,"text":"a","finish_reason":"length"}]%s}`, kv)
+}
+
+// goodKV is a prefill's answer's transfer parameters.
+const goodKV = `,"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e","remote_block_ids":[1,2],"remote_host":"h","remote_port":1}`
+
+// fakePrefill and fakeDecode are engines answering as a prefill instance
+// (with goodKV) and a decode instance do.
+func fakePrefill(t *testing.T) *fakeEngine {
+	return newFakeEngine(t, func(w http.ResponseWriter, _ map[string]any) { okCompletion(w, goodKV) })
+}
+
+func fakeDecode(t *testing.T) *fakeEngine {
+	return newFakeEngine(t, func(w http.ResponseWriter, _ map[string]any) { okCompletion(w, "") })
+}
+
+// fakePDRouter is a router in front of the engines, one pool "pd" with
+// disaggregation dc (nil: none) and strategy; prefill engines are p0,
+// p1…, decode engines d0, d1…; mod edits the pool before it starts.
+func fakePDRouter(t *testing.T, dc *config.DisaggregationConfig, strategy string, prefill, decode []*fakeEngine, mod ...func(*config.PoolConfig)) *httptest.Server {
+	t.Helper()
+	pc := config.PoolConfig{Name: "pd", Model: sim.DefaultModel, Disaggregation: dc,
+		Routing: config.RoutingConfig{Strategy: strategy},
+		Health:  config.HealthConfig{Disable: true}, Discovery: config.DiscoveryConfig{Disable: true}}
+	for i, e := range prefill {
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: fmt.Sprintf("p%d", i), URL: e.srv.URL, Role: config.RolePrefill})
+	}
+	for i, e := range decode {
+		pc.Instances = append(pc.Instances, config.InstanceConfig{ID: fmt.Sprintf("d%d", i), URL: e.srv.URL, Role: config.RoleDecode})
+	}
+	for _, m := range mod {
+		m(&pc)
+	}
+	cfg := config.Config{Pools: []config.PoolConfig{pc}}.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	_, ts := servertest.Serve(t, cfg, httpapi.Options{Logger: slog.New(slog.DiscardHandler)})
+	return ts
+}
+
+// TestClientTransferParamsStripped: the kv_transfer_params a client sends
+// never reach an engine — not when a disaggregating pool serves the
+// request aggregated (conditional mode, a short prompt), nor in a pool
+// without disaggregation — so a client cannot make a decode engine pull KV
+// from a host of its choosing, or pin blocks with do_remote_decode.
+func TestClientTransferParamsStripped(t *testing.T) {
+	evil := map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "attacker-engine",
+		"remote_block_ids": []int{0, 1, 2, 3, 4, 5}, "remote_host": "169.254.169.254", "remote_port": 5600}
+
+	f := newDisaggFleet(t, config.DisaggregationConfig{Mode: config.DisaggConditional, MinPrefillTokens: 256}, 1, 1)
+	resp, _ := f.post("/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": tokenPrompt(2, 100), "max_tokens": 3, "kv_transfer_params": evil})
+	for _, rp := range f.sims["d0"].RemotePrefills() {
+		if rp.EngineID == "attacker-engine" {
+			t.Fatalf("decode instance d0 received the client's kv_transfer_params: %+v (served %q)", rp, resp.Header.Get(httpapi.HeaderDisagg))
+		}
+	}
+
+	for _, dc := range []*config.DisaggregationConfig{nil, {Mode: config.DisaggConditional, MinPrefillTokens: 256}} {
+		d := fakeDecode(t)
+		ts := fakePDRouter(t, dc, config.StrategyRoundRobin, nil, []*fakeEngine{d})
+		for _, path := range []string{"/v1/completions", "/v1/chat/completions"} {
+			body := map[string]any{"model": sim.DefaultModel, "max_tokens": 3, "kv_transfer_params": evil}
+			if path == "/v1/completions" {
+				body["prompt"] = "hello"
+			} else {
+				body["messages"] = []map[string]string{{"role": "user", "content": "hello"}}
+			}
+			if resp := testenv.PostJSON(t, ts.URL+path, body); resp.Status != http.StatusOK {
+				t.Fatalf("%s: %d %s", path, resp.Status, resp.Body)
+			}
+			if _, got, _ := d.received(); got == nil || got["kv_transfer_params"] != nil || got["max_tokens"] == nil {
+				t.Fatalf("disaggregation %v, %s: the engine received %v", dc, path, got)
+			}
+		}
+		// A raw invocation's JSON object body too (vLLM's /invocations
+		// serves OpenAI bodies).
+		raw, _ := json.Marshal(map[string]any{"prompt": "hello", "max_tokens": 3, "kv_transfer_params": evil})
+		if resp := testenv.Do(t, http.MethodPost, ts.URL+"/invocations", raw, map[string]string{"Content-Type": "application/json", "X-Kvrouter-Pool": "pd"}); resp.Status != http.StatusOK {
+			t.Fatalf("/invocations: %d %s", resp.Status, resp.Body)
+		}
+		if _, got, _ := d.received(); got == nil || got["kv_transfer_params"] != nil || got["max_tokens"] == nil {
+			t.Fatalf("disaggregation %v, /invocations: the engine received %v", dc, got)
+		}
+	}
+}
