@@ -144,3 +144,27 @@ func TestClientTransferParamsStripped(t *testing.T) {
 		}
 	}
 }
+
+// TestRoundRobinStagesRotateApart: round_robin's prefill and decode picks
+// each rotate over their own set: 8 sequential requests over 2 prefill and
+// 2 decode instances reach every instance 4 times (one shared rotation
+// sent every prefill to p0 and every decode to d1).
+func TestRoundRobinStagesRotateApart(t *testing.T) {
+	ps := []*fakeEngine{fakePrefill(t), fakePrefill(t)}
+	ds := []*fakeEngine{fakeDecode(t), fakeDecode(t)}
+	ts := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, ps, ds)
+	for range 8 {
+		resp := testenv.PostJSON(t, ts.URL+"/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": "hello", "max_tokens": 3})
+		if resp.Status != http.StatusOK || resp.Header.Get(httpapi.HeaderDisagg) != "disaggregated" {
+			t.Fatalf("%d %q %s", resp.Status, resp.Header.Get(httpapi.HeaderDisagg), resp.Body)
+		}
+	}
+	var counts []int
+	for _, e := range append(ps, ds...) {
+		n, _, _ := e.received()
+		counts = append(counts, n)
+	}
+	if fmt.Sprint(counts) != "[4 4 4 4]" {
+		t.Fatalf("8 sequential requests, round_robin: p0, p1, d0, d1 received %v, want [4 4 4 4]", counts)
+	}
+}
