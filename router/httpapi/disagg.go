@@ -3,6 +3,7 @@ package httpapi
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -46,6 +47,27 @@ const (
 	aggPrefillError = "prefill_failed"      // the prefill failed on every prefill instance tried
 	aggNoParams     = "no_transfer_params"  // the prefill answered without kv_transfer_params
 )
+
+// headerRequestID is the request id vLLM's OpenAI server takes for its
+// own; vLLM's toy proxy sends one to both stages, and engines before
+// vllm-project/vllm#29665 match a decode's transfer to its prefill by it
+// (without it the prefill's blocks stay held until the connector's abort
+// timeout).
+const headerRequestID = "X-Request-Id"
+
+// requestID is a disaggregated request's id: the client's X-Request-Id
+// (its first value) when it sent one, else a new random one (a UUID, as
+// the toy proxy makes).
+func requestID(h http.Header) string {
+	if id := h.Get(headerRequestID); id != "" {
+		return id
+	}
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (Go 1.24)
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:])
+}
 
 // maxPrefillAnswer bounds the prefill's answer (one token and the transfer
 // parameters: a block id per 16 tokens, so a 128k-token prompt is ~50 KiB).
@@ -143,6 +165,9 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 			return aggregated(aggShort)
 		}
 	}
+	// Both stages carry one request id (sideHeader copies it to the
+	// prefill request; the decode request is r's).
+	r.Header.Set(headerRequestID, requestID(r.Header))
 	pbody, err := prefillBody(req.Body)
 	if err != nil {
 		// Resolve parsed this body; an edit that fails is a bug, not the client's.

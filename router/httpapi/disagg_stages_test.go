@@ -168,3 +168,33 @@ func TestRoundRobinStagesRotateApart(t *testing.T) {
 		t.Fatalf("8 sequential requests, round_robin: p0, p1, d0, d1 received %v, want [4 4 4 4]", counts)
 	}
 }
+
+// TestStagesShareRequestID: the prefill and the decode request of one
+// disaggregated request carry one X-Request-Id (as vLLM's toy proxy sends
+// them; engines before vllm-project/vllm#29665 match the stages by it), the
+// client's when it sent one, else one the router made, new per request.
+func TestStagesShareRequestID(t *testing.T) {
+	p, d := fakePrefill(t), fakeDecode(t)
+	ts := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, []*fakeEngine{p}, []*fakeEngine{d})
+	body := []byte(`{"model":"` + sim.DefaultModel + `","prompt":"hello","max_tokens":3}`)
+	var ids []string
+	for _, hdr := range []map[string]string{nil, nil, {"X-Request-Id": "client-id-1"}} {
+		h := map[string]string{"Content-Type": "application/json"}
+		for k, v := range hdr {
+			h[k] = v
+		}
+		if resp := testenv.Do(t, http.MethodPost, ts.URL+"/v1/completions", body, h); resp.Status != http.StatusOK {
+			t.Fatalf("%d %s", resp.Status, resp.Body)
+		}
+		_, _, ph := p.received()
+		_, _, dh := d.received()
+		pid, did := ph.Get("X-Request-Id"), dh.Get("X-Request-Id")
+		if pid == "" || pid != did || len(ph.Values("X-Request-Id")) != 1 || len(dh.Values("X-Request-Id")) != 1 {
+			t.Fatalf("X-Request-Id: prefill %q, decode %q", ph.Values("X-Request-Id"), dh.Values("X-Request-Id"))
+		}
+		ids = append(ids, pid)
+	}
+	if ids[0] == ids[1] || ids[2] != "client-id-1" {
+		t.Fatalf("request ids %q: want two different ones the router made, then the client's", ids)
+	}
+}
