@@ -46,6 +46,7 @@ const (
 	aggPrefillBusy  = "prefill_saturated"   // conditional: every prefill instance is at its threshold
 	aggPrefillError = "prefill_failed"      // the prefill failed on every prefill instance tried
 	aggNoParams     = "no_transfer_params"  // the prefill answered without kv_transfer_params
+	aggBatch        = "batch"               // several prompts, or n or best_of above 1: one set of transfer parameters cannot serve them
 )
 
 // headerRequestID is the request id vLLM's OpenAI server takes for its
@@ -159,6 +160,11 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 	req.ShareKeys = true
 	if len(pcands) == 0 {
 		return aggregated(aggNoPrefill)
+	}
+	if req.Parsed != nil && req.Parsed.Sequences() {
+		// vLLM's decode request takes one set of transfer parameters, for
+		// one sequence's blocks.
+		return aggregated(aggBatch)
 	}
 	if dc.Mode == config.DisaggConditional {
 		if uncached, known := s.uncachedOnDecode(r.Context(), pool, strat, req); known && uncached < dc.MinPrefillTokens {

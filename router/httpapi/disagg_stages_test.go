@@ -198,3 +198,38 @@ func TestStagesShareRequestID(t *testing.T) {
 		t.Fatalf("request ids %q: want two different ones the router made, then the client's", ids)
 	}
 }
+
+// TestBatchServedAggregated: a request for several sequences — a list of
+// prompts, n or best_of above 1 — goes aggregated ("batch"): one prefill
+// answers one set of transfer parameters, which the decode instance cannot
+// share among several sequences. One prompt (in a list too) and n 1 go
+// disaggregated.
+func TestBatchServedAggregated(t *testing.T) {
+	p, d := fakePrefill(t), fakeDecode(t)
+	ts := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, []*fakeEngine{p}, []*fakeEngine{d})
+	cases := []struct {
+		path string
+		body map[string]any
+		want string
+	}{
+		{"/v1/completions", map[string]any{"prompt": []string{"first prompt", "second prompt", "third"}}, "aggregated; batch"},
+		{"/v1/completions", map[string]any{"prompt": [][]int{{1, 2, 3}, {4, 5, 6}}}, "aggregated; batch"},
+		{"/v1/completions", map[string]any{"prompt": "hello", "n": 2}, "aggregated; batch"},
+		{"/v1/completions", map[string]any{"prompt": "hello", "best_of": 3}, "aggregated; batch"},
+		{"/v1/chat/completions", map[string]any{"messages": []map[string]string{{"role": "user", "content": "hi"}}, "n": 4}, "aggregated; batch"},
+		{"/v1/completions", map[string]any{"prompt": []string{"one prompt"}, "n": 1, "best_of": nil}, "disaggregated"},
+		{"/v1/chat/completions", map[string]any{"messages": []map[string]string{{"role": "user", "content": "hi"}}, "n": 1}, "disaggregated"},
+	}
+	for i, c := range cases {
+		c.body["model"], c.body["max_tokens"] = sim.DefaultModel, 3
+		before, _, _ := p.received()
+		resp := testenv.PostJSON(t, ts.URL+c.path, c.body)
+		after, _, _ := p.received()
+		if resp.Status != http.StatusOK || resp.Header.Get(httpapi.HeaderDisagg) != c.want {
+			t.Fatalf("case %d %v: %d, served %q, want %q", i, c.body, resp.Status, resp.Header.Get(httpapi.HeaderDisagg), c.want)
+		}
+		if prefilled := after > before; prefilled != (c.want == "disaggregated") {
+			t.Fatalf("case %d: served %q, the prefill instance received %d requests", i, c.want, after-before)
+		}
+	}
+}
