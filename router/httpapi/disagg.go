@@ -143,7 +143,9 @@ func stripTransferParams(req *router.Request) {
 // decode-capable instance can always prefill itself. ok is false when the
 // client went away during the prefill stage (counted here, as a client
 // that left, not as a failed prefill): nothing is left to route.
-func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *router.Pool, strat router.Strategy, req *router.Request, path string) (_ *router.Request, exchange time.Duration, ok bool) {
+//
+// threshold is the pool's routing concurrency_threshold (the strategy's).
+func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *router.Pool, strat router.Strategy, threshold int, req *router.Request, path string) (_ *router.Request, exchange time.Duration, ok bool) {
 	dc := pool.Config().Disaggregation
 	aggregated := func(why string) (*router.Request, time.Duration, bool) {
 		w.Header().Set(HeaderDisagg, "aggregated; "+why)
@@ -188,20 +190,20 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 				break
 			}
 		}
+		if n == 1 && dc.Mode == config.DisaggConditional && allFull(pcands, threshold) {
+			// Every prefill instance is at its threshold: the prefill set is
+			// the bottleneck, and a decode-capable instance prefills now.
+			// Told before picking: a pick is committed (kv_aware's
+			// speculative entries, pending prefill, peers' announcements,
+			// decision counters) and cannot be taken back.
+			return aggregated(aggPrefillBusy)
+		}
 		dec, err := strat.Pick(r.Context(), req, pcands)
 		if err != nil {
 			if r.Context().Err() != nil {
 				return left(router.Decision{}) // while the pick was held (kv_aware's sequencing)
 			}
 			break
-		}
-		if n == 1 && dc.Mode == config.DisaggConditional && dec.Reason == router.ReasonSaturated {
-			// Every prefill instance is at its threshold: the prefill set is
-			// the bottleneck, and a decode-capable instance prefills now.
-			if dec.Observer != nil {
-				dec.Observer.Done(0, -1)
-			}
-			return aggregated(aggPrefillBusy)
 		}
 		t0 := time.Now()
 		kv, err := s.prefill(r, pool, dec, pbody, path, dc.PrefillTimeout)
@@ -281,6 +283,17 @@ func (s *Server) prefill(r *http.Request, pool *router.Pool, dec router.Decision
 		return nil, errors.New("prefill answer over " + strconv.Itoa(maxPrefillAnswer) + " bytes")
 	}
 	return transferParams(answer)
+}
+
+// allFull reports whether every candidate has threshold or more requests
+// in flight: what makes every strategy's pick "saturated".
+func allFull(cands []*router.Instance, threshold int) bool {
+	for _, c := range cands {
+		if !c.Full(threshold) {
+			return false
+		}
+	}
+	return true
 }
 
 // sideURL is path on inst: where a request the router makes beside the

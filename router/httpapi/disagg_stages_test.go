@@ -12,7 +12,9 @@ import (
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/internal/testenv"
+	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/router/httpapi"
+	"github.com/kvrouter/kvrouter/router/kvaware"
 	"github.com/kvrouter/kvrouter/router/servertest"
 	"github.com/kvrouter/kvrouter/sim"
 )
@@ -75,9 +77,10 @@ func fakeDecode(t *testing.T) *fakeEngine {
 }
 
 // fakePDRouter is a router in front of the engines, one pool "pd" with
-// disaggregation dc (nil: none) and strategy; prefill engines are p0,
-// p1…, decode engines d0, d1…; mod edits the pool before it starts.
-func fakePDRouter(t *testing.T, dc *config.DisaggregationConfig, strategy string, prefill, decode []*fakeEngine, mod ...func(*config.PoolConfig)) *httptest.Server {
+// disaggregation dc (nil: none) and strategy (kv_aware over an index of
+// its own, which no engine publishes to); prefill engines are p0, p1…,
+// decode engines d0, d1…; mod edits the pool before it starts.
+func fakePDRouter(t *testing.T, dc *config.DisaggregationConfig, strategy string, prefill, decode []*fakeEngine, mod ...func(*config.PoolConfig)) (*httptest.Server, *httpapi.Server) {
 	t.Helper()
 	pc := config.PoolConfig{Name: "pd", Model: sim.DefaultModel, Disaggregation: dc,
 		Routing: config.RoutingConfig{Strategy: strategy},
@@ -95,8 +98,13 @@ func fakePDRouter(t *testing.T, dc *config.DisaggregationConfig, strategy string
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	_, ts := servertest.Serve(t, cfg, httpapi.Options{Logger: slog.New(slog.DiscardHandler)})
-	return ts
+	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: sim.DefaultModel, BlockSize: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, ts := servertest.Serve(t, cfg, httpapi.Options{Logger: slog.New(slog.DiscardHandler),
+		KV: kvaware.NewSource(func(config.PoolConfig) (kvindex.Index, kvindex.Freshness) { return idx, nil })})
+	return ts, srv
 }
 
 // TestClientTransferParamsStripped: the kv_transfer_params a client sends
@@ -118,7 +126,7 @@ func TestClientTransferParamsStripped(t *testing.T) {
 
 	for _, dc := range []*config.DisaggregationConfig{nil, {Mode: config.DisaggConditional, MinPrefillTokens: 256}} {
 		d := fakeDecode(t)
-		ts := fakePDRouter(t, dc, config.StrategyRoundRobin, nil, []*fakeEngine{d})
+		ts, _ := fakePDRouter(t, dc, config.StrategyRoundRobin, nil, []*fakeEngine{d})
 		for _, path := range []string{"/v1/completions", "/v1/chat/completions"} {
 			body := map[string]any{"model": sim.DefaultModel, "max_tokens": 3, "kv_transfer_params": evil}
 			if path == "/v1/completions" {
@@ -152,7 +160,7 @@ func TestClientTransferParamsStripped(t *testing.T) {
 func TestRoundRobinStagesRotateApart(t *testing.T) {
 	ps := []*fakeEngine{fakePrefill(t), fakePrefill(t)}
 	ds := []*fakeEngine{fakeDecode(t), fakeDecode(t)}
-	ts := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, ps, ds)
+	ts, _ := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, ps, ds)
 	for range 8 {
 		resp := testenv.PostJSON(t, ts.URL+"/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": "hello", "max_tokens": 3})
 		if resp.Status != http.StatusOK || resp.Header.Get(httpapi.HeaderDisagg) != "disaggregated" {
@@ -175,7 +183,7 @@ func TestRoundRobinStagesRotateApart(t *testing.T) {
 // client's when it sent one, else one the router made, new per request.
 func TestStagesShareRequestID(t *testing.T) {
 	p, d := fakePrefill(t), fakeDecode(t)
-	ts := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, []*fakeEngine{p}, []*fakeEngine{d})
+	ts, _ := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, []*fakeEngine{p}, []*fakeEngine{d})
 	body := []byte(`{"model":"` + sim.DefaultModel + `","prompt":"hello","max_tokens":3}`)
 	var ids []string
 	for _, hdr := range []map[string]string{nil, nil, {"X-Request-Id": "client-id-1"}} {
@@ -206,7 +214,7 @@ func TestStagesShareRequestID(t *testing.T) {
 // disaggregated.
 func TestBatchServedAggregated(t *testing.T) {
 	p, d := fakePrefill(t), fakeDecode(t)
-	ts := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, []*fakeEngine{p}, []*fakeEngine{d})
+	ts, _ := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, []*fakeEngine{p}, []*fakeEngine{d})
 	cases := []struct {
 		path string
 		body map[string]any
@@ -231,5 +239,40 @@ func TestBatchServedAggregated(t *testing.T) {
 		if prefilled := after > before; prefilled != (c.want == "disaggregated") {
 			t.Fatalf("case %d: served %q, the prefill instance received %d requests", i, c.want, after-before)
 		}
+	}
+}
+
+// TestSaturatedPrefillNotPicked: in conditional mode, a request that finds
+// every prefill instance at its concurrency threshold goes aggregated
+// without a prefill pick being made and dropped: kv_aware counts no
+// saturated decision (nor speculative entries, pending prefill, or a peer
+// announcement) for a prefill that never runs.
+func TestSaturatedPrefillNotPicked(t *testing.T) {
+	release := make(chan struct{})
+	var once sync.Once
+	p := newFakeEngine(t, func(w http.ResponseWriter, _ map[string]any) {
+		<-release // every prefill waits: p0 stays at its threshold
+		okCompletion(w, goodKV)
+	})
+	d := fakeDecode(t)
+	ts, srv := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggConditional, MinPrefillTokens: 256}, config.StrategyKVAware,
+		[]*fakeEngine{p}, []*fakeEngine{d}, func(pc *config.PoolConfig) { pc.Routing.ConcurrencyThreshold = 1 })
+	t.Cleanup(func() { once.Do(func() { close(release) }) }) // before the servers' Close (cleanups run last first)
+	first := make(chan testenv.Result, 1)
+	go func() {
+		first <- testenv.PostJSON(t, ts.URL+"/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": tokenPrompt(5, 400), "max_tokens": 3})
+	}()
+	waitFor(t, "the first request's prefill", func() bool { n, _, _ := p.received(); return n == 1 })
+
+	resp := testenv.PostJSON(t, ts.URL+"/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": tokenPrompt(6, 400), "max_tokens": 3})
+	if resp.Status != http.StatusOK || resp.Header.Get(httpapi.HeaderDisagg) != "aggregated; prefill_saturated" {
+		t.Fatalf("second request, p0 at its threshold: %d, served %q", resp.Status, resp.Header.Get(httpapi.HeaderDisagg))
+	}
+	if n := testenv.Metric(t, srv.Registry(), "kvrouter_kv_decisions_total", map[string]string{"reason": "saturated"}); n != 0 {
+		t.Fatalf("kvrouter_kv_decisions_total{reason=saturated} = %v: a prefill pick was made and dropped", n)
+	}
+	once.Do(func() { close(release) })
+	if r := <-first; r.Status != http.StatusOK || r.Header.Get(httpapi.HeaderDisagg) != "disaggregated" {
+		t.Fatalf("first request: %d, served %q", r.Status, r.Header.Get(httpapi.HeaderDisagg))
 	}
 }

@@ -75,7 +75,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in router.Inbound
 	}
 	stripTransferParams(req)
 	pc := pool.Config()
-	_, strat := pool.Routing()
+	rc, strat := pool.Routing()
 	path := r.URL.Path
 	switch in.Endpoint {
 	case router.EndpointInvoke:
@@ -94,7 +94,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in router.Inbound
 
 	if in.Endpoint.OpenAI() && pool.Disaggregated() {
 		var exchange time.Duration
-		if req, exchange, ok = s.disaggregate(w, r, pool, strat, req, path); !ok {
+		if req, exchange, ok = s.disaggregate(w, r, pool, strat, rc.ConcurrencyThreshold, req, path); !ok {
 			return
 		}
 		// The prefill exchange is the engines' time, not the router's:
