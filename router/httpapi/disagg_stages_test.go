@@ -276,3 +276,14 @@ func TestSaturatedPrefillNotPicked(t *testing.T) {
 		t.Fatalf("first request: %d, served %q", r.Status, r.Header.Get(httpapi.HeaderDisagg))
 	}
 }
+
+// TestShadowKeepsConditionalShort: shadow scoring on does not turn off
+// conditional mode's short-prompt test under kv_aware.
+func TestShadowKeepsConditionalShort(t *testing.T) {
+	f := newDisaggFleet(t, config.DisaggregationConfig{Mode: config.DisaggConditional, MinPrefillTokens: 256}, 1, 1,
+		func(pc *config.PoolConfig) { pc.Routing.Shadow = true })
+	resp, _ := f.post("/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": tokenPrompt(2, 100), "max_tokens": 3})
+	if got := resp.Header.Get(httpapi.HeaderDisagg); got != "aggregated; short" {
+		t.Fatalf("100-token prompt with shadow on: disagg %q (want \"aggregated; short\", as without shadow)", got)
+	}
+}
