@@ -1080,6 +1080,19 @@ func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
 		return
 	}
 	hit := ce.held()
+	if ev.remote {
+		// A disaggregated request's decode pick: the instance receives the
+		// prompt's KV from the prefill instance and computes none of it, so
+		// it is charged no pending prefill (nor a prefill-rate sample, the
+		// transfer being no prefill), and the prompt, counted at its
+		// prefill pick, is not counted again. Its blocks are about to be
+		// held there: speculative entries as for any pick.
+		s.speculate(ev, ce, len(ev.keys))
+		o := st.newDrainingObserver(ce, 0, hit, s.sc.prefill)
+		o.drain = drainSample{}
+		dec.Observer = o
+		return
+	}
 	for t, n := range ce.matched {
 		if n > 0 {
 			st.matchedCounter(tiers.Tier(t)).Add(float64(n))
@@ -1088,16 +1101,6 @@ func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
 	st.computed.add(float64(max(ev.tokens-hit, 0)))
 	st.dm.prompt.get(func() prometheus.Counter { return st.m.prompt.WithLabelValues(st.pool) }).Add(float64(ev.tokens))
 	s.speculate(ev, ce, len(ev.keys))
-	if ev.remote {
-		// A disaggregated request's decode pick: the instance receives the
-		// prompt's KV from the prefill instance and computes none of it, so
-		// it is charged no pending prefill (nor a prefill-rate sample, the
-		// transfer being no prefill).
-		o := st.newDrainingObserver(ce, 0, hit, s.sc.prefill)
-		o.drain = drainSample{}
-		dec.Observer = o
-		return
-	}
 	dec.Observer = st.newDrainingObserver(ce, ev.tokens-hit, hit, s.sc.prefill)
 	if ev.rent.warm {
 		// The warm-up copy: the alternative is about to compute the

@@ -34,3 +34,34 @@ func TestRemotePrefillPickChargesNoPrefill(t *testing.T) {
 	pre.Observer.Done(200, -1)
 	dec.Observer.Done(200, -1)
 }
+
+// TestRemotePrefillCountedOnce: a disaggregated request's prompt counts
+// once in kvrouter_kv_prompt_tokens_total, the matched tokens and the
+// placement's mean computed tokens: at its prefill pick, where it is
+// computed; its decode pick is still a decision (kvrouter_kv_decisions_total).
+func TestRemotePrefillCountedOnce(t *testing.T) {
+	w := newKVWorld(t, 2)
+	s := w.strategy(config.RoutingConfig{Strategy: config.StrategyKVAware})
+	tokens := promptTokens(48, 32*kvTestBS)
+	w.store(w.insts[1].ID(), tokens, 0, 8) // the decode instance holds a prefix
+	req := kvRequest("r", tokens)
+	req.ShareKeys = true
+	kvPick(t, s, req, w.insts[:1])
+	req.RemotePrefill = true
+	kvPick(t, s, req, w.insts[1:])
+	prompt := counterValue(t, w.st.m.prompt.WithLabelValues("p"))
+	var matched float64
+	for _, tier := range []string{"gpu", "cpu", "disk", "shared"} {
+		matched += counterValue(t, w.st.m.matched.WithLabelValues("p", tier))
+	}
+	w.st.computed.mu.Lock()
+	samples := w.st.computed.n
+	w.st.computed.mu.Unlock()
+	var decisions float64
+	for _, r := range []string{"kv_match", "heuristic", "load_bound", "overflow", "saturated"} {
+		decisions += counterValue(t, w.st.m.decisions.WithLabelValues("p", r))
+	}
+	if prompt != float64(len(tokens)) || matched != 0 || samples != 1 || decisions != 2 {
+		t.Fatalf("prompt tokens %v (want %d), matched %v (want 0), computed samples %d (want 1), decisions %v (want 2)", prompt, len(tokens), matched, samples, decisions)
+	}
+}
