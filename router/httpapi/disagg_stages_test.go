@@ -287,3 +287,27 @@ func TestShadowKeepsConditionalShort(t *testing.T) {
 		t.Fatalf("100-token prompt with shadow on: disagg %q (want \"aggregated; short\", as without shadow)", got)
 	}
 }
+
+// TestDecodeNotRetriedOnceReached: a decode request that reached its
+// instance is not retried on another for a retry status (here 504): the
+// first may have pulled the prompt's KV, and the prefill's transfer
+// parameters are for one decode. The client gets the status.
+func TestDecodeNotRetriedOnceReached(t *testing.T) {
+	p := fakePrefill(t)
+	d0 := newFakeEngine(t, func(w http.ResponseWriter, _ map[string]any) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusGatewayTimeout)
+		fmt.Fprint(w, `{"error":{"message":"timed out"}}`)
+	})
+	d1 := fakeDecode(t)
+	ts, _ := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, []*fakeEngine{p}, []*fakeEngine{d0, d1})
+	resp := testenv.PostJSON(t, ts.URL+"/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": "hello", "max_tokens": 3})
+	n0, _, _ := d0.received()
+	n1, body1, _ := d1.received()
+	if resp.Header.Get(httpapi.HeaderDisagg) != "disaggregated" || n0 != 1 {
+		t.Fatalf("served %q, d0 received %d (want the decode request on d0 first)", resp.Header.Get(httpapi.HeaderDisagg), n0)
+	}
+	if n1 != 0 || resp.Status != http.StatusGatewayTimeout {
+		t.Fatalf("d0 answered 504: the client got %d, d1 received %d decode requests (kv_transfer_params %v)", resp.Status, n1, body1["kv_transfer_params"])
+	}
+}
