@@ -182,9 +182,16 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 		s.log.Error("disaggregation: cannot write the prefill request", "pool", pool.Name(), "err", err)
 		return aggregated(aggPrefillError)
 	}
+	// prefill_timeout bounds the whole stage: a second attempt gets what
+	// the first left of it.
+	pctx, cancel := context.WithTimeout(r.Context(), dc.PrefillTimeout)
+	defer cancel()
 	var exclude *router.Instance
 	for n := 1; n <= 2; n++ {
 		if n > 1 {
+			if pctx.Err() != nil {
+				break // no time left for another prefill instance
+			}
 			pcands = pool.PrefillCandidates(buf[:0], req.Adapter, exclude)
 			if len(pcands) == 0 {
 				break
@@ -206,7 +213,7 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 			break
 		}
 		t0 := time.Now()
-		kv, err := s.prefill(r, pool, dec, pbody, path, dc.PrefillTimeout)
+		kv, err := s.prefill(pctx, r, pool, dec, pbody, path)
 		exchange += time.Since(t0)
 		if err == nil && kv == nil {
 			s.log.Warn("disaggregation: the prefill instance answered without kv_transfer_params (is vLLM started with --kv-transfer-config?)", "pool", pool.Name(), "instance", dec.Instance.ID())
@@ -238,11 +245,10 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 	return aggregated(aggPrefillError)
 }
 
-// prefill sends the prefill request to dec's instance and returns the
-// kv_transfer_params of its answer (nil when there are none).
-func (s *Server) prefill(r *http.Request, pool *router.Pool, dec router.Decision, body []byte, path string, timeout time.Duration) (kv json.RawMessage, err error) {
-	ctx, cancel := context.WithTimeout(r.Context(), timeout)
-	defer cancel()
+// prefill sends the prefill request for the client's r to dec's instance,
+// under ctx (the stage's deadline), and returns the kv_transfer_params of
+// its answer (nil when there are none).
+func (s *Server) prefill(ctx context.Context, r *http.Request, pool *router.Pool, dec router.Decision, body []byte, path string) (kv json.RawMessage, err error) {
 	out, err := http.NewRequestWithContext(ctx, http.MethodPost, sideURL(dec.Instance, path), bytes.NewReader(body))
 	if err != nil {
 		return nil, err

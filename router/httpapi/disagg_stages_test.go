@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/internal/testenv"
@@ -309,5 +310,31 @@ func TestDecodeNotRetriedOnceReached(t *testing.T) {
 	}
 	if n1 != 0 || resp.Status != http.StatusGatewayTimeout {
 		t.Fatalf("d0 answered 504: the client got %d, d1 received %d decode requests (kv_transfer_params %v)", resp.Status, n1, body1["kv_transfer_params"])
+	}
+}
+
+// TestPrefillTimeoutBoundsTheStage: prefill_timeout bounds the whole
+// prefill stage, not each attempt: a first prefill instance that hangs
+// past it leaves no time for a second, and the request is served
+// aggregated after one timeout, not two.
+func TestPrefillTimeoutBoundsTheStage(t *testing.T) {
+	release := make(chan struct{})
+	hang := func(w http.ResponseWriter, _ map[string]any) {
+		<-release
+		okCompletion(w, goodKV)
+	}
+	ps := []*fakeEngine{newFakeEngine(t, hang), newFakeEngine(t, hang)}
+	d := fakeDecode(t)
+	ts, _ := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways, PrefillTimeout: 300 * time.Millisecond},
+		config.StrategyRoundRobin, ps, []*fakeEngine{d})
+	t.Cleanup(func() { close(release) }) // before the servers' Close (cleanups run last first)
+	resp := testenv.PostJSON(t, ts.URL+"/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": "hello", "max_tokens": 3})
+	n0, _, _ := ps[0].received()
+	n1, _, _ := ps[1].received()
+	if resp.Status != http.StatusOK || resp.Header.Get(httpapi.HeaderDisagg) != "aggregated; prefill_failed" {
+		t.Fatalf("%d, served %q", resp.Status, resp.Header.Get(httpapi.HeaderDisagg))
+	}
+	if n0+n1 > 1 {
+		t.Fatalf("the prefill stage tried p0 %d and p1 %d times after the first hung past prefill_timeout: the stage took two timeouts", n0, n1)
 	}
 }
