@@ -45,7 +45,7 @@ const (
 	aggShort        = "short"               // conditional: the uncached part is under min_prefill_tokens
 	aggPrefillBusy  = "prefill_saturated"   // conditional: every prefill instance is at its threshold
 	aggPrefillError = "prefill_failed"      // the prefill failed on every prefill instance tried
-	aggNoParams     = "no_transfer_params"  // the prefill answered without kv_transfer_params
+	aggNoParams     = "no_transfer_params"  // the prefill answered without kv_transfer_params saying do_remote_prefill
 	aggBatch        = "batch"               // several prompts, or n or best_of above 1: one set of transfer parameters cannot serve them
 )
 
@@ -96,7 +96,8 @@ func prefillBody(body []byte) ([]byte, error) {
 }
 
 // transferParams reads kv_transfer_params from a prefill's answer; nil
-// when it has none (an engine without a KV connector).
+// when it has none (an engine without a KV connector) or they do not say
+// do_remote_prefill true ({}, or false): nothing for a decode to pull.
 func transferParams(answer []byte) (json.RawMessage, error) {
 	var a struct {
 		KV json.RawMessage `json:"kv_transfer_params"`
@@ -109,6 +110,9 @@ func transferParams(answer []byte) (json.RawMessage, error) {
 	}
 	if a.KV[0] != '{' {
 		return nil, fmt.Errorf("prefill answer's kv_transfer_params is not an object")
+	}
+	if !bytes.Equal(bytes.TrimSpace(openai.TopLevelRaw(a.KV, "do_remote_prefill")), []byte("true")) {
+		return nil, nil
 	}
 	return a.KV, nil
 }
@@ -216,7 +220,7 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 		kv, err := s.prefill(pctx, r, pool, dec, pbody, path)
 		exchange += time.Since(t0)
 		if err == nil && kv == nil {
-			s.log.Warn("disaggregation: the prefill instance answered without kv_transfer_params (is vLLM started with --kv-transfer-config?)", "pool", pool.Name(), "instance", dec.Instance.ID())
+			s.log.Warn("disaggregation: the prefill instance answered without kv_transfer_params saying do_remote_prefill (is vLLM started with --kv-transfer-config?)", "pool", pool.Name(), "instance", dec.Instance.ID())
 			return aggregated(aggNoParams)
 		}
 		if err != nil {

@@ -338,3 +338,20 @@ func TestPrefillTimeoutBoundsTheStage(t *testing.T) {
 		t.Fatalf("the prefill stage tried p0 %d and p1 %d times after the first hung past prefill_timeout: the stage took two timeouts", n0, n1)
 	}
 }
+
+// TestPrefillWithoutRemotePrefill: a prefill answer whose
+// kv_transfer_params do not say do_remote_prefill true ({} or false) gives
+// the decode instance nothing to pull: served aggregated,
+// no_transfer_params, with the client's body.
+func TestPrefillWithoutRemotePrefill(t *testing.T) {
+	for _, kv := range []string{`,"kv_transfer_params":{}`, `,"kv_transfer_params":{"do_remote_prefill":false}`, `,"kv_transfer_params":{"do_remote_prefill":"yes"}`} {
+		p := newFakeEngine(t, func(w http.ResponseWriter, _ map[string]any) { okCompletion(w, kv) })
+		d := fakeDecode(t)
+		ts, _ := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, []*fakeEngine{p}, []*fakeEngine{d})
+		resp := testenv.PostJSON(t, ts.URL+"/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": "hello", "max_tokens": 3})
+		_, body, _ := d.received()
+		if got := resp.Header.Get(httpapi.HeaderDisagg); resp.Status != http.StatusOK || got != "aggregated; no_transfer_params" || body["kv_transfer_params"] != nil {
+			t.Errorf("prefill answered %s: %d, served %q, decode got kv_transfer_params %v", kv, resp.Status, got, body["kv_transfer_params"])
+		}
+	}
+}
