@@ -43,8 +43,8 @@ type DisaggregationConfig struct {
 	Mode string `yaml:"mode" json:"mode"`
 	// MinPrefillTokens is conditional mode's threshold (default 256).
 	MinPrefillTokens int `yaml:"min_prefill_tokens" json:"min_prefill_tokens,omitempty"`
-	// PrefillTimeout bounds the prefill request; past it the request falls
-	// back to aggregated (default 60s).
+	// PrefillTimeout bounds the prefill stage, every attempt together;
+	// past it the request falls back to aggregated (default 60s).
 	PrefillTimeout time.Duration `yaml:"prefill_timeout" json:"prefill_timeout,omitempty"`
 }
 

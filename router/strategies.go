@@ -61,10 +61,13 @@ func (s *Random) Pick(_ context.Context, _ *Request, cands []*Instance) (Decisio
 
 // RoundRobin cycles through candidates, skipping full ones; when all are
 // full, the least outstanding. With a changing candidate set the cycle is
-// over positions, which is as even as a shared counter can be.
+// over positions, which is as even as a shared counter can be. A
+// disaggregated request's prefill pick (candidates of role prefill) turns
+// a rotation of its own: sharing one with the decode pick, each stage
+// would take every other position, half of each set when both are even.
 type RoundRobin struct {
 	Threshold int
-	next      atomic.Uint64
+	next      [2]atomic.Uint64 // [0]: plain and decode picks; [1]: prefill picks
 	rnd       func(n uint64) uint64
 }
 
@@ -76,7 +79,11 @@ func (s *RoundRobin) Pick(_ context.Context, _ *Request, cands []*Instance) (Dec
 	if len(cands) == 0 {
 		return Decision{}, ErrNoCandidates
 	}
-	start := s.next.Add(1) - 1
+	stage := 0
+	if cands[0].role == config.RolePrefill { // PrefillCandidates: all or none are
+		stage = 1
+	}
+	start := s.next[stage].Add(1) - 1
 	for k := range uint64(len(cands)) {
 		c := cands[(start+k)%uint64(len(cands))]
 		if !c.Full(s.Threshold) {

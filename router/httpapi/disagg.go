@@ -3,6 +3,7 @@ package httpapi
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -44,8 +45,30 @@ const (
 	aggShort        = "short"               // conditional: the uncached part is under min_prefill_tokens
 	aggPrefillBusy  = "prefill_saturated"   // conditional: every prefill instance is at its threshold
 	aggPrefillError = "prefill_failed"      // the prefill failed on every prefill instance tried
-	aggNoParams     = "no_transfer_params"  // the prefill answered without kv_transfer_params
+	aggNoParams     = "no_transfer_params"  // the prefill answered without kv_transfer_params saying do_remote_prefill
+	aggBatch        = "batch"               // several prompts, or n or best_of above 1: one set of transfer parameters cannot serve them
 )
+
+// headerRequestID is the request id vLLM's OpenAI server takes for its
+// own; vLLM's toy proxy sends one to both stages, and engines before
+// vllm-project/vllm#29665 match a decode's transfer to its prefill by it
+// (without it the prefill's blocks stay held until the connector's abort
+// timeout).
+const headerRequestID = "X-Request-Id"
+
+// requestID is a disaggregated request's id: the client's X-Request-Id
+// (its first value) when it sent one, else a new random one (a UUID, as
+// the toy proxy makes).
+func requestID(h http.Header) string {
+	if id := h.Get(headerRequestID); id != "" {
+		return id
+	}
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (Go 1.24)
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:])
+}
 
 // maxPrefillAnswer bounds the prefill's answer (one token and the transfer
 // parameters: a block id per 16 tokens, so a 128k-token prompt is ~50 KiB).
@@ -73,7 +96,8 @@ func prefillBody(body []byte) ([]byte, error) {
 }
 
 // transferParams reads kv_transfer_params from a prefill's answer; nil
-// when it has none (an engine without a KV connector).
+// when it has none (an engine without a KV connector) or they do not say
+// do_remote_prefill true ({}, or false): nothing for a decode to pull.
 func transferParams(answer []byte) (json.RawMessage, error) {
 	var a struct {
 		KV json.RawMessage `json:"kv_transfer_params"`
@@ -87,7 +111,31 @@ func transferParams(answer []byte) (json.RawMessage, error) {
 	if a.KV[0] != '{' {
 		return nil, fmt.Errorf("prefill answer's kv_transfer_params is not an object")
 	}
+	if !bytes.Equal(bytes.TrimSpace(openai.TopLevelRaw(a.KV, "do_remote_prefill")), []byte("true")) {
+		return nil, nil
+	}
 	return a.KV, nil
+}
+
+// stripTransferParams removes the kv_transfer_params a client sent from
+// the body this edge forwards, whatever the pool: they tell an engine's KV
+// connector where to pull a prompt's KV from (a host the client would
+// choose) or to hold its blocks for a remote decode, which only the router,
+// running the prefill stage itself, may ask. Raw invocation bodies are
+// edited only when they are a JSON object with the member.
+func stripTransferParams(req *router.Request) {
+	if p := req.Parsed; p != nil {
+		if p.KVTransferParams == nil {
+			return
+		}
+		p.KVTransferParams = nil // Parsed describes the body forwarded
+	} else if !bytes.Contains(req.Body, []byte("kv_transfer_params")) && !bytes.Contains(req.Body, []byte(`\u`)) ||
+		openai.TopLevelRaw(req.Body, "kv_transfer_params") == nil {
+		return
+	}
+	if out, err := openai.SetMembers(req.Body, openai.Member{Key: "kv_transfer_params"}); err == nil {
+		req.Body = out
+	}
 }
 
 // disaggregate runs the prefill stage of a request of a pool with
@@ -99,7 +147,9 @@ func transferParams(answer []byte) (json.RawMessage, error) {
 // decode-capable instance can always prefill itself. ok is false when the
 // client went away during the prefill stage (counted here, as a client
 // that left, not as a failed prefill): nothing is left to route.
-func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *router.Pool, strat router.Strategy, req *router.Request, path string) (_ *router.Request, exchange time.Duration, ok bool) {
+//
+// threshold is the pool's routing concurrency_threshold (the strategy's).
+func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *router.Pool, strat router.Strategy, threshold int, req *router.Request, path string) (_ *router.Request, exchange time.Duration, ok bool) {
 	dc := pool.Config().Disaggregation
 	aggregated := func(why string) (*router.Request, time.Duration, bool) {
 		w.Header().Set(HeaderDisagg, "aggregated; "+why)
@@ -117,24 +167,47 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 	if len(pcands) == 0 {
 		return aggregated(aggNoPrefill)
 	}
+	if req.Parsed != nil && req.Parsed.Sequences() {
+		// vLLM's decode request takes one set of transfer parameters, for
+		// one sequence's blocks.
+		return aggregated(aggBatch)
+	}
 	if dc.Mode == config.DisaggConditional {
 		if uncached, known := s.uncachedOnDecode(r.Context(), pool, strat, req); known && uncached < dc.MinPrefillTokens {
 			return aggregated(aggShort)
 		}
 	}
+	// Both stages carry one request id (sideHeader copies it to the
+	// prefill request; the decode request is r's).
+	r.Header.Set(headerRequestID, requestID(r.Header))
 	pbody, err := prefillBody(req.Body)
 	if err != nil {
 		// Resolve parsed this body; an edit that fails is a bug, not the client's.
 		s.log.Error("disaggregation: cannot write the prefill request", "pool", pool.Name(), "err", err)
 		return aggregated(aggPrefillError)
 	}
+	// prefill_timeout bounds the whole stage: a second attempt gets what
+	// the first left of it.
+	pctx, cancel := context.WithTimeout(r.Context(), dc.PrefillTimeout)
+	defer cancel()
 	var exclude *router.Instance
 	for n := 1; n <= 2; n++ {
 		if n > 1 {
+			if pctx.Err() != nil {
+				break // no time left for another prefill instance
+			}
 			pcands = pool.PrefillCandidates(buf[:0], req.Adapter, exclude)
 			if len(pcands) == 0 {
 				break
 			}
+		}
+		if n == 1 && dc.Mode == config.DisaggConditional && allFull(pcands, threshold) {
+			// Every prefill instance is at its threshold: the prefill set is
+			// the bottleneck, and a decode-capable instance prefills now.
+			// Told before picking: a pick is committed (kv_aware's
+			// speculative entries, pending prefill, peers' announcements,
+			// decision counters) and cannot be taken back.
+			return aggregated(aggPrefillBusy)
 		}
 		dec, err := strat.Pick(r.Context(), req, pcands)
 		if err != nil {
@@ -143,19 +216,11 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 			}
 			break
 		}
-		if n == 1 && dc.Mode == config.DisaggConditional && dec.Reason == router.ReasonSaturated {
-			// Every prefill instance is at its threshold: the prefill set is
-			// the bottleneck, and a decode-capable instance prefills now.
-			if dec.Observer != nil {
-				dec.Observer.Done(0, -1)
-			}
-			return aggregated(aggPrefillBusy)
-		}
 		t0 := time.Now()
-		kv, err := s.prefill(r, pool, dec, pbody, path, dc.PrefillTimeout)
+		kv, err := s.prefill(pctx, r, pool, dec, pbody, path)
 		exchange += time.Since(t0)
 		if err == nil && kv == nil {
-			s.log.Warn("disaggregation: the prefill instance answered without kv_transfer_params (is vLLM started with --kv-transfer-config?)", "pool", pool.Name(), "instance", dec.Instance.ID())
+			s.log.Warn("disaggregation: the prefill instance answered without kv_transfer_params saying do_remote_prefill (is vLLM started with --kv-transfer-config?)", "pool", pool.Name(), "instance", dec.Instance.ID())
 			return aggregated(aggNoParams)
 		}
 		if err != nil {
@@ -184,11 +249,10 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 	return aggregated(aggPrefillError)
 }
 
-// prefill sends the prefill request to dec's instance and returns the
-// kv_transfer_params of its answer (nil when there are none).
-func (s *Server) prefill(r *http.Request, pool *router.Pool, dec router.Decision, body []byte, path string, timeout time.Duration) (kv json.RawMessage, err error) {
-	ctx, cancel := context.WithTimeout(r.Context(), timeout)
-	defer cancel()
+// prefill sends the prefill request for the client's r to dec's instance,
+// under ctx (the stage's deadline), and returns the kv_transfer_params of
+// its answer (nil when there are none).
+func (s *Server) prefill(ctx context.Context, r *http.Request, pool *router.Pool, dec router.Decision, body []byte, path string) (kv json.RawMessage, err error) {
 	out, err := http.NewRequestWithContext(ctx, http.MethodPost, sideURL(dec.Instance, path), bytes.NewReader(body))
 	if err != nil {
 		return nil, err
@@ -229,6 +293,17 @@ func (s *Server) prefill(r *http.Request, pool *router.Pool, dec router.Decision
 		return nil, errors.New("prefill answer over " + strconv.Itoa(maxPrefillAnswer) + " bytes")
 	}
 	return transferParams(answer)
+}
+
+// allFull reports whether every candidate has threshold or more requests
+// in flight: what makes every strategy's pick "saturated".
+func allFull(cands []*router.Instance, threshold int) bool {
+	for _, c := range cands {
+		if !c.Full(threshold) {
+			return false
+		}
+	}
+	return true
 }
 
 // sideURL is path on inst: where a request the router makes beside the

@@ -28,7 +28,8 @@ type disaggFleet struct {
 	sims map[string]*simserver.Instance
 }
 
-func newDisaggFleet(t *testing.T, dc config.DisaggregationConfig, prefill, decode int) *disaggFleet {
+// mod, when set, edits the pool's configuration before the router starts.
+func newDisaggFleet(t *testing.T, dc config.DisaggregationConfig, prefill, decode int, mod ...func(*config.PoolConfig)) *disaggFleet {
 	t.Helper()
 	f := &disaggFleet{t: t, sims: map[string]*simserver.Instance{}}
 	pc := config.PoolConfig{Name: "pd", Model: sim.DefaultModel, Disaggregation: &dc,
@@ -53,6 +54,9 @@ func newDisaggFleet(t *testing.T, dc config.DisaggregationConfig, prefill, decod
 	idx, err := kvindex.NewMemory(kvindex.MemoryConfig{Model: sim.DefaultModel, BlockSize: 16})
 	if err != nil {
 		t.Fatal(err)
+	}
+	for _, m := range mod {
+		m(&pc)
 	}
 	cfg := config.Config{Pools: []config.PoolConfig{pc}}.WithDefaults()
 	if err := cfg.Validate(); err != nil {

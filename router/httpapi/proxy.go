@@ -73,8 +73,9 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in router.Inbound
 		s.reject(w, re.Pool, re.Status, re.Message)
 		return
 	}
+	stripTransferParams(req)
 	pc := pool.Config()
-	_, strat := pool.Routing()
+	rc, strat := pool.Routing()
 	path := r.URL.Path
 	switch in.Endpoint {
 	case router.EndpointInvoke:
@@ -93,7 +94,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in router.Inbound
 
 	if in.Endpoint.OpenAI() && pool.Disaggregated() {
 		var exchange time.Duration
-		if req, exchange, ok = s.disaggregate(w, r, pool, strat, req, path); !ok {
+		if req, exchange, ok = s.disaggregate(w, r, pool, strat, rc.ConcurrencyThreshold, req, path); !ok {
 			return
 		}
 		// The prefill exchange is the engines' time, not the router's:
@@ -148,7 +149,13 @@ type attempt struct {
 	sent     time.Time
 	n        int // 1-based attempt number
 	canRetry bool
-	ticket   *flowcontrol.Ticket // the request's flow-control ticket; nil without a queue
+	// noStatusRetry is set for a request whose retry statuses are not retried
+	// (a disaggregated decode request, RemotePrefill): once it reached an
+	// instance, that instance may have pulled the prompt's KV, and the
+	// transfer parameters are for one decode. Only a failure before the
+	// request was written goes to another instance.
+	noStatusRetry bool
+	ticket        *flowcontrol.Ticket // the request's flow-control ticket; nil without a queue
 
 	// wrote is set by the transport (its write goroutine, through an
 	// httptrace hook) once the whole request went out to the instance:
@@ -264,7 +271,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *router.Table,
 		if dec.Reason == router.ReasonOverflow || dec.Reason == router.ReasonSaturated {
 			s.m.overflows.WithLabelValues(pool.Name(), strat.Name(), string(dec.Reason)).Inc()
 		}
-		a := &attempt{pool: pool, dec: dec, path: path, ready: ready, n: n, canRetry: n < maxAttempts && len(cands) > 1, ticket: tk}
+		a := &attempt{pool: pool, dec: dec, path: path, ready: ready, n: n, canRetry: n < maxAttempts && len(cands) > 1, noStatusRetry: req.RemotePrefill, ticket: tk}
 		ctx := context.WithValue(s.startAttempt(r.Context(), a), attemptKey{}, a)
 		ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{WroteRequest: a.wroteRequest})
 		out := r.WithContext(ctx)
@@ -368,7 +375,7 @@ func (s *Server) rewrite(pr *httputil.ProxyRequest) {
 func (s *Server) modifyResponse(resp *http.Response) error {
 	a := attemptFrom(resp.Request.Context())
 	a.status = resp.StatusCode
-	if a.canRetry && s.table.Load().RetryStatus(resp.StatusCode) {
+	if a.canRetry && !a.noStatusRetry && s.table.Load().RetryStatus(resp.StatusCode) {
 		return errRetryStatus(resp.StatusCode)
 	}
 	s.setDecisionHeaders(resp.Header, a)

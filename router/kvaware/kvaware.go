@@ -441,6 +441,7 @@ type kvEval struct {
 	rent      rentNote            // what the pick pays or buys (kvaware_replicate.go)
 	warmable  bool                // the request's edge can send a warm-up copy (router.Request.Warmable)
 	warmWhole bool                // the copy bought is the whole request, not a prefix (router.Request.WarmsWhole)
+	remote    bool                // a disaggregated request's decode pick (router.Request.RemotePrefill)
 	keptFree  []string            // instances kept free of long prompts (router.Request.KeptFree)
 	keptSet   map[string]struct{} // keptFree as a set (copyDest; kept across evaluations, cleared)
 	sc        *kvScoring
@@ -520,6 +521,7 @@ func (s *KVAware) pick(ctx context.Context, req *router.Request, cands []*router
 	// stays on the holder); only a commit asks for the copy.
 	ev.warmable = req.Warmable
 	ev.keptFree = req.KeptFree
+	ev.remote = req.RemotePrefill
 	s.evaluate(ctx, req, cands, ev, commit)
 	var dec router.Decision
 	switch {
@@ -1077,9 +1079,21 @@ func (s *KVAware) commit(dec *router.Decision, ev *kvEval, ce *candEval) {
 	if ev.tokens == 0 || ce == nil {
 		return
 	}
-	hit := 0
+	hit := ce.held()
+	if ev.remote {
+		// A disaggregated request's decode pick: the instance receives the
+		// prompt's KV from the prefill instance and computes none of it, so
+		// it is charged no pending prefill (nor a prefill-rate sample, the
+		// transfer being no prefill), and the prompt, counted at its
+		// prefill pick, is not counted again. Its blocks are about to be
+		// held there: speculative entries as for any pick.
+		s.speculate(ev, ce, len(ev.keys))
+		o := st.newDrainingObserver(ce, 0, hit, s.sc.prefill)
+		o.drain = drainSample{}
+		dec.Observer = o
+		return
+	}
 	for t, n := range ce.matched {
-		hit += n
 		if n > 0 {
 			st.matchedCounter(tiers.Tier(t)).Add(float64(n))
 		}

@@ -1013,3 +1013,41 @@ func mustNewStrategy(t *testing.T, name string, rc config.RoutingConfig, opts ..
 	}
 	return s
 }
+
+// TestShadowTellsHeld: with shadow scoring on, a pool routed by kv_aware
+// still tells how much of a prompt its candidates hold without picking
+// (Held, HeldBy: conditional disaggregation's short-prompt test, flow
+// control's cached holds), as kv_aware alone does; a pool routed by a
+// heuristic tells nothing, shadow on or off.
+func TestShadowTellsHeld(t *testing.T) {
+	type holder interface {
+		Held(ctx context.Context, req *router.Request, cands []*router.Instance) (held, prompt int, ok bool)
+		HeldBy(ctx context.Context, req *router.Request, cands []*router.Instance, dst []int) (per []int, prompt int, ok bool)
+	}
+	w := newKVWorld(t, 4)
+	tokens := promptTokens(43, 8*kvTestBS)
+	w.store(w.insts[2].ID(), tokens, 0, 4)
+	for _, name := range []string{config.StrategyKVAware, config.StrategyPrefixAware} {
+		s, err := router.NewStrategy(name, config.RoutingConfig{Shadow: true}, router.WithKVState(w.st))
+		if err != nil {
+			t.Fatal(err)
+		}
+		h, isHolder := s.(holder)
+		if name != config.StrategyKVAware {
+			if isHolder {
+				if _, _, ok := h.Held(context.Background(), kvRequest("s", tokens), w.insts); ok {
+					t.Fatalf("%s in use, shadow on: Held answered", name)
+				}
+			}
+			continue
+		}
+		if !isHolder {
+			t.Fatalf("kv_aware in use, shadow on: %T cannot tell what the candidates hold", s)
+		}
+		held, prompt, ok := h.Held(context.Background(), kvRequest("s", tokens), w.insts)
+		per, prompt2, ok2 := h.HeldBy(context.Background(), kvRequest("s", tokens), w.insts, nil)
+		if !ok || !ok2 || held != 4*kvTestBS || prompt != len(tokens) || prompt2 != len(tokens) || len(per) != 4 || per[2] != 4*kvTestBS {
+			t.Fatalf("Held %d/%d %v, HeldBy %v/%d %v", held, prompt, ok, per, prompt2, ok2)
+		}
+	}
+}

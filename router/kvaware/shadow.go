@@ -43,6 +43,25 @@ func kvAwareOf(s router.Strategy) *KVAware {
 	return nil
 }
 
+// Held is KVAware.Held when kv_aware is the strategy in use; ok is false
+// otherwise (a heuristic routes: what shadow scoring knows changes
+// nothing, as with shadow off).
+func (s *Shadow) Held(ctx context.Context, req *router.Request, cands []*router.Instance) (held, prompt int, ok bool) {
+	if s.inUse != router.Strategy(s.kv) {
+		return 0, 0, false
+	}
+	return s.kv.Held(ctx, req, cands)
+}
+
+// HeldBy is KVAware.HeldBy when kv_aware is the strategy in use; ok is
+// false otherwise (see Held).
+func (s *Shadow) HeldBy(ctx context.Context, req *router.Request, cands []*router.Instance, dst []int) (per []int, prompt int, ok bool) {
+	if s.inUse != router.Strategy(s.kv) {
+		return dst, 0, false
+	}
+	return s.kv.HeldBy(ctx, req, cands, dst)
+}
+
 // Name implements Strategy: the strategy in use.
 func (s *Shadow) Name() string { return s.inUse.Name() }
 

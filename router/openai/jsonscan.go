@@ -562,6 +562,12 @@ func (s *jscan) topMember(key string, r *Request) error {
 		return s.raw(1, &r.MaxTokens)
 	case "max_completion_tokens":
 		return s.raw(1, &r.MaxCompletionTokens)
+	case "n":
+		return s.raw(1, &r.N)
+	case "best_of":
+		return s.raw(1, &r.BestOf)
+	case "kv_transfer_params":
+		return s.raw(1, &r.KVTransferParams)
 	}
 	_, err := s.skip(1)
 	return err

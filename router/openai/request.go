@@ -36,6 +36,13 @@ type Request struct {
 	Priority            json.RawMessage `json:"priority"`
 	MaxTokens           json.RawMessage `json:"max_tokens"`
 	MaxCompletionTokens json.RawMessage `json:"max_completion_tokens"`
+	// N and BestOf ask for several sequences of one prompt (disaggregation
+	// serves those aggregated).
+	N      json.RawMessage `json:"n"`
+	BestOf json.RawMessage `json:"best_of"`
+	// KVTransferParams is vLLM's disaggregated-serving member, which the
+	// HTTP data plane strips from a client's body (router/httpapi/disagg.go).
+	KVTransferParams json.RawMessage `json:"kv_transfer_params"`
 
 	// src is the body Parse decoded: kv_aware trusts CacheSalt only
 	// for a Request whose Body is still these bytes (salt.go rewrites it).
@@ -159,6 +166,21 @@ func (p *Prompt) UnmarshalJSON(b []byte) error {
 		p.Tokens = [][]uint32{ids}
 	}
 	return nil
+}
+
+// Sequences reports whether the request asks for more than one sequence:
+// several prompts, or n or best_of above 1 (a value that is not a number
+// counts as 1: the engine refuses it).
+func (r *Request) Sequences() bool {
+	if p := r.Prompt; p != nil && (len(p.Texts) > 1 || len(p.Tokens) > 1) {
+		return true
+	}
+	for _, v := range []json.RawMessage{r.N, r.BestOf} {
+		if f, err := strconv.ParseFloat(string(v), 64); err == nil && f > 1 {
+			return true
+		}
+	}
+	return false
 }
 
 // Kind is the OpenAI endpoint a body was posted to: it decides what the
