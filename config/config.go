@@ -336,6 +336,15 @@ type PoolConfig struct {
 	// Disaggregation routes requests in two stages, prefill then decode
 	// (config/disagg.go; nil = off).
 	Disaggregation *DisaggregationConfig `yaml:"disaggregation,omitempty" json:"disaggregation,omitempty"`
+	// PassKVTransferParams forwards a client's kv_transfer_params to the
+	// engines. Off by default: the member steers an engine's KV connector
+	// (where to pull a prompt's KV from, blocks to hold for a remote
+	// decode), so only a disaggregating proxy of the operator's own in
+	// front of kvrouter (vLLM's toy proxy, llm-d's sidecar) may send it;
+	// such a pool sets this, and must not be reachable by clients
+	// directly. Not allowed with disaggregation on, where kvrouter runs
+	// the protocol itself.
+	PassKVTransferParams bool `yaml:"pass_kv_transfer_params,omitempty" json:"pass_kv_transfer_params,omitempty"`
 	// Instances is the static instance list.
 	Instances []InstanceConfig `yaml:"instances" json:"instances"`
 	// AllowedInstanceURLs bounds where heartbeat-discovered instances may
@@ -753,6 +762,9 @@ func (c Config) Validate() error {
 		}
 		if err := p.Disaggregation.validate(f, p.Instances); err != nil {
 			return err
+		}
+		if p.PassKVTransferParams && p.Disaggregation.Enabled() {
+			return bad("%s.pass_kv_transfer_params: not with disaggregation on (kvrouter writes kv_transfer_params itself)", f)
 		}
 		if _, err := ParseAllowList(p.AllowedInstanceURLs); err != nil {
 			return bad("%s.allowed_instance_urls: %v", f, err)

@@ -39,6 +39,9 @@ func TestDisaggregationConfig(t *testing.T) {
 			p.Disaggregation = &DisaggregationConfig{Mode: DisaggAlways, PrefillTimeout: time.Millisecond}
 		}, "prefill_timeout"},
 		{func(p *PoolConfig) { p.Instances[1].Role = "decoder" }, "instances[1].role"},
+		{func(p *PoolConfig) {
+			p.Disaggregation, p.PassKVTransferParams = &DisaggregationConfig{Mode: DisaggConditional}, true
+		}, "pass_kv_transfer_params"},
 	} {
 		err := base(tc.mod).Validate()
 		if !errors.Is(err, ErrInvalidConfig) || !strings.Contains(err.Error(), tc.want) {

@@ -152,6 +152,16 @@ func TestClientTransferParamsStripped(t *testing.T) {
 			t.Fatalf("disaggregation %v, /invocations: the engine received %v", dc, got)
 		}
 	}
+
+	// A pool behind the operator's own disaggregating proxy passes them on.
+	d := fakeDecode(t)
+	ts, _ := fakePDRouter(t, nil, config.StrategyRoundRobin, nil, []*fakeEngine{d}, func(pc *config.PoolConfig) { pc.PassKVTransferParams = true })
+	if resp := testenv.PostJSON(t, ts.URL+"/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": "hello", "max_tokens": 3, "kv_transfer_params": evil}); resp.Status != http.StatusOK {
+		t.Fatalf("pass_kv_transfer_params: %d %s", resp.Status, resp.Body)
+	}
+	if _, got, _ := d.received(); got == nil || got["kv_transfer_params"] == nil {
+		t.Fatalf("pass_kv_transfer_params: the engine received %v, want the client's kv_transfer_params", got)
+	}
 }
 
 // TestRoundRobinStagesRotateApart: round_robin's prefill and decode picks

@@ -73,8 +73,10 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in router.Inbound
 		s.reject(w, re.Pool, re.Status, re.Message)
 		return
 	}
-	stripTransferParams(req)
 	pc := pool.Config()
+	if !pc.PassKVTransferParams {
+		stripTransferParams(req)
+	}
 	rc, strat := pool.Routing()
 	path := r.URL.Path
 	switch in.Endpoint {
