@@ -56,18 +56,23 @@ const (
 // timeout).
 const headerRequestID = "X-Request-Id"
 
-// requestID is a disaggregated request's id: the client's X-Request-Id
-// (its first value) when it sent one, else a new random one (a UUID, as
-// the toy proxy makes).
+// requestID is a disaggregated request's id: always a new random one (a
+// UUID, as the toy proxy makes), after the client's X-Request-Id (its first
+// value, when it is at most 128 printable ASCII characters without spaces)
+// and a dash, so that logs still carry the client's. Never the client's
+// alone: on engines that match a decode's transfer to its prefill by this
+// id, a client sending another client's id would disturb that request's
+// transfer, and two clients' equal ids would collide.
 func requestID(h http.Header) string {
-	if id := h.Get(headerRequestID); id != "" {
-		return id
-	}
 	var b [16]byte
 	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (Go 1.24)
 	b[6] = b[6]&0x0f | 0x40
 	b[8] = b[8]&0x3f | 0x80
-	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:])
+	id := fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:])
+	if c := h.Get(headerRequestID); c != "" && len(c) <= 128 && strings.IndexFunc(c, func(r rune) bool { return r <= ' ' || r > '~' }) < 0 {
+		return c + "-" + id
+	}
+	return id
 }
 
 // maxPrefillAnswer bounds the prefill's answer (one token and the transfer
