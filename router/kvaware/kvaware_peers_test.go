@@ -101,6 +101,20 @@ func newPeerPair(t *testing.T, n int) (a, b *peerWorld) {
 	return newPeerWorld(t, url, pool, "a", n), newPeerWorld(t, url, pool, "b", n)
 }
 
+// sequencingPair starts two sequencing replicas a and b of one new pool
+// (epochs of seq, four instances each) on a NATS at url, waits until each
+// sees the other live and then past the partial epoch they started in.
+func sequencingPair(t *testing.T, seq time.Duration) (url string, a, b *peerWorld) {
+	t.Helper()
+	url = testenv.NATSURL(t)
+	pool := testenv.UniqueName(t)
+	a = newPeerWorldRun(t, url, pool, "a", 4, true, seq)
+	b = newPeerWorldRun(t, url, pool, "b", 4, true, seq)
+	waitUntil(t, "peers live", func() bool { return a.sync.Live() == 1 && b.sync.Live() == 1 })
+	time.Sleep(2 * seq)
+	return url, a, b
+}
+
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)

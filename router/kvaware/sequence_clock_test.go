@@ -19,13 +19,9 @@ import (
 // requests: it is refused (future), and a held request is decided when its
 // own epoch is due.
 func TestFutureIntentDoesNotStallHeldRequests(t *testing.T) {
-	url := testenv.NATSURL(t)
-	pool := testenv.UniqueName(t)
 	const seq = 5 * time.Millisecond
-	a := newPeerWorldRun(t, url, pool, "a", 4, true, seq)
-	b := newPeerWorldRun(t, url, pool, "b", 4, true, seq)
-	waitUntil(t, "peers live", func() bool { return a.sync.Live() == 1 && b.sync.Live() == 1 })
-	time.Sleep(10 * seq) // past the partial epoch
+	url, a, _ := sequencingPair(t, seq)
+	time.Sleep(8 * seq)
 
 	nc := testenv.Connect(t, url)
 	m := replicasync.Message{Kind: replicasync.KindIntent, Replica: "z", Incarnation: 1,
@@ -57,18 +53,13 @@ func TestFutureIntentDoesNotStallHeldRequests(t *testing.T) {
 // decided when its own epoch is due: the loop is woken, not left sleeping
 // until the later epoch.
 func TestSequenceLoopWokenByEarlierEpoch(t *testing.T) {
-	url := testenv.NATSURL(t)
-	pool := testenv.UniqueName(t)
 	// Grace 4δ: an intent is sequenced while its epoch is due within
 	// δ + 2×grace, so up to ~4δ ahead. b's intent is 3.5δ ahead: its epoch
 	// is due ~3.5δ past the one a's own request opens, less the time taken
 	// to notice the intent (the largest δ keeps that margin on a
 	// loaded machine).
 	const seq = 100 * time.Millisecond
-	a := newPeerWorldRun(t, url, pool, "a", 4, true, seq)
-	b := newPeerWorldRun(t, url, pool, "b", 4, true, seq)
-	waitUntil(t, "peers live", func() bool { return a.sync.Live() == 1 && b.sync.Live() == 1 })
-	time.Sleep(2 * seq) // past the partial epoch
+	_, a, b := sequencingPair(t, seq)
 
 	ahead := time.Now().Add(7 * seq / 2)
 	in := replicasync.Intent{Seq: 1, Arrival: ahead.UnixNano(), Tokens: 10}

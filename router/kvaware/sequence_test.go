@@ -349,13 +349,8 @@ func TestSequenceHeldRequestLeaves(t *testing.T) {
 // picked, and with none left the pick is ErrNoCandidates; the caller's
 // candidate slice is left as it was.
 func TestSequenceHeldPickSkipsEjected(t *testing.T) {
-	url := testenv.NATSURL(t)
-	pool := testenv.UniqueName(t)
 	const seq = 50 * time.Millisecond // grace 4·seq: time to eject during the hold
-	a := newPeerWorldRun(t, url, pool, "a", 4, true, seq)
-	b := newPeerWorldRun(t, url, pool, "b", 4, true, seq)
-	waitUntil(t, "peers live", func() bool { return a.sync.Live() == 1 && b.sync.Live() == 1 })
-	time.Sleep(2 * seq) // past the partial epoch
+	_, a, _ := sequencingPair(t, seq)
 	s := a.strategy(config.RoutingConfig{})
 	cands := slices.Clone(a.insts)
 	for i, eject := range [][]*router.Instance{a.insts[:3], a.insts[3:]} {
