@@ -526,3 +526,24 @@ func newCopyBufferPool(size int) *copyBufferPool {
 func (c *copyBufferPool) Get() []byte { return *c.p.Get().(*[]byte) }
 
 func (c *copyBufferPool) Put(b []byte) { c.p.Put(&b) }
+
+// stripTransferParams removes the kv_transfer_params a client sent from
+// the body this edge forwards, whatever the pool: they tell an engine's KV
+// connector where to pull a prompt's KV from (a host the client would
+// choose) or to hold its blocks for a remote decode, which only the router,
+// running the prefill stage itself, may ask. Raw invocation bodies are
+// edited only when they are a JSON object with the member.
+func stripTransferParams(req *router.Request) {
+	if p := req.Parsed; p != nil {
+		if p.KVTransferParams == nil {
+			return
+		}
+		p.KVTransferParams = nil // Parsed describes the body forwarded
+	} else if !bytes.Contains(req.Body, []byte("kv_transfer_params")) && !bytes.Contains(req.Body, []byte(`\u`)) ||
+		openai.TopLevelRaw(req.Body, "kv_transfer_params") == nil {
+		return
+	}
+	if out, err := openai.SetMembers(req.Body, openai.Member{Key: "kv_transfer_params"}); err == nil {
+		req.Body = out
+	}
+}
