@@ -203,20 +203,15 @@ func (p *Pool) Adapters() []string {
 // reports it).
 func (p *Pool) Candidates(dst []*Instance, adapter string, exclude *Instance) (cands []*Instance, fellBack bool) {
 	dst = dst[:0]
-	// A pool-level adapter is one every instance was started with.
-	everywhere := adapter != "" && slices.Contains(p.cfg.Adapters, adapter)
+	everywhere := p.everywhere(adapter)
 	for _, in := range p.instances {
-		if in == exclude || !in.Healthy() || in.role == config.RolePrefill {
-			continue
+		if in != exclude && servesAggregated(in) && (everywhere || in.HasAdapter(adapter)) {
+			dst = append(dst, in)
 		}
-		if adapter != "" && !everywhere && !in.HasAdapter(adapter) {
-			continue
-		}
-		dst = append(dst, in)
 	}
 	if len(dst) == 0 && adapter != "" && p.cfg.AdapterFallback == "all" {
 		for _, in := range p.instances {
-			if in != exclude && in.Healthy() && in.role != config.RolePrefill {
+			if in != exclude && servesAggregated(in) {
 				dst = append(dst, in)
 			}
 		}
@@ -225,17 +220,28 @@ func (p *Pool) Candidates(dst []*Instance, adapter string, exclude *Instance) (c
 	return dst, false
 }
 
+// servesAggregated reports whether in may take a request now other than a
+// disaggregated one's prefill: healthy, not a prefill-role instance.
+func servesAggregated(in *Instance) bool { return in.Healthy() && in.role != config.RolePrefill }
+
+// everywhere reports whether every instance holds adapter: none asked
+// for, or a pool-level one (every instance was started with it); else
+// only the instances that list it do.
+func (p *Pool) everywhere(adapter string) bool {
+	return adapter == "" || slices.Contains(p.cfg.Adapters, adapter)
+}
+
 // Eligible is, for the flow-control queue, the test of the instances a
 // request for adapter may go to (flowcontrol.Item.Eligible), as
 // Candidates chooses them: nil when any may (no adapter, or a pool-level
 // one), else those holding it — nil again with adapter_fallback "all"
 // when no healthy instance holds it now.
 func (p *Pool) Eligible(adapter string) func(instance string) bool {
-	if adapter == "" || slices.Contains(p.cfg.Adapters, adapter) {
+	if p.everywhere(adapter) {
 		return nil
 	}
 	if p.cfg.AdapterFallback == "all" && !slices.ContainsFunc(p.instances, func(in *Instance) bool {
-		return in.Healthy() && in.role != config.RolePrefill && in.HasAdapter(adapter)
+		return servesAggregated(in) && in.HasAdapter(adapter)
 	}) {
 		return nil
 	}
@@ -251,12 +257,12 @@ func (p *Pool) Eligible(adapter string) func(instance string) bool {
 // instance takes only prefill requests.
 func (p *Pool) PrefillCandidates(dst []*Instance, adapter string, exclude *Instance) []*Instance {
 	dst = dst[:0]
-	everywhere := adapter != "" && slices.Contains(p.cfg.Adapters, adapter)
+	everywhere := p.everywhere(adapter)
 	for _, in := range p.instances {
 		if in.role != config.RolePrefill || in == exclude || !in.Healthy() {
 			continue
 		}
-		if adapter != "" && !everywhere && !in.HasAdapter(adapter) {
+		if !everywhere && !in.HasAdapter(adapter) {
 			continue
 		}
 		dst = append(dst, in)
