@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -101,7 +102,11 @@ func (c *RedisCluster) Masters() []*RedisServer {
 }
 
 // WaitHealthy waits until every running node says cluster_state:ok, knows
-// all six nodes, and three masters each have a replica online.
+// all six nodes, and three masters each have a replica online, and every
+// node answers the same slot map (CLUSTER SLOTS: each range's master). A
+// failover is announced by gossip, so for a round after it the nodes can
+// disagree on who serves a range; a client asking any node (as kvindex's
+// epoch does) would otherwise read either view.
 func (c *RedisCluster) WaitHealthy(within time.Duration) {
 	c.t.Helper()
 	deadline := time.Now().Add(within)
@@ -120,6 +125,7 @@ func (c *RedisCluster) health() string {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	masters := 0
+	var view, viewOf string
 	for _, n := range c.Nodes {
 		n.mu.Lock()
 		running := n.cmd != nil
@@ -133,6 +139,10 @@ func (c *RedisCluster) health() string {
 		if err == nil {
 			repl, err = cl.Info(ctx, "replication").Result()
 		}
+		var slots []redis.ClusterSlot
+		if err == nil {
+			slots, err = cl.ClusterSlots(ctx).Result()
+		}
 		_ = cl.Close()
 		if err != nil {
 			return fmt.Sprintf("%s: %v", n.Addr, err)
@@ -140,6 +150,12 @@ func (c *RedisCluster) health() string {
 		if !strings.Contains(info, "cluster_state:ok") || !strings.Contains(info, "cluster_known_nodes:6") ||
 			!strings.Contains(info, "cluster_slots_ok:16384") {
 			return n.Addr + ": " + strings.Join(strings.Fields(info)[:6], " ")
+		}
+		v := slotView(slots)
+		if viewOf == "" {
+			view, viewOf = v, n.Addr
+		} else if v != view {
+			return fmt.Sprintf("%s and %s answer different slot maps", viewOf, n.Addr)
 		}
 		if strings.Contains(repl, "role:master") {
 			masters++
@@ -154,6 +170,19 @@ func (c *RedisCluster) health() string {
 		return fmt.Sprintf("%d masters", masters)
 	}
 	return ""
+}
+
+// slotView is a slot map as one string: each range and its master's id,
+// sorted.
+func slotView(slots []redis.ClusterSlot) string {
+	ranges := make([]string, 0, len(slots))
+	for _, s := range slots {
+		if len(s.Nodes) > 0 {
+			ranges = append(ranges, fmt.Sprintf("%d-%d:%s", s.Start, s.End, s.Nodes[0].ID))
+		}
+	}
+	slices.Sort(ranges)
+	return strings.Join(ranges, ",")
 }
 
 // Save has the server write its RDB (SAVE), which a restart loads. A
