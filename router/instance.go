@@ -85,6 +85,21 @@ func (i *Instance) SetHealthy(ok bool) {
 	i.streakMu.Unlock()
 }
 
+// Eject takes a healthy instance out of routing at once, on evidence other
+// than the health probes (its kvbridge reports the engine down), and
+// resets the probe streaks: healthyAfter successes re-admit it as after
+// probes ejected it. It reports whether the state changed.
+func (i *Instance) Eject() (changed bool) {
+	i.streakMu.Lock()
+	defer i.streakMu.Unlock()
+	if !i.healthy.Load() {
+		return false
+	}
+	i.fails, i.oks = 0, 0
+	i.healthy.Store(false)
+	return true
+}
+
 // ObserveProbe records one health-probe result: unhealthyAfter consecutive
 // failures eject a healthy instance, healthyAfter consecutive successes
 // re-admit an ejected one. It reports whether the state changed.

@@ -102,6 +102,12 @@ type Config struct {
 	// heartbeats{result="refused"} (the caller logs and counts why). nil
 	// admits every well-formed heartbeat.
 	AdmitHeartbeat func(instance string, m *nats.Msg, hb *kvstream.Heartbeat) error
+	// EngineDown, when set, is called once each time an admitted
+	// heartbeat first reports an instance's engine down (the bridge's
+	// health probes fail and no event arrives), from the goroutine that
+	// reads heartbeats: it must not block. The router ejects the instance
+	// with it instead of waiting for its own health checks.
+	EngineDown func(instance string)
 	// MaxInstances caps the instance records (default 4096, far above a
 	// pool's engines times data-parallel ranks): a new name beyond it is
 	// dropped and counted (result over_cap) unless Admit names it.

@@ -123,7 +123,7 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		}
 	}
 	c.m.heartbeats.WithLabelValues("ok").Inc()
-	load, reload, needSync, backwards := false, false, false, false
+	load, reload, needSync, backwards, down := false, false, false, false, false
 	// The bridge's last message of the instance is past every one of its
 	// messages here. Not yet dispatched (the heartbeat outran it, or the
 	// consumer is behind: a router resumed after a stop), the heartbeat
@@ -161,6 +161,7 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 		if !in.status.EngineDown {
 			c.cfg.Logger.Info("consumer: engine down, instance not live", "instance", instance)
 			in.lost++
+			down = true
 		}
 		in.status.EngineDown = true
 		in.status.State = StateStale
@@ -200,6 +201,9 @@ func (c *Consumer) heartbeat(ctx context.Context, m *nats.Msg) {
 	in.status.Heartbeat = &hb
 	lastSeq := in.status.LastSeq
 	c.mu.Unlock()
+	if down && c.cfg.EngineDown != nil {
+		c.cfg.EngineDown(instance)
+	}
 	if backwards {
 		c.m.gaps.Inc()
 		if ok, suppressed := c.logLimit.Allow("seq_backwards"); ok {

@@ -95,8 +95,11 @@ func restoredBehindOtherWriter(t *testing.T, seed uint64, during, after bool) {
 			// wait for A's repair once one has met A's lease (the first,
 			// when B had seen its skips applied before the outage)
 			// rather than read the stream to meet it again at every
-			// check (~130-150 times here before the shortcut).
-			if n := g.notOwner.Load() - notOwner; !after && n > 2 {
+			// check (~130-150 times here before the shortcut). Under
+			// load a sync or two more can meet the lease before B has
+			// seen its skips applied (3 once in a full make test run):
+			// the bound tells the shortcut from none, not the count.
+			if n := g.notOwner.Load() - notOwner; !after && n > 8 {
 				t.Fatalf("B's syncs tried %d repairs into A's lease while it held e0", n)
 			}
 			break

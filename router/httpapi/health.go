@@ -37,6 +37,7 @@ func (s *Server) healthLoop(ctx context.Context, p *router.Pool) {
 				s.m.probes.WithLabelValues(p.Name(), in.ID(), result).Inc()
 				if in.ObserveProbe(err == nil, hc.UnhealthyThreshold, hc.HealthyThreshold) {
 					if err != nil {
+						s.m.ejections.WithLabelValues(p.Name(), in.ID(), "health_checks").Inc()
 						s.log.Warn("instance ejected by health checks", "pool", p.Name(), "instance", in.ID(), "err", err)
 					} else {
 						s.log.Info("instance re-admitted by health checks", "pool", p.Name(), "instance", in.ID())
@@ -52,6 +53,28 @@ func (s *Server) healthLoop(ctx context.Context, p *router.Pool) {
 		case <-t.C:
 		}
 	}
+}
+
+// EngineDown ejects an instance whose kvbridge reports its engine down
+// (kvstate.Pipeline.OnEngineDown): the bridge saw the engine's /health fail
+// twice, a probe interval apart, with no KV event between, and says so in
+// its next heartbeat, within a few seconds; the router's own checks take
+// unhealthy_threshold × interval (15 s by default) to eject it, and every
+// request sent there meanwhile fails or waits for a retry. The router's
+// probes re-admit it (healthy_threshold successes in a row), so a bridge
+// that is wrong about its engine costs that instance at most that long.
+// With health checks disabled nothing would re-admit it: it is left in.
+func (s *Server) EngineDown(pool, instance string) {
+	p, ok := s.Pool(pool)
+	if !ok || p.Config().Health.Disable {
+		return
+	}
+	in, ok := p.Instance(instance)
+	if !ok || !in.Eject() {
+		return
+	}
+	s.m.ejections.WithLabelValues(pool, instance, "engine_down").Inc()
+	s.log.Warn("instance ejected: its kvbridge reports the engine down; health checks re-admit it", "pool", pool, "instance", instance)
 }
 
 func (s *Server) probeHealth(ctx context.Context, in *router.Instance, hc config.HealthConfig) error {

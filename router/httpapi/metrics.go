@@ -15,6 +15,7 @@ type metrics struct {
 	decision  *prometheus.HistogramVec
 	ttfb      *prometheus.HistogramVec
 	probes    *prometheus.CounterVec
+	ejections *prometheus.CounterVec
 	streamErr *prometheus.CounterVec
 	flow      *flowMetrics
 	// Disaggregated serving (disagg.go).
@@ -47,6 +48,9 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		probes: ms.CounterVec("kvrouter_health_probes_total",
 			"Active health probes by result.",
 			"pool", "instance", "result"),
+		ejections: ms.CounterVec("kvrouter_instance_ejections_total",
+			"Instances taken out of routing, by reason: health_checks (unhealthy_threshold failed probes in a row), engine_down (the instance's kvbridge reports its engine down; the router's own probes re-admit it).",
+			"pool", "instance", "reason"),
 		streamErr: ms.CounterVec("kvrouter_stream_errors_total",
 			"Upstream responses that failed after bytes reached the client (streams end with an error event).",
 			"pool", "instance"),
@@ -79,6 +83,7 @@ func (s *Server) ForgetInstanceSeries(pool, instance string) {
 	s.m.retries.DeletePartialMatch(l)
 	s.m.ttfb.DeletePartialMatch(l)
 	s.m.probes.DeletePartialMatch(l)
+	s.m.ejections.DeletePartialMatch(l)
 	s.m.streamErr.DeletePartialMatch(l)
 	s.m.disaggPrefillErrors.DeletePartialMatch(l)
 	s.m.warms.DeletePartialMatch(l)
@@ -96,7 +101,7 @@ type liveCollector struct{ s *Server }
 
 var (
 	inflightDesc = prometheus.NewDesc("kvrouter_instance_in_flight", "Requests in flight per instance (router-local).", []string{"pool", "instance"}, nil)
-	healthyDesc  = prometheus.NewDesc("kvrouter_instance_healthy", "1 when the instance is admitted by health checks.", []string{"pool", "instance"}, nil)
+	healthyDesc  = prometheus.NewDesc("kvrouter_instance_healthy", "1 when the instance is admitted by health checks (0 after they ejected it, or after its kvbridge reported its engine down, until they re-admit it).", []string{"pool", "instance"}, nil)
 	strategyDesc = prometheus.NewDesc("kvrouter_pool_strategy", "The pool's current strategy (value 1).", []string{"pool", "strategy"}, nil)
 	bodyUsedDesc = prometheus.NewDesc("kvrouter_body_memory_bytes", "Bytes of the request-body memory budget held by requests in progress.", nil, nil)
 	bodyMaxDesc  = prometheus.NewDesc("kvrouter_body_memory_limit_bytes", "The request-body memory budget (limits.max_body_memory_bytes).", nil, nil)

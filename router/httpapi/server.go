@@ -38,7 +38,8 @@ type Options struct {
 	// is rejected).
 	KV ExactSource
 	// KVEvents says whether the KV index has been rebuilt since start
-	// (/readyz; the KV-state pipeline); nil = always.
+	// (/readyz; the KV-state pipeline); nil = always. One that is also
+	// EngineReports has its bridges' engine-down reports eject instances.
 	KVEvents IndexReadiness
 	// Admin mounts the admin API (router/admin's Routes) on the admin
 	// listener, or on the data listener when admin_listen is empty; nil =
@@ -53,6 +54,13 @@ type Options struct {
 // start (or the ready timeout passed); else why not.
 type IndexReadiness interface {
 	IndexReady() (bool, string)
+}
+
+// EngineReports is a KV pipeline whose bridges report engines down
+// (kvstate.Pipeline). When Options.KVEvents is one, NewServer has it call
+// EngineDown, which ejects the instance at once.
+type EngineReports interface {
+	OnEngineDown(fn func(pool, instance string))
 }
 
 // ExactSource builds pools' exact-routing state (kvaware.Source).
@@ -137,6 +145,9 @@ func NewServer(cfg config.Config, opts Options) (*Server, error) {
 	commit()
 	if s.m, err = newMetrics(s.reg, s); err != nil {
 		return nil, fmt.Errorf("router: register metrics: %w", err)
+	}
+	if er, ok := opts.KVEvents.(EngineReports); ok {
+		er.OnEngineDown(s.EngineDown)
 	}
 	dialer := &net.Dialer{Timeout: cfg.Proxy.DialTimeout, KeepAlive: 30 * time.Second}
 	transport := &http.Transport{

@@ -118,6 +118,9 @@ type Pipeline struct {
 	started    time.Time
 	// readyTimedOut: IndexReady gave up waiting (logged once).
 	readyTimedOut atomic.Bool
+	// engineDown receives the instances whose bridge reports the engine
+	// down (OnEngineDown); nil until set.
+	engineDown atomic.Pointer[func(pool, instance string)]
 }
 
 // kvPool is one pool's index and consumer; immutable once built.
@@ -340,6 +343,11 @@ func (k *Pipeline) pool(pc config.PoolConfig) (*kvPool, error) {
 		AdmitHeartbeat: func(instance string, m *nats.Msg, hb *kvstream.Heartbeat) error {
 			return k.admitHeartbeat(pc.Name, instance, m, hb)
 		},
+		EngineDown: func(instance string) {
+			if f := k.engineDown.Load(); f != nil {
+				(*f)(pc.Name, instance)
+			}
+		},
 		SnapshotTimeout: k.opts.SnapshotTimeout,
 		Registerer:      k.opts.Registerer,
 		Logger:          k.log.With("pool", pc.Name),
@@ -362,6 +370,28 @@ func (k *Pipeline) pool(pc config.PoolConfig) (*kvPool, error) {
 		}
 	})
 	return p, nil
+}
+
+// OnEngineDown has fn called each time a pool's consumer reads a heartbeat
+// that first reports an instance's engine down, from the consumer's
+// goroutine (fn must not block); and at once for every instance whose
+// engine is down now, since the consumers started before fn was set. The
+// router ejects those instances (httpapi.Server.EngineDown).
+func (k *Pipeline) OnEngineDown(fn func(pool, instance string)) {
+	k.engineDown.Store(&fn)
+	k.mu.Lock()
+	cons := make(map[string]*consumer.Consumer, len(k.pools))
+	for name, p := range k.pools {
+		cons[name] = p.cons
+	}
+	k.mu.Unlock()
+	for pool, c := range cons {
+		for _, st := range c.Instances() {
+			if st.EngineDown {
+				fn(pool, st.Instance)
+			}
+		}
+	}
 }
 
 // StopStreams ends every open eviction stream (with a final "close"
