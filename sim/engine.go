@@ -658,7 +658,16 @@ func (e *Engine) admit(q *request, t time.Duration, budget int) bool {
 	if q.RemotePrefill {
 		remote = maxHit - hit
 	}
+	// Check room before touching anything, as vLLM's allocate_slots
+	// returns None before it touches the computed blocks: a request that
+	// cannot be admitted leaves the LRU order as it was, however many
+	// steps it retries. Hit blocks on the free list take room too (pinning
+	// them takes them off it).
+	room := e.pool.available() - e.pool.freeListed(hashes[:hit])
 	if cpuOnly > 0 || remote > 0 {
+		if cpuOnly+remote > room {
+			return false
+		}
 		// Pin the GPU part and touch the CPU part before allocating, so
 		// that making room evicts neither.
 		for i := 0; i < hit; i++ {
@@ -695,13 +704,16 @@ func (e *Engine) admit(q *request, t time.Duration, budget int) bool {
 		e.loading = append(e.loading, q)
 		return true
 	}
+	n := min(len(q.tokens)-hit*bs, budget)
+	if (hit*bs+n+bs-1)/bs-hit > room {
+		return false
+	}
 	for i := 0; i < hit; i++ {
 		b := e.pool.blocks[hashes[i]]
 		e.pool.ref(b)
 		q.held = append(q.held, b)
 	}
 	q.computed = hit * bs
-	n := min(len(q.tokens)-q.computed, budget)
 	if !e.grow(q, q.computed+n) {
 		e.freeBlocks(q)
 		q.computed = 0

@@ -120,6 +120,18 @@ func (p *pool) available() int { return p.free() + p.gpuFree.n }
 
 // used is the number of GPU blocks held by requests (vLLM's KV usage
 // counts cached-but-free blocks as free).
+// freeListed counts the GPU blocks among hashes that sit on the free list:
+// pinning them would take them out of available().
+func (p *pool) freeListed(hashes []uint64) int {
+	n := 0
+	for _, h := range hashes {
+		if b := p.blocks[h]; b != nil && b.in[gpu] {
+			n++
+		}
+	}
+	return n
+}
+
 func (p *pool) used() int { return p.gpuCap - p.available() }
 
 func (p *pool) emit(ev events.Event) {
