@@ -69,7 +69,13 @@ func PooledBoundPerRequest(recs []TraceRecord, capacityTokens int64) (Bound, []i
 // (kvbench live and demo send completions); requests sent as chat messages
 // are rendered by a template, and the bound then holds to within the
 // template's few tokens per request.
-func RequestsBoundPerRequest(reqs []Request, blockTokens int, capacityTokens int64) (Bound, []int64, error) {
+//
+// A request's LoRA adapter, and its tenant key when saltByTenant (sent as
+// its cache_salt), seed the digest before its first token: an engine folds
+// them into its block hashes (the salt into the first block's, which every
+// later block chains from), so equal tokens under another adapter or salt
+// are other blocks, and so they are here.
+func RequestsBoundPerRequest(reqs []Request, blockTokens int, capacityTokens int64, saltByTenant bool) (Bound, []int64, error) {
 	if blockTokens <= 0 {
 		return Bound{}, nil, fmt.Errorf("%w: bound: block size %d must be > 0", ErrInvalid, blockTokens)
 	}
@@ -81,6 +87,18 @@ func RequestsBoundPerRequest(reqs []Request, blockTokens int, capacityTokens int
 		n := len(toks) / blockTokens
 		ids := make([]int64, n)
 		d := xxhash.New()
+		salt := ""
+		if saltByTenant {
+			salt = reqs[i].Tenant
+		}
+		if reqs[i].Adapter != "" || salt != "" {
+			// Length-prefixed, so ("ab", "") and ("a", "b") differ.
+			for _, k := range []string{reqs[i].Adapter, salt} {
+				binary.LittleEndian.PutUint32(buf[:], uint32(len(k)))
+				_, _ = d.Write(buf[:])
+				_, _ = d.WriteString(k)
+			}
+		}
 		for j := 0; j < n; j++ {
 			for _, t := range toks[j*blockTokens : (j+1)*blockTokens] {
 				binary.LittleEndian.PutUint32(buf[:], t)

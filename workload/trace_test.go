@@ -327,7 +327,7 @@ func TestRequestsBound(t *testing.T) {
 		req(Segment{Seed: 8, Len: 40}),      // another prefix: nothing
 		req(Segment{Seed: 7, Len: 15}),      // under one block: never a hit
 	}
-	b, hits, err := RequestsBoundPerRequest(reqs, 16, 0)
+	b, hits, err := RequestsBoundPerRequest(reqs, 16, 0, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -341,13 +341,13 @@ func TestRequestsBound(t *testing.T) {
 		t.Errorf("bound %+v", b)
 	}
 	// A one-block cache keeps only the last block touched.
-	if _, hits, _ = RequestsBoundPerRequest(reqs, 16, 16); hits[1] != 0 || hits[2] != 0 {
+	if _, hits, _ = RequestsBoundPerRequest(reqs, 16, 16, false); hits[1] != 0 || hits[2] != 0 {
 		t.Errorf("one-block cache: hits %v", hits)
 	}
-	if _, _, err := RequestsBoundPerRequest(reqs, 0, 0); !errors.Is(err, ErrInvalid) {
+	if _, _, err := RequestsBoundPerRequest(reqs, 0, 0, false); !errors.Is(err, ErrInvalid) {
 		t.Errorf("block size 0: err %v", err)
 	}
-	if _, _, err := RequestsBoundPerRequest(reqs, 16, 8); !errors.Is(err, ErrInvalid) {
+	if _, _, err := RequestsBoundPerRequest(reqs, 16, 8, false); !errors.Is(err, ErrInvalid) {
 		t.Errorf("sub-block capacity: err %v", err)
 	}
 }

@@ -263,7 +263,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	c := newLiveClient(liveConfig{RouterURL: fl.routerURL, TimeScale: *scale, Reset: true})
 	// of_bound: the hit rate of one LRU cache as large as the whole fleet's
 	// GPU KV, which no routing of these requests can beat.
-	b, boundHits, err := workload.RequestsBoundPerRequest(w.Requests, sim.DefaultBlockSize, gpuTokens*int64(*instances))
+	b, boundHits, err := workload.RequestsBoundPerRequest(w.Requests, sim.DefaultBlockSize, gpuTokens*int64(*instances), false)
 	if err != nil {
 		return err
 	}

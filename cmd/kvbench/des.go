@@ -360,7 +360,7 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	ff.register(fs, 7)
 	strategies := fs.String("strategies", "random,round_robin,least_outstanding,prefix_aware,kv_aware", "comma-separated strategies to compare")
 	out := fs.String("out", "", "directory for report.md, report.csv, report.json, hit_rate.svg, ttft.svg and, for single-router runs, requests-<strategy>.csv (one row per request)")
-	bound := fs.Bool("bound", true, "report hit rate as a fraction of the pooled-cache bound: one LRU cache of the whole fleet's GPU tokens")
+	bound := fs.Bool("bound", true, "report hit rate as a fraction of the pooled-cache bound: one LRU cache of the whole fleet's GPU tokens (GPU and --cpu-tokens together when there is a CPU tier)")
 	progress := fs.Bool("progress", true, "progress bar on stderr (only when it is a terminal)")
 	var rf replicaFlags
 	rf.register(fs)
@@ -402,16 +402,17 @@ func runDES(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	var boundHits []int64
 	poolBound := 0.0
 	if *bound {
-		pb, hits, err := b.pooledBound(wf.fleetToks)
+		capTokens := boundTokens(gpuTokens, scfg, ff.instances)
+		pb, hits, err := b.pooledBound(capTokens, ff.salt)
 		if err != nil {
 			return err
 		}
 		boundHits, poolBound = hits, pb.TokenRatio()
 		if b.recs != nil {
 			inf := workload.InfiniteBound(b.recs)
-			fmt.Fprintf(stdout, "bounds: pooled LRU of %d tokens %.3f (tokens), infinite %.3f\n", wf.fleetToks, poolBound, inf.TokenRatio())
+			fmt.Fprintf(stdout, "bounds: pooled LRU of %d tokens %.3f (tokens), infinite %.3f\n", capTokens, poolBound, inf.TokenRatio())
 		} else {
-			fmt.Fprintf(stdout, "bounds: pooled LRU of %d tokens %.3f (tokens, %d-token blocks)\n", wf.fleetToks, poolBound, sim.DefaultBlockSize)
+			fmt.Fprintf(stdout, "bounds: pooled LRU of %d tokens %.3f (tokens, %d-token blocks)\n", capTokens, poolBound, sim.DefaultBlockSize)
 		}
 	}
 	fmt.Fprintf(stdout, "workload %s: %d requests, %d prompt tokens, %.0f s; fleet %d × %d GPU tokens%s\n",
@@ -524,14 +525,27 @@ func aloneFloor(scfg sim.Config) func(prompt, cached int) time.Duration {
 	}
 }
 
-// pooledBound is the pooled-cache bound of fleetToks tokens over b's
+// pooledBound is the pooled-cache bound of capTokens tokens over b's
 // requests, with each request's hit tokens in it: a trace's from its
-// records' block ids, a generated workload's from its token blocks.
-func (b *built) pooledBound(fleetToks int64) (workload.Bound, []int64, error) {
+// records' block ids, a generated workload's from its token blocks (with
+// each request's adapter, and its tenant as cache salt when salt is set,
+// as the engines hash them).
+func (b *built) pooledBound(capTokens int64, salt bool) (workload.Bound, []int64, error) {
 	if b.recs != nil {
-		return workload.PooledBoundPerRequest(b.recs, fleetToks)
+		return workload.PooledBoundPerRequest(b.recs, capTokens)
 	}
-	return workload.RequestsBoundPerRequest(b.w.Requests, sim.DefaultBlockSize, fleetToks)
+	return workload.RequestsBoundPerRequest(b.w.Requests, sim.DefaultBlockSize, capTokens, salt)
+}
+
+// boundTokens is the pooled bound's capacity for a fleet of instances
+// engines of scfg with gpuTokens GPU tokens each: their GPU and CPU-tier
+// tokens together. The engines count a prefix promoted from the CPU tier
+// as a hit, so a bound of the GPU tokens alone is no bound with
+// --cpu-tokens (a strategy reached 1.66 of it). The bound is one LRU of
+// both tiers' capacity: a pooled two-tier cache, CPU tier included, holds
+// at most that many distinct blocks.
+func boundTokens(gpuTokens int64, scfg sim.Config, instances int) int64 {
+	return (gpuTokens + int64(scfg.CPUBlocks)*sim.DefaultBlockSize) * int64(instances)
 }
 
 // record notes in s how the workload was played.

@@ -353,7 +353,7 @@ func runLive(ctx context.Context, args []string, stdout, stderr io.Writer) error
 			capacity = ft
 		}
 	})
-	b, boundHits, err := workload.RequestsBoundPerRequest(w.Requests, *blockSize, capacity)
+	b, boundHits, err := workload.RequestsBoundPerRequest(w.Requests, *blockSize, capacity, false)
 	if err != nil {
 		return err
 	}

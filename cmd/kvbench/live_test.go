@@ -27,7 +27,7 @@ func TestLiveAgreesWithDES(t *testing.T) {
 	defer fl.Close()
 	var out, errb bytes.Buffer
 	c := newLiveClient(liveConfig{RouterURL: fl.routerURL, TimeScale: 4, Reset: true})
-	bound, boundHits, err := workload.RequestsBoundPerRequest(w.Requests, sim.DefaultBlockSize, 3*1_350_000)
+	bound, boundHits, err := workload.RequestsBoundPerRequest(w.Requests, sim.DefaultBlockSize, 3*1_350_000, false)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -135,7 +135,7 @@ func runSweep(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 				if err != nil {
 					return fmt.Errorf("%s: %w", wname, err)
 				}
-				_, hits, err := b.pooledBound(wf.fleetToks)
+				_, hits, err := b.pooledBound(boundTokens(gpuTokens, scfg, n), ff.salt)
 				if err != nil {
 					return err
 				}
