@@ -23,31 +23,58 @@ import (
 // original's burst size and spreads the copies' bursts evenly.
 
 // ReplicateTrace returns n disjoint copies of recs, merged by time: copy k
-// offsets every hash id by k × (the largest id + 1) and shifts timestamps
-// by k × gap / n ms (gap: the median positive gap between consecutive
-// timestamps). n = 1 returns recs itself. The result is sorted by timestamp
-// (stable: a copy's records keep their order).
+// offsets every hash id by k × the ids' span (largest − min(smallest, 0) +
+// 1: for ids >= 0, the largest id + 1) and shifts timestamps by k × gap / n
+// ms (gap: the median positive gap between consecutive timestamps). Copies
+// whose ids would overflow int64 are refused. n = 1 returns recs itself.
+// The result is sorted by timestamp (stable: a copy's records keep their
+// order).
 func ReplicateTrace(recs []TraceRecord, n int) ([]TraceRecord, error) {
+	out, _, err := ReplicateTraceSources(recs, n)
+	return out, err
+}
+
+// ReplicateTraceSources is ReplicateTrace with, for each record returned,
+// the index in recs of the record it copies.
+func ReplicateTraceSources(recs []TraceRecord, n int) ([]TraceRecord, []int, error) {
 	if n < 1 {
-		return nil, fmt.Errorf("%w: replicate %d: want >= 1", ErrInvalid, n)
+		return nil, nil, fmt.Errorf("%w: replicate %d: want >= 1", ErrInvalid, n)
 	}
 	if n == 1 || len(recs) == 0 {
-		return recs, nil
+		src := make([]int, len(recs))
+		for i := range src {
+			src[i] = i
+		}
+		return recs, src, nil
 	}
-	var maxID int64
+	var minID, maxID int64
 	ts := make([]float64, len(recs))
 	for i, r := range recs {
 		for _, h := range r.HashIDs {
-			maxID = max(maxID, h)
+			minID, maxID = min(minID, h), max(maxID, h)
 		}
 		ts[i] = float64(r.Timestamp)
 	}
+	// Copy k's ids lie in [minID + k·span, maxID + k·span]: disjoint ranges.
+	span, ok := maxID-minID, maxID-minID >= maxID // minID <= 0
+	if ok {
+		span, ok = addInt64(span, 1)
+	}
+	if ok {
+		last, okm := mulInt64(span, int64(n-1))
+		_, oka := addInt64(maxID, last)
+		ok = okm && oka
+	}
+	if !ok {
+		return nil, nil, fmt.Errorf("%w: replicate %d: hash ids span [%d, %d]: %d disjoint copies overflow int64", ErrInvalid, n, minID, maxID, n)
+	}
 	gap := typicalGap(ts)
 	out := make([]TraceRecord, 0, len(recs)*n)
+	src := make([]int, 0, len(recs)*n)
 	for k := range n {
-		off := int64(k) * (maxID + 1)
+		off := int64(k) * span
 		shift := int64(float64(k) * gap / float64(n))
-		for _, r := range recs {
+		for i, r := range recs {
 			c := r
 			c.Timestamp += shift
 			c.HashIDs = make([]int64, len(r.HashIDs))
@@ -55,10 +82,34 @@ func ReplicateTrace(recs []TraceRecord, n int) ([]TraceRecord, error) {
 				c.HashIDs[j] = h + off
 			}
 			out = append(out, c)
+			src = append(src, i)
 		}
 	}
-	sort.SliceStable(out, func(i, j int) bool { return out[i].Timestamp < out[j].Timestamp })
-	return out, nil
+	order := make([]int, len(out))
+	for i := range order {
+		order[i] = i
+	}
+	sort.SliceStable(order, func(i, j int) bool { return out[order[i]].Timestamp < out[order[j]].Timestamp })
+	sorted, from := make([]TraceRecord, len(out)), make([]int, len(out))
+	for i, k := range order {
+		sorted[i], from[i] = out[k], src[k]
+	}
+	return sorted, from, nil
+}
+
+// addInt64 is a + b, and whether it fits.
+func addInt64(a, b int64) (int64, bool) {
+	s := a + b
+	return s, (b >= 0) == (s >= a)
+}
+
+// mulInt64 is a × b for a, b >= 0, and whether it fits.
+func mulInt64(a, b int64) (int64, bool) {
+	if a == 0 || b == 0 {
+		return 0, true
+	}
+	p := a * b
+	return p, p/b == a && p >= 0
 }
 
 // typicalGap is the median positive gap between consecutive sorted times

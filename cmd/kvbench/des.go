@@ -1,12 +1,14 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"flag"
 	"fmt"
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -72,10 +74,10 @@ func (f *workloadFlags) register(fs *flag.FlagSet) {
 	fs.Float64Var(&f.rate, "rate", 0, "arrival rate, requests/s (0 = the workload's default)")
 	fs.IntVar(&f.conc, "concurrency", 0, "closed loop: keep N requests in flight instead of Poisson arrivals (generated workloads)")
 	fs.IntVar(&f.limit, "limit", 0, "keep only the first N requests (0 = all)")
-	fs.BoolVar(&f.scale, "scale", false, "add a scale-out (+2 instances at 1/3) and a scale-in (-2 at 2/3)")
+	fs.BoolVar(&f.scale, "scale", false, "add a scale-out (+2 instances at 1/3) and a scale-in (-2 at 2/3); 2 per copy with --replicate")
 	fs.StringVar(&f.trace, "trace", workload.DefaultTracePath, "trace for --workload mooncake, and the trace synth-* workloads are calibrated to (default: the bundled Mooncake conversation trace)")
 	fs.Float64Var(&f.speed, "speed", 1, "trace replay speed factor (2 = twice as fast)")
-	fs.BoolVar(&f.spread, "spread", false, "trace workloads: spread the requests that share an arrival time evenly over the gap to the next arrival time (the Mooncake trace's timestamps are 3 s epochs of ~10 requests each)")
+	fs.BoolVar(&f.spread, "spread", false, "trace workloads: spread the requests that share an arrival time evenly over the gap to the next arrival time (the Mooncake trace's timestamps are 3 s epochs of ~10 requests each; with --replicate, within each copy)")
 	fs.StringVar(&f.shapesFile, "synth-shapes", "", synthShapesUsage)
 	fs.IntVar(&f.replicate, "replicate", 1, "play N disjoint copies of the workload at once (offset hash ids or seeds, shifted starts): the same per-instance load on an N-times larger fleet")
 	f.fs = fs
@@ -161,6 +163,10 @@ func (f *workloadFlags) buildAll() (built, error) {
 		if err != nil {
 			return built{}, err
 		}
+		// Requests play in arrival order and the bound is taken request
+		// by request in that order, so the records are put in it first,
+		// before --limit keeps the first N.
+		recs = inTimeOrder(recs)
 		if shape, ok := strings.CutPrefix(f.name, synthPrefix); ok {
 			shapes, err := f.synthShapes()
 			if err != nil {
@@ -170,28 +176,26 @@ func (f *workloadFlags) buildAll() (built, error) {
 			if recs, err = workload.Synthesise(recs, shape, shapes, max(f.limit, 0), uint64(f.seed)); err != nil {
 				return built{}, err
 			}
+			recs = inTimeOrder(recs)
 		}
 		if f.limit > 0 && f.limit < len(recs) {
 			recs = recs[:f.limit]
-		}
-		if recs, err = workload.ReplicateTrace(recs, f.replicate); err != nil {
-			return built{}, err
 		}
 		name := f.name
 		if name == "mooncake" && f.trace != workload.DefaultTracePath {
 			name = "trace:" + filepath.Base(f.trace) // not the bundled Mooncake trace
 		}
-		w, err := workload.TraceReplay{Name: name, Speed: f.speed}.Workload(recs)
+		w, recs, err := f.replay(name, recs)
 		if err != nil {
 			return built{}, err
 		}
 		if f.scale {
-			if w, err = (workload.Scale{}).Apply(w); err != nil {
+			// Each copy brings its own scale events, as a generated
+			// workload's do (workload.Replicate).
+			by := 2 * f.replicate
+			if w, err = (workload.Scale{OutBy: by, InBy: by}).Apply(w); err != nil {
 				return built{}, err
 			}
-		}
-		if f.spread {
-			spreadBatches(w.Requests)
 		}
 		return built{w: w, recs: recs, trace: f.trace, speed: f.speed, spread: f.spread, replicate: f.replicate}, nil
 	}
@@ -216,6 +220,69 @@ func (f *workloadFlags) buildAll() (built, error) {
 		}
 	}
 	return built{w: w, replicate: f.replicate}, nil
+}
+
+// inTimeOrder is recs stably sorted by timestamp: recs itself when it is,
+// else a sorted clone (the sweep's trace cache is shared, never modified).
+func inTimeOrder(recs []workload.TraceRecord) []workload.TraceRecord {
+	byTime := func(a, b workload.TraceRecord) int { return cmp.Compare(a.Timestamp, b.Timestamp) }
+	if slices.IsSortedFunc(recs, byTime) {
+		return recs
+	}
+	recs = slices.Clone(recs)
+	slices.SortStableFunc(recs, byTime)
+	return recs
+}
+
+// replay plays recs (one copy, in time order) as --replicate copies at
+// --speed, and returns the workload with the records in its request order.
+// --spread spreads one copy's epochs over the gaps to its own next epoch
+// before the copies are merged: spreading after would spread each epoch
+// over the gap to the next copy's, compressing every burst N-fold.
+func (f *workloadFlags) replay(name string, recs []workload.TraceRecord) (*workload.Workload, []workload.TraceRecord, error) {
+	tr := workload.TraceReplay{Name: name, Speed: f.speed}
+	var spread []time.Duration // by record of one copy: --spread's delay
+	if f.spread {
+		one, err := tr.Workload(recs)
+		if err != nil {
+			return nil, nil, err
+		}
+		spread = make([]time.Duration, len(recs))
+		for i := range one.Requests {
+			spread[i] = -one.Requests[i].At
+		}
+		spreadBatches(one.Requests)
+		for i := range one.Requests {
+			spread[i] += one.Requests[i].At
+		}
+	}
+	all, src, err := workload.ReplicateTraceSources(recs, f.replicate)
+	if err != nil {
+		return nil, nil, err
+	}
+	w, err := tr.Workload(all)
+	if err != nil {
+		return nil, nil, err
+	}
+	if spread == nil {
+		return w, all, nil
+	}
+	// all is in time order, so request j plays all[j]; delay each, then
+	// put requests and records back in arrival order together.
+	order := make([]int, len(all))
+	for j := range w.Requests {
+		w.Requests[j].At += spread[src[j]]
+		order[j] = j
+	}
+	slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(w.Requests[a].At, w.Requests[b].At) })
+	reqs := make([]workload.Request, len(order))
+	sorted := make([]workload.TraceRecord, len(order))
+	for j, k := range order {
+		reqs[j], sorted[j] = w.Requests[k], all[k]
+		reqs[j].ID = j
+	}
+	w.Requests = reqs
+	return w, sorted, nil
 }
 
 // openTrace reads --trace, through the cache when there is one.
