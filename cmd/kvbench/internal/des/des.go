@@ -312,6 +312,9 @@ type instance struct {
 	live   bool
 	// born and left bound the instance's life in the run (left = 0 while live).
 	born, left time.Duration
+	// lastUpdate is the time of the engine's latest update: a removed
+	// instance drains what it held, so its life ends at max(left, this).
+	lastUpdate time.Duration
 	// gen versions the instance's scheduled wake-up: heap entries of older
 	// generations are stale.
 	gen uint64
@@ -436,7 +439,9 @@ func (r *run) utilisation() {
 		}
 		end := r.res.End
 		if !in.live {
-			end = in.left
+			// Removed: its life runs until it drained, whose steps are in
+			// its busy time.
+			end = max(in.left, in.lastUpdate)
 		}
 		busy, pre := br.BusyTime()
 		r.res.Utilisation = append(r.res.Utilisation, Utilisation{Instance: in.name, Life: max(end-in.born, 0), Busy: busy, PrefillBusy: pre})
@@ -663,6 +668,7 @@ func (r *run) admitWaiting(ctx context.Context) {
 func (r *run) advance(in *instance) {
 	r.ups = in.engine.Advance(r.now, r.ups[:0])
 	for _, u := range r.ups {
+		in.lastUpdate = max(in.lastUpdate, u.At)
 		if u.ID&prefillTag != 0 {
 			r.prefillUpdate(in, u)
 			continue
