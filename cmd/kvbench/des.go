@@ -385,11 +385,26 @@ func (f *fleetFlags) register(fs *flag.FlagSet, instances int) {
 	fs.IntVar(&f.instances, "instances", instances, "instances at the start")
 	fs.StringVar(&f.gpuTokens, "gpu-tokens", "1.35M", "GPU KV capacity per instance in tokens (docs/reference/workload-facts.md §3: Llama 3.1 70B BF16 on 8×H100)")
 	fs.StringVar(&f.cpuTokens, "cpu-tokens", "0", "CPU offload tier per instance in tokens (0 = none)")
-	fs.DurationVar(&f.delay, "event-delay", 5*time.Millisecond, "engine-to-index KV event delay")
+	fs.DurationVar(&f.delay, "event-delay", 5*time.Millisecond, "engine-to-index KV event delay (0 = none: each batch reaches the index when its engine emits it)")
 	fs.IntVar(&f.threshold, "concurrency-threshold", 0, "router concurrency_threshold (0 = router default, 64)")
 	fs.IntVar(&f.prefixLen, "prefix-length", 0, "router prefix_length in characters (0 = router default, 8192)")
 	fs.Float64Var(&f.kvWeight, "kv-prefill-cost-weight", 0, "kv_aware routing.kv.prefill_cost_weight (0 = the router's default)")
 	fs.BoolVar(&f.salt, "salt-by-tenant", false, "send the tenant key as cache_salt")
+}
+
+// configure sets the fleet flags' event delay, prefix length and salting
+// in a des configuration.
+func (f *fleetFlags) configure(dc *des.Config) {
+	dc.EventDelay, dc.PrefixLength, dc.SaltByTenant = f.eventDelay(), f.prefixLen, f.salt
+}
+
+// eventDelay is --event-delay as des.Config spells it: des reads 0 as its
+// 5 ms default and a negative delay as none, so --event-delay 0 is -1.
+func (f *fleetFlags) eventDelay() time.Duration {
+	if f.delay == 0 {
+		return -1
+	}
+	return f.delay
 }
 
 // routing is the router configuration the fleet flags ask for.
@@ -526,7 +541,8 @@ func runStrategy(ctx context.Context, name string, ff *fleetFlags, scfg sim.Conf
 		return report.Summary{}, err
 	}
 	dc := rt.desConfig(ff.instances, scfg)
-	dc.EventDelay, dc.PrefixLength, dc.SaltByTenant, dc.Progress = ff.delay, ff.prefixLen, ff.salt, bar.Update
+	ff.configure(&dc)
+	dc.Progress = bar.Update
 	var trace *decisionTrace
 	if ff.decisions != nil && rt.kv != nil {
 		trace = newDecisionTrace(rt)

@@ -121,7 +121,7 @@ func runDisaggSetup(ctx context.Context, su disaggSetup, ff *fleetFlags, scfg si
 		return disaggRow{}, err
 	}
 	dc := rt.desConfig(ff.instances, scfg)
-	dc.EventDelay, dc.PrefixLength, dc.SaltByTenant = ff.delay, ff.prefixLen, ff.salt
+	ff.configure(&dc)
 	if su.prefill > 0 {
 		dc.Disagg = &des.Disagg{Prefill: su.prefill, Conditional: su.conditional, MinPrefillTokens: minPrefill, Handoff: handoff,
 			Uncached: rt.uncached}

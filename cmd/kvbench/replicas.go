@@ -202,8 +202,8 @@ func runReplicated(ctx context.Context, name string, run replicaRun, rf *replica
 			r.engineMade(inst, e)
 		}
 	}
-	dc := des.Config{Instances: ff.instances, NewEngine: simFactory(scfg, made), Router: set, Clock: set.clock,
-		EventDelay: ff.delay, PrefixLength: ff.prefixLen, SaltByTenant: ff.salt, Progress: bar.Update}
+	dc := des.Config{Instances: ff.instances, NewEngine: simFactory(scfg, made), Router: set, Clock: set.clock, Progress: bar.Update}
+	ff.configure(&dc)
 	if set.index != nil {
 		dc.Index = set.index
 	}
