@@ -8,6 +8,7 @@ import (
 	"io"
 	"math"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -82,7 +83,7 @@ func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, erro
 	data["bos_token"] = jinja.NewString(j.cfg.BOSToken)
 	data["eos_token"] = jinja.NewString(j.cfg.EOSToken)
 	if len(opts.Tools) > 0 && string(opts.Tools) != "null" {
-		tools, err := jsonValue(opts.Tools)
+		tools, err := toolsValue(opts.Tools)
 		if err != nil {
 			return "", fmt.Errorf("%w: tools: %w", ErrBadMessage, err)
 		}
@@ -200,6 +201,63 @@ func toolArguments(raw json.RawMessage) (jinja.Value, error) {
 		}
 	}
 	return v, nil
+}
+
+// toolsValue decodes a request's tools as vLLM hands them to the template:
+// [tool.model_dump() for tool in request.tools] (serving_chat.py), where a tool is
+// ChatCompletionToolsParam{type="function", function: FunctionDefinition{name,
+// description=None, parameters=None}} (vllm/entrypoints/openai protocol). model_dump
+// writes the declared fields first, in declared order, absent ones as null, then the
+// extra keys the request carried (OpenAIBaseModel allows extras) in their order; the
+// parameters schema is a dict[str, Any] and keeps the client's order. A tool of another
+// shape is passed as sent (vLLM rejects such a request).
+func toolsValue(raw []byte) (jinja.Value, error) {
+	v, err := jsonValue(raw)
+	if err != nil || !v.IsList() {
+		return v, err
+	}
+	l := v.AsList()
+	out := make([]jinja.Value, l.Len())
+	for i := range l.Len() {
+		out[i] = l.Get(i)
+		tool := out[i]
+		if !tool.IsDict() {
+			continue
+		}
+		fn, ok := tool.AsDict().Get("function")
+		if !ok || !fn.IsDict() {
+			continue
+		}
+		fd := dumpModel(fn.AsDict(), []string{"name", "description", "parameters"})
+		td := dumpModel(tool.AsDict(), []string{"type", "function"})
+		if t, _ := td.AsDict().Get("type"); t.IsNone() {
+			td.AsDict().Set("type", jinja.NewString("function"))
+		}
+		td.AsDict().Set("function", fd)
+		out[i] = td
+	}
+	return jinja.NewList(out), nil
+}
+
+// dumpModel rebuilds d as pydantic's model_dump writes a model with the declared fields
+// (absent ones as None), then d's other keys in their order.
+func dumpModel(d *jinja.Dict, declared []string) jinja.Value {
+	out := jinja.NewDict()
+	od := out.AsDict()
+	for _, k := range declared {
+		v, ok := d.Get(k)
+		if !ok {
+			v = jinja.None()
+		}
+		od.Set(k, v)
+	}
+	for _, k := range d.Keys {
+		if !slices.Contains(declared, k) {
+			v, _ := d.Get(k)
+			od.Set(k, v)
+		}
+	}
+	return out
 }
 
 // jsonValue decodes JSON into a template value, keeping object key order (Go maps would

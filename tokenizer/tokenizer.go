@@ -62,8 +62,10 @@ type RenderOptions struct {
 	// default in vLLM; callers pass the request's add_generation_prompt).
 	AddGenerationPrompt bool
 	// Tools is the request's raw "tools" JSON array, passed to the template as `tools`
-	// with key order kept (tojson output, hence tokens, depends on it); nil or an empty
-	// array means the template sees no tools.
+	// the way vLLM passes them (each tool as ChatCompletionToolsParam.model_dump(): type,
+	// function{name, description, parameters}, absent ones null, extra keys after), with
+	// the order of other keys kept (tojson output, hence tokens, depends on it); nil or an
+	// empty array means the template sees no tools.
 	Tools json.RawMessage
 	// Vars are extra template variables (vLLM's chat_template_kwargs, e.g. enable_thinking).
 	// They cannot override messages, tools, add_generation_prompt, bos_token or eos_token.

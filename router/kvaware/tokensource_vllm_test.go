@@ -1,0 +1,89 @@
+package kvaware
+
+import (
+	"context"
+	"path/filepath"
+	"slices"
+	"sync"
+	"testing"
+
+	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/router"
+)
+
+// chatSources caches one files token source per test model: loading a
+// tokenizer.json is the slow part of these tests.
+var chatSources sync.Map // model -> router.TokenSource
+
+func filesSource(t *testing.T, model string) router.TokenSource {
+	t.Helper()
+	if s, ok := chatSources.Load(model); ok {
+		return s.(router.TokenSource)
+	}
+	src, err := NewTokenSource(&config.TokenizerConfig{Source: TokenSourceFiles, Path: filepath.Join("..", "..", "tokenizer", "testdata", model)}, config.PoolConfig{Model: model})
+	if err != nil {
+		t.Fatal(err)
+	}
+	chatSources.Store(model, src)
+	return src
+}
+
+// chatTokens is what the files token source of model computes for an
+// OpenAI body sent to ep, through the parsed request as the router has it.
+func chatTokens(t *testing.T, model string, ep router.Endpoint, body string) []uint32 {
+	t.Helper()
+	parsed, err := router.ParseOpenAI(ep, []byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids, err := filesSource(t, model).Tokens(context.Background(), &router.Request{Endpoint: ep, Body: []byte(body), Parsed: parsed})
+	if err != nil {
+		t.Fatalf("tokens: %v", err)
+	}
+	return ids
+}
+
+// sameTokens fails unless two bodies, which vLLM renders to one prompt,
+// give the same ids.
+func sameTokens(t *testing.T, model, what, a, b string) {
+	t.Helper()
+	x := chatTokens(t, model, router.EndpointChatCompletions, a)
+	y := chatTokens(t, model, router.EndpointChatCompletions, b)
+	if slices.Equal(x, y) {
+		return
+	}
+	i := 0
+	for i < len(x) && i < len(y) && x[i] == y[i] {
+		i++
+	}
+	t.Errorf("%s: ids differ from token %d of %d (%d vs %d tokens)", what, i, min(len(x), len(y)), len(x), len(y))
+}
+
+// TestChatToolsAsVLLMDumpsThem: vLLM renders each tool as
+// ChatCompletionToolsParam.model_dump() (serving_chat.py: tool_dicts), so
+// an absent description or parameters is null and the keys come in the
+// declared order (type, function; name, description, parameters), extra
+// keys after them; the inner parameters keep the client's order.
+func TestChatToolsAsVLLMDumpsThem(t *testing.T) {
+	const head = `{"model":"m","messages":[{"role":"user","content":"Weather in Paris?"}],"tools":[`
+	const tail = `]}`
+	params := `{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}`
+	sameTokens(t, "qwen3", "no description",
+		head+`{"type":"function","function":{"name":"get_weather","parameters":`+params+`}}`+tail,
+		head+`{"type":"function","function":{"name":"get_weather","description":null,"parameters":`+params+`}}`+tail)
+	sameTokens(t, "qwen3", "no parameters, no type",
+		head+`{"function":{"name":"get_weather","description":"Weather."}}`+tail,
+		head+`{"type":"function","function":{"name":"get_weather","description":"Weather.","parameters":null}}`+tail)
+	sameTokens(t, "qwen3", "key order",
+		head+`{"function":{"description":"Weather.","name":"get_weather","parameters":`+params+`},"type":"function"}`+tail,
+		head+`{"type":"function","function":{"name":"get_weather","description":"Weather.","parameters":`+params+`}}`+tail)
+	sameTokens(t, "qwen3", "extra keys after declared ones",
+		head+`{"function":{"strict":true,"name":"get_weather","parameters":`+params+`,"description":"Weather."},"type":"function"}`+tail,
+		head+`{"type":"function","function":{"name":"get_weather","description":"Weather.","parameters":`+params+`,"strict":true}}`+tail)
+	// The parameters schema keeps the client's key order (a dict[str, Any]).
+	a := chatTokens(t, "qwen3", router.EndpointChatCompletions, head+`{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{}}}}`+tail)
+	b := chatTokens(t, "qwen3", router.EndpointChatCompletions, head+`{"type":"function","function":{"name":"f","parameters":{"properties":{},"type":"object"}}}`+tail)
+	if slices.Equal(a, b) {
+		t.Error("parameters' key order was normalised; vLLM keeps it")
+	}
+}
