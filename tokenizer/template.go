@@ -142,7 +142,8 @@ func (j *JinjaTemplate) messageValue(m *Message) (jinja.Value, error) {
 	if m.ReasoningContent != "" {
 		d.Set("reasoning_content", jinja.NewString(m.ReasoningContent))
 	}
-	if len(m.ToolCalls) > 0 {
+	// vLLM keeps tool_calls only on assistant messages (_parse_chat_message_content).
+	if len(m.ToolCalls) > 0 && m.Role == "assistant" {
 		calls := make([]jinja.Value, len(m.ToolCalls))
 		for i, tc := range m.ToolCalls {
 			c := jinja.NewDict()
@@ -181,9 +182,11 @@ func textPart(s string) jinja.Value {
 	return p
 }
 
-// toolArguments follows vLLM, which parses a JSON-string arguments value into an object
-// before rendering (templates such as Llama 3.1's call tojson on it); anything else is
-// passed through as sent.
+// toolArguments follows vLLM's chat_utils _postprocess_messages (the version with
+// vllm/entrypoints/chat_utils/ as a package): arguments become a dict before rendering
+// (templates such as Llama 3.1's call tojson on it, Qwen3's prints a string as is). A JSON
+// string is parsed; one that is not valid JSON, or decodes to anything but an object,
+// becomes {}, and so do null, "", an absent value and any non-object value.
 func toolArguments(raw json.RawMessage) (jinja.Value, error) {
 	if len(raw) == 0 {
 		return jinja.NewDict(), nil
@@ -193,12 +196,12 @@ func toolArguments(raw json.RawMessage) (jinja.Value, error) {
 		return jinja.Value{}, err
 	}
 	if v.IsString() {
-		s := strings.TrimSpace(v.AsString())
-		if strings.HasPrefix(s, "{") {
-			if obj, err := jsonValue([]byte(s)); err == nil {
-				return obj, nil
-			}
+		if v, err = jsonValue([]byte(v.AsString())); err != nil {
+			return jinja.NewDict(), nil
 		}
+	}
+	if !v.IsDict() {
+		return jinja.NewDict(), nil
 	}
 	return v, nil
 }

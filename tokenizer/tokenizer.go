@@ -102,7 +102,8 @@ type ContentPart struct {
 }
 
 // ToolCall is one assistant tool call. Arguments is kept as sent: OpenAI sends a JSON
-// string; some clients send an object. Templates see an object when the string is JSON.
+// string; some clients send an object. Templates see an object, as vLLM gives them: the
+// string's JSON object, else {} (null, "", invalid JSON, or JSON that is not an object).
 type ToolCall struct {
 	ID       string `json:"id,omitempty"`
 	Type     string `json:"type,omitempty"`

@@ -87,3 +87,32 @@ func TestChatToolsAsVLLMDumpsThem(t *testing.T) {
 		t.Error("parameters' key order was normalised; vLLM keeps it")
 	}
 }
+
+// toolTurn is a qwen3 chat whose assistant turn calls get_weather with
+// the raw arguments value args, followed by the tool's result.
+func toolTurn(args string) string {
+	return `{"model":"m","messages":[{"role":"user","content":"Weather in Paris?"},` +
+		`{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"get_weather","arguments":` + args + `}}]},` +
+		`{"role":"tool","tool_call_id":"c1","content":"sunny"}]}`
+}
+
+// TestChatToolArgumentsAsVLLM: vLLM's chat_utils _postprocess_messages
+// (assistant messages only) turns tool-call arguments into a dict before
+// rendering: a JSON string is json.loads'ed, one that is not valid JSON
+// or not an object becomes {}, and null, "" or absent become {} too.
+func TestChatToolArgumentsAsVLLM(t *testing.T) {
+	want := toolTurn(`"{}"`)
+	for _, args := range []string{`""`, `null`, `"not json"`, `"[1,2]"`, `"42"`, `{}`, `[]`, `7`} {
+		sameTokens(t, "qwen3", "arguments "+args, toolTurn(args), want)
+	}
+	sameTokens(t, "qwen3", "object as string or as object", toolTurn(`"{\"city\": \"Paris\"}"`), toolTurn(`{"city":"Paris"}`))
+	a := chatTokens(t, "qwen3", router.EndpointChatCompletions, toolTurn(`"{\"city\": \"Paris\"}"`))
+	b := chatTokens(t, "qwen3", router.EndpointChatCompletions, want)
+	if slices.Equal(a, b) {
+		t.Error("real arguments rendered as {}")
+	}
+	// vLLM keeps tool_calls only on assistant messages.
+	sameTokens(t, "qwen3", "tool_calls on a user message",
+		`{"model":"m","messages":[{"role":"user","content":"hi","tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]}]}`,
+		`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
+}
