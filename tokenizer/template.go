@@ -139,8 +139,9 @@ func (j *JinjaTemplate) messageValue(m *Message) (jinja.Value, error) {
 	if m.Name != "" {
 		d.Set("name", jinja.NewString(m.Name))
 	}
-	if m.ReasoningContent != "" {
-		d.Set("reasoning_content", jinja.NewString(m.ReasoningContent))
+	if r := m.reasoning(); r != "" {
+		d.Set("reasoning", jinja.NewString(r))
+		d.Set("reasoning_content", jinja.NewString(r))
 	}
 	// vLLM keeps tool_calls only on assistant messages (_parse_chat_message_content).
 	if len(m.ToolCalls) > 0 && m.Role == "assistant" {
@@ -173,6 +174,18 @@ func (j *JinjaTemplate) messageValue(m *Message) (jinja.Value, error) {
 		d.Set("tool_call_id", jinja.NewString(m.ToolCallID))
 	}
 	return v, nil
+}
+
+// reasoning is the thinking text vLLM gives the template for m: an assistant message's
+// reasoning, else its reasoning_content; nothing for other roles.
+func (m *Message) reasoning() string {
+	if m.Role != "assistant" {
+		return ""
+	}
+	if m.Reasoning != "" {
+		return m.Reasoning
+	}
+	return m.ReasoningContent
 }
 
 func textPart(s string) jinja.Value {

@@ -89,7 +89,13 @@ type Message struct {
 	Name       string     `json:"name,omitempty"`
 	ToolCalls  []ToolCall `json:"tool_calls,omitempty"`
 	ToolCallID string     `json:"tool_call_id,omitempty"`
-	// ReasoningContent is the assistant's thinking text (Qwen3 templates read it).
+	// Reasoning is the assistant's thinking text as current vLLM reads it
+	// (_parse_chat_message_content: message.get("reasoning")), which gives the template
+	// both reasoning and reasoning_content from it. ReasoningContent is the older field
+	// (Qwen3 templates read reasoning_content): used when Reasoning is empty, as the vLLM
+	// releases that read `reasoning or reasoning_content` do. Both count on assistant
+	// messages only, and both are sent to the engine's /tokenize as given.
+	Reasoning        string `json:"reasoning,omitempty"`
 	ReasoningContent string `json:"reasoning_content,omitempty"`
 }
 

@@ -33,3 +33,26 @@ func TestToolCallsOnlyOnAssistant(t *testing.T) {
 		t.Errorf("got %q, want %q", got, want)
 	}
 }
+
+// TestReasoningField: an assistant message's reasoning reaches the template
+// as reasoning and reasoning_content (vLLM's _parse_chat_message_content),
+// only on assistant messages, and the engine's /tokenize gets it too.
+func TestReasoningField(t *testing.T) {
+	got := renderJSON(t, `{% for m in messages %}{{ m.role }}:{{ m.reasoning }}/{{ m.reasoning_content }};{% endfor %}`,
+		`[{"role":"user","content":"a","reasoning":"no"},{"role":"assistant","content":"b","reasoning":"r"},{"role":"assistant","content":"c","reasoning_content":"rc"}]`, RenderOptions{})
+	if want := "user:/;assistant:r/r;assistant:rc/rc;"; got != want {
+		t.Errorf("got %q, want %q", got, want)
+	}
+	var m Message
+	if err := json.Unmarshal([]byte(`{"role":"assistant","content":"b","reasoning":"r"}`), &m); err != nil {
+		t.Fatal(err)
+	}
+	out, err := json.Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var back map[string]any
+	if err := json.Unmarshal(out, &back); err != nil || back["reasoning"] != "r" {
+		t.Errorf("marshalled for /tokenize as %s: reasoning lost", out)
+	}
+}

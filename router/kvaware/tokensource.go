@@ -166,6 +166,7 @@ type fastChatBody struct {
 		Content          *string         `json:"content"`
 		Name             string          `json:"name"`
 		ToolCallID       string          `json:"tool_call_id"`
+		Reasoning        string          `json:"reasoning"`
 		ReasoningContent string          `json:"reasoning_content"`
 		ToolCalls        json.RawMessage `json:"tool_calls"`
 	} `json:"messages"`
@@ -209,12 +210,13 @@ func parsedChatBody(r *openai.Request) (b chatBody, ok bool, err error) {
 		} else {
 			tm.ContentNull = true
 		}
-		var okN, okID, okR bool
+		var okN, okID, okR, okRC bool
 		tm.Name, okN = openai.RawString(m.Name)
 		tm.ToolCallID, okID = openai.RawString(m.ToolCallID)
-		tm.ReasoningContent, okR = openai.RawString(m.ReasoningContent)
-		if !okN || !okID || !okR {
-			return b, false, fmt.Errorf("%w: chat body: messages[%d]: name, tool_call_id and reasoning_content must be strings", router.ErrTokenSource, i)
+		tm.Reasoning, okR = openai.RawString(m.Reasoning)
+		tm.ReasoningContent, okRC = openai.RawString(m.ReasoningContent)
+		if !okN || !okID || !okR || !okRC {
+			return b, false, fmt.Errorf("%w: chat body: messages[%d]: name, tool_call_id, reasoning and reasoning_content must be strings", router.ErrTokenSource, i)
 		}
 	}
 	return b, true, nil
@@ -243,7 +245,7 @@ func parseChatBody(body []byte) (chatBody, error) {
 				fast = false
 				break
 			}
-			b.Messages[i] = tokenizer.Message{Role: m.Role, Name: m.Name, ToolCallID: m.ToolCallID, ReasoningContent: m.ReasoningContent, ContentNull: m.Content == nil}
+			b.Messages[i] = tokenizer.Message{Role: m.Role, Name: m.Name, ToolCallID: m.ToolCallID, Reasoning: m.Reasoning, ReasoningContent: m.ReasoningContent, ContentNull: m.Content == nil}
 			if m.Content != nil {
 				b.Messages[i].Content = *m.Content
 			}

@@ -116,3 +116,25 @@ func TestChatToolArgumentsAsVLLM(t *testing.T) {
 		`{"model":"m","messages":[{"role":"user","content":"hi","tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]}]}`,
 		`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
 }
+
+// TestChatReasoningField: vLLM's _parse_chat_message_content reads an
+// assistant message's "reasoning" and gives the template both reasoning
+// and reasoning_content from it; reasoning_content alone is honoured as
+// the vLLM releases that read `reasoning or reasoning_content` do.
+func TestChatReasoningField(t *testing.T) {
+	withTool := func(key string) string {
+		return `{"model":"m","messages":[{"role":"user","content":"Weather in Paris?"},` +
+			`{"role":"assistant","content":"","` + key + `":"The user wants the weather.","tool_calls":[{"id":"c1","type":"function","function":{"name":"get_weather","arguments":"{\"city\": \"Paris\"}"}}]},` +
+			`{"role":"tool","tool_call_id":"c1","content":"sunny"}]}`
+	}
+	sameTokens(t, "qwen3", "with tool calls", withTool("reasoning"), withTool("reasoning_content"))
+	last := func(key string) string {
+		return `{"model":"m","add_generation_prompt":false,"messages":[{"role":"user","content":"Hi"},` +
+			`{"role":"assistant","content":"Hello.","` + key + `":"Greet back."}]}`
+	}
+	sameTokens(t, "qwen3", "string contents only", last("reasoning"), last("reasoning_content"))
+	// reasoning wins over reasoning_content.
+	sameTokens(t, "qwen3", "both keys",
+		`{"model":"m","add_generation_prompt":false,"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello.","reasoning_content":"other","reasoning":"Greet back."}]}`,
+		last("reasoning"))
+}

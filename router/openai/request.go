@@ -57,6 +57,7 @@ type ChatMessage struct {
 	Content          MessageContent  `json:"content"`
 	Name             json.RawMessage `json:"name"`
 	ToolCallID       json.RawMessage `json:"tool_call_id"`
+	Reasoning        json.RawMessage `json:"reasoning"`
 	ReasoningContent json.RawMessage `json:"reasoning_content"`
 	ToolCalls        json.RawMessage `json:"tool_calls"`
 }
