@@ -142,22 +142,26 @@ func (m *Message) UnmarshalJSON(b []byte) error {
 			return fmt.Errorf("%w: content: %w", ErrBadMessage, err)
 		}
 	case c[0] == '[':
-		var raws []map[string]any
+		var raws []json.RawMessage
 		if err := json.Unmarshal(c, &raws); err != nil {
 			return fmt.Errorf("%w: content parts: %w", ErrBadMessage, err)
 		}
 		m.Parts = make([]ContentPart, 0, len(raws))
 		var text bytes.Buffer
-		nText := 0
-		for _, r := range raws {
-			p := ContentPart{Raw: r}
-			p.Type, _ = r["type"].(string)
-			p.Text, _ = r["text"].(string)
-			if p.Type == "text" {
-				if nText > 0 {
+		for _, raw := range raws {
+			p, keep, err := parsePart(raw)
+			if err != nil {
+				return err
+			}
+			if !keep {
+				continue
+			}
+			// vLLM joins the non-empty texts (_parse_chat_message_content_parts keeps
+			// only truthy results) with "\n".
+			if p.Type == "text" && p.Text != "" {
+				if text.Len() > 0 {
 					text.WriteByte('\n')
 				}
-				nText++
 				text.WriteString(p.Text)
 			}
 			m.Parts = append(m.Parts, p)
@@ -167,6 +171,59 @@ func (m *Message) UnmarshalJSON(b []byte) error {
 		return fmt.Errorf("%w: content must be a string, null or a list of parts", ErrBadMessage)
 	}
 	return nil
+}
+
+// textPartKeys are, per text-like content part type, the key vLLM reads the text from
+// (_parse_chat_message_content_part: TEXT_PART_TYPES and MM_PARSER_MAP).
+var textPartKeys = map[string]string{"text": "text", "input_text": "text", "output_text": "text",
+	"refusal": "refusal", "thinking": "thinking"}
+
+// parsePart reads one element of a content list as vLLM does: a bare string or a
+// text-like part is a text part ({"type":"text","text":...} plus the part's other keys,
+// which is what a template looping over content sees); one whose text is null is
+// skipped (keep false); anything else (images, audio) is kept as sent.
+func parsePart(raw json.RawMessage) (p ContentPart, keep bool, err error) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) > 0 && raw[0] == '"' {
+		if err := json.Unmarshal(raw, &p.Text); err != nil {
+			return p, false, fmt.Errorf("%w: content part: %w", ErrBadMessage, err)
+		}
+		p.Type = "text"
+		return p, true, nil
+	}
+	var r map[string]any
+	if err := json.Unmarshal(raw, &r); err != nil || r == nil {
+		return p, false, fmt.Errorf("%w: content part must be a string or an object", ErrBadMessage)
+	}
+	typ, _ := r["type"].(string)
+	key, textLike := textPartKeys[typ]
+	if !textLike {
+		p.Type, p.Raw = typ, r
+		p.Text, _ = r["text"].(string)
+		return p, true, nil
+	}
+	text, ok := r[key].(string)
+	if !ok {
+		return p, false, nil
+	}
+	p.Type, p.Text = "text", text
+	extra := false
+	for k := range r {
+		if k != "type" && k != "text" && k != key {
+			extra = true
+		}
+	}
+	if extra || typ != "text" {
+		// vLLM's part: type text, the text, then the extra keys.
+		p.Raw = map[string]any{}
+		for k, v := range r {
+			if k != key {
+				p.Raw[k] = v
+			}
+		}
+		p.Raw["type"], p.Raw["text"] = "text", text
+	}
+	return p, true, nil
 }
 
 // MarshalJSON writes content back in the shape it arrived in.

@@ -56,3 +56,18 @@ func TestReasoningField(t *testing.T) {
 		t.Errorf("marshalled for /tokenize as %s: reasoning lost", out)
 	}
 }
+
+// TestTextLikeParts: text-like parts and bare strings are text parts, as
+// vLLM's _parse_chat_message_content_part makes them, both for templates
+// that take content as a string and for those that loop over its parts.
+func TestTextLikeParts(t *testing.T) {
+	const msgs = `[{"role":"user","content":[{"type":"input_text","text":"a"},"b",{"type":"text","text":null},{"type":"text","text":""},` +
+		`{"type":"refusal","refusal":"c"},{"type":"image_url","image_url":{"url":"u"}},{"type":"thinking","thinking":"d"}]}]`
+	if got, want := renderJSON(t, `{{ messages[0].content }}`, msgs, RenderOptions{}), "a\nb\nc\nd"; got != want {
+		t.Errorf("string content %q, want %q", got, want)
+	}
+	got := renderJSON(t, `{% for p in messages[0].content %}{{ p.type }}={{ p.text }};{% endfor %}`, msgs, RenderOptions{})
+	if want := "text=a;text=b;text=;text=c;image_url=;text=d;"; got != want {
+		t.Errorf("parts %q, want %q", got, want)
+	}
+}

@@ -138,3 +138,33 @@ func TestChatReasoningField(t *testing.T) {
 		`{"model":"m","add_generation_prompt":false,"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello.","reasoning_content":"other","reasoning":"Greet back."}]}`,
 		last("reasoning"))
 }
+
+// userParts is a one-message chat whose user content is the JSON parts.
+func userParts(parts string) string {
+	return `{"model":"m","messages":[{"role":"user","content":` + parts + `}]}`
+}
+
+// TestChatTextLikeParts: vLLM's _parse_chat_message_content_part takes
+// text, input_text and output_text parts' "text", refusal parts'
+// "refusal", thinking parts' "thinking" and bare strings as text, skips
+// null and empty ones, and joins the rest with "\n".
+func TestChatTextLikeParts(t *testing.T) {
+	const text = `"Tell me about Paris."`
+	want := userParts(text)
+	for _, parts := range []string{
+		`[{"type":"input_text","text":` + text + `}]`,
+		`[{"type":"output_text","text":` + text + `}]`,
+		`[{"type":"refusal","refusal":` + text + `}]`,
+		`[{"type":"thinking","thinking":` + text + `}]`,
+		`[` + text + `]`,
+		`[{"type":"text","text":null},{"type":"text","text":""},{"type":"text","text":` + text + `}]`,
+	} {
+		sameTokens(t, "qwen3", parts, userParts(parts), want)
+	}
+	sameTokens(t, "qwen3", "joined", userParts(`["Tell me",{"type":"input_text","text":"about Paris."}]`), userParts(`"Tell me\nabout Paris."`))
+	a := chatTokens(t, "qwen3", router.EndpointChatCompletions, userParts(`[{"type":"input_text","text":"one prompt"}]`))
+	b := chatTokens(t, "qwen3", router.EndpointChatCompletions, userParts(`[{"type":"input_text","text":"another prompt"}]`))
+	if slices.Equal(a, b) {
+		t.Error("two different input_text prompts got the same ids")
+	}
+}
