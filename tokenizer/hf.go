@@ -3,6 +3,7 @@ package tokenizer
 import (
 	"bytes"
 	"compress/gzip"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -579,8 +580,31 @@ func buildPreTokenizer(raw json.RawMessage) ([]preStage, bool, error) {
 // Encode implements Tokenizer: added tokens first, then normalization, pre-tokenization
 // and BPE on the text between them; no BOS/EOS is added. It never returns an error.
 func (t *HF) Encode(text string) ([]uint32, error) {
+	return t.encode(text, nil)
+}
+
+// EncodeContext implements ContextEncoder: Encode or EncodeSpecial, stopped with ctx's
+// error when ctx ends first (checked every few thousand pieces and merges).
+func (t *HF) EncodeContext(ctx context.Context, text string, addSpecialTokens bool) ([]uint32, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("tokenizer: encoding stopped: %w", err)
+	}
+	if addSpecialTokens && t.postErr != nil {
+		return nil, t.postErr
+	}
+	ids, err := t.encode(text, newStopper(ctx))
+	if err != nil || !addSpecialTokens {
+		return ids, err
+	}
+	return t.withSpecials(ids), nil
+}
+
+func (t *HF) encode(text string, stop *stopper) ([]uint32, error) {
 	ids := make([]uint32, 0, len(text)/3+4)
 	t.specials.split(text, func(seg string, off int) {
+		if stop.stopped() {
+			return
+		}
 		first := off == 0
 		if t.segs != nil && len(seg) >= minSegment {
 			if cached, ok := t.segs.get(seg, first); ok {
@@ -588,35 +612,40 @@ func (t *HF) Encode(text string) ([]uint32, error) {
 				return
 			}
 			n := len(ids)
-			ids = t.encodeText(ids, seg, first)
-			t.segs.put(seg, first, ids[n:])
+			ids = t.encodeText(ids, seg, first, stop)
+			if stop.failed() == nil {
+				t.segs.put(seg, first, ids[n:])
+			}
 			return
 		}
-		ids = t.encodeText(ids, seg, first)
+		ids = t.encodeText(ids, seg, first, stop)
 	}, func(id uint32) { ids = append(ids, id) })
+	if err := stop.failed(); err != nil {
+		return nil, err
+	}
 	return ids, nil
 }
 
 // encodeText encodes the text between two raw-matched added tokens.
-func (t *HF) encodeText(ids []uint32, seg string, first bool) []uint32 {
+func (t *HF) encodeText(ids []uint32, seg string, first bool, stop *stopper) []uint32 {
 	if t.norm != nil {
 		seg = t.norm(seg)
 	}
 	t.normAdd.split(seg, func(seg2 string, off2 int) {
-		ids = t.encodeSegment(ids, seg2, first && off2 == 0)
+		ids = t.encodeSegment(ids, seg2, first && off2 == 0, stop)
 	}, func(id uint32) { ids = append(ids, id) })
 	return ids
 }
 
-func (t *HF) encodeSegment(ids []uint32, seg string, first bool) []uint32 {
+func (t *HF) encodeSegment(ids []uint32, seg string, first bool, stop *stopper) []uint32 {
 	if t.fast != nil {
-		t.fast.split(seg, func(p string) { ids = t.encodePiece(ids, p) })
+		t.fast.split(seg, func(p string) { ids = t.encodePiece(ids, p, stop) })
 		return ids
 	}
 	var run func(stages []preStage, piece string, first bool)
 	run = func(stages []preStage, piece string, first bool) {
 		if len(stages) == 0 {
-			ids = t.encodePiece(ids, piece)
+			ids = t.encodePiece(ids, piece, stop)
 			return
 		}
 		stages[0].apply(piece, first, func(p string, f bool) { run(stages[1:], p, f) })
@@ -625,19 +654,21 @@ func (t *HF) encodeSegment(ids []uint32, seg string, first bool) []uint32 {
 	return ids
 }
 
-func (t *HF) encodePiece(ids []uint32, piece string) []uint32 {
-	if piece == "" {
+func (t *HF) encodePiece(ids []uint32, piece string, stop *stopper) []uint32 {
+	if piece == "" || stop.stopped() {
 		return ids
 	}
 	if t.cache == nil {
-		return t.model.encodePiece(ids, piece)
+		return t.model.encodePiece(ids, piece, stop)
 	}
 	if cached, ok := t.cache.get(piece); ok {
 		return append(ids, cached...)
 	}
 	n := len(ids)
-	ids = t.model.encodePiece(ids, piece)
-	t.cache.put(piece, append([]uint32(nil), ids[n:]...))
+	ids = t.model.encodePiece(ids, piece, stop)
+	if stop.failed() == nil {
+		t.cache.put(piece, append([]uint32(nil), ids[n:]...))
+	}
 	return ids
 }
 
@@ -661,12 +692,16 @@ func (t *HF) EncodeSpecial(text string) ([]uint32, error) {
 	if err != nil {
 		return nil, err
 	}
+	return t.withSpecials(ids), nil
+}
+
+// withSpecials puts the post-processor's special tokens around ids.
+func (t *HF) withSpecials(ids []uint32) []uint32 {
 	if len(t.prefix) == 0 && len(t.suffix) == 0 {
-		return ids, nil
+		return ids
 	}
 	out := make([]uint32, 0, len(t.prefix)+len(ids)+len(t.suffix))
-	out = append(append(append(out, t.prefix...), ids...), t.suffix...)
-	return out, nil
+	return append(append(append(out, t.prefix...), ids...), t.suffix...)
 }
 
 // buildPostProcessor reads the single-sequence special tokens of a post-processor.

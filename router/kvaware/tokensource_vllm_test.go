@@ -2,10 +2,13 @@ package kvaware
 
 import (
 	"context"
+	"errors"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
@@ -166,5 +169,31 @@ func TestChatTextLikeParts(t *testing.T) {
 	b := chatTokens(t, "qwen3", router.EndpointChatCompletions, userParts(`[{"type":"input_text","text":"another prompt"}]`))
 	if slices.Equal(a, b) {
 		t.Error("two different input_text prompts got the same ids")
+	}
+}
+
+// TestTokensHonoursTimeout: the in-process tokenizer stops when kv_aware's
+// tokenize timeout expires (kv_aware then routes heuristically), where it
+// used to run a 2 MB prompt of newlines to the end (3.5-4.7 s).
+func TestTokensHonoursTimeout(t *testing.T) {
+	body := `{"model":"m","messages":[{"role":"user","content":"a` + strings.Repeat(`\n`, 1<<20) + `a"}]}`
+	parsed, err := router.ParseOpenAI(router.EndpointChatCompletions, []byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := filesSource(t, "llama-3.1")
+	ctx, cancel := context.WithTimeout(context.Background(), DefaultTokenizeTimeout)
+	defer cancel()
+	start := time.Now()
+	ids, err := src.Tokens(ctx, &router.Request{Endpoint: router.EndpointChatCompletions, Body: []byte(body), Parsed: parsed})
+	took := time.Since(start)
+	if err == nil {
+		t.Fatalf("%d ids after %v, want the deadline's error", len(ids), took)
+	}
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("err = %v, want one wrapping context.DeadlineExceeded", err)
+	}
+	if limit := 4 * DefaultTokenizeTimeout; took > limit {
+		t.Errorf("Tokens returned after %v, want within %v", took, limit)
 	}
 }
