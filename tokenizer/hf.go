@@ -80,6 +80,9 @@ type HF struct {
 	byteDec   map[rune]byte // ByteLevel alphabet → byte
 
 	tmpl ChatTemplate // nil when the files have no chat template
+	// toolTmpl is the template named "tool_use" of a list of named templates, which
+	// requests with tools render through (transformers' get_chat_template); nil if none.
+	toolTmpl ChatTemplate
 
 	// prefix and suffix are what add_special_tokens=true puts around a single sequence
 	// (the post-processor's template); postErr is set when the post-processor is not
@@ -273,8 +276,14 @@ func NewHF(tokenizerJSON, configJSON []byte, cfg HFConfig) (*HF, error) {
 	if src == "" {
 		src = tc.template
 	}
+	tcfg := TemplateConfig{BOSToken: tc.bos, EOSToken: tc.eos}
 	if src != "" {
-		if t.tmpl, err = NewJinjaTemplate(src, TemplateConfig{BOSToken: tc.bos, EOSToken: tc.eos}); err != nil {
+		if t.tmpl, err = NewJinjaTemplate(src, tcfg); err != nil {
+			return nil, err
+		}
+	}
+	if cfg.ChatTemplate == "" && tc.toolTemplate != "" {
+		if t.toolTmpl, err = NewJinjaTemplate(tc.toolTemplate, tcfg); err != nil {
 			return nil, err
 		}
 	}
@@ -782,12 +791,19 @@ func buildPostProcessor(raw json.RawMessage) (prefix, suffix []uint32, _ error) 
 	return nil, nil, fmt.Errorf("%w: post_processor %q", ErrUnsupported, p.Type)
 }
 
-// Render implements ChatTemplate with the model's chat template.
+// Render implements ChatTemplate with the model's chat template: with a list of named
+// templates, the one named "tool_use" when the request has tools (not null; an empty
+// list counts, as vLLM passes it on) and the files have one, else "default" — what
+// transformers' get_chat_template picks for vLLM.
 func (t *HF) Render(msgs []Message, opts RenderOptions) (string, error) {
-	if t.tmpl == nil {
+	tmpl := t.tmpl
+	if t.toolTmpl != nil && len(opts.Tools) > 0 && string(opts.Tools) != "null" {
+		tmpl = t.toolTmpl
+	}
+	if tmpl == nil {
 		return "", ErrNoChatTemplate
 	}
-	return t.tmpl.Render(msgs, opts)
+	return tmpl.Render(msgs, opts)
 }
 
 // HasChatTemplate reports whether the model files carried a chat template.
@@ -946,7 +962,9 @@ func isWhite(r rune) bool { return unicode.IsSpace(r) }
 // tokenizerConfig is what tokenizer_config.json contributes.
 type tokenizerConfig struct {
 	template string
-	bos, eos string
+	// toolTemplate is the named template "tool_use" (older files list named templates).
+	toolTemplate string
+	bos, eos     string
 }
 
 func parseTokenizerConfig(b []byte) (tokenizerConfig, error) {
@@ -965,7 +983,8 @@ func parseTokenizerConfig(b []byte) (tokenizerConfig, error) {
 	tc.bos, tc.eos = specialTokenString(raw.BOS), specialTokenString(raw.EOS)
 	if len(raw.ChatTemplate) > 0 && string(raw.ChatTemplate) != "null" {
 		if err := json.Unmarshal(raw.ChatTemplate, &tc.template); err != nil {
-			// Older files: a list of named templates; vLLM uses the one named "default".
+			// Older files: a list of named templates; vLLM (through transformers'
+			// get_chat_template) uses "tool_use" for requests with tools, else "default".
 			var named []struct {
 				Name     string `json:"name"`
 				Template string `json:"template"`
@@ -974,8 +993,11 @@ func parseTokenizerConfig(b []byte) (tokenizerConfig, error) {
 				return tc, fmt.Errorf("%w: tokenizer_config.json chat_template: %w", ErrBadModelFile, err)
 			}
 			for _, n := range named {
-				if n.Name == "default" {
+				switch n.Name {
+				case "default":
 					tc.template = n.Template
+				case "tool_use":
+					tc.toolTemplate = n.Template
 				}
 			}
 		}

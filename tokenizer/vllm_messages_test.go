@@ -2,6 +2,7 @@ package tokenizer
 
 import (
 	"encoding/json"
+	"os"
 	"testing"
 )
 
@@ -69,5 +70,36 @@ func TestTextLikeParts(t *testing.T) {
 	got := renderJSON(t, `{% for p in messages[0].content %}{{ p.type }}={{ p.text }};{% endfor %}`, msgs, RenderOptions{})
 	if want := "text=a;text=b;text=;text=c;image_url=;text=d;"; got != want {
 		t.Errorf("parts %q, want %q", got, want)
+	}
+}
+
+// TestNamedToolUseTemplate: with a list of named chat templates, vLLM
+// renders through transformers' get_chat_template, which takes "tool_use"
+// when the request has tools (tools is not None) and the file has one, and
+// "default" otherwise.
+func TestNamedToolUseTemplate(t *testing.T) {
+	tj, err := os.ReadFile("testdata/sentencepiece/llama2/tokenizer.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := `{"chat_template":[{"name":"default","template":"DEFAULT {{ messages[0].content }}"},` +
+		`{"name":"tool_use","template":"TOOLS {{ tools | tojson }} {{ messages[0].content }}"}]}`
+	tok, err := NewHF(tj, []byte(cfg), HFConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs := []Message{{Role: "user", Content: "hi"}}
+	for _, c := range []struct {
+		tools json.RawMessage
+		want  string
+	}{
+		{nil, "DEFAULT hi"},
+		{json.RawMessage(`null`), "DEFAULT hi"},
+		{json.RawMessage(`[{"type":"function","function":{"name":"f"}}]`), `TOOLS [{"type": "function", "function": {"name": "f", "description": null, "parameters": null}}] hi`},
+	} {
+		got, err := tok.Render(msgs, RenderOptions{Tools: c.tools})
+		if err != nil || got != c.want {
+			t.Errorf("tools %s: %q, %v; want %q", c.tools, got, err, c.want)
+		}
 	}
 }
