@@ -60,7 +60,7 @@ func (l local) TokenizeChat(ctx context.Context, msgs []Message, opts RenderOpti
 	if err != nil {
 		return nil, err
 	}
-	return l.encode(ctx, text, false)
+	return l.encode(ctx, text, opts.AddSpecialTokens)
 }
 
 // encode encodes text in process, within ctx when the tokenizer can stop (a
@@ -209,7 +209,7 @@ func (r *Remote) TokenizeChat(ctx context.Context, msgs []Message, opts RenderOp
 		ChatTemplateKwargs  map[string]any  `json:"chat_template_kwargs,omitempty"`
 	}
 	return r.call(ctx, lruKey{}, req{Model: r.cfg.Model, Messages: msgs, AddGenerationPrompt: opts.AddGenerationPrompt,
-		Tools: opts.Tools, ChatTemplateKwargs: opts.Vars})
+		AddSpecialTokens: opts.AddSpecialTokens, Tools: opts.Tools, ChatTemplateKwargs: opts.Vars})
 }
 
 // maxResponse bounds the /tokenize response read (a 1M-token prompt is ~8 MB of JSON).

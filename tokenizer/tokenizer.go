@@ -16,6 +16,7 @@ package tokenizer
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -42,13 +43,14 @@ type ChatTokenizer interface {
 	ChatTemplate
 }
 
-// EncodeChat renders msgs with t and encodes the result; it returns the rendered prompt too.
+// EncodeChat renders msgs with t and encodes the result (with the special tokens when
+// opts.AddSpecialTokens, which needs a SpecialEncoder); it returns the rendered prompt too.
 func EncodeChat(t ChatTokenizer, msgs []Message, opts RenderOptions) ([]uint32, string, error) {
 	text, err := t.Render(msgs, opts)
 	if err != nil {
 		return nil, "", err
 	}
-	ids, err := t.Encode(text)
+	ids, err := local{t}.encode(context.Background(), text, opts.AddSpecialTokens)
 	if err != nil {
 		return nil, text, err
 	}
@@ -72,6 +74,11 @@ type RenderOptions struct {
 	Vars map[string]any
 	// Now is the clock behind strftime_now; nil means time.Now.
 	Now func() time.Time
+	// AddSpecialTokens encodes the rendered prompt with add_special_tokens=true (vLLM's
+	// chat request field of that name, false by default): the tokenizer's special tokens
+	// (Llama 3's <|begin_of_text|>) on top of those the template writes. Templates do not
+	// see it.
+	AddSpecialTokens bool
 }
 
 // Message is one chat message as OpenAI-compatible requests carry it.

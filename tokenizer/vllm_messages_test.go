@@ -1,8 +1,11 @@
 package tokenizer
 
 import (
+	"context"
 	"encoding/json"
+	"net/http/httptest"
 	"os"
+	"slices"
 	"testing"
 )
 
@@ -101,5 +104,33 @@ func TestNamedToolUseTemplate(t *testing.T) {
 		if err != nil || got != c.want {
 			t.Errorf("tools %s: %q, %v; want %q", c.tools, got, err, c.want)
 		}
+	}
+}
+
+// TestChatAddSpecialTokensRemote: a chat's add_special_tokens goes to the
+// engine's /tokenize, and the in-process tokenizers agree with it.
+func TestChatAddSpecialTokensRemote(t *testing.T) {
+	tok, err := LoadHF("testdata/sentencepiece/llama2", HFConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := httptest.NewServer(&vllmTokenize{tok: tok})
+	defer ts.Close()
+	remote, _ := NewRemote(RemoteConfig{URL: ts.URL})
+	msgs := []Message{{Role: "user", Content: "hello world"}}
+	ctx := context.Background()
+	plain, err := Local(tok).TokenizeChat(ctx, msgs, RenderOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts := RenderOptions{AddSpecialTokens: true}
+	want := append([]uint32{1}, plain...) // the llama2 post-processor's <s>
+	for name, pt := range map[string]PromptTokenizer{"remote": remote, "local": Local(tok)} {
+		if got, err := pt.TokenizeChat(ctx, msgs, opts); err != nil || !slices.Equal(got, want) {
+			t.Errorf("%s: %v, %v; want %v", name, got, err, want)
+		}
+	}
+	if got, _, err := EncodeChat(tok, msgs, opts); err != nil || !slices.Equal(got, want) {
+		t.Errorf("EncodeChat: %v, %v; want %v", got, err, want)
 	}
 }

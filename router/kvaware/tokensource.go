@@ -105,6 +105,7 @@ type chatBody struct {
 	AddGenerationPrompt  *bool               `json:"add_generation_prompt"`
 	ContinueFinalMessage bool                `json:"continue_final_message"`
 	ChatTemplateKwargs   map[string]any      `json:"chat_template_kwargs"`
+	AddSpecialTokens     bool                `json:"add_special_tokens"`
 }
 
 // Tokens implements TokenSource.
@@ -142,7 +143,9 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *router.Request) ([]ui
 	if len(b.Messages) == 0 {
 		return nil, router.ErrNoTokens
 	}
-	opts := tokenizer.RenderOptions{AddGenerationPrompt: true, Tools: b.Tools, Vars: b.ChatTemplateKwargs}
+	// vLLM's chat add_special_tokens (default false) adds the tokenizer's
+	// special tokens to the rendered prompt.
+	opts := tokenizer.RenderOptions{AddGenerationPrompt: true, Tools: b.Tools, Vars: b.ChatTemplateKwargs, AddSpecialTokens: b.AddSpecialTokens}
 	if b.AddGenerationPrompt != nil {
 		opts.AddGenerationPrompt = *b.AddGenerationPrompt
 	}
@@ -174,6 +177,7 @@ type fastChatBody struct {
 	AddGenerationPrompt  *bool           `json:"add_generation_prompt"`
 	ContinueFinalMessage bool            `json:"continue_final_message"`
 	ChatTemplateKwargs   map[string]any  `json:"chat_template_kwargs"`
+	AddSpecialTokens     bool            `json:"add_special_tokens"`
 }
 
 // parsedChatBody builds the chat body from the request as ParseOpenAI
@@ -199,6 +203,9 @@ func parsedChatBody(r *openai.Request) (b chatBody, ok bool, err error) {
 		return b, false, err
 	}
 	if err := unmarshalRaw("chat_template_kwargs", r.ChatTemplateKwargs, &b.ChatTemplateKwargs); err != nil {
+		return b, false, err
+	}
+	if err := unmarshalRaw("add_special_tokens", r.AddSpecialTokens, &b.AddSpecialTokens); err != nil {
 		return b, false, err
 	}
 	b.Messages = make([]tokenizer.Message, len(r.Messages))
@@ -237,7 +244,7 @@ func unmarshalRaw(field string, v json.RawMessage, dst any) error {
 func parseChatBody(body []byte) (chatBody, error) {
 	var f fastChatBody
 	if json.Unmarshal(body, &f) == nil {
-		b := chatBody{Tools: f.Tools, AddGenerationPrompt: f.AddGenerationPrompt, ContinueFinalMessage: f.ContinueFinalMessage, ChatTemplateKwargs: f.ChatTemplateKwargs}
+		b := chatBody{Tools: f.Tools, AddGenerationPrompt: f.AddGenerationPrompt, ContinueFinalMessage: f.ContinueFinalMessage, ChatTemplateKwargs: f.ChatTemplateKwargs, AddSpecialTokens: f.AddSpecialTokens}
 		b.Messages = make([]tokenizer.Message, len(f.Messages))
 		fast := true
 		for i, m := range f.Messages {

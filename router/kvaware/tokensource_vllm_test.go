@@ -197,3 +197,25 @@ func TestTokensHonoursTimeout(t *testing.T) {
 		t.Errorf("Tokens returned after %v, want within %v", took, limit)
 	}
 }
+
+// TestChatAddSpecialTokens: vLLM's ChatCompletionRequest.add_special_tokens
+// (false by default) encodes the rendered chat with the tokenizer's special
+// tokens, on top of those the template writes: Llama 3.1 gets a second
+// <|begin_of_text|>.
+func TestChatAddSpecialTokens(t *testing.T) {
+	plain := `{"model":"m","messages":[{"role":"user","content":"Hi"}]}`
+	with := `{"model":"m","add_special_tokens":true,"messages":[{"role":"user","content":"Hi"}]}`
+	off := `{"model":"m","add_special_tokens":false,"messages":[{"role":"user","content":"Hi"}]}`
+	// Content parts take the general decoding path.
+	withParts := `{"model":"m","add_special_tokens":true,"messages":[{"role":"user","content":[{"type":"text","text":"Hi"}]}]}`
+	base := chatTokens(t, "llama-3.1", router.EndpointChatCompletions, plain)
+	want := append([]uint32{128000}, base...)
+	for _, body := range []string{with, withParts} {
+		if got := chatTokens(t, "llama-3.1", router.EndpointChatCompletions, body); !slices.Equal(got, want) {
+			t.Errorf("%s: %d ids starting %v, want [128000] + the plain chat's %d", body, len(got), got[:min(3, len(got))], len(base))
+		}
+	}
+	if got := chatTokens(t, "llama-3.1", router.EndpointChatCompletions, off); !slices.Equal(got, base) {
+		t.Errorf("add_special_tokens false changed the ids")
+	}
+}
