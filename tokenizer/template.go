@@ -342,9 +342,30 @@ func decodeValue(dec *json.Decoder, depth int) (jinja.Value, error) {
 			return obj, nil
 		}
 		return jinja.Value{}, fmt.Errorf("unexpected %v", t)
+	case json.Number:
+		return numberValue(t), nil
 	default:
 		return jinja.FromGoValue(tok), nil
 	}
+}
+
+// bigIntPrefix names the callables that stand for integers beyond int64 (jinja values
+// have no big integers): Python's json keeps them exact, and pyTojson writes their
+// digits back verbatim. Printed other than through tojson they do not read as numbers.
+const bigIntPrefix = "__kvrouter_int:"
+
+// numberValue is a JSON number as Python's json.loads reads it: an int (of any size)
+// when it has no fraction or exponent, else a float.
+func numberValue(n json.Number) jinja.Value {
+	s := string(n)
+	if !strings.ContainsAny(s, ".eE") {
+		if _, err := n.Int64(); err != nil {
+			return jinja.NewCallable(bigIntPrefix+s, func([]jinja.Value, map[string]jinja.Value) (jinja.Value, error) {
+				return jinja.Undefined(), errors.New("an integer is not callable")
+			})
+		}
+	}
+	return jinja.FromGoValue(n)
 }
 
 // strftime formats t with the Python strftime directives chat templates use (Llama 3.x
@@ -461,6 +482,8 @@ func (e pyJSON) write(sb *strings.Builder, v jinja.Value, level int) error {
 		sb.WriteString(pyFloat(v.AsFloat()))
 	case v.IsString():
 		pyString(sb, v.AsString())
+	case v.IsCallable() && strings.HasPrefix(v.AsCallable().Name, bigIntPrefix):
+		sb.WriteString(strings.TrimPrefix(v.AsCallable().Name, bigIntPrefix))
 	case v.IsList():
 		l := v.AsList()
 		if l.Len() == 0 {

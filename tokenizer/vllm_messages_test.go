@@ -134,3 +134,18 @@ func TestChatAddSpecialTokensRemote(t *testing.T) {
 		t.Errorf("EncodeChat: %v, %v; want %v", got, err, want)
 	}
 }
+
+// TestBigIntegersKept: Python's json keeps integers of any size, so a
+// tool schema's or arguments' 18446744073709551615 reaches tojson as that
+// integer, not as the float 1.8446744073709552e+19.
+func TestBigIntegersKept(t *testing.T) {
+	const big = `{"maximum": 18446744073709551615, "minimum": -9223372036854775809, "small": 7, "float": 1e3}`
+	got := renderJSON(t, `{{ tools[0].function.parameters | tojson }}|{{ messages[0].tool_calls[0].function.arguments | tojson }}`,
+		`[{"role":"assistant","content":null,"tool_calls":[{"type":"function","function":{"name":"f","arguments":`+
+			`"{\"n\": 123456789012345678901234567890}"}}]}]`,
+		RenderOptions{Tools: json.RawMessage(`[{"type":"function","function":{"name":"f","parameters":` + big + `}}]`)})
+	want := `{"maximum": 18446744073709551615, "minimum": -9223372036854775809, "small": 7, "float": 1000.0}|{"n": 123456789012345678901234567890}`
+	if got != want {
+		t.Errorf("got  %s\nwant %s", got, want)
+	}
+}
