@@ -188,6 +188,9 @@ func (m *bpe) mergeHeap(syms []uint32, stop *stopper) []uint32 {
 		return mergeCand{pos: i, rank: int(v >> 32), left: syms[i], right: syms[j], id: uint32(v)}, ok
 	}
 	for i := 0; i+1 < n; i++ {
+		if stop.stopped() {
+			return syms
+		}
 		if c, ok := cand(i); ok {
 			h = append(h, c)
 		}
