@@ -2,6 +2,8 @@ package tokenizer
 
 import (
 	"container/heap"
+	"context"
+	"fmt"
 	"hash/maphash"
 	"slices"
 	"strings"
@@ -34,8 +36,9 @@ type bpe struct {
 // longer pieces go through a heap so pathological inputs stay O(n log n).
 const naiveLimit = 48
 
-// encodePiece appends the ids of one pre-token piece to dst.
-func (m *bpe) encodePiece(dst []uint32, piece string) []uint32 {
+// encodePiece appends the ids of one pre-token piece to dst; it stops early (ids
+// incomplete) once stop says so.
+func (m *bpe) encodePiece(dst []uint32, piece string, stop *stopper) []uint32 {
 	if m.ignoreMerges {
 		if id, ok := m.vocab[piece]; ok {
 			return append(dst, id)
@@ -46,7 +49,7 @@ func (m *bpe) encodePiece(dst []uint32, piece string) []uint32 {
 	if len(syms) <= naiveLimit {
 		syms = m.mergeNaive(syms)
 	} else {
-		syms = m.mergeHeap(syms)
+		syms = m.mergeHeap(syms, stop)
 	}
 	return append(dst, syms...)
 }
@@ -167,7 +170,7 @@ func (h *mergeHeap) Pop() any {
 // mergeHeap gives the same result as mergeNaive in O(n log n): symbols form a linked list
 // and candidate merges sit in a heap ordered by (rank, position); entries made stale by an
 // earlier merge are recognised by comparing the ids they were queued with.
-func (m *bpe) mergeHeap(syms []uint32) []uint32 {
+func (m *bpe) mergeHeap(syms []uint32, stop *stopper) []uint32 {
 	n := len(syms)
 	next := make([]int, n)
 	prev := make([]int, n)
@@ -185,12 +188,15 @@ func (m *bpe) mergeHeap(syms []uint32) []uint32 {
 		return mergeCand{pos: i, rank: int(v >> 32), left: syms[i], right: syms[j], id: uint32(v)}, ok
 	}
 	for i := 0; i+1 < n; i++ {
+		if stop.stopped() {
+			return syms
+		}
 		if c, ok := cand(i); ok {
 			h = append(h, c)
 		}
 	}
 	heap.Init(&h)
-	for h.Len() > 0 {
+	for h.Len() > 0 && !stop.stopped() {
 		c := heap.Pop(&h).(mergeCand)
 		i := c.pos
 		if !alive[i] || syms[i] != c.left {
@@ -220,6 +226,46 @@ func (m *bpe) mergeHeap(syms []uint32) []uint32 {
 		out = append(out, syms[i])
 	}
 	return out
+}
+
+// stopper ends a long encoding when its context ends: one piece can be megabytes (a run
+// of newlines is one pre-token), so the context is checked every stopEvery steps (pieces
+// and heap merges), cheaply. A nil stopper never stops.
+type stopper struct {
+	ctx context.Context
+	n   int
+	err error
+}
+
+const stopEvery = 1024
+
+func newStopper(ctx context.Context) *stopper {
+	if ctx == nil || ctx.Done() == nil {
+		return nil
+	}
+	return &stopper{ctx: ctx}
+}
+
+// stopped counts a step and reports whether the encoding must stop (err then says why).
+func (s *stopper) stopped() bool {
+	if s == nil {
+		return false
+	}
+	if s.err != nil {
+		return true
+	}
+	if s.n++; s.n%stopEvery == 0 {
+		s.err = s.ctx.Err()
+	}
+	return s.err != nil
+}
+
+// failed reports the context's error once the encoding stopped.
+func (s *stopper) failed() error {
+	if s == nil || s.err == nil {
+		return nil
+	}
+	return fmt.Errorf("tokenizer: encoding stopped: %w", s.err)
 }
 
 // pieceCache memoises piece → ids. It is sharded to keep lock contention low on the

@@ -70,7 +70,7 @@ func FuzzMergeLoops(f *testing.F) {
 			return
 		}
 		a := m.mergeNaive(m.initialSymbols(nil, s))
-		b := m.mergeHeap(m.initialSymbols(nil, s))
+		b := m.mergeHeap(m.initialSymbols(nil, s), nil)
 		if !slices.Equal(a, b) {
 			t.Fatalf("%q: naive %v heap %v", s, a, b)
 		}

@@ -3,6 +3,7 @@ package tokenizer
 import (
 	"bytes"
 	"compress/gzip"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -79,6 +80,9 @@ type HF struct {
 	byteDec   map[rune]byte // ByteLevel alphabet → byte
 
 	tmpl ChatTemplate // nil when the files have no chat template
+	// toolTmpl is the template named "tool_use" of a list of named templates, which
+	// requests with tools render through (transformers' get_chat_template); nil if none.
+	toolTmpl ChatTemplate
 
 	// prefix and suffix are what add_special_tokens=true puts around a single sequence
 	// (the post-processor's template); postErr is set when the post-processor is not
@@ -272,8 +276,14 @@ func NewHF(tokenizerJSON, configJSON []byte, cfg HFConfig) (*HF, error) {
 	if src == "" {
 		src = tc.template
 	}
+	tcfg := TemplateConfig{BOSToken: tc.bos, EOSToken: tc.eos}
 	if src != "" {
-		if t.tmpl, err = NewJinjaTemplate(src, TemplateConfig{BOSToken: tc.bos, EOSToken: tc.eos}); err != nil {
+		if t.tmpl, err = NewJinjaTemplate(src, tcfg); err != nil {
+			return nil, err
+		}
+	}
+	if cfg.ChatTemplate == "" && tc.toolTemplate != "" {
+		if t.toolTmpl, err = NewJinjaTemplate(tc.toolTemplate, tcfg); err != nil {
 			return nil, err
 		}
 	}
@@ -579,8 +589,31 @@ func buildPreTokenizer(raw json.RawMessage) ([]preStage, bool, error) {
 // Encode implements Tokenizer: added tokens first, then normalization, pre-tokenization
 // and BPE on the text between them; no BOS/EOS is added. It never returns an error.
 func (t *HF) Encode(text string) ([]uint32, error) {
+	return t.encode(text, nil)
+}
+
+// EncodeContext implements ContextEncoder: Encode or EncodeSpecial, stopped with ctx's
+// error when ctx ends first (checked every few thousand pieces and merges).
+func (t *HF) EncodeContext(ctx context.Context, text string, addSpecialTokens bool) ([]uint32, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("tokenizer: encoding stopped: %w", err)
+	}
+	if addSpecialTokens && t.postErr != nil {
+		return nil, t.postErr
+	}
+	ids, err := t.encode(text, newStopper(ctx))
+	if err != nil || !addSpecialTokens {
+		return ids, err
+	}
+	return t.withSpecials(ids), nil
+}
+
+func (t *HF) encode(text string, stop *stopper) ([]uint32, error) {
 	ids := make([]uint32, 0, len(text)/3+4)
 	t.specials.split(text, func(seg string, off int) {
+		if stop.stopped() {
+			return
+		}
 		first := off == 0
 		if t.segs != nil && len(seg) >= minSegment {
 			if cached, ok := t.segs.get(seg, first); ok {
@@ -588,35 +621,40 @@ func (t *HF) Encode(text string) ([]uint32, error) {
 				return
 			}
 			n := len(ids)
-			ids = t.encodeText(ids, seg, first)
-			t.segs.put(seg, first, ids[n:])
+			ids = t.encodeText(ids, seg, first, stop)
+			if stop.failed() == nil {
+				t.segs.put(seg, first, ids[n:])
+			}
 			return
 		}
-		ids = t.encodeText(ids, seg, first)
+		ids = t.encodeText(ids, seg, first, stop)
 	}, func(id uint32) { ids = append(ids, id) })
+	if err := stop.failed(); err != nil {
+		return nil, err
+	}
 	return ids, nil
 }
 
 // encodeText encodes the text between two raw-matched added tokens.
-func (t *HF) encodeText(ids []uint32, seg string, first bool) []uint32 {
+func (t *HF) encodeText(ids []uint32, seg string, first bool, stop *stopper) []uint32 {
 	if t.norm != nil {
 		seg = t.norm(seg)
 	}
 	t.normAdd.split(seg, func(seg2 string, off2 int) {
-		ids = t.encodeSegment(ids, seg2, first && off2 == 0)
+		ids = t.encodeSegment(ids, seg2, first && off2 == 0, stop)
 	}, func(id uint32) { ids = append(ids, id) })
 	return ids
 }
 
-func (t *HF) encodeSegment(ids []uint32, seg string, first bool) []uint32 {
+func (t *HF) encodeSegment(ids []uint32, seg string, first bool, stop *stopper) []uint32 {
 	if t.fast != nil {
-		t.fast.split(seg, func(p string) { ids = t.encodePiece(ids, p) })
+		t.fast.split(seg, func(p string) { ids = t.encodePiece(ids, p, stop) })
 		return ids
 	}
 	var run func(stages []preStage, piece string, first bool)
 	run = func(stages []preStage, piece string, first bool) {
 		if len(stages) == 0 {
-			ids = t.encodePiece(ids, piece)
+			ids = t.encodePiece(ids, piece, stop)
 			return
 		}
 		stages[0].apply(piece, first, func(p string, f bool) { run(stages[1:], p, f) })
@@ -625,19 +663,21 @@ func (t *HF) encodeSegment(ids []uint32, seg string, first bool) []uint32 {
 	return ids
 }
 
-func (t *HF) encodePiece(ids []uint32, piece string) []uint32 {
-	if piece == "" {
+func (t *HF) encodePiece(ids []uint32, piece string, stop *stopper) []uint32 {
+	if piece == "" || stop.stopped() {
 		return ids
 	}
 	if t.cache == nil {
-		return t.model.encodePiece(ids, piece)
+		return t.model.encodePiece(ids, piece, stop)
 	}
 	if cached, ok := t.cache.get(piece); ok {
 		return append(ids, cached...)
 	}
 	n := len(ids)
-	ids = t.model.encodePiece(ids, piece)
-	t.cache.put(piece, append([]uint32(nil), ids[n:]...))
+	ids = t.model.encodePiece(ids, piece, stop)
+	if stop.failed() == nil {
+		t.cache.put(piece, append([]uint32(nil), ids[n:]...))
+	}
 	return ids
 }
 
@@ -661,12 +701,16 @@ func (t *HF) EncodeSpecial(text string) ([]uint32, error) {
 	if err != nil {
 		return nil, err
 	}
+	return t.withSpecials(ids), nil
+}
+
+// withSpecials puts the post-processor's special tokens around ids.
+func (t *HF) withSpecials(ids []uint32) []uint32 {
 	if len(t.prefix) == 0 && len(t.suffix) == 0 {
-		return ids, nil
+		return ids
 	}
 	out := make([]uint32, 0, len(t.prefix)+len(ids)+len(t.suffix))
-	out = append(append(append(out, t.prefix...), ids...), t.suffix...)
-	return out, nil
+	return append(append(append(out, t.prefix...), ids...), t.suffix...)
 }
 
 // buildPostProcessor reads the single-sequence special tokens of a post-processor.
@@ -747,12 +791,19 @@ func buildPostProcessor(raw json.RawMessage) (prefix, suffix []uint32, _ error) 
 	return nil, nil, fmt.Errorf("%w: post_processor %q", ErrUnsupported, p.Type)
 }
 
-// Render implements ChatTemplate with the model's chat template.
+// Render implements ChatTemplate with the model's chat template: with a list of named
+// templates, the one named "tool_use" when the request has tools (not null; an empty
+// list counts, as vLLM passes it on) and the files have one, else "default" — what
+// transformers' get_chat_template picks for vLLM.
 func (t *HF) Render(msgs []Message, opts RenderOptions) (string, error) {
-	if t.tmpl == nil {
+	tmpl := t.tmpl
+	if t.toolTmpl != nil && len(opts.Tools) > 0 && string(opts.Tools) != "null" {
+		tmpl = t.toolTmpl
+	}
+	if tmpl == nil {
 		return "", ErrNoChatTemplate
 	}
-	return t.tmpl.Render(msgs, opts)
+	return tmpl.Render(msgs, opts)
 }
 
 // HasChatTemplate reports whether the model files carried a chat template.
@@ -911,7 +962,9 @@ func isWhite(r rune) bool { return unicode.IsSpace(r) }
 // tokenizerConfig is what tokenizer_config.json contributes.
 type tokenizerConfig struct {
 	template string
-	bos, eos string
+	// toolTemplate is the named template "tool_use" (older files list named templates).
+	toolTemplate string
+	bos, eos     string
 }
 
 func parseTokenizerConfig(b []byte) (tokenizerConfig, error) {
@@ -930,7 +983,8 @@ func parseTokenizerConfig(b []byte) (tokenizerConfig, error) {
 	tc.bos, tc.eos = specialTokenString(raw.BOS), specialTokenString(raw.EOS)
 	if len(raw.ChatTemplate) > 0 && string(raw.ChatTemplate) != "null" {
 		if err := json.Unmarshal(raw.ChatTemplate, &tc.template); err != nil {
-			// Older files: a list of named templates; vLLM uses the one named "default".
+			// Older files: a list of named templates; vLLM (through transformers'
+			// get_chat_template) uses "tool_use" for requests with tools, else "default".
 			var named []struct {
 				Name     string `json:"name"`
 				Template string `json:"template"`
@@ -939,8 +993,11 @@ func parseTokenizerConfig(b []byte) (tokenizerConfig, error) {
 				return tc, fmt.Errorf("%w: tokenizer_config.json chat_template: %w", ErrBadModelFile, err)
 			}
 			for _, n := range named {
-				if n.Name == "default" {
+				switch n.Name {
+				case "default":
 					tc.template = n.Template
+				case "tool_use":
+					tc.toolTemplate = n.Template
 				}
 			}
 		}

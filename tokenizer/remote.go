@@ -40,27 +40,56 @@ func Local(t ChatTokenizer) PromptTokenizer { return local{t} }
 
 type local struct{ t ChatTokenizer }
 
-func (l local) TokenizeText(_ context.Context, text string) ([]uint32, error) {
-	return l.t.Encode(text)
+func (l local) TokenizeText(ctx context.Context, text string) ([]uint32, error) {
+	return l.encode(ctx, text, false)
 }
 
 // TokenizeCompletion implements CompletionTokenizer; with addSpecialTokens it needs a
 // SpecialEncoder (Simple and HF are), else it fails.
-func (l local) TokenizeCompletion(_ context.Context, prompt string, addSpecialTokens bool) ([]uint32, error) {
+func (l local) TokenizeCompletion(ctx context.Context, prompt string, addSpecialTokens bool) ([]uint32, error) {
+	return l.encode(ctx, prompt, addSpecialTokens)
+}
+
+// TokenizeChat renders and encodes msgs; ctx bounds the encoding (a template renders in
+// one go, so ctx is checked before and after it).
+func (l local) TokenizeChat(ctx context.Context, msgs []Message, opts RenderOptions) ([]uint32, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("tokenizer: stopped before rendering: %w", err)
+	}
+	text, err := l.t.Render(msgs, opts)
+	if err != nil {
+		return nil, err
+	}
+	return l.encode(ctx, text, opts.AddSpecialTokens)
+}
+
+// encode encodes text in process, within ctx when the tokenizer can stop (a
+// ContextEncoder: HF), else checking ctx only before it starts.
+func (l local) encode(ctx context.Context, text string, addSpecialTokens bool) ([]uint32, error) {
+	if c, ok := l.t.(ContextEncoder); ok {
+		return c.EncodeContext(ctx, text, addSpecialTokens)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("tokenizer: encoding stopped: %w", err)
+	}
 	if !addSpecialTokens {
-		return l.t.Encode(prompt)
+		return l.t.Encode(text)
 	}
 	s, ok := l.t.(SpecialEncoder)
 	if !ok {
 		return nil, fmt.Errorf("%w: %T cannot add special tokens", ErrUnsupported, l.t)
 	}
-	return s.EncodeSpecial(prompt)
+	return s.EncodeSpecial(text)
 }
 
-func (l local) TokenizeChat(_ context.Context, msgs []Message, opts RenderOptions) ([]uint32, error) {
-	ids, _, err := EncodeChat(l.t, msgs, opts)
-	return ids, err
+// ContextEncoder is a tokenizer whose encoding stops with ctx's error when ctx ends
+// (HF: a long prompt takes seconds, and the router's tokenize timeout must bound it).
+// addSpecialTokens as in SpecialEncoder.
+type ContextEncoder interface {
+	EncodeContext(ctx context.Context, text string, addSpecialTokens bool) ([]uint32, error)
 }
+
+var _ ContextEncoder = (*HF)(nil)
 
 // ErrRemote reports a failed call to an engine's /tokenize endpoint.
 var ErrRemote = errors.New("tokenizer: remote /tokenize")
@@ -180,7 +209,7 @@ func (r *Remote) TokenizeChat(ctx context.Context, msgs []Message, opts RenderOp
 		ChatTemplateKwargs  map[string]any  `json:"chat_template_kwargs,omitempty"`
 	}
 	return r.call(ctx, lruKey{}, req{Model: r.cfg.Model, Messages: msgs, AddGenerationPrompt: opts.AddGenerationPrompt,
-		Tools: opts.Tools, ChatTemplateKwargs: opts.Vars})
+		AddSpecialTokens: opts.AddSpecialTokens, Tools: opts.Tools, ChatTemplateKwargs: opts.Vars})
 }
 
 // maxResponse bounds the /tokenize response read (a 1M-token prompt is ~8 MB of JSON).

@@ -51,7 +51,8 @@ func (v *vllmTokenize) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	} else {
 		agp := req.AddGenerationPrompt == nil || *req.AddGenerationPrompt // vLLM's default
-		ids, _, err = EncodeChat(v.tok, req.Messages, RenderOptions{AddGenerationPrompt: agp, Tools: req.Tools, Vars: req.ChatTemplateKwargs})
+		ast := req.AddSpecialTokens != nil && *req.AddSpecialTokens       // false for chats
+		ids, _, err = EncodeChat(v.tok, req.Messages, RenderOptions{AddGenerationPrompt: agp, Tools: req.Tools, Vars: req.ChatTemplateKwargs, AddSpecialTokens: ast})
 	}
 	if err != nil {
 		http.Error(w, `{"error":"`+err.Error()+`"}`, http.StatusBadRequest)

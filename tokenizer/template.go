@@ -8,6 +8,7 @@ import (
 	"io"
 	"math"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -82,7 +83,7 @@ func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, erro
 	data["bos_token"] = jinja.NewString(j.cfg.BOSToken)
 	data["eos_token"] = jinja.NewString(j.cfg.EOSToken)
 	if len(opts.Tools) > 0 && string(opts.Tools) != "null" {
-		tools, err := jsonValue(opts.Tools)
+		tools, err := toolsValue(opts.Tools)
 		if err != nil {
 			return "", fmt.Errorf("%w: tools: %w", ErrBadMessage, err)
 		}
@@ -138,10 +139,12 @@ func (j *JinjaTemplate) messageValue(m *Message) (jinja.Value, error) {
 	if m.Name != "" {
 		d.Set("name", jinja.NewString(m.Name))
 	}
-	if m.ReasoningContent != "" {
-		d.Set("reasoning_content", jinja.NewString(m.ReasoningContent))
+	if r := m.reasoning(); r != "" {
+		d.Set("reasoning", jinja.NewString(r))
+		d.Set("reasoning_content", jinja.NewString(r))
 	}
-	if len(m.ToolCalls) > 0 {
+	// vLLM keeps tool_calls only on assistant messages (_parse_chat_message_content).
+	if len(m.ToolCalls) > 0 && m.Role == "assistant" {
 		calls := make([]jinja.Value, len(m.ToolCalls))
 		for i, tc := range m.ToolCalls {
 			c := jinja.NewDict()
@@ -173,6 +176,18 @@ func (j *JinjaTemplate) messageValue(m *Message) (jinja.Value, error) {
 	return v, nil
 }
 
+// reasoning is the thinking text vLLM gives the template for m: an assistant message's
+// reasoning, else its reasoning_content; nothing for other roles.
+func (m *Message) reasoning() string {
+	if m.Role != "assistant" {
+		return ""
+	}
+	if m.Reasoning != "" {
+		return m.Reasoning
+	}
+	return m.ReasoningContent
+}
+
 func textPart(s string) jinja.Value {
 	p := jinja.NewDict()
 	p.AsDict().Set("type", jinja.NewString("text"))
@@ -180,9 +195,11 @@ func textPart(s string) jinja.Value {
 	return p
 }
 
-// toolArguments follows vLLM, which parses a JSON-string arguments value into an object
-// before rendering (templates such as Llama 3.1's call tojson on it); anything else is
-// passed through as sent.
+// toolArguments follows vLLM's chat_utils _postprocess_messages (the version with
+// vllm/entrypoints/chat_utils/ as a package): arguments become a dict before rendering
+// (templates such as Llama 3.1's call tojson on it, Qwen3's prints a string as is). A JSON
+// string is parsed; one that is not valid JSON, or decodes to anything but an object,
+// becomes {}, and so do null, "", an absent value and any non-object value.
 func toolArguments(raw json.RawMessage) (jinja.Value, error) {
 	if len(raw) == 0 {
 		return jinja.NewDict(), nil
@@ -192,14 +209,71 @@ func toolArguments(raw json.RawMessage) (jinja.Value, error) {
 		return jinja.Value{}, err
 	}
 	if v.IsString() {
-		s := strings.TrimSpace(v.AsString())
-		if strings.HasPrefix(s, "{") {
-			if obj, err := jsonValue([]byte(s)); err == nil {
-				return obj, nil
-			}
+		if v, err = jsonValue([]byte(v.AsString())); err != nil {
+			return jinja.NewDict(), nil
 		}
 	}
+	if !v.IsDict() {
+		return jinja.NewDict(), nil
+	}
 	return v, nil
+}
+
+// toolsValue decodes a request's tools as vLLM hands them to the template:
+// [tool.model_dump() for tool in request.tools] (serving_chat.py), where a tool is
+// ChatCompletionToolsParam{type="function", function: FunctionDefinition{name,
+// description=None, parameters=None}} (vllm/entrypoints/openai protocol). model_dump
+// writes the declared fields first, in declared order, absent ones as null, then the
+// extra keys the request carried (OpenAIBaseModel allows extras) in their order; the
+// parameters schema is a dict[str, Any] and keeps the client's order. A tool of another
+// shape is passed as sent (vLLM rejects such a request).
+func toolsValue(raw []byte) (jinja.Value, error) {
+	v, err := jsonValue(raw)
+	if err != nil || !v.IsList() {
+		return v, err
+	}
+	l := v.AsList()
+	out := make([]jinja.Value, l.Len())
+	for i := range l.Len() {
+		out[i] = l.Get(i)
+		tool := out[i]
+		if !tool.IsDict() {
+			continue
+		}
+		fn, ok := tool.AsDict().Get("function")
+		if !ok || !fn.IsDict() {
+			continue
+		}
+		fd := dumpModel(fn.AsDict(), []string{"name", "description", "parameters"})
+		td := dumpModel(tool.AsDict(), []string{"type", "function"})
+		if t, _ := td.AsDict().Get("type"); t.IsNone() {
+			td.AsDict().Set("type", jinja.NewString("function"))
+		}
+		td.AsDict().Set("function", fd)
+		out[i] = td
+	}
+	return jinja.NewList(out), nil
+}
+
+// dumpModel rebuilds d as pydantic's model_dump writes a model with the declared fields
+// (absent ones as None), then d's other keys in their order.
+func dumpModel(d *jinja.Dict, declared []string) jinja.Value {
+	out := jinja.NewDict()
+	od := out.AsDict()
+	for _, k := range declared {
+		v, ok := d.Get(k)
+		if !ok {
+			v = jinja.None()
+		}
+		od.Set(k, v)
+	}
+	for _, k := range d.Keys {
+		if !slices.Contains(declared, k) {
+			v, _ := d.Get(k)
+			od.Set(k, v)
+		}
+	}
+	return out
 }
 
 // jsonValue decodes JSON into a template value, keeping object key order (Go maps would
@@ -268,9 +342,30 @@ func decodeValue(dec *json.Decoder, depth int) (jinja.Value, error) {
 			return obj, nil
 		}
 		return jinja.Value{}, fmt.Errorf("unexpected %v", t)
+	case json.Number:
+		return numberValue(t), nil
 	default:
 		return jinja.FromGoValue(tok), nil
 	}
+}
+
+// bigIntPrefix names the callables that stand for integers beyond int64 (jinja values
+// have no big integers): Python's json keeps them exact, and pyTojson writes their
+// digits back verbatim. Printed other than through tojson they do not read as numbers.
+const bigIntPrefix = "__kvrouter_int:"
+
+// numberValue is a JSON number as Python's json.loads reads it: an int (of any size)
+// when it has no fraction or exponent, else a float.
+func numberValue(n json.Number) jinja.Value {
+	s := string(n)
+	if !strings.ContainsAny(s, ".eE") {
+		if _, err := n.Int64(); err != nil {
+			return jinja.NewCallable(bigIntPrefix+s, func([]jinja.Value, map[string]jinja.Value) (jinja.Value, error) {
+				return jinja.Undefined(), errors.New("an integer is not callable")
+			})
+		}
+	}
+	return jinja.FromGoValue(n)
 }
 
 // strftime formats t with the Python strftime directives chat templates use (Llama 3.x
@@ -387,6 +482,8 @@ func (e pyJSON) write(sb *strings.Builder, v jinja.Value, level int) error {
 		sb.WriteString(pyFloat(v.AsFloat()))
 	case v.IsString():
 		pyString(sb, v.AsString())
+	case v.IsCallable() && strings.HasPrefix(v.AsCallable().Name, bigIntPrefix):
+		sb.WriteString(strings.TrimPrefix(v.AsCallable().Name, bigIntPrefix))
 	case v.IsList():
 		l := v.AsList()
 		if l.Len() == 0 {

@@ -16,6 +16,7 @@ package tokenizer
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -42,13 +43,14 @@ type ChatTokenizer interface {
 	ChatTemplate
 }
 
-// EncodeChat renders msgs with t and encodes the result; it returns the rendered prompt too.
+// EncodeChat renders msgs with t and encodes the result (with the special tokens when
+// opts.AddSpecialTokens, which needs a SpecialEncoder); it returns the rendered prompt too.
 func EncodeChat(t ChatTokenizer, msgs []Message, opts RenderOptions) ([]uint32, string, error) {
 	text, err := t.Render(msgs, opts)
 	if err != nil {
 		return nil, "", err
 	}
-	ids, err := t.Encode(text)
+	ids, err := local{t}.encode(context.Background(), text, opts.AddSpecialTokens)
 	if err != nil {
 		return nil, text, err
 	}
@@ -62,14 +64,21 @@ type RenderOptions struct {
 	// default in vLLM; callers pass the request's add_generation_prompt).
 	AddGenerationPrompt bool
 	// Tools is the request's raw "tools" JSON array, passed to the template as `tools`
-	// with key order kept (tojson output, hence tokens, depends on it); nil or an empty
-	// array means the template sees no tools.
+	// the way vLLM passes them (each tool as ChatCompletionToolsParam.model_dump(): type,
+	// function{name, description, parameters}, absent ones null, extra keys after), with
+	// the order of other keys kept (tojson output, hence tokens, depends on it); nil or an
+	// empty array means the template sees no tools.
 	Tools json.RawMessage
 	// Vars are extra template variables (vLLM's chat_template_kwargs, e.g. enable_thinking).
 	// They cannot override messages, tools, add_generation_prompt, bos_token or eos_token.
 	Vars map[string]any
 	// Now is the clock behind strftime_now; nil means time.Now.
 	Now func() time.Time
+	// AddSpecialTokens encodes the rendered prompt with add_special_tokens=true (vLLM's
+	// chat request field of that name, false by default): the tokenizer's special tokens
+	// (Llama 3's <|begin_of_text|>) on top of those the template writes. Templates do not
+	// see it.
+	AddSpecialTokens bool
 }
 
 // Message is one chat message as OpenAI-compatible requests carry it.
@@ -87,7 +96,13 @@ type Message struct {
 	Name       string     `json:"name,omitempty"`
 	ToolCalls  []ToolCall `json:"tool_calls,omitempty"`
 	ToolCallID string     `json:"tool_call_id,omitempty"`
-	// ReasoningContent is the assistant's thinking text (Qwen3 templates read it).
+	// Reasoning is the assistant's thinking text as current vLLM reads it
+	// (_parse_chat_message_content: message.get("reasoning")), which gives the template
+	// both reasoning and reasoning_content from it. ReasoningContent is the older field
+	// (Qwen3 templates read reasoning_content): used when Reasoning is empty, as the vLLM
+	// releases that read `reasoning or reasoning_content` do. Both count on assistant
+	// messages only, and both are sent to the engine's /tokenize as given.
+	Reasoning        string `json:"reasoning,omitempty"`
 	ReasoningContent string `json:"reasoning_content,omitempty"`
 }
 
@@ -100,7 +115,8 @@ type ContentPart struct {
 }
 
 // ToolCall is one assistant tool call. Arguments is kept as sent: OpenAI sends a JSON
-// string; some clients send an object. Templates see an object when the string is JSON.
+// string; some clients send an object. Templates see an object, as vLLM gives them: the
+// string's JSON object, else {} (null, "", invalid JSON, or JSON that is not an object).
 type ToolCall struct {
 	ID       string `json:"id,omitempty"`
 	Type     string `json:"type,omitempty"`
@@ -133,22 +149,26 @@ func (m *Message) UnmarshalJSON(b []byte) error {
 			return fmt.Errorf("%w: content: %w", ErrBadMessage, err)
 		}
 	case c[0] == '[':
-		var raws []map[string]any
+		var raws []json.RawMessage
 		if err := json.Unmarshal(c, &raws); err != nil {
 			return fmt.Errorf("%w: content parts: %w", ErrBadMessage, err)
 		}
 		m.Parts = make([]ContentPart, 0, len(raws))
 		var text bytes.Buffer
-		nText := 0
-		for _, r := range raws {
-			p := ContentPart{Raw: r}
-			p.Type, _ = r["type"].(string)
-			p.Text, _ = r["text"].(string)
-			if p.Type == "text" {
-				if nText > 0 {
+		for _, raw := range raws {
+			p, keep, err := parsePart(raw)
+			if err != nil {
+				return err
+			}
+			if !keep {
+				continue
+			}
+			// vLLM joins the non-empty texts (_parse_chat_message_content_parts keeps
+			// only truthy results) with "\n".
+			if p.Type == "text" && p.Text != "" {
+				if text.Len() > 0 {
 					text.WriteByte('\n')
 				}
-				nText++
 				text.WriteString(p.Text)
 			}
 			m.Parts = append(m.Parts, p)
@@ -158,6 +178,59 @@ func (m *Message) UnmarshalJSON(b []byte) error {
 		return fmt.Errorf("%w: content must be a string, null or a list of parts", ErrBadMessage)
 	}
 	return nil
+}
+
+// textPartKeys are, per text-like content part type, the key vLLM reads the text from
+// (_parse_chat_message_content_part: TEXT_PART_TYPES and MM_PARSER_MAP).
+var textPartKeys = map[string]string{"text": "text", "input_text": "text", "output_text": "text",
+	"refusal": "refusal", "thinking": "thinking"}
+
+// parsePart reads one element of a content list as vLLM does: a bare string or a
+// text-like part is a text part ({"type":"text","text":...} plus the part's other keys,
+// which is what a template looping over content sees); one whose text is null is
+// skipped (keep false); anything else (images, audio) is kept as sent.
+func parsePart(raw json.RawMessage) (p ContentPart, keep bool, err error) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) > 0 && raw[0] == '"' {
+		if err := json.Unmarshal(raw, &p.Text); err != nil {
+			return p, false, fmt.Errorf("%w: content part: %w", ErrBadMessage, err)
+		}
+		p.Type = "text"
+		return p, true, nil
+	}
+	var r map[string]any
+	if err := json.Unmarshal(raw, &r); err != nil || r == nil {
+		return p, false, fmt.Errorf("%w: content part must be a string or an object", ErrBadMessage)
+	}
+	typ, _ := r["type"].(string)
+	key, textLike := textPartKeys[typ]
+	if !textLike {
+		p.Type, p.Raw = typ, r
+		p.Text, _ = r["text"].(string)
+		return p, true, nil
+	}
+	text, ok := r[key].(string)
+	if !ok {
+		return p, false, nil
+	}
+	p.Type, p.Text = "text", text
+	extra := false
+	for k := range r {
+		if k != "type" && k != "text" && k != key {
+			extra = true
+		}
+	}
+	if extra || typ != "text" {
+		// vLLM's part: type text, the text, then the extra keys.
+		p.Raw = map[string]any{}
+		for k, v := range r {
+			if k != key {
+				p.Raw[k] = v
+			}
+		}
+		p.Raw["type"], p.Raw["text"] = "text", text
+	}
+	return p, true, nil
 }
 
 // MarshalJSON writes content back in the shape it arrived in.

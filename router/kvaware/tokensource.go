@@ -105,6 +105,7 @@ type chatBody struct {
 	AddGenerationPrompt  *bool               `json:"add_generation_prompt"`
 	ContinueFinalMessage bool                `json:"continue_final_message"`
 	ChatTemplateKwargs   map[string]any      `json:"chat_template_kwargs"`
+	AddSpecialTokens     bool                `json:"add_special_tokens"`
 }
 
 // Tokens implements TokenSource.
@@ -142,7 +143,9 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *router.Request) ([]ui
 	if len(b.Messages) == 0 {
 		return nil, router.ErrNoTokens
 	}
-	opts := tokenizer.RenderOptions{AddGenerationPrompt: true, Tools: b.Tools, Vars: b.ChatTemplateKwargs}
+	// vLLM's chat add_special_tokens (default false) adds the tokenizer's
+	// special tokens to the rendered prompt.
+	opts := tokenizer.RenderOptions{AddGenerationPrompt: true, Tools: b.Tools, Vars: b.ChatTemplateKwargs, AddSpecialTokens: b.AddSpecialTokens}
 	if b.AddGenerationPrompt != nil {
 		opts.AddGenerationPrompt = *b.AddGenerationPrompt
 	}
@@ -166,6 +169,7 @@ type fastChatBody struct {
 		Content          *string         `json:"content"`
 		Name             string          `json:"name"`
 		ToolCallID       string          `json:"tool_call_id"`
+		Reasoning        string          `json:"reasoning"`
 		ReasoningContent string          `json:"reasoning_content"`
 		ToolCalls        json.RawMessage `json:"tool_calls"`
 	} `json:"messages"`
@@ -173,6 +177,7 @@ type fastChatBody struct {
 	AddGenerationPrompt  *bool           `json:"add_generation_prompt"`
 	ContinueFinalMessage bool            `json:"continue_final_message"`
 	ChatTemplateKwargs   map[string]any  `json:"chat_template_kwargs"`
+	AddSpecialTokens     bool            `json:"add_special_tokens"`
 }
 
 // parsedChatBody builds the chat body from the request as ParseOpenAI
@@ -200,6 +205,9 @@ func parsedChatBody(r *openai.Request) (b chatBody, ok bool, err error) {
 	if err := unmarshalRaw("chat_template_kwargs", r.ChatTemplateKwargs, &b.ChatTemplateKwargs); err != nil {
 		return b, false, err
 	}
+	if err := unmarshalRaw("add_special_tokens", r.AddSpecialTokens, &b.AddSpecialTokens); err != nil {
+		return b, false, err
+	}
 	b.Messages = make([]tokenizer.Message, len(r.Messages))
 	for i, m := range r.Messages {
 		tm := &b.Messages[i]
@@ -209,12 +217,13 @@ func parsedChatBody(r *openai.Request) (b chatBody, ok bool, err error) {
 		} else {
 			tm.ContentNull = true
 		}
-		var okN, okID, okR bool
+		var okN, okID, okR, okRC bool
 		tm.Name, okN = openai.RawString(m.Name)
 		tm.ToolCallID, okID = openai.RawString(m.ToolCallID)
-		tm.ReasoningContent, okR = openai.RawString(m.ReasoningContent)
-		if !okN || !okID || !okR {
-			return b, false, fmt.Errorf("%w: chat body: messages[%d]: name, tool_call_id and reasoning_content must be strings", router.ErrTokenSource, i)
+		tm.Reasoning, okR = openai.RawString(m.Reasoning)
+		tm.ReasoningContent, okRC = openai.RawString(m.ReasoningContent)
+		if !okN || !okID || !okR || !okRC {
+			return b, false, fmt.Errorf("%w: chat body: messages[%d]: name, tool_call_id, reasoning and reasoning_content must be strings", router.ErrTokenSource, i)
 		}
 	}
 	return b, true, nil
@@ -235,7 +244,7 @@ func unmarshalRaw(field string, v json.RawMessage, dst any) error {
 func parseChatBody(body []byte) (chatBody, error) {
 	var f fastChatBody
 	if json.Unmarshal(body, &f) == nil {
-		b := chatBody{Tools: f.Tools, AddGenerationPrompt: f.AddGenerationPrompt, ContinueFinalMessage: f.ContinueFinalMessage, ChatTemplateKwargs: f.ChatTemplateKwargs}
+		b := chatBody{Tools: f.Tools, AddGenerationPrompt: f.AddGenerationPrompt, ContinueFinalMessage: f.ContinueFinalMessage, ChatTemplateKwargs: f.ChatTemplateKwargs, AddSpecialTokens: f.AddSpecialTokens}
 		b.Messages = make([]tokenizer.Message, len(f.Messages))
 		fast := true
 		for i, m := range f.Messages {
@@ -243,7 +252,7 @@ func parseChatBody(body []byte) (chatBody, error) {
 				fast = false
 				break
 			}
-			b.Messages[i] = tokenizer.Message{Role: m.Role, Name: m.Name, ToolCallID: m.ToolCallID, ReasoningContent: m.ReasoningContent, ContentNull: m.Content == nil}
+			b.Messages[i] = tokenizer.Message{Role: m.Role, Name: m.Name, ToolCallID: m.ToolCallID, Reasoning: m.Reasoning, ReasoningContent: m.ReasoningContent, ContentNull: m.Content == nil}
 			if m.Content != nil {
 				b.Messages[i].Content = *m.Content
 			}

@@ -624,6 +624,8 @@ func (s *jscan) messageMember(key string, m *ChatMessage) error {
 		return s.raw(3, &m.Name)
 	case "tool_call_id":
 		return s.raw(3, &m.ToolCallID)
+	case "reasoning":
+		return s.raw(3, &m.Reasoning)
 	case "reasoning_content":
 		return s.raw(3, &m.ReasoningContent)
 	case "tool_calls":

@@ -50,13 +50,14 @@ type Request struct {
 }
 
 // ChatMessage is one chat message; Content holds the text of a string
-// content or of the "text" parts of an array content, in order. The other
+// content or of the text-like parts of an array content, in order. The other
 // fields are raw values, for rendering the chat template.
 type ChatMessage struct {
 	Role             string          `json:"role"`
 	Content          MessageContent  `json:"content"`
 	Name             json.RawMessage `json:"name"`
 	ToolCallID       json.RawMessage `json:"tool_call_id"`
+	Reasoning        json.RawMessage `json:"reasoning"`
 	ReasoningContent json.RawMessage `json:"reasoning_content"`
 	ToolCalls        json.RawMessage `json:"tool_calls"`
 }
@@ -67,14 +68,14 @@ type MessageContent struct {
 	// Array: the content was a list of parts (Parts then holds only their
 	// texts; rendering needs the parts themselves: a full decode).
 	Array bool
-	// Media: a part had no text (an image, audio, video or file): the
+	// Media: a part was not text (an image, audio, video or file): the
 	// engine hashes the blocks its placeholder tokens fill from the media
 	// too, so the prompt's token ids alone do not stand for it.
 	Media bool
 }
 
 // UnmarshalJSON accepts a string, null, or an array of content parts (only
-// parts with a "text" field contribute; images and audio do not route).
+// text-like parts contribute, see partText; images and audio do not route).
 func (m *MessageContent) UnmarshalJSON(b []byte) error {
 	b = bytes.TrimSpace(b)
 	switch {
@@ -89,24 +90,55 @@ func (m *MessageContent) UnmarshalJSON(b []byte) error {
 		m.Parts, m.Array, m.Media = []string{s}, false, false
 		return nil
 	case b[0] == '[':
-		var parts []struct {
-			Text *string `json:"text"`
-		}
+		var parts []json.RawMessage
 		if err := json.Unmarshal(b, &parts); err != nil {
 			return err
 		}
 		m.Parts = m.Parts[:0]
 		m.Array, m.Media = true, false
-		for _, p := range parts {
-			if p.Text != nil {
-				m.Parts = append(m.Parts, *p.Text)
-			} else {
+		for _, raw := range parts {
+			text, isText, err := partText(raw)
+			switch {
+			case err != nil:
+				return err
+			case !isText:
 				m.Media = true
+			case text != nil:
+				m.Parts = append(m.Parts, *text)
 			}
 		}
 		return nil
 	}
 	return fmt.Errorf("content: want a string or an array of parts")
+}
+
+// partText reads one content part as vLLM's _parse_chat_message_content_part does: a
+// bare string, and the text, input_text, output_text, refusal and thinking parts (their
+// "text", "refusal" or "thinking") are text (nil when null); anything else is media.
+func partText(raw json.RawMessage) (text *string, isText bool, err error) {
+	var p struct {
+		Type     string  `json:"type"`
+		Text     *string `json:"text"`
+		Refusal  *string `json:"refusal"`
+		Thinking *string `json:"thinking"`
+	}
+	if raw = bytes.TrimSpace(raw); len(raw) > 0 && raw[0] == '"' {
+		var s string
+		err := json.Unmarshal(raw, &s)
+		return &s, true, err
+	}
+	if err := json.Unmarshal(raw, &p); err != nil {
+		return nil, false, err
+	}
+	switch p.Type {
+	case "text", "input_text", "output_text":
+		return p.Text, true, nil
+	case "refusal":
+		return p.Refusal, true, nil
+	case "thinking":
+		return p.Thinking, true, nil
+	}
+	return nil, false, nil
 }
 
 // Prompt is a completions prompt: a string, a list of strings, a token-id

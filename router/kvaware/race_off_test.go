@@ -1,0 +1,5 @@
+//go:build !race
+
+package kvaware
+
+const raceOn = false
