@@ -529,7 +529,7 @@ func aloneFloor(scfg sim.Config) func(prompt, cached int) time.Duration {
 // records' block ids, a generated workload's from its token blocks.
 func (b *built) pooledBound(fleetToks int64) (workload.Bound, []int64, error) {
 	if b.recs != nil {
-		return workload.PooledBoundPerRequest(b.recs, fleetToks)
+		return workload.PooledBoundPerRequest(b.recs, sim.DefaultBlockSize, fleetToks)
 	}
 	return workload.RequestsBoundPerRequest(b.w.Requests, sim.DefaultBlockSize, fleetToks)
 }
