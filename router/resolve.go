@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strconv"
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router/openai"
@@ -258,7 +259,8 @@ func (st *Table) resolveOpenAI(in Inbound, named *Pool, tenant string) (*Request
 	if adapter != "" {
 		model = adapter
 	}
-	return &Request{
+	keep, terr := PromptTruncation(parsed.TruncatePromptTokens)
+	req := &Request{
 		Endpoint:     in.Endpoint,
 		Pool:         pool.Name(),
 		Model:        model,
@@ -267,9 +269,16 @@ func (st *Table) resolveOpenAI(in Inbound, named *Pool, tenant string) (*Request
 		TenantKey:    tenant,
 		Body:         in.Body,
 		Parsed:       parsed,
-		PromptTokens: openai.FirstTokens(parsed.Prompt),
+		PromptTokens: KeepLast(openai.FirstTokens(parsed.Prompt), keep),
 		Stream:       parsed.Stream,
-	}, pool, nil
+	}
+	if terr != nil {
+		// The engine prefills a part of the prompt the router cannot
+		// tell: no token ids, so kv_aware routes heuristically, and says
+		// why (a token source error).
+		req.PromptTokens, req.Tokenizer = nil, tokenError{fmt.Errorf("%w: %w", ErrTokenSource, terr)}
+	}
+	return req, pool, nil
 }
 
 func (st *Table) resolveInvoke(in Inbound, named *Pool, tenant string) (*Request, *Pool, error) {
@@ -453,19 +462,56 @@ func checkOpenAILimits(l config.LimitsConfig, r *openai.Request) string {
 // tokenized; the request routes heuristically.
 var ErrPromptTooLong = fmt.Errorf("%w: body exceeds limits.max_tokenize_bytes", ErrTokenSource)
 
-// tooLongToTokenize is the TokenSource of requests whose body is over
-// limits.max_tokenize_bytes: kv_aware then routes them heuristically.
-type tooLongToTokenize struct{}
+// tokenError is the TokenSource of requests the router must not key
+// (a body over limits.max_tokenize_bytes, a truncation it cannot follow):
+// kv_aware then routes them heuristically.
+type tokenError struct{ err error }
 
-var _ TokenSource = tooLongToTokenize{}
+var _ TokenSource = tokenError{}
 
-func (tooLongToTokenize) Tokens(context.Context, *Request) ([]uint32, error) {
-	return nil, ErrPromptTooLong
+func (t tokenError) Tokens(context.Context, *Request) ([]uint32, error) {
+	return nil, t.err
 }
 
 // limitTokenize keeps kv_aware from tokenizing bodies over the limit.
 func limitTokenize(l config.LimitsConfig, req *Request) {
 	if len(req.Body) > l.MaxTokenizeBytes && req.PromptTokens == nil {
-		req.Tokenizer = tooLongToTokenize{}
+		req.Tokenizer = tokenError{ErrPromptTooLong}
 	}
+}
+
+// ErrTruncateToModelLen: truncate_prompt_tokens -1 keeps the prompt's
+// last max_model_len tokens, a length the router does not know.
+var ErrTruncateToModelLen = errors.New("truncate_prompt_tokens -1 keeps the model's max_model_len tokens, which the router does not know")
+
+// PromptTruncation reads vLLM's truncate_prompt_tokens, a raw value (nil
+// when absent): keep is how many of the prompt's last tokens the engine
+// prefills, 0 for the whole prompt (absent or null). vLLM's serving layer
+// keeps a token-id prompt's last k ids (prompt_ids[-k:]) and tokenizes a
+// text prompt, or a chat's rendered template, with truncation to k tokens
+// on the left (the tokenizer's truncation_side for generative models), -1
+// meaning max_model_len (OpenAIServing._normalize_prompt_tokens_to_input
+// and _normalize_prompt_text_to_input). The error is
+// ErrTruncateToModelLen for -1 and names any value vLLM would refuse.
+func PromptTruncation(v json.RawMessage) (keep int, err error) {
+	v = bytes.TrimSpace(v)
+	if len(v) == 0 || string(v) == "null" {
+		return 0, nil
+	}
+	n, perr := strconv.Atoi(string(v))
+	switch {
+	case perr == nil && n >= 1:
+		return n, nil
+	case perr == nil && n == -1:
+		return 0, ErrTruncateToModelLen
+	}
+	return 0, fmt.Errorf("truncate_prompt_tokens %s: want an integer ≥ 1, or -1", v)
+}
+
+// KeepLast is ids truncated on the left to their last keep (0: all).
+func KeepLast(ids []uint32, keep int) []uint32 {
+	if keep <= 0 || len(ids) <= keep {
+		return ids
+	}
+	return ids[len(ids)-keep:]
 }

@@ -18,7 +18,8 @@ type Bound struct {
 	CapacityTokens int64 `json:"capacity_tokens"`
 	HitBlocks      int64 `json:"hit_blocks"`
 	Blocks         int64 `json:"blocks"`
-	// HitTokens counts hit blocks × the block size (512 for traces), capped at each request's input length.
+	// HitTokens counts hit blocks × the block size (512 for traces), capped at each request's input length
+	// (the per-request bounds: at what an engine reuses of it, engineReuse).
 	HitTokens   int64 `json:"hit_tokens"`
 	InputTokens int64 `json:"input_tokens"`
 }
@@ -37,6 +38,9 @@ func ratio(a, b int64) float64 {
 }
 
 // InfiniteBound is the hit rate of an infinite shared cache.
+//
+// InfiniteBound and PooledBound are the trace's own statistics (its
+// README's table): hits in whole hash blocks, not what an engine reuses.
 func InfiniteBound(recs []TraceRecord) Bound {
 	b, _ := PooledBound(recs, 0)
 	return b
@@ -47,15 +51,17 @@ func InfiniteBound(recs []TraceRecord) Bound {
 // whose caches were pooled into one. A request's blocks, hit or not, become
 // the most recently used in prompt order, last block most recent.
 func PooledBound(recs []TraceRecord, capacityTokens int64) (Bound, error) {
-	return pooledBound(recs, TraceBlockTokens, capacityTokens, nil)
+	return pooledBound(recs, TraceBlockTokens, 0, capacityTokens, nil)
 }
 
 // PooledBoundPerRequest is PooledBound with each record's hit tokens, so
 // that the bound can be taken over the same requests as a measured hit
-// rate (e.g. only those that completed).
-func PooledBoundPerRequest(recs []TraceRecord, capacityTokens int64) (Bound, []int64, error) {
+// rate (e.g. only those that completed); a record's hit tokens are at most
+// what an engine of engineBlockTokens-token blocks reuses of it
+// (engineReuse).
+func PooledBoundPerRequest(recs []TraceRecord, engineBlockTokens int, capacityTokens int64) (Bound, []int64, error) {
 	hits := make([]int64, len(recs))
-	b, err := pooledBound(recs, TraceBlockTokens, capacityTokens, hits)
+	b, err := pooledBound(recs, TraceBlockTokens, engineBlockTokens, capacityTokens, hits)
 	return b, hits, err
 }
 
@@ -64,7 +70,7 @@ func PooledBoundPerRequest(recs []TraceRecord, capacityTokens int64) (Bound, []i
 // whole blockTokens-token blocks, as a vLLM prefix cache does, and each
 // block is named by a hash of every token up to its end, so that equal
 // prefixes give equal names. A partial last block is never cached, so it
-// is never a hit. The token ids are those of Request.Tokens, which is what
+// is never a hit, nor the block holding the last token (engineReuse). The token ids are those of Request.Tokens, which is what
 // an engine with the Simple tokenizer caches for a completions prompt
 // (kvbench live and demo send completions); requests sent as chat messages
 // are rendered by a template, and the bound then holds to within the
@@ -109,11 +115,23 @@ func RequestsBoundPerRequest(reqs []Request, blockTokens int, capacityTokens int
 		recs[i] = TraceRecord{InputLength: len(toks), HashIDs: ids}
 	}
 	hits := make([]int64, len(recs))
-	b, err := pooledBound(recs, blockTokens, capacityTokens, hits)
+	b, err := pooledBound(recs, blockTokens, blockTokens, capacityTokens, hits)
 	return b, hits, err
 }
 
-func pooledBound(recs []TraceRecord, blockTokens int, capacityTokens int64, perReq []int64) (Bound, error) {
+// engineReuse is the most of an n-token prompt an engine of
+// engineBlockTokens-token blocks takes from its cache (0: no cap beyond
+// n): whole blocks, never the last token, which it recomputes for the
+// first output token's logits (sim.Engine.admit's maxHitBlocks; vLLM v1
+// KVCacheManager.get_computed_blocks, max_cache_hit_length = num_tokens − 1).
+func engineReuse(n, engineBlockTokens int) int {
+	if engineBlockTokens <= 0 || n <= 0 {
+		return max(n, 0)
+	}
+	return (n - 1) / engineBlockTokens * engineBlockTokens
+}
+
+func pooledBound(recs []TraceRecord, blockTokens, engineBlockTokens int, capacityTokens int64, perReq []int64) (Bound, error) {
 	if capacityTokens < 0 {
 		return Bound{}, fmt.Errorf("%w: bound: capacity %d must be >= 0", ErrInvalid, capacityTokens)
 	}
@@ -136,7 +154,7 @@ func pooledBound(recs []TraceRecord, blockTokens int, capacityTokens int64, perR
 		}
 		b.HitBlocks += int64(hit)
 		b.Blocks += int64(len(r.HashIDs))
-		ht := int64(min(hit*blockTokens, r.InputLength))
+		ht := int64(min(hit*blockTokens, engineReuse(r.InputLength, engineBlockTokens)))
 		b.HitTokens += ht
 		if perReq != nil {
 			perReq[i] = ht

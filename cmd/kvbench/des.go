@@ -615,7 +615,7 @@ func aloneFloor(scfg sim.Config) func(prompt, cached int) time.Duration {
 // as the engines hash them).
 func (b *built) pooledBound(capTokens int64, salt bool) (workload.Bound, []int64, error) {
 	if b.recs != nil {
-		return workload.PooledBoundPerRequest(b.recs, capTokens)
+		return workload.PooledBoundPerRequest(b.recs, sim.DefaultBlockSize, capTokens)
 	}
 	return workload.RequestsBoundPerRequest(b.w.Requests, sim.DefaultBlockSize, capTokens, salt)
 }

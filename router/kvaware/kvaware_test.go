@@ -669,8 +669,12 @@ func TestTierTokensAndTTFT(t *testing.T) {
 		{[tiers.Count]int{0, 0, 0, 0}, 1000, [tiers.Count]int{}, 1.0},
 		{[tiers.Count]int{10, 10, 10, 10}, 1000, [tiers.Count]int{160, 0, 0, 0}, 0.84},
 		{[tiers.Count]int{10, 20, 30, 40}, 1000, [tiers.Count]int{160, 160, 160, 160}, 0.36 + 0.016 + 0.032 + 0.08},
-		{[tiers.Count]int{100, 100, 100, 100}, 1000, [tiers.Count]int{1000, 0, 0, 0}, 0},
-		{[tiers.Count]int{0, 100, 100, 100}, 1000, [tiers.Count]int{0, 1000, 0, 0}, 0.1},
+		// At most (T − 1)/B whole blocks are reused (reusable): 62 of
+		// 16 tokens, 992, and the last 8 tokens are prefilled.
+		{[tiers.Count]int{100, 100, 100, 100}, 1000, [tiers.Count]int{992, 0, 0, 0}, 0.008},
+		{[tiers.Count]int{0, 100, 100, 100}, 1000, [tiers.Count]int{0, 992, 0, 0}, 0.008 + 0.0992},
+		// A prompt of whole blocks recomputes its last one.
+		{[tiers.Count]int{64, 64, 64, 64}, 1024, [tiers.Count]int{1008, 0, 0, 0}, 0.016},
 	}
 	for i, tc := range tests {
 		m := tierTokens(tc.blocks, 16, tc.prompt)
@@ -943,8 +947,9 @@ func TestShadowHeuristicInUse(t *testing.T) {
 	if sum.Compared != 1 || sum.Agreed != 0 {
 		t.Fatalf("compare %+v", sum)
 	}
-	if p := sum.Predicted[config.StrategyKVAware]; p.MatchedTokens != int64(len(tokens)) {
-		t.Errorf("kv_aware's pick predicted %d matched tokens, want %d", p.MatchedTokens, len(tokens))
+	// Every block but the last, which vLLM recomputes (reusable).
+	if p, want := sum.Predicted[config.StrategyKVAware], int64(len(tokens)-kvTestBS); p.MatchedTokens != want {
+		t.Errorf("kv_aware's pick predicted %d matched tokens, want %d", p.MatchedTokens, want)
 	}
 	if r := sum.Reported; r.WithUsage != 1 || r.CachedTokens != 1024 || r.MeanCachedWhenDiffer != 1024 {
 		t.Errorf("reported %+v", r)

@@ -205,17 +205,32 @@ func pos(v, def float64) float64 {
 
 // tierTokens splits a match (cumulative blocks per tier, Blocks[t] = leading
 // blocks held in tier t or faster) into tokens per tier, each beyond those
-// of faster tiers, capped at the prompt's length.
+// of faster tiers, capped at what the engine can reuse of the prompt
+// (reusable).
 func tierTokens(blocks [tiers.Count]int, blockSize, promptTokens int) (out [tiers.Count]int) {
 	prev := 0
+	most := reusable(promptTokens, blockSize)
 	for t := range tiers.Count {
-		n := min(blocks[t]*blockSize, promptTokens)
+		n := min(blocks[t]*blockSize, most)
 		if n > prev {
 			out[t] = n - prev
 			prev = n
 		}
 	}
 	return out
+}
+
+// reusable is the most of a promptTokens-token prompt an engine takes from
+// its prefix cache: whole blocks, and never the last token, whose logits
+// give the first output token. vLLM caps the hit at num_tokens − 1
+// (v1 KVCacheManager.get_computed_blocks, max_cache_hit_length) and hits
+// whole blocks only, so a prompt of exactly k blocks recomputes its last
+// block: at most (T − 1)/B blocks are reused.
+func reusable(promptTokens, blockSize int) int {
+	if promptTokens <= 0 || blockSize <= 0 {
+		return 0
+	}
+	return (promptTokens - 1) / blockSize * blockSize
 }
 
 // ttft is the ARCHITECTURE's predicted time to first token, in seconds:

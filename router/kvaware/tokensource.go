@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"slices"
 
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router"
@@ -72,8 +73,8 @@ type ChatTokenSource struct {
 	Tokenizer tokenizer.PromptTokenizer
 }
 
-// text tokenizes a completions text prompt as vLLM does.
-func (s *ChatTokenSource) text(ctx context.Context, text string, add bool) ([]uint32, error) {
+// encode tokenizes a completions text prompt as vLLM does.
+func (s *ChatTokenSource) encode(ctx context.Context, text string, add bool) ([]uint32, error) {
 	ct, ok := s.Tokenizer.(tokenizer.CompletionTokenizer)
 	if !ok {
 		return s.Tokenizer.TokenizeText(ctx, text)
@@ -81,14 +82,71 @@ func (s *ChatTokenSource) text(ctx context.Context, text string, add bool) ([]ui
 	return ct.TokenizeCompletion(ctx, text, add)
 }
 
-// addSpecialTokens is a body's add_special_tokens (exact key, as vLLM
-// reads it), true unless false: the raw invoke path, which has no parsed
-// request.
-func addSpecialTokens(body []byte) bool {
-	if !bytes.Contains(body, []byte(`"add_special_tokens"`)) && !bytes.Contains(body, []byte(`\u`)) {
-		return true // no key that could decode to add_special_tokens
+// text tokenizes a completions text prompt as vLLM does, truncated on the
+// left to its last keep tokens (0: all; truncation). The tokenizer
+// truncates the text's own tokens and then adds its special tokens, which
+// count in keep (a Llama 3 prompt keeps <|begin_of_text|> and its last
+// keep − 1 tokens), so the text is encoded a second time without them to
+// tell them apart.
+func (s *ChatTokenSource) text(ctx context.Context, text string, add bool, keep int) ([]uint32, error) {
+	ids, err := s.encode(ctx, text, add)
+	if err != nil || keep <= 0 || len(ids) <= keep {
+		return ids, err
 	}
-	return rawAddSpecialTokens(openai.TopLevelRaw(body, "add_special_tokens"))
+	if !add {
+		return router.KeepLast(ids, keep), nil
+	}
+	plain, err := s.encode(ctx, text, false)
+	if err != nil {
+		return nil, err
+	}
+	n := len(ids) - len(plain) // the special tokens
+	at := -1
+	for p := 0; p <= n && n >= 0; p++ {
+		if slices.Equal(ids[p:p+len(plain)], plain) {
+			at = p
+			break
+		}
+	}
+	if at < 0 || keep <= n {
+		return nil, fmt.Errorf("%w: truncate_prompt_tokens %d: the prompt's special tokens are not where the router expects them", router.ErrTokenSource, keep)
+	}
+	out := make([]uint32, 0, keep)
+	out = append(out, ids[:at]...)
+	out = append(out, plain[len(plain)-(keep-n):]...)
+	return append(out, ids[at+len(plain):]...), nil
+}
+
+// bodyMember is a raw body's top-level member key (exact, as vLLM reads
+// it), nil when absent: the raw invoke path, which has no parsed request.
+func bodyMember(body []byte, key string) json.RawMessage {
+	if !bytes.Contains(body, []byte(`"`+key+`"`)) && !bytes.Contains(body, []byte(`\u`)) {
+		return nil // no key that could decode to key
+	}
+	return openai.TopLevelRaw(body, key)
+}
+
+// addSpecialTokens is a body's add_special_tokens, true unless false.
+func addSpecialTokens(body []byte) bool {
+	return rawAddSpecialTokens(bodyMember(body, "add_special_tokens"))
+}
+
+// truncation is how many of the prompt's last tokens the engine prefills
+// (0: all), from the request's truncate_prompt_tokens
+// (router.PromptTruncation); an error when the router cannot tell (-1:
+// the model's max_model_len), so that kv_aware routes heuristically.
+func truncation(req *router.Request) (int, error) {
+	var v json.RawMessage
+	if req.Parsed != nil {
+		v = req.Parsed.TruncatePromptTokens
+	} else {
+		v = bodyMember(req.Body, "truncate_prompt_tokens")
+	}
+	keep, err := router.PromptTruncation(v)
+	if err != nil {
+		return 0, fmt.Errorf("%w: %w", router.ErrTokenSource, err)
+	}
+	return keep, nil
 }
 
 // rawAddSpecialTokens reads a raw add_special_tokens value: only false
@@ -116,10 +174,14 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *router.Request) ([]ui
 	if len(req.Body) > config.MaxTokenizeBytes {
 		return nil, fmt.Errorf("%w: body of %d bytes exceeds %d", router.ErrTokenSource, len(req.Body), config.MaxTokenizeBytes)
 	}
+	keep, err := truncation(req)
+	if err != nil {
+		return nil, err
+	}
 	switch req.Endpoint {
 	case router.EndpointCompletions:
 		if req.Parsed != nil && req.Parsed.Prompt != nil && len(req.Parsed.Prompt.Texts) > 0 {
-			return s.text(ctx, req.Parsed.Prompt.Texts[0], rawAddSpecialTokens(req.Parsed.AddSpecialTokens))
+			return s.text(ctx, req.Parsed.Prompt.Texts[0], rawAddSpecialTokens(req.Parsed.AddSpecialTokens), keep)
 		}
 		return nil, router.ErrNoTokens
 	case router.EndpointChatCompletions, router.EndpointInvoke, router.EndpointInvokeStream:
@@ -129,7 +191,7 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *router.Request) ([]ui
 	// The raw invoke path carries whatever body the engine's /invocations
 	// accepts: an OpenAI chat or completions body.
 	if !bytes.Contains(req.Body, []byte(`"messages"`)) && req.Endpoint != router.EndpointChatCompletions {
-		return s.promptTokens(ctx, req.Body)
+		return s.promptTokens(ctx, req.Body, keep)
 	}
 	b, ok, err := parsedChatBody(req.Parsed)
 	if err != nil {
@@ -155,7 +217,10 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *router.Request) ([]ui
 		// gets every block but the last right.
 		opts.AddGenerationPrompt = false
 	}
-	return s.Tokenizer.TokenizeChat(ctx, b.Messages, opts)
+	// The rendered template is encoded without special tokens, truncated
+	// on the left as a text prompt is.
+	ids, err := s.Tokenizer.TokenizeChat(ctx, b.Messages, opts)
+	return router.KeepLast(ids, keep), err
 }
 
 // fastChatBody is chatBody with plain-string contents: decoding a long
@@ -269,8 +334,8 @@ func parseChatBody(body []byte) (chatBody, error) {
 }
 
 // promptTokens encodes a raw body's "prompt" (or "inputs") string, or
-// returns its token ids.
-func (s *ChatTokenSource) promptTokens(ctx context.Context, body []byte) ([]uint32, error) {
+// returns its token ids, truncated to their last keep (0: all).
+func (s *ChatTokenSource) promptTokens(ctx context.Context, body []byte, keep int) ([]uint32, error) {
 	var b struct {
 		Prompt *openai.Prompt   `json:"prompt"`
 		Inputs *json.RawMessage `json:"inputs"`
@@ -288,9 +353,9 @@ func (s *ChatTokenSource) promptTokens(ctx context.Context, body []byte) ([]uint
 	case b.Prompt == nil:
 		return nil, router.ErrNoTokens
 	case len(b.Prompt.Tokens) > 0:
-		return b.Prompt.Tokens[0], nil
+		return router.KeepLast(b.Prompt.Tokens[0], keep), nil
 	case len(b.Prompt.Texts) > 0:
-		return s.text(ctx, b.Prompt.Texts[0], addSpecialTokens(body))
+		return s.text(ctx, b.Prompt.Texts[0], addSpecialTokens(body), keep)
 	}
 	return nil, router.ErrNoTokens
 }

@@ -568,6 +568,8 @@ func (s *jscan) topMember(key string, r *Request) error {
 		return s.raw(1, &r.BestOf)
 	case "kv_transfer_params":
 		return s.raw(1, &r.KVTransferParams)
+	case "truncate_prompt_tokens":
+		return s.raw(1, &r.TruncatePromptTokens)
 	}
 	_, err := s.skip(1)
 	return err

@@ -36,6 +36,9 @@ type Request struct {
 	Priority            json.RawMessage `json:"priority"`
 	MaxTokens           json.RawMessage `json:"max_tokens"`
 	MaxCompletionTokens json.RawMessage `json:"max_completion_tokens"`
+	// TruncatePromptTokens is vLLM's left truncation of the prompt
+	// (router.PromptTruncation).
+	TruncatePromptTokens json.RawMessage `json:"truncate_prompt_tokens"`
 	// N and BestOf ask for several sequences of one prompt (disaggregation
 	// serves those aggregated).
 	N      json.RawMessage `json:"n"`
