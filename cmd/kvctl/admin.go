@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/cmd/internal/cli"
 	"github.com/kvrouter/kvrouter/internal/pemfile"
+	"github.com/kvrouter/kvrouter/router/admin/adminapi"
 )
 
 // Environment variables that default the common admin flags, so that an
@@ -207,7 +208,9 @@ func routerAnswer(body []byte, msg string) bool {
 		} `json:"error"`
 	}
 	if json.Unmarshal(body, &oe) == nil && oe.Error != nil {
-		return true
+		// The data listener (admin API mounted there) answers a path it
+		// has no route for with an error object too.
+		return !strings.HasPrefix(oe.Error.Message, adminapi.NoRoute)
 	}
 	return strings.HasPrefix(msg, "unknown pool")
 }

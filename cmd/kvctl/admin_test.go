@@ -213,6 +213,9 @@ func TestNotFoundHint(t *testing.T) {
 		{`{"error":{"message":"no pool \"x\"","type":"not_found_error","param":null,"code":404}}`, false},
 		{"unknown pool \"nope\"\n", false},
 		{"404 page not found\n", true},
+		// The data listener's answer for a path it has no route for (the
+		// admin API mounted there).
+		{`{"error":{"message":"no route for GET /admin/pools/x/nothing","type":"not_found_error","param":null,"code":404}}`, true},
 	}
 	for _, tc := range tests {
 		e := newHTTPError("GET", "http://r/admin/x", http.StatusNotFound, []byte(tc.body))

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -22,6 +23,7 @@ import (
 	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/internal/tick"
 	"github.com/kvrouter/kvrouter/router"
+	"github.com/kvrouter/kvrouter/router/admin/adminapi"
 	"github.com/kvrouter/kvrouter/router/openai"
 )
 
@@ -402,9 +404,32 @@ func (s *Server) Handler() http.Handler {
 		s.addAdminRoutes(mux)
 	}
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		openai.WriteError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
+		if allow := allowedMethods(mux, r); len(allow) > 0 {
+			w.Header().Set("Allow", strings.Join(allow, ", "))
+			openai.WriteError(w, http.StatusMethodNotAllowed, fmt.Sprintf("%s %s: method not allowed (allowed: %s)", r.Method, r.URL.Path, strings.Join(allow, ", ")))
+			return
+		}
+		openai.WriteError(w, http.StatusNotFound, fmt.Sprintf("%s %s %s", adminapi.NoRoute, r.Method, r.URL.Path))
 	})
 	return s.limitInput(mux)
+}
+
+// allowedMethods lists the methods mux routes r's path with, other than
+// the catch-all: a path served with another method is a 405 with Allow
+// (as http.ServeMux answers by itself where no catch-all is mounted), not
+// a 404. Only on that error path.
+func allowedMethods(mux *http.ServeMux, r *http.Request) []string {
+	var allow []string
+	for _, m := range []string{http.MethodGet, http.MethodPost, http.MethodPut} {
+		if m == r.Method {
+			continue
+		}
+		probe := &http.Request{Method: m, URL: r.URL, Host: r.Host, Header: http.Header{}}
+		if _, pattern := mux.Handler(probe); pattern != "" && pattern != "/" {
+			allow = append(allow, m)
+		}
+	}
+	return allow
 }
 
 // AdminHandler serves the admin API, /metrics, /healthz and /readyz (for a

@@ -165,6 +165,18 @@ func TestErrorPaths(t *testing.T) {
 			}
 		})
 	}
+	// A path served with another method: 405 with Allow, not "no route"
+	// (the catch-all route used to answer 404 for GET /v1/completions).
+	for _, tc := range []struct{ method, path, allow string }{
+		{"GET", "/v1/completions", "POST"},
+		{"PUT", "/v1/chat/completions", "POST"},
+		{"POST", "/readyz", "GET"},
+	} {
+		r := h.do(tc.method, tc.path, nil, nil)
+		if r.Status != http.StatusMethodNotAllowed || r.Header.Get("Allow") != tc.allow {
+			t.Errorf("%s %s: status %d, Allow %q; want 405 with Allow %q (%s)", tc.method, tc.path, r.Status, r.Header.Get("Allow"), tc.allow, r.Body)
+		}
+	}
 	// Chunked body over the limit (no Content-Length up front).
 	req, _ := http.NewRequest("POST", h.ts.URL+"/v1/chat/completions", io.MultiReader(bytes.NewReader(big)))
 	req.ContentLength = -1

@@ -110,3 +110,10 @@ type DecideResponse struct {
 	KVAware     DecidePick `json:"kv_aware"`
 	PrefixAware DecidePick `json:"prefix_aware"`
 }
+
+// NoRoute begins the message of the error object the data listener
+// answers, with 404, for a path it has no route for ("no route for GET
+// /admin/x"; the admin API is mounted there when admin_listen is empty):
+// a client tells it from a handler's 404 (a pool, model or instance the
+// router lacks) by it.
+const NoRoute = "no route for"
