@@ -18,9 +18,15 @@ type LimitsConfig struct {
 	MaxHeaderBytes int `yaml:"max_header_bytes" json:"max_header_bytes,omitempty"`
 	// MaxMessages bounds a chat request's messages (400 above). Default 4096.
 	MaxMessages int `yaml:"max_messages" json:"max_messages,omitempty"`
+	// MaxContentParts bounds the parts of a chat request's array contents,
+	// all messages together (400 above). Default 16,384 (DefaultMaxContentParts).
+	MaxContentParts int `yaml:"max_content_parts" json:"max_content_parts,omitempty"`
 	// MaxPromptTokenIDs bounds the token ids of a completions prompt given
 	// as ids, all sequences together (400 above). Default 1,048,576.
 	MaxPromptTokenIDs int `yaml:"max_prompt_token_ids" json:"max_prompt_token_ids,omitempty"`
+	// MaxPrompts bounds the prompts of a completions prompt given as a list
+	// of strings or of token-id lists (400 above). Default 4096 (DefaultMaxPrompts).
+	MaxPrompts int `yaml:"max_prompts" json:"max_prompts,omitempty"`
 	// MaxTokenizeBytes: bodies larger than this are not tokenized for
 	// kv_aware routing; they route heuristically (prefix_aware) rather than
 	// being rejected, since the engine, not the router, knows the model's
@@ -50,6 +56,19 @@ const (
 	DefaultMaxHeaderBytes    = 64 << 10
 	DefaultMaxMessages       = 4096
 	DefaultMaxPromptTokenIDs = 1 << 20
+	// DefaultMaxPrompts, as max_messages: the router builds a slice header
+	// (16-24 bytes) per prompt of a list before the list's limit can be
+	// checked otherwise, and a body of "[0]," asks for one every four
+	// bytes; 4096 keeps a batch's parsed form under 100 KiB beside its
+	// text. A list prompt is a batch of sequences, each prefilled on its
+	// own and all routed by the first: batches past thousands are better
+	// split into requests, which the router can spread over instances.
+	DefaultMaxPrompts = 4096
+	// DefaultMaxContentParts is four parts a message at max_messages (a
+	// text and an image or two is the usual content array). The parts are
+	// decoded by encoding/json, at about 15 bytes of heap a byte of "{},"
+	// parts: 16,384 keeps that under 1 MiB a request.
+	DefaultMaxContentParts   = 4 * DefaultMaxMessages
 	DefaultReadHeaderTimeout = 10 * time.Second
 	DefaultBodyReadTimeout   = 60 * time.Second
 	DefaultIdleTimeout       = 2 * time.Minute
@@ -63,6 +82,8 @@ func (l LimitsConfig) WithDefaults() LimitsConfig {
 	zero.Default(&l.MaxHeaderBytes, DefaultMaxHeaderBytes)
 	zero.Default(&l.MaxMessages, DefaultMaxMessages)
 	zero.Default(&l.MaxPromptTokenIDs, DefaultMaxPromptTokenIDs)
+	zero.Default(&l.MaxPrompts, DefaultMaxPrompts)
+	zero.Default(&l.MaxContentParts, DefaultMaxContentParts)
 	zero.Default(&l.MaxTokenizeBytes, MaxTokenizeBytes)
 	zero.Default(&l.ReadHeaderTimeout, DefaultReadHeaderTimeout)
 	zero.Default(&l.BodyReadTimeout, DefaultBodyReadTimeout)
@@ -81,6 +102,10 @@ func (l LimitsConfig) Validate() error {
 		return bad("max_messages %d: want >= 1", l.MaxMessages)
 	case l.MaxPromptTokenIDs < 1:
 		return bad("max_prompt_token_ids %d: want >= 1", l.MaxPromptTokenIDs)
+	case l.MaxPrompts < 1:
+		return bad("max_prompts %d: want >= 1", l.MaxPrompts)
+	case l.MaxContentParts < 1:
+		return bad("max_content_parts %d: want >= 1", l.MaxContentParts)
 	case l.MaxTokenizeBytes < 1 || l.MaxTokenizeBytes > MaxTokenizeBytes:
 		return bad("max_tokenize_bytes %d out of range 1..%d", l.MaxTokenizeBytes, MaxTokenizeBytes)
 	case l.ReadHeaderTimeout < 0 || l.BodyReadTimeout < 0 || l.IdleTimeout < 0:

@@ -3,10 +3,13 @@ package router
 import (
 	"bytes"
 	"encoding/json"
+	"reflect"
+	"runtime"
 	"strings"
 	"testing"
 	"unicode/utf8"
 
+	"github.com/kvrouter/kvrouter/config"
 	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
@@ -76,8 +79,28 @@ func TestRawRoutingText(t *testing.T) {
 	if got := RawRoutingText([]byte("plain text body"), 1024, true); got != "plain text body" {
 		t.Fatalf("non-JSON %q", got)
 	}
-	if _, err := CanonicalJSON([]byte(`{"a":1} {"b":2}`)); err == nil {
-		t.Fatal("two documents accepted")
+	if got := RawRoutingText([]byte(`{"b":1} {"a":2}`), 1024, true); got != `{"b":1} {"a":2}` {
+		t.Fatalf("two documents canonicalised: %q", got)
+	}
+}
+
+// TestRawRoutingTextAllocationBounded: canonicalising a raw body writes
+// only the routing text's bytes. Decoding the document into `any`, as it
+// was, allocated ~270x a 3 MiB body of "{}," items.
+func TestRawRoutingTextAllocationBounded(t *testing.T) {
+	for _, body := range [][]byte{
+		[]byte(`{"input":[` + strings.Repeat(`{},`, 1<<20) + `{}]}`),
+		[]byte(`{"input":{` + strings.Repeat(`"k":0,`, 1<<19) + `"k":1}}`),
+		[]byte(`{"input":[` + strings.Repeat(`"é",`, 1<<18) + `""]}`),
+	} {
+		var a, b runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&a)
+		_ = RawRoutingText(body, 1024, true)
+		runtime.ReadMemStats(&b)
+		if alloc := b.TotalAlloc - a.TotalAlloc; alloc > 8*uint64(len(body)) {
+			t.Fatalf("canonicalising a %d-byte body allocated %d bytes", len(body), alloc)
+		}
 	}
 }
 
@@ -106,18 +129,35 @@ func FuzzParseOpenAI(f *testing.F) {
 		`{"model":"m","prompt":[[1],[2,3]]}`,
 		`{"model":"m","prompt":["a","b"],"stream":true,"prompt_cache_key":"k"}`,
 		`{"prompt":[-1]}`, `[]`, `{`, `null`,
+		`{"messages":[{},{},{},{}]}`, `{"messages":[{"content":[{},{},{}]},{"content":[{"text":"a"},{}]}]}`,
+		`{"prompt":["a","b","c"]}`, `{"prompt":[[1,2],[3,4],[5]]}`, `{"prompt":[1,2,3,4,5,6]}`, `{"prompt":[[1,2,3],[4,5,6]]}`,
 	} {
 		f.Add([]byte(s), uint16(4))
 	}
+	small := config.LimitsConfig{MaxMessages: 3, MaxContentParts: 4, MaxPrompts: 2, MaxPromptTokenIDs: 5}
 	f.Fuzz(func(t *testing.T, body []byte, lim uint16) {
 		limit := int(lim)%200 + 1
 		for _, ep := range []Endpoint{EndpointChatCompletions, EndpointCompletions} {
 			r, err := ParseOpenAI(ep, body)
+			// Within small limits: refused exactly when a count passes
+			// one, else the same request (a repeated member apart: its
+			// first value is held to the limits too).
+			rs, serr := parseOpenAI(ep, body, small)
 			if err != nil {
 				if r != nil {
 					t.Fatal("error with a result")
 				}
+				if serr == nil {
+					t.Fatalf("%q: refused without limits (%v), taken within them", body, err)
+				}
 				continue
+			}
+			if routertest.ComparableWithStd(body) {
+				if over := overSmall(body, r); over != (serr != nil) {
+					t.Fatalf("%q: over the small limits %v, error %v", body, over, serr)
+				} else if !over && !reflect.DeepEqual(r, rs) {
+					t.Fatalf("%q: within the limits, parsed differently", body)
+				}
 			}
 			txt := openai.RoutingText(r, limit)
 			if n := utf8.RuneCountInString(txt); n > limit {
@@ -130,19 +170,48 @@ func FuzzParseOpenAI(f *testing.F) {
 	})
 }
 
-// FuzzCanonicalJSON: canonical form is idempotent and equal in meaning.
+// overSmall reports whether the parsed r (and its body, for content
+// parts) passes FuzzParseOpenAI's small limits.
+func overSmall(body []byte, r *openai.Request) bool {
+	var v struct {
+		Messages []struct {
+			Content json.RawMessage `json:"content"`
+		} `json:"messages"`
+	}
+	parts := 0
+	if json.Unmarshal(body, &v) == nil {
+		for _, m := range v.Messages {
+			var list []json.RawMessage
+			if json.Unmarshal(m.Content, &list) == nil {
+				parts += len(list)
+			}
+		}
+	}
+	prompts, ids := 0, 0
+	if p := r.Prompt; p != nil {
+		prompts = max(len(p.Texts), len(p.Tokens))
+		for _, s := range p.Tokens {
+			ids += len(s)
+		}
+	}
+	return len(r.Messages) > 3 || parts > 4 || prompts > 2 || ids > 5
+}
+
+// FuzzCanonicalJSON: canonical form is idempotent and valid JSON, and the
+// raw routing text within its limit (openai's FuzzCanonicalPrefixMatchesStd
+// holds the form to encoding/json's).
 func FuzzCanonicalJSON(f *testing.F) {
 	for _, s := range []string{`{"b":1,"a":[1,2,{"d":null,"c":"x"}]}`, ` [1, 2.50e3, "\u003c"] `, `"s"`, `{`, `1 2`, `{"a":1,"a":2}`} {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, body []byte) {
-		c, err := CanonicalJSON(body)
-		if err != nil {
+		c, ok := openai.CanonicalPrefix(body, 1<<20)
+		if !ok {
 			return
 		}
-		c2, err := CanonicalJSON(c)
-		if err != nil || !bytes.Equal(c, c2) {
-			t.Fatalf("not idempotent: %q -> %q (%v)", c, c2, err)
+		c2, ok := openai.CanonicalPrefix(c, 1<<20)
+		if !ok || !bytes.Equal(c, c2) {
+			t.Fatalf("not idempotent: %q -> %q (%v)", c, c2, ok)
 		}
 		if !json.Valid(c) {
 			t.Fatalf("canonical form not valid JSON: %q", c)
@@ -183,7 +252,7 @@ func FuzzDecodeOpenAIMatchesStd(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, body []byte) {
 		var fast openai.Request
-		ferr := openai.Decode(body, &fast)
+		ferr := openai.Decode(body, &fast, openai.Limits{})
 		std, serr := parseOpenAIStd(body)
 		if !routertest.ComparableWithStd(body) {
 			return

@@ -155,15 +155,18 @@ type Inbound struct {
 	// Tenant holds the values of the tenant header (TenantHeader) as
 	// received; nil when absent (OpenAI requests then use prompt_cache_key).
 	Tenant []string
-	// InjectSalt says the edge forwards Body itself, so the pool's
-	// cache_salt is injected into it (HTTP); edges that do not forward
-	// the body (ext_proc, Pick) key blocks by the salt the body carries.
-	InjectSalt bool
+	// Forwards says the edge forwards Body itself (HTTP), so Resolve
+	// writes the body it forwards: the pool's cache_salt injected, a
+	// client's kv_transfer_params removed (stripTransferParams). Edges
+	// that do not forward the body (ext_proc, Pick) key blocks by the salt
+	// the body carries.
+	Forwards bool
 }
 
 // Resolve turns an inbound request into the Request strategies route and
-// the pool that serves it, applying the limits, the tenant key and the
-// pool's cache salt in one place; refusals are *RequestError.
+// the pool that serves it, applying the limits, the tenant key, the pool's
+// cache salt and the removal of kv_transfer_params in one place; refusals
+// are *RequestError.
 func (st *Table) Resolve(in Inbound) (*Request, *Pool, error) {
 	tenant := ""
 	if len(in.Tenant) > 0 {
@@ -193,25 +196,85 @@ func (st *Table) Resolve(in Inbound) (*Request, *Pool, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	if in.InjectSalt && pool.cfg.CacheSalt != nil && pool.cfg.CacheSalt.Enabled {
-		// After the routing text: the salt changes the body, not the route.
-		// The injected salt is kept on the request so kv_aware folds it
-		// into its block keys without scanning the body again.
-		req.Body, req.InjectedCacheSalt = saltRequestBody(pool.cfg.CacheSalt, st.cfg.CacheSaltSecret, tenant, req.Body)
+	if in.Forwards {
+		if err := st.forwardedBody(req, pool, tenant); err != nil {
+			re := AsRequestError(err)
+			re.Pool = pool.Name()
+			return nil, nil, re
+		}
 	}
 	limitTokenize(st.cfg.Limits, req)
 	return req, pool, nil
+}
+
+// forwardedBody writes the body an edge forwards for req: the pool's
+// cache_salt, after the routing text (the salt changes the body, not the
+// route; it is kept on the request so kv_aware folds it into its block
+// keys without scanning the body again), and no kv_transfer_params from
+// the client unless the pool passes them on.
+func (st *Table) forwardedBody(req *Request, pool *Pool, tenant string) error {
+	var err error
+	if c := pool.cfg.CacheSalt; c != nil && c.Enabled {
+		if req.Body, req.InjectedCacheSalt, err = saltRequestBody(c, st.cfg.CacheSaltSecret, tenant, req.Body); err != nil {
+			return err
+		}
+	}
+	if !pool.cfg.PassKVTransferParams {
+		return stripTransferParams(req)
+	}
+	return nil
+}
+
+// stripTransferParams removes the kv_transfer_params a client sent from
+// the body the edge forwards: they tell an engine's KV connector where to
+// pull a prompt's KV from (a host the client would choose) or to hold its
+// blocks for a remote decode, which only the router, running the prefill
+// stage itself, may ask. A raw invocation body that may hold the member
+// must therefore be one strict JSON object (NotJSONObject otherwise): the
+// engine's parser takes bodies the router's does not (NaN, a BOM, UTF-16),
+// and one of those forwarded unread would keep it.
+func stripTransferParams(req *Request) error {
+	if p := req.Parsed; p != nil {
+		if p.KVTransferParams == nil {
+			return nil
+		}
+		p.KVTransferParams = nil // Parsed describes the body forwarded
+	} else if !mayHoldKey(req.Body, "kv_transfer_params") {
+		return nil
+	} else if v, err := openai.TopLevel(req.Body, "kv_transfer_params"); err != nil {
+		return NotJSONObject(err)
+	} else if v == nil {
+		return nil
+	}
+	out, err := openai.SetMembers(req.Body, openai.Member{Key: "kv_transfer_params"})
+	if err != nil {
+		return NotJSONObject(err)
+	}
+	req.Body = out
+	return nil
+}
+
+// mayHoldKey reports whether body may hold an object member key (ASCII)
+// for vLLM's reader, Python's json.loads, whatever else the body holds.
+// That reader takes a body as UTF-16 or UTF-32 only when one of its first
+// four bytes is NUL or it opens with their byte-order mark (0xFE or 0xFF
+// first), else as UTF-8 (a UTF-8 BOM dropped); in UTF-8 a key is its bytes,
+// or spelled with \u escapes. A body with none of these cannot name key: it
+// is forwarded as it came, JSON or not, at the cost of three byte searches
+// rather than a parse.
+func mayHoldKey(body []byte, key string) bool {
+	return bytes.Contains(body, []byte(key)) || bytes.Contains(body, []byte(`\u`)) ||
+		bytes.IndexByte(body[:min(len(body), 4)], 0) >= 0 || len(body) > 0 && body[0] >= 0xFE
 }
 
 func (st *Table) resolveOpenAI(in Inbound, named *Pool, tenant string) (*Request, *Pool, error) {
 	parsed := in.Parsed
 	if parsed == nil {
 		var err error
-		if parsed, err = ParseOpenAI(in.Endpoint, in.Body); err != nil {
+		if parsed, err = parseOpenAI(in.Endpoint, in.Body, st.cfg.Limits); err != nil {
 			return nil, nil, err
 		}
-	}
-	if msg := checkOpenAILimits(st.cfg.Limits, parsed); msg != "" {
+	} else if msg := checkOpenAILimits(st.cfg.Limits, parsed); msg != "" {
 		return nil, nil, badRequest("%s", msg)
 	}
 	if in.Tenant == nil {
@@ -373,40 +436,19 @@ const (
 )
 
 // RawRoutingText is the routing text of a raw invoke body: its first limit
-// bytes, after canonicalising JSON when asked (and when the body is JSON).
+// bytes, after canonicalising JSON when asked (and when the body is one
+// JSON document within the canonical form's budgets:
+// openai.CanonicalPrefix, which writes only those bytes).
 func RawRoutingText(body []byte, limit int, canonicalize bool) string {
 	if canonicalize {
-		if c, err := CanonicalJSON(body); err == nil {
-			body = c
+		if c, ok := openai.CanonicalPrefix(body, limit); ok {
+			return string(c)
 		}
 	}
 	if len(body) > limit {
 		body = body[:limit]
 	}
 	return string(body)
-}
-
-// CanonicalJSON re-serialises a JSON document with sorted object keys, no
-// insignificant whitespace, numbers as written and no HTML escaping, so that
-// equal documents serialised differently compare equal.
-func CanonicalJSON(body []byte) ([]byte, error) {
-	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.UseNumber()
-	var v any
-	if err := dec.Decode(&v); err != nil {
-		return nil, err
-	}
-	if dec.More() {
-		return nil, errors.New("trailing data after JSON value")
-	}
-	var buf bytes.Buffer
-	buf.Grow(len(body))
-	enc := json.NewEncoder(&buf)
-	enc.SetEscapeHTML(false)
-	if err := enc.Encode(v); err != nil { // maps encode with sorted keys
-		return nil, err
-	}
-	return bytes.TrimSuffix(buf.Bytes(), []byte("\n")), nil
 }
 
 // ValidTenantKey reports whether s is 1-64 printable ASCII characters, the
@@ -423,9 +465,16 @@ func ValidTenantKey(s string) bool {
 	return true
 }
 
-// ParseOpenAI parses an OpenAI body posted to ep (openai.Parse); its
-// errors are 400 RequestErrors.
+// ParseOpenAI parses an OpenAI body posted to ep (openai.Parse) within the
+// default limits (Resolve applies the table's); its errors are 400
+// RequestErrors.
 func ParseOpenAI(ep Endpoint, body []byte) (*openai.Request, error) {
+	return parseOpenAI(ep, body, config.LimitsConfig{}.WithDefaults())
+}
+
+// parseOpenAI parses an OpenAI body within l: a body over a limit fails as
+// the scan reaches it, before the parse has built what lies beyond.
+func parseOpenAI(ep Endpoint, body []byte, l config.LimitsConfig) (*openai.Request, error) {
 	kind := openai.Any
 	switch ep {
 	case EndpointChatCompletions:
@@ -433,15 +482,21 @@ func ParseOpenAI(ep Endpoint, body []byte) (*openai.Request, error) {
 	case EndpointCompletions:
 		kind = openai.Completions
 	}
-	r, err := openai.Parse(kind, body)
+	r, err := openai.Parse(kind, body, openai.Limits{
+		Messages:     l.MaxMessages,
+		ContentParts: l.MaxContentParts,
+		Prompts:      l.MaxPrompts,
+		TokenIDs:     l.MaxPromptTokenIDs,
+	})
 	if err != nil {
 		return nil, badRequest("%s", err.Error())
 	}
 	return r, nil
 }
 
-// checkOpenAILimits reports the first limit a parsed OpenAI request breaks,
-// as the message of a 400, or "".
+// checkOpenAILimits reports the first limit a request parsed by its edge
+// (gRPC Pick's, CompletionsInbound) breaks, as the message of a 400, or
+// "". A body parsed here was held to the limits as it was read.
 func checkOpenAILimits(l config.LimitsConfig, r *openai.Request) string {
 	if len(r.Messages) > l.MaxMessages {
 		return fmt.Sprintf("messages: %d messages exceed the limit of %d", len(r.Messages), l.MaxMessages)

@@ -41,24 +41,38 @@ func DeriveCacheSalt(secret []byte, tenant string) string {
 
 // saltRequestBody returns the body to forward for a request of the pool and
 // the salt it wrote: the tenant's derived cache_salt when the pool asks for
-// it, the request has a tenant key and the body is a JSON object; else body
-// itself and "" (a body that is not a JSON object — raw invoke payloads may
-// be anything — is forwarded unchanged). The salt is for
-// Request.InjectedCacheSalt:
+// it and the request has a tenant key; else body itself and "". A body the
+// salt must go into that is not one strict JSON object is refused
+// (NotJSONObject): forwarded unsalted, a body that vLLM's parser reads
+// (NaN, a BOM, UTF-16) would keep the client's own cache_salt. The salt is
+// for Request.InjectedCacheSalt:
 //
-//	req.Body, req.InjectedCacheSalt = saltRequestBody(...)
+//	req.Body, req.InjectedCacheSalt, err = saltRequestBody(...)
 //
 // spares kv_aware reading the salt back out of the new body.
-func saltRequestBody(c *config.CacheSaltConfig, secret []byte, tenant string, body []byte) ([]byte, string) {
+func saltRequestBody(c *config.CacheSaltConfig, secret []byte, tenant string, body []byte) ([]byte, string, error) {
 	if c == nil || !c.Enabled || tenant == "" || len(secret) == 0 {
-		return body, ""
+		return body, "", nil
 	}
 	salt := DeriveCacheSalt(secret, tenant)
 	out, err := openai.InjectCacheSalt(body, salt, c.Client != config.CacheSaltKeep)
-	if err != nil || sameBytes(out, body) {
-		return body, "" // not an object, or a client salt kept
+	if err != nil {
+		return nil, "", NotJSONObject(err)
 	}
-	return out, salt
+	if sameBytes(out, body) {
+		return body, "", nil // a client salt kept
+	}
+	return out, salt, nil
+}
+
+// NotJSONObject is the 400 of a body the router must rewrite (remove
+// kv_transfer_params, write cache_salt) but cannot read as one strict JSON
+// object. vLLM reads bodies with Python's json.loads, which takes more:
+// NaN and Infinity, a UTF-8 BOM, UTF-16 and UTF-32. Forwarded unread, such
+// a body would reach the engine with the members the router is there to
+// remove or replace.
+func NotJSONObject(err error) *RequestError {
+	return badRequest("body must be a JSON object (strict JSON: no NaN/Infinity, UTF-8 without BOM): %v", err)
 }
 
 // TenantCacheSalt is the cache_salt the router injects for tenant's

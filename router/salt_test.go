@@ -93,9 +93,29 @@ func TestSaltBody(t *testing.T) {
 			}
 		})
 	}
-	if got := saltBody(&config.CacheSaltConfig{Enabled: true}, testSaltSecret, "t1", []byte("not json")); string(got) != "not json" {
-		t.Fatalf("a non-JSON body changed: %q", got)
+	// A body the salt must go into but that is not one strict JSON object
+	// is refused, not forwarded with the client's own cache_salt: vLLM's
+	// json.loads reads the ones with NaN, Infinity, a BOM or UTF-16.
+	for _, b := range []string{"not json", `[1]`, `{"cache_salt":"chosen","t":NaN}`, `{"cache_salt":"chosen","t":-Infinity}`,
+		"\ufeff" + `{"cache_salt":"chosen"}`, utf16LE(`{"cache_salt":"chosen"}`)} {
+		out, salt, err := saltRequestBody(&config.CacheSaltConfig{Enabled: true}, testSaltSecret, "t1", []byte(b))
+		if re := AsRequestError(err); err == nil || re.Status != 400 || !strings.Contains(re.Message, "body must be a JSON object") || out != nil || salt != "" {
+			t.Errorf("%q: body %q salt %q, err %v; want the 400 of NotJSONObject", b, out, salt, err)
+		}
 	}
+	// Without a tenant nothing is written, and nothing is asked of the body.
+	if out, _, err := saltRequestBody(&config.CacheSaltConfig{Enabled: true}, testSaltSecret, "", []byte("not json")); err != nil || string(out) != "not json" {
+		t.Fatalf("no tenant: %q %v", out, err)
+	}
+}
+
+// utf16LE is s (ASCII) in UTF-16LE, as Python's json.loads detects it.
+func utf16LE(s string) string {
+	b := make([]byte, 0, 2*len(s))
+	for i := 0; i < len(s); i++ {
+		b = append(b, s[i], 0)
+	}
+	return string(b)
 }
 
 // BenchmarkSaltBody: deriving the salt and rewriting the body, per
@@ -214,11 +234,10 @@ func TestSaltRequestBody(t *testing.T) {
 		{"keeps the client's", keep, "t", `{"prompt":"p","cache_salt":"c"}`, ""},
 		{"no tenant", on, "", `{"prompt":"p"}`, ""},
 		{"off", nil, "t", `{"prompt":"p"}`, ""},
-		{"not an object", on, "t", `[1]`, ""},
 	}
 	for _, tc := range tests {
 		body := []byte(tc.body)
-		out, salt := saltRequestBody(tc.c, testSaltSecret, tc.tenant, body)
+		out, salt, _ := saltRequestBody(tc.c, testSaltSecret, tc.tenant, body)
 		if salt != tc.wantSalt {
 			t.Errorf("%s: salt %q, want %q", tc.name, salt, tc.wantSalt)
 		}
@@ -265,12 +284,10 @@ func FuzzCacheSalt(f *testing.F) {
 	})
 }
 
-// saltBody is saltRequestBody without the salt, for tests that only look at the body: with the
-// tenant's derived cache_salt when the pool asks for it, the request has a
-// tenant key and the body is a JSON object; else body itself. A body that
-// is not a JSON object (raw invoke payloads may be anything) is forwarded
-// unchanged.
+// saltBody is saltRequestBody's body, for tests that only look at the
+// body: with the tenant's derived cache_salt when the pool asks for it and
+// the request has a tenant key; else body itself (nil: refused).
 func saltBody(c *config.CacheSaltConfig, secret []byte, tenant string, body []byte) []byte {
-	out, _ := saltRequestBody(c, secret, tenant, body)
+	out, _, _ := saltRequestBody(c, secret, tenant, body)
 	return out
 }

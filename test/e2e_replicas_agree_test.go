@@ -51,7 +51,7 @@ func previewAll(t *testing.T, routers []*clusterRouter, pool string, prompt []ui
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			req, p, err := r.srv.Resolve(router.Inbound{Endpoint: router.EndpointCompletions, Body: body, InjectSalt: true})
+			req, p, err := r.srv.Resolve(router.Inbound{Endpoint: router.EndpointCompletions, Body: body, Forwards: true})
 			if err != nil {
 				errs[i] = err
 				return

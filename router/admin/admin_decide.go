@@ -45,7 +45,7 @@ func (s *api) serveDecide(w http.ResponseWriter, r *http.Request) {
 		ep, epName = router.EndpointChatCompletions, "chat"
 	}
 	req, pool, err := s.srv.Resolve(router.Inbound{Endpoint: ep, Body: body, PoolName: p.Name(), PoolHeader: "pool",
-		Tenant: r.Header.Values(router.TenantHeader), InjectSalt: true})
+		Tenant: r.Header.Values(router.TenantHeader), Forwards: true})
 	if err != nil {
 		re := router.AsRequestError(err)
 		openai.WriteError(w, re.Status, "decide: "+re.Message)

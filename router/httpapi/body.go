@@ -115,6 +115,22 @@ func (b *bodyBudget) release(n int64) {
 // errBodyBudget: the body-memory budget could not cover the next chunk.
 var errBodyBudget = errors.New("request body memory budget exhausted")
 
+// errBodyTruncated: the upload ended before its Content-Length or its
+// chunked encoding's last chunk. net/http says so with io.ErrUnexpectedEOF,
+// as io.ReadFull does of a body ending inside a chunk: truncatedBody tells
+// the two apart.
+var errBodyTruncated = errors.New("request body cut short before its declared end")
+
+type truncatedBody struct{ io.Reader }
+
+func (b truncatedBody) Read(p []byte) (int, error) {
+	n, err := b.Reader.Read(p)
+	if errors.Is(err, io.ErrUnexpectedEOF) {
+		err = errBodyTruncated
+	}
+	return n, err
+}
+
 // bodyReadStatus maps a read error to the status answering it.
 func bodyReadStatus(err error, limit int64) (int, string) {
 	var mbe *http.MaxBytesError
@@ -157,6 +173,7 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request, limit int64) (
 // its word is one allocation and no copy. limit bounds what rd yields
 // (it is wrapped by http.MaxBytesReader); no chunk reaches past it.
 func readChunks(rd io.Reader, declared, limit int64, b *bodyBudget) (body []byte, held int64, err error) {
+	rd = truncatedBody{rd} // a bare io.ErrUnexpectedEOF below is io.ReadFull's
 	var chunks [][]byte
 	total := int64(0)
 	fail := func(err error) ([]byte, int64, error) {
@@ -202,7 +219,7 @@ func readChunks(rd io.Reader, declared, limit int64, b *bodyBudget) (body []byte
 		n += k
 		chunks = append(chunks, c[:n])
 		total += int64(n)
-		if err == io.EOF || err == io.ErrUnexpectedEOF {
+		if err == io.EOF || err == io.ErrUnexpectedEOF { // the body's end
 			break
 		}
 		if err != nil {
@@ -218,6 +235,9 @@ func readChunks(rd io.Reader, declared, limit int64, b *bodyBudget) (body []byte
 		}
 		carry, hasCarry = c[n], true
 		next = min(max(total, minBodyChunk), maxBodyChunk)
+	}
+	if declared >= 0 && total != declared { // a reader that does not hold it to its Content-Length
+		return fail(errBodyTruncated)
 	}
 	if len(chunks) == 1 {
 		return chunks[0], held, nil

@@ -165,6 +165,52 @@ func TestClientTransferParamsStripped(t *testing.T) {
 	}
 }
 
+// TestRawTransferParamsNeedStrictJSON: a raw invocation body that may hold
+// kv_transfer_params and that the router cannot read as one strict JSON
+// object is refused, not forwarded with the member: vLLM's json.loads
+// reads NaN and Infinity, a UTF-8 BOM and UTF-16, which the router's
+// parser does not (before, each of these reached the instance unchanged,
+// with a 200). A body that cannot name the member goes as it came.
+func TestRawTransferParamsNeedStrictJSON(t *testing.T) {
+	h := servertest.New(t, 1, nil)
+	evil := `"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"attacker.example"}`
+	bodies := map[string]string{"plain text": `kv_transfer_params=x`, "array": `[{` + evil + `}]`}
+	for _, num := range []string{"NaN", "Infinity", "-Infinity"} {
+		bodies[num] = `{"prompt":"hello","temperature":` + num + `,` + evil + `}`
+	}
+	bodies["BOM"] = "\ufeff" + `{"prompt":"hello",` + evil + `}`
+	var utf16 []byte
+	for _, c := range []byte(`{"prompt":"hello",` + evil + `}`) {
+		utf16 = append(utf16, c, 0)
+	}
+	bodies["UTF-16LE"] = string(utf16)
+	bodies["escaped key"] = `{"prompt":"hello","kv_transfer_p\u0061rams":{"remote_host":"attacker.example"},"t":NaN}`
+	for name, body := range bodies {
+		before := string(h.Ups[0].LastBody())
+		r := h.Do(http.MethodPost, "/invocations", []byte(body), nil)
+		if msg, _ := servertest.ErrorOf(t, r); r.Status != http.StatusBadRequest || !strings.Contains(msg, "body must be a JSON object") {
+			t.Errorf("%s: %d %s, want 400", name, r.Status, r.Body)
+		}
+		if got := string(h.Ups[0].LastBody()); got != before {
+			t.Errorf("%s: forwarded %q", name, got)
+		}
+	}
+	for _, body := range []string{`plain text`, `{"prompt":"hello","temperature":NaN}`} {
+		if r := h.Do(http.MethodPost, "/invocations", []byte(body), nil); r.Status != http.StatusOK || string(h.Ups[0].LastBody()) != body {
+			t.Fatalf("%s: %d, forwarded %s", body, r.Status, h.Ups[0].LastBody())
+		}
+	}
+	// A strict body is forwarded without the member; a pool that passes
+	// kv_transfer_params on forwards any body as it came.
+	if r := h.Do(http.MethodPost, "/invocations", []byte(`{"prompt":"hello",`+evil+`}`), nil); r.Status != http.StatusOK || strings.Contains(string(h.Ups[0].LastBody()), "kv_transfer_params") {
+		t.Fatalf("strict body: %d, forwarded %s", r.Status, h.Ups[0].LastBody())
+	}
+	pass := servertest.New(t, 1, func(c *config.Config) { c.Pools[0].PassKVTransferParams = true })
+	if r := pass.Do(http.MethodPost, "/invocations", []byte(bodies["NaN"]), nil); r.Status != http.StatusOK || string(pass.Ups[0].LastBody()) != bodies["NaN"] {
+		t.Fatalf("pass_kv_transfer_params: %d, forwarded %s", r.Status, pass.Ups[0].LastBody())
+	}
+}
+
 // TestRoundRobinStagesRotateApart: round_robin's prefill and decode picks
 // each rotate over their own set: 8 sequential requests over 2 prefill and
 // 2 decode instances reach every instance 4 times (one shared rotation

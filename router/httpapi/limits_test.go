@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -66,7 +67,7 @@ func openAIError(t *testing.T, b []byte) (msg string, code int) {
 }
 
 func TestInputLimits(t *testing.T) {
-	r := newLimitsRig(t, config.LimitsConfig{MaxHeaderBytes: 2048, MaxMessages: 3, MaxPromptTokenIDs: 10})
+	r := newLimitsRig(t, config.LimitsConfig{MaxHeaderBytes: 2048, MaxMessages: 3, MaxPromptTokenIDs: 10, MaxPrompts: 3, MaxContentParts: 4})
 	msgs := func(n int) string {
 		var parts []string
 		for range n {
@@ -86,6 +87,11 @@ func TestInputLimits(t *testing.T) {
 		{name: "token ids at the limit", path: "/v1/completions", body: `{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10]}`, status: 200},
 		{name: "token ids over the limit", path: "/v1/completions", body: `{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10,11]}`, status: 400, msg: "prompt: 11 token ids exceed the limit of 10"},
 		{name: "token ids over the limit across a batch", path: "/v1/completions", body: `{"model":"m","prompt":[[1,2,3,4,5,6],[7,8,9,10,11]]}`, status: 400, msg: "11 token ids exceed"},
+		{name: "prompts at the limit", path: "/v1/completions", body: `{"model":"m","prompt":["a","b","c"]}`, status: 200},
+		{name: "prompts over the limit", path: "/v1/completions", body: `{"model":"m","prompt":["a","b","c","d"]}`, status: 400, msg: "prompt: 4 prompts exceed the limit of 3"},
+		{name: "token-id prompts over the limit", path: "/v1/completions", body: `{"model":"m","prompt":[[1],[2],[3],[4]]}`, status: 400, msg: "prompt: 4 prompts exceed the limit of 3"},
+		{name: "content parts at the limit", path: "/v1/chat/completions", body: `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},{"role":"user","content":[{"type":"text","text":"c"},{"type":"text","text":"d"}]}]}`, status: 200},
+		{name: "content parts over the limit", path: "/v1/chat/completions", body: `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"},{"type":"text","text":"c"}]},{"role":"user","content":[{"type":"text","text":"d"},{"type":"text","text":"e"}]}]}`, status: 400, msg: "messages: content parts exceed the limit of 4"},
 		{name: "text prompt is not counted as ids", path: "/v1/completions", body: `{"model":"m","prompt":"` + strings.Repeat("x", 5000) + `"}`, status: 200},
 		{name: "headers over the limit", path: "/v1/completions", body: `{"model":"m","prompt":"x"}`, header: map[string]string{"X-Pad": strings.Repeat("a", 2100)}, status: 431, msg: "exceed the limit of 2048 bytes"},
 		{name: "headers over the limit on GET", path: "/v1/models", header: map[string]string{"X-Pad": strings.Repeat("a", 2100)}, status: 431, msg: "exceed the limit of 2048 bytes"},
@@ -192,4 +198,26 @@ func TestSlowClients(t *testing.T) {
 			t.Fatalf("stream incomplete: %q", b)
 		}
 	})
+}
+
+// TestParseAllocationBoundedOverHTTP: a body that is all list items
+// ("{}," messages) costs the router a few times its size, not hundreds:
+// before the limits were checked inside the parse, a 3 MiB body of
+// messages allocated 862 MB before its 400, past any
+// max_body_memory_bytes.
+func TestParseAllocationBoundedOverHTTP(t *testing.T) {
+	h := servertest.New(t, 1, nil)
+	body := []byte(`{"model":"` + servertest.Model + `","messages":[` + strings.Repeat(`{},`, 1<<20) + `{}]}`)
+	var a, b runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&a)
+	r := h.Do(http.MethodPost, "/v1/chat/completions", body, nil)
+	runtime.ReadMemStats(&b)
+	if msg, _ := servertest.ErrorOf(t, r); r.Status != http.StatusBadRequest || !strings.Contains(msg, "messages exceed the limit of 4096") {
+		t.Fatalf("%d %s", r.Status, r.Body)
+	}
+	// The client's copy and the router's (body, chunks) are in it too.
+	if alloc := b.TotalAlloc - a.TotalAlloc; alloc > 16*uint64(len(body)) {
+		t.Fatalf("a %d-byte body cost %d bytes (%.0fx)", len(body), alloc, float64(alloc)/float64(len(body)))
+	}
 }

@@ -38,7 +38,7 @@ func (s *Server) serveEndpoint(ep router.Endpoint) http.HandlerFunc {
 // headers (OpenAI bodies name their model). The router forwards the body
 // itself, so the pool's cache_salt is injected into it.
 func HTTPInbound(ep router.Endpoint, r *http.Request) router.Inbound {
-	in := router.Inbound{Endpoint: ep, Tenant: r.Header.Values(router.TenantHeader), InjectSalt: true}
+	in := router.Inbound{Endpoint: ep, Tenant: r.Header.Values(router.TenantHeader), Forwards: true}
 	if !ep.OpenAI() {
 		in.PoolHeader, in.PoolName, in.Adapter = router.HeaderPool, r.Header.Get(router.HeaderPool), r.Header.Get(router.HeaderAdapter)
 	}
@@ -74,9 +74,6 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in router.Inbound
 		return
 	}
 	pc := pool.Config()
-	if !pc.PassKVTransferParams {
-		stripTransferParams(req)
-	}
 	rc, strat := pool.Routing()
 	path := r.URL.Path
 	switch in.Endpoint {
@@ -92,6 +89,9 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, in router.Inbound
 			return
 		}
 		defer tk.Done()
+		// The queue's wait is the engines' load, not the router's work:
+		// x-kvrouter-overhead-us leaves it out (X-Kvrouter-Queued-Ms has it).
+		ready = ready.Add(tk.Waited())
 	}
 
 	if in.Endpoint.OpenAI() && pool.Disaggregated() {
@@ -235,7 +235,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *router.Table,
 			if prev != nil {
 				// The retry has nowhere to go: report the first failure.
 				s.setDecisionHeaders(w.Header(), prev)
-				openai.WriteError(w, http.StatusBadGateway, fmt.Sprintf("instance %s failed: %v", prev.dec.Instance.ID(), prev.err))
+				openai.WriteError(w, http.StatusBadGateway, failedMessage(prev.dec.Instance.ID(), prev.err))
 				s.m.requests.WithLabelValues(pool.Name(), prev.dec.Instance.ID(), strat.Name(), string(prev.dec.Reason), "502").Inc()
 				return
 			}
@@ -325,6 +325,11 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request, st *router.Table,
 		s.m.retries.WithLabelValues(pool.Name(), dec.Instance.ID()).Inc()
 		s.log.Warn("upstream failed before responding; retrying on the next candidate", "pool", pool.Name(), "instance", dec.Instance.ID(), "err", a.err)
 		exclude, prev = dec.Instance, a
+		if !a.sent.IsZero() {
+			// The failed instance's time is not the router's either: the
+			// next attempt's overhead counts the decisions, not the wait.
+			ready = ready.Add(time.Since(a.sent))
+		}
 	}
 }
 
@@ -447,7 +452,22 @@ func (s *Server) errorHandler(w http.ResponseWriter, r *http.Request, err error)
 	a.status = status
 	s.setDecisionHeaders(w.Header(), a)
 	s.log.Warn("upstream failed", "pool", a.pool.Name(), "instance", a.dec.Instance.ID(), "err", err)
-	openai.WriteError(w, status, fmt.Sprintf("instance %s failed: %v", a.dec.Instance.ID(), err))
+	openai.WriteError(w, status, failedMessage(a.dec.Instance.ID(), err))
+}
+
+// failedMessage is what a client is told of an instance that failed before
+// answering. A transport error names the instance's address ("dial tcp
+// 10.0.3.7:8000: connect: connection refused"), which is the operator's,
+// not the client's: it stays in the log and the attempt's span.
+func failedMessage(instance string, err error) string {
+	var rs errRetryStatus
+	switch {
+	case errors.As(err, &rs):
+		return fmt.Sprintf("instance %s answered %d", instance, int(rs))
+	case errors.Is(err, context.DeadlineExceeded):
+		return fmt.Sprintf("instance %s timed out before answering", instance)
+	}
+	return fmt.Sprintf("instance %s failed before answering", instance)
 }
 
 // upstreamBody wraps an upstream response body.
@@ -508,7 +528,7 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 	default:
 		tail = append(tail, "\n\n"...)
 	}
-	b.tail = append(tail, openai.SSEErrorEvent(fmt.Sprintf("instance %s failed mid-stream: %v", b.a.dec.Instance.ID(), err))...)
+	b.tail = append(tail, openai.SSEErrorEvent(fmt.Sprintf("instance %s failed mid-stream", b.a.dec.Instance.ID()))...) // the error stays in the log (failedMessage)
 	return n, nil
 }
 
@@ -526,24 +546,3 @@ func newCopyBufferPool(size int) *copyBufferPool {
 func (c *copyBufferPool) Get() []byte { return *c.p.Get().(*[]byte) }
 
 func (c *copyBufferPool) Put(b []byte) { c.p.Put(&b) }
-
-// stripTransferParams removes the kv_transfer_params a client sent from
-// the body this edge forwards, whatever the pool: they tell an engine's KV
-// connector where to pull a prompt's KV from (a host the client would
-// choose) or to hold its blocks for a remote decode, which only the router,
-// running the prefill stage itself, may ask. Raw invocation bodies are
-// edited only when they are a JSON object with the member.
-func stripTransferParams(req *router.Request) {
-	if p := req.Parsed; p != nil {
-		if p.KVTransferParams == nil {
-			return
-		}
-		p.KVTransferParams = nil // Parsed describes the body forwarded
-	} else if !bytes.Contains(req.Body, []byte("kv_transfer_params")) && !bytes.Contains(req.Body, []byte(`\u`)) ||
-		openai.TopLevelRaw(req.Body, "kv_transfer_params") == nil {
-		return
-	}
-	if out, err := openai.SetMembers(req.Body, openai.Member{Key: "kv_transfer_params"}); err == nil {
-		req.Body = out
-	}
-}

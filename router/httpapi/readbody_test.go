@@ -1,16 +1,19 @@
 package httpapi
 
 import (
+	"bufio"
 	"bytes"
 	"fmt"
 	"github.com/kvrouter/kvrouter/internal/cputime"
 	"io"
 	"mime"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"runtime"
 	"strings"
 	"testing"
+	"time"
 )
 
 // A declared Content-Length is not an allocation the client gets for free:
@@ -23,10 +26,10 @@ func TestReadBodyPreallocIsBounded(t *testing.T) {
 		declared  int64
 		body      []byte
 		maxAlloc  uint64 // bytes allocated by readBody, at most
-		wantBytes int
+		wantBytes int    // -1: refused as cut short (400)
 	}{
-		{"claims the limit, sends 10 bytes", limit, bytes.Repeat([]byte("x"), 10), 2 << 20, 10},
-		{"claims 8 MiB, sends 10 bytes", 8 << 20, bytes.Repeat([]byte("x"), 10), 2 << 20, 10},
+		{"claims the limit, sends 10 bytes", limit, bytes.Repeat([]byte("x"), 10), 2 << 20, -1},
+		{"claims 8 MiB, sends 10 bytes", 8 << 20, bytes.Repeat([]byte("x"), 10), 2 << 20, -1},
 		{"honest 3 MiB body", 3 << 20, bytes.Repeat([]byte("y"), 3<<20), 8 << 20, 3 << 20},
 		{"honest small body", 100, bytes.Repeat([]byte("z"), 100), 16 << 10, 100},
 	}
@@ -40,10 +43,12 @@ func TestReadBodyPreallocIsBounded(t *testing.T) {
 			var held int64
 			var status int
 			alloc := allocated(func() { got, held, status = s.readBody(w, r, limit) })
-			if status != 0 {
+			switch {
+			case tt.wantBytes < 0 && status != http.StatusBadRequest:
+				t.Fatalf("status %d for a body short of its Content-Length, want 400", status)
+			case tt.wantBytes >= 0 && status != 0:
 				t.Fatalf("status %d, body %s", status, w.Body.String())
-			}
-			if len(got) != tt.wantBytes || !bytes.Equal(got, tt.body) {
+			case tt.wantBytes >= 0 && (len(got) != tt.wantBytes || !bytes.Equal(got, tt.body)):
 				t.Fatalf("read %d bytes, want %d", len(got), tt.wantBytes)
 			}
 			if alloc > tt.maxAlloc {
@@ -53,6 +58,51 @@ func TestReadBodyPreallocIsBounded(t *testing.T) {
 			s.body.release(held)
 			if u := s.body.used.Load(); u != 0 {
 				t.Fatalf("budget holds %d bytes after release", u)
+			}
+		})
+	}
+}
+
+// TestReadBodyCutShort: an upload that ends before its Content-Length, or
+// before its chunked encoding's last chunk, is refused (400), not taken for
+// the whole body. net/http's body reader reports the cut as
+// io.ErrUnexpectedEOF, which readBody took for io.ReadFull's normal end
+// of a body: the truncated JSON was resolved and routed.
+func TestReadBodyCutShort(t *testing.T) {
+	body := `{"prompt":"` + strings.Repeat("x", 200) + `"}`
+	for _, tc := range []struct{ name, head, sent string }{
+		{"content-length", fmt.Sprintf("Content-Length: %d\r\n", len(body)), body[:len(body)/2]},
+		{"chunked", "Transfer-Encoding: chunked\r\n", fmt.Sprintf("%x\r\n%s\r\n", len(body)/2, body[:len(body)/2])},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := &Server{body: newBodyBudget(1 << 40)}
+			statuses := make(chan int, 1)
+			ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				got, held, status := s.readBody(w, r, 1<<20)
+				s.body.release(held)
+				if status == 0 {
+					t.Errorf("read %d bytes of a body cut short as the whole body: %.40q", len(got), got)
+				}
+				statuses <- status
+			}))
+			defer ts.Close()
+			conn, err := net.Dial("tcp", ts.Listener.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			fmt.Fprintf(conn, "POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s\r\n%s", tc.head, tc.sent)
+			_ = conn.(*net.TCPConn).CloseWrite()
+			if status := <-statuses; status != http.StatusBadRequest {
+				t.Fatalf("status %d, want 400", status)
+			}
+			// The client closed only its side: it reads the answer.
+			_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+			if line, err := bufio.NewReader(conn).ReadString('\n'); err != nil || !strings.Contains(line, " 400 ") {
+				t.Fatalf("answered %q, %v; want 400", line, err)
+			}
+			if s.body.used.Load() != 0 {
+				t.Fatal("the budget still holds the cut body")
 			}
 		})
 	}

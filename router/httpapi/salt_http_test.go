@@ -104,14 +104,20 @@ func TestCacheSaltRawPath(t *testing.T) {
 	}
 	tests := []struct {
 		name, body, tenant, want string
+		status                   int
 	}{
-		{"json object is salted", `{"inputs":"hi","cache_salt":"mine"}`, "t-1", `{"cache_salt":"` + want + `","inputs":"hi"}`},
-		{"no tenant: unchanged", `{"inputs":"hi"}`, "", `{"inputs":"hi"}`},
-		{"not JSON: unchanged", `inputs=hi`, "t-1", `inputs=hi`},
-		{"JSON array: unchanged", `[{"inputs":"hi"}]`, "t-1", `[{"inputs":"hi"}]`},
+		{"json object is salted", `{"inputs":"hi","cache_salt":"mine"}`, "t-1", `{"cache_salt":"` + want + `","inputs":"hi"}`, 200},
+		{"no tenant: unchanged", `{"inputs":"hi"}`, "", `{"inputs":"hi"}`, 200},
+		// A body the salt must go into is one strict JSON object, or refused:
+		// vLLM's json.loads reads some the router cannot (NaN, a BOM,
+		// UTF-16), which would keep the client's own cache_salt.
+		{"not JSON: refused", `inputs=hi`, "t-1", "", 400},
+		{"JSON array: refused", `[{"inputs":"hi"}]`, "t-1", "", 400},
+		{"NaN: refused", `{"inputs":"hi","cache_salt":"mine","t":NaN}`, "t-1", "", 400},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
+			before := string(up.LastBody())
 			req, _ := http.NewRequest(http.MethodPost, ts.URL+"/invocations", strings.NewReader(tc.body))
 			if tc.tenant != "" {
 				req.Header.Set(router.TenantHeader, tc.tenant)
@@ -121,8 +127,14 @@ func TestCacheSaltRawPath(t *testing.T) {
 				t.Fatal(err)
 			}
 			resp.Body.Close()
-			if resp.StatusCode != http.StatusOK {
-				t.Fatalf("status %d", resp.StatusCode)
+			if resp.StatusCode != tc.status {
+				t.Fatalf("status %d, want %d", resp.StatusCode, tc.status)
+			}
+			if tc.status != http.StatusOK {
+				if got := string(up.LastBody()); got != before {
+					t.Fatalf("a refused body reached the instance: %s", got)
+				}
+				return
 			}
 			if got := string(up.LastBody()); got != tc.want {
 				t.Fatalf("upstream body %s, want %s", got, tc.want)

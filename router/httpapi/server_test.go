@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -315,6 +316,31 @@ func TestRetryExhausted(t *testing.T) {
 			t.Fatalf("status %d attempts %q, want 500 after one attempt", r.Status, r.Header.Get(httpapi.HeaderAttempts))
 		}
 	})
+}
+
+// TestUpstreamErrorHidesAddress: a client told that an instance failed
+// learns the instance's id, not its address, which a transport error
+// names ("dial tcp 10.0.3.7:8000: connect: connection refused"): that
+// stays in the log and the attempt's span.
+func TestUpstreamErrorHidesAddress(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	for _, n := range []int{1, 2} { // one attempt; a retry that fails too
+		h := newHarness(t, n, func(c *config.Config) {
+			for i := range c.Pools[0].Instances {
+				c.Pools[0].Instances[i].URL = "http://" + addr
+			}
+		})
+		r := h.do("POST", "/v1/chat/completions", chatBody(model, "hi", false), nil)
+		msg, _ := errorOf(t, r)
+		if r.Status != http.StatusBadGateway || !strings.Contains(msg, "failed before answering") || strings.Contains(string(r.Body), addr) || strings.Contains(string(r.Body), "dial") {
+			t.Fatalf("%d instances: %d %s", n, r.Status, r.Body)
+		}
+	}
 }
 
 func TestStreamingFirstEventBeforeUpstreamFinishes(t *testing.T) {

@@ -185,7 +185,7 @@ func TestWarmPrefixCopyServesTheChat(t *testing.T) {
 	}
 	copyTo := func(i int, tokens int) {
 		t.Helper()
-		req, _, err := srv.Resolve(router.Inbound{Endpoint: router.EndpointChatCompletions, Body: []byte(toolChat), InjectSalt: true})
+		req, _, err := srv.Resolve(router.Inbound{Endpoint: router.EndpointChatCompletions, Body: []byte(toolChat), Forwards: true})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -31,6 +31,10 @@ var errJSONDepth = errors.New("exceeded max depth")
 type jscan struct {
 	b []byte
 	i int
+	// lim bounds what Decode builds (limits.go); parts counts the content
+	// parts of the messages value being read, against lim.ContentParts.
+	lim   Limits
+	parts int
 }
 
 func (s *jscan) errorf(format string, a ...any) error {
@@ -269,7 +273,11 @@ func (s *jscan) tokenIDs() (ids []uint32, ok bool) {
 		return nil, false
 	}
 	el := &jscan{b: rest[:end]} // the elements, scanned with the same whitespace rule
-	ids = make([]uint32, 0, bytes.Count(el.b, []byte{','})+1)
+	n := bytes.Count(el.b, []byte{','}) + 1
+	if over(n, s.lim.TokenIDs) {
+		return nil, false // the general path counts them exactly and refuses
+	}
+	ids = make([]uint32, 0, n)
 	for {
 		el.ws()
 		b, i := el.b, el.i
@@ -440,9 +448,11 @@ func (s *jscan) stringOrNull(field string, dst *string) error {
 	return fmt.Errorf("%s: want a string", field)
 }
 
-// Decode fills r from body (see the file comment).
-func Decode(body []byte, r *Request) error {
-	s := &jscan{b: body}
+// Decode fills r from body (see the file comment), within lim: a body
+// over a limit fails with a *LimitError as soon as the scan has counted
+// what the message needs, before what lies beyond the limit is built.
+func Decode(body []byte, r *Request, lim Limits) error {
+	s := &jscan{b: body, lim: lim}
 	switch s.peek() {
 	case 'n': // null: an empty request, as encoding/json has it
 		if err := s.lit("null"); err != nil {
@@ -496,50 +506,10 @@ func (s *jscan) topMember(key string, r *Request) error {
 			}
 			return errors.New("messages: want an array")
 		}
-		r.Messages = []ChatMessage{} // [] is an empty list, not null
-		return s.array(2, func() error {
-			var m ChatMessage
-			switch s.peek() {
-			case 'n':
-				if err := s.lit("null"); err != nil {
-					return err
-				}
-			case '{':
-				if err := s.object(3, func(k string) error { return s.messageMember(k, &m) }); err != nil {
-					return err
-				}
-			default:
-				if _, err := s.skip(3); err != nil {
-					return err
-				}
-				return fmt.Errorf("messages[%d]: want an object", len(r.Messages))
-			}
-			r.Messages = append(r.Messages, m)
-			return nil
-		})
+		return s.messages(r)
 	case "prompt":
-		if s.peek() == 'n' {
-			r.Prompt = nil
-			return s.lit("null")
-		}
-		if s.peek() == '"' { // the common long case: no second pass
-			raw, esc, err := s.str()
-			if err != nil {
-				return err
-			}
-			r.Prompt = &Prompt{Texts: []string{unquote(raw, esc)}}
-			return nil
-		}
-		if ids, ok := s.tokenIDs(); ok { // the common token-id case: no second pass
-			r.Prompt = &Prompt{Tokens: [][]uint32{ids}}
-			return nil
-		}
-		raw, err := s.skip(1)
+		p, err := s.prompt(1)
 		if err != nil {
-			return err
-		}
-		p := &Prompt{}
-		if err := p.UnmarshalJSON(raw); err != nil {
 			return err
 		}
 		r.Prompt = p
@@ -573,6 +543,236 @@ func (s *jscan) topMember(key string, r *Request) error {
 	}
 	_, err := s.skip(1)
 	return err
+}
+
+// The lists of an OpenAI body (messages, content parts, a prompt given as
+// a list), read in place within Limits (limits.go): each item is built
+// where it lies in its slice, or not at all past a limit, so that what a
+// body costs to parse is bounded by the limits rather than by its size.
+
+// over reports whether n passes the bound max (0: none).
+func over(n, max int) bool { return max > 0 && n > max }
+
+// messages reads the array at s.i ('[' next) into r.Messages. Each message
+// is filled in its slot of the slice (nothing per message escapes), the
+// slice of an earlier "messages" member is reused, and past lim.Messages
+// the rest are only counted, for the message of the 400.
+func (s *jscan) messages(r *Request) error {
+	if r.Messages == nil {
+		r.Messages = []ChatMessage{} // [] is an empty list, not null
+	}
+	r.Messages = r.Messages[:0]
+	s.parts = 0
+	n := 0
+	err := s.array(2, func() error {
+		n++
+		if over(n, s.lim.Messages) {
+			_, err := s.skip(3)
+			return err
+		}
+		switch s.peek() {
+		case 'n':
+			r.Messages = append(r.Messages, ChatMessage{})
+			return s.lit("null")
+		case '{':
+			r.Messages = append(r.Messages, ChatMessage{})
+			m := &r.Messages[len(r.Messages)-1]
+			return s.object(3, func(k string) error { return s.messageMember(k, m) })
+		}
+		if _, err := s.skip(3); err != nil {
+			return err
+		}
+		return fmt.Errorf("messages[%d]: want an object", n-1)
+	})
+	if err == nil && over(n, s.lim.Messages) {
+		err = &LimitError{Field: "messages", What: "messages", N: n, Max: s.lim.Messages}
+	}
+	return err
+}
+
+// contentParts passes over a message's content value at s.i, counting the
+// parts of an array against lim.ContentParts (all messages together), and
+// returns its bytes.
+func (s *jscan) contentParts() ([]byte, error) {
+	if s.peek() != '[' {
+		return s.skip(3)
+	}
+	start := s.i
+	err := s.array(3, func() error {
+		if s.parts++; over(s.parts, s.lim.ContentParts) {
+			return &LimitError{Field: "messages", What: "content parts", N: s.parts, Max: s.lim.ContentParts, AtLeast: true}
+		}
+		_, err := s.skip(4)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return s.b[start:s.i], nil
+}
+
+// prompt reads a completions prompt at s.i: null (nil), a string, token
+// ids, or a list of strings or of token-id lists.
+func (s *jscan) prompt(depth int) (*Prompt, error) {
+	switch s.peek() {
+	case 'n':
+		return nil, s.lit("null")
+	case '"': // the common long case: no second pass
+		raw, esc, err := s.str()
+		if err != nil {
+			return nil, err
+		}
+		return &Prompt{Texts: []string{unquote(raw, esc)}}, nil
+	case '[':
+		if ids, ok := s.tokenIDs(); ok { // the common token-id case: no second pass
+			return &Prompt{Tokens: [][]uint32{ids}}, nil
+		}
+		return s.promptList(depth)
+	}
+	if _, err := s.skip(depth); err != nil {
+		return nil, err
+	}
+	return nil, errPromptShape
+}
+
+var errPromptShape = errors.New("prompt: want a string, a list of strings or token ids")
+
+// promptList reads a prompt given as a list at s.i ('[' next), as
+// encoding/json reads it into the shape its first item names: strings (a
+// null item is ""), token-id lists (a null list is nil) or token ids (a
+// null id is 0). A first pass validates the list and counts its prompts
+// and ids, so that the limits are checked before anything is built and
+// the second builds every slice at its size (all the lists' ids share one
+// array).
+func (s *jscan) promptList(depth int) (*Prompt, error) {
+	start := s.i
+	var first byte
+	items, ids := 0, 0
+	err := s.array(depth, func() error {
+		c := s.peek()
+		if items == 0 {
+			first = c
+		}
+		items++
+		switch {
+		case first == '[' && c == '[':
+			return s.array(depth+1, func() error {
+				ids++
+				_, err := s.skip(depth + 2)
+				return err
+			})
+		case first != '"' && first != '[':
+			ids++
+		}
+		_, err := s.skip(depth + 1)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	end := s.i
+	switch {
+	case items == 0:
+		return nil, errors.New("prompt: empty list")
+	case (first == '"' || first == '[') && over(items, s.lim.Prompts):
+		return nil, &LimitError{Field: "prompt", What: "prompts", N: items, Max: s.lim.Prompts}
+	case over(ids, s.lim.TokenIDs):
+		return nil, &LimitError{Field: "prompt", What: "token ids", N: ids, Max: s.lim.TokenIDs}
+	}
+
+	s.i = start
+	p := &Prompt{}
+	i := 0
+	switch first {
+	case '"':
+		p.Texts = make([]string, items)
+		err = s.array(depth, func() error {
+			switch s.peek() {
+			case '"':
+				raw, esc, err := s.str()
+				if err != nil {
+					return err
+				}
+				p.Texts[i] = unquote(raw, esc)
+			case 'n':
+				_ = s.lit("null")
+			default:
+				return fmt.Errorf("prompt[%d]: want a string", i)
+			}
+			i++
+			return nil
+		})
+	case '[':
+		p.Tokens = make([][]uint32, items)
+		all, k := make([]uint32, ids), 0
+		err = s.array(depth, func() error {
+			switch s.peek() {
+			case '[':
+				from := k
+				err := s.array(depth+1, func() error {
+					v, err := s.tokenID(i)
+					all[k] = v
+					k++
+					return err
+				})
+				if err != nil {
+					return err
+				}
+				p.Tokens[i] = all[from:k:k]
+			case 'n':
+				_ = s.lit("null")
+			default:
+				return fmt.Errorf("prompt[%d]: want token ids (0..4294967295)", i)
+			}
+			i++
+			return nil
+		})
+	default:
+		flat := make([]uint32, items)
+		err = s.array(depth, func() error {
+			v, err := s.tokenID(-1)
+			flat[i] = v
+			i++
+			return err
+		})
+		p.Tokens = [][]uint32{flat}
+	}
+	if err != nil {
+		return nil, err
+	}
+	s.i = end
+	return p, nil
+}
+
+// tokenID reads one token id of prompt item (-1: of a flat list) at s.i,
+// which the first pass validated: a plain decimal integer within uint32,
+// or null (0: encoding/json leaves a null element as it is).
+func (s *jscan) tokenID(item int) (uint32, error) {
+	if s.peek() == 'n' {
+		return 0, s.lit("null")
+	}
+	start := s.i
+	var v uint64
+	for s.i < len(s.b) && s.b[s.i] >= '0' && s.b[s.i] <= '9' {
+		if v = v*10 + uint64(s.b[s.i]-'0'); v > 1<<32-1 {
+			break
+		}
+		s.i++
+	}
+	if s.i > start && (s.i == len(s.b) || !isNumByte(s.b[s.i])) {
+		return uint32(v), nil
+	}
+	s.i = start
+	lit, _ := s.skip(1)
+	if item < 0 {
+		return 0, fmt.Errorf("prompt: want token ids (0..4294967295), not %.20s", lit)
+	}
+	return 0, fmt.Errorf("prompt[%d]: want token ids (0..4294967295), not %.20s", item, lit)
+}
+
+// isNumByte reports whether c can continue a JSON number.
+func isNumByte(c byte) bool {
+	return c >= '0' && c <= '9' || c == '.' || c == 'e' || c == 'E' || c == '+' || c == '-'
 }
 
 // raw keeps the bytes of one value (a sub-slice of the body: no copy).
@@ -617,7 +817,7 @@ func (s *jscan) messageMember(key string, m *ChatMessage) error {
 			m.Content = MessageContent{}
 			return s.lit("null")
 		}
-		raw, err := s.skip(3)
+		raw, err := s.contentParts()
 		if err != nil {
 			return err
 		}
@@ -637,13 +837,13 @@ func (s *jscan) messageMember(key string, m *ChatMessage) error {
 	return err
 }
 
-// topLevelRaw is the raw value of the top-level member key (exact match,
-// the last one when repeated) of a JSON object body; nil when there is
-// none or body is not a valid JSON object.
-func TopLevelRaw(body []byte, key string) json.RawMessage {
+// TopLevel is the raw value of the top-level member key (exact match, the
+// last one when repeated) of a JSON object body, nil when there is none;
+// an error when body is not one strict JSON object.
+func TopLevel(body []byte, key string) (json.RawMessage, error) {
 	s := &jscan{b: body}
 	if s.peek() != '{' {
-		return nil
+		return nil, errNotObject
 	}
 	var v json.RawMessage
 	err := s.object(1, func(k string) error {
@@ -653,8 +853,18 @@ func TopLevelRaw(body []byte, key string) json.RawMessage {
 		}
 		return err
 	})
-	if err != nil || s.peek() != 0 || s.i < len(s.b) {
-		return nil
+	if err != nil {
+		return nil, err
 	}
+	if s.peek() != 0 || s.i < len(s.b) {
+		return nil, s.errorf("invalid character %q after top-level value", s.b[s.i])
+	}
+	return v, nil
+}
+
+// TopLevelRaw is TopLevel's value, nil as well when body is not a JSON
+// object.
+func TopLevelRaw(body []byte, key string) json.RawMessage {
+	v, _ := TopLevel(body, key)
 	return v
 }

@@ -1,7 +1,9 @@
 package openai
 
 import (
+	"bytes"
 	"encoding/json"
+	"errors"
 	"reflect"
 	"strconv"
 	"strings"
@@ -28,14 +30,71 @@ func TestUnquoteMatchesStd(t *testing.T) {
 	}
 }
 
-// FuzzPromptTokenIDsMatchStd holds the token-id fast path (tokenIDs) to
-// encoding/json: for any prompt value, the same accept/reject and the same
-// Prompt; a value the fast path declines goes the general way.
-func FuzzPromptTokenIDsMatchStd(f *testing.F) {
+// promptStd is the prompt reading the scan (lists.go) is held to: the
+// encoding/json one it replaced, which decoded a list through a
+// json.RawMessage per item.
+func promptStd(b []byte) (*Prompt, error) {
+	b = bytes.TrimSpace(b)
+	if string(b) == "null" {
+		return nil, nil
+	}
+	p := &Prompt{}
+	if b[0] == '"' {
+		var s string
+		if err := json.Unmarshal(b, &s); err != nil {
+			return nil, err
+		}
+		p.Texts = []string{s}
+		return p, nil
+	}
+	if b[0] != '[' {
+		return nil, errors.New("prompt: want a string, a list of strings or token ids")
+	}
+	var items []json.RawMessage
+	if err := json.Unmarshal(b, &items); err != nil {
+		return nil, err
+	}
+	if len(items) == 0 {
+		return nil, errors.New("prompt: empty list")
+	}
+	first := bytes.TrimSpace(items[0])
+	switch {
+	case first[0] == '"':
+		p.Texts = make([]string, len(items))
+		for i, it := range items {
+			if err := json.Unmarshal(it, &p.Texts[i]); err != nil {
+				return nil, err
+			}
+		}
+	case first[0] == '[':
+		p.Tokens = make([][]uint32, len(items))
+		for i, it := range items {
+			if err := json.Unmarshal(it, &p.Tokens[i]); err != nil {
+				return nil, err
+			}
+		}
+	default:
+		var ids []uint32
+		if err := json.Unmarshal(b, &ids); err != nil {
+			return nil, err
+		}
+		p.Tokens = [][]uint32{ids}
+	}
+	return p, nil
+}
+
+// FuzzPromptMatchesStd holds the prompt scan (the token-id fast path, and
+// the two-pass list reading) to encoding/json's reading (promptStd): for
+// any prompt value, the same accept/reject and the same Prompt (nil and
+// empty slices told apart); Prompt.UnmarshalJSON reads the same.
+func FuzzPromptMatchesStd(f *testing.F) {
 	for _, v := range []string{
 		`[1,2,3]`, ` [ 1 , 2 ,3 ] `, "[\t0\n,\r7]", `[4294967295]`, `[4294967296]`, `[99999999999999999999]`,
 		`[01]`, `[1.0]`, `[1e3]`, `[1E3]`, `[-1]`, `[-0]`, `[]`, `[1,]`, `[1 2]`, `[1`, `[1,`, `[`, `[0]`,
 		`[[1],[2]]`, `["a"]`, `[1,"a"]`, `[1,null]`, `[1,[2]]`, `[1]x`, `[1]]`,
+		`["a","b\u00e9"]`, `["a",null]`, `["a",1]`, `["a",["b"]]`, `[null,"a"]`, `[null]`, `[null,1]`,
+		`[[],[1,2],null,[3]]`, `[[1],"a"]`, `[[1],2]`, `[[1.5]]`, `[[4294967296]]`, `[[null,1]]`, `[[[1]]]`,
+		`"s"`, `null`, `5`, `{}`, `[{}]`, `[true]`, `[[true]]`,
 	} {
 		f.Add(v)
 	}
@@ -44,14 +103,30 @@ func FuzzPromptTokenIDsMatchStd(f *testing.F) {
 		if !routertest.ComparableWithStd(body) {
 			return
 		}
-		var fast, std Request
-		ferr := Decode(body, &fast)
-		serr := json.Unmarshal(body, &std)
+		var fast Request
+		ferr := Decode(body, &fast, Limits{})
+		var raw struct {
+			Prompt json.RawMessage `json:"prompt"`
+		}
+		serr := json.Unmarshal(body, &raw)
+		var std *Prompt
+		if serr == nil && raw.Prompt != nil {
+			std, serr = promptStd(raw.Prompt)
+		}
 		if (ferr == nil) != (serr == nil) {
 			t.Fatalf("%q: fast err %v, encoding/json err %v", v, ferr, serr)
 		}
-		if ferr == nil && !reflect.DeepEqual(fast.Prompt, std.Prompt) {
-			t.Fatalf("%q: fast %+v, encoding/json %+v", v, fast.Prompt, std.Prompt)
+		if ferr != nil {
+			return
+		}
+		if !reflect.DeepEqual(fast.Prompt, std) {
+			t.Fatalf("%q: fast %+v, encoding/json %+v", v, fast.Prompt, std)
+		}
+		if std != nil {
+			var p Prompt
+			if err := p.UnmarshalJSON(raw.Prompt); err != nil || !reflect.DeepEqual(&p, std) {
+				t.Fatalf("%q: UnmarshalJSON %+v (%v), encoding/json %+v", v, p, err, std)
+			}
 		}
 	})
 }
@@ -94,7 +169,7 @@ func BenchmarkDecodeTokenIDPrompt(b *testing.B) {
 		report := cputime.Report(b)
 		for b.Loop() {
 			var r Request
-			if err := Decode(body, &r); err != nil || len(r.Prompt.Tokens[0]) != 8192 {
+			if err := Decode(body, &r, Limits{}); err != nil || len(r.Prompt.Tokens[0]) != 8192 {
 				b.Fatal(err)
 			}
 		}
@@ -117,7 +192,7 @@ func BenchmarkDecodeTokenIDPrompt(b *testing.B) {
 func TestPromptTokenIDsSizedByArray(t *testing.T) {
 	body := []byte(`{"model":"m","prompt":[1,2,3],"user":"` + strings.Repeat("x", 1<<20) + `"}`)
 	var r Request
-	if err := Decode(body, &r); err != nil {
+	if err := Decode(body, &r, Limits{}); err != nil {
 		t.Fatal(err)
 	}
 	if ids := r.Prompt.Tokens[0]; len(ids) != 3 || cap(ids) > 8 {

@@ -151,54 +151,20 @@ type Prompt struct {
 	Tokens [][]uint32
 }
 
-// UnmarshalJSON decodes every OpenAI prompt shape; token ids must fit uint32.
+// UnmarshalJSON decodes every OpenAI prompt shape; token ids must fit
+// uint32. It reads as Decode does (lists.go: each slice built at its size),
+// without limits.
 func (p *Prompt) UnmarshalJSON(b []byte) error {
-	b = bytes.TrimSpace(b)
-	if len(b) == 0 || string(b) == "null" {
-		return nil
-	}
-	if b[0] == '"' {
-		var s string
-		if err := json.Unmarshal(b, &s); err != nil {
-			return err
-		}
-		p.Texts = []string{s}
-		return nil
-	}
-	if b[0] != '[' {
-		return fmt.Errorf("prompt: want a string, a list of strings or token ids")
-	}
-	var items []json.RawMessage
-	if err := json.Unmarshal(b, &items); err != nil {
+	s := &jscan{b: b}
+	q, err := s.prompt(1)
+	if err != nil {
 		return err
 	}
-	if len(items) == 0 {
-		return fmt.Errorf("prompt: empty list")
+	if s.peek() != 0 || s.i < len(s.b) {
+		return s.errorf("invalid character after the prompt")
 	}
-	first := bytes.TrimSpace(items[0])
-	switch {
-	case len(first) > 0 && first[0] == '"':
-		p.Texts = make([]string, len(items))
-		for i, it := range items {
-			if err := json.Unmarshal(it, &p.Texts[i]); err != nil {
-				return fmt.Errorf("prompt[%d]: %w", i, err)
-			}
-		}
-	case len(first) > 0 && first[0] == '[':
-		p.Tokens = make([][]uint32, len(items))
-		for i, it := range items {
-			var ids []uint32
-			if err := json.Unmarshal(it, &ids); err != nil {
-				return fmt.Errorf("prompt[%d]: want token ids (0..4294967295): %w", i, err)
-			}
-			p.Tokens[i] = ids
-		}
-	default:
-		var ids []uint32
-		if err := json.Unmarshal(b, &ids); err != nil {
-			return fmt.Errorf("prompt: want token ids (0..4294967295): %w", err)
-		}
-		p.Tokens = [][]uint32{ids}
+	if q != nil { // null leaves p as it is, as encoding/json does
+		*p = *q
 	}
 	return nil
 }
@@ -233,11 +199,15 @@ const (
 )
 
 // Parse decodes an OpenAI chat or completions body (validating all of it,
-// see jsonscan.go) and checks that it carries what the endpoint needs. Its
-// errors' text is the client-facing message of a 400.
-func Parse(kind Kind, body []byte) (*Request, error) {
+// see jsonscan.go) within lim and checks that it carries what the endpoint
+// needs. Its errors' text is the client-facing message of a 400; a body
+// over a limit fails with a *LimitError.
+func Parse(kind Kind, body []byte, lim Limits) (*Request, error) {
 	var r Request
-	if err := Decode(body, &r); err != nil {
+	if err := Decode(body, &r, lim); err != nil {
+		if le := (*LimitError)(nil); errors.As(err, &le) {
+			return nil, le
+		}
 		return nil, fmt.Errorf("malformed JSON body: %v", err)
 	}
 	r.src = body
