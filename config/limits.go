@@ -19,7 +19,7 @@ type LimitsConfig struct {
 	// MaxMessages bounds a chat request's messages (400 above). Default 4096.
 	MaxMessages int `yaml:"max_messages" json:"max_messages,omitempty"`
 	// MaxContentParts bounds the parts of a chat request's array contents,
-	// all messages together (400 above). Default 16,384 (DefaultMaxContentParts).
+	// all messages together (400 above). Default 8192 (DefaultMaxContentParts).
 	MaxContentParts int `yaml:"max_content_parts" json:"max_content_parts,omitempty"`
 	// MaxPromptTokenIDs bounds the token ids of a completions prompt given
 	// as ids, all sequences together (400 above). Default 1,048,576.
@@ -56,19 +56,18 @@ const (
 	DefaultMaxHeaderBytes    = 64 << 10
 	DefaultMaxMessages       = 4096
 	DefaultMaxPromptTokenIDs = 1 << 20
-	// DefaultMaxPrompts, as max_messages: the router builds a slice header
-	// (16-24 bytes) per prompt of a list before the list's limit can be
-	// checked otherwise, and a body of "[0]," asks for one every four
-	// bytes; 4096 keeps a batch's parsed form under 100 KiB beside its
-	// text. A list prompt is a batch of sequences, each prefilled on its
-	// own and all routed by the first: batches past thousands are better
-	// split into requests, which the router can spread over instances.
+	// DefaultMaxPrompts, as max_messages: a list prompt is a batch of
+	// sequences, each prefilled on its own and all routed by the first;
+	// batches past thousands are better split into requests, which the
+	// router can spread over instances. 4096 prompts are at most ~100 KiB
+	// of slice headers beside their text.
 	DefaultMaxPrompts = 4096
-	// DefaultMaxContentParts is four parts a message at max_messages (a
-	// text and an image or two is the usual content array). The parts are
-	// decoded by encoding/json, at about 15 bytes of heap a byte of "{},"
-	// parts: 16,384 keeps that under 1 MiB a request.
-	DefaultMaxContentParts   = 4 * DefaultMaxMessages
+	// DefaultMaxContentParts is two parts a message at max_messages (a
+	// text and an image is the usual content array). Each part is decoded
+	// whole to find its text (300-500 bytes of heap a part, whatever its
+	// size: a body of "{}," parts asks for one every three bytes): 8192
+	// keeps that near the messages' own bound, ~4 MB a request.
+	DefaultMaxContentParts   = 2 * DefaultMaxMessages
 	DefaultReadHeaderTimeout = 10 * time.Second
 	DefaultBodyReadTimeout   = 60 * time.Second
 	DefaultIdleTimeout       = 2 * time.Minute

@@ -4,7 +4,7 @@ import "fmt"
 
 // Limits bound what Parse builds from a body, so that the parsed form of a
 // request stays within a fixed size whatever the body holds: a chat message
-// is a ~150-byte struct, a prompt in a list a 16- or 24-byte slice header,
+// is a ~170-byte struct, a prompt in a list a 16- or 24-byte slice header,
 // and a body of "{}," messages or "[0]," prompts asks for one every three
 // or four bytes. Each count is checked as the scan passes it, before the
 // items beyond the limit are built. A zero field bounds nothing (the

@@ -20,7 +20,7 @@ func allocDuring(f func()) uint64 {
 }
 
 // defaults are the router's default limits (config.LimitsConfig).
-var defaults = openai.Limits{Messages: 4096, ContentParts: 16384, Prompts: 4096, TokenIDs: 1 << 20}
+var defaults = openai.Limits{Messages: 4096, ContentParts: 8192, Prompts: 4096, TokenIDs: 1 << 20}
 
 // TestParseAllocationBounded: parsing a body costs a few times the body at
 // most, whatever its lists hold. Before the limits were checked inside the
