@@ -4,12 +4,12 @@ import (
 	"bytes"
 	"encoding/json"
 	"reflect"
-	"runtime"
 	"strings"
 	"testing"
 	"unicode/utf8"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router/openai"
 	"github.com/kvrouter/kvrouter/router/routertest"
 )
@@ -93,12 +93,7 @@ func TestRawRoutingTextAllocationBounded(t *testing.T) {
 		[]byte(`{"input":{` + strings.Repeat(`"k":0,`, 1<<19) + `"k":1}}`),
 		[]byte(`{"input":[` + strings.Repeat(`"é",`, 1<<18) + `""]}`),
 	} {
-		var a, b runtime.MemStats
-		runtime.GC()
-		runtime.ReadMemStats(&a)
-		_ = RawRoutingText(body, 1024, true)
-		runtime.ReadMemStats(&b)
-		if alloc := b.TotalAlloc - a.TotalAlloc; alloc > 8*uint64(len(body)) {
+		if alloc := testenv.Allocated(func() { _ = RawRoutingText(body, 1024, true) }); alloc > 8*uint64(len(body)) {
 			t.Fatalf("canonicalising a %d-byte body allocated %d bytes", len(body), alloc)
 		}
 	}

@@ -8,12 +8,12 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/httpapi"
 	"github.com/kvrouter/kvrouter/router/routertest"
@@ -208,16 +208,13 @@ func TestSlowClients(t *testing.T) {
 func TestParseAllocationBoundedOverHTTP(t *testing.T) {
 	h := servertest.New(t, 1, nil)
 	body := []byte(`{"model":"` + servertest.Model + `","messages":[` + strings.Repeat(`{},`, 1<<20) + `{}]}`)
-	var a, b runtime.MemStats
-	runtime.GC()
-	runtime.ReadMemStats(&a)
-	r := h.Do(http.MethodPost, "/v1/chat/completions", body, nil)
-	runtime.ReadMemStats(&b)
+	var r servertest.Result
+	alloc := testenv.Allocated(func() { r = h.Do(http.MethodPost, "/v1/chat/completions", body, nil) })
 	if msg, _ := servertest.ErrorOf(t, r); r.Status != http.StatusBadRequest || !strings.Contains(msg, "messages exceed the limit of 4096") {
 		t.Fatalf("%d %s", r.Status, r.Body)
 	}
 	// The client's copy and the router's (body, chunks) are in it too.
-	if alloc := b.TotalAlloc - a.TotalAlloc; alloc > 16*uint64(len(body)) {
+	if alloc > 16*uint64(len(body)) {
 		t.Fatalf("a %d-byte body cost %d bytes (%.0fx)", len(body), alloc, float64(alloc)/float64(len(body)))
 	}
 }

@@ -5,12 +5,12 @@ import (
 	"bytes"
 	"fmt"
 	"github.com/kvrouter/kvrouter/internal/cputime"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"io"
 	"mime"
 	"net"
 	"net/http"
 	"net/http/httptest"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -42,7 +42,7 @@ func TestReadBodyPreallocIsBounded(t *testing.T) {
 			var got []byte
 			var held int64
 			var status int
-			alloc := allocated(func() { got, held, status = s.readBody(w, r, limit) })
+			alloc := testenv.Allocated(func() { got, held, status = s.readBody(w, r, limit) })
 			switch {
 			case tt.wantBytes < 0 && status != http.StatusBadRequest:
 				t.Fatalf("status %d for a body short of its Content-Length, want 400", status)
@@ -108,16 +108,6 @@ func TestReadBodyCutShort(t *testing.T) {
 	}
 }
 
-// allocated reports the bytes f allocated.
-func allocated(f func()) uint64 {
-	var before, after runtime.MemStats
-	runtime.GC()
-	runtime.ReadMemStats(&before)
-	f()
-	runtime.ReadMemStats(&after)
-	return after.TotalAlloc - before.TotalAlloc
-}
-
 // endless yields 'a' forever: a chunked upload that never ends.
 type endless struct{}
 
@@ -139,7 +129,7 @@ func TestReadBodyChunkedOverLimitCostsTheLimit(t *testing.T) {
 			r.ContentLength = -1
 			w := httptest.NewRecorder()
 			var status int
-			alloc := allocated(func() { _, _, status = s.readBody(w, r, limit) })
+			alloc := testenv.Allocated(func() { _, _, status = s.readBody(w, r, limit) })
 			if status != http.StatusRequestEntityTooLarge {
 				t.Fatalf("status %d, want 413", status)
 			}

@@ -2,22 +2,12 @@ package openai_test
 
 import (
 	"errors"
-	"runtime"
 	"strings"
 	"testing"
 
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router/openai"
 )
-
-// allocDuring is the heap f allocates, in bytes.
-func allocDuring(f func()) uint64 {
-	var a, b runtime.MemStats
-	runtime.GC()
-	runtime.ReadMemStats(&a)
-	f()
-	runtime.ReadMemStats(&b)
-	return b.TotalAlloc - a.TotalAlloc
-}
 
 // defaults are the router's default limits (config.LimitsConfig).
 var defaults = openai.Limits{Messages: 4096, ContentParts: 8192, Prompts: 4096, TokenIDs: 1 << 20}
@@ -50,7 +40,7 @@ func TestParseAllocationBounded(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			body := []byte(tc.body)
-			alloc := allocDuring(func() { _, _ = openai.Parse(tc.kind, body, tc.lim) })
+			alloc := testenv.Allocated(func() { _, _ = openai.Parse(tc.kind, body, tc.lim) })
 			if alloc > 8*uint64(len(body)) {
 				t.Fatalf("parsing a %d-byte body allocated %d bytes (%.0fx)", len(body), alloc, float64(alloc)/float64(len(body)))
 			}
