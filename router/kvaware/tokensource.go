@@ -193,7 +193,17 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *router.Request) ([]ui
 	if !bytes.Contains(req.Body, []byte(`"messages"`)) && req.Endpoint != router.EndpointChatCompletions {
 		return s.promptTokens(ctx, req.Body, keep)
 	}
-	b, ok, err := parsedChatBody(req.Parsed)
+	parsed := req.Parsed
+	if parsed == nil {
+		// A raw /invocations body the router did not parse: the scan that
+		// checks the default limits as it goes reads it first, so a body
+		// of many small members is refused before encoding/json builds it
+		// (a 4 MiB body of empty messages allocated ~957 MB).
+		if parsed, err = router.ParseOpenAI(router.EndpointInvoke, req.Body); err != nil {
+			return nil, fmt.Errorf("%w: chat body: %w", router.ErrTokenSource, err)
+		}
+	}
+	b, ok, err := parsedChatBody(parsed)
 	if err != nil {
 		return nil, err
 	}

@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/router"
 	"github.com/kvrouter/kvrouter/router/routertest"
 	"github.com/kvrouter/kvrouter/tokenizer"
@@ -323,5 +324,25 @@ func TestAddSpecialTokensExactKey(t *testing.T) {
 		if p, err := router.ParseOpenAI(router.EndpointCompletions, []byte(c.body)); err != nil || rawAddSpecialTokens(p.AddSpecialTokens) != c.want {
 			t.Errorf("%s: parsed: %v", c.body, err)
 		}
+	}
+}
+
+// TestRawChatBodyAllocationBounded: a raw /invocations chat body (no
+// parse of the router's before it) is read within the default limits
+// before encoding/json builds it. A body just under max_tokenize_bytes of
+// empty messages allocated ~957 MB (228× the body) before.
+func TestRawChatBodyAllocationBounded(t *testing.T) {
+	src, _ := NewTokenSource(&config.TokenizerConfig{Source: TokenSourceSimple}, config.PoolConfig{})
+	body := []byte(`{"messages":[` + strings.Repeat(`{},`, (config.MaxTokenizeBytes-64)/3) + `{}]}`)
+	var err error
+	alloc := testenv.Allocated(func() {
+		_, err = src.Tokens(context.Background(), &router.Request{Endpoint: router.EndpointInvoke, Body: body})
+	})
+	if !errors.Is(err, router.ErrTokenSource) {
+		t.Fatalf("a body of %d messages: err %v, want a token-source error (routed on the fallback)", (config.MaxTokenizeBytes-64)/3+1, err)
+	}
+	t.Logf("a %d-byte raw chat body of empty messages: %d bytes allocated", len(body), alloc)
+	if alloc > 16*uint64(len(body)) {
+		t.Fatalf("a %d-byte raw chat body allocated %d bytes (%.0fx)", len(body), alloc, float64(alloc)/float64(len(body)))
 	}
 }
