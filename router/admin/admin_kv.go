@@ -59,6 +59,9 @@ type KVLookupRequest struct {
 	Messages  json.RawMessage `json:"messages"`
 	Adapter   string          `json:"adapter"`
 	CacheSalt string          `json:"cache_salt"`
+	// Model, as a chat or completions request names it: the pool's base
+	// model, or an adapter it serves (then looked up as Adapter would be).
+	Model string `json:"model"`
 }
 
 // The KV endpoints' answers, declared in adminapi so that clients
@@ -95,8 +98,23 @@ func (s *api) serveKVLookup(w http.ResponseWriter, r *http.Request) {
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&req); err != nil {
-		openai.WriteError(w, http.StatusBadRequest, "lookup: malformed JSON: "+err.Error())
+		msg := "lookup: malformed JSON: " + err.Error()
+		if strings.Contains(err.Error(), "unknown field") {
+			msg += " (a lookup takes token_ids, prompt or messages, with model, adapter and cache_salt; POST a whole request body to /admin/pools/{pool}/decide)"
+		}
+		openai.WriteError(w, http.StatusBadRequest, msg)
 		return
+	}
+	if req.Model != "" && req.Model != p.Model() {
+		switch {
+		case req.Adapter != "" && req.Adapter != req.Model:
+			openai.WriteError(w, http.StatusBadRequest, fmt.Sprintf("lookup: model %q and adapter %q disagree", req.Model, req.Adapter))
+			return
+		case !p.ServesAdapter(req.Model):
+			openai.WriteError(w, http.StatusNotFound, fmt.Sprintf("lookup: pool %q does not serve model %q", p.Name(), req.Model))
+			return
+		}
+		req.Adapter = req.Model
 	}
 	given := 0
 	for _, g := range []bool{len(req.TokenIDs) > 0, req.Prompt != "", len(req.Messages) > 0} {

@@ -119,6 +119,10 @@ func TestAdminKVLookupAndInstances(t *testing.T) {
 		{"token ids", "POST", "/admin/pools/kv/lookup", `{"token_ids":` + string(idsJSON) + `}`, "tok", 200, matches},
 		{"prompt through the pool's tokenizer", "POST", "/admin/pools/kv/lookup", `{"prompt":` + string(textJSON) + `}`, "tok", 200, matches},
 		{"other adapter's keys hold nothing", "POST", "/admin/pools/kv/lookup", `{"adapter":"lora-a","token_ids":` + string(idsJSON) + `}`, "tok", 200, `[]`},
+		// A chat request's "model", as a client sends it: the pool's base
+		// model, or an adapter it serves (keyed as that adapter's).
+		{"model, the pool's", "POST", "/admin/pools/kv/lookup", `{"model":"` + kvModel + `","token_ids":` + string(idsJSON) + `}`, "tok", 200, matches},
+		{"model naming an adapter", "POST", "/admin/pools/kv/lookup", `{"model":"lora-a","token_ids":` + string(idsJSON) + `}`, "tok", 200, `[]`},
 		{"cache salt changes the keys", "POST", "/admin/pools/kv/lookup", `{"cache_salt":"s","token_ids":` + string(idsJSON) + `}`, "tok", 200, `[]`},
 		{"short prompt: no full block", "POST", "/admin/pools/kv/lookup", `{"token_ids":[1,2,3]}`, "tok", 200, `[]`},
 		{"no token", "POST", "/admin/pools/kv/lookup", `{"token_ids":[1]}`, "", 401, "bearer"},
@@ -136,6 +140,9 @@ func TestAdminKVLookupAndInstances(t *testing.T) {
 		{"neither input", "POST", "/admin/pools/kv/lookup", `{}`, "tok", 400, "exactly one of"},
 		{"malformed", "POST", "/admin/pools/kv/lookup", `{"token_ids":[-1]}`, "tok", 400, "malformed"},
 		{"unknown field", "POST", "/admin/pools/kv/lookup", `{"tokens":[1]}`, "tok", 400, "malformed"},
+		{"a request's other fields", "POST", "/admin/pools/kv/lookup", `{"prompt":"x","max_tokens":5}`, "tok", 400, "decide"},
+		{"unknown model", "POST", "/admin/pools/kv/lookup", `{"model":"zzz","token_ids":[1]}`, "tok", 404, "model"},
+		{"model and another adapter", "POST", "/admin/pools/kv/lookup", `{"model":"lora-a","adapter":"lora-b","token_ids":[1]}`, "tok", 400, "model"},
 		{"unknown adapter", "POST", "/admin/pools/kv/lookup", `{"adapter":"zzz","token_ids":[1]}`, "tok", 404, "adapter"},
 		{"evictions without events", "GET", "/v1/kv/evictions?pool=kv", "", "tok", 503, "events disabled"},
 		// A body over the bound is refused as such, not cut short and
