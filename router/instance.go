@@ -151,8 +151,11 @@ func (i *Instance) HasAdapter(name string) bool {
 func (i *Instance) Adapters() []string { return slices.Clone(i.adapters.Load().list) }
 
 // SetDiscoveredAdapters replaces the adapters learned from the instance's
-// /v1/models; configured adapters are always kept.
-func (i *Instance) SetDiscoveredAdapters(names []string) {
+// /v1/models; configured adapters are always kept. It reports whether the
+// instance gained an adapter: requests for it waiting in the pool's queue
+// may fit there now (Pool.PokeQueue).
+func (i *Instance) SetDiscoveredAdapters(names []string) (gained bool) {
+	old := i.adapters.Load()
 	s := &adapterSet{names: make(map[string]struct{}, len(names)+len(i.configured)), list: []string{}}
 	for _, n := range i.configured {
 		s.names[n] = struct{}{}
@@ -165,4 +168,13 @@ func (i *Instance) SetDiscoveredAdapters(names []string) {
 	}
 	slices.Sort(s.list)
 	i.adapters.Store(s)
+	if old == nil {
+		return false // the instance's first set, at its creation
+	}
+	for n := range s.names {
+		if _, ok := old.names[n]; !ok {
+			return true
+		}
+	}
+	return false
 }

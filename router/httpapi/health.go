@@ -115,7 +115,9 @@ func (s *Server) discoveryLoop(ctx context.Context, p *router.Pool) {
 					}
 					return
 				}
-				in.SetDiscoveredAdapters(names)
+				if in.SetDiscoveredAdapters(names) {
+					p.PokeQueue() // queued requests for the new adapter may fit there
+				}
 			})
 		}
 		wg.Wait()
