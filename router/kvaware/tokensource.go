@@ -198,7 +198,7 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *router.Request) ([]ui
 		// A raw /invocations body the router did not parse: the scan that
 		// checks the default limits as it goes reads it first, so a body
 		// of many small members is refused before encoding/json builds it
-		// (a 4 MiB body of empty messages allocated ~957 MB).
+		// (a 4 MiB body of empty messages allocated 1,177 MB).
 		if parsed, err = router.ParseOpenAI(router.EndpointInvoke, req.Body); err != nil {
 			return nil, fmt.Errorf("%w: chat body: %w", router.ErrTokenSource, err)
 		}
@@ -231,28 +231,6 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *router.Request) ([]ui
 	// on the left as a text prompt is.
 	ids, err := s.Tokenizer.TokenizeChat(ctx, b.Messages, opts)
 	return router.KeepLast(ids, keep), err
-}
-
-// fastChatBody is chatBody with plain-string contents: decoding a long
-// string straight into a string scans it three times, where
-// tokenizer.Message's flexible content (string, null or parts) costs six
-// passes — most of a long chat's routing time. Bodies it cannot hold
-// (content parts, tool calls) take the general path.
-type fastChatBody struct {
-	Messages []struct {
-		Role             string          `json:"role"`
-		Content          *string         `json:"content"`
-		Name             string          `json:"name"`
-		ToolCallID       string          `json:"tool_call_id"`
-		Reasoning        string          `json:"reasoning"`
-		ReasoningContent string          `json:"reasoning_content"`
-		ToolCalls        json.RawMessage `json:"tool_calls"`
-	} `json:"messages"`
-	Tools                json.RawMessage `json:"tools"`
-	AddGenerationPrompt  *bool           `json:"add_generation_prompt"`
-	ContinueFinalMessage bool            `json:"continue_final_message"`
-	ChatTemplateKwargs   map[string]any  `json:"chat_template_kwargs"`
-	AddSpecialTokens     bool            `json:"add_special_tokens"`
 }
 
 // parsedChatBody builds the chat body from the request as ParseOpenAI
@@ -315,27 +293,11 @@ func unmarshalRaw(field string, v json.RawMessage, dst any) error {
 	return nil
 }
 
-// parseChatBody decodes a chat body, fast when every content is a string.
+// parseChatBody decodes a chat body whole: the shapes parsedChatBody does
+// not hold (content parts, tool calls), which Tokens reads here after the
+// limit-checking scan, so every body is decoded by encoding/json at most
+// once.
 func parseChatBody(body []byte) (chatBody, error) {
-	var f fastChatBody
-	if json.Unmarshal(body, &f) == nil {
-		b := chatBody{Tools: f.Tools, AddGenerationPrompt: f.AddGenerationPrompt, ContinueFinalMessage: f.ContinueFinalMessage, ChatTemplateKwargs: f.ChatTemplateKwargs, AddSpecialTokens: f.AddSpecialTokens}
-		b.Messages = make([]tokenizer.Message, len(f.Messages))
-		fast := true
-		for i, m := range f.Messages {
-			if len(m.ToolCalls) > 0 && string(m.ToolCalls) != "null" {
-				fast = false
-				break
-			}
-			b.Messages[i] = tokenizer.Message{Role: m.Role, Name: m.Name, ToolCallID: m.ToolCallID, Reasoning: m.Reasoning, ReasoningContent: m.ReasoningContent, ContentNull: m.Content == nil}
-			if m.Content != nil {
-				b.Messages[i].Content = *m.Content
-			}
-		}
-		if fast {
-			return b, nil
-		}
-	}
 	var b chatBody
 	if err := json.Unmarshal(body, &b); err != nil {
 		return b, fmt.Errorf("%w: chat body: %w", router.ErrTokenSource, err)
