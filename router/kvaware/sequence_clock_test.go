@@ -25,7 +25,7 @@ func TestFutureIntentDoesNotStallHeldRequests(t *testing.T) {
 
 	nc := testenv.Connect(t, url)
 	m := replicasync.Message{Kind: replicasync.KindIntent, Replica: "z", Incarnation: 1,
-		Intents: []replicasync.Intent{{Seq: 1, Arrival: time.Now().Add(3 * time.Second).UnixNano(), Tokens: 10}}}
+		Intents: []replicasync.Intent{{Seq: 1, Arrival: time.Now().Add(10 * time.Second).UnixNano(), Tokens: 10}}}
 	buf, err := m.AppendBinary(nil)
 	if err != nil {
 		t.Fatal(err)
@@ -39,11 +39,13 @@ func TestFutureIntentDoesNotStallHeldRequests(t *testing.T) {
 	})
 
 	s := a.strategy(config.RoutingConfig{})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	// A stalled loop would sleep until z's epoch, 10 s on: the context's
+	// 5 s ends it first. 2 s leaves a loaded race run room.
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	t0 := time.Now()
 	_, err = s.Pick(ctx, kvRequest("q", promptTokens(1, 4*kvTestBS)), a.insts)
-	if el := time.Since(t0); err != nil || el > 500*time.Millisecond {
+	if el := time.Since(t0); err != nil || el > 2*time.Second {
 		t.Fatalf("a's held request returned after %v (err %v); its own epoch was due within %v", el, err, seq+a.sync.Grace())
 	}
 }
