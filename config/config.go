@@ -473,7 +473,20 @@ type KVScoringConfig struct {
 	// source is a network call); past it the request routes heuristically.
 	// Default 200ms.
 	TokenizeTimeout time.Duration `yaml:"tokenize_timeout" json:"tokenize_timeout,omitempty"`
+	// Engine is the pool's engine kind, for the most of a prompt it reuses
+	// from its prefix cache: vllm (default) and sglang reuse whole blocks
+	// and never the last token, ⌊(T − 1)/B⌋·B; trtllm (TensorRT-LLM with
+	// its default enable_partial_reuse) reuses up to T − 1 tokens, the
+	// last held block partly (docs/kv-aware.md, "What an engine reuses").
+	Engine string `yaml:"engine" json:"engine,omitempty"`
 }
+
+// Engine kinds of routing.kv.engine.
+const (
+	EngineVLLM   = "vllm"
+	EngineSGLang = "sglang"
+	EngineTRTLLM = "trtllm"
+)
 
 // WithDefaults returns r with zero fields replaced by their defaults.
 func (r RoutingConfig) WithDefaults() RoutingConfig {

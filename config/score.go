@@ -27,6 +27,11 @@ func (k *KVScoringConfig) ValidateKV(f string) error {
 			return bad("%s %v: want a finite number >= 0 (0 = default)", v.name, v.v)
 		}
 	}
+	switch k.Engine {
+	case "", EngineVLLM, EngineSGLang, EngineTRTLLM:
+	default:
+		return bad("engine %q: want vllm, sglang or trtllm", k.Engine)
+	}
 	if math.IsNaN(k.PrefillCostWeight) || k.PrefillCostWeight > 100 {
 		return bad("prefill_cost_weight %v out of range (negative = 0, 0 = adaptive, at most 100)", k.PrefillCostWeight)
 	}

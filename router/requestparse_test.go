@@ -126,6 +126,8 @@ func FuzzParseOpenAI(f *testing.F) {
 		`{"prompt":[-1]}`, `[]`, `{`, `null`,
 		`{"messages":[{},{},{},{}]}`, `{"messages":[{"content":[{},{},{}]},{"content":[{"text":"a"},{}]}]}`,
 		`{"prompt":["a","b","c"]}`, `{"prompt":[[1,2],[3,4],[5]]}`, `{"prompt":[1,2,3,4,5,6]}`, `{"prompt":[[1,2,3],[4,5,6]]}`,
+		`{"prompt":[1,2,3,4,5,6],"truncate_prompt_tokens":2}`, `{"prompt":[[1,2,3],[4]],"truncate_prompt_tokens":1}`,
+		`{"prompt":"abc","truncate_prompt_tokens":-1}`,
 	} {
 		f.Add([]byte(s), uint16(4))
 	}
@@ -160,6 +162,20 @@ func FuzzParseOpenAI(f *testing.F) {
 			}
 			if txt2 := openai.RoutingText(r, limit+50); !strings.HasPrefix(txt2, txt) {
 				t.Fatalf("routing text %q is not a prefix of the longer %q", txt, txt2)
+			}
+			// The kept part's routing text (truncate_prompt_tokens): the
+			// same bounds, and the untruncated text when nothing is cut.
+			if keep, err := PromptTruncation(r.TruncatePromptTokens); err == nil {
+				kt := openai.RoutingTextKeep(r, limit, keep)
+				if n := utf8.RuneCountInString(kt); n > limit {
+					t.Fatalf("kept routing text of %d runes over limit %d", n, limit)
+				}
+				if kt2 := openai.RoutingTextKeep(r, limit+50, keep); !strings.HasPrefix(kt2, kt) {
+					t.Fatalf("kept routing text %q is not a prefix of the longer %q", kt, kt2)
+				}
+				if (r.Prompt == nil || len(r.Prompt.Tokens) == 0) && kt != txt {
+					t.Fatalf("%q: no token ids, yet the kept routing text %q differs from %q", body, kt, txt)
+				}
 			}
 		}
 	})

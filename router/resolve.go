@@ -328,7 +328,7 @@ func (st *Table) resolveOpenAI(in Inbound, named *Pool, tenant string) (*Request
 		Pool:         pool.Name(),
 		Model:        model,
 		Adapter:      adapter,
-		RoutingText:  openai.RoutingText(parsed, rc.PrefixLength),
+		RoutingText:  openai.RoutingTextKeep(parsed, rc.PrefixLength, keep),
 		TenantKey:    tenant,
 		Body:         in.Body,
 		Parsed:       parsed,

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -63,5 +64,58 @@ func TestRVTruncatePromptTokens(t *testing.T) {
 		if got != nil || !errors.Is(err, router.ErrTokenSource) || !strings.Contains(err.Error(), "truncate_prompt_tokens") {
 			t.Errorf("%q: %d ids, err %v; want none and a token source error naming truncate_prompt_tokens (heuristic routing)", extra, len(got), err)
 		}
+	}
+}
+
+// TestPrefixAwareKeysKeptTokens: prefix_aware's key is the prefix of what
+// the engine caches, and with truncate_prompt_tokens k vLLM caches only a
+// token-id prompt's last k ids (prompt_ids[-k:]). Two prompts whose kept
+// tails are equal go to one home whatever their dropped heads; two that
+// share a head but keep different tails are keyed apart.
+func TestPrefixAwareKeysKeptTokens(t *testing.T) {
+	tb := truncateTable(t)
+	ids := func(seed, n int) []string {
+		out := make([]string, n)
+		for i := range out {
+			out[i] = fmt.Sprint(1000*seed + i)
+		}
+		return out
+	}
+	resolve := func(head, tail []string, extra string) *router.Request {
+		t.Helper()
+		body := `{"model":"m","prompt":[` + strings.Join(append(slices.Clone(head), tail...), ",") + `]` + extra + `}`
+		req, _, err := tb.Resolve(router.Inbound{Endpoint: router.EndpointCompletions, Body: []byte(body)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return req
+	}
+	const trunc = `,"truncate_prompt_tokens":32`
+	headA, headB, tailX, tailY := ids(1, 2000), ids(2, 2000), ids(3, 32), ids(4, 32) // heads past prefix_length (8,192 characters)
+	ax, bx, ay := resolve(headA, tailX, trunc), resolve(headB, tailX, trunc), resolve(headA, tailY, trunc)
+	if ax.RoutingText != bx.RoutingText {
+		t.Errorf("equal kept tails, different dropped heads: routing texts %.40q… and %.40q… differ", ax.RoutingText, bx.RoutingText)
+	}
+	if ax.RoutingText == ay.RoutingText {
+		t.Errorf("equal dropped heads, different kept tails: one routing text %.40q…", ax.RoutingText)
+	}
+	insts := make([]*router.Instance, 64)
+	for i := range insts {
+		insts[i], _ = router.NewInstance(fmt.Sprintf("i-%d", i), fmt.Sprintf("http://10.0.0.%d", i+1))
+	}
+	pa := router.NewPrefixAware(64, nil)
+	home := func(r *router.Request) string {
+		d, err := pa.Pick(context.Background(), r, insts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d.Instance.ID()
+	}
+	if home(ax) != home(bx) {
+		t.Errorf("equal kept tails: homes %s and %s, want one", home(ax), home(bx))
+	}
+	// Without truncation the whole prompt is cached, and routes by its head.
+	if a, b := resolve(headA, tailX, ""), resolve(headA, tailY, ""); a.RoutingText[:100] != b.RoutingText[:100] {
+		t.Errorf("untruncated prompts sharing a head: routing texts %.40q… and %.40q…, want the head first", a.RoutingText, b.RoutingText)
 	}
 }

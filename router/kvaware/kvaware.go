@@ -903,7 +903,7 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 		// Candidates holding the same blocks (a shared prefix) differ
 		// only by queue: the rest of the prediction is computed once.
 		m.ok, m.blocks = true, ce.blocks
-		m.matched = tierTokens(ce.blocks, bs, ev.tokens)
+		m.matched = tierTokensUpTo(ce.blocks, bs, sc.reusable(ev.tokens, bs))
 		m.prefill = sc.ttft(0, ev.tokens, m.matched)
 		m.rest = recompute(ev.tokens, m.matched)
 		m.cost = sc.prefillCost(ev.weight, m.rest)
@@ -917,7 +917,7 @@ func (sc *kvScoring) score(ev *kvEval, ce *candEval) {
 		for t := range tiers.Count {
 			both[t] = max(ce.blocks[t], ce.stale[t])
 		}
-		m := tierTokens(both, bs, ev.tokens)
+		m := tierTokensUpTo(both, bs, sc.reusable(ev.tokens, bs))
 		rest := recompute(ev.tokens, m)
 		ce.scoreStale = sc.ttft(q, ev.tokens, m) + sc.prefillCost(ev.weight, rest) + sc.shareCost(ce, rest) + ce.place
 	}

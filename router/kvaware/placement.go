@@ -150,7 +150,14 @@ func laterRequests(newTokens int, meanComputed float64, blockSize int) float64 {
 }
 
 // notePlacement sets ev.later (n) from the best match among the
-// candidates, given ū (meanComputed).
+// candidates, given ū (meanComputed). ev.tokens are the prompt's tokens as
+// the engine prefills them: with truncate_prompt_tokens k its last k
+// (Request.TokenIDs), so the new context is the kept tail's
+// (TestPlacementCountsKeptTail). The match is not capped at reusable: a
+// whole-block prompt's recomputed last block is held already, so it places
+// nothing, and capping would change n by at most one block where nothing
+// is new, which the floor of ū at a block cancels
+// (TestPlacementUnmovedByReuseCap).
 func (st *KVState) notePlacement(ev *kvEval, meanComputed float64) {
 	ev.later = 0
 	// Whether requests queue behind each other's prefill is the measured

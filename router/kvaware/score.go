@@ -127,6 +127,7 @@ type kvScoring struct {
 	prefill       float64              // P, tokens/s
 	load          [tiers.Count]float64 // X per tier, tokens/s (+Inf for GPU)
 	blockSize     int                  // 0 = the index's
+	partialReuse  bool                 // the engine reuses a held block in part (reusable)
 	waitingTokens float64
 	runningSec    float64
 	stepSec       float64 // decode step time; its half is the wait at a busy engine
@@ -164,6 +165,7 @@ func resolveScoring(k *config.KVScoringConfig) kvScoring {
 		scrapeTimeout: c.ScrapeTimeout,
 		scrapePath:    c.ScrapePath,
 		tokTimeout:    c.TokenizeTimeout,
+		partialReuse:  c.Engine == config.EngineTRTLLM,
 	}
 	s.load[tiers.GPU] = math.Inf(1)
 	s.load[tiers.CPU] = pos(c.CPULoadTokensPerSecond, cm.LoadTokensPerSec(tiers.CPU))
@@ -207,9 +209,13 @@ func pos(v, def float64) float64 {
 // blocks held in tier t or faster) into tokens per tier, each beyond those
 // of faster tiers, capped at what the engine can reuse of the prompt
 // (reusable).
-func tierTokens(blocks [tiers.Count]int, blockSize, promptTokens int) (out [tiers.Count]int) {
+func tierTokens(blocks [tiers.Count]int, blockSize, promptTokens int) [tiers.Count]int {
+	return tierTokensUpTo(blocks, blockSize, reusable(promptTokens, blockSize))
+}
+
+// tierTokensUpTo is tierTokens with the cap given: most tokens reused.
+func tierTokensUpTo(blocks [tiers.Count]int, blockSize, most int) (out [tiers.Count]int) {
 	prev := 0
-	most := reusable(promptTokens, blockSize)
 	for t := range tiers.Count {
 		n := min(blocks[t]*blockSize, most)
 		if n > prev {
@@ -231,6 +237,24 @@ func reusable(promptTokens, blockSize int) int {
 		return 0
 	}
 	return (promptTokens - 1) / blockSize * blockSize
+}
+
+// reusable is the cap of the pool's engine (routing.kv.engine). SGLang's is
+// vLLM's: it matches fill_ids[:T − 1] (Req.adjust_max_prefix_ids,
+// python/sglang/srt/managers/schedule_batch.py @ 000eaff) aligned down to
+// whole pages (RadixCache.match_prefix, mem_cache/radix_cache.py @
+// 95769b2). TensorRT-LLM chops T − 1 tokens into blocks, the last partial
+// (WindowBlockManager::addSequence, cpp/tensorrt_llm/batch_manager/
+// kvCacheManager.cpp @ b35ac1b), and with enable_partial_reuse, its
+// default (tensorrt_llm/llmapi/llm_args.py @ fcd3f31), that partial block
+// hits the held block it begins (KVCacheBlock::findMatchingBlock): up to
+// T − 1 tokens of the held blocks, so a whole-block prompt held whole
+// recomputes one token, not a block.
+func (sc *kvScoring) reusable(promptTokens, blockSize int) int {
+	if sc.partialReuse && blockSize > 0 {
+		return max(promptTokens-1, 0)
+	}
+	return reusable(promptTokens, blockSize)
 }
 
 // ttft is the ARCHITECTURE's predicted time to first token, in seconds:

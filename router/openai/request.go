@@ -290,7 +290,16 @@ func (t *textBuilder) put(s string) {
 // limit characters of the messages' text (or the prompt), in order, pieces
 // joined by "\n". A token-id prompt routes by its ids written in decimal,
 // space separated.
-func RoutingText(r *Request, limit int) string {
+func RoutingText(r *Request, limit int) string { return RoutingTextKeep(r, limit, 0) }
+
+// RoutingTextKeep is RoutingText of a request whose engine prefills only
+// the last keep tokens of each token-id prompt (vLLM's
+// truncate_prompt_tokens: prompt_ids[-keep:] in
+// OpenAIServing._normalize_prompt_tokens_to_input, vLLM v0.11): those ids
+// route, as they are what the engine caches. keep 0 is the whole prompt.
+// Text prompts and messages route from their start whatever keep is: where
+// the engine cuts them is known only in tokens (docs/kv-aware.md).
+func RoutingTextKeep(r *Request, limit, keep int) string {
 	tb := newTextBuilder(limit)
 	for _, m := range r.Messages {
 		for _, p := range m.Content.Parts {
@@ -309,6 +318,9 @@ func RoutingText(r *Request, limit int) string {
 		}
 		var num [12]byte
 		for _, ids := range r.Prompt.Tokens {
+			if keep > 0 && len(ids) > keep {
+				ids = ids[len(ids)-keep:]
+			}
 			for j, id := range ids {
 				if tb.full() {
 					return tb.sb.String()

@@ -48,6 +48,8 @@ func FuzzHandlers(f *testing.F) {
 		`{"prompt":"hello","max_tokens":3}`, `{"prompt":[1,2,3],"stream":true,"stream_options":{"include_usage":true}}`,
 		`{"messages":[{"role":"user","content":"hi"}],"stream":true}`, `{"lora_name":"a","lora_path":"/a"}`,
 		`{"prompt":"x","model":"a"}`, `{"prompt":["a","b"],"max_tokens":2,"stream":true}`, `{"prompt":"x","cache_salt":"s"}`,
+		`{"prompt":[[1,2,3],[4]],"truncate_prompt_tokens":2}`, `{"messages":[{"role":"user","content":"hi"}],"truncate_prompt_tokens":-1}`,
+		`{"prompt":"x y z","truncate_prompt_tokens":0}`,
 	} {
 		for p := range uint8(8) {
 			f.Add(p, []byte(s))

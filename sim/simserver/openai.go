@@ -67,6 +67,36 @@ type genParams struct {
 	CacheSalt *string `json:"cache_salt"`
 	// KVTransferParams is vLLM's disaggregated-serving field (disagg.go).
 	KVTransferParams *kvTransferParams `json:"kv_transfer_params"`
+	// TruncatePromptTokens is vLLM's left truncation (keepLast).
+	TruncatePromptTokens *int `json:"truncate_prompt_tokens"`
+}
+
+// keepLast truncates each prompt to the last tokens the request's
+// truncate_prompt_tokens k keeps, as vLLM's serving layer does
+// (OpenAIServing._normalize_prompt_tokens_to_input: prompt_ids[-k:];
+// text and chat prompts are tokenized with truncation on the left, which
+// for a tokenizer adding no special tokens, as kvsim's simple one, is the
+// same ids; -1 is max_model_len; vLLM v0.11). Other values are refused,
+// as the router refuses to key them (router.PromptTruncation). On false
+// the error answer has been written.
+func (in *Instance) keepLast(w http.ResponseWriter, p *genParams, prompts [][]uint32) bool {
+	if p.TruncatePromptTokens == nil {
+		return true
+	}
+	k := *p.TruncatePromptTokens
+	switch {
+	case k == -1:
+		k = in.cfg.Engine.MaxModelLenOrDefault()
+	case k < 1:
+		badRequest(w, fmt.Sprintf("truncate_prompt_tokens must be at least 1, or -1, got %d.", k))
+		return false
+	}
+	for i, ids := range prompts {
+		if len(ids) > k {
+			prompts[i] = ids[len(ids)-k:]
+		}
+	}
+	return true
 }
 
 // resolveModel maps the request's model to a LoRA name ("" = base model).
@@ -290,6 +320,9 @@ func (in *Instance) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		badRequest(w, err.Error())
 		return
 	}
+	if !in.keepLast(w, &req.genParams, prompts) {
+		return
+	}
 	tr, ok := in.checkTransfer(w, &req.genParams)
 	if !ok {
 		return
@@ -495,6 +528,11 @@ func (in *Instance) handleChat(w http.ResponseWriter, r *http.Request) {
 		badRequest(w, err.Error())
 		return
 	}
+	kept := [][]uint32{prompt}
+	if !in.keepLast(w, &req.genParams, kept) {
+		return
+	}
+	prompt = kept[0]
 	tr, ok := in.checkTransfer(w, &req.genParams)
 	if !ok {
 		return
