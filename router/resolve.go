@@ -197,7 +197,7 @@ func (st *Table) Resolve(in Inbound) (*Request, *Pool, error) {
 		return nil, nil, err
 	}
 	if in.Forwards {
-		if err := st.forwardedBody(req, pool, tenant); err != nil {
+		if err := st.forwardedBody(req, pool); err != nil {
 			re := AsRequestError(err)
 			re.Pool = pool.Name()
 			return nil, nil, re
@@ -211,11 +211,13 @@ func (st *Table) Resolve(in Inbound) (*Request, *Pool, error) {
 // cache_salt, after the routing text (the salt changes the body, not the
 // route; it is kept on the request so kv_aware folds it into its block
 // keys without scanning the body again), and no kv_transfer_params from
-// the client unless the pool passes them on.
-func (st *Table) forwardedBody(req *Request, pool *Pool, tenant string) error {
+// the client unless the pool passes them on. The salt is the request's
+// tenant key's: the tenant header's, else an OpenAI body's
+// prompt_cache_key (resolveOpenAI).
+func (st *Table) forwardedBody(req *Request, pool *Pool) error {
 	var err error
 	if c := pool.cfg.CacheSalt; c != nil && c.Enabled {
-		if req.Body, req.InjectedCacheSalt, err = saltRequestBody(c, st.cfg.CacheSaltSecret, tenant, req.Body); err != nil {
+		if req.Body, req.InjectedCacheSalt, err = saltRequestBody(c, st.cfg.CacheSaltSecret, req.TenantKey, req.Body); err != nil {
 			return err
 		}
 	}
