@@ -155,11 +155,13 @@ type Inbound struct {
 	// Tenant holds the values of the tenant header (TenantHeader) as
 	// received; nil when absent (OpenAI requests then use prompt_cache_key).
 	Tenant []string
-	// Forwards says the edge forwards Body itself (HTTP), so Resolve
-	// writes the body it forwards: the pool's cache_salt injected, a
-	// client's kv_transfer_params removed (stripTransferParams). Edges
-	// that do not forward the body (ext_proc, Pick) key blocks by the salt
-	// the body carries.
+	// Forwards says the edge forwards Body, or has it forwarded (HTTP;
+	// Envoy's ext_proc, as a body mutation when Request.Body is not Body
+	// itself), so Resolve writes the body forwarded: the pool's cache_salt
+	// injected, a client's kv_transfer_params removed
+	// (stripTransferParams), and kv_aware keys blocks by that body's salt.
+	// gRPC Pick forwards nothing: it keys blocks by the salt the body
+	// carries.
 	Forwards bool
 }
 
