@@ -100,6 +100,9 @@ var _ extprocv3.ExternalProcessorServer = (*extProc)(nil)
 type epStream struct {
 	headers map[string]string
 	body    []byte
+	// chunks counts the request body messages: 0 for a request whose
+	// headers end the stream (no body to rewrite), 1 for a BUFFERED body.
+	chunks int
 	// subset is the hint's endpoints; hasSubset tells an empty hint (pick
 	// nothing) from none (pick from the pool).
 	subset    []string
@@ -162,6 +165,7 @@ func (x *extProc) Process(stream extprocv3.ExternalProcessor_ProcessServer) erro
 					fmt.Sprintf("request body exceeds the limit of %d bytes", x.s.cfg.ExtProc.MaxBodyBytes)))
 			}
 			st.body = append(st.body, r.RequestBody.GetBody()...)
+			st.chunks++
 			if !r.RequestBody.GetEndOfStream() || st.inst != nil {
 				// Streamed mode collects until the end; a body after the
 				// pick (a misbehaving client) must not pick, and acquire,
@@ -279,6 +283,17 @@ func (x *extProc) decide(ctx context.Context, st *epStream) (*extprocv3.CommonRe
 		re := router.AsRequestError(err)
 		return fail(re.Pool, re.Status, re.Message)
 	}
+	rewrite := rewritten(st.body, req.Body)
+	if rewrite && st.chunks > 1 {
+		// Envoy sent the body in several messages (request_body_mode
+		// STREAMED or BUFFERED_PARTIAL) and let the earlier ones through
+		// (Process answers them "continue"): a body mutation now would
+		// replace the last chunk alone, and the engine would read the
+		// client's members in the chunks before it. Refuse rather than
+		// forward them; the filter must be BUFFERED (docs/envoy.md).
+		s.log.Warn("ext_proc: a body to rewrite arrived in several messages; set request_body_mode: BUFFERED", "pool", p.Name(), "messages", st.chunks)
+		return fail(p.Name(), http.StatusInternalServerError, "the request body must be rewritten and Envoy streamed it: the ext_proc filter needs request_body_mode BUFFERED")
+	}
 	rc, strat := p.Routing()
 	var buf [32]*router.Instance
 	cands, _ := p.Candidates(buf[:0], req.Adapter, nil)
@@ -351,7 +366,7 @@ func (x *extProc) decide(ctx context.Context, st *epStream) (*extprocv3.CommonRe
 			set(strings.ToLower(router.HeaderReason), string(dec.Reason)),
 		}},
 	}
-	if rewritten(st.body, req.Body) {
+	if rewrite {
 		// The body Resolve wrote for Envoy to forward (router.Inbound's
 		// Forwards: the pool's cache_salt in, a client's
 		// kv_transfer_params out), the one kv_aware keyed the pick by.
@@ -396,14 +411,15 @@ func rewritten(received, forwarded []byte) bool {
 // passes them, a body that needs either and is not strict JSON refused
 // with 400), kv_aware keys blocks by the salt of that body, and decide
 // hands it to Envoy as a body mutation when it differs from the received
-// one.
+// one. A request without a body (its headers ended the stream) has none
+// to rewrite, and is resolved as before.
 func (x *extProc) inbound(st *epStream) router.Inbound {
 	path, _, _ := strings.Cut(st.headers[":path"], "?")
 	in := router.Inbound{
 		Body:       st.body,
 		PoolHeader: x.s.cfg.ExtProc.PoolHeader,
 		PoolName:   st.headers[x.s.cfg.ExtProc.PoolHeader],
-		Forwards:   true,
+		Forwards:   st.chunks > 0,
 	}
 	switch path {
 	case "/v1/chat/completions":

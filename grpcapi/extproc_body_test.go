@@ -237,3 +237,48 @@ func TestExtProcSaltKeysKVAware(t *testing.T) {
 		t.Errorf("tenant-a forwarded cache_salt %s, want a's", got)
 	}
 }
+
+// TestExtProcHeadersOnlyNotRewritten: a request without a body (its
+// headers end the stream: a GET through Envoy) has no body to write a salt
+// into or strip: it is routed as before, not refused because an empty body
+// is no JSON object (a 400 when the picker first forwarded every body).
+func TestExtProcHeadersOnlyNotRewritten(t *testing.T) {
+	h := newHarness(t, salted(""))
+	e := h.envoy(t)
+	r := e.headers(nil, true, ":method", "GET", ":path", "/v1/models", "x-kvrouter-pool", "hash", strings.ToLower(router.TenantHeader), "tenant-a")
+	if o := outcomeOf(t, r); o.status != 0 || !strings.HasPrefix(o.instance, "hash-") {
+		t.Fatalf("headers-only request: %+v, want routed in pool hash", o)
+	}
+	if r.GetRequestHeaders().GetResponse().GetBodyMutation() != nil {
+		t.Fatal("a body mutation for a request without a body")
+	}
+}
+
+// TestExtProcStreamedBodyNotMutated: a body that came in several messages
+// (request_body_mode STREAMED or BUFFERED_PARTIAL) was let through chunk by
+// chunk before the pick, so a body mutation on the last chunk would
+// replace only that chunk and the engine would read the earlier chunks
+// twice, with the client's members in. A rewrite is then refused (500,
+// the filter's mode is wrong) rather than sent; a streamed body needing
+// no rewrite routes as before.
+func TestExtProcStreamedBodyNotMutated(t *testing.T) {
+	h := newHarness(t)
+	stream := func(body []byte) *extprocv3.ProcessingResponse {
+		e := h.envoy(t)
+		e.headers(nil, false, ":method", "POST", ":path", "/v1/completions", "content-type", "application/json")
+		half := len(body) / 2
+		if r := e.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
+			RequestBody: &extprocv3.HttpBody{Body: body[:half]}}}); r.GetRequestBody().GetResponse().GetBodyMutation() != nil {
+			t.Fatalf("first chunk answered %v, want an untouched continue", r)
+		}
+		return e.body(nil, body[half:])
+	}
+	r := stream([]byte(`{"model":"` + hashModel + `","prompt":"hello","kv_transfer_params":{"remote_host":"attacker.example"}}`))
+	if o := outcomeOf(t, r); o.status != http.StatusInternalServerError {
+		t.Fatalf("streamed body needing a rewrite: %+v, want 500", o)
+	}
+	r = stream([]byte(`{"model":"` + hashModel + `","prompt":"hello"}`))
+	if o := outcomeOf(t, r); o.status != 0 || r.GetRequestBody().GetResponse().GetBodyMutation() != nil {
+		t.Fatalf("streamed body needing no rewrite: %+v, want routed untouched", o)
+	}
+}

@@ -73,7 +73,7 @@ func FuzzExtProcDecide(f *testing.F) {
 	f.Add("/v1/chat/completions", "", "", `{"model":"model-a","prompt_cache_key":"k","messages":[{"role":"user","content":"hi"}]}`, "")
 	x, addrs := newFuzzPicker(f, ExtProcConfig{Shed: true, MaxQueued: 1, MaxBodyBytes: 1 << 16})
 	f.Fuzz(func(t *testing.T, path, pool, tenant, body, subset string) {
-		st := &epStream{headers: map[string]string{":path": path, "content-length": strconv.Itoa(len(body))}, body: []byte(body)}
+		st := &epStream{headers: map[string]string{":path": path, "content-length": strconv.Itoa(len(body))}, body: []byte(body), chunks: 1}
 		if pool != "" {
 			st.headers[x.s.cfg.ExtProc.PoolHeader] = pool
 		}
@@ -169,7 +169,7 @@ func BenchmarkExtProcDecide(b *testing.B) {
 	b.ReportAllocs()
 	b.SetBytes(int64(len(body)))
 	for b.Loop() {
-		st := &epStream{headers: hdrs, body: body}
+		st := &epStream{headers: hdrs, body: body, chunks: 1}
 		if _, _, imm, err := x.decide(ctx, st); imm != nil || err != nil {
 			b.Fatal(imm, err)
 		}
