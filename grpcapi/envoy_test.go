@@ -51,6 +51,24 @@ func TestEnvoyConfig(t *testing.T) {
 	if ep.GetFailureModeAllow() || ep.GetProcessingMode().GetRequestBodyMode().String() != "BUFFERED" {
 		t.Errorf("ext_proc: failure_mode_allow %v, request_body_mode %v: want false, BUFFERED", ep.GetFailureModeAllow(), ep.GetProcessingMode().GetRequestBodyMode())
 	}
+	// The picker replaces the body (cache_salt, kv_transfer_params) and
+	// sets content-length with it in the body response. Envoy applies that
+	// only in BUFFERED body mode (checked above) after request headers were
+	// sent (SEND, the default; with SKIP Envoy drops content-length and
+	// the picker sees no path), outside observability_mode (which ignores
+	// every response), and with mutation rules that let content-length be
+	// set: envoyproxy/envoy api/envoy/extensions/filters/http/ext_proc/v3/
+	// processing_mode.proto (BodySendMode) and ext_proc.proto
+	// (observability_mode, mutation_rules), v1.29+.
+	if m := ep.GetProcessingMode().GetRequestHeaderMode().String(); m != "SEND" && m != "DEFAULT" {
+		t.Errorf("ext_proc: request_header_mode %s: want SEND", m)
+	}
+	if ep.GetObservabilityMode() {
+		t.Error("ext_proc: observability_mode ignores the picker's answers")
+	}
+	if r := ep.GetMutationRules(); r.GetDisallowAll().GetValue() || r.GetDisallowExpression() != nil {
+		t.Errorf("ext_proc: mutation_rules %v may refuse content-length", r)
+	}
 	found := false
 	for _, c := range bs.GetStaticResources().GetClusters() {
 		if h := c.GetOriginalDstLbConfig().GetHttpHeaderName(); h != "" {

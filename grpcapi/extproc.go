@@ -100,6 +100,9 @@ var _ extprocv3.ExternalProcessorServer = (*extProc)(nil)
 type epStream struct {
 	headers map[string]string
 	body    []byte
+	// chunks counts the request body messages: 0 for a request whose
+	// headers end the stream (no body to rewrite), 1 for a BUFFERED body.
+	chunks int
 	// subset is the hint's endpoints; hasSubset tells an empty hint (pick
 	// nothing) from none (pick from the pool).
 	subset    []string
@@ -162,6 +165,7 @@ func (x *extProc) Process(stream extprocv3.ExternalProcessor_ProcessServer) erro
 					fmt.Sprintf("request body exceeds the limit of %d bytes", x.s.cfg.ExtProc.MaxBodyBytes)))
 			}
 			st.body = append(st.body, r.RequestBody.GetBody()...)
+			st.chunks++
 			if !r.RequestBody.GetEndOfStream() || st.inst != nil {
 				// Streamed mode collects until the end; a body after the
 				// pick (a misbehaving client) must not pick, and acquire,
@@ -279,6 +283,17 @@ func (x *extProc) decide(ctx context.Context, st *epStream) (*extprocv3.CommonRe
 		re := router.AsRequestError(err)
 		return fail(re.Pool, re.Status, re.Message)
 	}
+	rewrite := rewritten(st.body, req.Body)
+	if rewrite && st.chunks > 1 {
+		// Envoy sent the body in several messages (request_body_mode
+		// STREAMED or BUFFERED_PARTIAL) and let the earlier ones through
+		// (Process answers them "continue"): a body mutation now would
+		// replace the last chunk alone, and the engine would read the
+		// client's members in the chunks before it. Refuse rather than
+		// forward them; the filter must be BUFFERED (docs/envoy.md).
+		s.log.Warn("ext_proc: a body to rewrite arrived in several messages; set request_body_mode: BUFFERED", "pool", p.Name(), "messages", st.chunks)
+		return fail(p.Name(), http.StatusInternalServerError, "the request body must be rewritten and Envoy streamed it: the ext_proc filter needs request_body_mode BUFFERED")
+	}
 	rc, strat := p.Routing()
 	var buf [32]*router.Instance
 	cands, _ := p.Candidates(buf[:0], req.Adapter, nil)
@@ -342,7 +357,7 @@ func (x *extProc) decide(ctx context.Context, st *epStream) (*extprocv3.CommonRe
 			AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD}
 	}
 	s.m.extproc.WithLabelValues(p.Name(), "routed").Inc()
-	return &extprocv3.CommonResponse{
+	common := &extprocv3.CommonResponse{
 		ClearRouteCache: true, // the route may match on the destination header
 		HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
 			set(DestinationHeader, addr),
@@ -350,20 +365,61 @@ func (x *extProc) decide(ctx context.Context, st *epStream) (*extprocv3.CommonRe
 			set(strings.ToLower(router.HeaderStrategy), dec.Strategy),
 			set(strings.ToLower(router.HeaderReason), string(dec.Reason)),
 		}},
-	}, md, nil, nil
+	}
+	if rewrite {
+		// The body Resolve wrote for Envoy to forward (router.Inbound's
+		// Forwards: the pool's cache_salt in, a client's
+		// kv_transfer_params out), the one kv_aware keyed the pick by.
+		//
+		// Envoy replaces the buffered body with a BodyMutation's body. In
+		// BUFFERED request_body_mode with request_header_mode SEND (the
+		// mode testdata/envoy.yaml configures and TestEnvoyConfig checks)
+		// Envoy keeps the request's content-length, and "it is external
+		// processor's responsibility to set the content length correctly
+		// matched to the length of mutated body. If they don't match, the
+		// corresponding body mutation will be rejected and local reply
+		// will be sent with an error message" (envoyproxy/envoy
+		// api/envoy/extensions/filters/http/ext_proc/v3/processing_mode.proto,
+		// BodySendMode, since v1.29: envoyproxy/envoy#29536). Envoy applies
+		// a body response's header mutation before it compares
+		// (source/extensions/filters/http/ext_proc/processor_state.cc,
+		// ProcessorState::handleBodyResponse), so content-length is set
+		// here in the same response. A request without one (chunked) gets
+		// none: Envoy checks nothing then and frames the new body itself.
+		common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: req.Body}}
+		if _, ok := st.headers["content-length"]; ok {
+			common.HeaderMutation.SetHeaders = append(common.HeaderMutation.SetHeaders, set("content-length", strconv.Itoa(len(req.Body))))
+		}
+	}
+	return common, md, nil, nil
+}
+
+// rewritten reports whether Resolve replaced the received body: it
+// returns the very slice it was given when the body needs no rewrite (no
+// salt to write, no kv_transfer_params to remove), so that such a body
+// costs no copy and goes upstream as Envoy holds it.
+func rewritten(received, forwarded []byte) bool {
+	return len(received) != len(forwarded) || len(received) > 0 && &received[0] != &forwarded[0]
 }
 
 // inbound is the request as Envoy forwarded it: the path picks the
 // endpoint (anything but the OpenAI paths is a raw invocation), the pool
 // header names a pool, the adapter and tenant headers as on the HTTP data
-// plane. The body goes upstream through Envoy unchanged, so no cache_salt
-// is injected here (Resolve keys blocks by the salt the body carries).
+// plane. It Forwards: Resolve writes the body Envoy is to send upstream
+// exactly as for the HTTP data plane (the pool's cache_salt injected per
+// its client policy, a client's kv_transfer_params removed unless the pool
+// passes them, a body that needs either and is not strict JSON refused
+// with 400), kv_aware keys blocks by the salt of that body, and decide
+// hands it to Envoy as a body mutation when it differs from the received
+// one. A request without a body (its headers ended the stream) has none
+// to rewrite, and is resolved as before.
 func (x *extProc) inbound(st *epStream) router.Inbound {
 	path, _, _ := strings.Cut(st.headers[":path"], "?")
 	in := router.Inbound{
 		Body:       st.body,
 		PoolHeader: x.s.cfg.ExtProc.PoolHeader,
 		PoolName:   st.headers[x.s.cfg.ExtProc.PoolHeader],
+		Forwards:   st.chunks > 0,
 	}
 	switch path {
 	case "/v1/chat/completions":

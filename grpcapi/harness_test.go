@@ -176,8 +176,14 @@ func engineHash(inst string, k kvindex.Key) uint64 {
 // store tells the index that inst holds the full blocks of tokens on GPU.
 func (h *harness) store(inst string, tokens []uint32) []kvindex.Key {
 	h.t.Helper()
-	keys := kvindex.Keys(kvindex.Root(kvModel, "", ""), tokens, bs)
-	ev := events.Event{Kind: events.BlockStored, BlockSize: bs, Medium: "GPU", TokenIDs: tokens[:len(keys)*bs]}
+	return h.storeSalted(inst, "", tokens)
+}
+
+// storeSalted is store for the blocks of requests carrying cache_salt salt.
+func (h *harness) storeSalted(inst, salt string, tokens []uint32) []kvindex.Key {
+	h.t.Helper()
+	keys := kvindex.Keys(kvindex.Root(kvModel, "", salt), tokens, bs)
+	ev := events.Event{Kind: events.BlockStored, BlockSize: bs, Medium: "GPU", TokenIDs: tokens[:len(keys)*bs], CacheSalt: salt}
 	for _, k := range keys {
 		ev.BlockHashes = append(ev.BlockHashes, engineHash(inst, k))
 	}

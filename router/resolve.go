@@ -155,11 +155,13 @@ type Inbound struct {
 	// Tenant holds the values of the tenant header (TenantHeader) as
 	// received; nil when absent (OpenAI requests then use prompt_cache_key).
 	Tenant []string
-	// Forwards says the edge forwards Body itself (HTTP), so Resolve
-	// writes the body it forwards: the pool's cache_salt injected, a
-	// client's kv_transfer_params removed (stripTransferParams). Edges
-	// that do not forward the body (ext_proc, Pick) key blocks by the salt
-	// the body carries.
+	// Forwards says the edge forwards Body, or has it forwarded (HTTP;
+	// Envoy's ext_proc, as a body mutation when Request.Body is not Body
+	// itself), so Resolve writes the body forwarded: the pool's cache_salt
+	// injected, a client's kv_transfer_params removed
+	// (stripTransferParams), and kv_aware keys blocks by that body's salt.
+	// gRPC Pick forwards nothing: it keys blocks by the salt the body
+	// carries.
 	Forwards bool
 }
 
@@ -197,7 +199,7 @@ func (st *Table) Resolve(in Inbound) (*Request, *Pool, error) {
 		return nil, nil, err
 	}
 	if in.Forwards {
-		if err := st.forwardedBody(req, pool, tenant); err != nil {
+		if err := st.forwardedBody(req, pool); err != nil {
 			re := AsRequestError(err)
 			re.Pool = pool.Name()
 			return nil, nil, re
@@ -211,11 +213,13 @@ func (st *Table) Resolve(in Inbound) (*Request, *Pool, error) {
 // cache_salt, after the routing text (the salt changes the body, not the
 // route; it is kept on the request so kv_aware folds it into its block
 // keys without scanning the body again), and no kv_transfer_params from
-// the client unless the pool passes them on.
-func (st *Table) forwardedBody(req *Request, pool *Pool, tenant string) error {
+// the client unless the pool passes them on. The salt is the request's
+// tenant key's: the tenant header's, else an OpenAI body's
+// prompt_cache_key (resolveOpenAI).
+func (st *Table) forwardedBody(req *Request, pool *Pool) error {
 	var err error
 	if c := pool.cfg.CacheSalt; c != nil && c.Enabled {
-		if req.Body, req.InjectedCacheSalt, err = saltRequestBody(c, st.cfg.CacheSaltSecret, tenant, req.Body); err != nil {
+		if req.Body, req.InjectedCacheSalt, err = saltRequestBody(c, st.cfg.CacheSaltSecret, req.TenantKey, req.Body); err != nil {
 			return err
 		}
 	}
