@@ -416,3 +416,58 @@ func TestPrefillWithoutRemotePrefill(t *testing.T) {
 		}
 	}
 }
+
+// TestFlowControlBudgetsOnDecodeSet: a disaggregating pool's queue admits
+// on its decode-capable instances, where an admitted request is bound for
+// its whole generation. With one prefill and one decode instance, a second
+// request waits in the queue while the first holds the decode instance at
+// its concurrency threshold (before: the prefill instance doubled the
+// pool's concurrency budget) or its per-instance prefill budget (before:
+// the prefill instance, to which no ticket is ever bound, always had room,
+// so the budget never held anyone back and the decode instance took both).
+func TestFlowControlBudgetsOnDecodeSet(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		fc   config.FlowControlConfig
+		thr  int
+	}{
+		{"concurrency", config.FlowControlConfig{Enabled: true}, 1},
+		{"prefill budget", config.FlowControlConfig{Enabled: true, PrefillTokensPerInstance: 1000}, 64},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			release := make(chan struct{})
+			var once sync.Once
+			p := fakePrefill(t)
+			d := newFakeEngine(t, func(w http.ResponseWriter, _ map[string]any) {
+				<-release
+				okCompletion(w, "")
+			})
+			ts, srv := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin,
+				[]*fakeEngine{p}, []*fakeEngine{d}, func(pc *config.PoolConfig) {
+					fc := c.fc
+					pc.FlowControl, pc.Routing.ConcurrencyThreshold = &fc, c.thr
+				})
+			t.Cleanup(func() { once.Do(func() { close(release) }) }) // before the servers' Close
+			body := map[string]any{"model": sim.DefaultModel, "prompt": strings.Repeat("word ", 640), "max_tokens": 3, "stream": true} // ~800 tokens
+			replies := make(chan testenv.Result, 2)
+			go func() { replies <- testenv.PostJSON(t, ts.URL+"/v1/completions", body) }()
+			waitFor(t, "the first decode request", func() bool { n, _, _ := d.received(); return n == 1 })
+			go func() { replies <- testenv.PostJSON(t, ts.URL+"/v1/completions", body) }()
+			pool, _ := srv.Pool("pd")
+			waitFor(t, "the second request queued or decoding", func() bool {
+				n, _, _ := d.received()
+				return n == 2 || pool.QueueStatus().Queue.Queued == 1
+			})
+			if n, _, _ := d.received(); n != 1 {
+				st := pool.QueueStatus().Queue
+				t.Fatalf("the decode instance took %d requests at once (queue: max_concurrency %d, instances %+v)", n, st.MaxConcurrency, st.Instances)
+			}
+			once.Do(func() { close(release) })
+			for range 2 {
+				if r := <-replies; r.Status != http.StatusOK {
+					t.Fatalf("%d %s", r.Status, r.Body)
+				}
+			}
+		})
+	}
+}
