@@ -471,3 +471,42 @@ func TestFlowControlBudgetsOnDecodeSet(t *testing.T) {
 		})
 	}
 }
+
+// TestPrefillRefusalNotRetried: a prefill instance refusing the request
+// (vLLM answers a prompt over its context, or a bad parameter, 400 at
+// once) says nothing against the instance: it is not tried on another
+// prefill instance, which would refuse it again, nor counted a prefill
+// error (an operator's alert on that metric is for sick instances); it is
+// served aggregated at once ("prefill_refused"), where the decode-capable
+// instance answers the client's own request. A 5xx still tries another.
+func TestPrefillRefusalNotRetried(t *testing.T) {
+	refuse := func(w http.ResponseWriter, _ map[string]any) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusBadRequest)
+		fmt.Fprint(w, `{"error":{"message":"This model's maximum context length is 8192 tokens"}}`)
+	}
+	ps := []*fakeEngine{newFakeEngine(t, refuse), newFakeEngine(t, refuse)}
+	d := fakeDecode(t)
+	ts, srv := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, ps, []*fakeEngine{d})
+	resp := testenv.PostJSON(t, ts.URL+"/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": "hello", "max_tokens": 3})
+	n0, _, _ := ps[0].received()
+	n1, _, _ := ps[1].received()
+	errs := testenv.Metric(t, srv.Registry(), "kvrouter_disagg_prefill_errors_total", nil)
+	if n0+n1 != 1 || errs != 0 || resp.Header.Get(httpapi.HeaderDisagg) != "aggregated; prefill_refused" {
+		t.Fatalf("prefill answered 400: prefill instances tried %d times, %v prefill errors counted, served %q (%d)", n0+n1, errs, resp.Header.Get(httpapi.HeaderDisagg), resp.Status)
+	}
+	if nd, body, _ := d.received(); nd != 1 || body["kv_transfer_params"] != nil {
+		t.Fatalf("the decode instance received %d requests (last %v), want the client's, once", nd, body)
+	}
+
+	// A 503 is the instance's: the other prefill instance is tried.
+	fail := func(w http.ResponseWriter, _ map[string]any) { w.WriteHeader(http.StatusServiceUnavailable) }
+	ps = []*fakeEngine{newFakeEngine(t, fail), newFakeEngine(t, fail)}
+	ts, srv = fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, ps, []*fakeEngine{fakeDecode(t)})
+	resp = testenv.PostJSON(t, ts.URL+"/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": "hello", "max_tokens": 3})
+	n0, _, _ = ps[0].received()
+	n1, _, _ = ps[1].received()
+	if errs := testenv.Metric(t, srv.Registry(), "kvrouter_disagg_prefill_errors_total", nil); n0 != 1 || n1 != 1 || errs != 2 || resp.Header.Get(httpapi.HeaderDisagg) != "aggregated; prefill_failed" {
+		t.Fatalf("prefill answered 503: p0 %d, p1 %d tries, %v errors, served %q", n0, n1, errs, resp.Header.Get(httpapi.HeaderDisagg))
+	}
+}
