@@ -55,13 +55,19 @@ func queueConfig(c *config.FlowControlConfig) flowcontrol.Config {
 		InstancePrefill: c.PrefillTokensPerInstance, ReserveInstance: true, PreferCached: true}
 }
 
-// instances are the pool's healthy instances, where the per-instance
-// prefill budget holds.
+// instances are the pool's healthy decode-capable instances (role decode
+// or both), where the per-instance budgets hold. An admitted request is
+// bound to the instance route picks for it (flowcontrol.Ticket.Bind), one
+// of these, and holds it for its whole generation; a disaggregated
+// request's prefill stage holds a prefill-role instance for the prefill
+// alone and is never bound. Listed, a prefill instance would always have
+// room, and the per-instance budgets would admit past every instance a
+// request can be bound to (docs/disaggregation.md, "Flow control").
 func (f *flowControl) instances() []string {
 	p := f.pool.Load()
 	out := make([]string, 0, len(p.instances))
 	for _, in := range p.instances {
-		if in.Healthy() {
+		if servesAggregated(in) {
 			out = append(out, in.ID())
 		}
 	}
@@ -69,15 +75,20 @@ func (f *flowControl) instances() []string {
 }
 
 // limits is the pool's budget now: the configured concurrency, or the
-// concurrency threshold of every healthy instance (the prefill budget is
-// per instance: queueConfig). With no healthy instance one request goes
-// through, to be answered 503 by the strategy rather than held.
+// concurrency threshold of every healthy decode-capable instance (the
+// prefill budget is per instance: queueConfig). A request holds a decode
+// slot from its decode pick to its end, a prefill instance only for its
+// prefill stage, so the decode set bounds how many requests run at once;
+// the prefill set's own load is the prefill pick's (its threshold,
+// conditional mode's prefill_saturated). With no healthy decode-capable
+// instance one instance's worth goes through, to be answered 503 by the
+// strategy rather than held.
 func (f *flowControl) limits() (int, int64) {
 	p := f.pool.Load()
 	rc, _ := p.Routing()
 	n := 0
 	for _, in := range p.instances {
-		if in.Healthy() {
+		if servesAggregated(in) {
 			n++
 		}
 	}

@@ -45,6 +45,7 @@ const (
 	aggShort        = "short"               // conditional: the uncached part is under min_prefill_tokens
 	aggPrefillBusy  = "prefill_saturated"   // conditional: every prefill instance is at its threshold
 	aggPrefillError = "prefill_failed"      // the prefill failed on every prefill instance tried
+	aggRefused      = "prefill_refused"     // the prefill instance refused the request (4xx): another would too
 	aggNoParams     = "no_transfer_params"  // the prefill answered without kv_transfer_params saying do_remote_prefill
 	aggBatch        = "batch"               // several prompts, or n or best_of above 1: one set of transfer parameters cannot serve them
 )
@@ -211,6 +212,15 @@ func (s *Server) disaggregate(w http.ResponseWriter, r *http.Request, pool *rout
 			if r.Context().Err() != nil {
 				return left(dec)
 			}
+			var ps prefillStatus
+			if errors.As(err, &ps) && ps.refused() {
+				// The request's fault, not the instance's: another prefill
+				// instance would refuse it too, and the decode-capable
+				// instance answers the client's own request (whose error
+				// then names the client's parameters, not the prefill's).
+				s.log.Debug("disaggregation: the prefill instance refused the request", "pool", pool.Name(), "instance", dec.Instance.ID(), "err", err)
+				return aggregated(aggRefused)
+			}
 			s.log.Warn("disaggregation: prefill failed", "pool", pool.Name(), "instance", dec.Instance.ID(), "attempt", n, "err", err)
 			s.m.disaggPrefillErrors.WithLabelValues(pool.Name(), dec.Instance.ID()).Inc()
 			exclude = dec.Instance
@@ -271,12 +281,25 @@ func (s *Server) prefill(ctx context.Context, r *http.Request, pool *router.Pool
 		return nil, fmt.Errorf("reading the prefill answer: %w", err)
 	}
 	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("prefill answered %d: %s", resp.StatusCode, truncate(answer, 200))
+		return nil, fmt.Errorf("%w: %s", prefillStatus(resp.StatusCode), truncate(answer, 200))
 	}
 	if len(answer) > maxPrefillAnswer {
 		return nil, errors.New("prefill answer over " + strconv.Itoa(maxPrefillAnswer) + " bytes")
 	}
 	return transferParams(answer)
+}
+
+// prefillStatus is a prefill answer's status other than 200.
+type prefillStatus int
+
+func (e prefillStatus) Error() string { return fmt.Sprintf("prefill answered %d", int(e)) }
+
+// refused reports whether the status refuses the request itself (vLLM
+// answers 400 for a prompt over the model's context or a bad parameter,
+// 404 for an unknown model or adapter), which any prefill instance would;
+// 408 and 429 are the instance's load, tried elsewhere as a 5xx is.
+func (e prefillStatus) refused() bool {
+	return e >= 400 && e < 500 && e != http.StatusRequestTimeout && e != http.StatusTooManyRequests
 }
 
 // allFull reports whether every candidate has threshold or more requests

@@ -416,3 +416,97 @@ func TestPrefillWithoutRemotePrefill(t *testing.T) {
 		}
 	}
 }
+
+// TestFlowControlBudgetsOnDecodeSet: a disaggregating pool's queue admits
+// on its decode-capable instances, where an admitted request is bound for
+// its whole generation. With one prefill and one decode instance, a second
+// request waits in the queue while the first holds the decode instance at
+// its concurrency threshold (before: the prefill instance doubled the
+// pool's concurrency budget) or its per-instance prefill budget (before:
+// the prefill instance, to which no ticket is ever bound, always had room,
+// so the budget never held anyone back and the decode instance took both).
+func TestFlowControlBudgetsOnDecodeSet(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		fc   config.FlowControlConfig
+		thr  int
+	}{
+		{"concurrency", config.FlowControlConfig{Enabled: true}, 1},
+		{"prefill budget", config.FlowControlConfig{Enabled: true, PrefillTokensPerInstance: 1000}, 64},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			release := make(chan struct{})
+			var once sync.Once
+			p := fakePrefill(t)
+			d := newFakeEngine(t, func(w http.ResponseWriter, _ map[string]any) {
+				<-release
+				okCompletion(w, "")
+			})
+			ts, srv := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin,
+				[]*fakeEngine{p}, []*fakeEngine{d}, func(pc *config.PoolConfig) {
+					fc := c.fc
+					pc.FlowControl, pc.Routing.ConcurrencyThreshold = &fc, c.thr
+				})
+			t.Cleanup(func() { once.Do(func() { close(release) }) }) // before the servers' Close
+			body := map[string]any{"model": sim.DefaultModel, "prompt": strings.Repeat("word ", 640), "max_tokens": 3, "stream": true} // ~800 tokens
+			replies := make(chan testenv.Result, 2)
+			go func() { replies <- testenv.PostJSON(t, ts.URL+"/v1/completions", body) }()
+			waitFor(t, "the first decode request", func() bool { n, _, _ := d.received(); return n == 1 })
+			go func() { replies <- testenv.PostJSON(t, ts.URL+"/v1/completions", body) }()
+			pool, _ := srv.Pool("pd")
+			waitFor(t, "the second request queued or decoding", func() bool {
+				n, _, _ := d.received()
+				return n == 2 || pool.QueueStatus().Queue.Queued == 1
+			})
+			if n, _, _ := d.received(); n != 1 {
+				st := pool.QueueStatus().Queue
+				t.Fatalf("the decode instance took %d requests at once (queue: max_concurrency %d, instances %+v)", n, st.MaxConcurrency, st.Instances)
+			}
+			once.Do(func() { close(release) })
+			for range 2 {
+				if r := <-replies; r.Status != http.StatusOK {
+					t.Fatalf("%d %s", r.Status, r.Body)
+				}
+			}
+		})
+	}
+}
+
+// TestPrefillRefusalNotRetried: a prefill instance refusing the request
+// (vLLM answers a prompt over its context, or a bad parameter, 400 at
+// once) says nothing against the instance: it is not tried on another
+// prefill instance, which would refuse it again, nor counted a prefill
+// error (an operator's alert on that metric is for sick instances); it is
+// served aggregated at once ("prefill_refused"), where the decode-capable
+// instance answers the client's own request. A 5xx still tries another.
+func TestPrefillRefusalNotRetried(t *testing.T) {
+	refuse := func(w http.ResponseWriter, _ map[string]any) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusBadRequest)
+		fmt.Fprint(w, `{"error":{"message":"This model's maximum context length is 8192 tokens"}}`)
+	}
+	ps := []*fakeEngine{newFakeEngine(t, refuse), newFakeEngine(t, refuse)}
+	d := fakeDecode(t)
+	ts, srv := fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, ps, []*fakeEngine{d})
+	resp := testenv.PostJSON(t, ts.URL+"/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": "hello", "max_tokens": 3})
+	n0, _, _ := ps[0].received()
+	n1, _, _ := ps[1].received()
+	errs := testenv.Metric(t, srv.Registry(), "kvrouter_disagg_prefill_errors_total", nil)
+	if n0+n1 != 1 || errs != 0 || resp.Header.Get(httpapi.HeaderDisagg) != "aggregated; prefill_refused" {
+		t.Fatalf("prefill answered 400: prefill instances tried %d times, %v prefill errors counted, served %q (%d)", n0+n1, errs, resp.Header.Get(httpapi.HeaderDisagg), resp.Status)
+	}
+	if nd, body, _ := d.received(); nd != 1 || body["kv_transfer_params"] != nil {
+		t.Fatalf("the decode instance received %d requests (last %v), want the client's, once", nd, body)
+	}
+
+	// A 503 is the instance's: the other prefill instance is tried.
+	fail := func(w http.ResponseWriter, _ map[string]any) { w.WriteHeader(http.StatusServiceUnavailable) }
+	ps = []*fakeEngine{newFakeEngine(t, fail), newFakeEngine(t, fail)}
+	ts, srv = fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, ps, []*fakeEngine{fakeDecode(t)})
+	resp = testenv.PostJSON(t, ts.URL+"/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": "hello", "max_tokens": 3})
+	n0, _, _ = ps[0].received()
+	n1, _, _ = ps[1].received()
+	if errs := testenv.Metric(t, srv.Registry(), "kvrouter_disagg_prefill_errors_total", nil); n0 != 1 || n1 != 1 || errs != 2 || resp.Header.Get(httpapi.HeaderDisagg) != "aggregated; prefill_failed" {
+		t.Fatalf("prefill answered 503: p0 %d, p1 %d tries, %v errors, served %q", n0, n1, errs, resp.Header.Get(httpapi.HeaderDisagg))
+	}
+}
