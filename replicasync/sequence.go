@@ -188,14 +188,20 @@ func (s *Sequencer) Withdraw(in Intent) {
 // EpochOf is the epoch an intent arriving at ns (Unix ns) belongs to.
 func (s *Sequencer) EpochOf(ns int64) int64 { return s.epochOf(ns) }
 
-// intentID names an intent.
+// intentID names an intent: its owner's process (replica and
+// incarnation: a restarted owner numbers its intents from 1 again) and seq.
 type intentID struct {
-	replica string
-	seq     uint64
+	replica     string
+	incarnation uint64
+	seq         uint64
 }
 
+func idOf(in *Intent) intentID { return intentID{in.Replica, in.Incarnation, in.Seq} }
+
 // Receive records a peer's intent at now. It returns false when the
-// intent is not sequenced here: already held (delivered twice), late (its epoch was due by now or already
+// intent is not sequenced here: already held (the same incarnation's seq
+// delivered twice; a restarted owner's new intents are its new
+// incarnation's), late (its epoch was due by now or already
 // decided), of a partial epoch, future (due more than Epoch + 2×Grace
 // after now: an own request arriving now is due within Epoch + Grace, and
 // a peer's clock may be a grace ahead), or beyond the bound — its owner
@@ -204,7 +210,7 @@ func (s *Sequencer) Receive(now time.Time, in Intent) bool {
 	if in.Replica == s.cfg.Replica {
 		return false
 	}
-	id := intentID{in.Replica, in.Seq}
+	id := idOf(&in)
 	if _, dup := s.peers[id]; dup {
 		return false
 	}
@@ -258,8 +264,8 @@ func (s *Sequencer) Due(now time.Time, dst []Intent) []Intent {
 		n := len(dst)
 		dst = append(dst, s.open[e]...)
 		slices.SortFunc(dst[n:], Order)
-		for _, in := range dst[n:] {
-			delete(s.peers, intentID{in.Replica, in.Seq})
+		for i := range dst[n:] {
+			delete(s.peers, idOf(&dst[n+i]))
 		}
 		delete(s.open, e)
 		s.decided = max(s.decided, e)
@@ -268,8 +274,10 @@ func (s *Sequencer) Due(now time.Time, dst []Intent) []Intent {
 }
 
 // Order is the pool's order of one epoch's intents: arrival time, then
-// replica name, then the replica's seq — one order every replica computes
-// from the same intents.
+// replica name, then the replica's seq, then its incarnation (two
+// processes of one name, a restart's, may share a seq) — one order every
+// replica computes from the same intents.
 func Order(a, b Intent) int {
-	return cmp.Or(cmp.Compare(a.Arrival, b.Arrival), cmp.Compare(a.Replica, b.Replica), cmp.Compare(a.Seq, b.Seq))
+	return cmp.Or(cmp.Compare(a.Arrival, b.Arrival), cmp.Compare(a.Replica, b.Replica), cmp.Compare(a.Seq, b.Seq),
+		cmp.Compare(a.Incarnation, b.Incarnation))
 }
