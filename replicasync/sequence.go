@@ -41,6 +41,12 @@ type Intent struct {
 	Tokens int
 	Hash   uint64
 	Keys   []uint64
+	// RemotePrefill: the intent is a disaggregated request's decode pick
+	// (router.Request.RemotePrefill): the instance picked receives the
+	// prompt's KV from the prefill instance and computes none of it, so
+	// its decision books no pending prefill there (version 8: the intent
+	// message's flag bit 1; an older replica ignores the bit).
+	RemotePrefill bool
 }
 
 // MaxIntentKeys bounds the block keys an intent carries (8 bytes each:
