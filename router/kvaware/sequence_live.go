@@ -282,7 +282,8 @@ func (q *seqState) run() {
 // decide decides one epoch's intents in the pool's order: the own by
 // giving each held request its turn and waiting for its pick, the peers'
 // (and an own whose request left) dry onto the overlay, then forgets the
-// overlay. An epoch without an own intent changes nothing here: skipped.
+// overlay; an own withdrawn meanwhile (decided alone) is skipped. An
+// epoch without an own intent changes nothing here: skipped.
 func (q *seqState) decide(epoch []replicasync.Intent, s *KVAware, cands []*router.Instance) {
 	own := q.ip.Replica()
 	if s == nil || !slices.ContainsFunc(epoch, func(in replicasync.Intent) bool { return in.Replica == own }) {
@@ -305,6 +306,13 @@ func (q *seqState) decide(epoch []replicasync.Intent, s *KVAware, cands []*route
 				q.ip.CountSequence(replicasync.SequencerStats{}, time.Since(w.start))
 				<-w.done
 				q.ip.Commit(in.Seq)
+				continue
+			}
+			if w == nil {
+				// Withdrawn after this epoch was taken (its publication
+				// refused, hold): decided alone, for real, its effects in
+				// this replica's own state, and no peer saw its intent.
+				// Decided dry it would count twice here.
 				continue
 			}
 		} else if q.ip.Committed(in.Replica, in.Incarnation) >= in.Seq {
