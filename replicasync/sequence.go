@@ -80,6 +80,12 @@ type SequencerConfig struct {
 	// partial (the peers' intents sent before it listened are missing),
 	// so the replica neither holds nor sequences in it.
 	Start time.Time
+	// After is the seq the first own intent follows (its seq is After+1):
+	// a sequencer that replaces another of the same incarnation (a
+	// reload's new pool state over the pool's Syncer, Syncer.IntentSeq)
+	// continues its numbering, since the peers name an intent by replica,
+	// incarnation and seq and read commits by seq.
+	After uint64
 }
 
 // SequencerStats counts what a Sequencer did.
@@ -118,7 +124,7 @@ func NewSequencer(cfg SequencerConfig) *Sequencer {
 		cfg.MaxPerEpoch = DefaultMaxPerEpoch
 	}
 	cfg.Grace = max(cfg.Grace, 0)
-	s := &Sequencer{cfg: cfg, open: map[int64][]Intent{}, peers: map[intentID]struct{}{}}
+	s := &Sequencer{cfg: cfg, seq: cfg.After, open: map[int64][]Intent{}, peers: map[intentID]struct{}{}}
 	s.decided = s.epochOf(cfg.Start.UnixNano()) - 1
 	return s
 }

@@ -290,3 +290,13 @@ func TestSequencerRestartedPeerNewIncarnation(t *testing.T) {
 		t.Fatalf("two incarnations' intents of one arrival and seq unordered: %d, %d", Order(x, y), Order(y, x))
 	}
 }
+
+// A sequencer that replaces another of the same incarnation continues its
+// intent seqs (SequencerConfig.After).
+func TestSequencerContinuesAfter(t *testing.T) {
+	s := NewSequencer(SequencerConfig{Replica: "a", Epoch: 2 * time.Millisecond, Start: seqT0, After: 41})
+	in, held := s.Hold(seqT0.Add(10*time.Millisecond), true, Intent{Tokens: 1})
+	if !held || in.Seq != 42 {
+		t.Fatalf("first intent after 41: seq %d (held %v), want 42", in.Seq, held)
+	}
+}

@@ -2,6 +2,8 @@ package kvaware
 
 import (
 	"context"
+	"fmt"
+	"log/slog"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -10,6 +12,7 @@ import (
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/replicasync"
+	"github.com/kvrouter/kvrouter/router"
 )
 
 // refusingPeers refuses the second intent's publication, once the epoch
@@ -92,5 +95,61 @@ func TestWithdrawnIntentNotDecidedDry(t *testing.T) {
 	}
 	if n := rp.overlays.Load(); n != 0 {
 		t.Fatalf("a put %d effects on its overlay; its requests were decided for real, and no peer's intent was sequenced", n)
+	}
+}
+
+// A reload that rebuilds a pool's KVState (its model or tokenizer
+// changed) keeps the pool's Syncer, and so its incarnation: the new
+// state's sequencer must continue the intent seqs, not number them from 1
+// again. Restarted, its commits fell below what the Syncer had already
+// said (a commit only rises), so the peers read every new intent up to the
+// old state's count as decided for real already and skipped its dry
+// decision; and an open intent of the old state shared its id with a new
+// one.
+func TestRebuiltStateContinuesIntentSeqs(t *testing.T) {
+	const seq = 20 * time.Millisecond
+	_, a, b := sequencingPair(t, seq)
+	pick := func(s *KVAware, i int) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, err := s.Pick(ctx, kvRequest(fmt.Sprint(i), promptTokens(uint32(80+i), 4*kvTestBS)), a.insts); err != nil {
+			t.Fatal(err)
+		}
+	}
+	incarnation := func() uint64 {
+		for _, p := range b.sync.Peers() {
+			if p.Replica == "a" {
+				return p.Incarnation
+			}
+		}
+		return 0
+	}
+	s := a.strategy(config.RoutingConfig{})
+	pick(s, 0)
+	pick(s, 1)
+	waitUntil(t, "b hears a's two commits", func() bool { return b.sync.Committed("a", incarnation()) == 2 })
+
+	// The reload's new state over the same pool's Syncer.
+	st2, err := NewKVState(KVStateConfig{Pool: "p", Model: kvTestModel, Index: a.idx, Freshness: a.st.fresh,
+		Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st2.SetInstances(func() []*router.Instance { return a.insts })
+	w2 := &kvWorld{t: t, idx: a.idx, clock: a.clock, fresh: a.fresh, st: st2, insts: a.insts}
+	s2 := w2.strategy(config.RoutingConfig{})
+	time.Sleep(3 * seq) // past the new state's partial epoch
+	pick(s2, 2)
+	if st := st2.SequenceStats(); st.Held != 1 {
+		t.Fatalf("the new state held %d requests (%+v), want 1", st.Held, st)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for b.sync.Committed("a", incarnation()) != 3 {
+		if time.Now().After(deadline) {
+			t.Fatalf("b reads a's commit %d after the new state's first decision, want 3: the new intent's seq restarted below the old state's",
+				b.sync.Committed("a", incarnation()))
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
