@@ -2,6 +2,7 @@ package replicasync
 
 import (
 	"errors"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -66,6 +67,7 @@ func (s *Syncer) PublishIntent(in Intent) bool {
 		s.m.dropped.WithLabelValues(pool, "publish").Inc()
 		return false
 	}
+	atLeast(&s.intentSeq, in.Seq)
 	s.m.messages.WithLabelValues(pool, "sent", KindIntent.String()).Inc()
 	s.m.bytes.WithLabelValues(pool, "sent").Add(float64(len(buf)))
 	return true
@@ -130,14 +132,27 @@ const MaxDeferred = 1024
 // messages that hold the decision's effects (KindCommit). Safe for
 // concurrent use.
 func (s *Syncer) Commit(seq uint64) {
+	if atLeast(&s.committed, seq) {
+		s.Changed() // an early send carries it (or the one due does)
+	}
+}
+
+// IntentSeq is the highest own intent seq this Syncer has published or
+// committed: a sequencer that replaces the pool's previous one (a
+// reload's new pool state) numbers its intents after it
+// (SequencerConfig.After), since the incarnation, which names them with
+// the seq, stays the Syncer's.
+func (s *Syncer) IntentSeq() uint64 { return max(s.intentSeq.Load(), s.committed.Load()) }
+
+// atLeast raises v to seq; false when it was there already.
+func atLeast(v *atomic.Uint64, seq uint64) bool {
 	for {
-		cur := s.committed.Load()
+		cur := v.Load()
 		if seq <= cur {
-			return
+			return false
 		}
-		if s.committed.CompareAndSwap(cur, seq) {
-			s.Changed() // an early send carries it (or the one due does)
-			return
+		if v.CompareAndSwap(cur, seq) {
+			return true
 		}
 	}
 }

@@ -49,8 +49,12 @@ import (
 // sender has decided for real, sent after the load and spec messages that
 // carry those decisions' effects, so that a peer that begins deciding an
 // epoch late does not count them again on its overlay); the other kinds go
-// out as before.
-const Version = 7
+// out as before. Version 8 adds the remote-prefill flag of the intent
+// message (flag bit 1, flagRemotePrefill: its intents are disaggregated
+// requests' decode picks, which book no pending prefill); intent messages
+// still go out as version 6, since a version 6 or 7 decoder reads the
+// flags' bit 0 only: an older peer reads them as before, ignoring the bit.
+const Version = 8
 
 // version is the version m goes out as: the oldest that carries its kind.
 func (m *Message) version() byte {
@@ -352,7 +356,27 @@ func placementValue(v float64) bool { return v >= 0 && !math.IsInf(v, 1) }
 // and at most MaxRent, a generation at most MaxRentGen.
 func rentValue(r Rent) bool { return r.Rent >= 0 && r.Rent <= MaxRent && r.Gen <= MaxRentGen }
 
-const flagComplete = 1
+// Flags (the header's flags byte). A decoder ignores the bits it does not
+// know, so that a bit added later reaches older peers as the message
+// without it.
+const (
+	flagComplete = 1
+	// flagRemotePrefill (intent messages, version 8): every intent of the
+	// message is a disaggregated request's decode pick
+	// (Intent.RemotePrefill).
+	flagRemotePrefill = 2
+)
+
+// remotePrefill is the intents' common RemotePrefill; ok is false when
+// they differ (one flag carries it for the whole message).
+func remotePrefill(ins []Intent) (remote, ok bool) {
+	for i := range ins {
+		if ins[i].RemotePrefill != ins[0].RemotePrefill {
+			return false, false
+		}
+	}
+	return len(ins) > 0 && ins[0].RemotePrefill, true
+}
 
 // header: magic, version, kind, flags, replica (len + bytes),
 // incarnation (8 bytes), seq (uvarint), entry count (uvarint).
@@ -365,6 +389,15 @@ func (m *Message) AppendBinary(dst []byte) ([]byte, error) {
 	var flags byte
 	if m.Complete {
 		flags |= flagComplete
+	}
+	if m.Kind == KindIntent {
+		remote, ok := remotePrefill(m.Intents)
+		if !ok {
+			return dst, fmt.Errorf("%w: intents of one message differ in remote prefill", ErrMalformed)
+		}
+		if remote {
+			flags |= flagRemotePrefill
+		}
 	}
 	dst = append(dst, magic[0], magic[1], magic[2], m.version(), byte(m.Kind), flags)
 	dst = appendName(dst, m.Replica)
@@ -518,6 +551,7 @@ func Decode(b []byte) (Message, error) {
 	}
 	v := b[3]
 	m.Kind, m.Complete = Kind(b[4]), b[5]&flagComplete != 0
+	remote := m.Kind == KindIntent && b[5]&flagRemotePrefill != 0
 	r := reader{b: b[6:]}
 	m.Replica = r.name("replica")
 	m.Incarnation = r.u64be()
@@ -642,7 +676,7 @@ func Decode(b []byte) (Message, error) {
 			m.Intents = make([]Intent, 0, n)
 		}
 		for i := uint64(0); i < n && r.err == nil; i++ {
-			in := Intent{Replica: m.Replica, Incarnation: m.Incarnation, Seq: r.uvarint(), Arrival: r.count()}
+			in := Intent{Replica: m.Replica, Incarnation: m.Incarnation, Seq: r.uvarint(), Arrival: r.count(), RemotePrefill: remote}
 			in.Priority = r.priority()
 			in.Tokens = int(r.counter())
 			in.Hash = r.u64le()

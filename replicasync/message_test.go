@@ -35,6 +35,8 @@ func sampleMessages() []Message {
 		{Kind: KindRent, Replica: "r-5", Incarnation: 4},
 		{Kind: KindCommit, Replica: "r-6", Incarnation: 5, Committed: 1<<64 - 1},
 		{Kind: KindCommit, Replica: "r-6", Incarnation: 5},
+		{Kind: KindIntent, Replica: "r-7", Incarnation: 6, Intents: []Intent{
+			{Replica: "r-7", Incarnation: 6, Seq: 3, Arrival: 5, Tokens: 4096, Keys: []uint64{7}, RemotePrefill: true}}},
 	}
 }
 
@@ -432,6 +434,47 @@ func TestEndedDelta(t *testing.T) {
 	}
 }
 
+// The remote-prefill bit of an intent (version 8) rides on the intent
+// message's flags, which older decoders read bit 0 of only: the message
+// still goes out as version 6, a version 6 or 7 decoder (the same bytes,
+// the bit masked as theirs mask it) reads the intent as before, and this
+// one reads an older peer's intent (no bit) as a prefill pick. Intents of
+// one message differing in the bit are not encoded (one flag carries it).
+func TestIntentRemotePrefillBit(t *testing.T) {
+	in := Intent{Replica: "r", Incarnation: 2, Seq: 7, Arrival: 5, Tokens: 32, Hash: 9, Keys: []uint64{4, 5}, RemotePrefill: true}
+	m := Message{Kind: KindIntent, Replica: "r", Incarnation: 2, Intents: []Intent{in}}
+	good, err := m.AppendBinary(nil)
+	if err != nil || good[3] != 6 || good[5] != flagRemotePrefill {
+		t.Fatalf("a remote-prefill intent goes out as version %d, flags %#x (%v); want 6, %#x", good[3], good[5], err, flagRemotePrefill)
+	}
+	back, err := Decode(good)
+	if err != nil || !reflect.DeepEqual(back, m) {
+		t.Fatalf("round trip %+v %v, want %+v", back, err, m)
+	}
+	// What an older peer sends (no bit): a prefill pick, as before.
+	old := bytes.Clone(good)
+	old[5] = 0
+	if back, err := Decode(old); err != nil || back.Intents[0].RemotePrefill {
+		t.Fatalf("an older peer's intent read as %+v (%v), want no remote prefill", back.Intents, err)
+	}
+	// Unknown flag bits are ignored, as older decoders ignore this one.
+	unknown := bytes.Clone(good)
+	unknown[5] |= 0x80
+	if back, err := Decode(unknown); err != nil || !back.Intents[0].RemotePrefill {
+		t.Fatalf("an intent with an unknown flag bit read as %+v (%v)", back.Intents, err)
+	}
+	// The bit means nothing on other kinds.
+	load, _ := (&Message{Kind: KindLoad, Replica: "r", Loads: []Load{{Instance: "i", InFlight: 1}}}).AppendBinary(nil)
+	load[5] |= flagRemotePrefill
+	if back, err := Decode(load); err != nil || back.Complete || len(back.Loads) != 1 {
+		t.Fatalf("a load message with bit 1 read as %+v (%v)", back, err)
+	}
+	mixed := Message{Kind: KindIntent, Replica: "r", Intents: []Intent{in, {Seq: 8, Tokens: 1}}}
+	if _, err := mixed.AppendBinary(nil); !errors.Is(err, ErrMalformed) {
+		t.Fatalf("intents differing in remote prefill in one message: %v, want malformed", err)
+	}
+}
+
 // FuzzDecode: Decode never panics, and what it accepts encodes back to
 // the same bytes.
 func FuzzDecode(f *testing.F) {
@@ -453,6 +496,17 @@ func FuzzDecode(f *testing.F) {
 	load, _ := (&Message{Kind: KindLoad, Replica: "r", Loads: []Load{{Instance: "i", InFlight: MaxCounter}}}).AppendBinary(nil)
 	f.Add(load)
 	f.Add(bytes.Replace(load, binary.AppendUvarint(nil, MaxCounter), binary.AppendUvarint(nil, MaxCounter+1), 1))
+	// Flag bits: the remote-prefill bit on an intent message without
+	// intents, on a load message, and every bit set on an intent message.
+	for _, m := range []Message{{Kind: KindIntent, Replica: "r"}, {Kind: KindLoad, Replica: "r"},
+		{Kind: KindIntent, Replica: "r", Intents: []Intent{{Seq: 1, Tokens: 2, RemotePrefill: true}}}} {
+		b, _ := m.AppendBinary(nil)
+		b[5] |= flagRemotePrefill
+		f.Add(b)
+		b = bytes.Clone(b)
+		b[5] = 0xff
+		f.Add(b)
+	}
 	f.Fuzz(func(t *testing.T, b []byte) {
 		m, err := Decode(b)
 		if err != nil {

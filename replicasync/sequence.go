@@ -41,6 +41,12 @@ type Intent struct {
 	Tokens int
 	Hash   uint64
 	Keys   []uint64
+	// RemotePrefill: the intent is a disaggregated request's decode pick
+	// (router.Request.RemotePrefill): the instance picked receives the
+	// prompt's KV from the prefill instance and computes none of it, so
+	// its decision books no pending prefill there (version 8: the intent
+	// message's flag bit 1; an older replica ignores the bit).
+	RemotePrefill bool
 }
 
 // MaxIntentKeys bounds the block keys an intent carries (8 bytes each:
@@ -74,6 +80,12 @@ type SequencerConfig struct {
 	// partial (the peers' intents sent before it listened are missing),
 	// so the replica neither holds nor sequences in it.
 	Start time.Time
+	// After is the seq the first own intent follows (its seq is After+1):
+	// a sequencer that replaces another of the same incarnation (a
+	// reload's new pool state over the pool's Syncer, Syncer.IntentSeq)
+	// continues its numbering, since the peers name an intent by replica,
+	// incarnation and seq and read commits by seq.
+	After uint64
 }
 
 // SequencerStats counts what a Sequencer did.
@@ -112,7 +124,7 @@ func NewSequencer(cfg SequencerConfig) *Sequencer {
 		cfg.MaxPerEpoch = DefaultMaxPerEpoch
 	}
 	cfg.Grace = max(cfg.Grace, 0)
-	s := &Sequencer{cfg: cfg, open: map[int64][]Intent{}, peers: map[intentID]struct{}{}}
+	s := &Sequencer{cfg: cfg, seq: cfg.After, open: map[int64][]Intent{}, peers: map[intentID]struct{}{}}
 	s.decided = s.epochOf(cfg.Start.UnixNano()) - 1
 	return s
 }
@@ -188,14 +200,20 @@ func (s *Sequencer) Withdraw(in Intent) {
 // EpochOf is the epoch an intent arriving at ns (Unix ns) belongs to.
 func (s *Sequencer) EpochOf(ns int64) int64 { return s.epochOf(ns) }
 
-// intentID names an intent.
+// intentID names an intent: its owner's process (replica and
+// incarnation: a restarted owner numbers its intents from 1 again) and seq.
 type intentID struct {
-	replica string
-	seq     uint64
+	replica     string
+	incarnation uint64
+	seq         uint64
 }
 
+func idOf(in *Intent) intentID { return intentID{in.Replica, in.Incarnation, in.Seq} }
+
 // Receive records a peer's intent at now. It returns false when the
-// intent is not sequenced here: already held (delivered twice), late (its epoch was due by now or already
+// intent is not sequenced here: already held (the same incarnation's seq
+// delivered twice; a restarted owner's new intents are its new
+// incarnation's), late (its epoch was due by now or already
 // decided), of a partial epoch, future (due more than Epoch + 2×Grace
 // after now: an own request arriving now is due within Epoch + Grace, and
 // a peer's clock may be a grace ahead), or beyond the bound — its owner
@@ -204,7 +222,7 @@ func (s *Sequencer) Receive(now time.Time, in Intent) bool {
 	if in.Replica == s.cfg.Replica {
 		return false
 	}
-	id := intentID{in.Replica, in.Seq}
+	id := idOf(&in)
 	if _, dup := s.peers[id]; dup {
 		return false
 	}
@@ -258,8 +276,8 @@ func (s *Sequencer) Due(now time.Time, dst []Intent) []Intent {
 		n := len(dst)
 		dst = append(dst, s.open[e]...)
 		slices.SortFunc(dst[n:], Order)
-		for _, in := range dst[n:] {
-			delete(s.peers, intentID{in.Replica, in.Seq})
+		for i := range dst[n:] {
+			delete(s.peers, idOf(&dst[n+i]))
 		}
 		delete(s.open, e)
 		s.decided = max(s.decided, e)
@@ -268,8 +286,10 @@ func (s *Sequencer) Due(now time.Time, dst []Intent) []Intent {
 }
 
 // Order is the pool's order of one epoch's intents: arrival time, then
-// replica name, then the replica's seq — one order every replica computes
-// from the same intents.
+// replica name, then the replica's seq, then its incarnation (two
+// processes of one name, a restart's, may share a seq) — one order every
+// replica computes from the same intents.
 func Order(a, b Intent) int {
-	return cmp.Or(cmp.Compare(a.Arrival, b.Arrival), cmp.Compare(a.Replica, b.Replica), cmp.Compare(a.Seq, b.Seq))
+	return cmp.Or(cmp.Compare(a.Arrival, b.Arrival), cmp.Compare(a.Replica, b.Replica), cmp.Compare(a.Seq, b.Seq),
+		cmp.Compare(a.Incarnation, b.Incarnation))
 }

@@ -259,3 +259,44 @@ func TestSequencerDuplicateIntentOnce(t *testing.T) {
 		t.Fatalf("one intent delivered twice is decided %d times", len(due))
 	}
 }
+
+// A peer that restarts (a new incarnation, its seqs from 1 again) has its
+// new intents sequenced, not dropped as duplicates of the old process's
+// intents of the same seq still open; the same intent of one incarnation
+// delivered twice is still held once, and the pool's order is the same
+// on every replica whichever incarnation's arrives first.
+func TestSequencerRestartedPeerNewIncarnation(t *testing.T) {
+	s := NewSequencer(SequencerConfig{Replica: "a", Epoch: 2 * time.Millisecond, Grace: 500 * time.Microsecond, Start: seqT0})
+	at := seqT0.Add(10 * time.Millisecond)
+	old := Intent{Replica: "b", Incarnation: 1, Seq: 1, Arrival: at.UnixNano(), Tokens: 10}
+	if !s.Receive(at, old) {
+		t.Fatal("the old process's intent refused")
+	}
+	restarted := Intent{Replica: "b", Incarnation: 2, Seq: 1, Arrival: at.Add(200 * time.Microsecond).UnixNano(), Tokens: 20}
+	if !s.Receive(at.Add(300*time.Microsecond), restarted) {
+		t.Fatalf("the restarted process's intent seq 1 dropped as a duplicate of the old process's (stats %+v)", s.Stats())
+	}
+	if s.Receive(at.Add(400*time.Microsecond), restarted) {
+		t.Fatal("the restarted process's intent delivered twice sequenced twice")
+	}
+	due := s.Due(at.Add(time.Second), nil)
+	if len(due) != 2 || due[0].Incarnation != 1 || due[1].Incarnation != 2 {
+		t.Fatalf("decided %+v, want the old intent then the new one", due)
+	}
+	// Same arrival, replica and seq: the incarnation orders them.
+	x, y := old, old
+	y.Incarnation = 2
+	if Order(x, y) >= 0 || Order(y, x) <= 0 {
+		t.Fatalf("two incarnations' intents of one arrival and seq unordered: %d, %d", Order(x, y), Order(y, x))
+	}
+}
+
+// A sequencer that replaces another of the same incarnation continues its
+// intent seqs (SequencerConfig.After).
+func TestSequencerContinuesAfter(t *testing.T) {
+	s := NewSequencer(SequencerConfig{Replica: "a", Epoch: 2 * time.Millisecond, Start: seqT0, After: 41})
+	in, held := s.Hold(seqT0.Add(10*time.Millisecond), true, Intent{Tokens: 1})
+	if !held || in.Seq != 42 {
+		t.Fatalf("first intent after 41: seq %d (held %v), want 42", in.Seq, held)
+	}
+}

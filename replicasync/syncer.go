@@ -219,6 +219,8 @@ type Syncer struct {
 	intents atomic.Pointer[func(Intent)]
 	// committed is the highest own intent seq decided for real (Commit).
 	committed atomic.Uint64
+	// intentSeq is the highest own intent seq published (IntentSeq).
+	intentSeq atomic.Uint64
 	// While an epoch is decided (BeginEpoch..ClearOverlay) the peers'
 	// load and speculative messages wait in deferred (intents.go).
 	epochMu  sync.Mutex

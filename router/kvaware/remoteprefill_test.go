@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/kvrouter/kvrouter/config"
+	"github.com/kvrouter/kvrouter/replicasync"
 )
 
 // TestRemotePrefillPickChargesNoPrefill: a disaggregated request's decode
@@ -63,5 +64,38 @@ func TestRemotePrefillCountedOnce(t *testing.T) {
 	}
 	if prompt != float64(len(tokens)) || matched != 0 || samples != 1 || decisions != 2 {
 		t.Fatalf("prompt tokens %v (want %d), matched %v (want 0), computed samples %d (want 1), decisions %v (want 2)", prompt, len(tokens), matched, samples, decisions)
+	}
+}
+
+// TestRemotePrefillIntentDecidedAsDecode: a peer's intent for a
+// disaggregated request's decode pick, through the wire, is decided dry as
+// its owner decides it for real: one request in flight on the decode
+// instance and no pending prefill there (the owner's pick books none,
+// TestRemotePrefillPickChargesNoPrefill); a prefill pick's intent books
+// its prompt as before.
+func TestRemotePrefillIntentDecidedAsDecode(t *testing.T) {
+	w, p := newTableWorld(t, 2)
+	s := w.strategy(config.RoutingConfig{Strategy: config.StrategyKVAware})
+	tokens := promptTokens(49, 32*kvTestBS)
+	for _, remote := range []bool{true, false} {
+		req := kvRequest("r", tokens)
+		req.RemotePrefill = remote
+		in := s.Intent(context.Background(), req)
+		m := throughWire(t, &replicasync.Message{Kind: replicasync.KindIntent, Replica: "b", Incarnation: 1, Intents: []replicasync.Intent{in}})
+		got := m.Intents[0]
+		dec, err := s.DecideIntent(context.Background(), &got, false, w.insts[1:])
+		if err != nil {
+			t.Fatal(err)
+		}
+		f, tok, reqs := p.PeerLoad(dec.Instance.ID())
+		want := int64(len(tokens))
+		if remote {
+			want = 0
+		}
+		if f != 1 || tok != want || reqs != min(want, 1) {
+			t.Errorf("remote prefill %v: the peer's dry pick overlays %d in flight, %d pending tokens in %d requests on %s; want 1, %d, %d",
+				remote, f, tok, reqs, dec.Instance.ID(), want, min(want, 1))
+		}
+		w.st.EndEpoch()
 	}
 }

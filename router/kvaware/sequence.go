@@ -43,7 +43,7 @@ type intentKeys struct {
 // one will, heuristically.
 func (s *KVAware) Intent(ctx context.Context, req *router.Request) replicasync.Intent {
 	st := s.st
-	in := replicasync.Intent{Hash: req.RoutingHash()}
+	in := replicasync.Intent{Hash: req.RoutingHash(), RemotePrefill: req.RemotePrefill}
 	if req.Tokenizer == nil {
 		req.Tokenizer = st.tokens
 	}
@@ -82,7 +82,8 @@ func (s *KVAware) DecideIntent(ctx context.Context, in *replicasync.Intent, warm
 	for i, k := range in.Keys {
 		keys[i] = kvindex.Key(k)
 	}
-	req := &router.Request{KeyMemo: &intentKeys{keys: keys, tokens: in.Tokens}, Warmable: warmable}
+	req := &router.Request{KeyMemo: &intentKeys{keys: keys, tokens: in.Tokens}, Warmable: warmable && !in.RemotePrefill,
+		RemotePrefill: in.RemotePrefill} // a decode pick's edge sends no copy (router.Request.ProxyCanWarm)
 	req.SetRoutingHash(in.Hash)
 	dec, ev, err := s.pick(ctx, req, cands, false)
 	if err != nil {
@@ -101,8 +102,13 @@ func (s *KVAware) DecideIntent(ctx context.Context, in *replicasync.Intent, warm
 		if ev.tokens == 0 {
 			return e
 		}
-		e.Pending = replicasync.Pending{At: at, Tokens: int64(max(tokens-hit, 0))}
-		e.Rate = st.publishedRate()
+		if !ev.remote {
+			// A decode pick (RemotePrefill) computes none of the prompt:
+			// no pending prefill, as commit books none; its blocks are
+			// about to be held there all the same.
+			e.Pending = replicasync.Pending{At: at, Tokens: int64(max(tokens-hit, 0))}
+			e.Rate = st.publishedRate()
+		}
 		if g := ce.blocks[tiers.GPU]; g < end && s.spec != nil {
 			e.Keys = slices.Clone(ev.keys[g:end])
 		}

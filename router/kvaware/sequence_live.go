@@ -43,6 +43,10 @@ type IntentPeers interface {
 	// in the messages applied here.
 	Commit(seq uint64)
 	Committed(replica string, incarnation uint64) uint64
+	// IntentSeq is the highest own intent seq published or committed
+	// through this peer state: a new sequencer (a reload's new pool
+	// state over the same Syncer) numbers its intents after it.
+	IntentSeq() uint64
 	// CountSequence adds counts (and a hold time, when >= 0) to the
 	// metrics.
 	CountSequence(d replicasync.SequencerStats, hold time.Duration)
@@ -98,7 +102,7 @@ func (st *KVState) attachSequencing(ps PeerState) {
 	q := &seqState{ip: ip, now: st.now, waiters: map[uint64]*seqWaiter{}, wake: make(chan struct{}, 1),
 		deadline: map[int64]time.Time{}}
 	q.sq = replicasync.NewSequencer(replicasync.SequencerConfig{
-		Replica: ip.Replica(), Epoch: ip.Sequence(), Grace: ip.Grace(), Start: st.now()})
+		Replica: ip.Replica(), Epoch: ip.Sequence(), Grace: ip.Grace(), Start: st.now(), After: ip.IntentSeq()})
 	st.seq = q
 	ip.AttachIntents(q.receive)
 }
@@ -282,7 +286,8 @@ func (q *seqState) run() {
 // decide decides one epoch's intents in the pool's order: the own by
 // giving each held request its turn and waiting for its pick, the peers'
 // (and an own whose request left) dry onto the overlay, then forgets the
-// overlay. An epoch without an own intent changes nothing here: skipped.
+// overlay; an own withdrawn meanwhile (decided alone) is skipped. An
+// epoch without an own intent changes nothing here: skipped.
 func (q *seqState) decide(epoch []replicasync.Intent, s *KVAware, cands []*router.Instance) {
 	own := q.ip.Replica()
 	if s == nil || !slices.ContainsFunc(epoch, func(in replicasync.Intent) bool { return in.Replica == own }) {
@@ -305,6 +310,13 @@ func (q *seqState) decide(epoch []replicasync.Intent, s *KVAware, cands []*route
 				q.ip.CountSequence(replicasync.SequencerStats{}, time.Since(w.start))
 				<-w.done
 				q.ip.Commit(in.Seq)
+				continue
+			}
+			if w == nil {
+				// Withdrawn after this epoch was taken (its publication
+				// refused, hold): decided alone, for real, its effects in
+				// this replica's own state, and no peer saw its intent.
+				// Decided dry it would count twice here.
 				continue
 			}
 		} else if q.ip.Committed(in.Replica, in.Incarnation) >= in.Seq {
