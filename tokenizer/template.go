@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"regexp"
 	"slices"
@@ -82,14 +83,23 @@ func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, erro
 	data["add_generation_prompt"] = jinja.NewBool(opts.AddGenerationPrompt)
 	data["bos_token"] = jinja.NewString(j.cfg.BOSToken)
 	data["eos_token"] = jinja.NewString(j.cfg.EOSToken)
-	if len(opts.Tools) > 0 && string(opts.Tools) != "null" {
+	// transformers renders with tools= and documents= always (none when the request has
+	// none; chat_template_utils render_jinja_template), and vLLM passes "tools": [] on as
+	// [] (serving_engine _preprocess_chat: tool_dicts), so both are always defined.
+	data["tools"], data["documents"] = jinja.None(), jinja.None()
+	if isJSON(opts.Tools) {
 		tools, err := toolsValue(opts.Tools)
 		if err != nil {
 			return "", fmt.Errorf("%w: tools: %w", ErrBadMessage, err)
 		}
-		if tools.IsList() && tools.AsList().Len() > 0 {
-			data["tools"] = tools
+		data["tools"] = tools
+	}
+	if isJSON(opts.Documents) {
+		docs, err := jsonValue(opts.Documents)
+		if err != nil {
+			return "", fmt.Errorf("%w: documents: %w", ErrBadMessage, err)
 		}
+		data["documents"] = docs
 	}
 	now := opts.Now
 	if now == nil {
@@ -109,6 +119,12 @@ func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, erro
 	return out, nil
 }
 
+// isJSON reports a raw member that is present and not null.
+func isJSON(raw json.RawMessage) bool {
+	raw = bytes.TrimSpace(raw)
+	return len(raw) > 0 && string(raw) != "null"
+}
+
 // messageValue builds the dict a template sees for one message, with keys in the order
 // an OpenAI request carries them; optional keys are absent (not none) when unset, so
 // `is defined` tests behave as with vLLM.
@@ -116,30 +132,15 @@ func (j *JinjaTemplate) messageValue(m *Message) (jinja.Value, error) {
 	v := jinja.NewDict()
 	d := v.AsDict()
 	d.Set("role", jinja.NewString(m.Role))
-	switch {
-	case m.ContentNull && m.Parts == nil:
-		d.Set("content", jinja.None())
-	case j.partsContent:
-		var parts []jinja.Value
-		if m.Parts == nil {
-			parts = []jinja.Value{textPart(m.Content)}
-		} else {
-			for _, p := range m.Parts {
-				if p.Raw != nil {
-					parts = append(parts, jinja.FromGoValue(p.Raw))
-				} else {
-					parts = append(parts, textPart(p.Text))
-				}
-			}
-		}
-		d.Set("content", jinja.NewList(parts))
-	default:
-		d.Set("content", jinja.NewString(m.Content))
+	content, err := j.contentValue(m)
+	if err != nil {
+		return jinja.Value{}, err
 	}
+	d.Set("content", content)
 	if m.Name != "" {
 		d.Set("name", jinja.NewString(m.Name))
 	}
-	if r := m.reasoning(); r != "" {
+	if r, ok := m.reasoning(); ok {
 		d.Set("reasoning", jinja.NewString(r))
 		d.Set("reasoning_content", jinja.NewString(r))
 	}
@@ -155,6 +156,11 @@ func (j *JinjaTemplate) messageValue(m *Message) (jinja.Value, error) {
 			typ := tc.Type
 			if typ == "" {
 				typ = "function"
+			}
+			if typ != "function" {
+				// vLLM validates tool calls as function calls (type
+				// Literal["function"]) and answers 400 for others.
+				return jinja.Value{}, fmt.Errorf("%w: tool call of type %q: vLLM takes function calls only", ErrBadMessage, typ)
 			}
 			cd.Set("type", jinja.NewString(typ))
 			fn := jinja.NewDict()
@@ -176,16 +182,110 @@ func (j *JinjaTemplate) messageValue(m *Message) (jinja.Value, error) {
 	return v, nil
 }
 
-// reasoning is the thinking text vLLM gives the template for m: an assistant message's
-// reasoning, else its reasoning_content; nothing for other roles.
-func (m *Message) reasoning() string {
+// reasoning is the thinking text vLLM gives the template for m, and whether it gives
+// any: an assistant message's reasoning when sent and not null (even ""), else its
+// reasoning_content when not empty; nothing for other roles.
+func (m *Message) reasoning() (string, bool) {
 	if m.Role != "assistant" {
-		return ""
+		return "", false
 	}
-	if m.Reasoning != "" {
-		return m.Reasoning
+	if m.ReasoningSet || m.Reasoning != "" {
+		return m.Reasoning, true
 	}
-	return m.ReasoningContent
+	return m.ReasoningContent, m.ReasoningContent != ""
+}
+
+// contentValue is m's content as vLLM hands it to the template
+// (_parse_chat_message_content, vLLM main at be90fe16): null or absent content is no
+// parts, so "" for a string template and [] for one that loops over parts (never none);
+// in the parts ("openai") format a media part becomes {"type": <modality>} and a tool
+// message whose parts are all text becomes their texts joined with "\n".
+func (j *JinjaTemplate) contentValue(m *Message) (jinja.Value, error) {
+	if !j.partsContent {
+		return jinja.NewString(m.Content), nil
+	}
+	var parts []jinja.Value
+	switch {
+	case m.Parts != nil:
+		parts = make([]jinja.Value, 0, len(m.Parts))
+		for i := range m.Parts {
+			v, err := partValue(&m.Parts[i])
+			if err != nil {
+				return jinja.Value{}, err
+			}
+			parts = append(parts, v)
+		}
+	case !m.ContentNull:
+		parts = []jinja.Value{textPart(m.Content)}
+	}
+	if m.Role == "tool" {
+		texts := make([]string, 0, len(parts))
+		for _, p := range parts {
+			t, _ := p.AsDict().Get("type")
+			if !t.IsString() || t.AsString() != "text" {
+				return jinja.NewList(parts), nil
+			}
+			s, _ := p.AsDict().Get("text")
+			texts = append(texts, s.AsString())
+		}
+		return jinja.NewString(strings.Join(texts, "\n")), nil
+	}
+	if parts == nil {
+		parts = []jinja.Value{}
+	}
+	return jinja.NewList(parts), nil
+}
+
+// mediaModality maps a media part's type to the modality vLLM writes in its place
+// (_parse_chat_message_content_part); mediaKeys does the same for a part without a
+// type, by the first of these keys it has (_parse_chat_message_content_mm_part).
+var (
+	mediaModality = map[string]string{"image_url": "image", "input_image": "image", "image_pil": "image",
+		"image_embeds": "image", "audio_url": "audio", "input_audio": "audio", "audio_embeds": "audio",
+		"video_url": "video", "video_embeds": "video"}
+	mediaKeys = []string{"image_url", "image_pil", "image_embeds", "audio_embeds", "audio_url", "input_audio", "video_url"}
+)
+
+// partValue is one content part as a parts template sees it: a text part, a media
+// part's {"type": <modality>} with its extra keys, a tool_reference's {"type", "name"};
+// a part vLLM does not know is refused as vLLM refuses it (400).
+func partValue(p *ContentPart) (jinja.Value, error) {
+	if p.Raw == nil {
+		return textPart(p.Text), nil
+	}
+	typ := p.Type
+	if typ == "" {
+		for _, k := range mediaKeys {
+			if v, ok := p.Raw[k]; ok && (k != "input_audio" || v != nil) {
+				typ = k
+				break
+			}
+		}
+	}
+	out := jinja.NewDict()
+	od := out.AsDict()
+	switch {
+	case typ == "text":
+		// a text part with extra keys: already in vLLM's shape
+	case mediaModality[typ] != "":
+		od.Set("type", jinja.NewString(mediaModality[typ]))
+	case typ == "tool_reference":
+		od.Set("type", jinja.NewString(typ))
+		od.Set("name", jinja.FromGoValue(p.Raw["name"]))
+		return out, nil
+	default:
+		return jinja.Value{}, fmt.Errorf("%w: content part of type %q: vLLM does not take it", ErrBadMessage, typ)
+	}
+	keys := p.keys
+	if keys == nil { // a part built in Go rather than decoded: no order to keep
+		keys = slices.Sorted(maps.Keys(p.Raw))
+	}
+	for _, k := range keys {
+		if typ == "text" || !knownPartKeys[k] {
+			od.Set(k, jinja.FromGoValue(p.Raw[k]))
+		}
+	}
+	return out, nil
 }
 
 func textPart(s string) jinja.Value {
