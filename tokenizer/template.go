@@ -67,10 +67,14 @@ func NewJinjaTemplate(src string, cfg TemplateConfig) (*JinjaTemplate, error) {
 // Render implements ChatTemplate. The template sees messages, add_generation_prompt,
 // bos_token, eos_token, tools (when given), opts.Vars, and strftime_now on opts.Now.
 func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, error) {
-	data := make(map[string]jinja.Value, 8+len(opts.Vars))
-	for k, v := range opts.Vars {
-		data[k] = jinja.FromGoValue(v)
+	for _, k := range []string{"messages", "chat_template", "tokenize"} {
+		if _, ok := opts.Vars[k]; ok {
+			// transformers already passes messages (a duplicate keyword), and vLLM
+			// refuses the other two in chat_template_kwargs: the request is a 400.
+			return "", fmt.Errorf("%w: chat_template_kwargs may not set %q", ErrBadMessage, k)
+		}
 	}
+	data := make(map[string]jinja.Value, 8+len(opts.Vars))
 	list := make([]jinja.Value, len(msgs))
 	for i := range msgs {
 		v, err := j.messageValue(&msgs[i])
@@ -100,6 +104,12 @@ func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, erro
 			return "", fmt.Errorf("%w: documents: %w", ErrBadMessage, err)
 		}
 		data["documents"] = docs
+	}
+	// The request's chat_template_kwargs win over add_generation_prompt, tools and
+	// documents (vLLM updates its kwargs with them) and over bos_token/eos_token
+	// (transformers renders with {**special_tokens_map, **kwargs}).
+	for k, v := range opts.Vars {
+		data[k] = jinja.FromGoValue(v)
 	}
 	now := opts.Now
 	if now == nil {
@@ -202,6 +212,11 @@ func (m *Message) reasoning() (string, bool) {
 // message whose parts are all text becomes their texts joined with "\n".
 func (j *JinjaTemplate) contentValue(m *Message) (jinja.Value, error) {
 	if !j.partsContent {
+		for i := range m.Parts {
+			if _, err := partValue(&m.Parts[i]); err != nil {
+				return jinja.Value{}, err // vLLM refuses it in either format
+			}
+		}
 		return jinja.NewString(m.Content), nil
 	}
 	var parts []jinja.Value

@@ -75,7 +75,9 @@ type RenderOptions struct {
 	// null gives documents = none.
 	Documents json.RawMessage
 	// Vars are extra template variables (vLLM's chat_template_kwargs, e.g. enable_thinking).
-	// They cannot override messages, tools, add_generation_prompt, bos_token or eos_token.
+	// As in vLLM they win over add_generation_prompt, tools, documents, bos_token and
+	// eos_token; "messages", "chat_template" and "tokenize" fail the render with
+	// ErrBadMessage (vLLM answers 400).
 	Vars map[string]any
 	// Now is the clock behind strftime_now; nil means time.Now.
 	Now func() time.Time

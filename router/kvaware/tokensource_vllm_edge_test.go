@@ -95,7 +95,6 @@ func TestChatRefusedAsVLLM(t *testing.T) {
 	}
 }
 
-
 // TestChatEmptyReasoningAsVLLM: vLLM gives Qwen3's template
 // reasoning_content = "" for an assistant turn with "reasoning": "" (it
 // `is not None`), so the template keeps the content whole rather than
