@@ -126,7 +126,37 @@ func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, erro
 	if err != nil {
 		return "", fmt.Errorf("%w: render: %w", ErrTemplate, err)
 	}
+	if opts.ContinueFinalMessage && len(msgs) > 0 {
+		return j.continueFinal(out, &msgs[len(msgs)-1])
+	}
 	return out, nil
+}
+
+// continueFinal cuts out after the last occurrence of the final message's stripped
+// text, as transformers' apply_chat_template does with continue_final_message
+// (tokenization_utils_base.py): the text is the content string, or in the parts format
+// the last part that has a text; none, or a text the render does not contain, fails
+// (a 400 from vLLM).
+func (j *JinjaTemplate) continueFinal(out string, m *Message) (string, error) {
+	final, ok := m.Content, true
+	if j.partsContent && m.Role != "tool" {
+		ok = false
+		for i := len(m.Parts) - 1; i >= 0; i-- {
+			if p := &m.Parts[i]; p.Raw == nil || p.Type == "text" {
+				final, ok = p.Text, true
+				break
+			}
+		}
+		if m.Parts == nil && !m.ContentNull {
+			ok = true
+		}
+	}
+	final = strings.TrimSpace(final)
+	at := strings.LastIndex(out, final)
+	if !ok || at < 0 {
+		return "", fmt.Errorf("%w: continue_final_message: no text of the final message in the rendered chat", ErrTemplate)
+	}
+	return out[:at+len(final)], nil
 }
 
 // isJSON reports a raw member that is present and not null.

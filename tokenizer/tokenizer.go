@@ -74,6 +74,11 @@ type RenderOptions struct {
 	// RAG templates), given to the template as documents with key order kept; nil or
 	// null gives documents = none.
 	Documents json.RawMessage
+	// ContinueFinalMessage ends the prompt where the final message's text does, as
+	// transformers' apply_chat_template(continue_final_message=True) does for vLLM: the
+	// render is cut after the last occurrence of that text, stripped (the final message's
+	// string content, or its last text part). Simple ignores it.
+	ContinueFinalMessage bool
 	// Vars are extra template variables (vLLM's chat_template_kwargs, e.g. enable_thinking).
 	// As in vLLM they win over add_generation_prompt, tools, documents, bos_token and
 	// eos_token; "messages", "chat_template" and "tokenize" fail the render with

@@ -161,3 +161,33 @@ func TestUnknownPartRefused(t *testing.T) {
 		}
 	}
 }
+
+// TestContinueFinalMessage: the render is cut after the last occurrence of
+// the final message's stripped text (its last text part in the parts
+// format), as transformers' apply_chat_template does; no such text fails.
+func TestContinueFinalMessage(t *testing.T) {
+	const str = `{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}`
+	const parts = `{% for m in messages %}<{{ m.role }}>{% for p in m.content %}{{ p.text }}{% endfor %}</{{ m.role }}>{% endfor %}`
+	for _, tt := range []struct{ src, msgs, want string }{
+		{str, `[{"role":"user","content":"a"},{"role":"assistant","content":" hi "}]`, "<user>a</user><assistant> hi"},
+		{parts, `[{"role":"assistant","content":[{"type":"text","text":"x"},{"type":"text","text":"y"},{"type":"image_url","image_url":{"url":"u"}}]}]`, "<assistant>xy"},
+		{parts, `[{"role":"assistant","content":[{"type":"image_url","image_url":{"url":"u"}}]}]`, ""},
+	} {
+		var m []Message
+		if err := json.Unmarshal([]byte(tt.msgs), &m); err != nil {
+			t.Fatal(err)
+		}
+		tmpl, err := NewJinjaTemplate(tt.src, TemplateConfig{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := tmpl.Render(m, RenderOptions{ContinueFinalMessage: true})
+		if tt.want == "" {
+			if !errors.Is(err, ErrTemplate) {
+				t.Errorf("%s: rendered %q, %v; want ErrTemplate", tt.msgs, got, err)
+			}
+		} else if err != nil || got != tt.want {
+			t.Errorf("%s: rendered %q, %v; want %q", tt.msgs, got, err, tt.want)
+		}
+	}
+}

@@ -225,10 +225,14 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *router.Request) ([]ui
 		opts.AddGenerationPrompt = *b.AddGenerationPrompt
 	}
 	if b.ContinueFinalMessage {
-		// vLLM then renders without a generation prompt and cuts the final
-		// message's end-of-turn; rendering without the generation prompt
-		// gets every block but the last right.
-		opts.AddGenerationPrompt = false
+		// vLLM refuses add_generation_prompt sent true with it (a 400:
+		// ChatCompletionRequest's check_generation_prompt), and otherwise
+		// cuts the render after the final message's text (transformers'
+		// continue_final_message), which the generation prompt follows.
+		if b.AddGenerationPrompt != nil && *b.AddGenerationPrompt {
+			return nil, fmt.Errorf("%w: chat body: continue_final_message and add_generation_prompt both true", router.ErrTokenSource)
+		}
+		opts.AddGenerationPrompt, opts.ContinueFinalMessage = false, true
 	}
 	// The rendered template is encoded without special tokens, truncated
 	// on the left as a text prompt is.

@@ -3,6 +3,7 @@ package kvaware
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 
@@ -112,5 +113,39 @@ func TestChatEmptyReasoningAsVLLM(t *testing.T) {
 	}
 	if want := "<think>\n\n</think>\n\n<think>x</think>y"; !strings.Contains(got, want) {
 		t.Errorf("rendered %q, want it to contain %q", got, want)
+	}
+}
+
+// TestChatContinueFinalMessageAsVLLM: with continue_final_message vLLM's
+// prompt ends where the final message's text does (transformers'
+// apply_chat_template cuts the render after the last occurrence of the
+// stripped final text), so Qwen3's <|im_end|> after it is not prefilled;
+// add_generation_prompt sent true as well is a 400 (vLLM's
+// ChatCompletionRequest validator), which the router refuses too.
+func TestChatContinueFinalMessageAsVLLM(t *testing.T) {
+	const msgs = `"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello, wor"}]`
+	ids := chatTokens(t, "qwen3", router.EndpointChatCompletions, `{"model":"m","continue_final_message":true,"add_generation_prompt":false,`+msgs+`}`)
+	hf, err := tokenizer.LoadHF("../../tokenizer/testdata/qwen3", tokenizer.HFConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := hf.Decode(ids)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "<|im_start|>assistant\n<think>\n\n</think>\n\nHello, wor"; !strings.HasSuffix(got, want) {
+		t.Errorf("rendered %q, want it to end with %q", got, want)
+	}
+	same := chatTokens(t, "qwen3", router.EndpointChatCompletions, `{"model":"m","continue_final_message":true,`+msgs+`}`)
+	if !slices.Equal(ids, same) {
+		t.Errorf("add_generation_prompt absent: %d ids, want the %d of false", len(same), len(ids))
+	}
+	body := `{"model":"m","continue_final_message":true,"add_generation_prompt":true,` + msgs + `}`
+	parsed, err := router.ParseOpenAI(router.EndpointChatCompletions, []byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ids, err := filesSource(t, "qwen3").Tokens(context.Background(), &router.Request{Endpoint: router.EndpointChatCompletions, Body: []byte(body), Parsed: parsed}); !errors.Is(err, router.ErrTokenSource) {
+		t.Errorf("both true: %d ids, %v; want ErrTokenSource", len(ids), err)
 	}
 }
