@@ -177,7 +177,7 @@ func (j *JinjaTemplate) messageValue(m *Message) (jinja.Value, error) {
 		return jinja.Value{}, err
 	}
 	d.Set("content", content)
-	if m.Name != "" {
+	if m.Name != "" || m.NameSet {
 		d.Set("name", jinja.NewString(m.Name))
 	}
 	if r, ok := m.reasoning(); ok {

@@ -105,7 +105,10 @@ type Message struct {
 	// ContentNull records that content was JSON null or absent (assistant tool-call turns).
 	ContentNull bool `json:"-"`
 
-	Name       string     `json:"name,omitempty"`
+	Name string `json:"name,omitempty"`
+	// NameSet records that name was sent as a string, even "": vLLM then gives it to the
+	// template (_parse_chat_message_content: isinstance(message["name"], str)).
+	NameSet    bool       `json:"-"`
 	ToolCalls  []ToolCall `json:"tool_calls,omitempty"`
 	ToolCallID string     `json:"tool_call_id,omitempty"`
 	// Reasoning is the assistant's thinking text as current vLLM reads it
@@ -155,6 +158,7 @@ func (m *Message) UnmarshalJSON(b []byte) error {
 		plain
 		Content   json.RawMessage `json:"content"`
 		Reasoning *string         `json:"reasoning"`
+		Name      *string         `json:"name"`
 	}
 	if err := json.Unmarshal(b, &aux); err != nil {
 		return fmt.Errorf("%w: %w", ErrBadMessage, err)
@@ -162,6 +166,9 @@ func (m *Message) UnmarshalJSON(b []byte) error {
 	*m = Message(aux.plain)
 	if aux.Reasoning != nil {
 		m.Reasoning, m.ReasoningSet = *aux.Reasoning, true
+	}
+	if aux.Name != nil {
+		m.Name, m.NameSet = *aux.Name, true
 	}
 	c := bytes.TrimSpace(aux.Content)
 	switch {
@@ -310,13 +317,18 @@ func (m Message) MarshalJSON() ([]byte, error) {
 	case m.ContentNull:
 		content = nil
 	}
-	var reasoning *string
+	// reasoning and name are sent even when "", as the request had them.
+	var reasoning, name *string
 	if m.ReasoningSet || m.Reasoning != "" {
-		reasoning = &m.Reasoning // sent even when "", as the request had it
+		reasoning = &m.Reasoning
+	}
+	if m.NameSet || m.Name != "" {
+		name = &m.Name
 	}
 	return json.Marshal(struct {
 		plain
 		Content   any     `json:"content"`
 		Reasoning *string `json:"reasoning,omitempty"`
-	}{plain(m), content, reasoning})
+		Name      *string `json:"name,omitempty"`
+	}{plain(m), content, reasoning, name})
 }

@@ -191,3 +191,13 @@ func TestContinueFinalMessage(t *testing.T) {
 		}
 	}
 }
+
+// TestEmptyNameKept: vLLM copies a message's name whenever it is a string
+// (_parse_chat_message_content: isinstance(message["name"], str)), "" too.
+func TestEmptyNameKept(t *testing.T) {
+	got := renderJSON(t, `{% for m in messages %}{{ m.name is defined }};{% endfor %}`,
+		`[{"role":"user","content":"a","name":""},{"role":"user","content":"b"},{"role":"user","content":"c","name":null}]`, RenderOptions{})
+	if want := "True;False;False;"; got != want {
+		t.Errorf("got %q, want %q", got, want)
+	}
+}

@@ -277,6 +277,7 @@ func parsedChatBody(r *openai.Request) (b chatBody, ok bool, err error) {
 		}
 		var okN, okID, okR, okRC bool
 		tm.Name, okN = openai.RawString(m.Name)
+		tm.NameSet = len(m.Name) > 0 && string(m.Name) != "null"
 		tm.ToolCallID, okID = openai.RawString(m.ToolCallID)
 		tm.Reasoning, okR = openai.RawString(m.Reasoning)
 		// vLLM gives the template reasoning when it is not None, "" too.

@@ -149,3 +149,17 @@ func TestChatContinueFinalMessageAsVLLM(t *testing.T) {
 		t.Errorf("both true: %d ids, %v; want ErrTokenSource", len(ids), err)
 	}
 }
+
+// TestChatEmptyNameAsVLLM: an empty name reaches the template (vLLM keeps
+// any string name) through the parsed path and the general one alike.
+func TestChatEmptyNameAsVLLM(t *testing.T) {
+	src, hf := llamaTemplateSource(t, `{% for m in messages %}{{ m.role }}{% if m.name is defined %}[{{ m.name }}]{% endif %}: {{ m.content }}{% endfor %}`)
+	for _, body := range []string{
+		`{"model":"m","messages":[{"role":"user","content":"Hi","name":""}]}`,
+		`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"Hi"}],"name":""}]}`,
+	} {
+		if got := renderedBy(t, src, hf, body); got != "user[]: Hi" {
+			t.Errorf("%s rendered %q, want %q", body, got, "user[]: Hi")
+		}
+	}
+}
