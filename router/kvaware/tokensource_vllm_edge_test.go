@@ -96,6 +96,20 @@ func TestChatRefusedAsVLLM(t *testing.T) {
 	}
 }
 
+// qwenDecode is the text of Qwen3 test-tokenizer ids (it round-trips).
+func qwenDecode(t *testing.T, ids []uint32) string {
+	t.Helper()
+	hf, err := tokenizer.LoadHF("../../tokenizer/testdata/qwen3", tokenizer.HFConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	text, err := hf.Decode(ids)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return text
+}
+
 // TestChatEmptyReasoningAsVLLM: vLLM gives Qwen3's template
 // reasoning_content = "" for an assistant turn with "reasoning": "" (it
 // `is not None`), so the template keeps the content whole rather than
@@ -103,14 +117,7 @@ func TestChatRefusedAsVLLM(t *testing.T) {
 func TestChatEmptyReasoningAsVLLM(t *testing.T) {
 	body := `{"model":"m","add_generation_prompt":false,"messages":[{"role":"user","content":"Hi"},{"role":"assistant","reasoning":"","content":"<think>x</think>y"}]}`
 	ids := chatTokens(t, "qwen3", router.EndpointChatCompletions, body)
-	hf, err := tokenizer.LoadHF("../../tokenizer/testdata/qwen3", tokenizer.HFConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	got, err := hf.Decode(ids)
-	if err != nil {
-		t.Fatal(err)
-	}
+	got := qwenDecode(t, ids)
 	if want := "<think>\n\n</think>\n\n<think>x</think>y"; !strings.Contains(got, want) {
 		t.Errorf("rendered %q, want it to contain %q", got, want)
 	}
@@ -125,14 +132,7 @@ func TestChatEmptyReasoningAsVLLM(t *testing.T) {
 func TestChatContinueFinalMessageAsVLLM(t *testing.T) {
 	const msgs = `"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello, wor"}]`
 	ids := chatTokens(t, "qwen3", router.EndpointChatCompletions, `{"model":"m","continue_final_message":true,"add_generation_prompt":false,`+msgs+`}`)
-	hf, err := tokenizer.LoadHF("../../tokenizer/testdata/qwen3", tokenizer.HFConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	got, err := hf.Decode(ids)
-	if err != nil {
-		t.Fatal(err)
-	}
+	got := qwenDecode(t, ids)
 	if want := "<|im_start|>assistant\n<think>\n\n</think>\n\nHello, wor"; !strings.HasSuffix(got, want) {
 		t.Errorf("rendered %q, want it to end with %q", got, want)
 	}
