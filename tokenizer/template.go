@@ -65,7 +65,8 @@ func NewJinjaTemplate(src string, cfg TemplateConfig) (*JinjaTemplate, error) {
 }
 
 // Render implements ChatTemplate. The template sees messages, add_generation_prompt,
-// bos_token, eos_token, tools (when given), opts.Vars, and strftime_now on opts.Now.
+// bos_token, eos_token, tools and documents (none when not given), opts.Vars (winning over
+// all but messages), and strftime_now on opts.Now.
 func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, error) {
 	for _, k := range []string{"messages", "chat_template", "tokenize"} {
 		if _, ok := opts.Vars[k]; ok {
