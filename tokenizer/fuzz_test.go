@@ -2,6 +2,7 @@ package tokenizer
 
 import (
 	"encoding/json"
+	"errors"
 	"slices"
 	"testing"
 	"unicode/utf8"
@@ -101,6 +102,14 @@ func FuzzMessageJSON(f *testing.F) {
 	f.Add([]byte(`{"role":"user","content":"hi"}`))
 	f.Add([]byte(`{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"u"}}]}`))
 	f.Add([]byte(`{"role":"assistant","content":null,"tool_calls":[{"id":"1","function":{"name":"f","arguments":"{}"}}]}`))
+	f.Add([]byte(`{"role":"assistant","content":"a","reasoning":"","name":""}`))
+	f.Add([]byte(`{"role":"tool","content":[{"type":"text","text":"a","x":1},{"type":"text","text":""},"b"]}`))
+	f.Add([]byte(`{"role":"user","content":[{"type":"video_url","video_url":{"url":"u"},"z":1,"a":2},{"image_url":"u","uuid":"i"},{"type":"tool_reference","name":"n"},{"type":"file","file":{}}]}`))
+	f.Add([]byte(`{"role":"assistant","content":null,"tool_calls":[{"id":"1","type":"custom","custom":{"name":"f","input":"x"}}]}`))
+	parts, err := NewJinjaTemplate(`{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}{{ p | tojson }}{% endfor %}{% endif %}{{ m.reasoning }}{% endfor %}`, TemplateConfig{})
+	if err != nil {
+		f.Fatal(err)
+	}
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var m Message
 		if err := json.Unmarshal(b, &m); err != nil {
@@ -114,8 +123,13 @@ func FuzzMessageJSON(f *testing.F) {
 		if err := json.Unmarshal(out, &back); err != nil {
 			t.Fatalf("re-read %s: %v", out, err)
 		}
-		if back.Role != m.Role || back.Content != m.Content || back.ContentNull != m.ContentNull || len(back.Parts) != len(m.Parts) {
+		if back.Role != m.Role || back.Content != m.Content || back.ContentNull != m.ContentNull || len(back.Parts) != len(m.Parts) ||
+			back.ReasoningSet != m.ReasoningSet || back.Reasoning != m.Reasoning || back.NameSet != m.NameSet || back.Name != m.Name {
 			t.Fatalf("round trip %s -> %s changed the message", b, out)
+		}
+		// A parts template renders it as vLLM would, or refuses it as vLLM does.
+		if _, err := parts.Render([]Message{m}, RenderOptions{}); err != nil && !errors.Is(err, ErrBadMessage) && !errors.Is(err, ErrTemplate) {
+			t.Fatalf("render %s: %v", b, err)
 		}
 	})
 }

@@ -205,11 +205,13 @@ func (r *Remote) TokenizeChat(ctx context.Context, msgs []Message, opts RenderOp
 		Messages            []Message       `json:"messages"`
 		AddGenerationPrompt bool            `json:"add_generation_prompt"`
 		AddSpecialTokens    bool            `json:"add_special_tokens"`
+		ContinueFinal       bool            `json:"continue_final_message,omitempty"`
 		Tools               json.RawMessage `json:"tools,omitempty"`
+		Documents           json.RawMessage `json:"documents,omitempty"`
 		ChatTemplateKwargs  map[string]any  `json:"chat_template_kwargs,omitempty"`
 	}
 	return r.call(ctx, lruKey{}, req{Model: r.cfg.Model, Messages: msgs, AddGenerationPrompt: opts.AddGenerationPrompt,
-		AddSpecialTokens: opts.AddSpecialTokens, Tools: opts.Tools, ChatTemplateKwargs: opts.Vars})
+		AddSpecialTokens: opts.AddSpecialTokens, ContinueFinal: opts.ContinueFinalMessage, Tools: opts.Tools, Documents: opts.Documents, ChatTemplateKwargs: opts.Vars})
 }
 
 // maxResponse bounds the /tokenize response read (a 1M-token prompt is ~8 MB of JSON).

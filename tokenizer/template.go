@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"regexp"
 	"slices"
@@ -64,12 +65,17 @@ func NewJinjaTemplate(src string, cfg TemplateConfig) (*JinjaTemplate, error) {
 }
 
 // Render implements ChatTemplate. The template sees messages, add_generation_prompt,
-// bos_token, eos_token, tools (when given), opts.Vars, and strftime_now on opts.Now.
+// bos_token, eos_token, tools and documents (none when not given), opts.Vars (winning over
+// all but messages), and strftime_now on opts.Now.
 func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, error) {
-	data := make(map[string]jinja.Value, 8+len(opts.Vars))
-	for k, v := range opts.Vars {
-		data[k] = jinja.FromGoValue(v)
+	for _, k := range []string{"messages", "chat_template", "tokenize"} {
+		if _, ok := opts.Vars[k]; ok {
+			// transformers already passes messages (a duplicate keyword), and vLLM
+			// refuses the other two in chat_template_kwargs: the request is a 400.
+			return "", fmt.Errorf("%w: chat_template_kwargs may not set %q", ErrBadMessage, k)
+		}
 	}
+	data := make(map[string]jinja.Value, 8+len(opts.Vars))
 	list := make([]jinja.Value, len(msgs))
 	for i := range msgs {
 		v, err := j.messageValue(&msgs[i])
@@ -82,14 +88,29 @@ func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, erro
 	data["add_generation_prompt"] = jinja.NewBool(opts.AddGenerationPrompt)
 	data["bos_token"] = jinja.NewString(j.cfg.BOSToken)
 	data["eos_token"] = jinja.NewString(j.cfg.EOSToken)
-	if len(opts.Tools) > 0 && string(opts.Tools) != "null" {
+	// transformers renders with tools= and documents= always (none when the request has
+	// none; chat_template_utils render_jinja_template), and vLLM passes "tools": [] on as
+	// [] (serving_engine _preprocess_chat: tool_dicts), so both are always defined.
+	data["tools"], data["documents"] = jinja.None(), jinja.None()
+	if isJSON(opts.Tools) {
 		tools, err := toolsValue(opts.Tools)
 		if err != nil {
 			return "", fmt.Errorf("%w: tools: %w", ErrBadMessage, err)
 		}
-		if tools.IsList() && tools.AsList().Len() > 0 {
-			data["tools"] = tools
+		data["tools"] = tools
+	}
+	if isJSON(opts.Documents) {
+		docs, err := jsonValue(opts.Documents)
+		if err != nil {
+			return "", fmt.Errorf("%w: documents: %w", ErrBadMessage, err)
 		}
+		data["documents"] = docs
+	}
+	// The request's chat_template_kwargs win over add_generation_prompt, tools and
+	// documents (vLLM updates its kwargs with them) and over bos_token/eos_token
+	// (transformers renders with {**special_tokens_map, **kwargs}).
+	for k, v := range opts.Vars {
+		data[k] = jinja.FromGoValue(v)
 	}
 	now := opts.Now
 	if now == nil {
@@ -106,7 +127,43 @@ func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, erro
 	if err != nil {
 		return "", fmt.Errorf("%w: render: %w", ErrTemplate, err)
 	}
+	if opts.ContinueFinalMessage && len(msgs) > 0 {
+		return j.continueFinal(out, &msgs[len(msgs)-1])
+	}
 	return out, nil
+}
+
+// continueFinal cuts out after the last occurrence of the final message's stripped
+// text, as transformers' apply_chat_template does with continue_final_message
+// (tokenization_utils_base.py): the text is the content string, or in the parts format
+// the last part that has a text; none, or a text the render does not contain, fails
+// (a 400 from vLLM).
+func (j *JinjaTemplate) continueFinal(out string, m *Message) (string, error) {
+	final, ok := m.Content, true
+	if j.partsContent && m.Role != "tool" {
+		ok = false
+		for i := len(m.Parts) - 1; i >= 0; i-- {
+			if p := &m.Parts[i]; p.Raw == nil || p.Type == "text" {
+				final, ok = p.Text, true
+				break
+			}
+		}
+		if m.Parts == nil && !m.ContentNull {
+			ok = true
+		}
+	}
+	final = strings.TrimSpace(final)
+	at := strings.LastIndex(out, final)
+	if !ok || at < 0 {
+		return "", fmt.Errorf("%w: continue_final_message: no text of the final message in the rendered chat", ErrTemplate)
+	}
+	return out[:at+len(final)], nil
+}
+
+// isJSON reports a raw member that is present and not null.
+func isJSON(raw json.RawMessage) bool {
+	raw = bytes.TrimSpace(raw)
+	return len(raw) > 0 && string(raw) != "null"
 }
 
 // messageValue builds the dict a template sees for one message, with keys in the order
@@ -116,30 +173,15 @@ func (j *JinjaTemplate) messageValue(m *Message) (jinja.Value, error) {
 	v := jinja.NewDict()
 	d := v.AsDict()
 	d.Set("role", jinja.NewString(m.Role))
-	switch {
-	case m.ContentNull && m.Parts == nil:
-		d.Set("content", jinja.None())
-	case j.partsContent:
-		var parts []jinja.Value
-		if m.Parts == nil {
-			parts = []jinja.Value{textPart(m.Content)}
-		} else {
-			for _, p := range m.Parts {
-				if p.Raw != nil {
-					parts = append(parts, jinja.FromGoValue(p.Raw))
-				} else {
-					parts = append(parts, textPart(p.Text))
-				}
-			}
-		}
-		d.Set("content", jinja.NewList(parts))
-	default:
-		d.Set("content", jinja.NewString(m.Content))
+	content, err := j.contentValue(m)
+	if err != nil {
+		return jinja.Value{}, err
 	}
-	if m.Name != "" {
+	d.Set("content", content)
+	if m.Name != "" || m.NameSet {
 		d.Set("name", jinja.NewString(m.Name))
 	}
-	if r := m.reasoning(); r != "" {
+	if r, ok := m.reasoning(); ok {
 		d.Set("reasoning", jinja.NewString(r))
 		d.Set("reasoning_content", jinja.NewString(r))
 	}
@@ -155,6 +197,11 @@ func (j *JinjaTemplate) messageValue(m *Message) (jinja.Value, error) {
 			typ := tc.Type
 			if typ == "" {
 				typ = "function"
+			}
+			if typ != "function" {
+				// vLLM validates tool calls as function calls (type
+				// Literal["function"]) and answers 400 for others.
+				return jinja.Value{}, fmt.Errorf("%w: tool call of type %q: vLLM takes function calls only", ErrBadMessage, typ)
 			}
 			cd.Set("type", jinja.NewString(typ))
 			fn := jinja.NewDict()
@@ -176,16 +223,115 @@ func (j *JinjaTemplate) messageValue(m *Message) (jinja.Value, error) {
 	return v, nil
 }
 
-// reasoning is the thinking text vLLM gives the template for m: an assistant message's
-// reasoning, else its reasoning_content; nothing for other roles.
-func (m *Message) reasoning() string {
+// reasoning is the thinking text vLLM gives the template for m, and whether it gives
+// any: an assistant message's reasoning when sent and not null (even ""), else its
+// reasoning_content when not empty; nothing for other roles.
+func (m *Message) reasoning() (string, bool) {
 	if m.Role != "assistant" {
-		return ""
+		return "", false
 	}
-	if m.Reasoning != "" {
-		return m.Reasoning
+	if m.ReasoningSet || m.Reasoning != "" {
+		return m.Reasoning, true
 	}
-	return m.ReasoningContent
+	return m.ReasoningContent, m.ReasoningContent != ""
+}
+
+// contentValue is m's content as vLLM hands it to the template
+// (_parse_chat_message_content, vLLM main at be90fe16): null or absent content is no
+// parts, so "" for a string template and [] for one that loops over parts (never none);
+// in the parts ("openai") format a media part becomes {"type": <modality>} and a tool
+// message whose parts are all text becomes their texts joined with "\n".
+func (j *JinjaTemplate) contentValue(m *Message) (jinja.Value, error) {
+	if !j.partsContent {
+		for i := range m.Parts {
+			if _, err := partValue(&m.Parts[i]); err != nil {
+				return jinja.Value{}, err // vLLM refuses it in either format
+			}
+		}
+		return jinja.NewString(m.Content), nil
+	}
+	var parts []jinja.Value
+	switch {
+	case m.Parts != nil:
+		parts = make([]jinja.Value, 0, len(m.Parts))
+		for i := range m.Parts {
+			v, err := partValue(&m.Parts[i])
+			if err != nil {
+				return jinja.Value{}, err
+			}
+			parts = append(parts, v)
+		}
+	case !m.ContentNull:
+		parts = []jinja.Value{textPart(m.Content)}
+	}
+	if m.Role == "tool" {
+		texts := make([]string, 0, len(parts))
+		for _, p := range parts {
+			t, _ := p.AsDict().Get("type")
+			if !t.IsString() || t.AsString() != "text" {
+				return jinja.NewList(parts), nil
+			}
+			s, _ := p.AsDict().Get("text")
+			texts = append(texts, s.AsString())
+		}
+		return jinja.NewString(strings.Join(texts, "\n")), nil
+	}
+	if parts == nil {
+		parts = []jinja.Value{}
+	}
+	return jinja.NewList(parts), nil
+}
+
+// mediaModality maps a media part's type to the modality vLLM writes in its place
+// (_parse_chat_message_content_part); mediaKeys does the same for a part without a
+// type, by the first of these keys it has (_parse_chat_message_content_mm_part).
+var (
+	mediaModality = map[string]string{"image_url": "image", "input_image": "image", "image_pil": "image",
+		"image_embeds": "image", "audio_url": "audio", "input_audio": "audio", "audio_embeds": "audio",
+		"video_url": "video", "video_embeds": "video"}
+	mediaKeys = []string{"image_url", "image_pil", "image_embeds", "audio_embeds", "audio_url", "input_audio", "video_url"}
+)
+
+// partValue is one content part as a parts template sees it: a text part, a media
+// part's {"type": <modality>} with its extra keys, a tool_reference's {"type", "name"};
+// a part vLLM does not know is refused as vLLM refuses it (400).
+func partValue(p *ContentPart) (jinja.Value, error) {
+	if p.Raw == nil {
+		return textPart(p.Text), nil
+	}
+	typ := p.Type
+	if typ == "" {
+		for _, k := range mediaKeys {
+			if v, ok := p.Raw[k]; ok && (k != "input_audio" || v != nil) {
+				typ = k
+				break
+			}
+		}
+	}
+	out := jinja.NewDict()
+	od := out.AsDict()
+	switch {
+	case typ == "text":
+		// a text part with extra keys: already in vLLM's shape
+	case mediaModality[typ] != "":
+		od.Set("type", jinja.NewString(mediaModality[typ]))
+	case typ == "tool_reference":
+		od.Set("type", jinja.NewString(typ))
+		od.Set("name", jinja.FromGoValue(p.Raw["name"]))
+		return out, nil
+	default:
+		return jinja.Value{}, fmt.Errorf("%w: content part of type %q: vLLM does not take it", ErrBadMessage, typ)
+	}
+	keys := p.keys
+	if keys == nil { // a part built in Go rather than decoded: no order to keep
+		keys = slices.Sorted(maps.Keys(p.Raw))
+	}
+	for _, k := range keys {
+		if typ == "text" || !knownPartKeys[k] {
+			od.Set(k, jinja.FromGoValue(p.Raw[k]))
+		}
+	}
+	return out, nil
 }
 
 func textPart(s string) jinja.Value {

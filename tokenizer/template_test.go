@@ -33,12 +33,12 @@ func TestJinjaTemplate(t *testing.T) {
 			[]Message{{Role: "user"}, {Role: "assistant"}, {Role: "user"}}, RenderOptions{}, "1u,2a,3u=3"},
 		{"tools keep key order in tojson", `{{ tools | tojson }}`, nil, RenderOptions{Tools: json.RawMessage(`[{"z":1,"a":{"y":true,"b":null}}]`)},
 			`[{"z": 1, "a": {"y": true, "b": null}}]`},
-		{"empty tools are undefined", `{{ tools is defined }}`, nil, RenderOptions{Tools: json.RawMessage(`[]`)}, "False"},
+		{"empty tools are an empty list", `{{ tools is defined }} {{ tools is none }} {{ tools | length }}`, nil, RenderOptions{Tools: json.RawMessage(`[]`)}, "True False 0"},
 		{"vars", `{{ enable_thinking }}`, nil, RenderOptions{Vars: map[string]any{"enable_thinking": false}}, "False"},
 		{"string content joins text parts", `{{ messages[0].content }}`, parts, RenderOptions{}, "a\nb"},
-		{"parts for templates that loop over content", `{% for p in messages[0].content %}{{ p.type }};{% endfor %}`, parts, RenderOptions{}, "text;image_url;text;"},
+		{"parts for templates that loop over content", `{% for p in messages[0].content %}{{ p.type }};{% endfor %}`, parts, RenderOptions{}, "text;image;text;"},
 		{"tool call arguments parsed to an object", `{{ messages[0].content is none }} {{ messages[0].tool_calls[0].function.arguments | tojson }} {{ messages[0].tool_calls[0].function.arguments.z }}`,
-			[]Message{call}, RenderOptions{}, `True {"z": 1, "a": [2]} 1`},
+			[]Message{call}, RenderOptions{}, `False {"z": 1, "a": [2]} 1`},
 		{"optional keys absent", `{{ messages[0].name is defined }}{{ messages[0].tool_calls is defined }}`, []Message{{Role: "user", Content: "x"}}, RenderOptions{}, "FalseFalse"},
 	}
 	for _, tt := range tests {

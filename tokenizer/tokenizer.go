@@ -66,11 +66,23 @@ type RenderOptions struct {
 	// Tools is the request's raw "tools" JSON array, passed to the template as `tools`
 	// the way vLLM passes them (each tool as ChatCompletionToolsParam.model_dump(): type,
 	// function{name, description, parameters}, absent ones null, extra keys after), with
-	// the order of other keys kept (tojson output, hence tokens, depends on it); nil or an
-	// empty array means the template sees no tools.
+	// the order of other keys kept (tojson output, hence tokens, depends on it). nil or
+	// null gives the template tools = none and an empty array tools = [], as vLLM and
+	// transformers do (tools is always defined).
 	Tools json.RawMessage
+	// Documents is the request's raw "documents" (vLLM's ChatCompletionRequest field for
+	// RAG templates), given to the template as documents with key order kept; nil or
+	// null gives documents = none.
+	Documents json.RawMessage
+	// ContinueFinalMessage ends the prompt where the final message's text does, as
+	// transformers' apply_chat_template(continue_final_message=True) does for vLLM: the
+	// render is cut after the last occurrence of that text, stripped (the final message's
+	// string content, or its last text part). Simple ignores it.
+	ContinueFinalMessage bool
 	// Vars are extra template variables (vLLM's chat_template_kwargs, e.g. enable_thinking).
-	// They cannot override messages, tools, add_generation_prompt, bos_token or eos_token.
+	// As in vLLM they win over add_generation_prompt, tools, documents, bos_token and
+	// eos_token; "messages", "chat_template" and "tokenize" fail the render with
+	// ErrBadMessage (vLLM answers 400).
 	Vars map[string]any
 	// Now is the clock behind strftime_now; nil means time.Now.
 	Now func() time.Time
@@ -93,7 +105,10 @@ type Message struct {
 	// ContentNull records that content was JSON null or absent (assistant tool-call turns).
 	ContentNull bool `json:"-"`
 
-	Name       string     `json:"name,omitempty"`
+	Name string `json:"name,omitempty"`
+	// NameSet records that name was sent as a string, even "": vLLM then gives it to the
+	// template (_parse_chat_message_content: isinstance(message["name"], str)).
+	NameSet    bool       `json:"-"`
 	ToolCalls  []ToolCall `json:"tool_calls,omitempty"`
 	ToolCallID string     `json:"tool_call_id,omitempty"`
 	// Reasoning is the assistant's thinking text as current vLLM reads it
@@ -104,6 +119,10 @@ type Message struct {
 	// messages only, and both are sent to the engine's /tokenize as given.
 	Reasoning        string `json:"reasoning,omitempty"`
 	ReasoningContent string `json:"reasoning_content,omitempty"`
+	// ReasoningSet records that reasoning was sent and not null, even as "": vLLM then
+	// gives the template reasoning (and reasoning_content) from it
+	// (_parse_chat_message_content: `if reasoning is not None`).
+	ReasoningSet bool `json:"-"`
 }
 
 // ContentPart is one element of a list-valued message content.
@@ -112,6 +131,9 @@ type ContentPart struct {
 	Text string `json:"text,omitempty"`
 	// Raw keeps the whole part so templates see non-text parts (images) unchanged.
 	Raw map[string]any `json:"-"`
+	// keys are Raw's keys in the order the request sent them (vLLM hands the template a
+	// part's extra keys in that order).
+	keys []string
 }
 
 // ToolCall is one assistant tool call. Arguments is kept as sent: OpenAI sends a JSON
@@ -134,12 +156,20 @@ func (m *Message) UnmarshalJSON(b []byte) error {
 	type plain Message
 	var aux struct {
 		plain
-		Content json.RawMessage `json:"content"`
+		Content   json.RawMessage `json:"content"`
+		Reasoning *string         `json:"reasoning"`
+		Name      *string         `json:"name"`
 	}
 	if err := json.Unmarshal(b, &aux); err != nil {
 		return fmt.Errorf("%w: %w", ErrBadMessage, err)
 	}
 	*m = Message(aux.plain)
+	if aux.Reasoning != nil {
+		m.Reasoning, m.ReasoningSet = *aux.Reasoning, true
+	}
+	if aux.Name != nil {
+		m.Name, m.NameSet = *aux.Name, true
+	}
 	c := bytes.TrimSpace(aux.Content)
 	switch {
 	case len(c) == 0 || bytes.Equal(c, []byte("null")):
@@ -185,8 +215,17 @@ func (m *Message) UnmarshalJSON(b []byte) error {
 var textPartKeys = map[string]string{"text": "text", "input_text": "text", "output_text": "text",
 	"refusal": "refusal", "thinking": "thinking"}
 
+// knownPartKeys are the keys some content-part type declares (vLLM's
+// _KNOWN_CONTENT_PART_FIELDS, the fields of the ChatCompletionContentPartParam union in
+// vllm/renderers/chat_utils, vLLM main at be90fe16): a part's other keys are "extra" and
+// reach the template after the text or modality.
+var knownPartKeys = map[string]bool{"type": true, "text": true, "image_url": true, "input_audio": true,
+	"file": true, "audio_url": true, "video_url": true, "refusal": true, "image_pil": true, "uuid": true,
+	"image_embeds": true, "audio_embeds": true, "video_embeds": true, "data": true, "name": true,
+	"thinking": true, "closed": true}
+
 // parsePart reads one element of a content list as vLLM does: a bare string or a
-// text-like part is a text part ({"type":"text","text":...} plus the part's other keys,
+// text-like part is a text part ({"type":"text","text":...} plus the part's extra keys,
 // which is what a template looping over content sees); one whose text is null is
 // skipped (keep false); anything else (images, audio) is kept as sent.
 func parsePart(raw json.RawMessage) (p ContentPart, keep bool, err error) {
@@ -205,7 +244,7 @@ func parsePart(raw json.RawMessage) (p ContentPart, keep bool, err error) {
 	typ, _ := r["type"].(string)
 	key, textLike := textPartKeys[typ]
 	if !textLike {
-		p.Type, p.Raw = typ, r
+		p.Type, p.Raw, p.keys = typ, r, objectKeys(raw)
 		p.Text, _ = r["text"].(string)
 		return p, true, nil
 	}
@@ -216,21 +255,48 @@ func parsePart(raw json.RawMessage) (p ContentPart, keep bool, err error) {
 	p.Type, p.Text = "text", text
 	extra := false
 	for k := range r {
-		if k != "type" && k != "text" && k != key {
+		if !knownPartKeys[k] {
 			extra = true
 		}
 	}
-	if extra || typ != "text" {
-		// vLLM's part: type text, the text, then the extra keys.
-		p.Raw = map[string]any{}
-		for k, v := range r {
-			if k != key {
-				p.Raw[k] = v
+	if extra {
+		// vLLM's part: type text, the text, then the extra keys in their order.
+		p.Raw = map[string]any{"type": "text", "text": text}
+		p.keys = []string{"type", "text"}
+		for _, k := range objectKeys(raw) {
+			if !knownPartKeys[k] {
+				p.Raw[k] = r[k]
+				p.keys = append(p.keys, k)
 			}
 		}
-		p.Raw["type"], p.Raw["text"] = "text", text
 	}
 	return p, true, nil
+}
+
+// objectKeys are a JSON object's keys in their order, each once (the last value wins in
+// encoding/json, as in Python's json; the first position is kept, as a dict keeps it).
+func objectKeys(raw []byte) []string {
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
+		return nil
+	}
+	var keys []string
+	seen := map[string]bool{}
+	for dec.More() {
+		t, err := dec.Token()
+		if err != nil {
+			return keys
+		}
+		if k, ok := t.(string); ok && !seen[k] {
+			seen[k] = true
+			keys = append(keys, k)
+		}
+		var skip json.RawMessage
+		if err := dec.Decode(&skip); err != nil {
+			return keys
+		}
+	}
+	return keys
 }
 
 // MarshalJSON writes content back in the shape it arrived in.
@@ -251,8 +317,18 @@ func (m Message) MarshalJSON() ([]byte, error) {
 	case m.ContentNull:
 		content = nil
 	}
+	// reasoning and name are sent even when "", as the request had them.
+	var reasoning, name *string
+	if m.ReasoningSet || m.Reasoning != "" {
+		reasoning = &m.Reasoning
+	}
+	if m.NameSet || m.Name != "" {
+		name = &m.Name
+	}
 	return json.Marshal(struct {
 		plain
-		Content any `json:"content"`
-	}{plain(m), content})
+		Content   any     `json:"content"`
+		Reasoning *string `json:"reasoning,omitempty"`
+		Name      *string `json:"name,omitempty"`
+	}{plain(m), content, reasoning, name})
 }

@@ -71,7 +71,7 @@ func TestTextLikeParts(t *testing.T) {
 		t.Errorf("string content %q, want %q", got, want)
 	}
 	got := renderJSON(t, `{% for p in messages[0].content %}{{ p.type }}={{ p.text }};{% endfor %}`, msgs, RenderOptions{})
-	if want := "text=a;text=b;text=;text=c;image_url=;text=d;"; got != want {
+	if want := "text=a;text=b;text=;text=c;image=;text=d;"; got != want {
 		t.Errorf("parts %q, want %q", got, want)
 	}
 }

@@ -160,6 +160,7 @@ func rawAddSpecialTokens(v json.RawMessage) bool {
 type chatBody struct {
 	Messages             []tokenizer.Message `json:"messages"`
 	Tools                json.RawMessage     `json:"tools"`
+	Documents            json.RawMessage     `json:"documents"`
 	AddGenerationPrompt  *bool               `json:"add_generation_prompt"`
 	ContinueFinalMessage bool                `json:"continue_final_message"`
 	ChatTemplateKwargs   map[string]any      `json:"chat_template_kwargs"`
@@ -211,21 +212,27 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *router.Request) ([]ui
 		if b, err = parseChatBody(req.Body); err != nil {
 			return nil, err
 		}
+	} else {
+		b.Documents = bodyMember(req.Body, "documents")
 	}
 	if len(b.Messages) == 0 {
 		return nil, router.ErrNoTokens
 	}
 	// vLLM's chat add_special_tokens (default false) adds the tokenizer's
 	// special tokens to the rendered prompt.
-	opts := tokenizer.RenderOptions{AddGenerationPrompt: true, Tools: b.Tools, Vars: b.ChatTemplateKwargs, AddSpecialTokens: b.AddSpecialTokens}
+	opts := tokenizer.RenderOptions{AddGenerationPrompt: true, Tools: b.Tools, Documents: b.Documents, Vars: b.ChatTemplateKwargs, AddSpecialTokens: b.AddSpecialTokens}
 	if b.AddGenerationPrompt != nil {
 		opts.AddGenerationPrompt = *b.AddGenerationPrompt
 	}
 	if b.ContinueFinalMessage {
-		// vLLM then renders without a generation prompt and cuts the final
-		// message's end-of-turn; rendering without the generation prompt
-		// gets every block but the last right.
-		opts.AddGenerationPrompt = false
+		// vLLM refuses add_generation_prompt sent true with it (a 400:
+		// ChatCompletionRequest's check_generation_prompt), and otherwise
+		// cuts the render after the final message's text (transformers'
+		// continue_final_message), which the generation prompt follows.
+		if b.AddGenerationPrompt != nil && *b.AddGenerationPrompt {
+			return nil, fmt.Errorf("%w: chat body: continue_final_message and add_generation_prompt both true", router.ErrTokenSource)
+		}
+		opts.AddGenerationPrompt, opts.ContinueFinalMessage = false, true
 	}
 	// The rendered template is encoded without special tokens, truncated
 	// on the left as a text prompt is.
@@ -246,9 +253,7 @@ func parsedChatBody(r *openai.Request) (b chatBody, ok bool, err error) {
 			return b, false, nil
 		}
 	}
-	if len(r.Tools) > 0 {
-		b.Tools = r.Tools
-	}
+	b.Tools = r.Tools // "tools": [] stays [] (vLLM's tool_dicts)
 	if err := unmarshalRaw("add_generation_prompt", r.AddGenerationPrompt, &b.AddGenerationPrompt); err != nil {
 		return b, false, err
 	}
@@ -272,8 +277,11 @@ func parsedChatBody(r *openai.Request) (b chatBody, ok bool, err error) {
 		}
 		var okN, okID, okR, okRC bool
 		tm.Name, okN = openai.RawString(m.Name)
+		tm.NameSet = len(m.Name) > 0 && string(m.Name) != "null"
 		tm.ToolCallID, okID = openai.RawString(m.ToolCallID)
 		tm.Reasoning, okR = openai.RawString(m.Reasoning)
+		// vLLM gives the template reasoning when it is not None, "" too.
+		tm.ReasoningSet = len(m.Reasoning) > 0 && string(m.Reasoning) != "null"
 		tm.ReasoningContent, okRC = openai.RawString(m.ReasoningContent)
 		if !okN || !okID || !okR || !okRC {
 			return b, false, fmt.Errorf("%w: chat body: messages[%d]: name, tool_call_id, reasoning and reasoning_content must be strings", router.ErrTokenSource, i)

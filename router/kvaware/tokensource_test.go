@@ -264,6 +264,13 @@ func FuzzChatTokenSource(f *testing.F) {
 	f.Add([]byte(`{"prompt":[1,2,3]}`), uint8(router.EndpointInvokeStream))
 	f.Add([]byte(`{"inputs":"x y"}`), uint8(router.EndpointInvoke))
 	f.Add([]byte(`{"messages":[{"role":"user","content":"a b","name":"n"}],"add_generation_prompt":false,"chat_template_kwargs":{"x":1}}`), uint8(router.EndpointChatCompletions-1))
+	// vLLM's edge cases (tokfix3): empty tools, documents, empty reasoning,
+	// a non-function tool call, a tool result as parts, media parts.
+	f.Add([]byte(`{"messages":[{"role":"user","content":"hi"}],"tools":[],"documents":[{"title":"t","text":"x"}]}`), uint8(router.EndpointChatCompletions-1))
+	f.Add([]byte(`{"messages":[{"role":"assistant","content":"a","reasoning":""},{"role":"assistant","content":null,"reasoning":null,"reasoning_content":"r"}]}`), uint8(router.EndpointChatCompletions-1))
+	f.Add([]byte(`{"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"1","type":"custom","custom":{"name":"f","input":"x"}}]}]}`), uint8(router.EndpointChatCompletions-1))
+	f.Add([]byte(`{"messages":[{"role":"tool","tool_call_id":"1","content":[{"type":"text","text":"a"},{"type":"text","text":""},"b"]}]}`), uint8(router.EndpointInvoke-1))
+	f.Add([]byte(`{"messages":[{"role":"user","content":[{"type":"input_audio","input_audio":{"data":"d","format":"wav"}},{"video_url":{"url":"u"},"x":1},{"type":"tool_reference","name":"n"}]}]}`), uint8(router.EndpointChatCompletions-1))
 	src := &ChatTokenSource{Tokenizer: tokenizer.Local(tokenizer.Simple{})}
 	f.Fuzz(func(t *testing.T, body []byte, ep uint8) {
 		req := &router.Request{Endpoint: router.Endpoint(ep%5 + 1), Body: body}
