@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
 	"google.golang.org/grpc/codes"
@@ -103,6 +104,10 @@ type epStream struct {
 	// chunks counts the request body messages: 0 for a request whose
 	// headers end the stream (no body to rewrite), 1 for a BUFFERED body.
 	chunks int
+	// bodyMode is the filter's request_body_mode as Envoy names it in the
+	// stream's first message (ProcessingRequest.protocol_config, Envoy
+	// 1.33+); NONE when it names none.
+	bodyMode extprocfilterv3.ProcessingMode_BodySendMode
 	// subset is the hint's endpoints; hasSubset tells an empty hint (pick
 	// nothing) from none (pick from the pool).
 	subset    []string
@@ -139,13 +144,23 @@ func (x *extProc) Process(stream extprocv3.ExternalProcessor_ProcessServer) erro
 			return err
 		}
 		x.readSubset(st, req.GetMetadataContext())
+		if pc := req.GetProtocolConfig(); pc != nil {
+			st.bodyMode = pc.GetRequestBodyMode()
+		}
 		var resp *extprocv3.ProcessingResponse
 		switch r := req.GetRequest().(type) {
 		case *extprocv3.ProcessingRequest_RequestHeaders:
 			st.headers = headerMap(r.RequestHeaders.GetHeaders())
 			if !r.RequestHeaders.GetEndOfStream() || st.inst != nil {
+				// The pick comes with the body. Until then the request
+				// carries no destination: Envoy forwards the headers
+				// before the body's answer in STREAMED mode, and lets a
+				// BUFFERED_PARTIAL body past its buffer through unseen,
+				// and such a request must not reach an endpoint the
+				// client named in the header (ORIGINAL_DST reads it).
 				resp = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
-					RequestHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{}}}}
+					RequestHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{
+						HeaderMutation: &extprocv3.HeaderMutation{RemoveHeaders: []string{DestinationHeader}}}}}}
 				break
 			}
 			// No body (a GET, or an empty POST): pick now.
@@ -166,7 +181,24 @@ func (x *extProc) Process(stream extprocv3.ExternalProcessor_ProcessServer) erro
 			}
 			st.body = append(st.body, r.RequestBody.GetBody()...)
 			st.chunks++
-			if !r.RequestBody.GetEndOfStream() || st.inst != nil {
+			// A BUFFERED body comes whole in one message, whose
+			// end_of_stream is false when trailers follow it
+			// (envoyproxy/envoy source/extensions/filters/http/ext_proc/
+			// ext_proc.cc, Filter::onTrailers, v1.33: the buffered data
+			// sent with end_stream false); with request_trailer_mode SKIP
+			// nothing else comes, so the pick is made on it.
+			last := r.RequestBody.GetEndOfStream() || st.bodyMode == extprocfilterv3.ProcessingMode_BUFFERED
+			if !last && st.bodyMode == extprocfilterv3.ProcessingMode_BUFFERED_PARTIAL && st.inst == nil {
+				// A partial body's first message, sent at the filter's
+				// buffer limit: Envoy streams the rest upstream without
+				// sending it here (processor_state.cc,
+				// partial_body_processed_), so the body can be neither read
+				// whole nor rewritten.
+				x.s.m.extproc.WithLabelValues("", "413").Inc()
+				return stream.Send(immediate(http.StatusRequestEntityTooLarge,
+					"request body over the ext_proc filter's buffer (request_body_mode BUFFERED_PARTIAL): the picker needs the whole body; use BUFFERED"))
+			}
+			if !last || st.inst != nil {
 				// Streamed mode collects until the end; a body after the
 				// pick (a misbehaving client) must not pick, and acquire,
 				// twice.
