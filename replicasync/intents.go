@@ -142,7 +142,14 @@ func (s *Syncer) Commit(seq uint64) {
 // reload's new pool state) numbers its intents after it
 // (SequencerConfig.After), since the incarnation, which names them with
 // the seq, stays the Syncer's.
-func (s *Syncer) IntentSeq() uint64 { return max(s.intentSeq.Load(), s.committed.Load()) }
+func (s *Syncer) IntentSeq() uint64 {
+	return max(s.intentSeq.Load(), s.committed.Load(), s.assigned.Load())
+}
+
+// NextIntentSeq numbers an own intent: the counter every sequencer over
+// this Syncer takes its seqs from (SequencerConfig.NextSeq), since its
+// peers name an intent by this Syncer's replica, incarnation and seq.
+func (s *Syncer) NextIntentSeq() uint64 { return s.assigned.Add(1) }
 
 // atLeast raises v to seq; false when it was there already.
 func atLeast(v *atomic.Uint64, seq uint64) bool {

@@ -86,6 +86,12 @@ type SequencerConfig struct {
 	// continues its numbering, since the peers name an intent by replica,
 	// incarnation and seq and read commits by seq.
 	After uint64
+	// NextSeq, when set, numbers the own intents instead (After is then
+	// unused): the counter of the Syncer whose incarnation names them
+	// (Syncer.NextIntentSeq), shared by every sequencer over it, so that
+	// a reload's new pool state and the old one, still holding requests
+	// resolved before the swap, never give two intents one seq.
+	NextSeq func() uint64
 }
 
 // SequencerStats counts what a Sequencer did.
@@ -172,8 +178,12 @@ func (s *Sequencer) Hold(now time.Time, live bool, in Intent) (Intent, bool) {
 		s.stats.Alone++
 		return in, false
 	}
-	s.seq++
-	in.Seq = s.seq
+	if s.cfg.NextSeq != nil {
+		in.Seq = s.cfg.NextSeq()
+	} else {
+		s.seq++
+		in.Seq = s.seq
+	}
 	s.open[e] = append(s.open[e], in)
 	s.stats.Held++
 	return in, true

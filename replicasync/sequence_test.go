@@ -2,6 +2,7 @@ package replicasync
 
 import (
 	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -298,5 +299,23 @@ func TestSequencerContinuesAfter(t *testing.T) {
 	in, held := s.Hold(seqT0.Add(10*time.Millisecond), true, Intent{Tokens: 1})
 	if !held || in.Seq != 42 {
 		t.Fatalf("first intent after 41: seq %d (held %v), want 42", in.Seq, held)
+	}
+}
+
+// TestSequencersShareNextSeq: two sequencers over one counter (a reload's
+// new pool state and the old one, both over the pool's Syncer) never give
+// two intents one seq, whichever holds next.
+func TestSequencersShareNextSeq(t *testing.T) {
+	var n atomic.Uint64
+	next := func() uint64 { return n.Add(1) }
+	old := NewSequencer(SequencerConfig{Replica: "a", Epoch: 2 * time.Millisecond, Start: seqT0, NextSeq: next})
+	cur := NewSequencer(SequencerConfig{Replica: "a", Epoch: 2 * time.Millisecond, Start: seqT0, NextSeq: next})
+	seen := map[uint64]bool{}
+	for i, s := range []*Sequencer{old, cur, old, cur} {
+		in, held := s.Hold(seqT0.Add(10*time.Millisecond), true, Intent{Tokens: 1})
+		if !held || seen[in.Seq] {
+			t.Fatalf("hold %d: seq %d (held %v), seen already %v", i, in.Seq, held, seen)
+		}
+		seen[in.Seq] = true
 	}
 }

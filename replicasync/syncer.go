@@ -221,6 +221,8 @@ type Syncer struct {
 	committed atomic.Uint64
 	// intentSeq is the highest own intent seq published (IntentSeq).
 	intentSeq atomic.Uint64
+	// assigned is the highest own intent seq handed out (NextIntentSeq).
+	assigned atomic.Uint64
 	// While an epoch is decided (BeginEpoch..ClearOverlay) the peers'
 	// load and speculative messages wait in deferred (intents.go).
 	epochMu  sync.Mutex

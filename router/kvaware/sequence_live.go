@@ -43,10 +43,11 @@ type IntentPeers interface {
 	// in the messages applied here.
 	Commit(seq uint64)
 	Committed(replica string, incarnation uint64) uint64
-	// IntentSeq is the highest own intent seq published or committed
-	// through this peer state: a new sequencer (a reload's new pool
-	// state over the same Syncer) numbers its intents after it.
-	IntentSeq() uint64
+	// NextIntentSeq numbers an own intent, from one counter for every
+	// pool state over this peer state (a reload's new one and the old,
+	// still holding requests resolved before the swap): the peers name
+	// an intent by replica, incarnation and seq.
+	NextIntentSeq() uint64
 	// CountSequence adds counts (and a hold time, when >= 0) to the
 	// metrics.
 	CountSequence(d replicasync.SequencerStats, hold time.Duration)
@@ -102,7 +103,7 @@ func (st *KVState) attachSequencing(ps PeerState) {
 	q := &seqState{ip: ip, now: st.now, waiters: map[uint64]*seqWaiter{}, wake: make(chan struct{}, 1),
 		deadline: map[int64]time.Time{}}
 	q.sq = replicasync.NewSequencer(replicasync.SequencerConfig{
-		Replica: ip.Replica(), Epoch: ip.Sequence(), Grace: ip.Grace(), Start: st.now(), After: ip.IntentSeq()})
+		Replica: ip.Replica(), Epoch: ip.Sequence(), Grace: ip.Grace(), Start: st.now(), NextSeq: ip.NextIntentSeq})
 	st.seq = q
 	ip.AttachIntents(q.receive)
 }

@@ -2,8 +2,6 @@ package kvaware
 
 import (
 	"context"
-	"fmt"
-	"log/slog"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -12,7 +10,6 @@ import (
 	"github.com/kvrouter/kvrouter/internal/testenv"
 	"github.com/kvrouter/kvrouter/kvindex"
 	"github.com/kvrouter/kvrouter/replicasync"
-	"github.com/kvrouter/kvrouter/router"
 )
 
 // refusingPeers refuses the second intent's publication, once the epoch
@@ -109,14 +106,7 @@ func TestWithdrawnIntentNotDecidedDry(t *testing.T) {
 func TestRebuiltStateContinuesIntentSeqs(t *testing.T) {
 	const seq = 20 * time.Millisecond
 	_, a, b := sequencingPair(t, seq)
-	pick := func(s *KVAware, i int) {
-		t.Helper()
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if _, err := s.Pick(ctx, kvRequest(fmt.Sprint(i), promptTokens(uint32(80+i), 4*kvTestBS)), a.insts); err != nil {
-			t.Fatal(err)
-		}
-	}
+	pick := func(s *KVAware, i int) { t.Helper(); a.seqPick(s, i) }
 	incarnation := func() uint64 {
 		for _, p := range b.sync.Peers() {
 			if p.Replica == "a" {
@@ -131,14 +121,7 @@ func TestRebuiltStateContinuesIntentSeqs(t *testing.T) {
 	waitUntil(t, "b hears a's two commits", func() bool { return b.sync.Committed("a", incarnation()) == 2 })
 
 	// The reload's new state over the same pool's Syncer.
-	st2, err := NewKVState(KVStateConfig{Pool: "p", Model: kvTestModel, Index: a.idx, Freshness: a.st.fresh,
-		Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	st2.SetInstances(func() []*router.Instance { return a.insts })
-	w2 := &kvWorld{t: t, idx: a.idx, clock: a.clock, fresh: a.fresh, st: st2, insts: a.insts}
-	s2 := w2.strategy(config.RoutingConfig{})
+	st2, s2 := a.rebuilt()
 	time.Sleep(3 * seq) // past the new state's partial epoch
 	pick(s2, 2)
 	if st := st2.SequenceStats(); st.Held != 1 {
