@@ -70,6 +70,8 @@ func FuzzExtProcDecide(f *testing.F) {
 	f.Add("/invocations", "a", "", `{"prompt":"x","kv_transfer_p\u0061rams":{},"kv_transfer_params":1}`, "")
 	f.Add("/invocations", "a", "t2", `{"prompt":"x","temperature":NaN}`, "")
 	f.Add("/invocations", "b", "t2", `{"prompt":"x","kv_transfer_params":{}}`, "")
+	f.Add("/invocations", "a", "", `{"prompt":"x","vllm_xargs":{"kv_transfer_param\u0073":"h"}}`, "")
+	f.Add("/v1/completions", "", "t1", `{"model":"model-a","prompt":"x","vllm_xargs":{"a":1},"vllm_xargs":{"kv_transfer_params":["h"]}}`, "")
 	f.Add("/v1/chat/completions", "", "", `{"model":"model-a","prompt_cache_key":"k","messages":[{"role":"user","content":"hi"}]}`, "")
 	x, addrs := newFuzzPicker(f, ExtProcConfig{Shed: true, MaxQueued: 1, MaxBodyBytes: 1 << 16})
 	f.Fuzz(func(t *testing.T, path, pool, tenant, body, subset string) {
@@ -150,6 +152,12 @@ func checkForwarded(t *testing.T, common *extprocv3.CommonResponse, received []b
 	}
 	if _, ok := m["kv_transfer_params"]; ok {
 		t.Fatalf("pool a forwards kv_transfer_params: %q (received %q)", forwarded, received)
+	}
+	var xargs map[string]json.RawMessage
+	if json.Unmarshal(m["vllm_xargs"], &xargs) == nil && routertest.ComparableWithStd(m["vllm_xargs"]) {
+		if _, ok := xargs["kv_transfer_params"]; ok {
+			t.Fatalf("pool a forwards vllm_xargs.kv_transfer_params: %q (received %q)", forwarded, received)
+		}
 	}
 	if router.ValidTenantKey(tenant) {
 		if want := strconv.Quote(router.DeriveCacheSalt(fuzzSaltSecret, tenant)); string(m["cache_salt"]) != want {

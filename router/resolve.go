@@ -238,6 +238,14 @@ func (st *Table) forwardedBody(req *Request, pool *Pool) error {
 // engine's parser takes bodies the router's does not (NaN, a BOM, UTF-16),
 // and one of those forwarded unread would keep it.
 func stripTransferParams(req *Request) error {
+	if err := stripTopTransferParams(req); err != nil {
+		return err
+	}
+	return stripXargsTransferParams(req)
+}
+
+// stripTopTransferParams removes the top-level kv_transfer_params.
+func stripTopTransferParams(req *Request) error {
 	if p := req.Parsed; p != nil {
 		if p.KVTransferParams == nil {
 			return nil
@@ -251,6 +259,47 @@ func stripTransferParams(req *Request) error {
 		return nil
 	}
 	out, err := openai.SetMembers(req.Body, openai.Member{Key: "kv_transfer_params"})
+	if err != nil {
+		return NotJSONObject(err)
+	}
+	req.Body = out
+	return nil
+}
+
+// stripXargsTransferParams removes kv_transfer_params from the body's
+// vllm_xargs. vLLM copies vllm_xargs into SamplingParams.extra_args and
+// sets extra_args["kv_transfer_params"] over it only from a top-level
+// member (vllm/entrypoints/openai protocol.py, to_sampling_params); the
+// engine's request reads its kv_transfer_params from there
+// (vllm/v1/request.py, Request.__init__). With the top-level member gone,
+// a client's vllm_xargs.kv_transfer_params (a string, number or list:
+// vllm_xargs's value types) would reach the KV connector, which takes it
+// for a dict. Every copy of vllm_xargs is rewritten as the last one (the
+// one json.loads keeps) without the key. A body that reaches here holding
+// the key's bytes is strict JSON (stripTopTransferParams read it, or
+// Parse did).
+func stripXargsTransferParams(req *Request) error {
+	var x json.RawMessage
+	if p := req.Parsed; p != nil {
+		x = p.VLLMXargs // the last copy, as TopLevel's
+	} else if !mayHoldKey(req.Body, "kv_transfer_params") {
+		return nil
+	} else if v, err := openai.TopLevel(req.Body, "vllm_xargs"); err != nil {
+		return NotJSONObject(err)
+	} else {
+		x = v
+	}
+	if x == nil || !mayHoldKey(x, "kv_transfer_params") {
+		return nil
+	}
+	if v, err := openai.TopLevel(x, "kv_transfer_params"); err != nil || v == nil {
+		return nil // not an object (vLLM refuses it), or without the key
+	}
+	nx, err := openai.SetMembers(x, openai.Member{Key: "kv_transfer_params"})
+	if err != nil {
+		return NotJSONObject(err)
+	}
+	out, err := openai.SetMembers(req.Body, openai.Member{Key: "vllm_xargs", Value: nx})
 	if err != nil {
 		return NotJSONObject(err)
 	}

@@ -15,9 +15,19 @@ import (
 // truncateTable is a one-pool prefix_aware table.
 func truncateTable(t *testing.T) *router.Table {
 	t.Helper()
+	return onePoolTable(t, nil)
+}
+
+// onePoolTable is a table of pool "p" (model "m", prefix_aware, one
+// instance), edit applied to its configuration first.
+func onePoolTable(t *testing.T, edit func(*config.PoolConfig)) *router.Table {
+	t.Helper()
 	cfg := config.Config{Pools: []config.PoolConfig{{Name: "p", Model: "m",
 		Routing:   config.RoutingConfig{Strategy: config.StrategyPrefixAware},
 		Instances: []config.InstanceConfig{{ID: "i-0", URL: "http://i-0"}}}}}
+	if edit != nil {
+		edit(&cfg.Pools[0])
+	}
 	tb, commit, err := router.NewTable(cfg, nil, func(config.PoolConfig, *router.Pool) (router.Exact, error) { return nil, nil })
 	if err != nil {
 		t.Fatal(err)

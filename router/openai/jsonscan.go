@@ -516,6 +516,8 @@ func (s *jscan) topMember(key string, r *Request) error {
 		return nil
 	case "cache_salt":
 		return s.raw(1, &r.CacheSalt)
+	case "vllm_xargs":
+		return s.raw(1, &r.VLLMXargs)
 	case "add_generation_prompt":
 		return s.raw(1, &r.AddGenerationPrompt)
 	case "continue_final_message":

@@ -46,6 +46,10 @@ type Request struct {
 	// KVTransferParams is vLLM's disaggregated-serving member, which the
 	// HTTP data plane strips from a client's body (router/httpapi/disagg.go).
 	KVTransferParams json.RawMessage `json:"kv_transfer_params"`
+	// VLLMXargs is vLLM's vllm_xargs, copied into the engine request's
+	// extra_args, where it reads kv_transfer_params from as well
+	// (router.stripTransferParams).
+	VLLMXargs json.RawMessage `json:"vllm_xargs"`
 
 	// src is the body Parse decoded: kv_aware trusts CacheSalt only
 	// for a Request whose Body is still these bytes (salt.go rewrites it).
