@@ -158,6 +158,10 @@ func (x *extProc) Process(stream extprocv3.ExternalProcessor_ProcessServer) erro
 				// BUFFERED_PARTIAL body past its buffer through unseen,
 				// and such a request must not reach an endpoint the
 				// client named in the header (ORIGINAL_DST reads it).
+				// Envoy's default HeaderMutationRules let the processor
+				// remove any header but host, :authority, :scheme,
+				// :method and x-envoy-* (api/envoy/config/common/
+				// mutation_rules/v3/mutation_rules.proto).
 				resp = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
 					RequestHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{
 						HeaderMutation: &extprocv3.HeaderMutation{RemoveHeaders: []string{DestinationHeader}}}}}}

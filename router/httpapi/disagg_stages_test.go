@@ -447,7 +447,7 @@ func TestFlowControlBudgetsOnDecodeSet(t *testing.T) {
 					fc := c.fc
 					pc.FlowControl, pc.Routing.ConcurrencyThreshold = &fc, c.thr
 				})
-			t.Cleanup(func() { once.Do(func() { close(release) }) }) // before the servers' Close
+			t.Cleanup(func() { once.Do(func() { close(release) }) })                                                                   // before the servers' Close
 			body := map[string]any{"model": sim.DefaultModel, "prompt": strings.Repeat("word ", 640), "max_tokens": 3, "stream": true} // ~800 tokens
 			replies := make(chan testenv.Result, 2)
 			go func() { replies <- testenv.PostJSON(t, ts.URL+"/v1/completions", body) }()
