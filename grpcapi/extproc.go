@@ -151,6 +151,12 @@ func (x *extProc) Process(stream extprocv3.ExternalProcessor_ProcessServer) erro
 		switch r := req.GetRequest().(type) {
 		case *extprocv3.ProcessingRequest_RequestHeaders:
 			st.headers = headerMap(r.RequestHeaders.GetHeaders())
+			if !r.RequestHeaders.GetEndOfStream() && st.inst == nil && streamedMode(st.bodyMode) {
+				x.s.m.extproc.WithLabelValues("", "500").Inc()
+				x.s.log.Warn("ext_proc: request_body_mode streams the body after the headers went on; set request_body_mode: BUFFERED", "mode", st.bodyMode.String())
+				return stream.Send(immediate(http.StatusInternalServerError,
+					"the ext_proc filter streams the request body (request_body_mode "+st.bodyMode.String()+"): the picker needs BUFFERED"))
+			}
 			if !r.RequestHeaders.GetEndOfStream() || st.inst != nil {
 				// The pick comes with the body. Until then the request
 				// carries no destination: Envoy forwards the headers
@@ -241,6 +247,20 @@ func (x *extProc) Process(stream extprocv3.ExternalProcessor_ProcessServer) erro
 			return err
 		}
 	}
+}
+
+// streamedMode reports whether, in request_body_mode m, Envoy lets the
+// request headers go on to the router filter, which picks the upstream
+// host then, when the picker answers them (at once, in Process) and before
+// the body's answer: STREAMED continues the headers on their answer
+// (envoyproxy/envoy source/extensions/filters/http/ext_proc/
+// processor_state.cc, ProcessorState::handleHeadersResponse, v1.33), and
+// FULL_DUPLEX_STREAMED takes the headers answer as the only one that can
+// set headers before they leave (a full-duplex picker holds it until the
+// body ends; this one does not). A pick made on the body could never be
+// applied.
+func streamedMode(m extprocfilterv3.ProcessingMode_BodySendMode) bool {
+	return m == extprocfilterv3.ProcessingMode_STREAMED || m == extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED
 }
 
 // readSubset records the GIE subset hint from the filter metadata: a list

@@ -81,3 +81,26 @@ func TestExtProcPartialBodyRefused(t *testing.T) {
 		t.Fatalf("partial body: %+v, want 413", o)
 	}
 }
+
+// TestExtProcStreamedModeRefused: with request_body_mode STREAMED (or
+// FULL_DUPLEX_STREAMED, the picker answering headers at once) Envoy lets
+// the request headers go on to the router filter, which picks the upstream
+// host, on the headers answer, before the body's (envoyproxy/envoy
+// source/extensions/filters/http/ext_proc/processor_state.cc,
+// handleHeadersResponse: STREAMED continues at once): the picker's pick
+// could never be applied, yet it would be counted in flight on an
+// instance that never gets the request. Named in protocol_config, such a
+// mode is refused at the headers.
+func TestExtProcStreamedModeRefused(t *testing.T) {
+	h := newHarness(t)
+	for _, mode := range []extprocfilterv3.ProcessingMode_BodySendMode{extprocfilterv3.ProcessingMode_STREAMED, extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED} {
+		e := h.envoy(t)
+		r := e.send(&extprocv3.ProcessingRequest{
+			ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: mode},
+			Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: headerMap(
+				":method", "POST", ":path", "/v1/completions", "content-type", "application/json")}}})
+		if o := outcomeOf(t, r); o.status != http.StatusInternalServerError {
+			t.Fatalf("%v: headers answered %+v, want 500", mode, o)
+		}
+	}
+}
