@@ -294,12 +294,16 @@ type prefillStatus int
 
 func (e prefillStatus) Error() string { return fmt.Sprintf("prefill answered %d", int(e)) }
 
-// refused reports whether the status refuses the request itself (vLLM
-// answers 400 for a prompt over the model's context or a bad parameter,
-// 404 for an unknown model or adapter), which any prefill instance would;
-// 408 and 429 are the instance's load, tried elsewhere as a 5xx is.
+// refused reports whether the status refuses the request itself, which
+// any prefill instance would: 400 (vLLM's answer to a prompt over the
+// model's context or a bad parameter, and to a body its validation
+// refuses), 413 and 422. Any other status names the instance (401 or 403:
+// behind auth; 404 or 405: the wrong path, or a model it does not serve;
+// 408, 429: its load) and is tried elsewhere as a 5xx is, counted and
+// warned of, so a misconfigured prefill set does not turn
+// disaggregation off unseen.
 func (e prefillStatus) refused() bool {
-	return e >= 400 && e < 500 && e != http.StatusRequestTimeout && e != http.StatusTooManyRequests
+	return e == http.StatusBadRequest || e == http.StatusRequestEntityTooLarge || e == http.StatusUnprocessableEntity
 }
 
 // allFull reports whether every candidate has threshold or more requests
