@@ -66,7 +66,8 @@ func NewJinjaTemplate(src string, cfg TemplateConfig) (*JinjaTemplate, error) {
 
 // Render implements ChatTemplate. The template sees messages, add_generation_prompt,
 // bos_token, eos_token, tools and documents (none when not given), opts.Vars (winning over
-// all but messages), and strftime_now on opts.Now.
+// tools, bos_token and eos_token, not over add_generation_prompt nor documents given), and
+// strftime_now on opts.Now.
 func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, error) {
 	for _, k := range []string{"messages", "chat_template", "tokenize"} {
 		if _, ok := opts.Vars[k]; ok {
@@ -85,7 +86,6 @@ func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, erro
 		list[i] = v
 	}
 	data["messages"] = jinja.NewList(list)
-	data["add_generation_prompt"] = jinja.NewBool(opts.AddGenerationPrompt)
 	data["bos_token"] = jinja.NewString(j.cfg.BOSToken)
 	data["eos_token"] = jinja.NewString(j.cfg.EOSToken)
 	// transformers renders with tools= and documents= always (none when the request has
@@ -99,18 +99,25 @@ func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, erro
 		}
 		data["tools"] = tools
 	}
+	// The request's chat_template_kwargs win over tools (vLLM main adds tool_dicts
+	// under them: with_defaults) and over bos_token/eos_token (transformers renders
+	// with {**special_tokens_map, **kwargs}), but lose to the request's own
+	// add_generation_prompt (true when absent) and documents when sent: vLLM main
+	// merges merge_kwargs(chat_template_kwargs, {add_generation_prompt,
+	// continue_final_message, documents, reasoning_effort}), the second winning
+	// unless None (ChatCompletionRequest.build_chat_params,
+	// vllm/entrypoints/openai/chat_completion/protocol.py @ 002032ee; merge_kwargs,
+	// vllm/renderers/params.py).
+	for k, v := range opts.Vars {
+		data[k] = jinja.FromGoValue(v)
+	}
+	data["add_generation_prompt"] = jinja.NewBool(opts.AddGenerationPrompt)
 	if isJSON(opts.Documents) {
 		docs, err := jsonValue(opts.Documents)
 		if err != nil {
 			return "", fmt.Errorf("%w: documents: %w", ErrBadMessage, err)
 		}
 		data["documents"] = docs
-	}
-	// The request's chat_template_kwargs win over add_generation_prompt, tools and
-	// documents (vLLM updates its kwargs with them) and over bos_token/eos_token
-	// (transformers renders with {**special_tokens_map, **kwargs}).
-	for k, v := range opts.Vars {
-		data[k] = jinja.FromGoValue(v)
 	}
 	now := opts.Now
 	if now == nil {

@@ -80,9 +80,9 @@ type RenderOptions struct {
 	// string content, or its last text part). Simple ignores it.
 	ContinueFinalMessage bool
 	// Vars are extra template variables (vLLM's chat_template_kwargs, e.g. enable_thinking).
-	// As in vLLM they win over add_generation_prompt, tools, documents, bos_token and
-	// eos_token; "messages", "chat_template" and "tokenize" fail the render with
-	// ErrBadMessage (vLLM answers 400).
+	// As in vLLM main they win over tools, bos_token and eos_token, and lose to
+	// AddGenerationPrompt and to Documents when given; "messages", "chat_template" and
+	// "tokenize" fail the render with ErrBadMessage (vLLM answers 400).
 	Vars map[string]any
 	// Now is the clock behind strftime_now; nil means time.Now.
 	Now func() time.Time

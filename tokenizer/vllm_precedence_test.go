@@ -1,0 +1,43 @@
+package tokenizer
+
+import (
+	"encoding/json"
+	"errors"
+	"testing"
+)
+
+// TestRequestFieldsWinOverKwargsAsVLLM: vLLM main builds the template
+// kwargs as merge_kwargs(request.chat_template_kwargs, {add_generation_prompt,
+// continue_final_message, documents, reasoning_effort}) — the request's own
+// fields win, a None one (documents absent) leaving the kwarg
+// (ChatCompletionRequest.build_chat_params,
+// vllm/entrypoints/openai/chat_completion/protocol.py @ 002032ee;
+// merge_kwargs in vllm/renderers/params.py) — and only then adds tools and
+// the server's defaults under them (with_defaults), while transformers lets
+// the kwargs win over bos_token/eos_token.
+func TestRequestFieldsWinOverKwargsAsVLLM(t *testing.T) {
+	j, err := NewJinjaTemplate(`{{ add_generation_prompt }}|{{ bos_token }}|{{ tools | tojson }}|{{ documents | tojson }}`, TemplateConfig{BOSToken: "<s>"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	vars := map[string]any{"add_generation_prompt": false, "bos_token": "B", "tools": []any{"t"}, "documents": []any{"kd"}}
+	for _, tt := range []struct {
+		name string
+		opts RenderOptions
+		want string
+	}{
+		{"request add_generation_prompt true, documents absent", RenderOptions{AddGenerationPrompt: true, Vars: vars}, `True|B|["t"]|["kd"]`},
+		{"request documents sent", RenderOptions{AddGenerationPrompt: true, Documents: json.RawMessage(`["rd"]`), Vars: vars}, `True|B|["t"]|["rd"]`},
+		{"request documents null", RenderOptions{Documents: json.RawMessage(`null`), Vars: map[string]any{"add_generation_prompt": true, "documents": []any{"kd"}}}, `False|<s>|null|["kd"]`},
+	} {
+		got, err := j.Render(nil, tt.opts)
+		if err != nil || got != tt.want {
+			t.Errorf("%s: got %q, %v; want %q", tt.name, got, err, tt.want)
+		}
+	}
+	for _, k := range []string{"messages", "chat_template", "tokenize"} {
+		if out, err := j.Render(nil, RenderOptions{Vars: map[string]any{k: "x"}}); !errors.Is(err, ErrBadMessage) {
+			t.Errorf("chat_template_kwargs %q: rendered %q, %v; want ErrBadMessage", k, out, err)
+		}
+	}
+}
