@@ -41,3 +41,19 @@ func TestRequestFieldsWinOverKwargsAsVLLM(t *testing.T) {
 		}
 	}
 }
+
+// TestToolReferenceInStringContent: in the "string" content format vLLM
+// joins a tool_reference part's name with the texts, as a text of its own
+// (_parse_chat_message_content_part returns the name when not wrapping
+// dicts, and _parse_chat_message_content_parts joins the truthy results
+// with "\n"; vllm/renderers/chat_utils/parse_chat_message_content.py @
+// be90fe16); the parts format keeps it {"type": "tool_reference", "name"}.
+func TestToolReferenceInStringContent(t *testing.T) {
+	const msgs = `[{"role":"tool","tool_call_id":"c","content":[{"type":"text","text":"found"},{"type":"tool_reference","name":"get_weather"},{"type":"tool_reference"}]}]`
+	if got, want := renderJSON(t, `{% for m in messages %}{{ m.role }}={{ m.content }};{% endfor %}`, msgs, RenderOptions{}), "tool=found\nget_weather;"; got != want {
+		t.Errorf("string format: got %q, want %q", got, want)
+	}
+	if got, want := renderJSON(t, partsTmpl, msgs, RenderOptions{}), `tool={"type": "text", "text": "found"}{"type": "tool_reference", "name": "get_weather"}{"type": "tool_reference", "name": null};`; got != want {
+		t.Errorf("parts format: got %s, want %s", got, want)
+	}
+}
