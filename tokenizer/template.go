@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 
 	"github.com/ardanlabs/jinja"
 )
@@ -134,37 +135,45 @@ func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, erro
 	if err != nil {
 		return "", fmt.Errorf("%w: render: %w", ErrTemplate, err)
 	}
-	if opts.ContinueFinalMessage && len(msgs) > 0 {
-		return j.continueFinal(out, &msgs[len(msgs)-1])
+	if opts.ContinueFinalMessage && len(list) > 0 {
+		content, _ := list[len(list)-1].AsDict().Get("content")
+		return continueFinal(out, content)
 	}
 	return out, nil
 }
 
 // continueFinal cuts out after the last occurrence of the final message's stripped
 // text, as transformers' apply_chat_template does with continue_final_message
-// (tokenization_utils_base.py): the text is the content string, or in the parts format
-// the last part that has a text; none, or a text the render does not contain, fails
-// (a 400 from vLLM).
-func (j *JinjaTemplate) continueFinal(out string, m *Message) (string, error) {
-	final, ok := m.Content, true
-	if j.partsContent && m.Role != "tool" {
-		ok = false
-		for i := len(m.Parts) - 1; i >= 0; i-- {
-			if p := &m.Parts[i]; p.Raw == nil || p.Type == "text" {
-				final, ok = p.Text, true
-				break
+// (tokenization_utils_base.py): the text is the content the template got (vLLM's, so a
+// tool message's joined texts), or for a list of parts the last part that has a text;
+// none, or a text the render does not contain, fails (a 400 from vLLM).
+func continueFinal(out string, content jinja.Value) (string, error) {
+	final, ok := "", false
+	switch {
+	case content.IsString():
+		final, ok = content.AsString(), true
+	case content.IsList():
+		l := content.AsList()
+		for i := l.Len() - 1; i >= 0 && !ok; i-- {
+			if p := l.Get(i); p.IsDict() {
+				if t, has := p.AsDict().Get("text"); has && t.IsString() {
+					final, ok = t.AsString(), true
+				}
 			}
 		}
-		if m.Parts == nil && !m.ContentNull {
-			ok = true
-		}
 	}
-	final = strings.TrimSpace(final)
+	final = strings.TrimFunc(final, pyIsSpace)
 	at := strings.LastIndex(out, final)
 	if !ok || at < 0 {
 		return "", fmt.Errorf("%w: continue_final_message: no text of the final message in the rendered chat", ErrTemplate)
 	}
 	return out[:at+len(final)], nil
+}
+
+// pyIsSpace is Python's str.isspace for one character, what str.strip() removes:
+// unicode.IsSpace and the separators \x1c-\x1f (bidirectional class B or S).
+func pyIsSpace(r rune) bool {
+	return unicode.IsSpace(r) || (r >= 0x1c && r <= 0x1f)
 }
 
 // isJSON reports a raw member that is present and not null.

@@ -57,3 +57,32 @@ func TestToolReferenceInStringContent(t *testing.T) {
 		t.Errorf("parts format: got %s, want %s", got, want)
 	}
 }
+
+// TestContinueFinalMessageSeesTemplateContent: transformers cuts the render
+// after chat[-1]["content"] as vLLM hands it to the template — for a tool
+// message in the parts format the texts joined with "\n", empty ones
+// included (or, with a non-text part, the list, whose last part with a
+// "text" key counts) — stripped as Python's str.strip does, which also
+// strips \x1c-\x1f (tokenization_utils_base apply_chat_template,
+// continue_final_message).
+func TestContinueFinalMessageSeesTemplateContent(t *testing.T) {
+	const str = `{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}`
+	const parts = `{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}</{{ m.role }}>{% endfor %}`
+	for _, tt := range []struct{ src, msgs, want string }{
+		{parts, `[{"role":"tool","content":[{"type":"text","text":"a"},{"type":"text","text":""},{"type":"text","text":"b"}]}]`, "<tool>a\n\nb"},
+		{parts, `[{"role":"tool","content":[{"type":"text","text":"a"},{"type":"text","text":"b"},{"type":"tool_reference","name":"f"}]}]`, "<tool>[a][b"},
+		{str, "[{\"role\":\"assistant\",\"content\":\"Hello\\u001f\"}]", "<assistant>Hello"},
+	} {
+		var m []Message
+		if err := json.Unmarshal([]byte(tt.msgs), &m); err != nil {
+			t.Fatal(err)
+		}
+		tmpl, err := NewJinjaTemplate(tt.src, TemplateConfig{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, err := tmpl.Render(m, RenderOptions{ContinueFinalMessage: true}); err != nil || got != tt.want {
+			t.Errorf("%s: rendered %q, %v; want %q", tt.msgs, got, err, tt.want)
+		}
+	}
+}
