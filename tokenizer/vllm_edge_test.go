@@ -149,15 +149,7 @@ func TestContinueFinalMessage(t *testing.T) {
 		{parts, `[{"role":"assistant","content":[{"type":"text","text":"x"},{"type":"text","text":"y"},{"type":"image_url","image_url":{"url":"u"}}]}]`, "<assistant>xy"},
 		{parts, `[{"role":"assistant","content":[{"type":"image_url","image_url":{"url":"u"}}]}]`, ""},
 	} {
-		var m []Message
-		if err := json.Unmarshal([]byte(tt.msgs), &m); err != nil {
-			t.Fatal(err)
-		}
-		tmpl, err := NewJinjaTemplate(tt.src, TemplateConfig{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		got, err := tmpl.Render(m, RenderOptions{ContinueFinalMessage: true})
+		got, err := renderContinued(t, tt.src, tt.msgs)
 		if tt.want == "" {
 			if !errors.Is(err, ErrTemplate) {
 				t.Errorf("%s: rendered %q, %v; want ErrTemplate", tt.msgs, got, err)
@@ -176,4 +168,18 @@ func TestEmptyNameKept(t *testing.T) {
 	if want := "True;False;False;"; got != want {
 		t.Errorf("got %q, want %q", got, want)
 	}
+}
+
+// renderContinued renders msgs (JSON) with src and continue_final_message.
+func renderContinued(t *testing.T, src, msgs string) (string, error) {
+	t.Helper()
+	var m []Message
+	if err := json.Unmarshal([]byte(msgs), &m); err != nil {
+		t.Fatal(err)
+	}
+	tmpl, err := NewJinjaTemplate(src, TemplateConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tmpl.Render(m, RenderOptions{ContinueFinalMessage: true})
 }

@@ -73,15 +73,7 @@ func TestContinueFinalMessageSeesTemplateContent(t *testing.T) {
 		{parts, `[{"role":"tool","content":[{"type":"text","text":"a"},{"type":"text","text":"b"},{"type":"tool_reference","name":"f"}]}]`, "<tool>[a][b"},
 		{str, "[{\"role\":\"assistant\",\"content\":\"Hello\\u001f\"}]", "<assistant>Hello"},
 	} {
-		var m []Message
-		if err := json.Unmarshal([]byte(tt.msgs), &m); err != nil {
-			t.Fatal(err)
-		}
-		tmpl, err := NewJinjaTemplate(tt.src, TemplateConfig{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got, err := tmpl.Render(m, RenderOptions{ContinueFinalMessage: true}); err != nil || got != tt.want {
+		if got, err := renderContinued(t, tt.src, tt.msgs); err != nil || got != tt.want {
 			t.Errorf("%s: rendered %q, %v; want %q", tt.msgs, got, err, tt.want)
 		}
 	}
