@@ -149,7 +149,7 @@ func TestContinueFinalMessage(t *testing.T) {
 		{parts, `[{"role":"assistant","content":[{"type":"text","text":"x"},{"type":"text","text":"y"},{"type":"image_url","image_url":{"url":"u"}}]}]`, "<assistant>xy"},
 		{parts, `[{"role":"assistant","content":[{"type":"image_url","image_url":{"url":"u"}}]}]`, ""},
 	} {
-		got, err := renderContinued(t, tt.src, tt.msgs)
+		got, err := tryRender(t, tt.src, tt.msgs, RenderOptions{ContinueFinalMessage: true})
 		if tt.want == "" {
 			if !errors.Is(err, ErrTemplate) {
 				t.Errorf("%s: rendered %q, %v; want ErrTemplate", tt.msgs, got, err)
@@ -168,18 +168,4 @@ func TestEmptyNameKept(t *testing.T) {
 	if want := "True;False;False;"; got != want {
 		t.Errorf("got %q, want %q", got, want)
 	}
-}
-
-// renderContinued renders msgs (JSON) with src and continue_final_message.
-func renderContinued(t *testing.T, src, msgs string) (string, error) {
-	t.Helper()
-	var m []Message
-	if err := json.Unmarshal([]byte(msgs), &m); err != nil {
-		t.Fatal(err)
-	}
-	tmpl, err := NewJinjaTemplate(src, TemplateConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tmpl.Render(m, RenderOptions{ContinueFinalMessage: true})
 }

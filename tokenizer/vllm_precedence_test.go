@@ -73,7 +73,7 @@ func TestContinueFinalMessageSeesTemplateContent(t *testing.T) {
 		{parts, `[{"role":"tool","content":[{"type":"text","text":"a"},{"type":"text","text":"b"},{"type":"tool_reference","name":"f"}]}]`, "<tool>[a][b"},
 		{str, "[{\"role\":\"assistant\",\"content\":\"Hello\\u001f\"}]", "<assistant>Hello"},
 	} {
-		if got, err := renderContinued(t, tt.src, tt.msgs); err != nil || got != tt.want {
+		if got, err := tryRender(t, tt.src, tt.msgs, RenderOptions{ContinueFinalMessage: true}); err != nil || got != tt.want {
 			t.Errorf("%s: rendered %q, %v; want %q", tt.msgs, got, err, tt.want)
 		}
 	}
