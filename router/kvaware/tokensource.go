@@ -136,13 +136,13 @@ func addSpecialTokens(body []byte) bool {
 // (router.PromptTruncation); an error when the router cannot tell (-1:
 // the model's max_model_len), so that kv_aware routes heuristically.
 func truncation(req *router.Request) (int, error) {
-	var v json.RawMessage
+	var v, side json.RawMessage
 	if req.Parsed != nil {
-		v = req.Parsed.TruncatePromptTokens
+		v, side = req.Parsed.TruncatePromptTokens, req.Parsed.TruncationSide
 	} else {
-		v = bodyMember(req.Body, "truncate_prompt_tokens")
+		v, side = bodyMember(req.Body, "truncate_prompt_tokens"), bodyMember(req.Body, "truncation_side")
 	}
-	keep, err := router.PromptTruncation(v)
+	keep, err := router.PromptTruncationSide(v, side)
 	if err != nil {
 		return 0, fmt.Errorf("%w: %w", router.ErrTokenSource, err)
 	}

@@ -540,6 +540,8 @@ func (s *jscan) topMember(key string, r *Request) error {
 		return s.raw(1, &r.KVTransferParams)
 	case "truncate_prompt_tokens":
 		return s.raw(1, &r.TruncatePromptTokens)
+	case "truncation_side":
+		return s.raw(1, &r.TruncationSide)
 	}
 	_, err := s.skip(1)
 	return err

@@ -39,6 +39,9 @@ type Request struct {
 	// TruncatePromptTokens is vLLM's left truncation of the prompt
 	// (router.PromptTruncation).
 	TruncatePromptTokens json.RawMessage `json:"truncate_prompt_tokens"`
+	// TruncationSide is vLLM main's side of that truncation ("left" keeps
+	// the last tokens, "right" the first; router.PromptTruncationSide).
+	TruncationSide json.RawMessage `json:"truncation_side"`
 	// N and BestOf ask for several sequences of one prompt (disaggregation
 	// serves those aggregated).
 	N      json.RawMessage `json:"n"`

@@ -2,6 +2,7 @@ package simserver
 
 import (
 	"encoding/json"
+	"slices"
 	"strings"
 	"testing"
 
@@ -64,5 +65,42 @@ func TestTruncatePromptTokens(t *testing.T) {
 		if code, _, raw := complete(ids(4000, 20), bad); code != 400 || !strings.Contains(raw, "truncate_prompt_tokens") {
 			t.Errorf("truncate_prompt_tokens %v: %d %s; want 400 naming it", bad, code, raw)
 		}
+	}
+}
+
+// TestTruncationSideRight: vLLM main's truncation_side "right" keeps a
+// prompt's first truncate_prompt_tokens tokens ("left", the default, the
+// last; TokenizeParams._token_truncation, vllm/renderers/params.py), so two
+// prompts sharing a head hit each other's blocks whatever their tails; a
+// side vLLM does not take is a 400.
+func TestTruncationSideRight(t *testing.T) {
+	in := startInstance(t, Config{Engine: sim.Config{Model: "fake-model", GPUBlocks: 64, MaxModelLen: 400}, TimeScale: 20})
+	ids := func(from, n int) []int {
+		out := make([]int, n)
+		for i := range out {
+			out[i] = from + i
+		}
+		return out
+	}
+	complete := func(prompt []int, side string) (int, usageResp, string) {
+		t.Helper()
+		code, raw := post(t, in.URL()+"/v1/completions", map[string]any{"model": "fake-model", "prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 64, "truncation_side": side})
+		var r usageResp
+		if code == 200 {
+			if err := json.Unmarshal(raw, &r); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return code, r, string(raw)
+	}
+	head := ids(5000, 64)
+	if code, r, raw := complete(append(slices.Clone(head), ids(1000, 100)...), "right"); code != 200 || r.Usage.PromptTokens != 64 || r.Usage.Details.Cached != 0 {
+		t.Fatalf("right, 64 of 164: %d, usage %+v (%s); want 64 prompt tokens, none cached", code, r.Usage, raw)
+	}
+	if code, r, raw := complete(append(slices.Clone(head), ids(2000, 100)...), "right"); code != 200 || r.Usage.PromptTokens != 64 || r.Usage.Details.Cached != 48 {
+		t.Fatalf("right, same head, another tail: %d, usage %+v (%s); want 64 prompt tokens, 48 cached", code, r.Usage, raw)
+	}
+	if code, _, raw := complete(ids(3000, 100), "middle"); code != 400 || !strings.Contains(raw, "truncation_side") {
+		t.Errorf(`truncation_side "middle": %d %s; want 400 naming it`, code, raw)
 	}
 }
