@@ -212,8 +212,6 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *router.Request) ([]ui
 		if b, err = parseChatBody(req.Body); err != nil {
 			return nil, err
 		}
-	} else {
-		b.Documents = bodyMember(req.Body, "documents")
 	}
 	if len(b.Messages) == 0 {
 		return nil, router.ErrNoTokens
@@ -254,6 +252,7 @@ func parsedChatBody(r *openai.Request) (b chatBody, ok bool, err error) {
 		}
 	}
 	b.Tools = r.Tools // "tools": [] stays [] (vLLM's tool_dicts)
+	b.Documents = r.Documents
 	if err := unmarshalRaw("add_generation_prompt", r.AddGenerationPrompt, &b.AddGenerationPrompt); err != nil {
 		return b, false, err
 	}

@@ -524,6 +524,8 @@ func (s *jscan) topMember(key string, r *Request) error {
 		return s.raw(1, &r.AddSpecialTokens)
 	case "tools":
 		return s.raw(1, &r.Tools)
+	case "documents":
+		return s.raw(1, &r.Documents)
 	case "chat_template_kwargs":
 		return s.raw(1, &r.ChatTemplateKwargs)
 	case "priority":

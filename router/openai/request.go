@@ -31,6 +31,7 @@ type Request struct {
 	ContinueFinalMessage json.RawMessage `json:"continue_final_message"`
 	AddSpecialTokens     json.RawMessage `json:"add_special_tokens"`
 	Tools                json.RawMessage `json:"tools"`
+	Documents            json.RawMessage `json:"documents"`
 	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs"`
 	// Flow control reads vLLM's request priority and the output bound.
 	Priority            json.RawMessage `json:"priority"`
