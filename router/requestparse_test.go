@@ -128,6 +128,8 @@ func FuzzParseOpenAI(f *testing.F) {
 		`{"prompt":["a","b","c"]}`, `{"prompt":[[1,2],[3,4],[5]]}`, `{"prompt":[1,2,3,4,5,6]}`, `{"prompt":[[1,2,3],[4,5,6]]}`,
 		`{"prompt":[1,2,3,4,5,6],"truncate_prompt_tokens":2}`, `{"prompt":[[1,2,3],[4]],"truncate_prompt_tokens":1}`,
 		`{"prompt":"abc","truncate_prompt_tokens":-1}`,
+		`{"prompt":[1,2,3,4,5,6],"truncate_prompt_tokens":2,"truncation_side":"right"}`, `{"prompt":[1,2,3],"truncate_prompt_tokens":2,"truncation_side":"left"}`,
+		`{"prompt":[1,2,3],"truncation_side":"right"}`, `{"prompt":[1,2],"truncate_prompt_tokens":1,"truncation_side":7}`,
 	} {
 		f.Add([]byte(s), uint16(4))
 	}
@@ -175,6 +177,13 @@ func FuzzParseOpenAI(f *testing.F) {
 				}
 				if (r.Prompt == nil || len(r.Prompt.Tokens) == 0) && kt != txt {
 					t.Fatalf("%q: no token ids, yet the kept routing text %q differs from %q", body, kt, txt)
+				}
+				// truncation_side: "left" or none keeps that k; any other keeps
+				// no tail (an error, keep 0: the routing text from the start).
+				ks, serr := PromptTruncationSide(r.TruncatePromptTokens, r.TruncationSide)
+				side := strings.TrimSpace(string(r.TruncationSide))
+				if tail := keep == 0 || side == "" || side == "null" || side == `"left"`; tail != (serr == nil) || (serr == nil && ks != keep) || (serr != nil && ks != 0) {
+					t.Fatalf("%q: keep %d, side %s: PromptTruncationSide %d, %v", body, keep, side, ks, serr)
 				}
 			}
 		}

@@ -375,7 +375,7 @@ func (st *Table) resolveOpenAI(in Inbound, named *Pool, tenant string) (*Request
 	if adapter != "" {
 		model = adapter
 	}
-	keep, terr := PromptTruncation(parsed.TruncatePromptTokens)
+	keep, terr := PromptTruncationSide(parsed.TruncatePromptTokens, parsed.TruncationSide)
 	req := &Request{
 		Endpoint:     in.Endpoint,
 		Pool:         pool.Name(),
@@ -614,6 +614,30 @@ func PromptTruncation(v json.RawMessage) (keep int, err error) {
 		return 0, ErrTruncateToModelLen
 	}
 	return 0, fmt.Errorf("truncate_prompt_tokens %s: want an integer ≥ 1, or -1", v)
+}
+
+// ErrTruncateRight: truncation_side "right" keeps the prompt's first tokens,
+// which the router does not key exactly.
+var ErrTruncateRight = errors.New(`truncation_side "right" keeps the prompt's first truncate_prompt_tokens tokens, which the router does not key exactly`)
+
+// PromptTruncationSide is PromptTruncation with vLLM main's truncation_side
+// (side, raw; nil when absent): "left" or null keep the last tokens as
+// PromptTruncation says; "right" keeps the first ones
+// (TokenizeParams._token_truncation, vllm/renderers/params.py; the
+// request's truncation_side in vllm/entrypoints/openai/chat_completion/
+// protocol.py @ 002032ee), an error (ErrTruncateRight) with keep 0, so that
+// prefix_aware keys the prompt's start, where the kept tokens begin, and
+// kv_aware routes heuristically; another side is an error (vLLM: 400).
+func PromptTruncationSide(v, side json.RawMessage) (keep int, err error) {
+	keep, err = PromptTruncation(v)
+	switch s := string(bytes.TrimSpace(side)); {
+	case err != nil || keep == 0 || s == "" || s == "null" || s == `"left"`:
+		return keep, err
+	case s == `"right"`:
+		return 0, ErrTruncateRight
+	default:
+		return 0, fmt.Errorf("truncation_side %s: want \"left\" or \"right\"", s)
+	}
 }
 
 // KeepLast is ids truncated on the left to their last keep (0: all).

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"slices"
+	"strings"
 	"testing"
 	"unicode/utf8"
 
@@ -106,6 +107,12 @@ func FuzzMessageJSON(f *testing.F) {
 	f.Add([]byte(`{"role":"tool","content":[{"type":"text","text":"a","x":1},{"type":"text","text":""},"b"]}`))
 	f.Add([]byte(`{"role":"user","content":[{"type":"video_url","video_url":{"url":"u"},"z":1,"a":2},{"image_url":"u","uuid":"i"},{"type":"tool_reference","name":"n"},{"type":"file","file":{}}]}`))
 	f.Add([]byte(`{"role":"assistant","content":null,"tool_calls":[{"id":"1","type":"custom","custom":{"name":"f","input":"x"}}]}`))
+	f.Add([]byte(`{"role":"tool","content":[{"type":"text","text":"a"},{"type":"tool_reference","name":"f"},{"type":"text","text":" b\u001f"}]}`))
+	f.Add([]byte(`{"role":"assistant","content":" x\u001c "}`))
+	str, err := NewJinjaTemplate(`{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}`, TemplateConfig{})
+	if err != nil {
+		f.Fatal(err)
+	}
 	parts, err := NewJinjaTemplate(`{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}{{ p | tojson }}{% endfor %}{% endif %}{{ m.reasoning }}{% endfor %}`, TemplateConfig{})
 	if err != nil {
 		f.Fatal(err)
@@ -127,9 +134,24 @@ func FuzzMessageJSON(f *testing.F) {
 			back.ReasoningSet != m.ReasoningSet || back.Reasoning != m.Reasoning || back.NameSet != m.NameSet || back.Name != m.Name {
 			t.Fatalf("round trip %s -> %s changed the message", b, out)
 		}
-		// A parts template renders it as vLLM would, or refuses it as vLLM does.
-		if _, err := parts.Render([]Message{m}, RenderOptions{}); err != nil && !errors.Is(err, ErrBadMessage) && !errors.Is(err, ErrTemplate) {
-			t.Fatalf("render %s: %v", b, err)
+		// A parts or string template renders it as vLLM would, or refuses it as vLLM
+		// does; continued (continue_final_message), the render is the whole one cut
+		// after a text, so a prefix of it.
+		for _, tmpl := range []*JinjaTemplate{parts, str} {
+			whole, err := tmpl.Render([]Message{m}, RenderOptions{})
+			if err != nil {
+				if !errors.Is(err, ErrBadMessage) && !errors.Is(err, ErrTemplate) {
+					t.Fatalf("render %s: %v", b, err)
+				}
+				continue
+			}
+			cut, err := tmpl.Render([]Message{m}, RenderOptions{ContinueFinalMessage: true})
+			if err != nil && !errors.Is(err, ErrTemplate) {
+				t.Fatalf("render %s continued: %v", b, err)
+			}
+			if err == nil && !strings.HasPrefix(whole, cut) {
+				t.Fatalf("render %s continued: %q is not a prefix of %q", b, cut, whole)
+			}
 		}
 	})
 }

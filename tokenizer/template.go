@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 
 	"github.com/ardanlabs/jinja"
 )
@@ -66,7 +67,8 @@ func NewJinjaTemplate(src string, cfg TemplateConfig) (*JinjaTemplate, error) {
 
 // Render implements ChatTemplate. The template sees messages, add_generation_prompt,
 // bos_token, eos_token, tools and documents (none when not given), opts.Vars (winning over
-// all but messages), and strftime_now on opts.Now.
+// tools, bos_token and eos_token, not over add_generation_prompt nor documents given), and
+// strftime_now on opts.Now.
 func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, error) {
 	for _, k := range []string{"messages", "chat_template", "tokenize"} {
 		if _, ok := opts.Vars[k]; ok {
@@ -85,7 +87,6 @@ func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, erro
 		list[i] = v
 	}
 	data["messages"] = jinja.NewList(list)
-	data["add_generation_prompt"] = jinja.NewBool(opts.AddGenerationPrompt)
 	data["bos_token"] = jinja.NewString(j.cfg.BOSToken)
 	data["eos_token"] = jinja.NewString(j.cfg.EOSToken)
 	// transformers renders with tools= and documents= always (none when the request has
@@ -99,18 +100,25 @@ func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, erro
 		}
 		data["tools"] = tools
 	}
+	// The request's chat_template_kwargs win over tools (vLLM main adds tool_dicts
+	// under them: with_defaults) and over bos_token/eos_token (transformers renders
+	// with {**special_tokens_map, **kwargs}), but lose to the request's own
+	// add_generation_prompt (true when absent) and documents when sent: vLLM main
+	// merges merge_kwargs(chat_template_kwargs, {add_generation_prompt,
+	// continue_final_message, documents, reasoning_effort}), the second winning
+	// unless None (ChatCompletionRequest.build_chat_params,
+	// vllm/entrypoints/openai/chat_completion/protocol.py @ 002032ee; merge_kwargs,
+	// vllm/renderers/params.py).
+	for k, v := range opts.Vars {
+		data[k] = jinja.FromGoValue(v)
+	}
+	data["add_generation_prompt"] = jinja.NewBool(opts.AddGenerationPrompt)
 	if isJSON(opts.Documents) {
 		docs, err := jsonValue(opts.Documents)
 		if err != nil {
 			return "", fmt.Errorf("%w: documents: %w", ErrBadMessage, err)
 		}
 		data["documents"] = docs
-	}
-	// The request's chat_template_kwargs win over add_generation_prompt, tools and
-	// documents (vLLM updates its kwargs with them) and over bos_token/eos_token
-	// (transformers renders with {**special_tokens_map, **kwargs}).
-	for k, v := range opts.Vars {
-		data[k] = jinja.FromGoValue(v)
 	}
 	now := opts.Now
 	if now == nil {
@@ -127,37 +135,45 @@ func (j *JinjaTemplate) Render(msgs []Message, opts RenderOptions) (string, erro
 	if err != nil {
 		return "", fmt.Errorf("%w: render: %w", ErrTemplate, err)
 	}
-	if opts.ContinueFinalMessage && len(msgs) > 0 {
-		return j.continueFinal(out, &msgs[len(msgs)-1])
+	if opts.ContinueFinalMessage && len(list) > 0 {
+		content, _ := list[len(list)-1].AsDict().Get("content")
+		return continueFinal(out, content)
 	}
 	return out, nil
 }
 
 // continueFinal cuts out after the last occurrence of the final message's stripped
 // text, as transformers' apply_chat_template does with continue_final_message
-// (tokenization_utils_base.py): the text is the content string, or in the parts format
-// the last part that has a text; none, or a text the render does not contain, fails
-// (a 400 from vLLM).
-func (j *JinjaTemplate) continueFinal(out string, m *Message) (string, error) {
-	final, ok := m.Content, true
-	if j.partsContent && m.Role != "tool" {
-		ok = false
-		for i := len(m.Parts) - 1; i >= 0; i-- {
-			if p := &m.Parts[i]; p.Raw == nil || p.Type == "text" {
-				final, ok = p.Text, true
-				break
+// (tokenization_utils_base.py): the text is the content the template got (vLLM's, so a
+// tool message's joined texts), or for a list of parts the last part that has a text;
+// none, or a text the render does not contain, fails (a 400 from vLLM).
+func continueFinal(out string, content jinja.Value) (string, error) {
+	final, ok := "", false
+	switch {
+	case content.IsString():
+		final, ok = content.AsString(), true
+	case content.IsList():
+		l := content.AsList()
+		for i := l.Len() - 1; i >= 0 && !ok; i-- {
+			if p := l.Get(i); p.IsDict() {
+				if t, has := p.AsDict().Get("text"); has && t.IsString() {
+					final, ok = t.AsString(), true
+				}
 			}
 		}
-		if m.Parts == nil && !m.ContentNull {
-			ok = true
-		}
 	}
-	final = strings.TrimSpace(final)
+	final = strings.TrimFunc(final, pyIsSpace)
 	at := strings.LastIndex(out, final)
 	if !ok || at < 0 {
 		return "", fmt.Errorf("%w: continue_final_message: no text of the final message in the rendered chat", ErrTemplate)
 	}
 	return out[:at+len(final)], nil
+}
+
+// pyIsSpace is Python's str.isspace for one character, what str.strip() removes:
+// unicode.IsSpace and the separators \x1c-\x1f (bidirectional class B or S).
+func pyIsSpace(r rune) bool {
+	return unicode.IsSpace(r) || (r >= 0x1c && r <= 0x1f)
 }
 
 // isJSON reports a raw member that is present and not null.

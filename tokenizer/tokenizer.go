@@ -80,9 +80,9 @@ type RenderOptions struct {
 	// string content, or its last text part). Simple ignores it.
 	ContinueFinalMessage bool
 	// Vars are extra template variables (vLLM's chat_template_kwargs, e.g. enable_thinking).
-	// As in vLLM they win over add_generation_prompt, tools, documents, bos_token and
-	// eos_token; "messages", "chat_template" and "tokenize" fail the render with
-	// ErrBadMessage (vLLM answers 400).
+	// As in vLLM main they win over tools, bos_token and eos_token, and lose to
+	// AddGenerationPrompt and to Documents when given; "messages", "chat_template" and
+	// "tokenize" fail the render with ErrBadMessage (vLLM answers 400).
 	Vars map[string]any
 	// Now is the clock behind strftime_now; nil means time.Now.
 	Now func() time.Time
@@ -194,12 +194,13 @@ func (m *Message) UnmarshalJSON(b []byte) error {
 				continue
 			}
 			// vLLM joins the non-empty texts (_parse_chat_message_content_parts keeps
-			// only truthy results) with "\n".
-			if p.Type == "text" && p.Text != "" {
+			// only truthy results) with "\n"; a tool_reference's name is one of them
+			// (_parse_chat_message_content_part returns it when not wrapping dicts).
+			if s := p.stringFormatText(); s != "" {
 				if text.Len() > 0 {
 					text.WriteByte('\n')
 				}
-				text.WriteString(p.Text)
+				text.WriteString(s)
 			}
 			m.Parts = append(m.Parts, p)
 		}
@@ -208,6 +209,19 @@ func (m *Message) UnmarshalJSON(b []byte) error {
 		return fmt.Errorf("%w: content must be a string, null or a list of parts", ErrBadMessage)
 	}
 	return nil
+}
+
+// stringFormatText is the text p adds to the message's content in vLLM's "string"
+// content format: a text part's text, a tool_reference's name, nothing for media.
+func (p *ContentPart) stringFormatText() string {
+	switch p.Type {
+	case "text":
+		return p.Text
+	case "tool_reference":
+		name, _ := p.Raw["name"].(string)
+		return name
+	}
+	return ""
 }
 
 // textPartKeys are, per text-like content part type, the key vLLM reads the text from

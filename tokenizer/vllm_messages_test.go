@@ -12,6 +12,16 @@ import (
 // renderJSON renders a template over messages given as an OpenAI JSON array.
 func renderJSON(t *testing.T, src, msgs string, opts RenderOptions) string {
 	t.Helper()
+	out, err := tryRender(t, src, msgs, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// tryRender is renderJSON returning the render's error.
+func tryRender(t *testing.T, src, msgs string, opts RenderOptions) (string, error) {
+	t.Helper()
 	var m []Message
 	if err := json.Unmarshal([]byte(msgs), &m); err != nil {
 		t.Fatal(err)
@@ -20,11 +30,7 @@ func renderJSON(t *testing.T, src, msgs string, opts RenderOptions) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	out, err := tmpl.Render(m, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return out
+	return tmpl.Render(m, opts)
 }
 
 // TestToolCallsOnlyOnAssistant: vLLM's _parse_chat_message_content copies

@@ -136,13 +136,13 @@ func addSpecialTokens(body []byte) bool {
 // (router.PromptTruncation); an error when the router cannot tell (-1:
 // the model's max_model_len), so that kv_aware routes heuristically.
 func truncation(req *router.Request) (int, error) {
-	var v json.RawMessage
+	var v, side json.RawMessage
 	if req.Parsed != nil {
-		v = req.Parsed.TruncatePromptTokens
+		v, side = req.Parsed.TruncatePromptTokens, req.Parsed.TruncationSide
 	} else {
-		v = bodyMember(req.Body, "truncate_prompt_tokens")
+		v, side = bodyMember(req.Body, "truncate_prompt_tokens"), bodyMember(req.Body, "truncation_side")
 	}
-	keep, err := router.PromptTruncation(v)
+	keep, err := router.PromptTruncationSide(v, side)
 	if err != nil {
 		return 0, fmt.Errorf("%w: %w", router.ErrTokenSource, err)
 	}
@@ -212,8 +212,6 @@ func (s *ChatTokenSource) Tokens(ctx context.Context, req *router.Request) ([]ui
 		if b, err = parseChatBody(req.Body); err != nil {
 			return nil, err
 		}
-	} else {
-		b.Documents = bodyMember(req.Body, "documents")
 	}
 	if len(b.Messages) == 0 {
 		return nil, router.ErrNoTokens
@@ -254,6 +252,7 @@ func parsedChatBody(r *openai.Request) (b chatBody, ok bool, err error) {
 		}
 	}
 	b.Tools = r.Tools // "tools": [] stays [] (vLLM's tool_dicts)
+	b.Documents = r.Documents
 	if err := unmarshalRaw("add_generation_prompt", r.AddGenerationPrompt, &b.AddGenerationPrompt); err != nil {
 		return b, false, err
 	}

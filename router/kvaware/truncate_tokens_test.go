@@ -106,3 +106,34 @@ func TestTokenSourceTruncatePromptTokens(t *testing.T) {
 		}
 	}
 }
+
+// TestTokenSourceTruncationSideRight: vLLM main's truncation_side "right"
+// keeps the first truncate_prompt_tokens tokens (TokenizeParams.
+// _token_truncation, vllm/renderers/params.py), not the last: the token
+// source claims none (a token source error, heuristic routing) rather than
+// the tail the engine does not prefill, on the parsed path and the raw one.
+func TestTokenSourceTruncationSideRight(t *testing.T) {
+	src, err := NewTokenSource(&config.TokenizerConfig{Source: TokenSourceSimple}, config.PoolConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, body := range []string{
+		`{"model":"m","prompt":"one two three four five six","truncate_prompt_tokens":2,"truncation_side":"right"}`,
+		`{"model":"m","messages":[{"role":"user","content":"one two three four five six"}],"truncate_prompt_tokens":2,"truncation_side":"right"}`,
+		`{"model":"m","prompt":[1,2,3,4,5],"truncate_prompt_tokens":2,"truncation_side":"right"}`,
+	} {
+		ep := router.EndpointCompletions
+		if body[14] == 'm' {
+			ep = router.EndpointChatCompletions
+		}
+		parsed, err := router.ParseOpenAI(ep, []byte(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, req := range []*router.Request{{Endpoint: ep, Body: []byte(body), Parsed: parsed}, {Endpoint: router.EndpointInvoke, Body: []byte(body)}} {
+			if ids, err := src.Tokens(context.Background(), req); !errors.Is(err, router.ErrTokenSource) {
+				t.Errorf("%s (path %d): ids %v, err %v; want a token source error", body, i, ids, err)
+			}
+		}
+	}
+}

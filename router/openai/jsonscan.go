@@ -526,6 +526,8 @@ func (s *jscan) topMember(key string, r *Request) error {
 		return s.raw(1, &r.AddSpecialTokens)
 	case "tools":
 		return s.raw(1, &r.Tools)
+	case "documents":
+		return s.raw(1, &r.Documents)
 	case "chat_template_kwargs":
 		return s.raw(1, &r.ChatTemplateKwargs)
 	case "priority":
@@ -542,6 +544,8 @@ func (s *jscan) topMember(key string, r *Request) error {
 		return s.raw(1, &r.KVTransferParams)
 	case "truncate_prompt_tokens":
 		return s.raw(1, &r.TruncatePromptTokens)
+	case "truncation_side":
+		return s.raw(1, &r.TruncationSide)
 	}
 	_, err := s.skip(1)
 	return err

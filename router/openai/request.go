@@ -31,6 +31,7 @@ type Request struct {
 	ContinueFinalMessage json.RawMessage `json:"continue_final_message"`
 	AddSpecialTokens     json.RawMessage `json:"add_special_tokens"`
 	Tools                json.RawMessage `json:"tools"`
+	Documents            json.RawMessage `json:"documents"`
 	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs"`
 	// Flow control reads vLLM's request priority and the output bound.
 	Priority            json.RawMessage `json:"priority"`
@@ -39,6 +40,9 @@ type Request struct {
 	// TruncatePromptTokens is vLLM's left truncation of the prompt
 	// (router.PromptTruncation).
 	TruncatePromptTokens json.RawMessage `json:"truncate_prompt_tokens"`
+	// TruncationSide is vLLM main's side of that truncation ("left" keeps
+	// the last tokens, "right" the first; router.PromptTruncationSide).
+	TruncationSide json.RawMessage `json:"truncation_side"`
 	// N and BestOf ask for several sequences of one prompt (disaggregation
 	// serves those aggregated).
 	N      json.RawMessage `json:"n"`

@@ -69,6 +69,9 @@ type genParams struct {
 	KVTransferParams *kvTransferParams `json:"kv_transfer_params"`
 	// TruncatePromptTokens is vLLM's left truncation (keepLast).
 	TruncatePromptTokens *int `json:"truncate_prompt_tokens"`
+	// TruncationSide is vLLM main's side of it: "right" keeps the first
+	// tokens, "left" (or absent) the last.
+	TruncationSide *string `json:"truncation_side"`
 }
 
 // keepLast truncates each prompt to the last tokens the request's
@@ -91,8 +94,25 @@ func (in *Instance) keepLast(w http.ResponseWriter, p *genParams, prompts [][]ui
 		badRequest(w, fmt.Sprintf("truncate_prompt_tokens must be at least 1, or -1, got %d.", k))
 		return false
 	}
+	right := false
+	if side := p.TruncationSide; side != nil {
+		// vLLM main: "right" keeps the first k (TokenizeParams._token_truncation,
+		// vllm/renderers/params.py; the request's truncation_side).
+		switch *side {
+		case "left":
+		case "right":
+			right = true
+		default:
+			badRequest(w, fmt.Sprintf("truncation_side must be \"left\" or \"right\", got %q.", *side))
+			return false
+		}
+	}
 	for i, ids := range prompts {
-		if len(ids) > k {
+		switch {
+		case len(ids) <= k:
+		case right:
+			prompts[i] = ids[:k]
+		default:
 			prompts[i] = ids[len(ids)-k:]
 		}
 	}

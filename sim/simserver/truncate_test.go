@@ -2,6 +2,7 @@ package simserver
 
 import (
 	"encoding/json"
+	"slices"
 	"strings"
 	"testing"
 
@@ -16,27 +17,14 @@ import (
 // the router refuses to key it (router.PromptTruncation).
 func TestTruncatePromptTokens(t *testing.T) {
 	in := startInstance(t, Config{Engine: sim.Config{Model: "fake-model", GPUBlocks: 64, MaxModelLen: 200}, TimeScale: 20})
-	ids := func(from, n int) []int {
-		out := make([]int, n)
-		for i := range out {
-			out[i] = from + i
-		}
-		return out
-	}
+	ids := seqIDs
 	complete := func(prompt []int, trunc any) (int, usageResp, string) {
 		t.Helper()
-		body := map[string]any{"model": "fake-model", "prompt": prompt, "max_tokens": 1}
+		body := map[string]any{}
 		if trunc != nil {
 			body["truncate_prompt_tokens"] = trunc
 		}
-		code, raw := post(t, in.URL()+"/v1/completions", body)
-		var r usageResp
-		if code == 200 {
-			if err := json.Unmarshal(raw, &r); err != nil {
-				t.Fatal(err)
-			}
-		}
-		return code, r, string(raw)
+		return completeUsage(t, in, prompt, body)
 	}
 	tail := ids(5000, 64)
 	code, r, raw := complete(append(ids(1000, 100), tail...), 64)
@@ -65,4 +53,55 @@ func TestTruncatePromptTokens(t *testing.T) {
 			t.Errorf("truncate_prompt_tokens %v: %d %s; want 400 naming it", bad, code, raw)
 		}
 	}
+}
+
+// TestTruncationSideRight: vLLM main's truncation_side "right" keeps a
+// prompt's first truncate_prompt_tokens tokens ("left", the default, the
+// last; TokenizeParams._token_truncation, vllm/renderers/params.py), so two
+// prompts sharing a head hit each other's blocks whatever their tails; a
+// side vLLM does not take is a 400.
+func TestTruncationSideRight(t *testing.T) {
+	in := startInstance(t, Config{Engine: sim.Config{Model: "fake-model", GPUBlocks: 64, MaxModelLen: 400}, TimeScale: 20})
+	ids := seqIDs
+	complete := func(prompt []int, side string) (int, usageResp, string) {
+		t.Helper()
+		return completeUsage(t, in, prompt, map[string]any{"truncate_prompt_tokens": 64, "truncation_side": side})
+	}
+	head := ids(5000, 64)
+	if code, r, raw := complete(append(slices.Clone(head), ids(1000, 100)...), "right"); code != 200 || r.Usage.PromptTokens != 64 || r.Usage.Details.Cached != 0 {
+		t.Fatalf("right, 64 of 164: %d, usage %+v (%s); want 64 prompt tokens, none cached", code, r.Usage, raw)
+	}
+	if code, r, raw := complete(append(slices.Clone(head), ids(2000, 100)...), "right"); code != 200 || r.Usage.PromptTokens != 64 || r.Usage.Details.Cached != 48 {
+		t.Fatalf("right, same head, another tail: %d, usage %+v (%s); want 64 prompt tokens, 48 cached", code, r.Usage, raw)
+	}
+	if code, _, raw := complete(ids(3000, 100), "middle"); code != 400 || !strings.Contains(raw, "truncation_side") {
+		t.Errorf(`truncation_side "middle": %d %s; want 400 naming it`, code, raw)
+	}
+}
+
+// seqIDs are the n token ids from, from+1, ….
+func seqIDs(from, n int) []int {
+	out := make([]int, n)
+	for i := range out {
+		out[i] = from + i
+	}
+	return out
+}
+
+// completeUsage posts a one-token completion of prompt with the extra
+// fields, and reads its usage when it succeeds.
+func completeUsage(t *testing.T, in *Instance, prompt []int, extra map[string]any) (int, usageResp, string) {
+	t.Helper()
+	body := map[string]any{"model": "fake-model", "prompt": prompt, "max_tokens": 1}
+	for k, v := range extra {
+		body[k] = v
+	}
+	code, raw := post(t, in.URL()+"/v1/completions", body)
+	var r usageResp
+	if code == 200 {
+		if err := json.Unmarshal(raw, &r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return code, r, string(raw)
 }
