@@ -123,6 +123,11 @@ type Message struct {
 	// gives the template reasoning (and reasoning_content) from it
 	// (_parse_chat_message_content: `if reasoning is not None`).
 	ReasoningSet bool `json:"-"`
+	// Tools is a developer message's own "tools", raw as sent. vLLM gives every
+	// developer message a tools key, these tools (as their TypedDict validates
+	// them) or None (_parse_chat_message_content, vllm/entrypoints/chat_utils.py
+	// @ 001eadcf); other roles' tools are dropped.
+	Tools json.RawMessage `json:"tools,omitempty"`
 }
 
 // ContentPart is one element of a list-valued message content.

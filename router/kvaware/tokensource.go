@@ -283,6 +283,7 @@ func parsedChatBody(r *openai.Request) (b chatBody, ok bool, err error) {
 		// vLLM gives the template reasoning when it is not None, "" too.
 		tm.ReasoningSet = len(m.Reasoning) > 0 && string(m.Reasoning) != "null"
 		tm.ReasoningContent, okRC = openai.RawString(m.ReasoningContent)
+		tm.Tools = m.Tools
 		if !okN || !okID || !okR || !okRC {
 			return b, false, fmt.Errorf("%w: chat body: messages[%d]: name, tool_call_id, reasoning and reasoning_content must be strings", router.ErrTokenSource, i)
 		}
