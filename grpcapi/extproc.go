@@ -347,7 +347,11 @@ func (x *extProc) decide(ctx context.Context, st *epStream) (*extprocv3.CommonRe
 		// replace the last chunk alone, and the engine would read the
 		// client's members in the chunks before it. Refuse rather than
 		// forward them; the filter must be BUFFERED (docs/envoy.md).
-		s.log.Warn("ext_proc: a body to rewrite arrived in several messages; set request_body_mode: BUFFERED", "pool", p.Name(), "messages", st.chunks)
+		// Every such request counts (kvrouter_extproc_requests_total
+		// outcome 500); the warning, rate-limited per pool, says why.
+		if ok, suppressed := s.logLimit.Allow("streamed_rewrite/" + p.Name()); ok {
+			s.log.Warn("ext_proc: a body to rewrite arrived in several messages; set request_body_mode: BUFFERED", "pool", p.Name(), "messages", st.chunks, "suppressed", suppressed)
+		}
 		return fail(p.Name(), http.StatusInternalServerError, "the request body must be rewritten and Envoy streamed it: the ext_proc filter needs request_body_mode BUFFERED")
 	}
 	rc, strat := p.Routing()

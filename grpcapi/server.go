@@ -26,6 +26,7 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/api/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/internal/pemfile"
+	"github.com/kvrouter/kvrouter/internal/ratelog"
 	"github.com/kvrouter/kvrouter/internal/zero"
 	"github.com/kvrouter/kvrouter/router"
 )
@@ -138,11 +139,14 @@ func LoadTLS(certFile, keyFile, caFile string) (*tls.Config, error) {
 // then either Serve it on a listener, or add ServerOptions to your own
 // grpc.Server and call Register.
 type Server struct {
-	cfg    Config
-	pools  Pools
-	log    *slog.Logger
-	m      *metrics
-	health *health.Server
+	cfg   Config
+	pools Pools
+	log   *slog.Logger
+	// logLimit rate-limits the per-request warnings (a misconfigured
+	// filter would log one per request): 5 per key per 10 s.
+	logLimit *ratelog.Limiter
+	m        *metrics
+	health   *health.Server
 	// admin is the set of full method names that need AdminToken.
 	admin map[string]bool
 	// stopping is closed when Serve's context ends (or by Stop), so that
@@ -169,7 +173,7 @@ func New(pools Pools, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("grpcapi: register metrics: %w", err)
 	}
-	s := &Server{cfg: cfg, pools: pools, log: cfg.Logger, m: m, health: health.NewServer(), stopping: make(chan struct{})}
+	s := &Server{cfg: cfg, pools: pools, log: cfg.Logger, logLimit: ratelog.New(10*time.Second, 5), m: m, health: health.NewServer(), stopping: make(chan struct{})}
 	s.admin = map[string]bool{
 		kvrouterv1.Index_Lookup_FullMethodName: true,
 		kvrouterv1.Events_Watch_FullMethodName: true,

@@ -412,6 +412,14 @@ func (s *Syncer) Run(ctx context.Context) error {
 		}
 		defer func() { _ = isub.Unsubscribe() }()
 	}
+	// A reconnect (the server restarted, or another in the cluster took
+	// the connection) is a join again: what the peers sent while this
+	// replica was away (deltas, speculative blocks) reached no one, so it
+	// says hello, and they answer with their whole tables and unexpired
+	// announcements, as to a newcomer, instead of it waiting for their
+	// next heartbeat. Registered once connected: only reconnects signal.
+	reconnected := s.cfg.Conn.StatusChanged(nats.CONNECTED)
+	defer s.cfg.Conn.RemoveStatusListener(reconnected)
 	s.send(&Message{Kind: KindHello})
 	t := time.NewTicker(s.cfg.Interval)
 	defer t.Stop()
@@ -425,6 +433,8 @@ func (s *Syncer) Run(ctx context.Context) error {
 			return ctx.Err()
 		case <-t.C:
 			s.flush(true)
+		case <-reconnected:
+			s.send(&Message{Kind: KindHello})
 		case <-s.changed:
 			// One early send per gap: a change signalled while armed is
 			// read by the send already due (it reads the state then).

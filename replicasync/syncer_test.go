@@ -34,7 +34,13 @@ func (r *replica) set(loads ...Load) {
 
 func startReplica(t *testing.T, url string, cfg Config) *replica {
 	t.Helper()
-	cfg.Conn = testenv.Connect(t, url)
+	return startReplicaOn(t, testenv.Connect(t, url), cfg)
+}
+
+// startReplicaOn is startReplica on a connection of the test's own.
+func startReplicaOn(t *testing.T, nc *nats.Conn, cfg Config) *replica {
+	t.Helper()
+	cfg.Conn = nc
 	s, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)

@@ -267,6 +267,7 @@ func FuzzDecodeOpenAIMatchesStd(f *testing.F) {
 		`{"cache_salt":"s\u00e9","add_generation_prompt":false,"continue_final_message":null,"add_special_tokens":5,"tools":[{"type":"function"}],"chat_template_kwargs":{"enable_thinking":true}}`,
 		`{"messages":[{"role":"tool","name":"n","tool_call_id":"c1","reasoning_content":null,"tool_calls":[{"id":"c1"}],"content":"x"}]}`,
 		`{"cache_salt":{"nested":[1,2]},"tools":null}`, `{"Cache_Salt":"x"}`,
+		`{"messages":[{"role":"developer","content":"x","tools":[{"type":"function","function":{"name":"f"}}]},{"role":"developer","tools":null}]}`,
 		`{"vllm_xargs":{"kv_transfer_params":"x"},"vllm_xargs":{"a":1}}`, `{"vllm_xargs":null}`,
 	} {
 		f.Add([]byte(s))

@@ -50,6 +50,14 @@ type Config struct {
 	// first and the last (servers that stream need it; discrete-event
 	// benchmarks do not, and save the work).
 	TokenUpdates bool
+	// PartialReuse makes the engine reuse its prefix cache as TensorRT-LLM
+	// does (enable_partial_reuse, its default) instead of as vLLM does: up
+	// to T − 1 tokens of the held blocks of a T-token prompt, so that a
+	// prompt of exactly k blocks held whole recomputes its last token, not
+	// its last block. The router's routing.kv.engine: trtllm rule
+	// (router/kvaware/score.go, docs/kv-aware.md "What an engine reuses");
+	// kvsim sets it with --engine trtllm.
+	PartialReuse bool
 	// Timing is the cost model of one engine step.
 	Timing Timing
 }

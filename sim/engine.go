@@ -568,7 +568,7 @@ func (e *Engine) startStep(t time.Duration) {
 			from := q.firstSlot
 			e.commitBlocks(q, q.hitBlocks)
 			e.writeThrough(q, from, q.hitBlocks)
-			q.computed = q.hitBlocks * e.cfg.BlockSize
+			q.computed = hitTokens(len(q.tokens), e.cfg.BlockSize, q.hitBlocks)
 			q.state = stRunning
 			e.running = append(e.running, q)
 		}
@@ -651,7 +651,7 @@ func (e *Engine) startStep(t time.Duration) {
 // nothing, when the cache cannot take it.
 func (e *Engine) admit(q *request, t time.Duration, budget int) bool {
 	bs := e.cfg.BlockSize
-	maxHit := maxHitBlocks(len(q.tokens), bs)
+	maxHit := maxHitBlocks(len(q.tokens), bs, e.cfg.PartialReuse)
 	hashes := e.hashesUpTo(q, maxHit)
 	hit, cpuOnly := e.pool.lookup(hashes, maxHit)
 	remote := 0
@@ -693,7 +693,7 @@ func (e *Engine) admit(q *request, t time.Duration, budget int) bool {
 		for range remote {
 			q.held = append(q.held, nil)
 		}
-		e.recordAdmission(q, hit*bs, cpuOnly*bs)
+		e.recordAdmission(q, hitTokens(len(q.tokens), bs, hit), hitTokens(len(q.tokens), bs, cpuOnly))
 		e.stats.RemoteTokens += uint64(remote * bs)
 		q.state = stLoading
 		q.hitBlocks = hit + remote
@@ -704,8 +704,9 @@ func (e *Engine) admit(q *request, t time.Duration, budget int) bool {
 		e.loading = append(e.loading, q)
 		return true
 	}
-	n := min(len(q.tokens)-hit*bs, budget)
-	if (hit*bs+n+bs-1)/bs-hit > room {
+	computed := hitTokens(len(q.tokens), bs, hit)
+	n := min(len(q.tokens)-computed, budget)
+	if (computed+n+bs-1)/bs-hit > room {
 		return false
 	}
 	for i := 0; i < hit; i++ {
@@ -713,13 +714,13 @@ func (e *Engine) admit(q *request, t time.Duration, budget int) bool {
 		e.pool.ref(b)
 		q.held = append(q.held, b)
 	}
-	q.computed = hit * bs
+	q.computed = computed
 	if !e.grow(q, q.computed+n) {
 		e.freeBlocks(q)
 		q.computed = 0
 		return false
 	}
-	e.recordAdmission(q, hit*bs, 0)
+	e.recordAdmission(q, computed, 0)
 	q.state = stRunning
 	q.scheduled = n
 	e.commitBlocks(q, (q.computed+n)/bs)
@@ -794,10 +795,27 @@ func (w *stepWork) cost(tm *Timing) time.Duration {
 	return tm.StepOverhead + time.Duration(math.Max(compute, memory)*float64(time.Second))
 }
 
-// maxHitBlocks is how many of a prompt's blocks can be cache hits: vLLM
-// recomputes at least the last token, so at most (n−1)/B.
-func maxHitBlocks(promptTokens, blockSize int) int {
+// maxHitBlocks is how many of a prompt's blocks can be cache hits. vLLM
+// recomputes at least the last token, in whole blocks, so at most (n−1)/B
+// (v1 KVCacheManager.get_computed_blocks, max_cache_hit_length =
+// num_tokens − 1). TensorRT-LLM with partial reuse (Config.PartialReuse)
+// matches T − 1 tokens, the last block partial, against the held blocks
+// (WindowBlockManager::addSequence and KVCacheBlock::findMatchingBlock,
+// NVIDIA/TensorRT-LLM cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp @
+// b35ac1b): every whole block of the prompt can hit, the hit tokens capped
+// at T − 1 (hitTokens). A partial tail block is keyed by no hash here, as
+// by no block the router indexes.
+func maxHitBlocks(promptTokens, blockSize int, partial bool) int {
+	if partial {
+		return promptTokens / blockSize
+	}
 	return (promptTokens - 1) / blockSize
+}
+
+// hitTokens is the prompt tokens that hit blocks reuse: all of them, but
+// never the last token, whose logits give the first output token.
+func hitTokens(promptTokens, blockSize, blocks int) int {
+	return min(blocks*blockSize, promptTokens-1)
 }
 
 // AloneTTFT is the time to first token of a prompt of promptTokens tokens
@@ -805,7 +823,8 @@ func maxHitBlocks(promptTokens, blockSize int) int {
 // configuration: the prefill in chunks of the step budget, each step
 // costed by Timing, the first token sampled at the end of the last. The
 // cached tokens count in whole blocks, at most (promptTokens − 1)/B of them
-// (vLLM recomputes at least the last token), as the engine does.
+// (vLLM recomputes at least the last token; with PartialReuse every whole
+// block, up to promptTokens − 1 tokens), as the engine does.
 //
 // On a busy engine the same prefill waits for steps, shares them with
 // other requests (each step costs more, and a smaller share of the budget
@@ -828,7 +847,7 @@ func (c Config) AloneTTFT(promptTokens, cachedTokens int) (time.Duration, error)
 		return 0, fmt.Errorf("%w: prompt of %d tokens", ErrConfig, promptTokens)
 	}
 	bs := c.BlockSize
-	done := min(max(cachedTokens, 0)/bs, maxHitBlocks(promptTokens, bs)) * bs
+	done := hitTokens(promptTokens, bs, min(max(cachedTokens, 0)/bs, maxHitBlocks(promptTokens, bs, c.PartialReuse)))
 	var t time.Duration
 	for done < promptTokens {
 		n := min(promptTokens-done, c.MaxNumBatchedTokens)

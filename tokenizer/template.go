@@ -236,7 +236,86 @@ func (j *JinjaTemplate) messageValue(m *Message) (jinja.Value, error) {
 	if m.ToolCallID != "" {
 		d.Set("tool_call_id", jinja.NewString(m.ToolCallID))
 	}
+	if m.Role == "developer" {
+		tools, err := developerTools(m)
+		if err != nil {
+			return jinja.Value{}, err
+		}
+		d.Set("tools", tools)
+	}
 	return v, nil
+}
+
+// developerTools is the tools key vLLM gives a developer message
+// (_parse_chat_message_content: message.get("tools", None), vllm-project/vllm
+// vllm/entrypoints/chat_utils.py @ 001eadcf): none when absent or null, else
+// the list as pydantic validates it into CustomChatCompletionMessageParam's
+// list[ChatCompletionFunctionToolParam] — TypedDicts, which keep their
+// declared keys present, in declared order (function{name, description,
+// parameters, strict}, type), and drop any other. Tools that do not validate
+// so make the message OpenAI's developer message instead (the union's other
+// member that fits; it has no tools): none. With no content to fit that one
+// either, vLLM answers 400 (ErrBadMessage).
+func developerTools(m *Message) (jinja.Value, error) {
+	if !isJSON(m.Tools) {
+		return jinja.None(), nil
+	}
+	v, err := jsonValue(m.Tools)
+	if err == nil {
+		if tools, ok := functionTools(v); ok {
+			return tools, nil
+		}
+	}
+	if m.ContentNull {
+		return jinja.Value{}, fmt.Errorf("%w: developer message: tools are not function tools, and no content", ErrBadMessage)
+	}
+	return jinja.None(), nil
+}
+
+// functionTools validates v as a list of ChatCompletionFunctionToolParam
+// (openai-python types/chat: function Required[FunctionDefinition], type
+// Required[Literal["function"]]; FunctionDefinition: name Required[str],
+// description str, parameters dict, strict Optional[bool]) and rebuilds each
+// as the TypedDict keeps it.
+func functionTools(v jinja.Value) (jinja.Value, bool) {
+	if !v.IsList() {
+		return jinja.Value{}, false
+	}
+	l := v.AsList()
+	out := make([]jinja.Value, l.Len())
+	for i := range l.Len() {
+		tool := l.Get(i)
+		if !tool.IsDict() {
+			return jinja.Value{}, false
+		}
+		td := tool.AsDict()
+		typ, _ := td.Get("type")
+		fn, _ := td.Get("function")
+		if !typ.IsString() || typ.AsString() != "function" || !fn.IsDict() {
+			return jinja.Value{}, false
+		}
+		fd := fn.AsDict()
+		f := jinja.NewDict()
+		for _, k := range []string{"name", "description", "parameters", "strict"} {
+			x, ok := fd.Get(k)
+			switch {
+			case !ok && k == "name":
+				return jinja.Value{}, false
+			case !ok:
+				continue
+			case (k == "name" || k == "description") && !x.IsString(),
+				k == "parameters" && !x.IsDict(),
+				k == "strict" && !x.IsNone() && !x.IsBool():
+				return jinja.Value{}, false
+			}
+			f.AsDict().Set(k, x)
+		}
+		t := jinja.NewDict()
+		t.AsDict().Set("function", f)
+		t.AsDict().Set("type", typ)
+		out[i] = t
+	}
+	return jinja.NewList(out), true
 }
 
 // reasoning is the thinking text vLLM gives the template for m, and whether it gives

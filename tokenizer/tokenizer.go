@@ -123,6 +123,11 @@ type Message struct {
 	// gives the template reasoning (and reasoning_content) from it
 	// (_parse_chat_message_content: `if reasoning is not None`).
 	ReasoningSet bool `json:"-"`
+	// Tools is a developer message's own "tools", raw as sent. vLLM gives every
+	// developer message a tools key, these tools (as their TypedDict validates
+	// them) or None (_parse_chat_message_content, vllm/entrypoints/chat_utils.py
+	// @ 001eadcf); other roles' tools are dropped.
+	Tools json.RawMessage `json:"tools,omitempty"`
 }
 
 // ContentPart is one element of a list-valued message content.
@@ -148,6 +153,24 @@ type ToolCall struct {
 	} `json:"function"`
 }
 
+// UnmarshalJSON reads a tool call by exact keys, as vLLM does (UnmarshalExact):
+// "Function" is not its function.
+func (c *ToolCall) UnmarshalJSON(b []byte) error {
+	type plain ToolCall
+	var aux struct {
+		plain
+		Function json.RawMessage `json:"function"`
+	}
+	if err := UnmarshalExact(b, &aux); err != nil {
+		return err
+	}
+	*c = ToolCall(aux.plain)
+	if len(aux.Function) > 0 {
+		return UnmarshalExact(aux.Function, &c.Function)
+	}
+	return nil
+}
+
 // ErrBadMessage reports a chat message this package cannot interpret.
 var ErrBadMessage = errors.New("tokenizer: bad message")
 
@@ -160,7 +183,8 @@ func (m *Message) UnmarshalJSON(b []byte) error {
 		Reasoning *string         `json:"reasoning"`
 		Name      *string         `json:"name"`
 	}
-	if err := json.Unmarshal(b, &aux); err != nil {
+	// Exact keys, as vLLM reads a message (UnmarshalExact).
+	if err := UnmarshalExact(b, &aux); err != nil {
 		return fmt.Errorf("%w: %w", ErrBadMessage, err)
 	}
 	*m = Message(aux.plain)

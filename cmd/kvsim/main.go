@@ -86,7 +86,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.legacyReplay, "legacy-replay", false, "answer replay with [seq, payload] (older vLLM) instead of [topic, seq, payload]")
 	fs.StringVar(&o.topic, "topic", "kv@{host}:{port}@{model}", "event topic; {host}, {port} (HTTP), {rank} and {model} are expanded (vLLM's default is \"kv\")")
 	fs.StringVar(&o.encoding, "event-encoding", "array", "event encoding: array (older vLLM) or map (vLLM ≥ mid-2026)")
-	fs.StringVar(&o.engine, "engine", "vllm", "whose KV events to emit: vllm, sglang (SGLang's msgpack on the same ZMQ sockets) or trtllm (TensorRT-LLM's JSON from POST /kv_cache_events, no ZMQ)")
+	fs.StringVar(&o.engine, "engine", "vllm", "whose KV events to emit: vllm, sglang (SGLang's msgpack on the same ZMQ sockets) or trtllm (TensorRT-LLM's JSON from POST /kv_cache_events, no ZMQ, and its partial reuse: up to T-1 tokens of held blocks)")
 	fs.IntVar(&o.bufferSteps, "buffer-steps", 10000, "replay buffer length in batches")
 	fs.Float64Var(&o.timeScale, "time-scale", 1, "run virtual time this many times faster than real time")
 	fs.IntVar(&o.defaultMaxTokens, "default-max-tokens", 16, "max_tokens when a request sets none")
@@ -185,6 +185,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready fun
 				Model: o.model, BlockSize: o.blockSize, GPUBlocks: o.gpuBlocks, CPUBlocks: o.cpuBlocks, CPUWriteThrough: o.cpuWriteThrough,
 				MaxNumBatchedTokens: o.maxBatched, MaxNumSeqs: o.maxSeqs, MaxModelLen: o.maxModelLen,
 				HashSeed: o.hashSeed + uint64(i), HashAlgo: algo,
+				PartialReuse: o.engine == simserver.FormatTRTLLM,
 				Timing: sim.Timing{
 					FLOPS: o.flops, FLOPsPerToken: o.flopsPerToken, AttnFLOPsPerPair: o.attnPerPair,
 					WeightReadTime: o.weightRead, KVReadSecondsPerToken: o.kvReadPerToken,

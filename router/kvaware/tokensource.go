@@ -282,6 +282,7 @@ func parsedChatBody(r *openai.Request) (b chatBody, ok bool, err error) {
 		// vLLM gives the template reasoning when it is not None, "" too.
 		tm.ReasoningSet = len(m.Reasoning) > 0 && string(m.Reasoning) != "null"
 		tm.ReasoningContent, okRC = openai.RawString(m.ReasoningContent)
+		tm.Tools = m.Tools
 		if !okN || !okID || !okR || !okRC {
 			return b, false, fmt.Errorf("%w: chat body: messages[%d]: name, tool_call_id, reasoning and reasoning_content must be strings", router.ErrTokenSource, i)
 		}
@@ -302,11 +303,11 @@ func unmarshalRaw(field string, v json.RawMessage, dst any) error {
 
 // parseChatBody decodes a chat body whole: the shapes parsedChatBody does
 // not hold (content parts, tool calls), which Tokens reads here after the
-// limit-checking scan, so every body is decoded by encoding/json at most
-// once.
+// limit-checking scan. Keys are exact, as vLLM's (tokenizer.UnmarshalExact:
+// a case variant such as "Messages" is ignored, not read as messages).
 func parseChatBody(body []byte) (chatBody, error) {
 	var b chatBody
-	if err := json.Unmarshal(body, &b); err != nil {
+	if err := tokenizer.UnmarshalExact(body, &b); err != nil {
 		return b, fmt.Errorf("%w: chat body: %w", router.ErrTokenSource, err)
 	}
 	return b, nil
@@ -319,7 +320,7 @@ func (s *ChatTokenSource) promptTokens(ctx context.Context, body []byte, keep in
 		Prompt *openai.Prompt   `json:"prompt"`
 		Inputs *json.RawMessage `json:"inputs"`
 	}
-	if err := json.Unmarshal(body, &b); err != nil {
+	if err := tokenizer.UnmarshalExact(body, &b); err != nil {
 		return nil, fmt.Errorf("%w: body: %w", router.ErrTokenSource, err)
 	}
 	if b.Prompt == nil && b.Inputs != nil {

@@ -163,3 +163,20 @@ func TestChatEmptyNameAsVLLM(t *testing.T) {
 		}
 	}
 }
+
+// TestChatDeveloperToolsAsVLLM: a developer message's own tools reach the
+// template (vLLM: result_msg["tools"], None when absent), through the
+// parsed path and the general one alike.
+func TestChatDeveloperToolsAsVLLM(t *testing.T) {
+	src, hf := llamaTemplateSource(t, `{% for m in messages %}{{ m.role }}{% if m.tools is defined %}[{% if m.tools is none %}none{% else %}{% for x in m.tools %}{{ x.function.name }}{% endfor %}{% endif %}]{% endif %}: {{ m.content }}{% endfor %}`)
+	for body, want := range map[string]string{
+		`{"model":"m","messages":[{"role":"developer","content":"Hi"}]}`:                                                                                "developer[none]: Hi",
+		`{"model":"m","messages":[{"role":"developer","content":"Hi","tools":[{"type":"function","function":{"name":"f"}}]}]}`:                          "developer[f]: Hi",
+		`{"model":"m","messages":[{"role":"developer","content":[{"type":"text","text":"Hi"}],"tools":[{"type":"function","function":{"name":"g"}}]}]}`: "developer[g]: Hi",
+		`{"model":"m","messages":[{"role":"user","content":"Hi","tools":[{"type":"function","function":{"name":"f"}}]}]}`:                               "user: Hi",
+	} {
+		if got := renderedBy(t, src, hf, body); got != want {
+			t.Errorf("%s rendered %q, want %q", body, got, want)
+		}
+	}
+}

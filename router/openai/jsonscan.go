@@ -838,6 +838,8 @@ func (s *jscan) messageMember(key string, m *ChatMessage) error {
 		return s.raw(3, &m.ReasoningContent)
 	case "tool_calls":
 		return s.raw(3, &m.ToolCalls)
+	case "tools":
+		return s.raw(3, &m.Tools)
 	}
 	_, err := s.skip(3)
 	return err

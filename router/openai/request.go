@@ -71,6 +71,9 @@ type ChatMessage struct {
 	Reasoning        json.RawMessage `json:"reasoning"`
 	ReasoningContent json.RawMessage `json:"reasoning_content"`
 	ToolCalls        json.RawMessage `json:"tool_calls"`
+	// Tools is a developer message's own tools (vLLM gives the template
+	// them, or None, on every developer message: tokenizer.Message.Tools).
+	Tools json.RawMessage `json:"tools"`
 }
 
 // MessageContent is the text of a message's content.

@@ -12,7 +12,7 @@ import (
 func ComparableWithStd(body []byte) bool {
 	known := []string{"model", "messages", "prompt", "stream", "prompt_cache_key", "role", "content", "text", "type",
 		"cache_salt", "add_generation_prompt", "continue_final_message", "add_special_tokens", "tools", "chat_template_kwargs",
-		"name", "tool_call_id", "reasoning_content", "tool_calls"}
+		"name", "tool_call_id", "reasoning_content", "tool_calls", "documents", "reasoning", "id", "function", "arguments", "inputs"}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	type frame struct {
 		obj  bool

@@ -100,7 +100,8 @@ type EventsConfig struct {
 	// Format is the engine whose events the server emits: FormatVLLM
 	// (default), FormatSGLang or FormatTRTLLM (engines.go). With
 	// FormatTRTLLM there are no ZMQ sockets: Endpoint only switches events
-	// on, and POST /kv_cache_events serves them.
+	// on, and POST /kv_cache_events serves them. FormatTRTLLM also makes
+	// the engines reuse as TensorRT-LLM does (sim.Config.PartialReuse).
 	Format string
 }
 
@@ -222,6 +223,11 @@ func Start(ctx context.Context, cfg Config) (*Instance, error) {
 		ec.Model = model
 		ec.DPRank = r
 		ec.Epoch = float64(clock.Start.UnixNano()) / 1e9
+		if ev.Format == FormatTRTLLM {
+			// TensorRT-LLM reuses with enable_partial_reuse, its default
+			// (sim.Config.PartialReuse), as routing.kv.engine: trtllm assumes.
+			ec.PartialReuse = true
+		}
 		var pub *enginezmq.Publisher
 		var trt *trtBuffer
 		if ev.Endpoint != "" && ev.Format == FormatTRTLLM {

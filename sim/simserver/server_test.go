@@ -527,3 +527,36 @@ func TestStreamChunks(t *testing.T) {
 		})
 	}
 }
+
+// A kvsim playing TensorRT-LLM reuses as TensorRT-LLM does (partial reuse:
+// up to T − 1 tokens of the blocks held), so a fleet of them agrees with a
+// router pool of routing.kv.engine: trtllm; one playing vLLM keeps vLLM's
+// whole-block cap.
+func TestEngineFormatSetsReuse(t *testing.T) {
+	ids := make([]int, 32) // two blocks of 16
+	for i := range ids {
+		ids[i] = 100 + i
+	}
+	for _, tc := range []struct {
+		format string
+		want   int
+	}{{FormatVLLM, 16}, {FormatTRTLLM, 31}} {
+		t.Run(tc.format, func(t *testing.T) {
+			in := startInstance(t, Config{
+				Engine: sim.Config{Model: "fake-model", GPUBlocks: 40},
+				Events: EventsConfig{Format: tc.format},
+			})
+			req := map[string]any{"model": "fake-model", "prompt": ids, "max_tokens": 1}
+			var r usageResp
+			for range 2 {
+				code, body := post(t, in.URL()+"/v1/completions", req)
+				if code != 200 || json.Unmarshal(body, &r) != nil {
+					t.Fatalf("completion: %d %s", code, body)
+				}
+			}
+			if r.Usage.PromptTokens != 32 || r.Usage.Details.Cached != tc.want {
+				t.Fatalf("repeat usage %+v, want 32 prompt tokens, %d cached", r.Usage, tc.want)
+			}
+		})
+	}
+}
