@@ -499,22 +499,12 @@ func TestPrefillRefusalNotRetried(t *testing.T) {
 		t.Fatalf("the decode instance received %d requests (last %v), want the client's, once", nd, body)
 	}
 
-	// A 503 is the instance's: the other prefill instance is tried.
-	fail := func(w http.ResponseWriter, _ map[string]any) { w.WriteHeader(http.StatusServiceUnavailable) }
-	ps = []*fakeEngine{newFakeEngine(t, fail), newFakeEngine(t, fail)}
-	ts, srv = fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, ps, []*fakeEngine{fakeDecode(t)})
-	resp = testenv.PostJSON(t, ts.URL+"/v1/completions", map[string]any{"model": sim.DefaultModel, "prompt": "hello", "max_tokens": 3})
-	n0, _, _ = ps[0].received()
-	n1, _, _ = ps[1].received()
-	if errs := testenv.Metric(t, srv.Registry(), "kvrouter_disagg_prefill_errors_total", nil); n0 != 1 || n1 != 1 || errs != 2 || resp.Header.Get(httpapi.HeaderDisagg) != "aggregated; prefill_failed" {
-		t.Fatalf("prefill answered 503: p0 %d, p1 %d tries, %v errors, served %q", n0, n1, errs, resp.Header.Get(httpapi.HeaderDisagg))
-	}
-
-	// A status that names the instance, not the request (a prefill
-	// instance behind auth, on the wrong path or without the model): an
-	// error counted and warned of, the other prefill instance tried, so a
-	// misconfigured prefill set does not turn disaggregation off unseen.
-	for _, code := range []int{http.StatusUnauthorized, http.StatusForbidden, http.StatusNotFound, http.StatusMethodNotAllowed} {
+	// A status that names the instance, not the request (a 503, or a
+	// prefill instance behind auth, on the wrong path or without the
+	// model): an error counted and warned of, the other prefill instance
+	// tried, so a misconfigured prefill set does not turn disaggregation
+	// off unseen.
+	for _, code := range []int{http.StatusServiceUnavailable, http.StatusUnauthorized, http.StatusForbidden, http.StatusNotFound, http.StatusMethodNotAllowed} {
 		answer := func(w http.ResponseWriter, _ map[string]any) { w.WriteHeader(code) }
 		ps = []*fakeEngine{newFakeEngine(t, answer), newFakeEngine(t, answer)}
 		ts, srv = fakePDRouter(t, &config.DisaggregationConfig{Mode: config.DisaggAlways}, config.StrategyRoundRobin, ps, []*fakeEngine{fakeDecode(t)})
