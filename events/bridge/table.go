@@ -160,26 +160,33 @@ func (t *Table) drop(s slot) {
 // release frees the slot of a block that has left the index and its list,
 // and releases its parent as drop does.
 func (t *Table) release(s slot) {
-	for {
+	for s != 0 {
 		b := t.at(s)
 		parent, hasParent := b.parent, b.hasParent
 		t.freeSlot(s)
 		if !hasParent {
 			return
 		}
-		ps := t.lookup(parent)
-		if ps == 0 {
-			return
-		}
-		p := t.at(ps)
-		p.children--
-		if p.tiers != 0 || p.children > 0 {
-			return
-		}
-		t.unlink(&t.ghosts, ps)
-		delete(t.index, parent)
-		s = ps
+		s = t.unchild(parent)
 	}
+}
+
+// unchild counts one child fewer for the block with hash parent. A ghost
+// left with none leaves the index and the ghost list: its slot is returned
+// for release (0: none, or still needed).
+func (t *Table) unchild(parent uint64) slot {
+	ps := t.lookup(parent)
+	if ps == 0 {
+		return 0
+	}
+	p := t.at(ps)
+	p.children--
+	if p.tiers != 0 || p.children > 0 {
+		return 0
+	}
+	t.unlink(&t.ghosts, ps)
+	delete(t.index, parent)
+	return ps
 }
 
 // unhold is called when the block in s (held until now) has just left its
@@ -348,6 +355,8 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 			b.stored[tier] = now
 			if b.tok.n == 0 && hasToks {
 				t.fill(s, e, e.TokenIDs[i*bs:(i+1)*bs], parent, hasParent, i == 0)
+			} else if hasToks && (b.hasParent != hasParent || hasParent && b.parent != parent) {
+				t.reparent(s, parent, hasParent)
 			}
 		case !hasToks:
 			// A tokenless (offload-tier) store of a block never seen
@@ -369,6 +378,32 @@ func (t *Table) store(e *events.Event, r *TableResult) {
 			r.Stored++
 		}
 		parent, hasParent = h, true
+	}
+}
+
+// reparent records parent as the block in s's parent: the engine stored it
+// again under another one, and the index keys a stored hash by the event's
+// parent (kvindex re-keys it), so a snapshot must name the same parent or a
+// router rebuilt from it holds chains the others do not. vLLM cannot do
+// this (a block's hash covers its parent's); llm-d-inference-sim does
+// (eec055a, pkg/kv-cache/block_cache.go startRequest: a store's parent is
+// the request's last cached block, which after its map-order eviction can
+// follow the stored ones). The old parent is released as drop releases it;
+// a block named as its own parent keeps the one it has.
+func (t *Table) reparent(s slot, parent uint64, hasParent bool) {
+	b := t.at(s)
+	if hasParent && parent == b.hash {
+		return
+	}
+	if hasParent {
+		if ps := t.lookup(parent); ps != 0 {
+			t.at(ps).children++ // first: the old parent's release may reach it
+		}
+	}
+	old, hadParent := b.parent, b.hasParent
+	b.parent, b.hasParent = parent, hasParent
+	if hadParent {
+		t.release(t.unchild(old))
 	}
 }
 
