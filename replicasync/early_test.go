@@ -51,6 +51,16 @@ func TestChangedSendsEarly(t *testing.T) {
 	a.set(Load{Instance: "i0", InFlight: 2})
 	a.Speculate("i0", []kvindex.Key{1, 2, 3}, time.Minute)
 	a.Changed() // no peer yet: sent to no one
+	// a subscribes before its hello; once the hello is sent, a round trip
+	// on a's connection has the server hold a's subscription, so b's
+	// hello reaches it (else a, started asynchronously, could miss b's
+	// hello on a loaded machine and answer only at its 10 s interval).
+	testenv.WaitFor(t, earlyWait, "a's hello sent", func() bool {
+		return value(am.messages.WithLabelValues(pool, "sent", "hello")) >= 1
+	})
+	if err := a.cfg.Conn.FlushTimeout(5 * time.Second); err != nil {
+		t.Fatal(err)
+	}
 	b := startReplica(t, url, slowTick(pool, "b", nil))
 	start := time.Now()
 	// b's hello makes a send its whole table and its announcements early.
